@@ -1,0 +1,482 @@
+"""From noisy counters to an anonymized histogram (seed 001 Algorithms 1, 3, 5; Appendix E).
+
+Notation: h'_j are the noisy counters, h_j the true ones, phi_{>=r} = #{j : h_j >= r} the
+cumulative prevalence. The l1 distance between two anonymized histograms equals the l1 distance
+between their cumulative prevalences (seed 001 Observation 6), so every estimator here produces a
+cumulative prevalence and a projection turns it into a valid (integer, non-increasing, >= 0) one.
+
+Estimators of phi_{>=r}
+-----------------------
+* ``"threshold"`` (Lemma 10, App. E): phi_hat_{>=r} = sum_j F(h'_j - r) with F = f * g^{*(k-1)}
+  for k noise layers: f is the one-layer unbiased step, g the inverse filter of DLap(p). Unbiased
+  for any k; its variance grows roughly 100x per extra layer at p = exp(-1/2).
+* ``"deconvolution"``: nonparametric maximum likelihood (EM) for the prevalences given the
+  noisy-value counts c_v and the exactly known k-layer noise pmf. Biased but far less variable
+  when k >= 2; measured in bench/estimators.py, and the default for k >= 2.
+
+Projections
+-----------
+* l1 (Algorithm 1/5): integer isotonic l1 regression, solved exactly by the slope trick on runs
+  of equal phi_hat (O(K log K) for K runs; K is at most a few times the number of distinct noisy
+  values, not n).
+* l2 (Algorithm 3): the same objective with sum phi = n and the rank box
+  |n_hat_(j) - h'_(j)| <= gamma, solved exactly as a small MILP (HiGHS) on the runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "NoisyValueCounts",
+    "noisy_value_counts",
+    "threshold_kernel",
+    "cumulative_prevalence",
+    "deconvolved_prevalence",
+    "project_l1",
+    "project_l2",
+    "counts_from_cumulative",
+    "cumulative_from_counts",
+    "anonymized_histogram",
+    "l1_distance",
+    "noise_pmf",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# noisy-value counts c_v: the sufficient statistic of the counters for every estimator here
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NoisyValueCounts:
+    """c_v = #{j : h'_j = v} for v in [lo, lo + len(c)); additive across disjoint states."""
+
+    lo: int
+    c: np.ndarray
+
+    @property
+    def total(self) -> int:
+        return int(self.c.sum())
+
+    @property
+    def hi(self) -> int:
+        return self.lo + len(self.c) - 1
+
+    def merge(self, other: "NoisyValueCounts") -> "NoisyValueCounts":
+        lo = min(self.lo, other.lo)
+        hi = max(self.hi, other.hi)
+        c = np.zeros(hi - lo + 1, dtype=np.int64)
+        c[self.lo - lo: self.lo - lo + len(self.c)] += self.c
+        c[other.lo - lo: other.lo - lo + len(other.c)] += other.c
+        return NoisyValueCounts(lo, c)
+
+
+def noisy_value_counts(noisy_counts) -> NoisyValueCounts:
+    """Histogram of the noisy counter values (one bincount pass)."""
+    if isinstance(noisy_counts, NoisyValueCounts):
+        return noisy_counts
+    x = np.asarray(noisy_counts)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError("noisy_counts must be a non-empty 1-d integer array")
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"noisy_counts must be integers, got {x.dtype}")
+    lo, hi = int(x.min()), int(x.max())
+    if hi - lo > 50_000_000:
+        raise ValueError("noisy counter values span more than 5e7; is this really a noisy histogram?")
+    shifted = x - lo if lo != 0 else x
+    return NoisyValueCounts(lo, np.bincount(shifted, minlength=hi - lo + 1).astype(np.int64))
+
+
+def _check_p(p: float) -> float:
+    p = float(p)
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p!r}")
+    return p
+
+
+def _check_layers(layers: int) -> int:
+    if isinstance(layers, bool) or int(layers) != layers or layers < 1:
+        raise ValueError(f"layers must be a positive integer, got {layers!r}")
+    return int(layers)
+
+
+# --------------------------------------------------------------------------------------------
+# threshold (inverse-filter) estimator
+# --------------------------------------------------------------------------------------------
+def threshold_kernel(p: float, layers: int = 1) -> tuple[int, np.ndarray]:
+    """The estimator kernel F on its non-trivial support.
+
+    Returns ``(m0, F)`` with F[i] = F(m0 + i) for m in [m0, layers - 1]; F(m) = 1 above that
+    and 0 below. For one layer this is f of seed 001 eq. (1): (-x, 1 + x) at m = -1, 0 with
+    x = p / (1-p)^2; each further layer convolves with g = (-x, (1+p^2)/(1-p)^2, -x).
+    """
+    p = _check_p(p)
+    k = _check_layers(layers)
+    x = p / (1.0 - p) ** 2
+    g = np.array([-x, (1.0 + p * p) / (1.0 - p) ** 2, -x])
+    # f on [-1, k]: the trailing 1s give convolution the step that continues to +inf.
+    m0 = -1
+    F = np.concatenate([[-x, 1.0 + x], np.ones(2 * k)])
+    for _ in range(k - 1):
+        F = np.convolve(F, g)
+        m0 -= 1
+    # Keep m in [-k, k-1]; F(m) for m >= k is exactly 1 (g sums to 1).
+    return m0, F[: 2 * k]
+
+
+def cumulative_prevalence(noisy_counts, p, *, layers=1, R=None) -> np.ndarray:
+    """Unbiased estimate of phi_{>=r} for r = 1..R (index i holds r = i + 1).
+
+    ``noisy_counts`` are counters carrying ``layers`` independent DLap(p) layers (or their
+    :class:`NoisyValueCounts`). Negative noisy values contribute only through the kernel's
+    support (they are never clipped to 0: seed 001 Algorithm 5's clip biases phi_hat_{>=1} by
+    -x #{h' < 0}). ``R`` defaults to max(h') + layers, the largest r with a non-zero term.
+
+    >>> import numpy as np
+    >>> est = cumulative_prevalence(np.array([3, 0, -2, 1]), 0.3)
+    >>> est.shape
+    (4,)
+    """
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    m0, F = threshold_kernel(p, k)  # F(m) for m = m0..k-1, m0 = -k
+    if R is None:
+        R = max(vc.hi + k, 1)
+    R = int(R)
+    if R < 1:
+        raise ValueError("R must be >= 1")
+    # c over v in [1 - k, R + k - 1] (what r = 1..R can touch); above: tail counts.
+    vlo, vhi = 1 - k, R + k - 1
+    c = np.zeros(vhi - vlo + 1, dtype=np.float64)
+    a, b = max(vc.lo, vlo), min(vc.hi, vhi)
+    if a <= b:
+        c[a - vlo: b - vlo + 1] = vc.c[a - vc.lo: b - vc.lo + 1]
+    above = np.concatenate([np.cumsum(vc.c[::-1])[::-1], [0]])  # above[i] = #{v >= lo + i}
+    r = np.arange(1, R + 1)
+    # #{h' >= r + k}: index into `above`
+    idx = np.clip(r + k - vc.lo, 0, len(above) - 1)
+    ge = np.where(r + k <= vc.lo, vc.total, above[idx]).astype(np.float64)
+    # sum_{m=-k}^{k-1} F(m) c_{r+m}: a correlation of c with F
+    corr = np.correlate(c, F, mode="valid")  # corr[i] = sum_m F[m-m0] c[i + m - m0]
+    # c index of v = r + m0 is r + m0 - vlo = r - 1 for m0 = -k, vlo = 1 - k
+    return ge + corr[r - 1]
+
+
+def noise_pmf(p: float, layers: int = 1, tail: float = 1e-17) -> tuple[int, np.ndarray]:
+    """pmf of the sum of ``layers`` DLap(p) draws on [-K, K] (tail mass below ``tail`` cut)."""
+    p = _check_p(p)
+    k = _check_layers(layers)
+    K1 = int(math.ceil(math.log(tail / (2 * k)) / math.log(p))) + 1
+    base = (1 - p) / (1 + p) * p ** np.abs(np.arange(-K1, K1 + 1))
+    q = base
+    for _ in range(k - 1):
+        q = np.convolve(q, base)
+    K = (len(q) - 1) // 2
+    keep = np.flatnonzero(q > tail * 1e-3)
+    lo = min(keep[0], len(q) - 1 - keep[-1])
+    q = q[lo: len(q) - lo]
+    return K - lo, q / q.sum()
+
+
+def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=3000, tol=1e-10,
+                           R=None) -> np.ndarray:
+    """phi_{>=r}, r = 1..R, from the NPMLE of the prevalences (EM deconvolution).
+
+    Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws and
+    h drawn from the unknown prevalence pmf pi over {0, 1, ...}; D = number of counters. EM
+    updates pi_h <- pi_h * sum_v (c_v / D) q(v - h) / m_v with m = pi * q; both steps are
+    convolutions with the (short, exact) noise pmf q. The result is D * pi as a cumulative sum.
+    """
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    K, q = noise_pmf(p, k)
+    D = vc.total
+    # values below -K cannot come from h >= 0 under the truncated model: fold them to -K
+    lo = -K
+    c = np.zeros(max(vc.hi, 0) - lo + 1, dtype=np.float64)
+    below = vc.c[: max(0, min(-K - vc.lo, len(vc.c)))].sum()
+    a = max(vc.lo, -K)
+    if a <= vc.hi:
+        c[a - lo: vc.hi - lo + 1] = vc.c[a - vc.lo:]
+    c[0] += below
+    H = max(vc.hi, 0) + K  # support of h considered: 0..H
+    w = c / D
+    # v index runs over [-K, H + K]; c covers [-K, hi]: pad to full length
+    wfull = np.zeros(H + 2 * K + 1)
+    wfull[: len(w)] = w
+    nz = wfull > 0
+    # start: the observed values (clipped into range) blurred by the noise, plus a floor
+    pi = np.convolve(wfull, q[::-1], mode="valid")[: H + 1] + 1e-12
+    pi /= pi.sum()
+    prev_ll = -np.inf
+    qr = q[::-1]
+    for _ in range(max_iter):
+        m = np.convolve(pi, q)  # m over v in [-K, H + K]
+        ratio = np.zeros_like(m)
+        ratio[nz] = wfull[nz] / np.maximum(m[nz], 1e-300)
+        pi = pi * np.convolve(ratio, qr, mode="valid")
+        s = pi.sum()
+        pi /= s
+        ll = float(np.dot(wfull[nz], np.log(np.maximum(m[nz], 1e-300))))
+        if ll - prev_ll < tol * max(1.0, abs(ll)):
+            break
+        prev_ll = ll
+    tail = np.cumsum(pi[::-1])[::-1] * D  # tail[h] = D * P[h' >= h]
+    est = tail[1:]  # r = 1..H
+    if R is not None:
+        R = int(R)
+        est = np.concatenate([est, np.zeros(max(0, R - len(est)))])[:R]
+    return est
+
+
+# --------------------------------------------------------------------------------------------
+# projections
+# --------------------------------------------------------------------------------------------
+def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Compress a 1-d array into (run values, run lengths)."""
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) == 0:
+        return values, np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    lengths = np.diff(np.concatenate([starts, [len(values)]]))
+    return values[starts], lengths
+
+
+def project_l1(phi_hat) -> np.ndarray:
+    """Integer y_1 >= y_2 >= ... >= 0 minimizing sum_r |y_r - phi_hat_r| (exact).
+
+    Slope trick: process r from R down to 1 (so y must be non-decreasing), keeping the
+    breakpoints of the convex cost-to-go as a max-heap of (position, mass). Each point adds the
+    integer-restricted cost w|y - a| (breakpoints at floor(a), floor(a) + 1), and the prefix
+    minimum that enforces monotonicity removes the top w of mass. A run of equal values acts as
+    one point of weight w: an optimal solution is constant on it.
+    """
+    a_vals, lengths = _runs(phi_hat)
+    K = len(a_vals)
+    if K == 0:
+        return np.zeros(0, dtype=np.int64)
+    heap: list[tuple[float, float]] = [(-0.0, math.inf)]  # y >= 0: a wall of infinite mass at 0
+    opt = np.empty(K, dtype=np.int64)
+    push, pop = heapq.heappush, heapq.heappop
+    for i in range(K - 1, -1, -1):
+        a, w = float(a_vals[i]), float(lengths[i])
+        fl = math.floor(a)
+        phi = a - fl
+        if phi == 0.0:
+            push(heap, (-fl, 2.0 * w))
+        else:
+            push(heap, (-fl, w * (2.0 - 2.0 * phi)))
+            push(heap, (-(fl + 1), w * 2.0 * phi))
+        remove = w
+        while remove > 0.0:
+            pos, mass = pop(heap)
+            if mass > remove:
+                push(heap, (pos, mass - remove))
+                remove = 0.0
+            else:
+                remove -= mass
+        opt[i] = int(-heap[0][0])
+    # back out the solution: y_i = min(y_{i+1 in processing order}, opt_i)
+    y_runs = np.minimum.accumulate(opt)  # runs in r order; processing went from the end
+    return np.repeat(y_runs, lengths).astype(np.int64)
+
+
+def _run_boundaries(*arrays: np.ndarray) -> np.ndarray:
+    """Start indices of maximal runs where every given array is constant."""
+    n = len(arrays[0])
+    change = np.zeros(n, dtype=bool)
+    change[0] = True
+    for arr in arrays:
+        change[1:] |= arr[1:] != arr[:-1]
+    return np.flatnonzero(change)
+
+
+def project_l2(phi_hat, n: int, lower, upper):
+    """Exact integer solution of the l2 variant's projection (seed 001 Algorithm 3).
+
+    minimize sum_r |y_r - phi_hat_r|  s.t.  y non-increasing, lower_r <= y_r <= upper_r,
+    sum_r y_r = n, y integer. Returns None when infeasible.
+
+    On a run where phi_hat, lower and upper are constant an optimal y takes at most two adjacent
+    values (balancing a convex cost at a fixed sum never hurts), so each run becomes an integer
+    level c_i and an integer run sum S_i in [len c_i, len c_i + len - 1]; consecutive runs
+    need S_{i+1} <= len_{i+1} c_i; the run's cost is len * (|x - a| interpolated at integers)
+    at x = S / len, a max of three lines. That small MILP goes to HiGHS.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
+    a = np.asarray(phi_hat, dtype=np.float64)
+    lower = np.asarray(lower, dtype=np.float64)
+    upper = np.asarray(upper, dtype=np.float64)
+    R = len(a)
+    if R == 0:
+        return np.zeros(0, dtype=np.int64) if n == 0 else None
+    if np.any(lower > upper) or lower.sum() > n or upper.sum() < n:
+        return None
+    starts = _run_boundaries(a, lower, upper)
+    lens = np.diff(np.concatenate([starts, [R]])).astype(np.float64)
+    av, lv, uv = a[starts], lower[starts], upper[starts]
+    K = len(starts)
+    # variables: c (K), S (K), t (K)
+    nv = 3 * K
+    ic, iS, it = 0, K, 2 * K
+    cost = np.zeros(nv)
+    cost[it:] = 1.0
+    rows = 6 * K + 1
+    A = lil_matrix((rows, nv))
+    lb = np.full(rows, -np.inf)
+    ub = np.full(rows, np.inf)
+    row = 0
+    for i in range(K):
+        L = lens[i]
+        # L c_i <= S_i <= L c_i + L - 1
+        A[row, iS + i] = 1; A[row, ic + i] = -L; lb[row] = 0; ub[row] = L - 1; row += 1  # noqa: E702
+        # monotone: S_{i+1} <= len_{i+1} c_i
+        if i + 1 < K:
+            A[row, iS + i + 1] = 1; A[row, ic + i] = -lens[i + 1]; ub[row] = 0; row += 1  # noqa: E702
+        # max value <= upper: S_i <= L u_i
+        A[row, iS + i] = 1; ub[row] = L * uv[i]; row += 1  # noqa: E702
+        # t_i >= L a - S_i ; t_i >= S_i - L a ; t_i >= middle line
+        fl = math.floor(av[i])
+        A[row, it + i] = 1; A[row, iS + i] = 1; lb[row] = L * av[i]; row += 1  # noqa: E702
+        A[row, it + i] = 1; A[row, iS + i] = -1; lb[row] = -L * av[i]; row += 1  # noqa: E702
+        f0, f1 = abs(fl - av[i]), abs(fl + 1 - av[i])
+        # t >= L f0 + (S - L fl)(f1 - f0)
+        A[row, it + i] = 1; A[row, iS + i] = -(f1 - f0)  # noqa: E702
+        lb[row] = L * f0 - L * fl * (f1 - f0); row += 1  # noqa: E702
+    A[row, iS: iS + K] = 1
+    lb[row] = ub[row] = n
+    row += 1
+    A = A[:row].tocsr()
+    bounds = Bounds(np.concatenate([lv, np.full(K, -np.inf), np.zeros(K)]),
+                    np.concatenate([uv, np.full(K, np.inf), np.full(K, np.inf)]))
+    integrality = np.concatenate([np.ones(2 * K), np.zeros(K)])
+    res = milp(cost, constraints=LinearConstraint(A, lb[:row], ub[:row]), bounds=bounds,
+               integrality=integrality, options={"disp": False})
+    if res.status != 0 or res.x is None:
+        return None
+    c = np.round(res.x[ic: ic + K]).astype(np.int64)
+    S = np.round(res.x[iS: iS + K]).astype(np.int64)
+    out = np.empty(R, dtype=np.int64)
+    for i in range(K):
+        L = int(lens[i])
+        k_up = int(S[i] - L * c[i])
+        s = starts[i]
+        out[s: s + k_up] = c[i] + 1
+        out[s + k_up: s + L] = c[i]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# conversions and the public entry point
+# --------------------------------------------------------------------------------------------
+def counts_from_cumulative(y) -> np.ndarray:
+    """Anonymized histogram (decreasing counts, zeros dropped) from phi_{>=1..R}."""
+    y = np.asarray(y, dtype=np.int64)
+    if len(y) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if np.any(np.diff(y) > 0) or y[-1] < 0:
+        raise ValueError("cumulative prevalence must be non-increasing and >= 0")
+    exact = y - np.concatenate([y[1:], [0]])  # phi_r = phi_{>=r} - phi_{>=r+1}
+    r = np.arange(1, len(y) + 1, dtype=np.int64)
+    return np.repeat(r[::-1], exact[::-1])
+
+
+def cumulative_from_counts(counts, R=None) -> np.ndarray:
+    """phi_{>=r} for r = 1..R from a list of counts (any order; zeros ignored)."""
+    h = np.asarray(counts, dtype=np.int64)
+    h = h[h > 0]
+    top = int(h.max()) if len(h) else 0
+    R = top if R is None else int(R)
+    phi = np.bincount(h, minlength=max(top, R) + 1)[1:]
+    ge = np.cumsum(phi[::-1])[::-1]
+    return ge[:R] if R <= len(ge) else np.concatenate([ge, np.zeros(R - len(ge), np.int64)])
+
+
+def l1_distance(counts_a, counts_b) -> int:
+    """l1 distance between two anonymized histograms (= between cumulative prevalences)."""
+    a = np.sort(np.asarray(counts_a, dtype=np.int64))[::-1]
+    b = np.sort(np.asarray(counts_b, dtype=np.int64))[::-1]
+    m = max(len(a), len(b))
+    a = np.concatenate([a, np.zeros(m - len(a), np.int64)])
+    b = np.concatenate([b, np.zeros(m - len(b), np.int64)])
+    return int(np.abs(a - b).sum())
+
+
+def _rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """L_r = #{j : h'_(j) - gamma >= r}, U_r = #{j : h'_(j) + gamma >= r} for r = 1..R."""
+    above = np.concatenate([np.cumsum(vc.c[::-1])[::-1], [0]])  # #{v >= lo + i}
+
+    def count_ge(t):  # #{j : h'_j >= t} for real thresholds t (vectorized)
+        i = np.ceil(t).astype(np.int64) - vc.lo
+        return np.where(i <= 0, vc.total, above[np.clip(i, 0, len(above) - 1)])
+
+    r = np.arange(1, R + 1, dtype=np.float64)
+    return count_ge(r + gamma), count_ge(r - gamma)
+
+
+def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None):
+    """Estimate the anonymized histogram from counters noised with ``layers`` DLap(p) layers.
+
+    Parameters
+    ----------
+    noisy_counts
+        The noisy counters (int array) or their :class:`NoisyValueCounts`.
+    p
+        DLap parameter of each layer (``state.p``).
+    layers
+        Number of independent DLap(p) layers in each counter (``state.layers``).
+    loss
+        ``"l1"`` (Algorithm 1/5: l1 isotonic projection) or ``"l2"`` (Algorithm 3: adds
+        sum = n and the rank box gamma = 10 log(2 n D) / log(1/p); needs ``n``).
+    n
+        Number of events (public under replace-one). Required for ``"l2"``.
+    method
+        ``"threshold"`` or ``"deconvolution"`` for the phi estimate. Default: threshold for one
+        layer (the paper's estimator), deconvolution for two or more (lower error, see
+        docs/estimators.md).
+
+    Returns
+    -------
+    int64 array of counts in decreasing order, zeros dropped.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from aggregator.noise import discrete_laplace
+    >>> true = np.array([50, 20, 20, 5] + [0] * 96)
+    >>> noisy = true + discrete_laplace(0.2, 100)
+    >>> est = anonymized_histogram(noisy, 0.2)
+    >>> bool(np.all(np.diff(est) <= 0)) and est.dtype == np.int64
+    True
+    """
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    if method is None:
+        method = "threshold" if k == 1 else "deconvolution"
+    if method == "threshold":
+        phi_hat = cumulative_prevalence(vc, p, layers=k)
+    elif method == "deconvolution":
+        phi_hat = deconvolved_prevalence(vc, p, layers=k)
+    else:
+        raise ValueError(f"method must be 'threshold' or 'deconvolution', got {method!r}")
+    if loss == "l1":
+        return counts_from_cumulative(project_l1(phi_hat))
+    if loss != "l2":
+        raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
+    if n is None:
+        raise ValueError("loss='l2' needs n (the number of events, public under replace-one)")
+    n = int(n)
+    D = vc.total
+    gamma = 10.0 * math.log(max(2 * n * D, 2)) / math.log(1.0 / p)
+    R = max(len(phi_hat), int(vc.hi + gamma) + 1, 1)
+    phi_hat = np.concatenate([phi_hat, np.zeros(R - len(phi_hat))])
+    lower, upper = _rank_box(vc, gamma, R)
+    y = project_l2(phi_hat, n, lower, upper)
+    if y is None:  # as the paper: infeasible -> the all-zero histogram
+        return np.zeros(0, dtype=np.int64)
+    return counts_from_cumulative(y)
