@@ -181,51 +181,112 @@ def noise_pmf(p: float, layers: int = 1, tail: float = 1e-17) -> tuple[int, np.n
     return K - lo, q / q.sum()
 
 
-def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=3000, tol=1e-10,
+def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """One EM update of the mixing pmf (q symmetric, so convolution = correlation)."""
+    m = np.convolve(pi, q, mode="same")
+    ratio = np.zeros_like(m)
+    ratio[nz] = w[nz] / np.maximum(m[nz], 1e-300)
+    out = pi * np.convolve(ratio, q, mode="same")
+    return out
+
+
+def _loglik(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray) -> float:
+    m = np.convolve(pi, q, mode="same")
+    return float(np.dot(w[nz], np.log(np.maximum(m[nz], 1e-300))))
+
+
+def _squarem(pi, w, nz, q, allowed, max_iter, tol):
+    """EM accelerated by SQUAREM (Varadhan and Roland 2008, scheme S3), monotone in likelihood."""
+    ll = _loglik(pi, w, nz, q)
+    for _ in range(max_iter):
+        p1 = _em_step(pi, w, nz, q)
+        p2 = _em_step(p1, w, nz, q)
+        r = p1 - pi
+        v = p2 - p1 - r
+        vv = float(np.dot(v, v))
+        if vv > 0:
+            alpha = -math.sqrt(float(np.dot(r, r)) / vv)
+            alpha = min(alpha, -1.0)
+            cand = np.maximum(pi - 2 * alpha * r + alpha * alpha * v, 0.0) * allowed
+            cand /= max(cand.sum(), 1e-300)
+            cand = _em_step(cand, w, nz, q)
+            ll_c = _loglik(cand, w, nz, q)
+        else:
+            ll_c = -np.inf
+        ll2 = _loglik(p2, w, nz, q)
+        new, ll_new = (cand, ll_c) if ll_c >= ll2 else (p2, ll2)
+        new = new / new.sum()
+        done = ll_new - ll < tol
+        pi, ll = new, max(ll_new, ll)
+        if done:
+            break
+    return pi
+
+
+def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=2000, tol=1e-11,
                            R=None) -> np.ndarray:
     """phi_{>=r}, r = 1..R, from the NPMLE of the prevalences (EM deconvolution).
 
-    Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws and
-    h drawn from the unknown prevalence pmf pi over {0, 1, ...}; D = number of counters. EM
-    updates pi_h <- pi_h * sum_v (c_v / D) q(v - h) / m_v with m = pi * q; both steps are
-    convolutions with the (short, exact) noise pmf q. The result is D * pi as a cumulative sum.
+    Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws
+    (pmf q, exact up to a 1e-17 tail) and h drawn from the unknown prevalence pmf pi over
+    {0, 1, ...}; D = number of counters. The estimate is D * P_pi[h >= r].
+
+    The likelihood separates over clusters of noisy values more than 2K apart (q vanishes
+    beyond K): a cluster holding a single distinct value v is solved exactly by a point mass at
+    max(v, 0); the remaining clusters run EM (SQUAREM-accelerated) on one compressed axis where
+    each cluster keeps its own span and spans are separated by zeros that the kernel cannot cross.
     """
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
     K, q = noise_pmf(p, k)
     D = vc.total
+    vals = np.flatnonzero(vc.c) + vc.lo
+    cnt = vc.c[vc.c > 0].astype(np.float64)
     # values below -K cannot come from h >= 0 under the truncated model: fold them to -K
-    lo = -K
-    c = np.zeros(max(vc.hi, 0) - lo + 1, dtype=np.float64)
-    below = vc.c[: max(0, min(-K - vc.lo, len(vc.c)))].sum()
-    a = max(vc.lo, -K)
-    if a <= vc.hi:
-        c[a - lo: vc.hi - lo + 1] = vc.c[a - vc.lo:]
-    c[0] += below
-    H = max(vc.hi, 0) + K  # support of h considered: 0..H
-    w = c / D
-    # v index runs over [-K, H + K]; c covers [-K, hi]: pad to full length
-    wfull = np.zeros(H + 2 * K + 1)
-    wfull[: len(w)] = w
-    nz = wfull > 0
-    # start: the observed values (clipped into range) blurred by the noise, plus a floor
-    pi = np.convolve(wfull, q[::-1], mode="valid")[: H + 1] + 1e-12
-    pi /= pi.sum()
-    prev_ll = -np.inf
-    qr = q[::-1]
-    for _ in range(max_iter):
-        m = np.convolve(pi, q)  # m over v in [-K, H + K]
-        ratio = np.zeros_like(m)
-        ratio[nz] = wfull[nz] / np.maximum(m[nz], 1e-300)
-        pi = pi * np.convolve(ratio, qr, mode="valid")
-        s = pi.sum()
-        pi /= s
-        ll = float(np.dot(wfull[nz], np.log(np.maximum(m[nz], 1e-300))))
-        if ll - prev_ll < tol * max(1.0, abs(ll)):
-            break
-        prev_ll = ll
-    tail = np.cumsum(pi[::-1])[::-1] * D  # tail[h] = D * P[h' >= h]
-    est = tail[1:]  # r = 1..H
+    if vals[0] < -K:
+        fold = vals < -K
+        folded = cnt[fold].sum()
+        vals, cnt = vals[~fold], cnt[~fold]
+        if len(vals) and vals[0] == -K:
+            cnt[0] += folded
+        else:
+            vals, cnt = np.concatenate([[-K], vals]), np.concatenate([[folded], cnt])
+    top = max(int(vals[-1]), 0)
+    mass = np.zeros(top + K + 2)  # D * pi_h for h = 0..top + K + 1
+    cut = np.flatnonzero(np.diff(vals) > 2 * K) + 1
+    starts = np.concatenate([[0], cut])
+    ends = np.concatenate([cut, [len(vals)]])
+    single = ends - starts == 1
+    sv = np.maximum(vals[starts[single]], 0)
+    np.add.at(mass, sv, cnt[starts[single]])
+    multi = np.flatnonzero(~single)
+    if len(multi):
+        # compressed axis: for each cluster the value span [vmin - K, vmax + K], then 2K+1 zeros
+        spans, pos = [], 0
+        for j in multi:
+            vmin, vmax = int(vals[starts[j]]), int(vals[ends[j] - 1])
+            lo_v, hi_v = vmin - K, vmax + K
+            spans.append((pos, lo_v, hi_v))
+            pos += hi_v - lo_v + 1 + 2 * K + 1
+        w = np.zeros(pos)
+        allowed = np.zeros(pos)
+        for (off, lo_v, hi_v), j in zip(spans, multi):
+            sl = slice(starts[j], ends[j])
+            w[off + vals[sl] - lo_v] = cnt[sl]
+            h0 = max(lo_v, 0)
+            allowed[off + h0 - lo_v: off + hi_v - lo_v + 1] = 1.0
+        total = w.sum()
+        w /= total
+        nz = w > 0
+        # start: the observations blurred by the noise, restricted to h >= 0
+        pi = (np.convolve(w, q, mode="same") + 1e-12) * allowed
+        pi /= pi.sum()
+        pi = _squarem(pi, w, nz, q, allowed, max_iter, tol)
+        for off, lo_v, hi_v in spans:
+            h0 = max(lo_v, 0)
+            seg = pi[off + h0 - lo_v: off + hi_v - lo_v + 1] * total
+            mass[h0: h0 + len(seg)] += seg
+    est = np.cumsum(mass[::-1])[::-1][1:]  # r = 1..len(mass) - 1
     if R is not None:
         R = int(R)
         est = np.concatenate([est, np.zeros(max(0, R - len(est)))])[:R]
