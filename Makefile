@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine (see README):
+#   make demo  - set up and run the main job on the embedded default (no Kafka)
+#   make test  - set up and run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/panagg demo --events 1000000 --output out/releases
+
+# pytest exits 5 when it collects nothing: that is a failure here, said out loud.
+test: $(STAMP)
+	@$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5) - failing" >&2; exit 1; fi; \
+	exit $$rc
+
+bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.speed
+	$(BIN)/python -m bench.accuracy
+	$(BIN)/python -m bench.estimators
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

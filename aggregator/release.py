@@ -1,0 +1,129 @@
+"""Turn a pan-private state into a release: noise layer, estimate, properties, files.
+
+The release is post-processing of a view of the counters, so everything in it is covered by the
+state's epsilon (see docs/privacy.md):
+
+* model ``"joint"`` (default): the release is computed from the counters plus a fresh DLap(p)
+  layer W, so the release and any single intrusion into the state are jointly epsilon-DP;
+* model ``"state-only"``: the release is computed from the counters themselves (one layer less,
+  better accuracy); an intrusion plus the release then reveal the exact increments between them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import properties
+from .estimate import anonymized_histogram
+from .noise import discrete_laplace
+from .state import PanPrivateHistogram
+
+__all__ = ["MODELS", "make_release", "write_release", "plot_rank_frequency"]
+
+MODELS = ("joint", "state-only")
+STATE_ONLY_CAVEAT = (
+    "state-only model: this release and a snapshot of the state taken during the window are not "
+    "jointly epsilon-DP (together they reveal the exact increments between them)"
+)
+
+
+def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str = "l1",
+                 window: str | int | None = None, rng=None) -> dict:
+    """Estimate the anonymized histogram of ``state`` and package it as a JSON-ready dict.
+
+    ``rng`` is a test-only noise source for the release layer; the state is not modified.
+    """
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    if state.mode != "direct":
+        raise ValueError("hashed-mode releases need the Gamma^B inversion (large-domain issue)")
+    started = time.perf_counter()
+    counts, layers = state.counts, state.layers
+    if model == "joint":
+        counts = counts + discrete_laplace(state.p, state.size, rng=rng)
+        layers += 1
+    hist = anonymized_histogram(counts, state.p, layers=layers, loss=loss, n=state.n)
+    vals, phis = properties.prevalences(hist)
+    n_hat = int(hist.sum())
+    props = {
+        "entropy_nats": properties.entropy(hist),
+        "entropy_miller_madow_nats": properties.entropy(hist, correction="miller-madow"),
+        "distinct_items": int(len(hist)),
+        "support_coverage_2n": properties.support_coverage(hist, 2 * max(n_hat, 1)) if n_hat else 0.0,
+    }
+    release = {
+        "format": "panagg.release",
+        "version": 1,
+        "window": window,
+        "created_unix": time.time(),
+        "n": state.n,
+        "n_in_histogram": n_hat,
+        "epsilon": state.epsilon,
+        "neighbor": state.neighbor,
+        "p": state.p,
+        "model": model,
+        "layers": layers,
+        "loss": loss,
+        "domain": {"mode": state.mode, "size": state.size},
+        "histogram": {"form": "prevalence", "pairs": [[int(r), int(c)] for r, c in
+                                                      zip(vals[::-1], phis[::-1])]},
+        "properties": props,
+        "release_seconds": time.perf_counter() - started,
+    }
+    if model == "state-only":
+        release["caveat"] = STATE_ONLY_CAVEAT
+    return release
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def plot_rank_frequency(release: dict, path: Path) -> None:
+    """Log-log rank vs count plot of the released histogram (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = release["histogram"]["pairs"]
+    counts = np.repeat([r for r, _ in pairs], [c for _, c in pairs]) if pairs else np.zeros(0)
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    if len(counts):
+        ax.loglog(np.arange(1, len(counts) + 1), counts, drawstyle="steps-post")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("count")
+    ax.set_title(f"window {release['window']}: n={release['n']}, eps={release['epsilon']:g}, "
+                 f"{release['model']}")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_release(release: dict, outdir: str | os.PathLike) -> Path:
+    """Write ``release-<window>.json`` (atomically) and its PNG plot into ``outdir``."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    stem = f"release-{release['window']}"
+    path = outdir / f"{stem}.json"
+    _atomic_write(path, json.dumps(release, indent=1, allow_nan=False).encode() + b"\n")
+    plot_rank_frequency(release, outdir / f"{stem}.png")
+    return path
+
+

@@ -1,0 +1,248 @@
+"""Estimators and projections: unbiasedness, exact optimality against an integer LP, conversions."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import linprog
+
+from aggregator.estimate import (
+    anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
+    cumulative_prevalence, deconvolved_prevalence, l1_distance, noise_pmf, noisy_value_counts,
+    project_l1, project_l2, threshold_kernel,
+)
+from aggregator.noise import discrete_laplace
+
+
+def _phi_hat_clipped(noisy, p, R):
+    """Seed 001 Algorithm 5 as printed: clips noisy values into [0, n] (the pitfall)."""
+    x = p / (1 - p) ** 2
+    v = np.clip(noisy, 0, None)
+    c = np.bincount(v, minlength=R + 2)
+    ge = np.cumsum(c[::-1])[::-1]
+    r = np.arange(1, R + 1)
+    return ge[r + 1] + (1 + x) * c[r] - x * c[r - 1]
+
+
+def test_kernel_one_layer_is_f():
+    p = 0.3
+    x = p / (1 - p) ** 2
+    m0, F = threshold_kernel(p, 1)
+    assert m0 == -1
+    np.testing.assert_allclose(F, [-x, 1 + x])
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_kernel_is_unbiased_exactly(layers):
+    """E[F(h' - r)] = 1[h >= r] computed against the exact noise pmf (no sampling)."""
+    p = 0.45
+    m0, F = threshold_kernel(p, layers)
+    K, q = noise_pmf(p, layers)
+    for tau in range(-6, 7):  # tau = h - r
+        # F(m) = 0 below m0, F[m - m0] on [m0, layers - 1], 1 above
+        z = np.arange(-K, K + 1)
+        m = tau + z
+        vals = np.where(m < m0, 0.0, np.where(m > layers - 1, 1.0, F[np.clip(m - m0, 0, len(F) - 1)]))
+        assert math.isclose(float(np.dot(q, vals)), float(tau >= 0), abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_phi_hat_unbiased_with_mostly_negative_values(layers):
+    rng = np.random.default_rng(7)
+    D, p, R, reps = 20_000, 0.5, 6, 300
+    h = np.zeros(D, dtype=np.int64)
+    h[:200] = rng.integers(1, 5, 200)  # 1% of counters non-zero, small counts
+    truth = cumulative_from_counts(h, R=R)
+    est = np.empty((reps, R))
+    neg = 0
+    for i in range(reps):
+        noisy = h.copy()
+        for _ in range(layers):
+            noisy += discrete_laplace(p, D, rng=rng)
+        neg += int((noisy < 0).sum())
+        est[i] = cumulative_prevalence(noisy, p, layers=layers, R=R)
+    assert neg / (reps * D) > 0.25  # the regime where clipping to 0 hurts
+    se = est.std(axis=0, ddof=1) / math.sqrt(reps)
+    z = (est.mean(axis=0) - truth) / se
+    assert np.all(np.abs(z) < 4.5), z
+
+
+def test_literal_algorithm5_clip_is_biased():
+    """The negative control for the unbiasedness test: the printed clip fails it."""
+    rng = np.random.default_rng(8)
+    D, p, R = 20_000, 0.5, 4
+    h = np.zeros(D, dtype=np.int64)
+    h[:200] = 2
+    truth = cumulative_from_counts(h, R=R)
+    clipped = np.mean([_phi_hat_clipped(h + discrete_laplace(p, D, rng=rng), p, R)
+                       for _ in range(20)], axis=0)
+    x = p / (1 - p) ** 2
+    # the bias of phi_hat_{>=1} is about -x * #{h' < 0}: thousands here
+    assert clipped[0] - truth[0] < -0.5 * x * 0.2 * D
+
+
+def test_default_R_covers_every_nonzero_term():
+    noisy = np.array([5, 0, -3, 2])
+    est = cumulative_prevalence(noisy, 0.3)
+    longer = cumulative_prevalence(noisy, 0.3, R=20)
+    np.testing.assert_allclose(longer[: len(est)], est)
+    np.testing.assert_allclose(longer[len(est):], 0.0, atol=1e-12)
+
+
+def _lp_l1(a):
+    """Integer l1 isotonic regression by scipy's linprog (HiGHS with integrality)."""
+    R = len(a)
+    A, b = [], []
+    for r in range(R):
+        row = np.zeros(2 * R); row[r], row[R + r] = 1, -1; A.append(row); b.append(a[r])  # noqa: E702
+        row = np.zeros(2 * R); row[r], row[R + r] = -1, -1; A.append(row); b.append(-a[r])  # noqa: E702
+        if r + 1 < R:
+            row = np.zeros(2 * R); row[r + 1], row[r] = 1, -1; A.append(row); b.append(0)  # noqa: E702
+    res = linprog(np.r_[np.zeros(R), np.ones(R)], A_ub=np.array(A), b_ub=b,
+                  bounds=[(0, None)] * R + [(None, None)] * R,
+                  integrality=np.r_[np.ones(R), np.zeros(R)])
+    assert res.status == 0
+    return res.fun
+
+
+def test_project_l1_matches_integer_lp():
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        R = int(rng.integers(1, 14))
+        a = rng.normal(rng.uniform(-2, 8), 4, R).round(int(rng.integers(0, 3)))
+        if rng.random() < 0.4:  # runs of equal values exercise the compression
+            a = np.repeat(a, 3)[:R]
+        y = project_l1(a)
+        assert y.dtype == np.int64 and len(y) == len(a)
+        assert np.all(np.diff(y) <= 0) and y.min() >= 0
+        ours = float(np.abs(y - a).sum())
+        assert ours == pytest.approx(_lp_l1(a), abs=1e-5)
+
+
+def _lp_l2(a, n, lower, upper):
+    R = len(a)
+    A_ub, b_ub = [], []
+    for r in range(R):
+        row = np.zeros(2 * R); row[r], row[R + r] = 1, -1; A_ub.append(row); b_ub.append(a[r])  # noqa: E702
+        row = np.zeros(2 * R); row[r], row[R + r] = -1, -1; A_ub.append(row); b_ub.append(-a[r])  # noqa: E702
+        if r + 1 < R:
+            row = np.zeros(2 * R); row[r + 1], row[r] = 1, -1; A_ub.append(row); b_ub.append(0)  # noqa: E702
+    A_eq = np.r_[np.ones(R), np.zeros(R)][None, :]
+    res = linprog(np.r_[np.zeros(R), np.ones(R)], A_ub=np.array(A_ub), b_ub=b_ub, A_eq=A_eq,
+                  b_eq=[n], bounds=list(zip(lower, upper)) + [(None, None)] * R,
+                  integrality=np.r_[np.ones(R), np.zeros(R)])
+    return None if res.status != 0 else res.fun
+
+
+def test_project_l2_matches_integer_lp():
+    rng = np.random.default_rng(12)
+    checked = infeasible = 0
+    for _ in range(120):
+        R = int(rng.integers(1, 12))
+        truth = np.sort(rng.integers(0, 8, R))[::-1]
+        a = truth + rng.normal(0, 2, R).round(1)
+        if rng.random() < 0.5:
+            a = np.repeat(a[::3], 3)[:R] if R >= 3 else a
+        gamma = int(rng.integers(0, 4))
+        lower = np.sort(np.maximum(truth - gamma - rng.integers(0, 2, R), 0))[::-1]
+        upper = np.sort(truth + gamma + rng.integers(0, 2, R))[::-1]
+        n = int(truth.sum() + rng.integers(-2, 3))
+        want = _lp_l2(a, n, lower, upper)
+        got = project_l2(a, n, lower, upper)
+        if want is None:
+            assert got is None
+            infeasible += 1
+            continue
+        assert got is not None
+        assert got.sum() == n and np.all(np.diff(got) <= 0)
+        assert np.all(got >= lower) and np.all(got <= upper)
+        assert float(np.abs(got - a).sum()) == pytest.approx(want, abs=1e-5)
+        checked += 1
+    assert checked > 60
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=30))
+def test_cumulative_round_trip(counts):
+    y = cumulative_from_counts(counts)
+    back = counts_from_cumulative(y)
+    assert list(back) == sorted([c for c in counts if c > 0], reverse=True)
+    assert l1_distance(back, counts) == 0
+
+
+def test_l1_distance_is_cumulative_prevalence_distance():
+    a, b = [5, 3, 1], [4, 4]
+    ya, yb = cumulative_from_counts(a, R=6), cumulative_from_counts(b, R=6)
+    assert l1_distance(a, b) == int(np.abs(ya - yb).sum()) == 3
+
+
+@pytest.mark.parametrize("method", ["threshold", "deconvolution"])
+@pytest.mark.parametrize("loss", ["l1", "l2"])
+def test_tiny_noise_recovers_the_histogram(method, loss):
+    rng = np.random.default_rng(3)
+    h = np.concatenate([rng.integers(1, 30, 40), np.zeros(60, np.int64)])
+    p = 1e-9  # noise is zero with overwhelming probability
+    noisy = h + discrete_laplace(p, len(h), rng=rng)
+    est = anonymized_histogram(noisy, p, method=method, loss=loss, n=int(h.sum()))
+    assert list(est) == sorted(h[h > 0].tolist(), reverse=True)
+    assert est.dtype == np.int64
+
+
+def test_release_shape_and_l2_sum():
+    rng = np.random.default_rng(4)
+    h = rng.multinomial(5000, np.ones(300) / 300)
+    p = 0.6
+    noisy = h + discrete_laplace(p, len(h), rng=rng)
+    est = anonymized_histogram(noisy, p, loss="l2", n=5000)
+    assert est.sum() == 5000
+    assert np.all(np.diff(est) <= 0) and est.min() > 0
+    est1 = anonymized_histogram(noisy, p)
+    naive = np.sort(noisy[noisy > 0])[::-1]
+    assert l1_distance(est1, h) < l1_distance(naive, h)
+
+
+def test_noisy_value_counts_are_additive():
+    rng = np.random.default_rng(5)
+    a = rng.integers(-20, 50, 500)
+    b = rng.integers(-5, 90, 700)
+    merged = noisy_value_counts(a).merge(noisy_value_counts(b))
+    whole = noisy_value_counts(np.concatenate([a, b]))
+    assert merged.lo == whole.lo and np.array_equal(merged.c, whole.c)
+    np.testing.assert_allclose(cumulative_prevalence(merged, 0.4), cumulative_prevalence(whole, 0.4))
+
+
+def test_deconvolution_conserves_counter_mass():
+    rng = np.random.default_rng(6)
+    h = np.concatenate([rng.integers(0, 200, 500), [5000, 7000]])
+    p = 0.6
+    noisy = h + discrete_laplace(p, len(h), rng=rng) + discrete_laplace(p, len(h), rng=rng)
+    est = deconvolved_prevalence(noisy, p, layers=2, R=10)
+    assert len(est) == 10
+    assert np.all(np.diff(est) <= 1e-9)
+    # phi_{>=1} can't exceed the number of counters; isolated big values become point masses
+    assert est[0] <= len(h) + 1e-6
+    full = deconvolved_prevalence(noisy, p, layers=2)
+    assert full[4900 - 1] >= 2 - 1e-6 and full[-1] < 1e-6 and len(full) < 7200
+
+
+@pytest.mark.parametrize("bad", [dict(p=0.0), dict(p=1.0), dict(layers=0), dict(loss="l3"),
+                                 dict(method="magic")])
+def test_bad_arguments_raise(bad):
+    args = dict(p=0.5, layers=1, loss="l1", method=None) | bad
+    with pytest.raises(ValueError):
+        anonymized_histogram(np.array([1, 2, 3]), args["p"], layers=args["layers"],
+                             loss=args["loss"], method=args["method"])
+
+
+def test_l2_needs_n():
+    with pytest.raises(ValueError, match="needs n"):
+        anonymized_histogram(np.array([1, 2, 3]), 0.5, loss="l2")
+
+
+def test_rejects_non_integer_counters():
+    with pytest.raises(TypeError):
+        cumulative_prevalence(np.array([1.5, 2.0]), 0.5)
+    with pytest.raises(ValueError):
+        cumulative_prevalence(np.array([], dtype=np.int64), 0.5)
