@@ -61,6 +61,13 @@ SNAPSHOT_FIELDS = frozenset(
 )
 
 
+def _checksum(header: dict, counts) -> bytes:
+    """SHA-256 over the packed header fields and the raw counter bytes (no second copy)."""
+    digest = hashlib.sha256(msgpack.packb(header, use_bin_type=True))
+    digest.update(counts)
+    return digest.digest()
+
+
 class SnapshotError(ValueError):
     """A serialized state that is corrupt, truncated, or of an unknown format."""
 
@@ -217,14 +224,13 @@ class PanPrivateHistogram:
     # -- snapshots -------------------------------------------------------------------------------
     def serialize(self) -> bytes:
         """A self-describing msgpack snapshot (SHA-256 checked). Holds no seed or RNG state."""
-        body = {
+        header = {
             "format": _FORMAT, "version": _VERSION, "mode": self._mode, "size": self.size,
             "key": self._key, "epsilon": self._epsilon, "neighbor": self._neighbor, "p": self._p,
             "layers": self._layers, "n": self._n,
-            "counts": self._counts.astype("<i8", copy=False).tobytes(),
         }
-        payload = msgpack.packb(body, use_bin_type=True)
-        body["checksum"] = hashlib.sha256(payload).digest()
+        counts = memoryview(np.ascontiguousarray(self._counts, dtype="<i8")).cast("B")
+        body = dict(header, counts=counts, checksum=_checksum(header, counts))
         return msgpack.packb(body, use_bin_type=True)
 
     @classmethod
@@ -240,9 +246,10 @@ class PanPrivateHistogram:
         if set(body) != SNAPSHOT_FIELDS:
             raise SnapshotError("snapshot fields do not match the format")
         checksum = body.pop("checksum")
-        if hashlib.sha256(msgpack.packb(body, use_bin_type=True)).digest() != checksum:
+        raw = body.pop("counts")
+        if not isinstance(raw, bytes) or _checksum(body, raw) != checksum:
             raise SnapshotError("snapshot checksum mismatch (corrupt or tampered)")
-        counts = np.frombuffer(body["counts"], dtype="<i8")
+        counts = np.frombuffer(raw, dtype="<i8")
         if len(counts) != body["size"]:
             raise SnapshotError("snapshot counter array has the wrong length")
         obj = cls.__new__(cls)
