@@ -22,6 +22,8 @@ decides ``U < T_k`` exactly unless ``a == t_k``. Those ties (probability about 2
 draw, but never ignored) are resolved by drawing further random words and comparing the
 refined U against T_k with exact integer arithmetic. No floating-point number is on the
 sampling path; the sign bit is independent of U, and ``-0 == 0`` so zero keeps its mass.
+(The table itself is built in 192-bit fixed point and may sit one unit below the exact floors;
+draws within one unit of an entry go to the exact path, so that never decides a comparison.)
 
 The result is distributed exactly as DLap(p) for the binary value of ``p`` given, assuming
 the OS generator is uniform. Callers that start from an epsilon should compute ``p`` with
@@ -74,6 +76,9 @@ def _words(source, count: int) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u8", count=count).astype(np.uint64, copy=False)
 
 
+MIN_EPSILON = 1e-3  # below this the noise std exceeds ~2800 per counter: nothing useful survives
+
+
 def p_from_epsilon(epsilon: float, sensitivity: int = 2) -> float:
     """The float ``p >= exp(-epsilon / sensitivity)`` closest to it.
 
@@ -87,7 +92,10 @@ def p_from_epsilon(epsilon: float, sensitivity: int = 2) -> float:
     eps = float(epsilon)
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"epsilon must be a positive finite number, got {epsilon!r}")
-    if sensitivity < 1:
+    if eps < MIN_EPSILON:
+        raise ValueError(f"epsilon={epsilon!r} is below the supported minimum {MIN_EPSILON} "
+                         "(the noise would drown every count); use a larger epsilon")
+    if isinstance(sensitivity, bool) or not isinstance(sensitivity, int) or sensitivity < 1:
         raise ValueError(f"sensitivity must be a positive integer, got {sensitivity!r}")
     with localcontext() as ctx:
         ctx.prec = 40
@@ -107,30 +115,32 @@ def _check_p(p: float) -> float:
     return p
 
 
+_FIXED_BITS = 192  # fixed-point precision of p^k while building the table
+
+
 @lru_cache(maxsize=64)
 def _tail_table(p: float) -> tuple[np.ndarray, int, int]:
-    """Exact thresholds ``t_k = floor(T_k * 2**63)`` for k = 1, 2, ... until t_k == 0.
+    """Thresholds ``s_k`` with ``s_k <= floor(T_k * 2**63) <= s_k + 1``, k = 1, 2, ... until 0.
 
-    Returns (table as ascending uint64 array with a trailing 0 sentinel reversed in, m, e)
-    where p = m / 2**e. ``T_k = 2 m^k 2^e / (2^(e k) (2^e + m))``; dividing by the power of two
-    first (a shift) keeps every step linear in the size of m^k.
+    Returns (ascending uint64 array of the s_k, m, e) where p = m / 2**e and
+    ``T_k = 2 p^k / (1 + p)``. p^k is carried in 192-bit fixed point, P_k = floor(P_{k-1} m / 2^e),
+    so P_k is below the exact value by less than k units of 2**-192; that moves s_k by at most
+    one below the exact floor. Draws within one of a table entry take the exact path, so the
+    approximation never decides a comparison; it only keeps the build linear in the table size.
     """
     frac = Fraction(p)
     m, two_e = frac.numerator, frac.denominator
     e = two_e.bit_length() - 1
-    denom_small = two_e + m
+    scale = (two_e + m) << _FIXED_BITS
     table = []
-    mk = 1
-    k = 0
+    pk = 1 << _FIXED_BITS
     while True:
-        k += 1
-        mk *= m
-        # floor(2 m^k 2^e 2^63 / (2^(ek) (2^e + m)))
-        t = (((2 * mk) << (_U_BITS + e)) >> (e * k)) // denom_small
-        table.append(t)
-        if t == 0:
+        pk = (pk * m) >> e
+        s = ((pk << (_U_BITS + 1 + e)) // scale)  # floor(2 P_k 2^63 2^e / ((2^e + m) 2^192))
+        table.append(s)
+        if s == 0:
             break
-    desc = np.array(table, dtype=np.uint64)  # t_1 >= t_2 >= ... >= t_K == 0
+    desc = np.array(table, dtype=np.uint64)
     return desc[::-1].copy(), m, e
 
 
@@ -200,8 +210,10 @@ def discrete_laplace(p: float, size, rng=None) -> np.ndarray:
     right = np.searchsorted(asc, u, side="right")
     # Number of thresholds strictly above u; asc has len(asc) entries (k = 1..K).
     mag = (len(asc) - right).astype(np.int64)
-    # A tie is u equal to some threshold: then the entry just left of `right` equals u.
-    ties = np.flatnonzero(asc[np.maximum(right - 1, 0)] == u)
+    # Undecided: u within one above some s_k (s_k <= t_k <= s_k + 1, see _tail_table). The
+    # entry just left of `right` is the largest s_k <= u.
+    below = asc[np.maximum(right - 1, 0)]
+    ties = np.flatnonzero(u - below <= np.uint64(1))
     for i in ties:  # probability ~2**-63 each; exact scalar resolution
         first_tied_k = int(len(asc) - right[i]) + 1
         mag[i] = _resolve_tie(int(u[i]), first_tied_k, m, e, source)

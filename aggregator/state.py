@@ -265,6 +265,8 @@ class PanPrivateHistogram:
         obj._counts = counts.astype(np.int64)  # own, writable copy
         obj._layers = int(body["layers"])
         obj._n = int(body["n"])
+        if obj._layers < 1 or obj._n < 0:
+            raise SnapshotError("snapshot has a negative event count or no noise layer")
         return obj
 
     def __repr__(self) -> str:
