@@ -25,7 +25,7 @@ from .estimate import anonymized_histogram
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
-__all__ = ["MODELS", "make_release", "write_release", "plot_rank_frequency"]
+__all__ = ["MODELS", "make_release", "package_release", "write_release", "plot_rank_frequency"]
 
 MODELS = ("joint", "state-only")
 STATE_ONLY_CAVEAT = (
@@ -50,35 +50,43 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
         counts = counts + discrete_laplace(state.p, state.size, rng=rng)
         layers += 1
     hist = anonymized_histogram(counts, state.p, layers=layers, loss=loss, n=state.n)
+    release = package_release(
+        hist, window=window, n=state.n, epsilon=state.epsilon, neighbor=state.neighbor,
+        model=model, extra={"p": state.p, "layers": layers, "loss": loss,
+                            "domain": {"mode": state.mode, "size": state.size}})
+    release["release_seconds"] = time.perf_counter() - started
+    if model == "state-only":
+        release["caveat"] = STATE_ONLY_CAVEAT
+    return release
+
+
+def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: str,
+                    extra: dict | None = None) -> dict:
+    """The release document for an anonymized histogram (prevalence form plus properties)."""
+    hist = np.asarray(hist, dtype=np.int64)
     vals, phis = properties.prevalences(hist)
     n_hat = int(hist.sum())
     props = {
         "entropy_nats": properties.entropy(hist),
         "entropy_miller_madow_nats": properties.entropy(hist, correction="miller-madow"),
         "distinct_items": int(len(hist)),
-        "support_coverage_2n": properties.support_coverage(hist, 2 * max(n_hat, 1)) if n_hat else 0.0,
+        "support_coverage_2n": properties.support_coverage(hist, 2 * n_hat) if n_hat else 0.0,
     }
     release = {
         "format": "panagg.release",
         "version": 1,
         "window": window,
         "created_unix": time.time(),
-        "n": state.n,
+        "n": n,
         "n_in_histogram": n_hat,
-        "epsilon": state.epsilon,
-        "neighbor": state.neighbor,
-        "p": state.p,
+        "epsilon": epsilon,
+        "neighbor": neighbor,
         "model": model,
-        "layers": layers,
-        "loss": loss,
-        "domain": {"mode": state.mode, "size": state.size},
-        "histogram": {"form": "prevalence", "pairs": [[int(r), int(c)] for r, c in
-                                                      zip(vals[::-1], phis[::-1])]},
-        "properties": props,
-        "release_seconds": time.perf_counter() - started,
     }
-    if model == "state-only":
-        release["caveat"] = STATE_ONLY_CAVEAT
+    release.update(extra or {})
+    release["histogram"] = {"form": "prevalence",
+                            "pairs": [[int(r), int(c)] for r, c in zip(vals[::-1], phis[::-1])]}
+    release["properties"] = props
     return release
 
 
@@ -108,7 +116,8 @@ def plot_rank_frequency(release: dict, path: Path) -> None:
         ax.loglog(np.arange(1, len(counts) + 1), counts, drawstyle="steps-post")
     ax.set_xlabel("rank")
     ax.set_ylabel("count")
-    ax.set_title(f"window {release['window']}: n={release['n']}, eps={release['epsilon']:g}, "
+    n_text = release["n"] if release["n"] is not None else release["n_in_histogram"]
+    ax.set_title(f"window {release['window']}: n={n_text}, eps={release['epsilon']:g}, "
                  f"{release['model']}")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

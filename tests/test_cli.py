@@ -45,3 +45,38 @@ def test_bad_flags_are_one_clear_line():
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert "Traceback" not in res.stderr
         assert lines[-1].startswith(("panagg: error:", "panagg demo: error:")), res.stderr
+
+
+def test_central_from_csv_counts_and_json_prevalences(tmp_path):
+    counts = tmp_path / "counts.csv"
+    counts.write_text("count\n" + "\n".join(str(c) for c in [400, 200, 120] + [3] * 50 + [1] * 300))
+    res = run("central", "--input", str(counts), "--epsilon", "2", "--output", str(tmp_path),
+              "--name", "a")
+    assert res.returncode == 0, res.stderr
+    rel = json.loads((tmp_path / "release-a.json").read_text())
+    assert rel["model"] == "central" and rel["algorithm"] == "dpanonhist" and rel["n"] is None
+    assert (tmp_path / "release-a.png").exists()
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps({"prevalences": [[1, 3000], [2, 800], [50, 4]]}))
+    res = run("central", "--input", str(prev), "--epsilon", "0.5", "--output", str(tmp_path),
+              "--name", "b")
+    assert res.returncode == 0, res.stderr
+    rel = json.loads((tmp_path / "release-b.json").read_text())
+    assert rel["algorithm"] == "privhist"
+    total = sum(r * c for r, c in rel["histogram"]["pairs"])
+    assert abs(total - (3000 + 1600 + 200)) < 1500
+
+
+def test_central_bad_inputs_are_one_line(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("1,2,3\n4,5,6\n")
+    neg = tmp_path / "neg.json"
+    neg.write_text("[3, -1]")
+    for args in (["central", "--input", str(bad), "--epsilon", "1"],
+                 ["central", "--input", str(neg), "--epsilon", "1"],
+                 ["central", "--input", str(tmp_path / "missing.csv"), "--epsilon", "1"],
+                 ["central", "--input", str(neg), "--epsilon", "0.5", "--algorithm", "dpanonhist"]):
+        res = run(*args)
+        assert res.returncode == 2, (args, res.stderr)
+        assert "Traceback" not in res.stderr and res.stderr.strip().startswith("panagg")
+        assert len(res.stderr.strip().splitlines()) == 1
