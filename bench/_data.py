@@ -1,0 +1,118 @@
+"""Shared synthetic-data and error helpers for the accuracy benchmarks.
+
+Benchmarks only: the noise here is drawn from a *seeded* numpy Generator so runs are
+reproducible. Seeded noise is not private; production code always uses the OS CSPRNG.
+
+Item distributions over a domain [D] (items sampled multinomially, n events):
+
+* ``zipf``      weights 1 / i**1.1, i = 1..D
+* ``uniform``   weights 1
+* ``geometric`` weights rho**i with rho = 1 - 10 / D (mean rank about D / 10, so the support
+                 that matters scales with D instead of collapsing to a handful of items)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from aggregator.estimate import l1_distance
+from aggregator.noise import discrete_laplace
+
+DISTRIBUTIONS = ("zipf", "uniform", "geometric")
+
+
+def weights(dist: str, D: int) -> np.ndarray:
+    i = np.arange(1, D + 1, dtype=np.float64)
+    if dist == "zipf":
+        w = i ** -1.1
+    elif dist == "uniform":
+        w = np.ones(D)
+    elif dist == "geometric":
+        rho = 1.0 - 10.0 / D if D > 20 else 0.5
+        w = np.exp((i - 1) * math.log(rho))
+    else:
+        raise ValueError(dist)
+    return w / w.sum()
+
+
+def true_counts(rng: np.random.Generator, dist: str, D: int, n: int) -> np.ndarray:
+    """h_j for j in [D]: n events drawn i.i.d. from the item distribution."""
+    return rng.multinomial(n, weights(dist, D)).astype(np.int64)
+
+
+def noisy(rng: np.random.Generator, h: np.ndarray, p: float, layers: int) -> np.ndarray:
+    """h + sum of ``layers`` independent DLap(p) layers (seeded; benchmark only)."""
+    out = h.copy()
+    for _ in range(layers):
+        out += discrete_laplace(p, len(h), rng=rng)
+    return out
+
+
+def naive(noisy_counts: np.ndarray) -> np.ndarray:
+    """Baseline: sort the noisy counts, drop values <= 0."""
+    x = np.sort(noisy_counts)[::-1]
+    return x[x > 0]
+
+
+def l2sq_distance(a, b) -> int:
+    """Squared l2 between anonymized histograms (sorted decreasing, zero-padded)."""
+    a = np.sort(np.asarray(a, dtype=np.int64))[::-1]
+    b = np.sort(np.asarray(b, dtype=np.int64))[::-1]
+    m = max(len(a), len(b))
+    a = np.concatenate([a, np.zeros(m - len(a), np.int64)])
+    b = np.concatenate([b, np.zeros(m - len(b), np.int64)])
+    d = (a - b).astype(np.float64)
+    return float(np.dot(d, d))
+
+
+def errors(h, est) -> tuple[float, float]:
+    return float(l1_distance(h, est)), l2sq_distance(h, est)
+
+
+def c_p(p: float) -> float:
+    return p * p / (1 - p) ** 5 + p / (1 - p)
+
+
+def theorem9_shape(p: float, n: int, D: int) -> float:
+    """sqrt(C_p (n + D) log n): the *shape* of Theorem 9's bound (constant 1, not exact)."""
+    return math.sqrt(c_p(p) * (n + D) * math.log(max(n, 2)))
+
+
+def mean_se(xs) -> tuple[float, float]:
+    x = np.asarray(xs, dtype=np.float64)
+    if len(x) == 0:
+        return float("nan"), float("nan")
+    if len(x) == 1:
+        return float(x[0]), float("nan")
+    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x)))
+
+
+def _num(v: float, digits: int) -> str:
+    a = abs(v)
+    if v == 0:
+        return "0"
+    if a >= 1e7 or a < 1e-2:
+        return f"{v:.{digits - 1}e}"
+    if a >= 100:
+        return f"{v:.0f}"
+    return f"{v:.{digits}g}"
+
+
+def fmt(m: float, se: float, digits: int = 3) -> str:
+    """'mean ± se' with readable numbers ('-' when there is no data)."""
+    if math.isnan(m):
+        return "-"
+    return _num(m, digits) if math.isnan(se) else f"{_num(m, digits)} ± {_num(se, digits)}"
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.s = time.perf_counter() - self.t0
+        return False
