@@ -1,13 +1,15 @@
 """``panagg``: command-line entry point.
 
-Subcommands present now: ``demo`` (synthetic login events -> pan-private state -> release files,
-no Kafka) and ``central`` (a trusted curator's file of counts -> central-model DP release).
+Subcommands: ``run`` (the service), ``demo`` (synthetic login events through the same pipeline,
+no Kafka), ``release`` (close the current window now), ``audit export|verify|show`` and ``central``
+(a trusted curator's file of counts -> central-model DP release).
 Errors a user can fix print one line and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -51,11 +53,86 @@ def _progress(done: int, total: int, started: float) -> None:
     sys.stderr.flush()
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from consumers.generator import ZipfLogins
+def _setup_logging(verbose: bool = False) -> None:
+    import logging
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("kafka").setLevel(logging.WARNING)
 
-    from .release import make_release, write_release
-    from .state import PanPrivateHistogram
+
+def _make_source(cfg: dict):
+    src = cfg["source"]
+    if src["kind"] == "kafka":
+        from consumers.kafka_source import KafkaSource
+        return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"])
+    if src["kind"] == "file":
+        from consumers.file_source import FileSource
+        return FileSource(src["path"], fmt="json" if src["format"] == "json" else "msgpack",
+                          batch=src["max_records"])
+    from consumers.generator import GeneratorSource, ZipfLogins
+    gen = ZipfLogins(events=src["generator_events"], accounts=cfg["state"]["domain_size"],
+                     s=src["generator_zipf"], batch=src["max_records"],
+                     seed=None if src["generator_seed"] < 0 else src["generator_seed"])
+    return GeneratorSource(gen, rate=src["generator_rate"] or None)
+
+
+def _run_service(cfg: dict, idle_exit_s: float | None = None) -> int:
+    import signal
+
+    from .metrics import Metrics
+    from .service import Aggregator
+
+    metrics = Metrics()
+    try:
+        source = _make_source(cfg)
+    except Exception as exc:
+        if type(exc).__name__ in ("NoBrokersAvailable", "KafkaConfigurationError"):
+            raise UsageError(f"cannot reach Kafka at {cfg['source']['bootstrap']} "
+                             f"({type(exc).__name__}); check source.bootstrap") from None
+        raise
+    agg = Aggregator(cfg, source, metrics)
+    if cfg["metrics"]["port"] >= 0:
+        try:
+            port = metrics.serve(cfg["metrics"]["host"], cfg["metrics"]["port"])
+        except OSError as exc:
+            raise UsageError(f"cannot serve metrics on {cfg['metrics']['host']}:"
+                             f"{cfg['metrics']['port']} ({exc.strerror}); set metrics.port "
+                             "(0 = any free port, -1 = off)") from None
+        print(f"metrics on http://{cfg['metrics']['host']}:{port}/metrics", file=sys.stderr)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agg.stop_event.set())
+    try:
+        agg.run(idle_exit_s=idle_exit_s)
+    finally:
+        metrics.close()
+    return 0
+
+
+def _load(args: argparse.Namespace, extra: list[str]) -> dict:
+    from .config import ConfigError, load_config
+
+    sets = list(getattr(args, "set", None) or []) + extra
+    try:
+        return load_config(getattr(args, "config", None), sets)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    extra = []
+    for flag, key in (("bootstrap", "source.bootstrap"), ("topic", "source.topic"),
+                      ("epsilon", "state.epsilon"), ("state_dir", "checkpoint.dir"),
+                      ("release_dir", "release.dir"), ("metrics_port", "metrics.port")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            extra.append(f"{key}={value}")
+    cfg = _load(args, extra)
+    _setup_logging(args.verbose)
+    return _run_service(cfg, idle_exit_s=args.exit_when_idle)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
 
     windows = args.windows
     per_window = args.events // windows
@@ -64,19 +141,129 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          "give at least one event per window")
     print(f"panagg demo: {args.events:,} synthetic logins over {args.accounts:,} accounts "
           f"(Zipf {args.zipf}), eps={args.epsilon}, model={args.model}, {windows} window(s)")
-    for w in range(windows):
-        state = PanPrivateHistogram(epsilon=args.epsilon, size=args.accounts)
-        gen = ZipfLogins(events=per_window + (args.events % windows if w == windows - 1 else 0),
-                         accounts=args.accounts, s=args.zipf)
-        started = time.perf_counter()
-        for batch in gen.iter_batches():
-            state.update(batch)
-            _progress(state.n, gen.events, started)
-        release = make_release(state, model=args.model, window=w)
-        path = write_release(release, args.output)
-        p = release["properties"]
-        print(f"window {w}: n={release['n']:,} released {p['distinct_items']:,} items, "
-              f"entropy {p['entropy_nats']:.3f} nats ({release['release_seconds']:.2f}s) -> {path}")
+    with tempfile.TemporaryDirectory(prefix="panagg-demo-") as state_dir:
+        cfg = _load(args, [
+            "source.kind=generator", f"source.generator_events={per_window * windows}",
+            f"source.generator_zipf={args.zipf}", f"state.domain_size={args.accounts}",
+            f"state.epsilon={args.epsilon}", f"state.model={args.model}",
+            "window.kind=count", f"window.size={per_window}", f"checkpoint.dir={state_dir}",
+            f"release.dir={args.output}", "metrics.port=-1"])
+        _setup_logging()
+        _run_service(cfg)
+    from pathlib import Path
+    for path in sorted(Path(args.output).glob("release-*.json")):
+        rel = json.loads(path.read_text())
+        p = rel["properties"]
+        print(f"window {rel['window']}: n={rel['n']:,} released {p['distinct_items']:,} items, "
+              f"entropy {p['entropy_nats']:.3f} nats -> {path}")
+    return 0
+
+
+def _control(cfg: dict, kind: str, timeout_s: float = 120.0) -> dict:
+    """Ask the running service to act (between batches) and wait for its answer."""
+    import uuid
+    from pathlib import Path
+
+    control = Path(cfg["checkpoint"]["dir"]) / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    rid = uuid.uuid4().hex[:12]
+    req = control / f"{kind}-{rid}.req"
+    req.write_text("")
+    done = req.with_suffix(".done")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done.exists():
+            result = json.loads(done.read_text())
+            done.unlink(missing_ok=True)
+            return result
+        time.sleep(0.1)
+    req.unlink(missing_ok=True)
+    raise UsageError(f"the running service did not answer the {kind} request within "
+                     f"{timeout_s:.0f} s; is it stuck? see its log")
+
+
+def _offline(cfg: dict):
+    """An Aggregator over the checkpoint with no source (the service is not running)."""
+    from consumers.base import Source
+
+    from .service import Aggregator
+
+    class _NoSource(Source):
+        def poll(self, timeout_s=1.0):
+            return []
+
+    agg = Aggregator(cfg, _NoSource())
+    agg._lock()
+    agg.restore()
+    return agg
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from .service import service_running
+
+    cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [])
+    if service_running(cfg["checkpoint"]["dir"]):
+        result = _control(cfg, "release")
+        if not result.get("ok"):
+            raise UsageError(result.get("error", "release failed"))
+        print(f"released window {result['window']}")
+        return 0
+    agg = _offline(cfg)
+    try:
+        rel = agg.close_window()
+    finally:
+        agg.close()
+    print("release refused by the ledger (see the log)" if rel is None else
+          f"released window {rel['window']} (n={rel['n']:,}) to {cfg['release']['dir']}")
+    return 0 if rel is not None else 1
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from state_store.audit import AuditKeyError, ExportError, load_key, read_export
+
+    from .state import PanPrivateHistogram
+
+    if args.audit_command == "export":
+        from .service import service_running
+        cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [])
+        try:
+            load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
+        except AuditKeyError as exc:
+            raise UsageError(str(exc)) from None
+        if service_running(cfg["checkpoint"]["dir"]):
+            result = _control(cfg, "export")
+            if not result.get("ok"):
+                raise UsageError(result.get("error", "export failed"))
+            print(result["path"])
+            return 0
+        agg = _offline(cfg)
+        try:
+            print(agg.export())
+        finally:
+            agg.close()
+        return 0
+    try:
+        key = load_key(args.key_file) if args.audit_command == "verify" else None
+        doc = read_export(args.file, key)
+    except (AuditKeyError, ExportError) as exc:
+        raise UsageError(str(exc)) from None
+    state = PanPrivateHistogram.deserialize(doc["state"])
+    if args.audit_command == "verify":
+        print(f"OK: {args.file} verifies (key id {doc['key_id']}), export {doc['export_id']}")
+        return 0
+    counts = state.counts
+    summary = {
+        "export_id": doc["export_id"], "created_unix": doc["created_unix"],
+        "signature_checked": False, "key_id": doc["key_id"], "window": doc["window"],
+        "offsets": doc["offsets"], "mode": state.mode, "size": state.size, "n": state.n,
+        "epsilon": state.epsilon, "neighbor": state.neighbor, "p": state.p, "layers": state.layers,
+        "counter_summary": {"min": int(counts.min()), "max": int(counts.max()),
+                            "mean": float(counts.mean())},
+    }
+    print(json.dumps(summary, indent=1))
+    if args.counters:
+        np.save(args.counters, counts)
+        print(f"counters written to {args.counters}", file=sys.stderr)
     return 0
 
 
@@ -178,6 +365,41 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--windows", type=_positive_int, default=1, help="tumbling windows")
     demo.add_argument("--output", default="out/releases", help="directory for release files")
     demo.set_defaults(func=cmd_demo)
+
+    run = sub.add_parser("run", help="run the service (config TOML + PANAGG_* env + flags)")
+    run.add_argument("--config", help="TOML config file (see docs/configuration.md)")
+    run.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                     help="override one config value (repeatable)")
+    run.add_argument("--bootstrap", help="Kafka bootstrap servers (source.bootstrap)")
+    run.add_argument("--topic", help="Kafka topic to count (source.topic)")
+    run.add_argument("--epsilon", type=_positive_float, help="state.epsilon")
+    run.add_argument("--state-dir", help="checkpoint.dir")
+    run.add_argument("--release-dir", help="release.dir")
+    run.add_argument("--metrics-port", type=int, help="metrics.port (0 any, -1 off)")
+    run.add_argument("--exit-when-idle", type=_positive_float, metavar="SECONDS",
+                     help="stop (with a final checkpoint) after this long without events")
+    run.add_argument("-v", "--verbose", action="store_true")
+    run.set_defaults(func=cmd_run)
+
+    rel = sub.add_parser("release", help="close the current window now and publish its release")
+    rel.add_argument("--config")
+    rel.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    rel.add_argument("--state-dir", help="checkpoint.dir")
+    rel.set_defaults(func=cmd_release)
+
+    aud = sub.add_parser("audit", help="signed state exports for auditors")
+    aud_sub = aud.add_subparsers(dest="audit_command", required=True)
+    exp = aud_sub.add_parser("export", help="write a signed, ledgered snapshot of the live state")
+    exp.add_argument("--config")
+    exp.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    exp.add_argument("--state-dir", help="checkpoint.dir")
+    ver = aud_sub.add_parser("verify", help="check an export's signature")
+    ver.add_argument("file")
+    ver.add_argument("--key-file", help="hex key file (or PANAGG_AUDIT_KEY)")
+    show = aud_sub.add_parser("show", help="print an export's metadata and counter summary")
+    show.add_argument("file")
+    show.add_argument("--counters", metavar="NPY", help="also save the noisy counters to NPY")
+    aud.set_defaults(func=cmd_audit)
     cen = sub.add_parser("central", help="central-model DP release of a file of counts "
                                          "(trusted curator)")
     cen.add_argument("--input", required=True, help="CSV or JSON of counts or prevalences")

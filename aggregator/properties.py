@@ -64,12 +64,12 @@ def entropy(hist, *, correction: str | None = None, base: float = math.e) -> flo
     n = h.sum()
     if n == 0:
         return 0.0
-    H = math.log(n) - float(np.dot(h, np.log(h))) / n
+    H = math.log(n) - float(np.dot(h, np.log(h))) / float(n)
     if correction == "miller-madow":
-        H += (len(h) - 1) / (2.0 * n)
+        H += (len(h) - 1) / (2.0 * float(n))
     elif correction is not None:
         raise ValueError(f"correction must be None or 'miller-madow', got {correction!r}")
-    return H / math.log(base)
+    return float(H / math.log(base))
 
 
 def support_coverage(hist, m: int, *, smoothing: str = "binomial", r: float | None = None) -> float:

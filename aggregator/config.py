@@ -1,0 +1,197 @@
+"""Service configuration: defaults, then a TOML file, then ``PANAGG_<SECTION>_<KEY>`` environment
+variables, then command-line ``--set section.key=value`` flags (last one wins).
+
+Every value is checked; a bad one raises :class:`ConfigError` with one line that names the key,
+the value, what is expected and where to fix it. docs/configuration.md lists every key.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tomllib
+
+__all__ = ["DEFAULTS", "ConfigError", "load_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration mistake the user can fix from the message alone."""
+
+
+DEFAULTS: dict[str, dict] = {
+    "source": {
+        "kind": "kafka",            # kafka | file | generator
+        "bootstrap": "127.0.0.1:9092",
+        "topic": "events",
+        "group": "panagg",
+        "format": "msgpack",        # msgpack | json
+        "max_records": 20000,
+        "dead_letter_topic": "",    # empty: no dead-letter topic
+        "path": "",                 # file source: path or "-" for stdin
+        "max_message_bytes": 65536,
+        "max_item_bytes": 1024,
+        "generator_events": 1000000,  # generator source
+        "generator_zipf": 1.1,
+        "generator_rate": 0.0,        # events/s; 0 = as fast as possible
+        "generator_seed": -1,         # -1: fresh
+    },
+    "state": {
+        "mode": "direct",           # direct | hashed
+        "domain_size": 100000,      # direct mode: items are ints in [0, domain_size)
+        "buckets": 0,               # hashed mode: 0 = choose from expected_n
+        "expected_n": 1000000,      # hashed mode: events expected per window
+        "epsilon": 1.0,
+        "model": "joint",           # joint | state-only
+        "loss": "l1",               # l1 | l2
+    },
+    "window": {
+        "kind": "count",            # count | time
+        "size": 1000000,            # events (count) or seconds (time)
+    },
+    "checkpoint": {
+        "dir": "var/panagg",
+        "every_events": 200000,
+        "every_seconds": 10.0,
+    },
+    "release": {
+        "dir": "out/releases",
+        "topic": "",                # empty: releases only go to files
+        "on_exhausted": True,       # finite sources: release the partial last window
+    },
+    "ledger": {
+        "budget_per_window": 0.0,   # 0: equal to state.epsilon (one release per window)
+        "budget_total": 0.0,        # 0: no cap across windows
+    },
+    "metrics": {
+        "host": "127.0.0.1",
+        "port": 9464,               # 0: pick a free port; -1: disabled
+    },
+    "audit": {
+        "key_file": "",             # or PANAGG_AUDIT_KEY (hex)
+        "dir": "",                  # empty: <checkpoint.dir>/exports
+    },
+    "testing": {
+        "noise_seed": -1,           # TEST ONLY (needs PANAGG_TESTING=1): deterministic noise
+    },
+}
+
+_CHOICES = {
+    ("source", "kind"): ("kafka", "file", "generator"),
+    ("source", "format"): ("msgpack", "json"),
+    ("state", "mode"): ("direct", "hashed"),
+    ("state", "model"): ("joint", "state-only"),
+    ("state", "loss"): ("l1", "l2"),
+    ("window", "kind"): ("count", "time"),
+}
+_POSITIVE = {("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
+             ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
+             ("window", "size"), ("checkpoint", "every_events"), ("checkpoint", "every_seconds")}
+_NON_NEGATIVE = {("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
+                 ("ledger", "budget_per_window"), ("ledger", "budget_total")}
+
+
+def _where(section: str, key: str) -> str:
+    return f"set it in the config file [{section}] or PANAGG_{section.upper()}_{key.upper()}"
+
+
+def _coerce(section: str, key: str, value, default):
+    """Convert ``value`` (from TOML, env or flags) to the type of ``default``."""
+    name = f"{section}.{key}"
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, int):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if isinstance(default, float):
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+            if not math.isfinite(out):
+                raise ValueError
+            return out
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError
+        return str(value)
+    except (TypeError, ValueError):
+        kind = {bool: "true or false", int: "a whole number", float: "a number",
+                str: "a string"}[type(default)]
+        raise ConfigError(f"{name} must be {kind}, got {value!r}; {_where(section, key)}") from None
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None,
+                env: dict | None = None) -> dict:
+    """The merged, validated configuration as a dict of sections."""
+    cfg = copy.deepcopy(DEFAULTS)
+    env = os.environ if env is None else env
+    if path:
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found; pass an existing file to --config") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        for section, values in doc.items():
+            if section not in cfg or not isinstance(values, dict):
+                raise ConfigError(f"unknown config section [{section}] in {path}; known: "
+                                  f"{', '.join(sorted(cfg))}")
+            for key, value in values.items():
+                if key not in cfg[section]:
+                    raise ConfigError(f"unknown key {section}.{key} in {path}; known in "
+                                      f"[{section}]: {', '.join(sorted(cfg[section]))}")
+                cfg[section][key] = _coerce(section, key, value, DEFAULTS[section][key])
+    for section, values in cfg.items():
+        for key in values:
+            var = f"PANAGG_{section.upper()}_{key.upper()}"
+            if var in env:
+                cfg[section][key] = _coerce(section, key, env[var], DEFAULTS[section][key])
+    for item in overrides or []:
+        name, sep, value = item.partition("=")
+        section, _, key = name.strip().partition(".")
+        if not sep or section not in cfg or key not in cfg[section]:
+            raise ConfigError(f"--set {item!r}: expected section.key=value with a known key, "
+                              "e.g. --set window.size=100000")
+        cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: dict) -> None:
+    for (section, key), choices in _CHOICES.items():
+        if cfg[section][key] not in choices:
+            raise ConfigError(f"{section}.{key} must be one of {', '.join(choices)}, got "
+                              f"{cfg[section][key]!r}; {_where(section, key)}")
+    for section, key in _POSITIVE:
+        if not cfg[section][key] > 0:
+            raise ConfigError(f"{section}.{key} must be positive, got {cfg[section][key]!r}; "
+                              f"{_where(section, key)}")
+    for section, key in _NON_NEGATIVE:
+        if cfg[section][key] < 0:
+            raise ConfigError(f"{section}.{key} must be >= 0, got {cfg[section][key]!r}; "
+                              f"{_where(section, key)}")
+    if cfg["state"]["epsilon"] < 1e-3:
+        raise ConfigError("state.epsilon must be >= 0.001 (below that the noise drowns every "
+                          f"count), got {cfg['state']['epsilon']!r}")
+    src = cfg["source"]
+    if src["kind"] == "file" and not src["path"]:
+        raise ConfigError("source.kind = file needs source.path (a file, or - for stdin); "
+                          + _where("source", "path"))
+    if src["kind"] == "kafka" and not src["topic"]:
+        raise ConfigError("source.topic must name the Kafka topic to count; "
+                          + _where("source", "topic"))
+    if cfg["metrics"]["port"] < -1 or cfg["metrics"]["port"] > 65535:
+        raise ConfigError("metrics.port must be -1 (off), 0 (any free port) or 1..65535; "
+                          + _where("metrics", "port"))
+    if cfg["testing"]["noise_seed"] >= 0 and os.environ.get("PANAGG_TESTING") != "1":
+        raise ConfigError("testing.noise_seed makes the noise predictable and is refused outside "
+                          "tests; remove it (tests also set PANAGG_TESTING=1)")

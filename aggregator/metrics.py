@@ -1,0 +1,75 @@
+"""Prometheus metrics of the service (prometheus-client), bound to 127.0.0.1 by default.
+
+Everything exported is public-safe: event counts (n is public under replace-one neighbors),
+decode errors by reason, release/checkpoint timings, window progress, consumer lag per partition
+and the privacy budget spent. Never a per-item or per-counter value, never a payload.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               start_http_server)
+
+from consumers.decode import REASONS
+
+__all__ = ["Metrics"]
+
+disable_created_metrics()  # *_created series only add noise to dashboards
+
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.events = Counter("panagg_events", "Events counted into the state", registry=r)
+        self.decode_errors = Counter("panagg_decode_errors", "Messages rejected, by reason",
+                                     ["reason"], registry=r)
+        for reason in REASONS:
+            self.decode_errors.labels(reason=reason)
+        self.dead_letters = Counter("panagg_dead_letters", "Rejected messages sent to the "
+                                    "dead-letter topic", registry=r)
+        self.releases = Counter("panagg_releases", "Window releases published", registry=r)
+        self.releases_refused = Counter("panagg_releases_refused", "Releases refused by the "
+                                        "privacy ledger (over budget)", registry=r)
+        self.exports = Counter("panagg_audit_exports", "Signed audit exports written", registry=r)
+        self.last_release = Gauge("panagg_last_release_timestamp_seconds", "Unix time of the last "
+                                  "published release", registry=r)
+        self.release_duration = Histogram("panagg_release_duration_seconds", "Time to estimate "
+                                          "and publish a release", buckets=_SECONDS, registry=r)
+        self.checkpoint_duration = Histogram("panagg_checkpoint_duration_seconds", "Time to write "
+                                             "a checkpoint durably", buckets=_SECONDS, registry=r)
+        self._last_checkpoint = time.time()
+        self.checkpoint_age = Gauge("panagg_checkpoint_age_seconds", "Seconds since the last "
+                                    "durable checkpoint", registry=r)
+        self.checkpoint_age.set_function(lambda: time.time() - self._last_checkpoint)
+        self.window_id = Gauge("panagg_window_id", "Index of the current window", registry=r)
+        self.window_events = Gauge("panagg_window_events", "Events counted in the current window",
+                                   registry=r)
+        self.window_progress = Gauge("panagg_window_progress_ratio", "Fraction of the current "
+                                     "window done (events or time)", registry=r)
+        self.lag = Gauge("panagg_consumer_lag_records", "Records behind the partition end",
+                         ["partition"], registry=r)
+        self.budget_spent = Gauge("panagg_budget_spent_epsilon", "Epsilon spent by all ledgered "
+                                  "releases", registry=r)
+        self.epsilon = Gauge("panagg_epsilon", "Configured epsilon of each window", registry=r)
+        self._server = None
+
+    def checkpointed(self, seconds: float) -> None:
+        self.checkpoint_duration.observe(seconds)
+        self._last_checkpoint = time.time()
+
+    def serve(self, host: str = "127.0.0.1", port: int = 9464) -> int:
+        """Start the HTTP exposition endpoint; returns the bound port (0 picks a free one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,46 @@
+"""The one small interface every event source implements.
+
+A source hands out :class:`Segment` s: consecutive records of one partition (a Kafka partition, a
+file, the generator), each with its offset and raw value bytes. The service decodes values, counts
+items, and stores ``next offset`` per partition inside its checkpoint; on restart it calls
+:meth:`Source.seek` with those offsets, which is what makes counting exactly-once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Segment", "Source"]
+
+
+@dataclass
+class Segment:
+    partition: str          # stable key, e.g. "logins:3", "file:events.jsonl", "generator"
+    offsets: list[int]      # offset of each record, increasing
+    values: list[bytes]     # raw message values, same length as offsets
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+class Source:
+    """Base class: override ``poll``; the rest have safe defaults."""
+
+    #: True once a finite source has delivered everything (files, the generator).
+    exhausted: bool = False
+
+    def seek(self, offsets: dict[str, int]) -> None:
+        """Resume each partition at the given next offset (from a checkpoint)."""
+
+    def poll(self, timeout_s: float = 1.0) -> list[Segment]:
+        raise NotImplementedError
+
+    def commit(self, offsets: dict[str, int]) -> None:
+        """Report progress upstream (Kafka: group offsets, for lag monitoring only)."""
+
+    def lag(self) -> dict[str, int] | None:
+        """Records behind the end of each partition, where the source knows it."""
+        return None
+
+    def close(self) -> None:
+        """Release resources."""

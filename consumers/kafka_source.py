@@ -1,0 +1,122 @@
+"""Kafka source (kafka-python): consumer group, auto-commit off, offsets from the checkpoint.
+
+Exactly-once counting does not rely on Kafka's committed offsets: the service keeps the next
+offset of every partition inside its checkpoint, and on (re)assignment this source seeks each
+partition there. Offsets are committed to the group only after a checkpoint is durable, and only
+so that lag shows up in the usual Kafka tooling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kafka import ConsumerRebalanceListener, KafkaConsumer
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from .base import Segment, Source
+
+__all__ = ["KafkaSource", "partition_key", "parse_partition_key"]
+
+log = logging.getLogger("panagg.kafka")
+
+
+def partition_key(topic: str, partition: int) -> str:
+    return f"{topic}:{partition}"
+
+
+def parse_partition_key(key: str) -> TopicPartition:
+    topic, _, part = key.rpartition(":")
+    return TopicPartition(topic, int(part))
+
+
+class _SeekOnAssign(ConsumerRebalanceListener):
+    def __init__(self, source: "KafkaSource"):
+        self.source = source
+
+    def on_partitions_revoked(self, revoked):
+        self.source.assigned -= {partition_key(tp.topic, tp.partition) for tp in revoked}
+
+    def on_partitions_assigned(self, assigned):
+        for tp in assigned:
+            key = partition_key(tp.topic, tp.partition)
+            self.source.assigned.add(key)
+            if key in self.source.start_offsets:
+                self.source.consumer.seek(tp, self.source.start_offsets[key])
+        log.info("assigned partitions: %s", sorted(self.source.assigned))
+
+
+class KafkaSource(Source):
+    """Records of ``topic`` for consumer group ``group``.
+
+    Parameters
+    ----------
+    bootstrap
+        Broker list, e.g. ``"127.0.0.1:9092"``.
+    topic, group
+        Topic to count and consumer group id.
+    max_records
+        Records per poll (the batch the service counts at once).
+    consumer_config
+        Extra kafka-python ``KafkaConsumer`` settings.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, group: str, max_records: int = 20000,
+                 consumer_config: dict | None = None):
+        self.topic, self.group, self.max_records = topic, group, int(max_records)
+        self.start_offsets: dict[str, int] = {}
+        self.assigned: set[str] = set()
+        config = dict(
+            bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+            auto_offset_reset="earliest", max_poll_records=self.max_records,
+            fetch_max_bytes=64 * 1024 * 1024, max_partition_fetch_bytes=16 * 1024 * 1024,
+            client_id=f"panagg-{group}",
+        )
+        config.update(consumer_config or {})
+        self.consumer = KafkaConsumer(**config)
+        self.consumer.subscribe([topic], listener=_SeekOnAssign(self))
+        self._lag_cache: tuple[float, dict[str, int]] | None = None
+
+    def seek(self, offsets: dict[str, int]) -> None:
+        self.start_offsets = {k: int(v) for k, v in offsets.items()
+                              if k.rpartition(":")[0] == self.topic}
+        for key in self.assigned:  # already assigned (seek after the first poll)
+            if key in self.start_offsets:
+                self.consumer.seek(parse_partition_key(key), self.start_offsets[key])
+
+    def poll(self, timeout_s: float = 1.0) -> list[Segment]:
+        polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        segments = []
+        for tp, records in polled.items():
+            if records:
+                segments.append(Segment(partition_key(tp.topic, tp.partition),
+                                        [r.offset for r in records], [r.value for r in records]))
+        return segments
+
+    def commit(self, offsets: dict[str, int]) -> None:
+        mine = {parse_partition_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()
+                if k in self.assigned}
+        if mine:
+            try:
+                self.consumer.commit(mine)
+            except Exception as exc:  # lag reporting only: never fatal
+                log.warning("offset commit for lag monitoring failed: %s", type(exc).__name__)
+
+    def lag(self) -> dict[str, int] | None:
+        now = time.monotonic()
+        if self._lag_cache and now - self._lag_cache[0] < 5.0:
+            return self._lag_cache[1]
+        tps = [parse_partition_key(k) for k in self.assigned]
+        if not tps:
+            return {}
+        try:
+            ends = self.consumer.end_offsets(tps)
+            lag = {partition_key(tp.topic, tp.partition):
+                   max(0, ends[tp] - self.consumer.position(tp)) for tp in tps}
+        except Exception:
+            return None
+        self._lag_cache = (now, lag)
+        return lag
+
+    def close(self) -> None:
+        self.consumer.close(autocommit=False)

@@ -1,0 +1,148 @@
+"""Atomic local-directory store for checkpoints.
+
+A checkpoint is one file, written as: temp file in the same directory -> write -> fsync ->
+rename over the final name -> fsync the directory. A crash at any instant leaves either the old
+checkpoint or the new one, never a torn file; a checksum (SHA-256 over the header and the state
+bytes) is verified on load anyway. Only the latest checkpoint is kept.
+
+Checkpoint contents: the state snapshot (:meth:`PanPrivateHistogram.serialize`), the window
+metadata, the next offset of every source partition, and releases computed but not yet published
+(so a crash between closing a window and publishing it re-publishes the same document instead of
+releasing the window twice).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+
+__all__ = ["Checkpoint", "CheckpointError", "LocalStore", "atomic_write"]
+
+_FORMAT = "panagg.checkpoint"
+_VERSION = 1
+_NAME = re.compile(r"^checkpoint-(\d{12})\.ckpt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted (corrupt, truncated, foreign format)."""
+
+
+@dataclass
+class Checkpoint:
+    state: bytes                              # PanPrivateHistogram.serialize()
+    window: dict                              # id, kind, events, started_unix, ...
+    offsets: dict[str, int]                   # next offset per source partition
+    pending: list[str] = field(default_factory=list)  # release JSON documents not yet published
+    seq: int = 0
+
+
+def _fault(point: str) -> None:
+    """Test-only fault injection: PANAGG_TEST_FAULT=point:N kills the process (SIGKILL) the Nth
+    time ``point`` is reached. Ignored unless PANAGG_TESTING=1."""
+    spec = os.environ.get("PANAGG_TEST_FAULT")
+    if not spec or os.environ.get("PANAGG_TESTING") != "1":
+        return
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return
+    count = _fault.counts.get(point, 0) + 1
+    _fault.counts[point] = count
+    if count == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_fault.counts = {}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, chunks, fault_prefix: str | None = None) -> None:
+    """Write ``chunks`` (bytes-like) to ``path`` atomically and durably."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        for i, chunk in enumerate(chunks):
+            f.write(chunk)
+            if fault_prefix and i == 0:
+                f.flush()
+                _fault(f"{fault_prefix}-mid-write")
+        f.flush()
+        os.fsync(f.fileno())
+    if fault_prefix:
+        _fault(f"{fault_prefix}-before-rename")
+    os.replace(tmp, path)
+    if fault_prefix:
+        _fault(f"{fault_prefix}-after-rename")
+    _fsync_dir(path.parent)
+
+
+def _digest(header: dict, state: bytes) -> bytes:
+    h = hashlib.sha256(msgpack.packb(header, use_bin_type=True))
+    h.update(state)
+    return h.digest()
+
+
+class LocalStore:
+    """Checkpoints in a local directory (created if missing)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".checkpoint-*.tmp-*"):  # left by a crash mid-write
+            stale.unlink(missing_ok=True)
+
+    def _files(self) -> list[tuple[int, Path]]:
+        out = []
+        for p in self.dir.iterdir():
+            m = _NAME.match(p.name)
+            if m:
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    def save(self, ckpt: Checkpoint) -> Path:
+        files = self._files()
+        ckpt.seq = (files[-1][0] + 1) if files else 1
+        header = {"format": _FORMAT, "version": _VERSION, "seq": ckpt.seq, "window": ckpt.window,
+                  "offsets": ckpt.offsets, "pending": ckpt.pending}
+        body = msgpack.packb(dict(header, checksum=_digest(header, ckpt.state)), use_bin_type=True)
+        path = self.dir / f"checkpoint-{ckpt.seq:012d}.ckpt"
+        # frame: 8-byte header length, header, state bytes
+        atomic_write(path, [len(body).to_bytes(8, "little") + body, ckpt.state],
+                     fault_prefix="checkpoint")
+        for _, old in files:  # only the latest is kept
+            old.unlink(missing_ok=True)
+        return path
+
+    def load_latest(self) -> Checkpoint | None:
+        files = self._files()
+        if not files:
+            return None
+        seq, path = files[-1]
+        data = path.read_bytes()
+        try:
+            hlen = int.from_bytes(data[:8], "little")
+            header = msgpack.unpackb(data[8:8 + hlen], raw=False, strict_map_key=False)
+            state = data[8 + hlen:]
+            checksum = header.pop("checksum")
+        except Exception:
+            raise CheckpointError(f"{path} is not a readable checkpoint; move it away to start "
+                                  "over (its window would be lost)") from None
+        if header.get("format") != _FORMAT or header.get("version") != _VERSION:
+            raise CheckpointError(f"{path} has an unknown checkpoint format")
+        if _digest(header, state) != checksum:
+            raise CheckpointError(f"{path} failed its checksum (corrupt); move it away to start "
+                                  "over (its window would be lost)")
+        return Checkpoint(state=state, window=header["window"], offsets=header["offsets"],
+                          pending=list(header["pending"]), seq=seq)
