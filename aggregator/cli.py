@@ -108,12 +108,20 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, extra: list[str]) -> dict:
+def _load(args: argparse.Namespace, extra: list[str], state_dir: str | None = None) -> dict:
+    """Config from --config / env / --set; with ``state_dir``, the service's saved config first."""
+    from pathlib import Path
+
     from .config import ConfigError, load_config
 
     sets = list(getattr(args, "set", None) or []) + extra
+    base = None
+    if state_dir and not getattr(args, "config", None):
+        saved = Path(state_dir) / "config.json"
+        if saved.exists():
+            base = json.loads(saved.read_text())
     try:
-        return load_config(getattr(args, "config", None), sets)
+        return load_config(getattr(args, "config", None), sets, base=base)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
 
@@ -201,7 +209,8 @@ def _offline(cfg: dict):
 def cmd_release(args: argparse.Namespace) -> int:
     from .service import service_running
 
-    cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [])
+    cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
+                state_dir=args.state_dir)
     if service_running(cfg["checkpoint"]["dir"]):
         result = _control(cfg, "release")
         if not result.get("ok"):
@@ -225,7 +234,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     if args.audit_command == "export":
         from .service import service_running
-        cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [])
+        cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
+                    state_dir=args.state_dir)
         try:
             load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
         except AuditKeyError as exc:
@@ -423,6 +433,16 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"panagg: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        # conditions the user can act on, raised deep in the service: one line, exit 2
+        from state_store.local import CheckpointError
+
+        from .service import ServiceError
+        from .state import SnapshotError
+        if isinstance(exc, (ServiceError, CheckpointError, SnapshotError)):
+            print(f"panagg: error: {exc}", file=sys.stderr)
+            return 2
+        raise
     except OSError as exc:
         print(f"panagg: error: {exc.strerror or exc} ({exc.filename or ''}); check the path "
               "and its permissions", file=sys.stderr)

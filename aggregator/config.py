@@ -129,9 +129,17 @@ def _coerce(section: str, key: str, value, default):
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None,
-                env: dict | None = None) -> dict:
-    """The merged, validated configuration as a dict of sections."""
+                env: dict | None = None, base: dict | None = None) -> dict:
+    """The merged, validated configuration as a dict of sections.
+
+    ``base`` (e.g. the effective config a service saved in its checkpoint directory) replaces
+    the built-in defaults; the file, the environment and the overrides still apply on top.
+    """
     cfg = copy.deepcopy(DEFAULTS)
+    for section, values in (base or {}).items():
+        for key, value in values.items():
+            if section in cfg and key in cfg[section]:
+                cfg[section][key] = _coerce(section, key, value, DEFAULTS[section][key])
     env = os.environ if env is None else env
     if path:
         try:

@@ -142,6 +142,12 @@ class Aggregator:
         f.flush()
         self._lock_file = f
 
+    def save_effective_config(self) -> None:
+        """Keep the running config next to the checkpoints, for offline release/export."""
+        tmp = self.dir / ".config.json.tmp"
+        tmp.write_text(json.dumps(self.cfg, indent=1, sort_keys=True))
+        os.replace(tmp, self.dir / "config.json")
+
     def restore(self) -> None:
         """Load the latest checkpoint, or start window 0 with fresh noise."""
         ckpt = self.store.load_latest()
@@ -183,6 +189,7 @@ class Aggregator:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
         self._lock()
         try:
+            self.save_effective_config()
             self.restore()
             self.source.seek(self.offsets)
             self._publish_pending()

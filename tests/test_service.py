@@ -1,0 +1,290 @@
+"""The service without Kafka: file replay through decode -> count -> checkpoint -> release.
+
+Exactly-once and crash behaviour are checked with the test-only deterministic noise source
+(testing.noise_seed, honoured only under PANAGG_TESTING=1): the final counters must equal that
+noise plus the true counts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aggregator.config import ConfigError, load_config
+from aggregator.noise import discrete_laplace, p_from_epsilon
+from aggregator.service import Aggregator
+from aggregator.state import PanPrivateHistogram
+from consumers.decode import REASONS, Decoder
+from consumers.file_source import FileSource
+from state_store.audit import ExportError, read_export
+from state_store.local import LocalStore
+
+D = 500
+SEED = 4242
+KEY_HEX = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
+
+
+def expected_noise(window=0, size=D, eps=1.0):
+    return discrete_laplace(p_from_epsilon(eps), size, rng=np.random.default_rng([SEED, 0, window]))
+
+
+def write_events(path: Path, items, bad=()):
+    """JSON lines: good events, plus bad lines inserted at given positions."""
+    lines = [json.dumps({"item": int(i), "ts": k}) for k, i in enumerate(items)]
+    for pos, raw in bad:
+        lines.insert(pos, raw)
+    path.write_text("\n".join(lines) + "\n")
+
+
+BAD_LINES = [
+    (3, "not json at all"),                       # undecodable
+    (10, json.dumps([1, 2, 3])),                  # not_a_map
+    (20, json.dumps({"user": 5})),                # missing_item
+    (30, json.dumps({"item": 1.5})),              # wrong_type
+    (40, json.dumps({"item": "alice"})),          # wrong_type (direct mode)
+    (50, json.dumps({"item": 10**6})),            # out_of_range
+    (60, json.dumps({"item": 1, "pad": "x" * 70000})),  # oversized
+]
+
+
+def cfg_for(tmp_path, path, **overrides):
+    sets = [f"source.kind=file", f"source.path={path}", "source.format=json",
+            "source.max_records=1000", f"state.domain_size={D}", "window.kind=count",
+            "window.size=1000000", f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}", "checkpoint.every_events=2000",
+            "metrics.port=-1", f"testing.noise_seed={SEED}"]
+    sets += [f"{k}={v}" for k, v in overrides.items()]
+    return load_config(None, sets)
+
+
+@pytest.fixture(autouse=True)
+def testing_env(monkeypatch):
+    monkeypatch.setenv("PANAGG_TESTING", "1")
+
+
+def final_state(tmp_path) -> PanPrivateHistogram:
+    ckpt = LocalStore(tmp_path / "state" / "checkpoints").load_latest()
+    return PanPrivateHistogram.deserialize(ckpt.state), ckpt
+
+
+def test_file_replay_counts_exactly_and_sorts_bad_input(tmp_path):
+    items = np.random.default_rng(1).integers(0, D, 9000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items, BAD_LINES)
+    cfg = cfg_for(tmp_path, path, **{"release.on_exhausted": "false"})
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
+    agg.run()
+    state, ckpt = final_state(tmp_path)
+    assert state.n == 9000 and ckpt.window["events"] == 9000
+    assert np.array_equal(state.counts, expected_noise() + np.bincount(items, minlength=D))
+    assert ckpt.offsets == {"file:events.jsonl": 9000 + len(BAD_LINES)}
+    errors = {r: agg.metrics.decode_errors.labels(reason=r)._value.get() for r in REASONS}
+    assert errors == {"undecodable": 1, "not_a_map": 1, "missing_item": 1, "wrong_type": 2,
+                      "out_of_range": 1, "oversized": 1}
+    assert agg.metrics.events._value.get() == 9000
+
+
+def test_count_windows_split_batches_exactly(tmp_path):
+    items = np.random.default_rng(2).integers(0, D, 2500)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items, BAD_LINES)
+    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "state.model": "state-only"})
+    Aggregator(cfg, FileSource(str(path), "json", batch=700, progress=False)).run()
+    rel = sorted((tmp_path / "releases").glob("release-*.json"))
+    assert [p.name for p in rel] == ["release-0.json", "release-1.json", "release-2.json"]
+    docs = [json.loads(p.read_text()) for p in rel]
+    assert [d["n"] for d in docs] == [1000, 1000, 500]
+    assert all(d["window_info"]["events"] == d["n"] for d in docs)
+    ledger = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()]
+    assert [e["id"] for e in ledger] == ["release-0", "release-1", "release-2"]
+    assert all(e["epsilon_spent"] == 1.0 for e in ledger)
+    state, ckpt = final_state(tmp_path)
+    assert ckpt.window["id"] == 3 and ckpt.window["events"] == 0 and state.n == 0
+
+
+def run_cli(args, env_extra=None, timeout=300):
+    env = dict(os.environ, PANAGG_TESTING="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "aggregator.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def cli_sets(tmp_path, path, **overrides):
+    cfg = {"source.kind": "file", "source.path": str(path), "source.format": "json",
+           "source.max_records": 500, "state.domain_size": D, "window.kind": "count",
+           "window.size": 100000, "checkpoint.dir": tmp_path / "state",
+           "release.dir": tmp_path / "releases", "checkpoint.every_events": 1000,
+           "metrics.port": -1, "testing.noise_seed": SEED}
+    cfg.update(overrides)
+    out = ["run"]
+    for k, v in cfg.items():
+        out += ["--set", f"{k}={v}"]
+    return out
+
+
+@pytest.mark.parametrize("fault", ["checkpoint-mid-write:3", "checkpoint-before-rename:4",
+                                   "checkpoint-after-rename:2"])
+def test_kill_inside_checkpoint_write_loses_and_repeats_nothing(tmp_path, fault):
+    items = np.random.default_rng(3).integers(0, D, 12000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items, BAD_LINES)
+    args = cli_sets(tmp_path, path, **{"release.on_exhausted": "false"})
+    first = run_cli(args, {"PANAGG_TEST_FAULT": fault})
+    assert first.returncode == -9, first.stderr  # SIGKILLed at the fault point
+    second = run_cli(args)
+    assert second.returncode == 0, second.stderr
+    state, ckpt = final_state(tmp_path)
+    assert state.n == 12000
+    assert np.array_equal(state.counts, expected_noise() + np.bincount(items, minlength=D))
+    assert not list((tmp_path / "state" / "checkpoints").glob(".*tmp*"))
+
+
+def test_crash_between_window_close_and_publish_republishes_once(tmp_path):
+    items = np.random.default_rng(4).integers(0, D, 3000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    # no regular checkpoint before the close: the window-close checkpoint is the first one
+    args = cli_sets(tmp_path, path, **{"window.size": 2000, "checkpoint.every_events": 10**6,
+                                       "checkpoint.every_seconds": 3600,
+                                       "release.on_exhausted": "false"})
+    first = run_cli(args, {"PANAGG_TEST_FAULT": "checkpoint-after-rename:1"})
+    assert first.returncode == -9
+    assert not (tmp_path / "releases" / "release-0.json").exists()
+    _, ckpt = final_state(tmp_path)
+    assert len(ckpt.pending) == 1 and ckpt.window["id"] == 1
+    pending = json.loads(ckpt.pending[0])
+    second = run_cli(args)
+    assert second.returncode == 0, second.stderr
+    published = json.loads((tmp_path / "releases" / "release-0.json").read_text())
+    assert published["histogram"] == pending["histogram"]  # the same document, not a new draw
+    ids = [json.loads(x)["id"] for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()]
+    assert ids == ["release-0"]
+    state, ckpt = final_state(tmp_path)
+    assert state.n == 1000 and ckpt.pending == []
+
+
+def test_ledger_refuses_over_budget_release(tmp_path):
+    items = np.random.default_rng(5).integers(0, D, 3000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "ledger.budget_total": 2.0})
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
+    agg.run()
+    assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == \
+        ["release-0.json", "release-1.json"]
+    assert agg.metrics.releases_refused._value.get() == 1
+    assert agg.ledger.spent() == 2.0
+
+
+def test_audit_export_adds_layers_is_signed_and_ledgered(tmp_path, monkeypatch):
+    items = np.random.default_rng(6).integers(0, D, 2000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    args = cli_sets(tmp_path, path, **{"release.on_exhausted": "false"})
+    assert run_cli(args).returncode == 0
+    before, _ = final_state(tmp_path)
+    no_key = run_cli(["audit", "export", "--state-dir", str(tmp_path / "state")])
+    assert no_key.returncode == 2 and "PANAGG_AUDIT_KEY" in no_key.stderr
+    res = run_cli(["audit", "export", "--state-dir", str(tmp_path / "state"),
+                   "--set", f"testing.noise_seed={SEED}"], {"PANAGG_AUDIT_KEY": KEY_HEX})
+    assert res.returncode == 0, res.stderr
+    export_path = Path(res.stdout.strip().splitlines()[-1])
+    doc = read_export(export_path, bytes.fromhex(KEY_HEX))
+    exported = PanPrivateHistogram.deserialize(doc["state"])
+    after, _ = final_state(tmp_path)
+    assert exported.layers == before.layers + 1 and after.layers == before.layers + 2
+    assert exported.n == after.n == 2000
+    # the export differs from both the state before and the live state after (fresh layers)
+    assert not np.array_equal(exported.counts, before.counts)
+    assert not np.array_equal(exported.counts, after.counts)
+    ledger = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()]
+    assert ledger[-1]["kind"] == "export" and ledger[-1]["epsilon_spent"] == 0.0
+    ok = run_cli(["audit", "verify", str(export_path)], {"PANAGG_AUDIT_KEY": KEY_HEX})
+    assert ok.returncode == 0 and ok.stdout.startswith("OK")
+    bad = run_cli(["audit", "verify", str(export_path)], {"PANAGG_AUDIT_KEY": "ab" * 32})
+    assert bad.returncode == 2 and "does not verify" in bad.stderr
+    shown = run_cli(["audit", "show", str(export_path)])
+    assert json.loads(shown.stdout)["layers"] == exported.layers
+    tampered = bytearray(export_path.read_bytes())
+    tampered[len(tampered) // 2] ^= 1
+    export_path.write_bytes(bytes(tampered))
+    with pytest.raises(ExportError):
+        read_export(export_path, bytes.fromhex(KEY_HEX))
+
+
+def test_no_payload_in_logs_metrics_or_errors(tmp_path):
+    secret = "SECRET-PAYLOAD-7f3a"
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps({"item": i % D}) for i in range(3000)]
+    lines += [json.dumps({"item": secret}), secret, json.dumps({"item": 10**9, "x": secret}),
+              json.dumps({"user": secret})]
+    path.write_text("\n".join(lines) + "\n")
+    args = cli_sets(tmp_path, path, **{"metrics.port": 0}) + ["--verbose"]
+    res = run_cli(args)
+    assert res.returncode == 0, res.stderr
+    assert secret not in res.stdout and secret not in res.stderr
+    for f in (tmp_path / "state").rglob("*"):
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes(), f
+    for f in (tmp_path / "releases").rglob("*"):
+        assert secret.encode() not in f.read_bytes()
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["window.size=0"], "window.size must be positive"),
+    (["state.model=central"], "state.model must be one of"),
+    (["state.epsilon=abc"], "state.epsilon must be a number"),
+    (["nosuch.key=1"], "expected section.key=value"),
+    (["testing.noise_seed=1"], "refused outside tests"),
+])
+def test_bad_config_is_one_line(sets, fragment, monkeypatch):
+    monkeypatch.delenv("PANAGG_TESTING")
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, sets, env={})
+    res = subprocess.run([sys.executable, "-m", "aggregator.cli", "run", *sum([["--set", s] for s in sets], [])],
+                         capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "PANAGG_TESTING"})
+    assert res.returncode == 2
+    assert len(res.stderr.strip().splitlines()) == 1 and fragment in res.stderr
+
+
+def test_config_file_env_and_flags_layer(tmp_path):
+    toml = tmp_path / "panagg.toml"
+    toml.write_text('[state]\nepsilon = 2.0\ndomain_size = 77\n[window]\nkind = "time"\nsize = 60\n')
+    cfg = load_config(str(toml), ["state.domain_size=88"], env={"PANAGG_STATE_EPSILON": "0.5"})
+    assert cfg["state"]["epsilon"] == 0.5 and cfg["state"]["domain_size"] == 88
+    assert cfg["window"] == {"kind": "time", "size": 60}
+    toml.write_text("[state]\nepsilon = [1]\n")
+    with pytest.raises(ConfigError, match="state.epsilon must be a number"):
+        load_config(str(toml), env={})
+    toml.write_text("[stat]\n")
+    with pytest.raises(ConfigError, match="unknown config section"):
+        load_config(str(toml), env={})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda d: msgpack.packb(d), st.recursive(
+        st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True) | st.text() | st.binary(),
+        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+        max_leaves=6)),
+    st.builds(lambda v: msgpack.packb({"item": v}), st.integers(-2**63, 2**64 - 1) | st.text() | st.binary()),
+    st.builds(lambda v: json.dumps({"item": v}).encode(), st.integers() | st.text() | st.floats()),
+))
+def test_decoder_never_raises_and_always_classifies(raw):
+    for decoder in (Decoder("msgpack", domain_size=100), Decoder("msgpack"), Decoder("json")):
+        item, reason = decoder.decode_one(raw)
+        assert (reason is None) != (item is None)
+        if reason is None:
+            assert isinstance(item, (int, str, bytes)) and not isinstance(item, bool)
+            if decoder.domain_size:
+                assert 0 <= item < 100
+        else:
+            assert reason in REASONS
