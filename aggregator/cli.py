@@ -63,8 +63,16 @@ def _setup_logging(verbose: bool = False) -> None:
 def _make_source(cfg: dict):
     src = cfg["source"]
     if src["kind"] == "kafka":
+        import hashlib
+        import os
+
         from consumers.kafka_source import KafkaSource
-        return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"])
+        # static membership: a restarted process (same state dir) takes its partitions back at
+        # once instead of waiting for the dead member's session to time out
+        instance = src["instance_id"] or "panagg-" + hashlib.sha256(
+            os.path.abspath(cfg["checkpoint"]["dir"]).encode()).hexdigest()[:16]
+        return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
+                           consumer_config={"group_instance_id": instance})
     if src["kind"] == "file":
         from consumers.file_source import FileSource
         return FileSource(src["path"], fmt="json" if src["format"] == "json" else "msgpack",

@@ -25,6 +25,7 @@ DEFAULTS: dict[str, dict] = {
         "bootstrap": "127.0.0.1:9092",
         "topic": "events",
         "group": "panagg",
+        "instance_id": "",          # Kafka static membership id; empty: derived from checkpoint.dir
         "format": "msgpack",        # msgpack | json
         "max_records": 20000,
         "dead_letter_topic": "",    # empty: no dead-letter topic
