@@ -248,7 +248,7 @@ class Aggregator:
                 self.metrics.decode_errors.labels(reason=reason).inc(count)
             self._dead_letter(seg, decoded.rejected)
         items = decoded.items
-        if not items:
+        if len(items) == 0:
             self.offsets[seg.partition] = seg.offsets[-1] + 1
             self._dirty = True
             return
