@@ -333,3 +333,52 @@ def test_batch_fast_path_agrees_with_per_message_decoding():
                     slow_rej.append((i, reason))
             assert list(fast.items) == slow_items, name
             assert fast.rejected == slow_rej, name
+
+
+def test_release_and_export_requests_reach_a_running_service(tmp_path):
+    import time as _time
+
+    state_dir = tmp_path / "state"
+    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=40000",
+            "--set", "source.generator_rate=8000", "--set", "source.max_records=500",
+            "--set", f"state.domain_size={D}", "--set", "window.size=1000000",
+            "--state-dir", str(state_dir), "--release-dir", str(tmp_path / "releases"),
+            "--metrics-port", "-1", "--set", "release.on_exhausted=false"]
+    env = dict(os.environ, PANAGG_TESTING="1", PANAGG_AUDIT_KEY=KEY_HEX)
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = _time.time() + 60
+        while not (state_dir / "service.lock").exists() and _time.time() < deadline:
+            _time.sleep(0.2)
+        _time.sleep(1.5)
+        rel = subprocess.run([sys.executable, "-m", "aggregator.cli", "release", "--state-dir",
+                              str(state_dir)], env=env, capture_output=True, text=True, timeout=120)
+        assert rel.returncode == 0, rel.stderr
+        assert rel.stdout.strip() == "released window 0"
+        exp = subprocess.run([sys.executable, "-m", "aggregator.cli", "audit", "export",
+                              "--state-dir", str(state_dir)], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert exp.returncode == 0, exp.stderr
+        doc = read_export(exp.stdout.strip(), bytes.fromhex(KEY_HEX))
+        assert doc["window"]["id"] == 1 and doc["verified"]
+    finally:
+        proc.wait(timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    released = json.loads((tmp_path / "releases" / "release-0.json").read_text())
+    assert 0 < released["n"] < 40000
+    state, ckpt = final_state(tmp_path)
+    assert released["n"] + state.n == 40000 and ckpt.window["id"] == 1
+    assert state.layers == 3  # the export's before and after layers live on in the window
+
+
+def test_offline_release_of_a_stopped_service(tmp_path):
+    items = np.random.default_rng(7).integers(0, D, 1500)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    assert run_cli(cli_sets(tmp_path, path, **{"release.on_exhausted": "false"})).returncode == 0
+    res = run_cli(["release", "--state-dir", str(tmp_path / "state")])
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "releases" / "release-0.json").read_text())["n"] == 1500
+    again = run_cli(["release", "--state-dir", str(tmp_path / "state")])  # window 1 is empty
+    assert again.returncode == 0

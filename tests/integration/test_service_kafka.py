@@ -79,14 +79,17 @@ def test_kafka_python_msgpack_with_bad_input_and_dead_letters(kafka_broker, tmp_
     rng = np.random.default_rng(1)
     items = rng.integers(0, D, 30000)
     values = [msgpack.packb({"item": int(i)}) for i in items]
-    bad = [b"\xc1garbage", msgpack.packb({"item": "x"}), msgpack.packb({"item": D + 5}),
-           msgpack.packb([1, 2]), msgpack.packb({"nope": 1})]
+    secret = "SECRET-KAFKA-PAYLOAD-91c2"
+    bad = [b"\xc1garbage" + secret.encode(), msgpack.packb({"item": secret}),
+           msgpack.packb({"item": D + 5, "x": secret}), msgpack.packb([1, secret]),
+           msgpack.packb({"nope": secret})]
     for j, b in enumerate(bad):
         values.insert(1000 * (j + 1), b)
     produce(kafka_broker, topic, values)
     res = run_service(service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "4",
-                                   "--set", f"source.dead_letter_topic={dlq}"))
+                                   "--set", f"source.dead_letter_topic={dlq}", "--verbose"))
     assert res.returncode == 0, res.stderr[-3000:]
+    assert secret not in res.stderr and secret not in res.stdout  # logs never carry payloads
     state, ckpt = final_state(tmp_path)
     assert state.n == 30000
     assert np.array_equal(state.counts, expected_counts(items))
