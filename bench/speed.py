@@ -455,10 +455,9 @@ def _git_rev() -> str:
                              capture_output=True, check=True).stdout.strip()
         mods = ["aggregator/noise.py", "aggregator/state.py", "aggregator/estimate.py",
                 "aggregator/hashing.py"]
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *mods],
-                               cwd=ROOT, text=True, capture_output=True).stdout
-        return rev + (" (benchmarked modules modified in the working tree)" if dirty.strip()
-                      else "")
+        dirty = subprocess.run(["git", "diff", "--name-only", "HEAD", "--", *mods],
+                               cwd=ROOT, text=True, capture_output=True).stdout.split()
+        return rev + (f" (working tree differs from it in {', '.join(dirty)})" if dirty else "")
     except Exception:
         return "unknown"
 
@@ -586,7 +585,7 @@ def write_md(rows, checks, breakdown, meta, path: Path, img_rel: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=7, help="repetitions of the fast sections")
+    ap.add_argument("--reps", type=int, default=11, help="repetitions of the fast sections")
     ap.add_argument("--sampler-reps", type=int, default=3,
                     help="repetitions of the sampler section (OpenDP takes seconds per call)")
     ap.add_argument("--joint-reps", type=int, default=3,
