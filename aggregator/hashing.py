@@ -65,10 +65,13 @@ def encode_items(items) -> tuple[np.ndarray, np.ndarray]:
     arr = items if isinstance(items, np.ndarray) else None
     if arr is None:
         items = list(items)
-        if items and all(type(x) is int for x in items):
+        kinds = set(map(type, items))
+        if kinds == {int}:
             arr = np.asarray(items, dtype=np.int64)
-        elif items and all(isinstance(x, bytes) for x in items):
+        elif kinds == {bytes}:
             arr = np.asarray(items, dtype=np.bytes_)
+        elif kinds == {str}:
+            arr = np.asarray(items, dtype=np.str_)  # one C loop; encoded below
         else:
             for x in items:
                 if not isinstance(x, (str, bytes, int)) or isinstance(x, bool):
@@ -79,7 +82,18 @@ def encode_items(items) -> tuple[np.ndarray, np.ndarray]:
     if arr.dtype.kind in "iu":
         arr = arr.astype(np.bytes_)  # decimal ASCII, vectorized in C
     elif arr.dtype.kind == "U":
-        arr = np.strings.encode(arr, "utf-8")
+        codes = arr.view(np.uint32).reshape(len(arr), -1) if arr.size else np.zeros((0, 1), np.uint32)
+        if codes.size and int(codes.max()) < 128:
+            # ASCII: UTF-8 bytes are the code points; no per-item encode call
+            mat = np.ascontiguousarray(codes.astype(np.uint8))
+            lengths = np.count_nonzero(mat, axis=1).astype(np.int64)
+            zero = mat == 0
+            if np.any(zero[:, :-1] & ~zero[:, 1:]):  # a NUL before a character
+                arr = np.strings.encode(arr, "utf-8")  # embedded NULs: take the exact path
+            else:
+                return mat, lengths
+        else:
+            arr = np.strings.encode(arr, "utf-8")
     elif arr.dtype.kind != "S":
         raise TypeError(f"items must be str, bytes or int, got array of {arr.dtype}")
     arr = np.ascontiguousarray(arr.ravel())
