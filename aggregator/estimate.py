@@ -499,7 +499,8 @@ def _rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, n
     return count_ge(r + gamma), count_ge(r - gamma)
 
 
-def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None):
+def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,
+                         buckets=None):
     """Estimate the anonymized histogram from counters noised with ``layers`` DLap(p) layers.
 
     Parameters
@@ -519,6 +520,10 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
         ``"threshold"`` or ``"deconvolution"`` for the phi estimate. Default: threshold for one
         layer (the paper's estimator), deconvolution for two or more (lower error, see
         docs/estimators.md).
+    buckets
+        Number of hash buckets B when the counters are a hashed-mode state (``state.size``).
+        Collisions are then undone by inverting Gamma^B
+        (:func:`aggregator.largedomain.hashed_histogram`; docs/large_domains.md).
 
     Returns
     -------
@@ -534,6 +539,10 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     >>> bool(np.all(np.diff(est) <= 0)) and est.dtype == np.int64
     True
     """
+    if buckets is not None:
+        from .largedomain import hashed_histogram
+        return hashed_histogram(noisy_counts, p, buckets=buckets, n=n, layers=layers, loss=loss,
+                                method=method)
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
     if method is None:
