@@ -441,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"panagg: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"panagg: error: {exc.strerror or exc} ({exc.filename or ''}); check the path "
+              "and its permissions", file=sys.stderr)
+        return 2
     except Exception as exc:
         # conditions the user can act on, raised deep in the service: one line, exit 2
         from state_store.local import CheckpointError
@@ -451,11 +455,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"panagg: error: {exc}", file=sys.stderr)
             return 2
         raise
-    except OSError as exc:
-        print(f"panagg: error: {exc.strerror or exc} ({exc.filename or ''}); check the path "
-              "and its permissions", file=sys.stderr)
-        return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())
