@@ -192,7 +192,8 @@ def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray) -> np
 
 def _loglik(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray) -> float:
     m = np.convolve(pi, q, mode="same")
-    return float(np.dot(w[nz], np.log(np.maximum(m[nz], 1e-300))))
+    # elementwise sums, not BLAS dot: OpenBLAS threads stall when the other core is busy
+    return float((w[nz] * np.log(np.maximum(m[nz], 1e-300))).sum())
 
 
 def _squarem(pi, w, nz, q, allowed, max_iter, tol):
@@ -203,9 +204,9 @@ def _squarem(pi, w, nz, q, allowed, max_iter, tol):
         p2 = _em_step(p1, w, nz, q)
         r = p1 - pi
         v = p2 - p1 - r
-        vv = float(np.dot(v, v))
+        vv = float((v * v).sum())
         if vv > 0:
-            alpha = -math.sqrt(float(np.dot(r, r)) / vv)
+            alpha = -math.sqrt(float((r * r).sum()) / vv)
             alpha = min(alpha, -1.0)
             cand = np.maximum(pi - 2 * alpha * r + alpha * alpha * v, 0.0) * allowed
             cand /= max(cand.sum(), 1e-300)
