@@ -66,6 +66,7 @@ __all__ = [
     "VARIANTS",
     "DEFAULT_VARIANT",
     "BUCKET_RULES",
+    "DEFAULT_BUCKET_RULE",
     "gamma_b",
     "gamma_b_alg6",
     "invert_gamma",
@@ -602,25 +603,32 @@ def l2_histogram(noisy_counts, p, *, buckets, n, layers=1, method=None, variant=
 # --------------------------------------------------------------------------------------------
 # choosing B
 # --------------------------------------------------------------------------------------------
-BUCKET_RULES = ("corollary13", "footnote7")
+BUCKET_RULES = ("capped", "corollary13", "footnote7")
+DEFAULT_BUCKET_RULE = "capped"
 
 
-def choose_buckets(n_expected, epsilon, *, rule="footnote7", min_ratio=4.0) -> int:
+def choose_buckets(n_expected, epsilon, *, rule=DEFAULT_BUCKET_RULE, min_ratio=1.0) -> int:
     """Number of hash buckets B for an expected number of events n (chosen before any data).
 
     * ``"corollary13"``: B = n sqrt(log n) (seed 001 Corollary 13).
-    * ``"footnote7"``: B = n sqrt(eps^2.5 log n) (footnote 7: fewer buckets, so less noise from
-      empty ones, when eps is small; more when eps is large).
+    * ``"footnote7"``: B = n sqrt(eps^2.5 log n) (its footnote 7: fewer buckets, so less noise
+      from empty ones, when eps is small; more when eps is large).
+    * ``"capped"`` (default): footnote 7 kept between 1.5 n and Corollary 13's n sqrt(log n).
+      Measured in docs/large_domains.md ("Choosing B"): the error is flat-bottomed around
+      B/n = 1.5-3 and rises on both sides; footnote 7 lands there for eps <= 1 but overshoots
+      (B ~ 8n) at eps = 2, where extra empty buckets cost more than the collisions they save.
 
-    Both are clamped to B >= ``min_ratio`` * n (Theorem 12 needs B > 4n; below ~2n the inversion
-    becomes unstable) and B >= 16. ``epsilon`` is the per-layer epsilon of the state
-    (p = exp(-eps/2)). What happens when the real n differs is measured in
-    docs/large_domains.md: a larger n means more collisions (error grows like n log n / sqrt(B)
-    and the inversion refuses once every bucket is occupied); a smaller n means more empty
-    buckets, whose noise costs about sqrt(B) in l1.
+    Every rule is clamped to B >= ``min_ratio`` * n and B >= 16. ``epsilon`` is the per-layer
+    epsilon of the state (p = exp(-eps/2)). When the real n differs from the expected one
+    (measured in docs/large_domains.md): with more events there are more collisions, still undone
+    by the inversion, and the error grows slowly until most buckets are occupied (the exact inverse
+    then falls back to Algorithm 7's clipped search); with fewer events there are more empty
+    buckets, each adding noise, so the error is that of a larger B.
 
-    >>> choose_buckets(10**6, 1.0, rule="corollary13", min_ratio=1)
+    >>> choose_buckets(10**6, 1.0, rule="corollary13")
     3716923
+    >>> choose_buckets(10**6, 2.0) == choose_buckets(10**6, 2.0, rule="corollary13")
+    True
     """
     if isinstance(n_expected, bool) or not isinstance(n_expected, (int, float, np.integer,
                                                                    np.floating)):
@@ -637,10 +645,10 @@ def choose_buckets(n_expected, epsilon, *, rule="footnote7", min_ratio=4.0) -> i
     if not min_ratio > 0:
         raise ValueError("min_ratio must be > 0")
     logn = math.log(max(n, 2.0))
-    if rule == "corollary13":
-        ratio = math.sqrt(logn)
-    else:
-        ratio = math.sqrt(eps ** 2.5 * logn)
+    cor13 = math.sqrt(logn)
+    fn7 = math.sqrt(eps ** 2.5 * logn)
+    ratio = {"corollary13": cor13, "footnote7": fn7,
+             "capped": min(cor13, max(1.5, fn7))}[rule]
     return int(max(math.ceil(n * max(ratio, min_ratio)), 16))
 
 

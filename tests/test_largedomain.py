@@ -280,6 +280,13 @@ def test_choose_buckets_values():
         ld.choose_buckets(n, 0.5, rule="corollary13", min_ratio=1)
     assert ld.choose_buckets(n, 2.0, rule="footnote7", min_ratio=1) > \
         ld.choose_buckets(n, 2.0, rule="corollary13", min_ratio=1)
+    # the default: footnote 7 between 1.5 n and Corollary 13
+    for eps in (0.1, 0.5, 1.0, 2.0, 8.0):
+        B = ld.choose_buckets(n, eps)
+        assert 1.5 * n <= B <= ld.choose_buckets(n, eps, rule="corollary13")
+        assert B == max(ld.choose_buckets(n, eps, rule="footnote7"), 1.5 * n) or \
+            B == ld.choose_buckets(n, eps, rule="corollary13")
+    assert ld.choose_buckets(n, 0.5) == ld.choose_buckets(n, 0.5, rule="footnote7")
     # the clamp to B >= min_ratio * n
     assert ld.choose_buckets(1000, 0.1, rule="footnote7", min_ratio=2) == 2000
     assert ld.choose_buckets(1, 1.0) >= 16

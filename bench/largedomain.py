@@ -1,0 +1,899 @@
+"""Large domains: hashed state + Gamma^B inversion against direct mode with an oracle domain.
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.largedomain            # full run (~20 min on a loaded 2-core box)
+    .venv/bin/python -m bench.largedomain --quick    # smoke run (~1 min), writes under out/
+    .venv/bin/python -m bench.largedomain --replot out/largedomain_results.pkl  # report only
+
+Writes docs/large_domains.md and docs/img/largedomain_{ratio,time,buckets,variants}.png (with
+--quick: out/large_domains.md and out/img/..., so a smoke run never overwrites the committed
+results). Progress lines go to stderr.
+
+Data: string items ``"u<k>"`` with k ~ Zipf(1.1) over all positive integers (numpy's unbounded
+zipf sampler): an unbounded domain, heavy head, ~30-50% of the items seen once. Each repetition
+draws fresh items, a fresh random 16-byte SipHash key (the real ``aggregator.hashing.bucket_of``
+on the distinct strings; every event of an item lands in its item's bucket) and fresh noise.
+
+Compared on the same items in each repetition:
+
+* ``hashed``  - the product path: B = ``choose_buckets(n, eps)`` counters,
+                ``anonymized_histogram(counters, p, n=n, buckets=B)`` (variant "exact").
+* ``direct``  - oracle direct mode: one counter per distinct item (D = number of distinct items,
+                which no real deployment over an unbounded domain knows), default estimator.
+* ``direct+zeros`` - the same oracle counters plus B - D zero counters: what hashing would cost
+                 if it had no collisions at all. hashed / (direct+zeros) is the price of the
+                 collisions and their inversion; (direct+zeros) / direct the price of the empty
+                 buckets.
+
+Noise: DLap(p), p = p_from_epsilon(eps) = exp(-eps/2) rounded up (replace-one neighbors), drawn
+from a seeded numpy Generator as the difference of two geometric variables (benchmark only; the
+product uses the exact OS-CSPRNG sampler). Empty buckets are exchangeable, so in the accuracy
+sections their noisy values are drawn as one multinomial over the exact noise pmf (same
+distribution of the noisy-value counts, which are all the estimators see); the timing section
+builds the full B-length counter array.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from aggregator import largedomain as ld
+from aggregator.estimate import (
+    NoisyValueCounts, anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
+    cumulative_prevalence, deconvolved_prevalence, l1_distance, noise_pmf, noisy_value_counts,
+    project_l1,
+)
+from aggregator.hashing import bucket_of
+from aggregator.noise import p_from_epsilon
+
+SEED = 20261121
+EPS = (0.5, 1.0, 2.0)
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# data, hashing, noise
+# --------------------------------------------------------------------------------------------
+def items_counts(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct items (as byte strings) and their counts: n events, ids ~ Zipf(1.1)."""
+    ids = rng.zipf(1.1, n)
+    uniq, counts = np.unique(ids, return_counts=True)
+    names = np.char.add(b"u", uniq.astype(np.bytes_))
+    return names, counts.astype(np.int64)
+
+
+def hash_items(rng: np.random.Generator, names: np.ndarray, B: int) -> np.ndarray:
+    key = rng.bytes(16)
+    return bucket_of(names, key, B)
+
+
+def dlap(rng: np.random.Generator, p: float, size: int, layers: int = 1) -> np.ndarray:
+    out = np.zeros(size, dtype=np.int64)
+    for _ in range(layers):
+        out += rng.geometric(1.0 - p, size) - rng.geometric(1.0 - p, size)
+    return out
+
+
+def noisy_vc(rng, values: np.ndarray, zeros: int, p: float, layers: int) -> NoisyValueCounts:
+    """Noisy-value counts of ``values`` + ``zeros`` zero counters, each with ``layers`` layers."""
+    vc = noisy_value_counts(values + dlap(rng, p, len(values), layers))
+    if zeros:
+        K, q = noise_pmf(p, layers)
+        vc = vc.merge(NoisyValueCounts(-K, rng.multinomial(zeros, q).astype(np.int64)))
+    return vc
+
+
+def hashed_vc(rng, counts, buckets_of_items, B, p, layers) -> tuple[NoisyValueCounts, np.ndarray]:
+    red = np.bincount(buckets_of_items, weights=counts, minlength=B).astype(np.int64)
+    occ = red[red > 0]
+    return noisy_vc(rng, occ, B - len(occ), p, layers), occ
+
+
+def mean_se(xs) -> tuple[float, float]:
+    x = np.asarray(xs, dtype=np.float64)
+    if len(x) < 2:
+        return float(x.mean()) if len(x) else float("nan"), float("nan")
+    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x)))
+
+
+def ratio_se(a, b) -> tuple[float, float]:
+    """Ratio of means and its delta-method SE (independent samples)."""
+    ma, sa = mean_se(a)
+    mb, sb = mean_se(b)
+    r = ma / mb
+    if math.isnan(sa) or math.isnan(sb):
+        return r, float("nan")
+    return r, r * math.sqrt((sa / ma) ** 2 + (sb / mb) ** 2)
+
+
+def fmt(m, se=float("nan"), digits=3) -> str:
+    if m is None or (isinstance(m, float) and math.isnan(m)):
+        return "-"
+    a = abs(m)
+    s = (f"{m:.{digits - 1}e}" if a >= 1e7 else f"{m:.0f}" if a >= 100 else f"{m:.{digits}g}")
+    if se is None or math.isnan(se):
+        return s
+    sa = abs(se)
+    t = f"{se:.0f}" if sa >= 100 else f"{se:.2g}"
+    return f"{s} ± {t}"
+
+
+def nfmt(n: int) -> str:
+    e = int(round(math.log10(n)))
+    return f"1e{e}" if 10 ** e == n else f"{n:.1e}"
+
+
+# --------------------------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------------------------
+def section_gamma(quick: bool) -> dict:
+    """Speed and exactness of Gamma^B: fast map vs Algorithm 6, and the inverse."""
+    rng = np.random.default_rng([SEED, 1])
+    out = {"rows": [], "exact": []}
+    # exactness against Algorithm 6 on small inputs
+    for n in (1_000, 10_000):
+        _, h = items_counts(rng, n)
+        phi = cumulative_from_counts(h)
+        B = ld.choose_buckets(n, 1.0)
+        L = min(len(phi), 60)
+        fast = ld.gamma_b(phi, B, L)
+        ells = sorted({1, 2, 3, 5, 10, 20, L})
+        t = time.perf_counter()
+        ref = [ld.gamma_b_alg6(phi, B, ell) for ell in ells]
+        t6 = (time.perf_counter() - t) / len(ells)
+        err = max(abs(fast[e - 1] - r) / max(r, 1e-12) for e, r in zip(ells, ref))
+        out["exact"].append((n, B, L, err, t6))
+        log(f"gamma exactness n={n}: max rel diff {err:.2e}, Algorithm 6 {t6 * 1e3:.1f} ms per l")
+    sizes = (10**5, 10**6) if quick else (10**5, 10**6, 10**7)
+    for n in sizes:
+        _, h = items_counts(rng, n)
+        phi = cumulative_from_counts(h).astype(np.float64)
+        B = int(n * math.sqrt(math.log(n)))
+        L = 2 * len(phi)
+        t = time.perf_counter()
+        gam = ld.gamma_b(phi, B, L)
+        tg = time.perf_counter() - t
+        t = time.perf_counter()
+        back = ld.invert_gamma(gam, B)
+        ti = time.perf_counter() - t
+        err = float(np.abs(back[: len(phi)] - phi).max())
+        bias = float(np.abs(gam[: len(phi)] - phi).sum())
+        # Algorithm 6 computes one Gamma_l in O(n l): time l = 10 and scale to every l <= L
+        t = time.perf_counter()
+        ld.gamma_b_alg6(phi.astype(np.int64), B, 10)
+        t6 = time.perf_counter() - t
+        out["rows"].append(dict(n=n, D=len(h), L=L, B=B, t_gamma=tg, t_inv=ti, inv_err=err,
+                                bias=bias, t_alg6_l10=t6))
+        log(f"gamma n={nfmt(n)} L={L}: Gamma^B {tg:.2f} s, inverse {ti:.2f} s, round-trip max "
+            f"err {err:.1e}; collision bias ||Gamma(phi) - phi||_1 = {bias:.0f}; "
+            f"Alg. 6 at l=10: {t6:.2f} s")
+    return out
+
+
+def run_headline_cell(n: int, eps: float, reps: int, layers_list, methods,
+                      reps2: int | None = None) -> dict:
+    p = p_from_epsilon(eps)
+    B = ld.choose_buckets(n, eps)
+    res: dict = {"B": B, "D": []}
+    for rep in range(reps):
+        rng = np.random.default_rng([SEED, 2, n, int(eps * 100), rep])
+        names, h = items_counts(rng, n)
+        res["D"].append(len(h))
+        where = hash_items(rng, names, B)
+        for layers in layers_list:
+            if layers > 1 and reps2 is not None and rep >= reps2:
+                continue
+            for method in methods[layers]:
+                key = (layers, method)
+                vc, _ = hashed_vc(rng, h, where, B, p, layers)
+                t = time.perf_counter()
+                est = ld.hashed_histogram(vc, p, buckets=B, n=n, layers=layers, method=method)
+                res.setdefault(("t_hashed",) + key, []).append(time.perf_counter() - t)
+                res.setdefault(("hashed",) + key, []).append(l1_distance(h, est))
+                vd = noisy_vc(rng, h, 0, p, layers)
+                res.setdefault(("direct",) + key, []).append(
+                    l1_distance(h, anonymized_histogram(vd, p, layers=layers, method=method)))
+                vz = noisy_vc(rng, h, B - len(h), p, layers)
+                res.setdefault(("zeros",) + key, []).append(
+                    l1_distance(h, anonymized_histogram(vz, p, layers=layers, method=method)))
+    return res
+
+
+def section_headline(quick: bool) -> dict:
+    if quick:
+        grid = [(10**4, 4), (10**5, 2), (10**6, 1)]
+    else:
+        grid = [(10**4, 16), (10**5, 8), (10**6, 4), (10**7, 2)]
+    cells = {}
+    for n, reps in grid:
+        for eps in EPS:
+            t = time.perf_counter()
+            cells[(n, eps)] = run_headline_cell(n, eps, reps, (1, 2),
+                                                {1: ("threshold",), 2: ("deconvolution",)},
+                                                reps2=1 if n >= 10**7 else None)
+            c = cells[(n, eps)]
+            r1 = ratio_se(c[("hashed", 1, DEFAULT_METHOD[1])], c[("direct", 1, "threshold")])
+            log(f"headline n={nfmt(n)} eps={eps}: B/n={c['B'] / n:.2f}, hashed/direct "
+                f"(1 layer) = {r1[0]:.2f}; {time.perf_counter() - t:.0f} s")
+    return cells
+
+
+def section_variants(quick: bool) -> dict:
+    """exact vs Algorithm 7 (one histogram) vs Algorithm 7 (two histograms) vs no inversion,
+    at equal total epsilon and memory."""
+    grid = [(10**5, 2)] if quick else [(10**5, 6), (10**6, 3)]
+    cells = {}
+    for n, reps in grid:
+        for eps in EPS:
+            p = p_from_epsilon(eps)
+            p_half = p_from_epsilon(eps / 2)
+            B = ld.choose_buckets(n, eps)
+            res: dict = {"B": B}
+            for rep in range(reps):
+                rng = np.random.default_rng([SEED, 3, n, int(eps * 100), rep])
+                names, h = items_counts(rng, n)
+                D = len(h)
+                where = hash_items(rng, names, B)
+                vc, _ = hashed_vc(rng, h, where, B, p, 1)
+                for variant in ("exact", "alg7-single", "reduced"):
+                    for method in ("threshold", "deconvolution"):
+                        est = ld.hashed_histogram(vc, p, buckets=B, n=n, variant=variant,
+                                                  method=method)
+                        res.setdefault((variant, method), []).append(l1_distance(h, est))
+                # two histograms, eps/2 each, same total memory: D unhashed counters (oracle
+                # domain) + B - D hashed ones
+                B1 = B - D
+                where1 = hash_items(rng, names, B1)
+                vh, _ = hashed_vc(rng, h, where1, B1, p_half, 1)
+                vd = noisy_vc(rng, h, 0, p_half, 1)
+                for method in ("threshold", "deconvolution"):
+                    est = ld.two_histogram_estimate(vd, p_half, vh, p_half, buckets=B1, n=n,
+                                                    method=method)
+                    res.setdefault(("alg7-two", method), []).append(l1_distance(h, est))
+                res.setdefault("direct", []).append(
+                    l1_distance(h, anonymized_histogram(noisy_vc(rng, h, 0, p, 1), p)))
+            cells[(n, eps)] = res
+            log(f"variants n={nfmt(n)} eps={eps}: " + ", ".join(
+                f"{k[0]}/{k[1][:3]}={np.mean(v):.0f}" for k, v in res.items()
+                if isinstance(k, tuple)))
+    return cells
+
+
+BUCKET_RATIOS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def section_buckets(quick: bool) -> dict:
+    """Error against B/n (the basis of choose_buckets)."""
+    grid = [(10**5, 2)] if quick else [(10**5, 8), (10**6, 3)]
+    cells = {}
+    for n, reps in grid:
+        for eps in EPS:
+            p = p_from_epsilon(eps)
+            res: dict = {}
+            for rep in range(reps):
+                rng = np.random.default_rng([SEED, 4, n, int(eps * 100), rep])
+                names, h = items_counts(rng, n)
+                res.setdefault("direct", []).append(
+                    l1_distance(h, anonymized_histogram(noisy_vc(rng, h, 0, p, 1), p)))
+                ratios = list(BUCKET_RATIOS) + [math.sqrt(math.log(n))]
+                for r in ratios:
+                    B = int(round(r * n))
+                    where = hash_items(rng, names, B)
+                    vc, _ = hashed_vc(rng, h, where, B, p, 1)
+                    for method in ("threshold", "deconvolution"):
+                        est = ld.hashed_histogram(vc, p, buckets=B, n=n, method=method)
+                        res.setdefault((r, method), []).append(l1_distance(h, est))
+            cells[(n, eps)] = res
+            d = np.mean(res["direct"])
+            log(f"buckets n={nfmt(n)} eps={eps}: " + " ".join(
+                f"{k[0]:.2g}/{k[1][:3]}={np.mean(v) / d:.2f}" for k, v in res.items()
+                if isinstance(k, tuple)))
+    return cells
+
+
+def section_mismatch(quick: bool) -> dict:
+    """B chosen for an expected n, data with another n."""
+    n_exp = 10**5 if quick else 10**6
+    factors = (0.1, 1.0, 10.0) if quick else (0.1, 0.3, 1.0, 3.0, 10.0)
+    reps = 1 if quick else 2
+    eps = 1.0
+    p = p_from_epsilon(eps)
+    B_fixed = ld.choose_buckets(n_exp, eps)
+    rows = []
+    for f in factors:
+        n = int(n_exp * f)
+        B_right = ld.choose_buckets(n, eps)
+        acc: dict = {}
+        for rep in range(reps):
+            rng = np.random.default_rng([SEED, 5, n, rep])
+            names, h = items_counts(rng, n)
+            acc.setdefault("D", []).append(len(h))
+            acc.setdefault("direct", []).append(
+                l1_distance(h, anonymized_histogram(noisy_vc(rng, h, 0, p, 1), p)))
+            for tag, B in (("fixed", B_fixed), ("right", B_right)):
+                where = hash_items(rng, names, B)
+                vc, occ = hashed_vc(rng, h, where, B, p, 1)
+                acc.setdefault(tag + "_occ", []).append(len(occ) / B)
+                est = ld.hashed_histogram(vc, p, buckets=B, n=n)
+                acc.setdefault(tag, []).append(l1_distance(h, est))
+        rows.append(dict(n=n, factor=f, B_fixed=B_fixed, B_right=B_right, acc=acc))
+        log(f"mismatch n={nfmt(n)} (B for n={nfmt(n_exp)}): fixed {np.mean(acc['fixed']):.0f}, "
+            f"right {np.mean(acc['right']):.0f}, direct {np.mean(acc['direct']):.0f}")
+    return {"n_exp": n_exp, "eps": eps, "rows": rows}
+
+
+def section_l2(quick: bool) -> dict:
+    """Algorithm 4: l2^2 error of the l1 estimate, of the box from the same counters, and of the
+    box from a second, collision-free hash (its memory reported)."""
+    grid = [(1_000, 3)] if quick else [(1_000, 8), (3_000, 5)]
+    eps = 1.0
+    rows = []
+    for n, reps in grid:
+        acc: dict = {}
+        for rep in range(reps):
+            rng = np.random.default_rng([SEED, 6, n, rep])
+            names, h = items_counts(rng, n)
+            p = p_from_epsilon(eps)
+            ph = p_from_epsilon(eps / 2)
+            B = ld.choose_buckets(n, eps)
+            B2 = ld.collision_free_buckets(len(h), 0.05)
+            acc.setdefault("B2", []).append(B2)
+            vc, _ = hashed_vc(rng, h, hash_items(rng, names, B), B, p, 1)
+            e1 = anonymized_histogram(vc, p, n=n, buckets=B)
+            e2 = anonymized_histogram(vc, p, n=n, buckets=B, loss="l2")
+            # two histograms at eps/2 each: B buckets + B2 buckets
+            vh, _ = hashed_vc(rng, h, hash_items(rng, names, B), B, ph, 1)
+            vb, _ = hashed_vc(rng, h, hash_items(rng, names, B2), B2, ph, 1)
+            e3 = ld.l2_histogram(vh, ph, buckets=B, n=n, box_counts=vb, box_p=ph)
+            for tag, e in (("l1", e1), ("l2-same", e2), ("l2-two", e3)):
+                acc.setdefault(tag, []).append(l2sq(h, e))
+                acc.setdefault(tag + "_l1", []).append(l1_distance(h, e))
+        rows.append(dict(n=n, eps=eps, acc=acc))
+        log(f"l2 n={n}: " + ", ".join(f"{k}={np.mean(v):.0f}" for k, v in acc.items()))
+    return {"rows": rows}
+
+
+def l2sq(a, b) -> float:
+    a = np.sort(np.asarray(a, dtype=np.int64))[::-1]
+    b = np.sort(np.asarray(b, dtype=np.int64))[::-1]
+    m = max(len(a), len(b))
+    a = np.concatenate([a, np.zeros(m - len(a), np.int64)]).astype(np.float64)
+    b = np.concatenate([b, np.zeros(m - len(b), np.int64)]).astype(np.float64)
+    return float(((a - b) ** 2).sum())
+
+
+def _timed(fn, reps):
+    times = []
+    for _ in range(reps):
+        gc.collect()
+        gc.disable()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        gc.enable()
+    return times
+
+
+def section_time(quick: bool) -> dict:
+    """Release time for n events into B = n sqrt(log n) buckets, against one np.bincount pass."""
+    n = 10**6 if quick else 10**7
+    reps = 2 if quick else 3
+    eps = 1.0
+    p = p_from_epsilon(eps)
+    B = int(n * math.sqrt(math.log(n)))
+    rng = np.random.default_rng([SEED, 7])
+    names, h = items_counts(rng, n)
+    where = hash_items(rng, names, B)
+    red = np.bincount(where, weights=h, minlength=B).astype(np.int64)
+    out = {"n": n, "B": B, "D": len(h), "eps": eps, "rows": []}
+    for layers in (1, 2):
+        noisy = red + dlap(rng, p, B, layers)
+        log(f"time: built {B} counters with {layers} layer(s)")
+        base, ours, stages = [], [], {}
+        for rep in range(reps):
+            base += _timed(lambda: np.bincount(noisy - noisy.min()), 1)
+            ours += _timed(lambda: anonymized_histogram(noisy, p, n=n, layers=layers,
+                                                         buckets=B), 1)
+            # stages
+            t = time.perf_counter()
+            vc = noisy_value_counts(noisy)
+            stages.setdefault("noisy_value_counts", []).append(time.perf_counter() - t)
+            t = time.perf_counter()
+            raw = (cumulative_prevalence(vc, p, layers=layers) if layers == 1 else
+                   deconvolved_prevalence(vc, p, layers=layers))
+            stages.setdefault("estimate (threshold)" if layers == 1 else
+                              "estimate (deconvolution)", []).append(time.perf_counter() - t)
+            t = time.perf_counter()
+            psi = project_l1(raw)
+            stages.setdefault("project_l1 (buckets)", []).append(time.perf_counter() - t)
+            t = time.perf_counter()
+            inv = ld.invert_gamma(psi.astype(np.float64), B)
+            stages.setdefault("invert_gamma", []).append(time.perf_counter() - t)
+            t = time.perf_counter()
+            counts_from_cumulative(project_l1(inv))
+            stages.setdefault("project_l1 + counts (items)", []).append(time.perf_counter() - t)
+        ratio = [o / b for o, b in zip(ours, base)]
+        out["rows"].append(dict(layers=layers, base=base, ours=ours, ratio=ratio,
+                                stages={k: statistics.median(v) for k, v in stages.items()},
+                                L=len(psi)))
+        log(f"time layers={layers}: release {statistics.median(ours):.2f} s, bincount "
+            f"{statistics.median(base):.3f} s, ratio {statistics.median(ratio):.1f}x")
+        del noisy
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+DEFAULT_METHOD = {1: "threshold", 2: "deconvolution"}
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def _plot_ratio(cells, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = sorted({n for n, _ in cells})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    colors = {0.5: "tab:blue", 1.0: "tab:orange", 2.0: "tab:green"}
+    for eps in EPS:
+        for layers, style in ((1, "-o"), (2, "--s")):
+            m = DEFAULT_METHOD[layers]
+            rs, es = [], []
+            for n in ns:
+                c = cells[(n, eps)]
+                r, se = ratio_se(c[("hashed", layers, m)], c[("direct", layers, m)])
+                rs.append(r)
+                es.append(0 if math.isnan(se) else se)
+            axes[0].errorbar(ns, rs, yerr=es, fmt=style, color=colors[eps], capsize=3,
+                             label=f"eps={eps:g}, {layers} layer{'s' if layers > 1 else ''}")
+        zs = [ratio_se(cells[(n, eps)][("zeros", 1, "threshold")],
+                       cells[(n, eps)][("direct", 1, "threshold")])[0] for n in ns]
+        hs = [ratio_se(cells[(n, eps)][("hashed", 1, "threshold")],
+                       cells[(n, eps)][("zeros", 1, "threshold")])[0] for n in ns]
+        axes[1].plot(ns, zs, "-o", color=colors[eps], label=f"eps={eps:g}: empty buckets")
+        axes[1].plot(ns, hs, ":^", color=colors[eps], label=f"eps={eps:g}: collisions + inversion")
+    axes[0].axhline(1.5, color="k", lw=1, ls=":", label="target 1.5")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("n (events)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("l1 error: hashed / direct (oracle D)")
+    axes[0].set_title("hashed (B = choose_buckets) vs direct, same data")
+    axes[1].set_ylabel("factor (1 layer)")
+    axes[1].set_title("decomposition: (direct+zeros)/direct, hashed/(direct+zeros)")
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_time(tm, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    for ax, row in zip(axes, tm["rows"]):
+        names = list(row["stages"])
+        vals = [row["stages"][k] for k in names]
+        base = statistics.median(row["base"])
+        ax.barh(["np.bincount (baseline)"] + names + ["whole release"],
+                [base] + vals + [statistics.median(row["ours"])],
+                color=["gray"] + ["tab:blue"] * len(names) + ["tab:red"])
+        ax.set_xlabel("seconds (median)")
+        ax.set_title(f"n={nfmt(tm['n'])}, B={tm['B']:.3g}, {row['layers']} layer(s): "
+                     f"{statistics.median(row['ratio']):.1f}x bincount")
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_buckets(cells, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = sorted({n for n, _ in cells})
+    fig, axes = plt.subplots(1, len(ns), figsize=(5.5 * len(ns), 4), dpi=100, squeeze=False)
+    colors = {0.5: "tab:blue", 1.0: "tab:orange", 2.0: "tab:green"}
+    for ax, n in zip(axes[0], ns):
+        for eps in EPS:
+            c = cells[(n, eps)]
+            d = c["direct"]
+            for method, style in (("threshold", "-o"), ("deconvolution", ":x")):
+                ks = sorted(k[0] for k in c if isinstance(k, tuple) and k[1] == method)
+                ax.plot(ks, [ratio_se(c[(k, method)], d)[0] for k in ks], style,
+                        color=colors[eps], label=f"eps={eps:g}, {method}")
+            b = ld.choose_buckets(n, eps) / n
+            ax.axvline(b, color=colors[eps], lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("B / n  (dashed: choose_buckets default)")
+        ax.set_ylabel("l1 error / direct-mode error")
+        ax.set_title(f"n = {nfmt(n)}, 1 layer")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+VARIANT_LABEL = {"exact": "exact inverse (single hist.)",
+                 "alg7-single": "Alg. 7, one histogram",
+                 "alg7-two": "Alg. 7, two histograms (eps/2 each)",
+                 "reduced": "no inversion"}
+
+
+def _plot_variants(cells, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(cells)
+    variants = ("exact", "alg7-single", "alg7-two", "reduced")
+    fig, ax = plt.subplots(figsize=(11, 4), dpi=100)
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        ys, es = [], []
+        for k in keys:
+            r, se = ratio_se(cells[k][(v, "threshold")], cells[k]["direct"])
+            ys.append(r)
+            es.append(0 if math.isnan(se) else se)
+        ax.bar(np.arange(len(keys)) + i * width, ys, width, yerr=es, capsize=2,
+               label=VARIANT_LABEL[v])
+    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2)
+    ax.set_xticklabels([f"n={nfmt(n)}\neps={e:g}" for n, e in keys])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("l1 error / direct-mode error")
+    ax.set_title("variants at equal total epsilon and memory (threshold estimator, 1 layer)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(R, meta, outdir: Path) -> None:
+    img = outdir / "img"
+    _plot_ratio(R["headline"], img / "largedomain_ratio.png")
+    _plot_time(R["time"], img / "largedomain_time.png")
+    _plot_buckets(R["buckets"], img / "largedomain_buckets.png")
+    _plot_variants(R["variants"], img / "largedomain_variants.png")
+    L = []
+    w = L.append
+    hd, tm = R["headline"], R["time"]
+    w("# Large domains: hashed state and the Gamma^B inversion\n")
+    w("Produced by:\n\n```\n" + meta["cmd"] + "\n```\n")
+    w(f"(commit {meta['rev']}, started {meta['started']}, {meta['wall'] / 60:.1f} min wall; "
+      f"{meta['machine']}, {meta['sw']}; load average at start "
+      f"{', '.join(f'{x:.2f}' for x in meta['load0'])}, at end "
+      f"{', '.join(f'{x:.2f}' for x in meta['load1'])}. Source: `bench/largedomain.py`; "
+      "code: `aggregator/largedomain.py`.)\n")
+    # ---- headline
+    w("## Headline\n")
+    rows1 = [(n, e, ratio_se(c[("hashed", 1, "threshold")], c[("direct", 1, "threshold")]))
+             for (n, e), c in sorted(hd.items())]
+    met = sum(r[2][0] <= 1.5 for r in rows1)
+    worst = max(rows1, key=lambda r: r[2][0])
+    best = min(rows1, key=lambda r: r[2][0])
+    w(f"* **l1 error, hashed / direct (oracle D), state-only release (1 layer)**: "
+      f"{best[2][0]:.2f} .. {worst[2][0]:.2f} over n = "
+      f"{nfmt(min(n for n, _ in hd))} .. {nfmt(max(n for n, _ in hd))} and eps in "
+      f"{{{', '.join(f'{e:g}' for e in EPS)}}}; target <= 1.5x met in **{met} of {len(rows1)}** "
+      f"cells (worst: n={nfmt(worst[0])}, eps={worst[1]:g}).")
+    t1 = next(r for r in tm["rows"] if r["layers"] == 1)
+    t2 = next(r for r in tm["rows"] if r["layers"] == 2)
+    w(f"* **Release time**, n = {nfmt(tm['n'])}, B = n sqrt(log n) = {tm['B']:,}: "
+      f"**{statistics.median(t1['ours']):.2f} s** with one layer "
+      f"(= {statistics.median(t1['ratio']):.1f}x one np.bincount pass over the B counters, "
+      f"{statistics.median(t1['base']):.2f} s) and {statistics.median(t2['ours']):.2f} s with two "
+      f"layers ({statistics.median(t2['ratio']):.1f}x). Target <= 10 s: "
+      f"{'met' if statistics.median(t1['ours']) <= 10 else 'NOT met'} (1 layer), "
+      f"{'met' if statistics.median(t2['ours']) <= 10 else 'NOT met'} (2 layers).")
+    var = R["variants"]
+    vwin = {v: 0 for v in ("exact", "alg7-single", "alg7-two", "reduced")}
+    for c in var.values():
+        best_v = min(vwin, key=lambda v: np.mean(c[(v, "threshold")]))
+        vwin[best_v] += 1
+    w(f"* **Default variant: the exact inverse on the single hashed histogram** "
+      f"(`variant=\"exact\"`): lowest mean error in {vwin['exact']} of {len(var)} variant cells "
+      f"at equal total epsilon and memory (Algorithm 7 with one histogram: {vwin['alg7-single']}, "
+      f"with two histograms: {vwin['alg7-two']}, no inversion: {vwin['reduced']}). Why: below.")
+    w(f"* **B** = `choose_buckets(n, eps)`: footnote 7's n sqrt(eps^2.5 log n), kept between "
+      f"1.5 n and Corollary 13's n sqrt(log n) (see \"Choosing B\").\n")
+    w("![hashed vs direct](img/largedomain_ratio.png)\n")
+    # ---- setup
+    w("## Setup\n")
+    w("* Items: strings `u<k>`, k ~ Zipf(1.1) over all positive integers (unbounded domain; numpy's "
+      "zipf sampler). n events per repetition; D = number of distinct items seen.")
+    w("* Hashed mode: the real `aggregator.hashing.bucket_of` (SipHash-2-4, fresh random key per "
+      "repetition) on the distinct strings; bucket totals = sum of their items' counts.")
+    w("* Direct mode (the oracle): one counter per distinct item, i.e. D = number of distinct "
+      "items. No deployment over an unbounded domain can have this; it is the yardstick the issue "
+      "asks for. **direct+zeros** adds B - D zero counters to it: hashing without collisions.")
+    w("* Noise: DLap(p), p = exp(-eps/2) rounded up (replace-one neighbors). 1 layer = state-only "
+      "release; 2 layers = joint model (state noise plus the release layer W). Estimator of the "
+      "(bucket) cumulative prevalence: the defaults of `anonymized_histogram` - threshold "
+      "(Lemma 10) for 1 layer, EM deconvolution for 2 layers - then the l1 projection.")
+    w("* Benchmark noise comes from a seeded numpy Generator (geometric differences; reproducible, "
+      "not private). Empty buckets are exchangeable, so their noisy values are drawn as one "
+      "multinomial over the exact noise pmf (the estimators only see noisy-value counts). The "
+      "timing section builds the full B-length array.")
+    w("* l1 error = l1 distance between anonymized histograms (= between cumulative "
+      "prevalences). Entries: mean ± standard error over repetitions; ratios of means with "
+      "delta-method SE.\n")
+    # ---- headline table
+    w("## l1 error: hashed vs direct\n")
+    for layers in (1, 2):
+        m = DEFAULT_METHOD[layers]
+        w(f"### {layers} layer{'s' if layers > 1 else ''} ({'state-only' if layers == 1 else 'joint model'}, {m})\n")
+        w("| n | eps | reps | D (mean) | B | B/n | direct (oracle D) | direct+zeros | hashed | "
+          "**hashed / direct** | zeros / direct | hashed / (direct+zeros) | hashed release s |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for (n, e), c in sorted(hd.items()):
+            k = (layers, m)
+            r = ratio_se(c[("hashed",) + k], c[("direct",) + k])
+            rz = ratio_se(c[("zeros",) + k], c[("direct",) + k])
+            rh = ratio_se(c[("hashed",) + k], c[("zeros",) + k])
+            w(f"| {nfmt(n)} | {e:g} | {len(c[('hashed',) + k])} | {np.mean(c['D']):.3g} | {c['B']:.3g} | "
+              f"{c['B'] / n:.2f} | {fmt(*mean_se(c[('direct',) + k]))} | "
+              f"{fmt(*mean_se(c[('zeros',) + k]))} | {fmt(*mean_se(c[('hashed',) + k]))} | "
+              f"**{fmt(*r)}** | {fmt(*rz)} | {fmt(*rh)} | "
+              f"{statistics.median(c[('t_hashed',) + k]):.2f} |")
+        w("")
+    w("Reading the decomposition: *zeros / direct* is what the B - D empty buckets cost (each adds "
+      "DLap noise that the threshold estimator cannot tell from a count of 1 or 2; the oracle "
+      "direct mode has no empty counter at all); *hashed / (direct+zeros)* is what the "
+      "collisions cost after the inversion (the realized collisions differ from their "
+      "expectation, Lemma 15, and the inverse amplifies the noise by about e^(D/B)).\n")
+    # ---- time
+    w("## Release time\n")
+    w(f"n = {nfmt(tm['n'])} events (D = {tm['D']:,} distinct), B = n sqrt(log n) = {tm['B']:,} "
+      f"counters (the issue's setting), eps = {tm['eps']:g}. Timed: "
+      "`anonymized_histogram(counters, p, n=n, layers=k, buckets=B)` on the B-length int64 "
+      "array, against `np.bincount(counters - counters.min())` (one pass over the same array; the "
+      "baseline docs/speed.md uses), interleaved, "
+      f"{len(t1['ours'])} repetitions, medians.\n")
+    w("| layers | estimator | release (median) | bincount (median) | ratio (median, min..max) | "
+      "target 10 s |")
+    w("|---|---|---|---|---|---|")
+    for row in tm["rows"]:
+        w(f"| {row['layers']} | {DEFAULT_METHOD[row['layers']]} | "
+          f"{statistics.median(row['ours']):.2f} s | {statistics.median(row['base']):.3f} s | "
+          f"{statistics.median(row['ratio']):.1f}x ({min(row['ratio']):.1f}..{max(row['ratio']):.1f}) | "
+          f"{'met' if statistics.median(row['ours']) <= 10 else 'not met'} |")
+    w("")
+    w("Stages (medians, same repetitions):\n")
+    w("| stage | 1 layer | 2 layers |")
+    w("|---|---|---|")
+    names = list(dict.fromkeys(list(t1["stages"]) + list(t2["stages"])))
+    for k in names:
+        a = t1["stages"].get(k)
+        b = t2["stages"].get(k)
+        w(f"| {k} | {'-' if a is None else f'{a:.3f} s'} | {'-' if b is None else f'{b:.3f} s'} |")
+    w(f"\nThe inversion works on degrees 0..2L (L = largest reduced value: {t1['L']:,} here) with "
+      "a handful of FFT products; it does not depend on B. Everything else is one pass over the "
+      "counters (the noisy-value counts) plus work on the distinct noisy values.\n")
+    w("![release time](img/largedomain_time.png)\n")
+    # ---- gamma
+    g = R["gamma"]
+    w("## Gamma^B: speed and exactness\n")
+    w("Exactness against seed 001 Algorithm 6 (verbatim, O(n l) per value):\n")
+    w("| n | B | l checked up to | max relative difference | Algorithm 6 time per l |")
+    w("|---|---|---|---|---|")
+    for n, B, Lx, err, t6 in g["exact"]:
+        w(f"| {nfmt(n)} | {B:,} | {Lx} | {err:.1e} | {t6 * 1e3:.1f} ms |")
+    w("\n(tests/test_largedomain.py also checks it against the average over all B^D hash functions "
+      "on tiny inputs and against Monte Carlo hashing on medium ones.)\n")
+    w("All values of Gamma^B at once (L = twice the largest count), the exact inverse, and "
+      "Algorithm 6 for the single value l = 10:\n")
+    w("| n | D | L | B | Gamma^B_1..L | inverse | round-trip max error | "
+      "collision bias of raw buckets, l1 | Algorithm 6, one l = 10 |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    for r in g["rows"]:
+        w(f"| {nfmt(r['n'])} | {r['D']:,} | {r['L']:,} | {r['B']:,} | {r['t_gamma']:.2f} s | "
+          f"{r['t_inv']:.2f} s | {r['inv_err']:.1e} | {r['bias']:.0f} | {r['t_alg6_l10']:.2f} s |")
+    w("\nAlgorithm 7 needs m log n values of Gamma^B (m = ceil(10 log D / log(1/p)), hundreds); "
+      "`greedy_prefix` gets each in O(1) because Gamma_r is affine in phi_{>=r} once the lower "
+      "entries are fixed (Lemma 20 made exact; tested).\n")
+    # ---- variants
+    w("## Variants at equal total epsilon and memory\n")
+    w("All on the same items; total privacy budget eps and total memory B counters "
+      "(B = choose_buckets(n, eps)) in every column:\n")
+    w("* **exact** - one hashed histogram (eps, B counters); exact inverse of Gamma^B at every "
+      "degree (power-series logarithm), then the l1 projection. The default.")
+    w("* **alg7-single** - the same histogram; Algorithm 7's binary searches for r <= m, the "
+      "hashed histogram itself for r > m.")
+    w("* **alg7-two** - the paper's Algorithm 7: an unhashed histogram over the oracle domain "
+      "(D counters) and a hashed one with B - D counters, eps/2 each (the paper's split).")
+    w("* **no inversion** - the bucket histogram as it is.\n")
+    w("| n | eps | reps | estimator | exact | alg7-single | alg7-two | no inversion | direct |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    for (n, e), c in sorted(var.items()):
+        for method in ("threshold", "deconvolution"):
+            vals = [c[(v, method)] for v in ("exact", "alg7-single", "alg7-two", "reduced")]
+            best_i = int(np.argmin([np.mean(v) for v in vals]))
+            cellsx = [fmt(*mean_se(v)) for v in vals]
+            cellsx[best_i] = f"**{cellsx[best_i]}**"
+            w(f"| {nfmt(n)} | {e:g} | {len(c['direct'])} | {method} | " + " | ".join(cellsx)
+              + f" | {fmt(*mean_se(c['direct'])) if method == 'threshold' else ''} |")
+    w("")
+    w("![variants](img/largedomain_variants.png)\n")
+    w("Why the exact single-histogram inverse is the default:\n")
+    w("* The two-histogram Algorithm 7 pays for its second histogram twice: each histogram gets "
+      "eps/2, i.e. DLap(exp(-eps/4)) noise whose variance is several times larger, and the "
+      "memory for an unhashed histogram does not exist for an unbounded domain (here it was given "
+      "the oracle D counters for free, and still loses at equal budget). A collision-free "
+      "substitute needs >= n^2 buckets (`collision_free_buckets`).")
+    w("* Taking r > m from the hashed histogram itself (alg7-single) keeps the collision shift of "
+      "large counts (each large item gains ~n/B from small colliders); the exact inverse removes "
+      "it at every degree, and its binary searches with per-step clipping propagate early errors "
+      "into later steps, while the exact inverse is followed by one global l1 projection.")
+    w("* The exact inverse costs a few FFT products on 2L coefficients (seconds at n = 1e7) and "
+      "needs one histogram, so it works with the pan-private state as it is.\n")
+    # ---- buckets
+    bk = R["buckets"]
+    w("## Choosing B\n")
+    w("Error relative to direct mode against B/n, 1 layer, both estimators (the dashed lines in "
+      "the plot are `choose_buckets`' defaults):\n")
+    for (n, e), c in sorted(bk.items()):
+        pass
+    ratios_all = sorted({k[0] for c in bk.values() for k in c if isinstance(k, tuple)})
+    w("| n | eps | estimator | " + " | ".join(f"B/n={r:.3g}" for r in ratios_all) + " | default B/n |")
+    w("|---|---|---|" + "---|" * len(ratios_all) + "---|")
+    for (n, e), c in sorted(bk.items()):
+        for method in ("threshold", "deconvolution"):
+            vals = [ratio_se(c[(r, method)], c["direct"])[0] if (r, method) in c else float("nan")
+                    for r in ratios_all]
+            bi = int(np.nanargmin(vals))
+            cells_s = [f"{v:.2f}" for v in vals]
+            cells_s[bi] = f"**{cells_s[bi]}**"
+            w(f"| {nfmt(n)} | {e:g} | {method} | " + " | ".join(cells_s)
+              + f" | {ld.choose_buckets(n, e) / n:.2f} |")
+    w("\n(B/n = sqrt(log n) is Corollary 13's choice.)\n")
+    w("![error vs B](img/largedomain_buckets.png)\n")
+    w("Two costs trade off: each of the B - D empty buckets adds noise (about sqrt(B) in l1 at "
+      "small r), and fewer buckets mean more collisions, whose realized number fluctuates around "
+      "what the inversion removes (Lemma 15: n log n / sqrt(B)) and which amplify the noise "
+      "through the inverse. The default `choose_buckets` rule (`\"capped\"`) takes footnote 7's "
+      "B = n sqrt(eps^2.5 log n) - fewer buckets when eps is small, because then every empty "
+      "bucket is noisier - but keeps it between 1.5 n and Corollary 13's n sqrt(log n): footnote "
+      "7 alone asks for ~8n at eps = 2, well past the flat bottom. B must be fixed before data "
+      "arrives, so the service takes it from an *expected* n (next section). The deconvolution "
+      "estimator with one layer is erratic on hashed counters: good at B ~ n for n = 1e5, much "
+      "worse as B or n grow (its EM stops early by a log-likelihood tolerance, and the empty "
+      "buckets dominate that likelihood); the threshold estimator is the hashed default for one "
+      "layer, as in direct mode.\n")
+    # ---- mismatch
+    mm = R["mismatch"]
+    w("## When the real n differs from the expected n\n")
+    w(f"B = choose_buckets({nfmt(mm['n_exp'])}, {mm['eps']:g}) = {mm['rows'][0]['B_fixed']:,} "
+      "fixed in advance; data with another n. *right B* = choose_buckets(real n).\n")
+    w("| real n | n / expected | D | occupied buckets (fixed B) | error, fixed B | error, right B | "
+      "fixed / right | direct (oracle) |")
+    w("|---|---|---|---|---|---|---|---|")
+    for r in mm["rows"]:
+        a = r["acc"]
+        w(f"| {nfmt(r['n'])} | {r['factor']:g} | {np.mean(a['D']):.3g} | "
+          f"{np.mean(a['fixed_occ']):.1%} | {fmt(*mean_se(a['fixed']))} | "
+          f"{fmt(*mean_se(a['right']))} | {fmt(*ratio_se(a['fixed'], a['right']))} | "
+          f"{fmt(*mean_se(a['direct']))} |")
+    w("\nFewer events than expected: the surplus buckets are empty and their noise is paid in "
+      "full, so the error is that of a too-large B (it grows roughly like sqrt(B) at small r). "
+      "More events than expected: more collisions; the inversion still removes their expected "
+      "effect and the error grows slowly while a minority of buckets is occupied. Once most "
+      "buckets are occupied (psi_1 close to B) the power-series inverse becomes ill-conditioned; "
+      "`hashed_histogram` then falls back to Algorithm 7's clipped binary searches, and with "
+      "every bucket occupied nothing can be undone. Configure B from a generous estimate of n "
+      "per window: a 3x overestimate costs less than a 10x underestimate.\n")
+    # ---- l2
+    l2 = R["l2"]
+    w("## l2^2 loss (Algorithm 4)\n")
+    w("Algorithm 4 projects the l1 estimate onto {sum = n, every rank within gamma of the sorted "
+      "noisy counters of a second histogram}, gamma = 10 log(2 n B2) / log(1/p). The box is only "
+      "valid if no two items share a bucket of that second histogram, which needs B2 >> D^2: "
+      "`collision_free_buckets(D, 0.05)` = D(D-1)/0.1 counters (for n = 1e7 with ~3e6 distinct "
+      "items that is ~1e14 counters: impossible). Affordable only for small n. The alternative "
+      "without extra memory takes the box from the same B counters "
+      "(`anonymized_histogram(..., buckets=B, loss=\"l2\")`): the box is then wrong whenever two "
+      "items larger than ~gamma share a bucket (probability ~ N_big^2 / 2B), in which case the "
+      "l2 error can be large. eps = 1 in total (the two-histogram version splits it in half).\n")
+    w("| n | reps | B2 (second hash) | l2^2: l1 estimate | l2^2: box from same counters | "
+      "l2^2: box from second hash (eps/2 each) | l1: l1 estimate | l1: same-counters box | "
+      "l1: two-hash box |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    for r in l2["rows"]:
+        a = r["acc"]
+        w(f"| {nfmt(r['n'])} | {len(a['l1'])} | {np.mean(a['B2']):.3g} | {fmt(*mean_se(a['l1']))} | "
+          f"{fmt(*mean_se(a['l2-same']))} | {fmt(*mean_se(a['l2-two']))} | "
+          f"{fmt(*mean_se(a['l1_l1']))} | {fmt(*mean_se(a['l2-same_l1']))} | "
+          f"{fmt(*mean_se(a['l2-two_l1']))} |")
+    w("")
+    # ---- notes
+    w("## Notes\n")
+    w("* Privacy: the hash key is drawn before any data and kept in the state; the map item -> "
+      "bucket does not depend on the data, so a hashed state is eps-DP exactly as a direct one "
+      "(same sensitivity, same DLap noise); the inversion is post-processing.")
+    w("* Partitioned deployments: the noisy-value counts of disjoint per-partition bucket arrays "
+      "add up (`NoisyValueCounts.merge`); pass buckets = total number of counters. Items split "
+      "uniformly over partitions and then over each partition's buckets land uniformly in the "
+      "union, which is what Gamma^B assumes.")
+    w("* Degrees above 2^21 are not inverted (`INVERT_CAP`): at most n / 2^20 items can be that "
+      "large and each is shifted by ~n/B by collisions; their phi_{>=r} come from the buckets "
+      "directly.")
+    (outdir / "large_domains.md").write_text("\n".join(L) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    ap.add_argument("--out", default=None, help="output directory (default docs/, or out/)")
+    ap.add_argument("--replot", metavar="PICKLE", default=None,
+                    help="re-render the report from a saved out/largedomain_results*.pkl")
+    args = ap.parse_args(argv)
+    outdir = Path(args.out or ("out" if args.quick else "docs"))
+    (outdir / "img").mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        import pickle
+        with open(args.replot, "rb") as f:
+            R, meta = pickle.load(f)
+        write_report(R, meta, outdir)
+        log(f"re-rendered {outdir / 'large_domains.md'} from {args.replot}")
+        return 0
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    load0 = os.getloadavg()
+    log(f"bench.largedomain {'--quick ' if args.quick else ''}-> {outdir}")
+    R = {}
+    R["gamma"] = section_gamma(args.quick)
+    R["time"] = section_time(args.quick)
+    R["headline"] = section_headline(args.quick)
+    R["variants"] = section_variants(args.quick)
+    R["buckets"] = section_buckets(args.quick)
+    R["mismatch"] = section_mismatch(args.quick)
+    R["l2"] = section_l2(args.quick)
+    meta = dict(started=started, load0=load0, load1=os.getloadavg(), rev=git_rev(),
+                wall=time.perf_counter() - T0, quick=args.quick,
+                cmd="python -m bench.largedomain" + (" --quick" if args.quick else ""),
+                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                sw=f"Python {platform.python_version()}, numpy {np.__version__}")
+    import pickle
+    Path("out").mkdir(exist_ok=True)
+    with open(Path("out") / ("largedomain_results" + ("_quick" if args.quick else "") + ".pkl"),
+              "wb") as f:
+        pickle.dump((R, meta), f)
+    write_report(R, meta, outdir)
+    log(f"wrote {outdir / 'large_domains.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
