@@ -245,7 +245,6 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=200, tol=1e-5,
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
     K, q = noise_pmf(p, k)
-    D = vc.total
     vals = np.flatnonzero(vc.c) + vc.lo
     cnt = vc.c[vc.c > 0].astype(np.float64)
     # values below -K cannot come from h >= 0 under the truncated model: fold them to -K

@@ -12,7 +12,6 @@ state's epsilon (see docs/privacy.md):
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time

@@ -55,7 +55,7 @@ BAD_LINES = [
 
 
 def cfg_for(tmp_path, path, **overrides):
-    sets = [f"source.kind=file", f"source.path={path}", "source.format=json",
+    sets = ["source.kind=file", f"source.path={path}", "source.format=json",
             "source.max_records=1000", f"state.domain_size={D}", "window.kind=count",
             "window.size=1000000", f"checkpoint.dir={tmp_path / 'state'}",
             f"release.dir={tmp_path / 'releases'}", "checkpoint.every_events=2000",

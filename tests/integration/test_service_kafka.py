@@ -11,7 +11,6 @@ import sys
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import msgpack
 import numpy as np
