@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from .service import ServiceError
         from .state import SnapshotError
-        if isinstance(exc, (ServiceError, CheckpointError, SnapshotError)):
+        from consumers.kafka_source import PartialAssignment
+        if isinstance(exc, (ServiceError, CheckpointError, SnapshotError, PartialAssignment)):
             print(f"panagg: error: {exc}", file=sys.stderr)
             return 2
         raise

@@ -16,7 +16,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from .base import Segment, Source
 
-__all__ = ["KafkaSource", "partition_key", "parse_partition_key"]
+__all__ = ["KafkaSource", "PartialAssignment", "partition_key", "parse_partition_key"]
 
 log = logging.getLogger("panagg.kafka")
 
@@ -30,6 +30,10 @@ def parse_partition_key(key: str) -> TopicPartition:
     return TopicPartition(topic, int(part))
 
 
+class PartialAssignment(RuntimeError):
+    """Another member of the group holds some of the topic's partitions."""
+
+
 class _SeekOnAssign(ConsumerRebalanceListener):
     def __init__(self, source: "KafkaSource"):
         self.source = source
@@ -41,8 +45,13 @@ class _SeekOnAssign(ConsumerRebalanceListener):
         for tp in assigned:
             key = partition_key(tp.topic, tp.partition)
             self.source.assigned.add(key)
+            # the live offsets of the state (not those at start-up): a rejoin after a stall
+            # must continue where the counters are, or it would count records twice
             if key in self.source.start_offsets:
                 self.source.consumer.seek(tp, self.source.start_offsets[key])
+        # the ownership check needs metadata, a blocking call: not allowed in this IO-thread
+        # callback, so poll() does it
+        self.source.assignment_changed = True
         log.info("assigned partitions: %s", sorted(self.source.assigned))
 
 
@@ -66,6 +75,10 @@ class KafkaSource(Source):
         self.topic, self.group, self.max_records = topic, group, int(max_records)
         self.start_offsets: dict[str, int] = {}
         self.assigned: set[str] = set()
+        #: set when the group gave this process only some partitions (another member holds the
+        #: rest); one state per process is only exactly-once if it owns every partition
+        self.partial_assignment: list[int] | None = None
+        self.assignment_changed = False
         config = dict(
             bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
             auto_offset_reset="earliest", max_poll_records=self.max_records,
@@ -78,14 +91,30 @@ class KafkaSource(Source):
         self._lag_cache: tuple[float, dict[str, int]] | None = None
 
     def seek(self, offsets: dict[str, int]) -> None:
-        self.start_offsets = {k: int(v) for k, v in offsets.items()
-                              if k.rpartition(":")[0] == self.topic}
+        # keep the caller's dict itself: the service updates it as it counts, so every later
+        # (re)assignment seeks to the offsets the counters actually include
+        self.start_offsets = offsets
         for key in self.assigned:  # already assigned (seek after the first poll)
             if key in self.start_offsets:
                 self.consumer.seek(parse_partition_key(key), self.start_offsets[key])
 
     def poll(self, timeout_s: float = 1.0) -> list[Segment]:
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        if self.assignment_changed:
+            everything = self.consumer.partitions_for_topic(self.topic)
+            if everything:  # None until the topic's metadata is known: check again next poll
+                self.assignment_changed = False
+                mine = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.topic}
+                # an empty assignment counts nothing (and is what a first join before the
+                # topic's metadata looks like): only a non-empty partial one is a problem
+                partial = mine and mine != set(everything)
+                self.partial_assignment = sorted(mine) if partial else None
+        if self.partial_assignment is not None:
+            raise PartialAssignment(
+                f"consumer group {self.group!r} gave this process only partitions "
+                f"{self.partial_assignment} of {self.topic!r}: another aggregator runs in the same "
+                "group. Until per-partition state lands, run one panagg per group (or give each "
+                "its own source.group)")
         segments = []
         for tp, records in polled.items():
             if records:

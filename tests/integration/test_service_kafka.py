@@ -211,3 +211,29 @@ def test_kill_minus_nine_twenty_times_exactly_once(kafka_broker, tmp_path):
     assert state.n == len(items)
     assert np.array_equal(state.counts, expected_counts(items))
     assert sum(ckpt.offsets.values()) == len(items)
+
+
+def test_second_member_in_the_same_group_is_refused(kafka_broker, tmp_path):
+    """One state per process is exactly-once only if it owns every partition: until
+    per-partition state exists, a second aggregator in the group must stop, loudly."""
+    topic = make_topic(kafka_broker, partitions=2)
+    produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(2000)])
+    procs = []
+    for k in range(2):
+        d = tmp_path / f"agg{k}"
+        args = service_args(kafka_broker, topic, d, "--set", f"source.instance_id=member-{k}")
+        procs.append(subprocess.Popen([sys.executable, "-m", "aggregator.cli", *args], env=env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(4)
+    outcomes = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        outcomes.append((proc.returncode, err))
+    refused = [err for code, err in outcomes if code == 2]
+    assert refused, outcomes
+    assert all("another aggregator runs in the same group" in err.strip().splitlines()[-1]
+               for err in refused)
