@@ -71,9 +71,11 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------
 # data, hashing, noise
 # --------------------------------------------------------------------------------------------
-def items_counts(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct items (as byte strings) and their counts: n events, ids ~ Zipf(1.1)."""
-    ids = rng.zipf(1.1, n)
+def items_counts(rng: np.random.Generator, n: int,
+                 dist: str = "zipf") -> tuple[np.ndarray, np.ndarray]:
+    """Distinct items (as byte strings) and their counts: n events, ids ~ Zipf(1.1), or
+    ``"distinct"``: ids uniform over 20 n values (~95% of the items seen once)."""
+    ids = rng.zipf(1.1, n) if dist == "zipf" else rng.integers(0, 20 * n, n)
     uniq, counts = np.unique(ids, return_counts=True)
     names = np.char.add(b"u", uniq.astype(np.bytes_))
     return names, counts.astype(np.int64)
@@ -220,7 +222,7 @@ def section_headline(quick: bool) -> dict:
     if quick:
         grid = [(10**4, 4), (10**5, 2), (10**6, 1)]
     else:
-        grid = [(10**4, 16), (10**5, 8), (10**6, 4), (10**7, 2)]
+        grid = [(10**4, 16), (10**5, 8), (10**6, 6), (10**7, 3)]
     cells = {}
     for n, reps in grid:
         for eps in EPS:
@@ -281,15 +283,16 @@ BUCKET_RATIOS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 def section_buckets(quick: bool) -> dict:
     """Error against B/n (the basis of choose_buckets)."""
-    grid = [(10**5, 2)] if quick else [(10**5, 8), (10**6, 3)]
+    grid = ([(10**5, 2, "zipf")] if quick else
+            [(10**5, 8, "zipf"), (10**6, 4, "zipf"), (10**5, 8, "distinct")])
     cells = {}
-    for n, reps in grid:
+    for n, reps, dist in grid:
         for eps in EPS:
             p = p_from_epsilon(eps)
             res: dict = {}
             for rep in range(reps):
                 rng = np.random.default_rng([SEED, 4, n, int(eps * 100), rep])
-                names, h = items_counts(rng, n)
+                names, h = items_counts(rng, n, dist)
                 res.setdefault("direct", []).append(
                     l1_distance(h, anonymized_histogram(noisy_vc(rng, h, 0, p, 1), p)))
                 ratios = list(BUCKET_RATIOS) + [math.sqrt(math.log(n))]
@@ -297,12 +300,14 @@ def section_buckets(quick: bool) -> dict:
                     B = int(round(r * n))
                     where = hash_items(rng, names, B)
                     vc, _ = hashed_vc(rng, h, where, B, p, 1)
-                    for method in ("threshold", "deconvolution"):
+                    for method in (("threshold", "deconvolution") if dist == "zipf" else
+                                   ("threshold",)):
                         est = ld.hashed_histogram(vc, p, buckets=B, n=n, method=method)
                         res.setdefault((r, method), []).append(l1_distance(h, est))
-            cells[(n, eps)] = res
+                res.setdefault("D", []).append(len(h))
+            cells[(n, eps, dist)] = res
             d = np.mean(res["direct"])
-            log(f"buckets n={nfmt(n)} eps={eps}: " + " ".join(
+            log(f"buckets {dist} n={nfmt(n)} eps={eps}: " + " ".join(
                 f"{k[0]:.2g}/{k[1][:3]}={np.mean(v) / d:.2f}" for k, v in res.items()
                 if isinstance(k, tuple)))
     return cells
@@ -312,7 +317,7 @@ def section_mismatch(quick: bool) -> dict:
     """B chosen for an expected n, data with another n."""
     n_exp = 10**5 if quick else 10**6
     factors = (0.1, 1.0, 10.0) if quick else (0.1, 0.3, 1.0, 3.0, 10.0)
-    reps = 1 if quick else 2
+    reps = 1 if quick else 3
     eps = 1.0
     p = p_from_epsilon(eps)
     B_fixed = ld.choose_buckets(n_exp, eps)
@@ -427,7 +432,7 @@ def section_time(quick: bool) -> dict:
             inv = ld.invert_gamma(psi.astype(np.float64), B)
             stages.setdefault("invert_gamma", []).append(time.perf_counter() - t)
             t = time.perf_counter()
-            counts_from_cumulative(project_l1(inv))
+            counts_from_cumulative(project_l1(ld._snap(inv, len(psi))))
             stages.setdefault("project_l1 + counts (items)", []).append(time.perf_counter() - t)
         ratio = [o / b for o, b in zip(ours, base)]
         out["rows"].append(dict(layers=layers, base=base, ours=ours, ratio=ratio,
@@ -522,15 +527,18 @@ def _plot_buckets(cells, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ns = sorted({n for n, _ in cells})
-    fig, axes = plt.subplots(1, len(ns), figsize=(5.5 * len(ns), 4), dpi=100, squeeze=False)
+    panels = sorted({(n, dist) for n, _, dist in cells}, key=lambda x: (x[1] != "zipf", x[0]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), dpi=100,
+                             squeeze=False)
     colors = {0.5: "tab:blue", 1.0: "tab:orange", 2.0: "tab:green"}
-    for ax, n in zip(axes[0], ns):
+    for ax, (n, dist) in zip(axes[0], panels):
         for eps in EPS:
-            c = cells[(n, eps)]
+            c = cells[(n, eps, dist)]
             d = c["direct"]
             for method, style in (("threshold", "-o"), ("deconvolution", ":x")):
                 ks = sorted(k[0] for k in c if isinstance(k, tuple) and k[1] == method)
+                if not ks:
+                    continue
                 ax.plot(ks, [ratio_se(c[(k, method)], d)[0] for k in ks], style,
                         color=colors[eps], label=f"eps={eps:g}, {method}")
             b = ld.choose_buckets(n, eps) / n
@@ -538,7 +546,7 @@ def _plot_buckets(cells, path):
         ax.set_xscale("log")
         ax.set_xlabel("B / n  (dashed: choose_buckets default)")
         ax.set_ylabel("l1 error / direct-mode error")
-        ax.set_title(f"n = {nfmt(n)}, 1 layer")
+        ax.set_title(f"{dist}: n = {nfmt(n)}, D/n = {np.mean(c['D']) / n:.2f}, 1 layer")
         ax.grid(True, which="both", alpha=0.3)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
@@ -627,7 +635,8 @@ def write_report(R, meta, outdir: Path) -> None:
     w(f"* **Default variant: the exact inverse on the single hashed histogram** "
       f"(`variant=\"exact\"`): lowest mean error in {vwin['exact']} of {len(var)} variant cells "
       f"at equal total epsilon and memory (Algorithm 7 with one histogram: {vwin['alg7-single']}, "
-      f"with two histograms: {vwin['alg7-two']}, no inversion: {vwin['reduced']}). Why: below.")
+      f"with two histograms: {vwin['alg7-two']}, no inversion: {vwin['reduced']}; threshold "
+      "estimator). Why: below.")
     w(f"* **B** = `choose_buckets(n, eps)`: footnote 7's n sqrt(eps^2.5 log n), kept between "
       f"1.5 n and Corollary 13's n sqrt(log n) (see \"Choosing B\").\n")
     w("![hashed vs direct](img/largedomain_ratio.png)\n")
@@ -765,19 +774,21 @@ def write_report(R, meta, outdir: Path) -> None:
     w("## Choosing B\n")
     w("Error relative to direct mode against B/n, 1 layer, both estimators (the dashed lines in "
       "the plot are `choose_buckets`' defaults):\n")
-    for (n, e), c in sorted(bk.items()):
-        pass
     ratios_all = sorted({k[0] for c in bk.values() for k in c if isinstance(k, tuple)})
-    w("| n | eps | estimator | " + " | ".join(f"B/n={r:.3g}" for r in ratios_all) + " | default B/n |")
-    w("|---|---|---|" + "---|" * len(ratios_all) + "---|")
-    for (n, e), c in sorted(bk.items()):
+    w("| items | n | D/n | eps | estimator | " + " | ".join(f"B/n={r:.3g}" for r in ratios_all)
+      + " | default B/n |")
+    w("|---|---|---|---|---|" + "---|" * len(ratios_all) + "---|")
+    for (n, e, dist), c in sorted(bk.items(), key=lambda kv: (kv[0][2] != "zipf", kv[0][:2])):
         for method in ("threshold", "deconvolution"):
+            if (BUCKET_RATIOS[0], method) not in c:
+                continue
             vals = [ratio_se(c[(r, method)], c["direct"])[0] if (r, method) in c else float("nan")
                     for r in ratios_all]
             bi = int(np.nanargmin(vals))
-            cells_s = [f"{v:.2f}" for v in vals]
+            cells_s = ["-" if math.isnan(v) else f"{v:.2f}" for v in vals]
             cells_s[bi] = f"**{cells_s[bi]}**"
-            w(f"| {nfmt(n)} | {e:g} | {method} | " + " | ".join(cells_s)
+            w(f"| {dist} | {nfmt(n)} | {np.mean(c['D']) / n:.2f} | {e:g} | {method} | "
+              + " | ".join(cells_s)
               + f" | {ld.choose_buckets(n, e) / n:.2f} |")
     w("\n(B/n = sqrt(log n) is Corollary 13's choice.)\n")
     w("![error vs B](img/largedomain_buckets.png)\n")
