@@ -196,8 +196,13 @@ def _loglik(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray) -> flo
     return float((w[nz] * np.log(np.maximum(m[nz], 1e-300))).sum())
 
 
-def _squarem(pi, w, nz, q, allowed, max_iter, tol):
-    """EM accelerated by SQUAREM (Varadhan and Roland 2008, scheme S3), monotone in likelihood."""
+def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None):
+    """EM accelerated by SQUAREM (Varadhan and Roland 2008, scheme S3), monotone in likelihood.
+
+    Stops when the mean log-likelihood gain per step, divided by the estimated mass of non-zero
+    counters, falls below ``tol``: empty counters dilute the mean gain, and without the division
+    a mostly-empty domain (n << D) stopped long before the informative part had converged.
+    """
     ll = _loglik(pi, w, nz, q)
     for _ in range(max_iter):
         p1 = _em_step(pi, w, nz, q)
@@ -217,7 +222,8 @@ def _squarem(pi, w, nz, q, allowed, max_iter, tol):
         ll2 = _loglik(p2, w, nz, q)
         new, ll_new = (cand, ll_c) if ll_c >= ll2 else (p2, ll2)
         new = new / new.sum()
-        done = ll_new - ll < tol
+        informative = 1.0 if zero_idx is None else max(1.0 - float(new[zero_idx]), 1e-6)
+        done = (ll_new - ll) / informative < tol
         pi, ll = new, max(ll_new, ll)
         if done:
             break
@@ -286,7 +292,12 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=200, tol=1e-5,
         # start: the observations blurred by the noise, restricted to h >= 0
         pi = (np.convolve(w, q, mode="same") + 1e-12) * allowed
         pi /= pi.sum()
-        pi = _squarem(pi, w, nz, q, allowed, max_iter, tol)
+        zero_idx = None
+        for off, lo_v, hi_v in spans:
+            if lo_v <= 0 <= hi_v:
+                zero_idx = off - lo_v  # position of h = 0 on the compressed axis
+                break
+        pi = _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx)
         for off, lo_v, hi_v in spans:
             h0 = max(lo_v, 0)
             seg = pi[off + h0 - lo_v: off + hi_v - lo_v + 1] * total
