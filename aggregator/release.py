@@ -41,14 +41,13 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
-    if state.mode != "direct":
-        raise ValueError("hashed-mode releases need the Gamma^B inversion (large-domain issue)")
     started = time.perf_counter()
     counts, layers = state.counts, state.layers
     if model == "joint":
         counts = counts + discrete_laplace(state.p, state.size, rng=rng)
         layers += 1
-    hist = anonymized_histogram(counts, state.p, layers=layers, loss=loss, n=state.n)
+    hist = anonymized_histogram(counts, state.p, layers=layers, loss=loss, n=state.n,
+                                buckets=state.size if state.mode == "hashed" else None)
     release = package_release(
         hist, window=window, n=state.n, epsilon=state.epsilon, neighbor=state.neighbor,
         model=model, extra={"p": state.p, "layers": layers, "loss": loss,

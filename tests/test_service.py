@@ -382,3 +382,26 @@ def test_offline_release_of_a_stopped_service(tmp_path):
     assert json.loads((tmp_path / "releases" / "release-0.json").read_text())["n"] == 1500
     again = run_cli(["release", "--state-dir", str(tmp_path / "state")])  # window 1 is empty
     assert again.returncode == 0
+
+
+def test_hashed_mode_counts_strings_and_releases(tmp_path):
+    rng = np.random.default_rng(12)
+    users = [f"user-{i}@example.org" for i in range(3000)]
+    weights = 1 / np.arange(1, len(users) + 1) ** 1.1
+    picks = rng.choice(len(users), size=20000, p=weights / weights.sum())
+    path = tmp_path / "events.jsonl"
+    path.write_text("\n".join(json.dumps({"item": users[i]}) for i in picks) + "\n")
+    cfg = cfg_for(tmp_path, path, **{"state.mode": "hashed", "state.expected_n": 20000,
+                                     "window.size": 20000})
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=4000, progress=False))
+    agg.run()
+    assert agg.size >= 20000  # B chosen from expected_n before any data
+    rel = json.loads((tmp_path / "releases" / "release-0.json").read_text())
+    assert rel["n"] == 20000 and rel["domain"]["mode"] == "hashed"
+    released = np.repeat([r for r, _ in rel["histogram"]["pairs"]], [c for _, c in rel["histogram"]["pairs"]])
+    truth = np.bincount(picks)
+    truth = truth[truth > 0]
+    from aggregator.estimate import l1_distance
+    err = l1_distance(released, truth)
+    assert err < 0.5 * 20000, err  # a real estimate, not noise
+    assert "user-" not in (tmp_path / "releases" / "release-0.json").read_text()
