@@ -405,3 +405,41 @@ def test_hashed_mode_counts_strings_and_releases(tmp_path):
     err = l1_distance(released, truth)
     assert err < 0.5 * 20000, err  # a real estimate, not noise
     assert "user-" not in (tmp_path / "releases" / "release-0.json").read_text()
+
+
+def test_msgpack_stream_and_stdin_replay(tmp_path):
+    items = np.random.default_rng(13).integers(0, D, 3000)
+    stream = b"".join(msgpack.packb({"item": int(i)}) for i in items)
+    path = tmp_path / "events.msgpack"
+    path.write_bytes(stream + b"\x81\xa4ite")  # a truncated last record: one undecodable message
+    args = cli_sets(tmp_path, path, **{"source.format": "msgpack", "release.on_exhausted": "false"})
+    res = run_cli(args)
+    assert res.returncode == 0, res.stderr
+    state, ckpt = final_state(tmp_path)
+    assert np.array_equal(state.counts, expected_noise() + np.bincount(items, minlength=D))
+    assert ckpt.offsets == {"file:events.msgpack": 3001}
+    # the same events from stdin, as JSON lines
+    other = tmp_path / "second"
+    args = cli_sets(other, "-", **{"release.on_exhausted": "false"})
+    lines = "\n".join(json.dumps({"item": int(i)}) for i in items) + "\n"
+    res = subprocess.run([sys.executable, "-m", "aggregator.cli", *args], input=lines, text=True,
+                         capture_output=True, timeout=120, env=dict(os.environ, PANAGG_TESTING="1"))
+    assert res.returncode == 0, res.stderr
+    state2, ckpt2 = final_state(other)
+    assert np.array_equal(state2.counts, state.counts) and ckpt2.offsets == {"file:stdin": 3000}
+
+
+def test_corrupt_checkpoint_stops_with_one_line(tmp_path):
+    items = np.random.default_rng(14).integers(0, D, 1000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    args = cli_sets(tmp_path, path, **{"release.on_exhausted": "false"})
+    assert run_cli(args).returncode == 0
+    (ckpt_file,) = (tmp_path / "state" / "checkpoints").glob("checkpoint-*.ckpt")
+    data = bytearray(ckpt_file.read_bytes())
+    data[-100] ^= 0xFF
+    ckpt_file.write_bytes(bytes(data))
+    res = run_cli(args)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("panagg: error:")
+    assert "checksum" in res.stderr and "Traceback" not in res.stderr
