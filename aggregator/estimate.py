@@ -43,6 +43,7 @@ __all__ = [
     "cumulative_from_counts",
     "anonymized_histogram",
     "l1_distance",
+    "aligned_histograms",
     "noise_pmf",
 ]
 
@@ -488,13 +489,18 @@ def cumulative_from_counts(counts, R=None) -> np.ndarray:
     return ge[:R] if R <= len(ge) else np.concatenate([ge, np.zeros(R - len(ge), np.int64)])
 
 
-def l1_distance(counts_a, counts_b) -> int:
-    """l1 distance between two anonymized histograms (= between cumulative prevalences)."""
+def aligned_histograms(counts_a, counts_b) -> tuple[np.ndarray, np.ndarray]:
+    """Both histograms sorted decreasing and zero-padded to one length (rank by rank)."""
     a = np.sort(np.asarray(counts_a, dtype=np.int64))[::-1]
     b = np.sort(np.asarray(counts_b, dtype=np.int64))[::-1]
     m = max(len(a), len(b))
-    a = np.concatenate([a, np.zeros(m - len(a), np.int64)])
-    b = np.concatenate([b, np.zeros(m - len(b), np.int64)])
+    return (np.concatenate([a, np.zeros(m - len(a), np.int64)]),
+            np.concatenate([b, np.zeros(m - len(b), np.int64)]))
+
+
+def l1_distance(counts_a, counts_b) -> int:
+    """l1 distance between two anonymized histograms (= between cumulative prevalences)."""
+    a, b = aligned_histograms(counts_a, counts_b)
     return int(np.abs(a - b).sum())
 
 

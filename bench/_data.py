@@ -16,7 +16,11 @@ from __future__ import annotations
 import math
 import time
 
+from pathlib import Path
+
 import numpy as np
+
+from aggregator.estimate import aligned_histograms
 
 from aggregator.estimate import l1_distance
 from aggregator.noise import discrete_laplace
@@ -59,13 +63,8 @@ def naive(noisy_counts: np.ndarray) -> np.ndarray:
 
 def l2sq_distance(a, b) -> int:
     """Squared l2 between anonymized histograms (sorted decreasing, zero-padded)."""
-    a = np.sort(np.asarray(a, dtype=np.int64))[::-1]
-    b = np.sort(np.asarray(b, dtype=np.int64))[::-1]
-    m = max(len(a), len(b))
-    a = np.concatenate([a, np.zeros(m - len(a), np.int64)])
-    b = np.concatenate([b, np.zeros(m - len(b), np.int64)])
-    d = (a - b).astype(np.float64)
-    return float(np.dot(d, d))
+    a, b = aligned_histograms(a, b)
+    return int(((a - b) ** 2).sum())
 
 
 def errors(h, est) -> tuple[float, float]:
@@ -79,6 +78,54 @@ def c_p(p: float) -> float:
 def theorem9_shape(p: float, n: int, D: int) -> float:
     """sqrt(C_p (n + D) log n): the *shape* of Theorem 9's bound (constant 1, not exact)."""
     return math.sqrt(c_p(p) * (n + D) * math.log(max(n, 2)))
+
+
+def ratio_se(a, b) -> tuple[float, float]:
+    """Ratio of means and its delta-method standard error (independent samples)."""
+    ma, sa = mean_se(a)
+    mb, sb = mean_se(b)
+    r = ma / mb
+    if math.isnan(sa) or math.isnan(sb):
+        return r, float("nan")
+    return r, r * math.sqrt((sa / ma) ** 2 + (sb / mb) ** 2)
+
+
+def git_rev(modules) -> str:
+    """Short HEAD, noting which of ``modules`` the working tree changes (benchmark provenance)."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--name-only", "HEAD", "--", *modules],
+                               cwd=root, text=True, capture_output=True).stdout.split()
+        return rev + (f" (working tree differs from it in {', '.join(dirty)})" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def cpu_model() -> str:
+    import platform
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def versions(packages) -> str:
+    """"Python x.y.z, numpy a.b, ..." for the packages that are installed."""
+    import platform
+    from importlib.metadata import version
+    out = [f"Python {platform.python_version()}"]
+    for pkg in packages:
+        try:
+            out.append(f"{pkg} {version(pkg)}")
+        except Exception:
+            pass
+    return ", ".join(out)
 
 
 def mean_se(xs) -> tuple[float, float]:

@@ -41,7 +41,7 @@ import numpy as np
 from aggregator.estimate import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
-from ._data import (DISTRIBUTIONS, Timer, errors, fmt, mean_se, naive, noisy, theorem9_shape,
+from ._data import (DISTRIBUTIONS, Timer, errors, fmt, mean_se, naive, noisy, ratio_se, theorem9_shape,
                     true_counts)
 
 METHODS = ("alg1", "l2", "joint", "naive")
@@ -109,16 +109,6 @@ def run_cell(dist, D, n, eps, reps, budget, cap, seed):
 
 def summarize(cell, m, metric):
     return mean_se(cell[m][metric])
-
-
-def ratio_se(a, b):
-    """Ratio of means with delta-method standard error."""
-    ma, sa = mean_se(a)
-    mb, sb = mean_se(b)
-    r = ma / mb
-    if math.isnan(sa) or math.isnan(sb):
-        return r, float("nan")
-    return r, r * math.sqrt((sa / ma) ** 2 + (sb / mb) ** 2)
 
 
 def table(cells, key, values, dist, metric, fixed):

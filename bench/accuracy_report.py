@@ -39,9 +39,7 @@ import argparse
 import datetime
 import math
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 from functools import lru_cache
@@ -52,7 +50,7 @@ from aggregator.central import _as_counts, _dp_anon_hist_known_n, dp_anon_hist, 
 from aggregator.estimate import anonymized_histogram, l1_distance
 from aggregator.noise import p_from_epsilon
 
-from ._data import Timer, fmt, mean_se, naive, noisy, weights
+from ._data import Timer, cpu_model, fmt, git_rev, mean_se, naive, noisy, versions, weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 20240604
@@ -620,41 +618,6 @@ def timing_table(cells):
     return "\n".join(L)
 
 
-def _git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                             capture_output=True, check=True).stdout.strip()
-        mods = ["aggregator/noise.py", "aggregator/estimate.py", "aggregator/central.py",
-                "bench/_data.py"]
-        dirty = subprocess.run(["git", "diff", "--name-only", "HEAD", "--", *mods],
-                               cwd=ROOT, text=True, capture_output=True).stdout.split()
-        return rev + (f" (working tree differs from it in {', '.join(dirty)})" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _versions() -> str:
-    from importlib.metadata import version
-
-    out = [f"Python {platform.python_version()}"]
-    for pkg in ("numpy", "scipy", "wordfreq"):
-        try:
-            out.append(f"{pkg} {version(pkg)}")
-        except Exception:
-            pass
-    return ", ".join(out)
-
-
 def _wordfreq_meta() -> str:
     from importlib.metadata import metadata
 
@@ -826,7 +789,7 @@ def main(argv=None):
     if args.seed != SEED:
         cmd += f" --seed {args.seed}"
     outdir = args.outdir or ("out" if args.quick else "docs")
-    rev = _git_rev()  # at the start: other commits may land while this runs
+    rev = git_rev(["aggregator/noise.py", "aggregator/estimate.py", "aggregator/central.py", "bench/_data.py"])  # at the start: other commits may land while this runs
     g, todo = plan(args.quick)
     n_cells = sum(len(v) for v in todo.values())
     print(f"{cmd}: {n_cells} cells, {g['reps']} repetitions each; writing to {outdir}/",
@@ -839,8 +802,8 @@ def main(argv=None):
     plot_vs_eps(cells, g, os.path.join(outdir, "img", "report_vs_eps.png"))
     plot_price(cells, g, os.path.join(outdir, "img", "report_price.png"))
     meta = {"cmd": cmd, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "rev": rev, "elapsed": time.perf_counter() - t0, "cpu": _cpu(),
-            "versions": _versions(), "seed": args.seed, "wordfreq": _wordfreq_meta()}
+            "rev": rev, "elapsed": time.perf_counter() - t0, "cpu": cpu_model(),
+            "versions": versions(("numpy", "scipy", "wordfreq")), "seed": args.seed, "wordfreq": _wordfreq_meta()}
     path = os.path.join(outdir, "accuracy.md")
     write_md(path, cells, g, meta, args.quick)
     print(f"wrote {path} and {outdir}/img/report_*.png; measurements {elapsed / 60:.1f} min, "

@@ -59,6 +59,8 @@ from aggregator.estimate import (
 from aggregator.hashing import bucket_of
 from aggregator.noise import p_from_epsilon
 
+from ._data import mean_se, ratio_se
+
 SEED = 20261121
 EPS = (0.5, 1.0, 2.0)
 T0 = time.perf_counter()
@@ -106,23 +108,6 @@ def hashed_vc(rng, counts, buckets_of_items, B, p, layers) -> tuple[NoisyValueCo
     red = np.bincount(buckets_of_items, weights=counts, minlength=B).astype(np.int64)
     occ = red[red > 0]
     return noisy_vc(rng, occ, B - len(occ), p, layers), occ
-
-
-def mean_se(xs) -> tuple[float, float]:
-    x = np.asarray(xs, dtype=np.float64)
-    if len(x) < 2:
-        return float(x.mean()) if len(x) else float("nan"), float("nan")
-    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x)))
-
-
-def ratio_se(a, b) -> tuple[float, float]:
-    """Ratio of means and its delta-method SE (independent samples)."""
-    ma, sa = mean_se(a)
-    mb, sb = mean_se(b)
-    r = ma / mb
-    if math.isnan(sa) or math.isnan(sb):
-        return r, float("nan")
-    return r, r * math.sqrt((sa / ma) ** 2 + (sb / mb) ** 2)
 
 
 def fmt(m, se=float("nan"), digits=3) -> str:

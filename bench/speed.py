@@ -47,9 +47,7 @@ import datetime
 import gc
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._data import cpu_model, git_rev, versions  # noqa: E402
 from aggregator.estimate import anonymized_histogram
 from aggregator.noise import discrete_laplace, discrete_laplace_pmf, p_from_epsilon
 from aggregator.state import PanPrivateHistogram
@@ -449,41 +448,6 @@ def bench_breakdown(noisy: np.ndarray, p: float, state: PanPrivateHistogram, str
 # --------------------------------------------------------------------------------------------
 # output
 # --------------------------------------------------------------------------------------------
-def _git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                             capture_output=True, check=True).stdout.strip()
-        mods = ["aggregator/noise.py", "aggregator/state.py", "aggregator/estimate.py",
-                "aggregator/hashing.py"]
-        dirty = subprocess.run(["git", "diff", "--name-only", "HEAD", "--", *mods],
-                               cwd=ROOT, text=True, capture_output=True).stdout.split()
-        return rev + (f" (working tree differs from it in {', '.join(dirty)})" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _versions() -> str:
-    from importlib.metadata import version
-
-    out = [f"Python {platform.python_version()}"]
-    for pkg in ("numpy", "opendp", "msgpack"):
-        try:
-            out.append(f"{pkg} {version(pkg)}")
-        except Exception:
-            pass
-    return ", ".join(out)
-
-
 def plot(rows: list[Row], path: Path) -> None:
     import matplotlib
 
@@ -610,7 +574,7 @@ def main(argv=None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     load0 = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    rev = _git_rev()  # at the start: other commits may land while this runs
+    rev = git_rev(["aggregator/noise.py", "aggregator/state.py", "aggregator/estimate.py", "aggregator/hashing.py"])  # at the start: other commits may land while this runs
 
     log(f"[1] sampler: {N_samp:.0e} draws, eps in (0.25, 1, 4), {args.sampler_reps} reps")
     rows, checks = bench_sampler(N_samp, args.sampler_reps, (0.25, 1.0, 4.0), log)
@@ -666,9 +630,9 @@ def main(argv=None) -> int:
     ])
     meta = {
         "command": cmd, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "rev": rev, "elapsed": elapsed, "cpu": _cpu(), "ncpu": os.cpu_count(),
+        "rev": rev, "elapsed": elapsed, "cpu": cpu_model(), "ncpu": os.cpu_count(),
         "load0": load0, "load1": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
-        "versions": _versions(),
+        "versions": versions(("numpy", "opendp", "msgpack")),
         "reps_text": f"sampler {args.sampler_reps}, joint-model release {args.joint_reps}, "
                      f"everything else {args.reps}",
         "setup": setup,
