@@ -91,8 +91,9 @@ def test_default_R_covers_every_nonzero_term():
     np.testing.assert_allclose(longer[len(est):], 0.0, atol=1e-12)
 
 
-def _lp_l1(a):
-    """Integer l1 isotonic regression by scipy's linprog (HiGHS with integrality)."""
+def _integer_lp(a, bounds, A_eq=None, b_eq=None):
+    """min sum |y_r - a_r| over integer non-increasing y (variables y, then t >= |y - a|), by
+    scipy's linprog (HiGHS with integrality); None if infeasible."""
     R = len(a)
     A, b = [], []
     for r in range(R):
@@ -100,11 +101,17 @@ def _lp_l1(a):
         row = np.zeros(2 * R); row[r], row[R + r] = -1, -1; A.append(row); b.append(-a[r])  # noqa: E702
         if r + 1 < R:
             row = np.zeros(2 * R); row[r + 1], row[r] = 1, -1; A.append(row); b.append(0)  # noqa: E702
-    res = linprog(np.r_[np.zeros(R), np.ones(R)], A_ub=np.array(A), b_ub=b,
-                  bounds=[(0, None)] * R + [(None, None)] * R,
+    res = linprog(np.r_[np.zeros(R), np.ones(R)], A_ub=np.array(A), b_ub=b, A_eq=A_eq, b_eq=b_eq,
+                  bounds=list(bounds) + [(None, None)] * R,
                   integrality=np.r_[np.ones(R), np.zeros(R)])
-    assert res.status == 0
-    return res.fun
+    return None if res.status != 0 else res.fun
+
+
+def _lp_l1(a):
+    """Integer l1 isotonic regression (y >= 0)."""
+    got = _integer_lp(a, [(0, None)] * len(a))
+    assert got is not None
+    return got
 
 
 def test_project_l1_matches_integer_lp():
@@ -122,18 +129,9 @@ def test_project_l1_matches_integer_lp():
 
 
 def _lp_l2(a, n, lower, upper):
+    """The l2 variant's problem: the box lower <= y <= upper and sum y = n."""
     R = len(a)
-    A_ub, b_ub = [], []
-    for r in range(R):
-        row = np.zeros(2 * R); row[r], row[R + r] = 1, -1; A_ub.append(row); b_ub.append(a[r])  # noqa: E702
-        row = np.zeros(2 * R); row[r], row[R + r] = -1, -1; A_ub.append(row); b_ub.append(-a[r])  # noqa: E702
-        if r + 1 < R:
-            row = np.zeros(2 * R); row[r + 1], row[r] = 1, -1; A_ub.append(row); b_ub.append(0)  # noqa: E702
-    A_eq = np.r_[np.ones(R), np.zeros(R)][None, :]
-    res = linprog(np.r_[np.zeros(R), np.ones(R)], A_ub=np.array(A_ub), b_ub=b_ub, A_eq=A_eq,
-                  b_eq=[n], bounds=list(zip(lower, upper)) + [(None, None)] * R,
-                  integrality=np.r_[np.ones(R), np.zeros(R)])
-    return None if res.status != 0 else res.fun
+    return _integer_lp(a, zip(lower, upper), A_eq=np.r_[np.ones(R), np.zeros(R)][None, :], b_eq=[n])
 
 
 def test_project_l2_matches_integer_lp():
