@@ -72,7 +72,8 @@ def _make_source(cfg: dict):
         instance = src["instance_id"] or "panagg-" + hashlib.sha256(
             os.path.abspath(cfg["checkpoint"]["dir"]).encode()).hexdigest()[:16]
         return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
-                           consumer_config={"group_instance_id": instance})
+                           consumer_config={"group_instance_id": instance,
+                                            "bootstrap_timeout_ms": int(src["connect_timeout_s"] * 1000)})
     if src["kind"] == "file":
         from consumers.file_source import FileSource
         return FileSource(src["path"], fmt="json" if src["format"] == "json" else "msgpack",
@@ -90,14 +91,24 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None) -> int:
     from .metrics import Metrics
     from .service import Aggregator
 
+    import logging
+
     metrics = Metrics()
+    kafka_net = logging.getLogger("kafka.net")
+    quiet = kafka_net.level < logging.CRITICAL and not logging.getLogger().isEnabledFor(logging.DEBUG)
+    if quiet:  # bootstrap retries log a burst of errors; one line of ours says it all
+        kafka_net.setLevel(logging.CRITICAL)
     try:
         source = _make_source(cfg)
     except Exception as exc:
-        if type(exc).__name__ in ("NoBrokersAvailable", "KafkaConfigurationError"):
+        if type(exc).__module__.startswith("kafka"):
             raise UsageError(f"cannot reach Kafka at {cfg['source']['bootstrap']} "
-                             f"({type(exc).__name__}); check source.bootstrap") from None
+                             f"({type(exc).__name__}); check source.bootstrap and that the broker "
+                             "is running (deploy/kafka/kafka.sh start)") from None
         raise
+    finally:
+        if quiet:
+            kafka_net.setLevel(logging.WARNING)
     agg = Aggregator(cfg, source, metrics)
     if cfg["metrics"]["port"] >= 0:
         try:

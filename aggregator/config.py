@@ -25,7 +25,8 @@ DEFAULTS: dict[str, dict] = {
         "bootstrap": "127.0.0.1:9092",
         "topic": "events",
         "group": "panagg",
-        "instance_id": "",          # Kafka static membership id; empty: derived from checkpoint.dir
+        "instance_id": "",
+        "connect_timeout_s": 30.0,  # give up (one clear line) if Kafka cannot be reached          # Kafka static membership id; empty: derived from checkpoint.dir
         "format": "msgpack",        # msgpack | json
         "max_records": 20000,
         "dead_letter_topic": "",    # empty: no dead-letter topic
@@ -85,7 +86,7 @@ _CHOICES = {
     ("state", "loss"): ("l1", "l2"),
     ("window", "kind"): ("count", "time"),
 }
-_POSITIVE = {("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
+_POSITIVE = {("source", "connect_timeout_s"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
              ("window", "size"), ("checkpoint", "every_events"), ("checkpoint", "every_seconds")}
 _NON_NEGATIVE = {("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),

@@ -443,3 +443,15 @@ def test_corrupt_checkpoint_stops_with_one_line(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith("panagg: error:")
     assert "checksum" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_unreachable_kafka_is_one_line(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "aggregator.cli", "run", "--bootstrap",
+                          "127.0.0.1:1", "--topic", "x", "--state-dir", str(tmp_path / "s"),
+                          "--metrics-port", "-1", "--set", "source.connect_timeout_s=2"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in res.stderr
+    assert lines[-1].startswith("panagg: error: cannot reach Kafka at 127.0.0.1:1")
+    assert not any("ECONNREFUSED" in ln for ln in lines)  # no burst of client retries
