@@ -30,6 +30,9 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.speed
 	$(BIN)/python -m bench.accuracy
 	$(BIN)/python -m bench.estimators
+	$(BIN)/python -m bench.accuracy_report
+	$(BIN)/python -m bench.largedomain
+	$(BIN)/python -m bench.e2e
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
