@@ -43,6 +43,8 @@ __all__ = [
     "cumulative_from_counts",
     "anonymized_histogram",
     "l1_distance",
+    "phi_estimate",
+    "rank_box",
     "aligned_histograms",
     "noise_pmf",
 ]
@@ -504,7 +506,18 @@ def l1_distance(counts_a, counts_b) -> int:
     return int(np.abs(a - b).sum())
 
 
-def _rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np.ndarray]:
+def phi_estimate(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
+    """phi_hat_{>=r} by the named estimator (default: threshold for 1 layer, else deconvolution)."""
+    if method is None:
+        method = "threshold" if layers == 1 else "deconvolution"
+    if method == "threshold":
+        return cumulative_prevalence(noisy_counts, p, layers=layers)
+    if method == "deconvolution":
+        return deconvolved_prevalence(noisy_counts, p, layers=layers)
+    raise ValueError(f"method must be 'threshold' or 'deconvolution', got {method!r}")
+
+
+def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np.ndarray]:
     """L_r = #{j : h'_(j) - gamma >= r}, U_r = #{j : h'_(j) + gamma >= r} for r = 1..R."""
     above = np.concatenate([np.cumsum(vc.c[::-1])[::-1], [0]])  # #{v >= lo + i}
 
@@ -562,14 +575,7 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
                                 method=method)
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
-    if method is None:
-        method = "threshold" if k == 1 else "deconvolution"
-    if method == "threshold":
-        phi_hat = cumulative_prevalence(vc, p, layers=k)
-    elif method == "deconvolution":
-        phi_hat = deconvolved_prevalence(vc, p, layers=k)
-    else:
-        raise ValueError(f"method must be 'threshold' or 'deconvolution', got {method!r}")
+    phi_hat = phi_estimate(vc, p, layers=k, method=method)
     if loss == "l1":
         return counts_from_cumulative(project_l1(phi_hat))
     if loss != "l2":
@@ -581,7 +587,7 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     gamma = 10.0 * math.log(max(2 * n * D, 2)) / math.log(1.0 / p)
     R = max(len(phi_hat), int(vc.hi + gamma) + 1, 1)
     phi_hat = np.concatenate([phi_hat, np.zeros(R - len(phi_hat))])
-    lower, upper = _rank_box(vc, gamma, R)
+    lower, upper = rank_box(vc, gamma, R)
     y = project_l2(phi_hat, n, lower, upper)
     if y is None:  # as the paper: infeasible -> the all-zero histogram
         return np.zeros(0, dtype=np.int64)

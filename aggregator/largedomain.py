@@ -58,8 +58,8 @@ import math
 import numpy as np
 
 from .estimate import (
-    NoisyValueCounts, counts_from_cumulative, cumulative_prevalence, deconvolved_prevalence,
-    noisy_value_counts, project_l1, project_l2,
+    counts_from_cumulative, noisy_value_counts, phi_estimate, project_l1,
+    project_l2, rank_box,
 )
 
 __all__ = [
@@ -446,16 +446,6 @@ def greedy_prefix(psi_ge, buckets: int, n: int, m: int) -> np.ndarray:
     return out
 
 
-def _phi_estimate(vc: NoisyValueCounts, p: float, layers: int, method: str | None) -> np.ndarray:
-    if method is None:
-        method = "threshold" if layers == 1 else "deconvolution"
-    if method == "threshold":
-        return cumulative_prevalence(vc, p, layers=layers)
-    if method == "deconvolution":
-        return deconvolved_prevalence(vc, p, layers=layers)
-    raise ValueError(f"method must be 'threshold' or 'deconvolution', got {method!r}")
-
-
 def _pad(y: np.ndarray, R: int) -> np.ndarray:
     return np.concatenate([y, np.zeros(max(0, R - len(y)), dtype=y.dtype)])[:R]
 
@@ -463,7 +453,7 @@ def _pad(y: np.ndarray, R: int) -> np.ndarray:
 def reduced_cumulative(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
     """Projected estimate of the reduced (bucket) cumulative prevalence: Algorithm 1 on the buckets."""
     vc = noisy_value_counts(noisy_counts)
-    return project_l1(_phi_estimate(vc, p, int(layers), method))
+    return project_l1(phi_estimate(vc, p, layers=int(layers), method=method))
 
 
 def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", method=None,
@@ -576,18 +566,6 @@ def two_histogram_estimate(noisy_direct, p_direct, noisy_hashed, p_hashed, *, bu
     return counts_from_cumulative(project_l1(y))
 
 
-def _rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np.ndarray]:
-    """L_r = #{j : h'_j - gamma >= r}, U_r = #{j : h'_j + gamma >= r}, r = 1..R."""
-    above = np.concatenate([np.cumsum(vc.c[::-1])[::-1], [0]])
-
-    def count_ge(t):
-        i = np.ceil(t).astype(np.int64) - vc.lo
-        return np.where(i <= 0, vc.total, above[np.clip(i, 0, len(above) - 1)])
-
-    r = np.arange(1, R + 1, dtype=np.float64)
-    return count_ge(r + gamma), count_ge(r - gamma)
-
-
 def l2_histogram(noisy_counts, p, *, buckets, n, layers=1, method=None, variant=DEFAULT_VARIANT,
                  box_counts=None, box_p=None, box_layers=None) -> np.ndarray:
     """Seed 001 Algorithm 4 (l2^2 loss, large domains).
@@ -614,7 +592,7 @@ def l2_histogram(noisy_counts, p, *, buckets, n, layers=1, method=None, variant=
         pb = p if box_p is None else box_p
     gamma = 10.0 * math.log(max(2 * n * vb.total, 2)) / math.log(1.0 / pb)
     R = max(len(y1), int(vb.hi + gamma) + 1, 1)
-    lower, upper = _rank_box(vb, gamma, R)
+    lower, upper = rank_box(vb, gamma, R)
     y = project_l2(_pad(y1.astype(np.float64), R), n, lower, upper)
     if y is None:
         return np.zeros(0, dtype=np.int64)

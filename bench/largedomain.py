@@ -53,7 +53,7 @@ import numpy as np
 from aggregator import largedomain as ld
 from aggregator.estimate import (
     NoisyValueCounts, anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
-    cumulative_prevalence, deconvolved_prevalence, l1_distance, noise_pmf, noisy_value_counts,
+    l1_distance, noise_pmf, noisy_value_counts, phi_estimate,
     project_l1,
 )
 from aggregator.hashing import bucket_of
@@ -406,8 +406,7 @@ def section_time(quick: bool) -> dict:
             vc = noisy_value_counts(noisy)
             stages.setdefault("noisy_value_counts", []).append(time.perf_counter() - t)
             t = time.perf_counter()
-            raw = (cumulative_prevalence(vc, p, layers=layers) if layers == 1 else
-                   deconvolved_prevalence(vc, p, layers=layers))
+            raw = phi_estimate(vc, p, layers=layers)
             stages.setdefault("estimate (threshold)" if layers == 1 else
                               "estimate (deconvolution)", []).append(time.perf_counter() - t)
             t = time.perf_counter()
