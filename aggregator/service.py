@@ -51,12 +51,8 @@ def choose_buckets_for(cfg: dict) -> int:
     """Number of hash buckets for hashed mode: configured, or from expected_n (Corollary 13)."""
     if cfg["state"]["buckets"]:
         return int(cfg["state"]["buckets"])
-    n = max(int(cfg["state"]["expected_n"]), 2)
-    try:  # the large-domain module picks B from n and eps when present
-        from .largedomain import choose_buckets
-        return int(choose_buckets(n, cfg["state"]["epsilon"]))
-    except ImportError:
-        return int(n * np.sqrt(np.log(n)))
+    from .largedomain import choose_buckets
+    return int(choose_buckets(max(int(cfg["state"]["expected_n"]), 2), cfg["state"]["epsilon"]))
 
 
 class Aggregator:
