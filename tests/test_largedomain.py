@@ -198,22 +198,31 @@ def test_inversion_of_noise_free_reduced_histogram_is_accurate():
 
 
 def test_hashed_state_end_to_end_beats_the_raw_bucket_histogram():
-    """Strings into a real hashed state (SipHash), release through anonymized_histogram(buckets=)."""
+    """Strings into a real hashed state (SipHash), release through anonymized_histogram(buckets=).
+
+    The error depends on the hash key (which items collide), so the claim is checked over five
+    fixed keys: the inversion beats the raw bucket histogram for every key and by 2x at the median.
+    """
     rng = np.random.default_rng(10)
     ids = np.minimum(rng.zipf(1.3, 40_000), 10**9)
     items = np.char.add("user-", ids.astype("U12"))
+    _, h = np.unique(ids, return_counts=True)
     eps = 4.0  # small noise so that the collision bias dominates the raw histogram's error
     B = 30_000
-    state = PanPrivateHistogram(eps, buckets=B, rng=np.random.default_rng(11))
-    state.update(items)
-    _, h = np.unique(ids, return_counts=True)
-    est = anonymized_histogram(state.counts, state.p, n=state.n, buckets=B)
-    raw = ld.hashed_histogram(state.counts, state.p, buckets=B, n=state.n, variant="reduced")
-    alg7 = ld.hashed_histogram(state.counts, state.p, buckets=B, n=state.n, variant="alg7-single")
-    e_est, e_raw, e_alg7 = (l1_distance(h, x) for x in (est, raw, alg7))
-    assert e_est < 0.5 * e_raw, (e_est, e_raw)
-    assert e_alg7 < e_raw, (e_alg7, e_raw)
-    assert np.all(np.diff(est) <= 0) and est.dtype == np.int64 and est.min() > 0
+    ratios = []
+    for k in range(5):
+        state = PanPrivateHistogram(eps, buckets=B, key=bytes([k + 1]) * 16,
+                                    rng=np.random.default_rng(11 + k))
+        state.update(items)
+        est = anonymized_histogram(state.counts, state.p, n=state.n, buckets=B)
+        raw = ld.hashed_histogram(state.counts, state.p, buckets=B, n=state.n, variant="reduced")
+        alg7 = ld.hashed_histogram(state.counts, state.p, buckets=B, n=state.n,
+                                   variant="alg7-single")
+        e_est, e_raw, e_alg7 = (l1_distance(h, x) for x in (est, raw, alg7))
+        assert e_est < e_raw and e_alg7 < e_raw, (k, e_est, e_alg7, e_raw)
+        assert np.all(np.diff(est) <= 0) and est.dtype == np.int64 and est.min() > 0
+        ratios.append(e_est / e_raw)
+    assert np.median(ratios) < 0.5, ratios
 
 
 def test_two_histogram_algorithm7():
