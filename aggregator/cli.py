@@ -69,11 +69,16 @@ def _make_source(cfg: dict):
         from consumers.kafka_source import KafkaSource
         # static membership: a restarted process (same state dir) takes its partitions back at
         # once instead of waiting for the dead member's session to time out
-        instance = src["instance_id"] or "panagg-" + hashlib.sha256(
-            os.path.abspath(cfg["checkpoint"]["dir"]).encode()).hexdigest()[:16]
+        partitioned = cfg["scale"]["partitioned"]
+        instance = src["instance_id"] or ("" if partitioned else "panagg-" + hashlib.sha256(
+            os.path.abspath(cfg["checkpoint"]["dir"]).encode()).hexdigest()[:16])
+        consumer_config = {"bootstrap_timeout_ms": int(src["connect_timeout_s"] * 1000),
+                           "session_timeout_ms": int(src["session_timeout_s"] * 1000),
+                           "heartbeat_interval_ms": int(min(3.0, src["session_timeout_s"] / 3) * 1000)}
+        if instance:  # partitioned members share checkpoint.dir: each needs its own id
+            consumer_config["group_instance_id"] = instance
         return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
-                           consumer_config={"group_instance_id": instance,
-                                            "bootstrap_timeout_ms": int(src["connect_timeout_s"] * 1000)})
+                           consumer_config=consumer_config, partitioned=partitioned)
     if src["kind"] == "file":
         from consumers.file_source import FileSource
         return FileSource(src["path"], fmt="json" if src["format"] == "json" else "msgpack",
@@ -109,7 +114,11 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None) -> int:
     finally:
         if quiet:
             kafka_net.setLevel(logging.WARNING)
-    agg = Aggregator(cfg, source, metrics)
+    if cfg["scale"]["partitioned"]:
+        from .scaleout import PartitionedAggregator
+        agg = PartitionedAggregator(cfg, source, metrics)
+    else:
+        agg = Aggregator(cfg, source, metrics)
     if cfg["metrics"]["port"] >= 0:
         try:
             port = metrics.serve(cfg["metrics"]["host"], cfg["metrics"]["port"])
@@ -230,6 +239,9 @@ def cmd_release(args: argparse.Namespace) -> int:
 
     cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                 state_dir=args.state_dir)
+    if cfg["scale"]["partitioned"]:
+        raise UsageError("scale.partitioned: windows close per partition and merge on their own; "
+                         "there is no forced release (docs/scale-out.md)")
     if service_running(cfg["checkpoint"]["dir"]):
         result = _control(cfg, "release")
         if not result.get("ok"):
@@ -255,6 +267,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
         from .service import service_running
         cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                     state_dir=args.state_dir)
+        if cfg["scale"]["partitioned"]:
+            raise UsageError("scale.partitioned: audit exports are not available yet; export from "
+                             "a one-process deployment (docs/scale-out.md)")
         try:
             load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
         except AuditKeyError as exc:

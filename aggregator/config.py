@@ -25,8 +25,10 @@ DEFAULTS: dict[str, dict] = {
         "bootstrap": "127.0.0.1:9092",
         "topic": "events",
         "group": "panagg",
-        "instance_id": "",
-        "connect_timeout_s": 30.0,  # give up (one clear line) if Kafka cannot be reached          # Kafka static membership id; empty: derived from checkpoint.dir
+        "instance_id": "",          # Kafka static membership id; empty: derived from checkpoint.dir
+                                    # (partitioned mode: empty means dynamic membership)
+        "connect_timeout_s": 30.0,  # give up (one clear line) if Kafka cannot be reached
+        "session_timeout_s": 45.0,  # Kafka group session: a dead member's partitions move after it
         "format": "msgpack",        # msgpack | json
         "max_records": 20000,
         "dead_letter_topic": "",    # empty: no dead-letter topic
@@ -73,6 +75,10 @@ DEFAULTS: dict[str, dict] = {
         "key_file": "",             # or PANAGG_AUDIT_KEY (hex)
         "dir": "",                  # empty: <checkpoint.dir>/exports
     },
+    "scale": {
+        "partitioned": False,       # one state per Kafka partition; several processes per group
+        "keep_windows": 3,          # partitioned: merged windows whose files are kept
+    },
     "testing": {
         "noise_seed": -1,           # TEST ONLY (needs PANAGG_TESTING=1): deterministic noise
     },
@@ -86,7 +92,7 @@ _CHOICES = {
     ("state", "loss"): ("l1", "l2"),
     ("window", "kind"): ("count", "time"),
 }
-_POSITIVE = {("source", "connect_timeout_s"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
+_POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "keep_windows"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
              ("window", "size"), ("checkpoint", "every_events"), ("checkpoint", "every_seconds")}
 _NON_NEGATIVE = {("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
@@ -199,6 +205,9 @@ def _validate(cfg: dict) -> None:
     if src["kind"] == "kafka" and not src["topic"]:
         raise ConfigError("source.topic must name the Kafka topic to count; "
                           + _where("source", "topic"))
+    if cfg["scale"]["partitioned"] and src["kind"] != "kafka":
+        raise ConfigError("scale.partitioned needs source.kind = kafka (partitions are Kafka's); "
+                          "set scale.partitioned = false for file and generator sources")
     if cfg["metrics"]["port"] < -1 or cfg["metrics"]["port"] > 65535:
         raise ConfigError("metrics.port must be -1 (off), 0 (any free port) or 1..65535; "
                           + _where("metrics", "port"))

@@ -33,6 +33,11 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.budget_per_window = float(budget_per_window)
         self.budget_total = None if not budget_total else float(budget_total)
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the file (scale-out: several processes append to one shared ledger, each
+        under the merge lock)."""
         self.entries: list[dict] = []
         if self.path.exists():
             for line in self.path.read_text().splitlines():
@@ -79,8 +84,13 @@ class Ledger:
         if note:
             entry["note"] = note
         line = json.dumps(entry, sort_keys=True) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+        with open(self.path, "a+b") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # a torn line from a crash mid-append: end it first
+                    line = "\n" + line
+            f.write(line.encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
         self.entries.append(entry)

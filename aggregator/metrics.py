@@ -56,6 +56,24 @@ class Metrics:
         self.budget_spent = Gauge("panagg_budget_spent_epsilon", "Epsilon spent by all ledgered "
                                   "releases", registry=r)
         self.epsilon = Gauge("panagg_epsilon", "Configured epsilon of each window", registry=r)
+        # scale-out (scale.partitioned): per-process view of the partitions it owns
+        self.partitions_owned = Gauge("panagg_partitions_owned", "Kafka partitions whose state "
+                                      "this process holds", registry=r)
+        self.handovers = Counter("panagg_partition_handovers", "Partition states taken over "
+                                 "(acquired) or handed over (released)", ["event"], registry=r)
+        for event in ("acquired", "released"):
+            self.handovers.labels(event=event)
+        self.summaries = Counter("panagg_partition_summaries", "Per-partition window summaries "
+                                 "written for the merge", registry=r)
+        self.windows_waiting = Gauge("panagg_windows_waiting", "Closed windows still waiting for "
+                                     "summaries of some partitions", registry=r)
+        self.release_latency = Histogram("panagg_release_latency_seconds", "From the end of a "
+                                         "window to its merged release being published",
+                                         buckets=_SECONDS, registry=r)
+        self.key_checks = Counter("panagg_key_checks", "Sampled records whose Kafka key was "
+                                  "compared with the item", registry=r)
+        self.unkeyed = Counter("panagg_unkeyed_records", "Sampled records whose Kafka key is not "
+                               "their item (topic not keyed by item)", ["partition"], registry=r)
         self._server = None
 
     def checkpointed(self, seconds: float) -> None:

@@ -84,7 +84,9 @@ class Aggregator:
         self.dir = Path(cfg["checkpoint"]["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_file = None
-        self.store = LocalStore(self.dir / "checkpoints")
+        self.partitioned = bool(cfg["scale"]["partitioned"])
+        # scale-out keeps one store per partition (aggregator/scaleout.py)
+        self.store = None if self.partitioned else LocalStore(self.dir / "checkpoints")
         budget = cfg["ledger"]["budget_per_window"] or self.epsilon
         self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
                              budget_total=cfg["ledger"]["budget_total"] or None)
@@ -230,56 +232,66 @@ class Aggregator:
             self._lock_file = None
 
     # -- counting --------------------------------------------------------------------------------
-    def _room(self) -> int | None:
-        if self.window["kind"] != "count":
+    # ``ctx`` is whatever owns a state, a window and offsets: the service itself (one state per
+    # process) or a partition task (scale-out, aggregator/scaleout.py).
+    @staticmethod
+    def _room(ctx) -> int | None:
+        if ctx.window["kind"] != "count":
             return None
-        return int(self.window["size"]) - int(self.window["events"])
+        return int(ctx.window["size"]) - int(ctx.window["events"])
 
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
+        items, good = self._decode(seg)
+        self._count_segment(self, seg, items, good, self.close_window)
+
+    def _decode(self, seg: Segment):
+        """Decoded items of ``seg`` and the record index of each (None: all records good)."""
         decoded = self.decoder.decode(seg.values)
-        if decoded.rejected:
-            for reason, count in decoded.reason_counts().items():
-                self.metrics.decode_errors.labels(reason=reason).inc(count)
-            self._dead_letter(seg, decoded.rejected)
-        items = decoded.items
+        if not decoded.rejected:
+            return decoded.items, None
+        for reason, count in decoded.reason_counts().items():
+            self.metrics.decode_errors.labels(reason=reason).inc(count)
+        self._dead_letter(seg, decoded.rejected)
+        keep = np.ones(len(seg), dtype=bool)
+        keep[[i for i, _ in decoded.rejected]] = False
+        return decoded.items, np.flatnonzero(keep)
+
+    def _count_segment(self, ctx, seg: Segment, items, good, close) -> None:
+        """Count ``items`` into ``ctx``, closing its count window (``close()``) whenever it
+        fills, so each window holds exactly its share and the offsets match the counters."""
         if len(items) == 0:
-            self.offsets[seg.partition] = seg.offsets[-1] + 1
-            self._dirty = True
+            ctx.offsets[seg.partition] = seg.offsets[-1] + 1
+            ctx._dirty = True
             return
-        if decoded.rejected:
-            keep = np.ones(len(seg), dtype=bool)
-            keep[[i for i, _ in decoded.rejected]] = False
-            good = np.flatnonzero(keep)
-        else:
-            good = None
         start = 0
         while start < len(items):
-            room = self._room()
+            room = self._room(ctx)
             take = items[start:] if room is None else items[start:start + room]
-            self._count(take)
+            self._count(ctx.state, take)
             start += len(take)
             if start == len(items):
-                self.offsets[seg.partition] = seg.offsets[-1] + 1
+                ctx.offsets[seg.partition] = seg.offsets[-1] + 1
             else:
                 last_rec = start - 1 if good is None else int(good[start - 1])
-                self.offsets[seg.partition] = seg.offsets[last_rec] + 1
-            self.window["events"] += len(take)
-            self._since_ckpt_events += len(take)
-            self._dirty = True
+                ctx.offsets[seg.partition] = seg.offsets[last_rec] + 1
+            ctx.window["events"] += len(take)
+            ctx._since_ckpt_events += len(take)
+            ctx._dirty = True
             self.metrics.events.inc(len(take))
-            self.metrics.window_events.set(self.window["events"])
-            if room is not None:
-                self.metrics.window_progress.set(self.window["events"] / self.window["size"])
-                if self._room() == 0:
-                    self.close_window()
+            if ctx is self:
+                self.metrics.window_events.set(self.window["events"])
+                if room is not None:
+                    self.metrics.window_progress.set(self.window["events"] / self.window["size"])
+            if room is not None and self._room(ctx) == 0:
+                close()
 
-    def _count(self, items: list) -> None:
+    def _count(self, state: PanPrivateHistogram, items: list) -> None:
         if self.direct:
-            self.state.add_indices(np.asarray(items, dtype=np.int64))  # ranges checked by the decoder
+            state.add_indices(np.asarray(items, dtype=np.int64))  # ranges checked by the decoder
         else:
-            self.state.update(items)
+            state.update(items)
 
     def _dead_letter(self, seg: Segment, rejected) -> None:
         topic = self.cfg["source"]["dead_letter_topic"]

@@ -18,6 +18,7 @@ class Segment:
     partition: str          # stable key, e.g. "logins:3", "file:events.jsonl", "generator"
     offsets: list[int]      # offset of each record, increasing
     values: list[bytes]     # raw message values, same length as offsets
+    keys: list | None = None  # record keys where the source has them (Kafka), else None
 
     def __len__(self) -> int:
         return len(self.values)

@@ -41,14 +41,19 @@ class _SeekOnAssign(ConsumerRebalanceListener):
     def on_partitions_revoked(self, revoked):
         self.source.assigned -= {partition_key(tp.topic, tp.partition) for tp in revoked}
 
+    def on_partitions_lost(self, lost):
+        self.on_partitions_revoked(lost)
+
     def on_partitions_assigned(self, assigned):
         for tp in assigned:
             key = partition_key(tp.topic, tp.partition)
             self.source.assigned.add(key)
             # the live offsets of the state (not those at start-up): a rejoin after a stall
-            # must continue where the counters are, or it would count records twice
-            if key in self.source.start_offsets:
+            # must continue where the counters are, or it would count records twice.
+            # Partitioned mode seeks from the service, after it holds the partition's lock.
+            if not self.source.partitioned and key in self.source.start_offsets:
                 self.source.consumer.seek(tp, self.source.start_offsets[key])
+        self.source.generation += 1
         # the ownership check needs metadata, a blocking call: not allowed in this IO-thread
         # callback, so poll() does it
         self.source.assignment_changed = True
@@ -68,11 +73,18 @@ class KafkaSource(Source):
         Records per poll (the batch the service counts at once).
     consumer_config
         Extra kafka-python ``KafkaConsumer`` settings.
+    partitioned
+        The service keeps one state per partition (scale-out) and seeks each partition itself
+        once it holds that partition's checkpoint; a partial assignment is then the normal case.
     """
 
     def __init__(self, bootstrap: str, topic: str, group: str, max_records: int = 20000,
-                 consumer_config: dict | None = None):
+                 consumer_config: dict | None = None, partitioned: bool = False):
         self.topic, self.group, self.max_records = topic, group, int(max_records)
+        self.partitioned = bool(partitioned)
+        #: incremented on every assignment: positions may have been reset to the group's
+        #: committed offsets, so a partitioned service seeks all its partitions again
+        self.generation = 0
         self.start_offsets: dict[str, int] = {}
         self.assigned: set[str] = set()
         #: set when the group gave this process only some partitions (another member holds the
@@ -100,7 +112,7 @@ class KafkaSource(Source):
 
     def poll(self, timeout_s: float = 1.0) -> list[Segment]:
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
-        if self.assignment_changed:
+        if self.assignment_changed and not self.partitioned:
             everything = self.consumer.partitions_for_topic(self.topic)
             if everything:  # None until the topic's metadata is known: check again next poll
                 self.assignment_changed = False
@@ -113,14 +125,47 @@ class KafkaSource(Source):
             raise PartialAssignment(
                 f"consumer group {self.group!r} gave this process only partitions "
                 f"{self.partial_assignment} of {self.topic!r}: another aggregator runs in the same "
-                "group. Until per-partition state lands, run one panagg per group (or give each "
-                "its own source.group)")
+                "group. Set scale.partitioned = true on every member to run several aggregators "
+                "in one group (docs/scale-out.md), or give each its own source.group")
         segments = []
         for tp, records in polled.items():
             if records:
                 segments.append(Segment(partition_key(tp.topic, tp.partition),
-                                        [r.offset for r in records], [r.value for r in records]))
+                                        [r.offset for r in records], [r.value for r in records],
+                                        [r.key for r in records]))
         return segments
+
+    # -- partitioned mode: the service drives positions per partition ---------------------------
+    def owned(self) -> set[str]:
+        """Partitions of the topic this member is assigned right now."""
+        return {partition_key(tp.topic, tp.partition) for tp in self.consumer.assignment()
+                if tp.topic == self.topic}
+
+    def partition_count(self) -> int | None:
+        parts = self.consumer.partitions_for_topic(self.topic)
+        return len(parts) if parts else None
+
+    def start_offset(self, key: str) -> int:
+        """Where a partition with no checkpoint starts: the group's committed offset (written
+        only after checkpoints), else the earliest retained record."""
+        tp = parse_partition_key(key)
+        committed = self.consumer.committed(tp)
+        if committed is not None:
+            return int(committed)
+        return int(self.consumer.beginning_offsets([tp])[tp])
+
+    def seek_partition(self, key: str, offset: int) -> None:
+        self.consumer.seek(parse_partition_key(key), int(offset))
+
+    def pause(self, keys) -> None:
+        tps = [parse_partition_key(k) for k in keys]
+        if tps:
+            self.consumer.pause(*tps)
+
+    def resume(self, keys) -> None:
+        tps = [parse_partition_key(k) for k in keys]
+        if tps:
+            self.consumer.resume(*tps)
 
     def commit(self, offsets: dict[str, int]) -> None:
         mine = {parse_partition_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()

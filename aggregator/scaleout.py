@@ -1,0 +1,574 @@
+"""Scale-out: one pan-private state per Kafka partition, merged into one release per window.
+
+Kafka is the distributed engine. N aggregator processes join one consumer group over a topic keyed
+by the counted item; each owns the states of the partitions the group assigns it. Everything they
+share lives in one directory (``checkpoint.dir``; a local disk for processes on one host, a
+network filesystem with working ``flock`` for several hosts)::
+
+    partitions/<topic>-<p>/     one checkpoint store per partition + owner.lock (flock)
+    windows/<w>/summary-<p>.json  partition p's summary of window w (written once, atomically)
+    windows/<w>/release.json    the merged release document (written once, then published)
+    windows/<w>/published       marker: the release is out
+    merge.lock, ledger.jsonl    one merge at a time; the shared privacy ledger
+
+Ownership and handover. A process counts a partition only while it holds that partition's
+``owner.lock``; it loads the partition's checkpoint after taking the lock and seeks the consumer to
+the offset inside it. When the group moves the partition away, the process checkpoints it and
+drops the lock; the new owner, which waited for the lock, loads exactly that checkpoint. A killed
+process loses its locks with its life, and its last checkpoint (state + offset, atomic) is what the
+next owner resumes from. So a rebalance, a crash or a zombie member neither loses nor
+double-counts an event: at any instant one process at most counts a partition, from the offset
+its counters end at.
+
+Windows are per partition. Count windows close after ``window.size`` events *of that partition*
+(deterministic, what the tests use); time windows are aligned to the epoch (window w covers
+[w * size, (w + 1) * size) in Unix time), so every partition closes window w at about the same
+time, and a partition that saw nothing still closes (a noise-only summary).
+
+Summaries and the merge. Closing window w of partition p adds the release layer (joint model),
+takes the noisy-value counts c_v of the partition's counters and writes them as
+``summary-<p>.json`` (the document is first made durable in the partition's checkpoint, so a crash
+re-writes the same summary rather than drawing a second release layer). c_v is additive over
+states: merging the P summaries gives the noisy-value counts of all P states' counters together,
+from which the estimators compute the window's release exactly as for one state
+(:func:`merge_summaries`, deterministic, so any process can run it and a re-run yields the same
+document). Whichever process first sees all P summaries of a window merges it under
+``merge.lock``, ledgers it and publishes it.
+
+* Hashed mode: each partition keeps B / P buckets, disjoint from the others' (an item lives in its
+  key's partition), so the P arrays together are one B-bucket hashed state and the release equals
+  the one-process release (same collision statistics, same number of empty buckets).
+* Direct mode: each partition keeps all D counters, so the release sees P * D noisy counters of
+  which at most D are non-zero; the extra zero counters cost accuracy like a P times larger
+  domain (docs/scale-out.md measures it).
+
+Topics not keyed by item. If one item's events reach several partitions, each partition counts
+a piece of it and the release describes (item, partition) pieces: the histogram is shifted to
+small counts, and no estimator can undo it. Each process checks record keys against items on a
+sample of every batch and reports mismatches (``panagg_unkeyed_records_total`` and a warning).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from consumers.base import Segment
+from state_store.local import Checkpoint, LocalStore, atomic_write
+
+from .estimate import NoisyValueCounts, anonymized_histogram, noisy_value_counts
+from .ledger import BudgetExceeded
+from .noise import discrete_laplace
+from .release import STATE_ONLY_CAVEAT, package_release, write_release
+from .service import Aggregator, ServiceError
+from .state import PanPrivateHistogram
+
+__all__ = ["PartitionedAggregator", "PartitionTask", "merge_summaries", "partition_summary",
+           "item_key_bytes"]
+
+log = logging.getLogger("panagg.scaleout")
+
+SUMMARY_FORMAT = "panagg.summary"
+_KEY_SAMPLE = 32  # records per batch whose key is compared with the item
+
+
+# -- pure parts: summary and merge -------------------------------------------------------------------
+def partition_summary(state: PanPrivateHistogram, *, model: str, window: int, partition: int,
+                      partitions: int, window_info: dict, rng=None) -> dict:
+    """The summary of one partition's window: noisy-value counts of its counters.
+
+    Model ``"joint"`` adds the release layer W first (a fresh DLap(p) draw per counter; ``rng`` is
+    a test-only source), so the summary is exactly what a one-state release would be computed
+    from. The summary is post-processing of that view: it carries no more than the release.
+    """
+    counts, layers = state.counts, state.layers
+    if model == "joint":
+        counts = counts + discrete_laplace(state.p, state.size, rng=rng)
+        layers += 1
+    vc = noisy_value_counts(counts)
+    nz = np.flatnonzero(vc.c)
+    return {
+        "format": SUMMARY_FORMAT, "version": 1, "window": int(window),
+        "partition": int(partition), "partitions": int(partitions),
+        "mode": state.mode, "size": int(state.size), "epsilon": state.epsilon,
+        "neighbor": state.neighbor, "p": state.p, "layers": int(layers), "model": model,
+        "n": int(state.n), "window_info": dict(window_info),
+        "values": [[int(vc.lo + i), int(vc.c[i])] for i in nz],
+    }
+
+
+def _value_counts(summary: dict) -> NoisyValueCounts:
+    values = np.asarray(summary["values"], dtype=np.int64).reshape(-1, 2)
+    lo, hi = int(values[:, 0].min()), int(values[:, 0].max())
+    c = np.zeros(hi - lo + 1, dtype=np.int64)
+    c[values[:, 0] - lo] = values[:, 1]
+    return NoisyValueCounts(lo, c)
+
+
+_MUST_AGREE = ("window", "partitions", "mode", "epsilon", "neighbor", "p", "layers", "model")
+
+
+def merge_summaries(summaries: list[dict], *, loss: str = "l1") -> dict:
+    """The window's release from the summaries of all its partitions (deterministic).
+
+    Noisy-value counts add up over partitions; the estimators then run once on the sum, with
+    ``buckets`` = the total number of hash buckets in hashed mode.
+    """
+    if not summaries:
+        raise ValueError("no summaries to merge")
+    first = summaries[0]
+    for s in summaries:
+        if s.get("format") != SUMMARY_FORMAT:
+            raise ValueError("not a partition summary")
+        bad = [k for k in _MUST_AGREE if s[k] != first[k]]
+        if bad:
+            raise ValueError(f"summaries of window {first['window']} disagree on {', '.join(bad)}")
+    have = sorted(s["partition"] for s in summaries)
+    if have != list(range(first["partitions"])):
+        raise ValueError(f"window {first['window']} needs summaries of partitions "
+                         f"0..{first['partitions'] - 1}, got {have}")
+    started = time.perf_counter()
+    vc = _value_counts(summaries[0])
+    for s in summaries[1:]:
+        vc = vc.merge(_value_counts(s))
+    counters = int(sum(s["size"] for s in summaries))
+    if vc.total != counters:
+        raise ValueError("summary value counts do not add up to the partitions' counters")
+    n = int(sum(s["n"] for s in summaries))
+    hashed = first["mode"] == "hashed"
+    hist = anonymized_histogram(vc, first["p"], layers=first["layers"], loss=loss, n=n,
+                                buckets=counters if hashed else None)
+    infos = [s["window_info"] for s in summaries]
+    release = package_release(
+        hist, window=first["window"], n=n, epsilon=first["epsilon"], neighbor=first["neighbor"],
+        model=first["model"],
+        extra={"p": first["p"], "layers": first["layers"], "loss": loss,
+               "domain": {"mode": first["mode"], "size": counters if hashed else first["size"],
+                          "counters": counters, "partitions": first["partitions"]}})
+    release["window_info"] = {
+        "kind": infos[0]["kind"], "size": infos[0]["size"],
+        "events": int(sum(i["events"] for i in infos)),
+        "started_unix": min(i["started_unix"] for i in infos),
+        "ended_unix": max(i["ended_unix"] for i in infos),
+        "per_partition": "count windows close per partition" if infos[0]["kind"] == "count"
+        else "time windows aligned to the epoch",
+    }
+    release["release_seconds"] = time.perf_counter() - started
+    if first["model"] == "state-only":
+        release["caveat"] = STATE_ONLY_CAVEAT
+    return release
+
+
+def item_key_bytes(item) -> bytes:
+    """The record key a topic keyed by item carries: UTF-8 for str, ints in decimal."""
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    return str(int(item)).encode()
+
+
+class _FileLock:
+    """An exclusive, non-blocking flock on ``path`` (released when the process dies)."""
+
+    def __init__(self, path: Path):
+        self.path, self.f = path, None
+
+    def acquire(self) -> bool:
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            return False
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.f = f
+        return True
+
+    def release(self) -> None:
+        if self.f is not None:
+            self.f.close()  # closing drops the flock
+            self.f = None
+
+
+class PartitionTask:
+    """One Kafka partition's state, window, next offset and unpublished summaries."""
+
+    def __init__(self, key: str, index: int, directory: Path):
+        self.key, self.index = key, index
+        self.store = LocalStore(directory)
+        self.lock = _FileLock(directory / "owner.lock")
+        self.state: PanPrivateHistogram | None = None
+        self.window: dict = {}
+        self.offsets: dict[str, int] = {}
+        self.pending: list[str] = []
+        self._dirty = False
+        self._since_ckpt_events = 0
+        self._last_ckpt = time.monotonic()
+        self._unkeyed_warned: int | None = None
+
+
+class PartitionedAggregator(Aggregator):
+    """An aggregator process in a consumer group of several (``scale.partitioned = true``).
+
+    Same configuration, metrics and ledger as :class:`Aggregator`; the state is kept per
+    assigned partition (:class:`PartitionTask`) and releases are merged across processes through
+    the shared ``checkpoint.dir`` (see the module docstring).
+    """
+
+    def __init__(self, cfg: dict, source, metrics=None):
+        super().__init__(cfg, source, metrics)
+        if not hasattr(source, "owned"):
+            raise ServiceError("scale.partitioned needs a Kafka source")
+        self.tasks: dict[str, PartitionTask] = {}
+        self.waiting: set[str] = set()      # assigned, lock held by another process
+        self.generation_seen = -1
+        self.parts_dir = self.dir / "partitions"
+        self.windows_dir = self.dir / "windows"
+        self.parts_dir.mkdir(exist_ok=True)
+        self.windows_dir.mkdir(exist_ok=True)
+        self.merge_lock = _FileLock(self.dir / "merge.lock")
+        self._last_scan = 0.0
+        self.partitions_total: int | None = None
+
+    # -- noise ---------------------------------------------------------------------------------
+    def _task_state(self, task: PartitionTask, window_id: int) -> PanPrivateHistogram:
+        if self.direct:
+            kwargs = {"size": self.size}
+        else:  # disjoint arrays: together the partitions hold the B buckets of one state
+            kwargs = {"buckets": max(1, math.ceil(self.size / self.partitions_total))}
+            if self._seed is not None:  # test-only: reproducible hashing across runs
+                kwargs["key"] = hashlib.sha256(f"{self._seed}:{task.index}".encode()).digest()[:16]
+        return PanPrivateHistogram(self.epsilon, rng=self._rng(0, task.index, window_id), **kwargs)
+
+    def _task_window(self, window_id: int | None = None) -> dict:
+        kind, size = self.cfg["window"]["kind"], self.cfg["window"]["size"]
+        if kind == "time":
+            if window_id is None:
+                window_id = int(time.time() // size)
+            return {"id": window_id, "kind": kind, "size": size, "events": 0,
+                    "started_unix": window_id * size}
+        return {"id": window_id or 0, "kind": kind, "size": size, "events": 0,
+                "started_unix": time.time()}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def restore(self) -> None:  # partitions are restored one by one as they are assigned
+        self.metrics.budget_spent.set(self.ledger.spent())
+
+    def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
+        try:
+            self.save_effective_config()
+            self.restore()
+            idle_since = None
+            while not self.stop_event.is_set():
+                segments = self.source.poll(poll_timeout_s)
+                self._sync_assignment()
+                counted = 0
+                for seg in segments:
+                    counted += self._ingest(seg) or 0
+                for task in list(self.tasks.values()):
+                    self._maybe_close_task_time_window(task)
+                    if task.pending:
+                        self._publish_summaries(task)
+                    if self._task_checkpoint_due(task):
+                        self._task_checkpoint(task)
+                self._handle_control()
+                self._merge_scan()
+                self._update_lag()
+                self._update_gauges()
+                if segments:
+                    idle_since = None
+                    continue
+                idle_since = idle_since or time.monotonic()
+                if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
+                    break
+            for task in list(self.tasks.values()):
+                self._drop(task)
+            self._merge_scan(force=True)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for task in self.tasks.values():
+            task.lock.release()
+        super().close()
+
+    def _sync_assignment(self) -> None:
+        """Follow the group's assignment: hand partitions over, take new ones when their lock
+        is free, and re-seek everything after a rebalance."""
+        owned = self.source.owned()
+        for key in [k for k in self.tasks if k not in owned]:
+            self._drop(self.tasks[key])
+        self.waiting &= owned
+        if self.partitions_total is None and owned:
+            self.partitions_total = self.source.partition_count()
+        reseek = self.source.generation != self.generation_seen
+        self.generation_seen = self.source.generation
+        for key in sorted(owned - set(self.tasks)):
+            if self.partitions_total is None or not self._take(key):
+                if key not in self.waiting:
+                    self.waiting.add(key)
+                    self.source.pause([key])
+                continue
+            if key in self.waiting:
+                self.waiting.discard(key)
+                self.source.resume([key])
+        if reseek:
+            for task in self.tasks.values():
+                self.source.seek_partition(task.key, task.offsets[task.key])
+
+    def _take(self, key: str) -> bool:
+        index = int(key.rpartition(":")[2])
+        topic = key.rpartition(":")[0]
+        task = PartitionTask(key, index, self.parts_dir / f"{topic}-{index}")
+        if not task.lock.acquire():
+            return False
+        try:
+            ckpt = task.store.load_latest()
+        except Exception:
+            task.lock.release()
+            raise
+        if ckpt is None:
+            task.state = self._task_state(task, self._task_window()["id"])
+            task.window = self._task_window()
+            task.offsets = {key: self.source.start_offset(key)}
+            task._dirty = True
+        else:
+            task.state = PanPrivateHistogram.deserialize(ckpt.state)
+            task.window, task.offsets, task.pending = ckpt.window, dict(ckpt.offsets), ckpt.pending
+            mode = "direct" if self.direct else "hashed"
+            if (task.state.mode, task.state.epsilon) != (mode, self.epsilon) or (
+                    self.direct and task.state.size != self.size):
+                task.lock.release()
+                raise ServiceError(
+                    f"the checkpoint of partition {key} in {task.store.dir} holds a "
+                    f"{task.state.mode} state of size {task.state.size} at epsilon "
+                    f"{task.state.epsilon}, but the config asks for {mode} at epsilon "
+                    f"{self.epsilon}; use the original settings or a new checkpoint.dir")
+        self.tasks[key] = task
+        self.source.seek_partition(key, task.offsets[key])
+        self.metrics.handovers.labels(event="acquired").inc()
+        log.info("took partition %s: window %s at %d events, next offset %d", key,
+                 task.window["id"], task.window["events"], task.offsets[key])
+        if task.pending:
+            self._publish_summaries(task)
+        return True
+
+    def _drop(self, task: PartitionTask) -> None:
+        """Hand a partition over: make its progress durable, then release its lock."""
+        if task._dirty or task.pending:
+            self._task_checkpoint(task)
+        if task.pending:
+            self._publish_summaries(task)
+        del self.tasks[task.key]
+        task.lock.release()
+        self.metrics.handovers.labels(event="released").inc()
+        log.info("handed over partition %s at offset %d", task.key, task.offsets[task.key])
+
+    def _task_checkpoint(self, task: PartitionTask) -> None:
+        t0 = time.perf_counter()
+        task.store.save(Checkpoint(state=task.state.serialize(), window=task.window,
+                                   offsets=task.offsets, pending=task.pending))
+        self.metrics.checkpointed(time.perf_counter() - t0)
+        task._since_ckpt_events = 0
+        task._last_ckpt = time.monotonic()
+        task._dirty = False
+        self.source.commit(task.offsets)  # lag monitoring only
+
+    def _task_checkpoint_due(self, task: PartitionTask) -> bool:
+        if not task._dirty:
+            return False
+        ck = self.cfg["checkpoint"]
+        return (task._since_ckpt_events >= ck["every_events"]
+                or time.monotonic() - task._last_ckpt >= ck["every_seconds"])
+
+    # -- counting --------------------------------------------------------------------------------
+    def _ingest(self, seg: Segment) -> int:
+        task = self.tasks.get(seg.partition)
+        if task is None or not len(seg):
+            return 0  # not ours (any more): the owner counts it from its own offsets
+        nxt = task.offsets[task.key]
+        if seg.offsets[0] < nxt:  # fetched before a seek: already in the counters
+            cut = int(np.searchsorted(np.asarray(seg.offsets), nxt))
+            seg = Segment(seg.partition, seg.offsets[cut:], seg.values[cut:],
+                          None if seg.keys is None else seg.keys[cut:])
+            if not len(seg):
+                return 0
+        items, good = self._decode(seg)
+        self._check_keys(task, seg, items, good)
+        before = task.state.n
+        self._count_segment(task, seg, items, good, lambda: self._close_task_window(task))
+        return task.state.n - before
+
+    def _check_keys(self, task: PartitionTask, seg: Segment, items, good) -> None:
+        if seg.keys is None or not len(items):
+            return
+        step = max(1, len(items) // _KEY_SAMPLE)
+        checked = bad = 0
+        for j in range(0, len(items), step):
+            rec = j if good is None else int(good[j])
+            checked += 1
+            bad += seg.keys[rec] != item_key_bytes(items[j])
+        self.metrics.key_checks.inc(checked)
+        if bad:
+            self.metrics.unkeyed.labels(partition=task.key).inc(bad)
+            if task._unkeyed_warned != task.window["id"]:
+                task._unkeyed_warned = task.window["id"]
+                log.warning("partition %s: %d of %d sampled records are not keyed by their item "
+                            "(missing or different record key); items reaching several "
+                            "partitions are counted as separate items (docs/scale-out.md)",
+                            task.key, bad, checked)
+
+    # -- windows -------------------------------------------------------------------------------
+    def _maybe_close_task_time_window(self, task: PartitionTask) -> None:
+        w = task.window
+        if w["kind"] == "time" and time.time() >= w["started_unix"] + w["size"]:
+            self._close_task_window(task)
+
+    def _close_task_window(self, task: PartitionTask) -> None:
+        """Summarize the partition's window, start the next one with fresh noise, durably."""
+        closing = dict(task.window, ended_unix=time.time())
+        wid = closing["id"]
+        nxt = wid + 1
+        if closing["kind"] == "time":  # skipped windows (e.g. the partition had no owner)
+            nxt = max(nxt, int(closing["ended_unix"] // closing["size"]))
+        partitions = self.source.partition_count() or self.partitions_total
+        info = {k: closing[k] for k in ("kind", "size", "events", "started_unix", "ended_unix")}
+        docs = [partition_summary(task.state, model=self.model, window=wid, partition=task.index,
+                                  partitions=partitions, window_info=info,
+                                  rng=self._rng(1, task.index, wid))]
+        for gap in range(wid + 1, nxt):  # nobody counted this partition then: noise only
+            empty = self._task_state(task, gap)
+            ginfo = dict(info, events=0, started_unix=gap * closing["size"],
+                         ended_unix=(gap + 1) * closing["size"])
+            docs.append(partition_summary(empty, model=self.model, window=gap,
+                                          partition=task.index, partitions=partitions,
+                                          window_info=ginfo, rng=self._rng(1, task.index, gap)))
+        task.pending.extend(json.dumps(d, allow_nan=False) for d in docs)
+        task.state = self._task_state(task, nxt)
+        task.window = self._task_window(nxt)
+        self._task_checkpoint(task)  # the summaries and the new window, atomically
+        self._publish_summaries(task)
+
+    def _publish_summaries(self, task: PartitionTask) -> None:
+        windows = []
+        for doc in list(task.pending):
+            summary = json.loads(doc)
+            wdir = self.windows_dir / str(summary["window"])
+            wdir.mkdir(exist_ok=True)
+            atomic_write(wdir / f"summary-{summary['partition']}.json", [doc.encode()])
+            task.pending.remove(doc)
+            task._dirty = True
+            windows.append(summary["window"])
+            self.metrics.summaries.inc()
+        for wid in windows:
+            self._try_merge(wid)
+
+    # -- merge ---------------------------------------------------------------------------------
+    def _merge_scan(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_scan < 1.0:
+            return
+        self._last_scan = now
+        waiting = 0
+        for wdir in self.windows_dir.iterdir():
+            if wdir.name.isdigit() and not (wdir / "published").exists():
+                if not self._try_merge(int(wdir.name)):
+                    waiting += 1
+        self.metrics.windows_waiting.set(waiting)
+
+    def _try_merge(self, wid: int) -> bool:
+        """Merge, ledger and publish window ``wid`` if all its summaries are in; True if done."""
+        wdir = self.windows_dir / str(wid)
+        if (wdir / "published").exists():
+            return True
+        if not self.merge_lock.acquire():
+            return False  # another process is merging; the next scan looks again
+        try:
+            return self._merge_locked(wid, wdir)
+        finally:
+            self.merge_lock.release()
+
+    def _merge_locked(self, wid: int, wdir: Path) -> bool:
+        if (wdir / "published").exists() or (wdir / "refused").exists():
+            return True
+        entry_id = f"release-{wid}"
+        self.ledger.reload()
+        path = wdir / "release.json"
+        if path.exists():
+            doc = path.read_text()
+        elif self.ledger.has(entry_id):  # released long ago and cleaned up; a late summary
+            atomic_write(wdir / "published", [b""])
+            return True
+        else:
+            summaries = [json.loads(p.read_text()) for p in sorted(wdir.glob("summary-*.json"))]
+            if not summaries or len(summaries) < summaries[0]["partitions"]:
+                return False
+            try:
+                self.ledger.check_release(wid, self.epsilon, entry_id=entry_id)
+            except BudgetExceeded as exc:
+                log.error("%s", exc)
+                self.metrics.releases_refused.inc()
+                atomic_write(wdir / "refused", [str(exc).encode()])
+                return True
+            release = merge_summaries(summaries, loss=self.loss)
+            doc = json.dumps(release, allow_nan=False)
+            atomic_write(path, [doc.encode()])
+        release = json.loads(doc)
+        self.ledger.append(entry_id=entry_id, kind="release", window=wid,
+                           epsilon_spent=self.epsilon, model=release["model"])
+        try:
+            out = write_release(release, self.cfg["release"]["dir"])
+            topic = self.cfg["release"]["topic"]
+            if topic:
+                producer = self._kafka_producer()
+                producer.send(topic, key=str(wid).encode(), value=doc.encode())
+                producer.flush(timeout=30)
+        except Exception as exc:  # retried by the next scan; the document is durable
+            log.warning("publishing release of window %s failed (%s); will retry", wid,
+                        type(exc).__name__)
+            return False
+        atomic_write(wdir / "published", [b""])
+        self.metrics.releases.inc()
+        self.metrics.last_release.set(time.time())
+        self.metrics.release_latency.observe(max(0.0, time.time()
+                                                 - release["window_info"]["ended_unix"]))
+        self.metrics.budget_spent.set(self.ledger.spent())
+        log.info("published merged release of window %s (%d partitions): n=%s -> %s", wid,
+                 release["domain"]["partitions"], release["n"], out)
+        self._cleanup(wid)
+        return True
+
+    def _cleanup(self, newest: int) -> None:
+        keep = int(self.cfg["scale"]["keep_windows"])
+        for wdir in self.windows_dir.iterdir():
+            if (wdir.name.isdigit() and int(wdir.name) <= newest - keep
+                    and (wdir / "published").exists()):
+                shutil.rmtree(wdir, ignore_errors=True)
+
+    # -- gauges and control --------------------------------------------------------------------
+    def _update_gauges(self) -> None:
+        self.metrics.partitions_owned.set(len(self.tasks))
+        if self.tasks:
+            self.metrics.window_id.set(min(t.window["id"] for t in self.tasks.values()))
+            self.metrics.window_events.set(sum(t.window["events"] for t in self.tasks.values()))
+
+    def export(self, export_id: str | None = None) -> Path:
+        raise ServiceError("audit exports are not available in partitioned mode yet; export "
+                           "from a one-process deployment (docs/scale-out.md)")
+
+    def close_window(self) -> dict | None:
+        raise ServiceError("in partitioned mode windows close per partition on their schedule; "
+                           "there is no forced release")
