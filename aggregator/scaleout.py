@@ -208,7 +208,9 @@ class PartitionTask:
 
     def __init__(self, key: str, index: int, directory: Path):
         self.key, self.index = key, index
-        self.store = LocalStore(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.dir = directory
+        self.store: LocalStore | None = None  # opened under the lock: opening cleans temp files
         self.lock = _FileLock(directory / "owner.lock")
         self.state: PanPrivateHistogram | None = None
         self.window: dict = {}
@@ -273,22 +275,7 @@ class PartitionedAggregator(Aggregator):
             self.restore()
             idle_since = None
             while not self.stop_event.is_set():
-                segments = self.source.poll(poll_timeout_s)
-                self._sync_assignment()
-                counted = 0
-                for seg in segments:
-                    counted += self._ingest(seg) or 0
-                for task in list(self.tasks.values()):
-                    self._maybe_close_task_time_window(task)
-                    if task.pending:
-                        self._publish_summaries(task)
-                    if self._task_checkpoint_due(task):
-                        self._task_checkpoint(task)
-                self._handle_control()
-                self._merge_scan()
-                self._update_lag()
-                self._update_gauges()
-                if segments:
+                if self.step(poll_timeout_s):
                     idle_since = None
                     continue
                 idle_since = idle_since or time.monotonic()
@@ -299,6 +286,25 @@ class PartitionedAggregator(Aggregator):
             self._merge_scan(force=True)
         finally:
             self.close()
+
+    def step(self, poll_timeout_s: float = 0.5) -> int:
+        """One turn of the loop: poll, follow the assignment, count, close windows, publish,
+        checkpoint, merge. Returns the number of records polled."""
+        segments = self.source.poll(poll_timeout_s)
+        self._sync_assignment()
+        for seg in segments:
+            self._ingest(seg)
+        for task in list(self.tasks.values()):
+            self._maybe_close_task_time_window(task)
+            if task.pending:
+                self._publish_summaries(task)
+            if self._task_checkpoint_due(task):
+                self._task_checkpoint(task)
+        self._handle_control()
+        self._merge_scan()
+        self._update_lag()
+        self._update_gauges()
+        return sum(len(seg) for seg in segments)
 
     def close(self) -> None:
         for task in self.tasks.values():
@@ -336,6 +342,7 @@ class PartitionedAggregator(Aggregator):
         if not task.lock.acquire():
             return False
         try:
+            task.store = LocalStore(task.dir)
             ckpt = task.store.load_latest()
         except Exception:
             task.lock.release()
@@ -395,22 +402,20 @@ class PartitionedAggregator(Aggregator):
                 or time.monotonic() - task._last_ckpt >= ck["every_seconds"])
 
     # -- counting --------------------------------------------------------------------------------
-    def _ingest(self, seg: Segment) -> int:
+    def _ingest(self, seg: Segment) -> None:
         task = self.tasks.get(seg.partition)
         if task is None or not len(seg):
-            return 0  # not ours (any more): the owner counts it from its own offsets
+            return  # not ours (any more): the owner counts it from its own offsets
         nxt = task.offsets[task.key]
         if seg.offsets[0] < nxt:  # fetched before a seek: already in the counters
             cut = int(np.searchsorted(np.asarray(seg.offsets), nxt))
             seg = Segment(seg.partition, seg.offsets[cut:], seg.values[cut:],
                           None if seg.keys is None else seg.keys[cut:])
             if not len(seg):
-                return 0
+                return
         items, good = self._decode(seg)
         self._check_keys(task, seg, items, good)
-        before = task.state.n
         self._count_segment(task, seg, items, good, lambda: self._close_task_window(task))
-        return task.state.n - before
 
     def _check_keys(self, task: PartitionTask, seg: Segment, items, good) -> None:
         if seg.keys is None or not len(items):

@@ -1,0 +1,279 @@
+"""Scale-out without a broker: summary merging, partition handover between two processes sharing
+one directory (a fake consumer group; the real one is in tests/integration/test_scaleout_kafka.py),
+and unkeyed-topic reporting."""
+
+import json
+import logging
+
+import msgpack
+import numpy as np
+import pytest
+
+from aggregator.config import load_config
+from aggregator.estimate import anonymized_histogram
+from aggregator.noise import discrete_laplace
+from aggregator.scaleout import (PartitionedAggregator, item_key_bytes, merge_summaries,
+                                 partition_summary)
+from aggregator.state import PanPrivateHistogram
+from consumers.base import Segment, Source
+from state_store.local import LocalStore
+
+D = 50
+SEED = 99
+INFO = {"kind": "count", "size": 10, "events": 10, "started_unix": 1.0, "ended_unix": 2.0}
+
+
+def _summaries(states, model="state-only", window=0):
+    return [partition_summary(s, model=model, window=window, partition=i, partitions=len(states),
+                              window_info=INFO, rng=np.random.default_rng([7, i]))
+            for i, s in enumerate(states)]
+
+
+def test_hashed_partition_arrays_merge_into_one_state():
+    """Disjoint B/P-bucket arrays: the merged release is the release of their concatenation."""
+    rng = np.random.default_rng(1)
+    states = []
+    for i in range(3):
+        s = PanPrivateHistogram(1.0, buckets=400, key=bytes([i + 1]) * 16,
+                                rng=np.random.default_rng([5, i]))
+        s.update([f"user-{k}" for k in rng.zipf(1.5, 500) if k < 10**6])
+        states.append(s)
+    rel = merge_summaries(_summaries(states))
+    whole = np.concatenate([s.counts for s in states])
+    n = sum(s.n for s in states)
+    expect = anonymized_histogram(whole, states[0].p, n=n, buckets=1200)
+    got = np.repeat(*np.array(rel["histogram"]["pairs"]).T)
+    assert np.array_equal(np.sort(got)[::-1], expect)
+    assert rel["n"] == n and rel["domain"] == {"mode": "hashed", "size": 1200, "counters": 1200,
+                                               "partitions": 3}
+
+
+def test_direct_partition_summaries_add_up():
+    states = []
+    for i in range(2):
+        s = PanPrivateHistogram(2.0, size=D, rng=np.random.default_rng([6, i]))
+        s.add_indices(np.random.default_rng(i).integers(0, D, 300))
+        states.append(s)
+    rel = merge_summaries(_summaries(states, model="joint"), loss="l1")
+    layer = [s.counts + discrete_laplace(s.p, D, rng=np.random.default_rng([7, i]))
+             for i, s in enumerate(states)]
+    expect = anonymized_histogram(np.concatenate(layer), states[0].p, layers=2, n=600)
+    got = np.repeat(*np.array(rel["histogram"]["pairs"]).T)
+    assert np.array_equal(np.sort(got)[::-1], expect)
+    assert rel["layers"] == 2 and rel["domain"]["counters"] == 2 * D
+
+
+def test_merge_refuses_incomplete_or_inconsistent_windows():
+    a = PanPrivateHistogram(1.0, size=D, rng=np.random.default_rng(1))
+    b = PanPrivateHistogram(2.0, size=D, rng=np.random.default_rng(2))
+    both = _summaries([a, a])
+    with pytest.raises(ValueError, match="partitions 0..1"):
+        merge_summaries(both[:1])
+    bad = _summaries([a, b])
+    with pytest.raises(ValueError, match="disagree"):
+        merge_summaries(bad)
+    with pytest.raises(ValueError, match="no summaries"):
+        merge_summaries([])
+
+
+def test_item_key_bytes():
+    assert item_key_bytes("é") == "é".encode() and item_key_bytes(b"\x00") == b"\x00"
+    assert item_key_bytes(42) == b"42"
+
+
+# -- a fake consumer group -------------------------------------------------------------------------
+class FakeTopic:
+    def __init__(self, name, partitions):
+        self.name = name
+        self.records = {p: [] for p in range(partitions)}  # (key, value)
+
+    def produce(self, item, partition, keyed=True):
+        self.records[partition].append((item_key_bytes(item) if keyed else None,
+                                        msgpack.packb({"item": item})))
+
+
+class FakeMember(Source):
+    """What PartitionedAggregator needs from KafkaSource; the test sets ``owned_now``."""
+
+    def __init__(self, topic: FakeTopic, batch=7):
+        self.topic, self.batch = topic, batch
+        self.owned_now: set[int] = set()
+        self.generation = 0
+        self.position: dict[int, int] = {}
+        self.paused: set[int] = set()
+
+    def assign(self, parts):
+        self.owned_now = set(parts)
+        self.generation += 1
+        for p in parts:
+            self.position[p] = 0  # as if reset to an old committed offset: the service seeks
+
+    def owned(self):
+        return {f"{self.topic.name}:{p}" for p in self.owned_now}
+
+    def partition_count(self):
+        return len(self.topic.records)
+
+    def start_offset(self, key):
+        return 0
+
+    def seek_partition(self, key, offset):
+        self.position[int(key.rpartition(":")[2])] = offset
+
+    def pause(self, keys):
+        self.paused |= {int(k.rpartition(":")[2]) for k in keys}
+
+    def resume(self, keys):
+        self.paused -= {int(k.rpartition(":")[2]) for k in keys}
+
+    def poll(self, timeout_s=1.0):
+        out = []
+        for p in sorted(self.owned_now - self.paused):
+            recs = self.topic.records[p]
+            start = self.position[p]
+            chunk = recs[start:start + self.batch]
+            if chunk:
+                out.append(Segment(f"{self.topic.name}:{p}", list(range(start, start + len(chunk))),
+                                   [v for _, v in chunk], [k for k, _ in chunk]))
+                self.position[p] = start + len(chunk)
+        return out
+
+
+@pytest.fixture
+def cfg_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("PANAGG_TESTING", "1")
+
+    def make(window=1000, **extra):
+        sets = [f"checkpoint.dir={tmp_path / 'shared'}", f"release.dir={tmp_path / 'rel'}",
+                f"state.domain_size={D}", f"window.size={window}", "scale.partitioned=true",
+                f"testing.noise_seed={SEED}", "checkpoint.every_events=5", "metrics.port=-1"]
+        sets += [f"{k}={v}" for k, v in extra.items()]
+        return load_config(overrides=sets, env={})
+    return make
+
+
+def _drain(*aggs, rounds=200):
+    for _ in range(rounds):
+        if not sum(a.step(0) for a in aggs):
+            return
+    raise AssertionError("did not drain")
+
+
+def _expected(items, p, window=0):
+    s = PanPrivateHistogram(1.0, size=D, rng=np.random.default_rng([SEED, 0, p, window]))
+    s.add_indices(np.asarray(items, dtype=np.int64))
+    return s.counts
+
+
+def test_partition_moves_to_another_process_without_loss_or_double_count(cfg_for, tmp_path):
+    topic = FakeTopic("ev", 2)
+    rng = np.random.default_rng(3)
+    items = {0: rng.integers(0, D, 40).tolist(), 1: rng.integers(0, D, 60).tolist()}
+    for p, its in items.items():
+        for i in its[:30]:
+            topic.produce(i, p)
+    ma, mb = FakeMember(topic), FakeMember(topic)
+    a, b = PartitionedAggregator(cfg_for(), ma), PartitionedAggregator(cfg_for(), mb)
+    ma.assign({0, 1})
+    _drain(a, b)
+    assert set(a.tasks) == {"ev:0", "ev:1"} and not b.tasks
+    # rebalance: partition 1 moves to b; b notices first and must wait for a's lock
+    for i in items[1][30:]:
+        topic.produce(i, 1)
+    ma.assign({0})
+    mb.assign({1})
+    b.step(0)
+    assert "ev:1" not in b.tasks and b.waiting == {"ev:1"} and mb.paused == {1}
+    a.step(0)  # a hands it over: checkpoint, then unlock
+    assert "ev:1" not in a.tasks
+    _drain(a, b)
+    assert "ev:1" in b.tasks and not mb.paused
+    for i in items[0][30:]:
+        topic.produce(i, 0)
+    _drain(a, b)
+    assert np.array_equal(a.tasks["ev:0"].state.counts, _expected(items[0], 0))
+    assert np.array_equal(b.tasks["ev:1"].state.counts, _expected(items[1], 1))
+    assert a.metrics.handovers.labels(event="released")._value.get() == 1
+    assert b.metrics.handovers.labels(event="acquired")._value.get() == 1
+
+
+def test_crashed_owner_is_resumed_from_its_last_checkpoint(cfg_for):
+    """The owner dies (its lock goes with it) after counting past its last checkpoint: the next
+    owner resumes at the checkpoint's offset and counts those records exactly once."""
+    topic = FakeTopic("ev", 1)
+    items = np.random.default_rng(4).integers(0, D, 43).tolist()
+    for i in items:
+        topic.produce(i, 0)
+    ma = FakeMember(topic, batch=4)
+    a = PartitionedAggregator(cfg_for(**{"checkpoint.every_events": 12}), ma)
+    ma.assign({0})
+    for _ in range(5):
+        a.step(0)
+    task = a.tasks["ev:0"]
+    ckpt = LocalStore(task.dir).load_latest()
+    assert 0 < ckpt.offsets["ev:0"] < task.offsets["ev:0"]  # progress beyond the checkpoint
+    task.lock.release()  # the process is gone; nothing else of it survives
+    mb = FakeMember(topic, batch=4)
+    b = PartitionedAggregator(cfg_for(), mb)
+    mb.assign({0})
+    _drain(b)
+    assert np.array_equal(b.tasks["ev:0"].state.counts, _expected(items, 0))
+    assert b.tasks["ev:0"].offsets == {"ev:0": 43}
+
+
+def test_windows_close_per_partition_and_merge_once(cfg_for, tmp_path):
+    topic = FakeTopic("ev", 3)
+    rng = np.random.default_rng(5)
+    items = {p: rng.integers(0, D, 25).tolist() for p in range(3)}
+    for p, its in items.items():
+        for i in its:
+            topic.produce(i, p)
+    members = [FakeMember(topic) for _ in range(3)]
+    aggs = [PartitionedAggregator(cfg_for(window=10), m) for m in members]
+    for p, m in enumerate(members):
+        m.assign({p})
+    _drain(*aggs)
+    for a in aggs:
+        a._merge_scan(force=True)
+    rel = tmp_path / "rel"
+    assert sorted(f.name for f in rel.glob("*.json")) == ["release-0.json", "release-1.json"]
+    ledger = [json.loads(x) for x in (tmp_path / "shared" / "ledger.jsonl").read_text().split("\n")
+              if x]
+    assert sorted(e["id"] for e in ledger) == ["release-0", "release-1"]
+    doc = json.loads((rel / "release-1.json").read_text())
+    assert doc["n"] == 30 and doc["window_info"]["events"] == 30
+    # the open window 2 holds the last 5 events of each partition
+    for p, a in enumerate(aggs):
+        assert a.tasks[f"ev:{p}"].window == dict(a.tasks[f"ev:{p}"].window, id=2, events=5)
+        assert np.array_equal(a.tasks[f"ev:{p}"].state.counts, _expected(items[p][20:], p, 2))
+
+
+def test_unkeyed_records_are_counted_and_warned_without_payload(cfg_for, caplog, tmp_path):
+    topic = FakeTopic("ev", 1)
+    for i in range(30):
+        topic.produce(40 + i % 7, 0, keyed=False)
+    m = FakeMember(topic)
+    a = PartitionedAggregator(cfg_for(), m)
+    m.assign({0})
+    with caplog.at_level(logging.WARNING, logger="panagg.scaleout"):
+        _drain(a)
+    assert a.metrics.unkeyed.labels(partition="ev:0")._value.get() > 0
+    warned = [r.getMessage() for r in caplog.records if "not keyed" in r.getMessage()]
+    assert len(warned) == 1 and "ev:0" in warned[0]
+    assert not any(str(40 + k) in warned[0] for k in range(7))
+    # keyed records: no mismatch
+    topic2 = FakeTopic("ok", 1)
+    for i in range(30):
+        topic2.produce(40 + i % 7, 0)
+    m2 = FakeMember(topic2)
+    b = PartitionedAggregator(cfg_for(**{"checkpoint.dir": str(tmp_path / "other")}), m2)
+    m2.assign({0})
+    _drain(b)
+    assert b.metrics.unkeyed.labels(partition="ok:0")._value.get() == 0
+    assert b.metrics.key_checks._value.get() > 0
+
+
+def test_partitioned_needs_kafka(tmp_path):
+    from aggregator.config import ConfigError
+    with pytest.raises(ConfigError, match="scale.partitioned needs source.kind = kafka"):
+        load_config(overrides=["scale.partitioned=true", "source.kind=generator"], env={})
