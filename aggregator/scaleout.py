@@ -348,10 +348,18 @@ class PartitionedAggregator(Aggregator):
             task.lock.release()
             raise
         if ckpt is None:
-            task.state = self._task_state(task, self._task_window()["id"])
             task.window = self._task_window()
+            task.state = self._task_state(task, task.window["id"])
             task.offsets = {key: self.source.start_offset(key)}
             task._dirty = True
+            if task.window["kind"] == "time":
+                # time windows other partitions already closed wait for this one's summary
+                earlier = [int(d.name) for d in self.windows_dir.iterdir()
+                           if d.name.isdigit() and int(d.name) < task.window["id"]
+                           and not (d / "published").exists()
+                           and not (d / f"summary-{index}.json").exists()]
+                docs = self._noise_only_summaries(task, sorted(earlier), self.partitions_total)
+                task.pending = [json.dumps(d, allow_nan=False) for d in docs]
         else:
             task.state = PanPrivateHistogram.deserialize(ckpt.state)
             task.window, task.offsets, task.pending = ckpt.window, dict(ckpt.offsets), ckpt.pending
@@ -454,18 +462,25 @@ class PartitionedAggregator(Aggregator):
         docs = [partition_summary(task.state, model=self.model, window=wid, partition=task.index,
                                   partitions=partitions, window_info=info,
                                   rng=self._rng(1, task.index, wid))]
-        for gap in range(wid + 1, nxt):  # nobody counted this partition then: noise only
-            empty = self._task_state(task, gap)
-            ginfo = dict(info, events=0, started_unix=gap * closing["size"],
-                         ended_unix=(gap + 1) * closing["size"])
-            docs.append(partition_summary(empty, model=self.model, window=gap,
-                                          partition=task.index, partitions=partitions,
-                                          window_info=ginfo, rng=self._rng(1, task.index, gap)))
+        # nobody counted this partition during the skipped windows: noise only
+        docs += self._noise_only_summaries(task, range(wid + 1, nxt), partitions)
         task.pending.extend(json.dumps(d, allow_nan=False) for d in docs)
         task.state = self._task_state(task, nxt)
         task.window = self._task_window(nxt)
         self._task_checkpoint(task)  # the summaries and the new window, atomically
         self._publish_summaries(task)
+
+    def _noise_only_summaries(self, task: PartitionTask, window_ids, partitions: int) -> list:
+        """Summaries of time windows in which the partition had no owner (no events counted)."""
+        size = self.cfg["window"]["size"]
+        docs = []
+        for w in window_ids:
+            info = {"kind": "time", "size": size, "events": 0, "started_unix": w * size,
+                    "ended_unix": (w + 1) * size}
+            docs.append(partition_summary(self._task_state(task, w), model=self.model, window=w,
+                                          partition=task.index, partitions=partitions,
+                                          window_info=info, rng=self._rng(1, task.index, w)))
+        return docs
 
     def _publish_summaries(self, task: PartitionTask) -> None:
         windows = []

@@ -277,3 +277,30 @@ def test_partitioned_needs_kafka(tmp_path):
     from aggregator.config import ConfigError
     with pytest.raises(ConfigError, match="scale.partitioned needs source.kind = kafka"):
         load_config(overrides=["scale.partitioned=true", "source.kind=generator"], env={})
+
+
+def test_time_windows_align_and_a_late_partition_fills_in_noise_only(cfg_for, tmp_path):
+    """Time windows are aligned to the epoch; a partition first owned after other partitions
+    closed a window writes a noise-only summary for it, so that window's release is not stuck."""
+    import time
+    topic = FakeTopic("ev", 2)
+    for i in range(5):
+        topic.produce(i, 0)
+    ma, mb = FakeMember(topic), FakeMember(topic)
+    a = PartitionedAggregator(cfg_for(window=1, **{"window.kind": "time"}), ma)
+    b = PartitionedAggregator(cfg_for(window=1, **{"window.kind": "time"}), mb)
+    ma.assign({0})
+    a.step(0)
+    w0 = a.tasks["ev:0"].window["id"]
+    assert w0 == int(time.time()) or w0 == int(time.time()) - 1
+    assert a.tasks["ev:0"].window["started_unix"] == w0
+    time.sleep(max(0.0, w0 + 1.05 - time.time()))
+    a.step(0)  # closes w0 for partition 0; partition 1 has no owner yet
+    assert a.tasks["ev:0"].window["id"] > w0
+    assert not (tmp_path / "rel" / f"release-{w0}.json").exists()
+    mb.assign({1})
+    b.step(0)
+    b._merge_scan(force=True)
+    doc = json.loads((tmp_path / "rel" / f"release-{w0}.json").read_text())
+    assert doc["n"] == 5 and doc["domain"]["partitions"] == 2
+    assert doc["window_info"]["kind"] == "time"
