@@ -522,28 +522,36 @@ class PartitionedAggregator(Aggregator):
             self.merge_lock.release()
 
     def _merge_locked(self, wid: int, wdir: Path) -> bool:
-        if (wdir / "published").exists() or (wdir / "refused").exists():
+        if any((wdir / m).exists() for m in ("published", "refused", "unmergeable")):
             return True
         entry_id = f"release-{wid}"
-        self.ledger.reload()
         path = wdir / "release.json"
+        summaries = []
+        if not path.exists():
+            summaries = [json.loads(p.read_text()) for p in sorted(wdir.glob("summary-*.json"))]
+        self.ledger.reload()
         if path.exists():
             doc = path.read_text()
         elif self.ledger.has(entry_id):  # released long ago and cleaned up; a late summary
             atomic_write(wdir / "published", [b""])
             return True
         else:
-            summaries = [json.loads(p.read_text()) for p in sorted(wdir.glob("summary-*.json"))]
-            if not summaries or len(summaries) < summaries[0]["partitions"]:
+            if not summaries or len(summaries) < max(s["partitions"] for s in summaries):
                 return False
             try:
                 self.ledger.check_release(wid, self.epsilon, entry_id=entry_id)
+                release = merge_summaries(summaries, loss=self.loss)
             except BudgetExceeded as exc:
                 log.error("%s", exc)
                 self.metrics.releases_refused.inc()
                 atomic_write(wdir / "refused", [str(exc).encode()])
                 return True
-            release = merge_summaries(summaries, loss=self.loss)
+            except ValueError as exc:  # e.g. the partition count changed within the window
+                log.error("window %s cannot be merged: %s; its summaries stay in %s", wid, exc,
+                          wdir)
+                self.metrics.releases_refused.inc()
+                atomic_write(wdir / "unmergeable", [str(exc).encode()])
+                return True
             doc = json.dumps(release, allow_nan=False)
             atomic_write(path, [doc.encode()])
         release = json.loads(doc)

@@ -304,3 +304,22 @@ def test_time_windows_align_and_a_late_partition_fills_in_noise_only(cfg_for, tm
     doc = json.loads((tmp_path / "rel" / f"release-{w0}.json").read_text())
     assert doc["n"] == 5 and doc["domain"]["partitions"] == 2
     assert doc["window_info"]["kind"] == "time"
+
+
+def test_inconsistent_window_is_set_aside_not_fatal(cfg_for, tmp_path, caplog):
+    """Summaries that cannot be merged (here: different epsilons) stop that window's release
+    with one error, not the process."""
+    m = FakeMember(FakeTopic("ev", 2))
+    a = PartitionedAggregator(cfg_for(), m)
+    wdir = a.windows_dir / "0"
+    wdir.mkdir()
+    for i, eps in enumerate((1.0, 2.0)):
+        s = PanPrivateHistogram(eps, size=D, rng=np.random.default_rng(i))
+        doc = partition_summary(s, model="joint", window=0, partition=i, partitions=2,
+                                window_info=INFO, rng=np.random.default_rng(9))
+        (wdir / f"summary-{i}.json").write_text(json.dumps(doc))
+    with caplog.at_level(logging.ERROR, logger="panagg.scaleout"):
+        a._merge_scan(force=True)
+    assert (wdir / "unmergeable").exists() and not (tmp_path / "rel").exists()
+    assert any("cannot be merged" in r.getMessage() for r in caplog.records)
+    assert a.metrics.windows_waiting._value.get() == 0
