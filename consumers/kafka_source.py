@@ -154,18 +154,27 @@ class KafkaSource(Source):
             return int(committed)
         return int(self.consumer.beginning_offsets([tp])[tp])
 
+    # The group can take a partition away at any moment (kafka-python coordinates on its own IO
+    # thread); acting on a partition that is no longer assigned is then a no-op, and the
+    # service's next assignment sync drops it.
     def seek_partition(self, key: str, offset: int) -> None:
-        self.consumer.seek(parse_partition_key(key), int(offset))
+        try:
+            self.consumer.seek(parse_partition_key(key), int(offset))
+        except ValueError:  # "Unassigned partition"
+            log.info("partition %s left the assignment before its seek", key)
 
     def pause(self, keys) -> None:
-        tps = [parse_partition_key(k) for k in keys]
-        if tps:
-            self.consumer.pause(*tps)
+        self._each(self.consumer.pause, keys)
 
     def resume(self, keys) -> None:
-        tps = [parse_partition_key(k) for k in keys]
-        if tps:
-            self.consumer.resume(*tps)
+        self._each(self.consumer.resume, keys)
+
+    def _each(self, method, keys) -> None:
+        for key in keys:
+            try:
+                method(parse_partition_key(key))
+            except (KeyError, ValueError):
+                pass
 
     def commit(self, offsets: dict[str, int]) -> None:
         mine = {parse_partition_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()
