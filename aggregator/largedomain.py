@@ -58,7 +58,7 @@ import math
 import numpy as np
 
 from .estimate import (
-    counts_from_cumulative, noisy_value_counts, phi_estimate, project_l1,
+    counts_from_cumulative, deconvolved_prevalence, noisy_value_counts, phi_estimate, project_l1,
     project_l2, rank_box,
 )
 
@@ -72,6 +72,8 @@ __all__ = [
     "invert_gamma",
     "greedy_prefix",
     "reduced_cumulative",
+    "HASHED_METHODS",
+    "hashed_phi_estimate",
     "alg7_m",
     "hashed_histogram",
     "two_histogram_estimate",
@@ -450,10 +452,46 @@ def _pad(y: np.ndarray, R: int) -> np.ndarray:
     return np.concatenate([y, np.zeros(max(0, R - len(y)), dtype=y.dtype)])[:R]
 
 
+# Estimators of the reduced (bucket) cumulative prevalence. "mle" is the EM NPMLE run to
+# convergence (no early stopping); "threshold" and "deconvolution" are those of
+# aggregator.estimate (deconvolution = the same EM, stopped early by its log-likelihood tolerance).
+HASHED_METHODS = ("mle", "threshold", "deconvolution")
+MLE_MAX_ITER = 3000
+MLE_TOL = 1e-9
+
+
+def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
+    """phi_hat_{>=r} of the B bucket counters (not projected).
+
+    Default (``method=None``): ``"mle"`` for one layer, ``"deconvolution"`` for two or more.
+
+    Why a converged maximum-likelihood estimate for one layer, where direct mode keeps the
+    threshold estimator: most of the B counters are empty (B ~ 1.5-4 n, D ~ 0.35 n occupied), and
+    the threshold estimator's kernel (-x, 1 + x) at each r turns every empty bucket's DLap noise
+    into a +-(1 + x) term at r = 1, 2, ...; the NPMLE uses that the counter values are h + DLap
+    with h >= 0, so the mass of the negative noisy values pins down the empty buckets. EM is run
+    to convergence (``MLE_TOL`` on the normalized log-likelihood gain, ``MLE_MAX_ITER`` SQUAREM
+    steps): the early-stopped ``"deconvolution"`` is sometimes better and sometimes much worse
+    (it stops after a number of steps that depends on n, so its implicit smoothing is uncontrolled
+    at n >= 1e6), the converged one was never much worse than the threshold estimator and mostly
+    better (docs/large_domains.md, "Estimators for one layer").
+    """
+    k = int(layers)
+    if method is None:
+        method = "mle" if k == 1 else "deconvolution"
+    if method == "mle":
+        return deconvolved_prevalence(noisy_counts, p, layers=k, max_iter=MLE_MAX_ITER,
+                                      tol=MLE_TOL)
+    if method not in HASHED_METHODS:
+        raise ValueError(f"method must be one of {HASHED_METHODS}, got {method!r}")
+    return phi_estimate(noisy_counts, p, layers=k, method=method)
+
+
 def reduced_cumulative(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
-    """Projected estimate of the reduced (bucket) cumulative prevalence: Algorithm 1 on the buckets."""
+    """Projected estimate of the reduced (bucket) cumulative prevalence: Algorithm 1 on the buckets
+    with the estimator of :func:`hashed_phi_estimate`."""
     vc = noisy_value_counts(noisy_counts)
-    return project_l1(phi_estimate(vc, p, layers=int(layers), method=method))
+    return project_l1(hashed_phi_estimate(vc, p, layers=int(layers), method=method))
 
 
 def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", method=None,
@@ -473,8 +511,9 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
         ``"l1"`` or ``"l2"`` (seed 001 Algorithm 4 with the box taken from these same counters,
         see :func:`l2_histogram`).
     method
-        Estimator of the reduced cumulative prevalence, as in
-        :func:`aggregator.estimate.anonymized_histogram`.
+        Estimator of the reduced cumulative prevalence (:data:`HASHED_METHODS`). Default: the
+        converged EM NPMLE (``"mle"``) for one layer, ``"deconvolution"`` for two or more
+        (see :func:`hashed_phi_estimate`; direct mode's defaults are unchanged).
     variant
         ``"exact"`` (default): invert Gamma^B at every degree (:func:`invert_gamma`), then project.
         ``"alg7-single"``: Algorithm 7's binary searches for r <= m, the hashed histogram itself
