@@ -304,9 +304,9 @@ def test_time_windows_release_each_window_with_fresh_noise(tmp_path):
     assert len(docs) >= 3
     assert sum(d["n"] for d in docs) == 6000
     assert all(d["window_info"]["kind"] == "time" for d in docs)
-    for d in docs[:-1]:  # closed by the clock, after about one second each
+    for d in docs[:-1]:  # closed by the clock, not before one second (later on a loaded machine)
         span = d["window_info"]["ended_unix"] - d["window_info"]["started_unix"]
-        assert 0.9 <= span < 2.5
+        assert span >= 0.9
     assert [d["window"] for d in docs] == list(range(len(docs)))
 
 
