@@ -77,6 +77,13 @@ MAX_MINUTES = 30
 MAX_PROCESSES = 8
 MAX_PARTITIONS = 24
 SAMPLE_S = 2.0
+# scale.keep_windows for the aggregators. The service default (3) lets a merge clean up old
+# window directories while a scan (of the same or another process) still holds them in its
+# listing; the scan then writes a "published" marker into the removed directory and the process
+# exits with FileNotFoundError (aggregator/scaleout.py, _merge_scan / _merge_locked "released long
+# ago" branch; seen in this bench's first default run). Keeping every window avoids it;
+# --keep-windows 3 measures the service default.
+KEEP_WINDOWS = 100_000
 T0 = time.perf_counter()
 
 
@@ -280,7 +287,8 @@ class KafkaView:
                 pass
 
 
-def member_args(bootstrap, topic, state, releases, group, instance, window_s, mode):
+def member_args(bootstrap, topic, state, releases, group, instance, window_s, mode,
+                keep_windows=None):
     args = ["run", "--bootstrap", bootstrap, "--topic", topic, "--state-dir", str(state),
             "--release-dir", str(releases), "--metrics-port", "0",
             "--set", f"source.group={group}", "--set", "scale.partitioned=true",
@@ -288,6 +296,8 @@ def member_args(bootstrap, topic, state, releases, group, instance, window_s, mo
             "--set", f"window.size={window_s}", "--set", f"state.mode={mode}"]
     if mode == "direct":
         args += ["--set", f"state.domain_size={D}"]
+    if keep_windows is not None:
+        args += ["--set", f"scale.keep_windows={keep_windows}"]
     return args
 
 
@@ -332,6 +342,7 @@ def run_load(args, tmp: Path) -> dict:
     sent, done = ctx.Value("q", 0), ctx.Value("i", 0)
     t_first, t_last = ctx.Value("d", 0.0), ctx.Value("d", 0.0)
     res: dict = {"rate": rate, "seconds": seconds, "processes": args.processes,
+                 "keep_windows": args.keep_windows,
                  "partitions": args.partitions, "window_s": args.window, "mode": args.mode,
                  "samples": [], "load_start": _loadavg()}
     try:
@@ -356,7 +367,8 @@ def run_load(args, tmp: Path) -> dict:
             fh = open(logs[name], "w")
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "aggregator.cli",
-                 *member_args(bootstrap, topic, state, rel, group, name, args.window, args.mode)],
+                 *member_args(bootstrap, topic, state, rel, group, name, args.window, args.mode,
+                              args.keep_windows)],
                 cwd=ROOT, env=env, stdout=fh, stderr=fh, start_new_session=True)
             fh.close()
         ports: dict[str, int] = {}
@@ -424,10 +436,14 @@ def run_load(args, tmp: Path) -> dict:
                                                          "lat_buckets")})
                                   for n, m in metrics.items()}}
             res["samples"].append(sample)
-            for name, proc in procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({proc.returncode}) during the run:\n"
-                                       f"{logs[name].read_text()[-3000:]}")
+            dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            if dead:  # a finding, not a bench error: record it and stop (no restarts here)
+                name, rc = next(iter(dead.items()))
+                res["failure"] = {"member": name, "rc": rc, "t": sample["t"],
+                                  "log_tail": logs[name].read_text()[-2000:]}
+                log(f"{name} exited ({rc}) during the run, t = {sample['t']:.0f} s; stopping. "
+                    f"Its log ends:\n{res['failure']['log_tail'][-600:]}")
+                break
             counted = sum(m["events"] for m in metrics.values() if m)
             produced = sum(ends) if ends else None
             comm_lag = ([e - c for e, c in zip(ends, committed)] if ends and committed else None)
@@ -484,6 +500,9 @@ def run_load(args, tmp: Path) -> dict:
                     res["final_timeout"] = True
                     break
             time.sleep(max(0.0, SAMPLE_S - (time.time() - t_tick)))
+        if res.get("failure"):
+            ends_seen = [x["ends"] for x in res["samples"] if x["ends"]]
+            produced_total = sum(ends_seen[-1]) if ends_seen else None
         res["produced"] = produced_total
         res["final_window"] = final_window
         res["t_start"] = t_start
@@ -904,7 +923,16 @@ def write_report(results: dict, outdir: Path) -> Path:
               f"{res['seconds']:.0f} s, started once the group had given every process "
               f"partitions ({', '.join(f'{k}: {int(v)}' for k, v in res.get('owned_at_start', {}).items())}). "
               f"Samples every {SAMPLE_S:.0f} s.", "",
-              "### Summary", "",
+              f"`scale.keep_windows={res.get('keep_windows')}`"
+              + (" (instead of the service default 3: with 3, a window-directory cleanup races "
+                 "with merge scans and can stop a process; see the notes)"
+                 if res.get("keep_windows", 3) != 3 else " (the service default)") + ".", ""]
+        if res.get("failure"):
+            f = res["failure"]
+            L += [f"**RUN FAILED: aggregator {f['member']} exited with status {f['rc']} at "
+                  f"t = {f['t']:.0f} s; the bench stopped there (no restarts). Its log ends:**",
+                  "", "```", *f["log_tail"].strip().splitlines()[-6:], "```", ""]
+        L += ["### Summary", "",
               "| measured | value |", "|---|---|",
               f"| target rate | {res['rate']:,.0f} events/s for {res['seconds']:.0f} s "
               f"({int(res['rate'] * res['seconds']):,} events) |",
@@ -1094,6 +1122,10 @@ def main(argv=None) -> int:
     ap.add_argument("--partitions", type=int, default=6)
     ap.add_argument("--window", type=int, default=30, help="time window, seconds")
     ap.add_argument("--mode", choices=("direct", "hashed"), default="direct")
+    ap.add_argument("--keep-windows", type=int, default=KEEP_WINDOWS,
+                    help=f"scale.keep_windows of the aggregators (default {KEEP_WINDOWS}: no "
+                         "window directory is cleaned up during the run, which avoids the "
+                         "cleanup race described in the module docstring; 3 = service default)")
     ap.add_argument("--reps", type=int, default=None,
                     help="accuracy repetitions (default 5, or 2 with --quick)")
     ap.add_argument("--acc-n", type=int, default=1_000_000, help=argparse.SUPPRESS)
@@ -1167,7 +1199,7 @@ def main(argv=None) -> int:
             + f"; releases {ls['releases']}; exactly once: produced {eo['produced']} counted "
               f"{eo['counted']} released {eo['released_n']} -> {'OK' if eo['ok'] else 'MISMATCH'}")
     print(f"wrote {path} and {outdir}/img/scaleout_*.png (raw samples: {raw})", flush=True)
-    return 0
+    return 1 if results.get("load", {}).get("failure") else 0
 
 
 if __name__ == "__main__":
