@@ -183,10 +183,10 @@ class _FileLock:
     def __init__(self, path: Path):
         self.path, self.f = path, None
 
-    def acquire(self) -> bool:
+    def acquire(self, blocking: bool = False) -> bool:
         f = open(self.path, "a+")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             f.close()
             return False
@@ -484,15 +484,25 @@ class PartitionedAggregator(Aggregator):
 
     def _publish_summaries(self, task: PartitionTask) -> None:
         windows = []
-        for doc in list(task.pending):
-            summary = json.loads(doc)
-            wdir = self.windows_dir / str(summary["window"])
-            wdir.mkdir(exist_ok=True)
-            atomic_write(wdir / f"summary-{summary['partition']}.json", [doc.encode()])
-            task.pending.remove(doc)
-            task._dirty = True
-            windows.append(summary["window"])
-            self.metrics.summaries.inc()
+        # under the merge lock: a merge may be cleaning up old window directories meanwhile
+        self.merge_lock.acquire(blocking=True)
+        try:
+            self.ledger.reload()
+            for doc in list(task.pending):
+                summary = json.loads(doc)
+                wid = summary["window"]
+                # a summary re-published after a handover or crash may belong to a window that
+                # was merged (and cleaned up) since: nothing left to do for it
+                if not self.ledger.has(f"release-{wid}"):
+                    wdir = self.windows_dir / str(wid)
+                    wdir.mkdir(exist_ok=True)
+                    atomic_write(wdir / f"summary-{summary['partition']}.json", [doc.encode()])
+                    windows.append(wid)
+                    self.metrics.summaries.inc()
+                task.pending.remove(doc)
+                task._dirty = True
+        finally:
+            self.merge_lock.release()
         for wid in windows:
             self._try_merge(wid)
 
