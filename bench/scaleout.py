@@ -165,6 +165,35 @@ def _cpu_seconds(pid: int | None) -> float | None:
         return None
 
 
+def _all_cpu() -> dict[int, tuple[float, str]]:
+    """CPU seconds and command line of every process (to see what else shares the machine)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        cpu = _cpu_seconds(int(d.name))
+        if cpu is None:
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out[int(d.name)] = (cpu, cmd.strip()[:110])
+    return out
+
+
+def _others(before: dict, after: dict, seconds: float, ours: set[int]) -> list[tuple]:
+    """Processes not started by this bench, by CPU (cores) between two ``_all_cpu`` snapshots."""
+    rows = []
+    for pid, (cpu1, cmd) in after.items():
+        if pid in ours or pid not in before or not cmd:
+            continue
+        cores = (cpu1 - before[pid][0]) / max(seconds, 1e-9)
+        if cores >= 0.03:
+            rows.append((round(cores, 2), pid, cmd))
+    return sorted(rows, reverse=True)[:8]
+
+
 def _loadavg() -> tuple[float, float, float]:
     return os.getloadavg()
 
@@ -408,6 +437,7 @@ def run_load(args, tmp: Path) -> dict:
                 "broker": broker.pid, "bench": os.getpid()}
         res["pids"] = pids
         t_start = time.time()
+        cpu_before, cpu_before_t = _all_cpu(), time.monotonic()
         log(f"producing at {rate:,.0f} events/s for {seconds:.0f} s "
             f"({int(rate * seconds):,} events) ...")
 
@@ -466,6 +496,10 @@ def run_load(args, tmp: Path) -> dict:
                     f"{pos:,.0f} releases {len(list(rel.glob('release-*.json')))} "
                     f"load {sample['load1']:.2f}")
             if phase == "produce" and done.value:
+                ours = set(pids.values()) | {os.getpid()}
+                ours |= {c.pid for c in mp.active_children()}
+                res["other_processes"] = _others(cpu_before, _all_cpu(),
+                                                 time.monotonic() - cpu_before_t, ours)
                 phase = "drain"
                 produced_total = produced
                 res["production"] = {"t_first": t_first.value, "t_last": t_last.value,
@@ -984,6 +1018,10 @@ def write_report(results: dict, outdir: Path) -> Path:
             L.append("| CPU while producing (cores; 2.00 = the whole machine) | "
                      + ", ".join(f"{k} {v:.2f}" for k, v in a["cpu"].items())
                      + f"; sum {sum(v for v in a['cpu'].values() if not math.isnan(v)):.2f} |")
+        if res.get("other_processes"):
+            L.append("| other processes on the machine while producing (cores) | "
+                     + "; ".join(f"{c:.2f} `{cmd[:70]}`" for c, _pid, cmd in
+                                 res["other_processes"][:5]) + " |")
         L += ["", "### Lag per partition", "",
               "Committed lag = end offset (broker) - the group's committed offset (broker). The "
               "service commits a partition's offset only after that partition's checkpoint "
