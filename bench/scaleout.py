@@ -183,15 +183,25 @@ def _all_cpu() -> dict[int, tuple[float, str]]:
 
 
 def _others(before: dict, after: dict, seconds: float, ours: set[int]) -> list[tuple]:
-    """Processes not started by this bench, by CPU (cores) between two ``_all_cpu`` snapshots."""
+    """Processes not started by this bench, by CPU (cores) between two ``_all_cpu`` snapshots
+    (a process started in between counts from 0; one that ended in between is not seen)."""
     rows = []
     for pid, (cpu1, cmd) in after.items():
-        if pid in ours or pid not in before or not cmd:
+        if pid in ours or not cmd:
             continue
-        cores = (cpu1 - before[pid][0]) / max(seconds, 1e-9)
+        cores = (cpu1 - before.get(pid, (0.0, ""))[0]) / max(seconds, 1e-9)
         if cores >= 0.03:
             rows.append((round(cores, 2), pid, cmd))
     return sorted(rows, reverse=True)[:8]
+
+
+def _machine_busy() -> float | None:
+    """CPU seconds the whole machine spent busy since boot (all cores; /proc/stat)."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
 
 
 def _loadavg() -> tuple[float, float, float]:
@@ -437,7 +447,7 @@ def run_load(args, tmp: Path) -> dict:
                 "broker": broker.pid, "bench": os.getpid()}
         res["pids"] = pids
         t_start = time.time()
-        cpu_before, cpu_before_t = _all_cpu(), time.monotonic()
+        cpu_before, cpu_before_t, busy_before = _all_cpu(), time.monotonic(), _machine_busy()
         log(f"producing at {rate:,.0f} events/s for {seconds:.0f} s "
             f"({int(rate * seconds):,} events) ...")
 
@@ -498,8 +508,11 @@ def run_load(args, tmp: Path) -> dict:
             if phase == "produce" and done.value:
                 ours = set(pids.values()) | {os.getpid()}
                 ours |= {c.pid for c in mp.active_children()}
-                res["other_processes"] = _others(cpu_before, _all_cpu(),
-                                                 time.monotonic() - cpu_before_t, ours)
+                span = time.monotonic() - cpu_before_t
+                res["other_processes"] = _others(cpu_before, _all_cpu(), span, ours)
+                busy = _machine_busy()
+                if busy is not None and busy_before is not None:
+                    res["machine_busy_cores"] = (busy - busy_before) / span
                 phase = "drain"
                 produced_total = produced
                 res["production"] = {"t_first": t_first.value, "t_last": t_last.value,
@@ -1018,8 +1031,13 @@ def write_report(results: dict, outdir: Path) -> Path:
             L.append("| CPU while producing (cores; 2.00 = the whole machine) | "
                      + ", ".join(f"{k} {v:.2f}" for k, v in a["cpu"].items())
                      + f"; sum {sum(v for v in a['cpu'].values() if not math.isnan(v)):.2f} |")
+        if res.get("machine_busy_cores") is not None:
+            ours = sum(v for v in a["cpu"].values() if not math.isnan(v))
+            L.append(f"| whole machine busy while producing (/proc/stat) | "
+                     f"{res['machine_busy_cores']:.2f} cores, of which this bench's processes "
+                     f"{ours:.2f} and others {res['machine_busy_cores'] - ours:.2f} |")
         if res.get("other_processes"):
-            L.append("| other processes on the machine while producing (cores) | "
+            L.append("| other processes seen using CPU while producing (cores) | "
                      + "; ".join(f"{c:.2f} `{cmd[:70]}`" for c, _pid, cmd in
                                  res["other_processes"][:5]) + " |")
         L += ["", "### Lag per partition", "",
