@@ -735,8 +735,9 @@ def write_report(R, meta, outdir: Path) -> None:
       "for the 3.4 million empty buckets of n = 1e6, eps = 1), with neighbouring r anti-"
       "correlated. The likelihood also uses that every bucket total is >= 0, i.e. that the "
       "negative noisy values can only come from small totals. Run to convergence it is a fixed "
-      "function of the data (no seeds, no stopping lottery) and costs tenths of a second on the "
-      "distinct noisy values.\n")
+      "function of the data (no seeds, no stopping lottery); it works on the distinct noisy "
+      "values only and costs 0.1-1 s at eps >= 1 and up to ~3 s at n = 1e7, eps = 0.5 (where "
+      "the 1000-step cap is reached; 500 and 3000 steps gave the same error).\n")
     w("Tried and not adopted (measured with 2-8 repetitions per cell on the same data as above, "
       "scripts not kept):\n")
     w("* **The early-stopped EM** (`method=\"deconvolution\"`, tol = 1e-5 on the mean "
@@ -849,7 +850,7 @@ def write_report(R, meta, outdir: Path) -> None:
     # ---- buckets
     bk = R["buckets"]
     w("## Choosing B\n")
-    w("Error relative to direct mode against B/n, 1 layer, both estimators (the dashed lines in "
+    w("Error relative to direct mode against B/n, 1 layer, each estimator (the dashed lines in "
       "the plot are `choose_buckets`' defaults):\n")
     ratios_all = sorted({k[0] for c in bk.values() for k in c if isinstance(k, tuple)})
     w("| items | n | D/n | eps | estimator | " + " | ".join(f"B/n={r:.3g}" for r in ratios_all)
@@ -888,11 +889,11 @@ def write_report(R, meta, outdir: Path) -> None:
       "on D/n, which is not known when B is fixed (every distinct item is a potential collider), "
       "and the curves are shallow and noisy at these repetition counts (differences within two "
       "standard errors are common), so the default rule was left as it is: at eps >= 1 it gives "
-      "B = n sqrt(log n) (3-4 n), more than the Zipf rows seem to need. In exploratory runs "
-      "(3-6 repetitions, Zipf items, converged NPMLE) B = 1.5 n gave hashed / direct of about "
-      "1.2-1.5 at n = 1e5 and 1.5-1.9 at n = 1e6 for eps = 1 and 2, against 1.7-2.5 with the "
-      "default B; the mostly-distinct rows above show where fewer buckets can hurt. Changing the "
-      "default would also change the memory and behaviour of deployed hashed states (the service "
+      "B = n sqrt(log n) (3-4 n), more than the Zipf rows seem to need: with the default "
+      "estimator their best B/n is 1-2 in every row, while the mostly-distinct rows do best at "
+      "3-3.4 at eps >= 1, where B = 1.5 n costs 15-20% more. The next section points the same "
+      "way for Zipf items (a B fixed for 10x fewer events did better than the rule's B). "
+      "Changing the default would also change the memory and behaviour of deployed hashed states (the service "
       "sizes B with `choose_buckets`), so it is left as an open item for a run with more "
       "repetitions and item distributions rather than tuned on these.\n")
     # ---- mismatch
@@ -912,10 +913,9 @@ def write_report(R, meta, outdir: Path) -> None:
     w("\nFewer events than expected (n / expected < 1): the surplus buckets stay empty and their "
       "noise is paid in full, so the error is that of a too-large B; at 10x fewer events it "
       "was about twice the error with the right B. More events than expected: more collisions, "
-      "which the inversion undoes; with 3x more events the fixed B (~1.2 n) was as good as or "
-      "better than the rule's larger B (consistent with \"Choosing B\": ~n is enough for this "
-      "data), and at 10x (half of the buckets occupied, B ~ 0.37 n) the error was still within "
-      "the noise of the right B's. The limit is reached when nearly every bucket is occupied "
+      "which the inversion undoes; with 3x more events (fixed B ~ 1.2 n) and 10x more "
+      "(half of the buckets occupied, B ~ 0.37 n) the fixed B did better than the rule's larger "
+      "B in this run (consistent with \"Choosing B\": about n is enough for these Zipf items). The limit is reached when nearly every bucket is occupied "
       "(psi_1 -> B): the power-series inverse becomes ill-conditioned, `hashed_histogram` "
       "falls back to Algorithm 7's clipped binary searches, and with every bucket occupied "
       "nothing can be undone (the inverse refuses psi_1 >= B). So when configuring `expected_n`, "
