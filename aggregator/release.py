@@ -24,7 +24,8 @@ from .estimate import anonymized_histogram
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
-__all__ = ["MODELS", "make_release", "package_release", "write_release", "plot_rank_frequency"]
+__all__ = ["MODELS", "make_release", "package_release", "write_release", "plot_release",
+           "plot_rank_frequency"]
 
 MODELS = ("joint", "state-only")
 STATE_ONLY_CAVEAT = (
@@ -102,14 +103,18 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def plot_rank_frequency(release: dict, path: Path) -> None:
-    """Log-log rank vs count plot of the released histogram (PNG)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Log-log rank vs count plot of the released histogram (PNG).
+
+    Uses matplotlib's object API (no pyplot global state), so it may run off the main thread.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     pairs = release["histogram"]["pairs"]
     counts = np.repeat([r for r, _ in pairs], [c for _, c in pairs]) if pairs else np.zeros(0)
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    fig = Figure(figsize=(6, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     if len(counts):
         ax.loglog(np.arange(1, len(counts) + 1), counts, drawstyle="steps-post")
     ax.set_xlabel("rank")
@@ -120,17 +125,22 @@ def plot_rank_frequency(release: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
 
 
-def write_release(release: dict, outdir: str | os.PathLike) -> Path:
-    """Write ``release-<window>.json`` (atomically) and its PNG plot into ``outdir``."""
+def write_release(release: dict, outdir: str | os.PathLike, *, plot: bool = True) -> Path:
+    """Write ``release-<window>.json`` (atomically) and, unless ``plot=False``, its PNG plot
+    (:func:`plot_release`) into ``outdir``."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    stem = f"release-{release['window']}"
-    path = outdir / f"{stem}.json"
+    path = outdir / f"release-{release['window']}.json"
     _atomic_write(path, json.dumps(release, indent=1, allow_nan=False).encode() + b"\n")
-    plot_rank_frequency(release, outdir / f"{stem}.png")
+    if plot:
+        plot_release(release, outdir)
     return path
 
 
+def plot_release(release: dict, outdir: str | os.PathLike) -> Path:
+    """The PNG rank-frequency plot ``release-<window>.png`` next to the release JSON."""
+    path = Path(outdir) / f"release-{release['window']}.png"
+    plot_rank_frequency(release, path)
+    return path

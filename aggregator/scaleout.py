@@ -58,6 +58,7 @@ import math
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +69,7 @@ from state_store.local import Checkpoint, LocalStore, atomic_write
 from .estimate import NoisyValueCounts, anonymized_histogram, noisy_value_counts
 from .ledger import BudgetExceeded
 from .noise import discrete_laplace
-from .release import STATE_ONLY_CAVEAT, package_release, write_release
+from .release import STATE_ONLY_CAVEAT, package_release, plot_release, write_release
 from .service import Aggregator, ServiceError
 from .state import PanPrivateHistogram
 
@@ -242,6 +243,7 @@ class PartitionedAggregator(Aggregator):
         self.parts_dir.mkdir(exist_ok=True)
         self.windows_dir.mkdir(exist_ok=True)
         self.merge_lock = _FileLock(self.dir / "merge.lock")
+        self._plots = ThreadPoolExecutor(max_workers=1, thread_name_prefix="panagg-plot")
         self._last_scan = 0.0
         self.partitions_total: int | None = None
 
@@ -309,6 +311,7 @@ class PartitionedAggregator(Aggregator):
     def close(self) -> None:
         for task in self.tasks.values():
             task.lock.release()
+        self._plots.shutdown(wait=True)
         super().close()
 
     def _sync_assignment(self) -> None:
@@ -389,6 +392,10 @@ class PartitionedAggregator(Aggregator):
             self._publish_summaries(task)
         del self.tasks[task.key]
         task.lock.release()
+        try:  # the new owner reports this partition's lag from now on
+            self.metrics.lag.remove(task.key)
+        except KeyError:
+            pass
         self.metrics.handovers.labels(event="released").inc()
         log.info("handed over partition %s at offset %d", task.key, task.offsets[task.key])
 
@@ -532,6 +539,8 @@ class PartitionedAggregator(Aggregator):
             self.merge_lock.release()
 
     def _merge_locked(self, wid: int, wdir: Path) -> bool:
+        if not wdir.is_dir():  # merged and cleaned up since the scan listed it
+            return True
         if any((wdir / m).exists() for m in ("published", "refused", "unmergeable")):
             return True
         entry_id = f"release-{wid}"
@@ -568,7 +577,7 @@ class PartitionedAggregator(Aggregator):
         self.ledger.append(entry_id=entry_id, kind="release", window=wid,
                            epsilon_spent=self.epsilon, model=release["model"])
         try:
-            out = write_release(release, self.cfg["release"]["dir"])
+            out = write_release(release, self.cfg["release"]["dir"], plot=False)
             topic = self.cfg["release"]["topic"]
             if topic:
                 producer = self._kafka_producer()
@@ -586,8 +595,17 @@ class PartitionedAggregator(Aggregator):
         self.metrics.budget_spent.set(self.ledger.spent())
         log.info("published merged release of window %s (%d partitions): n=%s -> %s", wid,
                  release["domain"]["partitions"], release["n"], out)
+        # the plot takes a second or more: off the consume loop (it is a convenience; the JSON
+        # is the release)
+        self._plots.submit(self._plot, release)
         self._cleanup(wid)
         return True
+
+    def _plot(self, release: dict) -> None:
+        try:
+            plot_release(release, self.cfg["release"]["dir"])
+        except Exception as exc:
+            log.warning("plot of window %s failed (%s)", release["window"], type(exc).__name__)
 
     def _cleanup(self, newest: int) -> None:
         keep = int(self.cfg["scale"]["keep_windows"])
@@ -595,6 +613,9 @@ class PartitionedAggregator(Aggregator):
             if (wdir.name.isdigit() and int(wdir.name) <= newest - keep
                     and (wdir / "published").exists()):
                 shutil.rmtree(wdir, ignore_errors=True)
+
+    def _reports_lag_of(self, partition: str) -> bool:
+        return partition in self.tasks  # the lag cache may still hold a partition handed over
 
     # -- gauges and control --------------------------------------------------------------------
     def _update_gauges(self) -> None:

@@ -334,7 +334,11 @@ class Aggregator:
         self._last_lag = now
         lag = self.source.lag()
         for part, value in (lag or {}).items():
-            self.metrics.lag.labels(partition=part).set(value)
+            if self._reports_lag_of(part):
+                self.metrics.lag.labels(partition=part).set(value)
+
+    def _reports_lag_of(self, partition: str) -> bool:
+        return True
 
     # -- window close and release ----------------------------------------------------------------
     def close_window(self) -> dict | None:

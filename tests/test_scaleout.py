@@ -323,3 +323,36 @@ def test_inconsistent_window_is_set_aside_not_fatal(cfg_for, tmp_path, caplog):
     assert (wdir / "unmergeable").exists() and not (tmp_path / "rel").exists()
     assert any("cannot be merged" in r.getMessage() for r in caplog.records)
     assert a.metrics.windows_waiting._value.get() == 0
+
+
+def test_merge_scan_survives_a_window_cleaned_up_meanwhile(cfg_for, tmp_path):
+    """A merge (here or in another process) may remove an old published window directory after
+    this scan listed it: the scan goes on (a bench run once died of FileNotFoundError here)."""
+    m = FakeMember(FakeTopic("ev", 1))
+    a = PartitionedAggregator(cfg_for(), m)
+    a.ledger.append(entry_id="release-5", kind="release", window=5, epsilon_spent=1.0,
+                    model="joint")
+    (a.windows_dir / "5").mkdir()
+    listed = list(a.windows_dir.iterdir())
+    import shutil
+    shutil.rmtree(a.windows_dir / "5")
+    for wdir in listed:
+        assert a._try_merge(int(wdir.name)) is True
+    assert not (a.windows_dir / "5").exists()
+
+
+def test_handed_over_partition_stops_reporting_lag(cfg_for):
+    topic = FakeTopic("ev", 2)
+    m = FakeMember(topic)
+    m.lag = lambda: {"ev:0": 3, "ev:1": 4}
+    a = PartitionedAggregator(cfg_for(), m)
+    m.assign({0, 1})
+    a.step(0)
+    a._last_lag = 0.0
+    a._update_lag()
+    m.assign({0})
+    a.step(0)
+    a._last_lag = 0.0
+    a._update_lag()  # the source's cached lag still names ev:1
+    lag = {s.labels["partition"]: s.value for s in a.metrics.lag.collect()[0].samples}
+    assert lag == {"ev:0": 3.0}
