@@ -356,3 +356,41 @@ def test_handed_over_partition_stops_reporting_lag(cfg_for):
     a._update_lag()  # the source's cached lag still names ev:1
     lag = {s.labels["partition"]: s.value for s in a.metrics.lag.collect()[0].samples}
     assert lag == {"ev:0": 3.0}
+
+
+SUMMARY_FIELDS = {"format", "version", "window", "partition", "partitions", "mode", "size",
+                  "epsilon", "neighbor", "p", "layers", "model", "n", "window_info", "values"}
+
+
+def test_nothing_raw_or_seeded_in_the_shared_directory(cfg_for, tmp_path):
+    """Hashed mode, string items: after windows close and merge, no file in the shared directory
+    or the release directory contains an item, and summaries carry exactly their fields (noisy
+    value counts, no seed, no key)."""
+    topic = FakeTopic("ev", 2)
+    names = [f"secret-account-{k:05d}" for k in range(40)]
+    rng = np.random.default_rng(8)
+    for _ in range(60):
+        name = names[int(rng.integers(0, len(names)))]
+        topic.produce(name, hash(name) % 2)
+    members = [FakeMember(topic), FakeMember(topic)]
+    seed = 918273645
+    cfg = cfg_for(window=12, **{"state.mode": "hashed", "state.buckets": 64,
+                                "testing.noise_seed": seed})
+    aggs = [PartitionedAggregator(cfg, m) for m in members]
+    for p, m in enumerate(members):
+        m.assign({p})
+    _drain(*aggs)
+    for a in aggs:
+        a._merge_scan(force=True)
+        a.close()
+    summaries = list((tmp_path / "shared" / "windows").rglob("summary-*.json"))
+    assert summaries and list((tmp_path / "rel").glob("release-*.json"))
+    for path in summaries:
+        assert set(json.loads(path.read_text())) == SUMMARY_FIELDS
+    files = [p for p in (tmp_path / "shared").rglob("*") if p.is_file()]
+    files += [p for p in (tmp_path / "rel").rglob("*") if p.is_file()]
+    for path in files:
+        data = path.read_bytes()
+        assert not any(name.encode() in data for name in names), path
+        if path.name != "config.json":  # the effective config names the test seed, nothing else
+            assert str(seed).encode() not in data and seed.to_bytes(8, "little") not in data, path
