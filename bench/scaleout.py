@@ -26,6 +26,9 @@ results); the raw samples go to out/scaleout_results.json. Progress lines go to 
    partitioner. Every ~2 s the bench samples the end offsets (broker), the group's committed
    offsets (broker), and each process's /metrics (events counted, consumer lag, partitions
    owned, releases, release latency), plus CPU seconds of every process from /proc.
+   ``scale.keep_windows`` is ``--keep-windows`` (default 3, the service default), so merges clean
+   up old window directories of the shared state during the run; the bench records how many are
+   left at the end.
    After production stops it waits until the group's committed offsets reach the end offsets
    and the processes' ``panagg_events_total`` add up to the records on the broker, then until the
    window open at that moment is released, and checks that the released windows' ``n`` add up
@@ -77,13 +80,12 @@ MAX_MINUTES = 30
 MAX_PROCESSES = 8
 MAX_PARTITIONS = 24
 SAMPLE_S = 2.0
-# scale.keep_windows for the aggregators. The service default (3) lets a merge clean up old
-# window directories while a scan (of the same or another process) still holds them in its
-# listing; the scan then writes a "published" marker into the removed directory and the process
-# exits with FileNotFoundError (aggregator/scaleout.py, _merge_scan / _merge_locked "released long
-# ago" branch; seen in this bench's first default run). Keeping every window avoids it;
-# --keep-windows 3 measures the service default.
-KEEP_WINDOWS = 100_000
+# scale.keep_windows for the aggregators: the service default, so that window directories are
+# cleaned up during the run (after releasing window w, a merge removes the published windows
+# <= w - keep_windows) while the other processes' merge scans run. (Before commit 6d8b628 a scan
+# that reached a directory removed after it listed it stopped the process; the bench then
+# defaulted to 100,000.)
+KEEP_WINDOWS = 3
 T0 = time.perf_counter()
 
 
@@ -557,8 +559,8 @@ def run_load(args, tmp: Path) -> dict:
         res["produced"] = produced_total
         res["final_window"] = final_window
         res["t_start"] = t_start
-        # the merging process observes the release metrics after the release file (and its PNG
-        # plot) are written: give it a moment before the last scrape
+        # the merging process observes the release metrics after the release file is written
+        # and the window marked published: give it a moment before the last scrape
         deadline = time.monotonic() + 30
         while True:
             res["final_metrics"] = {n: scrape(p) for n, p in ports.items()}
@@ -582,6 +584,11 @@ def run_load(args, tmp: Path) -> dict:
         res["releases"] = read_releases(rel)
         res["ledger_entries"] = (len((state / "ledger.jsonl").read_text().splitlines())
                                  if (state / "ledger.jsonl").exists() else 0)
+        # window directories left in the shared state (scale.keep_windows cleans up the others)
+        wins = state / "windows"
+        res["window_dirs_left"] = (sorted(int(d.name) for d in wins.iterdir()
+                                          if d.is_dir() and d.name.isdigit())
+                                   if wins.is_dir() else [])
         res["log_stats"] = {}
         for name, path in logs.items():
             text = path.read_text()
@@ -660,8 +667,10 @@ def analyze_load(res: dict) -> dict:
     pr = pr[np.isfinite(pr)]
     out["prod_rate_p5_p95"] = ((float(np.percentile(pr, 5)), float(np.percentile(pr, 95)))
                                if len(pr) else (float("nan"), float("nan")))
-    # lag per partition: committed (broker) and position (the owners' gauges; max over processes,
-    # see the notes: gauges of partitions a process handed over are left behind)
+    # lag per partition: committed (broker) and position (the owner's gauge). Max over processes:
+    # before commit 6d8b628 a process kept reporting the last lag of a partition it had handed
+    # over; now it removes that gauge, so only the owner reports a partition (two owners at most
+    # for the moment of a handover, both with a fresh value) and the max is just the owner's.
     tl, comm, pos = [], [], []
     for s in S:
         tl.append(s["t"])
@@ -889,7 +898,7 @@ def plot_latency(a: dict, res: dict, path: Path) -> None:
         ax.bar(x, [r["lat_closed"] for r in rels], 0.27,
                label="last partition's close -> release JSON")
         ax.bar(x + 0.27, [r["lat_png"] for r in rels], 0.27,
-               label="last partition's close -> release PNG (then published)")
+               label="last partition's close -> release PNG (worker thread, after publishing)")
         ax.set_xticks(x, [f"w{i}\nn={r['n']:,}" for i, r in enumerate(rels)], fontsize=7)
     ax.set_ylabel("seconds")
     ax.set_title(f"release latency per {res['window_s']} s window (w0 = first window)",
@@ -977,9 +986,13 @@ def write_report(results: dict, outdir: Path) -> Path:
               f"partitions ({', '.join(f'{k}: {int(v)}' for k, v in res.get('owned_at_start', {}).items())}). "
               f"Samples every {SAMPLE_S:.0f} s.", "",
               f"`scale.keep_windows={res.get('keep_windows')}`"
-              + (" (instead of the service default 3: with 3, a window-directory cleanup races "
-                 "with merge scans and can stop a process; see the notes)"
-                 if res.get("keep_windows", 3) != 3 else " (the service default)") + ".", ""]
+              + (" (the service default: after releasing window w, the merging process removes "
+                 "the published window directories <= w - 3 from the shared state, so cleanup "
+                 "runs during the load test)" if res.get("keep_windows", 3) == 3
+                 else " (not the service default 3)")
+              + (f"; window directories left in the state at the end: "
+                 f"{len(res['window_dirs_left'])} of {len(res.get('releases', []))} released "
+                 f"windows" if res.get("window_dirs_left") is not None else "") + ".", ""]
         if res.get("failure"):
             f = res["failure"]
             L += [f"**RUN FAILED: aggregator {f['member']} exited with status {f['rc']} at "
@@ -1017,8 +1030,9 @@ def write_report(results: dict, outdir: Path) -> Path:
                      f"{np.median(latc):.2f} / {max(latc):.2f} s |")
             latp = [r["lat_png"] for r in a["releases"] if not math.isnan(r["lat_png"])]
             if latp:
-                L.append(f"| release latency, last partition's close -> PNG plot written "
-                         f"(median / max) | {np.median(latp):.2f} / {max(latp):.2f} s |")
+                L.append(f"| release PNG plot written (worker thread, after publishing), "
+                         f"last partition's close -> PNG (median / max) | "
+                         f"{np.median(latp):.2f} / {max(latp):.2f} s |")
         s, c = a["lat_metric"]
         if c:
             L.append(f"| `panagg_release_latency_seconds` (sum / count over processes) | "
@@ -1071,12 +1085,14 @@ def write_report(results: dict, outdir: Path) -> Path:
               "`panagg_release_latency_seconds` measures) to the release file's mtime. Windows "
               "are processing-time windows: a partition closes window w when its owner's loop "
               "sees the clock pass the boundary, so events still in the lag at that moment "
-              "count in window w + 1. The first window started before production (partial), "
-              "the last ones after it.", "",
-              "The service writes the release JSON, then renders its PNG plot, then marks the "
-              "window published (and sends it to `release.topic` when one is set) and observes "
-              "`panagg_release_latency_seconds`; the last column is the PNG's mtime, i.e. about "
-              "what the metric sees.", "",
+              "count in window w + 1. Windows that started before production are partial (or "
+              "empty, n = 0, and released all the same), the last ones after it.", "",
+              "The merging process writes the release JSON, sends it to `release.topic` (when "
+              "one is set; not here), writes the window's `published` marker and observes "
+              "`panagg_release_latency_seconds` (now - last close), and only then hands the PNG "
+              "plot to a worker thread (since commit 6d8b628; before, the plot was rendered "
+              "in the consume loop before publishing). So the metric sees about the JSON "
+              "column; the last column is the PNG's mtime, off the release path.", "",
               "| window | n | events (sum of partitions) | nominal end -> JSON s | last close "
               "-> JSON s | merge s | last close -> PNG s |", "|---|---|---|---|---|---|---|"]
         for i, r in enumerate(a["releases"]):
@@ -1186,9 +1202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=30, help="time window, seconds")
     ap.add_argument("--mode", choices=("direct", "hashed"), default="direct")
     ap.add_argument("--keep-windows", type=int, default=KEEP_WINDOWS,
-                    help=f"scale.keep_windows of the aggregators (default {KEEP_WINDOWS}: no "
-                         "window directory is cleaned up during the run, which avoids the "
-                         "cleanup race described in the module docstring; 3 = service default)")
+                    help=f"scale.keep_windows of the aggregators (default {KEEP_WINDOWS}, the "
+                         "service default: merges clean up old window directories during the "
+                         "run; a large value keeps them all)")
     ap.add_argument("--reps", type=int, default=None,
                     help="accuracy repetitions (default 5, or 2 with --quick)")
     ap.add_argument("--acc-n", type=int, default=1_000_000, help=argparse.SUPPRESS)
