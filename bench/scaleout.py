@@ -7,6 +7,8 @@ Run from the repository root::
     .venv/bin/python -m bench.scaleout --quick            # 1 min, small sweep, writes under out/
     .venv/bin/python -m bench.scaleout --rate 20000 --minutes 3 --processes 3 --partitions 6
     .venv/bin/python -m bench.scaleout --skip-load        # accuracy part only (no Kafka)
+    .venv/bin/python -m bench.scaleout --load-from out/scaleout_results.json
+                                        # new accuracy part, load test reused from a saved run
     .venv/bin/python -m bench.scaleout --replot out/scaleout_results.json   # report only
 
 Writes docs/scaleout_load.md and docs/img/scaleout_{lag,throughput,latency,accuracy}.png (with
@@ -748,10 +750,25 @@ def _hist_of(release: dict) -> np.ndarray:
     return np.repeat([r for r, _ in pairs], [c for _, c in pairs]).astype(np.int64)
 
 
+def _merge_without_removal(summaries: list[dict]) -> dict:
+    """``merge_summaries`` as before commit 05fa407: direct mode without removing the expected
+    noise value counts of the (P - 1) * D counters a keyed topic leaves empty (the bench's
+    before/after column; the merge is deterministic, so this is a paired comparison on the same
+    summaries)."""
+    import aggregator.scaleout as so
+    keep = so.remove_empty_counters
+    so.remove_empty_counters = lambda vc, empty, p, layers: vc
+    try:
+        return so.merge_summaries(summaries)
+    finally:
+        so.remove_empty_counters = keep
+
+
 def _release(mode: str, model: str, parts: list[np.ndarray], pieces: list[np.ndarray],
-             eps: float, B: int, rng) -> tuple[dict, float]:
+             eps: float, B: int, rng) -> tuple[dict, float, dict | None]:
     """Merged release of P partition states; ``parts[p]`` are the items (indices) of partition p
-    and ``pieces[p]`` their event counts there. Returns the release and the seconds it took."""
+    and ``pieces[p]`` their event counts there. Returns the release, the seconds it took, and in
+    direct mode with P > 1 the release merged without the empty-counter removal (else None)."""
     from aggregator.scaleout import merge_summaries, partition_summary
     from aggregator.state import PanPrivateHistogram
     P = len(parts)
@@ -770,7 +787,9 @@ def _release(mode: str, model: str, parts: list[np.ndarray], pieces: list[np.nda
                                            window_info=dict(info, events=int(pieces[p].sum())),
                                            rng=rng))
     rel = merge_summaries(summaries)
-    return rel, time.perf_counter() - t0
+    sec = time.perf_counter() - t0
+    before = _merge_without_removal(summaries) if mode == "direct" and P > 1 else None
+    return rel, sec, before
 
 
 def run_accuracy(args) -> dict:
@@ -797,13 +816,17 @@ def run_accuracy(args) -> dict:
                     pieces = [h[ix] for ix in parts]
                     rng = np.random.default_rng([SEED, rep, P, mode == "hashed",
                                                  model == "joint"])
-                    rel, sec = _release(mode, model, parts, pieces, eps, B, rng)
+                    rel, sec, rel0 = _release(mode, model, parts, pieces, eps, B, rng)
                     c = cells.setdefault(f"{mode}|{model}|keyed|{P}",
                                          {"mode": mode, "model": model, "topic": "keyed",
-                                          "P": P, "l1": [], "sec": [], "counters": None})
+                                          "P": P, "l1": [], "sec": [], "counters": None,
+                                          "l1_no_removal": [], "empty_removed": None})
                     c["l1"].append(int(l1_distance(true, _hist_of(rel))))
+                    if rel0 is not None:
+                        c["l1_no_removal"].append(int(l1_distance(true, _hist_of(rel0))))
                     c["sec"].append(sec)
                     c["counters"] = rel["domain"]["counters"]
+                    c["empty_removed"] = rel["domain"].get("empty_counters_removed")
                 # unkeyed: the events in random order, round-robin over P_UNKEYED partitions
                 Pu = 6
                 events = rng_data.permutation(np.repeat(np.arange(D), h))
@@ -813,14 +836,23 @@ def run_accuracy(args) -> dict:
                 piece_hist = np.sort(split[split > 0])[::-1]
                 rng = np.random.default_rng([SEED, rep, 100 + Pu, mode == "hashed",
                                              model == "joint"])
-                rel, sec = _release(mode, model, parts, pieces, eps, B, rng)
+                rel, sec, rel0 = _release(mode, model, parts, pieces, eps, B, rng)
                 c = cells.setdefault(f"{mode}|{model}|unkeyed|{Pu}",
                                      {"mode": mode, "model": model, "topic": "unkeyed",
                                       "P": Pu, "l1": [], "sec": [], "l1_pieces": [],
-                                      "counters": None, "distinct": [], "pieces": []})
+                                      "counters": None, "distinct": [], "pieces": [],
+                                      "l1_no_removal": [], "l1_pieces_no_removal": [],
+                                      "empty_removed": None, "empty_true": []})
                 est = _hist_of(rel)
                 c["l1"].append(int(l1_distance(true, est)))
                 c["l1_pieces"].append(int(l1_distance(piece_hist, est)))
+                if rel0 is not None:
+                    est0 = _hist_of(rel0)
+                    c["l1_no_removal"].append(int(l1_distance(true, est0)))
+                    c["l1_pieces_no_removal"].append(int(l1_distance(piece_hist, est0)))
+                c["empty_removed"] = rel["domain"].get("empty_counters_removed")
+                # counters that really hold no event: direct mode P * D minus the pieces
+                c["empty_true"].append(Pu * D - len(piece_hist) if mode == "direct" else None)
                 c["distinct"].append(len(true))
                 c["pieces"].append(len(piece_hist))
                 c["sec"].append(sec)
@@ -913,7 +945,7 @@ def plot_latency(a: dict, res: dict, path: Path) -> None:
 
 def plot_accuracy(acc: dict, path: Path) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(11.5, 4.8))
     styles = {("direct", "joint"): ("C0", "-o"), ("direct", "state-only"): ("C0", "--s"),
               ("hashed", "joint"): ("C1", "-o"), ("hashed", "state-only"): ("C1", "--s")}
     for (mode, model), (color, st) in styles.items():
@@ -924,6 +956,15 @@ def plot_accuracy(acc: dict, path: Path) -> None:
         ax.errorbar([c["P"] for c in cs], [m for m, _ in ms],
                     yerr=[0 if math.isnan(s) else s for _, s in ms], fmt=st, color=color,
                     capsize=3, label=f"{mode}, {model} (keyed topic)")
+        old = [c for c in cs if c.get("l1_no_removal")]
+        if old:
+            base = [c for c in cs if c["P"] == 1]
+            xs = [c["P"] for c in base + old]
+            ys = [mean_se(c["l1"])[0] for c in base] + [mean_se(c["l1_no_removal"])[0]
+                                                        for c in old]
+            ax.plot(xs, ys, ":", marker="o" if model == "joint" else "s", mfc="none",
+                    color=color, alpha=0.5,
+                    label=f"{mode}, {model}: without the empty-counter removal (before 05fa407)")
         u = [c for c in acc["cells"].values()
              if c["mode"] == mode and c["model"] == model and c["topic"] == "unkeyed"]
         if u:
@@ -938,7 +979,7 @@ def plot_accuracy(acc: dict, path: Path) -> None:
     ax.set_title(f"n = {acc['n']:.0e} Zipf(1.1) over D = {acc['D']:.0e}, eps = {acc['eps']:g}; "
                  f"mean ± se of {acc['reps']} repetitions", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -964,9 +1005,18 @@ def write_report(results: dict, outdir: Path) -> Path:
          f"{meta['load_end']}"
          + (f"; mean of the 1-min load average over the load test's samples: "
             f"{meta['load_mean']:.2f}" if meta.get("load_mean") is not None else "") + "  ",
-         f"Total run time: {meta['elapsed'] / 60:.1f} min.", "",
-         "Generated by `bench/scaleout.py` (its docstring describes the method in full). "
-         "Re-render from the saved samples with `--replot out/scaleout_results.json`.", ""]
+         f"Total run time: {meta['elapsed'] / 60:.1f} min.", ""]
+    am = results.get("accuracy_meta")
+    if am is not None:
+        L[-2] = (f"Total run time: {meta['elapsed'] / 60:.1f} min (that run's accuracy part is "
+                 "replaced by the re-run below).  ")
+        L += [f"Part 2 (accuracy) re-run on its own, reusing part 1 from the saved results: "
+              f"command `{am['cmd']}`; date {am['date']}; commit {am['rev']}; {am['cpu']}, "
+              f"{am['cores']} cores; {am['versions']}; load average at the start "
+              f"{am['load_start']}, at the end {am['load_end']}; "
+              f"{am['elapsed'] / 60:.1f} min. The lines above are the load test's run.", ""]
+    L += ["Generated by `bench/scaleout.py` (its docstring describes the method in full). "
+          "Re-render from the saved samples with `--replot out/scaleout_results.json`.", ""]
     if res is not None:
         a = analyze_load(res)
         eo = a["exactly_once"]
@@ -1129,10 +1179,21 @@ def _accuracy_section(acc: dict, rel_img: str) -> list[str]:
          "`partition_summary` adds the release layer in the joint model; `merge_summaries` "
          f"gives the release. Hashed mode: B = choose_buckets(n, eps) = {acc['B']:,} in total, "
          "ceil(B / P) per partition. Direct mode: D counters per partition, so P x D in the "
-         "release. Ratio = error at P / error at P = 1 (delta-method se).", "",
-         "| mode | model | P | counters in the release | l1 error | ratio to P = 1 | "
-         "merge s (mean) |", "|---|---|---|---|---|---|---|"]
+         "release; with P > 1 the merge subtracts the expected noise value counts of the "
+         "(P - 1) x D counters a keyed topic leaves empty before estimating "
+         "(`remove_empty_counters`, since commit 05fa407; the release's "
+         "`domain.empty_counters_removed`). The column \"without the removal\" merges the same "
+         "summaries as before that commit (the merge is deterministic, so the two columns are "
+         "paired: same data, same noise). Ratio = error at P / error at P = 1 (delta-method "
+         "se).", "",
+         "| mode | model | P | counters in the release | empty counters removed | l1 error | "
+         "ratio to P = 1 | l1 without the removal (before 05fa407) | ratio to P = 1 without "
+         "the removal | merge s (mean) |", "|---|---|---|---|---|---|---|---|---|---|"]
     cells = acc["cells"]
+
+    def _dash(v):
+        return "-" if v is None else f"{v:,}"
+
     for mode in ("direct", "hashed"):
         for model in ("joint", "state-only"):
             base = cells.get(f"{mode}|{model}|keyed|1")
@@ -1140,15 +1201,27 @@ def _accuracy_section(acc: dict, rel_img: str) -> list[str]:
                 c = cells[f"{mode}|{model}|keyed|{P}"]
                 m, se = mean_se(c["l1"])
                 r, rse = ratio_se(c["l1"], base["l1"]) if base else (float("nan"),) * 2
-                L.append(f"| {mode} | {model} | {P} | {c['counters']:,} | {fmt(m, se)} | "
-                         f"{fmt(r, rse)} | {np.mean(c['sec']):.2f} |")
+                old, old_r = "-", "-"
+                if c.get("l1_no_removal"):
+                    old = fmt(*mean_se(c["l1_no_removal"]))
+                    if base:
+                        old_r = fmt(*ratio_se(c["l1_no_removal"], base["l1"]))
+                L.append(f"| {mode} | {model} | {P} | {c['counters']:,} | "
+                         f"{_dash(c.get('empty_removed'))} | {fmt(m, se)} | {fmt(r, rse)} | "
+                         f"{old} | {old_r} | {np.mean(c['sec']):.2f} |")
     L += ["", "Unkeyed topic (records without the item as key; the events, in random order, go "
           "round-robin to P = 6 partitions, so each item with c events becomes up to 6 pieces "
           "of about c / 6). The release then estimates the histogram of the pieces; error "
-          "against the true item histogram, and against the pieces' histogram (which the "
-          "estimator does recover):", "",
-          "| mode | model | P | distinct items / pieces (mean) | l1 vs items | ratio to the "
-          "keyed topic at the same P | l1 vs pieces |", "|---|---|---|---|---|---|---|"]
+          "against the true item histogram, and against the pieces' histogram (what the "
+          "release actually estimates):", "",
+          "The direct-mode merge cannot tell an unkeyed topic from a keyed one: it removes "
+          "(P - 1) x D empty counters all the same, while P x D minus the pieces are really "
+          "empty: too many removed whenever the pieces outnumber D (column \"empty counters: "
+          "removed / really empty\").", "",
+          "| mode | model | P | distinct items / pieces (mean) | empty counters: removed / "
+          "really empty (mean) | l1 vs items | ratio to the keyed topic at the same P | "
+          "l1 vs pieces | without the removal: l1 vs items / vs pieces |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for c in cells.values():
         if c["topic"] != "unkeyed":
             continue
@@ -1156,8 +1229,16 @@ def _accuracy_section(acc: dict, rel_img: str) -> list[str]:
         m, se = mean_se(c["l1"])
         r, rse = ratio_se(c["l1"], keyed["l1"]) if keyed else (float("nan"),) * 2
         mp_, sp = mean_se(c["l1_pieces"])
+        et = [e for e in c.get("empty_true", []) if e is not None]
+        empty = (f"{_dash(c.get('empty_removed'))} / {np.mean(et):,.0f}" if et
+                 else _dash(c.get("empty_removed")))
+        old = "-"
+        if c.get("l1_no_removal"):
+            old = (f"{fmt(*mean_se(c['l1_no_removal']))} / "
+                   f"{fmt(*mean_se(c['l1_pieces_no_removal']))}")
         L.append(f"| {c['mode']} | {c['model']} | {c['P']} | {np.mean(c['distinct']):,.0f} / "
-                 f"{np.mean(c['pieces']):,.0f} | {fmt(m, se)} | {fmt(r, rse)} | {fmt(mp_, sp)} |")
+                 f"{np.mean(c['pieces']):,.0f} | {empty} | {fmt(m, se)} | {fmt(r, rse)} | "
+                 f"{fmt(mp_, sp)} | {old} |")
     L += ["", f"![accuracy vs P]({rel_img}/scaleout_accuracy.png)", "",
           f"Accuracy part: {acc['elapsed']:.0f} s.", ""]
     return L
@@ -1210,8 +1291,15 @@ def main(argv=None) -> int:
     ap.add_argument("--acc-n", type=int, default=1_000_000, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true",
                     help="1 min load test, accuracy at P in {1, 6}, 2 reps; writes under out/")
-    ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--skip-load", action="store_true",
+                    help="no load test (the results JSON and the report then have no part 1; "
+                         "to keep a saved one, use --load-from)")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--load-from", metavar="RESULTS_JSON", default=None,
+                    help="no load test: reuse part 1 (its samples and its run's header: "
+                         "command, date, commit, machine, load averages) from a saved results "
+                         "JSON, run part 2 now, and write the report and the results JSON with "
+                         "both (the header says which run each part comes from)")
     ap.add_argument("--outdir", default=None, help="default docs/ (out/ with --quick)")
     ap.add_argument("--replot", metavar="RESULTS_JSON", default=None)
     args = ap.parse_args(argv)
@@ -1241,6 +1329,12 @@ def main(argv=None) -> int:
         path = write_report(results, outdir)
         print(f"wrote {path}", flush=True)
         return 0
+    saved = None
+    if args.load_from:
+        saved = json.loads(Path(args.load_from).read_text())
+        if "load" not in saved:
+            ap.error(f"--load-from: {args.load_from} has no load test results")
+        args.skip_load = True
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     cmd = " ".join([".venv/bin/python -m bench.scaleout", *(argv if argv is not None
@@ -1252,6 +1346,9 @@ def main(argv=None) -> int:
             "java": _java_version(),
             "load_start": " / ".join(f"{x:.2f}" for x in _loadavg())}
     results: dict = {"meta": meta}
+    if saved is not None:
+        # part 1 and the header from the saved run; this run's metadata goes with part 2
+        results = {"meta": saved["meta"], "load": saved["load"], "accuracy_meta": meta}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="panagg-scaleout-") as t:
         if not args.skip_load:
@@ -1264,7 +1361,7 @@ def main(argv=None) -> int:
         results["accuracy"] = run_accuracy(args)
     meta["elapsed"] = time.perf_counter() - t0
     meta["load_end"] = " / ".join(f"{x:.2f}" for x in _loadavg())
-    if "load" in results:
+    if "load" in results and saved is None:
         S = results["load"]["samples"]
         meta["load_mean"] = float(np.mean([s["load1"] for s in S])) if S else None
     raw.parent.mkdir(parents=True, exist_ok=True)
