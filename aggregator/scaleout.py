@@ -169,7 +169,15 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1") -> dict:
         "ended_unix": max(i["ended_unix"] for i in infos),
         "per_partition": "count windows close per partition" if infos[0]["kind"] == "count"
         else "time windows aligned to the epoch",
+        "key_checks": int(sum(i.get("key_checks", 0) for i in infos)),
+        "key_mismatches": int(sum(i.get("key_mismatches", 0) for i in infos)),
     }
+    if release["window_info"]["key_mismatches"]:
+        release["warning"] = (
+            f"{release['window_info']['key_mismatches']} of {release['window_info']['key_checks']} "
+            "sampled records were not keyed by their item: items that reached several partitions "
+            "are counted as separate pieces, and the histogram is shifted to small counts "
+            "(docs/scale-out.md)")
     release["release_seconds"] = time.perf_counter() - started
     if first["model"] == "state-only":
         release["caveat"] = STATE_ONLY_CAVEAT
@@ -470,6 +478,9 @@ class PartitionedAggregator(Aggregator):
             checked += 1
             bad += seg.keys[rec] != item_key_bytes(items[j])
         self.metrics.key_checks.inc(checked)
+        # also in the window, so the merged release says whether its topic looked keyed
+        task.window["key_checks"] = task.window.get("key_checks", 0) + checked
+        task.window["key_mismatches"] = task.window.get("key_mismatches", 0) + int(bad)
         if bad:
             self.metrics.unkeyed.labels(partition=task.key).inc(bad)
             if task._unkeyed_warned != task.window["id"]:
@@ -494,6 +505,8 @@ class PartitionedAggregator(Aggregator):
             nxt = max(nxt, int(closing["ended_unix"] // closing["size"]))
         partitions = self.source.partition_count() or self.partitions_total
         info = {k: closing[k] for k in ("kind", "size", "events", "started_unix", "ended_unix")}
+        info.update(key_checks=closing.get("key_checks", 0),
+                    key_mismatches=closing.get("key_mismatches", 0))
         docs = [partition_summary(task.state, model=self.model, window=wid, partition=task.index,
                                   partitions=partitions, window_info=info,
                                   rng=self._rng(1, task.index, wid))]

@@ -306,6 +306,11 @@ def test_unkeyed_records_are_counted_and_warned_without_payload(cfg_for, caplog,
     warned = [r.getMessage() for r in caplog.records if "not keyed" in r.getMessage()]
     assert len(warned) == 1 and "ev:0" in warned[0]
     assert not any(str(40 + k) in warned[0] for k in range(7))
+    # the release of a window that saw unkeyed records says so
+    a._close_task_window(a.tasks["ev:0"])
+    a._merge_scan(force=True)
+    doc = json.loads((tmp_path / "rel" / "release-0.json").read_text())
+    assert doc["window_info"]["key_mismatches"] > 0 and "not keyed" in doc["warning"]
     # keyed records: no mismatch
     topic2 = FakeTopic("ok", 1)
     for i in range(30):

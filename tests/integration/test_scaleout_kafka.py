@@ -162,6 +162,7 @@ def test_three_processes_six_partitions_kill_twice_exactly_once(kafka_broker, tm
     docs = {w: json.loads((rel / f"release-{w}.json").read_text()) for w in range(complete)}
     for w, doc in docs.items():
         assert doc["n"] == PARTS * WIN and doc["domain"]["partitions"] == PARTS
+        assert doc["window_info"]["key_mismatches"] == 0 and "warning" not in doc
         assert same_release(doc, offline_release(per_part, w)), f"window {w}"
 
     # the same data and noise through one process: the same releases
