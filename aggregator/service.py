@@ -48,7 +48,8 @@ class ServiceError(RuntimeError):
 
 
 def choose_buckets_for(cfg: dict) -> int:
-    """Number of hash buckets for hashed mode: configured, or from expected_n (Corollary 13)."""
+    """Number of hash buckets for hashed mode: configured, or from expected_n by the default rule
+    of :func:`aggregator.largedomain.choose_buckets` (docs/large_domains.md, "Choosing B")."""
     if cfg["state"]["buckets"]:
         return int(cfg["state"]["buckets"])
     from .largedomain import choose_buckets
