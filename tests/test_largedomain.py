@@ -325,20 +325,38 @@ def test_choose_buckets_values():
         ld.choose_buckets(n, 0.5, rule="corollary13", min_ratio=1)
     assert ld.choose_buckets(n, 2.0, rule="footnote7", min_ratio=1) > \
         ld.choose_buckets(n, 2.0, rule="corollary13", min_ratio=1)
-    # the default: footnote 7 between 1.5 n and Corollary 13
+    # "capped" (the previous default): footnote 7 between 1.5 n and Corollary 13
     for eps in (0.1, 0.5, 1.0, 2.0, 8.0):
-        B = ld.choose_buckets(n, eps)
+        B = ld.choose_buckets(n, eps, rule="capped")
         assert 1.5 * n <= B <= ld.choose_buckets(n, eps, rule="corollary13")
         assert B == max(ld.choose_buckets(n, eps, rule="footnote7"), 1.5 * n) or \
             B == ld.choose_buckets(n, eps, rule="corollary13")
-    assert ld.choose_buckets(n, 0.5) == ld.choose_buckets(n, 0.5, rule="footnote7")
+    assert ld.choose_buckets(n, 0.5, rule="capped") == \
+        ld.choose_buckets(n, 0.5, rule="footnote7")
     # the clamp to B >= min_ratio * n
     assert ld.choose_buckets(1000, 0.1, rule="footnote7", min_ratio=2) == 2000
     assert ld.choose_buckets(1, 1.0) >= 16
-    # monotone in n for every rule
+    # monotone in n for every rule and eps
     for rule in ld.BUCKET_RULES:
-        vals = [ld.choose_buckets(m, 1.0, rule=rule) for m in (10, 10**3, 10**5, 10**7)]
-        assert vals == sorted(vals)
+        for eps in (0.5, 1.0, 2.0):
+            vals = [ld.choose_buckets(m, eps, rule=rule) for m in (10, 10**3, 10**5, 10**7)]
+            assert vals == sorted(vals)
+
+
+def test_choose_buckets_default_flat():
+    # the default is the measured "flat" rule: B = 2 n for every n and eps (docs/large_domains.md,
+    # "Choosing B"); the service sizes hashed states with it
+    assert ld.DEFAULT_BUCKET_RULE == "flat"
+    assert ld.DEFAULT_BUCKET_RULE in ld.BUCKET_RULES and "capped" in ld.BUCKET_RULES
+    assert ld.FLAT_RATIO == 2.0
+    for n in (10**3, 10**4, 10**6, 10**7, 12345):
+        for eps in (0.1, 0.5, 1.0, 2.0, 8.0):
+            B = ld.choose_buckets(n, eps)
+            assert B == ld.choose_buckets(n, eps, rule="flat") == math.ceil(2.0 * n)
+            # between Theorem 12's regime (B ~ n) and Corollary 13's n sqrt(log n)
+            assert n <= B <= ld.choose_buckets(n, eps, rule="corollary13")
+    assert ld.choose_buckets(10**6, 1.0, min_ratio=3) == 3 * 10**6
+    assert ld.choose_buckets(1, 1.0) == 16
 
 
 @pytest.mark.parametrize("kwargs", [dict(n_expected=0, epsilon=1.0),
