@@ -218,6 +218,50 @@ def _control(cfg: dict, kind: str, timeout_s: float = 120.0) -> dict:
                      f"{timeout_s:.0f} s; is it stuck? see its log")
 
 
+def _export_partitioned(cfg: dict, timeout_s: float = 120.0) -> list[str]:
+    """Ask every running member of a partitioned group to export the partitions it owns."""
+    import uuid
+    from pathlib import Path
+
+    from .scaleout import partitions_held
+
+    state_dir = Path(cfg["checkpoint"]["dir"])
+    wanted = partitions_held(state_dir)
+    if not wanted:
+        raise UsageError(f"no partitioned aggregator holds a partition in {state_dir}; exports "
+                         "are taken by the running members (start them first)")
+    control = state_dir / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    stem = f"export-{uuid.uuid4().hex[:12]}"
+    req = control / f"{stem}.req"
+    req.write_text("")
+    paths: dict[str, str] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            for done in control.glob(f"{stem}.*.done"):
+                result = json.loads(done.read_text())
+                if result.get("ok"):
+                    paths.update(result["partitions"])
+                elif result.get("error") not in errors:
+                    errors.append(result.get("error", "export failed"))
+            if errors:
+                raise UsageError(errors[0])
+            got = {k.rpartition(":")[0] + "-" + k.rpartition(":")[2] for k in paths}
+            if wanted <= got:
+                return [paths[k] for k in sorted(paths)]
+            time.sleep(0.2)
+        missing = sorted(wanted - {k.rpartition(":")[0] + "-" + k.rpartition(":")[2]
+                                   for k in paths})
+        raise UsageError(f"no export of partition(s) {', '.join(missing)} within "
+                         f"{timeout_s:.0f} s; are their members stuck? see their logs")
+    finally:
+        req.unlink(missing_ok=True)
+        for done in control.glob(f"{stem}.*.done"):
+            done.unlink(missing_ok=True)
+
+
 def _offline(cfg: dict):
     """An Aggregator over the checkpoint with no source (the service is not running)."""
     from consumers.base import Source
@@ -267,13 +311,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
         from .service import service_running
         cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                     state_dir=args.state_dir)
-        if cfg["scale"]["partitioned"]:
-            raise UsageError("scale.partitioned: audit exports are not available yet; export from "
-                             "a one-process deployment (docs/scale-out.md)")
         try:
             load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
         except AuditKeyError as exc:
             raise UsageError(str(exc)) from None
+        if cfg["scale"]["partitioned"]:
+            for path in _export_partitioned(cfg):
+                print(path)
+            return 0
         if service_running(cfg["checkpoint"]["dir"]):
             result = _control(cfg, "export")
             if not result.get("ok"):

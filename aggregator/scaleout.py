@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from consumers.base import Segment
+from state_store.audit import load_key
 from state_store.local import Checkpoint, LocalStore, atomic_write
 
 from .estimate import NoisyValueCounts, anonymized_histogram, noise_pmf, noisy_value_counts
@@ -240,6 +241,18 @@ class _FileLock:
             self.f = None
 
 
+def partitions_held(checkpoint_dir) -> set[str]:
+    """Partition directories (``<topic>-<p>``) whose lock a running member holds right now."""
+    held = set()
+    for lock in sorted(Path(checkpoint_dir).glob("partitions/*/owner.lock")):
+        probe = _FileLock(lock)
+        if probe.acquire():
+            probe.release()
+        else:
+            held.add(lock.parent.name)
+    return held
+
+
 class PartitionTask:
     """One Kafka partition's state, window, next offset and unpublished summaries."""
 
@@ -282,6 +295,8 @@ class PartitionedAggregator(Aggregator):
         self._plots = ThreadPoolExecutor(max_workers=1, thread_name_prefix="panagg-plot")
         self._last_scan = 0.0
         self.partitions_total: int | None = None
+        self.member = (cfg["source"]["instance_id"] or f"pid{os.getpid()}").replace("/", "_")
+        self._answered: set[str] = set()
 
     # -- noise ---------------------------------------------------------------------------------
     def _task_state(self, task: PartitionTask, window_id: int) -> PanPrivateHistogram:
@@ -665,9 +680,47 @@ class PartitionedAggregator(Aggregator):
             self.metrics.window_id.set(min(t.window["id"] for t in self.tasks.values()))
             self.metrics.window_events.set(sum(t.window["events"] for t in self.tasks.values()))
 
-    def export(self, export_id: str | None = None) -> Path:
-        raise ServiceError("audit exports are not available in partitioned mode yet; export "
-                           "from a one-process deployment (docs/scale-out.md)")
+    # -- announced audit exports: each member exports the partitions it owns ------------------
+    def _ledger_append(self, **entry) -> None:
+        self.merge_lock.acquire(blocking=True)  # one shared ledger for all members
+        try:
+            self.ledger.reload()
+            self.ledger.append(**entry)
+        finally:
+            self.merge_lock.release()
+
+    def export(self, export_id: str | None = None) -> dict[str, str]:
+        """Signed exports of every partition this process owns (fresh layers before and after
+        each), as {partition: path}. ``panagg audit export`` collects them from all members."""
+        key = load_key(self.cfg["audit"]["key_file"] or None)
+        self._export_seq += 1
+        export_id = export_id or f"{int(time.time())}-{self._export_seq}"
+        out = {}
+        for task in sorted(self.tasks.values(), key=lambda t: t.index):
+            path = self._export_state(task, f"{export_id}-p{task.index}",
+                                      lambda task=task: self._task_checkpoint(task),
+                                      (task.index, task.window["id"], self._export_seq), key)
+            out[task.key] = str(path)
+        return out
+
+    def _handle_control(self) -> None:
+        """Requests live in the shared control directory: every member answers an export for
+        its own partitions (``<request>.<member>.done``); other requests are refused."""
+        for req in sorted(self.control.glob("*.req")):
+            kind, _, rid = req.stem.partition("-")
+            done = self.control / f"{req.stem}.{self.member}.done"
+            if req.stem in self._answered or done.exists():
+                continue
+            self._answered.add(req.stem)
+            try:
+                if kind == "export":
+                    result = {"ok": True, "partitions": self.export(rid)}
+                else:
+                    result = {"ok": False, "error": f"{kind} is not available in partitioned "
+                              "mode (windows close per partition on their schedule)"}
+            except Exception as exc:
+                result = {"ok": False, "error": str(exc)}
+            atomic_write(done, [json.dumps(result).encode()])
 
     def close_window(self) -> dict | None:
         raise ServiceError("in partitioned mode windows close per partition on their schedule; "

@@ -402,19 +402,28 @@ class Aggregator:
         key = load_key(self.cfg["audit"]["key_file"] or None)
         self._export_seq += 1
         export_id = export_id or f"{int(time.time())}-{self.window['id']}-{self._export_seq}"
-        self.state.rerandomize(rng=self._rng(2, self.window["id"], self._export_seq, 0))
-        snapshot = self.state.serialize()
-        self.state.rerandomize(rng=self._rng(2, self.window["id"], self._export_seq, 1))
-        self.checkpoint()  # both layers durable before the export exists
+        return self._export_state(self, export_id, self.checkpoint,
+                                  (self.window["id"], self._export_seq), key)
+
+    def _export_state(self, ctx, export_id: str, checkpoint, tag: tuple, key: bytes) -> Path:
+        """Export ``ctx``'s state (the service's, or a partition's): layer, snapshot, layer,
+        checkpoint (both layers durable before the export exists), signed file, ledger."""
+        ctx.state.rerandomize(rng=self._rng(2, *tag, 0))
+        snapshot = ctx.state.serialize()
+        ctx.state.rerandomize(rng=self._rng(2, *tag, 1))
+        checkpoint()
         out_dir = Path(self.cfg["audit"]["dir"] or self.dir / "exports")
         path = write_export(out_dir / f"export-{export_id}.panagg", state=snapshot,
-                            window=self.window, offsets=self.offsets, export_id=export_id, key=key)
-        self.ledger.append(entry_id=f"export-{export_id}", kind="export", window=self.window["id"],
-                           epsilon_spent=0.0, model=self.model,
-                           note="announced export; fresh DLap layers before and after")
+                            window=ctx.window, offsets=ctx.offsets, export_id=export_id, key=key)
+        self._ledger_append(entry_id=f"export-{export_id}", kind="export",
+                            window=ctx.window["id"], epsilon_spent=0.0, model=self.model,
+                            note="announced export; fresh DLap layers before and after")
         self.metrics.exports.inc()
         log.info("audit export %s written to %s", export_id, path)
         return path
+
+    def _ledger_append(self, **entry) -> None:
+        self.ledger.append(**entry)
 
     def _handle_control(self) -> None:
         for req in sorted(self.control.glob("*.req")):

@@ -444,3 +444,59 @@ def test_nothing_raw_or_seeded_in_the_shared_directory(cfg_for, tmp_path):
         assert not any(name.encode() in data for name in names), path
         if path.name != "config.json":  # the effective config names the test seed, nothing else
             assert str(seed).encode() not in data and seed.to_bytes(8, "little") not in data, path
+
+
+def test_audit_export_collects_every_members_partitions(cfg_for, tmp_path, monkeypatch):
+    """`panagg audit export` in partitioned mode: each running member exports the partitions it
+    owns, each with fresh layers before and after, signed and ledgered; the command returns once
+    every held partition is exported."""
+    import threading
+
+    from aggregator.cli import _export_partitioned
+    from state_store.audit import read_export
+
+    key_hex = "5a" * 32
+    monkeypatch.setenv("PANAGG_AUDIT_KEY", key_hex)
+    topic = FakeTopic("ev", 2)
+    for i in range(20):
+        topic.produce(i % D, i % 2)
+    members = [FakeMember(topic), FakeMember(topic)]
+    aggs = [PartitionedAggregator(cfg_for(**{"source.instance_id": f"m{k}"}), m)
+            for k, m in enumerate(members)]
+    for p, m in enumerate(members):
+        m.assign({p})
+    _drain(*aggs)
+    before = {p: a.tasks[f"ev:{p}"].state.counts.copy() for p, a in enumerate(aggs)}
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            for a in aggs:
+                a.step(0)
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    try:
+        paths = _export_partitioned(aggs[0].cfg, timeout_s=30)
+    finally:
+        stop.set()
+        worker.join()
+    assert len(paths) == 2
+    for p, path in enumerate(sorted(paths)):
+        doc = read_export(path, bytes.fromhex(key_hex))
+        snap = PanPrivateHistogram.deserialize(doc["state"])
+        task = aggs[p].tasks[f"ev:{p}"]
+        assert snap.layers == 2 and task.state.layers == 3 and snap.n == 10
+        assert not np.array_equal(snap.counts, before[p])  # a fresh layer before the snapshot
+        assert not np.array_equal(snap.counts, task.state.counts)  # and one after it
+        assert doc["offsets"] == {f"ev:{p}": 10}
+    ledger = [json.loads(x) for x in (tmp_path / "shared" / "ledger.jsonl").read_text().split("\n")
+              if x]
+    assert sorted(e["kind"] for e in ledger) == ["export", "export"]
+    assert not list((tmp_path / "shared" / "control").glob("*"))  # request and answers cleaned
+
+
+def test_audit_export_needs_running_members(cfg_for):
+    from aggregator.cli import UsageError, _export_partitioned
+    with pytest.raises(UsageError, match="no partitioned aggregator holds a partition"):
+        _export_partitioned(cfg_for(), timeout_s=1)
