@@ -464,23 +464,28 @@ MLE_TOL = 1e-9
 def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
     """phi_hat_{>=r} of the B bucket counters (not projected).
 
-    Default (``method=None``): ``"mle"`` for one layer, ``"deconvolution"`` for two or more.
+    Default (``method=None``): ``"mle"`` for any number of layers (state-only release and the
+    joint model alike).
 
-    Why a converged maximum-likelihood estimate for one layer, where direct mode keeps the
-    threshold estimator: most of the B counters are empty (B ~ 2 n, D ~ 0.35 n occupied), and
-    the threshold estimator's kernel (-x, 1 + x) at each r turns every empty bucket's DLap noise
-    into a +-(1 + x) term at r = 1, 2, ...; the NPMLE uses that the counter values are h + DLap
-    with h >= 0, so the mass of the negative noisy values pins down the empty buckets. EM is run
-    to convergence (``MLE_TOL`` on the normalized log-likelihood gain), with at most
-    ``MLE_MAX_ITER`` SQUAREM steps as a bound on the time (reached at eps = 0.5; 2.9 s at
-    n = 1e7 there; 500, 1000 and 3000 steps gave the same error within noise): the early-stopped ``"deconvolution"`` is sometimes better and sometimes much worse
-    (it stops after a number of steps that depends on n, so its implicit smoothing is uncontrolled
-    at n >= 1e6), the converged one was never much worse than the threshold estimator and mostly
-    better (docs/large_domains.md, "Estimators for one layer").
+    Why a converged maximum-likelihood estimate, where direct mode keeps the threshold
+    estimator (one layer) and the early-stopped EM (two or more): most of the B counters are
+    empty (B ~ 2 n, D ~ 0.35 n occupied), and the threshold estimator's kernel (-x, 1 + x) at
+    each r turns every empty bucket's DLap noise into a +-(1 + x) term at r = 1, 2, ...; the
+    NPMLE uses that the counter values are h + DLap with h >= 0, so the mass of the negative
+    noisy values pins down the empty buckets. EM is run to convergence (``MLE_TOL`` on the
+    normalized log-likelihood gain), with at most ``MLE_MAX_ITER`` SQUAREM steps as a bound on
+    the time (reached at eps = 0.5; 500, 1000 and 3000 steps gave the same error within noise).
+    The early-stopped ``"deconvolution"`` stops on a log-likelihood gain per counter, i.e. ~1e-5 B
+    nats in total, so with millions of mostly-empty counters it stops far from the data: it
+    smooths well at n <= 1e4-1e5 (there it is the better estimator, up to ~2x at n = 1e4 with two
+    layers) and is 2-5x worse at n >= 1e6 (docs/large_domains.md, "Estimators for one layer" and
+    "2 layers: both estimators on the same noisy counters"). The converged one is a fixed
+    function of the data and costs 0.1-4 s at n = 1e7 (within the 10 s release target with two
+    layers, docs/large_domains.md "Release time").
     """
     k = int(layers)
     if method is None:
-        method = "mle" if k == 1 else "deconvolution"
+        method = "mle"
     if method == "mle":
         return deconvolved_prevalence(noisy_counts, p, layers=k, max_iter=MLE_MAX_ITER,
                                       tol=MLE_TOL)
@@ -514,8 +519,8 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
         see :func:`l2_histogram`).
     method
         Estimator of the reduced cumulative prevalence (:data:`HASHED_METHODS`). Default: the
-        converged EM NPMLE (``"mle"``) for one layer, ``"deconvolution"`` for two or more
-        (see :func:`hashed_phi_estimate`; direct mode's defaults are unchanged).
+        converged EM NPMLE (``"mle"``) for any number of layers (see
+        :func:`hashed_phi_estimate`; direct mode's defaults are unchanged).
     variant
         ``"exact"`` (default): invert Gamma^B at every degree (:func:`invert_gamma`), then project.
         ``"alg7-single"``: Algorithm 7's binary searches for r <= m, the hashed histogram itself
