@@ -65,7 +65,7 @@ import numpy as np
 
 from consumers.base import Segment
 from state_store.audit import load_key
-from state_store.local import Checkpoint, LocalStore, atomic_write
+from state_store.local import LocalStore, atomic_write
 
 from .estimate import NoisyValueCounts, anonymized_histogram, noise_pmf, noisy_value_counts
 from .ledger import BudgetExceeded
@@ -241,6 +241,12 @@ class _FileLock:
             self.f = None
 
 
+def partition_dir(key: str) -> str:
+    """Directory name of partition ``"<topic>:<p>"`` under ``checkpoint.dir/partitions``."""
+    topic, _, index = key.rpartition(":")
+    return f"{topic}-{index}"
+
+
 def partitions_held(checkpoint_dir) -> set[str]:
     """Partition directories (``<topic>-<p>``) whose lock a running member holds right now."""
     held = set()
@@ -351,8 +357,8 @@ class PartitionedAggregator(Aggregator):
             self._maybe_close_task_time_window(task)
             if task.pending:
                 self._publish_summaries(task)
-            if self._task_checkpoint_due(task):
-                self._task_checkpoint(task)
+            if self._checkpoint_due(task):
+                self._checkpoint(task)
         self._handle_control()
         self._merge_scan()
         self._update_lag()
@@ -391,8 +397,7 @@ class PartitionedAggregator(Aggregator):
 
     def _take(self, key: str) -> bool:
         index = int(key.rpartition(":")[2])
-        topic = key.rpartition(":")[0]
-        task = PartitionTask(key, index, self.parts_dir / f"{topic}-{index}")
+        task = PartitionTask(key, index, self.parts_dir / partition_dir(key))
         if not task.lock.acquire():
             return False
         try:
@@ -417,15 +422,13 @@ class PartitionedAggregator(Aggregator):
         else:
             task.state = PanPrivateHistogram.deserialize(ckpt.state)
             task.window, task.offsets, task.pending = ckpt.window, dict(ckpt.offsets), ckpt.pending
-            mode = "direct" if self.direct else "hashed"
-            if (task.state.mode, task.state.epsilon) != (mode, self.epsilon) or (
-                    self.direct and task.state.size != self.size):
+            try:  # hashed: a partition's B/P buckets were fixed when it was first owned
+                self._check_state_matches_config(
+                    task.state, f"the checkpoint of partition {key} in {task.store.dir}",
+                    size=self.size if self.direct else task.state.size)
+            except ServiceError:
                 task.lock.release()
-                raise ServiceError(
-                    f"the checkpoint of partition {key} in {task.store.dir} holds a "
-                    f"{task.state.mode} state of size {task.state.size} at epsilon "
-                    f"{task.state.epsilon}, but the config asks for {mode} at epsilon "
-                    f"{self.epsilon}; use the original settings or a new checkpoint.dir")
+                raise
         self.tasks[key] = task
         self.source.seek_partition(key, task.offsets[key])
         self.metrics.handovers.labels(event="acquired").inc()
@@ -438,7 +441,7 @@ class PartitionedAggregator(Aggregator):
     def _drop(self, task: PartitionTask) -> None:
         """Hand a partition over: make its progress durable, then release its lock."""
         if task._dirty or task.pending:
-            self._task_checkpoint(task)
+            self._checkpoint(task)
         if task.pending:
             self._publish_summaries(task)
         del self.tasks[task.key]
@@ -449,23 +452,6 @@ class PartitionedAggregator(Aggregator):
             pass
         self.metrics.handovers.labels(event="released").inc()
         log.info("handed over partition %s at offset %d", task.key, task.offsets[task.key])
-
-    def _task_checkpoint(self, task: PartitionTask) -> None:
-        t0 = time.perf_counter()
-        task.store.save(Checkpoint(state=task.state.serialize(), window=task.window,
-                                   offsets=task.offsets, pending=task.pending))
-        self.metrics.checkpointed(time.perf_counter() - t0)
-        task._since_ckpt_events = 0
-        task._last_ckpt = time.monotonic()
-        task._dirty = False
-        self.source.commit(task.offsets)  # lag monitoring only
-
-    def _task_checkpoint_due(self, task: PartitionTask) -> bool:
-        if not task._dirty:
-            return False
-        ck = self.cfg["checkpoint"]
-        return (task._since_ckpt_events >= ck["every_events"]
-                or time.monotonic() - task._last_ckpt >= ck["every_seconds"])
 
     # -- counting --------------------------------------------------------------------------------
     def _ingest(self, seg: Segment) -> None:
@@ -530,7 +516,7 @@ class PartitionedAggregator(Aggregator):
         task.pending.extend(json.dumps(d, allow_nan=False) for d in docs)
         task.state = self._task_state(task, nxt)
         task.window = self._task_window(nxt)
-        self._task_checkpoint(task)  # the summaries and the new window, atomically
+        self._checkpoint(task)  # the summaries and the new window, atomically
         self._publish_summaries(task)
 
     def _noise_only_summaries(self, task: PartitionTask, window_ids, partitions: int) -> list:
@@ -698,7 +684,7 @@ class PartitionedAggregator(Aggregator):
         out = {}
         for task in sorted(self.tasks.values(), key=lambda t: t.index):
             path = self._export_state(task, f"{export_id}-p{task.index}",
-                                      lambda task=task: self._task_checkpoint(task),
+                                      lambda task=task: self._checkpoint(task),
                                       (task.index, task.window["id"], self._export_seq), key)
             out[task.key] = str(path)
         return out

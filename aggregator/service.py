@@ -158,31 +158,39 @@ class Aggregator:
         else:
             self.state = PanPrivateHistogram.deserialize(ckpt.state)
             self.window, self.offsets, self.pending = ckpt.window, dict(ckpt.offsets), ckpt.pending
-            self._check_state_matches_config()
+            self._check_state_matches_config(self.state, f"the checkpoint in {self.store.dir}")
             log.info("restored checkpoint %d: window %s at %d events, %d partition offsets",
                      ckpt.seq, self.window["id"], self.window["events"], len(self.offsets))
         self.metrics.window_id.set(self.window["id"])
         self.metrics.window_events.set(self.window["events"])
         self.metrics.budget_spent.set(self.ledger.spent())
 
-    def _check_state_matches_config(self) -> None:
+    def _check_state_matches_config(self, state: PanPrivateHistogram, where: str,
+                                    size: int | None = None) -> None:
+        """Refuse a restored state built with other settings (``size``: the expected number of
+        counters, default the configured D or B)."""
         mode = "direct" if self.direct else "hashed"
-        if (self.state.mode, self.state.size, self.state.epsilon) != (mode, self.size, self.epsilon):
+        size = self.size if size is None else size
+        if (state.mode, state.size, state.epsilon) != (mode, size, self.epsilon):
             raise ServiceError(
-                f"the checkpoint in {self.store.dir} holds a {self.state.mode} state of size "
-                f"{self.state.size} at epsilon {self.state.epsilon}, but the config asks for "
-                f"{mode}, size {self.size}, epsilon {self.epsilon}; use the original settings or "
-                "a new checkpoint.dir")
+                f"{where} holds a {state.mode} state of size {state.size} at epsilon "
+                f"{state.epsilon}, but the config asks for {mode}, size {size}, epsilon "
+                f"{self.epsilon}; use the original settings or a new checkpoint.dir")
 
     def checkpoint(self) -> None:
+        self._checkpoint(self)
+
+    def _checkpoint(self, ctx) -> None:
+        """Write ``ctx``'s state, window, offsets and pending documents atomically to its store
+        (the service's, or a partition's in scale-out)."""
         t0 = time.perf_counter()
-        self.store.save(Checkpoint(state=self.state.serialize(), window=self.window,
-                                   offsets=self.offsets, pending=self.pending))
+        ctx.store.save(Checkpoint(state=ctx.state.serialize(), window=ctx.window,
+                                  offsets=ctx.offsets, pending=ctx.pending))
         self.metrics.checkpointed(time.perf_counter() - t0)
-        self._since_ckpt_events = 0
-        self._last_ckpt = time.monotonic()
-        self._dirty = False
-        self.source.commit(self.offsets)  # lag monitoring only
+        ctx._since_ckpt_events = 0
+        ctx._last_ckpt = time.monotonic()
+        ctx._dirty = False
+        self.source.commit(ctx.offsets)  # lag monitoring only
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
@@ -201,7 +209,7 @@ class Aggregator:
                 self._handle_control()
                 if self.pending:
                     self._publish_pending()
-                if self._checkpoint_due():
+                if self._checkpoint_due(self):
                     self.checkpoint()
                 self._update_lag()
                 if segments:
@@ -313,12 +321,12 @@ class Aggregator:
                                            acks="all", linger_ms=20)
         return self._producer
 
-    def _checkpoint_due(self) -> bool:
-        if not self._dirty:
+    def _checkpoint_due(self, ctx) -> bool:
+        if not ctx._dirty:
             return False
         ck = self.cfg["checkpoint"]
-        return (self._since_ckpt_events >= ck["every_events"]
-                or time.monotonic() - self._last_ckpt >= ck["every_seconds"])
+        return (ctx._since_ckpt_events >= ck["every_events"]
+                or time.monotonic() - ctx._last_ckpt >= ck["every_seconds"])
 
     def _maybe_close_time_window(self) -> None:
         if self.window["kind"] != "time":

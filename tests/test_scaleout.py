@@ -500,3 +500,22 @@ def test_audit_export_needs_running_members(cfg_for):
     from aggregator.cli import UsageError, _export_partitioned
     with pytest.raises(UsageError, match="no partitioned aggregator holds a partition"):
         _export_partitioned(cfg_for(), timeout_s=1)
+
+
+def test_partition_checkpoint_from_other_settings_is_refused_and_unlocked(cfg_for):
+    from aggregator.service import ServiceError
+    topic = FakeTopic("ev", 1)
+    topic.produce(3, 0)
+    m = FakeMember(topic)
+    a = PartitionedAggregator(cfg_for(), m)
+    m.assign({0})
+    _drain(a)
+    a._drop(a.tasks["ev:0"])
+    m2 = FakeMember(topic)
+    b = PartitionedAggregator(cfg_for(**{"state.epsilon": 2.0}), m2)
+    m2.assign({0})
+    with pytest.raises(ServiceError, match="checkpoint of partition ev:0 .* epsilon 1.0, but the "
+                                           "config asks for direct, size 50, epsilon 2.0"):
+        b.step(0)
+    assert "ev:0" not in b.tasks
+    assert a._take("ev:0")  # the refused process let go of the lock
