@@ -223,7 +223,7 @@ def _export_partitioned(cfg: dict, timeout_s: float = 120.0) -> list[str]:
     import uuid
     from pathlib import Path
 
-    from .scaleout import partitions_held
+    from .scaleout import partition_dir, partitions_held
 
     state_dir = Path(cfg["checkpoint"]["dir"])
     wanted = partitions_held(state_dir)
@@ -248,12 +248,10 @@ def _export_partitioned(cfg: dict, timeout_s: float = 120.0) -> list[str]:
                     errors.append(result.get("error", "export failed"))
             if errors:
                 raise UsageError(errors[0])
-            got = {k.rpartition(":")[0] + "-" + k.rpartition(":")[2] for k in paths}
-            if wanted <= got:
+            if wanted <= {partition_dir(k) for k in paths}:
                 return [paths[k] for k in sorted(paths)]
             time.sleep(0.2)
-        missing = sorted(wanted - {k.rpartition(":")[0] + "-" + k.rpartition(":")[2]
-                                   for k in paths})
+        missing = sorted(wanted - {partition_dir(k) for k in paths})
         raise UsageError(f"no export of partition(s) {', '.join(missing)} within "
                          f"{timeout_s:.0f} s; are their members stuck? see their logs")
     finally:
