@@ -212,6 +212,22 @@ def _loadavg() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
+# sample name -> key of scrape()'s result; labelled series -> (key, label)
+_SCALARS = {
+    "panagg_events_total": "events", "panagg_partitions_owned": "owned",
+    "panagg_releases_total": "releases", "panagg_release_latency_seconds_sum": "lat_sum",
+    "panagg_release_latency_seconds_count": "lat_count", "panagg_windows_waiting": "waiting",
+    "panagg_key_checks_total": "key_checks", "panagg_partition_summaries_total": "summaries",
+    "panagg_checkpoint_duration_seconds_sum": "ckpt_sum",
+    "panagg_checkpoint_duration_seconds_count": "ckpt_count",
+}
+_LABELLED = {
+    "panagg_consumer_lag_records": ("lag", "partition"),
+    "panagg_release_latency_seconds_bucket": ("lat_buckets", "le"),
+    "panagg_partition_handovers_total": ("handovers", "event"),
+}
+
+
 def scrape(port: int) -> dict | None:
     """The panagg metrics this bench reads from one process's /metrics (None if unreachable)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -219,41 +235,17 @@ def scrape(port: int) -> dict | None:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3).read().decode()
     except OSError:
         return None
-    out = {"events": 0.0, "lag": {}, "owned": 0.0, "releases": 0.0, "lat_sum": 0.0,
-           "lat_count": 0.0, "lat_buckets": {}, "waiting": 0.0, "unkeyed": 0.0,
-           "key_checks": 0.0, "handovers": {}, "summaries": 0.0, "ckpt_sum": 0.0,
-           "ckpt_count": 0.0}
+    out = {key: 0.0 for key in _SCALARS.values()}
+    out.update(unkeyed=0.0, lag={}, lat_buckets={}, handovers={})
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            name, labels, v = s.name, s.labels, s.value
-            if name == "panagg_events_total":
-                out["events"] = v
-            elif name == "panagg_consumer_lag_records":
-                out["lag"][labels["partition"]] = v
-            elif name == "panagg_partitions_owned":
-                out["owned"] = v
-            elif name == "panagg_releases_total":
-                out["releases"] = v
-            elif name == "panagg_release_latency_seconds_sum":
-                out["lat_sum"] = v
-            elif name == "panagg_release_latency_seconds_count":
-                out["lat_count"] = v
-            elif name == "panagg_release_latency_seconds_bucket":
-                out["lat_buckets"][labels["le"]] = v
-            elif name == "panagg_windows_waiting":
-                out["waiting"] = v
-            elif name == "panagg_unkeyed_records_total":
-                out["unkeyed"] += v
-            elif name == "panagg_key_checks_total":
-                out["key_checks"] = v
-            elif name == "panagg_partition_handovers_total":
-                out["handovers"][labels["event"]] = v
-            elif name == "panagg_partition_summaries_total":
-                out["summaries"] = v
-            elif name == "panagg_checkpoint_duration_seconds_sum":
-                out["ckpt_sum"] = v
-            elif name == "panagg_checkpoint_duration_seconds_count":
-                out["ckpt_count"] = v
+            if s.name in _SCALARS:
+                out[_SCALARS[s.name]] = s.value
+            elif s.name in _LABELLED:
+                key, label = _LABELLED[s.name]
+                out[key][s.labels[label]] = s.value
+            elif s.name == "panagg_unkeyed_records_total":  # summed over partitions
+                out["unkeyed"] += s.value
     return out
 
 
