@@ -53,10 +53,25 @@ def _progress(done: int, total: int, started: float) -> None:
     sys.stderr.flush()
 
 
+def _one_line_library_errors(record) -> bool:
+    """Logging filter: a Kafka client error that the client recovers from itself (a socket closed
+    under a pending read, a reconnect) is logged with its traceback by kafka-python; operators get
+    the message and the exception in one line instead, and our own tracebacks stay rare and loud."""
+    if record.exc_info and record.name.split(".", 1)[0] == "kafka":
+        exc = record.exc_info[1]
+        record.msg = record.getMessage() + ("" if exc is None else f" ({type(exc).__name__}: {exc})")
+        record.args = None
+        record.exc_info = record.exc_text = None
+    return True
+
+
 def _setup_logging(verbose: bool = False) -> None:
     import logging
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        if _one_line_library_errors not in handler.filters:
+            handler.addFilter(_one_line_library_errors)
     logging.getLogger("kafka").setLevel(logging.WARNING)
 
 

@@ -80,3 +80,30 @@ def test_central_bad_inputs_are_one_line(tmp_path):
         assert res.returncode == 2, (args, res.stderr)
         assert "Traceback" not in res.stderr and res.stderr.strip().startswith("panagg")
         assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_kafka_client_tracebacks_are_one_line_and_ours_are_kept():
+    # kafka-python logs errors it recovers from (a socket closed under a pending read) with a
+    # traceback; the service log condenses those, but never its own
+    code = (
+        "import logging\n"
+        "from aggregator.cli import _setup_logging\n"
+        "_setup_logging()\n"
+        "try:\n"
+        "    None.recv(4096)\n"
+        "except AttributeError:\n"
+        "    logging.getLogger('kafka.net.transport').exception('%s: Error receiving', 'conn-1')\n"
+        "try:\n"
+        "    raise ValueError('ours')\n"
+        "except ValueError:\n"
+        "    logging.getLogger('aggregator.service').exception('window close failed')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    kafka_line = [ln for ln in lines if "kafka.net.transport" in ln]
+    assert len(kafka_line) == 1
+    assert kafka_line[0].endswith("conn-1: Error receiving (AttributeError: "
+                                  "'NoneType' object has no attribute 'recv')")
+    assert out.stderr.count("Traceback") == 1  # ours
+    assert out.stderr.index("window close failed") < out.stderr.index("Traceback")
+    assert "ValueError: ours" in out.stderr
