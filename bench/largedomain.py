@@ -1306,13 +1306,17 @@ def write_report(R, meta, outdir: Path) -> None:
           f"{np.mean(a['fixed_occ']):.1%} | {fmt(*mean_se(a['fixed']))} | "
           f"{fmt(*mean_se(a['right']))} | {fmt(*ratio_se(a['fixed'], a['right']))} | "
           f"{fmt(*mean_se(a['direct']))} |")
-    def _row_txt(r):
-        a = r["acc"]
-        fr = ratio_se(a["fixed"], a["right"])[0]
+    # fixed / right per row, once
+    fr = [ratio_se(r["acc"]["fixed"], r["acc"]["right"])[0] for r in mm["rows"]]
+
+    def _row_txt(r, ratio):
         return (f"{r['factor']:g}x (fixed B = {r['B_fixed'] / r['n']:.2g} n, "
-                f"{np.mean(a['fixed_occ']):.0%} of the buckets occupied): fixed / right = {fr:.2f}")
-    under = [_row_txt(r) for r in mm["rows"] if r["factor"] < 1]
-    over = [_row_txt(r) for r in mm["rows"] if r["factor"] > 1]
+                f"{np.mean(r['acc']['fixed_occ']):.0%} of the buckets occupied): "
+                f"fixed / right = {ratio:.2f}")
+    under = [_row_txt(r, x) for r, x in zip(mm["rows"], fr) if r["factor"] < 1]
+    over = [_row_txt(r, x) for r, x in zip(mm["rows"], fr) if r["factor"] > 1]
+    worst_under = max(x for r, x in zip(mm["rows"], fr) if r["factor"] < 1)
+    worst_over = max(x for r, x in zip(mm["rows"], fr) if r["factor"] > 1)
     w("\nFewer events than expected (n / expected < 1): the surplus buckets stay empty and their "
       "noise is paid in full, so the error is that of a too-large B (" + "; ".join(under) + "). "
       "More events than expected: more collisions, which the inversion undoes as long as enough "
@@ -1324,16 +1328,13 @@ def write_report(R, meta, outdir: Path) -> None:
       "to ~30%; see the sweep in \"Choosing B\", where mostly-distinct items degrade quickly "
       "below B = n). Memory is B counters whatever the real n. "
       + ("In this run too few events cost more than too many (worst fixed / right: "
-         if max(ratio_se(r["acc"]["fixed"], r["acc"]["right"])[0] for r in mm["rows"]
-                if r["factor"] < 1)
-         >= max(ratio_se(r["acc"]["fixed"], r["acc"]["right"])[0] for r in mm["rows"]
-                if r["factor"] > 1)
+         if worst_under >= worst_over
          else "In this run too many events cost more than too few (worst fixed / right: ")
-      + f"{max(ratio_se(r['acc']['fixed'], r['acc']['right'])[0] for r in mm['rows']):.2f}). "
+      + f"{max(fr):.2f}). "
       + "".join(f"At n / expected = 1 both columns use the same B (fresh key and noise): fixed / "
-                f"right = {ratio_se(r['acc']['fixed'], r['acc']['right'])[0]:.2f} there is the "
+                f"right = {x:.2f} there is the "
                 f"run-to-run noise of {len(r['acc']['fixed'])} repetitions. "
-                for r in mm["rows"] if r["factor"] == 1)
+                for r, x in zip(mm["rows"], fr) if r["factor"] == 1)
       + "With B = 2 n (the default since the \"Choosing B\" sweep) a real n far above "
       "`expected_n` fills most buckets and costs more than it did with the old 3-4 n "
       "(which had room for 10x the events of Zipf(1.1) items: fixed / right 0.73 at 10x in the "
