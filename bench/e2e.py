@@ -141,6 +141,14 @@ def service_run(source: Source, events: int, tmp: Path) -> float:
     return wrapped.t1 - wrapped.t0
 
 
+def throughput_row(name: str, events: int, bare_t: list, svc_t: list, target: str) -> tuple:
+    """Report row from paired timings of the same events: median events/s of the service and of
+    the bare loop, and the per-repetition ratio service / bare in events/s (= bare_t / svc_t)."""
+    ratios = [b / s for b, s in zip(bare_t, svc_t)]
+    return (name, events / statistics.median(svc_t), events / statistics.median(bare_t),
+            statistics.median(ratios), min(ratios), max(ratios), target)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=1_000_000)
@@ -154,19 +162,17 @@ def main() -> None:
             topic = f"e2e-{uuid.uuid4().hex[:8]}"
             print(f"producing {args.events:,} events to {topic} ...", flush=True)
             produce(bootstrap, topic, args.events)
-            ratios, bare_t, svc_t = [], [], []
+            bare_t, svc_t = [], []
             for rep in range(args.reps):
                 b = bare_consume(bootstrap, topic, args.events)
                 src = KafkaSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", 20000)
                 s = service_run(src, args.events, tmp)
                 bare_t.append(b)
                 svc_t.append(s)
-                ratios.append(b / s)
                 print(f"  rep {rep}: bare {args.events / b:,.0f} ev/s, service "
                       f"{args.events / s:,.0f} ev/s, ratio {b / s:.2f}", flush=True)
-            rows.append(("Kafka -> counters (service vs bare kafka-python loop)",
-                         args.events / statistics.median(svc_t), args.events / statistics.median(bare_t),
-                         statistics.median(ratios), min(ratios), max(ratios), ">= 0.8x"))
+            rows.append(throughput_row("Kafka -> counters (service vs bare kafka-python loop)",
+                                       args.events, bare_t, svc_t, ">= 0.8x"))
         finally:
             if broker_state is not None:
                 subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(broker_state)],
@@ -179,7 +185,7 @@ def main() -> None:
             for chunk in range(0, args.events, 100_000):
                 ids = rng.integers(0, D, min(100_000, args.events - chunk))
                 f.write(b"".join(pack({"item": i}) for i in ids.tolist()))
-        ratios, bare_t, svc_t = [], [], []
+        bare_t, svc_t = [], []
         for rep in range(args.reps):
             t0 = time.perf_counter()
             count = sum(1 for _ in msgpack.Unpacker(open(path, "rb"), raw=False))
@@ -189,12 +195,10 @@ def main() -> None:
                             args.events, tmp)
             bare_t.append(b)
             svc_t.append(s)
-            ratios.append(b / s)
             print(f"  file rep {rep}: bare unpack {args.events / b:,.0f} ev/s, service "
                   f"{args.events / s:,.0f} ev/s", flush=True)
-        rows.append(("msgpack file -> counters (service vs bare msgpack.Unpacker loop)",
-                     args.events / statistics.median(svc_t), args.events / statistics.median(bare_t),
-                     statistics.median(ratios), min(ratios), max(ratios), "(report)"))
+        rows.append(throughput_row("msgpack file -> counters (service vs bare msgpack.Unpacker "
+                                   "loop)", args.events, bare_t, svc_t, "(report)"))
         # checkpoint time for 10^7 counters
         state = PanPrivateHistogram(1.0, size=10_000_000)
         store = LocalStore(tmp / "ckpt")
