@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aggregator.config import load_config  # noqa: E402
+from aggregator.service.config import load_config  # noqa: E402
 from aggregator.service import Aggregator  # noqa: E402
 from aggregator.state import PanPrivateHistogram  # noqa: E402
 from consumers.base import Source  # noqa: E402

@@ -39,7 +39,7 @@ results); the raw samples go to out/scaleout_results.json. Progress lines go to 
 2. Accuracy of the merged release against the number of partitions P (offline, no Kafka): one
    true histogram per repetition (n = 1e6 events, Zipf(1.1) over D = 1e5), split over P states
    by murmur2(str(k)) mod P (a topic keyed by item), each state a ``PanPrivateHistogram`` with
-   seeded noise, summarized with ``aggregator.scaleout.partition_summary`` and merged with
+   seeded noise, summarized with ``aggregator.service.partitioned.partition_summary`` and merged with
    ``merge_summaries``; l1 distance to the true anonymized histogram. Direct mode: every
    partition keeps all D counters (P * D in the release). Hashed mode: B =
    ``choose_buckets(n, eps)``, ceil(B / P) buckets per partition. Both for the joint model
@@ -401,7 +401,7 @@ def run_load(args, tmp: Path) -> dict:
             logs[name] = tmp / f"{name}.log"
             fh = open(logs[name], "w")
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "aggregator.cli",
+                [sys.executable, "-m", "aggregator.service.cli",
                  *member_args(bootstrap, topic, state, rel, group, name, args.window, args.mode,
                               args.keep_windows)],
                 cwd=ROOT, env=env, stdout=fh, stderr=fh, start_new_session=True)
@@ -747,7 +747,7 @@ def _merge_without_removal(summaries: list[dict]) -> dict:
     noise value counts of the (P - 1) * D counters a keyed topic leaves empty (the bench's
     before/after column; the merge is deterministic, so this is a paired comparison on the same
     summaries)."""
-    import aggregator.scaleout as so
+    import aggregator.service.partitioned as so
     keep = so.remove_empty_counters
     so.remove_empty_counters = lambda vc, empty, p, layers: vc
     try:
@@ -761,7 +761,7 @@ def _release(mode: str, model: str, parts: list[np.ndarray], pieces: list[np.nda
     """Merged release of P partition states; ``parts[p]`` are the items (indices) of partition p
     and ``pieces[p]`` their event counts there. Returns the release, the seconds it took, and in
     direct mode with P > 1 the release merged without the empty-counter removal (else None)."""
-    from aggregator.scaleout import merge_summaries, partition_summary
+    from aggregator.service.partitioned import merge_summaries, partition_summary
     from aggregator.state import PanPrivateHistogram
     P = len(parts)
     info = {"kind": "count", "size": 0, "events": 0, "started_unix": 0.0, "ended_unix": 0.0}

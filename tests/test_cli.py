@@ -8,7 +8,7 @@ import numpy as np
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "aggregator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 
@@ -87,7 +87,7 @@ def test_kafka_client_tracebacks_are_one_line_and_ours_are_kept():
     # traceback; the service log condenses those, but never its own
     code = (
         "import logging\n"
-        "from aggregator.cli import _setup_logging\n"
+        "from aggregator.service.cli import _setup_logging\n"
         "_setup_logging()\n"
         "try:\n"
         "    None.recv(4096)\n"

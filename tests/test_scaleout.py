@@ -9,11 +9,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from aggregator.config import load_config
+from aggregator.service.config import load_config
 from aggregator.estimate import anonymized_histogram
 from aggregator.noise import discrete_laplace
 from aggregator.estimate import noisy_value_counts
-from aggregator.scaleout import (PartitionedAggregator, _value_counts as _vc, item_key_bytes,
+from aggregator.service.partitioned import (PartitionedAggregator, _value_counts as _vc, item_key_bytes,
                                  merge_summaries, partition_summary, remove_empty_counters)
 from aggregator.state import PanPrivateHistogram
 from consumers.base import Segment, Source
@@ -324,7 +324,7 @@ def test_unkeyed_records_are_counted_and_warned_without_payload(cfg_for, caplog,
 
 
 def test_partitioned_needs_kafka(tmp_path):
-    from aggregator.config import ConfigError
+    from aggregator.service.config import ConfigError
     with pytest.raises(ConfigError, match="scale.partitioned needs source.kind = kafka"):
         load_config(overrides=["scale.partitioned=true", "source.kind=generator"], env={})
 
@@ -452,7 +452,7 @@ def test_audit_export_collects_every_members_partitions(cfg_for, tmp_path, monke
     every held partition is exported."""
     import threading
 
-    from aggregator.cli import _export_partitioned
+    from aggregator.service.cli import _export_partitioned
     from state_store.audit import read_export
 
     key_hex = "5a" * 32
@@ -497,7 +497,7 @@ def test_audit_export_collects_every_members_partitions(cfg_for, tmp_path, monke
 
 
 def test_audit_export_needs_running_members(cfg_for):
-    from aggregator.cli import UsageError, _export_partitioned
+    from aggregator.service.cli import UsageError, _export_partitioned
     with pytest.raises(UsageError, match="no partitioned aggregator holds a partition"):
         _export_partitioned(cfg_for(), timeout_s=1)
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.config import ConfigError, load_config
+from aggregator.service.config import ConfigError, load_config
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.service import Aggregator
 from aggregator.state import PanPrivateHistogram
@@ -111,7 +111,7 @@ def test_count_windows_split_batches_exactly(tmp_path):
 
 def run_cli(args, env_extra=None, timeout=300):
     env = dict(os.environ, PANAGG_TESTING="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "aggregator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -247,7 +247,7 @@ def test_bad_config_is_one_line(sets, fragment, monkeypatch):
     monkeypatch.delenv("PANAGG_TESTING")
     with pytest.raises(ConfigError, match=fragment):
         load_config(None, sets, env={})
-    res = subprocess.run([sys.executable, "-m", "aggregator.cli", "run", *sum([["--set", s] for s in sets], [])],
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", *sum([["--set", s] for s in sets], [])],
                          capture_output=True, text=True, timeout=60,
                          env={k: v for k, v in os.environ.items() if k != "PANAGG_TESTING"})
     assert res.returncode == 2
@@ -345,18 +345,18 @@ def test_release_and_export_requests_reach_a_running_service(tmp_path):
             "--state-dir", str(state_dir), "--release-dir", str(tmp_path / "releases"),
             "--metrics-port", "-1", "--set", "release.on_exhausted=false"]
     env = dict(os.environ, PANAGG_TESTING="1", PANAGG_AUDIT_KEY=KEY_HEX)
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = _time.time() + 60
         while not (state_dir / "service.lock").exists() and _time.time() < deadline:
             _time.sleep(0.2)
         _time.sleep(1.5)
-        rel = subprocess.run([sys.executable, "-m", "aggregator.cli", "release", "--state-dir",
+        rel = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
                               str(state_dir)], env=env, capture_output=True, text=True, timeout=120)
         assert rel.returncode == 0, rel.stderr
         assert rel.stdout.strip() == "released window 0"
-        exp = subprocess.run([sys.executable, "-m", "aggregator.cli", "audit", "export",
+        exp = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
                               "--state-dir", str(state_dir)], env=env, capture_output=True,
                              text=True, timeout=120)
         assert exp.returncode == 0, exp.stderr
@@ -422,7 +422,7 @@ def test_msgpack_stream_and_stdin_replay(tmp_path):
     other = tmp_path / "second"
     args = cli_sets(other, "-", **{"release.on_exhausted": "false"})
     lines = "\n".join(json.dumps({"item": int(i)}) for i in items) + "\n"
-    res = subprocess.run([sys.executable, "-m", "aggregator.cli", *args], input=lines, text=True,
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], input=lines, text=True,
                          capture_output=True, timeout=120, env=dict(os.environ, PANAGG_TESTING="1"))
     assert res.returncode == 0, res.stderr
     state2, ckpt2 = final_state(other)
@@ -446,7 +446,7 @@ def test_corrupt_checkpoint_stops_with_one_line(tmp_path):
 
 
 def test_unreachable_kafka_is_one_line(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "aggregator.cli", "run", "--bootstrap",
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap",
                           "127.0.0.1:1", "--topic", "x", "--state-dir", str(tmp_path / "s"),
                           "--metrics-port", "-1", "--set", "source.connect_timeout_s=2"],
                          capture_output=True, text=True, timeout=120)

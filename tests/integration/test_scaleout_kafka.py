@@ -16,7 +16,7 @@ import numpy as np
 from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from aggregator.scaleout import merge_summaries, partition_summary
+from aggregator.service.partitioned import merge_summaries, partition_summary
 from aggregator.state import PanPrivateHistogram
 from state_store.local import LocalStore
 
@@ -66,7 +66,7 @@ def member_args(bootstrap, topic, state, releases, group, instance):
 
 def start(args, log_path, extra_env=None):
     log = open(log_path, "a")
-    return subprocess.Popen([sys.executable, "-m", "aggregator.cli", *args],
+    return subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
                             env=dict(env(), **(extra_env or {})), stdout=log, stderr=log)
 
 
@@ -183,7 +183,7 @@ def test_unkeyed_topic_is_reported(kafka_broker, tmp_path):
                        "solo")
     args[args.index("--exit-when-idle") + 1] = "5"
     args += ["--set", "state.domain_size=200000"]
-    res = subprocess.run([sys.executable, "-m", "aggregator.cli", *args], env=env(),
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     warnings = [line for line in res.stderr.splitlines() if "not keyed by their item" in line]
@@ -194,7 +194,7 @@ def test_unkeyed_topic_is_reported(kafka_broker, tmp_path):
     produce(kafka_broker, topic2, np.arange(3000) % 97 + 123456, {}, keyed=True)
     args2 = [a.replace(topic, topic2) for a in args]
     args2[args2.index("--state-dir") + 1] = str(tmp_path / "state2")
-    res2 = subprocess.run([sys.executable, "-m", "aggregator.cli", *args2], env=env(),
+    res2 = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args2], env=env(),
                           capture_output=True, text=True, timeout=300)
     assert res2.returncode == 0, res2.stderr[-3000:]
     assert "not keyed by their item" not in res2.stderr

@@ -63,7 +63,7 @@ def env():
 
 
 def run_service(args, timeout=240, extra_env=None):
-    return subprocess.run([sys.executable, "-m", "aggregator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=dict(env(), **(extra_env or {})))
 
 
@@ -129,7 +129,7 @@ def test_metrics_exposition_parses_and_passes_promtool(kafka_broker, tmp_path):
     port_file = tmp_path / "port"
     args = service_args(kafka_broker, topic, tmp_path, "--set", "window.size=5000")
     args[args.index("--metrics-port") + 1] = "0"
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", *args], env=env(),
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
                             stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -193,7 +193,7 @@ def test_kill_minus_nine_twenty_times_exactly_once(kafka_broker, tmp_path):
         if r % 4 == 3:
             phase = chooser.choice(["mid-write", "before-rename", "after-rename"])
             fault_env = {"PANAGG_TEST_FAULT": f"checkpoint-{phase}:{chooser.randint(1, 3)}"}
-        proc = subprocess.Popen([sys.executable, "-m", "aggregator.cli", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
                                 env=dict(env(), **fault_env), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         try:
@@ -222,7 +222,7 @@ def test_second_member_in_the_same_group_is_refused(kafka_broker, tmp_path):
     for k in range(2):
         d = tmp_path / f"agg{k}"
         args = service_args(kafka_broker, topic, d, "--set", f"source.instance_id=member-{k}")
-        procs.append(subprocess.Popen([sys.executable, "-m", "aggregator.cli", *args], env=env(),
+        procs.append(subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         time.sleep(4)
     outcomes = []

@@ -35,8 +35,8 @@ from state_store.local import Checkpoint, LocalStore
 
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
-from .release import make_release, write_release
-from .state import PanPrivateHistogram
+from ..release import make_release, write_release
+from ..state import PanPrivateHistogram
 
 __all__ = ["Aggregator", "ServiceError", "choose_buckets_for"]
 
@@ -52,7 +52,7 @@ def choose_buckets_for(cfg: dict) -> int:
     of :func:`aggregator.largedomain.choose_buckets` (docs/large_domains.md, "Choosing B")."""
     if cfg["state"]["buckets"]:
         return int(cfg["state"]["buckets"])
-    from .largedomain import choose_buckets
+    from ..largedomain import choose_buckets
     return int(choose_buckets(max(int(cfg["state"]["expected_n"]), 2), cfg["state"]["epsilon"]))
 
 
@@ -62,7 +62,7 @@ class Aggregator:
     Parameters
     ----------
     cfg
-        Configuration from :func:`aggregator.config.load_config`.
+        Configuration from :func:`aggregator.service.config.load_config`.
     source
         The event source.
     metrics
@@ -86,7 +86,7 @@ class Aggregator:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_file = None
         self.partitioned = bool(cfg["scale"]["partitioned"])
-        # scale-out keeps one store per partition (aggregator/scaleout.py)
+        # scale-out keeps one store per partition (aggregator/service/partitioned.py)
         self.store = None if self.partitioned else LocalStore(self.dir / "checkpoints")
         budget = cfg["ledger"]["budget_per_window"] or self.epsilon
         self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
@@ -242,7 +242,7 @@ class Aggregator:
 
     # -- counting --------------------------------------------------------------------------------
     # ``ctx`` is whatever owns a state, a window and offsets: the service itself (one state per
-    # process) or a partition task (scale-out, aggregator/scaleout.py).
+    # process) or a partition task (scale-out, aggregator/service/partitioned.py).
     @staticmethod
     def _room(ctx) -> int | None:
         if ctx.window["kind"] != "count":

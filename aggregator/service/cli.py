@@ -109,7 +109,7 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None) -> int:
     import signal
 
     from .metrics import Metrics
-    from .service import Aggregator
+    from .process import Aggregator
 
     import logging
 
@@ -130,7 +130,7 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None) -> int:
         if quiet:
             kafka_net.setLevel(logging.WARNING)
     if cfg["scale"]["partitioned"]:
-        from .scaleout import PartitionedAggregator
+        from .partitioned import PartitionedAggregator
         agg = PartitionedAggregator(cfg, source, metrics)
     else:
         agg = Aggregator(cfg, source, metrics)
@@ -238,7 +238,7 @@ def _export_partitioned(cfg: dict, timeout_s: float = 120.0) -> list[str]:
     import uuid
     from pathlib import Path
 
-    from .scaleout import partition_dir, partitions_held
+    from .partitioned import partition_dir, partitions_held
 
     state_dir = Path(cfg["checkpoint"]["dir"])
     wanted = partitions_held(state_dir)
@@ -279,7 +279,7 @@ def _offline(cfg: dict):
     """An Aggregator over the checkpoint with no source (the service is not running)."""
     from consumers.base import Source
 
-    from .service import Aggregator
+    from .process import Aggregator
 
     class _NoSource(Source):
         def poll(self, timeout_s=1.0):
@@ -292,7 +292,7 @@ def _offline(cfg: dict):
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from .service import service_running
+    from .process import service_running
 
     cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                 state_dir=args.state_dir)
@@ -318,10 +318,10 @@ def cmd_release(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     from state_store.audit import AuditKeyError, ExportError, load_key, read_export
 
-    from .state import PanPrivateHistogram
+    from ..state import PanPrivateHistogram
 
     if args.audit_command == "export":
-        from .service import service_running
+        from .process import service_running
         cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                     state_dir=args.state_dir)
         try:
@@ -427,8 +427,8 @@ def _is_int(text: str) -> bool:
 
 
 def cmd_central(args: argparse.Namespace) -> int:
-    from . import central
-    from .release import package_release, write_release
+    from .. import central
+    from ..release import package_release, write_release
 
     kind, arr = read_histogram_file(args.input)
     algorithm = args.algorithm
@@ -533,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         # conditions the user can act on, raised deep in the service: one line, exit 2
         from state_store.local import CheckpointError
 
-        from .service import ServiceError
-        from .state import SnapshotError
+        from .process import ServiceError
+        from ..state import SnapshotError
         from consumers.kafka_source import PartialAssignment
         if isinstance(exc, (ServiceError, CheckpointError, SnapshotError, PartialAssignment)):
             print(f"panagg: error: {exc}", file=sys.stderr)

@@ -67,12 +67,12 @@ from consumers.base import Segment
 from state_store.audit import load_key
 from state_store.local import LocalStore, atomic_write
 
-from .estimate import NoisyValueCounts, anonymized_histogram, noise_pmf, noisy_value_counts
+from ..estimate import NoisyValueCounts, anonymized_histogram, noise_pmf, noisy_value_counts
 from .ledger import BudgetExceeded
-from .noise import discrete_laplace
-from .release import STATE_ONLY_CAVEAT, package_release, plot_release, write_release
-from .service import Aggregator, ServiceError
-from .state import PanPrivateHistogram
+from ..noise import discrete_laplace
+from ..release import STATE_ONLY_CAVEAT, package_release, plot_release, write_release
+from .process import Aggregator, ServiceError
+from ..state import PanPrivateHistogram
 
 __all__ = ["PartitionedAggregator", "PartitionTask", "merge_summaries", "partition_summary",
            "item_key_bytes", "remove_empty_counters"]
