@@ -38,19 +38,28 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
                  window: str | int | None = None, rng=None) -> dict:
     """Estimate the anonymized histogram of ``state`` and package it as a JSON-ready dict.
 
+    The event count is public only for a replace-one state: it goes into the release (``"n"``)
+    and to the estimators. An add-remove state has no n (neighbors differ by one event), so its
+    release says ``"n": null`` and the estimators run without n; ``loss="l2"``, which needs n
+    for its sum constraint, is refused for it.
+
     ``rng`` is a test-only noise source for the release layer; the state is not modified.
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    n = state.n if state.neighbor == "replace-one" else None
+    if n is None and loss == "l2":
+        raise ValueError("loss='l2' needs the public event count n, and an add-remove state has "
+                         "none (neighbors differ by one event); use loss='l1'")
     started = time.perf_counter()
     counts, layers = state.counts, state.layers
     if model == "joint":
         counts = counts + discrete_laplace(state.p, state.size, rng=rng)
         layers += 1
-    hist = anonymized_histogram(counts, state.p, layers=layers, loss=loss, n=state.n,
+    hist = anonymized_histogram(counts, state.p, layers=layers, loss=loss, n=n,
                                 buckets=state.size if state.mode == "hashed" else None)
     release = package_release(
-        hist, window=window, n=state.n, epsilon=state.epsilon, neighbor=state.neighbor,
+        hist, window=window, n=n, epsilon=state.epsilon, neighbor=state.neighbor,
         model=model, extra={"p": state.p, "layers": layers, "loss": loss,
                             "domain": {"mode": state.mode, "size": state.size}})
     release["release_seconds"] = time.perf_counter() - started
@@ -61,7 +70,12 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
 
 def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: str,
                     extra: dict | None = None) -> dict:
-    """The release document for an anonymized histogram (prevalence form plus properties)."""
+    """The release document for an anonymized histogram (prevalence form plus properties).
+
+    ``n`` is the public event count, or None where it is not public (add-remove states, the
+    central model); it is only copied into the document. Nothing here is computed from it: the
+    properties use n_hat, the total of the released histogram (post-processing).
+    """
     hist = np.asarray(hist, dtype=np.int64)
     vals, phis = properties.prevalences(hist)
     n_hat = int(hist.sum())

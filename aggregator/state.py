@@ -11,8 +11,12 @@ Privacy contract
   (rounded up, see :func:`aggregator.noise.p_from_epsilon`); each event adds 1 to its counter.
   Any snapshot of the counters is then epsilon-DP with respect to the events seen so far
   (seed 001, section 1.1 footnote 6; Fact 8).
-* Nothing else in the state depends on the data except ``n`` (public under replace-one) and the
-  counters. No RNG seed or state is kept: noise comes from the OS CSPRNG at the moment it is drawn.
+* The number of events ``n`` is the only other data-dependent value. Replace-one neighbors have
+  the same n, so a replace-one state keeps it and publishes it (``n``, snapshots, repr,
+  releases). Add-remove neighbors differ in n by one, so publishing it exactly would have
+  infinite privacy loss: an add-remove state does not count it at all (``n`` raises
+  AttributeError, snapshots carry nil, repr omits it, releases say ``"n": null``).
+* No RNG seed or state is kept: noise comes from the OS CSPRNG at the moment it is drawn.
 
 Modes
 -----
@@ -52,6 +56,8 @@ from .noise import discrete_laplace, p_from_epsilon
 __all__ = ["PanPrivateHistogram", "NEIGHBOR_RELATIONS", "SnapshotError"]
 
 NEIGHBOR_RELATIONS = {"replace-one": 2, "add-remove": 1}
+# Why an add-remove state refuses to give or take an event count.
+_HIDDEN_N = "add-remove neighbors differ by one event, so the event count is not public"
 _FORMAT = "panagg.state"
 _VERSION = 1
 # The only fields a snapshot may carry; tests assert this set so nothing RNG-related sneaks in.
@@ -75,6 +81,29 @@ class SnapshotError(ValueError):
 class PanPrivateHistogram:
     """Counters initialised with discrete Laplace noise; any snapshot is epsilon-DP.
 
+    Privacy contract: every snapshot, the live state and anything computed from them is
+    epsilon-DP under :attr:`neighbor`. The counters are the DP part. The event count ``n`` is
+    public only under ``"replace-one"`` (neighbors have the same n). An ``"add-remove"`` state
+    never holds n: neighbors differ by one event, and an exact n would tell them apart with
+    certainty. So for add-remove, :attr:`n` raises AttributeError (``getattr(s, "n", None)``
+    gives None), :meth:`serialize` stores nil, :meth:`deserialize` refuses a snapshot that
+    carries a count, repr omits it and :func:`aggregator.release.make_release` publishes
+    ``"n": null`` and gives the estimators no n.
+
+    >>> a = PanPrivateHistogram(epsilon=1.0, size=10, neighbor="add-remove")
+    >>> a.update([1, 2, 2, 3])
+    >>> a
+    PanPrivateHistogram(epsilon=1.0, size=10, neighbor='add-remove', layers=1)
+    >>> getattr(a, "n", None) is None
+    True
+    >>> a.n  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    AttributeError: an add-remove state has no n: add-remove neighbors differ by one event, ...
+    >>> import msgpack
+    >>> msgpack.unpackb(a.serialize())["n"] is None
+    True
+
     Parameters
     ----------
     epsilon
@@ -85,7 +114,8 @@ class PanPrivateHistogram:
     buckets
         Number of hash buckets B for hashed mode (items are str / bytes / int).
     neighbor
-        ``"replace-one"`` (default; sensitivity 2) or ``"add-remove"`` (sensitivity 1).
+        ``"replace-one"`` (default; sensitivity 2; n public) or ``"add-remove"`` (sensitivity 1;
+        no n anywhere, for offline use where the stream length is not revealed).
     key
         16-byte SipHash key for hashed mode; random if omitted. Not secret for privacy.
     rng
@@ -114,7 +144,9 @@ class PanPrivateHistogram:
         self._key = key
         self._counts = discrete_laplace(self._p, int(length), rng=rng)
         self._layers = 1
-        self._n = 0
+        # add-remove: n is not public, so the state does not even count it (an intrusion into
+        # the live state must not find it either)
+        self._n = 0 if self._public_n else None
 
     # -- the privacy contract, explicit -------------------------------------------------------
     @property
@@ -162,8 +194,17 @@ class PanPrivateHistogram:
         return view
 
     @property
+    def _public_n(self) -> bool:
+        return self._neighbor == "replace-one"
+
+    @property
     def n(self) -> int:
-        """Number of events counted (public under replace-one neighbors)."""
+        """Number of events counted (public under replace-one neighbors).
+
+        Raises AttributeError for an add-remove state, which does not count its events.
+        """
+        if self._n is None:
+            raise AttributeError(f"an add-remove state has no n: {_HIDDEN_N}")
         return self._n
 
     def index_of(self, items) -> np.ndarray:
@@ -197,7 +238,8 @@ class PanPrivateHistogram:
             self._counts += np.bincount(idx, minlength=self.size)
         else:  # small batch against a large state: touch only what changes
             np.add.at(self._counts, idx, 1)
-        self._n += int(len(idx))
+        if self._n is not None:
+            self._n += int(len(idx))
 
     def rerandomize(self, rng=None) -> None:
         """Add a fresh DLap(p) layer to every counter (see docs/privacy.md for when)."""
@@ -208,7 +250,8 @@ class PanPrivateHistogram:
         """Add another state over a disjoint sub-stream into this one (in place; returns self).
 
         Counters add, so the noise layers add: the result carries ``self.layers + other.layers``
-        layers. Both states must share mode, size, key, epsilon and neighbor relation.
+        layers. Both states must share mode, size, key, epsilon and neighbor relation. Event
+        counts add under replace-one; add-remove states have none.
         """
         if not isinstance(other, PanPrivateHistogram):
             raise TypeError("can only merge another PanPrivateHistogram")
@@ -218,12 +261,16 @@ class PanPrivateHistogram:
             raise ValueError("cannot merge states with different mode, size, key, epsilon or neighbor")
         self._counts += other._counts
         self._layers += other._layers
-        self._n += other._n
+        if self._n is not None:
+            self._n += other._n
         return self
 
     # -- snapshots -------------------------------------------------------------------------------
     def serialize(self) -> bytes:
-        """A self-describing msgpack snapshot (SHA-256 checked). Holds no seed or RNG state."""
+        """A self-describing msgpack snapshot (SHA-256 checked). Holds no seed or RNG state.
+
+        The field set is always :data:`SNAPSHOT_FIELDS`; ``n`` is nil for an add-remove state.
+        """
         header = {
             "format": _FORMAT, "version": _VERSION, "mode": self._mode, "size": self.size,
             "key": self._key, "epsilon": self._epsilon, "neighbor": self._neighbor, "p": self._p,
@@ -264,12 +311,22 @@ class PanPrivateHistogram:
         obj._key = body["key"]
         obj._counts = counts.astype(np.int64)  # own, writable copy
         obj._layers = int(body["layers"])
-        obj._n = int(body["n"])
-        if obj._layers < 1 or obj._n < 0:
-            raise SnapshotError("snapshot has a negative event count or no noise layer")
+        if obj._layers < 1:
+            raise SnapshotError("snapshot has no noise layer")
+        if not obj._public_n:
+            if body["n"] is not None:
+                raise SnapshotError(f"an add-remove snapshot must not carry n: {_HIDDEN_N}")
+            obj._n = None
+        elif body["n"] is None:
+            raise SnapshotError("a replace-one snapshot must carry n")
+        else:
+            obj._n = int(body["n"])
+            if obj._n < 0:
+                raise SnapshotError("snapshot has a negative event count")
         return obj
 
     def __repr__(self) -> str:
         what = f"size={self.size}" if self._mode == "direct" else f"buckets={self.size}"
+        count = f", n={self._n}" if self._n is not None else ""
         return (f"PanPrivateHistogram(epsilon={self._epsilon}, {what}, neighbor={self._neighbor!r}, "
-                f"layers={self._layers}, n={self._n})")
+                f"layers={self._layers}{count})")

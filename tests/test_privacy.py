@@ -16,8 +16,8 @@ An audit that cannot fail proves nothing, so every test also checks that
   counters of the replaced and the replacing event, {c_a >= h_a(x), c_b <= h_b(x)} has likelihood
   ratio exactly p^-2 = e^eps), and
 * deliberately broken mechanisms (half the noise scale; a counter without noise; a release that
-  reuses the snapshot's noise; an audit export without the "before" or the "after" layer) are
-  flagged by the very same audit.
+  reuses the snapshot's noise; an audit export without the "before" or the "after" layer; an
+  add-remove snapshot that carries the exact event count) are flagged by the very same audit.
 
 Noise comes from the default OS-entropy source (the production path), so these tests are not
 seeded; the false-failure probability is bounded by ALPHA per audit instead.
@@ -26,6 +26,7 @@ seeded; the false-failure probability is bounded by ALPHA per audit instead.
 from __future__ import annotations
 
 import gc
+import hashlib
 import math
 import random
 import struct
@@ -218,12 +219,104 @@ def test_snapshot_audit_replace_one(eps):
     assert got >= 0.8 * eps, f"audit too weak: {got:.3f} for eps={eps} ({where})"
 
 
+# ---------------------------------------------------------------------------------------------
+# add-remove: the whole serialized snapshot, the event count field included
+# ---------------------------------------------------------------------------------------------
+# Neighbours on D = 3: x' is x with its last event (item 2) removed, so n is 3 vs 2.
+X_ADD, Y_REMOVE = [0, 0, 2], [0, 0]
+NIL = -1  # audit value of a nil n (real event counts are >= 0)
+
+
+def add_remove_snapshots(stream, eps: float, n: int, merged: bool = False) -> list[bytes]:
+    """``n`` serialized snapshots of real add-remove states that counted ``stream`` (``merged``:
+    the stream is split between two states, merged before the snapshot)."""
+    blobs = []
+    for _ in range(n):
+        s = PanPrivateHistogram(eps, size=3, neighbor="add-remove")
+        if merged:
+            t = PanPrivateHistogram(eps, size=3, neighbor="add-remove")
+            s.update(stream[:1])
+            t.update(stream[1:])
+            s.merge(t)
+        else:
+            s.update(stream)
+        blobs.append(s.serialize())
+    return blobs
+
+
+def with_exact_n(blob: bytes, n: int) -> bytes:
+    """The snapshot as the old code wrote it: the same counters, and the exact event count in
+    ``n`` (the checksum recomputed, so that it is a valid snapshot of the old format)."""
+    body = msgpack.unpackb(blob, raw=False)
+    counts, _ = body.pop("counts"), body.pop("checksum")
+    body["n"] = n  # keeps its place in the header, so the header packs as serialize() packs it
+    digest = hashlib.sha256(msgpack.packb(body, use_bin_type=True))
+    digest.update(counts)
+    return msgpack.packb(dict(body, counts=counts, checksum=digest.digest()), use_bin_type=True)
+
+
+def snapshot_view(blobs: list[bytes]) -> tuple[np.ndarray, set[bytes]]:
+    """A sample of snapshots as one (N, D + 1) view: the counters, then the ``n`` field (NIL for
+    nil), plus the distinct values of every other field except the checksum (a function of the
+    rest), so that the caller can check they do not vary."""
+    rows, rest = [], set()
+    for blob in blobs:
+        body = msgpack.unpackb(blob, raw=False)
+        assert set(body) == SNAPSHOT_FIELDS
+        counts = np.frombuffer(body.pop("counts"), dtype="<i8")
+        body.pop("checksum")
+        n = body.pop("n")
+        rows.append(np.append(counts, NIL if n is None else n))
+        rest.add(msgpack.packb(body, use_bin_type=True))
+    return np.array(rows, dtype=np.int64), rest
+
+
+def _audit_snapshots(blobs_x, blobs_y):
+    (vx, rest_x), (vy, rest_y) = snapshot_view(blobs_x), snapshot_view(blobs_y)
+    # every field but the counters and n is one constant over both samples (direct mode: no key),
+    # so it cannot tell the neighbours apart; the audit covers the counters and n
+    assert len(rest_x | rest_y) == 1
+    return empirical_epsilon([vx], [vy]), vx, vy
+
+
+N_REAL = 20_000
+
+
 @pytest.mark.parametrize("eps", EPSILONS)
 def test_snapshot_audit_add_remove(eps):
-    p = p_from_epsilon(eps, 1)
-    got, where = _audit([[0, 0, 1], "view"], [[0, 0], "view"], 3, p)
+    """The whole snapshot of real add-remove states (counters and the n field) is eps-DP."""
+    bx = add_remove_snapshots(X_ADD, eps, N_REAL)
+    by = add_remove_snapshots(Y_REMOVE, eps, N_REAL)
+    (got, where), vx, vy = _audit_snapshots(bx, by)
     assert got <= eps, f"empirical eps {got:.3f} > {eps} at {where}"
-    assert got >= 0.8 * eps, f"audit too weak: {got:.3f} for eps={eps} ({where})"
+    assert (vx[:, 3] == NIL).all() and (vy[:, 3] == NIL).all()  # n is nil, not merely noisy
+    # not vacuous: {c_2 >= 1} has ratio exactly 1/p = e^eps (measured ~0.82-0.94 eps)
+    assert got >= 0.7 * eps, f"audit too weak: {got:.3f} for eps={eps} ({where})"
+
+
+def test_snapshot_audit_add_remove_merged():
+    """The same for the snapshot of two merged add-remove states (two layers, no n)."""
+    eps = 1.0
+    bx = add_remove_snapshots(X_ADD, eps, N_REAL, merged=True)
+    by = add_remove_snapshots(Y_REMOVE, eps, N_REAL, merged=True)
+    (got, where), _, _ = _audit_snapshots(bx, by)
+    assert got <= eps, f"empirical eps {got:.3f} > {eps} at {where}"
+    # two layers: a shift of 1 reaches ratio e^eps only far in the tails (measured ~0.56)
+    assert got >= 0.4 * eps, f"audit too weak: {got:.3f} ({where})"
+
+
+def test_audit_flags_add_remove_snapshot_with_exact_n():
+    """Negative control: the old add-remove snapshot, which carried the exact n, is flagged by
+    the same audit, while its counters alone pass: the leak is the n field, which the old
+    counters-only audit could not see."""
+    eps = 1.0
+    bx = [with_exact_n(b, len(X_ADD)) for b in add_remove_snapshots(X_ADD, eps, N_REAL)]
+    by = [with_exact_n(b, len(Y_REMOVE)) for b in add_remove_snapshots(Y_REMOVE, eps, N_REAL)]
+    (got, where), vx, vy = _audit_snapshots(bx, by)
+    assert got > 5.0, f"exact n under add-remove not flagged: {got:.3f} ({where})"
+    assert "[3]" in where, f"flagged, but not at the n field: {where}"
+    counters_only, where = empirical_epsilon([vx[:, :3]], [vy[:, :3]])
+    assert counters_only <= eps, f"{counters_only:.3f} at {where}"
 
 
 @pytest.mark.parametrize("eps", EPSILONS)

@@ -1,11 +1,15 @@
-"""The pan-private state: counting, modes, layers, merge, snapshots."""
+"""The pan-private state: counting, modes, layers, merge, snapshots, and what add-remove hides."""
 
+import hashlib
+import json
 import math
 
 import msgpack
 import numpy as np
 import pytest
 
+from aggregator import release as release_mod
+from aggregator.release import MODELS, make_release, write_release
 from aggregator.state import SNAPSHOT_FIELDS, PanPrivateHistogram, SnapshotError
 
 
@@ -104,17 +108,146 @@ def test_merge_adds_counts_layers_and_n():
 
 
 def test_snapshot_round_trip_and_fields():
-    s = PanPrivateHistogram(epsilon=0.5, size=100, neighbor="add-remove")
+    s = PanPrivateHistogram(epsilon=0.5, size=100)
     s.update(np.arange(100))
     s.rerandomize()
     blob = s.serialize()
-    assert set(msgpack.unpackb(blob, raw=False)) == SNAPSHOT_FIELDS
+    body = msgpack.unpackb(blob, raw=False)
+    assert set(body) == SNAPSHOT_FIELDS and body["n"] == 100  # replace-one: n is public
     t = PanPrivateHistogram.deserialize(blob)
     assert np.array_equal(t.counts, s.counts)
     assert (t.n, t.layers, t.p, t.epsilon, t.neighbor, t.mode) == \
         (s.n, s.layers, s.p, s.epsilon, s.neighbor, s.mode)
     t.update([0])  # restored counters are writable and independent
     assert t.counts[0] == s.counts[0] + 1
+
+
+def _resealed(blob: bytes, **fields) -> bytes:
+    """``blob`` with header fields changed and a valid checksum: only the field rules refuse it."""
+    body = msgpack.unpackb(blob, raw=False)
+    counts, _ = body.pop("counts"), body.pop("checksum")
+    body.update(fields)
+    digest = hashlib.sha256(msgpack.packb(body, use_bin_type=True))
+    digest.update(counts)
+    return msgpack.packb(dict(body, counts=counts, checksum=digest.digest()), use_bin_type=True)
+
+
+# -- add-remove: the event count differs between neighbours, so it is nowhere -------------------
+def test_add_remove_state_holds_no_event_count():
+    states = [PanPrivateHistogram(epsilon=1.0, size=5, neighbor="add-remove") for _ in range(3)]
+    states[1].update([1])
+    states[2].update([1, 2, 3, 3])
+    for s in states:
+        with pytest.raises(AttributeError, match="add-remove neighbors differ by one event"):
+            s.n
+        assert getattr(s, "n", None) is None
+    # an intrusion into the live object finds nothing but the counters that depends on the data
+    rest = [{k: v for k, v in vars(s).items() if k != "_counts"} for s in states]
+    assert rest[0] == rest[1] == rest[2]
+
+
+@pytest.mark.parametrize("kw", [dict(size=50), dict(buckets=50)])
+def test_add_remove_snapshot_carries_nil_n_and_round_trips(kw):
+    s = PanPrivateHistogram(epsilon=0.5, neighbor="add-remove", **kw)
+    s.update([1, 2, 3, 4, 4])
+    s.rerandomize()
+    blob = s.serialize()
+    body = msgpack.unpackb(blob, raw=False)
+    assert set(body) == SNAPSHOT_FIELDS and body["n"] is None
+    t = PanPrivateHistogram.deserialize(blob)
+    assert np.array_equal(t.counts, s.counts)
+    assert (t.layers, t.p, t.epsilon, t.neighbor, t.mode, t.key) == \
+        (s.layers, s.p, s.epsilon, s.neighbor, s.mode, s.key)
+    assert getattr(t, "n", None) is None
+    t.update([0])  # a restored add-remove state counts on without starting a count
+    assert msgpack.unpackb(t.serialize(), raw=False)["n"] is None
+
+
+@pytest.mark.parametrize("n", [0, 5])
+def test_add_remove_snapshot_with_a_count_is_refused(n):
+    s = PanPrivateHistogram(epsilon=1.0, size=8, neighbor="add-remove")
+    s.update([1, 2, 3, 4, 5])
+    PanPrivateHistogram.deserialize(_resealed(s.serialize()))  # resealing alone is accepted
+    with pytest.raises(SnapshotError, match="add-remove snapshot must not carry n"):
+        PanPrivateHistogram.deserialize(_resealed(s.serialize(), n=n))
+
+
+def test_replace_one_snapshot_without_a_count_is_refused():
+    s = PanPrivateHistogram(epsilon=1.0, size=8)
+    with pytest.raises(SnapshotError, match="replace-one snapshot must carry n"):
+        PanPrivateHistogram.deserialize(_resealed(s.serialize(), n=None))
+    with pytest.raises(SnapshotError, match="negative"):
+        PanPrivateHistogram.deserialize(_resealed(s.serialize(), n=-1))
+
+
+def test_repr_shows_n_only_when_public():
+    r = PanPrivateHistogram(epsilon=1.0, size=4)
+    r.update([1, 2, 3])
+    assert repr(r) == "PanPrivateHistogram(epsilon=1.0, size=4, neighbor='replace-one', layers=1, n=3)"
+    a = PanPrivateHistogram(epsilon=1.0, buckets=4, neighbor="add-remove")
+    a.update(["x", "y", "z"])
+    assert repr(a) == "PanPrivateHistogram(epsilon=1.0, buckets=4, neighbor='add-remove', layers=1)"
+
+
+def test_merge_add_remove_states():
+    a = PanPrivateHistogram(epsilon=1.0, size=20, neighbor="add-remove")
+    b = PanPrivateHistogram(epsilon=1.0, size=20, neighbor="add-remove")
+    a.update([1, 2, 3])
+    b.update([3, 4])
+    total = a.counts + b.counts
+    assert a.merge(b) is a
+    assert np.array_equal(a.counts, total) and a.layers == 2
+    assert getattr(a, "n", None) is None
+    assert msgpack.unpackb(a.serialize(), raw=False)["n"] is None
+    for x, y in ((a, PanPrivateHistogram(epsilon=1.0, size=20)),
+                 (PanPrivateHistogram(epsilon=1.0, size=20), b)):
+        with pytest.raises(ValueError, match="neighbor"):
+            x.merge(y)
+
+
+def _spy_estimator(monkeypatch) -> list:
+    """Record the n that make_release hands to the estimator (which still runs)."""
+    seen = []
+    real = release_mod.anonymized_histogram
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("n"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(release_mod, "anonymized_histogram", spy)
+    return seen
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("kw", [dict(size=200), dict(buckets=200)])
+def test_make_release_of_add_remove_state_has_no_n(monkeypatch, tmp_path, model, kw):
+    seen = _spy_estimator(monkeypatch)
+    s = PanPrivateHistogram(epsilon=2.0, neighbor="add-remove", **kw)
+    s.update([1] * 30 + [2] * 20 + [3] * 5 if "size" in kw else ["a"] * 30 + ["b"] * 20)
+    rel = make_release(s, model=model, window=7)
+    assert rel["n"] is None and seen == [None]
+    assert rel["neighbor"] == "add-remove" and rel["model"] == model
+    assert rel["n_in_histogram"] == sum(r * c for r, c in rel["histogram"]["pairs"])
+    path = write_release(rel, tmp_path)  # JSON null, and the plot titles with n_in_histogram
+    assert json.loads(path.read_text())["n"] is None
+    assert (tmp_path / "release-7.png").exists()
+    assert s.layers == 1  # the state is not modified
+
+
+def test_make_release_of_add_remove_state_refuses_l2():
+    s = PanPrivateHistogram(epsilon=1.0, size=50, neighbor="add-remove")
+    s.update([1, 2, 2])
+    with pytest.raises(ValueError, match="add-remove"):
+        make_release(s, loss="l2")
+
+
+@pytest.mark.parametrize("loss", ["l1", "l2"])
+def test_make_release_of_replace_one_state_publishes_n(monkeypatch, loss):
+    seen = _spy_estimator(monkeypatch)
+    s = PanPrivateHistogram(epsilon=2.0, size=100)
+    s.update([1] * 30 + [2] * 10)
+    rel = make_release(s, loss=loss)
+    assert rel["n"] == s.n == 40 and seen == [40]
 
 
 def test_corrupt_snapshots_are_refused():
