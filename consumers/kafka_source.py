@@ -94,7 +94,9 @@ class KafkaSource(Source):
         config = dict(
             bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
             auto_offset_reset="earliest", max_poll_records=self.max_records,
-            fetch_max_bytes=64 * 1024 * 1024, max_partition_fetch_bytes=16 * 1024 * 1024,
+            # records fetched but not yet counted are plaintext in memory: these bound them
+            # (docs/privacy.md, "In flight"); the service sets them from its config
+            fetch_max_bytes=16 * 1024 * 1024, max_partition_fetch_bytes=4 * 1024 * 1024,
             client_id=f"panagg-{group}",
         )
         config.update(consumer_config or {})
@@ -175,6 +177,49 @@ class KafkaSource(Source):
                 method(parse_partition_key(key))
             except (KeyError, ValueError):
                 pass
+
+    # -- replay: where the topic ends, whether we are there, what the group committed ---------
+    def _topic_partitions(self) -> list[TopicPartition]:
+        parts = self.consumer.partitions_for_topic(self.topic) or set()
+        return [TopicPartition(self.topic, p) for p in sorted(parts)]
+
+    def end_offsets(self) -> dict[str, int] | None:
+        """The end offset of every partition of the topic now (None if unknown)."""
+        try:
+            tps = self._topic_partitions()
+            if not tps:
+                return None
+            ends = self.consumer.end_offsets(tps)
+        except Exception as exc:
+            log.warning("end offsets of %r unknown (%s)", self.topic, type(exc).__name__)
+            return None
+        return {partition_key(tp.topic, tp.partition): int(off) for tp, off in ends.items()}
+
+    def caught_up(self, keys) -> bool:
+        """True if every partition in ``keys`` that this member is assigned is read up to the
+        end offset last seen (an unassigned partition is not caught up)."""
+        try:
+            assigned = self.consumer.assignment()
+            tps = [parse_partition_key(k) for k in keys]
+            if not tps or any(tp not in assigned for tp in tps):
+                return False
+            ends = self.consumer.end_offsets(tps)
+            return all(self.consumer.position(tp) >= ends[tp] for tp in tps)
+        except Exception:
+            return False
+
+    def committed_offsets(self) -> dict[str, int]:
+        """The group's committed offsets for the topic's partitions (empty: none)."""
+        out = {}
+        try:
+            for tp in self._topic_partitions():
+                committed = self.consumer.committed(tp)
+                if committed is not None:
+                    out[partition_key(tp.topic, tp.partition)] = int(committed)
+        except Exception as exc:
+            log.warning("committed offsets of group %r unknown (%s)", self.group,
+                        type(exc).__name__)
+        return out
 
     def commit(self, offsets: dict[str, int]) -> None:
         mine = {parse_partition_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()

@@ -3,12 +3,15 @@
 A checkpoint is one file, written as: temp file in the same directory -> write -> fsync ->
 rename over the final name -> fsync the directory. A crash at any instant leaves either the old
 checkpoint or the new one, never a torn file; a checksum (SHA-256 over the header and the state
-bytes) is verified on load anyway. Only the latest checkpoint is kept.
+bytes) is verified on load anyway. Only the latest checkpoint is kept once the next is durable.
 
-Checkpoint contents: the state snapshot (:meth:`PanPrivateHistogram.serialize`), the window
-metadata, the next offset of every source partition, and releases computed but not yet published
-(so a crash between closing a window and publishing it re-publishes the same document instead of
-releasing the window twice).
+Checkpoint contents: the window (number, random uid, kind, start), the next offset of every
+source partition, per-reason totals of rejected records and of counted events up to those
+offsets, releases computed but not yet published, and *optionally* a state snapshot. Most
+checkpoints carry no counters at all: the open window's counters live only in memory and are
+rebuilt after a restart by replaying the window from the source (docs/privacy.md, "Views of the
+state"). A checkpoint with a snapshot is an announced view, written between two fresh noise
+layers of the live state, so it never shares its noise with memory or with another checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import msgpack
 __all__ = ["Checkpoint", "CheckpointError", "LocalStore", "atomic_write"]
 
 _FORMAT = "panagg.checkpoint"
-_VERSION = 1
+_VERSION = 2
 _NAME = re.compile(r"^checkpoint-(\d{12})\.ckpt$")
 
 
@@ -35,10 +38,11 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class Checkpoint:
-    state: bytes                              # PanPrivateHistogram.serialize()
-    window: dict                              # id, kind, events, started_unix, ...
+    state: bytes | None                       # a layered snapshot, or None: replay the window
+    window: dict                              # id, uid, kind, events, started_unix, ...
     offsets: dict[str, int]                   # next offset per source partition
     pending: list[str] = field(default_factory=list)  # release JSON documents not yet published
+    totals: dict = field(default_factory=dict)  # events and rejects by reason up to ``offsets``
     seq: int = 0
 
 
@@ -114,12 +118,14 @@ class LocalStore:
     def save(self, ckpt: Checkpoint) -> Path:
         files = self._files()
         ckpt.seq = (files[-1][0] + 1) if files else 1
+        state = ckpt.state or b""
         header = {"format": _FORMAT, "version": _VERSION, "seq": ckpt.seq, "window": ckpt.window,
-                  "offsets": ckpt.offsets, "pending": ckpt.pending}
-        body = msgpack.packb(dict(header, checksum=_digest(header, ckpt.state)), use_bin_type=True)
+                  "offsets": ckpt.offsets, "pending": ckpt.pending, "totals": ckpt.totals,
+                  "has_state": ckpt.state is not None}
+        body = msgpack.packb(dict(header, checksum=_digest(header, state)), use_bin_type=True)
         path = self.dir / f"checkpoint-{ckpt.seq:012d}.ckpt"
         # frame: 8-byte header length, header, state bytes
-        atomic_write(path, [len(body).to_bytes(8, "little") + body, ckpt.state],
+        atomic_write(path, [len(body).to_bytes(8, "little") + body, state],
                      fault_prefix="checkpoint")
         for _, old in files:  # only the latest is kept
             old.unlink(missing_ok=True)
@@ -137,12 +143,17 @@ class LocalStore:
             state = data[8 + hlen:]
             checksum = header.pop("checksum")
         except Exception:
-            raise CheckpointError(f"{path} is not a readable checkpoint; move it away to start "
-                                  "over (its window would be lost)") from None
-        if header.get("format") != _FORMAT or header.get("version") != _VERSION:
+            raise CheckpointError(f"{path} is not a readable checkpoint; restore it from a backup "
+                                  "of the state directory, or move it away and start with "
+                                  "--fresh-start (its open window is then not released)") from None
+        if header.get("format") != _FORMAT or header.get("version") not in (1, _VERSION):
             raise CheckpointError(f"{path} has an unknown checkpoint format")
         if _digest(header, state) != checksum:
-            raise CheckpointError(f"{path} failed its checksum (corrupt); move it away to start "
-                                  "over (its window would be lost)")
-        return Checkpoint(state=state, window=header["window"], offsets=header["offsets"],
-                          pending=list(header["pending"]), seq=seq)
+            raise CheckpointError(f"{path} failed its checksum (corrupt); restore it from a "
+                                  "backup of the state directory, or move it away and start with "
+                                  "--fresh-start (its open window is then not released)")
+        if header["version"] == 1:  # always carried counters; restored as a snapshot
+            header.update(totals={}, has_state=True)
+        return Checkpoint(state=state if header["has_state"] else None, window=header["window"],
+                          offsets=header["offsets"], pending=list(header["pending"]),
+                          totals=dict(header["totals"]), seq=seq)

@@ -89,7 +89,9 @@ def _make_source(cfg: dict):
             os.path.abspath(cfg["checkpoint"]["dir"]).encode()).hexdigest()[:16])
         consumer_config = {"bootstrap_timeout_ms": int(src["connect_timeout_s"] * 1000),
                            "session_timeout_ms": int(src["session_timeout_s"] * 1000),
-                           "heartbeat_interval_ms": int(min(3.0, src["session_timeout_s"] / 3) * 1000)}
+                           "heartbeat_interval_ms": int(min(3.0, src["session_timeout_s"] / 3) * 1000),
+                           "fetch_max_bytes": src["fetch_max_bytes"],
+                           "max_partition_fetch_bytes": src["max_partition_fetch_bytes"]}
         if instance:  # partitioned members share checkpoint.dir: each needs its own id
             consumer_config["group_instance_id"] = instance
         return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
@@ -105,15 +107,36 @@ def _make_source(cfg: dict):
     return GeneratorSource(gen, rate=src["generator_rate"] or None)
 
 
-def _run_service(cfg: dict, idle_exit_s: float | None = None) -> int:
+def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
     import signal
 
     from .metrics import Metrics
-    from .process import Aggregator
-
-    import logging
 
     metrics = Metrics()
+    agg = _make_aggregator(cfg, metrics, **start)
+    if cfg["metrics"]["port"] >= 0:
+        try:
+            port = metrics.serve(cfg["metrics"]["host"], cfg["metrics"]["port"])
+        except OSError as exc:
+            raise UsageError(f"cannot serve metrics on {cfg['metrics']['host']}:"
+                             f"{cfg['metrics']['port']} ({exc.strerror}); set metrics.port "
+                             "(0 = any free port, -1 = off)") from None
+        print(f"metrics on http://{cfg['metrics']['host']}:{port}/metrics", file=sys.stderr)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agg.stop_event.set())
+    try:
+        agg.run(idle_exit_s=idle_exit_s)
+    finally:
+        metrics.close()
+    return 0
+
+
+def _make_aggregator(cfg: dict, metrics=None, **start):
+    """The service object for ``cfg`` with its source (one line if Kafka is unreachable)."""
+    import logging
+
+    from .process import Aggregator
+
     kafka_net = logging.getLogger("kafka.net")
     quiet = kafka_net.level < logging.CRITICAL and not logging.getLogger().isEnabledFor(logging.DEBUG)
     if quiet:  # bootstrap retries log a burst of errors; one line of ours says it all
@@ -131,24 +154,8 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None) -> int:
             kafka_net.setLevel(logging.WARNING)
     if cfg["scale"]["partitioned"]:
         from .partitioned import PartitionedAggregator
-        agg = PartitionedAggregator(cfg, source, metrics)
-    else:
-        agg = Aggregator(cfg, source, metrics)
-    if cfg["metrics"]["port"] >= 0:
-        try:
-            port = metrics.serve(cfg["metrics"]["host"], cfg["metrics"]["port"])
-        except OSError as exc:
-            raise UsageError(f"cannot serve metrics on {cfg['metrics']['host']}:"
-                             f"{cfg['metrics']['port']} ({exc.strerror}); set metrics.port "
-                             "(0 = any free port, -1 = off)") from None
-        print(f"metrics on http://{cfg['metrics']['host']}:{port}/metrics", file=sys.stderr)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agg.stop_event.set())
-    try:
-        agg.run(idle_exit_s=idle_exit_s)
-    finally:
-        metrics.close()
-    return 0
+        return PartitionedAggregator(cfg, source, metrics, **start)
+    return Aggregator(cfg, source, metrics, **start)
 
 
 def _load(args: argparse.Namespace, extra: list[str], state_dir: str | None = None) -> dict:
@@ -179,7 +186,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             extra.append(f"{key}={value}")
     cfg = _load(args, extra)
     _setup_logging(args.verbose)
-    return _run_service(cfg, idle_exit_s=args.exit_when_idle)
+    return _run_service(cfg, idle_exit_s=args.exit_when_idle, fresh_start=args.fresh_start,
+                        accept_change=args.accept_change)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -276,18 +284,22 @@ def _export_partitioned(cfg: dict, timeout_s: float = 120.0) -> list[str]:
 
 
 def _offline(cfg: dict):
-    """An Aggregator over the checkpoint with no source (the service is not running)."""
-    from consumers.base import Source
+    """The service over its checkpoint and source while it is not running: the open window's
+    counters exist only in a running service's memory, so they are rebuilt by replaying the
+    window from the source up to its current end (docs/privacy.md)."""
+    from pathlib import Path
 
-    from .process import Aggregator
-
-    class _NoSource(Source):
-        def poll(self, timeout_s=1.0):
-            return []
-
-    agg = Aggregator(cfg, _NoSource())
+    if not (Path(cfg["checkpoint"]["dir"]) / "checkpoints").is_dir():
+        raise UsageError(f"{cfg['checkpoint']['dir']} holds no panagg state (no checkpoints/ "
+                         "directory); pass the --state-dir the service runs with")
+    agg = _make_aggregator(cfg)
     agg._lock()
-    agg.restore()
+    try:
+        agg.restore()
+        agg.catch_up()
+    except BaseException:
+        agg.close()
+        raise
     return agg
 
 
@@ -303,16 +315,18 @@ def cmd_release(args: argparse.Namespace) -> int:
         result = _control(cfg, "release")
         if not result.get("ok"):
             raise UsageError(result.get("error", "release failed"))
-        print(f"released window {result['window']}")
+        print(f"released window {result['window']} (by the running service)")
         return 0
     agg = _offline(cfg)
     try:
         rel = agg.close_window()
     finally:
         agg.close()
-    print("release refused by the ledger (see the log)" if rel is None else
-          f"released window {rel['window']} (n={rel['n']:,}) to {cfg['release']['dir']}")
-    return 0 if rel is not None else 1
+    if rel is None:
+        raise UsageError("the privacy ledger refused the release (budget spent); see "
+                         "`ledger.budget_total` in docs/configuration.md")
+    print(f"released window {rel['window']} (n={rel['n']:,}) to {cfg['release']['dir']}")
+    return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -436,7 +450,6 @@ def cmd_central(args: argparse.Namespace) -> int:
         algorithm = "dpanonhist" if args.epsilon >= 1 else "privhist"
     if algorithm == "dpanonhist" and args.epsilon < 1:
         raise UsageError("dpanonhist needs --epsilon >= 1; use --algorithm privhist below 1")
-    started = time.perf_counter()
     if algorithm == "dpanonhist":
         counts = arr if kind == "counts" else np.repeat(arr[:, 0], arr[:, 1])
         hist = central.dp_anon_hist(counts, args.epsilon, n=args.public_n)
@@ -448,7 +461,7 @@ def cmd_central(args: argparse.Namespace) -> int:
         neighbor="anonymized histograms at l1 distance 1 (one item's count +-1)",
         model="central", extra={"algorithm": algorithm,
                                 "public_n": args.public_n if algorithm == "dpanonhist" else None})
-    release["release_seconds"] = time.perf_counter() - started
+    # no release_seconds here: the time to run the mechanism on the raw counts depends on them
     path = write_release(release, args.output)
     print(f"central {algorithm} eps={args.epsilon}: released {len(hist):,} items, "
           f"n_hat={int(hist.sum()):,} -> {path}")
@@ -479,7 +492,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--release-dir", help="release.dir")
     run.add_argument("--metrics-port", type=int, help="metrics.port (0 any, -1 off)")
     run.add_argument("--exit-when-idle", type=_positive_float, metavar="SECONDS",
-                     help="stop (with a final checkpoint) after this long without events")
+                     help="stop after this long without events (the open window is replayed "
+                          "from the source at the next start)")
+    run.add_argument("--fresh-start", action="store_true",
+                     help="start without a checkpoint although the ledger or the consumer group "
+                          "show earlier runs (recorded in the ledger)")
+    run.add_argument("--accept-change", action="store_true",
+                     help="accept settings that differ from those the state directory was "
+                          "created with (recorded in the ledger)")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=cmd_run)
 
@@ -533,10 +553,13 @@ def main(argv: list[str] | None = None) -> int:
         # conditions the user can act on, raised deep in the service: one line, exit 2
         from state_store.local import CheckpointError
 
-        from .process import ServiceError
-        from ..state import SnapshotError
         from consumers.kafka_source import PartialAssignment
-        if isinstance(exc, (ServiceError, CheckpointError, SnapshotError, PartialAssignment)):
+
+        from ..state import SnapshotError
+        from .ledger import LedgerError
+        from .process import ServiceError
+        if isinstance(exc, (ServiceError, CheckpointError, SnapshotError, PartialAssignment,
+                            LedgerError)):
             print(f"panagg: error: {exc}", file=sys.stderr)
             return 2
         raise

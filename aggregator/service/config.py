@@ -30,7 +30,9 @@ DEFAULTS: dict[str, dict] = {
         "connect_timeout_s": 30.0,  # give up (one clear line) if Kafka cannot be reached
         "session_timeout_s": 45.0,  # Kafka group session: a dead member's partitions move after it
         "format": "msgpack",        # msgpack | json
-        "max_records": 20000,
+        "max_records": 20000,       # records decoded and counted at once (in flight)
+        "fetch_max_bytes": 16777216,           # Kafka client fetch buffer (in flight)
+        "max_partition_fetch_bytes": 4194304,  # per partition, within fetch_max_bytes
         "dead_letter_topic": "",    # empty: no dead-letter topic
         "path": "",                 # file source: path or "-" for stdin
         "max_message_bytes": 65536,
@@ -55,8 +57,8 @@ DEFAULTS: dict[str, dict] = {
     },
     "checkpoint": {
         "dir": "var/panagg",
-        "every_events": 200000,
-        "every_seconds": 10.0,
+        "snapshots_per_window": 0,  # layered snapshots inside a window (each: +2 noise layers;
+                                    # bounds the replay after a crash to a fraction of a window)
     },
     "release": {
         "dir": "out/releases",
@@ -93,10 +95,28 @@ _CHOICES = {
     ("window", "kind"): ("count", "time"),
 }
 _POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "keep_windows"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
+             ("source", "fetch_max_bytes"), ("source", "max_partition_fetch_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
-             ("window", "size"), ("checkpoint", "every_events"), ("checkpoint", "every_seconds")}
-_NON_NEGATIVE = {("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
+             ("window", "size")}
+_NON_NEGATIVE = {("checkpoint", "snapshots_per_window"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
                  ("ledger", "budget_per_window"), ("ledger", "budget_total")}
+
+
+# keys that existed once: a config that still sets one gets the reason and the replacement
+_REMOVED = {
+    ("checkpoint", "every_events"): "checkpoints now happen at window boundaries and the open "
+    "window is replayed after a restart (docs/privacy.md, views of the state); to bound the "
+    "replay use checkpoint.snapshots_per_window",
+    ("checkpoint", "every_seconds"): "checkpoints now happen at window boundaries and the open "
+    "window is replayed after a restart (docs/privacy.md, views of the state); to bound the "
+    "replay use checkpoint.snapshots_per_window",
+}
+
+
+def _removed(section: str, key: str, where: str) -> None:
+    if (section, key) in _REMOVED:
+        raise ConfigError(f"{section}.{key} ({where}) is no longer a setting: "
+                          f"{_REMOVED[(section, key)]}; remove it")
 
 
 def _where(section: str, key: str) -> str:
@@ -145,7 +165,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     """
     cfg = copy.deepcopy(DEFAULTS)
     for section, values in (base or {}).items():
-        for key, value in values.items():
+        for key, value in values.items():  # a saved config may hold keys since removed
             if section in cfg and key in cfg[section]:
                 cfg[section][key] = _coerce(section, key, value, DEFAULTS[section][key])
     env = os.environ if env is None else env
@@ -162,10 +182,14 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
                 raise ConfigError(f"unknown config section [{section}] in {path}; known: "
                                   f"{', '.join(sorted(cfg))}")
             for key, value in values.items():
+                _removed(section, key, path)
                 if key not in cfg[section]:
                     raise ConfigError(f"unknown key {section}.{key} in {path}; known in "
                                       f"[{section}]: {', '.join(sorted(cfg[section]))}")
                 cfg[section][key] = _coerce(section, key, value, DEFAULTS[section][key])
+    for section, key in _REMOVED:
+        if f"PANAGG_{section.upper()}_{key.upper()}" in env:
+            _removed(section, key, f"PANAGG_{section.upper()}_{key.upper()}")
     for section, values in cfg.items():
         for key in values:
             var = f"PANAGG_{section.upper()}_{key.upper()}"
@@ -174,6 +198,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     for item in overrides or []:
         name, sep, value = item.partition("=")
         section, _, key = name.strip().partition(".")
+        _removed(section, key, "--set")
         if not sep or section not in cfg or key not in cfg[section]:
             raise ConfigError(f"--set {item!r}: expected section.key=value with a known key, "
                               "e.g. --set window.size=100000")
@@ -208,6 +233,9 @@ def _validate(cfg: dict) -> None:
     if cfg["scale"]["partitioned"] and src["kind"] != "kafka":
         raise ConfigError("scale.partitioned needs source.kind = kafka (partitions are Kafka's); "
                           "set scale.partitioned = false for file and generator sources")
+    if cfg["source"]["max_partition_fetch_bytes"] > cfg["source"]["fetch_max_bytes"]:
+        raise ConfigError("source.max_partition_fetch_bytes must be <= source.fetch_max_bytes; "
+                          + _where("source", "max_partition_fetch_bytes"))
     if cfg["metrics"]["port"] < -1 or cfg["metrics"]["port"] > 65535:
         raise ConfigError("metrics.port must be -1 (off), 0 (any free port) or 1..65535; "
                           + _where("metrics", "port"))

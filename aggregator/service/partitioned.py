@@ -5,47 +5,53 @@ by the counted item; each owns the states of the partitions the group assigns it
 share lives in one directory (``checkpoint.dir``; a local disk for processes on one host, a
 network filesystem with working ``flock`` for several hosts)::
 
-    partitions/<topic>-<p>/     one checkpoint store per partition + owner.lock (flock)
+    partitions/<topic>-<p>/       one checkpoint store per partition + owner.lock (flock)
     windows/<w>/summary-<p>.json  partition p's summary of window w (written once, atomically)
-    windows/<w>/release.json    the merged release document (written once, then published)
-    windows/<w>/published       marker: the release is out
-    merge.lock, ledger.jsonl    one merge at a time; the shared privacy ledger
+    windows/<w>/release.json      the merged release document (written once, then published)
+    windows/<w>/published         marker: the release is out
+    merge.lock, ledger.jsonl      one merge at a time; the shared privacy ledger
 
-Ownership and handover. A process counts a partition only while it holds that partition's
-``owner.lock``; it loads the partition's checkpoint after taking the lock and seeks the consumer to
-the offset inside it. When the group moves the partition away, the process checkpoints it and
-drops the lock; the new owner, which waited for the lock, loads exactly that checkpoint. A killed
-process loses its locks with its life, and its last checkpoint (state + offset, atomic) is what the
-next owner resumes from. So a rebalance, a crash or a zombie member neither loses nor
-double-counts an event: at any instant one process at most counts a partition, from the offset
-its counters end at.
+Each partition is a :class:`~aggregator.service.window.WindowTask` run by the same code as the
+single-process service (:class:`~aggregator.service.process.Aggregator`): its open window's
+counters live only in memory, its checkpoint holds the window's start offset, totals and
+unpublished summaries (plus optional layered snapshots), and a new owner rebuilds the window by
+replaying the partition from that offset under fresh noise. A handover is a view like any other:
+nothing of the old owner's counters is written for the new owner to read.
 
-Windows are per partition. Count windows close after ``window.size`` events *of that partition*
-(deterministic, what the tests use); time windows are aligned to the epoch (window w covers
-[w * size, (w + 1) * size) in Unix time), so every partition closes window w at about the same
-time, and a partition that saw nothing still closes (a noise-only summary).
+Ownership. A process counts a partition only while it holds that partition's ``owner.lock``; it
+loads the partition's checkpoint after taking the lock and seeks the consumer to the offset inside
+it. When the group moves the partition away, the process drops its state and the lock; the new
+owner replays. A killed process loses its locks with its life. So a rebalance, a crash or a zombie
+member neither loses nor double-counts an event.
 
-Summaries and the merge. Closing window w of partition p adds the release layer (joint model),
-takes the noisy-value counts c_v of the partition's counters and writes them as
-``summary-<p>.json`` (the document is first made durable in the partition's checkpoint, so a crash
+Windows are per partition. Count windows close after ``window.size`` events *of that partition*;
+time windows are aligned to the epoch (window w covers [w * size, (w + 1) * size) in Unix time).
+The set of windows a partition must summarize is a function of its checkpoint and the clock, not
+of what other members wrote: a partition first taken (no checkpoint) summarizes, with noise only,
+every window since the group's first window (recorded in the ledger's identity) that the ledger
+has not released yet; a partition that had no owner for a while fills its skipped windows the same
+way when it closes the next one.
+
+The ledger before the noise. Closing window w of partition p first asks the shared ledger (under
+``merge.lock``): the first partition to close window w reserves its release (the budget check and
+the epsilon spent); if the budget refuses it, the ledger records the refusal and *no* partition
+draws a release layer or writes a summary for that window, so nothing of a refused window can be
+rebuilt. Then the release layer is added (joint model), the noisy-value counts c_v are taken and
+written as ``summary-<p>.json`` (first made durable in the partition's checkpoint, so a crash
 re-writes the same summary rather than drawing a second release layer). c_v is additive over
-states: merging the P summaries gives the noisy-value counts of all P states' counters together,
-from which the estimators compute the window's release exactly as for one state
-(:func:`merge_summaries`, deterministic, so any process can run it and a re-run yields the same
-document). Whichever process first sees all P summaries of a window merges it under
-``merge.lock``, ledgers it and publishes it.
+states: :func:`merge_summaries` (deterministic) computes the window's release from the P
+summaries; the document is ledgered, then published. A window whose document is in the ledger is
+re-published from it, never merged again.
 
 * Hashed mode: each partition keeps B / P buckets, disjoint from the others' (an item lives in its
-  key's partition), so the P arrays together are one B-bucket hashed state and the release equals
-  the one-process release (same collision statistics, same number of empty buckets).
-* Direct mode: each partition keeps all D counters, so the release sees P * D noisy counters of
-  which at most D are non-zero; the extra zero counters cost accuracy like a P times larger
-  domain (docs/scale-out.md measures it).
+  key's partition), so the P arrays together are one B-bucket hashed state.
+* Direct mode: each partition keeps all D counters; the merge removes the expected value counts of
+  the (P - 1) * D counters a keyed topic leaves empty (:func:`remove_empty_counters`).
 
-Topics not keyed by item. If one item's events reach several partitions, each partition counts
-a piece of it and the release describes (item, partition) pieces: the histogram is shifted to
-small counts, and no estimator can undo it. Each process checks record keys against items on a
-sample of every batch and reports mismatches (``panagg_unkeyed_records_total`` and a warning).
+Topics not keyed by item. If one item's events reach several partitions, each partition counts a
+piece of it. Each process checks record keys against items on a sample of every batch and reports
+mismatches to operators (``panagg_unkeyed_records_total`` and a warning naming no payload). The
+release carries no such count: it would be an un-noised, data-dependent number.
 """
 
 from __future__ import annotations
@@ -68,11 +74,12 @@ from state_store.audit import load_key
 from state_store.local import LocalStore, atomic_write
 
 from ..estimate import NoisyValueCounts, anonymized_histogram, noise_pmf, noisy_value_counts
-from .ledger import BudgetExceeded
 from ..noise import discrete_laplace
 from ..release import STATE_ONLY_CAVEAT, package_release, plot_release, write_release
-from .process import Aggregator, ServiceError
 from ..state import PanPrivateHistogram
+from .ledger import BudgetExceeded
+from .process import Aggregator, ServiceError, Stopping
+from .window import WindowTask, new_window
 
 __all__ = ["PartitionedAggregator", "PartitionTask", "merge_summaries", "partition_summary",
            "item_key_bytes", "remove_empty_counters"]
@@ -170,15 +177,7 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1") -> dict:
         "ended_unix": max(i["ended_unix"] for i in infos),
         "per_partition": "count windows close per partition" if infos[0]["kind"] == "count"
         else "time windows aligned to the epoch",
-        "key_checks": int(sum(i.get("key_checks", 0) for i in infos)),
-        "key_mismatches": int(sum(i.get("key_mismatches", 0) for i in infos)),
     }
-    if release["window_info"]["key_mismatches"]:
-        release["warning"] = (
-            f"{release['window_info']['key_mismatches']} of {release['window_info']['key_checks']} "
-            "sampled records were not keyed by their item: items that reached several partitions "
-            "are counted as separate pieces, and the histogram is shifted to small counts "
-            "(docs/scale-out.md)")
     release["release_seconds"] = time.perf_counter() - started
     if first["model"] == "state-only":
         release["caveat"] = STATE_ONLY_CAVEAT
@@ -259,22 +258,15 @@ def partitions_held(checkpoint_dir) -> set[str]:
     return held
 
 
-class PartitionTask:
-    """One Kafka partition's state, window, next offset and unpublished summaries."""
+class PartitionTask(WindowTask):
+    """One Kafka partition's :class:`WindowTask`, with its owner lock and directory."""
 
     def __init__(self, key: str, index: int, directory: Path):
+        super().__init__(key)
         self.key, self.index = key, index
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
-        self.store: LocalStore | None = None  # opened under the lock: opening cleans temp files
         self.lock = _FileLock(directory / "owner.lock")
-        self.state: PanPrivateHistogram | None = None
-        self.window: dict = {}
-        self.offsets: dict[str, int] = {}
-        self.pending: list[str] = []
-        self._dirty = False
-        self._since_ckpt_events = 0
-        self._last_ckpt = time.monotonic()
         self._unkeyed_warned: int | None = None
 
 
@@ -286,8 +278,8 @@ class PartitionedAggregator(Aggregator):
     the shared ``checkpoint.dir`` (see the module docstring).
     """
 
-    def __init__(self, cfg: dict, source, metrics=None):
-        super().__init__(cfg, source, metrics)
+    def __init__(self, cfg: dict, source, metrics=None, **kwargs):
+        super().__init__(cfg, source, metrics, **kwargs)
         if not hasattr(source, "owned"):
             raise ServiceError("scale.partitioned needs a Kafka source")
         self.tasks: dict[str, PartitionTask] = {}
@@ -303,29 +295,57 @@ class PartitionedAggregator(Aggregator):
         self.partitions_total: int | None = None
         self.member = (cfg["source"]["instance_id"] or f"pid{os.getpid()}").replace("/", "_")
         self._answered: set[str] = set()
+        self.identity: dict = {}
 
-    # -- noise ---------------------------------------------------------------------------------
-    def _task_state(self, task: PartitionTask, window_id: int) -> PanPrivateHistogram:
+    # -- noise and windows ---------------------------------------------------------------------
+    def _new_state(self, task: PartitionTask, window_id: int) -> PanPrivateHistogram:
         if self.direct:
             kwargs = {"size": self.size}
         else:  # disjoint arrays: together the partitions hold the B buckets of one state
-            kwargs = {"buckets": max(1, math.ceil(self.size / self.partitions_total))}
+            kwargs = {"buckets": self._expected_size(task)}
             if self._seed is not None:  # test-only: reproducible hashing across runs
                 kwargs["key"] = hashlib.sha256(f"{self._seed}:{task.index}".encode()).digest()[:16]
         return PanPrivateHistogram(self.epsilon, rng=self._rng(0, task.index, window_id), **kwargs)
 
-    def _task_window(self, window_id: int | None = None) -> dict:
+    def _expected_size(self, task: PartitionTask) -> int:
+        if self.direct:
+            return self.size
+        return max(1, math.ceil(self.size / self.partitions_total))
+
+    def _ensure_identity(self) -> None:
+        """The group's identity (run id, first window) before any window is touched; taken
+        outside the merge lock (restore takes it, and flock does not nest)."""
+        if not self.identity:
+            self.restore()
+
+    def _window_uid(self, window_id: int) -> str:
+        """Windows are the group's: every partition's window w is one ledger window."""
+        return f"{self.identity['run']}-{window_id}"
+
+    def _new_window(self, task: PartitionTask | None, window_id: int | None = None) -> dict:
         kind, size = self.cfg["window"]["kind"], self.cfg["window"]["size"]
         if kind == "time":
             if window_id is None:
                 window_id = int(time.time() // size)
-            return {"id": window_id, "kind": kind, "size": size, "events": 0,
-                    "started_unix": window_id * size}
-        return {"id": window_id or 0, "kind": kind, "size": size, "events": 0,
-                "started_unix": time.time()}
+            started = window_id * size
+        else:
+            window_id, started = window_id or 0, None
+        return new_window(window_id, kind, size, started_unix=started,
+                          uid=self._window_uid(window_id))
+
+    def _same_unit(self, entry: dict) -> bool:
+        # ledger windows are the group's and count windows advance per partition: another
+        # partition's later release is normal, so the roll-back check is the single process's
+        return False
 
     # -- lifecycle -----------------------------------------------------------------------------
     def restore(self) -> None:  # partitions are restored one by one as they are assigned
+        self.merge_lock.acquire(blocking=True)  # one identity for the whole group
+        try:
+            self.ledger.reload()
+            self.identity = self.check_identity()
+        finally:
+            self.merge_lock.release()
         self.metrics.budget_spent.set(self.ledger.spent())
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
@@ -343,22 +363,27 @@ class PartitionedAggregator(Aggregator):
             for task in list(self.tasks.values()):
                 self._drop(task)
             self._merge_scan(force=True)
+        except Stopping:
+            log.info("stopped while waiting; open windows are replayed by their next owner")
         finally:
             self.close()
 
     def step(self, poll_timeout_s: float = 0.5) -> int:
         """One turn of the loop: poll, follow the assignment, count, close windows, publish,
-        checkpoint, merge. Returns the number of records polled."""
+        snapshot, merge. Returns the number of records polled."""
+        self._ensure_identity()
         segments = self.source.poll(poll_timeout_s)
         self._sync_assignment()
         for seg in segments:
             self._ingest(seg)
+        polled = {seg.partition for seg in segments}
         for task in list(self.tasks.values()):
-            self._maybe_close_task_time_window(task)
+            if task.key not in polled:
+                self._caught_up(task)
+            self._maybe_close_time_window(task)
+            self._maybe_snapshot(task)
             if task.pending:
                 self._publish_summaries(task)
-            if self._checkpoint_due(task):
-                self._checkpoint(task)
         self._handle_control()
         self._merge_scan()
         self._update_lag()
@@ -401,47 +426,42 @@ class PartitionedAggregator(Aggregator):
         if not task.lock.acquire():
             return False
         try:
-            task.store = LocalStore(task.dir)
-            ckpt = task.store.load_latest()
+            task.store = LocalStore(task.dir)  # opened under the lock: opening cleans temp files
+            self.restore_task(task, where=f"partition {key} ({task.dir})")
         except Exception:
             task.lock.release()
             raise
-        if ckpt is None:
-            task.window = self._task_window()
-            task.state = self._task_state(task, task.window["id"])
-            task.offsets = {key: self.source.start_offset(key)}
-            task._dirty = True
-            if task.window["kind"] == "time":
-                # time windows other partitions already closed wait for this one's summary
-                earlier = [int(d.name) for d in self.windows_dir.iterdir()
-                           if d.name.isdigit() and int(d.name) < task.window["id"]
-                           and not (d / "published").exists()
-                           and not (d / f"summary-{index}.json").exists()]
-                docs = self._noise_only_summaries(task, sorted(earlier), self.partitions_total)
-                task.pending = [json.dumps(d, allow_nan=False) for d in docs]
-        else:
-            task.state = PanPrivateHistogram.deserialize(ckpt.state)
-            task.window, task.offsets, task.pending = ckpt.window, dict(ckpt.offsets), ckpt.pending
-            try:  # hashed: a partition's B/P buckets were fixed when it was first owned
-                self._check_state_matches_config(
-                    task.state, f"the checkpoint of partition {key} in {task.store.dir}",
-                    size=self.size if self.direct else task.state.size)
-            except ServiceError:
-                task.lock.release()
-                raise
         self.tasks[key] = task
         self.source.seek_partition(key, task.offsets[key])
         self.metrics.handovers.labels(event="acquired").inc()
-        log.info("took partition %s: window %s at %d events, next offset %d", key,
-                 task.window["id"], task.window["events"], task.offsets[key])
+        log.info("took partition %s: window %s from offset %d (replayed under fresh noise)", key,
+                 task.window["id"], task.offsets[key])
         if task.pending:
             self._publish_summaries(task)
         return True
 
+    def _first_start(self, task: PartitionTask, where: str) -> None:
+        if any(e["kind"] == "release-document" for e in self.ledger.entries) \
+                and not self.fresh_start:
+            raise ServiceError(
+                f"no checkpoint for {where}, but the group's ledger in {self.dir} records "
+                "released windows: the partition's checkpoint was lost or moved away. Restore "
+                "it from a backup, or start with --fresh-start (its open window is then never "
+                "released)")
+        task.window = self._new_window(task)
+        task.state = self._new_state(task, task.window["id"])
+        task.offsets = {task.key: self.source.start_offset(task.key)}
+        task.pending, task.durable = [], None
+        task.totals = {"events": 0, "rejects": {}}
+        if task.window["kind"] == "time":
+            # every earlier window of the group waits for this partition's summary
+            first = int(self.identity.get("first_window", task.window["id"]))
+            docs = self._summaries(task, range(first, task.window["id"]), noise_only=True)
+            task.pending = [json.dumps(d, allow_nan=False) for d in docs]
+
     def _drop(self, task: PartitionTask) -> None:
-        """Hand a partition over: make its progress durable, then release its lock."""
-        if task._dirty or task.pending:
-            self._checkpoint(task)
+        """Hand a partition over: publish what is pending, then release its lock. The open
+        window's counters are not written: the next owner replays them under fresh noise."""
         if task.pending:
             self._publish_summaries(task)
         del self.tasks[task.key]
@@ -451,9 +471,15 @@ class PartitionedAggregator(Aggregator):
         except KeyError:
             pass
         self.metrics.handovers.labels(event="released").inc()
-        log.info("handed over partition %s at offset %d", task.key, task.offsets[task.key])
+        log.info("handed over partition %s (window %s from offset %d is replayed by the next "
+                 "owner)", task.key, task.window["id"],
+                 (task.durable.offsets if task.durable else task.offsets).get(task.key, -1))
 
-    # -- counting --------------------------------------------------------------------------------
+    def _end_offsets(self, task: PartitionTask) -> dict[str, int] | None:
+        ends = super()._end_offsets(task)
+        return None if not ends or task.key not in ends else {task.key: ends[task.key]}
+
+    # -- counting ------------------------------------------------------------------------------
     def _ingest(self, seg: Segment) -> None:
         task = self.tasks.get(seg.partition)
         if task is None or not len(seg):
@@ -465,9 +491,10 @@ class PartitionedAggregator(Aggregator):
                           None if seg.keys is None else seg.keys[cut:])
             if not len(seg):
                 return
-        items, good = self._decode(seg)
+        items, good, rejected = self._decode(seg)
         self._check_keys(task, seg, items, good)
-        self._count_segment(task, seg, items, good, lambda: self._close_task_window(task))
+        self._count_segment(task, seg, items, good, rejected,
+                            lambda: self._close_task_window(task))
 
     def _check_keys(self, task: PartitionTask, seg: Segment, items, good) -> None:
         if seg.keys is None or not len(items):
@@ -479,9 +506,6 @@ class PartitionedAggregator(Aggregator):
             checked += 1
             bad += seg.keys[rec] != item_key_bytes(items[j])
         self.metrics.key_checks.inc(checked)
-        # also in the window, so the merged release says whether its topic looked keyed
-        task.window["key_checks"] = task.window.get("key_checks", 0) + checked
-        task.window["key_mismatches"] = task.window.get("key_mismatches", 0) + int(bad)
         if bad:
             self.metrics.unkeyed.labels(partition=task.key).inc(bad)
             if task._unkeyed_warned != task.window["id"]:
@@ -492,44 +516,77 @@ class PartitionedAggregator(Aggregator):
                             task.key, bad, checked)
 
     # -- windows -------------------------------------------------------------------------------
-    def _maybe_close_task_time_window(self, task: PartitionTask) -> None:
-        w = task.window
-        if w["kind"] == "time" and time.time() >= w["started_unix"] + w["size"]:
-            self._close_task_window(task)
+    def _close(self, task: PartitionTask) -> None:
+        self._close_task_window(task)
 
     def _close_task_window(self, task: PartitionTask) -> None:
-        """Summarize the partition's window, start the next one with fresh noise, durably."""
+        """Summarize the partition's window (and any it skipped), start the next one with fresh
+        noise, durably."""
         closing = dict(task.window, ended_unix=time.time())
         wid = closing["id"]
         nxt = wid + 1
         if closing["kind"] == "time":  # skipped windows (e.g. the partition had no owner)
             nxt = max(nxt, int(closing["ended_unix"] // closing["size"]))
-        partitions = self.source.partition_count() or self.partitions_total
-        info = {k: closing[k] for k in ("kind", "size", "events", "started_unix", "ended_unix")}
-        info.update(key_checks=closing.get("key_checks", 0),
-                    key_mismatches=closing.get("key_mismatches", 0))
-        docs = [partition_summary(task.state, model=self.model, window=wid, partition=task.index,
-                                  partitions=partitions, window_info=info,
-                                  rng=self._rng(1, task.index, wid))]
-        # nobody counted this partition during the skipped windows: noise only
-        docs += self._noise_only_summaries(task, range(wid + 1, nxt), partitions)
+        docs = self._summaries(task, [wid], closing=closing)
+        docs += self._summaries(task, range(wid + 1, nxt), noise_only=True)
         task.pending.extend(json.dumps(d, allow_nan=False) for d in docs)
-        task.state = self._task_state(task, nxt)
-        task.window = self._task_window(nxt)
-        self._checkpoint(task)  # the summaries and the new window, atomically
+        task.close_at = None
+        task.window = self._new_window(task, nxt)
+        task.state = self._new_state(task, nxt)
+        self.commit(task)  # the summaries and the new window, atomically
         self._publish_summaries(task)
 
-    def _noise_only_summaries(self, task: PartitionTask, window_ids, partitions: int) -> list:
-        """Summaries of time windows in which the partition had no owner (no events counted)."""
+    def _summaries(self, task: PartitionTask, window_ids, *, closing: dict | None = None,
+                   noise_only: bool = False) -> list[dict]:
+        """This partition's summaries of ``window_ids`` that the ledger allows (the release
+        layer is drawn only after the ledger reserved the window's release)."""
+        partitions = self.source.partition_count() or self.partitions_total
         size = self.cfg["window"]["size"]
         docs = []
         for w in window_ids:
-            info = {"kind": "time", "size": size, "events": 0, "started_unix": w * size,
-                    "ended_unix": (w + 1) * size}
-            docs.append(partition_summary(self._task_state(task, w), model=self.model, window=w,
+            if not self._window_allowed(w):
+                continue
+            if noise_only:  # nobody counted this partition in that window
+                info = {"kind": "time", "size": size, "events": 0, "started_unix": w * size,
+                        "ended_unix": (w + 1) * size}
+                state = self._new_state(task, w)
+            else:
+                info = {k: closing[k] for k in ("kind", "size", "events", "started_unix",
+                                                "ended_unix")}
+                state = task.state
+            docs.append(partition_summary(state, model=self.model, window=w,
                                           partition=task.index, partitions=partitions,
                                           window_info=info, rng=self._rng(1, task.index, w)))
         return docs
+
+    def _window_allowed(self, wid: int) -> bool:
+        """Whether window ``wid`` may be released; the first partition to ask reserves it in the
+        shared ledger (budget checked, epsilon spent) and a refusal is recorded for all."""
+        uid = self._window_uid(wid)
+        self.merge_lock.acquire(blocking=True)
+        try:
+            self.ledger.reload()
+            if self.ledger.has(f"release-doc-{uid}"):
+                return False  # released already: a late summary would be dropped anyway
+            if self.ledger.has(f"release-{uid}"):
+                return True
+            if self.ledger.has(f"refused-{uid}"):
+                return False
+            try:
+                self.ledger.check_release(uid, self.epsilon, window=wid)
+            except BudgetExceeded as exc:
+                log.error("%s", exc)
+                self.metrics.releases_refused.inc()
+                self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
+                                   window_uid=uid, model=self.model, note=str(exc))
+                return False
+            self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid,
+                               window_uid=uid, epsilon_spent=self.epsilon, model=self.model,
+                               note="reserved before any partition drew its release layer")
+            self.metrics.budget_spent.set(self.ledger.spent())
+            return True
+        finally:
+            self.merge_lock.release()
 
     def _publish_summaries(self, task: PartitionTask) -> None:
         windows = []
@@ -542,21 +599,22 @@ class PartitionedAggregator(Aggregator):
                 wid = summary["window"]
                 # a summary re-published after a handover or crash may belong to a window that
                 # was merged (and cleaned up) since: nothing left to do for it
-                if not self.ledger.has(f"release-{wid}"):
+                if not self.ledger.has(f"release-doc-{self._window_uid(wid)}"):
                     wdir = self.windows_dir / str(wid)
                     wdir.mkdir(exist_ok=True)
                     atomic_write(wdir / f"summary-{summary['partition']}.json", [doc.encode()])
                     windows.append(wid)
                     self.metrics.summaries.inc()
                 task.pending.remove(doc)
-                task._dirty = True
         finally:
             self.merge_lock.release()
+        self._save_pending(task)
         for wid in windows:
             self._try_merge(wid)
 
     # -- merge ---------------------------------------------------------------------------------
     def _merge_scan(self, force: bool = False) -> None:
+        self._ensure_identity()
         now = time.monotonic()
         if not force and now - self._last_scan < 1.0:
             return
@@ -573,6 +631,7 @@ class PartitionedAggregator(Aggregator):
         wdir = self.windows_dir / str(wid)
         if (wdir / "published").exists():
             return True
+        self._ensure_identity()
         if not self.merge_lock.acquire():
             return False  # another process is merging; the next scan looks again
         try:
@@ -583,30 +642,19 @@ class PartitionedAggregator(Aggregator):
     def _merge_locked(self, wid: int, wdir: Path) -> bool:
         if not wdir.is_dir():  # merged and cleaned up since the scan listed it
             return True
-        if any((wdir / m).exists() for m in ("published", "refused", "unmergeable")):
+        if any((wdir / m).exists() for m in ("published", "unmergeable")):
             return True
-        entry_id = f"release-{wid}"
-        path = wdir / "release.json"
-        summaries = []
-        if not path.exists():
-            summaries = [json.loads(p.read_text()) for p in sorted(wdir.glob("summary-*.json"))]
+        uid = self._window_uid(wid)
         self.ledger.reload()
-        if path.exists():
-            doc = path.read_text()
-        elif self.ledger.has(entry_id):  # released long ago and cleaned up; a late summary
-            atomic_write(wdir / "published", [b""])
-            return True
+        entry = self.ledger.get(f"release-doc-{uid}")
+        if entry is not None:  # ledgered: publish that document, never merge again
+            doc = entry["document"]
         else:
+            summaries = [json.loads(p.read_text()) for p in sorted(wdir.glob("summary-*.json"))]
             if not summaries or len(summaries) < max(s["partitions"] for s in summaries):
                 return False
             try:
-                self.ledger.check_release(wid, self.epsilon, entry_id=entry_id)
                 release = merge_summaries(summaries, loss=self.loss)
-            except BudgetExceeded as exc:
-                log.error("%s", exc)
-                self.metrics.releases_refused.inc()
-                atomic_write(wdir / "refused", [str(exc).encode()])
-                return True
             except ValueError as exc:  # e.g. the partition count changed within the window
                 log.error("window %s cannot be merged: %s; its summaries stay in %s", wid, exc,
                           wdir)
@@ -614,10 +662,11 @@ class PartitionedAggregator(Aggregator):
                 atomic_write(wdir / "unmergeable", [str(exc).encode()])
                 return True
             doc = json.dumps(release, allow_nan=False)
-            atomic_write(path, [doc.encode()])
+            self.ledger.append(entry_id=f"release-doc-{uid}", kind="release-document",
+                               window=wid, window_uid=uid, model=release["model"], document=doc)
         release = json.loads(doc)
-        self.ledger.append(entry_id=entry_id, kind="release", window=wid,
-                           epsilon_spent=self.epsilon, model=release["model"])
+        if not self._publish_backoff.ready():
+            return False
         try:
             out = write_release(release, self.cfg["release"]["dir"], plot=False)
             topic = self.cfg["release"]["topic"]
@@ -625,10 +674,12 @@ class PartitionedAggregator(Aggregator):
                 producer = self._kafka_producer()
                 producer.send(topic, key=str(wid).encode(), value=doc.encode())
                 producer.flush(timeout=30)
-        except Exception as exc:  # retried by the next scan; the document is durable
-            log.warning("publishing release of window %s failed (%s); will retry", wid,
-                        type(exc).__name__)
+        except Exception as exc:  # retried with backoff; the document is in the ledger
+            reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)
+                      and exc.strerror else type(exc).__name__)
+            self._publish_backoff.failed(f"window {wid}: {reason}")
             return False
+        self._publish_backoff.ok()
         atomic_write(wdir / "published", [b""])
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
@@ -666,6 +717,9 @@ class PartitionedAggregator(Aggregator):
             self.metrics.window_id.set(min(t.window["id"] for t in self.tasks.values()))
             self.metrics.window_events.set(sum(t.window["events"] for t in self.tasks.values()))
 
+    def _window_gauges(self, task: WindowTask) -> None:
+        pass  # per process: _update_gauges sums over the owned partitions once per turn
+
     # -- announced audit exports: each member exports the partitions it owns ------------------
     def _ledger_append(self, **entry) -> None:
         self.merge_lock.acquire(blocking=True)  # one shared ledger for all members
@@ -683,10 +737,7 @@ class PartitionedAggregator(Aggregator):
         export_id = export_id or f"{int(time.time())}-{self._export_seq}"
         out = {}
         for task in sorted(self.tasks.values(), key=lambda t: t.index):
-            path = self._export_state(task, f"{export_id}-p{task.index}",
-                                      lambda task=task: self._checkpoint(task),
-                                      (task.index, task.window["id"], self._export_seq), key)
-            out[task.key] = str(path)
+            out[task.key] = str(self._export_task(task, f"{export_id}-p{task.index}", key))
         return out
 
     def _handle_control(self) -> None:
@@ -704,6 +755,8 @@ class PartitionedAggregator(Aggregator):
                 else:
                     result = {"ok": False, "error": f"{kind} is not available in partitioned "
                               "mode (windows close per partition on their schedule)"}
+            except Stopping:
+                raise
             except Exception as exc:
                 result = {"ok": False, "error": str(exc)}
             atomic_write(done, [json.dumps(result).encode()])

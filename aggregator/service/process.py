@@ -1,19 +1,28 @@
-"""The streaming service: source -> decode -> count -> checkpoint -> window close -> release.
+"""The streaming service: source -> decode -> count -> window close -> release, with checkpoints.
 
-Exactly once. The next offset of every source partition lives inside the checkpoint, next to the
-counters that include exactly the events before it; on start the source seeks there. Kafka's own
-committed offsets are only updated after a checkpoint, for lag monitoring. A crash at any instant
-(including mid-checkpoint: the store writes atomically) resumes from the last checkpoint, so no
-event is lost or counted twice.
+Exactly once, by replay. The open window's counters live only in memory (docs/privacy.md: a
+checkpoint holding the same noise as memory would let one intrusion read the exact recent
+events). A checkpoint holds where the window starts in the source, the totals up to there and the
+releases not yet published (plus, optionally, a layered snapshot: :mod:`.window`). After a crash,
+a stop or a handover the service seeks the source back to the checkpoint's offsets and counts the
+window again under fresh noise. A crash at any instant therefore neither loses nor double-counts
+an event; it costs a replay of at most one window (or one snapshot interval), and the source must
+retain that much (checked at start for Kafka time windows; a window the source no longer holds
+stops the service with one line).
 
 Windows. Tumbling, by event count or processing time; each window starts a fresh state with fresh
-noise, so each event is in one window. A window close is made durable in one atomic checkpoint
-that holds the new window's state *and* the closed window's release document (computed once, with
-its fresh noise layer); publishing then happens from that document, so a crash re-publishes the
-same release instead of computing a second one.
+noise and a random uid. Closing a window: the ledger is consulted (budget) before any release
+noise is drawn; the release is computed once and ledgered *with its document* before the
+checkpoint that starts the next window; publishing happens from that document. A window the
+ledger already holds (a crash after the ledger entry, or a restored older checkpoint) is
+re-published from the ledgered document, never computed again.
 
-Ledger. The release of window w is recorded (idempotently, by id) before that checkpoint; a
-release over budget is refused. Announced audit exports are ledgered too.
+The checkpoint commit is one numbered sequence (:meth:`Aggregator.commit`):
+
+1. dead letters of every record before the new offsets are acknowledged by the broker;
+2. (snapshot only) a fresh noise layer on the live counters, the snapshot, another fresh layer;
+3. the checkpoint is written atomically (temp file, fsync, rename, directory fsync);
+4. the offsets go to the Kafka group, for lag monitoring only.
 """
 
 from __future__ import annotations
@@ -31,20 +40,26 @@ import numpy as np
 from consumers.base import Segment, Source
 from consumers.decode import Decoder
 from state_store.audit import load_key, write_export
-from state_store.local import Checkpoint, LocalStore
+from state_store.local import LocalStore
 
-from .ledger import BudgetExceeded, Ledger
-from .metrics import Metrics
 from ..release import make_release, write_release
 from ..state import PanPrivateHistogram
+from .deadletter import DeadLetterError, DeadLetters
+from .ledger import BudgetExceeded, Ledger
+from .metrics import Metrics
+from .window import WindowTask, new_window
 
-__all__ = ["Aggregator", "ServiceError", "choose_buckets_for"]
+__all__ = ["Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running"]
 
 log = logging.getLogger("panagg.service")
 
 
 class ServiceError(RuntimeError):
     """A condition that stops the service with a clear message."""
+
+
+class Stopping(Exception):
+    """The service was asked to stop while it waited (nothing more is made durable)."""
 
 
 def choose_buckets_for(cfg: dict) -> int:
@@ -54,6 +69,46 @@ def choose_buckets_for(cfg: dict) -> int:
         return int(cfg["state"]["buckets"])
     from ..largedomain import choose_buckets
     return int(choose_buckets(max(int(cfg["state"]["expected_n"]), 2), cfg["state"]["epsilon"]))
+
+
+def identity_of(cfg: dict) -> dict:
+    """What a state directory counts and under which settings (the ledger's ``identity``)."""
+    src, st = cfg["source"], cfg["state"]
+    stream = {"kafka": f"kafka:{src['topic']}", "file": f"file:{os.path.basename(src['path'])}",
+              "generator": "generator"}[src["kind"]]
+    direct = st["mode"] == "direct"
+    return {
+        "stream": stream, "group": src["group"] if src["kind"] == "kafka" else "",
+        "partitioned": bool(cfg["scale"]["partitioned"]), "mode": st["mode"],
+        "domain": int(st["domain_size"]) if direct else choose_buckets_for(cfg),
+        "epsilon": float(st["epsilon"]), "model": st["model"],
+        "window": f"{cfg['window']['kind']}:{cfg['window']['size']:g}",
+        "snapshots_per_window": int(cfg["checkpoint"]["snapshots_per_window"]),
+        "budget_per_window": float(cfg["ledger"]["budget_per_window"] or st["epsilon"]),
+        "budget_total": float(cfg["ledger"]["budget_total"]),
+    }
+
+
+class _Backoff:
+    """One log line per state change, retries spaced 0.5 s -> 30 s (no log floods)."""
+
+    def __init__(self, what: str):
+        self.what, self.failing, self.delay, self.next_try = what, False, 0.5, 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.next_try
+
+    def failed(self, reason: str) -> None:
+        if not self.failing:
+            log.warning("%s failed (%s); retrying with backoff", self.what, reason)
+        self.failing = True
+        self.next_try = time.monotonic() + self.delay
+        self.delay = min(self.delay * 2, 30.0)
+
+    def ok(self) -> None:
+        if self.failing:
+            log.info("%s works again", self.what)
+        self.failing, self.delay, self.next_try = False, 0.5, 0.0
 
 
 class Aggregator:
@@ -67,9 +122,16 @@ class Aggregator:
         The event source.
     metrics
         Prometheus metrics (a fresh registry if omitted).
+    fresh_start
+        Allow starting without a checkpoint although the ledger shows earlier releases (the
+        open window of the lost checkpoint is then never released; the ledger records it).
+    accept_change
+        Accept settings that differ from those the state directory was created with, and record
+        the change in the ledger.
     """
 
-    def __init__(self, cfg: dict, source: Source, metrics: Metrics | None = None):
+    def __init__(self, cfg: dict, source: Source, metrics: Metrics | None = None, *,
+                 fresh_start: bool = False, accept_change: bool = False):
         self.cfg = cfg
         self.source = source
         self.metrics = metrics or Metrics()
@@ -84,10 +146,11 @@ class Aggregator:
                                max_item_bytes=src["max_item_bytes"])
         self.dir = Path(cfg["checkpoint"]["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.snapshots_per_window = int(cfg["checkpoint"]["snapshots_per_window"])
+        self.fresh_start, self.accept_change = fresh_start, accept_change
         self._lock_file = None
         self.partitioned = bool(cfg["scale"]["partitioned"])
-        # scale-out keeps one store per partition (aggregator/service/partitioned.py)
-        self.store = None if self.partitioned else LocalStore(self.dir / "checkpoints")
+        self.task = None if self.partitioned else WindowTask("all", None)
         budget = cfg["ledger"]["budget_per_window"] or self.epsilon
         self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
                              budget_total=cfg["ledger"]["budget_total"] or None)
@@ -96,16 +159,14 @@ class Aggregator:
         seed = cfg["testing"]["noise_seed"]
         self._seed = seed if seed >= 0 and os.environ.get("PANAGG_TESTING") == "1" else None
         self._producer = None
-        self.state: PanPrivateHistogram | None = None
-        self.window: dict = {}
-        self.offsets: dict[str, int] = {}
-        self.pending: list[str] = []
+        topic = src["dead_letter_topic"]
+        self.dead_letters = DeadLetters(topic, self._kafka_producer, self.metrics) if topic else None
         self.stop_event = threading.Event()
-        self._since_ckpt_events = 0
-        self._last_ckpt = time.monotonic()
-        self._dirty = False
         self._export_seq = 0
+        self._held: set[str] = set()
         self._last_lag = 0.0
+        self._publish_backoff = _Backoff("publishing releases")
+        self._commit_backoff = _Backoff("checkpoint")
         self.metrics.epsilon.set(self.epsilon)
 
     # -- noise sources -------------------------------------------------------------------------
@@ -115,13 +176,12 @@ class Aggregator:
             return None
         return np.random.default_rng([self._seed, *[int(t) for t in tag]])
 
-    def _new_state(self, window_id: int) -> PanPrivateHistogram:
+    def _new_state(self, task: WindowTask, window_id: int) -> PanPrivateHistogram:
         kwargs = {"size": self.size} if self.direct else {"buckets": self.size}
         return PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
 
-    def _new_window(self, window_id: int) -> dict:
-        return {"id": window_id, "kind": self.cfg["window"]["kind"],
-                "size": self.cfg["window"]["size"], "events": 0, "started_unix": time.time()}
+    def _new_window(self, task: WindowTask, window_id: int) -> dict:
+        return new_window(window_id, self.cfg["window"]["kind"], self.cfg["window"]["size"])
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
@@ -147,50 +207,141 @@ class Aggregator:
         tmp.write_text(json.dumps(self.cfg, indent=1, sort_keys=True))
         os.replace(tmp, self.dir / "config.json")
 
+    def check_identity(self) -> dict:
+        """Record the state directory's identity at its first start; refuse (or, with
+        ``accept_change``, ledger) a later start with other settings."""
+        mine = identity_of(self.cfg)
+        recorded = self.ledger.identity()
+        if recorded is None:
+            self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
+                               identity=dict(mine, run=os.urandom(8).hex(),
+                                             first_window=self._first_window()))
+            return self.ledger.identity()
+        changed = [k for k in mine if recorded.get(k) != mine[k]]
+        if not changed:
+            return recorded
+        what = ", ".join(f"{k} {recorded.get(k)!r} -> {mine[k]!r}" for k in changed)
+        if not self.accept_change:
+            raise ServiceError(f"checkpoint.dir {self.dir} belongs to other settings ({what}); "
+                               "use the original settings, a new checkpoint.dir, or "
+                               "--accept-change to record the change in the ledger")
+        self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
+                           identity=dict(recorded, **mine), previous=recorded,
+                           note=f"settings changed: {what}")
+        log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
+        return self.ledger.identity()
+
+    def _first_window(self) -> int:
+        w = self.cfg["window"]
+        return int(time.time() // w["size"]) if w["kind"] == "time" and self.partitioned else 0
+
     def restore(self) -> None:
-        """Load the latest checkpoint, or start window 0 with fresh noise."""
-        ckpt = self.store.load_latest()
-        if ckpt is None:
-            self.state = self._new_state(0)
-            self.window = self._new_window(0)
-            self.offsets, self.pending = {}, []
-            log.info("no checkpoint in %s: starting window 0", self.store.dir)
-        else:
-            self.state = PanPrivateHistogram.deserialize(ckpt.state)
-            self.window, self.offsets, self.pending = ckpt.window, dict(ckpt.offsets), ckpt.pending
-            self._check_state_matches_config(self.state, f"the checkpoint in {self.store.dir}")
-            log.info("restored checkpoint %d: window %s at %d events, %d partition offsets",
-                     ckpt.seq, self.window["id"], self.window["events"], len(self.offsets))
-        self.metrics.window_id.set(self.window["id"])
-        self.metrics.window_events.set(self.window["events"])
+        """Load the checkpoint (or start the first window) and seek the source there."""
+        self.check_identity()
+        task = self.task
+        task.store = LocalStore(self.dir / "checkpoints")
+        self.restore_task(task, where=str(task.store.dir))
+        self.source.seek(task.offsets)
+        # the totals of the checkpoint, then every record after it once: exact after restarts
+        self.metrics.events.inc(task.totals["events"])
+        for reason, count in task.totals["rejects"].items():
+            self.metrics.decode_errors.labels(reason=reason).inc(count)
+        self.metrics.window_id.set(task.window["id"])
+        self.metrics.window_events.set(task.window["events"])
         self.metrics.budget_spent.set(self.ledger.spent())
 
-    def _check_state_matches_config(self, state: PanPrivateHistogram, where: str,
-                                    size: int | None = None) -> None:
-        """Refuse a restored state built with other settings (``size``: the expected number of
-        counters, default the configured D or B)."""
-        mode = "direct" if self.direct else "hashed"
-        size = self.size if size is None else size
-        if (state.mode, state.size, state.epsilon) != (mode, size, self.epsilon):
+    def restore_task(self, task: WindowTask, *, where: str) -> None:
+        """Resume ``task`` from its latest checkpoint (see :mod:`.window`): a fresh state (or
+        the checkpoint's snapshot plus a fresh layer), the window, offsets and totals."""
+        ckpt = task.store.load_latest()
+        if ckpt is None:
+            self._first_start(task, where)
+            self.commit(task)  # from now on a missing checkpoint is a lost one
+            return
+        self._check_not_rolled_back(ckpt.window, where)
+        task.window, task.offsets = dict(ckpt.window), dict(ckpt.offsets)
+        task.pending = list(ckpt.pending)
+        task.totals = {"events": int(ckpt.totals.get("events", 0)),
+                       "rejects": dict(ckpt.totals.get("rejects", {}))}
+        task.window.setdefault("uid", f"v1-{task.name}-{task.window['id']}")
+        task.window.setdefault("snapshots", 0)
+        task.durable = ckpt
+        if ckpt.state is None:
+            task.state = self._new_state(task, task.window["id"])
+        else:
+            task.state = PanPrivateHistogram.deserialize(ckpt.state)
+            self._check_state_matches_config(task.state, f"the checkpoint in {where}",
+                                             size=self._expected_size(task))
+            # the restored memory must not equal the file plus exact increments
+            task.state.rerandomize(rng=self._rng(3, task.window["id"], ckpt.seq))
+        self._replay_target(task)
+        log.info("restored checkpoint %d of %s: window %s from %d partition offset(s)%s; the "
+                 "window's later events are replayed from the source under fresh noise",
+                 ckpt.seq, task.name, task.window["id"], len(task.offsets),
+                 " and a layered snapshot" if ckpt.state is not None else "")
+
+    def _expected_size(self, task: WindowTask) -> int:
+        return self.size
+
+    def _first_start(self, task: WindowTask, where: str) -> None:
+        released = [e for e in self.ledger.entries if e["kind"] in ("release", "refused")]
+        first = self._first_window()
+        committed = getattr(self.source, "committed_offsets", lambda: {})()
+        if committed and not released and not self.fresh_start:
             raise ServiceError(
-                f"{where} holds a {state.mode} state of size {state.size} at epsilon "
-                f"{state.epsilon}, but the config asks for {mode}, size {size}, epsilon "
-                f"{self.epsilon}; use the original settings or a new checkpoint.dir")
+                f"no checkpoint in {where}, but consumer group {self.cfg['source']['group']!r} "
+                "has committed offsets: another state directory (or a lost one) counted this "
+                "topic. Use that state directory, another source.group, or --fresh-start to "
+                "count from the committed offsets")
+        if released:
+            if not self.fresh_start:
+                raise ServiceError(
+                    f"no checkpoint in {where}, but the ledger in {self.dir} records "
+                    f"{len(released)} release(s): the checkpoint was lost or moved away. Restore "
+                    "it from a backup, or start with --fresh-start (the window it held is then "
+                    "never released)")
+            first = max(int(e["window"]) for e in released
+                        if isinstance(e.get("window"), int)) + 1
+            self.ledger.append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
+                               window=first, note=f"started without a checkpoint in {where}")
+            log.warning("fresh start without a checkpoint in %s: numbering continues at window "
+                        "%d", where, first)
+        task.window = self._new_window(task, first)
+        task.state = self._new_state(task, first)
+        task.offsets, task.pending = {}, []
+        task.totals = {"events": 0, "rejects": {}}
+        task.durable = None
+        log.info("no checkpoint in %s: starting window %d", where, first)
 
-    def checkpoint(self) -> None:
-        self._checkpoint(self)
+    def _check_not_rolled_back(self, window: dict, where: str) -> None:
+        uid = window.get("uid")
+        later = [e for e in self.ledger.releases()
+                 if isinstance(e.get("window"), int) and e["window"] >= window["id"]
+                 and e.get("window_uid") != uid and self._same_unit(e)]
+        if later:
+            raise ServiceError(
+                f"the checkpoint in {where} is older than the ledger: it is at window "
+                f"{window['id']}, the ledger has window {later[-1]['window']} released. Restore "
+                "the latest checkpoint (a rolled-back one would re-release windows), or start "
+                "with --fresh-start after moving it away")
 
-    def _checkpoint(self, ctx) -> None:
-        """Write ``ctx``'s state, window, offsets and pending documents atomically to its store
-        (the service's, or a partition's in scale-out)."""
-        t0 = time.perf_counter()
-        ctx.store.save(Checkpoint(state=ctx.state.serialize(), window=ctx.window,
-                                  offsets=ctx.offsets, pending=ctx.pending))
-        self.metrics.checkpointed(time.perf_counter() - t0)
-        ctx._since_ckpt_events = 0
-        ctx._last_ckpt = time.monotonic()
-        ctx._dirty = False
-        self.source.commit(ctx.offsets)  # lag monitoring only
+    def _same_unit(self, entry: dict) -> bool:
+        return True
+
+    def _replay_target(self, task: WindowTask) -> None:
+        """Where replaying the restored window must stop before it closes: the ledgered end of a
+        window already released, or (time windows whose end passed while down) the source's
+        end offsets now."""
+        entry = self.ledger.get(f"release-{task.window['uid']}")
+        if entry is not None and entry.get("end_offsets") is not None:
+            task.close_at = {p: int(o) for p, o in entry["end_offsets"].items()}
+        elif task.window["kind"] == "time" and task.progress() >= 1:
+            ends = self._end_offsets(task)
+            task.close_at = ends if ends else None
+
+    def _end_offsets(self, task: WindowTask) -> dict[str, int] | None:
+        end_offsets = getattr(self.source, "end_offsets", None)
+        return end_offsets() if end_offsets else None
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
@@ -198,191 +349,353 @@ class Aggregator:
         try:
             self.save_effective_config()
             self.restore()
-            self.source.seek(self.offsets)
-            self._publish_pending()
+            self._publish_pending(self.task)
             idle_since = None
             while not self.stop_event.is_set():
                 segments = self.source.poll(poll_timeout_s)
                 for seg in segments:
                     self._ingest(seg)
-                self._maybe_close_time_window()
+                if not segments:
+                    self._caught_up(self.task)
+                self._maybe_close_time_window(self.task)
+                self._maybe_snapshot(self.task)
                 self._handle_control()
-                if self.pending:
-                    self._publish_pending()
-                if self._checkpoint_due(self):
-                    self.checkpoint()
+                if self.task.pending:
+                    self._publish_pending(self.task)
                 self._update_lag()
                 if segments:
                     idle_since = None
                     continue
                 if self.source.exhausted:
-                    if self.cfg["release"]["on_exhausted"] and self.window["events"] > 0:
+                    if self.cfg["release"]["on_exhausted"] and self.task.window["events"] > 0:
                         self.close_window()
                     break
                 idle_since = idle_since or time.monotonic()
                 if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
                     break
-            if self._dirty or self.pending:
-                self.checkpoint()
-            if self.pending:
-                self._publish_pending()
-                self.checkpoint()
+            if self.task.pending:
+                self._publish_pending(self.task)
+        except Stopping:
+            log.info("stopped while waiting; the open window is replayed at the next start")
         finally:
             self.close()
 
+    def catch_up(self, timeout_s: float = 120.0) -> None:
+        """Count what the source holds now (the open window's replay, then anything newer),
+        for offline commands that act on the window of a stopped service."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            segments = self.source.poll(0.5)
+            for seg in segments:
+                self._ingest(seg)
+            if segments:
+                continue
+            if self.source.exhausted:
+                return
+            probe = getattr(self.source, "caught_up", None)
+            assigned = sorted(getattr(self.source, "assigned", ()) or ())
+            if probe is None or (assigned and probe(assigned)):
+                return
+            if time.monotonic() > deadline:
+                raise ServiceError(f"could not replay the open window from the source within "
+                                   f"{timeout_s:.0f} s; is the broker at "
+                                   f"{self.cfg['source']['bootstrap']} reachable?")
+
     def close(self) -> None:
+        if self.dead_letters is not None:
+            self.dead_letters.close()
         if self._producer is not None:
-            self._producer.flush(timeout=10)
-            self._producer.close(timeout=10)
+            try:
+                self._producer.flush(timeout=5)
+                self._producer.close(timeout=5)
+            except Exception:
+                pass
             self._producer = None
         self.source.close()
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
 
-    # -- counting --------------------------------------------------------------------------------
-    # ``ctx`` is whatever owns a state, a window and offsets: the service itself (one state per
-    # process) or a partition task (scale-out, aggregator/service/partitioned.py).
-    @staticmethod
-    def _room(ctx) -> int | None:
-        if ctx.window["kind"] != "count":
-            return None
-        return int(ctx.window["size"]) - int(ctx.window["events"])
-
+    # -- counting ------------------------------------------------------------------------------
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
-        items, good = self._decode(seg)
-        self._count_segment(self, seg, items, good, self.close_window)
+        items, good, rejected = self._decode(seg)
+        self._count_segment(self.task, seg, items, good, rejected, self.close_window)
 
     def _decode(self, seg: Segment):
-        """Decoded items of ``seg`` and the record index of each (None: all records good)."""
-        decoded = self.decoder.decode(seg.values)
+        """(items, record index of each item or None when all are good, rejected records).
+
+        Never raises for one record's sake: whatever a record makes the decoder do, the record
+        becomes a reject with a reason (and a dead letter)."""
+        try:
+            decoded = self.decoder.decode(seg.values)
+        except Exception as exc:  # a decoder bug on odd input: classify records one by one
+            log.error("batch decoder failed (%s) on partition %s at offset %d; decoding its "
+                      "records one by one", type(exc).__name__, seg.partition, seg.offsets[0])
+            decoded = self._decode_each(seg)
         if not decoded.rejected:
-            return decoded.items, None
-        for reason, count in decoded.reason_counts().items():
-            self.metrics.decode_errors.labels(reason=reason).inc(count)
-        self._dead_letter(seg, decoded.rejected)
+            return decoded.items, None, []
+        for i, reason in decoded.rejected:
+            if self.dead_letters is not None:
+                self.dead_letters.send(seg.partition, seg.offsets[i], seg.values[i], reason)
         keep = np.ones(len(seg), dtype=bool)
         keep[[i for i, _ in decoded.rejected]] = False
-        return decoded.items, np.flatnonzero(keep)
+        return decoded.items, np.flatnonzero(keep), decoded.rejected
 
-    def _count_segment(self, ctx, seg: Segment, items, good, close) -> None:
-        """Count ``items`` into ``ctx``, closing its count window (``close()``) whenever it
-        fills, so each window holds exactly its share and the offsets match the counters."""
-        if len(items) == 0:
-            ctx.offsets[seg.partition] = seg.offsets[-1] + 1
-            ctx._dirty = True
-            return
-        start = 0
-        while start < len(items):
-            room = self._room(ctx)
-            take = items[start:] if room is None else items[start:start + room]
-            self._count(ctx.state, take)
-            start += len(take)
-            if start == len(items):
-                ctx.offsets[seg.partition] = seg.offsets[-1] + 1
+    def _decode_each(self, seg: Segment):
+        from consumers.decode import DecodedBatch
+        out = DecodedBatch()
+        for i, raw in enumerate(seg.values):
+            try:
+                item, reason = self.decoder.decode_one(raw)
+            except Exception:
+                item, reason = None, "undecodable"
+            if reason is None:
+                out.items.append(item)
             else:
-                last_rec = start - 1 if good is None else int(good[start - 1])
-                ctx.offsets[seg.partition] = seg.offsets[last_rec] + 1
-            ctx.window["events"] += len(take)
-            ctx._since_ckpt_events += len(take)
-            ctx._dirty = True
-            self.metrics.events.inc(len(take))
-            if ctx is self:
-                self.metrics.window_events.set(self.window["events"])
-                if room is not None:
-                    self.metrics.window_progress.set(self.window["events"] / self.window["size"])
-            if room is not None and self._room(ctx) == 0:
-                close()
+                out.rejected.append((i, reason))
+        return out
 
-    def _count(self, state: PanPrivateHistogram, items: list) -> None:
+    def _count_segment(self, task: WindowTask, seg: Segment, items, good, rejected,
+                       close) -> None:
+        """Count ``seg`` into ``task``: its good ``items`` (from records ``good``; None: every
+        record) and its ``rejected`` records, closing the window (``close()``) when a count
+        window fills or a replay reaches its target, so that each window holds exactly its
+        records and the offsets always match the counters and the reject totals."""
+        offsets = np.asarray(seg.offsets, dtype=np.int64)
+        m, k = len(offsets), len(items)
+        good_idx = np.arange(k) if good is None else np.asarray(good, dtype=np.int64)
+        rej_idx = np.asarray([i for i, _ in rejected], dtype=np.int64)
+        rej_reason = [r for _, r in rejected]
+        j = rec = 0  # next item to count; records before ``rec`` are accounted for
+        while True:
+            target = task.close_at.get(seg.partition) if task.close_at else None
+            rec_limit = m if target is None else int(np.searchsorted(offsets, target))
+            take = max(0, int(np.searchsorted(good_idx, rec_limit)) - j)
+            room = task.room()
+            if room is not None:
+                take = min(take, room)
+            if take:
+                self._count(task.state, items[j:j + take])
+                j += take
+                task.window["events"] += take
+                task.totals["events"] += take
+                self.metrics.events.inc(take)
+                self._window_gauges(task)
+            full = room is not None and task.room() == 0
+            # a full window ends right after its last item; later records are the next one's
+            upto = int(good_idx[j - 1]) + 1 if full and j else rec_limit
+            self._account(task, seg.partition, offsets, rej_idx, rej_reason, rec, upto)
+            rec = max(rec, upto)
+            if full or (task.close_at is not None and task.reached(task.close_at)):
+                close()
+                self._release_held()
+                if rec < m:
+                    continue
+                return
+            if rec < m:  # this partition reached its replay target before the others did
+                self._hold(seg.partition, int(offsets[rec]))
+            return
+
+    def _account(self, task: WindowTask, partition: str, offsets, rej_idx, rej_reason,
+                 lo: int, hi: int) -> None:
+        """Records [lo, hi) of the segment are now in the task: move its offset past them and
+        add their rejects to the totals (exactly once, like the events)."""
+        if hi <= lo:
+            return
+        task.offsets[partition] = int(offsets[hi - 1]) + 1
+        a, b = np.searchsorted(rej_idx, [lo, hi])
+        if b > a:
+            counts: dict[str, int] = {}
+            for reason in rej_reason[a:b]:
+                counts[reason] = counts.get(reason, 0) + 1
+            for reason, count in counts.items():
+                self.metrics.decode_errors.labels(reason=reason).inc(count)
+            task.count_rejects(counts)
+
+    def _hold(self, partition: str, offset: int) -> None:
+        """Stop reading ``partition`` at ``offset`` until the window closes (the other
+        partitions are still replaying towards their targets)."""
+        seek = getattr(self.source, "seek_partition", None)
+        if seek is None:
+            return
+        self.source.pause([partition])
+        seek(partition, offset)
+        self._held.add(partition)
+
+    def _release_held(self) -> None:
+        if self._held:
+            self.source.resume(sorted(self._held))
+            self._held.clear()
+
+    def _window_gauges(self, task: WindowTask) -> None:
+        self.metrics.window_events.set(task.window["events"])
+        if task.window["kind"] == "count":
+            self.metrics.window_progress.set(task.progress())
+
+    def _count(self, state: PanPrivateHistogram, items) -> None:
         if self.direct:
             state.add_indices(np.asarray(items, dtype=np.int64))  # ranges checked by the decoder
         else:
             state.update(items)
 
-    def _dead_letter(self, seg: Segment, rejected) -> None:
-        topic = self.cfg["source"]["dead_letter_topic"]
-        if not topic:
-            return
-        producer = self._kafka_producer()
-        for i, reason in rejected:
-            value = seg.values[i]
-            producer.send(topic, value=bytes(value) if value is not None else b"",
-                          headers=[("reason", reason.encode()),
-                                   ("source", f"{seg.partition}@{seg.offsets[i]}".encode())])
-            self.metrics.dead_letters.inc()
-
     def _kafka_producer(self):
         if self._producer is None:
             from kafka import KafkaProducer
+
+            from .deadletter import MAX_REQUEST_BYTES
             self._producer = KafkaProducer(bootstrap_servers=self.cfg["source"]["bootstrap"],
-                                           acks="all", linger_ms=20)
+                                           acks="all", linger_ms=20, max_block_ms=5000,
+                                           max_request_size=MAX_REQUEST_BYTES,
+                                           request_timeout_ms=10000)
         return self._producer
 
-    def _checkpoint_due(self, ctx) -> bool:
-        if not ctx._dirty:
-            return False
-        ck = self.cfg["checkpoint"]
-        return (ctx._since_ckpt_events >= ck["every_events"]
-                or time.monotonic() - ctx._last_ckpt >= ck["every_seconds"])
+    def _caught_up(self, task: WindowTask) -> None:
+        """The source had nothing more: a replay target not reached by now never will be (a
+        partition with fewer records than its end offset showed, e.g. compaction)."""
+        probe = getattr(self.source, "caught_up", None)
+        if task.close_at is not None and (probe is None or probe(list(task.close_at))):
+            task.close_at = None
+            if task.window["kind"] == "time" and task.progress() >= 1:
+                self._close(task)
 
-    def _maybe_close_time_window(self) -> None:
-        if self.window["kind"] != "time":
+    def _close(self, task: WindowTask) -> None:
+        self.close_window()
+
+    def _maybe_close_time_window(self, task: WindowTask) -> None:
+        if task.window["kind"] != "time" or task.close_at is not None:
+            return  # replaying: the window closes when the replay reaches its target
+        progress = task.progress()
+        self.metrics.window_progress.set(min(progress, 1.0))
+        if progress >= 1:
+            self._close(task)
+
+    def _maybe_snapshot(self, task: WindowTask) -> None:
+        """Optional layered snapshots at public points of the window (each costs two layers in
+        the release; they bound the replay after a crash to a fraction of the window)."""
+        k = self.snapshots_per_window
+        if not k or task.close_at is not None or task.window["snapshots"] >= k:
             return
-        elapsed = time.time() - self.window["started_unix"]
-        self.metrics.window_progress.set(min(elapsed / self.window["size"], 1.0))
-        if elapsed >= self.window["size"]:
-            self.close_window()
+        if task.progress() >= (task.window["snapshots"] + 1) / (k + 1):
+            task.window["snapshots"] += 1
+            self.commit(task, snapshot=True, tag=(task.window["snapshots"],))
 
-    def _update_lag(self) -> None:
-        now = time.monotonic()
-        if now - self._last_lag < 5.0:
+    # -- the checkpoint ------------------------------------------------------------------------
+    def commit(self, task: WindowTask, *, snapshot: bool = False, tag: tuple = ()) -> bytes | None:
+        """Make ``task``'s position durable (the numbered sequence of the module docstring).
+        With ``snapshot``, the checkpoint carries a layered snapshot of the counters, which is
+        returned (an audit export reuses it)."""
+        # 1. every dead letter of a record before the new offsets is acknowledged
+        self._wait_for(self._flush_dead_letters, "dead letters")
+        # 2. a fresh layer, the snapshot, a fresh layer: the snapshot is a view of its own
+        blob = None
+        if snapshot:
+            wid = task.window["id"]
+            task.state.rerandomize(rng=self._rng(2, wid, *tag, 0))
+            blob = task.state.serialize()
+            task.state.rerandomize(rng=self._rng(2, wid, *tag, 1))
+        # 3. the checkpoint, atomically
+        record = task.record(blob)
+        self._wait_for(lambda: self._save(task, record), "checkpoint")
+        # 4. offsets to the Kafka group, for lag monitoring only
+        self.source.commit(record.offsets)
+        return blob
+
+    def _save(self, task: WindowTask, record) -> None:
+        t0 = time.perf_counter()
+        task.store.save(record)
+        task.durable = record
+        task.pending_dirty = False
+        self.metrics.checkpointed(time.perf_counter() - t0)
+
+    def _save_pending(self, task: WindowTask) -> None:
+        """Publishing progress only: the last durable checkpoint with the shorter pending list."""
+        if task.durable is None:
+            self.commit(task)
             return
-        self._last_lag = now
-        lag = self.source.lag()
-        for part, value in (lag or {}).items():
-            if self._reports_lag_of(part):
-                self.metrics.lag.labels(partition=part).set(value)
+        record = task.rewrite_pending()
+        self._wait_for(lambda: self._save(task, record), "checkpoint")
 
-    def _reports_lag_of(self, partition: str) -> bool:
-        return True
+    def _flush_dead_letters(self) -> None:
+        if self.dead_letters is not None:
+            self.dead_letters.flush(timeout_s=10.0)
 
-    # -- window close and release ----------------------------------------------------------------
+    def _wait_for(self, action, what: str) -> None:
+        """Run ``action`` until it succeeds, with backoff and one log line per state change; a
+        stop request ends the wait (:class:`Stopping`: the window is replayed next start)."""
+        backoff = _Backoff(what)
+        while True:
+            try:
+                action()
+                backoff.ok()
+                return
+            except (DeadLetterError, OSError) as exc:
+                if isinstance(exc, OSError) and exc.filename is None:
+                    exc.filename = str(self.dir)
+                backoff.failed(str(exc) if isinstance(exc, DeadLetterError) else
+                               f"{exc.strerror or type(exc).__name__}: {exc.filename}")
+            while not backoff.ready():
+                if self.stop_event.wait(0.1):
+                    raise Stopping()
+
+    # -- window close and release --------------------------------------------------------------
     def close_window(self) -> dict | None:
         """Release the current window (if the budget allows) and start the next one, durably."""
+        task = self.task
         t0 = time.perf_counter()
-        closing = dict(self.window, ended_unix=time.time())
-        wid = closing["id"]
-        entry_id = f"release-{wid}"
-        release = None
-        try:
-            self.ledger.check_release(wid, self.epsilon, entry_id=entry_id)
-            release = make_release(self.state, model=self.model, loss=self.loss, window=wid,
-                                   rng=self._rng(1, wid))
-            release["window_info"] = {k: closing[k] for k in
-                                      ("kind", "size", "events", "started_unix", "ended_unix")}
-            self.ledger.append(entry_id=entry_id, kind="release", window=wid,
-                               epsilon_spent=self.epsilon, model=self.model)
-            self.pending.append(json.dumps(release, allow_nan=False))
-        except BudgetExceeded as exc:
-            log.error("%s", exc)
-            self.metrics.releases_refused.inc()
-        self.state = self._new_state(wid + 1)
-        self.window = self._new_window(wid + 1)
+        closing = dict(task.window, ended_unix=time.time())
+        wid, uid = closing["id"], closing["uid"]
+        release = self._ledgered_release(task, closing)
+        if release is not None:
+            task.pending.append(json.dumps(release, allow_nan=False))
+        task.close_at = None
+        task.window = self._new_window(task, wid + 1)
+        task.state = self._new_state(task, wid + 1)
         self.metrics.window_id.set(wid + 1)
         self.metrics.window_events.set(0)
         self.metrics.window_progress.set(0)
-        self.checkpoint()  # the close, the new window and the pending release, atomically
-        self._publish_pending()
+        self.commit(task)  # the next window's start and the pending release, atomically
+        self._publish_pending(task)
         self.metrics.release_duration.observe(time.perf_counter() - t0)
         self.metrics.budget_spent.set(self.ledger.spent())
+        log.debug("closed window %s (uid %s)", wid, uid)
         return release
 
-    def _publish_pending(self) -> None:
+    def _ledgered_release(self, task: WindowTask, closing: dict) -> dict | None:
+        """The window's release: from the ledger if it is there, else computed once (after the
+        budget check, before anything is durable) and ledgered with its document."""
+        wid, uid = closing["id"], closing["uid"]
+        entry = self.ledger.get(f"release-{uid}")
+        if entry is not None:
+            log.info("window %s is already in the ledger: re-publishing its ledgered release",
+                     wid)
+            return json.loads(entry["document"])
+        if self.ledger.has(f"refused-{uid}"):
+            return None
+        try:
+            self.ledger.check_release(uid, self.epsilon, window=wid)
+        except BudgetExceeded as exc:
+            log.error("%s", exc)
+            self.metrics.releases_refused.inc()
+            self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
+                               window_uid=uid, model=self.model, note=str(exc))
+            return None
+        release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
+                               rng=self._rng(1, wid))
+        release["window_info"] = {k: closing[k] for k in
+                                  ("kind", "size", "events", "started_unix", "ended_unix")}
+        doc = json.dumps(release, allow_nan=False)
+        self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid, window_uid=uid,
+                           epsilon_spent=self.epsilon, model=self.model, document=doc,
+                           end_offsets=dict(task.offsets))
+        return release
+
+    def _publish_pending(self, task: WindowTask) -> None:
+        if not task.pending or not self._publish_backoff.ready():
+            return
         published = 0
-        for doc in list(self.pending):
+        for doc in list(task.pending):
             release = json.loads(doc)
             try:
                 path = write_release(release, self.cfg["release"]["dir"])
@@ -391,41 +704,40 @@ class Aggregator:
                     producer = self._kafka_producer()
                     producer.send(topic, key=str(release["window"]).encode(), value=doc.encode())
                     producer.flush(timeout=30)
-            except Exception as exc:  # retried on the next loop turn; the document is safe
-                log.warning("publishing release of window %s failed (%s); will retry",
-                            release["window"], type(exc).__name__)
+            except Exception as exc:  # retried with backoff; the document is durable
+                reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)
+                          and exc.strerror else type(exc).__name__)
+                self._publish_backoff.failed(f"window {release['window']}: {reason}")
                 break
-            self.pending.remove(doc)
+            self._publish_backoff.ok()
+            task.pending.remove(doc)
             published += 1
             self.metrics.releases.inc()
             self.metrics.last_release.set(time.time())
             log.info("published release of window %s: n=%s -> %s", release["window"],
                      release["n"], path)
         if published:
-            self._dirty = True
+            self._save_pending(task)
 
-    # -- announced audit exports and control requests ---------------------------------------------
+    # -- announced audit exports and control requests ------------------------------------------
     def export(self, export_id: str | None = None) -> Path:
         """Signed snapshot for auditors, with fresh layers just before and just after it."""
         key = load_key(self.cfg["audit"]["key_file"] or None)
         self._export_seq += 1
-        export_id = export_id or f"{int(time.time())}-{self.window['id']}-{self._export_seq}"
-        return self._export_state(self, export_id, self.checkpoint,
-                                  (self.window["id"], self._export_seq), key)
+        export_id = export_id or f"{int(time.time())}-{self.task.window['id']}-{self._export_seq}"
+        return self._export_task(self.task, export_id, key)
 
-    def _export_state(self, ctx, export_id: str, checkpoint, tag: tuple, key: bytes) -> Path:
-        """Export ``ctx``'s state (the service's, or a partition's): layer, snapshot, layer,
-        checkpoint (both layers durable before the export exists), signed file, ledger."""
-        ctx.state.rerandomize(rng=self._rng(2, *tag, 0))
-        snapshot = ctx.state.serialize()
-        ctx.state.rerandomize(rng=self._rng(2, *tag, 1))
-        checkpoint()
+    def _export_task(self, task: WindowTask, export_id: str, key: bytes) -> Path:
+        """Export ``task``'s state: the layered snapshot of a checkpoint (so a restart resumes
+        from it instead of drawing noise the export did not see), ledgered, then signed."""
+        snapshot = self.commit(task, snapshot=True, tag=(1000 + self._export_seq,))
+        self._ledger_append(entry_id=f"export-{export_id}", kind="export",
+                            window=task.window["id"], window_uid=task.window["uid"],
+                            epsilon_spent=0.0, model=self.model,
+                            note="announced export; fresh DLap layers before and after")
         out_dir = Path(self.cfg["audit"]["dir"] or self.dir / "exports")
         path = write_export(out_dir / f"export-{export_id}.panagg", state=snapshot,
-                            window=ctx.window, offsets=ctx.offsets, export_id=export_id, key=key)
-        self._ledger_append(entry_id=f"export-{export_id}", kind="export",
-                            window=ctx.window["id"], epsilon_spent=0.0, model=self.model,
-                            note="announced export; fresh DLap layers before and after")
+                            window=task.window, offsets=task.offsets, export_id=export_id, key=key)
         self.metrics.exports.inc()
         log.info("audit export %s written to %s", export_id, path)
         return path
@@ -442,13 +754,46 @@ class Aggregator:
                     result = {"ok": True, "path": str(self.export(rid))}
                 elif kind == "release":
                     rel = self.close_window()
-                    result = {"ok": True, "window": None if rel is None else rel["window"]}
+                    result = ({"ok": True, "window": rel["window"]} if rel is not None else
+                              {"ok": False, "error": "the privacy ledger refused the release "
+                               "(budget spent); see the service log"})
                 else:
                     result = {"ok": False, "error": f"unknown request {kind}"}
+            except Stopping:
+                raise
             except Exception as exc:
                 result = {"ok": False, "error": str(exc)}
             done.write_text(json.dumps(result))
             req.unlink(missing_ok=True)
+
+    def _update_lag(self) -> None:
+        now = time.monotonic()
+        if now - self._last_lag < 5.0:
+            return
+        self._last_lag = now
+        lag = self.source.lag()
+        for part, value in (lag or {}).items():
+            if self._reports_lag_of(part):
+                self.metrics.lag.labels(partition=part).set(value)
+
+    def _reports_lag_of(self, partition: str) -> bool:
+        return True
+
+    def _check_state_matches_config(self, state: PanPrivateHistogram, where: str,
+                                    size: int | None = None) -> None:
+        """Refuse a restored state built with other settings (``size``: the expected number of
+        counters, default the configured D or B)."""
+        if state.neighbor != "replace-one":
+            raise ServiceError(f"{where} holds an {state.neighbor} state; the service counts "
+                               "under replace-one neighbours only (its offsets, metrics and count "
+                               "windows reveal n)")
+        mode = "direct" if self.direct else "hashed"
+        size = self.size if size is None else size
+        if (state.mode, state.size, state.epsilon) != (mode, size, self.epsilon):
+            raise ServiceError(
+                f"{where} holds a {state.mode} state of size {state.size} at epsilon "
+                f"{state.epsilon}, but the config asks for {mode}, size {size}, epsilon "
+                f"{self.epsilon}; use the original settings or a new checkpoint.dir")
 
 
 def service_running(checkpoint_dir: str | os.PathLike) -> bool:

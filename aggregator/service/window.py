@@ -1,0 +1,113 @@
+"""One pan-private state with its window, offsets and checkpoint: the unit the service runs.
+
+The single-process service has one :class:`WindowTask` over every source partition; scale-out has
+one per Kafka partition. Both run the same code (:class:`aggregator.service.process.Aggregator`)
+for counting, snapshots, restores, window closes and checkpoints, so there is one set of
+semantics and one set of tests.
+
+Views of the state (docs/privacy.md, "Every copy of the state counts"). The live counters are a
+view an intruder can read at any time; so is every file under the state directory and every copy
+of it. Two views of the same noise at two times reveal the exact events between them. So:
+
+* the open window's counters live **only in memory**. A checkpoint normally carries no counters:
+  it holds where the window starts in the source (offsets), the totals up to there and releases
+  not yet published. After a crash, a stop or a handover the window is rebuilt by **replaying**
+  it from the source under fresh noise;
+* a checkpoint *with* counters (an optional snapshot, ``checkpoint.snapshots_per_window``, or the
+  one an audit export leaves) is written like an announced export: a fresh DLap layer on the live
+  counters, the snapshot, another fresh layer. Every view is then separated from the previous
+  one by a layer the later view carries, and each event falls in exactly one difference of
+  consecutive views;
+* restoring a snapshot adds a fresh layer before counting resumes, so the memory after a restart
+  never equals the file plus exact increments.
+
+Window bookkeeping: ``window`` holds the number, a random ``uid`` (the ledger's key for the
+window), the kind and size, the events counted and the start time; ``offsets`` the next source
+offset per partition that the live counters include; ``durable`` the last checkpoint written.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+from state_store.local import Checkpoint, LocalStore
+
+from ..state import PanPrivateHistogram
+
+__all__ = ["WindowTask", "new_window", "window_uid"]
+
+
+def window_uid() -> str:
+    """A random window id (the ledger's key for a window; never reused across restarts)."""
+    return os.urandom(8).hex()
+
+
+def new_window(window_id: int, kind: str, size, *, started_unix: float | None = None,
+               uid: str | None = None) -> dict:
+    return {"id": int(window_id), "uid": uid or window_uid(), "kind": kind, "size": size,
+            "events": 0, "snapshots": 0,
+            "started_unix": time.time() if started_unix is None else float(started_unix)}
+
+
+class WindowTask:
+    """State, window, offsets, totals and checkpoint store of one unit of counting.
+
+    Parameters
+    ----------
+    name
+        ``"all"`` for the single-process service, the partition key in scale-out.
+    store
+        The checkpoint store of this unit.
+    """
+
+    def __init__(self, name: str, store: LocalStore | None = None):
+        self.name = name
+        self.store = store
+        self.state: PanPrivateHistogram | None = None
+        self.window: dict = {}
+        self.offsets: dict[str, int] = {}
+        self.pending: list[str] = []
+        self.totals: dict = {"events": 0, "rejects": {}}
+        self.durable: Checkpoint | None = None
+        #: replay target: close the window once the offsets reach these (a time window whose
+        #: end passed while the process was down, or a window the ledger already released)
+        self.close_at: dict[str, int] | None = None
+        self.pending_dirty = False
+
+    # -- progress through the window -----------------------------------------------------------
+    def room(self) -> int | None:
+        """Events the current count window still takes (None: not a count window)."""
+        if self.window["kind"] != "count":
+            return None
+        return int(self.window["size"]) - int(self.window["events"])
+
+    def progress(self, now: float | None = None) -> float:
+        w = self.window
+        if w["kind"] == "count":
+            return w["events"] / w["size"]
+        now = time.time() if now is None else now
+        return max(0.0, (now - w["started_unix"]) / w["size"])
+
+    def reached(self, target: dict[str, int]) -> bool:
+        return all(self.offsets.get(p, -1) >= off for p, off in target.items())
+
+    def count_rejects(self, reasons: dict[str, int]) -> None:
+        rejects = self.totals["rejects"]
+        for reason, count in reasons.items():
+            rejects[reason] = rejects.get(reason, 0) + int(count)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def record(self, snapshot: bytes | None) -> Checkpoint:
+        """The checkpoint of the live position (with ``snapshot`` counters, or none)."""
+        return Checkpoint(state=snapshot, window=copy.deepcopy(self.window),
+                          offsets=dict(self.offsets), pending=list(self.pending),
+                          totals=copy.deepcopy(self.totals))
+
+    def rewrite_pending(self) -> Checkpoint:
+        """The last durable checkpoint with the current pending list: no new view of the state
+        (same counters or none, same offsets), only the publishing progress changes."""
+        d = self.durable
+        return Checkpoint(state=d.state, window=d.window, offsets=d.offsets,
+                          pending=list(self.pending), totals=d.totals)
