@@ -11,14 +11,19 @@ Estimators of phi_{>=r}
   for k noise layers: f is the one-layer unbiased step, g the inverse filter of DLap(p). Unbiased
   for any k; its variance grows roughly 100x per extra layer at p = exp(-1/2).
 * ``"deconvolution"``: nonparametric maximum likelihood (EM) for the prevalences given the
-  noisy-value counts c_v and the exactly known k-layer noise pmf. Biased but far less variable
-  when k >= 2; measured in bench/estimators.py, and the default for k >= 2.
+  noisy-value counts c_v and the exactly known k-layer noise pmf, stopped early (a tolerance on
+  the log-likelihood gain per non-zero counter). Biased but far less variable when k >= 2.
+* ``"mle"``: the same EM run to convergence (:data:`MLE_TOL`, :data:`MLE_MAX_ITER`).
+
+Which one a release uses when none is named is :func:`default_method` (mode, layers).
 
 Projections
 -----------
 * l1 (Algorithm 1/5): integer isotonic l1 regression, solved exactly by the slope trick on runs
   of equal phi_hat (O(K log K) for K runs; K is at most a few times the number of distinct noisy
   values, not n).
+* The public n (:func:`cap_total`): sum_r phi_{>=r} is the number of events, so a release with n
+  known never holds more than n events.
 * l2 (Algorithm 3): the same objective with sum phi = n and the rank box
   |n_hat_(j) - h'_(j)| <= gamma, solved exactly as a small MILP (HiGHS) on the runs.
 """
@@ -38,12 +43,21 @@ __all__ = [
     "cumulative_prevalence",
     "deconvolved_prevalence",
     "project_l1",
+    "cap_total",
+    "CAP_RULES",
+    "DEFAULT_CAP",
     "project_l2",
     "counts_from_cumulative",
     "cumulative_from_counts",
     "anonymized_histogram",
     "l1_distance",
     "phi_estimate",
+    "METHODS",
+    "MODES",
+    "DEFAULT_METHODS",
+    "default_method",
+    "MLE_MAX_ITER",
+    "MLE_TOL",
     "rank_box",
     "aligned_histograms",
     "noise_pmf",
@@ -333,6 +347,9 @@ def project_l1(phi_hat) -> np.ndarray:
     integer-restricted cost w|y - a| (breakpoints at floor(a), floor(a) + 1), and the prefix
     minimum that enforces monotonicity removes the top w of mass. A run of equal values acts as
     one point of weight w: an optimal solution is constant on it.
+
+    >>> project_l1([5.2, 3.9, 4.1, 1.1]).tolist()
+    [5, 4, 4, 1]
     """
     a_vals, lengths = _runs(phi_hat)
     K = len(a_vals)
@@ -362,6 +379,70 @@ def project_l1(phi_hat) -> np.ndarray:
     # back out the solution: y_i = min(y_{i+1 in processing order}, opt_i)
     y_runs = np.minimum.accumulate(opt)  # runs in r order; processing went from the end
     return np.repeat(y_runs, lengths).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# the public n: a histogram never holds more events than the stream had
+# --------------------------------------------------------------------------------------------
+CAP_RULES = ("items", "scale", "none")
+DEFAULT_CAP = "items"
+
+
+def cap_total(y, total: int, rule: str = DEFAULT_CAP) -> np.ndarray:
+    """A cumulative prevalence with at most ``total`` events (sum_r y_r <= total), from y.
+
+    sum_r phi_{>=r} is the number of events, so with total = n (public under replace-one
+    neighbours) the released histogram never holds more events than the stream had. Noise shows
+    up as surplus mass when most counters are empty (n << D); under the l1 objective the cut is
+    degenerate there (every unit removed below the estimate costs exactly 1, so a whole face of
+    histograms is l1-optimal under the cap) and the rule is what decides. Both rules leave y
+    alone when it already fits, keep it non-increasing, and reach sum = total exactly:
+
+    * ``"items"``: keep the largest items. y_r -> min(y_r, c) caps the number of items at c
+      (phi_{>=r} <= phi_{>=1} <= c) and, as the projection commutes with a bound, is the l1
+      projection with at most c items; c is the largest cap that fits, and the events left over
+      go to one more item of the largest count that fits (y_r = c + 1 for the first r).
+    * ``"scale"``: thin every level alike, y_r -> floor(y_r total / sum y), and the units lost to
+      rounding go to the first positions.
+    * ``"none"``: y as it is (no cap; for measurements).
+
+
+    >>> y = np.array([6, 3, 1])          # the histogram (3, 2, 2, 1, 1, 1): 10 events
+    >>> cap_total(y, 7).tolist()         # at most 7: keep the largest items, (3, 2, 2)
+    [3, 3, 1]
+    >>> cap_total(y, 7, rule="scale").tolist()   # every level thinned: (2, 2, 1, 1, 1)
+    [5, 2, 0]
+    """
+    y = np.asarray(y, dtype=np.int64)
+    total = int(total)
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    if rule not in CAP_RULES:
+        raise ValueError(f"rule must be one of {CAP_RULES}, got {rule!r}")
+    if len(y) and (np.any(np.diff(y) > 0) or y[-1] < 0):
+        raise ValueError("y must be a non-increasing, non-negative cumulative prevalence")
+    have = int(y.sum())
+    if have <= total or rule == "none":
+        return y
+    if rule == "items":
+        lo, hi = 0, int(y[0])  # sum min(y, lo) <= total < sum min(y, hi)
+        while hi - lo > 1:
+            c = (lo + hi) // 2
+            if int(np.minimum(y, c).sum()) <= total:
+                lo = c
+            else:
+                hi = c
+        out = np.minimum(y, lo)
+    else:
+        # exact integer floor(y total / have); Python ints when the product could overflow int64
+        if int(y[0]) * total < 2**62:
+            out = (y * total) // have
+        else:
+            out = np.array([v * total // have for v in y.tolist()], dtype=np.int64)
+    # the remainder is below the number of positions that can take one more unit; adding it at
+    # the first positions keeps y non-increasing
+    out[: total - int(out.sum())] += 1
+    return out
 
 
 def _run_boundaries(*arrays: np.ndarray) -> np.ndarray:
@@ -506,15 +587,54 @@ def l1_distance(counts_a, counts_b) -> int:
     return int(np.abs(a - b).sum())
 
 
-def phi_estimate(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
-    """phi_hat_{>=r} by the named estimator (default: threshold for 1 layer, else deconvolution)."""
+# Estimators of phi_{>=r} and the default for each (mode, layers). "mle" is the EM of
+# deconvolved_prevalence run to convergence: MLE_TOL on the normalized log-likelihood gain, at most
+# MLE_MAX_ITER SQUAREM steps (a bound on the time; reached at eps = 0.5 with millions of counters).
+METHODS = ("threshold", "deconvolution", "mle")
+MODES = ("direct", "hashed")
+MLE_MAX_ITER = 1000
+MLE_TOL = 1e-9
+# (mode, layers) -> method; layers above the largest key use the largest key's entry. So far the
+# defaults of docs/estimators.md (direct) and docs/large_domains.md (hashed).
+DEFAULT_METHODS = {
+    ("direct", 1): "threshold",
+    ("direct", 2): "deconvolution",
+    ("direct", 3): "deconvolution",
+    ("hashed", 1): "mle",
+    ("hashed", 2): "mle",
+    ("hashed", 3): "mle",
+}
+
+
+def default_method(mode: str, layers: int) -> str:
+    """The estimator a release uses when none is named (:data:`DEFAULT_METHODS`).
+
+    >>> default_method("hashed", 1)
+    'mle'
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    k = _check_layers(layers)
+    top = max(layers for m, layers in DEFAULT_METHODS if m == mode)
+    return DEFAULT_METHODS[(mode, min(k, top))]
+
+
+def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct") -> np.ndarray:
+    """phi_hat_{>=r} by the named estimator (:data:`METHODS`; default :func:`default_method`).
+
+    ``mode`` only selects the default: ``"hashed"`` when the counters are hash buckets (their
+    phi is then the reduced histogram's, which :mod:`aggregator.largedomain` inverts).
+    """
     if method is None:
-        method = "threshold" if layers == 1 else "deconvolution"
+        method = default_method(mode, layers)
     if method == "threshold":
         return cumulative_prevalence(noisy_counts, p, layers=layers)
     if method == "deconvolution":
         return deconvolved_prevalence(noisy_counts, p, layers=layers)
-    raise ValueError(f"method must be 'threshold' or 'deconvolution', got {method!r}")
+    if method == "mle":
+        return deconvolved_prevalence(noisy_counts, p, layers=layers, max_iter=MLE_MAX_ITER,
+                                      tol=MLE_TOL)
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np.ndarray]:
@@ -530,7 +650,7 @@ def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np
 
 
 def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,
-                         buckets=None):
+                         buckets=None, cap=None):
     """Estimate the anonymized histogram from counters noised with ``layers`` DLap(p) layers.
 
     Parameters
@@ -545,15 +665,17 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
         ``"l1"`` (Algorithm 1/5: l1 isotonic projection) or ``"l2"`` (Algorithm 3: adds
         sum = n and the rank box gamma = 10 log(2 n D) / log(1/p); needs ``n``).
     n
-        Number of events (public under replace-one). Required for ``"l2"``.
+        Number of events (public under replace-one). Required for ``"l2"`` (sum = n); with
+        ``"l1"`` the histogram is capped at n events (:func:`cap_total`).
     method
-        ``"threshold"`` or ``"deconvolution"`` for the phi estimate. Default: threshold for one
-        layer (the paper's estimator), deconvolution for two or more (lower error, see
-        docs/estimators.md).
+        Estimator of phi (:data:`METHODS`). Default: :func:`default_method` (mode, layers).
     buckets
         Number of hash buckets B when the counters are a hashed-mode state (``state.size``).
         Collisions are then undone by inverting Gamma^B
         (:func:`aggregator.largedomain.hashed_histogram`; docs/large_domains.md).
+    cap
+        How the total is capped at ``n`` (:data:`CAP_RULES`; default :data:`DEFAULT_CAP`;
+        ``"none"`` leaves the l1 projection as it is). Ignored without ``n``.
 
     Returns
     -------
@@ -572,14 +694,18 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     if buckets is not None:
         from .largedomain import hashed_histogram
         return hashed_histogram(noisy_counts, p, buckets=buckets, n=n, layers=layers, loss=loss,
-                                method=method)
+                                method=method, cap=cap)
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
+    if loss not in ("l1", "l2"):
+        raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
+    cap = DEFAULT_CAP if cap is None else cap
+    if cap not in CAP_RULES:
+        raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
     phi_hat = phi_estimate(vc, p, layers=k, method=method)
     if loss == "l1":
-        return counts_from_cumulative(project_l1(phi_hat))
-    if loss != "l2":
-        raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
+        y = project_l1(phi_hat)
+        return counts_from_cumulative(y if n is None else cap_total(y, n, cap))
     if n is None:
         raise ValueError("loss='l2' needs n (the number of events, public under replace-one)")
     n = int(n)

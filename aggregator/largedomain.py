@@ -58,8 +58,8 @@ import math
 import numpy as np
 
 from .estimate import (
-    counts_from_cumulative, deconvolved_prevalence, noisy_value_counts, phi_estimate, project_l1,
-    project_l2, rank_box,
+    CAP_RULES, DEFAULT_CAP, METHODS, MLE_MAX_ITER, MLE_TOL, cap_total, counts_from_cumulative,
+    noisy_value_counts, phi_estimate, project_l1, project_l2, rank_box,
 )
 
 __all__ = [
@@ -453,45 +453,28 @@ def _pad(y: np.ndarray, R: int) -> np.ndarray:
     return np.concatenate([y, np.zeros(max(0, R - len(y)), dtype=y.dtype)])[:R]
 
 
-# Estimators of the reduced (bucket) cumulative prevalence. "mle" is the EM NPMLE run to
-# convergence (no early stopping); "threshold" and "deconvolution" are those of
-# aggregator.estimate (deconvolution = the same EM, stopped early by its log-likelihood tolerance).
-HASHED_METHODS = ("mle", "threshold", "deconvolution")
-MLE_MAX_ITER = 1000
-MLE_TOL = 1e-9
+# Estimators of the reduced (bucket) cumulative prevalence: those of aggregator.estimate ("mle" is
+# the EM NPMLE run to convergence, "deconvolution" the same EM stopped early by its tolerance).
+HASHED_METHODS = METHODS
+__all__ += ["MLE_MAX_ITER", "MLE_TOL"]  # re-exported: they define "mle"
 
 
 def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
     """phi_hat_{>=r} of the B bucket counters (not projected).
 
-    Default (``method=None``): ``"mle"`` for any number of layers (state-only release and the
-    joint model alike).
+    Default (``method=None``): ``estimate.default_method("hashed", layers)``.
 
-    Why a converged maximum-likelihood estimate, where direct mode keeps the threshold
-    estimator (one layer) and the early-stopped EM (two or more): most of the B counters are
-    empty (B ~ 2 n, D ~ 0.35 n occupied), and the threshold estimator's kernel (-x, 1 + x) at
-    each r turns every empty bucket's DLap noise into a +-(1 + x) term at r = 1, 2, ...; the
-    NPMLE uses that the counter values are h + DLap with h >= 0, so the mass of the negative
-    noisy values pins down the empty buckets. EM is run to convergence (``MLE_TOL`` on the
-    normalized log-likelihood gain), with at most ``MLE_MAX_ITER`` SQUAREM steps as a bound on
-    the time (reached at eps = 0.5; 500, 1000 and 3000 steps gave the same error within noise).
-    The early-stopped ``"deconvolution"`` stops on a log-likelihood gain per counter, i.e. ~1e-5 B
-    nats in total, so with millions of mostly-empty counters it stops far from the data: it
-    smooths well at n <= 1e4-1e5 (there it is the better estimator, up to ~2x at n = 1e4 with two
-    layers) and is 2-5x worse at n >= 1e6 (docs/large_domains.md, "Estimators for one layer" and
-    "2 layers: both estimators on the same noisy counters"). The converged one is a fixed
-    function of the data and costs 0.1-4 s at n = 1e7 (within the 10 s release target with two
-    layers, docs/large_domains.md "Release time").
+    What sets hashed mode apart: most of the B counters are empty (B ~ 2 n, D ~ 0.35 n occupied),
+    and the threshold estimator's kernel (-x, 1 + x) turns every empty bucket's DLap noise into
+    a +-(1 + x) term at r = 1, 2, ...; the NPMLE uses that counter values are h + DLap with
+    h >= 0, so the mass of the negative noisy values pins down the empty buckets. The
+    early-stopped EM stops on a log-likelihood gain per counter, i.e. ~1e-5 B nats in total, so
+    with millions of mostly-empty counters it stops far from the data; run to convergence
+    (``"mle"``) the fit is a fixed function of the data (docs/large_domains.md).
     """
-    k = int(layers)
-    if method is None:
-        method = "mle"
-    if method == "mle":
-        return deconvolved_prevalence(noisy_counts, p, layers=k, max_iter=MLE_MAX_ITER,
-                                      tol=MLE_TOL)
-    if method not in HASHED_METHODS:
+    if method is not None and method not in HASHED_METHODS:
         raise ValueError(f"method must be one of {HASHED_METHODS}, got {method!r}")
-    return phi_estimate(noisy_counts, p, layers=k, method=method)
+    return phi_estimate(noisy_counts, p, layers=int(layers), method=method, mode="hashed")
 
 
 def reduced_cumulative(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
@@ -502,7 +485,7 @@ def reduced_cumulative(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
 
 
 def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", method=None,
-                     variant=DEFAULT_VARIANT, m=None) -> np.ndarray:
+                     variant=DEFAULT_VARIANT, m=None, cap=None) -> np.ndarray:
     """Anonymized histogram of the items from B hashed counters (the ``buckets=`` path).
 
     Parameters
@@ -513,20 +496,22 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     buckets
         B, the number of counters (must equal their count).
     n
-        Number of events. Needed by ``"alg7-single"`` (phi_hat_{>=0} = n) and ``loss="l2"``.
+        Number of events. Needed by ``"alg7-single"`` (phi_hat_{>=0} = n) and ``loss="l2"``;
+        with ``loss="l1"`` the item histogram is capped at n events (``estimate.cap_total``).
     loss
         ``"l1"`` or ``"l2"`` (seed 001 Algorithm 4 with the box taken from these same counters,
         see :func:`l2_histogram`).
     method
-        Estimator of the reduced cumulative prevalence (:data:`HASHED_METHODS`). Default: the
-        converged EM NPMLE (``"mle"``) for any number of layers (see
-        :func:`hashed_phi_estimate`; direct mode's defaults are unchanged).
+        Estimator of the reduced cumulative prevalence (:data:`HASHED_METHODS`). Default:
+        ``estimate.default_method("hashed", layers)`` (see :func:`hashed_phi_estimate`).
     variant
         ``"exact"`` (default): invert Gamma^B at every degree (:func:`invert_gamma`), then project.
         ``"alg7-single"``: Algorithm 7's binary searches for r <= m, the hashed histogram itself
         for r > m. ``"reduced"``: no inversion (the bucket histogram as it is; a baseline).
     m
         Algorithm 7's cut-off; default :func:`alg7_m` (B, p).
+    cap
+        Rule that caps the total at n (``estimate.CAP_RULES``; default ``estimate.DEFAULT_CAP``).
     """
     vc = noisy_value_counts(noisy_counts)
     B = _check_buckets(buckets)
@@ -538,8 +523,12 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
         return l2_histogram(vc, p, buckets=B, n=n, layers=layers, method=method, variant=variant)
     if loss != "l1":
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
+    cap = DEFAULT_CAP if cap is None else cap
+    if cap not in CAP_RULES:
+        raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
     psi = reduced_cumulative(vc, p, layers=layers, method=method)
-    return counts_from_cumulative(_invert(psi, B, n, p, variant, m))
+    y = _invert(psi, B, n, p, variant, m)
+    return counts_from_cumulative(y if n is None else cap_total(y, n, cap))
 
 
 SNAP = 1e-4

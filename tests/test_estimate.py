@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 
 from aggregator.estimate import (
-    anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
+    DEFAULT_CAP, anonymized_histogram, cap_total, counts_from_cumulative, cumulative_from_counts,
     cumulative_prevalence, deconvolved_prevalence, l1_distance, noise_pmf, noisy_value_counts,
     project_l1, project_l2, threshold_kernel,
 )
@@ -244,3 +244,64 @@ def test_rejects_non_integer_counters():
         cumulative_prevalence(np.array([1.5, 2.0]), 0.5)
     with pytest.raises(ValueError):
         cumulative_prevalence(np.array([], dtype=np.int64), 0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# the public n caps the total (n_in_histogram <= n)
+# --------------------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 30), max_size=25), st.integers(0, 400),
+       st.sampled_from(["items", "scale"]))
+def test_cap_total_is_a_valid_histogram_with_the_capped_total(counts, total, rule):
+    y = cumulative_from_counts(counts)
+    out = cap_total(y, total, rule)
+    assert np.all(np.diff(out) <= 0) and (len(out) == 0 or out[-1] >= 0)
+    if y.sum() <= total:
+        np.testing.assert_array_equal(out, y)
+    else:
+        assert out.sum() == total
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=25), st.integers(0, 400))
+def test_cap_items_keeps_the_largest_items(counts, total):
+    """"items": the largest counts survive unchanged; only the smallest kept one is trimmed."""
+    y = cumulative_from_counts(counts)
+    kept = counts_from_cumulative(cap_total(y, total, "items"))
+    ranked = np.sort(counts)[::-1]
+    if len(kept):
+        np.testing.assert_array_equal(kept[:-1], ranked[: len(kept) - 1])
+        assert 1 <= kept[-1] <= ranked[len(kept) - 1]
+
+
+def test_cap_total_rejects_bad_input():
+    with pytest.raises(ValueError):
+        cap_total(np.array([1, 2]), 1)
+    with pytest.raises(ValueError):
+        cap_total(np.array([2, 1]), -1)
+    with pytest.raises(ValueError):
+        cap_total(np.array([2, 1]), 1, rule="magic")
+
+
+@pytest.mark.parametrize("method", ["threshold", "deconvolution", "mle"])
+def test_release_never_holds_more_events_than_n(method):
+    """Mostly empty counters (n = 1000 Zipf(1.1) events over D = 20,000, eps = 0.5, two layers):
+    noise adds phantom mass, and the uncapped threshold and early-stopped EM estimates hold more
+    than n events; with n given every estimate holds at most n, and cap="none" gives back the
+    uncapped projection."""
+    rng = np.random.default_rng(21)
+    D, n, p = 20_000, 1000, 0.78
+    w = 1.0 / np.arange(1, D + 1) ** 1.1
+    h = rng.multinomial(n, w / w.sum())
+    noisy = h + discrete_laplace(p, D, rng=rng) + discrete_laplace(p, D, rng=rng)
+    free = anonymized_histogram(noisy, p, layers=2, method=method)
+    if method != "mle":  # the converged NPMLE happens to fall short of n here
+        assert free.sum() > n
+    for cap in (None, "items", "scale"):
+        est = anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap=cap)
+        assert est.sum() <= n and np.all(np.diff(est) <= 0)
+    np.testing.assert_array_equal(
+        anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap="none"), free)
+    np.testing.assert_array_equal(
+        anonymized_histogram(noisy, p, layers=2, method=method, n=n),
+        anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap=DEFAULT_CAP))

@@ -462,3 +462,22 @@ def test_snapping_before_the_projection_keeps_its_result():
     m = max(len(full), len(snapped))
     np.testing.assert_array_equal(np.pad(full, (0, m - len(full))),
                                   np.pad(snapped, (0, m - len(snapped))))
+
+
+def test_hashed_release_never_holds_more_events_than_n():
+    """Few events in many buckets (n = 2,000 over B = 40,000, eps = 0.5, two layers): the
+    uncapped item histogram holds more than n events; with n given, at most n (every cap rule),
+    and cap="none" gives back the uncapped one."""
+    rng = np.random.default_rng(23)
+    h = np.unique(rng.zipf(1.1, 2_000), return_counts=True)[1]
+    n, B, p = int(h.sum()), 40_000, p_from_epsilon(0.5)
+    noisy = _reduced(h, B, rng) + discrete_laplace(p, B, rng=rng) + discrete_laplace(p, B, rng=rng)
+    free = ld.hashed_histogram(noisy, p, buckets=B, layers=2, method="deconvolution")
+    assert free.sum() > n
+    for cap in (None, "items", "scale"):
+        est = anonymized_histogram(noisy, p, layers=2, n=n, buckets=B, method="deconvolution",
+                                   cap=cap)
+        assert est.sum() <= n and np.all(np.diff(est) <= 0)
+    np.testing.assert_array_equal(
+        ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="deconvolution",
+                            cap="none"), free)
