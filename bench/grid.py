@@ -1,0 +1,226 @@
+"""The accuracy grid: every candidate estimator on the same noisy counters, and the regret rule.
+
+A *cell* fixes what a deployment does not choose: the mode (direct counters over a known domain
+of D items, or B = choose_buckets(n) hash buckets over an unbounded one), the item distribution,
+n, eps and the number of DLap layers in the released counters (1 = state-only, 2 = joint model,
+3 = joint model after an audit export). A *candidate* is what the code chooses: the estimator of
+phi_{>=r} (``estimate.METHODS``) and the rule that caps the total at the public n
+(``estimate.CAP_RULES``; ``"none"`` is shown for reference: it can release more than n events).
+
+Pairing: in each repetition of a cell one draw of the items and, per layer count, ONE draw of the
+noisy counters is shared by every candidate, so differences between candidates are not noise
+draws. Estimators run once per (repetition, layers, method); the cap rules are post-processing of
+the same projection.
+
+Regret (the selection rule). For a cell c and candidate m, with E(m, c) the mean l1 error over the
+repetitions, regret(m, c) = E(m, c) / min_{m'} E(m', c) >= 1 (the minimum over the admissible
+candidates, those that cap the total). The default for a (mode, layers) is the candidate with the
+lowest worst-case regret max_c regret(m, c) over that mode's cells; ties (within 1%) go to the lower
+geometric-mean regret. Worst case because a deployment cannot tell in advance which cell it is in
+(D/n, the distribution and eps vary); regret rather than raw error so that cells with large errors
+do not drown the others.
+
+Noise is drawn from a seeded numpy Generator (reproducible; benchmark only, never private); the
+empty counters' noisy values are one multinomial draw over the exact noise pmf (the estimators only
+see noisy-value counts). Hashing: each distinct item picks a bucket uniformly at random, which is
+what a keyed hash with a fresh random key does to distinct items (the model Gamma^B assumes).
+
+>>> cells = grid_cells(quick=True)
+>>> sorted({c.mode for c in cells})
+['direct', 'hashed']
+>>> errors = {("a", 0): 2.0, ("b", 0): 4.0, ("a", 1): 3.0, ("b", 1): 2.5}   # (candidate, cell)
+>>> worst = worst_regret(regrets(errors, ["a", "b"]), ["a", "b"])
+>>> {m: (round(v, 2), cell) for m, (v, cell) in worst.items()}   # a: 20% off the best at worst
+{'a': (1.2, 1), 'b': (2.0, 0)}
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aggregator import largedomain as ld
+from aggregator.estimate import (
+    CAP_RULES, METHODS, cap_total, cumulative_from_counts, phi_estimate, project_l1,
+)
+from aggregator.noise import p_from_epsilon
+
+from ._data import true_counts
+from .largedomain import items_counts, noisy_vc
+
+SEED = 20261122
+LAYERS = (1, 2, 3)
+EPS = (0.5, 1.0, 2.0)
+DIRECT_DISTS = ("zipf", "uniform", "geometric")  # bench._data.weights over [D]
+HASHED_DISTS = ("zipf", "zipf1.01", "zipf1.5", "distinct")  # bench.largedomain.items_counts
+ADMISSIBLE_CAPS = tuple(c for c in CAP_RULES if c != "none")
+CANDIDATES = tuple((m, c) for m in METHODS for c in CAP_RULES)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid; ``D`` is the domain size in direct mode, None in hashed mode."""
+
+    mode: str
+    dist: str
+    n: int
+    D: int | None
+    eps: float
+    reps: int
+
+    @property
+    def p(self) -> float:
+        return p_from_epsilon(self.eps)
+
+    @property
+    def counters(self) -> int:
+        """Number of noisy counters: D, or B = choose_buckets(n, eps)."""
+        return self.D if self.mode == "direct" else ld.choose_buckets(self.n, self.eps)
+
+    @property
+    def key(self) -> tuple:
+        return (self.mode, self.dist, self.n, self.D, self.eps)
+
+
+def grid_cells(quick: bool = False) -> list[Cell]:
+    """The grid. Direct: D in 1e4..1e6 at n/D = 0.1, 1, 10, plus sparse n/D = 0.01 and 0.001
+    (where the noise can swamp the data). Hashed: n = 1e4..1e7 (fewer repetitions at 1e7)."""
+    cells = []
+    if quick:
+        direct = [(10**4, 10**3, 2), (10**4, 10**5, 2), (10**5, 10**3, 2)]
+        hashed = [(10**4, 2)]
+        dists_d, dists_h, epss = ("zipf", "uniform"), ("zipf", "distinct"), (1.0,)
+    else:
+        direct = [(10**4, 10**3, 10), (10**4, 10**4, 10), (10**4, 10**5, 8),
+                  (10**5, 10**3, 8), (10**5, 10**4, 8), (10**5, 10**5, 6), (10**5, 10**6, 4),
+                  (10**6, 10**3, 4), (10**6, 10**4, 4), (10**6, 10**5, 4), (10**6, 10**6, 3),
+                  (10**6, 10**7, 2)]
+        hashed = [(10**4, 10), (10**5, 6), (10**6, 3), (10**7, 2)]
+        dists_d, dists_h, epss = DIRECT_DISTS, HASHED_DISTS, EPS
+    for D, n, reps in direct:
+        for dist in dists_d:
+            for eps in epss:
+                cells.append(Cell("direct", dist, n, D, eps, reps))
+    for n, reps in hashed:
+        for dist in dists_h:
+            for eps in epss:
+                cells.append(Cell("hashed", dist, n, None, eps, reps))
+    return cells
+
+
+@dataclass
+class CellResult:
+    """Per (layers, method, cap): l1 errors over the repetitions; per (layers, method): seconds
+    and the uncapped totals; per repetition: the number of distinct items."""
+
+    cell: Cell
+    l1: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    total: dict = field(default_factory=dict)
+    items: list = field(default_factory=list)
+
+    def add(self, table: dict, key, value) -> None:
+        table.setdefault(key, []).append(value)
+
+
+def _l1(y: np.ndarray, truth: np.ndarray) -> float:
+    """l1 distance of two cumulative prevalences (zero beyond their ends)."""
+    m = max(len(y), len(truth))
+    return float(np.abs(np.pad(y, (0, m - len(y))) - np.pad(truth, (0, m - len(truth)))).sum())
+
+
+def estimate_y(mode: str, vc, p: float, layers: int, method: str, n: int, B: int | None):
+    """The uncapped projected cumulative prevalence of the items, as the release computes it."""
+    if mode == "direct":
+        return project_l1(phi_estimate(vc, p, layers=layers, method=method))
+    counts = ld.hashed_histogram(vc, p, buckets=B, n=n, layers=layers, method=method, cap="none")
+    return cumulative_from_counts(counts)
+
+
+def draw(cell: Cell, rep: int):
+    """(true counts of the items, bucket totals or None, rng for the noise) of one repetition."""
+    rng = np.random.default_rng([SEED, hash(cell.mode) % 997, cell.n, cell.D or 0,
+                                 int(cell.eps * 100), sum(map(ord, cell.dist)), rep])
+    if cell.mode == "direct":
+        h = true_counts(rng, cell.dist, cell.D, cell.n)
+        return h[h > 0], None, rng
+    _, h = items_counts(rng, cell.n, cell.dist)
+    B = cell.counters
+    red = np.bincount(rng.integers(0, B, len(h)), weights=h, minlength=B).astype(np.int64)
+    return h, red[red > 0], rng
+
+
+def run_cell(cell: Cell, layers=LAYERS, methods=METHODS) -> CellResult:
+    out = CellResult(cell)
+    p, C = cell.p, cell.counters
+    B = C if cell.mode == "hashed" else None
+    for rep in range(cell.reps):
+        h, occupied, rng = draw(cell, rep)
+        out.items.append(len(h))
+        truth = cumulative_from_counts(h)
+        values = h if occupied is None else occupied
+        for k in layers:
+            vc = noisy_vc(rng, values, C - len(values), p, k)  # shared by every candidate
+            for m in methods:
+                t = time.perf_counter()
+                y = estimate_y(cell.mode, vc, p, k, m, cell.n, B)
+                out.add(out.seconds, (k, m), time.perf_counter() - t)
+                out.add(out.total, (k, m), int(y.sum()))
+                for cap in CAP_RULES:
+                    out.add(out.l1, (k, m, cap), _l1(cap_total(y, cell.n, cap), truth))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# regret
+# --------------------------------------------------------------------------------------------
+def mean_errors(results: list[CellResult], mode: str, layers: int) -> dict:
+    """{(candidate, cell index): mean l1 error} for one mode and layer count."""
+    out = {}
+    for i, r in enumerate(results):
+        if r.cell.mode != mode:
+            continue
+        for (k, m, cap), errs in r.l1.items():
+            if k == layers:
+                out[((m, cap), i)] = float(np.mean(errs))
+    return out
+
+
+def regrets(errors: dict, candidates) -> dict:
+    """{(candidate, cell): E / min over ``candidates`` of E} for the cells every candidate has."""
+    cells = {c for (_, c) in errors}
+    out = {}
+    for c in cells:
+        if not all((m, c) in errors for m in candidates):
+            continue
+        best = min(errors[(m, c)] for m in candidates)
+        for m in candidates:
+            out[(m, c)] = errors[(m, c)] / best if best > 0 else (1.0 if errors[(m, c)] == 0
+                                                                  else math.inf)
+    return out
+
+
+def worst_regret(reg: dict, candidates) -> dict:
+    """{candidate: (max regret, cell where it is reached)}."""
+    out = {}
+    for m in candidates:
+        items = [(v, c) for (mm, c), v in reg.items() if mm == m]
+        out[m] = max(items, key=lambda t: t[0])
+    return out
+
+
+def geo_regret(reg: dict, candidates) -> dict:
+    return {m: float(np.exp(np.mean([math.log(v) for (mm, _), v in reg.items() if mm == m])))
+            for m in candidates}
+
+
+def choose(reg: dict, candidates) -> tuple:
+    """Lowest worst-case regret; within 1% of it, the lowest geometric-mean regret."""
+    worst = worst_regret(reg, candidates)
+    geo = geo_regret(reg, candidates)
+    top = min(w for w, _ in worst.values())
+    near = [m for m in candidates if worst[m][0] <= 1.01 * top]
+    return min(near, key=lambda m: geo[m])
