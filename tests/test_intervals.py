@@ -1,0 +1,99 @@
+"""Noise floor and bootstrap error bars (aggregator.intervals): the math, the shapes, the release."""
+
+import math
+
+import numpy as np
+import pytest
+
+from aggregator import intervals as iv
+from aggregator.estimate import anonymized_histogram, noise_pmf
+from aggregator.noise import discrete_laplace, p_from_epsilon
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5, 0.78])
+def test_chi2_one_layer_is_one_over_lemma10_x(p):
+    assert iv.chi2_shift(p) == pytest.approx((1 - p) ** 2 / p, rel=1e-9)
+
+
+def test_more_layers_less_information():
+    p = p_from_epsilon(1.0)
+    chi = [iv.chi2_shift(p, k) for k in (1, 2, 3, 4)]
+    assert all(a > b for a, b in zip(chi, chi[1:]))
+
+
+def test_noise_floor_scales_with_the_square_root_of_the_counters():
+    p = p_from_epsilon(1.0)
+    assert iv.noise_floor(4 * 10**6, p, 2) == pytest.approx(2 * iv.noise_floor(10**6, p, 2))
+    with pytest.raises(ValueError):
+        iv.noise_floor(0, p)
+
+
+def test_signal_below_noise_flags_small_n_only():
+    p = p_from_epsilon(1.0)
+    C = 10**6
+    n_cut = iv.SNR_MIN * iv.noise_floor(C, p, 2)
+    assert iv.signal_below_noise(int(n_cut) - 1, C, p, 2)
+    assert not iv.signal_below_noise(int(n_cut) + 1, C, p, 2)
+    assert iv.signal_to_noise(2 * 10**4, C, p, 2) == pytest.approx(
+        2 * iv.signal_to_noise(10**4, C, p, 2))
+
+
+def test_simulate_counts_has_every_counter_and_the_noise_law():
+    rng = np.random.default_rng(3)
+    p, C = 0.5, 200_000
+    vc = iv.simulate_counts(rng, np.array([40, 7]), C, p, 1)
+    assert vc.total == C
+    K, q = noise_pmf(p, 1)
+    # the zero counters' noisy values follow the exact pmf (chi-square on the central values)
+    v = np.arange(-5, 6)
+    got = vc.c[v - vc.lo].astype(float)
+    want = C * q[v + K]
+    assert np.sum((got - want) ** 2 / want) < 40  # 11 cells: a 1e-4 tail bound
+    with pytest.raises(ValueError):
+        iv.simulate_counts(rng, np.arange(1, 5), 3, p, 1)
+
+
+def _direct_case(seed=5):
+    rng = np.random.default_rng(seed)
+    h = np.concatenate([rng.integers(1, 80, 300), np.zeros(3_000, np.int64)])
+    p = p_from_epsilon(1.0)
+    return h, p, h + discrete_laplace(p, len(h), rng=rng) + discrete_laplace(p, len(h), rng=rng)
+
+
+def test_error_bars_carry_the_release_itself():
+    h, p, noisy = _direct_case()
+    n = int(h.sum())
+    eb = iv.error_bars(noisy, p, layers=2, n=n, reps=5, rng=0)
+    np.testing.assert_array_equal(eb["histogram"], anonymized_histogram(noisy, p, layers=2, n=n))
+    lo, hi = eb["phi_lower"], eb["phi_upper"]
+    assert np.all(lo <= hi) and lo.min() >= 0 and hi.max() <= n
+    assert eb["distinct"] == (lo[0], hi[0])
+    assert eb["entropy_nats"][0] <= eb["entropy_nats"][1]
+    assert eb["relative_l1_bound"] == pytest.approx(eb["l1_bound"] / n)
+    assert eb["signal_to_noise"] == pytest.approx(iv.signal_to_noise(n, len(h), p, 2))
+
+
+def test_error_bars_are_reproducible_with_a_seed():
+    h, p, noisy = _direct_case()
+    a = iv.error_bars(noisy, p, layers=2, n=int(h.sum()), reps=4, rng=7)
+    b = iv.error_bars(noisy, p, layers=2, n=int(h.sum()), reps=4, rng=7)
+    assert a["l1_bound"] == b["l1_bound"]
+    np.testing.assert_array_equal(a["phi_upper"], b["phi_upper"])
+
+
+def test_error_bars_in_hashed_mode():
+    rng = np.random.default_rng(9)
+    h = np.unique(rng.zipf(1.2, 5_000), return_counts=True)[1]
+    n, B, p = int(h.sum()), 10_000, p_from_epsilon(1.0)
+    red = np.bincount(rng.integers(0, B, len(h)), weights=h, minlength=B).astype(np.int64)
+    noisy = red + discrete_laplace(p, B, rng=rng)
+    eb = iv.error_bars(noisy, p, n=n, buckets=B, reps=4, rng=1)
+    np.testing.assert_array_equal(eb["histogram"], anonymized_histogram(noisy, p, n=n, buckets=B))
+    assert eb["l1_bound"] > 0 and math.isfinite(eb["l1_bound"])
+
+
+@pytest.mark.parametrize("bad", [dict(level=1.0), dict(level=0.0), dict(reps=1)])
+def test_error_bars_reject_bad_arguments(bad):
+    h, p, noisy = _direct_case()
+    with pytest.raises(ValueError):
+        iv.error_bars(noisy, p, layers=2, **bad)
