@@ -1,14 +1,19 @@
 """Keyed 64-bit hashing of items into buckets, vectorized (SipHash-2-4).
 
-The hashed state maps an item x to counter ``siphash24(key, bytes(x)) mod B``. The key fixes the
-item -> counter map; it is not secret for privacy (the noise, not the map, protects events) and is
+The hashed state maps an item x to counter ``siphash24(key, canonical_bytes(x)) mod B``. The key
+fixes the item -> counter map; it is not secret for privacy (the noise, not the map, protects events) and is
 stored in snapshots so that a restored state keeps counting into the same buckets. A keyed PRF
 rather than a fixed hash keeps an adversary who does not know the key from crafting many items
 that collide in one bucket.
 
-Item encoding: ``str`` is UTF-8, ``bytes`` as is, ``int`` as its decimal ASCII form (so the JSON
-item ``"42"`` and the msgpack item ``42`` are the same item). Trailing NUL bytes are not
-significant (numpy fixed-width byte strings drop them).
+Item encoding (:func:`canonical_bytes`): ``str`` is UTF-8, ``bytes`` as is, ``int`` (any size) as
+its decimal ASCII form (so the JSON item ``"42"`` and the msgpack item ``42`` are the same item),
+and then trailing NUL bytes are dropped. Dropping them keeps the map the one that numpy
+fixed-width strings gave from the start (numpy ``S``/``U`` arrays cannot hold trailing NULs), so
+existing snapshots keep their buckets. The price is a deliberate collision class: ``b"a"``,
+``b"a\\x00"`` and ``"a\\x00\\x00"`` are one item and share a counter, and anyone can craft such
+pairs without the key. That costs accuracy for those items only; privacy does not depend on the
+map. NULs inside an item are significant.
 
 The whole batch is hashed at once: items become a fixed-width byte matrix, and SipHash's rounds
 run as uint64 array operations over the rows, one 8-byte column at a time.
@@ -22,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["KEY_BYTES", "encode_items", "siphash24", "siphash24_scalar", "bucket_of"]
+__all__ = ["KEY_BYTES", "canonical_bytes", "encode_items", "siphash24", "siphash24_scalar",
+           "bucket_of"]
 
 KEY_BYTES = 16
 _MASK = (1 << 64) - 1
@@ -56,18 +62,51 @@ def _check_key(key: bytes) -> tuple[int, int]:
     return int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
 
 
+def canonical_bytes(item) -> bytes:
+    """The bytes an item is hashed as (scalar reference of :func:`encode_items`)."""
+    if isinstance(item, str):
+        try:
+            data = item.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(_NO_UTF8) from None
+    elif isinstance(item, bytes):
+        data = bytes(item)
+    elif isinstance(item, int) and not isinstance(item, bool):
+        data = b"%d" % item
+    else:
+        raise TypeError(f"items must be str, bytes or int, got {type(item).__name__}")
+    return data.rstrip(b"\x00")
+
+
+_NO_UTF8 = "str item has no UTF-8 form (lone surrogate)"
+
+
 def encode_items(items) -> tuple[np.ndarray, np.ndarray]:
     """Items as a (rows, width) uint8 matrix (zero padded) and their byte lengths.
 
-    Accepts a sequence of str / bytes / int (mixed is fine) or a numpy array of ints,
-    bytes (``S``) or strings (``U``).
+    Accepts a sequence of str / bytes / int (mixed is fine; ints of any size) or a numpy array
+    of ints, bytes (``S``) or strings (``U``).
     """
+    try:
+        return _encode_items(items)
+    except UnicodeEncodeError:  # its message would quote the item: name only the problem
+        raise ValueError(_NO_UTF8) from None
+
+
+def _int64_or_none(items):
+    try:
+        return np.asarray(items, dtype=np.int64)
+    except OverflowError:  # past int64, e.g. a msgpack uint64 >= 2**63: the generic path
+        return None
+
+
+def _encode_items(items):
     arr = items if isinstance(items, np.ndarray) else None
     if arr is None:
         items = list(items)
         kinds = set(map(type, items))
-        if kinds == {int}:
-            arr = np.asarray(items, dtype=np.int64)
+        if kinds == {int} and (arr := _int64_or_none(items)) is not None:
+            pass
         elif kinds == {bytes}:
             arr = np.asarray(items, dtype=np.bytes_)
         elif kinds == {str}:
@@ -77,7 +116,7 @@ def encode_items(items) -> tuple[np.ndarray, np.ndarray]:
                 if not isinstance(x, (str, bytes, int)) or isinstance(x, bool):
                     raise TypeError(f"items must be str, bytes or int, got {type(x).__name__}")
             enc = [x.encode("utf-8") if isinstance(x, str) else
-                   (x if isinstance(x, bytes) else str(x).encode("ascii")) for x in items]
+                   (x if isinstance(x, bytes) else b"%d" % x) for x in items]
             arr = np.asarray(enc, dtype=np.bytes_) if enc else np.zeros(0, dtype="S1")
     if arr.dtype.kind in "iu":
         arr = arr.astype(np.bytes_)  # decimal ASCII, vectorized in C

@@ -8,13 +8,20 @@ reason           meaning
 ===============  ===========================================================================
 ``oversized``    the message is longer than ``max_message_bytes``, or its item longer than
                  ``max_item_bytes``
-``undecodable``  not valid msgpack / JSON (or not UTF-8 JSON)
+``undecodable``  not valid msgpack / JSON (or not UTF-8 JSON, a byte order mark included), or a
+                 str item with a lone surrogate (no UTF-8 form to hash)
 ``not_a_map``    decodes, but is not a map/object
 ``missing_item`` a map without an ``"item"`` key
 ``wrong_type``   the item is not str/bytes/int (bool, float, list, null ...), or not an int
                  in direct mode
 ``out_of_range`` direct mode: an int outside [0, D)
 ===============  ===========================================================================
+
+In hashed mode an int item is accepted in [-2**63, 2**64) (what msgpack can carry) and is oversized
+outside it; a JSON integer too long for Python to parse (``sys.get_int_max_str_digits()``) is such
+an int too (not undecodable: it is valid JSON).
+Duplicate keys: the last ``"item"`` wins (both formats). Every accepted item hashes
+(aggregator.hashing), so no message can make counting its batch fail.
 
 Error messages and counters name the reason and, at most, the position of the message (topic,
 partition, offset); never its content.
@@ -31,6 +38,11 @@ import numpy as np
 __all__ = ["REASONS", "Decoder", "DecodedBatch"]
 
 REASONS = ("oversized", "undecodable", "not_a_map", "missing_item", "wrong_type", "out_of_range")
+_HUGE = 10**100  # stands for any JSON integer past Python's parse limit: outside every range
+
+
+def _capped_int(digits: str) -> int:
+    return int(digits) if len(digits) < 100 else (-_HUGE if digits.startswith("-") else _HUGE)
 
 
 @dataclass
@@ -77,7 +89,13 @@ class Decoder:
     def _load(self, raw: bytes):
         if self.fmt == "msgpack":
             return msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        return json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # a valid integer past Python's digit limit: judge it by its range
+            return json.loads(text, parse_int=_capped_int)
 
     def decode_one(self, raw) -> tuple[object, str | None]:
         """(item, None) for a good message, (None, reason) for a bad one."""
@@ -131,7 +149,10 @@ class Decoder:
             return None
         if lens.min() < 2 or lens.max() > self.max_message_bytes:
             return None
-        buf = b"".join(values)
+        try:
+            buf = b"".join(values)
+        except TypeError:  # a value that is not bytes-like: decode_one names it
+            return None
         unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(buf) + 1)
         unpacker.feed(buf)
         objs, ends = [], []
