@@ -2,7 +2,8 @@
 # A real single-node Apache Kafka broker (KRaft mode) on 127.0.0.1, from Maven Central jars.
 #
 #   deploy/kafka/kafka.sh fetch                 resolve the pinned broker jars (cached in ~/.m2)
-#   deploy/kafka/kafka.sh start [STATE_DIR]     format KRaft storage, start on a free port,
+#   deploy/kafka/kafka.sh start [STATE_DIR]     format KRaft storage, start on a free port
+#                                               (a restart of the same STATE_DIR reuses it),
 #                                               wait until it accepts connections, print
 #                                               "bootstrap=127.0.0.1:PORT"
 #   deploy/kafka/kafka.sh stop  [STATE_DIR]     stop it cleanly (SIGTERM, then wait)
@@ -33,6 +34,10 @@ free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }
 
+port_free() {
+  python3 -c 'import socket, sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", int(sys.argv[1]))); s.close()' "$1" 2>/dev/null
+}
+
 running() { [ -f "$state/pid" ] && kill -0 "$(cat "$state/pid")" 2>/dev/null; }
 
 start() {
@@ -40,8 +45,15 @@ start() {
   if running; then echo "bootstrap=127.0.0.1:$(cat "$state/port")"; return; fi
   mkdir -p "$state/data" "$state/logs"
   local port cport cp
-  port=$(free_port); cport=$(free_port)
-  while [ "$cport" = "$port" ]; do cport=$(free_port); done
+  if [ -f "$state/port" ] && [ -f "$state/cport" ]; then
+    # the same ports as the last start of this state dir: running clients reconnect to them
+    port=$(cat "$state/port"); cport=$(cat "$state/cport")
+    port_free "$port" || die "port $port of $state (its previous start) is taken; stop what holds it, or use another STATE_DIR"
+    port_free "$cport" || die "controller port $cport of $state is taken; stop what holds it, or use another STATE_DIR"
+  else
+    port=$(free_port); cport=$(free_port)
+    while [ "$cport" = "$port" ]; do cport=$(free_port); done
+  fi
   cat > "$state/server.properties" <<PROPS
 process.roles=broker,controller
 node.id=1
@@ -72,6 +84,7 @@ PROPS
       || die "formatting KRaft storage failed; see $state/logs/format.log"
   fi
   echo "$port" > "$state/port"
+  echo "$cport" > "$state/cport"
   nohup java -cp "$cp" "${jopts[@]}" kafka.Kafka "$state/server.properties" \
       >"$state/logs/stdout.log" 2>&1 &
   echo $! > "$state/pid"

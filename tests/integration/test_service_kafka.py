@@ -20,7 +20,9 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
 from aggregator.noise import discrete_laplace, p_from_epsilon
+from aggregator.release import make_release
 from aggregator.state import PanPrivateHistogram
+from state_store.audit import read_export
 from state_store.local import LocalStore
 
 D = 2000
@@ -67,9 +69,61 @@ def run_service(args, timeout=240, extra_env=None):
                           text=True, timeout=timeout, env=dict(env(), **(extra_env or {})))
 
 
-def final_state(tmp_path):
-    ckpt = LocalStore(tmp_path / "state" / "checkpoints").load_latest()
-    return PanPrivateHistogram.deserialize(ckpt.state), ckpt
+KEY_HEX = "7e" * 32
+
+
+def durable(tmp_path):
+    return LocalStore(tmp_path / "state" / "checkpoints").load_latest()
+
+
+def ledger_entries(tmp_path):
+    return [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()]
+
+
+def live_counts_via_export(tmp_path):
+    """The open window's counters of the stopped service: an offline export replays the window
+    from Kafka; its snapshot minus the (test-seeded) layer drawn before it."""
+    res = run_service(["audit", "export", "--state-dir", str(tmp_path / "state"),
+                       "--set", f"testing.noise_seed={SEED}"], extra_env={"PANAGG_AUDIT_KEY": KEY_HEX})
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = read_export(res.stdout.strip().splitlines()[-1], bytes.fromhex(KEY_HEX))
+    state = PanPrivateHistogram.deserialize(doc["state"])
+    before = discrete_laplace(p_from_epsilon(1.0), D,
+                              rng=np.random.default_rng([SEED, 2, doc["window"]["id"], 1001, 0]))
+    return state.counts - before, state, doc
+
+
+def topic_records(bootstrap, topic):
+    """{(partition key, offset): value} of every record in ``topic``."""
+    from kafka.structs import TopicPartition
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                             consumer_timeout_ms=5000)
+    parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+    consumer.assign(parts)
+    consumer.seek_to_beginning(*parts)
+    ends = consumer.end_offsets(parts)
+    out = {}
+    while sum(1 for tp in parts if consumer.position(tp) < ends[tp]):
+        for tp, recs in consumer.poll(timeout_ms=2000).items():
+            for r in recs:
+                out[(f"{topic}:{tp.partition}", r.offset)] = r.value
+    consumer.close()
+    return out
+
+
+def good_item(value):
+    try:
+        doc = msgpack.unpackb(value, raw=False)
+    except Exception:
+        return None
+    item = doc.get("item") if isinstance(doc, dict) else None
+    return item if isinstance(item, int) and 0 <= item < D else None
+
+
+def window_items(records, start, end):
+    """Items of the good records with start[p] <= offset < end[p] for every partition p."""
+    return [item for (p, off), v in sorted(records.items())
+            if start.get(p, 0) <= off < end.get(p, 0) and (item := good_item(v)) is not None]
 
 
 def test_kafka_python_msgpack_with_bad_input_and_dead_letters(kafka_broker, tmp_path):
@@ -81,24 +135,58 @@ def test_kafka_python_msgpack_with_bad_input_and_dead_letters(kafka_broker, tmp_
     secret = "SECRET-KAFKA-PAYLOAD-91c2"
     bad = [b"\xc1garbage" + secret.encode(), msgpack.packb({"item": secret}),
            msgpack.packb({"item": D + 5, "x": secret}), msgpack.packb([1, secret]),
-           msgpack.packb({"nope": secret})]
+           msgpack.packb({"nope": secret}), msgpack.packb({"item": 2**63}),
+           msgpack.packb({"item": 1.5}),
+           # over the dead-letter producer's request limit: must not stop the stream
+           msgpack.packb({"item": 1, "pad": secret * (1_000_000 // len(secret))})]
     for j, b in enumerate(bad):
         values.insert(1000 * (j + 1), b)
-    produce(kafka_broker, topic, values)
+    producer = KafkaProducer(bootstrap_servers=kafka_broker, linger_ms=50, acks="all",
+                             max_request_size=1_048_000)
+    for v in values:
+        producer.send(topic, value=v)
+    producer.flush()
+    producer.close()
     res = run_service(service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "4",
                                    "--set", f"source.dead_letter_topic={dlq}", "--verbose"))
     assert res.returncode == 0, res.stderr[-3000:]
     assert secret not in res.stderr and secret not in res.stdout  # logs never carry payloads
-    state, ckpt = final_state(tmp_path)
+    counts, state, doc = live_counts_via_export(tmp_path)
     assert state.n == 30000
-    assert np.array_equal(state.counts, expected_counts(items))
-    assert sum(ckpt.offsets.values()) == len(values)
+    assert np.array_equal(counts, expected_counts(items))
+    assert sum(doc["offsets"].values()) == len(values)
+    assert durable(tmp_path).totals["rejects"] == {"undecodable": 1, "wrong_type": 2,
+                                                   "out_of_range": 2, "not_a_map": 1,
+                                                   "missing_item": 1, "oversized": 1}
     consumer = KafkaConsumer(dlq, bootstrap_servers=kafka_broker, auto_offset_reset="earliest",
                              consumer_timeout_ms=10000, group_id=f"check-{dlq}")
-    got = [(m.value, dict(m.headers)["reason"].decode()) for m in consumer]
+    got = [(m.key.decode(), m.value, {k: v.decode() for k, v in m.headers}) for m in consumer]
     consumer.close()
-    assert sorted(r for _, r in got) == sorted(["undecodable", "wrong_type", "out_of_range",
-                                                "not_a_map", "missing_item"])
+    # at least once: the export above replayed the window and re-sent them, same keys
+    unique = {key: headers for key, _, headers in got}
+    assert sorted(h["reason"] for h in unique.values()) == sorted(
+        ["undecodable", "wrong_type", "wrong_type", "out_of_range", "out_of_range", "not_a_map",
+         "missing_item", "oversized"])
+    for key, _, headers in got:  # keyed by the source position, so duplicates can be dropped
+        assert key == headers["source"] and key.startswith(f"{topic}:")
+    big = [(v, h) for _, v, h in got if h["reason"] == "oversized"]
+    assert big and all(v == b"" and int(h["truncated"]) > 1_000_000 for v, h in big)
+
+
+def test_hashed_mode_big_unsigned_ints_are_items_not_a_crash(kafka_broker, tmp_path):
+    """{"item": n} with 2**63 <= n < 2**64 in an all-int batch crashed hashed mode on every
+    restart; they are valid items and are counted."""
+    topic = make_topic(kafka_broker, partitions=1)
+    ints = [int(i) for i in np.random.default_rng(5).integers(0, 500, 3000)]
+    ints[100:103] = [2**63, 2**64 - 1, 2**63 + 12345]
+    produce(kafka_broker, topic, [msgpack.packb({"item": i}) for i in ints])
+    res = run_service(service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "4",
+                                   "--set", "state.mode=hashed", "--set", "state.buckets=4096",
+                                   "--set", "window.size=3000"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    release = json.loads((tmp_path / "releases" / "release-0.json").read_text())
+    assert release["n"] == 3000
+    assert durable(tmp_path).totals["rejects"] == {}
 
 
 @pytest.mark.skipif(shutil.which("kcat") is None, reason="kcat (Debian package kcat) not installed")
@@ -175,20 +263,26 @@ def _progress(tmp_path) -> int:
 
 
 def test_kill_minus_nine_twenty_times_exactly_once(kafka_broker, tmp_path):
-    """>= 200k events; SIGKILL the service at random points (every 4th inside a checkpoint write)
-    at least 20 times while events keep arriving; the final counters equal the test noise plus
-    the true counts, so nothing was lost or counted twice."""
+    """>= 200k events and bad records; SIGKILL the service at random points (every 4th inside a
+    checkpoint write) at least 20 times while events keep arriving. Every window's release is
+    the release of exactly its records (by the ledgered offsets, recomputed from the topic with
+    the test noise), the open window replays to the test noise plus exactly its records, and
+    every bad record reached the dead-letter topic (at least once)."""
     topic = make_topic(kafka_broker)
+    dlq = f"{topic}-dlq"
     rng = np.random.default_rng(3)
     rounds, per_round = 22, 10_000
     items = rng.integers(0, D, rounds * per_round)
-    args = service_args(kafka_broker, topic, tmp_path, "--set", "checkpoint.every_events=3000",
-                        "--set", "source.max_records=1000")
+    args = service_args(kafka_broker, topic, tmp_path, "--set", "window.size=30000",
+                        "--set", "source.max_records=1000",
+                        "--set", f"source.dead_letter_topic={dlq}")
     chooser = random.Random(11)
     mid_stream = 0
     for r in range(rounds):
-        produce(kafka_broker, topic,
-                [msgpack.packb({"item": int(i)}) for i in items[r * per_round:(r + 1) * per_round]])
+        batch = [msgpack.packb({"item": int(i)}) for i in items[r * per_round:(r + 1) * per_round]]
+        for j in range(0, per_round, 400):  # 25 bad records per round
+            batch.insert(j, b"\xc1bad-%d-%d" % (r, j))
+        produce(kafka_broker, topic, batch)
         fault_env = {}
         if r % 4 == 3:
             phase = chooser.choice(["mid-write", "before-rename", "after-rename"])
@@ -202,15 +296,35 @@ def test_kill_minus_nine_twenty_times_exactly_once(kafka_broker, tmp_path):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         assert proc.returncode == -signal.SIGKILL  # killed, by us or by the fault point
-        if _progress(tmp_path) < (r + 1) * per_round:
+        if _progress(tmp_path) < (r + 1) * (per_round + 25):
             mid_stream += 1
     assert mid_stream >= 10, f"only {mid_stream} kills landed before the stream was drained"
     done = run_service(args + ["--exit-when-idle", "5"], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    state, ckpt = final_state(tmp_path)
-    assert state.n == len(items)
-    assert np.array_equal(state.counts, expected_counts(items))
-    assert sum(ckpt.offsets.values()) == len(items)
+    records = topic_records(kafka_broker, topic)
+    releases = [e for e in ledger_entries(tmp_path) if e["kind"] == "release"]
+    assert [e["window"] for e in releases] == list(range(len(releases))) and len(releases) == 7
+    start: dict = {}
+    for e in releases:
+        mine = window_items(records, start, e["end_offsets"])
+        state = PanPrivateHistogram(1.0, size=D, rng=np.random.default_rng([SEED, 0, e["window"]]))
+        state.add_indices(np.asarray(mine, dtype=np.int64))
+        want = make_release(state, model="joint", window=e["window"],
+                            rng=np.random.default_rng([SEED, 1, e["window"]]))
+        got = json.loads((tmp_path / "releases" / f"release-{e['window']}.json").read_text())
+        assert len(mine) == 30000 and got["n"] == 30000 and got == json.loads(e["document"])
+        assert got["histogram"] == want["histogram"], e["window"]
+        start = e["end_offsets"]
+    counts, state, doc = live_counts_via_export(tmp_path)
+    rest = window_items(records, start, {p: 1 << 62 for p, _ in records})
+    assert len(rest) == len(items) - 7 * 30000 == state.n
+    assert np.array_equal(counts, expected_counts(rest, window=7))
+    consumer = KafkaConsumer(dlq, bootstrap_servers=kafka_broker, auto_offset_reset="earliest",
+                             consumer_timeout_ms=10000, group_id=f"check-{dlq}")
+    dead = {m.key.decode() for m in consumer}
+    consumer.close()
+    bad = {f"{p}@{off}" for (p, off), v in records.items() if good_item(v) is None}
+    assert len(bad) == rounds * 25 and bad <= dead
 
 
 def test_second_member_in_the_same_group_is_refused(kafka_broker, tmp_path):
