@@ -530,3 +530,53 @@ def test_other_settings_are_refused_before_any_partition_is_taken(cfg_for):
         b.step(0)
     assert "ev:0" not in b.tasks
     assert a._take("ev:0")  # the refused process never held the lock
+
+
+def test_a_partition_first_taken_before_the_previous_window_exists_still_contributes(cfg_for,
+                                                                                      tmp_path):
+    """The race of a withheld window: member B takes partition 1 for the first time just after
+    a boundary, before member A has closed the previous window (no directory for it exists yet).
+    B's set of windows comes from the group's first window and the clock, not from directory
+    listings, so it writes its noise-only summary and the window is released."""
+    import time
+    topic = FakeTopic("ev", 2)
+    for i in range(5):
+        topic.produce(i, 0)
+    ma, mb = FakeMember(topic), FakeMember(topic)
+    a = PartitionedAggregator(cfg_for(window=1, **{"window.kind": "time"}), ma)
+    b = PartitionedAggregator(cfg_for(window=1, **{"window.kind": "time"}), mb)
+    ma.assign({0})
+    a.step(0)
+    w0 = a.tasks["ev:0"].window["id"]
+    time.sleep(max(0.0, w0 + 1.05 - time.time()))
+    assert not (a.windows_dir / str(w0)).exists()
+    mb.assign({1})
+    b.step(0)  # first owner of partition 1, before partition 0 closed w0
+    assert b.tasks["ev:1"].window["id"] > w0
+    a.step(0)  # now partition 0 closes w0
+    a._merge_scan(force=True)
+    doc = json.loads((tmp_path / "rel" / f"release-{w0}.json").read_text())
+    assert doc["n"] == 5 and doc["domain"]["partitions"] == 2
+    assert a.metrics.windows_waiting._value.get() == 0
+
+
+def test_a_refused_window_leaves_no_summary_to_rebuild_it(cfg_for, tmp_path):
+    """The ledger is asked before any partition draws its release layer: a window the budget
+    refuses gets no summary from any partition, so no deterministic merge can rebuild it."""
+    topic = FakeTopic("ev", 2)
+    for i in range(40):
+        topic.produce(i % D, i % 2)
+    members = [FakeMember(topic), FakeMember(topic)]
+    aggs = [PartitionedAggregator(cfg_for(window=10, **{"ledger.budget_total": 1.0}), m)
+            for m in members]
+    for p, m in enumerate(members):
+        m.assign({p})
+    _drain(*aggs)
+    for a in aggs:
+        a._merge_scan(force=True)
+    assert [f.name for f in (tmp_path / "rel").glob("*.json")] == ["release-0.json"]
+    assert list((tmp_path / "shared" / "windows").glob("1/summary-*.json")) == []
+    ledger = [json.loads(x) for x in (tmp_path / "shared" / "ledger.jsonl").read_text().split("\n")
+              if x]
+    assert [(e["kind"], e["window"]) for e in ledger if e["kind"] == "refused"] == [("refused", 1)]
+    assert sum(e["epsilon_spent"] for e in ledger) == 1.0

@@ -542,3 +542,128 @@ def test_unreachable_kafka_is_one_line(tmp_path):
     assert "Traceback" not in res.stderr
     assert lines[-1].startswith("panagg: error: cannot reach Kafka at 127.0.0.1:1")
     assert not any("ECONNREFUSED" in ln for ln in lines)  # no burst of client retries
+
+
+# -- the ledger is the authority; a state directory keeps its identity ------------------------------
+def _three_windows(tmp_path, n=3000, **overrides):
+    items = np.random.default_rng(15).integers(0, D, n)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    sets = {"window.size": 1000, "release.on_exhausted": "false", **overrides}
+    return items, path, cli_sets(tmp_path, path, **sets)
+
+
+def test_missing_checkpoint_with_a_ledger_is_refused_and_fresh_start_is_recorded(tmp_path):
+    items, path, args = _three_windows(tmp_path, n=2500)
+    assert run_cli(args).returncode == 0  # windows 0 and 1 released, window 2 open
+    moved = tmp_path / "moved-away"
+    (tmp_path / "state" / "checkpoints").rename(moved)
+    res = run_cli(args)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"panagg: error: no checkpoint in {tmp_path / 'state' / 'checkpoints'}, but the ledger in "
+        f"{tmp_path / 'state'} records 2 release(s): the checkpoint was lost or moved away. "
+        "Restore it from a backup, or start with --fresh-start (the window it held is then "
+        "never released)")
+    before = (tmp_path / "releases" / "release-0.json").read_bytes()
+    fresh = run_cli(args + ["--fresh-start"])
+    assert fresh.returncode == 0, fresh.stderr
+    # numbering continues after the ledger's windows: nothing of the earlier run is overwritten
+    assert (tmp_path / "releases" / "release-0.json").read_bytes() == before
+    kinds = [(e["kind"], e["window"]) for e in ledger_entries(tmp_path)]
+    assert ("fresh-start", 2) in kinds
+    assert [w for k, w in kinds if k == "release"] == [0, 1, 2, 3]  # the file again, from 0
+    assert durable(tmp_path).window["id"] == 4
+
+
+def test_a_rolled_back_checkpoint_is_refused(tmp_path):
+    items, path, args = _three_windows(tmp_path, n=1500)
+    assert run_cli(args).returncode == 0  # window 0 released; window 1 open
+    old = next((tmp_path / "state" / "checkpoints").glob("*.ckpt")).read_bytes()
+    more = np.random.default_rng(16).integers(0, D, 1500)
+    with open(path, "a") as f:
+        f.write("\n".join(json.dumps({"item": int(i)}) for i in more) + "\n")
+    assert run_cli(args).returncode == 0  # windows 1 and 2 released
+    ckpt_dir = tmp_path / "state" / "checkpoints"
+    for f in ckpt_dir.glob("*.ckpt"):
+        f.unlink()
+    (ckpt_dir / "checkpoint-000000000001.ckpt").write_bytes(old)  # an older valid backup
+    res = run_cli(args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "is older than the ledger: it is at window 1, the ledger has window 2 released" \
+        in res.stderr.strip().splitlines()[-1]
+    assert len(list((tmp_path / "releases").glob("*.json"))) == 3
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda lines: lines[:1] + ['{"id": "release-x", "kind": "release"'] + lines[1:],
+     "line 2 is not a JSON entry"),
+    (lambda lines: lines[:1] + ['{"id": "r", "kind": "release", "window": 0, "time_unix": 1}']
+     + lines[1:], "line 2 has no 'epsilon_spent'"),
+])
+def test_a_damaged_ledger_stops_with_the_line_number(tmp_path, damage, fragment):
+    items, path, args = _three_windows(tmp_path)
+    assert run_cli(args).returncode == 0
+    ledger = tmp_path / "state" / "ledger.jsonl"
+    ledger.write_text("\n".join(damage(ledger.read_text().splitlines())) + "\n")
+    res = run_cli(args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"panagg: error: ledger {ledger} {fragment}; ")
+    assert "restore the file from a backup" in line
+
+
+def test_a_torn_last_ledger_line_is_cut_off_and_redone(tmp_path):
+    from aggregator.service.ledger import Ledger
+    path = tmp_path / "ledger.jsonl"
+    led = Ledger(path, budget_per_window=1.0)
+    led.append(entry_id="a", kind="release", window=0, epsilon_spent=1.0)
+    with open(path, "ab") as f:
+        f.write(b'{"id": "b", "kind": "rel')  # a crash in the middle of the next append
+    led = Ledger(path, budget_per_window=1.0)
+    assert [e["id"] for e in led.entries] == ["a"]
+    led.append(entry_id="b", kind="release", window=1, epsilon_spent=1.0)
+    assert [e["id"] for e in Ledger(path, budget_per_window=1.0).entries] == ["a", "b"]
+
+
+def test_other_settings_on_a_state_dir_are_refused_or_recorded(tmp_path):
+    items, path, args = _three_windows(tmp_path, n=500)
+    assert run_cli(args).returncode == 0
+    res = run_cli(args + ["--set", "ledger.budget_total=0.5"])
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"panagg: error: checkpoint.dir {tmp_path / 'state'} belongs to other settings "
+        "(budget_total 0.0 -> 0.5); use the original settings, a new checkpoint.dir, or "
+        "--accept-change to record the change in the ledger")
+    ok = run_cli(args + ["--set", "ledger.budget_total=0.5", "--accept-change"])
+    assert ok.returncode == 0, ok.stderr
+    (change,) = [e for e in ledger_entries(tmp_path) if e["kind"] == "identity" and "previous" in e]
+    assert change["previous"]["budget_total"] == 0.0 and change["identity"]["budget_total"] == 0.5
+
+
+def test_refused_windows_are_ledgered_before_any_noise_and_never_recomputed(tmp_path):
+    items, path, args = _three_windows(tmp_path, **{"ledger.budget_total": 1.0})
+    assert run_cli(args).returncode == 0
+    entries = ledger_entries(tmp_path)
+    assert [e["kind"] for e in entries] == ["identity", "release", "refused", "refused"]
+    assert sum(e["epsilon_spent"] for e in entries) == 1.0
+    assert [p.name for p in (tmp_path / "releases").glob("*.json")] == ["release-0.json"]
+
+
+def test_reject_totals_are_exact_across_restarts(tmp_path):
+    """Per-reason reject totals live in the checkpoint with the offsets: a crash and a replay
+    neither reset nor double them."""
+    items = np.random.default_rng(17).integers(0, D, 5000)
+    path = tmp_path / "events.jsonl"
+    bad = [(k * 300, "not json") for k in range(1, 11)]
+    write_events(path, items, bad)
+    args = cli_sets(tmp_path, path, **{"window.size": 2000, "release.on_exhausted": "false"})
+    first = run_cli(args, {"PANAGG_TEST_FAULT": "checkpoint-after-rename:3"})
+    assert first.returncode == -9
+    assert run_cli(args).returncode == 0
+    assert run_cli(args).returncode == 0  # a restart with nothing new
+    ckpt = durable(tmp_path)
+    # windows 0 and 1 closed; window 2 is open (replayed at every start, never in the totals)
+    assert ckpt.window["id"] == 2 and ckpt.totals["events"] == 4000
+    bad_before = sum(1 for pos, _ in bad if pos < ckpt.offsets[f"file:{path.name}"])
+    assert ckpt.totals["rejects"] == {"undecodable": bad_before}
