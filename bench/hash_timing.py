@@ -10,9 +10,10 @@ batch: its difference is the noise floor of this measurement, its spread the bat
 
 ``--rev REV`` times ``aggregator/hashing.py`` as it was at that git revision (the before column);
 ``--options`` also times the rejected alternative, every item padded to ``--item-bytes`` (fixed
-cost per item), on the plain batch and with the long item.
+cost per item), on the plain batch and with the long item; ``--crossover`` times k long rows
+through numpy steps against word by word in Python, which sets ``hashing._SCALAR_ROWS``.
 
-    nice -n 10 .venv/bin/python -m bench.hash_timing --options
+    nice -n 10 .venv/bin/python -m bench.hash_timing --options --crossover
     nice -n 10 .venv/bin/python -m bench.hash_timing --rev c70a57e
 """
 
@@ -97,6 +98,29 @@ def padded_bucket_of(mod, items, key: bytes, buckets: int, item_bytes: int) -> n
     return (h % np.uint64(buckets)).astype(np.int64)
 
 
+def crossover(mod, key: bytes, item_bytes: int, reps: int) -> list[str]:
+    """Time k rows of item_bytes through numpy steps only and word by word in Python only: where
+    they cross is the right ``_SCALAR_ROWS`` (below it the long rows finish in Python)."""
+    k0, k1 = mod._check_key(key)
+    saved = mod._SCALAR_ROWS
+    lines = [f"| rows of {item_bytes} B | numpy steps | Python words | faster |", "|---:|---:|---:|---|"]
+    try:
+        for k in (1, 2, 4, 8, 10, 12, 16, 24, 32):
+            flat = mod._flat(["u" * item_bytes] * k)
+
+            def run(limit, flat=flat):
+                mod._SCALAR_ROWS = limit
+                mod._sip_flat(k0, k1, *flat)
+
+            t = time_interleaved({"numpy": lambda: run(0), "python": lambda: run(10**9)}, reps)
+            a, b = statistics.median(t["numpy"]), statistics.median(t["python"])
+            lines.append(f"| {k} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | "
+                         f"{'numpy' if a < b else 'Python'} |")
+    finally:
+        mod._SCALAR_ROWS = saved
+    return lines
+
+
 def time_interleaved(calls: dict, reps: int, warmup: int = 3) -> dict[str, list[float]]:
     """Seconds per call, ``reps`` times each, in a fresh random order every repetition (a fixed
     rotation would always run a variant right after the same neighbour, whose cache state it
@@ -160,11 +184,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rev", default=None, help="time aggregator/hashing.py at this git revision")
     ap.add_argument("--options", action="store_true",
                     help="also time the pad-every-item-to --item-bytes option")
+    ap.add_argument("--crossover", action="store_true",
+                    help="also time k long rows in numpy steps vs Python words (_SCALAR_ROWS)")
     args = ap.parse_args(argv)
 
     mod = load_hashing(args.rev)
-    if args.options and not hasattr(mod, "_canonical"):
-        ap.error("--options needs the work-tree hashing.py (its kernel pieces)")
+    if (args.options or args.crossover) and not hasattr(mod, "_canonical"):
+        ap.error("--options / --crossover need the work-tree hashing.py (its kernel pieces)")
     key = os.urandom(16)
     data = batches(args.n, args.item_bytes)
     calls = {k: (lambda b=b: mod.bucket_of(b, key, args.buckets)) for k, b in data.items()}
@@ -202,6 +228,10 @@ def main(argv=None) -> int:
         slope = statistics.median([(a - b) * 1e9 for a, b in zip(long_, short)]) / (args.item_bytes - 64)
         print(f"one item's own length: {slope:.0f} ns per byte (median paired difference of the "
               f"{args.item_bytes} B and 64 B rows over {args.item_bytes - 64} bytes)")
+    if args.crossover:
+        print()
+        print(f"hashing._SCALAR_ROWS = {mod._SCALAR_ROWS}")
+        print("\n".join(crossover(mod, key, args.item_bytes, args.reps)))
     return 0
 
 
