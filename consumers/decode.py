@@ -181,9 +181,14 @@ class Decoder:
             return DecodedBatch(items=arr[inside], rejected=[(int(i), "out_of_range") for i in bad])
         if not kinds <= {int, str, bytes}:
             return None
-        if kinds - {int} and max((len(x) for x in items if type(x) is not int), default=0) * 4 \
-                > self.max_item_bytes:
-            return None  # possibly oversized once UTF-8 encoded: let the slow path measure
+        if kinds - {int}:
+            # Only items that could pass the limit once UTF-8 encoded (<= 4 bytes a character)
+            # are measured exactly: a long but valid item costs its own bytes, instead of sending
+            # the whole batch down the per-message path (a timing channel, docs/hash_timing.md).
+            limit = self.max_item_bytes
+            for x in [x for x in items if type(x) is not int and len(x) * 4 > limit]:
+                if (len(x.encode("utf-8")) if type(x) is str else len(x)) > limit:
+                    return None  # oversized: the per-message path names it
         return DecodedBatch(items=items)
 
     def decode(self, values) -> DecodedBatch:

@@ -240,6 +240,27 @@ def test_fast_path_serves_the_uint64_batch(monkeypatch):
         count_and_check(batch.items, "hashed")
 
 
+@pytest.mark.parametrize("long_item", ["a" * MAX, "é" * (MAX // 2), "a" * (MAX - 4) + "\U0001F600",
+                                       "\U0001F600" * (MAX // 4), b"x" * MAX])
+def test_fast_path_keeps_a_batch_with_one_long_valid_item(monkeypatch, long_item):
+    """One long but valid item must not send its whole batch down the per-message path (its
+    time would tell the item's length, not just its own bytes)."""
+    dec = Decoder("msgpack")
+    monkeypatch.setattr(dec, "decode_one", lambda raw: pytest.fail("fast path not taken"))
+    items = [f"s{i}" if isinstance(long_item, str) else b"b%d" % i for i in range(63)] + [long_item]
+    batch = dec.decode([msgpack.packb({"item": x}, use_bin_type=True) for x in items])
+    assert batch.rejected == [] and batch.items == items
+    count_and_check(batch.items, "hashed")
+
+
+@pytest.mark.parametrize("too_long", ["a" * (MAX + 1), "a" * (MAX - 1) + "é", "é" * (MAX // 2 + 1),
+                                      b"x" * (MAX + 1)])
+def test_fast_path_hands_an_oversized_item_to_the_per_message_path(too_long):
+    items = [f"s{i}" for i in range(63)] + [too_long]
+    batch = Decoder("msgpack").decode([msgpack.packb({"item": x}, use_bin_type=True) for x in items])
+    assert batch.rejected == [(63, "oversized")] and batch.items == items[:63]
+
+
 def test_msgpack_str_and_bin_are_the_same_item():
     dec = Decoder("msgpack")
     s = dec.decode([msgpack.packb({"item": "abc"}, use_bin_type=True)]).items
