@@ -8,13 +8,15 @@ reports for each variant the median time, the throughput, and the median over re
 paired difference and ratio to the plain batch. The "A/A" row times an identical copy of the plain
 batch: its difference is the noise floor of this measurement, its spread the batch-time jitter.
 
-``--rev REV`` times ``aggregator/hashing.py`` as it was at that git revision (the before column);
-``--options`` also times the rejected alternative, every item padded to ``--item-bytes`` (fixed
-cost per item), on the plain batch and with the long item; ``--crossover`` times k long rows
-through numpy steps against word by word in Python, which sets ``hashing._SCALAR_ROWS``.
+``--rev REV`` times ``aggregator/hashing.py`` (and ``consumers/decode.py``) as they were at that
+git revision (the before column). ``--decode`` also times ``Decoder("msgpack").decode`` on such a
+batch as messages (a long valid item, an oversized one, an undecodable record). ``--options``
+also times the rejected alternative, every item padded to ``--item-bytes`` (fixed cost per item),
+on the plain batch and with the long item. ``--crossover`` times k long rows through numpy steps
+against word by word in Python, which sets ``hashing._SCALAR_ROWS``.
 
-    nice -n 10 .venv/bin/python -m bench.hash_timing --options --crossover
-    nice -n 10 .venv/bin/python -m bench.hash_timing --rev c70a57e
+    nice -n 10 .venv/bin/python -m bench.hash_timing --decode --options --crossover
+    nice -n 10 .venv/bin/python -m bench.hash_timing --decode --rev c70a57e
 """
 
 from __future__ import annotations
@@ -37,15 +39,38 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_hashing(rev: str | None) -> types.ModuleType:
-    """aggregator.hashing from the work tree, or the file as it was at git revision ``rev``."""
+def load(name: str, rev: str | None) -> types.ModuleType:
+    """Module ``name`` (e.g. aggregator.hashing) from the work tree, or its file as it was at git
+    revision ``rev``."""
     if rev is None:
-        return importlib.import_module("aggregator.hashing")
-    src = subprocess.run(["git", "show", f"{rev}:aggregator/hashing.py"], cwd=ROOT, check=True,
+        return importlib.import_module(name)
+    path = name.replace(".", "/") + ".py"
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
-    mod = types.ModuleType(f"hashing_at_{rev}")
-    exec(compile(src, f"{rev}:aggregator/hashing.py", "exec"), mod.__dict__)
+    mod = types.ModuleType(f"{name}_at_{rev}")
+    sys.modules[mod.__name__] = mod  # dataclasses look their module up there
+    exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
     return mod
+
+
+def decode_batches(n: int, item_bytes: int) -> dict[str, list[bytes]]:
+    """msgpack messages {"item": ...}: the plain batch and variants that differ in one message."""
+    import msgpack
+
+    base = [msgpack.packb({"item": f"user-{i}"}) for i in range(10_000, 10_000 + n)]
+    k = n // 2
+
+    def one(raw):
+        b = list(base)
+        b[k] = raw
+        return b
+
+    return {"plain": base, "A/A (identical copy)": list(base),
+            "one item of 300 characters (valid)": one(msgpack.packb({"item": "u" * 300})),
+            f"one item of {item_bytes} B (valid)": one(msgpack.packb({"item": "u" * item_bytes})),
+            f"one item of {item_bytes + 1} B (oversized)":
+                one(msgpack.packb({"item": "u" * (item_bytes + 1)})),
+            "one undecodable record": one(b"\xc1")}
 
 
 def batches(n: int, item_bytes: int) -> dict[str, list]:
@@ -184,11 +209,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rev", default=None, help="time aggregator/hashing.py at this git revision")
     ap.add_argument("--options", action="store_true",
                     help="also time the pad-every-item-to --item-bytes option")
+    ap.add_argument("--decode", action="store_true",
+                    help="also time Decoder.decode (msgpack) on message batches like these")
     ap.add_argument("--crossover", action="store_true",
                     help="also time k long rows in numpy steps vs Python words (_SCALAR_ROWS)")
     args = ap.parse_args(argv)
 
-    mod = load_hashing(args.rev)
+    mod = load("aggregator.hashing", args.rev)
     if (args.options or args.crossover) and not hasattr(mod, "_canonical"):
         ap.error("--options / --crossover need the work-tree hashing.py (its kernel pieces)")
     key = os.urandom(16)
@@ -228,6 +255,15 @@ def main(argv=None) -> int:
         slope = statistics.median([(a - b) * 1e9 for a, b in zip(long_, short)]) / (args.item_bytes - 64)
         print(f"one item's own length: {slope:.0f} ns per byte (median paired difference of the "
               f"{args.item_bytes} B and 64 B rows over {args.item_bytes - 64} bytes)")
+    if args.decode:
+        dec_mod = load("consumers.decode", args.rev)
+        dec = dec_mod.Decoder("msgpack", max_item_bytes=args.item_bytes)
+        msgs = decode_batches(args.n, args.item_bytes)
+        t = time_interleaved({k: (lambda b=b: dec.decode(b)) for k, b in msgs.items()}, args.reps)
+        print()
+        print(f"Decoder('msgpack').decode, consumers/decode.py: {source(args.rev, 'consumers/decode.py')}")
+        print()
+        print("\n".join(report(t, args.n, {k: "plain" for k in msgs if k != "plain"})))
     if args.crossover:
         print()
         print(f"hashing._SCALAR_ROWS = {mod._SCALAR_ROWS}")
@@ -235,13 +271,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def source(rev: str | None) -> str:
+def source(rev: str | None, path: str = "aggregator/hashing.py") -> str:
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     if rev is not None:
         return f"git {git('rev-parse', '--short', rev)}"
-    dirty = " + uncommitted changes" if git("status", "--porcelain", "aggregator/hashing.py") else ""
+    dirty = " + uncommitted changes" if git("status", "--porcelain", path) else ""
     return f"work tree at {git('rev-parse', '--short', 'HEAD')}{dirty}"
 
 
