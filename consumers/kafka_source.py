@@ -81,6 +81,8 @@ class KafkaSource(Source):
     def __init__(self, bootstrap: str, topic: str, group: str, max_records: int = 20000,
                  consumer_config: dict | None = None, partitioned: bool = False):
         self.topic, self.group, self.max_records = topic, group, int(max_records)
+        self.bootstrap = bootstrap
+        self._config_cache: dict[str, str] | None = None
         self.partitioned = bool(partitioned)
         #: incremented on every assignment: positions may have been reset to the group's
         #: committed offsets, so a partitioned service seeks all its partitions again
@@ -220,6 +222,62 @@ class KafkaSource(Source):
             log.warning("committed offsets of group %r unknown (%s)", self.group,
                         type(exc).__name__)
         return out
+
+    def replay_problem(self, offsets: dict[str, int], window_seconds: float | None) -> str | None:
+        """Why the topic could not replay an open window that starts at ``offsets`` (None: it
+        can). A restart rebuilds the open window from the topic (docs/privacy.md), so the
+        topic must keep at least a window's records and must not be compacted."""
+        config = self._topic_config()
+        if config is None:
+            log.warning("could not read the configuration of topic %r: its retention is not "
+                        "checked against the window", self.topic)
+        else:
+            if "compact" in config.get("cleanup.policy", ""):
+                return (f"topic {self.topic!r} is compacted (cleanup.policy="
+                        f"{config['cleanup.policy']}): a restart replays the open window from "
+                        "the topic, which compaction shortens; count a topic with "
+                        "cleanup.policy=delete")
+            retention = int(config.get("retention.ms", "-1"))
+            if window_seconds and 0 <= retention < 2000 * window_seconds:
+                return (f"topic {self.topic!r} keeps records for retention.ms={retention}, less "
+                        f"than two windows (window.size={window_seconds:g} s): a restart could "
+                        "not replay the open window; raise the topic's retention.ms or shorten "
+                        "window.size")
+        try:
+            tps = [parse_partition_key(k) for k in offsets]
+            begins = self.consumer.beginning_offsets(tps) if tps else {}
+        except Exception as exc:
+            log.warning("beginning offsets of %r unknown (%s)", self.topic, type(exc).__name__)
+            return None
+        for tp, begin in begins.items():
+            start = offsets[partition_key(tp.topic, tp.partition)]
+            if begin > start:
+                return (f"the open window starts at offset {start} of partition "
+                        f"{partition_key(tp.topic, tp.partition)}, but the topic now begins at "
+                        f"{begin} (retention deleted part of the window), so it cannot be "
+                        "replayed; raise the topic's retention.ms, and to go on without that "
+                        "window move the checkpoints away and start with --fresh-start")
+        return None
+
+    def _topic_config(self) -> dict[str, str] | None:
+        from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+        if self._config_cache is not None:
+            return self._config_cache
+        admin = None
+        try:
+            admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000,
+                                     client_id=f"panagg-{self.group}-admin")
+            res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, self.topic)],
+                                         config_filter="all")
+            entries = res["topic"][self.topic]
+            self._config_cache = {k: str(v["value"]) for k, v in entries.items()}
+        except Exception as exc:
+            log.debug("describe_configs: %s", type(exc).__name__)
+            return None
+        finally:
+            if admin is not None:
+                admin.close()
+        return self._config_cache
 
     def commit(self, offsets: dict[str, int]) -> None:
         mine = {parse_partition_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()

@@ -428,6 +428,7 @@ class PartitionedAggregator(Aggregator):
         try:
             task.store = LocalStore(task.dir)  # opened under the lock: opening cleans temp files
             self.restore_task(task, where=f"partition {key} ({task.dir})")
+            self.check_replayable(task)
         except Exception:
             task.lock.release()
             raise

@@ -241,6 +241,7 @@ class Aggregator:
         task = self.task
         task.store = LocalStore(self.dir / "checkpoints")
         self.restore_task(task, where=str(task.store.dir))
+        self.check_replayable(task)
         self.source.seek(task.offsets)
         # the totals of the checkpoint, then every record after it once: exact after restarts
         self.metrics.events.inc(task.totals["events"])
@@ -279,6 +280,17 @@ class Aggregator:
                  "window's later events are replayed from the source under fresh noise",
                  ckpt.seq, task.name, task.window["id"], len(task.offsets),
                  " and a layered snapshot" if ckpt.state is not None else "")
+
+    def check_replayable(self, task: WindowTask) -> None:
+        """Refuse to start if the source could not replay ``task``'s open window after a crash
+        (the checkpoint holds no counters: the source is the open window's only copy)."""
+        probe = getattr(self.source, "replay_problem", None)
+        if probe is None:
+            return
+        w = self.cfg["window"]
+        problem = probe(dict(task.offsets), w["size"] if w["kind"] == "time" else None)
+        if problem:
+            raise ServiceError(problem)
 
     def _expected_size(self, task: WindowTask) -> int:
         return self.size

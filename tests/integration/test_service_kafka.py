@@ -351,3 +351,52 @@ def test_second_member_in_the_same_group_is_refused(kafka_broker, tmp_path):
     assert refused, outcomes
     assert all("another aggregator runs in the same group" in err.strip().splitlines()[-1]
                for err in refused)
+
+
+def _topic_with(bootstrap, **configs):
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(name, num_partitions=1, replication_factor=1,
+                                  topic_configs={k: str(v) for k, v in configs.items()})])
+    admin.close()
+    return name
+
+
+@pytest.mark.parametrize("configs, sets, fragment", [
+    ({"retention.ms": 60_000}, ["window.kind=time", "window.size=3600"],
+     "keeps records for retention.ms=60000, less than two windows (window.size=3600 s): a "
+     "restart could not replay the open window; raise the topic's retention.ms or shorten "
+     "window.size"),
+    ({"cleanup.policy": "compact"}, [],
+     "is compacted (cleanup.policy=compact): a restart replays the open window from the topic, "
+     "which compaction shortens; count a topic with cleanup.policy=delete"),
+])
+def test_a_topic_that_cannot_replay_a_window_is_refused(kafka_broker, tmp_path, configs, sets,
+                                                        fragment):
+    topic = _topic_with(kafka_broker, **configs)
+    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "3")
+    for s in sets:
+        args += ["--set", s]
+    res = run_service(args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == f"panagg: error: topic {topic!r} {fragment}"
+
+
+def test_an_open_window_deleted_by_retention_is_refused_not_silently_shortened(kafka_broker,
+                                                                                tmp_path):
+    from kafka.structs import TopicPartition
+    topic = make_topic(kafka_broker, partitions=1)
+    produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(3000)])
+    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "3",
+                        "--set", "window.size=2000")
+    assert run_service(args).returncode == 0  # window 0 released, window 1 open from 2000
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    admin.delete_records({TopicPartition(topic, 0): 2500})
+    admin.close()
+    res = run_service(args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"panagg: error: the open window starts at offset 2000 of partition {topic}:0, but the "
+        "topic now begins at 2500 (retention deleted part of the window), so it cannot be "
+        "replayed; raise the topic's retention.ms, and to go on without that window move the "
+        "checkpoints away and start with --fresh-start")
