@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -153,11 +153,12 @@ def draw(cell: Cell, rep: int):
     return h, red[red > 0], rng
 
 
-def run_cell(cell: Cell, layers=LAYERS, methods=METHODS) -> CellResult:
+def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None) -> CellResult:
+    """Run repetitions ``reps`` (default: 0 .. cell.reps - 1) of a cell."""
     out = CellResult(cell)
     p, C = cell.p, cell.counters
     B = C if cell.mode == "hashed" else None
-    for rep in range(cell.reps):
+    for rep in (range(cell.reps) if reps is None else reps):
         h, occupied, rng = draw(cell, rep)
         out.items.append(len(h))
         truth = cumulative_from_counts(h)
@@ -171,6 +172,18 @@ def run_cell(cell: Cell, layers=LAYERS, methods=METHODS) -> CellResult:
                 out.add(out.total, (k, m), int(y.sum()))
                 for cap in CAP_RULES:
                     out.add(out.l1, (k, m, cap), _l1(cap_total(y, cell.n, cap), truth))
+    return out
+
+
+def merge(a: CellResult, b: CellResult) -> CellResult:
+    """The repetitions of both (same cell; ``b`` ran the repetitions after ``a``'s)."""
+    if a.cell.key != b.cell.key:
+        raise ValueError("different cells")
+    out = CellResult(replace(a.cell, reps=len(a.items) + len(b.items)))
+    for name in ("l1", "seconds", "total"):
+        for key in set(getattr(a, name)) | set(getattr(b, name)):
+            getattr(out, name)[key] = getattr(a, name).get(key, []) + getattr(b, name).get(key, [])
+    out.items = a.items + b.items
     return out
 
 
@@ -217,6 +230,20 @@ def geo_regret(reg: dict, candidates) -> dict:
             for m in candidates}
 
 
+def decisive_cells(reg: dict, candidates, factor: float = 1.5, top: int = 3) -> set:
+    """Cells that decide the choice: the ``top`` highest-regret cells of every candidate whose
+    worst-case regret is within ``factor`` of the lowest. More repetitions there make the
+    worst-case comparison less noisy (the maximum of noisy ratios is biased upwards)."""
+    worst = worst_regret(reg, candidates)
+    best = min(w for w, _ in worst.values())
+    out = set()
+    for m in candidates:
+        if worst[m][0] <= factor * best:
+            mine = sorted(((v, c) for (mm, c), v in reg.items() if mm == m), reverse=True)
+            out.update(c for _, c in mine[:top])
+    return out
+
+
 def choose(reg: dict, candidates) -> tuple:
     """Lowest worst-case regret; within 1% of it, the lowest geometric-mean regret."""
     worst = worst_regret(reg, candidates)
@@ -224,3 +251,65 @@ def choose(reg: dict, candidates) -> tuple:
     top = min(w for w, _ in worst.values())
     near = [m for m in candidates if worst[m][0] <= 1.01 * top]
     return min(near, key=lambda m: geo[m])
+
+
+# --------------------------------------------------------------------------------------------
+# coverage of the bootstrap error bars (aggregator.intervals.error_bars)
+# --------------------------------------------------------------------------------------------
+COVERAGE_R = (1, 2, 3, 5, 10, 20)  # r at which the phi_{>=r} band's pointwise coverage is read
+
+
+def coverage_cells(quick: bool = False) -> list[Cell]:
+    """A cross-section of the grid for the (expensive) coverage study: sparse, balanced and dense
+    direct cells and two hashed sizes, eps = 1 and 0.5."""
+    if quick:
+        return [Cell("direct", "zipf", 10**3, 10**4, 1.0, 4), Cell("hashed", "zipf", 10**4, None,
+                                                                   1.0, 3)]
+    cells = []
+    for D, n in ((10**4, 10**3), (10**5, 10**4), (10**5, 10**6), (10**6, 10**4)):
+        for dist in ("zipf", "uniform"):
+            for eps in (0.5, 1.0):
+                cells.append(Cell("direct", dist, n, D, eps, 30))
+    for n in (10**4, 10**5):
+        for dist in ("zipf", "distinct"):
+            for eps in (0.5, 1.0):
+                cells.append(Cell("hashed", dist, n, None, eps, 30 if n == 10**4 else 20))
+    return cells
+
+
+def run_coverage(cell: Cell, layers=(1, 2), boot: int = 30, level: float = 0.9) -> dict:
+    """Per layer count: over the cell's repetitions, whether the truth fell inside each interval
+    of ``intervals.error_bars`` (release defaults), and the interval sizes."""
+    from aggregator.intervals import error_bars
+    from aggregator.properties import entropy
+
+    out = {}
+    B = cell.counters if cell.mode == "hashed" else None
+    for rep in range(cell.reps):
+        h, occupied, rng = draw(cell, rep)
+        truth = cumulative_from_counts(h)
+        values = h if occupied is None else occupied
+        for k in layers:
+            vc = noisy_vc(rng, values, cell.counters - len(values), cell.p, k)
+            t = time.perf_counter()
+            eb = error_bars(vc, cell.p, layers=k, n=cell.n, buckets=B, reps=boot, level=level,
+                            rng=[SEED, rep, k])
+            secs = time.perf_counter() - t
+            y = cumulative_from_counts(eb["histogram"])
+            R = max(len(truth), len(eb["phi_lower"]))
+            tr = np.pad(truth, (0, R - len(truth))).astype(float)
+            lo = np.pad(eb["phi_lower"], (0, R - len(eb["phi_lower"])))
+            hi = np.pad(eb["phi_upper"], (0, R - len(eb["phi_upper"])))
+            at = [r for r in COVERAGE_R if r <= R]
+            e_true = _l1(y, truth)
+            h_true = entropy(h)
+            rec = out.setdefault(k, {"l1": [], "bound": [], "distinct": [], "entropy": [],
+                                     "phi": [], "width_distinct": [], "seconds": []})
+            rec["l1"].append(e_true)
+            rec["bound"].append(eb["l1_bound"])
+            rec["distinct"].append(bool(lo[0] <= tr[0] <= hi[0]))
+            rec["entropy"].append(bool(eb["entropy_nats"][0] <= h_true <= eb["entropy_nats"][1]))
+            rec["phi"].append({r: bool(lo[r - 1] <= tr[r - 1] <= hi[r - 1]) for r in at})
+            rec["width_distinct"].append(float(hi[0] - lo[0]) / max(tr[0], 1.0))
+            rec["seconds"].append(secs)
+    return out

@@ -1,0 +1,625 @@
+"""Driver of the accuracy grid (bench/grid.py): run it, choose the defaults, write the report.
+
+Run from the repository root (one process; on a shared machine with ``nice``)::
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.accuracy_grid
+    ... -m bench.accuracy_grid --quick     # smoke run: out/accuracy_grid.md, out/img/
+    ... -m bench.accuracy_grid --report    # re-render from out/grid_results.pkl, no run
+
+The run is resumable: every finished cell is saved to out/grid_results.pkl (out/ is git-ignored)
+and skipped on the next start. Writes docs/accuracy_grid.md, docs/img/grid_regret.png,
+docs/img/grid_snr.png and bench/grid_defaults.json (the chosen defaults, which
+tests/test_grid_defaults.py checks against aggregator.estimate.DEFAULT_METHODS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from aggregator.estimate import DEFAULT_CAP, METHODS, default_method
+
+from . import grid
+from ._data import cpu_model, git_rev, mean_se, versions
+
+T0 = time.perf_counter()
+RESULTS = Path("out") / "grid_results.pkl"
+DEFAULTS_JSON = Path("bench") / "grid_defaults.json"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def load(path: Path) -> dict:
+    if path.exists():
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    return {"results": {}, "runs": []}
+
+
+def save(state: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(state, f)
+    os.replace(tmp, path)
+
+
+def run(quick: bool, path: Path) -> dict:
+    state = load(path)
+    cells = grid.grid_cells(quick)
+    todo = [c for c in cells if c.key not in state["results"]]
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    load0 = os.getloadavg()
+    log(f"{len(cells)} cells, {len(todo)} to run -> {path}")
+    t_run = time.perf_counter()
+    for i, cell in enumerate(todo):
+        t = time.perf_counter()
+        state["results"][cell.key] = grid.run_cell(cell)
+        save(state, path)
+        log(f"{i + 1}/{len(todo)} {cell.mode} {cell.dist} n={cell.n:g} D={cell.D or '-'} "
+            f"eps={cell.eps} reps={cell.reps}: {time.perf_counter() - t:.1f} s")
+    if todo:
+        state["runs"].append(dict(started=started, seconds=time.perf_counter() - t_run,
+                                  cells=len(todo), load0=load0, load1=os.getloadavg(),
+                                  rev=git_rev(["aggregator", "bench"])))
+        save(state, path)
+    return state
+
+
+
+
+# --------------------------------------------------------------------------------------------
+# timing at D = 1e7 and coverage runs
+# --------------------------------------------------------------------------------------------
+TIME_REPS = 3
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def run_timing(quick: bool) -> dict:
+    """Release time on full counter arrays: direct D = 1e7 counters (n = 1e7 Zipf(1.1) events
+    over them, as docs/speed.md) and hashed n = 1e7, B = choose_buckets(n) = 2e7; eps = 1; each
+    layer count; every method with the default cap and the defaults; np.bincount over the same
+    array as the baseline; repetitions interleaved, medians."""
+    from aggregator import largedomain as ld
+    from aggregator.estimate import anonymized_histogram
+    from aggregator.intervals import error_bars
+    from aggregator.noise import p_from_epsilon
+
+    from ._data import true_counts
+    from .largedomain import dlap, items_counts
+
+    n = 10**5 if quick else 10**7
+    eps = 1.0
+    p = p_from_epsilon(eps)
+    rng = np.random.default_rng([grid.SEED, 99])
+    setups = {"direct": (true_counts(rng, "zipf", n, n), None)}
+    _, h = items_counts(rng, n, "zipf")
+    B = ld.choose_buckets(n, eps)
+    setups["hashed"] = (np.bincount(rng.integers(0, B, len(h)), weights=h,
+                                    minlength=B).astype(np.int64), B)
+    rows = []
+    for mode, (true, buckets) in setups.items():
+        for k in grid.LAYERS:
+            x = true + dlap(rng, p, len(true), k)
+            calls = {"bincount": lambda: np.bincount(x - x.min()),
+                     "default": lambda: anonymized_histogram(x, p, layers=k, n=n,
+                                                             buckets=buckets)}
+            for m in METHODS:
+                calls[m] = (lambda m=m: anonymized_histogram(x, p, layers=k, n=n,
+                                                             buckets=buckets, method=m))
+            calls["error bars (30 reps)"] = (lambda: error_bars(x, p, layers=k, n=n,
+                                                                buckets=buckets, reps=30, rng=0))
+            times = {name: [] for name in calls}
+            for _ in range(TIME_REPS if not quick else 1):
+                for name, fn in calls.items():
+                    if name.startswith("error bars") and times[name]:
+                        continue  # one run is enough for the slowest call
+                    times[name].append(_timed(fn))
+            rows.append(dict(mode=mode, layers=k, counters=len(x),
+                             method=default_method(mode, k), times=times,
+                             load=os.getloadavg()))
+            log(f"timing {mode} k={k}: " + ", ".join(
+                f"{a} {np.median(b):.2f}s" for a, b in times.items()))
+            del x
+    return dict(n=n, eps=eps, B=B, rows=rows,
+                started=datetime.datetime.now().isoformat(timespec="seconds"),
+                rev=git_rev(["aggregator", "bench"]))
+
+
+def refine(state: dict, path: Path, factor: float = 1.5, top: int = 3, min_reps: int = 8) -> None:
+    """One round of extra repetitions in the cells that decide each (mode, layers) choice
+    (``grid.decisive_cells``): each such cell goes to max(2 reps, ``min_reps``) repetitions."""
+    results = ordered(state)
+    an = analyse(results)
+    todo = set()
+    for a in an.values():
+        todo |= grid.decisive_cells(a["reg"], ADMISSIBLE, factor, top)
+    log(f"refining {len(todo)} cells")
+    done = []
+    for i in sorted(todo):
+        r = results[i]
+        have = len(r.items)
+        want = max(2 * have, min_reps)
+        t = time.perf_counter()
+        extra = grid.run_cell(r.cell, reps=range(have, want))
+        state["results"][r.cell.key] = grid.merge(r, extra)
+        done.append((r.cell.key, have, want))
+        save(state, path)
+        log(f"refined {cell_label(r.cell)} ({r.cell.mode}): {have} -> {want} reps, "
+            f"{time.perf_counter() - t:.0f} s")
+    state.setdefault("refined", []).append(dict(
+        cells=done, factor=factor, top=top, min_reps=min_reps, rev=git_rev(["aggregator", "bench"]),
+        started=datetime.datetime.now().isoformat(timespec="seconds")))
+    save(state, path)
+
+
+def run_coverage(quick: bool, state: dict, path: Path) -> dict:
+    cov = state.setdefault("coverage", {})
+    for cell in grid.coverage_cells(quick):
+        if cell.key in cov:
+            continue
+        t = time.perf_counter()
+        cov[cell.key] = dict(cell=cell, out=grid.run_coverage(cell),
+                             rev=git_rev(["aggregator", "bench"]),
+                             defaults={k: default_method(cell.mode, k) for k in (1, 2)})
+        save(state, path)
+        log(f"coverage {cell_label(cell)}: {time.perf_counter() - t:.0f} s")
+    return cov
+
+# --------------------------------------------------------------------------------------------
+# analysis
+# --------------------------------------------------------------------------------------------
+ADMISSIBLE = tuple((m, c) for m in METHODS for c in grid.ADMISSIBLE_CAPS)
+
+
+def ordered(state: dict) -> list:
+    """Results in grid order (cells of the current grid first, then any others)."""
+    res = state["results"]
+    keys = [c.key for c in grid.grid_cells(False) if c.key in res]
+    keys += [k for k in res if k not in set(keys)]
+    return [res[k] for k in keys]
+
+
+def cell_label(cell) -> str:
+    size = f"D={cell.D:.0e}" if cell.mode == "direct" else f"B={cell.counters:.0e}"
+    return f"{cell.dist} n={cell.n:.0e} {size} eps={cell.eps:g}".replace("e+0", "e")
+
+
+def cand_label(c) -> str:
+    return f"{c[0]} / {c[1]}"
+
+
+def analyse(results: list) -> dict:
+    """Per (mode, layers): regrets of the admissible candidates, the choice, the code default."""
+    out = {}
+    for mode in ("direct", "hashed"):
+        for k in grid.LAYERS:
+            err = grid.mean_errors(results, mode, k)
+            if not err:
+                continue
+            reg = grid.regrets(err, ADMISSIBLE)
+            worst = grid.worst_regret(reg, ADMISSIBLE)
+            geo = grid.geo_regret(reg, ADMISSIBLE)
+            cells = sorted({c for (_, c) in reg})
+            best_in = {m: sum(1 for c in cells if reg[(m, c)] == 1.0) for m in ADMISSIBLE}
+            secs = {m: float(np.mean([s for r in results if r.cell.mode == mode
+                                      for s in r.seconds.get((k, m), [])])) for m in METHODS}
+            out[(mode, k)] = dict(err=err, reg=reg, worst=worst, geo=geo, cells=cells,
+                                  best_in=best_in, secs=secs, choice=grid.choose(reg, ADMISSIBLE),
+                                  code=(default_method(mode, k), DEFAULT_CAP))
+    return out
+
+
+def worst_se(results, mode, k, cand, best_cand, i) -> float:
+    """Delta-method SE of E(cand) / E(best) in cell i (independence assumed: conservative for
+    paired draws)."""
+    r = results[i]
+    a = r.l1[(k,) + cand]
+    b = r.l1[(k,) + best_cand]
+    ma, sa = mean_se(a)
+    mb, sb = mean_se(b)
+    if ma == 0 or mb == 0 or math.isnan(sa) or math.isnan(sb):
+        return float("nan")
+    return ma / mb * math.sqrt((sa / ma) ** 2 + (sb / mb) ** 2)
+
+
+def defaults_json(an: dict) -> dict:
+    out = {}
+    for (mode, k), a in an.items():
+        m, cap = a["choice"]
+        w, i = a["worst"][a["choice"]]
+        out.setdefault(mode, {})[str(k)] = dict(method=m, cap=cap, worst_regret=round(w, 4),
+                                                geo_regret=round(a["geo"][a["choice"]], 4),
+                                                cells=len(a["cells"]))
+    return out
+
+
+
+def snr_rows(results: list, an: dict) -> list:
+    """(mode, layers, cell, SNR, relative l1 error of the chosen default, of the best candidate)."""
+    from aggregator.intervals import signal_to_noise
+    rows = []
+    for (mode, k), a in an.items():
+        for i in a["cells"]:
+            c = results[i].cell
+            snr = signal_to_noise(c.n, c.counters, c.p, k)
+            rel = a["err"][(a["choice"], i)] / c.n
+            best = min(a["err"][(m, i)] for m in ADMISSIBLE) / c.n
+            rows.append((mode, k, c, snr, rel, best))
+    return rows
+
+
+def snr_cutoff(rows, bad: float = 0.5) -> float:
+    """Smallest SNR above which every cell's relative error (chosen default) is below ``bad``."""
+    over = [snr for *_, snr, rel, _ in rows if rel >= bad]
+    return max(over) if over else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+def fmt(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    a = abs(x)
+    return f"{x:.3g}" if a < 1000 else f"{x:.0f}"
+
+
+def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
+    results = ordered(state)
+    an = analyse(results)
+    (outdir / "img").mkdir(parents=True, exist_ok=True)
+    _plot_regret(an, outdir / "img" / "grid_regret.png")
+    rows = snr_rows(results, an)
+    _plot_snr(rows, outdir / "img" / "grid_snr.png")
+    dj = defaults_json(an)
+    if not quick:
+        DEFAULTS_JSON.write_text(json.dumps(dict(
+            rule="lowest worst-case regret over the grid's cells of the mode and layer count; "
+                 "within 1%: lowest geometric-mean regret", source="docs/accuracy_grid.md",
+            defaults=dj), indent=1) + "\n")
+    lines: list[str] = []
+    w = lines.append
+    runs = state["runs"]
+    wall = sum(r["seconds"] for r in runs)
+    w("# Accuracy grid: every estimator on the same noisy counters, defaults by worst-case regret")
+    w("")
+    w("Produced by:")
+    w("")
+    w("```")
+    w("OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.accuracy_grid"
+      + (" --quick" if quick else ""))
+    w("```")
+    w("")
+    for r in runs:
+        w(f"(run started {r['started']} at commit {r['rev']}; {r['cells']} cells in "
+          f"{r['seconds'] / 60:.1f} min; load average {r['load0'][0]:.2f} at start, "
+          f"{r['load1'][0]:.2f} at end.)")
+    w(f"({cpu_model()}, {os.cpu_count()} cores; {versions(['numpy', 'scipy'])}; "
+      f"{wall / 60:.0f} min of grid in total. Source: `bench/grid.py` (cells, pairing, regret), "
+      "`bench/accuracy_grid.py` (this report). Raw results: out/grid_results.pkl.)")
+    w("")
+    w("## Setup")
+    w("")
+    w("* **Cells** (what a deployment does not choose). Direct mode: D counters, items "
+      "multinomial over [D] with Zipf(1.1), uniform or geometric weights (`bench/_data.py`); "
+      "(D, n) from D = 1e4..1e6 at n/D = 0.1, 1, 10, plus sparse n/D = 0.01 and 0.001. Hashed "
+      "mode: items over an unbounded domain (Zipf(1.1), Zipf(1.01), Zipf(1.5), mostly distinct; "
+      "`bench/largedomain.py items_counts`), B = choose_buckets(n) = 2 n counters, n = 1e4..1e7. "
+      "eps in {0.5, 1, 2} (p = exp(-eps/2) rounded up, replace-one); 1, 2 and 3 DLap layers "
+      "(state-only release; joint model; joint model after an audit export).")
+    w("* **Candidates** (what the code chooses): the estimator of phi_{>=r} (`threshold`: Lemma "
+      "10's inverse filter; `deconvolution`: EM NPMLE stopped early, tol 1e-5; `mle`: the same EM "
+      "run to convergence) x the rule capping the total at the public n (`items`: keep the "
+      "largest items; `scale`: thin every level; `estimate.cap_total`). `none` (no cap) is "
+      "measured too but is not admissible: it can release more events than n.")
+    w("* **Pairing**: per repetition one draw of the items and, per layer count, one draw of the "
+      "noisy counters, shared by every candidate. Error: l1 distance of the released and true "
+      "anonymized histograms (= of their cumulative prevalences). Empty counters' noise is one "
+      "multinomial over the exact pmf; hashing puts each distinct item in a uniformly random "
+      "bucket. Seeded numpy noise (benchmark only).")
+    w("* **Rule**: regret(m, c) = E(m, c) / min over admissible m' of E(m', c), E = mean l1 "
+      "error over the cell's repetitions. Default for (mode, layers) = lowest worst-case regret "
+      "over that mode's cells; within 1% of it, lowest geometric-mean regret. Worst case because "
+      "a deployment does not know in advance which cell it is in.")
+    w("")
+    w("## Defaults chosen")
+    w("")
+    w("| mode | layers | cells | chosen (method / cap) | worst-case regret (cell) | geo-mean "
+      "regret | code default when run | its worst-case regret |")
+    w("|---|---|---|---|---|---|---|---|")
+    for (mode, k), a in an.items():
+        ch = a["choice"]
+        wv, wi = a["worst"][ch]
+        best_c = min(ADMISSIBLE, key=lambda m: a["err"][(m, wi)])
+        se = worst_se(results, mode, k, ch, best_c, wi)
+        code = a["code"]
+        cw = a["worst"].get(code, (float("nan"), None))
+        w(f"| {mode} | {k} | {len(a['cells'])} | **{cand_label(ch)}** | {wv:.2f} ± {fmt(se)} "
+          f"({cell_label(results[wi].cell)}; best there: {cand_label(best_c)}) | "
+          f"{a['geo'][ch]:.3f} | {cand_label(code)} | "
+          f"{fmt(cw[0])}" + (f" ({cell_label(results[cw[1]].cell)})" if cw[1] is not None
+                             else "") + " |")
+    w("")
+    w("(± is the delta-method standard error of the worst cell's ratio of means, treating the "
+      "two candidates' repetitions as independent; they are paired, so it is conservative.)")
+    w("")
+    w("## All candidates")
+    w("")
+    for (mode, k), a in an.items():
+        w(f"### {mode} mode, {k} layer{'s' if k > 1 else ''} ({len(a['cells'])} cells)")
+        w("")
+        w("| candidate | worst-case regret | worst cell | geo-mean regret | lowest error in | "
+          "mean s per estimate |")
+        w("|---|---|---|---|---|---|")
+        for m in sorted(ADMISSIBLE, key=lambda m: (a["worst"][m][0], a["geo"][m])):
+            wv, wi = a["worst"][m]
+            mark = "**" if m == a["choice"] else ""
+            w(f"| {mark}{cand_label(m)}{mark} | {wv:.2f} | {cell_label(results[wi].cell)} | "
+              f"{a['geo'][m]:.3f} | {a['best_in'][m]} | {a['secs'][m[0]]:.3f} |")
+        w("")
+    w("![regret per candidate](img/grid_regret.png)")
+    w("")
+    _write_caps(w, results, an)
+    _write_snr(w, rows)
+    _write_coverage(w, state.get("coverage", {}))
+    _write_timing(w, state.get("timing"))
+    _write_cells(w, results, an)
+    (outdir / "accuracy_grid.md").write_text("\n".join(lines) + "\n")
+    log(f"wrote {outdir / 'accuracy_grid.md'}")
+
+
+def _write_caps(w, results, an) -> None:
+    w("## Capping the total at n")
+    w("")
+    w("Per method: how often the uncapped estimate held more than n events (cells where its mean "
+      "total exceeds n), and the error of each cap rule relative to no cap on the same "
+      "projections (geometric mean over the cells, and the range).")
+    w("")
+    w("| mode | layers | method | cells with total > n | items / none (geo, range) | "
+      "scale / none (geo, range) |")
+    w("|---|---|---|---|---|---|")
+    for (mode, k), a in an.items():
+        for m in METHODS:
+            over = sum(1 for i in a["cells"]
+                       if np.mean(results[i].total[(k, m)]) > results[i].cell.n)
+            parts = []
+            for cap in grid.ADMISSIBLE_CAPS:
+                rs = [a["err"][((m, cap), i)] / a["err"][((m, "none"), i)] for i in a["cells"]
+                      if a["err"][((m, "none"), i)] > 0]
+                g = float(np.exp(np.mean(np.log(rs))))
+                parts.append(f"{g:.3f} ({min(rs):.2f}..{max(rs):.2f})")
+            w(f"| {mode} | {k} | {m} | {over} of {len(a['cells'])} | {parts[0]} | {parts[1]} |")
+    w("")
+
+
+def _write_snr(w, rows) -> None:
+    cut = snr_cutoff(rows)
+    w("## Signal below noise")
+    w("")
+    w("SNR = n / sqrt(C / chi2_k) (`aggregator.intervals.signal_to_noise`: C counters, chi2_k the "
+      "chi-square divergence between the k-layer noise pmf and its shift by one; sqrt(C / chi2_k) "
+      "is the Cramer-Rao standard error for the number of items when nearly every counter is "
+      "empty). Relative error = mean l1 error of the chosen default / n, per cell and layer count.")
+    w("")
+    edges = [0, 0.5, 1, 2, 4, 8, 16, 64, math.inf]
+    w("| SNR | cells | relative error of the default: median | max | best candidate: max |")
+    w("|---|---|---|---|---|")
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = [r for r in rows if lo <= r[3] < hi]
+        if not sel:
+            continue
+        rel = [r[4] for r in sel]
+        w(f"| {lo:g} .. {hi:g} | {len(sel)} | {np.median(rel):.3f} | {max(rel):.3f} | "
+          f"{max(r[5] for r in sel):.3f} |")
+    w("")
+    below = [r for r in rows if r[3] < cut]
+    w(f"Every cell with SNR >= {cut:.2f} has a relative error below 1/2; below it, "
+      f"{sum(1 for r in below if r[4] >= 0.5)} of {len(below)} cells are at or above 1/2.")
+    w("")
+    w("![relative error vs SNR](img/grid_snr.png)")
+    w("")
+
+
+
+def _write_coverage(w, cov: dict) -> None:
+    if not cov:
+        return
+    level = 0.9
+    w("## Error bars: measured coverage")
+    w("")
+    w("`aggregator.intervals.error_bars(counters, p, layers=k, n=n, buckets=B, reps=30, "
+      "level=0.9)` on fresh data and noise per repetition (release defaults of the commit named "
+      "below), against the truth: *l1 bound* = fraction of repetitions whose true l1 error is "
+      "at most the bound (nominal 0.90, one-sided); *distinct*, *entropy* = fraction inside the "
+      "two-sided 90% interval; *phi band* = pointwise coverage of phi_{>=r} at r in "
+      f"{grid.COVERAGE_R} (where r exists), averaged; *width* = mean (upper - lower) / true "
+      "number of items.")
+    w("")
+    w("| cell | layers | method | reps | l1 bound | distinct | entropy | phi band | width | "
+      "s per call |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    tot: dict = {}
+    revs = set()
+    for key, c in cov.items():
+        cell = c["cell"]
+        revs.add(c["rev"])
+        for k, rec in c["out"].items():
+            l1 = np.mean(np.array(rec["l1"]) <= np.array(rec["bound"]))
+            phi = np.mean([v for d in rec["phi"] for v in d.values()])
+            vals = dict(l1=l1, distinct=np.mean(rec["distinct"]),
+                        entropy=np.mean(rec["entropy"]), phi=phi)
+            for name, v in vals.items():
+                tot.setdefault((k, name), []).append(v)
+            w(f"| {cell_label(cell)} ({cell.mode}) | {k} | {c['defaults'][k]} | "
+              f"{len(rec['l1'])} | {l1:.2f} | {vals['distinct']:.2f} | {vals['entropy']:.2f} | "
+              f"{phi:.2f} | {np.mean(rec['width_distinct']):.3f} | "
+              f"{np.mean(rec['seconds']):.2f} |")
+    w("")
+    w("Averages over the cells (nominal " + f"{level:.2f}" + "):")
+    w("")
+    w("| layers | l1 bound | distinct | entropy | phi band | cells below 0.8 (of each) |")
+    w("|---|---|---|---|---|---|")
+    for k in sorted({k for k, _ in tot}):
+        names = ("l1", "distinct", "entropy", "phi")
+        low = ", ".join(f"{nm} {sum(1 for v in tot[(k, nm)] if v < 0.8)}" for nm in names)
+        w(f"| {k} | " + " | ".join(f"{np.mean(tot[(k, nm)]):.2f}" for nm in names)
+          + f" | {low} |")
+    w("")
+    w(f"(coverage runs at {', '.join(sorted(revs))})")
+    w("")
+
+
+def _write_timing(w, tm: dict | None) -> None:
+    if not tm:
+        return
+    w("## Release time at D = 1e7")
+    w("")
+    w(f"Full int64 counter arrays, eps = {tm['eps']:g}: direct mode D = {tm['n']:.0e} counters "
+      f"holding n = {tm['n']:.0e} Zipf(1.1) events; hashed mode n = {tm['n']:.0e} events of "
+      f"Zipf(1.1) items in B = {tm['B']:.0e} buckets. `anonymized_histogram(x, p, layers=k, "
+      "n=n, buckets=B or None, method=...)`; `default` = no method named (the table "
+      "`estimate.DEFAULT_METHODS` at this commit, cap `items`); baseline `np.bincount(x - "
+      f"x.min())`. Medians of {TIME_REPS} interleaved repetitions (error bars: one run); run "
+      f"{tm['started']} at {tm['rev']}.")
+    w("")
+    names = list(tm["rows"][0]["times"])
+    w("| mode | layers | default method | " + " | ".join(names) + " | default / bincount |")
+    w("|---|---|---|" + "---|" * len(names) + "---|")
+    for row in tm["rows"]:
+        med = {a: float(np.median(b)) for a, b in row["times"].items()}
+        w(f"| {row['mode']} | {row['layers']} | {row['method']} | "
+          + " | ".join(f"{med[a]:.2f} s" for a in names)
+          + f" | {med['default'] / med['bincount']:.1f}x |")
+    loads = [r["load"][0] for r in tm["rows"]]
+    w("")
+    w(f"(1-minute load average during the timing: {min(loads):.2f} .. {max(loads):.2f} on 2 "
+      "cores; other jobs inflate the times.)")
+    w("")
+
+def _write_cells(w, results, an) -> None:
+    w("## Every cell")
+    w("")
+    w("Mean l1 error ± standard error over the repetitions, each method with the chosen default's "
+      "cap rule; regret of the chosen default; D_items = mean number of distinct items.")
+    w("")
+    for (mode, k), a in an.items():
+        cap = a["choice"][1]
+        w(f"<details><summary>{mode} mode, {k} layer{'s' if k > 1 else ''} (cap: {cap})"
+          "</summary>")
+        w("")
+        w("| cell | reps | D_items | " + " | ".join(METHODS) + " | chosen / n | regret |")
+        w("|---|---|---|" + "---|" * len(METHODS) + "---|---|")
+        for i in a["cells"]:
+            r = results[i]
+            ms = [mean_se(r.l1[(k, m, cap)]) for m in METHODS]
+            best = min(x for x, _ in ms)
+            cells = [(f"**{fmt(x)}**" if x == best else fmt(x)) + f" ± {fmt(s)}" for x, s in ms]
+            w(f"| {cell_label(r.cell)} | {r.cell.reps} | {np.mean(r.items):.0f} | "
+              + " | ".join(cells)
+              + f" | {a['err'][(a['choice'], i)] / r.cell.n:.3f} | "
+                f"{a['reg'][(a['choice'], i)]:.2f} |")
+        w("")
+        w("</details>")
+        w("")
+
+
+def _plot_regret(an: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(an)
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 4.2), dpi=100,
+                             sharey=True, squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        a = an[key]
+        for j, m in enumerate(ADMISSIBLE):
+            vals = [a["reg"][(m, c)] for c in a["cells"]]
+            x = j + np.linspace(-0.25, 0.25, len(vals))
+            ax.scatter(x, vals, s=6, alpha=0.5,
+                       color="tab:red" if m == a["choice"] else "tab:blue")
+            ax.plot([j - 0.3, j + 0.3], [max(vals)] * 2, color="k", lw=1)
+        ax.set_xticks(range(len(ADMISSIBLE)))
+        ax.set_xticklabels([cand_label(m) for m in ADMISSIBLE], rotation=70, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"{key[0]}, {key[1]} layer{'s' if key[1] > 1 else ''}", fontsize=9)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0][0].set_ylabel("regret = error / best error in the cell")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_snr(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
+    marks = {1: "o", 2: "s", 3: "^"}
+    for mode, color in (("direct", "tab:blue"), ("hashed", "tab:orange")):
+        for k in grid.LAYERS:
+            sel = [r for r in rows if r[0] == mode and r[1] == k]
+            if sel:
+                ax.scatter([r[3] for r in sel], [r[4] for r in sel], s=12, marker=marks[k],
+                           color=color, alpha=0.6, label=f"{mode}, {k} layer(s)")
+    ax.axhline(0.5, color="k", lw=0.8, ls=":")
+    ax.axvline(snr_cutoff(rows), color="tab:red", lw=0.8, ls="--", label="cut-off")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("SNR = n / sqrt(C / chi2_k)")
+    ax.set_ylabel("l1 error of the default / n")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few small cells; writes under out/")
+    ap.add_argument("--report", action="store_true", help="only re-render the saved results")
+    ap.add_argument("--run-only", action="store_true", help="run (resume) the grid, no report")
+    ap.add_argument("--refine", action="store_true",
+                    help="one round of extra repetitions in the cells that decide the choices")
+    ap.add_argument("--coverage", action="store_true",
+                    help="run (resume) the error-bar coverage study into the results file")
+    ap.add_argument("--timing", action="store_true",
+                    help="time the release at D = 1e7 (full arrays) into the results file")
+    args = ap.parse_args(argv)
+    path = RESULTS.with_name("grid_results_quick.pkl") if args.quick else RESULTS
+    state = load(path) if args.report else run(args.quick, path)
+    if args.refine:
+        refine(state, path)
+    if args.coverage:
+        run_coverage(args.quick, state, path)
+    if args.timing:
+        state["timing"] = run_timing(args.quick)
+        save(state, path)
+    if args.run_only:
+        return 0
+    outdir = Path("out") if args.quick else Path("docs")
+    write_report(state, outdir, quick=args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
