@@ -39,8 +39,9 @@ class Source:
     def commit(self, offsets: dict[str, int]) -> None:
         """Report progress upstream (Kafka: group offsets, for lag monitoring only)."""
 
-    def lag(self) -> dict[str, int] | None:
-        """Records behind the end of each partition, where the source knows it."""
+    def lag(self, positions: dict[str, int] | None = None) -> dict[str, int] | None:
+        """Records behind the end of each partition, where the source knows it (``positions``:
+        the service's next offset per partition)."""
         return None
 
     def close(self) -> None:

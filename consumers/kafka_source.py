@@ -30,6 +30,9 @@ def parse_partition_key(key: str) -> TopicPartition:
     return TopicPartition(topic, int(part))
 
 
+_CALL_MS = 5000  # bound on every blocking client call outside poll()
+
+
 class PartialAssignment(RuntimeError):
     """Another member of the group holds some of the topic's partitions."""
 
@@ -191,7 +194,7 @@ class KafkaSource(Source):
             tps = self._topic_partitions()
             if not tps:
                 return None
-            ends = self.consumer.end_offsets(tps)
+            ends = self.consumer.end_offsets(tps, timeout_ms=_CALL_MS)
         except Exception as exc:
             log.warning("end offsets of %r unknown (%s)", self.topic, type(exc).__name__)
             return None
@@ -205,7 +208,7 @@ class KafkaSource(Source):
             tps = [parse_partition_key(k) for k in keys]
             if not tps or any(tp not in assigned for tp in tps):
                 return False
-            ends = self.consumer.end_offsets(tps)
+            ends = self.consumer.end_offsets(tps, timeout_ms=_CALL_MS)
             return all(self.consumer.position(tp) >= ends[tp] for tp in tps)
         except Exception:
             return False
@@ -215,7 +218,7 @@ class KafkaSource(Source):
         out = {}
         try:
             for tp in self._topic_partitions():
-                committed = self.consumer.committed(tp)
+                committed = self.consumer.committed(tp, timeout_ms=_CALL_MS)
                 if committed is not None:
                     out[partition_key(tp.topic, tp.partition)] = int(committed)
         except Exception as exc:
@@ -245,7 +248,7 @@ class KafkaSource(Source):
                         "window.size")
         try:
             tps = [parse_partition_key(k) for k in offsets]
-            begins = self.consumer.beginning_offsets(tps) if tps else {}
+            begins = self.consumer.beginning_offsets(tps, timeout_ms=_CALL_MS) if tps else {}
         except Exception as exc:
             log.warning("beginning offsets of %r unknown (%s)", self.topic, type(exc).__name__)
             return None
@@ -280,29 +283,43 @@ class KafkaSource(Source):
         return self._config_cache
 
     def commit(self, offsets: dict[str, int]) -> None:
+        """Offsets to the group for lag dashboards: asynchronous, never blocks counting."""
         mine = {parse_partition_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()
                 if k in self.assigned}
         if mine:
             try:
-                self.consumer.commit(mine)
+                self.consumer.commit_async(mine, callback=self._committed)
             except Exception as exc:  # lag reporting only: never fatal
                 log.warning("offset commit for lag monitoring failed: %s", type(exc).__name__)
 
-    def lag(self) -> dict[str, int] | None:
-        now = time.monotonic()
-        if self._lag_cache and now - self._lag_cache[0] < 5.0:
-            return self._lag_cache[1]
-        tps = [parse_partition_key(k) for k in self.assigned]
-        if not tps:
-            return {}
+    @staticmethod
+    def _committed(_offsets, response) -> None:
+        if isinstance(response, Exception):
+            log.info("offset commit for lag monitoring failed: %s", type(response).__name__)
+
+    def lag(self, positions: dict[str, int] | None = None) -> dict[str, int] | None:
+        """Records behind the end of each assigned partition: the high watermark the fetches
+        report minus ``positions`` (the service's next offsets). No request of its own, so it
+        never blocks during a broker outage."""
+        out = {}
         try:
-            ends = self.consumer.end_offsets(tps)
-            lag = {partition_key(tp.topic, tp.partition):
-                   max(0, ends[tp] - self.consumer.position(tp)) for tp in tps}
+            for key in sorted(self.assigned):
+                high = self.consumer.highwater(parse_partition_key(key))
+                if high is not None and positions and key in positions:
+                    out[key] = max(0, high - positions[key])
         except Exception:
             return None
-        self._lag_cache = (now, lag)
-        return lag
+        return out
+
+    def connected(self) -> bool | None:
+        """Whether the client holds a ready connection to some broker (None: unknown)."""
+        try:
+            client = self.consumer._client
+            return any(client.connected(getattr(b, "node_id", getattr(b, "nodeId", None)))
+                       for b in client.cluster.brokers())
+        except Exception:
+            return None
 
     def close(self) -> None:
-        self.consumer.close(autocommit=False)
+        # bounded: with the broker down, leaving the group cannot take longer than this
+        self.consumer.close(autocommit=False, timeout_ms=_CALL_MS)

@@ -405,7 +405,7 @@ def test_merge_scan_survives_a_window_cleaned_up_meanwhile(cfg_for, tmp_path):
 def test_handed_over_partition_stops_reporting_lag(cfg_for):
     topic = FakeTopic("ev", 2)
     m = FakeMember(topic)
-    m.lag = lambda: {"ev:0": 3, "ev:1": 4}
+    m.lag = lambda positions=None: {"ev:0": 3, "ev:1": 4}
     a = PartitionedAggregator(cfg_for(), m)
     m.assign({0, 1})
     a.step(0)

@@ -53,6 +53,11 @@ class Metrics:
                                      "window done (events or time)", registry=r)
         self.lag = Gauge("panagg_consumer_lag_records", "Records behind the partition end",
                          ["partition"], registry=r)
+        self.broker_connected = Gauge("panagg_broker_connected", "1 while the Kafka client "
+                                      "holds a ready broker connection, 0 during an outage "
+                                      "(NaN until known, and for file and generator sources)",
+                                      registry=r)
+        self.broker_connected.set(float("nan"))
         self.budget_spent = Gauge("panagg_budget_spent_epsilon", "Epsilon spent by all ledgered "
                                   "releases", registry=r)
         self.epsilon = Gauge("panagg_epsilon", "Configured epsilon of each window", registry=r)

@@ -674,7 +674,7 @@ class PartitionedAggregator(Aggregator):
             if topic:
                 producer = self._kafka_producer()
                 producer.send(topic, key=str(wid).encode(), value=doc.encode())
-                producer.flush(timeout=30)
+                producer.flush(timeout=5)  # bounded; retried with backoff
         except Exception as exc:  # retried with backoff; the document is in the ledger
             reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)
                       and exc.strerror else type(exc).__name__)
@@ -710,6 +710,9 @@ class PartitionedAggregator(Aggregator):
 
     def _reports_lag_of(self, partition: str) -> bool:
         return partition in self.tasks  # the lag cache may still hold a partition handed over
+
+    def _positions(self) -> dict[str, int]:
+        return {k: t.offsets[k] for k, t in self.tasks.items() if k in t.offsets}
 
     # -- gauges and control --------------------------------------------------------------------
     def _update_gauges(self) -> None:

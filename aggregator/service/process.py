@@ -164,6 +164,7 @@ class Aggregator:
         self.stop_event = threading.Event()
         self._export_seq = 0
         self._held: set[str] = set()
+        self._connected: bool | None = None
         self._last_lag = 0.0
         self._publish_backoff = _Backoff("publishing releases")
         self._commit_backoff = _Backoff("checkpoint")
@@ -276,6 +277,14 @@ class Aggregator:
             # the restored memory must not equal the file plus exact increments
             task.state.rerandomize(rng=self._rng(3, task.window["id"], ckpt.seq))
         self._replay_target(task)
+        # what the restart costs (docs/privacy.md, R3): the events counted after this checkpoint
+        # before the stop are counted again under fresh noise
+        self._ledger_append(entry_id=f"restart-{os.urandom(6).hex()}", kind="restart",
+                            window=task.window["id"], window_uid=task.window["uid"],
+                            model=self.model, replay_from=dict(task.offsets), unit=task.name,
+                            note="events after replay_from counted again under fresh noise; "
+                                 "2 eps for them against an intruder who read memory before "
+                                 "the restart")
         log.info("restored checkpoint %d of %s: window %s from %d partition offset(s)%s; the "
                  "window's later events are replayed from the source under fresh noise",
                  ckpt.seq, task.name, task.window["id"], len(task.offsets),
@@ -715,7 +724,7 @@ class Aggregator:
                 if topic:
                     producer = self._kafka_producer()
                     producer.send(topic, key=str(release["window"]).encode(), value=doc.encode())
-                    producer.flush(timeout=30)
+                    producer.flush(timeout=5)  # bounded; retried with backoff
             except Exception as exc:  # retried with backoff; the document is durable
                 reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)
                           and exc.strerror else type(exc).__name__)
@@ -783,13 +792,24 @@ class Aggregator:
         if now - self._last_lag < 5.0:
             return
         self._last_lag = now
-        lag = self.source.lag()
+        probe = getattr(self.source, "connected", None)
+        state = probe() if probe else None
+        if state is not None:
+            if self._connected is not None and state != self._connected:
+                log.warning("Kafka broker %s", "reachable again" if state else
+                            "unreachable: counting waits; time windows still close by the clock")
+            self._connected = state
+            self.metrics.broker_connected.set(int(state))
+        lag = self.source.lag(self._positions())
         for part, value in (lag or {}).items():
             if self._reports_lag_of(part):
                 self.metrics.lag.labels(partition=part).set(value)
 
     def _reports_lag_of(self, partition: str) -> bool:
         return True
+
+    def _positions(self) -> dict[str, int]:
+        return dict(self.task.offsets)
 
     def _check_state_matches_config(self, state: PanPrivateHistogram, where: str,
                                     size: int | None = None) -> None:
