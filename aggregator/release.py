@@ -11,6 +11,7 @@ state's epsilon (see docs/privacy.md):
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -24,7 +25,8 @@ from .estimate import anonymized_histogram
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
-__all__ = ["MODELS", "make_release", "package_release", "write_release", "plot_release",
+__all__ = ["MODELS", "ReleaseExists", "make_release", "package_release", "write_release",
+           "plot_release",
            "plot_rank_frequency"]
 
 MODELS = ("joint", "state-only")
@@ -103,19 +105,6 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
     return release
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def plot_rank_frequency(release: dict, path: Path) -> None:
     """Log-log rank vs count plot of the released histogram (PNG).
 
@@ -141,16 +130,50 @@ def plot_rank_frequency(release: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+class ReleaseExists(FileExistsError):
+    """A different release document already has this file name (another run wrote it)."""
+
+
 def write_release(release: dict, outdir: str | os.PathLike, *, plot: bool = True) -> Path:
-    """Write ``release-<window>.json`` (atomically) and, unless ``plot=False``, its PNG plot
-    (:func:`plot_release`) into ``outdir``."""
+    """Write ``release-<window>.json`` and, unless ``plot=False``, its PNG plot
+    (:func:`plot_release`) into ``outdir``.
+
+    Never overwrites another release: the same document again (a re-publish after a crash) is a
+    no-op; a different one under the same name raises :class:`ReleaseExists`.
+    """
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     path = outdir / f"release-{release['window']}.json"
-    _atomic_write(path, json.dumps(release, indent=1, allow_nan=False).encode() + b"\n")
+    data = json.dumps(release, indent=1, allow_nan=False).encode() + b"\n"
+    if not _create_once(path, data):
+        if path.read_bytes() != data:
+            raise ReleaseExists(errno.EEXIST, "a different release is already in this file "
+                                "(another run or state directory wrote it); publish to a new "
+                                "release directory or release name", str(path))
+        if path.with_suffix(".png").exists():
+            return path
     if plot:
         plot_release(release, outdir)
     return path
+
+
+def _create_once(path: Path, data: bytes) -> bool:
+    """Write ``data`` to ``path`` atomically unless ``path`` exists (False then): temp file,
+    fsync, hard link to the final name (which fails rather than replaces)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def plot_release(release: dict, outdir: str | os.PathLike) -> Path:

@@ -107,3 +107,51 @@ def test_kafka_client_tracebacks_are_one_line_and_ours_are_kept():
     assert out.stderr.count("Traceback") == 1  # ours
     assert out.stderr.index("window close failed") < out.stderr.index("Traceback")
     assert "ValueError: ours" in out.stderr
+
+
+def test_repeated_kafka_client_lines_are_condensed_and_ours_are_not():
+    # during a broker outage the client logs every reconnect attempt: one line per minute per
+    # kind is shown, the next says how many were held back; panagg's own lines all pass
+    code = (
+        "import logging\n"
+        "from aggregator.service import cli\n"
+        "cli._setup_logging()\n"
+        "for h in logging.getLogger().handlers:\n"
+        "    for f in h.filters:\n"
+        "        if isinstance(f, cli._RepeatedLibraryLines):\n"
+        "            f.window_s = 0.5\n"
+        "import time\n"
+        "for i in range(50):\n"
+        "    logging.getLogger('kafka.net.manager').error('Connection failed: %s', 'ECONNREFUSED')\n"
+        "    logging.getLogger('panagg.service').warning('ours %d', i)\n"
+        "time.sleep(0.6)\n"
+        "logging.getLogger('kafka.net.manager').error('Connection failed: %s', 'ECONNREFUSED')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    kafka = [ln for ln in lines if "kafka.net.manager" in ln]
+    assert len(kafka) == 2
+    assert kafka[1].endswith("Connection failed: ECONNREFUSED (and 49 like it in the last 0 s)")
+    assert sum("panagg.service: ours" in ln for ln in lines) == 50
+
+
+def test_central_never_overwrites_another_release(tmp_path):
+    counts = tmp_path / "c.csv"
+    counts.write_text("\n".join(str(c) for c in [5, 3, 3, 1]) + "\n")
+    first = run("central", "--input", str(counts), "--epsilon", "2", "--output", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    again = run("central", "--input", str(counts), "--epsilon", "2", "--output", str(tmp_path))
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert "a different release is already in this file" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+
+
+def test_a_second_demo_run_writes_beside_the_first_not_over_it(tmp_path):
+    out = tmp_path / "rel"
+    assert run("demo", "--events", "3000", "--accounts", "300", "--output", str(out)).returncode == 0
+    first = (out / "release-0.json").read_bytes()
+    res = run("demo", "--events", "3000", "--accounts", "300", "--output", str(out))
+    assert res.returncode == 0, res.stderr
+    assert (out / "release-0.json").read_bytes() == first
+    (again,) = out.glob("run-*/release-0.json")
+    assert str(again) in res.stdout

@@ -669,3 +669,25 @@ def test_reject_totals_are_exact_across_restarts(tmp_path):
     assert ckpt.window["id"] == 2 and ckpt.totals["events"] == 4000
     bad_before = sum(1 for pos, _ in bad if pos < ckpt.offsets[f"file:{path.name}"])
     assert ckpt.totals["rejects"] == {"undecodable": bad_before}
+
+
+def test_a_release_file_of_another_run_is_never_overwritten(tmp_path):
+    items = np.random.default_rng(18).integers(0, D, 1000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    first = run_cli(cli_sets(tmp_path, path, **{"window.size": 1000}))
+    assert first.returncode == 0, first.stderr
+    kept = (tmp_path / "releases" / "release-0.json").read_bytes()
+    other = cli_sets(tmp_path, path, **{"window.size": 1000,
+                                        "checkpoint.dir": tmp_path / "other-state"})
+    second = run_cli(other)  # another state directory, the same release directory
+    assert second.returncode == 2 and "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines()[-1] == (
+        "panagg: error: 1 release(s) could not be published (window 0: a different release is "
+        f"already in this file (another run or state directory wrote it); publish to a new "
+        f"release directory or release name: {tmp_path / 'releases' / 'release-0.json'}); they "
+        "stay in the checkpoint and are published at the next start once the cause is fixed")
+    assert (tmp_path / "releases" / "release-0.json").read_bytes() == kept
+    # the same document again (a re-publish after a crash) is not an overwrite
+    from aggregator.release import write_release
+    write_release(json.loads(kept), tmp_path / "releases", plot=False)

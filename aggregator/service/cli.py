@@ -65,14 +65,46 @@ def _one_line_library_errors(record) -> bool:
     return True
 
 
+class _RepeatedLibraryLines:
+    """Logging filter: a Kafka client line repeated within ``window_s`` (the client logs every
+    reconnect attempt and metadata retry during an outage: dozens a minute) is shown once, and
+    the next one after the window says how many were held back. panagg's own lines pass."""
+
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self.seen: dict[tuple, list] = {}  # (logger, template) -> [first shown, held back]
+
+    def __call__(self, record) -> bool:
+        if record.name.split(".", 1)[0] != "kafka":
+            return True
+        key = (record.name, str(record.msg)[:80])
+        now = time.monotonic()
+        entry = self.seen.get(key)
+        if entry is not None and now - entry[0] < self.window_s:
+            entry[1] += 1
+            return False
+        held = entry[1] if entry else 0
+        self.seen[key] = [now, 0]
+        if held:
+            record.msg = f"{record.getMessage()} (and {held} like it in the last " \
+                         f"{self.window_s:.0f} s)"
+            record.args = None
+        return True
+
+
 def _setup_logging(verbose: bool = False) -> None:
     import logging
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    repeated = _RepeatedLibraryLines()
     for handler in logging.getLogger().handlers:
         if _one_line_library_errors not in handler.filters:
             handler.addFilter(_one_line_library_errors)
+            handler.addFilter(repeated)
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    # -v is panagg's own detail, not every library's debug output (fonts, sockets)
+    for noisy in ("matplotlib", "PIL", "kafka"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _make_source(cfg: dict):
@@ -198,6 +230,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if per_window < 1:
         raise UsageError(f"--events {args.events} is fewer than --windows {windows}; "
                          "give at least one event per window")
+    from pathlib import Path
+    output = Path(args.output)
+    if list(output.glob("release-*.json")):  # an earlier run's releases: never overwrite them
+        output = output / time.strftime("run-%Y%m%dT%H%M%SZ", time.gmtime())
     print(f"panagg demo: {args.events:,} synthetic logins over {args.accounts:,} accounts "
           f"(Zipf {args.zipf}), eps={args.epsilon}, model={args.model}, {windows} window(s)")
     with tempfile.TemporaryDirectory(prefix="panagg-demo-") as state_dir:
@@ -206,11 +242,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"source.generator_zipf={args.zipf}", f"state.domain_size={args.accounts}",
             f"state.epsilon={args.epsilon}", f"state.model={args.model}",
             "window.kind=count", f"window.size={per_window}", f"checkpoint.dir={state_dir}",
-            f"release.dir={args.output}", "metrics.port=-1"])
+            f"release.dir={output}", "metrics.port=-1"])
         _setup_logging()
         _run_service(cfg)
-    from pathlib import Path
-    for path in sorted(Path(args.output).glob("release-*.json")):
+    for path in sorted(output.glob("release-*.json")):
         rel = json.loads(path.read_text())
         p = rel["properties"]
         print(f"window {rel['window']}: n={rel['n']:,} released {p['distinct_items']:,} items, "
@@ -546,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"panagg: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
+        from ..release import ReleaseExists
+        if isinstance(exc, ReleaseExists):
+            print(f"panagg: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+            return 2
         print(f"panagg: error: {exc.strerror or exc} ({exc.filename or ''}); check the path "
               "and its permissions", file=sys.stderr)
         return 2

@@ -77,7 +77,6 @@ from ..estimate import NoisyValueCounts, anonymized_histogram, noise_pmf, noisy_
 from ..noise import discrete_laplace
 from ..release import STATE_ONLY_CAVEAT, package_release, plot_release, write_release
 from ..state import PanPrivateHistogram
-from .ledger import BudgetExceeded
 from .process import Aggregator, ServiceError, Stopping
 from .window import WindowTask, new_window
 
@@ -571,15 +570,7 @@ class PartitionedAggregator(Aggregator):
                 return False  # released already: a late summary would be dropped anyway
             if self.ledger.has(f"release-{uid}"):
                 return True
-            if self.ledger.has(f"refused-{uid}"):
-                return False
-            try:
-                self.ledger.check_release(uid, self.epsilon, window=wid)
-            except BudgetExceeded as exc:
-                log.error("%s", exc)
-                self.metrics.releases_refused.inc()
-                self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
-                                   window_uid=uid, model=self.model, note=str(exc))
+            if not self._budget_allows(uid, wid):
                 return False
             self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid,
                                window_uid=uid, epsilon_spent=self.epsilon, model=self.model,

@@ -94,11 +94,13 @@ class _Backoff:
 
     def __init__(self, what: str):
         self.what, self.failing, self.delay, self.next_try = what, False, 0.5, 0.0
+        self.last_reason = ""
 
     def ready(self) -> bool:
         return time.monotonic() >= self.next_try
 
     def failed(self, reason: str) -> None:
+        self.last_reason = reason
         if not self.failing:
             log.warning("%s failed (%s); retrying with backoff", self.what, reason)
         self.failing = True
@@ -395,7 +397,13 @@ class Aggregator:
                 if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
                     break
             if self.task.pending:
+                self._publish_backoff.next_try = 0.0
                 self._publish_pending(self.task)
+            if self.task.pending:  # a finite run must not end looking successful
+                raise ServiceError(
+                    f"{len(self.task.pending)} release(s) could not be published "
+                    f"({self._publish_backoff.last_reason}); they stay in the checkpoint and are "
+                    "published at the next start once the cause is fixed")
         except Stopping:
             log.info("stopped while waiting; the open window is replayed at the next start")
         finally:
@@ -692,15 +700,7 @@ class Aggregator:
             log.info("window %s is already in the ledger: re-publishing its ledgered release",
                      wid)
             return json.loads(entry["document"])
-        if self.ledger.has(f"refused-{uid}"):
-            return None
-        try:
-            self.ledger.check_release(uid, self.epsilon, window=wid)
-        except BudgetExceeded as exc:
-            log.error("%s", exc)
-            self.metrics.releases_refused.inc()
-            self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
-                               window_uid=uid, model=self.model, note=str(exc))
+        if not self._budget_allows(uid, wid):
             return None
         release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
                                rng=self._rng(1, wid))
@@ -711,6 +711,21 @@ class Aggregator:
                            epsilon_spent=self.epsilon, model=self.model, document=doc,
                            end_offsets=dict(task.offsets))
         return release
+
+    def _budget_allows(self, uid: str, wid: int) -> bool:
+        """The ledger's answer for window ``uid`` before any release noise is drawn; a refusal
+        is ledgered (so every process and restart gets the same answer)."""
+        if self.ledger.has(f"refused-{uid}"):
+            return False
+        try:
+            self.ledger.check_release(uid, self.epsilon, window=wid)
+        except BudgetExceeded as exc:
+            log.error("%s", exc)
+            self.metrics.releases_refused.inc()
+            self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
+                               window_uid=uid, model=self.model, note=str(exc))
+            return False
+        return True
 
     def _publish_pending(self, task: WindowTask) -> None:
         if not task.pending or not self._publish_backoff.ready():
