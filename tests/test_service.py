@@ -691,3 +691,14 @@ def test_a_release_file_of_another_run_is_never_overwritten(tmp_path):
     # the same document again (a re-publish after a crash) is not an overwrite
     from aggregator.release import write_release
     write_release(json.loads(kept), tmp_path / "releases", plot=False)
+
+
+@pytest.mark.parametrize("command", [["release"], ["audit", "export"]])
+def test_offline_commands_refuse_a_directory_without_state(tmp_path, command):
+    typo = tmp_path / "no-such-state"
+    res = run_cli([*command, "--state-dir", str(typo)], {"PANAGG_AUDIT_KEY": KEY_HEX})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"panagg: error: {typo} holds no panagg state (no checkpoints/ directory); pass the "
+        "--state-dir the service runs with")
+    assert not typo.exists() and not (tmp_path / "releases").exists()
