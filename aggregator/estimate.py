@@ -15,7 +15,9 @@ Estimators of phi_{>=r}
   the log-likelihood gain per non-zero counter). Biased but far less variable when k >= 2.
 * ``"mle"``: the same EM run to convergence (:data:`MLE_TOL`, :data:`MLE_MAX_ITER`).
 
-Which one a release uses when none is named is :func:`default_method` (mode, layers).
+Which one a release uses when none is named is :func:`default_method` (mode, layers): the
+candidate with the lowest worst-case regret over the accuracy grid (bench/grid.py,
+docs/accuracy_grid.md), all candidates measured on the same noisy counters.
 
 Projections
 -----------
@@ -45,7 +47,6 @@ __all__ = [
     "project_l1",
     "cap_total",
     "CAP_RULES",
-    "DEFAULT_CAP",
     "project_l2",
     "counts_from_cumulative",
     "cumulative_from_counts",
@@ -56,6 +57,8 @@ __all__ = [
     "MODES",
     "DEFAULT_METHODS",
     "default_method",
+    "DEFAULTS",
+    "default_cap",
     "MLE_MAX_ITER",
     "MLE_TOL",
     "rank_box",
@@ -385,10 +388,9 @@ def project_l1(phi_hat) -> np.ndarray:
 # the public n: a histogram never holds more events than the stream had
 # --------------------------------------------------------------------------------------------
 CAP_RULES = ("items", "scale", "none")
-DEFAULT_CAP = "items"
 
 
-def cap_total(y, total: int, rule: str = DEFAULT_CAP) -> np.ndarray:
+def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
     """A cumulative prevalence with at most ``total`` events (sum_r y_r <= total), from y.
 
     sum_r phi_{>=r} is the number of events, so with total = n (public under replace-one
@@ -594,29 +596,41 @@ METHODS = ("threshold", "deconvolution", "mle")
 MODES = ("direct", "hashed")
 MLE_MAX_ITER = 1000
 MLE_TOL = 1e-9
-# (mode, layers) -> method; layers above the largest key use the largest key's entry. So far the
-# defaults of docs/estimators.md (direct) and docs/large_domains.md (hashed).
-DEFAULT_METHODS = {
-    ("direct", 1): "threshold",
-    ("direct", 2): "deconvolution",
-    ("direct", 3): "deconvolution",
-    ("hashed", 1): "mle",
-    ("hashed", 2): "mle",
-    ("hashed", 3): "mle",
+# (mode, layers) -> (method, cap rule); layers above the largest key use the largest key's entry.
+# Chosen by the lowest worst-case regret over the accuracy grid, every candidate on the same noisy
+# counters (docs/accuracy_grid.md; bench/accuracy_grid.py writes the choice to
+# bench/grid_defaults.json, and tests/test_grid_defaults.py checks this table against it).
+DEFAULTS = {
+    ("direct", 1): ("mle", "scale"),
+    ("direct", 2): ("deconvolution", "scale"),
+    ("direct", 3): ("deconvolution", "scale"),
+    ("hashed", 1): ("mle", "items"),
+    ("hashed", 2): ("mle", "items"),
+    ("hashed", 3): ("mle", "items"),
 }
+DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
 
 
-def default_method(mode: str, layers: int) -> str:
-    """The estimator a release uses when none is named (:data:`DEFAULT_METHODS`).
-
-    >>> default_method("hashed", 1)
-    'mle'
-    """
+def _default(mode: str, layers: int) -> tuple[str, str]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     k = _check_layers(layers)
-    top = max(layers for m, layers in DEFAULT_METHODS if m == mode)
-    return DEFAULT_METHODS[(mode, min(k, top))]
+    top = max(kk for m, kk in DEFAULTS if m == mode)
+    return DEFAULTS[(mode, min(k, top))]
+
+
+def default_method(mode: str, layers: int) -> str:
+    """The estimator a release uses when none is named (:data:`DEFAULTS`).
+
+    >>> default_method("hashed", 1), default_method("direct", 2), default_method("direct", 5)
+    ('mle', 'deconvolution', 'deconvolution')
+    """
+    return _default(mode, layers)[0]
+
+
+def default_cap(mode: str, layers: int) -> str:
+    """The rule that caps a release's total at n when none is named (:data:`DEFAULTS`)."""
+    return _default(mode, layers)[1]
 
 
 def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct") -> np.ndarray:
@@ -668,13 +682,14 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
         Number of events (public under replace-one). Required for ``"l2"`` (sum = n); with
         ``"l1"`` the histogram is capped at n events (:func:`cap_total`).
     method
-        Estimator of phi (:data:`METHODS`). Default: :func:`default_method` (mode, layers).
+        Estimator of phi (:data:`METHODS`). Default: :func:`default_method` (mode, layers), the
+        lowest worst-case regret over the accuracy grid (docs/accuracy_grid.md).
     buckets
         Number of hash buckets B when the counters are a hashed-mode state (``state.size``).
         Collisions are then undone by inverting Gamma^B
         (:func:`aggregator.largedomain.hashed_histogram`; docs/large_domains.md).
     cap
-        How the total is capped at ``n`` (:data:`CAP_RULES`; default :data:`DEFAULT_CAP`;
+        How the total is capped at ``n`` (:data:`CAP_RULES`; default :func:`default_cap`;
         ``"none"`` leaves the l1 projection as it is). Ignored without ``n``.
 
     Returns
@@ -699,7 +714,7 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     k = _check_layers(layers)
     if loss not in ("l1", "l2"):
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
-    cap = DEFAULT_CAP if cap is None else cap
+    cap = default_cap("direct", k) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
     phi_hat = phi_estimate(vc, p, layers=k, method=method)

@@ -58,7 +58,7 @@ import math
 import numpy as np
 
 from .estimate import (
-    CAP_RULES, DEFAULT_CAP, METHODS, MLE_MAX_ITER, MLE_TOL, cap_total, counts_from_cumulative,
+    CAP_RULES, METHODS, MLE_MAX_ITER, MLE_TOL, cap_total, counts_from_cumulative, default_cap,
     noisy_value_counts, phi_estimate, project_l1, project_l2, rank_box,
 )
 
@@ -462,7 +462,8 @@ __all__ += ["MLE_MAX_ITER", "MLE_TOL"]  # re-exported: they define "mle"
 def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
     """phi_hat_{>=r} of the B bucket counters (not projected).
 
-    Default (``method=None``): ``estimate.default_method("hashed", layers)``.
+    Default (``method=None``): ``estimate.default_method("hashed", layers)``, the lowest
+    worst-case regret over the accuracy grid's hashed cells (docs/accuracy_grid.md).
 
     What sets hashed mode apart: most of the B counters are empty (B ~ 2 n, D ~ 0.35 n occupied),
     and the threshold estimator's kernel (-x, 1 + x) turns every empty bucket's DLap noise into
@@ -511,7 +512,8 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     m
         Algorithm 7's cut-off; default :func:`alg7_m` (B, p).
     cap
-        Rule that caps the total at n (``estimate.CAP_RULES``; default ``estimate.DEFAULT_CAP``).
+        Rule that caps the total at n (``estimate.CAP_RULES``; default
+        ``estimate.default_cap("hashed", layers)``).
     """
     vc = noisy_value_counts(noisy_counts)
     B = _check_buckets(buckets)
@@ -523,7 +525,7 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
         return l2_histogram(vc, p, buckets=B, n=n, layers=layers, method=method, variant=variant)
     if loss != "l1":
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
-    cap = DEFAULT_CAP if cap is None else cap
+    cap = default_cap("hashed", layers) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
     psi = reduced_cumulative(vc, p, layers=layers, method=method)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.estimate import DEFAULT_CAP, METHODS, default_method
+from aggregator.estimate import METHODS, default_cap, default_method
 
 from . import grid
 from ._data import cpu_model, git_rev, mean_se, versions
@@ -163,9 +163,12 @@ def refine(state: dict, path: Path, factor: float = 1.5, top: int = 3, min_reps:
         save(state, path)
         log(f"refined {cell_label(r.cell)} ({r.cell.mode}): {have} -> {want} reps, "
             f"{time.perf_counter() - t:.0f} s")
+    after = analyse(ordered(state))
     state.setdefault("refined", []).append(dict(
         cells=done, factor=factor, top=top, min_reps=min_reps, rev=git_rev(["aggregator", "bench"]),
-        started=datetime.datetime.now().isoformat(timespec="seconds")))
+        started=datetime.datetime.now().isoformat(timespec="seconds"),
+        before={k: a["choice"] for k, a in an.items()},
+        after={k: a["choice"] for k, a in after.items()}))
     save(state, path)
 
 
@@ -220,23 +223,12 @@ def analyse(results: list) -> dict:
             best_in = {m: sum(1 for c in cells if reg[(m, c)] == 1.0) for m in ADMISSIBLE}
             secs = {m: float(np.mean([s for r in results if r.cell.mode == mode
                                       for s in r.seconds.get((k, m), [])])) for m in METHODS}
-            out[(mode, k)] = dict(err=err, reg=reg, worst=worst, geo=geo, cells=cells,
-                                  best_in=best_in, secs=secs, choice=grid.choose(reg, ADMISSIBLE),
-                                  code=(default_method(mode, k), DEFAULT_CAP))
+            se = grid.regret_se(results, k, reg, ADMISSIBLE)
+            out[(mode, k)] = dict(err=err, reg=reg, worst=worst, geo=geo, cells=cells, se=se,
+                                  best_in=best_in, secs=secs, tied=grid.tied(reg, ADMISSIBLE, se),
+                                  choice=grid.choose(reg, ADMISSIBLE, se),
+                                  code=(default_method(mode, k), default_cap(mode, k)))
     return out
-
-
-def worst_se(results, mode, k, cand, best_cand, i) -> float:
-    """Delta-method SE of E(cand) / E(best) in cell i (independence assumed: conservative for
-    paired draws)."""
-    r = results[i]
-    a = r.l1[(k,) + cand]
-    b = r.l1[(k,) + best_cand]
-    ma, sa = mean_se(a)
-    mb, sb = mean_se(b)
-    if ma == 0 or mb == 0 or math.isnan(sa) or math.isnan(sb):
-        return float("nan")
-    return ma / mb * math.sqrt((sa / ma) ** 2 + (sb / mb) ** 2)
 
 
 def defaults_json(an: dict) -> dict:
@@ -244,9 +236,10 @@ def defaults_json(an: dict) -> dict:
     for (mode, k), a in an.items():
         m, cap = a["choice"]
         w, i = a["worst"][a["choice"]]
-        out.setdefault(mode, {})[str(k)] = dict(method=m, cap=cap, worst_regret=round(w, 4),
-                                                geo_regret=round(a["geo"][a["choice"]], 4),
-                                                cells=len(a["cells"]))
+        out.setdefault(mode, {})[str(k)] = dict(
+            method=m, cap=cap, worst_regret=round(w, 4),
+            geo_regret=round(a["geo"][a["choice"]], 4), cells=len(a["cells"]),
+            tied=[f"{tm} / {tc}" for tm, tc in a["tied"] if (tm, tc) != (m, cap)])
     return out
 
 
@@ -292,7 +285,8 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     if not quick:
         DEFAULTS_JSON.write_text(json.dumps(dict(
             rule="lowest worst-case regret over the grid's cells of the mode and layer count; "
-                 "within 1%: lowest geometric-mean regret", source="docs/accuracy_grid.md",
+                 "candidates within two standard errors of it are tied, and a tie goes to the "
+                 "lowest geometric-mean regret", source="docs/accuracy_grid.md",
             defaults=dj), indent=1) + "\n")
     lines: list[str] = []
     w = lines.append
@@ -341,37 +335,40 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     w("")
     w("## Defaults chosen")
     w("")
-    w("| mode | layers | cells | chosen (method / cap) | worst-case regret (cell) | geo-mean "
-      "regret | code default when run | its worst-case regret |")
-    w("|---|---|---|---|---|---|---|---|")
+    w("| mode | layers | cells | chosen (method / cap) | worst-case regret ± se (cell) | geo-mean "
+      "regret | tied with (within 2 se) | code default when reported | its worst-case regret |")
+    w("|---|---|---|---|---|---|---|---|---|")
     for (mode, k), a in an.items():
         ch = a["choice"]
         wv, wi = a["worst"][ch]
         best_c = min(ADMISSIBLE, key=lambda m: a["err"][(m, wi)])
-        se = worst_se(results, mode, k, ch, best_c, wi)
+        se = a["se"][(ch, wi)]
+        others = [cand_label(m) for m in a["tied"] if m != ch]
         code = a["code"]
         cw = a["worst"].get(code, (float("nan"), None))
         w(f"| {mode} | {k} | {len(a['cells'])} | **{cand_label(ch)}** | {wv:.2f} ± {fmt(se)} "
           f"({cell_label(results[wi].cell)}; best there: {cand_label(best_c)}) | "
-          f"{a['geo'][ch]:.3f} | {cand_label(code)} | "
+          f"{a['geo'][ch]:.3f} | {', '.join(others) or '-'} | {cand_label(code)} | "
           f"{fmt(cw[0])}" + (f" ({cell_label(results[cw[1]].cell)})" if cw[1] is not None
                              else "") + " |")
     w("")
-    w("(± is the delta-method standard error of the worst cell's ratio of means, treating the "
-      "two candidates' repetitions as independent; they are paired, so it is conservative.)")
+    w("(± is the standard error of the worst cell's regret, a ratio of means over the same "
+      "repetitions: paired delta method, `grid.regret_se`.)")
     w("")
+    _write_refinement(w, state.get("refined", []))
     w("## All candidates")
     w("")
     for (mode, k), a in an.items():
         w(f"### {mode} mode, {k} layer{'s' if k > 1 else ''} ({len(a['cells'])} cells)")
         w("")
-        w("| candidate | worst-case regret | worst cell | geo-mean regret | lowest error in | "
+        w("| candidate | worst-case regret ± se | worst cell | geo-mean regret | lowest error in | "
           "mean s per estimate |")
         w("|---|---|---|---|---|---|")
         for m in sorted(ADMISSIBLE, key=lambda m: (a["worst"][m][0], a["geo"][m])):
             wv, wi = a["worst"][m]
             mark = "**" if m == a["choice"] else ""
-            w(f"| {mark}{cand_label(m)}{mark} | {wv:.2f} | {cell_label(results[wi].cell)} | "
+            w(f"| {mark}{cand_label(m)}{mark} | {wv:.2f} ± {fmt(a['se'][(m, wi)])} | "
+              f"{cell_label(results[wi].cell)} | "
               f"{a['geo'][m]:.3f} | {a['best_in'][m]} | {a['secs'][m[0]]:.3f} |")
         w("")
     w("![regret per candidate](img/grid_regret.png)")
@@ -381,8 +378,33 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     _write_coverage(w, state.get("coverage", {}))
     _write_timing(w, state.get("timing"))
     _write_cells(w, results, an)
-    (outdir / "accuracy_grid.md").write_text("\n".join(lines) + "\n")
+    target = outdir / "accuracy_grid.md"
+    notes = ""
+    if target.exists():  # keep the hand-written notes of an earlier report
+        old = target.read_text()
+        at = old.find("\n## Notes (hand-written")
+        notes = old[at:] if at >= 0 else ""
+    target.write_text("\n".join(lines) + "\n" + notes)
     log(f"wrote {outdir / 'accuracy_grid.md'}")
+
+
+def _write_refinement(w, rounds: list) -> None:
+    if not rounds:
+        return
+    w("Refinement: the maximum of noisy ratios is biased upwards and jumps between cells, so "
+      "after the first pass the cells that decide each choice (`grid.decisive_cells`: the three "
+      "highest-regret cells of every candidate within 1.5x of the lowest worst-case regret) got "
+      "more repetitions (max(2 reps, 8)), in rounds:")
+    w("")
+    for j, r in enumerate(rounds, 1):
+        line = f"* round {j} ({r['started']}, {r['rev']}): {len(r['cells'])} cells"
+        if "before" in r:
+            changed = [f"{m} {k}: {cand_label(r['before'][(m, k)])} -> "
+                       f"{cand_label(r['after'][(m, k)])}"
+                       for (m, k) in r["after"] if r["before"].get((m, k)) != r["after"][(m, k)]]
+            line += "; choices changed: " + ("; ".join(changed) if changed else "none")
+        w(line)
+    w("")
 
 
 def _write_caps(w, results, an) -> None:

@@ -15,10 +15,12 @@ the same projection.
 Regret (the selection rule). For a cell c and candidate m, with E(m, c) the mean l1 error over the
 repetitions, regret(m, c) = E(m, c) / min_{m'} E(m', c) >= 1 (the minimum over the admissible
 candidates, those that cap the total). The default for a (mode, layers) is the candidate with the
-lowest worst-case regret max_c regret(m, c) over that mode's cells; ties (within 1%) go to the lower
-geometric-mean regret. Worst case because a deployment cannot tell in advance which cell it is in
-(D/n, the distribution and eps vary); regret rather than raw error so that cells with large errors
-do not drown the others.
+lowest worst-case regret max_c regret(m, c) over that mode's cells. Worst case because a deployment
+cannot tell in advance which cell it is in (D/n, the distribution and eps vary); regret rather than
+raw error so that cells with large errors do not drown the others. The maximum of noisy ratios is
+itself noisy, so candidates whose worst-case regrets are within two standard errors of each other
+(:func:`regret_se`, paired delta method) count as tied, and a tie goes to the lower
+geometric-mean regret over all cells.
 
 Noise is drawn from a seeded numpy Generator (reproducible; benchmark only, never private); the
 empty counters' noisy values are one multinomial draw over the exact noise pmf (the estimators only
@@ -244,13 +246,48 @@ def decisive_cells(reg: dict, candidates, factor: float = 1.5, top: int = 3) -> 
     return out
 
 
-def choose(reg: dict, candidates) -> tuple:
-    """Lowest worst-case regret; within 1% of it, the lowest geometric-mean regret."""
+def regret_se(results: list[CellResult], layers: int, reg: dict, candidates) -> dict:
+    """{(candidate, cell): standard error of regret(candidate, cell)}.
+
+    regret = mean(a) / mean(b), b the cell's best candidate, over the same repetitions (paired):
+    delta method with the covariance, var = (s_a^2 - 2 r s_ab + r^2 s_b^2) / (R mean(b)^2).
+    """
+    out = {}
+    cells = {c for (_, c) in reg}
+    for c in cells:
+        r = results[c]
+        best = min(candidates, key=lambda m: np.mean(r.l1[(layers,) + m]))
+        b = np.asarray(r.l1[(layers,) + best], dtype=float)
+        for m in candidates:
+            a = np.asarray(r.l1[(layers,) + m], dtype=float)
+            R = len(a)
+            if R < 2 or b.mean() == 0:
+                out[(m, c)] = math.nan
+                continue
+            ratio = a.mean() / b.mean()
+            cov = np.cov(a, b, ddof=1)
+            var = (cov[0, 0] - 2 * ratio * cov[0, 1] + ratio ** 2 * cov[1, 1]) / (R * b.mean() ** 2)
+            out[(m, c)] = math.sqrt(max(var, 0.0))
+    return out
+
+
+def tied(reg: dict, candidates, se: dict | None = None, z: float = 2.0) -> list:
+    """Candidates whose worst-case regret is within z standard errors of the lowest one's."""
     worst = worst_regret(reg, candidates)
+    lead = min(candidates, key=lambda m: worst[m][0])
+
+    def s(m):
+        v = se.get((m, worst[m][1]), math.nan) if se else math.nan
+        return 0.0 if math.isnan(v) else v
+
+    top = worst[lead][0] + z * s(lead)
+    return [m for m in candidates if worst[m][0] - z * s(m) <= top]
+
+
+def choose(reg: dict, candidates, se: dict | None = None) -> tuple:
+    """Lowest worst-case regret; among the tied (:func:`tied`), the lowest geometric mean."""
     geo = geo_regret(reg, candidates)
-    top = min(w for w, _ in worst.values())
-    near = [m for m in candidates if worst[m][0] <= 1.01 * top]
-    return min(near, key=lambda m: geo[m])
+    return min(tied(reg, candidates, se), key=lambda m: geo[m])
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 
 from aggregator.estimate import (
-    DEFAULT_CAP, anonymized_histogram, cap_total, counts_from_cumulative, cumulative_from_counts,
+    anonymized_histogram, cap_total, counts_from_cumulative, cumulative_from_counts,
     cumulative_prevalence, deconvolved_prevalence, l1_distance, noise_pmf, noisy_value_counts,
-    project_l1, project_l2, threshold_kernel,
+    default_cap, project_l1, project_l2, threshold_kernel,
 )
 from aggregator.noise import discrete_laplace
 
@@ -304,4 +304,5 @@ def test_release_never_holds_more_events_than_n(method):
         anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap="none"), free)
     np.testing.assert_array_equal(
         anonymized_histogram(noisy, p, layers=2, method=method, n=n),
-        anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap=DEFAULT_CAP))
+        anonymized_histogram(noisy, p, layers=2, method=method, n=n,
+                             cap=default_cap("direct", 2)))

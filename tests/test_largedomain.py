@@ -279,10 +279,12 @@ def test_hashed_phi_estimate_defaults_and_errors():
                                ld.hashed_phi_estimate(noisy, p, layers=2, method="mle"))
     with pytest.raises(ValueError):
         ld.hashed_phi_estimate(noisy, p, method="magic")
-    # direct mode keeps its own default (threshold for one layer)
-    from aggregator.estimate import cumulative_prevalence
-    np.testing.assert_array_equal(anonymized_histogram(noisy, p),
-                                  counts_from_cumulative(project_l1(cumulative_prevalence(noisy, p))))
+    # direct mode has its own default (without n, no cap)
+    from aggregator.estimate import default_method, phi_estimate
+    np.testing.assert_array_equal(
+        anonymized_histogram(noisy, p),
+        counts_from_cumulative(project_l1(phi_estimate(noisy, p,
+                                                       method=default_method("direct", 1)))))
 
 
 def test_two_histogram_algorithm7():
