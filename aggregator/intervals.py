@@ -21,12 +21,15 @@ error reached 1/2 only at SNR <= 1.6 (docs/accuracy_grid.md, "Signal below noise
 
 Error bars
 ----------
-:func:`error_bars` is a parametric bootstrap: the released histogram is taken as the truth, the
-state is simulated from it (same counters, mode, p, layers; hashed mode re-hashes the items
-uniformly into the B buckets), the same estimator runs on each simulated state, and the spread of
-the re-estimates around the release gives the intervals (basic bootstrap: the release minus the
-quantiles of the re-estimates' deviations, which also removes the estimator's bias to first
-order). Its coverage has to be measured, not assumed. The bootstrap
+:func:`error_bars` is a parametric bootstrap. A stand-in truth is fitted to the counters, the state
+is simulated from it (same counters, mode, p, layers; hashed mode re-hashes the items uniformly
+into the B buckets), the release's estimator runs on each simulated state, and the deviations of
+the re-estimates from the stand-in give the intervals around the release (basic bootstrap: the
+release minus the quantiles of the deviations, which also carries the estimator's bias). The
+stand-in is the converged NPMLE's histogram (``model="mle"``), the maximum-likelihood description
+of the counters, not the release itself: an estimator that smooths (the early-stopped EM) shows
+less bias when re-run on its own, already smooth output, and the bounds came out too short
+(measured in docs/accuracy_grid.md, "Error bars", with the coverage of each quantity). The bootstrap
 randomness touches only released values, never the state: it is post-processing, and a seeded
 generator is fine here.
 
@@ -114,16 +117,17 @@ def _simulated_state(rng, counts, counters, p, layers, hashed):
 
 
 def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, cap=None,
-               reps=30, level=0.9, rng=None) -> dict:
+               reps=30, level=0.9, rng=None, model="mle") -> dict:
     """The release and parametric-bootstrap error bars for it.
 
     Arguments as for :func:`aggregator.estimate.anonymized_histogram` (the estimate is exactly
-    the release's), plus ``reps`` bootstrap repetitions, the two-sided ``level`` and ``rng`` (a
-    numpy Generator or seed for the bootstrap, not for privacy noise). Returns a dict:
+    the release's), plus ``reps`` bootstrap repetitions, the two-sided ``level``, ``rng`` (a
+    numpy Generator or seed for the bootstrap, not for privacy noise) and ``model``, the
+    estimator whose histogram stands in for the truth (None: the release itself). Returns:
 
     * ``histogram``: the release (counts, decreasing).
     * ``l1_bound``: the ``level`` quantile of the l1 distance between the re-estimates and the
-      release: an estimate of the ``level`` quantile of the release's l1 error.
+      stand-in truth: an estimate of the ``level`` quantile of the release's l1 error.
     * ``phi_lower``, ``phi_upper``: basic bootstrap interval for phi_{>=r}, r = 1..len (index 0
       is r = 1), clipped to [0, n].
     * ``distinct``: (lower, upper) for the number of items (phi_{>=1}).
@@ -150,26 +154,28 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     kw = dict(layers=layers, n=n, buckets=buckets, method=method, cap=cap)
     est = anonymized_histogram(vc, p, **kw)
     y = cumulative_from_counts(est)
+    truth = est if model is None else anonymized_histogram(vc, p, **(kw | {"method": model}))
+    y_t = cumulative_from_counts(truth)
     boot_y, boot_l1, boot_h = [], [], []
     for _ in range(int(reps)):
-        sim = _simulated_state(rng, est, counters, p, layers, buckets is not None)
+        sim = _simulated_state(rng, truth, counters, p, layers, buckets is not None)
         e = anonymized_histogram(sim, p, **kw)
         ys = cumulative_from_counts(e)
-        m = max(len(ys), len(y))
+        m = max(len(ys), len(y_t))
         boot_y.append(np.pad(ys, (0, m - len(ys))))
-        boot_l1.append(float(np.abs(np.pad(ys, (0, m - len(ys))) - np.pad(y, (0, m - len(y))))
+        boot_l1.append(float(np.abs(np.pad(ys, (0, m - len(ys))) - np.pad(y_t, (0, m - len(y_t))))
                              .sum()))
-        boot_h.append(entropy(e))
-    R = max(len(y), max(len(b) for b in boot_y))
+        boot_h.append(entropy(e) - entropy(truth))
+    R = max(len(y), len(y_t), max(len(b) for b in boot_y))
     Y = np.stack([np.pad(b, (0, R - len(b))) for b in boot_y]).astype(np.float64)
     y_full = np.pad(y, (0, R - len(y))).astype(np.float64)
     a = (1.0 - level) / 2.0
-    q_lo, q_hi = np.quantile(Y - y_full, [a, 1.0 - a], axis=0)
+    q_lo, q_hi = np.quantile(Y - np.pad(y_t, (0, R - len(y_t))), [a, 1.0 - a], axis=0)
     top = float(n) if n is not None else math.inf
     lower = np.clip(y_full - q_hi, 0.0, top)
     upper = np.clip(y_full - q_lo, 0.0, top)
     h_hat = entropy(est)
-    h_lo, h_hi = np.quantile(np.asarray(boot_h) - h_hat, [a, 1.0 - a])
+    h_lo, h_hi = np.quantile(np.asarray(boot_h), [a, 1.0 - a])
     out = {
         "histogram": est,
         "level": level,

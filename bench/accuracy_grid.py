@@ -475,8 +475,9 @@ def _write_coverage(w, cov: dict) -> None:
     level = 0.9
     w("## Error bars: measured coverage")
     w("")
-    w("`aggregator.intervals.error_bars(counters, p, layers=k, n=n, buckets=B, reps=30, "
-      "level=0.9)` on fresh data and noise per repetition (release defaults of the commit named "
+    w("`aggregator.intervals.error_bars(counters, p, layers=k, n=n, buckets=B, reps=20, "
+      "level=0.9)` (stand-in truth: the converged NPMLE, `model=\"mle\"`) on fresh data and "
+      "noise per repetition (release defaults of the commit named "
       "below), against the truth: *l1 bound* = fraction of repetitions whose true l1 error is "
       "at most the bound (nominal 0.90, one-sided); *distinct*, *entropy* = fraction inside the "
       "two-sided 90% interval; *phi band* = pointwise coverage of phi_{>=r} at r in "

@@ -306,15 +306,16 @@ def coverage_cells(quick: bool = False) -> list[Cell]:
     for D, n in ((10**4, 10**3), (10**5, 10**4), (10**5, 10**6), (10**6, 10**4)):
         for dist in ("zipf", "uniform"):
             for eps in (0.5, 1.0):
-                cells.append(Cell("direct", dist, n, D, eps, 30))
+                cells.append(Cell("direct", dist, n, D, eps, 20))
     for n in (10**4, 10**5):
         for dist in ("zipf", "distinct"):
             for eps in (0.5, 1.0):
-                cells.append(Cell("hashed", dist, n, None, eps, 30 if n == 10**4 else 20))
+                cells.append(Cell("hashed", dist, n, None, eps, 20))
     return cells
 
 
-def run_coverage(cell: Cell, layers=(1, 2), boot: int = 30, level: float = 0.9) -> dict:
+def run_coverage(cell: Cell, layers=(1, 2), boot: int = 20, level: float = 0.9,
+                 model="mle") -> dict:
     """Per layer count: over the cell's repetitions, whether the truth fell inside each interval
     of ``intervals.error_bars`` (release defaults), and the interval sizes."""
     from aggregator.intervals import error_bars
@@ -330,7 +331,7 @@ def run_coverage(cell: Cell, layers=(1, 2), boot: int = 30, level: float = 0.9) 
             vc = noisy_vc(rng, values, cell.counters - len(values), cell.p, k)
             t = time.perf_counter()
             eb = error_bars(vc, cell.p, layers=k, n=cell.n, buckets=B, reps=boot, level=level,
-                            rng=[SEED, rep, k])
+                            rng=[SEED, rep, k], model=model)
             secs = time.perf_counter() - t
             y = cumulative_from_counts(eb["histogram"])
             R = max(len(truth), len(eb["phi_lower"]))
