@@ -461,6 +461,7 @@ def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path):
         assert again.returncode == 0 and again.stdout.strip().endswith(bootstrap)  # same port
         produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(1000)])
         _wait(lambda: _scrape(url)["panagg_events"] == 3000, 90, "counting after the outage")
+        _wait(lambda: _scrape(url)["panagg_broker_connected"] == 1, 30, "connected = 1 again")
         subprocess.run([str(kafka_sh), "stop", str(broker_dir)], capture_output=True, timeout=120)
         _wait(lambda: _scrape(url)["panagg_broker_connected"] == 0, 30, "connected = 0 again")
         t0 = time.monotonic()
