@@ -2,7 +2,7 @@
 
 Checkpoints hold no counters of the open window (docs/privacy.md, section 16); a restart replays
 the window from Kafka. ``checkpoint.snapshots_per_window = k`` bounds the replay to 1/(k+1) of a
-window at 2k more noise layers in the release (+1 per restore from a snapshot). This bench
+window at 2k more noise layers in the release (a restore adds none). This bench
 measures both sides on the same machine:
 
 * ``accuracy``: l1 error of the default release estimator on the same true histograms with

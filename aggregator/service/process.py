@@ -417,6 +417,7 @@ class Aggregator:
             segments = self.source.poll(0.5)
             for seg in segments:
                 self._ingest(seg)
+            self._maybe_snapshot(self.task)  # the same public schedule as the live loop
             if segments:
                 continue
             if self.source.exhausted:
