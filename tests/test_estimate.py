@@ -306,3 +306,16 @@ def test_release_never_holds_more_events_than_n(method):
         anonymized_histogram(noisy, p, layers=2, method=method, n=n),
         anonymized_histogram(noisy, p, layers=2, method=method, n=n,
                              cap=default_cap("direct", 2)))
+
+
+def test_clipping_the_l1_projection_is_the_projection_with_at_most_c_items():
+    """What makes the "items" cap an l1 projection: min(project_l1(a), c) is optimal among the
+    non-increasing integer y with 0 <= y <= c (integer LP)."""
+    rng = np.random.default_rng(31)
+    for _ in range(120):
+        R = int(rng.integers(1, 12))
+        a = rng.normal(rng.uniform(0, 8), 4, R).round(int(rng.integers(0, 3)))
+        c = int(rng.integers(0, 10))
+        y = np.minimum(project_l1(a), c)
+        want = _integer_lp(a, [(0, c)] * R)
+        assert float(np.abs(y - a).sum()) == pytest.approx(want, abs=1e-5)
