@@ -93,7 +93,8 @@ def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=
     at ``backups``), then the release's input."""
     state_dir = tmp_path / f"state-{r}-{gap}"
     shutil.rmtree(state_dir, ignore_errors=True)
-    overrides = [f"checkpoint.dir={state_dir}", f"release.dir={tmp_path / 'rel'}",
+    shutil.rmtree(f"{state_dir}-releases", ignore_errors=True)  # one run's, never another's
+    overrides = [f"checkpoint.dir={state_dir}", f"release.dir={state_dir}-releases",
                  "source.kind=generator", f"state.domain_size={3 * T}", "window.kind=count",
                  f"window.size={4 * T}", f"state.epsilon={epsilon}", "metrics.port=-1",
                  "release.on_exhausted=false"] + [f"{k}={v}" for k, v in sets.items()]
