@@ -127,8 +127,7 @@ def service_run(source: Source, events: int, tmp: Path) -> float:
     state_dir = tmp / f"svc-{uuid.uuid4().hex[:8]}"
     cfg = load_config(None, [f"state.domain_size={D}", "window.kind=count",
                              f"window.size={10 * events}", f"checkpoint.dir={state_dir}",
-                             f"release.dir={state_dir}/rel", "checkpoint.every_events=200000",
-                             "checkpoint.every_seconds=5", "metrics.port=-1",
+                             f"release.dir={state_dir}/rel", "metrics.port=-1",
                              "release.on_exhausted=false"], env={})
     ref: list = [None]
     wrapped = _Counting(source, events, ref)
