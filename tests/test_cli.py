@@ -155,3 +155,15 @@ def test_a_second_demo_run_writes_beside_the_first_not_over_it(tmp_path):
     assert (out / "release-0.json").read_bytes() == first
     (again,) = out.glob("run-*/release-0.json")
     assert str(again) in res.stdout
+
+
+def test_version_flag_and_build_info_metric():
+    from importlib.metadata import version
+
+    from prometheus_client import generate_latest
+
+    from aggregator.service.metrics import Metrics
+    res = run("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"panagg {version('panagg')}"
+    text = generate_latest(Metrics().registry).decode()
+    assert f'panagg_build_info{{python="{sys.version.split()[0]}",version="{version("panagg")}"}} 1.0' in text

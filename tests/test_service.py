@@ -702,3 +702,22 @@ def test_offline_commands_refuse_a_directory_without_state(tmp_path, command):
         f"panagg: error: {typo} holds no panagg state (no checkpoints/ directory); pass the "
         "--state-dir the service runs with")
     assert not typo.exists() and not (tmp_path / "releases").exists()
+
+
+@pytest.mark.parametrize("sets, content, fix", [
+    ({"source.format": "msgpack"}, [json.dumps({"item": i % D}) for i in range(300)],
+     "the records look like JSON: set source.format = json"),
+    ({}, [json.dumps({"item": f"user-{i}"}) for i in range(300)],
+     "direct mode counts ints in [0, state.domain_size); for string or bytes items set "
+     "state.mode = hashed"),
+])
+def test_a_run_that_rejects_everything_says_why_and_fails(tmp_path, sets, content, fix):
+    path = tmp_path / "events.jsonl"
+    path.write_text("\n".join(content) + "\n")
+    res = run_cli(cli_sets(tmp_path, path, **sets))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("panagg: error: ") and last.endswith(fix), last
+    # said as soon as the first records showed it, too, as one error line (never a payload)
+    assert sum(fix in line for line in res.stderr.splitlines()) == 2
+    assert "user-1" not in res.stderr

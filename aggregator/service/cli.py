@@ -503,8 +503,14 @@ def cmd_central(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from .metrics import panagg_version
+    return panagg_version()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="panagg", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"panagg {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the full pipeline on synthetic login events (no Kafka)")
     demo.add_argument("--events", type=_positive_int, default=1_000_000, help="events in total")

@@ -7,6 +7,7 @@ and the privacy budget spent. Never a per-item or per-counter value, never a pay
 
 from __future__ import annotations
 
+import platform
 import time
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
@@ -15,6 +16,15 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
 from consumers.decode import REASONS
 
 __all__ = ["Metrics"]
+
+
+def panagg_version() -> str:
+    """The installed package's version ("unknown" from a source tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("panagg")
+    except PackageNotFoundError:
+        return "unknown"
 
 disable_created_metrics()  # *_created series only add noise to dashboards
 
@@ -60,6 +70,9 @@ class Metrics:
         self.broker_connected.set(float("nan"))
         self.budget_spent = Gauge("panagg_budget_spent_epsilon", "Epsilon spent by all ledgered "
                                   "releases", registry=r)
+        self.build_info = Gauge("panagg_build_info", "Always 1; the labels say which panagg "
+                                "and Python run", ["version", "python"], registry=r)
+        self.build_info.labels(version=panagg_version(), python=platform.python_version()).set(1)
         self.epsilon = Gauge("panagg_epsilon", "Configured epsilon of each window", registry=r)
         # scale-out (scale.partitioned): per-process view of the partitions it owns
         self.partitions_owned = Gauge("panagg_partitions_owned", "Kafka partitions whose state "

@@ -62,6 +62,64 @@ class Stopping(Exception):
     """The service was asked to stop while it waited (nothing more is made durable)."""
 
 
+class RejectWatch:
+    """Says loudly, once, when the first records of a run are (almost) all rejected: a wrong
+    ``source.format`` or ``state.mode`` otherwise looks like an idle stream (a release of n = 0).
+
+    Looks at the first ``sample`` records a process sees; at ``ratio`` or more rejected, logs one
+    error naming the likely fix (from the rejects' reasons and the records' first byte, never
+    their content), and :meth:`fatal` gives the same line for a finite run that ends with no event.
+    """
+
+    def __init__(self, cfg: dict, sample: int = 1000, ratio: float = 0.9):
+        self.cfg, self.sample, self.ratio = cfg, sample, ratio
+        self.seen = self.rejected = self.counted = 0
+        self.reasons: dict[str, int] = {}
+        self.looks_json = self.looks_msgpack = 0
+        self.warned = False
+
+    def observe(self, values, rejected) -> None:
+        self.counted += len(values) - len(rejected)
+        if self.seen >= self.sample:
+            return
+        self.seen += len(values)
+        self.rejected += len(rejected)
+        for i, reason in rejected:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+            head = bytes(values[i][:1]) if isinstance(values[i], (bytes, bytearray)) else b""
+            self.looks_json += head in (b"{", b"[")
+            self.looks_msgpack += bool(head) and 0x80 <= head[0] <= 0x8F
+        if self.seen >= min(self.sample, 100) and not self.warned \
+                and self.rejected >= self.ratio * self.seen:
+            self.warned = True
+            log.error("%s", self.message())
+
+    def message(self) -> str:
+        top = max(self.reasons, key=self.reasons.get) if self.reasons else "?"
+        fmt, mode = self.cfg["source"]["format"], self.cfg["state"]["mode"]
+        if top in ("undecodable", "not_a_map") and fmt == "msgpack" and self.looks_json:
+            fix = "the records look like JSON: set source.format = json"
+        elif top in ("undecodable", "not_a_map") and fmt == "json" and self.looks_msgpack:
+            fix = "the records look like msgpack: set source.format = msgpack"
+        elif top == "wrong_type" and mode == "direct":
+            fix = ("direct mode counts ints in [0, state.domain_size); for string or bytes "
+                   "items set state.mode = hashed")
+        elif top == "out_of_range":
+            fix = "items fall outside [0, state.domain_size): raise state.domain_size"
+        elif top == "missing_item":
+            fix = 'records carry no "item" field: the schema is {"item": <str|bytes|int>, ...}'
+        else:
+            fix = "see docs/operations.md, Bad input"
+        return (f"{self.rejected} of the first {self.seen} records were rejected (mostly "
+                f"{top}): {fix}")
+
+    def fatal(self) -> str | None:
+        """The line to stop a finite run with: nothing counted, something rejected."""
+        if self.counted == 0 and self.rejected:
+            return self.message()
+        return None
+
+
 def choose_buckets_for(cfg: dict) -> int:
     """Number of hash buckets for hashed mode: configured, or from expected_n by the default rule
     of :func:`aggregator.largedomain.choose_buckets` (docs/large_domains.md, "Choosing B")."""
@@ -167,6 +225,7 @@ class Aggregator:
         self._export_seq = 0
         self._held: set[str] = set()
         self._connected: bool | None = None
+        self.reject_watch = RejectWatch(cfg)
         self._last_lag = 0.0
         self._publish_backoff = _Backoff("publishing releases")
         self._commit_backoff = _Backoff("checkpoint")
@@ -392,6 +451,9 @@ class Aggregator:
                 if self.source.exhausted:
                     if self.cfg["release"]["on_exhausted"] and self.task.window["events"] > 0:
                         self.close_window()
+                    problem = self.reject_watch.fatal()
+                    if problem:  # a finite run that counted nothing must not exit 0
+                        raise ServiceError(problem)
                     break
                 idle_since = idle_since or time.monotonic()
                 if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
@@ -464,6 +526,7 @@ class Aggregator:
             log.error("batch decoder failed (%s) on partition %s at offset %d; decoding its "
                       "records one by one", type(exc).__name__, seg.partition, seg.offsets[0])
             decoded = self._decode_each(seg)
+        self.reject_watch.observe(seg.values, decoded.rejected)
         if not decoded.rejected:
             return decoded.items, None, []
         for i, reason in decoded.rejected:
