@@ -721,3 +721,58 @@ def test_a_run_that_rejects_everything_says_why_and_fails(tmp_path, sets, conten
     # said as soon as the first records showed it, too, as one error line (never a payload)
     assert sum(fix in line for line in res.stderr.splitlines()) == 2
     assert "user-1" not in res.stderr
+
+
+def test_healthz_and_ready_endpoints_of_a_running_service(tmp_path):
+    import time as _time
+    import urllib.error
+    import urllib.request
+
+    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=100000",
+            "--set", "source.generator_rate=2000", "--set", "source.max_records=200",
+            "--set", f"state.domain_size={D}", "--set", "window.size=1000000",
+            "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "releases"),
+            "--metrics-port", "0", "--set", "release.on_exhausted=false"]
+    log_path = tmp_path / "service.log"
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
+                            env=dict(os.environ, PANAGG_TESTING="1"), stderr=open(log_path, "w"))
+    try:
+        base = None
+        deadline = _time.time() + 60
+        while base is None and _time.time() < deadline:
+            for line in log_path.read_text().splitlines():
+                if line.startswith("metrics on "):
+                    base = line.split()[-1].rsplit("/", 1)[0]
+            _time.sleep(0.2)
+        assert base, log_path.read_text()
+
+        def get(path):
+            try:
+                with urllib.request.urlopen(base + path, timeout=5) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        deadline = _time.time() + 30
+        while get("/ready")[0] != 200 and _time.time() < deadline:
+            _time.sleep(0.2)
+        assert get("/healthz") == (200, "ok\n")
+        assert get("/ready") == (200, "ready\n")
+        status, text = get("/metrics")
+        assert status == 200 and "panagg_events_total" in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, log_path.read_text()[-2000:]
+
+
+def test_health_says_stuck_and_not_ready_with_a_reason():
+    from aggregator.service.metrics import Metrics
+    m = Metrics()
+    assert m.health()[0] == 503 and m.readiness() == (503, "not ready: starting\n")
+    m.heartbeat()
+    m.set_ready(False, "Kafka broker unreachable")
+    assert m.health() == (200, "ok\n")
+    assert m.readiness() == (503, "not ready: Kafka broker unreachable\n")
+    m._heartbeat -= 120
+    assert m.health()[0] == 503 and "stuck" in m.health()[1]

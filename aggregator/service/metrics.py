@@ -8,10 +8,11 @@ and the privacy budget spent. Never a per-item or per-counter value, never a pay
 from __future__ import annotations
 
 import platform
+import threading
 import time
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
-                               start_http_server)
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics)
 
 from consumers.decode import REASONS
 
@@ -93,14 +94,61 @@ class Metrics:
         self.unkeyed = Counter("panagg_unkeyed_records", "Sampled records whose Kafka key is not "
                                "their item (topic not keyed by item)", ["partition"], registry=r)
         self._server = None
+        self._heartbeat: float | None = None
+        self._ready: tuple[bool, str] = (False, "starting")
 
     def checkpointed(self, seconds: float) -> None:
         self.checkpoint_duration.observe(seconds)
         self._last_checkpoint = time.time()
 
+    # -- health: /healthz (the loop turns) and /ready (counting), next to /metrics --------------
+    def heartbeat(self) -> None:
+        """The consume loop finished a turn (called once per turn)."""
+        self._heartbeat = time.monotonic()
+
+    def set_ready(self, ready: bool, reason: str = "") -> None:
+        self._ready = (bool(ready), reason)
+
+    def health(self, stale_s: float = 60.0) -> tuple[int, str]:
+        age = time.monotonic() - self._heartbeat if self._heartbeat else None
+        if age is None:
+            return 503, "starting: the consume loop has not turned yet\n"
+        if age > stale_s:
+            return 503, f"stuck: no turn of the consume loop for {age:.0f} s\n"
+        return 200, "ok\n"
+
+    def readiness(self) -> tuple[int, str]:
+        ready, reason = self._ready
+        return (200, "ready\n") if ready else (503, f"not ready: {reason}\n")
+
     def serve(self, host: str = "127.0.0.1", port: int = 9464) -> int:
-        """Start the HTTP exposition endpoint; returns the bound port (0 picks a free one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics (Prometheus exposition), /healthz and /ready; returns the bound port
+        (0 picks a free one)."""
+        from socketserver import ThreadingMixIn
+        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+        from prometheus_client import make_wsgi_app
+
+        exposition = make_wsgi_app(self.registry)
+
+        def app(environ, start_response):
+            path = environ.get("PATH_INFO", "")
+            if path in ("/healthz", "/ready"):
+                code, body = self.health() if path == "/healthz" else self.readiness()
+                start_response(f"{code} {'OK' if code == 200 else 'Service Unavailable'}",
+                               [("Content-Type", "text/plain; charset=utf-8")])
+                return [body.encode()]
+            return exposition(environ, start_response)
+
+        class _Server(ThreadingMixIn, WSGIServer):
+            daemon_threads = True
+
+        class _Quiet(WSGIRequestHandler):
+            def log_message(self, *args):  # scrapes are not log lines
+                pass
+
+        server = make_server(host, port, app, server_class=_Server, handler_class=_Quiet)
+        threading.Thread(target=server.serve_forever, name="panagg-metrics", daemon=True).start()
         self._server = server
         return server.server_address[1]
 

@@ -387,6 +387,7 @@ class PartitionedAggregator(Aggregator):
         self._merge_scan()
         self._update_lag()
         self._update_gauges()
+        self._turned()
         return sum(len(seg) for seg in segments)
 
     def close(self) -> None:

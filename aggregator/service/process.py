@@ -445,6 +445,7 @@ class Aggregator:
                 if self.task.pending:
                     self._publish_pending(self.task)
                 self._update_lag()
+                self._turned()
                 if segments:
                     idle_since = None
                     continue
@@ -889,6 +890,16 @@ class Aggregator:
 
     def _positions(self) -> dict[str, int]:
         return dict(self.task.offsets)
+
+    def _turned(self) -> None:
+        """One turn of the consume loop is done: /healthz and /ready (docs/operations.md)."""
+        self.metrics.heartbeat()
+        if self._connected is False:
+            self.metrics.set_ready(False, "Kafka broker unreachable")
+        elif self.dead_letters is not None and self.dead_letters.outstanding > 10_000:
+            self.metrics.set_ready(False, "dead letters are not being acknowledged")
+        else:
+            self.metrics.set_ready(True)
 
     def _check_state_matches_config(self, state: PanPrivateHistogram, where: str,
                                     size: int | None = None) -> None:
