@@ -776,3 +776,22 @@ def test_health_says_stuck_and_not_ready_with_a_reason():
     assert m.readiness() == (503, "not ready: Kafka broker unreachable\n")
     m._heartbeat -= 120
     assert m.health()[0] == 503 and "stuck" in m.health()[1]
+
+
+def test_ledger_show_lists_releases_refusals_and_what_is_spent(tmp_path):
+    items, path, args = _three_windows(tmp_path, **{"ledger.budget_total": 2.0})
+    assert run_cli(args).returncode == 0
+    res = run_cli(["ledger", "show", "--state-dir", str(tmp_path / "state")])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == (f"ledger {tmp_path / 'state' / 'ledger.jsonl'}: 4 entries; epsilon spent 2 "
+                        "of budget_total 2")
+    kinds = [ln.split()[2] for ln in lines[1:]]
+    assert kinds == ["identity", "release", "release", "refused"]
+    assert "n=1000 distinct=" in lines[2] and "budget_total=2" in lines[4]
+    as_json = json.loads(run_cli(["ledger", "show", "--state-dir", str(tmp_path / "state"),
+                                  "--json"]).stdout)
+    assert [e["kind"] for e in as_json["entries"]] == kinds
+    assert all("document" not in e for e in as_json["entries"])
+    missing = run_cli(["ledger", "show", "--state-dir", str(tmp_path / "nope")])
+    assert missing.returncode == 2 and "holds no ledger" in missing.stderr

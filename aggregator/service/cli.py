@@ -508,6 +508,44 @@ def _version() -> str:
     return panagg_version()
 
 
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """``panagg ledger show``: what was released, refused, exported and restarted, and the
+    epsilon spent and left."""
+    from pathlib import Path
+
+    from .ledger import Ledger, LedgerError
+
+    path = Path(args.state_dir) / "ledger.jsonl"
+    if not path.exists():
+        raise UsageError(f"{args.state_dir} holds no ledger (no ledger.jsonl); pass the "
+                         "--state-dir the service runs with")
+    try:
+        ledger = Ledger(path, budget_per_window=1.0)
+    except LedgerError as exc:
+        raise UsageError(str(exc)) from None
+    identity = ledger.identity() or {}
+    if args.json:
+        print(json.dumps({"identity": identity, "entries": [
+            {k: v for k, v in e.items() if k != "document"} for e in ledger.entries]}, indent=1))
+        return 0
+    print(f"ledger {path}: {len(ledger.entries)} entries; epsilon spent "
+          f"{ledger.spent():g}" + (f" of budget_total {identity['budget_total']:g}"
+                                   if identity.get("budget_total") else " (no total cap)"))
+    for e in ledger.entries:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["time_unix"]))
+        extra = ""
+        if e["kind"] == "release" and e.get("document"):
+            doc = json.loads(e["document"])
+            props = doc.get("properties", {})
+            extra = (f"n={doc.get('n')} distinct={props.get('distinct_items')} "
+                     f"entropy={props.get('entropy_nats', float('nan')):.3f}")
+        elif e.get("note"):
+            extra = e["note"]
+        window = "" if e.get("window") is None else f"window {e['window']}"
+        print(f"{when}Z  {e['kind']:<16} {window:<12} eps {e['epsilon_spent']:<5g} {extra}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="panagg", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"panagg {_version()}")
@@ -563,6 +601,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file")
     show.add_argument("--counters", metavar="NPY", help="also save the noisy counters to NPY")
     aud.set_defaults(func=cmd_audit)
+    led = sub.add_parser("ledger", help="the privacy ledger of a state directory")
+    led_sub = led.add_subparsers(dest="ledger_command", required=True)
+    shw = led_sub.add_parser("show", help="releases, refusals, exports, restarts; eps spent")
+    shw.add_argument("--state-dir", required=True, help="checkpoint.dir")
+    shw.add_argument("--json", action="store_true", help="entries as JSON (documents omitted)")
+    led.set_defaults(func=cmd_ledger)
     cen = sub.add_parser("central", help="central-model DP release of a file of counts "
                                          "(trusted curator)")
     cen.add_argument("--input", required=True, help="CSV or JSON of counts or prevalences")
