@@ -340,10 +340,9 @@ def test_partitioned_needs_kafka(tmp_path):
         load_config(overrides=["scale.partitioned=true", "source.kind=generator"], env={})
 
 
-def test_time_windows_align_and_a_late_partition_fills_in_noise_only(cfg_for, tmp_path):
-    """Time windows are aligned to the epoch; a partition first owned after other partitions
-    closed a window writes a noise-only summary for it, so that window's release is not stuck."""
-    import time
+def _two_members_on_one_second_windows(cfg_for):
+    """Two members on a 2-partition topic with 1 s time windows; member A owns partition 0 (five
+    events, counted in its first window w0), member B owns nothing yet."""
     topic = FakeTopic("ev", 2)
     for i in range(5):
         topic.produce(i, 0)
@@ -352,7 +351,14 @@ def test_time_windows_align_and_a_late_partition_fills_in_noise_only(cfg_for, tm
     b = PartitionedAggregator(cfg_for(window=1, **{"window.kind": "time"}), mb)
     ma.assign({0})
     a.step(0)
-    w0 = a.tasks["ev:0"].window["id"]
+    return ma, mb, a, b, a.tasks["ev:0"].window["id"]
+
+
+def test_time_windows_align_and_a_late_partition_fills_in_noise_only(cfg_for, tmp_path):
+    """Time windows are aligned to the epoch; a partition first owned after other partitions
+    closed a window writes a noise-only summary for it, so that window's release is not stuck."""
+    import time
+    ma, mb, a, b, w0 = _two_members_on_one_second_windows(cfg_for)
     assert w0 == int(time.time()) or w0 == int(time.time()) - 1
     assert a.tasks["ev:0"].window["started_unix"] == w0
     time.sleep(max(0.0, w0 + 1.05 - time.time()))
@@ -540,15 +546,7 @@ def test_a_partition_first_taken_before_the_previous_window_exists_still_contrib
     B's set of windows comes from the group's first window and the clock, not from directory
     listings, so it writes its noise-only summary and the window is released."""
     import time
-    topic = FakeTopic("ev", 2)
-    for i in range(5):
-        topic.produce(i, 0)
-    ma, mb = FakeMember(topic), FakeMember(topic)
-    a = PartitionedAggregator(cfg_for(window=1, **{"window.kind": "time"}), ma)
-    b = PartitionedAggregator(cfg_for(window=1, **{"window.kind": "time"}), mb)
-    ma.assign({0})
-    a.step(0)
-    w0 = a.tasks["ev:0"].window["id"]
+    ma, mb, a, b, w0 = _two_members_on_one_second_windows(cfg_for)
     time.sleep(max(0.0, w0 + 1.05 - time.time()))
     assert not (a.windows_dir / str(w0)).exists()
     mb.assign({1})
