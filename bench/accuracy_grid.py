@@ -297,9 +297,17 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     w("")
     w("Produced by:")
     w("")
+    run = "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.accuracy_grid"
+    q = " --quick" if quick else ""
     w("```")
-    w("OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.accuracy_grid"
-      + (" --quick" if quick else ""))
+    w(f"{run}{q} --run-only             # the grid (resumable)")
+    for _ in state.get("refined", []):
+        w(f"{run}{q} --refine --run-only    # one refinement round")
+    if state.get("coverage"):
+        w(f"{run}{q} --coverage --run-only  # error-bar coverage")
+    if state.get("timing"):
+        w(f"{run}{q} --timing --run-only    # release time at D = 1e7")
+    w(f"{run}{q} --report               # this file and bench/grid_defaults.json")
     w("```")
     w("")
     for r in runs:
@@ -374,6 +382,7 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
         w("")
     w("![regret per candidate](img/grid_regret.png)")
     w("")
+    _write_misses(w, results, an)
     _write_caps(w, results, an)
     _write_snr(w, rows)
     _write_coverage(w, state.get("coverage", {}))
@@ -387,6 +396,29 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
         notes = old[at:] if at >= 0 else ""
     target.write_text("\n".join(lines) + "\n" + notes)
     log(f"wrote {outdir / 'accuracy_grid.md'}")
+
+
+def _write_misses(w, results, an, over: float = 2.0) -> None:
+    w(f"## Where the chosen defaults lose more than {over:g}x")
+    w("")
+    w(f"Cells where the chosen default's mean error is more than {over:g}x the best candidate's "
+      "(regret ± se; the best candidate in brackets):")
+    w("")
+    for (mode, k), a in an.items():
+        ch = a["choice"]
+        bad = sorted(((a["reg"][(ch, i)], i) for i in a["cells"] if a["reg"][(ch, i)] > over),
+                     reverse=True)
+        head = f"* {mode}, {k} layer{'s' if k > 1 else ''} ({cand_label(ch)}): "
+        if not bad:
+            w(head + "none")
+            continue
+        parts = []
+        for v, i in bad:
+            best = min(ADMISSIBLE, key=lambda m: a["err"][(m, i)])
+            parts.append(f"{cell_label(results[i].cell)} {v:.2f} ± {fmt(a['se'][(ch, i)])} "
+                         f"[{cand_label(best)}]")
+        w(head + f"{len(bad)} of {len(a['cells'])}: " + "; ".join(parts))
+    w("")
 
 
 def _write_refinement(w, rounds: list) -> None:
@@ -488,10 +520,10 @@ def _write_coverage(w, cov: dict) -> None:
       "s per call |")
     w("|---|---|---|---|---|---|---|---|---|---|")
     tot: dict = {}
-    revs = set()
+    revs = []
     for key, c in cov.items():
         cell = c["cell"]
-        revs.add(c["rev"])
+        revs.append(c["rev"].split()[0])
         for k, rec in c["out"].items():
             l1 = np.mean(np.array(rec["l1"]) <= np.array(rec["bound"]))
             phi = np.mean([v for d in rec["phi"] for v in d.values()])
@@ -514,7 +546,8 @@ def _write_coverage(w, cov: dict) -> None:
         w(f"| {k} | " + " | ".join(f"{np.mean(tot[(k, nm)]):.2f}" for nm in names)
           + f" | {low} |")
     w("")
-    w(f"(coverage runs at {', '.join(sorted(revs))})")
+    w(f"(git HEAD when the first and the last coverage cell finished: {revs[0]}, {revs[-1]}; "
+      "other work was committed in between, see the notes for the code that ran.)")
     w("")
 
 
@@ -527,7 +560,7 @@ def _write_timing(w, tm: dict | None) -> None:
       f"holding n = {tm['n']:.0e} Zipf(1.1) events; hashed mode n = {tm['n']:.0e} events of "
       f"Zipf(1.1) items in B = {tm['B']:.0e} buckets. `anonymized_histogram(x, p, layers=k, "
       "n=n, buckets=B or None, method=...)`; `default` = no method named (the table "
-      "`estimate.DEFAULT_METHODS` at this commit, cap `items`); baseline `np.bincount(x - "
+      "`estimate.DEFAULTS`: method and cap rule per mode and layers); baseline `np.bincount(x - "
       f"x.min())`. Medians of {TIME_REPS} interleaved repetitions (error bars: one run); run "
       f"{tm['started']} at {tm['rev']}.")
     w("")
