@@ -196,10 +196,18 @@ class Decoder:
             fast = self._decode_msgpack_batch(values)
             if fast is not None:
                 return fast
+        return self.decode_each(values)
+
+    def decode_each(self, values) -> DecodedBatch:
+        """The per-message path: each message decoded on its own, never raising for one
+        message's sake (whatever a message makes the decoder do, it is ``undecodable``)."""
         out = DecodedBatch()
         append_item, append_bad = out.items.append, out.rejected.append
         for i, raw in enumerate(values):
-            item, reason = self.decode_one(raw)
+            try:
+                item, reason = self.decode_one(raw)
+            except Exception:
+                item, reason = None, "undecodable"
             if reason is None:
                 append_item(item)
             else:

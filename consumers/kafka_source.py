@@ -9,7 +9,6 @@ so that lag shows up in the usual Kafka tooling.
 from __future__ import annotations
 
 import logging
-import time
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer
 from kafka.structs import OffsetAndMetadata, TopicPartition
@@ -107,7 +106,6 @@ class KafkaSource(Source):
         config.update(consumer_config or {})
         self.consumer = KafkaConsumer(**config)
         self.consumer.subscribe([topic], listener=_SeekOnAssign(self))
-        self._lag_cache: tuple[float, dict[str, int]] | None = None
 
     def seek(self, offsets: dict[str, int]) -> None:
         # keep the caller's dict itself: the service updates it as it counts, so every later

@@ -795,3 +795,17 @@ def test_ledger_show_lists_releases_refusals_and_what_is_spent(tmp_path):
     assert all("document" not in e for e in as_json["entries"])
     missing = run_cli(["ledger", "show", "--state-dir", str(tmp_path / "nope")])
     assert missing.returncode == 2 and "holds no ledger" in missing.stderr
+
+
+def test_a_decoder_failure_on_one_message_makes_it_a_reject_not_a_crash(monkeypatch):
+    decoder = Decoder("json", domain_size=D)
+    real = decoder.decode_one
+
+    def flaky(raw):
+        if raw == b"boom":
+            raise RuntimeError("a decoder bug")
+        return real(raw)
+
+    monkeypatch.setattr(decoder, "decode_one", flaky)
+    out = decoder.decode([b'{"item": 1}', b"boom", b'{"item": 2}'])
+    assert out.items == [1, 2] and out.rejected == [(1, "undecodable")]

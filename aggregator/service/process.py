@@ -526,7 +526,7 @@ class Aggregator:
         except Exception as exc:  # a decoder bug on odd input: classify records one by one
             log.error("batch decoder failed (%s) on partition %s at offset %d; decoding its "
                       "records one by one", type(exc).__name__, seg.partition, seg.offsets[0])
-            decoded = self._decode_each(seg)
+            decoded = self.decoder.decode_each(seg.values)
         self.reject_watch.observe(seg.values, decoded.rejected)
         if not decoded.rejected:
             return decoded.items, None, []
@@ -536,20 +536,6 @@ class Aggregator:
         keep = np.ones(len(seg), dtype=bool)
         keep[[i for i, _ in decoded.rejected]] = False
         return decoded.items, np.flatnonzero(keep), decoded.rejected
-
-    def _decode_each(self, seg: Segment):
-        from consumers.decode import DecodedBatch
-        out = DecodedBatch()
-        for i, raw in enumerate(seg.values):
-            try:
-                item, reason = self.decoder.decode_one(raw)
-            except Exception:
-                item, reason = None, "undecodable"
-            if reason is None:
-                out.items.append(item)
-            else:
-                out.rejected.append((i, reason))
-        return out
 
     def _count_segment(self, task: WindowTask, seg: Segment, items, good, rejected,
                        close) -> None:
@@ -703,7 +689,6 @@ class Aggregator:
         t0 = time.perf_counter()
         task.store.save(record)
         task.durable = record
-        task.pending_dirty = False
         self.metrics.checkpointed(time.perf_counter() - t0)
 
     def _save_pending(self, task: WindowTask) -> None:

@@ -74,7 +74,6 @@ class WindowTask:
         #: replay target: close the window once the offsets reach these (a time window whose
         #: end passed while the process was down, or a window the ledger already released)
         self.close_at: dict[str, int] | None = None
-        self.pending_dirty = False
 
     # -- progress through the window -----------------------------------------------------------
     def room(self) -> int | None:
