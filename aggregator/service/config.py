@@ -64,6 +64,7 @@ DEFAULTS: dict[str, dict] = {
         "dir": "out/releases",
         "topic": "",                # empty: releases only go to files
         "on_exhausted": True,       # finite sources: release the partial last window
+        "error_bar_reps": 30,       # bootstrap repetitions for the release's intervals; 0: none
     },
     "ledger": {
         "budget_per_window": 0.0,   # 0: equal to state.epsilon (one release per window)
@@ -98,7 +99,7 @@ _POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), (
              ("source", "fetch_max_bytes"), ("source", "max_partition_fetch_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
              ("window", "size")}
-_NON_NEGATIVE = {("checkpoint", "snapshots_per_window"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
+_NON_NEGATIVE = {("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
                  ("ledger", "budget_per_window"), ("ledger", "budget_total")}
 
 
