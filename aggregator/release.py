@@ -20,14 +20,16 @@ from pathlib import Path
 
 import numpy as np
 
-from . import properties
-from .estimate import anonymized_histogram
+from . import intervals, properties
+from .estimate import anonymized_histogram, noisy_value_counts
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
-__all__ = ["MODELS", "ReleaseExists", "make_release", "package_release", "write_release",
-           "plot_release",
-           "plot_rank_frequency"]
+__all__ = ["MODELS", "ReleaseExists", "make_release", "estimate_with_accuracy", "package_release",
+           "write_release", "plot_release", "plot_rank_frequency", "ERROR_BAR_REPS", "PHI_BANDS"]
+
+ERROR_BAR_REPS = 30  # bootstrap repetitions per release (release.error_bar_reps); 0: none
+PHI_BANDS = 10       # phi_r and phi_{>=r} intervals are released for r = 1..PHI_BANDS
 
 MODELS = ("joint", "state-only")
 STATE_ONLY_CAVEAT = (
@@ -37,7 +39,8 @@ STATE_ONLY_CAVEAT = (
 
 
 def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str = "l1",
-                 window: str | int | None = None, rng=None) -> dict:
+                 window: str | int | None = None, rng=None,
+                 error_bar_reps: int = ERROR_BAR_REPS) -> dict:
     """Estimate the anonymized histogram of ``state`` and package it as a JSON-ready dict.
 
     The event count is public only for a replace-one state: it goes into the release (``"n"``)
@@ -46,6 +49,8 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     for its sum constraint, is refused for it.
 
     ``rng`` is a test-only noise source for the release layer; the state is not modified.
+    ``error_bar_reps`` bootstrap repetitions give the release's ``accuracy`` block
+    (:func:`estimate_with_accuracy`); 0 leaves the intervals out (the signal-to-noise fields stay).
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
@@ -58,20 +63,87 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     if model == "joint":
         counts = counts + discrete_laplace(state.p, state.size, rng=rng)
         layers += 1
-    hist = anonymized_histogram(counts, state.p, layers=layers, loss=loss, n=n,
-                                buckets=state.size if state.mode == "hashed" else None)
+    hist, accuracy = estimate_with_accuracy(
+        counts, state.p, layers=layers, loss=loss, n=n,
+        buckets=state.size if state.mode == "hashed" else None, reps=error_bar_reps)
     release = package_release(
         hist, window=window, n=n, epsilon=state.epsilon, neighbor=state.neighbor,
         model=model, extra={"p": state.p, "layers": layers, "loss": loss,
-                            "domain": {"mode": state.mode, "size": state.size}})
+                            "domain": {"mode": state.mode, "size": state.size}},
+        accuracy=accuracy)
     release["release_seconds"] = time.perf_counter() - started
     if model == "state-only":
         release["caveat"] = STATE_ONLY_CAVEAT
     return release
 
 
+def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "l1", n=None,
+                           buckets=None, reps: int = ERROR_BAR_REPS, level: float = 0.9):
+    """The released histogram and its ``accuracy`` block, from the noisy counters only.
+
+    Everything here is post-processing of the (already noised) counters and public quantities
+    (n when public, the number of counters, p, layers): no privacy cost. The block holds
+
+    * ``signal_to_noise``: n over the Cramer-Rao floor of the error on the number of items
+      (:func:`aggregator.intervals.signal_to_noise`; n_in_histogram stands in when n is not
+      public), and ``signal_below_noise`` (below :data:`aggregator.intervals.SNR_MIN`: the
+      release is mostly noise, whatever it looks like);
+    * with ``reps`` > 0 and loss ``"l1"``: parametric-bootstrap intervals at ``level``
+      (:func:`aggregator.intervals.error_bars`): the l1 error bound of the histogram, the number
+      of distinct items, the entropy, phi_r and phi_{>=r} for r = 1..:data:`PHI_BANDS`. The
+      bootstrap's randomness only touches released values; it is drawn fresh (OS entropy), not
+      seeded.
+    """
+    vc = noisy_value_counts(noisy_counts)
+    counters = int(vc.total)
+    kw = dict(layers=layers, n=n, buckets=buckets)
+    bars = None
+    if reps and loss == "l1":
+        bars = intervals.error_bars(vc, p, reps=int(reps), level=level, **kw)
+        hist = np.asarray(bars["histogram"], dtype=np.int64)
+    else:
+        hist = anonymized_histogram(vc, p, loss=loss, **kw)
+    signal = n if n is not None else int(np.asarray(hist).sum())
+    snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
+    accuracy = {
+        "signal_to_noise": round(float(snr), 4),
+        "signal_below_noise": bool(snr < intervals.SNR_MIN),
+        "signal_basis": "n" if n is not None else "n_in_histogram",
+        "noise_floor_items": round(intervals.noise_floor(counters, p, layers), 2)
+        if counters else None,
+    }
+    if bars is None:
+        accuracy["intervals"] = None
+        accuracy["intervals_note"] = ("off (release.error_bar_reps = 0)" if not reps else
+                                      "bootstrap intervals are computed for loss l1 only")
+        return hist, accuracy
+    lo_c, hi_c = np.asarray(bars["phi_lower"]), np.asarray(bars["phi_upper"])
+    r_max = min(PHI_BANDS, len(lo_c))
+    # phi_r = phi_{>=r} - phi_{>=r+1}: its interval from the two cumulative bounds (conservative)
+    nxt_lo = np.append(lo_c[1:r_max + 1], 0.0)[:r_max] if r_max else lo_c[:0]
+    nxt_hi = np.append(hi_c[1:r_max + 1], 0.0)[:r_max] if r_max else hi_c[:0]
+    accuracy["intervals"] = {
+        "level": float(bars["level"]),
+        "method": "parametric bootstrap (aggregator.intervals.error_bars)",
+        "reps": int(bars["reps"]),
+        "l1_error_bound": round(float(bars["l1_bound"]), 2),
+        "relative_l1_error_bound": (round(float(bars["l1_bound"]) / max(int(n), 1), 6)
+                                    if n is not None else None),
+        "distinct_items": [round(float(x), 2) for x in bars["distinct"]],
+        "entropy_nats": [round(float(x), 6) for x in bars["entropy_nats"]],
+        "phi_at_least": [[r + 1, round(float(lo_c[r]), 2), round(float(hi_c[r]), 2)]
+                         for r in range(r_max)],
+        "phi": [[r + 1, round(float(max(lo_c[r] - nxt_hi[r], 0.0)), 2),
+                 round(float(max(hi_c[r] - nxt_lo[r], 0.0)), 2)] for r in range(r_max)],
+    }
+    for key in ("coverage", "support_coverage_2n"):  # newer error_bars versions may add these
+        if key in bars:
+            accuracy["intervals"]["support_coverage_2n"] = [round(float(x), 4) for x in bars[key]]
+    return hist, accuracy
+
+
 def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: str,
-                    extra: dict | None = None) -> dict:
+                    extra: dict | None = None, accuracy: dict | None = None) -> dict:
     """The release document for an anonymized histogram (prevalence form plus properties).
 
     ``n`` is the public event count, or None where it is not public (add-remove states, the
@@ -102,6 +174,10 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
     release["histogram"] = {"form": "prevalence",
                             "pairs": [[int(r), int(c)] for r, c in zip(vals[::-1], phis[::-1])]}
     release["properties"] = props
+    if accuracy is not None:
+        # one field a consumer can test before trusting anything else in the document
+        release["signal_below_noise"] = accuracy["signal_below_noise"]
+        release["accuracy"] = accuracy
     return release
 
 

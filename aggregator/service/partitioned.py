@@ -73,11 +73,12 @@ from consumers.base import Segment
 from state_store.audit import load_key
 from state_store.local import LocalStore, atomic_write
 
-from ..estimate import NoisyValueCounts, anonymized_histogram, noise_pmf, noisy_value_counts
+from ..estimate import NoisyValueCounts, noise_pmf, noisy_value_counts
 from ..noise import discrete_laplace
-from ..release import STATE_ONLY_CAVEAT, package_release, plot_release, write_release
+from ..release import (ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy,
+                       package_release, plot_release, write_release)
 from ..state import PanPrivateHistogram
-from .process import Aggregator, ServiceError, Stopping
+from .process import Aggregator, ServiceError, Stopping, warn_if_below_noise
 from .window import WindowTask, new_window
 
 __all__ = ["PartitionedAggregator", "PartitionTask", "merge_summaries", "partition_summary",
@@ -125,7 +126,8 @@ def _value_counts(summary: dict) -> NoisyValueCounts:
 _MUST_AGREE = ("window", "partitions", "mode", "epsilon", "neighbor", "p", "layers", "model")
 
 
-def merge_summaries(summaries: list[dict], *, loss: str = "l1") -> dict:
+def merge_summaries(summaries: list[dict], *, loss: str = "l1",
+                    error_bar_reps: int = ERROR_BAR_REPS) -> dict:
     """The window's release from the summaries of all its partitions (deterministic).
 
     Noisy-value counts add up over partitions; the estimators then run once on the sum, with
@@ -159,8 +161,9 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1") -> dict:
         # P * D counters hold nothing but noise; remove their expected share of the value counts
         empty = counters - int(first["size"])
         vc = remove_empty_counters(vc, empty, first["p"], first["layers"])
-    hist = anonymized_histogram(vc, first["p"], layers=first["layers"], loss=loss, n=n,
-                                buckets=counters if hashed else None)
+    hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=first["layers"], loss=loss,
+                                            n=n, buckets=counters if hashed else None,
+                                            reps=error_bar_reps)
     infos = [s["window_info"] for s in summaries]
     release = package_release(
         hist, window=first["window"], n=n, epsilon=first["epsilon"], neighbor=first["neighbor"],
@@ -168,7 +171,8 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1") -> dict:
         extra={"p": first["p"], "layers": first["layers"], "loss": loss,
                "domain": {"mode": first["mode"], "size": counters if hashed else first["size"],
                           "counters": counters, "partitions": first["partitions"],
-                          "empty_counters_removed": empty}})
+                          "empty_counters_removed": empty}},
+        accuracy=accuracy)
     release["window_info"] = {
         "kind": infos[0]["kind"], "size": infos[0]["size"],
         "events": int(sum(i["events"] for i in infos)),
@@ -351,6 +355,7 @@ class PartitionedAggregator(Aggregator):
         try:
             self.save_effective_config()
             self.restore()
+            self.log_accuracy_plan()
             idle_since = None
             while not self.stop_event.is_set():
                 if self.step(poll_timeout_s):
@@ -647,7 +652,10 @@ class PartitionedAggregator(Aggregator):
             if not summaries or len(summaries) < max(s["partitions"] for s in summaries):
                 return False
             try:
-                release = merge_summaries(summaries, loss=self.loss)
+                release = merge_summaries(
+                    summaries, loss=self.loss,
+                    error_bar_reps=int(self.cfg["release"]["error_bar_reps"]))
+                warn_if_below_noise(release)
             except ValueError as exc:  # e.g. the partition count changed within the window
                 log.error("window %s cannot be merged: %s; its summaries stay in %s", wid, exc,
                           wdir)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ from consumers.decode import Decoder
 from state_store.audit import load_key, write_export
 from state_store.local import LocalStore
 
+from ..intervals import SNR_MIN, noise_floor
+from ..noise import p_from_epsilon
 from ..release import make_release, write_release
 from ..state import PanPrivateHistogram
 from .deadletter import DeadLetterError, DeadLetters
@@ -49,7 +52,8 @@ from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
 from .window import WindowTask, new_window
 
-__all__ = ["Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running"]
+__all__ = ["Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
+           "warn_if_below_noise", "accuracy_plan"]
 
 log = logging.getLogger("panagg.service")
 
@@ -118,6 +122,56 @@ class RejectWatch:
         if self.counted == 0 and self.rejected:
             return self.message()
         return None
+
+
+def warn_if_below_noise(release: dict) -> None:
+    """One error line for a release whose signal is below its noise (the document says so too,
+    in ``signal_below_noise``): it may look normal and still be mostly noise."""
+    acc = release.get("accuracy") or {}
+    if acc.get("signal_below_noise"):
+        log.error("window %s: the release is below its noise floor (signal-to-noise %.2f < %g: "
+                  "%s events against an error floor of ~%s items); its statistics are mostly "
+                  "noise. Fix: more events per window (window.size), fewer counters "
+                  "(state.domain_size, or hashed mode), or a larger state.epsilon",
+                  release.get("window"), acc.get("signal_to_noise", 0.0), SNR_MIN,
+                  release.get("n") if release.get("n") is not None
+                  else release.get("n_in_histogram"),
+                  f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
+
+
+def accuracy_plan(cfg: dict) -> tuple[str, bool]:
+    """The start line on accuracy: the error floor for the configured counters, eps, layers and
+    the events a window is expected to hold, and a suggestion when that is below the noise.
+
+    Public quantities only (nothing of the stream): the number of counters (D, or B in hashed
+    mode), p, the layers the release will carry (1, plus 2 per in-window snapshot, plus the
+    joint model's release layer) and n (count windows: their size; time windows and hashed
+    mode: ``state.expected_n``). Returns (line, below_noise).
+    """
+    st = cfg["state"]
+    hashed = st["mode"] == "hashed"
+    counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
+    layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
+    sens = 2 if st.get("neighbor", "replace-one") == "replace-one" else 1
+    p = p_from_epsilon(float(st["epsilon"]), sens)
+    floor = noise_floor(counters, p, layers)
+    count_window = cfg["window"]["kind"] == "count"
+    n = int(cfg["window"]["size"]) if count_window else int(st["expected_n"])
+    basis = "the window's size" if count_window else "state.expected_n"
+    n_min = int(math.ceil(SNR_MIN * floor))
+    line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st['epsilon']:g}"
+            f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
+            f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
+            f"{n_min:,} events to be above the noise")
+    below = n / floor < SNR_MIN
+    if below:
+        from ..largedomain import choose_buckets
+        b = choose_buckets(max(n, 2), float(st["epsilon"]))
+        line += (f". BELOW THE NOISE at {n:,} events: use hashed mode (state.mode = \"hashed\", "
+                 f"~{b:,} buckets for {n:,} events)" if not hashed else
+                 f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
+        line += " or longer windows (window.size)"
+    return line, below
 
 
 def choose_buckets_for(cfg: dict) -> int:
@@ -425,12 +479,17 @@ class Aggregator:
         end_offsets = getattr(self.source, "end_offsets", None)
         return end_offsets() if end_offsets else None
 
+    def log_accuracy_plan(self) -> None:
+        line, below = accuracy_plan(self.cfg)
+        (log.warning if below else log.info)("%s", line)
+
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
         self._lock()
         try:
             self.save_effective_config()
             self.restore()
+            self.log_accuracy_plan()
             self._publish_pending(self.task)
             idle_since = None
             while not self.stop_event.is_set():
@@ -756,7 +815,9 @@ class Aggregator:
         if not self._budget_allows(uid, wid):
             return None
         release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
-                               rng=self._rng(1, wid))
+                               rng=self._rng(1, wid),
+                               error_bar_reps=int(self.cfg["release"]["error_bar_reps"]))
+        warn_if_below_noise(release)
         release["window_info"] = {k: closing[k] for k in
                                   ("kind", "size", "events", "started_unix", "ended_unix")}
         doc = json.dumps(release, allow_nan=False)

@@ -1,0 +1,124 @@
+"""Every release says how far it can be trusted: signal-to-noise, one flag, intervals, a log line;
+the service prints its accuracy plan at start (issue 12)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from aggregator import intervals
+from aggregator.release import PHI_BANDS, estimate_with_accuracy, make_release
+from aggregator.service.config import load_config
+from aggregator.service.process import accuracy_plan, warn_if_below_noise
+from aggregator.state import PanPrivateHistogram
+
+
+def _state(D, n, seed=3):
+    rng = np.random.default_rng(seed)
+    s = PanPrivateHistogram(1.0, size=D, rng=np.random.default_rng([seed, 1]))
+    if n:
+        w = 1.0 / np.arange(1, D + 1) ** 1.1
+        s.add_indices(rng.choice(D, n, p=w / w.sum()))
+    return s
+
+
+def test_release_carries_signal_to_noise_and_intervals():
+    s = _state(2000, 20000)
+    rel = make_release(s, window=0, rng=np.random.default_rng(9), error_bar_reps=8)
+    acc = rel["accuracy"]
+    assert rel["signal_below_noise"] is False and acc["signal_below_noise"] is False
+    want = intervals.signal_to_noise(20000, 2000, s.p, 2)  # joint model: 2 layers
+    assert acc["signal_to_noise"] == pytest.approx(want, rel=1e-3)
+    assert acc["signal_basis"] == "n"
+    iv = acc["intervals"]
+    assert iv["reps"] == 8 and iv["level"] == 0.9
+    lo, hi = iv["distinct_items"]
+    assert 0 <= lo <= hi
+    assert iv["entropy_nats"][0] <= iv["entropy_nats"][1]
+    assert [row[0] for row in iv["phi_at_least"]] == list(range(1, PHI_BANDS + 1))
+    for (r, lo_c, hi_c), (r2, lo_r, hi_r) in zip(iv["phi_at_least"], iv["phi"]):
+        assert r == r2 and lo_c <= hi_c and 0 <= lo_r <= hi_r
+    assert iv["l1_error_bound"] > 0
+    assert iv["relative_l1_error_bound"] == pytest.approx(iv["l1_error_bound"] / 20000, rel=1e-4)
+    json.dumps(rel, allow_nan=False)  # the document stays strict JSON
+
+
+def test_empty_window_is_flagged_below_noise(caplog):
+    """An empty window once released 13k items and entropy 9.3 with nothing saying so."""
+    rel = make_release(_state(100000, 0), window=4, error_bar_reps=4)
+    assert rel["n"] == 0 and rel["signal_below_noise"] is True
+    assert rel["accuracy"]["signal_to_noise"] == 0.0
+    with caplog.at_level(logging.ERROR, logger="panagg.service"):
+        warn_if_below_noise(rel)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("window 4: the release is below its noise floor")
+    assert "Fix: more events per window (window.size)" in lines[0]
+
+
+def test_no_log_line_above_the_noise(caplog):
+    rel = make_release(_state(2000, 20000), window=1, error_bar_reps=0)
+    with caplog.at_level(logging.ERROR, logger="panagg.service"):
+        warn_if_below_noise(rel)
+    assert not caplog.records
+
+
+def test_error_bars_off_keeps_the_flag():
+    rel = make_release(_state(2000, 20000), window=0, error_bar_reps=0)
+    assert rel["accuracy"]["intervals"] is None
+    assert rel["accuracy"]["intervals_note"] == "off (release.error_bar_reps = 0)"
+    assert rel["signal_below_noise"] is False
+
+
+def test_add_remove_uses_the_released_total_as_signal():
+    s = PanPrivateHistogram(1.0, size=500, neighbor="add-remove", rng=np.random.default_rng(2))
+    s.add_indices(np.random.default_rng(3).integers(0, 100, 5000))
+    rel = make_release(s, window=0, error_bar_reps=3)
+    assert rel["n"] is None and rel["accuracy"]["signal_basis"] == "n_in_histogram"
+    assert rel["accuracy"]["intervals"]["relative_l1_error_bound"] is None
+
+
+def test_l2_release_has_no_bootstrap_but_has_the_flag():
+    vc_counts = _state(1000, 5000).counts
+    hist, acc = estimate_with_accuracy(vc_counts, 0.6, layers=1, loss="l2", n=5000)
+    assert acc["intervals"] is None and "l1 only" in acc["intervals_note"]
+    assert len(hist) > 0 and acc["signal_below_noise"] is False
+
+
+def test_bootstrap_is_not_seeded():
+    """Two releases of one state draw different bootstrap samples (no seed in the product),
+    and the histogram itself does not depend on them."""
+    s = _state(2000, 20000)
+    a = make_release(s, window=0, model="state-only", error_bar_reps=6)
+    b = make_release(s, window=0, model="state-only", error_bar_reps=6)
+    assert a["histogram"] == b["histogram"]
+    assert a["accuracy"]["intervals"] != b["accuracy"]["intervals"]
+
+
+def _cfg(*sets):
+    return load_config(None, list(sets))
+
+
+def test_accuracy_plan_line_is_verbatim():
+    line, below = accuracy_plan(_cfg("state.domain_size=1000000", "window.size=40000"))
+    assert not below
+    assert line == ("accuracy plan: 1,000,000 counters (D), eps 1, 2 noise layer(s) at release: "
+                    "error floor ~3,564 items; with 40,000 events per window (the window's size) "
+                    "signal-to-noise 11.2; windows need >= 7,129 events to be above the noise")
+
+
+def test_accuracy_plan_suggests_a_fix_below_the_noise():
+    line, below = accuracy_plan(_cfg("state.domain_size=100000000", "window.size=40000"))
+    assert below
+    assert line.endswith('BELOW THE NOISE at 40,000 events: use hashed mode (state.mode = '
+                         '"hashed", ~80,000 buckets for 40,000 events) or longer windows '
+                         '(window.size)')
+
+
+def test_accuracy_plan_counts_snapshot_layers_and_time_windows():
+    line, _ = accuracy_plan(_cfg("checkpoint.snapshots_per_window=2", "window.kind=time",
+                                 "window.size=60", "state.expected_n=5000"))
+    assert "6 noise layer(s) at release" in line  # 1 + 2 x 2 snapshots + the release layer
+    assert "with 5,000 events per window (state.expected_n)" in line
