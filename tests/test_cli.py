@@ -82,6 +82,47 @@ def test_central_bad_inputs_are_one_line(tmp_path):
         assert len(res.stderr.strip().splitlines()) == 1
 
 
+def test_central_two_column_csv_needs_its_form(tmp_path):
+    """A headed account,count CSV was once read as (r, phi_r): n_hat 58.7M for 40k events."""
+    per_item = tmp_path / "accounts.csv"
+    counts = [5, 3, 3, 2] + [1] * 40
+    per_item.write_text("\n".join(f"{1000 + i},{c}" for i, c in enumerate(counts)) + "\n")
+    res = run("central", "--input", str(per_item), "--epsilon", "2", "--output", str(tmp_path))
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        f"panagg: error: {per_item}: two columns and no header: say what they are with --form "
+        "per-item (item, count: one line per item) or --form prevalences (r, phi_r: how many "
+        "items were seen r times)")
+    res = run("central", "--input", str(per_item), "--epsilon", "2", "--form", "per-item",
+              "--output", str(tmp_path), "--name", "p", "--public-n", str(sum(counts)))
+    assert res.returncode == 0, res.stderr
+    rel = json.loads((tmp_path / "release-p.json").read_text())
+    assert rel["n_in_histogram"] < 3 * sum(counts)  # per item, not (r, phi_r) pairs
+    # a header that names the columns decides; one that does not is refused
+    headed = tmp_path / "headed.csv"
+    headed.write_text("account,count\n" + per_item.read_text())
+    res = run("central", "--input", str(headed), "--epsilon", "2", "--output", str(tmp_path),
+              "--name", "h", "--public-n", str(sum(counts)))
+    assert res.returncode == 0, res.stderr
+    odd = tmp_path / "odd.csv"
+    odd.write_text("a,b\n" + per_item.read_text())
+    res = run("central", "--input", str(odd), "--epsilon", "2", "--output", str(tmp_path))
+    assert res.returncode == 2 and "two columns and header 'a,b'" in res.stderr
+    # prevalences with a repeated r are not prevalences
+    repeated = tmp_path / "repeated.csv"
+    repeated.write_text("1,5\n2,3\n1,4\n")
+    res = run("central", "--input", str(repeated), "--epsilon", "2", "--form", "prevalences",
+              "--output", str(tmp_path))
+    assert res.returncode == 2
+    assert res.stderr.strip().endswith("some r repeats: is it an (item, count) file? use --form "
+                                       "per-item")
+    prev = tmp_path / "prev.csv"
+    prev.write_text("r,phi_r\n1,300\n2,40\n7,2\n")
+    res = run("central", "--input", str(prev), "--epsilon", "2", "--output", str(tmp_path),
+              "--name", "v")
+    assert res.returncode == 0, res.stderr
+
+
 def test_kafka_client_tracebacks_are_one_line_and_ours_are_kept():
     # kafka-python logs errors it recovers from (a socket closed under a pending read) with a
     # traceback; the service log condenses those, but never its own

@@ -248,8 +248,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for path in sorted(output.glob("release-*.json")):
         rel = json.loads(path.read_text())
         p = rel["properties"]
-        print(f"window {rel['window']}: n={rel['n']:,} released {p['distinct_items']:,} items, "
-              f"entropy {p['entropy_nats']:.3f} nats -> {path}")
+        iv = (rel.get("accuracy") or {}).get("intervals")
+        d_iv = e_iv = ""
+        if iv:
+            lvl = f"{iv['level']:.0%}"
+            d_iv = f" ({lvl} interval {iv['distinct_items'][0]:,.0f}-{iv['distinct_items'][1]:,.0f})"
+            e_iv = f" ({iv['entropy_nats'][0]:.3f}-{iv['entropy_nats'][1]:.3f})"
+        flag = ", BELOW THE NOISE" if rel.get("signal_below_noise") else ""
+        print(f"window {rel['window']}: n={rel['n']:,} released {p['distinct_items']:,} items"
+              f"{d_iv}, entropy {p['entropy_nats']:.3f} nats{e_iv}{flag} -> {path}")
     return 0
 
 
@@ -418,12 +425,22 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_histogram_file(path: str):
+FORMS = ("counts", "per-item", "prevalences")
+# header names that say what a two-column CSV holds (lower-cased, stripped)
+_PREVALENCE_HEADERS = {("r", "phi_r"), ("r", "phi"), ("count", "items"), ("count", "num_items"),
+                       ("frequency", "items"), ("times_seen", "items")}
+_COUNT_NAMES = {"count", "counts", "n", "events", "frequency", "times_seen"}
+
+
+def read_histogram_file(path: str, form: str | None = None):
     """("counts", int array) or ("prevalences", [(r, phi_r), ...]) from a CSV or JSON file.
 
     JSON: a list of counts, {"counts": [...]}, {"prevalences": [[r, phi_r], ...]}, or a panagg
-    release ({"histogram": {"pairs": ...}}). CSV: one column of counts, or two columns r, phi_r;
-    a header line is allowed.
+    release ({"histogram": {"pairs": ...}}). CSV: one column of counts (one line per item), or two
+    columns that are either (item, count) per item (``form="per-item"``) or (r, phi_r)
+    (``form="prevalences"``). Two columns are ambiguous (a headed ``account,count`` file read as
+    (r, phi_r) once released 58.7M events for 40k), so their form comes from ``form`` or from a
+    header that names it (``item,count``; ``r,phi_r``), and is refused otherwise.
     """
     import csv
     import json
@@ -431,6 +448,8 @@ def read_histogram_file(path: str):
 
     import numpy as np
 
+    if form is not None and form not in FORMS:
+        raise UsageError(f"--form must be one of {', '.join(FORMS)}, got {form!r}")
     text = Path(path).read_text()
     if path.endswith(".json") or text.lstrip().startswith(("[", "{")):
         try:
@@ -445,17 +464,48 @@ def read_histogram_file(path: str):
             raise UsageError(f"{path}: expected a list of counts, {{\"counts\": [...]}} or "
                              "{\"prevalences\": [[r, phi_r], ...]}")
         kind = "counts" if "counts" in doc else "prevalences"
+        if form is not None and form != kind:  # JSON names its form; per-item is a CSV form
+            raise UsageError(f"{path}: the JSON holds {kind}, not {form}; drop --form or fix the "
+                             "file")
         rows = doc[kind]
     else:
         rows = [row for row in csv.reader(text.splitlines()) if row and any(c.strip() for c in row)]
+        header = None
         if rows and not all(_is_int(c) for c in rows[0]):
-            rows = rows[1:]  # header
+            header = tuple(c.strip().lower() for c in rows[0])
+            rows = rows[1:]
         widths = {len(r) for r in rows}
         if widths - {1, 2} or len(widths) > 1:
-            raise UsageError(f"{path}: CSV must have one column (counts) or two (r, phi_r) on "
-                             "every line")
-        kind = "counts" if widths == {1} else "prevalences"
-        rows = [r[0] for r in rows] if kind == "counts" else rows
+            raise UsageError(f"{path}: CSV must have one column (counts) or two (item, count or "
+                             "r, phi_r) on every line")
+        if widths == {2}:
+            if form is None and header is not None:
+                if header in _PREVALENCE_HEADERS:
+                    form = "prevalences"
+                elif header[1] in _COUNT_NAMES:
+                    form = "per-item"
+            if form is None:
+                named = f"header {','.join(header)!r}" if header else "no header"
+                raise UsageError(
+                    f"{path}: two columns and {named}: say what they are with --form per-item "
+                    "(item, count: one line per item) or --form prevalences (r, phi_r: how many "
+                    "items were seen r times)")
+            if form == "counts":
+                raise UsageError(f"{path}: --form counts needs one column; two columns are "
+                                 "--form per-item or --form prevalences")
+            if form == "per-item":
+                kind, rows = "counts", [r[1] for r in rows]
+            else:
+                kind = "prevalences"
+                rs = [r[0].strip() for r in rows]
+                if len(set(rs)) != len(rs):
+                    raise UsageError(f"{path}: --form prevalences needs each r once, and some r "
+                                     "repeats: is it an (item, count) file? use --form per-item")
+        else:
+            if form not in (None, "counts"):
+                raise UsageError(f"{path}: one column is --form counts (one count per item), not "
+                                 f"{form}")
+            kind, rows = "counts", [r[0] for r in rows]
     try:
         arr = np.asarray(rows, dtype=np.int64) if rows else np.zeros(0, dtype=np.int64)
     except (ValueError, TypeError, OverflowError):
@@ -479,7 +529,7 @@ def cmd_central(args: argparse.Namespace) -> int:
     from .. import central
     from ..release import package_release, write_release
 
-    kind, arr = read_histogram_file(args.input)
+    kind, arr = read_histogram_file(args.input, args.form)
     algorithm = args.algorithm
     if algorithm == "auto":
         algorithm = "dpanonhist" if args.epsilon >= 1 else "privhist"
@@ -610,6 +660,10 @@ def build_parser() -> argparse.ArgumentParser:
     cen = sub.add_parser("central", help="central-model DP release of a file of counts "
                                          "(trusted curator)")
     cen.add_argument("--input", required=True, help="CSV or JSON of counts or prevalences")
+    cen.add_argument("--form", choices=FORMS, default=None,
+                     help="what the input holds: counts (one column, one count per item), "
+                          "per-item (item, count), prevalences (r, phi_r); needed for a "
+                          "two-column CSV whose header does not say")
     cen.add_argument("--epsilon", type=_positive_float, required=True)
     cen.add_argument("--algorithm", choices=("auto", "dpanonhist", "privhist"), default="auto",
                      help="auto: DPAnonHist (Manurangsi) for eps >= 1, else PRIVHIST (Suresh)")
