@@ -21,6 +21,7 @@ from aggregator.service.config import ConfigError, load_config
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.release import make_release
 from aggregator.service import Aggregator
+from aggregator.service.process import ServiceError
 from aggregator.state import PanPrivateHistogram
 from consumers.decode import REASONS, Decoder
 from consumers.file_source import FileSource
@@ -255,13 +256,42 @@ def test_ledger_refuses_over_budget_release(tmp_path):
     write_events(path, items)
     cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "ledger.budget_total": 2.0})
     agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
-    agg.run()
+    # once the budget cannot pay for another window, intake stops: a finite run says so and
+    # fails instead of counting window 2 only to discard it
+    with pytest.raises(ServiceError) as err:
+        agg.run()
+    assert str(err.value).startswith(
+        "privacy budget spent: 2 of ledger.budget_total=2 leaves 0 < 1 for a window, so intake "
+        "is paused")
+    assert "Fix: raise ledger.budget_total" in str(err.value)
     assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == \
         ["release-0.json", "release-1.json"]
-    assert agg.metrics.releases_refused._value.get() == 1
     assert agg.ledger.spent() == 2.0
-    refused = [e for e in ledger_entries(tmp_path) if e["kind"] == "refused"]
-    assert [e["window"] for e in refused] == [2] and refused[0]["epsilon_spent"] == 0
+    assert agg.metrics.budget_remaining._value.get() == 0.0
+    assert agg.metrics.intake_paused._value.get() == 1
+    ck = durable(tmp_path)
+    assert ck.window["id"] == 2 and ck.window["events"] == 0  # window 2 never counted
+    assert list(ck.offsets.values()) == [2000]
+
+
+def test_spent_budget_pauses_an_endless_stream(tmp_path, caplog):
+    """Kafka runs do not end: the loop stops consuming, says so once, and reports not ready."""
+    items = np.random.default_rng(5).integers(0, D, 1000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "ledger.budget_total": 1.0})
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
+    with pytest.raises(ServiceError):
+        agg.run()
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
+    agg.restore()
+    with caplog.at_level("ERROR", logger="panagg.service"):
+        assert agg._paused_for_budget(0.01, finite=False)
+        assert agg._paused_for_budget(0.01, finite=False)
+    assert [r.getMessage()[:21] for r in caplog.records] == ["privacy budget spent:"]
+    assert agg.metrics.readiness()[0] == 503
+    assert agg.metrics.intake_paused._value.get() == 1
+    agg.close()
 
 
 def test_audit_export_adds_layers_is_signed_and_ledgered(tmp_path, monkeypatch):

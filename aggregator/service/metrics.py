@@ -71,6 +71,26 @@ class Metrics:
         self.broker_connected.set(float("nan"))
         self.budget_spent = Gauge("panagg_budget_spent_epsilon", "Epsilon spent by all ledgered "
                                   "releases", registry=r)
+        self.budget_remaining = Gauge("panagg_budget_remaining_epsilon", "Epsilon left under "
+                                      "ledger.budget_total (+Inf: no total cap); below "
+                                      "panagg_epsilon, intake is paused", registry=r)
+        self.budget_remaining.set(float("inf"))
+        self.intake_paused = Gauge("panagg_intake_paused", "1 while the service consumes "
+                                   "nothing because the privacy budget is spent", registry=r)
+        # the latest published release's statistics (released values, already private), so a
+        # dashboard can trend them across windows
+        self.release_window = Gauge("panagg_release_window", "Window number of the latest "
+                                    "published release", registry=r)
+        self.release_distinct = Gauge("panagg_release_distinct_items", "Distinct items in the "
+                                      "latest published release", registry=r)
+        self.release_entropy = Gauge("panagg_release_entropy_nats", "Entropy (nats) in the "
+                                     "latest published release", registry=r)
+        self.release_snr = Gauge("panagg_release_signal_to_noise", "Signal-to-noise of the latest "
+                                 "published release (below 2: flagged signal_below_noise)",
+                                 registry=r)
+        for g in (self.release_window, self.release_distinct, self.release_entropy,
+                  self.release_snr):
+            g.set(float("nan"))
         self.build_info = Gauge("panagg_build_info", "Always 1; the labels say which panagg "
                                 "and Python run", ["version", "python"], registry=r)
         self.build_info.labels(version=panagg_version(), python=platform.python_version()).set(1)
@@ -96,6 +116,20 @@ class Metrics:
         self._server = None
         self._heartbeat: float | None = None
         self._ready: tuple[bool, str] = (False, "starting")
+
+    def budget(self, spent: float, remaining: float | None) -> None:
+        self.budget_spent.set(spent)
+        self.budget_remaining.set(float("inf") if remaining is None else remaining)
+
+    def published(self, release: dict) -> None:
+        """Gauges of a published release's statistics (released values only)."""
+        props = release.get("properties") or {}
+        if isinstance(release.get("window"), int):
+            self.release_window.set(release["window"])
+        self.release_distinct.set(props.get("distinct_items", float("nan")))
+        self.release_entropy.set(props.get("entropy_nats", float("nan")))
+        snr = (release.get("accuracy") or {}).get("signal_to_noise")
+        self.release_snr.set(float("nan") if snr is None else snr)
 
     def checkpointed(self, seconds: float) -> None:
         self.checkpoint_duration.observe(seconds)

@@ -349,7 +349,7 @@ class PartitionedAggregator(Aggregator):
             self.identity = self.check_identity()
         finally:
             self.merge_lock.release()
-        self.metrics.budget_spent.set(self.ledger.spent())
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         try:
@@ -357,7 +357,10 @@ class PartitionedAggregator(Aggregator):
             self.restore()
             self.log_accuracy_plan()
             idle_since = None
+            finite = self.cfg["source"]["kind"] != "kafka"
             while not self.stop_event.is_set():
+                if self._paused_for_budget(poll_timeout_s, finite):
+                    continue
                 if self.step(poll_timeout_s):
                     idle_since = None
                     continue
@@ -581,7 +584,7 @@ class PartitionedAggregator(Aggregator):
             self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid,
                                window_uid=uid, epsilon_spent=self.epsilon, model=self.model,
                                note="reserved before any partition drew its release layer")
-            self.metrics.budget_spent.set(self.ledger.spent())
+            self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
             return True
         finally:
             self.merge_lock.release()
@@ -684,9 +687,10 @@ class PartitionedAggregator(Aggregator):
         atomic_write(wdir / "published", [b""])
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
+        self.metrics.published(release)
         self.metrics.release_latency.observe(max(0.0, time.time()
                                                  - release["window_info"]["ended_unix"]))
-        self.metrics.budget_spent.set(self.ledger.spent())
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
         log.info("published merged release of window %s (%d partitions): n=%s -> %s", wid,
                  release["domain"]["partitions"], release["n"], out)
         # the plot takes a second or more: off the consume loop (it is a convenience; the JSON

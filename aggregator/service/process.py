@@ -281,6 +281,7 @@ class Aggregator:
         self._connected: bool | None = None
         self.reject_watch = RejectWatch(cfg)
         self._last_lag = 0.0
+        self._pause_logged: float | None = None
         self._publish_backoff = _Backoff("publishing releases")
         self._commit_backoff = _Backoff("checkpoint")
         self.metrics.epsilon.set(self.epsilon)
@@ -365,7 +366,7 @@ class Aggregator:
             self.metrics.decode_errors.labels(reason=reason).inc(count)
         self.metrics.window_id.set(task.window["id"])
         self.metrics.window_events.set(task.window["events"])
-        self.metrics.budget_spent.set(self.ledger.spent())
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
 
     def restore_task(self, task: WindowTask, *, where: str) -> None:
         """Resume ``task`` from its latest checkpoint (see :mod:`.window`): a fresh state (or
@@ -492,7 +493,10 @@ class Aggregator:
             self.log_accuracy_plan()
             self._publish_pending(self.task)
             idle_since = None
+            finite = self.cfg["source"]["kind"] != "kafka"
             while not self.stop_event.is_set():
+                if self._paused_for_budget(poll_timeout_s, finite):
+                    continue
                 segments = self.source.poll(poll_timeout_s)
                 for seg in segments:
                     self._ingest(seg)
@@ -799,7 +803,7 @@ class Aggregator:
         self.commit(task)  # the next window's start and the pending release, atomically
         self._publish_pending(task)
         self.metrics.release_duration.observe(time.perf_counter() - t0)
-        self.metrics.budget_spent.set(self.ledger.spent())
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
         log.debug("closed window %s (uid %s)", wid, uid)
         return release
 
@@ -864,6 +868,7 @@ class Aggregator:
             published += 1
             self.metrics.releases.inc()
             self.metrics.last_release.set(time.time())
+            self.metrics.published(release)
             log.info("published release of window %s: n=%s -> %s", release["window"],
                      release["n"], path)
         if published:
@@ -939,6 +944,37 @@ class Aggregator:
 
     def _positions(self) -> dict[str, int]:
         return dict(self.task.offsets)
+
+    def budget_exhausted(self) -> str | None:
+        """The line to pause intake with, when ``ledger.budget_total`` leaves less than one
+        window's epsilon: counting on would only fill windows that are refused and discarded."""
+        remaining = self.ledger.remaining()
+        if remaining is None or remaining >= self.epsilon * (1 - 1e-12):
+            return None
+        return (f"privacy budget spent: {self.ledger.spent():g} of ledger.budget_total="
+                f"{self.ledger.budget_total:g} leaves {remaining:g} < {self.epsilon:g} for a "
+                "window, so intake is paused (nothing is consumed, no window is counted only to "
+                "be discarded). Fix: raise ledger.budget_total (a policy change, recorded in the "
+                "ledger with --accept-change) or stop the service")
+
+    def _paused_for_budget(self, poll_timeout_s: float, finite: bool) -> bool:
+        """True while intake is paused (the loop then only serves control requests)."""
+        problem = self.budget_exhausted()
+        self.metrics.intake_paused.set(1 if problem else 0)
+        if problem is None:
+            self._pause_logged = None
+            return False
+        if finite:  # a run over a file or a generator cannot finish: say so and stop
+            raise ServiceError(problem)
+        now = time.monotonic()
+        if self._pause_logged is None or now - self._pause_logged >= 600.0:
+            log.error("%s", problem)  # once, then every 10 minutes while paused
+            self._pause_logged = now
+        self.metrics.heartbeat()
+        self.metrics.set_ready(False, "privacy budget spent: intake paused")
+        self._handle_control()
+        self.stop_event.wait(poll_timeout_s)
+        return True
 
     def _turned(self) -> None:
         """One turn of the consume loop is done: /healthz and /ready (docs/operations.md)."""
