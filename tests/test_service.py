@@ -489,6 +489,41 @@ def test_release_and_export_requests_reach_a_running_service(tmp_path):
     assert released["n"] + second["n"] == 40000 and second["layers"] == 4
 
 
+def test_export_key_error_points_at_the_running_service(tmp_path):
+    """The service signs with its own key: a key in the asking shell does not help, and the
+    error says where the key must be."""
+    import time as _time
+
+    state_dir = tmp_path / "state"
+    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=30000",
+            "--set", "source.generator_rate=6000", "--set", "source.max_records=500",
+            "--set", f"state.domain_size={D}", "--set", "window.size=1000000",
+            "--state-dir", str(state_dir), "--release-dir", str(tmp_path / "releases"),
+            "--metrics-port", "-1", "--set", "release.on_exhausted=false"]
+    env = {k: v for k, v in os.environ.items() if k != "PANAGG_AUDIT_KEY"}
+    env["PANAGG_TESTING"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = _time.time() + 60
+        while not (state_dir / "service.lock").exists() and _time.time() < deadline:
+            _time.sleep(0.2)
+        _time.sleep(1.0)
+        exp = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
+                              "--state-dir", str(state_dir)], env=dict(env, PANAGG_AUDIT_KEY=KEY_HEX),
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        proc.wait(timeout=120)
+    assert exp.returncode == 2
+    lines = exp.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "panagg: error: the running service cannot sign the export: no audit signing key")
+    assert lines[0].endswith("The key is read by the service from its own environment or its "
+                             "audit.key_file, not from this shell: set it there and restart the "
+                             "service")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_offline_release_of_a_stopped_service(tmp_path):
     items = np.random.default_rng(7).integers(0, D, 1500)
     path = tmp_path / "events.jsonl"

@@ -127,7 +127,8 @@ def _make_source(cfg: dict):
         if instance:  # partitioned members share checkpoint.dir: each needs its own id
             consumer_config["group_instance_id"] = instance
         return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
-                           consumer_config=consumer_config, partitioned=partitioned)
+                           consumer_config=consumer_config, partitioned=partitioned,
+                           security=cfg["security"])
     if src["kind"] == "file":
         from consumers.file_source import FileSource
         return FileSource(src["path"], fmt="json" if src["format"] == "json" else "msgpack",
@@ -176,6 +177,9 @@ def _make_aggregator(cfg: dict, metrics=None, **start):
     try:
         source = _make_source(cfg)
     except Exception as exc:
+        from consumers.kafka_security import KafkaConnectError
+        if isinstance(exc, KafkaConnectError):  # a secured cluster said why: one line, the fix
+            raise UsageError(str(exc)) from None
         if type(exc).__module__.startswith("kafka"):
             raise UsageError(f"cannot reach Kafka at {cfg['source']['bootstrap']} "
                              f"({type(exc).__name__}); check source.bootstrap and that the broker "
@@ -380,10 +384,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         from .process import service_running
         cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                     state_dir=args.state_dir)
-        try:
-            load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
-        except AuditKeyError as exc:
-            raise UsageError(str(exc)) from None
+        # a running service signs with its own key (its environment, its audit.key_file): this
+        # shell's key is only checked when the export runs here, offline
         if cfg["scale"]["partitioned"]:
             for path in _export_partitioned(cfg):
                 print(path)
@@ -394,6 +396,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
                 raise UsageError(result.get("error", "export failed"))
             print(result["path"])
             return 0
+        try:
+            load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
+        except AuditKeyError as exc:
+            raise UsageError(f"{exc} (no service is running on {cfg['checkpoint']['dir']}: the "
+                             "export runs here, with this shell's key)") from None
         agg = _offline(cfg)
         try:
             print(agg.export())

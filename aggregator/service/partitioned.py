@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from consumers.base import Segment
-from state_store.audit import load_key
+from state_store.audit import AuditKeyError, load_key
 from state_store.local import LocalStore, atomic_write
 
 from ..estimate import NoisyValueCounts, noise_pmf, noisy_value_counts
@@ -78,7 +78,8 @@ from ..noise import discrete_laplace
 from ..release import (ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy,
                        package_release, plot_release, write_release)
 from ..state import PanPrivateHistogram
-from .process import Aggregator, ServiceError, Stopping, warn_if_below_noise
+from .process import (Aggregator, ServiceError, Stopping, service_key_error,
+                      warn_if_below_noise)
 from .window import WindowTask, new_window
 
 __all__ = ["PartitionedAggregator", "PartitionTask", "merge_summaries", "partition_summary",
@@ -765,6 +766,8 @@ class PartitionedAggregator(Aggregator):
                               "mode (windows close per partition on their schedule)"}
             except Stopping:
                 raise
+            except AuditKeyError as exc:
+                result = {"ok": False, "error": service_key_error(exc)}
             except Exception as exc:
                 result = {"ok": False, "error": str(exc)}
             atomic_write(done, [json.dumps(result).encode()])

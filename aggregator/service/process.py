@@ -40,7 +40,8 @@ import numpy as np
 
 from consumers.base import Segment, Source
 from consumers.decode import Decoder
-from state_store.audit import load_key, write_export
+from consumers.kafka_security import client_options, redacted
+from state_store.audit import AuditKeyError, load_key, write_export
 from state_store.local import LocalStore
 
 from ..intervals import SNR_MIN, noise_floor
@@ -122,6 +123,14 @@ class RejectWatch:
         if self.counted == 0 and self.rejected:
             return self.message()
         return None
+
+
+def service_key_error(exc: Exception) -> str:
+    """An audit-key problem of the running service, said so that the fix lands in the right
+    place: the key is read by the service, not by the shell that asked for the export."""
+    return (f"the running service cannot sign the export: {exc}. The key is read by the "
+            "service from its own environment or its audit.key_file, not from this shell: set "
+            "it there and restart the service")
 
 
 def warn_if_below_noise(release: dict) -> None:
@@ -321,7 +330,7 @@ class Aggregator:
     def save_effective_config(self) -> None:
         """Keep the running config next to the checkpoints, for offline release/export."""
         tmp = self.dir / ".config.json.tmp"
-        tmp.write_text(json.dumps(self.cfg, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))  # no secrets
         os.replace(tmp, self.dir / "config.json")
 
     def check_identity(self) -> dict:
@@ -691,7 +700,8 @@ class Aggregator:
             self._producer = KafkaProducer(bootstrap_servers=self.cfg["source"]["bootstrap"],
                                            acks="all", linger_ms=20, max_block_ms=5000,
                                            max_request_size=MAX_REQUEST_BYTES,
-                                           request_timeout_ms=10000)
+                                           request_timeout_ms=10000,
+                                           **client_options(self.cfg.get("security")))
         return self._producer
 
     def _caught_up(self, task: WindowTask) -> None:
@@ -916,6 +926,8 @@ class Aggregator:
                     result = {"ok": False, "error": f"unknown request {kind}"}
             except Stopping:
                 raise
+            except AuditKeyError as exc:
+                result = {"ok": False, "error": service_key_error(exc)}
             except Exception as exc:
                 result = {"ok": False, "error": str(exc)}
             done.write_text(json.dumps(result))
