@@ -524,6 +524,75 @@ def test_export_key_error_points_at_the_running_service(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_status_and_history_of_a_state_dir(tmp_path):
+    items = np.random.default_rng(8).integers(0, D, 2500)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    state = str(tmp_path / "state")
+    missing = run_cli(["status", "--state-dir", str(tmp_path / "typo")])
+    assert missing.returncode == 2 and missing.stderr.strip() == (
+        f"panagg: error: {tmp_path / 'typo'} holds no panagg state (no ledger.jsonl); pass the "
+        "--state-dir (checkpoint.dir) the service runs with")
+    assert not (tmp_path / "typo").exists()  # read-only: nothing created
+    assert run_cli(cli_sets(tmp_path, path, **{"window.size": 1000,
+                                               "release.on_exhausted": "false"})).returncode == 0
+    res = run_cli(["status", "--state-dir", state])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[1] == "service: not running"
+    assert lines[2].startswith("counts: file:events.jsonl (group -), direct mode over 500 "
+                               "counters, eps 1 per window, count:1000 windows")
+    assert lines[3].startswith("window: 2 open since ") and "none on disk by design" in lines[3]
+    assert "budget: eps 2 spent (no total cap)" in lines
+    last = [ln for ln in lines if ln.startswith("last release: window 1 at ")]
+    assert len(last) == 1 and "n=1,000, distinct " in last[0]
+    doc = json.loads(run_cli(["status", "--state-dir", state, "--json"]).stdout)
+    assert doc["window"]["id"] == 2 and doc["releases"] == 2 and doc["budget"]["spent"] == 2.0
+    hist = run_cli(["history", "--state-dir", state, "--plot", str(tmp_path / "h.png")])
+    assert hist.returncode == 0, hist.stderr
+    rows = hist.stdout.splitlines()
+    assert [r.split(" at ")[0] for r in rows] == ["window 0", "window 1"]
+    assert "distinct vs the previous window" in rows[1]
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = run_cli(["history", "--state-dir", state, "--plot", str(tmp_path / "h.png")])
+    assert again.returncode == 2 and "exists; give a new file name" in again.stderr
+    rows = json.loads(run_cli(["history", "--state-dir", state, "--json"]).stdout)
+    assert [r["n"] for r in rows] == [1000, 1000]
+    assert all(r["distinct_items_interval"] and r["signal_below_noise"] is False for r in rows)
+
+
+def test_status_asks_the_running_service(tmp_path):
+    """Progress, health and readiness come from the running service's own endpoints."""
+    import time as _time
+
+    state_dir = tmp_path / "state"
+    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=40000",
+            "--set", "source.generator_rate=8000", "--set", "source.max_records=500",
+            "--set", f"state.domain_size={D}", "--set", "window.size=1000000",
+            "--state-dir", str(state_dir), "--release-dir", str(tmp_path / "releases"),
+            "--metrics-port", "0", "--set", "release.on_exhausted=false"]
+    env = dict(os.environ, PANAGG_TESTING="1")
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = _time.time() + 60
+        while not (state_dir / "metrics.url").exists() and _time.time() < deadline:
+            _time.sleep(0.2)
+        _time.sleep(1.5)
+        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status",
+                              "--state-dir", str(state_dir)], env=env, capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        proc.wait(timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[1] == "service: running"
+    win = [ln for ln in lines if ln.startswith("window: 0 open since ")]
+    assert len(win) == 1 and " events so far (" in win[0]
+    assert "health: ok; ready" in lines
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_offline_release_of_a_stopped_service(tmp_path):
     items = np.random.default_rng(7).integers(0, D, 1500)
     path = tmp_path / "events.jsonl"

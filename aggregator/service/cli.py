@@ -154,7 +154,9 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
             raise UsageError(f"cannot serve metrics on {cfg['metrics']['host']}:"
                              f"{cfg['metrics']['port']} ({exc.strerror}); set metrics.port "
                              "(0 = any free port, -1 = off)") from None
-        print(f"metrics on http://{cfg['metrics']['host']}:{port}/metrics", file=sys.stderr)
+        url = f"http://{cfg['metrics']['host']}:{port}/metrics"
+        print(f"metrics on {url}", file=sys.stderr)
+        _note_metrics_url(cfg, url)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agg.stop_event.set())
     try:
@@ -162,6 +164,21 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
     finally:
         metrics.close()
     return 0
+
+
+def _note_metrics_url(cfg: dict, url: str) -> None:
+    """Leave the metrics URL in the state directory for ``panagg status`` (port 0 picks one)."""
+    from pathlib import Path
+
+    from .status import METRICS_URL_FILE
+
+    d = Path(cfg["checkpoint"]["dir"])
+    if cfg["scale"]["partitioned"]:
+        return  # several members share the directory: each has its own port
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{METRICS_URL_FILE}.tmp"
+    tmp.write_text(url + "\n")
+    tmp.replace(d / METRICS_URL_FILE)
 
 
 def _make_aggregator(cfg: dict, metrics=None, **start):
@@ -603,6 +620,46 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """``panagg status``: exit 0, or 1 when a running service reports itself unhealthy."""
+    from .status import StatusError, collect_status, format_status
+
+    try:
+        status = collect_status(args.state_dir)
+    except StatusError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps(status, indent=1, default=str))
+    else:
+        print("\n".join(format_status(status)))
+    health = status.get("health") or {}
+    return 1 if any(v.get("code") not in (200, None) for v in health.values()) else 0
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    """``panagg history``: the ledgered releases window by window, optionally plotted."""
+    from pathlib import Path
+
+    from .status import StatusError, _ledger, format_history, plot_history, release_history
+
+    try:
+        rows = release_history(_ledger(Path(args.state_dir)))
+    except StatusError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print("\n".join(format_history(rows)))
+    if args.plot:
+        if Path(args.plot).exists():
+            raise UsageError(f"{args.plot} exists; give a new file name for the plot")
+        if not rows:
+            raise UsageError("no releases in the ledger yet: nothing to plot")
+        plot_history(rows, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="panagg", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"panagg {_version()}")
@@ -664,6 +721,16 @@ def build_parser() -> argparse.ArgumentParser:
     shw.add_argument("--state-dir", required=True, help="checkpoint.dir")
     shw.add_argument("--json", action="store_true", help="entries as JSON (documents omitted)")
     led.set_defaults(func=cmd_ledger)
+    sta = sub.add_parser("status", help="window, progress, lag, health, budget and last release "
+                                        "of a state directory")
+    sta.add_argument("--state-dir", required=True, help="checkpoint.dir")
+    sta.add_argument("--json", action="store_true", help="the same as JSON")
+    sta.set_defaults(func=cmd_status)
+    his = sub.add_parser("history", help="ledgered releases window by window (and a plot)")
+    his.add_argument("--state-dir", required=True, help="checkpoint.dir")
+    his.add_argument("--json", action="store_true", help="rows as JSON")
+    his.add_argument("--plot", help="write distinct items and entropy across windows to this PNG")
+    his.set_defaults(func=cmd_history)
     cen = sub.add_parser("central", help="central-model DP release of a file of counts "
                                          "(trusted curator)")
     cen.add_argument("--input", required=True, help="CSV or JSON of counts or prevalences")

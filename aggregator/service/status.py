@@ -1,0 +1,271 @@
+"""What a state directory is doing: ``panagg status`` and ``panagg history``.
+
+``status`` answers an operator's first questions from the directory alone, read-only: is a
+service running on it, what does it count, which window is open and how far along, how far
+behind the stream it is, is it healthy, how much privacy budget is left, and what was released
+last. The open window's progress exists only in the running service's memory (its counters are
+never on disk, docs/privacy.md section 16), so it comes from that service's own metrics endpoint
+(the URL it leaves in ``DIR/metrics.url``), parsed with prometheus-client's parser. Everything shown
+is public: n, offsets and released statistics, never a counter.
+
+``history`` lists the ledgered releases window by window (n, distinct items and entropy with their
+intervals, signal-to-noise) and can plot them across windows; the ledger is the authority on what
+was released, so the list is the same whether or not the release files are still around.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .ledger import Ledger, LedgerError
+
+__all__ = ["StatusError", "collect_status", "format_status", "release_history",
+           "format_history", "plot_history", "METRICS_URL_FILE"]
+
+METRICS_URL_FILE = "metrics.url"  # written by the service when it serves metrics
+
+
+class StatusError(ValueError):
+    """The directory cannot be described (no state there, a damaged ledger)."""
+
+
+def _ledger(state_dir: Path) -> Ledger:
+    path = state_dir / "ledger.jsonl"
+    if not path.exists():
+        raise StatusError(f"{state_dir} holds no panagg state (no ledger.jsonl); pass the "
+                          "--state-dir (checkpoint.dir) the service runs with")
+    try:
+        return Ledger(path, budget_per_window=1.0)
+    except LedgerError as exc:
+        raise StatusError(str(exc)) from None
+
+
+def _scrape(url: str, timeout_s: float = 2.0) -> dict:
+    """The running service's health, readiness and progress gauges (bounded: 2 s per call)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = url.rsplit("/metrics", 1)[0]
+    out: dict = {}
+    for path in ("healthz", "ready"):
+        try:
+            with urllib.request.urlopen(f"{base}/{path}", timeout=timeout_s) as resp:
+                out[path] = (resp.status, resp.read().decode().strip())
+        except urllib.error.HTTPError as exc:
+            out[path] = (exc.code, exc.read().decode().strip())
+        except (OSError, urllib.error.URLError) as exc:
+            out[path] = (None, f"unreachable ({type(exc).__name__})")
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode()
+    except (OSError, urllib.error.URLError):
+        return out
+    lag = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "panagg_consumer_lag_records":
+                lag[sample.labels.get("partition", "")] = sample.value
+            elif not sample.labels:
+                out[sample.name] = sample.value
+    out["lag"] = lag
+    return out
+
+
+def collect_status(state_dir) -> dict:
+    """The status of ``state_dir`` as a JSON-ready dict (see the module docstring)."""
+    from state_store.local import CheckpointError, LocalStore
+
+    from .process import service_running
+
+    state_dir = Path(state_dir)
+    ledger = _ledger(state_dir)
+    identity = ledger.identity() or {}
+    running = service_running(state_dir)
+    status: dict = {"state_dir": str(state_dir), "identity": identity,
+                    "service": "running" if running else "not running"}
+    if identity.get("partitioned"):
+        from .partitioned import partitions_held
+        status["partitions_held"] = sorted(partitions_held(state_dir))
+        status["service"] = (f"{len(status['partitions_held'])} partition(s) held by running "
+                             "members" if status["partitions_held"] else "no member running")
+    else:
+        try:
+            ck = LocalStore(state_dir / "checkpoints").load_latest()
+        except CheckpointError as exc:
+            ck, status["checkpoint_error"] = None, str(exc)
+        if ck is not None:
+            status["window"] = {"id": ck.window.get("id"), "kind": ck.window.get("kind"),
+                                "size": ck.window.get("size"),
+                                "started_unix": ck.window.get("started_unix"),
+                                "events_at_checkpoint": ck.window.get("events", 0)}
+            status["pending_releases"] = len(ck.pending)
+            status["checkpoint_age_s"] = max(0.0, time.time() - ck.window.get("started_unix", 0))
+    spent = ledger.spent()
+    total = identity.get("budget_total") or None
+    status["budget"] = {"spent": spent, "total": total,
+                        "remaining": None if total is None else max(0.0, total - spent),
+                        "per_window": identity.get("epsilon")}
+    history = release_history(ledger)
+    status["releases"] = len(history)
+    status["last_release"] = history[-1] if history else None
+    status["refused"] = sum(1 for e in ledger.entries if e["kind"] == "refused")
+    url_file = state_dir / METRICS_URL_FILE
+    if (running or status.get("partitions_held")) and url_file.exists():
+        scraped = _scrape(url_file.read_text().strip())
+        status["health"] = {k: {"code": v[0], "text": v[1]} for k, v in scraped.items()
+                            if k in ("healthz", "ready")}
+        live = {}
+        for key, name in (("window_id", "panagg_window_id"),
+                          ("window_events", "panagg_window_events"),
+                          ("window_progress", "panagg_window_progress_ratio"),
+                          ("events_total", "panagg_events_total"),
+                          ("broker_connected", "panagg_broker_connected"),
+                          ("intake_paused", "panagg_intake_paused")):
+            if name in scraped:
+                live[key] = scraped[name]
+        if "lag" in scraped:
+            live["lag_records"] = scraped["lag"]
+        status["live"] = live
+    elif running:
+        status["health"] = None  # metrics off (metrics.port = -1): nothing to ask
+    return status
+
+
+def _fmt_time(unix) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(unix)) if unix else "?"
+
+
+def format_status(s: dict) -> list[str]:
+    ident = s["identity"]
+    lines = [f"panagg status of {s['state_dir']}", f"service: {s['service']}"]
+    if ident:
+        lines.append(f"counts: {ident.get('stream')} (group {ident.get('group') or '-'}), "
+                     f"{ident.get('mode')} mode over {ident.get('domain'):,} counters, eps "
+                     f"{ident.get('epsilon'):g} per window, {ident.get('window')} windows, "
+                     f"model {ident.get('model')}")
+    win = s.get("window")
+    live = s.get("live") or {}
+    if win:
+        line = f"window: {win['id']} open since {_fmt_time(win['started_unix'])}"
+        if "window_events" in live and live.get("window_id") == win["id"]:
+            line += (f", {int(live['window_events']):,} events so far "
+                     f"({100 * live.get('window_progress', 0):.1f}%)")
+        elif s["service"] == "running":
+            line += ", progress: in the running service's memory only (metrics off)"
+        else:
+            line += (", progress: none on disk by design (the open window is replayed from the "
+                     "source at the next start)")
+        lines.append(line)
+    if live.get("lag_records"):
+        lag = live["lag_records"]
+        lines.append(f"lag: {int(sum(lag.values())):,} records behind over {len(lag)} "
+                     "partition(s)")
+    health = s.get("health")
+    if health:
+        lines.append(f"health: {health['healthz']['text']}; {health['ready']['text']}")
+    if live.get("intake_paused") == 1:
+        lines.append("intake: PAUSED (privacy budget spent)")
+    b = s["budget"]
+    lines.append(f"budget: eps {b['spent']:g} spent" + (
+        f" of {b['total']:g} ({b['remaining']:g} left)" if b["total"] is not None
+        else " (no total cap)"))
+    last = s.get("last_release")
+    if last:
+        lines.append(f"last release: window {last['window']} at {_fmt_time(last['time_unix'])}, "
+                     + _release_summary(last))
+    else:
+        lines.append("last release: none yet")
+    if s.get("pending_releases"):
+        lines.append(f"pending: {s['pending_releases']} release(s) not yet published "
+                     "(retried by the service)")
+    if s.get("refused"):
+        lines.append(f"refused: {s['refused']} release(s) refused by the ledger")
+    if s.get("checkpoint_error"):
+        lines.append(f"checkpoint: {s['checkpoint_error']}")
+    return lines
+
+
+def _interval(row: dict, key: str, fmt: str) -> str:
+    iv = row.get(f"{key}_interval")
+    return f" [{format(iv[0], fmt)}-{format(iv[1], fmt)}]" if iv else ""
+
+
+def _release_summary(row: dict) -> str:
+    n = "?" if row["n"] is None else f"{row['n']:,}"
+    text = (f"n={n}, distinct {row['distinct_items']:,}{_interval(row, 'distinct_items', ',.0f')}"
+            f", entropy {row['entropy_nats']:.3f}{_interval(row, 'entropy_nats', '.3f')}")
+    if row.get("signal_to_noise") is not None:
+        text += f", signal-to-noise {row['signal_to_noise']:.1f}"
+    if row.get("signal_below_noise"):
+        text += ", BELOW THE NOISE"
+    return text
+
+
+def release_history(ledger: Ledger) -> list[dict]:
+    """One row per ledgered release (single process: ``release``; scale-out: the merged
+    ``release-document``), in ledger order."""
+    rows = []
+    for e in ledger.entries:
+        if e["kind"] not in ("release", "release-document") or not e.get("document"):
+            continue
+        doc = json.loads(e["document"])
+        props = doc.get("properties", {})
+        acc = doc.get("accuracy") or {}
+        iv = acc.get("intervals") or {}
+        rows.append({
+            "window": doc.get("window"), "time_unix": e.get("time_unix"), "n": doc.get("n"),
+            "distinct_items": props.get("distinct_items"),
+            "entropy_nats": props.get("entropy_nats"),
+            "distinct_items_interval": iv.get("distinct_items"),
+            "entropy_nats_interval": iv.get("entropy_nats"),
+            "signal_to_noise": acc.get("signal_to_noise"),
+            "signal_below_noise": doc.get("signal_below_noise"),
+            "model": doc.get("model"), "epsilon": doc.get("epsilon"),
+        })
+    return rows
+
+
+def format_history(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["no releases in the ledger yet"]
+    lines = []
+    prev = None
+    for row in rows:
+        change = ""
+        if prev and prev["distinct_items"]:
+            change = (f" ({100 * (row['distinct_items'] - prev['distinct_items']) / prev['distinct_items']:+.1f}%"
+                      " distinct vs the previous window)")
+        lines.append(f"window {row['window']} at {_fmt_time(row['time_unix'])}: "
+                     f"{_release_summary(row)}{change}")
+        prev = row
+    return lines
+
+
+def plot_history(rows: list[dict], path) -> None:
+    """Distinct items and entropy across windows, with their intervals (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 1, sharex=True)
+    x = list(range(len(rows)))
+    for ax, key, label in ((axes[0], "distinct_items", "distinct items"),
+                           (axes[1], "entropy_nats", "entropy (nats)")):
+        ax.plot(x, [r[key] for r in rows], marker="o", label=label)
+        lo = [r[f"{key}_interval"][0] if r.get(f"{key}_interval") else r[key] for r in rows]
+        hi = [r[f"{key}_interval"][1] if r.get(f"{key}_interval") else r[key] for r in rows]
+        ax.fill_between(x, lo, hi, alpha=0.25, label="90% interval")
+        below = [i for i, r in enumerate(rows) if r.get("signal_below_noise")]
+        if below:
+            ax.plot(below, [rows[i][key] for i in below], "rx", label="below the noise")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    axes[1].set_xticks(x, [str(r["window"]) for r in rows])
+    axes[1].set_xlabel("window")
+    fig.tight_layout()
+    fig.savefig(path)
