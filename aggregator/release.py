@@ -29,6 +29,7 @@ __all__ = ["MODELS", "ReleaseExists", "make_release", "estimate_with_accuracy", 
            "write_release", "plot_release", "plot_rank_frequency", "ERROR_BAR_REPS", "PHI_BANDS"]
 
 ERROR_BAR_REPS = 30  # bootstrap repetitions per release (release.error_bar_reps); 0: none
+PUBLIC_MODE = 0o644   # release files are published: readable by all, whatever the umask
 PHI_BANDS = 10       # phi_r and phi_{>=r} intervals are released for r = 1..PHI_BANDS
 
 MODELS = ("joint", "state-only")
@@ -242,7 +243,7 @@ def _create_once(path: Path, data: bytes) -> bool:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, PUBLIC_MODE)
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -255,5 +256,12 @@ def _create_once(path: Path, data: bytes) -> bool:
 def plot_release(release: dict, outdir: str | os.PathLike) -> Path:
     """The PNG rank-frequency plot ``release-<window>.png`` next to the release JSON."""
     path = Path(outdir) / f"release-{release['window']}.png"
-    plot_rank_frequency(release, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        plot_rank_frequency(release, Path(tmp))
+        os.chmod(tmp, PUBLIC_MODE)  # public, like the JSON (mkstemp makes 0600)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return path

@@ -72,11 +72,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+PRIVATE_MODE = 0o600  # checkpoints, exports, summaries: views of noisy state, owner only
+
+
 def atomic_write(path: Path, chunks, fault_prefix: str | None = None) -> None:
-    """Write ``chunks`` (bytes-like) to ``path`` atomically and durably."""
+    """Write ``chunks`` (bytes-like) to ``path`` atomically and durably, mode 0600 whatever the
+    umask (everything written this way is a view of the state or service-internal; public
+    releases are written by :mod:`aggregator.release`, 0644)."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
+    os.fchmod(fd, PRIVATE_MODE)  # a leftover temp file of an earlier process kept its mode
+    with os.fdopen(fd, "wb") as f:
         for i, chunk in enumerate(chunks):
             f.write(chunk)
             if fault_prefix and i == 0:

@@ -593,6 +593,28 @@ def test_status_asks_the_running_service(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_file_modes_do_not_follow_the_umask(tmp_path, monkeypatch):
+    """Releases are public (0644) and views of the state private (0600), whatever the umask."""
+    items = np.random.default_rng(9).integers(0, D, 1500)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    for umask in (0o022, 0o077):
+        old = os.umask(umask)
+        try:
+            out = tmp_path / f"u{umask:o}"
+            cfg = cfg_for(out, path, **{"window.size": 1000})
+            Aggregator(cfg, FileSource(str(path), "json", batch=500, progress=False)).run()
+        finally:
+            os.umask(old)
+        modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777
+                 for p in out.rglob("*") if p.is_file()}
+        releases = {k: m for k, m in modes.items() if k.startswith("releases/")}
+        assert {k.split("/")[-1] for k in releases} >= {"release-0.json", "release-0.png"}
+        assert set(releases.values()) == {0o644}, releases
+        checkpoints = {k: m for k, m in modes.items() if k.startswith("state/checkpoints/")}
+        assert checkpoints and set(checkpoints.values()) == {0o600}, checkpoints
+
+
 def test_offline_release_of_a_stopped_service(tmp_path):
     items = np.random.default_rng(7).integers(0, D, 1500)
     path = tmp_path / "events.jsonl"
