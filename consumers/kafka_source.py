@@ -14,6 +14,7 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from .base import Segment, Source
+from .kafka_security import KafkaConnectError, SecurityError, client_options, diagnose_connect
 
 __all__ = ["KafkaSource", "PartialAssignment", "partition_key", "parse_partition_key"]
 
@@ -78,10 +79,15 @@ class KafkaSource(Source):
     partitioned
         The service keeps one state per partition (scale-out) and seeks each partition itself
         once it holds that partition's checkpoint; a partial assignment is then the normal case.
+    security
+        The ``[security]`` config section (TLS, SASL; :mod:`consumers.kafka_security`), for the
+        consumer and the admin client. A connection the cluster refuses for a security reason
+        raises :class:`~consumers.kafka_security.KafkaConnectError` (one line naming the fix).
     """
 
     def __init__(self, bootstrap: str, topic: str, group: str, max_records: int = 20000,
-                 consumer_config: dict | None = None, partitioned: bool = False):
+                 consumer_config: dict | None = None, partitioned: bool = False,
+                 security: dict | None = None):
         self.topic, self.group, self.max_records = topic, group, int(max_records)
         self.bootstrap = bootstrap
         self._config_cache: dict[str, str] | None = None
@@ -103,8 +109,14 @@ class KafkaSource(Source):
             fetch_max_bytes=16 * 1024 * 1024, max_partition_fetch_bytes=4 * 1024 * 1024,
             client_id=f"panagg-{group}",
         )
+        try:
+            self.security_options = client_options(security)
+        except SecurityError as exc:
+            raise KafkaConnectError(str(exc)) from None
+        config.update(self.security_options)
         config.update(consumer_config or {})
-        self.consumer = KafkaConsumer(**config)
+        with diagnose_connect(security, bootstrap):
+            self.consumer = KafkaConsumer(**config)
         self.consumer.subscribe([topic], listener=_SeekOnAssign(self))
 
     def seek(self, offsets: dict[str, int]) -> None:
@@ -267,7 +279,8 @@ class KafkaSource(Source):
         admin = None
         try:
             admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000,
-                                     client_id=f"panagg-{self.group}-admin")
+                                     client_id=f"panagg-{self.group}-admin",
+                                     **self.security_options)
             res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, self.topic)],
                                          config_filter="all")
             entries = res["topic"][self.topic]

@@ -42,6 +42,21 @@ DEFAULTS: dict[str, dict] = {
         "generator_rate": 0.0,        # events/s; 0 = as fast as possible
         "generator_seed": -1,         # -1: fresh
     },
+    "security": {                   # every Kafka client (consumer, admin, producers); secrets are
+                                    # read from a file or the environment, never logged
+        "protocol": "PLAINTEXT",    # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
+        "sasl_mechanism": "",       # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (SASL_* protocols)
+        "username": "",
+        "password_file": "",        # a file holding the SASL password (trailing newline dropped)
+        "password_env": "",         # or the name of an environment variable holding it
+        "password": "",             # inline: refused unless allow_inline_password (then warned)
+        "allow_inline_password": False,
+        "ca_file": "",              # PEM CA bundle for the broker's certificate; empty: system CAs
+        "cert_file": "",            # client certificate (mutual TLS), PEM
+        "key_file": "",             # its private key, PEM
+        "key_password_file": "",    # a file holding the private key's password, if encrypted
+        "check_hostname": True,     # the broker's certificate must name the host connected to
+    },
     "state": {
         "mode": "direct",           # direct | hashed
         "domain_size": 100000,      # direct mode: items are ints in [0, domain_size)
@@ -94,7 +109,9 @@ _CHOICES = {
     ("state", "model"): ("joint", "state-only"),
     ("state", "loss"): ("l1", "l2"),
     ("window", "kind"): ("count", "time"),
+    ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
 }
+_SECRET = {("security", "password")}  # never echoed in an error
 _POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "keep_windows"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
              ("source", "fetch_max_bytes"), ("source", "max_partition_fetch_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
@@ -154,7 +171,8 @@ def _coerce(section: str, key: str, value, default):
     except (TypeError, ValueError):
         kind = {bool: "true or false", int: "a whole number", float: "a number",
                 str: "a string"}[type(default)]
-        raise ConfigError(f"{name} must be {kind}, got {value!r}; {_where(section, key)}") from None
+        got = f"a {type(value).__name__}" if (section, key) in _SECRET else repr(value)
+        raise ConfigError(f"{name} must be {kind}, got {got}; {_where(section, key)}") from None
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None,
@@ -194,7 +212,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     for section, values in cfg.items():
         for key in values:
             var = f"PANAGG_{section.upper()}_{key.upper()}"
-            if var in env:
+            if var in env and (section, key) not in _SECRET:  # secrets: security.password_env
                 cfg[section][key] = _coerce(section, key, env[var], DEFAULTS[section][key])
     for item in overrides or []:
         name, sep, value = item.partition("=")
@@ -204,11 +222,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             raise ConfigError(f"--set {item!r}: expected section.key=value with a known key, "
                               "e.g. --set window.size=100000")
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
-    _validate(cfg)
+    _validate(cfg, env)
     return cfg
 
 
-def _validate(cfg: dict) -> None:
+def _validate(cfg: dict, env=None) -> None:
     for (section, key), choices in _CHOICES.items():
         if cfg[section][key] not in choices:
             raise ConfigError(f"{section}.{key} must be one of {', '.join(choices)}, got "
@@ -240,6 +258,11 @@ def _validate(cfg: dict) -> None:
     if cfg["metrics"]["port"] < -1 or cfg["metrics"]["port"] > 65535:
         raise ConfigError("metrics.port must be -1 (off), 0 (any free port) or 1..65535; "
                           + _where("metrics", "port"))
+    from consumers.kafka_security import SecurityError, check_security
+    try:
+        check_security(cfg["security"], env)
+    except SecurityError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg["testing"]["noise_seed"] >= 0 and os.environ.get("PANAGG_TESTING") != "1":
         raise ConfigError("testing.noise_seed makes the noise predictable and is refused outside "
                           "tests; remove it (tests also set PANAGG_TESTING=1)")
