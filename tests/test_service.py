@@ -615,6 +615,24 @@ def test_file_modes_do_not_follow_the_umask(tmp_path, monkeypatch):
         assert checkpoints and set(checkpoints.values()) == {0o600}, checkpoints
 
 
+def test_progress_and_stop_lines(tmp_path, caplog):
+    items = np.random.default_rng(10).integers(0, D, 1500)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "release.on_exhausted": "false"})
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=300, progress=False))
+    agg.PROGRESS_EVERY_S = 0.0  # every turn (a minute in production)
+    with caplog.at_level("INFO", logger="panagg.service"):
+        agg.run()
+    lines = [r.getMessage() for r in caplog.records]
+    progress = [ln for ln in lines if ln.startswith("progress: ")]
+    assert progress and progress[-1].startswith("progress: 1,500 events counted (")
+    assert progress[-1].endswith("window 1 at 500 events, lag 0 records")
+    assert lines[-1] == ("stopped (input ended or idle): window 1 open with 500 events; the last "
+                         "checkpoint holds its start (checkpoint 3, at offsets "
+                         "file:events.jsonl: 1000), so the next start replays it from the source")
+
+
 def test_offline_release_of_a_stopped_service(tmp_path):
     items = np.random.default_rng(7).integers(0, D, 1500)
     path = tmp_path / "events.jsonl"

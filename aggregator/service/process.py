@@ -291,6 +291,8 @@ class Aggregator:
         self.reject_watch = RejectWatch(cfg)
         self._last_lag = 0.0
         self._pause_logged: float | None = None
+        self._progress_at: float | None = None
+        self._progress_events = 0.0
         self._publish_backoff = _Backoff("publishing releases")
         self._commit_backoff = _Backoff("checkpoint")
         self.metrics.epsilon.set(self.epsilon)
@@ -543,6 +545,24 @@ class Aggregator:
             log.info("stopped while waiting; the open window is replayed at the next start")
         finally:
             self.close()
+            self._stop_line()
+
+    def _stop_line(self) -> None:
+        """What a restart will find: the last checkpoint and what is replayed from it."""
+        task = getattr(self, "task", None)
+        win = getattr(task, "window", None) or {}
+        durable = getattr(task, "durable", None)
+        reason = "stop requested" if self.stop_event.is_set() else "input ended or idle"
+        if not win:
+            log.info("stopped (%s)", reason)
+            return
+        where = ""
+        if durable is not None:
+            where = (f" (checkpoint {durable.seq}, at offsets "
+                     f"{', '.join(f'{k}: {v}' for k, v in sorted(durable.offsets.items()))})")
+        log.info("stopped (%s): window %s open with %s events; the last checkpoint holds its "
+                 "start%s, so the next start replays it from the source", reason, win.get("id"),
+                 f"{int(win.get('events', 0)):,}", where)
 
     def catch_up(self, timeout_s: float = 120.0) -> None:
         """Count what the source holds now (the open window's replay, then anything newer),
@@ -988,9 +1008,30 @@ class Aggregator:
         self.stop_event.wait(poll_timeout_s)
         return True
 
+    PROGRESS_EVERY_S = 60.0
+
+    def _progress_line(self) -> None:
+        """One info line a minute: events counted, rate, open window(s), lag (public numbers)."""
+        now = time.monotonic()
+        last = self._progress_at
+        if last is None:
+            self._progress_at, self._progress_events = now, self.metrics.events._value.get()
+            return
+        if now - last < self.PROGRESS_EVERY_S:
+            return
+        events = self.metrics.events._value.get()
+        rate = (events - self._progress_events) / (now - last)
+        self._progress_at, self._progress_events = now, events
+        lag = sum(s.value for m in self.metrics.lag.collect() for s in m.samples)
+        log.info("progress: %s events counted (%.0f/s over the last %.0f s), window %s at %s "
+                 "events, lag %s records", f"{int(events):,}", rate, now - last,
+                 int(self.metrics.window_id._value.get()),
+                 f"{int(self.metrics.window_events._value.get()):,}", f"{int(lag):,}")
+
     def _turned(self) -> None:
         """One turn of the consume loop is done: /healthz and /ready (docs/operations.md)."""
         self.metrics.heartbeat()
+        self._progress_line()
         if self._connected is False:
             self.metrics.set_ready(False, "Kafka broker unreachable")
         elif self.dead_letters is not None and self.dead_letters.outstanding > 10_000:
