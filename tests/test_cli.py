@@ -208,3 +208,39 @@ def test_version_flag_and_build_info_metric():
     assert res.returncode == 0 and res.stdout.strip() == f"panagg {version('panagg')}"
     text = generate_latest(Metrics().registry).decode()
     assert f'panagg_build_info{{python="{sys.version.split()[0]}",version="{version("panagg")}"}} 1.0' in text
+
+
+def _run_with_path(extra_path, *args):
+    import os
+    env = dict(os.environ, PYTHONPATH=str(extra_path))
+    elsewhere = extra_path / "cwd"  # not the source tree: as an installed panagg runs
+    elsewhere.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=elsewhere)
+
+
+def test_a_foreign_package_with_one_of_our_names_is_refused(tmp_path):
+    """aggregator, consumers and state_store are generic names: another install that shadows
+    one of them must not run silently under panagg's name."""
+    (tmp_path / "consumers").mkdir()
+    (tmp_path / "consumers" / "__init__.py").write_text("")
+    res = _run_with_path(tmp_path, "ledger", "show", "--state-dir", str(tmp_path))
+    assert res.returncode == 2
+    line = res.stderr.strip()
+    assert line.startswith("panagg: error: panagg's packages come from different places (")
+    assert f"consumers from {tmp_path.resolve()}" in line
+    assert line.endswith("install panagg in its own virtual environment (python -m venv)")
+
+
+def test_another_distribution_declaring_our_names_is_refused(tmp_path):
+    dist = tmp_path / "otherlib-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: otherlib\nVersion: 1.0\n")
+    (dist / "top_level.txt").write_text("state_store\n")
+    (dist / "RECORD").write_text("")
+    res = _run_with_path(tmp_path, "ledger", "show", "--state-dir", str(tmp_path))
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        "panagg: error: top-level package names of panagg are installed by other distributions "
+        "too ('state_store' also by otherlib): one overwrote the other's files; install panagg "
+        "in its own virtual environment (python -m venv)")

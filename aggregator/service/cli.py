@@ -750,9 +750,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TOP_LEVEL = ("aggregator", "consumers", "state_store")  # panagg's import names (generic ones)
+
+
+def import_clash() -> str | None:
+    """The line to refuse to run with when one of panagg's generic top-level packages comes
+    from somewhere else (another distribution installed into the same environment overwrote or
+    shadows it): the service would otherwise run someone else's code under panagg's name."""
+    import importlib.util
+    from importlib.metadata import packages_distributions
+    from pathlib import Path
+
+    roots = {}
+    for name in TOP_LEVEL:
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec and spec.origin else None
+        roots[name] = Path(origin).resolve().parent.parent if origin else None
+    if len(set(roots.values())) > 1 or None in roots.values():
+        where = ", ".join(f"{k} from {v}" for k, v in roots.items())
+        return (f"panagg's packages come from different places ({where}): another install "
+                "shadows one of them; install panagg in its own virtual environment "
+                "(python -m venv)")
+    others = {name: sorted({d for d in packages_distributions().get(name, [])
+                            if d.lower() != "panagg"}) for name in TOP_LEVEL}
+    clash = {k: v for k, v in others.items() if v}
+    if clash:
+        what = "; ".join(f"{k!r} also by {', '.join(v)}" for k, v in clash.items())
+        return (f"top-level package names of panagg are installed by other distributions too "
+                f"({what}): one overwrote the other's files; install panagg in its own virtual "
+                "environment (python -m venv)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    clash = import_clash()
+    if clash:
+        print(f"panagg: error: {clash}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except UsageError as exc:
