@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -631,6 +632,39 @@ def test_progress_and_stop_lines(tmp_path, caplog):
     assert lines[-1] == ("stopped (input ended or idle): window 1 open with 500 events; the last "
                          "checkpoint holds its start (checkpoint 3, at offsets "
                          "file:events.jsonl: 1000), so the next start replays it from the source")
+
+
+def test_exit_when_idle_waits_for_an_assignment(tmp_path):
+    """--exit-when-idle once ended a Kafka run before the group had assigned any partition."""
+    import threading
+
+    from consumers.base import Source
+
+    class Unassigned(Source):
+        def __init__(self):
+            self.assigned: set[str] = set()
+            self.polls = 0
+
+        def poll(self, timeout_s=1.0):
+            self.polls += 1
+            time.sleep(0.01)
+            return []
+
+        def caught_up(self, keys):
+            return True
+
+    src = Unassigned()
+    cfg = cfg_for(tmp_path, tmp_path / "unused.jsonl")
+    agg = Aggregator(cfg, src)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (agg.run(idle_exit_s=0.05, poll_timeout_s=0.01),
+                                         done.set()))
+    t.start()
+    assert not done.wait(1.0)  # no partitions yet: not idle, however long it takes
+    assert src.polls > 10
+    src.assigned.add("topic:0")  # assigned and read to the end: now idle counts
+    assert done.wait(10.0)
+    t.join(10)
 
 
 def test_offline_release_of_a_stopped_service(tmp_path):

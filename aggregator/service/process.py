@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from consumers.base import Segment, Source
-from consumers.decode import Decoder
+from consumers.decode import FILTERED, Decoder, ItemSpec
 from consumers.kafka_security import client_options, redacted
 from state_store.audit import AuditKeyError, load_key, write_export
 from state_store.local import LocalStore
@@ -83,11 +83,11 @@ class RejectWatch:
         self.looks_json = self.looks_msgpack = 0
         self.warned = False
 
-    def observe(self, values, rejected) -> None:
-        self.counted += len(values) - len(rejected)
+    def observe(self, values, rejected, filtered: int = 0) -> None:
+        self.counted += len(values) - len(rejected) - filtered
         if self.seen >= self.sample:
             return
-        self.seen += len(values)
+        self.seen += len(values) - filtered
         self.rejected += len(rejected)
         for i, reason in rejected:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
@@ -112,7 +112,9 @@ class RejectWatch:
         elif top == "out_of_range":
             fix = "items fall outside [0, state.domain_size): raise state.domain_size"
         elif top == "missing_item":
-            fix = 'records carry no "item" field: the schema is {"item": <str|bytes|int>, ...}'
+            fix = ("records carry no item where item.source / item.field say (default: the "
+                   'field "item", {"item": <str|bytes|int>, ...}); set item.field (e.g. user.id) '
+                   "or item.source = key / header")
         else:
             fix = "see docs/operations.md, Bad input"
         return (f"{self.rejected} of the first {self.seen} records were rejected (mostly "
@@ -207,7 +209,25 @@ def identity_of(cfg: dict) -> dict:
         "snapshots_per_window": int(cfg["checkpoint"]["snapshots_per_window"]),
         "budget_per_window": float(cfg["ledger"]["budget_per_window"] or st["epsilon"]),
         "budget_total": float(cfg["ledger"]["budget_total"]),
+        "item": item_identity(cfg),
     }
+
+
+#: identity keys added after state directories existed: what a ledger without them recorded
+_IDENTITY_DEFAULTS = {"item": "value:item"}
+
+
+def item_identity(cfg: dict) -> str:
+    """What is counted, as one string for the ledger's identity (``value:item`` by default)."""
+    it = cfg.get("item") or {"source": "value", "field": "item"}
+    where = {"value": it["field"], "key": "", "header": it.get("header", "")}[it["source"]]
+    out = f"{it['source']}:{where}" if where else it["source"]
+    extra = [name for name, on in (("coerce", it.get("coerce")),
+                                   ("nfc", it.get("normalize") == "nfc"),
+                                   ("casefold", it.get("casefold"))) if on]
+    if it.get("filter_field"):
+        extra.append(f"filter {it['filter_field']}={it['filter_value']}")
+    return out + (f" ({', '.join(extra)})" if extra else "")
 
 
 class _Backoff:
@@ -266,7 +286,8 @@ class Aggregator:
         src = cfg["source"]
         self.decoder = Decoder(src["format"], domain_size=self.size if self.direct else None,
                                max_message_bytes=src["max_message_bytes"],
-                               max_item_bytes=src["max_item_bytes"])
+                               max_item_bytes=src["max_item_bytes"],
+                               spec=ItemSpec.from_config(cfg["item"]))
         self.dir = Path(cfg["checkpoint"]["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)
         self.snapshots_per_window = int(cfg["checkpoint"]["snapshots_per_window"])
@@ -345,7 +366,7 @@ class Aggregator:
                                identity=dict(mine, run=os.urandom(8).hex(),
                                              first_window=self._first_window()))
             return self.ledger.identity()
-        changed = [k for k in mine if recorded.get(k) != mine[k]]
+        changed = [k for k in mine if recorded.get(k, _IDENTITY_DEFAULTS.get(k)) != mine[k]]
         if not changed:
             return recorded
         what = ", ".join(f"{k} {recorded.get(k)!r} -> {mine[k]!r}" for k in changed)
@@ -375,6 +396,7 @@ class Aggregator:
         self.metrics.events.inc(task.totals["events"])
         for reason, count in task.totals["rejects"].items():
             self.metrics.decode_errors.labels(reason=reason).inc(count)
+        self.metrics.filtered.inc(task.totals.get("filtered", 0))
         self.metrics.window_id.set(task.window["id"])
         self.metrics.window_events.set(task.window["events"])
         self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
@@ -391,7 +413,8 @@ class Aggregator:
         task.window, task.offsets = dict(ckpt.window), dict(ckpt.offsets)
         task.pending = list(ckpt.pending)
         task.totals = {"events": int(ckpt.totals.get("events", 0)),
-                       "rejects": dict(ckpt.totals.get("rejects", {}))}
+                       "rejects": dict(ckpt.totals.get("rejects", {})),
+                       "filtered": int(ckpt.totals.get("filtered", 0))}
         task.window.setdefault("uid", f"v1-{task.name}-{task.window['id']}")
         task.window.setdefault("snapshots", 0)
         task.durable = ckpt
@@ -530,6 +553,8 @@ class Aggregator:
                     if problem:  # a finite run that counted nothing must not exit 0
                         raise ServiceError(problem)
                     break
+                if not self.idle_can_count():
+                    continue
                 idle_since = idle_since or time.monotonic()
                 if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
                     break
@@ -546,6 +571,18 @@ class Aggregator:
         finally:
             self.close()
             self._stop_line()
+
+    def idle_can_count(self) -> bool:
+        """Whether a turn without records counts towards --exit-when-idle: not before the
+        consumer group has assigned this process partitions and it has read them to their end
+        (a rebalance or a slow first fetch is not an idle stream)."""
+        assigned = getattr(self.source, "assigned", None)
+        if assigned is None:  # file and generator sources
+            return True
+        if not assigned:
+            return False
+        probe = getattr(self.source, "caught_up", None)
+        return probe is None or bool(probe(sorted(assigned)))
 
     def _stop_line(self) -> None:
         """What a restart will find: the last checkpoint and what is replayed from it."""
@@ -614,17 +651,20 @@ class Aggregator:
         Never raises for one record's sake: whatever a record makes the decoder do, the record
         becomes a reject with a reason (and a dead letter)."""
         try:
-            decoded = self.decoder.decode(seg.values)
+            decoded = self.decoder.decode(seg.values, seg.keys, seg.headers)
         except Exception as exc:  # a decoder bug on odd input: classify records one by one
             log.error("batch decoder failed (%s) on partition %s at offset %d; decoding its "
                       "records one by one", type(exc).__name__, seg.partition, seg.offsets[0])
-            decoded = self.decoder.decode_each(seg.values)
-        self.reject_watch.observe(seg.values, decoded.rejected)
+            decoded = self.decoder.decode_each(seg.values, seg.keys, seg.headers)
+        # records the item filter left out ride along as FILTERED: not events, not rejects
+        bad = [r for r in decoded.rejected if r[1] != FILTERED]
+        self.reject_watch.observe(seg.values, bad, len(decoded.rejected) - len(bad))
         if not decoded.rejected:
             return decoded.items, None, []
-        for i, reason in decoded.rejected:
+        for i, reason in bad:
             if self.dead_letters is not None:
-                self.dead_letters.send(seg.partition, seg.offsets[i], seg.values[i], reason)
+                self.dead_letters.send(seg.partition, seg.offsets[i], seg.values[i], reason,
+                                       key=seg.keys[i] if seg.keys is not None else None)
         keep = np.ones(len(seg), dtype=bool)
         keep[[i for i, _ in decoded.rejected]] = False
         return decoded.items, np.flatnonzero(keep), decoded.rejected
@@ -682,6 +722,10 @@ class Aggregator:
             counts: dict[str, int] = {}
             for reason in rej_reason[a:b]:
                 counts[reason] = counts.get(reason, 0) + 1
+            skipped = counts.pop(FILTERED, 0)
+            if skipped:
+                task.totals["filtered"] = task.totals.get("filtered", 0) + skipped
+                self.metrics.filtered.inc(skipped)
             for reason, count in counts.items():
                 self.metrics.decode_errors.labels(reason=reason).inc(count)
             task.count_rejects(counts)
