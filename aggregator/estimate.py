@@ -44,6 +44,7 @@ __all__ = [
     "threshold_kernel",
     "cumulative_prevalence",
     "deconvolved_prevalence",
+    "crossfit_prevalence",
     "project_l1",
     "cap_total",
     "CAP_RULES",
@@ -201,13 +202,53 @@ def noise_pmf(p: float, layers: int = 1, tail: float = 1e-17) -> tuple[int, np.n
     return K - lo, q / q.sum()
 
 
-def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """One EM update of the mixing pmf (q symmetric, so convolution = correlation)."""
+def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray,
+             mean=None) -> np.ndarray:
+    """One EM update of the mixing pmf (q symmetric, so convolution = correlation).
+
+    ``mean`` = (h, mu): the M-step under the linear constraint sum_h h pi_h = mu (the public n
+    fixes the mean count per counter); see :func:`_mean_m_step`.
+    """
     m = np.convolve(pi, q, mode="same")
     ratio = np.zeros_like(m)
     ratio[nz] = w[nz] / np.maximum(m[nz], 1e-300)
     out = pi * np.convolve(ratio, q, mode="same")
+    if mean is not None:
+        out = _mean_m_step(out, *mean)
     return out
+
+
+def _mean_m_step(u: np.ndarray, h: np.ndarray, mu: float) -> np.ndarray:
+    """argmax sum_h u_h log pi_h over pmfs pi with sum_h h pi_h = mu.
+
+    Lagrange: pi_h = u_h / (1 + b (h - mu)) with b the non-zero root of S(b) = sum_h pi_h = 1
+    (S is convex with S(0) = 1 and S'(0) = mu - mean_u, so the root lies on the side of
+    mean_u - mu and S < 1 strictly between: bisection). Exact M-step of the constrained EM, so
+    the likelihood still rises at every step. ``u`` sums to 1; ``mu`` outside the support's
+    range leaves u alone.
+    """
+    s = u.sum()
+    if s <= 0:
+        return u
+    u = u / s
+    sup = u > 0
+    d = h[sup] - mu
+    us = u[sup]
+    gap = float((us * d).sum())  # mean_u - mu
+    if abs(gap) < 1e-12 * max(1.0, abs(mu)) or d.min() >= 0 or d.max() <= 0:
+        return u
+    bound = -1.0 / d.min() if gap > 0 else -1.0 / d.max()  # 1 + b d > 0 on the support
+    lo, hi = 0.0, bound
+    with np.errstate(divide="ignore", over="ignore"):
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if float((us / (1.0 + mid * d)).sum()) < 1.0:
+                lo = mid
+            else:
+                hi = mid
+    out = np.zeros_like(u)
+    out[sup] = us / (1.0 + lo * d)
+    return out / out.sum()
 
 
 def _loglik(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray) -> float:
@@ -216,17 +257,19 @@ def _loglik(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray) -> flo
     return float((w[nz] * np.log(np.maximum(m[nz], 1e-300))).sum())
 
 
-def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None):
+def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None,
+             mean=None):
     """EM accelerated by SQUAREM (Varadhan and Roland 2008, scheme S3), monotone in likelihood.
 
     Stops when the mean log-likelihood gain per step, divided by the estimated mass of non-zero
     counters, falls below ``tol``: empty counters dilute the mean gain, and without the division
     a mostly-empty domain (n << D) stopped long before the informative part had converged.
+    ``callback(step, pi)`` (steps counted from 1) may stop the run by returning True.
     """
     ll = _loglik(pi, w, nz, q)
-    for _ in range(max_iter):
-        p1 = _em_step(pi, w, nz, q)
-        p2 = _em_step(p1, w, nz, q)
+    for step in range(1, max_iter + 1):
+        p1 = _em_step(pi, w, nz, q, mean)
+        p2 = _em_step(p1, w, nz, q, mean)
         r = p1 - pi
         v = p2 - p1 - r
         vv = float((v * v).sum())
@@ -235,7 +278,7 @@ def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None):
             alpha = min(alpha, -1.0)
             cand = np.maximum(pi - 2 * alpha * r + alpha * alpha * v, 0.0) * allowed
             cand /= max(cand.sum(), 1e-300)
-            cand = _em_step(cand, w, nz, q)
+            cand = _em_step(cand, w, nz, q, mean)
             ll_c = _loglik(cand, w, nz, q)
         else:
             ll_c = -np.inf
@@ -245,32 +288,82 @@ def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None):
         informative = 1.0 if zero_idx is None else max(1.0 - float(new[zero_idx]), 1e-6)
         done = (ll_new - ll) / informative < tol
         pi, ll = new, max(ll_new, ll)
+        if callback is not None and callback(step, pi):
+            break
         if done:
             break
     return pi
 
 
-def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=200, tol=1e-5,
-                           R=None) -> np.ndarray:
-    """phi_{>=r}, r = 1..R, from the NPMLE of the prevalences (EM deconvolution).
+@dataclass
+class _EMProblem:
+    """The NPMLE's likelihood on one compressed axis (see :func:`deconvolved_prevalence`).
 
-    Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws
-    (pmf q, exact up to a 1e-17 tail) and h drawn from the unknown prevalence pmf pi over
-    {0, 1, ...}; D = number of counters. The estimate is D * P_pi[h >= r].
+    ``mass`` holds the exactly solved single-value clusters (D * pi_h, h = 0..len - 1); the
+    other clusters live on the axis: ``w`` the noisy-value counts at their positions (not
+    normalized), ``allowed`` 1 where h >= 0, ``spans`` (offset, lowest value, highest value) per
+    cluster, ``zero_idx`` the position of h = 0 (None if no cluster reaches 0)."""
 
-    Early stopping is part of the estimator: the NPMLE overfits (it turns spiky) when EM runs to
-    convergence, and the l1 error first falls, then rises with the iterations. ``tol`` (on the
-    mean log-likelihood gain per SQUAREM step) = 1e-5 was never worse than running to 1e-11 over
-    36 measured configurations and 1.25-1.7x better on geometric mean (docs/estimators.md).
+    K: int
+    q: np.ndarray
+    mass: np.ndarray
+    spans: list
+    w: np.ndarray
+    allowed: np.ndarray
+    zero_idx: int | None
 
-    The likelihood separates over clusters of noisy values more than 2K apart (q vanishes
-    beyond K): a cluster holding a single distinct value v is solved exactly by a point mass at
-    max(v, 0); the remaining clusters run EM (SQUAREM-accelerated) on one compressed axis where
-    each cluster keeps its own span and spans are separated by zeros that the kernel cannot cross.
-    """
-    vc = noisy_value_counts(noisy_counts)
-    k = _check_layers(layers)
-    K, q = noise_pmf(p, k)
+    def h_values(self) -> np.ndarray:
+        """The count h that each axis position stands for (0 on the separating gaps)."""
+        h = np.zeros(len(self.w))
+        for off, lo_v, hi_v in self.spans:
+            h[off: off + hi_v - lo_v + 1] = np.arange(lo_v, hi_v + 1)
+        return np.maximum(h, 0.0) * (self.allowed > 0)
+
+    def mean_constraint(self, n):
+        """(h, mu) for :func:`_em_step`: the axis' counters hold the n events minus those of
+        the exactly solved clusters, so their mean count is mu. None without n, or when mu is
+        outside what the axis can hold (then the constraint cannot be met and is dropped)."""
+        if n is None or not self.spans:
+            return None
+        h = self.h_values()
+        fixed = float((np.arange(len(self.mass)) * self.mass).sum())
+        mu = (float(n) - fixed) / self.w.sum()
+        if not 0.0 <= mu <= h.max():
+            return None
+        return h, mu
+
+    def counts_on_axis(self, vc: "NoisyValueCounts") -> np.ndarray:
+        """Noisy-value counts of ``vc`` (a part of the counters) placed on this axis; values
+        outside every cluster are dropped."""
+        out = np.zeros(len(self.w))
+        for off, lo_v, hi_v in self.spans:
+            a, b = max(vc.lo, lo_v + self.K), min(vc.hi, hi_v - self.K)
+            if a <= b:
+                out[off + a - lo_v: off + b - lo_v + 1] = vc.c[a - vc.lo: b - vc.lo + 1]
+        return out
+
+    def start(self, w: np.ndarray) -> np.ndarray:
+        pi = (np.convolve(w / w.sum(), self.q, mode="same") + 1e-12) * self.allowed
+        return pi / pi.sum()
+
+    def cumulative(self, pi: np.ndarray | None, R=None) -> np.ndarray:
+        """phi_{>=r}, r = 1.., from the fitted axis pmf ``pi`` plus the solved clusters."""
+        mass = self.mass.copy()
+        if pi is not None:
+            total = self.w.sum()
+            for off, lo_v, hi_v in self.spans:
+                h0 = max(lo_v, 0)
+                seg = pi[off + h0 - lo_v: off + hi_v - lo_v + 1] * total
+                mass[h0: h0 + len(seg)] += seg
+        est = np.cumsum(mass[::-1])[::-1][1:]  # r = 1..len(mass) - 1
+        if R is not None:
+            R = int(R)
+            est = np.concatenate([est, np.zeros(max(0, R - len(est)))])[:R]
+        return est
+
+
+def _em_problem(vc: NoisyValueCounts, p: float, k: int, tail: float = 1e-17) -> _EMProblem:
+    K, q = noise_pmf(p, k, tail)
     vals = np.flatnonzero(vc.c) + vc.lo
     cnt = vc.c[vc.c > 0].astype(np.float64)
     # values below -K cannot come from h >= 0 under the truncated model: fold them to -K
@@ -291,42 +384,171 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=200, tol=1e-5,
     sv = np.maximum(vals[starts[single]], 0)
     np.add.at(mass, sv, cnt[starts[single]])
     multi = np.flatnonzero(~single)
-    if len(multi):
-        # compressed axis: for each cluster the value span [vmin - K, vmax + K], then 2K+1 zeros
-        spans, pos = [], 0
-        for j in multi:
-            vmin, vmax = int(vals[starts[j]]), int(vals[ends[j] - 1])
-            lo_v, hi_v = vmin - K, vmax + K
-            spans.append((pos, lo_v, hi_v))
-            pos += hi_v - lo_v + 1 + 2 * K + 1
-        w = np.zeros(pos)
-        allowed = np.zeros(pos)
-        for (off, lo_v, hi_v), j in zip(spans, multi):
-            sl = slice(starts[j], ends[j])
-            w[off + vals[sl] - lo_v] = cnt[sl]
-            h0 = max(lo_v, 0)
-            allowed[off + h0 - lo_v: off + hi_v - lo_v + 1] = 1.0
-        total = w.sum()
-        w /= total
-        nz = w > 0
-        # start: the observations blurred by the noise, restricted to h >= 0
-        pi = (np.convolve(w, q, mode="same") + 1e-12) * allowed
-        pi /= pi.sum()
-        zero_idx = None
-        for off, lo_v, hi_v in spans:
-            if lo_v <= 0 <= hi_v:
-                zero_idx = off - lo_v  # position of h = 0 on the compressed axis
-                break
-        pi = _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx)
-        for off, lo_v, hi_v in spans:
-            h0 = max(lo_v, 0)
-            seg = pi[off + h0 - lo_v: off + hi_v - lo_v + 1] * total
-            mass[h0: h0 + len(seg)] += seg
-    est = np.cumsum(mass[::-1])[::-1][1:]  # r = 1..len(mass) - 1
-    if R is not None:
-        R = int(R)
-        est = np.concatenate([est, np.zeros(max(0, R - len(est)))])[:R]
-    return est
+    # compressed axis: for each cluster the value span [vmin - K, vmax + K], then 2K+1 zeros
+    spans, pos = [], 0
+    for j in multi:
+        vmin, vmax = int(vals[starts[j]]), int(vals[ends[j] - 1])
+        lo_v, hi_v = vmin - K, vmax + K
+        spans.append((pos, lo_v, hi_v))
+        pos += hi_v - lo_v + 1 + 2 * K + 1
+    w = np.zeros(pos)
+    allowed = np.zeros(pos)
+    for (off, lo_v, hi_v), j in zip(spans, multi):
+        sl = slice(starts[j], ends[j])
+        w[off + vals[sl] - lo_v] = cnt[sl]
+        h0 = max(lo_v, 0)
+        allowed[off + h0 - lo_v: off + hi_v - lo_v + 1] = 1.0
+    zero_idx = None
+    for off, lo_v, hi_v in spans:
+        if lo_v <= 0 <= hi_v:
+            zero_idx = off - lo_v  # position of h = 0 on the compressed axis
+            break
+    return _EMProblem(K, q, mass, spans, w, allowed, zero_idx)
+
+
+def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=200, tol=1e-5,
+                           R=None, n=None) -> np.ndarray:
+    """phi_{>=r}, r = 1..R, from the NPMLE of the prevalences (EM deconvolution).
+
+    Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws
+    (pmf q, exact up to a 1e-17 tail) and h drawn from the unknown prevalence pmf pi over
+    {0, 1, ...}; D = number of counters. The estimate is D * P_pi[h >= r].
+
+    Early stopping is part of the estimator: the NPMLE overfits (it turns spiky) when EM runs to
+    convergence, and the l1 error first falls, then rises with the iterations. ``tol`` (on the
+    mean log-likelihood gain per SQUAREM step) = 1e-5 was never worse than running to 1e-11 over
+    36 measured configurations and 1.25-1.7x better on geometric mean (docs/estimators.md);
+    :func:`crossfit_prevalence` chooses the stopping point from the data instead.
+
+    The likelihood separates over clusters of noisy values more than 2K apart (q vanishes
+    beyond K): a cluster holding a single distinct value v is solved exactly by a point mass at
+    max(v, 0); the remaining clusters run EM (SQUAREM-accelerated) on one compressed axis where
+    each cluster keeps its own span and spans are separated by zeros that the kernel cannot cross.
+    """
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    prob = _em_problem(vc, p, k)
+    if not prob.spans:
+        return prob.cumulative(None, R)
+    w = prob.w / prob.w.sum()
+    pi = _squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, max_iter, tol, prob.zero_idx,
+                  mean=prob.mean_constraint(n))
+    return prob.cumulative(pi, R)
+
+
+# Cross-fitting: the stopping point of the EM from held-out likelihood
+XFIT_MAX_ITER = 400
+XFIT_TOL = 1e-14  # numerical convergence only
+XFIT_BIN = 30  # held-out likelihood on bins of at least this many counters (all the data)
+XFIT_PATIENCE = 4  # checkpoints past the held-out maximum before a half's run stops
+
+
+def _checkpoints(max_iter: int) -> list[int]:
+    """SQUAREM step counts at which the held-out likelihood is read: 0, 1, 2, 3, then ~1.25x."""
+    out, s = [0, 1, 2, 3], 3.0
+    while out[-1] < max_iter:
+        s *= 1.25
+        out.append(min(max(int(round(s)), out[-1] + 1), max_iter))
+    return out
+
+
+def _split(vc: NoisyValueCounts, seed) -> tuple[NoisyValueCounts, NoisyValueCounts]:
+    """A uniformly random half of the counters and the rest, from the value counts alone (a
+    multivariate hypergeometric draw)."""
+    rng = np.random.default_rng(seed)
+    a = rng.multivariate_hypergeometric(vc.c, vc.total // 2, method="marginals")
+    return NoisyValueCounts(vc.lo, a.astype(np.int64)), NoisyValueCounts(vc.lo, vc.c - a)
+
+
+def _data_seed(vc: NoisyValueCounts) -> list[int]:
+    """A seed that is a function of the counters' value counts: the release is deterministic."""
+    import zlib
+    return [vc.lo & 0xFFFFFFFF, zlib.crc32(np.ascontiguousarray(vc.c).tobytes())]
+
+
+def _bins(prob: "_EMProblem", bin_min: int) -> np.ndarray:
+    """Start positions of bins on the EM axis holding >= ``bin_min`` counters each (all data).
+
+    Where counters are dense (small counts) a bin is one value; in a sparse tail a bin spans
+    many values, so the held-out score does not reward a fit for guessing where the other
+    half's isolated items sit (it cannot, and that is not what the l1 error measures)."""
+    cs = np.cumsum(prob.w)
+    starts, acc_at = [0], 0.0
+    # greedy: a new bin starts once the current one holds bin_min counters
+    edges = np.searchsorted(cs, np.arange(bin_min, cs[-1] + bin_min, bin_min), side="left") + 1
+    starts = np.unique(np.concatenate([[0], edges[edges < len(cs)]]))
+    return starts
+
+
+def crossfit_prevalence(noisy_counts, p, *, layers=1, n=None, max_iter=XFIT_MAX_ITER, R=None,
+                        seed=None, return_steps=False, bin_min=XFIT_BIN):
+    """phi_{>=r}, r = 1..R, from the EM stopped where held-out likelihood peaks (cross-fitting).
+
+    The NPMLE's l1 error first falls, then rises with the EM steps, and where it turns depends on
+    the data (dense, near-uniform counters overfit early; mostly empty counters with several
+    layers need hundreds of steps): no fixed tolerance suits both. Here the counters are split at
+    random into two halves A and B (from the noisy-value counts alone: a multivariate
+    hypergeometric draw; counters are exchangeable given their prevalences, so each half is a
+    sample of the same prevalence law). EM runs on A, and at checkpoints (0, 1, 2, 3, then every
+    ~1.25x more SQUAREM steps) the log-likelihood of B's noisy values under A's fit is read; the
+    same with the halves swapped. The step count with the largest summed held-out
+    log-likelihood is where EM stops on all the counters. Nothing here scales with the number of
+    empty counters: the criterion is a likelihood of real data, not a tolerance.
+
+    Held-out likelihood is read on the clusters the EM fits (clusters of a single noisy value
+    are solved exactly, whatever the stopping point). The split's randomness is post-processing
+    of the counters, seeded from them (:func:`_data_seed`), so a release is reproducible.
+    With ``n`` (the number of events, public under replace-one) every EM step is the exact
+    M-step under sum_h h pi_h = n / D (:func:`_mean_m_step`): the fit never holds more or fewer
+    events than the stream had, the constraint the cap rules (:func:`cap_total`) apply only
+    after the fact. The halves use the same mean (their counters are a random half of the same
+    prevalences; clusters solved exactly are left out of both). ``return_steps=True`` also
+    returns the chosen step count.
+    """
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    prob = _em_problem(vc, p, k)
+    if not prob.spans:
+        est = prob.cumulative(None, R)
+        return (est, 0) if return_steps else est
+    halves = _split(vc, _data_seed(vc) if seed is None else seed)
+    parts = [prob.counts_on_axis(h) for h in halves]
+    mean = prob.mean_constraint(n)
+    starts = _bins(prob, bin_min)
+    cps = _checkpoints(max_iter)
+    cps_set = set(cps)
+    q = prob.q
+    scores = []
+    for fit, held in ((parts[0], parts[1]), (parts[1], parts[0])):
+        if fit.sum() == 0 or held.sum() == 0:
+            continue
+        w = fit / fit.sum()
+        hb = np.add.reduceat(held, starts)
+        nz_h = hb > 0
+        score: dict = {}
+
+        def read(step, pi, hb=hb, nz_h=nz_h, score=score):
+            if step not in cps_set:
+                return False
+            m = np.add.reduceat(np.convolve(pi, q, mode="same"), starts)
+            score[step] = float((hb[nz_h] * np.log(np.maximum(m[nz_h], 1e-300))).sum())
+            top = max(score, key=score.get)
+            return cps.index(step) - cps.index(top) >= XFIT_PATIENCE
+
+        pi0 = prob.start(w)
+        if not read(0, pi0):
+            _squarem(pi0, w, w > 0, q, prob.allowed, max_iter, XFIT_TOL, prob.zero_idx,
+                     callback=read, mean=mean)
+        scores.append(score)
+    # the steps both halves reached (a half stops once it is well past its held-out maximum)
+    steps = sorted(set.intersection(*(set(s) for s in scores))) if scores else []
+    star = max(steps, key=lambda s: sum(sc[s] for sc in scores)) if steps else max_iter
+    w = prob.w / prob.w.sum()
+    pi = prob.start(w)
+    if star > 0:
+        pi = _squarem(pi, w, w > 0, q, prob.allowed, star, XFIT_TOL, prob.zero_idx, mean=mean)
+    est = prob.cumulative(pi, R)
+    return (est, star) if return_steps else est
 
 
 # --------------------------------------------------------------------------------------------
@@ -595,7 +817,7 @@ def l1_distance(counts_a, counts_b) -> int:
 # Estimators of phi_{>=r} and the default for each (mode, layers). "mle" is the EM of
 # deconvolved_prevalence run to convergence: MLE_TOL on the normalized log-likelihood gain, at most
 # MLE_MAX_ITER SQUAREM steps (a bound on the time; reached at eps = 0.5 with millions of counters).
-METHODS = ("threshold", "deconvolution", "mle")
+METHODS = ("threshold", "deconvolution", "mle", "wupagh", "xfit", "auto")
 MODES = ("direct", "hashed")
 MLE_MAX_ITER = 1000
 MLE_TOL = 1e-9
@@ -636,8 +858,11 @@ def default_cap(mode: str, layers: int) -> str:
     return _default(mode, layers)[1]
 
 
-def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct") -> np.ndarray:
+def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=None) -> np.ndarray:
     """phi_hat_{>=r} by the named estimator (:data:`METHODS`; default :func:`default_method`).
+
+    ``n``: the number of events when public; the estimators that use it (``"xfit"``) fit
+    under sum_r phi_{>=r} = n, the others ignore it.
 
     ``mode`` only selects the default: ``"hashed"`` when the counters are hash buckets (their
     phi is then the reduced histogram's, which :mod:`aggregator.largedomain` inverts).
@@ -651,6 +876,14 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct") -> np
     if method == "mle":
         return deconvolved_prevalence(noisy_counts, p, layers=layers, max_iter=MLE_MAX_ITER,
                                       tol=MLE_TOL)
+    if method == "auto":
+        from .selection import selected_prevalence
+        return selected_prevalence(noisy_counts, p, layers=layers, n=n)
+    if method == "xfit":
+        return crossfit_prevalence(noisy_counts, p, layers=layers, n=n)
+    if method == "wupagh":
+        from .wupagh import wupagh_prevalence
+        return wupagh_prevalence(noisy_counts, p, layers=layers)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
@@ -720,7 +953,7 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     cap = default_cap("direct", k) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-    phi_hat = phi_estimate(vc, p, layers=k, method=method)
+    phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n)
     if loss == "l1":
         y = project_l1(phi_hat)
         return counts_from_cumulative(y if n is None else cap_total(y, n, cap))

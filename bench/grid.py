@@ -137,7 +137,7 @@ def _l1(y: np.ndarray, truth: np.ndarray) -> float:
 def estimate_y(mode: str, vc, p: float, layers: int, method: str, n: int, B: int | None):
     """The uncapped projected cumulative prevalence of the items, as the release computes it."""
     if mode == "direct":
-        return project_l1(phi_estimate(vc, p, layers=layers, method=method))
+        return project_l1(phi_estimate(vc, p, layers=layers, method=method, n=n))
     counts = ld.hashed_histogram(vc, p, buckets=B, n=n, layers=layers, method=method, cap="none")
     return cumulative_from_counts(counts)
 

@@ -1,0 +1,119 @@
+"""Choosing the estimator from the counters: minimax bootstrap regret (``method="auto"``).
+
+Why a rule and not one estimator
+--------------------------------
+No estimator of phi_{>=r} is best on every data shape (docs/accuracy_grid.md): the early-stopped EM
+(``"deconvolution"``) wins on dense, near-uniform counters, where the converged NPMLE (``"mle"``)
+overfits into spikes, and loses 3-15x when most counters are empty and the noise has two or three
+layers, where the EM needs hundreds of steps; very sparse windows favour the NPMLE thinned to n
+(cap ``"scale"``), heavy tails the largest items (cap ``"items"``). The counters themselves say
+which regime they are in, and a release may use them for that: any function of the noisy counters
+and the public quantities (n, D or B, p, layers) is post-processing.
+
+The rule
+--------
+1. Pilots. Run each pilot estimator (:data:`PILOTS`: the early-stopped EM and the converged
+   NPMLE) on the counters, project (Algorithm 1) and cap at n by thinning: two plausible truths,
+   one smooth and one spiky. Each is a valid anonymized histogram.
+2. Parametric bootstrap. For each pilot, simulate the state it implies (same counters, p,
+   layers; fresh seeded noise, :func:`aggregator.intervals.simulate_counts`) :data:`SIMS` times,
+   run every candidate (estimator x cap rule, :data:`CANDIDATES`) on each simulated state, and
+   measure its l1 error against the pilot: an estimate of each candidate's error if the pilot were
+   the truth.
+3. Minimax regret. regret(candidate, pilot) = error / the smallest error under that pilot. The
+   choice is the candidate with the smallest worst regret over the pilots (ties: the lower mean
+   regret): the grid's own selection rule (bench/grid.py), applied to the plausible truths of
+   these counters instead of to a benchmark grid. A candidate that is good only if the truth is
+   smooth, or only if it is spiky, loses to one that is good under both.
+4. The winner's estimate on the real counters (the pilots' runs are reused) is the release.
+
+Each pilot alone biases the choice toward itself (an estimator does well on data shaped like its
+own output); the minimax over a smooth and a spiky pilot is what removes most of that bias
+(measured in docs/accuracy_grid.md). The bootstrap's randomness is seeded from the counters
+(:func:`aggregator.estimate._data_seed`), so the release is a deterministic function of them, and
+it never touches the state or its noise: post-processing.
+
+Cost: 2 pilot runs plus pilots x SIMS x (the EM candidates) estimator runs on simulated value
+counts (the threshold candidate is a single pass): about 1 + SIMS x 2 times the converged NPMLE's
+time. That is the price of adapting; docs/accuracy_grid.md ("Release time") measures it.
+
+>>> import numpy as np
+>>> from aggregator.noise import discrete_laplace
+>>> g = np.random.default_rng(3)
+>>> h = np.concatenate([g.integers(1, 20, 400), np.zeros(3_600, np.int64)])
+>>> noisy = h + discrete_laplace(0.5, len(h), rng=g) + discrete_laplace(0.5, len(h), rng=g)
+>>> y, choice = select(noisy, 0.5, layers=2, n=int(h.sum()))
+>>> choice in CANDIDATES, int(y.sum()) <= int(h.sum())
+(True, True)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["PILOTS", "CANDIDATES", "SIMS", "select", "selected_prevalence"]
+
+PILOTS = ("deconvolution", "mle")
+CANDIDATES = tuple((m, c) for m in ("deconvolution", "mle", "threshold")
+                   for c in ("items", "scale"))
+SIMS = 2
+
+
+def _l1(a: np.ndarray, b: np.ndarray) -> float:
+    m = max(len(a), len(b))
+    return float(np.abs(np.pad(a, (0, m - len(a))) - np.pad(b, (0, m - len(b)))).sum())
+
+
+def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDIDATES,
+           sims=SIMS, seed=None) -> tuple[np.ndarray, tuple]:
+    """(cumulative prevalence phi_{>=r} of the release, chosen (method, cap)).
+
+    Without ``n`` the cap rules are not applied (every candidate is taken as ``"none"``).
+    """
+    from .estimate import (
+        _check_layers, _data_seed, cap_total, counts_from_cumulative, noisy_value_counts,
+        phi_estimate, project_l1,
+    )
+    from .intervals import simulate_counts
+
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    D = vc.total
+    if n is None:
+        candidates = tuple(dict.fromkeys((m, "none") for m, _ in candidates))
+
+    def cap(y, total, rule):
+        return y if rule == "none" or total is None else cap_total(y, int(total), rule)
+
+    methods = tuple(dict.fromkeys(m for m, _ in candidates))
+    fits = {m: project_l1(phi_estimate(vc, p, layers=k, method=m)) for m in
+            dict.fromkeys(pilots + methods) if m in pilots or m == "threshold"}
+    rng = np.random.default_rng(_data_seed(vc) if seed is None else seed)
+    regret: dict = {c: [] for c in candidates}
+    for pm in pilots:
+        y_p = cap(fits[pm], n, "scale")
+        truth = counts_from_cumulative(y_p)
+        if len(truth) > D:  # more items than counters (possible only without n): keep the top
+            truth = truth[:D]
+            y_p = np.asarray(np.cumsum(np.bincount(truth)[::-1])[::-1][1:], dtype=np.int64)
+        total = int(truth.sum()) if n is not None else None
+        err = {c: 0.0 for c in candidates}
+        for _ in range(int(sims)):
+            sim = simulate_counts(rng, truth, D, p, k)
+            for m in methods:
+                y = project_l1(phi_estimate(sim, p, layers=k, method=m))
+                for c in candidates:
+                    if c[0] == m:
+                        err[c] += _l1(cap(y, total, c[1]), y_p)
+        best = min(err.values())
+        for c in candidates:
+            regret[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
+    choice = min(candidates, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
+    m, rule = choice
+    y = fits[m] if m in fits else project_l1(phi_estimate(vc, p, layers=k, method=m))
+    return cap(y, n, rule), choice
+
+
+def selected_prevalence(noisy_counts, p, *, layers=1, n=None) -> np.ndarray:
+    """phi_{>=r} of :func:`select` as floats (``estimate.phi_estimate(method="auto")``)."""
+    return select(noisy_counts, p, layers=layers, n=n)[0].astype(np.float64)
