@@ -19,6 +19,7 @@ class Segment:
     offsets: list[int]      # offset of each record, increasing
     values: list[bytes]     # raw message values, same length as offsets
     keys: list | None = None  # record keys where the source has them (Kafka), else None
+    headers: list | None = None  # record headers, [(name, bytes), ...] each (Kafka), else None
 
     def __len__(self) -> int:
         return len(self.values)

@@ -1,7 +1,11 @@
 """Decode raw event messages into items, sorting bad input into named reasons.
 
-Schema: a map ``{"item": <str | bytes | int>, ...}`` encoded as msgpack (default) or JSON. Bad
-input is never fatal and never counted as an event; each rejected message gets one reason:
+Schema: a map ``{"item": <str | bytes | int>, ...}`` encoded as msgpack (default) or JSON. Which
+field is the item is an :class:`ItemSpec` (config section ``[item]``): a field path in the value
+(``user.id``), the record key, or a header; optional coercion of numeric strings (direct mode),
+NFC normalisation and case folding (hashed mode), and a filter on another field. Records the
+filter leaves out are neither events nor rejects (:data:`FILTERED`). Bad input is never fatal and
+never counted as an event; each rejected message gets one reason:
 
 ===============  ===========================================================================
 reason           meaning
@@ -11,7 +15,8 @@ reason           meaning
 ``undecodable``  not valid msgpack / JSON (or not UTF-8 JSON, a byte order mark included), or a
                  str item with a lone surrogate (no UTF-8 form to hash)
 ``not_a_map``    decodes, but is not a map/object
-``missing_item`` a map without an ``"item"`` key
+``missing_item`` a map without the item field (``"item"``, or ``item.field``'s path), or no
+                 record key / header when the item comes from there
 ``wrong_type``   the item is not str/bytes/int (bool, float, list, null ...), or not an int
                  in direct mode
 ``out_of_range`` direct mode: an int outside [0, D)
@@ -30,14 +35,18 @@ partition, offset); never its content.
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
-__all__ = ["REASONS", "Decoder", "DecodedBatch"]
+__all__ = ["REASONS", "FILTERED", "Decoder", "DecodedBatch", "ItemSpec"]
 
 REASONS = ("oversized", "undecodable", "not_a_map", "missing_item", "wrong_type", "out_of_range")
+#: not a reason: a record the filter (``item.filter_field``) leaves out; not an event, not a reject
+FILTERED = "filtered"
+_MISSING = object()
 _HUGE = 10**100  # stands for any JSON integer past Python's parse limit: outside every range
 
 
@@ -45,9 +54,98 @@ def _capped_int(digits: str) -> int:
     return int(digits) if len(digits) < 100 else (-_HUGE if digits.startswith("-") else _HUGE)
 
 
+@dataclass(frozen=True)
+class ItemSpec:
+    """Which part of a record is the item, and how it is normalised (config section ``[item]``).
+
+    source
+        ``"value"`` (a field of the decoded message), ``"key"`` (the Kafka record key) or
+        ``"header"`` (the last Kafka header named ``header``).
+    path
+        The field path in the value, e.g. ``("user", "id")`` for ``user.id``; a segment of
+        digits indexes a list.
+    coerce
+        Direct mode: a str (or key/header bytes) of ASCII digits is that int ("00042" is 42).
+        Key and header items in direct mode are always read this way (bytes are no int).
+    nfc, casefold
+        Hashed mode, str items: Unicode NFC normalisation, ``str.casefold()``.
+    filter_path, filter_value
+        Only records whose value has ``filter_value`` at ``filter_path`` (compared as text:
+        strings as they are, ints in decimal, booleans as ``true``/``false``) are events; the
+        rest (the field missing included) are :data:`FILTERED`.
+    """
+
+    source: str = "value"
+    path: tuple = ("item",)
+    header: str = ""
+    coerce: bool = False
+    nfc: bool = False
+    casefold: bool = False
+    filter_path: tuple | None = None
+    filter_value: str = ""
+
+    @classmethod
+    def from_config(cls, item: dict) -> "ItemSpec":
+        fp = tuple(item["filter_field"].split(".")) if item["filter_field"] else None
+        return cls(source=item["source"], path=tuple(item["field"].split(".")),
+                   header=item["header"], coerce=bool(item["coerce"]),
+                   nfc=item["normalize"] == "nfc", casefold=bool(item["casefold"]),
+                   filter_path=fp, filter_value=str(item["filter_value"]))
+
+    @property
+    def default(self) -> bool:
+        return self == ItemSpec()
+
+    @property
+    def needs_value(self) -> bool:
+        return self.source == "value" or self.filter_path is not None
+
+
+def _walk(doc, path):
+    """The value at ``path`` in ``doc`` or _MISSING (a missing key, a non-container on the way)."""
+    for seg in path:
+        if type(doc) is dict:
+            doc = doc.get(seg, _MISSING)
+        elif type(doc) is list and seg.isdigit() and int(seg) < len(doc):
+            doc = doc[int(seg)]
+        else:
+            return _MISSING
+        if doc is _MISSING:
+            return _MISSING
+    return doc
+
+
+def _as_text(value) -> str | None:
+    """The filter's view of a field: str as is, int in decimal, bool as true/false."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, int)):
+        return str(value) if not isinstance(value, int) or abs(value) < 10**30 else None
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def _digits(item):
+    """A str/bytes of ASCII digits as its int (at most 40 digits), else None."""
+    if isinstance(item, bytes):
+        if 0 < len(item) <= 40 and item.isdigit():  # bytes.isdigit is ASCII-only
+            return int(item)
+        return None
+    if isinstance(item, str) and 0 < len(item) <= 40 and item.isascii() and item.isdigit():
+        return int(item)
+    return None
+
+
 @dataclass
 class DecodedBatch:
-    """Items of the good messages, in order, and the positions of the bad ones by reason."""
+    """Items of the good messages, in order, and the positions of the bad ones by reason.
+
+    Records the filter left out are in ``rejected`` too, with reason :data:`FILTERED` (the
+    service accounts them apart from rejects: not events, no dead letter)."""
 
     items: list | np.ndarray = field(default_factory=list)  # int64 array on the fast path
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (index in batch, reason)
@@ -78,13 +176,17 @@ class Decoder:
     """
 
     def __init__(self, fmt: str = "msgpack", domain_size: int | None = None,
-                 max_message_bytes: int = 65536, max_item_bytes: int = 1024):
+                 max_message_bytes: int = 65536, max_item_bytes: int = 1024,
+                 spec: ItemSpec | None = None):
         if fmt not in ("msgpack", "json"):
             raise ValueError(f"format must be 'msgpack' or 'json', got {fmt!r}")
         self.fmt = fmt
         self.domain_size = domain_size
         self.max_message_bytes = int(max_message_bytes)
         self.max_item_bytes = int(max_item_bytes)
+        self.spec = spec or ItemSpec()
+        self._default = self.spec.default
+        self._normalises = domain_size is None and (self.spec.nfc or self.spec.casefold)
 
     def _load(self, raw: bytes):
         if self.fmt == "msgpack":
@@ -97,41 +199,90 @@ class Decoder:
         except ValueError:  # a valid integer past Python's digit limit: judge it by its range
             return json.loads(text, parse_int=_capped_int)
 
-    def decode_one(self, raw) -> tuple[object, str | None]:
-        """(item, None) for a good message, (None, reason) for a bad one."""
-        if not isinstance(raw, (bytes, bytearray, memoryview)):
-            return None, "undecodable"
-        if len(raw) > self.max_message_bytes:
-            return None, "oversized"
-        try:
-            doc = self._load(bytes(raw))
-        except Exception:  # msgpack/json raise many types for garbage; all mean undecodable
-            return None, "undecodable"
-        if not isinstance(doc, dict):
-            return None, "not_a_map"
-        if "item" not in doc:
+    def decode_one(self, raw, key=None, headers=None) -> tuple[object, str | None]:
+        """(item, None) for a good message, (None, reason) for a bad one, (None, FILTERED) for
+        one the filter leaves out. ``key`` and ``headers``: the Kafka record's, where the item
+        comes from there."""
+        spec = self.spec
+        doc = None
+        if spec.needs_value:
+            if not isinstance(raw, (bytes, bytearray, memoryview)):
+                return None, "undecodable"
+            if len(raw) > self.max_message_bytes:
+                return None, "oversized"
+            try:
+                doc = self._load(bytes(raw))
+            except Exception:  # msgpack/json raise many types for garbage; all mean undecodable
+                return None, "undecodable"
+            if not isinstance(doc, dict):
+                return None, "not_a_map"
+            if spec.filter_path is not None and \
+                    _as_text(_walk(doc, spec.filter_path)) != spec.filter_value:
+                return None, FILTERED
+        if spec.source == "value":
+            item = _walk(doc, spec.path) if not self._default else doc.get("item", _MISSING)
+        elif spec.source == "key":
+            item = _MISSING if key is None else key
+        else:
+            item = _MISSING
+            for name, value in headers or ():
+                if name == spec.header:
+                    item = value
+        if item is _MISSING:
             return None, "missing_item"
-        item = doc["item"]
+        return self._check(item, spec.source != "value")
+
+    def _check(self, item, raw_bytes: bool) -> tuple[object, str | None]:
+        """Type, range, size and normalisation of one item (``raw_bytes``: a key or header)."""
+        if isinstance(item, (bytearray, memoryview)):
+            item = bytes(item)
         if isinstance(item, bool) or not isinstance(item, (int, str, bytes)):
             return None, "wrong_type"
         if self.domain_size is not None:
             if not isinstance(item, int):
-                return None, "wrong_type"
+                if not (self.spec.coerce or raw_bytes):
+                    return None, "wrong_type"
+                if len(item) > self.max_item_bytes:
+                    return None, "oversized"
+                item = _digits(item)
+                if item is None:
+                    return None, "wrong_type"
             if not 0 <= item < self.domain_size:
                 return None, "out_of_range"
             return item, None
         if isinstance(item, int):
             if not -(2**63) <= item < 2**64:
                 return None, "oversized"
-        elif len(item) > self.max_item_bytes or (isinstance(item, str) and
-                                                 len(item.encode("utf-8", "surrogatepass")) > self.max_item_bytes):
+            return item, None
+        if len(item) > self.max_item_bytes or (isinstance(item, str) and
+                                               len(item.encode("utf-8", "surrogatepass")) > self.max_item_bytes):
             return None, "oversized"
-        elif isinstance(item, str):
+        if isinstance(item, str):
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:  # lone surrogates cannot be hashed as UTF-8
                 return None, "undecodable"
+            if self._normalises:
+                item = self._normalise(item)
+                if len(item.encode("utf-8")) > self.max_item_bytes:  # casefold can lengthen
+                    return None, "oversized"
+        elif self._normalises and raw_bytes:
+            try:  # a key or header: text if it is UTF-8 (else the bytes count as they are)
+                item = self._normalise(item.decode("utf-8"))
+            except UnicodeDecodeError:
+                return item, None
+            if len(item.encode("utf-8")) > self.max_item_bytes:
+                return None, "oversized"
         return item, None
+
+    def _normalise(self, text: str) -> str:
+        if self.spec.nfc:
+            text = unicodedata.normalize("NFC", text)
+        if self.spec.casefold:
+            text = text.casefold()
+            if self.spec.nfc:  # folding can leave a string that is not NFC
+                text = unicodedata.normalize("NFC", text)
+        return text
 
     def _decode_msgpack_batch(self, values) -> DecodedBatch | None:
         """All-good msgpack batches in one pass through C; None means "use the slow path".
@@ -165,10 +316,28 @@ class Decoder:
             return None
         if len(objs) != n or not np.array_equal(np.asarray(ends, dtype=np.int64), np.cumsum(lens)):
             return None
-        items = [o.get("item") if type(o) is dict else None for o in objs]
+        spec, keep, left_out = self.spec, None, []
+        if spec.filter_path is not None:
+            if any(type(o) is not dict for o in objs):
+                return None  # not_a_map: the per-message path names it
+            fp, fv = spec.filter_path, spec.filter_value
+            match = [_as_text(_walk(o, fp)) == fv for o in objs]
+            if not all(match):
+                keep = [i for i, m in enumerate(match) if m]
+                left_out = [(i, FILTERED) for i, m in enumerate(match) if not m]
+                objs = [objs[i] for i in keep]
+                n = len(objs)
+        if self._default:
+            items = [o.get("item") if type(o) is dict else None for o in objs]
+        else:
+            path = spec.path
+            items = [_walk(o, path) if type(o) is dict else None for o in objs]
         kinds = set(map(type, items))
         if self.domain_size is not None:
-            if kinds != {int}:
+            if spec.coerce and kinds - {int}:
+                items = [x if type(x) is int else _digits(x) for x in items]
+                kinds = set(map(type, items))
+            if kinds - {int}:
                 return None
             try:
                 arr = np.fromiter(items, np.int64, n)
@@ -176,9 +345,10 @@ class Decoder:
                 return None
             inside = (arr >= 0) & (arr < self.domain_size)
             if inside.all():
-                return DecodedBatch(items=arr)
+                return DecodedBatch(items=arr, rejected=left_out)
             bad = np.flatnonzero(~inside)
-            return DecodedBatch(items=arr[inside], rejected=[(int(i), "out_of_range") for i in bad])
+            rejected = [(int(i) if keep is None else keep[i], "out_of_range") for i in bad]
+            return DecodedBatch(items=arr[inside], rejected=sorted(rejected + left_out))
         if not kinds <= {int, str, bytes}:
             return None
         if kinds - {int}:
@@ -186,26 +356,35 @@ class Decoder:
             # are measured exactly: a long but valid item costs its own bytes, instead of sending
             # the whole batch down the per-message path (a timing channel, docs/hash_timing.md).
             limit = self.max_item_bytes
+            if self._normalises:
+                items = [self._normalise(x) if type(x) is str else x for x in items]
             for x in [x for x in items if type(x) is not int and len(x) * 4 > limit]:
                 if (len(x.encode("utf-8")) if type(x) is str else len(x)) > limit:
                     return None  # oversized: the per-message path names it
-        return DecodedBatch(items=items)
+        return DecodedBatch(items=items, rejected=left_out)
 
-    def decode(self, values) -> DecodedBatch:
-        if self.fmt == "msgpack" and len(values) >= 64:
+    def decode(self, values, keys=None, headers=None) -> DecodedBatch:
+        """Decode a batch; ``keys`` and ``headers`` (per record, Kafka) where the item comes
+        from the record key or a header."""
+        if self.fmt == "msgpack" and len(values) >= 64 and self.spec.source == "value":
             fast = self._decode_msgpack_batch(values)
             if fast is not None:
                 return fast
-        return self.decode_each(values)
+        return self.decode_each(values, keys, headers)
 
-    def decode_each(self, values) -> DecodedBatch:
+    def decode_each(self, values, keys=None, headers=None) -> DecodedBatch:
         """The per-message path: each message decoded on its own, never raising for one
         message's sake (whatever a message makes the decoder do, it is ``undecodable``)."""
         out = DecodedBatch()
         append_item, append_bad = out.items.append, out.rejected.append
+        plain = self.spec.source == "value"
         for i, raw in enumerate(values):
             try:
-                item, reason = self.decode_one(raw)
+                if plain:
+                    item, reason = self.decode_one(raw)
+                else:
+                    item, reason = self.decode_one(raw, None if keys is None else keys[i],
+                                                   None if headers is None else headers[i])
             except Exception:
                 item, reason = None, "undecodable"
             if reason is None:

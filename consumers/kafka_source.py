@@ -149,7 +149,8 @@ class KafkaSource(Source):
             if records:
                 segments.append(Segment(partition_key(tp.topic, tp.partition),
                                         [r.offset for r in records], [r.value for r in records],
-                                        [r.key for r in records]))
+                                        [r.key for r in records],
+                                        [r.headers for r in records]))
         return segments
 
     # -- partitioned mode: the service drives positions per partition ---------------------------

@@ -42,6 +42,16 @@ DEFAULTS: dict[str, dict] = {
         "generator_rate": 0.0,        # events/s; 0 = as fast as possible
         "generator_seed": -1,         # -1: fresh
     },
+    "item": {                       # which part of a record is the counted item
+        "source": "value",          # value (a field of the message) | key (record key) | header
+        "field": "item",            # value: dotted field path, e.g. user.id (digits index a list)
+        "header": "",               # header: the header's name (the last one of that name wins)
+        "coerce": False,            # direct mode: "00042" / b"42" count as the int 42
+        "normalize": "none",        # hashed mode, text items: none | nfc (Unicode NFC)
+        "casefold": False,          # hashed mode, text items: Unicode case folding
+        "filter_field": "",         # only records with filter_value at this field path are
+        "filter_value": "",         # events; the rest are counted as filtered (not rejects)
+    },
     "security": {                   # every Kafka client (consumer, admin, producers); secrets are
                                     # read from a file or the environment, never logged
         "protocol": "PLAINTEXT",    # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
@@ -110,6 +120,8 @@ _CHOICES = {
     ("state", "loss"): ("l1", "l2"),
     ("window", "kind"): ("count", "time"),
     ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
+    ("item", "source"): ("value", "key", "header"),
+    ("item", "normalize"): ("none", "nfc"),
 }
 _SECRET = {("security", "password")}  # never echoed in an error
 _POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "keep_windows"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
@@ -258,6 +270,7 @@ def _validate(cfg: dict, env=None) -> None:
     if cfg["metrics"]["port"] < -1 or cfg["metrics"]["port"] > 65535:
         raise ConfigError("metrics.port must be -1 (off), 0 (any free port) or 1..65535; "
                           + _where("metrics", "port"))
+    _validate_item(cfg)
     from consumers.kafka_security import SecurityError, check_security
     try:
         check_security(cfg["security"], env)
@@ -266,3 +279,36 @@ def _validate(cfg: dict, env=None) -> None:
     if cfg["testing"]["noise_seed"] >= 0 and os.environ.get("PANAGG_TESTING") != "1":
         raise ConfigError("testing.noise_seed makes the noise predictable and is refused outside "
                           "tests; remove it (tests also set PANAGG_TESTING=1)")
+
+
+def _validate_item(cfg: dict) -> None:
+    item, mode = cfg["item"], cfg["state"]["mode"]
+    for key in ("field", "filter_field"):
+        path = item[key]
+        if path and any(not seg for seg in path.split(".")):
+            raise ConfigError(f"item.{key} = {path!r} has an empty segment; write a dotted path "
+                              "such as user.id; " + _where("item", key))
+    if not item["field"]:
+        raise ConfigError("item.field must name the item's field (default item); "
+                          + _where("item", "field"))
+    if item["source"] == "header" and not item["header"]:
+        raise ConfigError("item.source = header needs item.header (the header's name); "
+                          + _where("item", "header"))
+    if item["header"] and item["source"] != "header":
+        raise ConfigError("item.header is set but item.source is not header; set item.source = "
+                          "header, or remove item.header")
+    if item["source"] != "value" and cfg["source"]["kind"] != "kafka":
+        raise ConfigError(f"item.source = {item['source']} needs Kafka records (source.kind = "
+                          "kafka); file and generator records have no key or headers")
+    if item["source"] != "value" and item["field"] != "item":
+        raise ConfigError(f"item.field is a field of the value, but item.source = "
+                          f"{item['source']}; remove item.field or set item.source = value")
+    if item["filter_value"] and not item["filter_field"]:
+        raise ConfigError("item.filter_value is set without item.filter_field (the field it is "
+                          "compared with); " + _where("item", "filter_field"))
+    if mode == "direct" and (item["normalize"] != "none" or item["casefold"]):
+        raise ConfigError("item.normalize and item.casefold apply to text items (state.mode = "
+                          "hashed); direct mode counts ints: remove them")
+    if mode == "hashed" and item["coerce"]:
+        raise ConfigError("item.coerce is for direct mode; hashed mode already counts 42 and "
+                          "\"42\" as the same item: remove item.coerce")

@@ -4,10 +4,12 @@ Every rejected record is produced to ``source.dead_letter_topic`` with
 
 * key ``<partition>@<offset>`` of the source record, so a consumer can drop the duplicates that a
   replay after a crash re-sends (at least once, never lost);
-* headers ``reason`` (a :data:`consumers.decode.REASONS` name), ``source`` (the same position)
-  and, for a value too large for one Kafka request, ``truncated`` = its length in bytes with an
-  empty value (a record larger than the producer's limit would otherwise fail to send; the
-  position still identifies it in the source topic).
+* headers ``reason`` (a :data:`consumers.decode.REASONS` name), ``source`` (the same position),
+  ``key`` = the source record's own key (when it had one: the record key is not the dead
+  letter's key, so that the dead-letter topic can be compacted by position) and, for a value too
+  large for one Kafka request, ``truncated`` = its length in bytes with an empty value (a record
+  larger than the producer's limit would otherwise fail to send; the position still identifies
+  it in the source topic).
 
 Durability: a checkpoint moves the source offsets past the records it covers, so the dead letters
 of those records must be acknowledged by the broker first (:meth:`DeadLetters.flush`, step 1 of
@@ -56,10 +58,13 @@ class DeadLetters:
         self._failed: list[tuple] = []
         self._seq = 0
 
-    def send(self, partition: str, offset: int, value, reason: str) -> None:
-        """Queue one rejected record (never raises: a failure is retried at the flush)."""
+    def send(self, partition: str, offset: int, value, reason: str, key=None) -> None:
+        """Queue one rejected record (never raises: a failure is retried at the flush).
+        ``key``: the source record's key, kept in the ``key`` header."""
         raw = bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else b""
         headers = [("reason", reason.encode()), ("source", f"{partition}@{offset}".encode())]
+        if isinstance(key, (bytes, bytearray, memoryview)):
+            headers.append(("key", bytes(key)))
         if len(raw) > _VALUE_LIMIT:
             headers.append(("truncated", str(len(raw)).encode()))
             raw = b""

@@ -41,6 +41,8 @@ class Metrics:
                                      ["reason"], registry=r)
         for reason in REASONS:
             self.decode_errors.labels(reason=reason)
+        self.filtered = Counter("panagg_filtered_records", "Records item.filter left out (not "
+                                "events, not rejects)", registry=r)
         self.dead_letters = Counter("panagg_dead_letters", "Rejected messages sent to the "
                                     "dead-letter topic", registry=r)
         self.releases = Counter("panagg_releases", "Window releases published", registry=r)
