@@ -750,8 +750,23 @@ def test_unreachable_kafka_is_one_line(tmp_path):
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in res.stderr
-    assert lines[-1].startswith("panagg: error: cannot reach Kafka at 127.0.0.1:1")
+    assert lines[-1] == ("panagg: error: cannot reach Kafka: connection refused at 127.0.0.1:1 "
+                         "(nothing listens on that port). Check source.bootstrap and that the "
+                         "broker is running (deploy/kafka/kafka.sh start)")
     assert not any("ECONNREFUSED" in ln for ln in lines)  # no burst of client retries
+
+
+def test_unresolvable_kafka_host_is_its_own_line(tmp_path):
+    """A DNS failure and a refused port once both read KafkaTimeoutError after 30 s."""
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap",
+                          "no-such-host.invalid:9092", "--topic", "x", "--state-dir",
+                          str(tmp_path / "s"), "--metrics-port", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "panagg: error: cannot reach Kafka: cannot resolve host 'no-such-host.invalid' (DNS). "
+        "Check source.bootstrap and that the broker is running (deploy/kafka/kafka.sh start)")
+    assert "connecting to Kafka at no-such-host.invalid:9092" in res.stderr  # not silent
 
 
 # -- the ledger is the authority; a state directory keeps its identity ------------------------------

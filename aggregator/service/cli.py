@@ -107,6 +107,49 @@ def _setup_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def probe_bootstrap(bootstrap: str, timeout_s: float = 5.0) -> str | None:
+    """One line saying why no bootstrap server can be reached (None: one answers TCP).
+
+    The Kafka client reports a wrong host name, a closed port and a silent firewall alike, as a
+    timeout after the whole connect timeout; a plain resolve-and-connect first tells them apart
+    in at most ``timeout_s`` per server. It proves only that something listens: the client still
+    does the real handshake (and says so if that fails)."""
+    import socket
+
+    import logging
+    servers = [s.strip() for s in str(bootstrap).split(",") if s.strip()]
+    problems = []
+    for server in servers:
+        host, _, port = server.rpartition(":")
+        host = host.strip("[]")
+        if not host or not port.isdigit():
+            problems.append(f"{server!r} is not host:port")
+            continue
+        logging.getLogger("panagg.service").info("connecting to Kafka at %s", server)
+        try:
+            addrs = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            problems.append(f"cannot resolve host {host!r} (DNS)")
+            continue
+        reason = None
+        for family, stype, proto, _, addr in addrs:
+            try:
+                with socket.socket(family, stype, proto) as sock:
+                    sock.settimeout(timeout_s)
+                    sock.connect(addr)
+                return None
+            except ConnectionRefusedError:
+                reason = f"connection refused at {server} (nothing listens on that port)"
+            except (TimeoutError, socket.timeout):
+                reason = (f"no answer from {server} within {timeout_s:g} s (a firewall, or the "
+                          "wrong address)")
+            except OSError as exc:
+                reason = f"cannot connect to {server} ({exc.strerror or type(exc).__name__})"
+        problems.append(reason or f"no address for {server}")
+    return ("cannot reach Kafka: " + "; ".join(problems) + ". Check source.bootstrap and that "
+            "the broker is running (deploy/kafka/kafka.sh start)")
+
+
 def _make_source(cfg: dict):
     src = cfg["source"]
     if src["kind"] == "kafka":
@@ -126,6 +169,9 @@ def _make_source(cfg: dict):
                            "max_partition_fetch_bytes": src["max_partition_fetch_bytes"]}
         if instance:  # partitioned members share checkpoint.dir: each needs its own id
             consumer_config["group_instance_id"] = instance
+        problem = probe_bootstrap(src["bootstrap"], min(5.0, float(src["connect_timeout_s"])))
+        if problem:
+            raise UsageError(problem)
         return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
                            consumer_config=consumer_config, partitioned=partitioned,
                            security=cfg["security"])
