@@ -150,6 +150,21 @@ def probe_bootstrap(bootstrap: str, timeout_s: float = 5.0) -> str | None:
             "the broker is running (deploy/kafka/kafka.sh start)")
 
 
+def _topic_missing(source, topic: str) -> str | None:
+    """One line when the cluster has no topic ``topic`` (None: it exists, or the metadata could
+    not be read, in which case the client's own errors follow)."""
+    try:
+        topics = source.consumer.topics()
+    except Exception:
+        return None
+    if topic in topics:
+        return None
+    near = sorted(t for t in topics if not t.startswith("__"))[:8]
+    return (f"topic {topic!r} does not exist on the cluster: create it (e.g. kafka-topics.sh "
+            f"--create --topic {topic} --partitions 3) or fix source.topic"
+            + (f"; topics there: {', '.join(near)}" if near else ""))
+
+
 def _make_source(cfg: dict):
     src = cfg["source"]
     if src["kind"] == "kafka":
@@ -172,9 +187,16 @@ def _make_source(cfg: dict):
         problem = probe_bootstrap(src["bootstrap"], min(5.0, float(src["connect_timeout_s"])))
         if problem:
             raise UsageError(problem)
-        return KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
-                           consumer_config=consumer_config, partitioned=partitioned,
-                           security=cfg["security"])
+        # reading must never create the topic it reads (a typo would then wait on an empty one)
+        consumer_config["allow_auto_create_topics"] = False
+        source = KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
+                             consumer_config=consumer_config, partitioned=partitioned,
+                             security=cfg["security"])
+        missing = _topic_missing(source, src["topic"])
+        if missing:
+            source.close()
+            raise UsageError(missing)
+        return source
     if src["kind"] == "file":
         from consumers.file_source import FileSource
         return FileSource(src["path"], fmt="json" if src["format"] == "json" else "msgpack",
