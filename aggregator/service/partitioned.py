@@ -365,7 +365,8 @@ class PartitionedAggregator(Aggregator):
                 if self.step(poll_timeout_s):
                     idle_since = None
                     continue
-                if not self.idle_can_count():
+                # only an --exit-when-idle run asks (the check may wait on the broker)
+                if idle_exit_s is None or not self.idle_can_count():
                     continue
                 idle_since = idle_since or time.monotonic()
                 if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:

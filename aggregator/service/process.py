@@ -553,7 +553,8 @@ class Aggregator:
                     if problem:  # a finite run that counted nothing must not exit 0
                         raise ServiceError(problem)
                     break
-                if not self.idle_can_count():
+                # only an --exit-when-idle run asks (the check may wait on the broker)
+                if idle_exit_s is None or not self.idle_can_count():
                     continue
                 idle_since = idle_since or time.monotonic()
                 if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
