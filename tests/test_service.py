@@ -342,11 +342,32 @@ def test_no_payload_in_logs_metrics_or_errors(tmp_path):
     res = run_cli(args)
     assert res.returncode == 0, res.stderr
     assert secret not in res.stdout and secret not in res.stderr
+    # rejects are logged by position and reason (the file source's positions are line numbers)
+    rejected = [ln.split(": ", 1)[1] for ln in res.stderr.splitlines()
+                if "rejected record at " in ln]
+    assert len(rejected) == 4 and all(ln.startswith("rejected record at file:") for ln in rejected)
     for f in (tmp_path / "state").rglob("*"):
         if f.is_file():
             assert secret.encode() not in f.read_bytes(), f
     for f in (tmp_path / "releases").rglob("*"):
         assert secret.encode() not in f.read_bytes()
+
+
+def test_reject_log_is_rate_limited(caplog):
+    from aggregator.service.process import RejectLog
+
+    rl = RejectLog(burst=3, period_s=3600)
+    with caplog.at_level("WARNING", logger="panagg.service"):
+        for off in range(50):
+            rl.record("t:0", 100 + off, "undecodable" if off % 2 else "missing_item")
+        rl.flush(force=True)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[:3] == ["rejected record at t:0 offset 100: missing_item",
+                        "rejected record at t:0 offset 101: undecodable",
+                        "rejected record at t:0 offset 102: missing_item"]
+    assert len(msgs) == 4 and msgs[3].startswith("47 more rejected records in the last ")
+    assert msgs[3].endswith("(missing_item: 23, undecodable: 24); counts by reason in "
+                            "panagg_decode_errors_total")
 
 
 @pytest.mark.parametrize("sets, fragment", [

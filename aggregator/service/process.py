@@ -67,6 +67,36 @@ class Stopping(Exception):
     """The service was asked to stop while it waited (nothing more is made durable)."""
 
 
+class RejectLog:
+    """Rejected records in the log by position and reason, never content, rate-limited: the
+    first ``burst`` of each minute one line each, then one summary line a minute by reason."""
+
+    def __init__(self, burst: int = 5, period_s: float = 60.0):
+        self.burst, self.period_s = burst, period_s
+        self.start = time.monotonic()
+        self.logged = 0
+        self.suppressed: dict[str, int] = {}
+
+    def record(self, partition: str, offset: int, reason: str) -> None:
+        self.flush()
+        if self.logged < self.burst:
+            self.logged += 1
+            log.warning("rejected record at %s offset %d: %s", partition, int(offset), reason)
+        else:
+            self.suppressed[reason] = self.suppressed.get(reason, 0) + 1
+
+    def flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.start < self.period_s:
+            return
+        if self.suppressed:
+            log.warning("%d more rejected records in the last %.0f s (%s); counts by reason in "
+                        "panagg_decode_errors_total", sum(self.suppressed.values()),
+                        now - self.start, ", ".join(f"{k}: {v}" for k, v in
+                                                    sorted(self.suppressed.items())))
+        self.start, self.logged, self.suppressed = now, 0, {}
+
+
 class RejectWatch:
     """Says loudly, once, when the first records of a run are (almost) all rejected: a wrong
     ``source.format`` or ``state.mode`` otherwise looks like an idle stream (a release of n = 0).
@@ -310,6 +340,7 @@ class Aggregator:
         self._held: set[str] = set()
         self._connected: bool | None = None
         self.reject_watch = RejectWatch(cfg)
+        self.reject_log = RejectLog()
         self._last_lag = 0.0
         self._pause_logged: float | None = None
         self._progress_at: float | None = None
@@ -663,6 +694,7 @@ class Aggregator:
         if not decoded.rejected:
             return decoded.items, None, []
         for i, reason in bad:
+            self.reject_log.record(seg.partition, seg.offsets[i], reason)
             if self.dead_letters is not None:
                 self.dead_letters.send(seg.partition, seg.offsets[i], seg.values[i], reason,
                                        key=seg.keys[i] if seg.keys is not None else None)
@@ -1077,6 +1109,7 @@ class Aggregator:
         """One turn of the consume loop is done: /healthz and /ready (docs/operations.md)."""
         self.metrics.heartbeat()
         self._progress_line()
+        self.reject_log.flush()
         if self._connected is False:
             self.metrics.set_ready(False, "Kafka broker unreachable")
         elif self.dead_letters is not None and self.dead_letters.outstanding > 10_000:
