@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from itertools import compress, repeat
 from dataclasses import dataclass, field
 
 import msgpack
@@ -113,6 +114,35 @@ def _walk(doc, path):
         if doc is _MISSING:
             return _MISSING
     return doc
+
+
+def _pluck(objs: list, path: tuple) -> list:
+    """``_walk(o, path)`` for every map in ``objs`` (None for a non-map), in list comprehensions
+    for the common one- and two-level map paths (the batch fast path's hot loop)."""
+    M = _MISSING
+    if len(path) == 1:
+        (a,) = path
+        return [o.get(a, M) if type(o) is dict else None for o in objs]
+    if len(path) == 2 and not path[1].isdigit():
+        a, b = path
+        return [(v.get(b, M) if type(v) is dict else M) if v is not None else None
+                for v in [o.get(a, M) if type(o) is dict else None for o in objs]]
+    return [_walk(o, path) if type(o) is dict else None for o in objs]
+
+
+def _matches(values: list, want: str) -> list:
+    """``_as_text(v) == want`` for each value, without a call per value for str, int and bool."""
+    as_int = int(want) if want.lstrip("-").isdigit() and want.isascii() and len(want) < 30 else None
+    as_bool = {"true": True, "false": False}.get(want)
+    out = [type(v) is str and v == want for v in values]
+    if set(map(type, values)) <= {str}:
+        return out
+    for i, v in enumerate(values):
+        if not out[i] and type(v) is not str and v is not _MISSING:
+            t = type(v)
+            out[i] = ((t is int and v == as_int) or (t is bool and v is as_bool) or
+                      (t is bytes and _as_text(v) == want))
+    return out
 
 
 def _as_text(value) -> str | None:
@@ -320,18 +350,17 @@ class Decoder:
         if spec.filter_path is not None:
             if any(type(o) is not dict for o in objs):
                 return None  # not_a_map: the per-message path names it
-            fp, fv = spec.filter_path, spec.filter_value
-            match = [_as_text(_walk(o, fp)) == fv for o in objs]
+            match = _matches(_pluck(objs, spec.filter_path), spec.filter_value)
             if not all(match):
-                keep = [i for i, m in enumerate(match) if m]
-                left_out = [(i, FILTERED) for i, m in enumerate(match) if not m]
-                objs = [objs[i] for i in keep]
+                mask = np.fromiter(match, bool, n)
+                keep = np.flatnonzero(mask).tolist()
+                left_out = list(zip(np.flatnonzero(~mask).tolist(), repeat(FILTERED)))
+                objs = list(compress(objs, match))
                 n = len(objs)
         if self._default:
             items = [o.get("item") if type(o) is dict else None for o in objs]
         else:
-            path = spec.path
-            items = [_walk(o, path) if type(o) is dict else None for o in objs]
+            items = _pluck(objs, spec.path)
         kinds = set(map(type, items))
         if self.domain_size is not None:
             if spec.coerce and kinds - {int}:

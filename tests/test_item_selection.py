@@ -8,6 +8,8 @@ import os
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aggregator.service import Aggregator
 from aggregator.service.config import ConfigError, load_config
@@ -203,3 +205,26 @@ def test_item_choice_is_part_of_the_state_dirs_identity(tmp_path):
     _run(tmp_path, [([pack({"item": 1})] * 10, None, None)])
     with pytest.raises(ServiceError, match="item 'value:item' -> 'value:user.id'"):
         _run(tmp_path, [([pack({"user": {"id": 1}})] * 10, None, None)], "item.field=user.id")
+
+
+_leaf = (st.none() | st.booleans() | st.integers(-5, 2**64 - 1) | st.sampled_from(["login", "x", "7", "Zoë"])
+         | st.binary(max_size=4) | st.floats(allow_nan=False))
+_record = st.one_of(
+    st.fixed_dictionaries({"event": _leaf, "user": st.one_of(_leaf, st.fixed_dictionaries({"id": _leaf})),
+                           "item": _leaf}),
+    _leaf, st.lists(_leaf, max_size=2))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_record, min_size=64, max_size=90), st.sampled_from([
+    ItemSpec(), ItemSpec(path=("user", "id")), ItemSpec(path=("user", "id"), coerce=True),
+    ItemSpec(filter_path=("event",), filter_value="login"),
+    ItemSpec(path=("user", "id"), filter_path=("event",), filter_value="7", nfc=True, casefold=True),
+    ItemSpec(filter_path=("user", "id"), filter_value="true")]), st.booleans())
+def test_fast_path_agrees_with_per_message_decoding(docs, spec, direct):
+    if direct and (spec.nfc or spec.casefold):
+        spec = ItemSpec(path=spec.path, filter_path=spec.filter_path, filter_value=spec.filter_value)
+    if not direct and spec.coerce:
+        spec = ItemSpec(path=spec.path)
+    values = [pack(d) for d in docs]
+    both_paths(Decoder("msgpack", domain_size=100 if direct else None, spec=spec), values)
