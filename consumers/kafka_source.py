@@ -153,6 +153,22 @@ class KafkaSource(Source):
                                         [r.headers for r in records]))
         return segments
 
+    def initial_offsets(self, start) -> dict[str, int] | None:
+        """Where a new state directory starts in every partition of the topic: ``"latest"``
+        (the end offsets now) or a Unix time in ms (the first record at or after it, or the end
+        where there is none). None if the topic's partitions are not known (no such topic)."""
+        tps = self._topic_partitions()
+        if not tps:
+            return None
+        if start == "latest":
+            found = self.consumer.end_offsets(tps, timeout_ms=_CALL_MS)
+        else:
+            at = self.consumer.offsets_for_times({tp: int(start) for tp in tps},
+                                                 timeout_ms=_CALL_MS)
+            ends = self.consumer.end_offsets(tps, timeout_ms=_CALL_MS)
+            found = {tp: (at[tp].offset if at.get(tp) is not None else ends[tp]) for tp in tps}
+        return {partition_key(tp.topic, tp.partition): int(off) for tp, off in found.items()}
+
     # -- partitioned mode: the service drives positions per partition ---------------------------
     def owned(self) -> set[str]:
         """Partitions of the topic this member is assigned right now."""

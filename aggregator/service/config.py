@@ -12,7 +12,7 @@ import math
 import os
 import tomllib
 
-__all__ = ["DEFAULTS", "ConfigError", "load_config"]
+__all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start"]
 
 
 class ConfigError(ValueError):
@@ -27,6 +27,8 @@ DEFAULTS: dict[str, dict] = {
         "group": "panagg",
         "instance_id": "",          # Kafka static membership id; empty: derived from checkpoint.dir
                                     # (partitioned mode: empty means dynamic membership)
+        "start": "earliest",        # a new state dir starts at: earliest | latest | a time
+                                    # (ISO 8601 with zone, e.g. 2026-11-20T00:00:00Z)
         "connect_timeout_s": 30.0,  # give up (one clear line) if Kafka cannot be reached
         "session_timeout_s": 45.0,  # Kafka group session: a dead member's partitions move after it
         "format": "msgpack",        # msgpack | json
@@ -271,6 +273,14 @@ def _validate(cfg: dict, env=None) -> None:
         raise ConfigError("metrics.port must be -1 (off), 0 (any free port) or 1..65535; "
                           + _where("metrics", "port"))
     _validate_item(cfg)
+    start = parse_start(cfg["source"]["start"])
+    if start != "earliest" and src["kind"] != "kafka":
+        raise ConfigError("source.start applies to Kafka topics (source.kind = kafka); remove it "
+                          f"for a {src['kind']} source")
+    if start != "earliest" and cfg["scale"]["partitioned"]:
+        raise ConfigError("source.start = latest or a time is not supported with "
+                          "scale.partitioned yet (each partition starts when first assigned); "
+                          "start a single aggregator with it, or remove source.start")
     from consumers.kafka_security import SecurityError, check_security
     try:
         check_security(cfg["security"], env)
@@ -279,6 +289,24 @@ def _validate(cfg: dict, env=None) -> None:
     if cfg["testing"]["noise_seed"] >= 0 and os.environ.get("PANAGG_TESTING") != "1":
         raise ConfigError("testing.noise_seed makes the noise predictable and is refused outside "
                           "tests; remove it (tests also set PANAGG_TESTING=1)")
+
+
+def parse_start(text: str):
+    """``source.start`` as ``"earliest"``, ``"latest"`` or a Unix time in milliseconds."""
+    import datetime as dt
+    text = str(text).strip()
+    if text in ("earliest", "latest"):
+        return text
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(f"source.start must be earliest, latest or an ISO 8601 time with its "
+                          f"zone (e.g. 2026-11-20T00:00:00Z), got {text!r}; "
+                          + _where("source", "start")) from None
+    if when.tzinfo is None:
+        raise ConfigError(f"source.start = {text!r} has no time zone, so it could mean any of "
+                          "24 hours; add one (Z for UTC, or +01:00)")
+    return int(when.timestamp() * 1000)
 
 
 def _validate_item(cfg: dict) -> None:

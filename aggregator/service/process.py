@@ -395,7 +395,8 @@ class Aggregator:
         if recorded is None:
             self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                                identity=dict(mine, run=os.urandom(8).hex(),
-                                             first_window=self._first_window()))
+                                             first_window=self._first_window(),
+                                             start=self.cfg["source"]["start"]))
             return self.ledger.identity()
         changed = [k for k in mine if recorded.get(k, _IDENTITY_DEFAULTS.get(k)) != mine[k]]
         if not changed:
@@ -440,6 +441,7 @@ class Aggregator:
             self._first_start(task, where)
             self.commit(task)  # from now on a missing checkpoint is a lost one
             return
+        self._check_start_policy(where)
         self._check_not_rolled_back(ckpt.window, where)
         task.window, task.offsets = dict(ckpt.window), dict(ckpt.offsets)
         task.pending = list(ckpt.pending)
@@ -513,7 +515,43 @@ class Aggregator:
         task.offsets, task.pending = {}, []
         task.totals = {"events": 0, "rejects": {}}
         task.durable = None
-        log.info("no checkpoint in %s: starting window %d", where, first)
+        task.offsets, at = self._start_offsets(bool(committed))
+        log.info("no checkpoint in %s: starting window %d at %s", where, first, at)
+
+    def _start_offsets(self, committed: bool) -> tuple[dict[str, int], str]:
+        """Where a new state directory starts (``source.start``), and that in words."""
+        from .config import parse_start
+        src = self.cfg["source"]
+        start = parse_start(src["start"]) if src["kind"] == "kafka" else "earliest"
+        if start == "earliest":
+            return {}, ("the group's committed offsets (--fresh-start)" if committed and
+                        self.fresh_start else "the earliest retained records" if
+                        src["kind"] == "kafka" else "the start of the input")
+        probe = getattr(self.source, "initial_offsets", None)
+        offsets = probe(start) if probe is not None else None
+        if not offsets:
+            raise ServiceError(f"source.start = {src['start']}: the partitions of topic "
+                               f"{src['topic']!r} are not known (does it exist?); create the "
+                               "topic, or start from earliest")
+        where = ", ".join(f"{k} at {v}" for k, v in sorted(offsets.items()))
+        what = "the latest offsets" if start == "latest" else \
+            f"the first records at or after {src['start']}"
+        return offsets, f"{what} (source.start): {where}"
+
+    def _check_start_policy(self, where: str) -> None:
+        """``source.start`` only places a new state directory; refuse one that asks for another
+        start than the directory had (it resumes from its checkpoint: the setting would be
+        silently ignored)."""
+        from .config import parse_start
+        wanted = self.cfg["source"]["start"]
+        if parse_start(wanted) == "earliest":
+            return
+        had = (self.ledger.identity() or {}).get("start", "earliest")
+        if parse_start(had) != parse_start(wanted):
+            raise ServiceError(f"source.start = {wanted} only places a new state directory, but "
+                               f"{where} has a checkpoint (this directory started at {had}) and "
+                               "resumes from its offsets; for a new start at "
+                               f"{wanted} use a new checkpoint.dir, or remove source.start")
 
     def _check_not_rolled_back(self, window: dict, where: str) -> None:
         uid = window.get("uid")
