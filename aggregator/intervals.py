@@ -51,7 +51,7 @@ from .estimate import (
 from .properties import entropy
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
-           "simulate_counts", "error_bars"]
+           "simulate_counts", "error_bars", "rank_band_sums", "RANK_BANDS", "MODELS"]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
 
@@ -116,22 +116,59 @@ def _simulated_state(rng, counts, counters, p, layers, hashed):
     return simulate_counts(rng, counts[:counters], counters, p, layers)
 
 
+RANK_BANDS = (1, 10, 100, 1000, 10000)  # counts summed over ranks 1, 2..10, 11..100, ...
+MODELS = ("both", "mle", "deconvolution")
+
+
+def rank_band_sums(counts, bands=RANK_BANDS) -> np.ndarray:
+    """Sums of the counts over the rank bands [1, b_1], (b_1, b_2], ... (decreasing order)."""
+    h = np.sort(np.asarray(counts, dtype=np.int64))[::-1]
+    cs = np.concatenate([[0], np.cumsum(h)])
+    ends = [min(b, len(h)) for b in bands]
+    starts = [0] + ends[:-1]
+    return np.array([cs[e] - cs[s] for s, e in zip(starts, ends)], dtype=np.float64)
+
+
+def _coverage_2n(counts) -> float:
+    from .properties import support_coverage
+    tot = int(np.asarray(counts).sum())
+    return support_coverage(counts, 2 * tot) if tot else 0.0
+
+
 def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, cap=None,
-               reps=30, level=0.9, rng=None, model="mle") -> dict:
+               reps=30, level=0.9, rng=None, model="both") -> dict:
     """The release and parametric-bootstrap error bars for it.
 
     Arguments as for :func:`aggregator.estimate.anonymized_histogram` (the estimate is exactly
     the release's), plus ``reps`` bootstrap repetitions, the two-sided ``level``, ``rng`` (a
     numpy Generator or seed for the bootstrap, not for privacy noise) and ``model``, the
-    estimator whose histogram stands in for the truth (None: the release itself). Returns:
+    stand-in truth: ``"both"`` (default) the early-stopped EM's and the converged NPMLE's
+    histograms, one smooth and one spiky, with the union of their intervals; ``"mle"`` or
+    ``"deconvolution"`` one of them; None the release itself.
+
+    Why two stand-ins: the basic bootstrap carries the estimator's bias at the stand-in into the
+    interval, and the bias at the truth differs from it by how the stand-in's shape differs from
+    the truth's. A smooth and a spiky stand-in bracket most shapes; the union covers what either
+    one would (docs/accuracy_grid.md, "Error bars", measures each choice).
+
+    When the release's estimator is ``"auto"`` (:mod:`aggregator.selection`) the bootstrap
+    re-runs the candidate it chose on these counters, not the whole choice (conditional on the
+    selection; ~10x cheaper).
+
+    Returns:
 
     * ``histogram``: the release (counts, decreasing).
     * ``l1_bound``: the ``level`` quantile of the l1 distance between the re-estimates and the
-      stand-in truth: an estimate of the ``level`` quantile of the release's l1 error.
-    * ``phi_lower``, ``phi_upper``: basic bootstrap interval for phi_{>=r}, r = 1..len (index 0
-      is r = 1), clipped to [0, n].
+      stand-in truth (the largest over the stand-ins).
+    * ``phi_lower``, ``phi_upper``: interval for phi_{>=r}, r = 1..len (index 0 is r = 1),
+      clipped to [0, n]; ``phi_r_lower``, ``phi_r_upper``: the same for phi_r (from the
+      bootstrap of phi_r itself, tighter than differencing the cumulative bounds).
     * ``distinct``: (lower, upper) for the number of items (phi_{>=1}).
     * ``entropy_nats``: (lower, upper) for the plug-in entropy.
+    * ``support_coverage_2n``: (lower, upper) for the support coverage S_m at m = 2 n
+      (``properties.support_coverage``: expected distinct items in 2n draws).
+    * ``rank_bands``: list of (first rank, last rank, lower, upper) for the events held by the
+      items of each rank band (:data:`RANK_BANDS`).
     * ``signal_to_noise``, ``signal_below_noise``: :func:`signal_to_noise` and its flag (with
       ``n``), and ``relative_l1_bound`` = l1_bound / n.
 
@@ -144,47 +181,95 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     >>> bool(lo <= len(eb["histogram"]) <= hi) and eb["l1_bound"] > 0
     True
     """
+    from .estimate import default_method
+
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level!r}")
     if int(reps) < 2:
         raise ValueError("reps must be >= 2")
+    if model is not None and model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS} or None, got {model!r}")
     rng = np.random.default_rng(rng)
     vc = noisy_value_counts(noisy_counts)
     counters = vc.total
     kw = dict(layers=layers, n=n, buckets=buckets, method=method, cap=cap)
     est = anonymized_histogram(vc, p, **kw)
+    chosen = method if method is not None else default_method(
+        "hashed" if buckets is not None else "direct", layers)
+    if chosen == "auto" and buckets is None:
+        from .selection import select
+        _, (m_sel, cap_sel) = select(vc, p, layers=layers, n=n)
+        kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
+    else:
+        kw_boot = kw
     y = cumulative_from_counts(est)
-    truth = est if model is None else anonymized_histogram(vc, p, **(kw | {"method": model}))
-    y_t = cumulative_from_counts(truth)
-    boot_y, boot_l1, boot_h = [], [], []
-    for _ in range(int(reps)):
-        sim = _simulated_state(rng, truth, counters, p, layers, buckets is not None)
-        e = anonymized_histogram(sim, p, **kw)
-        ys = cumulative_from_counts(e)
-        m = max(len(ys), len(y_t))
-        boot_y.append(np.pad(ys, (0, m - len(ys))))
-        boot_l1.append(float(np.abs(np.pad(ys, (0, m - len(ys))) - np.pad(y_t, (0, m - len(y_t))))
-                             .sum()))
-        boot_h.append(entropy(e) - entropy(truth))
-    R = max(len(y), len(y_t), max(len(b) for b in boot_y))
-    Y = np.stack([np.pad(b, (0, R - len(b))) for b in boot_y]).astype(np.float64)
-    y_full = np.pad(y, (0, R - len(y))).astype(np.float64)
+    stand_ins = {"both": ("deconvolution", "mle")}.get(model, (model,))
     a = (1.0 - level) / 2.0
-    q_lo, q_hi = np.quantile(Y - np.pad(y_t, (0, R - len(y_t))), [a, 1.0 - a], axis=0)
     top = float(n) if n is not None else math.inf
-    lower = np.clip(y_full - q_hi, 0.0, top)
-    upper = np.clip(y_full - q_lo, 0.0, top)
+    B = len(RANK_BANDS)
+    lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
+    for sm in stand_ins:
+        truth = est if sm is None else anonymized_histogram(vc, p, **(kw | {"method": sm}))
+        y_t = cumulative_from_counts(truth)
+        boot_y, boot_l1, boot_h, boot_c, boot_b = [], [], [], [], []
+        for _ in range(int(reps)):
+            sim = _simulated_state(rng, truth, counters, p, layers, buckets is not None)
+            e = anonymized_histogram(sim, p, **kw_boot)
+            ys = cumulative_from_counts(e)
+            m = max(len(ys), len(y_t))
+            boot_y.append(ys)
+            boot_l1.append(float(np.abs(np.pad(ys, (0, m - len(ys)))
+                                        - np.pad(y_t, (0, m - len(y_t)))).sum()))
+            boot_h.append(entropy(e) - entropy(truth))
+            boot_c.append(_coverage_2n(e) - _coverage_2n(truth))
+            boot_b.append(rank_band_sums(e) - rank_band_sums(truth))
+        R = max(len(y), len(y_t), max(len(b) for b in boot_y)) + 1
+        Y = np.stack([np.pad(b, (0, R - len(b))) for b in boot_y]).astype(np.float64)
+        dev = Y - np.pad(y_t, (0, R - len(y_t)))
+        y_full = np.pad(y, (0, R - len(y))).astype(np.float64)
+        q_lo, q_hi = np.quantile(dev, [a, 1.0 - a], axis=0)
+        lows.append(y_full - q_hi)
+        highs.append(y_full - q_lo)
+        # phi_r = phi_{>=r} - phi_{>=r+1}
+        dev_r = dev[:, :-1] - dev[:, 1:]
+        r_full = y_full[:-1] - y_full[1:]
+        r_lo, r_hi = np.quantile(dev_r, [a, 1.0 - a], axis=0)
+        rl.append(r_full - r_hi)
+        rh.append(r_full - r_lo)
+        l1s.append(float(np.quantile(boot_l1, level)))
+        hs.append(np.quantile(np.asarray(boot_h), [a, 1.0 - a]))
+        cvs.append(np.quantile(np.asarray(boot_c), [a, 1.0 - a]))
+        bands.append(np.quantile(np.stack(boot_b), [a, 1.0 - a], axis=0))
+    Rm = max(len(v) for v in lows)
+    pad = (lambda v, fill: np.concatenate([v, np.full(Rm - len(v), fill)]))
+    lower = np.clip(np.min([pad(v, 0.0) for v in lows], axis=0), 0.0, top)
+    upper = np.clip(np.max([pad(v, 0.0) for v in highs], axis=0), 0.0, top)
+    r_lower = np.clip(np.min([pad(v, 0.0) for v in rl], axis=0), 0.0, top)[: Rm - 1]
+    r_upper = np.clip(np.max([pad(v, 0.0) for v in rh], axis=0), 0.0, top)[: Rm - 1]
     h_hat = entropy(est)
-    h_lo, h_hi = np.quantile(np.asarray(boot_h), [a, 1.0 - a])
+    c_hat = _coverage_2n(est)
+    b_hat = rank_band_sums(est)
+    h_lo, h_hi = min(v[0] for v in hs), max(v[1] for v in hs)
+    c_lo, c_hi = min(v[0] for v in cvs), max(v[1] for v in cvs)
+    b_lo = np.min([v[0] for v in bands], axis=0)
+    b_hi = np.max([v[1] for v in bands], axis=0)
+    starts = (1,) + tuple(b + 1 for b in RANK_BANDS[:-1])
     out = {
         "histogram": est,
         "level": level,
         "reps": int(reps),
-        "l1_bound": float(np.quantile(boot_l1, level)),
+        "model": model,
+        "l1_bound": max(l1s),
         "phi_lower": lower,
         "phi_upper": upper,
-        "distinct": (float(lower[0]) if R else 0.0, float(upper[0]) if R else 0.0),
+        "phi_r_lower": r_lower,
+        "phi_r_upper": r_upper,
+        "distinct": (float(lower[0]) if Rm else 0.0, float(upper[0]) if Rm else 0.0),
         "entropy_nats": (max(h_hat - h_hi, 0.0), h_hat - h_lo),
+        "support_coverage_2n": (max(c_hat - c_hi, 0.0), max(c_hat - c_lo, 0.0)),
+        "rank_bands": [(int(s), int(e), float(np.clip(b_hat[i] - b_hi[i], 0.0, top)),
+                        float(np.clip(b_hat[i] - b_lo[i], 0.0, top)))
+                       for i, (s, e) in enumerate(zip(starts, RANK_BANDS))],
     }
     if n is not None:
         out["relative_l1_bound"] = out["l1_bound"] / max(int(n), 1)

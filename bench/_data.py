@@ -5,10 +5,23 @@ reproducible. Seeded noise is not private; production code always uses the OS CS
 
 Item distributions over a domain [D] (items sampled multinomially, n events):
 
-* ``zipf``      weights 1 / i**1.1, i = 1..D
+* ``zipf``      weights 1 / i**1.1, i = 1..D; ``zipf0.7``, ``zipf1.5``, ``zipf2``: other exponents
 * ``uniform``   weights 1
 * ``geometric`` weights rho**i with rho = 1 - 10 / D (mean rank about D / 10, so the support
                  that matters scales with D instead of collapsing to a handful of items)
+* ``heavy``     5 heavy hitters holding half the mass (0.2, 0.12, 0.08, 0.06, 0.04), the other
+                 half uniform over the remaining D - 5 items (with D >> n: a long tail of singletons)
+
+Real frequency profiles (:data:`REAL`), shipped inside PyPI packages (the ``bench`` extra): the
+profile is a probability vector over its vocabulary (D = the vocabulary size, the state's
+counters), and n events are drawn from it multinomially.
+
+* ``wf-<lang>``: wordfreq 3.1 'large' lists (frequencies aggregated from Wikipedia, subtitles,
+  news, books, web text, Twitter, Reddit; binned to centibels), top 1e5 words: en, de, ja, ar.
+* ``sc-<lang>``: pyspellchecker 0.9 dictionaries (word counts from OpenSubtitles, words seen
+  >= 50 times, all kept): es, ru, fa, lv.
+* ``ss-en``, ``ss-en2``: symspellpy 6.10's English unigram (82,765 words) and bigram
+  (243,342 pairs) counts (Google Books Ngram derived).
 """
 
 from __future__ import annotations
@@ -25,13 +38,61 @@ from aggregator.estimate import aligned_histograms
 from aggregator.estimate import l1_distance
 from aggregator.noise import discrete_laplace
 
-DISTRIBUTIONS = ("zipf", "uniform", "geometric")
+DISTRIBUTIONS = ("zipf", "uniform", "geometric", "zipf0.7", "zipf1.5", "zipf2", "heavy")
+REAL = ("wf-en", "wf-de", "wf-ja", "wf-ar", "sc-es", "sc-ru", "sc-fa", "sc-lv", "ss-en", "ss-en2")
+REAL_TOP = 100_000  # wordfreq lists: the top words kept
+
+
+def real_profile(name: str) -> np.ndarray:
+    """Probability vector (decreasing) of a real frequency profile :data:`REAL` (cached)."""
+    if name in _REAL_CACHE:
+        return _REAL_CACHE[name]
+    src, lang = name.split("-", 1)
+    if src == "wf":
+        import wordfreq
+        f = np.fromiter(wordfreq.get_frequency_dict(lang, wordlist="large").values(), np.float64)
+        f = np.sort(f)[::-1][:REAL_TOP]
+    elif src == "sc":
+        import gzip
+        import json
+        import os
+        import spellchecker
+        path = os.path.join(os.path.dirname(spellchecker.__file__), "resources", f"{lang}.json.gz")
+        with gzip.open(path) as fh:
+            f = np.sort(np.fromiter(json.load(fh).values(), np.float64))[::-1]
+    elif src == "ss":
+        import os
+        import symspellpy
+        base = os.path.dirname(symspellpy.__file__)
+        fn = ("frequency_bigramdictionary_en_243_342.txt" if lang == "en2"
+              else "frequency_dictionary_en_82_765.txt")
+        with open(os.path.join(base, fn), encoding="utf-8") as fh:
+            f = np.sort(np.array([float(line.split()[-1]) for line in fh if line.strip()]))[::-1]
+    else:
+        raise ValueError(f"unknown real profile {name!r}")
+    w = f / f.sum()
+    _REAL_CACHE[name] = w
+    return w
+
+
+_REAL_CACHE: dict = {}
 
 
 def weights(dist: str, D: int) -> np.ndarray:
+    if dist in REAL:
+        w = real_profile(dist)
+        if len(w) != D:
+            raise ValueError(f"{dist} has {len(w)} items, not D = {D}")
+        return w
     i = np.arange(1, D + 1, dtype=np.float64)
     if dist == "zipf":
         w = i ** -1.1
+    elif dist.startswith("zipf"):
+        w = i ** -float(dist[4:])
+    elif dist == "heavy":
+        heavy = np.array([0.2, 0.12, 0.08, 0.06, 0.04])
+        w = np.full(D, 0.5 / max(D - 5, 1))
+        w[:5] = heavy
     elif dist == "uniform":
         w = np.ones(D)
     elif dist == "geometric":

@@ -26,10 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.estimate import METHODS, default_cap, default_method
+from aggregator.estimate import default_cap, default_method
 
 from . import grid
 from ._data import cpu_model, git_rev, mean_se, versions
+
+METHODS = grid.METHODS
 
 T0 = time.perf_counter()
 RESULTS = Path("out") / "grid_results.pkl"
@@ -83,6 +85,7 @@ def run(quick: bool, path: Path) -> dict:
 # timing at D = 1e7 and coverage runs
 # --------------------------------------------------------------------------------------------
 TIME_REPS = 3
+TIME_LAYERS = (1, 2, 3, 4, 5, 6)
 
 
 def _timed(fn) -> float:
@@ -115,21 +118,22 @@ def run_timing(quick: bool) -> dict:
                                     minlength=B).astype(np.int64), B)
     rows = []
     for mode, (true, buckets) in setups.items():
-        for k in grid.LAYERS:
+        for k in TIME_LAYERS:
             x = true + dlap(rng, p, len(true), k)
             calls = {"bincount": lambda: np.bincount(x - x.min()),
                      "default": lambda: anonymized_histogram(x, p, layers=k, n=n,
                                                              buckets=buckets)}
-            for m in METHODS:
+            for m in METHODS + ("xfit",):
                 calls[m] = (lambda m=m: anonymized_histogram(x, p, layers=k, n=n,
                                                              buckets=buckets, method=m))
-            calls["error bars (30 reps)"] = (lambda: error_bars(x, p, layers=k, n=n,
-                                                                buckets=buckets, reps=30, rng=0))
+            if k <= 2 and mode == "direct":
+                calls["error bars (10 reps)"] = (lambda: error_bars(
+                    x, p, layers=k, n=n, buckets=buckets, reps=10, rng=0))
             times = {name: [] for name in calls}
-            for _ in range(TIME_REPS if not quick else 1):
+            for i in range(TIME_REPS if not quick else 1):
                 for name, fn in calls.items():
-                    if name.startswith("error bars") and times[name]:
-                        continue  # one run is enough for the slowest call
+                    if i and name not in ("bincount", "default", "threshold", "wupagh"):
+                        continue  # one run of the slow calls (minutes in all otherwise)
                     times[name].append(_timed(fn))
             rows.append(dict(mode=mode, layers=k, counters=len(x),
                              method=default_method(mode, k), times=times,
@@ -501,53 +505,57 @@ def _write_snr(w, rows) -> None:
     w("")
 
 
+COVERAGE_NAMES = ("l1", "distinct", "entropy", "coverage", "phi", "phi_r", "bands")
+
+
+def coverage_summary(rec: dict) -> dict:
+    """Coverage fractions of one (cell, layers) record of grid.run_coverage."""
+    frac = lambda ds: float(np.mean([v for d in ds for v in d.values()])) if any(ds) else math.nan
+    return dict(l1=float(np.mean(np.array(rec["l1"]) <= np.array(rec["bound"]))),
+                distinct=float(np.mean(rec["distinct"])), entropy=float(np.mean(rec["entropy"])),
+                coverage=float(np.mean(rec.get("coverage", [math.nan]))),
+                phi=frac(rec["phi"]), phi_r=frac(rec.get("phi_r", [])),
+                bands=frac(rec.get("bands", [])))
+
+
 def _write_coverage(w, cov: dict) -> None:
     if not cov:
         return
     level = 0.9
     w("## Error bars: measured coverage")
     w("")
-    w("`aggregator.intervals.error_bars(counters, p, layers=k, n=n, buckets=B, reps=20, "
-      "level=0.9)` (stand-in truth: the converged NPMLE, `model=\"mle\"`) on fresh data and "
-      "noise per repetition (release defaults of the commit named "
-      "below), against the truth: *l1 bound* = fraction of repetitions whose true l1 error is "
-      "at most the bound (nominal 0.90, one-sided); *distinct*, *entropy* = fraction inside the "
-      "two-sided 90% interval; *phi band* = pointwise coverage of phi_{>=r} at r in "
-      f"{grid.COVERAGE_R} (where r exists), averaged; *width* = mean (upper - lower) / true "
-      "number of items.")
+    w("`aggregator.intervals.error_bars(counters, p, layers=k, n=n, buckets=B, reps=16, "
+      "level=0.9)` (stand-in truths: the early-stopped EM's and the converged NPMLE's histograms, "
+      "union of the two intervals, `model=\"both\"`) on fresh data and noise per repetition "
+      "(release defaults), against the truth: *l1 bound* = fraction of repetitions whose true l1 "
+      "error is at most the bound (nominal 0.90, one-sided); *distinct*, *entropy*, *S_2n* "
+      "(support coverage at m = 2n) = fraction inside the two-sided 90% interval; *phi_{>=r}* = "
+      f"pointwise coverage at r in {grid.COVERAGE_R} (where r exists), averaged; *phi_r* = the "
+      f"same for phi_r at r in {grid.COVERAGE_PHI_R}; *rank bands* = the events held by ranks "
+      "1, 2-10, 11-100, ... (`intervals.RANK_BANDS`), averaged over the bands that exist; "
+      "*width* = mean (upper - lower) / true number of items.")
     w("")
-    w("| cell | layers | method | reps | l1 bound | distinct | entropy | phi band | width | "
-      "s per call |")
-    w("|---|---|---|---|---|---|---|---|---|---|")
+    w("| cell | layers | default | reps | l1 bound | distinct | entropy | S_2n | phi_{>=r} | "
+      "phi_r | rank bands | width | s per call |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     tot: dict = {}
-    revs = []
     for key, c in cov.items():
         cell = c["cell"]
-        revs.append(c["rev"].split()[0])
         for k, rec in c["out"].items():
-            l1 = np.mean(np.array(rec["l1"]) <= np.array(rec["bound"]))
-            phi = np.mean([v for d in rec["phi"] for v in d.values()])
-            vals = dict(l1=l1, distinct=np.mean(rec["distinct"]),
-                        entropy=np.mean(rec["entropy"]), phi=phi)
-            for name, v in vals.items():
-                tot.setdefault((k, name), []).append(v)
+            v = coverage_summary(rec)
+            for name in COVERAGE_NAMES:
+                tot.setdefault((k, name), []).append(v[name])
             w(f"| {cell_label(cell)} ({cell.mode}) | {k} | {c['defaults'][k]} | "
-              f"{len(rec['l1'])} | {l1:.2f} | {vals['distinct']:.2f} | {vals['entropy']:.2f} | "
-              f"{phi:.2f} | {np.mean(rec['width_distinct']):.3f} | "
-              f"{np.mean(rec['seconds']):.2f} |")
+              f"{len(rec['l1'])} | " + " | ".join(fmt(v[nm]) for nm in COVERAGE_NAMES)
+              + f" | {np.mean(rec['width_distinct']):.3f} | {np.mean(rec['seconds']):.2f} |")
     w("")
-    w("Averages over the cells (nominal " + f"{level:.2f}" + "):")
+    w("Averages over the cells (nominal " + f"{level:.2f}" + "; target: within 0.02):")
     w("")
-    w("| layers | l1 bound | distinct | entropy | phi band | cells below 0.8 (of each) |")
-    w("|---|---|---|---|---|---|")
+    w("| layers | " + " | ".join(COVERAGE_NAMES) + " |")
+    w("|---|" + "---|" * len(COVERAGE_NAMES))
     for k in sorted({k for k, _ in tot}):
-        names = ("l1", "distinct", "entropy", "phi")
-        low = ", ".join(f"{nm} {sum(1 for v in tot[(k, nm)] if v < 0.8)}" for nm in names)
-        w(f"| {k} | " + " | ".join(f"{np.mean(tot[(k, nm)]):.2f}" for nm in names)
-          + f" | {low} |")
-    w("")
-    w(f"(git HEAD when the first and the last coverage cell finished: {revs[0]}, {revs[-1]}; "
-      "other work was committed in between, see the notes for the code that ran.)")
+        w(f"| {k} | " + " | ".join(fmt(float(np.nanmean(tot[(k, nm)]))) for nm in COVERAGE_NAMES)
+          + " |")
     w("")
 
 
@@ -561,16 +569,17 @@ def _write_timing(w, tm: dict | None) -> None:
       f"Zipf(1.1) items in B = {tm['B']:.0e} buckets. `anonymized_histogram(x, p, layers=k, "
       "n=n, buckets=B or None, method=...)`; `default` = no method named (the table "
       "`estimate.DEFAULTS`: method and cap rule per mode and layers); baseline `np.bincount(x - "
-      f"x.min())`. Medians of {TIME_REPS} interleaved repetitions (error bars: one run); run "
+      f"x.min())`. Medians of {TIME_REPS} interleaved repetitions of bincount, the default, "
+      f"threshold and wupagh; one run of the others (error bars: direct mode, 1-2 layers); run "
       f"{tm['started']} at {tm['rev']}.")
     w("")
-    names = list(tm["rows"][0]["times"])
+    names = list(dict.fromkeys(a for row in tm["rows"] for a in row["times"]))
     w("| mode | layers | default method | " + " | ".join(names) + " | default / bincount |")
     w("|---|---|---|" + "---|" * len(names) + "---|")
     for row in tm["rows"]:
         med = {a: float(np.median(b)) for a, b in row["times"].items()}
         w(f"| {row['mode']} | {row['layers']} | {row['method']} | "
-          + " | ".join(f"{med[a]:.2f} s" for a in names)
+          + " | ".join(f"{med[a]:.2f} s" if a in med else "-" for a in names)
           + f" | {med['default'] / med['bincount']:.1f}x |")
     loads = [r["load"][0] for r in tm["rows"]]
     w("")
@@ -638,7 +647,7 @@ def _plot_snr(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
-    marks = {1: "o", 2: "s", 3: "^"}
+    marks = {1: "o", 2: "s", 3: "^", 4: "D", 5: "P", 6: "v"}
     for mode, color in (("direct", "tab:blue"), ("hashed", "tab:orange")):
         for k in grid.LAYERS:
             sel = [r for r in rows if r[0] == mode and r[1] == k]

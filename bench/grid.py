@@ -45,19 +45,24 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from aggregator import largedomain as ld
+import zlib
+
 from aggregator.estimate import (
-    CAP_RULES, METHODS, cap_total, cumulative_from_counts, phi_estimate, project_l1,
+    CAP_RULES, cap_total, cumulative_from_counts, phi_estimate, project_l1,
 )
 from aggregator.noise import p_from_epsilon
 
-from ._data import true_counts
+from ._data import REAL, real_profile, true_counts
 from .largedomain import items_counts, noisy_vc
 
-SEED = 20261122
-LAYERS = (1, 2, 3)
-EPS = (0.5, 1.0, 2.0)
-DIRECT_DISTS = ("zipf", "uniform", "geometric")  # bench._data.weights over [D]
+SEED = 20261123
+LAYERS = (1, 2, 3, 6)
+EPS = (0.25, 0.5, 1.0, 2.0, 4.0)
+DIRECT_DISTS = ("zipf0.7", "zipf", "zipf1.5", "zipf2", "geometric", "uniform", "heavy")
 HASHED_DISTS = ("zipf", "zipf1.01", "zipf1.5", "distinct")  # bench.largedomain.items_counts
+# Estimators measured by the grid (estimate.METHODS less "xfit", whose three EM runs per estimate
+# did not pay for themselves in the pilot runs: docs/accuracy_grid.md notes)
+METHODS = ("threshold", "deconvolution", "mle", "wupagh", "auto")
 ADMISSIBLE_CAPS = tuple(c for c in CAP_RULES if c != "none")
 CANDIDATES = tuple((m, c) for m in METHODS for c in CAP_RULES)
 
@@ -87,29 +92,64 @@ class Cell:
         return (self.mode, self.dist, self.n, self.D, self.eps)
 
 
+# (D, n, reps) of the synthetic direct cells: D/n = 0.1 .. 33, n = 1e3 .. 1e6; the dense
+# sizes D/n = 0.01 (n = 1e6, 1e7) only for DENSE_DISTS: their value spans (~2e4 values under
+# wide noise) make the converged NPMLE, and "auto" which runs it 5 times, cost ~20 s a layer
+DIRECT_SIZES = ((10**4, 10**5, 2), (10**4, 10**3, 3), (10**5, 10**5, 2), (10**5, 10**4, 2),
+                (10**6, 10**6, 2), (10**6, 10**5, 2), (10**6, 3 * 10**4, 2))
+DENSE_SIZES = ((10**4, 10**6, 1), (10**5, 10**7, 1))
+DENSE_DISTS = ("zipf", "uniform", "geometric")
+
+
 def grid_cells(quick: bool = False) -> list[Cell]:
-    """The grid. Direct: D in 1e4..1e6 at n/D = 0.1, 1, 10, plus sparse n/D = 0.01 and 0.001
-    (where the noise can swamp the data). Hashed: n = 1e4..1e7 (fewer repetitions at 1e7)."""
-    cells = []
+    """The grid (what a deployment does not choose), a rotating design rather than a full
+    factorial so that it runs in well under an hour on one core:
+
+    * direct, synthetic: every distribution of :data:`DIRECT_DISTS` at every (D, n) of
+      :data:`DIRECT_SIZES`, eps rotating through :data:`EPS` (each distribution meets every eps
+      and every D/n; eps 0.25 becomes 0.5 where n > D: 900-tap noise over value spans of 2e4
+      made one such cell cost minutes); plus Zipf(1.1) and uniform at D = 1e5 and 1e6 with
+      n = D at eps 0.25 and 4;
+    * direct, near-empty windows: n = 0, 10, 100 events over D = 1e5 and 1e6 counters;
+    * direct, real profiles (:data:`bench._data.REAL`, D = their vocabulary): n = D / 10
+      (eps 0.5 and 1 alternating) and n = 10 D (eps 1 and 2);
+    * hashed: :data:`HASHED_DISTS` at n = 1e3 .. 1e6 (B = choose_buckets(n)), eps rotating, plus
+      Zipf(1.1) at n = 1e7.
+    """
     if quick:
-        direct = [(10**4, 10**3, 2), (10**4, 10**5, 2), (10**5, 10**3, 2)]
-        hashed = [(10**4, 2)]
-        dists_d, dists_h, epss = ("zipf", "uniform"), ("zipf", "distinct"), (1.0,)
-    else:
-        direct = [(10**4, 10**3, 10), (10**4, 10**4, 10), (10**4, 10**5, 8),
-                  (10**5, 10**3, 8), (10**5, 10**4, 8), (10**5, 10**5, 6), (10**5, 10**6, 4),
-                  (10**6, 10**3, 4), (10**6, 10**4, 4), (10**6, 10**5, 4), (10**6, 10**6, 3),
-                  (10**6, 10**7, 2)]
-        hashed = [(10**4, 10), (10**5, 6), (10**6, 3), (10**7, 2)]
-        dists_d, dists_h, epss = DIRECT_DISTS, HASHED_DISTS, EPS
-    for D, n, reps in direct:
-        for dist in dists_d:
-            for eps in epss:
-                cells.append(Cell("direct", dist, n, D, eps, reps))
-    for n, reps in hashed:
-        for dist in dists_h:
-            for eps in epss:
-                cells.append(Cell("hashed", dist, n, None, eps, reps))
+        return [Cell("direct", "zipf", 10**3, 10**4, 1.0, 2),
+                Cell("direct", "heavy", 10**3, 10**5, 0.5, 2),
+                Cell("direct", "uniform", 10**5, 10**4, 2.0, 2),
+                Cell("direct", "zipf", 0, 10**4, 1.0, 2),
+                Cell("direct", "sc-ru", 2 * 10**3, 19_880, 1.0, 2),
+                Cell("hashed", "zipf", 10**4, None, 1.0, 2)]
+    cells = []
+    j = 0
+    for dist in DIRECT_DISTS:
+        for D, n, reps in DIRECT_SIZES + (DENSE_SIZES if dist in DENSE_DISTS else ()):
+            eps = EPS[j % len(EPS)]
+            if eps == 0.25 and n > D:  # wide noise over a long value span: EM too slow to grid
+                eps = 0.5
+            cells.append(Cell("direct", dist, n, D, eps, reps))
+            j += 1
+        j += 2  # the next distribution starts elsewhere in the eps cycle
+    for dist in ("zipf", "uniform"):
+        for D in (10**5, 10**6):
+            for eps in (0.25, 4.0):
+                cells.append(Cell("direct", dist, D, D, eps, 2))
+    for D in (10**5, 10**6):
+        for n in (0, 10, 100):
+            cells.append(Cell("direct", "zipf", n, D, 1.0, 3))
+    for i, name in enumerate(REAL):
+        D = len(real_profile(name))
+        for n, eps, reps in ((D // 10, (0.5, 1.0)[i % 2], 2), (10 * D, (1.0, 2.0)[i % 2], 1)):
+            cells.append(Cell("direct", name, n, D, eps, reps))
+    j = 0
+    for dist in HASHED_DISTS:
+        for n, reps in ((10**3, 3), (10**4, 3), (10**5, 2), (10**6, 2)):
+            cells.append(Cell("hashed", dist, n, None, EPS[j % len(EPS)], reps))
+            j += 1
+    cells.append(Cell("hashed", "zipf", 10**7, None, 1.0, 1))
     return cells
 
 
@@ -144,8 +184,8 @@ def estimate_y(mode: str, vc, p: float, layers: int, method: str, n: int, B: int
 
 def draw(cell: Cell, rep: int):
     """(true counts of the items, bucket totals or None, rng for the noise) of one repetition."""
-    rng = np.random.default_rng([SEED, hash(cell.mode) % 997, cell.n, cell.D or 0,
-                                 int(cell.eps * 100), sum(map(ord, cell.dist)), rep])
+    rng = np.random.default_rng([SEED, zlib.crc32(cell.mode.encode()), cell.n, cell.D or 0,
+                                 int(cell.eps * 100), zlib.crc32(cell.dist.encode()), rep])
     if cell.mode == "direct":
         h = true_counts(rng, cell.dist, cell.D, cell.n)
         return h[h > 0], None, rng
@@ -153,6 +193,15 @@ def draw(cell: Cell, rep: int):
     B = cell.counters
     red = np.bincount(rng.integers(0, B, len(h)), weights=h, minlength=B).astype(np.int64)
     return h, red[red > 0], rng
+
+
+def _noisy(rng, values, zeros, p, k):
+    """bench.largedomain.noisy_vc, also for a window with no events (no non-zero counter)."""
+    if len(values):
+        return noisy_vc(rng, values, zeros, p, k)
+    from aggregator.estimate import NoisyValueCounts, noise_pmf
+    K, q = noise_pmf(p, k)
+    return NoisyValueCounts(-K, rng.multinomial(zeros, q).astype(np.int64))
 
 
 def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None) -> CellResult:
@@ -166,7 +215,7 @@ def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None) -> CellResul
         truth = cumulative_from_counts(h)
         values = h if occupied is None else occupied
         for k in layers:
-            vc = noisy_vc(rng, values, C - len(values), p, k)  # shared by every candidate
+            vc = _noisy(rng, values, C - len(values), p, k)  # shared by every candidate
             for m in methods:
                 t = time.perf_counter()
                 y = estimate_y(cell.mode, vc, p, k, m, cell.n, B)
@@ -294,31 +343,31 @@ def choose(reg: dict, candidates, se: dict | None = None) -> tuple:
 # coverage of the bootstrap error bars (aggregator.intervals.error_bars)
 # --------------------------------------------------------------------------------------------
 COVERAGE_R = (1, 2, 3, 5, 10, 20)  # r at which the phi_{>=r} band's pointwise coverage is read
+COVERAGE_PHI_R = (1, 2, 3)  # r at which the phi_r interval's coverage is read
 
 
 def coverage_cells(quick: bool = False) -> list[Cell]:
     """A cross-section of the grid for the (expensive) coverage study: sparse, balanced and dense
-    direct cells and two hashed sizes, eps = 1 and 0.5."""
+    direct cells of several shapes (and one real profile), two hashed cells; eps 0.5 and 1."""
     if quick:
-        return [Cell("direct", "zipf", 10**3, 10**4, 1.0, 4), Cell("hashed", "zipf", 10**4, None,
-                                                                   1.0, 3)]
-    cells = []
-    for D, n in ((10**4, 10**3), (10**5, 10**4), (10**5, 10**6), (10**6, 10**4)):
-        for dist in ("zipf", "uniform"):
-            for eps in (0.5, 1.0):
-                cells.append(Cell("direct", dist, n, D, eps, 20))
-    for n in (10**4, 10**5):
-        for dist in ("zipf", "distinct"):
-            for eps in (0.5, 1.0):
-                cells.append(Cell("hashed", dist, n, None, eps, 20))
-    return cells
+        return [Cell("direct", "zipf", 10**3, 10**4, 1.0, 3), Cell("hashed", "zipf", 10**4, None,
+                                                                   1.0, 2)]
+    reps = 10
+    return [Cell("direct", "zipf", 10**4, 10**5, 1.0, reps),
+            Cell("direct", "uniform", 10**5, 10**4, 0.5, reps),
+            Cell("direct", "geometric", 10**4, 10**4, 1.0, reps),
+            Cell("direct", "heavy", 10**3, 10**5, 1.0, reps),
+            Cell("direct", "zipf1.5", 10**5, 10**5, 0.5, reps),
+            Cell("direct", "sc-ru", 1_988, 19_880, 1.0, reps),
+            Cell("hashed", "zipf", 10**4, None, 1.0, reps),
+            Cell("hashed", "distinct", 10**4, None, 0.5, reps)]
 
 
-def run_coverage(cell: Cell, layers=(1, 2), boot: int = 20, level: float = 0.9,
-                 model="mle") -> dict:
+def run_coverage(cell: Cell, layers=(1, 2), boot: int = 16, level: float = 0.9,
+                 model="both") -> dict:
     """Per layer count: over the cell's repetitions, whether the truth fell inside each interval
     of ``intervals.error_bars`` (release defaults), and the interval sizes."""
-    from aggregator.intervals import error_bars
+    from aggregator.intervals import _coverage_2n, error_bars, rank_band_sums
     from aggregator.properties import entropy
 
     out = {}
@@ -328,26 +377,37 @@ def run_coverage(cell: Cell, layers=(1, 2), boot: int = 20, level: float = 0.9,
         truth = cumulative_from_counts(h)
         values = h if occupied is None else occupied
         for k in layers:
-            vc = noisy_vc(rng, values, cell.counters - len(values), cell.p, k)
+            vc = _noisy(rng, values, cell.counters - len(values), cell.p, k)
             t = time.perf_counter()
             eb = error_bars(vc, cell.p, layers=k, n=cell.n, buckets=B, reps=boot, level=level,
                             rng=[SEED, rep, k], model=model)
             secs = time.perf_counter() - t
             y = cumulative_from_counts(eb["histogram"])
-            R = max(len(truth), len(eb["phi_lower"]))
+            R = max(len(truth), len(eb["phi_lower"])) + 1
             tr = np.pad(truth, (0, R - len(truth))).astype(float)
             lo = np.pad(eb["phi_lower"], (0, R - len(eb["phi_lower"])))
             hi = np.pad(eb["phi_upper"], (0, R - len(eb["phi_upper"])))
-            at = [r for r in COVERAGE_R if r <= R]
-            e_true = _l1(y, truth)
+            tr_r = tr[:-1] - tr[1:]
+            rlo = np.pad(eb["phi_r_lower"], (0, R - 1 - len(eb["phi_r_lower"])))
+            rhi = np.pad(eb["phi_r_upper"], (0, R - 1 - len(eb["phi_r_upper"])))
+            at = [r for r in COVERAGE_R if r <= len(truth)]
+            bands_true = rank_band_sums(h)
+            cov_true = _coverage_2n(h)
             h_true = entropy(h)
             rec = out.setdefault(k, {"l1": [], "bound": [], "distinct": [], "entropy": [],
-                                     "phi": [], "width_distinct": [], "seconds": []})
-            rec["l1"].append(e_true)
+                                     "phi": [], "phi_r": [], "bands": [], "coverage": [],
+                                     "width_distinct": [], "seconds": []})
+            rec["l1"].append(_l1(y, truth))
             rec["bound"].append(eb["l1_bound"])
             rec["distinct"].append(bool(lo[0] <= tr[0] <= hi[0]))
             rec["entropy"].append(bool(eb["entropy_nats"][0] <= h_true <= eb["entropy_nats"][1]))
             rec["phi"].append({r: bool(lo[r - 1] <= tr[r - 1] <= hi[r - 1]) for r in at})
+            rec["phi_r"].append({r: bool(rlo[r - 1] <= tr_r[r - 1] <= rhi[r - 1])
+                                 for r in COVERAGE_PHI_R if r <= len(truth)})
+            rec["bands"].append({i: bool(b[2] <= bands_true[i] <= b[3])
+                                 for i, b in enumerate(eb["rank_bands"]) if b[0] <= len(h)})
+            lo_c, hi_c = eb["support_coverage_2n"]
+            rec["coverage"].append(bool(lo_c - 1e-9 <= cov_true <= hi_c + 1e-9))
             rec["width_distinct"].append(float(hi[0] - lo[0]) / max(tr[0], 1.0))
             rec["seconds"].append(secs)
     return out

@@ -97,3 +97,41 @@ def test_error_bars_reject_bad_arguments(bad):
     h, p, noisy = _direct_case()
     with pytest.raises(ValueError):
         iv.error_bars(noisy, p, layers=2, **bad)
+
+
+def test_error_bars_every_released_statistic():
+    h, p, noisy = _direct_case(6)
+    n = int(h.sum())
+    eb = iv.error_bars(noisy, p, layers=2, n=n, reps=4, rng=3)
+    rl, ru = eb["phi_r_lower"], eb["phi_r_upper"]
+    assert len(rl) == len(ru) and np.all(rl <= ru) and rl.min() >= 0
+    lo_c, hi_c = eb["support_coverage_2n"]
+    assert 0 <= lo_c <= hi_c
+    bands = eb["rank_bands"]
+    assert [b[:2] for b in bands][:2] == [(1, 1), (2, 10)]
+    assert all(b[2] <= b[3] <= n for b in bands)
+
+
+def test_two_stand_ins_give_the_union_of_their_intervals():
+    h, p, noisy = _direct_case(7)
+    n = int(h.sum())
+    both = iv.error_bars(noisy, p, layers=2, n=n, reps=4, rng=11, model="both")
+    mle = iv.error_bars(noisy, p, layers=2, n=n, reps=4, rng=11, model="mle")
+    assert both["model"] == "both" and mle["model"] == "mle"
+    assert both["distinct"][1] - both["distinct"][0] >= 0
+    with pytest.raises(ValueError):
+        iv.error_bars(noisy, p, layers=2, n=n, reps=4, model="sideways")
+
+
+def test_rank_band_sums():
+    np.testing.assert_array_equal(iv.rank_band_sums([5, 1, 9, 2], bands=(1, 3, 10)),
+                                  [9.0, 7.0, 1.0])
+    assert iv.rank_band_sums([]).sum() == 0
+
+
+def test_error_bars_with_the_chosen_estimator():
+    h, p, noisy = _direct_case(8)
+    n = int(h.sum())
+    eb = iv.error_bars(noisy, p, layers=2, n=n, reps=3, rng=2, method="auto")
+    np.testing.assert_array_equal(eb["histogram"],
+                                  anonymized_histogram(noisy, p, layers=2, n=n, method="auto"))
