@@ -243,6 +243,17 @@ def _explain(lines: list[str], sec: dict | None, bootstrap: str) -> str | None:
     for needle, text in _CAUSES:
         if needle in joined:
             return text.format(**fields)
+    if _sasl({"protocol": sec.get("protocol", "PLAINTEXT")}) and "socket disconnected" in joined:
+        # the broker answers a failed authentication and closes at once: the client often sees
+        # only the close
+        return ("the broker closed every connection during authentication: most likely the "
+                "SASL credentials are wrong (check security.username and the password in "
+                f"{fields['password_source']}) or security.sasl_mechanism ({fields['mechanism']}) "
+                "is not enabled on this listener")
+    if sec.get("protocol") == "SSL" and not sec.get("cert_file") and \
+            "socket disconnected" in joined:
+        return ("the broker closed every TLS connection: if it requires a client certificate "
+                "(mutual TLS), set security.cert_file and security.key_file")
     if sec.get("protocol", "PLAINTEXT") == "PLAINTEXT" and "socket disconnected" in joined:
         return (f"the broker at {bootstrap} closed every connection: if its listener is "
                 "secured, set security.protocol (and the [security] settings it needs, "
