@@ -501,7 +501,8 @@ class PartitionedAggregator(Aggregator):
         if seg.offsets[0] < nxt:  # fetched before a seek: already in the counters
             cut = int(np.searchsorted(np.asarray(seg.offsets), nxt))
             seg = Segment(seg.partition, seg.offsets[cut:], seg.values[cut:],
-                          None if seg.keys is None else seg.keys[cut:])
+                          None if seg.keys is None else seg.keys[cut:],
+                          None if seg.headers is None else seg.headers[cut:])
             if not len(seg):
                 return
         items, good, rejected = self._decode(seg)
