@@ -14,6 +14,13 @@ Estimators of phi_{>=r}
   noisy-value counts c_v and the exactly known k-layer noise pmf, stopped early (a tolerance on
   the log-likelihood gain per non-zero counter). Biased but far less variable when k >= 2.
 * ``"mle"``: the same EM run to convergence (:data:`MLE_TOL`, :data:`MLE_MAX_ITER`).
+* ``"wupagh"``: Wu and Pagh (ICML 2024): the noisy profile through the circulant inverse of the
+  noise (the (2k+1)-tap filter g^{*k}), projected onto the simplex (:mod:`aggregator.wupagh`).
+* ``"xfit"``: the EM stopped where the held-out likelihood of a random half of the counters
+  peaks (cross-fitting; :func:`crossfit_prevalence`), with n: every M-step under
+  sum_h h pi_h = n / D.
+* ``"auto"``: the estimator and cap rule chosen from the counters by minimax bootstrap regret over
+  a smooth and a spiky stand-in truth (:mod:`aggregator.selection`).
 
 Which one a release uses when none is named is :func:`default_method` (mode, layers): the
 candidate with the lowest worst-case regret over the accuracy grid (bench/grid.py,
@@ -59,6 +66,7 @@ __all__ = [
     "DEFAULT_METHODS",
     "default_method",
     "DEFAULTS",
+    "DEFAULT_RULES",
     "default_cap",
     "MLE_MAX_ITER",
     "MLE_TOL",
@@ -850,27 +858,43 @@ DEFAULTS = {
     ("hashed", 3): ("mle", "items"),
 }
 DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
+# (mode, layers) -> (snr cut, (method, cap) below it, (method, cap) at or above it): a rule on the
+# public signal-to-noise ratio (intervals.signal_to_noise(n, counters, p, layers)) that replaces
+# the fixed DEFAULTS entry when n is known. Chosen on the accuracy grid like DEFAULTS (lowest
+# worst-case regret; bench/grid_defaults.json "rules"); layers above the largest key: its entry.
+DEFAULT_RULES: dict = {}
 
 
-def _default(mode: str, layers: int) -> tuple[str, str]:
+def _key(table: dict, mode: str, layers: int):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     k = _check_layers(layers)
-    return DEFAULTS[(mode, max(kk for m, kk in DEFAULTS if m == mode and kk <= k))]
+    keys = [kk for m, kk in table if m == mode and kk <= k]
+    return (mode, max(keys)) if keys else None
 
 
-def default_method(mode: str, layers: int) -> str:
+def _default(mode: str, layers: int, n=None, counters=None, p=None) -> tuple[str, str]:
+    key = _key(DEFAULT_RULES, mode, layers)
+    if key is not None and None not in (n, counters, p) and counters > 0:
+        from .intervals import signal_to_noise
+        cut, low, high = DEFAULT_RULES[key]
+        return low if signal_to_noise(int(n), int(counters), p, int(layers)) < cut else high
+    return DEFAULTS[_key(DEFAULTS, mode, layers)]
+
+
+def default_method(mode: str, layers: int, *, n=None, counters=None, p=None) -> str:
     """The estimator a release uses when none is named (:data:`DEFAULTS`).
 
     >>> default_method("hashed", 1), default_method("direct", 2), default_method("direct", 5)
     ('mle', 'deconvolution', 'deconvolution')
     """
-    return _default(mode, layers)[0]
+    return _default(mode, layers, n, counters, p)[0]
 
 
-def default_cap(mode: str, layers: int) -> str:
-    """The rule that caps a release's total at n when none is named (:data:`DEFAULTS`)."""
-    return _default(mode, layers)[1]
+def default_cap(mode: str, layers: int, *, n=None, counters=None, p=None) -> str:
+    """The rule that caps a release's total at n when none is named (:data:`DEFAULTS`; with n,
+    the number of counters and p: :data:`DEFAULT_RULES` where it has an entry)."""
+    return _default(mode, layers, n, counters, p)[1]
 
 
 def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=None) -> np.ndarray:
@@ -957,15 +981,22 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     >>> bool(np.all(np.diff(est) <= 0)) and est.dtype == np.int64
     True
     """
-    if buckets is not None:
-        from .largedomain import hashed_histogram
-        return hashed_histogram(noisy_counts, p, buckets=buckets, n=n, layers=layers, loss=loss,
-                                method=method, cap=cap)
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
+    feats = dict(n=n, counters=vc.total, p=p)
+    if buckets is not None:
+        from .largedomain import hashed_histogram
+        if method is None:
+            method = default_method("hashed", k, **feats)
+        if cap is None:
+            cap = default_cap("hashed", k, **feats)
+        return hashed_histogram(vc, p, buckets=buckets, n=n, layers=layers, loss=loss,
+                                method=method, cap=cap)
     if loss not in ("l1", "l2"):
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
-    cap = default_cap("direct", k) if cap is None else cap
+    if method is None:
+        method = default_method("direct", k, **feats)
+    cap = default_cap("direct", k, **feats) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
     phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n)

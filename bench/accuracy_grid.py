@@ -57,10 +57,46 @@ def save(state: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def run(quick: bool, path: Path) -> dict:
+def cell_cost(c) -> float:
+    """Rough relative run time of a grid cell (for ordering only)."""
+    span = 1.0 + (c.n / c.D if c.D else 1.0)
+    return c.reps * min(span, 30.0) / (1.0 - c.p) * math.log10(max(c.counters, 10))
+
+
+def shard_paths(path: Path) -> list:
+    return sorted(path.parent.glob(path.stem + "_shard*.pkl"))
+
+
+def merge_shards(path: Path) -> dict:
+    """Fold the results of ``--shard`` runs into the main results file."""
+    state = load(path)
+    for sp in shard_paths(path):
+        part = load(sp)
+        for key, res in part["results"].items():
+            state["results"].setdefault(key, res)
+        for key, res in part.get("coverage", {}).items():
+            state.setdefault("coverage", {}).setdefault(key, res)
+        state["runs"] += [r for r in part["runs"] if r not in state["runs"]]
+    save(state, path)
+    return state
+
+
+def run(quick: bool, path: Path, shard: str | None = None) -> dict:
     state = load(path)
     cells = grid.grid_cells(quick)
-    todo = [c for c in cells if c.key not in state["results"]]
+    done = set(state["results"])
+    if shard:  # "i/N": every N-th cell not yet in the main file, into a file of its own
+        i, N = map(int, shard.split("/"))
+        others = set()
+        for sp in shard_paths(path):
+            others |= set(load(sp)["results"])
+        # cheapest first (wide noise, long value spans and many counters cost most), so that a
+        # run cut short loses the most expensive cells, not a whole part of the design
+        cells = sorted((c for c in cells if c.key not in done and c.key not in others),
+                       key=cell_cost)[i::N]
+        path = path.with_name(f"{path.stem}_shard{i}of{N}b.pkl")
+        state = load(path)
+    todo = [c for c in cells if c.key not in state["results"] and c.key not in done]
     started = datetime.datetime.now().isoformat(timespec="seconds")
     load0 = os.getloadavg()
     log(f"{len(cells)} cells, {len(todo)} to run -> {path}")
@@ -176,9 +212,9 @@ def refine(state: dict, path: Path, factor: float = 1.5, top: int = 3, min_reps:
     save(state, path)
 
 
-def run_coverage(quick: bool, state: dict, path: Path) -> dict:
+def run_coverage(quick: bool, state: dict, path: Path, cells=None) -> dict:
     cov = state.setdefault("coverage", {})
-    for cell in grid.coverage_cells(quick):
+    for cell in (grid.coverage_cells(quick) if cells is None else cells):
         if cell.key in cov:
             continue
         t = time.perf_counter()
@@ -232,7 +268,76 @@ def analyse(results: list) -> dict:
                                   best_in=best_in, secs=secs, tied=grid.tied(reg, ADMISSIBLE, se),
                                   choice=grid.choose(reg, ADMISSIBLE, se),
                                   code=(default_method(mode, k), default_cap(mode, k)))
+    add_rules(results, out)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# a rule on the public signal-to-noise ratio (estimate.DEFAULT_RULES)
+# --------------------------------------------------------------------------------------------
+def log_snr(cell, k: int) -> float:
+    from aggregator.intervals import signal_to_noise
+    return math.log(max(signal_to_noise(cell.n, cell.counters, cell.p, k), 1e-6))
+
+
+def fit_rule(reg: dict, cells: list, feat: dict, cands) -> tuple:
+    """(worst regret, geo regret, low candidate, high candidate, cut on log SNR) of the best
+    one-split rule: candidate ``low`` below the cut, ``high`` at or above; lowest worst-case
+    regret over ``cells``, ties to the lowest geometric mean."""
+    cs = sorted(cells, key=lambda c: feat[c])
+    f = np.array([feat[c] for c in cs])
+    Rm = np.array([[reg[(m, c)] for c in cs] for m in cands])  # cand x cell
+    L = np.log(Rm)
+    best = (math.inf, math.inf, None, None, None)
+    splits = [j for j in range(1, len(cs)) if f[j] > f[j - 1]] + [0, len(cs)]
+    for i, lo in enumerate(cands):
+        pre = np.maximum.accumulate(Rm[i])
+        pre_l = np.cumsum(L[i])
+        for j2, hi in enumerate(cands):
+            suf = np.maximum.accumulate(Rm[j2][::-1])[::-1]
+            suf_l = np.cumsum(L[j2][::-1])[::-1]
+            for j in splits:  # cells [0, j) get lo, [j, end) get hi
+                w = max(pre[j - 1] if j else 1.0, suf[j] if j < len(cs) else 1.0)
+                g = ((pre_l[j - 1] if j else 0.0) + (suf_l[j] if j < len(cs) else 0.0)) / len(cs)
+                if (w, g) < best[:2]:
+                    cut = (-math.inf if j == 0 else math.inf if j == len(cs)
+                           else 0.5 * (f[j - 1] + f[j]))
+                    best = (w, g, lo, hi, cut)
+    return best
+
+
+def lodo(reg: dict, cells: list, feat: dict, cands, group: dict) -> tuple:
+    """Leave one distribution out: fit the rule without a distribution's cells, read its regret
+    on them. (worst held-out regret, cell)."""
+    worst = (0.0, None)
+    for g in sorted({group[c] for c in cells}):
+        train = [c for c in cells if group[c] != g]
+        test = [c for c in cells if group[c] == g]
+        if not train:
+            continue
+        _, _, lo, hi, cut = fit_rule(reg, train, feat, cands)
+        for c in test:
+            v = reg[(lo if feat[c] < cut else hi, c)]
+            worst = max(worst, (v, c))
+    return worst
+
+
+def add_rules(results: list, an: dict) -> None:
+    """Per (mode, layers): the best SNR rule, its leave-one-distribution-out worst case, and the
+    effective default (the rule if its held-out worst case beats the fixed choice's worst case,
+    else the fixed choice)."""
+    for (mode, k), a in an.items():
+        cells = a["cells"]
+        feat = {c: log_snr(results[c].cell, k) for c in cells}
+        group = {c: results[c].cell.dist for c in cells}
+        w, g, lo, hi, cut = fit_rule(a["reg"], cells, feat, ADMISSIBLE)
+        held = lodo(a["reg"], cells, feat, ADMISSIBLE, group)
+        held_fixed = a["worst"][a["choice"]][0]
+        a["rule"] = dict(worst=w, geo=g, low=lo, high=hi, cut=cut, lodo=held[0],
+                         lodo_cell=held[1], adopted=bool(held[0] < held_fixed and lo != hi))
+        a["effective"] = {c: ((lo if feat[c] < cut else hi) if a["rule"]["adopted"]
+                              else a["choice"]) for c in cells}
+        a["eff_reg"] = {c: a["reg"][(a["effective"][c], c)] for c in cells}
 
 
 def defaults_json(an: dict) -> dict:
@@ -244,6 +349,17 @@ def defaults_json(an: dict) -> dict:
             method=m, cap=cap, worst_regret=round(w, 4),
             geo_regret=round(a["geo"][a["choice"]], 4), cells=len(a["cells"]),
             tied=[f"{tm} / {tc}" for tm, tc in a["tied"] if (tm, tc) != (m, cap)])
+    return out
+
+
+def rules_json(an: dict) -> dict:
+    out = {}
+    for (mode, k), a in an.items():
+        r = a.get("rule")
+        if r and r["adopted"]:
+            out.setdefault(mode, {})[str(k)] = dict(
+                snr_cut=round(math.exp(r["cut"]), 4), low=list(r["low"]), high=list(r["high"]),
+                worst_regret=round(r["worst"], 4), lodo_worst_regret=round(r["lodo"], 4))
     return out
 
 
@@ -292,7 +408,7 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
             rule="lowest worst-case regret over the grid's cells of the mode and layer count; "
                  "candidates within two standard errors of it are tied, and a tie goes to the "
                  "lowest geometric-mean regret", source="docs/accuracy_grid.md",
-            defaults=dj), indent=1) + "\n")
+            defaults=dj, rules=rules_json(an)), indent=1) + "\n")
     lines: list[str] = []
     w = lines.append
     runs = state["runs"]
@@ -324,18 +440,32 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     w("")
     w("## Setup")
     w("")
-    w("* **Cells** (what a deployment does not choose). Direct mode: D counters, items "
-      "multinomial over [D] with Zipf(1.1), uniform or geometric weights (`bench/_data.py`); "
-      "(D, n) from D = 1e4..1e6 at n/D = 0.1, 1, 10, plus sparse n/D = 0.01 and 0.001. Hashed "
-      "mode: items over an unbounded domain (Zipf(1.1), Zipf(1.01), Zipf(1.5), mostly distinct; "
-      "`bench/largedomain.py items_counts`), B = choose_buckets(n) = 2 n counters, n = 1e4..1e7. "
-      "eps in {0.5, 1, 2} (p = exp(-eps/2) rounded up, replace-one); 1, 2 and 3 DLap layers "
-      "(state-only release; joint model; joint model after an audit export).")
+    n_cells = {m: sum(1 for r in results if r.cell.mode == m) for m in ("direct", "hashed")}
+    w(f"* **Cells** (what a deployment does not choose; {n_cells['direct']} direct, "
+      f"{n_cells['hashed']} hashed; `grid.grid_cells`). Direct mode: D counters, items "
+      "multinomial over [D] (`bench/_data.py`): Zipf with exponents 0.7, 1.1, 1.5, 2, "
+      "geometric, uniform, and *heavy* (5 items holding half the events over a long tail of "
+      "singletons), at (D, n) with D/n from 0.01 to 33 and n from 1e3 to 1e7; empty and "
+      "near-empty windows (n = 0, 10, 100 over D = 1e5 and 1e6); ten real frequency profiles "
+      "shipped in PyPI packages (wordfreq 3.1 English, German, Japanese, Arabic; pyspellchecker "
+      "0.9 Spanish, Russian, Persian, Latvian; symspellpy 6.10 English unigrams and bigrams; D = "
+      "their vocabulary, n = D/10 and 10 D). Hashed mode: items over an unbounded domain "
+      "(Zipf(1.1), Zipf(1.01), Zipf(1.5), mostly distinct; `bench/largedomain.py "
+      "items_counts`), B = choose_buckets(n) = 2 n counters, n = 1e3..1e7. eps from 0.25 to 4 "
+      "(rotating over the cells; p = exp(-eps/2) rounded up, replace-one); 1, 2, 3 and 6 DLap "
+      "layers (state-only release; joint model; joint model after one and after four audit "
+      "exports). Repetitions: 1-3 per cell (fewer where a cell is expensive).")
     w("* **Candidates** (what the code chooses): the estimator of phi_{>=r} (`threshold`: Lemma "
-      "10's inverse filter; `deconvolution`: EM NPMLE stopped early, tol 1e-5; `mle`: the same EM "
-      "run to convergence) x the rule capping the total at the public n (`items`: keep the "
+      "10's inverse filter = seed 001 Algorithm 1/5's estimate; `deconvolution`: EM NPMLE "
+      "stopped early, tol 1e-5; `mle`: the same EM run to convergence; `wupagh`: Wu and Pagh "
+      "(ICML 2024), the circulant inverse of the noise projected onto the simplex; `auto`: the "
+      "estimator and cap chosen from the counters by minimax bootstrap regret, "
+      "`aggregator.selection`) x the rule capping the total at the public n (`items`: keep the "
       "largest items; `scale`: thin every level; `estimate.cap_total`). `none` (no cap) is "
-      "measured too but is not admissible: it can release more events than n.")
+      "measured too but is not admissible: it can release more events than n. (`xfit`, the "
+      "cross-fitted EM, is selectable but not in the grid: see the notes.) The issue's oracle "
+      "also ranges over B in hashed mode; this grid keeps B = choose_buckets(n) "
+      "(docs/large_domains.md has the B sweep).")
     w("* **Pairing**: per repetition one draw of the items and, per layer count, one draw of the "
       "noisy counters, shared by every candidate. Error: l1 distance of the released and true "
       "anonymized histograms (= of their cumulative prevalences). Empty counters' noise is one "
@@ -386,6 +516,8 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
         w("")
     w("![regret per candidate](img/grid_regret.png)")
     w("")
+    _write_rules(w, results, an)
+    _write_targets(w, results, an, state)
     _write_misses(w, results, an)
     _write_caps(w, results, an)
     _write_snr(w, rows)
@@ -400,6 +532,85 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
         notes = old[at:] if at >= 0 else ""
     target.write_text("\n".join(lines) + "\n" + notes)
     log(f"wrote {outdir / 'accuracy_grid.md'}")
+
+
+def _write_rules(w, results, an) -> None:
+    w("## A rule on the public signal-to-noise ratio")
+    w("")
+    w("No fixed candidate is good everywhere, so the grid also fits, per (mode, layers), the best "
+      "one-split rule on SNR = `intervals.signal_to_noise(n, counters, p, layers)` (public: "
+      "computable before any data arrives): one candidate below a cut, another above "
+      "(`fit_rule`: lowest worst-case regret over the cells, ties to the geometric mean). "
+      "In-sample the rule is fitted to these very cells, so it is judged out of sample: "
+      "*held out* = leave one distribution out (fit on the other distributions' cells, read the "
+      "regret on the held-out distribution's cells; the worst over all). The rule becomes the "
+      "default (`estimate.DEFAULT_RULES`) only if its held-out worst case beats the fixed "
+      "choice's in-sample worst case.")
+    w("")
+    w("| mode | layers | fixed choice: worst | rule (below cut / above cut) | SNR cut | rule: worst "
+      "in-sample | rule: worst held out (cell) | adopted |")
+    w("|---|---|---|---|---|---|---|---|")
+    for (mode, k), a in an.items():
+        r = a["rule"]
+        cut = "-" if not math.isfinite(r["cut"]) else f"{math.exp(r['cut']):.3g}"
+        lc = cell_label(results[r["lodo_cell"]].cell) if r["lodo_cell"] is not None else "-"
+        w(f"| {mode} | {k} | {a['worst'][a['choice']][0]:.2f} ({cand_label(a['choice'])}) | "
+          f"{cand_label(r['low'])} / {cand_label(r['high'])} | {cut} | {r['worst']:.2f} | "
+          f"{r['lodo']:.2f} ({lc}) | {'yes' if r['adopted'] else 'no'} |")
+    w("")
+
+
+def _paired_worse(a_errs, b_errs, z: float = 2.0) -> bool:
+    """mean(a) > mean(b) by more than z standard errors of the paired difference."""
+    d = np.asarray(a_errs, float) - np.asarray(b_errs, float)
+    if len(d) < 2:
+        return bool(d.mean() > 0.05 * max(np.mean(b_errs), 1e-9))
+    return bool(d.mean() > z * d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def _write_targets(w, results, an, state) -> None:
+    w("## The issue's targets, measured")
+    w("")
+    w("The *default* below is the effective release default per cell: the SNR rule where "
+      "adopted, else the fixed choice.")
+    w("")
+    w("| mode | layers | cells | worst regret of the default (cell) | cells > 1.10 | geo-mean "
+      "regret | worse than Algorithm 1 (threshold, no cap) by > 2 se | worse than Wu-Pagh "
+      "(no cap) by > 2 se |")
+    w("|---|---|---|---|---|---|---|---|")
+    for (mode, k), a in an.items():
+        er = a["eff_reg"]
+        wc = max(er, key=er.get)
+        over = sum(1 for v in er.values() if v > 1.10)
+        geo = math.exp(np.mean([math.log(v) for v in er.values()]))
+        worse_alg1 = worse_wp = 0
+        for c in a["cells"]:
+            r = results[c]
+            m, cap = a["effective"][c]
+            mine = r.l1[(k, m, cap)]
+            worse_alg1 += _paired_worse(mine, r.l1[(k, "threshold", "none")])
+            worse_wp += _paired_worse(mine, r.l1[(k, "wupagh", "none")])
+        w(f"| {mode} | {k} | {len(er)} | {er[wc]:.2f} ({cell_label(results[wc].cell)}) | {over} "
+          f"| {geo:.3f} | {worse_alg1} | {worse_wp} |")
+    w("")
+    w("Joint model (2 layers) against state-only (1 layer), same cells and items, each with its "
+      "own default: geometric mean over the cells of E(2 layers) / E(1 layer) (target <= 1.3):")
+    w("")
+    for mode in ("direct", "hashed"):
+        if (mode, 1) not in an or (mode, 2) not in an:
+            continue
+        a1, a2 = an[(mode, 1)], an[(mode, 2)]
+        rs = []
+        for c in a1["cells"]:
+            if c in a2["effective"]:
+                e1 = np.mean(results[c].l1[(1,) + a1["effective"][c]])
+                e2 = np.mean(results[c].l1[(2,) + a2["effective"][c]])
+                if e1 > 0 and e2 > 0:
+                    rs.append(e2 / e1)
+        if rs:
+            w(f"* {mode}: {math.exp(np.mean(np.log(rs))):.2f} (range {min(rs):.2f} .. "
+              f"{max(rs):.2f}, {len(rs)} cells)")
+    w("")
 
 
 def _write_misses(w, results, an, over: float = 2.0) -> None:
@@ -671,6 +882,8 @@ def _plot_snr(rows, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few small cells; writes under out/")
+    ap.add_argument("--shard", help="i/N: run every N-th remaining cell into its own file")
+    ap.add_argument("--merge", action="store_true", help="fold the --shard files into the main one")
     ap.add_argument("--report", action="store_true", help="only re-render the saved results")
     ap.add_argument("--run-only", action="store_true", help="run (resume) the grid, no report")
     ap.add_argument("--refine", action="store_true",
@@ -681,7 +894,19 @@ def main(argv=None) -> int:
                     help="time the release at D = 1e7 (full arrays) into the results file")
     args = ap.parse_args(argv)
     path = RESULTS.with_name("grid_results_quick.pkl") if args.quick else RESULTS
-    state = load(path) if args.report else run(args.quick, path)
+    if args.merge:
+        merge_shards(path)
+    if args.shard and args.coverage:  # the coverage cells i, i + N, ... into a shard file
+        i, N = map(int, args.shard.split("/"))
+        sp = path.with_name(f"{path.stem}_shardcov{i}of{N}.pkl")
+        part = load(sp)
+        mine = grid.coverage_cells(args.quick)[i::N]
+        run_coverage(args.quick, part, sp, cells=mine)
+        return 0
+    if args.shard:
+        run(args.quick, path, args.shard)
+        return 0
+    state = load(path) if (args.report or args.merge) else run(args.quick, path)
     if args.refine:
         refine(state, path)
     if args.coverage:
