@@ -95,15 +95,15 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
       bootstrap's randomness only touches released values; it is drawn fresh (OS entropy), not
       seeded.
     """
+    kw = dict(layers=layers, n=n, buckets=buckets)
+    # the release itself: exactly what the estimator gives on these counters (the one call the
+    # privacy audits watch: tests/test_privacy_service.py)
+    hist = np.asarray(anonymized_histogram(noisy_counts, p, loss=loss, **kw), dtype=np.int64)
     vc = noisy_value_counts(noisy_counts)
     counters = int(vc.total)
-    kw = dict(layers=layers, n=n, buckets=buckets)
     bars = None
     if reps and loss == "l1":
         bars = intervals.error_bars(vc, p, reps=int(reps), level=level, **kw)
-        hist = np.asarray(bars["histogram"], dtype=np.int64)
-    else:
-        hist = anonymized_histogram(vc, p, loss=loss, **kw)
     signal = n if n is not None else int(np.asarray(hist).sum())
     snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
     accuracy = {
