@@ -49,6 +49,13 @@ REASONS = ("oversized", "undecodable", "not_a_map", "missing_item", "wrong_type"
 FILTERED = "filtered"
 _MISSING = object()
 _HUGE = 10**100  # stands for any JSON integer past Python's parse limit: outside every range
+#: the plain direct-mode message: fixmap of one entry, fixstr "item", then the int's tag
+_PLAIN_PREFIX = np.frombuffer(b"\x81\xa4item", np.uint8)
+#: bytes of the int after the fixstr (tag included) by tag; 0: not a plain non-negative int
+_PLAIN_INT_BYTES = np.zeros(256, np.int64)
+_PLAIN_INT_BYTES[:0x80] = 1  # positive fixint
+_PLAIN_INT_BYTES[[0xCC, 0xCD, 0xCE, 0xCF]] = [2, 3, 5, 9]  # uint 8, 16, 32, 64
+_SEVEN, _EIGHT = np.arange(7), np.arange(8)
 
 
 def _capped_int(digits: str) -> int:
@@ -132,10 +139,12 @@ def _pluck(objs: list, path: tuple) -> list:
 
 def _matches(values: list, want: str) -> list:
     """``_as_text(v) == want`` for each value, without a call per value for str, int and bool."""
-    as_int = int(want) if want.lstrip("-").isdigit() and want.isascii() and len(want) < 30 else None
+    digits = want[1:] if want.startswith("-") else want
+    as_int = int(want) if digits.isdigit() and digits.isascii() and len(digits) < 30 else None
     as_bool = {"true": True, "false": False}.get(want)
-    out = [type(v) is str and v == want for v in values]
-    if set(map(type, values)) <= {str}:
+    out = [v == want for v in values]  # True only for the equal str (no other type equals one)
+    kinds = set(map(type, values))
+    if kinds <= {str} or (as_int is None and as_bool is None and bytes not in kinds):
         return out
     for i, v in enumerate(values):
         if not out[i] and type(v) is not str and v is not _MISSING:
@@ -217,6 +226,7 @@ class Decoder:
         self.spec = spec or ItemSpec()
         self._default = self.spec.default
         self._normalises = domain_size is None and (self.spec.nfc or self.spec.casefold)
+        self._plain_direct = domain_size is not None and self._default
 
     def _load(self, raw: bytes):
         if self.fmt == "msgpack":
@@ -348,7 +358,7 @@ class Decoder:
             return None
         spec, keep, left_out = self.spec, None, []
         if spec.filter_path is not None:
-            if any(type(o) is not dict for o in objs):
+            if set(map(type, objs)) != {dict}:
                 return None  # not_a_map: the per-message path names it
             match = _matches(_pluck(objs, spec.filter_path), spec.filter_value)
             if not all(match):
@@ -392,10 +402,52 @@ class Decoder:
                     return None  # oversized: the per-message path names it
         return DecodedBatch(items=items, rejected=left_out)
 
+    def _decode_plain_direct(self, values) -> DecodedBatch | None:
+        """Direct mode, default item spec, a batch whose every message is exactly
+        ``{"item": <uint>}`` laid out as msgpack packs it (fixmap 1, fixstr "item", a positive
+        fixint or uint 8/16/32/64): the items read with numpy from the joined bytes, without
+        building a Python object per message. None (another layout anywhere in the batch, an
+        int >= 2**63): the general paths, which give the same items and reasons for these
+        messages; out-of-range ints are rejected here as there."""
+        n = len(values)
+        try:
+            lens = np.fromiter(map(len, values), np.int64, n)
+            joined = b"".join(values)
+        except TypeError:
+            return None
+        if lens.min() < 7 or lens.max() > min(15, self.max_message_bytes):
+            return None
+        buf = np.frombuffer(joined + bytes(8), np.uint8)
+        starts = np.cumsum(lens) - lens
+        head = buf[starts[:, None] + _SEVEN]
+        if not (head[:, :6] == _PLAIN_PREFIX).all():
+            return None
+        tag = head[:, 6]
+        if not (lens == 6 + _PLAIN_INT_BYTES[tag]).all():
+            return None  # another tag (signed, negative, nil, ...) or trailing bytes
+        arr = tag.astype(np.int64)
+        wide = np.flatnonzero(tag >= 0x80)
+        if len(wide):
+            width = lens[wide] - 7  # 1, 2, 4 or 8 big-endian bytes after the tag
+            raw = buf[(starts[wide] + 7)[:, None] + _EIGHT].view(">u8").ravel()
+            big = (raw >> (8 * (8 - width)).astype(np.uint64)).astype(np.uint64)
+            if (big >> np.uint64(63)).any():
+                return None  # >= 2**63: the general path decides (out of every range)
+            arr[wide] = big.astype(np.int64)
+        inside = arr < self.domain_size
+        if inside.all():
+            return DecodedBatch(items=arr, rejected=[])
+        return DecodedBatch(items=arr[inside], rejected=[(int(i), "out_of_range")
+                                                         for i in np.flatnonzero(~inside)])
+
     def decode(self, values, keys=None, headers=None) -> DecodedBatch:
         """Decode a batch; ``keys`` and ``headers`` (per record, Kafka) where the item comes
         from the record key or a header."""
         if self.fmt == "msgpack" and len(values) >= 64 and self.spec.source == "value":
+            if self._plain_direct:
+                fast = self._decode_plain_direct(values)
+                if fast is not None:
+                    return fast
             fast = self._decode_msgpack_batch(values)
             if fast is not None:
                 return fast

@@ -130,6 +130,10 @@ def test_filter_leaves_records_out_without_rejecting_them():
         b'{"v": 2, "item": "a"}') == ("a", None)
     assert Decoder("json", spec=ItemSpec(filter_path=("ok",), filter_value="true")).decode_one(
         b'{"ok": true, "item": "a"}') == ("a", None)
+    assert Decoder("json", spec=ItemSpec(filter_path=("v",), filter_value="--5")).decode_one(
+        b'{"v": -5, "item": "a"}') == (None, FILTERED)
+    assert Decoder("json", spec=ItemSpec(filter_path=("v",), filter_value="1")).decode_one(
+        b'{"v": true, "item": "a"}') == (None, FILTERED)  # true is "true", not 1
     assert FILTERED not in REASONS
 
 
