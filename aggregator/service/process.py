@@ -1105,14 +1105,17 @@ class Aggregator:
                 "ledger with --accept-change) or stop the service")
 
     def _paused_for_budget(self, poll_timeout_s: float, finite: bool) -> bool:
-        """True while intake is paused (the loop then only serves control requests)."""
+        """True while intake is paused (the loop then only serves control requests).
+
+        Only an endless source (Kafka) pauses: a finite run (a file, the generator) goes to its
+        end, and each window the budget cannot pay for is refused, ledgered and logged."""
+        if finite:
+            return False
         problem = self.budget_exhausted()
         self.metrics.intake_paused.set(1 if problem else 0)
         if problem is None:
             self._pause_logged = None
             return False
-        if finite:  # a run over a file or a generator cannot finish: say so and stop
-            raise ServiceError(problem)
         now = time.monotonic()
         if self._pause_logged is None or now - self._pause_logged >= 600.0:
             log.error("%s", problem)  # once, then every 10 minutes while paused
