@@ -178,6 +178,8 @@ PROPS
   echo "$port" > "$state/port"
   echo "$cport" > "$state/cport"
   if [ "$secure" = 1 ]; then echo "$sport" > "$state/sport"; echo "$mport" > "$state/mport"; fi
+  # a restart's log starts empty: the readiness check below must not find the last run's line
+  if [ -f "$state/logs/server.log" ]; then mv -f "$state/logs/server.log" "$state/logs/server.log.prev"; fi
   nohup java -cp "$cp" "${jopts[@]}" kafka.Kafka "$state/server.properties" \
       >"$state/logs/stdout.log" 2>&1 &
   echo $! > "$state/pid"
