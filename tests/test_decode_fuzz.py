@@ -461,3 +461,30 @@ def test_good_msgpack_batches_take_the_fast_path_and_count(items):
     batch = dec.decode([msgpack.packb({"item": x}, use_bin_type=True) for x in items])
     assert batch.rejected == [] and list(batch.items) == items
     count_and_check(batch.items, "hashed")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 127) | st.integers(-40, 200)
+                | st.sampled_from([None, True, 1.5, "7", b"7", 2**63 - 1, 2**63]),
+                min_size=64, max_size=130),
+       st.sampled_from([D_SMALL, 100_000, D_BIG]), st.integers(-1, 129),
+       st.sampled_from([b"", b"\x00", b"\x81", b"\x01"]))
+def test_plain_direct_batches_agree_with_per_message_decoding(items, domain, at, extra):
+    """Direct mode's numpy path for {"item": <uint>} batches: the same items and reasons as
+    decoding each message, whatever the ints, their encodings, a broken or extended message."""
+    dec = Decoder("msgpack", domain_size=domain)
+    raws = [msgpack.packb({"item": x}) for x in items]
+    if 0 <= at < len(raws):
+        raws[at] = raws[at] + extra if extra != b"\x81" else raws[at][:-1]
+    batch, each = dec.decode(raws), dec.decode_each(raws)
+    assert batch.rejected == each.rejected
+    assert plain(batch.items) == plain(each.items)
+
+
+def test_plain_direct_batches_skip_the_object_path(monkeypatch):
+    dec = Decoder("msgpack", domain_size=100_000)
+    monkeypatch.setattr(dec, "_decode_msgpack_batch", lambda v: pytest.fail("numpy path not taken"))
+    items = [0, 127, 128, 255, 256, 65535, 65536, 99_999, 100_000, 2**32, 2**63 - 1] * 8
+    batch = dec.decode([msgpack.packb({"item": x}) for x in items])
+    assert plain(batch.items) == [x for x in items if x < 100_000]
+    assert batch.rejected == [(i, "out_of_range") for i, x in enumerate(items) if x >= 100_000]
