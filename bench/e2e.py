@@ -1,21 +1,41 @@
-"""End-to-end throughput of the service, as ratios measured in one run.
+"""End-to-end throughput of the service, as ratios measured in one run, with the machine's state.
 
-    python -m bench.e2e [--events 1000000] [--reps 3]
+    python -m bench.e2e [--events 1000000] [--reps 3] [--kafka-only] [--no-crc32c]
+                        [--topic NAME] [--scale 1,2,3] [--section NAME] [--cprofile PATH]
 
-1. Kafka: the service (decode -> count -> checkpoints, in-process Aggregator) against a bare
-   kafka-python consume loop over the same topic, alternating, each with a fresh consumer group.
+1. Kafka: the service (decode -> count -> checkpoints, in-process Aggregator on the same
+   KafkaSource the CLI builds, with the config's client settings) against a bare kafka-python
+   consume loop over the same topic with the same client settings, alternating, each with a
+   fresh consumer group. Both clocks start when the first records arrive (group join and the first
+   fetch are left out of both) and stop once the last record is handled: the bare loop's after
+   touching the last value, the service's at the first turn of its loop after counting the last
+   event (the turn's lag, metrics and control checks included; the poll that would wait for
+   records that are not there is not). Every repetition records the 1-minute load average before
+   and after each run, and the bare loop's absolute events/s beside the ratio: a ratio measured on
+   a slow baseline (a loaded machine) says little about the service's own speed.
 2. File source: the service replaying a msgpack file, against a bare msgpack read of the file.
 3. Checkpoint of a 10^7-counter state (LocalStore.save: serialize + fsync + rename) against
    np.save of the same int64 array plus fsync.
+4. With ``--scale 1,2,3``: that many ``panagg run`` processes (scale.partitioned, one group, a
+   6-partition topic holding a backlog of ``--events`` records), events/s of all of them together
+   while every process owns partitions, from their /metrics (bench.scaleout's helpers), and the CPU
+   seconds each used.
 
-A broker comes from $PANAGG_KAFKA_BOOTSTRAP or is started with deploy/kafka/kafka.sh. Writes
-docs/e2e.md.
+``--no-crc32c`` hides the ``crc32c`` package from kafka-python (it then checks record batches
+with its pure-Python CRC-32C): the dependency's effect, measured. ``--topic`` reuses a topic that
+already holds at least ``--events`` records (no producing: for profiling). ``--cprofile`` writes
+a cProfile of the last service run.
+
+A broker comes from $PANAGG_KAFKA_BOOTSTRAP or is started with deploy/kafka/kafka.sh. Writes its
+tables into docs/e2e.md between ``<!-- bench.e2e NAME begin/end -->`` markers (``--section``,
+default ``latest``), leaving the rest of the page as it is; prints them too.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -24,8 +44,11 @@ import time
 import uuid
 from pathlib import Path
 
-import msgpack
-import numpy as np
+if "--no-crc32c" in sys.argv:  # before kafka-python is imported anywhere: it looks once
+    sys.modules["crc32c"] = None
+
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,7 +61,27 @@ from consumers.file_source import FileSource  # noqa: E402
 from consumers.kafka_source import KafkaSource  # noqa: E402
 from state_store.local import Checkpoint, LocalStore  # noqa: E402
 
+from bench._data import cpu_model, git_rev, versions  # noqa: E402
+
 D = 100_000
+DOC = ROOT / "docs" / "e2e.md"
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def crc32c_active() -> bool:
+    """Whether kafka-python checks record batches with the C crc32c (not its Python loop)."""
+    from kafka.record import util
+    return getattr(util, "crc32c_c", None) is not None and util._crc32c is util.crc32c_c
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "crc32c": crc32c_active(),
+            "versions": versions(["kafka-python", "crc32c", "msgpack", "numpy"]),
+            "rev": git_rev(["aggregator", "consumers", "bench/e2e.py"]),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def start_broker(tmp: Path) -> tuple[str, Path | None]:
@@ -50,12 +93,12 @@ def start_broker(tmp: Path) -> tuple[str, Path | None]:
     return out.stdout.strip().splitlines()[-1].split("=", 1)[1], state
 
 
-def produce(bootstrap: str, topic: str, events: int) -> None:
+def produce(bootstrap: str, topic: str, events: int, partitions: int = 3) -> None:
     from kafka import KafkaProducer
     from kafka.admin import KafkaAdminClient, NewTopic
 
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
+    admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
     admin.close()
     rng = np.random.default_rng(0)
     w = 1 / np.arange(1, D + 1) ** 1.1
@@ -68,49 +111,60 @@ def produce(bootstrap: str, topic: str, events: int) -> None:
     producer.close()
 
 
-def bare_consume(bootstrap: str, topic: str, events: int) -> float:
-    """Seconds for a plain kafka-python loop to fetch every record and touch its value."""
+def client_settings(cfg: dict) -> dict:
+    """The kafka-python settings the service's source runs with (from the config, as the CLI)."""
+    src = cfg["source"]
+    return {"max_poll_records": src["max_records"], "fetch_max_bytes": src["fetch_max_bytes"],
+            "max_partition_fetch_bytes": src["max_partition_fetch_bytes"]}
+
+
+def bare_consume(bootstrap: str, topic: str, events: int, settings: dict) -> tuple[float, float]:
+    """Seconds (wall, and CPU of the process: all its threads) for a plain kafka-python loop to
+    fetch every record and touch its value."""
     from kafka import KafkaConsumer
 
     consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"bare-{uuid.uuid4().hex}",
-                             enable_auto_commit=False, auto_offset_reset="earliest",
-                             max_poll_records=20000, fetch_max_bytes=64 * 1024 * 1024,
-                             max_partition_fetch_bytes=16 * 1024 * 1024)
+                             enable_auto_commit=False, auto_offset_reset="earliest", **settings)
     seen, nbytes = 0, 0
     t0 = None
     while seen < events:
-        polled = consumer.poll(timeout_ms=1000, max_records=20000)
+        polled = consumer.poll(timeout_ms=1000, max_records=settings["max_poll_records"])
         if t0 is None and polled:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         for records in polled.values():
             for r in records:
                 nbytes += len(r.value)
             seen += len(records)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     consumer.close()
-    return dt
+    return dt, cpu
 
 
 class _Counting(Source):
-    """Wraps a source: starts the clock at the first record, stops the service at ``events``."""
+    """Wraps a source: starts the clock at the first record, stops the service once it has
+    counted ``events`` (at the next turn of its loop, before it polls again)."""
 
     def __init__(self, inner: Source, events: int, agg_ref: list):
         self.inner, self.events, self.agg_ref = inner, events, agg_ref
-        self.t0 = None
-        self.t1 = None
+        self.t0 = self.t1 = self.c0 = self.c1 = None
 
     def seek(self, offsets):
         self.inner.seek(offsets)
 
     def poll(self, timeout_s=1.0):
+        agg = self.agg_ref[0]
+        if agg.task.window["events"] >= self.events:
+            if self.t1 is None:
+                self.t1, self.c1 = time.perf_counter(), time.process_time()
+                agg.stop_event.set()
+            return []
         segs = self.inner.poll(timeout_s)
         if segs and self.t0 is None:
-            self.t0 = time.perf_counter()
-        agg = self.agg_ref[0]
-        if agg.window["events"] >= self.events and self.t1 is None:
-            self.t1 = time.perf_counter()
-            agg.stop_event.set()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
         return segs
+
+    def __getattr__(self, name):  # lag, connected, caught_up, assigned ... of the inner source
+        return getattr(self.inner, name)
 
     @property
     def exhausted(self):
@@ -119,25 +173,50 @@ class _Counting(Source):
     def commit(self, offsets):
         self.inner.commit(offsets)
 
+    def lag(self, positions=None):
+        return self.inner.lag(positions)
+
     def close(self):
         self.inner.close()
 
 
-def service_run(source: Source, events: int, tmp: Path) -> float:
+def service_config(events: int, state_dir: Path, extra=()) -> dict:
+    return load_config(None, [f"state.domain_size={D}", "window.kind=count",
+                              f"window.size={10 * events}", f"checkpoint.dir={state_dir}",
+                              f"release.dir={state_dir}/rel", "metrics.port=-1",
+                              "release.on_exhausted=false", *extra], env={})
+
+
+def service_run(make_source, events: int, tmp: Path, profile: str | None = None
+                ) -> tuple[float, float]:
+    """Seconds (wall, CPU of the process) for the service to count ``events`` records."""
     state_dir = tmp / f"svc-{uuid.uuid4().hex[:8]}"
-    cfg = load_config(None, [f"state.domain_size={D}", "window.kind=count",
-                             f"window.size={10 * events}", f"checkpoint.dir={state_dir}",
-                             f"release.dir={state_dir}/rel", "metrics.port=-1",
-                             "release.on_exhausted=false"], env={})
+    cfg = service_config(events, state_dir)
     ref: list = [None]
-    wrapped = _Counting(source, events, ref)
+    wrapped = _Counting(make_source(cfg), events, ref)
     agg = Aggregator(cfg, wrapped)
     ref[0] = agg
-    agg.run(poll_timeout_s=1.0)
+    if profile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.runcall(agg.run, poll_timeout_s=1.0)
+        prof.dump_stats(profile)
+    else:
+        agg.run(poll_timeout_s=1.0)
     if wrapped.t1 is None:
-        wrapped.t1 = time.perf_counter()
-    assert agg.window["events"] >= events, agg.window
-    return wrapped.t1 - wrapped.t0
+        wrapped.t1, wrapped.c1 = time.perf_counter(), time.process_time()
+    assert agg.task.window["events"] >= events, agg.task.window
+    return wrapped.t1 - wrapped.t0, wrapped.c1 - wrapped.c0
+
+
+def kafka_source(bootstrap: str, topic: str):
+    def make(cfg):
+        src = cfg["source"]
+        return KafkaSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", src["max_records"],
+                           consumer_config={"fetch_max_bytes": src["fetch_max_bytes"],
+                                            "max_partition_fetch_bytes":
+                                                src["max_partition_fetch_bytes"]})
+    return make
 
 
 def throughput_row(name: str, events: int, bare_t: list, svc_t: list, target: str) -> tuple:
@@ -148,88 +227,236 @@ def throughput_row(name: str, events: int, bare_t: list, svc_t: list, target: st
             statistics.median(ratios), min(ratios), max(ratios), target)
 
 
+def kafka_reps(bootstrap: str, topic: str, args, tmp: Path) -> list[dict]:
+    settings = client_settings(service_config(args.events, tmp / "probe"))
+    reps = []
+    for rep in range(args.reps):
+        r = {"load_bare": [load1()]}
+        r["bare_s"], r["bare_cpu"] = bare_consume(bootstrap, topic, args.events, settings)
+        r["load_bare"].append(load1())
+        r["load_svc"] = [load1()]
+        last = rep == args.reps - 1
+        r["svc_s"], r["svc_cpu"] = service_run(kafka_source(bootstrap, topic), args.events, tmp,
+                                               profile=args.cprofile if last else None)
+        r["load_svc"].append(load1())
+        reps.append(r)
+        print(f"  rep {rep}: bare {args.events / r['bare_s']:,.0f} ev/s (load "
+              f"{r['load_bare'][0]:.2f}->{r['load_bare'][1]:.2f}), service "
+              f"{args.events / r['svc_s']:,.0f} ev/s (load {r['load_svc'][0]:.2f}->"
+              f"{r['load_svc'][1]:.2f}), ratio {r['bare_s'] / r['svc_s']:.2f}, CPU ratio "
+              f"{r['bare_cpu'] / r['svc_cpu']:.2f}", flush=True)
+    return reps
+
+
+def kafka_lines(events: int, reps: list[dict], settings: dict) -> list[str]:
+    lines = ["| rep | bare kafka-python ev/s | load before -> after | service ev/s | "
+             "load before -> after | ratio | CPU µs/event bare, service | CPU ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(reps):
+        lines.append(f"| {i} | {events / r['bare_s']:,.0f} | {r['load_bare'][0]:.2f} -> "
+                     f"{r['load_bare'][1]:.2f} | {events / r['svc_s']:,.0f} | "
+                     f"{r['load_svc'][0]:.2f} -> {r['load_svc'][1]:.2f} | "
+                     f"{r['bare_s'] / r['svc_s']:.2f} | {1e6 * r['bare_cpu'] / events:.2f}, "
+                     f"{1e6 * r['svc_cpu'] / events:.2f} | {r['bare_cpu'] / r['svc_cpu']:.2f} |")
+    row = throughput_row("", events, [r["bare_s"] for r in reps], [r["svc_s"] for r in reps], "")
+    cpu = [r["bare_cpu"] / r["svc_cpu"] for r in reps]
+    loads = [x for r in reps for x in r["load_bare"] + r["load_svc"]]
+    lines += ["", f"Median: service **{row[1]:,.0f} ev/s**, bare loop **{row[2]:,.0f} ev/s**, "
+              f"ratio **{row[3]:.2f}** ({row[4]:.2f}..{row[5]:.2f}); 1-minute load average "
+              f"{min(loads):.2f}..{max(loads):.2f} during the runs; CPU ratio (bare CPU seconds "
+              f"over the service's, all threads of the process) {statistics.median(cpu):.2f}. "
+              "Client settings of both: "
+              + ", ".join(f"{k}={v}" for k, v in settings.items()) + "."]
+    return lines
+
+
+def scale_run(bootstrap: str, n_proc: int, events: int, tmp: Path, partitions: int = 6) -> dict:
+    """``n_proc`` partitioned ``panagg run`` processes draining a backlog of ``events`` records
+    on one ``partitions``-partition topic: events/s of all of them while every one owns
+    partitions, and CPU seconds per process."""
+    from bench.scaleout import _cpu_seconds, _metrics_port, member_args, scrape
+
+    topic = f"e2e-scale-{uuid.uuid4().hex[:8]}"
+    produce(bootstrap, topic, events, partitions)
+    group = f"scale-{uuid.uuid4().hex[:8]}"
+    state, rel = tmp / f"{topic}-state", tmp / f"{topic}-rel"
+    env = dict(os.environ)
+    env.pop("PANAGG_TESTING", None)
+    procs, logs, ports = {}, {}, {}
+    load0 = load1()
+    try:
+        for i in range(n_proc):
+            name = f"m{i}"
+            logs[name] = tmp / f"{topic}-{name}.log"
+            fh = open(logs[name], "w")
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "aggregator.service.cli",
+                 *member_args(bootstrap, topic, state, rel, group, name, 3600, "direct")],
+                cwd=ROOT, env=env, stdout=fh, stderr=fh, start_new_session=True)
+        samples = []  # (t, total events, every process owns partitions, cpu seconds each)
+        deadline = time.monotonic() + 60 + events / 20_000
+        while time.monotonic() < deadline:
+            for name in procs:
+                if name not in ports and (port := _metrics_port(logs[name])):
+                    ports[name] = port
+            got = {n: scrape(p) for n, p in ports.items()}
+            t = time.perf_counter()
+            total = sum((m or {}).get("events", 0) for m in got.values())
+            spread = len(ports) == n_proc and all(m and m.get("owned", 0) > 0
+                                                  for m in got.values())
+            samples.append((t, total, spread, [_cpu_seconds(p.pid) for p in procs.values()]))
+            if total >= events:
+                break
+            time.sleep(0.25)
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    # the steady part: every process owns partitions, between 10% and 95% of the backlog
+    steady = [s for s in samples if s[2] and 0.1 * events <= s[1] <= 0.95 * events]
+    rate = ((steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0])
+            if len(steady) >= 2 and steady[-1][0] > steady[0][0] else float("nan"))
+    cpu = None
+    if len(steady) >= 2 and all(x is not None for x in steady[0][3] + steady[-1][3]):
+        dt = steady[-1][0] - steady[0][0]
+        cpu = [(b - a) / dt for a, b in zip(steady[0][3], steady[-1][3])]
+    return {"processes": n_proc, "events": events, "rate": rate, "cpu": cpu,
+            "counted": samples[-1][1] if samples else 0, "load": [load0, load1()],
+            "steady_samples": len(steady)}
+
+
+def scale_lines(results: list[dict]) -> list[str]:
+    lines = ["| processes | events/s (all) | events/s per process | CPU cores used per process "
+             "| load before -> after |", "|---|---|---|---|---|"]
+    for r in results:
+        cpu = ", ".join(f"{c:.2f}" for c in r["cpu"]) if r["cpu"] else "-"
+        lines.append(f"| {r['processes']} | {r['rate']:,.0f} | {r['rate'] / r['processes']:,.0f} "
+                     f"| {cpu} | {r['load'][0]:.2f} -> {r['load'][1]:.2f} |")
+    return lines
+
+
+def write_section(name: str, lines: list[str]) -> None:
+    begin, end = f"<!-- bench.e2e {name} begin -->", f"<!-- bench.e2e {name} end -->"
+    block = "\n".join([begin, *lines, end])
+    text = DOC.read_text() if DOC.exists() else "# End-to-end throughput\n"
+    pat = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + \
+        "\n\n" + block + "\n"
+    DOC.write_text(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kafka-only", action="store_true", help="skip the file and checkpoint rows")
+    ap.add_argument("--no-crc32c", action="store_true",
+                    help="hide the crc32c package from kafka-python (its pure-Python fallback)")
+    ap.add_argument("--topic", help="reuse this topic (it holds >= --events records)")
+    ap.add_argument("--scale", help="also N partitioned processes on one topic, e.g. 1,2,3")
+    ap.add_argument("--scale-only", action="store_true", help="only the --scale part")
+    ap.add_argument("--section", default="latest", help="name of the block in docs/e2e.md")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--cprofile", help="cProfile of the last service run to this file")
     args = ap.parse_args()
+    m = machine()
+    cmd = "python -m bench.e2e " + " ".join(sys.argv[1:])
+    lines = [f"Command: `{cmd}` ({m['when']}; {m['cpus']} CPUs, {m['cpu']}; {m['versions']}; "
+             f"kafka-python's CRC-32C: {'C (crc32c package)' if m['crc32c'] else 'pure Python'}"
+             f"; git {m['rev']}; broker on loopback). Load average at start: "
+             + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + ".", ""]
+    print(lines[0], flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="panagg-e2e-") as t:
         tmp = Path(t)
         bootstrap, broker_state = start_broker(tmp)
         try:
-            topic = f"e2e-{uuid.uuid4().hex[:8]}"
-            print(f"producing {args.events:,} events to {topic} ...", flush=True)
-            produce(bootstrap, topic, args.events)
-            bare_t, svc_t = [], []
-            for rep in range(args.reps):
-                b = bare_consume(bootstrap, topic, args.events)
-                src = KafkaSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", 20000)
-                s = service_run(src, args.events, tmp)
-                bare_t.append(b)
-                svc_t.append(s)
-                print(f"  rep {rep}: bare {args.events / b:,.0f} ev/s, service "
-                      f"{args.events / s:,.0f} ev/s, ratio {b / s:.2f}", flush=True)
-            rows.append(throughput_row("Kafka -> counters (service vs bare kafka-python loop)",
-                                       args.events, bare_t, svc_t, ">= 0.8x"))
+            if not args.scale_only:
+                topic = args.topic or f"e2e-{uuid.uuid4().hex[:8]}"
+                if not args.topic:
+                    print(f"producing {args.events:,} events to {topic} ...", flush=True)
+                    produce(bootstrap, topic, args.events)
+                reps = kafka_reps(bootstrap, topic, args, tmp)
+                settings = client_settings(service_config(args.events, tmp / "probe"))
+                lines += ["Kafka -> counters, service vs bare kafka-python loop (target >= 0.9x "
+                          "idle, >= 0.8x loaded):", "", *kafka_lines(args.events, reps, settings),
+                          ""]
+            if args.scale:
+                res = []
+                for n in [int(x) for x in args.scale.split(",")]:
+                    r = scale_run(bootstrap, n, args.events, tmp)
+                    print(f"  scale {n}: {r['rate']:,.0f} ev/s, cpu {r['cpu']}, load "
+                          f"{r['load']}", flush=True)
+                    res.append(r)
+                lines += [f"Scale-out, `panagg run` processes with scale.partitioned on one "
+                          f"6-partition topic, backlog of {args.events:,} records:", "",
+                          *scale_lines(res), ""]
         finally:
             if broker_state is not None:
                 subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(broker_state)],
                                capture_output=True)
-        # file source
-        path = tmp / "events.msgpack"
-        rng = np.random.default_rng(1)
-        with open(path, "wb") as f:
-            pack = msgpack.Packer().pack
-            for chunk in range(0, args.events, 100_000):
-                ids = rng.integers(0, D, min(100_000, args.events - chunk))
-                f.write(b"".join(pack({"item": i}) for i in ids.tolist()))
-        bare_t, svc_t = [], []
-        for rep in range(args.reps):
-            t0 = time.perf_counter()
-            count = sum(1 for _ in msgpack.Unpacker(open(path, "rb"), raw=False))
-            b = time.perf_counter() - t0
-            assert count == args.events
-            s = service_run(FileSource(str(path), "msgpack", batch=20000, progress=False),
-                            args.events, tmp)
-            bare_t.append(b)
-            svc_t.append(s)
-            print(f"  file rep {rep}: bare unpack {args.events / b:,.0f} ev/s, service "
-                  f"{args.events / s:,.0f} ev/s", flush=True)
-        rows.append(throughput_row("msgpack file -> counters (service vs bare msgpack.Unpacker "
-                                   "loop)", args.events, bare_t, svc_t, "(report)"))
-        # checkpoint time for 10^7 counters
-        state = PanPrivateHistogram(1.0, size=10_000_000)
-        store = LocalStore(tmp / "ckpt")
-        ck, base = [], []
-        for rep in range(args.reps):
-            t0 = time.perf_counter()
-            store.save(Checkpoint(state=state.serialize(), window={"id": 0}, offsets={"p:0": 1}))
-            ck.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            with open(tmp / "raw.npy", "wb") as f:
-                np.save(f, state.counts)
-                f.flush()
-                os.fsync(f.fileno())
-            base.append(time.perf_counter() - t0)
-        ratio = [a / b for a, b in zip(ck, base)]
-        rows.append(("checkpoint of 10^7 counters (LocalStore.save vs np.save + fsync)",
-                     statistics.median(ck), statistics.median(base), statistics.median(ratio),
-                     min(ratio), max(ratio), "(report)"))
-    lines = ["# End-to-end throughput", "",
-             f"Command: `.venv/bin/python -m bench.e2e --events {args.events} --reps {args.reps}` "
-             f"({time.strftime('%Y-%m-%d %H:%M')}, 2-core machine; broker on loopback, same run).",
-             "", "| measured | ours | baseline | ratio median (min..max) | target |",
-             "|---|---|---|---|---|"]
-    for name, ours, basev, med, lo, hi, target in rows:
-        unit = "ev/s" if "counters" in name and "checkpoint" not in name else "s"
-        fmt = (lambda v: f"{v:,.0f} {unit}") if unit == "ev/s" else (lambda v: f"{v:.3f} {unit}")
-        lines.append(f"| {name} | {fmt(ours)} | {fmt(basev)} | {med:.2f} ({lo:.2f}..{hi:.2f}) | {target} |")
-    lines += ["", "For throughput rows the ratio is service events/s divided by baseline events/s "
-              "(1.0 = as fast as the bare loop); for the checkpoint row it is our time divided "
-              "by the baseline's (smaller is better)."]
-    (ROOT / "docs" / "e2e.md").write_text("\n".join(lines) + "\n")
+        if not args.kafka_only and not args.scale_only:
+            rows += other_rows(args, tmp)
+    if rows:
+        lines += ["| measured | ours | baseline | ratio median (min..max) |", "|---|---|---|---|"]
+        for name, ours, basev, med, lo, hi, _ in rows:
+            unit = "ev/s" if "counters" in name and "checkpoint" not in name else "s"
+            f = (lambda v: f"{v:,.0f} {unit}") if unit == "ev/s" else (lambda v: f"{v:.3f} {unit}")
+            lines.append(f"| {name} | {f(ours)} | {f(basev)} | {med:.2f} ({lo:.2f}..{hi:.2f}) |")
+        lines += ["", "File row: service events/s over bare events/s (1.0 = as fast as the bare "
+                  "loop); checkpoint row: our time over the baseline's (smaller is better)."]
+    lines += ["", "Load average at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+              + "."]
+    if not args.no_write:
+        write_section(args.section, lines)
     print("\n".join(lines))
+
+
+def other_rows(args, tmp: Path) -> list[tuple]:
+    rows = []
+    path = tmp / "events.msgpack"
+    rng = np.random.default_rng(1)
+    with open(path, "wb") as f:
+        pack = msgpack.Packer().pack
+        for chunk in range(0, args.events, 100_000):
+            ids = rng.integers(0, D, min(100_000, args.events - chunk))
+            f.write(b"".join(pack({"item": i}) for i in ids.tolist()))
+    bare_t, svc_t = [], []
+    for rep in range(args.reps):
+        t0 = time.perf_counter()
+        count = sum(1 for _ in msgpack.Unpacker(open(path, "rb"), raw=False))
+        b = time.perf_counter() - t0
+        assert count == args.events
+        s, _ = service_run(lambda cfg: FileSource(str(path), "msgpack", batch=20000,
+                                                  progress=False), args.events, tmp)
+        bare_t.append(b)
+        svc_t.append(s)
+        print(f"  file rep {rep}: bare unpack {args.events / b:,.0f} ev/s, service "
+              f"{args.events / s:,.0f} ev/s", flush=True)
+    rows.append(throughput_row("msgpack file -> counters (service vs bare msgpack.Unpacker "
+                               "loop)", args.events, bare_t, svc_t, "(report)"))
+    state = PanPrivateHistogram(1.0, size=10_000_000)
+    store = LocalStore(tmp / "ckpt")
+    ck, base = [], []
+    for rep in range(args.reps):
+        t0 = time.perf_counter()
+        store.save(Checkpoint(state=state.serialize(), window={"id": 0}, offsets={"p:0": 1}))
+        ck.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(tmp / "raw.npy", "wb") as f:
+            np.save(f, state.counts)
+            f.flush()
+            os.fsync(f.fileno())
+        base.append(time.perf_counter() - t0)
+    ratio = [a / b for a, b in zip(ck, base)]
+    rows.append(("checkpoint of 10^7 counters (LocalStore.save vs np.save + fsync)",
+                 statistics.median(ck), statistics.median(base), statistics.median(ratio),
+                 min(ratio), max(ratio), "(report)"))
+    return rows
 
 
 if __name__ == "__main__":
