@@ -122,3 +122,18 @@ def test_accuracy_plan_counts_snapshot_layers_and_time_windows():
                                  "window.size=60", "state.expected_n=5000"))
     assert "6 noise layer(s) at release" in line  # 1 + 2 x 2 snapshots + the release layer
     assert "with 5,000 events per window (state.expected_n)" in line
+
+
+def test_service_release_says_what_it_counted(tmp_path):
+    from aggregator.service import Aggregator
+    from consumers.file_source import FileSource
+
+    path = tmp_path / "e.jsonl"
+    path.write_text("".join(json.dumps({"user": {"id": i % 50}}) + "\n" for i in range(600)))
+    cfg = load_config(None, ["source.kind=file", f"source.path={path}", "source.format=json",
+                             "state.domain_size=100", "window.size=500", "item.field=user.id",
+                             f"checkpoint.dir={tmp_path / 's'}", f"release.dir={tmp_path / 'r'}",
+                             "metrics.port=-1", "release.error_bar_reps=0"])
+    Aggregator(cfg, FileSource(str(path), "json", batch=100, progress=False)).run()
+    rel = json.loads((tmp_path / "r" / "release-0.json").read_text())
+    assert rel["counted"] == {"stream": "file:e.jsonl", "item": "value:user.id"}

@@ -78,8 +78,8 @@ from ..noise import discrete_laplace
 from ..release import (ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy,
                        package_release, plot_release, write_release)
 from ..state import PanPrivateHistogram
-from .process import (Aggregator, ServiceError, Stopping, service_key_error,
-                      warn_if_below_noise)
+from .process import (Aggregator, ServiceError, Stopping, identity_of, item_identity,
+                      service_key_error, warn_if_below_noise)
 from .window import WindowTask, new_window
 
 __all__ = ["PartitionedAggregator", "PartitionTask", "merge_summaries", "partition_summary",
@@ -663,6 +663,8 @@ class PartitionedAggregator(Aggregator):
                 release = merge_summaries(
                     summaries, loss=self.loss,
                     error_bar_reps=int(self.cfg["release"]["error_bar_reps"]))
+                release["counted"] = {"stream": identity_of(self.cfg)["stream"],
+                                      "item": item_identity(self.cfg)}
                 warn_if_below_noise(release)
             except ValueError as exc:  # e.g. the partition count changed within the window
                 log.error("window %s cannot be merged: %s; its summaries stay in %s", wid, exc,

@@ -969,6 +969,8 @@ class Aggregator:
         warn_if_below_noise(release)
         release["window_info"] = {k: closing[k] for k in
                                   ("kind", "size", "events", "started_unix", "ended_unix")}
+        release["counted"] = {"stream": identity_of(self.cfg)["stream"],
+                              "item": item_identity(self.cfg)}
         doc = json.dumps(release, allow_nan=False)
         self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid, window_uid=uid,
                            epsilon_spent=self.epsilon, model=self.model, document=doc,
