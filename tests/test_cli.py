@@ -244,3 +244,10 @@ def test_another_distribution_declaring_our_names_is_refused(tmp_path):
         "panagg: error: top-level package names of panagg are installed by other distributions "
         "too ('state_store' also by otherlib): one overwrote the other's files; install panagg "
         "in its own virtual environment (python -m venv)")
+
+
+def test_plan_prints_the_accuracy_plan_and_fails_below_the_noise():
+    ok = run("plan", "--set", "state.domain_size=1000000", "--set", "window.size=40000")
+    assert ok.returncode == 0 and ok.stdout.startswith("accuracy plan: 1,000,000 counters (D)")
+    low = run("plan", "--set", "state.domain_size=100000000", "--set", "window.size=40000")
+    assert low.returncode == 1 and "BELOW THE NOISE at 40,000 events" in low.stdout

@@ -688,6 +688,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``panagg plan``: the accuracy plan of a configuration, before any data (public inputs)."""
+    from .process import accuracy_plan
+
+    cfg = _load(args, [])
+    line, below = accuracy_plan(cfg)
+    print(line)
+    return 1 if below else 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """``panagg status``: exit 0, or 1 when a running service reports itself unhealthy."""
     from .status import StatusError, collect_status, format_status
@@ -789,6 +799,12 @@ def build_parser() -> argparse.ArgumentParser:
     shw.add_argument("--state-dir", required=True, help="checkpoint.dir")
     shw.add_argument("--json", action="store_true", help="entries as JSON (documents omitted)")
     led.set_defaults(func=cmd_ledger)
+    pla = sub.add_parser("plan", help="expected accuracy of a configuration before any data "
+                                      "(error floor, events a window needs, a suggested fix)")
+    pla.add_argument("--config", help="TOML config file")
+    pla.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                     help="override one setting (repeatable)")
+    pla.set_defaults(func=cmd_plan)
     sta = sub.add_parser("status", help="window, progress, lag, health, budget and last release "
                                         "of a state directory")
     sta.add_argument("--state-dir", required=True, help="checkpoint.dir")
