@@ -270,16 +270,14 @@ def kafka_lines(events: int, reps: list[dict], settings: dict) -> list[str]:
     return lines
 
 
-def scale_run(bootstrap: str, n_proc: int, events: int, tmp: Path, partitions: int = 6) -> dict:
-    """``n_proc`` partitioned ``panagg run`` processes draining a backlog of ``events`` records
-    on one ``partitions``-partition topic: events/s of all of them while every one owns
-    partitions, and CPU seconds per process."""
+def scale_run(bootstrap: str, topic: str, n_proc: int, events: int, tmp: Path) -> dict:
+    """``n_proc`` partitioned ``panagg run`` processes (a new group) draining the backlog of
+    ``events`` records of ``topic``: events/s of all of them while every one owns partitions,
+    and CPU seconds per process."""
     from bench.scaleout import _cpu_seconds, _metrics_port, member_args, scrape
 
-    topic = f"e2e-scale-{uuid.uuid4().hex[:8]}"
-    produce(bootstrap, topic, events, partitions)
     group = f"scale-{uuid.uuid4().hex[:8]}"
-    state, rel = tmp / f"{topic}-state", tmp / f"{topic}-rel"
+    state, rel = tmp / f"{group}-state", tmp / f"{group}-rel"
     env = dict(os.environ)
     env.pop("PANAGG_TESTING", None)
     procs, logs, ports = {}, {}, {}
@@ -287,7 +285,7 @@ def scale_run(bootstrap: str, n_proc: int, events: int, tmp: Path, partitions: i
     try:
         for i in range(n_proc):
             name = f"m{i}"
-            logs[name] = tmp / f"{topic}-{name}.log"
+            logs[name] = tmp / f"{group}-{name}.log"
             fh = open(logs[name], "w")
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "aggregator.service.cli",
@@ -324,18 +322,22 @@ def scale_run(bootstrap: str, n_proc: int, events: int, tmp: Path, partitions: i
     if len(steady) >= 2 and all(x is not None for x in steady[0][3] + steady[-1][3]):
         dt = steady[-1][0] - steady[0][0]
         cpu = [(b - a) / dt for a, b in zip(steady[0][3], steady[-1][3])]
-    return {"processes": n_proc, "events": events, "rate": rate, "cpu": cpu,
+    span = steady[-1][0] - steady[0][0] if len(steady) >= 2 else 0.0
+    return {"processes": n_proc, "events": events, "rate": rate, "cpu": cpu, "span_s": span,
             "counted": samples[-1][1] if samples else 0, "load": [load0, load1()],
             "steady_samples": len(steady)}
 
 
 def scale_lines(results: list[dict]) -> list[str]:
     lines = ["| processes | events/s (all) | events/s per process | CPU cores used per process "
-             "| load before -> after |", "|---|---|---|---|---|"]
+             "| CPU µs/event | measured over | load before -> after |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         cpu = ", ".join(f"{c:.2f}" for c in r["cpu"]) if r["cpu"] else "-"
+        per = f"{1e6 * sum(r['cpu']) / r['rate']:.2f}" if r["cpu"] else "-"
         lines.append(f"| {r['processes']} | {r['rate']:,.0f} | {r['rate'] / r['processes']:,.0f} "
-                     f"| {cpu} | {r['load'][0]:.2f} -> {r['load'][1]:.2f} |")
+                     f"| {cpu} | {per} | {r['span_s']:.1f} s | {r['load'][0]:.2f} -> "
+                     f"{r['load'][1]:.2f} |")
     return lines
 
 
@@ -387,8 +389,11 @@ def main() -> None:
                           ""]
             if args.scale:
                 res = []
+                topic = f"e2e-scale-{uuid.uuid4().hex[:8]}"
+                print(f"producing {args.events:,} events to {topic} (6 partitions) ...", flush=True)
+                produce(bootstrap, topic, args.events, 6)
                 for n in [int(x) for x in args.scale.split(",")]:
-                    r = scale_run(bootstrap, n, args.events, tmp)
+                    r = scale_run(bootstrap, topic, n, args.events, tmp)
                     print(f"  scale {n}: {r['rate']:,.0f} ev/s, cpu {r['cpu']}, load "
                           f"{r['load']}", flush=True)
                     res.append(r)
