@@ -220,7 +220,10 @@ def _conv(a: np.ndarray, q: np.ndarray) -> np.ndarray:
     if len(q) < _FFT_TAPS or len(a) < 4 * len(q):
         return np.convolve(a, q, mode="same")
     from scipy.signal import oaconvolve
-    return np.maximum(oaconvolve(a, q, mode="same"), 0.0)
+    out = oaconvolve(a, q, mode="same")
+    # FFT rounding is ~1e-16 of the largest value: below that level a value is noise, and a zero
+    # there would make the EM's ratio w / m explode
+    return np.maximum(out, 1e-15 * max(float(out.max()), 0.0))
 
 
 def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray,
@@ -297,10 +300,14 @@ def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None,
         if vv > 0:
             alpha = -math.sqrt(float((r * r).sum()) / vv)
             alpha = min(alpha, -1.0)
-            cand = np.maximum(pi - 2 * alpha * r + alpha * alpha * v, 0.0) * allowed
-            cand /= max(cand.sum(), 1e-300)
-            cand = _em_step(cand, w, nz, q, mean)
-            ll_c = _loglik(cand, w, nz, q)
+            with np.errstate(over="ignore", invalid="ignore"):
+                cand = np.maximum(pi - 2 * alpha * r + alpha * alpha * v, 0.0) * allowed
+            if np.all(np.isfinite(cand)) and cand.sum() > 0:
+                cand /= cand.sum()
+                cand = _em_step(cand, w, nz, q, mean)
+                ll_c = _loglik(cand, w, nz, q)
+            else:  # a step length that overflows (v ~ 0): plain EM this time
+                ll_c = -np.inf
         else:
             ll_c = -np.inf
         ll2 = _loglik(p2, w, nz, q)
@@ -845,17 +852,19 @@ METHODS = ("threshold", "deconvolution", "mle", "wupagh", "xfit", "auto")
 MODES = ("direct", "hashed")
 MLE_MAX_ITER = 1000
 MLE_TOL = 1e-9
-# (mode, layers) -> (method, cap rule); layers above the largest key use the largest key's entry.
+# (mode, layers) -> (method, cap rule); a layer count without a key uses the largest key below it.
 # Chosen by the lowest worst-case regret over the accuracy grid, every candidate on the same noisy
 # counters (docs/accuracy_grid.md; bench/accuracy_grid.py writes the choice to
 # bench/grid_defaults.json, and tests/test_grid_defaults.py checks this table against it).
 DEFAULTS = {
-    ("direct", 1): ("mle", "scale"),
-    ("direct", 2): ("deconvolution", "scale"),
-    ("direct", 3): ("deconvolution", "scale"),
-    ("hashed", 1): ("mle", "items"),
-    ("hashed", 2): ("mle", "items"),
-    ("hashed", 3): ("mle", "items"),
+    ("direct", 1): ("auto", "items"),
+    ("direct", 2): ("auto", "items"),
+    ("direct", 3): ("mle", "items"),
+    ("direct", 6): ("mle", "items"),
+    ("hashed", 1): ("auto", "items"),
+    ("hashed", 2): ("auto", "items"),
+    ("hashed", 3): ("auto", "items"),
+    ("hashed", 6): ("mle", "items"),
 }
 DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
 # (mode, layers) -> (snr cut, (method, cap) below it, (method, cap) at or above it): a rule on the
@@ -886,7 +895,7 @@ def default_method(mode: str, layers: int, *, n=None, counters=None, p=None) -> 
     """The estimator a release uses when none is named (:data:`DEFAULTS`).
 
     >>> default_method("hashed", 1), default_method("direct", 2), default_method("direct", 5)
-    ('mle', 'deconvolution', 'deconvolution')
+    ('auto', 'auto', 'mle')
     """
     return _default(mode, layers, n, counters, p)[0]
 

@@ -159,7 +159,7 @@ def run_timing(quick: bool) -> dict:
             calls = {"bincount": lambda: np.bincount(x - x.min()),
                      "default": lambda: anonymized_histogram(x, p, layers=k, n=n,
                                                              buckets=buckets)}
-            for m in METHODS + ("xfit",):
+            for m in (METHODS + ("xfit",) if k <= 2 else ("threshold",)):
                 calls[m] = (lambda m=m: anonymized_histogram(x, p, layers=k, n=n,
                                                              buckets=buckets, method=m))
             if k <= 2 and mode == "direct":
@@ -372,8 +372,8 @@ def snr_rows(results: list, an: dict) -> list:
         for i in a["cells"]:
             c = results[i].cell
             snr = signal_to_noise(c.n, c.counters, c.p, k)
-            rel = a["err"][(a["choice"], i)] / c.n
-            best = min(a["err"][(m, i)] for m in ADMISSIBLE) / c.n
+            rel = a["err"][(a["choice"], i)] / max(c.n, 1)
+            best = min(a["err"][(m, i)] for m in ADMISSIBLE) / max(c.n, 1)
             rows.append((mode, k, c, snr, rel, best))
     return rows
 
@@ -818,7 +818,7 @@ def _write_cells(w, results, an) -> None:
             cells = [(f"**{fmt(x)}**" if x == best else fmt(x)) + f" ± {fmt(s)}" for x, s in ms]
             w(f"| {cell_label(r.cell)} | {r.cell.reps} | {np.mean(r.items):.0f} | "
               + " | ".join(cells)
-              + f" | {a['err'][(a['choice'], i)] / r.cell.n:.3f} | "
+              + f" | {a['err'][(a['choice'], i)] / max(r.cell.n, 1):.3f} | "
                 f"{a['reg'][(a['choice'], i)]:.2f} |")
         w("")
         w("</details>")
