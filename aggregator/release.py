@@ -120,10 +120,15 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         return hist, accuracy
     lo_c, hi_c = np.asarray(bars["phi_lower"]), np.asarray(bars["phi_upper"])
     r_max = min(PHI_BANDS, len(lo_c))
-    # phi_r = phi_{>=r} - phi_{>=r+1}: its interval from the two cumulative bounds (conservative)
-    nxt_lo = np.append(lo_c[1:r_max + 1], 0.0)[:r_max] if r_max else lo_c[:0]
-    nxt_hi = np.append(hi_c[1:r_max + 1], 0.0)[:r_max] if r_max else hi_c[:0]
-    accuracy["intervals"] = {
+    if "phi_r_lower" in bars:  # bootstrapped phi_r itself
+        lo_r = np.asarray(bars["phi_r_lower"])[:r_max]
+        hi_r = np.asarray(bars["phi_r_upper"])[:r_max]
+    else:  # phi_r = phi_{>=r} - phi_{>=r+1}: from the two cumulative bounds (conservative)
+        nxt_lo = np.append(lo_c[1:r_max + 1], 0.0)[:r_max]
+        nxt_hi = np.append(hi_c[1:r_max + 1], 0.0)[:r_max]
+        lo_r = np.maximum(lo_c[:r_max] - nxt_hi, 0.0)
+        hi_r = np.maximum(hi_c[:r_max] - nxt_lo, 0.0)
+    iv = {
         "level": float(bars["level"]),
         "method": "parametric bootstrap (aggregator.intervals.error_bars)",
         "reps": int(bars["reps"]),
@@ -134,12 +139,15 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         "entropy_nats": [round(float(x), 6) for x in bars["entropy_nats"]],
         "phi_at_least": [[r + 1, round(float(lo_c[r]), 2), round(float(hi_c[r]), 2)]
                          for r in range(r_max)],
-        "phi": [[r + 1, round(float(max(lo_c[r] - nxt_hi[r], 0.0)), 2),
-                 round(float(max(hi_c[r] - nxt_lo[r], 0.0)), 2)] for r in range(r_max)],
+        "phi": [[r + 1, round(float(lo_r[r]), 2), round(float(hi_r[r]), 2)]
+                for r in range(len(lo_r))],
     }
-    for key in ("coverage", "support_coverage_2n"):  # newer error_bars versions may add these
-        if key in bars:
-            accuracy["intervals"]["support_coverage_2n"] = [round(float(x), 4) for x in bars[key]]
+    if "support_coverage_2n" in bars:
+        iv["support_coverage_2n"] = [round(float(x), 4) for x in bars["support_coverage_2n"]]
+    if "rank_bands" in bars:  # events held by the items of ranks first..last
+        iv["rank_bands"] = [[int(a), int(b), round(float(lo), 2), round(float(hi), 2)]
+                            for a, b, lo, hi in bars["rank_bands"]]
+    accuracy["intervals"] = iv
     return hist, accuracy
 
 

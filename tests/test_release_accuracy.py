@@ -42,6 +42,9 @@ def test_release_carries_signal_to_noise_and_intervals():
     for (r, lo_c, hi_c), (r2, lo_r, hi_r) in zip(iv["phi_at_least"], iv["phi"]):
         assert r == r2 and lo_c <= hi_c and 0 <= lo_r <= hi_r
     assert iv["l1_error_bound"] > 0
+    lo_s, hi_s = iv["support_coverage_2n"]
+    assert 0 <= lo_s <= hi_s
+    assert iv["rank_bands"][0][:2] == [1, 1] and all(b[2] <= b[3] for b in iv["rank_bands"])
     assert iv["relative_l1_error_bound"] == pytest.approx(iv["l1_error_bound"] / 20000, rel=1e-4)
     json.dumps(rel, allow_nan=False)  # the document stays strict JSON
 
