@@ -41,7 +41,7 @@ STATE_ONLY_CAVEAT = (
 
 def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str = "l1",
                  window: str | int | None = None, rng=None,
-                 error_bar_reps: int = ERROR_BAR_REPS) -> dict:
+                 error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None) -> dict:
     """Estimate the anonymized histogram of ``state`` and package it as a JSON-ready dict.
 
     The event count is public only for a replace-one state: it goes into the release (``"n"``)
@@ -52,6 +52,8 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     ``rng`` is a test-only noise source for the release layer; the state is not modified.
     ``error_bar_reps`` bootstrap repetitions give the release's ``accuracy`` block
     (:func:`estimate_with_accuracy`); 0 leaves the intervals out (the signal-to-noise fields stay).
+    ``method`` names the estimator (:data:`aggregator.estimate.METHODS`; None: the default for
+    the mode and layer count, docs/accuracy_grid.md).
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
@@ -66,7 +68,8 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
         layers += 1
     hist, accuracy = estimate_with_accuracy(
         counts, state.p, layers=layers, loss=loss, n=n,
-        buckets=state.size if state.mode == "hashed" else None, reps=error_bar_reps)
+        buckets=state.size if state.mode == "hashed" else None, reps=error_bar_reps,
+        method=method)
     release = package_release(
         hist, window=window, n=n, epsilon=state.epsilon, neighbor=state.neighbor,
         model=model, extra={"p": state.p, "layers": layers, "loss": loss,
@@ -79,7 +82,8 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
 
 
 def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "l1", n=None,
-                           buckets=None, reps: int = ERROR_BAR_REPS, level: float = 0.9):
+                           buckets=None, reps: int = ERROR_BAR_REPS, level: float = 0.9,
+                           method: str | None = None):
     """The released histogram and its ``accuracy`` block, from the noisy counters only.
 
     Everything here is post-processing of the (already noised) counters and public quantities
@@ -95,7 +99,7 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
       bootstrap's randomness only touches released values; it is drawn fresh (OS entropy), not
       seeded.
     """
-    kw = dict(layers=layers, n=n, buckets=buckets)
+    kw = dict(layers=layers, n=n, buckets=buckets, method=method)
     # the release itself: exactly what the estimator gives on these counters (the one call the
     # privacy audits watch: tests/test_privacy_service.py)
     hist = np.asarray(anonymized_histogram(noisy_counts, p, loss=loss, **kw), dtype=np.int64)
@@ -106,7 +110,11 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         bars = intervals.error_bars(vc, p, reps=int(reps), level=level, **kw)
     signal = n if n is not None else int(np.asarray(hist).sum())
     snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
+    from .estimate import default_method
+    resolved = method or default_method("hashed" if buckets is not None else "direct", layers,
+                                        n=n, counters=counters, p=p)
     accuracy = {
+        "estimator": resolved if method else f"{resolved} (default)",
         "signal_to_noise": round(float(snr), 4),
         "signal_below_noise": bool(snr < intervals.SNR_MIN),
         "signal_basis": "n" if n is not None else "n_in_histogram",

@@ -140,3 +140,14 @@ def test_service_release_says_what_it_counted(tmp_path):
     Aggregator(cfg, FileSource(str(path), "json", batch=100, progress=False)).run()
     rel = json.loads((tmp_path / "r" / "release-0.json").read_text())
     assert rel["counted"] == {"stream": "file:e.jsonl", "item": "value:user.id"}
+
+
+def test_release_estimator_is_configurable_and_named():
+    s = _state(2000, 20000)
+    chosen = make_release(s, window=0, error_bar_reps=0, method="threshold")
+    assert chosen["accuracy"]["estimator"] == "threshold"
+    default = make_release(s, window=0, error_bar_reps=0)
+    assert default["accuracy"]["estimator"].endswith(" (default)")
+    cfg = _cfg("release.estimator=deconvolution")
+    from aggregator.service.process import release_method
+    assert release_method(cfg) == "deconvolution" and release_method(_cfg()) is None

@@ -92,6 +92,7 @@ DEFAULTS: dict[str, dict] = {
         "topic": "",                # empty: releases only go to files
         "on_exhausted": True,       # finite sources: release the partial last window
         "error_bar_reps": 30,       # bootstrap repetitions for the release's intervals; 0: none
+        "estimator": "default",     # default (the accuracy grid's choice) or a METHODS name
     },
     "ledger": {
         "budget_per_window": 0.0,   # 0: equal to state.epsilon (one release per window)
@@ -120,6 +121,8 @@ _CHOICES = {
     ("state", "mode"): ("direct", "hashed"),
     ("state", "model"): ("joint", "state-only"),
     ("state", "loss"): ("l1", "l2"),
+    ("release", "estimator"): ("default", "threshold", "deconvolution", "mle", "wupagh", "xfit",
+                               "auto"),
     ("window", "kind"): ("count", "time"),
     ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     ("item", "source"): ("value", "key", "header"),

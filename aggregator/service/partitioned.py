@@ -79,7 +79,7 @@ from ..release import (ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy
                        package_release, plot_release, write_release)
 from ..state import PanPrivateHistogram
 from .process import (Aggregator, ServiceError, Stopping, identity_of, item_identity,
-                      service_key_error, warn_if_below_noise)
+                      release_method, service_key_error, warn_if_below_noise)
 from .window import WindowTask, new_window
 
 __all__ = ["PartitionedAggregator", "PartitionTask", "merge_summaries", "partition_summary",
@@ -128,7 +128,7 @@ _MUST_AGREE = ("window", "partitions", "mode", "epsilon", "neighbor", "p", "laye
 
 
 def merge_summaries(summaries: list[dict], *, loss: str = "l1",
-                    error_bar_reps: int = ERROR_BAR_REPS) -> dict:
+                    error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None) -> dict:
     """The window's release from the summaries of all its partitions (deterministic).
 
     Noisy-value counts add up over partitions; the estimators then run once on the sum, with
@@ -164,7 +164,7 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
         vc = remove_empty_counters(vc, empty, first["p"], first["layers"])
     hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=first["layers"], loss=loss,
                                             n=n, buckets=counters if hashed else None,
-                                            reps=error_bar_reps)
+                                            reps=error_bar_reps, method=method)
     infos = [s["window_info"] for s in summaries]
     release = package_release(
         hist, window=first["window"], n=n, epsilon=first["epsilon"], neighbor=first["neighbor"],
@@ -662,7 +662,8 @@ class PartitionedAggregator(Aggregator):
             try:
                 release = merge_summaries(
                     summaries, loss=self.loss,
-                    error_bar_reps=int(self.cfg["release"]["error_bar_reps"]))
+                    error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
+                    method=release_method(self.cfg))
                 release["counted"] = {"stream": identity_of(self.cfg)["stream"],
                                       "item": item_identity(self.cfg)}
                 warn_if_below_noise(release)

@@ -53,7 +53,7 @@ from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
 from .window import WindowTask, new_window
 
-__all__ = ["Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
+__all__ = ["release_method", "Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
            "warn_if_below_noise", "accuracy_plan"]
 
 log = logging.getLogger("panagg.service")
@@ -155,6 +155,12 @@ class RejectWatch:
         if self.counted == 0 and self.rejected:
             return self.message()
         return None
+
+
+def release_method(cfg: dict) -> str | None:
+    """``release.estimator``: None for the grid's default, else the named estimator."""
+    name = cfg["release"].get("estimator", "default")
+    return None if name == "default" else name
 
 
 def service_key_error(exc: Exception) -> str:
@@ -965,7 +971,8 @@ class Aggregator:
             return None
         release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
                                rng=self._rng(1, wid),
-                               error_bar_reps=int(self.cfg["release"]["error_bar_reps"]))
+                               error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
+                               method=release_method(self.cfg))
         warn_if_below_noise(release)
         release["window_info"] = {k: closing[k] for k in
                                   ("kind", "size", "events", "started_unix", "ended_unix")}
