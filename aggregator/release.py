@@ -28,7 +28,7 @@ from .state import PanPrivateHistogram
 __all__ = ["MODELS", "ReleaseExists", "make_release", "estimate_with_accuracy", "package_release",
            "write_release", "plot_release", "plot_rank_frequency", "ERROR_BAR_REPS", "PHI_BANDS"]
 
-ERROR_BAR_REPS = 30  # bootstrap repetitions per release (release.error_bar_reps); 0: none
+ERROR_BAR_REPS = 10  # bootstrap repetitions per release (release.error_bar_reps); 0: none
 PUBLIC_MODE = 0o644   # release files are published: readable by all, whatever the umask
 PHI_BANDS = 10       # phi_r and phi_{>=r} intervals are released for r = 1..PHI_BANDS
 

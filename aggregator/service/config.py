@@ -91,7 +91,7 @@ DEFAULTS: dict[str, dict] = {
         "dir": "out/releases",
         "topic": "",                # empty: releases only go to files
         "on_exhausted": True,       # finite sources: release the partial last window
-        "error_bar_reps": 30,       # bootstrap repetitions for the release's intervals; 0: none
+        "error_bar_reps": 10,       # bootstrap repetitions for the release's intervals; 0: none
         "estimator": "default",     # default (the accuracy grid's choice) or a METHODS name
     },
     "ledger": {
