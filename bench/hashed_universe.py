@@ -81,12 +81,12 @@ def run_cell(n: int, U: int, dist: str, eps: float, reps: int) -> dict:
     return out
 
 
-def cells(quick: bool):
+def cells(quick: bool, eps_list=EPS):
     ns = NS[:2] if quick else NS
     for n in ns:
         for ratio in RATIOS:
             for dist in DISTS:
-                for eps in EPS:
+                for eps in eps_list:
                     yield n, n * ratio, dist, eps
 
 
@@ -94,11 +94,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--eps", type=float, action="append", help="only these eps (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "hashed_universe.md"))
     args = ap.parse_args(argv)
     started = time.time()
     rows = []
-    for n, U, dist, eps in cells(args.quick):
+    for n, U, dist, eps in cells(args.quick, tuple(args.eps) if args.eps else EPS):
         res = run_cell(n, U, dist, eps, args.reps)
         for layers in LAYERS:
             hashed = statistics.mean(res[("hashed", layers)])
@@ -124,7 +125,8 @@ def write(rows, args, started) -> None:
     load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
     lines = ["# Hashed mode against direct mode over the real id universe", "",
              f"Produced by `.venv/bin/python -m bench.hashed_universe --reps {args.reps}"
-             f"{' --quick' if args.quick else ''}` at {rev} "
+             f"{' --quick' if args.quick else ''}"
+             f"{''.join(f' --eps {e:g}' for e in (args.eps or []))}` at {rev} "
              f"({time.strftime('%Y-%m-%d %H:%M', time.gmtime(started))}Z, "
              f"{(time.time() - started) / 60:.1f} min, load average at the end {load}).", "",
              "A user who knows the id universe U can run direct mode with U counters; hashed "
