@@ -225,10 +225,12 @@ def test_hashed_state_end_to_end_beats_the_raw_bucket_histogram():
     assert np.median(ratios) < 0.5, ratios
 
 
-def test_hashed_one_layer_default_is_the_converged_mle_and_beats_the_threshold_estimator():
-    """Mostly-empty buckets (B = 3 n): the default one-layer estimator of the bucket prevalences
-    (EM NPMLE run to convergence) against the threshold estimator, same noisy counters. Seeded
-    hashing and noise, six data sets: valid histograms every time, lower total error."""
+def test_hashed_one_layer_default_is_the_grid_choice_and_mle_beats_the_threshold_estimator():
+    """Mostly-empty buckets (B = 3 n): the release uses the grid's default for hashed mode, one
+    layer (estimate.default_method), and the EM NPMLE run to convergence beats the threshold
+    estimator on the same noisy counters. Seeded hashing and noise, six data sets: valid
+    histograms every time, lower total error."""
+    from aggregator.estimate import default_method
     p = p_from_epsilon(1.0)
     tot = {"mle": 0, "threshold": 0}
     for seed in range(6):
@@ -238,13 +240,15 @@ def test_hashed_one_layer_default_is_the_converged_mle_and_beats_the_threshold_e
         noisy = _reduced(h, B, rng) + discrete_laplace(p, B, rng=rng)
         est = anonymized_histogram(noisy, p, buckets=B)
         assert est.dtype == np.int64 and np.all(np.diff(est) <= 0) and est.min() > 0
-        np.testing.assert_array_equal(est, ld.hashed_histogram(noisy, p, buckets=B, method="mle"))
+        default = default_method("hashed", 1, counters=B, p=p)
+        np.testing.assert_array_equal(est, ld.hashed_histogram(noisy, p, buckets=B,
+                                                               method=default))
         for m in tot:
             tot[m] += l1_distance(h, ld.hashed_histogram(noisy, p, buckets=B, method=m))
     assert tot["mle"] < 0.85 * tot["threshold"], tot
 
 
-def test_hashed_two_layer_default_is_the_converged_mle_and_beats_early_stopping():
+def test_hashed_two_layer_default_is_the_grid_choice_and_mle_beats_early_stopping():
     """Joint model (two DLap layers per counter), mostly-empty buckets (n = 1e5 Zipf(1.1) events
     clipped to 1e4 ids, B = 2 n: ~97% of the buckets empty). The early-stopped EM's tolerance is
     per counter, so it stops far from the data; the default (EM NPMLE run to convergence) is
@@ -258,10 +262,15 @@ def test_hashed_two_layer_default_is_the_converged_mle_and_beats_early_stopping(
         B = 2 * n
         noisy = (_reduced(h, B, rng) + discrete_laplace(p, B, rng=rng)
                  + discrete_laplace(p, B, rng=rng))
+        from aggregator.estimate import default_cap, default_method
         est = anonymized_histogram(noisy, p, n=n, layers=2, buckets=B)
         assert est.dtype == np.int64 and np.all(np.diff(est) <= 0) and est.min() > 0
+        feats = dict(n=n, counters=B, p=p)
         np.testing.assert_array_equal(
-            est, ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="mle"))
+            est, ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2,
+                                     method=default_method("hashed", 2, **feats),
+                                     cap=default_cap("hashed", 2, **feats)))
+        est = ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="mle")
         early = ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="deconvolution")
         errs.append((l1_distance(h, est), l1_distance(h, early)))
     assert all(e < d for e, d in errs), errs
@@ -273,10 +282,11 @@ def test_hashed_phi_estimate_defaults_and_errors():
     noisy = np.concatenate([np.zeros(300, np.int64), rng.integers(1, 9, 100)])
     p = 0.5
     noisy = noisy + discrete_laplace(p, len(noisy), rng=rng)
+    from aggregator.estimate import default_method as dm
     np.testing.assert_allclose(ld.hashed_phi_estimate(noisy, p),
-                               ld.hashed_phi_estimate(noisy, p, method="mle"))
+                               ld.hashed_phi_estimate(noisy, p, method=dm("hashed", 1)))
     np.testing.assert_allclose(ld.hashed_phi_estimate(noisy, p, layers=2),
-                               ld.hashed_phi_estimate(noisy, p, layers=2, method="mle"))
+                               ld.hashed_phi_estimate(noisy, p, layers=2, method=dm("hashed", 2)))
     with pytest.raises(ValueError):
         ld.hashed_phi_estimate(noisy, p, method="magic")
     # direct mode has its own default (without n, no cap)

@@ -433,8 +433,11 @@ def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path):
     try:
         topic = make_topic(bootstrap, partitions=1)
         produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(2000)])
+        # 3 s windows: releases must take well under a window (the adaptive default estimator
+        # and its bootstrap intervals take seconds; configuration.md, release.estimator)
         args = service_args(bootstrap, topic, tmp_path, "--set", "window.kind=time",
-                            "--set", "window.size=3")
+                            "--set", "window.size=3", "--set", "release.estimator=deconvolution",
+                            "--set", "release.error_bar_reps=0")
         args[args.index("--metrics-port") + 1] = "0"
         log_path = tmp_path / "service.log"
         proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
