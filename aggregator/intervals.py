@@ -136,7 +136,7 @@ def _coverage_2n(counts) -> float:
 
 
 def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, cap=None,
-               reps=30, level=0.9, rng=None, model="both") -> dict:
+               reps=30, level=0.9, rng=None, model="both", release=None) -> dict:
     """The release and parametric-bootstrap error bars for it.
 
     Arguments as for :func:`aggregator.estimate.anonymized_histogram` (the estimate is exactly
@@ -145,6 +145,8 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     stand-in truth: ``"both"`` (default) the early-stopped EM's and the converged NPMLE's
     histograms, one smooth and one spiky, with the union of their intervals; ``"mle"`` or
     ``"deconvolution"`` one of them; None the release itself.
+    ``release``: the release's histogram if already computed with these arguments (it is then
+    not recomputed).
 
     Why two stand-ins: the basic bootstrap carries the estimator's bias at the stand-in into the
     interval, and the bias at the truth differs from it by how the stand-in's shape differs from
@@ -195,7 +197,10 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     vc = noisy_value_counts(noisy_counts)
     counters = vc.total
     kw = dict(layers=layers, n=n, buckets=buckets, method=method, cap=cap)
-    est = anonymized_histogram(vc, p, **kw)
+    # the release, when the caller already has it (exactly anonymized_histogram(**kw) of these
+    # counters): the default estimator can take seconds, so it is not run twice
+    est = (np.asarray(release, dtype=np.int64) if release is not None
+           else anonymized_histogram(vc, p, **kw))
     chosen = method if method is not None else default_method(
         "hashed" if buckets is not None else "direct", layers, n=n, counters=counters, p=p)
     if chosen == "auto" and buckets is None:
@@ -208,7 +213,6 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     stand_ins = {"both": ("deconvolution", "mle")}.get(model, (model,))
     a = (1.0 - level) / 2.0
     top = float(n) if n is not None else math.inf
-    B = len(RANK_BANDS)
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
     for sm in stand_ins:
         truth = est if sm is None else anonymized_histogram(vc, p, **(kw | {"method": sm}))

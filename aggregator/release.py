@@ -107,7 +107,7 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
     counters = int(vc.total)
     bars = None
     if reps and loss == "l1":
-        bars = intervals.error_bars(vc, p, reps=int(reps), level=level, **kw)
+        bars = intervals.error_bars(vc, p, reps=int(reps), level=level, release=hist, **kw)
     signal = n if n is not None else int(np.asarray(hist).sum())
     snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
     from .estimate import default_method

@@ -5,6 +5,7 @@ Exactly-once and crash behaviour are checked with the test-only deterministic no
 noise plus the true counts.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -22,7 +23,6 @@ from aggregator.service.config import ConfigError, load_config
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.release import make_release
 from aggregator.service import Aggregator
-from aggregator.service.process import ServiceError
 from aggregator.state import PanPrivateHistogram
 from consumers.decode import REASONS, Decoder
 from consumers.file_source import FileSource
@@ -466,23 +466,33 @@ def test_batch_fast_path_agrees_with_per_message_decoding():
             assert fast.rejected == slow_rej, name
 
 
-def test_release_and_export_requests_reach_a_running_service(tmp_path):
-    import time as _time
-
+@contextlib.contextmanager
+def generator_service(tmp_path, env, *, events, rate, metrics_port="-1", ready="service.lock",
+                      settle=1.5):
+    """A ``panagg run`` over the rate-limited generator in a subprocess: yields the process once
+    ``ready`` exists in its state dir (plus ``settle`` s of counting), waits for it to end."""
     state_dir = tmp_path / "state"
-    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=40000",
-            "--set", "source.generator_rate=8000", "--set", "source.max_records=500",
+    args = ["run", "--set", "source.kind=generator", "--set", f"source.generator_events={events}",
+            "--set", f"source.generator_rate={rate}", "--set", "source.max_records=500",
             "--set", f"state.domain_size={D}", "--set", "window.size=1000000",
             "--state-dir", str(state_dir), "--release-dir", str(tmp_path / "releases"),
-            "--metrics-port", "-1", "--set", "release.on_exhausted=false"]
-    env = dict(os.environ, PANAGG_TESTING="1", PANAGG_AUDIT_KEY=KEY_HEX)
+            "--metrics-port", metrics_port, "--set", "release.on_exhausted=false"]
     proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = _time.time() + 60
-        while not (state_dir / "service.lock").exists() and _time.time() < deadline:
-            _time.sleep(0.2)
-        _time.sleep(1.5)
+        deadline = time.time() + 60
+        while not (state_dir / ready).exists() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(settle)
+        yield proc
+    finally:
+        proc.wait(timeout=120)
+
+
+def test_release_and_export_requests_reach_a_running_service(tmp_path):
+    state_dir = tmp_path / "state"
+    env = dict(os.environ, PANAGG_TESTING="1", PANAGG_AUDIT_KEY=KEY_HEX)
+    with generator_service(tmp_path, env, events=40000, rate=8000) as proc:
         rel = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
                               str(state_dir)], env=env, capture_output=True, text=True, timeout=120)
         assert rel.returncode == 0, rel.stderr
@@ -493,8 +503,6 @@ def test_release_and_export_requests_reach_a_running_service(tmp_path):
         assert exp.returncode == 0, exp.stderr
         doc = read_export(exp.stdout.strip(), bytes.fromhex(KEY_HEX))
         assert doc["window"]["id"] == 1 and doc["verified"]
-    finally:
-        proc.wait(timeout=120)
     assert proc.returncode == 0, proc.stderr
     released = json.loads((tmp_path / "releases" / "release-0.json").read_text())
     assert 0 < released["n"] < 40000 and released["layers"] == 2
@@ -511,28 +519,13 @@ def test_release_and_export_requests_reach_a_running_service(tmp_path):
 def test_export_key_error_points_at_the_running_service(tmp_path):
     """The service signs with its own key: a key in the asking shell does not help, and the
     error says where the key must be."""
-    import time as _time
-
     state_dir = tmp_path / "state"
-    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=30000",
-            "--set", "source.generator_rate=6000", "--set", "source.max_records=500",
-            "--set", f"state.domain_size={D}", "--set", "window.size=1000000",
-            "--state-dir", str(state_dir), "--release-dir", str(tmp_path / "releases"),
-            "--metrics-port", "-1", "--set", "release.on_exhausted=false"]
     env = {k: v for k, v in os.environ.items() if k != "PANAGG_AUDIT_KEY"}
     env["PANAGG_TESTING"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = _time.time() + 60
-        while not (state_dir / "service.lock").exists() and _time.time() < deadline:
-            _time.sleep(0.2)
-        _time.sleep(1.0)
+    with generator_service(tmp_path, env, events=30000, rate=6000, settle=1.0) as proc:
         exp = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
                               "--state-dir", str(state_dir)], env=dict(env, PANAGG_AUDIT_KEY=KEY_HEX),
                              capture_output=True, text=True, timeout=120)
-    finally:
-        proc.wait(timeout=120)
     assert exp.returncode == 2
     lines = exp.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
@@ -582,27 +575,13 @@ def test_status_and_history_of_a_state_dir(tmp_path):
 
 def test_status_asks_the_running_service(tmp_path):
     """Progress, health and readiness come from the running service's own endpoints."""
-    import time as _time
-
     state_dir = tmp_path / "state"
-    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=40000",
-            "--set", "source.generator_rate=8000", "--set", "source.max_records=500",
-            "--set", f"state.domain_size={D}", "--set", "window.size=1000000",
-            "--state-dir", str(state_dir), "--release-dir", str(tmp_path / "releases"),
-            "--metrics-port", "0", "--set", "release.on_exhausted=false"]
     env = dict(os.environ, PANAGG_TESTING="1")
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = _time.time() + 60
-        while not (state_dir / "metrics.url").exists() and _time.time() < deadline:
-            _time.sleep(0.2)
-        _time.sleep(1.5)
+    with generator_service(tmp_path, env, events=40000, rate=8000, metrics_port="0",
+                           ready="metrics.url") as proc:
         res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status",
                               "--state-dir", str(state_dir)], env=env, capture_output=True,
                              text=True, timeout=60)
-    finally:
-        proc.wait(timeout=120)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[1] == "service: running"

@@ -114,9 +114,9 @@ def probe_bootstrap(bootstrap: str, timeout_s: float = 5.0) -> str | None:
     timeout after the whole connect timeout; a plain resolve-and-connect first tells them apart
     in at most ``timeout_s`` per server. It proves only that something listens: the client still
     does the real handshake (and says so if that fails)."""
+    import logging
     import socket
 
-    import logging
     servers = [s.strip() for s in str(bootstrap).split(",") if s.strip()]
     problems = []
     for server in servers:

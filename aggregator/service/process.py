@@ -47,7 +47,7 @@ from state_store.local import LocalStore
 from ..intervals import SNR_MIN, noise_floor
 from ..noise import p_from_epsilon
 from ..release import make_release, write_release
-from ..state import PanPrivateHistogram
+from ..state import NEIGHBOR_RELATIONS, PanPrivateHistogram
 from .deadletter import DeadLetterError, DeadLetters
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
@@ -199,8 +199,8 @@ def accuracy_plan(cfg: dict) -> tuple[str, bool]:
     hashed = st["mode"] == "hashed"
     counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
     layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
-    sens = 2 if st.get("neighbor", "replace-one") == "replace-one" else 1
-    p = p_from_epsilon(float(st["epsilon"]), sens)
+    p = p_from_epsilon(float(st["epsilon"]),
+                       NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
     floor = noise_floor(counters, p, layers)
     count_window = cfg["window"]["kind"] == "count"
     n = int(cfg["window"]["size"]) if count_window else int(st["expected_n"])
