@@ -49,13 +49,14 @@ REASONS = ("oversized", "undecodable", "not_a_map", "missing_item", "wrong_type"
 FILTERED = "filtered"
 _MISSING = object()
 _HUGE = 10**100  # stands for any JSON integer past Python's parse limit: outside every range
-#: the plain direct-mode message: fixmap of one entry, fixstr "item", then the int's tag
-_PLAIN_PREFIX = np.frombuffer(b"\x81\xa4item", np.uint8)
+#: the plain direct-mode message: fixmap of one entry, fixstr "item", then the int's tag; its
+#: six bytes as the low bytes of a little-endian word
+_PLAIN_PREFIX = np.uint64(int.from_bytes(b"\x81\xa4item", "little"))
+_LOW_SIX = np.uint64((1 << 48) - 1)
 #: bytes of the int after the fixstr (tag included) by tag; 0: not a plain non-negative int
 _PLAIN_INT_BYTES = np.zeros(256, np.int64)
 _PLAIN_INT_BYTES[:0x80] = 1  # positive fixint
 _PLAIN_INT_BYTES[[0xCC, 0xCD, 0xCE, 0xCF]] = [2, 3, 5, 9]  # uint 8, 16, 32, 64
-_SEVEN, _EIGHT = np.arange(7), np.arange(8)
 
 
 def _capped_int(digits: str) -> int:
@@ -417,20 +418,22 @@ class Decoder:
             return None
         if lens.min() < 7 or lens.max() > min(15, self.max_message_bytes):
             return None
-        buf = np.frombuffer(joined + bytes(8), np.uint8)
+        # the 8 bytes from every byte on, as unaligned little-endian words (one gather reads a
+        # message's first 8 bytes; 8 zero bytes pad the end)
+        words = np.ndarray((len(joined),), "<u8", joined + bytes(8), 0, (1,))
         starts = np.cumsum(lens) - lens
-        head = buf[starts[:, None] + _SEVEN]
-        if not (head[:, :6] == _PLAIN_PREFIX).all():
+        head = words[starts]
+        if not ((head & _LOW_SIX) == _PLAIN_PREFIX).all():
             return None
-        tag = head[:, 6]
+        tag = (head >> np.uint64(48)).astype(np.uint8)  # the seventh byte: the int's tag
         if not (lens == 6 + _PLAIN_INT_BYTES[tag]).all():
             return None  # another tag (signed, negative, nil, ...) or trailing bytes
         arr = tag.astype(np.int64)
         wide = np.flatnonzero(tag >= 0x80)
         if len(wide):
             width = lens[wide] - 7  # 1, 2, 4 or 8 big-endian bytes after the tag
-            raw = buf[(starts[wide] + 7)[:, None] + _EIGHT].view(">u8").ravel()
-            big = (raw >> (8 * (8 - width)).astype(np.uint64)).astype(np.uint64)
+            raw = words[starts[wide] + 7].byteswap()  # those bytes first, big-endian
+            big = raw >> (8 * (8 - width)).astype(np.uint64)
             if (big >> np.uint64(63)).any():
                 return None  # >= 2**63: the general path decides (out of every range)
             arr[wide] = big.astype(np.int64)
