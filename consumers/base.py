@@ -8,21 +8,35 @@ items, and stores ``next offset`` per partition inside its checkpoint; on restar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Segment", "Source"]
+import numpy as np
+
+__all__ = ["Segment", "Source", "offsets_array"]
 
 
 @dataclass
 class Segment:
+    """Records of one partition. ``offsets``, ``keys`` and ``headers`` are sequences (indexing,
+    slicing, ``len``), not necessarily lists: the Kafka source gives a ``range`` for consecutive
+    offsets and reads keys and headers from its records only where they are used."""
+
     partition: str          # stable key, e.g. "logins:3", "file:events.jsonl", "generator"
-    offsets: list[int]      # offset of each record, increasing
+    offsets: Sequence[int]  # offset of each record, increasing
     values: list[bytes]     # raw message values, same length as offsets
-    keys: list | None = None  # record keys where the source has them (Kafka), else None
-    headers: list | None = None  # record headers, [(name, bytes), ...] each (Kafka), else None
+    keys: Sequence | None = None  # record keys where the source has them (Kafka), else None
+    headers: Sequence | None = None  # record headers, [(name, bytes), ...] each (Kafka), else None
 
     def __len__(self) -> int:
         return len(self.values)
+
+
+def offsets_array(offsets: Sequence[int]) -> np.ndarray:
+    """A segment's offsets as int64 (a ``range`` without a Python int per record)."""
+    if isinstance(offsets, range):
+        return np.arange(offsets.start, offsets.stop, offsets.step, dtype=np.int64)
+    return np.asarray(offsets, dtype=np.int64)
 
 
 class Source:

@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from consumers.base import Segment
+from consumers.base import Segment, offsets_array
 from state_store.audit import AuditKeyError, load_key
 from state_store.local import LocalStore, atomic_write
 
@@ -499,7 +499,7 @@ class PartitionedAggregator(Aggregator):
             return  # not ours (any more): the owner counts it from its own offsets
         nxt = task.offsets[task.key]
         if seg.offsets[0] < nxt:  # fetched before a seek: already in the counters
-            cut = int(np.searchsorted(np.asarray(seg.offsets), nxt))
+            cut = int(np.searchsorted(offsets_array(seg.offsets), nxt))
             seg = Segment(seg.partition, seg.offsets[cut:], seg.values[cut:],
                           None if seg.keys is None else seg.keys[cut:],
                           None if seg.headers is None else seg.headers[cut:])

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from consumers.base import Segment, Source
+from consumers.base import Segment, Source, offsets_array
 from consumers.decode import FILTERED, Decoder, ItemSpec
 from consumers.kafka_security import client_options, redacted
 from state_store.audit import AuditKeyError, load_key, write_export
@@ -752,7 +752,7 @@ class Aggregator:
         record) and its ``rejected`` records, closing the window (``close()``) when a count
         window fills or a replay reaches its target, so that each window holds exactly its
         records and the offsets always match the counters and the reject totals."""
-        offsets = np.asarray(seg.offsets, dtype=np.int64)
+        offsets = offsets_array(seg.offsets)
         m, k = len(offsets), len(items)
         good_idx = np.arange(k) if good is None else np.asarray(good, dtype=np.int64)
         rej_idx = np.asarray([i for i, _ in rejected], dtype=np.int64)
