@@ -239,7 +239,7 @@ def gkmp_delta(epsilon: float, p: float, r: float, q: float) -> float:
     returns ``E[(1 - exp(eps - L))_+]`` (the tight delta; the reverse direction is the same by
     symmetry), plus the probability mass beyond the truncation point.
 
-    >>> gkmp_delta(1.0, math.exp(-0.45), 14.5, 0.95) < 1e-6
+    >>> gkmp_delta(1.0, math.exp(-0.45), 18.0, 0.95) < 1e-6
     True
     """
     if not (0 < p < 1 and 0 < q < 1 and r > 0):
@@ -394,16 +394,34 @@ class GKMPRandomizer:
         return (f"GKMPRandomizer(epsilon={self.epsilon:g}, delta={self.delta:g}, n={self.n}, "
                 f"buckets={self.buckets}, gamma={self.gamma:g})")
 
-    def _noise_rows(self) -> list[np.ndarray]:
-        out = []
-        for sign in (1, -1):
-            pos, val = self._shares.sparse(self.buckets, self._source)
-            out.append(_rows(np.repeat(pos, val), sign))
-        pos, val = self._flood.sparse(self.buckets, self._source)
-        flood = np.repeat(pos, val)
-        out.append(_rows(flood, 1))
-        out.append(_rows(flood, -1))
-        return out
+    def _noise(self, events: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Noise rows of ``events`` clients at once, and which client each row belongs to.
+
+        The draws of all clients are one run of independent draws over ``events * B`` slots
+        (slot = client * B + bucket), the same law as ``events`` separate calls.
+        """
+        slots = events * self.buckets
+        owners, parts = [], []
+        for sampler, signs in ((self._shares, (1,)), (self._shares, (-1,)), (self._flood, (1, -1))):
+            pos, val = sampler.sparse(slots, self._source)
+            cells = np.repeat(pos, val)
+            for sign in signs:
+                parts.append(_rows(cells % self.buckets, sign))
+                owners.append(cells // self.buckets)
+        return np.concatenate(owners), parts
+
+    def encode_many(self, buckets) -> tuple[np.ndarray, np.ndarray]:
+        """The messages of many events at once: ``(rows, owner)``, owner = index into ``buckets``.
+
+        ``encode(b)`` is ``encode_many([b])[0]``; a load generator playing many clients calls
+        this once per batch.
+        """
+        b = np.asarray(buckets, dtype=np.int64).reshape(-1)
+        if len(b) and (b.min() < 0 or b.max() >= self.buckets):
+            raise ValueError(f"a bucket is outside [0, {self.buckets})")
+        owner, parts = self._noise(len(b))
+        rows = np.concatenate([_rows(b, 1)] + parts)
+        return rows, np.concatenate([np.arange(len(b), dtype=np.int64), owner])
 
     def encode(self, bucket: int) -> np.ndarray:
         """The plaintext messages of one event in ``bucket``: int64 rows ``(bucket, sign)``.
@@ -413,7 +431,7 @@ class GKMPRandomizer:
         b = int(bucket)
         if not (0 <= b < self.buckets):
             raise ValueError(f"bucket {bucket!r} outside [0, {self.buckets})")
-        return np.concatenate([_rows(np.array([b], dtype=np.int64), 1)] + self._noise_rows())
+        return self.encode_many([b])[0]
 
     def noise_only(self) -> np.ndarray:
         """The messages of an absent event: its noise shares and flooding, no ``(x, +1)``.
@@ -421,7 +439,7 @@ class GKMPRandomizer:
         A shuffler that closes a window with fewer than ``n`` events adds one such output per
         missing event, so the noise stays exactly DLap(p) (docs/shuffle.md, "Short windows").
         """
-        return np.concatenate(self._noise_rows())
+        return np.concatenate(self._noise(1)[1])
 
 
 def _rows(buckets: np.ndarray, sign: int) -> np.ndarray:
