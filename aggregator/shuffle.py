@@ -271,7 +271,7 @@ def gkmp_delta(epsilon: float, p: float, r: float, q: float) -> float:
     x_vals = np.append(a, 0.0)
     x_prob = np.append(x_act, x_off.sum())
     missing = max(0.0, 1.0 - y_prob.sum()) + max(0.0, 1.0 - x_prob.sum())
-    return _delta_of_difference(epsilon, y_vals, y_prob, x_vals, x_prob) + missing
+    return float(_delta_of_difference(epsilon, y_vals, y_prob, x_vals, x_prob) + missing)
 
 
 def _delta_of_difference(eps, a_vals, a_prob, b_vals, b_prob) -> float:
