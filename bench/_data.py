@@ -224,3 +224,15 @@ class Timer:
     def __exit__(self, *exc):
         self.s = time.perf_counter() - self.t0
         return False
+
+
+def write_doc_section(doc, marker: str, name: str, lines: list[str], title: str = "") -> None:
+    """Replace (or append) the block between ``<!-- MARKER NAME begin/end -->`` in ``doc``."""
+    import re
+    doc = Path(doc)
+    begin, end = f"<!-- {marker} {name} begin -->", f"<!-- {marker} {name} end -->"
+    block = "\n".join([begin, *lines, end])
+    text = doc.read_text() if doc.exists() else f"# {title}\n"
+    pat = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(text)
