@@ -12,7 +12,7 @@ import math
 import os
 import tomllib
 
-__all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start"]
+__all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n"]
 
 
 class ConfigError(ValueError):
@@ -75,7 +75,8 @@ DEFAULTS: dict[str, dict] = {
         "buckets": 0,               # hashed mode: 0 = choose from expected_n
         "expected_n": 1000000,      # hashed mode: events expected per window
         "epsilon": 1.0,
-        "model": "joint",           # joint | state-only
+        "model": "joint",           # joint | state-only | shuffle (the analyzer of the
+                                    # shuffle model: docs/shuffle.md)
         "loss": "l1",               # l1 | l2
     },
     "window": {
@@ -110,6 +111,17 @@ DEFAULTS: dict[str, dict] = {
         "partitioned": False,       # one state per Kafka partition; several processes per group
         "keep_windows": 3,          # partitioned: merged windows whose files are kept
     },
+    "shuffle": {                    # state.model = shuffle (docs/shuffle.md); the clients, the
+                                    # shuffler and the analyzer must agree on these and on
+                                    # state.epsilon and the number of buckets
+        "protocol": "gkmp",         # gkmp (correlated noise, DLap) | balcer-cheu (seed 002)
+        "delta": 1e-6,              # the shuffled view of a window is (epsilon, delta)-DP
+        "gamma": 0.1,               # gkmp: share of epsilon spent on flooding
+        "n": 0,                     # randomizer outputs per window (events + top-ups); 0: window.size
+                                    # (count windows; time windows must set it)
+        "key_file": "",             # analyzer: its private key (`panagg shuffle-keygen`), or the
+                                    # environment variable PANAGG_SHUFFLE_PRIVATE_KEY (hex)
+    },
     "testing": {
         "noise_seed": -1,           # TEST ONLY (needs PANAGG_TESTING=1): deterministic noise
     },
@@ -119,7 +131,8 @@ _CHOICES = {
     ("source", "kind"): ("kafka", "file", "generator"),
     ("source", "format"): ("msgpack", "json"),
     ("state", "mode"): ("direct", "hashed"),
-    ("state", "model"): ("joint", "state-only"),
+    ("state", "model"): ("joint", "state-only", "shuffle"),
+    ("shuffle", "protocol"): ("gkmp", "balcer-cheu"),
     ("state", "loss"): ("l1", "l2"),
     ("release", "estimator"): ("default", "threshold", "deconvolution", "mle", "wupagh", "xfit",
                                "auto"),
@@ -276,6 +289,7 @@ def _validate(cfg: dict, env=None) -> None:
         raise ConfigError("metrics.port must be -1 (off), 0 (any free port) or 1..65535; "
                           + _where("metrics", "port"))
     _validate_item(cfg)
+    _validate_shuffle(cfg)
     start = parse_start(cfg["source"]["start"])
     if start != "earliest" and src["kind"] != "kafka":
         raise ConfigError("source.start applies to Kafka topics (source.kind = kafka); remove it "
@@ -292,6 +306,44 @@ def _validate(cfg: dict, env=None) -> None:
     if cfg["testing"]["noise_seed"] >= 0 and os.environ.get("PANAGG_TESTING") != "1":
         raise ConfigError("testing.noise_seed makes the noise predictable and is refused outside "
                           "tests; remove it (tests also set PANAGG_TESTING=1)")
+
+
+def shuffle_n(cfg: dict) -> int:
+    """The n the shuffle-model randomizers are calibrated for (``shuffle.n``, or window.size)."""
+    n = int(cfg["shuffle"]["n"])
+    return n if n else int(cfg["window"]["size"])
+
+
+def _validate_shuffle(cfg: dict) -> None:
+    sh = cfg["shuffle"]
+    if not 0.0 < sh["delta"] < 1.0:
+        raise ConfigError(f"shuffle.delta must be in (0, 1), e.g. 1e-6, got {sh['delta']!r}; "
+                          + _where("shuffle", "delta"))
+    if not 0.0 < sh["gamma"] < 1.0:
+        raise ConfigError(f"shuffle.gamma must be in (0, 1), e.g. 0.1, got {sh['gamma']!r}; "
+                          + _where("shuffle", "gamma"))
+    if sh["n"] < 0:
+        raise ConfigError(f"shuffle.n must be >= 0 (0: window.size), got {sh['n']!r}; "
+                          + _where("shuffle", "n"))
+    if cfg["state"]["model"] != "shuffle":
+        return
+    if cfg["window"]["kind"] == "time" and not sh["n"]:
+        raise ConfigError("state.model = shuffle with time windows needs shuffle.n (the randomizer "
+                          "outputs per window the clients are calibrated for; the shuffler tops "
+                          "windows up to it); " + _where("shuffle", "n"))
+    if cfg["window"]["kind"] == "count" and sh["n"] and sh["n"] != cfg["window"]["size"]:
+        raise ConfigError(f"shuffle.n = {sh['n']} differs from window.size = "
+                          f"{cfg['window']['size']:g} for count windows; remove shuffle.n (it "
+                          "defaults to window.size) or make them equal")
+    if cfg["scale"]["partitioned"]:
+        raise ConfigError("state.model = shuffle reads the analyzer topic (one partition) in one "
+                          "process; set scale.partitioned = false")
+    if cfg["source"]["kind"] != "kafka":
+        raise ConfigError("state.model = shuffle reads the shuffler's analyzer topic: set "
+                          "source.kind = kafka and source.topic to that topic")
+    if cfg["checkpoint"]["snapshots_per_window"]:
+        raise ConfigError("checkpoint.snapshots_per_window does not apply to state.model = "
+                          "shuffle (the analyzer adds no noise of its own); remove it")
 
 
 def parse_start(text: str):
