@@ -13,7 +13,10 @@ Three hops, three formats:
 3. **Analyzer records** (analyzer topic, one partition): the shuffler's permuted window, cut in
    chunks ``{"v": 1, "window": k, "boxes": [...]}`` (chunk boundaries fall in the permuted list,
    so they carry nothing), then one marker ``{"v": 1, "window": k, "end": true, "events": e,
-   "topped_up": t, "messages": m}``. No key, no headers, one timestamp for the whole window.
+   "topped_up": t, "messages": m}``, optionally with ``"params": {"protocol", "epsilon",
+   "delta", "n", "buckets", "gamma"}``, the randomizer parameters the shuffler topped up with
+   (the analyzer refuses a window whose parameters differ from its own). No key, no headers,
+   one timestamp for the whole window.
 
 >>> keys = new_keypair()
 >>> rows = np.array([[3, 1], [5, -1]], dtype=np.int64)
@@ -134,9 +137,17 @@ def chunk_record(window: int, boxes: list[bytes]) -> bytes:
     return msgpack.packb({"v": WIRE_VERSION, "window": int(window), "boxes": boxes}, use_bin_type=True)
 
 
-def end_record(window: int, events: int, topped_up: int, messages: int) -> bytes:
-    return msgpack.packb({"v": WIRE_VERSION, "window": int(window), "end": True, "events": int(events),
-                          "topped_up": int(topped_up), "messages": int(messages)}, use_bin_type=True)
+def end_record(window: int, events: int, topped_up: int, messages: int,
+               params: dict | None = None) -> bytes:
+    doc = {"v": WIRE_VERSION, "window": int(window), "end": True, "events": int(events),
+           "topped_up": int(topped_up), "messages": int(messages)}
+    if params is not None:  # the randomizer parameters (PARAM_KEYS), checked by the analyzer
+        doc["params"] = {k: params[k] for k in PARAM_KEYS if k in params}
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+#: what an end marker's optional ``params`` holds (str protocol, floats, ints)
+PARAM_KEYS = ("protocol", "epsilon", "delta", "n", "buckets", "gamma")
 
 
 def parse_analyzer_record(value: bytes) -> dict:
