@@ -189,6 +189,8 @@ def _make_source(cfg: dict):
             raise UsageError(problem)
         # reading must never create the topic it reads (a typo would then wait on an empty one)
         consumer_config["allow_auto_create_topics"] = False
+        if cfg["state"]["model"] == "shuffle":  # the shuffler's windows are transactions
+            consumer_config["isolation_level"] = "read_committed"
         source = KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
                              consumer_config=consumer_config, partitioned=partitioned,
                              security=cfg["security"])
@@ -255,6 +257,9 @@ def _make_aggregator(cfg: dict, metrics=None, **start):
 
     from .process import Aggregator
 
+    if cfg["state"]["model"] == "shuffle":  # the analyzer's key first: one line if missing
+        from .analyzer import load_analyzer_key
+        start["private_key"] = load_analyzer_key(cfg)
     kafka_net = logging.getLogger("kafka.net")
     quiet = kafka_net.level < logging.CRITICAL and not logging.getLogger().isEnabledFor(logging.DEBUG)
     if quiet:  # bootstrap retries log a burst of errors; one line of ours says it all
@@ -273,6 +278,9 @@ def _make_aggregator(cfg: dict, metrics=None, **start):
     finally:
         if quiet:
             kafka_net.setLevel(logging.WARNING)
+    if cfg["state"]["model"] == "shuffle":
+        from .analyzer import ShuffleAnalyzer
+        return ShuffleAnalyzer(cfg, source, metrics, **start)
     if cfg["scale"]["partitioned"]:
         from .partitioned import PartitionedAggregator
         return PartitionedAggregator(cfg, source, metrics, **start)
@@ -309,6 +317,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
     return _run_service(cfg, idle_exit_s=args.exit_when_idle, fresh_start=args.fresh_start,
                         accept_change=args.accept_change)
+
+
+def cmd_shuffle_keygen(args: argparse.Namespace) -> int:
+    """A new analyzer key pair: the private key to --out (0600, never overwritten), the public
+    key (hex) on stdout for the clients (docs/shuffle.md, "The analyzer")."""
+    from .shuffle_wire import new_keypair, public_key_hex, save_private_key
+
+    key = new_keypair()
+    try:
+        save_private_key(key, args.out)
+    except FileExistsError:
+        raise UsageError(f"{args.out} exists; a key file is never overwritten (the analyzer "
+                         "could no longer open what clients sealed to the old key): choose "
+                         "another --out") from None
+    print(public_key_hex(key))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -442,6 +466,10 @@ def cmd_release(args: argparse.Namespace) -> int:
     if cfg["scale"]["partitioned"]:
         raise UsageError("scale.partitioned: windows close per partition and merge on their own; "
                          "there is no forced release (docs/scale-out.md)")
+    if cfg["state"]["model"] == "shuffle":
+        raise UsageError("state.model = shuffle: a window is released at the shuffler's end "
+                         "marker, never before (its noise is complete only then); there is no "
+                         "forced release (docs/shuffle.md)")
     if service_running(cfg["checkpoint"]["dir"]):
         result = _control(cfg, "release")
         if not result.get("ok"):
@@ -773,6 +801,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "created with (recorded in the ledger)")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=cmd_run)
+
+    kg = sub.add_parser("shuffle-keygen", help="new analyzer key pair for the shuffle model: "
+                                                "private key to a new file, public key (hex) "
+                                                "to stdout")
+    kg.add_argument("--out", required=True, help="private key file to create (mode 0600)")
+    kg.set_defaults(func=cmd_shuffle_keygen)
 
     rel = sub.add_parser("release", help="close the current window now and publish its release")
     rel.add_argument("--config")

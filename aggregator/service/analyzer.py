@@ -1,0 +1,621 @@
+"""The shuffle-model analyzer: ``panagg run`` with ``state.model = "shuffle"`` (docs/shuffle.md).
+
+It reads the shuffler's analyzer topic (one partition, ``isolation_level=read_committed``; the
+formats are in :mod:`.shuffle_wire`): per window, chunks of sealed boxes, then an end marker
+``{"window": k, "end": true, "events": e, "topped_up": t, "messages": m[, "params": ...]}``.
+It opens every box with its private key, adds the ``(bucket, sign)`` rows to two counters per
+bucket (``plus``, ``minus``) and, at the end marker, releases the window through the same
+estimators as the pan-private service:
+
+* **gkmp**: ``counts = plus - minus = h + DLap(p)`` exactly (:func:`aggregator.shuffle.gkmp_analyze`)
+  with ``p`` of ``GKMPRandomizer(epsilon, delta, n, B, gamma)``: one noise layer, none added here.
+  The histogram sums to the window's real events ``e`` (top-ups carry noise only), so ``e`` is
+  the public n the estimators get; ``n = e + t`` is what the noise law was calibrated for.
+* **balcer-cheu**: the seed-002 analyzer on ``plus`` (:func:`aggregator.shuffle.balcer_cheu_analyze`),
+  then the anonymized histogram of its rounded estimates (no DLap estimator: the noise is not DLap).
+
+Privacy. What the analyzer holds of a closed window, ``(plus, minus)``, is the multiset of the
+shuffled messages: the (eps, delta)-DP view itself. The open window's partial sums come from a
+prefix of the permuted list, a uniformly random sub-multiset of that view: post-processing of it.
+So checkpoints may hold the partial sums (no replay under fresh noise is needed, unlike the
+pan-private service), and the release adds nothing to the cost of the window.
+
+Exactly once. A checkpoint holds the next offset of the analyzer partition, the open window's
+sums up to there, and releases not yet published; it is written every
+:data:`PARTIAL_CHECKPOINT_S` seconds inside a window and at every end marker. After a kill -9
+the analyzer restores it and reads the topic again from its offset: sums are deterministic, so
+nothing is lost or counted twice. A window is decided once: its release (or refusal) is ledgered
+with the document before the checkpoint that closes it, and a replayed end marker finds it there.
+
+A window is released only at its end marker, and only if the marker's message count equals the
+messages received and counted, and ``events + topped_up`` equals the configured n (and the
+marker's ``params``, when present, equal this analyzer's); otherwise it is refused with one
+error line and a ``refused`` ledger entry. Undecryptable or malformed records go to the
+dead-letter topic (``source.dead_letter_topic``) with a reason; logs name offsets, never content.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from consumers.base import Segment, Source
+from consumers.kafka_security import client_options, redacted
+from state_store.local import Checkpoint, LocalStore
+
+from ..release import estimate_with_accuracy, package_release, write_release
+from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer, ShuffleConfigError
+from .config import shuffle_n
+from .deadletter import DeadLetterError, DeadLetters
+from .ledger import BudgetExceeded, Ledger
+from .metrics import Metrics
+from .process import ServiceError, _Backoff, choose_buckets_for, identity_of, release_method
+from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, WireError, load_private_key, open_boxes,
+                           parse_analyzer_record, public_key_hex)
+
+__all__ = ["ShuffleAnalyzer", "load_analyzer_key", "KEY_ENV", "PARTIAL_CHECKPOINT_S"]
+
+log = logging.getLogger("panagg.analyzer")
+
+KEY_ENV = "PANAGG_SHUFFLE_PRIVATE_KEY"
+PARTIAL_CHECKPOINT_S = 5.0  # at most this long of the open window is re-read after a crash
+
+#: dead-letter reasons of the analyzer
+REASONS = ("malformed_record", "undecryptable", "bucket_out_of_range", "bad_sign", "stale_window")
+
+
+def load_analyzer_key(cfg: dict, env=None):
+    """The analyzer's private key: ``shuffle.key_file``, else $PANAGG_SHUFFLE_PRIVATE_KEY (hex).
+    Raises ServiceError with one line naming the fix."""
+    from nacl.public import PrivateKey
+
+    env = os.environ if env is None else env
+    path = cfg["shuffle"]["key_file"]
+    if path:
+        try:
+            return load_private_key(path)
+        except WireError as exc:
+            raise ServiceError(f"shuffle.key_file: {exc}") from None
+        except OSError as exc:
+            raise ServiceError(f"shuffle.key_file {path}: {exc.strerror}; check the path and its "
+                               "permissions") from None
+    text = env.get(KEY_ENV, "").strip()
+    if not text:
+        raise ServiceError("state.model = shuffle needs the analyzer's private key: create one "
+                           "with `panagg shuffle-keygen --out FILE` and set shuffle.key_file = "
+                           f"FILE (or {KEY_ENV} to its 64 hex digits)")
+    try:
+        return PrivateKey(bytes.fromhex(text))
+    except (ValueError, TypeError):
+        raise ServiceError(f"{KEY_ENV} must be 64 hex digits (a 32-byte X25519 private key, as "
+                           "`panagg shuffle-keygen` writes it)") from None
+
+
+class ShuffleAnalyzer:
+    """One analyzer process over the analyzer topic (see the module docstring).
+
+    ``source`` is any :class:`consumers.base.Source` (the Kafka source in the service; tests
+    may hand records in directly). ``private_key``: a ``nacl.public.PrivateKey``, else loaded by
+    :func:`load_analyzer_key`.
+    """
+
+    def __init__(self, cfg: dict, source: Source, metrics: Metrics | None = None, *,
+                 private_key=None, fresh_start: bool = False, accept_change: bool = False):
+        self.cfg, self.source = cfg, source
+        self.metrics = metrics or Metrics()
+        st, sh = cfg["state"], cfg["shuffle"]
+        self.epsilon, self.delta = float(st["epsilon"]), float(sh["delta"])
+        self.protocol, self.gamma, self.loss = sh["protocol"], float(sh["gamma"]), st["loss"]
+        self.direct = st["mode"] == "direct"
+        self.buckets = int(st["domain_size"]) if self.direct else choose_buckets_for(cfg)
+        self.n = shuffle_n(cfg)
+        try:
+            if self.protocol == "gkmp":
+                self.randomizer = GKMPRandomizer(self.epsilon, self.delta, self.n, self.buckets,
+                                                 gamma=self.gamma)
+                self.p = self.randomizer.p
+            else:
+                self.randomizer = BalcerCheuRandomizer(self.epsilon, self.delta, self.n,
+                                                       self.buckets)
+                self.p = None
+        except ShuffleConfigError as exc:
+            raise ServiceError(f"shuffle protocol {self.protocol}: {exc}") from None
+        self.key = private_key if private_key is not None else load_analyzer_key(cfg)
+        self.public_hex = public_key_hex(self.key)
+        self.dir = Path(cfg["checkpoint"]["dir"])
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fresh_start, self.accept_change = fresh_start, accept_change
+        budget = cfg["ledger"]["budget_per_window"] or self.epsilon
+        self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
+                             budget_total=cfg["ledger"]["budget_total"] or None)
+        self.store: LocalStore | None = None
+        self._producer = None
+        topic = cfg["source"]["dead_letter_topic"]
+        self.dead_letters = DeadLetters(topic, self._kafka_producer, self.metrics) if topic else None
+        self.stop_event = threading.Event()
+        self._lock_file = None
+        self._publish_backoff = _Backoff("publishing releases")
+        # the live position
+        self.window: dict | None = None     # the open window (None between windows)
+        self.plus = np.zeros(self.buckets, dtype=np.int64)
+        self.minus = np.zeros(self.buckets, dtype=np.int64)
+        self.offsets: dict[str, int] = {}
+        self.pending: list[str] = []
+        self.totals: dict = {"events": 0, "windows": 0, "refused": 0, "rejects": {}}
+        self.last_closed: int | None = None
+        self._dirty = False                 # offsets moved since the last checkpoint
+        self._checkpoint_at = time.monotonic()
+        self._said: set = set()             # (kind, window) error lines already logged
+        #: the counts of the last window released (tests and the release audit; never written)
+        self.last_counts: np.ndarray | None = None
+        self.metrics.epsilon.set(self.epsilon)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _lock(self) -> None:
+        f = open(self.dir / "service.lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            other = f.read().strip() or "?"
+            f.close()
+            raise ServiceError(f"another panagg (pid {other}) is running on checkpoint.dir "
+                               f"{self.dir}; stop it or use another directory") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock_file = f
+
+    def identity(self) -> dict:
+        mine = identity_of(self.cfg)
+        mine["item"] = "shuffle-model client messages"
+        mine["shuffle"] = (f"{self.protocol} n={self.n} delta={self.delta:g}"
+                           + (f" gamma={self.gamma:g}" if self.protocol == "gkmp" else "")
+                           + f" key={self.public_hex}")
+        return mine
+
+    def check_identity(self) -> None:
+        mine, recorded = self.identity(), self.ledger.identity()
+        if recorded is None:
+            self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
+                               identity=dict(mine, run=os.urandom(8).hex()))
+            return
+        changed = [k for k in mine if recorded.get(k) != mine[k]]
+        if not changed:
+            return
+        what = ", ".join(f"{k} {recorded.get(k)!r} -> {mine[k]!r}" for k in changed)
+        if not self.accept_change:
+            raise ServiceError(f"checkpoint.dir {self.dir} belongs to other settings ({what}); "
+                               "use the original settings, a new checkpoint.dir, or "
+                               "--accept-change to record the change in the ledger")
+        self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
+                           identity=dict(recorded, **mine), previous=recorded,
+                           note=f"settings changed: {what}")
+        log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
+
+    def restore(self) -> None:
+        self.check_identity()
+        self.store = LocalStore(self.dir / "checkpoints")
+        ckpt = self.store.load_latest()
+        if ckpt is None:
+            released = [e for e in self.ledger.entries if e["kind"] in ("release", "refused")]
+            if released and not self.fresh_start:
+                raise ServiceError(
+                    f"no checkpoint in {self.store.dir}, but the ledger in {self.dir} records "
+                    f"{len(released)} decided window(s): the checkpoint was lost or moved away. "
+                    "Restore it from a backup, or start with --fresh-start (the topic is then "
+                    "read from its start and windows already decided are refused again)")
+            log.info("no checkpoint in %s: reading the analyzer topic from its start",
+                     self.store.dir)
+            self._commit()
+        else:
+            meta = dict(ckpt.window)
+            if int(meta.get("buckets", -1)) != self.buckets:
+                raise ServiceError(f"the checkpoint in {self.store.dir} counts "
+                                   f"{meta.get('buckets')} buckets, the config {self.buckets}; "
+                                   "use the original settings or a new checkpoint.dir")
+            self.window = meta.get("open")
+            self.last_closed = meta.get("last_closed")
+            self.offsets = {k: int(v) for k, v in ckpt.offsets.items()}
+            self.pending = list(ckpt.pending)
+            self.totals = dict(self.totals, **ckpt.totals)
+            if ckpt.state:
+                sums = np.frombuffer(ckpt.state, dtype="<i8").reshape(2, self.buckets)
+                self.plus, self.minus = sums[0].copy(), sums[1].copy()
+            log.info("restored checkpoint %d: %s; reading on from offset(s) %s", ckpt.seq,
+                     f"window {self.window['id']} open with {self.window['received']:,} "
+                     "messages" if self.window else "no window open",
+                     ", ".join(f"{k}: {v}" for k, v in sorted(self.offsets.items())) or "start")
+        self.source.seek(self.offsets)
+        self.metrics.events.inc(int(self.totals.get("events", 0)))
+        for reason, count in self.totals["rejects"].items():
+            self.metrics.decode_errors.labels(reason=reason).inc(count)
+        if self.window:
+            self.metrics.window_id.set(self.window["id"])
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
+
+    def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
+        """Consume until stopped, or (``idle_exit_s``) until the topic is idle that long."""
+        self._lock()
+        try:
+            tmp = self.dir / ".config.json.tmp"
+            tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))
+            os.replace(tmp, self.dir / "config.json")
+            self.restore()
+            log.info("shuffle analyzer: %s, %d buckets, n=%d, epsilon %g, delta %g%s; public "
+                     "key %s", self.protocol, self.buckets, self.n, self.epsilon, self.delta,
+                     f", DLap p={self.p:.6g}" if self.p is not None else "", self.public_hex)
+            self._publish_pending()
+            idle_since = None
+            while not self.stop_event.is_set():
+                segments = self.source.poll(poll_timeout_s)
+                for seg in segments:
+                    self.ingest(seg)
+                if self._dirty and time.monotonic() - self._checkpoint_at >= PARTIAL_CHECKPOINT_S:
+                    self._commit()
+                if self.pending:
+                    self._publish_pending()
+                self.metrics.heartbeat()
+                self.metrics.set_ready(True)
+                if segments:
+                    idle_since = None
+                    continue
+                if getattr(self.source, "exhausted", False):
+                    break
+                if idle_exit_s is None or not self._caught_up():
+                    continue
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since >= idle_exit_s:
+                    break
+            if self._dirty:
+                self._commit()
+            if self.pending:
+                self._publish_backoff.next_try = 0.0
+                self._publish_pending()
+        finally:
+            self.close()
+            log.info("stopped: %s", f"window {self.window['id']} open with "
+                     f"{self.window['received']:,} messages (kept in the checkpoint)"
+                     if self.window else "no window open")
+
+    def _caught_up(self) -> bool:
+        assigned = getattr(self.source, "assigned", None)
+        if assigned is None:
+            return True
+        probe = getattr(self.source, "caught_up", None)
+        return bool(assigned) and (probe is None or bool(probe(sorted(assigned))))
+
+    def close(self) -> None:
+        if self.dead_letters is not None:
+            self.dead_letters.close()
+        if self._producer is not None:
+            try:
+                self._producer.flush(timeout=5)
+                self._producer.close(timeout=5)
+            except Exception:
+                pass
+            self._producer = None
+        self.source.close()
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    # -- records -------------------------------------------------------------------------------
+    def ingest(self, seg: Segment) -> None:
+        """Every record of ``seg`` once, in offset order; the offset moves past each."""
+        for i, value in enumerate(seg.values):
+            offset = int(seg.offsets[i])
+            self._record(seg.partition, offset, value)
+            self.offsets[seg.partition] = offset + 1
+            self._dirty = True
+
+    def _record(self, partition: str, offset: int, value) -> None:
+        try:
+            doc = parse_analyzer_record(bytes(value) if value is not None else b"")
+            if doc.get("end") is True:
+                for field in ("events", "topped_up", "messages"):
+                    if not isinstance(doc.get(field), int) or isinstance(doc.get(field), bool) \
+                            or doc[field] < 0:
+                        raise WireError(f"end marker has no non-negative integer {field!r}")
+                if doc.get("params") is not None and not isinstance(doc["params"], dict):
+                    raise WireError("end marker's params is not a map")
+        except WireError as exc:
+            self._reject(partition, offset, value, "malformed_record", str(exc))
+            return
+        k = int(doc["window"])
+        open_id = self.window["id"] if self.window is not None else None
+        if (open_id is not None and k < open_id) or (
+                open_id != k and self.last_closed is not None and k <= self.last_closed):
+            self._reject(partition, offset, value, "stale_window", None)
+            if ("stale", k) not in self._said:
+                self._said.add(("stale", k))
+                log.error("window %d appears again on the analyzer topic at %s offset %d, after "
+                          "it or a later window was decided or opened: ignored (dead letters, "
+                          "reason stale_window); the shuffler wrote a window twice or out of "
+                          "order", k, partition, offset)
+            return
+        if self.window is not None and self.window["id"] != k:
+            self._refuse(f"window {self.window['id']} ended without its end marker (window {k} "
+                         f"began at {partition} offset {offset}): not released (its messages "
+                         "are incomplete)")
+        if self.window is None:
+            self.window = {"id": k, "uid": f"{partition}@{offset}", "received": 0, "lost": 0,
+                           "records": 0, "started_unix": time.time()}
+            self.metrics.window_id.set(k)
+        self.window["records"] += 1
+        if doc.get("end") is True:
+            self._close(doc, partition, offset)
+            return
+        boxes = doc["boxes"]
+        if not all(isinstance(b, bytes) and len(b) == SEALED_SIZE for b in boxes):
+            self.window["lost"] += len(boxes)
+            self._reject(partition, offset, value, "malformed_record",
+                         f"boxes must be {SEALED_SIZE} bytes each")
+            return
+        try:
+            rows = open_boxes(boxes, self.key)
+        except WireError:
+            self.window["lost"] += len(boxes)
+            self._reject(partition, offset, value, "undecryptable", None)
+            return
+        if len(rows) and (rows[:, 0].min() < 0 or rows[:, 0].max() >= self.buckets):
+            self.window["lost"] += len(boxes)
+            self._reject(partition, offset, value, "bucket_out_of_range", None)
+            if ("buckets", k) not in self._said:
+                self._said.add(("buckets", k))
+                log.error("window %d: messages at %s offset %d name buckets outside [0, %d): the "
+                          "clients use more buckets than this analyzer (state.domain_size / "
+                          "state.buckets); use the clients' number of buckets", k, partition,
+                          offset, self.buckets)
+            return
+        signs = rows[:, 1]
+        if not np.all((signs == 1) | ((signs == -1) & (self.protocol == "gkmp"))):
+            self.window["lost"] += len(boxes)
+            self._reject(partition, offset, value, "bad_sign", None)
+            return
+        self.plus += np.bincount(rows[signs > 0, 0], minlength=self.buckets)
+        self.minus += np.bincount(rows[signs < 0, 0], minlength=self.buckets)
+        self.window["received"] += len(rows)
+
+    def _reject(self, partition: str, offset: int, value, reason: str, detail: str | None) -> None:
+        """A record that is not counted: dead letter (reason, position; never logged content)."""
+        rejects = self.totals["rejects"]
+        rejects[reason] = rejects.get(reason, 0) + 1
+        self.metrics.decode_errors.labels(reason=reason).inc()
+        if self.dead_letters is not None:
+            self.dead_letters.send(partition, offset, value if isinstance(value, bytes) else b"",
+                                   reason)
+        if reason == "undecryptable":
+            wid = self.window["id"] if self.window else None
+            if ("key", wid) not in self._said:
+                self._said.add(("key", wid))
+                log.error("window %s: a chunk at %s offset %d does not decrypt with the analyzer "
+                          "key (public key %s); dead-lettered (reason undecryptable). If no "
+                          "chunk decrypts, the clients seal to another public key: give them "
+                          "this key's public key (`panagg shuffle-keygen` printed it) or set "
+                          "shuffle.key_file to the key they use", wid, partition, offset,
+                          self.public_hex)
+        elif reason == "malformed_record":
+            log.warning("rejected record at %s offset %d: %s (%s)", partition, offset, reason,
+                        detail)
+
+    # -- window end ----------------------------------------------------------------------------
+    def _problem(self, doc: dict) -> str | None:
+        """Why the window that ``doc`` ends cannot be released (None: it can)."""
+        w, k = self.window, self.window["id"]
+        if w["lost"] or w["received"] != doc["messages"]:
+            hint = ""
+            if w["received"] == 0 and w["lost"]:
+                hint = (f"; no message decrypted: the clients seal to another public key than "
+                        f"this analyzer's ({self.public_hex}), give them this key's public key or "
+                        "set shuffle.key_file to theirs")
+            return (f"window {k}: the end marker counts {doc['messages']:,} messages, "
+                    f"{w['received']:,} were received and counted ({w['lost']:,} in dead "
+                    "letters): not released (a partial window's noise is not the calibrated "
+                    f"law){hint}")
+        outputs = doc["events"] + doc["topped_up"]
+        if outputs != self.n:
+            return (f"window {k} holds {doc['events']:,} events + {doc['topped_up']:,} top-ups = "
+                    f"{outputs:,} randomizer outputs, but this analyzer is calibrated for "
+                    f"shuffle.n = {self.n:,}: not released; give clients, shuffler and analyzer "
+                    "the same n (shuffle.n, or window.size for count windows)")
+        params = doc.get("params") or {}
+        mine = {"protocol": self.protocol, "epsilon": self.epsilon, "delta": self.delta,
+                "n": self.n, "buckets": self.buckets, "gamma": self.gamma}
+        if self.protocol != "gkmp":
+            mine.pop("gamma")
+        differ = [f"{key} {params[key]!r} (analyzer: {mine[key]!r})" for key in PARAM_KEYS
+                  if key in params and key in mine and params[key] != mine[key]
+                  and not (isinstance(mine[key], float) and isinstance(params[key], (int, float))
+                           and abs(float(params[key]) - mine[key]) <= 1e-12 * abs(mine[key]))]
+        if differ:
+            return (f"window {k} was randomized with other parameters: {', '.join(differ)}: not "
+                    "released; use the same settings for clients, shuffler and analyzer "
+                    "(state.epsilon, [shuffle], the number of buckets)")
+        return None
+
+    def _close(self, doc: dict, partition: str, offset: int) -> None:
+        w = self.window
+        k, uid = w["id"], w["uid"]
+        release = None
+        entry = self.ledger.get(f"release-{uid}")
+        if entry is not None:
+            log.info("window %d is already in the ledger: re-publishing its ledgered release", k)
+            release = json.loads(entry["document"])
+        elif self.ledger.has(f"refused-{uid}"):
+            log.info("window %d was refused before (ledger): not released", k)
+        else:
+            problem = self._problem(doc)
+            if problem is None:
+                try:
+                    self.ledger.check_release(uid, self.epsilon, window=k)
+                except BudgetExceeded as exc:
+                    problem = str(exc)
+            if problem is not None:
+                self._refuse(problem, end=f"{partition}:{offset + 1}")
+                self._commit()
+                return
+            release = self._release(doc, partition, offset)
+        if release is not None:
+            self.pending.append(json.dumps(release, allow_nan=False))
+        self._next_window(k)
+        self._commit()
+        self._publish_pending()
+
+    def _refuse(self, problem: str, end: str = "") -> None:
+        """Decide the open window as refused: one error line, a ledger entry, sums dropped."""
+        w = self.window
+        log.error("%s", problem)
+        self.metrics.releases_refused.inc()
+        self.totals["refused"] = self.totals.get("refused", 0) + 1
+        self.ledger.append(entry_id=f"refused-{w['uid']}", kind="refused", window=w["id"],
+                           window_uid=w["uid"], model="shuffle", note=problem, end=end)
+        self._next_window(w["id"])
+
+    def _next_window(self, k: int) -> None:
+        self.window = None
+        self.plus[:] = 0
+        self.minus[:] = 0
+        self.last_closed = k if self.last_closed is None else max(self.last_closed, k)
+        self.totals["windows"] = self.totals.get("windows", 0) + 1
+
+    def _release(self, doc: dict, partition: str, offset: int) -> dict:
+        """The window's release document, computed once and ledgered with it."""
+        w, k = self.window, self.window["id"]
+        started = time.perf_counter()
+        events = int(doc["events"])
+        hashed = None if self.direct else self.buckets
+        if self.protocol == "gkmp":
+            counts = self.plus - self.minus   # = gkmp_analyze(messages): h + DLap(p)
+            self.last_counts = counts.copy()
+            hist, accuracy = estimate_with_accuracy(
+                counts, self.p, layers=1, loss=self.loss, n=events, buckets=hashed,
+                reps=int(self.cfg["release"]["error_bar_reps"]),
+                method=release_method(self.cfg))
+            extra = {"p": self.p, "layers": 1}
+        else:
+            rz = self.randomizer               # = balcer_cheu_analyze(messages, B, rz)
+            est = np.where(self.plus > rz.n, self.plus - rz.s * rz.n, 0.0)
+            self.last_counts = est.copy()
+            rounded = np.rint(est).astype(np.int64)
+            hist = np.sort(rounded[rounded > 0])[::-1]
+            accuracy = {"estimator": "balcer-cheu (seed 002 analyzer: N_j - s n where N_j > n, "
+                                     "rounded)",
+                        "intervals": None,
+                        "intervals_note": "no DLap noise model: the Balcer-Cheu analyzer's "
+                                          "estimates are released as they are"}
+            extra = {"p": None, "layers": None}
+        extra.update({
+            "loss": self.loss if self.protocol == "gkmp" else None,
+            "domain": {"mode": "direct" if self.direct else "hashed", "size": self.buckets},
+            "protocol": self.protocol, "delta": self.delta,
+            "delta_spent": getattr(self.randomizer, "delta_spent", None),
+            "shuffle": {"n": self.n, "gamma": self.gamma if self.protocol == "gkmp" else None,
+                        "s": getattr(self.randomizer, "s", None),
+                        "analyzer_public_key": self.public_hex},
+        })
+        release = package_release(hist, window=k, n=events, epsilon=self.epsilon,
+                                  neighbor="replace-one", model="shuffle", extra=extra,
+                                  accuracy=accuracy if self.protocol == "gkmp" else None)
+        if self.protocol != "gkmp":
+            release["accuracy"] = accuracy
+        release["release_seconds"] = time.perf_counter() - started
+        release["window_info"] = {"kind": self.cfg["window"]["kind"],
+                                  "size": self.cfg["window"]["size"], "events": events,
+                                  "topped_up": int(doc["topped_up"]),
+                                  "messages": int(doc["messages"]),
+                                  "started_unix": w["started_unix"], "ended_unix": time.time()}
+        release["counted"] = {"stream": f"kafka:{self.cfg['source']['topic']}",
+                              "item": f"shuffle:{self.protocol} messages"}
+        if (release.get("accuracy") or {}).get("signal_below_noise"):
+            from .process import warn_if_below_noise
+            warn_if_below_noise(release)
+        self.ledger.append(entry_id=f"release-{w['uid']}", kind="release", window=k,
+                           window_uid=w["uid"], epsilon_spent=self.epsilon,
+                           delta_spent=self.delta, model="shuffle", protocol=self.protocol,
+                           document=json.dumps(release, allow_nan=False),
+                           end_offsets={partition: offset + 1})
+        self.totals["events"] = self.totals.get("events", 0) + events
+        self.metrics.events.inc(events)
+        return release
+
+    # -- checkpoint and publishing -------------------------------------------------------------
+    def _commit(self) -> None:
+        """Dead letters acknowledged, then the checkpoint (atomic), then offsets for lag."""
+        if self.dead_letters is not None:
+            self._wait_for(lambda: self.dead_letters.flush(timeout_s=10.0), "dead letters")
+        state = (np.stack([self.plus, self.minus]).astype("<i8").tobytes()
+                 if self.window is not None else None)
+        record = Checkpoint(state=state, window={"open": self.window, "buckets": self.buckets,
+                                                 "last_closed": self.last_closed,
+                                                 "id": self.window["id"] if self.window else
+                                                 (self.last_closed or 0) + 1},
+                            offsets=dict(self.offsets), pending=list(self.pending),
+                            totals=json.loads(json.dumps(self.totals)))
+        t0 = time.perf_counter()
+        self._wait_for(lambda: self.store.save(record), "checkpoint")
+        self.metrics.checkpointed(time.perf_counter() - t0)
+        self._dirty, self._checkpoint_at = False, time.monotonic()
+        self.source.commit(record.offsets)
+
+    def _wait_for(self, action, what: str) -> None:
+        backoff = _Backoff(what)
+        while True:
+            try:
+                action()
+                backoff.ok()
+                return
+            except (DeadLetterError, OSError) as exc:
+                backoff.failed(str(exc) if isinstance(exc, DeadLetterError) else
+                               f"{exc.strerror or type(exc).__name__}")
+            while not backoff.ready():
+                time.sleep(0.1)
+
+    def _publish_pending(self) -> None:
+        if not self.pending or not self._publish_backoff.ready():
+            return
+        published = 0
+        for doc in list(self.pending):
+            release = json.loads(doc)
+            try:
+                path = write_release(release, self.cfg["release"]["dir"])
+                topic = self.cfg["release"]["topic"]
+                if topic:
+                    producer = self._kafka_producer()
+                    producer.send(topic, key=str(release["window"]).encode(), value=doc.encode())
+                    producer.flush(timeout=5)
+            except Exception as exc:  # retried with backoff; the document is durable
+                reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)
+                          and exc.strerror else type(exc).__name__)
+                self._publish_backoff.failed(f"window {release['window']}: {reason}")
+                break
+            self._publish_backoff.ok()
+            self.pending.remove(doc)
+            published += 1
+            self.metrics.releases.inc()
+            self.metrics.last_release.set(time.time())
+            self.metrics.published(release)
+            log.info("published release of window %s (shuffle, %s): n=%s -> %s",
+                     release["window"], release.get("protocol"), release["n"], path)
+        if published:
+            self._commit()
+
+    def _kafka_producer(self):
+        if self._producer is None:
+            from kafka import KafkaProducer
+
+            from .deadletter import MAX_REQUEST_BYTES
+            self._producer = KafkaProducer(bootstrap_servers=self.cfg["source"]["bootstrap"],
+                                           acks="all", linger_ms=20, max_block_ms=5000,
+                                           max_request_size=MAX_REQUEST_BYTES,
+                                           request_timeout_ms=10000,
+                                           **client_options(self.cfg.get("security")))
+        return self._producer

@@ -1,0 +1,309 @@
+"""The shuffle-model analyzer (aggregator/service/analyzer.py) on records made directly with
+shuffle_wire: no shuffler, no broker (tests/integration/test_shuffle_analyzer_kafka.py has the
+broker, kill -9 and dead letters)."""
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from aggregator.estimate import anonymized_histogram
+from aggregator.service.analyzer import ShuffleAnalyzer, load_analyzer_key
+from aggregator.service.config import load_config
+from aggregator.service.process import ServiceError
+from aggregator.service.shuffle_wire import (chunk_record, end_record, new_keypair, open_boxes,
+                                             public_key_hex, seal_rows)
+from aggregator.shuffle import (BalcerCheuRandomizer, GKMPRandomizer, balcer_cheu_analyze,
+                                gkmp_analyze)
+from consumers.base import Segment, Source
+
+PART = "analyzer:0"
+
+
+class ListSource(Source):
+    """Records of one partition handed out in order (``stop_after``: the source ends there, as a
+    process that stopped would have seen it)."""
+
+    def __init__(self, values, batch=7, stop_after=None):
+        self.values, self.batch = list(values), batch
+        self.end = len(self.values) if stop_after is None else stop_after
+        self.pos = 0
+
+    def seek(self, offsets):
+        self.pos = int(offsets.get(PART, 0))
+
+    def poll(self, timeout_s=1.0):
+        if self.pos >= self.end:
+            return []
+        hi = min(self.end, self.pos + self.batch)
+        seg = Segment(PART, range(self.pos, hi), self.values[self.pos:hi])
+        self.pos = hi
+        return [seg]
+
+    @property
+    def exhausted(self):
+        return self.pos >= self.end
+
+
+def config(tmp_path, *extra, eps=1.0, buckets=50, n=200):
+    return load_config(None, [f"state.epsilon={eps}", f"state.domain_size={buckets}",
+                              f"window.size={n}", "state.model=shuffle",
+                              f"checkpoint.dir={tmp_path / 'state'}",
+                              f"release.dir={tmp_path / 'releases'}", "release.error_bar_reps=0",
+                              "release.estimator=threshold", "metrics.port=-1", *extra])
+
+
+def window_records(window, rows, key, *, chunk=300, events, topped_up=0, messages=None,
+                   params=None, rng=None):
+    """The shuffler's output for one window: permuted sealed rows in chunks, then the marker."""
+    rng = rng or np.random.default_rng(window)
+    rows = rows[rng.permutation(len(rows))]
+    boxes = seal_rows(rows, key.public_key)
+    out = [chunk_record(window, boxes[i:i + chunk]) for i in range(0, len(boxes), chunk)]
+    out.append(end_record(window, events, topped_up, len(boxes) if messages is None else messages,
+                          params=params))
+    return out
+
+
+def gkmp_window(rz, items):
+    rows, _ = rz.encode_many(items)
+    return rows
+
+
+def run(cfg, values, key, **kw):
+    an = ShuffleAnalyzer(cfg, ListSource(values, **{k: v for k, v in kw.items()
+                                                    if k in ("batch", "stop_after")}),
+                         private_key=key)
+    an.run()
+    return an
+
+
+def releases(tmp_path):
+    d = tmp_path / "releases"
+    return sorted((json.loads(p.read_text()) for p in d.glob("release-*.json")),
+                  key=lambda r: r["window"]) if d.exists() else []
+
+
+def ledger(tmp_path):
+    return [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def key():
+    return new_keypair()
+
+
+def test_gkmp_window_released_with_the_analyzer_counts(tmp_path, key):
+    cfg = config(tmp_path)
+    rz = GKMPRandomizer(1.0, 1e-6, 200, 50)
+    items = np.random.default_rng(1).zipf(1.6, 200) % 50
+    rows = gkmp_window(rz, items)
+    values = window_records(0, rows, key, events=200)
+    an = run(cfg, values, key)
+    # the counts the release was computed from: exactly gkmp_analyze of the decrypted messages
+    boxes = [b for v in values[:-1] for b in __import__("msgpack").unpackb(v)["boxes"]]
+    decrypted = open_boxes(boxes, key)
+    assert np.array_equal(an.last_counts, gkmp_analyze(decrypted, 50))
+    assert np.array_equal(an.last_counts, gkmp_analyze(rows, 50))
+    (rel,) = releases(tmp_path)
+    assert rel["model"] == "shuffle" and rel["protocol"] == "gkmp"
+    assert rel["epsilon"] == 1.0 and rel["delta"] == 1e-6 and rel["delta_spent"] <= 1e-6
+    assert rel["p"] == rz.p and rel["layers"] == 1 and rel["n"] == 200
+    assert rel["window_info"]["messages"] == len(rows) and rel["window_info"]["topped_up"] == 0
+    hist = anonymized_histogram(an.last_counts, rz.p, layers=1, n=200, method="threshold")
+    vals, cnts = np.unique(hist[hist > 0], return_counts=True)
+    assert sorted(rel["histogram"]["pairs"]) == [[int(r), int(c)] for r, c in zip(vals, cnts)]
+    (entry,) = [e for e in ledger(tmp_path) if e["kind"] == "release"]
+    assert entry["epsilon_spent"] == 1.0 and entry["delta_spent"] == 1e-6
+    assert entry["model"] == "shuffle" and json.loads(entry["document"]) == rel
+
+
+def test_exact_histogram_at_large_epsilon_and_two_windows(tmp_path, key):
+    """Noise-free rows at eps = 20: each release is exactly the true anonymized histogram."""
+    cfg = config(tmp_path, eps=20.0, n=300)
+    rng = np.random.default_rng(2)
+    values, truth = [], []
+    for w in range(2):
+        items = rng.zipf(1.4, 300) % 50
+        rows = np.column_stack([items, np.ones_like(items)]).astype(np.int64)
+        values += window_records(w, rows, key, events=300)
+        truth.append(sorted(np.bincount(items)[np.bincount(items) > 0].tolist()))
+    run(cfg, values, key)
+    rels = releases(tmp_path)
+    assert [r["window"] for r in rels] == [0, 1]
+    for rel, t in zip(rels, truth):
+        got = sorted(r for r, c in rel["histogram"]["pairs"] for _ in range(c))
+        assert got == t
+
+
+def test_restart_mid_window_resumes_from_the_checkpoint(tmp_path, key, monkeypatch):
+    """A stop inside window 1 (partial sums checkpointed), then a new process: one release per
+    window, and the same counts as an uninterrupted run."""
+    import aggregator.service.analyzer as mod
+    monkeypatch.setattr(mod, "PARTIAL_CHECKPOINT_S", 0.0)
+    cfg = config(tmp_path, n=150)
+    rz = GKMPRandomizer(1.0, 1e-6, 150, 50)
+    rng = np.random.default_rng(3)
+    rows = [gkmp_window(rz, rng.integers(0, 50, 150)) for _ in range(2)]
+    values = window_records(0, rows[0], key, events=150, chunk=100) + \
+        window_records(1, rows[1], key, events=150, chunk=100)
+    cut = len(values) - 3
+    first = run(cfg, values, key, stop_after=cut, batch=3)
+    assert first.window is not None and first.window["id"] == 1 and first.window["received"] > 0
+    assert [r["window"] for r in releases(tmp_path)] == [0]   # never before its marker
+    second = run(cfg, values, key, batch=5)
+    assert [r["window"] for r in releases(tmp_path)] == [0, 1]
+    assert np.array_equal(second.last_counts, gkmp_analyze(rows[1], 50))
+    assert [e["window"] for e in ledger(tmp_path) if e["kind"] == "release"] == [0, 1]
+
+
+def test_time_window_with_top_ups(tmp_path, key):
+    cfg = config(tmp_path, "window.kind=time", "window.size=60", "shuffle.n=200")
+    rz = GKMPRandomizer(1.0, 1e-6, 200, 50)
+    real = gkmp_window(rz, np.random.default_rng(4).integers(0, 50, 120))
+    rows = np.concatenate([real] + [rz.noise_only() for _ in range(80)])
+    an = run(cfg, window_records(0, rows, key, events=120, topped_up=80), key)
+    (rel,) = releases(tmp_path)
+    assert rel["n"] == 120 and rel["window_info"]["topped_up"] == 80
+    assert np.array_equal(an.last_counts, gkmp_analyze(rows, 50))
+
+
+def test_refusals_one_error_line_each(tmp_path, key, caplog):
+    cfg = config(tmp_path, n=100)
+    rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
+    rows = gkmp_window(rz, np.arange(100) % 50)
+    values = (window_records(0, rows, key, events=100, messages=len(rows) + 1)     # count off
+              + window_records(1, rows, key, events=90)                           # n off
+              + window_records(2, rows, key, events=100,
+                               params={"protocol": "gkmp", "buckets": 64})       # params off
+              + window_records(3, rows, key, events=100)[:-1]                     # no marker
+              + window_records(4, rows, key, events=100,
+                               params={"protocol": "gkmp", "epsilon": 1, "delta": 1e-6,
+                                       "n": 100, "buckets": 50, "gamma": 0.1}))
+    with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
+        run(cfg, values, key)
+    assert [r["window"] for r in releases(tmp_path)] == [4]
+    refused = [e for e in ledger(tmp_path) if e["kind"] == "refused"]
+    assert [e["window"] for e in refused] == [0, 1, 2, 3]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 4
+    assert "end marker counts" in errors[0] and "randomizer outputs" in errors[1]
+    assert "buckets 64" in errors[2] and "without its end marker" in errors[3]
+
+
+def test_wrong_key_rejects_every_chunk_and_refuses(tmp_path, key, caplog):
+    other = new_keypair()
+    cfg = config(tmp_path, n=100)
+    rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
+    values = window_records(0, gkmp_window(rz, np.arange(100) % 50), other, events=100)
+    with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
+        an = run(cfg, values, key)
+    assert releases(tmp_path) == []
+    assert an.totals["rejects"]["undecryptable"] == len(values) - 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 2 and "no message decrypted" in errors[1]
+    assert public_key_hex(key) in errors[1]
+
+
+def test_malformed_and_stale_records_never_crash(tmp_path, key):
+    cfg = config(tmp_path, n=100)
+    rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
+    rows = gkmp_window(rz, np.arange(100) % 50)
+    w0 = window_records(0, rows, key, events=100)
+    bad = [b"\xc1 not msgpack", None, b"", __import__("msgpack").packb({"v": 1, "window": 0}),
+           __import__("msgpack").packb({"v": 1, "window": 0, "boxes": [b"short"]})]
+    values = w0[:1] + bad[:4] + w0[1:] + w0 + [bad[4]]   # window 0 again after its marker: stale
+    an = run(cfg, values, key)
+    assert [r["window"] for r in releases(tmp_path)] == [0]
+    assert an.totals["rejects"]["malformed_record"] == 4
+    assert an.totals["rejects"]["stale_window"] == len(w0) + 1
+
+
+def test_bucket_out_of_range_means_a_buckets_mismatch(tmp_path, key, caplog):
+    cfg = config(tmp_path, n=100, buckets=40)
+    rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
+    with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
+        an = run(cfg, window_records(0, gkmp_window(rz, np.arange(100) % 50), key,
+                                     events=100), key)
+    assert releases(tmp_path) == [] and an.totals["rejects"]["bucket_out_of_range"] >= 1
+    assert any("use the clients' number of buckets" in r.getMessage() for r in caplog.records)
+
+
+def test_balcer_cheu_window(tmp_path, key):
+    n, b = 1600, 8
+    cfg = config(tmp_path, "shuffle.protocol=balcer-cheu", eps=2.0, buckets=b, n=n)
+    rz = BalcerCheuRandomizer(2.0, 1e-6, n, b)
+    items = np.random.default_rng(5).zipf(1.3, n) % b
+    rows = np.concatenate([rz.encode(int(x)) for x in items])
+    an = run(cfg, window_records(0, rows, key, events=n, chunk=2000), key)
+    est = balcer_cheu_analyze(rows, b, rz)
+    assert np.array_equal(an.last_counts, est)
+    (rel,) = releases(tmp_path)
+    assert rel["protocol"] == "balcer-cheu" and rel["model"] == "shuffle" and rel["p"] is None
+    rounded = np.rint(est).astype(int)
+    want = sorted(rounded[rounded > 0].tolist())
+    assert sorted(r for r, c in rel["histogram"]["pairs"] for _ in range(c)) == want
+    assert rel["shuffle"]["s"] == rz.s and "signal_below_noise" not in rel
+
+
+def test_key_from_file_or_environment(tmp_path, key):
+    cfg = config(tmp_path)
+    with pytest.raises(ServiceError, match="shuffle-keygen --out FILE"):
+        load_analyzer_key(cfg, env={})
+    with pytest.raises(ServiceError, match="64 hex digits"):
+        load_analyzer_key(cfg, env={"PANAGG_SHUFFLE_PRIVATE_KEY": "zz"})
+    assert bytes(load_analyzer_key(cfg, env={"PANAGG_SHUFFLE_PRIVATE_KEY": bytes(key).hex()})) \
+        == bytes(key)
+    missing = config(tmp_path, f"shuffle.key_file={tmp_path / 'nope'}")
+    with pytest.raises(ServiceError, match="shuffle-keygen"):
+        load_analyzer_key(missing, env={})
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **(env or {})))
+
+
+def test_keygen_writes_0600_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "analyzer.key"
+    res = cli("shuffle-keygen", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    pub = res.stdout.strip()
+    assert len(pub) == 64 and stat.S_IMODE(out.stat().st_mode) == 0o600
+    from aggregator.service.shuffle_wire import load_private_key
+    assert public_key_hex(load_private_key(str(out))) == pub
+    again = cli("shuffle-keygen", "--out", str(out))
+    assert again.returncode == 2 and "never overwritten" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+
+
+def test_run_without_key_is_one_line(tmp_path):
+    res = cli("run", "--set", "state.model=shuffle", "--set", "window.size=100", "--state-dir",
+              str(tmp_path / "s"), env={"PANAGG_SHUFFLE_PRIVATE_KEY": ""})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()]
+    assert "shuffle-keygen" in res.stderr and "shuffle.key_file" in res.stderr
+
+
+def test_config_checks(tmp_path):
+    from aggregator.service.config import ConfigError
+    with pytest.raises(ConfigError, match="needs shuffle.n"):
+        config(tmp_path, "window.kind=time", "window.size=60")
+    with pytest.raises(ConfigError, match="differs from window.size"):
+        config(tmp_path, "shuffle.n=10")
+    with pytest.raises(ConfigError, match="scale.partitioned"):
+        config(tmp_path, "scale.partitioned=true")
+    with pytest.raises(ConfigError, match="shuffle.protocol"):
+        config(tmp_path, "shuffle.protocol=rappor")
+
+
+def test_too_many_messages_refused_at_start(tmp_path, key):
+    cfg = config(tmp_path, buckets=10**7, n=10)
+    with pytest.raises(ServiceError, match="messages per event"):
+        ShuffleAnalyzer(cfg, ListSource([]), private_key=key)
