@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -61,7 +60,7 @@ from consumers.file_source import FileSource  # noqa: E402
 from consumers.kafka_source import KafkaSource  # noqa: E402
 from state_store.local import Checkpoint, LocalStore  # noqa: E402
 
-from bench._data import cpu_model, git_rev, versions  # noqa: E402
+from bench._data import cpu_model, git_rev, versions, write_doc_section  # noqa: E402
 
 D = 100_000
 DOC = ROOT / "docs" / "e2e.md"
@@ -342,13 +341,7 @@ def scale_lines(results: list[dict]) -> list[str]:
 
 
 def write_section(name: str, lines: list[str]) -> None:
-    begin, end = f"<!-- bench.e2e {name} begin -->", f"<!-- bench.e2e {name} end -->"
-    block = "\n".join([begin, *lines, end])
-    text = DOC.read_text() if DOC.exists() else "# End-to-end throughput\n"
-    pat = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + \
-        "\n\n" + block + "\n"
-    DOC.write_text(text)
+    write_doc_section(DOC, "bench.e2e", name, lines, title="End-to-end throughput")
 
 
 def main() -> None:
