@@ -22,7 +22,6 @@ B / n, from the calibrated parameters; the measured mean of one encode_many run 
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
