@@ -335,6 +335,54 @@ def cmd_shuffle_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shuffle(args: argparse.Namespace) -> int:
+    """The shuffle model's shuffler (docs/shuffle.md, "The shuffler")."""
+    from .shuffler import Shuffler, ShufflerError
+    cfg = _load(args, [])
+    _setup_logging(args.verbose)
+    try:
+        Shuffler(cfg).run(idle_exit_s=args.exit_when_idle)
+    except ShufflerError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
+def cmd_shuffle_clients(args: argparse.Namespace) -> int:
+    """Play many shuffle-model clients: --events events, items Zipf(1.1) over the domain."""
+    import numpy as np
+    from kafka import KafkaProducer
+
+    from consumers.kafka_security import client_options
+
+    from .shuffle_client import ShuffleClient
+    from .shuffler import ShufflerError
+    cfg = _load(args, [])
+    _setup_logging(args.verbose)
+    topic = cfg["shuffle"]["client_topic"]
+    if not topic:
+        raise UsageError("panagg shuffle-clients needs shuffle.client_topic")
+    try:
+        client = ShuffleClient.from_config(cfg)
+    except ShufflerError as exc:
+        raise UsageError(str(exc)) from None
+    D = client.randomizer.buckets
+    w = 1.0 / np.arange(1, D + 1) ** 1.1
+    rng = np.random.default_rng()
+    producer = KafkaProducer(bootstrap_servers=cfg["source"]["bootstrap"], acks="all",
+                             max_request_size=16 * 1024 * 1024,
+                             **client_options(cfg.get("security")))
+    sent = 0
+    while sent < args.events:
+        k = min(1000, args.events - sent)
+        for key, value in client.records(rng.choice(D, size=k, p=w / w.sum())):
+            producer.send(topic, key=key, value=value)
+        sent += k
+    producer.flush()
+    producer.close()
+    print(f"{sent} events sent to {topic}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -807,6 +855,24 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "to stdout")
     kg.add_argument("--out", required=True, help="private key file to create (mode 0600)")
     kg.set_defaults(func=cmd_shuffle_keygen)
+
+    sh = sub.add_parser("shuffle", help="the shuffle model's shuffler: client topic -> permuted "
+                                        "windows on the analyzer topic (Kafka transactions)")
+    sh.add_argument("--config", required=True)
+    sh.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    sh.add_argument("--exit-when-idle", type=float, metavar="SECONDS",
+                    help="stop after this long without client records (the open window is read "
+                         "again at the next start)")
+    sh.add_argument("-v", "--verbose", action="store_true")
+    sh.set_defaults(func=cmd_shuffle)
+
+    sc = sub.add_parser("shuffle-clients", help="load generator: many shuffle-model clients "
+                                                "producing sealed events to shuffle.client_topic")
+    sc.add_argument("--config", required=True)
+    sc.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    sc.add_argument("--events", type=int, required=True)
+    sc.add_argument("-v", "--verbose", action="store_true")
+    sc.set_defaults(func=cmd_shuffle_clients)
 
     rel = sub.add_parser("release", help="close the current window now and publish its release")
     rel.add_argument("--config")

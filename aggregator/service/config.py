@@ -121,6 +121,11 @@ DEFAULTS: dict[str, dict] = {
                                     # (count windows; time windows must set it)
         "key_file": "",             # analyzer: its private key (`panagg shuffle-keygen`), or the
                                     # environment variable PANAGG_SHUFFLE_PRIVATE_KEY (hex)
+        "public_key": "",           # clients and shuffler: the analyzer's public key (hex or file)
+        "client_topic": "",         # shuffler: the topic clients produce to
+        "analyzer_topic": "",       # shuffler: the topic it writes windows to (default source.topic)
+        "group": "",                # shuffler: consumer group / transactional id prefix
+        "shuffler_dir": "",         # shuffler: its state file (default <checkpoint.dir>/shuffler)
     },
     "testing": {
         "noise_seed": -1,           # TEST ONLY (needs PANAGG_TESTING=1): deterministic noise
