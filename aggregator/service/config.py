@@ -126,6 +126,8 @@ DEFAULTS: dict[str, dict] = {
         "analyzer_topic": "",       # shuffler: the topic it writes windows to (default source.topic)
         "group": "",                # shuffler: consumer group / transactional id prefix
         "shuffler_dir": "",         # shuffler: its state file (default <checkpoint.dir>/shuffler)
+        "hash_key": "",             # hashed-mode clients: the bucket hash key, 32 hex digits
+                                    # shared by every client (not secret: aggregator/hashing.py)
     },
     "testing": {
         "noise_seed": -1,           # TEST ONLY (needs PANAGG_TESTING=1): deterministic noise

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["DeadLetters", "DeadLetterError"]
+__all__ = ["DeadLetters", "DeadLetterError", "dead_letter_record"]
 
 log = logging.getLogger("panagg.deadletter")
 
@@ -33,6 +33,19 @@ _VALUE_LIMIT = MAX_REQUEST_BYTES - (64 << 10)  # room for key, headers and batch
 
 class DeadLetterError(RuntimeError):
     """Some dead letters are not acknowledged by the broker yet."""
+
+
+def dead_letter_record(partition, offset: int, value, reason: str, key=None) -> tuple:
+    """``(key, value, headers)`` of the dead letter of one rejected record (the format of the
+    module docstring); the shuffler sends these inside its own Kafka transactions."""
+    raw = bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else b""
+    headers = [("reason", reason.encode()), ("source", f"{partition}@{offset}".encode())]
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        headers.append(("key", bytes(key)))
+    if len(raw) > _VALUE_LIMIT:
+        headers.append(("truncated", str(len(raw)).encode()))
+        raw = b""
+    return f"{partition}@{offset}".encode(), raw, headers
 
 
 class DeadLetters:
@@ -61,14 +74,7 @@ class DeadLetters:
     def send(self, partition: str, offset: int, value, reason: str, key=None) -> None:
         """Queue one rejected record (never raises: a failure is retried at the flush).
         ``key``: the source record's key, kept in the ``key`` header."""
-        raw = bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else b""
-        headers = [("reason", reason.encode()), ("source", f"{partition}@{offset}".encode())]
-        if isinstance(key, (bytes, bytearray, memoryview)):
-            headers.append(("key", bytes(key)))
-        if len(raw) > _VALUE_LIMIT:
-            headers.append(("truncated", str(len(raw)).encode()))
-            raw = b""
-        self._send((f"{partition}@{offset}".encode(), raw, headers))
+        self._send(dead_letter_record(partition, offset, value, reason, key))
 
     def _send(self, record: tuple) -> None:
         with self._lock:
