@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -338,12 +339,30 @@ def cmd_shuffle_keygen(args: argparse.Namespace) -> int:
 def cmd_shuffle(args: argparse.Namespace) -> int:
     """The shuffle model's shuffler (docs/shuffle.md, "The shuffler")."""
     from .shuffler import Shuffler, ShufflerError
-    cfg = _load(args, [])
+    extra = [f"metrics.port={args.metrics_port}"] if args.metrics_port is not None else []
+    cfg = _load(args, extra)
     _setup_logging(args.verbose)
     try:
-        Shuffler(cfg).run(idle_exit_s=args.exit_when_idle)
+        shuffler = Shuffler(cfg)
     except ShufflerError as exc:
         raise UsageError(str(exc)) from None
+    if cfg["metrics"]["port"] >= 0:
+        try:
+            port = shuffler.metrics.serve(cfg["metrics"]["host"], cfg["metrics"]["port"])
+        except OSError as exc:
+            raise UsageError(f"cannot serve metrics on {cfg['metrics']['host']}:"
+                             f"{cfg['metrics']['port']} ({exc.strerror}); set metrics.port "
+                             "(--metrics-port; -1 turns metrics off)") from None
+        logging.getLogger("panagg.shuffle").info("metrics on http://%s:%d/metrics",
+                                                 cfg["metrics"]["host"], port)
+    try:
+        shuffler.run(idle_exit_s=args.exit_when_idle)
+    except ShufflerError as exc:
+        raise UsageError(str(exc)) from None
+    st = shuffler.stats
+    print(f"{st['windows']} window(s), {st['events']} events, {st['messages']} messages, "
+          f"{st['topped_up']} topped up, {st['duplicates']} duplicates dropped, "
+          f"{st['dead_letters']} dead letters")
     return 0
 
 
@@ -365,16 +384,18 @@ def cmd_shuffle_clients(args: argparse.Namespace) -> int:
         client = ShuffleClient.from_config(cfg)
     except ShufflerError as exc:
         raise UsageError(str(exc)) from None
-    D = client.randomizer.buckets
+    D = client.randomizer.buckets if cfg["state"]["mode"] == "direct" else 10 * client.randomizer.buckets
     w = 1.0 / np.arange(1, D + 1) ** 1.1
     rng = np.random.default_rng()
+    hashed = cfg["state"]["mode"] != "direct"   # hashed mode: text items "item-<k>"
     producer = KafkaProducer(bootstrap_servers=cfg["source"]["bootstrap"], acks="all",
                              max_request_size=16 * 1024 * 1024,
                              **client_options(cfg.get("security")))
     sent = 0
     while sent < args.events:
         k = min(1000, args.events - sent)
-        for key, value in client.records(rng.choice(D, size=k, p=w / w.sum())):
+        ids = rng.choice(D, size=k, p=w / w.sum())
+        for key, value in client.records([f"item-{i}" for i in ids] if hashed else ids):
             producer.send(topic, key=key, value=value)
         sent += k
     producer.flush()
@@ -863,6 +884,7 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--exit-when-idle", type=float, metavar="SECONDS",
                     help="stop after this long without client records (the open window is read "
                          "again at the next start)")
+    sh.add_argument("--metrics-port", type=int, help="metrics.port (0 any, -1 off)")
     sh.add_argument("-v", "--verbose", action="store_true")
     sh.set_defaults(func=cmd_shuffle)
 
