@@ -345,6 +345,16 @@ class Shuffler:
 
     # -- Kafka clients ------------------------------------------------------------------------
     def _clients(self):
+        from kafka.errors import KafkaError
+        try:
+            self._connect()
+        except KafkaError as exc:
+            self.close()
+            why = (str(exc).splitlines() or [""])[0] or type(exc).__name__
+            raise ShufflerError(f"Kafka at {self.cfg['source']['bootstrap']}: {why}; check "
+                                "source.bootstrap and the [security] settings") from None
+
+    def _connect(self):
         from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
         from consumers.kafka_security import client_options
