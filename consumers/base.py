@@ -27,6 +27,9 @@ class Segment:
     values: list[bytes]     # raw message values, same length as offsets
     keys: Sequence | None = None  # record keys where the source has them (Kafka), else None
     headers: Sequence | None = None  # record headers, [(name, bytes), ...] each (Kafka), else None
+    #: record timestamps in ms since the epoch (Kafka; -1 or None: the record has none), else
+    #: None (the source carries no timestamps: event-time windows reject every record)
+    timestamps: Sequence | None = None
 
     def __len__(self) -> int:
         return len(self.values)

@@ -36,6 +36,7 @@ _CALL_MS = 5000  # bound on every blocking client call outside poll()
 
 
 _KEY, _HEADERS = ConsumerRecord._fields.index("key"), ConsumerRecord._fields.index("headers")
+_TIMESTAMP = ConsumerRecord._fields.index("timestamp")
 
 
 def _offsets(records) -> range | list[int]:
@@ -200,7 +201,8 @@ class KafkaSource(Source):
                 segments.append(Segment(partition_key(tp.topic, tp.partition),
                                         _offsets(records), [r.value for r in records],
                                         RecordColumn(records, _KEY),
-                                        RecordColumn(records, _HEADERS)))
+                                        RecordColumn(records, _HEADERS),
+                                        RecordColumn(records, _TIMESTAMP)))
         return segments
 
     def initial_offsets(self, start) -> dict[str, int] | None:

@@ -80,8 +80,12 @@ DEFAULTS: dict[str, dict] = {
         "loss": "l1",               # l1 | l2
     },
     "window": {
-        "kind": "count",            # count | time
-        "size": 1000000,            # events (count) or seconds (time)
+        "kind": "count",            # count | time | event_time (Kafka record timestamps)
+        "size": 1000000,            # events (count) or seconds (time, event_time)
+        "late": "next",             # event_time: a record of a closed window: next | dead_letter
+        "max_future_skew_s": 300.0, # event_time: a timestamp later than now + this is rejected
+        "idle_partition_timeout_s": 0.0,  # event_time: a partition read to its end stops
+                                    # holding the watermark after this long (0: never)
     },
     "checkpoint": {
         "dir": "var/panagg",
@@ -143,7 +147,8 @@ _CHOICES = {
     ("state", "loss"): ("l1", "l2"),
     ("release", "estimator"): ("default", "threshold", "deconvolution", "mle", "wupagh", "xfit",
                                "auto"),
-    ("window", "kind"): ("count", "time"),
+    ("window", "kind"): ("count", "time", "event_time"),
+    ("window", "late"): ("next", "dead_letter"),
     ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     ("item", "source"): ("value", "key", "header"),
     ("item", "normalize"): ("none", "nfc"),
@@ -154,7 +159,8 @@ _POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), (
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
              ("window", "size")}
 _NON_NEGATIVE = {("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
-                 ("ledger", "budget_per_window"), ("ledger", "budget_total")}
+                 ("ledger", "budget_per_window"), ("ledger", "budget_total"),
+                 ("window", "max_future_skew_s"), ("window", "idle_partition_timeout_s")}
 
 
 # keys that existed once: a config that still sets one gets the reason and the replacement
@@ -210,6 +216,26 @@ def _coerce(section: str, key: str, value, default):
                 str: "a string"}[type(default)]
         got = f"a {type(value).__name__}" if (section, key) in _SECRET else repr(value)
         raise ConfigError(f"{name} must be {kind}, got {got}; {_where(section, key)}") from None
+
+
+def _validate_event_time(cfg: dict) -> None:
+    """``window.kind = event_time``: one open window by Kafka record timestamps (aggregator/
+    service/process.py, ``_count_event_time``); the combinations not built refuse in one line."""
+    if cfg["window"]["kind"] != "event_time":
+        return
+    why = None
+    if cfg["source"]["kind"] != "kafka":
+        why = (f"needs source.kind = kafka (record timestamps are Kafka's; a "
+               f"{cfg['source']['kind']} source has none)")
+    elif cfg["scale"]["partitioned"]:
+        why = "is not supported with scale.partitioned yet; set scale.partitioned = false"
+    elif cfg["state"]["model"] == "shuffle":
+        why = "does not apply to state.model = shuffle (the shuffler makes the windows)"
+    elif cfg["checkpoint"]["snapshots_per_window"]:
+        why = ("does not support checkpoint.snapshots_per_window yet (progress through an "
+               "event-time window is not known in advance); set it to 0")
+    if why:
+        raise ConfigError(f"window.kind = event_time {why}")
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None,
@@ -297,6 +323,7 @@ def _validate(cfg: dict, env=None) -> None:
                           + _where("metrics", "port"))
     _validate_item(cfg)
     _validate_shuffle(cfg)
+    _validate_event_time(cfg)
     start = parse_start(cfg["source"]["start"])
     if start != "earliest" and src["kind"] != "kafka":
         raise ConfigError("source.start applies to Kafka topics (source.kind = kafka); remove it "

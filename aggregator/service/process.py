@@ -352,6 +352,9 @@ class Aggregator:
         self._progress_at: float | None = None
         self._progress_events = 0.0
         self._publish_backoff = _Backoff("publishing releases")
+        self._next_event_index: int | None = None  # event_time: the window a close opens
+        self._ahead: dict[str, int] = {}  # event_time: partition -> window its held record is in
+        self._idle_since: float | None = None
         self._commit_backoff = _Backoff("checkpoint")
         self.metrics.epsilon.set(self.epsilon)
 
@@ -367,7 +370,24 @@ class Aggregator:
         return PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
 
     def _new_window(self, task: WindowTask, window_id: int) -> dict:
-        return new_window(window_id, self.cfg["window"]["kind"], self.cfg["window"]["size"])
+        w = new_window(window_id, self.cfg["window"]["kind"], self.cfg["window"]["size"])
+        if w["kind"] == "event_time":
+            # records of windows before this one are late; the new window's event-time bounds
+            # are those of the record that opened it (set before the checkpoint that starts it,
+            # so a replay from that checkpoint assigns every record as the first run did)
+            prev = task.window or {}
+            closed = prev.get("event_index")
+            w["late_before"] = closed + 1 if closed is not None else prev.get("late_before")
+            w["late"] = 0
+            self._set_event_index(w, self._next_event_index)
+            self._next_event_index = None
+        return w
+
+    def _set_event_index(self, w: dict, index: int | None) -> None:
+        size = int(self.cfg["window"]["size"])
+        w["event_index"] = None if index is None else int(index)
+        w["event_start_unix"] = None if index is None else int(index) * size
+        w["event_end_unix"] = None if index is None else (int(index) + 1) * size
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
@@ -612,6 +632,8 @@ class Aggregator:
                 if not segments:
                     self._caught_up(self.task)
                 self._maybe_close_time_window(self.task)
+                if self.cfg["window"]["kind"] == "event_time":
+                    self._event_time_turn(self.task)
                 self._maybe_snapshot(self.task)
                 self._handle_control()
                 if self.task.pending:
@@ -658,7 +680,9 @@ class Aggregator:
         if not assigned:
             return False
         probe = getattr(self.source, "caught_up", None)
-        return probe is None or bool(probe(sorted(assigned)))
+        # partitions waiting at a later event-time window are held there, not behind
+        return probe is None or bool(probe(sorted(set(assigned) - set(self._held)))) \
+            if set(assigned) - set(self._held) else True
 
     def _stop_line(self) -> None:
         """What a restart will find: the last checkpoint and what is replayed from it."""
@@ -691,9 +715,9 @@ class Aggregator:
             if self.source.exhausted:
                 return
             probe = getattr(self.source, "caught_up", None)
-            assigned = sorted(getattr(self.source, "assigned", ()) or ())
-            if probe is None or (assigned and probe(assigned)):
-                return
+            assigned = sorted(set(getattr(self.source, "assigned", ()) or ()) - self._held)
+            if probe is None or (assigned and probe(assigned)) or (self._held and not assigned):
+                return  # (partitions held at a later event-time window are not behind)
             if time.monotonic() > deadline:
                 raise ServiceError(f"could not replay the open window from the source within "
                                    f"{timeout_s:.0f} s; is the broker at "
@@ -719,6 +743,9 @@ class Aggregator:
         if not len(seg):
             return
         items, good, rejected = self._decode(seg)
+        if self.cfg["window"]["kind"] == "event_time":
+            self._count_event_time(self.task, seg, items, good, rejected, self.close_window)
+            return
         self._count_segment(self.task, seg, items, good, rejected, self.close_window)
 
     def _decode(self, seg: Segment):
@@ -786,6 +813,136 @@ class Aggregator:
             if rec < m:  # this partition reached its replay target before the others did
                 self._hold(seg.partition, int(offsets[rec]))
             return
+
+    def _count_event_time(self, task: WindowTask, seg: Segment, items, good, rejected,
+                          close) -> None:
+        """Count ``seg`` into ``task``'s event-time window (``window.kind = event_time``).
+
+        One window is open: ``[event_start_unix, event_end_unix)``, epoch-aligned, ``size``
+        seconds. A record's Kafka timestamp decides: in the open window, counted; before it,
+        *late* (``window.late``: counted in the open window, or a dead letter with reason
+        ``late``); after it, the record closes the open window and opens its own (windows no
+        record fell in are skipped). The close happens before that record, so the checkpoint
+        that starts the next window sits at it and a replay from it assigns every record as the
+        first run did. A record without a timestamp (``no_timestamp``) or later than now +
+        ``window.max_future_skew_s`` (``future_timestamp``) is rejected (dead letter)."""
+        offsets = offsets_array(seg.offsets)
+        m = len(offsets)
+        good_idx = np.arange(len(items)) if good is None else np.asarray(good, dtype=np.int64)
+        wcfg = self.cfg["window"]
+        size_ms = int(wcfg["size"]) * 1000
+        ts = _timestamps(seg, m)[good_idx] if len(good_idx) else np.zeros(0, np.int64)
+        limit_ms = int((time.time() + float(wcfg["max_future_skew_s"])) * 1000)
+        reasons = {int(i): r for i, r in rejected}  # record index -> reason
+        bad = (ts < 0) | (ts > limit_ms)
+        if bad.any():
+            for i in np.flatnonzero(bad):
+                self._reject(seg, int(good_idx[i]),
+                             "no_timestamp" if ts[i] < 0 else "future_timestamp", reasons)
+            keep = np.flatnonzero(~bad)
+            items, good_idx, ts = _take(items, keep), good_idx[keep], ts[keep]
+        widx = ts // size_ms
+        dead_letter_late = wcfg["late"] == "dead_letter"
+        j = rec = 0
+        while True:
+            target = task.close_at.get(seg.partition) if task.close_at else None
+            rec_limit = m if target is None else int(np.searchsorted(offsets, target))
+            jl = int(np.searchsorted(good_idx, rec_limit))
+            w = task.window
+            open_ = w.get("event_index")
+            # before a window opens every record not late is "ahead" (of nothing yet)
+            ahead = np.flatnonzero(widx[j:jl] > open_ if open_ is not None else
+                                   widx[j:jl] >= (w.get("late_before") or 0))
+            ahead_at = j + int(ahead[0]) if ahead.size else jl
+            late_before = open_ if open_ is not None else w.get("late_before")
+            chunk = widx[j:ahead_at]
+            late = chunk < late_before if late_before is not None else np.zeros(len(chunk), bool)
+            n_late = int(late.sum())
+            if dead_letter_late and n_late:
+                for i in np.flatnonzero(late):
+                    self._reject(seg, int(good_idx[j + i]), "late", reasons)
+                counted = _take(items, j + np.flatnonzero(~late))
+            else:
+                counted = items[j:ahead_at]
+            if len(counted):
+                self._count(task.state, counted)
+                task.window["events"] += len(counted)
+                task.totals["events"] += len(counted)
+                self.metrics.events.inc(len(counted))
+                self._window_gauges(task)
+            w["late"] = w.get("late", 0) + n_late
+            j = ahead_at
+            upto = int(good_idx[j]) if ahead_at < jl else rec_limit
+            rej_idx = np.asarray(sorted(reasons), dtype=np.int64)
+            self._account(task, seg.partition, offsets, rej_idx,
+                          [reasons[int(i)] for i in rej_idx], rec, upto)
+            rec = max(rec, upto)
+            if ahead_at < jl:  # a record of a later window: this partition waits at it
+                self._ahead[seg.partition] = int(widx[j])
+                self._hold(seg.partition, int(offsets[rec]))
+                self._advance_event_time(task, close)
+                return
+            if task.close_at is not None and task.reached(task.close_at):
+                close()
+                self._ahead.clear()
+                self._release_held()
+                if rec < m:
+                    continue
+                return
+            if rec < m:  # this partition reached its replay target before the others did
+                self._hold(seg.partition, int(offsets[rec]))
+            return
+
+    def _advance_event_time(self, task: WindowTask, close, idle=()) -> None:
+        """Close the open event-time window (or open the first one) once every assigned
+        partition waits at a record of a later window, except ``idle`` ones: the watermark
+        (the least of the partitions' latest timestamps) has then passed the window's end. The
+        next window is the earliest one a waiting record falls in. The decision depends on each
+        partition's records only, not on how the partitions' reads interleave."""
+        assigned = getattr(self.source, "assigned", None)
+        parts = set(assigned) if assigned else set(self._ahead)
+        if not self._ahead or not parts - set(idle) <= set(self._ahead):
+            return
+        nxt = min(self._ahead.values())
+        self._ahead.clear()
+        self._idle_since = None
+        if task.window.get("event_index") is None:
+            self._set_event_index(task.window, nxt)  # the first window (in memory: replayable)
+        else:
+            self._next_event_index = nxt
+            close()
+        self._release_held()
+
+    def _event_time_turn(self, task: WindowTask) -> None:
+        """``window.idle_partition_timeout``: partitions read to their end while the others wait
+        at a later window stop holding the watermark after that many seconds (logged)."""
+        timeout = float(self.cfg["window"]["idle_partition_timeout_s"])
+        assigned = getattr(self.source, "assigned", None)
+        if not timeout or not self._ahead or task.close_at is not None:
+            self._idle_since = None
+            return
+        parts = set(assigned) if assigned else set(self._ahead)
+        idle = sorted(parts - set(self._ahead))
+        probe = getattr(self.source, "caught_up", None)
+        if not idle or (probe is not None and not probe(idle)):
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        self._idle_since = self._idle_since or now
+        if now - self._idle_since >= timeout:
+            log.info("event-time window %s: partition(s) %s idle for %.0f s "
+                     "(window.idle_partition_timeout_s) no longer hold the watermark; the "
+                     "window closes at the other partitions' positions",
+                     task.window["id"], ", ".join(idle), now - self._idle_since)
+            self._advance_event_time(task, self.close_window, idle=idle)
+
+    def _reject(self, seg: Segment, i: int, reason: str, reasons: dict) -> None:
+        """Record ``i`` of ``seg`` is rejected for ``reason`` (log by position, dead letter)."""
+        reasons[i] = reason
+        self.reject_log.record(seg.partition, seg.offsets[i], reason)
+        if self.dead_letters is not None:
+            self.dead_letters.send(seg.partition, seg.offsets[i], seg.values[i], reason,
+                                   key=seg.keys[i] if seg.keys is not None else None)
 
     def _account(self, task: WindowTask, partition: str, offsets, rej_idx, rej_reason,
                  lo: int, hi: int) -> None:
@@ -976,6 +1133,10 @@ class Aggregator:
         warn_if_below_noise(release)
         release["window_info"] = {k: closing[k] for k in
                                   ("kind", "size", "events", "started_unix", "ended_unix")}
+        if closing["kind"] == "event_time":  # the window's event-time bounds and late records
+            release["window_info"].update(
+                {k: closing.get(k) for k in ("event_start_unix", "event_end_unix", "late")},
+                late_policy=self.cfg["window"]["late"])
         release["counted"] = {"stream": identity_of(self.cfg)["stream"],
                               "item": item_identity(self.cfg)}
         doc = json.dumps(release, allow_nan=False)
@@ -1182,6 +1343,24 @@ class Aggregator:
                 f"{where} holds a {state.mode} state of size {state.size} at epsilon "
                 f"{state.epsilon}, but the config asks for {mode}, size {size}, epsilon "
                 f"{self.epsilon}; use the original settings or a new checkpoint.dir")
+
+
+def _timestamps(seg: Segment, m: int) -> np.ndarray:
+    """The segment's record timestamps in ms as int64 (-1: none)."""
+    col = seg.timestamps
+    if col is None:
+        return np.full(m, -1, dtype=np.int64)
+    try:
+        return np.fromiter(col, dtype=np.int64, count=m)
+    except TypeError:  # a None among them
+        return np.asarray([-1 if t is None else t for t in col], dtype=np.int64)
+
+
+def _take(items, idx: np.ndarray):
+    """``items`` at the positions ``idx`` (an int64 array on the fast path, else a list)."""
+    if isinstance(items, np.ndarray):
+        return items[idx]
+    return [items[int(i)] for i in idx]
 
 
 def service_running(checkpoint_dir: str | os.PathLike) -> bool:
