@@ -35,8 +35,8 @@ def _chi2_pvalue(sample: np.ndarray, pmf, lo: int, hi: int) -> float:
     k = np.arange(lo, hi + 1)
     probs = pmf(k)
     expected = np.concatenate([[pmf_tail_low(pmf, lo)], probs, [1 - probs.sum() - pmf_tail_low(pmf, lo)]])
-    observed = np.concatenate([[np.sum(sample < lo)], np.bincount(np.clip(sample, lo, hi + 1) - lo,
-                                                                   minlength=hi - lo + 2)[:hi - lo + 1],
+    inside = sample[(sample >= lo) & (sample <= hi)] - lo   # each value in exactly one bin
+    observed = np.concatenate([[np.sum(sample < lo)], np.bincount(inside, minlength=hi - lo + 1),
                                [np.sum(sample > hi)]])
     keep = expected * len(sample) >= 5
     e = expected[keep] * len(sample)
