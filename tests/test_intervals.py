@@ -135,3 +135,39 @@ def test_error_bars_with_the_chosen_estimator():
     eb = iv.error_bars(noisy, p, layers=2, n=n, reps=3, rng=2, method="auto")
     np.testing.assert_array_equal(eb["histogram"],
                                   anonymized_histogram(noisy, p, layers=2, n=n, method="auto"))
+
+
+@pytest.mark.parametrize("m", [10, 16, 19, 30])
+@pytest.mark.parametrize("dist", ["normal", "exponential"])
+def test_prediction_band_covers_one_more_draw_at_the_level(m, dist):
+    # the release's deviation from the truth plays "one more draw" of the bootstrap deviations
+    g = np.random.default_rng([7, m, len(dist)])
+    trials = 20000
+    draw = g.standard_normal if dist == "normal" else g.exponential
+    x = draw(size=(m + 1, trials))
+    lo, hi = iv.prediction_band(x[:m], 0.9)
+    coverage = np.mean((x[m] >= lo) & (x[m] <= hi))
+    assert coverage >= 0.89  # distribution-free or t-based: at least the level (se 0.002)
+    # negative control: the plain empirical quantiles of m draws cover far less than 0.9
+    q_lo, q_hi = np.quantile(x[:m], [0.05, 0.95], axis=0)
+    assert np.mean((x[m] >= q_lo) & (x[m] <= q_hi)) < 0.86
+
+
+@pytest.mark.parametrize("m", [10, 16, 30])
+def test_prediction_bound_is_a_one_sided_bound_at_the_level(m):
+    g = np.random.default_rng([8, m])
+    x = g.exponential(size=(m + 1, 4000))
+    bounds = np.array([iv.prediction_bound(x[:m, i], 0.9) for i in range(x.shape[1])])
+    assert np.mean(x[m] <= bounds) >= 0.885  # se 0.005
+    if m <= 16:  # negative control: the plain 0.9 quantile of m draws is a ~0.85 bound
+        plain = np.quantile(x[:m], 0.9, axis=0)
+        assert np.mean(x[m] <= plain) < 0.87
+
+
+def test_prediction_band_is_never_narrower_than_the_sample():
+    x = np.array([[0.0], [0.0], [0.0], [5.0]])
+    lo, hi = iv.prediction_band(x, 0.9)
+    assert lo[0] <= 0.0 and hi[0] >= 5.0
+    same = np.zeros((10, 3))
+    lo, hi = iv.prediction_band(same, 0.9)  # no spread: the interval is the value itself
+    assert np.all(lo == 0.0) and np.all(hi == 0.0)
