@@ -729,6 +729,28 @@ def coverage_summary(rec: dict) -> dict:
                 bands=frac(rec.get("bands", [])))
 
 
+def coverage_check(dists: list[str], quick: bool = False) -> None:
+    """Coverage of the chosen coverage cells with the code as it is now, as a markdown table
+    (rows per cell and layer count, then the averages), on the study's seeds: comparable row by
+    row with an earlier table of the same cells."""
+    cells = [c for c in grid.coverage_cells(quick) if c.dist in dists]
+    if not cells:
+        raise SystemExit(f"no coverage cell has a distribution in {dists}")
+    print(f"(at {git_rev(['aggregator', 'bench'])}, {datetime.datetime.now():%Y-%m-%d %H:%M})")
+    print("| cell | layers | " + " | ".join(COVERAGE_NAMES) + " |")
+    print("|---|---|" + "---|" * len(COVERAGE_NAMES))
+    rows: dict[int, list] = {}
+    for cell in cells:
+        for k, rec in sorted(grid.run_coverage(cell).items()):
+            v = coverage_summary(rec)
+            rows.setdefault(k, []).append(v)
+            print(f"| {cell_label(cell)} | {k} | "
+                  + " | ".join(f"{v[name]:.3g}" for name in COVERAGE_NAMES) + " |", flush=True)
+    for k, vs in sorted(rows.items()):
+        print(f"| average | {k} | " + " | ".join(
+            f"{np.nanmean([v[name] for v in vs]):.3f}" for name in COVERAGE_NAMES) + " |")
+
+
 def _write_coverage(w, cov: dict) -> None:
     if not cov:
         return
@@ -890,12 +912,19 @@ def main(argv=None) -> int:
                     help="one round of extra repetitions in the cells that decide the choices")
     ap.add_argument("--coverage", action="store_true",
                     help="run (resume) the error-bar coverage study into the results file")
+    ap.add_argument("--coverage-check", metavar="DISTS",
+                    help="comma-separated distributions (e.g. geometric,uniform,heavy,sc-ru): run "
+                         "only those coverage cells, afresh, and print their coverage table "
+                         "(a quick check of an interval change; nothing is saved in the results)")
     ap.add_argument("--timing", action="store_true",
                     help="time the release at D = 1e7 (full arrays) into the results file")
     args = ap.parse_args(argv)
     path = RESULTS.with_name("grid_results_quick.pkl") if args.quick else RESULTS
     if args.merge:
         merge_shards(path)
+    if args.coverage_check:
+        coverage_check(args.coverage_check.split(","), args.quick)
+        return 0
     if args.shard and args.coverage:  # the coverage cells i, i + N, ... into a shard file
         i, N = map(int, args.shard.split("/"))
         sp = path.with_name(f"{path.stem}_shardcov{i}of{N}.pkl")
