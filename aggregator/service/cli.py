@@ -285,6 +285,9 @@ def _make_aggregator(cfg: dict, metrics=None, **start):
     if cfg["scale"]["partitioned"]:
         from .partitioned import PartitionedAggregator
         return PartitionedAggregator(cfg, source, metrics, **start)
+    if cfg.get("aggregations"):  # several aggregations of the stream, one consumer
+        from .multi import MultiAggregator
+        return MultiAggregator(cfg, source, metrics, **start)
     return Aggregator(cfg, source, metrics, **start)
 
 

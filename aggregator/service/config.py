@@ -12,7 +12,8 @@ import math
 import os
 import tomllib
 
-__all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n"]
+__all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n",
+           "aggregation_configs", "AGGREGATION_SECTIONS"]
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,9 @@ DEFAULTS: dict[str, dict] = {
     "ledger": {
         "budget_per_window": 0.0,   # 0: equal to state.epsilon (one release per window)
         "budget_total": 0.0,        # 0: no cap across windows
+        "budget_per_event": 0.0,    # several [aggregations.*]: the cap on the sum of their
+                                    # per-window budgets (each event is in one window of each);
+                                    # required (> 0) once there are two or more
     },
     "metrics": {
         "host": "127.0.0.1",
@@ -246,6 +250,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     the built-in defaults; the file, the environment and the overrides still apply on top.
     """
     cfg = copy.deepcopy(DEFAULTS)
+    aggregations: dict[str, list] = {}  # name -> [(section, key, value, where)]
     for section, values in (base or {}).items():
         for key, value in values.items():  # a saved config may hold keys since removed
             if section in cfg and key in cfg[section]:
@@ -259,6 +264,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             raise ConfigError(f"config file {path} not found; pass an existing file to --config") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        for name, over in (doc.pop("aggregations", None) or {}).items():
+            for section, values in (over.items() if isinstance(over, dict) else [(None, over)]):
+                for key, value in (values.items() if isinstance(values, dict) else [(None, 0)]):
+                    aggregations.setdefault(name, []).append((section, key, value, path))
         for section, values in doc.items():
             if section not in cfg or not isinstance(values, dict):
                 raise ConfigError(f"unknown config section [{section}] in {path}; known: "
@@ -279,6 +288,14 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
                 cfg[section][key] = _coerce(section, key, env[var], DEFAULTS[section][key])
     for item in overrides or []:
         name, sep, value = item.partition("=")
+        if name.strip().startswith("aggregations.") and sep:
+            parts = name.strip().split(".")
+            if len(parts) != 4:
+                raise ConfigError(f"--set {item!r}: expected aggregations.NAME.section.key=value, "
+                                  "e.g. --set aggregations.ip.item.field=ip")
+            aggregations.setdefault(parts[1], []).append((parts[2], parts[3], value.strip(),
+                                                          "--set"))
+            continue
         section, _, key = name.strip().partition(".")
         _removed(section, key, "--set")
         if not sep or section not in cfg or key not in cfg[section]:
@@ -286,7 +303,94 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
                               "e.g. --set window.size=100000")
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
     _validate(cfg, env)
+    cfg["aggregations"] = _aggregations(cfg, aggregations)
     return cfg
+
+
+#: what an aggregation may set for itself; the stream (source, security), the process (scale,
+#: checkpoint, metrics, audit, testing) and the shared budget are the service's
+AGGREGATION_SECTIONS = {"item": None, "state": None, "window": None, "release": None,
+                        "ledger": ("budget_per_window",)}
+_NAME = __import__("re").compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
+    """``{name: {section: {key: value}}}`` from ``[aggregations.NAME]`` tables and ``--set
+    aggregations.NAME.section.key=value``, each checked as a full config and the sum of their
+    per-window budgets against ``ledger.budget_per_event`` (docs/privacy.md, section 19)."""
+    out: dict[str, dict] = {}
+    for name, entries in given.items():
+        if not _NAME.fullmatch(str(name)):
+            raise ConfigError(f"aggregation name {name!r}: use a lowercase letter, then up to 31 "
+                              "of a-z 0-9 _ - (it names a directory and a metric label)")
+        for section, key, value, where in entries:
+            allowed = AGGREGATION_SECTIONS.get(section, ())
+            if section not in AGGREGATION_SECTIONS or (allowed is not None and key not in allowed):
+                what = f"{section}.{key}" if key is not None else str(section)
+                raise ConfigError(
+                    f"aggregations.{name}.{what} in {where}: an aggregation sets only item.*, "
+                    "state.*, window.*, release.* and ledger.budget_per_window; the source, "
+                    "security, checkpoint, scale and metrics are the service's")
+            if key not in DEFAULTS[section]:
+                raise ConfigError(f"unknown key aggregations.{name}.{section}.{key} in {where}; "
+                                  f"known in [{section}]: {', '.join(sorted(DEFAULTS[section]))}")
+            out.setdefault(name, {}).setdefault(section, {})[key] = \
+                _coerce(section, key, value, DEFAULTS[section][key])
+    if not out:
+        return {}
+    cfg["aggregations"] = out
+    if cfg["scale"]["partitioned"]:
+        raise ConfigError("[aggregations] with scale.partitioned = true is not built: run one "
+                          "process (scale.partitioned = false), or one service per aggregation")
+    total = 0.0
+    parts = []
+    for name in sorted(out):
+        one = aggregation_config(cfg, name, out[name])
+        if one["state"]["model"] == "shuffle":
+            raise ConfigError(f"aggregations.{name}: state.model = shuffle is not built with "
+                              "several aggregations; run the analyzer as its own service")
+        budget = one["ledger"]["budget_per_window"] or one["state"]["epsilon"]
+        total += budget
+        parts.append(f"{name} {budget:g}")
+    cap = cfg["ledger"]["budget_per_event"]
+    if len(out) >= 2 and not cap:
+        raise ConfigError(f"{len(out)} aggregations spend {' + '.join(parts)} = {total:g} eps on "
+                          "each event (one window of each); set ledger.budget_per_event to the "
+                          f"most you accept (>= {total:g}) to state that composition")
+    if cap and total > cap * (1 + 1e-9):
+        raise ConfigError(f"the aggregations spend {' + '.join(parts)} = {total:g} eps per event, "
+                          f"over ledger.budget_per_event = {cap:g}; lower their state.epsilon "
+                          "(or ledger.budget_per_window), drop one, or raise the budget")
+    return out
+
+
+def aggregation_config(cfg: dict, name: str, overrides: dict | None = None) -> dict:
+    """The full, validated config of aggregation ``name``: the service's settings, its own
+    overrides, and its own directories (``checkpoint.dir/NAME``, ``release.dir/NAME``)."""
+    one = {section: dict(values) for section, values in cfg.items() if section != "aggregations"}
+    for section, values in (overrides if overrides is not None
+                            else cfg["aggregations"][name]).items():
+        one[section].update(values)
+    one["checkpoint"]["dir"] = os.path.join(cfg["checkpoint"]["dir"], name)
+    one["release"]["dir"] = os.path.join(cfg["release"]["dir"], name)
+    one["metrics"]["port"] = -1  # one exposition for all, served by the service
+    try:
+        _validate(one, {})
+    except ConfigError as exc:
+        raise ConfigError(f"aggregations.{name}: {exc}") from None
+    one["aggregations"] = {}
+    one["aggregation"] = {"name": name, "of": sorted(cfg["aggregations"] or [name]),
+                          "budget_per_event": cfg["ledger"]["budget_per_event"] or None}
+    return one
+
+
+def aggregation_configs(cfg: dict) -> list[tuple[str, dict]]:
+    """(name, config) of every aggregation of ``cfg``, in name order (empty: single mode)."""
+    out = [(name, aggregation_config(cfg, name)) for name in sorted(cfg.get("aggregations") or {})]
+    total = sum(one["ledger"]["budget_per_window"] or one["state"]["epsilon"] for _, one in out)
+    for _, one in out:
+        one["aggregation"]["epsilon_per_event"] = total
+    return out
 
 
 def _validate(cfg: dict, env=None) -> None:

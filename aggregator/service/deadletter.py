@@ -9,7 +9,10 @@ Every rejected record is produced to ``source.dead_letter_topic`` with
   letter's key, so that the dead-letter topic can be compacted by position) and, for a value too
   large for one Kafka request, ``truncated`` = its length in bytes with an empty value (a record
   larger than the producer's limit would otherwise fail to send; the position still identifies
-  it in the source topic).
+  it in the source topic);
+* with several aggregations of one stream, ``aggregation`` = the one that rejected the record
+  (the key then ends in ``#<aggregation>``): a record every aggregation rejects has one dead
+  letter per aggregation.
 
 Durability: a checkpoint moves the source offsets past the records it covers, so the dead letters
 of those records must be acknowledged by the broker first (:meth:`DeadLetters.flush`, step 1 of
@@ -35,17 +38,25 @@ class DeadLetterError(RuntimeError):
     """Some dead letters are not acknowledged by the broker yet."""
 
 
-def dead_letter_record(partition, offset: int, value, reason: str, key=None) -> tuple:
+def dead_letter_record(partition, offset: int, value, reason: str, key=None,
+                       aggregation: str | None = None) -> tuple:
     """``(key, value, headers)`` of the dead letter of one rejected record (the format of the
-    module docstring); the shuffler sends these inside its own Kafka transactions."""
+    module docstring); the shuffler sends these inside its own Kafka transactions.
+    ``aggregation``: the aggregation that rejected it (several aggregations of one stream): an
+    ``aggregation`` header, and ``#name`` after the key so that compaction keeps one dead letter
+    per aggregation (each may reject the same record for its own reason)."""
     raw = bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else b""
     headers = [("reason", reason.encode()), ("source", f"{partition}@{offset}".encode())]
+    position = f"{partition}@{offset}"
+    if aggregation:
+        headers.append(("aggregation", aggregation.encode()))
+        position += f"#{aggregation}"
     if isinstance(key, (bytes, bytearray, memoryview)):
         headers.append(("key", bytes(key)))
     if len(raw) > _VALUE_LIMIT:
         headers.append(("truncated", str(len(raw)).encode()))
         raw = b""
-    return f"{partition}@{offset}".encode(), raw, headers
+    return position.encode(), raw, headers
 
 
 class DeadLetters:
@@ -61,8 +72,9 @@ class DeadLetters:
         The service's :class:`Metrics` (``dead_letters`` counts acknowledged sends).
     """
 
-    def __init__(self, topic: str, producer_factory, metrics=None):
+    def __init__(self, topic: str, producer_factory, metrics=None, aggregation: str | None = None):
         self.topic = topic
+        self.aggregation = aggregation
         self._factory = producer_factory
         self._producer = None
         self.metrics = metrics
@@ -74,7 +86,7 @@ class DeadLetters:
     def send(self, partition: str, offset: int, value, reason: str, key=None) -> None:
         """Queue one rejected record (never raises: a failure is retried at the flush).
         ``key``: the source record's key, kept in the ``key`` header."""
-        self._send(dead_letter_record(partition, offset, value, reason, key))
+        self._send(dead_letter_record(partition, offset, value, reason, key, self.aggregation))
 
     def _send(self, record: tuple) -> None:
         with self._lock:

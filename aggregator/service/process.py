@@ -340,7 +340,12 @@ class Aggregator:
         self._seed = seed if seed >= 0 and os.environ.get("PANAGG_TESTING") == "1" else None
         self._producer = None
         topic = src["dead_letter_topic"]
-        self.dead_letters = DeadLetters(topic, self._kafka_producer, self.metrics) if topic else None
+        #: several aggregations of one stream (aggregator.service.multi): this one's name, the
+        #: names of all and the per-event budget; None in single mode
+        self.aggregation = cfg.get("aggregation")
+        name = self.aggregation["name"] if self.aggregation else None
+        self.dead_letters = (DeadLetters(topic, self._kafka_producer, self.metrics, name)
+                             if topic else None)
         self.stop_event = threading.Event()
         self._export_seq = 0
         self._held: set[str] = set()
@@ -617,38 +622,19 @@ class Aggregator:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
         self._lock()
         try:
-            self.save_effective_config()
-            self.restore()
-            self.log_accuracy_plan()
-            self._publish_pending(self.task)
+            self.start()
             idle_since = None
             finite = self.cfg["source"]["kind"] != "kafka"
             while not self.stop_event.is_set():
                 if self._paused_for_budget(poll_timeout_s, finite):
                     continue
                 segments = self.source.poll(poll_timeout_s)
-                for seg in segments:
-                    self._ingest(seg)
-                if not segments:
-                    self._caught_up(self.task)
-                self._maybe_close_time_window(self.task)
-                if self.cfg["window"]["kind"] == "event_time":
-                    self._event_time_turn(self.task)
-                self._maybe_snapshot(self.task)
-                self._handle_control()
-                if self.task.pending:
-                    self._publish_pending(self.task)
-                self._update_lag()
-                self._turned()
+                self.turn(segments)
                 if segments:
                     idle_since = None
                     continue
                 if self.source.exhausted:
-                    if self.cfg["release"]["on_exhausted"] and self.task.window["events"] > 0:
-                        self.close_window()
-                    problem = self.reject_watch.fatal()
-                    if problem:  # a finite run that counted nothing must not exit 0
-                        raise ServiceError(problem)
+                    self.input_ended()
                     break
                 # only an --exit-when-idle run asks (the check may wait on the broker)
                 if idle_exit_s is None or not self.idle_can_count():
@@ -656,19 +642,73 @@ class Aggregator:
                 idle_since = idle_since or time.monotonic()
                 if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
                     break
-            if self.task.pending:
-                self._publish_backoff.next_try = 0.0
-                self._publish_pending(self.task)
-            if self.task.pending:  # a finite run must not end looking successful
-                raise ServiceError(
-                    f"{len(self.task.pending)} release(s) could not be published "
-                    f"({self._publish_backoff.last_reason}); they stay in the checkpoint and are "
-                    "published at the next start once the cause is fixed")
+            self.finish()
         except Stopping:
             log.info("stopped while waiting; the open window is replayed at the next start")
         finally:
             self.close()
             self._stop_line()
+
+    # The loop's steps, also driven one by one by aggregator.service.multi (several aggregations
+    # fed by one consumer): start, then per poll a turn, then input_ended (finite input) and finish.
+    def start(self) -> None:
+        """Restore the checkpoint, seek the source, publish what a crash left pending."""
+        self.save_effective_config()
+        self.restore()
+        self._ledger_composition()
+        self.log_accuracy_plan()
+        self._publish_pending(self.task)
+
+    def _ledger_composition(self) -> None:
+        """With several aggregations: the set this one is part of, in its ledger, whenever it
+        differs from the last one recorded (docs/privacy.md, section 19)."""
+        if not self.aggregation:
+            return
+        mine = {k: self.aggregation[k] for k in ("of", "budget_per_event", "epsilon_per_event")}
+        last = [e for e in self.ledger.entries if e["kind"] == "composition"]
+        if last and last[-1].get("composition") == mine:
+            return
+        self._ledger_append(entry_id=f"composition-{os.urandom(6).hex()}", kind="composition",
+                            window=self.task.window["id"], composition=mine,
+                            note=f"aggregation {self.aggregation['name']!r} of "
+                                 f"{', '.join(self.aggregation['of'])}: each event spends up to "
+                                 f"{self.aggregation['epsilon_per_event']:g} eps over them")
+
+    def turn(self, segments) -> None:
+        """Count one poll's segments, then the turn's housekeeping (time windows, snapshots,
+        control requests, publishing, lag, health)."""
+        for seg in segments:
+            self._ingest(seg)
+        if not segments:
+            self._caught_up(self.task)
+        self._maybe_close_time_window(self.task)
+        if self.cfg["window"]["kind"] == "event_time":
+            self._event_time_turn(self.task)
+        self._maybe_snapshot(self.task)
+        self._handle_control()
+        if self.task.pending:
+            self._publish_pending(self.task)
+        self._update_lag()
+        self._turned()
+
+    def input_ended(self) -> None:
+        """A finite source delivered everything: release the open window (release.on_exhausted)."""
+        if self.cfg["release"]["on_exhausted"] and self.task.window["events"] > 0:
+            self.close_window()
+        problem = self.reject_watch.fatal()
+        if problem:  # a finite run that counted nothing must not exit 0
+            raise ServiceError(problem)
+
+    def finish(self) -> None:
+        """Publish what is pending; a run must not end looking successful if it could not."""
+        if self.task.pending:
+            self._publish_backoff.next_try = 0.0
+            self._publish_pending(self.task)
+        if self.task.pending:
+            raise ServiceError(
+                f"{len(self.task.pending)} release(s) could not be published "
+                f"({self._publish_backoff.last_reason}); they stay in the checkpoint and are "
+                "published at the next start once the cause is fixed")
 
     def idle_can_count(self) -> bool:
         """Whether a turn without records counts towards --exit-when-idle: not before the
@@ -1139,6 +1179,8 @@ class Aggregator:
                 late_policy=self.cfg["window"]["late"])
         release["counted"] = {"stream": identity_of(self.cfg)["stream"],
                               "item": item_identity(self.cfg)}
+        if self.aggregation:  # which of the stream's aggregations, and the composition
+            release["aggregation"] = dict(self.aggregation, epsilon=self.epsilon)
         doc = json.dumps(release, allow_nan=False)
         self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid, window_uid=uid,
                            epsilon_spent=self.epsilon, model=self.model, document=doc,
@@ -1171,7 +1213,10 @@ class Aggregator:
                 topic = self.cfg["release"]["topic"]
                 if topic:
                     producer = self._kafka_producer()
-                    producer.send(topic, key=str(release["window"]).encode(), value=doc.encode())
+                    key = str(release["window"])
+                    if release.get("aggregation"):
+                        key = f"{release['aggregation']['name']}/{key}"
+                    producer.send(topic, key=key.encode(), value=doc.encode())
                     producer.flush(timeout=5)  # bounded; retried with backoff
             except Exception as exc:  # retried with backoff; the document is durable
                 reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)

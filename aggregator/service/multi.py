@@ -1,0 +1,373 @@
+"""Several aggregations of one stream, fed by one consumer in one pass.
+
+A login topic answers several questions at once: how often each account, each IP and each
+device shows up. Each ``[aggregations.NAME]`` of the config is its own pan-private state, window,
+checkpoint, ledger and release (an :class:`~aggregator.service.process.Aggregator` over
+``checkpoint.dir/NAME`` and ``release.dir/NAME``, with its own item choice, epsilon and
+window); :class:`MultiAggregator` reads the topic once and hands every poll to all of them.
+
+Exactly once per aggregation. Each aggregation keeps its own offsets in its own checkpoints, so
+at a start they differ (each replays its own open window). Every aggregation reads through a
+:class:`SourceView` that remembers the next offset it wants per partition and drops what it has
+already had; the one consumer starts at the least of those offsets. When an aggregation holds a
+partition (a replay that reached its target before the others, an event-time window waiting for
+the other partitions), the consumer keeps reading it for the others; when the hold ends, the
+consumer goes back to the least offset any view still wants and the others drop the records
+they had (re-read from Kafka, never buffered without bound). The consumer pauses a partition
+only while every view holds it, so no aggregation can stall another for good.
+
+Composition: an event is in one window of each aggregation, so it spends the sum of their
+per-window budgets; the config refuses a set whose sum exceeds ``ledger.budget_per_event``
+(:func:`aggregator.service.config.aggregation_configs`), each aggregation's ledger records the
+set (a ``composition`` entry) and each release says which aggregation it is (docs/privacy.md,
+section 19).
+
+Metrics: one exposition; every series carries an ``aggregation`` label.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+
+from consumers.base import Segment, Source, offsets_array
+
+from .config import aggregation_configs
+from .metrics import Metrics
+from .process import Aggregator, ServiceError, Stopping
+
+__all__ = ["MultiAggregator", "SourceView"]
+
+log = logging.getLogger("panagg.service")
+
+SET_FILE = "aggregations.json"
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("aggregation", default=None)
+
+
+class _NameInLog(logging.Filter):
+    """Prefixes the service's log lines with the aggregation they are about."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        name = _current.get()
+        if name and not getattr(record, "_aggregation", None):
+            record.msg = f"[{name}] {record.msg}"
+            record._aggregation = name
+        return True
+
+
+@contextlib.contextmanager
+def _about(name: str):
+    token = _current.set(name)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _tail(seg: Segment, start: int) -> Segment:
+    """The records of ``seg`` from index ``start`` on."""
+    cut = (lambda col: None if col is None else col[start:])
+    return Segment(seg.partition, seg.offsets[start:], seg.values[start:], cut(seg.keys),
+                   cut(seg.headers), cut(seg.timestamps))
+
+
+class SourceView(Source):
+    """What one aggregation sees of the shared consumer (the :class:`Source` methods the
+    :class:`Aggregator` calls; the rest go to the shared source).
+
+    ``next`` holds the next offset this view wants per partition: records below it were
+    delivered already (or precede its checkpoint) and are dropped."""
+
+    def __init__(self, hub: MultiAggregator, name: str):
+        self.hub, self.name = hub, name
+        self.next: dict[str, int] = {}
+        self.held: set[str] = set()
+        self.committed: dict[str, int] = {}
+
+    # -- what the hub calls ----------------------------------------------------------------------
+    def deliver(self, segments: list[Segment]) -> list[Segment]:
+        out = []
+        for seg in segments:
+            p = seg.partition
+            if p in self.held or not len(seg):
+                continue
+            want = self.next.get(p)
+            if want is not None:
+                offsets = offsets_array(seg.offsets)
+                start = int(np.searchsorted(offsets, want))
+                if start >= len(offsets):
+                    continue
+                if start:
+                    seg = _tail(seg, start)
+            self.next[p] = int(seg.offsets[-1]) + 1
+            out.append(seg)
+        return out
+
+    # -- the Source interface the Aggregator uses ----------------------------------------------
+    @property
+    def exhausted(self) -> bool:  # type: ignore[override]
+        return self.hub.source.exhausted
+
+    def seek(self, offsets: dict[str, int]) -> None:
+        self.next.update({p: int(o) for p, o in offsets.items()})
+
+    def poll(self, timeout_s: float = 1.0) -> list[Segment]:
+        # offline commands drive an aggregation alone; in the service the hub polls for all
+        raise RuntimeError("a SourceView is fed by MultiAggregator, not polled")
+
+    def commit(self, offsets: dict[str, int]) -> None:
+        self.committed = dict(offsets)
+        self.hub.commit_least()
+
+    def pause(self, keys) -> None:
+        self.held.update(keys)
+        self.hub.held_changed(keys)
+
+    def resume(self, keys) -> None:
+        self.held.difference_update(keys)
+        self.hub.held_changed(keys, resumed=True)
+
+    def committed_offsets(self) -> dict[str, int]:
+        # the group's offsets belong to the set: a lost directory shows only if no aggregation
+        # has started before (a newly added one starts where the others resume)
+        if self.hub.set_started:
+            return {}
+        probe = getattr(self.hub.source, "committed_offsets", None)
+        return probe() if probe is not None else {}
+
+    def lag(self, positions=None):
+        return self.hub.source.lag(positions)
+
+    def close(self) -> None:
+        pass  # the hub closes the shared source once
+
+    def _seek_partition(self, key: str, offset: int) -> None:
+        self.next[key] = int(offset)
+
+    def __getattr__(self, name):
+        if name == "seek_partition":  # only where the shared source can hold partitions
+            if getattr(self.hub.source, "seek_partition", None) is None:
+                raise AttributeError(name)
+            return self._seek_partition
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.hub.source, name)
+
+
+class _ByAggregation:
+    """A collector that exposes every aggregation's registry with an ``aggregation`` label."""
+
+    def __init__(self, registries: dict[str, CollectorRegistry]):
+        self.registries = registries
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for name, registry in self.registries.items():
+            for fam in registry.collect():
+                out = families.get(fam.name)
+                if out is None:
+                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type,
+                                                      fam.unit)
+                for s in fam.samples:
+                    out.add_sample(s.name, dict(s.labels, aggregation=name), s.value,
+                                   s.timestamp, s.exemplar)
+        return list(families.values())
+
+
+class MultiAggregator:
+    """Every ``[aggregations.NAME]`` of ``cfg`` over one :class:`Source` (module docstring).
+
+    Parameters as for :class:`~aggregator.service.process.Aggregator`; ``metrics`` serves the
+    exposition of all aggregations (each has its own registry, labelled by name)."""
+
+    def __init__(self, cfg: dict, source: Source, metrics: Metrics | None = None, *,
+                 fresh_start: bool = False, accept_change: bool = False):
+        self.cfg, self.source = cfg, source
+        self.dir = Path(cfg["checkpoint"]["dir"])
+        self.accept_change = accept_change
+        configs = aggregation_configs(cfg)
+        if not configs:
+            raise ServiceError("no [aggregations] in the config; panagg run counts one "
+                               "aggregation without them")
+        self.set_started = any((self.dir / name / "ledger.jsonl").exists() for name, _ in configs)
+        self.stop_event = threading.Event()
+        self.views: dict[str, SourceView] = {}
+        self.aggs: dict[str, Aggregator] = {}
+        for name, one in configs:
+            self.views[name] = SourceView(self, name)
+            agg = Aggregator(one, self.views[name], Metrics(), fresh_start=fresh_start,
+                             accept_change=accept_change)
+            agg.stop_event = self.stop_event  # one SIGTERM stops all
+            self.aggs[name] = agg
+        self.metrics = metrics or Metrics()
+        # the exposition is the aggregations' series, labelled; not the hub's own (unused) ones
+        self.metrics.registry = CollectorRegistry()
+        self.metrics.registry.register(_ByAggregation(
+            {name: agg.metrics.registry for name, agg in self.aggs.items()}))
+        self._start: dict[str, int] = {}
+        self._lock_file = None
+        self._paused: set[str] = set()
+
+    # -- one consumer for all --------------------------------------------------------------------
+    def _least(self, offsets_of) -> dict[str, int]:
+        """Per partition every view knows, the least of ``offsets_of(view)``."""
+        maps = [offsets_of(v) for v in self.views.values()]
+        keys = set().union(*maps) if maps else set()
+        return {p: min(m[p] for m in maps if p in m) for p in keys}
+
+    def commit_least(self) -> None:
+        """Group offsets (lag monitoring only): the least any aggregation has checkpointed."""
+        maps = [v.committed for v in self.views.values()]
+        common = set.intersection(*(set(m) for m in maps)) if maps else set()
+        if common:
+            self.source.commit({p: min(m[p] for m in maps) for p in common})
+
+    def held_changed(self, keys, resumed: bool = False) -> None:
+        seek = getattr(self.source, "seek_partition", None)
+        if seek is None:
+            return
+        for p in keys:
+            want = [v.next[p] for v in self.views.values() if p in v.next]
+            if resumed:  # back to the least offset a view still wants; the others drop repeats
+                if want:
+                    seek(p, min(want))
+                if p in self._paused:
+                    self.source.resume([p])
+                    self._paused.discard(p)
+            elif all(p in v.held for v in self.views.values()) and p not in self._paused:
+                self.source.pause([p])
+                self._paused.add(p)
+                if want:
+                    seek(p, min(want))
+
+    def _track_start(self) -> None:
+        # a (re)assignment seeks the consumer to these: the least offset any view wants
+        self._start.clear()
+        self._start.update(self._least(lambda v: v.next))
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def _lock(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        f = open(self.dir / "service.lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            other = f.read().strip() or "?"
+            f.close()
+            raise ServiceError(f"another panagg (pid {other}) is running on checkpoint.dir "
+                               f"{self.dir}; stop it or use another directory") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock_file = f
+
+    def check_set(self) -> None:
+        """The set of aggregations this directory counts; another set is refused unless
+        --accept-change (each aggregation's own settings are checked by its own ledger)."""
+        path = self.dir / SET_FILE
+        mine = {"aggregations": sorted(self.aggs),
+                "budget_per_event": self.cfg["ledger"]["budget_per_event"] or None}
+        if path.exists():
+            recorded = json.loads(path.read_text())
+            if recorded == mine:
+                return
+            if not self.accept_change:
+                raise ServiceError(
+                    f"checkpoint.dir {self.dir} counts the aggregations "
+                    f"{', '.join(recorded['aggregations'])} (budget per event "
+                    f"{recorded['budget_per_event']}); this config has "
+                    f"{', '.join(mine['aggregations'])} ({mine['budget_per_event']}). Use the "
+                    "original set, a new checkpoint.dir, or --accept-change (new aggregations "
+                    "start where the others resume; removed ones keep their directories)")
+            log.warning("the set of aggregations of %s changed: %s -> %s", self.dir,
+                        ", ".join(recorded["aggregations"]), ", ".join(mine["aggregations"]))
+        elif self.set_started and not self.accept_change:
+            raise ServiceError(f"checkpoint.dir {self.dir} has aggregation directories but no "
+                               f"{SET_FILE}; use --accept-change to record this set")
+        tmp = self.dir / f".{SET_FILE}.tmp"
+        tmp.write_text(json.dumps(mine, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+    def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
+        """The :meth:`Aggregator.run` loop, for every aggregation at once."""
+        self._log_filter = _NameInLog()
+        log.addFilter(self._log_filter)
+        self._lock()
+        started: list[Aggregator] = []
+        try:
+            self.check_set()
+            for name, agg in self.aggs.items():
+                with _about(name):
+                    agg._lock()
+                    started.append(agg)
+                    agg.start()  # restores its checkpoint: its view learns its offsets
+            self._track_start()
+            self.source.seek(self._start)
+            log.info("one consumer for %d aggregations (%s)", len(self.aggs), ", ".join(self.aggs))
+            finite = self.cfg["source"]["kind"] != "kafka"
+            idle_since = None
+            share = poll_timeout_s / len(self.aggs)
+            while not self.stop_event.is_set():
+                # one consumer: an aggregation whose total budget is spent pauses the intake
+                if any([self._each(name, agg._paused_for_budget, share, finite)
+                        for name, agg in self.aggs.items()]):
+                    continue
+                segments = self.source.poll(poll_timeout_s)
+                for name, agg in self.aggs.items():
+                    self._each(name, agg.turn, self.views[name].deliver(segments))
+                self._track_start()
+                self._health()
+                if segments:
+                    idle_since = None
+                    continue
+                if self.source.exhausted:
+                    for name, agg in self.aggs.items():
+                        self._each(name, agg.input_ended)
+                    break
+                if idle_exit_s is None or not all(a.idle_can_count() for a in self.aggs.values()):
+                    continue
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since >= idle_exit_s:
+                    break
+            for name, agg in self.aggs.items():
+                self._each(name, agg.finish)
+        except Stopping:
+            log.info("stopped while waiting; the open windows are replayed at the next start")
+        finally:
+            for agg in started:
+                self._each(agg.aggregation["name"], agg.close)
+            self.source.close()
+            if self._lock_file is not None:
+                self._lock_file.close()
+                self._lock_file = None
+            for agg in started:
+                self._each(agg.aggregation["name"], agg._stop_line)
+            log.removeFilter(self._log_filter)
+
+    @staticmethod
+    def _each(name: str, step, *args):
+        with _about(name):
+            return step(*args)
+
+    def _health(self) -> None:
+        self.metrics.heartbeat()
+        for agg in self.aggs.values():
+            ready, reason = agg.metrics._ready
+            if not ready:
+                self.metrics.set_ready(False, f"{agg.aggregation['name']}: {reason}")
+                return
+        self.metrics.set_ready(True)
