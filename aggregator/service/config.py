@@ -345,10 +345,10 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
     total = 0.0
     parts = []
     for name in sorted(out):
-        one = aggregation_config(cfg, name, out[name])
-        if one["state"]["model"] == "shuffle":
+        if out[name].get("state", {}).get("model", cfg["state"]["model"]) == "shuffle":
             raise ConfigError(f"aggregations.{name}: state.model = shuffle is not built with "
                               "several aggregations; run the analyzer as its own service")
+        one = aggregation_config(cfg, name, out[name])
         budget = one["ledger"]["budget_per_window"] or one["state"]["epsilon"]
         total += budget
         parts.append(f"{name} {budget:g}")
