@@ -141,7 +141,7 @@ class SourceView(Source):
 
     def committed_offsets(self) -> dict[str, int]:
         # the group's offsets belong to the set: a lost directory shows only if no aggregation
-        # has started before (a newly added one starts where the others resume)
+        # has started before (a newly added one starts at the group's offsets)
         if self.hub.set_started:
             return {}
         probe = getattr(self.hub.source, "committed_offsets", None)
@@ -222,17 +222,19 @@ class MultiAggregator:
 
     # -- one consumer for all --------------------------------------------------------------------
     def _least(self, offsets_of) -> dict[str, int]:
-        """Per partition every view knows, the least of ``offsets_of(view)``."""
+        """Per partition every view has an offset for, the least of ``offsets_of(view)``. A
+        partition some view has none for is left out: the consumer then starts it at the
+        group's committed offset, or the earliest record when there is none; the group's offset
+        is never past any view's (:meth:`commit_least`), so no view misses a record."""
         maps = [offsets_of(v) for v in self.views.values()]
-        keys = set().union(*maps) if maps else set()
-        return {p: min(m[p] for m in maps if p in m) for p in keys}
+        keys = set.intersection(*(set(m) for m in maps)) if maps else set()
+        return {p: min(m[p] for m in maps) for p in keys}
 
     def commit_least(self) -> None:
         """Group offsets (lag monitoring only): the least any aggregation has checkpointed."""
-        maps = [v.committed for v in self.views.values()]
-        common = set.intersection(*(set(m) for m in maps)) if maps else set()
-        if common:
-            self.source.commit({p: min(m[p] for m in maps) for p in common})
+        least = self._least(lambda v: v.committed)
+        if least:
+            self.source.commit(least)
 
     def held_changed(self, keys, resumed: bool = False) -> None:
         seek = getattr(self.source, "seek_partition", None)
@@ -291,8 +293,9 @@ class MultiAggregator:
                     f"{', '.join(recorded['aggregations'])} (budget per event "
                     f"{recorded['budget_per_event']}); this config has "
                     f"{', '.join(mine['aggregations'])} ({mine['budget_per_event']}). Use the "
-                    "original set, a new checkpoint.dir, or --accept-change (new aggregations "
-                    "start where the others resume; removed ones keep their directories)")
+                    "original set, a new checkpoint.dir, or --accept-change (a new aggregation "
+                    "starts at the group's committed offsets, or a file's start; removed ones "
+                    "keep their directories)")
             log.warning("the set of aggregations of %s changed: %s -> %s", self.dir,
                         ", ".join(recorded["aggregations"]), ", ".join(mine["aggregations"]))
         elif self.set_started and not self.accept_change:

@@ -1,0 +1,122 @@
+"""Several aggregations of one login topic on the real broker: per account, per IP and per
+device (logins only), one consumer, a SIGKILL mid-run and a restart; every aggregation's windows
+hold exactly their events, and a record one aggregation rejects is its dead letter."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+
+from .test_service_kafka import env, make_topic, run_service
+
+SIZES = {"account": 1000, "ip": 1300, "device": 700}
+
+
+def produce_logins(bootstrap, topic, count):
+    """JSON login events over 3 partitions; returns the events each aggregation should count."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, acks="all")
+    truth = {"account": 0, "ip": 0, "device": 0}
+    for i in range(count):
+        event = "login" if i % 4 else "logout"
+        doc = {"user": {"id": i % 300}, "device": f"dev-{i % 37}", "event": event,
+               "ip": f"192.0.2.{i % 211}"}
+        if i % 250 == 7:
+            del doc["ip"]  # only the ip aggregation rejects it
+        truth["account"] += 1
+        truth["ip"] += "ip" in doc
+        truth["device"] += event == "login"
+        producer.send(topic, key=f"k{i % 13}".encode(), value=json.dumps(doc).encode())
+    producer.flush()
+    producer.close()
+    return truth
+
+
+def args_for(bootstrap, topic, tmp_path, group):
+    toml = tmp_path / "multi.toml"
+    toml.write_text(f"""
+[ledger]
+budget_per_event = 2.0
+[aggregations.account]
+item.field = "user.id"
+state.domain_size = 300
+window.size = {SIZES['account']}
+[aggregations.ip]
+item.field = "ip"
+state.mode = "hashed"
+state.expected_n = 1300
+state.epsilon = 0.5
+window.size = {SIZES['ip']}
+[aggregations.device]
+item.field = "device"
+item.filter_field = "event"
+item.filter_value = "login"
+state.mode = "hashed"
+state.expected_n = 700
+state.epsilon = 0.5
+window.size = {SIZES['device']}
+""")
+    return ["run", "--config", str(toml), "--bootstrap", bootstrap, "--topic", topic,
+            "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "releases"),
+            "--metrics-port", "-1", "--set", "source.format=json",
+            "--set", f"source.group={group}", "--set", "release.error_bar_reps=0",
+            "--set", f"source.dead_letter_topic={topic}-dlq", "--set", "source.max_records=300"]
+
+
+def released(tmp_path, name):
+    docs = [json.loads(p.read_text()) for p in (tmp_path / "releases" / name).glob("*.json")]
+    return sorted(docs, key=lambda d: d["window"])
+
+
+def test_three_aggregations_one_consumer_exact_after_a_kill(kafka_broker, tmp_path):
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    truth = produce_logins(kafka_broker, topic, 9000)
+    args = args_for(kafka_broker, topic, tmp_path, group)
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:  # killed once some aggregation has released, others mid-window
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list((tmp_path / "releases").rglob("*.json")):
+            time.sleep(0.05)
+        members = KafkaAdminClient(bootstrap_servers=kafka_broker)
+        described = members.describe_groups([group])[group]
+        members.close()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert list((tmp_path / "releases").rglob("*.json")), "no release before the kill"
+    assert len(described["members"]) == 1, described  # one consumer for the three aggregations
+    done = run_service(args + ["--exit-when-idle", "3"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, size in SIZES.items():
+        docs = released(tmp_path, name)
+        assert [d["window"] for d in docs] == list(range(truth[name] // size)), name
+        assert all(d["n"] == size for d in docs), name  # each window exactly its events
+        assert all(d["aggregation"]["name"] == name for d in docs)
+    # the open windows hold the rest: a restart over a few more records releases nothing twice
+    ledgers = {name: [json.loads(x) for x in
+                      (tmp_path / "state" / name / "ledger.jsonl").read_text().splitlines()]
+               for name in SIZES}
+    for name, entries in ledgers.items():
+        windows = [e["window"] for e in entries if e["kind"] == "release"]
+        assert len(windows) == len(set(windows)), name
+        assert any(e["kind"] == "composition" for e in entries)
+    # the ip aggregation's rejects, and only its, are dead letters (at least once)
+    consumer = KafkaConsumer(f"{topic}-dlq", bootstrap_servers=kafka_broker,
+                             auto_offset_reset="earliest", group_id=f"check-{topic}")
+    got = []
+    for _ in range(30):
+        got += [r for recs in consumer.poll(timeout_ms=500).values() for r in recs]
+        if len({r.key for r in got}) >= 9000 // 250 + (9000 % 250 > 7):
+            break
+    consumer.close()
+    assert {dict(r.headers)["aggregation"] for r in got} == {b"ip"}
+    assert all(r.key.endswith(b"#ip") and dict(r.headers)["reason"] == b"missing_item"
+               for r in got)
+    assert len({r.key for r in got}) == 9000 - truth["ip"]
