@@ -228,6 +228,9 @@ class Decoder:
         self._default = self.spec.default
         self._normalises = domain_size is None and (self.spec.nfc or self.spec.casefold)
         self._plain_direct = domain_size is not None and self._default
+        #: several aggregations of one stream: a dict shared by their decoders for one poll,
+        #: id(raw) -> (raw, parsed document), so each record is parsed once (None: no sharing)
+        self.shared: dict | None = None
 
     def _load(self, raw: bytes):
         if self.fmt == "msgpack":
@@ -239,6 +242,17 @@ class Decoder:
             raise
         except ValueError:  # a valid integer past Python's digit limit: judge it by its range
             return json.loads(text, parse_int=_capped_int)
+
+    def _load_shared(self, raw: bytes):
+        shared = self.shared
+        if shared is None:
+            return self._load(raw)
+        hit = shared.get(id(raw))
+        if hit is not None and hit[0] is raw:  # the same bytes object, not a reused id
+            return hit[1]
+        doc = self._load(raw)  # (a record that fails to parse is parsed again by each: rare)
+        shared[id(raw)] = (raw, doc)
+        return doc
 
     def decode_one(self, raw, key=None, headers=None) -> tuple[object, str | None]:
         """(item, None) for a good message, (None, reason) for a bad one, (None, FILTERED) for
@@ -252,7 +266,7 @@ class Decoder:
             if len(raw) > self.max_message_bytes:
                 return None, "oversized"
             try:
-                doc = self._load(bytes(raw))
+                doc = self._load_shared(bytes(raw))
             except Exception:  # msgpack/json raise many types for garbage; all mean undecodable
                 return None, "undecodable"
             if not isinstance(doc, dict):

@@ -216,6 +216,10 @@ class MultiAggregator:
         self.metrics.registry = CollectorRegistry()
         self.metrics.registry.register(_ByAggregation(
             {name: agg.metrics.registry for name, agg in self.aggs.items()}))
+        # one parse of each record for all aggregations (their decoders read, never change it)
+        self._parsed: dict = {}
+        for agg in self.aggs.values():
+            agg.decoder.shared = self._parsed
         self._start: dict[str, int] = {}
         self._lock_file = None
         self._paused: set[str] = set()
@@ -332,6 +336,7 @@ class MultiAggregator:
                 segments = self.source.poll(poll_timeout_s)
                 for name, agg in self.aggs.items():
                     self._each(name, agg.turn, self.views[name].deliver(segments))
+                self._parsed.clear()
                 self._track_start()
                 self._health()
                 if segments:

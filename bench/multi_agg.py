@@ -1,0 +1,169 @@
+"""Throughput of three aggregations of one stream (one consumer, one pass) against one.
+
+    PANAGG_KAFKA_BOOTSTRAP=host:port .venv/bin/python -m bench.multi_agg [--events 300000] [--reps 3]
+
+One topic of JSON login events (``{"user": {"id"}, "ip", "device", "event"}``, 3 partitions).
+Per repetition, alternating (the order rotates): the service with one aggregation (per account,
+``item.field = user.id``, direct) and with three (per account, per IP hashed, per device hashed
+with the filter ``event = login``), each from a fresh state directory and consumer group over the
+same records. Events/s = records / (last record delivered - first record delivered), the wall
+clock of the process (the broker shares the two cores); CPU = the process's CPU seconds over the
+same span. Writes a section of docs/item_selection.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from aggregator.service.config import load_config  # noqa: E402
+from aggregator.service.multi import MultiAggregator  # noqa: E402
+from aggregator.service.process import Aggregator  # noqa: E402
+from bench._data import write_doc_section  # noqa: E402
+from bench.e2e import load1, machine, start_broker  # noqa: E402
+from consumers.base import Source  # noqa: E402
+from consumers.kafka_source import KafkaSource  # noqa: E402
+
+DOC = ROOT / "docs" / "item_selection.md"
+ACCOUNTS = 100_000
+
+THREE = {"account": ["item.field=user.id", f"state.domain_size={ACCOUNTS}", "state.epsilon=1"],
+         "ip": ["item.field=ip", "state.mode=hashed", "state.epsilon=0.5"],
+         "device": ["item.field=device", "item.filter_field=event", "item.filter_value=login",
+                    "state.mode=hashed", "state.epsilon=0.5"]}
+
+
+def produce(bootstrap: str, topic: str, events: int) -> None:
+    import numpy as np
+    from kafka import KafkaProducer
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
+    admin.close()
+    rng = np.random.default_rng(0)
+    users = rng.zipf(1.1, events) % ACCOUNTS
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=50, batch_size=512 * 1024,
+                             acks=1)
+    for k, u in enumerate(users.tolist()):
+        doc = {"user": {"id": u}, "ip": f"10.{u % 7}.{u % 251}.{k % 13}",
+               "device": f"dev-{(u * 7 + k) % 5000}",
+               "event": "login" if k % 4 else "logout"}
+        producer.send(topic, json.dumps(doc).encode())
+    producer.flush()
+    producer.close()
+
+
+class _Timed(Source):
+    """Wraps the Kafka source: the clock runs from the first record delivered to the turn after
+    the last one (every record counted by then), then the service is stopped."""
+
+    def __init__(self, inner: Source, events: int, stop):
+        self.inner, self.events, self.stop = inner, events, stop
+        self.seen = 0
+        self.t0 = self.t1 = self.c0 = self.c1 = None
+
+    def poll(self, timeout_s=1.0):
+        if self.seen >= self.events:
+            if self.t1 is None:
+                self.t1, self.c1 = time.perf_counter(), time.process_time()
+                self.stop.set()
+            return []
+        segs = self.inner.poll(timeout_s)
+        if segs and self.t0 is None:
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+        self.seen += sum(len(s) for s in segs)
+        return segs
+
+    def seek(self, offsets):
+        self.inner.seek(offsets)
+
+    def commit(self, offsets):
+        self.inner.commit(offsets)
+
+    @property
+    def exhausted(self):
+        return self.inner.exhausted
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def one_run(bootstrap: str, topic: str, events: int, tmp: Path, aggregations: int) -> tuple:
+    state = tmp / f"run-{uuid.uuid4().hex[:8]}"
+    sets = [f"checkpoint.dir={state}", f"release.dir={state}/rel", "metrics.port=-1",
+            "source.format=json", f"window.size={10 * events}", "release.on_exhausted=false",
+            f"source.bootstrap={bootstrap}", f"source.topic={topic}"]
+    if aggregations == 1:
+        sets += THREE["account"]
+    else:
+        sets += ["ledger.budget_per_event=2"]
+        sets += [f"aggregations.{name}.{s}" for name, ss in THREE.items() for s in ss]
+    cfg = load_config(None, sets, env={})
+    src = cfg["source"]
+    inner = KafkaSource(bootstrap, topic, f"bench-{uuid.uuid4().hex}", src["max_records"],
+                        consumer_config={"fetch_max_bytes": src["fetch_max_bytes"],
+                                         "max_partition_fetch_bytes":
+                                             src["max_partition_fetch_bytes"]})
+    service = (Aggregator if aggregations == 1 else MultiAggregator)(cfg, _Timed(inner, events,
+                                                                                 None))
+    service.source.stop = service.stop_event
+    service.run(poll_timeout_s=1.0)
+    t = service.source
+    return t.t1 - t.t0, t.c1 - t.c0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--events", type=int, default=300_000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    m = machine()
+    head = (f"Command: `python -m bench.multi_agg {' '.join(sys.argv[1:])}` ({m['when']}; "
+            f"{m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; broker on loopback). Load average "
+            f"at start: {load1():.2f}.")
+    print(head, flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="panagg-multi-") as t:
+        tmp = Path(t)
+        bootstrap, _ = start_broker(tmp)
+        topic = f"multi-{uuid.uuid4().hex[:8]}"
+        produce(bootstrap, topic, args.events)
+        for rep in range(args.reps):
+            r = {}
+            for k in ((1, 3) if rep % 2 == 0 else (3, 1)):
+                r[k] = one_run(bootstrap, topic, args.events, tmp, k)
+            rows.append(r)
+            print(f"  rep {rep}: 1 aggregation {args.events / r[1][0]:,.0f} ev/s, 3 aggregations "
+                  f"{args.events / r[3][0]:,.0f} ev/s, ratio {r[1][0] / r[3][0]:.2f}", flush=True)
+    ratios = [r[1][0] / r[3][0] for r in rows]
+    cpu = [r[1][1] / r[3][1] for r in rows]
+    lines = [head, "",
+             "| aggregations | events/s (median) | CPU µs/event (median) |",
+             "|---|---|---|"]
+    for k in (1, 3):
+        lines.append(f"| {k} | {args.events / statistics.median(r[k][0] for r in rows):,.0f} | "
+                     f"{1e6 * statistics.median(r[k][1] for r in rows) / args.events:.2f} |")
+    lines += ["", f"3 aggregations / 1, events/s: median {statistics.median(ratios):.2f}x "
+              f"(repetitions {min(ratios):.2f}..{max(ratios):.2f}); CPU per event 1 / 3: "
+              f"{statistics.median(cpu):.2f}x. Load average at the end: {load1():.2f}."]
+    print("\n".join(lines))
+    if not args.no_write:
+        write_doc_section(DOC, "bench.multi_agg", "latest", lines,
+                          title="Choosing the item")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
