@@ -36,7 +36,6 @@ dead-letter topic (``source.dead_letter_topic``) with a reason; logs name offset
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -56,7 +55,8 @@ from .config import shuffle_n
 from .deadletter import DeadLetterError, DeadLetters
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
-from .process import ServiceError, _Backoff, choose_buckets_for, identity_of, release_method
+from .process import (ServiceError, _Backoff, choose_buckets_for, identity_of, lock_directory,
+                      release_method)
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, WireError, load_private_key, open_boxes,
                            parse_analyzer_record, public_key_hex)
 
@@ -159,20 +159,7 @@ class ShuffleAnalyzer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
-        f = open(self.dir / "service.lock", "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            other = f.read().strip() or "?"
-            f.close()
-            raise ServiceError(f"another panagg (pid {other}) is running on checkpoint.dir "
-                               f"{self.dir}; stop it or use another directory") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        self._lock_file = f
+        self._lock_file = lock_directory(self.dir)
 
     def identity(self) -> dict:
         mine = identity_of(self.cfg)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import fcntl
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from consumers.base import Segment, Source, offsets_array
 
 from .config import aggregation_configs
 from .metrics import Metrics
-from .process import Aggregator, ServiceError, Stopping
+from .process import Aggregator, ServiceError, Stopping, lock_directory
 
 __all__ = ["MultiAggregator", "SourceView"]
 
@@ -266,20 +265,7 @@ class MultiAggregator:
     # -- lifecycle ---------------------------------------------------------------------------------
     def _lock(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        f = open(self.dir / "service.lock", "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            other = f.read().strip() or "?"
-            f.close()
-            raise ServiceError(f"another panagg (pid {other}) is running on checkpoint.dir "
-                               f"{self.dir}; stop it or use another directory") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        self._lock_file = f
+        self._lock_file = lock_directory(self.dir)
 
     def check_set(self) -> None:
         """The set of aggregations this directory counts; another set is refused unless

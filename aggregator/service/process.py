@@ -266,6 +266,25 @@ def item_identity(cfg: dict) -> str:
     return out + (f" ({', '.join(extra)})" if extra else "")
 
 
+def lock_directory(directory: Path):
+    """Hold ``directory/service.lock`` (flock) for this process, with its pid inside; one line
+    naming the other process if it is held. Returns the open file: closing it unlocks."""
+    f = open(Path(directory) / "service.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        other = f.read().strip() or "?"
+        f.close()
+        raise ServiceError(f"another panagg (pid {other}) is running on checkpoint.dir "
+                           f"{directory}; stop it or use another directory") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 class _Backoff:
     """One log line per state change, retries spaced 0.5 s -> 30 s (no log floods)."""
 
@@ -396,21 +415,7 @@ class Aggregator:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
-        path = self.dir / "service.lock"
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            other = f.read().strip() or "?"
-            f.close()
-            raise ServiceError(f"another panagg (pid {other}) is running on checkpoint.dir "
-                               f"{self.dir}; stop it or use another directory") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        self._lock_file = f
+        self._lock_file = lock_directory(self.dir)
 
     def save_effective_config(self) -> None:
         """Keep the running config next to the checkpoints, for offline release/export."""
