@@ -6,6 +6,7 @@ import json
 import random
 import shutil
 import subprocess
+import sys
 
 import pytest
 from prometheus_client import generate_latest
@@ -149,6 +150,15 @@ def test_another_set_of_aggregations_is_refused_unless_accepted(tmp_path):
     assert sum(d["n"] for d in releases(tmp_path / "releases" / "account")) == 800
     assert json.loads((tmp_path / "state" / "aggregations.json").read_text())["aggregations"] == \
         ["account", "device", "ip", "os"]
+    # offline commands take one aggregation's directory, and say so for the top one
+    top = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status", "--state-dir",
+                          str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
+    assert top.returncode != 0 and "holds several aggregations (account, device, ip, os)" in \
+        top.stderr and "Traceback" not in top.stderr
+    one = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status", "--state-dir",
+                          str(tmp_path / "state" / "os")], capture_output=True, text=True,
+                         timeout=60)
+    assert one.returncode == 0 and "last release" in one.stdout, one.stderr
 
 
 class FakeSource(Source):

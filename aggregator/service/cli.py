@@ -516,6 +516,9 @@ def _offline(cfg: dict):
     window from the source up to its current end (docs/privacy.md)."""
     from pathlib import Path
 
+    if (Path(cfg["checkpoint"]["dir"]) / "aggregations.json").exists():
+        raise UsageError(f"{cfg['checkpoint']['dir']} holds several aggregations; pass "
+                         f"--state-dir {cfg['checkpoint']['dir']}/NAME for one of them")
     if not (Path(cfg["checkpoint"]["dir"]) / "checkpoints").is_dir():
         raise UsageError(f"{cfg['checkpoint']['dir']} holds no panagg state (no checkpoints/ "
                          "directory); pass the --state-dir the service runs with")

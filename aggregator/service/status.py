@@ -35,6 +35,12 @@ class StatusError(ValueError):
 
 def _ledger(state_dir: Path) -> Ledger:
     path = state_dir / "ledger.jsonl"
+    several = state_dir / "aggregations.json"  # aggregator.service.multi: one directory each
+    if not path.exists() and several.exists():
+        import json
+        names = json.loads(several.read_text()).get("aggregations", [])
+        raise StatusError(f"{state_dir} holds several aggregations ({', '.join(names)}); pass "
+                          f"--state-dir {state_dir}/NAME for one of them")
     if not path.exists():
         raise StatusError(f"{state_dir} holds no panagg state (no ledger.jsonl); pass the "
                           "--state-dir (checkpoint.dir) the service runs with")
