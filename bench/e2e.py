@@ -139,27 +139,30 @@ def bare_consume(bootstrap: str, topic: str, events: int, settings: dict) -> tup
     return dt, cpu
 
 
-class _Counting(Source):
-    """Wraps a source: starts the clock at the first record, stops the service once it has
-    counted ``events`` (at the next turn of its loop, before it polls again)."""
+class TimedSource(Source):
+    """Wraps a source for a throughput run: the clock starts at the first record delivered and
+    stops at the first poll after ``done(self)`` holds (every record delivered before it has been
+    counted by then), which calls ``stop()`` to end the service and returns no more records.
+    ``delivered`` counts the records handed out, for a ``done`` that needs it."""
 
-    def __init__(self, inner: Source, events: int, agg_ref: list):
-        self.inner, self.events, self.agg_ref = inner, events, agg_ref
+    def __init__(self, inner: Source, done, stop):
+        self.inner, self.done, self.stop = inner, done, stop
+        self.delivered = 0
         self.t0 = self.t1 = self.c0 = self.c1 = None
 
     def seek(self, offsets):
         self.inner.seek(offsets)
 
     def poll(self, timeout_s=1.0):
-        agg = self.agg_ref[0]
-        if agg.task.window["events"] >= self.events:
+        if self.done(self):
             if self.t1 is None:
                 self.t1, self.c1 = time.perf_counter(), time.process_time()
-                agg.stop_event.set()
+                self.stop()
             return []
         segs = self.inner.poll(timeout_s)
         if segs and self.t0 is None:
             self.t0, self.c0 = time.perf_counter(), time.process_time()
+        self.delivered += sum(len(s) for s in segs)
         return segs
 
     def __getattr__(self, name):  # lag, connected, caught_up, assigned ... of the inner source
@@ -192,7 +195,8 @@ def service_run(make_source, events: int, tmp: Path, profile: str | None = None
     state_dir = tmp / f"svc-{uuid.uuid4().hex[:8]}"
     cfg = service_config(events, state_dir)
     ref: list = [None]
-    wrapped = _Counting(make_source(cfg), events, ref)
+    wrapped = TimedSource(make_source(cfg), lambda _: ref[0].task.window["events"] >= events,
+                          lambda: ref[0].stop_event.set())
     agg = Aggregator(cfg, wrapped)
     ref[0] = agg
     if profile:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -30,8 +28,7 @@ from aggregator.service.config import load_config  # noqa: E402
 from aggregator.service.multi import MultiAggregator  # noqa: E402
 from aggregator.service.process import Aggregator  # noqa: E402
 from bench._data import write_doc_section  # noqa: E402
-from bench.e2e import load1, machine, start_broker  # noqa: E402
-from consumers.base import Source  # noqa: E402
+from bench.e2e import TimedSource, load1, machine, start_broker  # noqa: E402
 from consumers.kafka_source import KafkaSource  # noqa: E402
 
 DOC = ROOT / "docs" / "item_selection.md"
@@ -64,41 +61,6 @@ def produce(bootstrap: str, topic: str, events: int) -> None:
     producer.close()
 
 
-class _Timed(Source):
-    """Wraps the Kafka source: the clock runs from the first record delivered to the turn after
-    the last one (every record counted by then), then the service is stopped."""
-
-    def __init__(self, inner: Source, events: int, stop):
-        self.inner, self.events, self.stop = inner, events, stop
-        self.seen = 0
-        self.t0 = self.t1 = self.c0 = self.c1 = None
-
-    def poll(self, timeout_s=1.0):
-        if self.seen >= self.events:
-            if self.t1 is None:
-                self.t1, self.c1 = time.perf_counter(), time.process_time()
-                self.stop.set()
-            return []
-        segs = self.inner.poll(timeout_s)
-        if segs and self.t0 is None:
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
-        self.seen += sum(len(s) for s in segs)
-        return segs
-
-    def seek(self, offsets):
-        self.inner.seek(offsets)
-
-    def commit(self, offsets):
-        self.inner.commit(offsets)
-
-    @property
-    def exhausted(self):
-        return self.inner.exhausted
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 def one_run(bootstrap: str, topic: str, events: int, tmp: Path, aggregations: int) -> tuple:
     state = tmp / f"run-{uuid.uuid4().hex[:8]}"
     sets = [f"checkpoint.dir={state}", f"release.dir={state}/rel", "metrics.port=-1",
@@ -115,11 +77,12 @@ def one_run(bootstrap: str, topic: str, events: int, tmp: Path, aggregations: in
                         consumer_config={"fetch_max_bytes": src["fetch_max_bytes"],
                                          "max_partition_fetch_bytes":
                                              src["max_partition_fetch_bytes"]})
-    service = (Aggregator if aggregations == 1 else MultiAggregator)(cfg, _Timed(inner, events,
-                                                                                 None))
-    service.source.stop = service.stop_event
+    ref: list = [None]
+    # Every record delivered is counted by the turn after it: stop on the count delivered.
+    t = TimedSource(inner, lambda s: s.delivered >= events, lambda: ref[0].stop_event.set())
+    service = (Aggregator if aggregations == 1 else MultiAggregator)(cfg, t)
+    ref[0] = service
     service.run(poll_timeout_s=1.0)
-    t = service.source
     return t.t1 - t.t0, t.c1 - t.c0
 
 

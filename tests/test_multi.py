@@ -28,26 +28,26 @@ error_bar_reps = 0
 [window]
 kind = "count"
 size = 700
-[ledger]
-budget_per_event = 2.0
-[aggregations.account]
-item.field = "user.id"
-state.domain_size = 200
-state.epsilon = 1.0
-[aggregations.ip]
-item.field = "ip"
-state.mode = "hashed"
-state.expected_n = 700
-state.epsilon = 0.5
-window.size = 900
-[aggregations.device]
-item.field = "device"
-item.filter_field = "event"
-item.filter_value = "login"
-state.mode = "hashed"
-state.expected_n = 700
-state.epsilon = 0.5
 """
+
+
+def login_aggregations(domain_size: int, expected_n: int, sizes: dict) -> str:
+    """The [ledger] and [aggregations.*] TOML of a JSON login stream (also the real-broker
+    test's): per account (direct, epsilon 1), per IP and per device of logins only (hashed,
+    epsilon 0.5 each), under a per-event budget of 2; ``sizes`` sets window.size by name."""
+    tables = {"account": ['item.field = "user.id"', f"state.domain_size = {domain_size}"],
+              "ip": ['item.field = "ip"'],
+              "device": ['item.field = "device"', 'item.filter_field = "event"',
+                         'item.filter_value = "login"']}
+    lines = ["[ledger]", "budget_per_event = 2.0"]
+    for name, keys in tables.items():
+        lines += [f"[aggregations.{name}]", *keys]
+        if name != "account":
+            lines += ['state.mode = "hashed"', f"state.expected_n = {expected_n}",
+                      "state.epsilon = 0.5"]
+        if name in sizes:
+            lines.append(f"window.size = {sizes[name]}")
+    return "\n".join(lines) + "\n"
 
 
 def write_events(path, count, seed, start=0):
@@ -63,7 +63,8 @@ def write_events(path, count, seed, start=0):
 
 def config(tmp_path, *sets):
     toml = tmp_path / "multi.toml"
-    toml.write_text(BASE.format(path=tmp_path / "events.jsonl"))
+    toml.write_text(BASE.format(path=tmp_path / "events.jsonl")
+                    + login_aggregations(200, 700, {"ip": 900}))
     return load_config(str(toml), [f"checkpoint.dir={tmp_path / 'state'}",
                                    f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
                                    *sets], env={})

@@ -13,6 +13,8 @@ import uuid
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 
+from tests.test_multi import login_aggregations
+
 from .test_service_kafka import env, make_topic, run_service
 
 SIZES = {"account": 1000, "ip": 1300, "device": 700}
@@ -39,28 +41,7 @@ def produce_logins(bootstrap, topic, count):
 
 def args_for(bootstrap, topic, tmp_path, group):
     toml = tmp_path / "multi.toml"
-    toml.write_text(f"""
-[ledger]
-budget_per_event = 2.0
-[aggregations.account]
-item.field = "user.id"
-state.domain_size = 300
-window.size = {SIZES['account']}
-[aggregations.ip]
-item.field = "ip"
-state.mode = "hashed"
-state.expected_n = 1300
-state.epsilon = 0.5
-window.size = {SIZES['ip']}
-[aggregations.device]
-item.field = "device"
-item.filter_field = "event"
-item.filter_value = "login"
-state.mode = "hashed"
-state.expected_n = 700
-state.epsilon = 0.5
-window.size = {SIZES['device']}
-""")
+    toml.write_text(login_aggregations(300, 1300, SIZES))
     return ["run", "--config", str(toml), "--bootstrap", bootstrap, "--topic", topic,
             "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "releases"),
             "--metrics-port", "-1", "--set", "source.format=json",
