@@ -99,9 +99,11 @@ def test_config_states_the_composition_or_refuses(tmp_path):
     assert load_config(None, [], env={})["aggregations"] == {}
 
 
-def test_one_pass_counts_each_aggregation_as_its_own_run_would(tmp_path):
+def test_one_pass_counts_each_aggregation_as_its_own_run_would(tmp_path, monkeypatch):
     write_events(tmp_path / "events.jsonl", 4000, seed=1)
     cfg = config(tmp_path)
+    # polls of 500 records reach the aggregations in chunks of 64 (the shared parses' lifetime)
+    monkeypatch.setattr("aggregator.service.multi.PARSE_CHUNK", 64)
     MultiAggregator(cfg, FileSource(cfg["source"]["path"], fmt="json", batch=500)).run()
     # each aggregation alone, over the same file (its own config as the service derives it)
     for name, one in aggregation_configs(cfg):

@@ -75,11 +75,26 @@ def _about(name: str):
         _current.reset(token)
 
 
-def _tail(seg: Segment, start: int) -> Segment:
-    """The records of ``seg`` from index ``start`` on."""
-    cut = (lambda col: None if col is None else col[start:])
-    return Segment(seg.partition, seg.offsets[start:], seg.values[start:], cut(seg.keys),
+def _slice(seg: Segment, start: int, stop: int | None = None) -> Segment:
+    """The records of ``seg`` from index ``start`` to ``stop``."""
+    cut = (lambda col: None if col is None else col[start:stop])
+    return Segment(seg.partition, seg.offsets[start:stop], seg.values[start:stop], cut(seg.keys),
                    cut(seg.headers), cut(seg.timestamps))
+
+
+#: records handed to every aggregation before the next ones (the shared parses' lifetime)
+PARSE_CHUNK = 1024
+
+
+def _chunks(segments: list[Segment], size: int):
+    """The poll's segments cut into lists of at most ``size`` records, in order."""
+    for seg in segments:
+        n = len(seg)
+        if n <= size:
+            yield [seg]
+            continue
+        for start in range(0, n, size):
+            yield [_slice(seg, start, start + size)]
 
 
 class SourceView(Source):
@@ -109,7 +124,7 @@ class SourceView(Source):
                 if start >= len(offsets):
                     continue
                 if start:
-                    seg = _tail(seg, start)
+                    seg = _slice(seg, start)
             self.next[p] = int(seg.offsets[-1]) + 1
             out.append(seg)
         return out
@@ -320,9 +335,7 @@ class MultiAggregator:
                         for name, agg in self.aggs.items()]):
                     continue
                 segments = self.source.poll(poll_timeout_s)
-                for name, agg in self.aggs.items():
-                    self._each(name, agg.turn, self.views[name].deliver(segments))
-                self._parsed.clear()
+                self._count(segments)
                 self._track_start()
                 self._health()
                 if segments:
@@ -351,6 +364,23 @@ class MultiAggregator:
             for agg in started:
                 self._each(agg.aggregation["name"], agg._stop_line)
             log.removeFilter(self._log_filter)
+
+    def _count(self, segments: list[Segment]) -> None:
+        """One poll into every aggregation, a chunk of records at a time: each record is parsed
+        once for all of them, and the parsed records live for one chunk only (held for a whole
+        poll of 20,000 records, the garbage collector's passes over them cost more than the
+        parses saved: docs/item_selection.md)."""
+        got = dict.fromkeys(self.aggs, False)
+        for chunk in _chunks(segments, PARSE_CHUNK):
+            for name, agg in self.aggs.items():
+                mine = self.views[name].deliver(chunk)
+                got[name] = got[name] or bool(mine)
+                with _about(name):
+                    for seg in mine:
+                        agg._ingest(seg)
+            self._parsed.clear()
+        for name, agg in self.aggs.items():
+            self._each(name, agg.housekeeping, got[name])
 
     @staticmethod
     def _each(name: str, step, *args):

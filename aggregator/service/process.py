@@ -680,11 +680,15 @@ class Aggregator:
                                  f"{self.aggregation['epsilon_per_event']:g} eps over them")
 
     def turn(self, segments) -> None:
-        """Count one poll's segments, then the turn's housekeeping (time windows, snapshots,
-        control requests, publishing, lag, health)."""
+        """Count one poll's segments, then the turn's housekeeping."""
         for seg in segments:
             self._ingest(seg)
-        if not segments:
+        self.housekeeping(polled=bool(segments))
+
+    def housekeeping(self, polled: bool) -> None:
+        """After a poll's records are counted (``polled``: whether there were any): time
+        windows, snapshots, control requests, publishing, lag, health."""
+        if not polled:
             self._caught_up(self.task)
         self._maybe_close_time_window(self.task)
         if self.cfg["window"]["kind"] == "event_time":
