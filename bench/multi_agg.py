@@ -5,8 +5,9 @@
 One topic of JSON login events (``{"user": {"id"}, "ip", "device", "event"}``, 3 partitions).
 Per repetition, alternating (the order rotates): the service with one aggregation (per account,
 ``item.field = user.id``, direct) and with three (per account, per IP hashed, per device hashed
-with the filter ``event = login``), each from a fresh state directory and consumer group over the
-same records. Events/s = records / (last record delivered - first record delivered), the wall
+with the filter ``event = login``), and the three again with each aggregation parsing every
+record itself (the shared parse of ``consumers/decode.py`` off: what sharing it saves), each from
+a fresh state directory and consumer group over the same records. Events/s = records / (last record delivered - first record delivered), the wall
 clock of the process (the broker shares the two cores); CPU = the process's CPU seconds over the
 same span. Writes a section of docs/item_selection.md.
 """
@@ -61,7 +62,12 @@ def produce(bootstrap: str, topic: str, events: int) -> None:
     producer.close()
 
 
-def one_run(bootstrap: str, topic: str, events: int, tmp: Path, aggregations: int) -> tuple:
+#: the configurations compared: label -> (aggregations, whether they share each record's parse)
+KINDS = {"1": (1, True), "3": (3, True), "3, each parses": (3, False)}
+
+
+def one_run(bootstrap: str, topic: str, events: int, tmp: Path, kind: str) -> tuple:
+    aggregations, shared = KINDS[kind]
     state = tmp / f"run-{uuid.uuid4().hex[:8]}"
     sets = [f"checkpoint.dir={state}", f"release.dir={state}/rel", "metrics.port=-1",
             "source.format=json", f"window.size={10 * events}", "release.on_exhausted=false",
@@ -82,6 +88,9 @@ def one_run(bootstrap: str, topic: str, events: int, tmp: Path, aggregations: in
     t = TimedSource(inner, lambda s: s.delivered >= events, lambda: ref[0].stop_event.set())
     service = (Aggregator if aggregations == 1 else MultiAggregator)(cfg, t)
     ref[0] = service
+    if not shared:
+        for agg in service.aggs.values():
+            agg.decoder.shared = None
     service.run(poll_timeout_s=1.0)
     return t.t1 - t.t0, t.c1 - t.c0
 
@@ -103,24 +112,31 @@ def main(argv=None) -> int:
         bootstrap, _ = start_broker(tmp)
         topic = f"multi-{uuid.uuid4().hex[:8]}"
         produce(bootstrap, topic, args.events)
+        kinds = list(KINDS)
         for rep in range(args.reps):
             r = {}
-            for k in ((1, 3) if rep % 2 == 0 else (3, 1)):
+            for k in kinds[rep % 3:] + kinds[:rep % 3]:  # the order rotates
                 r[k] = one_run(bootstrap, topic, args.events, tmp, k)
             rows.append(r)
-            print(f"  rep {rep}: 1 aggregation {args.events / r[1][0]:,.0f} ev/s, 3 aggregations "
-                  f"{args.events / r[3][0]:,.0f} ev/s, ratio {r[1][0] / r[3][0]:.2f}", flush=True)
-    ratios = [r[1][0] / r[3][0] for r in rows]
-    cpu = [r[1][1] / r[3][1] for r in rows]
+            print(f"  rep {rep}: " + ", ".join(f"{k}: {args.events / r[k][0]:,.0f} ev/s"
+                                               for k in kinds), flush=True)
+
+    def ratio(a: str, b: str, i: int) -> str:  # events/s of a over b (i = 1: CPU per event b / a)
+        xs = [r[b][i] / r[a][i] for r in rows]
+        return (f"median {statistics.median(xs):.2f}x (repetitions {min(xs):.2f}.."
+                f"{max(xs):.2f})")
+
     lines = [head, "",
              "| aggregations | events/s (median) | CPU µs/event (median) |",
              "|---|---|---|"]
-    for k in (1, 3):
+    for k in kinds:
         lines.append(f"| {k} | {args.events / statistics.median(r[k][0] for r in rows):,.0f} | "
                      f"{1e6 * statistics.median(r[k][1] for r in rows) / args.events:.2f} |")
-    lines += ["", f"3 aggregations / 1, events/s: median {statistics.median(ratios):.2f}x "
-              f"(repetitions {min(ratios):.2f}..{max(ratios):.2f}); CPU per event 1 / 3: "
-              f"{statistics.median(cpu):.2f}x. Load average at the end: {load1():.2f}."]
+    lines += ["", f"3 aggregations / 1, events/s: {ratio('3', '1', 0)}; CPU per event 1 / 3: "
+              f"{ratio('3', '1', 1)}. Shared parse / each parses, events/s: "
+              f"{ratio('3', '3, each parses', 0)}; CPU per event: "
+              f"{ratio('3', '3, each parses', 1)} (each parses / shared). Load average at the "
+              f"end: {load1():.2f}."]
     print("\n".join(lines))
     if not args.no_write:
         write_doc_section(DOC, "bench.multi_agg", "latest", lines,

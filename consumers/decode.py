@@ -228,8 +228,8 @@ class Decoder:
         self._default = self.spec.default
         self._normalises = domain_size is None and (self.spec.nfc or self.spec.casefold)
         self._plain_direct = domain_size is not None and self._default
-        #: several aggregations of one stream: a dict shared by their decoders for one poll,
-        #: id(raw) -> (raw, parsed document), so each record is parsed once (None: no sharing)
+        #: several aggregations of one stream: a dict shared by their decoders for one chunk of
+        #: a poll, id(raw) -> (raw, parsed document), so each record is parsed once (None: none)
         self.shared: dict | None = None
 
     def _load(self, raw: bytes):
