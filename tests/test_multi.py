@@ -99,6 +99,16 @@ def test_config_states_the_composition_or_refuses(tmp_path):
     assert load_config(None, [], env={})["aggregations"] == {}
 
 
+def test_plan_gives_each_aggregation_its_plan_and_the_sum(tmp_path):
+    config(tmp_path)  # writes multi.toml
+    out = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "plan", "--config",
+                          str(tmp_path / "multi.toml")], capture_output=True, text=True)
+    lines = out.stdout.splitlines()
+    assert [line.split("]")[0] for line in lines[:3]] == ["[account", "[device", "[ip"]
+    assert "200 counters (D), eps 1" in lines[0] and "eps 0.5" in lines[2]
+    assert lines[3].startswith("each event spends up to 2 eps over account, device, ip")
+
+
 def test_one_pass_counts_each_aggregation_as_its_own_run_would(tmp_path, monkeypatch):
     write_events(tmp_path / "events.jsonl", 4000, seed=1)
     cfg = config(tmp_path)

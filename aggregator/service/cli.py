@@ -795,10 +795,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """``panagg plan``: the accuracy plan of a configuration, before any data (public inputs)."""
     from .process import accuracy_plan
 
+    from .config import aggregation_configs
+
     cfg = _load(args, [])
-    line, below = accuracy_plan(cfg)
-    print(line)
-    return 1 if below else 0
+    several = aggregation_configs(cfg)  # [aggregations.NAME]: one plan each
+    if not several:
+        line, below = accuracy_plan(cfg)
+        print(line)
+        return 1 if below else 0
+    any_below = False
+    for name, one in several:
+        line, below = accuracy_plan(one)
+        print(f"[{name}] {line}")
+        any_below = any_below or below
+    print(f"each event spends up to {several[0][1]['aggregation']['epsilon_per_event']:g} eps over "
+          f"{', '.join(name for name, _ in several)} (ledger.budget_per_event "
+          f"{cfg['ledger']['budget_per_event']:g})")
+    return 1 if any_below else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
