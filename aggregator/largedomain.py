@@ -75,6 +75,7 @@ __all__ = [
     "reduced_cumulative",
     "HASHED_METHODS",
     "hashed_phi_estimate",
+    "sparse_top",
     "alg7_m",
     "hashed_histogram",
     "two_histogram_estimate",
@@ -459,8 +460,11 @@ HASHED_METHODS = METHODS
 __all__ += ["MLE_MAX_ITER", "MLE_TOL"]  # re-exported: they define "mle"
 
 
-def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
+def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None) -> np.ndarray:
     """phi_hat_{>=r} of the B bucket counters (not projected).
+
+    ``n``: the number of events, public under replace-one; the bucket totals sum to it, so the
+    estimators that use it (``"auto"``'s cap rules, ``"xfit"``) take it as for direct counters.
 
     Default (``method=None``): ``estimate.default_method("hashed", layers)``, the lowest
     worst-case regret over the accuracy grid's hashed cells (docs/accuracy_grid.md).
@@ -475,14 +479,14 @@ def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None) -> np.ndarray
     """
     if method is not None and method not in HASHED_METHODS:
         raise ValueError(f"method must be one of {HASHED_METHODS}, got {method!r}")
-    return phi_estimate(noisy_counts, p, layers=int(layers), method=method, mode="hashed")
+    return phi_estimate(noisy_counts, p, layers=int(layers), method=method, mode="hashed", n=n)
 
 
-def reduced_cumulative(noisy_counts, p, *, layers=1, method=None) -> np.ndarray:
+def reduced_cumulative(noisy_counts, p, *, layers=1, method=None, n=None) -> np.ndarray:
     """Projected estimate of the reduced (bucket) cumulative prevalence: Algorithm 1 on the buckets
     with the estimator of :func:`hashed_phi_estimate`."""
     vc = noisy_value_counts(noisy_counts)
-    return project_l1(hashed_phi_estimate(vc, p, layers=int(layers), method=method))
+    return project_l1(hashed_phi_estimate(vc, p, layers=int(layers), method=method, n=n))
 
 
 def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", method=None,
@@ -528,9 +532,24 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     cap = default_cap("hashed", layers) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-    psi = reduced_cumulative(vc, p, layers=layers, method=method)
-    y = _invert(psi, B, n, p, variant, m)
+    psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n)
+    y = _invert(psi, B, n, p, variant, m, sparse_above=sparse_top(vc, p, int(layers)))
     return counts_from_cumulative(y if n is None else cap_total(y, n, cap))
+
+
+def sparse_top(noisy_counts, p: float, layers: int = 1) -> int:
+    """The count above which the hashed release leaves collisions uncorrected: the top of the
+    EM's axis (``estimate.sparse_top``), above which every bucket is a sparse counter.
+
+    The inverse of Gamma^B is a power series as long as twice the largest count (2e6 terms at
+    n = 1e7: 1.5 s), while above the dense range each bucket holds one large item plus the
+    other items that hashed into it: (n - v) / B events in expectation for an item of v events
+    (each other event lands there with probability 1/B). Leaving those buckets as they are
+    costs each such item at most n / B events of l1 error in expectation (0.5 at B = 2n), the
+    order of the noise the EM passes through there (E|Z| = 0.85 at eps = 1).
+    """
+    from .estimate import sparse_top as em_top
+    return em_top(noisy_value_counts(noisy_counts), p, layers)
 
 
 SNAP = 1e-4
@@ -553,16 +572,22 @@ def _snap(phi: np.ndarray, L: int) -> np.ndarray:
     return np.where(close, near, phi)
 
 
-def _invert(psi: np.ndarray, B: int, n, p: float, variant: str, m) -> np.ndarray:
-    """Valid cumulative prevalence of the items from the projected reduced one."""
+def _invert(psi: np.ndarray, B: int, n, p: float, variant: str, m,
+            sparse_above: int | None = None) -> np.ndarray:
+    """Valid cumulative prevalence of the items from the projected reduced one.
+
+    ``sparse_above``: a count above which every bucket is a sparse counter (:func:`sparse_top`);
+    degrees above it are not inverted (``invert_gamma``'s cap at twice it).
+    """
     if len(psi) == 0 or psi[0] == 0:
         return np.zeros(0, dtype=np.int64)
     if variant == "reduced":
         return psi
     if variant == "exact":
         psi_f = np.minimum(psi, B - 1).astype(np.float64)
+        cap = INVERT_CAP if sparse_above is None else min(INVERT_CAP, 2 * max(sparse_above, 1))
         with np.errstate(all="ignore"):
-            phi = invert_gamma(psi_f, B)
+            phi = invert_gamma(psi_f, B, cap=cap)
         # The power-series inverse is well conditioned while psi_1 is well below B (Lemma 14 asks
         # B > 4n); with most buckets occupied, noise can make it blow up. Fall back to Algorithm 7's
         # clipped binary searches then.

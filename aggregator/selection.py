@@ -93,6 +93,21 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
     return result
 
 
+def _estimates(vc, p, k: int, methods) -> dict:
+    """{method: projected phi_{>=r}}; the early-stopped EM and the converged NPMLE share one EM
+    run (:func:`aggregator.estimate.em_prevalences`: the NPMLE continues the early stop)."""
+    from .estimate import em_prevalences, phi_estimate, project_l1
+
+    out = {}
+    if "deconvolution" in methods and "mle" in methods:
+        early, full = em_prevalences(vc, p, layers=k)
+        out = {"deconvolution": project_l1(early), "mle": project_l1(full)}
+    for m in methods:
+        if m not in out:
+            out[m] = project_l1(phi_estimate(vc, p, layers=k, method=m))
+    return {m: out[m] for m in methods}
+
+
 def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple[np.ndarray, tuple]:
     from .estimate import (
         _check_layers, _data_seed, cap_total, counts_from_cumulative, noisy_value_counts,
@@ -110,8 +125,8 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
         return y if rule == "none" or total is None else cap_total(y, int(total), rule)
 
     methods = tuple(dict.fromkeys(m for m, _ in candidates))
-    fits = {m: project_l1(phi_estimate(vc, p, layers=k, method=m)) for m in
-            dict.fromkeys(pilots + methods) if m in pilots or m == "threshold"}
+    fits = _estimates(vc, p, k, [m for m in dict.fromkeys(pilots + methods)
+                                 if m in pilots or m == "threshold"])
     rng = np.random.default_rng(_data_seed(vc) if seed is None else seed)
     regret: dict = {c: [] for c in candidates}
     for pm in pilots:
@@ -124,8 +139,9 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
         err = {c: 0.0 for c in candidates}
         for _ in range(int(sims)):
             sim = simulate_counts(rng, truth, D, p, k)
+            ests = _estimates(sim, p, k, methods)
             for m in methods:
-                y = project_l1(phi_estimate(sim, p, layers=k, method=m))
+                y = ests[m]
                 for c in candidates:
                     if c[0] == m:
                         err[c] += _l1(cap(y, total, c[1]), y_p)
