@@ -190,14 +190,19 @@ def cumulative_prevalence(noisy_counts, p, *, layers=1, R=None) -> np.ndarray:
     if a <= b:
         c[a - vlo: b - vlo + 1] = vc.c[a - vc.lo: b - vc.lo + 1]
     above = np.concatenate([np.cumsum(vc.c[::-1])[::-1], [0]])  # above[i] = #{v >= lo + i}
-    r = np.arange(1, R + 1)
-    # #{h' >= r + k}: index into `above`
-    idx = np.clip(r + k - vc.lo, 0, len(above) - 1)
-    ge = np.where(r + k <= vc.lo, vc.total, above[idx]).astype(np.float64)
+    # ge[r - 1] = #{h' >= r + k} = above[r + k - lo], r = 1..R: a slice of `above` (all counters
+    # before its start, none past its end); slices, not index arrays: R is ~1e6 at D = 1e7
+    ge = np.zeros(R)
+    first = 1 + k - vc.lo  # index into `above` of r = 1
+    a0, b0 = max(first, 0), min(first + R, len(above))
+    if a0 < b0:
+        ge[a0 - first: b0 - first] = above[a0:b0]
+    ge[: max(0, min(-first, R))] = vc.total  # r + k <= lo
     # sum_{m=-k}^{k-1} F(m) c_{r+m}: a correlation of c with F
     corr = np.correlate(c, F, mode="valid")  # corr[i] = sum_m F[m-m0] c[i + m - m0]
     # c index of v = r + m0 is r + m0 - vlo = r - 1 for m0 = -k, vlo = 1 - k
-    return ge + corr[r - 1]
+    ge += corr[:R]
+    return ge
 
 
 def noise_pmf(p: float, layers: int = 1, tail: float = 1e-17) -> tuple[int, np.ndarray]:

@@ -33,9 +33,13 @@ own output); the minimax over a smooth and a spiky pilot is what removes most of
 (:func:`aggregator.estimate._data_seed`), so the release is a deterministic function of them, and
 it never touches the state or its noise: post-processing.
 
-Cost: 2 pilot runs plus pilots x SIMS x (the EM candidates) estimator runs on simulated value
-counts (the threshold candidate is a single pass): about 1 + SIMS x 2 times the converged NPMLE's
-time. That is the price of adapting; docs/accuracy_grid.md ("Release time") measures it.
+Cost: one EM run on the counters plus pilots x SIMS EM runs on simulated value counts (the
+early-stopped EM and the converged NPMLE share each run: :func:`aggregator.estimate.em_prevalences`;
+the threshold candidate is a single pass): about 1 + SIMS x 2 times the converged NPMLE's time.
+The EM itself is cheap at large domains: counters in the sparse tail are passed through
+(:func:`aggregator.estimate._sparse_counters`), so its axis spans the dense counts only (~1e3
+values at D = 1e7 Zipf counters instead of ~1e4). docs/accuracy_grid.md ("Release time") measures
+it.
 
 >>> import numpy as np
 >>> from aggregator.noise import discrete_laplace
@@ -60,8 +64,10 @@ SIMS = 2
 
 
 def _l1(a: np.ndarray, b: np.ndarray) -> float:
-    m = max(len(a), len(b))
-    return float(np.abs(np.pad(a, (0, m - len(a))) - np.pad(b, (0, m - len(b)))).sum())
+    """l1 distance of two cumulative prevalences (>= 0, zero beyond their ends), without padding
+    copies (they are ~1e6 long at D = 1e7)."""
+    m = min(len(a), len(b))
+    return float(np.abs(a[:m] - b[:m]).sum() + a[m:].sum() + b[m:].sum())
 
 
 _LAST: list = []  # the last (key, result) of select: a release and its error bars both ask

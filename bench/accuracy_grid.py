@@ -234,6 +234,7 @@ def run_rerun(state: dict, path: Path, modes=("direct", "hashed")) -> dict:
     todo = [r for r in ordered(state) if r.cell.mode in modes and r.cell.key not in rr["results"]]
     log(f"rerun of {RERUN_METHODS} at layers {RERUN_LAYERS}: {len(todo)} cells -> {path}")
     t_run = time.perf_counter()
+    rev = git_rev(["aggregator", "bench"])  # the code this process imported
     for i, r in enumerate(todo):
         t = time.perf_counter()
         rr["results"][r.cell.key] = grid.run_cell(r.cell, layers=RERUN_LAYERS,
@@ -244,7 +245,7 @@ def run_rerun(state: dict, path: Path, modes=("direct", "hashed")) -> dict:
     if todo:
         rr["runs"].append(dict(started=datetime.datetime.now().isoformat(timespec="seconds"),
                                seconds=time.perf_counter() - t_run, cells=len(todo),
-                               rev=git_rev(["aggregator", "bench"]), load=os.getloadavg()))
+                               rev=rev, load=os.getloadavg()))
         save(rr, path)
     return rr
 
