@@ -87,6 +87,8 @@ DEFAULTS: dict[str, dict] = {
         "max_future_skew_s": 300.0, # event_time: a timestamp later than now + this is rejected
         "idle_partition_timeout_s": 0.0,  # event_time: a partition read to its end stops
                                     # holding the watermark after this long (0: never)
+        "allowed_lateness_s": 0.0,  # event_time: a window keeps its records stamped in it
+                                    # until the watermark passes its end + this (< size)
     },
     "checkpoint": {
         "dir": "var/panagg",
@@ -164,7 +166,8 @@ _POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), (
              ("window", "size")}
 _NON_NEGATIVE = {("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
                  ("ledger", "budget_per_window"), ("ledger", "budget_total"),
-                 ("window", "max_future_skew_s"), ("window", "idle_partition_timeout_s")}
+                 ("window", "max_future_skew_s"), ("window", "idle_partition_timeout_s"),
+                 ("window", "allowed_lateness_s")}
 
 
 # keys that existed once: a config that still sets one gets the reason and the replacement
@@ -223,9 +226,13 @@ def _coerce(section: str, key: str, value, default):
 
 
 def _validate_event_time(cfg: dict) -> None:
-    """``window.kind = event_time``: one open window by Kafka record timestamps (aggregator/
-    service/process.py, ``_count_event_time``); the combinations not built refuse in one line."""
+    """``window.kind = event_time``: windows by Kafka record timestamps (aggregator/service/
+    event_time.py); the combinations not built refuse in one line."""
+    lateness = cfg["window"]["allowed_lateness_s"]
     if cfg["window"]["kind"] != "event_time":
+        if lateness:
+            raise ConfigError(f"window.allowed_lateness_s = {lateness:g} applies to window.kind "
+                              "= event_time only; remove it or set window.kind = event_time")
         return
     why = None
     if cfg["source"]["kind"] != "kafka":
@@ -238,6 +245,9 @@ def _validate_event_time(cfg: dict) -> None:
     elif cfg["checkpoint"]["snapshots_per_window"]:
         why = ("does not support checkpoint.snapshots_per_window yet (progress through an "
                "event-time window is not known in advance); set it to 0")
+    elif lateness >= cfg["window"]["size"]:
+        why = (f"needs window.allowed_lateness_s < window.size (got {lateness:g} >= "
+               f"{cfg['window']['size']:g}: at most two windows are live); lower it")
     if why:
         raise ConfigError(f"window.kind = event_time {why}")
 

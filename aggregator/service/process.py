@@ -49,6 +49,7 @@ from ..noise import p_from_epsilon
 from ..release import make_release, write_release
 from ..state import NEIGHBOR_RELATIONS, PanPrivateHistogram
 from .deadletter import DeadLetterError, DeadLetters
+from .event_time import EventTimeWindows
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
 from .window import WindowTask, new_window
@@ -309,7 +310,7 @@ class _Backoff:
         self.failing, self.delay, self.next_try = False, 0.5, 0.0
 
 
-class Aggregator:
+class Aggregator(EventTimeWindows):
     """One aggregator process over one :class:`Source`.
 
     Parameters
@@ -376,9 +377,7 @@ class Aggregator:
         self._progress_at: float | None = None
         self._progress_events = 0.0
         self._publish_backoff = _Backoff("publishing releases")
-        self._next_event_index: int | None = None  # event_time: the window a close opens
-        self._ahead: dict[str, int] = {}  # event_time: partition -> window its held record is in
-        self._idle_since: float | None = None
+        self._init_event_time()
         self._commit_backoff = _Backoff("checkpoint")
         self.metrics.epsilon.set(self.epsilon)
 
@@ -396,22 +395,8 @@ class Aggregator:
     def _new_window(self, task: WindowTask, window_id: int) -> dict:
         w = new_window(window_id, self.cfg["window"]["kind"], self.cfg["window"]["size"])
         if w["kind"] == "event_time":
-            # records of windows before this one are late; the new window's event-time bounds
-            # are those of the record that opened it (set before the checkpoint that starts it,
-            # so a replay from that checkpoint assigns every record as the first run did)
-            prev = task.window or {}
-            closed = prev.get("event_index")
-            w["late_before"] = closed + 1 if closed is not None else prev.get("late_before")
-            w["late"] = 0
-            self._set_event_index(w, self._next_event_index)
-            self._next_event_index = None
+            self._open_event_time_window(task, w)
         return w
-
-    def _set_event_index(self, w: dict, index: int | None) -> None:
-        size = int(self.cfg["window"]["size"])
-        w["event_index"] = None if index is None else int(index)
-        w["event_start_unix"] = None if index is None else int(index) * size
-        w["event_end_unix"] = None if index is None else (int(index) + 1) * size
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
@@ -486,7 +471,7 @@ class Aggregator:
                        "filtered": int(ckpt.totals.get("filtered", 0))}
         task.window.setdefault("uid", f"v1-{task.name}-{task.window['id']}")
         task.window.setdefault("snapshots", 0)
-        task.durable = ckpt
+        task.durable, task.replay = ckpt, None
         if ckpt.state is None:
             task.state = self._new_state(task, task.window["id"])
         else:
@@ -702,7 +687,8 @@ class Aggregator:
 
     def input_ended(self) -> None:
         """A finite source delivered everything: release the open window (release.on_exhausted)."""
-        if self.cfg["release"]["on_exhausted"] and self.task.window["events"] > 0:
+        # (an event-time window's close can start the next one with events)
+        while self.cfg["release"]["on_exhausted"] and self.task.window["events"] > 0:
             self.close_window()
         problem = self.reject_watch.fatal()
         if problem:  # a finite run that counted nothing must not exit 0
@@ -791,10 +777,10 @@ class Aggregator:
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
-        items, good, rejected = self._decode(seg)
         if self.cfg["window"]["kind"] == "event_time":
-            self._count_event_time(self.task, seg, items, good, rejected, self.close_window)
+            self._ingest_event_time(seg)
             return
+        items, good, rejected = self._decode(seg)
         self._count_segment(self.task, seg, items, good, rejected, self.close_window)
 
     def _decode(self, seg: Segment):
@@ -802,12 +788,7 @@ class Aggregator:
 
         Never raises for one record's sake: whatever a record makes the decoder do, the record
         becomes a reject with a reason (and a dead letter)."""
-        try:
-            decoded = self.decoder.decode(seg.values, seg.keys, seg.headers)
-        except Exception as exc:  # a decoder bug on odd input: classify records one by one
-            log.error("batch decoder failed (%s) on partition %s at offset %d; decoding its "
-                      "records one by one", type(exc).__name__, seg.partition, seg.offsets[0])
-            decoded = self.decoder.decode_each(seg.values, seg.keys, seg.headers)
+        decoded = self._parse(seg)
         # records the item filter left out ride along as FILTERED: not events, not rejects
         bad = [r for r in decoded.rejected if r[1] != FILTERED]
         self.reject_watch.observe(seg.values, bad, len(decoded.rejected) - len(bad))
@@ -821,6 +802,15 @@ class Aggregator:
         keep = np.ones(len(seg), dtype=bool)
         keep[[i for i, _ in decoded.rejected]] = False
         return decoded.items, np.flatnonzero(keep), decoded.rejected
+
+    def _parse(self, seg: Segment):
+        """The decoder's result for ``seg`` (no logs, metrics or dead letters)."""
+        try:
+            return self.decoder.decode(seg.values, seg.keys, seg.headers)
+        except Exception as exc:  # a decoder bug on odd input: classify records one by one
+            log.error("batch decoder failed (%s) on partition %s at offset %d; decoding its "
+                      "records one by one", type(exc).__name__, seg.partition, seg.offsets[0])
+            return self.decoder.decode_each(seg.values, seg.keys, seg.headers)
 
     def _count_segment(self, task: WindowTask, seg: Segment, items, good, rejected,
                        close) -> None:
@@ -862,128 +852,6 @@ class Aggregator:
             if rec < m:  # this partition reached its replay target before the others did
                 self._hold(seg.partition, int(offsets[rec]))
             return
-
-    def _count_event_time(self, task: WindowTask, seg: Segment, items, good, rejected,
-                          close) -> None:
-        """Count ``seg`` into ``task``'s event-time window (``window.kind = event_time``).
-
-        One window is open: ``[event_start_unix, event_end_unix)``, epoch-aligned, ``size``
-        seconds. A record's Kafka timestamp decides: in the open window, counted; before it,
-        *late* (``window.late``: counted in the open window, or a dead letter with reason
-        ``late``); after it, the record closes the open window and opens its own (windows no
-        record fell in are skipped). The close happens before that record, so the checkpoint
-        that starts the next window sits at it and a replay from it assigns every record as the
-        first run did. A record without a timestamp (``no_timestamp``) or later than now +
-        ``window.max_future_skew_s`` (``future_timestamp``) is rejected (dead letter)."""
-        offsets = offsets_array(seg.offsets)
-        m = len(offsets)
-        good_idx = np.arange(len(items)) if good is None else np.asarray(good, dtype=np.int64)
-        wcfg = self.cfg["window"]
-        size_ms = int(wcfg["size"]) * 1000
-        ts = _timestamps(seg, m)[good_idx] if len(good_idx) else np.zeros(0, np.int64)
-        limit_ms = int((time.time() + float(wcfg["max_future_skew_s"])) * 1000)
-        reasons = {int(i): r for i, r in rejected}  # record index -> reason
-        bad = (ts < 0) | (ts > limit_ms)
-        if bad.any():
-            for i in np.flatnonzero(bad):
-                self._reject(seg, int(good_idx[i]),
-                             "no_timestamp" if ts[i] < 0 else "future_timestamp", reasons)
-            keep = np.flatnonzero(~bad)
-            items, good_idx, ts = _take(items, keep), good_idx[keep], ts[keep]
-        widx = ts // size_ms
-        dead_letter_late = wcfg["late"] == "dead_letter"
-        j = rec = 0
-        while True:
-            target = task.close_at.get(seg.partition) if task.close_at else None
-            rec_limit = m if target is None else int(np.searchsorted(offsets, target))
-            jl = int(np.searchsorted(good_idx, rec_limit))
-            w = task.window
-            open_ = w.get("event_index")
-            # before a window opens every record not late is "ahead" (of nothing yet)
-            ahead = np.flatnonzero(widx[j:jl] > open_ if open_ is not None else
-                                   widx[j:jl] >= (w.get("late_before") or 0))
-            ahead_at = j + int(ahead[0]) if ahead.size else jl
-            late_before = open_ if open_ is not None else w.get("late_before")
-            chunk = widx[j:ahead_at]
-            late = chunk < late_before if late_before is not None else np.zeros(len(chunk), bool)
-            n_late = int(late.sum())
-            if dead_letter_late and n_late:
-                for i in np.flatnonzero(late):
-                    self._reject(seg, int(good_idx[j + i]), "late", reasons)
-                counted = _take(items, j + np.flatnonzero(~late))
-            else:
-                counted = items[j:ahead_at]
-            if len(counted):
-                self._count(task.state, counted)
-                task.window["events"] += len(counted)
-                task.totals["events"] += len(counted)
-                self.metrics.events.inc(len(counted))
-                self._window_gauges(task)
-            w["late"] = w.get("late", 0) + n_late
-            j = ahead_at
-            upto = int(good_idx[j]) if ahead_at < jl else rec_limit
-            rej_idx = np.asarray(sorted(reasons), dtype=np.int64)
-            self._account(task, seg.partition, offsets, rej_idx,
-                          [reasons[int(i)] for i in rej_idx], rec, upto)
-            rec = max(rec, upto)
-            if ahead_at < jl:  # a record of a later window: this partition waits at it
-                self._ahead[seg.partition] = int(widx[j])
-                self._hold(seg.partition, int(offsets[rec]))
-                self._advance_event_time(task, close)
-                return
-            if task.close_at is not None and task.reached(task.close_at):
-                close()
-                self._ahead.clear()
-                self._release_held()
-                if rec < m:
-                    continue
-                return
-            if rec < m:  # this partition reached its replay target before the others did
-                self._hold(seg.partition, int(offsets[rec]))
-            return
-
-    def _advance_event_time(self, task: WindowTask, close, idle=()) -> None:
-        """Close the open event-time window (or open the first one) once every assigned
-        partition waits at a record of a later window, except ``idle`` ones: the watermark
-        (the least of the partitions' latest timestamps) has then passed the window's end. The
-        next window is the earliest one a waiting record falls in. The decision depends on each
-        partition's records only, not on how the partitions' reads interleave."""
-        assigned = getattr(self.source, "assigned", None)
-        parts = set(assigned) if assigned else set(self._ahead)
-        if not self._ahead or not parts - set(idle) <= set(self._ahead):
-            return
-        nxt = min(self._ahead.values())
-        self._ahead.clear()
-        self._idle_since = None
-        if task.window.get("event_index") is None:
-            self._set_event_index(task.window, nxt)  # the first window (in memory: replayable)
-        else:
-            self._next_event_index = nxt
-            close()
-        self._release_held()
-
-    def _event_time_turn(self, task: WindowTask) -> None:
-        """``window.idle_partition_timeout``: partitions read to their end while the others wait
-        at a later window stop holding the watermark after that many seconds (logged)."""
-        timeout = float(self.cfg["window"]["idle_partition_timeout_s"])
-        assigned = getattr(self.source, "assigned", None)
-        if not timeout or not self._ahead or task.close_at is not None:
-            self._idle_since = None
-            return
-        parts = set(assigned) if assigned else set(self._ahead)
-        idle = sorted(parts - set(self._ahead))
-        probe = getattr(self.source, "caught_up", None)
-        if not idle or (probe is not None and not probe(idle)):
-            self._idle_since = None
-            return
-        now = time.monotonic()
-        self._idle_since = self._idle_since or now
-        if now - self._idle_since >= timeout:
-            log.info("event-time window %s: partition(s) %s idle for %.0f s "
-                     "(window.idle_partition_timeout_s) no longer hold the watermark; the "
-                     "window closes at the other partitions' positions",
-                     task.window["id"], ", ".join(idle), now - self._idle_since)
-            self._advance_event_time(task, self.close_window, idle=idle)
 
     def _reject(self, seg: Segment, i: int, reason: str, reasons: dict) -> None:
         """Record ``i`` of ``seg`` is rejected for ``reason`` (log by position, dead letter)."""
@@ -1086,8 +954,9 @@ class Aggregator:
         """Make ``task``'s position durable (the numbered sequence of the module docstring).
         With ``snapshot``, the checkpoint carries a layered snapshot of the counters, which is
         returned (an audit export reuses it)."""
-        if not snapshot and task.window["events"]:
+        if not snapshot and task.window["events"] != (task.replay or {}).get("events", 0):
             # offsets past counted events with no counters would lose them at the next crash
+            # (events counted before the window started are replayed: task.replay)
             raise RuntimeError("a checkpoint without a snapshot inside a window")
         # 1. every dead letter of a record before the new offsets is acknowledged
         self._wait_for(self._flush_dead_letters, "dead letters")
@@ -1153,9 +1022,10 @@ class Aggregator:
             task.pending.append(json.dumps(release, allow_nan=False))
         task.close_at = None
         task.window = self._new_window(task, wid + 1)
-        task.state = self._new_state(task, wid + 1)
+        carried = self._carried_state()  # event_time: the second window, counting already
+        task.state = carried if carried is not None else self._new_state(task, wid + 1)
         self.metrics.window_id.set(wid + 1)
-        self.metrics.window_events.set(0)
+        self.metrics.window_events.set(task.window["events"])
         self.metrics.window_progress.set(0)
         self.commit(task)  # the next window's start and the pending release, atomically
         self._publish_pending(task)
@@ -1185,7 +1055,8 @@ class Aggregator:
         if closing["kind"] == "event_time":  # the window's event-time bounds and late records
             release["window_info"].update(
                 {k: closing.get(k) for k in ("event_start_unix", "event_end_unix", "late")},
-                late_policy=self.cfg["window"]["late"])
+                late_policy=self.cfg["window"]["late"],
+                allowed_lateness_s=self.cfg["window"]["allowed_lateness_s"])
         release["counted"] = {"stream": identity_of(self.cfg)["stream"],
                               "item": item_identity(self.cfg)}
         if self.aggregation:  # which of the stream's aggregations, and the composition
@@ -1247,6 +1118,11 @@ class Aggregator:
     def export(self, export_id: str | None = None) -> Path:
         """Signed snapshot for auditors, with fresh layers just before and just after it."""
         key = load_key(self.cfg["audit"]["key_file"] or None)
+        if self._second is not None and self._second.events:
+            raise ServiceError(
+                f"an audit export while two event-time windows are live is not built (window "
+                f"{self.task.window['id']} is open within window.allowed_lateness_s while the "
+                "next one counts already); request it again once that window has closed")
         self._export_seq += 1
         export_id = export_id or f"{int(time.time())}-{self.task.window['id']}-{self._export_seq}"
         return self._export_task(self.task, export_id, key)
@@ -1397,24 +1273,6 @@ class Aggregator:
                 f"{where} holds a {state.mode} state of size {state.size} at epsilon "
                 f"{state.epsilon}, but the config asks for {mode}, size {size}, epsilon "
                 f"{self.epsilon}; use the original settings or a new checkpoint.dir")
-
-
-def _timestamps(seg: Segment, m: int) -> np.ndarray:
-    """The segment's record timestamps in ms as int64 (-1: none)."""
-    col = seg.timestamps
-    if col is None:
-        return np.full(m, -1, dtype=np.int64)
-    try:
-        return np.fromiter(col, dtype=np.int64, count=m)
-    except TypeError:  # a None among them
-        return np.asarray([-1 if t is None else t for t in col], dtype=np.int64)
-
-
-def _take(items, idx: np.ndarray):
-    """``items`` at the positions ``idx`` (an int64 array on the fast path, else a list)."""
-    if isinstance(items, np.ndarray):
-        return items[idx]
-    return [items[int(i)] for i in idx]
 
 
 def service_running(checkpoint_dir: str | os.PathLike) -> bool:

@@ -74,6 +74,10 @@ class WindowTask:
         #: replay target: close the window once the offsets reach these (a time window whose
         #: end passed while the process was down, or a window the ledger already released)
         self.close_at: dict[str, int] | None = None
+        #: a window that started with events counted already (an event-time window that was the
+        #: second live one): ``{"offsets": ..., "events": n}``, where a checkpoint that starts it
+        #: must replay those n events from (it holds no counters); None otherwise
+        self.replay: dict | None = None
 
     # -- progress through the window -----------------------------------------------------------
     def room(self) -> int | None:
@@ -99,10 +103,18 @@ class WindowTask:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def record(self, snapshot: bytes | None) -> Checkpoint:
-        """The checkpoint of the live position (with ``snapshot`` counters, or none)."""
-        return Checkpoint(state=snapshot, window=copy.deepcopy(self.window),
-                          offsets=dict(self.offsets), pending=list(self.pending),
-                          totals=copy.deepcopy(self.totals))
+        """The checkpoint of the live position (with ``snapshot`` counters, or none; without
+        counters, the window's start: see ``replay``)."""
+        window, offsets, totals = (copy.deepcopy(self.window), dict(self.offsets),
+                                   copy.deepcopy(self.totals))
+        if snapshot is None and self.replay is not None:
+            # the events counted before the window started are not in the checkpoint: a
+            # restart counts them again from where their records start
+            offsets = dict(self.replay["offsets"])
+            window["events"] -= self.replay["events"]
+            totals["events"] -= self.replay["events"]
+        return Checkpoint(state=snapshot, window=window, offsets=offsets,
+                          pending=list(self.pending), totals=totals)
 
     def rewrite_pending(self) -> Checkpoint:
         """The last durable checkpoint with the current pending list: no new view of the state

@@ -1,0 +1,318 @@
+"""Event-time windows (``window.kind = event_time``): which window a Kafka record is counted in,
+decided by its timestamp, with an optional allowed lateness.
+
+Windows are epoch-aligned and tumbling: window ``k`` is ``[k*S, (k+1)*S)`` for ``window.size`` S
+seconds. Write ``e_k = (k+1)*S`` for its end and L for ``window.allowed_lateness_s`` (0 <= L < S).
+
+Definitions (what the code computes; tests/test_event_time*.py check them against a reference):
+
+* A partition *passes* the open window ``a`` at its first record stamped at or after
+  ``e_a + L``; that record is the window's **close position** on the partition. The partition is
+  paused there (the record is read again once the window has closed), so the records a
+  partition holds before its close position all carry timestamps ``< e_a + L``.
+* The window closes when every assigned partition has passed it (the watermark, the least of the
+  partitions' latest timestamps, has passed ``e_a + L``), or when the partitions that have not
+  are idle for ``window.idle_partition_timeout_s`` (their close position is then where they
+  are). A release closes it too (``panagg release``, the end of a finite input).
+* A record before its partition's close position belongs to the window its timestamp says:
+  ``a`` (counted in the open window), ``a + 1`` (stamped in ``[e_a, e_a + L)``: counted in the
+  *second* live window, which exists only while L > 0), or an earlier one: *late*, counted in
+  the open window (``window.late = next``) or a dead letter with reason ``late``.
+* After a close the next window is ``a + 1`` if the second window counted anything (it stays
+  live, with the same noisy state), else the earliest window a paused record falls in (windows no
+  record falls in are skipped). With L = 0 the second window never counts anything, and this is
+  the one-open-window behaviour exactly.
+
+Every decision depends on each partition's own records and the recorded close positions, never on
+how reads of the partitions interleave, so a replay after a crash reproduces every window.
+
+What a checkpoint records (:meth:`EventTimeWindows._open_event_time_window`). The checkpoint
+written when window ``a`` closes starts window ``a + 1``. If that window already counted records
+(read before ``a``'s close positions), the checkpoint holds no counters for them (as always: the
+open window's events are replayed from the source under fresh noise) but two positions per
+partition: ``offsets``, where the replay starts (the partition's first record of ``a + 1``, or its
+close position of ``a`` when it has none there), and ``window.skip_until``, the close position of
+``a``. Between the two the replay counts only the records stamped in ``a + 1``: the others were
+released in ``a`` (or were late or rejects there, already in the totals and dead letters). The
+checkpoint's totals leave out the events the replay will count again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from consumers.base import Segment, offsets_array
+
+from .window import WindowTask
+
+__all__ = ["EventTimeWindows", "SecondWindow"]
+
+log = logging.getLogger("panagg.service")
+
+
+class SecondWindow:
+    """The window after the open one while it already counts records: those stamped in it that
+    arrive before the open window's close positions (``window.allowed_lateness_s`` > 0).
+
+    ``state`` is its own pan-private state with its own fresh noise; ``first`` the offset of its
+    first record per partition (where a replay of it starts)."""
+
+    def __init__(self, index: int, state):
+        self.index, self.state = index, state
+        self.events = 0
+        self.first: dict[str, int] = {}
+
+
+class EventTimeWindows:
+    """The event-time part of :class:`aggregator.service.process.Aggregator` (a mixin: it counts
+    with the aggregator's ``_count``, ``_account``, ``_hold`` and ``_reject``)."""
+
+    def _init_event_time(self) -> None:
+        self._next_event_index: int | None = None  # the window a close opens
+        self._ahead: dict[str, int] = {}  # partition -> window its held record is in
+        self._idle_since: float | None = None
+        self._second: SecondWindow | None = None
+        self._carried = None  # the second window's state, taken over by the window a close opens
+
+    # -- window bounds -------------------------------------------------------------------------
+    def _open_event_time_window(self, task: WindowTask, w: dict) -> None:
+        """Event-time fields of the window ``w`` that is about to start (set before the
+        checkpoint that starts it, so a replay from that checkpoint assigns every record as the
+        first run did): its bounds, which earlier records are late, and, if the second window
+        already counted records, what the checkpoint must replay of them."""
+        prev = task.window or {}
+        closed = prev.get("event_index")
+        # records of windows before this one are late
+        w["late_before"] = closed + 1 if closed is not None else prev.get("late_before")
+        w["late"] = 0
+        index, second = self._next_event_index, self._second
+        self._next_event_index, self._second, self._carried = None, None, None
+        task.replay = None
+        at = dict(task.offsets)  # the closing window's close positions
+        # a close before a replay got through the records released two windows ago (a release
+        # request): the rest of them are skipped in the next window too (none is stamped in it)
+        skip = {p: u for p, u in (prev.get("skip_until") or {}).items() if at.get(p, -1) < u}
+        if second is not None and second.events and closed is not None:
+            # the second window stays live: it is the next one (no paused record is earlier)
+            index, self._carried = second.index, second.state
+            w["events"] = second.events
+            start = {p: min(off, at[p]) for p, off in second.first.items()}
+            skip.update({p: at[p] for p in start if start[p] < at[p]})
+            task.replay = {"offsets": dict(at, **start), "events": second.events}
+        if skip:
+            w["skip_until"] = dict(sorted(skip.items()))
+        self._set_event_index(w, index)
+
+    def _carried_state(self):
+        """The state of the window just opened if it was the live second window, else None."""
+        state, self._carried = self._carried, None
+        return state
+
+    def _set_event_index(self, w: dict, index: int | None) -> None:
+        size = int(self.cfg["window"]["size"])
+        w["event_index"] = None if index is None else int(index)
+        w["event_start_unix"] = None if index is None else int(index) * size
+        w["event_end_unix"] = None if index is None else (int(index) + 1) * size
+
+    # -- counting ------------------------------------------------------------------------------
+    def _ingest_event_time(self, seg: Segment) -> None:
+        """Count ``seg``: first its records a restored window replays among records already
+        released in the window before it (``window.skip_until``), then the rest."""
+        until = (self.task.window.get("skip_until") or {}).get(seg.partition)
+        if until is not None and seg.offsets[0] < until:
+            cut = int(np.searchsorted(offsets_array(seg.offsets), until))
+            self._replay_among_released(self.task, _slice(seg, 0, cut))
+            seg = _slice(seg, cut, len(seg))
+            if not len(seg):
+                return
+        items, good, rejected = self._decode(seg)
+        self._count_event_time(self.task, seg, items, good, rejected, self.close_window)
+
+    def _replay_among_released(self, task: WindowTask, seg: Segment) -> None:
+        """Records before the previous window's close position on their partition: count those
+        stamped in the open window (it was the second window when they were first read) and
+        pass over the rest silently (released, late or rejected before: their totals and dead
+        letters are in the checkpoint already)."""
+        decoded = self._parse(seg)
+        bad = {i for i, _ in decoded.rejected}
+        good_idx = np.asarray([i for i in range(len(seg)) if i not in bad], dtype=np.int64)
+        if len(good_idx) and task.window["event_index"] is not None:
+            wcfg = self.cfg["window"]
+            ts = _timestamps(seg, len(seg))[good_idx]
+            limit_ms = int((time.time() + float(wcfg["max_future_skew_s"])) * 1000)
+            mine = (ts >= 0) & (ts <= limit_ms) & \
+                (ts // (int(wcfg["size"]) * 1000) == task.window["event_index"])
+            self._count_events(task, _take(decoded.items, np.flatnonzero(mine)))
+        task.offsets[seg.partition] = int(seg.offsets[-1]) + 1
+
+    def _count_events(self, task: WindowTask, items) -> None:
+        """Count ``items`` into ``task``'s open window."""
+        if not len(items):
+            return
+        self._count(task.state, items)
+        task.window["events"] += len(items)
+        task.totals["events"] += len(items)
+        self.metrics.events.inc(len(items))
+        self._window_gauges(task)
+
+    def _count_second(self, task: WindowTask, partition: str, first_offset: int, items) -> None:
+        """Count ``items`` (the first at ``first_offset``) into the second window."""
+        if self._second is None:
+            wid = task.window["id"] + 1
+            self._second = SecondWindow(task.window["event_index"] + 1,
+                                        self._new_state(task, wid))
+        second = self._second
+        self._count(second.state, items)
+        second.events += len(items)
+        second.first.setdefault(partition, int(first_offset))
+        task.totals["events"] += len(items)
+        self.metrics.events.inc(len(items))
+
+    def _count_event_time(self, task: WindowTask, seg: Segment, items, good, rejected,
+                          close) -> None:
+        """Count ``seg`` by its records' timestamps (the module docstring's definitions).
+
+        A record of the open window, or late, goes to the open window (late ones: or a dead
+        letter); one stamped in the next window before the open window's end plus the allowed
+        lateness goes to the second window; the partition's first record at or after that point
+        pauses it (the close position). A record without a timestamp (``no_timestamp``) or later
+        than now + ``window.max_future_skew_s`` (``future_timestamp``) is rejected."""
+        offsets = offsets_array(seg.offsets)
+        m = len(offsets)
+        good_idx = np.arange(len(items)) if good is None else np.asarray(good, dtype=np.int64)
+        wcfg = self.cfg["window"]
+        size_ms = int(wcfg["size"]) * 1000
+        lateness_ms = int(round(float(wcfg["allowed_lateness_s"]) * 1000))
+        ts = _timestamps(seg, m)[good_idx] if len(good_idx) else np.zeros(0, np.int64)
+        limit_ms = int((time.time() + float(wcfg["max_future_skew_s"])) * 1000)
+        reasons = {int(i): r for i, r in rejected}  # record index -> reason
+        bad = (ts < 0) | (ts > limit_ms)
+        if bad.any():
+            for i in np.flatnonzero(bad):
+                self._reject(seg, int(good_idx[i]),
+                             "no_timestamp" if ts[i] < 0 else "future_timestamp", reasons)
+            keep = np.flatnonzero(~bad)
+            items, good_idx, ts = _take(items, keep), good_idx[keep], ts[keep]
+        widx = ts // size_ms
+        dead_letter_late = wcfg["late"] == "dead_letter"
+        j = rec = 0
+        while True:
+            target = task.close_at.get(seg.partition) if task.close_at else None
+            rec_limit = m if target is None else int(np.searchsorted(offsets, target))
+            jl = int(np.searchsorted(good_idx, rec_limit))
+            w = task.window
+            open_ = w.get("event_index")
+            # the close position: past the open window's end plus the allowed lateness (before
+            # a window opens, every record not late is "ahead" of nothing yet)
+            ahead = np.flatnonzero(ts[j:jl] >= (open_ + 1) * size_ms + lateness_ms
+                                   if open_ is not None else
+                                   widx[j:jl] >= (w.get("late_before") or 0))
+            ahead_at = j + int(ahead[0]) if ahead.size else jl
+            late_before = open_ if open_ is not None else w.get("late_before")
+            chunk = widx[j:ahead_at]
+            late = chunk < late_before if late_before is not None else np.zeros(len(chunk), bool)
+            n_late = int(late.sum())
+            later = chunk > open_ if open_ is not None else np.zeros(len(chunk), bool)
+            if dead_letter_late and n_late:
+                for i in np.flatnonzero(late):
+                    self._reject(seg, int(good_idx[j + i]), "late", reasons)
+            if later.any():
+                at = j + np.flatnonzero(later)
+                self._count_second(task, seg.partition, int(offsets[good_idx[at[0]]]),
+                                   _take(items, at))
+            mine = ~later & ~late if dead_letter_late else ~later
+            self._count_events(task, items[j:ahead_at] if mine.all() else
+                               _take(items, j + np.flatnonzero(mine)))
+            w["late"] = w.get("late", 0) + n_late
+            j = ahead_at
+            upto = int(good_idx[j]) if ahead_at < jl else rec_limit
+            rej_idx = np.asarray(sorted(reasons), dtype=np.int64)
+            self._account(task, seg.partition, offsets, rej_idx,
+                          [reasons[int(i)] for i in rej_idx], rec, upto)
+            rec = max(rec, upto)
+            if ahead_at < jl:  # this partition has passed the open window: it waits here
+                self._ahead[seg.partition] = int(widx[j])
+                self._hold(seg.partition, int(offsets[rec]))
+                self._advance_event_time(task, close)
+                return
+            if task.close_at is not None and task.reached(task.close_at):
+                close()
+                self._ahead.clear()
+                self._release_held()
+                if rec < m:
+                    continue
+                return
+            if rec < m:  # this partition reached its replay target before the others did
+                self._hold(seg.partition, int(offsets[rec]))
+            return
+
+    # -- closing -------------------------------------------------------------------------------
+    def _advance_event_time(self, task: WindowTask, close, idle=()) -> None:
+        """Close the open event-time window (or open the first one) once every assigned
+        partition has passed it, except ``idle`` ones. The next window is the second window if
+        it counted anything, else the earliest one a waiting record falls in
+        (:meth:`_open_event_time_window`)."""
+        assigned = getattr(self.source, "assigned", None)
+        parts = set(assigned) if assigned else set(self._ahead)
+        if not self._ahead or not parts - set(idle) <= set(self._ahead):
+            return
+        nxt = min(self._ahead.values())
+        self._ahead.clear()
+        self._idle_since = None
+        if task.window.get("event_index") is None:
+            self._set_event_index(task.window, nxt)  # the first window (in memory: replayable)
+        else:
+            self._next_event_index = nxt
+            close()
+        self._release_held()
+
+    def _event_time_turn(self, task: WindowTask) -> None:
+        """``window.idle_partition_timeout``: partitions read to their end while the others wait
+        at a later window stop holding the watermark after that many seconds (logged)."""
+        timeout = float(self.cfg["window"]["idle_partition_timeout_s"])
+        assigned = getattr(self.source, "assigned", None)
+        if not timeout or not self._ahead or task.close_at is not None:
+            self._idle_since = None
+            return
+        parts = set(assigned) if assigned else set(self._ahead)
+        idle = sorted(parts - set(self._ahead))
+        probe = getattr(self.source, "caught_up", None)
+        if not idle or (probe is not None and not probe(idle)):
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        self._idle_since = self._idle_since or now
+        if now - self._idle_since >= timeout:
+            log.info("event-time window %s: partition(s) %s idle for %.0f s "
+                     "(window.idle_partition_timeout_s) no longer hold the watermark; the "
+                     "window closes at the other partitions' positions",
+                     task.window["id"], ", ".join(idle), now - self._idle_since)
+            self._advance_event_time(task, self.close_window, idle=idle)
+
+
+def _timestamps(seg: Segment, m: int) -> np.ndarray:
+    """The segment's record timestamps in ms as int64 (-1: none)."""
+    col = seg.timestamps
+    if col is None:
+        return np.full(m, -1, dtype=np.int64)
+    try:
+        return np.fromiter(col, dtype=np.int64, count=m)
+    except TypeError:  # a None among them
+        return np.asarray([-1 if t is None else t for t in col], dtype=np.int64)
+
+
+def _take(items, idx: np.ndarray):
+    """``items`` at the positions ``idx`` (an int64 array on the fast path, else a list)."""
+    if isinstance(items, np.ndarray):
+        return items[idx]
+    return [items[int(i)] for i in idx]
+
+
+def _slice(seg: Segment, lo: int, hi: int) -> Segment:
+    """Records ``[lo, hi)`` of ``seg``."""
+    part = (lambda col: None if col is None else col[lo:hi])
+    return Segment(seg.partition, seg.offsets[lo:hi], seg.values[lo:hi], part(seg.keys),
+                   part(seg.headers), part(seg.timestamps))

@@ -1,0 +1,203 @@
+"""Allowed lateness of event-time windows (``window.allowed_lateness_s``): each record's window,
+across read interleavings, late policies and lateness values, equals the one the definitions
+give (a reference computed here, one partition at a time); a crash while two windows are live
+and a replay with another interleaving reproduce every release.
+
+The source is the in-memory stand-in for Kafka partitions of tests/test_event_time.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from aggregator import release
+from aggregator.service import process
+from aggregator.service.config import ConfigError
+from aggregator.service.process import Aggregator
+from tests.test_event_time import ListSource, cfg_for, releases
+
+SIZE = 10
+
+# (timestamp s, item) per partition; items are unique, so each one names its record. Out of
+# order within and across partitions: records behind their partition's latest timestamp by less
+# than and by more than the lateness values below, a window no record falls in (9), a window
+# (6) that counts within its predecessor's lateness while every partition waits beyond it (62,
+# then 72 and 83) and gets a record after that (67), and a partition that ends early (t:2: idle
+# while the others go on).
+TIMES = {"t:0": [1, 4, 9, 12, 8, 11, 14, 23, 15, 19, 31, 13, 45, 52, 41, 58, 62, 72, 67, 81, 79,
+                 88, 105],
+         "t:1": [3, 2, 11, 7, 10, 19, 16, 9, 21, 18, 22, 29, 35, 27, 33, 47, 44, 83, 86, 117, 108],
+         "t:2": [5, 13, 6, 24, 12, 20]}
+PARTS = {p: [(t, 100 * k + i) for i, t in enumerate(ts)]
+         for k, (p, ts) in enumerate(TIMES.items())}
+LATENESS = [0, 2.5, 5, 9]
+INTERLEAVINGS = [(None, 1), (None, 3), (["t:2", "t:1", "t:0"], 2), (["t:1", "t:0", "t:2"], 100)]
+
+
+@pytest.fixture(autouse=True)
+def no_plots(monkeypatch):
+    """Release documents without their PNG plots (the plot is most of a release's time here)."""
+    monkeypatch.setattr(process, "write_release", functools.partial(release.write_release,
+                                                                    plot=False))
+
+
+def reference(parts: dict, lateness: float, late: str):
+    """Each record's window (its item -> window index, or "dead" for a late dead letter) and
+    each window's [events, late], from the definitions (aggregator/service/event_time.py):
+    window a closes at each partition's first record stamped at or after its end + lateness (a
+    partition read to its end does not hold it); records before that point go to the window
+    their timestamp says, late ones to a (or dead letters); the next window is a + 1 if that
+    got records, else the earliest window of the records the partitions stopped at."""
+    pos = dict.fromkeys(parts, 0)
+    where, windows = {}, {}
+    a = min(int(recs[0][0] // SIZE) for recs in parts.values() if recs)
+    while True:
+        stopped = {}
+        for p, recs in parts.items():
+            i = pos[p]
+            while i < len(recs) and recs[i][0] < (a + 1) * SIZE + lateness:
+                t, item = recs[i]
+                k = int(t // SIZE)
+                if k < a:
+                    windows.setdefault(a, [0, 0])[1] += 1
+                    k = a if late == "next" else "dead"
+                if k != "dead":
+                    windows.setdefault(k, [0, 0])[0] += 1
+                where[item] = k
+                i += 1
+            pos[p] = i
+            if i < len(recs):
+                stopped[p] = int(recs[i][0] // SIZE)
+        if not stopped:  # every partition read to its end: the input's end releases the rest
+            return where, windows
+        a = a + 1 if windows.get(a + 1, [0])[0] else min(stopped.values())
+
+
+class Recording(Aggregator):
+    """The aggregator, noting which window's state each item was counted in and which records
+    went to dead letters as late."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.items_of: dict[int, tuple] = {}  # id(state) -> (state, [items])
+        self.windows: dict[int, int] = {}  # event index -> id of the state released for it
+        self.dead: list[tuple[str, int]] = []
+
+    def _count(self, state, items):
+        self.items_of.setdefault(id(state), (state, []))[1].extend(int(i) for i in items)
+        super()._count(state, items)
+
+    def close_window(self):
+        self.windows[self.task.window["event_index"]] = id(self.task.state)
+        return super().close_window()
+
+    def _reject(self, seg, i, reason, reasons):
+        if reason == "late":
+            self.dead.append((seg.partition, int(seg.offsets[i])))
+        super()._reject(seg, i, reason, reasons)
+
+    def assignment(self) -> dict:
+        where = {item: k for k, sid in self.windows.items() for item in self.items_of[sid][1]}
+        where.update({PARTS[p][off][1]: "dead" for p, off in self.dead})
+        return where
+
+
+def expected_releases(windows: dict) -> list[dict]:
+    return [{"event_start_unix": k * SIZE, "event_end_unix": (k + 1) * SIZE, "events": ev,
+             "late": late} for k, (ev, late) in sorted(windows.items())]
+
+
+def settings(tmp_path, lateness, late):
+    return cfg_for(tmp_path, "state.domain_size=400", f"window.late={late}",
+                   f"window.allowed_lateness_s={lateness}")
+
+
+@pytest.mark.parametrize("lateness", LATENESS)
+@pytest.mark.parametrize("late", ["next", "dead_letter"])
+def test_each_record_lands_in_the_window_the_definition_gives_whatever_the_interleaving(
+        tmp_path, lateness, late):
+    where, windows = reference(PARTS, lateness, late)
+    for n, (order, chunk) in enumerate(INTERLEAVINGS):
+        out = tmp_path / str(n)
+        agg = Recording(settings(out, lateness, late), ListSource(PARTS, order, chunk))
+        agg.run()
+        assert agg.assignment() == where, (order, chunk)
+        assert releases(out) == expected_releases(windows), (order, chunk)
+        assert agg.task.totals["events"] == sum(ev for ev, _ in windows.values())
+        assert agg.task.totals["rejects"] == ({"late": sum(k == "dead" for k in where.values())}
+                                              if "dead" in where.values() else {})
+
+
+def test_the_reference_exercises_lateness():
+    """The data reach both sides of every lateness: the lateness moves records between windows,
+    and the second window counts records while the first is open."""
+    assignments = [reference(PARTS, lateness, "next")[0] for lateness in LATENESS]
+    for a, b in zip(assignments, assignments[1:]):
+        assert a != b
+    where, windows = reference(PARTS, 5, "dead_letter")
+    assert "dead" in where.values() and len(windows) >= 5
+
+
+def two_windows_live(agg) -> bool:
+    """A window counts within its lateness while the next one counts too, and the checkpoint
+    starts a window that was the second one (it replays part of its records among records
+    released before)."""
+    second = agg._second
+    return bool(second is not None and second.events
+                and agg.task.durable.window.get("skip_until"))
+
+
+@pytest.mark.parametrize("late", ["next", "dead_letter"])
+@pytest.mark.parametrize("lateness", [2.5, 9])
+def test_a_crash_while_two_windows_are_live_replays_every_release_exactly(tmp_path, lateness,
+                                                                            late):
+    _, windows = reference(PARTS, lateness, late)
+    crashed = 0
+    for stop_at in range(1, 60, 4):  # crash points before, in and after two-window phases
+        run = tmp_path / str(stop_at)
+        agg = Aggregator(settings(run, lateness, late), ListSource(PARTS, chunk=1))
+        agg.restore()
+        for _ in range(stop_at):
+            for seg in agg.source.poll():
+                agg._ingest(seg)
+            agg._event_time_turn(agg.task)
+        if not two_windows_live(agg):
+            continue
+        crashed += 1
+        durable = agg.task.durable
+        assert durable.totals["events"] + agg.task.window["events"] + agg._second.events == \
+            agg.task.totals["events"]  # the checkpoint holds none of the live windows' events
+        del agg  # SIGKILL: nothing after the checkpoint is durable
+
+        again = Aggregator(settings(run, lateness, late),
+                           ListSource(PARTS, ["t:2", "t:1", "t:0"], chunk=100))
+        again.run()
+        assert releases(run) == expected_releases(windows), stop_at
+        assert again.task.totals["events"] == sum(ev for ev, _ in windows.values())
+    assert crashed >= 3  # the data have a two-window phase at several read positions
+
+
+def test_lateness_zero_keeps_one_live_window(tmp_path):
+    agg = Recording(settings(tmp_path, 0, "next"), ListSource(PARTS, chunk=1))
+    agg.run()
+    assert agg._second is None and len(agg.items_of) == len(releases(tmp_path))
+
+
+def test_releases_say_the_allowed_lateness(tmp_path):
+    Aggregator(settings(tmp_path, 2.5, "next"), ListSource(PARTS)).run()
+    docs = [json.loads(p.read_text()) for p in (tmp_path / "releases").glob("*.json")]
+    assert docs and {d["window_info"]["allowed_lateness_s"] for d in docs} == {2.5}
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["window.allowed_lateness_s=10"], "needs window.allowed_lateness_s < window.size"),
+    (["window.allowed_lateness_s=-1"], "window.allowed_lateness_s must be >= 0"),
+    (["window.kind=time", "window.allowed_lateness_s=1"],
+     "applies to window.kind = event_time only"),
+])
+def test_lateness_config_errors_are_one_line(tmp_path, sets, fragment):
+    with pytest.raises(ConfigError) as exc:
+        cfg_for(tmp_path, *sets)
+    assert fragment in str(exc.value) and "\n" not in str(exc.value)
