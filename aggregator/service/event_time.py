@@ -105,6 +105,10 @@ class EventTimeWindows:
         if skip:
             w["skip_until"] = dict(sorted(skip.items()))
         self._set_event_index(w, index)
+        # waiting partitions wait for this window's end now (a release request may close a
+        # window before they all passed it): they read their waiting records again
+        self._ahead.clear()
+        self._release_held()
 
     def _carried_state(self):
         """The state of the window just opened if it was the live second window, else None."""
