@@ -242,15 +242,8 @@ class EventTimeWindows:
                 self._hold(seg.partition, int(offsets[rec]))
                 self._advance_event_time(task, close)
                 return
-            if task.close_at is not None and task.reached(task.close_at):
-                close()
-                self._ahead.clear()
-                self._release_held()
-                if rec < m:
-                    continue
-                return
-            if rec < m:  # this partition reached its replay target before the others did
-                self._hold(seg.partition, int(offsets[rec]))
+            if self._closed_or_held(task, seg.partition, offsets, rec, close):
+                continue  # (a close clears the waits: _open_event_time_window)
             return
 
     # -- closing -------------------------------------------------------------------------------

@@ -843,15 +843,22 @@ class Aggregator(EventTimeWindows):
             upto = int(good_idx[j - 1]) + 1 if full and j else rec_limit
             self._account(task, seg.partition, offsets, rej_idx, rej_reason, rec, upto)
             rec = max(rec, upto)
-            if full or (task.close_at is not None and task.reached(task.close_at)):
-                close()
-                self._release_held()
-                if rec < m:
-                    continue
-                return
-            if rec < m:  # this partition reached its replay target before the others did
-                self._hold(seg.partition, int(offsets[rec]))
+            if self._closed_or_held(task, seg.partition, offsets, rec, close, full):
+                continue
             return
+
+    def _closed_or_held(self, task: WindowTask, partition: str, offsets, rec: int, close,
+                        full: bool = False) -> bool:
+        """After a segment's records before ``rec`` are in: close the window if it is ``full``
+        or a replay reached its target (True: the segment's rest goes on in the next window);
+        else hold the partition at ``rec`` if it reached its replay target before the others."""
+        if full or (task.close_at is not None and task.reached(task.close_at)):
+            close()
+            self._release_held()
+            return rec < len(offsets)
+        if rec < len(offsets):
+            self._hold(partition, int(offsets[rec]))
+        return False
 
     def _reject(self, seg: Segment, i: int, reason: str, reasons: dict) -> None:
         """Record ``i`` of ``seg`` is rejected for ``reason`` (log by position, dead letter)."""
