@@ -552,6 +552,8 @@ def sparse_top(noisy_counts, p: float, layers: int = 1) -> int:
     return em_top(noisy_value_counts(noisy_counts), p, layers)
 
 
+SPARSE_CUT_RATIO = 8  # the inversion stops at the dense top only if the counts reach 8x beyond it
+
 SNAP = 1e-4
 
 
@@ -577,7 +579,10 @@ def _invert(psi: np.ndarray, B: int, n, p: float, variant: str, m,
     """Valid cumulative prevalence of the items from the projected reduced one.
 
     ``sparse_above``: a count above which every bucket is a sparse counter (:func:`sparse_top`);
-    degrees above it are not inverted (``invert_gamma``'s cap at twice it).
+    degrees above it are not inverted (``invert_gamma``'s cap at twice it) when the reduced
+    histogram reaches far beyond it (:data:`SPARSE_CUT_RATIO`): that is where the series is
+    long, and a cut just below the top left a half-inverted tail that the blow-up check below
+    does not see (hashed 'distinct' n = 1e3 cells: 52 -> 1936 events of error).
     """
     if len(psi) == 0 or psi[0] == 0:
         return np.zeros(0, dtype=np.int64)
@@ -585,7 +590,9 @@ def _invert(psi: np.ndarray, B: int, n, p: float, variant: str, m,
         return psi
     if variant == "exact":
         psi_f = np.minimum(psi, B - 1).astype(np.float64)
-        cap = INVERT_CAP if sparse_above is None else min(INVERT_CAP, 2 * max(sparse_above, 1))
+        cap = INVERT_CAP
+        if sparse_above is not None and len(psi) > SPARSE_CUT_RATIO * max(sparse_above, 1):
+            cap = min(INVERT_CAP, 2 * max(sparse_above, 1))
         with np.errstate(all="ignore"):
             phi = invert_gamma(psi_f, B, cap=cap)
         # The power-series inverse is well conditioned while psi_1 is well below B (Lemma 14 asks
