@@ -61,7 +61,7 @@ from .estimate import (
 from .properties import entropy
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
-           "simulate_counts", "error_bars", "rank_band_sums", "RANK_BANDS", "MODELS",
+           "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums", "RANK_BANDS", "MODELS",
            "prediction_band", "prediction_bound"]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
@@ -155,9 +155,29 @@ def simulate_counts(rng: np.random.Generator, values, counters: int, p: float,
     values = np.asarray(values, dtype=np.int64)
     if len(values) > counters:
         raise ValueError("more non-zero values than counters")
-    K, q = noise_pmf(p, layers)
     vals, mult = np.unique(values, return_counts=True)
-    zeros = counters - len(values)
+    return _simulate_grouped(rng, vals, mult, counters - len(values), p, layers)
+
+
+def simulate_from_cumulative(rng: np.random.Generator, y, counters: int, p: float,
+                             layers: int) -> NoisyValueCounts:
+    """:func:`simulate_counts` of the histogram with cumulative prevalence ``y`` (phi_{>=r},
+    r = 1..len(y)), without listing its items: the multiplicity of count r is y_r - y_{r+1}.
+    Same draws as ``simulate_counts(rng, counts_from_cumulative(y), ...)`` (values in the same
+    increasing order), without a sort of millions of counts."""
+    y = np.asarray(y, dtype=np.int64)
+    phi = y - np.concatenate([y[1:], [0]])
+    vals = np.flatnonzero(phi) + 1
+    items = int(y[0]) if len(y) else 0
+    if items > counters:
+        raise ValueError("more non-zero values than counters")
+    return _simulate_grouped(rng, vals, phi[vals - 1], counters - items, p, layers)
+
+
+def _simulate_grouped(rng, vals, mult, zeros: int, p: float, layers: int) -> NoisyValueCounts:
+    """Noisy-value counts of mult[i] counters at each value vals[i] (increasing) plus ``zeros``
+    empty counters (see :func:`simulate_counts`)."""
+    K, q = noise_pmf(p, layers)
     if zeros:  # the empty counters: one more value, 0 (a repeated value is fine below)
         vals, mult = np.concatenate([[0], vals]), np.concatenate([[zeros], mult])
     one = mult == 1

@@ -119,7 +119,7 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
         _check_layers, _data_seed, cap_total, counts_from_cumulative, noisy_value_counts,
         phi_estimate, project_l1,
     )
-    from .intervals import simulate_counts
+    from .intervals import simulate_from_cumulative
 
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
@@ -137,14 +137,13 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     regret: dict = {c: [] for c in candidates}
     for pm in pilots:
         y_p = cap(fits[pm], n, "scale")
-        truth = counts_from_cumulative(y_p)
-        if len(truth) > D:  # more items than counters (possible only without n): keep the top
-            truth = truth[:D]
+        if len(y_p) and y_p[0] > D:  # more items than counters (only without n): keep the top
+            truth = counts_from_cumulative(y_p)[:D]
             y_p = np.asarray(np.cumsum(np.bincount(truth)[::-1])[::-1][1:], dtype=np.int64)
-        total = int(truth.sum()) if n is not None else None
+        total = int(y_p.sum()) if n is not None else None
         err = {c: 0.0 for c in candidates}
         for _ in range(int(sims)):
-            sim = simulate_counts(rng, truth, D, p, k)
+            sim = simulate_from_cumulative(rng, y_p, D, p, k)
             ests = _estimates(sim, p, k, methods)
             for m in methods:
                 y = ests[m]

@@ -842,8 +842,9 @@ def _write_timing(w, tm: dict | None) -> None:
       "n=n, buckets=B or None, method=...)`; `default` = no method named (the table "
       "`estimate.DEFAULTS`: method and cap rule per mode and layers); baseline `np.bincount(x - "
       f"x.min())`. Medians of {TIME_REPS} interleaved repetitions of bincount, the default, "
-      f"threshold and wupagh; one run of the others (error bars: direct mode, 1-2 layers); run "
-      f"{tm['started']} at {tm['rev']}.")
+      f"threshold and wupagh; one run of the others (error bars: direct mode, 1-2 layers); "
+      "every call cold (`auto` keeps its last choice for the error bars of the same release; "
+      f"the timing forgets it before each call); run {tm['started']} at {tm['rev']}.")
     w("")
     names = list(dict.fromkeys(a for row in tm["rows"] for a in row["times"]))
     w("| mode | layers | default method | " + " | ".join(names) + " | default / bincount |")

@@ -186,3 +186,18 @@ def test_hashed_buckets_above_the_dense_top_are_released_as_they_are():
     assert 0 < top < 1000 < x.max()
     est = ld.hashed_histogram(x, p, buckets=B, n=int(items.sum()), method="mle")
     assert est[0] == x.max()  # the big item's bucket: its noisy value, no collision correction
+
+
+@given(st.lists(st.integers(1, 300), max_size=80), st.integers(0, 200), st.integers(1, 2),
+       st.integers(0, 2**32 - 1))
+@settings(max_examples=40, deadline=None)
+def test_simulating_from_the_cumulative_prevalence_draws_the_same_state(counts, empty, layers,
+                                                                       seed):
+    y = E.cumulative_from_counts(counts)
+    C = len([c for c in counts if c > 0]) + empty
+    if C == 0:
+        return
+    a = iv.simulate_from_cumulative(np.random.default_rng(seed), y, C, 0.6, layers)
+    b = iv.simulate_counts(np.random.default_rng(seed), E.counts_from_cumulative(y), C, 0.6,
+                           layers)
+    assert a.lo == b.lo and np.array_equal(a.c, b.c)
