@@ -451,7 +451,8 @@ def _sparse_counters(vals: np.ndarray, cnt: np.ndarray, K: int, density: float) 
     if density <= 0 or len(vals) == 0:
         return np.zeros(len(vals), dtype=bool)
     cs = np.concatenate([[0.0], np.cumsum(cnt)])
-    near = cs[np.searchsorted(vals, vals + K, "right")] - cs[np.searchsorted(vals, vals - K, "left")]
+    near = (cs[np.searchsorted(vals, vals + K, "right")]
+            - cs[np.searchsorted(vals, vals - K, "left")])
     return (vals > K) & (near < density * (2 * K + 1))
 
 

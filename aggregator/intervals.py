@@ -61,8 +61,8 @@ from .estimate import (
 from .properties import entropy
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
-           "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums", "RANK_BANDS", "MODELS",
-           "prediction_band", "prediction_bound"]
+           "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums",
+           "RANK_BANDS", "MODELS", "prediction_band", "prediction_bound"]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
 

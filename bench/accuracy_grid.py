@@ -234,6 +234,7 @@ def run_rerun(state: dict, path: Path, modes=("direct", "hashed")) -> dict:
     todo = [r for r in ordered(state) if r.cell.mode in modes and r.cell.key not in rr["results"]]
     log(f"rerun of {RERUN_METHODS} at layers {RERUN_LAYERS}: {len(todo)} cells -> {path}")
     t_run = time.perf_counter()
+    started = datetime.datetime.now().isoformat(timespec="seconds")
     rev = git_rev(["aggregator", "bench"])  # the code this process imported
     for i, r in enumerate(todo):
         t = time.perf_counter()
@@ -243,9 +244,8 @@ def run_rerun(state: dict, path: Path, modes=("direct", "hashed")) -> dict:
         log(f"rerun {i + 1}/{len(todo)} {r.cell.mode} {cell_label(r.cell)}: "
             f"{time.perf_counter() - t:.1f} s")
     if todo:
-        rr["runs"].append(dict(started=datetime.datetime.now().isoformat(timespec="seconds"),
-                               seconds=time.perf_counter() - t_run, cells=len(todo),
-                               rev=rev, load=os.getloadavg()))
+        rr["runs"].append(dict(started=started, seconds=time.perf_counter() - t_run,
+                               cells=len(todo), rev=rev, load=os.getloadavg()))
         save(rr, path)
     return rr
 
