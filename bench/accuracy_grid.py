@@ -250,6 +250,56 @@ def run_rerun(state: dict, path: Path, modes=("direct", "hashed")) -> dict:
     return rr
 
 
+def replace_path(path: Path, shard: str) -> Path:
+    i, N = map(int, shard.split("/"))
+    return path.with_name(f"{path.stem}_replace{i}of{N}.pkl")
+
+
+def run_replace(state: dict, path: Path, methods, layers, shard: str = "0/1") -> None:
+    """Re-run ``methods`` at ``layers`` with the current code on every stored cell's own noisy
+    counters (the grid's seeds: the same draws) into a file of its own, every N-th cell of shard
+    i/N (cheapest first); ``--replace-merge`` then puts them in place of the stored entries. For
+    an estimator change that the whole report should show, not only the ``--rerun`` section."""
+    i, N = map(int, shard.split("/"))
+    out = replace_path(path, shard)
+    part = load(out)
+    mine = sorted(ordered(state), key=lambda r: cell_cost(r.cell))[i::N]
+    todo = [r for r in mine if r.cell.key not in part["results"]]
+    log(f"replace {methods} at layers {layers}: {len(todo)} cells -> {out}")
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    t_run, rev = time.perf_counter(), git_rev(["aggregator", "bench"])
+    for j, r in enumerate(todo):
+        t = time.perf_counter()
+        have = tuple(k for k in layers if any(key[0] == k for key in r.l1))
+        part["results"][r.cell.key] = grid.run_cell(r.cell, layers=have, methods=methods,
+                                                    reps=range(len(r.items)))
+        save(part, out)
+        log(f"replace {j + 1}/{len(todo)} {r.cell.mode} {cell_label(r.cell)}: "
+            f"{time.perf_counter() - t:.1f} s")
+    part["runs"].append(dict(started=started, seconds=time.perf_counter() - t_run,
+                             cells=len(todo), rev=rev, methods=list(methods),
+                             layers=list(layers), load=os.getloadavg()))
+    save(part, out)
+
+
+def merge_replace(path: Path) -> None:
+    """Put the ``--replace`` files' entries in place of the stored ones (same cells, same
+    repetitions, same counters), and record what was replaced for the report's header."""
+    state = load(path)
+    for rp in sorted(path.parent.glob(path.stem + "_replace*of*.pkl")):
+        part = load(rp)
+        for key, new in part["results"].items():
+            old = state["results"][key]
+            if len(new.items) != len(old.items) or new.items != old.items:
+                raise SystemExit(f"{rp.name}: {key} has other draws than the stored run")
+            for name in ("l1", "seconds", "total"):
+                getattr(old, name).update(getattr(new, name))
+        state.setdefault("replaced", []).extend(
+            dict(r, cells=len(part["results"])) for r in part["runs"])
+        save(state, path)
+        rp.rename(rp.with_suffix(".merged"))
+
+
 def run_coverage(quick: bool, state: dict, path: Path, cells=None) -> dict:
     cov = state.setdefault("coverage", {})
     for cell in (grid.coverage_cells(quick) if cells is None else cells):
@@ -1020,6 +1070,12 @@ def main(argv=None) -> int:
                     help="re-run the EM-based candidates (layers 1-2) on every stored cell with "
                          "the current code into out/grid_rerun.pkl (resumable; the report "
                          "compares them with the stored run)")
+    ap.add_argument("--replace", metavar="METHODS",
+                    help="comma-separated estimators to re-run with the current code on every "
+                         "stored cell (same counters) into a file of its own (with --shard i/N: "
+                         "that shard); --replace-merge puts them in place of the stored entries")
+    ap.add_argument("--replace-layers", default="1,2,3,6", help="layer counts for --replace")
+    ap.add_argument("--replace-merge", action="store_true")
     ap.add_argument("--timing", action="store_true",
                     help="time the release at D = 1e7 (full arrays) into the results file")
     args = ap.parse_args(argv)
@@ -1035,6 +1091,13 @@ def main(argv=None) -> int:
         part = load(sp)
         mine = grid.coverage_cells(args.quick)[i::N]
         run_coverage(args.quick, part, sp, cells=mine)
+        return 0
+    if args.replace:
+        run_replace(load(path), path, tuple(args.replace.split(",")),
+                    tuple(int(k) for k in args.replace_layers.split(",")), args.shard or "0/1")
+        return 0
+    if args.replace_merge:
+        merge_replace(path)
         return 0
     if args.shard:
         run(args.quick, path, args.shard)

@@ -76,3 +76,43 @@ def test_xfit_uses_n_and_is_deterministic():
     np.testing.assert_array_equal(a, b)
     assert 0 <= steps <= E.XFIT_MAX_ITER
     assert a.sum() == pytest.approx(n, rel=1e-6)  # sum_r phi_{>=r} = n under the constraint
+
+
+def test_loglik_is_the_likelihood_of_the_noisy_values():
+    """selection._loglik against the definition: every counter's noisy value is its stand-in value
+    plus the k-layer noise, so the log-likelihood is sum_j log sum_r P(r) q(v_j - r)."""
+    noisy, p, h = _state(4, 2, items=40, zeros=200, top=12)
+    vc = E.noisy_value_counts(noisy)
+    y = E.cumulative_from_counts(np.sort(h[h > 0])[::-1][:30])  # a stand-in, not the truth
+    K, q = E.noise_pmf(p, 2)
+    share = np.bincount(E.counts_from_cumulative(y), minlength=1).astype(float)
+    share[0] += len(noisy) - int(y[0])
+    share /= len(noisy)
+    want = 0.0
+    for v in noisy:
+        r = np.arange(len(share))
+        d = v - r
+        ok = np.abs(d) <= K
+        want += np.log((share[ok] * q[d[ok] + K]).sum())
+    assert S._loglik(vc, y, len(noisy), p, 2) == pytest.approx(want, rel=1e-9)
+
+
+def test_stand_ins_keep_heavy_hitters_when_the_counters_show_them():
+    """A few large items over mostly empty counters, wide noise: thinning every level (scale)
+    shrinks the heavy hitters the counters plainly show, the likelihood says so, and the stand-ins
+    are capped by keeping the largest items; a near-empty window (nothing to tell apart) keeps
+    the scale rule."""
+    g = np.random.default_rng(7)
+    p = p_from_epsilon(0.25)
+    h = np.zeros(200_000, np.int64)
+    h[:3000] = np.maximum(1, (3e4 / np.arange(1, 3001) ** 2 / 1.64).astype(np.int64))
+    noisy = h + discrete_laplace(p, len(h), rng=g) + discrete_laplace(p, len(h), rng=g)
+    vc = E.noisy_value_counts(noisy)
+    fits = S._estimates(vc, p, 2, S.PILOTS)
+    assert S._standin_cap(vc, fits, S.PILOTS, int(h.sum()), p, 2) == "items"
+    empty = np.zeros(200_000, np.int64)
+    empty[:5] = [2, 1, 1, 1, 1]
+    noisy0 = empty + discrete_laplace(p_from_epsilon(1.0), len(empty), rng=g)
+    vc0 = E.noisy_value_counts(noisy0)
+    fits0 = S._estimates(vc0, p_from_epsilon(1.0), 1, S.PILOTS)
+    assert S._standin_cap(vc0, fits0, S.PILOTS, 6, p_from_epsilon(1.0), 1) == "scale"

@@ -1,0 +1,279 @@
+"""How ``method="auto"`` should choose: every ingredient of the selection, recorded once per grid
+cell, so that selection rules are compared offline on the same draws.
+
+For each direct cell of the accuracy grid (bench/grid.py), repetition and layer count, on the
+grid's own noisy counters (same seeds, so the same draws as out/grid_results.pkl):
+
+* ``true``: the l1 error against the truth of every candidate (method x cap rule) of
+  :data:`aggregator.selection.CANDIDATES`, on the real counters;
+* ``boot``: for every stand-in truth (pilot estimator x the cap that brings it to n) and
+  :data:`SIMS` simulated states drawn from it, the l1 error of every candidate against the
+  stand-in (what ``selection._select`` computes for its two stand-ins and two draws);
+* ``loglik``: the log-likelihood of the observed noisy values under each stand-in
+  (``selection._loglik``).
+
+A rule is then a function of ``boot`` and ``loglik`` (never of ``true``) that returns a
+candidate; its error in a cell is ``true`` of that candidate. ``--report`` compares rules by the
+grid's criterion: worst-case and geometric-mean regret against the best candidate in hindsight
+(the stored grid's admissible candidates and this study's, whichever is lower), and the
+"lottery": how often two independent halves of the bootstrap draws pick different candidates.
+
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.select_study --run [--layers 1,2]
+    .venv/bin/python -m bench.select_study --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+
+from aggregator.estimate import cap_total, cumulative_from_counts
+from aggregator.intervals import simulate_from_cumulative
+from aggregator.selection import CANDIDATES, STANDIN_MARGIN, _estimates, _l1, _loglik
+from bench import grid
+
+OUT = Path(__file__).resolve().parents[1] / "out" / "select_study.pkl"
+RESULTS = OUT.with_name("grid_results.pkl")
+PILOTS = ("deconvolution", "mle")
+STANDIN_CAPS = ("scale", "items")
+SIMS = 4
+METHODS = tuple(dict.fromkeys(m for m, _ in CANDIDATES))
+
+
+def study_cell(cell, reps, layers) -> dict:
+    """{(rep, layers): {"true", "boot", "loglik"}} for one direct cell."""
+    out = {}
+    p, D, n = cell.p, cell.D, cell.n
+    for rep in reps:
+        h, _, rng = grid.draw(cell, rep)
+        truth = cumulative_from_counts(h)
+        for k in grid.LAYERS:  # draw every layer count in the grid's order: same counters
+            vc = grid._noisy(rng, h, D - len(h), p, k)
+            if k not in layers:
+                continue
+            fits = _estimates(vc, p, k, METHODS)
+            true = {c: _l1(cap_total(fits[c[0]], n, c[1]), truth) for c in CANDIDATES}
+            boot, ll = {}, {}
+            srng = np.random.default_rng([rep, k, 12345])
+            for pm, sc in itertools.product(PILOTS, STANDIN_CAPS):
+                y_p = cap_total(fits[pm], n, sc)
+                ll[(pm, sc)] = _loglik(vc, y_p, D, p, k)
+                total = int(y_p.sum())
+                errs = []
+                for _ in range(SIMS):
+                    ests = _estimates(simulate_from_cumulative(srng, y_p, D, p, k), p, k, METHODS)
+                    errs.append({c: _l1(cap_total(ests[c[0]], total, c[1]), y_p)
+                                 for c in CANDIDATES})
+                boot[(pm, sc)] = errs
+            out[(rep, k)] = dict(true=true, boot=boot, loglik=ll)
+    return out
+
+
+def run(layers) -> None:
+    with open(RESULTS, "rb") as f:
+        stored = pickle.load(f)["results"]
+    state = pickle.load(open(OUT, "rb")) if OUT.exists() else {}
+    todo = [r for r in stored.values() if r.cell.mode == "direct"]
+    todo.sort(key=lambda r: np.mean(r.seconds.get((1, "auto"), [1.0])))  # cheap cells first
+    for i, r in enumerate(todo):
+        want = [k for k in layers if any(key[0] == k for key in r.l1)
+                and any((rep, k) not in state.get(r.cell.key, {}) for rep in range(len(r.items)))]
+        if not want:
+            continue
+        t = time.perf_counter()
+        got = study_cell(r.cell, range(len(r.items)), want)
+        state.setdefault(r.cell.key, {}).update(got)
+        pickle.dump(state, open(OUT.with_suffix(".tmp"), "wb"))
+        OUT.with_suffix(".tmp").replace(OUT)
+        print(f"{i + 1}/{len(todo)} {r.cell.dist} n={r.cell.n} D={r.cell.D} eps={r.cell.eps} "
+              f"layers {want}: {time.perf_counter() - t:.1f} s", flush=True)
+
+
+def relik() -> None:
+    """Recompute every stored ``loglik`` with the current ``selection._loglik`` (the real
+    counters' fits only: cheap next to the bootstrap)."""
+    with open(RESULTS, "rb") as f:
+        stored = pickle.load(f)["results"]
+    state = pickle.load(open(OUT, "rb"))
+    for key, d in state.items():
+        cell = stored[key].cell
+        for rep in sorted({rep for rep, _ in d}):
+            h, _, rng = grid.draw(cell, rep)
+            for k in grid.LAYERS:
+                vc = grid._noisy(rng, h, cell.D - len(h), cell.p, k)
+                if (rep, k) in d:
+                    fits = _estimates(vc, cell.p, k, PILOTS)
+                    d[(rep, k)]["loglik"] = {
+                        (pm, sc): _loglik(vc, cap_total(fits[pm], cell.n, sc), cell.D, cell.p, k)
+                        for pm, sc in itertools.product(PILOTS, STANDIN_CAPS)}
+    pickle.dump(state, open(OUT.with_suffix(".tmp"), "wb"))
+    OUT.with_suffix(".tmp").replace(OUT)
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: (boot, loglik, sims) -> candidate
+# ---------------------------------------------------------------------------------------------
+def minimax(boot, standins, candidates, sims):
+    """The rule of ``selection._select``: per stand-in, summed error over the draws ``sims``,
+    regret against the best candidate; the smallest worst regret (ties: mean regret)."""
+    reg = {c: [] for c in candidates}
+    for s in standins:
+        err = {c: sum(boot[s][i][c] for i in sims) for c in candidates}
+        best = min(err.values())
+        for c in candidates:
+            reg[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
+    return min(candidates, key=lambda c: (max(reg[c]), float(np.mean(reg[c]))))
+
+
+def meanreg(boot, standins, candidates, sims):
+    """The candidate with the smallest mean regret over the stand-ins."""
+    reg = {c: [] for c in candidates}
+    for s in standins:
+        err = {c: sum(boot[s][i][c] for i in sims) for c in candidates}
+        best = min(err.values())
+        for c in candidates:
+            reg[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
+    return min(candidates, key=lambda c: float(np.mean(reg[c])))
+
+
+def per_pilot_cap(ll, T):
+    """Per pilot, the stand-in capped by ``items`` if its log-likelihood beats the one capped by
+    ``scale`` by more than T, else the ``scale`` one."""
+    return [(pm, "items" if ll[(pm, "items")] > ll[(pm, "scale")] + T else "scale")
+            for pm in PILOTS]
+
+
+def both_or_none(ll, T):
+    """Both pilots capped by ``items`` if that beats ``scale`` by more than T for each, else both
+    by ``scale``."""
+    cap = "items" if all(ll[(pm, "items")] > ll[(pm, "scale")] + T for pm in PILOTS) else "scale"
+    return [(pm, cap) for pm in PILOTS]
+
+
+def some_and_none_against(ll, T):
+    """Both pilots capped by ``items`` if that beats ``scale`` by more than T for some pilot and
+    loses by more than T for none (a pilot whose total is under n is the same either way)."""
+    gaps = [ll[(pm, "items")] - ll[(pm, "scale")] for pm in PILOTS]
+    cap = "items" if max(gaps) > T and min(gaps) >= -T else "scale"
+    return [(pm, cap) for pm in PILOTS]
+
+
+def binding_all(ll, T):
+    """Both pilots capped by ``items`` if that beats ``scale`` by more than T for every pilot
+    whose two capped stand-ins differ (its total exceeds n), and some pilot's do
+    (``selection._standin_cap``)."""
+    gaps = [ll[(pm, "items")] - ll[(pm, "scale")] for pm in PILOTS]
+    gaps = [g for g in gaps if g != 0.0]
+    cap = "items" if gaps and min(gaps) > T else "scale"
+    return [(pm, cap) for pm in PILOTS]
+
+
+def plausible(ll, standins, slack):
+    """The stand-ins whose log-likelihood is within ``slack`` of the best one's."""
+    best = max(ll[s] for s in standins)
+    return [s for s in standins if ll[s] >= best - slack]
+
+
+ITEMS = tuple(c for c in CANDIDATES if c[1] == "items")
+ALL_S = tuple(itertools.product(PILOTS, STANDIN_CAPS))
+SCALE_S = tuple((pm, "scale") for pm in PILOTS)
+ITEMS_S = tuple((pm, "items") for pm in PILOTS)
+
+
+def rules():
+    """name -> f(boot, loglik, sims) (sims: the draws the rule may use)."""
+    r = {
+        "current (scale stand-ins, 6 cand.)": lambda b, ll, s: minimax(b, SCALE_S, CANDIDATES, s),
+        "items stand-ins, 6 cand.": lambda b, ll, s: minimax(b, ITEMS_S, CANDIDATES, s),
+        "4 stand-ins, 6 cand.": lambda b, ll, s: minimax(b, ALL_S, CANDIDATES, s),
+        "scale stand-ins, items cand.": lambda b, ll, s: minimax(b, SCALE_S, ITEMS, s),
+        "4 stand-ins, items cand.": lambda b, ll, s: minimax(b, ALL_S, ITEMS, s),
+    }
+    for slack in (2.0, 10.0, 50.0):
+        r[f"4 stand-ins within {slack:g} loglik, 6 cand."] = (
+            lambda b, ll, s, sl=slack: minimax(b, plausible(ll, ALL_S, sl), CANDIDATES, s))
+    r["mean regret, scale stand-ins, 6 cand."] = lambda b, ll, s: meanreg(b, SCALE_S, CANDIDATES, s)
+    r["mean regret, 4 stand-ins, 6 cand."] = lambda b, ll, s: meanreg(b, ALL_S, CANDIDATES, s)
+    r["likeliest stand-in, 6 cand."] = lambda b, ll, s: minimax(b, plausible(ll, ALL_S, 0.0),
+                                                                CANDIDATES, s)
+    r["likeliest pilot's cap + both pilots, 6 cand."] = lambda b, ll, s: minimax(
+        b, [(pm, max(ll, key=ll.get)[1]) for pm in PILOTS], CANDIDATES, s)
+    for T in (5.0, 20.0, 100.0):
+        r[f"per pilot: items stand-in if loglik > scale's + {T:g}, 6 cand."] = (
+            lambda b, ll, s, T=T: minimax(b, per_pilot_cap(ll, T), CANDIDATES, s))
+        r[f"scale stand-ins unless items' loglik > + {T:g} for both, 6 cand."] = (
+            lambda b, ll, s, T=T: minimax(b, both_or_none(ll, T), CANDIDATES, s))
+        r[f"scale stand-ins unless items' loglik > + {T:g} for every binding pilot"] = (
+            lambda b, ll, s, T=T: minimax(b, binding_all(ll, T), CANDIDATES, s))
+        r[f"scale stand-ins unless items' loglik > + {T:g} for one, < - {T:g} for none"] = (
+            lambda b, ll, s, T=T: minimax(b, some_and_none_against(ll, T), CANDIDATES, s))
+    for m in ("deconvolution", "mle"):
+        r[f"fixed {m} / items"] = lambda b, ll, s, m=m: (m, "items")
+    return r
+
+
+def report(layers) -> None:
+    with open(RESULTS, "rb") as f:
+        stored = pickle.load(f)["results"]
+    state = pickle.load(open(OUT, "rb"))
+    half = (range(0, SIMS // 2), range(SIMS // 2, SIMS))
+    for k in layers:
+        rows = {}
+        lottery = {}
+        cells = [key for key, d in state.items() if any(kk == k for (_, kk) in d)]
+        for name, rule in rules().items():
+            regs, differ = [], 0
+            for key in cells:
+                d = {rep: v for (rep, kk), v in state[key].items() if kk == k}
+                r = stored[key]
+                oracle = min(float(np.mean(v)) for (kk, m, cap), v in r.l1.items()
+                             if kk == k and cap != "none")
+                oracle = min(oracle, min(float(np.mean([d[rep]["true"][c] for rep in d]))
+                                         for c in CANDIDATES))
+                e_full = np.mean([d[rep]["true"][rule(d[rep]["boot"], d[rep]["loglik"],
+                                                      range(SIMS))] for rep in d])
+                e_half = np.mean([d[rep]["true"][rule(d[rep]["boot"], d[rep]["loglik"], half[0])]
+                                  for rep in d])
+                differ += sum(rule(d[rep]["boot"], d[rep]["loglik"], half[0])
+                              != rule(d[rep]["boot"], d[rep]["loglik"], half[1]) for rep in d)
+                regs.append((e_full / oracle if oracle > 0 else 1.0,
+                             e_half / oracle if oracle > 0 else 1.0, key))
+            a = np.array([x[0] for x in regs])
+            b = np.array([x[1] for x in regs])
+            worst = max(regs, key=lambda x: x[0])
+            rows[name] = (a.max(), np.exp(np.log(a).mean()), b.max(), np.exp(np.log(b).mean()),
+                          worst[2], int((a > 1.1).sum()), int((a > 2).sum()))
+            lottery[name] = differ
+        print(f"\n### direct, {k} layer{'s' if k > 1 else ''} ({len(cells)} cells)\n")
+        print(f"| rule | worst regret ({SIMS} draws) | geo-mean | worst ({SIMS // 2} draws) | "
+              f"geo-mean | worst cell | cells > 1.1 | cells > 2 | halves disagree |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, v in sorted(rows.items(), key=lambda kv: kv[1][0]):
+            print(f"| {name} | {v[0]:.2f} | {v[1]:.3f} | {v[2]:.2f} | {v[3]:.3f} | "
+                  f"{v[4][1]} n={v[4][2]:.0e} D={v[4][3]:.0e} eps={v[4][4]:g} | {v[5]} | {v[6]} | "
+                  f"{lottery[name]} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", action="store_true")
+    ap.add_argument("--report", action="store_true")
+    ap.add_argument("--relik", action="store_true", help="recompute the stored log-likelihoods")
+    ap.add_argument("--layers", default="1,2,3,6")
+    a = ap.parse_args()
+    layers = [int(x) for x in a.layers.split(",")]
+    if a.run:
+        run(layers)
+    if a.relik:
+        relik()
+    if a.report:
+        report(layers)
+
+
+if __name__ == "__main__":
+    main()
