@@ -981,12 +981,12 @@ MLE_TOL = 1e-9
 DEFAULTS = {
     ("direct", 1): ("auto", "items"),
     ("direct", 2): ("auto", "items"),
-    ("direct", 3): ("mle", "items"),
-    ("direct", 6): ("mle", "items"),
+    ("direct", 3): ("auto", "items"),
+    ("direct", 6): ("auto", "items"),
     ("hashed", 1): ("auto", "items"),
     ("hashed", 2): ("auto", "items"),
     ("hashed", 3): ("auto", "items"),
-    ("hashed", 6): ("mle", "items"),
+    ("hashed", 6): ("auto", "items"),
 }
 DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
 # (mode, layers) -> (snr cut, (method, cap) below it, (method, cap) at or above it): a rule on the
@@ -1017,7 +1017,7 @@ def default_method(mode: str, layers: int, *, n=None, counters=None, p=None) -> 
     """The estimator a release uses when none is named (:data:`DEFAULTS`).
 
     >>> default_method("hashed", 1), default_method("direct", 2), default_method("direct", 5)
-    ('auto', 'auto', 'mle')
+    ('auto', 'auto', 'auto')
     """
     return _default(mode, layers, n, counters, p)[0]
 

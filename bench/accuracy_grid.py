@@ -515,6 +515,9 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
         w(f"{run}{q} --coverage --run-only  # error-bar coverage")
     if state.get("timing"):
         w(f"{run}{q} --timing --run-only    # release time at D = 1e7")
+    if state.get("replaced"):
+        w(f"{run}{q} --replace auto --shard i/2  # an estimator re-run (i = 0, 1), then:")
+        w(f"{run}{q} --replace-merge")
     w(f"{run}{q} --report               # this file and bench/grid_defaults.json")
     w("```")
     w("")
@@ -522,6 +525,11 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
         w(f"(run started {r['started']} at commit {r['rev']}; {r['cells']} cells in "
           f"{r['seconds'] / 60:.1f} min; load average {r['load0'][0]:.2f} at start, "
           f"{r['load1'][0]:.2f} at end.)")
+    for r in state.get("replaced", []):
+        w(f"(then {', '.join(r['methods'])} at layers {', '.join(map(str, r['layers']))} re-run "
+          f"on the same counters with the code of commit {r['rev']} and put in place of the "
+          f"stored entries (`--replace`, started {r['started']}; {r['cells']} cells in "
+          f"{r['seconds'] / 60:.1f} min, load average {r['load'][0]:.2f} at end).)")
     w(f"({cpu_model()}, {os.cpu_count()} cores; {versions(['numpy', 'scipy'])}; "
       f"{wall / 60:.0f} min of grid in total. Source: `bench/grid.py` (cells, pairing, regret), "
       "`bench/accuracy_grid.py` (this report). Raw results: out/grid_results.pkl.)")
