@@ -118,26 +118,28 @@ def relik() -> None:
 # ---------------------------------------------------------------------------------------------
 # rules: (boot, loglik, sims) -> candidate
 # ---------------------------------------------------------------------------------------------
-def minimax(boot, standins, candidates, sims):
-    """The rule of ``selection._select``: per stand-in, summed error over the draws ``sims``,
-    regret against the best candidate; the smallest worst regret (ties: mean regret)."""
+def _regrets(boot, standins, candidates, sims) -> dict:
+    """{candidate: [regret under each stand-in]}: summed error over the draws ``sims`` against
+    the best candidate's under that stand-in."""
     reg = {c: [] for c in candidates}
     for s in standins:
         err = {c: sum(boot[s][i][c] for i in sims) for c in candidates}
         best = min(err.values())
         for c in candidates:
             reg[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
+    return reg
+
+
+def minimax(boot, standins, candidates, sims):
+    """The rule of ``selection._select``: the smallest worst regret over the stand-ins (ties:
+    mean regret)."""
+    reg = _regrets(boot, standins, candidates, sims)
     return min(candidates, key=lambda c: (max(reg[c]), float(np.mean(reg[c]))))
 
 
 def meanreg(boot, standins, candidates, sims):
     """The candidate with the smallest mean regret over the stand-ins."""
-    reg = {c: [] for c in candidates}
-    for s in standins:
-        err = {c: sum(boot[s][i][c] for i in sims) for c in candidates}
-        best = min(err.values())
-        for c in candidates:
-            reg[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
+    reg = _regrets(boot, standins, candidates, sims)
     return min(candidates, key=lambda c: float(np.mean(reg[c])))
 
 
