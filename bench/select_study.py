@@ -20,6 +20,7 @@ grid's criterion: worst-case and geometric-mean regret against the best candidat
 
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.select_study --run [--layers 1,2]
     .venv/bin/python -m bench.select_study --report
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.select_study --outside   # cells it was not chosen on
 """
 
 from __future__ import annotations
@@ -113,6 +114,34 @@ def relik() -> None:
                         for pm, sc in itertools.product(PILOTS, STANDIN_CAPS)}
     pickle.dump(state, open(OUT.with_suffix(".tmp"), "wb"))
     OUT.with_suffix(".tmp").replace(OUT)
+
+
+def outside(reps: int = 6) -> None:
+    """The product's ``auto`` against the previous rule (thinned stand-ins, two draws) and
+    thinned stand-ins with four draws, on the coverage cells' counters (bench/grid.py
+    ``coverage_cells``, direct; not the cells the rule was chosen on): mean l1 error per
+    rule and layer count."""
+    from aggregator import selection as S
+
+    rules = {"now": (S._standin_cap, S.SIMS), "before": (lambda *a: "scale", 2),
+             "thinned, 4 draws": (lambda *a: "scale", 4)}
+    now = S._standin_cap
+    try:
+        for cell in [c for c in grid.coverage_cells(False) if c.mode == "direct"]:
+            err: dict = {}
+            for rep in range(min(cell.reps, reps)):
+                h, _, rng = grid.draw(cell, rep)
+                truth = cumulative_from_counts(h)
+                for k in (1, 2):
+                    vc = grid._noisy(rng, h, cell.counters - len(h), cell.p, k)
+                    for name, (rule, sims) in rules.items():
+                        S._standin_cap, S._LAST[:] = rule, []
+                        y, _ = S.select(vc, cell.p, layers=k, n=cell.n, sims=sims)
+                        err.setdefault((name, k), []).append(_l1(y, truth))
+            print(f"{cell.dist} n={cell.n:.0e} D={cell.D:.0e} eps={cell.eps:g}: " + ", ".join(
+                f"{name} {k}L {np.mean(v):.0f}" for (name, k), v in err.items()), flush=True)
+    finally:
+        S._standin_cap = now
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +295,8 @@ def main() -> None:
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--relik", action="store_true", help="recompute the stored log-likelihoods")
+    ap.add_argument("--outside", action="store_true",
+                    help="auto now vs before on the coverage cells (not the study's cells)")
     ap.add_argument("--layers", default="1,2,3,6")
     a = ap.parse_args()
     layers = [int(x) for x in a.layers.split(",")]
@@ -275,6 +306,8 @@ def main() -> None:
         relik()
     if a.report:
         report(layers)
+    if a.outside:
+        outside()
 
 
 if __name__ == "__main__":
