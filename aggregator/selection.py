@@ -155,10 +155,22 @@ def _loglik(vc, y, counters: int, p: float, k: int) -> float:
     w = np.zeros(hi - lo + 1)
     w[-lo] = counters - (int(y[0]) if len(y) else 0)  # the empty counters, at value 0
     w[1 - lo: len(y) + 1 - lo] = mult
-    pred = _conv(w / max(counters, 1), q)  # pmf of a noisy value on [lo, hi]
+    w /= max(counters, 1)
+    pred = _conv(w, q)  # pmf of a noisy value on [lo, hi]
     seen = vc.c > 0
     at = np.flatnonzero(seen) + vc.lo - lo
-    return float((vc.c[seen] * np.log(np.maximum(pred[at], 1e-300))).sum())
+    pa = pred[at]
+    # a wide kernel goes through an FFT, whose rounding (~1e-15 of the largest value) swamps the
+    # small probabilities of the sparse tail, where one unexplained counter is the evidence:
+    # those are summed directly over the stand-in values within reach K
+    small = np.flatnonzero(pa < 1e-9)
+    if len(small):
+        nz = np.flatnonzero(w)
+        for i in small:
+            v = at[i]
+            r = nz[np.searchsorted(nz, v - K): np.searchsorted(nz, v + K, side="right")]
+            pa[i] = float((w[r] * q[v - r + K]).sum())
+    return float((vc.c[seen] * np.log(np.maximum(pa, 1e-300))).sum())
 
 
 def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple[np.ndarray, tuple]:

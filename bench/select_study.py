@@ -234,7 +234,7 @@ def rules():
                                                                 CANDIDATES, s)
     r["likeliest pilot's cap + both pilots, 6 cand."] = lambda b, ll, s: minimax(
         b, [(pm, max(ll, key=ll.get)[1]) for pm in PILOTS], CANDIDATES, s)
-    for T in (5.0, 20.0, 100.0):
+    for T in (5.0, 20.0, 100.0, 300.0, 1000.0):
         r[f"per pilot: items stand-in if loglik > scale's + {T:g}, 6 cand."] = (
             lambda b, ll, s, T=T: minimax(b, per_pilot_cap(ll, T), CANDIDATES, s))
         r[f"scale stand-ins unless items' loglik > + {T:g} for both, 6 cand."] = (
