@@ -225,6 +225,28 @@ def rerun_path(path: Path) -> Path:
     return path.with_name(path.stem.replace("grid_results", "grid_rerun") + ".pkl")
 
 
+def _run_again(todo: list, part: dict, out: Path, methods, layers, what: str) -> None:
+    """Run ``methods`` at ``layers`` (those each cell was stored with) on the stored cells
+    ``todo`` with their own repetitions, so the same noisy counters, into ``part``, saved to
+    ``out`` after each cell (resumable) and recorded with the code this process imported."""
+    log(f"{what} of {tuple(methods)} at layers {tuple(layers)}: {len(todo)} cells -> {out}")
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    t_run, rev = time.perf_counter(), git_rev(["aggregator", "bench"])
+    for i, r in enumerate(todo):
+        t = time.perf_counter()
+        have = tuple(k for k in layers if any(key[0] == k for key in r.l1))
+        part["results"][r.cell.key] = grid.run_cell(r.cell, layers=have, methods=methods,
+                                                    reps=range(len(r.items)))
+        save(part, out)
+        log(f"{what} {i + 1}/{len(todo)} {r.cell.mode} {cell_label(r.cell)}: "
+            f"{time.perf_counter() - t:.1f} s")
+    if todo:
+        part["runs"].append(dict(started=started, seconds=time.perf_counter() - t_run,
+                                 cells=len(todo), rev=rev, methods=list(methods),
+                                 layers=list(layers), load=os.getloadavg()))
+        save(part, out)
+
+
 def run_rerun(state: dict, path: Path, modes=("direct", "hashed")) -> dict:
     """The EM-based candidates again, with the current code, on every stored cell of ``modes``
     and the same noisy counters (each repetition's generator draws the counters of layers 1, 2,
@@ -232,21 +254,7 @@ def run_rerun(state: dict, path: Path, modes=("direct", "hashed")) -> dict:
     by cell against the stored run. Resumable; saved to out/grid_rerun.pkl."""
     rr = load(path)
     todo = [r for r in ordered(state) if r.cell.mode in modes and r.cell.key not in rr["results"]]
-    log(f"rerun of {RERUN_METHODS} at layers {RERUN_LAYERS}: {len(todo)} cells -> {path}")
-    t_run = time.perf_counter()
-    started = datetime.datetime.now().isoformat(timespec="seconds")
-    rev = git_rev(["aggregator", "bench"])  # the code this process imported
-    for i, r in enumerate(todo):
-        t = time.perf_counter()
-        rr["results"][r.cell.key] = grid.run_cell(r.cell, layers=RERUN_LAYERS,
-                                                  methods=RERUN_METHODS, reps=range(len(r.items)))
-        save(rr, path)
-        log(f"rerun {i + 1}/{len(todo)} {r.cell.mode} {cell_label(r.cell)}: "
-            f"{time.perf_counter() - t:.1f} s")
-    if todo:
-        rr["runs"].append(dict(started=started, seconds=time.perf_counter() - t_run,
-                               cells=len(todo), rev=rev, load=os.getloadavg()))
-        save(rr, path)
+    _run_again(todo, rr, path, RERUN_METHODS, RERUN_LAYERS, "rerun")
     return rr
 
 
@@ -264,22 +272,8 @@ def run_replace(state: dict, path: Path, methods, layers, shard: str = "0/1") ->
     out = replace_path(path, shard)
     part = load(out)
     mine = sorted(ordered(state), key=lambda r: cell_cost(r.cell))[i::N]
-    todo = [r for r in mine if r.cell.key not in part["results"]]
-    log(f"replace {methods} at layers {layers}: {len(todo)} cells -> {out}")
-    started = datetime.datetime.now().isoformat(timespec="seconds")
-    t_run, rev = time.perf_counter(), git_rev(["aggregator", "bench"])
-    for j, r in enumerate(todo):
-        t = time.perf_counter()
-        have = tuple(k for k in layers if any(key[0] == k for key in r.l1))
-        part["results"][r.cell.key] = grid.run_cell(r.cell, layers=have, methods=methods,
-                                                    reps=range(len(r.items)))
-        save(part, out)
-        log(f"replace {j + 1}/{len(todo)} {r.cell.mode} {cell_label(r.cell)}: "
-            f"{time.perf_counter() - t:.1f} s")
-    part["runs"].append(dict(started=started, seconds=time.perf_counter() - t_run,
-                             cells=len(todo), rev=rev, methods=list(methods),
-                             layers=list(layers), load=os.getloadavg()))
-    save(part, out)
+    _run_again([r for r in mine if r.cell.key not in part["results"]], part, out, methods,
+               layers, "replace")
 
 
 def merge_replace(path: Path) -> None:
@@ -290,7 +284,7 @@ def merge_replace(path: Path) -> None:
         part = load(rp)
         for key, new in part["results"].items():
             old = state["results"][key]
-            if len(new.items) != len(old.items) or new.items != old.items:
+            if new.items != old.items:
                 raise SystemExit(f"{rp.name}: {key} has other draws than the stored run")
             for name in ("l1", "seconds", "total"):
                 getattr(old, name).update(getattr(new, name))
