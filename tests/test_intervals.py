@@ -171,3 +171,96 @@ def test_prediction_band_is_never_narrower_than_the_sample():
     same = np.zeros((10, 3))
     lo, hi = iv.prediction_band(same, 0.9)  # no spread: the interval is the value itself
     assert np.all(lo == 0.0) and np.all(hi == 0.0)
+
+
+# -- the information floor -----------------------------------------------------------------------
+def _floor_by_definition(hist_counts, C, p, k, level=0.9, top=8):
+    """information_floor's distinct-items and phi_2 bounds, counter by counter: the pmf of one
+    counter's noisy value summed over the counters, each move pair's Fisher information from
+    that pmf, the standard error capped by the pair's reach, the largest over the pairs."""
+    from scipy.stats import norm
+    z = norm.ppf(1 - (1 - level) / 2)
+    K, q = noise_pmf(p, k)
+    pmf = lambda x: q[x + K] if -K <= x <= K else 0.0  # noqa: E731
+    values = list(hist_counts) + [0] * (C - len(hist_counts))
+    mult = {}
+    for v in values:
+        mult[v] = mult.get(v, 0) + 1
+    xs = range(-K - 2, top + K + 3)
+    fC = {x: max(sum(m * pmf(x - v) for v, m in mult.items()), 1e-12) for x in xs}
+    best = {"distinct": 0.0, "phi_2": 0.0}
+    for a in range(top + 1):
+        for b in range(top + 1):
+            reach = (mult.get(a, 0) // 2 if a == b + 1
+                     else min(mult.get(a, 0), mult.get(b + 1, 0)))
+            if a == b or reach < 1:
+                continue
+            info = sum((pmf(x - a - 1) - pmf(x - a) - pmf(x - b - 1) + pmf(x - b)) ** 2 / fC[x]
+                       for x in xs)
+            se = min(1 / math.sqrt(info), reach / z)
+            s1 = (a + 1 == 1) - (b + 1 == 1)
+            s2 = (a + 1 == 2) - (a == 2) + (b == 2) - (b + 1 == 2)
+            best["distinct"] = max(best["distinct"], abs(s1) * se)
+            best["phi_2"] = max(best["phi_2"], abs(s2) * se)
+    return best
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_information_floor_matches_its_definition(k):
+    g = np.random.default_rng(k)
+    h = g.integers(1, 7, 300)
+    p = p_from_epsilon(1.0)
+    y = np.cumsum(np.bincount(h)[::-1])[::-1][1:]
+    got = iv.information_floor(y, 2_000, p, k, top=8)
+    want = _floor_by_definition(h, 2_000, p, k, top=8)
+    assert got["phi_ge"][0] == pytest.approx(want["distinct"], rel=1e-6)
+    assert got["phi_r"][1] == pytest.approx(want["phi_2"], rel=1e-6)
+
+
+def test_information_floor_of_an_empty_window_is_the_noise_floor():
+    p = p_from_epsilon(1.0)
+    se = iv.information_floor([], 10**5, p, 1)["phi_ge"][0]
+    assert se == pytest.approx(iv.noise_floor(10**5, p, 1), rel=1e-6)
+
+
+def test_information_floor_is_zero_where_nothing_can_move():
+    # every counter holds 5 events: no empty counter, no second count to trade with
+    p = p_from_epsilon(1.0)
+    y = np.full(5, 1_000)
+    fl = iv.information_floor(y, 1_000, p, 2)
+    assert fl["phi_ge"][0] == 0 and fl["phi_r"][0] == 0
+    assert fl["entropy"] > 0  # two items at 5 can become 4 and 6
+
+
+def test_support_coverage_at_2n_is_twice_the_odd_prevalences():
+    # the S_2n weights information_floor uses
+    from aggregator.properties import support_coverage
+    h = np.random.default_rng(0).integers(1, 40, 500)
+    odd = np.bincount(h)[1::2].sum()
+    assert support_coverage(h, 2 * int(h.sum())) == pytest.approx(2 * odd)
+
+
+def test_error_bars_are_never_shorter_than_the_information_floor(monkeypatch):
+    # 2,000 items of geometric counts among 4,000 counters, two layers: the bootstrap's spread
+    # alone gives a shorter distinct-items interval than the counters' information allows
+    g = np.random.default_rng(1)
+    p = p_from_epsilon(1.0)
+    h = np.concatenate([g.geometric(0.3, 2000), np.zeros(2000, np.int64)])
+    noisy = h + discrete_laplace(p, len(h), rng=g) + discrete_laplace(p, len(h), rng=g)
+    n = int(h.sum())
+    eb = iv.error_bars(noisy, p, layers=2, n=n, reps=6, rng=1)
+    release = len(eb["histogram"])
+    lo, hi = eb["distinct"]
+    z = 1.6448536269514722
+    floors = [iv.information_floor(
+        np.cumsum(np.bincount(anonymized_histogram(noisy, p, layers=2, n=n, method=m))[::-1])
+        [::-1][1:], len(h), p, 2)["phi_ge"][0] for m in ("deconvolution", "mle")]
+    assert max(floors) > 0
+    assert lo <= max(release - z * max(floors), 0) + 1e-6
+    assert hi >= min(release + z * max(floors), len(h)) - 1e-6
+    # negative control: without the floor the same bootstrap gives a shorter interval
+    monkeypatch.setattr(iv, "information_floor", lambda *a, **kw: {
+        "phi_ge": np.zeros(iv.FLOOR_R), "phi_r": np.zeros(iv.FLOOR_R), "entropy": 0.0,
+        "coverage_2n": 0.0})
+    bare = iv.error_bars(noisy, p, layers=2, n=n, reps=6, rng=1)["distinct"]
+    assert bare[1] - bare[0] < 0.8 * (hi - lo)
