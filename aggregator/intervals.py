@@ -43,6 +43,14 @@ m + 1 - k with k = floor((m + 1)(1 - level) / 2) when k >= 1 (coverage >= level 
 exchangeable draws), else the Student-t prediction interval mean +- t(m - 1) s sqrt(1 + 1/m),
 never narrower than the sample's range.
 
+Information floor. The bootstrap sees an estimator's spread at a stand-in, and an estimator that
+barely reacts to the truth (it shrinks to few items in a mostly empty state, or cannot tell that
+no counter is empty in a full one) has a small spread and a bias that moves with the truth: its
+intervals came out far too short exactly there. :func:`information_floor` gives, per statistic,
+how far the truth can be from the stand-in without the counters telling them apart (moves of
+events that keep n and the counters, within Fisher-Rao length z_{level}, as far as the stand-in
+has items to move), and no interval is shorter than that on either side of the release.
+
 >>> round(noise_floor(10**6, 0.6065306597126334, 1))   # sqrt(1e6 x), x = p/(1-p)^2 = 3.918
 1979
 >>> signal_below_noise(1000, 10**6, 0.6065306597126334, 1)
@@ -66,11 +74,6 @@ __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_be
            "FLOOR_R"]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
-
-
-def _norm_ppf(u: float) -> float:
-    from scipy.stats import norm
-    return float(norm.ppf(u))
 
 
 def chi2_shift(p: float, layers: int = 1) -> float:
@@ -152,45 +155,47 @@ FLOOR_R = 32  # phi_{>=r} and phi_r get an information floor for r = 1..FLOOR_R
 
 def information_floor(y, counters: int, p: float, layers: int = 1, level: float = 0.9,
                       top: int = FLOOR_R) -> dict:
-    """Smallest standard errors the counters allow, at the histogram with cumulative prevalence
-    ``y`` (phi_{>=r}, r = 1..len(y)), for phi_{>=r} and phi_r (r = 1..``top``), the plug-in
-    entropy and the support coverage S_2n: each a lower bound for any regular estimator.
+    """How far the truth can be from the histogram with cumulative prevalence ``y`` (phi_{>=r},
+    r = 1..len(y)) without the counters telling them apart at ``level``: half-widths, in each
+    statistic's units, for phi_{>=r} and phi_r (r = 1..``top``), the plug-in entropy (nats) and
+    the support coverage S_2n. No interval of :func:`error_bars` is shorter on either side.
 
-    Why: the bootstrap measures an estimator's spread at a stand-in truth. An estimator that
-    barely reacts to the truth (it shrinks to few items when the counters are mostly empty, or
-    cannot see that no counter is empty when every one is) has a small spread and a bias that
-    changes with the truth, and its bootstrap interval is far too short: at n = 1e3 events in
-    1e5 counters the intervals for distinct items were ~150 wide, the truth ~400 away. How wide
-    an interval must be follows from the counters' information instead.
+    Why: the bootstrap sees an estimator's spread at a stand-in truth. An estimator that barely
+    reacts to the truth (it shrinks to few items when the counters are mostly empty, or cannot
+    see that no counter is empty when every one is) has a small spread and a bias that changes
+    with the truth, and its bootstrap interval is far too short: at n = 1e3 events in 1e5
+    counters the intervals for distinct items were ~150 wide with the truth ~400 away.
 
-    The bound. Take a direction that changes the histogram but neither n (public) nor the
-    number of counters: one item moves up from count a to a + 1 and another down from b + 1 to
-    b (a = 0 makes an empty counter an item, b = 0 an item an empty counter). Along it the noisy
-    value of a counter has pmf f + t U / C with f the histogram's noisy-value pmf (the counts
-    convolved with q, the pmf of k DLap(p) draws), U(x) = q(x-a-1) - q(x-a) - q(x-b-1) + q(x-b),
-    and the C counters carry Fisher information I(t) = sum_x U(x)^2 / (C f(x)). A statistic that
-    changes by s per unit t has, by the Cramer-Rao bound in this one-parameter sub-model, a
-    standard error of at least |s| / sqrt(I); the full model (every other count a nuisance) has
-    less information than any sub-model, so each direction gives a lower bound and the largest
-    over the directions (a, b < ``top`` + 1, both moves possible in the histogram) is kept. A
-    two-sided interval at level 1 - alpha that holds near this histogram is, asymptotically, at
-    least z_{alpha/2} times that wide on each side (the normal-shift experiment's bound).
-    The bound is local: a direction reaches only as far as the histogram has items to move
-    (T = min(phi_a, phi_{b+1}) moves, phi_0 the empty counters), so its standard error is taken
-    at most T |s| / z: without that, the two-layer bound at 1e4 counters holding ~10 events each
-    asked for +-3,600 items along moves of the ~5 items at count 1.
-    For one layer and mostly empty counters, the move a = 0 alone gives :func:`noise_floor`.
+    Moves. A move takes one item up from count a to a + 1 and another down from b + 1 to b
+    (a = 0: an empty counter becomes an item; b = 0: an item becomes an empty counter), so n
+    (public) and the number of counters stay. Along t such moves a counter's noisy value has pmf
+    f + t U / C, with f the histogram's noisy-value pmf (its counts convolved with q, the pmf of
+    k DLap(p) draws) and U(x) = q(x-a-1) - q(x-a) - q(x-b-1) + q(x-b); the C counters carry
+    Fisher information I = sum_x U(x)^2 / (C f(x)) per move, so t moves have Fisher-Rao length
+    t sqrt(I). Two histograms at length L apart are, to first order, N(0, 1) against N(L, 1):
+    at L <= z (the two-sided normal quantile of ``level``) a ``level`` interval that holds at
+    both must reach from one to the other (the Cramer-Rao bound along the path: a standard error
+    of at least |s| / sqrt(I) for a statistic that changes by s per move).
 
-    Changes per unit t: phi_{>=r} +1 when a + 1 = r, -1 when b + 1 = r; phi_r likewise for the
-    ends at r; entropy H = log n - sum_v phi_v g(v) / n with g(v) = v log v, so
-    -(g(a+1) - g(a) - g(b+1) + g(b)) / n; S_2n = 2 (phi_1 + phi_3 + ...) (at m = 2n the smoothed
-    Good-Toulmin weights are all 1: ``properties.support_coverage``), so +-2 per move.
-    ``level``: the two-sided level whose normal quantile z limits a direction's reach.
+    The half-width of a statistic is the largest change it takes along a path of moves of total
+    length z, found greedily: moves in order of change per unit length, each as many times as
+    the histogram has items to move (phi_a and phi_{b+1}, phi_0 the empty counters; a move's
+    items become available to the next moves, so an item at count 8 can split off seven
+    singletons one at a time), until the length is spent. Each move's information is taken at
+    ``y`` (first order). Moves with a, b <= ``top``; the changes per move: phi_{>=r} +1 when
+    a + 1 = r, -1 when b + 1 = r; phi_r likewise at its ends; entropy H = log n - sum_v phi_v
+    g(v) / n with g(v) = v log v, so -(g(a+1) - g(a) - g(b+1) + g(b)) / n; S_2n =
+    2 (phi_1 + phi_3 + ...) (at m = 2n the smoothed Good-Toulmin weights are all 1:
+    ``properties.support_coverage``), so +-2 per move. Increases and decreases are searched
+    separately and the larger is kept.
+
+    An empty histogram (nothing to move down) takes the empty counters becoming singletons, the
+    one-layer case of which is :func:`noise_floor` times z.
 
     >>> p = 0.6065306597126334
-    >>> se = information_floor([], 10**5, p)     # an empty window, one layer
-    >>> bool(se["phi_ge"][0] >= noise_floor(10**5, p) * 0.999)
-    True
+    >>> hw = information_floor([], 10**5, p)     # an empty window, one layer
+    >>> round(float(hw["phi_ge"][0] / noise_floor(10**5, p)), 3)     # z at 0.90
+    1.645
     """
     from scipy.stats import norm
 
@@ -200,54 +205,75 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
     counters = int(counters)
     items = int(y[0]) if len(y) else 0
     n = int(np.dot(np.arange(1, len(y) + 1), y - np.concatenate([y[1:], [0]]))) if len(y) else 0
-    A = int(top) + 1  # move starts a = 0..top
-    # multiplicity of each count 0..A + 2K + 1 (0: the empty counters)
-    span = A + 2 * K + 2
+    A = int(top) + 1  # moves start at a = 0..top
+    span = A + 2 * K + 2  # counts whose noise reaches a move's values
     mult = np.zeros(span + 1)
     mult[0] = max(counters - items, 0)  # (hashed mode: items beyond the buckets)
-    phi = y[:span] - np.concatenate([y[1:span + 1], [0] * max(0, span + 1 - len(y))])[:len(y[:span])]
-    mult[1:1 + len(phi)] = phi
-    # f(x) * C on x = -K .. A + K + 1 (every x a move's U reaches)
-    fC = np.convolve(mult, q)[: A + 2 * K + 2]
-    fC = np.maximum(fC, 1e-12)
-    # U_c(x) = q(x - c - 1) - q(x - c): the move c -> c + 1, c = 0..A - 1
-    L = len(fC)
-    U = np.zeros((A, L))
+    ys = np.concatenate([y[:span + 1], np.zeros(max(0, span + 1 - len(y)), np.int64)])
+    mult[1:] = (ys[:-1] - ys[1:])[:span]
+    # f(x) C on x = -K .. A + K + 1, every x a move's U reaches
+    fC = np.maximum(np.convolve(mult, q)[: A + 2 * K + 2], 1e-12)
+    U = np.zeros((A, len(fC)))  # U_c(x) = q(x - c - 1) - q(x - c): c -> c + 1
     for c in range(A):
         U[c, c + 1: c + 1 + len(q)] += q
         U[c, c: c + len(q)] -= q
-    G = (U / fC) @ U.T  # G[u, v] = sum_x U_u U_v / (C f)
+    G = (U / fC) @ U.T
     d = np.diag(G)
-    info = d[:, None] + d[None, :] - 2.0 * G  # I[a, b]: a up, b + 1 down
-    # how far each direction reaches: a move needs an item at a and one at b + 1, so the
-    # histogram allows at most T = min(mult[a], mult[b + 1]) of them (half when a = b + 1)
-    reach = np.minimum(mult[:A, None], mult[None, 1:A + 1])
-    reach[np.arange(1, A), np.arange(A - 1)] = np.floor(mult[1:A] / 2)
-    ok = (reach >= 1) & ~np.eye(A, dtype=bool) & (info > 0)
-    a_idx, b_idx = np.nonzero(ok)
-    if not len(a_idx) and mult[0] > 0:
-        # no item to move down (an empty stand-in): n is then not what it holds anyway, and the
-        # empty counters becoming items is the direction (for one layer, :func:`noise_floor`)
-        a_idx, b_idx = np.zeros(1, np.int64), np.full(1, -1)
-        inv, cap = np.array([1.0 / math.sqrt(d[0])]), np.array([mult[0]])
-    else:
-        inv, cap = 1.0 / np.sqrt(info[a_idx, b_idx]), reach[a_idx, b_idx]
+    a_idx, b_idx = np.nonzero(~np.eye(A, dtype=bool))
+    info = (d[:, None] + d[None, :] - 2.0 * G)[a_idx, b_idx]
+    keep = info > 0
+    a_idx, b_idx, length = a_idx[keep], b_idx[keep], np.sqrt(info[keep])
+    avail0 = mult[: A + 1].copy()
 
-    def worst(s):
-        """The largest standard error over the directions, each at most its reach / z."""
-        s = np.abs(s)
-        return float((s * np.minimum(inv, cap / z)).max()) if len(inv) else 0.0
+    def reach(s) -> float:
+        """The largest change of a statistic (``s`` per move, per direction) along moves of
+        Fisher-Rao length z in all."""
+        best = 0.0
+        for sign in (1.0, -1.0):
+            gain = sign * np.asarray(s, dtype=np.float64)
+            use = np.flatnonzero(gain > 0)
+            if not len(use):
+                continue
+            use = use[np.argsort(-gain[use] / length[use], kind="stable")]
+            avail, budget, total = avail0.copy(), z, 0.0
+            for _ in range(4 * A):  # passes: moved items feed later moves
+                moved = 0.0
+                for i in use:
+                    a, b = a_idx[i], b_idx[i]
+                    cap = min(avail[a], avail[b + 1]) if a != b + 1 else avail[a] / 2
+                    t = min(cap, budget / length[i])
+                    if t <= 0:
+                        continue
+                    avail[a] -= t
+                    avail[b + 1] -= t
+                    avail[a + 1] += t
+                    avail[b] += t
+                    budget -= t * length[i]
+                    total += t * gain[i]
+                    moved += t
+                    if budget <= 1e-12:
+                        break
+                if budget <= 1e-12 or moved <= 1e-9:
+                    break
+            best = max(best, total)
+        return best
 
+    if not len(a_idx) or not mult[1: A + 1].any():
+        # nothing to move down: the empty counters becoming singletons (n is not what this
+        # histogram holds anyway)
+        one = z / math.sqrt(d[0]) * (mult[0] > 0)
+        return {"phi_ge": np.r_[one, np.zeros(top - 1)], "phi_r": np.r_[one, np.zeros(top - 1)],
+                "entropy": 0.0, "coverage_2n": 2.0 * one}
     out = {"phi_ge": np.zeros(top), "phi_r": np.zeros(top)}
     for r in range(1, top + 1):
-        out["phi_ge"][r - 1] = worst((a_idx + 1 == r).astype(float) - (b_idx + 1 == r))
-        out["phi_r"][r - 1] = worst((a_idx + 1 == r).astype(float) - (a_idx == r)
+        out["phi_ge"][r - 1] = reach((a_idx + 1 == r).astype(float) - (b_idx + 1 == r))
+        out["phi_r"][r - 1] = reach((a_idx + 1 == r).astype(float) - (a_idx == r)
                                     + (b_idx == r) - (b_idx + 1 == r))
     g = np.zeros(A + 1)
     g[1:] = np.arange(1, A + 1) * np.log(np.arange(1, A + 1))
-    out["entropy"] = worst((g[a_idx + 1] - g[a_idx] - g[b_idx + 1] + g[b_idx]) / n) if n else 0.0
+    out["entropy"] = reach((g[a_idx + 1] - g[a_idx] - g[b_idx + 1] + g[b_idx]) / n) if n else 0.0
     odd = (np.arange(A + 1) % 2 == 1).astype(float) * 2.0  # S_2n weight of an item at count v
-    out["coverage_2n"] = worst(odd[a_idx + 1] - odd[a_idx] - odd[b_idx + 1] + odd[b_idx])
+    out["coverage_2n"] = reach(odd[a_idx + 1] - odd[a_idx] - odd[b_idx + 1] + odd[b_idx])
     return out
 
 
@@ -425,7 +451,6 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     y = cumulative_from_counts(est)
     stand_ins = {"both": ("deconvolution", "mle")}.get(model, (model,))
     top = float(n) if n is not None else math.inf
-    z = float(_norm_ppf(1.0 - (1.0 - level) / 2.0))
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
     for sm in stand_ins:
         truth = est if sm is None else anonymized_histogram(vc, p, **(kw | {"method": sm}))
@@ -471,12 +496,12 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # no interval shorter than the counters' information allows (information_floor):
         # the bootstrap's spread understates it where the estimator barely reacts to the truth
         fl = information_floor(y_t, counters, p, layers, level=level)
-        f_ge, f_r = z * fl["phi_ge"][: R], z * fl["phi_r"][: R - 1]
+        f_ge, f_r = fl["phi_ge"][: R], fl["phi_r"][: R - 1]
         lows[-1][: len(f_ge)] = np.minimum(lows[-1][: len(f_ge)], y_full[: len(f_ge)] - f_ge)
         highs[-1][: len(f_ge)] = np.maximum(highs[-1][: len(f_ge)], y_full[: len(f_ge)] + f_ge)
         rl[-1][: len(f_r)] = np.minimum(rl[-1][: len(f_r)], r_full[: len(f_r)] - f_r)
         rh[-1][: len(f_r)] = np.maximum(rh[-1][: len(f_r)], r_full[: len(f_r)] + f_r)
-        hz, cz = z * fl["entropy"], z * fl["coverage_2n"]
+        hz, cz = fl["entropy"], fl["coverage_2n"]
         hs.append((min(hq[0], h_gap, -hz), max(hq[1], h_gap, hz)))
         cvs.append((min(cq[0], c_gap, -cz), max(cq[1], c_gap, cz)))
         bands.append((np.minimum(bq[0], b_gap), np.maximum(bq[1], b_gap)))
