@@ -143,3 +143,55 @@ def test_config_errors_are_one_line(tmp_path, sets, fragment):
     with pytest.raises(ConfigError) as exc:
         cfg_for(tmp_path, *sets)
     assert fragment in str(exc.value) and "\n" not in str(exc.value)
+
+
+class _Clock:
+    """The event-time module's clock, ``ahead`` seconds after the real one."""
+
+    def __init__(self, ahead: float):
+        self.ahead = ahead
+
+    def time(self):
+        return time.time() + self.ahead
+
+    def monotonic(self):
+        return time.monotonic()
+
+
+# a record stamped 100 s after "now" among window-0 records: with a 60 s skew it is a reject,
+# but a clock 200 s later would take it (and jump to its window, making 12 and 13 late)
+FUTURE_PARTS = {"t:0": [(1, 1), (NOW + 100, 2), (2, 3), (12, 4), (13, 5)]}
+
+
+@pytest.mark.parametrize("keep_log", [True, False])
+def test_a_replay_rejects_a_future_record_again_whatever_the_clock(tmp_path, monkeypatch,
+                                                                   keep_log):
+    from aggregator.service import event_time as et
+
+    skew = "window.max_future_skew_s=60"
+    ref = tmp_path / "ref"
+    Aggregator(cfg_for(ref, skew), ListSource(FUTURE_PARTS)).run()
+    expected = releases(ref)
+    assert [w["events"] for w in expected] == [2, 2]
+
+    run = tmp_path / "run"
+    agg = Aggregator(cfg_for(run, skew), ListSource(FUTURE_PARTS, chunk=1))
+    agg.restore()
+    while not agg.task.totals["rejects"].get("future_timestamp"):
+        for seg in agg.source.poll():
+            agg._ingest(seg)
+    assert (run / "state" / "future_rejects").read_text() == "t:0 1\n"
+    del agg  # SIGKILL before window 0 closed: the replay reads the record again
+
+    if not keep_log:  # negative control: without the decision, the later clock counts it
+        (run / "state" / "future_rejects").unlink()
+    monkeypatch.setattr(et, "time", _Clock(200.0))
+    agg = Aggregator(cfg_for(run, skew), ListSource(FUTURE_PARTS))
+    agg.run()
+    if keep_log:
+        assert releases(run) == expected
+        assert agg.task.totals["rejects"] == {"future_timestamp": 1}
+        # the next window's checkpoint no longer needs the position
+        assert (run / "state" / "future_rejects").read_text() == ""
+    else:
+        assert releases(run) != expected

@@ -26,6 +26,13 @@ Definitions (what the code computes; tests/test_event_time*.py check them agains
 Every decision depends on each partition's own records and the recorded close positions, never on
 how reads of the partitions interleave, so a replay after a crash reproduces every window.
 
+The one decision the records alone do not fix is ``future_timestamp`` (stamped later than the
+wall clock plus ``window.max_future_skew_s``): a replay runs later, and the clock would let it
+count a record whose dead letter the first run already sent. So a future rejection is written
+to ``checkpoint.dir/future_rejects`` (position only, synced) before its dead letter goes out,
+and a replay rejects the records listed there again whatever the clock says
+(:class:`FutureRejects`).
+
 What a checkpoint records (:meth:`EventTimeWindows._open_event_time_window`). The checkpoint
 written when window ``a`` closes starts window ``a + 1``. If that window already counted records
 (read before ``a``'s close positions), the checkpoint holds no counters for them (as always: the
@@ -40,7 +47,9 @@ checkpoint's totals leave out the events the replay will count again.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -48,9 +57,64 @@ from consumers.base import Segment, offsets_array
 
 from .window import WindowTask
 
-__all__ = ["EventTimeWindows", "SecondWindow"]
+__all__ = ["EventTimeWindows", "SecondWindow", "FutureRejects"]
 
 log = logging.getLogger("panagg.service")
+
+
+class FutureRejects:
+    """The positions of the records rejected as ``future_timestamp``, durable before their dead
+    letters are sent, so that a replay (later, with a later clock) rejects them again.
+
+    One line ``<partition> <offset>`` per record in ``path``; :meth:`add` appends and syncs. The
+    file holds positions only (no content, no timestamp): what the dead letters' keys say.
+    :meth:`prune` drops the positions a restore can no longer replay (before the durable
+    checkpoint's offsets), rewriting the file atomically.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.positions: dict[str, set[int]] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                part, _, off = line.rpartition(" ")
+                if part and off.isdigit():
+                    self.positions.setdefault(part, set()).add(int(off))
+
+    def __contains__(self, position) -> bool:
+        part, off = position
+        return int(off) in self.positions.get(part, ())
+
+    def mask(self, partition: str, offsets) -> np.ndarray:
+        """Which of ``offsets`` (of ``partition``) are listed."""
+        known = self.positions.get(partition)
+        if not known:
+            return np.zeros(len(offsets), dtype=bool)
+        return np.fromiter((int(o) in known for o in offsets), dtype=bool, count=len(offsets))
+
+    def add(self, partition: str, offset: int) -> None:
+        if (partition, offset) in self:
+            return
+        with open(self.path, "a") as f:
+            f.write(f"{partition} {int(offset)}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.positions.setdefault(partition, set()).add(int(offset))
+
+    def prune(self, offsets: dict[str, int]) -> None:
+        """Forget the positions before ``offsets`` (a durable checkpoint's: never replayed)."""
+        kept = {p: {o for o in offs if o >= offsets.get(p, 0)}
+                for p, offs in self.positions.items()}
+        kept = {p: offs for p, offs in kept.items() if offs}
+        if kept == self.positions:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(f"{p} {o}\n" for p in sorted(kept) for o in sorted(kept[p]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self.positions = kept
 
 
 class SecondWindow:
@@ -76,6 +140,8 @@ class EventTimeWindows:
         self._idle_since: float | None = None
         self._second: SecondWindow | None = None
         self._carried = None  # the second window's state, taken over by the window a close opens
+        self._future = (FutureRejects(self.dir / "future_rejects")
+                        if self.cfg["window"]["kind"] == "event_time" else None)
 
     # -- window bounds -------------------------------------------------------------------------
     def _open_event_time_window(self, task: WindowTask, w: dict) -> None:
@@ -85,6 +151,9 @@ class EventTimeWindows:
         already counted records, what the checkpoint must replay of them."""
         prev = task.window or {}
         closed = prev.get("event_index")
+        if self._future is not None and task.durable is not None:
+            # a crash from here on restores at least the last durable checkpoint
+            self._future.prune(self._replay_starts(task.durable))
         # records of windows before this one are late
         w["late_before"] = closed + 1 if closed is not None else prev.get("late_before")
         w["late"] = 0
@@ -109,6 +178,11 @@ class EventTimeWindows:
         # window before they all passed it): they read their waiting records again
         self._ahead.clear()
         self._release_held()
+
+    @staticmethod
+    def _replay_starts(ckpt) -> dict[str, int]:
+        """Where a restore from ``ckpt`` starts reading each partition."""
+        return {p: int(o) for p, o in (ckpt.offsets or {}).items()}
 
     def _carried_state(self):
         """The state of the window just opened if it was the live second window, else None."""
@@ -147,7 +221,8 @@ class EventTimeWindows:
             wcfg = self.cfg["window"]
             ts = _timestamps(seg, len(seg))[good_idx]
             limit_ms = int((time.time() + float(wcfg["max_future_skew_s"])) * 1000)
-            mine = (ts >= 0) & (ts <= limit_ms) & \
+            was_future = self._future.mask(seg.partition, offsets_array(seg.offsets)[good_idx])
+            mine = (ts >= 0) & (ts <= limit_ms) & ~was_future & \
                 (ts // (int(wcfg["size"]) * 1000) == task.window["event_index"])
             self._count_events(task, _take(decoded.items, np.flatnonzero(mine)))
         task.offsets[seg.partition] = int(seg.offsets[-1]) + 1
@@ -193,9 +268,15 @@ class EventTimeWindows:
         ts = _timestamps(seg, m)[good_idx] if len(good_idx) else np.zeros(0, np.int64)
         limit_ms = int((time.time() + float(wcfg["max_future_skew_s"])) * 1000)
         reasons = {int(i): r for i, r in rejected}  # record index -> reason
-        bad = (ts < 0) | (ts > limit_ms)
+        # future: by the clock now, or by the decision of an earlier read of the record (a
+        # replay's later clock must not count what the first read dead-lettered)
+        future = (ts >= 0) & ((ts > limit_ms) | self._future.mask(seg.partition,
+                                                                   offsets[good_idx]))
+        bad = (ts < 0) | future
         if bad.any():
             for i in np.flatnonzero(bad):
+                if future[i]:  # durable before the dead letter
+                    self._future.add(seg.partition, int(offsets[good_idx[i]]))
                 self._reject(seg, int(good_idx[i]),
                              "no_timestamp" if ts[i] < 0 else "future_timestamp", reasons)
             keep = np.flatnonzero(~bad)
