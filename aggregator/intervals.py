@@ -187,7 +187,8 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
     g(v) / n with g(v) = v log v, so -(g(a+1) - g(a) - g(b+1) + g(b)) / n; S_2n =
     2 (phi_1 + phi_3 + ...) (at m = 2n the smoothed Good-Toulmin weights are all 1:
     ``properties.support_coverage``), so +-2 per move. Increases and decreases are searched
-    separately and the larger is kept.
+    separately and the larger is kept. ``"l1"``: the largest l1 distance between the cumulative
+    prevalences at the ends of those paths.
 
     An empty histogram (nothing to move down) takes the empty counters becoming singletons, the
     one-layer case of which is :func:`noise_floor` times z.
@@ -225,11 +226,14 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
     a_idx, b_idx, length = a_idx[keep], b_idx[keep], np.sqrt(info[keep])
     avail0 = mult[: A + 1].copy()
 
+    paths_l1 = [0.0]  # the l1 distance each path found ends at
+
     def reach(s) -> float:
         """The largest change of a statistic (``s`` per move, per direction) along moves of
         Fisher-Rao length z in all."""
         best = 0.0
         for sign in (1.0, -1.0):
+            net = np.zeros(A + 2)  # the path's change of phi_{>=r}, r = 0..A + 1
             gain = sign * np.asarray(s, dtype=np.float64)
             use = np.flatnonzero(gain > 0)
             if not len(use):
@@ -250,12 +254,15 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
                     avail[b] += t
                     budget -= t * length[i]
                     total += t * gain[i]
+                    net[a + 1] += t
+                    net[b + 1] -= t
                     moved += t
                     if budget <= 1e-12:
                         break
                 if budget <= 1e-12 or moved <= 1e-9:
                     break
             best = max(best, total)
+            paths_l1.append(float(np.abs(net).sum()))
         return best
 
     if not len(a_idx) or not mult[1: A + 1].any():
@@ -263,7 +270,7 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
         # histogram holds anyway)
         one = z / math.sqrt(d[0]) * (mult[0] > 0)
         return {"phi_ge": np.r_[one, np.zeros(top - 1)], "phi_r": np.r_[one, np.zeros(top - 1)],
-                "entropy": 0.0, "coverage_2n": 2.0 * one}
+                "entropy": 0.0, "coverage_2n": 2.0 * one, "l1": one}
     out = {"phi_ge": np.zeros(top), "phi_r": np.zeros(top)}
     for r in range(1, top + 1):
         out["phi_ge"][r - 1] = reach((a_idx + 1 == r).astype(float) - (b_idx + 1 == r))
@@ -274,6 +281,7 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
     out["entropy"] = reach((g[a_idx + 1] - g[a_idx] - g[b_idx + 1] + g[b_idx]) / n) if n else 0.0
     odd = (np.arange(A + 1) % 2 == 1).astype(float) * 2.0  # S_2n weight of an item at count v
     out["coverage_2n"] = reach(odd[a_idx + 1] - odd[a_idx] - odd[b_idx + 1] + odd[b_idx])
+    out["l1"] = max(paths_l1)
     return out
 
 
@@ -401,8 +409,9 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     Returns:
 
     * ``histogram``: the release (counts, decreasing).
-    * ``l1_bound``: the ``level`` quantile of the l1 distance between the re-estimates and the
-      stand-in truth (the largest over the stand-ins).
+    * ``l1_bound``: the ``level`` prediction bound of the l1 distance between the re-estimates
+      and the stand-in truth, at least the l1 distance the counters cannot resolve
+      (:func:`information_floor`; the largest over the stand-ins).
     * ``phi_lower``, ``phi_upper``: interval for phi_{>=r}, r = 1..len (index 0 is r = 1),
       clipped to [0, n]; ``phi_r_lower``, ``phi_r_upper``: the same for phi_r (from the
       bootstrap of phi_r itself, tighter than differencing the cumulative bounds).
@@ -484,7 +493,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         rt = yt_full[:-1] - yt_full[1:]
         rl.append(np.minimum(r_full - r_hi, rt))
         rh.append(np.maximum(r_full - r_lo, rt))
-        l1s.append(prediction_bound(boot_l1, level))
+        l1_boot = prediction_bound(boot_l1, level)
         # deviations d such that release - d is the bound; the stand-in's own value as a bound
         # corresponds to d = release - stand-in
         h_gap = entropy(est) - entropy(truth)
@@ -496,6 +505,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # no interval shorter than the counters' information allows (information_floor):
         # the bootstrap's spread understates it where the estimator barely reacts to the truth
         fl = information_floor(y_t, counters, p, layers, level=level)
+        l1s.append(max(l1_boot, fl["l1"]))
         f_ge, f_r = fl["phi_ge"][: R], fl["phi_r"][: R - 1]
         lows[-1][: len(f_ge)] = np.minimum(lows[-1][: len(f_ge)], y_full[: len(f_ge)] - f_ge)
         highs[-1][: len(f_ge)] = np.maximum(highs[-1][: len(f_ge)], y_full[: len(f_ge)] + f_ge)

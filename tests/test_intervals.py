@@ -229,6 +229,7 @@ def test_information_floor_follows_items_through_several_moves():
     y = np.cumsum(np.bincount(h)[::-1])[::-1][1:]
     hw = iv.information_floor(y, 10**5, p, 1)
     assert hw["phi_ge"][0] == pytest.approx(65 * 6)
+    assert hw["l1"] == pytest.approx(2 * 65 * 6)  # every move: one phi_{>=r} up, one down
     # many more events per counter's noise: the Fisher-Rao budget, not the items, binds
     hw_sharp = iv.information_floor(y, 10**5, p_from_epsilon(8.0), 1)
     assert hw_sharp["phi_ge"][0] < 65
@@ -277,6 +278,6 @@ def test_error_bars_are_never_shorter_than_the_information_floor(monkeypatch):
     # negative control: without the floor the same bootstrap gives a shorter interval
     monkeypatch.setattr(iv, "information_floor", lambda *a, **kw: {
         "phi_ge": np.zeros(iv.FLOOR_R), "phi_r": np.zeros(iv.FLOOR_R), "entropy": 0.0,
-        "coverage_2n": 0.0})
+        "coverage_2n": 0.0, "l1": 0.0})
     bare = iv.error_bars(noisy, p, layers=2, n=n, reps=6, rng=1)["distinct"]
     assert bare[1] - bare[0] < 0.8 * (hi - lo)
