@@ -64,14 +64,15 @@ import math
 import numpy as np
 
 from .estimate import (
-    NoisyValueCounts, anonymized_histogram, cumulative_from_counts, noise_pmf, noisy_value_counts,
+    NoisyValueCounts, anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
+    noise_pmf, noisy_value_counts,
 )
 from .properties import entropy
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
            "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums",
            "RANK_BANDS", "MODELS", "prediction_band", "prediction_bound", "information_floor",
-           "FLOOR_R"]
+           "FLOOR_R", "plausible_extremes", "PATH_TOP"]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
 
@@ -285,6 +286,118 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
     return out
 
 
+PATH_TOP = 64  # the plausible-extreme paths move items of counts 1..PATH_TOP
+
+
+def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: float = 0.9,
+                       ref: float | None = None, loglik: float | None = None) -> list[np.ndarray]:
+    """The histograms with the most and the fewest items that the counters ``vc`` do not tell
+    from the best fit, along two paths from the histogram with cumulative prevalence ``y``:
+    their cumulative prevalences (direct mode: one item per counter).
+
+    Why: the information floor (:func:`information_floor`) measures the counters' information at
+    the stand-in, to first order. Where the likelihood is flat far beyond that (n = 1e3 events
+    among 1e5 counters: the NPMLE puts the events of ~500 unseen singletons into ~60 items of
+    6-7 events), splitting those items into singletons lowers the log-likelihood by 0.1-2.8 in
+    all, and the truth is there. A likelihood-ratio region says so directly: every histogram
+    whose log-likelihood is within chi2_1(level) / 2 of the best is a plausible truth.
+
+    Paths (n and the number of counters kept): *more items*: the items of count v = 2, 3, ...,
+    ``PATH_TOP`` are split into v singletons, taking empty counters, all of a count before the
+    next; *fewer items*: pairs of items of count v = 1, 2, ... are merged into one of 2v. Each
+    path goes as far as the log-likelihood stays within chi2_1(level) / 2 of the best seen
+    (``ref``, the stand-in's or a path point's), the last count part way (bisection). ``loglik``:
+    the log-likelihood of ``y`` if known (:func:`aggregator.selection._loglik`). The
+    likelihood is computed exactly on the noisy values these counts reach (a change of counts
+    <= 2 ``PATH_TOP`` changes nothing beyond them), so a step costs a convolution of ~2
+    ``PATH_TOP`` + 4K values.
+
+    >>> from aggregator.noise import discrete_laplace
+    >>> g = np.random.default_rng(0)
+    >>> h = np.r_[[300, 200], np.ones(400, np.int64), np.zeros(10**5 - 402, np.int64)]
+    >>> p = 0.6065306597126334
+    >>> vc = noisy_value_counts(h + discrete_laplace(p, len(h), rng=g))
+    >>> stand_in = cumulative_from_counts(np.r_[[300, 200], np.full(50, 8)])  # 50 items of 8
+    >>> more, fewer = plausible_extremes(vc, stand_in, len(h), p)
+    >>> bool(more[0] > 150 and fewer[0] <= 52)
+    True
+    """
+    from scipy.stats import chi2
+
+    from .selection import _loglik
+
+    y = np.asarray(y, dtype=np.int64)
+    K, q = noise_pmf(p, layers)
+    counters = int(counters)
+    items = int(y[0]) if len(y) else 0
+    if not items:
+        return []
+    drop = float(chi2.ppf(level, 1)) / 2.0
+    V = min(PATH_TOP, len(y))
+    W = 2 * V + 2 * K  # counts 0..W feed the noisy values -K..2V+K
+    mult = np.zeros(W + 1, dtype=np.int64)
+    mult[0] = counters - items
+    top = min(len(y), W)
+    mult[1: top + 1] = y[:top] - np.r_[y[1:top + 1], np.zeros(max(0, top + 1 - len(y)), np.int64)][:top]
+    xs = np.arange(-K, 2 * V + K + 1)
+    inside = (xs >= vc.lo) & (xs <= vc.hi)
+    c_win = np.zeros(len(xs))
+    c_win[inside] = vc.c[xs[inside] - vc.lo]
+    seen = c_win > 0
+
+    def window_ll(mm) -> float:
+        fC = np.convolve(mm.astype(np.float64), q)[: len(xs)]
+        return float((c_win[seen] * np.log(np.maximum(fC[seen] / counters, 1e-300))).sum())
+
+    base_ll = _loglik(vc, y, counters, p, layers) if loglik is None else float(loglik)
+    base_w = window_ll(mult)
+    best = max(base_ll, ref if ref is not None else -np.inf)
+
+    def walk(stages) -> np.ndarray:
+        nonlocal best
+        mm = mult.copy()
+        for v, most, apply in stages:
+            s_max = most(mm, v)
+            if s_max <= 0:
+                continue
+            trial = apply(mm.copy(), v, s_max)
+            ll = base_ll + window_ll(trial) - base_w
+            if ll >= best - drop:
+                mm, best = trial, max(best, ll)
+                continue
+            lo, hi = 0, s_max  # the largest s that stays plausible (bisection)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                t2 = apply(mm.copy(), v, mid)
+                if base_ll + window_ll(t2) - base_w >= best - drop:
+                    lo = mid
+                else:
+                    hi = mid
+            if lo:
+                mm = apply(mm, v, lo)
+            break
+        full = np.r_[mm, (y[W: len(y)] - np.r_[y[W + 1:], 0]) if len(y) > W else []]
+        return np.cumsum(full[1:][::-1])[::-1].astype(np.int64)
+
+    def split(mm, v, s):
+        mm[v] -= s
+        mm[1] += s * v
+        mm[0] -= s * (v - 1)
+        return mm
+
+    def merge(mm, v, s):
+        mm[v] -= 2 * s
+        mm[2 * v] += s
+        mm[0] += s
+        return mm
+
+    more = walk([(v, lambda mm, v: int(min(mm[v], mm[0] // (v - 1))), split)
+                 for v in range(2, V + 1)])
+    fewer = walk([(v, lambda mm, v: int(mm[v] // 2), merge) for v in range(1, V + 1)])
+    trim = lambda c: c[: len(c) - int(np.argmax(c[::-1] > 0))] if c.any() else c[:0]  # noqa: E731
+    return [trim(more), trim(fewer)]
+
+
 def simulate_counts(rng: np.random.Generator, values, counters: int, p: float,
                     layers: int) -> NoisyValueCounts:
     """Noisy-value counts of ``values`` plus counters - len(values) zero counters.
@@ -461,9 +574,19 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     stand_ins = {"both": ("deconvolution", "mle")}.get(model, (model,))
     top = float(n) if n is not None else math.inf
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
+    truths = {sm: est if sm is None else anonymized_histogram(vc, p, **(kw | {"method": sm}))
+              for sm in stand_ins}
+    lls = {}
+    if buckets is None:  # (hashed mode: the counters' likelihood is not the items')
+        from .selection import _loglik
+        lls = {sm: _loglik(vc, cumulative_from_counts(t), counters, p, layers)
+               for sm, t in truths.items()}
     for sm in stand_ins:
-        truth = est if sm is None else anonymized_histogram(vc, p, **(kw | {"method": sm}))
+        truth = truths[sm]
         y_t = cumulative_from_counts(truth)
+        # the plausible truths farthest from the stand-in in items (likelihood-ratio region)
+        extremes = (plausible_extremes(vc, y_t, counters, p, layers, level,
+                                       ref=max(lls.values()), loglik=lls[sm]) if lls else [])
         boot_y, boot_l1, boot_h, boot_c, boot_b = [], [], [], [], []
         for _ in range(int(reps)):
             sim = _simulated_state(rng, truth, counters, p, layers, buckets is not None)
@@ -476,7 +599,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
             boot_h.append(entropy(e) - entropy(truth))
             boot_c.append(_coverage_2n(e) - _coverage_2n(truth))
             boot_b.append(rank_band_sums(e) - rank_band_sums(truth))
-        R = max(len(y), len(y_t), max(len(b) for b in boot_y)) + 1
+        R = max(len(y), len(y_t), max(len(b) for b in boot_y), *map(len, extremes)) + 1
         Y = np.stack([np.pad(b, (0, R - len(b))) for b in boot_y]).astype(np.float64)
         dev = Y - np.pad(y_t, (0, R - len(y_t)))
         y_full = np.pad(y, (0, R - len(y))).astype(np.float64)
@@ -515,6 +638,18 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         hs.append((min(hq[0], h_gap, -hz), max(hq[1], h_gap, hz)))
         cvs.append((min(cq[0], c_gap, -cz), max(cq[1], c_gap, cz)))
         bands.append((np.minimum(bq[0], b_gap), np.maximum(bq[1], b_gap)))
+        for x in extremes:  # plausible truths too: every interval reaches them
+            x_full = np.pad(x, (0, R - len(x))).astype(np.float64)
+            x_r = x_full[:-1] - x_full[1:]
+            xc = counts_from_cumulative(x)
+            lows[-1], highs[-1] = np.minimum(lows[-1], x_full), np.maximum(highs[-1], x_full)
+            rl[-1], rh[-1] = np.minimum(rl[-1], x_r), np.maximum(rh[-1], x_r)
+            l1s[-1] = max(l1s[-1], float(np.abs(y_full - x_full).sum()))
+            gh, gc = entropy(est) - entropy(xc), _coverage_2n(est) - _coverage_2n(xc)
+            gb = rank_band_sums(est) - rank_band_sums(xc)
+            hs[-1] = (min(hs[-1][0], gh), max(hs[-1][1], gh))
+            cvs[-1] = (min(cvs[-1][0], gc), max(cvs[-1][1], gc))
+            bands[-1] = (np.minimum(bands[-1][0], gb), np.maximum(bands[-1][1], gb))
     Rm = max(len(v) for v in lows)
     pad = (lambda v, fill: np.concatenate([v, np.full(Rm - len(v), fill)]))
     lower = np.clip(np.min([pad(v, 0.0) for v in lows], axis=0), 0.0, top)

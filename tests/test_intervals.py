@@ -279,5 +279,51 @@ def test_error_bars_are_never_shorter_than_the_information_floor(monkeypatch):
     monkeypatch.setattr(iv, "information_floor", lambda *a, **kw: {
         "phi_ge": np.zeros(iv.FLOOR_R), "phi_r": np.zeros(iv.FLOOR_R), "entropy": 0.0,
         "coverage_2n": 0.0, "l1": 0.0})
+    monkeypatch.setattr(iv, "plausible_extremes", lambda *a, **kw: [])
     bare = iv.error_bars(noisy, p, layers=2, n=n, reps=6, rng=1)["distinct"]
     assert bare[1] - bare[0] < 0.8 * (hi - lo)
+
+
+def test_plausible_extremes_stay_within_the_likelihood_region():
+    from scipy.stats import chi2
+
+    from aggregator.estimate import cumulative_from_counts, noisy_value_counts
+    from aggregator.selection import _loglik
+    g = np.random.default_rng(4)
+    p = p_from_epsilon(1.0)
+    C = 50_000
+    h = np.r_[[150, 90], np.ones(300, np.int64)]
+    vc = noisy_value_counts(np.r_[h, np.zeros(C - len(h), np.int64)]
+                            + discrete_laplace(p, C, rng=g))
+    stand_in = cumulative_from_counts(np.r_[[150, 90], np.full(50, 6)])
+    ll0 = _loglik(vc, stand_in, C, p, 1)
+    more, fewer = iv.plausible_extremes(vc, stand_in, C, p, 1, level=0.9)
+    n = lambda y: int(y.sum())  # noqa: E731  (sum of phi_{>=r} = events)
+    assert n(more) == n(fewer) == n(stand_in)  # n is kept
+    assert fewer[0] < stand_in[0] < more[0]
+    for x in (more, fewer):  # within chi2_1(0.9) / 2 of the best point seen (here >= ll0)
+        assert _loglik(vc, x, C, p, 1) >= ll0 - chi2.ppf(0.9, 1) / 2 - 1e-6
+    # a stricter level keeps them closer to the stand-in
+    more_50, _ = iv.plausible_extremes(vc, stand_in, C, p, 1, level=0.5)
+    assert more_50[0] <= more[0]
+
+
+def test_error_bars_reach_the_plausible_extremes():
+    g = np.random.default_rng(2)
+    p = p_from_epsilon(1.0)
+    h = np.r_[[200, 120, 80], np.ones(400, np.int64), np.zeros(10**5 - 403, np.int64)]
+    noisy = h + discrete_laplace(p, len(h), rng=g)
+    n = int(h.sum())
+    eb = iv.error_bars(noisy, p, n=n, reps=4, rng=0)
+    from aggregator.estimate import cumulative_from_counts, noisy_value_counts
+    from aggregator.selection import _loglik
+    vc = noisy_value_counts(noisy)
+    ys = {m: cumulative_from_counts(anonymized_histogram(noisy, p, n=n, method=m))
+          for m in ("deconvolution", "mle")}
+    lls = {m: _loglik(vc, y, len(h), p, 1) for m, y in ys.items()}
+    reached = []
+    for m, y in ys.items():
+        for x in iv.plausible_extremes(vc, y, len(h), p, ref=max(lls.values()), loglik=lls[m]):
+            assert eb["distinct"][0] <= x[0] <= eb["distinct"][1]
+            reached.append(x[0])
+    assert max(reached) > max(y[0] for y in ys.values())  # they widen the interval here
