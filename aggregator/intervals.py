@@ -50,6 +50,11 @@ intervals came out far too short exactly there. :func:`information_floor` gives,
 how far the truth can be from the stand-in without the counters telling them apart (moves of
 events that keep n and the counters, within Fisher-Rao length z_{level}, as far as the stand-in
 has items to move), and no interval is shorter than that on either side of the release.
+That is first order; where the likelihood stays flat much farther (a few thousand events among
+1e5 counters), :func:`plausible_extremes` walks from each stand-in to the histograms with the
+most and the fewest items whose log-likelihood is within chi2_1(level) / 2 of the best fit (a
+likelihood-ratio region), and every interval reaches their values too. Both use the noisy
+counters and public quantities only: post-processing.
 
 >>> round(noise_floor(10**6, 0.6065306597126334, 1))   # sqrt(1e6 x), x = p/(1-p)^2 = 3.918
 1979

@@ -828,18 +828,20 @@ def coverage_check(dists: list[str], quick: bool = False) -> None:
     if not cells:
         raise SystemExit(f"no coverage cell has a distribution in {dists}")
     print(f"(at {git_rev(['aggregator', 'bench'])}, {datetime.datetime.now():%Y-%m-%d %H:%M})")
-    print("| cell | layers | " + " | ".join(COVERAGE_NAMES) + " |")
-    print("|---|---|" + "---|" * len(COVERAGE_NAMES))
+    print("| cell | layers | " + " | ".join(COVERAGE_NAMES) + " | distinct width |")
+    print("|---|---|" + "---|" * (len(COVERAGE_NAMES) + 1))
     rows: dict[int, list] = {}
     for cell in cells:
         for k, rec in sorted(grid.run_coverage(cell).items()):
             v = coverage_summary(rec)
             rows.setdefault(k, []).append(v)
+            width = float(np.mean(rec["width_distinct"]))  # (upper - lower) / true items
             print(f"| {cell_label(cell)} | {k} | "
-                  + " | ".join(f"{v[name]:.3g}" for name in COVERAGE_NAMES) + " |", flush=True)
+                  + " | ".join(f"{v[name]:.3g}" for name in COVERAGE_NAMES)
+                  + f" | {width:.3g} |", flush=True)
     for k, vs in sorted(rows.items()):
         print(f"| average | {k} | " + " | ".join(
-            f"{np.nanmean([v[name] for v in vs]):.3f}" for name in COVERAGE_NAMES) + " |")
+            f"{np.nanmean([v[name] for v in vs]):.3f}" for name in COVERAGE_NAMES) + " | |")
 
 
 def _write_coverage(w, cov: dict) -> None:
@@ -850,7 +852,10 @@ def _write_coverage(w, cov: dict) -> None:
     w("")
     w("`aggregator.intervals.error_bars(counters, p, layers=k, n=n, buckets=B, reps=16, "
       "level=0.9)` (stand-in truths: the early-stopped EM's and the converged NPMLE's histograms, "
-      "union of the two intervals, `model=\"both\"`) on fresh data and noise per repetition "
+      "union of the two intervals, `model=\"both\"`; no interval shorter than the counters' "
+      "information allows, `intervals.information_floor`, and every interval reaching the "
+      "likelihood region's extremes, `intervals.plausible_extremes`, from commit 0f255d0 on) on "
+      "fresh data and noise per repetition "
       "(release defaults), against the truth: *l1 bound* = fraction of repetitions whose true l1 "
       "error is at most the bound (nominal 0.90, one-sided); *distinct*, *entropy*, *S_2n* "
       "(support coverage at m = 2n) = fraction inside the two-sided 90% interval; *phi_{>=r}* = "
