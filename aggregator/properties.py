@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import special, stats
+from scipy import special
 
 __all__ = ["entropy", "support_coverage", "support_size", "batched_item",
            "support_coverage_batched", "prevalences"]
@@ -108,9 +108,13 @@ def support_coverage(hist, m: int, *, smoothing: str = "binomial", r: float | No
     if t <= 1.0:
         weights = np.ones(len(vals))
     elif smoothing == "binomial":
+        from scipy import stats  # (0.5-1 s to import: only where it is needed)
+
         k = max(1, math.ceil(0.5 * math.log(n * t * t / (t - 1.0), 3)))
         weights = stats.binom.sf(vals - 1, k, 2.0 / (t + 2.0))  # P(L >= i)
     elif smoothing == "poisson":
+        from scipy import stats
+
         rr = r if r is not None else math.log(n * (t + 1.0) ** 2 / (t - 1.0)) / (2.0 * t)
         weights = stats.poisson.sf(vals - 1, rr)
     else:
