@@ -158,9 +158,11 @@ class _Clock:
         return time.monotonic()
 
 
-# a record stamped 100 s after "now" among window-0 records: with a 60 s skew it is a reject,
-# but a clock 200 s later would take it (and jump to its window, making 12 and 13 late)
-FUTURE_PARTS = {"t:0": [(1, 1), (NOW + 100, 2), (2, 3), (12, 4), (13, 5)]}
+def _future_parts() -> dict:
+    """A record stamped 100 s after now (when the test runs: the module's NOW is from
+    collection, minutes earlier in a full run) among window-0 records: with a 60 s skew it is a
+    reject, but a clock 200 s later would take it (and jump to its window, making 12, 13 late)."""
+    return {"t:0": [(1, 1), (time.time() + 100, 2), (2, 3), (12, 4), (13, 5)]}
 
 
 @pytest.mark.parametrize("keep_log", [True, False])
@@ -169,13 +171,14 @@ def test_a_replay_rejects_a_future_record_again_whatever_the_clock(tmp_path, mon
     from aggregator.service import event_time as et
 
     skew = "window.max_future_skew_s=60"
+    parts = _future_parts()
     ref = tmp_path / "ref"
-    Aggregator(cfg_for(ref, skew), ListSource(FUTURE_PARTS)).run()
+    Aggregator(cfg_for(ref, skew), ListSource(parts)).run()
     expected = releases(ref)
     assert [w["events"] for w in expected] == [2, 2]
 
     run = tmp_path / "run"
-    agg = Aggregator(cfg_for(run, skew), ListSource(FUTURE_PARTS, chunk=1))
+    agg = Aggregator(cfg_for(run, skew), ListSource(parts, chunk=1))
     agg.restore()
     while not agg.task.totals["rejects"].get("future_timestamp"):
         for seg in agg.source.poll():
@@ -186,7 +189,7 @@ def test_a_replay_rejects_a_future_record_again_whatever_the_clock(tmp_path, mon
     if not keep_log:  # negative control: without the decision, the later clock counts it
         (run / "state" / "future_rejects").unlink()
     monkeypatch.setattr(et, "time", _Clock(200.0))
-    agg = Aggregator(cfg_for(run, skew), ListSource(FUTURE_PARTS))
+    agg = Aggregator(cfg_for(run, skew), ListSource(parts))
     agg.run()
     if keep_log:
         assert releases(run) == expected
