@@ -309,13 +309,15 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
 
     Paths (n and the number of counters kept): *more items*: the items of count v = 2, 3, ...,
     ``PATH_TOP`` are split into v singletons, taking empty counters, all of a count before the
-    next; *fewer items*: pairs of items of count v = 1, 2, ... are merged into one of 2v. Each
-    path goes as far as the log-likelihood stays within chi2_1(level) / 2 of the best seen
-    (``ref``, the stand-in's or a path point's), the last count part way (bisection). ``loglik``:
-    the log-likelihood of ``y`` if known (:func:`aggregator.selection._loglik`). The
-    likelihood is computed exactly on the noisy values these counts reach (a change of counts
-    <= 2 ``PATH_TOP`` changes nothing beyond them), so a step costs a convolution of ~2
-    ``PATH_TOP`` + 4K values.
+    next, then rounds in which each of the (up to 64) largest items above ``PATH_TOP`` gives one
+    event to a new singleton (a visible item's count costs likelihood quadratically, so a little
+    from each); *fewer items*: pairs of items of count v = 1, 2, ... are merged into one of 2v,
+    then rounds in which singletons go into the largest items. Each stage goes as far as the
+    log-likelihood stays within chi2_1(level) / 2 of the best seen (``ref``, the stand-in's or a
+    path point's), part way by bisection when it cannot go all the way, which ends the splits
+    (merges) and the path goes on to the rounds (they may cost less). ``loglik``: the log-likelihood of ``y`` if known
+    (:func:`aggregator.selection._loglik`). The likelihood change is computed exactly on the
+    noisy values within K of a changed count (nothing else moves).
 
     >>> from aggregator.noise import discrete_laplace
     >>> g = np.random.default_rng(0)
@@ -339,66 +341,113 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
         return []
     drop = float(chi2.ppf(level, 1)) / 2.0
     V = min(PATH_TOP, len(y))
-    W = 2 * V + 2 * K  # counts 0..W feed the noisy values -K..2V+K
-    mult = np.zeros(W + 1, dtype=np.int64)
-    mult[0] = counters - items
-    top = min(len(y), W)
-    mult[1: top + 1] = y[:top] - np.r_[y[1:top + 1], np.zeros(max(0, top + 1 - len(y)), np.int64)][:top]
-    xs = np.arange(-K, 2 * V + K + 1)
-    inside = (xs >= vc.lo) & (xs <= vc.hi)
-    c_win = np.zeros(len(xs))
-    c_win[inside] = vc.c[xs[inside] - vc.lo]
-    seen = c_win > 0
+    M = len(y) + PATH_TOP + 1  # counts 0..M (a path moves counts up by PATH_TOP at most)
+    pad = 2 * K + 1  # room for the kernel on both sides
+    mult = np.zeros(M + 1 + 2 * pad, dtype=np.int64)  # index pad + v: count v
+    mult[pad] = counters - items
+    mult[pad + 1: pad + 1 + len(y)] = y - np.r_[y[1:], 0]
+    dense_c = np.zeros(M + 1 + 2 * pad)  # noisy-value counts at the same offsets
+    x_lo, x_hi = max(vc.lo, -pad), min(vc.hi, M + pad)
+    if x_lo <= x_hi:
+        dense_c[pad + x_lo: pad + x_hi + 1] = vc.c[x_lo - vc.lo: x_hi - vc.lo + 1]
 
-    def window_ll(mm) -> float:
-        fC = np.convolve(mm.astype(np.float64), q)[: len(xs)]
-        return float((c_win[seen] * np.log(np.maximum(fC[seen] / counters, 1e-300))).sum())
+    def ll_change(mm) -> float:
+        """log-likelihood of the counters under ``mm`` minus under the start: only the noisy
+        values within K of a changed count move, and those are summed exactly."""
+        changed = where[mm[where] != mult[where]]
+        if not len(changed):
+            return 0.0
+        # the noisy values they reach, as runs [a, b] of array positions
+        starts = np.r_[changed[0], changed[1:][np.diff(changed) > 2 * K + 1]]
+        ends = np.r_[changed[:-1][np.diff(changed) > 2 * K + 1], changed[-1]]
+        total = 0.0
+        for a, b in zip(starts - K, ends + K):
+            c = dense_c[a: b + 1]
+            seen = c > 0
+            if not seen.any():
+                continue
+            old = np.convolve(mult[a - K: b + K + 1].astype(np.float64), q, mode="valid")
+            new = np.convolve(mm[a - K: b + K + 1].astype(np.float64), q, mode="valid")
+            total += float((c[seen] * (np.log(np.maximum(new[seen], 1e-300))
+                                       - np.log(np.maximum(old[seen], 1e-300)))).sum())
+        return total
 
     base_ll = _loglik(vc, y, counters, p, layers) if loglik is None else float(loglik)
-    base_w = window_ll(mult)
     best = max(base_ll, ref if ref is not None else -np.inf)
 
-    def walk(stages) -> np.ndarray:
+    def walk(*groups) -> np.ndarray:
+        """Apply each group's stages in order, each as far as the likelihood allows; the first
+        that cannot go all the way goes part way (bisection) and ends its group, and the next
+        group starts from there (a later one may cost less: splitting a whole item of 50
+        events fails where taking one event off each of the largest items does not). A stage
+        is (how many steps it has at most, apply(mm, steps))."""
         nonlocal best
         mm = mult.copy()
-        for v, most, apply in stages:
-            s_max = most(mm, v)
-            if s_max <= 0:
-                continue
-            trial = apply(mm.copy(), v, s_max)
-            ll = base_ll + window_ll(trial) - base_w
-            if ll >= best - drop:
-                mm, best = trial, max(best, ll)
-                continue
-            lo, hi = 0, s_max  # the largest s that stays plausible (bisection)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                t2 = apply(mm.copy(), v, mid)
-                if base_ll + window_ll(t2) - base_w >= best - drop:
-                    lo = mid
-                else:
-                    hi = mid
-            if lo:
-                mm = apply(mm, v, lo)
-            break
-        full = np.r_[mm, (y[W: len(y)] - np.r_[y[W + 1:], 0]) if len(y) > W else []]
-        return np.cumsum(full[1:][::-1])[::-1].astype(np.int64)
+        for stages in groups:
+            for most, apply in stages:
+                s_max = most(mm)
+                if s_max <= 0:
+                    continue
+                trial = apply(mm.copy(), s_max)
+                ll = base_ll + ll_change(trial)
+                if ll >= best - drop:
+                    mm, best = trial, max(best, ll)
+                    continue
+                lo, hi = 0, s_max  # the largest number of steps that stays plausible
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if base_ll + ll_change(apply(mm.copy(), mid)) >= best - drop:
+                        lo = mid
+                    else:
+                        hi = mid
+                if lo:
+                    mm = apply(mm, lo)
+                    best = max(best, base_ll + ll_change(mm))
+                break
+        body = mm[pad + 1: pad + M + 1]
+        return np.cumsum(body[::-1])[::-1].astype(np.int64)
 
-    def split(mm, v, s):
-        mm[v] -= s
-        mm[1] += s * v
-        mm[0] -= s * (v - 1)
-        return mm
+    def split(v):  # s items of count v -> v singletons each (empty counters become items)
+        def apply(mm, s):
+            mm[pad + v] -= s
+            mm[pad + 1] += s * v
+            mm[pad] -= s * (v - 1)
+            return mm
+        return (lambda mm: int(min(mm[pad + v], mm[pad] // (v - 1)))), apply
 
-    def merge(mm, v, s):
-        mm[v] -= 2 * s
-        mm[2 * v] += s
-        mm[0] += s
-        return mm
+    def merge(v):  # s pairs of items of count v -> one item of 2v each
+        def apply(mm, s):
+            mm[pad + v] -= 2 * s
+            mm[pad + 2 * v] += s
+            mm[pad] += s
+            return mm
+        return (lambda mm: int(mm[pad + v] // 2)), apply
 
-    more = walk([(v, lambda mm, v: int(min(mm[v], mm[0] // (v - 1))), split)
-                 for v in range(2, V + 1)])
-    fewer = walk([(v, lambda mm, v: int(mm[v] // 2), merge) for v in range(1, V + 1)])
+    # the items above PATH_TOP, largest first: visible one by one, so a path takes from (or
+    # gives to) all of them a little, one event per item a round (the cost of t events off
+    # one counter grows like t^2: spread over P items it is P times smaller)
+    big = np.repeat(np.arange(V + 1, len(y) + 1), (y - np.r_[y[1:], 0])[V:])[::-1][:64]
+
+    def peel(r, sign):  # round r: the first s big items give (sign -1: take) one event
+        def apply(mm, s):
+            h = big[:s] + sign * r  # their counts before this round
+            np.add.at(mm, pad + h, -1)
+            np.add.at(mm, pad + h + sign, 1)
+            mm[pad + 1] += -sign * s  # a singleton made (or taken back)
+            mm[pad] += sign * s
+            return mm
+        ok = big > V + r + 1 if sign < 0 else big > 0
+        n_ok = int(ok.sum())
+        room = (lambda mm: min(n_ok, int(mm[pad]))) if sign < 0 else \
+            (lambda mm: min(n_ok, int(mm[pad + 1])))
+        return room, apply
+
+    rounds = PATH_TOP // 2 if len(big) else 0
+    # where a path can change counts: the low counts and around the big items
+    where = np.unique(np.r_[np.arange(pad + 2 * V + 2),
+                            (pad + big[:, None] + np.arange(-rounds - 1, rounds + 2)).ravel()])
+    more = walk([split(v) for v in range(2, V + 1)], [peel(r, -1) for r in range(rounds)])
+    fewer = walk([merge(v) for v in range(1, V + 1)], [peel(r, +1) for r in range(rounds)])
     trim = lambda c: c[: len(c) - int(np.argmax(c[::-1] > 0))] if c.any() else c[:0]  # noqa: E731
     return [trim(more), trim(fewer)]
 
