@@ -211,7 +211,7 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
     z = float(norm.ppf(1.0 - (1.0 - level) / 2.0))
     counters = int(counters)
     items = int(y[0]) if len(y) else 0
-    n = int(np.dot(np.arange(1, len(y) + 1), y - np.concatenate([y[1:], [0]]))) if len(y) else 0
+    n = int(y.sum())  # events: the sum of phi_{>=r} over r
     A = int(top) + 1  # moves start at a = 0..top
     span = A + 2 * K + 2  # counts whose noise reaches a move's values
     mult = np.zeros(span + 1)
