@@ -691,16 +691,24 @@ def _write_targets(w, results, an, state) -> None:
         if (mode, 1) not in an or (mode, 2) not in an:
             continue
         a1, a2 = an[(mode, 1)], an[(mode, 2)]
-        rs = []
+        rs, best = [], []
         for c in a1["cells"]:
             if c in a2["effective"]:
                 e1 = np.mean(results[c].l1[(1,) + a1["effective"][c]])
                 e2 = np.mean(results[c].l1[(2,) + a2["effective"][c]])
                 if e1 > 0 and e2 > 0:
                     rs.append(e2 / e1)
+                # the same ratio for the best admissible candidate in hindsight at each layer
+                # count: what no choice among the candidates can beat
+                o1, o2 = (min(np.mean(results[c].l1[(k,) + m]) for m in ADMISSIBLE
+                              if (k,) + m in results[c].l1) for k in (1, 2))
+                if o1 > 0 and o2 > 0:
+                    best.append(o2 / o1)
         if rs:
             w(f"* {mode}: {math.exp(np.mean(np.log(rs))):.2f} (range {min(rs):.2f} .. "
-              f"{max(rs):.2f}, {len(rs)} cells)")
+              f"{max(rs):.2f}, {len(rs)} cells); the per-cell best candidate in hindsight at "
+              f"each layer count: {math.exp(np.mean(np.log(best))):.2f} (range "
+              f"{min(best):.2f} .. {max(best):.2f})")
     w("")
 
 
