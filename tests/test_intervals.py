@@ -327,3 +327,71 @@ def test_error_bars_reach_the_plausible_extremes():
             assert eb["distinct"][0] <= x[0] <= eb["distinct"][1]
             reached.append(x[0])
     assert max(reached) > max(y[0] for y in ys.values())  # they widen the interval here
+
+
+def test_the_region_drop_is_calibrated_to_the_fits_gap_over_a_truth(monkeypatch):
+    # 5 heavy hitters over 500 singletons among 1e5 counters, one layer: the NPMLE puts the
+    # singletons' events into a few items of several events each and out-likes the truth by
+    # more than Wilks' chi2_1(0.9) / 2; the drop calibrated on simulated states covers that gap,
+    # so the distinct-items interval reaches the truth
+    from scipy.stats import chi2
+
+    from aggregator.estimate import cumulative_from_counts, noisy_value_counts
+    from aggregator.selection import _loglik
+    g = np.random.default_rng(0)
+    p = p_from_epsilon(1.0)
+    C = 10**5
+    h = np.r_[np.full(5, 100), np.ones(500, np.int64)]
+    noisy = np.r_[h, np.zeros(C - len(h), np.int64)] + discrete_laplace(p, C, rng=g)
+    n = int(h.sum())
+    vc = noisy_value_counts(noisy)
+    best = max(_loglik(vc, cumulative_from_counts(anonymized_histogram(vc, p, n=n, method=m)),
+                       C, p, 1) for m in ("deconvolution", "mle"))
+    gap = best - _loglik(vc, cumulative_from_counts(h), C, p, 1)
+    wilks = chi2.ppf(0.9, 1) / 2
+    assert gap > 2 * wilks  # the truth is outside Wilks' region here
+    drops = []
+    real = iv.likelihood_drop
+    monkeypatch.setattr(iv, "likelihood_drop", lambda *a, **kw: drops.append(real(*a, **kw))
+                        or drops[-1])
+    lo, hi = iv.error_bars(noisy, p, n=n, reps=6, rng=0)["distinct"]
+    assert drops[0] > gap
+    assert lo <= len(h) <= hi
+    # negative control: Wilks' drop, the same bootstrap, misses the truth
+    monkeypatch.setattr(iv, "likelihood_drop", lambda *a, **kw: wilks)
+    lo, hi = iv.error_bars(noisy, p, n=n, reps=6, rng=0)["distinct"]
+    assert hi < len(h)
+
+
+def test_the_region_drop_is_a_quantile_of_the_gaps_and_never_below_wilks():
+    from scipy.stats import chi2
+
+    g = np.random.default_rng(3)
+    p = p_from_epsilon(1.0)
+    truth = np.r_[np.full(20, 30), np.full(200, 3)]
+    sims = {"mle": [iv.simulate_counts(g, truth, 20_000, p, 1) for _ in range(8)]}
+    fits = [dict(layers=1, n=int(truth.sum()), method="mle")]
+    at = {lv: iv.likelihood_drop(sims, {"mle": truth}, p, 1, lv, fits) for lv in (0.5, 0.9, 0.99)}
+    assert at[0.5] <= at[0.9] <= at[0.99]
+    assert min(at.values()) >= chi2.ppf(0.5, 1) / 2
+    assert at[0.99] > chi2.ppf(0.99, 1) / 2  # the NPMLE out-likes the truth by more than 1 df
+
+
+def test_the_calibrated_drop_only_below_the_noise(monkeypatch):
+    # above the noise Wilks' drop stands (the whole-histogram region is needlessly wide there);
+    # below it, or without n, the calibrated one
+    g = np.random.default_rng(5)
+    p = p_from_epsilon(1.0)
+    calls = []
+    monkeypatch.setattr(iv, "likelihood_drop", lambda *a, **kw: calls.append(1) or 1.35)
+    h = np.r_[g.geometric(0.1, 3000), np.zeros(1000, np.int64)]
+    noisy = h + discrete_laplace(p, len(h), rng=g)
+    assert not iv.signal_below_noise(int(h.sum()), len(h), p, 1)
+    iv.error_bars(noisy, p, n=int(h.sum()), reps=2, rng=0)
+    assert calls == []
+    iv.error_bars(noisy, p, reps=2, rng=0)
+    assert calls == [1]
+    small = np.r_[np.ones(40, np.int64), np.zeros(20_000, np.int64)]
+    assert iv.signal_below_noise(40, len(small), p, 1)
+    iv.error_bars(small + discrete_laplace(p, len(small), rng=g), p, n=40, reps=2, rng=0)
+    assert calls == [1, 1]
