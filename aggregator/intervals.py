@@ -70,7 +70,7 @@ import numpy as np
 
 from .estimate import (
     NoisyValueCounts, anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
-    noise_pmf, noisy_value_counts,
+    cumulative_l1, noise_pmf, noisy_value_counts, prevalences,
 )
 from .properties import entropy
 
@@ -348,7 +348,7 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     pad = 2 * K + 1  # room for the kernel on both sides
     mult = np.zeros(M + 1 + 2 * pad, dtype=np.int64)  # index pad + v: count v
     mult[pad] = counters - items
-    mult[pad + 1: pad + 1 + len(y)] = y - np.r_[y[1:], 0]
+    mult[pad + 1: pad + 1 + len(y)] = prevalences(y)
     dense_c = np.zeros(M + 1 + 2 * pad)  # noisy-value counts at the same offsets
     x_lo, x_hi = max(vc.lo, -pad), min(vc.hi, M + pad)
     if x_lo <= x_hi:
@@ -429,7 +429,7 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     # the items above PATH_TOP, largest first: visible one by one, so a path takes from (or
     # gives to) all of them a little, one event per item a round (the cost of t events off
     # one counter grows like t^2: spread over P items it is P times smaller)
-    big = np.repeat(np.arange(V + 1, len(y) + 1), (y - np.r_[y[1:], 0])[V:])[::-1][:64]
+    big = np.repeat(np.arange(V + 1, len(y) + 1), prevalences(y)[V:])[::-1][:64]
 
     def peel(r, sign):  # round r: the first s big items give (sign -1: take) one event
         def apply(mm, s):
@@ -517,7 +517,7 @@ def simulate_from_cumulative(rng: np.random.Generator, y, counters: int, p: floa
     Same draws as ``simulate_counts(rng, counts_from_cumulative(y), ...)`` (values in the same
     increasing order), without a sort of millions of counts."""
     y = np.asarray(y, dtype=np.int64)
-    phi = y - np.concatenate([y[1:], [0]])
+    phi = prevalences(y)
     vals = np.flatnonzero(phi) + 1
     items = int(y[0]) if len(y) else 0
     if items > counters:
@@ -706,10 +706,8 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         for sim in sims[sm]:
             e = anonymized_histogram(sim, p, **kw_boot)
             ys = cumulative_from_counts(e)
-            m = max(len(ys), len(y_t))
             boot_y.append(ys)
-            boot_l1.append(float(np.abs(np.pad(ys, (0, m - len(ys)))
-                                        - np.pad(y_t, (0, m - len(y_t)))).sum()))
+            boot_l1.append(cumulative_l1(ys, y_t))
             boot_h.append(entropy(e) - entropy(truth))
             boot_c.append(_coverage_2n(e) - _coverage_2n(truth))
             boot_b.append(rank_band_sums(e) - rank_band_sums(truth))

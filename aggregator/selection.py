@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .estimate import cap_total
+from .estimate import cap_total, cumulative_l1
 
 __all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "select", "selected_prevalence"]
 
@@ -67,13 +67,6 @@ CANDIDATES = tuple((m, c) for m in ("deconvolution", "mle", "threshold")
                    for c in ("items", "scale"))
 SIMS = 4
 STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-capped
-
-
-def _l1(a: np.ndarray, b: np.ndarray) -> float:
-    """l1 distance of two cumulative prevalences (>= 0, zero beyond their ends), without padding
-    copies (they are ~1e6 long at D = 1e7)."""
-    m = min(len(a), len(b))
-    return float(np.abs(a[:m] - b[:m]).sum() + a[m:].sum() + b[m:].sum())
 
 
 _LAST: list = []  # the last (key, result) of select: a release and its error bars both ask
@@ -145,11 +138,11 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
 def _loglik(vc, y, counters: int, p: float, k: int) -> float:
     """log-likelihood of the noisy value counts ``vc`` if the counters held the histogram with
     cumulative prevalence ``y`` (every counter's noisy value = its value + k DLap(p) draws)."""
-    from .estimate import _conv, noise_pmf
+    from .estimate import _conv, noise_pmf, prevalences
 
     K, q = noise_pmf(p, k)
     y = np.asarray(y, dtype=np.int64)
-    mult = y - np.concatenate([y[1:], [0]])
+    mult = prevalences(y)
     hi = max(len(y), vc.hi) + K
     lo = min(0, vc.lo) - K
     w = np.zeros(hi - lo + 1)
@@ -209,7 +202,7 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
                 y = ests[m]
                 for c in candidates:
                     if c[0] == m:
-                        err[c] += _l1(cap(y, total, c[1]), y_p)
+                        err[c] += cumulative_l1(cap(y, total, c[1]), y_p)
         best = min(err.values())
         for c in candidates:
             regret[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))

@@ -48,7 +48,7 @@ from aggregator import largedomain as ld
 import zlib
 
 from aggregator.estimate import (
-    CAP_RULES, cap_total, cumulative_from_counts, phi_estimate, project_l1,
+    CAP_RULES, cap_total, cumulative_from_counts, cumulative_l1, phi_estimate, project_l1,
 )
 from aggregator.noise import p_from_epsilon
 
@@ -168,10 +168,7 @@ class CellResult:
         table.setdefault(key, []).append(value)
 
 
-def _l1(y: np.ndarray, truth: np.ndarray) -> float:
-    """l1 distance of two cumulative prevalences (zero beyond their ends)."""
-    m = max(len(y), len(truth))
-    return float(np.abs(np.pad(y, (0, m - len(y))) - np.pad(truth, (0, m - len(truth)))).sum())
+_l1 = cumulative_l1  # l1 distance of two cumulative prevalences (estimate.cumulative_l1)
 
 
 def estimate_y(mode: str, vc, p: float, layers: int, method: str, n: int, B: int | None):

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.estimate import cap_total, cumulative_from_counts
+from aggregator.estimate import cap_total, cumulative_from_counts, cumulative_l1 as _l1
 from aggregator.intervals import simulate_from_cumulative
-from aggregator.selection import CANDIDATES, STANDIN_MARGIN, _estimates, _l1, _loglik
+from aggregator.selection import CANDIDATES, _estimates, _loglik
 from bench import grid
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "select_study.pkl"
