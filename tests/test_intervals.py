@@ -92,6 +92,26 @@ def test_error_bars_in_hashed_mode():
     assert eb["l1_bound"] > 0 and math.isfinite(eb["l1_bound"])
 
 
+def test_hashed_error_bars_rerun_the_candidate_auto_chose(monkeypatch):
+    # the default (auto) chooses once, on the real counters; each bootstrap draw re-runs the
+    # chosen estimator, as in direct mode, instead of choosing again (9 EM runs a draw)
+    from aggregator import selection
+    rng = np.random.default_rng(9)
+    h = np.unique(rng.zipf(1.2, 5_000), return_counts=True)[1]
+    n, B, p = int(h.sum()), 10_000, p_from_epsilon(1.0)
+    red = np.bincount(rng.integers(0, B, len(h)), weights=h, minlength=B).astype(np.int64)
+    noisy = red + discrete_laplace(p, B, rng=rng)
+    calls = []
+    real = selection._select
+    monkeypatch.setattr(selection, "_select", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    selection._LAST.clear()
+    eb = iv.error_bars(noisy, p, n=n, buckets=B, reps=3, rng=1)
+    assert len(calls) == 1
+    _, (m, _) = selection.select(noisy, p, n=None)
+    np.testing.assert_array_equal(  # the chosen candidate is the release
+        eb["histogram"], anonymized_histogram(noisy, p, n=n, buckets=B, method=m))
+
+
 @pytest.mark.parametrize("bad", [dict(level=1.0), dict(level=0.0), dict(reps=1)])
 def test_error_bars_reject_bad_arguments(bad):
     h, p, noisy = _direct_case()
