@@ -58,7 +58,7 @@ __all__ = [
     "project_l2",
     "counts_from_cumulative",
     "cumulative_from_counts",
-    "prevalences",
+    "prevalences_from_cumulative",
     "cumulative_l1",
     "anonymized_histogram",
     "l1_distance",
@@ -930,10 +930,10 @@ def project_l2(phi_hat, n: int, lower, upper):
 # --------------------------------------------------------------------------------------------
 # conversions and the public entry point
 # --------------------------------------------------------------------------------------------
-def prevalences(y) -> np.ndarray:
+def prevalences_from_cumulative(y) -> np.ndarray:
     """phi_r = phi_{>=r} - phi_{>=r+1}, r = 1..len(y), from a cumulative prevalence y.
 
-    >>> prevalences([5, 3, 3, 1]).tolist()
+    >>> prevalences_from_cumulative([5, 3, 3, 1]).tolist()
     [2, 0, 2, 1]
     """
     y = np.asarray(y)
@@ -959,7 +959,7 @@ def counts_from_cumulative(y) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if np.any(np.diff(y) > 0) or y[-1] < 0:
         raise ValueError("cumulative prevalence must be non-increasing and >= 0")
-    exact = prevalences(y)
+    exact = prevalences_from_cumulative(y)
     r = np.arange(1, len(y) + 1, dtype=np.int64)
     return np.repeat(r[::-1], exact[::-1])
 

@@ -70,7 +70,7 @@ import numpy as np
 
 from .estimate import (
     NoisyValueCounts, anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
-    cumulative_l1, noise_pmf, noisy_value_counts, prevalences,
+    cumulative_l1, noise_pmf, noisy_value_counts, prevalences_from_cumulative,
 )
 from .properties import entropy
 
@@ -348,7 +348,8 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     pad = 2 * K + 1  # room for the kernel on both sides
     mult = np.zeros(M + 1 + 2 * pad, dtype=np.int64)  # index pad + v: count v
     mult[pad] = counters - items
-    mult[pad + 1: pad + 1 + len(y)] = prevalences(y)
+    phi = prevalences_from_cumulative(y)
+    mult[pad + 1: pad + 1 + len(y)] = phi
     dense_c = np.zeros(M + 1 + 2 * pad)  # noisy-value counts at the same offsets
     x_lo, x_hi = max(vc.lo, -pad), min(vc.hi, M + pad)
     if x_lo <= x_hi:
@@ -429,7 +430,7 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     # the items above PATH_TOP, largest first: visible one by one, so a path takes from (or
     # gives to) all of them a little, one event per item a round (the cost of t events off
     # one counter grows like t^2: spread over P items it is P times smaller)
-    big = np.repeat(np.arange(V + 1, len(y) + 1), prevalences(y)[V:])[::-1][:64]
+    big = np.repeat(np.arange(V + 1, len(y) + 1), phi[V:])[::-1][:64]
 
     def peel(r, sign):  # round r: the first s big items give (sign -1: take) one event
         def apply(mm, s):
@@ -517,7 +518,7 @@ def simulate_from_cumulative(rng: np.random.Generator, y, counters: int, p: floa
     Same draws as ``simulate_counts(rng, counts_from_cumulative(y), ...)`` (values in the same
     increasing order), without a sort of millions of counts."""
     y = np.asarray(y, dtype=np.int64)
-    phi = prevalences(y)
+    phi = prevalences_from_cumulative(y)
     vals = np.flatnonzero(phi) + 1
     items = int(y[0]) if len(y) else 0
     if items > counters:

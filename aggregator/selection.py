@@ -138,11 +138,11 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
 def _loglik(vc, y, counters: int, p: float, k: int) -> float:
     """log-likelihood of the noisy value counts ``vc`` if the counters held the histogram with
     cumulative prevalence ``y`` (every counter's noisy value = its value + k DLap(p) draws)."""
-    from .estimate import _conv, noise_pmf, prevalences
+    from .estimate import _conv, noise_pmf, prevalences_from_cumulative
 
     K, q = noise_pmf(p, k)
     y = np.asarray(y, dtype=np.int64)
-    mult = prevalences(y)
+    mult = prevalences_from_cumulative(y)
     hi = max(len(y), vc.hi) + K
     lo = min(0, vc.lo) - K
     w = np.zeros(hi - lo + 1)

@@ -168,9 +168,6 @@ class CellResult:
         table.setdefault(key, []).append(value)
 
 
-_l1 = cumulative_l1  # l1 distance of two cumulative prevalences (estimate.cumulative_l1)
-
-
 def estimate_y(mode: str, vc, p: float, layers: int, method: str, n: int, B: int | None):
     """The uncapped projected cumulative prevalence of the items, as the release computes it."""
     if mode == "direct":
@@ -219,7 +216,7 @@ def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None) -> CellResul
                 out.add(out.seconds, (k, m), time.perf_counter() - t)
                 out.add(out.total, (k, m), int(y.sum()))
                 for cap in CAP_RULES:
-                    out.add(out.l1, (k, m, cap), _l1(cap_total(y, cell.n, cap), truth))
+                    out.add(out.l1, (k, m, cap), cumulative_l1(cap_total(y, cell.n, cap), truth))
     return out
 
 
@@ -394,7 +391,7 @@ def run_coverage(cell: Cell, layers=(1, 2), boot: int = 16, level: float = 0.9,
             rec = out.setdefault(k, {"l1": [], "bound": [], "distinct": [], "entropy": [],
                                      "phi": [], "phi_r": [], "bands": [], "coverage": [],
                                      "width_distinct": [], "seconds": []})
-            rec["l1"].append(_l1(y, truth))
+            rec["l1"].append(cumulative_l1(y, truth))
             rec["bound"].append(eb["l1_bound"])
             rec["distinct"].append(bool(lo[0] <= tr[0] <= hi[0]))
             rec["entropy"].append(bool(eb["entropy_nats"][0] <= h_true <= eb["entropy_nats"][1]))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.estimate import cap_total, cumulative_from_counts, cumulative_l1 as _l1
+from aggregator.estimate import cap_total, cumulative_from_counts, cumulative_l1
 from aggregator.intervals import simulate_from_cumulative
 from aggregator.selection import CANDIDATES, _estimates, _loglik
 from bench import grid
@@ -58,7 +58,7 @@ def study_cell(cell, reps, layers) -> dict:
             if k not in layers:
                 continue
             fits = _estimates(vc, p, k, METHODS)
-            true = {c: _l1(cap_total(fits[c[0]], n, c[1]), truth) for c in CANDIDATES}
+            true = {c: cumulative_l1(cap_total(fits[c[0]], n, c[1]), truth) for c in CANDIDATES}
             boot, ll = {}, {}
             srng = np.random.default_rng([rep, k, 12345])
             for pm, sc in itertools.product(PILOTS, STANDIN_CAPS):
@@ -68,7 +68,7 @@ def study_cell(cell, reps, layers) -> dict:
                 errs = []
                 for _ in range(SIMS):
                     ests = _estimates(simulate_from_cumulative(srng, y_p, D, p, k), p, k, METHODS)
-                    errs.append({c: _l1(cap_total(ests[c[0]], total, c[1]), y_p)
+                    errs.append({c: cumulative_l1(cap_total(ests[c[0]], total, c[1]), y_p)
                                  for c in CANDIDATES})
                 boot[(pm, sc)] = errs
             out[(rep, k)] = dict(true=true, boot=boot, loglik=ll)
@@ -137,7 +137,7 @@ def outside(reps: int = 6) -> None:
                     for name, (rule, sims) in rules.items():
                         S._standin_cap, S._LAST[:] = rule, []
                         y, _ = S.select(vc, cell.p, layers=k, n=cell.n, sims=sims)
-                        err.setdefault((name, k), []).append(_l1(y, truth))
+                        err.setdefault((name, k), []).append(cumulative_l1(y, truth))
             print(f"{cell.dist} n={cell.n:.0e} D={cell.D:.0e} eps={cell.eps:g}: " + ", ".join(
                 f"{name} {k}L {np.mean(v):.0f}" for (name, k), v in err.items()), flush=True)
     finally:
