@@ -53,7 +53,8 @@ has items to move), and no interval is shorter than that on either side of the r
 That is first order; where the likelihood stays flat much farther (a few thousand events among
 1e5 counters), :func:`plausible_extremes` walks from each stand-in to the histograms with the
 most and the fewest items whose log-likelihood is within chi2_1(level) / 2 of the best fit (a
-likelihood-ratio region), and every interval reaches their values too. Both use the noisy
+likelihood-ratio region; below the noise a depth calibrated on the bootstrap,
+:func:`likelihood_drop`), and every interval reaches their values too. Both use the noisy
 counters and public quantities only: post-processing.
 
 >>> round(noise_floor(10**6, 0.6065306597126334, 1))   # sqrt(1e6 x), x = p/(1-p)^2 = 3.918
@@ -456,16 +457,15 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     return [trim(more), trim(fewer)]
 
 
-def likelihood_drop(sims: dict, truths: dict, p: float, layers: int, level: float,
-                    fits: list) -> float:
+def likelihood_drop(sims: dict, truths: dict, refits: dict, p: float, layers: int,
+                    level: float) -> float:
     """How far below the best fit's log-likelihood a truth lies, at ``level``: the drop that
     makes {histograms within it of the best fit} a ``level`` confidence region.
 
     ``sims`` maps each stand-in (a key of ``truths``, its histogram) to states simulated from
-    it. On each state the stand-in estimators (``fits``: keyword arguments of
-    :func:`anonymized_histogram`, one per estimator) are fitted again, as on the real counters,
-    and gap = max over them of LL(fit) - LL(stand-in) is how much the
-    best fit out-likes the truth the state came from. The result is the ``level`` quantile of
+    it; ``refits`` maps it to, per state, the histograms the stand-in estimators fit on that
+    state (as on the real counters). gap = max over them of LL(refit) - LL(stand-in) is how
+    much the best fit out-likes the truth the state came from. The result is the ``level`` quantile of
     the gaps, at least chi2_1(level) / 2.
 
     Why not Wilks' chi2_1(level) / 2 alone: that is the drop for the *profile* likelihood of one
@@ -485,9 +485,8 @@ def likelihood_drop(sims: dict, truths: dict, p: float, layers: int, level: floa
     gaps = []
     for sm, states in sims.items():
         y_t = cumulative_from_counts(truths[sm])
-        for sim in states:
-            ref = max(_loglik(sim, cumulative_from_counts(anonymized_histogram(sim, p, **kw)),
-                              sim.total, p, layers) for kw in fits)
+        for sim, fits in zip(states, refits[sm]):
+            ref = max(_loglik(sim, cumulative_from_counts(f), sim.total, p, layers) for f in fits)
             gaps.append(ref - _loglik(sim, y_t, sim.total, p, layers))
     wilks = float(chi2.ppf(level, 1)) / 2.0
     return max(wilks, float(np.quantile(gaps, level))) if gaps else wilks
@@ -651,7 +650,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     >>> bool(lo <= len(eb["histogram"]) <= hi) and eb["l1_bound"] > 0
     True
     """
-    from .estimate import default_method
+    from .estimate import default_cap, default_method
 
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level!r}")
@@ -667,8 +666,9 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     # counters): the default estimator can take seconds, so it is not run twice
     est = (np.asarray(release, dtype=np.int64) if release is not None
            else anonymized_histogram(vc, p, **kw))
+    mode = "hashed" if buckets is not None else "direct"
     chosen = method if method is not None else default_method(
-        "hashed" if buckets is not None else "direct", layers, n=n, counters=counters, p=p)
+        mode, layers, n=n, counters=counters, p=p)
     if chosen == "auto":  # the candidate auto chose on these counters (it keeps its last choice)
         from .selection import select
         if buckets is None:
@@ -692,14 +692,25 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
                for sm, t in truths.items()}
     sims = {sm: [_simulated_state(rng, truths[sm], counters, p, layers, buckets is not None)
                  for _ in range(int(reps))] for sm in stand_ins}
-    drop = None  # Wilks' chi2_1(level) / 2
+    drop, boot = None, None  # Wilks' chi2_1(level) / 2; re-estimates made as the loop needs them
     if lls and (n is None or signal_below_noise(int(n), counters, p, layers)):
         # below the noise the likelihood is flat out to the edge of what n allows (all
         # singletons), where Wilks' approximation fails: the region's drop is calibrated by
         # refitting the stand-in estimators on the states (a whole-histogram region; above
-        # the noise that region is needlessly wide: 5x Wilks' distinct interval at D = 1e7)
-        drop = likelihood_drop(sims, truths, p, layers, level,
-                               [kw | {"method": sm} if sm else kw_boot for sm in stand_ins])
+        # the noise that region is needlessly wide: 5x Wilks' distinct interval at D = 1e7).
+        # The bootstrap's re-estimates are made first and kept (small below the noise), so a
+        # stand-in estimator that is also the release's is not fitted twice on a state.
+        def resolved(k):
+            return (k["method"] or chosen,
+                    k["cap"] or default_cap(mode, layers, n=n, counters=counters, p=p))
+
+        boot = {sm: [anonymized_histogram(s, p, **kw_boot) for s in sims[sm]]
+                for sm in stand_ins}
+        fit_kws = [kw | {"method": sm} if sm else kw_boot for sm in stand_ins]
+        refits = {sm: [[boot[sm][i] if resolved(f) == resolved(kw_boot)
+                        else anonymized_histogram(s, p, **f) for f in fit_kws]
+                       for i, s in enumerate(sims[sm])] for sm in stand_ins}
+        drop = likelihood_drop(sims, truths, refits, p, layers, level)
     for sm in stand_ins:
         truth = truths[sm]
         y_t = cumulative_from_counts(truth)
@@ -708,8 +719,8 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
                                        ref=max(lls.values()), loglik=lls[sm], drop=drop)
                     if lls else [])
         boot_y, boot_l1, boot_h, boot_c, boot_b = [], [], [], [], []
-        for sim in sims[sm]:
-            e = anonymized_histogram(sim, p, **kw_boot)
+        for i, sim in enumerate(sims[sm]):
+            e = boot[sm][i] if boot else anonymized_histogram(sim, p, **kw_boot)
             ys = cumulative_from_counts(e)
             boot_y.append(ys)
             boot_l1.append(cumulative_l1(ys, y_t))
