@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.noise import discrete_laplace, p_from_epsilon
+from aggregator.noise import p_from_epsilon
 from aggregator.state import PanPrivateHistogram
 from tests import test_privacy as tp
 from tests.lr_audit import Look, lr_epsilon, schedule_model
