@@ -55,6 +55,7 @@ def _mechanism_rows():
         lambda: S.single_look(1.0, noise_eps=1.25)
     yield "**control**: half the noise (loss 2 eps)", "> eps", 1.0, \
         lambda: S.single_look(1.0, noise_eps=2.0)
+    yield "**control**: a counter without noise", "> eps", 1.0, S.unnoised_counter
     yield "**control**: release without a fresh layer", "> eps", 1.0, \
         lambda: S.joint("after", fresh_layer=False)
     yield "**control**: export without its 'before' layer", "> eps", 1.0, \

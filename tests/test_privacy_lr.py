@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.noise import p_from_epsilon
+from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.state import PanPrivateHistogram
 from tests import test_privacy as tp
 from tests.lr_audit import Look, lr_epsilon, schedule_model
@@ -42,6 +42,18 @@ def schedules(sched_x, sched_y, eps=1.0, n=N, noise_eps=None, layer=None):
 
 def single_look(eps=1.0, n=N, noise_eps=None):
     return schedules([tp.X_REPLACE, "view"], [tp.Y_REPLACE, "view"], eps, n, noise_eps)
+
+
+def unnoised_counter(eps=1.0, n=N):
+    """Negative control: counter 1 (the replaced event's) carries no noise."""
+    p = p_from_epsilon(eps, 2)
+
+    def layer(shape):
+        z = discrete_laplace(p, shape)
+        z[:, 1] = 0
+        return z
+
+    return schedules([tp.X_REPLACE, "view"], [tp.Y_REPLACE, "view"], eps, n, layer=layer)
 
 
 def two_independent_looks(eps=1.0, n=N):
@@ -216,6 +228,11 @@ def test_noise_25_percent_weaker_is_flagged():
 def test_half_noise_is_flagged(eps):
     r = audit(single_look(eps, noise_eps=2 * eps))
     assert r.eps > 1.5 * eps, r
+
+
+def test_unnoised_counter_is_flagged():
+    r = audit(unnoised_counter())
+    assert r.eps > 5.0, r
 
 
 def test_release_without_fresh_layer_is_flagged():
