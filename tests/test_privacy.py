@@ -21,6 +21,11 @@ An audit that cannot fail proves nothing, so every test also checks that
 
 Noise comes from the default OS-entropy source (the production path), so these tests are not
 seeded; the false-failure probability is bounded by ALPHA per audit instead.
+
+This event family certifies single-look claims (and catches looks that share noise): it cannot see
+composition, e.g. two independent eps-looks of one event read about eps, not 2 eps. The same
+audits re-run with likelihood-ratio events over the joint view (tests/lr_audit.py), which see it,
+are in tests/test_privacy_lr.py (docs/privacy.md section 13).
 """
 
 from __future__ import annotations
