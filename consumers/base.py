@@ -54,8 +54,9 @@ class Source:
     def poll(self, timeout_s: float = 1.0) -> list[Segment]:
         raise NotImplementedError
 
-    def commit(self, offsets: dict[str, int]) -> None:
-        """Report progress upstream (Kafka: group offsets, for lag monitoring only)."""
+    def commit(self, offsets: dict[str, int], metadata: str = "") -> None:
+        """Report progress upstream (Kafka: group offsets, for lag monitoring only, with
+        ``metadata``: the ledger's anchor)."""
 
     def lag(self, positions: dict[str, int] | None = None) -> dict[str, int] | None:
         """Records behind the end of each partition, where the source knows it (``positions``:

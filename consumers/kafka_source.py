@@ -305,6 +305,20 @@ class KafkaSource(Source):
                         type(exc).__name__)
         return out
 
+    def committed_metadata(self) -> list[str]:
+        """The metadata of the group's committed offsets for the topic's partitions (the ledger
+        anchors, aggregator.service.anchor); [] when none is known."""
+        out = []
+        try:
+            for tp in self._topic_partitions():
+                committed = self.consumer.committed(tp, metadata=True, timeout_ms=_CALL_MS)
+                if committed is not None and getattr(committed, "metadata", None):
+                    out.append(committed.metadata)
+        except Exception as exc:
+            log.warning("committed offsets of group %r unknown (%s): the ledger is not checked "
+                        "against its Kafka anchor", self.group, type(exc).__name__)
+        return out
+
     def replay_problem(self, offsets: dict[str, int], window_seconds: float | None) -> str | None:
         """Why the topic could not replay an open window that starts at ``offsets`` (None: it
         can). A restart rebuilds the open window from the topic (docs/privacy.md), so the
@@ -362,10 +376,11 @@ class KafkaSource(Source):
                 admin.close()
         return self._config_cache
 
-    def commit(self, offsets: dict[str, int]) -> None:
-        """Offsets to the group for lag dashboards: asynchronous, never blocks counting."""
-        mine = {parse_partition_key(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()
-                if k in self.assigned}
+    def commit(self, offsets: dict[str, int], metadata: str = "") -> None:
+        """Offsets to the group for lag dashboards (with ``metadata``: the ledger's anchor,
+        aggregator.service.anchor): asynchronous, never blocks counting."""
+        mine = {parse_partition_key(k): OffsetAndMetadata(v, metadata, -1)
+                for k, v in offsets.items() if k in self.assigned}
         if mine:
             try:
                 self.consumer.commit_async(mine, callback=self._committed)

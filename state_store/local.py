@@ -44,6 +44,7 @@ class Checkpoint:
     pending: list[str] = field(default_factory=list)  # release JSON documents not yet published
     totals: dict = field(default_factory=dict)  # events and rejects by reason up to ``offsets``
     seq: int = 0
+    ledger_head: dict | None = None           # the privacy ledger's head when it was written
 
 
 def _fault(point: str) -> None:
@@ -129,6 +130,8 @@ class LocalStore:
         header = {"format": _FORMAT, "version": _VERSION, "seq": ckpt.seq, "window": ckpt.window,
                   "offsets": ckpt.offsets, "pending": ckpt.pending, "totals": ckpt.totals,
                   "has_state": ckpt.state is not None}
+        if ckpt.ledger_head is not None:
+            header["ledger_head"] = dict(ckpt.ledger_head)
         body = msgpack.packb(dict(header, checksum=_digest(header, state)), use_bin_type=True)
         path = self.dir / f"checkpoint-{ckpt.seq:012d}.ckpt"
         # frame: 8-byte header length, header, state bytes
@@ -163,4 +166,5 @@ class LocalStore:
             header.update(totals={}, has_state=True)
         return Checkpoint(state=state if header["has_state"] else None, window=header["window"],
                           offsets=header["offsets"], pending=list(header["pending"]),
-                          totals=dict(header["totals"]), seq=seq)
+                          totals=dict(header["totals"]), seq=seq,
+                          ledger_head=header.get("ledger_head"))

@@ -794,10 +794,21 @@ def test_missing_checkpoint_with_a_ledger_is_refused_and_fresh_start_is_recorded
     assert fresh.returncode == 0, fresh.stderr
     # numbering continues after the ledger's windows: nothing of the earlier run is overwritten
     assert (tmp_path / "releases" / "release-0.json").read_bytes() == before
-    kinds = [(e["kind"], e["window"]) for e in ledger_entries(tmp_path)]
+    entries = ledger_entries(tmp_path)
+    kinds = [(e["kind"], e["window"]) for e in entries]
     assert ("fresh-start", 2) in kinds
-    assert [w for k, w in kinds if k == "release"] == [0, 1, 2, 3]  # the file again, from 0
-    assert durable(tmp_path).window["id"] == 4
+    # counting resumes after the last released position, never over released events again
+    (fresh_entry,) = [e for e in entries if e["kind"] == "fresh-start"]
+    part = f"file:{path.name}"
+    assert fresh_entry["resume_offsets"] == {part: 2000}
+    assert [w for k, w in kinds if k == "release"] == [0, 1]
+    ckpt = durable(tmp_path)
+    assert ckpt.window["id"] == 2 and ckpt.offsets == {part: 2000}
+    assert ckpt.window["start_offsets"] == {part: 2000}
+    # the window the lost checkpoint held is counted from where the releases ended: its events
+    # (positions 2000-2499) are in no release yet
+    counts, _, _ = live_counts_via_export(tmp_path)
+    assert np.array_equal(counts, expected_state(items[2000:], 2).counts)
 
 
 def test_a_rolled_back_checkpoint_is_refused(tmp_path):

@@ -1,4 +1,4 @@
-"""The privacy ledger: the append-only authority on what was released and what it cost.
+"""The privacy ledger: the append-only, hash-chained authority on what was released and what it cost.
 
 Each line of ``ledger.jsonl`` is one JSON entry, written with fsync before the thing it records
 becomes visible. Kinds:
@@ -9,41 +9,69 @@ becomes visible. Kinds:
     refused unless the change is accepted explicitly, which appends a new ``identity`` entry
     carrying the previous one (so a lifted budget is on record).
 ``release``
-    One window's release: its number, its random ``window_uid`` (drawn when the window opens and
-    kept in the checkpoint), the epsilon spent, the release document itself and the source
-    offsets the window ends at. A window already ledgered is re-published from this document,
-    never computed again (a second computation would draw a second release layer).
+    One window's release: its number, its random ``window_uid``, the epsilon spent, the release
+    document itself, the **source position ranges** it covers (``ranges``: per partition
+    ``[start, end)``, with the stream, the aggregation and the lineage of checkpoints it belongs
+    to) and the totals at its end. A window already ledgered is re-published from this document
+    and never replayed: a restart starts the next window at the ledgered end.
 ``refused``
-    A release the budget did not allow (nothing was computed, no noise was drawn for it).
-``export``, ``restart``, ``fresh-start``
+    A release the budget did not allow (nothing was computed, no noise was drawn for it); it
+    records its ranges at epsilon 0.
+``export``, ``restart``, ``fresh-start``, ``composition``
     Announced audit exports (epsilon 0: fresh layers before and after), restarts that replayed
-    part of a window (the events re-counted under fresh noise; docs/privacy.md, R3), and starts
-    without a checkpoint that were explicitly allowed.
+    part of a window (docs/privacy.md, R3), starts without a checkpoint that were explicitly
+    allowed, and the set of aggregations an aggregation is part of.
 
-Budget: ``budget_per_window`` caps the epsilon spent per window uid (default: one release), and
-``budget_total`` (optional) caps the sum over all entries. Both are checked before any release
-noise is drawn. Windows are keyed by their random uid, not their number, so restarting the
-numbering (a moved-away checkpoint) cannot reuse a spent window's budget.
+One event, one charge. Before any release noise is drawn the window's ranges are checked against
+every charged range of the stream (this ledger's and, with several aggregations, every other
+aggregation's: :class:`~aggregator.service.charges.ChargeBook`): no position may carry more than
+``budget_per_event``. ``budget_per_window`` caps the epsilon spent per window uid, and
+``budget_total`` (optional) the sum over all entries: a proxy for a person who shows up in many
+windows, since event-level epsilon is parallel across windows. A window with no events (n = 0,
+public under replace-one) is released at epsilon 0.
 
-A damaged ledger (a line that is not a JSON entry, or an entry without its fields) stops the
-service with one line naming the line number: silently skipping a line would under-count the
-budget. The only tolerated defect is a torn last line without a newline, which a crash in the
-middle of an append leaves; its entry is appended again when the operation is redone.
+Tamper evidence. Every entry carries its sequence number ``seq``, the hash of the previous entry
+``prev`` and its own ``hash`` (SHA-256 over the entry's canonical JSON without ``hash``), so an
+edited, dropped or re-ordered line breaks the chain. The head (``seq``, ``hash``) is anchored
+where a restored or edited state directory does not reach it (the checkpoint, the release
+directory and the Kafka group's committed offset metadata: :mod:`.anchor`); a ledger that does
+not contain an anchor's entry (deleted, truncated, rolled back, replaced) is refused.
+
+A damaged ledger (a line that is not a JSON entry, an entry without its fields, a broken chain)
+stops the service with one line naming the line number: silently skipping a line would
+under-count the budget. The only tolerated defect is a torn last line without a newline, which
+a crash in the middle of an append leaves, and only while no anchor proves that line complete.
+Ledgers of format 1 (no chain, no ranges) are refused with one line naming
+``panagg ledger migrate``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import time
 from pathlib import Path
 
-__all__ = ["Ledger", "BudgetExceeded", "LedgerError"]
+from .charges import ChargeBook
+
+__all__ = ["Ledger", "BudgetExceeded", "LedgerError", "GENESIS", "entry_hash", "migrate"]
 
 log = logging.getLogger("panagg.ledger")
 
 _REQUIRED = {"id": str, "kind": str, "epsilon_spent": (int, float), "time_unix": (int, float)}
+_CHAINED = {"seq": int, "prev": str, "hash": str}
+
+#: the ``prev`` of the first entry
+GENESIS = "0" * 64
+
+
+def entry_hash(entry: dict) -> str:
+    """SHA-256 over the entry's canonical JSON without its ``hash`` field."""
+    body = {k: v for k, v in entry.items() if k != "hash"}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
 
 class BudgetExceeded(RuntimeError):
@@ -51,18 +79,30 @@ class BudgetExceeded(RuntimeError):
 
 
 class LedgerError(RuntimeError):
-    """The ledger file cannot be trusted (a damaged line)."""
+    """The ledger file cannot be trusted (a damaged line, a broken chain, an anchor it lacks)."""
 
 
 class Ledger:
-    """The ledger file at ``path`` with its budget rules (see the module docstring)."""
+    """The ledger file at ``path`` with its budget rules (see the module docstring).
+
+    Parameters
+    ----------
+    budget_per_window
+        Epsilon one window uid may spend.
+    budget_total
+        Optional cap on the sum over every entry (None or 0: no cap).
+    budget_per_event
+        Cap on the charge of one source position over every release that covers it (default:
+        ``budget_per_window``).
+    """
 
     def __init__(self, path: str | os.PathLike, *, budget_per_window: float,
-                 budget_total: float | None = None):
+                 budget_total: float | None = None, budget_per_event: float | None = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.budget_per_window = float(budget_per_window)
         self.budget_total = None if not budget_total else float(budget_total)
+        self.budget_per_event = float(budget_per_event or budget_per_window)
+        self.torn_tail = False
         self.reload()
 
     def reload(self) -> None:
@@ -70,11 +110,13 @@ class Ledger:
         under the merge lock)."""
         self.entries: list[dict] = []
         self._by_id: dict[str, dict] = {}
+        self.torn_tail = False
         if not self.path.exists():
             return
         data = self.path.read_bytes()
         lines = data.split(b"\n")
         torn_tail = not data.endswith(b"\n")
+        prev = GENESIS
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
@@ -84,16 +126,20 @@ class Ledger:
                 problem = self._problem(entry)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 entry, problem = None, "is not a JSON entry"
+            if problem is None:
+                problem = self._chain_problem(entry, len(self.entries) + 1, prev)
             if problem:
                 if last and torn_tail:  # a crash mid-append; the operation is redone
                     log.warning("%s: ignoring the torn last line %d (an interrupted append)",
                                 self.path, number)
+                    self.torn_tail = True
                     continue
                 raise LedgerError(f"ledger {self.path} line {number} {problem}; the ledger is the "
                                   "record of privacy spent: restore the file from a backup "
                                   "(never delete or edit its lines)")
             self.entries.append(entry)
             self._by_id[entry["id"]] = entry
+            prev = entry["hash"]
 
     @staticmethod
     def _problem(entry) -> str | None:
@@ -104,6 +150,48 @@ class Ledger:
                 return f"has no {field!r}"
             if not isinstance(entry[field], kind) or isinstance(entry[field], bool):
                 return f"has a malformed {field!r}"
+        return None
+
+    def _chain_problem(self, entry: dict, seq: int, prev: str) -> str | None:
+        if "hash" not in entry and seq == 1:
+            raise LedgerError(
+                f"ledger {self.path} is in format 1 (no hash chain, no source positions); run "
+                f"`panagg ledger migrate --state-dir {self.path.parent}` once (it keeps the "
+                "original as ledger.jsonl.v1)")
+        for field, kind in _CHAINED.items():
+            if not isinstance(entry.get(field), kind) or isinstance(entry.get(field), bool):
+                return f"has no valid {field!r} (the hash chain)"
+        if entry["seq"] != seq:
+            return f"has seq {entry['seq']} where {seq} belongs (a line was dropped or moved)"
+        if entry["prev"] != prev:
+            return "does not follow the line before it (a line was dropped, moved or edited)"
+        if entry_hash(entry) != entry["hash"]:
+            return "does not match its hash (the line was edited)"
+        return None
+
+    # -- the chain's head and its anchors ------------------------------------------------------
+    def head(self) -> dict:
+        """``{"seq": n, "hash": h}`` of the last entry (seq 0: an empty ledger)."""
+        if not self.entries:
+            return {"seq": 0, "hash": GENESIS}
+        return {"seq": self.entries[-1]["seq"], "hash": self.entries[-1]["hash"]}
+
+    def anchor_problem(self, anchor: dict | None) -> str | None:
+        """Why this ledger cannot be the one ``anchor`` (a head recorded elsewhere) was taken
+        from; None if it contains that entry."""
+        if not anchor or int(anchor.get("seq", 0)) <= 0:
+            return None
+        seq, want = int(anchor["seq"]), str(anchor.get("hash", ""))
+        if not self.path.exists():
+            return f"the ledger {self.path} is missing, but it had {seq} entries"
+        if seq > len(self.entries):
+            torn = " (its torn last line was complete)" if self.torn_tail and \
+                seq == len(self.entries) + 1 else ""
+            return (f"the ledger {self.path} ends at entry {len(self.entries)}, but it had at "
+                    f"least {seq}{torn}: it was truncated or rolled back")
+        if not self.entries[seq - 1]["hash"].startswith(want):
+            return (f"the ledger {self.path} differs from it at entry {seq}: it was replaced or "
+                    "rewritten")
         return None
 
     # -- queries -------------------------------------------------------------------------------
@@ -126,15 +214,31 @@ class Ledger:
         ids = [e for e in self.entries if e["kind"] == "identity"]
         return ids[-1]["identity"] if ids else None
 
-    def check_release(self, window_uid: str, epsilon: float, *, window=None) -> None:
-        """Raise BudgetExceeded if releasing the window ``window_uid`` at ``epsilon`` would go
-        over budget. Call it before drawing any noise for the release."""
+    def charges(self, others=()) -> ChargeBook:
+        """The per-position charges of this ledger plus ``others`` (entries of the other
+        aggregations of the stream)."""
+        return ChargeBook([*self.entries, *others])
+
+    def check_release(self, window_uid: str, epsilon: float, *, window=None,
+                      ranges: dict | None = None, lineage: str | None = None,
+                      window_kind: str | None = None, others=()) -> None:
+        """Raise BudgetExceeded if releasing the window ``window_uid`` (covering the source
+        ``ranges``) at ``epsilon`` would go over budget. Call it before drawing any noise."""
         name = f"window {window}" if window is not None else f"window {window_uid}"
         if self.spent(window_uid) + epsilon > self.budget_per_window * (1 + 1e-12):
             raise BudgetExceeded(
                 f"release of {name} refused: it would spend "
                 f"{self.spent(window_uid) + epsilon:g} > ledger.budget_per_window="
                 f"{self.budget_per_window:g} for that window")
+        if ranges and epsilon > 0:
+            peak = self.charges(others).peak(ranges, epsilon, lineage=lineage,
+                                             window_kind=window_kind)
+            if peak > self.budget_per_event * (1 + 1e-12):
+                raise BudgetExceeded(
+                    f"release of {name} refused: some of its events were released before "
+                    f"(source positions {_ranges_text(ranges)}), and this release would bring "
+                    f"them to {peak:g} eps > the per-event budget {self.budget_per_event:g} "
+                    "(ledger.budget_per_event); nothing of it is published")
         if self.budget_total is not None and self.spent() + epsilon > self.budget_total * (1 + 1e-12):
             raise BudgetExceeded(
                 f"release of {name} refused: total spent would be {self.spent() + epsilon:g} "
@@ -153,27 +257,84 @@ class Ledger:
         """Record an entry durably; returns False if an entry with that id is already there."""
         if entry_id in self._by_id:
             return False
+        head = self.head()
         entry = {"id": entry_id, "kind": kind, "window": window,
                  "epsilon_spent": float(epsilon_spent), "model": model,
                  "time_unix": time.time()}
         if note:
             entry["note"] = note
         entry.update(extra)
-        line = json.dumps(entry, sort_keys=True, allow_nan=False) + "\n"
-        with open(self.path, "a+b") as f:
-            end = f.seek(0, os.SEEK_END)
-            if end:
-                f.seek(end - 1)
-                if f.read(1) != b"\n":
-                    # a torn line from a crash mid-append: that append never completed (its
-                    # fsync had not returned), so cut it off rather than leave a damaged line
-                    f.truncate(_last_newline(f, end) + 1)
-            f.write(line.encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
+        entry.update(seq=head["seq"] + 1, prev=head["hash"])
+        entry["hash"] = entry_hash(entry)
+        _write_line(self.path, json.dumps(entry, sort_keys=True, allow_nan=False) + "\n")
         self.entries.append(entry)
         self._by_id[entry_id] = entry
+        self.torn_tail = False
         return True
+
+
+def _ranges_text(ranges: dict) -> str:
+    return ", ".join(f"{p} [{int(a)}, {int(b)})" for p, (a, b) in sorted(ranges.items()))
+
+
+def _write_line(path: Path, line: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end:
+            f.seek(end - 1)
+            if f.read(1) != b"\n":
+                # a torn line from a crash mid-append: that append never completed (its
+                # fsync had not returned), so cut it off rather than leave a damaged line
+                f.truncate(_last_newline(f, end) + 1)
+        f.write(line.encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def migrate(path: str | os.PathLike) -> int:
+    """Rewrite a format-1 ledger with the hash chain and, for releases, the source ranges their
+    ``end_offsets`` imply (each window starts where the one before it ended; the first at the
+    start of the input). The original is kept as ``ledger.jsonl.v1``. Returns the number of
+    entries."""
+    path = Path(path)
+    backup = path.with_name(path.name + ".v1")
+    if backup.exists():
+        raise LedgerError(f"{backup} exists already: a migration ran before; move it away first")
+    entries = []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            entry = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise LedgerError(f"ledger {path} line {number} is not a JSON entry; restore the "
+                              "file from a backup before migrating") from None
+        if "hash" in entry:
+            raise LedgerError(f"ledger {path} is already in format 2")
+        entries.append(entry)
+    ends: dict[str, int] = {}
+    prev = GENESIS
+    out = []
+    for seq, entry in enumerate(entries, start=1):
+        if entry.get("kind") == "fresh-start":  # format 1 started such runs at the beginning
+            ends = {}
+        if entry.get("kind") in ("release", "refused") and entry.get("end_offsets"):
+            entry.setdefault("ranges", {p: [int(ends.get(p, 0)), int(o)]
+                                        for p, o in entry["end_offsets"].items()})
+            ends.update({p: int(o) for p, o in entry["end_offsets"].items()})
+        entry.update(seq=seq, prev=prev, migrated_from=1)
+        entry["hash"] = entry_hash(entry)
+        prev = entry["hash"]
+        out.append(json.dumps(entry, sort_keys=True, allow_nan=False) + "\n")
+    os.link(path, backup)
+    tmp = path.with_name(f".{path.name}.migrate-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(out)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(out)
 
 
 def _last_newline(f, end: int, chunk: int = 1 << 16) -> int:

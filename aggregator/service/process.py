@@ -48,9 +48,11 @@ from ..intervals import SNR_MIN, noise_floor
 from ..noise import p_from_epsilon
 from ..release import make_release, write_release
 from ..state import NEIGHBOR_RELATIONS, PanPrivateHistogram
+from .anchor import (kafka_metadata, parse_kafka_metadata, release_dir_anchor,
+                     write_release_dir_anchor)
 from .deadletter import DeadLetterError, DeadLetters
 from .event_time import EventTimeWindows
-from .ledger import BudgetExceeded, Ledger
+from .ledger import BudgetExceeded, Ledger, LedgerError
 from .metrics import Metrics
 from .window import WindowTask, new_window
 
@@ -345,24 +347,31 @@ class Aggregator(EventTimeWindows):
                                max_item_bytes=src["max_item_bytes"],
                                spec=ItemSpec.from_config(cfg["item"]))
         self.dir = Path(cfg["checkpoint"]["dir"])
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.snapshots_per_window = int(cfg["checkpoint"]["snapshots_per_window"])
         self.fresh_start, self.accept_change = fresh_start, accept_change
         self._lock_file = None
         self.partitioned = bool(cfg["scale"]["partitioned"])
         self.task = None if self.partitioned else WindowTask("all", None)
+        #: a name for this aggregation in anchors and charges ("" when it is the only one)
+        self.aggregation = cfg.get("aggregation")
+        self.anchor_name = self.aggregation["name"] if self.aggregation else ""
         budget = cfg["ledger"]["budget_per_window"] or self.epsilon
-        self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
-                             budget_total=cfg["ledger"]["budget_total"] or None)
+        per_event = ((self.aggregation or {}).get("budget_per_event")
+                     or cfg["ledger"].get("budget_per_event") or budget)
+        try:
+            self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
+                                 budget_total=cfg["ledger"]["budget_total"] or None,
+                                 budget_per_event=per_event)
+        except LedgerError as exc:
+            raise ServiceError(str(exc)) from None
         self.control = self.dir / "control"
-        self.control.mkdir(exist_ok=True)
+        #: ledger entries a start decided on, written only once every start check has passed
+        #: (a refused start writes nothing)
+        self._deferred: list[dict] | None = None
         seed = cfg["testing"]["noise_seed"]
         self._seed = seed if seed >= 0 and os.environ.get("PANAGG_TESTING") == "1" else None
         self._producer = None
         topic = src["dead_letter_topic"]
-        #: several aggregations of one stream (aggregator.service.multi): this one's name, the
-        #: names of all and the per-event budget; None in single mode
-        self.aggregation = cfg.get("aggregation")
         name = self.aggregation["name"] if self.aggregation else None
         self.dead_letters = (DeadLetters(topic, self._kafka_producer, self.metrics, name)
                              if topic else None)
@@ -379,6 +388,7 @@ class Aggregator(EventTimeWindows):
         self._publish_backoff = _Backoff("publishing releases")
         self._init_event_time()
         self._commit_backoff = _Backoff("checkpoint")
+        self._anchor_note_logged = False
         self.metrics.epsilon.set(self.epsilon)
 
     # -- noise sources -------------------------------------------------------------------------
@@ -400,6 +410,8 @@ class Aggregator(EventTimeWindows):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.control.mkdir(exist_ok=True)
         self._lock_file = lock_directory(self.dir)
 
     def save_effective_config(self) -> None:
@@ -414,11 +426,11 @@ class Aggregator(EventTimeWindows):
         mine = identity_of(self.cfg)
         recorded = self.ledger.identity()
         if recorded is None:
-            self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
-                               identity=dict(mine, run=os.urandom(8).hex(),
-                                             first_window=self._first_window(),
-                                             start=self.cfg["source"]["start"]))
-            return self.ledger.identity()
+            first = dict(mine, run=os.urandom(8).hex(), first_window=self._first_window(),
+                         start=self.cfg["source"]["start"])
+            self._ledger_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
+                                identity=first)
+            return first
         changed = [k for k in mine if recorded.get(k, _IDENTITY_DEFAULTS.get(k)) != mine[k]]
         if not changed:
             return recorded
@@ -427,23 +439,35 @@ class Aggregator(EventTimeWindows):
             raise ServiceError(f"checkpoint.dir {self.dir} belongs to other settings ({what}); "
                                "use the original settings, a new checkpoint.dir, or "
                                "--accept-change to record the change in the ledger")
-        self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
-                           identity=dict(recorded, **mine), previous=recorded,
-                           note=f"settings changed: {what}")
+        self._ledger_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
+                            identity=dict(recorded, **mine), previous=recorded,
+                            note=f"settings changed: {what}")
         log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
-        return self.ledger.identity()
+        return dict(recorded, **mine)
 
     def _first_window(self) -> int:
         w = self.cfg["window"]
         return int(time.time() // w["size"]) if w["kind"] == "time" and self.partitioned else 0
 
     def restore(self) -> None:
-        """Load the checkpoint (or start the first window) and seek the source there."""
-        self.check_identity()
+        """Load the checkpoint (or start the first window) and seek the source there. Every
+        check runs before anything is written: a refused start leaves the directory as it was."""
         task = self.task
         task.store = LocalStore(self.dir / "checkpoints")
-        self.restore_task(task, where=str(task.store.dir))
-        self.check_replayable(task)
+        self._deferred = []
+        try:
+            self.check_anchors(task.store.load_latest())
+            self.check_identity()
+            self.restore_task(task, where=str(task.store.dir), commit=False)
+            self.check_replayable(task)
+            deferred, self._deferred = self._deferred, None
+        except BaseException:
+            self._deferred = None
+            raise
+        for entry in deferred:
+            self._ledger_append(**entry)
+        if task.durable is None or task.durable.window.get("uid") != task.window.get("uid"):
+            self.commit(task)  # from now on a missing checkpoint is a lost one
         self.source.seek(task.offsets)
         # the totals of the checkpoint, then every record after it once: exact after restarts
         self.metrics.events.inc(task.totals["events"])
@@ -454,13 +478,16 @@ class Aggregator(EventTimeWindows):
         self.metrics.window_events.set(task.window["events"])
         self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
 
-    def restore_task(self, task: WindowTask, *, where: str) -> None:
+    def restore_task(self, task: WindowTask, *, where: str, commit: bool = True) -> None:
         """Resume ``task`` from its latest checkpoint (see :mod:`.window`): a fresh state (or
-        the checkpoint's snapshot plus a fresh layer), the window, offsets and totals."""
+        the checkpoint's snapshot plus a fresh layer), the window, offsets and totals. A window
+        the ledger already decided (released or refused) is not replayed: the next window
+        starts at its ledgered end. ``commit=False``: the caller commits once its checks pass."""
         ckpt = task.store.load_latest()
         if ckpt is None:
             self._first_start(task, where)
-            self.commit(task)  # from now on a missing checkpoint is a lost one
+            if commit:
+                self.commit(task)  # from now on a missing checkpoint is a lost one
             return
         self._check_start_policy(where)
         self._check_not_rolled_back(ckpt.window, where)
@@ -471,7 +498,15 @@ class Aggregator(EventTimeWindows):
                        "filtered": int(ckpt.totals.get("filtered", 0))}
         task.window.setdefault("uid", f"v1-{task.name}-{task.window['id']}")
         task.window.setdefault("snapshots", 0)
+        # checkpoints from before source ranges: the window starts at the checkpoint's offsets
+        # (a snapshot's are mid-window: its partitions' first records then mark the start)
+        task.window.setdefault("start_offsets", dict(ckpt.offsets) if ckpt.state is None else {})
+        task.window.setdefault("lineage", f"legacy-{(self.ledger.identity() or {}).get('run')}")
         task.durable, task.replay = ckpt, None
+        if self._skip_decided_window(task):
+            if commit:
+                self.commit(task)
+            return
         if ckpt.state is None:
             task.state = self._new_state(task, task.window["id"])
         else:
@@ -493,6 +528,67 @@ class Aggregator(EventTimeWindows):
                  "window's later events are replayed from the source under fresh noise",
                  ckpt.seq, task.name, task.window["id"], len(task.offsets),
                  " and a layered snapshot" if ckpt.state is not None else "")
+
+    def _skip_decided_window(self, task: WindowTask) -> bool:
+        """If the ledger already holds the restored window's release (or refusal) with its end
+        positions and totals (a stop between the ledger entry and the checkpoint that starts the
+        next window), start the next window at that end instead of replaying this one: a replay
+        would put the window's events in memory under fresh noise beside the published release
+        of the old noise (two looks at them). True if skipped."""
+        if self.partitioned or task.window["kind"] == "event_time":
+            return False  # their windows are closed by the group / by the records' stamps
+        uid = task.window["uid"]
+        entry = self.ledger.get(f"release-{uid}") or self.ledger.get(f"refused-{uid}")
+        if entry is None or entry.get("end_offsets") is None or entry.get("totals") is None:
+            return False
+        if entry["kind"] == "release" and entry["document"] not in task.pending:
+            task.pending.append(entry["document"])
+        wid = task.window["id"]
+        ends = {p: int(o) for p, o in entry["end_offsets"].items()}
+        task.offsets = dict(task.offsets, **ends)
+        totals = entry["totals"]
+        task.totals = {"events": int(totals.get("events", 0)),
+                       "rejects": dict(totals.get("rejects", {})),
+                       "filtered": int(totals.get("filtered", 0))}
+        lineage = task.window["lineage"]
+        task.window = self._new_window(task, wid + 1)
+        task.window.update(lineage=lineage, start_offsets=dict(task.offsets))
+        task.state = self._new_state(task, wid + 1)
+        task.close_at = None
+        log.info("window %s of %s is in the ledger already (%s): it is not replayed; window %s "
+                 "starts at its end", wid, task.name, entry["kind"], wid + 1)
+        return True
+
+    def check_anchors(self, ckpt) -> None:
+        """Refuse a ledger older than a head recorded outside it: in the checkpoint, in the
+        release directory, in the Kafka group's committed offsets (:mod:`.anchor`)."""
+        anchors = []
+        if ckpt is not None and ckpt.ledger_head:
+            anchors.append((f"checkpoint {ckpt.seq}", ckpt.ledger_head))
+        rel = release_dir_anchor(self.cfg["release"]["dir"], self.ledger.path)
+        if rel is not None and rel.get("unreadable"):
+            raise ServiceError(f"the ledger anchor {rel['where']} is unreadable; restore it "
+                               "from a backup (it records how far the ledger had come)")
+        if rel is not None:
+            anchors.append((rel["where"], rel))
+        probe = getattr(self.source, "committed_metadata", None)
+        kafka = [parse_kafka_metadata(m).get(self.anchor_name) for m in (probe() if probe else [])]
+        kafka = [h for h in kafka if h]
+        if kafka:
+            anchors.append((f"the committed offsets of group {self.cfg['source']['group']!r}",
+                            max(kafka, key=lambda h: h["seq"])))
+        elif probe is None and not self._anchor_note_logged:
+            self._anchor_note_logged = True
+            log.info("the privacy ledger is anchored in the checkpoint and in release.dir only "
+                     "(no Kafka group): a state directory restored together with release.dir "
+                     "from one backup cannot be detected")
+        for where, head in anchors:
+            problem = self.ledger.anchor_problem(head)
+            if problem:
+                raise ServiceError(
+                    f"{problem} (its head, entry {head['seq']}, is recorded in {where}); the "
+                    "ledger is the record of privacy spent: restore the latest ledger and state "
+                    "directory; without them the events it charged would be released again")
 
     def check_replayable(self, task: WindowTask) -> None:
         """Refuse to start if the source could not replay ``task``'s open window after a crash
@@ -527,17 +623,48 @@ class Aggregator(EventTimeWindows):
                     "never released)")
             first = max(int(e["window"]) for e in released
                         if isinstance(e.get("window"), int)) + 1
-            self.ledger.append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
-                               window=first, note=f"started without a checkpoint in {where}")
-            log.warning("fresh start without a checkpoint in %s: numbering continues at window "
-                        "%d", where, first)
         task.window = self._new_window(task, first)
         task.state = self._new_state(task, first)
         task.offsets, task.pending = {}, []
         task.totals = {"events": 0, "rejects": {}}
         task.durable = None
         task.offsets, at = self._start_offsets(bool(committed))
+        # never over positions whose events this release would charge past the budget (a
+        # fresh start, an aggregation renamed or added under --accept-change)
+        resume = self.ledger.charges(self._other_charges()).resume_offsets(
+            self.epsilon, budget=self.ledger.budget_per_event)
+        floor = dict(committed) if committed and self.fresh_start else {}
+        floor.update(task.offsets)
+        later = {p: o for p, o in resume.items() if o > floor.get(p, 0)}
+        if later:
+            task.offsets.update(later)
+            at = ("after the last released position (" + ", ".join(
+                f"{k} at {v}" for k, v in sorted(later.items())) + f"), not at {at}")
+        task.window.update(lineage=os.urandom(8).hex(), start_offsets=dict(task.offsets))
+        if released:
+            self._ledger_append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
+                                window=first, resume_offsets=dict(task.offsets),
+                                note=f"started without a checkpoint in {where}; counting "
+                                     f"resumes {at}")
+            log.warning("fresh start without a checkpoint in %s: numbering continues at window "
+                        "%d", where, first)
         log.info("no checkpoint in %s: starting window %d at %s", where, first, at)
+
+    def _other_charges(self) -> list[dict]:
+        """Ledger entries of the stream's other aggregations (their charges count against the
+        same per-event budget): every sibling directory's ledger, configured or not any more."""
+        if not self.aggregation:
+            return []
+        out = []
+        for path in sorted(self.dir.parent.glob("*/ledger.jsonl")):
+            if path.parent.resolve() == self.dir.resolve():
+                continue
+            try:
+                out.extend(Ledger(path, budget_per_window=1.0).entries)
+            except LedgerError as exc:
+                raise ServiceError(f"{exc} (another aggregation's ledger: its charges count "
+                                   "against this stream's per-event budget)") from None
+        return out
 
     def _start_offsets(self, committed: bool) -> tuple[dict[str, int], str]:
         """Where a new state directory starts (``source.start``), and that in words."""
@@ -643,8 +770,8 @@ class Aggregator(EventTimeWindows):
     # fed by one consumer): start, then per poll a turn, then input_ended (finite input) and finish.
     def start(self) -> None:
         """Restore the checkpoint, seek the source, publish what a crash left pending."""
-        self.save_effective_config()
         self.restore()
+        self.save_effective_config()
         self._ledger_composition()
         self.log_accuracy_plan()
         self._publish_pending(self.task)
@@ -874,6 +1001,9 @@ class Aggregator(EventTimeWindows):
         add their rejects to the totals (exactly once, like the events)."""
         if hi <= lo:
             return
+        # a partition the window had no start for (a first start from the earliest record):
+        # its first record here is where the window's range begins
+        task.window.setdefault("start_offsets", {}).setdefault(partition, int(offsets[lo]))
         task.offsets[partition] = int(offsets[hi - 1]) + 1
         a, b = np.searchsorted(rej_idx, [lo, hi])
         if b > a:
@@ -974,12 +1104,16 @@ class Aggregator(EventTimeWindows):
             task.state.rerandomize(rng=self._rng(2, wid, *tag, 0))
             blob = task.state.serialize()
             task.state.rerandomize(rng=self._rng(2, wid, *tag, 1))
-        # 3. the checkpoint, atomically
+        # 3. the checkpoint, atomically, with the ledger's head (an older ledger is refused)
         record = task.record(blob)
+        record.ledger_head = self.ledger.head()
         self._wait_for(lambda: self._save(task, record), "checkpoint")
-        # 4. offsets to the Kafka group, for lag monitoring only
-        self.source.commit(record.offsets)
+        # 4. offsets to the Kafka group, for lag monitoring, with the ledger's head as anchor
+        self.source.commit(record.offsets, self._kafka_anchor())
         return blob
+
+    def _kafka_anchor(self) -> str:
+        return kafka_metadata({self.anchor_name: self.ledger.head()})
 
     def _save(self, task: WindowTask, record) -> None:
         t0 = time.perf_counter()
@@ -993,6 +1127,7 @@ class Aggregator(EventTimeWindows):
             self.commit(task)
             return
         record = task.rewrite_pending()
+        record.ledger_head = self.ledger.head()
         self._wait_for(lambda: self._save(task, record), "checkpoint")
 
     def _flush_dead_letters(self) -> None:
@@ -1029,6 +1164,10 @@ class Aggregator(EventTimeWindows):
             task.pending.append(json.dumps(release, allow_nan=False))
         task.close_at = None
         task.window = self._new_window(task, wid + 1)
+        # where the next window's records start (an event-time second window: where its
+        # replay starts), and the chain of checkpoints it belongs to
+        task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
+            (task.replay or {}).get("offsets") or task.offsets))
         carried = self._carried_state()  # event_time: the second window, counting already
         task.state = carried if carried is not None else self._new_state(task, wid + 1)
         self.metrics.window_id.set(wid + 1)
@@ -1041,22 +1180,46 @@ class Aggregator(EventTimeWindows):
         log.debug("closed window %s (uid %s)", wid, uid)
         return release
 
+    def window_ranges(self, task: WindowTask, window: dict | None = None) -> dict:
+        """The source positions ``[start, end)`` per partition the window covers (what its
+        release charges in the ledger)."""
+        window = task.window if window is None else window
+        starts = window.get("start_offsets") or {}
+        out = {}
+        for part, end in task.offsets.items():
+            start = int(starts.get(part, 0))
+            if int(end) > start:
+                out[part] = [start, int(end)]
+        return out
+
+    def _charge_of(self, closing: dict) -> float:
+        """What the window's release costs: epsilon, or 0 for a window without events (n is
+        public under replace-one, and a state holding no event reveals none)."""
+        return self.epsilon if int(closing.get("events", 0)) > 0 else 0.0
+
     def _ledgered_release(self, task: WindowTask, closing: dict) -> dict | None:
         """The window's release: from the ledger if it is there, else computed once (after the
-        budget check, before anything is durable) and ledgered with its document."""
+        budget check over its source ranges, before anything is durable) and ledgered with its
+        document, its ranges and the totals at its end."""
         wid, uid = closing["id"], closing["uid"]
         entry = self.ledger.get(f"release-{uid}")
         if entry is not None:
             log.info("window %s is already in the ledger: re-publishing its ledgered release",
                      wid)
             return json.loads(entry["document"])
-        if not self._budget_allows(uid, wid):
+        ranges = self.window_ranges(task, closing)
+        charge = self._charge_of(closing)
+        if not self._budget_allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
+                                   task=task):
             return None
         release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
                                rng=self._rng(1, wid),
                                error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
                                method=release_method(self.cfg))
-        warn_if_below_noise(release)
+        if charge > 0:
+            warn_if_below_noise(release)
+        else:
+            log.info("window %s had no events: released at epsilon 0 (it holds only noise)", wid)
         release["window_info"] = {k: closing[k] for k in
                                   ("kind", "size", "events", "started_unix", "ended_unix")}
         if closing["kind"] == "event_time":  # the window's event-time bounds and late records
@@ -1069,23 +1232,43 @@ class Aggregator(EventTimeWindows):
         if self.aggregation:  # which of the stream's aggregations, and the composition
             release["aggregation"] = dict(self.aggregation, epsilon=self.epsilon)
         doc = json.dumps(release, allow_nan=False)
-        self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid, window_uid=uid,
-                           epsilon_spent=self.epsilon, model=self.model, document=doc,
-                           end_offsets=dict(task.offsets))
+        self._ledger_append(entry_id=f"release-{uid}", kind="release", window=wid,
+                            window_uid=uid, epsilon_spent=charge, model=self.model,
+                            document=doc, **self._position_fields(task, closing, ranges))
         return release
 
-    def _budget_allows(self, uid: str, wid: int) -> bool:
-        """The ledger's answer for window ``uid`` before any release noise is drawn; a refusal
-        is ledgered (so every process and restart gets the same answer)."""
+    def _position_fields(self, task: WindowTask, closing: dict, ranges: dict) -> dict:
+        """What a release or refusal records of the source: the ranges it covers, the end a
+        restart resumes at, the totals there, and whose chain of checkpoints it is."""
+        return {"ranges": ranges, "end_offsets": dict(task.offsets),
+                "totals": {"events": int(task.totals["events"]),
+                           "rejects": dict(task.totals["rejects"]),
+                           "filtered": int(task.totals.get("filtered", 0))},
+                "stream": identity_of(self.cfg)["stream"], "aggregation": self.anchor_name,
+                "lineage": closing.get("lineage"), "window_kind": closing.get("kind"),
+                "n": int(closing.get("events", 0))}
+
+    def _budget_allows(self, uid: str, wid: int, *, ranges: dict | None = None,
+                       charge: float | None = None, closing: dict | None = None,
+                       task: WindowTask | None = None) -> bool:
+        """The ledger's answer for window ``uid`` (covering the source ``ranges``) before any
+        release noise is drawn; a refusal is ledgered with its ranges (so every process and
+        restart gets the same answer, and a restart does not replay the refused window)."""
         if self.ledger.has(f"refused-{uid}"):
             return False
+        charge = self.epsilon if charge is None else charge
         try:
-            self.ledger.check_release(uid, self.epsilon, window=wid)
+            self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
+                                      lineage=(closing or {}).get("lineage"),
+                                      window_kind=(closing or {}).get("kind"),
+                                      others=self._other_charges() if ranges else ())
         except BudgetExceeded as exc:
             log.error("%s", exc)
             self.metrics.releases_refused.inc()
-            self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
-                               window_uid=uid, model=self.model, note=str(exc))
+            extra = (self._position_fields(task, closing, ranges)
+                     if task is not None and closing is not None else {})
+            self._ledger_append(entry_id=f"refused-{uid}", kind="refused", window=wid,
+                                window_uid=uid, model=self.model, note=str(exc), **extra)
             return False
         return True
 
@@ -1120,6 +1303,17 @@ class Aggregator(EventTimeWindows):
                      release["n"], path)
         if published:
             self._save_pending(task)
+            self._anchor_in_release_dir()
+
+    def _anchor_in_release_dir(self) -> None:
+        """The ledger's head beside the published releases (:mod:`.anchor`); best effort: a
+        failure is said once and retried at the next publication."""
+        try:
+            write_release_dir_anchor(self.cfg["release"]["dir"], self.ledger.path,
+                                     self.ledger.head())
+        except OSError as exc:
+            log.warning("could not record the ledger's head in %s (%s); retried at the next "
+                        "publication", self.cfg["release"]["dir"], exc.strerror or exc)
 
     # -- announced audit exports and control requests ------------------------------------------
     def export(self, export_id: str | None = None) -> Path:
@@ -1150,6 +1344,9 @@ class Aggregator(EventTimeWindows):
         return path
 
     def _ledger_append(self, **entry) -> None:
+        if self._deferred is not None:  # a start still checking: written once all checks pass
+            self._deferred.append(entry)
+            return
         self.ledger.append(**entry)
 
     def _handle_control(self) -> None:

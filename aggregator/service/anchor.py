@@ -1,0 +1,87 @@
+"""Anchors of the ledger's head outside the ledger file.
+
+A hash chain shows an edited or re-ordered line, but not a ledger that is *older* than it should
+be: a deleted file, a dropped last line, a copy from a backup, or a whole state directory
+restored together with its checkpoint. Those are caught by comparing the ledger with its head
+(``seq``, ``hash``) recorded elsewhere at every checkpoint and every publication:
+
+``checkpoint``
+    Each checkpoint carries the head at the time it was written: a ledger older than the
+    checkpoint beside it is refused. Restored *together* with its checkpoint, it passes here.
+``release directory``
+    ``release.dir/.panagg-ledger-head-<h>`` (``h``: a hash of the ledger's absolute path, so two
+    state directories publishing to one release directory keep separate anchors) is replaced
+    after each publication. A state directory restored from a backup is older than it.
+``Kafka``
+    The consumer group's committed offsets carry the head in their metadata (``panagg-ledger:
+    <seq>:<hash prefix>``; several aggregations: one ``name=seq:hash`` item each). A state
+    directory restored from a backup, or deleted, is older than the group.
+
+A file source without Kafka has the first two only: restoring the state directory *and* the
+release directory from the same backup goes unnoticed there (the start line says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from state_store.local import atomic_write
+
+__all__ = ["release_dir_anchor", "write_release_dir_anchor", "kafka_metadata", "parse_kafka_metadata"]
+
+_PREFIX = "panagg-ledger:"
+_HASH_CHARS = 24  # 96 bits of the head's hash: room for many aggregations in 4 kB of metadata
+
+
+def _anchor_path(release_dir: str | os.PathLike, ledger_path: str | os.PathLike) -> Path:
+    tag = hashlib.sha256(str(Path(ledger_path).resolve()).encode()).hexdigest()[:16]
+    return Path(release_dir) / f".panagg-ledger-head-{tag}"
+
+
+def release_dir_anchor(release_dir, ledger_path) -> dict | None:
+    """The head last recorded in ``release_dir`` for the ledger at ``ledger_path`` (None: none
+    or unreadable, which is said by the caller)."""
+    path = _anchor_path(release_dir, ledger_path)
+    try:
+        doc = json.loads(path.read_text())
+        return {"seq": int(doc["seq"]), "hash": str(doc["hash"]), "where": str(path)}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"seq": 0, "hash": "", "where": str(path), "unreadable": True}
+
+
+def write_release_dir_anchor(release_dir, ledger_path, head: dict) -> None:
+    """Record ``head`` in ``release_dir`` (atomically; never lowers a recorded head)."""
+    Path(release_dir).mkdir(parents=True, exist_ok=True)
+    path = _anchor_path(release_dir, ledger_path)
+    doc = {"ledger": str(Path(ledger_path).resolve()), "seq": int(head["seq"]),
+           "hash": str(head["hash"])}
+    atomic_write(path, [json.dumps(doc, sort_keys=True).encode() + b"\n"])
+    os.chmod(path, 0o644)  # public like the releases beside it: a hash of a public record
+
+
+def kafka_metadata(heads: dict[str, dict]) -> str:
+    """Offset-commit metadata carrying ``heads`` (aggregation name -> head; ``""`` for the
+    single aggregation)."""
+    items = [f"{name + '=' if name else ''}{h['seq']}:{h['hash'][:_HASH_CHARS]}"
+             for name, h in sorted(heads.items())]
+    return _PREFIX + ",".join(items)
+
+
+def parse_kafka_metadata(metadata: str | None) -> dict[str, dict]:
+    """The heads in one committed offset's metadata ({} when it carries none)."""
+    if not metadata or not metadata.startswith(_PREFIX):
+        return {}
+    out = {}
+    for item in metadata[len(_PREFIX):].split(","):
+        name, _, head = item.rpartition("=")
+        seq, _, digest = head.partition(":")
+        try:
+            out[name] = {"seq": int(seq), "hash": digest}
+        except ValueError:
+            continue
+    return out
