@@ -61,6 +61,7 @@ __all__ = [
     "prevalences_from_cumulative",
     "cumulative_l1",
     "anonymized_histogram",
+    "anonymized_cumulative",
     "l1_distance",
     "phi_estimate",
     "METHODS",
@@ -1092,6 +1093,41 @@ def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np
     return count_ge(r + gamma), count_ge(r - gamma)
 
 
+def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buckets=None,
+                          cap=None) -> np.ndarray:
+    """The l1 release of :func:`anonymized_histogram` as its cumulative prevalence phi_{>=r},
+    r = 1..(the largest count) (int64, no trailing zeros): ``counts_from_cumulative`` of it is
+    exactly ``anonymized_histogram(..., loss="l1")``, and it is what the bootstrap and the
+    properties need, without listing millions of counts and counting them again.
+    """
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    feats = dict(n=n, counters=vc.total, p=p)
+    mode = "hashed" if buckets is not None else "direct"
+    if method is None:
+        method = default_method(mode, k, **feats)
+    cap = default_cap(mode, k, **feats) if cap is None else cap
+    if buckets is not None:
+        from .largedomain import hashed_cumulative
+        y = hashed_cumulative(vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap)
+    else:
+        if cap not in CAP_RULES:
+            raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
+        y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
+        if n is not None:
+            y = cap_total(y, n, cap)
+    return _checked_cumulative(y)
+
+
+def _checked_cumulative(y) -> np.ndarray:
+    """y as int64 with its trailing zeros dropped (a valid phi_{>=r} has them at the end only);
+    the check of :func:`counts_from_cumulative`."""
+    y = np.asarray(y, dtype=np.int64)
+    if len(y) and (np.any(y[1:] > y[:-1]) or y[-1] < 0):
+        raise ValueError("cumulative prevalence must be non-increasing and >= 0")
+    return y[: int(np.count_nonzero(y))]
+
+
 def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,
                          buckets=None, cap=None):
     """Estimate the anonymized histogram from counters noised with ``layers`` DLap(p) layers.
@@ -1135,6 +1171,9 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     >>> bool(np.all(np.diff(est) <= 0)) and est.dtype == np.int64
     True
     """
+    if loss == "l1":
+        return counts_from_cumulative(anonymized_cumulative(
+            noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap))
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
     feats = dict(n=n, counters=vc.total, p=p)
@@ -1146,7 +1185,7 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
             cap = default_cap("hashed", k, **feats)
         return hashed_histogram(vc, p, buckets=buckets, n=n, layers=layers, loss=loss,
                                 method=method, cap=cap)
-    if loss not in ("l1", "l2"):
+    if loss != "l2":
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     if method is None:
         method = default_method("direct", k, **feats)
@@ -1154,9 +1193,6 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
     phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n)
-    if loss == "l1":
-        y = project_l1(phi_hat)
-        return counts_from_cumulative(y if n is None else cap_total(y, n, cap))
     if n is None:
         raise ValueError("loss='l2' needs n (the number of events, public under replace-one)")
     n = int(n)

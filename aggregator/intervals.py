@@ -70,10 +70,11 @@ import math
 import numpy as np
 
 from .estimate import (
-    NoisyValueCounts, anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
-    cumulative_l1, noise_pmf, noisy_value_counts, prevalences_from_cumulative,
+    NoisyValueCounts, anonymized_cumulative, anonymized_histogram, counts_from_cumulative,
+    cumulative_from_counts, cumulative_l1, noise_pmf, noisy_value_counts,
+    prevalences_from_cumulative,
 )
-from .properties import entropy
+from .properties import entropy, entropy_prevalences, support_coverage_prevalences
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
            "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums",
@@ -589,6 +590,69 @@ def _coverage_2n(counts) -> float:
     return support_coverage(counts, 2 * tot) if tot else 0.0
 
 
+def _band_sums_prevalences(vals, phis, bands=RANK_BANDS) -> np.ndarray:
+    """:func:`rank_band_sums` of the histogram with phis[i] items at count vals[i]."""
+    v, m = np.asarray(vals, dtype=np.int64)[::-1], np.asarray(phis, dtype=np.int64)[::-1]
+    last = np.cumsum(m)  # the last rank of each count, counts decreasing
+    held = np.cumsum(v * m)  # events held by the ranks up to it
+    items = int(last[-1]) if len(last) else 0
+
+    def upto(t: int) -> int:  # events held by ranks 1..t
+        t = min(int(t), items)
+        if t <= 0:
+            return 0
+        i = int(np.searchsorted(last, t))  # the count group that holds rank t
+        return (int(held[i - 1]) + (t - int(last[i - 1])) * int(v[i]) if i
+                else t * int(v[0]))
+
+    ends = [upto(b) for b in bands]
+    return np.array([e - s for s, e in zip([0] + ends[:-1], ends)], dtype=np.float64)
+
+
+def _hist_stats(y) -> tuple:
+    """(plug-in entropy, S_2n, rank band sums) of the histogram with cumulative prevalence y,
+    from its prevalences (a few thousand counts) instead of its listed counts (millions)."""
+    phi = prevalences_from_cumulative(np.asarray(y, dtype=np.int64))
+    vals = np.flatnonzero(phi) + 1
+    phis = phi[vals - 1]
+    tot = int(np.dot(vals, phis))
+    cov = support_coverage_prevalences(vals, phis, 2 * tot) if tot else 0.0
+    return entropy_prevalences(vals, phis), cov, _band_sums_prevalences(vals, phis)
+
+
+def _column_groups(arrays, R: int) -> np.ndarray:
+    """Start positions of the runs of r = 0..R-1 on which every array (zero-padded to R) is
+    constant."""
+    cuts = [np.zeros(1, dtype=np.int64)]
+    for a in arrays:
+        a = np.asarray(a)
+        cuts.append(np.flatnonzero(a[1:] != a[:-1]) + 1)
+        if len(a) < R:
+            cuts.append(np.array([len(a)]))
+    return np.unique(np.concatenate(cuts))
+
+
+def _at(a, idx) -> np.ndarray:
+    """a zero-padded, at the increasing positions idx, as floats."""
+    a = np.asarray(a)
+    out = np.zeros(len(idx))
+    k = int(np.searchsorted(idx, len(a)))
+    out[:k] = a[idx[:k]]
+    return out
+
+
+class _Lazy(dict):
+    """A dict that computes a missing key's value with ``make(key)`` on first access."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        value = self[key] = self._make(key)
+        return value
+
+
 def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, cap=None,
                reps=30, level=0.9, rng=None, model="both", release=None) -> dict:
     """The release and parametric-bootstrap error bars for it.
@@ -683,15 +747,23 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     stand_ins = {"both": ("deconvolution", "mle")}.get(model, (model,))
     top = float(n) if n is not None else math.inf
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
-    truths = {sm: est if sm is None else anonymized_histogram(vc, p, **(kw | {"method": sm}))
-              for sm in stand_ins}
+    # the stand-ins as cumulative prevalences: the bootstrap works on phi_{>=r} (a few thousand
+    # distinct counts), not on the millions of counts they list at D = 1e7
+    truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, **(kw | {"method": sm}))
+               for sm in stand_ins}
+    truths = _Lazy(lambda sm: est if sm is None else counts_from_cumulative(truth_y[sm]))
     lls = {}
     if buckets is None:  # (hashed mode: the counters' likelihood is not the items')
         from .selection import _loglik
-        lls = {sm: _loglik(vc, cumulative_from_counts(t), counters, p, layers)
-               for sm, t in truths.items()}
-    sims = {sm: [_simulated_state(rng, truths[sm], counters, p, layers, buckets is not None)
-                 for _ in range(int(reps))] for sm in stand_ins}
+        lls = {sm: _loglik(vc, t, counters, p, layers) for sm, t in truth_y.items()}
+
+    def simulate(sm):
+        y_t = truth_y[sm]
+        if buckets is None and (not len(y_t) or y_t[0] <= counters):
+            return simulate_from_cumulative(rng, y_t, counters, p, layers)  # the same draws
+        return _simulated_state(rng, truths[sm], counters, p, layers, buckets is not None)
+
+    sims = {sm: [simulate(sm) for _ in range(int(reps))] for sm in stand_ins}
     drop, boot = None, None  # Wilks' chi2_1(level) / 2; re-estimates made as the loop needs them
     if lls and (n is None or signal_below_noise(int(n), counters, p, layers)):
         # below the noise the likelihood is flat out to the edge of what n allows (all
@@ -710,46 +782,45 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         refits = {sm: [[boot[sm][i] if resolved(f) == resolved(kw_boot)
                         else anonymized_histogram(s, p, **f) for f in fit_kws]
                        for i, s in enumerate(sims[sm])] for sm in stand_ins}
-        drop = likelihood_drop(sims, truths, refits, p, layers, level)
+        drop = likelihood_drop(sims, {sm: truths[sm] for sm in stand_ins}, refits, p, layers,
+                               level)
+    st_est = _hist_stats(y)
     for sm in stand_ins:
-        truth = truths[sm]
-        y_t = cumulative_from_counts(truth)
+        y_t = truth_y[sm]
+        st_t = _hist_stats(y_t)
         # the plausible truths farthest from the stand-in in items (likelihood-ratio region)
         extremes = (plausible_extremes(vc, y_t, counters, p, layers, level,
                                        ref=max(lls.values()), loglik=lls[sm], drop=drop)
                     if lls else [])
-        boot_y, boot_l1, boot_h, boot_c, boot_b = [], [], [], [], []
-        for i, sim in enumerate(sims[sm]):
-            e = boot[sm][i] if boot else anonymized_histogram(sim, p, **kw_boot)
-            ys = cumulative_from_counts(e)
-            boot_y.append(ys)
-            boot_l1.append(cumulative_l1(ys, y_t))
-            boot_h.append(entropy(e) - entropy(truth))
-            boot_c.append(_coverage_2n(e) - _coverage_2n(truth))
-            boot_b.append(rank_band_sums(e) - rank_band_sums(truth))
+        boot_y = [cumulative_from_counts(boot[sm][i]) if boot
+                  else anonymized_cumulative(sim, p, **kw_boot) for i, sim in enumerate(sims[sm])]
+        boot_l1 = [cumulative_l1(ys, y_t) for ys in boot_y]
+        st_b = [_hist_stats(ys) for ys in boot_y]
+        boot_h = [s[0] - st_t[0] for s in st_b]
+        boot_c = [s[1] - st_t[1] for s in st_b]
+        boot_b = [s[2] - st_t[2] for s in st_b]
         R = max(len(y), len(y_t), max(len(b) for b in boot_y), *map(len, extremes)) + 1
-        Y = np.stack([np.pad(b, (0, R - len(b))) for b in boot_y]).astype(np.float64)
-        dev = Y - np.pad(y_t, (0, R - len(y_t)))
-        y_full = np.pad(y, (0, R - len(y))).astype(np.float64)
+        # Every phi_{>=r} here is constant between the counts some histogram holds: the
+        # per-r statistics are computed once per run of r (column groups), then spread back.
+        # Per column the arithmetic is the same as on the full columns (identical results).
+        starts = _column_groups([y, y_t, *boot_y, *extremes], R)
+        lens = np.diff(np.append(starts, R))
+        dev = np.stack([_at(b, starts) for b in boot_y]) - _at(y_t, starts)
+        y_c, yt_c = _at(y, starts), _at(y_t, starts)
         q_lo, q_hi = prediction_band(dev, level)
         # the stand-in itself is a plausible truth: the interval reaches it (model uncertainty:
         # where a smooth and a spiky fit disagree, the interval spans both)
-        yt_full = np.pad(y_t, (0, R - len(y_t))).astype(np.float64)
-        lows.append(np.minimum(y_full - q_hi, yt_full))
-        highs.append(np.maximum(y_full - q_lo, yt_full))
-        # phi_r = phi_{>=r} - phi_{>=r+1}
+        low_c, high_c = np.minimum(y_c - q_hi, yt_c), np.maximum(y_c - q_lo, yt_c)
+        # phi_r = phi_{>=r} - phi_{>=r+1}: zero inside a group, so only the group ends count
         dev_r = dev[:, :-1] - dev[:, 1:]
-        r_full = y_full[:-1] - y_full[1:]
+        r_c = y_c[:-1] - y_c[1:]
         r_lo, r_hi = prediction_band(dev_r, level)
-        rt = yt_full[:-1] - yt_full[1:]
-        rl.append(np.minimum(r_full - r_hi, rt))
-        rh.append(np.maximum(r_full - r_lo, rt))
+        rt_c = yt_c[:-1] - yt_c[1:]
+        rl_c, rh_c = np.minimum(r_c - r_hi, rt_c), np.maximum(r_c - r_lo, rt_c)
         l1_boot = prediction_bound(boot_l1, level)
         # deviations d such that release - d is the bound; the stand-in's own value as a bound
         # corresponds to d = release - stand-in
-        h_gap = entropy(est) - entropy(truth)
-        c_gap = _coverage_2n(est) - _coverage_2n(truth)
-        b_gap = rank_band_sums(est) - rank_band_sums(truth)
+        h_gap, c_gap, b_gap = st_est[0] - st_t[0], st_est[1] - st_t[1], st_est[2] - st_t[2]
         hq = [float(v[0]) for v in prediction_band(np.asarray(boot_h)[:, None], level)]
         cq = [float(v[0]) for v in prediction_band(np.asarray(boot_c)[:, None], level)]
         bq = prediction_band(np.stack(boot_b), level)
@@ -757,27 +828,35 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # the bootstrap's spread understates it where the estimator barely reacts to the truth
         fl = information_floor(y_t, counters, p, layers, level=level)
         l1s.append(max(l1_boot, fl["l1"]))
-        f_ge, f_r = fl["phi_ge"][: R], fl["phi_r"][: R - 1]
-        lows[-1][: len(f_ge)] = np.minimum(lows[-1][: len(f_ge)], y_full[: len(f_ge)] - f_ge)
-        highs[-1][: len(f_ge)] = np.maximum(highs[-1][: len(f_ge)], y_full[: len(f_ge)] + f_ge)
-        rl[-1][: len(f_r)] = np.minimum(rl[-1][: len(f_r)], r_full[: len(f_r)] - f_r)
-        rh[-1][: len(f_r)] = np.maximum(rh[-1][: len(f_r)], r_full[: len(f_r)] + f_r)
         hz, cz = fl["entropy"], fl["coverage_2n"]
         hs.append((min(hq[0], h_gap, -hz), max(hq[1], h_gap, hz)))
         cvs.append((min(cq[0], c_gap, -cz), max(cq[1], c_gap, cz)))
         bands.append((np.minimum(bq[0], b_gap), np.maximum(bq[1], b_gap)))
         for x in extremes:  # plausible truths too: every interval reaches them
-            x_full = np.pad(x, (0, R - len(x))).astype(np.float64)
-            x_r = x_full[:-1] - x_full[1:]
-            xc = counts_from_cumulative(x)
-            lows[-1], highs[-1] = np.minimum(lows[-1], x_full), np.maximum(highs[-1], x_full)
-            rl[-1], rh[-1] = np.minimum(rl[-1], x_r), np.maximum(rh[-1], x_r)
-            l1s[-1] = max(l1s[-1], float(np.abs(y_full - x_full).sum()))
-            gh, gc = entropy(est) - entropy(xc), _coverage_2n(est) - _coverage_2n(xc)
-            gb = rank_band_sums(est) - rank_band_sums(xc)
+            x_c = _at(x, starts)
+            x_r = x_c[:-1] - x_c[1:]
+            low_c, high_c = np.minimum(low_c, x_c), np.maximum(high_c, x_c)
+            rl_c, rh_c = np.minimum(rl_c, x_r), np.maximum(rh_c, x_r)
+            l1s[-1] = max(l1s[-1], float((np.abs(y_c - x_c) * lens).sum()))
+            st_x = _hist_stats(x)
+            gh, gc, gb = st_est[0] - st_x[0], st_est[1] - st_x[1], st_est[2] - st_x[2]
             hs[-1] = (min(hs[-1][0], gh), max(hs[-1][1], gh))
             cvs[-1] = (min(cvs[-1][0], gc), max(cvs[-1][1], gc))
             bands[-1] = (np.minimum(bands[-1][0], gb), np.maximum(bands[-1][1], gb))
+        # one column per r again, then the information floors (r = 1..FLOOR_R)
+        lows.append(np.repeat(low_c, lens))
+        highs.append(np.repeat(high_c, lens))
+        rl.append(np.zeros(R - 1))
+        rh.append(np.zeros(R - 1))
+        rl[-1][starts[1:] - 1], rh[-1][starts[1:] - 1] = rl_c, rh_c
+        f_ge, f_r = fl["phi_ge"][: R], fl["phi_r"][: R - 1]
+        y_h = _at(y, np.arange(len(f_ge) + 1))
+        lows[-1][: len(f_ge)] = np.minimum(lows[-1][: len(f_ge)], y_h[:-1] - f_ge)
+        highs[-1][: len(f_ge)] = np.maximum(highs[-1][: len(f_ge)], y_h[:-1] + f_ge)
+        y_h = _at(y, np.arange(len(f_r) + 1))
+        r_h = y_h[:-1] - y_h[1:]
+        rl[-1][: len(f_r)] = np.minimum(rl[-1][: len(f_r)], r_h - f_r)
+        rh[-1][: len(f_r)] = np.maximum(rh[-1][: len(f_r)], r_h + f_r)
     Rm = max(len(v) for v in lows)
     pad = (lambda v, fill: np.concatenate([v, np.full(Rm - len(v), fill)]))
     lower = np.clip(np.min([pad(v, 0.0) for v in lows], axis=0), 0.0, top)
@@ -786,9 +865,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         lower, upper = np.minimum(lower, counters), np.minimum(upper, counters)
     r_lower = np.clip(np.min([pad(v, 0.0) for v in rl], axis=0), 0.0, top)[: Rm - 1]
     r_upper = np.clip(np.max([pad(v, 0.0) for v in rh], axis=0), 0.0, top)[: Rm - 1]
-    h_hat = entropy(est)
-    c_hat = _coverage_2n(est)
-    b_hat = rank_band_sums(est)
+    h_hat, c_hat, b_hat = st_est
     h_lo, h_hi = min(v[0] for v in hs), max(v[1] for v in hs)
     c_lo, c_hi = min(v[0] for v in cvs), max(v[1] for v in cvs)
     b_lo = np.min([v[0] for v in bands], axis=0)

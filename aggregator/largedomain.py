@@ -458,6 +458,7 @@ def _pad(y: np.ndarray, R: int) -> np.ndarray:
 # the EM NPMLE run to convergence, "deconvolution" the same EM stopped early by its tolerance).
 HASHED_METHODS = METHODS
 __all__ += ["MLE_MAX_ITER", "MLE_TOL"]  # re-exported: they define "mle"
+__all__ += ["hashed_cumulative"]
 
 
 def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None) -> np.ndarray:
@@ -541,9 +542,31 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     cap = default_cap("hashed", layers) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
+    return counts_from_cumulative(_hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap))
+
+
+def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap) -> np.ndarray:
+    """The l1 release's cumulative prevalence (before listing its counts): what
+    :func:`hashed_histogram` lists, for callers that work on phi_{>=r} (the bootstrap)."""
     psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n)
     y = _invert(psi, B, n, p, variant, m, sparse_above=sparse_top(vc, p, int(layers)))
-    return counts_from_cumulative(y if n is None else cap_total(y, n, cap))
+    return y if n is None else cap_total(y, n, cap)
+
+
+def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None,
+                      variant=DEFAULT_VARIANT, m=None, cap=None) -> np.ndarray:
+    """phi_{>=r} of :func:`hashed_histogram` with ``loss="l1"`` (the same histogram, as a
+    cumulative prevalence: ``counts_from_cumulative`` of it is exactly that histogram)."""
+    vc = noisy_value_counts(noisy_counts)
+    B = _check_buckets(buckets)
+    if vc.total != B:
+        raise ValueError(f"buckets={B} but {vc.total} counters were given")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    cap = default_cap("hashed", layers) if cap is None else cap
+    if cap not in CAP_RULES:
+        raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
+    return _hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap)
 
 
 def sparse_top(noisy_counts, p: float, layers: int = 1) -> int:

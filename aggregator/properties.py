@@ -36,8 +36,8 @@ import math
 import numpy as np
 from scipy import special
 
-__all__ = ["entropy", "support_coverage", "support_size", "batched_item",
-           "support_coverage_batched", "prevalences"]
+__all__ = ["entropy", "entropy_prevalences", "support_coverage", "support_coverage_prevalences",
+           "support_size", "batched_item", "support_coverage_batched", "prevalences"]
 
 
 def _counts(hist) -> np.ndarray:
@@ -72,6 +72,17 @@ def entropy(hist, *, correction: str | None = None, base: float = math.e) -> flo
     return float(H / math.log(base))
 
 
+def entropy_prevalences(vals, phis) -> float:
+    """:func:`entropy` (nats, plug-in) of the histogram with Phi_i = ``phis`` items at each count
+    i in ``vals``: the same sum grouped by count (equal up to rounding)."""
+    v = np.asarray(vals, dtype=np.float64)
+    f = np.asarray(phis, dtype=np.float64)
+    n = float(np.dot(v, f))
+    if n == 0:
+        return 0.0
+    return float(math.log(n) - float(np.dot(f, v * np.log(np.maximum(v, 1.0)))) / n)
+
+
 def support_coverage(hist, m: int, *, smoothing: str = "binomial", r: float | None = None) -> float:
     """Estimate S_m, the expected number of distinct items in m draws from the distribution.
 
@@ -88,10 +99,19 @@ def support_coverage(hist, m: int, *, smoothing: str = "binomial", r: float | No
     r
         Poisson smoothing parameter override (seed 001 App. C.2 uses r = log(3 / alpha)).
     """
+    vals, phis = prevalences(hist)
+    return support_coverage_prevalences(vals, phis, m, smoothing=smoothing, r=r)
+
+
+def support_coverage_prevalences(vals, phis, m: int, *, smoothing: str = "binomial",
+                                 r: float | None = None) -> float:
+    """:func:`support_coverage` of the histogram with Phi_i = ``phis`` items at each count
+    i in ``vals`` (increasing, as :func:`prevalences` gives them): the same number, without
+    listing the counts."""
     m = int(m)
     if m < 1:
         raise ValueError("m must be >= 1")
-    vals, phis = prevalences(hist)
+    vals, phis = np.asarray(vals), np.asarray(phis)
     n = int(np.dot(vals, phis))
     if n == 0:
         return 0.0
