@@ -381,6 +381,10 @@ class GKMPRandomizer:
         draws = self.n * 3 * (self.buckets + 1)                # upper bound on table draws: the sum
         self.sampling_tv = draws * SAMPLING_TV_PER_DRAW        # of nonzeros is < 3 B per event in
         self.delta_spent = d + self.sampling_tv                # expectation; bound stated per bucket
+        # variance of one event's message count: B independent buckets, each 2 NB(1/n, p)
+        # shares and 2 copies of one NB(r/n, q) flooding count (NB(k, q) variance k q / (1-q)^2)
+        self.messages_variance = self.buckets * (
+            2 * self.p / (1 - self.p) ** 2 + 4 * float(r) * q / (1 - q) ** 2) / self.n
         self.max_buckets = int((max_messages - 1) / per_bucket)
         if self.expected_messages > max_messages:
             raise ShuffleConfigError(
@@ -389,6 +393,13 @@ class GKMPRandomizer:
                 f"{max_messages:,.0f}; use at most {self.max_buckets:,} buckets, a longer window "
                 "(larger n) or a larger gamma")
         self._source = rng if rng is not None else _SOURCE
+
+    @property
+    def params(self) -> dict:
+        """What the analyzer must share with this randomizer (the messages' fingerprint,
+        aggregator/service/shuffle_wire.py): protocol, epsilon, delta, n, buckets, gamma."""
+        return {"protocol": "gkmp", "epsilon": self.epsilon, "delta": self.delta, "n": self.n,
+                "buckets": self.buckets, "gamma": self.gamma}
 
     def __repr__(self) -> str:
         return (f"GKMPRandomizer(epsilon={self.epsilon:g}, delta={self.delta:g}, n={self.n}, "
@@ -522,11 +533,18 @@ class BalcerCheuRandomizer:
         self._threshold = int(math.floor(blanket * 2 ** 64))     # Ber(s) with s = threshold / 2^64
         self.s = self._threshold / 2 ** 64
         self.expected_messages = 1 + self.buckets * self.s
+        self.messages_variance = self.buckets * self.s * (1 - self.s)
         if self.expected_messages > max_messages:
             raise ShuffleConfigError(f"{self.expected_messages:,.0f} messages per event expected (about one "
                                      f"per bucket): above max_messages={max_messages:,.0f}; use fewer buckets")
         self.delta_spent = balcer_cheu_delta(self.epsilon, self.n, self.s) if self.n <= 5_000_000 else None
         self._source = rng if rng is not None else _SOURCE
+
+    @property
+    def params(self) -> dict:
+        """Protocol, epsilon, delta, n, buckets (no gamma): see GKMPRandomizer.params."""
+        return {"protocol": "balcer-cheu", "epsilon": self.epsilon, "delta": self.delta,
+                "n": self.n, "buckets": self.buckets, "gamma": None}
 
     def __repr__(self) -> str:
         return (f"BalcerCheuRandomizer(epsilon={self.epsilon:g}, delta={self.delta:g}, n={self.n}, "

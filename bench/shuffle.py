@@ -15,7 +15,7 @@ Error: l1 distance between the released anonymized histogram and the true one, m
 * ``pan-private, state-only`` (1 DLap(exp(-eps/2)) layer) and ``joint`` (2 layers, the service
   default), through the same estimator; ``central``: PRIVHIST (eps <= 1) / DPAnonHist (eps > 1).
 
-Cost: expected messages and bytes per event (a sealed message is 57 bytes, shuffle_wire) against
+Cost: expected messages and bytes per event (a sealed message is 74 bytes, shuffle_wire v2) against
 B / n, from the calibrated parameters; the measured mean of one encode_many run beside it.
 """
 

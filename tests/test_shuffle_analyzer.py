@@ -16,8 +16,8 @@ from aggregator.estimate import anonymized_histogram
 from aggregator.service.analyzer import ShuffleAnalyzer, load_analyzer_key
 from aggregator.service.config import load_config
 from aggregator.service.process import ServiceError
-from aggregator.service.shuffle_wire import (chunk_record, end_record, new_keypair, open_boxes,
-                                             public_key_hex, seal_rows)
+from aggregator.service.shuffle_wire import (ParamTag, chunk_record, end_record, new_keypair,
+                                             open_boxes, public_key_hex, seal_rows)
 from aggregator.shuffle import (BalcerCheuRandomizer, GKMPRandomizer, balcer_cheu_analyze,
                                 gkmp_analyze)
 from consumers.base import Segment, Source
@@ -58,12 +58,19 @@ def config(tmp_path, *extra, eps=1.0, buckets=50, n=200):
                               "release.estimator=threshold", "metrics.port=-1", *extra])
 
 
+def tag(eps=1.0, n=200, buckets=50, delta=1e-6, gamma=0.1, protocol="gkmp"):
+    """The parameter fingerprint of clients at these settings (config()'s defaults)."""
+    return ParamTag({"protocol": protocol, "epsilon": eps, "delta": delta, "n": n,
+                     "buckets": buckets, "gamma": gamma})
+
+
 def window_records(window, rows, key, *, chunk=300, events, topped_up=0, messages=None,
-                   params=None, rng=None):
-    """The shuffler's output for one window: permuted sealed rows in chunks, then the marker."""
+                   params=None, rng=None, tag=None):
+    """The shuffler's output for one window: permuted sealed rows in chunks, then the marker.
+    ``tag``: the clients' parameters (default: config()'s defaults at ``events + topped_up``)."""
     rng = rng or np.random.default_rng(window)
     rows = rows[rng.permutation(len(rows))]
-    boxes = seal_rows(rows, key.public_key)
+    boxes = seal_rows(rows, key.public_key, tag or globals()["tag"](n=events + topped_up))
     out = [chunk_record(window, boxes[i:i + chunk]) for i in range(0, len(boxes), chunk)]
     out.append(end_record(window, events, topped_up, len(boxes) if messages is None else messages,
                           params=params))
@@ -119,7 +126,8 @@ def test_gkmp_window_released_with_the_analyzer_counts(tmp_path, key):
     vals, cnts = np.unique(hist[hist > 0], return_counts=True)
     assert sorted(rel["histogram"]["pairs"]) == [[int(r), int(c)] for r, c in zip(vals, cnts)]
     (entry,) = [e for e in ledger(tmp_path) if e["kind"] == "release"]
-    assert entry["epsilon_spent"] == 1.0 and entry["delta_spent"] == 1e-6
+    assert entry["epsilon_spent"] == 1.0 and entry["delta_spent"] == rz.delta_spent < 1e-6
+    assert entry["delta"] == 1e-6 and rel["delta_spent"] == rz.delta_spent
     assert entry["model"] == "shuffle" and json.loads(entry["document"]) == rel
 
 
@@ -131,7 +139,7 @@ def test_exact_histogram_at_large_epsilon_and_two_windows(tmp_path, key):
     for w in range(2):
         items = rng.zipf(1.4, 300) % 50
         rows = np.column_stack([items, np.ones_like(items)]).astype(np.int64)
-        values += window_records(w, rows, key, events=300)
+        values += window_records(w, rows, key, events=300, tag=tag(eps=20.0, n=300))
         truth.append(sorted(np.bincount(items)[np.bincount(items) > 0].tolist()))
     run(cfg, values, key)
     rels = releases(tmp_path)
@@ -177,23 +185,30 @@ def test_refusals_one_error_line_each(tmp_path, key, caplog):
     cfg = config(tmp_path, n=100)
     rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
     rows = gkmp_window(rz, np.arange(100) % 50)
+    mine = tag(n=100)
     values = (window_records(0, rows, key, events=100, messages=len(rows) + 1)     # count off
-              + window_records(1, rows, key, events=90)                           # n off
-              + window_records(2, rows, key, events=100,
-                               params={"protocol": "gkmp", "buckets": 64})       # params off
+              + window_records(1, rows, key, events=90, tag=mine)                 # n off
+              + window_records(2, rows, key, events=100, tag=tag(n=100, buckets=64))  # clients
               + window_records(3, rows, key, events=100)[:-1]                     # no marker
               + window_records(4, rows, key, events=100,
                                params={"protocol": "gkmp", "epsilon": 1, "delta": 1e-6,
-                                       "n": 100, "buckets": 50, "gamma": 0.1}))
-    with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
+                                       "n": 100, "buckets": 50, "gamma": 0.1})
+              # the shuffler's marker names other parameters, every message carries the
+              # analyzer's: released, with a warning
+              + window_records(5, rows, key, events=100,
+                               params={"protocol": "gkmp", "buckets": 64}))
+    with caplog.at_level(logging.WARNING, logger="panagg.analyzer"):
         run(cfg, values, key)
-    assert [r["window"] for r in releases(tmp_path)] == [4]
+    assert [r["window"] for r in releases(tmp_path)] == [4, 5]
     refused = [e for e in ledger(tmp_path) if e["kind"] == "refused"]
     assert [e["window"] for e in refused] == [0, 1, 2, 3]
+    assert [e["cause"] for e in refused] == ["count", "n", "buckets", "incomplete"]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 4
     assert "end marker counts" in errors[0] and "randomizer outputs" in errors[1]
-    assert "buckets 64" in errors[2] and "without its end marker" in errors[3]
+    assert "buckets 64 (analyzer: 50)" in errors[2] and "without its end marker" in errors[3]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "window 5" in warnings[0] and "end marker" in warnings[0]
 
 
 def test_wrong_key_rejects_every_chunk_and_refuses(tmp_path, key, caplog):
@@ -206,8 +221,9 @@ def test_wrong_key_rejects_every_chunk_and_refuses(tmp_path, key, caplog):
     assert releases(tmp_path) == []
     assert an.totals["rejects"]["undecryptable"] == len(values) - 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 2 and "no message decrypted" in errors[1]
-    assert public_key_hex(key) in errors[1]
+    assert len(errors) == 1 and "no message decrypts" in errors[0]   # one line: the key
+    assert public_key_hex(key) in errors[0] and "another public key" in errors[0]
+    assert [e["cause"] for e in ledger(tmp_path) if e["kind"] == "refused"] == ["key"]
 
 
 def test_malformed_and_stale_records_never_crash(tmp_path, key):
@@ -215,8 +231,8 @@ def test_malformed_and_stale_records_never_crash(tmp_path, key):
     rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
     rows = gkmp_window(rz, np.arange(100) % 50)
     w0 = window_records(0, rows, key, events=100)
-    bad = [b"\xc1 not msgpack", None, b"", __import__("msgpack").packb({"v": 1, "window": 0}),
-           __import__("msgpack").packb({"v": 1, "window": 0, "boxes": [b"short"]})]
+    bad = [b"\xc1 not msgpack", None, b"", __import__("msgpack").packb({"v": 2, "window": 0}),
+           __import__("msgpack").packb({"v": 2, "window": 0, "boxes": [b"short"]})]
     values = w0[:1] + bad[:4] + w0[1:] + w0 + [bad[4]]   # window 0 again after its marker: stale
     an = run(cfg, values, key)
     assert [r["window"] for r in releases(tmp_path)] == [0]
@@ -224,14 +240,27 @@ def test_malformed_and_stale_records_never_crash(tmp_path, key):
     assert an.totals["rejects"]["stale_window"] == len(w0) + 1
 
 
-def test_bucket_out_of_range_means_a_buckets_mismatch(tmp_path, key, caplog):
+def test_more_buckets_at_the_clients_is_named_as_buckets_not_key(tmp_path, key, caplog):
     cfg = config(tmp_path, n=100, buckets=40)
     rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
     with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
         an = run(cfg, window_records(0, gkmp_window(rz, np.arange(100) % 50), key,
-                                     events=100), key)
-    assert releases(tmp_path) == [] and an.totals["rejects"]["bucket_out_of_range"] >= 1
-    assert any("use the clients' number of buckets" in r.getMessage() for r in caplog.records)
+                                     events=100, tag=ParamTag.of(rz)), key)
+    assert releases(tmp_path) == [] and an.totals["rejects"]["other_parameters"] >= 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "buckets 50 (analyzer: 40)" in errors[0]
+    assert "key" not in errors[0].replace("shuffle-recover", "")
+
+
+def test_corrupt_rows_under_the_right_fingerprint(tmp_path, key, caplog):
+    cfg = config(tmp_path, n=100, buckets=40)
+    rows = np.array([[45, 1]] * 30 + [[3, 1]] * 100, np.int64)   # bucket 45 >= 40
+    with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
+        an = run(cfg, window_records(0, rows, key, events=100, tag=tag(n=100, buckets=40),
+                                     chunk=1000), key)
+    assert releases(tmp_path) == [] and an.totals["rejects"]["bucket_out_of_range"] == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "outside [0, 40)" in errors[0]
 
 
 def test_balcer_cheu_window(tmp_path, key):
@@ -240,7 +269,7 @@ def test_balcer_cheu_window(tmp_path, key):
     rz = BalcerCheuRandomizer(2.0, 1e-6, n, b)
     items = np.random.default_rng(5).zipf(1.3, n) % b
     rows = np.concatenate([rz.encode(int(x)) for x in items])
-    an = run(cfg, window_records(0, rows, key, events=n, chunk=2000), key)
+    an = run(cfg, window_records(0, rows, key, events=n, chunk=2000, tag=ParamTag.of(rz)), key)
     est = balcer_cheu_analyze(rows, b, rz)
     assert np.array_equal(an.last_counts, est)
     (rel,) = releases(tmp_path)

@@ -49,7 +49,7 @@ def test_check_record_reasons(client):
     assert eid == key.hex() and all(len(b) == SEALED_SIZE for b in boxes)
     cases = [(None, value, "no_event_id"), (b"short", value, "no_event_id"),
              (key, b"\xc1not msgpack", "undecodable"), (key, None, "undecodable"),
-             (key, msgpack.packb([1, 2]), "not_a_map"), (key, msgpack.packb({"v": 2, "boxes": []}), "not_a_map"),
+             (key, msgpack.packb([1, 2]), "not_a_map"), (key, msgpack.packb({"v": 1, "boxes": []}), "not_a_map"),
              (key, client_record([b"x" * 10]), "bad_boxes"), (key, client_record([]), "bad_boxes")]
     for k, v, reason in cases:
         with pytest.raises(ValueError) as exc:

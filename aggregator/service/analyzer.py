@@ -57,8 +57,8 @@ from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
 from .process import (ServiceError, _Backoff, choose_buckets_for, identity_of, lock_directory,
                       release_method)
-from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, WireError, load_private_key, open_boxes,
-                           parse_analyzer_record, public_key_hex)
+from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, ParamTag, WireError, load_private_key,
+                           open_messages, parse_analyzer_record, public_key_hex)
 
 __all__ = ["ShuffleAnalyzer", "load_analyzer_key", "KEY_ENV", "PARTIAL_CHECKPOINT_S"]
 
@@ -68,7 +68,8 @@ KEY_ENV = "PANAGG_SHUFFLE_PRIVATE_KEY"
 PARTIAL_CHECKPOINT_S = 5.0  # at most this long of the open window is re-read after a crash
 
 #: dead-letter reasons of the analyzer
-REASONS = ("malformed_record", "undecryptable", "bucket_out_of_range", "bad_sign", "stale_window")
+REASONS = ("malformed_record", "undecryptable", "other_parameters", "bucket_out_of_range",
+           "bad_sign", "stale_window")
 
 
 def load_analyzer_key(cfg: dict, env=None):
@@ -127,6 +128,13 @@ class ShuffleAnalyzer:
                 self.p = None
         except ShuffleConfigError as exc:
             raise ServiceError(f"shuffle protocol {self.protocol}: {exc}") from None
+        #: the fingerprint every message of this analyzer's clients carries (shuffle_wire)
+        self.tag = ParamTag.of(self.randomizer)
+        #: the exact delta of a window's view at epsilon (the accountant's, sampling included);
+        #: Balcer-Cheu beyond n = 5e6 has no exact value: its theorem's delta, an upper bound
+        spent = getattr(self.randomizer, "delta_spent", None)
+        self.delta_spent = float(spent) if spent is not None else self.delta
+        self._recovering = False
         self.key = private_key if private_key is not None else load_analyzer_key(cfg)
         self.public_hex = public_key_hex(self.key)
         self.dir = Path(cfg["checkpoint"]["dir"])
@@ -290,7 +298,8 @@ class ShuffleAnalyzer:
             except Exception:
                 pass
             self._producer = None
-        self.source.close()
+        if self.source is not None:
+            self.source.close()
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
@@ -341,36 +350,59 @@ class ShuffleAnalyzer:
         if doc.get("end") is True:
             self._close(doc, partition, offset)
             return
-        boxes = doc["boxes"]
+        self._chunk(doc["boxes"], partition, offset, value)
+
+    def _lose(self, boxes, partition: str, offset: int, value, reason: str,
+              detail: str | None = None) -> None:
+        """A chunk of the open window not counted: tallied by reason (the refusal names the
+        cause from these tallies) and dead-lettered."""
+        w = self.window
+        w["lost"] += len(boxes)
+        causes = w.setdefault("causes", {})
+        causes[reason] = causes.get(reason, 0) + 1
+        self._reject(partition, offset, value, reason, detail)
+
+    def _chunk(self, boxes, partition: str, offset: int, value) -> None:
+        """Open one chunk's boxes and add its rows to the window's sums, or set it aside
+        (dead letters) with the reason: another key, other parameters, bad rows."""
+        w = self.window
+        w["chunks"] = w.get("chunks", 0) + 1
         if not all(isinstance(b, bytes) and len(b) == SEALED_SIZE for b in boxes):
-            self.window["lost"] += len(boxes)
-            self._reject(partition, offset, value, "malformed_record",
-                         f"boxes must be {SEALED_SIZE} bytes each")
+            self._lose(boxes, partition, offset, value, "malformed_record",
+                       f"boxes must be {SEALED_SIZE} bytes each (wire v2)")
             return
         try:
-            rows = open_boxes(boxes, self.key)
+            opened = open_messages(boxes, self.key)
         except WireError:
-            self.window["lost"] += len(boxes)
-            self._reject(partition, offset, value, "undecryptable", None)
+            self._lose(boxes, partition, offset, value, "undecryptable")
             return
+        fps = opened.fingerprints
+        foreign = fps != np.uint64(self.tag.fingerprint_u64)
+        if foreign.any():
+            # messages randomized under other parameters: the window cannot be released under
+            # this analyzer's privacy claim. Keep what names those parameters (fingerprint,
+            # descriptor parts seen) for the refusal line.
+            seen = w.setdefault("foreign", {})
+            for fp in np.unique(fps[foreign]).tolist():
+                mine = fps == np.uint64(fp)
+                entry = seen.setdefault(f"{fp:016x}", {"messages": 0, "parts": {}})
+                entry["messages"] += int(mine.sum())
+                for i, c in zip(opened.part[mine].tolist(), opened.chunk[mine].tolist()):
+                    entry["parts"].setdefault(str(i), f"{c:016x}")
+            w["native"] = w.get("native", 0) + int((~foreign).sum())
+            self._lose(boxes, partition, offset, value, "other_parameters")
+            return
+        rows = opened.rows
         if len(rows) and (rows[:, 0].min() < 0 or rows[:, 0].max() >= self.buckets):
-            self.window["lost"] += len(boxes)
-            self._reject(partition, offset, value, "bucket_out_of_range", None)
-            if ("buckets", k) not in self._said:
-                self._said.add(("buckets", k))
-                log.error("window %d: messages at %s offset %d name buckets outside [0, %d): the "
-                          "clients use more buckets than this analyzer (state.domain_size / "
-                          "state.buckets); use the clients' number of buckets", k, partition,
-                          offset, self.buckets)
+            self._lose(boxes, partition, offset, value, "bucket_out_of_range")
             return
         signs = rows[:, 1]
         if not np.all((signs == 1) | ((signs == -1) & (self.protocol == "gkmp"))):
-            self.window["lost"] += len(boxes)
-            self._reject(partition, offset, value, "bad_sign", None)
+            self._lose(boxes, partition, offset, value, "bad_sign")
             return
         self.plus += np.bincount(rows[signs > 0, 0], minlength=self.buckets)
         self.minus += np.bincount(rows[signs < 0, 0], minlength=self.buckets)
-        self.window["received"] += len(rows)
+        w["received"] += len(rows)
 
     def _reject(self, partition: str, offset: int, value, reason: str, detail: str | None) -> None:
         """A record that is not counted: dead letter (reason, position; never logged content)."""
@@ -380,53 +412,102 @@ class ShuffleAnalyzer:
         if self.dead_letters is not None:
             self.dead_letters.send(partition, offset, value if isinstance(value, bytes) else b"",
                                    reason)
-        if reason == "undecryptable":
-            wid = self.window["id"] if self.window else None
-            if ("key", wid) not in self._said:
-                self._said.add(("key", wid))
-                log.error("window %s: a chunk at %s offset %d does not decrypt with the analyzer "
-                          "key (public key %s); dead-lettered (reason undecryptable). If no "
-                          "chunk decrypts, the clients seal to another public key: give them "
-                          "this key's public key (`panagg shuffle-keygen` printed it) or set "
-                          "shuffle.key_file to the key they use", wid, partition, offset,
-                          self.public_hex)
+        if reason in ("undecryptable", "other_parameters", "bucket_out_of_range", "bad_sign"):
+            # the window's refusal names the cause in one line; per chunk, debug only
+            log.debug("window %s: chunk at %s offset %d not counted (%s)",
+                      self.window["id"] if self.window else None, partition, offset, reason)
         elif reason == "malformed_record":
             log.warning("rejected record at %s offset %d: %s (%s)", partition, offset, reason,
                         detail)
 
     # -- window end ----------------------------------------------------------------------------
-    def _problem(self, doc: dict) -> str | None:
-        """Why the window that ``doc`` ends cannot be released (None: it can)."""
+    def _foreign_line(self, k: int, foreign: dict, total: int) -> tuple[str, str]:
+        """(cause, line) for a window holding messages of other parameters."""
+        parts, causes = [], set()
+        for fp_hex, seen in sorted(foreign.items(), key=lambda kv: -kv[1]["messages"])[:2]:
+            tag = ParamTag.from_parts(int(fp_hex, 16), {int(i): int(c, 16).to_bytes(8, "little")
+                                                        for i, c in seen["parts"].items()})
+            share = f"{seen['messages']:,} of {total:,} messages"
+            if tag is None:
+                causes.add("parameters")
+                parts.append(f"{share} carry parameter fingerprint {fp_hex} (not this analyzer's; "
+                             "the clients' parameters could not be rebuilt from them)")
+                continue
+            diff = tag.differences(self.tag)
+            causes.add("buckets" if [d[0] for d in diff] == ["buckets"] else "parameters")
+            parts.append(f"{share} were randomized with " + ", ".join(
+                f"{key} {theirs} (analyzer: {mine})" for key, theirs, mine in diff)
+                + f" [clients: {tag.describe()}]")
+        more = f"; and {len(foreign) - 2} other fingerprint(s)" if len(foreign) > 2 else ""
+        cause = "buckets" if causes == {"buckets"} else "parameters"
+        return cause, (f"window {k}: not released: its clients used other parameters than this "
+                       f"analyzer ({self.tag.describe()}): {'; '.join(parts)}{more}. A release "
+                       "would claim a privacy the clients did not give. Give clients, shuffler "
+                       "and analyzer the same settings (state.epsilon, the number of buckets, "
+                       "[shuffle]); this window can still be released under the clients' "
+                       f"parameters: `panagg shuffle-recover --window {k}` (docs/shuffle.md, "
+                       "\"Recovering a refused window\")")
+
+    def _problem(self, doc: dict) -> tuple[str, str] | None:
+        """``(cause, one line)``: why the window that ``doc`` ends cannot be released (None: it
+        can). Causes, first match: ``parameters`` / ``buckets`` (messages carry another
+        fingerprint), ``key`` (chunks that do not decrypt), ``corrupt`` (rows outside the
+        buckets or bad signs under this analyzer's own fingerprint), ``malformed``, ``count``
+        (messages missing or extra), ``n`` (the marker's events + top-ups)."""
         w, k = self.window, self.window["id"]
-        if w["lost"] or w["received"] != doc["messages"]:
-            hint = ""
-            if w["received"] == 0 and w["lost"]:
-                hint = (f"; no message decrypted: the clients seal to another public key than "
-                        f"this analyzer's ({self.public_hex}), give them this key's public key or "
-                        "set shuffle.key_file to theirs")
-            return (f"window {k}: the end marker counts {doc['messages']:,} messages, "
-                    f"{w['received']:,} were received and counted ({w['lost']:,} in dead "
-                    "letters): not released (a partial window's noise is not the calibrated "
-                    f"law){hint}")
+        causes = w.get("causes") or {}
+        chunks = w.get("chunks", 0)
+        recover = (f" Once fixed, `panagg shuffle-recover --window {k}` releases it "
+                   "(docs/shuffle.md, \"Recovering a refused window\")")
+        if w.get("foreign"):
+            return self._foreign_line(k, w["foreign"], int(doc["messages"]))
+        if causes.get("undecryptable"):
+            bad = causes["undecryptable"]
+            if bad == chunks and not w["received"]:
+                why = (f"no message decrypts with this analyzer's key (public key "
+                       f"{self.public_hex}): the clients seal to another public key")
+            else:
+                why = (f"{bad:,} of {chunks:,} chunks do not decrypt with this analyzer's key "
+                       f"(public key {self.public_hex}): sealed to another key, or corrupted")
+            return "key", (f"window {k}: not released: {why} ({w['lost']:,} messages in dead "
+                           "letters, reason undecryptable). Give the clients this key's public "
+                           "key (`panagg shuffle-keygen` printed it) or set shuffle.key_file to "
+                           "the key they seal to." + recover)
+        corrupt = causes.get("bucket_out_of_range", 0) + causes.get("bad_sign", 0)
+        if corrupt:
+            return "corrupt", (f"window {k}: not released: {corrupt:,} chunk(s) hold buckets "
+                               f"outside [0, {self.buckets:,}) or bad signs although their messages "
+                               "carry this analyzer's parameter fingerprint: non-conforming or "
+                               "corrupted clients (dead letters, reasons bucket_out_of_range / "
+                               "bad_sign)")
+        if causes.get("malformed_record"):
+            return "malformed", (f"window {k}: not released: {causes['malformed_record']:,} "
+                                 f"chunk(s) are malformed (boxes not {SEALED_SIZE} bytes: a shuffler "
+                                 "or clients of another wire version?), dead-lettered")
+        if w["received"] != doc["messages"]:
+            return "count", (f"window {k}: not released: the end marker counts "
+                             f"{doc['messages']:,} messages, {w['received']:,} were received and "
+                             "counted (a partial window's noise is not the calibrated law)")
         outputs = doc["events"] + doc["topped_up"]
         if outputs != self.n:
-            return (f"window {k} holds {doc['events']:,} events + {doc['topped_up']:,} top-ups = "
-                    f"{outputs:,} randomizer outputs, but this analyzer is calibrated for "
-                    f"shuffle.n = {self.n:,}: not released; give clients, shuffler and analyzer "
-                    "the same n (shuffle.n, or window.size for count windows)")
+            return "n", (f"window {k}: not released: it holds {doc['events']:,} events + "
+                         f"{doc['topped_up']:,} top-ups = {outputs:,} randomizer outputs, but this "
+                         f"analyzer is calibrated for shuffle.n = {self.n:,}; give clients, "
+                         "shuffler and analyzer the same n (shuffle.n, or window.size for count "
+                         "windows)")
         params = doc.get("params") or {}
-        mine = {"protocol": self.protocol, "epsilon": self.epsilon, "delta": self.delta,
-                "n": self.n, "buckets": self.buckets, "gamma": self.gamma}
-        if self.protocol != "gkmp":
-            mine.pop("gamma")
+        mine = dict(self.tag.params)
         differ = [f"{key} {params[key]!r} (analyzer: {mine[key]!r})" for key in PARAM_KEYS
-                  if key in params and key in mine and params[key] != mine[key]
+                  if key in params and mine.get(key) is not None and params[key] != mine[key]
                   and not (isinstance(mine[key], float) and isinstance(params[key], (int, float))
                            and abs(float(params[key]) - mine[key]) <= 1e-12 * abs(mine[key]))]
-        if differ:
-            return (f"window {k} was randomized with other parameters: {', '.join(differ)}: not "
-                    "released; use the same settings for clients, shuffler and analyzer "
-                    "(state.epsilon, [shuffle], the number of buckets)")
+        if differ and ("params", k) not in self._said:
+            # every message carries this analyzer's fingerprint, so the view is the calibrated
+            # one; only the shuffler's configuration (its top-ups, none here) differs
+            self._said.add(("params", k))
+            log.warning("window %d: the shuffler's end marker names other parameters (%s) but "
+                        "every message carries this analyzer's: released; fix the shuffler's "
+                        "settings before it tops up a short window", k, ", ".join(differ))
         return None
 
     def _close(self, doc: dict, partition: str, offset: int) -> None:
@@ -445,9 +526,9 @@ class ShuffleAnalyzer:
                 try:
                     self.ledger.check_release(uid, self.epsilon, window=k)
                 except BudgetExceeded as exc:
-                    problem = str(exc)
+                    problem = ("budget", str(exc))
             if problem is not None:
-                self._refuse(problem, end=f"{partition}:{offset + 1}")
+                self._refuse(problem[1], end=f"{partition}:{offset + 1}", cause=problem[0])
                 self._commit()
                 return
             release = self._release(doc, partition, offset)
@@ -457,14 +538,15 @@ class ShuffleAnalyzer:
         self._commit()
         self._publish_pending()
 
-    def _refuse(self, problem: str, end: str = "") -> None:
+    def _refuse(self, problem: str, end: str = "", cause: str = "incomplete") -> None:
         """Decide the open window as refused: one error line, a ledger entry, sums dropped."""
         w = self.window
         log.error("%s", problem)
         self.metrics.releases_refused.inc()
         self.totals["refused"] = self.totals.get("refused", 0) + 1
         self.ledger.append(entry_id=f"refused-{w['uid']}", kind="refused", window=w["id"],
-                           window_uid=w["uid"], model="shuffle", note=problem, end=end)
+                           window_uid=w["uid"], model="shuffle", note=problem, end=end,
+                           cause=cause)
         self._next_window(w["id"])
 
     def _next_window(self, k: int) -> None:
@@ -504,7 +586,7 @@ class ShuffleAnalyzer:
             "loss": self.loss if self.protocol == "gkmp" else None,
             "domain": {"mode": "direct" if self.direct else "hashed", "size": self.buckets},
             "protocol": self.protocol, "delta": self.delta,
-            "delta_spent": getattr(self.randomizer, "delta_spent", None),
+            "delta_spent": self.delta_spent,
             "shuffle": {"n": self.n, "gamma": self.gamma if self.protocol == "gkmp" else None,
                         "s": getattr(self.randomizer, "s", None),
                         "analyzer_public_key": self.public_hex},
@@ -525,14 +607,151 @@ class ShuffleAnalyzer:
         if (release.get("accuracy") or {}).get("signal_below_noise"):
             from .process import warn_if_below_noise
             warn_if_below_noise(release)
+        extra = {"recovered_from": f"refused-{w['uid']}"} if self._recovering else {}
         self.ledger.append(entry_id=f"release-{w['uid']}", kind="release", window=k,
                            window_uid=w["uid"], epsilon_spent=self.epsilon,
-                           delta_spent=self.delta, model="shuffle", protocol=self.protocol,
+                           delta_spent=self.delta_spent, delta=self.delta, model="shuffle",
+                           protocol=self.protocol, params=self.tag.params,
                            document=json.dumps(release, allow_nan=False),
-                           end_offsets={partition: offset + 1})
+                           end_offsets={partition: offset + 1}, **extra)
         self.totals["events"] = self.totals.get("events", 0) + events
         self.metrics.events.inc(events)
         return release
+
+    # -- recovery of refused windows ----------------------------------------------------------
+    def recover(self, windows=None, records=None) -> list[tuple[int, str, str]]:
+        """Release windows the ledger records as refused, now that the cause is fixed (docs/
+        shuffle.md, "Recovering a refused window"): ``[(window, uid, outcome)]``.
+
+        This analyzer is configured with what the fix needs: the key the clients sealed to, or
+        the clients' parameters (epsilon, delta, buckets, ...: the privacy they actually gave).
+        For each refused window (``windows``: their numbers; None: every refused window) it
+        reads the window's records again, from its first record (the position its uid names) to
+        its end marker, from the analyzer topic (``records(partition, start, end)`` -> ``[(offset,
+        value)]`` instead, for tests), and decides it exactly as at its marker: released (ledger
+        entry ``release-<uid>`` charging this analyzer's epsilon and exact delta, beside the
+        ``refused-<uid>`` entry that charged nothing), or still refused (one error line, nothing
+        ledgered). A window already recovered is re-published from its ledgered document, never
+        computed again, so running this twice publishes once. It holds the state directory's
+        lock (stop the analyzer first) and never touches its checkpoint or offsets.
+        """
+        self._lock()
+        self._recovering = True
+        self.dead_letters = None   # its records were dead-lettered when it was refused
+        out = []
+        try:
+            want = None if windows is None else {int(x) for x in windows}
+            refused = [e for e in self.ledger.entries if e["kind"] == "refused"
+                       and (want is None or e["window"] in want)]
+            for k in sorted((want or set()) - {e["window"] for e in refused}):
+                log.error("window %d: the ledger in %s records no refused window with this "
+                          "number: nothing to recover", k, self.dir)
+                out.append((k, "", "not refused"))
+            for entry in refused:
+                outcome = self._recover_one(entry, records)
+                out.append((entry["window"], entry["window_uid"], outcome))
+            if self.pending:
+                self._publish_backoff.next_try = 0.0
+                self._publish_pending()
+                for doc in self.pending:
+                    out = [(k, u, "ledgered, not yet published (run again)")
+                           if k == json.loads(doc)["window"] else (k, u, o) for k, u, o in out]
+        finally:
+            self._recovering = False
+            self.close()
+        return out
+
+    def _read_range(self, partition: str, start: int, end: int) -> list[tuple[int, bytes]]:
+        """Records ``[start, end)`` of ``partition`` ("topic:p") of the analyzer topic, read
+        committed, with no consumer group (nothing committed, no rebalance of the analyzer's)."""
+        from kafka import KafkaConsumer, TopicPartition
+        topic, _, p = partition.rpartition(":")
+        consumer = KafkaConsumer(bootstrap_servers=self.cfg["source"]["bootstrap"], group_id=None,
+                                 enable_auto_commit=False, isolation_level="read_committed",
+                                 allow_auto_create_topics=False,
+                                 max_partition_fetch_bytes=int(
+                                     self.cfg["source"]["max_partition_fetch_bytes"]),
+                                 **client_options(self.cfg.get("security")))
+        try:
+            tp = TopicPartition(topic, int(p))
+            consumer.assign([tp])
+            first = consumer.beginning_offsets([tp])[tp]
+            if first > start:
+                return []
+            consumer.seek(tp, start)
+            out, idle = [], 0
+            while idle < 20:
+                got = consumer.poll(timeout_ms=500)
+                recs = got.get(tp, [])
+                idle = 0 if recs else idle + 1
+                for r in recs:
+                    if r.offset >= end:
+                        return out
+                    out.append((r.offset, r.value))
+                if consumer.position(tp) >= end:
+                    return out
+            return out
+        finally:
+            consumer.close()
+
+    def _recover_one(self, entry: dict, records) -> str:
+        uid, k = entry["window_uid"], entry["window"]
+        done = self.ledger.get(f"release-{uid}")
+        if done is not None:
+            log.info("window %d was recovered before: re-publishing its ledgered release", k)
+            self.pending.append(done["document"])
+            return "re-published"
+        if not entry.get("end"):
+            log.error("window %d cannot be recovered: it ended without its end marker (its "
+                      "messages are incomplete)", k)
+            return "not recoverable"
+        partition, _, start = uid.rpartition("@")
+        end = int(entry["end"].rpartition(":")[2])
+        recs = (records or self._read_range)(partition, int(start), end)
+        self.window, self.last_closed = None, None
+        self.plus[:] = 0
+        self.minus[:] = 0
+        marker = None
+        for offset, value in recs:
+            try:
+                doc = parse_analyzer_record(bytes(value) if value is not None else b"")
+            except WireError:
+                doc = None
+            if self.window is None:
+                if offset != int(start) or doc is None or int(doc["window"]) != k:
+                    break
+                self.window = {"id": k, "uid": uid, "received": 0, "lost": 0, "records": 0,
+                               "started_unix": time.time()}
+            if doc is None or int(doc["window"]) != k:
+                continue    # not one of this window's records (a malformed or stale one)
+            self.window["records"] += 1
+            if doc.get("end") is True:
+                marker = (doc, offset)
+                break
+            self._chunk(doc["boxes"], partition, offset, value)
+        if self.window is None or marker is None or marker[1] != end - 1:
+            log.error("window %d cannot be recovered: the analyzer topic no longer holds its "
+                      "records %s..%d (retention? its chunks are also in the dead-letter "
+                      "topic, keyed by these positions)", k, f"{partition}@{start}", end - 1)
+            self.window = None
+            return "records gone"
+        doc, offset = marker
+        problem = self._problem(doc)
+        if problem is None:
+            try:
+                self.ledger.check_release(uid, self.epsilon, window=k)
+            except BudgetExceeded as exc:
+                problem = ("budget", str(exc))
+        if problem is not None:
+            log.error("still refused: %s", problem[1])
+            self.window = None
+            return f"still refused ({problem[0]})"
+        release = self._release(doc, partition, offset)
+        log.info("window %d recovered (refused before: %s): released at epsilon %g, delta %.3g",
+                 k, entry.get("cause", "?"), self.epsilon, self.delta_spent)
+        self.pending.append(json.dumps(release, allow_nan=False))
+        self.window = None
+        return "released"
 
     # -- checkpoint and publishing -------------------------------------------------------------
     def _commit(self) -> None:
@@ -592,7 +811,7 @@ class ShuffleAnalyzer:
             self.metrics.published(release)
             log.info("published release of window %s (shuffle, %s): n=%s -> %s",
                      release["window"], release.get("protocol"), release["n"], path)
-        if published:
+        if published and self.store is not None:   # (recovery keeps no checkpoint)
             self._commit()
 
     def _kafka_producer(self):

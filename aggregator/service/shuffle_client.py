@@ -4,7 +4,8 @@ clients and the shuffler").
 A client holds the analyzer's public key, the randomizer every party of the deployment shares
 (:func:`.shuffler.make_randomizer` of the common config) and the item -> bucket map of the
 service (``to_bucket``). ``messages(item)`` maps the item to its bucket, randomizes
-(``encode``) and seals every row to the analyzer, so the shuffler that forwards the messages can
+(``encode``) and seals every row, with the fingerprint of the randomizer's parameters, to the
+analyzer, so the shuffler that forwards the messages can
 read none of them; ``record(item)`` adds a fresh random event id as the Kafka key (the shuffler
 drops redelivered copies by it).
 
@@ -34,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from .shuffle_wire import client_record, load_public_key, new_event_id, seal_rows
+from .shuffle_wire import ParamTag, client_record, load_public_key, new_event_id, seal_rows
 
 __all__ = ["ShuffleClient", "bucket_map", "direct_buckets", "hashed_buckets"]
 
@@ -116,6 +117,9 @@ class ShuffleClient:
     def __init__(self, public_key, randomizer, to_bucket: Callable | None = None):
         self.public_key = load_public_key(public_key) if isinstance(public_key, str) else public_key
         self.randomizer = randomizer
+        #: the randomizer's parameters, sealed into every message (shuffle_wire: the analyzer
+        #: refuses a window holding messages of other parameters than its own)
+        self.tag = ParamTag.of(randomizer)
         self.to_bucket = to_bucket or direct_buckets(int(randomizer.buckets))
 
     @classmethod
@@ -138,7 +142,7 @@ class ShuffleClient:
     def messages(self, item) -> list[bytes]:
         """The sealed messages of one event (in the randomizer's row order: the shuffler
         permutes them with every other event's)."""
-        return seal_rows(self.randomizer.encode(self.bucket(item)), self.public_key)
+        return seal_rows(self.randomizer.encode(self.bucket(item)), self.public_key, self.tag)
 
     def record(self, item) -> tuple[bytes, bytes]:
         """(Kafka key, value) of one event for the client topic."""
@@ -155,5 +159,5 @@ class ShuffleClient:
         order = np.argsort(owner, kind="stable")
         rows, owner = rows[order], owner[order]
         cuts = np.searchsorted(owner, np.arange(1, len(b)))
-        return [(new_event_id(), client_record(seal_rows(part, self.public_key)))
+        return [(new_event_id(), client_record(seal_rows(part, self.public_key, self.tag)))
                 for part in np.split(rows, cuts)]

@@ -1,48 +1,81 @@
 """What travels between shuffle-model clients, the shuffler and the analyzer (docs/shuffle.md).
 
-Three hops, three formats:
+Three hops, three formats (wire version 2):
 
-1. **Plaintext message** (inside a sealed box): 9 bytes, the int64 bucket little-endian and one
-   signed byte (+1 or -1): one row of a randomizer's ``encode`` output. Fixed size, so a
-   ciphertext's length says nothing about its content.
+1. **Plaintext message** (inside a sealed box): 26 bytes, fixed size (a ciphertext's length says
+   nothing about its content):
+
+   ========  =====  =====================================================================
+   bytes     type   what
+   ========  =====  =====================================================================
+   0-7       <i8    the bucket
+   8         i1     the sign (+1, or -1 for GKMP)
+   9-16      8 B    the **fingerprint** of the randomizer's parameters: the first 8 bytes of
+                    SHA-256(``FINGERPRINT_DOMAIN`` + the 48-byte parameter descriptor)
+   17        u1     a part index i in [0, 6), drawn from the OS CSPRNG for each message
+   18-25     8 B    bytes 8i..8i+8 of the descriptor
+   ========  =====  =====================================================================
+
+   The descriptor (:class:`ParamTag`) is ``<B7xQQddd``: protocol (1 gkmp, 2 balcer-cheu), n,
+   buckets, epsilon, delta, gamma (0 for balcer-cheu). Every message of a client carries its
+   randomizer's fingerprint inside the sealed box, so only the analyzer reads it and it refuses
+   a window holding any message whose fingerprint is not its own; the parts (a random one per
+   message, so the part says nothing about the row) let it rebuild and name the parameters the
+   clients used (a window holds thousands of messages; six parts suffice, and the fingerprint
+   checks the rebuilt descriptor).
 2. **Client record** (client topic): Kafka key = 16 random bytes (the event id the shuffler
    deduplicates redelivered records by; random, so it links nothing), value = msgpack
-   ``{"v": 1, "boxes": [sealed box, ...]}``: every message of one event, each sealed to the
+   ``{"v": 2, "boxes": [sealed box, ...]}``: every message of one event, each sealed to the
    analyzer's public key (libsodium sealed box: X25519 + XSalsa20-Poly1305, 48 bytes overhead),
    so the shuffler, which sees event boundaries, cannot read any of them.
 3. **Analyzer records** (analyzer topic, one partition): the shuffler's permuted window, cut in
-   chunks ``{"v": 1, "window": k, "boxes": [...]}`` (chunk boundaries fall in the permuted list,
-   so they carry nothing), then one marker ``{"v": 1, "window": k, "end": true, "events": e,
+   chunks ``{"v": 2, "window": k, "boxes": [...]}`` (chunk boundaries fall in the permuted list,
+   so they carry nothing), then one marker ``{"v": 2, "window": k, "end": true, "events": e,
    "topped_up": t, "messages": m}``, optionally with ``"params": {"protocol", "epsilon",
-   "delta", "n", "buckets", "gamma"}``, the randomizer parameters the shuffler topped up with
-   (the analyzer refuses a window whose parameters differ from its own). No key, no headers,
-   one timestamp for the whole window.
+   "delta", "n", "buckets", "gamma"}``, the parameters the shuffler topped up with (its top-up
+   messages carry their fingerprint like any client's; the marker's copy is informational). No
+   key, no headers, one timestamp for the whole window.
 
 >>> keys = new_keypair()
 >>> rows = np.array([[3, 1], [5, -1]], dtype=np.int64)
->>> boxes = seal_rows(rows, keys.public_key)
+>>> tag = ParamTag({"protocol": "gkmp", "epsilon": 1.0, "delta": 1e-6, "n": 100, "buckets": 8,
+...                 "gamma": 0.1})
+>>> boxes = seal_rows(rows, keys.public_key, tag)
 >>> len(boxes), len(boxes[0]) == SEALED_SIZE
 (2, True)
 >>> open_boxes(boxes, keys).tolist()
 [[3, 1], [5, -1]]
+>>> opened = open_messages(boxes, keys)
+>>> bool((opened.fingerprints == tag.fingerprint_u64).all())
+True
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import struct
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
 
-WIRE_VERSION = 1
-PLAIN_SIZE = 9
+WIRE_VERSION = 2
+PLAIN_SIZE = 26
 SEALED_SIZE = PLAIN_SIZE + 48  # ephemeral X25519 public key (32) + Poly1305 tag (16)
 EVENT_ID_SIZE = 16
-_PLAIN = struct.Struct("<qb")
+_PLAIN = struct.Struct("<qb8sB8s")
+#: the plaintext as a numpy record (no padding: 26 bytes)
+PLAIN_DTYPE = np.dtype([("bucket", "<i8"), ("sign", "i1"), ("fingerprint", "<u8"),
+                        ("part", "u1"), ("chunk", "<u8")])
+assert PLAIN_DTYPE.itemsize == PLAIN_SIZE == _PLAIN.size
+_DESC = struct.Struct("<B7xQQddd")
+DESC_PARTS = _DESC.size // 8          # 6 parts of 8 bytes
+FINGERPRINT_DOMAIN = b"panagg shuffle randomizer parameters v1\0"
+PROTOCOL_CODES = {"gkmp": 1, "balcer-cheu": 2}
 
 
 class WireError(ValueError):
@@ -90,26 +123,120 @@ def load_public_key(text_or_path: str) -> PublicKey:
         raise WireError("the analyzer public key must be 32 bytes, 64 hex digits") from None
 
 
-def seal_rows(rows: np.ndarray, public_key: PublicKey) -> list[bytes]:
-    """Each ``(bucket, sign)`` row as a sealed box for ``public_key``."""
-    box = SealedBox(public_key)
-    return [box.encrypt(_PLAIN.pack(int(b), int(s))) for b, s in rows]
+def _fmt(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def open_boxes(boxes, private_key: PrivateKey) -> np.ndarray:
-    """Decrypt sealed boxes to an (m, 2) int64 array; a box that fails raises WireError."""
-    box = SealedBox(private_key)
-    out = np.empty((len(boxes), 2), dtype=np.int64)
-    for i, c in enumerate(boxes):
+class ParamTag:
+    """The randomizer parameters every message carries: descriptor, parts, fingerprint.
+
+    ``params``: a randomizer's ``.params`` (or the same keys: protocol, epsilon, delta, n,
+    buckets, gamma; gamma is ignored for balcer-cheu).
+    """
+
+    KEYS = ("protocol", "epsilon", "delta", "n", "buckets", "gamma")
+
+    def __init__(self, params: dict):
+        proto = str(params["protocol"])
+        if proto not in PROTOCOL_CODES:
+            raise ValueError(f"unknown shuffle protocol {proto!r}")
+        gamma = float(params.get("gamma") or 0.0) if proto == "gkmp" else None
+        self.params = {"protocol": proto, "epsilon": float(params["epsilon"]),
+                       "delta": float(params["delta"]), "n": int(params["n"]),
+                       "buckets": int(params["buckets"]), "gamma": gamma}
+        p = self.params
+        self.descriptor = _DESC.pack(PROTOCOL_CODES[proto], p["n"], p["buckets"], p["epsilon"],
+                                     p["delta"], gamma or 0.0)
+        self.fingerprint = hashlib.sha256(FINGERPRINT_DOMAIN + self.descriptor).digest()[:8]
+        self.fingerprint_u64 = int.from_bytes(self.fingerprint, "little")
+        self.parts = [self.descriptor[8 * i:8 * i + 8] for i in range(DESC_PARTS)]
+
+    @classmethod
+    def of(cls, randomizer) -> "ParamTag":
+        return cls(randomizer.params)
+
+    @classmethod
+    def from_parts(cls, fingerprint_u64: int, parts: dict) -> "ParamTag | None":
+        """The tag rebuilt from the descriptor parts seen (``{index: 8 bytes}``), if all six
+        are there and they hash to the fingerprint; else None."""
+        if any(i not in parts for i in range(DESC_PARTS)):
+            return None
+        desc = b"".join(parts[i] for i in range(DESC_PARTS))
         try:
-            plain = box.decrypt(bytes(c))
+            code, n, buckets, eps, delta, gamma = _DESC.unpack(desc)
+            proto = {v: k for k, v in PROTOCOL_CODES.items()}[code]
+            tag = cls({"protocol": proto, "epsilon": eps, "delta": delta, "n": n,
+                       "buckets": buckets, "gamma": gamma})
+        except (KeyError, ValueError, struct.error):
+            return None
+        return tag if tag.fingerprint_u64 == int(fingerprint_u64) and tag.descriptor == desc else None
+
+    def differences(self, other: "ParamTag") -> list[tuple[str, str, str]]:
+        """``[(key, this side, other side)]`` for every parameter that differs."""
+        return [(k, _fmt(self.params[k]), _fmt(other.params[k])) for k in self.KEYS
+                if self.params[k] != other.params[k]]
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {_fmt(self.params[k])}" for k in self.KEYS
+                         if self.params[k] is not None)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ParamTag) and other.descriptor == self.descriptor
+
+    def __hash__(self) -> int:
+        return hash(self.descriptor)
+
+
+def seal_rows(rows: np.ndarray, public_key: PublicKey, tag: ParamTag) -> list[bytes]:
+    """Each ``(bucket, sign)`` row as a sealed box for ``public_key``, with ``tag``'s
+    fingerprint and one of its descriptor parts, the part drawn from the OS CSPRNG (a uniform
+    byte mod 6: not uniform over the parts, but independent of the row, which is what matters)."""
+    box = SealedBox(public_key)
+    which = os.urandom(len(rows))
+    fp, parts = tag.fingerprint, tag.parts
+    return [box.encrypt(_PLAIN.pack(int(b), int(s), fp, w % DESC_PARTS, parts[w % DESC_PARTS]))
+            for (b, s), w in zip(rows.tolist() if isinstance(rows, np.ndarray) else rows, which)]
+
+
+@dataclass
+class Opened:
+    """Decrypted messages: ``rows`` (m, 2) int64 (bucket, sign); per message its
+    ``fingerprints`` (uint64), descriptor ``part`` index and descriptor ``chunk`` (uint64)."""
+    rows: np.ndarray
+    fingerprints: np.ndarray
+    part: np.ndarray
+    chunk: np.ndarray
+
+
+def _unpack(plain: bytes, m: int) -> Opened:
+    rec = np.frombuffer(plain, dtype=PLAIN_DTYPE, count=m)
+    rows = np.empty((m, 2), dtype=np.int64)
+    rows[:, 0] = rec["bucket"]
+    rows[:, 1] = rec["sign"]
+    return Opened(rows, rec["fingerprint"].copy(), rec["part"].copy(), rec["chunk"].copy())
+
+
+def open_messages(boxes, private_key: PrivateKey) -> Opened:
+    """Decrypt sealed boxes; a box that fails (or opens to another size) raises WireError."""
+    from nacl.bindings import crypto_box_seal_open
+    sk, pk = bytes(private_key), bytes(private_key.public_key)
+    out = bytearray()
+    for c in boxes:
+        try:
+            plain = crypto_box_seal_open(bytes(c), pk, sk)
         except CryptoError:
             raise WireError("a message does not decrypt with the analyzer's key "
                             "(sealed to another key, or corrupted)") from None
         if len(plain) != PLAIN_SIZE:
             raise WireError(f"a decrypted message has {len(plain)} bytes, not {PLAIN_SIZE}")
-        out[i] = _PLAIN.unpack(plain)
-    return out
+        out += plain
+    return _unpack(bytes(out), len(boxes))
+
+
+def open_boxes(boxes, private_key: PrivateKey) -> np.ndarray:
+    """Decrypt sealed boxes to an (m, 2) int64 array of (bucket, sign) (fingerprints dropped:
+    :func:`open_messages` keeps them); a box that fails raises WireError."""
+    return open_messages(boxes, private_key).rows
 
 
 def new_event_id() -> bytes:
@@ -141,7 +268,7 @@ def end_record(window: int, events: int, topped_up: int, messages: int,
                params: dict | None = None) -> bytes:
     doc = {"v": WIRE_VERSION, "window": int(window), "end": True, "events": int(events),
            "topped_up": int(topped_up), "messages": int(messages)}
-    if params is not None:  # the randomizer parameters (PARAM_KEYS), checked by the analyzer
+    if params is not None:  # the shuffler's randomizer parameters (PARAM_KEYS), informational
         doc["params"] = {k: params[k] for k in PARAM_KEYS if k in params}
     return msgpack.packb(doc, use_bin_type=True)
 

@@ -57,8 +57,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .shuffle_wire import (EVENT_ID_SIZE, WireError, chunk_record, end_record, load_public_key,
-                           parse_client_record, seal_rows)
+from .shuffle_wire import (EVENT_ID_SIZE, ParamTag, WireError, chunk_record, end_record,
+                           load_public_key, parse_client_record, seal_rows)
 
 log = logging.getLogger("panagg.shuffle")
 
@@ -134,11 +134,33 @@ def permute(items: list, urandom=os.urandom) -> list:
             return [items[i] for i in order.tolist()]
 
 
+#: the message-rate check: a window of at least RATE_MIN_EVENTS events whose messages per event
+#: are more than RATE_Z standard errors and RATE_REL (relative) from the expected rate warns
+RATE_MIN_EVENTS, RATE_Z, RATE_REL = 20, 6.0, 0.10
+
+
+def rate_problem(randomizer, events: int, messages: int) -> str | None:
+    """Why ``messages`` over ``events`` client events is not the rate ``randomizer`` sends
+    (None if it is, or the window is too small to tell). The mean of ``events`` independent
+    counts has standard error ``sqrt(messages_variance / events)``."""
+    if events < RATE_MIN_EVENTS:
+        return None
+    mean, want = messages / events, float(randomizer.expected_messages)
+    se = (float(getattr(randomizer, "messages_variance", 0.0)) / events) ** 0.5
+    off = abs(mean - want)
+    if off <= RATE_Z * se or off <= RATE_REL * want:
+        return None
+    return (f"clients sent {mean:,.1f} messages per event where {want:,.1f} (+- {se:,.2f}) are "
+            "expected")
+
+
 def top_up(randomizer, public_key, missing: int) -> list[bytes]:
-    """The sealed ``noise_only()`` outputs of ``missing`` absent events."""
+    """The sealed ``noise_only()`` outputs of ``missing`` absent events (with the
+    randomizer's parameter fingerprint, as a client's messages)."""
     out: list[bytes] = []
+    tag = ParamTag.of(randomizer)
     for _ in range(missing):
-        out.extend(seal_rows(randomizer.noise_only(), public_key))
+        out.extend(seal_rows(randomizer.noise_only(), public_key, tag))
     return out
 
 
@@ -213,6 +235,12 @@ class ShufflerMetrics:
         self.window_id = Gauge("panagg_shuffler_window_id", "Index of the open window", registry=r)
         self.window_events = Gauge("panagg_shuffler_window_events", "Events in the open window",
                                    registry=r)
+        self.messages_per_event = Gauge("panagg_shuffler_messages_per_event", "Sealed messages "
+                                        "per client event in the last committed window",
+                                        registry=r)
+        self.rate_warnings = Counter("panagg_shuffler_rate_warnings", "Windows whose clients sent "
+                                     "a message rate far from the expected one (other "
+                                     "parameters?)", registry=r)
         self.commit_duration = Histogram("panagg_shuffler_commit_seconds", "Time to top up, "
                                          "permute and commit a window", registry=r,
                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
@@ -446,6 +474,18 @@ class Shuffler:
 
         t0 = time.monotonic()
         wid = win.wid
+        client_boxes = sum(len(bs) for _, bs in win.events)
+        rate = rate_problem(self.randomizer, len(win.events), client_boxes)
+        if rate is not None:
+            # the shuffler cannot read the messages; the analyzer checks their fingerprints and
+            # will refuse the window if the parameters differ: this is the early warning
+            log.warning("window %d: %s under the shuffler's parameters (%s): the clients likely "
+                        "use other parameters (state.epsilon, the number of buckets, [shuffle]) "
+                        "and the analyzer will refuse the window; give every party the same "
+                        "settings", wid, rate, ", ".join(f"{k} {v:g}" if isinstance(v, float)
+                                                         else f"{k} {v}" for k, v in
+                                                         self.params.items()))
+            self.metrics.rate_warnings.inc()
         boxes, missing = win.output(self.randomizer, self.public_key)
         stamp = int(time.time() * 1000)
         p = self._producer
@@ -486,6 +526,8 @@ class Shuffler:
         m.messages.inc(len(boxes))
         m.windows.inc()
         m.topped_up.inc(missing)
+        if win.events:
+            m.messages_per_event.set(client_boxes / len(win.events))
         for reason, *_ in win.dead:
             m.dead_letters.labels(reason=reason).inc()
         m.commit_duration.observe(time.monotonic() - t0)
@@ -514,4 +556,4 @@ class Shuffler:
 
 
 __all__ = ["Shuffler", "ShufflerError", "ShufflerMetrics", "Window", "check_record", "permute",
-           "top_up", "make_randomizer", "params_of", "REASONS", "RECENT_WINDOWS"]
+           "top_up", "make_randomizer", "params_of", "rate_problem", "REASONS", "RECENT_WINDOWS"]
