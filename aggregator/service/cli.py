@@ -407,6 +407,44 @@ def cmd_shuffle_clients(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shuffle_topics(args: argparse.Namespace) -> int:
+    """Create the shuffle model's topics with kafka-python's admin client (docs/shuffle.md)."""
+    from .topics import TopicError, create_topics, shuffle_topics
+    extra = [f"source.bootstrap={args.bootstrap}"] if args.bootstrap else []
+    cfg = _load(args, extra)
+    try:
+        done = create_topics(cfg, shuffle_topics(cfg, args.client_partitions),
+                             replication_factor=args.replication_factor)
+    except TopicError as exc:
+        raise UsageError(str(exc)) from None
+    for topic, parts, what in done:
+        print(f"{topic}: {parts} partition(s), {what}")
+    return 0
+
+
+def cmd_shuffle_recover(args: argparse.Namespace) -> int:
+    """Release refused shuffle windows once their cause is fixed (docs/shuffle.md,
+    "Recovering a refused window"): this config must hold the fix (the clients' key or
+    parameters); the analyzer of --state-dir must be stopped."""
+    from .analyzer import ShuffleAnalyzer, load_analyzer_key
+    from .process import ServiceError
+    extra = [f"checkpoint.dir={args.state_dir}"] if args.state_dir else []
+    if args.bootstrap:
+        extra.append(f"source.bootstrap={args.bootstrap}")
+    cfg = _load(args, extra)
+    _setup_logging(args.verbose)
+    if cfg["state"]["model"] != "shuffle":
+        raise UsageError("panagg shuffle-recover is for state.model = shuffle")
+    try:
+        analyzer = ShuffleAnalyzer(cfg, None, private_key=load_analyzer_key(cfg))
+        results = analyzer.recover(args.window or None)
+    except ServiceError as exc:
+        raise UsageError(str(exc)) from None
+    for window, uid, outcome in results:
+        print(f"window {window}{f' ({uid})' if uid else ''}: {outcome}")
+    return 0 if results and all(o in ("released", "re-published") for _, _, o in results) else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -914,6 +952,26 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--events", type=int, required=True)
     sc.add_argument("-v", "--verbose", action="store_true")
     sc.set_defaults(func=cmd_shuffle_clients)
+
+    st = sub.add_parser("shuffle-topics", help="create the shuffle model's client, analyzer "
+                                               "(1 partition) and dead-letter topics")
+    st.add_argument("--config", required=True)
+    st.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    st.add_argument("--bootstrap", help="source.bootstrap")
+    st.add_argument("--client-partitions", type=int, default=6)
+    st.add_argument("--replication-factor", type=int, default=1)
+    st.set_defaults(func=cmd_shuffle_topics)
+
+    sr = sub.add_parser("shuffle-recover", help="release refused shuffle windows once the cause "
+                                                "is fixed (the analyzer must be stopped)")
+    sr.add_argument("--config", required=True)
+    sr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    sr.add_argument("--state-dir", help="checkpoint.dir of the analyzer")
+    sr.add_argument("--bootstrap", help="source.bootstrap")
+    sr.add_argument("--window", type=int, action="append",
+                    help="a refused window's number (repeat; default: every refused window)")
+    sr.add_argument("-v", "--verbose", action="store_true")
+    sr.set_defaults(func=cmd_shuffle_recover)
 
     rel = sub.add_parser("release", help="close the current window now and publish its release")
     rel.add_argument("--config")
