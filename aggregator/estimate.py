@@ -248,13 +248,60 @@ def _conv(a: np.ndarray, q: np.ndarray) -> np.ndarray:
     oaconvolve spent 5x the transform's time in argument handling on axes of ~1e3 values."""
     if len(q) < _FFT_TAPS or len(a) < 4 * len(q):
         return np.convolve(a, q, mode="same")
-    from scipy import fft
-    size = fft.next_fast_len(len(a) + len(q) - 1, real=True)
-    half = (len(q) - 1) // 2
-    out = fft.irfft(fft.rfft(a, size) * _kernel_spectrum(q, size), size)[half: half + len(a)]
+    key = (id(q), len(a))
+    plan = _PLANS.get(key)
+    if plan is None or plan[0] is not q:  # the entry holds q, so its id cannot be reused
+        from scipy import fft
+        size = fft.next_fast_len(len(a) + len(q) - 1, real=True)
+        if len(_PLANS) > 64:
+            _PLANS.clear()
+        plan = _PLANS[key] = (q, size, (len(q) - 1) // 2, _kernel_spectrum(q, size))
+    _, size, half, spec = plan
+    buf = np.zeros(size)  # the zero padding scipy.fft.rfft(a, size) makes
+    buf[: len(a)] = a
+    out = _irfft(_rfft(buf) * spec, size)[half: half + len(a)]
     # FFT rounding is ~1e-16 of the largest value: below that level a value is noise, and a zero
     # there would make the EM's ratio w / m explode
     return np.maximum(out, 1e-15 * max(float(out.max()), 0.0))
+
+
+_PLANS: dict = {}  # (id(q), len(a)) -> (q, FFT length, kernel half-width, kernel spectrum)
+
+
+def _fft_pair():
+    """(rfft(x), irfft(X, n)) on 1-d float64 / complex128 arrays of the FFT length: scipy's
+    pocketfft kernels called directly (the EM makes ~1e4 transforms of ~1e3 values per release,
+    and scipy.fft's argument handling took 60% of their time), checked at first use to give
+    bit for bit what scipy.fft.rfft / irfft give; scipy.fft itself otherwise."""
+    from scipy import fft
+    try:
+        from scipy.fft._pocketfft import pypocketfft as pfft
+
+        def rfft(x):
+            return pfft.r2c(x, (0,), True, 0, None, 1)
+
+        def irfft(X, n):
+            return pfft.c2r(X, (0,), n, False, 2, None, 1)
+
+        x = np.random.default_rng(0).random(1350)
+        X = fft.rfft(x)
+        if np.array_equal(rfft(x), X) and np.array_equal(irfft(X, 1350), fft.irfft(X, 1350)):
+            return rfft, irfft
+    except Exception:  # another scipy: its public functions
+        pass
+    return fft.rfft, (lambda X, n: fft.irfft(X, n))
+
+
+def _rfft(x):
+    global _rfft, _irfft
+    _rfft, _irfft = _fft_pair()
+    return _rfft(x)
+
+
+def _irfft(X, n):
+    global _rfft, _irfft
+    _rfft, _irfft = _fft_pair()
+    return _irfft(X, n)
 
 
 def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray,
@@ -1093,6 +1140,31 @@ def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np
     return count_ge(r + gamma), count_ge(r - gamma)
 
 
+_FITS: list = []  # [(counters' value counts, p, layers, {method: projected phi_{>=r}})]
+_N_FREE = ("deconvolution", "mle", "threshold")  # estimators that do not use n
+
+
+def remember_fits(vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> None:
+    """Keep the l1-projected estimates ``fits`` ({method: phi_{>=r}}, before any cap) of the
+    counters ``vc`` (the last counters only): :func:`anonymized_cumulative` on the same counters
+    takes them instead of fitting again. ``method="auto"`` fits the pilots on the real counters
+    (:mod:`aggregator.selection`), and the error bars' stand-ins are the same fits."""
+    _FITS[:] = [(vc, float(p), int(layers), {m: np.array(y, dtype=np.int64) for m, y in
+                                             fits.items() if m in _N_FREE})]
+
+
+def _remembered_fit(vc: NoisyValueCounts, p: float, layers: int, method: str):
+    if not _FITS:
+        return None
+    old, p0, k0, fits = _FITS[0]
+    if method not in fits or p0 != float(p) or k0 != int(layers):
+        return None
+    if old is not vc and (old.lo != vc.lo or len(old.c) != len(vc.c)
+                          or not np.array_equal(old.c, vc.c)):
+        return None
+    return fits[method].copy()
+
+
 def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buckets=None,
                           cap=None) -> np.ndarray:
     """The l1 release of :func:`anonymized_histogram` as its cumulative prevalence phi_{>=r},
@@ -1113,7 +1185,9 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
     else:
         if cap not in CAP_RULES:
             raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-        y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
+        y = _remembered_fit(vc, p, k, method)
+        if y is None:
+            y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
         if n is not None:
             y = cap_total(y, n, cap)
     return _checked_cumulative(y)

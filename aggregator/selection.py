@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .estimate import cap_total, cumulative_l1
+from .estimate import cap_total, cumulative_l1, remember_fits
 
 __all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "select", "selected_prevalence"]
 
@@ -185,6 +185,7 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     methods = tuple(dict.fromkeys(m for m, _ in candidates))
     fits = _estimates(vc, p, k, [m for m in dict.fromkeys(pilots + methods)
                                  if m in pilots or m == "threshold"])
+    remember_fits(vc, p, k, fits)  # the error bars' stand-ins are two of them
     rng = np.random.default_rng(_data_seed(vc) if seed is None else seed)
     regret: dict = {c: [] for c in candidates}
     standin_cap = _standin_cap(vc, fits, pilots, n, p, k) if n is not None else "none"
