@@ -336,3 +336,42 @@ def test_too_many_messages_refused_at_start(tmp_path, key):
     cfg = config(tmp_path, buckets=10**7, n=10)
     with pytest.raises(ServiceError, match="messages per event"):
         ShuffleAnalyzer(cfg, ListSource([]), private_key=key)
+
+
+def test_other_epsilon_refused_then_recovered_once(tmp_path, key, caplog):
+    """Clients at eps 2 against an analyzer at eps 1: refused (one line, both sides), nothing
+    published; recovery under eps 2 releases it once, the ledger charging eps 2 and the exact
+    delta; a second recovery re-publishes the ledgered document."""
+    theirs = GKMPRandomizer(2.0, 1e-6, 100, 50)
+    rows = gkmp_window(theirs, np.arange(100) % 50)
+    values = window_records(0, rows, key, events=100, tag=ParamTag.of(theirs))
+    with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
+        run(config(tmp_path, n=100), values, key)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "epsilon 2 (analyzer: 1)" in errors[0]
+    assert "[clients: protocol gkmp, epsilon 2, delta 1e-06, n 100, buckets 50, gamma 0.1]" \
+        in errors[0]
+    assert releases(tmp_path) == []
+
+    def records(partition, start, end):
+        assert partition == PART
+        return [(i, values[i]) for i in range(start, end)]
+
+    # the unfixed analyzer: still refused, nothing ledgered as a release
+    same = ShuffleAnalyzer(config(tmp_path, n=100), None, private_key=key)
+    assert [o for _, _, o in same.recover([0], records)] == ["still refused (parameters)"]
+    assert releases(tmp_path) == []
+    fixed = ShuffleAnalyzer(config(tmp_path, n=100, eps=2.0), None, private_key=key)
+    assert [o for _, _, o in fixed.recover([0], records)] == ["released"]
+    (rel,) = releases(tmp_path)
+    assert rel["epsilon"] == 2.0 and rel["delta_spent"] == theirs.delta_spent
+    (entry,) = [e for e in ledger(tmp_path) if e["kind"] == "release"]
+    assert entry["epsilon_spent"] == 2.0 and entry["delta_spent"] == theirs.delta_spent
+    assert entry["recovered_from"].startswith("refused-")
+    assert np.array_equal(fixed.last_counts, gkmp_analyze(rows, 50))
+    again = ShuffleAnalyzer(config(tmp_path, n=100, eps=2.0), None, private_key=key)
+    assert [o for _, _, o in again.recover(None, records)] == ["re-published"]
+    assert len(releases(tmp_path)) == 1
+    assert len([e for e in ledger(tmp_path) if e["kind"] == "release"]) == 1
+    # a window that is not refused: nothing to do
+    assert [o for _, _, o in again.recover([7], records)] == ["not refused"]

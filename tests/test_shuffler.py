@@ -239,3 +239,44 @@ def test_randomizer_shared_by_clients_and_shuffler(tmp_path, keys):
     cfg = cfg_for(tmp_path, keys)
     a, b = make_randomizer(cfg), Shuffler(cfg).randomizer
     assert (a.n, a.buckets, a.p) == (b.n, b.buckets, b.p) == (N, B, a.p)
+
+
+# -- issue 31: the fingerprint and the message rate ------------------------------------------------
+def test_param_tag_is_rebuilt_from_parts_and_checked():
+    from aggregator.service.shuffle_wire import DESC_PARTS, ParamTag, open_messages, seal_rows
+    keys = new_keypair()
+    rz = GKMPRandomizer(2.0, 1e-5, 500, 12, gamma=0.2)
+    tag = ParamTag.of(rz)
+    opened = open_messages(seal_rows(rz.encode_many(np.arange(40) % 12)[0], keys.public_key, tag),
+                           keys)
+    assert (opened.fingerprints == tag.fingerprint_u64).all()
+    parts = {int(i): int(c).to_bytes(8, "little") for i, c in zip(opened.part, opened.chunk)}
+    assert sorted(parts) == list(range(DESC_PARTS))
+    back = ParamTag.from_parts(tag.fingerprint_u64, parts)
+    assert back == tag and back.params == rz.params
+    assert ParamTag.from_parts(tag.fingerprint_u64 ^ 1, parts) is None        # hash checked
+    assert ParamTag.from_parts(tag.fingerprint_u64, {0: parts[0]}) is None    # parts missing
+    other = ParamTag(dict(rz.params, epsilon=1.0))
+    assert other.fingerprint != tag.fingerprint
+    assert other.differences(tag) == [("epsilon", "1", "2")]
+    # the part a message carries is independent of its row: the event's own (x, +1) row is the
+    # first one, and its part is spread like any other's
+    firsts = [open_messages(seal_rows(rz.encode(3)[:1], keys.public_key, tag), keys).part[0]
+              for _ in range(300)]
+    assert set(firsts) == set(range(DESC_PARTS))
+
+
+def test_message_rate_far_from_expected_is_flagged():
+    """The issue's case at a smaller scale: clients at eps 2 against a shuffler at eps 1 send
+    about half the messages; the same clients at eps 1 pass."""
+    from aggregator.service.shuffler import rate_problem
+    mine = GKMPRandomizer(1.0, 1e-6, 2000, 200)
+    for other, flagged in ((GKMPRandomizer(2.0, 1e-6, 2000, 200), True),
+                           (GKMPRandomizer(1.0, 1e-6, 2000, 100), True),
+                           (GKMPRandomizer(1.0, 1e-6, 2000, 200), False)):
+        rows, _ = other.encode_many(np.arange(2000) % other.buckets)
+        problem = rate_problem(mine, 2000, len(rows))
+        assert (problem is not None) == flagged, (other, len(rows) / 2000, problem)
+        if flagged:
+            assert "messages per event where" in problem
+    assert rate_problem(mine, 10, 1) is None          # too few events to tell
