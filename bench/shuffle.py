@@ -1,6 +1,7 @@
 """Shuffle model vs pan-private vs central at equal epsilon, and what the shuffle protocols cost.
 
     python -m bench.shuffle [--reps 3] [--quick]      # tables to stdout and docs/shuffle.md
+    python -m bench.shuffle --cost-only               # the cost table only (seconds)
 
 Error: l1 distance between the released anonymized histogram and the true one, mean over
 ``--reps`` draws of the items, on the same true counts for every model:
@@ -124,8 +125,19 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--cost-only", action="store_true", help="only the cost table")
     args = ap.parse_args(argv)
     rng = np.random.default_rng()
+    if args.cost_only:
+        cost = cost_table(rng)
+        print("\n".join(cost))
+        if not args.no_write:
+            write_doc_section(DOC, "bench.shuffle", "cost", [
+                f"Command: `python -m bench.shuffle --cost-only` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+                f"git {git_rev(['aggregator', 'bench'])}); n = 100,000, eps = 1, delta = 1e-6; "
+                f"{SEALED_SIZE} bytes per sealed message (wire v2: the parameter fingerprint inside "
+                "every box).", ""] + cost)
+        return 0
     head = [f"Command: `python -m bench.shuffle --reps {args.reps}{' --quick' if args.quick else ''}` "
             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_model()}; git {git_rev(['aggregator', 'bench'])}); "
             f"delta = {DELTA:g}, gamma = 0.1, l1 error of the anonymized histogram, mean of {args.reps} draws.", ""]
