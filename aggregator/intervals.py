@@ -70,7 +70,8 @@ import math
 import numpy as np
 
 from .estimate import (
-    NoisyValueCounts, anonymized_cumulative, anonymized_histogram, counts_from_cumulative,
+    NoisyValueCounts, anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram,
+    counts_from_cumulative,
     cumulative_from_counts, cumulative_l1, noise_pmf, noisy_value_counts,
     prevalences_from_cumulative,
 )
@@ -784,6 +785,11 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
                        for i, s in enumerate(sims[sm])] for sm in stand_ins}
         drop = likelihood_drop(sims, {sm: truths[sm] for sm in stand_ins}, refits, p, layers,
                                level)
+    if boot:
+        boot_ys = {sm: [cumulative_from_counts(e) for e in boot[sm]] for sm in stand_ins}
+    else:  # all re-estimates at once (the EM estimators run as one batched loop)
+        flat = anonymized_cumulative_many([s for sm in stand_ins for s in sims[sm]], p, **kw_boot)
+        boot_ys = {sm: flat[i * int(reps): (i + 1) * int(reps)] for i, sm in enumerate(stand_ins)}
     st_est = _hist_stats(y)
     for sm in stand_ins:
         y_t = truth_y[sm]
@@ -792,8 +798,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         extremes = (plausible_extremes(vc, y_t, counters, p, layers, level,
                                        ref=max(lls.values()), loglik=lls[sm], drop=drop)
                     if lls else [])
-        boot_y = [cumulative_from_counts(boot[sm][i]) if boot
-                  else anonymized_cumulative(sim, p, **kw_boot) for i, sim in enumerate(sims[sm])]
+        boot_y = boot_ys[sm]
         boot_l1 = [cumulative_l1(ys, y_t) for ys in boot_y]
         st_b = [_hist_stats(ys) for ys in boot_y]
         boot_h = [s[0] - st_t[0] for s in st_b]

@@ -319,3 +319,74 @@ def test_clipping_the_l1_projection_is_the_projection_with_at_most_c_items():
         y = np.minimum(project_l1(a), c)
         want = _integer_lp(a, [(0, c)] * R)
         assert float(np.abs(y - a).sum()) == pytest.approx(want, abs=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# the release's shortcuts (docs/speed.md, "Release time"): same results, fewer passes
+# --------------------------------------------------------------------------------------------
+def _zipf_noisy(D, n, p, layers, seed):
+    g = np.random.default_rng(seed)
+    w = 1.0 / np.arange(1, D + 1) ** 1.1
+    h = g.multinomial(n, w / w.sum())
+    noisy = h.copy()
+    for _ in range(layers):
+        noisy += discrete_laplace(p, D, rng=g)
+    return h, noisy
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("buckets", [False, True])
+@pytest.mark.parametrize("with_n", [False, True])
+def test_anonymized_cumulative_is_the_histogram(layers, buckets, with_n):
+    from aggregator.estimate import anonymized_cumulative
+    p = 0.6
+    h, noisy = _zipf_noisy(3000, 5000, p, layers, 7 + layers)
+    kw = dict(layers=layers, n=5000 if with_n else None, buckets=3000 if buckets else None)
+    for method in (None, "threshold", "deconvolution", "mle"):
+        y = anonymized_cumulative(noisy, p, method=method, **kw)
+        hist = anonymized_histogram(noisy, p, method=method, **kw)
+        assert np.array_equal(y, cumulative_from_counts(hist))
+        assert np.array_equal(counts_from_cumulative(y), hist)
+        assert len(y) == 0 or y[-1] > 0
+
+
+def test_remembered_pilot_fits_are_the_fits():
+    """auto keeps its pilots' fits of the real counters; a later call on counters with the same
+    value counts (another object) takes them, and they equal a fresh fit."""
+    from aggregator import estimate as E
+    from aggregator.selection import select
+    p = 0.6
+    _, noisy = _zipf_noisy(4000, 8000, p, 2, 3)
+    select(noisy, p, layers=2, n=8000)
+    assert E._FITS
+    for method in ("deconvolution", "mle", "threshold"):
+        cached = E.anonymized_cumulative(noisy.copy(), p, layers=2, n=8000, method=method)
+        E._FITS.clear()
+        fresh = E.anonymized_cumulative(noisy, p, layers=2, n=8000, method=method)
+        assert np.array_equal(cached, fresh)
+        select(noisy, p, layers=2, n=8000, sims=3)  # refills the cache (another key)
+    other = noisy.copy()
+    other[0] += 5  # other counters: not served from the cache
+    assert E._remembered_fit(noisy_value_counts(other), p, 2, "mle") is None
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_deconvolved_batch_equals_one_at_a_time_to_rounding(layers):
+    from aggregator.estimate import MLE_MAX_ITER, MLE_TOL, anonymized_cumulative, \
+        anonymized_cumulative_many, deconvolved_batch
+    p = 0.6
+    sets = [_zipf_noisy(2000 * (i + 1), 3000 * (i + 1), p, layers, 11 + i)[1] for i in range(4)]
+    sets.append(discrete_laplace(p, 500, rng=np.random.default_rng(1)))  # no events at all
+    # the early-stopped EM agrees to rounding; the converged NPMLE sits on a flat likelihood,
+    # where the rounding of another FFT length moves it by up to ~1e-3 (a run of its own with
+    # np.convolve instead of an FFT moves it as much)
+    for it, tol, rtol in ((200, 1e-5, 1e-6), (MLE_MAX_ITER, MLE_TOL, 2e-2)):
+        batch = deconvolved_batch(sets, p, layers=layers, max_iter=it, tol=tol)
+        for x, b in zip(sets, batch):
+            a = deconvolved_prevalence(x, p, layers=layers, max_iter=it, tol=tol)
+            assert len(a) == len(b)
+            np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol * max(1.0, float(a.max())))
+    many = anonymized_cumulative_many(sets[:3], p, layers=layers, n=None, method="mle")
+    for x, y in zip(sets[:3], many):
+        one = anonymized_cumulative(x, p, layers=layers, method="mle")
+        assert abs(int(one.sum()) - int(y.sum())) <= 0.001 * max(int(one.sum()), 1000)

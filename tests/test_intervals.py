@@ -417,3 +417,28 @@ def test_the_calibrated_drop_only_below_the_noise(monkeypatch):
     assert iv.signal_below_noise(40, len(small), p, 1)
     iv.error_bars(small + discrete_laplace(p, len(small), rng=g), p, n=40, reps=2, rng=0)
     assert calls == [1, 1]
+
+
+def test_histogram_statistics_from_prevalences_equal_the_listed_counts():
+    from aggregator.estimate import counts_from_cumulative, cumulative_from_counts
+    from aggregator.properties import entropy
+    g = np.random.default_rng(4)
+    for counts in (np.array([5]), g.integers(1, 40, 300), g.zipf(1.3, 20_000), np.zeros(0)):
+        counts = counts[counts < 10**6]
+        y = cumulative_from_counts(counts)
+        h = counts_from_cumulative(y)
+        H, C, bands = iv._hist_stats(y)
+        assert H == pytest.approx(entropy(h), rel=1e-12, abs=1e-12)
+        assert C == iv._coverage_2n(h)
+        assert np.array_equal(bands, iv.rank_band_sums(h))
+
+
+def test_column_groups_cover_every_change():
+    g = np.random.default_rng(5)
+    arrays = [np.sort(g.integers(0, 30, m))[::-1] for m in (50, 80, 10)]
+    R = 81
+    starts = iv._column_groups(arrays, R)
+    lens = np.diff(np.append(starts, R))
+    for a in arrays:
+        full = np.pad(a, (0, R - len(a))).astype(float)
+        assert np.array_equal(np.repeat(iv._at(a, starts), lens), full)
