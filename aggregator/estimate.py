@@ -742,13 +742,27 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     bootstrap's re-estimates. Everything else: one call per counter set."""
     many = list(many)
     k = _check_layers(layers)
-    if buckets is not None or method not in ("deconvolution", "mle") or not many:
+    if method not in ("deconvolution", "mle") or not many:
         return [anonymized_cumulative(x, p, layers=layers, n=n, method=method, buckets=buckets,
                                       cap=cap) for x in many]
     iters = ((DECONV_MAX_ITER, DECONV_TOL) if method == "deconvolution"
              else (MLE_MAX_ITER, MLE_TOL))
     vcs = [noisy_value_counts(x) for x in many]
     phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1])
+    if buckets is not None:  # the bucket counters' estimates, then the inversion of each
+        from .largedomain import DEFAULT_VARIANT, _check_buckets, _hashed_cumulative
+        B = _check_buckets(buckets)
+        out = []
+        for vc, phi in zip(vcs, phis):
+            if vc.total != B:
+                raise ValueError(f"buckets={B} but {vc.total} counters were given")
+            rule = cap if cap is not None else default_cap("hashed", k, n=n, counters=vc.total,
+                                                            p=p)
+            if rule not in CAP_RULES:
+                raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
+            out.append(_checked_cumulative(_hashed_cumulative(
+                vc, p, B, n, k, method, DEFAULT_VARIANT, None, rule, phi=phi)))
+        return out
     out = []
     for vc, phi in zip(vcs, phis):
         y = project_l1(phi)

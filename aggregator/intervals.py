@@ -568,7 +568,12 @@ def _simulated_state(rng, counts, counters, p, layers, hashed):
     if hashed:  # a fresh uniform hash of the items into the buckets
         red = np.bincount(rng.integers(0, counters, len(counts)), weights=counts,
                           minlength=counters).astype(np.int64)
-        counts = red[red > 0]
+        # the buckets' value counts straight from them (what simulate_counts' np.unique of the
+        # occupied buckets gives, without sorting millions of them): the same draws
+        per_value = np.bincount(red)
+        vals = np.flatnonzero(per_value[1:]) + 1
+        mult = per_value[vals]
+        return _simulate_grouped(rng, vals, mult, counters - int(mult.sum()), p, layers)
     return simulate_counts(rng, counts[:counters], counters, p, layers)
 
 

@@ -545,10 +545,18 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     return counts_from_cumulative(_hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap))
 
 
-def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap) -> np.ndarray:
+def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
+                       phi=None) -> np.ndarray:
     """The l1 release's cumulative prevalence (before listing its counts): what
-    :func:`hashed_histogram` lists, for callers that work on phi_{>=r} (the bootstrap)."""
-    psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n)
+    :func:`hashed_histogram` lists, for callers that work on phi_{>=r} (the bootstrap).
+    ``phi``: :func:`hashed_phi_estimate` of these counters when the caller has it."""
+    from .estimate import _remembered_fit
+    if phi is not None:
+        psi = project_l1(phi)
+    else:  # auto's pilots on these bucket counters are the reduced estimates it would make
+        psi = None if method is None else _remembered_fit(vc, p, int(layers), method)
+        if psi is None:
+            psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n)
     y = _invert(psi, B, n, p, variant, m, sparse_above=sparse_top(vc, p, int(layers)))
     return y if n is None else cap_total(y, n, cap)
 
