@@ -306,6 +306,27 @@ def _irfft(X, n):
     return _irfft(X, n)
 
 
+def _convolver(q: np.ndarray, length: int):
+    """a -> :func:`_conv` (a, q) for arrays of ``length`` values, with the choice of method and
+    numpy's argument handling made once (the EM convolves thousands of times per run)."""
+    if len(q) >= _FFT_TAPS and length >= 4 * len(q):
+        return lambda a: _conv(a, q)
+    if _CORRELATE is None or len(q) > length:
+        return lambda a: np.convolve(a, q, mode="same")
+    q_rev = q[::-1]
+    return lambda a: _CORRELATE(a, q_rev, "same")  # what np.convolve(a, q, "same") calls
+
+
+try:  # numpy's kernel behind np.convolve (np.convolve(a, v) = correlate(a, v[::-1]))
+    from numpy._core.multiarray import correlate as _CORRELATE
+    _probe = np.random.default_rng(0).random((2, 40))
+    if not np.array_equal(_CORRELATE(_probe[0], _probe[1][:9][::-1], "same"),
+                          np.convolve(_probe[0], _probe[1][:9], mode="same")):
+        _CORRELATE = None
+except Exception:  # another numpy: np.convolve itself
+    _CORRELATE = None
+
+
 def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray,
              mean=None, m=None) -> np.ndarray:
     """One EM update of the mixing pmf (q symmetric, so convolution = correlation).
@@ -378,11 +399,29 @@ def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None,
     exactly what a run with those settings returns: the early-stopped EM and the converged NPMLE
     from one run instead of two.
     """
-    ll, m = _loglik(pi, w, nz, q)
+    # the same steps as _em_step / _loglik with their per-call set-up made once: the positions
+    # of the non-zero counts and the convolution (identical arithmetic, identical results)
+    idx = np.flatnonzero(nz)
+    w_nz = w[idx]
+    conv = _convolver(q, len(pi))
+
+    def em_step(x, m=None):
+        if m is None:
+            m = conv(x)
+        ratio = np.zeros_like(m)
+        ratio[idx] = w_nz / np.maximum(m[idx], 1e-300)
+        out = x * conv(ratio)
+        return out if mean is None else _mean_m_step(out, *mean)
+
+    def loglik(x):
+        m = conv(x)
+        return float((w_nz * np.log(np.maximum(m[idx], 1e-300))).sum()), m
+
+    ll, m = loglik(pi)
     early_pi = None
     for step in range(1, max_iter + 1):
-        p1 = _em_step(pi, w, nz, q, mean, m)
-        p2 = _em_step(p1, w, nz, q, mean)
+        p1 = em_step(pi, m)
+        p2 = em_step(p1)
         r = p1 - pi
         v = p2 - p1 - r
         vv = float((v * v).sum())
@@ -394,9 +433,9 @@ def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None,
                 cand = np.maximum(pi - 2 * alpha * r + alpha * alpha * v, 0.0) * allowed
             if np.all(np.isfinite(cand)) and cand.sum() > 0:  # else the step overflowed: plain EM
                 cand /= cand.sum()
-                cand = _em_step(cand, w, nz, q, mean)
-                ll_c, m_c = _loglik(cand, w, nz, q)
-        ll2, m2 = _loglik(p2, w, nz, q)
+                cand = em_step(cand)
+                ll_c, m_c = loglik(cand)
+        ll2, m2 = loglik(p2)
         new, ll_new, m_new = (cand, ll_c, m_c) if ll_c >= ll2 else (p2, ll2, m2)
         s = new.sum()
         new, m_new = new / s, m_new / s  # the convolution is linear: rescale it with pi
