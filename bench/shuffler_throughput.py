@@ -2,6 +2,15 @@
 
     python -m bench.shuffler_throughput [--events 30000] [--n 10000] [--buckets 100]
                                         [--epsilon 1] [--reps 3] [--no-doc] [--section NAME]
+    python -m bench.shuffler_throughput --analyzer [--events 30000] [--n 10000] [--buckets 200]
+
+``--analyzer`` (issue 31): the same client records go through the shuffler once (timed: the
+shuffler's events/s in this run), then, alternating per repetition, the analyzer
+(:class:`aggregator.service.analyzer.ShuffleAnalyzer` in-process on the Kafka source, a fresh
+state directory and group each time, ``release.estimator = threshold`` and no error bars so the
+clock measures reading and decrypting) reads the shuffled windows with its decryption in its own
+process only (``PANAGG_SHUFFLE_DECRYPT_WORKERS=0``: the pre-issue-31 path, one box at a time)
+and with the default helper processes (CPUs - 1). Clock: first poll to the last window decided.
 
 One client topic (3 partitions) is filled once with ``--events`` sealed client records
 (:class:`ShuffleClient`, GKMP with the given epsilon, n, B, delta 1e-6). Then, alternating, each
@@ -159,8 +168,9 @@ def bare(bootstrap, topic, events, n, transactional: bool) -> float:
     return dt
 
 
-def shuffler(bootstrap, topic, pub, events, n, epsilon, buckets, tmp) -> tuple[float, dict]:
-    out = f"analyzer-{uuid.uuid4().hex[:8]}"
+def shuffler(bootstrap, topic, pub, events, n, epsilon, buckets, tmp,
+             out: str | None = None) -> tuple[float, dict]:
+    out = out or f"analyzer-{uuid.uuid4().hex[:8]}"
     create(bootstrap, out, 1)
     cfg = load_config(None, [
         f"source.bootstrap={bootstrap}", f"source.topic={out}", "state.model=shuffle",
@@ -179,6 +189,118 @@ def shuffler(bootstrap, topic, pub, events, n, epsilon, buckets, tmp) -> tuple[f
     return dt, sh.stats
 
 
+def analyzer(bootstrap, topic, key, windows, n, epsilon, buckets, tmp,
+             workers: int | None) -> tuple[float, dict]:
+    """The analyzer reading ``windows`` shuffled windows of ``topic``; (seconds from the first
+    poll to the last window decided, totals)."""
+    from aggregator.service.analyzer import ShuffleAnalyzer
+    from aggregator.service.cli import _make_source
+    from aggregator.service.shuffle_wire import WORKERS_ENV
+    if workers is None:
+        os.environ.pop(WORKERS_ENV, None)
+    else:
+        os.environ[WORKERS_ENV] = str(workers)
+    d = tmp / uuid.uuid4().hex[:8]
+    cfg = load_config(None, [
+        f"source.bootstrap={bootstrap}", f"source.topic={topic}", "state.model=shuffle",
+        f"state.epsilon={epsilon}", f"state.domain_size={buckets}", f"window.size={n}",
+        f"checkpoint.dir={d / 'state'}", f"release.dir={d / 'releases'}", "metrics.port=-1",
+        f"source.group=an-{uuid.uuid4().hex[:8]}", "release.error_bar_reps=0",
+        "release.estimator=threshold"], env={})
+    src = _make_source(cfg)
+    an = ShuffleAnalyzer(cfg, src, private_key=key)
+    clock: dict = {}
+    poll = src.poll
+
+    def timed_poll(timeout):
+        clock.setdefault("first", time.perf_counter())
+        return poll(timeout)
+    src.poll = timed_poll
+    decided = an._next_window
+
+    def timed_next(k):
+        decided(k)
+        if an.totals["windows"] >= windows:
+            clock["last"] = time.perf_counter()
+            an.stop_event.set()
+    an._next_window = timed_next
+    an.run()
+    released = len(list((d / "releases").glob("release-*.json")))
+    return clock["last"] - clock["first"], dict(an.totals, released=released,
+                                                 workers=an.opener.workers)
+
+
+def analyzer_main(args) -> int:
+    events = args.events - args.events % args.n
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        bootstrap, state = start_broker(tmp)
+        try:
+            key = new_keypair()
+            pub = public_key_hex(key)
+            cfg = load_config(None, ["state.model=shuffle", f"state.epsilon={args.epsilon}",
+                                     f"state.domain_size={args.buckets}", f"window.size={args.n}",
+                                     f"shuffle.public_key={pub}", "source.topic=x"], env={})
+            client = ShuffleClient.from_config(cfg)
+            rng = np.random.default_rng(1)
+            records = []
+            for i in range(0, events, 2000):
+                records += client.records(rng.integers(0, args.buckets, min(2000, events - i)))
+            import msgpack
+            boxes = sum(len(msgpack.unpackb(v)["boxes"]) for _, v in records)
+            topic = f"clients-{uuid.uuid4().hex[:8]}"
+            create(bootstrap, topic, 3)
+            fill(bootstrap, topic, records)
+            shuffled = f"analyzer-{uuid.uuid4().hex[:8]}"
+            ts, stats = shuffler(bootstrap, topic, pub, events, args.n, args.epsilon,
+                                 args.buckets, tmp, out=shuffled)
+            assert stats["events"] == events and stats["messages"] == boxes, stats
+            windows = events // args.n
+            print(f"{events} events, {boxes} messages ({boxes / events:.1f}/event); shuffler "
+                  f"{events / ts:,.0f} events/s", flush=True)
+            rows = []
+            for rep in range(args.reps):
+                la0 = loadavg()
+                t1, s1 = analyzer(bootstrap, shuffled, key, windows, args.n, args.epsilon,
+                                  args.buckets, tmp, 0)
+                tw, sw = analyzer(bootstrap, shuffled, key, windows, args.n, args.epsilon,
+                                  args.buckets, tmp, None)
+                for s_ in (s1, sw):
+                    assert s_["released"] == windows and s_["events"] == events, s_
+                rows.append((t1, tw, sw["workers"], la0, loadavg()))
+                print(f"rep {rep + 1}: analyzer alone {events / t1:,.0f} ev/s, with "
+                      f"{sw['workers']} helper(s) {events / tw:,.0f} ev/s: {t1 / tw:.2f}x",
+                      flush=True)
+        finally:
+            if state is not None:
+                subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)],
+                               capture_output=True)
+    speed = [t1 / tw for t1, tw, *_ in rows]
+    lines = [f"`python -m bench.shuffler_throughput --analyzer --events {args.events} --n {args.n} "
+             f"--buckets {args.buckets} --epsilon {args.epsilon:g} --reps {args.reps}` "
+             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+             f"{git_rev(['aggregator', 'bench/shuffler_throughput.py'])}; {os.cpu_count()} CPUs, "
+             f"{cpu_model()}; {versions(['kafka-python', 'PyNaCl', 'msgpack', 'numpy'])}; "
+             "single-node broker on loopback, the same machine):", "",
+             f"GKMP, eps {args.epsilon:g}, delta 1e-6, n = {args.n:,} events per window, B = "
+             f"{args.buckets:,}: {events:,} events in {windows} windows, {boxes:,} sealed messages "
+             f"({boxes / events:.1f} per event). The shuffler moved them at **{events / ts:,.0f} "
+             f"events/s** ({boxes / ts:,.0f} messages/s) in this run.", "",
+             "| rep | analyzer, decryption in its process: events/s (messages/s, s per window) | "
+             "with helper processes: events/s (messages/s, s per window) | helpers | speed-up | "
+             "load avg before, after |", "|---|---|---|---|---|---|"]
+    for i, (t1, tw, w, la0, la1) in enumerate(rows):
+        lines.append(f"| {i + 1} | {events / t1:,.0f} ({boxes / t1:,.0f}, {t1 / windows:.2f}) | "
+                     f"{events / tw:,.0f} ({boxes / tw:,.0f}, {tw / windows:.2f}) | {w} | "
+                     f"{t1 / tw:.2f}x | {la0:.1f}, {la1:.1f} |")
+    lines += ["", f"Speed-up of the helper processes: median **{statistics.median(speed):.2f}x** "
+              f"({min(speed):.2f}-{max(speed):.2f})."]
+    print("\n".join(lines))
+    if not args.no_doc:
+        write_doc_section(DOC, "bench.shuffler_throughput", args.section, lines)
+    return 0
+
+
 def loadavg() -> float:
     return os.getloadavg()[0]
 
@@ -192,7 +314,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--section", default="latest", help="doc block name (several configurations)")
+    ap.add_argument("--analyzer", action="store_true", help="the analyzer's throughput (issue 31)")
     args = ap.parse_args(argv)
+    if args.analyzer:
+        return analyzer_main(args)
     events = args.events - args.events % args.n
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)

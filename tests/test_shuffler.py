@@ -280,3 +280,33 @@ def test_message_rate_far_from_expected_is_flagged():
         if flagged:
             assert "messages per event where" in problem
     assert rate_problem(mine, 10, 1) is None          # too few events to tell
+
+
+def test_box_opener_helpers_give_the_same_messages():
+    """Decryption split with a helper process (the analyzer's default on 2+ CPUs): the same
+    rows, fingerprints and parts as in-process, in order; a box of another key fails the chunk."""
+    from aggregator.service.shuffle_wire import (POOL_MIN_BOXES, BoxOpener, ParamTag,
+                                                 WireError, open_messages, seal_rows)
+    keys = new_keypair()
+    tag = ParamTag({"protocol": "gkmp", "epsilon": 1.0, "delta": 1e-6, "n": 100, "buckets": 50,
+                    "gamma": 0.1})
+    m = POOL_MIN_BOXES + 11
+    rows = np.column_stack([np.arange(m) % 50, np.where(np.arange(m) % 3, 1, -1)])
+    boxes = seal_rows(rows, keys.public_key, tag)
+    want = open_messages(boxes, keys)
+    opener = BoxOpener(keys, workers=2)
+    try:
+        got = opener.open(boxes)
+        assert len(opener._procs) == 2
+        for a, b in ((got.rows, want.rows), (got.fingerprints, want.fingerprints),
+                     (got.part, want.part), (got.chunk, want.chunk)):
+            assert np.array_equal(a, b)
+        stranger = seal_rows(rows[:1], new_keypair().public_key, tag)
+        with pytest.raises(WireError):
+            opener.open(boxes[:-1] + stranger)       # the last slice: this process's own
+        with pytest.raises(WireError):
+            opener.open(stranger + boxes[1:])        # the first: a helper's
+        assert np.array_equal(opener.open(boxes).rows, want.rows)   # helpers still serve
+    finally:
+        opener.close()
+    assert opener._procs == []

@@ -57,8 +57,8 @@ from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
 from .process import (ServiceError, _Backoff, choose_buckets_for, identity_of, lock_directory,
                       release_method)
-from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, ParamTag, WireError, load_private_key,
-                           open_messages, parse_analyzer_record, public_key_hex)
+from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
+                           load_private_key, parse_analyzer_record, public_key_hex)
 
 __all__ = ["ShuffleAnalyzer", "load_analyzer_key", "KEY_ENV", "PARTIAL_CHECKPOINT_S"]
 
@@ -137,6 +137,8 @@ class ShuffleAnalyzer:
         self._recovering = False
         self.key = private_key if private_key is not None else load_analyzer_key(cfg)
         self.public_hex = public_key_hex(self.key)
+        #: decryption over worker processes (shuffle_wire.BoxOpener; $PANAGG_SHUFFLE_DECRYPT_WORKERS)
+        self.opener = BoxOpener(self.key)
         self.dir = Path(cfg["checkpoint"]["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fresh_start, self.accept_change = fresh_start, accept_change
@@ -289,6 +291,7 @@ class ShuffleAnalyzer:
         return bool(assigned) and (probe is None or bool(probe(sorted(assigned))))
 
     def close(self) -> None:
+        self.opener.close()
         if self.dead_letters is not None:
             self.dead_letters.close()
         if self._producer is not None:
@@ -372,7 +375,7 @@ class ShuffleAnalyzer:
                        f"boxes must be {SEALED_SIZE} bytes each (wire v2)")
             return
         try:
-            opened = open_messages(boxes, self.key)
+            opened = self.opener.open(boxes)
         except WireError:
             self._lose(boxes, partition, offset, value, "undecryptable")
             return

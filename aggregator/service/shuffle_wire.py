@@ -233,6 +233,141 @@ def open_messages(boxes, private_key: PrivateKey) -> Opened:
     return _unpack(bytes(out), len(boxes))
 
 
+# -- decryption over worker processes ----------------------------------------------------------
+#: env var: helper processes for the analyzer's decryption, beside its own (0: none; default:
+#: the CPUs this process may run on, minus one)
+WORKERS_ENV = "PANAGG_SHUFFLE_DECRYPT_WORKERS"
+#: chunks smaller than this are opened in the calling process (the workers' round trip costs
+#: more than it saves there; the shuffler writes 5,000-box chunks)
+POOL_MIN_BOXES = 2_500
+
+
+def default_workers(env=None) -> int:
+    env = os.environ if env is None else env
+    text = str(env.get(WORKERS_ENV, "")).strip()
+    if text:
+        try:
+            return max(0, int(text))
+        except ValueError:
+            raise WireError(f"{WORKERS_ENV} must be a whole number of worker processes") from None
+    try:
+        return len(os.sched_getaffinity(0)) - 1
+    except AttributeError:  # not Linux
+        return (os.cpu_count() or 1) - 1
+
+
+def _read_exactly(stream, size: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < size:
+        got = stream.read(size - len(buf))
+        if not got:
+            raise EOFError
+        buf += got
+    return bytes(buf)
+
+
+def _worker_main() -> None:
+    """A decryption worker (:class:`BoxOpener`): on stdin the 32-byte private key, then
+    requests ``<u4 m>`` + ``m`` concatenated sealed boxes; on stdout per request ``b"\\x01"`` +
+    the ``m`` plaintexts, or ``b"\\x00"`` if a box does not open (the chunk is rejected whole)."""
+    import sys
+
+    from nacl.bindings import crypto_box_seal_open
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    try:
+        sk = _read_exactly(inp, 32)
+        pk = bytes(PrivateKey(sk).public_key)
+        while True:
+            m = int.from_bytes(_read_exactly(inp, 4), "little")
+            data = _read_exactly(inp, m * SEALED_SIZE)
+            try:
+                plain = b"".join(crypto_box_seal_open(data[i:i + SEALED_SIZE], pk, sk)
+                                 for i in range(0, len(data), SEALED_SIZE))
+                ok = len(plain) == m * PLAIN_SIZE
+            except CryptoError:
+                ok = False
+            out.write(b"\x01" + plain if ok else b"\x00")
+            out.flush()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return
+
+
+class BoxOpener:
+    """Opens sealed boxes with one private key, a chunk's boxes split between this process and
+    ``workers`` helper processes (:func:`_worker_main`, started once as ``python -c``, fed through pipes: no
+    ``multiprocessing``, which would re-import the caller's main module, and no fork of a
+    process holding Kafka client threads). Each box costs one X25519 scalar multiplication (its
+    own ephemeral key: the messages must stay unlinkable), so decryption is CPU-bound and scales
+    with free cores, not with batching. The workers get the private key once, on their stdin;
+    they never see anything but boxes."""
+
+    def __init__(self, private_key: PrivateKey, workers: int | None = None):
+        self.key = private_key
+        self.workers = default_workers() if workers is None else int(workers)
+        self._procs: list = []
+
+    def _start(self) -> list:
+        if not self._procs:
+            import subprocess
+            import sys
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [root] + [p for p in [os.environ.get("PYTHONPATH", "")] if p]))
+            for _ in range(self.workers):
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "from aggregator.service.shuffle_wire import "
+                     "_worker_main; _worker_main()"], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, env=env, close_fds=True)
+                proc.stdin.write(bytes(self.key))
+                proc.stdin.flush()
+                self._procs.append(proc)
+        return self._procs
+
+    def open(self, boxes) -> Opened:
+        """As :func:`open_messages` (raises WireError if any box does not open)."""
+        m = len(boxes)
+        if self.workers < 1 or m < POOL_MIN_BOXES:
+            return open_messages(boxes, self.key)
+        if any(len(b) != SEALED_SIZE for b in boxes):
+            raise WireError(f"a box is not {SEALED_SIZE} bytes")
+        procs = self._start()
+        w = len(procs) + 1                     # the last slice is opened here meanwhile
+        cuts = [i * m // w for i in range(w + 1)]
+        try:
+            for j, proc in enumerate(procs):   # the workers read whole requests: no deadlock
+                part = boxes[cuts[j]:cuts[j + 1]]
+                proc.stdin.write((len(part)).to_bytes(4, "little") + b"".join(part))
+                proc.stdin.flush()
+            try:
+                mine = open_messages(boxes[cuts[-2]:], self.key)
+            except WireError:
+                mine = None
+            replies = []
+            for j, proc in enumerate(procs):
+                ok = _read_exactly(proc.stdout, 1)
+                replies.append(_read_exactly(proc.stdout, (cuts[j + 1] - cuts[j]) * PLAIN_SIZE)
+                               if ok == b"\x01" else None)
+        except (EOFError, BrokenPipeError, OSError):
+            self.close()      # a worker died: start afresh next time, open this chunk here
+            return open_messages(boxes, self.key)
+        if mine is None or any(r is None for r in replies):
+            raise WireError("a message does not decrypt with the analyzer's key "
+                            "(sealed to another key, or corrupted)")
+        theirs = _unpack(b"".join(replies), cuts[-2])
+        return Opened(*(np.concatenate([a, b]) for a, b in
+                        zip((theirs.rows, theirs.fingerprints, theirs.part, theirs.chunk),
+                            (mine.rows, mine.fingerprints, mine.part, mine.chunk))))
+
+    def close(self) -> None:
+        for proc in self._procs:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=5)
+            except Exception:  # best effort: a worker that does not exit is killed
+                proc.kill()
+        self._procs = []
+
+
 def open_boxes(boxes, private_key: PrivateKey) -> np.ndarray:
     """Decrypt sealed boxes to an (m, 2) int64 array of (bucket, sign) (fingerprints dropped:
     :func:`open_messages` keeps them); a box that fails raises WireError."""
