@@ -564,13 +564,20 @@ def _multinomial_part(rng, vals, mult, K: int, q: np.ndarray,
     return NoisyValueCounts(lo, c)
 
 
-def _simulated_state(rng, counts, counters, p, layers, hashed):
+def _simulated_state(rng, counts, counters, p, layers, hashed, buf=None):
+    """The bootstrap's state simulated from the histogram ``counts``; hashed: the items
+    re-hashed uniformly into the buckets first. ``buf``: an int64 array of ``counters`` values
+    to reuse for the bucket totals (a release simulates 20 states of 1e7 buckets)."""
     if hashed:  # a fresh uniform hash of the items into the buckets
         red = np.bincount(rng.integers(0, counters, len(counts)), weights=counts,
-                          minlength=counters).astype(np.int64)
+                          minlength=counters)
+        if buf is None or len(buf) != len(red):
+            buf = np.empty(len(red), dtype=np.int64)
+        np.copyto(buf, red, casting="unsafe")  # integer totals, exact in float64
+        del red
         # the buckets' value counts straight from them (what simulate_counts' np.unique of the
         # occupied buckets gives, without sorting millions of them): the same draws
-        per_value = np.bincount(red)
+        per_value = np.bincount(buf)
         vals = np.flatnonzero(per_value[1:]) + 1
         mult = per_value[vals]
         return _simulate_grouped(rng, vals, mult, counters - int(mult.sum()), p, layers)
@@ -763,13 +770,16 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         from .selection import _loglik
         lls = {sm: _loglik(vc, t, counters, p, layers) for sm, t in truth_y.items()}
 
+    buf = np.empty(counters, dtype=np.int64) if buckets is not None else None
+
     def simulate(sm):
         y_t = truth_y[sm]
         if buckets is None and (not len(y_t) or y_t[0] <= counters):
             return simulate_from_cumulative(rng, y_t, counters, p, layers)  # the same draws
-        return _simulated_state(rng, truths[sm], counters, p, layers, buckets is not None)
+        return _simulated_state(rng, truths[sm], counters, p, layers, buckets is not None, buf)
 
     sims = {sm: [simulate(sm) for _ in range(int(reps))] for sm in stand_ins}
+    del buf
     drop, boot = None, None  # Wilks' chi2_1(level) / 2; re-estimates made as the loop needs them
     if lls and (n is None or signal_below_noise(int(n), counters, p, layers)):
         # below the noise the likelihood is flat out to the edge of what n allows (all

@@ -68,12 +68,11 @@ def build_state(D: int, n: int, layers: int, *, hashed: bool = False, seed: int 
     return state, "joint"
 
 
-def time_release(state, model: str, reps: int) -> dict:
+def time_release(state, model: str, reps: int, bars: int = ERROR_BAR_REPS) -> dict:
     counts = state.counts
     comp = {
         "bincount": lambda: np.bincount(counts - counts.min()),
-        "release": lambda: make_release(state, model=model, error_bar_reps=ERROR_BAR_REPS,
-                                        method=None),
+        "release": lambda: make_release(state, model=model, error_bar_reps=bars, method=None),
     }
     times = {k: [] for k in comp}
     est = None
@@ -112,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hashed", default="1e7", help="hashed-mode B values ('' for none)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile one release per cell")
+    ap.add_argument("--error-bar-reps", type=int, default=ERROR_BAR_REPS,
+                    help="release.error_bar_reps (default: the service's default; 0: no bars)")
     args = ap.parse_args(argv)
     log = lambda s: print(s, flush=True)  # noqa: E731
     sizes = [int(float(x)) for x in args.sizes.split(",") if x]
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     log(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
         f"commit {git_rev(MODULES)}, {cpu_model()}, {os.cpu_count()} cores, load "
         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-        f"{versions(('numpy', 'scipy'))}; error_bar_reps = {ERROR_BAR_REPS}, {args.reps} reps")
+        f"{versions(('numpy', 'scipy'))}; error_bar_reps = {args.error_bar_reps}, {args.reps} reps")
     log("| mode | counters | n | layers | estimator | release (median) | np.bincount | "
         "ratio (median, min..max) |")
     log("|---|---|---|---|---|---|---|---|")
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
             state, model = build_state(D, n, k, hashed=mode == "hashed")
             if args.profile:
                 log(profile_release(state, model))
-            res = time_release(state, model, args.reps)
+            res = time_release(state, model, args.reps, args.error_bar_reps)
             log(f"| {mode} | {D:.0e} | {n:.0e} | {k} | {res['estimator']} | "
                 f"{res['release']:.2f} s | {res['bincount'] * 1e3:.1f} ms | "
                 f"{res['ratio']:.0f}x ({res['rmin']:.0f}..{res['rmax']:.0f}) |")
