@@ -713,39 +713,43 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
         P[j, : len(w)] = prob.start(w)
         if prob.zero_idx is not None:
             zero[j] = prob.zero_idx
-    pos = W > 0
+    # W is 0 where no counter is: W / max(M, 1e-300) is the EM's ratio there too (0), so the
+    # steps need no masks; Wr, Ar, zr: the rows still running
 
-    def em_step(Pi, M, rows):
-        ratio = np.zeros_like(M)
-        ratio[pos[rows]] = W[rows][pos[rows]] / np.maximum(M[pos[rows]], 1e-300)
-        return Pi * conv(ratio)
+    def em_step(Pi, M, Wr):
+        return Pi * conv(Wr / np.maximum(M, 1e-300))
 
-    def loglik(Pi, rows):
+    def loglik(Pi, Wr):
         M = conv(Pi)
-        return (W[rows] * np.log(np.maximum(M, 1e-300))).sum(axis=1), M
+        return (Wr * np.log(np.maximum(M, 1e-300))).sum(axis=1), M
 
-    rows = np.arange(B)  # the rows still running (indices into W, A, pos, zero)
-    ll, M = loglik(P, rows)
+    rows = np.arange(B)  # the rows still running (indices into W, A, zero)
+    Wr, Ar, zr = W, A, zero
+    ll, M = loglik(P, Wr)
     result = [None] * B
     for step in range(1, max_iter + 1):
-        P1 = em_step(P, M, rows)
-        P2 = em_step(P1, conv(P1), rows)
+        P1 = em_step(P, M, Wr)
+        P2 = em_step(P1, conv(P1), Wr)
         R = P1 - P
         V = P2 - P1 - R
         vv, rr = (V * V).sum(axis=1), (R * R).sum(axis=1)
         ok = vv > 0
         alpha = np.minimum(-np.sqrt(rr / np.where(ok, vv, 1.0)), -1.0)[:, None]
         with np.errstate(over="ignore", invalid="ignore"):
-            cand = np.maximum(P - 2 * alpha * R + alpha * alpha * V, 0.0) * A[rows]
+            cand = np.maximum(P - 2 * alpha * R + alpha * alpha * V, 0.0) * Ar
             cs = cand.sum(axis=1)
             ok &= np.isfinite(cand).all(axis=1) & (cs > 0)  # else the step overflowed: plain EM
         ll_c = np.full(len(rows), -np.inf)
-        if ok.any():
-            sub = rows[ok]
+        if ok.all():
+            C = cand / cs[:, None]
+            C = em_step(C, conv(C), Wr)
+            ll_c, M_c = loglik(C, Wr)
+        elif ok.any():
+            Ws = Wr[ok]
             C = cand[ok] / cs[ok][:, None]
-            C = em_step(C, conv(C), sub)
-            ll_c[ok], M_c = loglik(C, sub)
-        ll2, M2 = loglik(P2, rows)
+            C = em_step(C, conv(C), Ws)
+            ll_c[ok], M_c = loglik(C, Ws)
+        ll2, M2 = loglik(P2, Wr)
         use = ll_c >= ll2
         new, M_new = P2, M2
         if use.any():
@@ -755,9 +759,8 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
         ll_new = np.where(use, ll_c, ll2)
         s = new.sum(axis=1)[:, None]
         new, M_new = new / s, M_new / s
-        z = zero[rows]
-        denom = np.where(z >= 0, np.maximum(1.0 - new[np.arange(len(rows)), np.maximum(z, 0)],
-                                            1e-6), 1.0)
+        denom = np.where(zr >= 0, np.maximum(1.0 - new[np.arange(len(rows)), np.maximum(zr, 0)],
+                                             1e-6), 1.0)
         gain = (ll_new - ll) / denom
         P, ll, M = new, np.maximum(ll_new, ll), M_new
         done = (gain < tol) | (step >= max_iter)
@@ -768,6 +771,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
             rows, P, ll, M = rows[keep], P[keep], ll[keep], M[keep]
             if not len(rows):
                 break
+            Wr, Ar, zr = W[rows], A[rows], zero[rows]
     for j, i in enumerate(todo):
         prob = probs[i]
         out[i] = prob.cumulative(result[j][: len(prob.w)])
