@@ -375,3 +375,30 @@ def test_other_epsilon_refused_then_recovered_once(tmp_path, key, caplog):
     assert len([e for e in ledger(tmp_path) if e["kind"] == "release"]) == 1
     # a window that is not refused: nothing to do
     assert [o for _, _, o in again.recover([7], records)] == ["not refused"]
+
+
+def test_recovery_from_dead_letters_when_retention_took_the_window(tmp_path, key):
+    """The analyzer topic no longer holds the window: its chunks come from the dead letters
+    (every chunk of a refused window was dead-lettered), its marker's counts from the ledger."""
+    theirs = GKMPRandomizer(1.0, 1e-6, 100, 30)
+    values = window_records(0, gkmp_window(theirs, np.arange(100) % 30), key, events=100,
+                            tag=ParamTag.of(theirs))
+    run(config(tmp_path, n=100), values, key)
+    (refused,) = [e for e in ledger(tmp_path) if e["kind"] == "refused"]
+    assert refused["cause"] == "buckets" and refused["marker"]["events"] == 100
+
+    def records(partition, start, end, dead_letters=False):
+        # the topic is empty now; the dead letters hold every chunk (not the marker)
+        return [(i, values[i]) for i in range(start, end - 1)] if dead_letters else []
+
+    fixed = ShuffleAnalyzer(config(tmp_path, n=100, buckets=30), None, private_key=key)
+    assert [o for _, _, o in fixed.recover(None, records)] == ["released"]
+    (rel,) = releases(tmp_path)
+    assert rel["domain"]["size"] == 30 and rel["n"] == 100
+
+    def gone(partition, start, end, dead_letters=False):
+        return []
+    other = tmp_path / "again"
+    run(config(other, n=100), values, key)
+    lost = ShuffleAnalyzer(config(other, n=100, buckets=30), None, private_key=key)
+    assert [o for _, _, o in lost.recover(None, gone)] == ["records gone"]

@@ -531,7 +531,8 @@ class ShuffleAnalyzer:
                 except BudgetExceeded as exc:
                     problem = ("budget", str(exc))
             if problem is not None:
-                self._refuse(problem[1], end=f"{partition}:{offset + 1}", cause=problem[0])
+                self._refuse(problem[1], end=f"{partition}:{offset + 1}", cause=problem[0],
+                             marker={f: doc[f] for f in ("events", "topped_up", "messages")})
                 self._commit()
                 return
             release = self._release(doc, partition, offset)
@@ -541,15 +542,18 @@ class ShuffleAnalyzer:
         self._commit()
         self._publish_pending()
 
-    def _refuse(self, problem: str, end: str = "", cause: str = "incomplete") -> None:
-        """Decide the open window as refused: one error line, a ledger entry, sums dropped."""
+    def _refuse(self, problem: str, end: str = "", cause: str = "incomplete",
+                marker: dict | None = None) -> None:
+        """Decide the open window as refused: one error line, a ledger entry, sums dropped.
+        ``marker``: the end marker's counts, kept so the window can be recovered from the
+        dead-letter topic alone (its chunks are there; the marker is not)."""
         w = self.window
         log.error("%s", problem)
         self.metrics.releases_refused.inc()
         self.totals["refused"] = self.totals.get("refused", 0) + 1
         self.ledger.append(entry_id=f"refused-{w['uid']}", kind="refused", window=w["id"],
                            window_uid=w["uid"], model="shuffle", note=problem, end=end,
-                           cause=cause)
+                           cause=cause, **({"marker": marker} if marker else {}))
         self._next_window(w["id"])
 
     def _next_window(self, k: int) -> None:
@@ -697,6 +701,38 @@ class ShuffleAnalyzer:
         finally:
             consumer.close()
 
+    def _read_dead_letters(self, partition: str, start: int, end: int) -> list[tuple[int, bytes]]:
+        """The dead letters of positions ``partition@[start, end)`` (their key), by offset;
+        the whole dead-letter topic is read once (no group, nothing committed)."""
+        from kafka import KafkaConsumer, TopicPartition
+        topic = self.cfg["source"]["dead_letter_topic"]
+        consumer = KafkaConsumer(bootstrap_servers=self.cfg["source"]["bootstrap"], group_id=None,
+                                 enable_auto_commit=False, isolation_level="read_committed",
+                                 allow_auto_create_topics=False,
+                                 **client_options(self.cfg.get("security")))
+        found: dict[int, bytes] = {}
+        try:
+            parts = consumer.partitions_for_topic(topic) or set()
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            if not tps:
+                return []
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            ends = consumer.end_offsets(tps)
+            idle = 0
+            while idle < 20 and any(consumer.position(tp) < ends[tp] for tp in tps):
+                got = consumer.poll(timeout_ms=500)
+                idle = 0 if got else idle + 1
+                for recs in got.values():
+                    for r in recs:
+                        where, _, off = (r.key or b"").decode(errors="replace").rpartition("@")
+                        if where == partition and off.isdigit() and start <= int(off) < end \
+                                and not dict(r.headers or []).get("truncated"):
+                            found[int(off)] = r.value
+        finally:
+            consumer.close()
+        return sorted(found.items())
+
     def _recover_one(self, entry: dict, records) -> str:
         uid, k = entry["window_uid"], entry["window"]
         done = self.ledger.get(f"release-{uid}")
@@ -711,6 +747,17 @@ class ShuffleAnalyzer:
         partition, _, start = uid.rpartition("@")
         end = int(entry["end"].rpartition(":")[2])
         recs = (records or self._read_range)(partition, int(start), end)
+        source = "the analyzer topic"
+        if not recs and entry.get("marker") and (records is not None or
+                                                 self.cfg["source"]["dead_letter_topic"]):
+            # retention took the window off the analyzer topic: its chunks were dead-lettered
+            # when it was refused (keyed by their positions), the ledger kept the marker's counts
+            dead = records(partition, int(start), end, dead_letters=True) if records else \
+                self._read_dead_letters(partition, int(start), end)
+            if dead:
+                from .shuffle_wire import end_record
+                recs = dead + [(end - 1, end_record(k, **entry["marker"]))]
+                source = "the dead-letter topic"
         self.window, self.last_closed = None, None
         self.plus[:] = 0
         self.minus[:] = 0
@@ -733,9 +780,10 @@ class ShuffleAnalyzer:
                 break
             self._chunk(doc["boxes"], partition, offset, value)
         if self.window is None or marker is None or marker[1] != end - 1:
-            log.error("window %d cannot be recovered: the analyzer topic no longer holds its "
-                      "records %s..%d (retention? its chunks are also in the dead-letter "
-                      "topic, keyed by these positions)", k, f"{partition}@{start}", end - 1)
+            log.error("window %d cannot be recovered: neither the analyzer topic nor the "
+                      "dead-letter topic (%s) holds its records %s..%d whole", k,
+                      self.cfg["source"]["dead_letter_topic"] or "none set",
+                      f"{partition}@{start}", end - 1)
             self.window = None
             return "records gone"
         doc, offset = marker
@@ -750,8 +798,9 @@ class ShuffleAnalyzer:
             self.window = None
             return f"still refused ({problem[0]})"
         release = self._release(doc, partition, offset)
-        log.info("window %d recovered (refused before: %s): released at epsilon %g, delta %.3g",
-                 k, entry.get("cause", "?"), self.epsilon, self.delta_spent)
+        log.info("window %d recovered from %s (refused before: %s): released at epsilon %g, "
+                 "delta %.3g", k, source, entry.get("cause", "?"), self.epsilon,
+                 self.delta_spent)
         self.pending.append(json.dumps(release, allow_nan=False))
         self.window = None
         return "released"
