@@ -941,7 +941,7 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     values = np.asarray(values, dtype=np.float64)
     if len(values) == 0:
         return values, np.zeros(0, dtype=np.int64)
-    starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    starts = np.concatenate([[0], np.flatnonzero(values[1:] != values[:-1]) + 1])
     lengths = np.diff(np.concatenate([starts, [len(values)]]))
     return values[starts], lengths
 
@@ -985,7 +985,7 @@ def project_l1(phi_hat) -> np.ndarray:
         opt[i] = int(-heap[0][0])
     # back out the solution: y_i = min(y_{i+1 in processing order}, opt_i)
     y_runs = np.minimum.accumulate(opt)  # runs in r order; processing went from the end
-    return np.repeat(y_runs, lengths).astype(np.int64)
+    return np.repeat(y_runs, lengths).astype(np.int64, copy=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1028,7 +1028,7 @@ def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
         raise ValueError(f"total must be >= 0, got {total}")
     if rule not in CAP_RULES:
         raise ValueError(f"rule must be one of {CAP_RULES}, got {rule!r}")
-    if len(y) and (np.any(np.diff(y) > 0) or y[-1] < 0):
+    if len(y) and (np.any(y[1:] > y[:-1]) or y[-1] < 0):
         raise ValueError("y must be a non-increasing, non-negative cumulative prevalence")
     have = int(y.sum())
     if have <= total or rule == "none":
