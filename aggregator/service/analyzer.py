@@ -138,7 +138,10 @@ class ShuffleAnalyzer:
         self.key = private_key if private_key is not None else load_analyzer_key(cfg)
         self.public_hex = public_key_hex(self.key)
         #: decryption over worker processes (shuffle_wire.BoxOpener; $PANAGG_SHUFFLE_DECRYPT_WORKERS)
-        self.opener = BoxOpener(self.key)
+        try:
+            self.opener = BoxOpener(self.key)
+        except WireError as exc:   # a malformed $PANAGG_SHUFFLE_DECRYPT_WORKERS
+            raise ServiceError(str(exc)) from None
         self.dir = Path(cfg["checkpoint"]["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fresh_start, self.accept_change = fresh_start, accept_change
