@@ -68,6 +68,15 @@ def build_state(D: int, n: int, layers: int, *, hashed: bool = False, seed: int 
     return state, "joint"
 
 
+def _forget() -> None:
+    """Drop what the estimators keep of the last counters (auto's choice and fits): with one
+    layer (state-only) every repetition sees the same counters, and a service never releases
+    the same counters twice."""
+    from aggregator import estimate, selection
+    for mod, name in ((selection, "_LAST"), (estimate, "_FITS")):
+        getattr(mod, name, []).clear()
+
+
 def time_release(state, model: str, reps: int, bars: int = ERROR_BAR_REPS) -> dict:
     counts = state.counts
     comp = {
@@ -79,6 +88,7 @@ def time_release(state, model: str, reps: int, bars: int = ERROR_BAR_REPS) -> di
     for r in range(reps):
         order = list(comp) if r % 2 == 0 else list(comp)[::-1]
         for k in order:
+            _forget()
             dt, out = _time_once(comp[k])
             times[k].append(dt)
             if k == "release" and est is None:
@@ -123,7 +133,8 @@ def main(argv=None) -> int:
     log(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
         f"commit {git_rev(MODULES)}, {cpu_model()}, {os.cpu_count()} cores, load "
         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-        f"{versions(('numpy', 'scipy'))}; error_bar_reps = {args.error_bar_reps}, {args.reps} reps")
+        f"{versions(('numpy', 'scipy'))}; error_bar_reps = {args.error_bar_reps}, "
+        f"{args.reps} reps")
     log("| mode | counters | n | layers | estimator | release (median) | np.bincount | "
         "ratio (median, min..max) |")
     log("|---|---|---|---|---|---|---|---|")
