@@ -1342,6 +1342,12 @@ def remember_fits(vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> No
                                              fits.items() if m in _N_FREE})]
 
 
+def forget_fits() -> None:
+    """Drop what :func:`remember_fits` keeps (the release path does once its release is made:
+    nothing derived from a window's counters outlives its release)."""
+    _FITS.clear()
+
+
 def _remembered_fit(vc: NoisyValueCounts, p: float, layers: int, method: str):
     if not _FITS:
         return None

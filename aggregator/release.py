@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from . import intervals, properties
-from .estimate import anonymized_histogram, noisy_value_counts
+from .estimate import anonymized_histogram, forget_fits, noisy_value_counts
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
@@ -100,14 +100,17 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
       seeded.
     """
     kw = dict(layers=layers, n=n, buckets=buckets, method=method)
-    # the release itself: exactly what the estimator gives on these counters (the one call the
-    # privacy audits watch: tests/test_privacy_service.py)
-    hist = np.asarray(anonymized_histogram(noisy_counts, p, loss=loss, **kw), dtype=np.int64)
-    vc = noisy_value_counts(noisy_counts)
-    counters = int(vc.total)
-    bars = None
-    if reps and loss == "l1":
-        bars = intervals.error_bars(vc, p, reps=int(reps), level=level, release=hist, **kw)
+    try:
+        # the release itself: exactly what the estimator gives on these counters (the one call
+        # the privacy audits watch: tests/test_privacy_service.py)
+        hist = np.asarray(anonymized_histogram(noisy_counts, p, loss=loss, **kw), dtype=np.int64)
+        vc = noisy_value_counts(noisy_counts)
+        counters = int(vc.total)
+        bars = None
+        if reps and loss == "l1":  # (its stand-ins are the pilot fits auto kept: no refit)
+            bars = intervals.error_bars(vc, p, reps=int(reps), level=level, release=hist, **kw)
+    finally:
+        forget_fits()  # what auto kept of these counters does not outlive the release
     signal = n if n is not None else int(np.asarray(hist).sum())
     snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
     from .estimate import default_method
