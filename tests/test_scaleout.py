@@ -1,6 +1,6 @@
 """Scale-out without a broker: summary merging, partition handover between two processes sharing
 one directory (a fake consumer group; the real one is in tests/integration/test_scaleout_kafka.py),
-and unkeyed-topic reporting."""
+and what a run on neighbouring streams shows."""
 
 import json
 import zlib
@@ -304,34 +304,54 @@ def test_windows_close_per_partition_and_merge_once(cfg_for, tmp_path):
         assert np.array_equal(a.tasks[f"ev:{p}"].state.counts, _expected(items[p][20:], p, 2))
 
 
-def test_unkeyed_records_are_counted_and_warned_without_payload(cfg_for, caplog, tmp_path):
+def _observed(tmp_path, caplog, name, items_of, keyed):
+    """Metrics, logs, status and the release's public fields of a scale-out run over one
+    partition holding ``items_of`` (paths and times normalised; noised values left out)."""
+    from prometheus_client import generate_latest
     topic = FakeTopic("ev", 1)
-    for i in range(30):
-        topic.produce(40 + i % 7, 0, keyed=False)
+    for item, key in zip(items_of, keyed):
+        topic.produce(item, 0, keyed=key)
     m = FakeMember(topic)
-    a = PartitionedAggregator(cfg_for(), m)
-    m.assign({0})
-    with caplog.at_level(logging.WARNING, logger="panagg.scaleout"):
+    root = tmp_path / name
+    sets = [f"checkpoint.dir={root / 'shared'}", f"release.dir={root / 'rel'}",
+            f"state.domain_size={D}", "window.size=1000", "scale.partitioned=true",
+            "metrics.port=-1", "release.error_bar_reps=0"]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        a = PartitionedAggregator(load_config(overrides=sets, env={}), m)
+        m.assign({0})
         _drain(a)
-    assert a.metrics.unkeyed.labels(partition="ev:0")._value.get() > 0
-    warned = [r.getMessage() for r in caplog.records if "not keyed" in r.getMessage()]
-    assert len(warned) == 1 and "ev:0" in warned[0]
-    assert not any(str(40 + k) in warned[0] for k in range(7))
-    # the release carries no count of them (an un-noised, data-dependent number)
-    a._close_task_window(a.tasks["ev:0"])
-    a._merge_scan(force=True)
-    doc = json.loads((tmp_path / "rel" / "release-0.json").read_text())
-    assert "warning" not in doc and not any("key" in k for k in doc["window_info"])
-    # keyed records: no mismatch
-    topic2 = FakeTopic("ok", 1)
-    for i in range(30):
-        topic2.produce(40 + i % 7, 0)
-    m2 = FakeMember(topic2)
-    b = PartitionedAggregator(cfg_for(**{"checkpoint.dir": str(tmp_path / "other")}), m2)
-    m2.assign({0})
-    _drain(b)
-    assert b.metrics.unkeyed.labels(partition="ok:0")._value.get() == 0
-    assert b.metrics.key_checks._value.get() > 0
+        a._close_task_window(a.tasks["ev:0"])
+        a._merge_scan(force=True)
+    timing = ("seconds", "duration", "_time", "unix", "age", "latency", "created")
+    # the published release's statistics are noised values (the release itself)
+    noised = ("panagg_release_distinct_items", "panagg_release_entropy",
+              "panagg_release_signal_to_noise")
+    metrics = [line for line in generate_latest(a.metrics.registry).decode().splitlines()
+               if not any(t in line.split("{")[0].split(" ")[0] for t in timing)
+               and not line.split("{")[0].split(" ")[0].startswith(noised)]
+    logs = [r.getMessage().replace(str(root), "ROOT") for r in caplog.records]
+    doc = json.loads((root / "rel" / "release-0.json").read_text())
+    public = {k: doc[k] for k in ("n", "window", "epsilon", "model") if k in doc}
+    return metrics, logs, public
+
+
+def test_neighbouring_streams_show_the_same_metrics_logs_and_public_fields(tmp_path, caplog):
+    """One event's item changed (with its key, or the record unkeyed): everything an operator or
+    an intruder reads besides the noised release values is identical (issue "One event, one
+    charge", item 4: the old per-partition count of unkeyed records told them apart)."""
+    items = [40 + i % 7 for i in range(30)]
+    keyed = [True] * 30
+    neighbour_items = list(items)
+    neighbour_items[11] = 3          # another item ...
+    neighbour_keyed = list(keyed)
+    neighbour_keyed[11] = False      # ... and a record not keyed by it
+    a = _observed(tmp_path, caplog, "a", items, keyed)
+    b = _observed(tmp_path, caplog, "b", neighbour_items, neighbour_keyed)
+    assert a[0] == b[0]
+    assert a[1] == b[1]
+    assert a[2] == b[2] and a[2]["n"] == 30
+    assert not any("keyed" in line and any(ch.isdigit() for ch in line) for line in a[1])
 
 
 def test_partitioned_needs_kafka(tmp_path):

@@ -1019,9 +1019,11 @@ def test_ledger_show_lists_releases_refusals_and_what_is_spent(tmp_path):
     lines = res.stdout.splitlines()
     assert lines[0] == (f"ledger {tmp_path / 'state' / 'ledger.jsonl'}: 4 entries; epsilon spent 2 "
                         "of budget_total 2")
-    kinds = [ln.split()[2] for ln in lines[1:]]
+    kinds = [ln.split()[2] for ln in lines[1:-1]]
     assert kinds == ["identity", "release", "release", "refused"]
     assert "n=1000 distinct=" in lines[2] and "budget_total=2" in lines[4]
+    assert f"positions file:{path.name} [1000, 2000)" in lines[3]
+    assert lines[-1].startswith("head: entry 4, sha256 ") and "chain verifies" in lines[-1]
     as_json = json.loads(run_cli(["ledger", "show", "--state-dir", str(tmp_path / "state"),
                                   "--json"]).stdout)
     assert [e["kind"] for e in as_json["entries"]] == kinds

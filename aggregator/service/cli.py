@@ -796,12 +796,23 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     epsilon spent and left."""
     from pathlib import Path
 
-    from .ledger import Ledger, LedgerError
+    from .ledger import Ledger, LedgerError, migrate
+    from .process import service_running
 
     path = Path(args.state_dir) / "ledger.jsonl"
     if not path.exists():
         raise UsageError(f"{args.state_dir} holds no ledger (no ledger.jsonl); pass the "
                          "--state-dir the service runs with")
+    if args.ledger_command == "migrate":
+        if service_running(args.state_dir):
+            raise UsageError(f"a panagg service is running on {args.state_dir}; stop it first")
+        try:
+            n = migrate(path)
+        except LedgerError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"ledger {path}: {n} entries migrated to format 2 (hash chain, source ranges "
+              f"from each release's end offsets); the original is {path}.v1")
+        return 0
     try:
         ledger = Ledger(path, budget_per_window=1.0)
     except LedgerError as exc:
@@ -824,8 +835,13 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                      f"entropy={props.get('entropy_nats', float('nan')):.3f}")
         elif e.get("note"):
             extra = e["note"]
+        if e.get("ranges"):
+            extra += "  positions " + ", ".join(f"{p} [{a}, {b})"
+                                                for p, (a, b) in sorted(e["ranges"].items()))
         window = "" if e.get("window") is None else f"window {e['window']}"
         print(f"{when}Z  {e['kind']:<16} {window:<12} eps {e['epsilon_spent']:<5g} {extra}")
+    head = ledger.head()
+    print(f"head: entry {head['seq']}, sha256 {head['hash'][:24]} (the hash chain verifies)")
     return 0
 
 
@@ -921,10 +937,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "from the source at the next start)")
     run.add_argument("--fresh-start", action="store_true",
                      help="start without a checkpoint although the ledger or the consumer group "
-                          "show earlier runs (recorded in the ledger)")
+                          "show earlier runs: counting resumes after the last released source "
+                          "position (events already released are never counted again); the "
+                          "lost checkpoint's open window is not released (recorded in the "
+                          "ledger)")
     run.add_argument("--accept-change", action="store_true",
                      help="accept settings that differ from those the state directory was "
-                          "created with (recorded in the ledger)")
+                          "created with (recorded in the ledger); every release still asks "
+                          "the ledger about the source positions it covers, so no event goes "
+                          "over ledger.budget_per_event across the change")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=cmd_run)
 
@@ -997,6 +1018,9 @@ def build_parser() -> argparse.ArgumentParser:
     shw = led_sub.add_parser("show", help="releases, refusals, exports, restarts; eps spent")
     shw.add_argument("--state-dir", required=True, help="checkpoint.dir")
     shw.add_argument("--json", action="store_true", help="entries as JSON (documents omitted)")
+    mig = led_sub.add_parser("migrate", help="rewrite a format-1 ledger with its hash chain and "
+                                             "source ranges (keeps the original as .v1)")
+    mig.add_argument("--state-dir", required=True, help="checkpoint.dir")
     led.set_defaults(func=cmd_ledger)
     pla = sub.add_parser("plan", help="expected accuracy of a configuration before any data "
                                       "(error floor, events a window needs, a suggested fix)")

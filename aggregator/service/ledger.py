@@ -54,6 +54,8 @@ import os
 import time
 from pathlib import Path
 
+from state_store.local import _fault
+
 from .charges import ChargeBook
 
 __all__ = ["Ledger", "BudgetExceeded", "LedgerError", "GENESIS", "entry_hash", "migrate"]
@@ -266,7 +268,9 @@ class Ledger:
         entry.update(extra)
         entry.update(seq=head["seq"] + 1, prev=head["hash"])
         entry["hash"] = entry_hash(entry)
+        _fault(f"ledger-before-{kind}")
         _write_line(self.path, json.dumps(entry, sort_keys=True, allow_nan=False) + "\n")
+        _fault(f"ledger-after-{kind}")
         self.entries.append(entry)
         self._by_id[entry_id] = entry
         self.torn_tail = False

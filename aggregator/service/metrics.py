@@ -111,10 +111,6 @@ class Metrics:
         self.release_latency = Histogram("panagg_release_latency_seconds", "From the end of a "
                                          "window to its merged release being published",
                                          buckets=_SECONDS, registry=r)
-        self.key_checks = Counter("panagg_key_checks", "Sampled records whose Kafka key was "
-                                  "compared with the item", registry=r)
-        self.unkeyed = Counter("panagg_unkeyed_records", "Sampled records whose Kafka key is not "
-                               "their item (topic not keyed by item)", ["partition"], registry=r)
         self._server = None
         self._heartbeat: float | None = None
         self._ready: tuple[bool, str] = (False, "starting")

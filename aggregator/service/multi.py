@@ -42,6 +42,7 @@ from prometheus_client.metrics_core import Metric
 
 from consumers.base import Segment, Source, offsets_array
 
+from .anchor import kafka_metadata, parse_kafka_metadata
 from .config import aggregation_configs
 from .metrics import Metrics
 from .process import Aggregator, ServiceError, Stopping, lock_directory
@@ -141,9 +142,14 @@ class SourceView(Source):
         # offline commands drive an aggregation alone; in the service the hub polls for all
         raise RuntimeError("a SourceView is fed by MultiAggregator, not polled")
 
-    def commit(self, offsets: dict[str, int]) -> None:
+    def commit(self, offsets: dict[str, int], metadata: str = "") -> None:
         self.committed = dict(offsets)
+        self.anchor = parse_kafka_metadata(metadata).get(self.name)
         self.hub.commit_least()
+
+    def committed_metadata(self) -> list[str]:
+        probe = getattr(self.hub.source, "committed_metadata", None)
+        return probe() if probe is not None else []
 
     def pause(self, keys) -> None:
         self.held.update(keys)
@@ -251,8 +257,10 @@ class MultiAggregator:
     def commit_least(self) -> None:
         """Group offsets (lag monitoring only): the least any aggregation has checkpointed."""
         least = self._least(lambda v: v.committed)
-        if least:
-            self.source.commit(least)
+        if least:  # with every aggregation's ledger head (aggregator.service.anchor)
+            heads = {name: v.anchor for name, v in self.views.items()
+                     if getattr(v, "anchor", None)}
+            self.source.commit(least, kafka_metadata(heads) if heads else "")
 
     def held_changed(self, keys, resumed: bool = False) -> None:
         seek = getattr(self.source, "seek_partition", None)

@@ -49,9 +49,11 @@ re-published from it, never merged again.
   the (P - 1) * D counters a keyed topic leaves empty (:func:`remove_empty_counters`).
 
 Topics not keyed by item. If one item's events reach several partitions, each partition counts a
-piece of it. Each process checks record keys against items on a sample of every batch and reports
-mismatches to operators (``panagg_unkeyed_records_total`` and a warning naming no payload). The
-release carries no such count: it would be an un-noised, data-dependent number.
+piece of it. Records are not checked for it: whether a record's key is its item is a function of
+the event, and any count of such records (a metric, a log line, a release field) would be an
+un-noised, data-dependent number an intruder or an operator can read (issue "One event, one
+charge", docs/privacy.md section 15). The start line says so; producers must key records by the
+counted item (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -88,7 +90,6 @@ __all__ = ["PartitionedAggregator", "PartitionTask", "merge_summaries", "partiti
 log = logging.getLogger("panagg.scaleout")
 
 SUMMARY_FORMAT = "panagg.summary"
-_KEY_SAMPLE = 32  # records per batch whose key is compared with the item
 
 
 # -- pure parts: summary and merge -------------------------------------------------------------------
@@ -271,7 +272,6 @@ class PartitionTask(WindowTask):
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
         self.lock = _FileLock(directory / "owner.lock")
-        self._unkeyed_warned: int | None = None
 
 
 class PartitionedAggregator(Aggregator):
@@ -291,6 +291,7 @@ class PartitionedAggregator(Aggregator):
         self.generation_seen = -1
         self.parts_dir = self.dir / "partitions"
         self.windows_dir = self.dir / "windows"
+        self.control.mkdir(parents=True, exist_ok=True)  # the shared directory of the group
         self.parts_dir.mkdir(exist_ok=True)
         self.windows_dir.mkdir(exist_ok=True)
         self.merge_lock = _FileLock(self.dir / "merge.lock")
@@ -357,6 +358,11 @@ class PartitionedAggregator(Aggregator):
             self.save_effective_config()
             self.restore()
             self.log_accuracy_plan()
+            if self.cfg["item"]["source"] != "key":
+                log.info("scale-out counts each item in the partition its records are in: the "
+                         "topic's records must be keyed by the counted item (%s); this is not "
+                         "checked on the records, since any such check is a function of the "
+                         "events (docs/scale-out.md)", item_identity(self.cfg))
             idle_since = None
             finite = self.cfg["source"]["kind"] != "kafka"
             while not self.stop_event.is_set():
@@ -506,28 +512,8 @@ class PartitionedAggregator(Aggregator):
             if not len(seg):
                 return
         items, good, rejected = self._decode(seg)
-        self._check_keys(task, seg, items, good)
         self._count_segment(task, seg, items, good, rejected,
                             lambda: self._close_task_window(task))
-
-    def _check_keys(self, task: PartitionTask, seg: Segment, items, good) -> None:
-        if seg.keys is None or not len(items):
-            return
-        step = max(1, len(items) // _KEY_SAMPLE)
-        checked = bad = 0
-        for j in range(0, len(items), step):
-            rec = j if good is None else int(good[j])
-            checked += 1
-            bad += seg.keys[rec] != item_key_bytes(items[j])
-        self.metrics.key_checks.inc(checked)
-        if bad:
-            self.metrics.unkeyed.labels(partition=task.key).inc(bad)
-            if task._unkeyed_warned != task.window["id"]:
-                task._unkeyed_warned = task.window["id"]
-                log.warning("partition %s: %d of %d sampled records are not keyed by their item "
-                            "(missing or different record key); items reaching several "
-                            "partitions are counted as separate items (docs/scale-out.md)",
-                            task.key, bad, checked)
 
     # -- windows -------------------------------------------------------------------------------
     def _close(self, task: PartitionTask) -> None:

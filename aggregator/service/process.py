@@ -42,7 +42,7 @@ from consumers.base import Segment, Source, offsets_array
 from consumers.decode import FILTERED, Decoder, ItemSpec
 from consumers.kafka_security import client_options, redacted
 from state_store.audit import AuditKeyError, load_key, write_export
-from state_store.local import LocalStore
+from state_store.local import LocalStore, _fault
 
 from ..intervals import SNR_MIN, noise_floor
 from ..noise import p_from_epsilon
@@ -428,7 +428,7 @@ class Aggregator(EventTimeWindows):
         if recorded is None:
             first = dict(mine, run=os.urandom(8).hex(), first_window=self._first_window(),
                          start=self.cfg["source"]["start"])
-            self._ledger_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
+            self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                                 identity=first)
             return first
         changed = [k for k in mine if recorded.get(k, _IDENTITY_DEFAULTS.get(k)) != mine[k]]
@@ -439,7 +439,7 @@ class Aggregator(EventTimeWindows):
             raise ServiceError(f"checkpoint.dir {self.dir} belongs to other settings ({what}); "
                                "use the original settings, a new checkpoint.dir, or "
                                "--accept-change to record the change in the ledger")
-        self._ledger_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
+        self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                             identity=dict(recorded, **mine), previous=recorded,
                             note=f"settings changed: {what}")
         log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
@@ -642,8 +642,8 @@ class Aggregator(EventTimeWindows):
                 f"{k} at {v}" for k, v in sorted(later.items())) + f"), not at {at}")
         task.window.update(lineage=os.urandom(8).hex(), start_offsets=dict(task.offsets))
         if released:
-            self._ledger_append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
-                                window=first, resume_offsets=dict(task.offsets),
+            self._start_append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
+                                window=first, resume_offsets=dict(floor, **task.offsets),
                                 note=f"started without a checkpoint in {where}; counting "
                                      f"resumes {at}")
             log.warning("fresh start without a checkpoint in %s: numbering continues at window "
@@ -1232,7 +1232,7 @@ class Aggregator(EventTimeWindows):
         if self.aggregation:  # which of the stream's aggregations, and the composition
             release["aggregation"] = dict(self.aggregation, epsilon=self.epsilon)
         doc = json.dumps(release, allow_nan=False)
-        self._ledger_append(entry_id=f"release-{uid}", kind="release", window=wid,
+        self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid,
                             window_uid=uid, epsilon_spent=charge, model=self.model,
                             document=doc, **self._position_fields(task, closing, ranges))
         return release
@@ -1267,7 +1267,7 @@ class Aggregator(EventTimeWindows):
             self.metrics.releases_refused.inc()
             extra = (self._position_fields(task, closing, ranges)
                      if task is not None and closing is not None else {})
-            self._ledger_append(entry_id=f"refused-{uid}", kind="refused", window=wid,
+            self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
                                 window_uid=uid, model=self.model, note=str(exc), **extra)
             return False
         return True
@@ -1294,6 +1294,7 @@ class Aggregator(EventTimeWindows):
                 self._publish_backoff.failed(f"window {release['window']}: {reason}")
                 break
             self._publish_backoff.ok()
+            _fault("published")
             task.pending.remove(doc)
             published += 1
             self.metrics.releases.inc()
@@ -1348,6 +1349,14 @@ class Aggregator(EventTimeWindows):
             self._deferred.append(entry)
             return
         self.ledger.append(**entry)
+
+    def _start_append(self, **entry) -> None:
+        """An entry of the start's checks (identity, fresh start): deferred while a start is
+        checking, else written directly (scale-out holds the group's lock around its start)."""
+        if self._deferred is not None:
+            self._deferred.append(entry)
+        else:
+            self.ledger.append(**entry)
 
     def _handle_control(self) -> None:
         for req in sorted(self.control.glob("*.req")):

@@ -175,8 +175,10 @@ def test_three_processes_six_partitions_kill_twice_exactly_once(kafka_broker, tm
         assert same_release(doc, json.loads((single_rel / f"release-{w}.json").read_text()))
 
 
-def test_unkeyed_topic_is_reported(kafka_broker, tmp_path):
-    """Records without the item as key: a warning naming the partition, without any payload."""
+def test_keying_is_stated_never_counted(kafka_broker, tmp_path):
+    """Records without the item as key and records keyed by it: both runs say once that records
+    must be keyed by the item, and neither logs anything that tells them apart (a count of
+    unkeyed records would be an un-noised function of the events)."""
     topic = make_topic(kafka_broker)
     placed: dict[int, list] = {}
     produce(kafka_broker, topic, np.arange(3000) % 97 + 123456, placed, keyed=False)
@@ -187,10 +189,11 @@ def test_unkeyed_topic_is_reported(kafka_broker, tmp_path):
     res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    warnings = [line for line in res.stderr.splitlines() if "not keyed by their item" in line]
-    assert warnings, res.stderr[-3000:]
-    assert not any(str(123456 + k) in line for line in warnings for k in range(97))
-    # the same records keyed by item: no warning
+    stated = [line for line in res.stderr.splitlines() if "must be keyed by the counted" in line]
+    assert len(stated) == 1 and "not checked on the records" in stated[0]
+    assert "not keyed by their item" not in res.stderr
+    assert not any(str(123456 + k) in res.stderr for k in range(97))
+    # the same records keyed by item: the same line, nothing else about keys
     topic2 = make_topic(kafka_broker)
     produce(kafka_broker, topic2, np.arange(3000) % 97 + 123456, {}, keyed=True)
     args2 = [a.replace(topic, topic2) for a in args]
@@ -199,4 +202,6 @@ def test_unkeyed_topic_is_reported(kafka_broker, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert res2.returncode == 0, res2.stderr[-3000:]
     assert "not keyed by their item" not in res2.stderr
+    assert [x for x in res2.stderr.splitlines() if "keyed" in x][0].split(" ", 3)[3] == \
+        stated[0].split(" ", 3)[3]
     assert Path(tmp_path / "state2" / "partitions").is_dir()
