@@ -3,6 +3,7 @@ read by both test families, with the negative controls.
 
     python -m bench.privacy_audit            # the whole table (about 35 s on 2 cores)
     python -m bench.privacy_audit --no-service
+    python -m bench.privacy_audit --crash-only   # the crash rows of section 16 (about 60 s)
 
 Columns: runs per neighbouring stream, the older event family (``empirical_epsilon`` in
 tests/test_privacy.py: values, thresholds and quadrants of counters and of differences of
@@ -80,17 +81,44 @@ def _service_rows(tmp: Path):
            lambda: S.service(tmp, 2, epsilon=1.25))
 
 
+def _crash_rows(tmp: Path):
+    """tests/test_privacy_crash.py: a crash at each step of a window's close, then the restarted
+    memory (first read past the replaced event / caught up) + the published release."""
+    from functools import lru_cache
+
+    from tests import test_privacy_crash as C
+
+    @lru_cache(maxsize=1)  # one step's views at a time, for its two reads
+    def views(step, old=False):
+        return C.crash_views(tmp, step, old=old)
+
+    for step in C.STEPS:
+        for which in C.READS:
+            yield (f"service, crash at `{step}`, restarted memory ({which}) + release",
+                   "<= eps", 1.0, lambda s=step, w=which: C.scenario(views(s), w))
+    for which in C.READS:
+        yield (f"**control** service: old restart (ledgered window replayed), memory ({which}) "
+               "+ release", "> eps" if which == "first" else "<= eps", 1.0,
+               lambda w=which: C.scenario(views("ledger-after-release", True), w))
+    yield ("**control**: old replay emulated (fresh real state) + real release", "> eps", 1.0,
+           lambda: C.scenario(C.emulated_old_replay(views("ledger-after-release")), "first"))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-service", action="store_true", help="skip the real-service rows")
+    ap.add_argument("--crash-only", action="store_true",
+                    help="only the rows of tests/test_privacy_crash.py")
     args = ap.parse_args(argv)
     print("| view | eps | claim | runs per stream | older family | LR family | LR attained at |")
     print("|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        rows = list(_mechanism_rows())
-        if not args.no_service:
+        rows = [] if args.crash_only else list(_mechanism_rows())
+        if not args.no_service and not args.crash_only:
             rows += list(_service_rows(Path(d)))
+        if not args.no_service:
+            rows += list(_crash_rows(Path(d)))
         for label, claim, eps, build in rows:
             vx, vy, looks, p = build()
             old, _ = empirical_epsilon(vx, vy)
