@@ -406,6 +406,19 @@ class KafkaSource(Source):
             return None
         return out
 
+    def lag_now(self, positions: dict[str, int] | None = None) -> dict[str, int] | None:
+        """Like :meth:`lag`, but from the partitions' end offsets asked of the broker now (one
+        bounded request): while the loop is not polling (intake paused for a release), the
+        fetches' high watermarks stand still and :meth:`lag` would read 0."""
+        try:
+            tps = [parse_partition_key(k) for k in sorted(self.assigned)]
+            ends = self.consumer.end_offsets(tps, timeout_ms=1000) if tps else {}
+        except Exception:
+            return self.lag(positions)
+        return {partition_key(tp.topic, tp.partition): max(0, int(end) - positions[
+            partition_key(tp.topic, tp.partition)]) for tp, end in ends.items()
+            if positions and partition_key(tp.topic, tp.partition) in positions}
+
     def connected(self) -> bool | None:
         """Whether the client holds a ready connection to some broker (None: unknown)."""
         try:

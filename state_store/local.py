@@ -45,6 +45,9 @@ class Checkpoint:
     totals: dict = field(default_factory=dict)  # events and rejects by reason up to ``offsets``
     seq: int = 0
     ledger_head: dict | None = None           # the privacy ledger's head when it was written
+    #: closed windows whose release was not yet ledgered: each {"window", "end_offsets",
+    #: "totals"}; ``offsets`` and ``totals`` are then where the first of them starts
+    unreleased: list = field(default_factory=list)
 
 
 def _fault(point: str) -> None:
@@ -132,6 +135,8 @@ class LocalStore:
                   "has_state": ckpt.state is not None}
         if ckpt.ledger_head is not None:
             header["ledger_head"] = dict(ckpt.ledger_head)
+        if ckpt.unreleased:
+            header["unreleased"] = list(ckpt.unreleased)
         body = msgpack.packb(dict(header, checksum=_digest(header, state)), use_bin_type=True)
         path = self.dir / f"checkpoint-{ckpt.seq:012d}.ckpt"
         # frame: 8-byte header length, header, state bytes
@@ -167,4 +172,5 @@ class LocalStore:
         return Checkpoint(state=state if header["has_state"] else None, window=header["window"],
                           offsets=header["offsets"], pending=list(header["pending"]),
                           totals=dict(header["totals"]), seq=seq,
-                          ledger_head=header.get("ledger_head"))
+                          ledger_head=header.get("ledger_head"),
+                          unreleased=list(header.get("unreleased") or []))

@@ -100,7 +100,11 @@ def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=
                  "release.on_exhausted=false",
                  # the audit captures the release's input; the bootstrap intervals computed
                  # after it are post-processing and only cost time here
-                 "release.error_bar_reps=0"] + [f"{k}={v}" for k, v in sets.items()]
+                 "release.error_bar_reps=0",
+                 # the release in the loop, where the audit captures its input in-process; the
+                 # release worker computes the same function of the same handed-over state in
+                 # another process (docs/privacy.md section 16, "Releases beside the loop")
+                 "release.workers=0"] + [f"{k}={v}" for k, v in sets.items()]
     cfg = load_config(None, overrides, env={})
     looks: list[list[np.ndarray]] = []
 

@@ -62,7 +62,7 @@ def cfg_for(tmp_path, path, **overrides):
             "source.max_records=1000", f"state.domain_size={D}", "window.kind=count",
             "window.size=1000000", f"checkpoint.dir={tmp_path / 'state'}",
             f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
-            f"testing.noise_seed={SEED}"]
+            f"testing.noise_seed={SEED}", "release.workers=0"]
     sets += [f"{k}={v}" for k, v in overrides.items()]
     return load_config(None, sets)
 
@@ -177,7 +177,11 @@ def cli_sets(tmp_path, path, **overrides):
     cfg = {"source.kind": "file", "source.path": str(path), "source.format": "json",
            "source.max_records": 500, "state.domain_size": D, "window.kind": "count",
            "window.size": 100000, "checkpoint.dir": tmp_path / "state",
-           "release.dir": tmp_path / "releases", "metrics.port": -1, "testing.noise_seed": SEED}
+           "release.dir": tmp_path / "releases", "metrics.port": -1, "testing.noise_seed": SEED,
+           # these tests walk the close's synchronous checkpoint sequence (the release in the
+           # loop, as event-time windows, snapshots and scale-out do); tests/test_release_worker.py
+           # walks the release worker's
+           "release.workers": 0}
     cfg.update(overrides)
     out = ["run"]
     for k, v in cfg.items():

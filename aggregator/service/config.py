@@ -101,6 +101,10 @@ DEFAULTS: dict[str, dict] = {
         "on_exhausted": True,       # finite sources: release the partial last window
         "error_bar_reps": 10,       # bootstrap repetitions for the release's intervals; 0: none
         "estimator": "default",     # default (the accuracy grid's choice) or a METHODS name
+        "workers": 1,               # release worker processes beside the consume loop; 0: the
+                                    # release runs in the loop (intake stops while it runs)
+        "max_in_flight": 2,         # closed windows waiting for their release before intake
+                                    # pauses (backpressure; their counters are in memory only)
     },
     "ledger": {
         "budget_per_window": 0.0,   # 0: equal to state.epsilon (one release per window)
@@ -163,8 +167,8 @@ _SECRET = {("security", "password")}  # never echoed in an error
 _POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "keep_windows"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
              ("source", "fetch_max_bytes"), ("source", "max_partition_fetch_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
-             ("window", "size")}
-_NON_NEGATIVE = {("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
+             ("window", "size"), ("release", "max_in_flight")}
+_NON_NEGATIVE = {("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"), ("release", "workers"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
                  ("ledger", "budget_per_window"), ("ledger", "budget_total"),
                  ("window", "max_future_skew_s"), ("window", "idle_partition_timeout_s"),
                  ("window", "allowed_lateness_s")}

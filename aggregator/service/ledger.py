@@ -223,9 +223,10 @@ class Ledger:
 
     def check_release(self, window_uid: str, epsilon: float, *, window=None,
                       ranges: dict | None = None, lineage: str | None = None,
-                      window_kind: str | None = None, others=()) -> None:
+                      window_kind: str | None = None, others=(), pending: float = 0.0) -> None:
         """Raise BudgetExceeded if releasing the window ``window_uid`` (covering the source
-        ``ranges``) at ``epsilon`` would go over budget. Call it before drawing any noise."""
+        ``ranges``) at ``epsilon`` would go over budget. Call it before drawing any noise.
+        ``pending``: epsilon of releases granted but not ledgered yet (in the release worker)."""
         name = f"window {window}" if window is not None else f"window {window_uid}"
         if self.spent(window_uid) + epsilon > self.budget_per_window * (1 + 1e-12):
             raise BudgetExceeded(
@@ -241,9 +242,11 @@ class Ledger:
                     f"(source positions {_ranges_text(ranges)}), and this release would bring "
                     f"them to {peak:g} eps > the per-event budget {self.budget_per_event:g} "
                     "(ledger.budget_per_event); nothing of it is published")
-        if self.budget_total is not None and self.spent() + epsilon > self.budget_total * (1 + 1e-12):
+        if self.budget_total is not None and \
+                self.spent() + pending + epsilon > self.budget_total * (1 + 1e-12):
             raise BudgetExceeded(
-                f"release of {name} refused: total spent would be {self.spent() + epsilon:g} "
+                f"release of {name} refused: total spent would be "
+                f"{self.spent() + pending + epsilon:g} "
                 f"> ledger.budget_total={self.budget_total:g}; the budget is spent (a higher "
                 "budget must be accepted explicitly, docs/operations.md)")
 

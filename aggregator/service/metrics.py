@@ -108,8 +108,11 @@ class Metrics:
                                  "written for the merge", registry=r)
         self.windows_waiting = Gauge("panagg_windows_waiting", "Closed windows still waiting for "
                                      "summaries of some partitions", registry=r)
+        self.release_queue = Gauge("panagg_release_queue", "Closed windows waiting for their "
+                                   "release (in the release worker)", registry=r)
         self.release_latency = Histogram("panagg_release_latency_seconds", "From the end of a "
-                                         "window to its merged release being published",
+                                         "window to its release being ledgered (scale-out: its "
+                                         "merged release published)",
                                          buckets=_SECONDS, registry=r)
         self._server = None
         self._heartbeat: float | None = None

@@ -170,6 +170,10 @@ class SourceView(Source):
     def lag(self, positions=None):
         return self.hub.source.lag(positions)
 
+    def lag_now(self, positions=None):
+        probe = getattr(self.hub.source, "lag_now", None)
+        return probe(positions) if probe is not None else self.hub.source.lag(positions)
+
     def close(self) -> None:
         pass  # the hub closes the shared source once
 
@@ -324,8 +328,16 @@ class MultiAggregator:
         log.addFilter(self._log_filter)
         self._lock()
         started: list[Aggregator] = []
+        worker = None
         try:
             self.check_set()
+            if any(a.async_releases() for a in self.aggs.values()):
+                # one pool for all: their releases run in parallel, up to release.workers
+                from .release_worker import ReleaseWorker
+                worker = ReleaseWorker(int(self.cfg["release"]["workers"]))
+                for agg in self.aggs.values():
+                    if agg.async_releases():
+                        agg.worker = worker
             for name, agg in self.aggs.items():
                 with _about(name):
                     agg._lock()
@@ -363,6 +375,8 @@ class MultiAggregator:
         except Stopping:
             log.info("stopped while waiting; the open windows are replayed at the next start")
         finally:
+            if worker is not None:
+                worker.close()
             for agg in started:
                 self._each(agg.aggregation["name"], agg.close)
             self.source.close()

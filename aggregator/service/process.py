@@ -27,7 +27,9 @@ The checkpoint commit is one numbered sequence (:meth:`Aggregator.commit`):
 
 from __future__ import annotations
 
+import copy
 import fcntl
+from concurrent.futures import TimeoutError as FuturesTimeout
 import json
 import logging
 import math
@@ -389,6 +391,13 @@ class Aggregator(EventTimeWindows):
         self._init_event_time()
         self._commit_backoff = _Backoff("checkpoint")
         self._anchor_note_logged = False
+        #: the release worker (aggregator.service.release_worker): None releases in the loop;
+        #: several aggregations share one (set before start)
+        self.worker = None
+        self._owns_worker = False
+        #: (window, started, ended) of each release the worker computed (wall clock; kept in
+        #: the process for latency figures, never in a document)
+        self.release_runs: list[tuple[int, float, float]] = []
         self.metrics.epsilon.set(self.epsilon)
 
     # -- noise sources -------------------------------------------------------------------------
@@ -466,7 +475,8 @@ class Aggregator(EventTimeWindows):
             raise
         for entry in deferred:
             self._ledger_append(**entry)
-        if task.durable is None or task.durable.window.get("uid") != task.window.get("uid"):
+        moved = task.durable is None or task.durable.window.get("uid") != task.window.get("uid")
+        if moved and not task.queue and task.close_at is None:
             self.commit(task)  # from now on a missing checkpoint is a lost one
         self.source.seek(task.offsets)
         # the totals of the checkpoint, then every record after it once: exact after restarts
@@ -503,10 +513,16 @@ class Aggregator(EventTimeWindows):
         task.window.setdefault("start_offsets", dict(ckpt.offsets) if ckpt.state is None else {})
         task.window.setdefault("lineage", f"legacy-{(self.ledger.identity() or {}).get('run')}")
         task.durable, task.replay = ckpt, None
-        if self._skip_decided_window(task):
+        task.queue, task.inflight = [], []
+        if ckpt.unreleased:
+            self._queue_unreleased(task, ckpt)
+        elif self._skip_decided_window(task):
+            task.window_start = {"offsets": dict(task.offsets),
+                                 "totals": copy.deepcopy(task.totals)}
             if commit:
                 self.commit(task)
             return
+        task.window_start = {"offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals)}
         if ckpt.state is None:
             task.state = self._new_state(task, task.window["id"])
         else:
@@ -515,7 +531,8 @@ class Aggregator(EventTimeWindows):
                                              size=self._expected_size(task))
             # the restored memory must not equal the file plus exact increments
             task.state.rerandomize(rng=self._rng(3, task.window["id"], ckpt.seq))
-        self._replay_target(task)
+        if task.close_at is None:
+            self._replay_target(task)
         # what the restart costs (docs/privacy.md, R3): the events counted after this checkpoint
         # before the stop are counted again under fresh noise
         self._ledger_append(entry_id=f"restart-{os.urandom(6).hex()}", kind="restart",
@@ -528,6 +545,37 @@ class Aggregator(EventTimeWindows):
                  "window's later events are replayed from the source under fresh noise",
                  ckpt.seq, task.name, task.window["id"], len(task.offsets),
                  " and a layered snapshot" if ckpt.state is not None else "")
+
+    def _queue_unreleased(self, task: WindowTask, ckpt) -> None:
+        """The checkpoint lists closed windows whose release was not ledgered when it was
+        written (releases beside the loop): replay each from its start to its recorded end and
+        close it, then the open window. Those the ledger holds by now are not replayed: the
+        replay starts at the end of the last of them."""
+        queue = [dict(u) for u in ckpt.unreleased] + [{"window": dict(ckpt.window),
+                                                       "end_offsets": None}]
+        while len(queue) > 1:
+            uid = queue[0]["window"]["uid"]
+            entry = self.ledger.get(f"release-{uid}") or self.ledger.get(f"refused-{uid}")
+            if entry is None:
+                break
+            if entry["kind"] == "release" and entry["document"] not in task.pending:
+                task.pending.append(entry["document"])
+            head = queue.pop(0)
+            task.offsets = dict(task.offsets, **{p: int(o) for p, o in
+                                                  head["end_offsets"].items()})
+            totals = head["totals"]
+            task.totals = {"events": int(totals.get("events", 0)),
+                           "rejects": dict(totals.get("rejects", {})),
+                           "filtered": int(totals.get("filtered", 0))}
+        first = queue.pop(0)
+        task.window = dict(first["window"], events=0)
+        task.close_at = ({p: int(o) for p, o in first["end_offsets"].items()}
+                         if first.get("end_offsets") is not None else None)
+        task.queue = queue
+        closed = (task.close_at is not None) + sum(q.get("end_offsets") is not None
+                                                    for q in queue)
+        log.info("%d closed window(s) of %s were not released when the service stopped: each "
+                 "is replayed from the source and released once", closed, task.name)
 
     def _skip_decided_window(self, task: WindowTask) -> bool:
         """If the ledger already holds the restored window's release (or refusal) with its end
@@ -641,6 +689,7 @@ class Aggregator(EventTimeWindows):
             at = ("after the last released position (" + ", ".join(
                 f"{k} at {v}" for k, v in sorted(later.items())) + f"), not at {at}")
         task.window.update(lineage=os.urandom(8).hex(), start_offsets=dict(task.offsets))
+        task.window_start = {"offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals)}
         if released:
             self._start_append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
                                 window=first, resume_offsets=dict(floor, **task.offsets),
@@ -772,6 +821,10 @@ class Aggregator(EventTimeWindows):
         """Restore the checkpoint, seek the source, publish what a crash left pending."""
         self.restore()
         self.save_effective_config()
+        if self.worker is None and self.async_releases():
+            from .release_worker import ReleaseWorker
+            self.worker = ReleaseWorker(int(self.cfg["release"]["workers"]))
+            self._owns_worker = True
         self._ledger_composition()
         self.log_accuracy_plan()
         self._publish_pending(self.task)
@@ -806,6 +859,8 @@ class Aggregator(EventTimeWindows):
         if self.cfg["window"]["kind"] == "event_time":
             self._event_time_turn(self.task)
         self._maybe_snapshot(self.task)
+        if self.task.inflight:
+            self._collect_releases(self.task)
         self._handle_control()
         if self.task.pending:
             self._publish_pending(self.task)
@@ -823,6 +878,8 @@ class Aggregator(EventTimeWindows):
 
     def finish(self) -> None:
         """Publish what is pending; a run must not end looking successful if it could not."""
+        if self.task.inflight:  # a finite run's last windows: wait for their releases
+            self._collect_releases(self.task, wait=True)
         if self.task.pending:
             self._publish_backoff.next_try = 0.0
             self._publish_pending(self.task)
@@ -886,6 +943,9 @@ class Aggregator(EventTimeWindows):
                                    f"{self.cfg['source']['bootstrap']} reachable?")
 
     def close(self) -> None:
+        if self.worker is not None and self._owns_worker:
+            self.worker.close()  # releases not collected are replayed at the next start
+            self.worker = None
         if self.dead_letters is not None:
             self.dead_letters.close()
         if self._producer is not None:
@@ -1153,8 +1213,20 @@ class Aggregator(EventTimeWindows):
                     raise Stopping()
 
     # -- window close and release --------------------------------------------------------------
+    def async_releases(self) -> bool:
+        """Whether releases run beside the loop (``release.workers`` > 0) for this service:
+        count and time windows of one process without in-window snapshots; event-time windows,
+        snapshots and scale-out release in the loop (docs/configuration.md)."""
+        return (int(self.cfg["release"].get("workers", 0)) > 0 and not self.partitioned
+                and self.cfg["window"]["kind"] in ("count", "time")
+                and not self.snapshots_per_window)
+
     def close_window(self) -> dict | None:
-        """Release the current window (if the budget allows) and start the next one, durably."""
+        """Release the current window (if the budget allows) and start the next one, durably.
+        With a release worker, the release is computed beside the loop and collected later in
+        window order (:meth:`_collect_releases`); the return value is then ``{"window": id}``."""
+        if self.worker is not None:
+            return self._close_async(self.task)
         task = self.task
         t0 = time.perf_counter()
         closing = dict(task.window, ended_unix=time.time())
@@ -1162,12 +1234,19 @@ class Aggregator(EventTimeWindows):
         release = self._ledgered_release(task, closing)
         if release is not None:
             task.pending.append(json.dumps(release, allow_nan=False))
+        if task.queue:  # after a restart: the next closed window to replay, or the open one
+            self._open_next(task, closing)
+            if not task.queue and task.close_at is None:
+                self.commit(task)
+            self._publish_pending(task)
+            return release
         task.close_at = None
         task.window = self._new_window(task, wid + 1)
         # where the next window's records start (an event-time second window: where its
         # replay starts), and the chain of checkpoints it belongs to
         task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
             (task.replay or {}).get("offsets") or task.offsets))
+        task.window_start = {"offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals)}
         carried = self._carried_state()  # event_time: the second window, counting already
         task.state = carried if carried is not None else self._new_state(task, wid + 1)
         self.metrics.window_id.set(wid + 1)
@@ -1179,6 +1258,148 @@ class Aggregator(EventTimeWindows):
         self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
         log.debug("closed window %s (uid %s)", wid, uid)
         return release
+
+    # -- releases beside the loop ---------------------------------------------------------------
+    def _close_async(self, task: WindowTask) -> dict:
+        """Close the window: ledger check over its source ranges (before any release noise),
+        hand the closed state to the worker, start the next window at once."""
+        closing = dict(task.window, ended_unix=time.time())
+        wid, uid = closing["id"], closing["uid"]
+        ranges, charge = self.window_ranges(task, closing), self._charge_of(closing)
+        entry = self.ledger.get(f"release-{uid}")
+        start = (task.window_start or {"offsets": dict(task.offsets),
+                                       "totals": copy.deepcopy(task.totals)})
+        if entry is not None:  # decided before a restart (never replayed: kept for safety)
+            if entry["document"] not in task.pending:
+                task.pending.append(entry["document"])
+        elif self._budget_allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
+                                 task=task, in_flight=task.inflight):
+            self._wait_for_room(task)
+            future = self.worker.submit(
+                task.state, model=self.model, loss=self.loss, window=wid, rng=self._rng(1, wid),
+                error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
+                method=release_method(self.cfg))
+            task.inflight.append({"window": closing, "start": start, "ranges": ranges,
+                                  "charge": charge, "end_offsets": dict(task.offsets),
+                                  "totals": copy.deepcopy(task.totals), "future": future})
+            _fault("release-submitted")
+        self._open_next(task, closing)
+        self.metrics.release_queue.set(len(task.inflight))
+        if not task.queue and task.close_at is None:
+            self.commit_position(task)
+        log.debug("closed window %s (uid %s)", wid, uid)
+        return {"window": wid}
+
+    def _open_next(self, task: WindowTask, closing: dict) -> None:
+        """The window after ``closing``: the next one a restart still has to replay, or a new
+        one starting here."""
+        wid = closing["id"]
+        task.close_at = None
+        task.state = None  # the closed counters now live in the worker only
+        if task.queue:
+            nxt = task.queue.pop(0)
+            task.window = dict(nxt["window"], events=0)
+            if nxt.get("end_offsets") is not None:
+                task.close_at = {p: int(o) for p, o in nxt["end_offsets"].items()}
+        else:
+            task.window = self._new_window(task, wid + 1)
+            task.window.update(lineage=closing.get("lineage"), start_offsets=dict(task.offsets))
+        task.window_start = {"offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals)}
+        task.state = self._new_state(task, task.window["id"])
+        if task.close_at is None:
+            self._replay_target(task)  # a time window that ended while the service was down
+        self.metrics.window_id.set(task.window["id"])
+        self.metrics.window_events.set(0)
+        self.metrics.window_progress.set(0)
+
+    def _wait_for_room(self, task: WindowTask) -> None:
+        """Backpressure: at ``release.max_in_flight`` closed windows waiting for their release,
+        intake pauses (one line, ``panagg_intake_paused``) until the oldest is released."""
+        limit = int(self.cfg["release"].get("max_in_flight", 2))
+        if len(task.inflight) < limit:
+            return
+        log.warning("the release path is behind (%d closed windows waiting, "
+                    "release.max_in_flight = %d): intake pauses until window %s is released",
+                    len(task.inflight), limit, task.inflight[0]["window"]["id"])
+        self.metrics.intake_paused.set(1)
+        while len(task.inflight) >= limit:
+            try:
+                task.inflight[0]["future"].exception(timeout=0.5)
+            except FuturesTimeout:  # meanwhile: true lag, health, a stop request
+                self.metrics.heartbeat()
+                self._update_lag(now=True)
+                if self.stop_event.is_set():
+                    raise Stopping() from None
+                continue
+            self._collect_releases(task, commit=False)
+        self.metrics.intake_paused.set(0)
+
+    def _collect_releases(self, task: WindowTask, *, wait: bool = False,
+                          commit: bool = True) -> int:
+        """Ledger, checkpoint and publish the worker's finished releases in window order (with
+        ``wait``: every one in flight). Returns how many were collected."""
+        done = 0
+        while task.inflight and (wait or task.inflight[0]["future"].done()):
+            job = task.inflight[0]
+            try:
+                release, started, ended = job["future"].result()
+            except Exception as exc:
+                raise ServiceError(f"the release of window {job['window']['id']} failed in the "
+                                   f"release worker ({type(exc).__name__}: {exc}); it is "
+                                   "replayed and released at the next start") from None
+            closing = job["window"]
+            self._annotate(release, closing)
+            if job["charge"] > 0:
+                warn_if_below_noise(release)
+            else:
+                log.info("window %s had no events: released at epsilon 0 (it holds only noise)",
+                         closing["id"])
+            doc = json.dumps(release, allow_nan=False)
+            self.ledger.append(entry_id=f"release-{closing['uid']}", kind="release",
+                               window=closing["id"], window_uid=closing["uid"],
+                               epsilon_spent=job["charge"], model=self.model, document=doc,
+                               **self._position_fields_of(closing, job["ranges"],
+                                                          job["end_offsets"], job["totals"]))
+            _fault("release-ledgered")
+            task.pending.append(doc)
+            task.inflight.pop(0)
+            self.release_runs.append((closing["id"], started, ended))
+            self.metrics.release_duration.observe(ended - started)
+            self.metrics.release_latency.observe(max(0.0, time.time() - closing["ended_unix"]))
+            done += 1
+        if done:
+            self.metrics.release_queue.set(len(task.inflight))
+            self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
+            if commit and not task.queue and task.close_at is None:
+                self.commit_position(task)
+                self._publish_pending(task)
+        return done
+
+    def commit_position(self, task: WindowTask) -> None:
+        """A checkpoint while windows are in flight or the open window counts: the replay
+        starts at the first unreleased window (or the open window's start), and the closed,
+        unreleased windows are listed with their ends (the commit sequence of
+        :meth:`commit` without a snapshot)."""
+        self._wait_for(self._flush_dead_letters, "dead letters")
+        record = task.record_position()
+        record.ledger_head = self.ledger.head()
+        self._wait_for(lambda: self._save(task, record), "checkpoint")
+        self.source.commit(record.offsets, self._kafka_anchor())
+
+    def _annotate(self, release: dict, closing: dict) -> None:
+        """What the service adds to a release document: the window, what was counted, which
+        aggregation."""
+        release["window_info"] = {k: closing[k] for k in
+                                  ("kind", "size", "events", "started_unix", "ended_unix")}
+        if closing["kind"] == "event_time":
+            release["window_info"].update(
+                {k: closing.get(k) for k in ("event_start_unix", "event_end_unix", "late")},
+                late_policy=self.cfg["window"]["late"],
+                allowed_lateness_s=self.cfg["window"]["allowed_lateness_s"])
+        release["counted"] = {"stream": identity_of(self.cfg)["stream"],
+                              "item": item_identity(self.cfg)}
+        if self.aggregation:
+            release["aggregation"] = dict(self.aggregation, epsilon=self.epsilon)
 
     def window_ranges(self, task: WindowTask, window: dict | None = None) -> dict:
         """The source positions ``[start, end)`` per partition the window covers (what its
@@ -1220,17 +1441,7 @@ class Aggregator(EventTimeWindows):
             warn_if_below_noise(release)
         else:
             log.info("window %s had no events: released at epsilon 0 (it holds only noise)", wid)
-        release["window_info"] = {k: closing[k] for k in
-                                  ("kind", "size", "events", "started_unix", "ended_unix")}
-        if closing["kind"] == "event_time":  # the window's event-time bounds and late records
-            release["window_info"].update(
-                {k: closing.get(k) for k in ("event_start_unix", "event_end_unix", "late")},
-                late_policy=self.cfg["window"]["late"],
-                allowed_lateness_s=self.cfg["window"]["allowed_lateness_s"])
-        release["counted"] = {"stream": identity_of(self.cfg)["stream"],
-                              "item": item_identity(self.cfg)}
-        if self.aggregation:  # which of the stream's aggregations, and the composition
-            release["aggregation"] = dict(self.aggregation, epsilon=self.epsilon)
+        self._annotate(release, closing)
         doc = json.dumps(release, allow_nan=False)
         self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid,
                             window_uid=uid, epsilon_spent=charge, model=self.model,
@@ -1238,19 +1449,23 @@ class Aggregator(EventTimeWindows):
         return release
 
     def _position_fields(self, task: WindowTask, closing: dict, ranges: dict) -> dict:
+        return self._position_fields_of(closing, ranges, task.offsets, task.totals)
+
+    def _position_fields_of(self, closing: dict, ranges: dict, end_offsets: dict,
+                            totals: dict) -> dict:
         """What a release or refusal records of the source: the ranges it covers, the end a
         restart resumes at, the totals there, and whose chain of checkpoints it is."""
-        return {"ranges": ranges, "end_offsets": dict(task.offsets),
-                "totals": {"events": int(task.totals["events"]),
-                           "rejects": dict(task.totals["rejects"]),
-                           "filtered": int(task.totals.get("filtered", 0))},
+        return {"ranges": ranges, "end_offsets": dict(end_offsets),
+                "totals": {"events": int(totals["events"]),
+                           "rejects": dict(totals["rejects"]),
+                           "filtered": int(totals.get("filtered", 0))},
                 "stream": identity_of(self.cfg)["stream"], "aggregation": self.anchor_name,
                 "lineage": closing.get("lineage"), "window_kind": closing.get("kind"),
                 "n": int(closing.get("events", 0))}
 
     def _budget_allows(self, uid: str, wid: int, *, ranges: dict | None = None,
                        charge: float | None = None, closing: dict | None = None,
-                       task: WindowTask | None = None) -> bool:
+                       task: WindowTask | None = None, in_flight=()) -> bool:
         """The ledger's answer for window ``uid`` (covering the source ``ranges``) before any
         release noise is drawn; a refusal is ledgered with its ranges (so every process and
         restart gets the same answer, and a restart does not replay the refused window)."""
@@ -1258,10 +1473,15 @@ class Aggregator(EventTimeWindows):
             return False
         charge = self.epsilon if charge is None else charge
         try:
+            # windows handed to the worker are charged as if ledgered (their entries follow)
+            flying = [{"kind": "release", "epsilon_spent": j["charge"], "ranges": j["ranges"],
+                       "lineage": j["window"].get("lineage"),
+                       "window_kind": j["window"].get("kind")} for j in in_flight]
             self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
                                       lineage=(closing or {}).get("lineage"),
                                       window_kind=(closing or {}).get("kind"),
-                                      others=self._other_charges() if ranges else ())
+                                      others=[*self._other_charges(), *flying] if ranges
+                                      else (), pending=sum(j["charge"] for j in in_flight))
         except BudgetExceeded as exc:
             log.error("%s", exc)
             self.metrics.releases_refused.inc()
@@ -1325,6 +1545,8 @@ class Aggregator(EventTimeWindows):
                 f"an audit export while two event-time windows are live is not built (window "
                 f"{self.task.window['id']} is open within window.allowed_lateness_s while the "
                 "next one counts already); request it again once that window has closed")
+        if self.task.inflight:  # the export's checkpoint holds no list of unreleased windows
+            self._collect_releases(self.task, wait=True)
         self._export_seq += 1
         export_id = export_id or f"{int(time.time())}-{self.task.window['id']}-{self._export_seq}"
         return self._export_task(self.task, export_id, key)
@@ -1381,11 +1603,20 @@ class Aggregator(EventTimeWindows):
             done.write_text(json.dumps(result))
             req.unlink(missing_ok=True)
 
-    def _update_lag(self) -> None:
-        now = time.monotonic()
-        if now - self._last_lag < 5.0:
+    def _update_lag(self, now: bool = False) -> None:
+        """Lag and broker state every 5 s (``now``: at once, from the broker's end offsets, for
+        a loop that is not polling)."""
+        if now:
+            probe = getattr(self.source, "lag_now", None)
+            lag = probe(self._positions()) if probe else None
+            for part, value in (lag or {}).items():
+                if self._reports_lag_of(part):
+                    self.metrics.lag.labels(partition=part).set(value)
             return
-        self._last_lag = now
+        now_t = time.monotonic()
+        if now_t - self._last_lag < 5.0:
+            return
+        self._last_lag = now_t
         probe = getattr(self.source, "connected", None)
         state = probe() if probe else None
         if state is not None:

@@ -74,6 +74,16 @@ class WindowTask:
         #: replay target: close the window once the offsets reach these (a time window whose
         #: end passed while the process was down, or a window the ledger already released)
         self.close_at: dict[str, int] | None = None
+        #: closed windows handed to the release worker, in window order: each {"window",
+        #: "start" ({"offsets", "totals"} of the checkpoint that started it), "end_offsets",
+        #: "totals" (at its end), "ranges", "charge", "future"}; their counters are in memory only
+        self.inflight: list[dict] = []
+        #: after a restart: closed, unreleased windows still to replay (and, last, the open
+        #: window), each {"window", "end_offsets", "totals"} (the open one: no end)
+        self.queue: list[dict] = []
+        #: where the open window starts ({"offsets", "totals"}): what a checkpoint taken while
+        #: it counts (a release collected meanwhile) records as its start
+        self.window_start: dict | None = None
         #: a window that started with events counted already (an event-time window that was the
         #: second live one): ``{"offsets": ..., "events": n}``, where a checkpoint that starts it
         #: must replay those n events from (it holds no counters); None otherwise
@@ -116,9 +126,24 @@ class WindowTask:
         return Checkpoint(state=snapshot, window=window, offsets=offsets,
                           pending=list(self.pending), totals=totals)
 
+    def record_position(self) -> Checkpoint:
+        """The checkpoint while closed windows wait for their release or the open window has
+        counted events (releases beside the loop): no counters; the replay starts where the
+        first unreleased window (or else the open window) starts, and the closed, unreleased
+        windows are listed with their ends, so a restart replays and closes each of them."""
+        start = self.inflight[0]["start"] if self.inflight else self.window_start
+        window = copy.deepcopy(self.window)
+        window["events"] = 0
+        unreleased = [{"window": j["window"], "end_offsets": dict(j["end_offsets"]),
+                       "totals": copy.deepcopy(j["totals"])} for j in self.inflight]
+        return Checkpoint(state=None, window=window, offsets=dict(start["offsets"]),
+                          pending=list(self.pending), totals=copy.deepcopy(start["totals"]),
+                          unreleased=unreleased)
+
     def rewrite_pending(self) -> Checkpoint:
         """The last durable checkpoint with the current pending list: no new view of the state
         (same counters or none, same offsets), only the publishing progress changes."""
         d = self.durable
         return Checkpoint(state=d.state, window=d.window, offsets=d.offsets,
-                          pending=list(self.pending), totals=d.totals)
+                          pending=list(self.pending), totals=d.totals,
+                          unreleased=list(d.unreleased))

@@ -1,0 +1,91 @@
+"""The release worker: estimates and error bars beside the consume loop, never in it.
+
+At a window's close the loop checks the ledger (before any release noise), hands the closed
+window's noisy state to :class:`ReleaseWorker` and goes straight on counting the next window.
+The worker is a pool of processes (``release.workers``), so numpy/EM work does not hold the
+loop's GIL; several aggregations share one pool and release in parallel. The loop collects the
+results in window order: the document is ledgered with its source ranges, checkpointed and
+published there (aggregator.service.process).
+
+What the worker holds. The closed window's counters (the state as it was at the close) and,
+once drawn, its release layer: memory only, never a file. After a crash the checkpoint lists
+the closed, unreleased windows with where each starts and ends in the source, and they are
+replayed under fresh noise (docs/privacy.md section 16, "Releases beside the loop").
+
+Test hook: with ``PANAGG_TESTING=1``, ``PANAGG_TEST_RELEASE_DELAY_S`` makes every release take
+that much longer (a slow release on a small domain).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+
+__all__ = ["ReleaseWorker", "compute_release"]
+
+log = logging.getLogger("panagg.service")
+
+
+def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar_reps: int,
+                    method: str | None) -> tuple[dict, float, float]:
+    """The release of ``state`` (in a worker process): the document, and when it started and
+    ended there (for the in-process overlap and latency figures; never in the document)."""
+    from ..release import make_release
+
+    started = time.time()
+    delay = os.environ.get("PANAGG_TEST_RELEASE_DELAY_S")
+    if delay and os.environ.get("PANAGG_TESTING") == "1":
+        time.sleep(float(delay))
+    doc = make_release(state, model=model, loss=loss, window=window, rng=rng,
+                       error_bar_reps=error_bar_reps, method=method)
+    return doc, started, time.time()
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker never outlives the loop (a kill -9 of the service): Linux's parent-death
+    signal, and a check that the parent is still the one that started it."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the pool's own end-of-parent handling remains
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _warm() -> bool:
+    """Import what a release needs before the first window closes (scipy.stats alone ~0.6 s)."""
+    from .. import intervals, release  # noqa: F401
+    import scipy.stats  # noqa: F401
+    return True
+
+
+class ReleaseWorker:
+    """A pool of ``workers`` processes computing releases.
+
+    Parameters
+    ----------
+    workers
+        Processes in the pool (``release.workers``). Each takes up to one core while a release
+        runs; on a 2-core machine 1 leaves the other core to the consume loop.
+    """
+
+    def __init__(self, workers: int):
+        self.workers = int(workers)
+        # spawn: a child that inherits nothing of the loop (no Kafka client threads, no state)
+        self._pool = ProcessPoolExecutor(max_workers=self.workers,
+                                         mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_die_with_parent,
+                                         initargs=(os.getpid(),))
+        self._pool.submit(_warm)
+
+    def submit(self, state, **kwargs) -> Future:
+        return self._pool.submit(compute_release, state, **kwargs)
+
+    def close(self) -> None:
+        """Stop at once: releases not collected are replayed from the source at the next start."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,100 @@
+"""Releases beside the loop on a real broker, with a producer running: a release made to take
+longer than a window does not stop intake, windows close on the clock, every window's n equals
+its source range, and with backpressure (release.max_in_flight = 1) the lag gauge grows while
+intake waits and comes back to 0."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import msgpack
+from kafka import KafkaProducer
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.test_service_kafka import D, env, make_topic, service_args
+
+
+def _producer(bootstrap, topic, rate, seconds, stop):
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, acks="all")
+    t0, sent = time.monotonic(), 0
+    while not stop.is_set() and time.monotonic() - t0 < seconds:
+        due = int((time.monotonic() - t0) * rate)
+        for _ in range(due - sent):
+            producer.send(topic, value=msgpack.packb({"item": sent % D}))
+            sent += 1
+        time.sleep(0.01)
+    producer.flush()
+    producer.close()
+
+
+def _scrape(url):
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_path):
+    topic = make_topic(kafka_broker, partitions=1)
+    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "6",
+                        "--set", "window.kind=time", "--set", "release.max_in_flight=1",
+                        "--set", "release.error_bar_reps=0")
+    args[args.index("window.size=100000000")] = "window.size=2"
+    args[args.index("--metrics-port") + 1] = "0"
+    stop = threading.Event()
+    producing = threading.Thread(target=_producer, args=(kafka_broker, topic, 1500, 14, stop))
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
+                            env=dict(env(), PANAGG_TEST_RELEASE_DELAY_S="3"),
+                            stderr=subprocess.PIPE, text=True)
+    log = []
+    try:
+        url = None
+        deadline = time.time() + 60
+        while url is None and time.time() < deadline:
+            line = proc.stderr.readline()
+            log.append(line)
+            if line.startswith("metrics on "):
+                url = line.split()[-1]
+        assert url, "".join(log)[-3000:]
+        reader = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
+        reader.start()
+        producing.start()
+        samples = []
+        while proc.poll() is None:
+            try:
+                samples.append(_scrape(url))
+            except OSError:
+                break
+            time.sleep(0.3)
+        assert proc.wait(timeout=120) == 0, "".join(log)[-3000:]
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+    producing.join(timeout=30)
+    # intake went on while a release ran: events counted between two scrapes with a window
+    # waiting for its release
+    grew = [b["panagg_events_total"] - a["panagg_events_total"] for a, b in
+            zip(samples, samples[1:]) if a.get("panagg_release_queue", 0) > 0]
+    assert sum(grew) > 0
+    # backpressure: intake waited for a release (one line), the lag gauge grew and came back
+    assert any("the release path is behind" in line for line in log)
+    lags = [s.get("panagg_consumer_lag_records", 0.0) for s in samples]
+    assert max(lags) > 0 and lags[-1] == 0, lags
+    entries = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text()
+               .splitlines()]
+    releases = [e for e in entries if e["kind"] == "release"]
+    assert len(releases) >= 4
+    for e in releases:  # every window's n is exactly its source range (no rejects here)
+        lo, hi = e["ranges"].get(f"{topic}:0", [0, 0])  # an empty window covers nothing
+        assert e["n"] == hi - lo
+    # windows close on the clock, not when the previous (3 s) release is done: a window that
+    # waited for a release would be at least 3 s long
+    lengths = [json.loads(e["document"])["window_info"]["ended_unix"]
+               - json.loads(e["document"])["window_info"]["started_unix"] for e in releases[:-1]]
+    assert min(lengths) < 3.0, lengths

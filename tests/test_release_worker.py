@@ -1,0 +1,115 @@
+"""Releases beside the loop (aggregator.service.release_worker): intake goes on while a release
+runs, every window's release is exact and published once in window order, a kill -9 with closed
+windows waiting for their release replays and releases each exactly once, several aggregations
+release in parallel, and the ledger's charges stay per event."""
+
+import json
+
+import numpy as np
+import pytest
+
+from aggregator.service import Aggregator
+from aggregator.service.multi import MultiAggregator
+from consumers.file_source import FileSource
+from tests.test_service import (D, SEED, cfg_for, cli_sets, durable, expected_release,
+                                ledger_entries, run_cli, write_events)
+
+DELAY = "1.5"
+
+
+@pytest.fixture(autouse=True)
+def testing_env(monkeypatch):
+    monkeypatch.setenv("PANAGG_TESTING", "1")
+
+
+def _releases(tmp_path):
+    return {json.loads(p.read_text())["window"]: json.loads(p.read_text())
+            for p in (tmp_path / "releases").glob("release-*.json")}
+
+
+def test_intake_goes_on_while_a_release_runs_and_every_release_is_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("PANAGG_TEST_RELEASE_DELAY_S", DELAY)  # inherited by the worker
+    items = np.random.default_rng(31).integers(0, D, 3000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "release.workers": 1,
+                                     "source.max_records": 100})
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=100, progress=False))
+    counted_while_releasing = []
+    count = agg._count
+
+    def probe(state, batch):  # how many windows wait for their release as events are counted
+        counted_while_releasing.append((len(agg.task.inflight), len(batch)))
+        return count(state, batch)
+
+    agg._count = probe
+    agg.run()
+    during = sum(n for waiting, n in counted_while_releasing if waiting)
+    assert during >= 1000  # a whole window counted while the previous release ran
+    docs = _releases(tmp_path)
+    assert sorted(docs) == [0, 1, 2]
+    for w in range(3):  # the worker's release of exactly the window's events
+        assert docs[w]["n"] == 1000
+        assert docs[w]["histogram"] == expected_release(items[w * 1000:(w + 1) * 1000],
+                                                        w)["histogram"]
+    releases = [e for e in ledger_entries(tmp_path) if e["kind"] == "release"]
+    assert [e["window"] for e in releases] == [0, 1, 2]  # ledgered in window order
+    assert [e["ranges"][f"file:{path.name}"] for e in releases] == [[0, 1000], [1000, 2000],
+                                                                    [2000, 3000]]
+    ckpt = durable(tmp_path)
+    assert ckpt.unreleased == [] and ckpt.pending == [] and ckpt.window["id"] == 3
+
+
+@pytest.mark.parametrize("fault, replayed", [
+    ("release-submitted:2", [0, 1]),   # windows 0 and 1 closed, neither released
+    ("release-ledgered:1", [1]),       # window 0 ledgered, its checkpoint not yet written
+])
+def test_kill_with_closed_unreleased_windows_releases_each_once(tmp_path, fault, replayed):
+    items = np.random.default_rng(32).integers(0, D, 3500)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    args = cli_sets(tmp_path, path, **{"window.size": 1000, "release.on_exhausted": "false",
+                                       "release.workers": 1})
+    first = run_cli(args, {"PANAGG_TEST_FAULT": fault, "PANAGG_TEST_RELEASE_DELAY_S": DELAY})
+    assert first.returncode == -9, first.stderr[-2000:]
+    ckpt = durable(tmp_path)
+    assert ckpt.unreleased and ckpt.unreleased[0]["window"]["id"] == 0
+    second = run_cli(args)
+    assert second.returncode == 0, second.stderr[-2000:]
+    docs = _releases(tmp_path)
+    assert sorted(docs) == [0, 1, 2]
+    for w in range(3):  # exact n, the events of exactly its range, published once
+        assert docs[w]["n"] == 1000
+        assert docs[w]["histogram"] == expected_release(items[w * 1000:(w + 1) * 1000],
+                                                        w)["histogram"]
+    entries = ledger_entries(tmp_path)
+    assert [e["window"] for e in entries if e["kind"] == "release"] == [0, 1, 2]
+    restarted = [e for e in entries if e["kind"] == "restart"]
+    assert restarted and restarted[0]["window"] == replayed[0]
+    assert "replayed from the source and released once" in second.stderr
+    ckpt = durable(tmp_path)
+    assert ckpt.unreleased == [] and ckpt.window["id"] == 3 and ckpt.pending == []
+
+
+def test_several_aggregations_release_in_parallel(tmp_path, monkeypatch):
+    monkeypatch.setenv("PANAGG_TEST_RELEASE_DELAY_S", DELAY)
+    items = np.random.default_rng(33).integers(0, D, 1000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    from aggregator.service.config import load_config
+    sets = ["source.kind=file", f"source.path={path}", "source.format=json", "window.kind=count",
+            "window.size=1000", f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}", "metrics.port=-1", "release.workers=2",
+            "ledger.budget_per_event=1.0", f"testing.noise_seed={SEED}"]
+    for name in ("a", "b"):
+        sets += [f"aggregations.{name}.item.field=item",
+                 f"aggregations.{name}.state.domain_size={D}",
+                 f"aggregations.{name}.state.epsilon=0.5"]
+    multi = MultiAggregator(load_config(None, sets), FileSource(str(path), "json"))
+    multi.run()
+    (_, a0, a1), = multi.aggs["a"].release_runs
+    (_, b0, b1), = multi.aggs["b"].release_runs
+    assert a0 < b1 and b0 < a1  # the two releases ran at the same time
+    for name in ("a", "b"):
+        doc = json.loads((tmp_path / "releases" / name / "release-0.json").read_text())
+        assert doc["n"] == 1000
