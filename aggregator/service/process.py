@@ -1013,6 +1013,10 @@ class Aggregator(EventTimeWindows):
         j = rec = 0  # next item to count; records before ``rec`` are accounted for
         while True:
             target = task.close_at.get(seg.partition) if task.close_at else None
+            if task.close_at and target is None and not self.aggregation:
+                # a replayed window counted nothing of this partition (it was first read in a
+                # later window): hold it where it is until the window closes
+                target = int(offsets[0])
             rec_limit = m if target is None else int(np.searchsorted(offsets, target))
             take = max(0, int(np.searchsorted(good_idx, rec_limit)) - j)
             room = task.room()
@@ -1215,9 +1219,12 @@ class Aggregator(EventTimeWindows):
     # -- window close and release --------------------------------------------------------------
     def async_releases(self) -> bool:
         """Whether releases run beside the loop (``release.workers`` > 0) for this service:
-        count and time windows of one process without in-window snapshots; event-time windows,
-        snapshots and scale-out release in the loop (docs/configuration.md)."""
+        count and time windows of one aggregation without in-window snapshots; event-time
+        windows, snapshots, several aggregations and scale-out release in the loop
+        (docs/configuration.md)."""
         return (int(self.cfg["release"].get("workers", 0)) > 0 and not self.partitioned
+                and not self.aggregation  # several aggregations: replaying several closed
+                # windows through the shared consumer's holds can stall it (not built yet)
                 and self.cfg["window"]["kind"] in ("count", "time")
                 and not self.snapshots_per_window)
 

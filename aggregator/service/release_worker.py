@@ -3,7 +3,7 @@
 At a window's close the loop checks the ledger (before any release noise), hands the closed
 window's noisy state to :class:`ReleaseWorker` and goes straight on counting the next window.
 The worker is a pool of processes (``release.workers``), so numpy/EM work does not hold the
-loop's GIL; several aggregations share one pool and release in parallel. The loop collects the
+loop's GIL (several aggregations and scale-out still release in the loop). The loop collects the
 results in window order: the document is ledgered with its source ranges, checkpointed and
 published there (aggregator.service.process).
 
