@@ -44,6 +44,7 @@ from scipy import stats
 from aggregator import noise as noise_mod
 from aggregator.noise import OSEntropy, discrete_laplace, discrete_laplace_pmf, p_from_epsilon
 from aggregator.state import SNAPSHOT_FIELDS, PanPrivateHistogram
+from tests import lr_audit
 
 ALPHA = 1e-6   # family-wise false-failure probability of one audit
 L_SINGLE = 30  # one-dimensional events use values in [-L-1, L+1] (the ends are tail events)
@@ -113,22 +114,8 @@ def view_event_counts(views: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[s
     return np.concatenate(blocks), names
 
 
-def _cp_lower(k: np.ndarray, n: int, a: float) -> np.ndarray:
-    """One-sided Clopper-Pearson lower bounds (computed once per distinct count)."""
-    u, inv = np.unique(k, return_inverse=True)
-    out = np.zeros(len(u))
-    pos = u > 0
-    out[pos] = stats.beta.ppf(a, u[pos], n - u[pos] + 1)
-    return out[inv]
-
-
-def _cp_upper(k: np.ndarray, n: int, a: float) -> np.ndarray:
-    """One-sided Clopper-Pearson upper bounds (computed once per distinct count)."""
-    u, inv = np.unique(k, return_inverse=True)
-    out = np.ones(len(u))
-    below = u < n
-    out[below] = stats.beta.ppf(1 - a, u[below] + 1, n - u[below])
-    return out[inv]
+# one-sided Clopper-Pearson bounds: the audit module's (tests/lr_audit.py)
+_cp_lower, _cp_upper = lr_audit._cp_lower, lr_audit._cp_upper
 
 
 def _best_log_ratio(c_num, n_num, c_den, n_den, a) -> tuple[float, int]:
