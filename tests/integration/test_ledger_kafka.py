@@ -81,3 +81,42 @@ def test_fresh_start_on_kafka_never_releases_an_event_twice(kafka_broker, tmp_pa
     fresh = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text()
              .splitlines() if json.loads(x)["kind"] == "fresh-start"]
     assert len(fresh) == 1 and fresh[0]["resume_offsets"][part] >= 2000
+
+
+def test_a_renamed_aggregation_on_kafka_never_puts_an_event_over_budget(kafka_broker, tmp_path):
+    topic = make_topic(kafka_broker, partitions=1)
+    _produce(kafka_broker, topic, 2500, 5)
+
+    def args(names):
+        out = ["run", "--bootstrap", kafka_broker, "--topic", topic,
+               "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "releases"),
+               "--metrics-port", "-1", "--exit-when-idle", "3"]
+        sets = ["window.size=1000", "release.on_exhausted=false", f"source.group=g-{topic}",
+                "ledger.budget_per_event=1.5"]
+        eps = {"a": 1.0, "b": 0.5, "c": 1.0}
+        for name in names:
+            sets += [f"aggregations.{name}.item.field=item",
+                     f"aggregations.{name}.state.domain_size={D}",
+                     f"aggregations.{name}.state.epsilon={eps[name]}"]
+        for s in sets:
+            out += ["--set", s]
+        return out
+
+    first = run_service(args(["a", "b"]))
+    assert first.returncode == 0, first.stderr[-2000:]
+    refused = run_service(args(["c", "b"]))  # another set: refused unless accepted
+    assert refused.returncode == 2
+    renamed = run_service(args(["c", "b"]) + ["--accept-change"])
+    assert renamed.returncode == 0, renamed.stderr[-2000:]
+    part = f"{topic}:0"
+    charge = np.zeros(2500)
+    for name in ("a", "b", "c"):
+        path = tmp_path / "state" / name / "ledger.jsonl"
+        if not path.exists():
+            continue
+        for e in (json.loads(x) for x in path.read_text().splitlines()):
+            if e["kind"] == "release":
+                lo, hi = e["ranges"].get(part, [0, 0])
+                charge[lo:hi] += e["epsilon_spent"]
+    assert charge.max() <= 1.5  # a's 1 + b's 0.5: c never counted what a released
+    assert charge[:2000].min() == 1.5
