@@ -168,6 +168,18 @@ def test_fresh_start_never_releases_an_event_twice(tmp_path):
     assert covered.max() == 1  # each event in one release
 
 
+def charge_by_position(state_dir: Path, part: str, n: int) -> np.ndarray:
+    """Epsilon charged to each of the first ``n`` positions of ``part`` by the releases in
+    every aggregation's ledger under ``state_dir``."""
+    charge = np.zeros(n)
+    for led in sorted(state_dir.glob("*/ledger.jsonl")):
+        for e in (json.loads(x) for x in led.read_text().splitlines()):
+            if e["kind"] == "release":
+                lo, hi = e["ranges"].get(part, [0, 0])
+                charge[lo:hi] += e["epsilon_spent"]
+    return charge
+
+
 def _multi_sets(tmp_path, path, names):
     sets = ["source.kind=file", f"source.path={path}", "source.format=json",
             "source.max_records=500", "window.kind=count", "window.size=1000",
@@ -191,15 +203,7 @@ def test_renaming_an_aggregation_never_puts_an_event_over_budget_per_event(tmp_p
     # a (eps 1) renamed to c (eps 1): with b at 0.5, c may not count what a released (2.5 > 1.5)
     res = run_cli(_multi_sets(tmp_path, path, ["c", "b"]) + ["--accept-change"])
     assert res.returncode == 0, res.stderr
-    charge = np.zeros(2500)
-    for name in ("a", "b", "c"):
-        led = tmp_path / "state" / name / "ledger.jsonl"
-        if not led.exists():
-            continue
-        for e in (json.loads(x) for x in led.read_text().splitlines()):
-            if e["kind"] == "release":
-                lo, hi = e["ranges"][f"file:{path.name}"]
-                charge[lo:hi] += e["epsilon_spent"]
+    charge = charge_by_position(tmp_path / "state", f"file:{path.name}", 2500)
     assert charge.max() <= 1.5
     fresh = [json.loads(x) for x in (tmp_path / "state" / "c" / "ledger.jsonl").read_text()
              .splitlines()]

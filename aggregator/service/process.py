@@ -56,7 +56,7 @@ from .deadletter import DeadLetterError, DeadLetters
 from .event_time import EventTimeWindows
 from .ledger import BudgetExceeded, Ledger, LedgerError
 from .metrics import Metrics
-from .window import WindowTask, new_window
+from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
            "warn_if_below_noise", "accuracy_plan"]
@@ -503,9 +503,7 @@ class Aggregator(EventTimeWindows):
         self._check_not_rolled_back(ckpt.window, where)
         task.window, task.offsets = dict(ckpt.window), dict(ckpt.offsets)
         task.pending = list(ckpt.pending)
-        task.totals = {"events": int(ckpt.totals.get("events", 0)),
-                       "rejects": dict(ckpt.totals.get("rejects", {})),
-                       "filtered": int(ckpt.totals.get("filtered", 0))}
+        task.totals = totals_from(ckpt.totals)
         task.window.setdefault("uid", f"v1-{task.name}-{task.window['id']}")
         task.window.setdefault("snapshots", 0)
         # checkpoints from before source ranges: the window starts at the checkpoint's offsets
@@ -517,12 +515,10 @@ class Aggregator(EventTimeWindows):
         if ckpt.unreleased:
             self._queue_unreleased(task, ckpt)
         elif self._skip_decided_window(task):
-            task.window_start = {"offsets": dict(task.offsets),
-                                 "totals": copy.deepcopy(task.totals)}
             if commit:
                 self.commit(task)
             return
-        task.window_start = {"offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals)}
+        task.mark_start()
         if ckpt.state is None:
             task.state = self._new_state(task, task.window["id"])
         else:
@@ -563,10 +559,7 @@ class Aggregator(EventTimeWindows):
             head = queue.pop(0)
             task.offsets = dict(task.offsets, **{p: int(o) for p, o in
                                                   head["end_offsets"].items()})
-            totals = head["totals"]
-            task.totals = {"events": int(totals.get("events", 0)),
-                           "rejects": dict(totals.get("rejects", {})),
-                           "filtered": int(totals.get("filtered", 0))}
+            task.totals = totals_from(head["totals"])
         first = queue.pop(0)
         task.window = dict(first["window"], events=0)
         task.close_at = ({p: int(o) for p, o in first["end_offsets"].items()}
@@ -594,13 +587,11 @@ class Aggregator(EventTimeWindows):
         wid = task.window["id"]
         ends = {p: int(o) for p, o in entry["end_offsets"].items()}
         task.offsets = dict(task.offsets, **ends)
-        totals = entry["totals"]
-        task.totals = {"events": int(totals.get("events", 0)),
-                       "rejects": dict(totals.get("rejects", {})),
-                       "filtered": int(totals.get("filtered", 0))}
+        task.totals = totals_from(entry["totals"])
         lineage = task.window["lineage"]
         task.window = self._new_window(task, wid + 1)
         task.window.update(lineage=lineage, start_offsets=dict(task.offsets))
+        task.mark_start()
         task.state = self._new_state(task, wid + 1)
         task.close_at = None
         log.info("window %s of %s is in the ledger already (%s): it is not replayed; window %s "
@@ -689,7 +680,7 @@ class Aggregator(EventTimeWindows):
             at = ("after the last released position (" + ", ".join(
                 f"{k} at {v}" for k, v in sorted(later.items())) + f"), not at {at}")
         task.window.update(lineage=os.urandom(8).hex(), start_offsets=dict(task.offsets))
-        task.window_start = {"offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals)}
+        task.mark_start()
         if released:
             self._start_append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
                                 window=first, resume_offsets=dict(floor, **task.offsets),
@@ -1253,7 +1244,7 @@ class Aggregator(EventTimeWindows):
         # replay starts), and the chain of checkpoints it belongs to
         task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
             (task.replay or {}).get("offsets") or task.offsets))
-        task.window_start = {"offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals)}
+        task.mark_start()
         carried = self._carried_state()  # event_time: the second window, counting already
         task.state = carried if carried is not None else self._new_state(task, wid + 1)
         self.metrics.window_id.set(wid + 1)
@@ -1274,8 +1265,7 @@ class Aggregator(EventTimeWindows):
         wid, uid = closing["id"], closing["uid"]
         ranges, charge = self.window_ranges(task, closing), self._charge_of(closing)
         entry = self.ledger.get(f"release-{uid}")
-        start = (task.window_start or {"offsets": dict(task.offsets),
-                                       "totals": copy.deepcopy(task.totals)})
+        start = task.window_start  # set whenever a window opens (mark_start)
         if entry is not None:  # decided before a restart (never replayed: kept for safety)
             if entry["document"] not in task.pending:
                 task.pending.append(entry["document"])
@@ -1311,7 +1301,7 @@ class Aggregator(EventTimeWindows):
         else:
             task.window = self._new_window(task, wid + 1)
             task.window.update(lineage=closing.get("lineage"), start_offsets=dict(task.offsets))
-        task.window_start = {"offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals)}
+        task.mark_start()
         task.state = self._new_state(task, task.window["id"])
         if task.close_at is None:
             self._replay_target(task)  # a time window that ended while the service was down

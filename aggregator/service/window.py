@@ -36,7 +36,7 @@ from state_store.local import Checkpoint, LocalStore
 
 from ..state import PanPrivateHistogram
 
-__all__ = ["WindowTask", "new_window", "window_uid"]
+__all__ = ["WindowTask", "new_window", "window_uid", "totals_from"]
 
 
 def window_uid() -> str:
@@ -49,6 +49,14 @@ def new_window(window_id: int, kind: str, size, *, started_unix: float | None = 
     return {"id": int(window_id), "uid": uid or window_uid(), "kind": kind, "size": size,
             "events": 0, "snapshots": 0,
             "started_unix": time.time() if started_unix is None else float(started_unix)}
+
+
+def totals_from(recorded: dict) -> dict:
+    """Totals (events, rejects by reason, filtered) as the service keeps them, from a
+    checkpoint's or a ledger entry's copy."""
+    return {"events": int(recorded.get("events", 0)),
+            "rejects": dict(recorded.get("rejects", {})),
+            "filtered": int(recorded.get("filtered", 0))}
 
 
 class WindowTask:
@@ -105,6 +113,10 @@ class WindowTask:
 
     def reached(self, target: dict[str, int]) -> bool:
         return all(self.offsets.get(p, -1) >= off for p, off in target.items())
+
+    def mark_start(self) -> None:
+        """The open window starts here: what a checkpoint taken while it counts records."""
+        self.window_start = {"offsets": dict(self.offsets), "totals": copy.deepcopy(self.totals)}
 
     def count_rejects(self, reasons: dict[str, int]) -> None:
         rejects = self.totals["rejects"]

@@ -8,6 +8,7 @@ import shutil
 import msgpack
 import numpy as np
 
+from tests.test_ledger import charge_by_position
 from tests.integration.test_service_kafka import (D, env, make_topic, produce, run_service,
                                                   service_args)
 
@@ -109,14 +110,6 @@ def test_a_renamed_aggregation_on_kafka_never_puts_an_event_over_budget(kafka_br
     renamed = run_service(args(["c", "b"]) + ["--accept-change"])
     assert renamed.returncode == 0, renamed.stderr[-2000:]
     part = f"{topic}:0"
-    charge = np.zeros(2500)
-    for name in ("a", "b", "c"):
-        path = tmp_path / "state" / name / "ledger.jsonl"
-        if not path.exists():
-            continue
-        for e in (json.loads(x) for x in path.read_text().splitlines()):
-            if e["kind"] == "release":
-                lo, hi = e["ranges"].get(part, [0, 0])
-                charge[lo:hi] += e["epsilon_spent"]
+    charge = charge_by_position(tmp_path / "state", part, 2500)
     assert charge.max() <= 1.5  # a's 1 + b's 0.5: c never counted what a released
     assert charge[:2000].min() == 1.5
