@@ -52,17 +52,20 @@ class Checkpoint:
 
 def _fault(point: str) -> None:
     """Test-only fault injection: PANAGG_TEST_FAULT=point:N kills the process (SIGKILL) the Nth
-    time ``point`` is reached. Ignored unless PANAGG_TESTING=1."""
+    time ``point`` is reached; ``point:N:stop`` stops it (SIGSTOP) there instead, so a test can
+    change the world (fill the disk, stop the broker) before it goes on. Ignored unless
+    PANAGG_TESTING=1."""
     spec = os.environ.get("PANAGG_TEST_FAULT")
     if not spec or os.environ.get("PANAGG_TESTING") != "1":
         return
-    name, _, nth = spec.partition(":")
+    name, _, rest = spec.partition(":")
     if name != point:
         return
+    nth, _, action = rest.partition(":")
     count = _fault.counts.get(point, 0) + 1
     _fault.counts[point] = count
     if count == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
 
 
 _fault.counts = {}

@@ -53,6 +53,11 @@ class Metrics:
                                   "published release", registry=r)
         self.release_duration = Histogram("panagg_release_duration_seconds", "Time to estimate "
                                           "and publish a release", buckets=_SECONDS, registry=r)
+        self.write_failing = Gauge("panagg_write_failing", "1 while a durable write the loop "
+                                   "waits for keeps failing (intake stops until it succeeds)",
+                                   ["what"], registry=r)
+        for what in ("checkpoint", "dead letters"):
+            self.write_failing.labels(what=what).set(0)
         self.checkpoint_duration = Histogram("panagg_checkpoint_duration_seconds", "Time to write "
                                              "a checkpoint durably", buckets=_SECONDS, registry=r)
         self._last_checkpoint = time.time()

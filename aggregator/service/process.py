@@ -1196,13 +1196,21 @@ class Aggregator(EventTimeWindows):
         while True:
             try:
                 action()
+                if backoff.failing:
+                    self.metrics.write_failing.labels(what=what).set(0)
+                    self.metrics.set_ready(True)
                 backoff.ok()
                 return
             except (DeadLetterError, OSError) as exc:
                 if isinstance(exc, OSError) and exc.filename is None:
                     exc.filename = str(self.dir)
-                backoff.failed(str(exc) if isinstance(exc, DeadLetterError) else
-                               f"{exc.strerror or type(exc).__name__}: {exc.filename}")
+                reason = (str(exc) if isinstance(exc, DeadLetterError) else
+                          f"{exc.strerror or type(exc).__name__}: {exc.filename}")
+                backoff.failed(reason)
+                # intake waits for this write: health checks must say so at once
+                self.metrics.write_failing.labels(what=what).set(1)
+                self.metrics.set_ready(False, f"{what} cannot be written ({reason}); intake "
+                                              "waits for it")
             while not backoff.ready():
                 if self.stop_event.wait(0.1):
                     raise Stopping()

@@ -1,0 +1,126 @@
+"""Faults an operator must see at once, on a real broker and a real full disk: a checkpoint that
+cannot be written turns /ready to 503 with the reason, and the restart after it reads every
+partition, with every window's n equal to its source range."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tests.integration.test_service_kafka import D, env, make_topic, produce, service_args
+
+
+def _mount_small_disk(path: Path, size: str = "4m") -> None:
+    path.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:  # a full disk needs a filesystem of its own (root, CAP_SYS_ADMIN)
+        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
+
+
+def _fill(path: Path) -> Path:
+    """Fill the filesystem of ``path`` to the last byte; returns the filler file."""
+    filler = path / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for block in (65536, 1):
+            try:
+                while True:
+                    f.write(b"\0" * block)
+            except OSError:
+                pass
+    return filler
+
+
+def _ready(url):
+    try:
+        with urllib.request.urlopen(url.replace("/metrics", "/ready"), timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _stopped(pid):
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "T"
+
+
+def _releases(state):
+    return [json.loads(x) for x in (state / "ledger.jsonl").read_text().splitlines()
+            if json.loads(x)["kind"] == "release"]
+
+
+@pytest.mark.parametrize("workers", [1, 0], ids=["release-worker", "in-loop"])
+def test_a_full_disk_after_a_release_is_seen_and_every_partition_is_read_after(
+        kafka_broker, tmp_path, workers):
+    disk = tmp_path / "disk"
+    _mount_small_disk(disk)
+    try:
+        topic = make_topic(kafka_broker, partitions=2)
+        produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(3500)])
+        args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "4",
+                            "--set", f"release.workers={workers}",
+                            "--set", "release.error_bar_reps=0")
+        args[args.index("--state-dir") + 1] = str(disk / "state")
+        args[args.index("window.size=100000000")] = "window.size=1000"
+        args[args.index("--metrics-port") + 1] = "0"
+        # the service stops itself right after window 0's release is ledgered
+        proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
+                                env=dict(env(), PANAGG_TEST_FAULT="ledger-after-release:1:stop"),
+                                stderr=subprocess.PIPE, text=True)
+        log = []
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        filler = None
+        try:
+            deadline = time.time() + 90
+            while not _stopped(proc.pid):
+                assert proc.poll() is None and time.time() < deadline, "".join(log)[-3000:]
+                time.sleep(0.05)
+            url = next(line.split()[-1] for line in log if line.startswith("metrics on "))
+            filler = _fill(disk)  # the checkpoint after the release now meets ENOSPC
+            os.kill(proc.pid, signal.SIGCONT)
+            t0 = time.time()
+            while True:
+                code, text = _ready(url)
+                if (code == 503 and "checkpoint" in text) or time.time() - t0 > 15:
+                    break
+                time.sleep(0.2)
+            seen_s = time.time() - t0
+            assert code == 503 and "checkpoint" in text, (code, text)
+            assert seen_s <= 10
+            assert any("checkpoint failed" in line and "No space left" in line for line in log)
+            metrics = urllib.request.urlopen(url, timeout=5).read().decode()
+            assert 'panagg_write_failing{what="checkpoint"} 1.0' in metrics
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        filler.unlink()  # space freed: the restart must read everything
+        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                             env=env(), capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, res.stderr[-3000:]
+        releases = _releases(disk / "state")
+        assert [e["window"] for e in releases] == [0, 1, 2]
+        ends = {f"{topic}:0": 0, f"{topic}:1": 0}
+        for e in releases:  # contiguous ranges over both partitions, n equal to their width
+            assert {p: r[0] for p, r in e["ranges"].items()} == \
+                {p: ends[p] for p in e["ranges"]}, (e["ranges"], ends)
+            assert e["n"] == sum(hi - lo for lo, hi in e["ranges"].values()) == 1000
+            ends.update({p: r[1] for p, r in e["ranges"].items()})
+        # the open window holds the last 500 records: every partition was read to its end
+        assert "window 3 open with 500 events" in res.stderr, res.stderr[-3000:]
+        assert sum(ends.values()) == 3000
+        # published once each: window 0 is not published a second time
+        published = sorted(os.listdir(tmp_path / "releases"))
+        assert len([p for p in published if p.endswith(".json")]) == 3, published
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
