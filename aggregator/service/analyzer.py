@@ -49,7 +49,7 @@ from consumers.base import Segment, Source
 from consumers.kafka_security import client_options, redacted
 from state_store.local import Checkpoint, LocalStore
 
-from ..release import estimate_with_accuracy, package_release, write_release
+from ..release import estimate_with_accuracy, package_release
 from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer, ShuffleConfigError
 from .config import shuffle_n
 from .deadletter import DeadLetterError, DeadLetters
@@ -57,6 +57,7 @@ from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
 from .process import (ServiceError, _Backoff, choose_buckets_for, identity_of, lock_directory,
                       release_method)
+from .publisher import ReleasePublisher
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
                            load_private_key, parse_analyzer_record, public_key_hex)
 
@@ -154,7 +155,9 @@ class ShuffleAnalyzer:
         self.dead_letters = DeadLetters(topic, self._kafka_producer, self.metrics) if topic else None
         self.stop_event = threading.Event()
         self._lock_file = None
-        self._publish_backoff = _Backoff("publishing releases")
+        self.publisher = ReleasePublisher(cfg["release"]["dir"], cfg["release"]["topic"],
+                                          producer=self._kafka_producer,
+                                          on_published=self._published)
         # the live position
         self.window: dict | None = None     # the open window (None between windows)
         self.plus = np.zeros(self.buckets, dtype=np.int64)
@@ -278,7 +281,7 @@ class ShuffleAnalyzer:
             if self._dirty:
                 self._commit()
             if self.pending:
-                self._publish_backoff.next_try = 0.0
+                self.publisher.retry_now(wait_s=10.0)
                 self._publish_pending()
         finally:
             self.close()
@@ -294,6 +297,7 @@ class ShuffleAnalyzer:
         return bool(assigned) and (probe is None or bool(probe(sorted(assigned))))
 
     def close(self) -> None:
+        self.publisher.close()
         self.opener.close()
         if self.dead_letters is not None:
             self.dead_letters.close()
@@ -661,7 +665,7 @@ class ShuffleAnalyzer:
                 outcome = self._recover_one(entry, records)
                 out.append((entry["window"], entry["window_uid"], outcome))
             if self.pending:
-                self._publish_backoff.next_try = 0.0
+                self.publisher.retry_now(wait_s=10.0)
                 self._publish_pending()
                 for doc in self.pending:
                     out = [(k, u, "ledgered, not yet published (run again)")
@@ -841,33 +845,22 @@ class ShuffleAnalyzer:
                 time.sleep(0.1)
 
     def _publish_pending(self) -> None:
-        if not self.pending or not self._publish_backoff.ready():
+        """Deliver the ledgered releases (:mod:`.publisher`): files at once, the release topic
+        retried on its own."""
+        if not self.pending or not self.publisher.due():
             return
-        published = 0
-        for doc in list(self.pending):
-            release = json.loads(doc)
-            try:
-                path = write_release(release, self.cfg["release"]["dir"])
-                topic = self.cfg["release"]["topic"]
-                if topic:
-                    producer = self._kafka_producer()
-                    producer.send(topic, key=str(release["window"]).encode(), value=doc.encode())
-                    producer.flush(timeout=5)
-            except Exception as exc:  # retried with backoff; the document is durable
-                reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)
-                          and exc.strerror else type(exc).__name__)
-                self._publish_backoff.failed(f"window {release['window']}: {reason}")
-                break
-            self._publish_backoff.ok()
+        done = self.publisher.publish(list(self.pending))
+        for doc in done:
             self.pending.remove(doc)
-            published += 1
-            self.metrics.releases.inc()
-            self.metrics.last_release.set(time.time())
-            self.metrics.published(release)
-            log.info("published release of window %s (shuffle, %s): n=%s -> %s",
-                     release["window"], release.get("protocol"), release["n"], path)
-        if published and self.store is not None:   # (recovery keeps no checkpoint)
+        if done and self.store is not None:   # (recovery keeps no checkpoint)
             self._commit()
+
+    def _published(self, release: dict, path) -> None:
+        self.metrics.releases.inc()
+        self.metrics.last_release.set(time.time())
+        self.metrics.published(release)
+        log.info("published release of window %s (shuffle, %s): n=%s -> %s",
+                 release["window"], release.get("protocol"), release["n"], path)
 
     def _kafka_producer(self):
         if self._producer is None:
@@ -877,6 +870,6 @@ class ShuffleAnalyzer:
             self._producer = KafkaProducer(bootstrap_servers=self.cfg["source"]["bootstrap"],
                                            acks="all", linger_ms=20, max_block_ms=5000,
                                            max_request_size=MAX_REQUEST_BYTES,
-                                           request_timeout_ms=10000,
+                                           request_timeout_ms=10000, reconnect_backoff_max_ms=1000,
                                            **client_options(self.cfg.get("security")))
         return self._producer

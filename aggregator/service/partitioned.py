@@ -66,7 +66,6 @@ import math
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +77,7 @@ from state_store.local import LocalStore, atomic_write
 from ..estimate import NoisyValueCounts, noise_pmf, noisy_value_counts
 from ..noise import discrete_laplace
 from ..release import (ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy,
-                       package_release, plot_release, write_release)
+                       package_release)
 from ..state import PanPrivateHistogram
 from .process import (Aggregator, ServiceError, Stopping, identity_of, item_identity,
                       release_method, service_key_error, warn_if_below_noise)
@@ -295,7 +294,6 @@ class PartitionedAggregator(Aggregator):
         self.parts_dir.mkdir(exist_ok=True)
         self.windows_dir.mkdir(exist_ok=True)
         self.merge_lock = _FileLock(self.dir / "merge.lock")
-        self._plots = ThreadPoolExecutor(max_workers=1, thread_name_prefix="panagg-plot")
         self._last_scan = 0.0
         self.partitions_total: int | None = None
         self.member = (cfg["source"]["instance_id"] or f"pid{os.getpid()}").replace("/", "_")
@@ -411,7 +409,6 @@ class PartitionedAggregator(Aggregator):
     def close(self) -> None:
         for task in self.tasks.values():
             task.lock.release()
-        self._plots.shutdown(wait=True)
         super().close()
 
     def _sync_assignment(self) -> None:
@@ -662,42 +659,21 @@ class PartitionedAggregator(Aggregator):
             doc = json.dumps(release, allow_nan=False)
             self.ledger.append(entry_id=f"release-doc-{uid}", kind="release-document",
                                window=wid, window_uid=uid, model=release["model"], document=doc)
-        release = json.loads(doc)
-        if not self._publish_backoff.ready():
-            return False
-        try:
-            out = write_release(release, self.cfg["release"]["dir"], plot=False)
-            topic = self.cfg["release"]["topic"]
-            if topic:
-                producer = self._kafka_producer()
-                producer.send(topic, key=str(wid).encode(), value=doc.encode())
-                producer.flush(timeout=5)  # bounded; retried with backoff
-        except Exception as exc:  # retried with backoff; the document is in the ledger
-            reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)
-                      and exc.strerror else type(exc).__name__)
-            self._publish_backoff.failed(f"window {wid}: {reason}")
-            return False
-        self._publish_backoff.ok()
+        if not self.publisher.due() or not self.publisher.publish([doc]):
+            return False  # retried with backoff; the document is in the ledger
         atomic_write(wdir / "published", [b""])
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
+        self._cleanup(wid)
+        return True
+
+    def _published(self, release: dict, path: Path) -> None:
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
         self.metrics.published(release)
         self.metrics.release_latency.observe(max(0.0, time.time()
                                                  - release["window_info"]["ended_unix"]))
-        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
-        log.info("published merged release of window %s (%d partitions): n=%s -> %s", wid,
-                 release["domain"]["partitions"], release["n"], out)
-        # the plot takes a second or more: off the consume loop (it is a convenience; the JSON
-        # is the release)
-        self._plots.submit(self._plot, release)
-        self._cleanup(wid)
-        return True
-
-    def _plot(self, release: dict) -> None:
-        try:
-            plot_release(release, self.cfg["release"]["dir"])
-        except Exception as exc:
-            log.warning("plot of window %s failed (%s)", release["window"], type(exc).__name__)
+        log.info("published merged release of window %s (%d partitions): n=%s -> %s",
+                 release["window"], release["domain"]["partitions"], release["n"], path)
 
     def _cleanup(self, newest: int) -> None:
         keep = int(self.cfg["scale"]["keep_windows"])

@@ -48,7 +48,7 @@ from state_store.local import LocalStore, _fault
 
 from ..intervals import SNR_MIN, noise_floor
 from ..noise import p_from_epsilon
-from ..release import make_release, write_release
+from ..release import make_release
 from ..state import NEIGHBOR_RELATIONS, PanPrivateHistogram
 from .anchor import (kafka_metadata, parse_kafka_metadata, release_dir_anchor,
                      write_release_dir_anchor)
@@ -56,6 +56,8 @@ from .deadletter import DeadLetterError, DeadLetters
 from .event_time import EventTimeWindows
 from .ledger import BudgetExceeded, Ledger, LedgerError
 from .metrics import Metrics
+from .publisher import Backoff as _Backoff
+from .publisher import ReleasePublisher
 from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
@@ -290,30 +292,6 @@ def lock_directory(directory: Path):
     return f
 
 
-class _Backoff:
-    """One log line per state change, retries spaced 0.5 s -> 30 s (no log floods)."""
-
-    def __init__(self, what: str):
-        self.what, self.failing, self.delay, self.next_try = what, False, 0.5, 0.0
-        self.last_reason = ""
-
-    def ready(self) -> bool:
-        return time.monotonic() >= self.next_try
-
-    def failed(self, reason: str) -> None:
-        self.last_reason = reason
-        if not self.failing:
-            log.warning("%s failed (%s); retrying with backoff", self.what, reason)
-        self.failing = True
-        self.next_try = time.monotonic() + self.delay
-        self.delay = min(self.delay * 2, 30.0)
-
-    def ok(self) -> None:
-        if self.failing:
-            log.info("%s works again", self.what)
-        self.failing, self.delay, self.next_try = False, 0.5, 0.0
-
-
 class Aggregator(EventTimeWindows):
     """One aggregator process over one :class:`Source`.
 
@@ -387,7 +365,9 @@ class Aggregator(EventTimeWindows):
         self._pause_logged: float | None = None
         self._progress_at: float | None = None
         self._progress_events = 0.0
-        self._publish_backoff = _Backoff("publishing releases")
+        self.publisher = ReleasePublisher(
+            cfg["release"]["dir"], cfg["release"]["topic"], producer=self._kafka_producer,
+            key_of=self._release_key, on_published=self._published)
         self._init_event_time()
         self._commit_backoff = _Backoff("checkpoint")
         self._anchor_note_logged = False
@@ -872,12 +852,12 @@ class Aggregator(EventTimeWindows):
         if self.task.inflight:  # a finite run's last windows: wait for their releases
             self._collect_releases(self.task, wait=True)
         if self.task.pending:
-            self._publish_backoff.next_try = 0.0
+            self.publisher.retry_now(wait_s=10.0)
             self._publish_pending(self.task)
         if self.task.pending:
             raise ServiceError(
                 f"{len(self.task.pending)} release(s) could not be published "
-                f"({self._publish_backoff.last_reason}); they stay in the checkpoint and are "
+                f"({self.publisher.last_reason}); they stay in the checkpoint and are "
                 "published at the next start once the cause is fixed")
 
     def idle_can_count(self) -> bool:
@@ -934,6 +914,7 @@ class Aggregator(EventTimeWindows):
                                    f"{self.cfg['source']['bootstrap']} reachable?")
 
     def close(self) -> None:
+        self.publisher.close()
         if self.worker is not None and self._owns_worker:
             self.worker.close()  # releases not collected are replayed at the next start
             self.worker = None
@@ -1107,7 +1088,7 @@ class Aggregator(EventTimeWindows):
             self._producer = KafkaProducer(bootstrap_servers=self.cfg["source"]["bootstrap"],
                                            acks="all", linger_ms=20, max_block_ms=5000,
                                            max_request_size=MAX_REQUEST_BYTES,
-                                           request_timeout_ms=10000,
+                                           request_timeout_ms=10000, reconnect_backoff_max_ms=1000,
                                            **client_options(self.cfg.get("security")))
         return self._producer
 
@@ -1498,38 +1479,33 @@ class Aggregator(EventTimeWindows):
         return True
 
     def _publish_pending(self, task: WindowTask) -> None:
-        if not task.pending or not self._publish_backoff.ready():
+        """Deliver the ledgered releases of ``task.pending`` (:mod:`.publisher`): files at once,
+        the release topic retried on its own; each leaves the checkpoint once every sink has
+        it."""
+        if not task.pending or not self.publisher.due():
             return
-        published = 0
-        for doc in list(task.pending):
-            release = json.loads(doc)
-            try:
-                path = write_release(release, self.cfg["release"]["dir"])
-                topic = self.cfg["release"]["topic"]
-                if topic:
-                    producer = self._kafka_producer()
-                    key = str(release["window"])
-                    if release.get("aggregation"):
-                        key = f"{release['aggregation']['name']}/{key}"
-                    producer.send(topic, key=key.encode(), value=doc.encode())
-                    producer.flush(timeout=5)  # bounded; retried with backoff
-            except Exception as exc:  # retried with backoff; the document is durable
-                reason = (f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError)
-                          and exc.strerror else type(exc).__name__)
-                self._publish_backoff.failed(f"window {release['window']}: {reason}")
-                break
-            self._publish_backoff.ok()
+        done = self.publisher.publish(list(task.pending))
+        for doc in done:
             _fault("published")
             task.pending.remove(doc)
-            published += 1
-            self.metrics.releases.inc()
-            self.metrics.last_release.set(time.time())
-            self.metrics.published(release)
-            log.info("published release of window %s: n=%s -> %s", release["window"],
-                     release["n"], path)
-        if published:
+        if done:
             self._save_pending(task)
             self._anchor_in_release_dir()
+
+    @staticmethod
+    def _release_key(release: dict) -> str:
+        key = str(release["window"])
+        if release.get("aggregation"):
+            key = f"{release['aggregation']['name']}/{key}"
+        return key
+
+    def _published(self, release: dict, path: Path) -> None:
+        """A release's file is written: metrics and the log line."""
+        self.metrics.releases.inc()
+        self.metrics.last_release.set(time.time())
+        self.metrics.published(release)
+        log.info("published release of window %s: n=%s -> %s", release["window"], release["n"],
+                 path)
 
     def _anchor_in_release_dir(self) -> None:
         """The ledger's head beside the published releases (:mod:`.anchor`); best effort: a

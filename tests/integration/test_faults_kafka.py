@@ -124,3 +124,72 @@ def test_a_full_disk_after_a_release_is_seen_and_every_partition_is_read_after(
         assert len([p for p in published if p.endswith(".json")]) == 3, published
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _kafka(*args):
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([str(root / "deploy" / "kafka" / "kafka.sh"), *map(str, args)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+def _events(url):
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("panagg_events_total "))
+    return float(line.split()[1])
+
+
+@pytest.mark.parametrize("how", ["clean", "kill-9"])
+def test_counting_resumes_soon_after_the_broker_returns(tmp_path, how):
+    """A broker of its own (the session's broker is shared): stopped (cleanly or kill -9) for
+    12 s while the service runs, restarted on its port; the time from its return to the first
+    event counted from a record produced after it (the producer's own connect included)."""
+    state = tmp_path / "kafka"
+    bootstrap = _kafka("start", state).strip().splitlines()[-1].split("=", 1)[1]
+    topic = make_topic(bootstrap, partitions=2)
+    produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(500)])
+    args = service_args(bootstrap, topic, tmp_path)
+    args[args.index("--metrics-port") + 1] = "0"
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
+                            stderr=subprocess.PIPE, text=True)
+    log = []
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    try:
+        deadline = time.time() + 60
+        while not any(line.startswith("metrics on ") for line in log):
+            assert proc.poll() is None and time.time() < deadline, "".join(log)[-3000:]
+            time.sleep(0.1)
+        url = next(line.split()[-1] for line in log if line.startswith("metrics on "))
+        while _events(url) < 500:
+            assert time.time() < deadline, "".join(log)[-3000:]
+            time.sleep(0.1)
+        if how == "clean":
+            _kafka("stop", state)
+        else:
+            os.kill(int((state / "pid").read_text()), signal.SIGKILL)
+            (state / "pid").unlink()
+        time.sleep(12)
+        _kafka("start", state)
+        back = time.monotonic()
+        produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(500)])
+        while _events(url) < 501:
+            assert time.monotonic() - back < 90 and proc.poll() is None, "".join(log)[-3000:]
+            time.sleep(0.05)
+        resumed_s = time.monotonic() - back
+        print(f"broker outage ({how}): first event counted {resumed_s:.2f} s after its return")
+        assert resumed_s <= 5.0, "".join(log)[-3000:]
+        while _events(url) < 1000:
+            assert time.monotonic() - back < 90, "".join(log)[-3000:]
+            time.sleep(0.1)
+        # the broker gauge followed the outage and says connected again within 5 s
+        time.sleep(5.5)
+        metrics = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert "panagg_broker_connected 1.0" in metrics, metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        _kafka("stop", state)
