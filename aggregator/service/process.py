@@ -1203,8 +1203,6 @@ class Aggregator(EventTimeWindows):
         windows, snapshots, several aggregations and scale-out release in the loop
         (docs/configuration.md)."""
         return (int(self.cfg["release"].get("workers", 0)) > 0 and not self.partitioned
-                and not self.aggregation  # several aggregations: replaying several closed
-                # windows through the shared consumer's holds can stall it (not built yet)
                 and self.cfg["window"]["kind"] in ("count", "time")
                 and not self.snapshots_per_window)
 
