@@ -193,3 +193,45 @@ def test_counting_resumes_soon_after_the_broker_returns(tmp_path, how):
         except subprocess.TimeoutExpired:
             proc.kill()
         _kafka("stop", state)
+
+
+def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
+    """The service holds partitions (pause, seek) and resumes them to replay windows exactly;
+    random sequences of those on a real broker, then everything resumed: every partition is read
+    to its end (kafka-python 3.0.12 left one unread for good in 8 of 12 such runs)."""
+    import random
+
+    from kafka import TopicPartition
+
+    from consumers.kafka_source import KafkaSource, partition_key
+
+    topic = make_topic(kafka_broker, partitions=3)
+    produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(9000)])
+    for trial in range(6):
+        source = KafkaSource(kafka_broker, topic, f"g-hold-{trial}-{topic}", max_records=300)
+        rng = random.Random()  # any sequence must end read through
+        read = {}
+        try:
+            for turn in range(60):
+                for seg in source.poll(0.2):
+                    read[seg.partition] = max(read.get(seg.partition, 0),
+                                              int(seg.offsets[-1]) + 1)
+                if turn < 3 or not source.assigned:
+                    continue
+                key = partition_key(topic, rng.randrange(3))
+                pos = source.consumer.position(TopicPartition(topic, int(key.rsplit(":", 1)[1])))
+                op = rng.random()
+                if op < 0.3:
+                    source.pause([key])
+                    source.seek_partition(key, max(0, pos - rng.randrange(200)))
+                elif op < 0.6:
+                    source.resume([key])
+            source.resume(sorted(source.assigned))
+            deadline = time.time() + 30
+            while not source.caught_up(sorted(source.assigned)) and time.time() < deadline:
+                for seg in source.poll(0.2):
+                    read[seg.partition] = max(read.get(seg.partition, 0),
+                                              int(seg.offsets[-1]) + 1)
+            assert read == source.end_offsets() and sum(read.values()) == 9000, (trial, read)
+        finally:
+            source.close()
