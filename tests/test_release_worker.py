@@ -89,3 +89,32 @@ def test_kill_with_closed_unreleased_windows_releases_each_once(tmp_path, fault,
     ckpt = durable(tmp_path)
     assert ckpt.unreleased == [] and ckpt.window["id"] == 3 and ckpt.pending == []
 
+
+def test_several_aggregations_release_in_parallel_and_exactly(tmp_path, monkeypatch):
+    """Three aggregations of one stream, windows of 700 / 700 / 900 events, a release worker
+    pool of 3 and releases made to take 1.5 s: the releases of different aggregations run at
+    the same time (not one after another), and every window holds exactly its events."""
+    from aggregator.service.multi import MultiAggregator
+    from tests.test_multi import config, write_events
+
+    monkeypatch.setenv("PANAGG_TEST_RELEASE_DELAY_S", "1.5")
+    write_events(tmp_path / "events.jsonl", 2100, seed=3)
+    cfg = config(tmp_path, "release.workers=3")
+    multi = MultiAggregator(cfg, FileSource(cfg["source"]["path"], fmt="json", batch=700))
+    multi.run()
+    runs = [(name, started, ended) for name, agg in multi.aggs.items()
+            for _, started, ended in agg.release_runs]
+    assert len(runs) == 3 + 3 + 3  # (the last windows are released at the file's end)
+    overlapping = [(a, b) for a in runs for b in runs
+                   if a[0] < b[0] and a[1] < b[2] and b[1] < a[2]]
+    assert overlapping, runs
+    for name, size in (("account", 700), ("device", 700), ("ip", 900)):
+        docs = sorted((json.loads(p.read_text()) for p in
+                       (tmp_path / "releases" / name).glob("release-*.json")),
+                      key=lambda d: d["window"])
+        assert len(docs) == 3 and [d["n"] for d in docs][:-1] == [size, size], name
+    assert sum(d["n"] for d in _releases_of(tmp_path, "account")) == 2100
+
+
+def _releases_of(tmp_path, name):
+    return [json.loads(p.read_text()) for p in (tmp_path / "releases" / name).glob("*.json")]

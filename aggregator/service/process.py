@@ -985,7 +985,7 @@ class Aggregator(EventTimeWindows):
         j = rec = 0  # next item to count; records before ``rec`` are accounted for
         while True:
             target = task.close_at.get(seg.partition) if task.close_at else None
-            if task.close_at and target is None and not self.aggregation:
+            if task.close_at and target is None:
                 # a replayed window counted nothing of this partition (it was first read in a
                 # later window): hold it where it is until the window closes
                 target = int(offsets[0])
@@ -1199,13 +1199,10 @@ class Aggregator(EventTimeWindows):
     # -- window close and release --------------------------------------------------------------
     def async_releases(self) -> bool:
         """Whether releases run beside the loop (``release.workers`` > 0) for this service:
-        count and time windows of one aggregation without in-window snapshots; event-time
-        windows, snapshots, several aggregations and scale-out release in the loop
+        count and time windows without in-window snapshots (several aggregations share one
+        worker pool); event-time windows, snapshots and scale-out release in the loop
         (docs/configuration.md)."""
         return (int(self.cfg["release"].get("workers", 0)) > 0 and not self.partitioned
-                and not self.aggregation  # several aggregations: after a restart, replaying
-                # their closed windows through the shared consumer's holds can leave a
-                # partition unfetched (kafka-python 3.0.12, seek while paused): not yet
                 and self.cfg["window"]["kind"] in ("count", "time")
                 and not self.snapshots_per_window)
 
