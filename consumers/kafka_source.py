@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from .base import Segment, Source
@@ -198,7 +199,16 @@ class KafkaSource(Source):
 
     def poll(self, timeout_s: float = 1.0) -> list[Segment]:
         _unpark(self.consumer)
-        polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        try:
+            polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000),
+                                        max_records=self.max_records)
+        except KafkaError as exc:
+            if not getattr(exc, "retriable", False):
+                raise
+            # a broker going away mid-poll (e.g. the group coordinator refused a reconnect):
+            # nothing read this turn; the service reports the outage and polls again
+            log.debug("poll: %s", type(exc).__name__)
+            return []
         if self.assignment_changed and not self.partitioned:
             everything = self.consumer.partitions_for_topic(self.topic)
             if everything:  # None until the topic's metadata is known: check again next poll
