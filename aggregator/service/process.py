@@ -778,8 +778,10 @@ class Aggregator(EventTimeWindows):
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
         self._lock()
+        started = failed = False
         try:
             self.start()
+            started = True  # a refused start says why in one line, not "stopped" before it
             idle_since = None
             finite = self.cfg["source"]["kind"] != "kafka"
             while not self.stop_event.is_set():
@@ -802,9 +804,13 @@ class Aggregator(EventTimeWindows):
             self.finish()
         except Stopping:
             log.info("stopped while waiting; the open window is replayed at the next start")
+        except BaseException:
+            failed = True
+            raise
         finally:
             self.close()
-            self._stop_line()
+            if started:
+                self._stop_line("on the error below" if failed else None)
 
     # The loop's steps, also driven one by one by aggregator.service.multi (several aggregations
     # fed by one consumer): start, then per poll a turn, then input_ended (finite input) and finish.
@@ -894,12 +900,12 @@ class Aggregator(EventTimeWindows):
         return probe is None or bool(probe(sorted(set(assigned) - set(self._held)))) \
             if set(assigned) - set(self._held) else True
 
-    def _stop_line(self) -> None:
+    def _stop_line(self, reason: str | None = None) -> None:
         """What a restart will find: the last checkpoint and what is replayed from it."""
         task = getattr(self, "task", None)
         win = getattr(task, "window", None) or {}
         durable = getattr(task, "durable", None)
-        reason = "stop requested" if self.stop_event.is_set() else "input ended or idle"
+        reason = reason or ("stop requested" if self.stop_event.is_set() else "input ended or idle")
         if not win:
             log.info("stopped (%s)", reason)
             return

@@ -1,0 +1,106 @@
+"""Issue 27, the mistakes a newcomer made that passed silently: each is refused (or said) in one
+line naming the fix, and a refused start writes nothing. Real files, the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+
+D = 50
+
+
+def panagg(*args, env=None, timeout=180):
+    full = dict(os.environ, PANAGG_TESTING="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                          capture_output=True, text=True, timeout=timeout, env=full)
+
+
+def events(path: Path, n: int, fmt: str = "msgpack", start: int = 0) -> Path:
+    with open(path, "ab") as f:
+        for i in range(start, start + n):
+            if fmt == "json":
+                f.write(json.dumps({"item": i % D}).encode() + b"\n")
+            else:
+                f.write(msgpack.packb({"item": i % D}))
+    return path
+
+
+def run_args(tmp_path, path, *sets, fmt="msgpack"):
+    out = ["run", "--state-dir", str(tmp_path / "state"), "--release-dir",
+           str(tmp_path / "releases"), "--metrics-port", "-1",
+           "--set", "source.kind=file", "--set", f"source.path={path}",
+           "--set", f"source.format={fmt}", "--set", f"state.domain_size={D}",
+           "--set", "window.kind=count", "--set", "window.size=100",
+           "--set", "release.error_bar_reps=0", "--set", "release.workers=0"]
+    for s in sets:
+        out += ["--set", s]
+    return out
+
+
+def last_line(res) -> str:
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    return res.stderr.strip().splitlines()[-1]
+
+
+def written(tmp_path) -> list[str]:
+    """What a start left in the state and release directories (the lock file and the empty
+    control directory a start takes first aside)."""
+    out = []
+    for root in (tmp_path / "state", tmp_path / "releases"):
+        for p in sorted(root.rglob("*")) if root.exists() else ():
+            if p.name != "service.lock" and not (p.is_dir() and not any(p.iterdir())):
+                out.append(str(p.relative_to(tmp_path)))
+    return out
+
+
+# -- 4: a mistyped PANAGG_* variable ---------------------------------------------------------------
+def test_mistyped_environment_variable_is_refused_naming_the_near_match(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    res = panagg(*run_args(tmp_path, path), env={"PANAGG_STATE_EPSILOM": "0.25"})
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: unknown environment variable PANAGG_STATE_EPSILOM (did you mean "
+        "PANAGG_STATE_EPSILON, i.e. state.epsilon?); rename or unset it (PANAGG_<SECTION>_<KEY> "
+        "sets a config key: docs/configuration.md)")
+    assert "0.25" not in res.stderr  # names only, never values
+    assert not (tmp_path / "state").exists() and not (tmp_path / "releases").exists()
+    # the variables that are not settings pass; the fixed name is read
+    res = panagg(*run_args(tmp_path, path), env={"PANAGG_STATE_EPSILON": "0.25",
+                                                 "PANAGG_AUDIT_KEY": "00" * 32,
+                                                 "PANAGG_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(sorted((tmp_path / "releases").glob("*.json"))[0].read_text())
+    assert doc["epsilon"] == 0.25
+
+
+def test_panagg_security_password_is_refused_with_the_way_in():
+    res = panagg("run", "--metrics-port", "-1", env={"PANAGG_SECURITY_PASSWORD": "s3cret"})
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: PANAGG_SECURITY_PASSWORD is not read: secrets come in by name only; put "
+        "the password in a file (security.password_file) or name the variable that holds it "
+        "(security.password_env), and unset it")
+    assert "s3cret" not in res.stderr
+
+
+# -- 7: a refusal is not preceded by the normal stop line ----------------------------------------
+def test_a_refused_start_prints_no_stop_line(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    res = panagg(*run_args(tmp_path, path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "INFO panagg.service: stopped (input ended or idle)" in res.stderr  # a normal run
+    before = written(tmp_path)
+    res = panagg(*run_args(tmp_path, path, "state.epsilon=0.5"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        f"panagg: error: checkpoint.dir {tmp_path / 'state'} belongs to other settings (epsilon "
+        "1.0 -> 0.5, budget_per_window 1.0 -> 0.5); use the original settings, a new "
+        "checkpoint.dir, or --accept-change to "
+        "record the change in the ledger")
+    assert "stopped (" not in res.stderr
+    assert written(tmp_path) == before
