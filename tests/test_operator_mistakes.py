@@ -104,3 +104,34 @@ def test_a_refused_start_prints_no_stop_line(tmp_path):
         "record the change in the ledger")
     assert "stopped (" not in res.stderr
     assert written(tmp_path) == before
+
+
+# -- 10: item.field naming a map -------------------------------------------------------------------
+def test_item_field_naming_a_map_names_the_fix(tmp_path):
+    path = tmp_path / "in.json"
+    with open(path, "w") as f:
+        for i in range(300):
+            f.write(json.dumps({"user": {"id": f"u{i % 7}", "name": "x"}}) + "\n")
+    res = panagg(*run_args(tmp_path, path, "state.mode=hashed", "item.field=user", fmt="json"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: 300 of the first 300 records were rejected (mostly wrong_type): "
+        "item.field 'user' is a map; name one of its keys with a dotted path, e.g. item.field = "
+        "user.id")
+    assert "u1" not in res.stderr  # the records' contents are never shown
+    res = panagg(*run_args(tmp_path / "b", path, "state.mode=hashed", "item.field=user.id",
+                           fmt="json"))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_item_field_naming_a_list_names_the_fix(tmp_path):
+    path = tmp_path / "in.bin"
+    with open(path, "wb") as f:
+        for i in range(200):
+            f.write(msgpack.packb({"items": [i % D, 1]}))
+    res = panagg(*run_args(tmp_path, path, "item.field=items"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: 200 of the first 200 records were rejected (mostly wrong_type): "
+        "item.field 'items' is a list; name one of its elements by position, e.g. item.field = "
+        "items.0, or a key inside it (items.0.id)")

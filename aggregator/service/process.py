@@ -116,6 +116,8 @@ class RejectWatch:
         self.seen = self.rejected = self.counted = 0
         self.reasons: dict[str, int] = {}
         self.looks_json = self.looks_msgpack = 0
+        #: what the rejected items of reason wrong_type are (map, list, ...): the fix differs
+        self.kinds: dict[str, int] = {}
         self.warned = False
 
     def observe(self, values, rejected, filtered: int = 0) -> None:
@@ -129,15 +131,45 @@ class RejectWatch:
             head = bytes(values[i][:1]) if isinstance(values[i], (bytes, bytearray)) else b""
             self.looks_json += head in (b"{", b"[")
             self.looks_msgpack += bool(head) and 0x80 <= head[0] <= 0x8F
+            if reason == "wrong_type" and sum(self.kinds.values()) < 100:
+                kind = self._item_kind(values[i])
+                self.kinds[kind] = self.kinds.get(kind, 0) + 1
         if self.seen >= min(self.sample, 100) and not self.warned \
                 and self.rejected >= self.ratio * self.seen:
             self.warned = True
             log.error("%s", self.message())
 
+    def _item_kind(self, raw) -> str:
+        """The type (only) of the value at item.field in one rejected record."""
+        import msgpack
+
+        from consumers.decode import _walk
+        if self.cfg["item"]["source"] != "value" or not isinstance(raw, (bytes, bytearray)):
+            return "?"
+        try:
+            doc = (msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)
+                   if self.cfg["source"]["format"] == "msgpack" else json.loads(bytes(raw)))
+        except Exception:
+            return "?"
+        item = _walk(doc, tuple(self.cfg["item"]["field"].split(".")))
+        return {dict: "map", list: "list", float: "number with a fraction", bool: "true/false",
+                type(None): "null"}.get(type(item), "?")
+
     def message(self) -> str:
         top = max(self.reasons, key=self.reasons.get) if self.reasons else "?"
         fmt, mode = self.cfg["source"]["format"], self.cfg["state"]["mode"]
-        if top in ("undecodable", "not_a_map") and fmt == "msgpack" and self.looks_json:
+        kind = max(self.kinds, key=self.kinds.get) if self.kinds else "?"
+        field = self.cfg["item"]["field"]
+        if top == "wrong_type" and kind == "map":
+            fix = (f"item.field {field!r} is a map; name one of its keys with a dotted path, "
+                   f"e.g. item.field = {field}.id")
+        elif top == "wrong_type" and kind == "list":
+            fix = (f"item.field {field!r} is a list; name one of its elements by position, "
+                   f"e.g. item.field = {field}.0, or a key inside it ({field}.0.id)")
+        elif top == "wrong_type" and mode == "hashed" and kind != "?":
+            fix = (f"item.field {field!r} holds a {kind}; items are strings, bytes or whole "
+                   "numbers: name a field that holds one")
+        elif top in ("undecodable", "not_a_map") and fmt == "msgpack" and self.looks_json:
             fix = "the records look like JSON: set source.format = json"
         elif top in ("undecodable", "not_a_map") and fmt == "json" and self.looks_msgpack:
             fix = "the records look like msgpack: set source.format = msgpack"
