@@ -7,9 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
+
+from state_store.audit import key_id, read_export
 
 D = 50
 
@@ -135,3 +138,109 @@ def test_item_field_naming_a_list_names_the_fix(tmp_path):
         "panagg: error: 200 of the first 200 records were rejected (mostly wrong_type): "
         "item.field 'items' is a list; name one of its elements by position, e.g. item.field = "
         "items.0, or a key inside it (items.0.id)")
+
+
+# -- 5: settings a state directory depends on ------------------------------------------------------
+def test_changing_source_format_is_refused_and_accepted_only_explicitly(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    assert panagg(*run_args(tmp_path, path)).returncode == 0
+    before = written(tmp_path)
+    ledger = (tmp_path / "state" / "ledger.jsonl").read_text()
+    # (the producers switched to JSON, or a mistake: the open window is replayed from the
+    # source after a restart, and its records would be decoded the other way)
+    res = panagg(*run_args(tmp_path, path, fmt="json"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        f"panagg: error: checkpoint.dir {tmp_path / 'state'} belongs to other settings (format "
+        "'msgpack' -> 'json'); use the original settings, a new checkpoint.dir, or "
+        "--accept-change to record the change in the ledger")
+    assert written(tmp_path) == before
+    assert (tmp_path / "state" / "ledger.jsonl").read_text() == ledger
+    res = panagg(*run_args(tmp_path, path, fmt="json"), "--accept-change")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "settings of " in res.stderr and "format 'msgpack' -> 'json'" in res.stderr
+    entries = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().split("\n") if x]
+    ids = [e for e in entries if e["kind"] == "identity"]
+    assert ids[-1]["identity"]["format"] == "json" and ids[-1]["previous"]["format"] == "msgpack"
+
+
+def test_changing_release_dir_is_refused_naming_where_the_releases_are(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    assert panagg(*run_args(tmp_path, path)).returncode == 0
+    old = tmp_path / "releases"
+    assert len(list(old.glob("*.json"))) == 3  # windows 0, 1 and the partial 2
+    events(path, 100, start=250)
+    args = run_args(tmp_path, path) + ["--release-dir", str(tmp_path / "elsewhere")]
+    res = panagg(*args)
+    assert res.returncode == 2
+    assert last_line(res) == (
+        f"panagg: error: checkpoint.dir {tmp_path / 'state'} belongs to other settings "
+        f"(release_dir '{old}' -> '{tmp_path / 'elsewhere'}'); use the original settings, a new "
+        "checkpoint.dir, or --accept-change to record the change in the ledger; the releases so "
+        f"far (3, up to window 2) are in {old}: a new release.dir would leave a gap there")
+    assert not (tmp_path / "elsewhere").exists()
+    res = panagg(*args, "--accept-change")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "elsewhere").glob("*.json")]
+
+
+def test_a_safe_setting_change_is_logged_once(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    assert panagg(*run_args(tmp_path, path)).returncode == 0
+    events(path, 100, start=250)
+    res = panagg(*run_args(tmp_path, path, "release.error_bar_reps=3", "source.max_records=70"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [x.split(" INFO ", 1)[1] for x in res.stderr.splitlines() if "changed from" in x]
+    assert lines == ["panagg.service: setting source.max_records changed from 20000 to 70",
+                     "panagg.service: setting release.error_bar_reps changed from 0 to 3"]
+    res = panagg(*run_args(tmp_path, path, "release.error_bar_reps=3", "source.max_records=70"))
+    assert res.returncode == 0 and "changed from" not in res.stderr
+
+
+# -- 8: the README's audit export on a running service ----------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+KEY, OTHER = "5a" * 32, "c3" * 32
+
+
+def test_readme_audit_export_works_on_a_running_service(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    documented = [x.split("#")[0].strip() for x in readme.splitlines() if "audit export" in x
+                  and x.startswith(("panagg", "PANAGG"))]
+    assert documented == ["panagg audit export --state-dir var/panagg"]
+    assert "start it as `PANAGG_AUDIT_KEY=<64 hex digits> panagg run ...`" in " ".join(readme.split())
+    state = tmp_path / "state"
+    shell = {k: v for k, v in os.environ.items() if k != "PANAGG_AUDIT_KEY"}
+    # the service as the README says: the key in its own environment
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", "run", "--set", "source.kind=generator",
+         "--set", "source.generator_events=40000", "--set", "source.generator_rate=8000",
+         "--set", "source.max_records=500", "--set", f"state.domain_size={D}",
+         "--set", "window.size=1000000", "--state-dir", str(state), "--release-dir",
+         str(tmp_path / "releases"), "--metrics-port", "-1", "--set", "release.on_exhausted=false"],
+        env=dict(shell, PANAGG_AUDIT_KEY=KEY), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        deadline = time.time() + 60
+        while not (state / "service.lock").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        command = documented[0].replace("var/panagg", str(state)).split()[1:]
+        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *command], env=shell,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert res.stderr == ""
+        first = res.stdout.strip()
+        assert read_export(first, bytes.fromhex(KEY))["verified"]
+        # a different key in the asking shell: the export is still the service's, and it says so
+        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *command],
+                             env=dict(shell, PANAGG_AUDIT_KEY=OTHER), capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert read_export(res.stdout.strip(), bytes.fromhex(KEY))["verified"]
+        assert res.stderr.strip() == (
+            f"panagg: note: the running service signed this export with its own key (key id "
+            f"{key_id(bytes.fromhex(KEY))}), not this shell's (key id "
+            f"{key_id(bytes.fromhex(OTHER))}); verify it with the service's key")
+    finally:
+        proc.wait(timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

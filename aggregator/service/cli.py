@@ -621,6 +621,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             if not result.get("ok"):
                 raise UsageError(result.get("error", "export failed"))
             print(result["path"])
+            _note_other_key(cfg, result["path"])
             return 0
         try:
             load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
@@ -656,6 +657,21 @@ def cmd_audit(args: argparse.Namespace) -> int:
         np.save(args.counters, counts)
         print(f"counters written to {args.counters}", file=sys.stderr)
     return 0
+
+
+def _note_other_key(cfg: dict, path: str) -> None:
+    """A key in this shell does not sign a running service's export (the service signs with its
+    own): say so when they differ, or `audit verify` with this shell's key fails later."""
+    from state_store.audit import AuditKeyError, key_id, load_key, read_export
+    try:
+        mine = key_id(load_key(cfg["audit"]["key_file"] or None))
+        theirs = read_export(path)["key_id"]
+    except (AuditKeyError, ValueError, OSError):
+        return  # no key here: nothing to mix up
+    if mine != theirs:
+        print(f"panagg: note: the running service signed this export with its own key (key id "
+              f"{theirs}), not this shell's (key id {mine}); verify it with the service's key",
+              file=sys.stderr)
 
 
 FORMS = ("counts", "per-item", "prevalences")

@@ -290,6 +290,20 @@ def identity_of(cfg: dict) -> dict:
 _IDENTITY_DEFAULTS = {"item": "value:item"}
 
 
+def directory_identity(cfg: dict) -> dict:
+    """Settings a state directory depends on beyond :func:`identity_of` (issue 27): the format
+    its records are decoded in (the open window is replayed from the source after a restart) and
+    where its releases go (a new directory leaves a gap in the old one). From a config dict, or
+    from the config.json a start saved."""
+    src, rel = cfg.get("source") or {}, cfg.get("release") or {}
+    out = {}
+    if "format" in src:
+        out["format"] = src["format"]
+    if rel.get("dir"):
+        out["release_dir"] = os.path.abspath(rel["dir"])
+    return out
+
+
 def item_identity(cfg: dict) -> str:
     """What is counted, as one string for the ledger's identity (``value:item`` by default)."""
     it = cfg.get("item") or {"source": "value", "field": "item"}
@@ -455,8 +469,26 @@ class Aggregator(EventTimeWindows):
         self.control.mkdir(exist_ok=True)
         self._lock_file = lock_directory(self.dir)
 
+    def _saved_config(self) -> dict:
+        """The config the last start saved in the state directory ({} if none or unreadable)."""
+        try:
+            saved = json.loads((self.dir / "config.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return saved if isinstance(saved, dict) else {}
+
     def save_effective_config(self) -> None:
-        """Keep the running config next to the checkpoints, for offline release/export."""
+        """Keep the running config next to the checkpoints, for offline release/export. A
+        setting that changed since the last start (those not in the identity are safe to
+        change: docs/configuration.md) is logged once, here."""
+        from .config import DEFAULTS
+        old, new = self._saved_config(), redacted(self.cfg)
+        for section in DEFAULTS:
+            for key in DEFAULTS[section]:
+                was = (old.get(section) or {}).get(key, new[section][key])
+                if was != new[section][key] and (section, key) != ("security", "password"):
+                    log.info("setting %s.%s changed from %r to %r", section, key, was,
+                             new[section][key])
         tmp = self.dir / ".config.json.tmp"
         tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))  # no secrets
         os.replace(tmp, self.dir / "config.json")
@@ -464,7 +496,7 @@ class Aggregator(EventTimeWindows):
     def check_identity(self) -> dict:
         """Record the state directory's identity at its first start; refuse (or, with
         ``accept_change``, ledger) a later start with other settings."""
-        mine = identity_of(self.cfg)
+        mine = dict(identity_of(self.cfg), **directory_identity(self.cfg))
         recorded = self.ledger.identity()
         if recorded is None:
             first = dict(mine, run=os.urandom(8).hex(), first_window=self._first_window(),
@@ -472,14 +504,23 @@ class Aggregator(EventTimeWindows):
             self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                                 identity=first)
             return first
-        changed = [k for k in mine if recorded.get(k, _IDENTITY_DEFAULTS.get(k)) != mine[k]]
+        # a ledger from before a key was in the identity: the last start's saved config says
+        saved = directory_identity(self._saved_config()) if self._saved_config() else {}
+        had = {k: recorded.get(k, saved.get(k, _IDENTITY_DEFAULTS.get(k, mine[k]))) for k in mine}
+        changed = [k for k in mine if had[k] != mine[k]]
         if not changed:
             return recorded
-        what = ", ".join(f"{k} {recorded.get(k)!r} -> {mine[k]!r}" for k in changed)
+        what = ", ".join(f"{k} {had[k]!r} -> {mine[k]!r}" for k in changed)
         if not self.accept_change:
+            where = ""
+            if "release_dir" in changed:
+                done = [e["window"] for e in self.ledger.releases() if isinstance(e.get("window"), int)]
+                where = (f"; the releases so far ({len(done)}, up to window {max(done)}) are in "
+                         f"{had['release_dir']}: a new release.dir would leave a gap there"
+                         if done else "")
             raise ServiceError(f"checkpoint.dir {self.dir} belongs to other settings ({what}); "
                                "use the original settings, a new checkpoint.dir, or "
-                               "--accept-change to record the change in the ledger")
+                               f"--accept-change to record the change in the ledger{where}")
         self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                             identity=dict(recorded, **mine), previous=recorded,
                             note=f"settings changed: {what}")
