@@ -696,6 +696,15 @@ class Aggregator(EventTimeWindows):
                      "from one backup cannot be detected")
         for where, head in anchors:
             problem = self.ledger.anchor_problem(head)
+            if problem and ckpt is None and not self.ledger.path.exists() \
+                    and where.startswith("the committed offsets of group"):
+                # a new directory on a group another one used: not only a lost ledger
+                raise ServiceError(
+                    f"checkpoint.dir {self.dir} is new, but consumer group "
+                    f"{self.cfg['source']['group']!r} has committed offsets of a state directory "
+                    f"whose ledger had {head['seq']} entries: another state directory (or a lost "
+                    "one) counted this topic. Use that state directory (restore it from a backup "
+                    "if it was lost), or another source.group to count the topic anew")
             if problem:
                 raise ServiceError(
                     f"{problem} (its head, entry {head['seq']}, is recorded in {where}); the "
