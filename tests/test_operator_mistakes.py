@@ -4,7 +4,9 @@ line naming the fix, and a refused start writes nothing. Real files, the real CL
 from __future__ import annotations
 
 import json
+import logging
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import msgpack
 
+from aggregator.service.cli import _handled_library_line
 from state_store.audit import key_id, read_export
 
 D = 50
@@ -244,3 +247,45 @@ def test_readme_audit_export_works_on_a_running_service(tmp_path):
     finally:
         proc.wait(timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- 9: kafka-python's own lines ---------------------------------------------------------------------
+LIBRARY_LINES = r'''
+import logging, ssl, sys
+from kafka.errors import KafkaConnectionError, KafkaProtocolError, UnsupportedVersionError
+from aggregator.service.cli import _setup_logging
+_setup_logging(verbose=sys.argv[1] == "-v")
+t = "<KafkaTCPTransport [127.0.0.1:9092<-5000]>"
+logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, KafkaConnectionError("socket disconnected"))
+logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, ConnectionResetError(104, "Connection reset by peer"))
+logging.getLogger("kafka.net.selector").warning("Task %r ran for %.3fs (>%.3fs threshold). It is blocking the event loop -- likely a tight sync loop inside a coroutine. Other pollers will time out." % ("<kafka.net.selector.Task x>", 0.144, 0.1))
+logging.getLogger("kafka.net.manager").error("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")
+logging.getLogger("kafka.coordinator").warning("Marking the coordinator dead (node coordinator-1) for group panagg: KafkaConnectionError: 111 ECONNREFUSED.")
+logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, KafkaProtocolError("bad frame"))
+logging.getLogger("kafka.consumer.fetcher").error("Fetch to node 1 failed: %s", UnsupportedVersionError("v99"))
+'''
+
+
+def test_kafka_python_lines_about_handled_outages_are_left_out_and_the_rest_shown():
+    out = subprocess.run([sys.executable, "-c", LIBRARY_LINES, "-"], capture_output=True,
+                         text=True, timeout=60)
+    lines = [x.split(" ", 2)[2] for x in out.stderr.strip().splitlines()]
+    assert lines == [
+        "ERROR kafka.net.transport: <KafkaTCPTransport [127.0.0.1:9092<-5000]>: Abort "
+        "(KafkaProtocolError: bad frame)",
+        "ERROR kafka.consumer.fetcher: Fetch to node 1 failed: [Error 35] "
+        "UnsupportedVersionError: v99"], out.stderr
+    verbose = subprocess.run([sys.executable, "-c", LIBRARY_LINES, "-v"], capture_output=True,
+                             text=True, timeout=60)
+    # -v: the client's own lines too (a repeated template once a minute: one Abort line)
+    assert all(x in verbose.stderr for x in ("Abort (KafkaConnectionError: socket disconnected)",
+                                             "likely a tight sync loop", "Connection failed",
+                                             "Marking the coordinator dead")), verbose.stderr
+    # a TLS failure is not an outage: it passes (the repeat filter would hold back a second
+    # abort within a minute, so the filter is asked directly)
+    tls = logging.LogRecord("kafka.net.transport", logging.ERROR, "transport.py", 258,
+                            "%s: Abort (%s)", ("<t>", ssl.SSLError(1, "certificate verify failed")),
+                            None)
+    gone = logging.LogRecord("kafka.net.transport", logging.ERROR, "transport.py", 258,
+                             "%s: Abort (%s)", ("<t>", ConnectionResetError(104, "reset")), None)
+    assert _handled_library_line(tls) and not _handled_library_line(gone)

@@ -93,6 +93,47 @@ class _RepeatedLibraryLines:
         return True
 
 
+#: kafka-python lines about a connection to a broker going or coming back, by their error
+#: (class names and socket errors, as the client words them)
+_CONNECTION_WORDS = ("KafkaConnectionError", "NodeNotReadyError", "RequestTimedOutError",
+                     "CoordinatorNotAvailableError", "ECONNREFUSED", "Connection refused",
+                     "Connection reset by peer", "Broken pipe", "socket disconnected",
+                     "No node available", "Marking the coordinator dead", "Connection lost")
+
+
+def _handled_library_line(record) -> bool:
+    """Handler filter: kafka-python lines about what the service handles and reports itself
+    (issue 27) are left out; the rest of the library's lines pass.
+
+    - A broker going away and coming back: every connection logs its abort, loss and refused
+      reconnects (a dozen ERROR lines per broker restart). The service says "Kafka broker
+      unreachable" / "reachable again" once each, sets panagg_broker_connected and reconnects;
+      ``-v`` shows the client's own lines too. An abort for another reason (a protocol error,
+      TLS) still shows.
+    - ``Task ... ran for 0.144s ... likely a tight sync loop``: the client's I/O thread waited
+      for the interpreter while the loop counted a batch; the client copes, and intake shows
+      in panagg_lag_records."""
+    import ssl
+
+    from kafka.errors import (CoordinatorNotAvailableError, KafkaConnectionError,
+                              NodeNotReadyError, RequestTimedOutError)
+    if record.name.split(".", 1)[0] != "kafka":
+        return True
+    text = record.getMessage()
+    if "likely a tight sync loop" in text:
+        return False
+    errors = [a for a in (record.args if isinstance(record.args, tuple) else ())
+              if isinstance(a, BaseException)]
+    if record.exc_info and record.exc_info[1] is not None:
+        errors.append(record.exc_info[1])
+    if any(isinstance(e, ssl.SSLError) for e in errors) or "SSL" in text:
+        return True  # a TLS problem is not an outage
+    if any(isinstance(e, (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError,
+                          CoordinatorNotAvailableError, ConnectionError)) for e in errors):
+        return False
+    return not any(word in text for word in _CONNECTION_WORDS)
+
+
 def _setup_logging(verbose: bool = False) -> None:
     import logging
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
@@ -100,6 +141,8 @@ def _setup_logging(verbose: bool = False) -> None:
     repeated = _RepeatedLibraryLines()
     for handler in logging.getLogger().handlers:
         if _one_line_library_errors not in handler.filters:
+            if not verbose:  # (before the repeat counter: a line left out is not "held back")
+                handler.addFilter(_handled_library_line)
             handler.addFilter(_one_line_library_errors)
             handler.addFilter(repeated)
     logging.getLogger("kafka").setLevel(logging.WARNING)
