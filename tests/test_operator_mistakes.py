@@ -289,3 +289,18 @@ def test_kafka_python_lines_about_handled_outages_are_left_out_and_the_rest_show
     gone = logging.LogRecord("kafka.net.transport", logging.ERROR, "transport.py", 258,
                              "%s: Abort (%s)", ("<t>", ConnectionResetError(104, "reset")), None)
     assert _handled_library_line(tls) and not _handled_library_line(gone)
+
+
+def test_a_refused_start_of_several_aggregations_prints_no_stop_line(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    sets = ["aggregations.a.item.field=item", "aggregations.b.item.field=item",
+            "ledger.budget_per_event=2"]
+    res = panagg(*run_args(tmp_path, path, *sets))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("stopped (input ended or idle)") == 2  # one per aggregation
+    res = panagg(*run_args(tmp_path, path, *sets, "aggregations.b.state.epsilon=0.5"))
+    assert res.returncode == 2
+    assert last_line(res).startswith(
+        f"panagg: error: checkpoint.dir {tmp_path / 'state' / 'b'} belongs to "
+        "other settings (epsilon 1.0 -> 0.5")
+    assert "stopped (" not in res.stderr

@@ -505,7 +505,7 @@ class Aggregator(EventTimeWindows):
                                 identity=first)
             return first
         # a ledger from before a key was in the identity: the last start's saved config says
-        saved = directory_identity(self._saved_config()) if self._saved_config() else {}
+        saved = directory_identity(self._saved_config())
         had = {k: recorded.get(k, saved.get(k, _IDENTITY_DEFAULTS.get(k, mine[k]))) for k in mine}
         changed = [k for k in mine if had[k] != mine[k]]
         if not changed:
