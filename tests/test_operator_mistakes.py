@@ -304,3 +304,14 @@ def test_a_refused_start_of_several_aggregations_prints_no_stop_line(tmp_path):
         f"panagg: error: checkpoint.dir {tmp_path / 'state' / 'b'} belongs to "
         "other settings (epsilon 1.0 -> 0.5")
     assert "stopped (" not in res.stderr
+
+
+def test_item_field_naming_a_float_in_hashed_mode_names_the_fix(tmp_path):
+    path = tmp_path / "in.json"
+    path.write_text("".join(json.dumps({"score": i / 7}) + "\n" for i in range(1, 151)))
+    res = panagg(*run_args(tmp_path, path, "state.mode=hashed", "item.field=score", fmt="json"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: 150 of the first 150 records were rejected (mostly wrong_type): "
+        "item.field 'score' holds a number with a fraction; items are strings, bytes or whole "
+        "numbers: name a field that holds one")

@@ -152,8 +152,8 @@ class RejectWatch:
         except Exception:
             return "?"
         item = _walk(doc, tuple(self.cfg["item"]["field"].split(".")))
-        return {dict: "map", list: "list", float: "number with a fraction", bool: "true/false",
-                type(None): "null"}.get(type(item), "?")
+        return {dict: "map", list: "list", float: "a number with a fraction",
+                bool: "true or false", type(None): "null"}.get(type(item), "?")
 
     def message(self) -> str:
         top = max(self.reasons, key=self.reasons.get) if self.reasons else "?"
@@ -167,7 +167,7 @@ class RejectWatch:
             fix = (f"item.field {field!r} is a list; name one of its elements by position, "
                    f"e.g. item.field = {field}.0, or a key inside it ({field}.0.id)")
         elif top == "wrong_type" and mode == "hashed" and kind != "?":
-            fix = (f"item.field {field!r} holds a {kind}; items are strings, bytes or whole "
+            fix = (f"item.field {field!r} holds {kind}; items are strings, bytes or whole "
                    "numbers: name a field that holds one")
         elif top in ("undecodable", "not_a_map") and fmt == "msgpack" and self.looks_json:
             fix = "the records look like JSON: set source.format = json"
