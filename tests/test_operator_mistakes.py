@@ -315,3 +315,23 @@ def test_item_field_naming_a_float_in_hashed_mode_names_the_fix(tmp_path):
         "panagg: error: 150 of the first 150 records were rejected (mostly wrong_type): "
         "item.field 'score' holds a number with a fraction; items are strings, bytes or whole "
         "numbers: name a field that holds one")
+
+
+def test_unknown_keys_in_the_file_and_in_set_name_the_near_match(tmp_path):
+    from aggregator.service.config import ConfigError, load_config
+    toml = tmp_path / "panagg.toml"
+    toml.write_text("[state]\nepsilom = 0.25\n")
+    try:
+        load_config(str(toml), [], env={})
+    except ConfigError as exc:
+        assert str(exc).startswith(f"unknown key state.epsilom in {toml}; did you mean "
+                                   "state.epsilon? known in [state]: ")
+    else:
+        raise AssertionError("not refused")
+    try:
+        load_config(None, ["state.epsilom=0.25"], env={})
+    except ConfigError as exc:
+        assert str(exc) == ("--set 'state.epsilom=0.25': expected section.key=value with a known "
+                            "key, did you mean state.epsilon?")
+    else:
+        raise AssertionError("not refused")

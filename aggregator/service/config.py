@@ -316,8 +316,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         section, _, key = name.strip().partition(".")
         _removed(section, key, "--set")
         if not sep or section not in cfg or key not in cfg[section]:
+            near = difflib.get_close_matches(name.strip(), [f"{s}.{k}" for s in DEFAULTS
+                                                            for k in DEFAULTS[s]], n=1)
             raise ConfigError(f"--set {item!r}: expected section.key=value with a known key, "
-                              "e.g. --set window.size=100000")
+                              + (f"did you mean {near[0]}?" if near else
+                                 "e.g. --set window.size=100000"))
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
     _check_environment(cfg, env)
     _validate(cfg, env)
