@@ -482,7 +482,8 @@ class Aggregator(EventTimeWindows):
         setting that changed since the last start (those not in the identity are safe to
         change: docs/configuration.md) is logged once, here."""
         from .config import DEFAULTS
-        old, new = self._saved_config(), redacted(self.cfg)
+        # (scale-out members share the directory, each with its own instance id and port)
+        old, new = {} if self.partitioned else self._saved_config(), redacted(self.cfg)
         for section in DEFAULTS:
             for key in DEFAULTS[section]:
                 was = (old.get(section) or {}).get(key, new[section][key])
