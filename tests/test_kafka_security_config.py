@@ -41,8 +41,14 @@ def test_password_from_the_environment(pw_file):
     sets = [s for s in sasl(pw_file) if "password_file" not in s] + ["security.password_env=PW"]
     cfg = load_config(None, sets, env={"PW": SECRET})
     assert client_options(cfg["security"], env={"PW": SECRET})["sasl_plain_password"] == SECRET
-    # the generic PANAGG_SECURITY_PASSWORD is not a way in: secrets come by name only
-    cfg = load_config(None, [], env={"PANAGG_SECURITY_PASSWORD": SECRET})
+    # the generic PANAGG_SECURITY_PASSWORD is not a way in: secrets come by name only (refused,
+    # so that it is not mistaken for one), unless security.password_env names it
+    with pytest.raises(ConfigError, match="PANAGG_SECURITY_PASSWORD is not read") as err:
+        load_config(None, [], env={"PANAGG_SECURITY_PASSWORD": SECRET})
+    assert SECRET not in str(err.value)
+    sets = [s for s in sasl(pw_file) if "password_file" not in s] + [
+        "security.password_env=PANAGG_SECURITY_PASSWORD"]
+    cfg = load_config(None, sets, env={"PANAGG_SECURITY_PASSWORD": SECRET})
     assert cfg["security"]["password"] == ""
 
 

@@ -557,6 +557,11 @@ def test_other_settings_are_refused_before_any_partition_is_taken(cfg_for):
         b.step(0)
     assert "ev:0" not in b.tasks
     assert a._take("ev:0")  # the refused process never held the lock
+    # a refused run writes nothing either: not even the config.json offline commands reuse
+    c = PartitionedAggregator(cfg_for(**{"state.epsilon": 2.0}), FakeMember(topic))
+    with pytest.raises(ServiceError, match="belongs to other settings"):
+        c.run()
+    assert not (Path(c.cfg["checkpoint"]["dir"]) / "config.json").exists()
 
 
 def test_a_partition_first_taken_before_the_previous_window_exists_still_contributes(cfg_for,

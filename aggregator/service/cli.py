@@ -93,6 +93,47 @@ class _RepeatedLibraryLines:
         return True
 
 
+#: kafka-python lines about a connection to a broker going or coming back, by their error
+#: (class names and socket errors, as the client words them)
+_CONNECTION_WORDS = ("KafkaConnectionError", "NodeNotReadyError", "RequestTimedOutError",
+                     "CoordinatorNotAvailableError", "ECONNREFUSED", "Connection refused",
+                     "Connection reset by peer", "Broken pipe", "socket disconnected",
+                     "No node available", "Marking the coordinator dead", "Connection lost")
+
+
+def _handled_library_line(record) -> bool:
+    """Handler filter: kafka-python lines about what the service handles and reports itself
+    (issue 27) are left out; the rest of the library's lines pass.
+
+    - A broker going away and coming back: every connection logs its abort, loss and refused
+      reconnects (a dozen ERROR lines per broker restart). The service says "Kafka broker
+      unreachable" / "reachable again" once each, sets panagg_broker_connected and reconnects;
+      ``-v`` shows the client's own lines too. An abort for another reason (a protocol error,
+      TLS) still shows.
+    - ``Task ... ran for 0.144s ... likely a tight sync loop``: the client's I/O thread waited
+      for the interpreter while the loop counted a batch; the client copes, and intake shows
+      in panagg_lag_records."""
+    import ssl
+
+    from kafka.errors import (CoordinatorNotAvailableError, KafkaConnectionError,
+                              NodeNotReadyError, RequestTimedOutError)
+    if record.name.split(".", 1)[0] != "kafka":
+        return True
+    text = record.getMessage()
+    if "likely a tight sync loop" in text:
+        return False
+    errors = [a for a in (record.args if isinstance(record.args, tuple) else ())
+              if isinstance(a, BaseException)]
+    if record.exc_info and record.exc_info[1] is not None:
+        errors.append(record.exc_info[1])
+    if any(isinstance(e, ssl.SSLError) for e in errors) or "SSL" in text:
+        return True  # a TLS problem is not an outage
+    if any(isinstance(e, (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError,
+                          CoordinatorNotAvailableError, ConnectionError)) for e in errors):
+        return False
+    return not any(word in text for word in _CONNECTION_WORDS)
+
+
 def _setup_logging(verbose: bool = False) -> None:
     import logging
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
@@ -100,6 +141,8 @@ def _setup_logging(verbose: bool = False) -> None:
     repeated = _RepeatedLibraryLines()
     for handler in logging.getLogger().handlers:
         if _one_line_library_errors not in handler.filters:
+            if not verbose:  # (before the repeat counter: a line left out is not "held back")
+                handler.addFilter(_handled_library_line)
             handler.addFilter(_one_line_library_errors)
             handler.addFilter(repeated)
     logging.getLogger("kafka").setLevel(logging.WARNING)
@@ -621,6 +664,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             if not result.get("ok"):
                 raise UsageError(result.get("error", "export failed"))
             print(result["path"])
+            _note_other_key(cfg, result["path"])
             return 0
         try:
             load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
@@ -656,6 +700,21 @@ def cmd_audit(args: argparse.Namespace) -> int:
         np.save(args.counters, counts)
         print(f"counters written to {args.counters}", file=sys.stderr)
     return 0
+
+
+def _note_other_key(cfg: dict, path: str) -> None:
+    """A key in this shell does not sign a running service's export (the service signs with its
+    own): say so when they differ, or `audit verify` with this shell's key fails later."""
+    from state_store.audit import AuditKeyError, key_id, load_key, read_export
+    try:
+        mine = key_id(load_key(cfg["audit"]["key_file"] or None))
+        theirs = read_export(path)["key_id"]
+    except (AuditKeyError, ValueError, OSError):
+        return  # no key here: nothing to mix up
+    if mine != theirs:
+        print(f"panagg: note: the running service signed this export with its own key (key id "
+              f"{theirs}), not this shell's (key id {mine}); verify it with the service's key",
+              file=sys.stderr)
 
 
 FORMS = ("counts", "per-item", "prevalences")

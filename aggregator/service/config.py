@@ -8,6 +8,7 @@ the value, what is expected and where to fix it. docs/configuration.md lists eve
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 import os
 import tomllib
@@ -289,8 +290,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             for key, value in values.items():
                 _removed(section, key, path)
                 if key not in cfg[section]:
-                    raise ConfigError(f"unknown key {section}.{key} in {path}; known in "
-                                      f"[{section}]: {', '.join(sorted(cfg[section]))}")
+                    near = difflib.get_close_matches(str(key), list(cfg[section]), n=1)
+                    raise ConfigError(f"unknown key {section}.{key} in {path}; "
+                                      + (f"did you mean {section}.{near[0]}? " if near else "")
+                                      + f"known in [{section}]: {', '.join(sorted(cfg[section]))}")
                 cfg[section][key] = _coerce(section, key, value, DEFAULTS[section][key])
     for section, key in _REMOVED:
         if f"PANAGG_{section.upper()}_{key.upper()}" in env:
@@ -313,12 +316,43 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         section, _, key = name.strip().partition(".")
         _removed(section, key, "--set")
         if not sep or section not in cfg or key not in cfg[section]:
+            near = difflib.get_close_matches(name.strip(), [f"{s}.{k}" for s in DEFAULTS
+                                                            for k in DEFAULTS[s]], n=1)
             raise ConfigError(f"--set {item!r}: expected section.key=value with a known key, "
-                              "e.g. --set window.size=100000")
+                              + (f"did you mean {near[0]}?" if near else
+                                 "e.g. --set window.size=100000"))
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
+    _check_environment(cfg, env)
     _validate(cfg, env)
     cfg["aggregations"] = _aggregations(cfg, aggregations)
     return cfg
+
+
+#: PANAGG_* variables that are not settings: keys read by name (audit, shuffle analyzer), the
+#: analyzer's decrypt pool, and the test harness's (PANAGG_TEST*: PANAGG_TESTING, test hooks;
+#: PANAGG_KAFKA_*: a broker for the tests and benchmarks)
+NON_SETTING_ENV = ("PANAGG_AUDIT_KEY", "PANAGG_SHUFFLE_PRIVATE_KEY", "PANAGG_SHUFFLE_DECRYPT_WORKERS",
+                   "PANAGG_KAFKA_BOOTSTRAP", "PANAGG_KAFKA_SECURE_STATE")
+
+
+def _check_environment(cfg: dict, env) -> None:
+    """Refuse a ``PANAGG_*`` variable that sets nothing (a typo would otherwise run with the
+    default: ``PANAGG_STATE_EPSILOM=0.25`` ran at epsilon 1). Only names are shown, never values."""
+    settings = {f"PANAGG_{s.upper()}_{k.upper()}": f"{s}.{k}" for s in DEFAULTS for k in DEFAULTS[s]
+                if (s, k) not in _SECRET}
+    named = cfg["security"]["password_env"]  # a secret by name may be called PANAGG_anything
+    for var in sorted(v for v in env if v.startswith("PANAGG_")):
+        if var in settings or var in NON_SETTING_ENV or var == named or var.startswith("PANAGG_TEST"):
+            continue
+        if var == "PANAGG_SECURITY_PASSWORD":
+            raise ConfigError("PANAGG_SECURITY_PASSWORD is not read: secrets come in by name only; "
+                              "put the password in a file (security.password_file) or name the "
+                              "variable that holds it (security.password_env), and unset it")
+        near = difflib.get_close_matches(var, list(settings) + list(NON_SETTING_ENV), n=1, cutoff=0.8)
+        hint = (f" (did you mean {near[0]}" + (f", i.e. {settings[near[0]]}" if near[0] in settings
+                                                else "") + "?)" if near else "")
+        raise ConfigError(f"unknown environment variable {var}{hint}; rename or unset it "
+                          "(PANAGG_<SECTION>_<KEY> sets a config key: docs/configuration.md)")
 
 
 #: what an aggregation may set for itself; the stream (source, security), the process (scale,

@@ -329,6 +329,7 @@ class MultiAggregator:
         self._lock()
         started: list[Aggregator] = []
         worker = None
+        running = failed = False
         try:
             self.check_set()
             if any(a.async_releases() for a in self.aggs.values()):
@@ -345,6 +346,7 @@ class MultiAggregator:
                     agg.start()  # restores its checkpoint: its view learns its offsets
             self._track_start()
             self.source.seek(self._start)
+            running = True  # a refused start says why in one line, not "stopped" before it
             log.info("one consumer for %d aggregations (%s)", len(self.aggs), ", ".join(self.aggs))
             finite = self.cfg["source"]["kind"] != "kafka"
             idle_since = None
@@ -374,6 +376,9 @@ class MultiAggregator:
                 self._each(name, agg.finish)
         except Stopping:
             log.info("stopped while waiting; the open windows are replayed at the next start")
+        except BaseException:
+            failed = True
+            raise
         finally:
             if worker is not None:
                 worker.close()
@@ -383,8 +388,9 @@ class MultiAggregator:
             if self._lock_file is not None:
                 self._lock_file.close()
                 self._lock_file = None
-            for agg in started:
-                self._each(agg.aggregation["name"], agg._stop_line)
+            for agg in started if running else ():
+                self._each(agg.aggregation["name"], agg._stop_line,
+                           "on the error below" if failed else None)
             log.removeFilter(self._log_filter)
 
     def _count(self, segments: list[Segment]) -> None:

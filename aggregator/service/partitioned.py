@@ -353,8 +353,8 @@ class PartitionedAggregator(Aggregator):
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         try:
-            self.save_effective_config()
             self.restore()
+            self.save_effective_config()  # after the identity check: a refused start writes none
             self.log_accuracy_plan()
             if self.cfg["item"]["source"] != "key":
                 log.info("scale-out counts each item in the partition its records are in: the "

@@ -118,6 +118,8 @@ class RejectWatch:
         self.seen = self.rejected = self.counted = 0
         self.reasons: dict[str, int] = {}
         self.looks_json = self.looks_msgpack = 0
+        #: what the rejected items of reason wrong_type are (map, list, ...): the fix differs
+        self.kinds: dict[str, int] = {}
         self.warned = False
 
     def observe(self, values, rejected, filtered: int = 0) -> None:
@@ -131,15 +133,45 @@ class RejectWatch:
             head = bytes(values[i][:1]) if isinstance(values[i], (bytes, bytearray)) else b""
             self.looks_json += head in (b"{", b"[")
             self.looks_msgpack += bool(head) and 0x80 <= head[0] <= 0x8F
+            if reason == "wrong_type" and sum(self.kinds.values()) < 100:
+                kind = self._item_kind(values[i])
+                self.kinds[kind] = self.kinds.get(kind, 0) + 1
         if self.seen >= min(self.sample, 100) and not self.warned \
                 and self.rejected >= self.ratio * self.seen:
             self.warned = True
             log.error("%s", self.message())
 
+    def _item_kind(self, raw) -> str:
+        """The type (only) of the value at item.field in one rejected record."""
+        import msgpack
+
+        from consumers.decode import _walk
+        if self.cfg["item"]["source"] != "value" or not isinstance(raw, (bytes, bytearray)):
+            return "?"
+        try:
+            doc = (msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)
+                   if self.cfg["source"]["format"] == "msgpack" else json.loads(bytes(raw)))
+        except Exception:
+            return "?"
+        item = _walk(doc, tuple(self.cfg["item"]["field"].split(".")))
+        return {dict: "map", list: "list", float: "a number with a fraction",
+                bool: "true or false", type(None): "null"}.get(type(item), "?")
+
     def message(self) -> str:
         top = max(self.reasons, key=self.reasons.get) if self.reasons else "?"
         fmt, mode = self.cfg["source"]["format"], self.cfg["state"]["mode"]
-        if top in ("undecodable", "not_a_map") and fmt == "msgpack" and self.looks_json:
+        kind = max(self.kinds, key=self.kinds.get) if self.kinds else "?"
+        field = self.cfg["item"]["field"]
+        if top == "wrong_type" and kind == "map":
+            fix = (f"item.field {field!r} is a map; name one of its keys with a dotted path, "
+                   f"e.g. item.field = {field}.id")
+        elif top == "wrong_type" and kind == "list":
+            fix = (f"item.field {field!r} is a list; name one of its elements by position, "
+                   f"e.g. item.field = {field}.0, or a key inside it ({field}.0.id)")
+        elif top == "wrong_type" and mode == "hashed" and kind != "?":
+            fix = (f"item.field {field!r} holds {kind}; items are strings, bytes or whole "
+                   "numbers: name a field that holds one")
+        elif top in ("undecodable", "not_a_map") and fmt == "msgpack" and self.looks_json:
             fix = "the records look like JSON: set source.format = json"
         elif top in ("undecodable", "not_a_map") and fmt == "json" and self.looks_msgpack:
             fix = "the records look like msgpack: set source.format = msgpack"
@@ -258,6 +290,20 @@ def identity_of(cfg: dict) -> dict:
 
 #: identity keys added after state directories existed: what a ledger without them recorded
 _IDENTITY_DEFAULTS = {"item": "value:item"}
+
+
+def directory_identity(cfg: dict) -> dict:
+    """Settings a state directory depends on beyond :func:`identity_of` (issue 27): the format
+    its records are decoded in (the open window is replayed from the source after a restart) and
+    where its releases go (a new directory leaves a gap in the old one). From a config dict, or
+    from the config.json a start saved."""
+    src, rel = cfg.get("source") or {}, cfg.get("release") or {}
+    out = {}
+    if "format" in src:
+        out["format"] = src["format"]
+    if rel.get("dir"):
+        out["release_dir"] = os.path.abspath(rel["dir"])
+    return out
 
 
 def item_identity(cfg: dict) -> str:
@@ -403,8 +449,27 @@ class Aggregator(EventTimeWindows):
         self.control.mkdir(exist_ok=True)
         self._lock_file = lock_directory(self.dir)
 
+    def _saved_config(self) -> dict:
+        """The config the last start saved in the state directory ({} if none or unreadable)."""
+        try:
+            saved = json.loads((self.dir / "config.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return saved if isinstance(saved, dict) else {}
+
     def save_effective_config(self) -> None:
-        """Keep the running config next to the checkpoints, for offline release/export."""
+        """Keep the running config next to the checkpoints, for offline release/export. A
+        setting that changed since the last start (those not in the identity are safe to
+        change: docs/configuration.md) is logged once, here."""
+        from .config import DEFAULTS
+        # (scale-out members share the directory, each with its own instance id and port)
+        old, new = {} if self.partitioned else self._saved_config(), redacted(self.cfg)
+        for section in DEFAULTS:
+            for key in DEFAULTS[section]:
+                was = (old.get(section) or {}).get(key, new[section][key])
+                if was != new[section][key] and (section, key) != ("security", "password"):
+                    log.info("setting %s.%s changed from %r to %r", section, key, was,
+                             new[section][key])
         tmp = self.dir / ".config.json.tmp"
         tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))  # no secrets
         os.replace(tmp, self.dir / "config.json")
@@ -412,7 +477,7 @@ class Aggregator(EventTimeWindows):
     def check_identity(self) -> dict:
         """Record the state directory's identity at its first start; refuse (or, with
         ``accept_change``, ledger) a later start with other settings."""
-        mine = identity_of(self.cfg)
+        mine = dict(identity_of(self.cfg), **directory_identity(self.cfg))
         recorded = self.ledger.identity()
         if recorded is None:
             first = dict(mine, run=os.urandom(8).hex(), first_window=self._first_window(),
@@ -420,14 +485,23 @@ class Aggregator(EventTimeWindows):
             self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                                 identity=first)
             return first
-        changed = [k for k in mine if recorded.get(k, _IDENTITY_DEFAULTS.get(k)) != mine[k]]
+        # a ledger from before a key was in the identity: the last start's saved config says
+        saved = directory_identity(self._saved_config())
+        had = {k: recorded.get(k, saved.get(k, _IDENTITY_DEFAULTS.get(k, mine[k]))) for k in mine}
+        changed = [k for k in mine if had[k] != mine[k]]
         if not changed:
             return recorded
-        what = ", ".join(f"{k} {recorded.get(k)!r} -> {mine[k]!r}" for k in changed)
+        what = ", ".join(f"{k} {had[k]!r} -> {mine[k]!r}" for k in changed)
         if not self.accept_change:
+            where = ""
+            if "release_dir" in changed:
+                done = [e["window"] for e in self.ledger.releases() if isinstance(e.get("window"), int)]
+                where = (f"; the releases so far ({len(done)}, up to window {max(done)}) are in "
+                         f"{had['release_dir']}: a new release.dir would leave a gap there"
+                         if done else "")
             raise ServiceError(f"checkpoint.dir {self.dir} belongs to other settings ({what}); "
                                "use the original settings, a new checkpoint.dir, or "
-                               "--accept-change to record the change in the ledger")
+                               f"--accept-change to record the change in the ledger{where}")
         self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                             identity=dict(recorded, **mine), previous=recorded,
                             note=f"settings changed: {what}")
@@ -603,6 +677,15 @@ class Aggregator(EventTimeWindows):
                      "from one backup cannot be detected")
         for where, head in anchors:
             problem = self.ledger.anchor_problem(head)
+            if problem and ckpt is None and not self.ledger.path.exists() \
+                    and where.startswith("the committed offsets of group"):
+                # a new directory on a group another one used: not only a lost ledger
+                raise ServiceError(
+                    f"checkpoint.dir {self.dir} is new, but consumer group "
+                    f"{self.cfg['source']['group']!r} has committed offsets of a state directory "
+                    f"whose ledger had {head['seq']} entries: another state directory (or a lost "
+                    "one) counted this topic. Use that state directory (restore it from a backup "
+                    "if it was lost), or another source.group to count the topic anew")
             if problem:
                 raise ServiceError(
                     f"{problem} (its head, entry {head['seq']}, is recorded in {where}); the "
@@ -758,8 +841,10 @@ class Aggregator(EventTimeWindows):
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
         self._lock()
+        started = failed = False
         try:
             self.start()
+            started = True  # a refused start says why in one line, not "stopped" before it
             idle_since = None
             finite = self.cfg["source"]["kind"] != "kafka"
             while not self.stop_event.is_set():
@@ -782,9 +867,13 @@ class Aggregator(EventTimeWindows):
             self.finish()
         except Stopping:
             log.info("stopped while waiting; the open window is replayed at the next start")
+        except BaseException:
+            failed = True
+            raise
         finally:
             self.close()
-            self._stop_line()
+            if started:
+                self._stop_line("on the error below" if failed else None)
 
     # The loop's steps, also driven one by one by aggregator.service.multi (several aggregations
     # fed by one consumer): start, then per poll a turn, then input_ended (finite input) and finish.
@@ -874,12 +963,12 @@ class Aggregator(EventTimeWindows):
         return probe is None or bool(probe(sorted(set(assigned) - set(self._held)))) \
             if set(assigned) - set(self._held) else True
 
-    def _stop_line(self) -> None:
+    def _stop_line(self, reason: str | None = None) -> None:
         """What a restart will find: the last checkpoint and what is replayed from it."""
         task = getattr(self, "task", None)
         win = getattr(task, "window", None) or {}
         durable = getattr(task, "durable", None)
-        reason = "stop requested" if self.stop_event.is_set() else "input ended or idle"
+        reason = reason or ("stop requested" if self.stop_event.is_set() else "input ended or idle")
         if not win:
             log.info("stopped (%s)", reason)
             return

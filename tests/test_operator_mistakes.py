@@ -1,0 +1,337 @@
+"""Issue 27, the mistakes a newcomer made that passed silently: each is refused (or said) in one
+line naming the fix, and a refused start writes nothing. Real files, the real CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+
+from aggregator.service.cli import _handled_library_line
+from state_store.audit import key_id, read_export
+
+D = 50
+
+
+def panagg(*args, env=None, timeout=180):
+    full = dict(os.environ, PANAGG_TESTING="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                          capture_output=True, text=True, timeout=timeout, env=full)
+
+
+def events(path: Path, n: int, fmt: str = "msgpack", start: int = 0) -> Path:
+    with open(path, "ab") as f:
+        for i in range(start, start + n):
+            if fmt == "json":
+                f.write(json.dumps({"item": i % D}).encode() + b"\n")
+            else:
+                f.write(msgpack.packb({"item": i % D}))
+    return path
+
+
+def run_args(tmp_path, path, *sets, fmt="msgpack"):
+    out = ["run", "--state-dir", str(tmp_path / "state"), "--release-dir",
+           str(tmp_path / "releases"), "--metrics-port", "-1",
+           "--set", "source.kind=file", "--set", f"source.path={path}",
+           "--set", f"source.format={fmt}", "--set", f"state.domain_size={D}",
+           "--set", "window.kind=count", "--set", "window.size=100",
+           "--set", "release.error_bar_reps=0", "--set", "release.workers=0"]
+    for s in sets:
+        out += ["--set", s]
+    return out
+
+
+def last_line(res) -> str:
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    return res.stderr.strip().splitlines()[-1]
+
+
+def written(tmp_path) -> list[str]:
+    """What a start left in the state and release directories (the lock file and the empty
+    control directory a start takes first aside)."""
+    out = []
+    for root in (tmp_path / "state", tmp_path / "releases"):
+        for p in sorted(root.rglob("*")) if root.exists() else ():
+            if p.name != "service.lock" and not (p.is_dir() and not any(p.iterdir())):
+                out.append(str(p.relative_to(tmp_path)))
+    return out
+
+
+# -- 4: a mistyped PANAGG_* variable ---------------------------------------------------------------
+def test_mistyped_environment_variable_is_refused_naming_the_near_match(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    res = panagg(*run_args(tmp_path, path), env={"PANAGG_STATE_EPSILOM": "0.25"})
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: unknown environment variable PANAGG_STATE_EPSILOM (did you mean "
+        "PANAGG_STATE_EPSILON, i.e. state.epsilon?); rename or unset it (PANAGG_<SECTION>_<KEY> "
+        "sets a config key: docs/configuration.md)")
+    assert "0.25" not in res.stderr  # names only, never values
+    assert not (tmp_path / "state").exists() and not (tmp_path / "releases").exists()
+    # the variables that are not settings pass; the fixed name is read
+    res = panagg(*run_args(tmp_path, path), env={"PANAGG_STATE_EPSILON": "0.25",
+                                                 "PANAGG_AUDIT_KEY": "00" * 32,
+                                                 "PANAGG_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(sorted((tmp_path / "releases").glob("*.json"))[0].read_text())
+    assert doc["epsilon"] == 0.25
+
+
+def test_panagg_security_password_is_refused_with_the_way_in():
+    res = panagg("run", "--metrics-port", "-1", env={"PANAGG_SECURITY_PASSWORD": "s3cret"})
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: PANAGG_SECURITY_PASSWORD is not read: secrets come in by name only; put "
+        "the password in a file (security.password_file) or name the variable that holds it "
+        "(security.password_env), and unset it")
+    assert "s3cret" not in res.stderr
+
+
+# -- 7: a refusal is not preceded by the normal stop line ----------------------------------------
+def test_a_refused_start_prints_no_stop_line(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    res = panagg(*run_args(tmp_path, path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "INFO panagg.service: stopped (input ended or idle)" in res.stderr  # a normal run
+    before = written(tmp_path)
+    res = panagg(*run_args(tmp_path, path, "state.epsilon=0.5"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        f"panagg: error: checkpoint.dir {tmp_path / 'state'} belongs to other settings (epsilon "
+        "1.0 -> 0.5, budget_per_window 1.0 -> 0.5); use the original settings, a new "
+        "checkpoint.dir, or --accept-change to "
+        "record the change in the ledger")
+    assert "stopped (" not in res.stderr
+    assert written(tmp_path) == before
+
+
+# -- 10: item.field naming a map -------------------------------------------------------------------
+def test_item_field_naming_a_map_names_the_fix(tmp_path):
+    path = tmp_path / "in.json"
+    with open(path, "w") as f:
+        for i in range(300):
+            f.write(json.dumps({"user": {"id": f"u{i % 7}", "name": "x"}}) + "\n")
+    res = panagg(*run_args(tmp_path, path, "state.mode=hashed", "item.field=user", fmt="json"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: 300 of the first 300 records were rejected (mostly wrong_type): "
+        "item.field 'user' is a map; name one of its keys with a dotted path, e.g. item.field = "
+        "user.id")
+    assert "u1" not in res.stderr  # the records' contents are never shown
+    res = panagg(*run_args(tmp_path / "b", path, "state.mode=hashed", "item.field=user.id",
+                           fmt="json"))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_item_field_naming_a_list_names_the_fix(tmp_path):
+    path = tmp_path / "in.bin"
+    with open(path, "wb") as f:
+        for i in range(200):
+            f.write(msgpack.packb({"items": [i % D, 1]}))
+    res = panagg(*run_args(tmp_path, path, "item.field=items"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: 200 of the first 200 records were rejected (mostly wrong_type): "
+        "item.field 'items' is a list; name one of its elements by position, e.g. item.field = "
+        "items.0, or a key inside it (items.0.id)")
+
+
+# -- 5: settings a state directory depends on ------------------------------------------------------
+def test_changing_source_format_is_refused_and_accepted_only_explicitly(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    assert panagg(*run_args(tmp_path, path)).returncode == 0
+    before = written(tmp_path)
+    ledger = (tmp_path / "state" / "ledger.jsonl").read_text()
+    # (the producers switched to JSON, or a mistake: the open window is replayed from the
+    # source after a restart, and its records would be decoded the other way)
+    res = panagg(*run_args(tmp_path, path, fmt="json"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        f"panagg: error: checkpoint.dir {tmp_path / 'state'} belongs to other settings (format "
+        "'msgpack' -> 'json'); use the original settings, a new checkpoint.dir, or "
+        "--accept-change to record the change in the ledger")
+    assert written(tmp_path) == before
+    assert (tmp_path / "state" / "ledger.jsonl").read_text() == ledger
+    res = panagg(*run_args(tmp_path, path, fmt="json"), "--accept-change")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "settings of " in res.stderr and "format 'msgpack' -> 'json'" in res.stderr
+    entries = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().split("\n") if x]
+    ids = [e for e in entries if e["kind"] == "identity"]
+    assert ids[-1]["identity"]["format"] == "json" and ids[-1]["previous"]["format"] == "msgpack"
+
+
+def test_changing_release_dir_is_refused_naming_where_the_releases_are(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    assert panagg(*run_args(tmp_path, path)).returncode == 0
+    old = tmp_path / "releases"
+    assert len(list(old.glob("*.json"))) == 3  # windows 0, 1 and the partial 2
+    events(path, 100, start=250)
+    args = run_args(tmp_path, path) + ["--release-dir", str(tmp_path / "elsewhere")]
+    res = panagg(*args)
+    assert res.returncode == 2
+    assert last_line(res) == (
+        f"panagg: error: checkpoint.dir {tmp_path / 'state'} belongs to other settings "
+        f"(release_dir '{old}' -> '{tmp_path / 'elsewhere'}'); use the original settings, a new "
+        "checkpoint.dir, or --accept-change to record the change in the ledger; the releases so "
+        f"far (3, up to window 2) are in {old}: a new release.dir would leave a gap there")
+    assert not (tmp_path / "elsewhere").exists()
+    res = panagg(*args, "--accept-change")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "elsewhere").glob("*.json")]
+
+
+def test_a_safe_setting_change_is_logged_once(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    assert panagg(*run_args(tmp_path, path)).returncode == 0
+    events(path, 100, start=250)
+    res = panagg(*run_args(tmp_path, path, "release.error_bar_reps=3", "source.max_records=70"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [x.split(" INFO ", 1)[1] for x in res.stderr.splitlines() if "changed from" in x]
+    assert lines == ["panagg.service: setting source.max_records changed from 20000 to 70",
+                     "panagg.service: setting release.error_bar_reps changed from 0 to 3"]
+    res = panagg(*run_args(tmp_path, path, "release.error_bar_reps=3", "source.max_records=70"))
+    assert res.returncode == 0 and "changed from" not in res.stderr
+
+
+# -- 8: the README's audit export on a running service ----------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+KEY, OTHER = "5a" * 32, "c3" * 32
+
+
+def test_readme_audit_export_works_on_a_running_service(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    documented = [x.split("#")[0].strip() for x in readme.splitlines() if "audit export" in x
+                  and x.startswith(("panagg", "PANAGG"))]
+    assert documented == ["panagg audit export --state-dir var/panagg"]
+    assert "start it as `PANAGG_AUDIT_KEY=<64 hex digits> panagg run ...`" in " ".join(readme.split())
+    state = tmp_path / "state"
+    shell = {k: v for k, v in os.environ.items() if k != "PANAGG_AUDIT_KEY"}
+    # the service as the README says: the key in its own environment
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", "run", "--set", "source.kind=generator",
+         "--set", "source.generator_events=40000", "--set", "source.generator_rate=8000",
+         "--set", "source.max_records=500", "--set", f"state.domain_size={D}",
+         "--set", "window.size=1000000", "--state-dir", str(state), "--release-dir",
+         str(tmp_path / "releases"), "--metrics-port", "-1", "--set", "release.on_exhausted=false"],
+        env=dict(shell, PANAGG_AUDIT_KEY=KEY), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        deadline = time.time() + 60
+        while not (state / "service.lock").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        command = documented[0].replace("var/panagg", str(state)).split()[1:]
+        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *command], env=shell,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert res.stderr == ""
+        first = res.stdout.strip()
+        assert read_export(first, bytes.fromhex(KEY))["verified"]
+        # a different key in the asking shell: the export is still the service's, and it says so
+        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *command],
+                             env=dict(shell, PANAGG_AUDIT_KEY=OTHER), capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert read_export(res.stdout.strip(), bytes.fromhex(KEY))["verified"]
+        assert res.stderr.strip() == (
+            f"panagg: note: the running service signed this export with its own key (key id "
+            f"{key_id(bytes.fromhex(KEY))}), not this shell's (key id "
+            f"{key_id(bytes.fromhex(OTHER))}); verify it with the service's key")
+    finally:
+        proc.wait(timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- 9: kafka-python's own lines ---------------------------------------------------------------------
+LIBRARY_LINES = r'''
+import logging, ssl, sys
+from kafka.errors import KafkaConnectionError, KafkaProtocolError, UnsupportedVersionError
+from aggregator.service.cli import _setup_logging
+_setup_logging(verbose=sys.argv[1] == "-v")
+t = "<KafkaTCPTransport [127.0.0.1:9092<-5000]>"
+logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, KafkaConnectionError("socket disconnected"))
+logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, ConnectionResetError(104, "Connection reset by peer"))
+logging.getLogger("kafka.net.selector").warning("Task %r ran for %.3fs (>%.3fs threshold). It is blocking the event loop -- likely a tight sync loop inside a coroutine. Other pollers will time out." % ("<kafka.net.selector.Task x>", 0.144, 0.1))
+logging.getLogger("kafka.net.manager").error("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")
+logging.getLogger("kafka.coordinator").warning("Marking the coordinator dead (node coordinator-1) for group panagg: KafkaConnectionError: 111 ECONNREFUSED.")
+logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, KafkaProtocolError("bad frame"))
+logging.getLogger("kafka.consumer.fetcher").error("Fetch to node 1 failed: %s", UnsupportedVersionError("v99"))
+'''
+
+
+def test_kafka_python_lines_about_handled_outages_are_left_out_and_the_rest_shown():
+    out = subprocess.run([sys.executable, "-c", LIBRARY_LINES, "-"], capture_output=True,
+                         text=True, timeout=60)
+    lines = [x.split(" ", 2)[2] for x in out.stderr.strip().splitlines()]
+    assert lines == [
+        "ERROR kafka.net.transport: <KafkaTCPTransport [127.0.0.1:9092<-5000]>: Abort "
+        "(KafkaProtocolError: bad frame)",
+        "ERROR kafka.consumer.fetcher: Fetch to node 1 failed: [Error 35] "
+        "UnsupportedVersionError: v99"], out.stderr
+    verbose = subprocess.run([sys.executable, "-c", LIBRARY_LINES, "-v"], capture_output=True,
+                             text=True, timeout=60)
+    # -v: the client's own lines too (a repeated template once a minute: one Abort line)
+    assert all(x in verbose.stderr for x in ("Abort (KafkaConnectionError: socket disconnected)",
+                                             "likely a tight sync loop", "Connection failed",
+                                             "Marking the coordinator dead")), verbose.stderr
+    # a TLS failure is not an outage: it passes (the repeat filter would hold back a second
+    # abort within a minute, so the filter is asked directly)
+    tls = logging.LogRecord("kafka.net.transport", logging.ERROR, "transport.py", 258,
+                            "%s: Abort (%s)", ("<t>", ssl.SSLError(1, "certificate verify failed")),
+                            None)
+    gone = logging.LogRecord("kafka.net.transport", logging.ERROR, "transport.py", 258,
+                             "%s: Abort (%s)", ("<t>", ConnectionResetError(104, "reset")), None)
+    assert _handled_library_line(tls) and not _handled_library_line(gone)
+
+
+def test_a_refused_start_of_several_aggregations_prints_no_stop_line(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    sets = ["aggregations.a.item.field=item", "aggregations.b.item.field=item",
+            "ledger.budget_per_event=2"]
+    res = panagg(*run_args(tmp_path, path, *sets))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("stopped (input ended or idle)") == 2  # one per aggregation
+    res = panagg(*run_args(tmp_path, path, *sets, "aggregations.b.state.epsilon=0.5"))
+    assert res.returncode == 2
+    assert last_line(res).startswith(
+        f"panagg: error: checkpoint.dir {tmp_path / 'state' / 'b'} belongs to "
+        "other settings (epsilon 1.0 -> 0.5")
+    assert "stopped (" not in res.stderr
+
+
+def test_item_field_naming_a_float_in_hashed_mode_names_the_fix(tmp_path):
+    path = tmp_path / "in.json"
+    path.write_text("".join(json.dumps({"score": i / 7}) + "\n" for i in range(1, 151)))
+    res = panagg(*run_args(tmp_path, path, "state.mode=hashed", "item.field=score", fmt="json"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        "panagg: error: 150 of the first 150 records were rejected (mostly wrong_type): "
+        "item.field 'score' holds a number with a fraction; items are strings, bytes or whole "
+        "numbers: name a field that holds one")
+
+
+def test_unknown_keys_in_the_file_and_in_set_name_the_near_match(tmp_path):
+    from aggregator.service.config import ConfigError, load_config
+    toml = tmp_path / "panagg.toml"
+    toml.write_text("[state]\nepsilom = 0.25\n")
+    try:
+        load_config(str(toml), [], env={})
+    except ConfigError as exc:
+        assert str(exc).startswith(f"unknown key state.epsilom in {toml}; did you mean "
+                                   "state.epsilon? known in [state]: ")
+    else:
+        raise AssertionError("not refused")
+    try:
+        load_config(None, ["state.epsilom=0.25"], env={})
+    except ConfigError as exc:
+        assert str(exc) == ("--set 'state.epsilom=0.25': expected section.key=value with a known "
+                            "key, did you mean state.epsilon?")
+    else:
+        raise AssertionError("not refused")
