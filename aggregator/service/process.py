@@ -630,15 +630,23 @@ class Aggregator(EventTimeWindows):
         next window), start the next window at that end instead of replaying this one: a replay
         would put the window's events in memory under fresh noise beside the published release
         of the old noise (two looks at them). True if skipped."""
-        if self.partitioned or task.window["kind"] == "event_time":
-            return False  # their windows are closed by the group / by the records' stamps
+        if self.partitioned:
+            return False  # its windows are closed by the group
         uid = task.window["uid"]
         entry = self.ledger.get(f"release-{uid}") or self.ledger.get(f"refused-{uid}")
         if entry is None or entry.get("end_offsets") is None or entry.get("totals") is None:
             return False
+        wid = task.window["id"]
+        if task.window["kind"] == "event_time":
+            if not self._skip_decided_event_window(task, entry):
+                return False
+            if entry["kind"] == "release" and entry["document"] not in task.pending:
+                task.pending.append(entry["document"])
+            log.info("window %s of %s is in the ledger already (%s): it is not replayed; window "
+                     "%s starts after it", wid, task.name, entry["kind"], wid + 1)
+            return True
         if entry["kind"] == "release" and entry["document"] not in task.pending:
             task.pending.append(entry["document"])
-        wid = task.window["id"]
         ends = {p: int(o) for p, o in entry["end_offsets"].items()}
         task.offsets = dict(task.offsets, **ends)
         task.totals = totals_from(entry["totals"])
@@ -1524,7 +1532,10 @@ class Aggregator(EventTimeWindows):
         return release
 
     def _position_fields(self, task: WindowTask, closing: dict, ranges: dict) -> dict:
-        return self._position_fields_of(closing, ranges, task.offsets, task.totals)
+        fields = self._position_fields_of(closing, ranges, task.offsets, task.totals)
+        if closing.get("kind") == "event_time":
+            fields.update(self._second_window_fields())
+        return fields
 
     def _position_fields_of(self, closing: dict, ranges: dict, end_offsets: dict,
                             totals: dict) -> dict:
