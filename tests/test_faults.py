@@ -44,3 +44,21 @@ def test_release_files_are_written_while_the_release_topic_is_down(tmp_path, wor
         "yet)" in last
     assert last.endswith("); they stay in the checkpoint and are published at the next start "
                          "once the cause is fixed")
+
+
+def test_a_refused_start_leaves_no_directory_behind(tmp_path):
+    """A state directory lost (deleted) while its releases stay: the next start is refused by
+    the ledger's anchor in release.dir, and writes nothing: not even the new, empty state
+    directory, its lock file, control directory or metrics URL."""
+    import shutil
+
+    items = np.random.default_rng(6).integers(0, D, 2000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    args = cli_sets(tmp_path, path, **{"window.size": 1000, "metrics.port": 0})
+    assert run_cli(args).returncode == 0
+    shutil.rmtree(tmp_path / "state")
+    res = run_cli(args)
+    assert res.returncode == 2 and "the ledger" in res.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "state").exists(), sorted(p.name for p in
+                                                      (tmp_path / "state").iterdir())

@@ -155,6 +155,7 @@ class ShuffleAnalyzer:
         self.dead_letters = DeadLetters(topic, self._kafka_producer, self.metrics) if topic else None
         self.stop_event = threading.Event()
         self._lock_file = None
+        self.on_started = None  # called once the start succeeded (the CLI's metrics URL)
         self.publisher = ReleasePublisher(cfg["release"]["dir"], cfg["release"]["topic"],
                                           producer=self._kafka_producer,
                                           on_published=self._published)
@@ -249,13 +250,15 @@ class ShuffleAnalyzer:
         """Consume until stopped, or (``idle_exit_s``) until the topic is idle that long."""
         self._lock()
         try:
-            tmp = self.dir / ".config.json.tmp"
+            self.restore()
+            tmp = self.dir / ".config.json.tmp"  # after the checks: a refused start writes none
             tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))
             os.replace(tmp, self.dir / "config.json")
-            self.restore()
             log.info("shuffle analyzer: %s, %d buckets, n=%d, epsilon %g, delta %g%s; public "
                      "key %s", self.protocol, self.buckets, self.n, self.epsilon, self.delta,
                      f", DLap p={self.p:.6g}" if self.p is not None else "", self.public_hex)
+            if self.on_started is not None:
+                self.on_started()
             self._publish_pending()
             idle_since = None
             while not self.stop_event.is_set():

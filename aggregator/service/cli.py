@@ -270,7 +270,8 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
                              "(0 = any free port, -1 = off)") from None
         url = f"http://{cfg['metrics']['host']}:{port}/metrics"
         print(f"metrics on {url}", file=sys.stderr)
-        _note_metrics_url(cfg, url)
+        # for panagg status, once the start succeeded (a refused start writes nothing)
+        agg.on_started = lambda: _note_metrics_url(cfg, url)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agg.stop_event.set())
     try:

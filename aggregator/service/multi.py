@@ -247,6 +247,7 @@ class MultiAggregator:
         self._start: dict[str, int] = {}
         self._lock_file = None
         self._paused: set[str] = set()
+        self.on_started = None  # called once every aggregation started (the CLI's metrics URL)
 
     # -- one consumer for all --------------------------------------------------------------------
     def _least(self, offsets_of) -> dict[str, int]:
@@ -291,6 +292,7 @@ class MultiAggregator:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _lock(self) -> None:
+        self._created = [p for p in (self.dir, self.dir / "service.lock") if not p.exists()]
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_file = lock_directory(self.dir)
 
@@ -318,9 +320,15 @@ class MultiAggregator:
         elif self.set_started and not self.accept_change:
             raise ServiceError(f"checkpoint.dir {self.dir} has aggregation directories but no "
                                f"{SET_FILE}; use --accept-change to record this set")
+        self._set_to_record = mine  # written once every aggregation started
+
+    def _record_set(self) -> None:
+        mine, self._set_to_record = getattr(self, "_set_to_record", None), None
+        if mine is None:
+            return
         tmp = self.dir / f".{SET_FILE}.tmp"
         tmp.write_text(json.dumps(mine, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        os.replace(tmp, self.dir / SET_FILE)
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """The :meth:`Aggregator.run` loop, for every aggregation at once."""
@@ -348,6 +356,9 @@ class MultiAggregator:
             self.source.seek(self._start)
             running = True  # a refused start says why in one line, not "stopped" before it
             log.info("one consumer for %d aggregations (%s)", len(self.aggs), ", ".join(self.aggs))
+            self._record_set()
+            if self.on_started is not None:
+                self.on_started()
             finite = self.cfg["source"]["kind"] != "kafka"
             idle_since = None
             share = poll_timeout_s / len(self.aggs)
@@ -391,6 +402,14 @@ class MultiAggregator:
             for agg in started if running else ():
                 self._each(agg.aggregation["name"], agg._stop_line,
                            "on the error below" if failed else None)
+            if not running:  # a refused start writes nothing: remove what it created
+                for agg in started:
+                    agg._remove_created()
+                for path in reversed(getattr(self, "_created", [])):
+                    try:
+                        path.rmdir() if path.name != "service.lock" else path.unlink()
+                    except OSError:
+                        pass
             log.removeFilter(self._log_filter)
 
     def _count(self, segments: list[Segment]) -> None:

@@ -424,6 +424,8 @@ class Aggregator(EventTimeWindows):
         #: (window, started, ended) of each release the worker computed (wall clock; kept in
         #: the process for latency figures, never in a document)
         self.release_runs: list[tuple[int, float, float]] = []
+        #: called once the start succeeded (the CLI leaves the metrics URL for panagg status)
+        self.on_started = None
         self.metrics.epsilon.set(self.epsilon)
 
     # -- noise sources -------------------------------------------------------------------------
@@ -445,9 +447,22 @@ class Aggregator(EventTimeWindows):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
+        # what this start creates, removed again if the start is refused (it writes nothing)
+        self._created = [p for p in (self.dir, self.control, self.dir / "checkpoints",
+                                     self.dir / "service.lock") if not p.exists()]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.control.mkdir(exist_ok=True)
         self._lock_file = lock_directory(self.dir)
+
+    def _remove_created(self) -> None:
+        """After a refused start (the lock released): remove what :meth:`_lock` created, so
+        that the directory is as it was (an empty new directory is removed too)."""
+        for path in reversed(getattr(self, "_created", [])):
+            try:
+                path.rmdir() if path.name != "service.lock" else path.unlink()
+            except OSError:
+                pass  # not empty, or gone: leave it
+        self._created = []
 
     def _saved_config(self) -> dict:
         """The config the last start saved in the state directory ({} if none or unreadable)."""
@@ -853,6 +868,8 @@ class Aggregator(EventTimeWindows):
         try:
             self.start()
             started = True  # a refused start says why in one line, not "stopped" before it
+            if self.on_started is not None:
+                self.on_started()
             idle_since = None
             finite = self.cfg["source"]["kind"] != "kafka"
             while not self.stop_event.is_set():
@@ -882,6 +899,8 @@ class Aggregator(EventTimeWindows):
             self.close()
             if started:
                 self._stop_line("on the error below" if failed else None)
+            else:
+                self._remove_created()
 
     # The loop's steps, also driven one by one by aggregator.service.multi (several aggregations
     # fed by one consumer): start, then per poll a turn, then input_ended (finite input) and finish.
