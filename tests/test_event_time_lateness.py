@@ -106,9 +106,9 @@ def expected_releases(windows: dict) -> list[dict]:
              "late": late} for k, (ev, late) in sorted(windows.items())]
 
 
-def settings(tmp_path, lateness, late):
+def settings(tmp_path, lateness, late, *sets):
     return cfg_for(tmp_path, "state.domain_size=400", f"window.late={late}",
-                   f"window.allowed_lateness_s={lateness}")
+                   f"window.allowed_lateness_s={lateness}", *sets)
 
 
 @pytest.mark.parametrize("lateness", LATENESS)
@@ -249,8 +249,10 @@ class _Killed(Exception):
     pass
 
 
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-loop", "release-worker"])
 @pytest.mark.parametrize("lateness", LATENESS)
-def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, lateness):
+def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, lateness,
+                                                                       workers):
     """The process stops after window k's release is in the ledger, before the checkpoint that
     opens the next window (issue 'One event, one charge', case 1): the restart publishes the
     ledgered release, does not count window k's records into memory again (only the records
@@ -258,15 +260,16 @@ def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, 
     _, windows = reference(PARTS, lateness, "next")
     for nth in (1, 2, 3):  # after the first, second and third release
         run = tmp_path / f"{nth}"
-        agg = Aggregator(settings(run, lateness, "next"), ListSource(PARTS, chunk=1))
-        commit = agg.commit
+        agg = Aggregator(settings(run, lateness, "next", f"release.workers={workers}"),
+                         ListSource(PARTS, chunk=1))
+        save = agg._save
 
-        def stop_after_release(task, nth=nth, agg=agg, commit=commit, **kw):
+        def stop_after_release(task, record, nth=nth, agg=agg, save=save):
             if len(agg.ledger.releases()) >= nth:
                 raise _Killed()  # SIGKILL: the checkpoint that opens the next window is lost
-            return commit(task, **kw)
+            return save(task, record)
 
-        agg.commit = stop_after_release
+        agg._save = stop_after_release
         with pytest.raises(_Killed):
             agg.run()
         ledgered = agg.ledger.releases()[-1]

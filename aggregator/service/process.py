@@ -1315,11 +1315,9 @@ class Aggregator(EventTimeWindows):
     # -- window close and release --------------------------------------------------------------
     def async_releases(self) -> bool:
         """Whether releases run beside the loop (``release.workers`` > 0) for this service:
-        count and time windows without in-window snapshots (several aggregations share one
-        worker pool); event-time windows, snapshots and scale-out release in the loop
-        (docs/configuration.md)."""
+        windows without in-window snapshots (several aggregations share one worker pool);
+        snapshots and scale-out release in the loop (docs/configuration.md)."""
         return (int(self.cfg["release"].get("workers", 0)) > 0 and not self.partitioned
-                and self.cfg["window"]["kind"] in ("count", "time")
                 and not self.snapshots_per_window)
 
     def close_window(self) -> dict | None:
@@ -1369,6 +1367,10 @@ class Aggregator(EventTimeWindows):
         ranges, charge = self.window_ranges(task, closing), self._charge_of(closing)
         entry = self.ledger.get(f"release-{uid}")
         start = task.window_start  # set whenever a window opens (mark_start)
+        event_time = closing["kind"] == "event_time"
+        # (event time: what the entry records of the second window, before the next opens)
+        extra = self._second_window_fields() if event_time else {}
+        job = None
         if entry is not None:  # decided before a restart (never replayed: kept for safety)
             if entry["document"] not in task.pending:
                 task.pending.append(entry["document"])
@@ -1379,13 +1381,26 @@ class Aggregator(EventTimeWindows):
                 task.state, model=self.model, loss=self.loss, window=wid, rng=self._rng(1, wid),
                 error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
                 method=release_method(self.cfg))
-            task.inflight.append({"window": closing, "start": start, "ranges": ranges,
-                                  "charge": charge, "end_offsets": dict(task.offsets),
-                                  "totals": copy.deepcopy(task.totals), "future": future})
+            job = {"window": closing, "start": start, "ranges": ranges, "charge": charge,
+                   "end_offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals),
+                   "future": future, "extra": extra}
+            task.inflight.append(job)
             _fault("release-submitted")
+        elif event_time and task.inflight:
+            # refused: its entry is in the ledger; the checkpoint that passes it follows the
+            # releases still in flight (rare: the budget is spent)
+            self._collect_releases(task, wait=True)
         self._open_next(task, closing)
         self.metrics.release_queue.set(len(task.inflight))
-        if not task.queue and task.close_at is None:
+        if event_time:
+            # the checkpoint that starts the next window is written once this window's release
+            # is ledgered (:meth:`_collect_releases`): until then a restart replays this window
+            # from its start (a stop in between: the restart sees the entry and passes it)
+            if job is not None:
+                job["checkpoint"] = task.record(None)
+            elif not task.inflight:
+                self.commit(task)
+        elif not task.queue and task.close_at is None:
             self.commit_position(task)
         log.debug("closed window %s (uid %s)", wid, uid)
         return {"window": wid}
@@ -1403,9 +1418,12 @@ class Aggregator(EventTimeWindows):
                 task.close_at = {p: int(o) for p, o in nxt["end_offsets"].items()}
         else:
             task.window = self._new_window(task, wid + 1)
-            task.window.update(lineage=closing.get("lineage"), start_offsets=dict(task.offsets))
+            # (event time: the second window's records start before this window's close)
+            task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
+                (task.replay or {}).get("offsets") or task.offsets))
         task.mark_start()
-        task.state = self._new_state(task, task.window["id"])
+        carried = self._carried_state()  # event time: the second window, counting already
+        task.state = carried if carried is not None else self._new_state(task, task.window["id"])
         if task.close_at is None:
             self._replay_target(task)  # a time window that ended while the service was down
         self.metrics.window_id.set(task.window["id"])
@@ -1439,6 +1457,7 @@ class Aggregator(EventTimeWindows):
         """Ledger, checkpoint and publish the worker's finished releases in window order (with
         ``wait``: every one in flight). Returns how many were collected."""
         done = 0
+        committed = False  # event time: each window's next start is committed as it is ledgered
         while task.inflight and (wait or task.inflight[0]["future"].done()):
             job = task.inflight[0]
             try:
@@ -1459,10 +1478,17 @@ class Aggregator(EventTimeWindows):
                                window=closing["id"], window_uid=closing["uid"],
                                epsilon_spent=job["charge"], model=self.model, document=doc,
                                **self._position_fields_of(closing, job["ranges"],
-                                                          job["end_offsets"], job["totals"]))
+                                                          job["end_offsets"], job["totals"]),
+                               **job.get("extra", {}))
             _fault("release-ledgered")
             task.pending.append(doc)
             task.inflight.pop(0)
+            if job.get("checkpoint") is not None:
+                # event time: at once (its start was fixed at the close, whatever the loop does
+                # now), so that at most one ledgered window is ahead of the checkpoint (a
+                # restart passes that one: _skip_decided_event_window)
+                self._commit_start(task, job["checkpoint"])
+                committed = True
             self.release_runs.append((closing["id"], started, ended))
             self.metrics.release_duration.observe(ended - started)
             self.metrics.release_latency.observe(max(0.0, time.time() - closing["ended_unix"]))
@@ -1470,10 +1496,23 @@ class Aggregator(EventTimeWindows):
         if done:
             self.metrics.release_queue.set(len(task.inflight))
             self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
-            if commit and not task.queue and task.close_at is None:
+            if committed:
+                self._publish_pending(task)
+            elif commit and not task.queue and task.close_at is None:
                 self.commit_position(task)
                 self._publish_pending(task)
         return done
+
+    def _commit_start(self, task: WindowTask, record) -> None:
+        """Event time: the checkpoint that starts the window after one whose release is now
+        ledgered (as the close in the loop writes it), with the current pending releases."""
+        self._wait_for(self._flush_dead_letters, "dead letters")
+        record.pending = list(task.pending)
+        record.ledger_head = self.ledger.head()
+        self._wait_for(lambda: self._save(task, record), "checkpoint")
+        if self._future is not None:  # a restart starts here now: older decisions are moot
+            self._future.prune(self._replay_starts(record))
+        self.source.commit(record.offsets, self._kafka_anchor())
 
     def commit_position(self, task: WindowTask) -> None:
         """A checkpoint while windows are in flight or the open window counts: the replay
