@@ -98,3 +98,56 @@ def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_pa
     lengths = [json.loads(e["document"])["window_info"]["ended_unix"]
                - json.loads(e["document"])["window_info"]["started_unix"] for e in releases[:-1]]
     assert min(lengths) < 3.0, lengths
+
+
+def test_event_time_windows_count_on_while_their_release_runs(kafka_broker, tmp_path):
+    """Event-time windows of 2 s (record timestamps) with releases made to take 3 s while a
+    producer runs: intake goes on while a window waits for its release, and every window's n is
+    exactly its source range (one partition, timestamps in order)."""
+    topic = make_topic(kafka_broker, partitions=1)
+    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "6",
+                        "--set", "window.kind=event_time", "--set", "release.max_in_flight=3",
+                        "--set", "release.error_bar_reps=0",
+                        "--set", "window.idle_partition_timeout_s=2")
+    args[args.index("window.size=100000000")] = "window.size=2"
+    args[args.index("--metrics-port") + 1] = "0"
+    stop = threading.Event()
+    producing = threading.Thread(target=_producer, args=(kafka_broker, topic, 1500, 12, stop))
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
+                            env=dict(env(), PANAGG_TEST_RELEASE_DELAY_S="3"),
+                            stderr=subprocess.PIPE, text=True)
+    log = []
+    try:
+        url = None
+        deadline = time.time() + 60
+        while url is None and time.time() < deadline:
+            line = proc.stderr.readline()
+            log.append(line)
+            if line.startswith("metrics on "):
+                url = line.split()[-1]
+        assert url, "".join(log)[-3000:]
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        producing.start()
+        samples = []
+        while proc.poll() is None:
+            try:
+                samples.append(_scrape(url))
+            except OSError:
+                break
+            time.sleep(0.3)
+        assert proc.wait(timeout=120) == 0, "".join(log)[-3000:]
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+    producing.join(timeout=30)
+    grew = [b["panagg_events_total"] - a["panagg_events_total"] for a, b in
+            zip(samples, samples[1:]) if a.get("panagg_release_queue", 0) > 0]
+    assert sum(grew) > 0, "".join(log)[-3000:]
+    entries = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text()
+               .splitlines()]
+    releases = [e for e in entries if e["kind"] == "release"]
+    assert len(releases) >= 4
+    for e in releases:
+        lo, hi = e["ranges"].get(f"{topic}:0", [0, 0])
+        assert e["n"] == hi - lo
