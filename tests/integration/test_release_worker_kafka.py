@@ -39,19 +39,15 @@ def _scrape(url):
     return out
 
 
-def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_path):
-    topic = make_topic(kafka_broker, partitions=1)
-    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "6",
-                        "--set", "window.kind=time", "--set", "release.max_in_flight=1",
-                        "--set", "release.error_bar_reps=0")
-    args[args.index("window.size=100000000")] = "window.size=2"
-    args[args.index("--metrics-port") + 1] = "0"
+def _run_while_producing(bootstrap, topic, args, seconds):
+    """Run the service (releases made to take 3 s) while a producer sends 1,500 events/s for
+    ``seconds``; scrape /metrics every 0.3 s. Returns (samples, log lines)."""
     stop = threading.Event()
-    producing = threading.Thread(target=_producer, args=(kafka_broker, topic, 1500, 14, stop))
+    producing = threading.Thread(target=_producer, args=(bootstrap, topic, 1500, seconds, stop))
     proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
                             env=dict(env(), PANAGG_TEST_RELEASE_DELAY_S="3"),
                             stderr=subprocess.PIPE, text=True)
-    log = []
+    log, samples = [], []
     try:
         url = None
         deadline = time.time() + 60
@@ -61,10 +57,8 @@ def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_pa
             if line.startswith("metrics on "):
                 url = line.split()[-1]
         assert url, "".join(log)[-3000:]
-        reader = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
-        reader.start()
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
         producing.start()
-        samples = []
         while proc.poll() is None:
             try:
                 samples.append(_scrape(url))
@@ -77,6 +71,22 @@ def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_pa
         if proc.poll() is None:
             proc.kill()
     producing.join(timeout=30)
+    return samples, log
+
+
+def _ledger_releases(tmp_path):
+    return [e for e in (json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl")
+                        .read_text().splitlines()) if e["kind"] == "release"]
+
+
+def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_path):
+    topic = make_topic(kafka_broker, partitions=1)
+    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "6",
+                        "--set", "window.kind=time", "--set", "release.max_in_flight=1",
+                        "--set", "release.error_bar_reps=0")
+    args[args.index("window.size=100000000")] = "window.size=2"
+    args[args.index("--metrics-port") + 1] = "0"
+    samples, log = _run_while_producing(kafka_broker, topic, args, 14)
     # intake went on while a release ran: events counted between two scrapes with a window
     # waiting for its release
     grew = [b["panagg_events_total"] - a["panagg_events_total"] for a, b in
@@ -86,9 +96,7 @@ def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_pa
     assert any("the release path is behind" in line for line in log)
     lags = [s.get("panagg_consumer_lag_records", 0.0) for s in samples]
     assert max(lags) > 0 and lags[-1] == 0, lags
-    entries = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text()
-               .splitlines()]
-    releases = [e for e in entries if e["kind"] == "release"]
+    releases = _ledger_releases(tmp_path)
     assert len(releases) >= 4
     for e in releases:  # every window's n is exactly its source range (no rejects here)
         lo, hi = e["ranges"].get(f"{topic}:0", [0, 0])  # an empty window covers nothing
@@ -111,42 +119,11 @@ def test_event_time_windows_count_on_while_their_release_runs(kafka_broker, tmp_
                         "--set", "window.idle_partition_timeout_s=2")
     args[args.index("window.size=100000000")] = "window.size=2"
     args[args.index("--metrics-port") + 1] = "0"
-    stop = threading.Event()
-    producing = threading.Thread(target=_producer, args=(kafka_broker, topic, 1500, 12, stop))
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
-                            env=dict(env(), PANAGG_TEST_RELEASE_DELAY_S="3"),
-                            stderr=subprocess.PIPE, text=True)
-    log = []
-    try:
-        url = None
-        deadline = time.time() + 60
-        while url is None and time.time() < deadline:
-            line = proc.stderr.readline()
-            log.append(line)
-            if line.startswith("metrics on "):
-                url = line.split()[-1]
-        assert url, "".join(log)[-3000:]
-        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-        producing.start()
-        samples = []
-        while proc.poll() is None:
-            try:
-                samples.append(_scrape(url))
-            except OSError:
-                break
-            time.sleep(0.3)
-        assert proc.wait(timeout=120) == 0, "".join(log)[-3000:]
-    finally:
-        stop.set()
-        if proc.poll() is None:
-            proc.kill()
-    producing.join(timeout=30)
+    samples, log = _run_while_producing(kafka_broker, topic, args, 12)
     grew = [b["panagg_events_total"] - a["panagg_events_total"] for a, b in
             zip(samples, samples[1:]) if a.get("panagg_release_queue", 0) > 0]
     assert sum(grew) > 0, "".join(log)[-3000:]
-    entries = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text()
-               .splitlines()]
-    releases = [e for e in entries if e["kind"] == "release"]
+    releases = _ledger_releases(tmp_path)
     assert len(releases) >= 4
     for e in releases:
         lo, hi = e["ranges"].get(f"{topic}:0", [0, 0])
