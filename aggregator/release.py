@@ -26,7 +26,8 @@ from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
 __all__ = ["MODELS", "ReleaseExists", "make_release", "estimate_with_accuracy", "package_release",
-           "write_release", "plot_release", "plot_rank_frequency", "ERROR_BAR_REPS", "PHI_BANDS"]
+           "write_release", "plot_release", "plot_rank_frequency", "ERROR_BAR_REPS", "PHI_BANDS",
+           "planned_accuracy", "PLAN_SHAPES"]
 
 ERROR_BAR_REPS = 10  # bootstrap repetitions per release (release.error_bar_reps); 0: none
 PUBLIC_MODE = 0o644   # release files are published: readable by all, whatever the umask
@@ -159,7 +160,86 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         iv["rank_bands"] = [[int(a), int(b), round(float(lo), 2), round(float(hi), 2)]
                             for a, b, lo, hi in bars["rank_bands"]]
     accuracy["intervals"] = iv
+    _add_expected_errors(accuracy, hist, bars, snr_public=snr)
     return hist, accuracy
+
+
+def _add_expected_errors(accuracy: dict, hist, bars: dict, snr_public: float) -> None:
+    """The bootstrap's error figures for distinct items and entropy, and the flag.
+
+    * ``standard_error``: :func:`aggregator.intervals.standard_errors` (how much another window
+      of the same truth would move the release): the basis of the change test between windows
+      (:mod:`aggregator.changes`).
+    * ``expected_error`` / ``expected_relative_error``: :func:`aggregator.intervals.expected_errors`
+      (the error to expect against the truth, spread and bias), absolute and over the released
+      value.
+    * ``signal_to_noise``: the distinct-items estimate over its expected error (10: expect
+      about +-10%), ``signal_to_noise_basis`` "bootstrap"; the earlier figure (events over the
+      Cramer-Rao floor) stays as ``events_over_noise_floor``.
+    * ``signal_below_noise``: also true when the distinct-items interval reaches below half
+      or above twice the estimate: at the interval's level the estimate could be off by 2x.
+    """
+    iv = accuracy["intervals"]
+    distinct = int(len(hist))
+    ent = properties.entropy(hist)
+    exp_err, se = intervals.expected_errors(bars), intervals.standard_errors(bars)
+    accuracy["standard_error"] = {"distinct_items": round(se["distinct"], 3),
+                                  "entropy_nats": round(se["entropy"], 6)}
+    accuracy["expected_error"] = {"distinct_items": round(exp_err["distinct"], 3),
+                                  "entropy_nats": round(exp_err["entropy"], 6)}
+    accuracy["expected_relative_error"] = {
+        "distinct_items": round(exp_err["distinct"] / distinct, 4) if distinct else None,
+        "entropy_nats": round(exp_err["entropy"] / ent, 4) if ent > 0 else None}
+    accuracy["events_over_noise_floor"] = accuracy["signal_to_noise"]
+    accuracy["signal_to_noise"] = (round(distinct / exp_err["distinct"], 4)
+                                   if exp_err["distinct"] > 0 else None)
+    accuracy["signal_to_noise_basis"] = "bootstrap"
+    lo, hi = iv["distinct_items"]
+    off_2x = distinct == 0 and hi >= 1 or lo < distinct / 2 or hi > 2 * distinct
+    accuracy["distinct_could_be_off_2x"] = bool(off_2x)
+    accuracy["signal_below_noise"] = bool(snr_public < intervals.SNR_MIN or off_2x)
+
+
+PLAN_SHAPES = {"zipf": "a Zipf(1.1) window", "distinct": "mostly distinct items"}
+
+
+def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bool,
+                     reps: int = ERROR_BAR_REPS, rng=None) -> dict:
+    """The expected errors a release will state, before any data: the release's own code
+    (:func:`estimate_with_accuracy`) on simulated windows of ``n`` events of two reference
+    shapes (:data:`PLAN_SHAPES`): items Zipf(1.1), and items drawn uniformly from 20 n ids
+    (~98% seen once: users, sessions). Returns {shape: {"distinct_items", "entropy_nats"
+    (expected relative errors), "signal_below_noise"}}.
+
+    Public inputs only (counters, p, layers, n); the simulated events are synthetic, so their
+    generator may be anything (``rng``: a numpy Generator or seed; None: fresh). A real window
+    of a similar shape states about the same figures (docs/accuracy.md, "Expected error").
+    """
+    from .intervals import simulate_counts
+
+    rng = np.random.default_rng(rng)
+    out = {}
+    for shape in PLAN_SHAPES:
+        if n <= 0:
+            out[shape] = {"distinct_items": None, "entropy_nats": None,
+                          "signal_below_noise": True}
+            continue
+        ids = rng.zipf(1.1, n) if shape == "zipf" else rng.integers(0, 20 * n, n)
+        if not hashed:  # direct mode: the ids must fit the domain
+            ids = ids % counters
+        counts = np.unique(ids, return_counts=True)[1].astype(np.int64)
+        if hashed:  # each id in a uniformly random bucket
+            counts = np.bincount(rng.integers(0, counters, len(counts)), weights=counts,
+                                 minlength=counters).astype(np.int64)
+            counts = counts[counts > 0]
+        vc = simulate_counts(rng, np.sort(counts), counters, p, layers)
+        _, acc = estimate_with_accuracy(vc, p, layers=layers, n=n,
+                                        buckets=counters if hashed else None, reps=reps)
+        rel = acc.get("expected_relative_error") or {}
+        out[shape] = {"distinct_items": rel.get("distinct_items"),
+                      "entropy_nats": rel.get("entropy_nats"),
+                      "signal_below_noise": acc["signal_below_noise"]}
+    return out
 
 
 def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: str,

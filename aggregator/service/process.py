@@ -181,11 +181,16 @@ def warn_if_below_noise(release: dict) -> None:
     in ``signal_below_noise``): it may look normal and still be mostly noise."""
     acc = release.get("accuracy") or {}
     if acc.get("signal_below_noise"):
-        log.error("window %s: the release is below its noise floor (signal-to-noise %.2f < %g: "
+        # events over the Cramer-Rao floor (older releases: under signal_to_noise)
+        snr = acc.get("events_over_noise_floor", acc.get("signal_to_noise")) or 0.0
+        why = ("its distinct items could be off by 2x at the interval's level; "
+               if acc.get("distinct_could_be_off_2x") else "")
+        log.error("window %s: the release is below its noise floor (%sevents over the error "
+                  "floor %.2f, flagged below %g: "
                   "%s events against an error floor of ~%s items); its statistics are mostly "
                   "noise. Fix: more events per window (window.size), fewer counters "
                   "(state.domain_size, or hashed mode), or a larger state.epsilon",
-                  release.get("window"), acc.get("signal_to_noise", 0.0), SNR_MIN,
+                  release.get("window"), why, snr, SNR_MIN,
                   release.get("n") if release.get("n") is not None
                   else release.get("n_in_histogram"),
                   f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
@@ -215,6 +220,7 @@ def accuracy_plan(cfg: dict) -> tuple[str, bool]:
             f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
             f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
             f"{n_min:,} events to be above the noise")
+    line += _planned_errors(counters, p, layers, n, hashed)
     below = n / floor < SNR_MIN
     if below:
         from ..largedomain import choose_buckets
@@ -224,6 +230,23 @@ def accuracy_plan(cfg: dict) -> tuple[str, bool]:
                  f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
         line += " or longer windows (window.size)"
     return line, below
+
+
+def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool) -> str:
+    """The expected relative errors the releases will state, from simulated windows of two
+    reference shapes (aggregator.release.planned_accuracy), as a clause of the plan line."""
+    from ..release import PLAN_SHAPES, planned_accuracy
+
+    plan = planned_accuracy(counters, p, layers, n, hashed=hashed)
+
+    def pct(v):
+        return "?" if v is None else f"+-{100 * v:.1f}%"
+
+    parts = [f"{pct(v['distinct_items'])} distinct items, {pct(v['entropy_nats'])} entropy for "
+             f"{PLAN_SHAPES[shape]}" + (" (BELOW THE NOISE: could be off by 2x)"
+                                         if v["signal_below_noise"] else "")
+             for shape, v in plan.items()]
+    return "; expected error of a release: " + "; ".join(parts)
 
 
 def choose_buckets_for(cfg: dict) -> int:
