@@ -169,6 +169,14 @@ def run_cell(cell, windows: int, changed_pairs: int, seed: int) -> dict:
     res["flagged"] = int(sum(flagged))
     res["stated_rel_error_distinct"] = float(np.median(
         [r["accuracy"]["expected_relative_error"]["distinct_items"] or np.nan for _, r in rows]))
+    # what `panagg plan` / the start line said before any data, for the matching shape
+    shape = {"zipf": "zipf", "distinct": "distinct"}.get(cell[4])
+    if shape:
+        from aggregator.release import planned_accuracy
+        res["planned_rel_error"] = planned_accuracy(cell[2], math.exp(-cell[5] / 2), cell[6],
+                                                    cell[3], hashed=cell[1] == "hashed")[shape]
+        res["stated_rel_error_entropy"] = float(np.median(
+            [r["accuracy"]["expected_relative_error"]["entropy_nats"] for _, r in rows]))
     # power: a window, then one with 20% more distinct items
     hits = {s: [] for s in changes.STATISTICS}
     true_rel = []
