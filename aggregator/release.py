@@ -90,15 +90,18 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
     Everything here is post-processing of the (already noised) counters and public quantities
     (n when public, the number of counters, p, layers): no privacy cost. The block holds
 
-    * ``signal_to_noise``: n over the Cramer-Rao floor of the error on the number of items
-      (:func:`aggregator.intervals.signal_to_noise`; n_in_histogram stands in when n is not
-      public), and ``signal_below_noise`` (below :data:`aggregator.intervals.SNR_MIN`: the
-      release is mostly noise, whatever it looks like);
+    * ``events_over_noise_floor``: n over the Cramer-Rao floor of the error on the number of
+      items (:func:`aggregator.intervals.signal_to_noise`; n_in_histogram stands in when n is
+      not public), and ``signal_below_noise`` (below :data:`aggregator.intervals.SNR_MIN`: the
+      release is mostly noise, whatever it looks like); ``signal_to_noise`` is the same figure
+      when no bootstrap runs;
     * with ``reps`` > 0 and loss ``"l1"``: parametric-bootstrap intervals at ``level``
       (:func:`aggregator.intervals.error_bars`): the l1 error bound of the histogram, the number
-      of distinct items, the entropy, phi_r and phi_{>=r} for r = 1..:data:`PHI_BANDS`. The
-      bootstrap's randomness only touches released values; it is drawn fresh (OS entropy), not
-      seeded.
+      of distinct items, the entropy, phi_r and phi_{>=r} for r = 1..:data:`PHI_BANDS`; and
+      from the same bootstrap the expected and standard errors of distinct items and entropy,
+      ``signal_to_noise`` as the distinct-items estimate over its expected error, and the 2x
+      flag (:func:`_add_expected_errors`). The bootstrap's randomness only touches released
+      values; it is drawn fresh (OS entropy), not seeded.
     """
     kw = dict(layers=layers, n=n, buckets=buckets, method=method)
     try:
@@ -119,7 +122,8 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
                                         n=n, counters=counters, p=p)
     accuracy = {
         "estimator": resolved if method else f"{resolved} (default)",
-        "signal_to_noise": round(float(snr), 4),
+        "signal_to_noise": round(float(snr), 4),  # (replaced below when the bootstrap runs)
+        "events_over_noise_floor": round(float(snr), 4),
         "signal_below_noise": bool(snr < intervals.SNR_MIN),
         "signal_basis": "n" if n is not None else "n_in_histogram",
         "noise_floor_items": round(intervals.noise_floor(counters, p, layers), 2)
@@ -190,7 +194,6 @@ def _add_expected_errors(accuracy: dict, hist, bars: dict, snr_public: float) ->
     accuracy["expected_relative_error"] = {
         "distinct_items": round(exp_err["distinct"] / distinct, 4) if distinct else None,
         "entropy_nats": round(exp_err["entropy"] / ent, 4) if ent > 0 else None}
-    accuracy["events_over_noise_floor"] = accuracy["signal_to_noise"]
     accuracy["signal_to_noise"] = (round(distinct / exp_err["distinct"], 4)
                                    if exp_err["distinct"] > 0 else None)
     accuracy["signal_to_noise_basis"] = "bootstrap"

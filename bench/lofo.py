@@ -42,7 +42,8 @@ LAYERS = (1, 2)
 EPS_CYCLE = (0.5, 1.0, 2.0)
 REAL_PICK = ("wf-en", "wf-ja", "sc-es", "sc-ru", "ss-en") + NEW_REAL
 SYNTH_SIZES = ((10**4, 10**3), (10**5, 10**4), (10**5, 10**5), (10**6, 10**5))
-HASHED_N = (10**3, 10**4, 10**5)
+HASHED_N = (10**3, 3 * 10**3, 10**4, 3 * 10**4, 10**5)
+REPS = 4  # repetitions per cell (each: one draw of the items, one of the noise per layer count)
 OUT = Path("out/lofo_results.pkl")
 
 
@@ -60,16 +61,16 @@ def cells() -> list[Cell]:
     out, j = [], 0
     for dist in grid.DIRECT_DISTS:
         for D, n in SYNTH_SIZES:
-            out.append(Cell("direct", dist, n, D, EPS_CYCLE[j % 3], 2))
+            out.append(Cell("direct", dist, n, D, EPS_CYCLE[j % 3], REPS))
             j += 1
     for name in REAL_PICK:  # the held-out check: n = D / 10, D, 10 D
         D = len(real_profile(name))
         for i, n in enumerate((D // 10, D, 10 * D)):
-            out.append(Cell("direct", name, n, D, EPS_CYCLE[(i + j) % 3], 2))
+            out.append(Cell("direct", name, n, D, EPS_CYCLE[(i + j) % 3], REPS))
         j += 1
     for dist in grid.HASHED_DISTS:
         for n in HASHED_N:
-            out.append(Cell("hashed", dist, n, None, EPS_CYCLE[j % 3], 2))
+            out.append(Cell("hashed", dist, n, None, EPS_CYCLE[j % 3], REPS))
             j += 1
     return out
 

@@ -88,8 +88,8 @@ class Metrics:
         self.release_entropy = Gauge("panagg_release_entropy_nats", "Entropy (nats) in the "
                                      "latest published release", registry=r)
         self.release_snr = Gauge("panagg_release_signal_to_noise", "Signal-to-noise of the latest "
-                                 "published release (below 2: flagged signal_below_noise)",
-                                 registry=r)
+                                 "published release: its distinct items over their expected "
+                                 "error (10: about +-10%)", registry=r)
         # +1 / -1: the statistic rose / fell significantly (level 0.9, aggregator.changes) since
         # the previous release this process published; 0: no significant change; NaN: unknown
         self.release_change = Gauge("panagg_release_change", "Significant change of a released "
