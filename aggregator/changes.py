@@ -20,7 +20,7 @@ bootstrap holds the window's items fixed, so it does not contain it. Under "no c
 estimates share their estimator's bias (same truth, same estimator), so the bias cancels in the
 difference and only the spreads count: that is why the test uses the spreads and not the
 intervals (which carry the bias and are much wider). The false-alarm rate on stationary streams is
-measured in docs/accuracy.md ("Changes between windows").
+measured in docs/accuracy_changes.md ("Changes between windows").
 
 A release without standard errors (written before they existed, or with the bootstrap off) is
 tested on its interval instead: its half-width over the normal quantile of the interval's level is

@@ -216,7 +216,7 @@ def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bo
 
     Public inputs only (counters, p, layers, n); the simulated events are synthetic, so their
     generator may be anything (``rng``: a numpy Generator or seed; None: fresh). A real window
-    of a similar shape states about the same figures (docs/accuracy.md, "Expected error").
+    of a similar shape states about the same figures (docs/accuracy_changes.md, "Expected errors").
     """
     from .intervals import simulate_counts
 

@@ -45,6 +45,11 @@ CELLS = [
     ("direct zipf sparse", "direct", 1_000_000, 100_000, "zipf", 1.0, 2),
     ("direct zipf 1 layer", "direct", 100_000, 100_000, "zipf", 1.0, 1),
     ("direct users", "direct", 1_000_000, 100_000, "users", 1.0, 2),
+    # the silent 2x errors: real profiles at n = D / 10 with 2 layers
+    ("jieba n=D/10", "direct", 349_046, 34_904, "jb-zh", 1.0, 2),
+    ("autocorrect n=D/10", "direct", 91_246, 9_124, "ac-en", 1.0, 2),
+    ("wordfreq-en n=D/10", "direct", 100_000, 10_000, "wf-en", 0.5, 2),
+    ("spellchecker-ru n=D/10", "direct", 19_880, 1_988, "sc-ru", 1.0, 2),
 ]
 USERS_PER_EVENT = 0.3  # "users": d = 0.3 n items, counts 1 + Poisson(n / d - 1)
 
