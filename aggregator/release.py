@@ -12,6 +12,7 @@ state's epsilon (see docs/privacy.md):
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import tempfile
@@ -218,6 +219,18 @@ def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bo
     generator may be anything (``rng``: a numpy Generator or seed; None: fresh). A real window
     of a similar shape states about the same figures (docs/accuracy_changes.md, "Expected errors").
     """
+    if rng is None:  # the same configuration again (a restart, a second aggregation): cached
+        return {k: dict(v) for k, v in _planned_cached(int(counters), float(p), int(layers),
+                                                        int(n), bool(hashed), int(reps)).items()}
+    return _planned(counters, p, layers, n, hashed=hashed, reps=reps, rng=rng)
+
+
+@functools.lru_cache(maxsize=32)
+def _planned_cached(counters, p, layers, n, hashed, reps):
+    return _planned(counters, p, layers, n, hashed=hashed, reps=reps, rng=None)
+
+
+def _planned(counters, p, layers, n, *, hashed, reps, rng) -> dict:
     from .intervals import simulate_counts
 
     rng = np.random.default_rng(rng)
