@@ -201,6 +201,34 @@ def run_cell(cell, windows: int, changed_pairs: int, seed: int) -> dict:
     return res
 
 
+def plot_example(path: str) -> None:
+    """docs/img/history_example.png: `panagg history --plot` of 16 made-up releases (distinct
+    items ~1000 +- 30, +30% from the 11th on; one release flagged below the noise), to show the
+    plot's bands and marks; not a measurement."""
+    from aggregator.service.status import plot_history, release_history
+
+    class _Ledger:
+        entries: list = []
+
+    rng = np.random.default_rng(0)
+    docs = []
+    for i in range(16):
+        up = i >= 10
+        d = 1000 * (1.3 if up else 1.0) + rng.normal(0, 30)
+        h = 6 + rng.normal(0, 0.01) + (0.2 if up else 0)
+        docs.append({"window": 59849607 + i, "n": 5000,
+                     "properties": {"distinct_items": int(d), "entropy_nats": h},
+                     "accuracy": {"standard_error": {"distinct_items": 35.0, "entropy_nats": 0.012},
+                                  "intervals": {"reps": 10, "level": 0.9,
+                                                "distinct_items": [d - 80, d + 90],
+                                                "entropy_nats": [5.95 + 0.2 * up, 6.05 + 0.2 * up]}},
+                     "signal_below_noise": i == 3})
+    led = _Ledger()
+    led.entries = [{"kind": "release", "time_unix": 1795000000 + 30 * i, "document": json.dumps(d)}
+                   for i, d in enumerate(docs)]
+    plot_history(release_history(led), path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=40)
@@ -208,7 +236,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default="", help="comma-separated cell numbers (default all)")
     ap.add_argument("--quick", action="store_true", help="12 windows, 6 pairs")
     ap.add_argument("--out", default="out/changes.json")
+    ap.add_argument("--plot-example", metavar="PNG", help="only write the history plot example")
     args = ap.parse_args(argv)
+    if args.plot_example:
+        plot_example(args.plot_example)
+        return 0
     if args.quick:
         args.windows, args.pairs = 12, 6
     pick = [int(i) for i in args.cells.split(",")] if args.cells else range(len(CELLS))
