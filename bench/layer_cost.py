@@ -11,6 +11,7 @@ second layer (``intervals.noise_floor``).
 Usage (after ``bench.lofo --run``)::
 
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --tol-sweep 2 0   # LAYERS REP
 """
 
 from __future__ import annotations
@@ -28,7 +29,47 @@ from . import grid
 from .lofo import cells, family, load
 
 
+SWEEP_CELLS = (("jb-zh", 10, 1.0), ("jb-zh", 0.1, 0.5), ("wf-en", 1, 1.0), ("sc-ru", 10, 1.0),
+               ("py-ids", 1, 1.0), ("ac-en", 0.1, 2.0))
+SWEEP_SYNTH = (("zipf", 10**5, 10**4, 1.0), ("zipf0.7", 10**6, 10**5, 0.5),
+               ("uniform", 10**4, 10**5, 2.0), ("geometric", 10**5, 10**5, 1.0),
+               ("heavy", 10**5, 10**4, 0.5), ("zipf2", 10**4, 10**3, 1.0))
+SWEEP_TOLS = (1e-5, 3e-6, 1.3e-6)
+
+
+def tol_sweep(layers: int, rep: int) -> None:
+    """The early-stopped EM (items cap) at several tolerances on 12 cells, one repetition: the
+    measurement behind ``estimate.deconv_tol`` (chi2_2 / chi2_1 = 0.31, chi2_3 / chi2_1 = 0.13
+    at eps 1, i.e. about 3e-6 and 1.3e-6)."""
+    from aggregator.estimate import (cap_total, cumulative_from_counts, cumulative_l1,
+                                     deconvolved_prevalence, noisy_value_counts, project_l1)
+    from ._data import noisy, real_profile
+    from .grid import Cell
+
+    cs = [Cell("direct", name, int(mult * len(real_profile(name))), len(real_profile(name)), eps,
+               1) for name, mult, eps in SWEEP_CELLS]
+    cs += [Cell("direct", dist, n, D, eps, 1) for dist, D, n, eps in SWEEP_SYNTH]
+    ratios = {t: [] for t in SWEEP_TOLS}
+    for c in cs:
+        h, _, rng = grid.draw(c, rep)
+        full = np.zeros(c.D, np.int64)
+        full[: len(h)] = h
+        truth = cumulative_from_counts(h)
+        vc = noisy_value_counts(noisy(rng, full, c.p, layers))
+        errs = {t: cumulative_l1(cap_total(project_l1(deconvolved_prevalence(
+            vc, c.p, layers=layers, tol=t)), c.n, "items"), truth) for t in SWEEP_TOLS}
+        for t in SWEEP_TOLS:
+            ratios[t].append(errs[t] / errs[SWEEP_TOLS[0]])
+        print(f"{c.dist} n={c.n} D={c.D} eps={c.eps}: "
+              + ", ".join(f"tol {t:g}: {e:.0f}" for t, e in errs.items()), flush=True)
+    print("error / error at 1e-5, geometric mean (max): " + ", ".join(
+        f"{t:g}: {math.exp(np.mean(np.log(r))):.3f} ({max(r):.2f})" for t, r in ratios.items()))
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--tol-sweep":  # --tol-sweep LAYERS REP
+        tol_sweep(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
     res = load()
     rows = []
     fixed = estimate.deconv_tol
