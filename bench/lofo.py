@@ -184,7 +184,15 @@ def main(argv=None) -> int:
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--fixed-tol", action="store_true",
+                    help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
+                         "before estimate.deconv_tol), results in out/lofo_fixed_tol/")
     args = ap.parse_args(argv)
+    if args.fixed_tol:
+        global OUT
+        from aggregator import estimate
+        estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL
+        OUT = Path("out/lofo_fixed_tol/lofo_results.pkl")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     if args.run:
         i, k = (int(x) for x in args.shard.split("/"))

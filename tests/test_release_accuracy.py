@@ -47,6 +47,7 @@ def test_release_carries_signal_to_noise_and_intervals():
     assert acc["distinct_could_be_off_2x"] is False
     iv = acc["intervals"]
     assert iv["reps"] == 8 and iv["level"] == 0.9
+    assert iv["internal_level"] == 0.8  # calibrated so that the unions cover 0.9 (not more)
     lo, hi = iv["distinct_items"]
     assert 0 <= lo <= hi
     assert iv["entropy_nats"][0] <= iv["entropy_nats"][1]
