@@ -792,7 +792,9 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
             _, (m_sel, cap_sel) = select(vc, p, layers=layers, n=n)
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
-            _, (m_sel, _) = select(vc, p, layers=layers, n=None)
+            from .estimate import bucket_counters
+            with bucket_counters():
+                _, (m_sel, _) = select(vc, p, layers=layers, n=None)
             kw_boot = kw | {"method": m_sel}
     else:
         kw_boot = kw
