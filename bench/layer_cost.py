@@ -12,6 +12,7 @@ Usage (after ``bench.lofo --run``)::
 
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --tol-sweep 2 0   # LAYERS REP
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --cell jb-zh 10 1.0 3  # NAME MULT EPS REPS
 """
 
 from __future__ import annotations
@@ -66,9 +67,34 @@ def tol_sweep(layers: int, rep: int) -> None:
         f"{t:g}: {math.exp(np.mean(np.log(r))):.3f} ({max(r):.2f})" for t, r in ratios.items()))
 
 
+def one_cell(name: str, mult: float, eps: float, reps: int) -> None:
+    """The default's 1- and 2-layer errors on one real-profile cell (n = mult x D), with the
+    scaled and the fixed early stop, the same counters (the issue's cell: jb-zh 10 1.0)."""
+    from ._data import real_profile
+    from .grid import Cell
+
+    D = len(real_profile(name))
+    c = Cell("direct", name, int(mult * D), D, eps, reps)
+    fixed = estimate.deconv_tol
+    new = grid.run_cell(c, layers=(1, 2), methods=("deconvolution", "mle", "auto"))
+    estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL
+    try:
+        old = grid.run_cell(c, layers=(1, 2), methods=("deconvolution", "mle", "auto"))
+    finally:
+        estimate.deconv_tol = fixed
+    for m in ("deconvolution", "mle", "auto"):
+        e1 = float(np.mean(new.l1[(1, m, "items")]))
+        o2, n2 = (float(np.mean(r.l1[(2, m, "items")])) for r in (old, new))
+        print(f"{name} n={c.n} D={D} eps={eps} {m} / items: 1 layer {e1:.0f}; 2 layers fixed "
+              f"stop {o2:.0f} ({o2 / e1:.2f}x), scaled stop {n2:.0f} ({n2 / e1:.2f}x)")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--tol-sweep":  # --tol-sweep LAYERS REP
         tol_sweep(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--cell":  # --cell NAME MULT EPS REPS
+        one_cell(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
         return 0
     res = load()
     rows = []
