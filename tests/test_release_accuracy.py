@@ -152,6 +152,18 @@ def test_accuracy_plan_line_is_verbatim():
                         r"could be off by 2x\))?", planned), planned
 
 
+def test_start_line_and_plan_state_the_same_expected_errors():
+    """The service logs the floor line at once and the simulated expected errors from a thread;
+    the second line is the plan's clause (the same simulation, cached per configuration)."""
+    from aggregator.service.process import planned_errors
+
+    cfg = _cfg("state.domain_size=2000", "window.size=20000")
+    line, _ = accuracy_plan(cfg)
+    assert planned_errors(cfg) == "accuracy plan: " + line.split(
+        "; expected error of a release: ")[1]
+    assert accuracy_plan(cfg, simulate=False)[0] == line.split("; expected error")[0]
+
+
 def test_accuracy_plan_suggests_a_fix_below_the_noise():
     line, below = accuracy_plan(_cfg("state.domain_size=100000000", "window.size=40000"))
     assert below

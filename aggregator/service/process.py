@@ -59,7 +59,7 @@ from .metrics import Metrics
 from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
-           "warn_if_below_noise", "accuracy_plan"]
+           "warn_if_below_noise", "accuracy_plan", "planned_errors"]
 
 log = logging.getLogger("panagg.service")
 
@@ -196,14 +196,15 @@ def warn_if_below_noise(release: dict) -> None:
                   f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
 
 
-def accuracy_plan(cfg: dict) -> tuple[str, bool]:
+def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
     """The start line on accuracy: the error floor for the configured counters, eps, layers and
     the events a window is expected to hold, and a suggestion when that is below the noise.
 
     Public quantities only (nothing of the stream): the number of counters (D, or B in hashed
     mode), p, the layers the release will carry (1, plus 2 per in-window snapshot, plus the
     joint model's release layer) and n (count windows: their size; time windows and hashed
-    mode: ``state.expected_n``). Returns (line, below_noise).
+    mode: ``state.expected_n``). With ``simulate``, the line ends with the expected errors the
+    releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
     """
     st = cfg["state"]
     hashed = st["mode"] == "hashed"
@@ -220,7 +221,8 @@ def accuracy_plan(cfg: dict) -> tuple[str, bool]:
             f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
             f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
             f"{n_min:,} events to be above the noise")
-    line += _planned_errors(counters, p, layers, n, hashed)
+    if simulate:
+        line += _planned_errors(counters, p, layers, n, hashed)
     below = n / floor < SNR_MIN
     if below:
         from ..largedomain import choose_buckets
@@ -230,6 +232,13 @@ def accuracy_plan(cfg: dict) -> tuple[str, bool]:
                  f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
         line += " or longer windows (window.size)"
     return line, below
+
+
+def planned_errors(cfg: dict) -> str:
+    """The start line's second part: the expected relative errors the releases will state (the
+    clause :func:`accuracy_plan` ends with; computed after the first line, off the loop)."""
+    line, _ = accuracy_plan(cfg)
+    return "accuracy plan: " + line.split("; expected error of a release: ", 1)[1]
 
 
 def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool) -> str:
@@ -795,8 +804,18 @@ class Aggregator(EventTimeWindows):
         return end_offsets() if end_offsets else None
 
     def log_accuracy_plan(self) -> None:
-        line, below = accuracy_plan(self.cfg)
+        line, below = accuracy_plan(self.cfg, simulate=False)
         (log.warning if below else log.info)("%s", line)
+        # the expected errors come from simulated releases (seconds): logged from a thread, so
+        # the start does not wait for them
+        threading.Thread(target=self._log_planned_errors, name="panagg-plan", daemon=True).start()
+
+    def _log_planned_errors(self) -> None:
+        try:
+            log.info("%s", planned_errors(self.cfg))
+        except Exception as exc:  # a plan is advice: it never stops the service
+            log.warning("accuracy plan: expected errors not computed (%s: %s)",
+                        type(exc).__name__, exc)
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
