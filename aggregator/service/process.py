@@ -806,9 +806,12 @@ class Aggregator(EventTimeWindows):
     def log_accuracy_plan(self) -> None:
         line, below = accuracy_plan(self.cfg, simulate=False)
         (log.warning if below else log.info)("%s", line)
-        # the expected errors come from simulated releases (seconds): logged from a thread, so
-        # the start does not wait for them
-        threading.Thread(target=self._log_planned_errors, name="panagg-plan", daemon=True).start()
+        # the expected errors come from simulated releases (seconds): computed in a thread, so
+        # the loop starts at once; close() waits for it (a process must not exit while the
+        # thread is inside native code: that aborts it)
+        self._plan_thread = threading.Thread(target=self._log_planned_errors, name="panagg-plan",
+                                             daemon=True)
+        self._plan_thread.start()
 
     def _log_planned_errors(self) -> None:
         try:
@@ -816,6 +819,12 @@ class Aggregator(EventTimeWindows):
         except Exception as exc:  # a plan is advice: it never stops the service
             log.warning("accuracy plan: expected errors not computed (%s: %s)",
                         type(exc).__name__, exc)
+
+    def _close_plan(self) -> None:
+        thread = getattr(self, "_plan_thread", None)
+        if thread is not None:
+            thread.join()
+            self._plan_thread = None
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
@@ -976,6 +985,7 @@ class Aggregator(EventTimeWindows):
                                    f"{self.cfg['source']['bootstrap']} reachable?")
 
     def close(self) -> None:
+        self._close_plan()
         if self.worker is not None and self._owns_worker:
             self.worker.close()  # releases not collected are replayed at the next start
             self.worker = None
