@@ -237,9 +237,21 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="12 windows, 6 pairs")
     ap.add_argument("--out", default="out/changes.json")
     ap.add_argument("--plot-example", metavar="PNG", help="only write the history plot example")
+    ap.add_argument("--planned-only", action="store_true",
+                    help="only print planned_accuracy for the cells with a reference shape")
     args = ap.parse_args(argv)
     if args.plot_example:
         plot_example(args.plot_example)
+        return 0
+    if args.planned_only:  # what `panagg plan` says for the cells with a reference shape
+        from aggregator.release import planned_accuracy
+        for i in ([int(c) for c in args.cells.split(",")] if args.cells else range(len(CELLS))):
+            cell = CELLS[i]
+            shape = {"zipf": "zipf", "distinct": "distinct"}.get(cell[4])
+            if shape:
+                print(json.dumps({"cell": cell[0], "planned": planned_accuracy(
+                    cell[2], math.exp(-cell[5] / 2), cell[6], cell[3],
+                    hashed=cell[1] == "hashed")[shape]}), flush=True)
         return 0
     if args.quick:
         args.windows, args.pairs = 12, 6
