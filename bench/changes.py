@@ -229,6 +229,28 @@ def plot_example(path: str) -> None:
     plot_history(release_history(led), path)
 
 
+def hashed_diagnostic(windows: int = 4) -> None:
+    """The issue's hashed setting (cell 0), window by window: truth, release, its interval at the
+    internal level 0.8, both candidate fits, the bootstrap's spread and root-mean-square
+    deviation (docs/accuracy_changes.md, "Intervals at their level")."""
+    from aggregator.estimate import anonymized_cumulative, anonymized_histogram, forget_fits
+
+    rng = np.random.default_rng(7)
+    cell = CELLS[0]
+    for _ in range(windows):
+        items, vc, p = window(rng, cell)
+        n, B = int(items.sum()), cell[2]
+        h = anonymized_histogram(vc, p, layers=cell[6], n=n, buckets=B)
+        eb = intervals.error_bars(vc, p, layers=cell[6], n=n, buckets=B, reps=10, level=0.8,
+                                  release=h)
+        fits = {m: int(anonymized_cumulative(vc, p, layers=cell[6], n=n, buckets=B,
+                                             method=m)[0]) for m in ("deconvolution", "mle")}
+        print(f"truth {len(items)}, release {len(h)}, interval "
+              f"[{eb['distinct'][0]:.0f}, {eb['distinct'][1]:.0f}], fits {fits}, spread "
+              f"{eb['spread']['distinct']:.0f}, rms {eb['rms_error']['distinct']:.0f}", flush=True)
+        forget_fits()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=40)
@@ -237,11 +259,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="12 windows, 6 pairs")
     ap.add_argument("--out", default="out/changes.json")
     ap.add_argument("--plot-example", metavar="PNG", help="only write the history plot example")
+    ap.add_argument("--hashed-diagnostic", action="store_true",
+                    help="only the issue's hashed setting, window by window")
     ap.add_argument("--planned-only", action="store_true",
                     help="only print planned_accuracy for the cells with a reference shape")
     args = ap.parse_args(argv)
     if args.plot_example:
         plot_example(args.plot_example)
+        return 0
+    if args.hashed_diagnostic:
+        hashed_diagnostic()
         return 0
     if args.planned_only:  # what `panagg plan` says for the cells with a reference shape
         from aggregator.release import planned_accuracy
