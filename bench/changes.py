@@ -31,7 +31,6 @@ import time
 import numpy as np
 
 from aggregator import changes, intervals
-from aggregator.estimate import noisy_value_counts
 from aggregator.properties import entropy
 from aggregator.release import estimate_with_accuracy, package_release
 from bench._data import true_counts
