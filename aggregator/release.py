@@ -12,7 +12,6 @@ state's epsilon (see docs/privacy.md):
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import os
 import tempfile
@@ -232,8 +231,12 @@ def _add_expected_errors(accuracy: dict, hist, bars: dict, snr_public: float) ->
 PLAN_SHAPES = {"zipf": "a Zipf(1.1) window", "distinct": "mostly distinct items"}
 
 
+class PlanCancelled(Exception):
+    """:func:`planned_accuracy` was asked to stop (its ``cancel`` returned True)."""
+
+
 def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bool,
-                     reps: int = ERROR_BAR_REPS, rng=None) -> dict:
+                     reps: int = ERROR_BAR_REPS, rng=None, cancel=None) -> dict:
     """The expected errors a release will state, before any data: the release's own code
     (:func:`estimate_with_accuracy`) on :data:`PLAN_WINDOWS` simulated windows of ``n`` events
     of each of two reference shapes (:data:`PLAN_SHAPES`): items Zipf(1.1) (direct mode: over
@@ -244,18 +247,22 @@ def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bo
     ``auto`` choosing differently), hence the median.
 
     Public inputs only (counters, p, layers, n); the simulated events are synthetic, so their
-    generator may be anything (``rng``: a numpy Generator or seed; None: fresh). A real window
+    generator may be anything (``rng``: a numpy Generator or seed; None: fresh, and the result
+    is kept for the same configuration in this process). ``cancel``: a function asked before
+    each simulated window; when it returns True, :class:`PlanCancelled` is raised (a service
+    that stops before its plan is done does not wait for it). A real window
     of a similar shape states about the same figures (docs/accuracy_changes.md, "Expected errors").
     """
-    if rng is None:  # the same configuration again (a restart, a second aggregation): cached
-        return {k: dict(v) for k, v in _planned_cached(int(counters), float(p), int(layers),
-                                                        int(n), bool(hashed), int(reps)).items()}
-    return _planned(counters, p, layers, n, hashed=hashed, reps=reps, rng=rng)
+    key = (int(counters), float(p), int(layers), int(n), bool(hashed), int(reps))
+    if rng is None and key in _PLANS:  # the same configuration again (a restart, a second
+        return {k: dict(v) for k, v in _PLANS[key].items()}  # aggregation, `panagg plan`)
+    out = _planned(counters, p, layers, n, hashed=hashed, reps=reps, rng=rng, cancel=cancel)
+    if rng is None:
+        _PLANS[key] = {k: dict(v) for k, v in out.items()}
+    return out
 
 
-@functools.lru_cache(maxsize=32)
-def _planned_cached(counters, p, layers, n, hashed, reps):
-    return _planned(counters, p, layers, n, hashed=hashed, reps=reps, rng=None)
+_PLANS: dict = {}  # planned_accuracy's results per configuration (this process)
 
 
 PLAN_WINDOWS = 3  # simulated windows per shape; the plan states the median of their figures
@@ -274,7 +281,7 @@ def _zipf_ids(rng, n: int, top: int | None) -> np.ndarray:
     return ids[:n]
 
 
-def _planned(counters, p, layers, n, *, hashed, reps, rng) -> dict:
+def _planned(counters, p, layers, n, *, hashed, reps, rng, cancel=None) -> dict:
     from .intervals import simulate_counts
 
     rng = np.random.default_rng(rng)
@@ -286,6 +293,8 @@ def _planned(counters, p, layers, n, *, hashed, reps, rng) -> dict:
             continue
         figures = []
         for _ in range(PLAN_WINDOWS):
+            if cancel is not None and cancel():
+                raise PlanCancelled("the plan was cancelled")
             if shape == "zipf":
                 ids = _zipf_ids(rng, n, None if hashed else counters)
             else:  # 20 n ids (direct mode: at most the domain)

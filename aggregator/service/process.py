@@ -207,15 +207,9 @@ def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
     releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
     """
     st = cfg["state"]
-    hashed = st["mode"] == "hashed"
-    counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
-    layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
-    p = p_from_epsilon(float(st["epsilon"]),
-                       NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
+    counters, p, layers, n, hashed = _plan_inputs(cfg)
     floor = noise_floor(counters, p, layers)
-    count_window = cfg["window"]["kind"] == "count"
-    n = int(cfg["window"]["size"]) if count_window else int(st["expected_n"])
-    basis = "the window's size" if count_window else "state.expected_n"
+    basis = "the window's size" if cfg["window"]["kind"] == "count" else "state.expected_n"
     n_min = int(math.ceil(SNR_MIN * floor))
     line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st['epsilon']:g}"
             f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
@@ -234,19 +228,35 @@ def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
     return line, below
 
 
-def planned_errors(cfg: dict) -> str:
+def _plan_inputs(cfg: dict) -> tuple[int, float, int, int, bool]:
+    """(counters, p, layers at release, events per window, hashed) of a configuration: the
+    public inputs of the accuracy plan (:func:`accuracy_plan`)."""
+    st = cfg["state"]
+    hashed = st["mode"] == "hashed"
+    counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
+    layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
+    p = p_from_epsilon(float(st["epsilon"]),
+                       NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
+    n = int(cfg["window"]["size"]) if cfg["window"]["kind"] == "count" else int(st["expected_n"])
+    return counters, p, layers, n, hashed
+
+
+def planned_errors(cfg: dict, cancel=None) -> str:
     """The start line's second part: the expected relative errors the releases will state (the
-    clause :func:`accuracy_plan` ends with; computed after the first line, off the loop)."""
-    line, _ = accuracy_plan(cfg)
-    return "accuracy plan: " + line.split("; expected error of a release: ", 1)[1]
+    clause :func:`accuracy_plan` ends with; computed after the first line, off the loop).
+    ``cancel``: see :func:`aggregator.release.planned_accuracy`."""
+    counters, p, layers, n, hashed = _plan_inputs(cfg)
+    clause = _planned_errors(counters, p, layers, n, hashed, cancel=cancel)
+    return "accuracy plan: " + clause.split("; expected error of a release: ", 1)[1]
 
 
-def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool) -> str:
+def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool,
+                    cancel=None) -> str:
     """The expected relative errors the releases will state, from simulated windows of two
     reference shapes (aggregator.release.planned_accuracy), as a clause of the plan line."""
     from ..release import PLAN_SHAPES, planned_accuracy
 
-    plan = planned_accuracy(counters, p, layers, n, hashed=hashed)
+    plan = planned_accuracy(counters, p, layers, n, hashed=hashed, cancel=cancel)
 
     def pct(v):
         return "?" if v is None else f"+-{100 * v:.1f}%"
@@ -807,15 +817,19 @@ class Aggregator(EventTimeWindows):
         line, below = accuracy_plan(self.cfg, simulate=False)
         (log.warning if below else log.info)("%s", line)
         # the expected errors come from simulated releases (seconds): computed in a thread, so
-        # the loop starts at once; close() waits for it (a process must not exit while the
-        # thread is inside native code: that aborts it)
+        # the loop starts at once; close() cancels it and waits for the simulated window in
+        # hand (a process must not exit while the thread is inside native code: that aborts it)
+        self._plan_cancel = threading.Event()
         self._plan_thread = threading.Thread(target=self._log_planned_errors, name="panagg-plan",
                                              daemon=True)
         self._plan_thread.start()
 
     def _log_planned_errors(self) -> None:
+        from ..release import PlanCancelled
         try:
-            log.info("%s", planned_errors(self.cfg))
+            log.info("%s", planned_errors(self.cfg, cancel=self._plan_cancel.is_set))
+        except PlanCancelled:
+            pass  # stopped before the plan was done: no line
         except Exception as exc:  # a plan is advice: it never stops the service
             log.warning("accuracy plan: expected errors not computed (%s: %s)",
                         type(exc).__name__, exc)
@@ -823,6 +837,7 @@ class Aggregator(EventTimeWindows):
     def _close_plan(self) -> None:
         thread = getattr(self, "_plan_thread", None)
         if thread is not None:
+            self._plan_cancel.set()
             thread.join()
             self._plan_thread = None
 
