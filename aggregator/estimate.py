@@ -39,6 +39,9 @@ Projections
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import heapq
 import math
 from dataclasses import dataclass
@@ -75,6 +78,7 @@ __all__ = [
     "MLE_TOL",
     "DECONV_MAX_ITER",
     "DECONV_TOL",
+    "deconv_tol",
     "em_prevalences",
     "deconvolved_batch",
     "anonymized_cumulative_many",
@@ -619,11 +623,60 @@ def _em_problem(vc: NoisyValueCounts, p: float, k: int, tail: float = EM_TAIL,
 
 
 DECONV_MAX_ITER = 200  # the early-stopped EM ("deconvolution"): see deconvolved_prevalence
-DECONV_TOL = 1e-5
+DECONV_TOL = 1e-5  # for one layer; k layers: deconv_tol(p, k)
+
+
+# True while estimating from hash-bucket counters (hashed mode): the early stop stays at
+# DECONV_TOL for every layer count there (see deconv_tol)
+_BUCKET_COUNTERS = contextvars.ContextVar("panagg_bucket_counters", default=False)
+
+
+@contextlib.contextmanager
+def bucket_counters():
+    """Within this block the EM estimates are of hash-bucket counters (hashed mode)."""
+    token = _BUCKET_COUNTERS.set(True)
+    try:
+        yield
+    finally:
+        _BUCKET_COUNTERS.reset(token)
+
+
+def deconv_tol(p: float, layers: int = 1) -> float:
+    """The early-stopped EM's tolerance for counters carrying ``layers`` DLap(p) layers:
+    :data:`DECONV_TOL` times chi2_k / chi2_1, the Fisher information a counter holds about a
+    one-event shift under k layers relative to one (chi2_k = sum_v (q(v-1) - q(v))^2 / q(v),
+    q the k-layer noise pmf; ``intervals.chi2_shift``).
+
+    Why: the tolerance is on the mean log-likelihood gain per counter and step, and with k
+    layers each counter carries chi2_k / chi2_1 (0.31 for two layers at eps 1, 0.13 for three)
+    of the information, so every step gains that much less: a fixed 1e-5 stopped the 2-layer EM
+    at a point the 1-layer EM passes early. On the held-out real profile that cost 2.9x the
+    1-layer error (jieba's Chinese word counts, D = 3.5e5, n = 3.5e6, eps 1: 11,333 -> 32,686;
+    with the scaled tolerance 17,000-26,800: docs/accuracy_grid.md, "Layer cost").
+
+    Direct mode only: on hash-bucket counters (inside :func:`bucket_counters`, which hashed
+    mode's estimators enter) the scaled tolerance made the 2-layer default 3.8% worse on
+    geometric mean over 20 hashed cells (up to 3x on one), so it stays at :data:`DECONV_TOL`.
+
+    >>> deconv_tol(0.5, 1) == DECONV_TOL
+    True
+    >>> round(deconv_tol(0.6065306597126334, 2) / DECONV_TOL, 3)
+    0.308
+    """
+    k = _check_layers(layers)
+    if k == 1 or _BUCKET_COUNTERS.get():
+        return DECONV_TOL
+
+    def chi2(layers_):
+        _, q = noise_pmf(p, layers_)
+        shifted = np.concatenate([[0.0], q[:-1]])
+        return float(np.sum((shifted - q) ** 2 / q))
+
+    return DECONV_TOL * chi2(k) / chi2(1)
 
 
 def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                           tol=DECONV_TOL, R=None, n=None) -> np.ndarray:
+                           tol=None, R=None, n=None) -> np.ndarray:
     """phi_{>=r}, r = 1..R, from the NPMLE of the prevalences (EM deconvolution).
 
     Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws
@@ -643,6 +696,7 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITE
     """
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
+    tol = deconv_tol(p, k) if tol is None else tol
     prob = _em_problem(vc, p, k)
     if not prob.spans:
         return prob.cumulative(None, R)
@@ -667,12 +721,12 @@ def em_prevalences(noisy_counts, p, *, layers=1, R=None) -> tuple[np.ndarray, np
         return est, est.copy()
     w = prob.w / prob.w.sum()
     early, pi = _squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, MLE_MAX_ITER, MLE_TOL,
-                         prob.zero_idx, early=(DECONV_MAX_ITER, DECONV_TOL))
+                         prob.zero_idx, early=(DECONV_MAX_ITER, deconv_tol(p, layers)))
     return prob.cumulative(early, R), prob.cumulative(pi, R)
 
 
 def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                      tol=DECONV_TOL) -> list:
+                      tol=None) -> list:
     """:func:`deconvolved_prevalence` (without n) of several counter sets at once: one SQUAREM
     loop over a matrix with one row per counter set (each row stops at its own step, by the
     same rule), so the ~25 numpy calls of an EM step are made once per step for all of them.
@@ -684,6 +738,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     result must be reproducible exactly (the release itself).
     """
     k = _check_layers(layers)
+    tol = deconv_tol(p, k) if tol is None else tol
     vcs = [noisy_value_counts(x) for x in many]
     probs = [_em_problem(vc, p, k) for vc in vcs]
     out = [prob.cumulative(None) if not prob.spans else None for prob in probs]
@@ -788,7 +843,8 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     if method not in ("deconvolution", "mle") or not many:
         return [anonymized_cumulative(x, p, layers=layers, n=n, method=method, buckets=buckets,
                                       cap=cap) for x in many]
-    iters = ((DECONV_MAX_ITER, DECONV_TOL) if method == "deconvolution"
+    iters = ((DECONV_MAX_ITER, DECONV_TOL if buckets is not None else deconv_tol(p, k))
+             if method == "deconvolution"
              else (MLE_MAX_ITER, MLE_TOL))
     vcs = [noisy_value_counts(x) for x in many]
     phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1])
@@ -1299,6 +1355,9 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
     """
     if method is None:
         method = default_method(mode, layers)
+    if mode == "hashed" and not _BUCKET_COUNTERS.get():
+        with bucket_counters():
+            return phi_estimate(noisy_counts, p, layers=layers, method=method, mode=mode, n=n)
     if method == "threshold":
         return cumulative_prevalence(noisy_counts, p, layers=layers)
     if method == "deconvolution":

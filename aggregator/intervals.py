@@ -80,7 +80,8 @@ from .properties import entropy, entropy_prevalences, support_coverage_prevalenc
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
            "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums",
            "RANK_BANDS", "MODELS", "prediction_band", "prediction_bound", "information_floor",
-           "FLOOR_R", "plausible_extremes", "PATH_TOP"]
+           "FLOOR_R", "plausible_extremes", "PATH_TOP", "expected_errors",
+           "standard_errors"]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
 
@@ -112,6 +113,38 @@ def signal_to_noise(n: int, counters: int, p: float, layers: int = 1) -> float:
 def signal_below_noise(n: int, counters: int, p: float, layers: int = 1) -> bool:
     """True when signal_to_noise < :data:`SNR_MIN`: the release is mostly noise."""
     return signal_to_noise(n, counters, p, layers) < SNR_MIN
+
+
+def expected_errors(bars: dict) -> dict:
+    """The error a release should expect on distinct items and entropy, from its bootstrap
+    (:func:`error_bars`): {"distinct": items, "entropy": nats}.
+
+    ``rms_error``: the root-mean-square deviation of the re-estimates from the stand-in truth
+    (the estimator's spread and its bias at the stand-in), the largest over the two stand-ins.
+    Measured against the truth (bench/changes.py, docs/accuracy_changes.md "Expected errors"): the
+    actual root-mean-square error over the stated one was 0.8-1.2 for distinct items; adding
+    the gap between the stand-in fits (``stand_in_gap``) in quadrature overstated it (0.6-0.85).
+    """
+    return {k: float(bars["rms_error"][k]) for k in ("distinct", "entropy")}
+
+
+def standard_errors(bars: dict) -> dict:
+    """How much a release would move on another window of the same truth, from its bootstrap
+    (:func:`error_bars`): {"distinct": items, "entropy": nats}, the basis of the change test
+    between windows (:mod:`aggregator.changes`).
+
+    The spread of the re-estimates (``spread``); when the estimator was chosen from the counters
+    (``auto``), also the chance that another window's counters choose the other candidate:
+    half the gap between the two stand-in fits, in quadrature (a coin flip between two values
+    g apart has standard deviation g / 2). Without that term, on a stationary hashed stream of
+    mostly distinct users (B = 2e5, n = 1e5, eps 1, 2 layers) `auto` flipped between the
+    early-stopped EM and the NPMLE, 7% apart, and 26% of consecutive windows read as a
+    significant change at level 0.9 (bench/changes.py).
+    """
+    sel = bool(bars.get("selected"))
+    return {k: math.hypot(float(bars["spread"][k]),
+                          float(bars["stand_in_gap"][k]) / 2 if sel else 0.0)
+            for k in ("distinct", "entropy")}
 
 
 def prediction_band(samples, level: float) -> tuple[np.ndarray, np.ndarray]:
@@ -715,6 +748,13 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
       (``properties.support_coverage``: expected distinct items in 2n draws).
     * ``rank_bands``: list of (first rank, last rank, lower, upper) for the events held by the
       items of each rank band (:data:`RANK_BANDS`).
+    * ``spread``: {"distinct", "entropy"}: the standard deviation of the bootstrap re-estimates
+      (the largest over the stand-ins): how much the release would move on another draw of the
+      noise with the same truth. Two windows' releases differ by about sqrt(s1^2 + s2^2) when
+      nothing changed (:func:`change_test`).
+    * ``rms_error``: {"distinct", "entropy"}: the root-mean-square deviation of the re-estimates
+      from their stand-in (spread and bias together, the largest over the stand-ins): the error a
+      release should expect (:func:`expected_errors`).
     * ``signal_to_noise``, ``signal_below_noise``: :func:`signal_to_noise` and its flag (with
       ``n``), and ``relative_l1_bound`` = l1_bound / n.
 
@@ -752,7 +792,9 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
             _, (m_sel, cap_sel) = select(vc, p, layers=layers, n=n)
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
-            _, (m_sel, _) = select(vc, p, layers=layers, n=None)
+            from .estimate import bucket_counters
+            with bucket_counters():
+                _, (m_sel, _) = select(vc, p, layers=layers, n=None)
             kw_boot = kw | {"method": m_sel}
     else:
         kw_boot = kw
@@ -760,6 +802,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     stand_ins = {"both": ("deconvolution", "mle")}.get(model, (model,))
     top = float(n) if n is not None else math.inf
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
+    spread, rms, gaps = {}, {}, {}  # per statistic, the largest over the stand-ins
     # the stand-ins as cumulative prevalences: the bootstrap works on phi_{>=r} (a few thousand
     # distinct counts), not on the millions of counts they list at D = 1e7
     truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, **(kw | {"method": sm}))
@@ -817,6 +860,19 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         boot_l1 = [cumulative_l1(ys, y_t) for ys in boot_y]
         st_b = [_hist_stats(ys) for ys in boot_y]
         boot_h = [s[0] - st_t[0] for s in st_b]
+        # the re-estimates' spread (random part: what differs between two windows of the same
+        # truth) and root-mean-square deviation from the stand-in (spread and bias: the error
+        # a release should expect), for distinct items and entropy
+        boot_d = np.array([(b[0] if len(b) else 0) for b in boot_y], dtype=np.float64) - (
+            float(y_t[0]) if len(y_t) else 0.0)
+        for key, devs in (("distinct", boot_d), ("entropy", np.asarray(boot_h, float))):
+            spread[key] = max(spread.get(key, 0.0), float(np.std(devs, ddof=1)))
+            rms[key] = max(rms.get(key, 0.0), float(np.sqrt(np.mean(devs ** 2))))
+        # how far the release is from this stand-in (two fits of the same counters that
+        # disagree: model uncertainty the bootstrap at either one does not see)
+        gaps["distinct"] = max(gaps.get("distinct", 0.0),
+                               abs(float(y[0] if len(y) else 0) - float(y_t[0] if len(y_t) else 0)))
+        gaps["entropy"] = max(gaps.get("entropy", 0.0), abs(st_est[0] - st_t[0]))
         boot_c = [s[1] - st_t[1] for s in st_b]
         boot_b = [s[2] - st_t[2] for s in st_b]
         R = max(len(y), len(y_t), max(len(b) for b in boot_y), *map(len, extremes)) + 1
@@ -902,6 +958,10 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         "phi_r_lower": r_lower,
         "phi_r_upper": r_upper,
         "distinct": (float(lower[0]) if Rm else 0.0, float(upper[0]) if Rm else 0.0),
+        "spread": spread,
+        "rms_error": rms,
+        "stand_in_gap": gaps,
+        "selected": chosen == "auto",
         "entropy_nats": (max(h_hat - h_hi, 0.0), h_hat - h_lo),
         "support_coverage_2n": (max(c_hat - c_hi, 0.0), max(c_hat - c_lo, 0.0)),
         "rank_bands": [(int(s), int(e), float(np.clip(b_hat[i] - b_hi[i], 0.0, top)),

@@ -22,6 +22,8 @@ counters), and n events are drawn from it multinomially.
   >= 50 times, all kept): es, ru, fa, lv.
 * ``ss-en``, ``ss-en2``: symspellpy 6.10's English unigram (82,765 words) and bigram
   (243,342 pairs) counts (Google Books Ngram derived).
+* :data:`NEW_REAL` (held out from the grid): ``jb-zh`` (jieba), ``ac-en`` (autocorrect), ``py-ids``
+  (Python standard-library identifiers).
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ from aggregator.noise import discrete_laplace
 DISTRIBUTIONS = ("zipf", "uniform", "geometric", "zipf0.7", "zipf1.5", "zipf2", "heavy")
 REAL = ("wf-en", "wf-de", "wf-ja", "wf-ar", "sc-es", "sc-ru", "sc-fa", "sc-lv", "ss-en", "ss-en2")
 REAL_TOP = 100_000  # wordfreq lists: the top words kept
+# Real profiles from sources the accuracy grid never used (issue 28's held-out families): for the
+# leave-one-family-out study (bench/lofo.py), not in the grid's cells.
+# * ``jb-zh``: jieba 0.42's Chinese dictionary (349,046 words with corpus counts);
+# * ``ac-en``: autocorrect 2.6's English word counts (a different corpus than wordfreq / symspell);
+# * ``py-ids``: identifier counts in this Python's standard library source (program identifiers,
+#   tokenize NAME tokens less keywords; tests left out).
+NEW_REAL = ("jb-zh", "ac-en", "py-ids")
 
 
 def real_profile(name: str) -> np.ndarray:
@@ -68,6 +77,38 @@ def real_profile(name: str) -> np.ndarray:
               else "frequency_dictionary_en_82_765.txt")
         with open(os.path.join(base, fn), encoding="utf-8") as fh:
             f = np.sort(np.array([float(line.split()[-1]) for line in fh if line.strip()]))[::-1]
+    elif src == "jb":  # jieba's dictionary: word, count, part of speech per line
+        import os
+        import jieba
+        with open(os.path.join(os.path.dirname(jieba.__file__), "dict.txt"),
+                  encoding="utf-8") as fh:
+            f = np.sort(np.array([float(line.split()[1]) for line in fh if line.strip()]))[::-1]
+    elif src == "ac":  # autocorrect's English word counts (word_count.json in en.tar.gz)
+        import json
+        import os
+        import tarfile
+        import autocorrect
+        with tarfile.open(os.path.join(os.path.dirname(autocorrect.__file__), "data",
+                                       "en.tar.gz")) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("word_count.json"))
+            counts = json.load(tar.extractfile(member))
+        f = np.sort(np.fromiter(counts.values(), np.float64))[::-1]
+    elif src == "py":  # identifiers in the Python standard library's source (keywords left out)
+        import collections
+        import keyword
+        import sysconfig
+        import tokenize
+        c = collections.Counter()
+        for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            if {"site-packages", "test", "tests"} & set(path.parts):
+                continue
+            try:
+                with open(path, "rb") as fh:
+                    c.update(t.string for t in tokenize.tokenize(fh.readline)
+                             if t.type == tokenize.NAME and not keyword.iskeyword(t.string))
+            except (SyntaxError, tokenize.TokenError, UnicodeDecodeError):
+                continue  # (a few files are deliberately broken or in other encodings)
+        f = np.sort(np.fromiter(c.values(), np.float64))[::-1]
     else:
         raise ValueError(f"unknown real profile {name!r}")
     w = f / f.sum()
@@ -79,7 +120,7 @@ _REAL_CACHE: dict = {}
 
 
 def weights(dist: str, D: int) -> np.ndarray:
-    if dist in REAL:
+    if dist in REAL or dist in NEW_REAL:
         w = real_profile(dist)
         if len(w) != D:
             raise ValueError(f"{dist} has {len(w)} items, not D = {D}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -31,10 +32,22 @@ def test_release_carries_signal_to_noise_and_intervals():
     acc = rel["accuracy"]
     assert rel["signal_below_noise"] is False and acc["signal_below_noise"] is False
     want = intervals.signal_to_noise(20000, 2000, s.p, 2)  # joint model: 2 layers
-    assert acc["signal_to_noise"] == pytest.approx(want, rel=1e-3)
-    assert acc["signal_basis"] == "n"
+    assert acc["events_over_noise_floor"] == pytest.approx(want, rel=1e-3)
+    # signal-to-noise reads as "the distinct-items estimate over its expected error"
+    distinct = rel["properties"]["distinct_items"]
+    exp_d = acc["expected_error"]["distinct_items"]
+    assert acc["signal_to_noise_basis"] == "bootstrap" and exp_d > 0
+    assert acc["signal_basis"] == "n"  # the basis of events_over_noise_floor
+    assert acc["signal_to_noise"] == pytest.approx(distinct / exp_d, rel=1e-3)
+    assert acc["expected_relative_error"]["distinct_items"] == pytest.approx(
+        exp_d / distinct, abs=1e-4)
+    assert acc["expected_relative_error"]["entropy_nats"] == pytest.approx(
+        acc["expected_error"]["entropy_nats"] / rel["properties"]["entropy_nats"], abs=1e-4)
+    assert acc["standard_error"]["distinct_items"] > 0 and acc["standard_error"]["entropy_nats"] > 0
+    assert acc["distinct_could_be_off_2x"] is False
     iv = acc["intervals"]
     assert iv["reps"] == 8 and iv["level"] == 0.9
+    assert iv["internal_level"] == 0.8  # calibrated so that the unions cover 0.9 (not more)
     lo, hi = iv["distinct_items"]
     assert 0 <= lo <= hi
     assert iv["entropy_nats"][0] <= iv["entropy_nats"][1]
@@ -53,7 +66,7 @@ def test_empty_window_is_flagged_below_noise(caplog):
     """An empty window once released 13k items and entropy 9.3 with nothing saying so."""
     rel = make_release(_state(100000, 0), window=4, error_bar_reps=4)
     assert rel["n"] == 0 and rel["signal_below_noise"] is True
-    assert rel["accuracy"]["signal_to_noise"] == 0.0
+    assert rel["accuracy"]["events_over_noise_floor"] == 0.0
     with caplog.at_level(logging.ERROR, logger="panagg.service"):
         warn_if_below_noise(rel)
     lines = [r.getMessage() for r in caplog.records]
@@ -66,6 +79,27 @@ def test_no_log_line_above_the_noise(caplog):
     with caplog.at_level(logging.ERROR, logger="panagg.service"):
         warn_if_below_noise(rel)
     assert not caplog.records
+
+
+def test_flag_when_the_distinct_interval_reaches_2x():
+    """Above the public noise floor, a release whose distinct-items interval reaches below half
+    (or above twice) its estimate is still flagged: it could be off by 2x."""
+    from aggregator.release import _add_expected_errors
+
+    bars = {"spread": {"distinct": 50.0, "entropy": 0.01}, "rms_error": {"distinct": 90.0,
+            "entropy": 0.02}, "stand_in_gap": {"distinct": 10.0, "entropy": 0.0},
+            "selected": False}
+    hist = np.ones(1000, dtype=np.int64)
+    for interval, flagged in (([900.0, 1100.0], False), ([450.0, 1100.0], True),
+                              ([900.0, 2100.0], True)):
+        acc = {"signal_to_noise": 50.0, "intervals": {"distinct_items": interval}}
+        _add_expected_errors(acc, hist, bars, snr_public=50.0)
+        assert acc["signal_below_noise"] is flagged and acc["distinct_could_be_off_2x"] is flagged
+        assert acc["expected_relative_error"]["distinct_items"] == pytest.approx(0.09)
+        assert acc["signal_to_noise"] == pytest.approx(1000 / 90.0, rel=1e-3)
+    acc = {"signal_to_noise": 1.0, "intervals": {"distinct_items": [900.0, 1100.0]}}
+    _add_expected_errors(acc, hist, bars, snr_public=1.0)  # below the public floor: flagged
+    assert acc["signal_below_noise"] is True and acc["distinct_could_be_off_2x"] is False
 
 
 def test_error_bars_off_keeps_the_flag():
@@ -107,9 +141,27 @@ def _cfg(*sets):
 def test_accuracy_plan_line_is_verbatim():
     line, below = accuracy_plan(_cfg("state.domain_size=1000000", "window.size=40000"))
     assert not below
-    assert line == ("accuracy plan: 1,000,000 counters (D), eps 1, 2 noise layer(s) at release: "
+    head, _, planned = line.partition("; expected error of a release: ")
+    assert head == ("accuracy plan: 1,000,000 counters (D), eps 1, 2 noise layer(s) at release: "
                     "error floor ~3,564 items; with 40,000 events per window (the window's size) "
                     "signal-to-noise 11.2; windows need >= 7,129 events to be above the noise")
+    # the releases' own expected errors, from simulated windows of the two reference shapes
+    assert re.fullmatch(r"\+-[0-9.]+% distinct items, \+-[0-9.]+% entropy for a Zipf\(1\.1\) "
+                        r"window( \(BELOW THE NOISE: could be off by 2x\))?; \+-[0-9.]+% distinct "
+                        r"items, \+-[0-9.]+% entropy for mostly distinct items( \(BELOW THE NOISE: "
+                        r"could be off by 2x\))?", planned), planned
+
+
+def test_start_line_and_plan_state_the_same_expected_errors():
+    """The service logs the floor line at once and the simulated expected errors from a thread;
+    the second line is the plan's clause (the same simulation, cached per configuration)."""
+    from aggregator.service.process import planned_errors
+
+    cfg = _cfg("state.domain_size=2000", "window.size=20000")
+    line, _ = accuracy_plan(cfg)
+    assert planned_errors(cfg) == "accuracy plan: " + line.split(
+        "; expected error of a release: ")[1]
+    assert accuracy_plan(cfg, simulate=False)[0] == line.split("; expected error")[0]
 
 
 def test_accuracy_plan_suggests_a_fix_below_the_noise():

@@ -951,7 +951,9 @@ def cmd_history(args: argparse.Namespace) -> int:
     from .status import StatusError, _ledger, format_history, plot_history, release_history
 
     try:
-        rows = release_history(_ledger(Path(args.state_dir)))
+        if not 0 < args.level < 1:
+            raise UsageError(f"--level must be between 0 and 1 (e.g. 0.9), got {args.level:g}")
+        rows = release_history(_ledger(Path(args.state_dir)), level=args.level)
     except StatusError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
@@ -964,7 +966,10 @@ def cmd_history(args: argparse.Namespace) -> int:
         if not rows:
             raise UsageError("no releases in the ledger yet: nothing to plot")
         plot_history(rows, args.plot)
-        print(f"plot written to {args.plot}", file=sys.stderr)
+        # the table is on stdout, the note on stderr: flushed first, so that the note starts on
+        # a line of its own when both go to one terminal or file
+        sys.stdout.flush()
+        print(f"\nplot written to {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -1096,7 +1101,11 @@ def build_parser() -> argparse.ArgumentParser:
     his = sub.add_parser("history", help="ledgered releases window by window (and a plot)")
     his.add_argument("--state-dir", required=True, help="checkpoint.dir")
     his.add_argument("--json", action="store_true", help="rows as JSON")
-    his.add_argument("--plot", help="write distinct items and entropy across windows to this PNG")
+    his.add_argument("--plot", help="write distinct items and entropy across windows to this PNG "
+                                    "(intervals as bands, significant changes marked)")
+    his.add_argument("--level", type=float, default=0.9,
+                     help="level of the change test between consecutive releases (default 0.9: "
+                          "at most 10%% false alarms on a stationary stream)")
     his.set_defaults(func=cmd_history)
     cen = sub.add_parser("central", help="central-model DP release of a file of counts "
                                          "(trusted curator)")

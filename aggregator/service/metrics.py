@@ -93,10 +93,17 @@ class Metrics:
         self.release_entropy = Gauge("panagg_release_entropy_nats", "Entropy (nats) in the "
                                      "latest published release", registry=r)
         self.release_snr = Gauge("panagg_release_signal_to_noise", "Signal-to-noise of the latest "
-                                 "published release (below 2: flagged signal_below_noise)",
-                                 registry=r)
+                                 "published release: its distinct items over their expected "
+                                 "error (10: about +-10%)", registry=r)
+        # +1 / -1: the statistic rose / fell significantly (level 0.9, aggregator.changes) since
+        # the previous release this process published; 0: no significant change; NaN: unknown
+        self.release_change = Gauge("panagg_release_change", "Significant change of a released "
+                                    "statistic since the previous release (level 0.9): 1 rise, "
+                                    "-1 fall, 0 none", ["statistic"], registry=r)
+        self._last_release: dict | None = None
         for g in (self.release_window, self.release_distinct, self.release_entropy,
-                  self.release_snr):
+                  self.release_snr, *(self.release_change.labels(statistic=s)
+                                      for s in ("distinct_items", "entropy_nats"))):
             g.set(float("nan"))
         self.build_info = Gauge("panagg_build_info", "Always 1; the labels say which panagg "
                                 "and Python run", ["version", "python"], registry=r)
@@ -136,6 +143,12 @@ class Metrics:
         self.release_entropy.set(props.get("entropy_nats", float("nan")))
         snr = (release.get("accuracy") or {}).get("signal_to_noise")
         self.release_snr.set(float("nan") if snr is None else snr)
+        from ..changes import STATISTICS, compare
+        c = compare(self._last_release, release) if self._last_release else {}
+        for stat in STATISTICS:
+            d = (c.get(stat) or {}).get("direction")
+            self.release_change.labels(statistic=stat).set(float("nan") if d is None else d)
+        self._last_release = release
 
     def checkpointed(self, seconds: float) -> None:
         self.checkpoint_duration.observe(seconds)

@@ -61,7 +61,7 @@ from .publisher import ReleasePublisher
 from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
-           "warn_if_below_noise", "accuracy_plan"]
+           "warn_if_below_noise", "accuracy_plan", "planned_errors"]
 
 log = logging.getLogger("panagg.service")
 
@@ -215,40 +215,42 @@ def warn_if_below_noise(release: dict) -> None:
     in ``signal_below_noise``): it may look normal and still be mostly noise."""
     acc = release.get("accuracy") or {}
     if acc.get("signal_below_noise"):
-        log.error("window %s: the release is below its noise floor (signal-to-noise %.2f < %g: "
+        # events over the Cramer-Rao floor (older releases: under signal_to_noise)
+        snr = acc.get("events_over_noise_floor", acc.get("signal_to_noise")) or 0.0
+        why = ("its distinct items could be off by 2x at the interval's level; "
+               if acc.get("distinct_could_be_off_2x") else "")
+        log.error("window %s: the release is below its noise floor (%sevents over the error "
+                  "floor %.2f, flagged below %g: "
                   "%s events against an error floor of ~%s items); its statistics are mostly "
                   "noise. Fix: more events per window (window.size), fewer counters "
                   "(state.domain_size, or hashed mode), or a larger state.epsilon",
-                  release.get("window"), acc.get("signal_to_noise", 0.0), SNR_MIN,
+                  release.get("window"), why, snr, SNR_MIN,
                   release.get("n") if release.get("n") is not None
                   else release.get("n_in_histogram"),
                   f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
 
 
-def accuracy_plan(cfg: dict) -> tuple[str, bool]:
+def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
     """The start line on accuracy: the error floor for the configured counters, eps, layers and
     the events a window is expected to hold, and a suggestion when that is below the noise.
 
     Public quantities only (nothing of the stream): the number of counters (D, or B in hashed
     mode), p, the layers the release will carry (1, plus 2 per in-window snapshot, plus the
     joint model's release layer) and n (count windows: their size; time windows and hashed
-    mode: ``state.expected_n``). Returns (line, below_noise).
+    mode: ``state.expected_n``). With ``simulate``, the line ends with the expected errors the
+    releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
     """
     st = cfg["state"]
-    hashed = st["mode"] == "hashed"
-    counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
-    layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
-    p = p_from_epsilon(float(st["epsilon"]),
-                       NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
+    counters, p, layers, n, hashed = _plan_inputs(cfg)
     floor = noise_floor(counters, p, layers)
-    count_window = cfg["window"]["kind"] == "count"
-    n = int(cfg["window"]["size"]) if count_window else int(st["expected_n"])
-    basis = "the window's size" if count_window else "state.expected_n"
+    basis = "the window's size" if cfg["window"]["kind"] == "count" else "state.expected_n"
     n_min = int(math.ceil(SNR_MIN * floor))
     line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st['epsilon']:g}"
             f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
             f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
             f"{n_min:,} events to be above the noise")
+    if simulate:
+        line += _planned_errors(counters, p, layers, n, hashed)
     below = n / floor < SNR_MIN
     if below:
         from ..largedomain import choose_buckets
@@ -258,6 +260,46 @@ def accuracy_plan(cfg: dict) -> tuple[str, bool]:
                  f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
         line += " or longer windows (window.size)"
     return line, below
+
+
+def _plan_inputs(cfg: dict) -> tuple[int, float, int, int, bool]:
+    """(counters, p, layers at release, events per window, hashed) of a configuration: the
+    public inputs of the accuracy plan (:func:`accuracy_plan`)."""
+    st = cfg["state"]
+    hashed = st["mode"] == "hashed"
+    counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
+    layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
+    p = p_from_epsilon(float(st["epsilon"]),
+                       NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
+    n = int(cfg["window"]["size"]) if cfg["window"]["kind"] == "count" else int(st["expected_n"])
+    return counters, p, layers, n, hashed
+
+
+def planned_errors(cfg: dict, cancel=None) -> str:
+    """The start line's second part: the expected relative errors the releases will state (the
+    clause :func:`accuracy_plan` ends with; computed after the first line, off the loop).
+    ``cancel``: see :func:`aggregator.release.planned_accuracy`."""
+    counters, p, layers, n, hashed = _plan_inputs(cfg)
+    clause = _planned_errors(counters, p, layers, n, hashed, cancel=cancel)
+    return "accuracy plan: " + clause.split("; expected error of a release: ", 1)[1]
+
+
+def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool,
+                    cancel=None) -> str:
+    """The expected relative errors the releases will state, from simulated windows of two
+    reference shapes (aggregator.release.planned_accuracy), as a clause of the plan line."""
+    from ..release import PLAN_SHAPES, planned_accuracy
+
+    plan = planned_accuracy(counters, p, layers, n, hashed=hashed, cancel=cancel)
+
+    def pct(v):
+        return "?" if v is None else f"+-{100 * v:.1f}%"
+
+    parts = [f"{pct(v['distinct_items'])} distinct items, {pct(v['entropy_nats'])} entropy for "
+             f"{PLAN_SHAPES[shape]}" + (" (BELOW THE NOISE: could be off by 2x)"
+                                         if v["signal_below_noise"] else "")
+             for shape, v in plan.items()]
+    return "; expected error of a release: " + "; ".join(parts)
 
 
 def choose_buckets_for(cfg: dict) -> int:
@@ -858,8 +900,32 @@ class Aggregator(EventTimeWindows):
         return end_offsets() if end_offsets else None
 
     def log_accuracy_plan(self) -> None:
-        line, below = accuracy_plan(self.cfg)
+        line, below = accuracy_plan(self.cfg, simulate=False)
         (log.warning if below else log.info)("%s", line)
+        # the expected errors come from simulated releases (seconds): computed in a thread, so
+        # the loop starts at once; close() cancels it and waits for the simulated window in
+        # hand (a process must not exit while the thread is inside native code: that aborts it)
+        self._plan_cancel = threading.Event()
+        self._plan_thread = threading.Thread(target=self._log_planned_errors, name="panagg-plan",
+                                             daemon=True)
+        self._plan_thread.start()
+
+    def _log_planned_errors(self) -> None:
+        from ..release import PlanCancelled
+        try:
+            log.info("%s", planned_errors(self.cfg, cancel=self._plan_cancel.is_set))
+        except PlanCancelled:
+            pass  # stopped before the plan was done: no line
+        except Exception as exc:  # a plan is advice: it never stops the service
+            log.warning("accuracy plan: expected errors not computed (%s: %s)",
+                        type(exc).__name__, exc)
+
+    def _close_plan(self) -> None:
+        thread = getattr(self, "_plan_thread", None)
+        if thread is not None:
+            self._plan_cancel.set()
+            thread.join()
+            self._plan_thread = None
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
@@ -1030,6 +1096,7 @@ class Aggregator(EventTimeWindows):
                                    f"{self.cfg['source']['bootstrap']} reachable?")
 
     def close(self) -> None:
+        self._close_plan()
         self.publisher.close()
         if self.worker is not None and self._owns_worker:
             self.worker.close()  # releases not collected are replayed at the next start

@@ -9,7 +9,8 @@ never on disk, docs/privacy.md section 16), so it comes from that service's own 
 is public: n, offsets and released statistics, never a counter.
 
 ``history`` lists the ledgered releases window by window (n, distinct items and entropy with their
-intervals, signal-to-noise) and can plot them across windows; the ledger is the authority on what
+intervals and expected errors, and whether each changed significantly since the previous release:
+:mod:`aggregator.changes`) and can plot them across windows; the ledger is the authority on what
 was released, so the list is the same whether or not the release files are still around.
 """
 
@@ -21,6 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .. import changes
 from .ledger import Ledger, LedgerError
 
 __all__ = ["StatusError", "collect_status", "format_status", "release_history",
@@ -199,21 +201,29 @@ def _interval(row: dict, key: str, fmt: str) -> str:
     return f" [{format(iv[0], fmt)}-{format(iv[1], fmt)}]" if iv else ""
 
 
+def _expected(row: dict, key: str) -> str:
+    rel = (row.get("expected_relative_error") or {}).get(key)
+    return f" (expect +-{100 * rel:.1f}%)" if rel is not None else ""
+
+
 def _release_summary(row: dict) -> str:
     n = "?" if row["n"] is None else f"{row['n']:,}"
     text = (f"n={n}, distinct {row['distinct_items']:,}{_interval(row, 'distinct_items', ',.0f')}"
-            f", entropy {row['entropy_nats']:.3f}{_interval(row, 'entropy_nats', '.3f')}")
-    if row.get("signal_to_noise") is not None:
-        text += f", signal-to-noise {row['signal_to_noise']:.1f}"
+            f"{_expected(row, 'distinct_items')}"
+            f", entropy {row['entropy_nats']:.3f}{_interval(row, 'entropy_nats', '.3f')}"
+            f"{_expected(row, 'entropy_nats')}")
     if row.get("signal_below_noise"):
-        text += ", BELOW THE NOISE"
+        text += ", BELOW THE NOISE (distinct items could be off by 2x)"
     return text
 
 
-def release_history(ledger: Ledger) -> list[dict]:
+def release_history(ledger: Ledger, level: float = changes.LEVEL) -> list[dict]:
     """One row per ledgered release (single process: ``release``; scale-out: the merged
-    ``release-document``), in ledger order."""
-    rows = []
+    ``release-document``), in ledger order. From the second row on, ``change`` holds the test
+    of the change against the previous release at ``level`` (:func:`aggregator.changes.compare`:
+    per statistic the relative change, the smallest significant change, ``significant`` and
+    ``direction`` +1 / 0 / -1)."""
+    rows, prev = [], None
     for e in ledger.entries:
         if e["kind"] not in ("release", "release-document") or not e.get("document"):
             continue
@@ -221,57 +231,108 @@ def release_history(ledger: Ledger) -> list[dict]:
         props = doc.get("properties", {})
         acc = doc.get("accuracy") or {}
         iv = acc.get("intervals") or {}
-        rows.append({
+        row = {
             "window": doc.get("window"), "time_unix": e.get("time_unix"), "n": doc.get("n"),
             "distinct_items": props.get("distinct_items"),
             "entropy_nats": props.get("entropy_nats"),
             "distinct_items_interval": iv.get("distinct_items"),
             "entropy_nats_interval": iv.get("entropy_nats"),
+            "interval_level": iv.get("level"),
+            "expected_relative_error": acc.get("expected_relative_error"),
             "signal_to_noise": acc.get("signal_to_noise"),
             "signal_below_noise": doc.get("signal_below_noise"),
             "model": doc.get("model"), "epsilon": doc.get("epsilon"),
-        })
+            "change": None,
+        }
+        if prev is not None:
+            c = changes.compare(prev, doc, level=level)
+            row["change"] = {"versus_window": prev.get("window"), "level": level,
+                             **{k: {f: c[k][f] for f in ("relative", "threshold", "significant",
+                                                         "direction")}
+                                for k in changes.STATISTICS}}
+        rows.append(row)
+        prev = doc
     return rows
 
 
+def _change_text(row: dict) -> str:
+    c = row.get("change")
+    if not c:
+        return ""
+    parts = []
+    for key, name in (("distinct_items", "distinct"), ("entropy_nats", "entropy")):
+        d = c[key]
+        if d["significant"] is None:
+            parts.append(f"{name}: no error figure to test a change")
+        elif d["significant"]:
+            moved = (f"{100 * d['relative']:+.1f}%" if d["relative"] is not None
+                     else "from 0")
+            parts.append(f"{name} {moved} (significant)")
+        else:
+            parts.append(f"{name}: no significant change")
+    return f"; vs window {c['versus_window']} at level {c['level']:g}: " + ", ".join(parts)
+
+
 def format_history(rows: list[dict]) -> list[str]:
+    """One line per release; a change against the previous release is named only when it is
+    significant at the rows' level (:func:`release_history`), else "no significant change"."""
     if not rows:
         return ["no releases in the ledger yet"]
-    lines = []
-    prev = None
-    for row in rows:
-        change = ""
-        if prev and prev["distinct_items"]:
-            change = (f" ({100 * (row['distinct_items'] - prev['distinct_items']) / prev['distinct_items']:+.1f}%"
-                      " distinct vs the previous window)")
-        lines.append(f"window {row['window']} at {_fmt_time(row['time_unix'])}: "
-                     f"{_release_summary(row)}{change}")
-        prev = row
-    return lines
+    return [f"window {row['window']} at {_fmt_time(row['time_unix'])}: "
+            f"{_release_summary(row)}{_change_text(row)}" for row in rows]
 
 
 def plot_history(rows: list[dict], path) -> None:
-    """Distinct items and entropy across windows, with their intervals (PNG)."""
+    """Distinct items and entropy across windows, their intervals as bands, and the significant
+    changes marked (PNG). The x axis is the release time (UTC) of each window, or the window
+    number relative to the first when no times are known: raw window numbers (time windows are
+    numbered since the epoch, 59849607) do not read."""
+    from datetime import datetime, timezone
+
+    import matplotlib.dates as mdates
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5), dpi=100)
+    fig = Figure(figsize=(9, 5.5), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 1, sharex=True)
-    x = list(range(len(rows)))
+    timed = all(r.get("time_unix") for r in rows)
+    if timed:
+        x = [datetime.fromtimestamp(r["time_unix"], tz=timezone.utc) for r in rows]
+    else:
+        first = rows[0]["window"] if isinstance(rows[0]["window"], int) else 0
+        x = [(r["window"] - first) if isinstance(r["window"], int) else i
+             for i, r in enumerate(rows)]
+    level = next((r["interval_level"] for r in rows if r.get("interval_level")), None)
+    band = f"{100 * level:g}% interval" if level else "interval"
     for ax, key, label in ((axes[0], "distinct_items", "distinct items"),
                            (axes[1], "entropy_nats", "entropy (nats)")):
-        ax.plot(x, [r[key] for r in rows], marker="o", label=label)
+        ax.plot(x, [r[key] for r in rows], marker="o", ms=3, label=label)
         lo = [r[f"{key}_interval"][0] if r.get(f"{key}_interval") else r[key] for r in rows]
         hi = [r[f"{key}_interval"][1] if r.get(f"{key}_interval") else r[key] for r in rows]
-        ax.fill_between(x, lo, hi, alpha=0.25, label="90% interval")
+        ax.fill_between(x, lo, hi, alpha=0.25, step=None, label=band)
+        for sign, marker, text in ((1, "^", "significant rise"), (-1, "v", "significant fall")):
+            idx = [i for i, r in enumerate(rows)
+                   if r.get("change") and r["change"][key]["direction"] == sign]
+            if idx:
+                ax.plot([x[i] for i in idx], [rows[i][key] for i in idx], marker, color="C3",
+                        ms=8, ls="none", label=text)
         below = [i for i, r in enumerate(rows) if r.get("signal_below_noise")]
         if below:
-            ax.plot(below, [rows[i][key] for i in below], "rx", label="below the noise")
+            ax.plot([x[i] for i in below], [rows[i][key] for i in below], "kx",
+                    label="below the noise")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend(loc="best", fontsize="small")
-    axes[1].set_xticks(x, [str(r["window"]) for r in rows])
-    axes[1].set_xlabel("window")
+    if timed:
+        loc = mdates.AutoDateLocator()
+        axes[1].xaxis.set_major_locator(loc)
+        axes[1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc, tz=timezone.utc))
+        axes[1].set_xlabel("release time (UTC)")
+    else:
+        axes[1].set_xlabel(f"window - {rows[0]['window']}")
+    lvl = rows[-1]["change"]["level"] if rows[-1].get("change") else changes.LEVEL
+    axes[0].set_title(f"windows {rows[0]['window']} .. {rows[-1]['window']}; changes marked when "
+                      f"significant at level {lvl:g}", fontsize="medium")
     fig.tight_layout()
     fig.savefig(path)
