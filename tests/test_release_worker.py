@@ -118,3 +118,34 @@ def test_several_aggregations_release_in_parallel_and_exactly(tmp_path, monkeypa
 
 def _releases_of(tmp_path, name):
     return [json.loads(p.read_text()) for p in (tmp_path / "releases" / name).glob("*.json")]
+
+
+@pytest.mark.parametrize("fault, restart", [
+    ("release-submitted:2", "1 closed window(s)"),        # two closed windows in flight
+    ("checkpoint-after-rename:2", "a layered snapshot"),  # right after window 0's snapshot
+    ("checkpoint-after-rename:5", "2 closed window(s)"),
+])
+def test_snapshots_with_the_release_worker_stay_exact(tmp_path, fault, restart):
+    """Layered snapshots inside windows (checkpoint.snapshots_per_window = 2) with releases
+    beside the loop: a snapshot waits while a closed window is in flight, a kill with two
+    closed windows in flight or right after a snapshot checkpoint, then a restart: every
+    window released once with exactly its 1,000 events."""
+    items = np.random.default_rng(33).integers(0, D, 3500)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    args = cli_sets(tmp_path, path, **{"window.size": 1000, "release.on_exhausted": "false",
+                                       "release.workers": 1,
+                                       "checkpoint.snapshots_per_window": 2})
+    first = run_cli(args, {"PANAGG_TEST_FAULT": fault, "PANAGG_TEST_RELEASE_DELAY_S": DELAY})
+    assert first.returncode == -9, first.stderr[-2000:]
+    second = run_cli(args)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert restart in second.stderr
+    docs = _releases(tmp_path)
+    assert sorted(docs) == [0, 1, 2]
+    assert [docs[w]["n"] for w in range(3)] == [1000, 1000, 1000]
+    entries = ledger_entries(tmp_path)
+    releases = [e for e in entries if e["kind"] == "release"]
+    assert [e["window"] for e in releases] == [0, 1, 2]
+    ranges = [e["ranges"]["file:events.jsonl"] for e in releases]
+    assert ranges == [[0, 1000], [1000, 2000], [2000, 3000]]

@@ -638,6 +638,9 @@ class Aggregator(EventTimeWindows):
                                              size=self._expected_size(task))
             # the restored memory must not equal the file plus exact increments
             task.state.rerandomize(rng=self._rng(3, task.window["id"], ckpt.seq))
+            # where this window's records start is behind the snapshot (and the totals there
+            # are not known): its close runs in the loop, which needs neither
+            task.window_start = None
         if task.close_at is None:
             self._replay_target(task)
         # what the restart costs (docs/privacy.md, R3): the events counted after this checkpoint
@@ -1301,6 +1304,8 @@ class Aggregator(EventTimeWindows):
         k = self.snapshots_per_window
         if not k or task.close_at is not None or task.window["snapshots"] >= k:
             return
+        if task.inflight:  # a snapshot checkpoint lists no closed windows: it waits for them
+            return
         if task.progress() >= (task.window["snapshots"] + 1) / (k + 1):
             task.window["snapshots"] += 1
             self.commit(task, snapshot=True, tag=(task.window["snapshots"],))
@@ -1382,16 +1387,15 @@ class Aggregator(EventTimeWindows):
     # -- window close and release --------------------------------------------------------------
     def async_releases(self) -> bool:
         """Whether releases run beside the loop (``release.workers`` > 0) for this service:
-        windows without in-window snapshots (several aggregations share one worker pool);
-        snapshots and scale-out release in the loop (docs/configuration.md)."""
-        return (int(self.cfg["release"].get("workers", 0)) > 0 and not self.partitioned
-                and not self.snapshots_per_window)
+        every window kind, with or without snapshots (several aggregations share one worker
+        pool); scale-out releases in the loop (docs/configuration.md)."""
+        return int(self.cfg["release"].get("workers", 0)) > 0 and not self.partitioned
 
     def close_window(self) -> dict | None:
         """Release the current window (if the budget allows) and start the next one, durably.
         With a release worker, the release is computed beside the loop and collected later in
         window order (:meth:`_collect_releases`); the return value is then ``{"window": id}``."""
-        if self.worker is not None:
+        if self.worker is not None and self.task.window_start is not None:
             return self._close_async(self.task)
         task = self.task
         t0 = time.perf_counter()
