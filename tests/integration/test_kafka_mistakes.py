@@ -10,14 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
-import uuid
 from pathlib import Path
 
 import msgpack
 from kafka import KafkaConsumer, KafkaProducer
-from kafka.admin import KafkaAdminClient, NewTopic
-from prometheus_client.parser import text_string_to_metric_families
+from tests.integration.test_service_kafka import _scrape, _wait, make_topic
 
 KAFKA_SH = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka.sh"
 
@@ -36,11 +33,7 @@ def run(bootstrap, topic, state, group, *extra, timeout=180):
 
 
 def new_topic(bootstrap, partitions=2) -> str:
-    topic = f"mis-{uuid.uuid4().hex[:10]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
-    admin.close()
-    return topic
+    return make_topic(bootstrap, partitions)
 
 
 def produce(bootstrap, topic, n):
@@ -122,24 +115,6 @@ def test_a_new_directory_on_a_group_another_one_used(kafka_broker, tmp_path):
     res = run(kafka_broker, topic, b, f"{group}-2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert released_n(b) == 700
-
-
-def _scrape(url):
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {f.name: f.samples[0].value for f in text_string_to_metric_families(text)
-            if f.samples and not f.samples[0].labels}
-
-
-def _wait(cond, timeout_s, what):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if cond():
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_broker_restarts_show_only_panaggs_lines(tmp_path):

@@ -74,6 +74,22 @@ def _run_while_producing(bootstrap, topic, args, seconds):
     return samples, log
 
 
+def _args(bootstrap, topic, tmp_path, *sets):
+    """2 s windows, no error bars, metrics on a free port, exit 6 s after the stream idles."""
+    args = service_args(bootstrap, topic, tmp_path, "--exit-when-idle", "6",
+                        "--set", "release.error_bar_reps=0",
+                        *(x for kv in sets for x in ("--set", kv)))
+    args[args.index("window.size=100000000")] = "window.size=2"
+    args[args.index("--metrics-port") + 1] = "0"
+    return args
+
+
+def _counted_while_waiting(samples):
+    """Events counted between two scrapes while a window waited for its release."""
+    return sum(b["panagg_events_total"] - a["panagg_events_total"] for a, b in
+               zip(samples, samples[1:]) if a.get("panagg_release_queue", 0) > 0)
+
+
 def _ledger_releases(tmp_path):
     return [e for e in (json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl")
                         .read_text().splitlines()) if e["kind"] == "release"]
@@ -81,17 +97,10 @@ def _ledger_releases(tmp_path):
 
 def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_path):
     topic = make_topic(kafka_broker, partitions=1)
-    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "6",
-                        "--set", "window.kind=time", "--set", "release.max_in_flight=1",
-                        "--set", "release.error_bar_reps=0")
-    args[args.index("window.size=100000000")] = "window.size=2"
-    args[args.index("--metrics-port") + 1] = "0"
+    args = _args(kafka_broker, topic, tmp_path, "window.kind=time", "release.max_in_flight=1")
     samples, log = _run_while_producing(kafka_broker, topic, args, 14)
-    # intake went on while a release ran: events counted between two scrapes with a window
-    # waiting for its release
-    grew = [b["panagg_events_total"] - a["panagg_events_total"] for a, b in
-            zip(samples, samples[1:]) if a.get("panagg_release_queue", 0) > 0]
-    assert sum(grew) > 0
+    # intake went on while a release ran
+    assert _counted_while_waiting(samples) > 0
     # backpressure: intake waited for a release (one line), the lag gauge grew and came back
     assert any("the release path is behind" in line for line in log)
     lags = [s.get("panagg_consumer_lag_records", 0.0) for s in samples]
@@ -113,16 +122,10 @@ def test_event_time_windows_count_on_while_their_release_runs(kafka_broker, tmp_
     producer runs: intake goes on while a window waits for its release, and every window's n is
     exactly its source range (one partition, timestamps in order)."""
     topic = make_topic(kafka_broker, partitions=1)
-    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "6",
-                        "--set", "window.kind=event_time", "--set", "release.max_in_flight=3",
-                        "--set", "release.error_bar_reps=0",
-                        "--set", "window.idle_partition_timeout_s=2")
-    args[args.index("window.size=100000000")] = "window.size=2"
-    args[args.index("--metrics-port") + 1] = "0"
+    args = _args(kafka_broker, topic, tmp_path, "window.kind=event_time",
+                 "release.max_in_flight=3", "window.idle_partition_timeout_s=2")
     samples, log = _run_while_producing(kafka_broker, topic, args, 12)
-    grew = [b["panagg_events_total"] - a["panagg_events_total"] for a, b in
-            zip(samples, samples[1:]) if a.get("panagg_release_queue", 0) > 0]
-    assert sum(grew) > 0, "".join(log)[-3000:]
+    assert _counted_while_waiting(samples) > 0, "".join(log)[-3000:]
     releases = _ledger_releases(tmp_path)
     assert len(releases) >= 4
     for e in releases:

@@ -412,8 +412,11 @@ def _scrape(url):
 def _wait(cond, timeout_s, what):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if cond():
-            return
+        try:
+            if cond():
+                return
+        except OSError:  # (a scrape while the service starts or stops)
+            pass
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
 
