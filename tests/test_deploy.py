@@ -182,6 +182,8 @@ def test_aggregator_environment_is_a_valid_panagg_config(compose):
         assert cfg["source"]["kind"] == "kafka"
         assert cfg["source"]["bootstrap"] == "kafka:9092"
         assert cfg["source"]["group"] == "panagg"
+        # (scale-out: time windows by the process clock; window.clock = auto cannot choose
+        # the records' timestamps there)
         assert cfg["window"]["kind"] == "time"
         assert cfg["metrics"]["host"] == "0.0.0.0"
         assert env["PANAGG_STATE_EPSILON"]

@@ -198,3 +198,42 @@ def test_a_replay_rejects_a_future_record_again_whatever_the_clock(tmp_path, mon
         assert (run / "state" / "future_rejects").read_text() == ""
     else:
         assert releases(run) != expected
+
+
+def test_time_windows_on_kafka_follow_the_records_timestamps_unless_told_otherwise(tmp_path):
+    """window.kind = time on a Kafka source windows by the records' timestamps
+    (window.clock = auto); process keeps this process's clock; where record time cannot apply
+    auto keeps the clock and record refuses in one line."""
+    base = ["source.kind=kafka", "source.topic=t", "window.kind=time", "window.size=30"]
+    w = load_config(None, base, env={})["window"]
+    assert (w["kind"], w["auto_event_time"], w["idle_partition_timeout_s"]) == \
+        ("event_time", True, 30.0)
+    assert load_config(None, base + ["window.clock=process"], env={})["window"]["kind"] == "time"
+    assert load_config(None, base + ["scale.partitioned=true"], env={})["window"]["kind"] == \
+        "time"
+    for sets, line in [
+        (["source.kind=file", "source.path=x", "window.clock=record"],
+         "window.clock = record needs source.kind = kafka (record timestamps are Kafka's; a file "
+         "source has none)"),
+        (["window.kind=count", "window.clock=process"],
+         "window.clock = process applies to window.kind = time only; remove it")]:
+        with pytest.raises(ConfigError) as exc:
+            load_config(None, base + sets, env={})
+        assert str(exc.value) == line
+
+
+def test_a_directory_started_with_clock_time_windows_keeps_them(tmp_path, caplog):
+    """A state directory whose ledger records processing-time windows (started before
+    window.clock, or with window.clock = process) keeps them under window.clock = auto."""
+    sets = ["window.kind=time", "window.size=10"]
+    first = Aggregator(cfg_for(tmp_path, *sets, "window.clock=process"), ListSource(PARTS))
+    first.run()
+    assert first.ledger.identity()["window"] == "time:10"
+    cfg = cfg_for(tmp_path, *sets)
+    assert cfg["window"]["kind"] == "event_time"
+    with caplog.at_level("INFO", logger="panagg.service"):
+        again = Aggregator(cfg, ListSource(PARTS))
+    assert cfg["window"]["kind"] == "time"
+    assert "counts time windows by this process's clock (it was started so): it keeps them" \
+        in caplog.text
+    again.run()  # no identity refusal: the same settings

@@ -236,7 +236,7 @@ def test_releases_say_the_allowed_lateness(tmp_path):
 @pytest.mark.parametrize("sets, fragment", [
     (["window.allowed_lateness_s=10"], "needs window.allowed_lateness_s < window.size"),
     (["window.allowed_lateness_s=-1"], "window.allowed_lateness_s must be >= 0"),
-    (["window.kind=time", "window.allowed_lateness_s=1"],
+    (["window.kind=time", "window.clock=process", "window.allowed_lateness_s=1"],
      "applies to window.kind = event_time only"),
 ])
 def test_lateness_config_errors_are_one_line(tmp_path, sets, fragment):

@@ -225,6 +225,7 @@ class _IdleStream(Source):
 
 def test_an_idle_time_window_run_keeps_its_budget(tmp_path, caplog):
     cfg = load_config(None, ["source.kind=kafka", "source.topic=quiet", "window.kind=time",
+                             "window.clock=process",
                              "window.size=1", f"state.domain_size={D}",
                              f"checkpoint.dir={tmp_path / 'state'}",
                              f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",

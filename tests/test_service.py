@@ -392,7 +392,8 @@ def test_config_file_env_and_flags_layer(tmp_path):
     toml.write_text('[state]\nepsilon = 2.0\ndomain_size = 77\n[window]\nkind = "time"\nsize = 60\n')
     cfg = load_config(str(toml), ["state.domain_size=88"], env={"PANAGG_STATE_EPSILON": "0.5"})
     assert cfg["state"]["epsilon"] == 0.5 and cfg["state"]["domain_size"] == 88
-    assert (cfg["window"]["kind"], cfg["window"]["size"]) == ("time", 60)
+    # (time windows of the default Kafka source: by the records' timestamps, window.clock)
+    assert (cfg["window"]["kind"], cfg["window"]["size"]) == ("event_time", 60)
     toml.write_text("[state]\nepsilon = [1]\n")
     with pytest.raises(ConfigError, match="state.epsilon must be a number"):
         load_config(str(toml), env={})
@@ -427,6 +428,7 @@ def test_time_windows_release_each_window_with_fresh_noise(tmp_path):
     from consumers.generator import GeneratorSource, ZipfLogins
 
     cfg = load_config(None, [f"state.domain_size={D}", "window.kind=time", "window.size=1",
+                             "window.clock=process",
                              f"checkpoint.dir={tmp_path / 'state'}",
                              f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
                              "state.model=state-only",

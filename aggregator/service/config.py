@@ -84,6 +84,9 @@ DEFAULTS: dict[str, dict] = {
     "window": {
         "kind": "count",            # count | time | event_time (Kafka record timestamps)
         "size": 1000000,            # events (count) or seconds (time, event_time)
+        "clock": "auto",            # time windows: auto (Kafka: the records' timestamps where
+                                    # event_time applies, else this process's clock) | record |
+                                    # process
         "late": "next",             # event_time: a record of a closed window: next | dead_letter
         "max_future_skew_s": 300.0, # event_time: a timestamp later than now + this is rejected
         "idle_partition_timeout_s": 0.0,  # event_time: a partition read to its end stops
@@ -160,6 +163,7 @@ _CHOICES = {
                                "auto"),
     ("window", "kind"): ("count", "time", "event_time"),
     ("window", "late"): ("next", "dead_letter"),
+    ("window", "clock"): ("auto", "record", "process"),
     ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     ("item", "source"): ("value", "key", "header"),
     ("item", "normalize"): ("none", "nfc"),
@@ -230,6 +234,49 @@ def _coerce(section: str, key: str, value, default):
         raise ConfigError(f"{name} must be {kind}, got {got}; {_where(section, key)}") from None
 
 
+def _event_time_problem(cfg: dict) -> str | None:
+    """Why windows by record timestamps cannot apply to ``cfg`` (None: they can)."""
+    if cfg["source"]["kind"] != "kafka":
+        return (f"needs source.kind = kafka (record timestamps are Kafka's; a "
+                f"{cfg['source']['kind']} source has none)")
+    if cfg["scale"]["partitioned"]:
+        return "is not supported with scale.partitioned yet; set scale.partitioned = false"
+    if cfg["state"]["model"] == "shuffle":
+        return "does not apply to state.model = shuffle (the shuffler makes the windows)"
+    if cfg["checkpoint"]["snapshots_per_window"]:
+        return ("does not support checkpoint.snapshots_per_window yet (progress through an "
+                "event-time window is not known in advance); set it to 0")
+    return None
+
+
+def _resolve_clock(cfg: dict) -> None:
+    """``window.kind = time``: by the records' Kafka timestamps (``event_time``) unless
+    ``window.clock = process`` or they cannot apply (``auto`` then keeps this process's clock;
+    ``record`` refuses). An automatic choice is marked ``window.auto_event_time`` (a state
+    directory started with processing-time windows keeps them: Aggregator)."""
+    w = cfg["window"]
+    if w["kind"] != "time":
+        if w["clock"] != "auto":
+            raise ConfigError(f"window.clock = {w['clock']} applies to window.kind = time "
+                              "only; remove it")
+        if w["kind"] != "event_time":
+            w.pop("auto_event_time", None)
+        return
+    w.pop("auto_event_time", None)
+    if w["clock"] == "process":
+        return
+    problem = _event_time_problem(cfg)
+    if problem and w["clock"] == "record":
+        raise ConfigError(f"window.clock = record {problem}")
+    if not problem:
+        w["kind"] = "event_time"
+        w["auto_event_time"] = w["clock"] == "auto"
+        if not w["idle_partition_timeout_s"]:
+            # time windows close even where a partition gets no records: one that is read to
+            # its end stops holding the watermark after one window length
+            w["idle_partition_timeout_s"] = float(w["size"])
+
+
 def _validate_event_time(cfg: dict) -> None:
     """``window.kind = event_time``: windows by Kafka record timestamps (aggregator/service/
     event_time.py); the combinations not built refuse in one line."""
@@ -239,18 +286,8 @@ def _validate_event_time(cfg: dict) -> None:
             raise ConfigError(f"window.allowed_lateness_s = {lateness:g} applies to window.kind "
                               "= event_time only; remove it or set window.kind = event_time")
         return
-    why = None
-    if cfg["source"]["kind"] != "kafka":
-        why = (f"needs source.kind = kafka (record timestamps are Kafka's; a "
-               f"{cfg['source']['kind']} source has none)")
-    elif cfg["scale"]["partitioned"]:
-        why = "is not supported with scale.partitioned yet; set scale.partitioned = false"
-    elif cfg["state"]["model"] == "shuffle":
-        why = "does not apply to state.model = shuffle (the shuffler makes the windows)"
-    elif cfg["checkpoint"]["snapshots_per_window"]:
-        why = ("does not support checkpoint.snapshots_per_window yet (progress through an "
-               "event-time window is not known in advance); set it to 0")
-    elif lateness >= cfg["window"]["size"]:
+    why = _event_time_problem(cfg)
+    if why is None and lateness >= cfg["window"]["size"]:
         why = (f"needs window.allowed_lateness_s < window.size (got {lateness:g} >= "
                f"{cfg['window']['size']:g}: at most two windows are live); lower it")
     if why:
@@ -419,6 +456,9 @@ def aggregation_config(cfg: dict, name: str, overrides: dict | None = None) -> d
     for section, values in (overrides if overrides is not None
                             else cfg["aggregations"][name]).items():
         one[section].update(values)
+        if section == "window" and ("kind" in values or "clock" in values):
+            if one["window"].pop("auto_event_time", False) and "kind" not in values:
+                one["window"]["kind"] = "time"  # the service's automatic choice, made again
     one["checkpoint"]["dir"] = os.path.join(cfg["checkpoint"]["dir"], name)
     one["release"]["dir"] = os.path.join(cfg["release"]["dir"], name)
     one["metrics"]["port"] = -1  # one exposition for all, served by the service
@@ -475,6 +515,7 @@ def _validate(cfg: dict, env=None) -> None:
                           + _where("metrics", "port"))
     _validate_item(cfg)
     _validate_shuffle(cfg)
+    _resolve_clock(cfg)
     _validate_event_time(cfg)
     start = parse_start(cfg["source"]["start"])
     if start != "earliest" and src["kind"] != "kafka":

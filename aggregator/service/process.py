@@ -432,6 +432,7 @@ class Aggregator(EventTimeWindows):
                                  budget_per_event=per_event)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
+        self._keep_processing_time()
         self.control = self.dir / "control"
         #: ledger entries a start decided on, written only once every start check has passed
         #: (a refused start writes nothing)
@@ -471,6 +472,22 @@ class Aggregator(EventTimeWindows):
         self.metrics.epsilon.set(self.epsilon)
 
     # -- noise sources -------------------------------------------------------------------------
+    def _keep_processing_time(self) -> None:
+        """``window.kind = time`` on Kafka windows by the records' timestamps
+        (``window.clock = auto``); a state directory started before that, with windows by this
+        process's clock, keeps them (its checkpoints and ledger are processing-time windows)."""
+        w = self.cfg["window"]
+        if not w.get("auto_event_time"):
+            return
+        started = (self.ledger.identity() or {}).get("window", "")
+        if started.startswith("time:"):
+            w["kind"] = "time"
+            w.pop("auto_event_time")
+            w["idle_partition_timeout_s"] = 0.0
+            log.info("%s counts time windows by this process's clock (it was started so): it "
+                     "keeps them; for windows by the records' Kafka timestamps use a new "
+                     "checkpoint.dir (or set window.clock = process to say so)", self.dir)
+
     def _rng(self, *tag):
         """None (OS CSPRNG) in production; a deterministic generator only under PANAGG_TESTING."""
         if self._seed is None:
@@ -767,7 +784,8 @@ class Aggregator(EventTimeWindows):
         if probe is None:
             return
         w = self.cfg["window"]
-        problem = probe(dict(task.offsets), w["size"] if w["kind"] == "time" else None)
+        problem = probe(dict(task.offsets),
+                        w["size"] if w["kind"] in ("time", "event_time") else None)
         if problem:
             raise ServiceError(problem)
 
@@ -982,6 +1000,12 @@ class Aggregator(EventTimeWindows):
             self.worker = ReleaseWorker(int(self.cfg["release"]["workers"]))
             self._owns_worker = True
         self._ledger_composition()
+        w = self.cfg["window"]
+        if w.get("auto_event_time"):
+            log.info("time windows of %g s by the records' Kafka timestamps (window.clock = "
+                     "auto): an event lands in the window of its timestamp, after a broker "
+                     "outage too; window.clock = process windows by this process's clock",
+                     w["size"])
         self.log_accuracy_plan()
         self._publish_pending(self.task)
 

@@ -235,3 +235,35 @@ def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
             assert read == source.end_offsets() and sum(read.values()) == 9000, (trial, read)
         finally:
             source.close()
+
+
+def test_a_backlog_lands_in_the_windows_of_its_timestamps(kafka_broker, tmp_path):
+    """What a broker outage leaves: records stamped over three 30 s windows, all read at once.
+    window.kind = time (the default clock, auto) puts each in the window of its timestamp, as
+    the producer saw it, not all in the window open when they arrive."""
+    from kafka import KafkaProducer
+
+    topic = make_topic(kafka_broker, partitions=1)
+    base = (int(time.time()) // 30 - 6) * 30
+    producer = KafkaProducer(bootstrap_servers=kafka_broker, acks="all", linger_ms=20)
+    sizes = [300, 500, 400]
+    for k, n in enumerate(sizes):
+        for i in range(n):
+            producer.send(topic, value=msgpack.packb({"item": i % D}),
+                          timestamp_ms=(base + 30 * k + 5) * 1000 + i)
+    for i in range(50):  # the stream goes on now: the windows before are complete
+        producer.send(topic, value=msgpack.packb({"item": i}), timestamp_ms=int(time.time() * 1000))
+    producer.flush()
+    producer.close()
+    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "4",
+                        "--set", "window.kind=time", "--set", "release.error_bar_reps=0")
+    args[args.index("window.size=100000000")] = "window.size=30"
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "time windows of 30 s by the records' Kafka timestamps (window.clock = auto)" \
+        in res.stderr
+    releases = _releases(tmp_path / "state")
+    assert [e["n"] for e in releases] == sizes, res.stderr[-3000:]
+    starts = [json.loads(e["document"])["window_info"]["event_start_unix"] for e in releases]
+    assert starts == [base, base + 30, base + 60]

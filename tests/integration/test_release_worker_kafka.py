@@ -97,7 +97,8 @@ def _ledger_releases(tmp_path):
 
 def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_path):
     topic = make_topic(kafka_broker, partitions=1)
-    args = _args(kafka_broker, topic, tmp_path, "window.kind=time", "release.max_in_flight=1")
+    args = _args(kafka_broker, topic, tmp_path, "window.kind=time", "window.clock=process",
+                 "release.max_in_flight=1")
     samples, log = _run_while_producing(kafka_broker, topic, args, 14)
     # intake went on while a release ran
     assert _counted_while_waiting(samples) > 0

@@ -364,7 +364,7 @@ def _topic_with(bootstrap, **configs):
 
 
 @pytest.mark.parametrize("configs, sets, fragment", [
-    ({"retention.ms": 60_000}, ["window.kind=time", "window.size=3600"],
+    ({"retention.ms": 60_000}, ["window.kind=time", "window.clock=process", "window.size=3600"],
      "keeps records for retention.ms=60000, less than two windows (window.size=3600 s): a "
      "restart could not replay the open window; raise the topic's retention.ms or shorten "
      "window.size"),
@@ -439,6 +439,7 @@ def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path):
         # 3 s windows: releases must take well under a window (the adaptive default estimator
         # and its bootstrap intervals take seconds; configuration.md, release.estimator)
         args = service_args(bootstrap, topic, tmp_path, "--set", "window.kind=time",
+                            "--set", "window.clock=process",
                             "--set", "window.size=3", "--set", "release.estimator=deconvolution",
                             "--set", "release.error_bar_reps=0")
         args[args.index("--metrics-port") + 1] = "0"
