@@ -45,7 +45,7 @@ from consumers.base import Segment, Source, offsets_array
 from .anchor import kafka_metadata, parse_kafka_metadata
 from .config import aggregation_configs
 from .metrics import Metrics
-from .process import Aggregator, ServiceError, Stopping, lock_directory
+from .process import Aggregator, ServiceError, Stopping, lock_directory, remove_created
 
 __all__ = ["MultiAggregator", "SourceView"]
 
@@ -405,11 +405,7 @@ class MultiAggregator:
             if not running:  # a refused start writes nothing: remove what it created
                 for agg in started:
                     agg._remove_created()
-                for path in reversed(getattr(self, "_created", [])):
-                    try:
-                        path.rmdir() if path.name != "service.lock" else path.unlink()
-                    except OSError:
-                        pass
+                remove_created(getattr(self, "_created", []))
             log.removeFilter(self._log_filter)
 
     def _count(self, segments: list[Segment]) -> None:

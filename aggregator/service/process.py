@@ -361,6 +361,16 @@ def item_identity(cfg: dict) -> str:
     return out + (f" ({', '.join(extra)})" if extra else "")
 
 
+def remove_created(paths) -> None:
+    """Remove ``paths`` (created by a start, in that order) in reverse: the lock file, then
+    directories left empty; one that is not empty, or gone, stays as it is."""
+    for path in reversed(paths):
+        try:
+            path.rmdir() if path.name != "service.lock" else path.unlink()
+        except OSError:
+            pass
+
+
 def lock_directory(directory: Path):
     """Hold ``directory/service.lock`` (flock) for this process, with its pid inside; one line
     naming the other process if it is held. Returns the open file: closing it unlocks."""
@@ -516,11 +526,7 @@ class Aggregator(EventTimeWindows):
     def _remove_created(self) -> None:
         """After a refused start (the lock released): remove what :meth:`_lock` created, so
         that the directory is as it was (an empty new directory is removed too)."""
-        for path in reversed(getattr(self, "_created", [])):
-            try:
-                path.rmdir() if path.name != "service.lock" else path.unlink()
-            except OSError:
-                pass  # not empty, or gone: leave it
+        remove_created(getattr(self, "_created", []))
         self._created = []
 
     def _saved_config(self) -> dict:
@@ -1601,21 +1607,22 @@ class Aggregator(EventTimeWindows):
     def _commit_start(self, task: WindowTask, record) -> None:
         """Event time: the checkpoint that starts the window after one whose release is now
         ledgered (as the close in the loop writes it), with the current pending releases."""
-        self._wait_for(self._flush_dead_letters, "dead letters")
         record.pending = list(task.pending)
-        record.ledger_head = self.ledger.head()
-        self._wait_for(lambda: self._save(task, record), "checkpoint")
+        self._save_position(task, record)
         if self._future is not None:  # a restart starts here now: older decisions are moot
             self._future.prune(self._replay_starts(record))
-        self.source.commit(record.offsets, self._kafka_anchor())
 
     def commit_position(self, task: WindowTask) -> None:
         """A checkpoint while windows are in flight or the open window counts: the replay
         starts at the first unreleased window (or the open window's start), and the closed,
         unreleased windows are listed with their ends (the commit sequence of
         :meth:`commit` without a snapshot)."""
+        self._save_position(task, task.record_position())
+
+    def _save_position(self, task: WindowTask, record) -> None:
+        """Steps 1, 3 and 4 of :meth:`commit` for a checkpoint without counters: the dead
+        letters before it acknowledged, the record with the ledger's head, the group's offsets."""
         self._wait_for(self._flush_dead_letters, "dead letters")
-        record = task.record_position()
         record.ledger_head = self.ledger.head()
         self._wait_for(lambda: self._save(task, record), "checkpoint")
         self.source.commit(record.offsets, self._kafka_anchor())
