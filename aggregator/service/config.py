@@ -128,6 +128,9 @@ DEFAULTS: dict[str, dict] = {
     "scale": {
         "partitioned": False,       # one state per Kafka partition; several processes per group
         "keep_windows": 3,          # partitioned: merged windows whose files are kept
+        "store": "directory",       # partitioned: where shared state lives. directory: one shared
+                                    # checkpoint.dir (flock; NFS across hosts); kafka: internal
+                                    # topics only, each member a local scratch dir (docs/scale-out.md)
     },
     "shuffle": {                    # state.model = shuffle (docs/shuffle.md); the clients, the
                                     # shuffler and the analyzer must agree on these and on
@@ -164,6 +167,7 @@ _CHOICES = {
     ("window", "kind"): ("count", "time", "event_time"),
     ("window", "late"): ("next", "dead_letter"),
     ("window", "clock"): ("auto", "record", "process"),
+    ("scale", "store"): ("directory", "kafka"),
     ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     ("item", "source"): ("value", "key", "header"),
     ("item", "normalize"): ("none", "nfc"),
