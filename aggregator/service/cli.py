@@ -305,6 +305,13 @@ def _make_aggregator(cfg: dict, metrics=None, **start):
     if cfg["state"]["model"] == "shuffle":  # the analyzer's key first: one line if missing
         from .analyzer import load_analyzer_key
         start["private_key"] = load_analyzer_key(cfg)
+    if cfg["scale"]["partitioned"] and cfg["scale"]["store"] == "kafka":
+        from .group.service import GroupService  # builds its own Kafka clients
+        problem = probe_bootstrap(cfg["source"]["bootstrap"],
+                                  min(5.0, float(cfg["source"]["connect_timeout_s"])))
+        if problem:
+            raise UsageError(problem)
+        return GroupService(cfg, metrics, **start)
     kafka_net = logging.getLogger("kafka.net")
     quiet = kafka_net.level < logging.CRITICAL and not logging.getLogger().isEnabledFor(logging.DEBUG)
     if quiet:  # bootstrap retries log a burst of errors; one line of ours says it all

@@ -131,6 +131,11 @@ DEFAULTS: dict[str, dict] = {
         "store": "directory",       # partitioned: where shared state lives. directory: one shared
                                     # checkpoint.dir (flock; NFS across hosts); kafka: internal
                                     # topics only, each member a local scratch dir (docs/scale-out.md)
+        "partitions": 0,            # store = kafka: repartition topic partitions (the domain is
+                                    # split into this many slices); 0: the source topic's count
+        "close_grace_s": 2.0,       # store = kafka: a window closes this long after its end
+        "repartition_retention_s": 0.0,  # store = kafka: retention of the repartition topic
+                                    # (plaintext items); 0: 3 windows, at least one hour
     },
     "shuffle": {                    # state.model = shuffle (docs/shuffle.md); the clients, the
                                     # shuffler and the analyzer must agree on these and on
@@ -173,11 +178,11 @@ _CHOICES = {
     ("item", "normalize"): ("none", "nfc"),
 }
 _SECRET = {("security", "password")}  # never echoed in an error
-_POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "keep_windows"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
+_POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "keep_windows"), ("scale", "close_grace_s"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
              ("source", "fetch_max_bytes"), ("source", "max_partition_fetch_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
              ("window", "size"), ("release", "max_in_flight")}
-_NON_NEGATIVE = {("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"), ("release", "workers"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
+_NON_NEGATIVE = {("scale", "partitions"), ("scale", "repartition_retention_s"), ("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"), ("release", "workers"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
                  ("ledger", "budget_per_window"), ("ledger", "budget_total"),
                  ("window", "max_future_skew_s"), ("window", "idle_partition_timeout_s"),
                  ("window", "allowed_lateness_s")}
@@ -236,6 +241,23 @@ def _coerce(section: str, key: str, value, default):
                 str: "a string"}[type(default)]
         got = f"a {type(value).__name__}" if (section, key) in _SECRET else repr(value)
         raise ConfigError(f"{name} must be {kind}, got {got}; {_where(section, key)}") from None
+
+
+def _check_kafka_group(cfg: dict) -> None:
+    """What a Kafka-only scale-out group (scale.store = kafka) cannot do yet: one line each."""
+    why = None
+    if cfg["source"]["kind"] != "kafka":
+        why = "needs source.kind = kafka"
+    elif cfg["window"]["kind"] != "time":
+        why = ("cuts windows by intake time: set window.kind = time (count and event_time "
+               "windows in a Kafka-only group are not built yet)")
+    elif cfg["checkpoint"]["snapshots_per_window"]:
+        why = ("keeps no snapshots (a window's counters live only in its member's memory): set "
+               "checkpoint.snapshots_per_window = 0")
+    elif cfg["state"]["model"] == "shuffle":
+        why = "does not apply to state.model = shuffle"
+    if why:
+        raise ConfigError(f"scale.store = kafka {why}; docs/scale-out.md")
 
 
 def _event_time_problem(cfg: dict) -> str | None:
@@ -508,6 +530,8 @@ def _validate(cfg: dict, env=None) -> None:
     if src["kind"] == "kafka" and not src["topic"]:
         raise ConfigError("source.topic must name the Kafka topic to count; "
                           + _where("source", "topic"))
+    if cfg["scale"]["partitioned"] and cfg["scale"]["store"] == "kafka":
+        _check_kafka_group(cfg)
     if cfg["scale"]["partitioned"] and src["kind"] != "kafka":
         raise ConfigError("scale.partitioned needs source.kind = kafka (partitions are Kafka's); "
                           "set scale.partitioned = false for file and generator sources")

@@ -156,8 +156,13 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
         raise ValueError("summary value counts do not add up to the partitions' counters")
     n = int(sum(s["n"] for s in summaries))
     hashed = first["mode"] == "hashed"
+    # split: each partition counted only its slice of the domain (scale.store = kafka), so the
+    # slices together are one state of ``counters`` counters, exactly as one process has it
+    split = bool(first.get("split"))
+    if any(bool(s.get("split")) != split for s in summaries):
+        raise ValueError(f"summaries of window {first['window']} mix domain slices and copies")
     empty = 0
-    if not hashed and first["partitions"] > 1:
+    if not hashed and not split and first["partitions"] > 1:
         # keyed topic: an item is counted in one partition only, so at least (P - 1) * D of the
         # P * D counters hold nothing but noise; remove their expected share of the value counts
         empty = counters - int(first["size"])
@@ -170,7 +175,8 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
         hist, window=first["window"], n=n, epsilon=first["epsilon"], neighbor=first["neighbor"],
         model=first["model"],
         extra={"p": first["p"], "layers": first["layers"], "loss": loss,
-               "domain": {"mode": first["mode"], "size": counters if hashed else first["size"],
+               "domain": {"mode": first["mode"],
+                          "size": counters if hashed or split else first["size"],
                           "counters": counters, "partitions": first["partitions"],
                           "empty_counters_removed": empty}},
         accuracy=accuracy)

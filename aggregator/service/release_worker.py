@@ -86,6 +86,10 @@ class ReleaseWorker:
     def submit(self, state, **kwargs) -> Future:
         return self._pool.submit(compute_release, state, **kwargs)
 
+    def call(self, fn, *args, **kwargs) -> Future:
+        """Run ``fn`` (a module-level function) in the pool, e.g. a scale-out merge."""
+        return self._pool.submit(fn, *args, **kwargs)
+
     def close(self) -> None:
         """Stop at once: releases not collected are replayed from the source at the next start."""
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,261 @@
+"""Counting: one pan-private state per repartition partition, for that partition's domain slice.
+
+A member counts the repartition partitions the group (``<group>.panagg.count``) assigns it. Each
+partition's open window lives only in this process's memory (docs/privacy.md section 16): a
+:class:`~aggregator.state.PanPrivateHistogram` of the slice's counters, drawn with its noise
+when the window opens. Windows are cut by the repartition messages' timestamps (the intake time),
+aligned to the epoch: window w covers [w * size, (w + 1) * size). A message stamped before the
+open window counts in it (late: next window); one stamped after closes the open window first.
+A window also closes on the clock, ``scale.close_grace_s`` after its end, so a partition without
+traffic still closes (noise only) and the merge never waits for it.
+
+Closing window w of partition p, in one Kafka transaction:
+
+1. ask the ledger (read from its topic) whether the window's positions [start, end) of p were
+   charged already: if so the summary says "refused" and no release layer is drawn;
+2. otherwise add the release layer (joint model) and take the noisy-value counts (the summary,
+   :func:`~aggregator.service.partitioned.partition_summary`: post-processing of the release
+   view);
+3. write the summary to ``<group>.panagg.summaries`` (key ``w/p``) and commit the partition's
+   offset ``end`` with metadata ``{"w": w + 1}`` to the counting group, with the group's
+   metadata, so a member the group has dropped (a zombie) is fenced and nothing of it is seen.
+
+The committed offset and its metadata are the partition's whole durable state: a new owner
+(after a rebalance or a crash) starts window w + 1 at ``end`` and replays it under fresh noise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+
+import numpy as np
+
+from ...state import PanPrivateHistogram
+from ..partitioned import partition_summary
+from .repartition import slice_size
+
+__all__ = ["SliceTask", "Counter"]
+
+log = logging.getLogger("panagg.group")
+
+
+class SliceTask:
+    """The open window of one repartition partition."""
+
+    def __init__(self, partition: int, window: int, start: int, size: int, make_state):
+        self.partition = int(partition)
+        self.window = int(window)
+        self.start = int(start)        # first offset of the open window
+        self.position = int(start)     # next offset to read
+        self.size = int(size)
+        self._make_state = make_state
+        self.state = make_state()
+        self.events = 0
+        self.opened_unix = time.time()
+
+    def advance(self, window: int) -> None:
+        """Open ``window`` at the current position (fresh noise)."""
+        self.window = int(window)
+        self.start = self.position
+        self.state = self._make_state()
+        self.events = 0
+        self.opened_unix = time.time()
+
+
+class Counter:
+    """Counts the assigned repartition partitions and writes their window summaries.
+
+    Parameters
+    ----------
+    consumer
+        kafka-python consumer (group ``<group>.panagg.count``, read_committed, no auto-commit),
+        not yet subscribed.
+    producer
+        Transactional producer (``init_transactions`` done).
+    topics
+        :class:`~aggregator.service.group.topics.GroupTopics`.
+    identity
+        The group identity from the ledger (mode, size, epsilon, partitions, window size, ...).
+    ledger
+        A :class:`~aggregator.service.group.ledger_topic.TopicLedger` reader (tailed here).
+    """
+
+    def __init__(self, consumer, producer, topics, identity: dict, ledger, metrics, *,
+                 member: str, grace_s: float = 2.0, first_window: int | None = None):
+        self.consumer, self.producer, self.topics = consumer, producer, topics
+        self.identity, self.ledger, self.metrics = identity, ledger, metrics
+        self.member = member
+        self.P = int(identity["partitions"])
+        self.size = float(identity["window_size"])
+        self.grace_s = float(grace_s)
+        self.first_window = int(identity["first_window"] if first_window is None else first_window)
+        self.tasks: dict[int, SliceTask] = {}
+        self.summaries_written = 0
+        self._needs_sync = False
+        #: the group assigned this member the ledger's partition: it leads
+        self.is_leader = False
+        from kafka import ConsumerRebalanceListener
+
+        counter = self
+
+        class _Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked):
+                for tp in revoked:
+                    if tp.topic == topics.repartition:
+                        counter._drop(tp.partition)
+                    elif tp.topic == topics.ledger:
+                        counter.is_leader = False
+
+            def on_partitions_assigned(self, assigned):
+                counter._needs_sync = True
+
+        # the ledger's one partition rides along: whoever the group gives it leads (it is
+        # paused at once; the ledger is read by its own consumer)
+        consumer.subscribe([topics.repartition, topics.ledger], listener=_Listener())
+
+    # -- ownership ---------------------------------------------------------------------------
+    def _drop(self, partition: int) -> None:
+        task = self.tasks.pop(partition, None)
+        if task is not None:
+            # the counters are only in memory: dropping them is all a handover needs
+            log.info("partition %d of %s moved away; its open window %d is replayed by its "
+                     "next owner", partition, self.topics.repartition, task.window)
+            self.metrics.handovers.labels(event="released").inc()
+        self.metrics.partitions_owned.set(len(self.tasks))
+
+    def _sync(self) -> None:
+        from kafka import TopicPartition
+
+        self._needs_sync = False
+        assigned = self.consumer.assignment()
+        ledger_tps = [tp for tp in assigned if tp.topic == self.topics.ledger]
+        if ledger_tps:
+            self.consumer.pause(*ledger_tps)
+        self.is_leader = bool(ledger_tps)
+        owned = {tp.partition for tp in assigned if tp.topic == self.topics.repartition}
+        for p in list(self.tasks):
+            if p not in owned:
+                self._drop(p)
+        for p in sorted(owned - set(self.tasks)):
+            tp = TopicPartition(self.topics.repartition, p)
+            committed = self.consumer.committed(tp, metadata=True)
+            if committed is None or committed.offset is None or committed.offset < 0:
+                window, start = self.first_window, 0
+                self.consumer.seek_to_beginning(tp)
+                start = self.consumer.position(tp)
+            else:
+                meta = json.loads(committed.metadata or "{}")
+                window, start = int(meta.get("w", self.first_window)), int(committed.offset)
+                self.consumer.seek(tp, start)
+            self.tasks[p] = SliceTask(p, window, start, slice_size(self.identity["size"], self.P, p),
+                                      lambda p=p: self._new_state(p))
+            self.metrics.handovers.labels(event="acquired").inc()
+            log.info("counting partition %d of %s from offset %d (window %d)", p,
+                     self.topics.repartition, start, window)
+        self.metrics.partitions_owned.set(len(self.tasks))
+
+    def _new_state(self, partition: int) -> PanPrivateHistogram:
+        ident = self.identity
+        return PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"],
+                                   size=slice_size(ident["size"], self.P, partition))
+
+    # -- counting ----------------------------------------------------------------------------
+    def step(self, timeout_s: float = 0.2) -> int:
+        """One poll; count it; close the windows that ended. Returns events counted."""
+        polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000))
+        if self._needs_sync:
+            self._sync()
+            # records polled before the sync may predate the committed offsets: drop them
+            polled = {}
+        self.ledger.tail(0)
+        counted = 0
+        for tp, recs in polled.items():
+            task = self.tasks.get(tp.partition) if tp.topic == self.topics.repartition else None
+            if task is None:
+                continue
+            for rec in recs:
+                if rec.offset < task.position:
+                    continue
+                wid = int(math.floor(rec.timestamp / 1000.0 / self.size))
+                while wid > task.window and self._close(task):
+                    pass
+                if self.tasks.get(tp.partition) is not task:
+                    break  # the close failed: the partition is read again from its offsets
+                idx = np.frombuffer(rec.value, dtype="<i4").astype(np.int64)
+                task.state.add_indices(idx)
+                task.events += len(idx)
+                task.position = rec.offset + 1
+                counted += len(idx)
+        if counted:
+            self.metrics.events.inc(counted)
+        now = time.time()
+        for task in list(self.tasks.values()):
+            while now >= (task.window + 1) * self.size + self.grace_s and self._close(task):
+                pass
+        return counted
+
+    def _close(self, task: SliceTask) -> bool:
+        """Write task's window summary and its partition's next start in one transaction
+        (False: not written, the window is dropped and replayed)."""
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        w, p = task.window, task.partition
+        end = task.position
+        key = f"{self.topics.repartition}:{p}"
+        ranges = {key: [task.start, end]}
+        refused = self._refusal(w, ranges)
+        info = {"kind": "time", "size": self.size, "events": int(task.events),
+                "started_unix": w * self.size, "ended_unix": (w + 1) * self.size,
+                "start_offset": task.start, "end_offset": end}
+        if refused:
+            summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
+                       "partitions": self.P, "refused": refused, "ranges": ranges,
+                       "member": self.member}
+        else:
+            summary = partition_summary(task.state, model=self.identity["model"], window=w,
+                                        partition=p, partitions=self.P, window_info=info)
+            summary.update(split=True, ranges=ranges, member=self.member,
+                           uid=uuid.uuid4().hex)
+        meta = json.dumps({"w": w + 1}, separators=(",", ":"))
+        self.producer.begin_transaction()
+        try:
+            self.producer.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
+                               value=json.dumps(summary, allow_nan=False).encode())
+            tp = TopicPartition(self.topics.repartition, p)
+            self.producer.send_offsets_to_transaction(
+                {tp: OffsetAndMetadata(end, meta, -1)}, self.consumer.group_metadata())
+            self.producer.commit_transaction()
+        except Exception as exc:
+            self._abort(task, exc)
+            return False
+        self.summaries_written += 1
+        self.metrics.summaries.inc()
+        task.advance(w + 1)
+        return True
+
+    def _refusal(self, window: int, ranges: dict) -> str | None:
+        """Why the ledger refuses this partition's window (its positions were charged)."""
+        eps = float(self.identity["epsilon"])
+        peak = self.ledger.charges().peak(ranges, eps, lineage=self.identity["lineage"],
+                                          window_kind="time")
+        if peak > self.ledger.budget_per_event * (1 + 1e-12):
+            return (f"positions {ranges} were released before (they would reach {peak:g} eps "
+                    f"> {self.ledger.budget_per_event:g})")
+        return None
+
+    def _abort(self, task: SliceTask, exc: Exception) -> None:
+        """The group moved the partition (we are fenced) or the broker is gone: the summary is
+        not written; drop the window, the partition's owner replays it from its offsets."""
+        log.warning("summary of window %d, partition %d not written (%s); the window is "
+                    "replayed from its start", task.window, task.partition, type(exc).__name__)
+        try:
+            self.producer.abort_transaction()
+        except Exception:
+            pass
+        self.tasks.pop(task.partition, None)
+        self._needs_sync = True

@@ -1,0 +1,236 @@
+"""The group's one authority for the budget: charges, merges and publishes each window.
+
+The leader is the member the counting group assigns the ledger topic's one partition (ownership
+from the group's assignment alone, no lock). It
+
+* fences any earlier leader (a transactional producer with the group's fixed leader id: the
+  broker aborts the old one's open transaction and refuses its later ones), then reads the
+  ledger to its end;
+* writes the group's identity as the ledger's first entry when the ledger is empty;
+* reads the summaries topic; once window w has the summaries of all P partitions (and every
+  window before w is decided), merges them in the release worker
+  (:func:`~aggregator.service.partitioned.merge_summaries`, deterministic) and, in one
+  transaction, appends the ledger entry (the window's positions on every partition, the epsilon
+  charged), writes the document to ``<group>.panagg.releases`` (and ``release.topic``) and
+  tombstones the window's summaries. Then it writes the local release file.
+
+A window whose summaries exist was seen (the summaries are views of its events), so it is charged
+whether or not it is published: if any partition refused its window (its positions were charged
+before), the window is ledgered as withheld, its other partitions' positions charged, and nothing
+of it is published. A leader that dies anywhere in this leaves the window undecided; the next
+leader reads the same summaries and decides it once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from ...release import write_release
+from ..ledger import BudgetExceeded
+from ..partitioned import merge_summaries
+
+__all__ = ["Leader"]
+
+log = logging.getLogger("panagg.group")
+
+#: a window waiting this long after its end (beyond the close grace) names what it waits for
+WAIT_NOTICE_S = 5.0
+
+
+class Leader:
+    """The ledger's writer while this member holds the ledger partition.
+
+    Parameters
+    ----------
+    producer
+        Transactional producer with id ``<group>.panagg.leader`` (``init_transactions`` done:
+        that fenced the previous leader).
+    ledger
+        :class:`~aggregator.service.group.ledger_topic.TopicLedger`, read to its end.
+    summaries
+        kafka-python consumer (no group, read_committed); assigned here to the summaries topic.
+    identity
+        The group identity (the ledger's first entry).
+    merge
+        ``merge(summaries) -> Future`` of the release document (the release worker), or None
+        to merge in the loop.
+    """
+
+    def __init__(self, producer, ledger, summaries, topics, identity: dict, metrics, *,
+                 release_dir: str, release_topic: str = "", loss: str = "l1",
+                 error_bar_reps: int = 10, method: str | None = None, merge=None,
+                 grace_s: float = 2.0):
+        from kafka import TopicPartition
+
+        self.producer, self.ledger, self.topics = producer, ledger, topics
+        self.identity, self.metrics = identity, metrics
+        self.release_dir, self.release_topic = release_dir, release_topic
+        self.merge_kwargs = {"loss": loss, "error_bar_reps": int(error_bar_reps),
+                             "method": method}
+        self.merge = merge
+        self.grace_s = float(grace_s)
+        self.P = int(identity["partitions"])
+        self.size = float(identity["window_size"])
+        self._tp = TopicPartition(topics.summaries, 0)
+        self.summaries = summaries
+        summaries.assign([self._tp])
+        summaries.seek_to_beginning(self._tp)
+        self.pending: dict[int, dict[int, dict]] = {}
+        self._in_flight = None     # (window, future)
+        self._noticed: set[int] = set()
+        self.released: list[dict] = []
+
+    # -- which windows are decided -----------------------------------------------------------
+    def decided(self) -> set[int]:
+        return {int(e["window"]) for e in self.ledger.entries
+                if e["kind"] in ("release", "refused") and e.get("window") is not None}
+
+    def next_window(self) -> int:
+        done = self.decided()
+        return max(done) + 1 if done else int(self.identity["first_window"])
+
+    # -- the loop's turn ---------------------------------------------------------------------
+    def step(self) -> None:
+        for records in self.summaries.poll(timeout_ms=0).values():
+            for rec in records:
+                if rec.value is None:
+                    continue  # a tombstone
+                s = json.loads(rec.value)
+                self.pending.setdefault(int(s["window"]), {})[int(s["partition"])] = s
+        if self._in_flight is not None:
+            w, fut = self._in_flight
+            if not fut.done():
+                return
+            self._in_flight = None
+            self._publish(w, fut.result())
+        w = self.next_window()
+        for old in [k for k in self.pending if k < w]:
+            self._tombstone_later(old)
+        have = self.pending.get(w, {})
+        self.metrics.windows_waiting.set(sum(1 for k in self.pending if k >= w))
+        if len(have) < self.P:
+            self._notice_waiting(w, have)
+            return
+        refused = [s for s in have.values() if s.get("refused")]
+        if refused:
+            self._withhold(w, have, refused[0]["refused"])
+            return
+        summaries = [have[p] for p in range(self.P)]
+        if self.merge is None:
+            self._publish(w, merge_summaries(summaries, **self.merge_kwargs))
+        else:
+            self._in_flight = (w, self.merge(summaries, **self.merge_kwargs))
+
+    def _notice_waiting(self, w: int, have: dict) -> None:
+        late = time.time() - ((w + 1) * self.size + self.grace_s)
+        if late < WAIT_NOTICE_S or w in self._noticed:
+            return
+        self._noticed.add(w)
+        missing = sorted(set(range(self.P)) - set(have))
+        log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
+                    "its end: their member is stopped, stuck or gone (the group moves its "
+                    "partitions after source.session_timeout_s)", w,
+                    ", ".join(map(str, missing)), self.topics.repartition, late + self.grace_s)
+
+    @staticmethod
+    def _ranges(have: dict) -> dict:
+        out = {}
+        for s in have.values():
+            out.update(s["ranges"])
+        return out
+
+    # -- deciding a window -------------------------------------------------------------------
+    def _entry_fields(self, w: int, have: dict) -> dict:
+        return {"window_uid": f"{self.identity['lineage']}/{w}", "ranges": self._ranges(have),
+                "lineage": self.identity["lineage"], "window_kind": "time",
+                "partitions": self.P}
+
+    def _withhold(self, w: int, have: dict, reason: str) -> None:
+        seen = {p: s for p, s in have.items() if not s.get("refused")}
+        fields = self._entry_fields(w, seen)
+        log.warning("window %d is withheld: %s; nothing of it is published", w, reason)
+        self._transact(w, have, entry=dict(kind="release", window=w,
+                                          epsilon_spent=float(self.identity["epsilon"])
+                                          if seen else 0.0, withheld=reason, **fields),
+                       document=None)
+        self.metrics.releases_refused.inc()
+
+    def _publish(self, w: int, release: dict) -> None:
+        have = self.pending.get(w, {})
+        fields = self._entry_fields(w, have)
+        eps = float(self.identity["epsilon"])
+        try:
+            self.ledger.check_release(fields["window_uid"], eps, window=w,
+                                      ranges=fields["ranges"], lineage=fields["lineage"],
+                                      window_kind="time")
+        except BudgetExceeded as exc:
+            # the summaries were written, so the window was seen: charged, not published
+            self._withhold(w, have, str(exc))
+            return
+        release["window_uid"] = fields["window_uid"]
+        release["ranges"] = fields["ranges"]
+        release["scale_out"] = {"store": "kafka", "partitions": self.P,
+                                "members": sorted({s.get("member", "") for s in have.values()})}
+        doc = json.dumps(release, allow_nan=False, sort_keys=True)
+        import hashlib
+        entry = dict(kind="release", window=w, epsilon_spent=eps,
+                     model=self.identity["model"], n=int(release["n"]),
+                     document_sha256=hashlib.sha256(doc.encode()).hexdigest(), **fields)
+        if not self._transact(w, have, entry=entry, document=doc):
+            return
+        self.released.append(release)
+        try:
+            path = write_release(release, self.release_dir, plot=False)
+        except OSError as exc:  # the document is in Kafka; the local file is a convenience
+            log.warning("release of window %d is in %s but its local file failed (%s)", w,
+                        self.topics.releases, exc.strerror)
+            path = None
+        self.metrics.releases.inc()
+        self.metrics.last_release.set(time.time())
+        self.metrics.published(release)
+        log.info("published release of window %d: n=%d over %d partitions -> %s", w,
+                 release["n"], self.P, path or self.topics.releases)
+
+    def _transact(self, w: int, have: dict, *, entry: dict, document: str | None) -> bool:
+        from kafka.errors import KafkaError
+
+        self.producer.begin_transaction()
+        try:
+            self.ledger.append(entry_id=f"{self.identity['lineage']}/{w}",
+                               producer=self.producer, **entry)
+            if document is not None:
+                self.producer.send(self.topics.releases, partition=0, key=str(w).encode(),
+                                   value=document.encode())
+                if self.release_topic:
+                    self.producer.send(self.release_topic, key=str(w).encode(),
+                                       value=document.encode())
+            for p in have:
+                self.producer.send(self.topics.summaries, partition=0,
+                                   key=f"{w}/{p}".encode(), value=None)
+            self.producer.commit_transaction()
+        except KafkaError as exc:
+            log.warning("window %d not decided (%s); it is tried again", w, type(exc).__name__)
+            self.ledger.aborted()
+            try:
+                self.producer.abort_transaction()
+            except Exception:
+                pass
+            raise
+        self.ledger.committed()
+        self.pending.pop(w, None)
+        return True
+
+    def _tombstone_later(self, w: int) -> None:
+        """Summaries of a window decided before (a leader died after the ledger entry): they
+        are removed with the next decision's transaction."""
+        have = self.pending.pop(w, {})
+        if not have:
+            return
+        self.producer.begin_transaction()
+        for p in have:
+            self.producer.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
+                               value=None)
+        self.producer.commit_transaction()

@@ -1,0 +1,143 @@
+"""Intake: source records -> counter indices, partitioned by the domain slice they belong to.
+
+Kafka Streams repartitions a stream by key before ``groupByKey``; this does the same for the
+counted item, so the source topic may be keyed any way (or not at all). Each record is decoded
+once; its item becomes a counter index ``i`` (direct mode: the item; hashed mode: its bucket
+under the group's hash key) and goes to repartition partition ``i mod P`` as the local index
+``i div P``. Partition p thus receives exactly the items of its slice of the domain, and its
+counter holds ``ceil((D - p) / P)`` counters: the P slices together are one D-counter state.
+
+One message per (poll, target partition) carries the local indices as little-endian int32, and
+the message timestamp is the intake time (windows are cut by it). Every poll is one Kafka
+transaction: the messages and the source offsets they came from (``send_offsets_to_transaction``
+with the consumer's group metadata, so a member the group has dropped is fenced: its transaction
+aborts and its messages are never read). A source record therefore enters the repartition topic
+exactly once, whatever crashes or rebalances happen.
+
+What the repartition topic holds: counter indices of events, in plaintext, like the source topic
+(docs/privacy.md section 17). Its retention is bounded (``scale.repartition_retention_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from consumers.base import Segment
+
+__all__ = ["Repartitioner", "slice_size"]
+
+log = logging.getLogger("panagg.group")
+
+
+def slice_size(size: int, partitions: int, partition: int) -> int:
+    """Counters of partition ``partition``'s slice: indices i < size with i mod P = partition.
+
+    >>> [slice_size(10, 3, p) for p in range(3)]
+    [4, 3, 3]
+    """
+    return max(0, -(-(int(size) - int(partition)) // int(partitions)))
+
+
+class Repartitioner:
+    """Reads the source topic in the user's consumer group and writes the repartition topic.
+
+    Parameters
+    ----------
+    consumer
+        kafka-python consumer subscribed to the source topic (group ``source.group``, no
+        auto-commit, read_committed).
+    producer
+        Transactional producer (``init_transactions`` done).
+    topic, partitions
+        The repartition topic and its partition count P.
+    decoder
+        The service's record decoder (:class:`consumers.decode.Decoder`).
+    index_of
+        Counter index of each decoded item (int64 array in [0, D)).
+    metrics
+        The service's metrics (decode errors, filtered records).
+    """
+
+    def __init__(self, consumer, producer, topic: str, partitions: int, decoder, index_of,
+                 metrics, max_records: int = 20000):
+        self.consumer, self.producer = consumer, producer
+        self.topic, self.partitions = topic, int(partitions)
+        self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
+        self.max_records = int(max_records)
+        self.records = 0
+
+    def step(self, timeout_s: float = 0.2) -> int:
+        """One poll, one transaction; the number of source records taken."""
+        from kafka.errors import KafkaError
+        from kafka.structs import OffsetAndMetadata
+
+        polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        if not polled:
+            return 0
+        now_ms = int(time.time() * 1000)
+        taken = 0
+        self.producer.begin_transaction()
+        try:
+            offsets = {}
+            for tp, recs in polled.items():
+                if not recs:
+                    continue
+                self._send(tp, recs, now_ms)
+                offsets[tp] = OffsetAndMetadata(recs[-1].offset + 1, "", -1)
+                taken += len(recs)
+            self.producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
+            self.producer.commit_transaction()
+        except KafkaError as exc:
+            self._abort(polled, exc)
+            return 0
+        self.records += taken
+        return taken
+
+    def _send(self, tp, recs, now_ms: int) -> None:
+        seg = Segment(partition=f"{tp.topic}:{tp.partition}", offsets=[r.offset for r in recs],
+                      values=[r.value for r in recs], keys=[r.key for r in recs],
+                      headers=[r.headers for r in recs])
+        decoded = self.decoder.decode(seg.values, seg.keys, seg.headers)
+        if decoded.rejected:
+            self._count_rejects(decoded.rejected)
+        if not len(decoded.items):
+            return
+        idx = np.asarray(self.index_of(decoded.items), dtype=np.int64)
+        part = idx % self.partitions
+        local = (idx // self.partitions).astype("<i4")
+        for p in np.unique(part):
+            self.producer.send(self.topic, partition=int(p), timestamp_ms=now_ms,
+                               value=local[part == p].tobytes())
+
+    def _count_rejects(self, rejected) -> None:
+        from consumers.decode import FILTERED
+
+        counts: dict[str, int] = {}
+        for _, reason in rejected:
+            counts[reason] = counts.get(reason, 0) + 1
+        skipped = counts.pop(FILTERED, 0)
+        if skipped:
+            self.metrics.filtered.inc(skipped)
+        for reason, count in counts.items():
+            self.metrics.decode_errors.labels(reason=reason).inc(count)
+
+    def _abort(self, polled, exc) -> None:
+        """The transaction failed (fenced after a rebalance, a broker gone): nothing of it is
+        visible; read the records again from the group's committed offsets."""
+        log.warning("intake transaction aborted (%s); re-reading from the committed offsets",
+                    type(exc).__name__)
+        try:
+            self.producer.abort_transaction()
+        except Exception:  # a fenced producer cannot abort; the broker discards its writes
+            pass
+        for tp in polled:
+            if tp not in self.consumer.assignment():
+                continue
+            committed = self.consumer.committed(tp)
+            if committed is None:
+                self.consumer.seek_to_beginning(tp)
+            else:
+                self.consumer.seek(tp, committed)

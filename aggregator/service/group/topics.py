@@ -1,0 +1,121 @@
+"""The internal topics of a scale-out group, their names and their checks.
+
+Names derive from the consumer group (``source.group``), so two groups never share them::
+
+    <group>.panagg.repartition   counter indices by domain slice (plaintext like the source:
+                                 docs/privacy.md section 17); delete retention, bounded
+    <group>.panagg.summaries     per-partition window summaries; compacted, key <window>/<p>
+    <group>.panagg.ledger        the privacy ledger, ONE partition; compacted with unique keys
+                                 (nothing is ever removed)
+    <group>.panagg.releases      the merged release documents; compacted, key <window>
+
+Each is created at start if missing and checked if present: the partition count (the ledger has
+exactly one; the repartition topic has ``scale.partitions`` or the source's count) and the cleanup
+policy. A topic that is unfit stops the start with one line naming the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GroupTopics", "GroupTopicError"]
+
+
+class GroupTopicError(RuntimeError):
+    """An internal topic that is missing and cannot be created, or exists unfit (one line)."""
+
+
+@dataclass(frozen=True)
+class GroupTopics:
+    """The internal topic names of consumer group ``group``."""
+
+    group: str
+
+    @property
+    def repartition(self) -> str:
+        return f"{self.group}.panagg.repartition"
+
+    @property
+    def summaries(self) -> str:
+        return f"{self.group}.panagg.summaries"
+
+    @property
+    def ledger(self) -> str:
+        return f"{self.group}.panagg.ledger"
+
+    @property
+    def releases(self) -> str:
+        return f"{self.group}.panagg.releases"
+
+    @property
+    def counting_group(self) -> str:
+        """The consumer group of the counting stage (over the repartition topic)."""
+        return f"{self.group}.panagg.count"
+
+    def wanted(self, partitions: int, retention_ms: int) -> dict[str, tuple[int, dict]]:
+        """``{topic: (partitions, configs)}``."""
+        compact = {"cleanup.policy": "compact"}
+        return {
+            self.repartition: (int(partitions), {"cleanup.policy": "delete",
+                                                 "retention.ms": str(int(retention_ms))}),
+            self.summaries: (1, compact),
+            self.ledger: (1, compact),
+            self.releases: (1, compact),
+        }
+
+    def ensure(self, admin, partitions: int, retention_ms: int,
+               replication_factor: int = 1) -> list[str]:
+        """Create what is missing, check what exists; returns one log line per created topic.
+
+        ``admin`` is a kafka-python ``KafkaAdminClient``.
+        """
+        from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+        from kafka.errors import TopicAlreadyExistsError
+
+        wanted = self.wanted(partitions, retention_ms)
+        existing = set(admin.list_topics())
+        created = []
+        for name, (parts, configs) in wanted.items():
+            if name in existing:
+                continue
+            try:
+                admin.create_topics([NewTopic(name, num_partitions=parts,
+                                              replication_factor=int(replication_factor),
+                                              topic_configs=configs)])
+                created.append(f"created internal topic {name} ({parts} partition(s), "
+                               f"{configs['cleanup.policy']})")
+            except TopicAlreadyExistsError:  # another member made it a moment ago
+                pass
+        described = {d.get("topic", d.get("name")): len(d.get("partitions") or [])
+                     for d in admin.describe_topics(list(wanted))}
+        for name, (parts, _) in wanted.items():
+            have = described.get(name, 0)
+            if have != parts:
+                raise GroupTopicError(
+                    f"internal topic {name} has {have} partition(s) but needs {parts}"
+                    + (" (the ledger is one ordered log)" if name == self.ledger else
+                       " (scale.partitions: the domain is split by it; it cannot change while "
+                       "the group has state)")
+                    + f": delete it only together with the group's other {self.group}.panagg.* "
+                    "topics, or use another source.group")
+        resources = [ConfigResource(ConfigResourceType.TOPIC, name) for name in wanted]
+        described_configs = admin.describe_configs(resources)
+        for name, (_, configs) in wanted.items():
+            want = configs["cleanup.policy"]
+            policy = _policy(described_configs, name)
+            if policy is not None and policy != want:
+                raise GroupTopicError(
+                    f"internal topic {name} has cleanup.policy={policy} but needs {want}"
+                    + (" (compaction keeps every ledger entry: their keys are unique)"
+                       if want == "compact" else " (a compacted repartition topic keeps "
+                       "plaintext items forever)") +
+                    f"; fix it with kafka-configs.sh --alter --entity-type topics "
+                    f"--entity-name {name} --add-config cleanup.policy={want}")
+        return created
+
+
+def _policy(response, topic: str) -> str | None:
+    """cleanup.policy of ``topic`` in kafka-python's describe_configs answer (a dict:
+    ``{"topic": {name: {config: {"value": ...}}}}``)."""
+    entry = (response or {}).get("topic", {}).get(topic, {}).get("cleanup.policy")
+    return None if entry is None else str(entry.get("value"))
