@@ -140,6 +140,9 @@ class Counter:
         for p in list(self.tasks):
             if p not in owned:
                 self._drop(p)
+        for p, task in self.tasks.items():
+            # a poll that brought the assignment may have read past what the task counted
+            self.consumer.seek(TopicPartition(self.topics.repartition, p), task.position)
         for p in sorted(owned - set(self.tasks)):
             tp = TopicPartition(self.topics.repartition, p)
             committed = self.consumer.committed(tp, metadata=True)

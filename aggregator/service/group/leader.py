@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
 
 from ...release import write_release
 from ..ledger import BudgetExceeded

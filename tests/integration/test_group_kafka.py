@@ -1,0 +1,234 @@
+"""Scale-out on Kafka alone (scale.store = kafka) against a real broker.
+
+Three members with separate local directories on a 6-partition topic NOT keyed by item, killed
+(-9) and restarted at random points 20 times, one of them stopped (SIGSTOP) until the group has
+moved its partitions and then woken (a zombie). Afterwards, from the topics alone:
+
+* every source record entered the repartition topic exactly once (read committed);
+* every window was released exactly once, windows consecutive;
+* each window's n equals the events in its ledgered ranges of the repartition topic, and the
+  ranges of each partition tile it without gap or overlap (the ledger's charges are exact: every
+  position carries eps once);
+* the ledger's hash chain holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import msgpack
+import numpy as np
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+
+from aggregator.service.charges import ChargeBook
+from aggregator.service.group.ledger_topic import TopicLedger
+from aggregator.service.group.topics import GroupTopics
+
+D = 1000
+PARTS = 6
+WINDOW_S = 2
+
+
+def make_topic(bootstrap, partitions=PARTS):
+    name = f"grp-{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+    admin.close()
+    return name
+
+
+def member_cmd(bootstrap, topic, group, name, tmp, *extra):
+    return [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", bootstrap,
+            "--topic", topic, "--state-dir", str(tmp / name / "state"),
+            "--release-dir", str(tmp / name / "releases"), "--metrics-port", "-1",
+            "--set", "scale.partitioned=true", "--set", "scale.store=kafka",
+            "--set", "window.kind=time", "--set", f"window.size={WINDOW_S}",
+            "--set", f"state.domain_size={D}", "--set", f"source.group={group}",
+            "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
+            "--set", "scale.close_grace_s=1", "--set", "release.error_bar_reps=0", *extra]
+
+
+class Members:
+    """Member processes by name; each run's log kept for the failure message."""
+
+    def __init__(self, bootstrap, topic, group, tmp, *extra):
+        self.args = (bootstrap, topic, group)
+        self.tmp, self.extra = tmp, extra
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.runs = 0
+
+    def start(self, name):
+        self.runs += 1
+        log = open(self.tmp / f"{name}-{self.runs}.log", "w")
+        self.procs[name] = subprocess.Popen(
+            member_cmd(*self.args, name, self.tmp, *self.extra), stdout=log,
+            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    def kill(self, name):
+        p = self.procs[name]
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+
+    def stop_all(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def logs(self, last=3000):
+        out = []
+        for f in sorted(self.tmp.glob("*.log")):
+            out.append(f"--- {f.name}\n{f.read_text()[-last:]}")
+        return "\n".join(out)
+
+
+def produce(bootstrap, topic, items, rate):
+    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
+    step = max(1, int(rate / 20))
+    for i in range(0, len(items), step):
+        for it in items[i:i + step]:
+            p.send(topic, value=msgpack.packb({"item": int(it)}))   # no key: any partition
+        time.sleep(0.05)
+    p.flush()
+    p.close()
+
+
+def read_all(bootstrap, topic, partitions=None, timeout_s=20.0):
+    """Every committed record of ``topic``: {partition: [(offset, key, value)]}."""
+    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                      enable_auto_commit=False, group_id=None)
+    parts = partitions if partitions is not None else sorted(c.partitions_for_topic(topic))
+    tps = [TopicPartition(topic, p) for p in parts]
+    c.assign(tps)
+    c.seek_to_beginning(*tps)
+    end = c.end_offsets(tps)
+    out = {tp.partition: [] for tp in tps}
+    deadline = time.monotonic() + timeout_s
+    while any(c.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
+        for tp, recs in c.poll(timeout_ms=500).items():
+            out[tp.partition].extend((r.offset, r.key, r.value) for r in recs)
+    c.close()
+    return out
+
+
+def releases(bootstrap, topics):
+    docs = [json.loads(v) for _, _, v in read_all(bootstrap, topics.releases, [0])[0]
+            if v is not None]
+    return docs
+
+
+def wait_for_total(bootstrap, topics, total, timeout_s, members):
+    deadline = time.monotonic() + timeout_s
+    got = 0
+    while time.monotonic() < deadline:
+        got = sum(d["n"] for d in releases(bootstrap, topics))
+        if got >= total:
+            return got
+        time.sleep(2)
+    pytest.fail(f"releases hold {got} of {total} events after {timeout_s} s\n{members.logs()}")
+
+
+def check_exact(bootstrap, topics, total):
+    """The checks of the module docstring; returns the release documents."""
+    docs = releases(bootstrap, topics)
+    windows = [d["window"] for d in docs]
+    assert len(windows) == len(set(windows)), "a window was released twice"
+    assert windows == list(range(windows[0], windows[0] + len(windows))), "windows not consecutive"
+    assert sum(d["n"] for d in docs) == total
+    # the repartition topic: each source record once; events per message
+    rp = read_all(bootstrap, topics.repartition)
+    events_at = {p: {off: len(v) // 4 for off, _, v in recs} for p, recs in rp.items()}
+    assert sum(sum(m.values()) for m in events_at.values()) == total
+    # the ledger: chain, one release per window, ranges tile each partition, n matches ranges
+    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                      enable_auto_commit=False, group_id=None)
+    ledger = TopicLedger(c, topics.ledger, budget_per_window=1.0)
+    ledger.read_to_end()
+    c.close()
+    entries = [e for e in ledger.entries if e["kind"] == "release"]
+    assert sorted(e["window"] for e in entries) == sorted(windows)
+    assert not any(e.get("withheld") for e in entries)
+    by_window = {d["window"]: d for d in docs}
+    spans: dict[str, list] = {}
+    for e in entries:
+        n = 0
+        for part, (a, b) in e["ranges"].items():
+            p = int(part.rsplit(":", 1)[1])
+            n += sum(k for off, k in events_at[p].items() if a <= off < b)
+            spans.setdefault(part, []).append((a, b))
+        assert n == by_window[e["window"]]["n"] == e["n"], f"window {e['window']}"
+    assert len(spans) == PARTS
+    for part, ss in spans.items():
+        ss.sort()
+        for (a0, b0), (a1, b1) in zip(ss, ss[1:]):
+            assert b0 == a1, f"{part}: windows {ss} leave a gap or overlap"
+    book = ChargeBook(ledger.entries)
+    for part, ss in spans.items():
+        lo, hi = ss[0][0], ss[-1][1]
+        for a, b in ss:
+            if b > a:
+                assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+    return docs
+
+
+def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once(
+        kafka_broker, tmp_path):
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    rng = np.random.default_rng()
+    items = np.minimum(rng.zipf(1.3, 120_000), D - 1)
+    members = Members(kafka_broker, topic, group, tmp_path)
+    names = ["m1", "m2", "m3"]
+    try:
+        members.start("m1")
+        time.sleep(4)          # m1 makes the group (internal topics, identity)
+        for name in names[1:]:
+            members.start(name)
+        producer = threading.Thread(target=produce, args=(kafka_broker, topic, items, 2500))
+        producer.start()
+        chaos = random.Random()
+        kills = 0
+        zombie_done = False
+        while kills < 20:
+            time.sleep(chaos.uniform(0.5, 2.5))
+            if not zombie_done and kills == 10:
+                z = members.procs["m3"]
+                z.send_signal(signal.SIGSTOP)      # its partitions move after the session
+                time.sleep(10)
+                z.send_signal(signal.SIGCONT)      # wakes as a zombie: fenced
+                zombie_done = True
+                continue
+            victim = chaos.choice(names)
+            members.kill(victim)
+            kills += 1
+            time.sleep(chaos.uniform(0.0, 2.0))
+            members.start(victim)
+        producer.join()
+        wait_for_total(kafka_broker, topics, len(items), 240, members)
+    finally:
+        members.stop_all()
+    try:
+        docs = check_exact(kafka_broker, topics, len(items))
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
+    print(f"\n{len(docs)} windows, {members.runs} member runs, "
+          f"{logs.count('not written')} summaries and {logs.count('intake transaction aborted')} "
+          f"intake transactions fenced or failed, {logs.count('leading group')} leader starts")
+    assert "Traceback" not in logs, members.logs()
