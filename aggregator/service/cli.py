@@ -939,6 +939,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     """``panagg status``: exit 0, or 1 when a running service reports itself unhealthy."""
     from .status import StatusError, collect_status, format_status
 
+    if args.group:
+        return _group_status(args)
+    if not args.state_dir:
+        raise UsageError("give --state-dir (one process) or --group with --bootstrap (a group "
+                         "with scale.store = kafka)")
     try:
         status = collect_status(args.state_dir)
     except StatusError as exc:
@@ -949,6 +954,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("\n".join(format_status(status)))
     health = status.get("health") or {}
     return 1 if any(v.get("code") not in (200, None) for v in health.values()) else 0
+
+
+def _group_status(args: argparse.Namespace) -> int:
+    """``panagg status --group G --bootstrap B``: a Kafka-only group, read from Kafka."""
+    from .group.status import collect_group_status, format_group_status
+
+    cfg = _load(args, [])
+    boot = args.bootstrap or cfg["source"]["bootstrap"]
+    problem = probe_bootstrap(boot, 5.0)
+    if problem:
+        raise UsageError(problem)
+    try:
+        status = collect_group_status(boot, args.group, cfg.get("security"),
+                                      source_topic=args.topic or cfg["source"]["topic"])
+    except LookupError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps(status, indent=1, default=str))
+    else:
+        print("\n".join(format_group_status(status)))
+    return 0
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -1102,7 +1128,15 @@ def build_parser() -> argparse.ArgumentParser:
     pla.set_defaults(func=cmd_plan)
     sta = sub.add_parser("status", help="window, progress, lag, health, budget and last release "
                                         "of a state directory")
-    sta.add_argument("--state-dir", required=True, help="checkpoint.dir")
+    sta.add_argument("--state-dir", help="checkpoint.dir (one process, or the shared directory "
+                                         "of scale.store = directory)")
+    sta.add_argument("--group", help="a scale-out group with scale.store = kafka (source.group): "
+                                     "members, partitions, backlog, waiting windows, from Kafka")
+    sta.add_argument("--bootstrap", help="with --group: the Kafka bootstrap servers")
+    sta.add_argument("--topic", help="with --group: the source topic (for the intake backlog)")
+    sta.add_argument("--config", help="with --group: a config file (security settings)")
+    sta.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                     help="with --group: override one setting (repeatable)")
     sta.add_argument("--json", action="store_true", help="the same as JSON")
     sta.set_defaults(func=cmd_status)
     his = sub.add_parser("history", help="ledgered releases window by window (and a plot)")

@@ -120,6 +120,9 @@ class Metrics:
                                  "written for the merge", registry=r)
         self.windows_waiting = Gauge("panagg_windows_waiting", "Closed windows still waiting for "
                                      "summaries of some partitions", registry=r)
+        self.summaries_overdue = Gauge("panagg_summaries_overdue", "Scale-out leader: partitions "
+                                       "whose summary of the next window is more than 5 s late "
+                                       "(their member is stopped, stuck or gone)", registry=r)
         self.release_queue = Gauge("panagg_release_queue", "Closed windows waiting for their "
                                    "release (in the release worker)", registry=r)
         self.release_latency = Histogram("panagg_release_latency_seconds", "From the end of a "

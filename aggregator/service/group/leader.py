@@ -80,6 +80,8 @@ class Leader:
         self.pending: dict[int, dict[int, dict]] = {}
         self._in_flight = None     # (window, future)
         self._noticed: set[int] = set()
+        #: partition -> the member whose summary of it was read last (named when one is late)
+        self.last_member: dict[int, str] = {}
         self.released: list[dict] = []
 
     # -- which windows are decided -----------------------------------------------------------
@@ -98,6 +100,7 @@ class Leader:
                 if rec.value is None:
                     continue  # a tombstone
                 s = json.loads(rec.value)
+                self.last_member[int(s["partition"])] = str(s.get("member", "?"))
                 self.pending.setdefault(int(s["window"]), {})[int(s["partition"])] = s
         if self._in_flight is not None:
             w, fut = self._in_flight
@@ -113,6 +116,7 @@ class Leader:
         if len(have) < self.P:
             self._notice_waiting(w, have)
             return
+        self.metrics.summaries_overdue.set(0)
         refused = [s for s in have.values() if s.get("refused")]
         if refused:
             self._withhold(w, have, refused[0]["refused"])
@@ -125,14 +129,20 @@ class Leader:
 
     def _notice_waiting(self, w: int, have: dict) -> None:
         late = time.time() - ((w + 1) * self.size + self.grace_s)
-        if late < WAIT_NOTICE_S or w in self._noticed:
+        if late < WAIT_NOTICE_S:
+            self.metrics.summaries_overdue.set(0)
+            return
+        missing = sorted(set(range(self.P)) - set(have))
+        self.metrics.summaries_overdue.set(len(missing))
+        if w in self._noticed:
             return
         self._noticed.add(w)
-        missing = sorted(set(range(self.P)) - set(have))
+        named = ", ".join(f"{p} (last summarized by {self.last_member[p]})"
+                          if p in self.last_member else str(p) for p in missing)
         log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
-                    "its end: their member is stopped, stuck or gone (the group moves its "
-                    "partitions after source.session_timeout_s)", w,
-                    ", ".join(map(str, missing)), self.topics.repartition, late + self.grace_s)
+                    "its end: that member is stopped, stuck or gone (the group moves its "
+                    "partitions after source.session_timeout_s)", w, named,
+                    self.topics.repartition, late + self.grace_s)
 
     @staticmethod
     def _ranges(have: dict) -> dict:

@@ -1,0 +1,158 @@
+"""``panagg status --group G --bootstrap B``: a Kafka-only scale-out group, read from Kafka.
+
+Nothing of it is on any member's disk, so the status comes from the broker: the counting group's
+members and the partitions each holds (the group coordinator), each partition's next window and
+its backlog (committed offsets with their metadata against the end offsets), the intake's
+backlog on the source topic, the windows whose summaries are still incomplete, and the ledger's
+last release and epsilon spent. Every figure is metadata Kafka already shows to any client that
+may describe the group (offsets and counts of messages), never counters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from .topics import GroupTopics
+
+__all__ = ["collect_group_status", "format_group_status"]
+
+
+def collect_group_status(bootstrap: str, group: str, security: dict | None = None,
+                         source_topic: str = "") -> dict:
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.admin import KafkaAdminClient
+
+    from consumers.kafka_security import client_options
+
+    from .ledger_topic import TopicLedger
+
+    topics = GroupTopics(group)
+    opts = dict(bootstrap_servers=bootstrap, **client_options(security))
+    admin = KafkaAdminClient(**opts)
+    out: dict = {"group": group, "topics": {}}
+    try:
+        if topics.ledger not in set(admin.list_topics()):
+            raise LookupError(f"no Kafka-only group {group!r} on {bootstrap} (its topic "
+                              f"{topics.ledger} does not exist); check --group (source.group)")
+        described = admin.describe_groups([topics.counting_group]).get(topics.counting_group, {})
+        members = []
+        for m in described.get("members") or []:
+            parts = _assigned(m)
+            members.append({"member": m.get("group_instance_id") or m.get("client_id"),
+                            "host": str(m.get("client_host", "")).lstrip("/"),
+                            "partitions": sorted(p for t, p in parts if t == topics.repartition),
+                            "leads": any(t == topics.ledger for t, _ in parts)})
+        out["members"] = sorted(members, key=lambda m: m["member"])
+        out["state"] = described.get("group_state", "")
+        committed = admin.list_group_offsets(topics.counting_group).get(topics.counting_group, {})
+        consumer = KafkaConsumer(**opts, group_id=None, isolation_level="read_committed",
+                                 enable_auto_commit=False)
+        try:
+            parts = sorted(consumer.partitions_for_topic(topics.repartition) or [])
+            tps = [TopicPartition(topics.repartition, p) for p in parts]
+            ends = consumer.end_offsets(tps)
+            rows = []
+            for tp in tps:
+                c = committed.get(tp)
+                meta = json.loads(c.metadata) if c is not None and c.metadata else {}
+                rows.append({"partition": tp.partition,
+                             "next_window": meta.get("w"),
+                             "committed": None if c is None else c.offset,
+                             "backlog_messages": ends[tp] - (c.offset if c is not None else 0)})
+            out["partitions"] = rows
+            if source_topic:
+                intake = admin.list_group_offsets(group).get(group, {})
+                src = [TopicPartition(source_topic, p)
+                       for p in sorted(consumer.partitions_for_topic(source_topic) or [])]
+                src_end = consumer.end_offsets(src)
+                out["intake_backlog_records"] = sum(
+                    src_end[tp] - (intake[tp].offset if tp in intake else 0) for tp in src)
+            ledger = TopicLedger(consumer, topics.ledger, budget_per_window=1.0)
+            ledger.read_to_end()
+            ident = ledger.identity() or {}
+            rel = [e for e in ledger.entries if e["kind"] == "release"]
+            out["identity"] = {k: ident.get(k) for k in ("mode", "size", "epsilon", "partitions",
+                                                         "window_size", "first_window")}
+            out["releases"] = len([e for e in rel if not e.get("withheld")])
+            out["withheld"] = len([e for e in rel if e.get("withheld")])
+            out["epsilon_spent"] = ledger.spent()
+            if rel:
+                last = rel[-1]
+                out["last_release"] = {"window": last["window"], "n": last.get("n"),
+                                       "time_unix": last["time_unix"]}
+            decided = {e["window"] for e in rel}
+            out["windows_waiting"] = _waiting(consumer, topics, decided)
+        finally:
+            consumer.close()
+    finally:
+        admin.close()
+    return out
+
+
+def _assigned(member: dict) -> list[tuple[str, int]]:
+    """(topic, partition) pairs of a described member's assignment (kafka-python 3's dicts)."""
+    pairs = []
+    for a in (member.get("member_assignment") or {}).get("assigned_partitions") or []:
+        pairs.extend((a["topic"], int(p)) for p in a["partitions"])
+    return pairs
+
+
+def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
+    """{window: partitions with a summary} for the undecided windows in the summaries topic."""
+    from kafka import TopicPartition
+
+    tp = TopicPartition(topics.summaries, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    end = consumer.end_offsets([tp])[tp]
+    have: dict[int, set[int]] = {}
+    deadline = time.monotonic() + 10
+    while consumer.position(tp) < end and time.monotonic() < deadline:
+        for recs in consumer.poll(timeout_ms=300).values():
+            for r in recs:
+                w, p = (int(x) for x in r.key.decode().split("/"))
+                if r.value is None:
+                    have.get(w, set()).discard(p)
+                else:
+                    have.setdefault(w, set()).add(p)
+    return {w: sorted(ps) for w, ps in sorted(have.items()) if ps and w not in decided}
+
+
+def format_group_status(s: dict) -> list[str]:
+    ident = s.get("identity", {})
+    lines = [f"group {s['group']} (Kafka-only store): {ident.get('mode')} mode, "
+             f"{ident.get('size')} counters in {ident.get('partitions')} slices, eps "
+             f"{ident.get('epsilon')}, windows of {ident.get('window_size')} s"]
+    lines.append(f"members ({len(s['members'])}, group {s.get('state', '')}):")
+    for m in s["members"]:
+        lead = ", leads (ledger, merges)" if m["leads"] else ""
+        lines.append(f"  {m['member']} on {m['host']}: partitions "
+                     f"{', '.join(map(str, m['partitions'])) or 'none'}{lead}")
+    held = {p for m in s["members"] for p in m["partitions"]}
+    for row in s.get("partitions", []):
+        owner = "" if row["partition"] in held else "  NOT HELD by any member"
+        lines.append(f"  partition {row['partition']}: next window {row['next_window']}, "
+                     f"{row['backlog_messages']} message(s) behind (commit markers included){owner}")
+    if "intake_backlog_records" in s:
+        lines.append(f"intake: {s['intake_backlog_records']} source record(s) not yet taken")
+    waiting = s.get("windows_waiting") or {}
+    if waiting:
+        P = ident.get("partitions") or 0
+        complete = [w for w, have in waiting.items() if len(have) == P]
+        if complete:
+            lines.append(f"{len(complete)} window(s) complete, being merged by the leader "
+                         f"({complete[0]}..{complete[-1]})")
+        short = [(w, have) for w, have in waiting.items() if len(have) < P]
+        for w, have in short[:5]:
+            missing = sorted(set(range(P)) - set(have))
+            lines.append(f"window {w} waits for partition(s) {', '.join(map(str, missing))}")
+        if len(short) > 5:
+            lines.append(f"... and {len(short) - 5} more window(s) waiting")
+    last = s.get("last_release")
+    lines.append(f"releases: {s.get('releases', 0)} ({s.get('withheld', 0)} withheld), "
+                 f"eps spent {s.get('epsilon_spent', 0):g}"
+                 + (f"; last: window {last['window']}, n={last['n']}, "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(last['time_unix']))} UTC"
+                    if last else ""))
+    return lines
