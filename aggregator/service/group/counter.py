@@ -74,8 +74,8 @@ class Counter:
     consumer
         kafka-python consumer (group ``<group>.panagg.count``, read_committed, no auto-commit),
         not yet subscribed.
-    producer
-        Transactional producer (``init_transactions`` done).
+    txn
+        :class:`~aggregator.service.group.txn.Transactions` (the transactional producer).
     topics
         :class:`~aggregator.service.group.topics.GroupTopics`.
     identity
@@ -84,9 +84,9 @@ class Counter:
         A :class:`~aggregator.service.group.ledger_topic.TopicLedger` reader (tailed here).
     """
 
-    def __init__(self, consumer, producer, topics, identity: dict, ledger, metrics, *,
+    def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *,
                  member: str, grace_s: float = 2.0, first_window: int | None = None):
-        self.consumer, self.producer, self.topics = consumer, producer, topics
+        self.consumer, self.txn, self.topics = consumer, txn, topics
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
         self.member = member
         self.P = int(identity["partitions"])
@@ -171,6 +171,8 @@ class Counter:
         """One poll; count it; close the windows that ended. Returns events counted."""
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000))
         if self._needs_sync:
+            # positions may have moved (a rebalance, a failed close): everything polled now is
+            # read again after the sync seeks each partition to what it counted
             self._sync()
             # records polled before the sync may predate the committed offsets: drop them
             polled = {}
@@ -225,14 +227,15 @@ class Counter:
             summary.update(split=True, ranges=ranges, member=self.member,
                            uid=uuid.uuid4().hex)
         meta = json.dumps({"w": w + 1}, separators=(",", ":"))
-        self.producer.begin_transaction()
+        producer = self.txn.producer
         try:
-            self.producer.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
+            producer.begin_transaction()
+            producer.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
                                value=json.dumps(summary, allow_nan=False).encode())
             tp = TopicPartition(self.topics.repartition, p)
-            self.producer.send_offsets_to_transaction(
+            producer.send_offsets_to_transaction(
                 {tp: OffsetAndMetadata(end, meta, -1)}, self.consumer.group_metadata())
-            self.producer.commit_transaction()
+            producer.commit_transaction()
         except Exception as exc:
             self._abort(task, exc)
             return False
@@ -256,9 +259,6 @@ class Counter:
         not written; drop the window, the partition's owner replays it from its offsets."""
         log.warning("summary of window %d, partition %d not written (%s); the window is "
                     "replayed from its start", task.window, task.partition, type(exc).__name__)
-        try:
-            self.producer.abort_transaction()
-        except Exception:
-            pass
+        self.txn.failed(exc)
         self.tasks.pop(task.partition, None)
         self._needs_sync = True

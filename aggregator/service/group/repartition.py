@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import time
 
+from kafka.errors import KafkaError
+
 import numpy as np
 
 from consumers.base import Segment
@@ -49,8 +51,8 @@ class Repartitioner:
     consumer
         kafka-python consumer subscribed to the source topic (group ``source.group``, no
         auto-commit, read_committed).
-    producer
-        Transactional producer (``init_transactions`` done).
+    txn
+        :class:`~aggregator.service.group.txn.Transactions` (the transactional producer).
     topic, partitions
         The repartition topic and its partition count P.
     decoder
@@ -61,9 +63,9 @@ class Repartitioner:
         The service's metrics (decode errors, filtered records).
     """
 
-    def __init__(self, consumer, producer, topic: str, partitions: int, decoder, index_of,
+    def __init__(self, consumer, txn, topic: str, partitions: int, decoder, index_of,
                  metrics, max_records: int = 20000):
-        self.consumer, self.producer = consumer, producer
+        self.consumer, self.txn = consumer, txn
         self.topic, self.partitions = topic, int(partitions)
         self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
         self.max_records = int(max_records)
@@ -71,7 +73,6 @@ class Repartitioner:
 
     def step(self, timeout_s: float = 0.2) -> int:
         """One poll, one transaction; the number of source records taken."""
-        from kafka.errors import KafkaError
         from kafka.structs import OffsetAndMetadata
 
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
@@ -79,24 +80,25 @@ class Repartitioner:
             return 0
         now_ms = int(time.time() * 1000)
         taken = 0
-        self.producer.begin_transaction()
+        producer = self.txn.producer
         try:
+            producer.begin_transaction()
             offsets = {}
             for tp, recs in polled.items():
                 if not recs:
                     continue
-                self._send(tp, recs, now_ms)
+                self._send(producer, tp, recs, now_ms)
                 offsets[tp] = OffsetAndMetadata(recs[-1].offset + 1, "", -1)
                 taken += len(recs)
-            self.producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
-            self.producer.commit_transaction()
+            producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
+            producer.commit_transaction()
         except KafkaError as exc:
             self._abort(polled, exc)
             return 0
         self.records += taken
         return taken
 
-    def _send(self, tp, recs, now_ms: int) -> None:
+    def _send(self, producer, tp, recs, now_ms: int) -> None:
         seg = Segment(partition=f"{tp.topic}:{tp.partition}", offsets=[r.offset for r in recs],
                       values=[r.value for r in recs], keys=[r.key for r in recs],
                       headers=[r.headers for r in recs])
@@ -109,7 +111,7 @@ class Repartitioner:
         part = idx % self.partitions
         local = (idx // self.partitions).astype("<i4")
         for p in np.unique(part):
-            self.producer.send(self.topic, partition=int(p), timestamp_ms=now_ms,
+            producer.send(self.topic, partition=int(p), timestamp_ms=now_ms,
                                value=local[part == p].tobytes())
 
     def _count_rejects(self, rejected) -> None:
@@ -124,20 +126,25 @@ class Repartitioner:
         for reason, count in counts.items():
             self.metrics.decode_errors.labels(reason=reason).inc(count)
 
+    @property
+    def _topics(self) -> list[str]:
+        return sorted(self.consumer.subscription() or [])
+
     def _abort(self, polled, exc) -> None:
         """The transaction failed (fenced after a rebalance, a broker gone): nothing of it is
         visible; read the records again from the group's committed offsets."""
         log.warning("intake transaction aborted (%s); re-reading from the committed offsets",
                     type(exc).__name__)
+        self.txn.failed(exc)
         try:
-            self.producer.abort_transaction()
-        except Exception:  # a fenced producer cannot abort; the broker discards its writes
-            pass
-        for tp in polled:
-            if tp not in self.consumer.assignment():
-                continue
-            committed = self.consumer.committed(tp)
-            if committed is None:
-                self.consumer.seek_to_beginning(tp)
-            else:
-                self.consumer.seek(tp, committed)
+            for tp in polled:
+                if tp not in self.consumer.assignment():
+                    continue
+                committed = self.consumer.committed(tp)
+                if committed is None:
+                    self.consumer.seek_to_beginning(tp)
+                else:
+                    self.consumer.seek(tp, committed)
+        except KafkaError:  # the broker is away: the group re-seeks at the next assignment
+            self.consumer.unsubscribe()
+            self.consumer.subscribe(self._topics)

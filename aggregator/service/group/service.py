@@ -39,6 +39,7 @@ from .leader import Leader
 from .ledger_topic import TopicLedger
 from .repartition import Repartitioner
 from .topics import GroupTopicError, GroupTopics
+from .txn import Transactions
 
 __all__ = ["GroupService", "MUST_AGREE"]
 
@@ -78,6 +79,8 @@ class GroupService:
         self.identity: dict | None = None
         self.leader: Leader | None = None
         self._clients: list = []
+        self._txns: list[Transactions] = []
+        self._outage_logged: dict[str, float] = {}
 
     # -- Kafka clients -----------------------------------------------------------------------
     def _common(self) -> dict:
@@ -101,15 +104,25 @@ class GroupService:
         self._clients.append(c)
         return c
 
-    def _producer(self, transactional_id: str):
+    def _producer(self, transactional_id: str, keep: bool = True):
         from kafka import KafkaProducer
 
         p = KafkaProducer(**self._common(), transactional_id=transactional_id,
                           transaction_timeout_ms=15000, linger_ms=5,
                           max_request_size=16 * 1024 * 1024)
-        p.init_transactions()
-        self._clients.append(p)
+        try:
+            p.init_transactions()
+        except Exception:
+            p.close(timeout=5)
+            raise
+        if keep:
+            self._clients.append(p)
         return p
+
+    def _transactions(self, transactional_id: str) -> Transactions:
+        txn = Transactions(lambda: self._producer(transactional_id, keep=False))
+        self._txns.append(txn)
+        return txn
 
     # -- start -------------------------------------------------------------------------------
     def _partitions(self, admin) -> int:
@@ -163,14 +176,15 @@ class GroupService:
             self.worker = ReleaseWorker(cfg["release"]["workers"])
         group_opts = {"group_instance_id": self.instance} if cfg["source"]["instance_id"] else {}
         self.counter = Counter(self._consumer(self.topics.counting_group, **group_opts),
-                               self._producer(f"{self.topics.group}.panagg.count.{self.instance}"),
+                               self._transactions(f"{self.topics.group}.panagg.count."
+                                                  f"{self.instance}"),
                                self.topics, self.identity, self.ledger, self.metrics,
                                member=self.instance, grace_s=cfg["scale"]["close_grace_s"])
         intake = self._consumer(cfg["source"]["group"], **group_opts,
                                 max_poll_records=cfg["source"]["max_records"])
         intake.subscribe([cfg["source"]["topic"]])
         self.intake = Repartitioner(
-            intake, self._producer(f"{self.topics.group}.panagg.intake.{self.instance}"),
+            intake, self._transactions(f"{self.topics.group}.panagg.intake.{self.instance}"),
             self.topics.repartition, P, self.decoder, self._index_of(), self.metrics,
             max_records=cfg["source"]["max_records"])
         self.metrics.epsilon.set(float(cfg["state"]["epsilon"]))
@@ -231,15 +245,35 @@ class GroupService:
         idle_since = time.monotonic()
         try:
             while not self.stop_event.is_set():
-                took = self.intake.step(poll_timeout_s)
-                counted = self.counter.step(poll_timeout_s)
-                self._lead()
+                took = self._stage("intake", self.intake.step, poll_timeout_s)
+                counted = self._stage("counting", self.counter.step, poll_timeout_s)
+                self._stage("leading", self._lead)
                 if took or counted:
                     idle_since = time.monotonic()
                 elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                     break
         finally:
             self.close()
+
+    def _stage(self, name: str, step, *args) -> int:
+        """One stage's turn; a Kafka error (the broker away, a rebalance under way) costs the
+        turn, never the member: each stage starts again from what Kafka committed."""
+        from kafka.errors import KafkaError
+
+        try:
+            return step(*args) or 0
+        except KafkaError as exc:
+            now = time.monotonic()
+            if now - self._outage_logged.get(name, -1e9) > 10:
+                self._outage_logged[name] = now
+                log.warning("%s: %s; retrying (each stage resumes from what Kafka committed)",
+                            name, type(exc).__name__)
+            if name == "counting":
+                self.counter._needs_sync = True
+            elif name == "leading" and self.leader is not None:
+                self._drop_leader()
+            time.sleep(0.2)
+            return 0
 
     def _lead(self) -> None:
         if self.counter.is_leader and self.leader is None:
@@ -249,15 +283,7 @@ class GroupService:
             self._drop_leader()
         if self.leader is None:
             return
-        try:
-            self.leader.step()
-        except Exception as exc:
-            from kafka.errors import KafkaError
-            if not isinstance(exc, KafkaError):
-                raise
-            log.warning("leader stopped (%s); it starts again while this member holds the "
-                        "ledger's partition", type(exc).__name__)
-            self._drop_leader()
+        self.leader.step()
 
     def _make_leader(self) -> Leader:
         cfg = self.cfg
@@ -288,6 +314,9 @@ class GroupService:
                 self._clients.remove(client)
 
     def close(self) -> None:
+        for txn in self._txns:
+            txn.close()
+        self._txns = []
         for client in reversed(self._clients):
             try:
                 client.close()
