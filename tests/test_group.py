@@ -91,14 +91,24 @@ def test_what_the_kafka_store_cannot_do_is_refused_in_one_line(extra, said):
 
 
 def test_a_member_with_other_settings_than_its_group_is_refused():
-    svc = GroupService(_cfg("state.epsilon=2"), Metrics())
-    svc.identity = dict(svc._identity_of_config(6), epsilon=1.0)
+    pipe = GroupService(_cfg("state.epsilon=2"), Metrics()).pipelines[0]
+    pipe.identity = dict(pipe.identity_of_config(6), epsilon=1.0)
     with pytest.raises(ServiceError) as err:
-        svc._check_identity(svc._identity_of_config(6))
+        pipe.check_identity(pipe.identity_of_config(6))
     assert "state.epsilon = 1.0" in str(err.value) and "another source.group" in str(err.value)
-    svc.identity = svc._identity_of_config(6)
+    pipe.identity = pipe.identity_of_config(6)
     with pytest.raises(ServiceError, match="scale.partitions = 6"):
-        svc._check_identity(svc._identity_of_config(3))
+        pipe.check_identity(pipe.identity_of_config(3))
+
+
+def test_several_aggregations_are_one_pipeline_each_with_their_own_topics():
+    svc = GroupService(_cfg("ledger.budget_per_event=2", "aggregations.user.item.field=user",
+                            "aggregations.ip.item.field=ip", "aggregations.ip.state.mode=hashed"),
+                       Metrics())
+    assert [p.name for p in svc.pipelines] == ["ip", "user"]
+    assert {p.topics.ledger for p in svc.pipelines} == {"panagg.panagg.ip.ledger",
+                                                        "panagg.panagg.user.ledger"}
+    assert [p.direct for p in svc.pipelines] == [False, True]
 
 
 def test_fresh_start_does_not_apply_to_a_group():

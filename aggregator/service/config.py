@@ -450,9 +450,10 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
     if not out:
         return {}
     cfg["aggregations"] = out
-    if cfg["scale"]["partitioned"]:
-        raise ConfigError("[aggregations] with scale.partitioned = true is not built: run one "
-                          "process (scale.partitioned = false), or one service per aggregation")
+    if cfg["scale"]["partitioned"] and cfg["scale"]["store"] != "kafka":
+        raise ConfigError("[aggregations] with the shared-directory scale-out is not built: use "
+                          "scale.store = kafka, one process (scale.partitioned = false), or one "
+                          "service per aggregation")
     total = 0.0
     parts = []
     for name in sorted(out):

@@ -275,3 +275,45 @@ def test_a_broker_killed_mid_window_and_restarted_loses_and_doubles_nothing(tmp_
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
     assert "Traceback" not in logs, members.logs()
+
+
+def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_path):
+    """Two aggregations of one unkeyed topic (accounts in direct mode, IPs hashed), two
+    members, one killed -9 and restarted: the source is read once, each aggregation has its own
+    topics and ledger, and each releases every event once."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    extra = ("--set", "ledger.budget_per_event=2", "--set", "aggregations.user.item.field=user",
+             "--set", "aggregations.ip.item.field=ip", "--set", "aggregations.ip.state.mode=hashed",
+             "--set", "aggregations.ip.state.expected_n=5000")
+    members = Members(kafka_broker, topic, group, tmp_path, *extra)
+    rng = np.random.default_rng()
+    n = 30_000
+    users = np.minimum(rng.zipf(1.3, n), D - 1)
+    ips = rng.integers(0, 5000, n)
+    records = [msgpack.packb({"user": int(u), "ip": f"10.0.{i // 256}.{i % 256}"})
+               for u, i in zip(users, ips)]
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        p = KafkaProducer(bootstrap_servers=kafka_broker, linger_ms=20)
+        for i, rec in enumerate(records):
+            p.send(topic, value=rec)
+            if i == n // 2:
+                p.flush()
+                members.kill("m2")
+                members.start("m2")
+        p.flush()
+        p.close()
+        for name in ("user", "ip"):
+            wait_for_total(kafka_broker, GroupTopics(group, name), n, 180, members)
+    finally:
+        members.stop_all()
+    try:
+        for name in ("user", "ip"):
+            docs = check_exact(kafka_broker, GroupTopics(group, name), n)
+            assert all(d["aggregation"]["name"] == name for d in docs)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert (tmp_path / "m1" / "releases" / "user").is_dir(), "each aggregation has its own dir"

@@ -61,7 +61,7 @@ class Leader:
     def __init__(self, producer, ledger, summaries, topics, identity: dict, metrics, *,
                  release_dir: str, release_topic: str = "", loss: str = "l1",
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
-                 grace_s: float = 2.0):
+                 grace_s: float = 2.0, aggregation: str = ""):
         from kafka import TopicPartition
 
         self.producer, self.ledger, self.topics = producer, ledger, topics
@@ -71,6 +71,7 @@ class Leader:
                              "method": method}
         self.merge = merge
         self.grace_s = float(grace_s)
+        self.aggregation = aggregation
         self.P = int(identity["partitions"])
         self.size = float(identity["window_size"])
         self._tp = TopicPartition(topics.summaries, 0)
@@ -179,6 +180,8 @@ class Leader:
             # the summaries were written, so the window was seen: charged, not published
             self._withhold(w, have, str(exc))
             return
+        if self.aggregation:
+            release["aggregation"] = {"name": self.aggregation}
         release["window_uid"] = fields["window_uid"]
         release["ranges"] = fields["ranges"]
         release["scale_out"] = {"store": "kafka", "partitions": self.P,
@@ -200,8 +203,9 @@ class Leader:
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
         self.metrics.published(release)
-        log.info("published release of window %d: n=%d over %d partitions -> %s", w,
-                 release["n"], self.P, path or self.topics.releases)
+        log.info("published release of %swindow %d: n=%d over %d partitions -> %s",
+                 f"{self.aggregation} " if self.aggregation else "", w, release["n"], self.P,
+                 path or self.topics.releases)
 
     def _transact(self, w: int, have: dict, *, entry: dict, document: str | None) -> bool:
         from kafka.errors import KafkaError

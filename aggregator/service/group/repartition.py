@@ -29,7 +29,7 @@ import numpy as np
 
 from consumers.base import Segment
 
-__all__ = ["Repartitioner", "slice_size"]
+__all__ = ["Repartitioner", "Route", "slice_size"]
 
 log = logging.getLogger("panagg.group")
 
@@ -43,8 +43,18 @@ def slice_size(size: int, partitions: int, partition: int) -> int:
     return max(0, -(-(int(size) - int(partition)) // int(partitions)))
 
 
+class Route:
+    """Where intake sends one aggregation's counter indices."""
+
+    def __init__(self, topic: str, partitions: int, decoder, index_of, metrics):
+        self.topic, self.partitions = topic, int(partitions)
+        self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
+
+
 class Repartitioner:
-    """Reads the source topic in the user's consumer group and writes the repartition topic.
+    """Reads the source topic in the user's consumer group and writes the repartition topics
+    (one per aggregation: the records are read and decoded once per aggregation, in one pass,
+    all written in one transaction).
 
     Parameters
     ----------
@@ -53,21 +63,15 @@ class Repartitioner:
         auto-commit, read_committed).
     txn
         :class:`~aggregator.service.group.txn.Transactions` (the transactional producer).
-    topic, partitions
-        The repartition topic and its partition count P.
-    decoder
-        The service's record decoder (:class:`consumers.decode.Decoder`).
-    index_of
-        Counter index of each decoded item (int64 array in [0, D)).
-    metrics
-        The service's metrics (decode errors, filtered records).
+    routes
+        One :class:`Route` per aggregation: its repartition topic and partition count P, its
+        record decoder (:class:`consumers.decode.Decoder`), ``index_of`` (counter index of each
+        decoded item, int64 in [0, D)) and its metrics (decode errors, filtered records).
     """
 
-    def __init__(self, consumer, txn, topic: str, partitions: int, decoder, index_of,
-                 metrics, max_records: int = 20000):
+    def __init__(self, consumer, txn, routes: list[Route], max_records: int = 20000):
         self.consumer, self.txn = consumer, txn
-        self.topic, self.partitions = topic, int(partitions)
-        self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
+        self.routes = list(routes)
         self.max_records = int(max_records)
         self.records = 0
 
@@ -87,7 +91,8 @@ class Repartitioner:
             for tp, recs in polled.items():
                 if not recs:
                     continue
-                self._send(producer, tp, recs, now_ms)
+                for route in self.routes:
+                    self._send(producer, route, tp, recs, now_ms)
                 offsets[tp] = OffsetAndMetadata(recs[-1].offset + 1, "", -1)
                 taken += len(recs)
             producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
@@ -98,23 +103,25 @@ class Repartitioner:
         self.records += taken
         return taken
 
-    def _send(self, producer, tp, recs, now_ms: int) -> None:
+    @staticmethod
+    def _send(producer, route: Route, tp, recs, now_ms: int) -> None:
         seg = Segment(partition=f"{tp.topic}:{tp.partition}", offsets=[r.offset for r in recs],
                       values=[r.value for r in recs], keys=[r.key for r in recs],
                       headers=[r.headers for r in recs])
-        decoded = self.decoder.decode(seg.values, seg.keys, seg.headers)
+        decoded = route.decoder.decode(seg.values, seg.keys, seg.headers)
         if decoded.rejected:
-            self._count_rejects(decoded.rejected)
+            Repartitioner._count_rejects(route.metrics, decoded.rejected)
         if not len(decoded.items):
             return
-        idx = np.asarray(self.index_of(decoded.items), dtype=np.int64)
-        part = idx % self.partitions
-        local = (idx // self.partitions).astype("<i4")
+        idx = np.asarray(route.index_of(decoded.items), dtype=np.int64)
+        part = idx % route.partitions
+        local = (idx // route.partitions).astype("<i4")
         for p in np.unique(part):
-            producer.send(self.topic, partition=int(p), timestamp_ms=now_ms,
-                               value=local[part == p].tobytes())
+            producer.send(route.topic, partition=int(p), timestamp_ms=now_ms,
+                          value=local[part == p].tobytes())
 
-    def _count_rejects(self, rejected) -> None:
+    @staticmethod
+    def _count_rejects(metrics, rejected) -> None:
         from consumers.decode import FILTERED
 
         counts: dict[str, int] = {}
@@ -122,9 +129,9 @@ class Repartitioner:
             counts[reason] = counts.get(reason, 0) + 1
         skipped = counts.pop(FILTERED, 0)
         if skipped:
-            self.metrics.filtered.inc(skipped)
+            metrics.filtered.inc(skipped)
         for reason, count in counts.items():
-            self.metrics.decode_errors.labels(reason=reason).inc(count)
+            metrics.decode_errors.labels(reason=reason).inc(count)
 
     @property
     def _topics(self) -> list[str]:

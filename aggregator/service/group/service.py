@@ -18,38 +18,27 @@ Start, in order (a refused start writes nothing of its own):
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
 import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 
-import numpy as np
+from consumers.kafka_security import client_options, redacted
 
-from consumers.decode import Decoder, ItemSpec
-from consumers.kafka_security import client_options
-
-from ...hashing import bucket_of
-from ..ledger import LedgerError
-from ..process import ServiceError, choose_buckets_for, release_method
-from .counter import Counter
-from .leader import Leader
-from .ledger_topic import TopicLedger
+from ..config import aggregation_configs
+from ..process import ServiceError
+from .pipeline import MUST_AGREE, Pipeline
 from .repartition import Repartitioner
-from .topics import GroupTopicError, GroupTopics
+from .topics import GroupTopicError
 from .txn import Transactions
 
 __all__ = ["GroupService", "MUST_AGREE"]
 
 log = logging.getLogger("panagg.group")
-
-#: identity fields every member must share with the group
-MUST_AGREE = ("mode", "size", "epsilon", "neighbor", "model", "window_size", "partitions")
-_NAMES = {"mode": "state.mode", "size": "state.domain_size / state.buckets",
-          "epsilon": "state.epsilon", "neighbor": "the neighbour relation",
-          "model": "state.model", "window_size": "window.size", "partitions": "scale.partitions"}
 
 
 class GroupService:
@@ -62,22 +51,16 @@ class GroupService:
                                "kafka: the group's state is its Kafka topics (use another "
                                "source.group for a new group)")
         self.cfg, self.metrics = cfg, metrics
-        src, st = cfg["source"], cfg["state"]
-        self.direct = st["mode"] == "direct"
-        self.size = int(st["domain_size"]) if self.direct else choose_buckets_for(cfg)
-        self.topics = GroupTopics(src["group"])
+        src = cfg["source"]
         self.instance = src["instance_id"] or \
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.security = client_options(cfg.get("security"))
-        self.decoder = Decoder(src["format"], domain_size=self.size if self.direct else None,
-                               max_message_bytes=src["max_message_bytes"],
-                               max_item_bytes=src["max_item_bytes"],
-                               spec=ItemSpec.from_config(cfg["item"]))
+        named = aggregation_configs(cfg)
+        self.pipelines = [Pipeline(name, one, self, metrics) for name, one in named] \
+            or [Pipeline("", cfg, self, metrics)]
         self.stop_event = threading.Event()
         self.on_started = None
         self.worker = None
-        self.identity: dict | None = None
-        self.leader: Leader | None = None
         self._clients: list = []
         self._txns: list[Transactions] = []
         self._outage_logged: dict[str, float] = {}
@@ -87,7 +70,7 @@ class GroupService:
         return dict(bootstrap_servers=self.cfg["source"]["bootstrap"],
                     reconnect_backoff_max_ms=1000, **self.security)
 
-    def _consumer(self, group: str | None, **extra):
+    def consumer(self, group: str | None, **extra):
         from kafka import KafkaConsumer
 
         src = self.cfg["source"]
@@ -104,7 +87,7 @@ class GroupService:
         self._clients.append(c)
         return c
 
-    def _producer(self, transactional_id: str, keep: bool = True):
+    def producer(self, transactional_id: str, keep: bool = True):
         from kafka import KafkaProducer
 
         p = KafkaProducer(**self._common(), transactional_id=transactional_id,
@@ -119,8 +102,8 @@ class GroupService:
             self._clients.append(p)
         return p
 
-    def _transactions(self, transactional_id: str) -> Transactions:
-        txn = Transactions(lambda: self._producer(transactional_id, keep=False))
+    def transactions(self, transactional_id: str) -> Transactions:
+        txn = Transactions(lambda: self.producer(transactional_id, keep=False))
         self._txns.append(txn)
         return txn
 
@@ -136,14 +119,6 @@ class GroupService:
                                "(panagg reads it, never creates it) or fix source.topic")
         return want or have
 
-    def _identity_of_config(self, partitions: int) -> dict:
-        st, w = self.cfg["state"], self.cfg["window"]
-        from ...state import PanPrivateHistogram
-        neighbor = PanPrivateHistogram(st["epsilon"], size=1).neighbor
-        return {"mode": st["mode"], "size": self.size, "epsilon": float(st["epsilon"]),
-                "neighbor": neighbor, "model": st["model"], "window_size": float(w["size"]),
-                "partitions": int(partitions)}
-
     def start(self) -> None:
         from kafka.admin import KafkaAdminClient
 
@@ -152,85 +127,45 @@ class GroupService:
             cfg["source"]["connect_timeout_s"] * 1000))
         try:
             P = self._partitions(admin)
-            retention = cfg["scale"]["repartition_retention_s"] or \
-                max(3 * float(cfg["window"]["size"]), 3600.0)
-            for line in self.topics.ensure(admin, P, int(retention * 1000)):
-                log.info(line)
+            for pipe in self.pipelines:
+                retention = cfg["scale"]["repartition_retention_s"] or \
+                    max(3 * float(pipe.cfg["window"]["size"]), 3600.0)
+                for line in pipe.topics.ensure(admin, P, int(retention * 1000)):
+                    log.info(line)
         except GroupTopicError as exc:
             raise ServiceError(str(exc)) from None
         finally:
             admin.close()
-        budget = cfg["ledger"]["budget_per_window"] or float(cfg["state"]["epsilon"])
-        self.ledger = TopicLedger(self._consumer(None), self.topics.ledger,
-                                  budget_per_window=budget,
-                                  budget_total=cfg["ledger"]["budget_total"] or None,
-                                  budget_per_event=cfg["ledger"].get("budget_per_event") or budget)
-        try:
-            self.ledger.read_to_end()
-            self.identity = self.ledger.identity() or self._write_identity(P)
-        except LedgerError as exc:
-            raise ServiceError(str(exc)) from None
-        self._check_identity(self._identity_of_config(P))
+        for pipe in self.pipelines:
+            pipe.open_ledger(P)
         if cfg["release"]["workers"]:
             from ..release_worker import ReleaseWorker
             self.worker = ReleaseWorker(cfg["release"]["workers"])
         group_opts = {"group_instance_id": self.instance} if cfg["source"]["instance_id"] else {}
-        self.counter = Counter(self._consumer(self.topics.counting_group, **group_opts),
-                               self._transactions(f"{self.topics.group}.panagg.count."
-                                                  f"{self.instance}"),
-                               self.topics, self.identity, self.ledger, self.metrics,
-                               member=self.instance, grace_s=cfg["scale"]["close_grace_s"])
-        intake = self._consumer(cfg["source"]["group"], **group_opts,
-                                max_poll_records=cfg["source"]["max_records"])
+        for pipe in self.pipelines:
+            pipe.start_counting(self.instance, group_opts)
+        intake = self.consumer(cfg["source"]["group"], **group_opts,
+                               max_poll_records=cfg["source"]["max_records"])
         intake.subscribe([cfg["source"]["topic"]])
         self.intake = Repartitioner(
-            intake, self._transactions(f"{self.topics.group}.panagg.intake.{self.instance}"),
-            self.topics.repartition, P, self.decoder, self._index_of(), self.metrics,
-            max_records=cfg["source"]["max_records"])
+            intake, self.transactions(f"{cfg['source']['group']}.panagg.intake.{self.instance}"),
+            [pipe.route(P) for pipe in self.pipelines], max_records=cfg["source"]["max_records"])
         self.metrics.epsilon.set(float(cfg["state"]["epsilon"]))
-        log.info("member %s of group %s: %d partition(s), %s mode with %d counters split into "
-                 "%d slices, windows of %g s by intake time; shared state only in %s.panagg.*",
-                 self.instance, self.topics.group, P, self.identity["mode"], self.size, P,
-                 self.identity["window_size"], self.topics.group)
+        self._save_config()
+        for pipe in self.pipelines:
+            log.info("member %s of %s: %d partition(s), %s mode with %d counters split into %d "
+                     "slices, windows of %g s by intake time; shared state only in %s.*",
+                     self.instance, pipe.about, P, pipe.identity["mode"], pipe.size, P,
+                     pipe.identity["window_size"], pipe.topics.prefix)
 
-    def _index_of(self):
-        if self.direct:
-            return lambda items: np.asarray(items, dtype=np.int64)
-        key = bytes.fromhex(self.identity["hash_key"])
-        return lambda items: bucket_of(items, key, self.size)
-
-    def _write_identity(self, partitions: int) -> dict:
-        """The group is new: write its identity as the ledger's first entry (leader's id)."""
-        producer = self._producer(f"{self.topics.group}.panagg.leader")  # fences any other
-        try:
-            self.ledger.read_to_end()
-            if self.ledger.identity():      # another member was first
-                return self.ledger.identity()
-            ident = self._identity_of_config(partitions)
-            ident.update(first_window=int(math.floor(time.time() / ident["window_size"])),
-                         lineage=f"{self.topics.group}:{uuid.uuid4().hex[:12]}")
-            if not self.direct:
-                ident["hash_key"] = os.urandom(16).hex()
-            producer.begin_transaction()
-            self.ledger.append(entry_id="identity", kind="identity", identity=ident,
-                               producer=producer)
-            producer.commit_transaction()
-            self.ledger.committed()
-            log.info("new group %s: identity written to %s", self.topics.group,
-                     self.topics.ledger)
-            return ident
-        finally:
-            producer.close()
-            self._clients.remove(producer)
-
-    def _check_identity(self, mine: dict) -> None:
-        bad = [k for k in MUST_AGREE if self.identity.get(k) != mine[k]]
-        if bad:
-            k = bad[0]
-            raise ServiceError(
-                f"group {self.topics.group} was started with {_NAMES[k]} = {self.identity[k]!r}, "
-                f"this member has {mine[k]!r}: start every member with the group's settings, or "
-                "use another source.group for a new group")
+    def _save_config(self) -> None:
+        """The member's config (no secrets) in its scratch directory: commands run on that
+        directory then know it is a member of a Kafka-only group and say what applies."""
+        d = Path(self.cfg["checkpoint"]["dir"])
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / ".config.json.tmp"
+        tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))
+        os.replace(tmp, d / "config.json")
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.1) -> None:
@@ -245,9 +180,12 @@ class GroupService:
         idle_since = time.monotonic()
         try:
             while not self.stop_event.is_set():
-                took = self._stage("intake", self.intake.step, poll_timeout_s)
-                counted = self._stage("counting", self.counter.step, poll_timeout_s)
-                self._stage("leading", self._lead)
+                took = self._stage("intake", None, self.intake.step, poll_timeout_s)
+                counted = 0
+                wait = poll_timeout_s / len(self.pipelines)
+                for pipe in self.pipelines:
+                    counted += self._stage("counting", pipe, pipe.counter.step, wait)
+                    self._stage("leading", pipe, pipe.lead)
                 if took or counted:
                     idle_since = time.monotonic()
                 elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
@@ -255,7 +193,7 @@ class GroupService:
         finally:
             self.close()
 
-    def _stage(self, name: str, step, *args) -> int:
+    def _stage(self, name: str, pipe, step, *args) -> int:
         """One stage's turn; a Kafka error (the broker away, a rebalance under way) costs the
         turn, never the member: each stage starts again from what Kafka committed."""
         from kafka.errors import KafkaError
@@ -269,43 +207,15 @@ class GroupService:
                 log.warning("%s: %s; retrying (each stage resumes from what Kafka committed)",
                             name, type(exc).__name__)
             if name == "counting":
-                self.counter._needs_sync = True
-            elif name == "leading" and self.leader is not None:
-                self._drop_leader()
+                pipe.counter._needs_sync = True
+            elif name == "leading":
+                pipe.drop_leader()
             time.sleep(0.2)
             return 0
 
-    def _lead(self) -> None:
-        if self.counter.is_leader and self.leader is None:
-            self.leader = self._make_leader()
-        elif not self.counter.is_leader and self.leader is not None:
-            log.info("the ledger's partition moved to another member: no longer the leader")
-            self._drop_leader()
-        if self.leader is None:
-            return
-        self.leader.step()
-
-    def _make_leader(self) -> Leader:
-        cfg = self.cfg
-        producer = self._producer(f"{self.topics.group}.panagg.leader")   # fences the last one
-        self.ledger.read_to_end()
-        log.info("leading group %s: this member charges the ledger and merges the windows",
-                 self.topics.group)
-        merge = None
-        if self.worker is not None:
-            from ..partitioned import merge_summaries
-            worker = self.worker
-            merge = lambda summaries, **kw: worker.call(merge_summaries, summaries, **kw)  # noqa: E731
-        return Leader(producer, self.ledger, self._consumer(None), self.topics, self.identity,
-                      self.metrics, release_dir=cfg["release"]["dir"],
-                      release_topic=cfg["release"]["topic"], loss=cfg["state"]["loss"],
-                      error_bar_reps=cfg["release"]["error_bar_reps"],
-                      method=release_method(cfg), merge=merge,
-                      grace_s=cfg["scale"]["close_grace_s"])
-
-    def _drop_leader(self) -> None:
-        leader, self.leader = self.leader, None
-        for client in (leader.producer, leader.summaries):
+    def discard(self, *clients) -> None:
+        """Close ``clients`` and forget them (a leader's, when it stops leading)."""
+        for client in clients:
             try:
                 client.close()
             except Exception:

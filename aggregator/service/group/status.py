@@ -15,11 +15,28 @@ import time
 
 from .topics import GroupTopics
 
-__all__ = ["collect_group_status", "format_group_status"]
+__all__ = ["collect_group_status", "format_group_status", "group_aggregations"]
+
+
+def group_aggregations(topic_names, group: str) -> list[str]:
+    """The aggregations of ``group`` whose ledger topic is among ``topic_names`` ("" for a
+    group of one).
+
+    >>> group_aggregations(["g.panagg.ledger", "g.panagg.ip.ledger", "h.panagg.ledger"], "g")
+    ['', 'ip']
+    """
+    head, tail = f"{group}.panagg.", ".ledger"
+    out = []
+    for t in topic_names:
+        if t == f"{group}.panagg.ledger":
+            out.append("")
+        elif t.startswith(head) and t.endswith(tail) and "." not in t[len(head):-len(tail)]:
+            out.append(t[len(head):-len(tail)])
+    return sorted(out)
 
 
 def collect_group_status(bootstrap: str, group: str, security: dict | None = None,
-                         source_topic: str = "") -> dict:
+                         source_topic: str = "", aggregation: str = "") -> dict:
     from kafka import KafkaConsumer, TopicPartition
     from kafka.admin import KafkaAdminClient
 
@@ -27,10 +44,10 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
 
     from .ledger_topic import TopicLedger
 
-    topics = GroupTopics(group)
+    topics = GroupTopics(group, aggregation)
     opts = dict(bootstrap_servers=bootstrap, **client_options(security))
     admin = KafkaAdminClient(**opts)
-    out: dict = {"group": group, "topics": {}}
+    out: dict = {"group": group, "aggregation": aggregation}
     try:
         if topics.ledger not in set(admin.list_topics()):
             raise LookupError(f"no Kafka-only group {group!r} on {bootstrap} (its topic "
@@ -121,7 +138,8 @@ def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
 
 def format_group_status(s: dict) -> list[str]:
     ident = s.get("identity", {})
-    lines = [f"group {s['group']} (Kafka-only store): {ident.get('mode')} mode, "
+    name = f"aggregation {s['aggregation']} of " if s.get("aggregation") else ""
+    lines = [f"{name}group {s['group']} (Kafka-only store): {ident.get('mode')} mode, "
              f"{ident.get('size')} counters in {ident.get('partitions')} slices, eps "
              f"{ident.get('epsilon')}, windows of {ident.get('window_size')} s"]
     lines.append(f"members ({len(s['members'])}, group {s.get('state', '')}):")

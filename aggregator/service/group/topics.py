@@ -1,6 +1,7 @@
 """The internal topics of a scale-out group, their names and their checks.
 
-Names derive from the consumer group (``source.group``), so two groups never share them::
+Names derive from the consumer group (``source.group``), so two groups never share them (with
+several ``[aggregations.NAME]`` each has its own set, ``<group>.panagg.<NAME>.*``)::
 
     <group>.panagg.repartition   counter indices by domain slice (plaintext like the source:
                                  docs/privacy.md section 17); delete retention, bounded
@@ -27,30 +28,36 @@ class GroupTopicError(RuntimeError):
 
 @dataclass(frozen=True)
 class GroupTopics:
-    """The internal topic names of consumer group ``group``."""
+    """The internal topic names of consumer group ``group`` (and of one of its
+    ``[aggregations.NAME]``: ``<group>.panagg.<NAME>.*``)."""
 
     group: str
+    aggregation: str = ""
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.group}.panagg" + (f".{self.aggregation}" if self.aggregation else "")
 
     @property
     def repartition(self) -> str:
-        return f"{self.group}.panagg.repartition"
+        return f"{self.prefix}.repartition"
 
     @property
     def summaries(self) -> str:
-        return f"{self.group}.panagg.summaries"
+        return f"{self.prefix}.summaries"
 
     @property
     def ledger(self) -> str:
-        return f"{self.group}.panagg.ledger"
+        return f"{self.prefix}.ledger"
 
     @property
     def releases(self) -> str:
-        return f"{self.group}.panagg.releases"
+        return f"{self.prefix}.releases"
 
     @property
     def counting_group(self) -> str:
         """The consumer group of the counting stage (over the repartition topic)."""
-        return f"{self.group}.panagg.count"
+        return f"{self.prefix}.count"
 
     def wanted(self, partitions: int, retention_ms: int) -> dict[str, tuple[int, dict]]:
         """``{topic: (partitions, configs)}``."""

@@ -1,0 +1,171 @@
+"""One aggregation of a Kafka-only group: its topics, ledger, identity, counting and leading.
+
+A group counts one item (``[state]``, ``[item]``), or several (``[aggregations.NAME]``); each
+aggregation is a :class:`Pipeline` with its own internal topics (``<group>.panagg[.NAME].*``),
+its own ledger and identity, its own counting consumer group (so the group assigns each
+aggregation's ledger partition, and with it the leadership, on its own) and its own release
+directory. The intake reads the source once for all of them
+(:class:`~aggregator.service.group.repartition.Repartitioner` with one route each).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import uuid
+
+import numpy as np
+
+from consumers.decode import Decoder, ItemSpec
+
+from ...hashing import bucket_of
+from ..ledger import LedgerError
+from ..process import ServiceError, choose_buckets_for, release_method
+from .counter import Counter
+from .leader import Leader
+from .ledger_topic import TopicLedger
+from .repartition import Route
+from .topics import GroupTopics
+
+__all__ = ["Pipeline", "MUST_AGREE"]
+
+log = logging.getLogger("panagg.group")
+
+#: identity fields every member must share with the group
+MUST_AGREE = ("mode", "size", "epsilon", "neighbor", "model", "window_size", "partitions")
+_NAMES = {"mode": "state.mode", "size": "state.domain_size / state.buckets",
+          "epsilon": "state.epsilon", "neighbor": "the neighbour relation",
+          "model": "state.model", "window_size": "window.size", "partitions": "scale.partitions"}
+
+
+class Pipeline:
+    """Aggregation ``name`` ("" for a group of one) with its config ``cfg``; ``clients`` is the
+    member (:class:`~aggregator.service.group.service.GroupService`) that makes Kafka clients."""
+
+    def __init__(self, name: str, cfg: dict, clients, metrics):
+        self.name, self.cfg, self.clients, self.metrics = name, cfg, clients, metrics
+        st, src = cfg["state"], cfg["source"]
+        self.direct = st["mode"] == "direct"
+        self.size = int(st["domain_size"]) if self.direct else choose_buckets_for(cfg)
+        self.topics = GroupTopics(src["group"], name)
+        self.decoder = Decoder(src["format"], domain_size=self.size if self.direct else None,
+                               max_message_bytes=src["max_message_bytes"],
+                               max_item_bytes=src["max_item_bytes"],
+                               spec=ItemSpec.from_config(cfg["item"]))
+        self.identity: dict | None = None
+        self.ledger: TopicLedger | None = None
+        self.counter: Counter | None = None
+        self.leader: Leader | None = None
+        self.about = f"aggregation {name} of group {src['group']}" if name else \
+            f"group {src['group']}"
+
+    # -- start -------------------------------------------------------------------------------
+    def identity_of_config(self, partitions: int) -> dict:
+        from ...state import PanPrivateHistogram
+
+        st, w = self.cfg["state"], self.cfg["window"]
+        neighbor = PanPrivateHistogram(st["epsilon"], size=1).neighbor
+        return {"mode": st["mode"], "size": self.size, "epsilon": float(st["epsilon"]),
+                "neighbor": neighbor, "model": st["model"], "window_size": float(w["size"]),
+                "partitions": int(partitions)}
+
+    def open_ledger(self, partitions: int) -> None:
+        """Read the ledger; write the identity if the group is new, else check against it."""
+        cfg = self.cfg
+        budget = cfg["ledger"]["budget_per_window"] or float(cfg["state"]["epsilon"])
+        agg = cfg.get("aggregation") or {}
+        self.ledger = TopicLedger(self.clients.consumer(None), self.topics.ledger,
+                                  budget_per_window=budget,
+                                  budget_total=cfg["ledger"]["budget_total"] or None,
+                                  budget_per_event=agg.get("budget_per_event")
+                                  or cfg["ledger"].get("budget_per_event") or budget)
+        try:
+            self.ledger.read_to_end()
+            self.identity = self.ledger.identity() or self._write_identity(partitions)
+        except LedgerError as exc:
+            raise ServiceError(str(exc)) from None
+        self.check_identity(self.identity_of_config(partitions))
+
+    def _write_identity(self, partitions: int) -> dict:
+        """The group is new: write its identity as the ledger's first entry (with the leader's
+        transactional id, so two members starting at once write one identity)."""
+        producer = self.clients.producer(f"{self.topics.prefix}.leader", keep=False)
+        try:
+            self.ledger.read_to_end()
+            if self.ledger.identity():      # another member was first
+                return self.ledger.identity()
+            ident = self.identity_of_config(partitions)
+            ident.update(first_window=int(math.floor(time.time() / ident["window_size"])),
+                         lineage=f"{self.topics.prefix}:{uuid.uuid4().hex[:12]}")
+            if self.name:
+                ident["aggregation"] = self.name
+            if not self.direct:
+                ident["hash_key"] = os.urandom(16).hex()
+            producer.begin_transaction()
+            self.ledger.append(entry_id="identity", kind="identity", identity=ident,
+                               producer=producer)
+            producer.commit_transaction()
+            self.ledger.committed()
+            log.info("new %s: identity written to %s", self.about, self.topics.ledger)
+            return ident
+        finally:
+            producer.close(timeout=5)
+
+    def check_identity(self, mine: dict) -> None:
+        bad = [k for k in MUST_AGREE if self.identity.get(k) != mine[k]]
+        if bad:
+            k = bad[0]
+            raise ServiceError(
+                f"{self.about} was started with {_NAMES[k]} = {self.identity[k]!r}, this member "
+                f"has {mine[k]!r}: start every member with the group's settings, or use another "
+                "source.group for a new group")
+
+    def route(self, partitions: int) -> Route:
+        if self.direct:
+            index_of = lambda items: np.asarray(items, dtype=np.int64)  # noqa: E731
+        else:
+            key, size = bytes.fromhex(self.identity["hash_key"]), self.size
+            index_of = lambda items: bucket_of(items, key, size)  # noqa: E731
+        return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics)
+
+    def start_counting(self, instance: str, group_opts: dict) -> None:
+        self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
+                               self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
+                               self.topics, self.identity, self.ledger, self.metrics,
+                               member=instance, grace_s=self.cfg["scale"]["close_grace_s"])
+
+    # -- leading -----------------------------------------------------------------------------
+    def lead(self) -> None:
+        if self.counter.is_leader and self.leader is None:
+            self.leader = self._make_leader()
+        elif not self.counter.is_leader and self.leader is not None:
+            log.info("the ledger's partition of %s moved to another member: no longer its "
+                     "leader", self.about)
+            self.drop_leader()
+        if self.leader is not None:
+            self.leader.step()
+
+    def _make_leader(self) -> Leader:
+        cfg = self.cfg
+        producer = self.clients.producer(f"{self.topics.prefix}.leader")   # fences the last one
+        self.ledger.read_to_end()
+        log.info("leading %s: this member charges the ledger and merges the windows",
+                 self.about)
+        merge = None
+        worker = self.clients.worker
+        if worker is not None:
+            from ..partitioned import merge_summaries
+            merge = lambda summaries, **kw: worker.call(merge_summaries, summaries, **kw)  # noqa: E731
+        return Leader(producer, self.ledger, self.clients.consumer(None), self.topics,
+                      self.identity, self.metrics, release_dir=cfg["release"]["dir"],
+                      release_topic=cfg["release"]["topic"], loss=cfg["state"]["loss"],
+                      error_bar_reps=cfg["release"]["error_bar_reps"],
+                      method=release_method(cfg), merge=merge,
+                      grace_s=cfg["scale"]["close_grace_s"], aggregation=self.name)
+
+    def drop_leader(self) -> None:
+        leader, self.leader = self.leader, None
+        if leader is not None:
+            self.clients.discard(leader.producer, leader.summaries)
