@@ -114,3 +114,13 @@ def test_several_aggregations_are_one_pipeline_each_with_their_own_topics():
 def test_fresh_start_does_not_apply_to_a_group():
     with pytest.raises(ServiceError, match="another source.group"):
         GroupService(_cfg(), Metrics(), fresh_start=True)
+
+
+def test_a_shared_directory_group_is_never_taken_over_by_a_kafka_member(tmp_path):
+    (tmp_path / "ledger.jsonl").write_text("")
+    svc = GroupService(_cfg(f"checkpoint.dir={tmp_path}", "source.bootstrap=127.0.0.1:1"),
+                       Metrics())
+    with pytest.raises(ServiceError) as err:
+        svc.start()
+    assert "scale.store = directory" in str(err.value) and "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.jsonl"]   # nothing written

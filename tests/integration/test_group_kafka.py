@@ -140,6 +140,8 @@ def wait_for_total(bootstrap, topics, total, timeout_s, members):
         got = sum(d["n"] for d in releases(bootstrap, topics))
         if got >= total:
             return got
+        if members.procs and all(p.poll() is not None for p in members.procs.values()):
+            pytest.fail(f"every member exited; releases hold {got} of {total}\n{members.logs()}")
         time.sleep(2)
     pytest.fail(f"releases hold {got} of {total} events after {timeout_s} s\n{members.logs()}")
 

@@ -227,15 +227,14 @@ class Counter:
             summary.update(split=True, ranges=ranges, member=self.member,
                            uid=uuid.uuid4().hex)
         meta = json.dumps({"w": w + 1}, separators=(",", ":"))
-        producer = self.txn.producer
+        txn = self.txn
         try:
-            producer.begin_transaction()
-            producer.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
-                               value=json.dumps(summary, allow_nan=False).encode())
+            txn.begin()
+            txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
+                     value=json.dumps(summary, allow_nan=False).encode())
             tp = TopicPartition(self.topics.repartition, p)
-            producer.send_offsets_to_transaction(
-                {tp: OffsetAndMetadata(end, meta, -1)}, self.consumer.group_metadata())
-            producer.commit_transaction()
+            txn.send_offsets({tp: OffsetAndMetadata(end, meta, -1)}, self.consumer.group_metadata())
+            txn.commit()
         except Exception as exc:
             self._abort(task, exc)
             return False

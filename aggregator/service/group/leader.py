@@ -44,9 +44,10 @@ class Leader:
 
     Parameters
     ----------
-    producer
-        Transactional producer with id ``<group>.panagg.leader`` (``init_transactions`` done:
-        that fenced the previous leader).
+    txn
+        :class:`~aggregator.service.group.txn.Transactions` over the producer with id
+        ``<group>.panagg.leader`` (``init_transactions`` done: that fenced the previous
+        leader), made with ``remake=False``: a fenced leader stops leading.
     ledger
         :class:`~aggregator.service.group.ledger_topic.TopicLedger`, read to its end.
     summaries
@@ -58,13 +59,13 @@ class Leader:
         to merge in the loop.
     """
 
-    def __init__(self, producer, ledger, summaries, topics, identity: dict, metrics, *,
+    def __init__(self, txn, ledger, summaries, topics, identity: dict, metrics, *,
                  release_dir: str, release_topic: str = "", loss: str = "l1",
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
                  grace_s: float = 2.0, aggregation: str = ""):
         from kafka import TopicPartition
 
-        self.producer, self.ledger, self.topics = producer, ledger, topics
+        self.txn, self.ledger, self.topics = txn, ledger, topics
         self.identity, self.metrics = identity, metrics
         self.release_dir, self.release_topic = release_dir, release_topic
         self.merge_kwargs = {"loss": loss, "error_bar_reps": int(error_bar_reps),
@@ -210,27 +211,22 @@ class Leader:
     def _transact(self, w: int, have: dict, *, entry: dict, document: str | None) -> bool:
         from kafka.errors import KafkaError
 
-        self.producer.begin_transaction()
+        txn = self.txn
         try:
-            self.ledger.append(entry_id=f"{self.identity['lineage']}/{w}",
-                               producer=self.producer, **entry)
+            txn.begin()
+            self.ledger.append(entry_id=f"{self.identity['lineage']}/{w}", producer=txn, **entry)
             if document is not None:
-                self.producer.send(self.topics.releases, partition=0, key=str(w).encode(),
-                                   value=document.encode())
+                txn.send(self.topics.releases, partition=0, key=str(w).encode(),
+                         value=document.encode())
                 if self.release_topic:
-                    self.producer.send(self.release_topic, key=str(w).encode(),
-                                       value=document.encode())
+                    txn.send(self.release_topic, key=str(w).encode(), value=document.encode())
             for p in have:
-                self.producer.send(self.topics.summaries, partition=0,
-                                   key=f"{w}/{p}".encode(), value=None)
-            self.producer.commit_transaction()
+                txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(), value=None)
+            txn.commit()
         except KafkaError as exc:
             log.warning("window %d not decided (%s); it is tried again", w, type(exc).__name__)
             self.ledger.aborted()
-            try:
-                self.producer.abort_transaction()
-            except Exception:
-                pass
+            txn.failed(exc)
             raise
         self.ledger.committed()
         self.pending.pop(w, None)
@@ -242,8 +238,7 @@ class Leader:
         have = self.pending.pop(w, {})
         if not have:
             return
-        self.producer.begin_transaction()
+        self.txn.begin()
         for p in have:
-            self.producer.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
-                               value=None)
-        self.producer.commit_transaction()
+            self.txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(), value=None)
+        self.txn.commit()

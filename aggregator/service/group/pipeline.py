@@ -28,6 +28,7 @@ from .leader import Leader
 from .ledger_topic import TopicLedger
 from .repartition import Route
 from .topics import GroupTopics
+from .txn import Transactions
 
 __all__ = ["Pipeline", "MUST_AGREE"]
 
@@ -91,7 +92,8 @@ class Pipeline:
     def _write_identity(self, partitions: int) -> dict:
         """The group is new: write its identity as the ledger's first entry (with the leader's
         transactional id, so two members starting at once write one identity)."""
-        producer = self.clients.producer(f"{self.topics.prefix}.leader", keep=False)
+        txn = Transactions(lambda: self.clients.producer(f"{self.topics.prefix}.leader",
+                                                          keep=False), remake=False)
         try:
             self.ledger.read_to_end()
             if self.ledger.identity():      # another member was first
@@ -103,15 +105,18 @@ class Pipeline:
                 ident["aggregation"] = self.name
             if not self.direct:
                 ident["hash_key"] = os.urandom(16).hex()
-            producer.begin_transaction()
+            txn.begin()
             self.ledger.append(entry_id="identity", kind="identity", identity=ident,
-                               producer=producer)
-            producer.commit_transaction()
+                               producer=txn)
+            txn.commit()
             self.ledger.committed()
             log.info("new %s: identity written to %s", self.about, self.topics.ledger)
             return ident
+        except Exception:
+            self.ledger.aborted()
+            raise
         finally:
-            producer.close(timeout=5)
+            txn.close()
 
     def check_identity(self, mine: dict) -> None:
         bad = [k for k in MUST_AGREE if self.identity.get(k) != mine[k]]
@@ -149,7 +154,9 @@ class Pipeline:
 
     def _make_leader(self) -> Leader:
         cfg = self.cfg
-        producer = self.clients.producer(f"{self.topics.prefix}.leader")   # fences the last one
+        # a new producer with the group's fixed leader id fences the last leader
+        txn = Transactions(lambda: self.clients.producer(f"{self.topics.prefix}.leader",
+                                                          keep=False), remake=False)
         self.ledger.read_to_end()
         log.info("leading %s: this member charges the ledger and merges the windows",
                  self.about)
@@ -158,7 +165,7 @@ class Pipeline:
         if worker is not None:
             from ..partitioned import merge_summaries
             merge = lambda summaries, **kw: worker.call(merge_summaries, summaries, **kw)  # noqa: E731
-        return Leader(producer, self.ledger, self.clients.consumer(None), self.topics,
+        return Leader(txn, self.ledger, self.clients.consumer(None), self.topics,
                       self.identity, self.metrics, release_dir=cfg["release"]["dir"],
                       release_topic=cfg["release"]["topic"], loss=cfg["state"]["loss"],
                       error_bar_reps=cfg["release"]["error_bar_reps"],
@@ -168,4 +175,5 @@ class Pipeline:
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
         if leader is not None:
-            self.clients.discard(leader.producer, leader.summaries)
+            leader.txn.close()
+            self.clients.discard(leader.summaries)

@@ -84,19 +84,19 @@ class Repartitioner:
             return 0
         now_ms = int(time.time() * 1000)
         taken = 0
-        producer = self.txn.producer
+        txn = self.txn
         try:
-            producer.begin_transaction()
+            txn.begin()
             offsets = {}
             for tp, recs in polled.items():
                 if not recs:
                     continue
                 for route in self.routes:
-                    self._send(producer, route, tp, recs, now_ms)
+                    self._send(txn, route, tp, recs, now_ms)
                 offsets[tp] = OffsetAndMetadata(recs[-1].offset + 1, "", -1)
                 taken += len(recs)
-            producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
-            producer.commit_transaction()
+            txn.send_offsets(offsets, self.consumer.group_metadata())
+            txn.commit()
         except KafkaError as exc:
             self._abort(polled, exc)
             return 0

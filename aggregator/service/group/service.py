@@ -119,10 +119,22 @@ class GroupService:
                                "(panagg reads it, never creates it) or fix source.topic")
         return want or have
 
+    def _check_directory(self) -> None:
+        """A directory the shared-directory store used is not scratch: its ledger records
+        privacy spent. A member never takes it over (a silent switch would forget the charges)."""
+        d = Path(self.cfg["checkpoint"]["dir"])
+        if (d / "ledger.jsonl").exists() or (d / "partitions").is_dir():
+            raise ServiceError(
+                f"checkpoint.dir {d} holds a shared-directory scale-out group (its ledger.jsonl "
+                "records the privacy spent): keep it with scale.store = directory, or give each "
+                "member of the Kafka-only group an empty scratch directory (a new source.group "
+                "starts a new ledger; the old one's charges are not carried over)")
+
     def start(self) -> None:
         from kafka.admin import KafkaAdminClient
 
         cfg = self.cfg
+        self._check_directory()
         admin = KafkaAdminClient(**self._common(), request_timeout_ms=int(
             cfg["source"]["connect_timeout_s"] * 1000))
         try:

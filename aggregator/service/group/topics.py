@@ -17,6 +17,7 @@ policy. A topic that is unfit stops the start with one line naming the fix.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 __all__ = ["GroupTopics", "GroupTopicError"]
@@ -70,6 +71,17 @@ class GroupTopics:
             self.releases: (1, compact),
         }
 
+    @staticmethod
+    def _described(admin, names, wait_s: float = 15.0) -> dict[str, int]:
+        """Partition counts; a topic created a moment ago shows none until its metadata has
+        spread, so wait for it (bounded)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            counts = _partition_counts(admin, names)
+            if all(counts.get(n, 0) for n in names) or time.monotonic() > deadline:
+                return counts
+            time.sleep(0.2)
+
     def ensure(self, admin, partitions: int, retention_ms: int,
                replication_factor: int = 1) -> list[str]:
         """Create what is missing, check what exists; returns one log line per created topic.
@@ -93,8 +105,7 @@ class GroupTopics:
                                f"{configs['cleanup.policy']})")
             except TopicAlreadyExistsError:  # another member made it a moment ago
                 pass
-        described = {d.get("topic", d.get("name")): len(d.get("partitions") or [])
-                     for d in admin.describe_topics(list(wanted))}
+        described = self._described(admin, list(wanted))
         for name, (parts, _) in wanted.items():
             have = described.get(name, 0)
             if have != parts:
@@ -119,6 +130,11 @@ class GroupTopics:
                     f"; fix it with kafka-configs.sh --alter --entity-type topics "
                     f"--entity-name {name} --add-config cleanup.policy={want}")
         return created
+
+
+def _partition_counts(admin, names) -> dict[str, int]:
+    return {d.get("topic", d.get("name")): len(d.get("partitions") or [])
+            for d in admin.describe_topics(names)}
 
 
 def _policy(response, topic: str) -> str | None:

@@ -6,35 +6,88 @@ aborted while the broker was away); every later call then raises. A member must 
 (the broker restarting mid-window is enough to cause it), so :class:`Transactions` aborts what it
 can and, after a fatal error, closes the producer and makes a new one with the same id
 (``init_transactions`` again: anything of the old one still open is aborted by the broker).
+
+Every wait is bounded. kafka-python's ``send_offsets_to_transaction``, ``commit_transaction`` and
+``abort_transaction`` wait for the coordinator's answer without a timeout, and a request lost
+with a broker that was killed is never answered: a member was seen waiting in
+``send_offsets_to_transaction`` for good after a kill -9 of the broker
+(tests/integration/test_group_kafka.py). Here each wait gives up after :data:`TIMEOUT_S`; the
+producer is then treated as broken (closed, made again).
 """
 
 from __future__ import annotations
 
 import logging
 
-__all__ = ["Transactions"]
+from kafka.errors import KafkaTimeoutError
+
+__all__ = ["Transactions", "TIMEOUT_S"]
 
 log = logging.getLogger("panagg.group")
 
+#: how long one transactional step may wait for the broker
+TIMEOUT_S = 30.0
+
+
+def _wait(producer, result, what: str) -> None:
+    producer._sender.wakeup()
+    if not result.wait(timeout_ms=TIMEOUT_S * 1000):
+        raise KafkaTimeoutError(f"{what} not answered within {TIMEOUT_S:g} s")
+
 
 class Transactions:
-    """``make()`` returns a new transactional producer with ``init_transactions`` done."""
+    """``make()`` returns a new transactional producer with ``init_transactions`` done.
 
-    def __init__(self, make):
-        self._make = make
+    ``remake``: start over with a new producer after a fatal error (a member's intake and
+    counting); False for a leader, which must give up leading instead (a newer leader fenced it).
+    """
+
+    def __init__(self, make, remake: bool = True):
+        self._make, self._remake = make, remake
         self.producer = make()
+
+    # -- one transaction's steps, each bounded ---------------------------------------------------
+    def begin(self) -> None:
+        self.producer.begin_transaction()
+
+    def send(self, *args, **kwargs):
+        return self.producer.send(*args, **kwargs)
+
+    def send_offsets(self, offsets, group_metadata) -> None:
+        tm = getattr(self.producer, "_transaction_manager", None)
+        if tm is None or not hasattr(self.producer, "_sender"):
+            self.producer.send_offsets_to_transaction(offsets, group_metadata)
+            return
+        _wait(self.producer, tm.send_offsets_to_transaction(offsets, group_metadata),
+              "the offsets of the transaction")
+
+    def commit(self) -> None:
+        tm = getattr(self.producer, "_transaction_manager", None)
+        if tm is None or not hasattr(self.producer, "_sender"):
+            self.producer.commit_transaction()
+            return
+        _wait(self.producer, tm.begin_commit(), "the commit")
+
+    def _abort(self) -> None:
+        tm = getattr(self.producer, "_transaction_manager", None)
+        if tm is None or not hasattr(self.producer, "_sender"):
+            self.producer.abort_transaction()
+            return
+        _wait(self.producer, tm.begin_abort(), "the abort")
 
     def failed(self, exc: Exception) -> None:
         """Clean up after ``exc`` broke the open transaction: abort it, or start over with a
         new producer when the old one cannot abort (fatal). Never raises."""
         tm = getattr(self.producer, "_transaction_manager", None)
-        fatal = tm is None or tm.has_fatal_error()
+        fatal = tm is None or tm.has_fatal_error() or isinstance(exc, KafkaTimeoutError)
         if not fatal:
             try:
-                self.producer.abort_transaction()
+                self._abort()
                 return
             except Exception:
                 fatal = True
+        if not self._remake:
+            return
         log.info("transactional producer %s starts over after %s",
                  getattr(self.producer.config, "get", lambda k: "")("transactional_id")
                  if hasattr(self.producer, "config") else "", type(exc).__name__)
