@@ -135,7 +135,7 @@ def _member(boot, topic, group, name, tmp, window=5):
          topic, "--state-dir", str(tmp / group / name), "--release-dir",
          str(tmp / group / name / "rel"), "--metrics-port", "-1",
          "--set", "scale.partitioned=true", "--set", "scale.store=kafka",
-         "--set", "window.kind=time", "--set", f"window.size={window}",
+         "--set", "window.kind=time", "--set", f"window.size={int(window)}",
          "--set", "state.domain_size=100000", "--set", f"source.group={group}",
          "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
          "--set", "scale.close_grace_s=1"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -326,7 +326,7 @@ def member_args(bootstrap, topic, state, releases, group, instance, window_s, mo
                 keep_windows=None):
     args = ["run", "--bootstrap", bootstrap, "--topic", topic, "--state-dir", str(state),
             "--release-dir", str(releases), "--metrics-port", "0",
-            "--set", f"source.group={group}", "--set", "scale.partitioned=true",
+            "--set", f"source.group={group}", "--set", "scale.partitioned=true", "--set", "scale.store=directory",
             "--set", f"source.instance_id={instance}", "--set", "window.kind=time",
             "--set", f"window.size={window_s}", "--set", f"state.mode={mode}"]
     if mode == "direct":

@@ -82,6 +82,8 @@ def _cfg(*extra):
     (["window.kind=count"], "set window.kind = time"),
     (["checkpoint.snapshots_per_window=2"], "checkpoint.snapshots_per_window = 0"),
     (["source.kind=file", "source.path=x"], "needs source.kind = kafka"),
+    (["source.start=latest"], "source.start is not supported"),
+    (["state.model=shuffle"], "does not apply to state.model = shuffle"),
 ])
 def test_what_the_kafka_store_cannot_do_is_refused_in_one_line(extra, said):
     with pytest.raises(ConfigError) as err:

@@ -192,7 +192,7 @@ def cfg_for(tmp_path, monkeypatch):
 
     def make(window=1000, **extra):
         sets = [f"checkpoint.dir={tmp_path / 'shared'}", f"release.dir={tmp_path / 'rel'}",
-                f"state.domain_size={D}", f"window.size={window}", "scale.partitioned=true",
+                f"state.domain_size={D}", f"window.size={window}", "scale.partitioned=true", "scale.store=directory",
                 f"testing.noise_seed={SEED}", "metrics.port=-1"]
         sets += [f"{k}={v}" for k, v in extra.items()]
         return load_config(overrides=sets, env={})
@@ -314,7 +314,7 @@ def _observed(tmp_path, caplog, name, items_of, keyed):
     m = FakeMember(topic)
     root = tmp_path / name
     sets = [f"checkpoint.dir={root / 'shared'}", f"release.dir={root / 'rel'}",
-            f"state.domain_size={D}", "window.size=1000", "scale.partitioned=true",
+            f"state.domain_size={D}", "window.size=1000", "scale.partitioned=true", "scale.store=directory",
             "metrics.port=-1", "release.error_bar_reps=0"]
     caplog.clear()
     with caplog.at_level(logging.DEBUG):
@@ -357,6 +357,9 @@ def test_neighbouring_streams_show_the_same_metrics_logs_and_public_fields(tmp_p
 def test_partitioned_needs_kafka(tmp_path):
     from aggregator.service.config import ConfigError
     with pytest.raises(ConfigError, match="scale.partitioned needs source.kind = kafka"):
+        load_config(overrides=["scale.partitioned=true", "scale.store=directory",
+                               "source.kind=generator"], env={})
+    with pytest.raises(ConfigError, match="scale.store = kafka needs source.kind = kafka"):
         load_config(overrides=["scale.partitioned=true", "source.kind=generator"], env={})
 
 

@@ -128,7 +128,7 @@ DEFAULTS: dict[str, dict] = {
     "scale": {
         "partitioned": False,       # one state per Kafka partition; several processes per group
         "keep_windows": 3,          # partitioned: merged windows whose files are kept
-        "store": "directory",       # partitioned: where shared state lives. directory: one shared
+        "store": "kafka",           # partitioned: where shared state lives. directory: one shared
                                     # checkpoint.dir (flock; NFS across hosts); kafka: internal
                                     # topics only, each member a local scratch dir (docs/scale-out.md)
         "partitions": 0,            # store = kafka: repartition topic partitions (the domain is
@@ -248,16 +248,19 @@ def _check_kafka_group(cfg: dict) -> None:
     why = None
     if cfg["source"]["kind"] != "kafka":
         why = "needs source.kind = kafka"
+    elif cfg["state"]["model"] == "shuffle":
+        why = "does not apply to state.model = shuffle (the analyzer reads one partition)"
     elif cfg["window"]["kind"] != "time":
         why = ("cuts windows by intake time: set window.kind = time (count and event_time "
                "windows in a Kafka-only group are not built yet)")
     elif cfg["checkpoint"]["snapshots_per_window"]:
         why = ("keeps no snapshots (a window's counters live only in its member's memory): set "
                "checkpoint.snapshots_per_window = 0")
-    elif cfg["state"]["model"] == "shuffle":
-        why = "does not apply to state.model = shuffle"
+    elif cfg["source"]["start"] != "earliest":
+        why = ("starts a new group at the source topic's earliest record (or the group's "
+               "committed offsets): source.start is not supported with it yet")
     if why:
-        raise ConfigError(f"scale.store = kafka {why}; docs/scale-out.md")
+        raise ConfigError(f"scale.partitioned with scale.store = kafka {why}; docs/scale-out.md")
 
 
 def _event_time_problem(cfg: dict) -> str | None:

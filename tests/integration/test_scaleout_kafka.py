@@ -59,7 +59,7 @@ def member_args(bootstrap, topic, state, releases, group, instance):
             "--release-dir", str(releases), "--metrics-port", "-1",
             "--set", f"state.domain_size={D}", "--set", f"window.size={WIN}",
             "--set", f"testing.noise_seed={SEED}", "--set", f"source.group={group}",
-            "--set", "scale.partitioned=true", "--set", f"source.instance_id={instance}",
+            "--set", "scale.partitioned=true", "--set", "scale.store=directory", "--set", f"source.instance_id={instance}",
             "--set", "source.session_timeout_s=6",
             "--set", "source.max_records=2000", "--exit-when-idle", "12"]
 
