@@ -319,3 +319,58 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     assert (tmp_path / "m1" / "releases" / "user").is_dir(), "each aggregation has its own dir"
+
+
+def _released_total(bootstrap, topics):
+    return sum(d["n"] for d in releases(bootstrap, topics))
+
+
+def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
+        kafka_broker, tmp_path):
+    """The group edition of "one event, one charge": the source group's offsets reset to the
+    earliest record (what an operator's --reset-offsets does) re-reads the topic, but the
+    intake's high-water marks keep every record from being repartitioned again; a ledger topic
+    deleted while the group is stopped is refused at the next start, in one line, before
+    anything is created."""
+    from kafka.structs import OffsetAndMetadata
+
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    members = Members(kafka_broker, topic, group, tmp_path)
+    rng = np.random.default_rng()
+    try:
+        members.start("m1")
+        produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 5000), D - 1), 5000)
+        wait_for_total(kafka_broker, topics, 5000, 120, members)
+        members.stop_all()
+        admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+        deadline = time.monotonic() + 30   # offsets of a group change only while it is empty
+        while admin.describe_groups([group])[group]["group_state"] != "Empty":
+            assert time.monotonic() < deadline, "the source group never emptied"
+            time.sleep(0.5)
+        admin.alter_group_offsets(group, {TopicPartition(topic, p): OffsetAndMetadata(0, "", -1)
+                                          for p in range(PARTS)})
+        reset = admin.list_group_offsets(group)[group]
+        assert {om.offset for om in reset.values()} == {0}
+        members.start("m1")
+        produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 1000), D - 1), 5000)
+        wait_for_total(kafka_broker, topics, 6000, 120, members)
+        time.sleep(3 * WINDOW_S + 2)       # windows after the last events: nothing more comes
+        assert _released_total(kafka_broker, topics) == 6000, members.logs()
+        members.stop_all()
+        logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
+        assert "are not counted again" in logs, logs[-3000:]
+        check_exact(kafka_broker, topics, 6000)
+        # the ledger topic deleted while the group is stopped: the next start refuses
+        admin.delete_topics([topics.ledger])
+        time.sleep(2)
+        res = subprocess.run(member_cmd(kafka_broker, topic, group, "m1", tmp_path),
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0
+        last = res.stderr.strip().splitlines()[-1]
+        assert "ledger topic" in last and "deleted" in last and "Traceback" not in res.stderr
+        assert topics.ledger not in set(admin.list_topics()), "a refused start created it"
+        admin.close()
+    finally:
+        members.stop_all()

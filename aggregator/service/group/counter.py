@@ -226,7 +226,11 @@ class Counter:
                                         partition=p, partitions=self.P, window_info=info)
             summary.update(split=True, ranges=ranges, member=self.member,
                            uid=uuid.uuid4().hex)
-        meta = json.dumps({"w": w + 1}, separators=(",", ":"))
+        head = self.ledger.head()
+        # the ledger's head rides with the offsets: a start that finds the ledger topic deleted
+        # or rolled back behind it refuses (the charges it held would be forgotten)
+        meta = json.dumps({"w": w + 1, "lh": f"{head['seq']}:{head['hash'][:16]}"},
+                          separators=(",", ":"))
         txn = self.txn
         try:
             txn.begin()

@@ -55,6 +55,21 @@ class TopicLedger(Ledger):
     def reload(self) -> None:  # the topic is tailed, never re-read from a path
         pass
 
+    def anchor_problem(self, anchor: dict | None) -> str | None:
+        """Why this topic cannot be the ledger ``anchor`` (a head the counting group's committed
+        offsets recorded) was taken from; None if it holds that entry."""
+        if not anchor or int(anchor.get("seq", 0)) <= 0:
+            return None
+        seq, want = int(anchor["seq"]), str(anchor.get("hash", ""))
+        if seq > len(self.entries):
+            return (f"the ledger topic {self.topic} ends at entry {len(self.entries)}, but the "
+                    f"group's committed offsets record entry {seq}: it was deleted, truncated "
+                    "or replaced")
+        if not self.entries[seq - 1]["hash"].startswith(want):
+            return (f"the ledger topic {self.topic} differs at entry {seq} from the one the "
+                    "group's committed offsets record: it was replaced")
+        return None
+
     # -- reading ---------------------------------------------------------------------------------
     def tail(self, timeout_s: float = 0.0) -> list[dict]:
         """Read what was committed since the last call; the new entries (chain checked)."""

@@ -72,8 +72,24 @@ class Pipeline:
                 "neighbor": neighbor, "model": st["model"], "window_size": float(w["size"]),
                 "partitions": int(partitions)}
 
-    def open_ledger(self, partitions: int) -> None:
-        """Read the ledger; write the identity if the group is new, else check against it."""
+    def anchor(self, admin) -> dict | None:
+        """The newest ledger head the counting group's committed offsets carry (None: none)."""
+        import json
+        got = admin.list_group_offsets(self.topics.counting_group).get(
+            self.topics.counting_group, {}) or {}
+        best = None
+        for om in got.values():
+            try:
+                seq, _, h = str(json.loads(om.metadata or "{}").get("lh", "")).partition(":")
+            except ValueError:
+                continue
+            if seq.isdigit() and (best is None or int(seq) > best["seq"]):
+                best = {"seq": int(seq), "hash": h}
+        return best
+
+    def open_ledger(self, partitions: int, anchor: dict | None = None) -> None:
+        """Read the ledger; check it against ``anchor``; write the identity if the group is
+        new, else check this member's settings against it."""
         cfg = self.cfg
         budget = cfg["ledger"]["budget_per_window"] or float(cfg["state"]["epsilon"])
         agg = cfg.get("aggregation") or {}
@@ -84,6 +100,11 @@ class Pipeline:
                                   or cfg["ledger"].get("budget_per_event") or budget)
         try:
             self.ledger.read_to_end()
+            problem = self.ledger.anchor_problem(anchor)
+            if problem:
+                raise LedgerError(f"{problem}; the ledger is the record of privacy spent: "
+                                  "restore the topic, or start a new group (another "
+                                  "source.group) knowing the old charges are not carried over")
             self.identity = self.ledger.identity() or self._write_identity(partitions)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None

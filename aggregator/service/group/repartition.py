@@ -14,6 +14,12 @@ with the consumer's group metadata, so a member the group has dropped is fenced:
 aborts and its messages are never read). A source record therefore enters the repartition topic
 exactly once, whatever crashes or rebalances happen.
 
+And only once ever: each transaction also writes, per source partition, the next offset it has
+repartitioned to ``<group>.panagg.intake`` (compacted). Records below that high-water mark are
+never taken again, even if the source group's committed offsets were reset (an operator's
+``--reset-offsets --to-earliest``, offsets expired): the events are not released twice, and the
+first such skip per partition says so in one line.
+
 What the repartition topic holds: counter indices of events, in plaintext, like the source topic
 (docs/privacy.md section 17). Its retention is bounded (``scale.repartition_retention_s``).
 """
@@ -69,11 +75,48 @@ class Repartitioner:
         decoded item, int64 in [0, D)) and its metrics (decode errors, filtered records).
     """
 
-    def __init__(self, consumer, txn, routes: list[Route], max_records: int = 20000):
+    def __init__(self, consumer, txn, routes: list[Route], max_records: int = 20000, *,
+                 marks_topic: str = "", marks_reader=None):
         self.consumer, self.txn = consumer, txn
         self.routes = list(routes)
         self.max_records = int(max_records)
         self.records = 0
+        #: (topic, partition) -> next source offset already repartitioned (from marks_topic)
+        self.marks: dict[tuple[str, int], int] = {}
+        self.marks_topic, self._marks_reader = marks_topic, marks_reader
+        self._skip_noted: set[tuple[str, int]] = set()
+        if marks_reader is not None:
+            from kafka import TopicPartition
+            self._marks_tp = TopicPartition(marks_topic, 0)
+            marks_reader.assign([self._marks_tp])
+            marks_reader.seek_to_beginning(self._marks_tp)
+            self.read_marks()
+
+    def read_marks(self, timeout_s: float = 30.0) -> None:
+        """Read every committed high-water mark (at start and after each rebalance: a partition
+        may come from a member that repartitioned it a moment ago)."""
+        reader, tp = self._marks_reader, self._marks_tp
+        end = reader.end_offsets([tp])[tp]
+        deadline = time.monotonic() + timeout_s
+        while reader.position(tp) < end and time.monotonic() < deadline:
+            for recs in reader.poll(timeout_ms=200).values():
+                for r in recs:
+                    topic, _, part = r.key.decode().rpartition(":")
+                    key = (topic, int(part))
+                    self.marks[key] = max(self.marks.get(key, 0), int(r.value))
+
+    def _above_marks(self, tp, recs):
+        """The records of ``recs`` not repartitioned before (all but a reset's replay)."""
+        mark = self.marks.get((tp.topic, tp.partition), 0)
+        if not recs or recs[0].offset >= mark:
+            return recs
+        if (tp.topic, tp.partition) not in self._skip_noted:
+            self._skip_noted.add((tp.topic, tp.partition))
+            log.warning("source partition %s:%d was read from offset %d, but the group "
+                        "repartitioned it up to %d already (its committed offsets were reset or "
+                        "lost): records below %d are not counted again", tp.topic, tp.partition,
+                        recs[0].offset, mark, mark)
+        return [r for r in recs if r.offset >= mark]
 
     def step(self, timeout_s: float = 0.2) -> int:
         """One poll, one transaction; the number of source records taken."""
@@ -91,20 +134,30 @@ class Repartitioner:
             for tp, recs in polled.items():
                 if not recs:
                     continue
+                nxt = recs[-1].offset + 1
+                recs = self._above_marks(tp, recs)
                 for route in self.routes:
                     self._send(txn, route, tp, recs, now_ms)
-                offsets[tp] = OffsetAndMetadata(recs[-1].offset + 1, "", -1)
+                offsets[tp] = OffsetAndMetadata(nxt, "", -1)
+                if self.marks_topic:
+                    txn.send(self.marks_topic, partition=0,
+                             key=f"{tp.topic}:{tp.partition}".encode(), value=str(nxt).encode())
                 taken += len(recs)
             txn.send_offsets(offsets, self.consumer.group_metadata())
             txn.commit()
         except KafkaError as exc:
             self._abort(polled, exc)
             return 0
+        for tp, om in offsets.items():
+            key = (tp.topic, tp.partition)
+            self.marks[key] = max(self.marks.get(key, 0), om.offset)
         self.records += taken
         return taken
 
     @staticmethod
     def _send(producer, route: Route, tp, recs, now_ms: int) -> None:
+        if not recs:
+            return
         seg = Segment(partition=f"{tp.topic}:{tp.partition}", offsets=[r.offset for r in recs],
                       values=[r.value for r in recs], keys=[r.key for r in recs],
                       headers=[r.headers for r in recs])

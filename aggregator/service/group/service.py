@@ -139,6 +139,17 @@ class GroupService:
             cfg["source"]["connect_timeout_s"] * 1000))
         try:
             P = self._partitions(admin)
+            anchors = {}
+            existing = set(admin.list_topics())
+            for pipe in self.pipelines:
+                anchors[pipe.name] = pipe.anchor(admin)
+                if anchors[pipe.name] and pipe.topics.ledger not in existing:
+                    raise ServiceError(
+                        f"the ledger topic {pipe.topics.ledger} is missing, but the group's "
+                        f"committed offsets record {anchors[pipe.name]['seq']} ledger entries: "
+                        "it was deleted; restore it (the ledger is the record of privacy "
+                        "spent), or start a new group (another source.group) knowing the old "
+                        "charges are not carried over")
             for pipe in self.pipelines:
                 retention = cfg["scale"]["repartition_retention_s"] or \
                     max(3 * float(pipe.cfg["window"]["size"]), 3600.0)
@@ -149,7 +160,7 @@ class GroupService:
         finally:
             admin.close()
         for pipe in self.pipelines:
-            pipe.open_ledger(P)
+            pipe.open_ledger(P, anchors[pipe.name])
         if cfg["release"]["workers"]:
             from ..release_worker import ReleaseWorker
             self.worker = ReleaseWorker(cfg["release"]["workers"])
@@ -158,10 +169,22 @@ class GroupService:
             pipe.start_counting(self.instance, group_opts)
         intake = self.consumer(cfg["source"]["group"], **group_opts,
                                max_poll_records=cfg["source"]["max_records"])
-        intake.subscribe([cfg["source"]["topic"]])
+        marks = self.pipelines[0].topics.intake
         self.intake = Repartitioner(
             intake, self.transactions(f"{cfg['source']['group']}.panagg.intake.{self.instance}"),
-            [pipe.route(P) for pipe in self.pipelines], max_records=cfg["source"]["max_records"])
+            [pipe.route(P) for pipe in self.pipelines], max_records=cfg["source"]["max_records"],
+            marks_topic=marks, marks_reader=self.consumer(None))
+        from kafka import ConsumerRebalanceListener
+        rp = self.intake
+
+        class _Marks(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked):
+                pass
+
+            def on_partitions_assigned(self, assigned):
+                rp.read_marks()   # a partition may come with marks another member wrote
+
+        intake.subscribe([cfg["source"]["topic"]], listener=_Marks())
         self.metrics.epsilon.set(float(cfg["state"]["epsilon"]))
         self._save_config()
         for pipe in self.pipelines:

@@ -9,6 +9,9 @@ several ``[aggregations.NAME]`` each has its own set, ``<group>.panagg.<NAME>.*`
     <group>.panagg.ledger        the privacy ledger, ONE partition; compacted with unique keys
                                  (nothing is ever removed)
     <group>.panagg.releases      the merged release documents; compacted, key <window>
+    <group>.panagg.intake        per source partition, the next offset already repartitioned
+                                 (compacted; the intake never repartitions a record twice, even
+                                 after the source group's offsets were reset)
 
 Each is created at start if missing and checked if present: the partition count (the ledger has
 exactly one; the repartition topic has ``scale.partitions`` or the source's count) and the cleanup
@@ -56,6 +59,12 @@ class GroupTopics:
         return f"{self.prefix}.releases"
 
     @property
+    def intake(self) -> str:
+        """The intake's high-water marks: per source partition, the next offset already
+        repartitioned (one per group, whatever the aggregations)."""
+        return f"{self.group}.panagg.intake"
+
+    @property
     def counting_group(self) -> str:
         """The consumer group of the counting stage (over the repartition topic)."""
         return f"{self.prefix}.count"
@@ -69,6 +78,7 @@ class GroupTopics:
             self.summaries: (1, compact),
             self.ledger: (1, compact),
             self.releases: (1, compact),
+            self.intake: (1, compact),
         }
 
     @staticmethod
