@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.accuracy_report
 	$(BIN)/python -m bench.largedomain
 	$(BIN)/python -m bench.e2e
-	$(BIN)/python -m bench.scaleout
+	$(BIN)/python -m bench.group --all
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

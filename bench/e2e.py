@@ -1,7 +1,7 @@
 """End-to-end throughput of the service, as ratios measured in one run, with the machine's state.
 
     python -m bench.e2e [--events 1000000] [--reps 3] [--kafka-only] [--no-crc32c]
-                        [--topic NAME] [--scale 1,2,3] [--section NAME] [--cprofile PATH]
+                        [--topic NAME] [--section NAME] [--cprofile PATH]
 
 1. Kafka: the service (decode -> count -> checkpoints, in-process Aggregator on the same
    KafkaSource the CLI builds, with the config's client settings) against a bare kafka-python
@@ -16,10 +16,8 @@
 2. File source: the service replaying a msgpack file, against a bare msgpack read of the file.
 3. Checkpoint of a 10^7-counter state (LocalStore.save: serialize + fsync + rename) against
    np.save of the same int64 array plus fsync.
-4. With ``--scale 1,2,3``: that many ``panagg run`` processes (scale.partitioned, one group, a
-   6-partition topic holding a backlog of ``--events`` records), events/s of all of them together
-   while every process owns partitions, from their /metrics (bench.scaleout's helpers), and the CPU
-   seconds each used.
+Scale-out throughput (several ``panagg run`` members of one group) is ``python -m bench.group
+--throughput``.
 
 ``--no-crc32c`` hides the ``crc32c`` package from kafka-python (it then checks record batches
 with its pure-Python CRC-32C): the dependency's effect, measured. ``--topic`` reuses a topic that
@@ -273,77 +271,6 @@ def kafka_lines(events: int, reps: list[dict], settings: dict) -> list[str]:
     return lines
 
 
-def scale_run(bootstrap: str, topic: str, n_proc: int, events: int, tmp: Path) -> dict:
-    """``n_proc`` partitioned ``panagg run`` processes (a new group) draining the backlog of
-    ``events`` records of ``topic``: events/s of all of them while every one owns partitions,
-    and CPU seconds per process."""
-    from bench.scaleout import _cpu_seconds, _metrics_port, member_args, scrape
-
-    group = f"scale-{uuid.uuid4().hex[:8]}"
-    state, rel = tmp / f"{group}-state", tmp / f"{group}-rel"
-    env = dict(os.environ)
-    env.pop("PANAGG_TESTING", None)
-    procs, logs, ports = {}, {}, {}
-    load0 = load1()
-    try:
-        for i in range(n_proc):
-            name = f"m{i}"
-            logs[name] = tmp / f"{group}-{name}.log"
-            fh = open(logs[name], "w")
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "aggregator.service.cli",
-                 *member_args(bootstrap, topic, state, rel, group, name, 3600, "direct")],
-                cwd=ROOT, env=env, stdout=fh, stderr=fh, start_new_session=True)
-        samples = []  # (t, total events, every process owns partitions, cpu seconds each)
-        deadline = time.monotonic() + 60 + events / 20_000
-        while time.monotonic() < deadline:
-            for name in procs:
-                if name not in ports and (port := _metrics_port(logs[name])):
-                    ports[name] = port
-            got = {n: scrape(p) for n, p in ports.items()}
-            t = time.perf_counter()
-            total = sum((m or {}).get("events", 0) for m in got.values())
-            spread = len(ports) == n_proc and all(m and m.get("owned", 0) > 0
-                                                  for m in got.values())
-            samples.append((t, total, spread, [_cpu_seconds(p.pid) for p in procs.values()]))
-            if total >= events:
-                break
-            time.sleep(0.25)
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    # the steady part: every process owns partitions, between 10% and 95% of the backlog
-    steady = [s for s in samples if s[2] and 0.1 * events <= s[1] <= 0.95 * events]
-    rate = ((steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0])
-            if len(steady) >= 2 and steady[-1][0] > steady[0][0] else float("nan"))
-    cpu = None
-    if len(steady) >= 2 and all(x is not None for x in steady[0][3] + steady[-1][3]):
-        dt = steady[-1][0] - steady[0][0]
-        cpu = [(b - a) / dt for a, b in zip(steady[0][3], steady[-1][3])]
-    span = steady[-1][0] - steady[0][0] if len(steady) >= 2 else 0.0
-    return {"processes": n_proc, "events": events, "rate": rate, "cpu": cpu, "span_s": span,
-            "counted": samples[-1][1] if samples else 0, "load": [load0, load1()],
-            "steady_samples": len(steady)}
-
-
-def scale_lines(results: list[dict]) -> list[str]:
-    lines = ["| processes | events/s (all) | events/s per process | CPU cores used per process "
-             "| CPU µs/event | measured over | load before -> after |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results:
-        cpu = ", ".join(f"{c:.2f}" for c in r["cpu"]) if r["cpu"] else "-"
-        per = f"{1e6 * sum(r['cpu']) / r['rate']:.2f}" if r["cpu"] else "-"
-        lines.append(f"| {r['processes']} | {r['rate']:,.0f} | {r['rate'] / r['processes']:,.0f} "
-                     f"| {cpu} | {per} | {r['span_s']:.1f} s | {r['load'][0]:.2f} -> "
-                     f"{r['load'][1]:.2f} |")
-    return lines
-
-
 def write_section(name: str, lines: list[str]) -> None:
     write_doc_section(DOC, "bench.e2e", name, lines, title="End-to-end throughput")
 
@@ -356,8 +283,6 @@ def main() -> None:
     ap.add_argument("--no-crc32c", action="store_true",
                     help="hide the crc32c package from kafka-python (its pure-Python fallback)")
     ap.add_argument("--topic", help="reuse this topic (it holds >= --events records)")
-    ap.add_argument("--scale", help="also N partitioned processes on one topic, e.g. 1,2,3")
-    ap.add_argument("--scale-only", action="store_true", help="only the --scale part")
     ap.add_argument("--section", default="latest", help="name of the block in docs/e2e.md")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--cprofile", help="cProfile of the last service run to this file")
@@ -374,34 +299,20 @@ def main() -> None:
         tmp = Path(t)
         bootstrap, broker_state = start_broker(tmp)
         try:
-            if not args.scale_only:
-                topic = args.topic or f"e2e-{uuid.uuid4().hex[:8]}"
-                if not args.topic:
-                    print(f"producing {args.events:,} events to {topic} ...", flush=True)
-                    produce(bootstrap, topic, args.events)
-                reps = kafka_reps(bootstrap, topic, args, tmp)
-                settings = client_settings(service_config(args.events, tmp / "probe"))
-                lines += ["Kafka -> counters, service vs bare kafka-python loop (target >= 0.9x "
-                          "idle, >= 0.8x loaded):", "", *kafka_lines(args.events, reps, settings),
-                          ""]
-            if args.scale:
-                res = []
-                topic = f"e2e-scale-{uuid.uuid4().hex[:8]}"
-                print(f"producing {args.events:,} events to {topic} (6 partitions) ...", flush=True)
-                produce(bootstrap, topic, args.events, 6)
-                for n in [int(x) for x in args.scale.split(",")]:
-                    r = scale_run(bootstrap, topic, n, args.events, tmp)
-                    print(f"  scale {n}: {r['rate']:,.0f} ev/s, cpu {r['cpu']}, load "
-                          f"{r['load']}", flush=True)
-                    res.append(r)
-                lines += [f"Scale-out, `panagg run` processes with scale.partitioned on one "
-                          f"6-partition topic, backlog of {args.events:,} records:", "",
-                          *scale_lines(res), ""]
+            topic = args.topic or f"e2e-{uuid.uuid4().hex[:8]}"
+            if not args.topic:
+                print(f"producing {args.events:,} events to {topic} ...", flush=True)
+                produce(bootstrap, topic, args.events)
+            reps = kafka_reps(bootstrap, topic, args, tmp)
+            settings = client_settings(service_config(args.events, tmp / "probe"))
+            lines += ["Kafka -> counters, service vs bare kafka-python loop (target >= 0.9x "
+                      "idle, >= 0.8x loaded):", "", *kafka_lines(args.events, reps, settings),
+                      ""]
         finally:
             if broker_state is not None:
                 subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(broker_state)],
                                capture_output=True)
-        if not args.kafka_only and not args.scale_only:
+        if not args.kafka_only:
             rows += other_rows(args, tmp)
     if rows:
         lines += ["| measured | ours | baseline | ratio median (min..max) |", "|---|---|---|---|"]

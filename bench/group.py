@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def merged_l1(counts: np.ndarray, P: int, eps: float, reps_err: int = 0) -> float:
     from aggregator.estimate import l1_distance
     from aggregator.service.group.repartition import slice_size
-    from aggregator.service.partitioned import merge_summaries, partition_summary
+    from aggregator.service.group.summary import merge_summaries, partition_summary
     from aggregator.state import PanPrivateHistogram
 
     D = len(counts)
@@ -59,7 +59,6 @@ def merged_l1(counts: np.ndarray, P: int, eps: float, reps_err: int = 0) -> floa
         st.add_indices(np.repeat(np.arange(len(mine)), mine))
         s = partition_summary(st, model="joint", window=0, partition=p, partitions=P,
                               window_info=dict(info, events=int(mine.sum())))
-        s["split"] = True
         summaries.append(s)
     release = merge_summaries(summaries, error_bar_reps=reps_err)
     pairs = release["histogram"]["pairs"]

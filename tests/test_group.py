@@ -11,7 +11,7 @@ from aggregator.service.group.repartition import slice_size
 from aggregator.service.group.service import GroupService
 from aggregator.service.group.topics import GroupTopics
 from aggregator.service.metrics import Metrics
-from aggregator.service.partitioned import _value_counts, merge_summaries, partition_summary
+from aggregator.service.group.summary import _value_counts, merge_summaries, partition_summary
 from aggregator.service.process import ServiceError
 from aggregator.state import PanPrivateHistogram
 
@@ -36,7 +36,6 @@ def test_merged_slice_summaries_are_one_state_of_D_counters():
     for p, st in enumerate(states):
         s = partition_summary(st, model="state-only", window=7, partition=p, partitions=P,
                               window_info=dict(info, events=st.n))
-        s["split"] = True
         summaries.append(s)
     # the value counts of the P slices are those of the one D-counter vector they form
     whole = np.concatenate([st.counts for st in states])
@@ -49,18 +48,6 @@ def test_merged_slice_summaries_are_one_state_of_D_counters():
     release = merge_summaries(summaries, error_bar_reps=0)
     assert release["n"] == len(items)
     assert release["domain"]["size"] == D and release["domain"]["counters"] == D
-    assert release["domain"]["empty_counters_removed"] == 0
-
-
-def test_slices_and_copies_do_not_mix():
-    st = PanPrivateHistogram(1.0, size=4)
-    info = {"kind": "time", "size": 2.0, "events": 0, "started_unix": 0.0, "ended_unix": 2.0}
-    a = partition_summary(st, model="state-only", window=1, partition=0, partitions=2,
-                          window_info=info)
-    b = dict(partition_summary(st, model="state-only", window=1, partition=1, partitions=2,
-                               window_info=info), split=True)
-    with pytest.raises(ValueError, match="mix domain slices and copies"):
-        merge_summaries([a, b], error_bar_reps=0)
 
 
 def test_internal_topic_names_follow_the_group():
@@ -118,11 +105,82 @@ def test_fresh_start_does_not_apply_to_a_group():
         GroupService(_cfg(), Metrics(), fresh_start=True)
 
 
-def test_a_shared_directory_group_is_never_taken_over_by_a_kafka_member(tmp_path):
+def test_a_state_directory_with_a_ledger_is_never_taken_over_by_a_member(tmp_path):
     (tmp_path / "ledger.jsonl").write_text("")
     svc = GroupService(_cfg(f"checkpoint.dir={tmp_path}", "source.bootstrap=127.0.0.1:1"),
                        Metrics())
     with pytest.raises(ServiceError) as err:
         svc.start()
-    assert "scale.store = directory" in str(err.value) and "\n" not in str(err.value)
+    assert "empty scratch checkpoint.dir" in str(err.value) and "\n" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.jsonl"]   # nothing written
+
+
+# -- the summary and the merge (aggregator.service.group.summary) ---------------------------------
+INFO = {"kind": "time", "size": 10, "events": 10, "started_unix": 1.0, "ended_unix": 2.0}
+
+
+def _summaries(states, model="state-only", window=0):
+    return [partition_summary(s, model=model, window=window, partition=i, partitions=len(states),
+                              window_info=INFO, rng=np.random.default_rng([7, i]))
+            for i, s in enumerate(states)]
+
+
+def test_hashed_slices_merge_into_the_release_of_their_concatenation():
+    from aggregator.estimate import anonymized_histogram
+    rng = np.random.default_rng(1)
+    states = []
+    for i in range(3):
+        s = PanPrivateHistogram(1.0, buckets=400, key=bytes([i + 1]) * 16,
+                                rng=np.random.default_rng([5, i]))
+        s.update([f"user-{k}" for k in rng.zipf(1.5, 500) if k < 10**6])
+        states.append(s)
+    rel = merge_summaries(_summaries(states))
+    whole = np.concatenate([s.counts for s in states])
+    n = sum(s.n for s in states)
+    expect = anonymized_histogram(whole, states[0].p, n=n, buckets=1200)
+    got = np.repeat(*np.array(rel["histogram"]["pairs"]).T)
+    assert np.array_equal(np.sort(got)[::-1], expect)
+    assert rel["n"] == n and rel["domain"] == {"mode": "hashed", "size": 1200, "counters": 1200,
+                                               "partitions": 3}
+
+
+def test_a_merged_release_is_the_one_state_release_whatever_P():
+    """Zipf items over D counters split into P = 6 slices, joint model: the merged release equals
+    the release of the one D-counter state the slices form (with the same release layers)."""
+    from aggregator.estimate import anonymized_histogram
+    Dz, P, eps = 20_000, 6, 1.0
+    rng = np.random.default_rng(17)
+    items = np.minimum(rng.zipf(1.1, 200_000) - 1, Dz - 1)
+    parts = []
+    for p in range(P):
+        s = PanPrivateHistogram(eps, size=slice_size(Dz, P, p), rng=np.random.default_rng([2, p]))
+        mine = items[items % P == p] // P
+        s.add_indices(mine)
+        parts.append(s)
+    merged = merge_summaries(_summaries(parts, model="joint"))
+    from aggregator.noise import discrete_laplace
+    layered = np.concatenate([s.counts + discrete_laplace(s.p, s.size,
+                                                          rng=np.random.default_rng([7, i]))
+                              for i, s in enumerate(parts)])
+    expect = anonymized_histogram(noisy_value_counts(layered), parts[0].p, layers=2, n=200_000)
+    got = np.repeat(*np.array(merged["histogram"]["pairs"]).T)
+    assert np.array_equal(np.sort(got)[::-1], expect) and merged["n"] == 200_000
+
+
+def test_merge_refuses_incomplete_or_inconsistent_windows():
+    a = PanPrivateHistogram(1.0, size=50, rng=np.random.default_rng(1))
+    b = PanPrivateHistogram(2.0, size=50, rng=np.random.default_rng(2))
+    both = _summaries([a, a])
+    with pytest.raises(ValueError, match="partitions 0..1"):
+        merge_summaries(both[:1])
+    with pytest.raises(ValueError, match="disagree"):
+        merge_summaries(_summaries([a, b]))
+    with pytest.raises(ValueError, match="no summaries"):
+        merge_summaries([])
+
+
+def test_the_removed_shared_directory_store_is_refused_with_the_way_on():
+    with pytest.raises(ConfigError) as err:
+        _cfg("scale.store=directory")
+    msg = str(err.value)
+    assert "was removed" in msg and "same source.group" in msg and "\n" not in msg

@@ -15,8 +15,6 @@ def test_parse_start():
     (["source.start=yesterday"], "earliest, latest or an ISO 8601 time"),
     (["source.start=2026-11-20T00:00:00"], "has no time zone"),
     (["source.kind=generator", "source.start=latest"], "applies to Kafka topics"),
-    (["scale.partitioned=true", "scale.store=directory", "source.start=latest"],
-     "not supported with scale.partitioned"),
     (["scale.partitioned=true", "window.kind=time", "window.size=60", "source.start=latest"],
      "source.start is not supported with it"),
 ])

@@ -218,16 +218,14 @@ def _make_source(cfg: dict):
         from consumers.kafka_source import KafkaSource
         # static membership: a restarted process (same state dir) takes its partitions back at
         # once instead of waiting for the dead member's session to time out
-        partitioned = cfg["scale"]["partitioned"]
-        instance = src["instance_id"] or ("" if partitioned else "panagg-" + hashlib.sha256(
-            os.path.abspath(cfg["checkpoint"]["dir"]).encode()).hexdigest()[:16])
+        instance = src["instance_id"] or "panagg-" + hashlib.sha256(
+            os.path.abspath(cfg["checkpoint"]["dir"]).encode()).hexdigest()[:16]
         consumer_config = {"bootstrap_timeout_ms": int(src["connect_timeout_s"] * 1000),
                            "session_timeout_ms": int(src["session_timeout_s"] * 1000),
                            "heartbeat_interval_ms": int(min(3.0, src["session_timeout_s"] / 3) * 1000),
                            "fetch_max_bytes": src["fetch_max_bytes"],
                            "max_partition_fetch_bytes": src["max_partition_fetch_bytes"]}
-        if instance:  # partitioned members share checkpoint.dir: each needs its own id
-            consumer_config["group_instance_id"] = instance
+        consumer_config["group_instance_id"] = instance
         problem = probe_bootstrap(src["bootstrap"], min(5.0, float(src["connect_timeout_s"])))
         if problem:
             raise UsageError(problem)
@@ -236,7 +234,7 @@ def _make_source(cfg: dict):
         if cfg["state"]["model"] == "shuffle":  # the shuffler's windows are transactions
             consumer_config["isolation_level"] = "read_committed"
         source = KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
-                             consumer_config=consumer_config, partitioned=partitioned,
+                             consumer_config=consumer_config,
                              security=cfg["security"])
         missing = _topic_missing(source, src["topic"])
         if missing:
@@ -288,8 +286,6 @@ def _note_metrics_url(cfg: dict, url: str) -> None:
     from .status import METRICS_URL_FILE
 
     d = Path(cfg["checkpoint"]["dir"])
-    if cfg["scale"]["partitioned"]:
-        return  # several members share the directory: each has its own port
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".{METRICS_URL_FILE}.tmp"
     tmp.write_text(url + "\n")
@@ -305,7 +301,7 @@ def _make_aggregator(cfg: dict, metrics=None, **start):
     if cfg["state"]["model"] == "shuffle":  # the analyzer's key first: one line if missing
         from .analyzer import load_analyzer_key
         start["private_key"] = load_analyzer_key(cfg)
-    if cfg["scale"]["partitioned"] and cfg["scale"]["store"] == "kafka":
+    if cfg["scale"]["partitioned"]:
         from .group.service import GroupService  # builds its own Kafka clients
         problem = probe_bootstrap(cfg["source"]["bootstrap"],
                                   min(5.0, float(cfg["source"]["connect_timeout_s"])))
@@ -333,9 +329,6 @@ def _make_aggregator(cfg: dict, metrics=None, **start):
     if cfg["state"]["model"] == "shuffle":
         from .analyzer import ShuffleAnalyzer
         return ShuffleAnalyzer(cfg, source, metrics, **start)
-    if cfg["scale"]["partitioned"]:
-        from .partitioned import PartitionedAggregator
-        return PartitionedAggregator(cfg, source, metrics, **start)
     if cfg.get("aggregations"):  # several aggregations of the stream, one consumer
         from .multi import MultiAggregator
         return MultiAggregator(cfg, source, metrics, **start)
@@ -557,48 +550,6 @@ def _control(cfg: dict, kind: str, timeout_s: float = 120.0) -> dict:
                      f"{timeout_s:.0f} s; is it stuck? see its log")
 
 
-def _export_partitioned(cfg: dict, timeout_s: float = 120.0) -> list[str]:
-    """Ask every running member of a partitioned group to export the partitions it owns."""
-    import uuid
-    from pathlib import Path
-
-    from .partitioned import partition_dir, partitions_held
-
-    state_dir = Path(cfg["checkpoint"]["dir"])
-    wanted = partitions_held(state_dir)
-    if not wanted:
-        raise UsageError(f"no partitioned aggregator holds a partition in {state_dir}; exports "
-                         "are taken by the running members (start them first)")
-    control = state_dir / "control"
-    control.mkdir(parents=True, exist_ok=True)
-    stem = f"export-{uuid.uuid4().hex[:12]}"
-    req = control / f"{stem}.req"
-    req.write_text("")
-    paths: dict[str, str] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            for done in control.glob(f"{stem}.*.done"):
-                result = json.loads(done.read_text())
-                if result.get("ok"):
-                    paths.update(result["partitions"])
-                elif result.get("error") not in errors:
-                    errors.append(result.get("error", "export failed"))
-            if errors:
-                raise UsageError(errors[0])
-            if wanted <= {partition_dir(k) for k in paths}:
-                return [paths[k] for k in sorted(paths)]
-            time.sleep(0.2)
-        missing = sorted(wanted - {partition_dir(k) for k in paths})
-        raise UsageError(f"no export of partition(s) {', '.join(missing)} within "
-                         f"{timeout_s:.0f} s; are their members stuck? see their logs")
-    finally:
-        req.unlink(missing_ok=True)
-        for done in control.glob(f"{stem}.*.done"):
-            done.unlink(missing_ok=True)
-
-
 def _offline(cfg: dict):
     """The service over its checkpoint and source while it is not running: the open window's
     counters exist only in a running service's memory, so they are rebuilt by replaying the
@@ -628,8 +579,9 @@ def cmd_release(args: argparse.Namespace) -> int:
     cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                 state_dir=args.state_dir)
     if cfg["scale"]["partitioned"]:
-        raise UsageError("scale.partitioned: windows close per partition and merge on their own; "
-                         "there is no forced release (docs/scale-out.md)")
+        raise UsageError("scale.partitioned: the group's leader closes each window on the clock "
+                         "once every partition's summary is in; there is no forced release "
+                         "(docs/scale-out.md)")
     if cfg["state"]["model"] == "shuffle":
         raise UsageError("state.model = shuffle: a window is released at the shuffler's end "
                          "marker, never before (its noise is complete only then); there is no "
@@ -663,14 +615,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
                     state_dir=args.state_dir)
         # a running service signs with its own key (its environment, its audit.key_file): this
         # shell's key is only checked when the export runs here, offline
-        if cfg["scale"]["partitioned"] and cfg["scale"]["store"] == "kafka":
-            raise UsageError("audit exports of a Kafka-only group (scale.store = kafka) are not "
+        if cfg["scale"]["partitioned"]:
+            raise UsageError("audit exports of a scale-out group (scale.partitioned) are not "
                              "built yet: a member's counters live only in its memory, and no "
                              "export path asks the group's ledger yet (docs/scale-out.md)")
-        if cfg["scale"]["partitioned"]:
-            for path in _export_partitioned(cfg):
-                print(path)
-            return 0
         if service_running(cfg["checkpoint"]["dir"]):
             result = _control(cfg, "export")
             if not result.get("ok"):

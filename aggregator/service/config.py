@@ -126,10 +126,8 @@ DEFAULTS: dict[str, dict] = {
         "dir": "",                  # empty: <checkpoint.dir>/exports
     },
     "scale": {
-        "partitioned": False,       # one state per Kafka partition; several processes per group
-        "keep_windows": 3,          # partitioned: merged windows whose files are kept
-        "store": "kafka",           # partitioned: where shared state lives. directory: one shared
-                                    # checkpoint.dir (flock; NFS across hosts); kafka: internal
+        "partitioned": False,       # several processes in one group (scale-out, docs/scale-out.md)
+        "store": "kafka",           # partitioned: the group shares state in Kafka's internal
                                     # topics only, each member a local scratch dir (docs/scale-out.md)
         "partitions": 0,            # store = kafka: repartition topic partitions (the domain is
                                     # split into this many slices); 0: the source topic's count
@@ -172,13 +170,13 @@ _CHOICES = {
     ("window", "kind"): ("count", "time", "event_time"),
     ("window", "late"): ("next", "dead_letter"),
     ("window", "clock"): ("auto", "record", "process"),
-    ("scale", "store"): ("directory", "kafka"),
+    ("scale", "store"): ("directory", "kafka"),   # directory: removed, refused with the way on
     ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     ("item", "source"): ("value", "key", "header"),
     ("item", "normalize"): ("none", "nfc"),
 }
 _SECRET = {("security", "password")}  # never echoed in an error
-_POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "keep_windows"), ("scale", "close_grace_s"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
+_POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "close_grace_s"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
              ("source", "fetch_max_bytes"), ("source", "max_partition_fetch_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
              ("window", "size"), ("release", "max_in_flight")}
@@ -453,10 +451,6 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
     if not out:
         return {}
     cfg["aggregations"] = out
-    if cfg["scale"]["partitioned"] and cfg["scale"]["store"] != "kafka":
-        raise ConfigError("[aggregations] with the shared-directory scale-out is not built: use "
-                          "scale.store = kafka, one process (scale.partitioned = false), or one "
-                          "service per aggregation")
     total = 0.0
     parts = []
     for name in sorted(out):
@@ -534,11 +528,14 @@ def _validate(cfg: dict, env=None) -> None:
     if src["kind"] == "kafka" and not src["topic"]:
         raise ConfigError("source.topic must name the Kafka topic to count; "
                           + _where("source", "topic"))
-    if cfg["scale"]["partitioned"] and cfg["scale"]["store"] == "kafka":
+    if cfg["scale"]["store"] == "directory":
+        raise ConfigError(
+            "scale.store = directory (the shared-directory scale-out) was removed: run the group "
+            "with scale.store = kafka, the same source.group (its committed offsets carry over, "
+            "so no event is counted twice) and an empty scratch checkpoint.dir per member; the "
+            "old directory's ledger.jsonl stays the record of what it released; docs/scale-out.md")
+    if cfg["scale"]["partitioned"]:
         _check_kafka_group(cfg)
-    if cfg["scale"]["partitioned"] and src["kind"] != "kafka":
-        raise ConfigError("scale.partitioned needs source.kind = kafka (partitions are Kafka's); "
-                          "set scale.partitioned = false for file and generator sources")
     if cfg["source"]["max_partition_fetch_bytes"] > cfg["source"]["fetch_max_bytes"]:
         raise ConfigError("source.max_partition_fetch_bytes must be <= source.fetch_max_bytes; "
                           + _where("source", "max_partition_fetch_bytes"))
@@ -553,10 +550,6 @@ def _validate(cfg: dict, env=None) -> None:
     if start != "earliest" and src["kind"] != "kafka":
         raise ConfigError("source.start applies to Kafka topics (source.kind = kafka); remove it "
                           f"for a {src['kind']} source")
-    if start != "earliest" and cfg["scale"]["partitioned"]:
-        raise ConfigError("source.start = latest or a time is not supported with "
-                          "scale.partitioned yet (each partition starts when first assigned); "
-                          "start a single aggregator with it, or remove source.start")
     from consumers.kafka_security import SecurityError, check_security
     try:
         check_security(cfg["security"], env)
@@ -594,9 +587,6 @@ def _validate_shuffle(cfg: dict) -> None:
         raise ConfigError(f"shuffle.n = {sh['n']} differs from window.size = "
                           f"{cfg['window']['size']:g} for count windows; remove shuffle.n (it "
                           "defaults to window.size) or make them equal")
-    if cfg["scale"]["partitioned"]:
-        raise ConfigError("state.model = shuffle reads the analyzer topic (one partition) in one "
-                          "process; set scale.partitioned = false")
     if cfg["source"]["kind"] != "kafka":
         raise ConfigError("state.model = shuffle reads the shuffler's analyzer topic: set "
                           "source.kind = kafka and source.topic to that topic")

@@ -428,8 +428,7 @@ class Aggregator(EventTimeWindows):
         self.snapshots_per_window = int(cfg["checkpoint"]["snapshots_per_window"])
         self.fresh_start, self.accept_change = fresh_start, accept_change
         self._lock_file = None
-        self.partitioned = bool(cfg["scale"]["partitioned"])
-        self.task = None if self.partitioned else WindowTask("all", None)
+        self.task = WindowTask("all", None)
         #: a name for this aggregation in anchors and charges ("" when it is the only one)
         self.aggregation = cfg.get("aggregation")
         self.anchor_name = self.aggregation["name"] if self.aggregation else ""
@@ -543,7 +542,7 @@ class Aggregator(EventTimeWindows):
         change: docs/configuration.md) is logged once, here."""
         from .config import DEFAULTS
         # (scale-out members share the directory, each with its own instance id and port)
-        old, new = {} if self.partitioned else self._saved_config(), redacted(self.cfg)
+        old, new = self._saved_config(), redacted(self.cfg)
         for section in DEFAULTS:
             for key in DEFAULTS[section]:
                 was = (old.get(section) or {}).get(key, new[section][key])
@@ -560,7 +559,7 @@ class Aggregator(EventTimeWindows):
         mine = dict(identity_of(self.cfg), **directory_identity(self.cfg))
         recorded = self.ledger.identity()
         if recorded is None:
-            first = dict(mine, run=os.urandom(8).hex(), first_window=self._first_window(),
+            first = dict(mine, run=os.urandom(8).hex(), first_window=0,
                          start=self.cfg["source"]["start"])
             self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                                 identity=first)
@@ -587,10 +586,6 @@ class Aggregator(EventTimeWindows):
                             note=f"settings changed: {what}")
         log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
         return dict(recorded, **mine)
-
-    def _first_window(self) -> int:
-        w = self.cfg["window"]
-        return int(time.time() // w["size"]) if w["kind"] == "time" and self.partitioned else 0
 
     def restore(self) -> None:
         """Load the checkpoint (or start the first window) and seek the source there. Every
@@ -713,8 +708,6 @@ class Aggregator(EventTimeWindows):
         next window), start the next window at that end instead of replaying this one: a replay
         would put the window's events in memory under fresh noise beside the published release
         of the old noise (two looks at them). True if skipped."""
-        if self.partitioned:
-            return False  # its windows are closed by the group
         uid = task.window["uid"]
         entry = self.ledger.get(f"release-{uid}") or self.ledger.get(f"refused-{uid}")
         if entry is None or entry.get("end_offsets") is None or entry.get("totals") is None:
@@ -800,7 +793,7 @@ class Aggregator(EventTimeWindows):
 
     def _first_start(self, task: WindowTask, where: str) -> None:
         released = [e for e in self.ledger.entries if e["kind"] in ("release", "refused")]
-        first = self._first_window()
+        first = 0
         committed = getattr(self.source, "committed_offsets", lambda: {})()
         if committed and not released and not self.fresh_start:
             raise ServiceError(
@@ -1419,7 +1412,7 @@ class Aggregator(EventTimeWindows):
         """Whether releases run beside the loop (``release.workers`` > 0) for this service:
         every window kind, with or without snapshots (several aggregations share one worker
         pool); scale-out releases in the loop (docs/configuration.md)."""
-        return int(self.cfg["release"].get("workers", 0)) > 0 and not self.partitioned
+        return int(self.cfg["release"].get("workers", 0)) > 0
 
     def close_window(self) -> dict | None:
         """Release the current window (if the budget allows) and start the next one, durably.

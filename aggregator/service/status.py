@@ -94,23 +94,17 @@ def collect_status(state_dir) -> dict:
     running = service_running(state_dir)
     status: dict = {"state_dir": str(state_dir), "identity": identity,
                     "service": "running" if running else "not running"}
-    if identity.get("partitioned"):
-        from .partitioned import partitions_held
-        status["partitions_held"] = sorted(partitions_held(state_dir))
-        status["service"] = (f"{len(status['partitions_held'])} partition(s) held by running "
-                             "members" if status["partitions_held"] else "no member running")
-    else:
-        try:
-            ck = LocalStore(state_dir / "checkpoints").load_latest()
-        except CheckpointError as exc:
-            ck, status["checkpoint_error"] = None, str(exc)
-        if ck is not None:
-            status["window"] = {"id": ck.window.get("id"), "kind": ck.window.get("kind"),
-                                "size": ck.window.get("size"),
-                                "started_unix": ck.window.get("started_unix"),
-                                "events_at_checkpoint": ck.window.get("events", 0)}
-            status["pending_releases"] = len(ck.pending)
-            status["checkpoint_age_s"] = max(0.0, time.time() - ck.window.get("started_unix", 0))
+    try:
+        ck = LocalStore(state_dir / "checkpoints").load_latest()
+    except CheckpointError as exc:
+        ck, status["checkpoint_error"] = None, str(exc)
+    if ck is not None:
+        status["window"] = {"id": ck.window.get("id"), "kind": ck.window.get("kind"),
+                            "size": ck.window.get("size"),
+                            "started_unix": ck.window.get("started_unix"),
+                            "events_at_checkpoint": ck.window.get("events", 0)}
+        status["pending_releases"] = len(ck.pending)
+        status["checkpoint_age_s"] = max(0.0, time.time() - ck.window.get("started_unix", 0))
     spent = ledger.spent()
     total = identity.get("budget_total") or None
     status["budget"] = {"spent": spent, "total": total,
@@ -121,7 +115,7 @@ def collect_status(state_dir) -> dict:
     status["last_release"] = history[-1] if history else None
     status["refused"] = sum(1 for e in ledger.entries if e["kind"] == "refused")
     url_file = state_dir / METRICS_URL_FILE
-    if (running or status.get("partitions_held")) and url_file.exists():
+    if running and url_file.exists():
         scraped = _scrape(url_file.read_text().strip())
         status["health"] = {k: {"code": v[0], "text": v[1]} for k, v in scraped.items()
                             if k in ("healthz", "ready")}

@@ -14,7 +14,7 @@ Closing window w of partition p, in one Kafka transaction:
 1. ask the ledger (read from its topic) whether the window's positions [start, end) of p were
    charged already: if so the summary says "refused" and no release layer is drawn;
 2. otherwise add the release layer (joint model) and take the noisy-value counts (the summary,
-   :func:`~aggregator.service.partitioned.partition_summary`: post-processing of the release
+   :func:`~aggregator.service.group.summary.partition_summary`: post-processing of the release
    view);
 3. write the summary to ``<group>.panagg.summaries`` (key ``w/p``) and commit the partition's
    offset ``end`` with metadata ``{"w": w + 1}`` to the counting group, with the group's
@@ -35,7 +35,7 @@ import uuid
 import numpy as np
 
 from ...state import PanPrivateHistogram
-from ..partitioned import partition_summary
+from .summary import partition_summary
 from .repartition import slice_size
 
 __all__ = ["SliceTask", "Counter"]
@@ -224,8 +224,7 @@ class Counter:
         else:
             summary = partition_summary(task.state, model=self.identity["model"], window=w,
                                         partition=p, partitions=self.P, window_info=info)
-            summary.update(split=True, ranges=ranges, member=self.member,
-                           uid=uuid.uuid4().hex)
+            summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
         head = self.ledger.head()
         # the ledger's head rides with the offsets: a start that finds the ledger topic deleted
         # or rolled back behind it refuses (the charges it held would be forgotten)

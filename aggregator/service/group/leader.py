@@ -9,7 +9,7 @@ from the group's assignment alone, no lock). It
 * writes the group's identity as the ledger's first entry when the ledger is empty;
 * reads the summaries topic; once window w has the summaries of all P partitions (and every
   window before w is decided), merges them in the release worker
-  (:func:`~aggregator.service.partitioned.merge_summaries`, deterministic) and, in one
+  (:func:`~aggregator.service.group.summary.merge_summaries`, deterministic) and, in one
   transaction, appends the ledger entry (the window's positions on every partition, the epsilon
   charged), writes the document to ``<group>.panagg.releases`` (and ``release.topic``) and
   tombstones the window's summaries. Then it writes the local release file.
@@ -29,7 +29,7 @@ import time
 
 from ...release import write_release
 from ..ledger import BudgetExceeded
-from ..partitioned import merge_summaries
+from .summary import merge_summaries
 
 __all__ = ["Leader"]
 

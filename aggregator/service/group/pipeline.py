@@ -184,7 +184,7 @@ class Pipeline:
         merge = None
         worker = self.clients.worker
         if worker is not None:
-            from ..partitioned import merge_summaries
+            from .summary import merge_summaries
             merge = lambda summaries, **kw: worker.call(merge_summaries, summaries, **kw)  # noqa: E731
         return Leader(txn, self.ledger, self.clients.consumer(None), self.topics,
                       self.identity, self.metrics, release_dir=cfg["release"]["dir"],

@@ -125,10 +125,11 @@ class GroupService:
         d = Path(self.cfg["checkpoint"]["dir"])
         if (d / "ledger.jsonl").exists() or (d / "partitions").is_dir():
             raise ServiceError(
-                f"checkpoint.dir {d} holds a shared-directory scale-out group (its ledger.jsonl "
-                "records the privacy spent): keep it with scale.store = directory, or give each "
-                "member of the Kafka-only group an empty scratch directory (a new source.group "
-                "starts a new ledger; the old one's charges are not carried over)")
+                f"checkpoint.dir {d} holds a state directory of one process or of the removed "
+                "shared-directory scale-out (its ledger.jsonl records the privacy spent): keep it "
+                "as it is and give each member an empty scratch checkpoint.dir; with the same "
+                "source.group the group starts at its committed offsets, so nothing is counted "
+                "twice")
 
     def start(self) -> None:
         from kafka.admin import KafkaAdminClient
@@ -150,6 +151,11 @@ class GroupService:
                         "it was deleted; restore it (the ledger is the record of privacy "
                         "spent), or start a new group (another source.group) knowing the old "
                         "charges are not carried over")
+            src_topic = cfg["source"]["topic"]
+            committed = {tp.partition: om.offset for tp, om in
+                         (admin.list_group_offsets(cfg["source"]["group"]).get(
+                             cfg["source"]["group"]) or {}).items()
+                         if tp.topic == src_topic and om.offset is not None and om.offset > 0}
             for pipe in self.pipelines:
                 retention = cfg["scale"]["repartition_retention_s"] or \
                     max(3 * float(pipe.cfg["window"]["size"]), 3600.0)
@@ -185,6 +191,7 @@ class GroupService:
                 rp.read_marks()   # a partition may come with marks another member wrote
 
         intake.subscribe([cfg["source"]["topic"]], listener=_Marks())
+        self._seed_marks(committed)
         self.metrics.epsilon.set(float(cfg["state"]["epsilon"]))
         self._save_config()
         for pipe in self.pipelines:
@@ -192,6 +199,27 @@ class GroupService:
                      "slices, windows of %g s by intake time; shared state only in %s.*",
                      self.instance, pipe.about, P, pipe.identity["mode"], pipe.size, P,
                      pipe.identity["window_size"], pipe.topics.prefix)
+
+    def _seed_marks(self, committed: dict[int, int]) -> None:
+        """Source partitions the group's offsets show as read (by this group before, by one
+        process, or by the removed shared-directory store) but without a high-water mark: their
+        committed offset becomes the mark, so a later reset of the offsets cannot re-read what
+        was counted before the marks existed."""
+        topic = self.cfg["source"]["topic"]
+        seeds = {p: o for p, o in committed.items() if (topic, p) not in self.intake.marks}
+        if not seeds:
+            return
+        txn = self.intake.txn
+        txn.begin()
+        for p, o in sorted(seeds.items()):
+            txn.send(self.intake.marks_topic, partition=0, key=f"{topic}:{p}".encode(),
+                     value=str(o).encode())
+        txn.commit()
+        for p, o in seeds.items():
+            self.intake.marks[(topic, p)] = o
+        log.info("source partitions %s: the group's committed offsets are their first marks "
+                 "(records below them are never repartitioned)",
+                 ", ".join(str(p) for p in sorted(seeds)))
 
     def _save_config(self) -> None:
         """The member's config (no secrets) in its scratch directory: commands run on that

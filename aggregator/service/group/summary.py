@@ -1,0 +1,127 @@
+"""A partition's window summary and the merge of a window's summaries into one release.
+
+Partition p of a group counts the slice of the domain whose counter indices are p mod P
+(:func:`~aggregator.service.group.repartition.slice_size` counters). Closing a window, it takes
+the noisy-value counts c_v of its slice (how many counters hold each value), after adding the
+release layer W (joint model): :func:`partition_summary`. That is post-processing of the
+release view (docs/privacy.md section 5). Value counts add up over partitions, and the P slices
+are one D-counter state, so :func:`merge_summaries` (deterministic) computes from their sum
+exactly the release one process would compute from its own state plus W.
+
+>>> import numpy as np
+>>> from aggregator.state import PanPrivateHistogram
+>>> info = {"kind": "time", "size": 60.0, "events": 0, "started_unix": 0.0, "ended_unix": 60.0}
+>>> parts = [PanPrivateHistogram(1.0, size=5) for _ in range(2)]      # D = 10 in 2 slices
+>>> parts[0].add_indices(np.array([0, 0, 1]))
+>>> summaries = [partition_summary(s, model="joint", window=7, partition=p, partitions=2,
+...                                window_info=info) for p, s in enumerate(parts)]
+>>> release = merge_summaries(summaries, error_bar_reps=0)
+>>> release["n"], release["domain"]["counters"], release["layers"]
+(3, 10, 2)
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ...estimate import NoisyValueCounts, noisy_value_counts
+from ...noise import discrete_laplace
+from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
+from ...state import PanPrivateHistogram
+
+__all__ = ["partition_summary", "merge_summaries", "SUMMARY_FORMAT"]
+
+SUMMARY_FORMAT = "panagg.summary"
+
+
+# -- pure parts: summary and merge -------------------------------------------------------------------
+def partition_summary(state: PanPrivateHistogram, *, model: str, window: int, partition: int,
+                      partitions: int, window_info: dict, rng=None) -> dict:
+    """The summary of one partition's window: noisy-value counts of its counters.
+
+    Model ``"joint"`` adds the release layer W first (a fresh DLap(p) draw per counter; ``rng`` is
+    a test-only source), so the summary is exactly what a one-state release would be computed
+    from. The summary is post-processing of that view: it carries no more than the release.
+    """
+    counts, layers = state.counts, state.layers
+    if model == "joint":
+        counts = counts + discrete_laplace(state.p, state.size, rng=rng)
+        layers += 1
+    vc = noisy_value_counts(counts)
+    nz = np.flatnonzero(vc.c)
+    return {
+        "format": SUMMARY_FORMAT, "version": 1, "window": int(window),
+        "partition": int(partition), "partitions": int(partitions),
+        "mode": state.mode, "size": int(state.size), "epsilon": state.epsilon,
+        "neighbor": state.neighbor, "p": state.p, "layers": int(layers), "model": model,
+        "n": int(state.n), "window_info": dict(window_info),
+        "values": [[int(vc.lo + i), int(vc.c[i])] for i in nz],
+    }
+
+
+def _value_counts(summary: dict) -> NoisyValueCounts:
+    values = np.asarray(summary["values"], dtype=np.int64).reshape(-1, 2)
+    lo, hi = int(values[:, 0].min()), int(values[:, 0].max())
+    c = np.zeros(hi - lo + 1, dtype=np.int64)
+    c[values[:, 0] - lo] = values[:, 1]
+    return NoisyValueCounts(lo, c)
+
+
+_MUST_AGREE = ("window", "partitions", "mode", "epsilon", "neighbor", "p", "layers", "model")
+
+
+def merge_summaries(summaries: list[dict], *, loss: str = "l1",
+                    error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None) -> dict:
+    """The window's release from the summaries of all its partitions (deterministic).
+
+    Noisy-value counts add up over partitions; the estimators then run once on the sum, with
+    ``buckets`` = the total number of hash buckets in hashed mode.
+    """
+    if not summaries:
+        raise ValueError("no summaries to merge")
+    first = summaries[0]
+    for s in summaries:
+        if s.get("format") != SUMMARY_FORMAT:
+            raise ValueError("not a partition summary")
+        bad = [k for k in _MUST_AGREE if s[k] != first[k]]
+        if bad:
+            raise ValueError(f"summaries of window {first['window']} disagree on {', '.join(bad)}")
+    have = sorted(s["partition"] for s in summaries)
+    if have != list(range(first["partitions"])):
+        raise ValueError(f"window {first['window']} needs summaries of partitions "
+                         f"0..{first['partitions'] - 1}, got {have}")
+    started = time.perf_counter()
+    vc = _value_counts(summaries[0])
+    for s in summaries[1:]:
+        vc = vc.merge(_value_counts(s))
+    counters = int(sum(s["size"] for s in summaries))
+    if vc.total != counters:
+        raise ValueError("summary value counts do not add up to the partitions' counters")
+    n = int(sum(s["n"] for s in summaries))
+    hashed = first["mode"] == "hashed"
+    # each partition counted only its slice of the domain, so the slices together are one
+    # state of ``counters`` counters, exactly as one process has it
+    hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=first["layers"], loss=loss,
+                                            n=n, buckets=counters if hashed else None,
+                                            reps=error_bar_reps, method=method)
+    infos = [s["window_info"] for s in summaries]
+    release = package_release(
+        hist, window=first["window"], n=n, epsilon=first["epsilon"], neighbor=first["neighbor"],
+        model=first["model"],
+        extra={"p": first["p"], "layers": first["layers"], "loss": loss,
+               "domain": {"mode": first["mode"], "size": counters, "counters": counters,
+                          "partitions": first["partitions"]}},
+        accuracy=accuracy)
+    release["window_info"] = {
+        "kind": infos[0]["kind"], "size": infos[0]["size"],
+        "events": int(sum(i["events"] for i in infos)),
+        "started_unix": min(i["started_unix"] for i in infos),
+        "ended_unix": max(i["ended_unix"] for i in infos),
+        "per_partition": "time windows aligned to the epoch",
+    }
+    release["release_seconds"] = time.perf_counter() - started
+    if first["model"] == "state-only":
+        release["caveat"] = STATE_ONLY_CAVEAT
+    return release
