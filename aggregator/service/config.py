@@ -93,6 +93,9 @@ DEFAULTS: dict[str, dict] = {
                                     # holding the watermark after this long (0: never)
         "allowed_lateness_s": 0.0,  # event_time: a window keeps its records stamped in it
                                     # until the watermark passes its end + this (< size)
+        "rollups": [],              # longer releases summed from the base windows' release
+                                    # views at no extra eps, e.g. ["1d", "7d"] (multiples of
+                                    # window.size; count windows: events or "24x"); docs/rollups.md
     },
     "checkpoint": {
         "dir": "var/panagg",
@@ -228,12 +231,20 @@ def _coerce(section: str, key: str, value, default):
             if not math.isfinite(out):
                 raise ValueError
             return out
+        if isinstance(default, list):  # window.rollups: a TOML list, or "1d,7d" from env/--set
+            if isinstance(value, str):
+                text = value.strip().strip("[]")
+                value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)) or any(
+                    isinstance(v, bool) or not isinstance(v, (str, int)) for v in value):
+                raise ValueError
+            return [str(v) for v in value]
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ValueError
         return str(value)
     except (TypeError, ValueError):
         kind = {bool: "true or false", int: "a whole number", float: "a number",
-                str: "a string"}[type(default)]
+                str: "a string", list: 'a list of spans such as ["1d", "7d"]'}[type(default)]
         got = f"a {type(value).__name__}" if (section, key) in _SECRET else repr(value)
         raise ConfigError(f"{name} must be {kind}, got {got}; {_where(section, key)}") from None
 
@@ -521,6 +532,7 @@ def _validate(cfg: dict, env=None) -> None:
     _validate_shuffle(cfg)
     _resolve_clock(cfg)
     _validate_event_time(cfg)
+    rollup_spans(cfg)
     start = parse_start(cfg["source"]["start"])
     if start != "earliest" and src["kind"] != "kafka":
         raise ConfigError("source.start applies to Kafka topics (source.kind = kafka); remove it "
@@ -537,6 +549,39 @@ def _validate(cfg: dict, env=None) -> None:
     if cfg["testing"]["noise_seed"] >= 0 and os.environ.get("PANAGG_TESTING") != "1":
         raise ConfigError("testing.noise_seed makes the noise predictable and is refused outside "
                           "tests; remove it (tests also set PANAGG_TESTING=1)")
+
+
+def rollup_spans(cfg: dict) -> dict[str, int]:
+    """``window.rollups`` as {name: base windows per rollup}; a ConfigError (one line naming
+    the fix) for a span that is not a multiple of the window, twice the same, or a setting
+    rollups do not support yet (docs/rollups.md)."""
+    from .rollup import RollupError, parse_span
+    names = cfg["window"]["rollups"]
+    if not names:
+        return {}
+    if cfg["scale"]["partitioned"]:
+        raise ConfigError("window.rollups is not supported with scale.partitioned yet (scale-out "
+                          "is being rebuilt, issue 29); remove window.rollups or run one "
+                          "aggregator")
+    if cfg["state"]["model"] != "joint":
+        raise ConfigError(f"window.rollups needs state.model = joint (got "
+                          f"{cfg['state']['model']}: a rollup sums the release views, which "
+                          "only the joint model draws with a fresh layer); set state.model = "
+                          "joint or remove window.rollups")
+    out: dict[str, int] = {}
+    for name in names:
+        try:
+            k = parse_span(name, kind=cfg["window"]["kind"], size=cfg["window"]["size"])
+        except RollupError as exc:
+            raise ConfigError(str(exc)) from None
+        key = str(name).strip().lower()
+        if key in out or k in out.values():
+            raise ConfigError(f"window.rollups names {k} base windows twice ({name!r}); "
+                              "list each span once")
+        if "/" in key or key.startswith("."):
+            raise ConfigError(f"window.rollups: {name!r} is not a span name")
+        out[key] = k
+    return out
 
 
 def shuffle_n(cfg: dict) -> int:
