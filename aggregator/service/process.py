@@ -455,6 +455,7 @@ class Aggregator(EventTimeWindows):
         self.rollup_spans = rollup_spans(cfg) if not self.partitioned else {}
         self.rollups = (RollupStore(self.dir / "rollups", self.rollup_spans)
                         if self.rollup_spans else None)
+        self._rollup_jobs: list[dict] = []  # rollups being estimated in the release worker
         self.control = self.dir / "control"
         #: ledger entries a start decided on, written only once every start check has passed
         #: (a refused start writes nothing)
@@ -1060,6 +1061,8 @@ class Aggregator(EventTimeWindows):
         self._maybe_snapshot(self.task)
         if self.task.inflight:
             self._collect_releases(self.task)
+        if self._rollup_jobs:
+            self._collect_rollups(self.task)
         self._handle_control()
         if self.task.pending:
             self._publish_pending(self.task)
@@ -1079,6 +1082,8 @@ class Aggregator(EventTimeWindows):
         """Publish what is pending; a run must not end looking successful if it could not."""
         if self.task.inflight:  # a finite run's last windows: wait for their releases
             self._collect_releases(self.task, wait=True)
+        if self._rollup_jobs:
+            self._collect_rollups(self.task, wait=True)
         if self.task.pending:
             self.publisher.retry_now(wait_s=10.0)
             self._publish_pending(self.task)
@@ -1870,6 +1875,8 @@ class Aggregator(EventTimeWindows):
         """Release rollup ``span`` #``idx`` from its sum: the ledger is asked first (every base
         window a ledgered release of this aggregation), the entry names them and charges 0."""
         name, rid = f"{span}-{idx}", f"rollup-{span}-{idx}"
+        if any((j["span"], j["idx"]) == (span, idx) for j in self._rollup_jobs):
+            return  # being estimated in the release worker
         r = self.rollups.load(span, idx)
         if r is None or self.ledger.has(rid) or self.ledger.has(f"rollup-refused-{span}-{idx}"):
             self.rollups.remove(span, idx)
@@ -1898,11 +1905,37 @@ class Aggregator(EventTimeWindows):
             missing.append({"window": w, "why": why})
         parts = sorted(r.parts.values(), key=lambda v: v["window"])
         first = parts[0]
-        release = release_from_view(
-            r.counts, p=r.p, layers=r.layers, n=r.n, epsilon=float(first["epsilon"]),
-            neighbor=first["neighbor"], mode=r.mode, size=r.size, window=name, loss=self.loss,
-            error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
-            method=release_method(self.cfg))
+        job = {"span": span, "idx": idx, "rollup": r, "parts": parts, "entries": entries,
+               "missing": missing}
+        kwargs = dict(p=r.p, layers=r.layers, n=r.n, epsilon=float(first["epsilon"]),
+                      neighbor=first["neighbor"], mode=r.mode, size=r.size, window=name,
+                      loss=self.loss, error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
+                      method=release_method(self.cfg))
+        if self.worker is not None:  # beside the loop: a week of 1e6 counters takes minutes
+            job["future"] = self.worker.submit_call(release_from_view, r.counts, **kwargs)
+            self._rollup_jobs.append(job)
+            return
+        self._finish_rollup(task, job, release_from_view(r.counts, **kwargs))
+
+    def _collect_rollups(self, task: WindowTask, *, wait: bool = False) -> None:
+        """Ledger and queue the rollups the release worker has estimated (in close order)."""
+        while self._rollup_jobs and (wait or self._rollup_jobs[0]["future"].done()):
+            job = self._rollup_jobs.pop(0)
+            try:
+                release = job["future"].result()
+            except Exception as exc:
+                log.error("the release of rollup %s-%s failed in the release worker (%s: %s); "
+                          "its sum stays in %s and it is released at the next start",
+                          job["span"], job["idx"], type(exc).__name__, exc, self.rollups.dir)
+                continue
+            self._finish_rollup(task, job, release)
+
+    def _finish_rollup(self, task: WindowTask, job: dict, release: dict) -> None:
+        span, idx, r, parts = job["span"], job["idx"], job["rollup"], job["parts"]
+        missing, entries = job["missing"], job["entries"]
+        name, rid = f"{span}-{idx}", f"rollup-{span}-{idx}"
+        if self.ledger.has(rid):
+            return
         started = [v.get("started_unix") for v in parts if v.get("started_unix") is not None]
         ended = [v.get("ended_unix") for v in parts if v.get("ended_unix") is not None]
         self._annotate(release, {
@@ -1935,8 +1968,9 @@ class Aggregator(EventTimeWindows):
         task.pending.append(doc)
         self.rollups.remove(span, idx)
         self.metrics.rollup_released(span, release)
-        log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps",
-                 name, len(parts), r.layers, r.n)
+        log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
+                 "(estimated in %.1f s)", name, len(parts), r.layers, r.n,
+                 release.get("release_seconds", float("nan")))
 
     def _recover_rollups(self, task: WindowTask) -> None:
         """At a start: a rollup ledgered but not yet published (a stop between its entry and

@@ -92,6 +92,11 @@ class ReleaseWorker:
     def submit(self, state, **kwargs) -> Future:
         return self._pool.submit(compute_release, state, **kwargs)
 
+    def submit_call(self, fn, *args, **kwargs) -> Future:
+        """Run ``fn`` (a module-level function: it is pickled by name) in the pool: a rollup's
+        release (:func:`aggregator.release.release_from_view`)."""
+        return self._pool.submit(fn, *args, **kwargs)
+
     def close(self) -> None:
         """Stop at once: releases not collected are replayed from the source at the next start."""
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,151 @@
+"""Rollups (issue 30): day and week releases summed from hourly release views, against one hour,
+against a day-long window with its own state, and against tree designs that split epsilon.
+
+Designs, all at the same epsilon per event unless said (eps = 1 by default; p(e) = exp(-e/2)):
+
+* ``hour``: one base window, 2 layers at p(eps) (the release today);
+* ``day-sum`` / ``week-sum`` (what the service builds): the sum of 24 / 168 hourly release views,
+  48 / 336 layers at p(eps), 0 extra eps;
+* ``day-own`` / ``week-own``: a window of the whole day / week with its own state, 2 layers at
+  p(eps): what a second aggregation gives, at **2 eps per event** (not equal eps: reference (b));
+* ``tree2``: two levels each with its own live state at eps/2 (hour and day, 2 layers at p(eps/2)
+  each); its week is the sum of 7 day views (14 layers at p(eps/2)) (the hybrid);
+* ``tree3``: three levels at eps/3 each (hour, day, week: 2 layers at p(eps/3) each).
+
+The truth of a day is a multinomial draw of 24 n_hour events from the profile; the rollup's
+counters are that truth plus 48 independent layers (the sum of 24 windows' truths and views is
+exactly that). Errors against the truth of the same window: l1 of the anonymized histogram over
+n, relative error of distinct items and of entropy. Noise from the CSPRNG (not seeded); the data
+draws unseeded too. Every figure of one table comes from one run.
+
+Usage::
+
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.rollups --accuracy [--reps 3]
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.rollups --timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import numpy as np
+
+from aggregator import properties
+from aggregator.estimate import anonymized_histogram, l1_distance
+from aggregator.noise import discrete_laplace, p_from_epsilon
+from aggregator.release import estimate_with_accuracy
+
+from ._data import git_rev, mean_se, real_profile, weights, write_doc_section
+
+DOC = "docs/rollups.md"
+PROFILES = ("wf-en", "sc-ru", "ss-en", "jb-zh")
+
+
+def noisy(h: np.ndarray, p: float, layers: int) -> np.ndarray:
+    out = h.copy()
+    for _ in range(layers):
+        out += discrete_laplace(p, len(h))  # the CSPRNG
+    return out
+
+
+def errors(h: np.ndarray, x: np.ndarray, p: float, layers: int, n: int) -> tuple:
+    est = anonymized_histogram(x, p, layers=layers, n=n)
+    truth = np.sort(h[h > 0])[::-1]
+    d_true, h_true = len(truth), properties.entropy(truth)
+    return (l1_distance(est, truth) / n, abs(len(est) - d_true) / d_true,
+            abs(properties.entropy(est) - h_true) / h_true)
+
+
+def accuracy(profiles, hourly, eps: float, reps: int) -> list[str]:
+    rng = np.random.default_rng()
+    pe, p2, p3 = p_from_epsilon(eps), p_from_epsilon(eps / 2), p_from_epsilon(eps / 3)
+    designs = {  # name -> (window hours, p, layers)
+        "hour": (1, pe, 2), "day-sum": (24, pe, 48), "day-own (2 eps)": (24, pe, 2),
+        "tree2 hour": (1, p2, 2), "tree2 day": (24, p2, 2),
+        "week-sum": (168, pe, 336), "week-own (2 eps)": (168, pe, 2),
+        "tree2 week (7 day views)": (168, p2, 14),
+        "tree3 hour": (1, p3, 2), "tree3 day": (24, p3, 2), "tree3 week": (168, p3, 2),
+    }
+    lines = [f"eps = {eps:g} per event; {reps} repetitions per cell; mean relative errors "
+             "(l1 / n, distinct, entropy) over the repetitions, then the ratios; "
+             f"commit {git_rev(['aggregator', 'bench'])}.", ""]
+    table = ["| profile (D) | n per hour | design | hours | layers | l1 / n | distinct | entropy |",
+             "|---|---|---|---|---|---|---|---|"]
+    ratios = ["| profile | n per hour | hour / day-sum (l1, distinct, entropy) | "
+              "day-sum / day-own (l1, distinct, entropy) | day-sum / tree2 day | "
+              "week-sum / tree3 week | week-sum / tree2 week |",
+              "|---|---|---|---|---|---|---|"]
+    for name in profiles:
+        w = real_profile(name)
+        D = len(w)
+        for nh in hourly:
+            res: dict = {d: [] for d in designs}
+            for _ in range(reps):
+                truths = {hours: rng.multinomial(nh * hours, w).astype(np.int64)
+                          for hours in (1, 24, 168)}
+                for d, (hours, p, k) in designs.items():
+                    h = truths[hours]
+                    res[d].append(errors(h, noisy(h, p, k), p, k, nh * hours))
+                print(f"{name} n/h={nh}: rep done", flush=True)
+            mean = {d: np.mean(np.array(v), axis=0) for d, v in res.items()}
+            for d, (hours, p, k) in designs.items():
+                m = mean[d]
+                table.append(f"| {name} ({D:,}) | {nh:,} | {d} | {hours} | {k} | "
+                             f"{m[0]:.4f} | {m[1]:.4f} | {m[2]:.5f} |")
+
+            def r(a, b):
+                return ", ".join(f"{x / y:.2f}" if y > 0 else "-" for x, y in
+                                 zip(mean[a], mean[b]))
+            ratios.append(f"| {name} | {nh:,} | {r('hour', 'day-sum')} | "
+                          f"{r('day-sum', 'day-own (2 eps)')} | {r('day-sum', 'tree2 day')} | "
+                          f"{r('week-sum', 'tree3 week')} | "
+                          f"{r('week-sum', 'tree2 week (7 day views)')} |")
+            print("\n".join(table[-len(designs):] + ratios[-1:]), flush=True)
+    return lines + table + [""] + ratios
+
+
+def timing(cells, reps_bars: int) -> list[str]:
+    """Release time (estimate + bootstrap error bars as the service runs them) of a rollup."""
+    rng = np.random.default_rng()
+    lines = ["| counters D | Zipf(1.1), n | layers | error_bar_reps | release seconds | "
+             "estimator |", "|---|---|---|---|---|---|"]
+    p = p_from_epsilon(1.0)
+    for D, n, k in cells:
+        h = rng.multinomial(n, weights("zipf", D)).astype(np.int64)
+        if True:
+            x = noisy(h, p, k)
+            t = time.perf_counter()
+            _, acc = estimate_with_accuracy(x, p, layers=k, n=n, reps=reps_bars)
+            dt = time.perf_counter() - t
+            row = f"| {D:,} | {n:,} | {k} | {reps_bars} | {dt:.1f} | {acc['estimator']} |"
+            print(row, flush=True)
+            lines.append(row)
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--timing", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--eps", type=float, default=1.0)
+    ap.add_argument("--profiles", nargs="*", default=list(PROFILES))
+    ap.add_argument("--hourly", nargs="*", type=int, default=[10_000, 100_000])
+    ap.add_argument("--no-doc", action="store_true")
+    args = ap.parse_args(argv)
+    if args.accuracy:
+        lines = accuracy(args.profiles, args.hourly, args.eps, args.reps)
+        if not args.no_doc:
+            write_doc_section(DOC, "bench", "rollups-accuracy", lines, "Rollups")
+    if args.timing:
+        # an hour of 1e6 events, its day (24 windows) and its week (168) at 1e6 counters
+        lines = timing([(10**6, 10**6, 2), (10**6, 24 * 10**6, 48), (10**6, 168 * 10**6, 336)],
+                       reps_bars=10)
+        if not args.no_doc:
+            write_doc_section(DOC, "bench", "rollups-timing", lines, "Rollups")
+
+
+if __name__ == "__main__":
+    main()
