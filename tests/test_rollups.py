@@ -271,3 +271,53 @@ window.rollups = ["2x"]
                               f"release-{e['window']}.json").read_text())
             assert doc["n"] == 2 * size and doc["epsilon"] == eps
             assert doc["aggregation"]["name"] == name and doc["rollup"]["complete"]
+
+
+# -- the tree and hybrid designs: a live state per level, epsilon split ---------------------
+
+def _ledger_of(tmp_path, name):
+    return [json.loads(x) for x in
+            (tmp_path / "state" / name / "ledger.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("design, levels", [
+    ("tree", {"base": (1000, 6, []), "r3x": (3000, 2, []), "r6x": (6000, 1, [])}),
+    ("hybrid", {"base": (1000, 6, []), "r3x": (3000, 2, ["2x-0"])}),
+])
+def test_tree_and_hybrid_designs_split_epsilon_between_level_states(tmp_path, design, levels):
+    args = _args(tmp_path, **{"window.rollup_design": design, "release.workers": 1})
+    out = run_cli(args)
+    assert out.returncode == 0, out.stderr
+    share = 1.0 / len(levels)
+    charged = 0.0
+    for name, (size, windows, rollups) in levels.items():
+        entries = _ledger_of(tmp_path, name)
+        rel = [e for e in entries if e["kind"] == "release"]
+        assert [e["n"] for e in rel] == [size] * windows  # a level's n: its base windows' sum
+        assert all(e["epsilon_spent"] == pytest.approx(share) for e in rel)
+        assert [e["window"] for e in entries if e["kind"] == "rollup"] == rollups
+        charged += share  # every event is in one window of each level
+        for e in rel:
+            doc = json.loads(e["document"])
+            assert doc["epsilon"] == pytest.approx(share) and doc["layers"] == 2
+    assert charged == pytest.approx(1.0)  # the per-event total is state.epsilon
+    if design == "hybrid":
+        doc = json.loads((tmp_path / "releases" / "r3x" / "release-2x-0.json").read_text())
+        assert doc["n"] == 6000 and doc["layers"] == 4 and doc["rollup"]["complete"]
+
+
+def test_a_directory_never_switches_between_one_state_and_level_states(tmp_path):
+    """Switching a one-aggregation directory to level states (or back) would release its
+    events again under ledgers that do not see each other: refused, one line."""
+    args = _args(tmp_path, n=2000, **{"window.rollup_design": "sum"})
+    assert run_cli(args).returncode == 0
+    tree = _args(tmp_path, n=2000, **{"window.rollup_design": "tree"})
+    out = run_cli(tree)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "holds one aggregation's state (ledger.jsonl at its top)" in out.stderr
+    other = tmp_path / "other"
+    other.mkdir()
+    assert run_cli(_args(other, n=2000, **{"window.rollup_design": "tree"})).returncode == 0
+    out = run_cli(_args(other, n=2000, **{"window.rollup_design": "sum"}))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "holds several aggregations" in out.stderr

@@ -96,6 +96,9 @@ DEFAULTS: dict[str, dict] = {
         "rollups": [],              # longer releases summed from the base windows' release
                                     # views at no extra eps, e.g. ["1d", "7d"] (multiples of
                                     # window.size; count windows: events or "24x"); docs/rollups.md
+        "rollup_design": "sum",     # sum (0 extra eps: sums of the base windows' views) | tree
+                                    # (each span its own live state, eps split equally) | hybrid
+                                    # (the first span its own state, longer spans sums of it)
     },
     "checkpoint": {
         "dir": "var/panagg",
@@ -170,6 +173,7 @@ _CHOICES = {
     ("window", "kind"): ("count", "time", "event_time"),
     ("window", "late"): ("next", "dead_letter"),
     ("window", "clock"): ("auto", "record", "process"),
+    ("window", "rollup_design"): ("sum", "tree", "hybrid"),
     ("scale", "store"): ("directory", "kafka"),
     ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     ("item", "source"): ("value", "key", "header"),
@@ -376,8 +380,82 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
     _check_environment(cfg, env)
     _validate(cfg, env)
+    aggregations = _rollup_levels(cfg, aggregations)
     cfg["aggregations"] = _aggregations(cfg, aggregations)
     return cfg
+
+
+def _level_name(base: str | None, span: str) -> str:
+    tail = "r" + "".join(ch for ch in span if ch.isalnum())
+    return f"{base}-{tail}" if base else tail
+
+
+def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
+    """``window.rollup_design = tree | hybrid``: each rollup level becomes an aggregation of
+    its own (its own live state and window of the span's length), the epsilon of the
+    aggregation split equally between its levels, so the per-event total stays what was set
+    (docs/rollups.md; the composition is section 19 of docs/privacy.md). ``tree``: every span
+    a level; ``hybrid``: the first span a level, the longer spans sums of that level's views.
+    Single mode becomes aggregations ``base``, ``r1d``, ...; an aggregation NAME becomes
+    ``NAME``, ``NAME-r1d``, ..."""
+    single = not given
+    items = [(None, [])] if single else list(given.items())
+    out: dict[str, list] = {}
+    for name, entries in items:
+        one = {section: dict(values) for section, values in cfg.items()
+               if isinstance(values, dict)}
+        for section, key, value, _ in entries:
+            if section in one and key in one[section]:
+                one[section][key] = _coerce(section, key, value, DEFAULTS[section][key])
+        w = one["window"]
+        if not w["rollups"] or w["rollup_design"] == "sum":
+            out[name or "base"] = entries
+            if single:
+                return given  # nothing to expand
+            continue
+        where = f"aggregations.{name}: " if name else ""
+        if one["scale"]["partitioned"]:
+            raise ConfigError("window.rollups is not supported with scale.partitioned yet "
+                              "(scale-out is being rebuilt, issue 29); remove window.rollups or "
+                              "run one aggregator")
+        from .rollup import RollupError, parse_span
+        try:
+            spans = [(str(sp).strip().lower(), parse_span(sp, kind=w["kind"], size=w["size"]))
+                     for sp in w["rollups"]]
+        except RollupError as exc:
+            raise ConfigError(where + str(exc)) from None
+        spans.sort(key=lambda t: t[1])
+        own = spans if w["rollup_design"] == "tree" else spans[:1]
+        eps = float(one["state"]["epsilon"])
+        share = eps / (1 + len(own))
+        budget = float(one["ledger"]["budget_per_window"] or eps)
+        keep = [e for e in entries if (e[0], e[1]) not in (
+            ("state", "epsilon"), ("ledger", "budget_per_window"), ("window", "size"),
+            ("window", "rollups"), ("window", "rollup_design"))]
+        src = f"window.rollup_design = {w['rollup_design']}"
+        common = [("state", "epsilon", share, src),
+                  ("ledger", "budget_per_window", budget / (1 + len(own)), src),
+                  ("window", "rollup_design", "sum", src)]
+        out[name or "base"] = keep + common + [("window", "rollups", [], src)]
+        for i, (span, k) in enumerate(own):
+            rest = []
+            if w["rollup_design"] == "hybrid":
+                for longer, kl in spans[1:]:
+                    if kl % k:
+                        raise ConfigError(f"{where}window.rollups: {longer!r} is not a multiple "
+                                          f"of {span!r} (hybrid: longer spans are sums of the "
+                                          f"{span} windows); use multiples of {span!r} or "
+                                          "window.rollup_design = tree")
+                    rest.append(f"{kl // k}x" if longer.endswith("x") else longer)
+            size = w["size"] * k
+            out[_level_name(name, span)] = keep + common + [
+                ("window", "size", int(size) if float(size).is_integer() else size, src),
+                ("window", "rollups", rest, src)]
+    if single:
+        led = cfg["ledger"]
+        if not led["budget_per_event"]:
+            led["budget_per_event"] = float(led["budget_per_window"] or cfg["state"]["epsilon"])
+    return out
 
 
 #: PANAGG_* variables that are not settings: keys read by name (audit, shuffle analyzer), the

@@ -570,6 +570,12 @@ class Aggregator(EventTimeWindows):
     def check_identity(self) -> dict:
         """Record the state directory's identity at its first start; refuse (or, with
         ``accept_change``, ledger) a later start with other settings."""
+        if not self.aggregation and (self.dir / "aggregations.json").exists():
+            # its aggregations' ledgers below hold charges this one would not see
+            raise ServiceError(
+                f"checkpoint.dir {self.dir} holds several aggregations (also what "
+                "window.rollup_design = tree or hybrid runs); use their config (the same "
+                "[aggregations] or rollup design) or a new checkpoint.dir")
         mine = dict(identity_of(self.cfg), **directory_identity(self.cfg))
         recorded = self.ledger.identity()
         if recorded is None:
@@ -865,7 +871,9 @@ class Aggregator(EventTimeWindows):
         if not self.aggregation:
             return []
         out = []
-        for path in sorted(self.dir.parent.glob("*/ledger.jsonl")):
+        # (and a one-aggregation ledger at the top, which the set refuses to start over)
+        for path in sorted([*self.dir.parent.glob("*/ledger.jsonl"),
+                            *self.dir.parent.glob("ledger.jsonl")]):
             if path.parent.resolve() == self.dir.resolve():
                 continue
             try:
