@@ -321,3 +321,22 @@ def test_a_directory_never_switches_between_one_state_and_level_states(tmp_path)
     out = run_cli(_args(other, n=2000, **{"window.rollup_design": "sum"}))
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "holds several aggregations" in out.stderr
+
+
+# -- estimators on the layer counts rollups bring ------------------------------------------
+
+@pytest.mark.parametrize("layers", [48, 336])
+def test_estimators_take_the_layers_of_a_day_and_a_week(layers):
+    from aggregator.estimate import phi_estimate
+    from aggregator.noise import discrete_laplace
+    from aggregator.release import estimate_with_accuracy
+    p = p_from_epsilon(1.0)
+    h = np.random.default_rng().integers(0, 300, 3000)
+    noisy = h + sum(discrete_laplace(p, len(h)) for _ in range(layers))
+    hist, acc = estimate_with_accuracy(noisy, p, layers=layers, n=int(h.sum()), reps=2)
+    assert 0 < len(hist) <= len(h) and int(hist.sum()) <= int(h.sum())
+    assert acc["intervals"]["distinct_items"][0] <= acc["intervals"]["distinct_items"][1]
+    for method in ("threshold", "wupagh"):  # inverse filters: noise x 1e50 at these layers
+        with pytest.raises(ValueError, match=f"the {method} estimator cannot run on {layers} "
+                                             "noise layers"):
+            phi_estimate(noisy, p, layers=layers, method=method)
