@@ -106,6 +106,60 @@ def accuracy(profiles, hourly, eps: float, reps: int) -> list[str]:
     return lines + table + [""] + ratios
 
 
+DESIGNS = {  # design -> its (hour, day, week) rows of the accuracy table
+    "sum": ("hour", "day-sum", "week-sum"),
+    "hybrid": ("tree2 hour", "tree2 day", "tree2 week (7 day views)"),
+    "tree": ("tree3 hour", "tree3 day", "tree3 week"),
+}
+STATS = ("l1 / n", "distinct", "entropy")
+
+
+def summarize(text: str) -> list[str]:
+    """The designs compared from one run's accuracy table (the rows it printed): per profile
+    and hourly n, each resolution's error over the best design's there (regret), and the
+    choice: the smallest worst regret over profiles, resolutions and the three statistics
+    (ties: the smaller mean), the accuracy grid's own rule (docs/accuracy_grid.md)."""
+    rows: dict = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[1].replace(",", "").isdigit():
+            key = (cells[0].split()[0], int(cells[1].replace(",", "")))
+            rows.setdefault(key, {})[cells[2]] = [float(x) for x in cells[5:8]]
+    regrets: dict = {d: [] for d in DESIGNS}
+    out = ["| profile | n per hour | resolution | " + " | ".join(
+        f"{d} (l1, distinct, entropy)" for d in DESIGNS) + " |",
+        "|---|---|---|" + "---|" * len(DESIGNS)]
+    target = ["| profile | n per hour | hour (sum design, eps) / day of: " + " | ".join(
+        f"{d} (l1, distinct, entropy)" for d in DESIGNS) + " |",
+        "|---|---|" + "---|" * len(DESIGNS)]
+    for key, got in rows.items():
+        if not all(r in got for d in DESIGNS.values() for r in d):
+            continue
+        for i, res in enumerate(("hour", "day", "week")):
+            errs = {d: got[DESIGNS[d][i]] for d in DESIGNS}
+            best = [min(errs[d][j] for d in DESIGNS) for j in range(3)]
+            cells = []
+            for d in DESIGNS:
+                reg = [errs[d][j] / best[j] if best[j] > 0 else 1.0 for j in range(3)]
+                regrets[d].extend(reg)
+                cells.append(", ".join(f"{x:.2f}" for x in reg))
+            out.append(f"| {key[0]} | {key[1]:,} | {res} | " + " | ".join(cells) + " |")
+        hour = got["hour"]
+        target.append(f"| {key[0]} | {key[1]:,} | " + " | ".join(
+            ", ".join(f"{hour[j] / got[DESIGNS[d][1]][j]:.2f}" for j in range(3))
+            for d in DESIGNS) + " |")
+    worst = {d: (max(v), float(np.mean(v))) for d, v in regrets.items() if v}
+    choice = min(worst, key=lambda d: worst[d])
+    lines = ["Regret: a design's error over the best design's at that resolution (1.00: best);",
+             "per cell l1 / n, distinct, entropy.", "", *out, "",
+             "Worst / mean regret over every cell, resolution and statistic: " + "; ".join(
+                 f"{d} {w:.2f} / {m:.2f}" for d, (w, m) in worst.items())
+             + f". Smallest worst regret: **{choice}**.", "",
+             "The target: the hourly release (sum design: the whole eps) over the day release "
+             "of each design (> 1: the day is more accurate, relative errors):", "", *target]
+    return lines
+
+
 def timing(cells, reps_bars: int) -> list[str]:
     """Release time (estimate + bootstrap error bars as the service runs them) of a rollup."""
     rng = np.random.default_rng()
@@ -134,7 +188,15 @@ def main(argv=None) -> None:
     ap.add_argument("--profiles", nargs="*", default=list(PROFILES))
     ap.add_argument("--hourly", nargs="*", type=int, default=[10_000, 100_000])
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--summarize", metavar="OUTPUT", help="compare the designs from the output "
+                    "of an --accuracy run (its printed table)")
     args = ap.parse_args(argv)
+    if args.summarize:
+        from pathlib import Path
+        lines = summarize(Path(args.summarize).read_text())
+        print("\n".join(lines))
+        if not args.no_doc:
+            write_doc_section(DOC, "bench", "rollups-designs", lines, "Rollups")
     if args.accuracy:
         lines = accuracy(args.profiles, args.hourly, args.eps, args.reps)
         if not args.no_doc:

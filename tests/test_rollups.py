@@ -37,6 +37,7 @@ def _args(tmp_path, n=6000, size=1000, rollups="3x,6x", **sets):
     write_events(path, items)
     return cli_sets(tmp_path, path, **{"window.size": size, "release.on_exhausted": "false",
                                        "window.rollups": rollups, "testing.noise_seed": -1,
+                                       "window.rollup_design": "sum",
                                        "release.error_bar_reps": 0, **sets})
 
 
@@ -62,6 +63,9 @@ def _histogram(doc):
     (["window.size=1000", "window.rollups=3x,3000"], "names 3 base windows twice"),
     (["window.kind=time", "window.size=3600", "window.clock=process", "window.rollups=soon"],
      "is not a duration"),
+    (["window.size=1000", "window.rollups=5x,24x"],  # hybrid (the default): sums of 5x
+     "window.rollups: '24x' is not a multiple of '5x' (hybrid: longer spans are sums of the 5x "
+     "windows); use multiples of '5x' or window.rollup_design = tree"),
     (["window.size=1000", "window.rollups=3x", "state.model=state-only"],
      "window.rollups needs state.model = joint"),
     (["window.size=1000", "window.rollups=3x", "scale.partitioned=true", "source.kind=kafka",
@@ -80,7 +84,8 @@ def test_rollup_spans_from_toml_env_and_flags(tmp_path):
     assert rollup_spans(load_config(str(toml), ["source.kind=generator"], env={})) == \
         {"1d": 24, "7d": 168}
     cfg = load_config(None, ["source.kind=generator", "window.size=1000"],
-                      env={"PANAGG_WINDOW_ROLLUPS": "24000, 5x"})
+                      env={"PANAGG_WINDOW_ROLLUPS": "24000, 5x",
+                           "PANAGG_WINDOW_ROLLUP_DESIGN": "sum"})
     assert rollup_spans(cfg) == {"24000": 24, "5x": 5}
 
 
@@ -237,6 +242,7 @@ on_exhausted = false
 [window]
 kind = "count"
 size = 1000
+rollup_design = "sum"
 [ledger]
 budget_per_event = 1.5
 [aggregations.user]

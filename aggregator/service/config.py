@@ -93,12 +93,14 @@ DEFAULTS: dict[str, dict] = {
                                     # holding the watermark after this long (0: never)
         "allowed_lateness_s": 0.0,  # event_time: a window keeps its records stamped in it
                                     # until the watermark passes its end + this (< size)
-        "rollups": [],              # longer releases summed from the base windows' release
-                                    # views at no extra eps, e.g. ["1d", "7d"] (multiples of
-                                    # window.size; count windows: events or "24x"); docs/rollups.md
-        "rollup_design": "sum",     # sum (0 extra eps: sums of the base windows' views) | tree
-                                    # (each span its own live state, eps split equally) | hybrid
-                                    # (the first span its own state, longer spans sums of it)
+        "rollups": [],              # longer releases from the same stream, e.g. ["1d", "7d"]
+                                    # (multiples of window.size; count windows: events or
+                                    # "24x"), built as window.rollup_design says; docs/rollups.md
+        "rollup_design": "hybrid",  # hybrid (default: the first span its own live state, eps
+                                    # split in two, longer spans sums of its views) | sum (0
+                                    # extra eps, base windows keep all of it: sums of their
+                                    # views) | tree (every span its own state, eps split
+                                    # equally); the smallest worst error: docs/rollups.md
     },
     "checkpoint": {
         "dir": "var/panagg",
