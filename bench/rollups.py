@@ -160,6 +160,33 @@ def summarize(text: str) -> list[str]:
     return lines
 
 
+def methods(profile: str = "sc-ru", hourly: int = 10_000) -> list[str]:
+    """Every estimator on one day (48 layers) and one week (336 layers) of ``profile``."""
+    from aggregator.estimate import METHODS
+    rng = np.random.default_rng()
+    w = real_profile(profile)
+    p = p_from_epsilon(1.0)
+    lines = ["| layers | estimator | seconds | l1 / n | distinct | entropy |",
+             "|---|---|---|---|---|---|"]
+    for k, n in ((48, 24 * hourly), (336, 168 * hourly)):
+        h = rng.multinomial(n, w).astype(np.int64)
+        x = noisy(h, p, k)
+        for m in METHODS:
+            t = time.perf_counter()
+            try:
+                est = anonymized_histogram(x, p, layers=k, n=n, method=m)
+            except ValueError as exc:
+                lines.append(f"| {k} | {m} | - | refused: {exc} | | |")
+                continue
+            dt = time.perf_counter() - t
+            truth = np.sort(h[h > 0])[::-1]
+            lines.append(f"| {k} | {m} | {dt:.1f} | {l1_distance(est, truth) / n:.4f} | "
+                         f"{abs(len(est) / len(truth) - 1):.4f} | "
+                         f"{abs(properties.entropy(est) / properties.entropy(truth) - 1):.5f} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def timing(cells, reps_bars: int) -> list[str]:
     """Release time (estimate + bootstrap error bars as the service runs them) of a rollup."""
     rng = np.random.default_rng()
@@ -183,6 +210,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--timing", action="store_true")
+    ap.add_argument("--methods", action="store_true", help="every estimator at 48 and 336 "
+                    "layers on one sc-ru day and week")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--eps", type=float, default=1.0)
     ap.add_argument("--profiles", nargs="*", default=list(PROFILES))
@@ -193,14 +222,33 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.summarize:
         from pathlib import Path
-        lines = summarize(Path(args.summarize).read_text())
+        text = Path(args.summarize).read_text()
+        lines = summarize(text)
         print("\n".join(lines))
-        if not args.no_doc:
+        if not args.no_doc:  # the run's own table, then the comparison
+            table = [ln for ln in text.splitlines() if ln.startswith("| ") and
+                     not ln.startswith("| profile")]
+            rows = [ln for ln in table if ln.count("|") == 9]
+            ratios = [ln for ln in table if ln.count("|") == 8]
+            head = ["| profile (D) | n per hour | design | hours | layers | l1 / n | distinct "
+                    "| entropy |", "|---|---|---|---|---|---|---|---|"]
+            rhead = ["| profile | n per hour | hour / day-sum (l1, distinct, entropy) | "
+                     "day-sum / day-own (l1, distinct, entropy) | day-sum / tree2 day | "
+                     "week-sum / tree3 week | week-sum / tree2 week |",
+                     "|---|---|---|---|---|---|---|"]
+            write_doc_section(DOC, "bench", "rollups-accuracy",
+                              [f"eps = {args.eps:g}, {args.reps} repetitions per cell "
+                               "(mean relative errors)", "", *head, *rows, "", *rhead, *ratios],
+                              "Rollups")
             write_doc_section(DOC, "bench", "rollups-designs", lines, "Rollups")
     if args.accuracy:
         lines = accuracy(args.profiles, args.hourly, args.eps, args.reps)
         if not args.no_doc:
             write_doc_section(DOC, "bench", "rollups-accuracy", lines, "Rollups")
+    if args.methods:
+        lines = methods()
+        if not args.no_doc:
+            write_doc_section(DOC, "bench", "rollups-methods", lines, "Rollups")
     if args.timing:
         # an hour of 1e6 events, its day (24 windows) and its week (168) at 1e6 counters
         lines = timing([(10**6, 10**6, 2), (10**6, 24 * 10**6, 48), (10**6, 168 * 10**6, 336)],
