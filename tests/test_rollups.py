@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from aggregator.estimate import anonymized_histogram
-from aggregator.noise import p_from_epsilon
+from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.release import make_release
 from aggregator.service.config import ConfigError, load_config, rollup_spans
 from aggregator.service.ledger import BudgetExceeded, Ledger
@@ -334,7 +334,6 @@ def test_a_directory_never_switches_between_one_state_and_level_states(tmp_path)
 @pytest.mark.parametrize("layers", [48, 336])
 def test_estimators_take_the_layers_of_a_day_and_a_week(layers):
     from aggregator.estimate import phi_estimate
-    from aggregator.noise import discrete_laplace
     from aggregator.release import estimate_with_accuracy
     p = p_from_epsilon(1.0)
     h = np.random.default_rng().integers(0, 300, 3000)
@@ -346,3 +345,51 @@ def test_estimators_take_the_layers_of_a_day_and_a_week(layers):
         with pytest.raises(ValueError, match=f"the {method} estimator cannot run on {layers} "
                                              "noise layers"):
             phi_estimate(noisy, p, layers=layers, method=method)
+
+
+# -- the privacy argument, audited: the live window's read and the rollup that contains it ----
+
+def _views(stream_delta, runs, redraw):
+    """``runs`` independent runs of: an intrusion into window 0 before the replaced event
+    (M = c_t + Z), window 0's release view (B = c_T + Z + W, the base release's input), and the
+    rollup of windows 0..2 summed by the real accumulator from B (or, ``redraw``, from a second
+    layer W' on the closed counters: the design the code must never have)."""
+    p = p_from_epsilon(1.0)
+    c_t = np.array([3, 1, 0])
+    c_T = c_t + np.array([2, 0, 1]) + stream_delta  # the replaced event is after the read
+    others = [np.array([1, 4, 2]), np.array([0, 2, 5])]
+    Z = discrete_laplace(p, (runs, 3))
+    M = c_t + Z
+    B = c_T + Z + discrete_laplace(p, (runs, 3))
+    base = c_T + Z + discrete_laplace(p, (runs, 3)) if redraw else B
+    rollup = RollupSum("3x", 0, windows=3, p=p, mode="direct", size=3 * runs)
+    rollup.update("w0", 0, base.ravel(), layers=2, n=None)
+    for i, c in enumerate(others, 1):
+        rollup.update(f"w{i}", i, (c + discrete_laplace(p, (runs, 3)) +
+                                   discrete_laplace(p, (runs, 3))).ravel(), layers=2, n=None)
+    R = rollup.counts.reshape(runs, 3)
+    return M, B, R
+
+
+def test_audit_a_memory_read_and_the_rollup_stay_within_epsilon_a_redraw_does_not():
+    from tests.lr_audit import Look, lr_epsilon
+    p = p_from_epsilon(1.0)
+    runs = 200_000
+    x, y = np.array([1, 0, 0]), np.array([0, 1, 0])  # the replaced event: item 0 or item 1
+    c_t = np.array([3, 1, 0])
+    base = c_t + np.array([2, 0, 1])
+    rest = np.array([1, 6, 7])
+    # the rollup as built: the read, the base release's view and the rollup are nested (1, 2,
+    # 6 layers): their blocks' ratios sum to the exact joint log-ratio (tests/lr_audit.py)
+    vx, vy = _views(x, runs, False), _views(y, runs, False)
+    looks = [Look.of(c_t, c_t, 1), Look.of(base + x, base + y, 2),
+             Look.of(base + x + rest, base + y + rest, 6)]
+    ok = lr_epsilon(list(vx), list(vy), looks, p)
+    assert ok.eps <= 1.0, ok
+    # negative control: a redrawn layer; the published base release's view B and the rollup
+    # are two independent looks at the events after the read: (B - M, R' - M)
+    rx, ry = _views(x, runs, True), _views(y, runs, True)
+    looks = [Look.of(base + x - c_t, base + y - c_t, 1),
+             Look.of(base + x - c_t + rest, base + y - c_t + rest, 5)]
+    bad = lr_epsilon([rx[1] - rx[0], rx[2] - rx[0]], [ry[1] - ry[0], ry[2] - ry[0]], looks, p)
+    assert bad.eps > 1.0, bad
