@@ -117,8 +117,8 @@ STATS = ("l1 / n", "distinct", "entropy")
 def summarize(text: str) -> list[str]:
     """The designs compared from one run's accuracy table (the rows it printed): per profile
     and hourly n, each resolution's error over the best design's there (regret), and the
-    choice: the smallest worst regret over profiles, resolutions and the three statistics
-    (ties: the smaller mean), the accuracy grid's own rule (docs/accuracy_grid.md)."""
+    designs' worst and mean regret over profiles, resolutions and the three statistics (the
+    smallest worst regret is the accuracy grid's rule, docs/accuracy_grid.md)."""
     rows: dict = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -150,11 +150,13 @@ def summarize(text: str) -> list[str]:
             for d in DESIGNS) + " |")
     worst = {d: (max(v), float(np.mean(v))) for d, v in regrets.items() if v}
     choice = min(worst, key=lambda d: worst[d])
+    by_mean = min(worst, key=lambda d: worst[d][1])
     lines = ["Regret: a design's error over the best design's at that resolution (1.00: best);",
              "per cell l1 / n, distinct, entropy.", "", *out, "",
              "Worst / mean regret over every cell, resolution and statistic: " + "; ".join(
                  f"{d} {w:.2f} / {m:.2f}" for d, (w, m) in worst.items())
-             + f". Smallest worst regret: **{choice}**.", "",
+             + f". Smallest worst regret: **{choice}**; smallest mean regret: **{by_mean}**.",
+             "",
              "The target: the hourly release (sum design: the whole eps) over the day release "
              "of each design (> 1: the day is more accurate, relative errors):", "", *target]
     return lines

@@ -100,7 +100,7 @@ DEFAULTS: dict[str, dict] = {
                                     # split in two, longer spans sums of its views) | sum (0
                                     # extra eps, base windows keep all of it: sums of their
                                     # views) | tree (every span its own state, eps split
-                                    # equally); the smallest worst error: docs/rollups.md
+                                    # equally); measured and chosen: docs/rollups.md
     },
     "checkpoint": {
         "dir": "var/panagg",
