@@ -277,7 +277,8 @@ def _change_text(row: dict) -> str:
             parts.append(f"{name} {moved} (significant)")
         else:
             parts.append(f"{name}: no significant change")
-    return f"; vs window {c['versus_window']} at level {c['level']:g}: " + ", ".join(parts)
+    what = "rollup" if row.get("rollup") else "window"
+    return f"; vs {what} {c['versus_window']} at level {c['level']:g}: " + ", ".join(parts)
 
 
 def format_history(rows: list[dict]) -> list[str]:
