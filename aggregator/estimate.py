@@ -171,6 +171,32 @@ def threshold_kernel(p: float, layers: int = 1) -> tuple[int, np.ndarray]:
     return m0, F[: 2 * k]
 
 
+#: beyond the layer counts the accuracy grid measured (THRESHOLD_GRID_LAYERS), the threshold
+#: (and wupagh) inverse filter is used only while sum_m |F(m)| stays below this: its
+#: coefficients grow like |g|_1^(k-1) (|g|_1 = (1+p)^2/(1-p)^2, 16.5 at eps 1), so with the
+#: layers a rollup brings (48 and more) every phi_hat is noise times 1e50 and overflows the
+#: projection; "auto" leaves it out there, naming it is refused with one line
+THRESHOLD_MAX_GAIN = 1e6
+THRESHOLD_GRID_LAYERS = 6  # up to here nothing changes (docs/accuracy_grid.md chose with it)
+
+
+def threshold_usable(p: float, layers: int) -> bool:
+    """Whether the threshold (inverse-filter) estimator is worth running at ``layers`` layers
+    (its kernel's l1 norm at most :data:`THRESHOLD_MAX_GAIN`).
+
+    >>> threshold_usable(0.6065, 2), threshold_usable(0.6065, 6), threshold_usable(0.6065, 48)
+    (True, True, False)
+    """
+    p = _check_p(p)
+    x = p / (1.0 - p) ** 2
+    gain = 1.0 + 2.0 * x  # |f|_1
+    step = (1.0 + p * p) / (1.0 - p) ** 2 + 2.0 * x  # |g|_1
+    k = _check_layers(layers)
+    if k <= THRESHOLD_GRID_LAYERS:
+        return True
+    return math.log(gain) + (k - 1) * math.log(step) <= math.log(THRESHOLD_MAX_GAIN)
+
+
 def cumulative_prevalence(noisy_counts, p, *, layers=1, R=None) -> np.ndarray:
     """Unbiased estimate of phi_{>=r} for r = 1..R (index i holds r = i + 1).
 
@@ -1359,6 +1385,10 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
         with bucket_counters():
             return phi_estimate(noisy_counts, p, layers=layers, method=method, mode=mode, n=n)
     if method == "threshold":
+        if not threshold_usable(p, layers):
+            raise ValueError(f"the threshold estimator cannot run on {layers} noise layers (its "
+                             "kernel amplifies the noise past 1e6); use release.estimator = "
+                             "default")
         return cumulative_prevalence(noisy_counts, p, layers=layers)
     if method == "deconvolution":
         return deconvolved_prevalence(noisy_counts, p, layers=layers)
@@ -1371,6 +1401,10 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
     if method == "xfit":
         return crossfit_prevalence(noisy_counts, p, layers=layers, n=n)
     if method == "wupagh":
+        if not threshold_usable(p, layers):  # the same inverse filter g^{*k}
+            raise ValueError(f"the wupagh estimator cannot run on {layers} noise layers (its "
+                             "inverse filter amplifies the noise past 1e6); use "
+                             "release.estimator = default")
         from .wupagh import wupagh_prevalence
         return wupagh_prevalence(noisy_counts, p, layers=layers)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -26,7 +26,7 @@ from .estimate import anonymized_histogram, forget_fits, noisy_value_counts
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
-__all__ = ["MODELS", "ReleaseExists", "make_release", "estimate_with_accuracy", "package_release",
+__all__ = ["MODELS", "ReleaseExists", "make_release", "release_from_view", "estimate_with_accuracy", "package_release",
            "write_release", "plot_release", "plot_rank_frequency", "ERROR_BAR_REPS", "PHI_BANDS",
            "planned_accuracy", "PLAN_SHAPES"]
 
@@ -43,7 +43,8 @@ STATE_ONLY_CAVEAT = (
 
 def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str = "l1",
                  window: str | int | None = None, rng=None,
-                 error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None) -> dict:
+                 error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None,
+                 view: list | None = None) -> dict:
     """Estimate the anonymized histogram of ``state`` and package it as a JSON-ready dict.
 
     The event count is public only for a replace-one state: it goes into the release (``"n"``)
@@ -56,6 +57,9 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     (:func:`estimate_with_accuracy`); 0 leaves the intervals out (the signal-to-noise fields stay).
     ``method`` names the estimator (:data:`aggregator.estimate.METHODS`; None: the default for
     the mode and layer count, docs/accuracy_grid.md).
+    ``view``: a list that receives ``(counts, layers)``, the exact counters this release was
+    computed from (with its release layer): what a rollup adds up (never a redraw: a second
+    layer on the same counters would be a second view, docs/privacy.md section 20).
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
@@ -68,6 +72,8 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     if model == "joint":
         counts = counts + discrete_laplace(state.p, state.size, rng=rng)
         layers += 1
+    if view is not None:
+        view.append((counts, layers))
     hist, accuracy = estimate_with_accuracy(
         counts, state.p, layers=layers, loss=loss, n=n,
         buckets=state.size if state.mode == "hashed" else None, reps=error_bar_reps,
@@ -80,6 +86,29 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     release["release_seconds"] = time.perf_counter() - started
     if model == "state-only":
         release["caveat"] = STATE_ONLY_CAVEAT
+    return release
+
+
+def release_from_view(counts, *, p: float, layers: int, n, epsilon: float, neighbor: str,
+                      mode: str, size: int, window, loss: str = "l1",
+                      error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None) -> dict:
+    """The release of counters that already are a released view (a rollup: the sum of base
+    windows' release-layered counters, ``layers`` DLap(p) layers each): the estimate and its
+    accuracy block as :func:`make_release` computes them, with no further noise (post-processing
+    of the views, docs/privacy.md section 20). ``n`` is the sum of the base windows' public n
+    (None under add-remove)."""
+    if n is None and loss == "l2":
+        raise ValueError("loss='l2' needs the public event count n; use loss='l1'")
+    started = time.perf_counter()
+    hist, accuracy = estimate_with_accuracy(
+        np.asarray(counts), p, layers=int(layers), loss=loss, n=n,
+        buckets=size if mode == "hashed" else None, reps=error_bar_reps, method=method)
+    release = package_release(
+        hist, window=window, n=n, epsilon=epsilon, neighbor=neighbor, model="joint",
+        extra={"p": p, "layers": int(layers), "loss": loss,
+               "domain": {"mode": mode, "size": int(size)}},
+        accuracy=accuracy)
+    release["release_seconds"] = time.perf_counter() - started
     return release
 
 

@@ -178,6 +178,9 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     D = vc.total
     if n is None:
         candidates = tuple(dict.fromkeys((m, "none") for m, _ in candidates))
+    from .estimate import threshold_usable
+    if not threshold_usable(p, k):  # many layers (rollups): its kernel amplifies noise 1e6+ fold
+        candidates = tuple(c for c in candidates if c[0] != "threshold")
 
     def cap(y, total, rule):
         return y if rule == "none" or total is None else cap_total(y, int(total), rule)

@@ -93,6 +93,14 @@ DEFAULTS: dict[str, dict] = {
                                     # holding the watermark after this long (0: never)
         "allowed_lateness_s": 0.0,  # event_time: a window keeps its records stamped in it
                                     # until the watermark passes its end + this (< size)
+        "rollups": [],              # longer releases from the same stream, e.g. ["1d", "7d"]
+                                    # (multiples of window.size; count windows: events or
+                                    # "24x"), built as window.rollup_design says; docs/rollups.md
+        "rollup_design": "hybrid",  # hybrid (default: the first span its own live state, eps
+                                    # split in two, longer spans sums of its views) | sum (0
+                                    # extra eps, base windows keep all of it: sums of their
+                                    # views) | tree (every span its own state, eps split
+                                    # equally); measured and chosen: docs/rollups.md
     },
     "checkpoint": {
         "dir": "var/panagg",
@@ -170,6 +178,7 @@ _CHOICES = {
     ("window", "kind"): ("count", "time", "event_time"),
     ("window", "late"): ("next", "dead_letter"),
     ("window", "clock"): ("auto", "record", "process"),
+    ("window", "rollup_design"): ("sum", "tree", "hybrid"),
     ("scale", "store"): ("directory", "kafka"),   # directory: removed, refused with the way on
     ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     ("item", "source"): ("value", "key", "header"),
@@ -231,12 +240,20 @@ def _coerce(section: str, key: str, value, default):
             if not math.isfinite(out):
                 raise ValueError
             return out
+        if isinstance(default, list):  # window.rollups: a TOML list, or "1d,7d" from env/--set
+            if isinstance(value, str):
+                text = value.strip().strip("[]")
+                value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)) or any(
+                    isinstance(v, bool) or not isinstance(v, (str, int)) for v in value):
+                raise ValueError
+            return [str(v) for v in value]
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ValueError
         return str(value)
     except (TypeError, ValueError):
         kind = {bool: "true or false", int: "a whole number", float: "a number",
-                str: "a string"}[type(default)]
+                str: "a string", list: 'a list of spans such as ["1d", "7d"]'}[type(default)]
         got = f"a {type(value).__name__}" if (section, key) in _SECRET else repr(value)
         raise ConfigError(f"{name} must be {kind}, got {got}; {_where(section, key)}") from None
 
@@ -388,8 +405,82 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
     _check_environment(cfg, env)
     _validate(cfg, env)
+    aggregations = _rollup_levels(cfg, aggregations)
     cfg["aggregations"] = _aggregations(cfg, aggregations)
     return cfg
+
+
+def _level_name(base: str | None, span: str) -> str:
+    tail = "r" + "".join(ch for ch in span if ch.isalnum())
+    return f"{base}-{tail}" if base else tail
+
+
+def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
+    """``window.rollup_design = tree | hybrid``: each rollup level becomes an aggregation of
+    its own (its own live state and window of the span's length), the epsilon of the
+    aggregation split equally between its levels, so the per-event total stays what was set
+    (docs/rollups.md; the composition is section 19 of docs/privacy.md). ``tree``: every span
+    a level; ``hybrid``: the first span a level, the longer spans sums of that level's views.
+    Single mode becomes aggregations ``base``, ``r1d``, ...; an aggregation NAME becomes
+    ``NAME``, ``NAME-r1d``, ..."""
+    single = not given
+    items = [(None, [])] if single else list(given.items())
+    out: dict[str, list] = {}
+    for name, entries in items:
+        one = {section: dict(values) for section, values in cfg.items()
+               if isinstance(values, dict)}
+        for section, key, value, _ in entries:
+            if section in one and key in one[section]:
+                one[section][key] = _coerce(section, key, value, DEFAULTS[section][key])
+        w = one["window"]
+        if not w["rollups"] or w["rollup_design"] == "sum":
+            out[name or "base"] = entries
+            if single:
+                return given  # nothing to expand
+            continue
+        where = f"aggregations.{name}: " if name else ""
+        if one["scale"]["partitioned"]:
+            raise ConfigError("window.rollups is not supported with scale.partitioned yet "
+                              "(scale-out is being rebuilt, issue 29); remove window.rollups or "
+                              "run one aggregator")
+        from .rollup import RollupError, parse_span
+        try:
+            spans = [(str(sp).strip().lower(), parse_span(sp, kind=w["kind"], size=w["size"]))
+                     for sp in w["rollups"]]
+        except RollupError as exc:
+            raise ConfigError(where + str(exc)) from None
+        spans.sort(key=lambda t: t[1])
+        own = spans if w["rollup_design"] == "tree" else spans[:1]
+        eps = float(one["state"]["epsilon"])
+        share = eps / (1 + len(own))
+        budget = float(one["ledger"]["budget_per_window"] or eps)
+        keep = [e for e in entries if (e[0], e[1]) not in (
+            ("state", "epsilon"), ("ledger", "budget_per_window"), ("window", "size"),
+            ("window", "rollups"), ("window", "rollup_design"))]
+        src = f"window.rollup_design = {w['rollup_design']}"
+        common = [("state", "epsilon", share, src),
+                  ("ledger", "budget_per_window", budget / (1 + len(own)), src),
+                  ("window", "rollup_design", "sum", src)]
+        out[name or "base"] = keep + common + [("window", "rollups", [], src)]
+        for i, (span, k) in enumerate(own):
+            rest = []
+            if w["rollup_design"] == "hybrid":
+                for longer, kl in spans[1:]:
+                    if kl % k:
+                        raise ConfigError(f"{where}window.rollups: {longer!r} is not a multiple "
+                                          f"of {span!r} (hybrid: longer spans are sums of the "
+                                          f"{span} windows); use multiples of {span!r} or "
+                                          "window.rollup_design = tree")
+                    rest.append(f"{kl // k}x" if longer.endswith("x") else longer)
+            size = w["size"] * k
+            out[_level_name(name, span)] = keep + common + [
+                ("window", "size", int(size) if float(size).is_integer() else size, src),
+                ("window", "rollups", rest, src)]
+    if single:
+        led = cfg["ledger"]
+        if not led["budget_per_event"]:
+            led["budget_per_event"] = float(led["budget_per_window"] or cfg["state"]["epsilon"])
+    return out
 
 
 #: PANAGG_* variables that are not settings: keys read by name (audit, shuffle analyzer), the
@@ -546,6 +637,7 @@ def _validate(cfg: dict, env=None) -> None:
     _validate_shuffle(cfg)
     _resolve_clock(cfg)
     _validate_event_time(cfg)
+    rollup_spans(cfg)
     start = parse_start(cfg["source"]["start"])
     if start != "earliest" and src["kind"] != "kafka":
         raise ConfigError("source.start applies to Kafka topics (source.kind = kafka); remove it "
@@ -558,6 +650,39 @@ def _validate(cfg: dict, env=None) -> None:
     if cfg["testing"]["noise_seed"] >= 0 and os.environ.get("PANAGG_TESTING") != "1":
         raise ConfigError("testing.noise_seed makes the noise predictable and is refused outside "
                           "tests; remove it (tests also set PANAGG_TESTING=1)")
+
+
+def rollup_spans(cfg: dict) -> dict[str, int]:
+    """``window.rollups`` as {name: base windows per rollup}; a ConfigError (one line naming
+    the fix) for a span that is not a multiple of the window, twice the same, or a setting
+    rollups do not support yet (docs/rollups.md)."""
+    from .rollup import RollupError, parse_span
+    names = cfg["window"]["rollups"]
+    if not names:
+        return {}
+    if cfg["scale"]["partitioned"]:
+        raise ConfigError("window.rollups is not supported with scale.partitioned yet (scale-out "
+                          "is being rebuilt, issue 29); remove window.rollups or run one "
+                          "aggregator")
+    if cfg["state"]["model"] != "joint":
+        raise ConfigError(f"window.rollups needs state.model = joint (got "
+                          f"{cfg['state']['model']}: a rollup sums the release views, which "
+                          "only the joint model draws with a fresh layer); set state.model = "
+                          "joint or remove window.rollups")
+    out: dict[str, int] = {}
+    for name in names:
+        try:
+            k = parse_span(name, kind=cfg["window"]["kind"], size=cfg["window"]["size"])
+        except RollupError as exc:
+            raise ConfigError(str(exc)) from None
+        key = str(name).strip().lower()
+        if key in out or k in out.values():
+            raise ConfigError(f"window.rollups names {k} base windows twice ({name!r}); "
+                              "list each span once")
+        if "/" in key or key.startswith("."):
+            raise ConfigError(f"window.rollups: {name!r} is not a span name")
+        out[key] = k
+    return out
 
 
 def shuffle_n(cfg: dict) -> int:

@@ -250,6 +250,25 @@ class Ledger:
                 f"> ledger.budget_total={self.budget_total:g}; the budget is spent (a higher "
                 "budget must be accepted explicitly, docs/operations.md)")
 
+    def check_rollup(self, rollup: str, base_uids, *, aggregation: str = "") -> list[dict]:
+        """The ledger's answer for a rollup over the base windows ``base_uids``: their
+        ``release`` entries (in window order), or BudgetExceeded (one line) if any is not a
+        ledgered release of this aggregation. A rollup spends no epsilon (post-processing of
+        those releases' views, docs/privacy.md section 21), so it may only cover releases."""
+        out = []
+        for uid in base_uids:
+            entry = self.get(f"release-{uid}")
+            if entry is None or entry.get("kind") != "release":
+                raise BudgetExceeded(
+                    f"rollup {rollup} refused: base window {uid} is not a ledgered release "
+                    "(a rollup only adds up released views); nothing of it is published")
+            if (entry.get("aggregation") or "") != (aggregation or ""):
+                raise BudgetExceeded(
+                    f"rollup {rollup} refused: base window {entry.get('window')} was released "
+                    f"by aggregation {entry.get('aggregation')!r}, not {aggregation!r}")
+            out.append(entry)
+        return sorted(out, key=lambda e: e["seq"])
+
     def remaining(self) -> float | None:
         """Epsilon left under ``budget_total`` (None: no cap)."""
         if self.budget_total is None:

@@ -129,6 +129,19 @@ class Metrics:
                                          "window to its release being ledgered (scale-out: its "
                                          "merged release published)",
                                          buckets=_SECONDS, registry=r)
+        # window.rollups: per span (label), released values only
+        self.rollups = Counter("panagg_rollups_released", "Rollups ledgered (summed from the "
+                               "base windows' release views, 0 extra eps)", ["span"],
+                               registry=r)
+        self.rollup_distinct = Gauge("panagg_rollup_distinct_items", "Distinct items in the "
+                                     "last published rollup of each span", ["span"], registry=r)
+        self.rollup_entropy = Gauge("panagg_rollup_entropy_nats", "Entropy (nats) in the last "
+                                    "published rollup of each span", ["span"], registry=r)
+        self.rollup_windows = Gauge("panagg_rollup_windows", "Base windows in the last rollup of "
+                                    "each span (fewer than its span: some are missing, the "
+                                    "release says which)", ["span"], registry=r)
+        self.rollup_seconds = Gauge("panagg_rollup_release_seconds", "Estimate time of the last "
+                                    "rollup of each span", ["span"], registry=r)
         self._server = None
         self._heartbeat: float | None = None
         self._ready: tuple[bool, str] = (False, "starting")
@@ -137,9 +150,21 @@ class Metrics:
         self.budget_spent.set(spent)
         self.budget_remaining.set(float("inf") if remaining is None else remaining)
 
+    def rollup_released(self, span: str, release: dict) -> None:
+        """A rollup is ledgered: its count, its base windows and its estimate time."""
+        self.rollups.labels(span=span).inc()
+        self.rollup_windows.labels(span=span).set(len(release["rollup"]["windows"]))
+        self.rollup_seconds.labels(span=span).set(release.get("release_seconds", float("nan")))
+
     def published(self, release: dict) -> None:
-        """Gauges of a published release's statistics (released values only)."""
+        """Gauges of a published release's statistics (released values only); a rollup's go to
+        the rollup gauges of its span (the window gauges stay the base windows')."""
         props = release.get("properties") or {}
+        if release.get("rollup"):
+            span = release["rollup"]["span"]
+            self.rollup_distinct.labels(span=span).set(props.get("distinct_items", float("nan")))
+            self.rollup_entropy.labels(span=span).set(props.get("entropy_nats", float("nan")))
+            return
         if isinstance(release.get("window"), int):
             self.release_window.set(release["window"])
         self.release_distinct.set(props.get("distinct_items", float("nan")))

@@ -299,6 +299,14 @@ class MultiAggregator:
     def check_set(self) -> None:
         """The set of aggregations this directory counts; another set is refused unless
         --accept-change (each aggregation's own settings are checked by its own ledger)."""
+        if (self.dir / "ledger.jsonl").exists():
+            # a directory of one aggregation: its releases' charges are in that ledger, which
+            # the aggregations below it would not see (their events would be released again)
+            raise ServiceError(
+                f"checkpoint.dir {self.dir} holds one aggregation's state (ledger.jsonl at its "
+                "top); several aggregations (also window.rollup_design = tree or hybrid, which "
+                "runs one per level) need a new checkpoint.dir, or keep "
+                "window.rollup_design = sum")
         path = self.dir / SET_FILE
         mine = {"aggregations": sorted(self.aggs),
                 "budget_per_event": self.cfg["ledger"]["budget_per_event"] or None}

@@ -48,7 +48,7 @@ from state_store.local import LocalStore, _fault
 
 from ..intervals import SNR_MIN, noise_floor
 from ..noise import p_from_epsilon
-from ..release import make_release
+from ..release import make_release, release_from_view
 from ..state import NEIGHBOR_RELATIONS, PanPrivateHistogram
 from .anchor import (kafka_metadata, parse_kafka_metadata, release_dir_anchor,
                      write_release_dir_anchor)
@@ -58,6 +58,7 @@ from .ledger import BudgetExceeded, Ledger, LedgerError
 from .metrics import Metrics
 from .publisher import Backoff as _Backoff
 from .publisher import ReleasePublisher
+from .rollup import RollupError, RollupStore, RollupSum
 from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
@@ -361,6 +362,12 @@ def item_identity(cfg: dict) -> str:
     return out + (f" ({', '.join(extra)})" if extra else "")
 
 
+def k_size(cfg: dict, windows: int):
+    """The length of ``windows`` base windows (events or seconds, as window.size)."""
+    size = cfg["window"]["size"]
+    return int(size) * windows if float(size).is_integer() else float(size) * windows
+
+
 def remove_created(paths) -> None:
     """Remove ``paths`` (created by a start, in that order) in reverse: the lock file, then
     directories left empty; one that is not empty, or gone, stays as it is."""
@@ -442,6 +449,12 @@ class Aggregator(EventTimeWindows):
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
         self._keep_processing_time()
+        from .config import rollup_spans
+        #: window.rollups: {span: base windows per rollup}; their sums live under dir/rollups
+        self.rollup_spans = rollup_spans(cfg)
+        self.rollups = (RollupStore(self.dir / "rollups", self.rollup_spans)
+                        if self.rollup_spans else None)
+        self._rollup_jobs: list[dict] = []  # rollups being estimated in the release worker
         self.control = self.dir / "control"
         #: ledger entries a start decided on, written only once every start check has passed
         #: (a refused start writes nothing)
@@ -556,6 +569,12 @@ class Aggregator(EventTimeWindows):
     def check_identity(self) -> dict:
         """Record the state directory's identity at its first start; refuse (or, with
         ``accept_change``, ledger) a later start with other settings."""
+        if not self.aggregation and (self.dir / "aggregations.json").exists():
+            # its aggregations' ledgers below hold charges this one would not see
+            raise ServiceError(
+                f"checkpoint.dir {self.dir} holds several aggregations (also what "
+                "window.rollup_design = tree or hybrid runs); use their config (the same "
+                "[aggregations] or rollup design) or a new checkpoint.dir")
         mine = dict(identity_of(self.cfg), **directory_identity(self.cfg))
         recorded = self.ledger.identity()
         if recorded is None:
@@ -616,6 +635,7 @@ class Aggregator(EventTimeWindows):
         self.metrics.window_id.set(task.window["id"])
         self.metrics.window_events.set(task.window["events"])
         self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
+        self._recover_rollups(task)
 
     def restore_task(self, task: WindowTask, *, where: str, commit: bool = True) -> None:
         """Resume ``task`` from its latest checkpoint (see :mod:`.window`): a fresh state (or
@@ -844,7 +864,9 @@ class Aggregator(EventTimeWindows):
         if not self.aggregation:
             return []
         out = []
-        for path in sorted(self.dir.parent.glob("*/ledger.jsonl")):
+        # (and a one-aggregation ledger at the top, which the set refuses to start over)
+        for path in sorted([*self.dir.parent.glob("*/ledger.jsonl"),
+                            *self.dir.parent.glob("ledger.jsonl")]):
             if path.parent.resolve() == self.dir.resolve():
                 continue
             try:
@@ -1040,6 +1062,8 @@ class Aggregator(EventTimeWindows):
         self._maybe_snapshot(self.task)
         if self.task.inflight:
             self._collect_releases(self.task)
+        if self._rollup_jobs:
+            self._collect_rollups(self.task)
         self._handle_control()
         if self.task.pending:
             self._publish_pending(self.task)
@@ -1059,6 +1083,8 @@ class Aggregator(EventTimeWindows):
         """Publish what is pending; a run must not end looking successful if it could not."""
         if self.task.inflight:  # a finite run's last windows: wait for their releases
             self._collect_releases(self.task, wait=True)
+        if self._rollup_jobs:
+            self._collect_rollups(self.task, wait=True)
         if self.task.pending:
             self.publisher.retry_now(wait_s=10.0)
             self._publish_pending(self.task)
@@ -1427,6 +1453,7 @@ class Aggregator(EventTimeWindows):
         release = self._ledgered_release(task, closing)
         if release is not None:
             task.pending.append(json.dumps(release, allow_nan=False))
+            self._fold_rollups(task)
         if task.queue:  # after a restart: the next closed window to replay, or the open one
             self._open_next(task, closing)
             if not task.queue and task.close_at is None:
@@ -1474,7 +1501,7 @@ class Aggregator(EventTimeWindows):
             future = self.worker.submit(
                 task.state, model=self.model, loss=self.loss, window=wid, rng=self._rng(1, wid),
                 error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
-                method=release_method(self.cfg))
+                method=release_method(self.cfg), keep_view=self.rollups is not None)
             job = {"window": closing, "start": start, "ranges": ranges, "charge": charge,
                    "end_offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals),
                    "future": future, "extra": extra}
@@ -1555,7 +1582,7 @@ class Aggregator(EventTimeWindows):
         while task.inflight and (wait or task.inflight[0]["future"].done()):
             job = task.inflight[0]
             try:
-                release, started, ended = job["future"].result()
+                release, started, ended, *view = job["future"].result()
             except Exception as exc:
                 raise ServiceError(f"the release of window {job['window']['id']} failed in the "
                                    f"release worker ({type(exc).__name__}: {exc}); it is "
@@ -1577,6 +1604,9 @@ class Aggregator(EventTimeWindows):
             _fault("release-ledgered")
             task.pending.append(doc)
             task.inflight.pop(0)
+            if view:
+                self._keep_view(closing, release, *view[0])
+                self._fold_rollups(task)
             if job.get("checkpoint") is not None:
                 # event time: at once (its start was fixed at the close, whatever the loop does
                 # now), so that at most one ledgered window is ahead of the checkpoint (a
@@ -1669,10 +1699,11 @@ class Aggregator(EventTimeWindows):
         if not self._budget_allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
                                    task=task):
             return None
+        view: list | None = [] if self.rollups is not None else None
         release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
                                rng=self._rng(1, wid),
                                error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
-                               method=release_method(self.cfg))
+                               method=release_method(self.cfg), view=view)
         if charge > 0:
             warn_if_below_noise(release)
         else:
@@ -1682,6 +1713,8 @@ class Aggregator(EventTimeWindows):
         self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid,
                             window_uid=uid, epsilon_spent=charge, model=self.model,
                             document=doc, **self._position_fields(task, closing, ranges))
+        if view:
+            self._keep_view(closing, release, *view[0])
         return release
 
     def _position_fields(self, task: WindowTask, closing: dict, ranges: dict) -> dict:
@@ -1769,6 +1802,189 @@ class Aggregator(EventTimeWindows):
         except OSError as exc:
             log.warning("could not record the ledger's head in %s (%s); retried at the next "
                         "publication", self.cfg["release"]["dir"], exc.strerror or exc)
+
+    # -- rollups (window.rollups, docs/rollups.md) ---------------------------------------------
+    ROLLUP_ARGUMENT = ("0 eps: the sum of its base windows' release views (the counters each "
+                       "base release was computed from, with its release layer): "
+                       "post-processing of released views (docs/privacy.md section 21)")
+
+    def _keep_view(self, closing: dict, release: dict, counts, layers: int) -> None:
+        """Keep a ledgered base window's release view for the rollups: written (atomically)
+        only after its release entry is in the ledger, so a file never holds a view the ledger
+        did not decide; folded into each rollup's sum by :meth:`_fold_rollups` (idempotent by
+        uid). A crash between the ledger entry and this write loses the window from its
+        rollups: the rollup then names it as missing (never a silent under-count)."""
+        if self.rollups is None:
+            return
+        meta = {"p": float(release["p"]), "mode": release["domain"]["mode"],
+                "size": int(release["domain"]["size"]), "epsilon": float(release["epsilon"]),
+                "neighbor": release["neighbor"], "events": int(closing.get("events", 0)),
+                "started_unix": closing.get("started_unix"),
+                "ended_unix": closing.get("ended_unix")}
+        _fault("rollup-before-view")
+        self.rollups.put_inbox(closing["uid"], closing["id"], counts, layers=int(layers),
+                               n=release.get("n"), meta=meta)
+        _fault("rollup-view-kept")
+
+    def _fold_rollups(self, task: WindowTask) -> None:
+        """Add every kept base view to its rollups' sums, then release the rollups whose last
+        base window is decided. Each step is idempotent: a sum names the uids it holds, and a
+        rollup the ledger already has is not released again."""
+        if self.rollups is None:
+            return
+        for meta, counts in self.rollups.inbox():
+            uid, wid = meta["uid"], int(meta["window"])
+            if self.ledger.get(f"release-{uid}") is None:  # a view is kept after its entry
+                log.error("rollups: the kept view of window %s is not a ledgered release; it is "
+                          "dropped (it is in no rollup)", wid)
+                self.rollups.drop_inbox(uid)
+                continue
+            for span, k in self.rollup_spans.items():
+                idx = wid // k
+                if self.ledger.has(f"rollup-{span}-{idx}") or \
+                        self.ledger.has(f"rollup-refused-{span}-{idx}"):
+                    log.warning("rollups: window %s was released after rollup %s-%s; it is not "
+                                "in it", wid, span, idx)
+                    continue
+                try:
+                    r = self.rollups.load(span, idx) or RollupSum(
+                        span, idx, windows=k, p=meta["p"], mode=meta["mode"],
+                        size=meta["size"])
+                    added = r.update(uid, wid, counts, layers=meta["layers"], n=meta["n"])
+                except RollupError as exc:
+                    raise ServiceError(f"rollups: {exc}; move {self.rollups.dir / span} aside "
+                                       "to start this rollup afresh") from None
+                if added:
+                    r.parts[uid].update(events=meta.get("events"),
+                                        started_unix=meta.get("started_unix"),
+                                        ended_unix=meta.get("ended_unix"),
+                                        epsilon=meta["epsilon"], neighbor=meta["neighbor"])
+                    self.rollups.save(r)
+                    _fault("rollup-folded")
+            self.rollups.drop_inbox(uid)
+        decided = [e["window"] for e in self.ledger.entries
+                   if e["kind"] in ("release", "refused") and isinstance(e.get("window"), int)]
+        if not decided:
+            return
+        last = max(decided)
+        for span, k in self.rollup_spans.items():
+            for idx in self.rollups.open_indices(span):
+                if (idx + 1) * k - 1 <= last:
+                    self._close_rollup(task, span, idx)
+
+    def _close_rollup(self, task: WindowTask, span: str, idx: int) -> None:
+        """Release rollup ``span`` #``idx`` from its sum: the ledger is asked first (every base
+        window a ledgered release of this aggregation), the entry names them and charges 0."""
+        name, rid = f"{span}-{idx}", f"rollup-{span}-{idx}"
+        if any((j["span"], j["idx"]) == (span, idx) for j in self._rollup_jobs):
+            return  # being estimated in the release worker
+        r = self.rollups.load(span, idx)
+        if r is None or self.ledger.has(rid) or self.ledger.has(f"rollup-refused-{span}-{idx}"):
+            self.rollups.remove(span, idx)
+            return
+        try:
+            entries = self.ledger.check_rollup(name, list(r.parts),
+                                               aggregation=self.anchor_name)
+        except BudgetExceeded as exc:
+            log.error("%s", exc)
+            self.ledger.append(entry_id=f"rollup-refused-{span}-{idx}", kind="refused-rollup",
+                               window=name, model=self.model, note=str(exc), rollup=span)
+            self.rollups.remove(span, idx)
+            return
+        by_window = {e["window"]: e for e in self.ledger.entries
+                     if e["kind"] in ("release", "refused") and isinstance(e.get("window"), int)}
+        missing = []
+        for w in r.missing():
+            e = by_window.get(w)
+            if e is None:
+                why = "not counted here (before this service's first window, or no such window)"
+            elif e["kind"] == "refused":
+                why = "refused by the ledger (budget): it has no release"
+            else:
+                why = ("released, but its view was lost in a crash between its ledger entry and "
+                       "the rollup's files (docs/rollups.md)")
+            missing.append({"window": w, "why": why})
+        parts = sorted(r.parts.values(), key=lambda v: v["window"])
+        first = parts[0]
+        job = {"span": span, "idx": idx, "rollup": r, "parts": parts, "entries": entries,
+               "missing": missing}
+        kwargs = dict(p=r.p, layers=r.layers, n=r.n, epsilon=float(first["epsilon"]),
+                      neighbor=first["neighbor"], mode=r.mode, size=r.size, window=name,
+                      loss=self.loss, error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
+                      method=release_method(self.cfg))
+        if self.worker is not None:  # beside the loop: a week of 1e6 counters takes minutes
+            job["future"] = self.worker.call(release_from_view, r.counts, **kwargs)
+            self._rollup_jobs.append(job)
+            return
+        self._finish_rollup(task, job, release_from_view(r.counts, **kwargs))
+
+    def _collect_rollups(self, task: WindowTask, *, wait: bool = False) -> None:
+        """Ledger and queue the rollups the release worker has estimated (in close order)."""
+        while self._rollup_jobs and (wait or self._rollup_jobs[0]["future"].done()):
+            job = self._rollup_jobs.pop(0)
+            try:
+                release = job["future"].result()
+            except Exception as exc:
+                log.error("the release of rollup %s-%s failed in the release worker (%s: %s); "
+                          "its sum stays in %s and it is released at the next start",
+                          job["span"], job["idx"], type(exc).__name__, exc, self.rollups.dir)
+                continue
+            self._finish_rollup(task, job, release)
+
+    def _finish_rollup(self, task: WindowTask, job: dict, release: dict) -> None:
+        span, idx, r, parts = job["span"], job["idx"], job["rollup"], job["parts"]
+        missing, entries = job["missing"], job["entries"]
+        name, rid = f"{span}-{idx}", f"rollup-{span}-{idx}"
+        if self.ledger.has(rid):
+            return
+        started = [v.get("started_unix") for v in parts if v.get("started_unix") is not None]
+        ended = [v.get("ended_unix") for v in parts if v.get("ended_unix") is not None]
+        self._annotate(release, {
+            "kind": "rollup", "size": k_size(self.cfg, r.windows),
+            "events": sum(int(v.get("events") or 0) for v in parts),
+            "started_unix": min(started) if started else None,
+            "ended_unix": max(ended) if ended else None})
+        release["window_info"]["base_kind"] = self.cfg["window"]["kind"]
+        release["rollup"] = {
+            "span": span, "index": idx, "base_windows": r.windows,
+            "first_window": idx * r.windows, "last_window": (idx + 1) * r.windows - 1,
+            "windows": r.covered(), "complete": not missing, "missing": missing,
+            "layers": r.layers, "epsilon_spent": 0.0, "argument": self.ROLLUP_ARGUMENT}
+        if missing:
+            release["caveat"] = (f"rollup {name} holds {len(parts)} of {r.windows} base windows "
+                                 f"(missing: {', '.join(str(m['window']) for m in missing[:5])}"
+                                 f"{' ...' if len(missing) > 5 else ''}); its n and histogram "
+                                 "cover only the windows it names")
+            log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
+                        "which and why)", name, len(parts), r.windows, len(missing))
+        doc = json.dumps(release, allow_nan=False)
+        self.ledger.append(
+            entry_id=rid, kind="rollup", window=name, epsilon_spent=0.0, model=self.model,
+            document=doc, rollup=span, note=self.ROLLUP_ARGUMENT,
+            base_windows=[{"window": e["window"], "uid": e["window_uid"], "seq": e["seq"],
+                           "hash": e["hash"]} for e in entries],
+            missing=[m["window"] for m in missing], n=r.n,
+            stream=identity_of(self.cfg)["stream"], aggregation=self.anchor_name)
+        _fault("rollup-ledgered")
+        task.pending.append(doc)
+        self.rollups.remove(span, idx)
+        self.metrics.rollup_released(span, release)
+        log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
+                 "(estimated in %.1f s)", name, len(parts), r.layers, r.n,
+                 release.get("release_seconds", float("nan")))
+
+    def _recover_rollups(self, task: WindowTask) -> None:
+        """At a start: a rollup ledgered but not yet published (a stop between its entry and
+        the checkpoint holding its document) is published from the ledger; views kept before a
+        stop are folded (each once)."""
+        rel_dir = Path(self.cfg["release"]["dir"])
+        for e in self.ledger.entries:
+            if e["kind"] == "rollup" and e.get("document") and \
+                    not (rel_dir / f"release-{e['window']}.json").exists() and \
+                    e["document"] not in task.pending:
+                task.pending.append(e["document"])
+        if self.rollups is not None:
+            self._fold_rollups(task)
 
     # -- announced audit exports and control requests ------------------------------------------
     def export(self, export_id: str | None = None) -> Path:

@@ -30,17 +30,23 @@ log = logging.getLogger("panagg.service")
 
 
 def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar_reps: int,
-                    method: str | None) -> tuple[dict, float, float]:
+                    method: str | None, keep_view: bool = False):
     """The release of ``state`` (in a worker process): the document, and when it started and
-    ended there (for the in-process overlap and latency figures; never in the document)."""
+    ended there (for the in-process overlap and latency figures; never in the document).
+    With ``keep_view`` (window.rollups) a fourth item: ``(counts, layers)``, the release-layered
+    counters the document was computed from, for the rollups to add up (the same draw: a
+    second draw would be a second view of the window)."""
     from ..release import make_release
 
     started = time.time()
     delay = os.environ.get("PANAGG_TEST_RELEASE_DELAY_S")
     if delay and os.environ.get("PANAGG_TESTING") == "1":
         time.sleep(float(delay))
+    view: list | None = [] if keep_view else None
     doc = make_release(state, model=model, loss=loss, window=window, rng=rng,
-                       error_bar_reps=error_bar_reps, method=method)
+                       error_bar_reps=error_bar_reps, method=method, view=view)
+    if keep_view:
+        return doc, started, time.time(), view[0]
     return doc, started, time.time()
 
 
@@ -87,7 +93,8 @@ class ReleaseWorker:
         return self._pool.submit(compute_release, state, **kwargs)
 
     def call(self, fn, *args, **kwargs) -> Future:
-        """Run ``fn`` (a module-level function) in the pool, e.g. a scale-out merge."""
+        """Run ``fn`` (a module-level function: it is pickled by name) in the pool: a group's
+        merge, a rollup's release (:func:`aggregator.release.release_from_view`)."""
         return self._pool.submit(fn, *args, **kwargs)
 
     def close(self) -> None:

@@ -217,11 +217,13 @@ def release_history(ledger: Ledger, level: float = changes.LEVEL) -> list[dict]:
     of the change against the previous release at ``level`` (:func:`aggregator.changes.compare`:
     per statistic the relative change, the smallest significant change, ``significant`` and
     ``direction`` +1 / 0 / -1)."""
-    rows, prev = [], None
+    rows, last = [], {}  # series (None: the base windows; else the rollup span) -> last doc
     for e in ledger.entries:
-        if e["kind"] not in ("release", "release-document") or not e.get("document"):
+        if e["kind"] not in ("release", "release-document", "rollup") or not e.get("document"):
             continue
         doc = json.loads(e["document"])
+        series = e.get("rollup") if e["kind"] == "rollup" else None
+        prev = last.get(series)
         props = doc.get("properties", {})
         acc = doc.get("accuracy") or {}
         iv = acc.get("intervals") or {}
@@ -238,6 +240,11 @@ def release_history(ledger: Ledger, level: float = changes.LEVEL) -> list[dict]:
             "model": doc.get("model"), "epsilon": doc.get("epsilon"),
             "change": None,
         }
+        if series is not None:  # a rollup: compared with the previous rollup of its span
+            ru = doc.get("rollup") or {}
+            row["rollup"] = {"span": series, "windows": len(ru.get("windows", [])),
+                             "base_windows": ru.get("base_windows"),
+                             "complete": ru.get("complete"), "layers": doc.get("layers")}
         if prev is not None:
             c = changes.compare(prev, doc, level=level)
             row["change"] = {"versus_window": prev.get("window"), "level": level,
@@ -245,7 +252,7 @@ def release_history(ledger: Ledger, level: float = changes.LEVEL) -> list[dict]:
                                                          "direction")}
                                 for k in changes.STATISTICS}}
         rows.append(row)
-        prev = doc
+        last[series] = doc
     return rows
 
 
@@ -264,7 +271,8 @@ def _change_text(row: dict) -> str:
             parts.append(f"{name} {moved} (significant)")
         else:
             parts.append(f"{name}: no significant change")
-    return f"; vs window {c['versus_window']} at level {c['level']:g}: " + ", ".join(parts)
+    what = "rollup" if row.get("rollup") else "window"
+    return f"; vs {what} {c['versus_window']} at level {c['level']:g}: " + ", ".join(parts)
 
 
 def format_history(rows: list[dict]) -> list[str]:
@@ -272,8 +280,12 @@ def format_history(rows: list[dict]) -> list[str]:
     significant at the rows' level (:func:`release_history`), else "no significant change"."""
     if not rows:
         return ["no releases in the ledger yet"]
-    return [f"window {row['window']} at {_fmt_time(row['time_unix'])}: "
-            f"{_release_summary(row)}{_change_text(row)}" for row in rows]
+    return [(f"rollup {row['window']} ({row['rollup']['windows']} of "
+             f"{row['rollup']['base_windows']} windows, 0 extra eps"
+             f"{'' if row['rollup']['complete'] else ', INCOMPLETE'})"
+             if row.get("rollup") else f"window {row['window']}")
+            + f" at {_fmt_time(row['time_unix'])}: {_release_summary(row)}{_change_text(row)}"
+            for row in rows]
 
 
 def plot_history(rows: list[dict], path) -> None:
@@ -287,6 +299,7 @@ def plot_history(rows: list[dict], path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    rows = [r for r in rows if not r.get("rollup")] or rows  # rollups: a scale of their own
     fig = Figure(figsize=(9, 5.5), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 1, sharex=True)
