@@ -270,6 +270,8 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
         print(f"metrics on {url}", file=sys.stderr)
         # for panagg status, once the start succeeded (a refused start writes nothing)
         agg.on_started = lambda: _note_metrics_url(cfg, url)
+        if hasattr(agg, "metrics_url"):   # a group member reports it in the group's topic
+            agg.metrics_url = url
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agg.stop_event.set())
     try:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -285,7 +287,8 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
     topics and ledger, and each releases every event once."""
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
-    extra = ("--set", "ledger.budget_per_event=2", "--set", "aggregations.user.item.field=user",
+    extra = ("--metrics-port", "0",
+             "--set", "ledger.budget_per_event=2", "--set", "aggregations.user.item.field=user",
              "--set", "aggregations.ip.item.field=ip", "--set", "aggregations.ip.state.mode=hashed",
              "--set", "aggregations.ip.state.expected_n=5000")
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
@@ -310,6 +313,22 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
         p.close()
         for name in ("user", "ip"):
             wait_for_total(kafka_broker, GroupTopics(group, name), n, 180, members)
+        # operators see the group: both members, their partitions, who leads, readiness, and
+        # each member's metrics endpoint answers /healthz and /ready
+        time.sleep(6)   # one report interval
+        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status", "--group",
+                              group, "--bootstrap", kafka_broker, "--topic", topic],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        out = res.stdout
+        assert "aggregation ip of group" in out and "aggregation user of group" in out, out
+        assert out.count("leads (ledger, merges)") == 2 and "NOT READY" not in out, out
+        urls = sorted(set(re.findall(r"http://\S+/metrics", out)))
+        assert len(urls) == 2, out
+        for url in urls:
+            for path in ("healthz", "ready"):
+                with urllib.request.urlopen(url.replace("/metrics", f"/{path}"), timeout=5) as r:
+                    assert r.status == 200
     finally:
         members.stop_all()
     try:

@@ -64,6 +64,11 @@ class GroupService:
         self._clients: list = []
         self._txns: list[Transactions] = []
         self._outage_logged: dict[str, float] = {}
+        self._reported = 0.0
+        self._lag_labels: set[str] = set()
+        self._plain = None
+        #: where this member's metrics are served (set by the CLI), for panagg status --group
+        self.metrics_url = ""
 
     # -- Kafka clients -----------------------------------------------------------------------
     def _common(self) -> dict:
@@ -249,12 +254,67 @@ class GroupService:
                 for pipe in self.pipelines:
                     counted += self._stage("counting", pipe, pipe.counter.step, wait)
                     self._stage("leading", pipe, pipe.lead)
+                self.metrics.heartbeat()
+                self._report()
                 if took or counted:
                     idle_since = time.monotonic()
                 elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                     break
         finally:
             self.close()
+
+    def _report(self, every_s: float = 5.0) -> None:
+        """Every few seconds: readiness, the intake's lag, and this member's line in
+        ``<group>.panagg.members`` (what ``panagg status --group`` shows of it). Nothing in it
+        depends on the events' items: partitions, who leads, readiness, message lags."""
+        now = time.monotonic()
+        if now - self._reported < every_s:
+            return
+        self._reported = now
+        failing = [name for name, at in self._outage_logged.items() if now - at < 2 * every_s]
+        reason = f"Kafka errors in {', '.join(sorted(failing))}" if failing else ""
+        self.metrics.set_ready(not failing, reason)
+        lag = self._intake_lag()
+        pipe = self.pipelines[0]
+        line = {"member": self.instance, "host": socket.gethostname(), "pid": os.getpid(),
+                "time_unix": time.time(), "ready": not failing, "reason": reason,
+                "metrics_url": self.metrics_url, "intake_lag_records": lag,
+                "aggregations": {p.name or "-": {
+                    "partitions": sorted(p.counter.tasks) if p.counter else [],
+                    "windows": {str(k): t.window for k, t in (p.counter.tasks.items()
+                                                             if p.counter else [])},
+                    "leads": p.leader is not None} for p in self.pipelines}}
+        try:
+            self._members_producer().send(pipe.topics.members, key=self.instance.encode(),
+                                          value=json.dumps(line).encode())
+        except Exception as exc:  # a report is a convenience; the next one retries
+            log.debug("member report not sent (%s)", type(exc).__name__)
+
+    def _members_producer(self):
+        if self._plain is None:
+            from kafka import KafkaProducer
+            self._plain = KafkaProducer(**self._common(), linger_ms=50)
+            self._clients.append(self._plain)
+        return self._plain
+
+    def _intake_lag(self) -> int | None:
+        """Source records not yet taken by this member's intake (over its partitions)."""
+        try:
+            consumer = self.intake.consumer
+            tps = list(consumer.assignment())
+            if not tps:
+                return 0
+            ends = consumer.end_offsets(tps)
+            behind = {f"{tp.topic}:{tp.partition}": max(0, ends[tp] - consumer.position(tp))
+                      for tp in tps}
+        except Exception:
+            return None
+        for key in self._lag_labels - set(behind):   # partitions that moved away
+            self.metrics.lag.remove(key)
+        for key, n in behind.items():
+            self.metrics.lag.labels(partition=key).set(n)
+        self._lag_labels = set(behind)
+        return int(sum(behind.values()))
 
     def _stage(self, name: str, pipe, step, *args) -> int:
         """One stage's turn; a Kafka error (the broker away, a rebalance under way) costs the

@@ -100,6 +100,16 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
                                        "time_unix": last["time_unix"]}
             decided = {e["window"] for e in rel}
             out["windows_waiting"] = _waiting(consumer, topics, decided)
+            reports = _reports(consumer, topics)
+            now = time.time()
+            for m in out["members"]:
+                r = reports.pop(m["member"], None)
+                if r is not None:
+                    m.update(seen_s_ago=round(now - r["time_unix"], 1), ready=r.get("ready"),
+                             reason=r.get("reason", ""), metrics_url=r.get("metrics_url", ""),
+                             intake_lag_records=r.get("intake_lag_records"))
+            out["gone"] = [{"member": k, "seen_s_ago": round(now - r["time_unix"], 1)}
+                           for k, r in sorted(reports.items())]
         finally:
             consumer.close()
     finally:
@@ -136,6 +146,26 @@ def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
     return {w: sorted(ps) for w, ps in sorted(have.items()) if ps and w not in decided}
 
 
+def _reports(consumer, topics) -> dict[str, dict]:
+    """The latest report of every member that ever wrote one (``<group>.panagg.members``)."""
+    from kafka import TopicPartition
+
+    tp = TopicPartition(topics.members, 0)
+    if topics.members not in (consumer.topics() or set()):
+        return {}
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    end = consumer.end_offsets([tp])[tp]
+    out: dict[str, dict] = {}
+    deadline = time.monotonic() + 10
+    while consumer.position(tp) < end and time.monotonic() < deadline:
+        for recs in consumer.poll(timeout_ms=300).values():
+            for r in recs:
+                if r.value is not None:
+                    out[r.key.decode()] = json.loads(r.value)
+    return out
+
+
 def format_group_status(s: dict) -> list[str]:
     ident = s.get("identity", {})
     name = f"aggregation {s['aggregation']} of " if s.get("aggregation") else ""
@@ -145,8 +175,20 @@ def format_group_status(s: dict) -> list[str]:
     lines.append(f"members ({len(s['members'])}, group {s.get('state', '')}):")
     for m in s["members"]:
         lead = ", leads (ledger, merges)" if m["leads"] else ""
+        health = ""
+        if "seen_s_ago" in m:
+            health = (f"; {'ready' if m['ready'] else 'NOT READY: ' + m['reason']}, reported "
+                      f"{m['seen_s_ago']:.0f} s ago")
+            if m.get("intake_lag_records") is not None:
+                health += f", intake lag {m['intake_lag_records']} record(s)"
+            if m.get("metrics_url"):
+                health += f", {m['metrics_url']}"
         lines.append(f"  {m['member']} on {m['host']}: partitions "
-                     f"{', '.join(map(str, m['partitions'])) or 'none'}{lead}")
+                     f"{', '.join(map(str, m['partitions'])) or 'none'}{lead}{health}")
+    for g in s.get("gone") or []:
+        if g["seen_s_ago"] < 24 * 3600:
+            lines.append(f"  {g['member']}: not in the group, last report {g['seen_s_ago']:.0f} s "
+                         "ago")
     held = {p for m in s["members"] for p in m["partitions"]}
     for row in s.get("partitions", []):
         owner = "" if row["partition"] in held else "  NOT HELD by any member"

@@ -9,6 +9,7 @@ several ``[aggregations.NAME]`` each has its own set, ``<group>.panagg.<NAME>.*`
     <group>.panagg.ledger        the privacy ledger, ONE partition; compacted with unique keys
                                  (nothing is ever removed)
     <group>.panagg.releases      the merged release documents; compacted, key <window>
+    <group>.panagg.members       each member's latest report (partitions, readiness, metrics URL)
     <group>.panagg.intake        per source partition, the next offset already repartitioned
                                  (compacted; the intake never repartitions a record twice, even
                                  after the source group's offsets were reset)
@@ -65,6 +66,11 @@ class GroupTopics:
         return f"{self.group}.panagg.intake"
 
     @property
+    def members(self) -> str:
+        """Each member's latest report (compacted, key = member): partitions, readiness."""
+        return f"{self.group}.panagg.members"
+
+    @property
     def counting_group(self) -> str:
         """The consumer group of the counting stage (over the repartition topic)."""
         return f"{self.prefix}.count"
@@ -79,6 +85,7 @@ class GroupTopics:
             self.ledger: (1, compact),
             self.releases: (1, compact),
             self.intake: (1, compact),
+            self.members: (1, compact),
         }
 
     @staticmethod
