@@ -164,13 +164,15 @@ class Repartitioner:
         decoded = route.decoder.decode(seg.values, seg.keys, seg.headers)
         if decoded.rejected:
             Repartitioner._count_rejects(route.metrics, decoded.rejected)
-        if not len(decoded.items):
-            return
-        idx = np.asarray(route.index_of(decoded.items), dtype=np.int64)
+        idx = (np.asarray(route.index_of(decoded.items), dtype=np.int64) if len(decoded.items)
+               else np.zeros(0, dtype=np.int64))
         part = idx % route.partitions
         local = (idx // route.partitions).astype("<i4")
-        for p in np.unique(part):
-            producer.send(route.topic, partition=int(p), timestamp_ms=now_ms,
+        # one message to every partition, empty ones included: how many messages a partition
+        # holds (its offsets, in logs and status) then depends on the polls, never on which
+        # slices the items fell in
+        for p in range(route.partitions):
+            producer.send(route.topic, partition=p, timestamp_ms=now_ms,
                           value=local[part == p].tobytes())
 
     @staticmethod
