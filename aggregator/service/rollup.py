@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from state_store.local import atomic_write
 
 __all__ = ["RollupSum", "RollupStore", "parse_span", "RollupError"]
 
@@ -219,22 +219,9 @@ class RollupSum:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync the directory: the file is the old or the new bytes."""
+    """The old or the new bytes, durably, mode 0600 (sums of release views stay private files)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(path, [data])
 
 
 class RollupStore:

@@ -25,7 +25,6 @@ import threading
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -36,6 +35,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from aggregator.service.charges import ChargeBook
 from aggregator.service.group.ledger_topic import TopicLedger
 from aggregator.service.group.topics import GroupTopics
+from tests.integration.test_faults_kafka import _kafka
 
 D = 1000
 PARTS = 6
@@ -236,14 +236,6 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
           f"{logs.count('not written')} summaries and {logs.count('intake transaction aborted')} "
           f"intake transactions fenced or failed, {logs.count('leading group')} leader starts")
     assert "Traceback" not in logs, members.logs()
-
-
-def _kafka(*args):
-    root = Path(__file__).resolve().parents[2]
-    res = subprocess.run([str(root / "deploy" / "kafka" / "kafka.sh"), *map(str, args)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return res.stdout
 
 
 def test_a_broker_killed_mid_window_and_restarted_loses_and_doubles_nothing(tmp_path):

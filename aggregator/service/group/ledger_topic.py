@@ -109,18 +109,6 @@ class TopicLedger(Ledger):
         self._by_id[entry["id"]] = entry
         return entry
 
-    def _chain_problem(self, entry: dict, seq: int, prev: str) -> str | None:
-        for field, kind in (("seq", int), ("prev", str), ("hash", str)):
-            if not isinstance(entry.get(field), kind) or isinstance(entry.get(field), bool):
-                return f"has no valid {field!r} (the hash chain)"
-        if entry["seq"] != seq:
-            return f"has seq {entry['seq']} where {seq} belongs"
-        if entry["prev"] != prev:
-            return "does not follow the entry before it"
-        if entry_hash(entry) != entry["hash"]:
-            return "does not match its hash (it was edited)"
-        return None
-
     # -- writing (the leader, inside its transaction) ------------------------------------------
     def head(self) -> dict:
         chain = self.entries + self._pending
