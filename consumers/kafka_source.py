@@ -119,11 +119,9 @@ class _SeekOnAssign(ConsumerRebalanceListener):
             key = partition_key(tp.topic, tp.partition)
             self.source.assigned.add(key)
             # the live offsets of the state (not those at start-up): a rejoin after a stall
-            # must continue where the counters are, or it would count records twice.
-            # Partitioned mode seeks from the service, after it holds the partition's lock.
-            if not self.source.partitioned and key in self.source.start_offsets:
+            # must continue where the counters are, or it would count records twice
+            if key in self.source.start_offsets:
                 self.source.consumer.seek(tp, self.source.start_offsets[key])
-        self.source.generation += 1
         # the ownership check needs metadata, a blocking call: not allowed in this IO-thread
         # callback, so poll() does it
         self.source.assignment_changed = True
@@ -143,9 +141,6 @@ class KafkaSource(Source):
         Records per poll (the batch the service counts at once).
     consumer_config
         Extra kafka-python ``KafkaConsumer`` settings.
-    partitioned
-        The service keeps one state per partition (scale-out) and seeks each partition itself
-        once it holds that partition's checkpoint; a partial assignment is then the normal case.
     security
         The ``[security]`` config section (TLS, SASL; :mod:`consumers.kafka_security`), for the
         consumer and the admin client. A connection the cluster refuses for a security reason
@@ -153,15 +148,10 @@ class KafkaSource(Source):
     """
 
     def __init__(self, bootstrap: str, topic: str, group: str, max_records: int = 20000,
-                 consumer_config: dict | None = None, partitioned: bool = False,
-                 security: dict | None = None):
+                 consumer_config: dict | None = None, security: dict | None = None):
         self.topic, self.group, self.max_records = topic, group, int(max_records)
         self.bootstrap = bootstrap
         self._config_cache: dict[str, str] | None = None
-        self.partitioned = bool(partitioned)
-        #: incremented on every assignment: positions may have been reset to the group's
-        #: committed offsets, so a partitioned service seeks all its partitions again
-        self.generation = 0
         self.start_offsets: dict[str, int] = {}
         self.assigned: set[str] = set()
         #: set when the group gave this process only some partitions (another member holds the
@@ -209,7 +199,7 @@ class KafkaSource(Source):
             # nothing read this turn; the service reports the outage and polls again
             log.debug("poll: %s", type(exc).__name__)
             return []
-        if self.assignment_changed and not self.partitioned:
+        if self.assignment_changed:
             everything = self.consumer.partitions_for_topic(self.topic)
             if everything:  # None until the topic's metadata is known: check again next poll
                 self.assignment_changed = False
@@ -249,25 +239,6 @@ class KafkaSource(Source):
             ends = self.consumer.end_offsets(tps, timeout_ms=_CALL_MS)
             found = {tp: (at[tp].offset if at.get(tp) is not None else ends[tp]) for tp in tps}
         return {partition_key(tp.topic, tp.partition): int(off) for tp, off in found.items()}
-
-    # -- partitioned mode: the service drives positions per partition ---------------------------
-    def owned(self) -> set[str]:
-        """Partitions of the topic this member is assigned right now."""
-        return {partition_key(tp.topic, tp.partition) for tp in self.consumer.assignment()
-                if tp.topic == self.topic}
-
-    def partition_count(self) -> int | None:
-        parts = self.consumer.partitions_for_topic(self.topic)
-        return len(parts) if parts else None
-
-    def start_offset(self, key: str) -> int:
-        """Where a partition with no checkpoint starts: the group's committed offset (written
-        only after checkpoints), else the earliest retained record."""
-        tp = parse_partition_key(key)
-        committed = self.consumer.committed(tp)
-        if committed is not None:
-            return int(committed)
-        return int(self.consumer.beginning_offsets([tp])[tp])
 
     # The group can take a partition away at any moment (kafka-python coordinates on its own IO
     # thread); acting on a partition that is no longer assigned is then a no-op, and the
