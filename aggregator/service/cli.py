@@ -258,6 +258,10 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
     from .metrics import Metrics
 
     metrics = Metrics()
+    from .config import rollup_split_line
+    split = rollup_split_line(cfg)
+    if split:
+        logging.getLogger("panagg.service").info(split)
     agg = _make_aggregator(cfg, metrics, **start)
     if cfg["metrics"]["port"] >= 0:
         try:

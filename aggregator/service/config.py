@@ -415,6 +415,21 @@ def _level_name(base: str | None, span: str) -> str:
     return f"{base}-{tail}" if base else tail
 
 
+def rollup_split_line(cfg: dict) -> str | None:
+    """The start's one line for ``window.rollup_design = tree | hybrid``: what each level now
+    spends of the epsilon that was set (None for plain sums, which spend nothing more)."""
+    w = cfg["window"]
+    if not w.get("rollups") or w.get("rollup_design") == "sum" or not cfg.get("aggregations"):
+        return None
+    parts = [f"{name} at eps {over.get('state', {}).get('epsilon', cfg['state']['epsilon']):g}"
+             for name, over in sorted(cfg["aggregations"].items())]
+    return (f"window.rollup_design = {w['rollup_design']}: {', '.join(parts)} (the per-event "
+            f"total {cfg['state']['epsilon']:g} split between the levels: each base window is "
+            "released at that share; rollup_design = sum keeps the base windows at the full "
+            "epsilon and spends nothing on rollups, less accurate for the longer spans; "
+            "docs/rollups.md)")
+
+
 def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
     """``window.rollup_design = tree | hybrid``: each rollup level becomes an aggregation of
     its own (its own live state and window of the span's length), the epsilon of the
@@ -441,8 +456,7 @@ def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
         where = f"aggregations.{name}: " if name else ""
         if one["scale"]["partitioned"]:
             raise ConfigError("window.rollups is not supported with scale.partitioned yet "
-                              "(scale-out is being rebuilt, issue 29); remove window.rollups or "
-                              "run one aggregator")
+                              "(docs/scale-out.md); remove window.rollups or run one aggregator")
         from .rollup import RollupError, parse_span
         try:
             spans = [(str(sp).strip().lower(), parse_span(sp, kind=w["kind"], size=w["size"]))
@@ -661,9 +675,8 @@ def rollup_spans(cfg: dict) -> dict[str, int]:
     if not names:
         return {}
     if cfg["scale"]["partitioned"]:
-        raise ConfigError("window.rollups is not supported with scale.partitioned yet (scale-out "
-                          "is being rebuilt, issue 29); remove window.rollups or run one "
-                          "aggregator")
+        raise ConfigError("window.rollups is not supported with scale.partitioned yet "
+                          "(docs/scale-out.md); remove window.rollups or run one aggregator")
     if cfg["state"]["model"] != "joint":
         raise ConfigError(f"window.rollups needs state.model = joint (got "
                           f"{cfg['state']['model']}: a rollup sums the release views, which "
