@@ -295,6 +295,10 @@ _PLANS: dict = {}  # planned_accuracy's results per configuration (this process)
 
 
 PLAN_WINDOWS = 3  # simulated windows per shape; the plan states the median of their figures
+#: the plan simulates windows of at most this many events: its cost (time and memory, drawn
+#: beside the consume loop at every start) must not grow with window.size (10^8 events drew
+#: 11 GB for 200 s, and a stop waited for it)
+PLAN_MAX_EVENTS = 2_000_000
 
 
 def _zipf_ids(rng, n: int, top: int | None) -> np.ndarray:
@@ -314,6 +318,7 @@ def _planned(counters, p, layers, n, *, hashed, reps, rng, cancel=None) -> dict:
     from .intervals import simulate_counts
 
     rng = np.random.default_rng(rng)
+    n = min(int(n), PLAN_MAX_EVENTS)
     out = {}
     for shape in PLAN_SHAPES:
         if n <= 0:

@@ -291,7 +291,11 @@ def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool,
     reference shapes (aggregator.release.planned_accuracy), as a clause of the plan line."""
     from ..release import PLAN_SHAPES, planned_accuracy
 
+    from ..release import PLAN_MAX_EVENTS
     plan = planned_accuracy(counters, p, layers, n, hashed=hashed, cancel=cancel)
+    capped = (f" (simulated with {PLAN_MAX_EVENTS:,} events per window, not the {n:,} the "
+              "window holds: the plan's cost is bounded, its figures are for that size)"
+              if n > PLAN_MAX_EVENTS else "")
 
     def pct(v):
         return "?" if v is None else f"+-{100 * v:.1f}%"
@@ -300,7 +304,7 @@ def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool,
              f"{PLAN_SHAPES[shape]}" + (" (BELOW THE NOISE: could be off by 2x)"
                                          if v["signal_below_noise"] else "")
              for shape, v in plan.items()]
-    return "; expected error of a release: " + "; ".join(parts)
+    return "; expected error of a release: " + "; ".join(parts) + capped
 
 
 def choose_buckets_for(cfg: dict) -> int:
@@ -966,7 +970,9 @@ class Aggregator(EventTimeWindows):
         thread = getattr(self, "_plan_thread", None)
         if thread is not None:
             self._plan_cancel.set()
-            thread.join()
+            # it stops at its next simulated window (seconds at most); a stop never waits
+            # longer for a log line
+            thread.join(timeout=10)
             self._plan_thread = None
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
