@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -30,3 +31,74 @@ def kafka_broker(tmp_path_factory):
         yield bootstrap
     finally:
         subprocess.run([str(KAFKA_SH), "stop", str(state)], capture_output=True, timeout=120)
+
+
+class RestartableBroker:
+    """A second real broker that tests may stop, kill -9 and start again (the session's
+    ``kafka_broker`` is shared by every test and must stay up). One per session: a restart keeps
+    its state directory, so its port and topics, and costs a warm start instead of a new broker's
+    format and cold start."""
+
+    def __init__(self, state: Path):
+        self.state = state
+        self.bootstrap: str | None = None
+
+    def _sh(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(KAFKA_SH), *args, str(self.state)], capture_output=True,
+                              text=True, timeout=300)
+
+    def running(self) -> bool:
+        return self._sh("status").returncode == 0
+
+    def start(self) -> str:
+        res = self._sh("start")
+        assert res.returncode == 0, res.stderr[-2000:]
+        bootstrap = res.stdout.strip().splitlines()[-1].split("=", 1)[1]
+        assert self.bootstrap in (None, bootstrap), "a restart must keep the port"
+        self.bootstrap = bootstrap
+        return bootstrap
+
+    def stop(self) -> None:
+        """Stop cleanly (SIGTERM, then wait)."""
+        assert self._sh("stop").returncode == 0
+
+    def kill(self) -> None:
+        """kill -9 the broker process."""
+        pid_file = self.state / "pid"
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        pid_file.unlink()
+
+
+@pytest.fixture(scope="session")
+def _restartable_broker(tmp_path_factory):
+    missing = [tool for tool in ("java", "mvn") if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(f"integration tests need {', '.join(missing)} on PATH (a real broker, no mocks)")
+    broker = RestartableBroker(tmp_path_factory.mktemp("kafka-restartable"))
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def restartable_broker(_restartable_broker) -> RestartableBroker:
+    """A broker for outage and restart tests, running when the test starts; the test may leave
+    it stopped or killed (the next test that asks for it starts it again)."""
+    if not _restartable_broker.running():
+        _restartable_broker.start()
+    return _restartable_broker
+
+
+@pytest.fixture(autouse=True)
+def _no_plan_simulation_in_process(request, monkeypatch):
+    """An Aggregator started inside the test process computes no simulated expected errors in
+    its plan thread (the thread still starts, is cancelled and joined by close()). That thread
+    re-simulated whole releases at every start of a short in-process run and was cancelled
+    before it could cache them: 57 s -> 6 s for one test of tests/test_privacy_crash.py. The
+    plan itself is tested directly (tests/test_release_accuracy.py), and every service started
+    as a subprocess (tests/test_cli.py, tests/integration) runs the real thread. A test that
+    needs the real thread in process says @pytest.mark.plan_thread."""
+    if request.node.get_closest_marker("plan_thread") is None:
+        import aggregator.service.process as process
+        monkeypatch.setattr(process.Aggregator, "_log_planned_errors", lambda self: None)

@@ -190,17 +190,18 @@ def test_aggregator_environment_is_a_valid_panagg_config(compose):
         # the metrics port is the container side of the one published port
         ports = _ports(svc)
         assert [c for _, _, c in ports] == [str(cfg["metrics"]["port"])]
-        # scale-out: one state per partition, checkpoints on the volume all members share
+        # scale-out on Kafka alone (issue 29): shared state in Kafka internal topics, each member
+        # only its own scratch volume
         assert cfg["scale"]["partitioned"] is True
+        assert cfg["scale"]["store"] == "kafka"
         volumes = [(s, t) for s, t in _mounts(svc) if not s.startswith((".", "/"))]
-        assert len(volumes) == 1, f"{name}: expected one named volume"
+        assert len(volumes) == 1, f"{name}: expected one named (scratch) volume"
         target = volumes[0][1].rstrip("/") + "/"
         assert cfg["checkpoint"]["dir"].startswith(target)
         assert cfg["release"]["dir"].startswith(target)
         assert svc["depends_on"]["kafka-init"]["condition"] == "service_completed_successfully"
         assert svc["stop_signal"] == "SIGTERM" and svc.get("stop_grace_period")
-    volumes = [_mounts(compose["services"][n])[0][0] for n in AGGREGATORS]
-    assert len(set(volumes)) == 1, "partition handover needs one volume shared by all aggregators"
+    # scale.store = kafka: no volume shared (test_aggregators_share_no_volume)
     assert all("profiles" not in compose["services"][n] for n in AGGREGATORS)
     # static membership ids must differ (the derived default is the same in every container)
     ids = [c["source"]["instance_id"] for c in configs.values()]
@@ -209,6 +210,26 @@ def test_aggregator_environment_is_a_valid_panagg_config(compose):
     assert len(topics) == 1
     init_cmd = compose["services"]["kafka-init"]["command"]
     assert init_cmd[init_cmd.index("--topic") + 1] in topics
+
+
+def test_aggregators_share_no_volume(compose):
+    """scale.store = kafka: nothing the members share is on a volume (no panagg-state any more)."""
+    owners: dict[str, list[str]] = {}
+    for name in AGGREGATORS:
+        for source, _ in _mounts(compose["services"][name]):
+            owners.setdefault(source, []).append(name)
+    shared = {s: n for s, n in owners.items() if len(n) > 1}
+    assert not shared, f"volumes mounted into several aggregators: {shared}"
+    ids = [_agg_config(compose, n)["source"]["instance_id"] for n in AGGREGATORS]
+    assert all(ids) and len(set(ids)) == len(ids), f"static-membership ids: {ids}"
+
+
+def test_aggregator_healthcheck_is_healthz_on_the_metrics_port(compose):
+    for name in AGGREGATORS:
+        svc = compose["services"][name]
+        test = " ".join(svc["healthcheck"]["test"])
+        port = _agg_config(compose, name)["metrics"]["port"]
+        assert f"http://127.0.0.1:{port}/healthz" in test, f"{name}: {test}"
 
 
 def test_dockerfile_is_slim_nonroot_and_runs_panagg():
@@ -477,3 +498,254 @@ def test_example_config_loads_and_is_complete():
     assert cfg["checkpoint"]["dir"].startswith(state_dir + "/")
     assert cfg["release"]["dir"].startswith(state_dir + "/")
     assert cfg["metrics"]["host"] == "127.0.0.1"
+
+
+# -- Kubernetes (deploy/kubernetes/) ---------------------------------------------------------------
+# Scale-out on Kafka alone (issue 29): a Deployment of N replicas, no volume for state, probes on
+# /healthz and /ready, the config from a ConfigMap, SASL/TLS material from a Secret. Checked
+# offline: the JSON schemas of the Kubernetes API (bundled with kubernetes-validate, strict: an
+# unknown field fails), then the same code checks as the compose file.
+K8S = DEPLOY / "kubernetes"
+# the oldest and the newest API version the manifests are checked against (both bundled with the
+# pinned kubernetes-validate)
+K8S_VERSIONS = ("1.29.0", "1.37.0")
+K8S_FAKE_POD = "panagg-6f9c8d7b5-x2k4q"  # what metadata.name of a Deployment's pod looks like
+
+
+@pytest.fixture(scope="module")
+def k8s_docs() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append((path.name, doc))
+    return docs
+
+
+def _k8s_one(docs, kind: str) -> dict:
+    found = [d for _, d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"deploy/kubernetes: expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _pod(docs) -> dict:
+    return _k8s_one(docs, "Deployment")["spec"]["template"]["spec"]
+
+
+def _container(docs) -> dict:
+    containers = _pod(docs)["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def _secret_data(secret: dict) -> dict[str, str]:
+    import base64
+    out = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    out.update(secret.get("stringData") or {})
+    return out
+
+
+def _container_env(docs, secret: dict) -> dict[str, str]:
+    """The container's environment as the kubelet would set it for pod K8S_FAKE_POD."""
+    env = {}
+    for var in _container(docs).get("env", []):
+        src = var.get("valueFrom")
+        if src is None:
+            env[var["name"]] = str(var.get("value", ""))
+        elif "fieldRef" in src:
+            assert src["fieldRef"]["fieldPath"] == "metadata.name", var
+            env[var["name"]] = K8S_FAKE_POD
+        elif "secretKeyRef" in src:
+            ref = src["secretKeyRef"]
+            assert ref["name"] == secret["metadata"]["name"], var
+            data = _secret_data(secret)
+            assert ref["key"] in data or ref.get("optional"), var
+            if ref["key"] in data:
+                env[var["name"]] = data[ref["key"]]
+        else:
+            pytest.fail(f"deploy/kubernetes: env {var['name']}: unexpected source {src}")
+    return env
+
+
+def _k8s_config(docs, tmp_path: Path) -> tuple[dict, dict]:
+    """(config, env) of one replica through the real loader: the ConfigMap's TOML with the
+    Secret's files written where the Deployment mounts them (moved under tmp_path) and the
+    container's environment."""
+    pod, container = _pod(docs), _container(docs)
+    configmap, secret = _k8s_one(docs, "ConfigMap"), _k8s_one(docs, "Secret")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    toml_text = None
+    secret_dirs = []
+    for mount in container["volumeMounts"]:
+        vol = volumes[mount["name"]]
+        if "configMap" in vol and mount["mountPath"] == CONTAINER_CONFIG:
+            assert vol["configMap"]["name"] == configmap["metadata"]["name"]
+            toml_text = configmap["data"][mount["subPath"]]
+        elif "secret" in vol:
+            assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+            data = _secret_data(secret)
+            items = vol["secret"].get("items") or [{"key": k, "path": k} for k in data]
+            where = tmp_path / "secret" / mount["name"]
+            for item in items:
+                assert item["key"] in data, f"Secret lacks {item['key']}"
+                (where / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+                (where / item["path"]).write_text(data[item["key"]])
+            secret_dirs.append((mount["mountPath"].rstrip("/") + "/", str(where) + "/"))
+    assert toml_text is not None, f"no ConfigMap mounted at {CONTAINER_CONFIG}"
+    for mount_path, local in secret_dirs:
+        toml_text = toml_text.replace(mount_path, local)
+    path = tmp_path / "panagg.toml"
+    path.write_text(toml_text)
+    env = _container_env(docs, secret)
+    cfg = load_config(str(path), env=env)
+    return cfg, env
+
+
+CONTAINER_CONFIG = "/etc/panagg/panagg.toml"
+
+
+def test_kubernetes_manifests_parse(k8s_docs):
+    kinds = sorted(d["kind"] for _, d in k8s_docs)
+    assert {"ConfigMap", "Secret", "Deployment", "Service"} <= set(kinds), kinds
+    for name, doc in k8s_docs:
+        assert doc.get("apiVersion") and doc.get("metadata", {}).get("name"), name
+    assert not {"PersistentVolumeClaim", "PersistentVolume", "StatefulSet"} & set(kinds)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_manifests_validate_against_the_api_schemas(k8s_docs, version):
+    import kubernetes_validate  # the test extra pins it: a missing install fails, never skips
+    for name, doc in k8s_docs:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"deploy/kubernetes/{name}: {doc['kind']} is not valid Kubernetes "
+                        f"{version}: {str(exc).splitlines()[0]} at {list(exc.path)}")
+
+
+def test_kubernetes_config_is_scale_out_on_kafka(k8s_docs, tmp_path):
+    cfg, env = _k8s_config(k8s_docs, tmp_path)
+    assert cfg["source"]["kind"] == "kafka"
+    assert cfg["scale"]["partitioned"] is True
+    assert cfg["scale"]["store"] == "kafka"
+    # static membership: the pod's name, distinct for every replica
+    assert env["PANAGG_SOURCE_INSTANCE_ID"] == K8S_FAKE_POD
+    assert cfg["source"]["instance_id"] == K8S_FAKE_POD
+    # SASL and TLS from the Secret, never inline
+    sec = cfg["security"]
+    assert sec["protocol"] == "SASL_SSL" and sec["sasl_mechanism"].startswith("SCRAM-")
+    assert sec["password_file"] and not sec["password"] and not sec["allow_inline_password"]
+    assert sec["ca_file"] and sec["check_hostname"] is True
+    assert Path(sec["password_file"]).read_text() == _secret_data(
+        _k8s_one(k8s_docs, "Secret"))["sasl-password"]
+
+
+def test_kubernetes_env_names_are_accepted_by_the_config_loader(k8s_docs):
+    from aggregator.service.config import NON_SETTING_ENV
+    known = {f"PANAGG_{s.upper()}_{k.upper()}" for s, keys in DEFAULTS.items() for k in keys}
+    names = [v["name"] for v in _container(k8s_docs).get("env", [])]
+    assert len(names) == len(set(names))
+    unknown = {n for n in names if n.startswith("PANAGG_")} - known - set(NON_SETTING_ENV)
+    assert not unknown, f"not configuration keys: {sorted(unknown)}"
+    assert "PANAGG_SECURITY_PASSWORD" not in names  # the loader refuses it: secrets by file/name
+
+
+def test_kubernetes_deployment_is_replicated_and_stateless(k8s_docs, tmp_path):
+    deployment = _k8s_one(k8s_docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    pod, container = _pod(k8s_docs), _container(k8s_docs)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for name, vol in volumes.items():
+        kinds = set(vol) - {"name"}
+        assert kinds <= {"emptyDir", "configMap", "secret"}, f"volume {name}: {kinds}"
+    scratch = [m for m in container["volumeMounts"] if "emptyDir" in volumes[m["name"]]]
+    writable = [m["mountPath"].rstrip("/") + "/" for m in scratch if not m.get("readOnly")]
+    cfg, env = _k8s_config(k8s_docs, tmp_path)
+    # the root filesystem is read-only: everything written is on an emptyDir
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    for what, path in (("checkpoint.dir", cfg["checkpoint"]["dir"]),
+                       ("release.dir", cfg["release"]["dir"]),
+                       ("MPLCONFIGDIR", env["MPLCONFIGDIR"])):
+        assert any((path.rstrip("/") + "/").startswith(w) for w in writable), \
+            f"{what} = {path} is not on a writable emptyDir ({writable})"
+    for mount in container["volumeMounts"]:
+        if set(volumes[mount["name"]]) & {"configMap", "secret"}:
+            assert mount.get("readOnly") is True, mount["name"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert pod["terminationGracePeriodSeconds"] >= 30  # SIGTERM: a final commit
+
+
+def test_kubernetes_runs_as_the_images_user():
+    text = DOCKERFILE.read_text()
+    uid = int(re.search(r"useradd\b.*?--uid\s+(\d+)", text, flags=re.S).group(1))
+    gid = int(re.search(r"groupadd\b.*?--gid\s+(\d+)", text, flags=re.S).group(1))
+    docs = [(p.name, d) for p in sorted(K8S.glob("*.yaml"))
+            for d in yaml.safe_load_all(p.read_text()) if d]
+    pod, container = _pod(docs), _container(docs)
+    ctx = pod["securityContext"]
+    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == uid and ctx["runAsGroup"] == gid
+    assert ctx["fsGroup"] == gid  # the Secret's files (mode 0440) are readable by the group
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def _get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_kubernetes_probes_hit_the_metrics_servers_health_endpoints(k8s_docs, tmp_path):
+    """The probe paths are the health endpoints of a real Metrics server, on the port the config
+    makes it listen on (the exposition answers any other path with 200: a typo would pass)."""
+    from aggregator.service.metrics import Metrics
+
+    cfg, _ = _k8s_config(k8s_docs, tmp_path)
+    container = _container(k8s_docs)
+    assert cfg["metrics"]["host"] == "0.0.0.0", "the kubelet probes the pod IP, not loopback"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+
+    def target(probe):
+        get = container[probe]["httpGet"]
+        port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
+        assert port == cfg["metrics"]["port"], f"{probe}: port {get['port']}"
+        assert get.get("scheme", "HTTP") == "HTTP"
+        return get["path"]
+
+    paths = {probe: target(probe) for probe in ("livenessProbe", "readinessProbe", "startupProbe")
+             if probe in container}
+    assert {"livenessProbe", "readinessProbe"} <= set(paths)
+    m = Metrics()
+    port = m.serve("127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for probe, path in paths.items():
+            code, body = _get(base + path)
+            assert code == 503 and "start" in body, f"{probe} {path} before the first turn: {body!r}"
+        m.heartbeat()
+        m.set_ready(True)
+        want = {"livenessProbe": "ok\n", "startupProbe": "ok\n", "readinessProbe": "ready\n"}
+        for probe, path in paths.items():
+            assert _get(base + path) == (200, want[probe]), f"{probe} {path}"
+        m.set_ready(False, "Kafka broker unreachable")
+        assert _get(base + paths["readinessProbe"])[0] == 503
+        assert _get(base + paths["livenessProbe"]) == (200, "ok\n")
+    finally:
+        m.close()
+
+
+def test_kubernetes_metrics_service_selects_the_pods(k8s_docs):
+    service = _k8s_one(k8s_docs, "Service")
+    labels = _k8s_one(k8s_docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    names = {p["name"]: p["containerPort"] for p in _container(k8s_docs)["ports"]}
+    for port in service["spec"]["ports"]:
+        assert port["targetPort"] in names or port["targetPort"] in names.values()
+    for doc in (d for _, d in k8s_docs if d["kind"] == "PodDisruptionBudget"):
+        assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()

@@ -126,14 +126,6 @@ def test_a_full_disk_after_a_release_is_seen_and_every_partition_is_read_after(
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
-def _kafka(*args):
-    root = Path(__file__).resolve().parents[2]
-    res = subprocess.run([str(root / "deploy" / "kafka" / "kafka.sh"), *map(str, args)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return res.stdout
-
-
 def _events(url):
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     line = next(x for x in text.splitlines() if x.startswith("panagg_events_total "))
@@ -141,12 +133,12 @@ def _events(url):
 
 
 @pytest.mark.parametrize("how", ["clean", "kill-9"])
-def test_counting_resumes_soon_after_the_broker_returns(tmp_path, how):
-    """A broker of its own (the session's broker is shared): stopped (cleanly or kill -9) for
+def test_counting_resumes_soon_after_the_broker_returns(tmp_path, how, restartable_broker):
+    """The restartable broker (the session's broker is shared): stopped (cleanly or kill -9) for
     12 s while the service runs, restarted on its port; the time from its return to the first
     event counted from a record produced after it (the producer's own connect included)."""
-    state = tmp_path / "kafka"
-    bootstrap = _kafka("start", state).strip().splitlines()[-1].split("=", 1)[1]
+    broker = restartable_broker
+    bootstrap = broker.bootstrap
     topic = make_topic(bootstrap, partitions=2)
     produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(500)])
     args = service_args(bootstrap, topic, tmp_path)
@@ -165,12 +157,11 @@ def test_counting_resumes_soon_after_the_broker_returns(tmp_path, how):
             assert time.time() < deadline, "".join(log)[-3000:]
             time.sleep(0.1)
         if how == "clean":
-            _kafka("stop", state)
+            broker.stop()
         else:
-            os.kill(int((state / "pid").read_text()), signal.SIGKILL)
-            (state / "pid").unlink()
+            broker.kill()
         time.sleep(12)
-        _kafka("start", state)
+        broker.start()
         back = time.monotonic()
         produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(500)])
         while _events(url) < 501:
@@ -192,7 +183,6 @@ def test_counting_resumes_soon_after_the_broker_returns(tmp_path, how):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-        _kafka("stop", state)
 
 
 def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):

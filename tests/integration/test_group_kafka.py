@@ -35,7 +35,6 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from aggregator.service.charges import ChargeBook
 from aggregator.service.group.ledger_topic import TopicLedger
 from aggregator.service.group.topics import GroupTopics
-from tests.integration.test_faults_kafka import _kafka
 
 D = 1000
 PARTS = 6
@@ -238,11 +237,12 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
     assert "Traceback" not in logs, members.logs()
 
 
-def test_a_broker_killed_mid_window_and_restarted_loses_and_doubles_nothing(tmp_path):
+def test_a_broker_killed_mid_window_and_restarted_loses_and_doubles_nothing(
+        tmp_path, restartable_broker):
     """A broker of its own (kill -9 while two members count and a window is open), back after
     8 s on the same port: the members stay up and every event is released once."""
-    state = tmp_path / "kafka"
-    bootstrap = _kafka("start", state).strip().splitlines()[-1].split("=", 1)[1]
+    broker = restartable_broker
+    bootstrap = broker.bootstrap
     topic = make_topic(bootstrap)
     group = f"g-{uuid.uuid4().hex[:8]}"
     topics = GroupTopics(group)
@@ -254,10 +254,9 @@ def test_a_broker_killed_mid_window_and_restarted_loses_and_doubles_nothing(tmp_
         time.sleep(4)
         members.start("m2")
         produce(bootstrap, topic, first, 5000)
-        os.kill(int((state / "pid").read_text()), signal.SIGKILL)
-        (state / "pid").unlink()
+        broker.kill()
         time.sleep(8)
-        _kafka("start", state)
+        broker.start()
         produce(bootstrap, topic, second, 5000)
         wait_for_total(bootstrap, topics, 40_000, 180, members)
         assert all(p.poll() is None for p in members.procs.values()), members.logs()
@@ -265,9 +264,7 @@ def test_a_broker_killed_mid_window_and_restarted_loses_and_doubles_nothing(tmp_
         members.stop_all()
     try:
         check_exact(bootstrap, topics, 40_000)
-        _kafka("stop", state)
     except AssertionError as exc:
-        _kafka("stop", state)
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
     assert "Traceback" not in logs, members.logs()

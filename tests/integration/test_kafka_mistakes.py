@@ -10,13 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import msgpack
 from kafka import KafkaConsumer, KafkaProducer
 from tests.integration.test_service_kafka import _scrape, _wait, make_topic
 
-KAFKA_SH = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka.sh"
 
 D = 100
 
@@ -117,19 +115,12 @@ def test_a_new_directory_on_a_group_another_one_used(kafka_broker, tmp_path):
     assert released_n(b) == 700
 
 
-def test_broker_restarts_show_only_panaggs_lines(tmp_path):
-    """A broker of its own, stopped and started again under a running service: kafka-python's
+def test_broker_restarts_show_only_panaggs_lines(tmp_path, restartable_broker):
+    """The restartable broker, stopped and started again under a running service: kafka-python's
     connection aborts and refused reconnects (a dozen ERROR lines) are not in the log, the
     service's own two lines are; it counts every event."""
-    broker = tmp_path / "broker"
-
-    def up():
-        res = subprocess.run([str(KAFKA_SH), "start", str(broker)], capture_output=True,
-                             text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
-        return res.stdout.strip().splitlines()[-1].split("=", 1)[1]
-
-    bootstrap = up()
+    broker = restartable_broker
+    bootstrap = broker.bootstrap
     proc = None
     try:
         topic = new_topic(bootstrap, partitions=2)
@@ -148,11 +139,10 @@ def test_broker_restarts_show_only_panaggs_lines(tmp_path):
         _wait(lambda: _scrape(url[0])["panagg_events"] == 20000, 90, "the first events")
         # (a kill -9 of the broker is left out here: the service can stop on a
         # KafkaConnectionError from the consumer's poll then, a fault of issue 27's first part)
-        assert subprocess.run([str(KAFKA_SH), "stop", str(broker)], capture_output=True,
-                              timeout=120).returncode == 0
+        broker.stop()
         _wait(lambda: _scrape(url[0])["panagg_broker_connected"] == 0, 60, "connected = 0")
         time.sleep(3)  # the client retries its connections meanwhile
-        assert up() == bootstrap  # the same port
+        assert broker.start() == bootstrap  # the same port
         produce(bootstrap, topic, 10000)
         _wait(lambda: _scrape(url[0])["panagg_events"] == 30000, 120, "counting after the restart")
         proc.send_signal(signal.SIGTERM)
@@ -161,7 +151,6 @@ def test_broker_restarts_show_only_panaggs_lines(tmp_path):
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
-        subprocess.run([str(KAFKA_SH), "stop", str(broker)], capture_output=True, timeout=120)
     lines = log_path.read_text().splitlines()
     assert [x for x in lines if " kafka" in x] == []  # no line of kafka-python's own
     assert "Traceback" not in log_path.read_text()

@@ -11,7 +11,6 @@ import sys
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -94,22 +93,36 @@ def live_counts_via_export(tmp_path):
     return state.counts - before, state, doc
 
 
-def topic_records(bootstrap, topic):
-    """{(partition key, offset): value} of every record in ``topic``."""
+def read_to_end(bootstrap, topic, isolation="read_uncommitted", timeout_s=60.0):
+    """Every record of ``topic``, read from the beginning up to the end offsets taken first (no
+    consumer_timeout_ms: that waits its whole length after the last record)."""
     from kafka.structs import TopicPartition
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                             consumer_timeout_ms=5000)
-    parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-    consumer.assign(parts)
-    consumer.seek_to_beginning(*parts)
-    ends = consumer.end_offsets(parts)
-    out = {}
-    while sum(1 for tp in parts if consumer.position(tp) < ends[tp]):
-        for tp, recs in consumer.poll(timeout_ms=2000).items():
-            for r in recs:
-                out[(f"{topic}:{tp.partition}", r.offset)] = r.value
-    consumer.close()
-    return out
+                             isolation_level=isolation)
+    try:
+        deadline = time.monotonic() + timeout_s
+        found = consumer.partitions_for_topic(topic)
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.2)
+            found = consumer.partitions_for_topic(topic)
+        assert found, f"topic {topic} not found"
+        parts = [TopicPartition(topic, p) for p in sorted(found)]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        ends = consumer.end_offsets(parts)
+        out = []
+        while any(consumer.position(tp) < ends[tp] for tp in parts):
+            assert time.monotonic() < deadline, f"{topic}: not read to {ends} in {timeout_s} s"
+            for recs in consumer.poll(timeout_ms=500).values():
+                out.extend(recs)
+        return sorted(out, key=lambda r: (r.partition, r.offset))
+    finally:
+        consumer.close()
+
+
+def topic_records(bootstrap, topic):
+    """{(partition key, offset): value} of every record in ``topic``."""
+    return {(f"{topic}:{r.partition}", r.offset): r.value for r in read_to_end(bootstrap, topic)}
 
 
 def good_item(value):
@@ -159,10 +172,8 @@ def test_kafka_python_msgpack_with_bad_input_and_dead_letters(kafka_broker, tmp_
     assert durable(tmp_path).totals["rejects"] == {"undecodable": 1, "wrong_type": 2,
                                                    "out_of_range": 2, "not_a_map": 1,
                                                    "missing_item": 1, "oversized": 1}
-    consumer = KafkaConsumer(dlq, bootstrap_servers=kafka_broker, auto_offset_reset="earliest",
-                             consumer_timeout_ms=10000, group_id=f"check-{dlq}")
-    got = [(m.key.decode(), m.value, {k: v.decode() for k, v in m.headers}) for m in consumer]
-    consumer.close()
+    got = [(m.key.decode(), m.value, {k: v.decode() for k, v in m.headers})
+           for m in read_to_end(kafka_broker, dlq)]
     # at least once: the export above replayed the window and re-sent them, same keys
     unique = {key: headers for key, _, headers in got}
     assert sorted(h["reason"] for h in unique.values()) == sorted(
@@ -204,10 +215,7 @@ def test_kcat_json_producer_and_release_to_topic(kafka_broker, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     release = json.loads((tmp_path / "releases" / "release-0.json").read_text())
     assert release["n"] == 5000 and release["model"] == "joint" and release["layers"] == 2
-    consumer = KafkaConsumer(out_topic, bootstrap_servers=kafka_broker, auto_offset_reset="earliest",
-                             consumer_timeout_ms=10000, group_id=f"check-{out_topic}")
-    published = [json.loads(m.value) for m in consumer]
-    consumer.close()
+    published = [json.loads(m.value) for m in read_to_end(kafka_broker, out_topic)]
     assert len(published) == 1 and published[0]["histogram"] == release["histogram"]
 
 
@@ -320,10 +328,7 @@ def test_kill_minus_nine_twenty_times_exactly_once(kafka_broker, tmp_path):
     rest = window_items(records, start, {p: 1 << 62 for p, _ in records})
     assert len(rest) == len(items) - 7 * 30000 == state.n
     assert np.array_equal(counts, expected_counts(rest, window=7))
-    consumer = KafkaConsumer(dlq, bootstrap_servers=kafka_broker, auto_offset_reset="earliest",
-                             consumer_timeout_ms=10000, group_id=f"check-{dlq}")
-    dead = {m.key.decode() for m in consumer}
-    consumer.close()
+    dead = {m.key.decode() for m in read_to_end(kafka_broker, dlq)}
     bad = {f"{p}@{off}" for (p, off), v in records.items() if good_item(v) is None}
     assert len(bad) == rounds * 25 and bad <= dead
 
@@ -340,13 +345,15 @@ def test_second_member_in_the_same_group_is_refused(kafka_broker, tmp_path):
         procs.append(subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         time.sleep(4)
+    # until one of them stops (the refused one), for at most 90 s; then stop the other
+    deadline = time.monotonic() + 90
+    while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
     outcomes = []
     for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
         outcomes.append((proc.returncode, err))
     refused = [err for code, err in outcomes if code == 2]
     assert refused, outcomes
@@ -421,17 +428,13 @@ def _wait(cond, timeout_s, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path):
-    """A broker of its own, stopped and started again (same state dir, so the same port) under
+def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path, restartable_broker):
+    """The restartable broker, stopped and started again (same state dir, so the same port) under
     a running service: time windows keep closing by the clock through the outage, the
     broker-connected gauge shows it, counting resumes after it, and SIGTERM during an outage
     stops the service within its bound."""
-    kafka_sh = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka.sh"
-    broker_dir = tmp_path / "broker"
-    up = subprocess.run([str(kafka_sh), "start", str(broker_dir)], capture_output=True,
-                        text=True, timeout=300)
-    assert up.returncode == 0, up.stderr[-2000:]
-    bootstrap = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    broker = restartable_broker
+    bootstrap = broker.bootstrap
     proc = None
     try:
         topic = make_topic(bootstrap, partitions=1)
@@ -456,20 +459,16 @@ def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path):
             time.sleep(0.2)
         _wait(lambda: _scrape(url)["panagg_events"] == 2000, 60, "the first 2000 events")
         _wait(lambda: _scrape(url)["panagg_broker_connected"] == 1, 30, "connected = 1")
-        down = subprocess.run([str(kafka_sh), "stop", str(broker_dir)], capture_output=True,
-                              timeout=120)
-        assert down.returncode == 0
+        broker.stop()
         _wait(lambda: _scrape(url)["panagg_broker_connected"] == 0, 30, "connected = 0")
         releases = _scrape(url)["panagg_releases"]
         time.sleep(7)  # two or more 3 s windows close by the clock with the broker down
         assert _scrape(url)["panagg_releases"] >= releases + 2
-        again = subprocess.run([str(kafka_sh), "start", str(broker_dir)], capture_output=True,
-                               text=True, timeout=300)
-        assert again.returncode == 0 and again.stdout.strip().endswith(bootstrap)  # same port
+        assert broker.start() == bootstrap  # the same port
         produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(1000)])
         _wait(lambda: _scrape(url)["panagg_events"] == 3000, 90, "counting after the outage")
         _wait(lambda: _scrape(url)["panagg_broker_connected"] == 1, 30, "connected = 1 again")
-        subprocess.run([str(kafka_sh), "stop", str(broker_dir)], capture_output=True, timeout=120)
+        broker.stop()
         _wait(lambda: _scrape(url)["panagg_broker_connected"] == 0, 30, "connected = 0 again")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -482,4 +481,3 @@ def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path):
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
-        subprocess.run([str(kafka_sh), "stop", str(broker_dir)], capture_output=True, timeout=120)

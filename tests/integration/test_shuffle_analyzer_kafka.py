@@ -11,11 +11,12 @@ import time
 import uuid
 
 import numpy as np
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from aggregator.service.shuffle_wire import (ParamTag, chunk_record, end_record, new_keypair,
                                              save_private_key, seal_rows)
+from tests.integration.test_service_kafka import read_to_end
 
 B, N, EPS = 200, 400, 20.0
 #: the clients' parameter fingerprint (sealed into every message) at the analyzer's settings
@@ -170,10 +171,7 @@ def test_wrong_key_dead_letters_and_one_refusal(kafka_broker, tmp_path):
     assert "not released" in errors[0] and "no message decrypts" in errors[0]
     assert released(tmp_path) == {}
     assert [e["window"] for e in ledger(tmp_path) if e["kind"] == "refused"] == [0]
-    consumer = KafkaConsumer(dlq, bootstrap_servers=kafka_broker, auto_offset_reset="earliest",
-                             consumer_timeout_ms=5000, enable_auto_commit=False)
-    letters = list(consumer)
-    consumer.close()
+    letters = read_to_end(kafka_broker, dlq)
     assert len(letters) == len(chunks)
     assert all(dict(m.headers)["reason"] == b"undecryptable" for m in letters)
     assert {m.value for m in letters} == set(chunks)

@@ -19,10 +19,11 @@ import time
 import uuid
 
 import numpy as np
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from aggregator.service.config import load_config
+from tests.integration.test_service_kafka import read_to_end
 from aggregator.service.shuffle_client import ShuffleClient
 from aggregator.service.shuffle_wire import (new_keypair, open_boxes, parse_analyzer_record,
                                              parse_client_record, public_key_hex, save_private_key)
@@ -58,11 +59,7 @@ def shuffler_cmd(setargs, *extra):
 
 
 def read_all(bootstrap, topic, isolation="read_committed"):
-    c = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                      enable_auto_commit=False, consumer_timeout_ms=5000, isolation_level=isolation)
-    out = list(c)
-    c.close()
-    return out
+    return read_to_end(bootstrap, topic, isolation)
 
 
 def windows_of(recs):

@@ -145,7 +145,7 @@ class Counter:
             self.consumer.seek(TopicPartition(self.topics.repartition, p), task.position)
         for p in sorted(owned - set(self.tasks)):
             tp = TopicPartition(self.topics.repartition, p)
-            committed = self.consumer.committed(tp, metadata=True)
+            committed = self.consumer.committed(tp, metadata=True, timeout_ms=5000)
             if committed is None or committed.offset is None or committed.offset < 0:
                 window, start = self.first_window, 0
                 self.consumer.seek_to_beginning(tp)

@@ -82,7 +82,7 @@ class TopicLedger(Ledger):
 
     def read_to_end(self, timeout_s: float = 30.0) -> None:
         """Read every committed entry there is now (a new leader does this before it writes)."""
-        end = self._consumer.end_offsets([self._tp])[self._tp]
+        end = self._consumer.end_offsets([self._tp], timeout_ms=10000)[self._tp]
         deadline = time.monotonic() + timeout_s
         while self._consumer.position(self._tp) < end:
             if time.monotonic() > deadline:

@@ -96,7 +96,7 @@ class Repartitioner:
         """Read every committed high-water mark (at start and after each rebalance: a partition
         may come from a member that repartitioned it a moment ago)."""
         reader, tp = self._marks_reader, self._marks_tp
-        end = reader.end_offsets([tp])[tp]
+        end = reader.end_offsets([tp], timeout_ms=10000)[tp]
         deadline = time.monotonic() + timeout_s
         while reader.position(tp) < end and time.monotonic() < deadline:
             for recs in reader.poll(timeout_ms=200).values():
@@ -202,7 +202,7 @@ class Repartitioner:
             for tp in polled:
                 if tp not in self.consumer.assignment():
                     continue
-                committed = self.consumer.committed(tp)
+                committed = self.consumer.committed(tp, timeout_ms=5000)
                 if committed is None:
                     self.consumer.seek_to_beginning(tp)
                 else:

@@ -124,6 +124,23 @@ class GroupService:
                                "(panagg reads it, never creates it) or fix source.topic")
         return want or have
 
+    def _retrying(self, call, what: str):
+        """``call()``, retried while Kafka answers with a retriable error (a broker that has
+        just started has no group coordinator yet) for up to source.connect_timeout_s; then one
+        line."""
+        from kafka.errors import KafkaError
+
+        deadline = time.monotonic() + float(self.cfg["source"]["connect_timeout_s"])
+        while True:
+            try:
+                return call()
+            except KafkaError as exc:
+                if not getattr(exc, "retriable", False) or time.monotonic() > deadline:
+                    raise ServiceError(f"{what} failed ({type(exc).__name__}); check that the "
+                                       "Kafka cluster is up and this client may describe the "
+                                       "group") from None
+                time.sleep(0.5)
+
     def _check_directory(self) -> None:
         """A directory the shared-directory store used is not scratch: its ledger records
         privacy spent. A member never takes it over (a silent switch would forget the charges)."""
@@ -148,7 +165,8 @@ class GroupService:
             anchors = {}
             existing = set(admin.list_topics())
             for pipe in self.pipelines:
-                anchors[pipe.name] = pipe.anchor(admin)
+                anchors[pipe.name] = self._retrying(lambda: pipe.anchor(admin),
+                                                    "reading the group's committed offsets")
                 if anchors[pipe.name] and pipe.topics.ledger not in existing:
                     raise ServiceError(
                         f"the ledger topic {pipe.topics.ledger} is missing, but the group's "
@@ -157,9 +175,10 @@ class GroupService:
                         "spent), or start a new group (another source.group) knowing the old "
                         "charges are not carried over")
             src_topic = cfg["source"]["topic"]
+            listed = self._retrying(lambda: admin.list_group_offsets(cfg["source"]["group"]),
+                                    "reading the source group's committed offsets")
             committed = {tp.partition: om.offset for tp, om in
-                         (admin.list_group_offsets(cfg["source"]["group"]).get(
-                             cfg["source"]["group"]) or {}).items()
+                         (listed.get(cfg["source"]["group"]) or {}).items()
                          if tp.topic == src_topic and om.offset is not None and om.offset > 0}
             for pipe in self.pipelines:
                 retention = cfg["scale"]["repartition_retention_s"] or \
@@ -237,8 +256,13 @@ class GroupService:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.1) -> None:
+        from kafka.errors import KafkaError
         try:
             self.start()
+        except KafkaError as exc:   # one line, never a trace
+            self.close()
+            raise ServiceError(f"the group could not start: Kafka answered "
+                               f"{type(exc).__name__}; check the cluster and try again") from None
         except Exception:
             self.close()
             raise
@@ -293,7 +317,8 @@ class GroupService:
     def _members_producer(self):
         if self._plain is None:
             from kafka import KafkaProducer
-            self._plain = KafkaProducer(**self._common(), linger_ms=50)
+            # a report never blocks the loop (a broker away would hold send() for 60 s)
+            self._plain = KafkaProducer(**self._common(), linger_ms=50, max_block_ms=1000)
             self._clients.append(self._plain)
         return self._plain
 
@@ -304,7 +329,7 @@ class GroupService:
             tps = list(consumer.assignment())
             if not tps:
                 return 0
-            ends = consumer.end_offsets(tps)
+            ends = consumer.end_offsets(tps, timeout_ms=1000)   # never stall the loop
             behind = {f"{tp.topic}:{tp.partition}": max(0, ends[tp] - consumer.position(tp))
                       for tp in tps}
         except Exception:
