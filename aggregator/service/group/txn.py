@@ -26,7 +26,7 @@ __all__ = ["Transactions", "TIMEOUT_S"]
 log = logging.getLogger("panagg.group")
 
 #: how long one transactional step may wait for the broker
-TIMEOUT_S = 30.0
+TIMEOUT_S = 10.0
 
 
 def _wait(producer, result, what: str) -> None:
