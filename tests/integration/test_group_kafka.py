@@ -60,6 +60,14 @@ def member_cmd(bootstrap, topic, group, name, tmp, *extra):
             "--set", "scale.close_grace_s=1", "--set", "release.error_bar_reps=0", *extra]
 
 
+def crash_traces(logs: str) -> list[str]:
+    """The tracebacks in member logs, except CPython's "Exception ignored in ..." reports."""
+    lines = logs.splitlines()
+    return ["\n".join(lines[i:i + 20]) for i, line in enumerate(lines)
+            if line.startswith("Traceback (most recent call last)")
+            and not (i and lines[i - 1].startswith("Exception ignored in"))]
+
+
 class Members:
     """Member processes by name; each run's log kept for the failure message."""
 
@@ -234,7 +242,9 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
     print(f"\n{len(docs)} windows, {members.runs} member runs, "
           f"{logs.count('not written')} summaries and {logs.count('intake transaction aborted')} "
           f"intake transactions fenced or failed, {logs.count('leading group')} leader starts")
-    assert "Traceback" not in logs, members.logs()
+    # no member crashed (CPython's "Exception ignored in ..." at interpreter exit is not a
+    # crash: the release worker's pool stopped at SIGTERM, noted in issue 29's close)
+    assert not crash_traces(logs), members.logs()
 
 
 @pytest.mark.skipif(
