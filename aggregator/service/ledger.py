@@ -276,11 +276,9 @@ class Ledger:
         return max(0.0, self.budget_total - self.spent())
 
     # -- appending -----------------------------------------------------------------------------
-    def append(self, *, entry_id: str, kind: str, window=None, epsilon_spent: float = 0.0,
-               model: str = "", note: str = "", **extra) -> bool:
-        """Record an entry durably; returns False if an entry with that id is already there."""
-        if entry_id in self._by_id:
-            return False
+    def chained_entry(self, *, entry_id: str, kind: str, window=None, epsilon_spent: float = 0.0,
+                      model: str = "", note: str = "", **extra) -> dict:
+        """The next entry of the chain (seq, prev and hash after the current head)."""
         head = self.head()
         entry = {"id": entry_id, "kind": kind, "window": window,
                  "epsilon_spent": float(epsilon_spent), "model": model,
@@ -290,6 +288,15 @@ class Ledger:
         entry.update(extra)
         entry.update(seq=head["seq"] + 1, prev=head["hash"])
         entry["hash"] = entry_hash(entry)
+        return entry
+
+    def append(self, *, entry_id: str, kind: str, window=None, epsilon_spent: float = 0.0,
+               model: str = "", note: str = "", **extra) -> bool:
+        """Record an entry durably; returns False if an entry with that id is already there."""
+        if entry_id in self._by_id:
+            return False
+        entry = self.chained_entry(entry_id=entry_id, kind=kind, window=window,
+                                   epsilon_spent=epsilon_spent, model=model, note=note, **extra)
         _fault(f"ledger-before-{kind}")
         _write_line(self.path, json.dumps(entry, sort_keys=True, allow_nan=False) + "\n")
         _fault(f"ledger-after-{kind}")

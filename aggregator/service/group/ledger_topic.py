@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from ..ledger import GENESIS, Ledger, LedgerError, entry_hash
+from ..ledger import GENESIS, Ledger, LedgerError
 
 __all__ = ["TopicLedger"]
 
@@ -124,15 +124,8 @@ class TopicLedger(Ledger):
             return False
         if producer is None:
             raise LedgerError("the group ledger is written by the leader's transaction only")
-        head = self.head()
-        entry = {"id": entry_id, "kind": kind, "window": window,
-                 "epsilon_spent": float(epsilon_spent), "model": model,
-                 "time_unix": time.time()}
-        if note:
-            entry["note"] = note
-        entry.update(extra)
-        entry.update(seq=head["seq"] + 1, prev=head["hash"])
-        entry["hash"] = entry_hash(entry)
+        entry = self.chained_entry(entry_id=entry_id, kind=kind, window=window,
+                                   epsilon_spent=epsilon_spent, model=model, note=note, **extra)
         producer.send(self.topic, partition=0, key=f"{entry['seq']:012d}".encode(),
                       value=json.dumps(entry, sort_keys=True, allow_nan=False).encode())
         self._pending.append(entry)
