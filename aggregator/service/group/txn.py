@@ -54,26 +54,25 @@ class Transactions:
         return self.producer.send(*args, **kwargs)
 
     def send_offsets(self, offsets, group_metadata) -> None:
-        tm = getattr(self.producer, "_transaction_manager", None)
-        if tm is None or not hasattr(self.producer, "_sender"):
-            self.producer.send_offsets_to_transaction(offsets, group_metadata)
-            return
-        _wait(self.producer, tm.send_offsets_to_transaction(offsets, group_metadata),
-              "the offsets of the transaction")
+        self._bounded(lambda tm: tm.send_offsets_to_transaction(offsets, group_metadata),
+                      lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata),
+                      "the offsets of the transaction")
 
     def commit(self) -> None:
-        tm = getattr(self.producer, "_transaction_manager", None)
-        if tm is None or not hasattr(self.producer, "_sender"):
-            self.producer.commit_transaction()
-            return
-        _wait(self.producer, tm.begin_commit(), "the commit")
+        self._bounded(lambda tm: tm.begin_commit(), self.producer.commit_transaction,
+                      "the commit")
 
     def _abort(self) -> None:
+        self._bounded(lambda tm: tm.begin_abort(), self.producer.abort_transaction, "the abort")
+
+    def _bounded(self, start, unbounded, what: str) -> None:
+        """Start a transactional request on the producer's transaction manager and wait for
+        it at most TIMEOUT_S; a client without those internals gets its own (unbounded) call."""
         tm = getattr(self.producer, "_transaction_manager", None)
         if tm is None or not hasattr(self.producer, "_sender"):
-            self.producer.abort_transaction()
+            unbounded()
             return
-        _wait(self.producer, tm.begin_abort(), "the abort")
+        _wait(self.producer, start(tm), what)
 
     def failed(self, exc: Exception) -> None:
         """Clean up after ``exc`` broke the open transaction: abort it, or start over with a
@@ -89,8 +88,8 @@ class Transactions:
         if not self._remake:
             return
         log.info("transactional producer %s starts over after %s",
-                 getattr(self.producer.config, "get", lambda k: "")("transactional_id")
-                 if hasattr(self.producer, "config") else "", type(exc).__name__)
+                 getattr(self.producer, "config", {}).get("transactional_id", ""),
+                 type(exc).__name__)
         try:
             self.producer.close(timeout=5)
         except Exception:
