@@ -19,10 +19,10 @@ The same hash-chained entries and budget rules as the one-process ledger file
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from ..ledger import GENESIS, Ledger, LedgerError
+from .topics import read_partition
 
 __all__ = ["TopicLedger"]
 
@@ -82,13 +82,10 @@ class TopicLedger(Ledger):
 
     def read_to_end(self, timeout_s: float = 30.0) -> None:
         """Read every committed entry there is now (a new leader does this before it writes)."""
-        end = self._consumer.end_offsets([self._tp], timeout_ms=10000)[self._tp]
-        deadline = time.monotonic() + timeout_s
-        while self._consumer.position(self._tp) < end:
-            if time.monotonic() > deadline:
-                raise LedgerError(f"ledger topic {self.topic}: could not read to its end "
-                                  f"(offset {end}) within {timeout_s:g} s; check the broker")
-            self.tail(0.2)
+        if not read_partition(self._consumer, self._tp, lambda r: self._take(r.value, r.offset),
+                              timeout_s):
+            raise LedgerError(f"ledger topic {self.topic}: could not read to its end within "
+                              f"{timeout_s:g} s; check the broker")
 
     def _take(self, raw: bytes, offset: int) -> dict:
         where = f"ledger topic {self.topic} offset {offset}"

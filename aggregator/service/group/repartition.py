@@ -35,6 +35,8 @@ import numpy as np
 
 from consumers.base import Segment
 
+from .topics import read_partition
+
 __all__ = ["Repartitioner", "Route", "slice_size"]
 
 log = logging.getLogger("panagg.group")
@@ -95,15 +97,12 @@ class Repartitioner:
     def read_marks(self, timeout_s: float = 30.0) -> None:
         """Read every committed high-water mark (at start and after each rebalance: a partition
         may come from a member that repartitioned it a moment ago)."""
-        reader, tp = self._marks_reader, self._marks_tp
-        end = reader.end_offsets([tp], timeout_ms=10000)[tp]
-        deadline = time.monotonic() + timeout_s
-        while reader.position(tp) < end and time.monotonic() < deadline:
-            for recs in reader.poll(timeout_ms=200).values():
-                for r in recs:
-                    topic, _, part = r.key.decode().rpartition(":")
-                    key = (topic, int(part))
-                    self.marks[key] = max(self.marks.get(key, 0), int(r.value))
+        def take(r):
+            topic, _, part = r.key.decode().rpartition(":")
+            key = (topic, int(part))
+            self.marks[key] = max(self.marks.get(key, 0), int(r.value))
+
+        read_partition(self._marks_reader, self._marks_tp, take, timeout_s)
 
     def _above_marks(self, tp, recs):
         """The records of ``recs`` not repartitioned before (all but a reset's replay)."""

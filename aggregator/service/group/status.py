@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from .topics import GroupTopics
+from .topics import GroupTopics, read_partition
 
 __all__ = ["collect_group_status", "format_group_status", "group_aggregations"]
 
@@ -132,17 +132,16 @@ def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
     tp = TopicPartition(topics.summaries, 0)
     consumer.assign([tp])
     consumer.seek_to_beginning(tp)
-    end = consumer.end_offsets([tp])[tp]
     have: dict[int, set[int]] = {}
-    deadline = time.monotonic() + 10
-    while consumer.position(tp) < end and time.monotonic() < deadline:
-        for recs in consumer.poll(timeout_ms=300).values():
-            for r in recs:
-                w, p = (int(x) for x in r.key.decode().split("/"))
-                if r.value is None:
-                    have.get(w, set()).discard(p)
-                else:
-                    have.setdefault(w, set()).add(p)
+
+    def take(r):
+        w, p = (int(x) for x in r.key.decode().split("/"))
+        if r.value is None:
+            have.get(w, set()).discard(p)
+        else:
+            have.setdefault(w, set()).add(p)
+
+    read_partition(consumer, tp, take, timeout_s=10)
     return {w: sorted(ps) for w, ps in sorted(have.items()) if ps and w not in decided}
 
 
@@ -155,14 +154,13 @@ def _reports(consumer, topics) -> dict[str, dict]:
         return {}
     consumer.assign([tp])
     consumer.seek_to_beginning(tp)
-    end = consumer.end_offsets([tp])[tp]
     out: dict[str, dict] = {}
-    deadline = time.monotonic() + 10
-    while consumer.position(tp) < end and time.monotonic() < deadline:
-        for recs in consumer.poll(timeout_ms=300).values():
-            for r in recs:
-                if r.value is not None:
-                    out[r.key.decode()] = json.loads(r.value)
+
+    def take(r):
+        if r.value is not None:
+            out[r.key.decode()] = json.loads(r.value)
+
+    read_partition(consumer, tp, take, timeout_s=10)
     return out
 
 

@@ -24,7 +24,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["GroupTopics", "GroupTopicError"]
+__all__ = ["GroupTopics", "GroupTopicError", "read_partition"]
+
+
+def read_partition(consumer, tp, on_record, timeout_s: float = 30.0) -> bool:
+    """Hand ``on_record`` every record of ``tp`` from ``consumer``'s position up to the end
+    offset it has now (read committed: what is committed now). ``consumer`` is assigned ``tp``
+    (and nothing that has records). False if that end was not reached within ``timeout_s``."""
+    end = consumer.end_offsets([tp], timeout_ms=10000)[tp]
+    deadline = time.monotonic() + timeout_s
+    while consumer.position(tp) < end:
+        if time.monotonic() > deadline:
+            return False
+        for records in consumer.poll(timeout_ms=200).values():
+            for record in records:
+                on_record(record)
+    return True
 
 
 class GroupTopicError(RuntimeError):
