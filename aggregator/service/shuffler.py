@@ -471,6 +471,7 @@ class Shuffler:
         from kafka.structs import OffsetAndMetadata
 
         from .deadletter import dead_letter_record
+        from .group.txn import drop_stale_offsets
 
         t0 = time.monotonic()
         wid = win.wid
@@ -489,6 +490,7 @@ class Shuffler:
         boxes, missing = win.output(self.randomizer, self.public_key)
         stamp = int(time.time() * 1000)
         p = self._producer
+        drop_stale_offsets(p)   # kafka-python would resend an aborted window's offsets
         p.begin_transaction()
         # 1. the window's output and dead letters
         for i in range(0, len(boxes), CHUNK_BOXES):
