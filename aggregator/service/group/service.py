@@ -34,7 +34,7 @@ from ..process import ServiceError
 from .pipeline import MUST_AGREE, Pipeline
 from .repartition import Repartitioner
 from .topics import GroupTopicError
-from .txn import Transactions
+from .txn import Transactions, close_producer
 
 __all__ = ["GroupService", "MUST_AGREE"]
 
@@ -101,7 +101,7 @@ class GroupService:
         try:
             p.init_transactions()
         except Exception:
-            p.close(timeout=5)
+            close_producer(p)
             raise
         if keep:
             self._clients.append(p)
@@ -364,10 +364,7 @@ class GroupService:
     def discard(self, *clients) -> None:
         """Close ``clients`` and forget them (a leader's, when it stops leading)."""
         for client in clients:
-            try:
-                client.close()
-            except Exception:
-                pass
+            _close_client(client)
             if client in self._clients:
                 self._clients.remove(client)
 
@@ -376,11 +373,21 @@ class GroupService:
             txn.close()
         self._txns = []
         for client in reversed(self._clients):
-            try:
-                client.close()
-            except Exception:
-                pass
+            _close_client(client)
         self._clients = []
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+
+def _close_client(client) -> None:
+    """Close a consumer or producer without waiting on a broker that is away."""
+    from kafka import KafkaProducer
+
+    if isinstance(client, KafkaProducer):
+        close_producer(client)
+        return
+    try:
+        client.close()
+    except Exception:
+        pass

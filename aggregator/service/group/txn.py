@@ -29,7 +29,7 @@ import logging
 
 from kafka.errors import KafkaTimeoutError
 
-__all__ = ["Transactions", "TIMEOUT_S", "drop_stale_offsets"]
+__all__ = ["Transactions", "TIMEOUT_S", "drop_stale_offsets", "close_producer"]
 
 log = logging.getLogger("panagg.group")
 
@@ -51,6 +51,23 @@ def drop_stale_offsets(producer) -> None:
     if stale:
         with tm._lock:
             stale.clear()
+
+
+def close_producer(producer, timeout_s: float = 5.0) -> None:
+    """Close ``producer`` for good, whatever the broker does. kafka-python's ``close`` raises
+    when its flush times out (the broker away) before it stops the sender thread, which then
+    lives on: it sent a dead producer's offsets once the broker was back, and the object's
+    ``__del__`` printed a traceback later. Here the sender is stopped without sending."""
+    try:
+        producer.close(timeout=timeout_s)
+        return
+    except Exception:
+        pass
+    sender = getattr(producer, "_sender", None)
+    if sender is not None:
+        sender.force_close()
+        sender.join(timeout_s)
+    producer._closed = True     # its __del__ then has nothing left to do
 
 
 class Transactions:
@@ -109,10 +126,7 @@ class Transactions:
         log.info("transactional producer %s starts over after %s",
                  getattr(self.producer, "config", {}).get("transactional_id", ""),
                  type(exc).__name__)
-        try:
-            self.producer.close(timeout=5)
-        except Exception:
-            pass
+        close_producer(self.producer)
         try:
             self.producer = self._make()
         except Exception as again:  # the broker is still away: try again at the next failure
@@ -120,7 +134,4 @@ class Transactions:
                         type(again).__name__)
 
     def close(self) -> None:
-        try:
-            self.producer.close(timeout=5)
-        except Exception:
-            pass
+        close_producer(self.producer)
