@@ -18,7 +18,7 @@ import pytest
 from aggregator.estimate import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.release import make_release
-from aggregator.service.config import ConfigError, load_config, rollup_spans
+from aggregator.service.config import ConfigError, aggregation_configs, load_config, rollup_spans
 from aggregator.service.ledger import BudgetExceeded, Ledger
 from aggregator.service.rollup import RollupSum
 from aggregator.state import PanPrivateHistogram
@@ -68,13 +68,40 @@ def _histogram(doc):
      "windows); use multiples of '5x' or window.rollup_design = tree"),
     (["window.size=1000", "window.rollups=3x", "state.model=state-only"],
      "window.rollups needs state.model = joint"),
-    (["window.kind=time", "window.size=60", "window.rollups=3x", "scale.partitioned=true", "source.kind=kafka",
-      "source.topic=t"], "window.rollups is not supported with scale.partitioned yet"),
+    (["window.kind=time", "window.size=60", "window.rollups=3x", "window.rollup_design=sum",
+      "scale.partitioned=true", "source.kind=kafka", "source.topic=t"],
+     "window.rollups as sums of base windows (window.rollup_design = sum, and the spans after "
+     "the first with hybrid) is not supported with scale.partitioned yet"),
+    (["window.kind=time", "window.size=60", "window.rollups=3x,6x", "scale.partitioned=true",
+      "source.kind=kafka", "source.topic=t"],   # hybrid: the 6x span would be a sum of 3x
+     "aggregations.r3x: window.rollups as sums of base windows"),
 ])
 def test_bad_rollup_settings_are_refused_with_one_line(sets, fragment):
     with pytest.raises(ConfigError) as exc:
         load_config(None, ["source.kind=generator", *sets], env={})
     assert fragment in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_tree_and_one_span_hybrid_levels_run_in_a_group_and_name_themselves():
+    """In a Kafka-only group every level is an aggregation of its own: tree and a one-span
+    hybrid are allowed; each level's config says what it is (its releases' rollup_level)."""
+    base = ["source.kind=kafka", "source.topic=t", "scale.partitioned=true", "window.kind=time",
+            "window.size=60", "state.domain_size=100"]
+    for design, spans, levels in (("hybrid", "3x", {"r3x": 3}),
+                                  ("tree", "3x,6x", {"r3x": 3, "r6x": 6})):
+        cfg = load_config(None, base + [f"window.rollups={spans}",
+                                        f"window.rollup_design={design}"], env={})
+        got = {name: one for name, one in aggregation_configs(cfg)}
+        assert set(got) == {"base", *levels}
+        share = 1.0 / (1 + len(levels))
+        for name, k in levels.items():
+            level = got[name]["aggregation"]["rollup_level"]
+            assert level == {"span": name[1:], "design": design, "base": "base",
+                             "base_windows": k, "epsilon": pytest.approx(share),
+                             "epsilon_per_event": 1.0, "sums": []}
+            assert got[name]["window"]["size"] == 60 * k
+            assert got[name]["state"]["epsilon"] == pytest.approx(share)
+        assert "rollup_level" not in got["base"]["aggregation"]
 
 
 def test_rollup_spans_from_toml_env_and_flags(tmp_path):
@@ -306,6 +333,14 @@ def test_tree_and_hybrid_designs_split_epsilon_between_level_states(tmp_path, de
         for e in rel:
             doc = json.loads(e["document"])
             assert doc["epsilon"] == pytest.approx(share) and doc["layers"] == 2
+            if name == "base":
+                assert "rollup_level" not in doc
+            else:   # a level's release says which span of which design it is
+                level = doc["rollup_level"]
+                assert (level["span"], level["design"], level["base"]) == (name[1:], design,
+                                                                           "base")
+                assert level["base_windows"] * 1000 == size
+                assert level["epsilon"] == pytest.approx(share)
     assert charged == pytest.approx(1.0)  # the per-event total is state.epsilon
     if design == "hybrid":
         doc = json.loads((tmp_path / "releases" / "r3x" / "release-2x-0.json").read_text())

@@ -454,9 +454,6 @@ def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
                 return given  # nothing to expand
             continue
         where = f"aggregations.{name}: " if name else ""
-        if one["scale"]["partitioned"]:
-            raise ConfigError("window.rollups is not supported with scale.partitioned yet "
-                              "(docs/scale-out.md); remove window.rollups or run one aggregator")
         from .rollup import RollupError, parse_span
         try:
             spans = [(str(sp).strip().lower(), parse_span(sp, kind=w["kind"], size=w["size"]))
@@ -487,6 +484,11 @@ def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
                                           "window.rollup_design = tree")
                     rest.append(f"{kl // k}x" if longer.endswith("x") else longer)
             size = w["size"] * k
+            # what the level's releases say of themselves (the `rollup_level` block)
+            cfg.setdefault("rollup_levels", {})[_level_name(name, span)] = {
+                "span": span, "design": w["rollup_design"], "base": name or "base",
+                "base_windows": k, "epsilon": share, "epsilon_per_event": eps,
+                "sums": rest}
             out[_level_name(name, span)] = keep + common + [
                 ("window", "size", int(size) if float(size).is_integer() else size, src),
                 ("window", "rollups", rest, src)]
@@ -581,7 +583,8 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
 def aggregation_config(cfg: dict, name: str, overrides: dict | None = None) -> dict:
     """The full, validated config of aggregation ``name``: the service's settings, its own
     overrides, and its own directories (``checkpoint.dir/NAME``, ``release.dir/NAME``)."""
-    one = {section: dict(values) for section, values in cfg.items() if section != "aggregations"}
+    one = {section: dict(values) for section, values in cfg.items()
+           if section not in ("aggregations", "rollup_levels")}
     for section, values in (overrides if overrides is not None
                             else cfg["aggregations"][name]).items():
         one[section].update(values)
@@ -598,6 +601,9 @@ def aggregation_config(cfg: dict, name: str, overrides: dict | None = None) -> d
     one["aggregations"] = {}
     one["aggregation"] = {"name": name, "of": sorted(cfg["aggregations"] or [name]),
                           "budget_per_event": cfg["ledger"]["budget_per_event"] or None}
+    level = (cfg.get("rollup_levels") or {}).get(name)
+    if level:
+        one["aggregation"]["rollup_level"] = dict(level)
     return one
 
 
@@ -674,9 +680,15 @@ def rollup_spans(cfg: dict) -> dict[str, int]:
     names = cfg["window"]["rollups"]
     if not names:
         return {}
-    if cfg["scale"]["partitioned"]:
-        raise ConfigError("window.rollups is not supported with scale.partitioned yet "
-                          "(docs/scale-out.md); remove window.rollups or run one aggregator")
+    if cfg["scale"]["partitioned"] and cfg["window"]["rollup_design"] == "sum":
+        # tree and hybrid levels are aggregations of their own (_rollup_levels); only sums
+        # are left, checked again on each level's config
+        raise ConfigError(
+            "window.rollups as sums of base windows (window.rollup_design = sum, and the spans "
+            "after the first with hybrid) is not supported with scale.partitioned yet: a "
+            "group's window summaries carry value counts, not the counters a sum adds; use "
+            "window.rollup_design = tree (every span a level with its own state), or hybrid "
+            "with one span; docs/scale-out.md")
     if cfg["state"]["model"] != "joint":
         raise ConfigError(f"window.rollups needs state.model = joint (got "
                           f"{cfg['state']['model']}: a rollup sums the release views, which "

@@ -1670,6 +1670,9 @@ class Aggregator(EventTimeWindows):
                               "item": item_identity(self.cfg)}
         if self.aggregation:
             release["aggregation"] = dict(self.aggregation, epsilon=self.epsilon)
+            level = release["aggregation"].pop("rollup_level", None)
+            if level:
+                release["rollup_level"] = level
 
     def window_ranges(self, task: WindowTask, window: dict | None = None) -> dict:
         """The source positions ``[start, end)`` per partition the window covers (what its

@@ -62,7 +62,7 @@ class Leader:
     def __init__(self, txn, ledger, summaries, topics, identity: dict, metrics, *,
                  release_dir: str, release_topic: str = "", loss: str = "l1",
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
-                 grace_s: float = 2.0, aggregation: str = ""):
+                 grace_s: float = 2.0, aggregation: str = "", rollup_level: dict | None = None):
         from kafka import TopicPartition
 
         self.txn, self.ledger, self.topics = txn, ledger, topics
@@ -73,6 +73,7 @@ class Leader:
         self.merge = merge
         self.grace_s = float(grace_s)
         self.aggregation = aggregation
+        self.rollup_level = rollup_level
         self.P = int(identity["partitions"])
         self.size = float(identity["window_size"])
         self._tp = TopicPartition(topics.summaries, 0)
@@ -183,6 +184,8 @@ class Leader:
             return
         if self.aggregation:
             release["aggregation"] = {"name": self.aggregation}
+        if self.rollup_level:
+            release["rollup_level"] = dict(self.rollup_level)
         release["window_uid"] = fields["window_uid"]
         release["ranges"] = fields["ranges"]
         release["scale_out"] = {"store": "kafka", "partitions": self.P,

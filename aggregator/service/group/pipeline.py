@@ -191,7 +191,8 @@ class Pipeline:
                       release_topic=cfg["release"]["topic"], loss=cfg["state"]["loss"],
                       error_bar_reps=cfg["release"]["error_bar_reps"],
                       method=release_method(cfg), merge=merge,
-                      grace_s=cfg["scale"]["close_grace_s"], aggregation=self.name)
+                      grace_s=cfg["scale"]["close_grace_s"], aggregation=self.name,
+                      rollup_level=(cfg.get("aggregation") or {}).get("rollup_level"))
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
