@@ -155,8 +155,9 @@ def wait_for_total(bootstrap, topics, total, timeout_s, members):
     pytest.fail(f"releases hold {got} of {total} events after {timeout_s} s\n{members.logs()}")
 
 
-def check_exact(bootstrap, topics, total):
-    """The checks of the module docstring; returns the release documents."""
+def check_exact(bootstrap, topics, total, eps=1.0):
+    """The checks of the module docstring (each position charged ``eps``); returns the release
+    documents."""
     docs = releases(bootstrap, topics)
     windows = [d["window"] for d in docs]
     assert len(windows) == len(set(windows)), "a window was released twice"
@@ -193,7 +194,7 @@ def check_exact(bootstrap, topics, total):
     for part, ss in spans.items():
         for a, b in ss:
             if b > a:
-                assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+                assert book.peak({part: [a, b]}, 0.0) == pytest.approx(eps)
     return docs
 
 
@@ -342,6 +343,40 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     assert (tmp_path / "m1" / "releases" / "user").is_dir(), "each aggregation has its own dir"
+
+
+def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tmp_path):
+    """window.rollups with the default hybrid design in a group: the 6 s span is a level with
+    its own state (an aggregation of its own), eps split 0.5 / 0.5; two members, one killed
+    -9 and restarted; each level releases every event once and says what it is."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.rollups=6s")
+    items = np.minimum(np.random.default_rng().zipf(1.3, 20_000), D - 1)
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        produce(kafka_broker, topic, items[:10_000], 4000)
+        members.kill("m2")
+        members.start("m2")
+        produce(kafka_broker, topic, items[10_000:], 4000)
+        for name in ("base", "r6s"):
+            wait_for_total(kafka_broker, GroupTopics(group, name), len(items), 180, members)
+    finally:
+        members.stop_all()
+    try:
+        base = check_exact(kafka_broker, GroupTopics(group, "base"), len(items), eps=0.5)
+        day = check_exact(kafka_broker, GroupTopics(group, "r6s"), len(items), eps=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert all("rollup_level" not in d and d["epsilon"] == pytest.approx(0.5) for d in base)
+    for d in day:
+        assert d["epsilon"] == pytest.approx(0.5) and d["window_info"]["size"] == 6
+        assert d["rollup_level"] == {"span": "6s", "design": "hybrid", "base": "base",
+                                     "base_windows": 3, "epsilon": 0.5,
+                                     "epsilon_per_event": 1.0, "sums": []}
+        assert d["window_info"]["started_unix"] % 6 == 0    # level windows align with base ones
 
 
 def _released_total(bootstrap, topics):
