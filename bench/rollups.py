@@ -126,6 +126,7 @@ def summarize(text: str) -> list[str]:
             key = (cells[0].split()[0], int(cells[1].replace(",", "")))
             rows.setdefault(key, {})[cells[2]] = [float(x) for x in cells[5:8]]
     regrets: dict = {d: [] for d in DESIGNS}
+    by_profile: dict = {}      # profile -> design -> its regrets (for the held-out choice)
     out = ["| profile | n per hour | resolution | " + " | ".join(
         f"{d} (l1, distinct, entropy)" for d in DESIGNS) + " |",
         "|---|---|---|" + "---|" * len(DESIGNS)]
@@ -142,6 +143,7 @@ def summarize(text: str) -> list[str]:
             for d in DESIGNS:
                 reg = [errs[d][j] / best[j] if best[j] > 0 else 1.0 for j in range(3)]
                 regrets[d].extend(reg)
+                by_profile.setdefault(key[0], {}).setdefault(d, []).extend(reg)
                 cells.append(", ".join(f"{x:.2f}" for x in reg))
             out.append(f"| {key[0]} | {key[1]:,} | {res} | " + " | ".join(cells) + " |")
         hour = got["hour"]
@@ -156,10 +158,38 @@ def summarize(text: str) -> list[str]:
              "Worst / mean regret over every cell, resolution and statistic: " + "; ".join(
                  f"{d} {w:.2f} / {m:.2f}" for d, (w, m) in worst.items())
              + f". Smallest worst regret: **{choice}**; smallest mean regret: **{by_mean}**.",
-             "",
+             "", *held_out(by_profile), "",
              "The target: the hourly release (sum design: the whole eps) over the day release "
              "of each design (> 1: the day is more accurate, relative errors):", "", *target]
     return lines
+
+
+def held_out(by_profile: dict) -> list[str]:
+    """The default chosen out of sample: hold out one profile, pick the design with the
+    smallest mean regret on the others, score the pick on the held-out profile (mean / worst
+    regret); each fixed design's held-out figures alongside."""
+    if len(by_profile) < 2:
+        return []
+    out = ["Held out (leave one profile out; pick: smallest mean regret on the other "
+           "profiles; held-out mean / worst regret):", "",
+           "| held out | pick | pick's mean / worst | " + " | ".join(DESIGNS) + " |",
+           "|---|---|---|" + "---|" * len(DESIGNS)]
+    picked = []
+    for held in sorted(by_profile):
+        rest = [pr for pr in by_profile if pr != held]
+        pick = min(DESIGNS, key=lambda d: float(np.mean(
+            [x for pr in rest for x in by_profile[pr][d]])))
+        mine = by_profile[held]
+        picked.append(float(np.mean(mine[pick])))
+        out.append(f"| {held} | {pick} | {np.mean(mine[pick]):.2f} / {max(mine[pick]):.2f} | "
+                   + " | ".join(f"{np.mean(mine[d]):.2f} / {max(mine[d]):.2f}" for d in DESIGNS)
+                   + " |")
+    fixed = {d: float(np.mean([np.mean(by_profile[pr][d]) for pr in by_profile]))
+             for d in DESIGNS}
+    out += ["", "Mean over the held-out profiles of their mean regret: the procedure "
+            f"{np.mean(picked):.2f}; " + "; ".join(f"{d} fixed {v:.2f}" for d, v in fixed.items())
+            + "."]
+    return out
 
 
 def methods(profile: str = "sc-ru", hourly: int = 10_000) -> list[str]:
