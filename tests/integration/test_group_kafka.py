@@ -32,6 +32,8 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from aggregator.service.charges import ChargeBook
 from aggregator.service.group.ledger_topic import TopicLedger
 from aggregator.service.group.topics import GroupTopics
@@ -330,10 +332,22 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
         assert out.count("leads (ledger, merges)") == 2 and "NOT READY" not in out, out
         urls = sorted(set(re.findall(r"http://\S+/metrics", out)))
         assert len(urls) == 2, out
+        events = {"user": 0.0, "ip": 0.0}
         for url in urls:
             for path in ("healthz", "ready"):
                 with urllib.request.urlopen(url.replace("/metrics", f"/{path}"), timeout=5) as r:
                     assert r.status == 200
+            # each aggregation its own series, labelled as one process labels them
+            with urllib.request.urlopen(url, timeout=5) as r:
+                fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+            for s in fams["panagg_events"].samples:
+                if s.name == "panagg_events_total":
+                    events[s.labels["aggregation"]] += s.value
+            assert {s.labels["aggregation"] for s in fams["panagg_epsilon"].samples} == \
+                {"user", "ip"}
+        # both aggregations' events are counted under their own names (a killed run's counts
+        # are gone with it, so the totals are not n)
+        assert events["user"] > 0 and events["ip"] > 0, events
     finally:
         members.stop_all()
     try:

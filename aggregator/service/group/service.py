@@ -56,8 +56,21 @@ class GroupService:
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.security = client_options(cfg.get("security"))
         named = aggregation_configs(cfg)
-        self.pipelines = [Pipeline(name, one, self, metrics) for name, one in named] \
-            or [Pipeline("", cfg, self, metrics)]
+        if named:
+            # each aggregation its own series (labelled aggregation=NAME, as one process does):
+            # a shared set would mix their counts and let their last-release gauges overwrite
+            # each other
+            from prometheus_client import CollectorRegistry
+
+            from ..metrics import Metrics
+            from ..multi import _ByAggregation
+
+            self.pipelines = [Pipeline(name, one, self, Metrics()) for name, one in named]
+            metrics.registry = CollectorRegistry()
+            metrics.registry.register(_ByAggregation(
+                {p.name: p.metrics.registry for p in self.pipelines}))
+        else:
+            self.pipelines = [Pipeline("", cfg, self, metrics)]
         self.stop_event = threading.Event()
         self.on_started = None
         self.worker = None
@@ -216,7 +229,8 @@ class GroupService:
 
         intake.subscribe([cfg["source"]["topic"]], listener=_Marks())
         self._seed_marks(committed)
-        self.metrics.epsilon.set(float(cfg["state"]["epsilon"]))
+        for pipe in self.pipelines:   # a rollup level's is its share
+            pipe.metrics.epsilon.set(float(pipe.cfg["state"]["epsilon"]))
         self._save_config()
         for pipe in self.pipelines:
             log.info("member %s of %s: %d partition(s), %s mode with %d counters split into %d "
@@ -334,10 +348,12 @@ class GroupService:
                       for tp in tps}
         except Exception:
             return None
-        for key in self._lag_labels - set(behind):   # partitions that moved away
-            self.metrics.lag.remove(key)
-        for key, n in behind.items():
-            self.metrics.lag.labels(partition=key).set(n)
+        for m in {id(p.metrics): p.metrics for p in self.pipelines}.values():
+            # the intake feeds every aggregation: each shows the same lag
+            for key in self._lag_labels - set(behind):   # partitions that moved away
+                m.lag.remove(key)
+            for key, n in behind.items():
+                m.lag.labels(partition=key).set(n)
         self._lag_labels = set(behind)
         return int(sum(behind.values()))
 
