@@ -97,6 +97,21 @@ class ReleaseWorker:
         merge, a rollup's release (:func:`aggregator.release.release_from_view`)."""
         return self._pool.submit(fn, *args, **kwargs)
 
-    def close(self) -> None:
-        """Stop at once: releases not collected are replayed from the source at the next start."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop at once: releases not collected are replayed from the source at the next start.
+
+        The workers are terminated and the pool's manager thread joined before returning: left
+        running (``shutdown(wait=False)`` alone), it raced the interpreter's exit and CPython
+        printed "Exception ignored ... Bad file descriptor" tracebacks at every member's stop."""
+        pool = self._pool
+        # shutdown() forgets both, so take them first
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        manager = getattr(pool, "_executor_manager_thread", None)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout_s)
+        if manager is not None:
+            manager.join(timeout_s)

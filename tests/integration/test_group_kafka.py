@@ -63,11 +63,11 @@ def member_cmd(bootstrap, topic, group, name, tmp, *extra):
 
 
 def crash_traces(logs: str) -> list[str]:
-    """The tracebacks in member logs, except CPython's "Exception ignored in ..." reports."""
+    """The tracebacks in member logs (CPython's "Exception ignored in ..." reports at exit
+    included: an operator sees them all the same)."""
     lines = logs.splitlines()
-    return ["\n".join(lines[i:i + 20]) for i, line in enumerate(lines)
-            if line.startswith("Traceback (most recent call last)")
-            and not (i and lines[i - 1].startswith("Exception ignored in"))]
+    return ["\n".join(lines[max(0, i - 1):i + 20]) for i, line in enumerate(lines)
+            if line.startswith("Traceback (most recent call last)")]
 
 
 class Members:
@@ -245,8 +245,8 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
     print(f"\n{len(docs)} windows, {members.runs} member runs, "
           f"{logs.count('not written')} summaries and {logs.count('intake transaction aborted')} "
           f"intake transactions fenced or failed, {logs.count('leading group')} leader starts")
-    # no member crashed (CPython's "Exception ignored in ..." at interpreter exit is not a
-    # crash: the release worker's pool stopped at SIGTERM, noted in issue 29's close)
+    # no member crashed, and none printed a trace at its stop (the release worker's pool once
+    # did: ReleaseWorker.close now joins it)
     assert not crash_traces(logs), members.logs()
 
 
@@ -280,7 +280,7 @@ def test_a_broker_killed_mid_window_and_restarted_loses_and_doubles_nothing(tmp_
         members.stop_all()
         check_exact(bootstrap, topics, 40_000)
         logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
-        assert not crash_traces(logs) and "KafkaProducer.__del__" not in logs, members.logs()
+        assert not crash_traces(logs), members.logs()
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     finally:
@@ -357,6 +357,8 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     assert (tmp_path / "m1" / "releases" / "user").is_dir(), "each aggregation has its own dir"
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
 
 
 def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tmp_path):
@@ -391,6 +393,8 @@ def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tm
                                      "base_windows": 3, "epsilon": 0.5,
                                      "epsilon_per_event": 1.0, "sums": []}
         assert d["window_info"]["started_unix"] % 6 == 0    # level windows align with base ones
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
 
 
 def _released_total(bootstrap, topics):
