@@ -164,6 +164,38 @@ def summarize(text: str) -> list[str]:
     return lines
 
 
+def bound(profiles, hourly: int, eps: float, reps: int) -> list[str]:
+    """How far any design can take the day at ``eps`` per event: the hour at eps against a
+    day-long window with its own state at the whole eps (no hourly release beside it: what
+    every design that also releases hours can only approach) and the hybrid's day at eps/2.
+    The ratio hour / day at eps bounds what the issue's 3x target can reach."""
+    rng = np.random.default_rng()
+    pe, p2 = p_from_epsilon(eps), p_from_epsilon(eps / 2)
+    designs = {"hour": (1, pe), "day at eps": (24, pe), "hybrid day at eps/2": (24, p2)}
+    lines = [f"eps = {eps:g}; {hourly:,} events per hour; {reps} repetitions; mean relative "
+             "errors (l1 / n, distinct items, entropy), standard errors in brackets; commit "
+             f"{git_rev(['aggregator', 'bench'])}.", "",
+             "| profile (D) | statistic | " + " | ".join(designs) + " | hour / day at eps | "
+             "hour / hybrid day |", "|---|---|" + "---|" * (len(designs) + 2)]
+    for name in profiles:
+        w = real_profile(name)
+        res: dict = {d: [] for d in designs}
+        for _ in range(reps):
+            truths = {hours: rng.multinomial(hourly * hours, w).astype(np.int64)
+                      for hours in (1, 24)}
+            for d, (hours, p) in designs.items():
+                h = truths[hours]
+                res[d].append(errors(h, noisy(h, p, 2), p, 2, hourly * hours))
+        for j, stat in enumerate(STATS):
+            m = {d: mean_se([e[j] for e in v]) for d, v in res.items()}
+            lines.append(f"| {name} ({len(w):,}) | {stat} | " + " | ".join(
+                f"{m[d][0]:.4f} ({m[d][1]:.4f})" for d in designs)
+                + f" | {m['hour'][0] / m['day at eps'][0]:.2f} | "
+                f"{m['hour'][0] / m['hybrid day at eps/2'][0]:.2f} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def held_out(by_profile: dict) -> list[str]:
     """The default chosen out of sample: hold out one profile, pick the design with the
     smallest mean regret on the others, score the pick on the held-out profile (mean / worst
@@ -249,9 +281,15 @@ def main(argv=None) -> None:
     ap.add_argument("--profiles", nargs="*", default=list(PROFILES))
     ap.add_argument("--hourly", nargs="*", type=int, default=[10_000, 100_000])
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--bound", action="store_true", help="hour / a day window at the whole eps "
+                    "(what any design can reach) and / the hybrid day, on --profiles at the "
+                    "first --hourly")
     ap.add_argument("--summarize", metavar="OUTPUT", help="compare the designs from the output "
                     "of an --accuracy run (its printed table)")
     args = ap.parse_args(argv)
+    if args.bound:
+        print("\n".join(bound(args.profiles, args.hourly[0], args.eps, args.reps)))
+        return
     if args.summarize:
         from pathlib import Path
         text = Path(args.summarize).read_text()
