@@ -184,3 +184,13 @@ def test_the_removed_shared_directory_store_is_refused_with_the_way_on():
         _cfg("scale.store=directory")
     msg = str(err.value)
     assert "was removed" in msg and "same source.group" in msg and "\n" not in msg
+
+
+def test_a_forced_release_closes_the_clock_window_or_the_next_undecided_one():
+    """panagg release closes the window open now; asked twice within one window (the first
+    forced close already decided it), it closes the next one, never a decided window again."""
+    from aggregator.service.group.forced import forced_window
+
+    assert forced_window(60.0, next_undecided=10, now=60.0 * 20 + 5) == 20
+    assert forced_window(60.0, next_undecided=21, now=60.0 * 20 + 5) == 21
+    assert forced_window(2.5, next_undecided=0, now=10.0) == 4

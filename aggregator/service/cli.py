@@ -585,9 +585,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                 state_dir=args.state_dir)
     if cfg["scale"]["partitioned"]:
-        raise UsageError("scale.partitioned: the group's leader closes each window on the clock "
-                         "once every partition's summary is in; there is no forced release "
-                         "(docs/scale-out.md)")
+        return _group_release(cfg)
     if cfg["state"]["model"] == "shuffle":
         raise UsageError("state.model = shuffle: a window is released at the shuffler's end "
                          "marker, never before (its noise is complete only then); there is no "
@@ -607,6 +605,32 @@ def cmd_release(args: argparse.Namespace) -> int:
         raise UsageError("the privacy ledger refused the release (budget spent); see "
                          "`ledger.budget_total` in docs/configuration.md")
     print(f"released window {rel['window']} (n={rel['n']:,}) to {cfg['release']['dir']}")
+    return 0
+
+
+def _group_release(cfg: dict) -> int:
+    """A forced release of a Kafka-only group, asked of each aggregation's leader through
+    Kafka (aggregator/service/group/forced.py)."""
+    from consumers.kafka_security import client_options
+
+    from .config import aggregation_configs
+    from .group.forced import ForcedReleaseError, request_release
+    from .group.topics import GroupTopics
+
+    src = cfg["source"]
+    for name, _ in aggregation_configs(cfg) or [("", cfg)]:
+        try:
+            got = request_release(src["bootstrap"], client_options(cfg.get("security")),
+                                  GroupTopics(src["group"], name))
+        except ForcedReleaseError as exc:
+            raise UsageError(str(exc)) from None
+        what = f"{name} window" if name else "window"
+        if got["release"] is None:
+            print(f"{what} {got['window']} closed in every partition; its release follows once "
+                  f"every summary is in (panagg status --group {src['group']} --bootstrap "
+                  f"{src['bootstrap']})")
+        else:
+            print(f"released {what} {got['window']} (by the group's leader)")
     return 0
 
 

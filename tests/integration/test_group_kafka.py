@@ -397,6 +397,63 @@ def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tm
         members.logs()
 
 
+def _intake_caught_up(bootstrap, topic, group, timeout_s=60):
+    """Wait until the source group's committed offsets reach the topic's end (the intake has
+    repartitioned every record, in committed transactions)."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    c = KafkaConsumer(bootstrap_servers=bootstrap)
+    tps = [TopicPartition(topic, p) for p in range(PARTS)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            ends = c.end_offsets(tps)
+            got = admin.list_group_offsets(group).get(group) or {}
+            if all(got.get(tp) is not None and got[tp].offset >= ends[tp] for tp in tps):
+                return
+            time.sleep(0.5)
+    finally:
+        c.close()
+        admin.close()
+    pytest.fail("the intake did not take every record")
+
+
+def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker, tmp_path):
+    """panagg release on a member's directory: the leader writes close markers into every
+    repartition partition; the window open now (hour-long here) is released with exactly the
+    events taken before the request; a second request closes the next window."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=3600")
+    rng = np.random.default_rng()
+    first, second = (np.minimum(rng.zipf(1.3, k), D - 1) for k in (3000, 2000))
+    release = [sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
+               str(tmp_path / "m1" / "state")]
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        produce(kafka_broker, topic, first, 3000)
+        _intake_caught_up(kafka_broker, topic, group)
+        out1 = subprocess.run(release, capture_output=True, text=True, timeout=120)
+        assert out1.returncode == 0, out1.stderr + members.logs()
+        produce(kafka_broker, topic, second, 3000)
+        _intake_caught_up(kafka_broker, topic, group)
+        out2 = subprocess.run(release, capture_output=True, text=True, timeout=120)
+        assert out2.returncode == 0, out2.stderr + members.logs()
+        wait_for_total(kafka_broker, GroupTopics(group), 5000, 60, members)
+    finally:
+        members.stop_all()
+    k1, k2 = (int(re.search(r"released window (\d+)", o.stdout).group(1)) for o in (out1, out2))
+    assert k2 > k1, (out1.stdout, out2.stdout)
+    docs = check_exact(kafka_broker, GroupTopics(group), 5000)
+    n_by = {d["window"]: d["n"] for d in docs}
+    # the forced window held exactly what was taken before the request, the next one the rest
+    assert sum(n for w, n in n_by.items() if w <= k1) == 3000, n_by
+    assert sum(n for w, n in n_by.items() if k1 < w <= k2) == 2000, n_by
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
 def _released_total(bootstrap, topics):
     return sum(d["n"] for d in releases(bootstrap, topics))
 

@@ -29,6 +29,7 @@ import time
 
 from ...release import write_release
 from ..ledger import BudgetExceeded
+from .forced import forced_window
 from .summary import merge_summaries
 
 __all__ = ["Leader"]
@@ -62,7 +63,8 @@ class Leader:
     def __init__(self, txn, ledger, summaries, topics, identity: dict, metrics, *,
                  release_dir: str, release_topic: str = "", loss: str = "l1",
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
-                 grace_s: float = 2.0, aggregation: str = "", rollup_level: dict | None = None):
+                 grace_s: float = 2.0, aggregation: str = "", rollup_level: dict | None = None,
+                 requests=None):
         from kafka import TopicPartition
 
         self.txn, self.ledger, self.topics = txn, ledger, topics
@@ -74,6 +76,8 @@ class Leader:
         self.grace_s = float(grace_s)
         self.aggregation = aggregation
         self.rollup_level = rollup_level
+        #: forced releases asked with panagg release (forced.py)
+        self.requests = requests
         self.P = int(identity["partitions"])
         self.size = float(identity["window_size"])
         self._tp = TopicPartition(topics.summaries, 0)
@@ -98,6 +102,8 @@ class Leader:
 
     # -- the loop's turn ---------------------------------------------------------------------
     def step(self) -> None:
+        if self.requests is not None:
+            self._force()
         for records in self.summaries.poll(timeout_ms=0).values():
             for rec in records:
                 if rec.value is None:
@@ -129,6 +135,23 @@ class Leader:
             self._publish(w, merge_summaries(summaries, **self.merge_kwargs))
         else:
             self._in_flight = (w, self.merge(summaries, **self.merge_kwargs))
+
+    def _force(self) -> None:
+        """A forced release asked for (``panagg release``): close markers for window K in
+        every partition, the answer, one transaction (forced.py)."""
+        from kafka.errors import KafkaError
+
+        rid = self.requests.pending()
+        if rid is None:
+            return
+        k = forced_window(self.size, self.next_window())
+        try:
+            self.requests.answer(self.txn, rid, k, self.P)
+        except KafkaError as exc:
+            self.txn.failed(exc)
+            raise
+        log.info("forced release: window %d%s closes now in every partition (markers written)",
+                 k, f" of {self.aggregation}" if self.aggregation else "")
 
     def _notice_waiting(self, w: int, have: dict) -> None:
         late = time.time() - ((w + 1) * self.size + self.grace_s)

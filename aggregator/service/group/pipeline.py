@@ -24,6 +24,7 @@ from ...hashing import bucket_of
 from ..ledger import LedgerError
 from ..process import ServiceError, choose_buckets_for, release_method
 from .counter import Counter
+from .forced import ReleaseRequests
 from .leader import Leader
 from .ledger_topic import TopicLedger
 from .repartition import Route
@@ -192,10 +193,13 @@ class Pipeline:
                       error_bar_reps=cfg["release"]["error_bar_reps"],
                       method=release_method(cfg), merge=merge,
                       grace_s=cfg["scale"]["close_grace_s"], aggregation=self.name,
-                      rollup_level=(cfg.get("aggregation") or {}).get("rollup_level"))
+                      rollup_level=(cfg.get("aggregation") or {}).get("rollup_level"),
+                      requests=ReleaseRequests(self.clients.consumer(None), self.topics))
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
         if leader is not None:
             leader.txn.close()
             self.clients.discard(leader.summaries)
+            if leader.requests is not None:
+                self.clients.discard(leader.requests.consumer)
