@@ -194,3 +194,43 @@ def test_a_forced_release_closes_the_clock_window_or_the_next_undecided_one():
     assert forced_window(60.0, next_undecided=10, now=60.0 * 20 + 5) == 20
     assert forced_window(60.0, next_undecided=21, now=60.0 * 20 + 5) == 21
     assert forced_window(2.5, next_undecided=0, now=10.0) == 4
+
+
+def test_an_export_slice_set_is_one_state_in_the_intakes_counter_order():
+    """Counter i of the group is slice i mod P's counter i div P: the assembled export holds
+    each counter where one process would, every slice at the same layer count, n summed."""
+    from aggregator.service.group.export import assemble
+    from aggregator.service.group.repartition import slice_size
+    from aggregator.state import PanPrivateHistogram
+
+    D, P = 11, 3
+    truth = np.arange(D) * 100          # far above the noise: each counter recognisable
+    slices = []
+    for p in range(P):
+        st = PanPrivateHistogram(1.0, size=slice_size(D, P, p))
+        mine = truth[p::P]
+        st.add_indices(np.repeat(np.arange(len(mine)), mine))
+        st.rerandomize()
+        slices.append({"state": st.serialize(), "partition": p})
+    whole = assemble(slices)
+    assert whole.size == D and whole.layers == 2 and whole.n == int(truth.sum())
+    assert np.all(np.abs(whole.counts - truth) < 50)
+
+
+def test_a_window_merges_partitions_at_different_layer_counts_at_the_most():
+    """A partition that exported its window holds two more layers; the merge adds fresh
+    layers to the others (never refuses the window) and states the count it used."""
+    from aggregator.service.group.summary import merge_summaries, partition_summary
+    from aggregator.state import PanPrivateHistogram
+
+    info = {"kind": "time", "size": 60.0, "events": 0, "started_unix": 0.0, "ended_unix": 60.0}
+    parts = [PanPrivateHistogram(1.0, size=500) for _ in range(2)]
+    parts[0].add_indices(np.repeat(np.arange(50), 20))
+    parts[1].rerandomize()
+    parts[1].rerandomize()                       # as an export leaves it
+    summaries = [partition_summary(s, model="joint", window=3, partition=p, partitions=2,
+                                   window_info=info) for p, s in enumerate(parts)]
+    assert [s["layers"] for s in summaries] == [2, 4]
+    release = merge_summaries(summaries, error_bar_reps=0)
+    assert release["layers"] == 4 and release["n"] == 1000
+    assert release["domain"]["counters"] == 1000

@@ -454,6 +454,57 @@ def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker
         members.logs()
 
 
+def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
+        kafka_broker, tmp_path, monkeypatch):
+    """panagg audit export on a member's directory: every partition exports its open window's
+    slice with fresh layers around it and closes that window in the same transaction; the
+    leader signs the whole state (D counters, n of the events taken) and ledgers it at eps 0;
+    the window is then released once, every partition's summary at the same layer count."""
+    key = os.urandom(32).hex()
+    monkeypatch.setenv("PANAGG_AUDIT_KEY", key)   # the members sign with it (the leader)
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=3600")
+    items = np.minimum(np.random.default_rng().zipf(1.3, 3000), D - 1)
+    cli = [sys.executable, "-m", "aggregator.service.cli"]
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        produce(kafka_broker, topic, items, 3000)
+        _intake_caught_up(kafka_broker, topic, group)
+        out = subprocess.run(cli + ["audit", "export", "--state-dir",
+                                    str(tmp_path / "m2" / "state")],
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PANAGG_AUDIT_KEY=""))
+        assert out.returncode == 0, out.stderr + members.logs()
+        wait_for_total(kafka_broker, GroupTopics(group), 3000, 60, members)
+    finally:
+        members.stop_all()
+    path = out.stdout.strip().splitlines()[-1]
+    ok = subprocess.run(cli + ["audit", "verify", path], capture_output=True, text=True,
+                        env=dict(os.environ, PANAGG_AUDIT_KEY=key))
+    assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
+    from state_store.audit import read_export
+    from aggregator.state import PanPrivateHistogram
+    doc = read_export(path, bytes.fromhex(key))
+    state = PanPrivateHistogram.deserialize(doc["state"])
+    assert state.size == D and state.n == 3000 and state.layers == 2
+    assert doc["window"]["partitions"] == PARTS and len(doc["offsets"]) == PARTS
+    docs = check_exact(kafka_broker, GroupTopics(group), 3000)
+    exported = [d for d in docs if d["window"] in doc["window"]["windows"]]
+    assert exported and all(d["layers"] == 4 for d in exported)   # 1 + 2 export + release
+    c = KafkaConsumer(bootstrap_servers=kafka_broker, isolation_level="read_committed",
+                      enable_auto_commit=False, group_id=None)
+    ledger = TopicLedger(c, GroupTopics(group).ledger, budget_per_window=1.0)
+    ledger.read_to_end()
+    c.close()
+    exports = [e for e in ledger.entries if e["kind"] == "export"]
+    assert len(exports) == 1 and exports[0]["epsilon_spent"] == 0.0
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
 def _released_total(bootstrap, topics):
     return sum(d["n"] for d in releases(bootstrap, topics))
 

@@ -185,11 +185,18 @@ class Counter:
             for rec in recs:
                 if rec.offset < task.position:
                     continue
-                close = dict(rec.headers or ()).get("close")
+                head = dict(rec.headers or ())
+                close = head.get("close")
                 if close is not None:
-                    # a forced release (forced.py): windows up to it end here, at once
-                    while task.window <= int(close) and self._close(task):
-                        pass
+                    # a forced release or an audit export (forced.py): windows up to it end
+                    # here, at once; an export first takes the open window's slice, which
+                    # is written with that window's close (so no crash replays what it saw)
+                    upto, extra = int(close), None
+                    if "export" in head:
+                        extra = self._export_slice(task, head["export"].decode())
+                        upto = max(upto, task.window)
+                    while task.window <= upto and self._close(task, extra):
+                        extra = None
                     if self.tasks.get(tp.partition) is not task:
                         break  # the close failed: the partition is read again
                     task.position = rec.offset + 1
@@ -212,9 +219,25 @@ class Counter:
                 pass
         return counted
 
-    def _close(self, task: SliceTask) -> bool:
+    def _export_slice(self, task: SliceTask, export_id: str) -> list:
+        """An audit export of the open window's slice (docs/privacy.md section 6): a fresh
+        layer, the snapshot, another fresh layer; returned as the message to write with the
+        window's close."""
+        import msgpack
+
+        task.state.rerandomize()
+        snapshot = task.state.serialize()
+        task.state.rerandomize()
+        value = msgpack.packb({"id": export_id, "partition": task.partition,
+                               "partitions": self.P, "window": task.window,
+                               "range": [task.start, task.position], "member": self.member,
+                               "state": snapshot}, use_bin_type=True)
+        return [(self.topics.exports, f"slice/{export_id}/{task.partition}".encode(), value)]
+
+    def _close(self, task: SliceTask, extra: list | None = None) -> bool:
         """Write task's window summary and its partition's next start in one transaction
-        (False: not written, the window is dropped and replayed)."""
+        (False: not written, the window is dropped and replayed); ``extra`` messages
+        (topic, key, value) go in the same transaction."""
         from kafka import TopicPartition
         from kafka.structs import OffsetAndMetadata
 
@@ -227,6 +250,7 @@ class Counter:
                 "started_unix": w * self.size, "ended_unix": (w + 1) * self.size,
                 "start_offset": task.start, "end_offset": end}
         if refused:
+            extra = None   # a replay of charged positions: no export of it either
             summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
                        "partitions": self.P, "refused": refused, "ranges": ranges,
                        "member": self.member}
@@ -244,6 +268,8 @@ class Counter:
             txn.begin()
             txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
                      value=json.dumps(summary, allow_nan=False).encode())
+            for topic, key, value in extra or ():
+                txn.send(topic, partition=0, key=key, value=value)
             tp = TopicPartition(self.topics.repartition, p)
             txn.send_offsets({tp: OffsetAndMetadata(end, meta, -1)}, self.consumer.group_metadata())
             txn.commit()

@@ -28,12 +28,16 @@ import math
 import time
 import uuid
 
-__all__ = ["ReleaseRequests", "request_release", "ForcedReleaseError", "REQUEST", "DONE"]
+__all__ = ["ReleaseRequests", "request_release", "request_export", "ForcedReleaseError",
+           "REQUEST", "DONE", "EXPORT", "EXPORTED"]
 
 log = logging.getLogger("panagg.group")
 
 REQUEST = "release:"
 DONE = "released:"
+#: an audit export rides the same path: the markers also carry ``export`` = its id
+EXPORT = "export:"
+EXPORTED = "exported:"
 
 
 class ForcedReleaseError(RuntimeError):
@@ -41,7 +45,7 @@ class ForcedReleaseError(RuntimeError):
 
 
 class ReleaseRequests:
-    """The leader's view of the forced-release requests of one aggregation.
+    """The leader's view of the forced-release and audit-export requests of one aggregation.
 
     ``consumer``: a kafka-python consumer with no group (read committed); assigned here to the
     intake topic's one partition and read from its start (the topic is compacted: the latest
@@ -54,37 +58,49 @@ class ReleaseRequests:
         self._tp = TopicPartition(topics.intake, 0)
         consumer.assign([self._tp])
         consumer.seek_to_beginning(self._tp)
-        self._request_key = f"{REQUEST}{topics.repartition}".encode()
-        self._done_key = f"{DONE}{topics.repartition}".encode()
-        self.requested: str | None = None
-        self.answered: str | None = None
+        rp = topics.repartition
+        self._keys = {f"{REQUEST}{rp}".encode(): ("release", "asked"),
+                      f"{DONE}{rp}".encode(): ("release", "answered"),
+                      f"{EXPORT}{rp}".encode(): ("export", "asked"),
+                      f"{EXPORTED}{rp}".encode(): ("export", "answered")}
+        self.ids = {("release", "asked"): None, ("release", "answered"): None,
+                    ("export", "asked"): None, ("export", "answered"): None}
 
     def poll(self) -> None:
         for records in self.consumer.poll(timeout_ms=0).values():
             for rec in records:
-                if rec.value is None:
-                    continue
-                if rec.key == self._request_key:
-                    self.requested = str(json.loads(rec.value)["id"])
-                elif rec.key == self._done_key:
-                    self.answered = str(json.loads(rec.value)["id"])
+                what = self._keys.get(rec.key)
+                if what is not None and rec.value is not None:
+                    self.ids[what] = str(json.loads(rec.value)["id"])
 
-    def pending(self) -> str | None:
-        """The id of a request not answered yet (None: none)."""
+    def pending(self) -> tuple[str, str] | None:
+        """``(kind, id)`` of a request not answered yet, exports first (None: none)."""
         self.poll()
-        return self.requested if self.requested and self.requested != self.answered else None
+        for kind in ("export", "release"):
+            asked = self.ids[(kind, "asked")]
+            if asked and asked != self.ids[(kind, "answered")]:
+                return kind, asked
+        return None
 
-    def answer(self, txn, request_id: str, window: int, partitions: int) -> None:
-        """Markers closing windows up to ``window`` into every repartition partition, and the
-        answer, in one transaction (the caller's, begun and committed here)."""
+    def answer(self, txn, kind: str, request_id: str, window: int | None, partitions: int,
+               error: str = "") -> None:
+        """Markers closing windows up to ``window`` into every repartition partition (with the
+        export's id for an export), and the answer, in one transaction (begun and committed
+        here). With ``error`` only the answer (nothing closes)."""
         txn.begin()
-        for p in range(partitions):
-            txn.send(self.topics.repartition, partition=p, value=b"",
-                     headers=[("close", str(int(window)).encode())])
-        txn.send(self.topics.intake, partition=0, key=self._done_key,
-                 value=json.dumps({"id": request_id, "window": int(window)}).encode())
+        if not error:
+            headers = [("close", str(int(window)).encode())]
+            if kind == "export":
+                headers.append(("export", request_id.encode()))
+            for p in range(partitions):
+                txn.send(self.topics.repartition, partition=p, value=b"", headers=headers)
+        done = DONE if kind == "release" else EXPORTED
+        body = {"id": request_id, "window": window} if not error else \
+            {"id": request_id, "error": error}
+        txn.send(self.topics.intake, partition=0, key=f"{done}{self.topics.repartition}".encode(),
+                 value=json.dumps(body).encode())
         txn.commit()
-        self.answered = request_id
+        self.ids[(kind, "answered")] = request_id
 
 
 def forced_window(size: float, next_undecided: int, now: float | None = None) -> int:
@@ -93,37 +109,84 @@ def forced_window(size: float, next_undecided: int, now: float | None = None) ->
     return max(clock, int(next_undecided))
 
 
-def request_release(bootstrap: str, security: dict, topics, *, timeout_s: float = 60.0) -> dict:
-    """Ask the leader of ``topics``' aggregation to close its window now; wait for the release.
-    Returns ``{"window": K, "release": document or None}`` (None: K closed, its release not in
-    yet when the wait ended)."""
-    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+def _ask(bootstrap: str, security: dict, topics, key: str, rid: str) -> None:
+    from kafka import KafkaProducer
 
-    rid = uuid.uuid4().hex
     producer = KafkaProducer(bootstrap_servers=bootstrap, **security)
     try:
-        producer.send(topics.intake, partition=0, key=f"{REQUEST}{topics.repartition}".encode(),
+        producer.send(topics.intake, partition=0, key=f"{key}{topics.repartition}".encode(),
                       value=json.dumps({"id": rid, "requested_unix": time.time()}).encode())
         producer.flush(timeout=30)
     finally:
         producer.close(timeout=5)
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
-                             enable_auto_commit=False, isolation_level="read_committed",
-                             **security)
+
+
+def _answer(consumer, topics, key: str, rid: str, deadline: float, bootstrap: str,
+            timeout_s: float) -> dict:
+    from kafka import TopicPartition
+
+    got = _scan(consumer, TopicPartition(topics.intake, 0), deadline,
+                lambda rec: rec.key == f"{key}{topics.repartition}".encode()
+                and rec.value is not None and json.loads(rec.value).get("id") == rid,
+                lambda rec: json.loads(rec.value))
+    if got is None:
+        raise ForcedReleaseError(
+            f"no leader of {topics.prefix} answered within {timeout_s:g} s: is the group "
+            f"running? (panagg status --group {topics.group} --bootstrap {bootstrap})")
+    if got.get("error"):
+        raise ForcedReleaseError(got["error"])
+    return got
+
+
+def _consumer(bootstrap: str, security: dict):
+    from kafka import KafkaConsumer
+
+    return KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                         isolation_level="read_committed", **security)
+
+
+def request_release(bootstrap: str, security: dict, topics, *, timeout_s: float = 60.0) -> dict:
+    """Ask the leader of ``topics``' aggregation to close its window now; wait for the release.
+    Returns ``{"window": K, "release": document or None}`` (None: K closed, its release not in
+    yet when the wait ended)."""
+    from kafka import TopicPartition
+
+    rid = uuid.uuid4().hex
+    _ask(bootstrap, security, topics, REQUEST, rid)
+    consumer = _consumer(bootstrap, security)
     try:
         deadline = time.monotonic() + timeout_s
-        window = _scan(consumer, TopicPartition(topics.intake, 0), deadline,
-                       lambda rec: rec.key == f"{DONE}{topics.repartition}".encode()
-                       and json.loads(rec.value).get("id") == rid,
-                       lambda rec: int(json.loads(rec.value)["window"]))
-        if window is None:
-            raise ForcedReleaseError(
-                f"no leader of {topics.prefix} answered within {timeout_s:g} s: is the group "
-                f"running? (panagg status --group {topics.group} --bootstrap {bootstrap})")
+        window = int(_answer(consumer, topics, DONE, rid, deadline, bootstrap,
+                             timeout_s)["window"])
         doc = _scan(consumer, TopicPartition(topics.releases, 0), deadline,
                     lambda rec: rec.key == str(window).encode() and rec.value is not None,
                     lambda rec: json.loads(rec.value))
         return {"window": window, "release": doc}
+    finally:
+        consumer.close()
+
+
+def request_export(bootstrap: str, security: dict, topics, *, timeout_s: float = 60.0) -> dict:
+    """Ask the leader for an audit export of the live state (export.py); wait for the signed
+    document. Returns ``{"id", "window", "document": bytes}``."""
+    from kafka import TopicPartition
+
+    rid = uuid.uuid4().hex
+    _ask(bootstrap, security, topics, EXPORT, rid)
+    consumer = _consumer(bootstrap, security)
+    try:
+        deadline = time.monotonic() + timeout_s
+        window = int(_answer(consumer, topics, EXPORTED, rid, deadline, bootstrap,
+                             timeout_s)["window"])
+        doc = _scan(consumer, TopicPartition(topics.exports, 0), deadline,
+                    lambda rec: rec.key == f"doc/{rid}".encode() and rec.value is not None,
+                    lambda rec: rec.value)
+        if doc is None:
+            raise ForcedReleaseError(
+                f"the export's window {window} closed, but its document was not in "
+                f"{topics.exports} within {timeout_s:g} s (the leader waits for every "
+                f"partition: panagg status --group {topics.group} --bootstrap {bootstrap})")
+        return {"id": rid, "window": window, "document": doc}
     finally:
         consumer.close()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 from ...release import write_release
 from ..ledger import BudgetExceeded
@@ -64,7 +65,7 @@ class Leader:
                  release_dir: str, release_topic: str = "", loss: str = "l1",
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
                  grace_s: float = 2.0, aggregation: str = "", rollup_level: dict | None = None,
-                 requests=None):
+                 requests=None, exports=None, audit_key_file: str = "", audit_dir: str = ""):
         from kafka import TopicPartition
 
         self.txn, self.ledger, self.topics = txn, ledger, topics
@@ -76,8 +77,11 @@ class Leader:
         self.grace_s = float(grace_s)
         self.aggregation = aggregation
         self.rollup_level = rollup_level
-        #: forced releases asked with panagg release (forced.py)
+        #: forced releases and audit exports asked with panagg release / audit export
+        #: (forced.py, export.py)
         self.requests = requests
+        self.exports = exports
+        self.audit_key_file, self.audit_dir = audit_key_file, audit_dir
         self.P = int(identity["partitions"])
         self.size = float(identity["window_size"])
         self._tp = TopicPartition(topics.summaries, 0)
@@ -104,6 +108,8 @@ class Leader:
     def step(self) -> None:
         if self.requests is not None:
             self._force()
+        if self.exports is not None:
+            self._sign_exports()
         for records in self.summaries.poll(timeout_ms=0).values():
             for rec in records:
                 if rec.value is None:
@@ -141,17 +147,74 @@ class Leader:
         every partition, the answer, one transaction (forced.py)."""
         from kafka.errors import KafkaError
 
-        rid = self.requests.pending()
-        if rid is None:
+        asked = self.requests.pending()
+        if asked is None:
             return
-        k = forced_window(self.size, self.next_window())
+        kind, rid = asked
+        error = ""
+        if kind == "export":
+            from state_store.audit import AuditKeyError, load_key
+            try:
+                load_key(self.audit_key_file or None)
+            except AuditKeyError as exc:   # said to the asker; nothing closes
+                error = (f"the group's leader cannot sign the export: {exc}. The key is read "
+                         "by the members (their environment or audit.key_file), not by this "
+                         "shell: set it there and restart them")
+        k = None if error else forced_window(self.size, self.next_window())
         try:
-            self.requests.answer(self.txn, rid, k, self.P)
+            self.requests.answer(self.txn, kind, rid, k, self.P, error=error)
         except KafkaError as exc:
             self.txn.failed(exc)
             raise
-        log.info("forced release: window %d%s closes now in every partition (markers written)",
-                 k, f" of {self.aggregation}" if self.aggregation else "")
+        if error:
+            log.error("audit export %s refused: %s", rid[:8], error)
+            return
+        log.info("%s: window %d%s closes now in every partition (markers written)",
+                 "audit export" if kind == "export" else "forced release", k,
+                 f" of {self.aggregation}" if self.aggregation else "")
+
+    def _sign_exports(self) -> None:
+        """Exports whose P slices are in: one state, signed; ledger entry, document and slice
+        tombstones in one transaction; then the local file (export.py)."""
+        from kafka.errors import KafkaError
+        from state_store.audit import load_key, write_export
+
+        from .export import assemble
+
+        for eid, slices in self.exports.complete():
+            state = assemble(slices)
+            windows = sorted({int(s["window"]) for s in slices})
+            ranges = {f"{self.topics.repartition}:{s['partition']}": s["range"] for s in slices}
+            window = {"id": windows[0], "windows": windows, "partitions": self.P,
+                      "group": self.topics.group, "aggregation": self.aggregation or None}
+            key = load_key(self.audit_key_file or None)
+            path = Path(self.audit_dir) / f"export-{eid}.panagg"
+            write_export(path, state=state.serialize(), window=window, offsets=ranges,
+                         export_id=eid, key=key)
+            doc = path.read_bytes()
+            txn = self.txn
+            try:
+                txn.begin()
+                self.ledger.append(entry_id=f"export-{eid}", kind="export", window=windows[0],
+                                   epsilon_spent=0.0, model=self.identity["model"],
+                                   note="announced export of every partition's open window; "
+                                   "fresh DLap layers before and after; each window closed with "
+                                   "its slice", producer=txn, ranges=ranges)
+                txn.send(self.topics.exports, partition=0, key=f"doc/{eid}".encode(), value=doc)
+                for s in slices:
+                    txn.send(self.topics.exports, partition=0,
+                             key=f"slice/{eid}/{s['partition']}".encode(), value=None)
+                txn.commit()
+            except KafkaError as exc:
+                self.ledger.aborted()
+                txn.failed(exc)
+                raise
+            self.ledger.committed()
+            self.exports.done.add(eid)
+            self.exports.slices.pop(eid, None)
+            self.metrics.exports.inc()
+            log.info("audit export %s of window(s) %s signed: %s and %s", eid[:8],
+                     ", ".join(map(str, windows)), path, self.topics.exports)
 
     def _notice_waiting(self, w: int, have: dict) -> None:
         late = time.time() - ((w + 1) * self.size + self.grace_s)

@@ -24,6 +24,7 @@ from ...hashing import bucket_of
 from ..ledger import LedgerError
 from ..process import ServiceError, choose_buckets_for, release_method
 from .counter import Counter
+from .export import ExportCollector
 from .forced import ReleaseRequests
 from .leader import Leader
 from .ledger_topic import TopicLedger
@@ -194,7 +195,12 @@ class Pipeline:
                       method=release_method(cfg), merge=merge,
                       grace_s=cfg["scale"]["close_grace_s"], aggregation=self.name,
                       rollup_level=(cfg.get("aggregation") or {}).get("rollup_level"),
-                      requests=ReleaseRequests(self.clients.consumer(None), self.topics))
+                      requests=ReleaseRequests(self.clients.consumer(None), self.topics),
+                      exports=ExportCollector(self.clients.consumer(None), self.topics,
+                                              int(self.identity["partitions"])),
+                      audit_key_file=cfg["audit"]["key_file"],
+                      audit_dir=cfg["audit"]["dir"] or os.path.join(cfg["checkpoint"]["dir"],
+                                                                    "exports"))
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
@@ -203,3 +209,5 @@ class Pipeline:
             self.clients.discard(leader.summaries)
             if leader.requests is not None:
                 self.clients.discard(leader.requests.consumer)
+            if leader.exports is not None:
+                self.clients.discard(leader.exports.consumer)

@@ -69,7 +69,17 @@ def _value_counts(summary: dict) -> NoisyValueCounts:
     return NoisyValueCounts(lo, c)
 
 
-_MUST_AGREE = ("window", "partitions", "mode", "epsilon", "neighbor", "p", "layers", "model")
+_MUST_AGREE = ("window", "partitions", "mode", "epsilon", "neighbor", "p", "model")
+
+
+def _add_layers(vc: NoisyValueCounts, p: float, extra: int, rng=None) -> NoisyValueCounts:
+    """The value counts after ``extra`` fresh DLap(p) layers on every counter. Counters are
+    exchangeable in this form, so drawing a layer per counter of each value is exactly adding
+    the layer to the counters: fresh noise, never a look at anything new."""
+    values = np.repeat(np.arange(vc.lo, vc.lo + len(vc.c), dtype=np.int64), vc.c)
+    for _ in range(int(extra)):
+        values = values + discrete_laplace(p, len(values), rng=rng)
+    return noisy_value_counts(values)
 
 
 def merge_summaries(summaries: list[dict], *, loss: str = "l1",
@@ -93,9 +103,16 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
         raise ValueError(f"window {first['window']} needs summaries of partitions "
                          f"0..{first['partitions'] - 1}, got {have}")
     started = time.perf_counter()
-    vc = _value_counts(summaries[0])
-    for s in summaries[1:]:
-        vc = vc.merge(_value_counts(s))
+    # a partition that exported its window (an audit export: two fresh layers around it) holds
+    # more layers than the others; the others get fresh layers up to the same count, so the
+    # window is one state with one noise model
+    layers = max(int(s["layers"]) for s in summaries)
+    vc = None
+    for s in summaries:
+        mine = _value_counts(s)
+        if int(s["layers"]) < layers:
+            mine = _add_layers(mine, first["p"], layers - int(s["layers"]))
+        vc = mine if vc is None else vc.merge(mine)
     counters = int(sum(s["size"] for s in summaries))
     if vc.total != counters:
         raise ValueError("summary value counts do not add up to the partitions' counters")
@@ -103,14 +120,14 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
     hashed = first["mode"] == "hashed"
     # each partition counted only its slice of the domain, so the slices together are one
     # state of ``counters`` counters, exactly as one process has it
-    hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=first["layers"], loss=loss,
+    hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=layers, loss=loss,
                                             n=n, buckets=counters if hashed else None,
                                             reps=error_bar_reps, method=method)
     infos = [s["window_info"] for s in summaries]
     release = package_release(
         hist, window=first["window"], n=n, epsilon=first["epsilon"], neighbor=first["neighbor"],
         model=first["model"],
-        extra={"p": first["p"], "layers": first["layers"], "loss": loss,
+        extra={"p": first["p"], "layers": layers, "loss": loss,
                "domain": {"mode": first["mode"], "size": counters, "counters": counters,
                           "partitions": first["partitions"]}},
         accuracy=accuracy)

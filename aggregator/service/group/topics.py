@@ -9,6 +9,7 @@ several ``[aggregations.NAME]`` each has its own set, ``<group>.panagg.<NAME>.*`
     <group>.panagg.ledger        the privacy ledger, ONE partition; compacted with unique keys
                                  (nothing is ever removed)
     <group>.panagg.releases      the merged release documents; compacted, key <window>
+    <group>.panagg.exports       audit exports: exported slices, then the signed document
     <group>.panagg.members       each member's latest report (partitions, readiness, metrics URL)
     <group>.panagg.intake        per source partition, the next offset already repartitioned
                                  (compacted; the intake never repartitions a record twice, even
@@ -75,6 +76,12 @@ class GroupTopics:
         return f"{self.prefix}.releases"
 
     @property
+    def exports(self) -> str:
+        """Audit exports: each partition's exported slice until the leader signs the whole
+        (key ``slice/<id>/<p>``), then the signed document (key ``doc/<id>``)."""
+        return f"{self.prefix}.exports"
+
+    @property
     def intake(self) -> str:
         """The intake's high-water marks: per source partition, the next offset already
         repartitioned (one per group, whatever the aggregations)."""
@@ -99,6 +106,8 @@ class GroupTopics:
             self.summaries: (1, compact),
             self.ledger: (1, compact),
             self.releases: (1, compact),
+            # a signed export holds every counter (8 bytes each): 64 MB fits 8e6 of them
+            self.exports: (1, dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
             self.intake: (1, compact),
             self.members: (1, compact),
         }
