@@ -69,7 +69,6 @@ def _cfg(*extra):
     (["window.kind=count"], "set window.kind = time"),
     (["checkpoint.snapshots_per_window=2"], "checkpoint.snapshots_per_window = 0"),
     (["source.kind=file", "source.path=x"], "needs source.kind = kafka"),
-    (["source.start=latest"], "source.start is not supported"),
     (["state.model=shuffle"], "does not apply to state.model = shuffle"),
 ])
 def test_what_the_kafka_store_cannot_do_is_refused_in_one_line(extra, said):
@@ -77,6 +76,23 @@ def test_what_the_kafka_store_cannot_do_is_refused_in_one_line(extra, said):
         _cfg(*extra)
     msg = str(err.value)
     assert said in msg and "scale.store = kafka" in msg and "\n" not in msg
+
+
+def test_source_start_only_places_a_new_group():
+    """A member asking another source.start than the group started with is refused in one
+    line (it would resume from the group's offsets: the setting silently ignored)."""
+    pipe = GroupService(_cfg("source.start=latest"), Metrics()).pipelines[0]
+    pipe.identity = dict(pipe.identity_of_config(6), start="earliest")
+    with pytest.raises(ServiceError) as err:
+        pipe._check_start()
+    msg = str(err.value)
+    assert "only places a new group" in msg and "another source.group" in msg
+    assert "\n" not in msg
+    pipe.identity["start"] = "latest"
+    pipe._check_start()            # the group's own start: fine
+    earliest = GroupService(_cfg(), Metrics()).pipelines[0]
+    earliest.identity = dict(earliest.identity_of_config(6), start="latest")
+    earliest._check_start()        # no source.start: resume wherever the group is
 
 
 def test_a_member_with_other_settings_than_its_group_is_refused():

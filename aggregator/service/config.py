@@ -271,9 +271,6 @@ def _check_kafka_group(cfg: dict) -> None:
     elif cfg["checkpoint"]["snapshots_per_window"]:
         why = ("keeps no snapshots (a window's counters live only in its member's memory): set "
                "checkpoint.snapshots_per_window = 0")
-    elif cfg["source"]["start"] != "earliest":
-        why = ("starts a new group at the source topic's earliest record (or the group's "
-               "committed offsets): source.start is not supported with it yet")
     if why:
         raise ConfigError(f"scale.partitioned with scale.store = kafka {why}; docs/scale-out.md")
 

@@ -505,6 +505,32 @@ def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
         members.logs()
 
 
+def test_source_start_latest_places_a_new_group_at_the_end(kafka_broker, tmp_path):
+    """source.start = latest: the records already in the topic are never counted, the ones
+    after the start are, once; the start is in the group's identity."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng()
+    produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 2000), D - 1), 5000)   # before
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "source.start=latest")
+    try:
+        members.start("m1")
+        deadline = time.monotonic() + 60
+        while "starts at the latest offsets" not in (tmp_path / "m1-1.log").read_text():
+            assert time.monotonic() < deadline, members.logs()
+            time.sleep(0.5)
+        members.start("m2")
+        produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 1500), D - 1), 3000)  # after
+        wait_for_total(kafka_broker, GroupTopics(group), 1500, 90, members)
+        time.sleep(3 * WINDOW_S)     # nothing more comes (the 2,000 before are not read)
+    finally:
+        members.stop_all()
+    docs = releases(kafka_broker, GroupTopics(group))
+    assert sum(d["n"] for d in docs) == 1500
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
 def _released_total(bootstrap, topics):
     return sum(d["n"] for d in releases(bootstrap, topics))
 

@@ -89,9 +89,10 @@ class Pipeline:
                 best = {"seq": int(seq), "hash": h}
         return best
 
-    def open_ledger(self, partitions: int, anchor: dict | None = None) -> None:
+    def open_ledger(self, partitions: int, anchor: dict | None = None, seed=None) -> None:
         """Read the ledger; check it against ``anchor``; write the identity if the group is
-        new, else check this member's settings against it."""
+        new (with ``seed(txn)``'s messages in the same transaction: where a new group starts
+        reading, ``source.start``), else check this member's settings against it."""
         cfg = self.cfg
         budget = cfg["ledger"]["budget_per_window"] or float(cfg["state"]["epsilon"])
         agg = cfg.get("aggregation") or {}
@@ -107,12 +108,26 @@ class Pipeline:
                 raise LedgerError(f"{problem}; the ledger is the record of privacy spent: "
                                   "restore the topic, or start a new group (another "
                                   "source.group) knowing the old charges are not carried over")
-            self.identity = self.ledger.identity() or self._write_identity(partitions)
+            self.identity = self.ledger.identity() or self._write_identity(partitions, seed)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
         self.check_identity(self.identity_of_config(partitions))
+        self._check_start()
 
-    def _write_identity(self, partitions: int) -> dict:
+    def _check_start(self) -> None:
+        """``source.start`` only places a new group; a member asking another start of a group
+        that has one would be silently ignored (it resumes from the group's offsets): refused."""
+        from ..config import parse_start
+
+        wanted = self.cfg["source"]["start"]
+        had = self.identity.get("start", "earliest")
+        if parse_start(wanted) != "earliest" and parse_start(had) != parse_start(wanted):
+            raise ServiceError(f"source.start = {wanted} only places a new group, but "
+                               f"{self.about} exists (it started at {had}) and resumes from its "
+                               f"committed offsets; for a new start at {wanted} use another "
+                               "source.group, or remove source.start")
+
+    def _write_identity(self, partitions: int, seed=None) -> dict:
         """The group is new: write its identity as the ledger's first entry (with the leader's
         transactional id, so two members starting at once write one identity)."""
         txn = Transactions(lambda: self.clients.producer(f"{self.topics.prefix}.leader",
@@ -128,9 +143,12 @@ class Pipeline:
                 ident["aggregation"] = self.name
             if not self.direct:
                 ident["hash_key"] = os.urandom(16).hex()
+            ident["start"] = str(self.cfg["source"]["start"])
             txn.begin()
             self.ledger.append(entry_id="identity", kind="identity", identity=ident,
                                producer=txn)
+            if seed is not None:
+                seed(txn)
             txn.commit()
             self.ledger.committed()
             log.info("new %s: identity written to %s", self.about, self.topics.ledger)

@@ -202,8 +202,10 @@ class GroupService:
             raise ServiceError(str(exc)) from None
         finally:
             admin.close()
-        for pipe in self.pipelines:
-            pipe.open_ledger(P, anchors[pipe.name])
+        seed = self._start_seed()
+        for i, pipe in enumerate(self.pipelines):
+            # one group, one start: the first aggregation's identity carries it
+            pipe.open_ledger(P, anchors[pipe.name], seed=seed if i == 0 else None)
         if cfg["release"]["workers"]:
             from ..release_worker import ReleaseWorker
             self.worker = ReleaseWorker(cfg["release"]["workers"])
@@ -237,6 +239,46 @@ class GroupService:
                      "slices, windows of %g s by intake time; shared state only in %s.*",
                      self.instance, pipe.about, P, pipe.identity["mode"], pipe.size, P,
                      pipe.identity["window_size"], pipe.topics.prefix)
+
+    def _start_seed(self):
+        """``source.start`` (latest, or a time) for a new group: the source offsets it places
+        the group at, as a function that writes them (the source group's committed offsets and
+        the intake's marks) into the transaction of the group's identity; None for earliest."""
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        from ..config import parse_start
+
+        src = self.cfg["source"]
+        start = parse_start(src["start"])
+        if start == "earliest":
+            return None
+        probe = self.consumer(None)
+        try:
+            parts = probe.partitions_for_topic(src["topic"]) or set()
+            tps = [TopicPartition(src["topic"], p) for p in sorted(parts)]
+            ends = probe.end_offsets(tps)
+            if start == "latest":
+                at = ends
+            else:
+                found = probe.offsets_for_times({tp: int(start) for tp in tps})
+                at = {tp: (found[tp].offset if found.get(tp) is not None else ends[tp])
+                      for tp in tps}
+        finally:
+            self.discard(probe)
+        marks = self.pipelines[0].topics.intake
+
+        def seed(txn):
+            for tp, off in at.items():
+                txn.send(marks, partition=0, key=f"{tp.topic}:{tp.partition}".encode(),
+                         value=str(int(off)).encode())
+            txn.send_offsets({tp: OffsetAndMetadata(int(off), "", -1) for tp, off in at.items()},
+                             src["group"])
+            log.info("new group %s starts at %s (source.start = %s): %s", src["group"],
+                     "the latest offsets" if start == "latest" else "the first records at or "
+                     "after it", src["start"], ", ".join(f"{tp.partition} at {off}"
+                                                         for tp, off in sorted(at.items())))
+        return seed
 
     def _seed_marks(self, committed: dict[int, int]) -> None:
         """Source partitions the group's offsets show as read (by this group before, by one
