@@ -67,7 +67,6 @@ def _cfg(*extra):
 
 @pytest.mark.parametrize("extra,said", [
     (["window.kind=count"], "set window.kind = time"),
-    (["checkpoint.snapshots_per_window=2"], "checkpoint.snapshots_per_window = 0"),
     (["source.kind=file", "source.path=x"], "needs source.kind = kafka"),
     (["state.model=shuffle"], "does not apply to state.model = shuffle"),
 ])

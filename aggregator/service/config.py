@@ -268,9 +268,6 @@ def _check_kafka_group(cfg: dict) -> None:
     elif cfg["window"]["kind"] != "time":
         why = ("cuts windows by intake time: set window.kind = time (count and event_time "
                "windows in a Kafka-only group are not built yet)")
-    elif cfg["checkpoint"]["snapshots_per_window"]:
-        why = ("keeps no snapshots (a window's counters live only in its member's memory): set "
-               "checkpoint.snapshots_per_window = 0")
     if why:
         raise ConfigError(f"scale.partitioned with scale.store = kafka {why}; docs/scale-out.md")
 

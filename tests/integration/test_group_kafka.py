@@ -531,6 +531,58 @@ def test_source_start_latest_places_a_new_group_at_the_end(kafka_broker, tmp_pat
         members.logs()
 
 
+def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, tmp_path):
+    """checkpoint.snapshots_per_window = 2 in a group (6 s windows): partitions snapshot at 1/3
+    and 2/3 of each window with the committed offset; a member killed -9 and restarted resumes
+    windows from their snapshots (never from their start), and every event is released once."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=6",
+                      "--set", "checkpoint.snapshots_per_window=2")
+    items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        producer = threading.Thread(target=produce, args=(kafka_broker, topic, items, 2000))
+        producer.start()
+        for _ in range(3):
+            time.sleep(4.5)
+            members.kill("m2")
+            members.start("m2")
+        producer.join()
+        wait_for_total(kafka_broker, GroupTopics(group), len(items), 180, members)
+    finally:
+        members.stop_all()
+    docs = check_exact(kafka_broker, GroupTopics(group), len(items))
+    logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
+    assert "from its snapshot" in logs, members.logs()
+    assert max(d["layers"] for d in docs) == 6          # 1 + 2 snapshots x 2 + release
+    assert "is missing from" not in logs and not crash_traces(logs), members.logs()
+
+
+def test_a_lost_snapshot_withholds_its_window_never_replays_it(kafka_broker):
+    """The metadata names a snapshot the topic does not hold: the window is marked lost (it
+    will be withheld at its close), not restarted from its start under fresh noise."""
+    from types import SimpleNamespace
+
+    from aggregator.service.group.counter import SliceTask
+    from aggregator.service.group.snapshots import restore
+    from aggregator.state import PanPrivateHistogram
+
+    empty = make_topic(kafka_broker, partitions=1)
+    reader = SimpleNamespace(consumer=KafkaConsumer(bootstrap_servers=kafka_broker,
+                                                    isolation_level="read_committed",
+                                                    enable_auto_commit=False, group_id=None),
+                             topic=empty)
+    task = SliceTask(0, 7, 120, 10, lambda: PanPrivateHistogram(1.0, size=10))
+    try:
+        restore(task, {"w": 7, "s": 1, "st": 100}, reader, 0)
+    finally:
+        reader.consumer.close()
+    assert task.lost and "withheld" in task.lost and task.start == 100
+
+
 def _released_total(bootstrap, topics):
     return sum(d["n"] for d in releases(bootstrap, topics))
 

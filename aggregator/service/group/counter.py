@@ -35,6 +35,7 @@ import uuid
 import numpy as np
 
 from ...state import PanPrivateHistogram
+from .snapshots import restore, take_snapshot
 from .summary import partition_summary
 from .repartition import slice_size
 
@@ -56,6 +57,10 @@ class SliceTask:
         self.state = make_state()
         self.events = 0
         self.opened_unix = time.time()
+        #: layered snapshots taken in this window (checkpoint.snapshots_per_window)
+        self.snapshots = 0
+        #: why this window cannot be released (its snapshot was lost): it is withheld
+        self.lost: str | None = None
 
     def advance(self, window: int) -> None:
         """Open ``window`` at the current position (fresh noise)."""
@@ -64,6 +69,8 @@ class SliceTask:
         self.state = self._make_state()
         self.events = 0
         self.opened_unix = time.time()
+        self.snapshots = 0
+        self.lost = None
 
 
 class Counter:
@@ -85,7 +92,8 @@ class Counter:
     """
 
     def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *,
-                 member: str, grace_s: float = 2.0, first_window: int | None = None):
+                 member: str, grace_s: float = 2.0, first_window: int | None = None,
+                 snapshots_per_window: int = 0, snapshot_reader=None):
         self.consumer, self.txn, self.topics = consumer, txn, topics
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
         self.member = member
@@ -94,6 +102,10 @@ class Counter:
         self.grace_s = float(grace_s)
         self.first_window = int(identity["first_window"] if first_window is None else first_window)
         self.tasks: dict[int, SliceTask] = {}
+        #: k layered snapshots per window at public points (intake time j / (k + 1) of the
+        #: window), each in the transaction that commits the partition's offset (snapshots.py)
+        self.snapshots_per_window = int(snapshots_per_window)
+        self.snapshot_reader = snapshot_reader
         self.summaries_written = 0
         self._needs_sync = False
         #: the group assigned this member the ledger's partition: it leads
@@ -154,8 +166,13 @@ class Counter:
                 meta = json.loads(committed.metadata or "{}")
                 window, start = int(meta.get("w", self.first_window)), int(committed.offset)
                 self.consumer.seek(tp, start)
-            self.tasks[p] = SliceTask(p, window, start, slice_size(self.identity["size"], self.P, p),
-                                      lambda p=p: self._new_state(p))
+            task = SliceTask(p, window, start, slice_size(self.identity["size"], self.P, p),
+                             lambda p=p: self._new_state(p))
+            if committed is not None and "s" in meta:
+                # the window resumes from its layered snapshot, never from its start (a replay
+                # under fresh noise would be a second view of what the snapshot holds)
+                restore(task, meta, self.snapshot_reader, p)
+            self.tasks[p] = task
             self.metrics.handovers.labels(event="acquired").inc()
             log.info("counting partition %d of %s from offset %d (window %d)", p,
                      self.topics.repartition, start, window)
@@ -211,6 +228,8 @@ class Counter:
                 task.events += len(idx)
                 task.position = rec.offset + 1
                 counted += len(idx)
+                if self.snapshots_per_window and not self._maybe_snapshot(task, rec.timestamp):
+                    break  # the snapshot failed: the partition is read again
         if counted:
             self.metrics.events.inc(counted)
         now = time.time()
@@ -218,6 +237,36 @@ class Counter:
             while now >= (task.window + 1) * self.size + self.grace_s and self._close(task):
                 pass
         return counted
+
+    def _maybe_snapshot(self, task: SliceTask, stamp_ms: int) -> bool:
+        """Snapshot j of the window once a record stamped at j / (k + 1) of it is counted (the
+        intake's stamps: public, and they advance with a replay too). False: it failed."""
+        k = self.snapshots_per_window
+        due = (task.window + (task.snapshots + 1) / (k + 1)) * self.size
+        if task.snapshots >= k or stamp_ms / 1000.0 < due or task.lost:
+            return True
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        t0 = time.perf_counter()
+        message = take_snapshot(task)
+        head = self.ledger.head()
+        meta = json.dumps({"w": task.window, "s": task.snapshots, "st": task.start,
+                           "lh": f"{head['seq']}:{head['hash'][:16]}"}, separators=(",", ":"))
+        txn = self.txn
+        try:
+            txn.begin()
+            txn.send(self.topics.snapshots, partition=task.partition,
+                     key=str(task.partition).encode(), value=message)
+            txn.send_offsets({TopicPartition(self.topics.repartition, task.partition):
+                              OffsetAndMetadata(task.position, meta, -1)},
+                             self.consumer.group_metadata())
+            txn.commit()
+        except Exception as exc:
+            self._abort(task, exc)
+            return False
+        self.metrics.checkpointed(time.perf_counter() - t0)
+        return True
 
     def _export_slice(self, task: SliceTask, export_id: str) -> list:
         """An audit export of the open window's slice (docs/privacy.md section 6): a fresh
@@ -245,7 +294,7 @@ class Counter:
         end = task.position
         key = f"{self.topics.repartition}:{p}"
         ranges = {key: [task.start, end]}
-        refused = self._refusal(w, ranges)
+        refused = task.lost or self._refusal(w, ranges)
         info = {"kind": "time", "size": self.size, "events": int(task.events),
                 "started_unix": w * self.size, "ended_unix": (w + 1) * self.size,
                 "start_offset": task.start, "end_offset": end}
@@ -270,6 +319,9 @@ class Counter:
                      value=json.dumps(summary, allow_nan=False).encode())
             for topic, key, value in extra or ():
                 txn.send(topic, partition=0, key=key, value=value)
+            if task.snapshots:
+                # the window's snapshot is done with: no noisy state left at rest for it
+                txn.send(self.topics.snapshots, partition=p, key=str(p).encode(), value=None)
             tp = TopicPartition(self.topics.repartition, p)
             txn.send_offsets({tp: OffsetAndMetadata(end, meta, -1)}, self.consumer.group_metadata())
             txn.commit()

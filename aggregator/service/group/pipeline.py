@@ -15,6 +15,7 @@ import math
 import os
 import time
 import uuid
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -180,7 +181,11 @@ class Pipeline:
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
                                self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
                                self.topics, self.identity, self.ledger, self.metrics,
-                               member=instance, grace_s=self.cfg["scale"]["close_grace_s"])
+                               member=instance, grace_s=self.cfg["scale"]["close_grace_s"],
+                               snapshots_per_window=self.cfg["checkpoint"]["snapshots_per_window"],
+                               snapshot_reader=SimpleNamespace(
+                                   consumer=self.clients.consumer(None),
+                                   topic=self.topics.snapshots))
 
     # -- leading -----------------------------------------------------------------------------
     def lead(self) -> None:

@@ -10,6 +10,7 @@ several ``[aggregations.NAME]`` each has its own set, ``<group>.panagg.<NAME>.*`
                                  (nothing is ever removed)
     <group>.panagg.releases      the merged release documents; compacted, key <window>
     <group>.panagg.exports       audit exports: exported slices, then the signed document
+    <group>.panagg.snapshots     layered snapshots of open windows, partition p, key p
     <group>.panagg.members       each member's latest report (partitions, readiness, metrics URL)
     <group>.panagg.intake        per source partition, the next offset already repartitioned
                                  (compacted; the intake never repartitions a record twice, even
@@ -76,6 +77,12 @@ class GroupTopics:
         return f"{self.prefix}.releases"
 
     @property
+    def snapshots(self) -> str:
+        """Layered snapshots of open windows (checkpoint.snapshots_per_window): partition p,
+        key p, the latest only (compacted); tombstoned when the window closes."""
+        return f"{self.prefix}.snapshots"
+
+    @property
     def exports(self) -> str:
         """Audit exports: each partition's exported slice until the leader signs the whole
         (key ``slice/<id>/<p>``), then the signed document (key ``doc/<id>``)."""
@@ -108,6 +115,8 @@ class GroupTopics:
             self.releases: (1, compact),
             # a signed export holds every counter (8 bytes each): 64 MB fits 8e6 of them
             self.exports: (1, dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
+            self.snapshots: (int(partitions),
+                             dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
             self.intake: (1, compact),
             self.members: (1, compact),
         }

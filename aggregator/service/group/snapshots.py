@@ -1,0 +1,77 @@
+"""Layered snapshots of a group member's open windows (``checkpoint.snapshots_per_window``).
+
+Without snapshots a partition's open window lives only in its member's memory and a crash
+replays it from its start (docs/privacy.md section 16). A long window (a day-long rollup level)
+then replays a day. With k snapshots per window, partition p takes snapshot j once it has counted
+a record stamped at j / (k + 1) of the window (the intake's stamps: public): a fresh layer, the
+snapshot, another fresh layer (docs/privacy.md section 6), and, in one Kafka transaction, the
+snapshot to ``<group>.panagg.snapshots`` (partition p, key p) and the partition's committed offset
+at the snapshot's position with metadata ``{"w": window, "s": j, "st": window start}``. A new
+owner finds ``s`` in the metadata and resumes the window from that snapshot at that offset, so
+a crash replays at most 1 / (k + 1) of a window and never draws the window's noise again (a
+replay from the start under fresh noise would be a second view of what the snapshot holds).
+
+A snapshot that cannot be found or does not match the metadata (the topic was deleted or
+truncated) is never worked around by a replay from the start: the window is counted on from the
+committed offset and, at its close, withheld (its positions charged, nothing published), with
+one ERROR line. The window's close tombstones its snapshot in the same transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+
+from ...state import PanPrivateHistogram
+from .topics import read_partition
+
+__all__ = ["take_snapshot", "restore"]
+
+log = logging.getLogger("panagg.group")
+
+
+def take_snapshot(task) -> bytes:
+    """The open window's layered snapshot message (the task's state gets its two layers)."""
+    task.state.rerandomize()
+    blob = task.state.serialize()
+    task.state.rerandomize()
+    task.snapshots += 1
+    return msgpack.packb({"window": task.window, "seq": task.snapshots, "start": task.start,
+                          "position": task.position, "events": task.events, "state": blob},
+                         use_bin_type=True)
+
+
+def restore(task, meta: dict, reader, partition: int) -> None:
+    """Resume ``task`` (placed at the committed offset) from the snapshot the metadata names;
+    mark it lost when there is none to match."""
+    want = (int(meta["w"]), int(meta["s"]))
+    task.start = int(meta.get("st", task.start))
+    found = None
+    if reader is not None:
+        from kafka import TopicPartition
+
+        tp = TopicPartition(reader.topic, partition)
+        reader.consumer.assign([tp])
+        reader.consumer.seek_to_beginning(tp)
+        latest = {}
+
+        def take(rec):
+            if rec.key == str(partition).encode():
+                latest["value"] = rec.value
+
+        read_partition(reader.consumer, tp, take)
+        if latest.get("value") is not None:
+            found = msgpack.unpackb(latest["value"], raw=False)
+    if (found is None or (int(found["window"]), int(found["seq"])) != want
+            or int(found["position"]) != task.position):
+        task.lost = (f"its layered snapshot {want[1]} of window {want[0]} is missing from "
+                     f"{getattr(reader, 'topic', 'the snapshots topic')} (deleted or "
+                     "truncated): the window is withheld, never replayed under fresh noise")
+        log.error("partition %d: %s", partition, task.lost)
+        return
+    task.state = PanPrivateHistogram.deserialize(found["state"])
+    task.snapshots = int(found["seq"])
+    task.events = int(found["events"])
+    log.info("partition %d resumes window %d from its snapshot %d at offset %d", partition,
+             want[0], want[1], task.position)
