@@ -399,3 +399,143 @@ def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
         admin.close()
     finally:
         members.stop_all()
+
+
+ET_SIZE, ET_LATENESS = 10, 4   # the reference of tests/test_event_time_lateness.py uses 10 s
+
+
+def _event_stream(rng, windows, per_window, t0):
+    """(timestamp ms, item) in production order: windows one after another, each record up to
+    the lateness late within its window's span, and about 2 % pushed back 15 s (most of them late
+    on their partition: counted in the window after)."""
+    out = []
+    for k in range(windows):
+        ts = t0 + k * ET_SIZE + rng.uniform(0, ET_SIZE + 0.9 * ET_LATENESS, per_window)
+        ts.sort()
+        back = rng.random(per_window) < 0.02
+        ts[back] -= 1.5 * ET_SIZE
+        out += [(int(t * 1000), int(i)) for t, i in
+                zip(ts, np.minimum(rng.zipf(1.3, per_window), D - 1))]
+    return out
+
+
+def _produce_stamped(bootstrap, topic, records, partition=None):
+    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
+    for ts, item in records:       # no key: the client picks the partitions
+        p.send(topic, value=msgpack.packb({"item": item}), timestamp_ms=ts, partition=partition)
+    p.flush()
+    p.close()
+
+
+def _by_event_window(docs):
+    return {d["window_info"]["event_start_unix"]: (d["n"], d["window_info"]["late"])
+            for d in docs}
+
+
+def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_path):
+    """Event-time windows with allowed lateness in a group of 2 members on an unkeyed
+    4-partition topic, timestamps out of order within the lateness and some late records, a
+    member killed -9 mid-stream and restarted: every window released once, its n and late count
+    those of a one-process run over the same records (and of the definitions' reference), each
+    repartitioned event in exactly one release, no position charged more than eps."""
+    from tests.test_event_time_lateness import SIZE, reference
+
+    assert SIZE == ET_SIZE
+    parts = 4
+    topic = make_topic(kafka_broker, parts)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    rng = np.random.default_rng()
+    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
+    windows = 12
+    stream = _event_stream(rng, windows, 500, t0)
+    half = len(stream) // 2
+    extra = ("--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
+             "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    members = Members(kafka_broker, topic, group, tmp_path, *extra)
+    flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
+    try:
+        _produce_stamped(kafka_broker, topic, stream[:200])   # the group's first window
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        _produce_stamped(kafka_broker, topic, stream[200:half])
+        deadline = time.monotonic() + 120
+        while not releases(kafka_broker, topics):
+            assert time.monotonic() < deadline, f"no release\n{members.logs()}"
+            time.sleep(1)
+        # the second half at about 1,000 records/s; a member killed -9 while it flows
+        rest = stream[half:]
+        feeder = threading.Thread(target=lambda: [
+            (_produce_stamped(kafka_broker, topic, rest[i:i + 100]), time.sleep(0.1))
+            for i in range(0, len(rest), 100)])
+        feeder.start()
+        chaos = random.Random()
+        victim = chaos.choice(["m1", "m2"])
+        time.sleep(chaos.uniform(0.5, 2.5))
+        members.kill(victim)
+        time.sleep(chaos.uniform(0.0, 2.0))
+        members.start(victim)
+        feeder.join()
+        for p in range(parts):           # every partition passes the last window
+            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        # the definitions over what the topic holds, partition by partition
+        src = read_all(kafka_broker, topic)
+        c = KafkaConsumer(bootstrap_servers=kafka_broker, enable_auto_commit=False)
+        by_part = {}
+        for p in range(parts):
+            tp = TopicPartition(topic, p)
+            c.assign([tp])
+            c.seek_to_beginning(tp)
+            recs = []
+            while len(recs) < len(src[p]):
+                for rs in c.poll(timeout_ms=500).values():
+                    recs += [(r.timestamp / 1000, r.offset) for r in rs]
+            by_part[f"{topic}:{p}"] = [(t, (p, o)) for t, o in recs]
+        c.close()
+        _, ref = reference(by_part, ET_LATENESS, "next")
+        flush_w = flush_at // 1000 // ET_SIZE
+        expected = {k * ET_SIZE: (ev, late) for k, (ev, late) in ref.items() if k < flush_w}
+        total = sum(ev for ev, _ in expected.values())
+        assert total == len(stream)
+        wait_for_total(kafka_broker, topics, total, 240, members)
+    finally:
+        members.stop_all()
+    one = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", kafka_broker,
+         "--topic", topic, "--state-dir", str(tmp_path / "one" / "state"), "--release-dir",
+         str(tmp_path / "one" / "releases"), "--metrics-port", "-1", "--exit-when-idle", "5",
+         "--set", f"state.domain_size={D}", "--set", f"source.group=one-{group}",
+         "--set", "release.error_bar_reps=0", *extra],
+        capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    one_docs = [json.loads(f.read_text()) for f in (tmp_path / "one" / "releases").glob("*.json")]
+    try:
+        docs = releases(kafka_broker, topics)
+        assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
+        got = _by_event_window(docs)
+        assert got == _by_event_window(one_docs) == expected
+        assert sum(late for _, late in got.values()) > 0, "the stream had no late record"
+        # each repartitioned event once: the events in the repartition topic are the releases'
+        rp = read_all(kafka_broker, topics.repartition)
+        assert sum(len(v) // 4 for recs in rp.values() for _, _, v in recs
+                   if v) == total + parts
+        c = KafkaConsumer(bootstrap_servers=kafka_broker, isolation_level="read_committed",
+                          enable_auto_commit=False, group_id=None)
+        ledger = TopicLedger(c, topics.ledger, budget_per_window=1.0)
+        ledger.read_to_end()
+        c.close()
+        entries = [e for e in ledger.entries if e["kind"] == "release"]
+        assert sorted(e["window"] for e in entries) == sorted(d["window"] for d in docs)
+        assert not any(e.get("withheld") for e in entries)
+        book = ChargeBook(ledger.entries)
+        for e in entries:
+            for part, (a, b) in e["ranges"].items():
+                if b > a:
+                    assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
+    assert not crash_traces(logs), members.logs()
+    print(f"\n{len(docs)} event-time windows, {sum(l for _, l in got.values())} late records, "
+          f"killed {victim}")

@@ -62,7 +62,7 @@ class Leader:
     def __init__(self, txn, ledger, summaries, topics, identity: dict, metrics, *,
                  release_dir: str, release_topic: str = "", loss: str = "l1",
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
-                 grace_s: float = 2.0, aggregation: str = ""):
+                 grace_s: float = 2.0, aggregation: str = "", closer=None):
         from kafka import TopicPartition
 
         self.txn, self.ledger, self.topics = txn, ledger, topics
@@ -75,6 +75,13 @@ class Leader:
         self.aggregation = aggregation
         self.P = int(identity["partitions"])
         self.size = float(identity["window_size"])
+        #: event-time windows: the closer writes their close markers; the windows are decided
+        #: in order, and one no event fell in is not released (as one process skips it)
+        self.closer = closer
+        self.event_time = identity.get("window_kind", "time") == "event_time"
+        self.window_kind = "event_time" if self.event_time else "time"
+        self._first_seen: dict[int, float] = {}
+        self._skipped: set[int] = set()
         self._tp = TopicPartition(topics.summaries, 0)
         self.summaries = summaries
         summaries.assign([self._tp])
@@ -92,11 +99,19 @@ class Leader:
                 if e["kind"] in ("release", "refused") and e.get("window") is not None}
 
     def next_window(self) -> int:
-        done = self.decided()
-        return max(done) + 1 if done else int(self.identity["first_window"])
+        done = self.decided() | self._skipped
+        nxt = max(done) + 1 if done else int(self.identity["first_window"])
+        if self.event_time:
+            # every partition summarizes the windows of a marker in order, so the first window
+            # after the decided ones that has a summary is the next one
+            later = [w for w in self.pending if w >= nxt]
+            return min(later) if later else nxt
+        return nxt
 
     # -- the loop's turn ---------------------------------------------------------------------
     def step(self) -> None:
+        if self.closer is not None:
+            self.closer.step()
         for records in self.summaries.poll(timeout_ms=0).values():
             for rec in records:
                 if rec.value is None:
@@ -104,6 +119,7 @@ class Leader:
                 s = json.loads(rec.value)
                 self.last_member[int(s["partition"])] = str(s.get("member", "?"))
                 self.pending.setdefault(int(s["window"]), {})[int(s["partition"])] = s
+                self._first_seen.setdefault(int(s["window"]), time.time())
         if self._in_flight is not None:
             w, fut = self._in_flight
             if not fut.done():
@@ -119,6 +135,9 @@ class Leader:
             self._notice_waiting(w, have)
             return
         self.metrics.summaries_overdue.set(0)
+        if self.event_time and not any(s.get("refused") or s.get("n") for s in have.values()):
+            self._skip_empty(w, have)
+            return
         refused = [s for s in have.values() if s.get("refused")]
         if refused:
             self._withhold(w, have, refused[0]["refused"])
@@ -129,8 +148,26 @@ class Leader:
         else:
             self._in_flight = (w, self.merge(summaries, **self.merge_kwargs))
 
+    def _skip_empty(self, w: int, have: dict) -> None:
+        """An event-time window no event fell in (noise-only summaries): not released, nothing
+        charged; its summaries are removed."""
+        txn = self.txn
+        try:
+            txn.begin()
+            for p in have:
+                txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(), value=None)
+            txn.commit()
+        except Exception as exc:
+            txn.failed(exc)
+            raise
+        self.pending.pop(w, None)
+        self._skipped.add(w)
+
     def _notice_waiting(self, w: int, have: dict) -> None:
-        late = time.time() - ((w + 1) * self.size + self.grace_s)
+        # an event-time window's end is in the records' time: count from its first summary
+        due = (self._first_seen.get(w, time.time()) if self.event_time
+               else (w + 1) * self.size + self.grace_s)
+        late = time.time() - due
         if late < WAIT_NOTICE_S:
             self.metrics.summaries_overdue.set(0)
             return
@@ -144,7 +181,7 @@ class Leader:
         log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
                     "its end: that member is stopped, stuck or gone (the group moves its "
                     "partitions after source.session_timeout_s)", w, named,
-                    self.topics.repartition, late + self.grace_s)
+                    self.topics.repartition, late + (0 if self.event_time else self.grace_s))
 
     @staticmethod
     def _ranges(have: dict) -> dict:
@@ -156,7 +193,7 @@ class Leader:
     # -- deciding a window -------------------------------------------------------------------
     def _entry_fields(self, w: int, have: dict) -> dict:
         return {"window_uid": f"{self.identity['lineage']}/{w}", "ranges": self._ranges(have),
-                "lineage": self.identity["lineage"], "window_kind": "time",
+                "lineage": self.identity["lineage"], "window_kind": self.window_kind,
                 "partitions": self.P}
 
     def _withhold(self, w: int, have: dict, reason: str) -> None:
@@ -176,7 +213,7 @@ class Leader:
         try:
             self.ledger.check_release(fields["window_uid"], eps, window=w,
                                       ranges=fields["ranges"], lineage=fields["lineage"],
-                                      window_kind="time")
+                                      window_kind=self.window_kind)
         except BudgetExceeded as exc:
             # the summaries were written, so the window was seen: charged, not published
             self._withhold(w, have, str(exc))

@@ -26,7 +26,8 @@ from ..process import ServiceError, choose_buckets_for, release_method
 from .counter import Counter
 from .leader import Leader
 from .ledger_topic import TopicLedger
-from .repartition import Route
+from .closer import Closer
+from .repartition import EventClock, Route
 from .topics import GroupTopics
 from .txn import Transactions
 
@@ -35,10 +36,15 @@ __all__ = ["Pipeline", "MUST_AGREE"]
 log = logging.getLogger("panagg.group")
 
 #: identity fields every member must share with the group
-MUST_AGREE = ("mode", "size", "epsilon", "neighbor", "model", "window_size", "partitions")
+MUST_AGREE = ("mode", "size", "epsilon", "neighbor", "model", "window_size", "partitions",
+              "window_kind", "allowed_lateness_s", "late")
 _NAMES = {"mode": "state.mode", "size": "state.domain_size / state.buckets",
           "epsilon": "state.epsilon", "neighbor": "the neighbour relation",
-          "model": "state.model", "window_size": "window.size", "partitions": "scale.partitions"}
+          "model": "state.model", "window_size": "window.size", "partitions": "scale.partitions",
+          "window_kind": "window.kind", "allowed_lateness_s": "window.allowed_lateness_s",
+          "late": "window.late"}
+#: what an identity written before event-time windows existed in groups means
+_IDENTITY_DEFAULTS = {"window_kind": "time", "allowed_lateness_s": 0.0, "late": "next"}
 
 
 class Pipeline:
@@ -68,9 +74,12 @@ class Pipeline:
 
         st, w = self.cfg["state"], self.cfg["window"]
         neighbor = PanPrivateHistogram(st["epsilon"], size=1).neighbor
+        event_time = w["kind"] == "event_time"
         return {"mode": st["mode"], "size": self.size, "epsilon": float(st["epsilon"]),
                 "neighbor": neighbor, "model": st["model"], "window_size": float(w["size"]),
-                "partitions": int(partitions)}
+                "partitions": int(partitions), "window_kind": "event_time" if event_time
+                else "time", "allowed_lateness_s": float(w["allowed_lateness_s"]),
+                "late": w["late"] if event_time else "next"}
 
     def anchor(self, admin) -> dict | None:
         """The newest ledger head the counting group's committed offsets carry (None: none)."""
@@ -120,7 +129,13 @@ class Pipeline:
             if self.ledger.identity():      # another member was first
                 return self.ledger.identity()
             ident = self.identity_of_config(partitions)
-            ident.update(first_window=int(math.floor(time.time() / ident["window_size"])),
+            first = time.time()
+            if ident["window_kind"] == "event_time":
+                # the window of the earliest record the intake reads first (the topic empty: the
+                # current one); an older record coming later is late
+                ts_ms = self.clients.first_timestamp_ms(self.cfg["window"]["max_future_skew_s"])
+                first = first if ts_ms is None else ts_ms / 1000.0
+            ident.update(first_window=int(math.floor(first / ident["window_size"])),
                          lineage=f"{self.topics.prefix}:{uuid.uuid4().hex[:12]}")
             if self.name:
                 ident["aggregation"] = self.name
@@ -140,11 +155,14 @@ class Pipeline:
             txn.close()
 
     def check_identity(self, mine: dict) -> None:
-        bad = [k for k in MUST_AGREE if self.identity.get(k) != mine[k]]
+        def theirs(k):
+            return self.identity.get(k, _IDENTITY_DEFAULTS.get(k))
+
+        bad = [k for k in MUST_AGREE if theirs(k) != mine[k]]
         if bad:
             k = bad[0]
             raise ServiceError(
-                f"{self.about} was started with {_NAMES[k]} = {self.identity[k]!r}, this member "
+                f"{self.about} was started with {_NAMES[k]} = {theirs(k)!r}, this member "
                 f"has {mine[k]!r}: start every member with the group's settings, or use another "
                 "source.group for a new group")
 
@@ -154,7 +172,19 @@ class Pipeline:
         else:
             key, size = bytes.fromhex(self.identity["hash_key"]), self.size
             index_of = lambda items: bucket_of(items, key, size)  # noqa: E731
-        return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics)
+        return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics,
+                     clock=self.clock())
+
+    def clock(self) -> EventClock | None:
+        """The event-time windows of this aggregation (None: by intake time)."""
+        if self.identity.get("window_kind", "time") != "event_time":
+            return None
+        w = self.cfg["window"]
+        return EventClock(size_s=self.identity["window_size"],
+                          lateness_s=self.identity["allowed_lateness_s"],
+                          first_window=self.identity["first_window"],
+                          max_future_skew_s=w["max_future_skew_s"], late=self.identity["late"],
+                          idle_timeout_s=w["idle_partition_timeout_s"])
 
     def start_counting(self, instance: str, group_opts: dict) -> None:
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
@@ -181,6 +211,11 @@ class Pipeline:
         self.ledger.read_to_end()
         log.info("leading %s: this member charges the ledger and merges the windows",
                  self.about)
+        closer = None
+        clock = self.clock()
+        if clock is not None:
+            closer = Closer(txn, self.clients.consumer(None), self.topics,
+                            self.identity["partitions"], self.clients.source_partitions, clock)
         merge = None
         worker = self.clients.worker
         if worker is not None:
@@ -191,10 +226,13 @@ class Pipeline:
                       release_topic=cfg["release"]["topic"], loss=cfg["state"]["loss"],
                       error_bar_reps=cfg["release"]["error_bar_reps"],
                       method=release_method(cfg), merge=merge,
-                      grace_s=cfg["scale"]["close_grace_s"], aggregation=self.name)
+                      grace_s=cfg["scale"]["close_grace_s"], aggregation=self.name,
+                      closer=closer)
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
         if leader is not None:
             leader.txn.close()
             self.clients.discard(leader.summaries)
+            if leader.closer is not None:
+                self.clients.discard(leader.closer.reader)

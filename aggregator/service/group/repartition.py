@@ -36,8 +36,9 @@ import numpy as np
 from consumers.base import Segment
 
 from .topics import read_partition
+from .watermark import MAX_AHEAD_WINDOWS, MarkRecord, low_watermark, stamp
 
-__all__ = ["Repartitioner", "Route", "slice_size"]
+__all__ = ["Repartitioner", "Route", "EventClock", "slice_size"]
 
 log = logging.getLogger("panagg.group")
 
@@ -51,12 +52,28 @@ def slice_size(size: int, partitions: int, partition: int) -> int:
     return max(0, -(-(int(size) - int(partition)) // int(partitions)))
 
 
-class Route:
-    """Where intake sends one aggregation's counter indices."""
+class EventClock:
+    """Event-time windows of one aggregation (watermark.py): window size, allowed lateness, the
+    group's first window, the future skew and the late policy."""
 
-    def __init__(self, topic: str, partitions: int, decoder, index_of, metrics):
+    def __init__(self, *, size_s: float, lateness_s: float, first_window: int,
+                 max_future_skew_s: float, late: str, idle_timeout_s: float):
+        self.size_ms = int(round(float(size_s) * 1000))
+        self.lateness_ms = int(round(float(lateness_s) * 1000))
+        self.first_window = int(first_window)
+        self.skew_ms = int(round(float(max_future_skew_s) * 1000))
+        self.late = late
+        self.idle_timeout_ms = int(round(float(idle_timeout_s) * 1000))
+
+
+class Route:
+    """Where intake sends one aggregation's counter indices (``clock``: by event time)."""
+
+    def __init__(self, topic: str, partitions: int, decoder, index_of, metrics,
+                 clock: EventClock | None = None):
         self.topic, self.partitions = topic, int(partitions)
         self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
+        self.clock = clock
 
 
 class Repartitioner:
@@ -87,6 +104,11 @@ class Repartitioner:
         self.marks: dict[tuple[str, int], int] = {}
         self.marks_topic, self._marks_reader = marks_topic, marks_reader
         self._skip_noted: set[tuple[str, int]] = set()
+        #: event time: MarkRecord per "wm:" key (every source partition's, whoever wrote it)
+        self.watermarks: dict[str, MarkRecord] = {}
+        self._paused: set = set()
+        self._idle_written: dict[str, int] = {}
+        self._taken_at: dict = {}
         if marks_reader is not None:
             from kafka import TopicPartition
             self._marks_tp = TopicPartition(marks_topic, 0)
@@ -97,12 +119,66 @@ class Repartitioner:
     def read_marks(self, timeout_s: float = 30.0) -> None:
         """Read every committed high-water mark (at start and after each rebalance: a partition
         may come from a member that repartitioned it a moment ago)."""
-        def take(r):
-            topic, _, part = r.key.decode().rpartition(":")
-            key = (topic, int(part))
-            self.marks[key] = max(self.marks.get(key, 0), int(r.value))
+        read_partition(self._marks_reader, self._marks_tp, self._take_mark, timeout_s)
 
-        read_partition(self._marks_reader, self._marks_tp, take, timeout_s)
+    def _take_mark(self, r) -> None:
+        key = r.key.decode()
+        if r.value is None or key.startswith("close:"):
+            return
+        if key.startswith("wm:"):
+            self.watermarks[key] = MarkRecord.decode(r.value)
+            return
+        topic, _, part = key.rpartition(":")
+        pair = (topic, int(part))
+        self.marks[pair] = max(self.marks.get(pair, 0), int(r.value))
+
+    def _tail_marks(self) -> None:
+        """The watermarks other members committed since (never waits)."""
+        for records in self._marks_reader.poll(timeout_ms=0).values():
+            for r in records:
+                self._take_mark(r)
+
+    @property
+    def _clocked(self) -> list[Route]:
+        return [r for r in self.routes if r.clock is not None]
+
+    def _pace(self) -> None:
+        """Pause a source partition that has passed more than MAX_AHEAD_WINDOWS windows beyond
+        the low watermark (the counting partitions keep a live state per open window); resume
+        it once the watermark follows."""
+        if not self._clocked or self._marks_reader is None:
+            return
+        self._tail_marks()
+        now_ms = int(time.time() * 1000)
+        sources = [f"{tp.topic}:{tp.partition}" for tp in self._all_partitions()]
+        pause, resume = set(), set()
+        for tp in self.consumer.assignment():
+            src = f"{tp.topic}:{tp.partition}"
+            ahead = False
+            for route in self._clocked:
+                c = route.clock
+                marks = {s: self.watermarks.get(MarkRecord.key(route.topic, s)) for s in sources}
+                low = low_watermark(marks, sources, now_ms=now_ms,
+                                    idle_timeout_ms=c.idle_timeout_ms)
+                low_w = c.first_window if low is None else low // c.size_ms
+                mine = marks.get(src)
+                if mine is not None and mine.passed_ms is not None and \
+                        mine.passed_ms // c.size_ms > low_w + MAX_AHEAD_WINDOWS:
+                    ahead = True
+            (pause if ahead else resume).add(tp)
+        if pause - self._paused:
+            self.consumer.pause(*(pause - self._paused))
+        if resume & self._paused:
+            self.consumer.resume(*(resume & self._paused))
+        self._paused = pause
+
+    def _all_partitions(self):
+        from kafka import TopicPartition
+        out = []
+        for topic in self._topics:
+            for p in sorted(self.consumer.partitions_for_topic(topic) or ()):
+                out.append(TopicPartition(topic, p))
+        return out
 
     def _above_marks(self, tp, recs):
         """The records of ``recs`` not repartitioned before (all but a reset's replay)."""
@@ -121,8 +197,10 @@ class Repartitioner:
         """One poll, one transaction; the number of source records taken."""
         from kafka.structs import OffsetAndMetadata
 
+        self._pace()
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
         if not polled:
+            self._note_idle()
             return 0
         now_ms = int(time.time() * 1000)
         taken = 0
@@ -130,13 +208,24 @@ class Repartitioner:
         try:
             txn.begin()
             offsets = {}
+            passed = {}
             for tp, recs in polled.items():
                 if not recs:
                     continue
                 nxt = recs[-1].offset + 1
                 recs = self._above_marks(tp, recs)
                 for route in self.routes:
-                    self._send(txn, route, tp, recs, now_ms)
+                    if route.clock is None:
+                        self._send(txn, route, tp, recs, now_ms)
+                    else:
+                        key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
+                        mark = self._send_event_time(txn, route, tp, recs, now_ms,
+                                                     self.watermarks.get(key))
+                        if mark is not None:
+                            passed[key] = mark
+                            # the partition's new watermark rides with its records: one decision
+                            txn.send(self.marks_topic, partition=0, key=key.encode(),
+                                     value=mark.encode())
                 offsets[tp] = OffsetAndMetadata(nxt, "", -1)
                 if self.marks_topic:
                     txn.send(self.marks_topic, partition=0,
@@ -150,8 +239,98 @@ class Repartitioner:
         for tp, om in offsets.items():
             key = (tp.topic, tp.partition)
             self.marks[key] = max(self.marks.get(key, 0), om.offset)
+            self._taken_at[tp] = now_ms
+        self.watermarks.update(passed)
+        for key in passed:
+            self._idle_written.pop(key, None)
         self.records += taken
         return taken
+
+    def _note_idle(self) -> None:
+        """``window.idle_partition_timeout_s``: a source partition read to its end says since
+        when, once, with its watermark (the leader then stops waiting for it after the
+        timeout). Written with the partition's offsets, so a fenced member writes nothing."""
+        from kafka.structs import OffsetAndMetadata
+
+        routes = [r for r in self._clocked if r.clock.idle_timeout_ms]
+        if not routes:
+            return
+        now_ms = int(time.time() * 1000)
+        writes, offsets = {}, {}
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if high is None or self.consumer.position(tp) < high:
+                continue
+            since = self._taken_at.get(tp, now_ms)
+            for route in routes:
+                key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
+                if self._idle_written.get(key) == since:
+                    continue
+                old = self.watermarks.get(key)
+                writes[key] = MarkRecord(old.passed_ms if old else None, since)
+                offsets[tp] = OffsetAndMetadata(self.consumer.position(tp), "", -1)
+        if not writes:
+            return
+        try:
+            self.txn.begin()
+            for key, mark in writes.items():
+                self.txn.send(self.marks_topic, partition=0, key=key.encode(), value=mark.encode())
+            self.txn.send_offsets(offsets, self.consumer.group_metadata())
+            self.txn.commit()
+        except KafkaError as exc:
+            self._abort(offsets, exc)
+            return
+        self.watermarks.update(writes)
+        for key, mark in writes.items():
+            self._idle_written[key] = mark.idle_since_ms
+
+    @staticmethod
+    def _send_event_time(producer, route: Route, tp, recs, now_ms: int, mark):
+        """Event time (watermark.py): each record's window (late ones: the first window their
+        partition had not passed, or rejected), one message per (window, late) and target
+        partition, the window in the headers. Returns the partition's new MarkRecord."""
+        if not recs:
+            return None
+        c = route.clock
+        seg_values = [r.value for r in recs]
+        decoded = route.decoder.decode(seg_values, [r.key for r in recs],
+                                       [r.headers for r in recs])
+        bad = {i for i, _ in decoded.rejected}
+        good = np.asarray([i for i in range(len(recs)) if i not in bad], dtype=np.int64)
+        ts = np.asarray([-1 if recs[i].timestamp is None else recs[i].timestamp for i in good],
+                        dtype=np.int64)
+        rejects = list(decoded.rejected)
+        no_ts, future = ts < 0, ts > now_ms + c.skew_ms
+        keep = ~(no_ts | future)
+        rejects += [(int(i), "no_timestamp") for i in good[no_ts]]
+        rejects += [(int(i), "future_timestamp") for i in good[future]]
+        items = decoded.items
+        items = (np.asarray(items)[keep] if isinstance(items, np.ndarray)
+                 else [it for it, k in zip(items, keep) if k])
+        ts = ts[keep]
+        window, late, passed = stamp(ts, mark.passed_ms if mark else None, size_ms=c.size_ms,
+                                     lateness_ms=c.lateness_ms, first_window=c.first_window)
+        if c.late == "dead_letter" and late.any():
+            rejects += [(0, "late")] * int(late.sum())
+            items = (np.asarray(items)[~late] if isinstance(items, np.ndarray)
+                     else [it for it, k in zip(items, ~late) if k])
+            window, late = window[~late], late[~late]
+        if rejects:
+            Repartitioner._count_rejects(route.metrics, rejects)
+        idx = (np.asarray(route.index_of(items), dtype=np.int64) if len(items)
+               else np.zeros(0, dtype=np.int64))
+        part = idx % route.partitions
+        local = (idx // route.partitions).astype("<i4")
+        groups = sorted({(int(w), bool(x)) for w, x in zip(window, late)})
+        # every (window, late) group to every partition, empty ones included: the partitions'
+        # offsets depend on the records' timestamps (public), never on their items
+        for w, is_late in groups:
+            sel = (window == w) & (late == is_late)
+            headers = [("w", str(w).encode())] + ([("late", b"1")] if is_late else [])
+            for p in range(route.partitions):
+                producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
+                              value=local[sel & (part == p)].tobytes())
+        return MarkRecord(passed, None) if passed is not None else mark
 
     @staticmethod
     def _send(producer, route: Route, tp, recs, now_ms: int) -> None:
