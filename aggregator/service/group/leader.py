@@ -129,6 +129,8 @@ class Leader:
         w = self.next_window()
         for old in [k for k in self.pending if k < w]:
             self._tombstone_later(old)
+        for old in [k for k in self._first_seen if k < w]:
+            del self._first_seen[old]
         have = self.pending.get(w, {})
         self.metrics.windows_waiting.set(sum(1 for k in self.pending if k >= w))
         if len(have) < self.P:

@@ -34,9 +34,10 @@ from kafka.errors import KafkaError
 import numpy as np
 
 from consumers.base import Segment
+from consumers.kafka_source import _unpark
 
 from .topics import read_partition
-from .watermark import MAX_AHEAD_WINDOWS, MarkRecord, low_watermark, stamp
+from .watermark import MarkRecord, low_watermark, stamp, too_far_ahead
 
 __all__ = ["Repartitioner", "Route", "EventClock", "slice_size"]
 
@@ -106,7 +107,9 @@ class Repartitioner:
         self._skip_noted: set[tuple[str, int]] = set()
         #: event time: MarkRecord per "wm:" key (every source partition's, whoever wrote it)
         self.watermarks: dict[str, MarkRecord] = {}
-        self._paused: set = set()
+        #: times a source partition was paused for running ahead of the watermark
+        self.pauses = 0
+        self._idle_checked = 0.0
         self._idle_written: dict[str, int] = {}
         self._taken_at: dict = {}
         if marks_reader is not None:
@@ -151,26 +154,22 @@ class Repartitioner:
         self._tail_marks()
         now_ms = int(time.time() * 1000)
         sources = [f"{tp.topic}:{tp.partition}" for tp in self._all_partitions()]
-        pause, resume = set(), set()
-        for tp in self.consumer.assignment():
-            src = f"{tp.topic}:{tp.partition}"
-            ahead = False
-            for route in self._clocked:
-                c = route.clock
-                marks = {s: self.watermarks.get(MarkRecord.key(route.topic, s)) for s in sources}
-                low = low_watermark(marks, sources, now_ms=now_ms,
-                                    idle_timeout_ms=c.idle_timeout_ms)
-                low_w = c.first_window if low is None else low // c.size_ms
-                mine = marks.get(src)
-                if mine is not None and mine.passed_ms is not None and \
-                        mine.passed_ms // c.size_ms > low_w + MAX_AHEAD_WINDOWS:
-                    ahead = True
-            (pause if ahead else resume).add(tp)
-        if pause - self._paused:
-            self.consumer.pause(*(pause - self._paused))
-        if resume & self._paused:
-            self.consumer.resume(*(resume & self._paused))
-        self._paused = pause
+        ahead = set()
+        for route in self._clocked:
+            c = route.clock
+            marks = {s: self.watermarks.get(MarkRecord.key(route.topic, s)) for s in sources}
+            low = low_watermark(marks, sources, now_ms=now_ms, idle_timeout_ms=c.idle_timeout_ms)
+            for tp in self.consumer.assignment():
+                mine = marks.get(f"{tp.topic}:{tp.partition}")
+                if too_far_ahead(mine.passed_ms if mine else None, low, size_ms=c.size_ms,
+                                 first_window=c.first_window):
+                    ahead.add(tp)
+        paused = self.consumer.paused()
+        if ahead - paused:
+            self.consumer.pause(*(ahead - paused))
+            self.pauses += len(ahead - paused)
+        if paused - ahead:
+            self.consumer.resume(*(paused - ahead))
 
     def _all_partitions(self):
         from kafka import TopicPartition
@@ -198,9 +197,15 @@ class Repartitioner:
         from kafka.structs import OffsetAndMetadata
 
         self._pace()
+        if self._clocked:
+            # kafka-python 3.0.12 keeps a resumed partition's parked records (and the partition)
+            # out of every later fetch without this: consumers/kafka_source.py says why
+            _unpark(self.consumer)
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        if time.monotonic() - self._idle_checked >= 1.0:
+            self._idle_checked = time.monotonic()
+            self._note_idle(polled)
         if not polled:
-            self._note_idle()
             return 0
         now_ms = int(time.time() * 1000)
         taken = 0
@@ -246,7 +251,7 @@ class Repartitioner:
         self.records += taken
         return taken
 
-    def _note_idle(self) -> None:
+    def _note_idle(self, polled) -> None:
         """``window.idle_partition_timeout_s``: a source partition read to its end says since
         when, once, with its watermark (the leader then stops waiting for it after the
         timeout). Written with the partition's offsets, so a fenced member writes nothing."""
@@ -259,9 +264,9 @@ class Repartitioner:
         writes, offsets = {}, {}
         for tp in self.consumer.assignment():
             high = self.consumer.highwater(tp)
-            if high is None or self.consumer.position(tp) < high:
+            if polled.get(tp) or high is None or self.consumer.position(tp) < high:
                 continue
-            since = self._taken_at.get(tp, now_ms)
+            since = self._taken_at.setdefault(tp, now_ms)
             for route in routes:
                 key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
                 if self._idle_written.get(key) == since:

@@ -25,7 +25,8 @@ import json
 
 import numpy as np
 
-__all__ = ["stamp", "low_watermark", "closable_upto", "MarkRecord", "MAX_AHEAD_WINDOWS"]
+__all__ = ["stamp", "low_watermark", "closable_upto", "too_far_ahead", "MarkRecord",
+           "MAX_AHEAD_WINDOWS"]
 
 #: the intake pauses a source partition whose ``passed`` is more than this many windows ahead of
 #: the low watermark: it bounds the windows a counting partition keeps live
@@ -90,6 +91,23 @@ def closable_upto(watermark_ms: int | None, *, size_ms: int, lateness_ms: int) -
     if watermark_ms is None:
         return None
     return (int(watermark_ms) - int(lateness_ms)) // int(size_ms) - 1
+
+
+def too_far_ahead(passed_ms: int | None, watermark_ms: int | None, *, size_ms: int,
+                  first_window: int) -> bool:
+    """Whether a source partition that has ``passed_ms`` is more than MAX_AHEAD_WINDOWS windows
+    past the low watermark (none yet: the group's first window), so the intake pauses it.
+
+    >>> too_far_ahead(95_000, 50_000, size_ms=10_000, first_window=0)
+    True
+    >>> too_far_ahead(89_999, 50_000, size_ms=10_000, first_window=0), too_far_ahead(
+    ...     None, 50_000, size_ms=10_000, first_window=0)
+    (False, False)
+    """
+    if passed_ms is None:
+        return False
+    low = first_window if watermark_ms is None else int(watermark_ms) // size_ms
+    return int(passed_ms) // size_ms > low + MAX_AHEAD_WINDOWS
 
 
 class MarkRecord:
