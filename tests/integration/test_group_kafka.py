@@ -539,3 +539,56 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
     assert not crash_traces(logs), members.logs()
     print(f"\n{len(docs)} event-time windows, {sum(l for _, l in got.values())} late records, "
           f"killed {victim}")
+
+
+def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_record_counts(
+        kafka_broker, tmp_path):
+    """window.idle_partition_timeout_s in a group: a source partition that got a few records and
+    then nothing stops holding the watermark once idle, so the windows close; a record it gets
+    afterwards, stamped in a window already closed, arrives after that window's close marker:
+    late, counted in the window after the last closed one, as one process counts it in its open
+    window. Every event is released once."""
+    from tests.test_event_time_lateness import SIZE, reference
+
+    topic = make_topic(kafka_broker, 3)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    t0 = (int(time.time()) - 7200) // SIZE * SIZE
+    rng = np.random.default_rng()
+    busy = [(int((t0 + t) * 1000), int(i)) for t, i in
+            zip(np.sort(rng.uniform(0, 6 * SIZE, 600)), rng.integers(0, D, 600))]
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
+                      "--set", f"window.size={SIZE}", "--set", "window.allowed_lateness_s=2",
+                      "--set", "window.idle_partition_timeout_s=2")
+    try:
+        _produce_stamped(kafka_broker, topic, [(t0 * 1000 + 500, 1)], partition=2)
+        for p in (0, 1):
+            _produce_stamped(kafka_broker, topic, busy[p::2], partition=p)
+        members.start("m1")
+        deadline = time.monotonic() + 120
+        while not any(d["window_info"]["event_start_unix"] >= t0 + 3 * SIZE
+                      for d in releases(kafka_broker, topics)):
+            assert time.monotonic() < deadline, f"windows never closed\n{members.logs()}"
+            time.sleep(1)
+        # partition 2 wakes with a record of window 1, closed by now: late
+        _produce_stamped(kafka_broker, topic, [((t0 + SIZE + 1) * 1000, 2)], partition=2)
+        for p in (0, 1):   # the busy partitions move on, so the late record's window closes
+            _produce_stamped(kafka_broker, topic, [((t0 + 20 * SIZE) * 1000, 3)], partition=p)
+        wait_for_total(kafka_broker, topics, 602, 120, members)
+        time.sleep(2)
+    finally:
+        members.stop_all()
+    docs = releases(kafka_broker, topics)
+    got = _by_event_window(docs)
+    assert sum(n for n, _ in got.values()) == 602
+    assert sum(late for _, late in got.values()) == 1
+    # the busy partitions' records in their windows, as the definitions say
+    parts = {f"{topic}:{p}": [(ts / 1000, (p, k)) for k, (ts, _) in enumerate(busy[p::2])]
+             for p in (0, 1)}
+    parts[f"{topic}:2"] = [(t0 + 0.5, (2, 0))]
+    _, ref = reference(parts, 2, "next")
+    expected = {k * SIZE: ev for k, (ev, _) in ref.items()}
+    late_in = [w for w, (_, late) in got.items() if late]
+    assert {w: n - (1 if w in late_in else 0) for w, (n, _) in got.items()} == expected
+    assert late_in[0] > t0 + SIZE
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
