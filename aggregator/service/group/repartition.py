@@ -26,6 +26,7 @@ What the repartition topic holds: counter indices of events, in plaintext, like 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -105,8 +106,14 @@ class Repartitioner:
         self.marks: dict[tuple[str, int], int] = {}
         self.marks_topic, self._marks_reader = marks_topic, marks_reader
         self._skip_noted: set[tuple[str, int]] = set()
-        #: event time: MarkRecord per "wm:" key (every source partition's, whoever wrote it)
+        #: event time: MarkRecord per "wm:" key (every source partition's, whoever wrote it),
+        #: for pacing and idleness; it may lag a moment behind the commits
         self.watermarks: dict[str, MarkRecord] = {}
+        #: event time: per "wm:" key of an assigned partition, its largest timestamp at the
+        #: committed offset (read from that offset's metadata: the two are one commit), which
+        #: decides the windows of the records after it
+        self.passed: dict[str, int | None] = {}
+        self._need_passed: set = set()
         #: times a source partition was paused for running ahead of the watermark
         self.pauses = 0
         self._idle_checked = 0.0
@@ -140,6 +147,34 @@ class Repartitioner:
         for records in self._marks_reader.poll(timeout_ms=0).values():
             for r in records:
                 self._take_mark(r)
+
+    def assigned(self, tps) -> None:
+        """The group assigned ``tps`` (a rebalance callback): their watermarks are read from
+        their committed offsets' metadata before their records are stamped."""
+        self._need_passed |= set(tps)
+
+    def _load_passed(self, tps) -> None:
+        for tp in tps:
+            om = self.consumer.committed(tp, metadata=True, timeout_ms=5000)
+            try:
+                meta = json.loads(om.metadata) if om is not None and om.metadata else {}
+            except ValueError:
+                meta = {}
+            for route in self._clocked:
+                key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
+                self.passed[key] = (meta.get("wm") or {}).get(route.topic)
+        self._need_passed -= set(tps)
+
+    def _offset_meta(self, tp, passed: dict) -> str:
+        """The committed offset's metadata: the partition's watermark per aggregation."""
+        if not self._clocked:
+            return ""
+        src = f"{tp.topic}:{tp.partition}"
+        wm = {}
+        for route in self._clocked:
+            key = MarkRecord.key(route.topic, src)
+            wm[route.topic] = passed.get(key, self.passed.get(key))
+        return json.dumps({"wm": wm}, separators=(",", ":"))
 
     @property
     def _clocked(self) -> list[Route]:
@@ -207,6 +242,8 @@ class Repartitioner:
             self._note_idle(polled)
         if not polled:
             return 0
+        if self._need_passed and self._clocked:
+            self._load_passed([tp for tp in self._need_passed if tp in self.consumer.assignment()])
         now_ms = int(time.time() * 1000)
         taken = 0
         txn = self.txn
@@ -224,14 +261,15 @@ class Repartitioner:
                         self._send(txn, route, tp, recs, now_ms)
                     else:
                         key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
-                        mark = self._send_event_time(txn, route, tp, recs, now_ms,
-                                                     self.watermarks.get(key))
-                        if mark is not None:
-                            passed[key] = mark
-                            # the partition's new watermark rides with its records: one decision
+                        new = self._send_event_time(txn, route, tp, recs, now_ms,
+                                                    self.passed.get(key))
+                        if new is not None:
+                            passed[key] = new
+                            # published for the leader's watermark and the intakes' pacing
                             txn.send(self.marks_topic, partition=0, key=key.encode(),
-                                     value=mark.encode())
-                offsets[tp] = OffsetAndMetadata(nxt, "", -1)
+                                     value=MarkRecord(new).encode())
+                # the watermark rides with the offset it holds at: one commit, one decision
+                offsets[tp] = OffsetAndMetadata(nxt, self._offset_meta(tp, passed), -1)
                 if self.marks_topic:
                     txn.send(self.marks_topic, partition=0,
                              key=f"{tp.topic}:{tp.partition}".encode(), value=str(nxt).encode())
@@ -245,8 +283,9 @@ class Repartitioner:
             key = (tp.topic, tp.partition)
             self.marks[key] = max(self.marks.get(key, 0), om.offset)
             self._taken_at[tp] = now_ms
-        self.watermarks.update(passed)
-        for key in passed:
+        self.passed.update(passed)
+        for key, value in passed.items():
+            self.watermarks[key] = MarkRecord(value)
             self._idle_written.pop(key, None)
         self.records += taken
         return taken
@@ -264,16 +303,17 @@ class Repartitioner:
         writes, offsets = {}, {}
         for tp in self.consumer.assignment():
             high = self.consumer.highwater(tp)
-            if polled.get(tp) or high is None or self.consumer.position(tp) < high:
+            if polled.get(tp) or tp in self._need_passed or high is None \
+                    or self.consumer.position(tp) < high:
                 continue
             since = self._taken_at.setdefault(tp, now_ms)
             for route in routes:
                 key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
                 if self._idle_written.get(key) == since:
                     continue
-                old = self.watermarks.get(key)
-                writes[key] = MarkRecord(old.passed_ms if old else None, since)
-                offsets[tp] = OffsetAndMetadata(self.consumer.position(tp), "", -1)
+                writes[key] = MarkRecord(self.passed.get(key), since)
+                offsets[tp] = OffsetAndMetadata(self.consumer.position(tp),
+                                                self._offset_meta(tp, {}), -1)
         if not writes:
             return
         try:
@@ -290,12 +330,13 @@ class Repartitioner:
             self._idle_written[key] = mark.idle_since_ms
 
     @staticmethod
-    def _send_event_time(producer, route: Route, tp, recs, now_ms: int, mark):
+    def _send_event_time(producer, route: Route, tp, recs, now_ms: int, passed_ms):
         """Event time (watermark.py): each record's window (late ones: the first window their
         partition had not passed, or rejected), one message per (window, late) and target
-        partition, the window in the headers. Returns the partition's new MarkRecord."""
+        partition, the window in the headers. Returns the partition's new largest timestamp
+        (None: still none)."""
         if not recs:
-            return None
+            return passed_ms
         c = route.clock
         seg_values = [r.value for r in recs]
         decoded = route.decoder.decode(seg_values, [r.key for r in recs],
@@ -313,7 +354,7 @@ class Repartitioner:
         items = (np.asarray(items)[keep] if isinstance(items, np.ndarray)
                  else [it for it, k in zip(items, keep) if k])
         ts = ts[keep]
-        window, late, passed = stamp(ts, mark.passed_ms if mark else None, size_ms=c.size_ms,
+        window, late, passed = stamp(ts, passed_ms, size_ms=c.size_ms,
                                      lateness_ms=c.lateness_ms, first_window=c.first_window)
         if c.late == "dead_letter" and late.any():
             rejects += [(0, "late")] * int(late.sum())
@@ -335,7 +376,7 @@ class Repartitioner:
             for p in range(route.partitions):
                 producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
                               value=local[sel & (part == p)].tobytes())
-        return MarkRecord(passed, None) if passed is not None else mark
+        return passed
 
     @staticmethod
     def _send(producer, route: Route, tp, recs, now_ms: int) -> None:
@@ -381,6 +422,7 @@ class Repartitioner:
         log.warning("intake transaction aborted (%s); re-reading from the committed offsets",
                     type(exc).__name__)
         self.txn.failed(exc)
+        self._need_passed |= set(polled)   # back to what the committed offsets say
         try:
             for tp in polled:
                 if tp not in self.consumer.assignment():

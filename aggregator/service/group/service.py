@@ -252,6 +252,7 @@ class GroupService:
 
             def on_partitions_assigned(self, assigned):
                 rp.read_marks()   # a partition may come with marks another member wrote
+                rp.assigned(assigned)
 
         intake.subscribe([cfg["source"]["topic"]], listener=_Marks())
         self._seed_marks(committed)
