@@ -422,10 +422,11 @@ def _event_stream(rng, windows, per_window, t0):
     return out
 
 
-def _produce_stamped(bootstrap, topic, records, partition=None):
+def _produce_stamped(bootstrap, topic, records, partition=None, pack=None):
+    pack = pack or (lambda item: {"item": item})
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
     for ts, item in records:       # no key: the client picks the partitions
-        p.send(topic, value=msgpack.packb({"item": item}), timestamp_ms=ts, partition=partition)
+        p.send(topic, value=msgpack.packb(pack(item)), timestamp_ms=ts, partition=partition)
     p.flush()
     p.close()
 
@@ -595,3 +596,52 @@ def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_r
     assert {w: n - (1 if w in late_in else 0) for w, (n, _) in got.items()} == expected
     assert late_in[0] > t0 + SIZE
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
+
+
+def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker, tmp_path):
+    """Two aggregations (accounts direct, IPs hashed) with event-time windows in a group of 2
+    members: each aggregation's windows, n and late counts are those of one process with the
+    same two aggregations over the same records."""
+    from tests.test_event_time_lateness import SIZE
+
+    topic = make_topic(kafka_broker, 3)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng()
+    t0 = (int(time.time()) - 7200) // SIZE * SIZE
+    stream = _event_stream(rng, 6, 400, t0)
+    pack = lambda i: {"user": i, "ip": f"10.0.{i // 256}.{i % 256}"}  # noqa: E731
+    extra = ("--set", "window.kind=event_time", "--set", f"window.size={SIZE}",
+             "--set", f"window.allowed_lateness_s={ET_LATENESS}",
+             "--set", "ledger.budget_per_event=2", "--set", "aggregations.user.item.field=user",
+             "--set", "aggregations.ip.item.field=ip", "--set", "aggregations.ip.state.mode=hashed",
+             "--set", "aggregations.ip.state.expected_n=5000")
+    members = Members(kafka_broker, topic, group, tmp_path, *extra)
+    flush_at = (t0 + 20 * SIZE) * 1000
+    try:
+        _produce_stamped(kafka_broker, topic, stream[:100], pack=pack)
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        _produce_stamped(kafka_broker, topic, stream[100:], pack=pack)
+        for p in range(3):
+            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p, pack=pack)
+        for name in ("user", "ip"):
+            wait_for_total(kafka_broker, GroupTopics(group, name), len(stream), 180, members)
+    finally:
+        members.stop_all()
+    one = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", kafka_broker,
+         "--topic", topic, "--state-dir", str(tmp_path / "one" / "state"), "--release-dir",
+         str(tmp_path / "one" / "releases"), "--metrics-port", "-1", "--exit-when-idle", "5",
+         "--set", f"state.domain_size={D}", "--set", f"source.group=one-{group}",
+         "--set", "release.error_bar_reps=0", *extra],
+        capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for name in ("user", "ip"):
+        docs = releases(kafka_broker, GroupTopics(group, name))
+        one_docs = [json.loads(f.read_text())
+                    for f in (tmp_path / "one" / "releases" / name).glob("*.json")]
+        got = _by_event_window(docs)
+        assert got == _by_event_window(one_docs), f"{name}\n{members.logs()}"
+        assert sum(n for n, _ in got.values()) == len(stream)
+        assert all(d["aggregation"]["name"] == name for d in docs)
