@@ -181,9 +181,10 @@ class Leader:
         named = ", ".join(f"{p} (last summarized by {self.last_member[p]})"
                           if p in self.last_member else str(p) for p in missing)
         log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
-                    "its end: that member is stopped, stuck or gone (the group moves its "
+                    "%s: that member is stopped, stuck or gone (the group moves its "
                     "partitions after source.session_timeout_s)", w, named,
-                    self.topics.repartition, late + (0 if self.event_time else self.grace_s))
+                    self.topics.repartition, late + (0 if self.event_time else self.grace_s),
+                    "its first summary" if self.event_time else "its end")
 
     @staticmethod
     def _ranges(have: dict) -> dict:
