@@ -296,7 +296,6 @@ class Counter:
                              self.consumer.group_metadata())
             txn.commit()
         except Exception as exc:
-            task.window = upto + 1
             self._abort(task, exc)
             return False
         self.summaries_written += len(out)

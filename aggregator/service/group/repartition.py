@@ -243,7 +243,15 @@ class Repartitioner:
         if not polled:
             return 0
         if self._need_passed and self._clocked:
-            self._load_passed([tp for tp in self._need_passed if tp in self.consumer.assignment()])
+            try:
+                self._load_passed([tp for tp in self._need_passed
+                                   if tp in self.consumer.assignment()])
+            except KafkaError:
+                # the records are read again once the watermarks can be (nothing is skipped)
+                for tp, recs in polled.items():
+                    if recs:
+                        self.consumer.seek(tp, recs[0].offset)
+                raise
         now_ms = int(time.time() * 1000)
         taken = 0
         txn = self.txn
