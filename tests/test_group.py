@@ -340,3 +340,73 @@ def test_a_group_takes_event_time_windows_and_keeps_intake_time_unless_asked():
     assert auto["window"]["kind"] == "time"     # window.clock = auto: intake time in a group
     record = _cfg("source.kind=kafka", "source.topic=t", "window.clock=record")
     assert record["window"]["kind"] == "event_time"
+
+
+class _FakeIntakeConsumer:
+    """What Repartitioner._pace asks of the intake's consumer and the intake topic's reader."""
+
+    def __init__(self, tps):
+        self.tps, self._paused = set(tps), set()
+
+    def assignment(self):
+        return set(self.tps)
+
+    def subscription(self):
+        return {tp.topic for tp in self.tps}
+
+    def partitions_for_topic(self, topic):
+        return {tp.partition for tp in self.tps if tp.topic == topic}
+
+    def paused(self):
+        return set(self._paused)
+
+    def pause(self, *tps):
+        self._paused |= set(tps)
+
+    def resume(self, *tps):
+        self._paused -= set(tps)
+
+    # the reader of the intake topic: empty
+    def assign(self, tps):
+        pass
+
+    def seek_to_beginning(self, *tps):
+        pass
+
+    def end_offsets(self, tps, timeout_ms=None):
+        return {tp: 0 for tp in tps}
+
+    def position(self, tp):
+        return 0
+
+    def poll(self, timeout_ms=0, max_records=None):
+        return {}
+
+
+def test_the_intake_pauses_a_partition_running_ahead_of_the_low_watermark():
+    """A source partition more than MAX_AHEAD_WINDOWS windows past the low watermark is paused
+    (its records would open ever more live windows in the counting partitions) and resumed once
+    the watermark follows; the partition holding the watermark is never paused."""
+    from kafka import TopicPartition
+
+    from aggregator.service.group.repartition import EventClock, Repartitioner, Route
+
+    tps = [TopicPartition("t", p) for p in range(3)]
+    consumer = _FakeIntakeConsumer(tps)
+    clock = EventClock(size_s=10, lateness_s=2, first_window=0, max_future_skew_s=300,
+                       late="next", idle_timeout_s=0)
+    rp = Repartitioner(consumer, None, [Route("g.panagg.repartition", 4, None, None, None,
+                                              clock=clock)],
+                       marks_topic="g.panagg.intake", marks_reader=_FakeIntakeConsumer([]))
+
+    def at(**windows):
+        for name, w in windows.items():
+            rp.watermarks[MarkRecord.key("g.panagg.repartition", f"t:{name[1:]}")] = \
+                MarkRecord(w * 10_000 + 1)
+        rp._pace()
+        return sorted(tp.partition for tp in consumer.paused())
+
+    assert at(p0=10, p1=20, p2=12) == [1]          # low watermark in window 10: 1 is 10 ahead
+    assert at(p0=18) == [0, 1]                      # low now 12 (partition 2): 0 runs ahead too
+    assert at(p2=19) == []                          # low 18: everyone within 3 windows
+    assert rp.pauses == 2
