@@ -410,3 +410,55 @@ def test_the_intake_pauses_a_partition_running_ahead_of_the_low_watermark():
     assert at(p0=18) == [0, 1]                      # low now 12 (partition 2): 0 runs ahead too
     assert at(p2=19) == []                          # low 18: everyone within 3 windows
     assert rp.pauses == 2
+
+
+class _Sent:
+    def __init__(self):
+        self.messages = []
+
+    def send(self, topic, partition=None, timestamp_ms=None, headers=None, value=None, key=None):
+        self.messages.append((partition, dict(headers or ()), value))
+
+
+@pytest.mark.parametrize("late_policy", ["next", "dead_letter"])
+def test_the_intake_writes_each_window_to_every_partition_and_handles_late_records(late_policy):
+    """One message per (window, late) group and repartition partition, empty ones included;
+    late records flagged (next) or rejected with reason late (dead_letter, counted in the same
+    metric as one process's); records without a timestamp or from the future rejected."""
+    import collections
+    import time as _time
+
+    import msgpack
+
+    from consumers.decode import Decoder
+    from aggregator.service.group.repartition import EventClock, Repartitioner, Route
+
+    Rec = collections.namedtuple("Rec", "offset value key headers timestamp")
+    now_ms = int(_time.time() * 1000)
+    base = (now_ms - 3_600_000) // 10_000 * 10_000
+    # windows: 0, 2 (passes window 0 + 2 s lateness), then window 0 again: late; no stamp; future
+    stamps = [base + 1000, base + 21_000, base + 3000, -1, now_ms + 10 ** 7]
+    recs = [Rec(i, msgpack.packb({"item": 7 + i}), None, [], ts) for i, ts in enumerate(stamps)]
+    metrics = Metrics()
+    route = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100), lambda it:
+                  np.asarray(it, dtype=np.int64), metrics,
+                  clock=EventClock(size_s=10, lateness_s=2, first_window=base // 10_000,
+                                   max_future_skew_s=300, late=late_policy, idle_timeout_s=0))
+    out = _Sent()
+    passed = Repartitioner._send_event_time(out, route, None, recs, now_ms, None)
+    assert passed == base + 21_000
+    groups = collections.Counter((h["w"], "late" in h) for _, h, _ in out.messages)
+    w0, w2 = str(base // 10_000).encode(), str(base // 10_000 + 2).encode()
+    w1 = str(base // 10_000 + 1).encode()
+    want = {(w0, False): 3, (w2, False): 3}
+    if late_policy == "next":
+        want[(w1, True)] = 3      # the first window its partition had not passed
+    assert dict(groups) == want
+    events = sum(len(v) // 4 for _, _, v in out.messages)
+    assert events == (3 if late_policy == "next" else 2)
+
+    def rejected(reason):
+        return metrics.registry.get_sample_value("panagg_decode_errors_total", {"reason": reason})
+
+    assert rejected("no_timestamp") == 1 and rejected("future_timestamp") == 1
+    assert rejected("late") == (1 if late_policy == "dead_letter" else None)
