@@ -431,6 +431,29 @@ def _produce_stamped(bootstrap, topic, records, partition=None, pack=None):
     p.close()
 
 
+def _reference_windows(bootstrap, topic, parts, flush_at):
+    """{event_start_unix: (n, late)} the definitions give (tests/test_event_time_lateness.py's
+    reference) over what the topic holds, partition by partition, before the flush window."""
+    from tests.test_event_time_lateness import reference
+
+    src = read_all(bootstrap, topic)
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    by_part = {}
+    for p in range(parts):
+        tp = TopicPartition(topic, p)
+        c.assign([tp])
+        c.seek_to_beginning(tp)
+        recs = []
+        while len(recs) < len(src[p]):
+            for rs in c.poll(timeout_ms=500).values():
+                recs += [(r.timestamp / 1000, (p, r.offset)) for r in rs]
+        by_part[f"{topic}:{p}"] = recs
+    c.close()
+    _, ref = reference(by_part, ET_LATENESS, "next")
+    flush_w = flush_at // 1000 // ET_SIZE
+    return {k * ET_SIZE: (ev, late) for k, (ev, late) in ref.items() if k < flush_w}
+
+
 def _by_event_window(docs):
     return {d["window_info"]["event_start_unix"]: (d["n"], d["window_info"]["late"])
             for d in docs}
@@ -442,7 +465,7 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
     member killed -9 mid-stream and restarted: every window released once, its n and late count
     those of a one-process run over the same records (and of the definitions' reference), each
     repartitioned event in exactly one release, no position charged more than eps."""
-    from tests.test_event_time_lateness import SIZE, reference
+    from tests.test_event_time_lateness import SIZE
 
     assert SIZE == ET_SIZE
     parts = 4
@@ -483,23 +506,7 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
         feeder.join()
         for p in range(parts):           # every partition passes the last window
             _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
-        # the definitions over what the topic holds, partition by partition
-        src = read_all(kafka_broker, topic)
-        c = KafkaConsumer(bootstrap_servers=kafka_broker, enable_auto_commit=False)
-        by_part = {}
-        for p in range(parts):
-            tp = TopicPartition(topic, p)
-            c.assign([tp])
-            c.seek_to_beginning(tp)
-            recs = []
-            while len(recs) < len(src[p]):
-                for rs in c.poll(timeout_ms=500).values():
-                    recs += [(r.timestamp / 1000, r.offset) for r in rs]
-            by_part[f"{topic}:{p}"] = [(t, (p, o)) for t, o in recs]
-        c.close()
-        _, ref = reference(by_part, ET_LATENESS, "next")
-        flush_w = flush_at // 1000 // ET_SIZE
-        expected = {k * ET_SIZE: (ev, late) for k, (ev, late) in ref.items() if k < flush_w}
+        expected = _reference_windows(kafka_broker, topic, parts, flush_at)
         total = sum(ev for ev, _ in expected.values())
         assert total == len(stream)
         wait_for_total(kafka_broker, topics, total, 240, members)
@@ -645,3 +652,59 @@ def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker,
         assert got == _by_event_window(one_docs), f"{name}\n{members.logs()}"
         assert sum(n for n, _ in got.values()) == len(stream)
         assert all(d["aggregation"]["name"] == name for d in docs)
+
+
+def test_event_time_group_of_three_killed_again_and_again_releases_the_reference(
+        kafka_broker, tmp_path):
+    """3 members, event-time windows with lateness, 10,000 records over 20 windows fed for about
+    20 s while a random member is killed -9 and restarted every 0.5-4.5 s: every window released
+    once with the n and late count the definitions give over the topic."""
+    parts = 4
+    topic = make_topic(kafka_broker, parts)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    rng = np.random.default_rng()
+    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
+    windows = 20
+    stream = _event_stream(rng, windows, 500, t0)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
+                      "--set", f"window.size={ET_SIZE}",
+                      "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
+    names = ["m1", "m2", "m3"]
+    kills = 0
+    try:
+        _produce_stamped(kafka_broker, topic, stream[:200])
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        members.start("m3")
+        rest = stream[200:]
+        feeder = threading.Thread(target=lambda: [
+            (_produce_stamped(kafka_broker, topic, rest[i:i + 100]), time.sleep(0.2))
+            for i in range(0, len(rest), 100)])
+        feeder.start()
+        chaos = random.Random()
+        while feeder.is_alive():
+            time.sleep(chaos.uniform(0.5, 2.5))
+            victim = chaos.choice(names)
+            members.kill(victim)
+            kills += 1
+            time.sleep(chaos.uniform(0.0, 2.0))
+            members.start(victim)
+        feeder.join()
+        for p in range(parts):
+            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        expected = _reference_windows(kafka_broker, topic, parts, flush_at)
+        wait_for_total(kafka_broker, topics, len(stream), 300, members)
+        time.sleep(3)     # nothing more may come
+    finally:
+        members.stop_all()
+    docs = releases(kafka_broker, topics)
+    try:
+        assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
+        assert _by_event_window(docs) == expected
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
+    print(f"\n{len(docs)} event-time windows, {kills} kills, {members.runs} member runs")
