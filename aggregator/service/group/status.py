@@ -172,7 +172,8 @@ def format_group_status(s: dict) -> list[str]:
              f"{ident.get('size')} counters in {ident.get('partitions')} slices, eps "
              f"{ident.get('epsilon')}, "
              + (f"event-time windows of {ident.get('window_size')} s (allowed lateness "
-                f"{ident.get('allowed_lateness_s')} s)" if ident.get("window_kind") == "event_time"
+                f"{ident.get('allowed_lateness_s')} s)"
+                if ident.get("window_kind") == "event_time"
                 else f"windows of {ident.get('window_size')} s")]
     lines.append(f"members ({len(s['members'])}, group {s.get('state', '')}):")
     for m in s["members"]:

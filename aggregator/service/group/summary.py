@@ -124,7 +124,8 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
     if infos[0]["kind"] == "event_time":
         # by the records' timestamps, as one process's event-time release says it
         release["window_info"].update(
-            event_start_unix=infos[0]["event_start_unix"], event_end_unix=infos[0]["event_end_unix"],
+            event_start_unix=infos[0]["event_start_unix"],
+            event_end_unix=infos[0]["event_end_unix"],
             late=int(sum(i.get("late", 0) for i in infos)), late_policy=infos[0]["late_policy"],
             allowed_lateness_s=infos[0]["allowed_lateness_s"],
             per_partition="event-time windows, closed by the leader's markers")
