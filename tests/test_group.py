@@ -189,7 +189,7 @@ def test_the_removed_shared_directory_store_is_refused_with_the_way_on():
 # -- event-time windows in a group (watermark.py, event_windows.py) ---------------------------
 from aggregator.service.group.event_windows import EventSlice  # noqa: E402
 from aggregator.service.group.watermark import (MarkRecord, closable_upto,  # noqa: E402
-                                                low_watermark, stamp)
+                                                low_watermark, opening_window, stamp)
 
 
 def _contiguous_stream(rng, parts=3, windows=6, per_window=12, lateness=4, size=10):
@@ -212,9 +212,11 @@ def _contiguous_stream(rng, parts=3, windows=6, per_window=12, lateness=4, size=
 
 @pytest.mark.parametrize("lateness", [0, 4])
 def test_the_intake_stamps_every_record_as_one_process_would(lateness):
-    """The group's rule (each record's window from its own source partition's earlier records)
-    against the one-process reference of tests/test_event_time_lateness.py, record by record,
-    late ones included, on windows that each have records."""
+    """The group's rule (each record's window from its own source partition's earlier records,
+    at intake; records before the first window late at the counting partition, which knows it
+    from the leader's opening marker: the earliest first record's window) against the
+    one-process reference of tests/test_event_time_lateness.py, record by record, late ones
+    included, on windows that each have records."""
     from tests.test_event_time_lateness import SIZE, reference
 
     rng = np.random.default_rng()
@@ -222,17 +224,21 @@ def test_the_intake_stamps_every_record_as_one_process_would(lateness):
     item = iter(range(10 ** 6))
     parts = {p: [(t / 1000, next(item)) for t in ts] for p, ts in stream.items()}
     where, windows = reference(parts, lateness, "next")
-    first = min(int(recs[0][0] // SIZE) for recs in parts.values())
+    marks = {p: MarkRecord(None, first_ms=int(round(recs[0][0] * 1000)))
+             for p, recs in parts.items()}
+    first = opening_window(marks, list(parts), now_ms=0, idle_timeout_ms=0, size_ms=SIZE * 1000)
+    assert first == min(int(recs[0][0] // SIZE) for recs in parts.values())
+    counting = EventSlice(closed=first - 1, summarized=first - 1, make_state=None)
     mine: dict[int, list] = {}
     n_late = 0
     for p, recs in parts.items():
         ts = np.array([int(round(t * 1000)) for t, _ in recs])
-        window, late, passed = stamp(ts, None, size_ms=SIZE * 1000,
-                                     lateness_ms=lateness * 1000, first_window=first)
+        window, late, passed = stamp(ts, None, size_ms=SIZE * 1000, lateness_ms=lateness * 1000)
         assert passed == ts.max()
-        n_late += int(late.sum())
-        for (_, it), w in zip(recs, window):
-            mine[it] = int(w)
+        for (_, it), w, x in zip(recs, window, late):
+            w, x = counting.window_of(int(w), bool(x))
+            mine[it] = w
+            n_late += x
     assert mine == where
     assert n_late == sum(late for _, late in windows.values()) > 0
 
@@ -393,7 +399,7 @@ def test_the_intake_pauses_a_partition_running_ahead_of_the_low_watermark():
 
     tps = [TopicPartition("t", p) for p in range(3)]
     consumer = _FakeIntakeConsumer(tps)
-    clock = EventClock(size_s=10, lateness_s=2, first_window=0, max_future_skew_s=300,
+    clock = EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
                        late="next", idle_timeout_s=0)
     rp = Repartitioner(consumer, None, [Route("g.panagg.repartition", 4, None, None, None,
                                               clock=clock)],
@@ -442,11 +448,11 @@ def test_the_intake_writes_each_window_to_every_partition_and_handles_late_recor
     metrics = Metrics()
     route = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100), lambda it:
                   np.asarray(it, dtype=np.int64), metrics,
-                  clock=EventClock(size_s=10, lateness_s=2, first_window=base // 10_000,
-                                   max_future_skew_s=300, late=late_policy, idle_timeout_s=0))
+                  clock=EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
+                                   late=late_policy, idle_timeout_s=0))
     out = _Sent()
-    passed = Repartitioner._send_event_time(out, route, None, recs, now_ms, None)
-    assert passed == base + 21_000
+    mark = Repartitioner._send_event_time(out, route, None, recs, now_ms, None)
+    assert (mark.passed_ms, mark.first_ms) == (base + 21_000, base + 1000)
     groups = collections.Counter((h["w"], "late" in h) for _, h, _ in out.messages)
     w0, w2 = str(base // 10_000).encode(), str(base // 10_000 + 2).encode()
     w1 = str(base // 10_000 + 1).encode()

@@ -7,6 +7,13 @@ transaction (the leader's transactional id: a fenced leader writes nothing) a ma
 window up to K into each repartition partition, and K itself under ``close:<repartition topic>``
 in the intake topic, so the next leader goes on from K. Each counting partition then closes
 those windows at the marker's position in its own log (:mod:`.event_windows`).
+
+The first marker *opens* the group's windows: once every source partition has a first record
+(or is idle), it closes everything before the earliest first record's window, as one process
+opens its first window there. The counting partitions count nothing before it: they read up to
+it and start again from their first offset knowing where windows begin (records stamped
+earlier are late), so a group created before its records arrive (a backfill) windows them as one
+process would.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import logging
 import time
 
 from .topics import read_partition
-from .watermark import MarkRecord, closable_upto, low_watermark
+from .watermark import MarkRecord, closable_upto, low_watermark, opening_window
 
 __all__ = ["Closer"]
 
@@ -43,7 +50,8 @@ class Closer:
         self.txn, self.reader, self.topics = txn, reader, topics
         self.P, self.sources, self.clock = int(partitions), list(sources), clock
         self.marks: dict[str, MarkRecord] = {}
-        self.closed = clock.first_window - 1
+        #: the last window closed (None: the windows are not opened yet)
+        self.closed: int | None = None
         self._close_key = MarkRecord.close_key(topics.repartition)
         self._prefix = f"wm:{topics.repartition}:"
         self._tp = TopicPartition(topics.intake, 0)
@@ -56,7 +64,8 @@ class Closer:
         if r.value is None:
             return
         if key == self._close_key:
-            self.closed = max(self.closed, int(r.value))
+            self.closed = max(self.closed if self.closed is not None else int(r.value),
+                              int(r.value))
         elif key.startswith(self._prefix):
             self.marks[key[len(self._prefix):]] = MarkRecord.decode(r.value)
 
@@ -70,9 +79,17 @@ class Closer:
         for records in self.reader.poll(timeout_ms=0).values():
             for r in records:
                 self._take(r)
-        upto = closable_upto(self.watermark(), size_ms=self.clock.size_ms,
-                             lateness_ms=self.clock.lateness_ms)
-        if upto is None or upto <= self.closed:
+        if self.closed is None:
+            first = opening_window(self.marks, self.sources, now_ms=int(time.time() * 1000),
+                                   idle_timeout_ms=self.clock.idle_timeout_ms,
+                                   size_ms=self.clock.size_ms)
+            upto = None if first is None else first - 1
+        else:
+            upto = closable_upto(self.watermark(), size_ms=self.clock.size_ms,
+                                 lateness_ms=self.clock.lateness_ms)
+            if upto is not None and upto <= self.closed:
+                upto = None
+        if upto is None:
             return None
         from kafka.errors import KafkaError
 
@@ -88,7 +105,11 @@ class Closer:
         except KafkaError as exc:
             txn.failed(exc)
             raise
-        log.info("event-time windows up to %d of %s closed: the low watermark passed their end "
-                 "plus the allowed lateness", upto, self.topics.repartition)
+        if self.closed is None:
+            log.info("event-time windows of %s open at window %d (the earliest first record of "
+                     "the source partitions)", self.topics.repartition, upto + 1)
+        else:
+            log.info("event-time windows up to %d of %s closed: the low watermark passed their "
+                     "end plus the allowed lateness", upto, self.topics.repartition)
         self.closed = upto
         return upto

@@ -165,9 +165,8 @@ class Counter:
                              lambda p=p: self._new_state(p))
             if self.event_time:
                 # where windows ended at the resume offset, and what is summarized already
-                before = self.first_window - 1
-                task.slice = EventSlice(closed=int(meta.get("k", before)),
-                                        summarized=int(meta.get("c", before)),
+                # (none yet: the leader's first marker will say where they begin)
+                task.slice = EventSlice(closed=meta.get("k"), summarized=meta.get("c"),
                                         make_state=task._make_state, late_policy=self.late_policy)
             self.tasks[p] = task
             self.metrics.handovers.labels(event="acquired").inc()
@@ -229,6 +228,16 @@ class Counter:
             if rec.offset < task.position:
                 continue
             head = dict(rec.headers or ())
+            if not task.slice.opened():
+                # nothing is counted before the first marker says where the windows begin: read
+                # on to it, then start again from the partition's first offset
+                if "close" in head:
+                    from kafka import TopicPartition
+                    task.slice.open_at(int(head["close"]))
+                    self.consumer.seek(TopicPartition(self.topics.repartition, partition),
+                                       task.position)
+                    break
+                continue
             if "close" in head:
                 upto = int(head["close"])
                 if task.slice.marker(upto) and \

@@ -44,8 +44,11 @@ class EventSlice:
     the last window whose summary is committed; ``make_state()`` a fresh noisy state.
     """
 
-    def __init__(self, *, closed: int, summarized: int, make_state, late_policy: str = "next"):
-        self.closed, self.summarized = int(closed), int(summarized)
+    def __init__(self, *, closed: int | None, summarized: int | None, make_state,
+                 late_policy: str = "next"):
+        #: None until the leader's first marker says where the windows begin
+        self.closed = None if closed is None else int(closed)
+        self.summarized = None if summarized is None else int(summarized)
         self.make_state = make_state
         self.late_policy = late_policy
         self.live: dict[int, LiveWindow] = {}
@@ -88,6 +91,14 @@ class EventSlice:
             del self.live[w]
         self.summarized = max(self.summarized, upto)
         self.closed = max(self.closed, upto)
+
+    def opened(self) -> bool:
+        """Whether the windows' beginning is known (before, nothing is counted)."""
+        return self.closed is not None
+
+    def open_at(self, upto: int) -> None:
+        """The first marker: windows up to ``upto`` are before the group's first one."""
+        self.closed = self.summarized = int(upto)
 
     def marker(self, upto: int) -> bool:
         """A marker closing windows up to ``upto``: True if some must be summarized now

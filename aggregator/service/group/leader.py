@@ -100,6 +100,9 @@ class Leader:
 
     def next_window(self) -> int:
         done = self.decided() | self._skipped
+        if self.event_time and not done:
+            # the first window is the closer's opening, not the identity's: the first summarized
+            return min(self.pending) if self.pending else -1
         nxt = max(done) + 1 if done else int(self.identity["first_window"])
         if self.event_time:
             # every partition summarizes the windows of a marker in order, so the first window

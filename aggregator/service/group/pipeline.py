@@ -129,13 +129,9 @@ class Pipeline:
             if self.ledger.identity():      # another member was first
                 return self.ledger.identity()
             ident = self.identity_of_config(partitions)
-            first = time.time()
-            if ident["window_kind"] == "event_time":
-                # the window of the earliest record the intake reads first (the topic empty: the
-                # current one); an older record coming later is late
-                ts_ms = self.clients.first_timestamp_ms(self.cfg["window"]["max_future_skew_s"])
-                first = first if ts_ms is None else ts_ms / 1000.0
-            ident.update(first_window=int(math.floor(first / ident["window_size"])),
+            # (event-time windows: informational; the leader opens them at the source
+            # partitions' earliest first record, closer.py)
+            ident.update(first_window=int(math.floor(time.time() / ident["window_size"])),
                          lineage=f"{self.topics.prefix}:{uuid.uuid4().hex[:12]}")
             if self.name:
                 ident["aggregation"] = self.name
@@ -182,7 +178,6 @@ class Pipeline:
         w = self.cfg["window"]
         return EventClock(size_s=self.identity["window_size"],
                           lateness_s=self.identity["allowed_lateness_s"],
-                          first_window=self.identity["first_window"],
                           max_future_skew_s=w["max_future_skew_s"], late=self.identity["late"],
                           idle_timeout_s=w["idle_partition_timeout_s"])
 

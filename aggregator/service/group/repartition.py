@@ -56,13 +56,12 @@ def slice_size(size: int, partitions: int, partition: int) -> int:
 
 class EventClock:
     """Event-time windows of one aggregation (watermark.py): window size, allowed lateness, the
-    group's first window, the future skew and the late policy."""
+    future skew, the late policy and the idle timeout."""
 
-    def __init__(self, *, size_s: float, lateness_s: float, first_window: int,
-                 max_future_skew_s: float, late: str, idle_timeout_s: float):
+    def __init__(self, *, size_s: float, lateness_s: float, max_future_skew_s: float, late: str,
+                 idle_timeout_s: float):
         self.size_ms = int(round(float(size_s) * 1000))
         self.lateness_ms = int(round(float(lateness_s) * 1000))
-        self.first_window = int(first_window)
         self.skew_ms = int(round(float(max_future_skew_s) * 1000))
         self.late = late
         self.idle_timeout_ms = int(round(float(idle_timeout_s) * 1000))
@@ -113,6 +112,8 @@ class Repartitioner:
         #: committed offset (read from that offset's metadata: the two are one commit), which
         #: decides the windows of the records after it
         self.passed: dict[str, int | None] = {}
+        #: and the timestamp of its first record (the leader opens the first window by them)
+        self.first: dict[str, int | None] = {}
         self._need_passed: set = set()
         #: times a source partition was paused for running ahead of the watermark
         self.pauses = 0
@@ -162,18 +163,22 @@ class Repartitioner:
                 meta = {}
             for route in self._clocked:
                 key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
-                self.passed[key] = (meta.get("wm") or {}).get(route.topic)
+                self.passed[key], self.first[key] = \
+                    ((meta.get("wm") or {}).get(route.topic) or (None, None))
         self._need_passed -= set(tps)
 
-    def _offset_meta(self, tp, passed: dict) -> str:
-        """The committed offset's metadata: the partition's watermark per aggregation."""
+    def _offset_meta(self, tp, marks: dict) -> str:
+        """The committed offset's metadata: the partition's watermark and first timestamp per
+        aggregation (``marks``: the new MarkRecords of this transaction)."""
         if not self._clocked:
             return ""
         src = f"{tp.topic}:{tp.partition}"
         wm = {}
         for route in self._clocked:
             key = MarkRecord.key(route.topic, src)
-            wm[route.topic] = passed.get(key, self.passed.get(key))
+            m = marks.get(key)
+            wm[route.topic] = [m.passed_ms, m.first_ms] if m is not None else \
+                [self.passed.get(key), self.first.get(key)]
         return json.dumps({"wm": wm}, separators=(",", ":"))
 
     @property
@@ -196,8 +201,7 @@ class Repartitioner:
             low = low_watermark(marks, sources, now_ms=now_ms, idle_timeout_ms=c.idle_timeout_ms)
             for tp in self.consumer.assignment():
                 mine = marks.get(f"{tp.topic}:{tp.partition}")
-                if too_far_ahead(mine.passed_ms if mine else None, low, size_ms=c.size_ms,
-                                 first_window=c.first_window):
+                if too_far_ahead(mine.passed_ms if mine else None, low, size_ms=c.size_ms):
                     ahead.add(tp)
         paused = self.consumer.paused()
         if ahead - paused:
@@ -270,12 +274,12 @@ class Repartitioner:
                     else:
                         key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
                         new = self._send_event_time(txn, route, tp, recs, now_ms,
-                                                    self.passed.get(key))
-                        if new is not None:
+                                                    self.passed.get(key), self.first.get(key))
+                        if new.passed_ms is not None:
                             passed[key] = new
                             # published for the leader's watermark and the intakes' pacing
                             txn.send(self.marks_topic, partition=0, key=key.encode(),
-                                     value=MarkRecord(new).encode())
+                                     value=new.encode())
                 # the watermark rides with the offset it holds at: one commit, one decision
                 offsets[tp] = OffsetAndMetadata(nxt, self._offset_meta(tp, passed), -1)
                 if self.marks_topic:
@@ -291,9 +295,9 @@ class Repartitioner:
             key = (tp.topic, tp.partition)
             self.marks[key] = max(self.marks.get(key, 0), om.offset)
             self._taken_at[tp] = now_ms
-        self.passed.update(passed)
-        for key, value in passed.items():
-            self.watermarks[key] = MarkRecord(value)
+        for key, mark in passed.items():
+            self.passed[key], self.first[key] = mark.passed_ms, mark.first_ms
+            self.watermarks[key] = mark
             self._idle_written.pop(key, None)
         self.records += taken
         return taken
@@ -319,7 +323,7 @@ class Repartitioner:
                 key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
                 if self._idle_written.get(key) == since:
                     continue
-                writes[key] = MarkRecord(self.passed.get(key), since)
+                writes[key] = MarkRecord(self.passed.get(key), since, self.first.get(key))
                 offsets[tp] = OffsetAndMetadata(self.consumer.position(tp),
                                                 self._offset_meta(tp, {}), -1)
         if not writes:
@@ -338,13 +342,13 @@ class Repartitioner:
             self._idle_written[key] = mark.idle_since_ms
 
     @staticmethod
-    def _send_event_time(producer, route: Route, tp, recs, now_ms: int, passed_ms):
+    def _send_event_time(producer, route: Route, tp, recs, now_ms: int, passed_ms, first_ms=None):
         """Event time (watermark.py): each record's window (late ones: the first window their
         partition had not passed, or rejected), one message per (window, late) and target
-        partition, the window in the headers. Returns the partition's new largest timestamp
-        (None: still none)."""
+        partition, the window in the headers. Returns the partition's new MarkRecord (its
+        largest timestamp and its first record's; None where it still has none)."""
         if not recs:
-            return passed_ms
+            return MarkRecord(passed_ms, None, first_ms)
         c = route.clock
         seg_values = [r.value for r in recs]
         decoded = route.decoder.decode(seg_values, [r.key for r in recs],
@@ -362,8 +366,9 @@ class Repartitioner:
         items = (np.asarray(items)[keep] if isinstance(items, np.ndarray)
                  else [it for it, k in zip(items, keep) if k])
         ts = ts[keep]
-        window, late, passed = stamp(ts, passed_ms, size_ms=c.size_ms,
-                                     lateness_ms=c.lateness_ms, first_window=c.first_window)
+        if first_ms is None and len(ts):
+            first_ms = int(ts[0])
+        window, late, passed = stamp(ts, passed_ms, size_ms=c.size_ms, lateness_ms=c.lateness_ms)
         if c.late == "dead_letter" and late.any():
             rejects += [(0, "late")] * int(late.sum())
             items = (np.asarray(items)[~late] if isinstance(items, np.ndarray)
@@ -384,7 +389,7 @@ class Repartitioner:
             for p in range(route.partitions):
                 producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
                               value=local[sel & (part == p)].tobytes())
-        return passed
+        return MarkRecord(passed, None, first_ms)
 
     @staticmethod
     def _send(producer, route: Route, tp, recs, now_ms: int) -> None:

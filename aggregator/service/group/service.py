@@ -71,7 +71,6 @@ class GroupService:
         self.metrics_url = ""
         #: the source topic's partitions ("<topic>:<p>"): event time's watermark is over them
         self.source_partitions: list[str] = []
-        self._source_starts: dict[int, int] = {}
 
     # -- Kafka clients -----------------------------------------------------------------------
     def _common(self) -> dict:
@@ -127,40 +126,6 @@ class GroupService:
                                "(panagg reads it, never creates it) or fix source.topic")
         self.source_partitions = [f"{src['topic']}:{p}" for p in range(have)]
         return want or have
-
-    def first_timestamp_ms(self, max_future_skew_s: float, wait_s: float = 10.0) -> int | None:
-        """The earliest timestamp among the first records the intake will read (one per source
-        partition, from the group's committed offsets or the beginning); None: no record yet.
-        A new event-time group starts at that record's window."""
-        from kafka import TopicPartition
-
-        topic = self.cfg["source"]["topic"]
-        c = self.consumer(None)
-        try:
-            tps = [TopicPartition(topic, int(s.rpartition(":")[2])) for s in self.source_partitions]
-            c.assign(tps)
-            for tp in tps:
-                if self._source_starts.get(tp.partition):
-                    c.seek(tp, self._source_starts[tp.partition])
-                else:
-                    c.seek_to_beginning(tp)
-            ends = c.end_offsets(tps)
-            waiting = {tp for tp in tps if c.position(tp) < ends[tp]}
-            limit = (time.time() + float(max_future_skew_s)) * 1000
-            found = []
-            deadline = time.monotonic() + wait_s
-            while waiting and time.monotonic() < deadline:
-                for tp, recs in c.poll(timeout_ms=200).items():
-                    if tp in waiting and recs:
-                        waiting.discard(tp)
-                        c.pause(tp)
-                        good = [r.timestamp for r in recs
-                                if r.timestamp is not None and 0 <= r.timestamp <= limit]
-                        if good:
-                            found.append(good[0])
-            return min(found) if found else None
-        finally:
-            self.discard(c)
 
     def _retrying(self, call, what: str):
         """``call()``, retried while Kafka answers with a retriable error (a broker that has
@@ -218,7 +183,6 @@ class GroupService:
             committed = {tp.partition: om.offset for tp, om in
                          (listed.get(cfg["source"]["group"]) or {}).items()
                          if tp.topic == src_topic and om.offset is not None and om.offset > 0}
-            self._source_starts = dict(committed)
             for pipe in self.pipelines:
                 retention = cfg["scale"]["repartition_retention_s"] or \
                     max(3 * float(pipe.cfg["window"]["size"]), 3600.0)
@@ -264,8 +228,8 @@ class GroupService:
                      "slices, windows of %g s by %s; shared state only in %s.*",
                      self.instance, pipe.about, P, pipe.identity["mode"], pipe.size, P,
                      pipe.identity["window_size"],
-                     f"event time (allowed lateness {pipe.identity['allowed_lateness_s']:g} s, "
-                     f"first window {pipe.identity['first_window']})" if event else
+                     f"event time (allowed lateness {pipe.identity['allowed_lateness_s']:g} s)"
+                     if event else
                      "intake time", pipe.topics.prefix)
 
     def _seed_marks(self, committed: dict[int, int]) -> None:

@@ -25,8 +25,8 @@ import json
 
 import numpy as np
 
-__all__ = ["stamp", "low_watermark", "closable_upto", "too_far_ahead", "MarkRecord",
-           "MAX_AHEAD_WINDOWS"]
+__all__ = ["stamp", "low_watermark", "closable_upto", "opening_window", "too_far_ahead",
+           "MarkRecord", "MAX_AHEAD_WINDOWS"]
 
 #: the intake pauses a source partition whose ``passed`` is more than this many windows ahead of
 #: the low watermark: it bounds the windows a counting partition keeps live
@@ -34,12 +34,14 @@ MAX_AHEAD_WINDOWS = 3
 
 
 def stamp(ts_ms: np.ndarray, passed_ms: int | None, *, size_ms: int, lateness_ms: int,
-          first_window: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+          first_window: int | None = None) -> tuple[np.ndarray, np.ndarray, int | None]:
     """Windows of the good records ``ts_ms`` (in partition order) of one source partition whose
     largest earlier timestamp is ``passed_ms`` (None: none yet).
 
     Returns ``(window, late, passed)``: each record's window, whether it is late (its window is
     then the first one its partition had not passed), and the partition's new ``passed``.
+    ``first_window``: records before it are late too (a group leaves that to the counting
+    partitions, which learn the first window from the leader's opening marker).
 
     >>> w, late, passed = stamp(np.array([1500, 2600, 1200, 3100]), None, size_ms=1000,
     ...                         lateness_ms=500, first_window=1)
@@ -52,8 +54,9 @@ def stamp(ts_ms: np.ndarray, passed_ms: int | None, *, size_ms: int, lateness_ms
     before = np.maximum.accumulate(np.concatenate(([-1 if passed_ms is None else passed_ms],
                                                    ts[:-1])))
     # the first window not passed: the least j with (j + 1) * S + L > passed
-    open_ = np.where(before < 0, first_window, (before - lateness_ms) // size_ms)
-    open_ = np.maximum(open_, first_window)
+    open_ = (before - lateness_ms) // size_ms     # no record yet (-1): window -1, nothing late
+    if first_window is not None:
+        open_ = np.maximum(open_, first_window)
     window = ts // size_ms
     late = window < open_
     window = np.where(late, open_, window)
@@ -81,6 +84,31 @@ def low_watermark(marks: dict, partitions, *, now_ms: int, idle_timeout_ms: int)
     return max(known) if known else None
 
 
+def opening_window(marks: dict, partitions, *, now_ms: int, idle_timeout_ms: int,
+                   size_ms: int) -> int | None:
+    """The group's first window, as one process opens it: the earliest window of the source
+    partitions' first records, once every partition has one (those idle for
+    ``idle_timeout_ms`` aside); None until then.
+
+    >>> marks = {"t:0": MarkRecord(50_000, first_ms=31_000), "t:1": MarkRecord(12_000,
+    ...          first_ms=12_000)}
+    >>> opening_window(marks, ["t:0", "t:1"], now_ms=0, idle_timeout_ms=0, size_ms=10_000)
+    1
+    >>> opening_window(marks, ["t:0", "t:1", "t:2"], now_ms=0, idle_timeout_ms=0, size_ms=10_000)
+    """
+    firsts = []
+    for key in partitions:
+        m = marks.get(key)
+        idle = m is not None and idle_timeout_ms and m.idle_since_ms is not None \
+            and now_ms - m.idle_since_ms >= idle_timeout_ms
+        if m is None or m.first_ms is None:
+            if idle:
+                continue
+            return None
+        firsts.append(m.first_ms)
+    return min(firsts) // size_ms if firsts else None
+
+
 def closable_upto(watermark_ms: int | None, *, size_ms: int, lateness_ms: int) -> int | None:
     """The last window K with ``(K + 1) * S + L <= watermark`` (None: no watermark).
 
@@ -93,41 +121,41 @@ def closable_upto(watermark_ms: int | None, *, size_ms: int, lateness_ms: int) -
     return (int(watermark_ms) - int(lateness_ms)) // int(size_ms) - 1
 
 
-def too_far_ahead(passed_ms: int | None, watermark_ms: int | None, *, size_ms: int,
-                  first_window: int) -> bool:
+def too_far_ahead(passed_ms: int | None, watermark_ms: int | None, *, size_ms: int) -> bool:
     """Whether a source partition that has ``passed_ms`` is more than MAX_AHEAD_WINDOWS windows
-    past the low watermark (none yet: the group's first window), so the intake pauses it.
+    past the low watermark, so the intake pauses it (no watermark yet: nothing is counted
+    before the group's first window is known, so nothing is live to bound).
 
-    >>> too_far_ahead(95_000, 50_000, size_ms=10_000, first_window=0)
+    >>> too_far_ahead(95_000, 50_000, size_ms=10_000)
     True
-    >>> too_far_ahead(89_999, 50_000, size_ms=10_000, first_window=0), too_far_ahead(
-    ...     None, 50_000, size_ms=10_000, first_window=0)
+    >>> too_far_ahead(89_999, 50_000, size_ms=10_000), too_far_ahead(None, 50_000, size_ms=1)
     (False, False)
     """
-    if passed_ms is None:
+    if passed_ms is None or watermark_ms is None:
         return False
-    low = first_window if watermark_ms is None else int(watermark_ms) // size_ms
-    return int(passed_ms) // size_ms > low + MAX_AHEAD_WINDOWS
+    return int(passed_ms) // size_ms > int(watermark_ms) // size_ms + MAX_AHEAD_WINDOWS
 
 
 class MarkRecord:
     """What the intake topic holds of one source partition for one aggregation (key
-    ``wm:<repartition topic>:<source topic>:<partition>``): its ``passed`` and, while it is read
-    to its end, since when (``idle_since_ms``)."""
+    ``wm:<repartition topic>:<source topic>:<partition>``): its ``passed``, the timestamp of its
+    first record (``first_ms``) and, while it is read to its end, since when
+    (``idle_since_ms``)."""
 
-    __slots__ = ("passed_ms", "idle_since_ms")
+    __slots__ = ("passed_ms", "idle_since_ms", "first_ms")
 
-    def __init__(self, passed_ms: int | None, idle_since_ms: int | None = None):
-        self.passed_ms, self.idle_since_ms = passed_ms, idle_since_ms
+    def __init__(self, passed_ms: int | None, idle_since_ms: int | None = None,
+                 first_ms: int | None = None):
+        self.passed_ms, self.idle_since_ms, self.first_ms = passed_ms, idle_since_ms, first_ms
 
     def encode(self) -> bytes:
-        return json.dumps({"ts": self.passed_ms, "idle": self.idle_since_ms},
-                          separators=(",", ":")).encode()
+        return json.dumps({"ts": self.passed_ms, "idle": self.idle_since_ms,
+                           "first": self.first_ms}, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, value: bytes) -> "MarkRecord":
         d = json.loads(value)
-        return cls(d.get("ts"), d.get("idle"))
+        return cls(d.get("ts"), d.get("idle"), d.get("first"))
 
     @staticmethod
     def key(route_topic: str, source: str) -> str:
