@@ -110,24 +110,35 @@ def _topic(boot, parts=6):
     return name
 
 
-def _produce(boot, topic, n, rate=None, D=100_000):
+def _produce(boot, topic, n, rate=None, D=100_000, event_span_s=None):
+    """n records; ``event_span_s``: stamped over that many seconds an hour ago (out of order
+    within 2 s), then one record per partition far later, so every window of the span closes."""
     import msgpack
     from kafka import KafkaProducer
     p = KafkaProducer(bootstrap_servers=boot, linger_ms=20, batch_size=512 * 1024)
     rng = np.random.default_rng()
     items = np.minimum(rng.zipf(1.1, n), D - 1)
     vals = [msgpack.packb({"item": int(i)}) for i in items]
+    stamps = [None] * n
+    if event_span_s:
+        t0 = time.time() - 3600
+        stamps = (1000 * (t0 + np.linspace(0, event_span_s, n) + rng.uniform(0, 2, n))).astype(
+            np.int64).tolist()
     step = max(1, int((rate or 1e9) / 20))
     for i in range(0, n, step):
-        for v in vals[i:i + step]:
-            p.send(topic, value=v)
+        for v, ts in zip(vals[i:i + step], stamps[i:i + step]):
+            p.send(topic, value=v, timestamp_ms=ts)
         if rate:
             time.sleep(0.05)
+    if event_span_s:
+        for part in sorted(p.partitions_for(topic)):
+            p.send(topic, value=vals[0], partition=part,
+                   timestamp_ms=int(1000 * (t0 + event_span_s + 600)))
     p.flush()
     p.close()
 
 
-def _member(boot, topic, group, name, tmp, window=5):
+def _member(boot, topic, group, name, tmp, window=5, event_time=False):
     log = open(tmp / f"{group}-{name}.log", "w")
     return subprocess.Popen(
         [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", boot, "--topic",
@@ -137,7 +148,9 @@ def _member(boot, topic, group, name, tmp, window=5):
          "--set", "window.kind=time", "--set", f"window.size={int(window)}",
          "--set", "state.domain_size=100000", "--set", f"source.group={group}",
          "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
-         "--set", "scale.close_grace_s=1"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+         "--set", "scale.close_grace_s=1",
+         *(["--set", "window.kind=event_time", "--set", "window.allowed_lateness_s=2"]
+           if event_time else [])], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def _released(boot, group):
@@ -169,14 +182,17 @@ def _stop(procs):
             p.kill()
 
 
-def throughput(boot, tmp, n=300_000, members=(1, 2, 3)) -> list[dict]:
+def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False) -> list[dict]:
+    """``event_time``: windows by the records' timestamps (5 s windows, 2 s lateness, the
+    backlog stamped over 200 s: 40 windows)."""
     rows = []
     for k in members:
         topic = _topic(boot)
-        _produce(boot, topic, n)
+        _produce(boot, topic, n, event_span_s=200 if event_time else None)
         group = f"gb-{uuid.uuid4().hex[:6]}"
         t0 = time.monotonic()
-        procs = [_member(boot, topic, group, f"m{i}", tmp) for i in range(k)]
+        procs = [_member(boot, topic, group, f"m{i}", tmp, event_time=event_time)
+                 for i in range(k)]
         try:
             while sum(r[1] for r in _released(boot, group)) < n:
                 if time.monotonic() - t0 > 900:
@@ -185,7 +201,8 @@ def throughput(boot, tmp, n=300_000, members=(1, 2, 3)) -> list[dict]:
             secs = time.monotonic() - t0
         finally:
             _stop(procs)
-        rows.append({"members": k, "events": n, "seconds": secs, "events_per_s": n / secs})
+        rows.append({"members": k, "events": n, "seconds": secs, "events_per_s": n / secs,
+                     "windows": "event_time" if event_time else "time"})
         print(f"{k} member(s): {n} events in {secs:.1f} s = {n / secs:,.0f} events/s "
               "(start, group join and the last window's close included)", file=sys.stderr)
     return rows
@@ -238,6 +255,9 @@ def main(argv=None) -> int:
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--takeover", action="store_true")
+    ap.add_argument("--event-time", action="store_true",
+                    help="--throughput with event-time windows (2 s allowed lateness)")
+    ap.add_argument("--members", default="1,2,3", help="--throughput: member counts")
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--events", type=int, default=300_000)
@@ -253,7 +273,9 @@ def main(argv=None) -> int:
         boot, state = _broker(tmp)
         try:
             if args.throughput or args.all:
-                res["throughput"] = throughput(boot, tmp, n=args.events)
+                res["throughput"] = throughput(
+                    boot, tmp, n=args.events, event_time=args.event_time,
+                    members=tuple(int(m) for m in args.members.split(",")))
             if args.takeover or args.all:
                 res["takeover"] = takeover(boot, tmp)
         finally:

@@ -133,7 +133,6 @@ def test_replay_after_a_crash_assigns_every_record_as_before(tmp_path):
 
 @pytest.mark.parametrize("sets, fragment", [
     (["source.kind=file", "source.path=x"], "window.kind = event_time needs source.kind = kafka"),
-    (["scale.partitioned=true"], "scale.store = kafka cuts windows by intake time"),
     (["checkpoint.snapshots_per_window=2"], "does not support checkpoint.snapshots_per_window"),
     (["window.late=drop"], "window.late must be one of next, dead_letter"),
     (["window.max_future_skew_s=-1"], "window.max_future_skew_s must be >= 0"),

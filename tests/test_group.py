@@ -249,3 +249,285 @@ def test_a_window_merges_partitions_at_different_layer_counts_at_the_most():
     release = merge_summaries(summaries, error_bar_reps=0)
     assert release["layers"] == 4 and release["n"] == 1000
     assert release["domain"]["counters"] == 1000
+# -- event-time windows in a group (watermark.py, event_windows.py) ---------------------------
+from aggregator.service.group.event_windows import EventSlice  # noqa: E402
+from aggregator.service.group.watermark import (MarkRecord, closable_upto,  # noqa: E402
+                                                low_watermark, opening_window, stamp)
+
+
+def _contiguous_stream(rng, parts=3, windows=6, per_window=12, lateness=4, size=10):
+    """Per partition, timestamps (s) window after window, shuffled within the window and its
+    lateness, plus a few late ones; every window has records on every partition."""
+    out = {}
+    for p in range(parts):
+        ts = []
+        for k in range(windows):
+            ts += [k * size + rng.uniform(0, size + lateness * 0.9) for _ in range(per_window)]
+        ts.sort()
+        # out-of-order within the lateness: swap neighbours; late: pull some far back
+        for i in range(0, len(ts) - 1, 3):
+            ts[i], ts[i + 1] = ts[i + 1], ts[i]
+        for i in rng.choice(np.arange(per_window * 2, len(ts)), size=4, replace=False):
+            ts[i] = max(0.0, ts[i] - 2 * size)
+        out[p] = [int(t * 1000) for t in ts]
+    return out
+
+
+@pytest.mark.parametrize("lateness", [0, 4])
+def test_the_intake_stamps_every_record_as_one_process_would(lateness):
+    """The group's rule (each record's window from its own source partition's earlier records,
+    at intake; records before the first window late at the counting partition, which knows it
+    from the leader's opening marker: the earliest first record's window) against the
+    one-process reference of tests/test_event_time_lateness.py, record by record, late ones
+    included, on windows that each have records."""
+    from tests.test_event_time_lateness import SIZE, reference
+
+    rng = np.random.default_rng()
+    stream = _contiguous_stream(rng, lateness=lateness, size=SIZE)
+    item = iter(range(10 ** 6))
+    parts = {p: [(t / 1000, next(item)) for t in ts] for p, ts in stream.items()}
+    where, windows = reference(parts, lateness, "next")
+    marks = {p: MarkRecord(None, first_ms=int(round(recs[0][0] * 1000)))
+             for p, recs in parts.items()}
+    first = opening_window(marks, list(parts), now_ms=0, idle_timeout_ms=0, size_ms=SIZE * 1000)
+    assert first == min(int(recs[0][0] // SIZE) for recs in parts.values())
+    counting = EventSlice(closed=first - 1, summarized=first - 1, make_state=None)
+    mine: dict[int, list] = {}
+    n_late = 0
+    for p, recs in parts.items():
+        ts = np.array([int(round(t * 1000)) for t, _ in recs])
+        window, late, passed = stamp(ts, None, size_ms=SIZE * 1000, lateness_ms=lateness * 1000)
+        assert passed == ts.max()
+        for (_, it), w, x in zip(recs, window, late):
+            w, x = counting.window_of(int(w), bool(x))
+            mine[it] = w
+            n_late += x
+    assert mine == where
+    assert n_late == sum(late for _, late in windows.values()) > 0
+
+
+def test_stamping_in_pieces_equals_stamping_at_once():
+    """A source partition's records stamped over several polls (and members: the watermark
+    carried in the intake topic) get the windows of one pass."""
+    rng = np.random.default_rng()
+    ts = np.array(_contiguous_stream(rng, parts=1)[0])
+    whole = stamp(ts, None, size_ms=10_000, lateness_ms=4000, first_window=0)
+    passed, pieces = None, []
+    for chunk in np.array_split(ts, 7):
+        w, late, passed = stamp(chunk, passed, size_ms=10_000, lateness_ms=4000, first_window=0)
+        pieces.append((w, late))
+    assert np.array_equal(np.concatenate([w for w, _ in pieces]), whole[0])
+    assert np.array_equal(np.concatenate([x for _, x in pieces]), whole[1])
+
+
+def test_the_low_watermark_waits_for_every_partition_but_not_for_idle_ones():
+    srcs = ["t:0", "t:1", "t:2"]
+    marks = {"t:0": MarkRecord(25_000), "t:1": MarkRecord(31_000)}
+    assert low_watermark(marks, srcs, now_ms=100_000, idle_timeout_ms=0) is None
+    marks["t:2"] = MarkRecord(12_000, idle_since_ms=90_000)
+    assert low_watermark(marks, srcs, now_ms=100_000, idle_timeout_ms=0) == 12_000
+    assert low_watermark(marks, srcs, now_ms=100_000, idle_timeout_ms=20_000) == 12_000
+    assert low_watermark(marks, srcs, now_ms=100_000, idle_timeout_ms=5_000) == 25_000
+    # every partition idle: all were read to their end
+    idle = {s: MarkRecord(v, 0) for s, v in zip(srcs, (5, 9, 7))}
+    assert low_watermark(idle, srcs, now_ms=10, idle_timeout_ms=1) == 9
+    # window K closes once the watermark reaches its end plus the lateness
+    assert closable_upto(24_999, size_ms=10_000, lateness_ms=5000) == 0
+    assert closable_upto(25_000, size_ms=10_000, lateness_ms=5000) == 1
+    assert MarkRecord.decode(MarkRecord(5, 7).encode()).idle_since_ms == 7
+
+
+def _log(rng, windows=8, msgs=120):
+    """A repartition partition's log: (offset, window, late, events) messages whose windows
+    advance with the log, markers ("close", K) as a leader would place them."""
+    log, closed, cur = [], -1, 0
+    for off in range(msgs):
+        if rng.random() < 0.12 and cur - 1 > closed:
+            closed = int(rng.integers(closed + 1, cur))
+            log.append((off, "close", closed))
+            continue
+        cur = min(windows - 1, cur + int(rng.random() < 0.1))
+        w = int(rng.integers(max(0, cur - 2), cur + 1))
+        log.append((off, w, bool(rng.random() < 0.1), int(rng.integers(0, 4))))
+    log.append((msgs, "close", windows - 1))
+    return log
+
+
+def _run(log, sl, start, summarized, crash_at=None):
+    """Feed ``log`` from ``start`` the way counter.py does; returns (summaries {window: n},
+    the last committed (offset, k, c)) and stops before ``crash_at``."""
+    out, committed = {}, None
+    for off, a, b, *rest in log[start:]:
+        if crash_at is not None and off >= crash_at:
+            break
+        if a == "close":
+            if sl.marker(b):
+                for w, live in sl.to_close(b):
+                    out[w] = live.state.n if live else 0
+                committed = (*sl.resume_point(b, off + 1), b)
+                sl.closed_at(b)
+            continue
+        sl.add(off, a, b, np.zeros(rest[0], dtype=np.int64))
+    return out, committed
+
+
+def test_a_partition_replayed_from_its_commit_summarizes_each_window_once_with_its_events():
+    """Markers close windows; a crash at any message and a replay from the committed offset with
+    its metadata (k: closed there, c: summarized) give every window exactly the events of a run
+    without the crash, late ones (after their window's marker) in the window after it."""
+    rng = np.random.default_rng()
+    make = lambda: PanPrivateHistogram(1.0, size=4)  # noqa: E731
+    for _ in range(30):
+        log = _log(rng)
+        whole, _ = _run(log, EventSlice(closed=-1, summarized=-1, make_state=make), 0, -1)
+        expected = sum(r[3] for r in log if r[1] != "close")
+        assert sum(whole.values()) == expected and sorted(whole) == list(range(8))
+        crash = int(rng.integers(1, len(log)))
+        first, committed = _run(log, EventSlice(closed=-1, summarized=-1, make_state=make), 0,
+                                -1, crash_at=crash)
+        start, k, c = committed if committed else (0, -1, -1)
+        rest, _ = _run(log, EventSlice(closed=k, summarized=c, make_state=make), start, c)
+        assert not set(first) & set(rest), "a window summarized twice"
+        assert {**first, **rest} == whole
+
+
+def test_late_messages_after_a_marker_count_in_the_next_window_or_are_rejected():
+    make = lambda: PanPrivateHistogram(1.0, size=4)  # noqa: E731
+    sl = EventSlice(closed=4, summarized=4, make_state=make)
+    assert sl.add(10, 3, False, np.array([0, 1])) == (2, 0)     # window 3 closed: late -> 5
+    assert sl.live[5].late == 2 and sl.live[5].events == 2
+    dead = EventSlice(closed=4, summarized=4, make_state=make, late_policy="dead_letter")
+    assert dead.add(10, 3, False, np.array([0, 1])) == (0, 2)
+    assert dead.add(11, 6, False, np.array([0])) == (1, 0) and 5 not in dead.live
+
+
+def test_a_group_takes_event_time_windows_and_keeps_intake_time_unless_asked():
+    cfg = _cfg("window.kind=event_time", "window.allowed_lateness_s=20", "source.kind=kafka",
+               "source.topic=t")
+    assert cfg["window"]["kind"] == "event_time"
+    auto = _cfg("source.kind=kafka", "source.topic=t")
+    assert auto["window"]["kind"] == "time"     # window.clock = auto: intake time in a group
+    record = _cfg("source.kind=kafka", "source.topic=t", "window.clock=record")
+    assert record["window"]["kind"] == "event_time"
+
+
+class _FakeIntakeConsumer:
+    """What Repartitioner._pace asks of the intake's consumer and the intake topic's reader."""
+
+    def __init__(self, tps):
+        self.tps, self._paused = set(tps), set()
+
+    def assignment(self):
+        return set(self.tps)
+
+    def subscription(self):
+        return {tp.topic for tp in self.tps}
+
+    def partitions_for_topic(self, topic):
+        return {tp.partition for tp in self.tps if tp.topic == topic}
+
+    def paused(self):
+        return set(self._paused)
+
+    def pause(self, *tps):
+        self._paused |= set(tps)
+
+    def resume(self, *tps):
+        self._paused -= set(tps)
+
+    # the reader of the intake topic: empty
+    def assign(self, tps):
+        pass
+
+    def seek_to_beginning(self, *tps):
+        pass
+
+    def end_offsets(self, tps, timeout_ms=None):
+        return {tp: 0 for tp in tps}
+
+    def position(self, tp):
+        return 0
+
+    def poll(self, timeout_ms=0, max_records=None):
+        return {}
+
+
+def test_the_intake_pauses_a_partition_running_ahead_of_the_low_watermark():
+    """A source partition more than MAX_AHEAD_WINDOWS windows past the low watermark is paused
+    (its records would open ever more live windows in the counting partitions) and resumed once
+    the watermark follows; the partition holding the watermark is never paused."""
+    from kafka import TopicPartition
+
+    from aggregator.service.group.repartition import EventClock, Repartitioner, Route
+
+    tps = [TopicPartition("t", p) for p in range(3)]
+    consumer = _FakeIntakeConsumer(tps)
+    clock = EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
+                       late="next", idle_timeout_s=0)
+    rp = Repartitioner(consumer, None, [Route("g.panagg.repartition", 4, None, None, None,
+                                              clock=clock)],
+                       marks_topic="g.panagg.intake", marks_reader=_FakeIntakeConsumer([]))
+
+    def at(**windows):
+        for name, w in windows.items():
+            rp.watermarks[MarkRecord.key("g.panagg.repartition", f"t:{name[1:]}")] = \
+                MarkRecord(w * 10_000 + 1)
+        rp._pace()
+        return sorted(tp.partition for tp in consumer.paused())
+
+    assert at(p0=10, p1=20, p2=12) == [1]          # low watermark in window 10: 1 is 10 ahead
+    assert at(p0=18) == [0, 1]                      # low now 12 (partition 2): 0 runs ahead too
+    assert at(p2=19) == []                          # low 18: everyone within 3 windows
+    assert rp.pauses == 2
+
+
+class _Sent:
+    def __init__(self):
+        self.messages = []
+
+    def send(self, topic, partition=None, timestamp_ms=None, headers=None, value=None, key=None):
+        self.messages.append((partition, dict(headers or ()), value))
+
+
+@pytest.mark.parametrize("late_policy", ["next", "dead_letter"])
+def test_the_intake_writes_each_window_to_every_partition_and_handles_late_records(late_policy):
+    """One message per (window, late) group and repartition partition, empty ones included;
+    late records flagged (next) or rejected with reason late (dead_letter, counted in the same
+    metric as one process's); records without a timestamp or from the future rejected."""
+    import collections
+    import time as _time
+
+    import msgpack
+
+    from consumers.decode import Decoder
+    from aggregator.service.group.repartition import EventClock, Repartitioner, Route
+
+    Rec = collections.namedtuple("Rec", "offset value key headers timestamp")
+    now_ms = int(_time.time() * 1000)
+    base = (now_ms - 3_600_000) // 10_000 * 10_000
+    # windows: 0, 2 (passes window 0 + 2 s lateness), then window 0 again: late; no stamp; future
+    stamps = [base + 1000, base + 21_000, base + 3000, -1, now_ms + 10 ** 7]
+    recs = [Rec(i, msgpack.packb({"item": 7 + i}), None, [], ts) for i, ts in enumerate(stamps)]
+    metrics = Metrics()
+    route = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100), lambda it:
+                  np.asarray(it, dtype=np.int64), metrics,
+                  clock=EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
+                                   late=late_policy, idle_timeout_s=0))
+    out = _Sent()
+    mark = Repartitioner._send_event_time(out, route, None, recs, now_ms, None)
+    assert (mark.passed_ms, mark.first_ms) == (base + 21_000, base + 1000)
+    groups = collections.Counter((h["w"], "late" in h) for _, h, _ in out.messages)
+    w0, w2 = str(base // 10_000).encode(), str(base // 10_000 + 2).encode()
+    w1 = str(base // 10_000 + 1).encode()
+    want = {(w0, False): 3, (w2, False): 3}
+    if late_policy == "next":
+        want[(w1, True)] = 3      # the first window its partition had not passed
+    assert dict(groups) == want
+    events = sum(len(v) // 4 for _, _, v in out.messages)
+    assert events == (3 if late_policy == "next" else 2)
+
+    def rejected(reason):
+        return metrics.registry.get_sample_value("panagg_decode_errors_total", {"reason": reason})
+
+    assert rejected("no_timestamp") == 1 and rejected("future_timestamp") == 1
+    assert rejected("late") == (1 if late_policy == "dead_letter" else None)

@@ -636,3 +636,313 @@ def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
         admin.close()
     finally:
         members.stop_all()
+
+
+ET_SIZE, ET_LATENESS = 10, 4   # the reference of tests/test_event_time_lateness.py uses 10 s
+
+
+def _event_stream(rng, windows, per_window, t0):
+    """(timestamp ms, item) in production order: windows one after another, each record up to
+    the lateness late within its window's span, and about 2 % pushed back 15 s (most of them late
+    on their partition: counted in the window after). None in the first window: pushed back from
+    there, one could open a window two before it with none between, and after such an empty
+    window a group counts late records in it while one process counts them in the next window
+    that has records (docs/scale-out.md, "Event-time windows")."""
+    out = []
+    for k in range(windows):
+        ts = t0 + k * ET_SIZE + rng.uniform(0, ET_SIZE + 0.9 * ET_LATENESS, per_window)
+        ts.sort()
+        back = (rng.random(per_window) < 0.02) & (k > 0)
+        ts[back] -= 1.5 * ET_SIZE
+        out += [(int(t * 1000), int(i)) for t, i in
+                zip(ts, np.minimum(rng.zipf(1.3, per_window), D - 1))]
+    return out
+
+
+def _produce_stamped(bootstrap, topic, records, partition=None, pack=None):
+    pack = pack or (lambda item: {"item": item})
+    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
+    for ts, item in records:       # no key: the client picks the partitions
+        p.send(topic, value=msgpack.packb(pack(item)), timestamp_ms=ts, partition=partition)
+    p.flush()
+    p.close()
+
+
+def _reference_windows(bootstrap, topic, parts, flush_at):
+    """{event_start_unix: (n, late)} the definitions give (tests/test_event_time_lateness.py's
+    reference) over what the topic holds, partition by partition, before the flush window."""
+    from tests.test_event_time_lateness import reference
+
+    src = read_all(bootstrap, topic)
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    by_part = {}
+    for p in range(parts):
+        tp = TopicPartition(topic, p)
+        c.assign([tp])
+        c.seek_to_beginning(tp)
+        recs = []
+        while len(recs) < len(src[p]):
+            for rs in c.poll(timeout_ms=500).values():
+                recs += [(r.timestamp / 1000, (p, r.offset)) for r in rs]
+        by_part[f"{topic}:{p}"] = recs
+    c.close()
+    _, ref = reference(by_part, ET_LATENESS, "next")
+    flush_w = flush_at // 1000 // ET_SIZE
+    return {k * ET_SIZE: (ev, late) for k, (ev, late) in ref.items() if k < flush_w}
+
+
+def _by_event_window(docs):
+    return {d["window_info"]["event_start_unix"]: (d["n"], d["window_info"]["late"])
+            for d in docs}
+
+
+def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_path):
+    """Event-time windows with allowed lateness in a group of 2 members on an unkeyed
+    4-partition topic, timestamps out of order within the lateness and some late records, a
+    member killed -9 mid-stream and restarted: every window released once, its n and late count
+    those of a one-process run over the same records (and of the definitions' reference), each
+    repartitioned event in exactly one release, no position charged more than eps."""
+    from tests.test_event_time_lateness import SIZE
+
+    assert SIZE == ET_SIZE
+    parts = 4
+    topic = make_topic(kafka_broker, parts)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    rng = np.random.default_rng()
+    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
+    windows = 12
+    stream = _event_stream(rng, windows, 500, t0)
+    half = len(stream) // 2
+    extra = ("--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
+             "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    members = Members(kafka_broker, topic, group, tmp_path, *extra)
+    flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
+    try:
+        # the group is made on an empty topic; the records, two hours old, come after it (a
+        # backfill): its windows open at the earliest first record, as one process's do
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        _produce_stamped(kafka_broker, topic, stream[:half])
+        deadline = time.monotonic() + 120
+        while not releases(kafka_broker, topics):
+            assert time.monotonic() < deadline, f"no release\n{members.logs()}"
+            time.sleep(1)
+        # the second half at about 1,000 records/s; a member killed -9 while it flows
+        rest = stream[half:]
+        feeder = threading.Thread(target=lambda: [
+            (_produce_stamped(kafka_broker, topic, rest[i:i + 100]), time.sleep(0.1))
+            for i in range(0, len(rest), 100)])
+        feeder.start()
+        chaos = random.Random()
+        victim = chaos.choice(["m1", "m2"])
+        time.sleep(chaos.uniform(0.5, 2.5))
+        members.kill(victim)
+        time.sleep(chaos.uniform(0.0, 2.0))
+        members.start(victim)
+        feeder.join()
+        for p in range(parts):           # every partition passes the last window
+            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        expected = _reference_windows(kafka_broker, topic, parts, flush_at)
+        total = sum(ev for ev, _ in expected.values())
+        assert total == len(stream)
+        wait_for_total(kafka_broker, topics, total, 240, members)
+    finally:
+        members.stop_all()
+    one = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", kafka_broker,
+         "--topic", topic, "--state-dir", str(tmp_path / "one" / "state"), "--release-dir",
+         str(tmp_path / "one" / "releases"), "--metrics-port", "-1", "--exit-when-idle", "5",
+         "--set", f"state.domain_size={D}", "--set", f"source.group=one-{group}",
+         "--set", "release.error_bar_reps=0", *extra],
+        capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    one_docs = [json.loads(f.read_text()) for f in (tmp_path / "one" / "releases").glob("*.json")]
+    try:
+        docs = releases(kafka_broker, topics)
+        assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
+        got = _by_event_window(docs)
+        assert got == _by_event_window(one_docs) == expected
+        assert sum(late for _, late in got.values()) > 0, "the stream had no late record"
+        # each repartitioned event once: the events in the repartition topic are the releases'
+        rp = read_all(kafka_broker, topics.repartition)
+        assert sum(len(v) // 4 for recs in rp.values() for _, _, v in recs
+                   if v) == total + parts
+        c = KafkaConsumer(bootstrap_servers=kafka_broker, isolation_level="read_committed",
+                          enable_auto_commit=False, group_id=None)
+        ledger = TopicLedger(c, topics.ledger, budget_per_window=1.0)
+        ledger.read_to_end()
+        c.close()
+        entries = [e for e in ledger.entries if e["kind"] == "release"]
+        assert sorted(e["window"] for e in entries) == sorted(d["window"] for d in docs)
+        assert not any(e.get("withheld") for e in entries)
+        book = ChargeBook(ledger.entries)
+        for e in entries:
+            for part, (a, b) in e["ranges"].items():
+                if b > a:
+                    assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
+    assert not crash_traces(logs), members.logs()
+    print(f"\n{len(docs)} event-time windows, {sum(l for _, l in got.values())} late records, "
+          f"killed {victim}")
+
+
+def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_record_counts(
+        kafka_broker, tmp_path):
+    """window.idle_partition_timeout_s in a group: a source partition that got a few records and
+    then nothing stops holding the watermark once idle, so the windows close; a record it gets
+    afterwards, stamped in a window already closed, arrives after that window's close marker:
+    late, counted in the window after the last closed one, as one process counts it in its open
+    window. Every event is released once."""
+    from tests.test_event_time_lateness import SIZE, reference
+
+    topic = make_topic(kafka_broker, 3)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    t0 = (int(time.time()) - 7200) // SIZE * SIZE
+    rng = np.random.default_rng()
+    busy = [(int((t0 + t) * 1000), int(i)) for t, i in
+            zip(np.sort(rng.uniform(0, 6 * SIZE, 600)), rng.integers(0, D, 600))]
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
+                      "--set", f"window.size={SIZE}", "--set", "window.allowed_lateness_s=2",
+                      "--set", "window.idle_partition_timeout_s=2")
+    try:
+        _produce_stamped(kafka_broker, topic, [(t0 * 1000 + 500, 1)], partition=2)
+        for p in (0, 1):
+            _produce_stamped(kafka_broker, topic, busy[p::2], partition=p)
+        members.start("m1")
+        deadline = time.monotonic() + 120
+        while not any(d["window_info"]["event_start_unix"] >= t0 + 3 * SIZE
+                      for d in releases(kafka_broker, topics)):
+            assert time.monotonic() < deadline, f"windows never closed\n{members.logs()}"
+            time.sleep(1)
+        # partition 2 wakes with a record of window 1, closed by now: late
+        _produce_stamped(kafka_broker, topic, [((t0 + SIZE + 1) * 1000, 2)], partition=2)
+        for p in (0, 1):   # the busy partitions move on, so the late record's window closes
+            _produce_stamped(kafka_broker, topic, [((t0 + 20 * SIZE) * 1000, 3)], partition=p)
+        wait_for_total(kafka_broker, topics, 602, 120, members)
+        time.sleep(2)
+    finally:
+        members.stop_all()
+    docs = releases(kafka_broker, topics)
+    got = _by_event_window(docs)
+    assert sum(n for n, _ in got.values()) == 602
+    assert sum(late for _, late in got.values()) == 1
+    # the busy partitions' records in their windows, as the definitions say
+    parts = {f"{topic}:{p}": [(ts / 1000, (p, k)) for k, (ts, _) in enumerate(busy[p::2])]
+             for p in (0, 1)}
+    parts[f"{topic}:2"] = [(t0 + 0.5, (2, 0))]
+    _, ref = reference(parts, 2, "next")
+    expected = {k * SIZE: ev for k, (ev, _) in ref.items()}
+    late_in = [w for w, (_, late) in got.items() if late]
+    assert {w: n - (1 if w in late_in else 0) for w, (n, _) in got.items()} == expected
+    assert late_in[0] > t0 + SIZE
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
+
+
+def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker, tmp_path):
+    """Two aggregations (accounts direct, IPs hashed) with event-time windows in a group of 2
+    members: each aggregation's windows, n and late counts are those of one process with the
+    same two aggregations over the same records."""
+    from tests.test_event_time_lateness import SIZE
+
+    topic = make_topic(kafka_broker, 3)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng()
+    t0 = (int(time.time()) - 7200) // SIZE * SIZE
+    stream = _event_stream(rng, 6, 400, t0)
+    pack = lambda i: {"user": i, "ip": f"10.0.{i // 256}.{i % 256}"}  # noqa: E731
+    extra = ("--set", "window.kind=event_time", "--set", f"window.size={SIZE}",
+             "--set", f"window.allowed_lateness_s={ET_LATENESS}",
+             "--set", "ledger.budget_per_event=2", "--set", "aggregations.user.item.field=user",
+             "--set", "aggregations.ip.item.field=ip", "--set", "aggregations.ip.state.mode=hashed",
+             "--set", "aggregations.ip.state.expected_n=5000")
+    members = Members(kafka_broker, topic, group, tmp_path, *extra)
+    flush_at = (t0 + 20 * SIZE) * 1000
+    try:
+        _produce_stamped(kafka_broker, topic, stream[:100], pack=pack)
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        _produce_stamped(kafka_broker, topic, stream[100:], pack=pack)
+        for p in range(3):
+            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p, pack=pack)
+        for name in ("user", "ip"):
+            wait_for_total(kafka_broker, GroupTopics(group, name), len(stream), 180, members)
+    finally:
+        members.stop_all()
+    one = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", kafka_broker,
+         "--topic", topic, "--state-dir", str(tmp_path / "one" / "state"), "--release-dir",
+         str(tmp_path / "one" / "releases"), "--metrics-port", "-1", "--exit-when-idle", "5",
+         "--set", f"state.domain_size={D}", "--set", f"source.group=one-{group}",
+         "--set", "release.error_bar_reps=0", *extra],
+        capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for name in ("user", "ip"):
+        docs = releases(kafka_broker, GroupTopics(group, name))
+        one_docs = [json.loads(f.read_text())
+                    for f in (tmp_path / "one" / "releases" / name).glob("*.json")]
+        got = _by_event_window(docs)
+        assert got == _by_event_window(one_docs), f"{name}\n{members.logs()}"
+        assert sum(n for n, _ in got.values()) == len(stream)
+        assert all(d["aggregation"]["name"] == name for d in docs)
+
+
+def test_event_time_group_of_three_killed_again_and_again_releases_the_reference(
+        kafka_broker, tmp_path):
+    """3 members, event-time windows with lateness, 10,000 records over 20 windows fed for about
+    20 s while a random member is killed -9 and restarted every 0.5-4.5 s: every window released
+    once with the n and late count the definitions give over the topic."""
+    parts = 4
+    topic = make_topic(kafka_broker, parts)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    rng = np.random.default_rng()
+    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
+    windows = 20
+    stream = _event_stream(rng, windows, 500, t0)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
+                      "--set", f"window.size={ET_SIZE}",
+                      "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
+    names = ["m1", "m2", "m3"]
+    kills = 0
+    try:
+        _produce_stamped(kafka_broker, topic, stream[:200])
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        members.start("m3")
+        rest = stream[200:]
+        feeder = threading.Thread(target=lambda: [
+            (_produce_stamped(kafka_broker, topic, rest[i:i + 100]), time.sleep(0.2))
+            for i in range(0, len(rest), 100)])
+        feeder.start()
+        chaos = random.Random()
+        while feeder.is_alive():
+            time.sleep(chaos.uniform(0.5, 2.5))
+            victim = chaos.choice(names)
+            members.kill(victim)
+            kills += 1
+            time.sleep(chaos.uniform(0.0, 2.0))
+            members.start(victim)
+        feeder.join()
+        for p in range(parts):
+            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        expected = _reference_windows(kafka_broker, topic, parts, flush_at)
+        wait_for_total(kafka_broker, topics, len(stream), 300, members)
+        time.sleep(3)     # nothing more may come
+    finally:
+        members.stop_all()
+    docs = releases(kafka_broker, topics)
+    try:
+        assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
+        assert _by_event_window(docs) == expected
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
+    print(f"\n{len(docs)} event-time windows, {kills} kills, {members.runs} member runs")

@@ -12,5 +12,8 @@ Components, wired by :class:`~aggregator.service.group.service.GroupService`:
 * :mod:`.counter` -- one pan-private state per repartition partition, for its slice of the
   domain; a closed window becomes a summary, written with the partition's offsets;
 * :mod:`.leader` -- the ledger's authority: charges, merges and publishes each window;
-* :mod:`.ledger_topic` -- the hash-chained ledger kept in a single-partition topic.
+* :mod:`.ledger_topic` -- the hash-chained ledger kept in a single-partition topic;
+* event-time windows: :mod:`.watermark` (each record's window, the low watermark),
+  :mod:`.closer` (the leader's close markers), :mod:`.event_windows` (a partition's open
+  windows, closed at the markers).
 """

@@ -35,6 +35,7 @@ import uuid
 import numpy as np
 
 from ...state import PanPrivateHistogram
+from .event_windows import EventSlice
 from .snapshots import restore, take_snapshot
 from .summary import partition_summary
 from .repartition import slice_size
@@ -57,6 +58,8 @@ class SliceTask:
         self.state = make_state()
         self.events = 0
         self.opened_unix = time.time()
+        #: event-time windows: the live windows and where they end (None: intake time)
+        self.slice: EventSlice | None = None
         #: layered snapshots taken in this window (checkpoint.snapshots_per_window)
         self.snapshots = 0
         #: why this window cannot be released (its snapshot was lost): it is withheld
@@ -101,6 +104,9 @@ class Counter:
         self.size = float(identity["window_size"])
         self.grace_s = float(grace_s)
         self.first_window = int(identity["first_window"] if first_window is None else first_window)
+        #: event-time windows, closed by the leader's markers (event_windows.py)
+        self.event_time = identity.get("window_kind", "time") == "event_time"
+        self.late_policy = str(identity.get("late", "next"))
         self.tasks: dict[int, SliceTask] = {}
         #: k layered snapshots per window at public points (intake time j / (k + 1) of the
         #: window), each in the transaction that commits the partition's offset (snapshots.py)
@@ -158,6 +164,7 @@ class Counter:
         for p in sorted(owned - set(self.tasks)):
             tp = TopicPartition(self.topics.repartition, p)
             committed = self.consumer.committed(tp, metadata=True, timeout_ms=5000)
+            meta = {}
             if committed is None or committed.offset is None or committed.offset < 0:
                 window, start = self.first_window, 0
                 self.consumer.seek_to_beginning(tp)
@@ -172,6 +179,11 @@ class Counter:
                 # the window resumes from its layered snapshot, never from its start (a replay
                 # under fresh noise would be a second view of what the snapshot holds)
                 restore(task, meta, self.snapshot_reader, p)
+            if self.event_time:
+                # where windows ended at the resume offset, and what is summarized already
+                # (none yet: the leader's first marker will say where they begin)
+                task.slice = EventSlice(closed=meta.get("k"), summarized=meta.get("c"),
+                                        make_state=task._make_state, late_policy=self.late_policy)
             self.tasks[p] = task
             self.metrics.handovers.labels(event="acquired").inc()
             log.info("counting partition %d of %s from offset %d (window %d)", p,
@@ -198,6 +210,9 @@ class Counter:
         for tp, recs in polled.items():
             task = self.tasks.get(tp.partition) if tp.topic == self.topics.repartition else None
             if task is None:
+                continue
+            if task.slice is not None:
+                counted += self._count_event_time(tp.partition, task, recs)
                 continue
             for rec in recs:
                 if rec.offset < task.position:
@@ -234,9 +249,104 @@ class Counter:
             self.metrics.events.inc(counted)
         now = time.time()
         for task in list(self.tasks.values()):
-            while now >= (task.window + 1) * self.size + self.grace_s and self._close(task):
+            while (task.slice is None and now >= (task.window + 1) * self.size + self.grace_s
+                   and self._close(task)):
                 pass
         return counted
+
+    # -- event-time windows ------------------------------------------------------------------
+    def _count_event_time(self, partition: int, task: SliceTask, recs) -> int:
+        """Count ``recs`` of one partition into their event-time windows; close at markers."""
+        counted = rejected = 0
+        for rec in recs:
+            if rec.offset < task.position:
+                continue
+            head = dict(rec.headers or ())
+            if not task.slice.opened():
+                # nothing is counted before the first marker says where the windows begin: read
+                # on to it, then start again from the partition's first offset
+                if "close" in head:
+                    from kafka import TopicPartition
+                    task.slice.open_at(int(head["close"]))
+                    self.consumer.seek(TopicPartition(self.topics.repartition, partition),
+                                       task.position)
+                    break
+                continue
+            if "close" in head:
+                upto = int(head["close"])
+                if task.slice.marker(upto) and \
+                        not self._close_event_time(task, rec.offset, upto):
+                    break     # the close failed: the partition is read again from its offsets
+                task.position = rec.offset + 1
+                continue
+            if "w" not in head:
+                task.position = rec.offset + 1
+                continue
+            idx = np.frombuffer(rec.value, dtype="<i4").astype(np.int64)
+            n, late = task.slice.add(rec.offset, int(head["w"]), "late" in head, idx)
+            counted += n
+            rejected += late
+            task.position = rec.offset + 1
+        if counted:
+            self.metrics.events.inc(counted)
+        if rejected:
+            self.metrics.decode_errors.labels(reason="late").inc(rejected)
+        return counted
+
+    def _close_event_time(self, task: SliceTask, marker: int, upto: int) -> bool:
+        """The marker at offset ``marker`` closes every window up to ``upto``: their summaries
+        and the partition's resume point in one transaction (False: not written; replayed)."""
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        p, sl = task.partition, task.slice
+        key = f"{self.topics.repartition}:{p}"
+        out = []
+        for w, live in sl.to_close(upto):
+            state = live.state if live is not None else task._make_state()
+            start = live.first if live is not None else marker + 1
+            ranges = {key: [start, marker + 1]}
+            info = {"kind": "event_time", "size": self.size,
+                    "events": int(live.events) if live else 0,
+                    "started_unix": w * self.size, "ended_unix": (w + 1) * self.size,
+                    "event_start_unix": w * self.size, "event_end_unix": (w + 1) * self.size,
+                    "late": int(live.late) if live else 0,
+                    "late_policy": self.late_policy,
+                    "allowed_lateness_s": float(self.identity.get("allowed_lateness_s", 0.0)),
+                    "start_offset": start, "end_offset": marker + 1}
+            refused = self._refusal(w, ranges) if live is not None else None
+            if refused:
+                summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
+                           "partitions": self.P, "refused": refused, "ranges": ranges,
+                           "member": self.member}
+            else:
+                summary = partition_summary(state, model=self.identity["model"], window=w,
+                                            partition=p, partitions=self.P, window_info=info)
+                summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
+            out.append((w, summary))
+        resume, closed_there = sl.resume_point(upto, marker + 1)
+        head = self.ledger.head()
+        meta = json.dumps({"w": upto + 1, "k": closed_there, "c": upto,
+                           "lh": f"{head['seq']}:{head['hash'][:16]}"}, separators=(",", ":"))
+        txn = self.txn
+        try:
+            txn.begin()
+            for w, summary in out:
+                txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
+                         value=json.dumps(summary, allow_nan=False).encode())
+            tp = TopicPartition(self.topics.repartition, p)
+            txn.send_offsets({tp: OffsetAndMetadata(resume, meta, -1)},
+                             self.consumer.group_metadata())
+            txn.commit()
+        except Exception as exc:
+            self._abort(task, exc)
+            return False
+        self.summaries_written += len(out)
+        self.metrics.summaries.inc(len(out))
+        sl.closed_at(upto)
+        task.window = upto + 1
+        task.start = resume
+        return True
 
     def _maybe_snapshot(self, task: SliceTask, stamp_ms: int) -> bool:
         """Snapshot j of the window once a record stamped at j / (k + 1) of it is counted (the
@@ -336,8 +446,10 @@ class Counter:
     def _refusal(self, window: int, ranges: dict) -> str | None:
         """Why the ledger refuses this partition's window (its positions were charged)."""
         eps = float(self.identity["epsilon"])
+        # event-time windows of the group's lineage overlap in positions and split the records
+        # between them: charges.py takes their largest charge, not the sum
         peak = self.ledger.charges().peak(ranges, eps, lineage=self.identity["lineage"],
-                                          window_kind="time")
+                                          window_kind="event_time" if self.event_time else "time")
         if peak > self.ledger.budget_per_event * (1 + 1e-12):
             return (f"positions {ranges} were released before (they would reach {peak:g} eps "
                     f"> {self.ledger.budget_per_event:g})")

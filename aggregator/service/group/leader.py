@@ -65,7 +65,8 @@ class Leader:
                  release_dir: str, release_topic: str = "", loss: str = "l1",
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
                  grace_s: float = 2.0, aggregation: str = "", rollup_level: dict | None = None,
-                 requests=None, exports=None, audit_key_file: str = "", audit_dir: str = ""):
+                 requests=None, exports=None, audit_key_file: str = "", audit_dir: str = "",
+                 closer=None):
         from kafka import TopicPartition
 
         self.txn, self.ledger, self.topics = txn, ledger, topics
@@ -84,6 +85,13 @@ class Leader:
         self.audit_key_file, self.audit_dir = audit_key_file, audit_dir
         self.P = int(identity["partitions"])
         self.size = float(identity["window_size"])
+        #: event-time windows: the closer writes their close markers; the windows are decided
+        #: in order, and one no event fell in is not released (as one process skips it)
+        self.closer = closer
+        self.event_time = identity.get("window_kind", "time") == "event_time"
+        self.window_kind = "event_time" if self.event_time else "time"
+        self._first_seen: dict[int, float] = {}
+        self._skipped: set[int] = set()
         self._tp = TopicPartition(topics.summaries, 0)
         self.summaries = summaries
         summaries.assign([self._tp])
@@ -101,13 +109,24 @@ class Leader:
                 if e["kind"] in ("release", "refused") and e.get("window") is not None}
 
     def next_window(self) -> int:
-        done = self.decided()
-        return max(done) + 1 if done else int(self.identity["first_window"])
+        done = self.decided() | self._skipped
+        if self.event_time and not done:
+            # the first window is the closer's opening, not the identity's: the first summarized
+            return min(self.pending) if self.pending else -1
+        nxt = max(done) + 1 if done else int(self.identity["first_window"])
+        if self.event_time:
+            # every partition summarizes the windows of a marker in order, so the first window
+            # after the decided ones that has a summary is the next one
+            later = [w for w in self.pending if w >= nxt]
+            return min(later) if later else nxt
+        return nxt
 
     # -- the loop's turn ---------------------------------------------------------------------
     def step(self) -> None:
         if self.requests is not None:
             self._force()
+        if self.closer is not None:
+            self.closer.step()
         if self.exports is not None:
             self._sign_exports()
         for records in self.summaries.poll(timeout_ms=0).values():
@@ -117,6 +136,7 @@ class Leader:
                 s = json.loads(rec.value)
                 self.last_member[int(s["partition"])] = str(s.get("member", "?"))
                 self.pending.setdefault(int(s["window"]), {})[int(s["partition"])] = s
+                self._first_seen.setdefault(int(s["window"]), time.time())
         if self._in_flight is not None:
             w, fut = self._in_flight
             if not fut.done():
@@ -126,12 +146,17 @@ class Leader:
         w = self.next_window()
         for old in [k for k in self.pending if k < w]:
             self._tombstone_later(old)
+        for old in [k for k in self._first_seen if k < w]:
+            del self._first_seen[old]
         have = self.pending.get(w, {})
         self.metrics.windows_waiting.set(sum(1 for k in self.pending if k >= w))
         if len(have) < self.P:
             self._notice_waiting(w, have)
             return
         self.metrics.summaries_overdue.set(0)
+        if self.event_time and not any(s.get("refused") or s.get("n") for s in have.values()):
+            self._skip_empty(w, have)
+            return
         refused = [s for s in have.values() if s.get("refused")]
         if refused:
             self._withhold(w, have, refused[0]["refused"])
@@ -152,7 +177,13 @@ class Leader:
             return
         kind, rid = asked
         error = ""
-        if kind == "export":
+        if self.event_time:
+            # its windows end where the low watermark says (closer.py); a close at another
+            # point would make the rest of the window's records late: not built
+            error = ("forced releases and audit exports of a group with event-time windows are "
+                     "not built yet: its windows close at the source partitions' low watermark "
+                     "(docs/scale-out.md)")
+        elif kind == "export":
             from state_store.audit import AuditKeyError, load_key
             try:
                 load_key(self.audit_key_file or None)
@@ -215,9 +246,26 @@ class Leader:
             self.metrics.exports.inc()
             log.info("audit export %s of window(s) %s signed: %s and %s", eid[:8],
                      ", ".join(map(str, windows)), path, self.topics.exports)
+    def _skip_empty(self, w: int, have: dict) -> None:
+        """An event-time window no event fell in (noise-only summaries): not released, nothing
+        charged; its summaries are removed."""
+        txn = self.txn
+        try:
+            txn.begin()
+            for p in have:
+                txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(), value=None)
+            txn.commit()
+        except Exception as exc:
+            txn.failed(exc)
+            raise
+        self.pending.pop(w, None)
+        self._skipped.add(w)
 
     def _notice_waiting(self, w: int, have: dict) -> None:
-        late = time.time() - ((w + 1) * self.size + self.grace_s)
+        # an event-time window's end is in the records' time: count from its first summary
+        due = (self._first_seen.get(w, time.time()) if self.event_time
+               else (w + 1) * self.size + self.grace_s)
+        late = time.time() - due
         if late < WAIT_NOTICE_S:
             self.metrics.summaries_overdue.set(0)
             return
@@ -229,9 +277,10 @@ class Leader:
         named = ", ".join(f"{p} (last summarized by {self.last_member[p]})"
                           if p in self.last_member else str(p) for p in missing)
         log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
-                    "its end: that member is stopped, stuck or gone (the group moves its "
+                    "%s: that member is stopped, stuck or gone (the group moves its "
                     "partitions after source.session_timeout_s)", w, named,
-                    self.topics.repartition, late + self.grace_s)
+                    self.topics.repartition, late + (0 if self.event_time else self.grace_s),
+                    "its first summary" if self.event_time else "its end")
 
     @staticmethod
     def _ranges(have: dict) -> dict:
@@ -243,7 +292,7 @@ class Leader:
     # -- deciding a window -------------------------------------------------------------------
     def _entry_fields(self, w: int, have: dict) -> dict:
         return {"window_uid": f"{self.identity['lineage']}/{w}", "ranges": self._ranges(have),
-                "lineage": self.identity["lineage"], "window_kind": "time",
+                "lineage": self.identity["lineage"], "window_kind": self.window_kind,
                 "partitions": self.P}
 
     def _withhold(self, w: int, have: dict, reason: str) -> None:
@@ -263,7 +312,7 @@ class Leader:
         try:
             self.ledger.check_release(fields["window_uid"], eps, window=w,
                                       ranges=fields["ranges"], lineage=fields["lineage"],
-                                      window_kind="time")
+                                      window_kind=self.window_kind)
         except BudgetExceeded as exc:
             # the summaries were written, so the window was seen: charged, not published
             self._withhold(w, have, str(exc))

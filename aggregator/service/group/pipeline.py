@@ -29,7 +29,8 @@ from .export import ExportCollector
 from .forced import ReleaseRequests
 from .leader import Leader
 from .ledger_topic import TopicLedger
-from .repartition import Route
+from .closer import Closer
+from .repartition import EventClock, Route
 from .topics import GroupTopics
 from .txn import Transactions
 
@@ -38,10 +39,15 @@ __all__ = ["Pipeline", "MUST_AGREE"]
 log = logging.getLogger("panagg.group")
 
 #: identity fields every member must share with the group
-MUST_AGREE = ("mode", "size", "epsilon", "neighbor", "model", "window_size", "partitions")
+MUST_AGREE = ("mode", "size", "epsilon", "neighbor", "model", "window_size", "partitions",
+              "window_kind", "allowed_lateness_s", "late")
 _NAMES = {"mode": "state.mode", "size": "state.domain_size / state.buckets",
           "epsilon": "state.epsilon", "neighbor": "the neighbour relation",
-          "model": "state.model", "window_size": "window.size", "partitions": "scale.partitions"}
+          "model": "state.model", "window_size": "window.size", "partitions": "scale.partitions",
+          "window_kind": "window.kind", "allowed_lateness_s": "window.allowed_lateness_s",
+          "late": "window.late"}
+#: what an identity written before event-time windows existed in groups means
+_IDENTITY_DEFAULTS = {"window_kind": "time", "allowed_lateness_s": 0.0, "late": "next"}
 
 
 class Pipeline:
@@ -71,9 +77,12 @@ class Pipeline:
 
         st, w = self.cfg["state"], self.cfg["window"]
         neighbor = PanPrivateHistogram(st["epsilon"], size=1).neighbor
+        event_time = w["kind"] == "event_time"
         return {"mode": st["mode"], "size": self.size, "epsilon": float(st["epsilon"]),
                 "neighbor": neighbor, "model": st["model"], "window_size": float(w["size"]),
-                "partitions": int(partitions)}
+                "partitions": int(partitions), "window_kind": "event_time" if event_time
+                else "time", "allowed_lateness_s": float(w["allowed_lateness_s"]),
+                "late": w["late"] if event_time else "next"}
 
     def anchor(self, admin) -> dict | None:
         """The newest ledger head the counting group's committed offsets carry (None: none)."""
@@ -138,6 +147,8 @@ class Pipeline:
             if self.ledger.identity():      # another member was first
                 return self.ledger.identity()
             ident = self.identity_of_config(partitions)
+            # (event-time windows: informational; the leader opens them at the source
+            # partitions' earliest first record, closer.py)
             ident.update(first_window=int(math.floor(time.time() / ident["window_size"])),
                          lineage=f"{self.topics.prefix}:{uuid.uuid4().hex[:12]}")
             if self.name:
@@ -161,11 +172,14 @@ class Pipeline:
             txn.close()
 
     def check_identity(self, mine: dict) -> None:
-        bad = [k for k in MUST_AGREE if self.identity.get(k) != mine[k]]
+        def theirs(k):
+            return self.identity.get(k, _IDENTITY_DEFAULTS.get(k))
+
+        bad = [k for k in MUST_AGREE if theirs(k) != mine[k]]
         if bad:
             k = bad[0]
             raise ServiceError(
-                f"{self.about} was started with {_NAMES[k]} = {self.identity[k]!r}, this member "
+                f"{self.about} was started with {_NAMES[k]} = {theirs(k)!r}, this member "
                 f"has {mine[k]!r}: start every member with the group's settings, or use another "
                 "source.group for a new group")
 
@@ -175,7 +189,18 @@ class Pipeline:
         else:
             key, size = bytes.fromhex(self.identity["hash_key"]), self.size
             index_of = lambda items: bucket_of(items, key, size)  # noqa: E731
-        return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics)
+        return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics,
+                     clock=self.clock())
+
+    def clock(self) -> EventClock | None:
+        """The event-time windows of this aggregation (None: by intake time)."""
+        if self.identity.get("window_kind", "time") != "event_time":
+            return None
+        w = self.cfg["window"]
+        return EventClock(size_s=self.identity["window_size"],
+                          lateness_s=self.identity["allowed_lateness_s"],
+                          max_future_skew_s=w["max_future_skew_s"], late=self.identity["late"],
+                          idle_timeout_s=w["idle_partition_timeout_s"])
 
     def start_counting(self, instance: str, group_opts: dict) -> None:
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
@@ -206,6 +231,11 @@ class Pipeline:
         self.ledger.read_to_end()
         log.info("leading %s: this member charges the ledger and merges the windows",
                  self.about)
+        closer = None
+        clock = self.clock()
+        if clock is not None:
+            closer = Closer(txn, self.clients.consumer(None), self.topics,
+                            self.identity["partitions"], self.clients.source_partitions, clock)
         merge = None
         worker = self.clients.worker
         if worker is not None:
@@ -223,7 +253,8 @@ class Pipeline:
                                               int(self.identity["partitions"])),
                       audit_key_file=cfg["audit"]["key_file"],
                       audit_dir=cfg["audit"]["dir"] or os.path.join(cfg["checkpoint"]["dir"],
-                                                                    "exports"))
+                                                                    "exports"),
+                      closer=closer)
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
@@ -234,3 +265,5 @@ class Pipeline:
                 self.clients.discard(leader.requests.consumer)
             if leader.exports is not None:
                 self.clients.discard(leader.exports.consumer)
+            if leader.closer is not None:
+                self.clients.discard(leader.closer.reader)

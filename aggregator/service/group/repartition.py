@@ -26,6 +26,7 @@ What the repartition topic holds: counter indices of events, in plaintext, like 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -34,10 +35,12 @@ from kafka.errors import KafkaError
 import numpy as np
 
 from consumers.base import Segment
+from consumers.kafka_source import _unpark
 
 from .topics import read_partition
+from .watermark import MarkRecord, low_watermark, stamp, too_far_ahead
 
-__all__ = ["Repartitioner", "Route", "slice_size"]
+__all__ = ["Repartitioner", "Route", "EventClock", "slice_size"]
 
 log = logging.getLogger("panagg.group")
 
@@ -51,12 +54,27 @@ def slice_size(size: int, partitions: int, partition: int) -> int:
     return max(0, -(-(int(size) - int(partition)) // int(partitions)))
 
 
-class Route:
-    """Where intake sends one aggregation's counter indices."""
+class EventClock:
+    """Event-time windows of one aggregation (watermark.py): window size, allowed lateness, the
+    future skew, the late policy and the idle timeout."""
 
-    def __init__(self, topic: str, partitions: int, decoder, index_of, metrics):
+    def __init__(self, *, size_s: float, lateness_s: float, max_future_skew_s: float, late: str,
+                 idle_timeout_s: float):
+        self.size_ms = int(round(float(size_s) * 1000))
+        self.lateness_ms = int(round(float(lateness_s) * 1000))
+        self.skew_ms = int(round(float(max_future_skew_s) * 1000))
+        self.late = late
+        self.idle_timeout_ms = int(round(float(idle_timeout_s) * 1000))
+
+
+class Route:
+    """Where intake sends one aggregation's counter indices (``clock``: by event time)."""
+
+    def __init__(self, topic: str, partitions: int, decoder, index_of, metrics,
+                 clock: EventClock | None = None):
         self.topic, self.partitions = topic, int(partitions)
         self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
+        self.clock = clock
 
 
 class Repartitioner:
@@ -87,6 +105,21 @@ class Repartitioner:
         self.marks: dict[tuple[str, int], int] = {}
         self.marks_topic, self._marks_reader = marks_topic, marks_reader
         self._skip_noted: set[tuple[str, int]] = set()
+        #: event time: MarkRecord per "wm:" key (every source partition's, whoever wrote it),
+        #: for pacing and idleness; it may lag a moment behind the commits
+        self.watermarks: dict[str, MarkRecord] = {}
+        #: event time: per "wm:" key of an assigned partition, its largest timestamp at the
+        #: committed offset (read from that offset's metadata: the two are one commit), which
+        #: decides the windows of the records after it
+        self.passed: dict[str, int | None] = {}
+        #: and the timestamp of its first record (the leader opens the first window by them)
+        self.first: dict[str, int | None] = {}
+        self._need_passed: set = set()
+        #: times a source partition was paused for running ahead of the watermark
+        self.pauses = 0
+        self._idle_checked = 0.0
+        self._idle_written: dict[str, int] = {}
+        self._taken_at: dict = {}
         if marks_reader is not None:
             from kafka import TopicPartition
             self._marks_tp = TopicPartition(marks_topic, 0)
@@ -97,12 +130,93 @@ class Repartitioner:
     def read_marks(self, timeout_s: float = 30.0) -> None:
         """Read every committed high-water mark (at start and after each rebalance: a partition
         may come from a member that repartitioned it a moment ago)."""
-        def take(r):
-            topic, _, part = r.key.decode().rpartition(":")
-            key = (topic, int(part))
-            self.marks[key] = max(self.marks.get(key, 0), int(r.value))
+        read_partition(self._marks_reader, self._marks_tp, self._take_mark, timeout_s)
 
-        read_partition(self._marks_reader, self._marks_tp, take, timeout_s)
+    def _take_mark(self, r) -> None:
+        key = r.key.decode()
+        if r.value is None or key.startswith("close:"):
+            return
+        if key.startswith("wm:"):
+            self.watermarks[key] = MarkRecord.decode(r.value)
+            return
+        topic, _, part = key.rpartition(":")
+        pair = (topic, int(part))
+        self.marks[pair] = max(self.marks.get(pair, 0), int(r.value))
+
+    def _tail_marks(self) -> None:
+        """The watermarks other members committed since (never waits)."""
+        for records in self._marks_reader.poll(timeout_ms=0).values():
+            for r in records:
+                self._take_mark(r)
+
+    def assigned(self, tps) -> None:
+        """The group assigned ``tps`` (a rebalance callback): their watermarks are read from
+        their committed offsets' metadata before their records are stamped."""
+        self._need_passed |= set(tps)
+
+    def _load_passed(self, tps) -> None:
+        for tp in tps:
+            om = self.consumer.committed(tp, metadata=True, timeout_ms=5000)
+            try:
+                meta = json.loads(om.metadata) if om is not None and om.metadata else {}
+            except ValueError:
+                meta = {}
+            for route in self._clocked:
+                key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
+                self.passed[key], self.first[key] = \
+                    ((meta.get("wm") or {}).get(route.topic) or (None, None))
+        self._need_passed -= set(tps)
+
+    def _offset_meta(self, tp, marks: dict) -> str:
+        """The committed offset's metadata: the partition's watermark and first timestamp per
+        aggregation (``marks``: the new MarkRecords of this transaction)."""
+        if not self._clocked:
+            return ""
+        src = f"{tp.topic}:{tp.partition}"
+        wm = {}
+        for route in self._clocked:
+            key = MarkRecord.key(route.topic, src)
+            m = marks.get(key)
+            wm[route.topic] = [m.passed_ms, m.first_ms] if m is not None else \
+                [self.passed.get(key), self.first.get(key)]
+        return json.dumps({"wm": wm}, separators=(",", ":"))
+
+    @property
+    def _clocked(self) -> list[Route]:
+        return [r for r in self.routes if r.clock is not None]
+
+    def _pace(self) -> None:
+        """Pause a source partition that has passed more than MAX_AHEAD_WINDOWS windows beyond
+        the low watermark (the counting partitions keep a live state per open window); resume
+        it once the watermark follows."""
+        if not self._clocked or self._marks_reader is None:
+            return
+        self._tail_marks()
+        now_ms = int(time.time() * 1000)
+        sources = [f"{tp.topic}:{tp.partition}" for tp in self._all_partitions()]
+        ahead = set()
+        for route in self._clocked:
+            c = route.clock
+            marks = {s: self.watermarks.get(MarkRecord.key(route.topic, s)) for s in sources}
+            low = low_watermark(marks, sources, now_ms=now_ms, idle_timeout_ms=c.idle_timeout_ms)
+            for tp in self.consumer.assignment():
+                mine = marks.get(f"{tp.topic}:{tp.partition}")
+                if too_far_ahead(mine.passed_ms if mine else None, low, size_ms=c.size_ms):
+                    ahead.add(tp)
+        paused = self.consumer.paused()
+        if ahead - paused:
+            self.consumer.pause(*(ahead - paused))
+            self.pauses += len(ahead - paused)
+        if paused - ahead:
+            self.consumer.resume(*(paused - ahead))
+
+    def _all_partitions(self):
+        from kafka import TopicPartition
+        out = []
+        for topic in self._topics:
+            for p in sorted(self.consumer.partitions_for_topic(topic) or ()):
+                out.append(TopicPartition(topic, p))
+        return out
 
     def _above_marks(self, tp, recs):
         """The records of ``recs`` not repartitioned before (all but a reset's replay)."""
@@ -121,23 +235,53 @@ class Repartitioner:
         """One poll, one transaction; the number of source records taken."""
         from kafka.structs import OffsetAndMetadata
 
+        self._pace()
+        if self._clocked:
+            # kafka-python 3.0.12 keeps a resumed partition's parked records (and the partition)
+            # out of every later fetch without this: consumers/kafka_source.py says why
+            _unpark(self.consumer)
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        if time.monotonic() - self._idle_checked >= 1.0:
+            self._idle_checked = time.monotonic()
+            self._note_idle(polled)
         if not polled:
             return 0
+        if self._need_passed and self._clocked:
+            try:
+                self._load_passed([tp for tp in self._need_passed
+                                   if tp in self.consumer.assignment()])
+            except KafkaError:
+                # the records are read again once the watermarks can be (nothing is skipped)
+                for tp, recs in polled.items():
+                    if recs:
+                        self.consumer.seek(tp, recs[0].offset)
+                raise
         now_ms = int(time.time() * 1000)
         taken = 0
         txn = self.txn
         try:
             txn.begin()
             offsets = {}
+            passed = {}
             for tp, recs in polled.items():
                 if not recs:
                     continue
                 nxt = recs[-1].offset + 1
                 recs = self._above_marks(tp, recs)
                 for route in self.routes:
-                    self._send(txn, route, tp, recs, now_ms)
-                offsets[tp] = OffsetAndMetadata(nxt, "", -1)
+                    if route.clock is None:
+                        self._send(txn, route, tp, recs, now_ms)
+                    else:
+                        key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
+                        new = self._send_event_time(txn, route, tp, recs, now_ms,
+                                                    self.passed.get(key), self.first.get(key))
+                        if new.passed_ms is not None:
+                            passed[key] = new
+                            # published for the leader's watermark and the intakes' pacing
+                            txn.send(self.marks_topic, partition=0, key=key.encode(),
+                                     value=new.encode())
+                # the watermark rides with the offset it holds at: one commit, one decision
+                offsets[tp] = OffsetAndMetadata(nxt, self._offset_meta(tp, passed), -1)
                 if self.marks_topic:
                     txn.send(self.marks_topic, partition=0,
                              key=f"{tp.topic}:{tp.partition}".encode(), value=str(nxt).encode())
@@ -150,8 +294,102 @@ class Repartitioner:
         for tp, om in offsets.items():
             key = (tp.topic, tp.partition)
             self.marks[key] = max(self.marks.get(key, 0), om.offset)
+            self._taken_at[tp] = now_ms
+        for key, mark in passed.items():
+            self.passed[key], self.first[key] = mark.passed_ms, mark.first_ms
+            self.watermarks[key] = mark
+            self._idle_written.pop(key, None)
         self.records += taken
         return taken
+
+    def _note_idle(self, polled) -> None:
+        """``window.idle_partition_timeout_s``: a source partition read to its end says since
+        when, once, with its watermark (the leader then stops waiting for it after the
+        timeout). Written with the partition's offsets, so a fenced member writes nothing."""
+        from kafka.structs import OffsetAndMetadata
+
+        routes = [r for r in self._clocked if r.clock.idle_timeout_ms]
+        if not routes:
+            return
+        now_ms = int(time.time() * 1000)
+        writes, offsets = {}, {}
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if polled.get(tp) or tp in self._need_passed or high is None \
+                    or self.consumer.position(tp) < high:
+                continue
+            since = self._taken_at.setdefault(tp, now_ms)
+            for route in routes:
+                key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
+                if self._idle_written.get(key) == since:
+                    continue
+                writes[key] = MarkRecord(self.passed.get(key), since, self.first.get(key))
+                offsets[tp] = OffsetAndMetadata(self.consumer.position(tp),
+                                                self._offset_meta(tp, {}), -1)
+        if not writes:
+            return
+        try:
+            self.txn.begin()
+            for key, mark in writes.items():
+                self.txn.send(self.marks_topic, partition=0, key=key.encode(), value=mark.encode())
+            self.txn.send_offsets(offsets, self.consumer.group_metadata())
+            self.txn.commit()
+        except KafkaError as exc:
+            self._abort(offsets, exc)
+            return
+        self.watermarks.update(writes)
+        for key, mark in writes.items():
+            self._idle_written[key] = mark.idle_since_ms
+
+    @staticmethod
+    def _send_event_time(producer, route: Route, tp, recs, now_ms: int, passed_ms, first_ms=None):
+        """Event time (watermark.py): each record's window (late ones: the first window their
+        partition had not passed, or rejected), one message per (window, late) and target
+        partition, the window in the headers. Returns the partition's new MarkRecord (its
+        largest timestamp and its first record's; None where it still has none)."""
+        if not recs:
+            return MarkRecord(passed_ms, None, first_ms)
+        c = route.clock
+        seg_values = [r.value for r in recs]
+        decoded = route.decoder.decode(seg_values, [r.key for r in recs],
+                                       [r.headers for r in recs])
+        bad = {i for i, _ in decoded.rejected}
+        good = np.asarray([i for i in range(len(recs)) if i not in bad], dtype=np.int64)
+        ts = np.asarray([-1 if recs[i].timestamp is None else recs[i].timestamp for i in good],
+                        dtype=np.int64)
+        rejects = list(decoded.rejected)
+        no_ts, future = ts < 0, ts > now_ms + c.skew_ms
+        keep = ~(no_ts | future)
+        rejects += [(int(i), "no_timestamp") for i in good[no_ts]]
+        rejects += [(int(i), "future_timestamp") for i in good[future]]
+        items = decoded.items
+        items = (np.asarray(items)[keep] if isinstance(items, np.ndarray)
+                 else [it for it, k in zip(items, keep) if k])
+        ts = ts[keep]
+        if first_ms is None and len(ts):
+            first_ms = int(ts[0])
+        window, late, passed = stamp(ts, passed_ms, size_ms=c.size_ms, lateness_ms=c.lateness_ms)
+        if c.late == "dead_letter" and late.any():
+            rejects += [(0, "late")] * int(late.sum())
+            items = (np.asarray(items)[~late] if isinstance(items, np.ndarray)
+                     else [it for it, k in zip(items, ~late) if k])
+            window, late = window[~late], late[~late]
+        if rejects:
+            Repartitioner._count_rejects(route.metrics, rejects)
+        idx = (np.asarray(route.index_of(items), dtype=np.int64) if len(items)
+               else np.zeros(0, dtype=np.int64))
+        part = idx % route.partitions
+        local = (idx // route.partitions).astype("<i4")
+        groups = sorted({(int(w), bool(x)) for w, x in zip(window, late)})
+        # every (window, late) group to every partition, empty ones included: the partitions'
+        # offsets depend on the records' timestamps (public), never on their items
+        for w, is_late in groups:
+            sel = (window == w) & (late == is_late)
+            headers = [("w", str(w).encode())] + ([("late", b"1")] if is_late else [])
+            for p in range(route.partitions):
+                producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
+                              value=local[sel & (part == p)].tobytes())
+        return MarkRecord(passed, None, first_ms)
 
     @staticmethod
     def _send(producer, route: Route, tp, recs, now_ms: int) -> None:
@@ -197,6 +435,7 @@ class Repartitioner:
         log.warning("intake transaction aborted (%s); re-reading from the committed offsets",
                     type(exc).__name__)
         self.txn.failed(exc)
+        self._need_passed |= set(polled)   # back to what the committed offsets say
         try:
             for tp in polled:
                 if tp not in self.consumer.assignment():

@@ -82,6 +82,8 @@ class GroupService:
         self._plain = None
         #: where this member's metrics are served (set by the CLI), for panagg status --group
         self.metrics_url = ""
+        #: the source topic's partitions ("<topic>:<p>"): event time's watermark is over them
+        self.source_partitions: list[str] = []
 
     # -- Kafka clients -----------------------------------------------------------------------
     def _common(self) -> dict:
@@ -135,6 +137,7 @@ class GroupService:
         if not have:
             raise ServiceError(f"topic {src['topic']!r} does not exist on the cluster: create it "
                                "(panagg reads it, never creates it) or fix source.topic")
+        self.source_partitions = [f"{src['topic']}:{p}" for p in range(have)]
         return want or have
 
     def _retrying(self, call, what: str):
@@ -228,6 +231,7 @@ class GroupService:
 
             def on_partitions_assigned(self, assigned):
                 rp.read_marks()   # a partition may come with marks another member wrote
+                rp.assigned(assigned)
 
         intake.subscribe([cfg["source"]["topic"]], listener=_Marks())
         self._seed_marks(committed)
@@ -235,10 +239,14 @@ class GroupService:
             pipe.metrics.epsilon.set(float(pipe.cfg["state"]["epsilon"]))
         self._save_config()
         for pipe in self.pipelines:
+            event = pipe.identity.get("window_kind") == "event_time"
             log.info("member %s of %s: %d partition(s), %s mode with %d counters split into %d "
-                     "slices, windows of %g s by intake time; shared state only in %s.*",
+                     "slices, windows of %g s by %s; shared state only in %s.*",
                      self.instance, pipe.about, P, pipe.identity["mode"], pipe.size, P,
-                     pipe.identity["window_size"], pipe.topics.prefix)
+                     pipe.identity["window_size"],
+                     f"event time (allowed lateness {pipe.identity['allowed_lateness_s']:g} s)"
+                     if event else
+                     "intake time", pipe.topics.prefix)
 
     def _start_seed(self):
         """``source.start`` (latest, or a time) for a new group: the source offsets it places

@@ -90,7 +90,8 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
             ident = ledger.identity() or {}
             rel = [e for e in ledger.entries if e["kind"] == "release"]
             out["identity"] = {k: ident.get(k) for k in ("mode", "size", "epsilon", "partitions",
-                                                         "window_size", "first_window")}
+                                                         "window_size", "first_window",
+                                                         "window_kind", "allowed_lateness_s")}
             out["releases"] = len([e for e in rel if not e.get("withheld")])
             out["withheld"] = len([e for e in rel if e.get("withheld")])
             out["epsilon_spent"] = ledger.spent()
@@ -169,7 +170,11 @@ def format_group_status(s: dict) -> list[str]:
     name = f"aggregation {s['aggregation']} of " if s.get("aggregation") else ""
     lines = [f"{name}group {s['group']} (Kafka-only store): {ident.get('mode')} mode, "
              f"{ident.get('size')} counters in {ident.get('partitions')} slices, eps "
-             f"{ident.get('epsilon')}, windows of {ident.get('window_size')} s"]
+             f"{ident.get('epsilon')}, "
+             + (f"event-time windows of {ident.get('window_size')} s (allowed lateness "
+                f"{ident.get('allowed_lateness_s')} s)"
+                if ident.get("window_kind") == "event_time"
+                else f"windows of {ident.get('window_size')} s")]
     lines.append(f"members ({len(s['members'])}, group {s.get('state', '')}):")
     for m in s["members"]:
         lead = ", leads (ledger, merges)" if m["leads"] else ""

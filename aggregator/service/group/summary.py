@@ -138,6 +138,14 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
         "ended_unix": max(i["ended_unix"] for i in infos),
         "per_partition": "time windows aligned to the epoch",
     }
+    if infos[0]["kind"] == "event_time":
+        # by the records' timestamps, as one process's event-time release says it
+        release["window_info"].update(
+            event_start_unix=infos[0]["event_start_unix"],
+            event_end_unix=infos[0]["event_end_unix"],
+            late=int(sum(i.get("late", 0) for i in infos)), late_policy=infos[0]["late_policy"],
+            allowed_lateness_s=infos[0]["allowed_lateness_s"],
+            per_partition="event-time windows, closed by the leader's markers")
     release["release_seconds"] = time.perf_counter() - started
     if first["model"] == "state-only":
         release["caveat"] = STATE_ONLY_CAVEAT

@@ -14,7 +14,8 @@ several ``[aggregations.NAME]`` each has its own set, ``<group>.panagg.<NAME>.*`
     <group>.panagg.members       each member's latest report (partitions, readiness, metrics URL)
     <group>.panagg.intake        per source partition, the next offset already repartitioned
                                  (compacted; the intake never repartitions a record twice, even
-                                 after the source group's offsets were reset)
+                                 after the source group's offsets were reset); event-time
+                                 windows: each one's watermark and the last window closed
 
 Each is created at start if missing and checked if present: the partition count (the ledger has
 exactly one; the repartition topic has ``scale.partitions`` or the source's count) and the cleanup
