@@ -371,83 +371,8 @@ def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray,
     ratio[nz] = w[nz] / np.maximum(m[nz], 1e-300)
     out = pi * _conv(ratio, q)
     if mean is not None:
-        out = _constrained_m_step(out, *mean)
+        out = _mean_m_step(out, *mean)
     return out
-
-
-def _constrained_m_step(u: np.ndarray, h: np.ndarray, mu) -> np.ndarray:
-    """The M-step under linear moment constraints: ``h`` a vector and ``mu`` a number (one
-    constraint, :func:`_mean_m_step`), or ``h`` a (k, len) matrix of features and ``mu`` their k
-    targets (:func:`_moments_m_step`)."""
-    if np.ndim(h) == 2:
-        return _moments_m_step(u, h, mu)
-    return _mean_m_step(u, h, mu)
-
-
-MOMENTS_NEWTON_ITER = 200
-
-
-class MomentsUnmet(ArithmeticError):
-    """The moment-constrained M-step found no pmf on the support with the target moments."""
-
-
-def _moments_m_step(u: np.ndarray, H: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmax sum_h u_h log pi_h over pmfs pi with sum_h H[:, h] pi_h = b (k constraints).
-
-    Lagrange: pi_h = u_h / (1 + lam . (H[:, h] - b)), lam the minimizer of the convex dual
-    -sum_h u_h log(1 + lam . (H[:, h] - b)) (its gradient vanishes exactly where the moments
-    are b, and then sum_h pi_h = 1 follows): Newton steps kept inside the dual's domain and
-    backtracked, each constraint scaled to unit spread under u. Exact, so the constrained EM's likelihood still rises at every step. When the dual
-    does not converge (b outside, or at the edge of, what the support can hold) it raises
-    :class:`MomentsUnmet`, and the EM runs without the constraint (:func:`_squarem`,
-    :func:`deconvolved_batch`): a fit that honours the moments in some steps only is neither.
-    """
-    s = u.sum()
-    if s <= 0:
-        raise MomentsUnmet
-    u = u / s
-    # positions the EM has all but emptied (u below 1e-12 of the top) carry no mass: left in,
-    # they hem in the dual's domain without changing the fit
-    sup = u > 1e-12 * u.max()
-    us = u[sup]
-    d = H[:, sup] - b[:, None]
-    scale = np.sqrt((us * d * d).sum(axis=1))
-    if not np.all(scale > 0):
-        raise MomentsUnmet
-    d = d / scale[:, None]
-    den = np.ones(len(us))  # 1 + lam . d
-    val = 0.0  # the dual at lam
-    with np.errstate(all="ignore"):
-        for _ in range(MOMENTS_NEWTON_ITER):
-            g = -(d * (us / den)).sum(axis=1)
-            if np.abs(g).max() < 1e-10:
-                break
-            hess = (d * (us / den ** 2)) @ d.T
-            try:
-                step = np.linalg.solve(hess, -g)
-            except np.linalg.LinAlgError:
-                break
-            sd = step @ d
-            neg = sd < 0
-            # at most 95% of the way to where some 1 + lam . d reaches 0, then backtrack
-            t = min(1.0, 0.95 * float((den[neg] / -sd[neg]).min())) if neg.any() else 1.0
-            while t > 1e-14:
-                dn = den + t * sd
-                v = -float((us * np.log(dn)).sum())
-                if v <= val + 1e-4 * t * float(g @ step):
-                    break
-                t *= 0.5
-            else:
-                break
-            den, val = dn, v
-        g = -(d * (us / den)).sum(axis=1)
-    # the gradient is the moments' gap in units of their spread: 1e-8 is converged (rounding
-    # can stall the line search near 1e-11)
-    if not np.abs(g).max() < 1e-8:
-        raise MomentsUnmet
-    out = np.zeros_like(u)
-    out[sup] = us / den
-    return out / out.sum()
 
 
 def _mean_m_step(u: np.ndarray, h: np.ndarray, mu: float) -> np.ndarray:
@@ -492,19 +417,6 @@ def _loglik(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray):
 
 def _squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None,
              mean=None, early=None):
-    """See :func:`_squarem_run`; a moment constraint that an M-step cannot meet
-    (:class:`MomentsUnmet`) is dropped and the run starts over without it."""
-    if mean is not None and np.ndim(mean[0]) == 2:
-        try:
-            return _squarem_run(pi, w, nz, q, allowed, max_iter, tol, zero_idx, callback, mean,
-                                early)
-        except MomentsUnmet:
-            mean = None
-    return _squarem_run(pi, w, nz, q, allowed, max_iter, tol, zero_idx, callback, mean, early)
-
-
-def _squarem_run(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None,
-                 mean=None, early=None):
     """EM accelerated by SQUAREM (Varadhan and Roland 2008, scheme S3), monotone in likelihood.
 
     Stops when the mean log-likelihood gain per step, divided by the estimated mass of non-zero
@@ -529,7 +441,7 @@ def _squarem_run(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=N
         ratio = np.zeros_like(m)
         ratio[idx] = w_nz / np.maximum(m[idx], 1e-300)
         out = x * conv(ratio)
-        return out if mean is None else _constrained_m_step(out, *mean)
+        return out if mean is None else _mean_m_step(out, *mean)
 
     def loglik(x):
         m = conv(x)
@@ -551,11 +463,8 @@ def _squarem_run(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=N
                 cand = np.maximum(pi - 2 * alpha * r + alpha * alpha * v, 0.0) * allowed
             if np.all(np.isfinite(cand)) and cand.sum() > 0:  # else the step overflowed: plain EM
                 cand /= cand.sum()
-                try:
-                    cand = em_step(cand)
-                    ll_c, m_c = loglik(cand)
-                except MomentsUnmet:  # an extrapolation too far out to hold the moments
-                    ll_c = -np.inf
+                cand = em_step(cand)
+                ll_c, m_c = loglik(cand)
         ll2, m2 = loglik(p2)
         new, ll_new, m_new = (cand, ll_c, m_c) if ll_c >= ll2 else (p2, ll2, m2)
         s = new.sum()
@@ -610,48 +519,6 @@ class _EMProblem:
         if not 0.0 <= mu <= h.max():
             return None
         return h, mu
-
-    def moment_constraint(self):
-        """(H, b) for :func:`_em_step`: the axis pmf's first two moments held at what the
-        counters estimate without bias, E[h] = E[x] and E[h^2] = E[x^2] - Var Z (x = h + Z, the
-        noise Z independent of h, mean 0). None when there is no axis or no pmf on it has them.
-
-        Why (hash buckets): the EM starts from the noisy values smoothed by the noise once more,
-        variance Var h + 2 Var Z, and the early stop leaves it over-dispersed: too many empty
-        buckets and too many with 2-4 events. The inversion of Gamma^B reads that as fewer,
-        larger items: mostly-distinct users at B = 2 n, two layers, eps 1 came out 8% low
-        (truth 97,500, early-stopped EM 88,500-90,700; the bucket totals' second moment 15-25%
-        high). Pinning the two moments removes the over-dispersion (docs/accuracy_changes.md,
-        "Intervals at their level"). (Moments of the value clipped at 4 sd(Z), tried against
-        the heavy items' influence, left the converged NPMLE 7% low there: not used.)
-        """
-        if not self.spans:
-            return None
-        h = self.h_values()
-        x = np.zeros(len(self.w))  # the noisy value each axis position holds
-        for off, lo_v, hi_v in self.spans:
-            x[off: off + hi_v - lo_v + 1] = np.arange(lo_v, hi_v + 1)
-        z = np.arange(-self.K, self.K + 1)
-        tot = self.w.sum()
-        b = np.array([float((self.w * x).sum()) / tot,
-                      float((self.w * x * x).sum()) / tot - float((z * z * self.q).sum())])
-        sup = self.allowed > 0
-        sc = max(float(h.max()), 1.0)  # features on [0, 1]
-        H = np.vstack([h / sc, (h / sc) ** 2]) * sup
-        b = b / np.array([sc, sc * sc])
-        try:
-            _moments_m_step(sup / sup.sum(), H, b)
-        except MomentsUnmet:  # no pmf on the axis has them
-            return None
-        return H, b
-
-    def constraint(self, n=None):
-        """The EM's M-step constraint: the two moments on hash-bucket counters
-        (:meth:`moment_constraint`, inside :func:`bucket_counters`; ``n`` is not used there),
-        n's mean otherwise (:meth:`mean_constraint`)."""
-        if _BUCKET_COUNTERS.get():
-            return self.moment_constraint()
-        return self.mean_constraint(n)
 
     def counts_on_axis(self, vc: "NoisyValueCounts") -> np.ndarray:
         """Noisy-value counts of ``vc`` (a part of the counters) placed on this axis; values
@@ -861,7 +728,7 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITE
         return prob.cumulative(None, R)
     w = prob.w / prob.w.sum()
     pi = _squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, max_iter, tol, prob.zero_idx,
-                  mean=prob.constraint(n))
+                  mean=prob.mean_constraint(n))
     return prob.cumulative(pi, R)
 
 
@@ -880,8 +747,7 @@ def em_prevalences(noisy_counts, p, *, layers=1, R=None) -> tuple[np.ndarray, np
         return est, est.copy()
     w = prob.w / prob.w.sum()
     early, pi = _squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, MLE_MAX_ITER, MLE_TOL,
-                         prob.zero_idx, early=(DECONV_MAX_ITER, deconv_tol(p, layers)),
-                         mean=prob.constraint())
+                         prob.zero_idx, early=(DECONV_MAX_ITER, deconv_tol(p, layers)))
     return prob.cumulative(early, R), prob.cumulative(pi, R)
 
 
@@ -921,7 +787,6 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     B = len(todo)
     W, A, P = np.zeros((B, L)), np.zeros((B, L)), np.zeros((B, L))
     zero = np.full(B, -1)
-    cons = [None] * B  # each row's M-step constraint (hash buckets: the two moments)
     for j, i in enumerate(todo):
         prob = probs[i]
         w = prob.w / prob.w.sum()
@@ -929,32 +794,11 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
         P[j, : len(w)] = prob.start(w)
         if prob.zero_idx is not None:
             zero[j] = prob.zero_idx
-        c = prob.constraint()
-        if c is not None:
-            H = np.zeros((len(c[0]), L))
-            H[:, : len(w)] = c[0]
-            cons[j] = (H, c[1])
     # W is 0 where no counter is: W / max(M, 1e-300) is the EM's ratio there too (0), so the
     # steps need no masks; Wr, Ar, zr: the rows still running
 
-    unmet = set()  # rows whose constraint an M-step could not meet: run alone, without it
-
-    def em_step(Pi, M, Wr, ids, missed=None):
-        """One EM step of the rows ``ids`` (indices into ``cons``). ``missed``: for the
-        extrapolated candidates, a mask set where the moments could not be met (the candidate
-        is then rejected; in a plain step the row's constraint is dropped)."""
-        out = Pi * conv(Wr / np.maximum(M, 1e-300))
-        for j, r in enumerate(ids):
-            if cons[r] is not None:
-                try:
-                    out[j] = _moments_m_step(out[j], *cons[r])
-                except MomentsUnmet:
-                    if missed is not None:
-                        missed[j] = True
-                    else:
-                        cons[r] = None
-                        unmet.add(int(r))
-        return out
+    def em_step(Pi, M, Wr):
+        return Pi * conv(Wr / np.maximum(M, 1e-300))
 
     def loglik(Pi, Wr):
         M = conv(Pi)
@@ -965,8 +809,8 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     ll, M = loglik(P, Wr)
     result = [None] * B
     for step in range(1, max_iter + 1):
-        P1 = em_step(P, M, Wr, rows)
-        P2 = em_step(P1, conv(P1), Wr, rows)
+        P1 = em_step(P, M, Wr)
+        P2 = em_step(P1, conv(P1), Wr)
         R = P1 - P
         V = P2 - P1 - R
         vv, rr = (V * V).sum(axis=1), (R * R).sum(axis=1)
@@ -979,17 +823,13 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
         ll_c = np.full(len(rows), -np.inf)
         if ok.all():
             C = cand / cs[:, None]
-            missed = np.zeros(len(rows), dtype=bool)
-            C = em_step(C, conv(C), Wr, rows, missed)
+            C = em_step(C, conv(C), Wr)
             ll_c, M_c = loglik(C, Wr)
-            ll_c[missed] = -np.inf
         elif ok.any():
             Ws = Wr[ok]
             C = cand[ok] / cs[ok][:, None]
-            missed = np.zeros(int(ok.sum()), dtype=bool)
-            C = em_step(C, conv(C), Ws, rows[ok], missed)
+            C = em_step(C, conv(C), Ws)
             ll_c[ok], M_c = loglik(C, Ws)
-            ll_c[np.flatnonzero(ok)[missed]] = -np.inf
         ll2, M2 = loglik(P2, Wr)
         use = ll_c >= ll2
         new, M_new = P2, M2
@@ -1013,11 +853,6 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
             if not len(rows):
                 break
             Wr, Ar, zr = W[rows], A[rows], zero[rows]
-    for j in unmet:
-        prob = probs[todo[j]]
-        w = prob.w / prob.w.sum()
-        result[j] = _squarem_run(prob.start(w), w, w > 0, prob.q, prob.allowed, max_iter, tol,
-                                 prob.zero_idx)
     for j, i in enumerate(todo):
         prob = probs[i]
         out[i] = prob.cumulative(result[j][: len(prob.w)])
@@ -1038,8 +873,7 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
              if method == "deconvolution"
              else (MLE_MAX_ITER, MLE_TOL))
     vcs = [noisy_value_counts(x) for x in many]
-    with bucket_counters() if buckets is not None else contextlib.nullcontext():
-        phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1])
+    phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1])
     if buckets is not None:  # the bucket counters' estimates, then the inversion of each
         from .largedomain import DEFAULT_VARIANT, _check_buckets, _hashed_cumulative
         B = _check_buckets(buckets)

@@ -248,14 +248,13 @@ def test_hashed_one_layer_default_is_the_grid_choice_and_mle_beats_the_threshold
     assert tot["mle"] < 0.85 * tot["threshold"], tot
 
 
-def test_hashed_two_layer_default_is_the_grid_choice():
+def test_hashed_two_layer_default_is_the_grid_choice_and_mle_beats_early_stopping():
     """Joint model (two DLap layers per counter), mostly-empty buckets (n = 1e5 Zipf(1.1) events
-    clipped to 1e4 ids, B = 2 n: ~97% of the buckets empty). The release is the grid's default
-    estimator and cap, a valid histogram. (It used to assert that the converged NPMLE beats the
-    early-stopped EM here: with the bucket EM's moments held, issue 28, the early-stopped EM is
-    1.6-8.5x closer than it was, 1,638-4,168 events of error against 8,526-9,946, and the
-    order of the two varies from data set to data set.)"""
+    clipped to 1e4 ids, B = 2 n: ~97% of the buckets empty). The early-stopped EM's tolerance is
+    per counter, so it stops far from the data; the default (EM NPMLE run to convergence) is
+    closer on every one of three seeded data sets, and gives a valid histogram."""
     p = p_from_epsilon(1.0)
+    errs = []
     for seed in range(3):
         rng = np.random.default_rng(seed + 300)
         n = 100_000
@@ -271,6 +270,11 @@ def test_hashed_two_layer_default_is_the_grid_choice():
             est, ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2,
                                      method=default_method("hashed", 2, **feats),
                                      cap=default_cap("hashed", 2, **feats)))
+        est = ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="mle")
+        early = ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="deconvolution")
+        errs.append((l1_distance(h, est), l1_distance(h, early)))
+    assert all(e < d for e, d in errs), errs
+    assert sum(e for e, _ in errs) < 0.7 * sum(d for _, d in errs), errs
 
 
 def test_hashed_phi_estimate_defaults_and_errors():
@@ -475,14 +479,11 @@ def test_snapping_before_the_projection_keeps_its_result():
 def test_hashed_release_never_holds_more_events_than_n():
     """Few events in many buckets (n = 2,000 over B = 40,000, eps = 0.5, two layers): the
     uncapped item histogram holds more than n events; with n given, at most n (every cap rule),
-    and cap="none" gives back the uncapped one. (The bucket EM's mean follows the counters'
-    total, issue 28, so the noise is taken with the sign that puts the total above n: Z and -Z
-    have the same law.)"""
+    and cap="none" gives back the uncapped one."""
     rng = np.random.default_rng(23)
     h = np.unique(rng.zipf(1.1, 2_000), return_counts=True)[1]
     n, B, p = int(h.sum()), 40_000, p_from_epsilon(0.5)
-    z = discrete_laplace(p, B, rng=rng) + discrete_laplace(p, B, rng=rng)
-    noisy = _reduced(h, B, rng) + (z if z.sum() > 0 else -z)
+    noisy = _reduced(h, B, rng) + discrete_laplace(p, B, rng=rng) + discrete_laplace(p, B, rng=rng)
     free = ld.hashed_histogram(noisy, p, buckets=B, layers=2, method="deconvolution")
     assert free.sum() > n
     for cap in (None, "items", "scale"):
@@ -492,82 +493,3 @@ def test_hashed_release_never_holds_more_events_than_n():
     np.testing.assert_array_equal(
         ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="deconvolution",
                             cap="none"), free)
-
-
-# --------------------------------------------------------------------------------------------
-# hash-bucket EM: the two moments the counters estimate without bias (issue 28)
-# --------------------------------------------------------------------------------------------
-def test_moments_m_step_meets_the_moments_and_is_the_constrained_optimum():
-    """The M-step under (mean, second moment) constraints returns a pmf with exactly those
-    moments, and no feasible direction (one that keeps the sum and both moments) raises
-    sum_h u_h log pi_h: it is the constrained maximizer, so the EM's likelihood still rises."""
-    from aggregator.estimate import _moments_m_step
-
-    rng = np.random.default_rng()
-    h = np.arange(12.0)
-    for _ in range(20):
-        u = rng.dirichlet(np.ones(len(h)))
-        target = rng.dirichlet(np.ones(len(h)))  # any pmf on the support: feasible moments
-        H = np.vstack([h / 11, (h / 11) ** 2])
-        b = H @ target
-        pi = _moments_m_step(u, H, b)
-        np.testing.assert_allclose(H @ pi, b, rtol=1e-9, atol=1e-12)
-        assert abs(pi.sum() - 1) < 1e-12 and pi.min() > 0
-        basis = np.linalg.svd(np.vstack([np.ones(len(h)), H]))[2][3:]  # null space
-        obj = float((u * np.log(pi)).sum())
-        for v in basis:
-            for t in (1e-4, -1e-4):
-                moved = pi + t * v * pi.min()
-                assert float((u * np.log(moved)).sum()) <= obj + 1e-15
-
-
-def test_bucket_em_holds_the_unbiased_moments():
-    """On hash-bucket counters the fitted pmf of the bucket totals has mean = the counters'
-    mean and second moment = their mean square minus Var Z, both unbiased for the truth's;
-    outside hashed mode (direct counters) nothing changes."""
-    from aggregator.estimate import (
-        _em_problem, bucket_counters, deconvolved_prevalence, noise_pmf, noisy_value_counts,
-    )
-
-    p = p_from_epsilon(1.0)
-    rng = np.random.default_rng()
-    n, B = 5_000, 10_000
-    red = _reduced(np.ones(n, dtype=np.int64), B, rng)
-    noisy = red + discrete_laplace(p, B) + discrete_laplace(p, B)
-    vc = noisy_value_counts(noisy)
-    K, q = noise_pmf(p, 2)
-    var_z = float((np.arange(-K, K + 1) ** 2 * q).sum())
-    with bucket_counters():
-        assert _em_problem(vc, p, 2).constraint() is not None
-        y = deconvolved_prevalence(vc, p, layers=2)
-    r = np.arange(1, len(y) + 1)
-    assert abs(y.sum() - noisy.sum()) < 1e-6 * n  # sum_h h pi_h B
-    x = noisy.astype(float)
-    assert abs(((2 * r - 1) * y).sum() - ((x * x).sum() - B * var_z)) < 1e-6 * n
-    assert _em_problem(vc, p, 2).constraint() is None  # direct counters: no n, no constraint
-
-
-@pytest.mark.slow
-def test_hashed_mostly_distinct_users_are_not_undercounted():
-    """The issue's setting: ~1e5 mostly-distinct users (ids uniform over 20 n: 97.5% seen
-    once) hashed into B = 2 n buckets, two layers at eps 1. The early-stopped EM on the bucket
-    counters used to end over-dispersed (the bucket totals' second moment 15-25% high), which
-    the inversion reads as fewer, larger items: distinct users 8% low in every window
-    (88,500-90,700 for 97,500). With the moments held the mean over 8 windows is within 4%
-    (per-window spread about 3%, so the mean's is about 1%) for the early-stopped EM and for
-    the release's default. Noise: the production CSPRNG."""
-    from aggregator.estimate import anonymized_histogram
-
-    p = p_from_epsilon(1.0)
-    rng = np.random.default_rng()
-    n, B = 100_000, 200_000
-    ratios = {"deconvolution": [], None: []}
-    for _ in range(8):
-        ids = rng.integers(0, 20 * n, n)
-        h = np.unique(ids, return_counts=True)[1]
-        noisy = _reduced(h, B, rng) + discrete_laplace(p, B) + discrete_laplace(p, B)
-        for m in ratios:
-            est = anonymized_histogram(noisy, p, layers=2, n=n, buckets=B, method=m)
-            ratios[m].append(len(est) / len(h))
-    for m, r in ratios.items():
-        assert abs(np.mean(r) - 1) < 0.04, (m, r)
