@@ -45,6 +45,7 @@ SYNTH_SIZES = ((10**4, 10**3), (10**5, 10**4), (10**5, 10**5), (10**6, 10**5))
 HASHED_N = (10**3, 3 * 10**3, 10**4, 3 * 10**4, 10**5)
 REPS = 4  # repetitions per cell (each: one draw of the items, one of the noise per layer count)
 OUT = Path("out/lofo_results.pkl")
+MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 
 
 def family(cell: Cell) -> str:
@@ -85,7 +86,7 @@ def load() -> dict:
 
 def run(shard: tuple[int, int]) -> None:
     i, k = shard
-    todo = [c for idx, c in enumerate(cells()) if idx % k == i]
+    todo = [c for idx, c in enumerate(cells()) if idx % k == i and c.mode in MODES_RUN]
     for c in todo:
         if c.key in load():
             continue
@@ -184,15 +185,22 @@ def main(argv=None) -> int:
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--mode", choices=("direct", "hashed"),
+                    help="run only this mode's cells")
+    ap.add_argument("--out", help="results directory (default out/)")
     ap.add_argument("--fixed-tol", action="store_true",
                     help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
                          "before estimate.deconv_tol), results in out/lofo_fixed_tol/")
     args = ap.parse_args(argv)
+    global OUT
     if args.fixed_tol:
-        global OUT
         from aggregator import estimate
         estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL
         OUT = Path("out/lofo_fixed_tol/lofo_results.pkl")
+    if args.out:
+        OUT = Path(args.out) / OUT.name
+    if args.mode:
+        MODES_RUN[:] = [args.mode]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     if args.run:
         i, k = (int(x) for x in args.shard.split("/"))
