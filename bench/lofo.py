@@ -180,6 +180,37 @@ def report() -> None:
             print()
 
 
+def compare(other: Path) -> None:
+    """Per cell, the mean l1 error of auto / deconvolution / mle (items cap) here and in the
+    results under ``other`` (the same cells and seeded draws, run at another commit), and the
+    geometric mean of the ratios (here / other)."""
+    here = load()
+    old = {}
+    for path in sorted(other.glob(OUT.stem + "*.pkl")):
+        old.update(pickle.loads(path.read_bytes()))
+    cands = (("auto", "items"), ("deconvolution", "items"), ("mle", "items"))
+    keys = sorted((k for k in here if k in old), key=lambda k: (k[0], k[1], k[2]))
+    for layers in LAYERS:
+        print(f"### {layers} layer{'s' if layers > 1 else ''}: mean l1 error, {other} -> here\n")
+        print("| cell | " + " | ".join(" / ".join(c) for c in cands) + " |")
+        print("|---|" + "---|" * len(cands))
+        ratios = {c: [] for c in cands}
+        for k in keys:
+            row = []
+            for c in cands:
+                a = float(np.mean(old[k].l1[(layers, *c)]))
+                b = float(np.mean(here[k].l1[(layers, *c)]))
+                ratios[c].append(b / a if a > 0 else 1.0)
+                row.append(f"{a:.0f} -> {b:.0f}")
+            print(f"| {k[0]} {k[1]} n={k[2]} eps={k[4]} | " + " | ".join(row) + " |")
+        print()
+        for c in cands:
+            r = np.asarray(ratios[c])
+            print(f"{' / '.join(c)}: here / {other}, geometric mean {np.exp(np.log(r).mean()):.2f}"
+                  f" (range {r.min():.2f} .. {r.max():.2f}) over {len(r)} cells")
+        print()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true")
@@ -188,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("direct", "hashed"),
                     help="run only this mode's cells")
     ap.add_argument("--out", help="results directory (default out/)")
+    ap.add_argument("--compare", metavar="DIR",
+                    help="per-cell errors here against the results in DIR (another commit's)")
     ap.add_argument("--fixed-tol", action="store_true",
                     help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
                          "before estimate.deconv_tol), results in out/lofo_fixed_tol/")
@@ -207,6 +240,8 @@ def main(argv=None) -> int:
         run((i, k))
     if args.report:
         report()
+    if args.compare:
+        compare(Path(args.compare))
     return 0
 
 
