@@ -87,6 +87,7 @@ def window(rng, cell, change: float = 1.0):
     else:
         buckets = hash_items(rng, np.char.add(b"u", np.arange(len(items)).astype(np.bytes_)), C)
         red = np.bincount(buckets, weights=items, minlength=C).astype(np.int64)
+        window.last_reduced = red  # the true bucket totals, for hashed_diagnostic
         occ = red[red > 0]
         vc = noisy_vc(rng, occ, C - len(occ), p, layers)
     return items, vc, p
@@ -231,11 +232,22 @@ def plot_example(path: str) -> None:
 def hashed_diagnostic(windows: int = 4) -> None:
     """The issue's hashed setting (cell 0), window by window: truth, release, its interval at the
     internal level 0.8, both candidate fits, the bootstrap's spread and root-mean-square
-    deviation (docs/accuracy_changes.md, "Intervals at their level")."""
-    from aggregator.estimate import anonymized_cumulative, anonymized_histogram, forget_fits
+    deviation (docs/accuracy_changes.md, "Intervals at their level"). Then where the under-count
+    comes from: the inversion of Gamma^B applied to the *true* bucket totals (exact if the
+    inversion is not the cause); the second moment of the bucket totals, sum_b T_b^2, true, the
+    counters' unbiased estimate (sum x^2 - B Var Z) and the early-stopped EM's fit; and the
+    number of SQUAREM steps that EM makes before its stop."""
+    from aggregator.estimate import (
+        DECONV_MAX_ITER, DECONV_TOL, _em_problem, _squarem, anonymized_cumulative,
+        anonymized_histogram, bucket_counters, cap_total, cumulative_from_counts,
+        em_prevalences, forget_fits, noise_pmf,
+    )
+    from aggregator.largedomain import _invert
 
     rng = np.random.default_rng(7)
     cell = CELLS[0]
+    K, q = noise_pmf(math.exp(-cell[5] / 2), cell[6])
+    var_z = float((np.arange(-K, K + 1) ** 2 * q).sum())
     for _ in range(windows):
         items, vc, p = window(rng, cell)
         n, B = int(items.sum()), cell[2]
@@ -244,9 +256,26 @@ def hashed_diagnostic(windows: int = 4) -> None:
                                   release=h)
         fits = {m: int(anonymized_cumulative(vc, p, layers=cell[6], n=n, buckets=B,
                                              method=m)[0]) for m in ("deconvolution", "mle")}
+        red = window.last_reduced
+        inv = cap_total(_invert(cumulative_from_counts(red[red > 0]).astype(float), B, n, p,
+                                "exact", None), n, "items")
+        steps = []
+        with bucket_counters():
+            early = em_prevalences(vc, p, layers=cell[6])[0]
+            prob = _em_problem(vc, p, cell[6])
+            w = prob.w / prob.w.sum()
+            _squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, DECONV_MAX_ITER, DECONV_TOL,
+                     prob.zero_idx, callback=lambda step, pi: steps.append(step) and False)
+        v = np.arange(vc.lo, vc.hi + 1, dtype=float)
+        m2_fit = float(((2 * np.arange(1, len(early) + 1) - 1) * early).sum())
+        m2_mom = float((v * v * vc.c).sum()) - B * var_z
         print(f"truth {len(items)}, release {len(h)}, interval "
               f"[{eb['distinct'][0]:.0f}, {eb['distinct'][1]:.0f}], fits {fits}, spread "
-              f"{eb['spread']['distinct']:.0f}, rms {eb['rms_error']['distinct']:.0f}", flush=True)
+              f"{eb['spread']['distinct']:.0f}, rms {eb['rms_error']['distinct']:.0f}; "
+              f"inversion of the true bucket totals {int(inv[0])}; "
+              f"sum T^2: true {int((red.astype(float) ** 2).sum())}, "
+              f"unbiased {m2_mom:.0f}, early EM {m2_fit:.0f}; early EM steps {len(steps)}",
+              flush=True)
         forget_fits()
 
 

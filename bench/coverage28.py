@@ -43,6 +43,7 @@ from .lofo import family
 LEVELS = (0.9, 0.8, 0.7, 0.6, 0.5)
 REPS = 12
 OUT = Path("out/coverage28")
+MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 
 
 def cells() -> list[Cell]:
@@ -95,7 +96,8 @@ def run(shard) -> None:
     done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
     for idx, cell in enumerate(cells()):
         for layers in (1, 2):
-            if (idx * 2 + layers) % k != i or (cell.key, layers) in done:
+            if (idx * 2 + layers) % k != i or (cell.key, layers) in done or \
+                    cell.mode not in MODES_RUN:
                 continue
             t = time.time()
             done[(cell.key, layers)] = run_cell(cell, layers)
@@ -167,7 +169,14 @@ def main(argv=None) -> int:
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--mode", choices=("direct", "hashed"), help="run only this mode's cells")
+    ap.add_argument("--out", help="results directory (default out/coverage28)")
     args = ap.parse_args(argv)
+    global OUT
+    if args.out:
+        OUT = Path(args.out)
+    if args.mode:
+        MODES_RUN[:] = [args.mode]
     if args.run:
         run(tuple(int(x) for x in args.shard.split("/")))
     if args.report:

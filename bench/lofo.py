@@ -45,6 +45,7 @@ SYNTH_SIZES = ((10**4, 10**3), (10**5, 10**4), (10**5, 10**5), (10**6, 10**5))
 HASHED_N = (10**3, 3 * 10**3, 10**4, 3 * 10**4, 10**5)
 REPS = 4  # repetitions per cell (each: one draw of the items, one of the noise per layer count)
 OUT = Path("out/lofo_results.pkl")
+MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 
 
 def family(cell: Cell) -> str:
@@ -85,7 +86,7 @@ def load() -> dict:
 
 def run(shard: tuple[int, int]) -> None:
     i, k = shard
-    todo = [c for idx, c in enumerate(cells()) if idx % k == i]
+    todo = [c for idx, c in enumerate(cells()) if idx % k == i and c.mode in MODES_RUN]
     for c in todo:
         if c.key in load():
             continue
@@ -179,26 +180,145 @@ def report() -> None:
             print()
 
 
+def _features(cell: Cell, layers: int) -> dict:
+    """Public quantities of a release, known before any data: the signal-to-noise figure
+    (``intervals.signal_to_noise``: events over the Cramer-Rao floor on the number of items) and
+    the density n / counters."""
+    from aggregator.intervals import signal_to_noise
+
+    return {"snr": math.log(signal_to_noise(cell.n, cell.counters, cell.p, layers)),
+            "density": math.log(cell.n / cell.counters)}
+
+
+def _rule_pick(reg: dict, feats: dict, keys) -> tuple:
+    """The one-cut rule (feature, cut, candidate below, candidate at or above) with the lowest
+    worst-case regret on ``keys`` (ties: the lower geometric mean), cuts at the midpoints
+    between the cells' feature values."""
+    best, arg = None, None
+    for f in ("snr", "density"):
+        vals = sorted({feats[k][f] for k in keys})
+        cuts = [-math.inf] + [(a + b) / 2 for a, b in zip(vals[:-1], vals[1:])]
+        for cut in cuts:
+            low = [k for k in keys if feats[k][f] < cut]
+            high = [k for k in keys if feats[k][f] >= cut]
+            # below and above the cut are independent: the best candidate on each side
+            side = []
+            for part in (low, high):
+                if not part:
+                    side.append((CANDIDATES[0], 0.0, 0.0))
+                    continue
+                sc = {c: (max(reg[k][c] for k in part),
+                          float(np.mean([math.log(reg[k][c]) for k in part]))) for c in CANDIDATES}
+                c = min(CANDIDATES, key=lambda c: (sc[c], CANDIDATES.index(c)))
+                side.append((c, *sc[c]))
+            score = (max(side[0][1], side[1][1]),
+                     (side[0][2] * len(low) + side[1][2] * len(high)) / len(keys))
+            if best is None or score < best:
+                best, arg = score, (f, cut, side[0][0], side[1][0])
+    return arg
+
+
+def rules_report() -> None:
+    """Held out: the best one-cut rule on a public feature (chosen on the other families), and
+    the floor for any procedure that picks one fixed candidate per held-out family: for each
+    family the candidate best on that family's own cells (in hindsight), worst over families."""
+    results = load()
+    for layers in LAYERS:
+        reg, fam = regret_table(results, "direct", layers)
+        if not reg:
+            continue
+        feats = {k: _features(results[k].cell, layers) for k in reg}
+        held, rows = [], []
+        for f in sorted(set(fam.values())):
+            train = [k for k in reg if fam[k] != f]
+            test = [k for k in reg if fam[k] == f]
+            feat, cut, low, high = _rule_pick(reg, feats, train)
+            rs = [reg[k][low if feats[k][feat] < cut else high] for k in test]
+            held.extend(rs)
+            rows.append((f, feat, cut, low, high, float(np.median(rs)), max(rs)))
+        floor = {f: min(max(reg[k][c] for k in reg if fam[k] == f) for c in CANDIDATES)
+                 for f in set(fam.values())}
+        worst_f = max(floor, key=floor.get)
+        print(f"### direct mode, {layers} layer{'s' if layers > 1 else ''}\n")
+        print("| held-out family | rule chosen on the others | held-out median | worst |")
+        print("|---|---|---|---|")
+        for f, feat, cut, low, high, med, mx in rows:
+            print(f"| {f} | {feat} < {math.exp(cut):.3g}: {' / '.join(low)}, else "
+                  f"{' / '.join(high)} | {med:.2f} | {mx:.2f} |")
+        print(f"\nOne-cut rule held out: median {np.median(held):.2f}, geometric mean "
+              f"{np.exp(np.mean(np.log(held))):.2f}, worst {max(held):.2f}.")
+        print(f"Floor for one fixed candidate per held-out family (best in hindsight on the family"
+              f" itself): worst {floor[worst_f]:.2f} ({worst_f}); per family: "
+              + ", ".join(f"{f} {v:.2f}" for f, v in sorted(floor.items())) + "\n")
+
+
+def compare(other: Path) -> None:
+    """Per cell, the mean l1 error of auto / deconvolution / mle (items cap) here and in the
+    results under ``other`` (the same cells and seeded draws, run at another commit), and the
+    geometric mean of the ratios (here / other)."""
+    here = load()
+    old = {}
+    for path in sorted(other.glob(OUT.stem + "*.pkl")):
+        old.update(pickle.loads(path.read_bytes()))
+    cands = (("auto", "items"), ("deconvolution", "items"), ("mle", "items"))
+    keys = sorted((k for k in here if k in old), key=lambda k: (k[0], k[1], k[2]))
+    for layers in LAYERS:
+        print(f"### {layers} layer{'s' if layers > 1 else ''}: mean l1 error, {other} -> here\n")
+        print("| cell | " + " | ".join(" / ".join(c) for c in cands) + " |")
+        print("|---|" + "---|" * len(cands))
+        ratios = {c: [] for c in cands}
+        for k in keys:
+            row = []
+            for c in cands:
+                a = float(np.mean(old[k].l1[(layers, *c)]))
+                b = float(np.mean(here[k].l1[(layers, *c)]))
+                ratios[c].append(b / a if a > 0 else 1.0)
+                row.append(f"{a:.0f} -> {b:.0f}")
+            print(f"| {k[0]} {k[1]} n={k[2]} eps={k[4]} | " + " | ".join(row) + " |")
+        print()
+        for c in cands:
+            r = np.asarray(ratios[c])
+            print(f"{' / '.join(c)}: here / {other}, geometric mean {np.exp(np.log(r).mean()):.2f}"
+                  f" (range {r.min():.2f} .. {r.max():.2f}) over {len(r)} cells")
+        print()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--mode", choices=("direct", "hashed"),
+                    help="run only this mode's cells")
+    ap.add_argument("--out", help="results directory (default out/)")
+    ap.add_argument("--rules", action="store_true",
+                    help="direct mode: held-out one-cut rules on public features, and the floor "
+                         "of any fixed pick per held-out family")
+    ap.add_argument("--compare", metavar="DIR",
+                    help="per-cell errors here against the results in DIR (another commit's)")
     ap.add_argument("--fixed-tol", action="store_true",
                     help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
                          "before estimate.deconv_tol), results in out/lofo_fixed_tol/")
     args = ap.parse_args(argv)
+    global OUT
     if args.fixed_tol:
-        global OUT
         from aggregator import estimate
         estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL
         OUT = Path("out/lofo_fixed_tol/lofo_results.pkl")
+    if args.out:
+        OUT = Path(args.out) / OUT.name
+    if args.mode:
+        MODES_RUN[:] = [args.mode]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     if args.run:
         i, k = (int(x) for x in args.shard.split("/"))
         run((i, k))
     if args.report:
         report()
+    if args.rules:
+        rules_report()
+    if args.compare:
+        compare(Path(args.compare))
     return 0
 
 
