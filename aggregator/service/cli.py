@@ -608,22 +608,31 @@ def cmd_release(args: argparse.Namespace) -> int:
     return 0
 
 
-def _group_release(cfg: dict) -> int:
-    """A forced release of a Kafka-only group, asked of each aggregation's leader through
-    Kafka (aggregator/service/group/forced.py)."""
+def _ask_group(cfg: dict, request):
+    """``request(bootstrap, security, topics)`` of each aggregation's leader of a Kafka-only
+    group (aggregator/service/group/forced.py); yields (name, config, answer)."""
     from consumers.kafka_security import client_options
 
     from .config import aggregation_configs
-    from .group.forced import ForcedReleaseError, request_release
+    from .group.forced import ForcedReleaseError
     from .group.topics import GroupTopics
 
     src = cfg["source"]
-    for name, _ in aggregation_configs(cfg) or [("", cfg)]:
+    for name, one in aggregation_configs(cfg) or [("", cfg)]:
         try:
-            got = request_release(src["bootstrap"], client_options(cfg.get("security")),
-                                  GroupTopics(src["group"], name))
+            got = request(src["bootstrap"], client_options(cfg.get("security")),
+                          GroupTopics(src["group"], name))
         except ForcedReleaseError as exc:
             raise UsageError(str(exc)) from None
+        yield name, one, got
+
+
+def _group_release(cfg: dict) -> int:
+    """A forced release of a Kafka-only group, asked of each aggregation's leader."""
+    from .group.forced import request_release
+
+    src = cfg["source"]
+    for name, _, got in _ask_group(cfg, request_release):
         what = f"{name} window" if name else "window"
         if got["release"] is None:
             print(f"{what} {got['window']} closed in every partition; its release follows once "
@@ -637,22 +646,13 @@ def _group_release(cfg: dict) -> int:
 def _group_export(cfg: dict) -> int:
     """An audit export of a Kafka-only group, signed by each aggregation's leader
     (aggregator/service/group/export.py); the document is written here too."""
-    from consumers.kafka_security import client_options
     from pathlib import Path
 
     from state_store.local import atomic_write
 
-    from .config import aggregation_configs
-    from .group.forced import ForcedReleaseError, request_export
-    from .group.topics import GroupTopics
+    from .group.forced import request_export
 
-    src = cfg["source"]
-    for name, one in aggregation_configs(cfg) or [("", cfg)]:
-        try:
-            got = request_export(src["bootstrap"], client_options(cfg.get("security")),
-                                 GroupTopics(src["group"], name))
-        except ForcedReleaseError as exc:
-            raise UsageError(str(exc)) from None
+    for _, one, got in _ask_group(cfg, request_export):
         out = Path(one["audit"]["dir"] or Path(one["checkpoint"]["dir"]) / "exports")
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"export-{got['id']}.panagg"

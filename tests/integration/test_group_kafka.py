@@ -91,6 +91,13 @@ class Members:
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)
 
+    def kill_and_restart_one(self, chaos: random.Random, names) -> None:
+        """kill -9 a member picked by ``chaos``, then start it again 0-2 s later."""
+        victim = chaos.choice(names)
+        self.kill(victim)
+        time.sleep(chaos.uniform(0.0, 2.0))
+        self.start(victim)
+
     def stop_all(self):
         for p in self.procs.values():
             if p.poll() is None:
@@ -157,6 +164,16 @@ def wait_for_total(bootstrap, topics, total, timeout_s, members):
     pytest.fail(f"releases hold {got} of {total} events after {timeout_s} s\n{members.logs()}")
 
 
+def read_ledger(bootstrap, topics) -> TopicLedger:
+    """The group's ledger, read to its end (its hash chain checked)."""
+    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                      enable_auto_commit=False, group_id=None)
+    ledger = TopicLedger(c, topics.ledger, budget_per_window=1.0)
+    ledger.read_to_end()
+    c.close()
+    return ledger
+
+
 def check_exact(bootstrap, topics, total, eps=1.0):
     """The checks of the module docstring (each position charged ``eps``); returns the release
     documents."""
@@ -170,11 +187,7 @@ def check_exact(bootstrap, topics, total, eps=1.0):
     events_at = {p: {off: len(v) // 4 for off, _, v in recs} for p, recs in rp.items()}
     assert sum(sum(m.values()) for m in events_at.values()) == total
     # the ledger: chain, one release per window, ranges tile each partition, n matches ranges
-    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                      enable_auto_commit=False, group_id=None)
-    ledger = TopicLedger(c, topics.ledger, budget_per_window=1.0)
-    ledger.read_to_end()
-    c.close()
+    ledger = read_ledger(bootstrap, topics)
     entries = [e for e in ledger.entries if e["kind"] == "release"]
     assert sorted(e["window"] for e in entries) == sorted(windows)
     assert not any(e.get("withheld") for e in entries)
@@ -228,11 +241,8 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
                 z.send_signal(signal.SIGCONT)      # wakes as a zombie: fenced
                 zombie_done = True
                 continue
-            victim = chaos.choice(names)
-            members.kill(victim)
+            members.kill_and_restart_one(chaos, names)
             kills += 1
-            time.sleep(chaos.uniform(0.0, 2.0))
-            members.start(victim)
         producer.join()
         wait_for_total(kafka_broker, topics, len(items), 240, members)
     finally:
@@ -417,6 +427,15 @@ def _intake_caught_up(bootstrap, topic, group, timeout_s=60):
     pytest.fail("the intake did not take every record")
 
 
+def _start_two_and_feed(members, bootstrap, topic, group, items):
+    """m1 makes the group, m2 joins; ``items`` at 3,000/s; back once the intake took them all."""
+    members.start("m1")
+    time.sleep(4)
+    members.start("m2")
+    produce(bootstrap, topic, items, 3000)
+    _intake_caught_up(bootstrap, topic, group)
+
+
 def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker, tmp_path):
     """panagg release on a member's directory: the leader writes close markers into every
     repartition partition; the window open now (hour-long here) is released with exactly the
@@ -429,11 +448,7 @@ def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker
     release = [sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
                str(tmp_path / "m1" / "state")]
     try:
-        members.start("m1")
-        time.sleep(4)
-        members.start("m2")
-        produce(kafka_broker, topic, first, 3000)
-        _intake_caught_up(kafka_broker, topic, group)
+        _start_two_and_feed(members, kafka_broker, topic, group, first)
         out1 = subprocess.run(release, capture_output=True, text=True, timeout=120)
         assert out1.returncode == 0, out1.stderr + members.logs()
         produce(kafka_broker, topic, second, 3000)
@@ -468,11 +483,7 @@ def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
     items = np.minimum(np.random.default_rng().zipf(1.3, 3000), D - 1)
     cli = [sys.executable, "-m", "aggregator.service.cli"]
     try:
-        members.start("m1")
-        time.sleep(4)
-        members.start("m2")
-        produce(kafka_broker, topic, items, 3000)
-        _intake_caught_up(kafka_broker, topic, group)
+        _start_two_and_feed(members, kafka_broker, topic, group, items)
         out = subprocess.run(cli + ["audit", "export", "--state-dir",
                                     str(tmp_path / "m2" / "state")],
                              capture_output=True, text=True, timeout=120,
@@ -494,11 +505,7 @@ def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
     docs = check_exact(kafka_broker, GroupTopics(group), 3000)
     exported = [d for d in docs if d["window"] in doc["window"]["windows"]]
     assert exported and all(d["layers"] == 4 for d in exported)   # 1 + 2 export + release
-    c = KafkaConsumer(bootstrap_servers=kafka_broker, isolation_level="read_committed",
-                      enable_auto_commit=False, group_id=None)
-    ledger = TopicLedger(c, GroupTopics(group).ledger, budget_per_window=1.0)
-    ledger.read_to_end()
-    c.close()
+    ledger = read_ledger(kafka_broker, GroupTopics(group))
     exports = [e for e in ledger.entries if e["kind"] == "export"]
     assert len(exports) == 1 and exports[0]["epsilon_spent"] == 0.0
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
@@ -581,6 +588,19 @@ def test_a_lost_snapshot_withholds_its_window_never_replays_it(kafka_broker):
     finally:
         reader.consumer.close()
     assert task.lost and "withheld" in task.lost and task.start == 100
+
+
+def _one_process(bootstrap, topic, tmp_path, group, extra):
+    """One process over the same records (its own consumer group), to exit once idle: the
+    reference a group's releases are compared with (its releases in tmp_path/one/releases)."""
+    one = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", bootstrap,
+         "--topic", topic, "--state-dir", str(tmp_path / "one" / "state"), "--release-dir",
+         str(tmp_path / "one" / "releases"), "--metrics-port", "-1", "--exit-when-idle", "5",
+         "--set", f"state.domain_size={D}", "--set", f"source.group=one-{group}",
+         "--set", "release.error_bar_reps=0", *extra],
+        capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
 
 
 def _released_total(bootstrap, topics):
@@ -691,6 +711,16 @@ def _reference_windows(bootstrap, topic, parts, flush_at):
     return {k * ET_SIZE: (ev, late) for k, (ev, late) in ref.items() if k < flush_w}
 
 
+def _event_setup(bootstrap, parts, windows):
+    """A topic, a group and its topics, and a stream of records stamped two hours back over
+    ``windows`` event-time windows (500 a window)."""
+    topic = make_topic(bootstrap, parts)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
+    stream = _event_stream(np.random.default_rng(), windows, 500, t0)
+    return topic, group, GroupTopics(group), t0, stream
+
+
 def _by_event_window(docs):
     return {d["window_info"]["event_start_unix"]: (d["n"], d["window_info"]["late"])
             for d in docs}
@@ -706,13 +736,7 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
 
     assert SIZE == ET_SIZE
     parts = 4
-    topic = make_topic(kafka_broker, parts)
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    topics = GroupTopics(group)
-    rng = np.random.default_rng()
-    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
-    windows = 12
-    stream = _event_stream(rng, windows, 500, t0)
+    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
     half = len(stream) // 2
     extra = ("--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
              "--set", f"window.allowed_lateness_s={ET_LATENESS}")
@@ -750,14 +774,7 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
         wait_for_total(kafka_broker, topics, total, 240, members)
     finally:
         members.stop_all()
-    one = subprocess.run(
-        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", kafka_broker,
-         "--topic", topic, "--state-dir", str(tmp_path / "one" / "state"), "--release-dir",
-         str(tmp_path / "one" / "releases"), "--metrics-port", "-1", "--exit-when-idle", "5",
-         "--set", f"state.domain_size={D}", "--set", f"source.group=one-{group}",
-         "--set", "release.error_bar_reps=0", *extra],
-        capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
+    _one_process(kafka_broker, topic, tmp_path, group, extra)
     one_docs = [json.loads(f.read_text()) for f in (tmp_path / "one" / "releases").glob("*.json")]
     try:
         docs = releases(kafka_broker, topics)
@@ -769,11 +786,7 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
         rp = read_all(kafka_broker, topics.repartition)
         assert sum(len(v) // 4 for recs in rp.values() for _, _, v in recs
                    if v) == total + parts
-        c = KafkaConsumer(bootstrap_servers=kafka_broker, isolation_level="read_committed",
-                          enable_auto_commit=False, group_id=None)
-        ledger = TopicLedger(c, topics.ledger, budget_per_window=1.0)
-        ledger.read_to_end()
-        c.close()
+        ledger = read_ledger(kafka_broker, topics)
         entries = [e for e in ledger.entries if e["kind"] == "release"]
         assert sorted(e["window"] for e in entries) == sorted(d["window"] for d in docs)
         assert not any(e.get("withheld") for e in entries)
@@ -874,14 +887,7 @@ def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker,
             wait_for_total(kafka_broker, GroupTopics(group, name), len(stream), 180, members)
     finally:
         members.stop_all()
-    one = subprocess.run(
-        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", kafka_broker,
-         "--topic", topic, "--state-dir", str(tmp_path / "one" / "state"), "--release-dir",
-         str(tmp_path / "one" / "releases"), "--metrics-port", "-1", "--exit-when-idle", "5",
-         "--set", f"state.domain_size={D}", "--set", f"source.group=one-{group}",
-         "--set", "release.error_bar_reps=0", *extra],
-        capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
+    _one_process(kafka_broker, topic, tmp_path, group, extra)
     for name in ("user", "ip"):
         docs = releases(kafka_broker, GroupTopics(group, name))
         one_docs = [json.loads(f.read_text())
@@ -898,13 +904,7 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
     20 s while a random member is killed -9 and restarted every 0.5-4.5 s: every window released
     once with the n and late count the definitions give over the topic."""
     parts = 4
-    topic = make_topic(kafka_broker, parts)
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    topics = GroupTopics(group)
-    rng = np.random.default_rng()
-    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
-    windows = 20
-    stream = _event_stream(rng, windows, 500, t0)
+    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 20)
     members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
                       "--set", f"window.size={ET_SIZE}",
                       "--set", f"window.allowed_lateness_s={ET_LATENESS}")
@@ -925,11 +925,8 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
         chaos = random.Random()
         while feeder.is_alive():
             time.sleep(chaos.uniform(0.5, 2.5))
-            victim = chaos.choice(names)
-            members.kill(victim)
+            members.kill_and_restart_one(chaos, names)
             kills += 1
-            time.sleep(chaos.uniform(0.0, 2.0))
-            members.start(victim)
         feeder.join()
         for p in range(parts):
             _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)

@@ -145,50 +145,50 @@ def _consumer(bootstrap: str, security: dict):
                          isolation_level="read_committed", **security)
 
 
+def _request(bootstrap: str, security: dict, topics, ask: str, answer: str, *, timeout_s: float,
+             topic: str, match, value) -> tuple[int, str, object]:
+    """Ask with key ``ask``, wait for the leader's ``answer`` (its window), then for the record
+    of ``topic`` that ``match``es it (its ``value``, or None when the wait ended first)."""
+    from kafka import TopicPartition
+
+    rid = uuid.uuid4().hex
+    _ask(bootstrap, security, topics, ask, rid)
+    consumer = _consumer(bootstrap, security)
+    try:
+        deadline = time.monotonic() + timeout_s
+        window = int(_answer(consumer, topics, answer, rid, deadline, bootstrap,
+                             timeout_s)["window"])
+        found = _scan(consumer, TopicPartition(topic, 0), deadline,
+                      lambda rec: rec.value is not None and match(rec, rid, window), value)
+        return window, rid, found
+    finally:
+        consumer.close()
+
+
 def request_release(bootstrap: str, security: dict, topics, *, timeout_s: float = 60.0) -> dict:
     """Ask the leader of ``topics``' aggregation to close its window now; wait for the release.
     Returns ``{"window": K, "release": document or None}`` (None: K closed, its release not in
     yet when the wait ended)."""
-    from kafka import TopicPartition
-
-    rid = uuid.uuid4().hex
-    _ask(bootstrap, security, topics, REQUEST, rid)
-    consumer = _consumer(bootstrap, security)
-    try:
-        deadline = time.monotonic() + timeout_s
-        window = int(_answer(consumer, topics, DONE, rid, deadline, bootstrap,
-                             timeout_s)["window"])
-        doc = _scan(consumer, TopicPartition(topics.releases, 0), deadline,
-                    lambda rec: rec.key == str(window).encode() and rec.value is not None,
-                    lambda rec: json.loads(rec.value))
-        return {"window": window, "release": doc}
-    finally:
-        consumer.close()
+    window, _, doc = _request(bootstrap, security, topics, REQUEST, DONE, timeout_s=timeout_s,
+                              topic=topics.releases,
+                              match=lambda rec, rid, w: rec.key == str(w).encode(),
+                              value=lambda rec: json.loads(rec.value))
+    return {"window": window, "release": doc}
 
 
 def request_export(bootstrap: str, security: dict, topics, *, timeout_s: float = 60.0) -> dict:
     """Ask the leader for an audit export of the live state (export.py); wait for the signed
     document. Returns ``{"id", "window", "document": bytes}``."""
-    from kafka import TopicPartition
-
-    rid = uuid.uuid4().hex
-    _ask(bootstrap, security, topics, EXPORT, rid)
-    consumer = _consumer(bootstrap, security)
-    try:
-        deadline = time.monotonic() + timeout_s
-        window = int(_answer(consumer, topics, EXPORTED, rid, deadline, bootstrap,
-                             timeout_s)["window"])
-        doc = _scan(consumer, TopicPartition(topics.exports, 0), deadline,
-                    lambda rec: rec.key == f"doc/{rid}".encode() and rec.value is not None,
-                    lambda rec: rec.value)
-        if doc is None:
-            raise ForcedReleaseError(
-                f"the export's window {window} closed, but its document was not in "
-                f"{topics.exports} within {timeout_s:g} s (the leader waits for every "
-                f"partition: panagg status --group {topics.group} --bootstrap {bootstrap})")
-        return {"id": rid, "window": window, "document": doc}
-    finally:
-        consumer.close()
+    window, rid, doc = _request(bootstrap, security, topics, EXPORT, EXPORTED,
+                                timeout_s=timeout_s, topic=topics.exports,
+                                match=lambda rec, rid, w: rec.key == f"doc/{rid}".encode(),
+                                value=lambda rec: rec.value)
+    if doc is None:
+        raise ForcedReleaseError(
+            f"the export's window {window} closed, but its document was not in "
+            f"{topics.exports} within {timeout_s:g} s (the leader waits for every partition: "
+            f"panagg status --group {topics.group} --bootstrap {bootstrap})")
+    return {"id": rid, "window": window, "document": doc}
 
 
 def _scan(consumer, tp, deadline: float, match, value):
