@@ -531,3 +531,50 @@ def test_the_intake_writes_each_window_to_every_partition_and_handles_late_recor
 
     assert rejected("no_timestamp") == 1 and rejected("future_timestamp") == 1
     assert rejected("late") == (1 if late_policy == "dead_letter" else None)
+
+
+def test_the_intake_writes_a_dead_letter_per_rejected_record_in_its_transaction():
+    """source.dead_letter_topic in a group: each rejected record (bad input, no timestamp, from
+    the future, late under late = dead_letter) gets its dead letter, keyed by its source position,
+    sent with the intake's messages (one transaction: exactly when its offset commits). Filtered
+    records are not rejects. It was silently ignored before."""
+    import collections
+    import time as _time
+
+    import msgpack
+    from kafka import TopicPartition
+
+    from consumers.decode import Decoder
+    from aggregator.service.group.repartition import EventClock, Repartitioner, Route
+
+    sent = []
+
+    class Producer:
+        def send(self, topic, partition=None, timestamp_ms=None, headers=None, value=None,
+                 key=None):
+            sent.append((topic, key, dict(headers or ())))
+
+    Rec = collections.namedtuple("Rec", "offset value key headers timestamp")
+    now_ms = int(_time.time() * 1000)
+    base = (now_ms - 3_600_000) // 10_000 * 10_000
+    stamps = [base + 1000, base + 21_000, base + 3000, -1, now_ms + 10 ** 7, base + 4000]
+    values = [msgpack.packb({"item": 7 + i}) for i in range(5)] + [b"\xc1 not msgpack"]
+    recs = [Rec(100 + i, v, b"k", [], ts) for i, (v, ts) in enumerate(zip(values, stamps))]
+    tp = TopicPartition("src", 0)
+    route = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100),
+                  lambda it: np.asarray(it, dtype=np.int64), Metrics(),
+                  clock=EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
+                                   late="dead_letter", idle_timeout_s=0),
+                  name="users", dead_topic="dl")
+    Repartitioner._send_event_time(Producer(), route, tp, recs, now_ms, None)
+    dead = {key: h["reason"] for topic, key, h in sent if topic == "dl"}
+    assert dead == {b"src:0@102#users": b"late", b"src:0@103#users": b"no_timestamp",
+                    b"src:0@104#users": b"future_timestamp",
+                    b"src:0@105#users": b"undecodable"}, dead
+    # by intake time, the same path (bad input only)
+    sent.clear()
+    plain = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100),
+                  lambda it: np.asarray(it, dtype=np.int64), Metrics(), dead_topic="dl")
+    Repartitioner._send(Producer(), plain, tp, recs, now_ms)
+    assert [(k, h["reason"]) for t, k, h in sent if t == "dl"] == [(b"src:0@105",
+                                                                    b"undecodable")]

@@ -603,6 +603,43 @@ def _one_process(bootstrap, topic, tmp_path, group, extra):
     assert one.returncode == 0, one.stderr[-3000:]
 
 
+def test_dead_letters_of_a_group_are_written_once_with_the_intakes_transaction(
+        kafka_broker, tmp_path):
+    """source.dead_letter_topic in a group: every bad record gets exactly one dead letter (read
+    committed), a member killed -9 between; the good records are released once."""
+    topic = make_topic(kafka_broker)
+    dead = make_topic(kafka_broker, partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path,
+                      "--set", f"source.dead_letter_topic={dead}")
+    items = np.minimum(np.random.default_rng().zipf(1.3, 3000), D - 1)
+    p = KafkaProducer(bootstrap_servers=kafka_broker, linger_ms=20)
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        for i, it in enumerate(items):
+            p.send(topic, value=msgpack.packb({"item": int(it)}))
+            if i % 10 == 0:
+                p.send(topic, value=b"\xc1 not msgpack")        # 300 bad records
+            if i == 1500:
+                p.flush()
+                members.kill("m2")
+                members.start("m2")
+                time.sleep(1)
+        p.flush()
+        wait_for_total(kafka_broker, GroupTopics(group), 3000, 120, members)
+    finally:
+        p.close()
+        members.stop_all()
+    check_exact(kafka_broker, GroupTopics(group), 3000)
+    letters = read_all(kafka_broker, dead, [0])[0]
+    keys = [k for _, k, _ in letters]
+    assert len(keys) == 300 and len(set(keys)) == 300, (len(keys), len(set(keys)))
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
 def _released_total(bootstrap, topics):
     return sum(d["n"] for d in releases(bootstrap, topics))
 

@@ -190,7 +190,8 @@ class Pipeline:
             key, size = bytes.fromhex(self.identity["hash_key"]), self.size
             index_of = lambda items: bucket_of(items, key, size)  # noqa: E731
         return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics,
-                     clock=self.clock())
+                     clock=self.clock(), name=self.name,
+                     dead_topic=self.cfg["source"]["dead_letter_topic"])
 
     def clock(self) -> EventClock | None:
         """The event-time windows of this aggregation (None: by intake time)."""

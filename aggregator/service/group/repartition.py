@@ -71,10 +71,13 @@ class Route:
     """Where intake sends one aggregation's counter indices (``clock``: by event time)."""
 
     def __init__(self, topic: str, partitions: int, decoder, index_of, metrics,
-                 clock: EventClock | None = None):
+                 clock: EventClock | None = None, *, name: str = "", dead_topic: str = ""):
         self.topic, self.partitions = topic, int(partitions)
         self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
         self.clock = clock
+        #: the aggregation's name (dead letters say which one rejected a record) and
+        #: source.dead_letter_topic ("" : none)
+        self.name, self.dead_topic = name, dead_topic
 
 
 class Repartitioner:
@@ -370,12 +373,13 @@ class Repartitioner:
             first_ms = int(ts[0])
         window, late, passed = stamp(ts, passed_ms, size_ms=c.size_ms, lateness_ms=c.lateness_ms)
         if c.late == "dead_letter" and late.any():
-            rejects += [(0, "late")] * int(late.sum())
+            rejects += [(int(i), "late") for i in good[keep][late]]
             items = (np.asarray(items)[~late] if isinstance(items, np.ndarray)
                      else [it for it, k in zip(items, ~late) if k])
             window, late = window[~late], late[~late]
         if rejects:
             Repartitioner._count_rejects(route.metrics, rejects)
+            Repartitioner._dead_letters(producer, route, tp, recs, rejects)
         idx = (np.asarray(route.index_of(items), dtype=np.int64) if len(items)
                else np.zeros(0, dtype=np.int64))
         part = idx % route.partitions
@@ -401,6 +405,7 @@ class Repartitioner:
         decoded = route.decoder.decode(seg.values, seg.keys, seg.headers)
         if decoded.rejected:
             Repartitioner._count_rejects(route.metrics, decoded.rejected)
+            Repartitioner._dead_letters(producer, route, tp, recs, decoded.rejected)
         idx = (np.asarray(route.index_of(decoded.items), dtype=np.int64) if len(decoded.items)
                else np.zeros(0, dtype=np.int64))
         part = idx % route.partitions
@@ -411,6 +416,26 @@ class Repartitioner:
         for p in range(route.partitions):
             producer.send(route.topic, partition=p, timestamp_ms=now_ms,
                           value=local[part == p].tobytes())
+
+    @staticmethod
+    def _dead_letters(producer, route: Route, tp, recs, rejected) -> None:
+        """Each rejected record (not the ones the item filter leaves out) to
+        ``source.dead_letter_topic``, in the intake's transaction: a record's dead letter is
+        written exactly when its source offset is committed, once."""
+        if not route.dead_topic:
+            return
+        from consumers.decode import FILTERED
+
+        from ..deadletter import dead_letter_record
+
+        for i, reason in rejected:
+            if reason == FILTERED:
+                continue
+            rec = recs[i]
+            key, value, headers = dead_letter_record(f"{tp.topic}:{tp.partition}", rec.offset,
+                                                     rec.value, reason, rec.key,
+                                                     aggregation=route.name or None)
+            producer.send(route.dead_topic, key=key, value=value, headers=headers)
 
     @staticmethod
     def _count_rejects(metrics, rejected) -> None:
