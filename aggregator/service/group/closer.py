@@ -74,11 +74,45 @@ class Closer:
         return low_watermark(self.marks, self.sources, now_ms=now_ms,
                              idle_timeout_ms=self.clock.idle_timeout_ms)
 
-    def step(self) -> int | None:
-        """Read the new watermarks; write the markers if windows can close (the new K)."""
+    def _read(self) -> None:
         for records in self.reader.poll(timeout_ms=0).values():
             for r in records:
                 self._take(r)
+
+    def force(self, also) -> int | None:
+        """A forced release (forced.py): close every window up to the newest one a source
+        partition has reached, now, with ``also(txn, K)``'s messages (the answer) in the same
+        transaction. Records of those windows read later are late (event_windows.py), as after
+        any marker. None: the windows are not open yet (nothing to close)."""
+        from kafka.errors import KafkaError
+
+        self._read()
+        if self.closed is None:
+            return None
+        seen = [m.passed_ms for m in self.marks.values() if m.passed_ms is not None]
+        upto = max([self.closed] + [int(t) // self.clock.size_ms for t in seen])
+        txn = self.txn
+        try:
+            txn.begin()
+            if upto > self.closed:
+                for p in range(self.P):
+                    txn.send(self.topics.repartition, partition=p, value=b"",
+                             headers=[("close", str(upto).encode())])
+                txn.send(self.topics.intake, partition=0, key=self._close_key.encode(),
+                         value=str(upto).encode())
+            also(txn, upto)
+            txn.commit()
+        except KafkaError as exc:
+            txn.failed(exc)
+            raise
+        log.info("forced release: event-time windows up to %d of %s closed now", upto,
+                 self.topics.repartition)
+        self.closed = upto
+        return upto
+
+    def step(self) -> int | None:
+        """Read the new watermarks; write the markers if windows can close (the new K)."""
+        self._read()
         if self.closed is None:
             first = opening_window(self.marks, self.sources, now_ms=int(time.time() * 1000),
                                    idle_timeout_ms=self.clock.idle_timeout_ms,

@@ -94,12 +94,21 @@ class ReleaseRequests:
                 headers.append(("export", request_id.encode()))
             for p in range(partitions):
                 txn.send(self.topics.repartition, partition=p, value=b"", headers=headers)
+        self.send_answer(txn, kind, request_id, window, error)
+        txn.commit()
+        self.answered(kind, request_id)
+
+    def send_answer(self, txn, kind: str, request_id: str, window: int | None,
+                    error: str = "") -> None:
+        """The answer alone, in ``txn``'s open transaction (an event-time group's closer writes
+        the markers: closer.py)."""
         done = DONE if kind == "release" else EXPORTED
         body = {"id": request_id, "window": window} if not error else \
             {"id": request_id, "error": error}
         txn.send(self.topics.intake, partition=0, key=f"{done}{self.topics.repartition}".encode(),
                  value=json.dumps(body).encode())
-        txn.commit()
+
+    def answered(self, kind: str, request_id: str) -> None:
         self.ids[(kind, "answered")] = request_id
 
 

@@ -177,12 +177,14 @@ class Leader:
             return
         kind, rid = asked
         error = ""
+        if self.event_time and kind == "release" and self.closer is not None:
+            self._force_event_time(rid)
+            return
         if self.event_time:
-            # its windows end where the low watermark says (closer.py); a close at another
-            # point would make the rest of the window's records late: not built
-            error = ("forced releases and audit exports of a group with event-time windows are "
-                     "not built yet: its windows close at the source partitions' low watermark "
-                     "(docs/scale-out.md)")
+            # an export closes its partition's open window, and a partition here holds several
+            error = ("audit exports of a group with event-time windows are not built yet: a "
+                     "partition holds several live windows (one process refuses that too); "
+                     "docs/scale-out.md")
         elif kind == "export":
             from state_store.audit import AuditKeyError, load_key
             try:
@@ -203,6 +205,24 @@ class Leader:
         log.info("%s: window %d%s closes now in every partition (markers written)",
                  "audit export" if kind == "export" else "forced release", k,
                  f" of {self.aggregation}" if self.aggregation else "")
+
+    def _force_event_time(self, rid: str) -> None:
+        """A forced release of an event-time group: the closer closes every window up to the
+        newest one seen, the answer in its transaction."""
+        from kafka.errors import KafkaError
+
+        k = self.closer.force(lambda txn, upto: self.requests.send_answer(
+            txn, "release", rid, upto))
+        if k is not None:
+            self.requests.answered("release", rid)
+            return
+        try:
+            self.requests.answer(self.txn, "release", rid, None, self.P,
+                                 error="the group's event-time windows have not opened yet "
+                                 "(no records read): nothing to release")
+        except KafkaError as exc:
+            self.txn.failed(exc)
+            raise
 
     def _sign_exports(self) -> None:
         """Exports whose P slices are in: one state, signed; ledger entry, document and slice

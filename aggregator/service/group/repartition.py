@@ -143,6 +143,8 @@ class Repartitioner:
             self.watermarks[key] = MarkRecord.decode(r.value)
             return
         topic, _, part = key.rpartition(":")
+        if not part.isdigit():
+            return   # another key of the topic: a forced release's request or answer (forced.py)
         pair = (topic, int(part))
         self.marks[pair] = max(self.marks.get(pair, 0), int(r.value))
 
