@@ -64,10 +64,19 @@ def member_cmd(bootstrap, topic, group, name, tmp, *extra):
 
 def crash_traces(logs: str) -> list[str]:
     """The tracebacks in member logs (CPython's "Exception ignored in ..." reports at exit
-    included: an operator sees them all the same)."""
+    included: an operator sees them all the same). Not counted: a release-worker process that
+    was being spawned when its member was killed -9 (it reads its start from the dead parent's
+    pipe: ``EOFError`` in multiprocessing's spawn), which is the kill's, not a member's crash."""
     lines = logs.splitlines()
-    return ["\n".join(lines[max(0, i - 1):i + 20]) for i, line in enumerate(lines)
-            if line.startswith("Traceback (most recent call last)")]
+    out = []
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback (most recent call last)"):
+            continue
+        block = "\n".join(lines[max(0, i - 1):i + 20])
+        if "multiprocessing/spawn.py" in block and "EOFError: Ran out of input" in block:
+            continue
+        out.append(block)
+    return out
 
 
 class Members:
