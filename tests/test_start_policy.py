@@ -15,9 +15,7 @@ def test_parse_start():
     (["source.start=yesterday"], "earliest, latest or an ISO 8601 time"),
     (["source.start=2026-11-20T00:00:00"], "has no time zone"),
     (["source.kind=generator", "source.start=latest"], "applies to Kafka topics"),
-    (["scale.partitioned=true", "window.kind=time", "window.size=60", "source.start=latest"],
-     "source.start is not supported with it"),
-])
+])   # a Kafka-only group takes source.start for a new group: tests/test_group.py
 def test_bad_start_is_one_line(sets, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(None, sets, env={})
