@@ -585,7 +585,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                 state_dir=args.state_dir)
     if cfg["scale"]["partitioned"]:
-        return _group_release(cfg)
+        return _group_release(cfg, args.state_dir)
     if cfg["state"]["model"] == "shuffle":
         raise UsageError("state.model = shuffle: a window is released at the shuffler's end "
                          "marker, never before (its noise is complete only then); there is no "
@@ -608,17 +608,42 @@ def cmd_release(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ask_group(cfg: dict, request):
+def _group_aggregations(cfg: dict, state_dir: str | None) -> list[tuple[str, dict]]:
+    """(name, config) of each aggregation of a group member: from the config, or from the
+    member directory's saved config (a saved config's ``[aggregations]`` are not read back into
+    ``cfg``); ("", cfg) for a group of one."""
+    import os
+    from pathlib import Path
+
+    from .config import aggregation_configs
+
+    named = aggregation_configs(cfg)
+    if named:
+        return named
+    saved = Path(state_dir) / "config.json" if state_dir else None
+    names = sorted((json.loads(saved.read_text()).get("aggregations") or {})
+                   if saved is not None and saved.exists() else [])
+    if not names:
+        return [("", cfg)]
+    out = []
+    for name in names:
+        one = {section: dict(values) for section, values in cfg.items()
+               if isinstance(values, dict)}
+        one["checkpoint"]["dir"] = os.path.join(cfg["checkpoint"]["dir"], name)
+        out.append((name, one))
+    return out
+
+
+def _ask_group(cfg: dict, request, state_dir: str | None = None):
     """``request(bootstrap, security, topics)`` of each aggregation's leader of a Kafka-only
     group (aggregator/service/group/forced.py); yields (name, config, answer)."""
     from consumers.kafka_security import client_options
 
-    from .config import aggregation_configs
     from .group.forced import ForcedReleaseError
     from .group.topics import GroupTopics
 
     src = cfg["source"]
-    for name, one in aggregation_configs(cfg) or [("", cfg)]:
+    for name, one in _group_aggregations(cfg, state_dir):
         try:
             got = request(src["bootstrap"], client_options(cfg.get("security")),
                           GroupTopics(src["group"], name))
@@ -627,12 +652,12 @@ def _ask_group(cfg: dict, request):
         yield name, one, got
 
 
-def _group_release(cfg: dict) -> int:
+def _group_release(cfg: dict, state_dir: str | None = None) -> int:
     """A forced release of a Kafka-only group, asked of each aggregation's leader."""
     from .group.forced import request_release
 
     src = cfg["source"]
-    for name, _, got in _ask_group(cfg, request_release):
+    for name, _, got in _ask_group(cfg, request_release, state_dir):
         what = f"{name} window" if name else "window"
         if got["release"] is None:
             print(f"{what} {got['window']} closed in every partition; its release follows once "
@@ -643,7 +668,7 @@ def _group_release(cfg: dict) -> int:
     return 0
 
 
-def _group_export(cfg: dict) -> int:
+def _group_export(cfg: dict, state_dir: str | None = None) -> int:
     """An audit export of a Kafka-only group, signed by each aggregation's leader
     (aggregator/service/group/export.py); the document is written here too."""
     from pathlib import Path
@@ -652,7 +677,7 @@ def _group_export(cfg: dict) -> int:
 
     from .group.forced import request_export
 
-    for _, one, got in _ask_group(cfg, request_export):
+    for _, one, got in _ask_group(cfg, request_export, state_dir):
         out = Path(one["audit"]["dir"] or Path(one["checkpoint"]["dir"]) / "exports")
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"export-{got['id']}.panagg"
@@ -673,7 +698,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         # a running service signs with its own key (its environment, its audit.key_file): this
         # shell's key is only checked when the export runs here, offline
         if cfg["scale"]["partitioned"]:
-            return _group_export(cfg)
+            return _group_export(cfg, args.state_dir)
         if service_running(cfg["checkpoint"]["dir"]):
             result = _control(cfg, "export")
             if not result.get("ok"):

@@ -351,6 +351,13 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
         assert out.count("leads (ledger, merges)") == 2 and "NOT READY" not in out, out
         urls = sorted(set(re.findall(r"http://\S+/metrics", out)))
         assert len(urls) == 2, out
+        # a forced release on a member's directory asks each aggregation's leader
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                                 "--state-dir", str(tmp_path / "m1" / "state")],
+                                capture_output=True, text=True, timeout=200)
+        assert forced.returncode == 0, forced.stderr
+        assert re.search(r"released ip window \d+", forced.stdout) and \
+            re.search(r"released user window \d+", forced.stdout), forced.stdout
         events = {"user": 0.0, "ip": 0.0}
         for url in urls:
             for path in ("healthz", "ready"):
