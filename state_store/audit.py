@@ -61,13 +61,25 @@ def key_id(key: bytes) -> str:
     return hashlib.sha256(b"panagg-audit-key-id" + key).hexdigest()[:16]
 
 
-def write_export(path: str | os.PathLike, *, state: bytes, window: dict, offsets: dict,
-                 export_id: str, key: bytes) -> Path:
+def signed_export(*, state: bytes, window: dict, offsets: dict, export_id: str,
+                  key: bytes) -> bytes:
+    """The signed export document (what :func:`write_export` writes)."""
     body = msgpack.packb({"format": _FORMAT, "version": 1, "export_id": export_id,
                           "created_unix": time.time(), "window": window, "offsets": offsets,
                           "state": state}, use_bin_type=True)
     sig = hmac.new(key, body, hashlib.sha256).digest()
-    doc = msgpack.packb({"body": body, "hmac_sha256": sig, "key_id": key_id(key)}, use_bin_type=True)
+    return msgpack.packb({"body": body, "hmac_sha256": sig, "key_id": key_id(key)},
+                         use_bin_type=True)
+
+
+def write_export(path: str | os.PathLike, *, state: bytes, window: dict, offsets: dict,
+                 export_id: str, key: bytes) -> Path:
+    return save_export(path, signed_export(state=state, window=window, offsets=offsets,
+                                           export_id=export_id, key=key))
+
+
+def save_export(path: str | os.PathLike, doc: bytes) -> Path:
+    """Write a signed export document (:func:`signed_export`) atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, [doc])

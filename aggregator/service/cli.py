@@ -673,16 +673,13 @@ def _group_export(cfg: dict, state_dir: str | None = None) -> int:
     (aggregator/service/group/export.py); the document is written here too."""
     from pathlib import Path
 
-    from state_store.local import atomic_write
+    from state_store.audit import save_export
 
     from .group.forced import request_export
 
     for _, one, got in _ask_group(cfg, request_export, state_dir):
         out = Path(one["audit"]["dir"] or Path(one["checkpoint"]["dir"]) / "exports")
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"export-{got['id']}.panagg"
-        atomic_write(path, [got["document"]])
-        print(path)
+        print(save_export(out / f"export-{got['id']}.panagg", got["document"]))
     return 0
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from ...state import PanPrivateHistogram
 from .event_windows import EventSlice
-from .snapshots import restore, take_snapshot
+from .snapshots import layered_look, restore, take_snapshot
 from .summary import partition_summary
 from .repartition import slice_size
 
@@ -384,9 +384,7 @@ class Counter:
         window's close."""
         import msgpack
 
-        task.state.rerandomize()
-        snapshot = task.state.serialize()
-        task.state.rerandomize()
+        snapshot = layered_look(task.state)
         value = msgpack.packb({"id": export_id, "partition": task.partition,
                                "partitions": self.P, "window": task.window,
                                "range": [task.start, task.position], "member": self.member,

@@ -228,7 +228,7 @@ class Leader:
         """Exports whose P slices are in: one state, signed; ledger entry, document and slice
         tombstones in one transaction; then the local file (export.py)."""
         from kafka.errors import KafkaError
-        from state_store.audit import load_key, write_export
+        from state_store.audit import load_key, save_export, signed_export
 
         from .export import assemble
 
@@ -238,11 +238,8 @@ class Leader:
             ranges = {f"{self.topics.repartition}:{s['partition']}": s["range"] for s in slices}
             window = {"id": windows[0], "windows": windows, "partitions": self.P,
                       "group": self.topics.group, "aggregation": self.aggregation or None}
-            key = load_key(self.audit_key_file or None)
-            path = Path(self.audit_dir) / f"export-{eid}.panagg"
-            write_export(path, state=state.serialize(), window=window, offsets=ranges,
-                         export_id=eid, key=key)
-            doc = path.read_bytes()
+            doc = signed_export(state=state.serialize(), window=window, offsets=ranges,
+                                export_id=eid, key=load_key(self.audit_key_file or None))
             txn = self.txn
             try:
                 txn.begin()
@@ -261,6 +258,8 @@ class Leader:
                 txn.failed(exc)
                 raise
             self.ledger.committed()
+            # the local file only once the export is ledgered (like one process's)
+            path = save_export(Path(self.audit_dir) / f"export-{eid}.panagg", doc)
             self.exports.done.add(eid)
             self.exports.slices.pop(eid, None)
             self.metrics.exports.inc()

@@ -26,16 +26,23 @@ import msgpack
 from ...state import PanPrivateHistogram
 from .topics import read_partition
 
-__all__ = ["take_snapshot", "restore"]
+__all__ = ["layered_look", "take_snapshot", "restore"]
 
 log = logging.getLogger("panagg.group")
 
 
+def layered_look(state) -> bytes:
+    """docs/privacy.md section 6's announced look: a fresh layer, the snapshot, another fresh
+    layer (``state`` keeps both layers). Snapshots and audit exports of a slice both take it."""
+    state.rerandomize()
+    blob = state.serialize()
+    state.rerandomize()
+    return blob
+
+
 def take_snapshot(task) -> bytes:
     """The open window's layered snapshot message (the task's state gets its two layers)."""
-    task.state.rerandomize()
-    blob = task.state.serialize()
-    task.state.rerandomize()
+    blob = layered_look(task.state)
     task.snapshots += 1
     return msgpack.packb({"window": task.window, "seq": task.snapshots, "start": task.start,
                           "position": task.position, "events": task.events, "state": blob},
