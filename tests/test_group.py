@@ -66,7 +66,8 @@ def _cfg(*extra):
 
 
 @pytest.mark.parametrize("extra,said", [
-    (["window.kind=count"], "set window.kind = time"),
+    (["window.kind=count", "checkpoint.snapshots_per_window=2"],
+     "set checkpoint.snapshots_per_window = 0"),
     (["source.kind=file", "source.path=x"], "needs source.kind = kafka"),
     (["state.model=shuffle"], "does not apply to state.model = shuffle"),
 ])

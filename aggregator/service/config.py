@@ -265,9 +265,10 @@ def _check_kafka_group(cfg: dict) -> None:
         why = "needs source.kind = kafka"
     elif cfg["state"]["model"] == "shuffle":
         why = "does not apply to state.model = shuffle (the analyzer reads one partition)"
-    elif cfg["window"]["kind"] == "count":
-        why = ("does not cut count windows yet (a window's end would be a global event count "
-               "across partitions): set window.kind = time or event_time")
+    elif cfg["window"]["kind"] == "count" and cfg["checkpoint"]["snapshots_per_window"]:
+        why = ("does not take snapshots within count windows (where a fraction of the group's "
+               "count falls is known only to the leader, after the fact): set "
+               "checkpoint.snapshots_per_window = 0, or window.kind = time")
     if why:
         raise ConfigError(f"scale.partitioned with scale.store = kafka {why}; docs/scale-out.md")
 

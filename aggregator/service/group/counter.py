@@ -106,6 +106,9 @@ class Counter:
         self.first_window = int(identity["first_window"] if first_window is None else first_window)
         #: event-time windows, closed by the leader's markers (event_windows.py)
         self.event_time = identity.get("window_kind", "time") == "event_time"
+        #: count windows: they end only at the leader's markers (count_windows.py)
+        self.window_kind = identity.get("window_kind", "time")
+        self.count = self.window_kind == "count"
         self.late_policy = str(identity.get("late", "next"))
         self.tasks: dict[int, SliceTask] = {}
         #: k layered snapshots per window at public points (intake time j / (k + 1) of the
@@ -175,6 +178,14 @@ class Counter:
                 self.consumer.seek(tp, start)
             task = SliceTask(p, window, start, slice_size(self.identity["size"], self.P, p),
                              lambda p=p: self._new_state(p))
+            if committed is not None and committed.offset is not None and committed.offset >= 0:
+                low = self.consumer.beginning_offsets([tp]).get(tp)
+                if low is not None and low > start:
+                    # retention deleted records of the open window before it closed: replayed
+                    # without them it would release fewer events than its positions say
+                    task.lost = (f"records of partition {p} from offset {start} to {low} were "
+                                 "deleted by the repartition topic's retention before the window "
+                                 "closed (scale.repartition_retention_s)")
             if committed is not None and "s" in meta:
                 # the window resumes from its layered snapshot, never from its start (a replay
                 # under fresh noise would be a second view of what the snapshot holds)
@@ -233,7 +244,8 @@ class Counter:
                         break  # the close failed: the partition is read again
                     task.position = rec.offset + 1
                     continue
-                wid = int(math.floor(rec.timestamp / 1000.0 / self.size))
+                wid = task.window if self.count else \
+                    int(math.floor(rec.timestamp / 1000.0 / self.size))
                 while wid > task.window and self._close(task):
                     pass
                 if self.tasks.get(tp.partition) is not task:
@@ -249,7 +261,8 @@ class Counter:
             self.metrics.events.inc(counted)
         now = time.time()
         for task in list(self.tasks.values()):
-            while (task.slice is None and now >= (task.window + 1) * self.size + self.grace_s
+            while (task.slice is None and not self.count
+                   and now >= (task.window + 1) * self.size + self.grace_s
                    and self._close(task)):
                 pass
         return counted
@@ -403,8 +416,12 @@ class Counter:
         key = f"{self.topics.repartition}:{p}"
         ranges = {key: [task.start, end]}
         refused = task.lost or self._refusal(w, ranges)
-        info = {"kind": "time", "size": self.size, "events": int(task.events),
-                "started_unix": w * self.size, "ended_unix": (w + 1) * self.size,
+        if self.count:   # a count window's times are when this partition opened and closed it
+            times = task.opened_unix, time.time()
+        else:
+            times = w * self.size, (w + 1) * self.size
+        info = {"kind": self.window_kind, "size": self.size, "events": int(task.events),
+                "started_unix": times[0], "ended_unix": times[1],
                 "start_offset": task.start, "end_offset": end}
         if refused:
             extra = None   # a replay of charged positions: no export of it either
@@ -447,7 +464,7 @@ class Counter:
         # event-time windows of the group's lineage overlap in positions and split the records
         # between them: charges.py takes their largest charge, not the sum
         peak = self.ledger.charges().peak(ranges, eps, lineage=self.identity["lineage"],
-                                          window_kind="event_time" if self.event_time else "time")
+                                          window_kind=self.window_kind)
         if peak > self.ledger.budget_per_event * (1 + 1e-12):
             return (f"positions {ranges} were released before (they would reach {peak:g} eps "
                     f"> {self.ledger.budget_per_event:g})")

@@ -89,7 +89,10 @@ class Leader:
         #: in order, and one no event fell in is not released (as one process skips it)
         self.closer = closer
         self.event_time = identity.get("window_kind", "time") == "event_time"
-        self.window_kind = "event_time" if self.event_time else "time"
+        #: count windows: the closer is a CountCloser (count_windows.py); like event-time
+        #: windows they are decided in order, and one that got no event is not released
+        self.count = identity.get("window_kind") == "count"
+        self.window_kind = identity.get("window_kind", "time")
         self._first_seen: dict[int, float] = {}
         self._skipped: set[int] = set()
         self._tp = TopicPartition(topics.summaries, 0)
@@ -114,7 +117,7 @@ class Leader:
             # the first window is the closer's opening, not the identity's: the first summarized
             return min(self.pending) if self.pending else -1
         nxt = max(done) + 1 if done else int(self.identity["first_window"])
-        if self.event_time:
+        if self.event_time or self.count:
             # every partition summarizes the windows of a marker in order, so the first window
             # after the decided ones that has a summary is the next one
             later = [w for w in self.pending if w >= nxt]
@@ -154,7 +157,8 @@ class Leader:
             self._notice_waiting(w, have)
             return
         self.metrics.summaries_overdue.set(0)
-        if self.event_time and not any(s.get("refused") or s.get("n") for s in have.values()):
+        if (self.event_time or self.count) and \
+                not any(s.get("refused") or s.get("n") for s in have.values()):
             self._skip_empty(w, have)
             return
         refused = [s for s in have.values() if s.get("refused")]
@@ -193,6 +197,9 @@ class Leader:
                 error = (f"the group's leader cannot sign the export: {exc}. The key is read "
                          "by the members (their environment or audit.key_file), not by this "
                          "shell: set it there and restart them")
+        if self.count and not error:
+            self._force_count(kind, rid)
+            return
         k = None if error else forced_window(self.size, self.next_window())
         try:
             self.requests.answer(self.txn, kind, rid, k, self.P, error=error)
@@ -223,6 +230,27 @@ class Leader:
         except KafkaError as exc:
             self.txn.failed(exc)
             raise
+
+    def _force_count(self, kind: str, rid: str) -> None:
+        """A forced release or an export of a count-window group: the count closer cuts the
+        open window now, the answer in its transaction (count_windows.py)."""
+        from kafka.errors import KafkaError
+
+        closer = self.closer
+        closer.read()
+        if kind == "release" and closer.total == closer.cut_at:
+            # an empty window is not released (as one process has nothing to release)
+            try:
+                self.requests.answer(self.txn, "release", rid, None, self.P,
+                                     error="the open count window holds no events yet: "
+                                     "nothing to release")
+            except KafkaError as exc:
+                self.txn.failed(exc)
+                raise
+            return
+        closer.force(lambda txn, k: self.requests.send_answer(txn, kind, rid, k),
+                     export_id=rid if kind == "export" else None)
+        self.requests.answered(kind, rid)
 
     def _sign_exports(self) -> None:
         """Exports whose P slices are in: one state, signed; ledger entry, document and slice
@@ -266,8 +294,8 @@ class Leader:
             log.info("audit export %s of window(s) %s signed: %s and %s", eid[:8],
                      ", ".join(map(str, windows)), path, self.topics.exports)
     def _skip_empty(self, w: int, have: dict) -> None:
-        """An event-time window no event fell in (noise-only summaries): not released, nothing
-        charged; its summaries are removed."""
+        """An event-time or count window no event fell in (noise-only summaries): not released,
+        nothing charged; its summaries are removed."""
         txn = self.txn
         try:
             txn.begin()
@@ -282,7 +310,8 @@ class Leader:
 
     def _notice_waiting(self, w: int, have: dict) -> None:
         # an event-time window's end is in the records' time: count from its first summary
-        due = (self._first_seen.get(w, time.time()) if self.event_time
+        by_marker = self.event_time or self.count
+        due = (self._first_seen.get(w, time.time()) if by_marker
                else (w + 1) * self.size + self.grace_s)
         late = time.time() - due
         if late < WAIT_NOTICE_S:
@@ -298,8 +327,8 @@ class Leader:
         log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
                     "%s: that member is stopped, stuck or gone (the group moves its "
                     "partitions after source.session_timeout_s)", w, named,
-                    self.topics.repartition, late + (0 if self.event_time else self.grace_s),
-                    "its first summary" if self.event_time else "its end")
+                    self.topics.repartition, late + (0 if by_marker else self.grace_s),
+                    "its first summary" if by_marker else "its end")
 
     @staticmethod
     def _ranges(have: dict) -> dict:

@@ -30,6 +30,7 @@ from .forced import ReleaseRequests
 from .leader import Leader
 from .ledger_topic import TopicLedger
 from .closer import Closer
+from .count_windows import CountCloser
 from .repartition import EventClock, Route
 from .topics import GroupTopics
 from .txn import Transactions
@@ -80,8 +81,9 @@ class Pipeline:
         event_time = w["kind"] == "event_time"
         return {"mode": st["mode"], "size": self.size, "epsilon": float(st["epsilon"]),
                 "neighbor": neighbor, "model": st["model"], "window_size": float(w["size"]),
-                "partitions": int(partitions), "window_kind": "event_time" if event_time
-                else "time", "allowed_lateness_s": float(w["allowed_lateness_s"]),
+                "partitions": int(partitions), "window_kind": w["kind"] if w["kind"] in
+                ("event_time", "count") else "time",
+                "allowed_lateness_s": float(w["allowed_lateness_s"]),
                 "late": w["late"] if event_time else "next"}
 
     def anchor(self, admin) -> dict | None:
@@ -149,7 +151,10 @@ class Pipeline:
             ident = self.identity_of_config(partitions)
             # (event-time windows: informational; the leader opens them at the source
             # partitions' earliest first record, closer.py)
-            ident.update(first_window=int(math.floor(time.time() / ident["window_size"])),
+            count = ident["window_kind"] == "count"
+            # (count windows are numbered from 0: the leader cuts them, count_windows.py)
+            ident.update(first_window=0 if count else
+                         int(math.floor(time.time() / ident["window_size"])),
                          lineage=f"{self.topics.prefix}:{uuid.uuid4().hex[:12]}")
             if self.name:
                 ident["aggregation"] = self.name
@@ -191,7 +196,8 @@ class Pipeline:
             index_of = lambda items: bucket_of(items, key, size)  # noqa: E731
         return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics,
                      clock=self.clock(), name=self.name,
-                     dead_topic=self.cfg["source"]["dead_letter_topic"])
+                     dead_topic=self.cfg["source"]["dead_letter_topic"],
+                     counted=self.identity.get("window_kind") == "count")
 
     def clock(self) -> EventClock | None:
         """The event-time windows of this aggregation (None: by intake time)."""
@@ -237,6 +243,9 @@ class Pipeline:
         if clock is not None:
             closer = Closer(txn, self.clients.consumer(None), self.topics,
                             self.identity["partitions"], self.clients.source_partitions, clock)
+        elif self.identity.get("window_kind") == "count":
+            closer = CountCloser(txn, self.clients.consumer(None), self.topics,
+                                 self.identity["partitions"], int(self.identity["window_size"]))
         merge = None
         worker = self.clients.worker
         if worker is not None:

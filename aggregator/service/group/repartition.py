@@ -40,9 +40,15 @@ from consumers.kafka_source import _unpark
 from .topics import read_partition
 from .watermark import MarkRecord, low_watermark, stamp, too_far_ahead
 
-__all__ = ["Repartitioner", "Route", "EventClock", "slice_size"]
+__all__ = ["Repartitioner", "Route", "EventClock", "slice_size", "total_key"]
 
 log = logging.getLogger("panagg.group")
+
+
+def total_key(route_topic: str, tp) -> str:
+    """The intake topic's key of a source partition's running event total for one count-window
+    aggregation (``n:<repartition topic>:<source topic>:<partition>``)."""
+    return f"n:{route_topic}:{tp.topic}:{tp.partition}"
 
 
 def slice_size(size: int, partitions: int, partition: int) -> int:
@@ -71,10 +77,14 @@ class Route:
     """Where intake sends one aggregation's counter indices (``clock``: by event time)."""
 
     def __init__(self, topic: str, partitions: int, decoder, index_of, metrics,
-                 clock: EventClock | None = None, *, name: str = "", dead_topic: str = ""):
+                 clock: EventClock | None = None, *, name: str = "", dead_topic: str = "",
+                 counted: bool = False):
         self.topic, self.partitions = topic, int(partitions)
         self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
         self.clock = clock
+        #: count windows: the intake keeps each source partition's running total of events
+        #: it sent this route, which the leader sums to cut the windows (count_windows.py)
+        self.counted = bool(counted)
         #: the aggregation's name (dead letters say which one rejected a record) and
         #: source.dead_letter_topic ("" : none)
         self.name, self.dead_topic = name, dead_topic
@@ -117,6 +127,9 @@ class Repartitioner:
         self.passed: dict[str, int | None] = {}
         #: and the timestamp of its first record (the leader opens the first window by them)
         self.first: dict[str, int | None] = {}
+        #: count windows: per "n:" key of an assigned partition, the events it has sent the
+        #: route up to the committed offset (from that offset's metadata, like ``passed``)
+        self.totals: dict[str, int] = {}
         self._need_passed: set = set()
         #: times a source partition was paused for running ahead of the watermark
         self.pauses = 0
@@ -137,8 +150,8 @@ class Repartitioner:
 
     def _take_mark(self, r) -> None:
         key = r.key.decode()
-        if r.value is None or key.startswith("close:"):
-            return
+        if r.value is None or key.startswith(("close:", "count:", "n:")):
+            return   # the leader's keys (closer.py, count_windows.py) and the intake's totals
         if key.startswith("wm:"):
             self.watermarks[key] = MarkRecord.decode(r.value)
             return
@@ -170,21 +183,37 @@ class Repartitioner:
                 key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
                 self.passed[key], self.first[key] = \
                     ((meta.get("wm") or {}).get(route.topic) or (None, None))
+            for route in self._counted:
+                self.totals[total_key(route.topic, tp)] = int((meta.get("n") or {}).get(
+                    route.topic, 0))
         self._need_passed -= set(tps)
 
-    def _offset_meta(self, tp, marks: dict) -> str:
+    def _offset_meta(self, tp, marks: dict, totals: dict | None = None) -> str:
         """The committed offset's metadata: the partition's watermark and first timestamp per
-        aggregation (``marks``: the new MarkRecords of this transaction)."""
-        if not self._clocked:
+        aggregation (``marks``: the new MarkRecords of this transaction), and its running event
+        total per count-window aggregation (``totals``: this transaction's new ones)."""
+        if not self._clocked and not self._counted:
             return ""
         src = f"{tp.topic}:{tp.partition}"
-        wm = {}
-        for route in self._clocked:
-            key = MarkRecord.key(route.topic, src)
-            m = marks.get(key)
-            wm[route.topic] = [m.passed_ms, m.first_ms] if m is not None else \
-                [self.passed.get(key), self.first.get(key)]
-        return json.dumps({"wm": wm}, separators=(",", ":"))
+        meta = {}
+        if self._clocked:
+            wm = meta["wm"] = {}
+            for route in self._clocked:
+                key = MarkRecord.key(route.topic, src)
+                m = marks.get(key)
+                wm[route.topic] = [m.passed_ms, m.first_ms] if m is not None else \
+                    [self.passed.get(key), self.first.get(key)]
+        if self._counted:
+            totals = totals or {}
+            meta["n"] = {}
+            for route in self._counted:
+                key = total_key(route.topic, tp)
+                meta["n"][route.topic] = totals.get(key, self.totals.get(key, 0))
+        return json.dumps(meta, separators=(",", ":"))
+
+    @property
+    def _counted(self) -> list[Route]:
+        return [r for r in self.routes if r.counted]
 
     @property
     def _clocked(self) -> list[Route]:
@@ -251,7 +280,7 @@ class Repartitioner:
             self._note_idle(polled)
         if not polled:
             return 0
-        if self._need_passed and self._clocked:
+        if self._need_passed and (self._clocked or self._counted):
             try:
                 self._load_passed([tp for tp in self._need_passed
                                    if tp in self.consumer.assignment()])
@@ -268,6 +297,7 @@ class Repartitioner:
             txn.begin()
             offsets = {}
             passed = {}
+            totals = {}
             for tp, recs in polled.items():
                 if not recs:
                     continue
@@ -275,7 +305,13 @@ class Repartitioner:
                 recs = self._above_marks(tp, recs)
                 for route in self.routes:
                     if route.clock is None:
-                        self._send(txn, route, tp, recs, now_ms)
+                        sent = self._send(txn, route, tp, recs, now_ms)
+                        if route.counted and sent:
+                            key = total_key(route.topic, tp)
+                            totals[key] = self.totals.get(key, 0) + sent
+                            # the leader sums these to cut the count windows
+                            txn.send(self.marks_topic, partition=0, key=key.encode(),
+                                     value=str(totals[key]).encode())
                     else:
                         key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
                         new = self._send_event_time(txn, route, tp, recs, now_ms,
@@ -286,7 +322,7 @@ class Repartitioner:
                             txn.send(self.marks_topic, partition=0, key=key.encode(),
                                      value=new.encode())
                 # the watermark rides with the offset it holds at: one commit, one decision
-                offsets[tp] = OffsetAndMetadata(nxt, self._offset_meta(tp, passed), -1)
+                offsets[tp] = OffsetAndMetadata(nxt, self._offset_meta(tp, passed, totals), -1)
                 if self.marks_topic:
                     txn.send(self.marks_topic, partition=0,
                              key=f"{tp.topic}:{tp.partition}".encode(), value=str(nxt).encode())
@@ -300,6 +336,7 @@ class Repartitioner:
             key = (tp.topic, tp.partition)
             self.marks[key] = max(self.marks.get(key, 0), om.offset)
             self._taken_at[tp] = now_ms
+        self.totals.update(totals)
         for key, mark in passed.items():
             self.passed[key], self.first[key] = mark.passed_ms, mark.first_ms
             self.watermarks[key] = mark
@@ -398,9 +435,10 @@ class Repartitioner:
         return MarkRecord(passed, None, first_ms)
 
     @staticmethod
-    def _send(producer, route: Route, tp, recs, now_ms: int) -> None:
+    def _send(producer, route: Route, tp, recs, now_ms: int) -> int:
+        """Send ``recs``' counter indices to ``route``; returns how many (events counted)."""
         if not recs:
-            return
+            return 0
         seg = Segment(partition=f"{tp.topic}:{tp.partition}", offsets=[r.offset for r in recs],
                       values=[r.value for r in recs], keys=[r.key for r in recs],
                       headers=[r.headers for r in recs])
@@ -418,6 +456,7 @@ class Repartitioner:
         for p in range(route.partitions):
             producer.send(route.topic, partition=p, timestamp_ms=now_ms,
                           value=local[part == p].tobytes())
+        return len(local)
 
     @staticmethod
     def _dead_letters(producer, route: Route, tp, recs, rejected) -> None:

@@ -197,8 +197,11 @@ class GroupService:
                          (listed.get(cfg["source"]["group"]) or {}).items()
                          if tp.topic == src_topic and om.offset is not None and om.offset > 0}
             for pipe in self.pipelines:
-                retention = cfg["scale"]["repartition_retention_s"] or \
-                    max(3 * float(pipe.cfg["window"]["size"]), 3600.0)
+                # (a count window's duration is not known: a week, and a replay that finds its
+                # window's first records deleted withholds the window, counter.py)
+                retention = cfg["scale"]["repartition_retention_s"] or (
+                    7 * 86400.0 if pipe.cfg["window"]["kind"] == "count"
+                    else max(3 * float(pipe.cfg["window"]["size"]), 3600.0))
                 for line in pipe.topics.ensure(admin, P, int(retention * 1000)):
                     log.info(line)
         except GroupTopicError as exc:

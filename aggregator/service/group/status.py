@@ -174,6 +174,8 @@ def format_group_status(s: dict) -> list[str]:
              + (f"event-time windows of {ident.get('window_size')} s (allowed lateness "
                 f"{ident.get('allowed_lateness_s')} s)"
                 if ident.get("window_kind") == "event_time"
+                else f"count windows of {int(ident.get('window_size') or 0):,} events"
+                if ident.get("window_kind") == "count"
                 else f"windows of {ident.get('window_size')} s")]
     lines.append(f"members ({len(s['members'])}, group {s.get('state', '')}):")
     for m in s["members"]:

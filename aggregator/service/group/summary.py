@@ -138,6 +138,10 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
         "ended_unix": max(i["ended_unix"] for i in infos),
         "per_partition": "time windows aligned to the epoch",
     }
+    if infos[0]["kind"] == "count":
+        release["window_info"]["per_partition"] = (
+            "count windows, closed by the leader's markers once the group's intake took "
+            "window.size events (docs/scale-out.md)")
     if infos[0]["kind"] == "event_time":
         # by the records' timestamps, as one process's event-time release says it
         release["window_info"].update(
