@@ -244,7 +244,9 @@ class Pipeline:
             closer = Closer(txn, self.clients.consumer(None), self.topics,
                             self.identity["partitions"], self.clients.source_partitions, clock)
         elif self.identity.get("window_kind") == "count":
-            closer = CountCloser(txn, self.clients.consumer(None), self.topics,
+            # (a short fetch wait: the totals' age is what a cut overshoots N by)
+            closer = CountCloser(txn, self.clients.consumer(None, fetch_max_wait_ms=50),
+                                 self.topics,
                                  self.identity["partitions"], int(self.identity["window_size"]))
         merge = None
         worker = self.clients.worker

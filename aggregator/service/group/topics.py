@@ -15,7 +15,8 @@ several ``[aggregations.NAME]`` each has its own set, ``<group>.panagg.<NAME>.*`
     <group>.panagg.intake        per source partition, the next offset already repartitioned
                                  (compacted; the intake never repartitions a record twice, even
                                  after the source group's offsets were reset); event-time
-                                 windows: each one's watermark and the last window closed
+                                 windows: each one's watermark and the last window closed;
+                                 count windows: each one's running event total, the last cut
 
 Each is created at start if missing and checked if present: the partition count (the ledger has
 exactly one; the repartition topic has ``scale.partitions`` or the source's count) and the cleanup
