@@ -452,13 +452,21 @@ def _start_two_and_feed(members, bootstrap, topic, group, items):
     _intake_caught_up(bootstrap, topic, group)
 
 
-def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker, tmp_path):
+#: windows that do not end within a test: hour-long, or count windows of 100,000 events
+LONG_WINDOWS = {"time": ("--set", "window.size=3600"),
+                "count": ("--set", "window.kind=count", "--set", "window.size=100000")}
+
+
+@pytest.mark.parametrize("kind", sorted(LONG_WINDOWS))
+def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker, tmp_path,
+                                                                    kind):
     """panagg release on a member's directory: the leader writes close markers into every
-    repartition partition; the window open now (hour-long here) is released with exactly the
-    events taken before the request; a second request closes the next window."""
+    repartition partition; the window open now (hour-long, or of 100,000 events, here) is
+    released with exactly the events taken before the request; a second request closes the
+    next window."""
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=3600")
+    members = Members(kafka_broker, topic, group, tmp_path, *LONG_WINDOWS[kind])
     rng = np.random.default_rng()
     first, second = (np.minimum(rng.zipf(1.3, k), D - 1) for k in (3000, 2000))
     release = [sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
@@ -539,8 +547,9 @@ def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_onc
         members.logs()
 
 
+@pytest.mark.parametrize("kind", sorted(LONG_WINDOWS))
 def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
-        kafka_broker, tmp_path, monkeypatch):
+        kafka_broker, tmp_path, monkeypatch, kind):
     """panagg audit export on a member's directory: every partition exports its open window's
     slice with fresh layers around it and closes that window in the same transaction; the
     leader signs the whole state (D counters, n of the events taken) and ledgers it at eps 0;
@@ -549,13 +558,14 @@ def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
     monkeypatch.setenv("PANAGG_AUDIT_KEY", key)   # the members sign with it (the leader)
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=3600")
+    members = Members(kafka_broker, topic, group, tmp_path, *LONG_WINDOWS[kind])
     items = np.minimum(np.random.default_rng().zipf(1.3, 3000), D - 1)
     cli = [sys.executable, "-m", "aggregator.service.cli"]
     try:
         _start_two_and_feed(members, kafka_broker, topic, group, items)
+        # (m1's directory: m2 may still be starting, its directory not yet a member's)
         out = subprocess.run(cli + ["audit", "export", "--state-dir",
-                                    str(tmp_path / "m2" / "state")],
+                                    str(tmp_path / "m1" / "state")],
                              capture_output=True, text=True, timeout=120,
                              env=dict(os.environ, PANAGG_AUDIT_KEY=""))
         assert out.returncode == 0, out.stderr + members.logs()

@@ -242,14 +242,14 @@ class GroupService:
             pipe.metrics.epsilon.set(float(pipe.cfg["state"]["epsilon"]))
         self._save_config()
         for pipe in self.pipelines:
-            event = pipe.identity.get("window_kind") == "event_time"
+            kind, size = pipe.identity.get("window_kind"), pipe.identity["window_size"]
+            windows = (f"count windows of {int(size):,} events, cut by the leader" if kind == "count"
+                       else f"windows of {size:g} s by event time (allowed lateness "
+                       f"{pipe.identity['allowed_lateness_s']:g} s)" if kind == "event_time"
+                       else f"windows of {size:g} s by intake time")
             log.info("member %s of %s: %d partition(s), %s mode with %d counters split into %d "
-                     "slices, windows of %g s by %s; shared state only in %s.*",
-                     self.instance, pipe.about, P, pipe.identity["mode"], pipe.size, P,
-                     pipe.identity["window_size"],
-                     f"event time (allowed lateness {pipe.identity['allowed_lateness_s']:g} s)"
-                     if event else
-                     "intake time", pipe.topics.prefix)
+                     "slices, %s; shared state only in %s.*", self.instance, pipe.about, P,
+                     pipe.identity["mode"], pipe.size, P, windows, pipe.topics.prefix)
 
     def _start_seed(self):
         """``source.start`` (latest, or a time) for a new group: the source offsets it places
