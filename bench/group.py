@@ -138,7 +138,7 @@ def _produce(boot, topic, n, rate=None, D=100_000, event_span_s=None):
     p.close()
 
 
-def _member(boot, topic, group, name, tmp, window=5, event_time=False):
+def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0):
     log = open(tmp / f"{group}-{name}.log", "w")
     return subprocess.Popen(
         [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", boot, "--topic",
@@ -150,7 +150,9 @@ def _member(boot, topic, group, name, tmp, window=5, event_time=False):
          "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
          "--set", "scale.close_grace_s=1",
          *(["--set", "window.kind=event_time", "--set", "window.allowed_lateness_s=2"]
-           if event_time else [])], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+           if event_time else []),
+         *(["--set", "window.kind=count", "--set", f"window.size={int(count)}"]
+           if count else [])], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def _released(boot, group):
@@ -208,6 +210,37 @@ def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False) -> lis
     return rows
 
 
+def count_windows(boot, tmp, n=200_000, size=20_000, rate=5_000, members=2) -> dict:
+    """Count windows of ``size`` events cut by the leader, the stream at ``rate`` events/s:
+    how many events each window holds (the cut's overshoot), no kills."""
+    topic = _topic(boot)
+    group = f"gb-{uuid.uuid4().hex[:6]}"
+    procs = [_member(boot, topic, group, "m0", tmp, count=size)]
+    time.sleep(4)
+    procs += [_member(boot, topic, group, f"m{i}", tmp, count=size) for i in range(1, members)]
+    time.sleep(4)
+    try:
+        _produce(boot, topic, n, rate=rate)
+        # the last cut may be short of n by its overshoot: wait for all but one, then quiet
+        deadline = time.monotonic() + 300
+        while sum(r[1] for r in _released(boot, group)) < (n // size - 1) * size:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the count windows were not all cut within 300 s")
+            time.sleep(1)
+        time.sleep(8)
+    finally:
+        _stop(procs)
+    sizes = [k for _, k, _ in sorted(_released(boot, group))]
+    over = np.array(sizes) / size - 1.0
+    row = {"size": size, "rate": rate, "members": members, "windows": sizes,
+           "overshoot_mean": float(over.mean()), "overshoot_max": float(over.max()),
+           "overshoot_max_s": float(over.max() * size / rate)}
+    print(f"count windows of {size:,} at {rate:,} events/s, {members} members: "
+          f"n/N - 1 mean {row['overshoot_mean']:+.3f}, max {row['overshoot_max']:+.3f} "
+          f"({row['overshoot_max_s']:.2f} s of the stream)", file=sys.stderr)
+    return row
+
+
 def takeover(boot, tmp, window=5.0) -> dict:
     topic = _topic(boot)
     group = f"gb-{uuid.uuid4().hex[:6]}"
@@ -258,6 +291,9 @@ def main(argv=None) -> int:
     ap.add_argument("--event-time", action="store_true",
                     help="--throughput with event-time windows (2 s allowed lateness)")
     ap.add_argument("--members", default="1,2,3", help="--throughput: member counts")
+    ap.add_argument("--count-windows", type=int, default=0, metavar="N",
+                    help="count windows of N events: what each window holds (the overshoot)")
+    ap.add_argument("--rate", type=int, default=5000, help="--count-windows: events/s")
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--events", type=int, default=300_000)
@@ -267,7 +303,7 @@ def main(argv=None) -> int:
     if args.accuracy or args.all:
         res["accuracy"] = accuracy(["zipf", "wf-en", "sc-es"], D=100_000, n=1_000_000, eps=1.0,
                                    reps=args.reps)
-    if args.throughput or args.takeover or args.all:
+    if args.throughput or args.takeover or args.count_windows or args.all:
         import tempfile
         tmp = Path(tempfile.mkdtemp(prefix="group-bench-"))
         boot, state = _broker(tmp)
@@ -278,6 +314,9 @@ def main(argv=None) -> int:
                     members=tuple(int(m) for m in args.members.split(",")))
             if args.takeover or args.all:
                 res["takeover"] = takeover(boot, tmp)
+            if args.count_windows:
+                res["count_windows"] = count_windows(boot, tmp, n=args.events,
+                                                     size=args.count_windows, rate=args.rate)
         finally:
             if state is not None:
                 subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)])
