@@ -547,6 +547,57 @@ def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_onc
         members.logs()
 
 
+def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_broker,
+                                                                         tmp_path):
+    """Two aggregations with count windows of different sizes (window.size per aggregation):
+    each leader sums its own aggregation's totals; both release every event once."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    sizes = {"user": 2000, "ip": 3000}
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=count",
+                      "--set", "ledger.budget_per_event=2",
+                      "--set", "aggregations.user.item.field=user",
+                      "--set", f"aggregations.user.window.size={sizes['user']}",
+                      "--set", "aggregations.ip.item.field=ip",
+                      "--set", f"aggregations.ip.window.size={sizes['ip']}")
+    n = 9000
+    rng = np.random.default_rng()
+    records = [msgpack.packb({"user": int(u), "ip": int(i)}) for u, i in
+               zip(np.minimum(rng.zipf(1.3, n), D - 1), rng.integers(0, D, n))]
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        p = KafkaProducer(bootstrap_servers=kafka_broker, linger_ms=20)
+        for rec in records:
+            p.send(topic, value=rec)
+        p.flush()
+        p.close()
+        _intake_caught_up(kafka_broker, topic, group)
+        for name, size in sizes.items():
+            wait_for_total(kafka_broker, GroupTopics(group, name), (n // size - 1) * size, 90,
+                           members)
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                                 "--state-dir", str(tmp_path / "m1" / "state")],
+                                capture_output=True, text=True, timeout=200)
+        for name in sizes:
+            wait_for_total(kafka_broker, GroupTopics(group, name), n, 90, members)
+    finally:
+        members.stop_all()
+    for name, size in sizes.items():
+        try:
+            docs = check_exact(kafka_broker, GroupTopics(group, name), n)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}\n{forced.stdout}{forced.stderr}"
+                                 f"{members.logs()}") from None
+        assert all(d["aggregation"] == {"name": name} and d["window_info"]["size"] == size
+                   for d in docs)
+        released = np.cumsum([d["n"] for d in sorted(docs, key=lambda d: d["window"])])
+        assert all(released[k] >= (k + 1) * size for k in range(len(docs) - 1)), released
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
 @pytest.mark.parametrize("kind", sorted(LONG_WINDOWS))
 def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
         kafka_broker, tmp_path, monkeypatch, kind):
