@@ -547,6 +547,14 @@ def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_onc
         members.logs()
 
 
+def _group_status(bootstrap, group, topic) -> str:
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status", "--group",
+                          group, "--bootstrap", bootstrap, "--topic", topic],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
 def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_broker,
                                                                          tmp_path):
     """Two aggregations with count windows of different sizes (window.size per aggregation):
@@ -577,6 +585,12 @@ def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_b
         for name, size in sizes.items():
             wait_for_total(kafka_broker, GroupTopics(group, name), (n // size - 1) * size, 90,
                            members)
+        status = _group_status(kafka_broker, group, topic)
+        # each aggregation's open count window and how far it is (the taken events are public:
+        # every release states its n)
+        for name, size in sizes.items():
+            assert re.search(rf"count window \d+ open: [\d,]+ of {size:,} events taken", status), \
+                status
         forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
                                  "--state-dir", str(tmp_path / "m1" / "state")],
                                 capture_output=True, text=True, timeout=200)
@@ -584,6 +598,11 @@ def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_b
             wait_for_total(kafka_broker, GroupTopics(group, name), n, 90, members)
     finally:
         members.stop_all()
+    # a request no leader answers (the members are stopped) is shown as pending
+    from aggregator.service.group.forced import REQUEST, _ask
+    _ask(kafka_broker, {}, GroupTopics(group, "ip"), REQUEST, uuid.uuid4().hex)
+    status = _group_status(kafka_broker, group, topic)
+    assert status.count("a forced release is asked and not yet answered") == 1, status
     for name, size in sizes.items():
         try:
             docs = check_exact(kafka_broker, GroupTopics(group, name), n)

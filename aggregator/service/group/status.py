@@ -101,6 +101,7 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
                                        "time_unix": last["time_unix"]}
             decided = {e["window"] for e in rel}
             out["windows_waiting"] = _waiting(consumer, topics, decided)
+            out.update(_intake_state(consumer, topics))
             reports = _reports(consumer, topics)
             now = time.time()
             for m in out["members"]:
@@ -144,6 +145,47 @@ def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
 
     read_partition(consumer, tp, take, timeout_s=10)
     return {w: sorted(ps) for w, ps in sorted(have.items()) if ps and w not in decided}
+
+
+def _intake_state(consumer, topics) -> dict:
+    """From the intake topic: forced releases and exports asked and not yet answered, and (count
+    windows) the events taken since the leader's last cut."""
+    from kafka import TopicPartition
+
+    from .count_windows import cut_key
+    from .forced import DONE, EXPORT, EXPORTED, REQUEST
+
+    tp = TopicPartition(topics.intake, 0)
+    if topics.intake not in (consumer.topics() or set()):
+        return {}
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    rp = topics.repartition
+    ids = {f"{k}{rp}": None for k in (REQUEST, DONE, EXPORT, EXPORTED)}
+    totals: dict[str, int] = {}
+    cut = None
+
+    def take(r):
+        nonlocal cut
+        key = r.key.decode() if r.key else ""
+        if r.value is None:
+            return
+        if key in ids:
+            ids[key] = json.loads(r.value).get("id")
+        elif key == cut_key(rp):
+            cut = json.loads(r.value)
+        elif key.startswith(f"n:{rp}:"):
+            totals[key] = max(totals.get(key, 0), int(r.value))
+
+    read_partition(consumer, tp, take, timeout_s=10)
+    out: dict = {"requests_pending": [
+        kind for kind, ask, done in (("forced release", REQUEST, DONE),
+                                     ("audit export", EXPORT, EXPORTED))
+        if ids[f"{ask}{rp}"] and ids[f"{ask}{rp}"] != ids[f"{done}{rp}"]]}
+    if totals:
+        out["count_open"] = {"window": (cut or {}).get("closed", -1) + 1,
+                             "taken": sum(totals.values()) - (cut or {}).get("total", 0)}
+    return out
 
 
 def _reports(consumer, topics) -> dict[str, dict]:
@@ -214,6 +256,13 @@ def format_group_status(s: dict) -> list[str]:
             lines.append(f"window {w} waits for partition(s) {', '.join(map(str, missing))}")
         if len(short) > 5:
             lines.append(f"... and {len(short) - 5} more window(s) waiting")
+    if s.get("count_open"):
+        c = s["count_open"]
+        lines.append(f"count window {c['window']} open: {c['taken']:,} of "
+                     f"{int(ident.get('window_size') or 0):,} events taken (committed by the "
+                     "intake)")
+    for kind in s.get("requests_pending") or []:
+        lines.append(f"a {kind} is asked and not yet answered by the leader")
     last = s.get("last_release")
     lines.append(f"releases: {s.get('releases', 0)} ({s.get('withheld', 0)} withheld), "
                  f"eps spent {s.get('epsilon_spent', 0):g}"
