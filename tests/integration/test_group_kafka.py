@@ -830,6 +830,55 @@ def _released_total(bootstrap, topics):
     return sum(d["n"] for d in releases(bootstrap, topics))
 
 
+def _reset_source_offsets(admin, group, topic):
+    """An operator's --reset-offsets --to-earliest on the stopped group (metadata dropped)."""
+    from kafka.structs import OffsetAndMetadata
+
+    deadline = time.monotonic() + 30   # offsets of a group change only while it is empty
+    while admin.describe_groups([group])[group]["group_state"] != "Empty":
+        assert time.monotonic() < deadline, "the source group never emptied"
+        time.sleep(0.5)
+    admin.alter_group_offsets(group, {TopicPartition(topic, p): OffsetAndMetadata(0, "", -1)
+                                      for p in range(PARTS)})
+    reset = admin.list_group_offsets(group)[group]
+    assert {om.offset for om in reset.values()} == {0}
+
+
+def test_count_windows_go_on_counting_after_the_source_offsets_were_reset(kafka_broker,
+                                                                          tmp_path):
+    """The intake's running totals live in the committed offsets' metadata; an offset reset
+    drops it. The totals then go on from the ones published in the intake topic, so the leader
+    still cuts the next window after N more events (with the totals restarted at 0 it would
+    wait for ever)."""
+    N = 2000
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=count",
+                      "--set", f"window.size={N}")
+    rng = np.random.default_rng()
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    try:
+        members.start("m1")
+        produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 3000), D - 1), 5000)
+        wait_for_total(kafka_broker, topics, N, 120, members)
+        members.stop_all()
+        _reset_source_offsets(admin, group, topic)
+        members.start("m1")
+        produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 2000), D - 1), 5000)
+        _intake_caught_up(kafka_broker, topic, group)
+        wait_for_total(kafka_broker, topics, 2 * N, 60, members)
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                                 "--state-dir", str(tmp_path / "m1" / "state")],
+                                capture_output=True, text=True, timeout=120)
+        assert forced.returncode == 0 or "holds no events" in forced.stderr, forced.stderr
+        wait_for_total(kafka_broker, topics, 5000, 60, members)
+    finally:
+        members.stop_all()
+        admin.close()
+    check_exact(kafka_broker, topics, 5000)
+
+
 def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
         kafka_broker, tmp_path):
     """The group edition of "one event, one charge": the source group's offsets reset to the
@@ -837,8 +886,6 @@ def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
     intake's high-water marks keep every record from being repartitioned again; a ledger topic
     deleted while the group is stopped is refused at the next start, in one line, before
     anything is created."""
-    from kafka.structs import OffsetAndMetadata
-
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     topics = GroupTopics(group)
@@ -850,14 +897,7 @@ def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
         wait_for_total(kafka_broker, topics, 5000, 120, members)
         members.stop_all()
         admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-        deadline = time.monotonic() + 30   # offsets of a group change only while it is empty
-        while admin.describe_groups([group])[group]["group_state"] != "Empty":
-            assert time.monotonic() < deadline, "the source group never emptied"
-            time.sleep(0.5)
-        admin.alter_group_offsets(group, {TopicPartition(topic, p): OffsetAndMetadata(0, "", -1)
-                                          for p in range(PARTS)})
-        reset = admin.list_group_offsets(group)[group]
-        assert {om.offset for om in reset.values()} == {0}
+        _reset_source_offsets(admin, group, topic)
         members.start("m1")
         produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 1000), D - 1), 5000)
         wait_for_total(kafka_broker, topics, 6000, 120, members)

@@ -130,6 +130,8 @@ class Repartitioner:
         #: count windows: per "n:" key of an assigned partition, the events it has sent the
         #: route up to the committed offset (from that offset's metadata, like ``passed``)
         self.totals: dict[str, int] = {}
+        #: and the same totals as published in the intake topic (read with the marks)
+        self.published_totals: dict[str, int] = {}
         self._need_passed: set = set()
         #: times a source partition was paused for running ahead of the watermark
         self.pauses = 0
@@ -150,8 +152,13 @@ class Repartitioner:
 
     def _take_mark(self, r) -> None:
         key = r.key.decode()
-        if r.value is None or key.startswith(("close:", "count:", "n:")):
-            return   # the leader's keys (closer.py, count_windows.py) and the intake's totals
+        if r.value is not None and key.startswith("n:"):
+            # a partition's running total as last committed (by whichever member): if its
+            # offset's metadata is gone (offsets expired or reset), the total goes on from here
+            self.published_totals[key] = max(self.published_totals.get(key, 0), int(r.value))
+            return
+        if r.value is None or key.startswith(("close:", "count:")):
+            return   # the leader's keys (closer.py, count_windows.py)
         if key.startswith("wm:"):
             self.watermarks[key] = MarkRecord.decode(r.value)
             return
@@ -184,8 +191,9 @@ class Repartitioner:
                 self.passed[key], self.first[key] = \
                     ((meta.get("wm") or {}).get(route.topic) or (None, None))
             for route in self._counted:
-                self.totals[total_key(route.topic, tp)] = int((meta.get("n") or {}).get(
-                    route.topic, 0))
+                key = total_key(route.topic, tp)
+                self.totals[key] = max(int((meta.get("n") or {}).get(route.topic, 0)),
+                                       self.published_totals.get(key, 0))
         self._need_passed -= set(tps)
 
     def _offset_meta(self, tp, marks: dict, totals: dict | None = None) -> str:
