@@ -154,10 +154,11 @@ def read_all(bootstrap, topic, partitions=None, timeout_s=20.0):
     return out
 
 
-def releases(bootstrap, topics):
+def releases(bootstrap, topics, *, rollups=False):
+    """The window release documents of ``topics`` (``rollups``: the sum rollups' instead)."""
     docs = [json.loads(v) for _, _, v in read_all(bootstrap, topics.releases, [0])[0]
             if v is not None]
-    return docs
+    return [d for d in docs if ("rollup" in d) == rollups]
 
 
 def wait_for_total(bootstrap, topics, total, timeout_s, members):
@@ -419,6 +420,98 @@ def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tm
                                      "base_windows": 3, "epsilon": 0.5,
                                      "epsilon_per_event": 1.0, "sums": []}
         assert d["window_info"]["started_unix"] % 6 == 0    # level windows align with base ones
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
+def _sum_of_counters(summary) -> int:
+    """The sum of a summary's counters (its value counts keep it: sum of value * count)."""
+    return sum(v * c for v, c in summary["values"])
+
+
+def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broker, tmp_path):
+    """window.rollups = 3x as sums in a group of two, one member killed -9 and restarted:
+    every base window released once and every event in exactly one; each rollup released once,
+    at 0 eps with the argument, its n the sum of its base windows' n, 2 layers per base window;
+    and each partition's rollup summary is the sum of exactly the views its base summaries
+    were taken from (the sum of counters adds up: a re-drawn layer would not)."""
+    from aggregator.service.rollup import ROLLUP_ARGUMENT
+
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.rollups=3x",
+                      "--set", "window.rollup_design=sum")
+    topics = GroupTopics(group)
+    items = np.minimum(np.random.default_rng().zipf(1.3, 20_000), D - 1)
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        produce(kafka_broker, topic, items[:10_000], 4000)
+        members.kill("m2")
+        members.start("m2")
+        produce(kafka_broker, topic, items[10_000:], 4000)
+        wait_for_total(kafka_broker, topics, len(items), 180, members)
+        base = {d["window"]: d for d in releases(kafka_broker, topics)}
+        last = max(w for w, d in base.items() if d["n"])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # the rollup of the last window with events
+            rolls = releases(kafka_broker, topics, rollups=True)
+            if any(d["rollup"]["index"] == last // 3 for d in rolls):
+                break
+            time.sleep(1)
+    finally:
+        members.stop_all()
+    try:
+        check_exact(kafka_broker, topics, len(items))
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    base = {d["window"]: d for d in releases(kafka_broker, topics)}
+    rolls = releases(kafka_broker, topics, rollups=True)
+    assert rolls, members.logs()
+    names = [d["window"] for d in rolls]
+    assert len(names) == len(set(names)), "a rollup was released twice"
+    first = min(base)
+    for d in rolls:
+        r = d["rollup"]
+        idx = r["index"]
+        assert d["window"] == f"3x-{idx}" and r["span"] == "3x" and r["base_windows"] == 3
+        assert r["windows"] == [w for w in range(3 * idx, 3 * idx + 3) if w in base]
+        assert [m["window"] for m in r["missing"]] == [w for w in range(3 * idx, 3 * idx + 3)
+                                                      if w < first]
+        assert d["n"] == sum(base[w]["n"] for w in r["windows"])
+        assert d["window_info"]["events"] == d["n"]
+        assert r["layers"] == d["layers"] == 2 * len(r["windows"])
+        assert r["epsilon_spent"] == 0.0 and r["argument"] == ROLLUP_ARGUMENT
+        assert d["window_info"]["kind"] == "rollup" and d["window_info"]["size"] == 6
+    covered = [w for d in rolls for w in d["rollup"]["windows"]]
+    assert len(covered) == len(set(covered))
+    assert sum(d["n"] for d in rolls) == len(items), "an event is in no rollup, or in two"
+    ledger = read_ledger(kafka_broker, topics)
+    entries = [e for e in ledger.entries if e["kind"] in ("rollup", "refused-rollup")]
+    assert sorted(e["window"] for e in entries) == sorted(names)
+    for e in entries:
+        assert e["kind"] == "rollup" and e["epsilon_spent"] == 0.0
+        assert e["note"] == ROLLUP_ARGUMENT
+        doc = next(d for d in rolls if d["window"] == e["window"])
+        assert [b["window"] for b in e["base_windows"]] == doc["rollup"]["windows"]
+        assert e["n"] == doc["n"]
+    # the same views: per partition, a rollup summary's counters add up to its base summaries'
+    views, summed = {}, []
+    for _, key, value in read_all(kafka_broker, topics.summaries, [0])[0]:
+        if value is None:
+            continue
+        s = json.loads(value)
+        if s.get("rollup"):
+            summed.append(s)
+        elif not s.get("refused"):
+            assert key.decode() not in views, f"two committed summaries of {key}"
+            views[key.decode()] = _sum_of_counters(s)
+    assert summed
+    for s in summed:
+        parts = [f"{v['window']}/{s['partition']}" for v in s["parts"].values()]
+        assert _sum_of_counters(s) == sum(views[k] for k in parts), \
+            f"rollup {s['window']} of partition {s['partition']} is not the sum of its views"
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
         members.logs()
 
