@@ -516,6 +516,86 @@ def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broke
         members.logs()
 
 
+@pytest.mark.parametrize("withheld", [False, True])
+def test_the_leader_releases_a_sum_rollup_or_withholds_it_with_a_withheld_base_window(
+        kafka_broker, tmp_path, withheld):
+    """The leader's part on real topics (a real Leader, ledger topic and transactions; the
+    rollup summaries of real slices, tests/test_group_rollups.py). ``withheld``: partition 1
+    refused window 7 (its positions were charged) and the leader withheld 7, whose slices on
+    partitions 0 and 2 are in their sums: the rollup is withheld, a refused-rollup entry at 0
+    eps, nothing in the releases topic, no file. Otherwise the same path releases it (ledger
+    entry with the argument and the base windows, the document in the topic and the file).
+    Either way the rollup summaries are tombstoned in the decision."""
+    from kafka.admin import KafkaAdminClient
+
+    from aggregator.service.group.leader import Leader
+    from aggregator.service.group.rollups import RollupReleases
+    from aggregator.service.group.txn import Transactions
+    from aggregator.service.metrics import Metrics
+    from aggregator.service.rollup import ROLLUP_ARGUMENT
+    from tests.test_group_rollups import IDENT, _close_windows
+
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    topics.ensure(admin, IDENT["partitions"], 3600_000)
+    admin.close()
+    refused = {(7, 1)} if withheld else set()
+    _, rolled, _, _ = _close_windows([6, 7, 8], np.random.default_rng(), refused=refused)
+
+    def client(**kw):
+        return KafkaConsumer(bootstrap_servers=kafka_broker, isolation_level="read_committed",
+                             enable_auto_commit=False, group_id=None, **kw)
+
+    def producer():
+        p = KafkaProducer(bootstrap_servers=kafka_broker, transactional_id=f"{group}.leader",
+                          max_request_size=16 << 20)
+        p.init_transactions()
+        return p
+
+    txn = Transactions(producer, remake=False)
+    ledger = TopicLedger(client(), topics.ledger, budget_per_window=1.0)
+    ledger.read_to_end()
+    txn.begin()
+    for w in (6, 7, 8):
+        extra = {"withheld": "positions were released before"} if w == 7 and withheld else {}
+        ledger.append(entry_id=f"L/{w}", kind="release", window=w, epsilon_spent=1.0,
+                      window_uid=f"L/{w}", producer=txn, **extra)
+    for p, s in rolled.items():   # as the partitions wrote them
+        txn.send(topics.summaries, partition=0, key=f"r/3x/2/{p}".encode(),
+                 value=json.dumps(s).encode())
+    txn.commit()
+    ledger.committed()
+    leader = Leader(txn, ledger, client(), topics, dict(IDENT, window_kind="time"), Metrics(),
+                    release_dir=str(tmp_path / "releases"), error_bar_reps=0)
+    leader.rollups = RollupReleases(leader, {"3x": 3})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ledger.has("L/rollup-3x-2"):
+        ledger.tail(0)     # as the member's counting stage does every turn
+        leader.step()
+        time.sleep(0.2)
+    txn.close()
+    entry = ledger.get("L/rollup-3x-2")
+    assert entry is not None, (f"undecided; the leader holds "
+                               f"{ {k: sorted(v) for k, v in leader.rollups.pending.items()} }, "
+                               f"decided {sorted(leader.decided())}, {ledger.entries}")
+    assert entry["epsilon_spent"] == 0.0
+    docs = releases(kafka_broker, topics, rollups=True)
+    left = [v for _, k, v in read_all(kafka_broker, topics.summaries, [0])[0]
+            if k.startswith(b"r/")]
+    assert left[-3:] == [None, None, None]              # tombstoned in the decision
+    if withheld:
+        assert entry["kind"] == "refused-rollup" and "base window 7" in entry["note"]
+        assert docs == [] and not (tmp_path / "releases" / "release-3x-2.json").exists()
+    else:
+        assert entry["kind"] == "rollup" and entry["note"] == ROLLUP_ARGUMENT
+        assert [b["window"] for b in entry["base_windows"]] == [6, 7, 8]
+        [doc] = docs
+        assert doc["rollup"]["windows"] == [6, 7, 8] and doc["layers"] == 6
+        assert doc["n"] == entry["n"] == sum(s["n"] for s in rolled.values())
+        assert json.loads((tmp_path / "releases" / "release-3x-2.json").read_text()) == doc
+
+
 def _intake_caught_up(bootstrap, topic, group, timeout_s=60, parts=PARTS):
     """Wait until the source group's committed offsets reach the topic's end (the intake has
     repartitioned every record, in committed transactions)."""

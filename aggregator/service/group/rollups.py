@@ -230,12 +230,17 @@ class RollupReleases:
         self.leader, self.spans = leader, dict(spans)
         self.pending: dict[tuple[str, int], dict[int, dict]] = {}
         self._in_flight = None   # ((span, idx), entries, missing, future)
+        #: decided by this leader: the ledger's copy in memory may lag its topic by a turn
+        #: (the commit markers land after the commit returns), so never decide one twice
+        self.done: set[tuple[str, int]] = set()
 
     def take(self, s: dict) -> bool:
         """A record of the summaries topic: True if it is a rollup summary (kept here)."""
         if s.get("rollup") is None:
             return False
-        self.pending.setdefault((s["rollup"], int(s["index"])), {})[int(s["partition"])] = s
+        key = (s["rollup"], int(s["index"]))
+        if key not in self.done:
+            self.pending.setdefault(key, {})[int(s["partition"])] = s
         return True
 
     def _ready(self, have: dict, decided: set[int]) -> bool:
@@ -364,6 +369,7 @@ class RollupReleases:
             raise
         if entry is not None:
             lead.ledger.committed()
+        self.done.add(key)
         self.pending.pop(key, None)
         if document is not None:
             lead.metrics.last_release.set(time.time())
