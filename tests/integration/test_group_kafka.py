@@ -429,14 +429,77 @@ def _sum_of_counters(summary) -> int:
     return sum(v * c for v, c in summary["values"])
 
 
-def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broker, tmp_path):
-    """window.rollups = 3x as sums in a group of two, one member killed -9 and restarted:
-    every base window released once and every event in exactly one; each rollup released once,
-    at 0 eps with the argument, its n the sum of its base windows' n, 2 layers per base window;
-    and each partition's rollup summary is the sum of exactly the views its base summaries
-    were taken from (the sum of counters adds up: a re-drawn layer would not)."""
+def wait_for_rollups(bootstrap, topics, k, timeout_s=60):
+    """Wait until the rollup holding the last base window with events is released."""
+    base = releases(bootstrap, topics)
+    last = max(d["window"] for d in base if d["n"])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(d["rollup"]["index"] == last // k
+               for d in releases(bootstrap, topics, rollups=True)):
+            return
+        time.sleep(1)
+
+
+def check_rollups(bootstrap, topics, total, k, span):
+    """Sum rollups of ``k`` base windows: each released once at 0 eps with the argument, its n
+    the sum of its base windows' n, 2 layers per base window, every event in one rollup, and
+    each partition's rollup summary the sum of exactly the views its base summaries were taken
+    from (the sum of counters adds up: a re-drawn layer would not). Returns the documents."""
     from aggregator.service.rollup import ROLLUP_ARGUMENT
 
+    base = {d["window"]: d for d in releases(bootstrap, topics)}
+    rolls = releases(bootstrap, topics, rollups=True)
+    assert rolls, "no rollup released"
+    names = [d["window"] for d in rolls]
+    assert len(names) == len(set(names)), "a rollup was released twice"
+    first = min(base)
+    for d in rolls:
+        r = d["rollup"]
+        idx = r["index"]
+        assert d["window"] == f"{span}-{idx}" and r["span"] == span and r["base_windows"] == k
+        assert r["windows"] == [w for w in range(k * idx, k * idx + k) if w in base]
+        assert [m["window"] for m in r["missing"]] == [w for w in range(k * idx, k * idx + k)
+                                                      if w < first]
+        assert d["n"] == sum(base[w]["n"] for w in r["windows"])
+        assert d["window_info"]["events"] == d["n"]
+        assert r["layers"] == d["layers"] == 2 * len(r["windows"])
+        assert r["epsilon_spent"] == 0.0 and r["argument"] == ROLLUP_ARGUMENT
+        assert d["window_info"]["kind"] == "rollup" and d["window_info"]["size"] == WINDOW_S * k
+    covered = [w for d in rolls for w in d["rollup"]["windows"]]
+    assert len(covered) == len(set(covered))
+    assert sum(d["n"] for d in rolls) == total, "an event is in no rollup, or in two"
+    ledger = read_ledger(bootstrap, topics)
+    entries = [e for e in ledger.entries if e["kind"] in ("rollup", "refused-rollup")]
+    assert sorted(e["window"] for e in entries) == sorted(names)
+    for e in entries:
+        assert e["kind"] == "rollup" and e["epsilon_spent"] == 0.0
+        assert e["note"] == ROLLUP_ARGUMENT
+        doc = next(d for d in rolls if d["window"] == e["window"])
+        assert [b["window"] for b in e["base_windows"]] == doc["rollup"]["windows"]
+        assert e["n"] == doc["n"]
+    views, summed = {}, []
+    for _, key, value in read_all(bootstrap, topics.summaries, [0])[0]:
+        if value is None:
+            continue
+        s = json.loads(value)
+        if s.get("rollup"):
+            summed.append(s)
+        elif not s.get("refused"):
+            assert key.decode() not in views, f"two committed summaries of {key}"
+            views[key.decode()] = _sum_of_counters(s)
+    assert summed
+    for s in summed:
+        parts = [f"{v['window']}/{s['partition']}" for v in s["parts"].values()]
+        assert _sum_of_counters(s) == sum(views[k] for k in parts), \
+            f"rollup {s['window']} of partition {s['partition']} is not the sum of its views"
+    return rolls
+
+
+def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broker, tmp_path):
+    """window.rollups = 3x as sums in a group of two, one member killed -9 and restarted:
+    every base window released once and every event in exactly one; the rollups as
+    check_rollups says."""
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.rollups=3x",
@@ -452,66 +515,66 @@ def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broke
         members.start("m2")
         produce(kafka_broker, topic, items[10_000:], 4000)
         wait_for_total(kafka_broker, topics, len(items), 180, members)
-        base = {d["window"]: d for d in releases(kafka_broker, topics)}
-        last = max(w for w, d in base.items() if d["n"])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:   # the rollup of the last window with events
-            rolls = releases(kafka_broker, topics, rollups=True)
-            if any(d["rollup"]["index"] == last // 3 for d in rolls):
-                break
-            time.sleep(1)
+        wait_for_rollups(kafka_broker, topics, 3)
     finally:
         members.stop_all()
     try:
         check_exact(kafka_broker, topics, len(items))
+        check_rollups(kafka_broker, topics, len(items), 3, "3x")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
-    base = {d["window"]: d for d in releases(kafka_broker, topics)}
-    rolls = releases(kafka_broker, topics, rollups=True)
-    assert rolls, members.logs()
-    names = [d["window"] for d in rolls]
-    assert len(names) == len(set(names)), "a rollup was released twice"
-    first = min(base)
-    for d in rolls:
-        r = d["rollup"]
-        idx = r["index"]
-        assert d["window"] == f"3x-{idx}" and r["span"] == "3x" and r["base_windows"] == 3
-        assert r["windows"] == [w for w in range(3 * idx, 3 * idx + 3) if w in base]
-        assert [m["window"] for m in r["missing"]] == [w for w in range(3 * idx, 3 * idx + 3)
-                                                      if w < first]
-        assert d["n"] == sum(base[w]["n"] for w in r["windows"])
-        assert d["window_info"]["events"] == d["n"]
-        assert r["layers"] == d["layers"] == 2 * len(r["windows"])
-        assert r["epsilon_spent"] == 0.0 and r["argument"] == ROLLUP_ARGUMENT
-        assert d["window_info"]["kind"] == "rollup" and d["window_info"]["size"] == 6
-    covered = [w for d in rolls for w in d["rollup"]["windows"]]
-    assert len(covered) == len(set(covered))
-    assert sum(d["n"] for d in rolls) == len(items), "an event is in no rollup, or in two"
-    ledger = read_ledger(kafka_broker, topics)
-    entries = [e for e in ledger.entries if e["kind"] in ("rollup", "refused-rollup")]
-    assert sorted(e["window"] for e in entries) == sorted(names)
-    for e in entries:
-        assert e["kind"] == "rollup" and e["epsilon_spent"] == 0.0
-        assert e["note"] == ROLLUP_ARGUMENT
-        doc = next(d for d in rolls if d["window"] == e["window"])
-        assert [b["window"] for b in e["base_windows"]] == doc["rollup"]["windows"]
-        assert e["n"] == doc["n"]
-    # the same views: per partition, a rollup summary's counters add up to its base summaries'
-    views, summed = {}, []
-    for _, key, value in read_all(kafka_broker, topics.summaries, [0])[0]:
-        if value is None:
-            continue
-        s = json.loads(value)
-        if s.get("rollup"):
-            summed.append(s)
-        elif not s.get("refused"):
-            assert key.decode() not in views, f"two committed summaries of {key}"
-            views[key.decode()] = _sum_of_counters(s)
-    assert summed
-    for s in summed:
-        parts = [f"{v['window']}/{s['partition']}" for v in s["parts"].values()]
-        assert _sum_of_counters(s) == sum(views[k] for k in parts), \
-            f"rollup {s['window']} of partition {s['partition']} is not the sum of its views"
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
+def test_sum_rollups_of_two_aggregations_are_independent(kafka_broker, tmp_path):
+    """Two aggregations (direct users with 3x sums, hashed IPs with 2x sums), two members, one
+    killed -9 and restarted: each aggregation's rollups are its own (its topics, sums, ledger)
+    and check out as check_rollups says."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(
+        kafka_broker, topic, group, tmp_path, "--set", "ledger.budget_per_event=2",
+        "--set", "aggregations.user.item.field=user", "--set", "aggregations.ip.item.field=ip",
+        "--set", "aggregations.ip.state.mode=hashed",
+        "--set", "aggregations.ip.state.expected_n=5000",
+        "--set", "aggregations.user.window.rollups=3x",
+        "--set", "aggregations.user.window.rollup_design=sum",
+        "--set", "aggregations.ip.window.rollups=2x",
+        "--set", "aggregations.ip.window.rollup_design=sum")
+    rng = np.random.default_rng()
+    n = 20_000
+    users = np.minimum(rng.zipf(1.3, n), D - 1)
+    ips = rng.integers(0, 5000, n)
+    records = [msgpack.packb({"user": int(u), "ip": f"10.0.{i // 256}.{i % 256}"})
+               for u, i in zip(users, ips)]
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        p = KafkaProducer(bootstrap_servers=kafka_broker, linger_ms=20)
+        for i, rec in enumerate(records):
+            p.send(topic, value=rec)
+            if i % 1000 == 999:
+                time.sleep(0.25)     # about 4,000 a second: several windows
+            if i == n // 2:
+                p.flush()
+                members.kill("m2")
+                members.start("m2")
+        p.flush()
+        p.close()
+        for name, k in (("user", 3), ("ip", 2)):
+            wait_for_total(kafka_broker, GroupTopics(group, name), n, 180, members)
+            wait_for_rollups(kafka_broker, GroupTopics(group, name), k)
+    finally:
+        members.stop_all()
+    try:
+        for name, k in (("user", 3), ("ip", 2)):
+            check_exact(kafka_broker, GroupTopics(group, name), n)
+            rolls = check_rollups(kafka_broker, GroupTopics(group, name), n, k, f"{k}x")
+            assert all(d["aggregation"] == {"name": name} for d in rolls)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
         members.logs()
 
