@@ -465,7 +465,8 @@ def check_rollups(bootstrap, topics, total, k, span):
         assert d["window_info"]["events"] == d["n"]
         assert r["layers"] == d["layers"] == 2 * len(r["windows"])
         assert r["epsilon_spent"] == 0.0 and r["argument"] == ROLLUP_ARGUMENT
-        assert d["window_info"]["kind"] == "rollup" and d["window_info"]["size"] == WINDOW_S * k
+        assert d["window_info"]["kind"] == "rollup"
+        assert d["window_info"]["size"] == base[r["windows"][0]]["window_info"]["size"] * k
     covered = [w for d in rolls for w in d["rollup"]["windows"]]
     assert len(covered) == len(set(covered))
     assert sum(d["n"] for d in rolls) == total, "an event is in no rollup, or in two"
@@ -575,6 +576,42 @@ def test_sum_rollups_of_two_aggregations_are_independent(kafka_broker, tmp_path)
             assert all(d["aggregation"] == {"name": name} for d in rolls)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
+def test_hybrid_spans_after_the_first_are_sums_of_the_level_in_a_group(kafka_broker, tmp_path):
+    """window.rollups = 4s,12s with the default hybrid design: base windows and the 4 s level
+    each at eps 0.5, and the 12 s span the sum of three level windows (0 eps), in a group of
+    two with a member killed -9."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.rollups=4s,12s")
+    items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
+    level = GroupTopics(group, "r4s")
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        produce(kafka_broker, topic, items[:15_000], 3000)
+        members.kill("m2")
+        members.start("m2")
+        produce(kafka_broker, topic, items[15_000:], 3000)
+        for name in ("base", "r4s"):
+            wait_for_total(kafka_broker, GroupTopics(group, name), len(items), 180, members)
+        wait_for_rollups(kafka_broker, level, 3)
+    finally:
+        members.stop_all()
+    try:
+        check_exact(kafka_broker, GroupTopics(group, "base"), len(items), eps=0.5)
+        check_exact(kafka_broker, level, len(items), eps=0.5)
+        rolls = check_rollups(kafka_broker, level, len(items), 3, "12s")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert not releases(kafka_broker, GroupTopics(group, "base"), rollups=True)
+    for d in rolls:
+        assert d["window_info"]["size"] == 12 and d["window_info"]["base_kind"] == "time"
+        assert d["rollup_level"]["sums"] == ["12s"] and d["aggregation"] == {"name": "r4s"}
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
         members.logs()
 
