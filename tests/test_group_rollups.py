@@ -6,6 +6,7 @@ tests/integration/test_group_kafka.py::test_sum_rollups_in_a_group_across_a_kill
 import json
 
 import numpy as np
+import pytest
 
 from aggregator.service.group.repartition import slice_size
 from aggregator.service.group.rollups import SliceRollups, judge_rollup
@@ -144,3 +145,13 @@ def test_the_rollups_topic_is_compacted_per_partition_and_takes_large_sums():
     parts, conf = wanted[TOPICS.rollups]
     assert TOPICS.rollups == "g.panagg.rollups" and parts == 6
     assert conf["cleanup.policy"] == "compact" and int(conf["max.message.bytes"]) >= 16 << 20
+
+
+def test_a_slice_too_large_for_one_message_is_refused_at_start_in_one_line():
+    from aggregator.service.process import ServiceError
+
+    with pytest.raises(ServiceError) as exc:
+        SliceRollups({"3x": K}, TOPICS, dict(IDENT, size=10_000_000, partitions=2))
+    assert "use at least 5 partitions (scale.partitions)" in str(exc.value)
+    assert "\n" not in str(exc.value)
+    SliceRollups({"3x": K}, TOPICS, dict(IDENT, size=10_000_000, partitions=5))

@@ -77,8 +77,20 @@ class SliceRollups:
     consumer without group (read committed) for restores.
     """
 
+    #: the largest slice whose sum fits a member's producer request (16 MB, 8 bytes a counter)
+    MAX_SLICE = 2_000_000
+
     def __init__(self, spans: dict[str, int], topics, identity: dict, reader=None):
         self.spans, self.topics, self.identity = dict(spans), topics, identity
+        P = int(identity["partitions"])
+        if "size" in identity and -(-int(identity["size"]) // P) > self.MAX_SLICE:
+            from ..process import ServiceError
+            need = -(-int(identity["size"]) // self.MAX_SLICE)
+            raise ServiceError(f"window.rollups as sums keep each partition's slice of "
+                               f"{-(-int(identity['size']) // P)} counters in one Kafka message, "
+                               f"more than the {self.MAX_SLICE} that fit 16 MB; use at least "
+                               f"{need} partitions (scale.partitions) for a new group, or "
+                               "window.rollup_design = tree")
         self.reader = reader
         #: partition -> {span: the open RollupSum}
         self.sums: dict[int, dict[str, RollupSum]] = {}
