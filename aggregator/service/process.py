@@ -58,7 +58,8 @@ from .ledger import BudgetExceeded, Ledger, LedgerError
 from .metrics import Metrics
 from .publisher import Backoff as _Backoff
 from .publisher import ReleasePublisher
-from .rollup import RollupError, RollupStore, RollupSum
+from .rollup import (ROLLUP_ARGUMENT, RollupError, RollupStore, RollupSum, missing_caveat,
+                     rollup_block)
 from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
@@ -1813,9 +1814,7 @@ class Aggregator(EventTimeWindows):
                         "publication", self.cfg["release"]["dir"], exc.strerror or exc)
 
     # -- rollups (window.rollups, docs/rollups.md) ---------------------------------------------
-    ROLLUP_ARGUMENT = ("0 eps: the sum of its base windows' release views (the counters each "
-                       "base release was computed from, with its release layer): "
-                       "post-processing of released views (docs/privacy.md section 21)")
+    ROLLUP_ARGUMENT = ROLLUP_ARGUMENT
 
     def _keep_view(self, closing: dict, release: dict, counts, layers: int) -> None:
         """Keep a ledgered base window's release view for the rollups: written (atomically)
@@ -1954,16 +1953,9 @@ class Aggregator(EventTimeWindows):
             "started_unix": min(started) if started else None,
             "ended_unix": max(ended) if ended else None})
         release["window_info"]["base_kind"] = self.cfg["window"]["kind"]
-        release["rollup"] = {
-            "span": span, "index": idx, "base_windows": r.windows,
-            "first_window": idx * r.windows, "last_window": (idx + 1) * r.windows - 1,
-            "windows": r.covered(), "complete": not missing, "missing": missing,
-            "layers": r.layers, "epsilon_spent": 0.0, "argument": self.ROLLUP_ARGUMENT}
+        release["rollup"] = rollup_block(r, missing, r.layers)
         if missing:
-            release["caveat"] = (f"rollup {name} holds {len(parts)} of {r.windows} base windows "
-                                 f"(missing: {', '.join(str(m['window']) for m in missing[:5])}"
-                                 f"{' ...' if len(missing) > 5 else ''}); its n and histogram "
-                                 "cover only the windows it names")
+            release["caveat"] = missing_caveat(name, len(parts), r.windows, missing)
             log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
                         "which and why)", name, len(parts), r.windows, len(missing))
         doc = json.dumps(release, allow_nan=False)

@@ -54,7 +54,13 @@ import numpy as np
 
 from state_store.local import atomic_write
 
-__all__ = ["RollupSum", "RollupStore", "parse_span", "RollupError"]
+__all__ = ["RollupSum", "RollupStore", "parse_span", "RollupError", "ROLLUP_ARGUMENT",
+           "rollup_block", "missing_caveat"]
+
+#: the ledger's and the release's argument for a rollup's 0 eps (one process and groups)
+ROLLUP_ARGUMENT = ("0 eps: the sum of its base windows' release views (the counters each "
+                   "base release was computed from, with its release layer): "
+                   "post-processing of released views (docs/privacy.md section 21)")
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -216,6 +222,23 @@ class RollupSum:
         if obj.counts.shape != (obj.size,):
             raise RollupError("a rollup sum file is damaged (wrong number of counters)")
         return obj
+
+
+def rollup_block(r: RollupSum, missing: list[dict], layers: int) -> dict:
+    """The ``rollup`` block of a rollup's release document (``missing``: ``{"window", "why"}``
+    of each base window it lacks; ``layers``: the noise layers its release deconvolves)."""
+    return {"span": r.span, "index": r.index, "base_windows": r.windows,
+            "first_window": r.index * r.windows, "last_window": (r.index + 1) * r.windows - 1,
+            "windows": r.covered(), "complete": not missing, "missing": missing,
+            "layers": int(layers), "epsilon_spent": 0.0, "argument": ROLLUP_ARGUMENT}
+
+
+def missing_caveat(name: str, held: int, windows: int, missing: list[dict]) -> str:
+    """The release's caveat for a rollup that lacks base windows."""
+    return (f"rollup {name} holds {held} of {windows} base windows "
+            f"(missing: {', '.join(str(m['window']) for m in missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}); its n and histogram "
+            "cover only the windows it names")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

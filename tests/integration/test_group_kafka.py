@@ -154,10 +154,11 @@ def read_all(bootstrap, topic, partitions=None, timeout_s=20.0):
     return out
 
 
-def releases(bootstrap, topics):
+def releases(bootstrap, topics, *, rollups=False):
+    """The window release documents of ``topics`` (``rollups``: the sum rollups' instead)."""
     docs = [json.loads(v) for _, _, v in read_all(bootstrap, topics.releases, [0])[0]
             if v is not None]
-    return docs
+    return [d for d in docs if ("rollup" in d) == rollups]
 
 
 def wait_for_total(bootstrap, topics, total, timeout_s, members):
@@ -423,6 +424,316 @@ def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tm
         members.logs()
 
 
+def _sum_of_counters(summary) -> int:
+    """The sum of a summary's counters (its value counts keep it: sum of value * count)."""
+    return sum(v * c for v, c in summary["values"])
+
+
+def wait_for_rollups(bootstrap, topics, k, timeout_s=60):
+    """Wait until the rollup holding the last base window with events is released."""
+    base = releases(bootstrap, topics)
+    last = max(d["window"] for d in base if d["n"])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(d["rollup"]["index"] == last // k
+               for d in releases(bootstrap, topics, rollups=True)):
+            return
+        time.sleep(1)
+
+
+def check_rollups(bootstrap, topics, total, k, span):
+    """Sum rollups of ``k`` base windows: each released once at 0 eps with the argument, its n
+    the sum of its base windows' n, 2 layers per base window, every event in one rollup, and
+    each partition's rollup summary the sum of exactly the views its base summaries were taken
+    from (the sum of counters adds up: a re-drawn layer would not). Returns the documents."""
+    from aggregator.service.rollup import ROLLUP_ARGUMENT
+
+    base = {d["window"]: d for d in releases(bootstrap, topics)}
+    rolls = releases(bootstrap, topics, rollups=True)
+    assert rolls, "no rollup released"
+    names = [d["window"] for d in rolls]
+    assert len(names) == len(set(names)), "a rollup was released twice"
+    first = min(base)
+    for d in rolls:
+        r = d["rollup"]
+        idx = r["index"]
+        assert d["window"] == f"{span}-{idx}" and r["span"] == span and r["base_windows"] == k
+        assert r["windows"] == [w for w in range(k * idx, k * idx + k) if w in base]
+        assert [m["window"] for m in r["missing"]] == [w for w in range(k * idx, k * idx + k)
+                                                      if w < first]
+        assert d["n"] == sum(base[w]["n"] for w in r["windows"])
+        assert d["window_info"]["events"] == d["n"]
+        assert r["layers"] == d["layers"] == 2 * len(r["windows"])
+        assert r["epsilon_spent"] == 0.0 and r["argument"] == ROLLUP_ARGUMENT
+        assert d["window_info"]["kind"] == "rollup"
+        assert d["window_info"]["size"] == base[r["windows"][0]]["window_info"]["size"] * k
+    covered = [w for d in rolls for w in d["rollup"]["windows"]]
+    assert len(covered) == len(set(covered))
+    assert sum(d["n"] for d in rolls) == total, "an event is in no rollup, or in two"
+    ledger = read_ledger(bootstrap, topics)
+    entries = [e for e in ledger.entries if e["kind"] in ("rollup", "refused-rollup")]
+    assert sorted(e["window"] for e in entries) == sorted(names)
+    for e in entries:
+        assert e["kind"] == "rollup" and e["epsilon_spent"] == 0.0
+        assert e["note"] == ROLLUP_ARGUMENT
+        doc = next(d for d in rolls if d["window"] == e["window"])
+        assert [b["window"] for b in e["base_windows"]] == doc["rollup"]["windows"]
+        assert e["n"] == doc["n"]
+    views, summed = {}, []
+    for _, key, value in read_all(bootstrap, topics.summaries, [0])[0]:
+        if value is None:
+            continue
+        s = json.loads(value)
+        if s.get("rollup"):
+            summed.append(s)
+        elif not s.get("refused"):
+            assert key.decode() not in views, f"two committed summaries of {key}"
+            views[key.decode()] = _sum_of_counters(s)
+    assert summed
+    for s in summed:
+        parts = [f"{v['window']}/{s['partition']}" for v in s["parts"].values()]
+        assert _sum_of_counters(s) == sum(views[k] for k in parts), \
+            f"rollup {s['window']} of partition {s['partition']} is not the sum of its views"
+    return rolls
+
+
+def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broker, tmp_path):
+    """window.rollups = 3x as sums in a group of two, one member killed -9 and restarted:
+    every base window released once and every event in exactly one; the rollups as
+    check_rollups says."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.rollups=3x",
+                      "--set", "window.rollup_design=sum")
+    topics = GroupTopics(group)
+    items = np.minimum(np.random.default_rng().zipf(1.3, 20_000), D - 1)
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        produce(kafka_broker, topic, items[:10_000], 4000)
+        members.kill("m2")
+        members.start("m2")
+        produce(kafka_broker, topic, items[10_000:], 4000)
+        wait_for_total(kafka_broker, topics, len(items), 180, members)
+        wait_for_rollups(kafka_broker, topics, 3)
+    finally:
+        members.stop_all()
+    try:
+        check_exact(kafka_broker, topics, len(items))
+        check_rollups(kafka_broker, topics, len(items), 3, "3x")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
+def test_sum_rollups_of_count_windows_in_a_group(kafka_broker, tmp_path):
+    """window.rollups = 3x as sums over a group's count windows (cut by the leader): six
+    windows of about 1,000 events (the last one forced), two rollups, each the sum of its three
+    released views at 0 eps, as check_rollups says."""
+    N, total = 1000, 6000
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=count",
+                      "--set", f"window.size={N}", "--set", "window.rollups=3x",
+                      "--set", "window.rollup_design=sum")
+    topics = GroupTopics(group)
+    items = np.minimum(np.random.default_rng().zipf(1.3, total), D - 1)
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        produce(kafka_broker, topic, items, 2000)
+        _intake_caught_up(kafka_broker, topic, group)
+        wait_for_total(kafka_broker, topics, total - N, 60, members)
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                                 "--state-dir", str(tmp_path / "m1" / "state")],
+                                capture_output=True, text=True, timeout=120)
+        assert forced.returncode == 0 or "holds no events" in forced.stderr, forced.stderr
+        wait_for_total(kafka_broker, topics, total, 60, members)
+        wait_for_rollups(kafka_broker, topics, 3)
+    finally:
+        members.stop_all()
+    try:
+        assert len(releases(kafka_broker, topics)) == 6, "not six count windows"
+        check_exact(kafka_broker, topics, total)
+        rolls = check_rollups(kafka_broker, topics, total, 3, "3x")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert len(rolls) == 2
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
+def test_sum_rollups_of_two_aggregations_are_independent(kafka_broker, tmp_path):
+    """Two aggregations (direct users with 3x sums, hashed IPs with 2x sums), two members, one
+    killed -9 and restarted: each aggregation's rollups are its own (its topics, sums, ledger)
+    and check out as check_rollups says."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(
+        kafka_broker, topic, group, tmp_path, "--set", "ledger.budget_per_event=2",
+        "--set", "aggregations.user.item.field=user", "--set", "aggregations.ip.item.field=ip",
+        "--set", "aggregations.ip.state.mode=hashed",
+        "--set", "aggregations.ip.state.expected_n=5000",
+        "--set", "aggregations.user.window.rollups=3x",
+        "--set", "aggregations.user.window.rollup_design=sum",
+        "--set", "aggregations.ip.window.rollups=2x",
+        "--set", "aggregations.ip.window.rollup_design=sum")
+    rng = np.random.default_rng()
+    n = 20_000
+    users = np.minimum(rng.zipf(1.3, n), D - 1)
+    ips = rng.integers(0, 5000, n)
+    records = [msgpack.packb({"user": int(u), "ip": f"10.0.{i // 256}.{i % 256}"})
+               for u, i in zip(users, ips)]
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        p = KafkaProducer(bootstrap_servers=kafka_broker, linger_ms=20)
+        for i, rec in enumerate(records):
+            p.send(topic, value=rec)
+            if i % 1000 == 999:
+                time.sleep(0.25)     # about 4,000 a second: several windows
+            if i == n // 2:
+                p.flush()
+                members.kill("m2")
+                members.start("m2")
+        p.flush()
+        p.close()
+        for name, k in (("user", 3), ("ip", 2)):
+            wait_for_total(kafka_broker, GroupTopics(group, name), n, 180, members)
+            wait_for_rollups(kafka_broker, GroupTopics(group, name), k)
+    finally:
+        members.stop_all()
+    try:
+        for name, k in (("user", 3), ("ip", 2)):
+            check_exact(kafka_broker, GroupTopics(group, name), n)
+            rolls = check_rollups(kafka_broker, GroupTopics(group, name), n, k, f"{k}x")
+            assert all(d["aggregation"] == {"name": name} for d in rolls)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
+def test_hybrid_spans_after_the_first_are_sums_of_the_level_in_a_group(kafka_broker, tmp_path):
+    """window.rollups = 4s,12s with the default hybrid design: base windows and the 4 s level
+    each at eps 0.5, and the 12 s span the sum of three level windows (0 eps), in a group of
+    two with a member killed -9."""
+    topic = make_topic(kafka_broker)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.rollups=4s,12s")
+    items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
+    level = GroupTopics(group, "r4s")
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        produce(kafka_broker, topic, items[:15_000], 3000)
+        members.kill("m2")
+        members.start("m2")
+        produce(kafka_broker, topic, items[15_000:], 3000)
+        for name in ("base", "r4s"):
+            wait_for_total(kafka_broker, GroupTopics(group, name), len(items), 180, members)
+        wait_for_rollups(kafka_broker, level, 3)
+    finally:
+        members.stop_all()
+    try:
+        check_exact(kafka_broker, GroupTopics(group, "base"), len(items), eps=0.5)
+        check_exact(kafka_broker, level, len(items), eps=0.5)
+        rolls = check_rollups(kafka_broker, level, len(items), 3, "12s")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert not releases(kafka_broker, GroupTopics(group, "base"), rollups=True)
+    for d in rolls:
+        assert d["window_info"]["size"] == 12 and d["window_info"]["base_kind"] == "time"
+        assert d["rollup_level"]["sums"] == ["12s"] and d["aggregation"] == {"name": "r4s"}
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+
+
+@pytest.mark.parametrize("withheld", [False, True])
+def test_the_leader_releases_a_sum_rollup_or_withholds_it_with_a_withheld_base_window(
+        kafka_broker, tmp_path, withheld):
+    """The leader's part on real topics (a real Leader, ledger topic and transactions; the
+    rollup summaries of real slices, tests/test_group_rollups.py). ``withheld``: partition 1
+    refused window 7 (its positions were charged) and the leader withheld 7, whose slices on
+    partitions 0 and 2 are in their sums: the rollup is withheld, a refused-rollup entry at 0
+    eps, nothing in the releases topic, no file. Otherwise the same path releases it (ledger
+    entry with the argument and the base windows, the document in the topic and the file).
+    Either way the rollup summaries are tombstoned in the decision."""
+    from kafka.admin import KafkaAdminClient
+
+    from aggregator.service.group.leader import Leader
+    from aggregator.service.group.rollups import RollupReleases
+    from aggregator.service.group.txn import Transactions
+    from aggregator.service.metrics import Metrics
+    from aggregator.service.rollup import ROLLUP_ARGUMENT
+    from tests.test_group_rollups import IDENT, _close_windows
+
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    topics.ensure(admin, IDENT["partitions"], 3600_000)
+    admin.close()
+    refused = {(7, 1)} if withheld else set()
+    _, rolled, _, _ = _close_windows([6, 7, 8], np.random.default_rng(), refused=refused)
+
+    def client(**kw):
+        return KafkaConsumer(bootstrap_servers=kafka_broker, isolation_level="read_committed",
+                             enable_auto_commit=False, group_id=None, **kw)
+
+    def producer():
+        p = KafkaProducer(bootstrap_servers=kafka_broker, transactional_id=f"{group}.leader",
+                          max_request_size=16 << 20)
+        p.init_transactions()
+        return p
+
+    txn = Transactions(producer, remake=False)
+    ledger = TopicLedger(client(), topics.ledger, budget_per_window=1.0)
+    ledger.read_to_end()
+    txn.begin()
+    for w in (6, 7, 8):
+        extra = {"withheld": "positions were released before"} if w == 7 and withheld else {}
+        ledger.append(entry_id=f"L/{w}", kind="release", window=w, epsilon_spent=1.0,
+                      window_uid=f"L/{w}", producer=txn, **extra)
+    for p, s in rolled.items():   # as the partitions wrote them
+        txn.send(topics.summaries, partition=0, key=f"r/3x/2/{p}".encode(),
+                 value=json.dumps(s).encode())
+    txn.commit()
+    ledger.committed()
+    leader = Leader(txn, ledger, client(), topics, dict(IDENT, window_kind="time"), Metrics(),
+                    release_dir=str(tmp_path / "releases"), error_bar_reps=0)
+    leader.rollups = RollupReleases(leader, {"3x": 3})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ledger.has("L/rollup-3x-2"):
+        ledger.tail(0)     # as the member's counting stage does every turn
+        leader.step()
+        time.sleep(0.2)
+    txn.close()
+    entry = ledger.get("L/rollup-3x-2")
+    assert entry is not None, (f"undecided; the leader holds "
+                               f"{ {k: sorted(v) for k, v in leader.rollups.pending.items()} }, "
+                               f"decided {sorted(leader.decided())}, {ledger.entries}")
+    assert entry["epsilon_spent"] == 0.0
+    docs = releases(kafka_broker, topics, rollups=True)
+    left = [v for _, k, v in read_all(kafka_broker, topics.summaries, [0])[0]
+            if k.startswith(b"r/")]
+    assert left[-3:] == [None, None, None]              # tombstoned in the decision
+    if withheld:
+        assert entry["kind"] == "refused-rollup" and "base window 7" in entry["note"]
+        assert docs == [] and not (tmp_path / "releases" / "release-3x-2.json").exists()
+    else:
+        assert entry["kind"] == "rollup" and entry["note"] == ROLLUP_ARGUMENT
+        assert [b["window"] for b in entry["base_windows"]] == [6, 7, 8]
+        [doc] = docs
+        assert doc["rollup"]["windows"] == [6, 7, 8] and doc["layers"] == 6
+        assert doc["n"] == entry["n"] == sum(s["n"] for s in rolled.values())
+        assert json.loads((tmp_path / "releases" / "release-3x-2.json").read_text()) == doc
+
+
 def _intake_caught_up(bootstrap, topic, group, timeout_s=60, parts=PARTS):
     """Wait until the source group's committed offsets reach the topic's end (the intake has
     repartitioned every record, in committed transactions)."""
@@ -589,8 +900,8 @@ def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_b
         # each aggregation's open count window and how far it is (the taken events are public:
         # every release states its n)
         for name, size in sizes.items():
-            assert re.search(rf"count window \d+ open: [\d,]+ of {size:,} events taken", status), \
-                status
+            assert re.search(rf"count window \d+ open: [\d,]+ events taken .*cut after [\d,]+ "
+                             rf"more \(windows of {size:,}\)", status), status
         forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
                                  "--state-dir", str(tmp_path / "m1" / "state")],
                                 capture_output=True, text=True, timeout=200)

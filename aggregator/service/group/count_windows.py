@@ -8,19 +8,22 @@ group can decide exactly once is *where in each repartition log* a window ends. 
   (decoded items, the ones a window counts), committed with the partition's offset (its
   metadata) and published under ``n:<repartition topic>:<source partition>`` in the intake topic
   in the same transaction (``Repartitioner``);
-* the leader sums the published totals; once the sum has grown by ``window.size`` since the last
-  cut, it writes, in ONE transaction (its transactional id: a fenced leader writes nothing), a
-  close marker for window K into every repartition partition and ``count:<repartition topic>``
-  = ``{"closed": K, "total": T}`` (the sum it cut at) into the intake topic, so the next leader
-  goes on from there;
+* the leader sums the published totals; once the sum reaches the next cut's target (K + 1) N
+  (counted from the group's start or the last forced cut), it writes, in ONE transaction (its
+  transactional id: a fenced leader writes nothing), a close marker for window K into every
+  repartition partition and ``count:<repartition topic>`` = ``{"closed": K, "total": T,
+  "next": target}`` into the intake topic, so the next leader goes on from there;
 * each counting partition closes its open window at the marker (``Counter``): window K holds
   every event whose repartition message precedes the marker, in every partition.
 
 Window K therefore holds the events the intakes committed between the two markers: ``N`` plus
-or minus what they committed while the leader read the totals and wrote the markers (at most a
-poll, ``scale.intake_max_records`` records, per source partition; more if the leader was away).
-The cut never drifts: the next one is at ``T + N`` whatever K held. Each release states its
-exact ``n``, and a replay never moves a marker, so every event is in exactly one window.
+or minus what they committed while the leader read the totals and wrote the markers (about a
+poll of the stream; more if the leader was away). The targets are multiples of N, not the
+totals a cut happened at, so the overshoots do not add up: the events in windows 0..K are at
+least (K + 1) N and windows hold N on average. Only when a cut found the total a whole window
+past its target (the leader was away) does the next target start from that total, so no
+window is cut empty to catch up. Each release states its exact ``n``, and a replay never moves
+a marker, so every event is in exactly one window.
 
 A forced release or an audit export ends the open window at once (``force``); the next window
 then counts N from that cut.
@@ -67,9 +70,9 @@ class CountCloser:
         self.P, self.size = int(partitions), int(size)
         #: source partition -> events the intake has sent (committed), as published
         self.totals: dict[str, int] = {}
-        #: the last window closed, and the total it was cut at (none yet: window 0 is open,
-        #: from the group's first event)
-        self.closed, self.cut_at = -1, 0
+        #: the last window closed, the total it was cut at, and the total the next cut waits
+        #: for (none yet: window 0 is open, from the group's first event)
+        self.closed, self.cut_at, self.next_at = -1, 0, self.size
         self._cut_key = cut_key(topics.repartition)
         self._prefix = f"n:{topics.repartition}:"
         self._tp = TopicPartition(topics.intake, 0)
@@ -85,6 +88,7 @@ class CountCloser:
             cut = json.loads(r.value)
             if int(cut["closed"]) > self.closed:
                 self.closed, self.cut_at = int(cut["closed"]), int(cut["total"])
+                self.next_at = int(cut["next"])
         elif key.startswith(self._prefix):
             src = key[len(self._prefix):]
             self.totals[src] = max(self.totals.get(src, 0), int(r.value))
@@ -99,11 +103,14 @@ class CountCloser:
         """Events the group's intake has committed, all source partitions together."""
         return sum(self.totals.values())
 
-    def _cut(self, extra_headers=(), also=None) -> int:
+    def _cut(self, extra_headers=(), also=None, forced: bool = False) -> int:
         """Close window ``closed + 1`` at the current total, in one transaction."""
         from kafka.errors import KafkaError
 
         k, total = self.closed + 1, self.total
+        nxt = self.next_at + self.size
+        if forced or total >= nxt:   # a forced cut, or the leader was a window behind
+            nxt = total + self.size
         headers = [("close", str(k).encode()), *extra_headers]
         txn = self.txn
         try:
@@ -111,25 +118,25 @@ class CountCloser:
             for p in range(self.P):
                 txn.send(self.topics.repartition, partition=p, value=b"", headers=headers)
             txn.send(self.topics.intake, partition=0, key=self._cut_key.encode(),
-                     value=json.dumps({"closed": k, "total": total}).encode())
+                     value=json.dumps({"closed": k, "total": total, "next": nxt}).encode())
             if also is not None:
                 also(txn, k)
             txn.commit()
         except KafkaError as exc:
             txn.failed(exc)
             raise
-        self.closed, self.cut_at = k, total
+        self.closed, self.cut_at, self.next_at = k, total, nxt
         return k
 
     def step(self) -> int | None:
-        """Read the new totals; cut the open window if the group took N events since the last
-        cut (the window closed, or None)."""
+        """Read the new totals; cut the open window if they reached the next cut's target (the
+        window closed, or None)."""
         self.read()
-        if self.total - self.cut_at < self.size:
+        if self.total < self.next_at:
             return None
         k = self._cut()
-        log.info("count window %d of %s closed: the group's intake passed %d events since the "
-                 "last cut", k, self.topics.repartition, self.size)
+        log.info("count window %d of %s closed: the group's intake reached the window's end "
+                 "(windows of %d events)", k, self.topics.repartition, self.size)
         return k
 
     def force(self, also, export_id: str | None = None) -> int:
@@ -138,7 +145,7 @@ class CountCloser:
         markers carry its id (each partition exports its slice, then closes)."""
         self.read()
         extra = [("export", export_id.encode())] if export_id else []
-        k = self._cut(extra, also)
+        k = self._cut(extra, also, forced=True)
         log.info("%s: count window %d of %s closed now",
                  "audit export" if export_id else "forced release", k, self.topics.repartition)
         return k

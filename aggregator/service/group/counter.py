@@ -96,7 +96,7 @@ class Counter:
 
     def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *,
                  member: str, grace_s: float = 2.0, first_window: int | None = None,
-                 snapshots_per_window: int = 0, snapshot_reader=None):
+                 snapshots_per_window: int = 0, snapshot_reader=None, rollups=None):
         self.consumer, self.txn, self.topics = consumer, txn, topics
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
         self.member = member
@@ -115,6 +115,8 @@ class Counter:
         #: window), each in the transaction that commits the partition's offset (snapshots.py)
         self.snapshots_per_window = int(snapshots_per_window)
         self.snapshot_reader = snapshot_reader
+        #: sum rollups: each partition's running sums of its views (rollups.SliceRollups)
+        self.rollups = rollups
         self.summaries_written = 0
         self._needs_sync = False
         #: the group assigned this member the ledger's partition: it leads
@@ -141,6 +143,8 @@ class Counter:
     # -- ownership ---------------------------------------------------------------------------
     def _drop(self, partition: int) -> None:
         task = self.tasks.pop(partition, None)
+        if self.rollups is not None:
+            self.rollups.drop(partition)
         if task is not None:
             # the counters are only in memory: dropping them is all a handover needs
             log.info("partition %d of %s moved away; its open window %d is replayed by its "
@@ -190,6 +194,8 @@ class Counter:
                 # the window resumes from its layered snapshot, never from its start (a replay
                 # under fresh noise would be a second view of what the snapshot holds)
                 restore(task, meta, self.snapshot_reader, p)
+            if self.rollups is not None:
+                self.rollups.restore(p)   # the sums as of the committed offset
             if self.event_time:
                 # where windows ended at the resume offset, and what is summarized already
                 # (none yet: the leader's first marker will say where they begin)
@@ -423,6 +429,7 @@ class Counter:
         info = {"kind": self.window_kind, "size": self.size, "events": int(task.events),
                 "started_unix": times[0], "ended_unix": times[1],
                 "start_offset": task.start, "end_offset": end}
+        view = [] if self.rollups is not None else None
         if refused:
             extra = None   # a replay of charged positions: no export of it either
             summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
@@ -430,8 +437,14 @@ class Counter:
                        "member": self.member}
         else:
             summary = partition_summary(task.state, model=self.identity["model"], window=w,
-                                        partition=p, partitions=self.P, window_info=info)
+                                        partition=p, partitions=self.P, window_info=info,
+                                        view=view)
             summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
+        rolled, rolled_in = [], None
+        if self.rollups is not None:   # the same view into the rollup sums (rollups.py)
+            rolled, rolled_in = self.rollups.fold(p, w, view[0] if view else None,
+                                                  state=task.state, events=task.events,
+                                                  member=self.member, times=times)
         head = self.ledger.head()
         # the ledger's head rides with the offsets: a start that finds the ledger topic deleted
         # or rolled back behind it refuses (the charges it held would be forgotten)
@@ -444,6 +457,8 @@ class Counter:
                      value=json.dumps(summary, allow_nan=False).encode())
             for topic, key, value in extra or ():
                 txn.send(topic, partition=0, key=key, value=value)
+            for topic, part, key, value in rolled:
+                txn.send(topic, partition=part, key=key, value=value)
             if task.snapshots:
                 # the window's snapshot is done with: no noisy state left at rest for it
                 txn.send(self.topics.snapshots, partition=p, key=str(p).encode(), value=None)
@@ -453,6 +468,8 @@ class Counter:
         except Exception as exc:
             self._abort(task, exc)
             return False
+        if rolled_in is not None:
+            rolled_in()
         self.summaries_written += 1
         self.metrics.summaries.inc()
         task.advance(w + 1)

@@ -105,6 +105,8 @@ class Leader:
         #: partition -> the member whose summary of it was read last (named when one is late)
         self.last_member: dict[int, str] = {}
         self.released: list[dict] = []
+        #: sum rollups (rollups.RollupReleases), set by the pipeline when configured
+        self.rollups = None
 
     # -- which windows are decided -----------------------------------------------------------
     def decided(self) -> set[int]:
@@ -137,9 +139,13 @@ class Leader:
                 if rec.value is None:
                     continue  # a tombstone
                 s = json.loads(rec.value)
+                if self.rollups is not None and self.rollups.take(s):
+                    continue
                 self.last_member[int(s["partition"])] = str(s.get("member", "?"))
                 self.pending.setdefault(int(s["window"]), {})[int(s["partition"])] = s
                 self._first_seen.setdefault(int(s["window"]), time.time())
+        if self.rollups is not None:
+            self.rollups.step(self.decided())
         if self._in_flight is not None:
             w, fut = self._in_flight
             if not fut.done():

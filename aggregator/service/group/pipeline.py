@@ -32,6 +32,7 @@ from .ledger_topic import TopicLedger
 from .closer import Closer
 from .count_windows import CountCloser
 from .repartition import EventClock, Route
+from .rollups import RollupReleases, SliceRollups
 from .topics import GroupTopics
 from .txn import Transactions
 
@@ -209,7 +210,13 @@ class Pipeline:
                           max_future_skew_s=w["max_future_skew_s"], late=self.identity["late"],
                           idle_timeout_s=w["idle_partition_timeout_s"])
 
+    def rollup_spans(self) -> dict[str, int]:
+        """window.rollups as sums (rollup_design = sum, or a hybrid level's longer spans)."""
+        from ..config import rollup_spans
+        return rollup_spans(self.cfg)
+
     def start_counting(self, instance: str, group_opts: dict) -> None:
+        spans = self.rollup_spans()
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
                                self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
                                self.topics, self.identity, self.ledger, self.metrics,
@@ -217,7 +224,10 @@ class Pipeline:
                                snapshots_per_window=self.cfg["checkpoint"]["snapshots_per_window"],
                                snapshot_reader=SimpleNamespace(
                                    consumer=self.clients.consumer(None),
-                                   topic=self.topics.snapshots))
+                                   topic=self.topics.snapshots),
+                               rollups=SliceRollups(spans, self.topics, self.identity,
+                                                    self.clients.consumer(None))
+                               if spans else None)
 
     # -- leading -----------------------------------------------------------------------------
     def lead(self) -> None:
@@ -253,7 +263,7 @@ class Pipeline:
         if worker is not None:
             from .summary import merge_summaries
             merge = lambda summaries, **kw: worker.call(merge_summaries, summaries, **kw)  # noqa: E731
-        return Leader(txn, self.ledger, self.clients.consumer(None), self.topics,
+        leader = Leader(txn, self.ledger, self.clients.consumer(None), self.topics,
                       self.identity, self.metrics, release_dir=cfg["release"]["dir"],
                       release_topic=cfg["release"]["topic"], loss=cfg["state"]["loss"],
                       error_bar_reps=cfg["release"]["error_bar_reps"],
@@ -267,6 +277,10 @@ class Pipeline:
                       audit_dir=cfg["audit"]["dir"] or os.path.join(cfg["checkpoint"]["dir"],
                                                                     "exports"),
                       closer=closer)
+        spans = self.rollup_spans()
+        if spans:
+            leader.rollups = RollupReleases(leader, spans)
+        return leader
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None

@@ -183,8 +183,11 @@ def _intake_state(consumer, topics) -> dict:
                                      ("audit export", EXPORT, EXPORTED))
         if ids[f"{ask}{rp}"] and ids[f"{ask}{rp}"] != ids[f"{done}{rp}"]]}
     if totals:
-        out["count_open"] = {"window": (cut or {}).get("closed", -1) + 1,
-                             "taken": sum(totals.values()) - (cut or {}).get("total", 0)}
+        cut = cut or {}
+        total = sum(totals.values())
+        out["count_open"] = {"window": cut.get("closed", -1) + 1,
+                             "taken": total - cut.get("total", 0),
+                             "to_cut": max(cut["next"] - total, 0) if "next" in cut else None}
     return out
 
 
@@ -258,9 +261,10 @@ def format_group_status(s: dict) -> list[str]:
             lines.append(f"... and {len(short) - 5} more window(s) waiting")
     if s.get("count_open"):
         c = s["count_open"]
-        lines.append(f"count window {c['window']} open: {c['taken']:,} of "
-                     f"{int(ident.get('window_size') or 0):,} events taken (committed by the "
-                     "intake)")
+        size = int(ident.get("window_size") or 0)
+        to_cut = c["to_cut"] if c["to_cut"] is not None else max(size - c["taken"], 0)
+        lines.append(f"count window {c['window']} open: {c['taken']:,} events taken (committed "
+                     f"by the intake), cut after {to_cut:,} more (windows of {size:,})")
     for kind in s.get("requests_pending") or []:
         lines.append(f"a {kind} is asked and not yet answered by the leader")
     last = s.get("last_release")

@@ -31,32 +31,46 @@ from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 
-__all__ = ["partition_summary", "merge_summaries", "SUMMARY_FORMAT"]
+__all__ = ["partition_summary", "view_summary", "merge_summaries", "SUMMARY_FORMAT"]
 
 SUMMARY_FORMAT = "panagg.summary"
 
 
 # -- pure parts: summary and merge -------------------------------------------------------------------
 def partition_summary(state: PanPrivateHistogram, *, model: str, window: int, partition: int,
-                      partitions: int, window_info: dict, rng=None) -> dict:
+                      partitions: int, window_info: dict, rng=None,
+                      view: list | None = None) -> dict:
     """The summary of one partition's window: noisy-value counts of its counters.
 
     Model ``"joint"`` adds the release layer W first (a fresh DLap(p) draw per counter; ``rng`` is
     a test-only source), so the summary is exactly what a one-state release would be computed
     from. The summary is post-processing of that view: it carries no more than the release.
+    ``view`` (a list) receives ``(counters, layers)``: that very view, for the sum rollups
+    (rollups.py; a second draw of W would be a second look at the window).
     """
     counts, layers = state.counts, state.layers
     if model == "joint":
         counts = counts + discrete_laplace(state.p, state.size, rng=rng)
         layers += 1
+    if view is not None:
+        view.append((counts, int(layers)))
+    return view_summary(counts, layers=layers, model=model, window=int(window),
+                        partition=partition, partitions=partitions, window_info=window_info,
+                        n=state.n, params=state)
+
+
+def view_summary(counts, *, layers: int, model: str, window, partition: int, partitions: int,
+                 window_info: dict, n: int, params) -> dict:
+    """The summary of released counters ``counts`` (``layers`` DLap layers) of a partition's
+    slice; ``params`` has the state's mode, size, epsilon, neighbor and p."""
     vc = noisy_value_counts(counts)
     nz = np.flatnonzero(vc.c)
     return {
-        "format": SUMMARY_FORMAT, "version": 1, "window": int(window),
+        "format": SUMMARY_FORMAT, "version": 1, "window": window,
         "partition": int(partition), "partitions": int(partitions),
-        "mode": state.mode, "size": int(state.size), "epsilon": state.epsilon,
-        "neighbor": state.neighbor, "p": state.p, "layers": int(layers), "model": model,
-        "n": int(state.n), "window_info": dict(window_info),
+        "mode": params.mode, "size": int(params.size), "epsilon": params.epsilon,
+        "neighbor": params.neighbor, "p": params.p, "layers": int(layers), "model": model,
+        "n": int(n), "window_info": dict(window_info),
         "values": [[int(vc.lo + i), int(vc.c[i])] for i in nz],
     }
 

@@ -11,6 +11,8 @@ several ``[aggregations.NAME]`` each has its own set, ``<group>.panagg.<NAME>.*`
     <group>.panagg.releases      the merged release documents; compacted, key <window>
     <group>.panagg.exports       audit exports: exported slices, then the signed document
     <group>.panagg.snapshots     layered snapshots of open windows, partition p, key p
+    <group>.panagg.rollups       sum rollups: partition p's running sums of its slice's release
+                                 views, key <span>/<index>; tombstoned when the rollup closes
     <group>.panagg.members       each member's latest report (partitions, readiness, metrics URL)
     <group>.panagg.intake        per source partition, the next offset already repartitioned
                                  (compacted; the intake never repartitions a record twice, even
@@ -85,6 +87,13 @@ class GroupTopics:
         return f"{self.prefix}.snapshots"
 
     @property
+    def rollups(self) -> str:
+        """The open sum rollups' running sums (window.rollups, rollup_design = sum): partition
+        p, key ``<span>/<index>``, the latest only (compacted); tombstoned once the rollup's
+        summary is written (rollups.py)."""
+        return f"{self.prefix}.rollups"
+
+    @property
     def exports(self) -> str:
         """Audit exports: each partition's exported slice until the leader signs the whole
         (key ``slice/<id>/<p>``), then the signed document (key ``doc/<id>``)."""
@@ -119,6 +128,9 @@ class GroupTopics:
             self.exports: (1, dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
             self.snapshots: (int(partitions),
                              dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
+            # a sum holds its slice's counters (8 bytes each): the producer sends up to 16 MB
+            self.rollups: (int(partitions),
+                           dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
             self.intake: (1, compact),
             self.members: (1, compact),
         }
