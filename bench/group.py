@@ -234,9 +234,11 @@ def count_windows(boot, tmp, n=200_000, size=20_000, rate=5_000, members=2) -> d
     over = np.array(sizes) / size - 1.0
     row = {"size": size, "rate": rate, "members": members, "windows": sizes,
            "overshoot_mean": float(over.mean()), "overshoot_max": float(over.max()),
+           "overshoot_min": float(over.min()),
            "overshoot_max_s": float(over.max() * size / rate)}
     print(f"count windows of {size:,} at {rate:,} events/s, {members} members: "
-          f"n/N - 1 mean {row['overshoot_mean']:+.3f}, max {row['overshoot_max']:+.3f} "
+          f"n/N - 1 mean {row['overshoot_mean']:+.3f}, min {row['overshoot_min']:+.3f}, "
+          f"max {row['overshoot_max']:+.3f} "
           f"({row['overshoot_max_s']:.2f} s of the stream)", file=sys.stderr)
     return row
 
