@@ -68,14 +68,6 @@ def _histogram(doc):
      "windows); use multiples of '5x' or window.rollup_design = tree"),
     (["window.size=1000", "window.rollups=3x", "state.model=state-only"],
      "window.rollups needs state.model = joint"),
-    (["window.kind=event_time", "window.size=60", "window.rollups=3x",
-      "window.rollup_design=sum", "scale.partitioned=true", "source.kind=kafka",
-      "source.topic=t"],
-     "window.rollups as sums of base windows (window.rollup_design = sum, and the spans after "
-     "the first with hybrid) is not built for a group's event-time windows yet"),
-    (["window.kind=event_time", "window.size=60", "window.rollups=3x,6x",
-      "scale.partitioned=true", "source.kind=kafka", "source.topic=t"],  # 6x: a sum of 3x
-     "aggregations.r3x: window.rollups as sums of base windows"),
 ])
 def test_bad_rollup_settings_are_refused_with_one_line(sets, fragment):
     with pytest.raises(ConfigError) as exc:
@@ -83,14 +75,17 @@ def test_bad_rollup_settings_are_refused_with_one_line(sets, fragment):
     assert fragment in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_sums_and_hybrid_spans_run_in_a_group_of_intake_time_windows():
-    """A group takes sum rollups (aggregator/service/group/rollups.py): plain sums, and a
-    hybrid level's longer spans as sums of the level's windows."""
-    group = ["window.kind=time", "window.size=60", "scale.partitioned=true",
+@pytest.mark.parametrize("kind", ["time", "event_time", "count"])
+def test_sums_and_hybrid_spans_run_in_a_group(kind):
+    """A group takes sum rollups (aggregator/service/group/rollups.py) of every window kind:
+    plain sums, and a hybrid level's longer spans as sums of the level's windows."""
+    group = [f"window.kind={kind}", "window.size=60", "scale.partitioned=true",
              "source.kind=kafka", "source.topic=t"]
     cfg = load_config(None, ["source.kind=generator", *group, "window.rollups=3x",
                              "window.rollup_design=sum"], env={})
     assert rollup_spans(cfg) == {"3x": 3} and not cfg["aggregations"]
+    if kind != "time":
+        return
     cfg = load_config(None, ["source.kind=generator", *group, "window.rollups=3x,6x"], env={})
     assert cfg["aggregations"]["r3x"]["window"] == {"rollup_design": "sum", "size": 180,
                                                     "rollups": ["2x"]}

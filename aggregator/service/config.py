@@ -675,15 +675,6 @@ def rollup_spans(cfg: dict) -> dict[str, int]:
     names = cfg["window"]["rollups"]
     if not names:
         return {}
-    if cfg["scale"]["partitioned"] and cfg["window"]["rollup_design"] == "sum" and \
-            cfg["window"]["kind"] == "event_time":
-        # a group skips event-time windows without events (never released): a partition's sum
-        # would hold a view the ledger has not released
-        raise ConfigError(
-            "window.rollups as sums of base windows (window.rollup_design = sum, and the spans "
-            "after the first with hybrid) is not built for a group's event-time windows yet; "
-            "use window.kind = time (intake time), or window.rollup_design = tree; "
-            "docs/scale-out.md")
     if cfg["state"]["model"] != "joint":
         raise ConfigError(f"window.rollups needs state.model = joint (got "
                           f"{cfg['state']['model']}: a rollup sums the release views, which "

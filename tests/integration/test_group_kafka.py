@@ -1377,6 +1377,69 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
           f"killed {victim}")
 
 
+def test_sum_rollups_of_event_time_windows_in_a_group(kafka_broker, tmp_path):
+    """window.rollups = 3x as sums over a group's event-time windows, a member killed -9
+    mid-stream: every event-time window released once, each rollup the sum of its released
+    windows' n at 0 eps; windows no event fell in (skipped, never ledgered) are in the sums as
+    noise layers only and named as such, never as base windows."""
+    from aggregator.service.rollup import ROLLUP_ARGUMENT
+
+    parts = 4
+    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 9)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
+                      "--set", f"window.size={ET_SIZE}",
+                      "--set", f"window.allowed_lateness_s={ET_LATENESS}",
+                      "--set", "window.rollups=3x", "--set", "window.rollup_design=sum")
+    flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
+    try:
+        members.start("m1")
+        time.sleep(4)
+        members.start("m2")
+        half = len(stream) // 2
+        _produce_stamped(kafka_broker, topic, stream[:half])
+        members.kill("m2")
+        members.start("m2")
+        _produce_stamped(kafka_broker, topic, stream[half:])
+        for p in range(parts):           # every partition passes the last window
+            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        wait_for_total(kafka_broker, topics, len(stream), 240, members)
+        last = max(d["window"] for d in releases(kafka_broker, topics))
+        deadline = time.monotonic() + 90
+        while not any(d["rollup"]["index"] == last // 3
+                      for d in releases(kafka_broker, topics, rollups=True)):
+            assert time.monotonic() < deadline, f"no last rollup\n{members.logs()}"
+            time.sleep(1)
+    finally:
+        members.stop_all()
+    try:
+        base = {d["window"]: d for d in releases(kafka_broker, topics)}
+        rolls = releases(kafka_broker, topics, rollups=True)
+        names = [d["window"] for d in rolls]
+        assert len(names) == len(set(names)), "a rollup was released twice"
+        covered = []
+        for d in rolls:
+            r = d["rollup"]
+            assert set(r["windows"]) <= set(base), r      # only released windows are bases
+            quiet = r.get("noise_only_windows", [])
+            assert not set(quiet) & set(base)
+            assert d["n"] == sum(base[w]["n"] for w in r["windows"])
+            assert d["layers"] == 2 * (len(r["windows"]) + len(quiet))
+            assert r["epsilon_spent"] == 0.0 and r["argument"] == ROLLUP_ARGUMENT
+            covered += r["windows"]
+        assert sorted(covered) == sorted(base), "a released window is in no rollup, or two"
+        assert sum(d["n"] for d in rolls) == len(stream)
+        ledger = read_ledger(kafka_broker, topics)
+        entries = [e for e in ledger.entries if e["kind"] in ("rollup", "refused-rollup")]
+        assert sorted(e["window"] for e in entries) == sorted(names)
+        assert all(e["kind"] == "rollup" and e["epsilon_spent"] == 0.0 for e in entries)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{members.logs()}") from None
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
+        members.logs()
+    print(f"\n{len(base)} event-time windows, {len(rolls)} rollups, noise-only windows "
+          f"{sorted(w for d in rolls for w in d['rollup'].get('noise_only_windows', []))}")
+
+
 def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_record_counts(
         kafka_broker, tmp_path):
     """window.idle_partition_timeout_s in a group: a source partition that got a few records and

@@ -320,7 +320,7 @@ class Counter:
 
         p, sl = task.partition, task.slice
         key = f"{self.topics.repartition}:{p}"
-        out = []
+        out, rolled = [], []
         for w, live in sl.to_close(upto):
             state = live.state if live is not None else task._make_state()
             start = live.first if live is not None else marker + 1
@@ -334,15 +334,25 @@ class Counter:
                     "allowed_lateness_s": float(self.identity.get("allowed_lateness_s", 0.0)),
                     "start_offset": start, "end_offset": marker + 1}
             refused = self._refusal(w, ranges) if live is not None else None
+            view = [] if self.rollups is not None else None
             if refused:
                 summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
                            "partitions": self.P, "refused": refused, "ranges": ranges,
                            "member": self.member}
             else:
                 summary = partition_summary(state, model=self.identity["model"], window=w,
-                                            partition=p, partitions=self.P, window_info=info)
+                                            partition=p, partitions=self.P, window_info=info,
+                                            view=view)
                 summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
             out.append((w, summary))
+            if self.rollups is not None:
+                # the same view into the rollup sums; applied at once so the next window of
+                # this close adds to it (an aborted close re-reads the sums: _abort, _sync)
+                msgs, apply = self.rollups.fold(
+                    p, w, view[0] if view else None, state=state, events=info["events"],
+                    member=self.member, times=(info["started_unix"], info["ended_unix"]))
+                rolled += msgs
+                apply()
         resume, closed_there = sl.resume_point(upto, marker + 1)
         head = self.ledger.head()
         meta = json.dumps({"w": upto + 1, "k": closed_there, "c": upto,
@@ -353,6 +363,8 @@ class Counter:
             for w, summary in out:
                 txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
                          value=json.dumps(summary, allow_nan=False).encode())
+            for topic, part, rkey, value in rolled:
+                txn.send(topic, partition=part, key=rkey, value=value)
             tp = TopicPartition(self.topics.repartition, p)
             txn.send_offsets({tp: OffsetAndMetadata(resume, meta, -1)},
                              self.consumer.group_metadata())

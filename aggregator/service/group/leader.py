@@ -145,7 +145,8 @@ class Leader:
                 self.pending.setdefault(int(s["window"]), {})[int(s["partition"])] = s
                 self._first_seen.setdefault(int(s["window"]), time.time())
         if self.rollups is not None:
-            self.rollups.step(self.decided())
+            # (event-time windows without events are skipped, not ledgered: settled too)
+            self.rollups.step(self.decided() | self._skipped)
         if self._in_flight is not None:
             w, fut = self._in_flight
             if not fut.done():

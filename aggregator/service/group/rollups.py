@@ -195,6 +195,13 @@ class SliceRollups:
 
 
 # -- leading: the ledger's answer and the release ---------------------------------------------
+def noise_only(have: dict[int, dict], uid: str, P: int) -> bool:
+    """Whether base window ``uid`` is in all P partitions' sums with no event in any: a window
+    no event fell in, its views noise alone."""
+    parts = [s["parts"].get(uid) for s in have.values()]
+    return len(parts) == P and all(x is not None and not x.get("events") for x in parts)
+
+
 def judge_rollup(have: dict[int, dict], ledger, identity: dict) -> tuple[str | None, list, list]:
     """The ledger's answer for a rollup from its P partition summaries ``have``: ``(reason,
     entries, missing)``; ``reason`` is None when it may be published over the base windows'
@@ -211,6 +218,11 @@ def judge_rollup(have: dict[int, dict], ledger, identity: dict) -> tuple[str | N
     for uid in sorted(held, key=lambda u: int(u.rsplit("/", 1)[1])):
         e = ledger.get(uid)
         w = uid.rsplit("/", 1)[1]
+        if e is None and noise_only(have, uid, P):
+            # an event-time window no event fell in (the leader skipped it, nothing charged):
+            # its views are noise alone, independent of the data; they stay in the sum as
+            # layers and are not a base window of the release
+            continue
         if e is None or e.get("kind") != "release":
             return (f"rollup {name} refused: base window {w} is not a ledgered release (a "
                     "rollup only adds up released views); nothing of it is published",
@@ -266,7 +278,9 @@ class RollupReleases:
         held = {int(u.rsplit("/", 1)[1]) for x in have.values() for u in x["parts"]}
         if last >= int(lead.identity["first_window"]):
             held.add(last)
-        return held <= decided
+        # windows are decided in order: one below a decided window was decided or skipped
+        top = max(decided, default=None)
+        return all(w in decided or (top is not None and w < top) for w in held)
 
     def step(self, decided: set[int]) -> None:
         lead = self.leader
@@ -290,6 +304,11 @@ class RollupReleases:
                 self._transact(key, have, entry=None, document=None)
                 continue
             reason, entries, missing = judge_rollup(have, lead.ledger, lead.identity)
+            if not reason and not entries:
+                log.info("rollup %s-%d holds only windows no event fell in: nothing to "
+                         "release", *key)
+                self._transact(key, have, entry=None, document=None)
+                continue
             if reason:
                 log.warning("%s", reason)
                 self._transact(key, have, document=None, entry=dict(
@@ -312,14 +331,20 @@ class RollupReleases:
         have = self.pending.get(key, {})
         name = f"{span}-{idx}"
         r = RollupSum(span, idx, windows=self.spans[span], p=release["p"], mode="", size=0)
+        quiet = set()
         for s in have.values():
             for uid, part in s["parts"].items():
-                r.parts.setdefault(uid, part)
+                if noise_only(have, uid, lead.P):
+                    quiet.add(int(uid.rsplit("/", 1)[1]))
+                else:
+                    r.parts.setdefault(uid, part)
         info = release["window_info"]
         release["window_info"] = {k: info[k] for k in ("kind", "size", "events",
                                                        "started_unix", "ended_unix")}
         release["window_info"]["base_kind"] = lead.window_kind
         release["rollup"] = rollup_block(r, missing, release["layers"])
+        if quiet:   # in the sum as noise layers only (event-time windows with no event)
+            release["rollup"]["noise_only_windows"] = sorted(quiet)
         if missing:
             release["caveat"] = missing_caveat(name, len(r.parts), r.windows, missing)
             log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
