@@ -308,6 +308,26 @@ def test_a_broker_killed_mid_window_and_restarted_loses_and_doubles_nothing(tmp_
         broker.stop()
 
 
+def _feed_across_a_kill(members, bootstrap, topic, items, rate):
+    """m1 makes the group, m2 joins; half the items at ``rate``/s, m2 killed -9 and started
+    again, then the other half."""
+    members.start("m1")
+    time.sleep(4)
+    members.start("m2")
+    half = len(items) // 2
+    produce(bootstrap, topic, items[:half], rate)
+    members.kill("m2")
+    members.start("m2")
+    produce(bootstrap, topic, items[half:], rate)
+
+
+def _user_ip_records(n):
+    """``n`` records of a user (Zipf over the domain) and an IP (one of 5,000)."""
+    rng = np.random.default_rng()
+    return [msgpack.packb({"user": int(u), "ip": f"10.0.{i // 256}.{i % 256}"})
+            for u, i in zip(np.minimum(rng.zipf(1.3, n), D - 1), rng.integers(0, 5000, n))]
+
+
 def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_path):
     """Two aggregations of one unkeyed topic (accounts in direct mode, IPs hashed), two
     members, one killed -9 and restarted: the source is read once, each aggregation has its own
@@ -319,12 +339,8 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
              "--set", "aggregations.ip.item.field=ip", "--set", "aggregations.ip.state.mode=hashed",
              "--set", "aggregations.ip.state.expected_n=5000")
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
-    rng = np.random.default_rng()
     n = 30_000
-    users = np.minimum(rng.zipf(1.3, n), D - 1)
-    ips = rng.integers(0, 5000, n)
-    records = [msgpack.packb({"user": int(u), "ip": f"10.0.{i // 256}.{i % 256}"})
-               for u, i in zip(users, ips)]
+    records = _user_ip_records(n)
     try:
         members.start("m1")
         time.sleep(4)
@@ -397,13 +413,7 @@ def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tm
     members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.rollups=6s")
     items = np.minimum(np.random.default_rng().zipf(1.3, 20_000), D - 1)
     try:
-        members.start("m1")
-        time.sleep(4)
-        members.start("m2")
-        produce(kafka_broker, topic, items[:10_000], 4000)
-        members.kill("m2")
-        members.start("m2")
-        produce(kafka_broker, topic, items[10_000:], 4000)
+        _feed_across_a_kill(members, kafka_broker, topic, items, 4000)
         for name in ("base", "r6s"):
             wait_for_total(kafka_broker, GroupTopics(group, name), len(items), 180, members)
     finally:
@@ -508,13 +518,7 @@ def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broke
     topics = GroupTopics(group)
     items = np.minimum(np.random.default_rng().zipf(1.3, 20_000), D - 1)
     try:
-        members.start("m1")
-        time.sleep(4)
-        members.start("m2")
-        produce(kafka_broker, topic, items[:10_000], 4000)
-        members.kill("m2")
-        members.start("m2")
-        produce(kafka_broker, topic, items[10_000:], 4000)
+        _feed_across_a_kill(members, kafka_broker, topic, items, 4000)
         wait_for_total(kafka_broker, topics, len(items), 180, members)
         wait_for_rollups(kafka_broker, topics, 3)
     finally:
@@ -581,12 +585,8 @@ def test_sum_rollups_of_two_aggregations_are_independent(kafka_broker, tmp_path)
         "--set", "aggregations.user.window.rollup_design=sum",
         "--set", "aggregations.ip.window.rollups=2x",
         "--set", "aggregations.ip.window.rollup_design=sum")
-    rng = np.random.default_rng()
     n = 20_000
-    users = np.minimum(rng.zipf(1.3, n), D - 1)
-    ips = rng.integers(0, 5000, n)
-    records = [msgpack.packb({"user": int(u), "ip": f"10.0.{i // 256}.{i % 256}"})
-               for u, i in zip(users, ips)]
+    records = _user_ip_records(n)
     try:
         members.start("m1")
         time.sleep(4)
@@ -628,13 +628,7 @@ def test_hybrid_spans_after_the_first_are_sums_of_the_level_in_a_group(kafka_bro
     items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
     level = GroupTopics(group, "r4s")
     try:
-        members.start("m1")
-        time.sleep(4)
-        members.start("m2")
-        produce(kafka_broker, topic, items[:15_000], 3000)
-        members.kill("m2")
-        members.start("m2")
-        produce(kafka_broker, topic, items[15_000:], 3000)
+        _feed_across_a_kill(members, kafka_broker, topic, items, 3000)
         for name in ("base", "r4s"):
             wait_for_total(kafka_broker, GroupTopics(group, name), len(items), 180, members)
         wait_for_rollups(kafka_broker, level, 3)

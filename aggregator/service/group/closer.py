@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .topics import read_partition
+from .topics import follow_intake
 from .watermark import MarkRecord, closable_upto, low_watermark, opening_window
 
 __all__ = ["Closer"]
@@ -45,8 +45,6 @@ class Closer:
     """
 
     def __init__(self, txn, reader, topics, partitions: int, sources: list[str], clock):
-        from kafka import TopicPartition
-
         self.txn, self.reader, self.topics = txn, reader, topics
         self.P, self.sources, self.clock = int(partitions), list(sources), clock
         self.marks: dict[str, MarkRecord] = {}
@@ -54,10 +52,7 @@ class Closer:
         self.closed: int | None = None
         self._close_key = MarkRecord.close_key(topics.repartition)
         self._prefix = f"wm:{topics.repartition}:"
-        self._tp = TopicPartition(topics.intake, 0)
-        reader.assign([self._tp])
-        reader.seek_to_beginning(self._tp)
-        read_partition(reader, self._tp, self._take)
+        self._read = follow_intake(reader, topics, self._take)
 
     def _take(self, r) -> None:
         key = r.key.decode() if r.key else ""
@@ -73,11 +68,6 @@ class Closer:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         return low_watermark(self.marks, self.sources, now_ms=now_ms,
                              idle_timeout_ms=self.clock.idle_timeout_ms)
-
-    def _read(self) -> None:
-        for records in self.reader.poll(timeout_ms=0).values():
-            for r in records:
-                self._take(r)
 
     def force(self, also) -> int | None:
         """A forced release (forced.py): close every window up to the newest one a source

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import logging
 
-from .topics import read_partition
+from .topics import follow_intake
 
 __all__ = ["CountCloser", "cut_key"]
 
@@ -64,8 +64,6 @@ class CountCloser:
     """
 
     def __init__(self, txn, reader, topics, partitions: int, size: int):
-        from kafka import TopicPartition
-
         self.txn, self.reader, self.topics = txn, reader, topics
         self.P, self.size = int(partitions), int(size)
         #: source partition -> events the intake has sent (committed), as published
@@ -75,10 +73,8 @@ class CountCloser:
         self.closed, self.cut_at, self.next_at = -1, 0, self.size
         self._cut_key = cut_key(topics.repartition)
         self._prefix = f"n:{topics.repartition}:"
-        self._tp = TopicPartition(topics.intake, 0)
-        reader.assign([self._tp])
-        reader.seek_to_beginning(self._tp)
-        read_partition(reader, self._tp, self._take)
+        #: ``read()``: the totals and cuts committed since (never waits)
+        self.read = follow_intake(reader, topics, self._take)
 
     def _take(self, r) -> None:
         key = r.key.decode() if r.key else ""
@@ -92,11 +88,6 @@ class CountCloser:
         elif key.startswith(self._prefix):
             src = key[len(self._prefix):]
             self.totals[src] = max(self.totals.get(src, 0), int(r.value))
-
-    def read(self) -> None:
-        for records in self.reader.poll(timeout_ms=0).values():
-            for r in records:
-                self._take(r)
 
     @property
     def total(self) -> int:

@@ -223,17 +223,20 @@ class Leader:
     def _force_event_time(self, rid: str) -> None:
         """A forced release of an event-time group: the closer closes every window up to the
         newest one seen, the answer in its transaction."""
-        from kafka.errors import KafkaError
-
         k = self.closer.force(lambda txn, upto: self.requests.send_answer(
             txn, "release", rid, upto))
         if k is not None:
             self.requests.answered("release", rid)
             return
+        self._refuse_request("release", rid, "the group's event-time windows have not opened "
+                             "yet (no records read): nothing to release")
+
+    def _refuse_request(self, kind: str, rid: str, error: str) -> None:
+        """Answer a forced release or export with ``error`` alone (nothing closes)."""
+        from kafka.errors import KafkaError
+
         try:
-            self.requests.answer(self.txn, "release", rid, None, self.P,
-                                 error="the group's event-time windows have not opened yet "
-                                 "(no records read): nothing to release")
+            self.requests.answer(self.txn, kind, rid, None, self.P, error=error)
         except KafkaError as exc:
             self.txn.failed(exc)
             raise
@@ -241,19 +244,12 @@ class Leader:
     def _force_count(self, kind: str, rid: str) -> None:
         """A forced release or an export of a count-window group: the count closer cuts the
         open window now, the answer in its transaction (count_windows.py)."""
-        from kafka.errors import KafkaError
-
         closer = self.closer
         closer.read()
         if kind == "release" and closer.total == closer.cut_at:
             # an empty window is not released (as one process has nothing to release)
-            try:
-                self.requests.answer(self.txn, "release", rid, None, self.P,
-                                     error="the open count window holds no events yet: "
-                                     "nothing to release")
-            except KafkaError as exc:
-                self.txn.failed(exc)
-                raise
+            self._refuse_request("release", rid, "the open count window holds no events yet: "
+                                 "nothing to release")
             return
         closer.force(lambda txn, k: self.requests.send_answer(txn, kind, rid, k),
                      export_id=rid if kind == "export" else None)
@@ -388,18 +384,23 @@ class Leader:
         if not self._transact(w, have, entry=entry, document=doc):
             return
         self.released.append(release)
-        try:
-            path = write_release(release, self.release_dir, plot=False)
-        except OSError as exc:  # the document is in Kafka; the local file is a convenience
-            log.warning("release of window %d is in %s but its local file failed (%s)", w,
-                        self.topics.releases, exc.strerror)
-            path = None
+        path = self.local_file(release, f"release of window {w}")
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
         self.metrics.published(release)
         log.info("published release of %swindow %d: n=%d over %d partitions -> %s",
                  f"{self.aggregation} " if self.aggregation else "", w, release["n"], self.P,
                  path or self.topics.releases)
+
+    def local_file(self, release: dict, what: str) -> str | None:
+        """The release's file in ``release.dir`` once its document is in Kafka (None: the
+        write failed, said in one line; the local file is a convenience)."""
+        try:
+            return write_release(release, self.release_dir, plot=False)
+        except OSError as exc:
+            log.warning("%s is in %s but its local file failed (%s)", what,
+                        self.topics.releases, exc.strerror)
+            return None
 
     def _transact(self, w: int, have: dict, *, entry: dict, document: str | None) -> bool:
         from kafka.errors import KafkaError

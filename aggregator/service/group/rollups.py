@@ -53,7 +53,6 @@ import logging
 import time
 from types import SimpleNamespace
 
-from ...release import write_release
 from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, rollup_block
 from .summary import merge_summaries, view_summary
 from .topics import read_partition
@@ -365,12 +364,7 @@ class RollupReleases:
                      missing=[m["window"] for m in missing], lineage=lead.identity["lineage"],
                      document_sha256=hashlib.sha256(doc.encode()).hexdigest())
         self._transact(key, have, entry=entry, document=doc)
-        try:
-            path = write_release(release, lead.release_dir, plot=False)
-        except OSError as exc:  # the document is in Kafka; the local file is a convenience
-            log.warning("rollup %s is in %s but its local file failed (%s)", name,
-                        lead.topics.releases, exc.strerror)
-            path = None
+        path = lead.local_file(release, f"rollup {name}")
         lead.metrics.rollup_released(span, release)
         lead.metrics.published(release)
         log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["GroupTopics", "GroupTopicError", "read_partition"]
+__all__ = ["GroupTopics", "GroupTopicError", "read_partition", "follow_intake"]
 
 
 def read_partition(consumer, tp, on_record, timeout_s: float = 30.0) -> bool:
@@ -46,6 +46,24 @@ def read_partition(consumer, tp, on_record, timeout_s: float = 30.0) -> bool:
             for record in records:
                 on_record(record)
     return True
+
+
+def follow_intake(reader, topics, on_record):
+    """Assign ``reader`` (no group, read committed) the intake topic's one partition, hand
+    ``on_record`` everything committed there now, and return ``read()``: the records committed
+    since, without waiting (the leader's closers follow the intake's marks this way)."""
+    from kafka import TopicPartition
+
+    tp = TopicPartition(topics.intake, 0)
+    reader.assign([tp])
+    reader.seek_to_beginning(tp)
+    read_partition(reader, tp, on_record)
+
+    def read() -> None:
+        for records in reader.poll(timeout_ms=0).values():
+            for r in records:
+                on_record(r)
+    return read
 
 
 class GroupTopicError(RuntimeError):
