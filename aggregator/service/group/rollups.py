@@ -333,7 +333,7 @@ class RollupReleases:
         quiet = set()
         for s in have.values():
             for uid, part in s["parts"].items():
-                if noise_only(have, uid, lead.P):
+                if lead.ledger.get(uid) is None and noise_only(have, uid, lead.P):
                     quiet.add(int(uid.rsplit("/", 1)[1]))
                 else:
                     r.parts.setdefault(uid, part)
