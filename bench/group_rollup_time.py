@@ -26,7 +26,7 @@ def main(D: int, P: int, k: int, reps: int) -> None:
     ident = {"lineage": "L", "model": "joint", "window_size": 3600.0, "partitions": P,
              "size": D}
     rolls = SliceRollups({"x": k}, None, ident)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng()   # synthetic counts; the layers come from the CSPRNG
     summaries, folding = [], 0.0
     for p in range(P):
         rolls.sums[p] = {}
