@@ -19,6 +19,7 @@ The same hash-chained entries and budget rules as the one-process ledger file
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from ..ledger import GENESIS, Ledger, LedgerError
@@ -128,11 +129,23 @@ class TopicLedger(Ledger):
         self._pending.append(entry)
         return True
 
-    def committed(self) -> None:
+    def committed(self, timeout_s: float = 30.0) -> None:
         """The transaction with the pending entries committed: read them back from the topic
-        (so the copy in memory is always what the topic holds, chain checked)."""
+        (so the copy in memory is always what the topic holds, chain checked). The commit can
+        return before its marker moves the topic's last stable offset, so the read goes on
+        until they are in: an append computed from a copy without them would reuse their seq
+        and fork the chain (seen once: "offset 8 has seq 4 where 5 belongs")."""
+        want = self._pending[-1]["seq"] if self._pending else None
         self._pending = []
-        self.read_to_end()
+        deadline = time.monotonic() + timeout_s
+        self.read_to_end(timeout_s)
+        while want is not None and self.head()["seq"] < want:
+            if time.monotonic() > deadline:
+                raise LedgerError(f"ledger topic {self.topic}: entry {want} was committed but "
+                                  f"could not be read back within {timeout_s:g} s; check the "
+                                  "broker")
+            time.sleep(0.02)
+            self.read_to_end(timeout_s)
 
     def aborted(self) -> None:
         self._pending = []
