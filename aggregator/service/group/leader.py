@@ -93,6 +93,9 @@ class Leader:
         #: windows they are decided in order, and one that got no event is not released
         self.count = identity.get("window_kind") == "count"
         self.window_kind = identity.get("window_kind", "time")
+        #: windows that end at the closer's markers (no clock): decided in order, an empty one
+        #: skipped, a late one timed from its first summary
+        self.by_marker = self.event_time or self.count
         self._first_seen: dict[int, float] = {}
         self._skipped: set[int] = set()
         self._tp = TopicPartition(topics.summaries, 0)
@@ -119,7 +122,7 @@ class Leader:
             # the first window is the closer's opening, not the identity's: the first summarized
             return min(self.pending) if self.pending else -1
         nxt = max(done) + 1 if done else int(self.identity["first_window"])
-        if self.event_time or self.count:
+        if self.by_marker:
             # every partition summarizes the windows of a marker in order, so the first window
             # after the decided ones that has a summary is the next one
             later = [w for w in self.pending if w >= nxt]
@@ -164,8 +167,7 @@ class Leader:
             self._notice_waiting(w, have)
             return
         self.metrics.summaries_overdue.set(0)
-        if (self.event_time or self.count) and \
-                not any(s.get("refused") or s.get("n") for s in have.values()):
+        if self.by_marker and not any(s.get("refused") or s.get("n") for s in have.values()):
             self._skip_empty(w, have)
             return
         refused = [s for s in have.values() if s.get("refused")]
@@ -313,8 +315,7 @@ class Leader:
 
     def _notice_waiting(self, w: int, have: dict) -> None:
         # an event-time window's end is in the records' time: count from its first summary
-        by_marker = self.event_time or self.count
-        due = (self._first_seen.get(w, time.time()) if by_marker
+        due = (self._first_seen.get(w, time.time()) if self.by_marker
                else (w + 1) * self.size + self.grace_s)
         late = time.time() - due
         if late < WAIT_NOTICE_S:
@@ -330,8 +331,8 @@ class Leader:
         log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
                     "%s: that member is stopped, stuck or gone (the group moves its "
                     "partitions after source.session_timeout_s)", w, named,
-                    self.topics.repartition, late + (0 if by_marker else self.grace_s),
-                    "its first summary" if by_marker else "its end")
+                    self.topics.repartition, late + (0 if self.by_marker else self.grace_s),
+                    "its first summary" if self.by_marker else "its end")
 
     @staticmethod
     def _ranges(have: dict) -> dict:

@@ -194,11 +194,17 @@ class SliceRollups:
 
 
 # -- leading: the ledger's answer and the release ---------------------------------------------
-def noise_only(have: dict[int, dict], uid: str, P: int) -> bool:
-    """Whether base window ``uid`` is in all P partitions' sums with no event in any: a window
-    no event fell in, its views noise alone."""
-    parts = [s["parts"].get(uid) for s in have.values()]
-    return len(parts) == P and all(x is not None and not x.get("events") for x in parts)
+def noise_only_windows(have: dict[int, dict], ledger, P: int) -> set[str]:
+    """The uids of the base windows that are in all P partitions' sums with no event in any and
+    have no ledger entry: event-time windows no event fell in (skipped, never released), their
+    views noise alone."""
+    out = set()
+    for uid in {u for s in have.values() for u in s["parts"]}:
+        parts = [s["parts"].get(uid) for s in have.values()]
+        if len(parts) == P and all(x is not None and not x.get("events") for x in parts) \
+                and ledger.get(uid) is None:
+            out.add(uid)
+    return out
 
 
 def judge_rollup(have: dict[int, dict], ledger, identity: dict) -> tuple[str | None, list, list]:
@@ -214,10 +220,11 @@ def judge_rollup(have: dict[int, dict], ledger, identity: dict) -> tuple[str | N
         for uid in s["parts"]:
             held.setdefault(uid, set()).add(p)
     entries = []
+    quiet = noise_only_windows(have, ledger, P)
     for uid in sorted(held, key=lambda u: int(u.rsplit("/", 1)[1])):
         e = ledger.get(uid)
         w = uid.rsplit("/", 1)[1]
-        if e is None and noise_only(have, uid, P):
+        if uid in quiet:
             # an event-time window no event fell in (the leader skipped it, nothing charged):
             # its views are noise alone, independent of the data; they stay in the sum as
             # layers and are not a base window of the release
@@ -330,12 +337,10 @@ class RollupReleases:
         have = self.pending.get(key, {})
         name = f"{span}-{idx}"
         r = RollupSum(span, idx, windows=self.spans[span], p=release["p"], mode="", size=0)
-        quiet = set()
+        quiet = noise_only_windows(have, lead.ledger, lead.P)
         for s in have.values():
             for uid, part in s["parts"].items():
-                if lead.ledger.get(uid) is None and noise_only(have, uid, lead.P):
-                    quiet.add(int(uid.rsplit("/", 1)[1]))
-                else:
+                if uid not in quiet:
                     r.parts.setdefault(uid, part)
         info = release["window_info"]
         release["window_info"] = {k: info[k] for k in ("kind", "size", "events",
@@ -343,7 +348,8 @@ class RollupReleases:
         release["window_info"]["base_kind"] = lead.window_kind
         release["rollup"] = rollup_block(r, missing, release["layers"])
         if quiet:   # in the sum as noise layers only (event-time windows with no event)
-            release["rollup"]["noise_only_windows"] = sorted(quiet)
+            release["rollup"]["noise_only_windows"] = sorted(int(u.rsplit("/", 1)[1])
+                                                             for u in quiet)
         if missing:
             release["caveat"] = missing_caveat(name, len(r.parts), r.windows, missing)
             log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
