@@ -230,8 +230,9 @@ def plot_example(path: str) -> None:
 
 
 def hashed_diagnostic(windows: int = 4) -> None:
-    """The issue's hashed setting (cell 0), window by window: truth, release, its interval at the
-    internal level 0.8, both candidate fits, the bootstrap's spread and root-mean-square
+    """The issue's hashed setting (cell 0), window by window: truth, release, its interval at
+    the internal level hashed releases use (release.internal_level(0.9, "hashed")), both
+    candidate fits, the bootstrap's spread and root-mean-square
     deviation (docs/accuracy_changes.md, "Intervals at their level"). Then where the under-count
     comes from: the inversion of Gamma^B applied to the *true* bucket totals (exact if the
     inversion is not the cause); the second moment of the bucket totals, sum_b T_b^2, true, the
@@ -243,7 +244,9 @@ def hashed_diagnostic(windows: int = 4) -> None:
         em_prevalences, forget_fits, noise_pmf,
     )
     from aggregator.largedomain import _invert
+    from aggregator.release import internal_level
 
+    inner = internal_level(0.9, "hashed")
     rng = np.random.default_rng(7)
     cell = CELLS[0]
     K, q = noise_pmf(math.exp(-cell[5] / 2), cell[6])
@@ -252,7 +255,7 @@ def hashed_diagnostic(windows: int = 4) -> None:
         items, vc, p = window(rng, cell)
         n, B = int(items.sum()), cell[2]
         h = anonymized_histogram(vc, p, layers=cell[6], n=n, buckets=B)
-        eb = intervals.error_bars(vc, p, layers=cell[6], n=n, buckets=B, reps=10, level=0.8,
+        eb = intervals.error_bars(vc, p, layers=cell[6], n=n, buckets=B, reps=10, level=inner,
                                   release=h)
         fits = {m: int(anonymized_cumulative(vc, p, layers=cell[6], n=n, buckets=B,
                                              method=m)[0]) for m in ("deconvolution", "mle")}

@@ -40,7 +40,7 @@ from ._data import real_profile
 from .grid import Cell
 from .lofo import family
 
-LEVELS = (0.9, 0.8, 0.7, 0.6, 0.5)
+LEVELS = (0.9, 0.8, 0.75, 0.7, 0.6, 0.5)
 REPS = 12
 OUT = Path("out/coverage28")
 MODES_RUN = ["direct", "hashed"]  # --mode narrows it
@@ -57,8 +57,9 @@ def cells() -> list[Cell]:
                             ("jb-zh", 0.1, 1.0), ("ac-en", 1.0, 1.0), ("py-ids", 0.1, 0.5)):
         D = len(real_profile(name))
         out.append(Cell("direct", name, int(frac * D), D, eps, REPS))
+    # (the new user: mostly distinct, n = 1e5 in B = 2e5 buckets, eps 1)
     for dist, n, eps in (("zipf", 10**4, 1.0), ("distinct", 10**4, 0.5), ("zipf1.5", 10**4, 2.0),
-                         ("zipf1.01", 3 * 10**4, 1.0)):
+                         ("zipf1.01", 3 * 10**4, 1.0), ("distinct", 10**5, 1.0)):
         out.append(Cell("hashed", dist, n, None, eps, REPS))
     return out
 
