@@ -272,9 +272,10 @@ def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> np.
     2e5, ~97,500 users mostly seen once, 2 layers, eps 1) the release was 7-8% low in every
     window. The shrunk start has the totals' mean and variance, and fits those users to +1%;
     but one linear map distorts heavy tails (Zipf(1.1), n = 1e5: 2.1x the l1 error). The
-    likelihood of the *item* histogram tells them apart: it preferred the smoothed start's fit
-    by 3-600 nats on every Zipf cell of the held-out grid and the shrunk one where it was
-    better (docs/accuracy_changes.md, "The hashed under-count, fixed").
+    likelihood of the *item* histogram tells them apart: on the held-out grid's Zipf-family
+    draws it kept the smoothed start's fit in 113 of 120 (median margin 9 nats), and the
+    default's error fell 6% / 10% on geometric mean at 1 / 2 layers, up to 2.8x on mostly
+    distinct items (docs/accuracy_changes.md, "The hashed under-count, fixed").
     """
     with bucket_counters():
         phi = deconvolved_prevalence(vc, p, layers=layers, shrunk_start=True)
