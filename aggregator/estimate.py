@@ -796,7 +796,7 @@ def em_prevalences(noisy_counts, p, *, layers=1, R=None) -> tuple[np.ndarray, np
 
 
 def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                      tol=None) -> list:
+                      tol=None, shrunk_start=False) -> list:
     """:func:`deconvolved_prevalence` (without n) of several counter sets at once: one SQUAREM
     loop over a matrix with one row per counter set (each row stops at its own step, by the
     same rule), so the ~25 numpy calls of an EM step are made once per step for all of them.
@@ -805,7 +805,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     The rows share one FFT length (the longest axis'), so a row's convolutions round
     differently from a run of its own: the results equal :func:`deconvolved_prevalence`'s to
     rounding (1e-12 relative on phi_{>=r}), not bit for bit; use that function where the
-    result must be reproducible exactly (the release itself).
+    result must be reproducible exactly (the release itself). ``shrunk_start`` as there.
     """
     k = _check_layers(layers)
     tol = deconv_tol(p, k) if tol is None else tol
@@ -835,7 +835,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
         prob = probs[i]
         w = prob.w / prob.w.sum()
         W[j, : len(w)], A[j, : len(w)] = w, prob.allowed
-        P[j, : len(w)] = prob.start(w)
+        P[j, : len(w)] = prob.start(w, shrunk_start)
         if prob.zero_idx is not None:
             zero[j] = prob.zero_idx
     # W is 0 where no counter is: W / max(M, 1e-300) is the EM's ratio there too (0), so the
@@ -904,10 +904,12 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
 
 
 def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, buckets=None,
-                               cap=None) -> list:
+                               cap=None, shrunk_start=None) -> list:
     """[:func:`anonymized_cumulative` of each counter set], the EM estimators of direct mode
     fitted together (:func:`deconvolved_batch`: equal to rounding, not bit for bit); for the
-    bootstrap's re-estimates. Everything else: one call per counter set."""
+    bootstrap's re-estimates. Everything else: one call per counter set. ``shrunk_start``:
+    hashed mode's early-stopped EM from that start for every set (the release's choice,
+    ``largedomain.chosen_start``); None: each set's likelier one."""
     many = list(many)
     k = _check_layers(layers)
     if method not in ("deconvolution", "mle") or not many:
@@ -917,7 +919,9 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
              if method == "deconvolution"
              else (MLE_MAX_ITER, MLE_TOL))
     vcs = [noisy_value_counts(x) for x in many]
-    phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1])
+    start = bool(shrunk_start) and buckets is not None and method == "deconvolution"
+    phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1],
+                             shrunk_start=start)
     if buckets is not None:  # the bucket counters' estimates, then the inversion of each
         from .largedomain import DEFAULT_VARIANT, _check_buckets, _hashed_cumulative
         B = _check_buckets(buckets)
@@ -930,7 +934,8 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
             if rule not in CAP_RULES:
                 raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
             out.append(_checked_cumulative(_hashed_cumulative(
-                vc, p, B, n, k, method, DEFAULT_VARIANT, None, rule, phi=phi)))
+                vc, p, B, n, k, method, DEFAULT_VARIANT, None, rule, phi=phi,
+                shrunk_start=shrunk_start)))
         return out
     out = []
     for vc, phi in zip(vcs, phis):

@@ -858,7 +858,12 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     if boot:
         boot_ys = {sm: [cumulative_from_counts(e) for e in boot[sm]] for sm in stand_ins}
     else:  # all re-estimates at once (the EM estimators run as one batched loop)
-        flat = anonymized_cumulative_many([s for sm in stand_ins for s in sims[sm]], p, **kw_boot)
+        start = None  # hashed early-stopped EM: the start the release took, for every draw
+        if buckets is not None and (kw_boot["method"] or chosen) == "deconvolution":
+            from .largedomain import DEFAULT_VARIANT, _start_key, chosen_start
+            start = chosen_start(_start_key(vc, p, buckets, n, layers, DEFAULT_VARIANT, None))
+        flat = anonymized_cumulative_many([s for sm in stand_ins for s in sims[sm]], p,
+                                          shrunk_start=start, **kw_boot)
         boot_ys = {sm: flat[i * int(reps): (i + 1) * int(reps)] for i, sm in enumerate(stand_ins)}
     st_est = _hist_stats(y)
     for sm in stand_ins:

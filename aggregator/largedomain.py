@@ -233,22 +233,50 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
 
 
 def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
-                       phi=None) -> np.ndarray:
+                       phi=None, shrunk_start=None) -> np.ndarray:
     """The l1 release's cumulative prevalence (before listing its counts): what
     :func:`hashed_histogram` lists, for callers that work on phi_{>=r} (the bootstrap).
-    ``phi``: :func:`hashed_phi_estimate` of these counters when the caller has it."""
+    ``phi``: :func:`hashed_phi_estimate` of these counters when the caller has it.
+    ``shrunk_start``: for the early-stopped EM, which start (:func:`_likelier_start`); None:
+    the one these counters' likelihood prefers (remembered: :func:`chosen_start`)."""
     from .estimate import _remembered_fit
+    layers = int(layers)
+    early = variant != "reduced" and _early_stopped(vc, p, layers, method)
+    key = _start_key(vc, p, B, n, layers, variant, m) if early else None
+    if early and shrunk_start is None:
+        shrunk_start = chosen_start(key)
     if phi is not None:
         psi = project_l1(phi)
+    elif early and shrunk_start:
+        with bucket_counters():
+            psi = project_l1(deconvolved_prevalence(vc, p, layers=layers, shrunk_start=True))
     else:  # auto's pilots on these bucket counters are the reduced estimates it would make
-        psi = None if method is None else _remembered_fit(vc, p, int(layers), method)
+        psi = None if method is None else _remembered_fit(vc, p, layers, method)
         if psi is None:
             psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n)
-    sparse = sparse_top(vc, p, int(layers))
+    sparse = sparse_top(vc, p, layers)
     y = _invert(psi, B, n, p, variant, m, sparse_above=sparse)
-    if variant != "reduced" and _early_stopped(vc, p, int(layers), method):
-        y = _likelier_start(vc, p, B, n, int(layers), variant, m, sparse, y)
+    if early and shrunk_start is None:
+        y, shrunk = _likelier_start(vc, p, B, n, layers, variant, m, sparse, y)
+        _STARTS[:] = [(key, shrunk)]
     return y if n is None else cap_total(y, n, cap)
+
+
+_STARTS: list = []  # the last (counters' key, shrunk start?): a release and its error bars ask
+
+
+def _start_key(vc, p, B, n, layers, variant, m) -> tuple:
+    import hashlib
+    digest = hashlib.blake2b(np.ascontiguousarray(vc.c).tobytes(), digest_size=16).digest()
+    return (vc.lo, digest, float(p), int(B), None if n is None else int(n), int(layers),
+            variant, m)
+
+
+def chosen_start(key) -> bool | None:
+    """The start the early-stopped EM's release took on the counters of ``key``
+    (:func:`_start_key`) if it is the last one decided, else None. The bootstrap re-runs that
+    start (conditional on the choice, as it re-runs the candidate ``auto`` chose)."""
+    return _STARTS[0][1] if _STARTS and _STARTS[0][0] == key else None
 
 
 def _early_stopped(vc, p, layers: int, method) -> bool:
@@ -261,11 +289,12 @@ def _early_stopped(vc, p, layers: int, method) -> bool:
     return method == "deconvolution"
 
 
-def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> np.ndarray:
+def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tuple:
     """The early-stopped EM's item histogram ``y`` (from the smoothed start), or the one from
     the shrunk start (``estimate._EMProblem.start``), whichever the bucket counters' likelihood
     of the item histogram prefers (:func:`aggregator.bucket_likelihood.bucket_loglik`; with n,
-    of both capped at n by ``"items"``).
+    of both capped at n by ``"items"``). Returns (that histogram, whether it is the shrunk
+    start's).
 
     Why: where a counter says little about its bucket's total, the early-stopped EM ends near
     its start, and the smoothed start is over-dispersed: in the issue's new-user window (B =
@@ -284,7 +313,8 @@ def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> np.
     def loglik(y_):  # (both as histograms of the n events, whatever the release's cap rule)
         return bucket_loglik(vc, y_ if n is None else cap_total(y_, n, "items"), B, p, layers)
 
-    return y_shrunk if loglik(y_shrunk) > loglik(y) else y
+    shrunk = loglik(y_shrunk) > loglik(y)
+    return (y_shrunk if shrunk else y), shrunk
 
 
 def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None,
