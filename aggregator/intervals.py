@@ -812,6 +812,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     top = float(n) if n is not None else math.inf
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
     spread, rms, gaps = {}, {}, {}  # per statistic, the largest over the stand-ins
+    other_start = None  # hashed: the early-stopped EM's fit from the start the release did not take
     # the stand-ins as cumulative prevalences: the bootstrap works on phi_{>=r} (a few thousand
     # distinct counts), not on the millions of counts they list at D = 1e7
     truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, **(kw | {"method": sm}))
@@ -860,8 +861,9 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     else:  # all re-estimates at once (the EM estimators run as one batched loop)
         start = None  # hashed early-stopped EM: the start the release took, for every draw
         if buckets is not None and (kw_boot["method"] or chosen) == "deconvolution":
-            from .largedomain import DEFAULT_VARIANT, _start_key, chosen_start
-            start = chosen_start(_start_key(vc, p, buckets, n, layers, DEFAULT_VARIANT, None))
+            from .largedomain import DEFAULT_VARIANT, _start_key, chosen_start, other_start_fit
+            key = _start_key(vc, p, buckets, n, layers, DEFAULT_VARIANT, None)
+            start, other_start = chosen_start(key), other_start_fit(key)
         flat = anonymized_cumulative_many([s for sm in stand_ins for s in sims[sm]], p,
                                           shrunk_start=start, **kw_boot)
         boot_ys = {sm: flat[i * int(reps): (i + 1) * int(reps)] for i, sm in enumerate(stand_ins)}
@@ -954,6 +956,11 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         r_h = y_h[:-1] - y_h[1:]
         rl[-1][: len(f_r)] = np.minimum(rl[-1][: len(f_r)], r_h - f_r)
         rh[-1][: len(f_r)] = np.maximum(rh[-1][: len(f_r)], r_h + f_r)
+    if other_start is not None and len(other_start):  # a gap like auto's between candidates
+        gaps["distinct"] = max(gaps.get("distinct", 0.0),
+                               abs(float(y[0] if len(y) else 0) - float(other_start[0])))
+        gaps["entropy"] = max(gaps.get("entropy", 0.0),
+                              abs(st_est[0] - _hist_stats(other_start)[0]))
     Rm = max(len(v) for v in lows)
     pad = (lambda v, fill: np.concatenate([v, np.full(Rm - len(v), fill)]))
     lower = np.clip(np.min([pad(v, 0.0) for v in lows], axis=0), 0.0, top)
@@ -982,7 +989,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         "spread": spread,
         "rms_error": rms,
         "stand_in_gap": gaps,
-        "selected": chosen == "auto",
+        "selected": chosen == "auto" or other_start is not None,
         # (no histogram of n events has more entropy than n singletons: log n)
         "entropy_nats": (max(h_hat - h_hi, 0.0), min(h_hat - h_lo, math.log(top))
                          if math.isfinite(top) and top >= 1 else h_hat - h_lo),

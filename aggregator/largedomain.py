@@ -257,12 +257,13 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     sparse = sparse_top(vc, p, layers)
     y = _invert(psi, B, n, p, variant, m, sparse_above=sparse)
     if early and shrunk_start is None:
-        y, shrunk = _likelier_start(vc, p, B, n, layers, variant, m, sparse, y)
-        _STARTS[:] = [(key, shrunk)]
+        y, shrunk, other = _likelier_start(vc, p, B, n, layers, variant, m, sparse, y)
+        _STARTS[:] = [(key, shrunk, other if n is None else cap_total(other, n, cap))]
     return y if n is None else cap_total(y, n, cap)
 
 
-_STARTS: list = []  # the last (counters' key, shrunk start?): a release and its error bars ask
+# the last (counters' key, shrunk start?, the other start's fit): a release and its error bars
+_STARTS: list = []
 
 
 def _start_key(vc, p, B, n, layers, variant, m) -> tuple:
@@ -277,6 +278,13 @@ def chosen_start(key) -> bool | None:
     (:func:`_start_key`) if it is the last one decided, else None. The bootstrap re-runs that
     start (conditional on the choice, as it re-runs the candidate ``auto`` chose)."""
     return _STARTS[0][1] if _STARTS and _STARTS[0][0] == key else None
+
+
+def other_start_fit(key) -> np.ndarray | None:
+    """phi_{>=r} of the start not taken on the counters of ``key`` (as :func:`chosen_start`),
+    capped as the release: another window of the same truth may take that one, so the change
+    test counts their gap as it counts the gap between ``auto``'s candidates."""
+    return _STARTS[0][2] if _STARTS and _STARTS[0][0] == key else None
 
 
 def _early_stopped(vc, p, layers: int, method) -> bool:
@@ -294,7 +302,7 @@ def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tup
     the shrunk start (``estimate._EMProblem.start``), whichever the bucket counters' likelihood
     of the item histogram prefers (:func:`aggregator.bucket_likelihood.bucket_loglik`; with n,
     of both capped at n by ``"items"``). Returns (that histogram, whether it is the shrunk
-    start's).
+    start's) and the other one.
 
     Why: where a counter says little about its bucket's total, the early-stopped EM ends near
     its start, and the smoothed start is over-dispersed: in the issue's new-user window (B =
@@ -314,7 +322,7 @@ def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tup
         return bucket_loglik(vc, y_ if n is None else cap_total(y_, n, "items"), B, p, layers)
 
     shrunk = loglik(y_shrunk) > loglik(y)
-    return (y_shrunk if shrunk else y), shrunk
+    return (y_shrunk, True, y) if shrunk else (y, False, y_shrunk)
 
 
 def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None,

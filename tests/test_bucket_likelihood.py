@@ -156,3 +156,23 @@ def test_the_release_picks_the_start_once_and_its_bootstrap_reruns_that_start(mo
     assert starts[0] == ld.chosen_start(key)
     lo, hi = acc["intervals"]["distinct_items"]
     assert lo <= len(hist) <= hi
+
+
+def test_the_change_test_counts_the_gap_between_the_two_starts():
+    # another window of the same users may take the other start (the likelihood margins are
+    # small there): its standard error carries half their gap, as for auto's candidates; without
+    # it 8 of 39 stationary window pairs read as a change at level 0.9 (bench.changes, cell 0)
+    from aggregator import largedomain as ld
+    g = np.random.default_rng(14)
+    p, layers, B = p_from_epsilon(1.0), 2, 40_000
+    counts = _users(g, 20_000)
+    vc = _noisy_buckets(g, counts, B, p, layers)
+    n = int(counts.sum())
+    eb = iv.error_bars(vc, p, layers=layers, n=n, buckets=B, reps=4, rng=0,
+                       method="deconvolution")
+    other = ld.other_start_fit(ld._start_key(vc, p, B, n, layers, ld.DEFAULT_VARIANT, None))
+    assert other is not None and eb["selected"]
+    gap = abs(len(eb["histogram"]) - int(other[0]))
+    assert gap > 0 and eb["stand_in_gap"]["distinct"] >= gap
+    se = iv.standard_errors(eb)["distinct"]
+    assert se >= gap / 2 and se > eb["spread"]["distinct"]
