@@ -812,7 +812,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     top = float(n) if n is not None else math.inf
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
     spread, rms, gaps = {}, {}, {}  # per statistic, the largest over the stand-ins
-    other_start = None  # hashed: the early-stopped EM's fit from the start the release did not take
+    other_start = None  # hashed: the early-stopped EM's fit from the start the release left
     # the stand-ins as cumulative prevalences: the bootstrap works on phi_{>=r} (a few thousand
     # distinct counts), not on the millions of counts they list at D = 1e7
     truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, **(kw | {"method": sm}))

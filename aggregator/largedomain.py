@@ -7,14 +7,15 @@ This module undoes that statistically.
 
 Gamma^B(n)_l, the expected number of buckets whose total is >= l when every item picks a bucket
 uniformly at random, and its exact inverse are in :mod:`aggregator.occupancy` (re-exported here):
-the ``"exact"`` variant inverts an estimated bucket histogram with it and projects the result
-onto valid histograms. The paper's Algorithm 7 instead fixes phi_{>=r} greedily for r <= m = ceil(10 log D / log(1/p)) by
-binary search (Gamma^B_r is increasing in phi_{>=r} with the lower ones fixed, Lemma 20; in fact it
-is affine in it for r >= 2, see :func:`greedy_prefix`) and takes r > m from a second, unhashed
-histogram (:func:`two_histogram_estimate`). An unhashed histogram does not exist for an unbounded
-domain, so ``"alg7-single"`` takes r > m from the same hashed histogram, where collisions only
-shift large counts by about n/B. ``bench/largedomain.py`` measures all of them at equal total
-epsilon and memory; docs/large_domains.md has the numbers and the reason for the default.
+the ``"exact"`` variant inverts an estimated bucket histogram with it and projects the result onto
+valid histograms. The paper's Algorithm 7 instead fixes phi_{>=r} greedily for r <= m = ceil(10 log
+D / log(1/p)) by binary search (Gamma^B_r is increasing in phi_{>=r} with the lower ones fixed,
+Lemma 20; in fact it is affine in it for r >= 2, see :func:`greedy_prefix`) and takes r > m from a
+second, unhashed histogram (:func:`two_histogram_estimate`). An unhashed histogram does not exist
+for an unbounded domain, so ``"alg7-single"`` takes r > m from the same hashed histogram, where
+collisions only shift large counts by about n/B. ``bench/largedomain.py`` measures all of them at
+equal total epsilon and memory; docs/large_domains.md has the numbers and the reason for the
+default.
 
 Privacy: the hash key is drawn before any data and stored with the state, the map is
 data-independent, so a hashed state is epsilon-DP exactly like a direct one; everything here is

@@ -128,7 +128,8 @@ def internal_level(level: float, mode: str = "direct") -> float:
     leaving each family out, the lowest internal level at which every statistic covered at
     least 0.90 on the other families was 0.8 in every direct fold, and the held-out families'
     coverage at the level chosen without them was 0.91 / 0.93 / 0.91 (direct) and 0.90 / 0.94 /
-    0.92 (hashed) (bench/coverage28.py; docs/accuracy_changes.md, "Intervals at their level").
+    0.92 (hashed, before the change below) (bench/coverage28.py; docs/accuracy_changes.md,
+    "Intervals at their level").
     Hashed mode's intervals reach the bucket likelihood's plausible extremes since issue 28's
     new-user window (:mod:`aggregator.bucket_likelihood`: every fit under-counted mostly
     distinct users by 7%, and the intervals covered 19 of 40 windows), and its early-stopped EM
