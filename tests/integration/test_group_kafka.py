@@ -184,13 +184,20 @@ def read_ledger(bootstrap, topics) -> TopicLedger:
     return ledger
 
 
-def check_exact(bootstrap, topics, total, eps=1.0):
+def check_exact(bootstrap, topics, total, eps=1.0, empty_skipped=False):
     """The checks of the module docstring (each position charged ``eps``); returns the release
-    documents."""
+    documents. ``empty_skipped``: count windows, where a window the leader cut while its read
+    totals lagged can hold no event and is never released (docs/scale-out.md, "Count
+    windows"): window numbers may then leave gaps; the ranges below still tile every partition,
+    so no event was in a skipped window."""
     docs = releases(bootstrap, topics)
     windows = [d["window"] for d in docs]
     assert len(windows) == len(set(windows)), "a window was released twice"
-    assert windows == list(range(windows[0], windows[0] + len(windows))), "windows not consecutive"
+    if empty_skipped:
+        assert windows == sorted(windows), "windows out of order"
+    else:
+        assert windows == list(range(windows[0], windows[0] + len(windows))), \
+            "windows not consecutive"
     assert sum(d["n"] for d in docs) == total
     # the repartition topic: each source record once; events per message
     rp = read_all(bootstrap, topics.repartition)
@@ -574,7 +581,7 @@ def test_sum_rollups_of_count_windows_in_a_group(kafka_broker, tmp_path):
     finally:
         members.stop_all()
     try:
-        check_exact(kafka_broker, topics, total)
+        check_exact(kafka_broker, topics, total, empty_skipped=True)
         rolls = check_rollups(kafka_broker, topics, total, 3, "3x")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
@@ -851,7 +858,7 @@ def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_onc
     finally:
         members.stop_all()
     try:
-        docs = check_exact(kafka_broker, topics, total)
+        docs = check_exact(kafka_broker, topics, total, empty_skipped=True)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     n_by = {d["window"]: d["n"] for d in docs}
@@ -923,7 +930,7 @@ def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_b
     assert status.count("a forced release is asked and not yet answered") == 1, status
     for name, size in sizes.items():
         try:
-            docs = check_exact(kafka_broker, GroupTopics(group, name), n)
+            docs = check_exact(kafka_broker, GroupTopics(group, name), n, empty_skipped=True)
         except AssertionError as exc:
             raise AssertionError(f"{name}: {exc}\n{forced.stdout}{forced.stderr}"
                                  f"{members.logs()}") from None
@@ -1194,7 +1201,7 @@ def test_count_windows_go_on_counting_after_the_source_offsets_were_reset(kafka_
     finally:
         members.stop_all()
         admin.close()
-    check_exact(kafka_broker, topics, 5000)
+    check_exact(kafka_broker, topics, 5000, empty_skipped=True)
 
 
 def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
