@@ -48,7 +48,7 @@ import math
 
 import numpy as np
 
-from .estimate import noise_pmf, noisy_value_counts, prevalences_from_cumulative
+from .estimate import forget_with, noise_pmf, noisy_value_counts, prevalences_from_cumulative
 from .occupancy import gamma_b
 
 __all__ = ["BucketLikelihood", "bucket_loglik", "plausible_extremes", "PATH_TOP"]
@@ -142,6 +142,9 @@ def _big_pmf(big: bytes, top: int, buckets: int, length: int) -> np.ndarray:
     out = _pmf(y_big, buckets, length)
     out.flags.writeable = False
     return out
+
+
+forget_with(_big_pmf.cache_clear)
 
 
 def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -1472,6 +1472,7 @@ def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np
 
 
 _FITS: list = []  # [(counters' value counts, p, layers, {method: projected phi_{>=r}})]
+_FORGET: list = []  # the other modules' memos of a window's counters: each one's clear()
 _N_FREE = ("deconvolution", "mle", "threshold")  # estimators that do not use n
 
 
@@ -1485,9 +1486,18 @@ def remember_fits(vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> No
 
 
 def forget_fits() -> None:
-    """Drop what :func:`remember_fits` keeps (the release path does once its release is made:
-    nothing derived from a window's counters outlives its release)."""
+    """Drop what :func:`remember_fits` keeps, and every memo registered with
+    :func:`forget_with` (the release path does once its release is made: nothing derived from a
+    window's counters outlives its release)."""
     _FITS.clear()
+    for clear in _FORGET:
+        clear()
+
+
+def forget_with(clear) -> None:
+    """Register ``clear`` (a memo's clear()) to run with :func:`forget_fits`: the memos other
+    modules keep of the last counters (``auto``'s choice, hashed mode's start) go with it."""
+    _FORGET.append(clear)
 
 
 def _remembered_fit(vc: NoisyValueCounts, p: float, layers: int, method: str):

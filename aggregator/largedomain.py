@@ -31,8 +31,8 @@ import numpy as np
 from .bucket_likelihood import bucket_loglik
 from .estimate import (
     CAP_RULES, METHODS, MLE_MAX_ITER, MLE_TOL, bucket_counters, cap_total, counts_from_cumulative,
-    deconvolved_prevalence, default_cap, default_method, noisy_value_counts, phi_estimate,
-    project_l1, project_l2, rank_box,
+    deconvolved_prevalence, default_cap, default_method, forget_with, noisy_value_counts,
+    phi_estimate, project_l1, project_l2, rank_box,
 )
 from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this module's API)
     INVERT_CAP, _check_buckets, _check_cumulative, gamma_b, gamma_b_alg6,
@@ -265,6 +265,7 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
 
 # the last (counters' key, shrunk start?, the other start's fit): a release and its error bars
 _STARTS: list = []
+forget_with(_STARTS.clear)
 
 
 def _start_key(vc, p, B, n, layers, variant, m) -> tuple:

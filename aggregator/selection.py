@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .estimate import cap_total, cumulative_l1, remember_fits
+from .estimate import cap_total, cumulative_l1, forget_with, remember_fits
 
 __all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "select", "selected_prevalence"]
 
@@ -70,6 +70,7 @@ STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-c
 
 
 _LAST: list = []  # the last (key, result) of select: a release and its error bars both ask
+forget_with(_LAST.clear)
 
 
 def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDIDATES,

@@ -143,17 +143,22 @@ def test_the_release_picks_the_start_once_and_its_bootstrap_reruns_that_start(mo
     counts = _users(g, 20_000)
     vc = _noisy_buckets(g, counts, B, p, layers)
     import aggregator.estimate as est
-    calls, starts = [], []
+    calls, starts = [], []  # calls: the release's choice (shrunk?) each time one is made
     real, real_batch = ld._likelier_start, est.deconvolved_batch
-    monkeypatch.setattr(ld, "_likelier_start", lambda *a: calls.append(1) or real(*a))
+
+    def likelier(*a):
+        out = real(*a)
+        calls.append(out[1])
+        return out
+
+    monkeypatch.setattr(ld, "_likelier_start", likelier)
     monkeypatch.setattr(est, "deconvolved_batch",
                         lambda *a, **kw: starts.append(kw.get("shrunk_start")) or
                         real_batch(*a, **kw))
     hist, acc = estimate_with_accuracy(vc, p, layers=layers, n=int(counts.sum()), buckets=B,
                                        method="deconvolution", reps=6)
     assert len(calls) == 1 and starts and len(set(starts)) == 1
-    key = ld._start_key(vc, p, B, int(counts.sum()), layers, ld.DEFAULT_VARIANT, None)
-    assert starts[0] == ld.chosen_start(key)
+    assert starts[0] == calls[0]  # (the memo itself is gone with the release: forget_fits)
     lo, hi = acc["intervals"]["distinct_items"]
     assert lo <= len(hist) <= hi
 
@@ -176,3 +181,20 @@ def test_the_change_test_counts_the_gap_between_the_two_starts():
     assert gap > 0 and eb["stand_in_gap"]["distinct"] >= gap
     se = iv.standard_errors(eb)["distinct"]
     assert se >= gap / 2 and se > eb["spread"]["distinct"]
+
+
+def test_nothing_derived_from_the_counters_outlives_the_release():
+    # auto's choice, the start chosen and the big items' pmfs are memos of one window's
+    # counters: estimate.forget_fits drops them with the pilot fits once the release is made
+    from aggregator import largedomain as ld
+    from aggregator import selection
+    from aggregator.release import estimate_with_accuracy
+    g = np.random.default_rng(15)
+    p, layers, B = p_from_epsilon(1.0), 2, 20_000
+    counts = np.r_[_users(g, 9_000), [300, 200, 150]]  # big items too
+    vc = _noisy_buckets(g, counts, B, p, layers)
+    for method in (None, "deconvolution"):
+        estimate_with_accuracy(vc, p, layers=layers, n=int(counts.sum()), buckets=B,
+                               method=method, reps=4)
+        assert not selection._LAST and not ld._STARTS
+        assert bl._big_pmf.cache_info().currsize == 0
