@@ -1494,6 +1494,12 @@ def forget_fits() -> None:
         clear()
 
 
+def counters_key(vc: NoisyValueCounts) -> tuple:
+    """(lo, BLAKE2b-128 of the value counts): the key of a memo of one set of counters."""
+    import hashlib
+    return vc.lo, hashlib.blake2b(np.ascontiguousarray(vc.c).tobytes(), digest_size=16).digest()
+
+
 def forget_with(clear) -> None:
     """Register ``clear`` (a memo's clear()) to run with :func:`forget_fits`: the memos other
     modules keep of the last counters (``auto``'s choice, hashed mode's start) go with it."""

@@ -30,9 +30,9 @@ import numpy as np
 
 from .bucket_likelihood import bucket_loglik
 from .estimate import (
-    CAP_RULES, METHODS, MLE_MAX_ITER, MLE_TOL, bucket_counters, cap_total, counts_from_cumulative,
-    deconvolved_prevalence, default_cap, default_method, forget_with, noisy_value_counts,
-    phi_estimate, project_l1, project_l2, rank_box,
+    CAP_RULES, METHODS, MLE_MAX_ITER, MLE_TOL, bucket_counters, cap_total, counters_key,
+    counts_from_cumulative, deconvolved_prevalence, default_cap, default_method, forget_with,
+    noisy_value_counts, phi_estimate, project_l1, project_l2, rank_box,
 )
 from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this module's API)
     INVERT_CAP, _check_buckets, _check_cumulative, gamma_b, gamma_b_alg6,
@@ -269,9 +269,7 @@ forget_with(_STARTS.clear)
 
 
 def _start_key(vc, p, B, n, layers, variant, m) -> tuple:
-    import hashlib
-    digest = hashlib.blake2b(np.ascontiguousarray(vc.c).tobytes(), digest_size=16).digest()
-    return (vc.lo, digest, float(p), int(B), None if n is None else int(n), int(layers),
+    return (*counters_key(vc), float(p), int(B), None if n is None else int(n), int(layers),
             variant, m)
 
 

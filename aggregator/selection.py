@@ -83,13 +83,11 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
     release's estimate and its error bars (:func:`aggregator.intervals.error_bars`) ask for the
     same choice on the same counters, and it is the costliest step of a release.
     """
-    import hashlib
-
+    from .estimate import counters_key
     from .estimate import noisy_value_counts as _nvc
     vc0 = _nvc(noisy_counts)
-    key = (vc0.lo, hashlib.blake2b(np.ascontiguousarray(vc0.c).tobytes(), digest_size=16).digest(),
-           float(p), int(layers), None if n is None else int(n), tuple(pilots), tuple(candidates),
-           int(sims), seed)
+    key = (*counters_key(vc0), float(p), int(layers), None if n is None else int(n),
+           tuple(pilots), tuple(candidates), int(sims), seed)
     if _LAST and _LAST[0][0] == key:
         y, choice = _LAST[0][1]
         return y.copy(), choice
