@@ -552,7 +552,7 @@ class _EMProblem:
         like fewer, larger items, and the inversion of Gamma^B then under-counted mostly
         distinct users by 7-8% in every window. One linear map is wrong for heavy tails (it
         moves a bucket of 30 events to 27), so the hashed release keeps whichever start's fit
-        the counters' likelihood prefers (:func:`aggregator.largedomain.hashed_phi_estimate`)."""
+        the counters' likelihood prefers (``aggregator.largedomain._likelier_start``)."""
         off, lo_v, hi_v = next(s for s in self.spans if s[1] <= 0 <= s[2])
         seg = w[off: off + hi_v - lo_v + 1].astype(np.float64)
         x = np.arange(lo_v, hi_v + 1, dtype=np.float64)

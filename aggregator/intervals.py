@@ -861,9 +861,8 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     else:  # all re-estimates at once (the EM estimators run as one batched loop)
         start = None  # hashed early-stopped EM: the start the release took, for every draw
         if buckets is not None and (kw_boot["method"] or chosen) == "deconvolution":
-            from .largedomain import DEFAULT_VARIANT, _start_key, chosen_start, other_start_fit
-            key = _start_key(vc, p, buckets, n, layers, DEFAULT_VARIANT, None)
-            start, other_start = chosen_start(key), other_start_fit(key)
+            from .largedomain import chosen_start
+            start, other_start = chosen_start(vc, p, buckets, n, layers) or (None, None)
         flat = anonymized_cumulative_many([s for sm in stand_ins for s in sims[sm]], p,
                                           shrunk_start=start, **kw_boot)
         boot_ys = {sm: flat[i * int(reps): (i + 1) * int(reps)] for i, sm in enumerate(stand_ins)}

@@ -237,20 +237,22 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
                        phi=None, shrunk_start=None) -> np.ndarray:
     """The l1 release's cumulative prevalence (before listing its counts): what
     :func:`hashed_histogram` lists, for callers that work on phi_{>=r} (the bootstrap).
-    ``phi``: :func:`hashed_phi_estimate` of these counters when the caller has it.
-    ``shrunk_start``: for the early-stopped EM, which start (:func:`_likelier_start`); None:
-    the one these counters' likelihood prefers (remembered: :func:`chosen_start`)."""
+    ``phi``: :func:`hashed_phi_estimate` of these counters when the caller has it;
+    ``shrunk_start``: for the early-stopped EM, the start ``phi`` came from (the bootstrap
+    passes the release's). Otherwise the early-stopped EM takes the start these counters'
+    likelihood prefers (:func:`_likelier_start`), and the fit is kept for the same counters'
+    next call (the error bars' stand-in: :func:`chosen_start`)."""
     from .estimate import _remembered_fit
+    if shrunk_start is not None and phi is None:
+        raise ValueError("shrunk_start names the start phi came from: pass phi with it")
     layers = int(layers)
     early = variant != "reduced" and _early_stopped(vc, p, layers, method)
     key = _start_key(vc, p, B, n, layers, variant, m) if early else None
-    if early and shrunk_start is None:
-        shrunk_start = chosen_start(key)
+    if early and phi is None and _STARTS and _STARTS[0][0] == key:
+        y = _STARTS[0][2]  # decided on these counters already: that fit, not a second EM
+        return y if n is None else cap_total(y, n, cap)
     if phi is not None:
         psi = project_l1(phi)
-    elif early and shrunk_start:
-        with bucket_counters():
-            psi = project_l1(deconvolved_prevalence(vc, p, layers=layers, shrunk_start=True))
     else:  # auto's pilots on these bucket counters are the reduced estimates it would make
         psi = None if method is None else _remembered_fit(vc, p, layers, method)
         if psi is None:
@@ -259,32 +261,30 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     y = _invert(psi, B, n, p, variant, m, sparse_above=sparse)
     if early and shrunk_start is None:
         y, shrunk, other = _likelier_start(vc, p, B, n, layers, variant, m, sparse, y)
-        _STARTS[:] = [(key, shrunk, other if n is None else cap_total(other, n, cap))]
+        _STARTS[:] = [(key, shrunk, y, other if n is None else cap_total(other, n, cap))]
     return y if n is None else cap_total(y, n, cap)
 
 
-# the last (counters' key, shrunk start?, the other start's fit): a release and its error bars
+# the last (counters' key, shrunk start?, its fit, the other start's fit as released): a release
+# and its error bars both ask
 _STARTS: list = []
 forget_with(_STARTS.clear)
 
 
-def _start_key(vc, p, B, n, layers, variant, m) -> tuple:
+def _start_key(vc, p, B, n, layers, variant=DEFAULT_VARIANT, m=None) -> tuple:
     return (*counters_key(vc), float(p), int(B), None if n is None else int(n), int(layers),
             variant, m)
 
 
-def chosen_start(key) -> bool | None:
-    """The start the early-stopped EM's release took on the counters of ``key``
-    (:func:`_start_key`) if it is the last one decided, else None. The bootstrap re-runs that
-    start (conditional on the choice, as it re-runs the candidate ``auto`` chose)."""
-    return _STARTS[0][1] if _STARTS and _STARTS[0][0] == key else None
-
-
-def other_start_fit(key) -> np.ndarray | None:
-    """phi_{>=r} of the start not taken on the counters of ``key`` (as :func:`chosen_start`),
-    capped as the release: another window of the same truth may take that one, so the change
-    test counts their gap as it counts the gap between ``auto``'s candidates."""
-    return _STARTS[0][2] if _STARTS and _STARTS[0][0] == key else None
+def chosen_start(vc, p, B: int, n, layers: int) -> tuple[bool, np.ndarray] | None:
+    """(whether the release took the shrunk start, phi_{>=r} of the other start's fit capped
+    as the release) for the early-stopped EM's release on these counters (the default variant),
+    if it is the last one decided; else None. The bootstrap re-runs that start (conditional on
+    the choice, as it re-runs the candidate ``auto`` chose), and another window of the same
+    truth may take the other one: the change test counts their gap as it counts the gap
+    between ``auto``'s candidates."""
+    key = _start_key(vc, p, B, n, layers)
+    return (_STARTS[0][1], _STARTS[0][3]) if _STARTS and _STARTS[0][0] == key else None
 
 
 def _early_stopped(vc, p, layers: int, method) -> bool:

@@ -175,7 +175,7 @@ def test_the_change_test_counts_the_gap_between_the_two_starts():
     n = int(counts.sum())
     eb = iv.error_bars(vc, p, layers=layers, n=n, buckets=B, reps=4, rng=0,
                        method="deconvolution")
-    other = ld.other_start_fit(ld._start_key(vc, p, B, n, layers, ld.DEFAULT_VARIANT, None))
+    _, other = ld.chosen_start(vc, p, B, n, layers) or (None, None)
     assert other is not None and eb["selected"]
     gap = abs(len(eb["histogram"]) - int(other[0]))
     assert gap > 0 and eb["stand_in_gap"]["distinct"] >= gap
