@@ -44,7 +44,7 @@ from consumers.base import Segment, Source, offsets_array
 from consumers.decode import FILTERED, Decoder, ItemSpec
 from consumers.kafka_security import client_options, redacted
 from state_store.audit import AuditKeyError, load_key, write_export
-from state_store.local import LocalStore, _fault
+from state_store.local import LocalStore, _fault, atomic_write
 
 from ..intervals import SNR_MIN, noise_floor
 from ..noise import p_from_epsilon
@@ -2051,7 +2051,9 @@ class Aggregator(EventTimeWindows):
                 result = {"ok": False, "error": service_key_error(exc)}
             except Exception as exc:
                 result = {"ok": False, "error": str(exc)}
-            done.write_text(json.dumps(result))
+            # whole or not at all: the CLI reads the answer as soon as the file exists (a plain
+            # write let it read an empty file: a JSONDecodeError trace, seen in the suite)
+            atomic_write(done, [json.dumps(result).encode()])
             req.unlink(missing_ok=True)
 
     def _update_lag(self, now: bool = False) -> None:
