@@ -183,7 +183,11 @@ def draw(cell: Cell, rep: int):
     if cell.mode == "direct":
         h = true_counts(rng, cell.dist, cell.D, cell.n)
         return h[h > 0], None, rng
-    _, h = items_counts(rng, cell.n, cell.dist)
+    if cell.dist in HASHED_DISTS:
+        _, h = items_counts(rng, cell.n, cell.dist)
+    else:  # a real profile's vocabulary as the items (bench.lofo --hashed-real)
+        h = true_counts(rng, cell.dist, len(real_profile(cell.dist)), cell.n)
+        h = h[h > 0]
     B = cell.counters
     red = np.bincount(rng.integers(0, B, len(h)), weights=h, minlength=B).astype(np.int64)
     return h, red[red > 0], rng
@@ -198,8 +202,11 @@ def _noisy(rng, values, zeros, p, k):
     return NoisyValueCounts(-K, rng.multinomial(zeros, q).astype(np.int64))
 
 
-def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None) -> CellResult:
-    """Run repetitions ``reps`` (default: 0 .. cell.reps - 1) of a cell."""
+def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None,
+             estimate=None) -> CellResult:
+    """Run repetitions ``reps`` (default: 0 .. cell.reps - 1) of a cell; ``estimate``: a
+    stand-in for :func:`estimate_y` (same arguments) that knows more methods."""
+    estimate = estimate_y if estimate is None else estimate
     out = CellResult(cell)
     p, C = cell.p, cell.counters
     B = C if cell.mode == "hashed" else None
@@ -212,7 +219,7 @@ def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None) -> CellResul
             vc = _noisy(rng, values, C - len(values), p, k)  # shared by every candidate
             for m in methods:
                 t = time.perf_counter()
-                y = estimate_y(cell.mode, vc, p, k, m, cell.n, B)
+                y = estimate(cell.mode, vc, p, k, m, cell.n, B)
                 out.add(out.seconds, (k, m), time.perf_counter() - t)
                 out.add(out.total, (k, m), int(y.sum()))
                 for cap in CAP_RULES:

@@ -17,6 +17,9 @@ Usage (results accumulate in out/lofo_results.<shard>.pkl; shards run in paralle
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.lofo --run --shard 1/2
     .venv/bin/python -m bench.lofo --report        # prints the tables (markdown)
 
+``--extra blend,auto_blend,auto_sims8`` (with ``--run`` and ``--report``) adds candidates that
+were tried for the worst held-out cells and not adopted (:data:`EXTRA`).
+
 Benchmark only: seeded numpy noise (bench.grid.draw).
 """
 
@@ -48,17 +51,98 @@ OUT = Path("out/lofo_results.pkl")
 MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 
 
+# --------------------------------------------------------------------------------------------
+# candidates tried for the worst held-out cells and not adopted (docs/accuracy_grid.md, "Three
+# more candidates for the worst cells"); ``--extra`` runs them beside the library's
+# --------------------------------------------------------------------------------------------
+def _mean_fit(a, b):
+    """The projected mean of two cumulative prevalences (zero-padded to one length)."""
+    from aggregator.estimate import project_l1
+    L = max(len(a), len(b))
+    pad = lambda y: np.concatenate([np.asarray(y, np.float64), np.zeros(L - len(y))])  # noqa: E731
+    return project_l1((pad(a) + pad(b)) / 2)
+
+
+def _blend(mode, vc, p, k, n, B):
+    """The mean of the early-stopped EM's and the converged NPMLE's fits: under l1, never worse
+    than the mean of their two errors."""
+    return _mean_fit(grid.estimate_y(mode, vc, p, k, "deconvolution", n, B),
+                     grid.estimate_y(mode, vc, p, k, "mle", n, B))
+
+
+def _auto_blend(mode, vc, p, k, n, B):
+    """``auto`` with the blend among its candidates (direct mode): the minimax over the two
+    stand-ins favours a compromise, if any candidate is one."""
+    from aggregator import selection
+    from aggregator.estimate import project_l1
+    plain = selection._estimates
+
+    def with_blend(vc_, p_, k_, methods):
+        base = [m for m in methods if m != "blend"]
+        if "blend" in methods:
+            base = list(dict.fromkeys(base + ["deconvolution", "mle"]))
+        out = plain(vc_, p_, k_, base)
+        if "deconvolution" in out and "mle" in out:
+            out["blend"] = _mean_fit(out["deconvolution"], out["mle"])
+        return out
+
+    selection._estimates = with_blend
+    try:
+        y, _ = selection.select(vc, p, layers=k, n=n, candidates=selection.CANDIDATES + (
+            ("blend", "items"), ("blend", "scale")))
+    finally:
+        selection._estimates = plain
+    return project_l1(y.astype(np.float64))
+
+
+def _auto_sims8(mode, vc, p, k, n, B):
+    """``auto`` with 8 bootstrap draws per stand-in instead of :data:`selection.SIMS` (4): is
+    the worst case the choice's lottery?"""
+    from aggregator import selection
+    kw = selection.select.__kwdefaults__
+    old, kw["sims"] = kw["sims"], 8
+    try:
+        return grid.estimate_y(mode, vc, p, k, "auto", n, B)
+    finally:
+        kw["sims"] = old
+
+
+#: name: (modes, estimator); each returns the uncapped projected phi_{>=r} as grid.estimate_y
+EXTRA = {"blend": (("direct", "hashed"), _blend),
+         "auto_blend": (("direct",), _auto_blend),
+         "auto_sims8": (("direct", "hashed"), _auto_sims8)}
+EXTRA_RUN: list = []  # --extra
+
+
+def _estimate_y(mode, vc, p, k, method, n, B):
+    if method in EXTRA:
+        return EXTRA[method][1](mode, vc, p, k, n, B)
+    return grid.estimate_y(mode, vc, p, k, method, n, B)
+
+
 def family(cell: Cell) -> str:
     """The family a cell belongs to: a real profile's source (``wf``, ``sc``, ...), else the
     item distribution (hashed ones prefixed)."""
     if cell.mode == "hashed":
-        return f"hashed:{cell.dist}"
+        return f"hashed:{cell.dist.split('-')[0] if '-' in cell.dist else cell.dist}"
     if "-" in cell.dist and cell.dist.split("-")[0] in ("wf", "sc", "ss", "jb", "ac", "py"):
         return cell.dist.split("-")[0]
     return cell.dist
 
 
+CELL_SET: list = []  # --grid-hashed / --hashed-real: other cells than these
+
+
 def cells() -> list[Cell]:
+    if CELL_SET == ["grid-hashed"]:  # an out-of-sample check of a hashed pick: n to 1e7
+        return [c for c in grid.grid_cells() if c.mode == "hashed"]
+    if CELL_SET == ["hashed-real"]:  # the real profiles' vocabularies as hashed items
+        out = []
+        for j, name in enumerate(REAL_PICK):
+            D = len(real_profile(name))
+            for i, n in enumerate((D // 10, D, 10 * D)):
+                out.append(Cell("hashed", name, n, None, EPS_CYCLE[(i + j) % 3], REPS))
+        return out
     out, j = [], 0
     for dist in grid.DIRECT_DISTS:
         for D, n in SYNTH_SIZES:
@@ -91,7 +175,8 @@ def run(shard: tuple[int, int]) -> None:
         if c.key in load():
             continue
         t = time.time()
-        res = grid.run_cell(c, layers=LAYERS, methods=METHODS)
+        methods = METHODS + tuple(m for m in EXTRA_RUN if c.mode in EXTRA[m][0])
+        res = grid.run_cell(c, layers=LAYERS, methods=methods, estimate=_estimate_y)
         mine = OUT.with_name(f"{OUT.stem}.{i}.pkl")
         done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
         done[c.key] = res
@@ -103,12 +188,16 @@ def run(shard: tuple[int, int]) -> None:
 
 
 def regret_table(results: dict, mode: str, layers: int):
-    """{cell key: {candidate: regret}} and {cell key: family} for one mode and layer count."""
+    """{cell key: {candidate: regret}} and {cell key: family} for one mode and layer count (the
+    candidates of :data:`CANDIDATES` that every cell of the mode has: an ``--extra`` one may
+    exist in one mode only)."""
     reg, fam = {}, {}
+    mine = [res for key, res in results.items() if key[0] == mode]
+    cands = [c for c in CANDIDATES if all((layers, *c) in res.l1 for res in mine)]
     for key, res in results.items():
         if key[0] != mode:
             continue
-        e = {cand: float(np.mean(res.l1[(layers, *cand)])) for cand in CANDIDATES}
+        e = {cand: float(np.mean(res.l1[(layers, *cand)])) for cand in cands}
         best = min(e.values())
         reg[key] = {cand: (v / best if best > 0 else (1.0 if v == 0 else math.inf))
                     for cand, v in e.items()}
@@ -124,8 +213,9 @@ CRITERIA = {
 
 
 def pick(reg: dict, keys, criterion: str):
-    score = {c: CRITERIA[criterion]([reg[k][c] for k in keys]) for c in CANDIDATES}
-    return min(CANDIDATES, key=lambda c: (score[c], CANDIDATES.index(c)))
+    cands = list(next(iter(reg.values())))
+    score = {c: CRITERIA[criterion]([reg[k][c] for k in keys]) for c in cands}
+    return min(cands, key=lambda c: (score[c], cands.index(c)))
 
 
 def lofo(reg: dict, fam: dict, criterion: str) -> dict:
@@ -160,7 +250,9 @@ def report() -> None:
                       f"{np.exp(np.mean(np.log(allr))):.2f} | {max(allr):.2f} ({worst_f}) | "
                       f"{sum(r > 1.1 for r in allr)} of {len(allr)} | "
                       f"{' / '.join(pick(reg, list(reg), crit))} |")
-            for cand in (("auto", "items"), ("mle", "items"), ("deconvolution", "items")):
+            fixed = [("auto", "items"), ("mle", "items"), ("deconvolution", "items")]
+            fixed += [(m, "items") for m in EXTRA if (m, "items") in next(iter(reg.values()))]
+            for cand in fixed:
                 rs = [reg[k][cand] for k in reg]
                 worst_k = max(reg, key=lambda k: reg[k][cand])
                 print(f"| fixed {' / '.join(cand)} | {np.median(rs):.2f} | "
@@ -299,8 +391,32 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed-tol", action="store_true",
                     help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
                          "before estimate.deconv_tol), results in out/lofo_fixed_tol/")
+    ap.add_argument("--extra", default="",
+                    help=f"comma-separated candidates tried and not adopted, run and reported "
+                         f"beside the library's: {', '.join(EXTRA)}")
+    ap.add_argument("--cap", choices=("items",),
+                    help="report: only the candidates with this cap rule (the release's cap is "
+                         "chosen apart: estimate.DEFAULTS caps by items)")
+    ap.add_argument("--grid-hashed", action="store_true",
+                    help="run: the accuracy grid's hashed cells (bench.grid.grid_cells) instead "
+                         "of this bench's, e.g. with --out out/lofo_grid_hashed")
+    ap.add_argument("--hashed-real", action="store_true",
+                    help="run: the real profiles of the direct cells as hashed items (n = D/10, "
+                         "D, 10 D) instead of this bench's cells, e.g. with --out "
+                         "out/lofo_hashed_real")
     args = ap.parse_args(argv)
-    global OUT
+    global OUT, CANDIDATES
+    extra = [e for e in args.extra.split(",") if e]
+    bad = [e for e in extra if e not in EXTRA]
+    if bad:
+        ap.error(f"unknown --extra {', '.join(bad)}; choose among {', '.join(EXTRA)}")
+    EXTRA_RUN[:] = extra
+    CANDIDATES = tuple((m, c) for m in METHODS + tuple(extra) for c in CAPS
+                       if args.cap in (None, c))
+    if args.grid_hashed and args.hashed_real:
+        ap.error("--grid-hashed and --hashed-real are two cell sets: run them apart")
+    CELL_SET[:] = ["grid-hashed"] if args.grid_hashed else ["hashed-real"] if \
+        args.hashed_real else []
     if args.fixed_tol:
         from aggregator import estimate
         estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL
