@@ -46,7 +46,15 @@ OUT = Path("out/coverage28")
 MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 
 
+HASHED_REAL: list = []  # --hashed-real: the real profiles' vocabularies as hashed items instead
+
+
 def cells() -> list[Cell]:
+    if HASHED_REAL:  # coverage where no hashed level was chosen: n = D / 10 and D
+        from .lofo import REAL_PICK
+        return [Cell("hashed", name, n, None, (1.0, 0.5)[(i + j) % 2], REPS)
+                for j, name in enumerate(REAL_PICK)
+                for i, n in enumerate((len(real_profile(name)) // 10, len(real_profile(name))))]
     out = []
     for dist, D, n, eps in (("zipf", 10**5, 10**4, 1.0), ("zipf0.7", 10**5, 10**5, 0.5),
                             ("zipf1.5", 10**4, 10**4, 2.0), ("geometric", 10**4, 10**4, 1.0),
@@ -172,8 +180,12 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--mode", choices=("direct", "hashed"), help="run only this mode's cells")
     ap.add_argument("--out", help="results directory (default out/coverage28)")
+    ap.add_argument("--hashed-real", action="store_true",
+                    help="run: the real profiles' vocabularies as hashed items (n = D/10 and D) "
+                         "instead of the cells above, e.g. with --out out/cov28_hashed_real")
     args = ap.parse_args(argv)
     global OUT
+    HASHED_REAL[:] = [True] if args.hashed_real else []
     if args.out:
         OUT = Path(args.out)
     if args.mode:

@@ -17,7 +17,7 @@ Usage (results accumulate in out/lofo_results.<shard>.pkl; shards run in paralle
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.lofo --run --shard 1/2
     .venv/bin/python -m bench.lofo --report        # prints the tables (markdown)
 
-``--extra blend,auto_blend,auto_sims8`` (with ``--run`` and ``--report``) adds candidates that
+``--extra blend,auto_blend,auto_sims8,auto_pilot3`` (with ``--run`` and ``--report``) adds candidates that
 were tried for the worst held-out cells and not adopted (:data:`EXTRA`).
 
 Benchmark only: seeded numpy noise (bench.grid.draw).
@@ -95,6 +95,29 @@ def _auto_blend(mode, vc, p, k, n, B):
     return project_l1(y.astype(np.float64))
 
 
+def _auto_pilot3(mode, vc, p, k, n, B):
+    """``auto`` with the blend as a third stand-in truth (both modes): a stand-in between the
+    smooth and the spiky one, nearer the truth where the two err in opposite directions."""
+    from aggregator import selection
+    plain, kw = selection._estimates, selection.select.__kwdefaults__
+
+    def with_blend(vc_, p_, k_, methods):
+        base = [m for m in methods if m != "blend"]
+        if "blend" in methods:
+            base = list(dict.fromkeys(base + ["deconvolution", "mle"]))
+        out = plain(vc_, p_, k_, base)
+        if "blend" in methods:
+            out["blend"] = _mean_fit(out["deconvolution"], out["mle"])
+        return out
+
+    selection._estimates, old = with_blend, kw["pilots"]
+    kw["pilots"] = tuple(old) + ("blend",)
+    try:
+        return grid.estimate_y(mode, vc, p, k, "auto", n, B)
+    finally:
+        selection._estimates, kw["pilots"] = plain, old
+
+
 def _auto_sims8(mode, vc, p, k, n, B):
     """``auto`` with 8 bootstrap draws per stand-in instead of :data:`selection.SIMS` (4): is
     the worst case the choice's lottery?"""
@@ -110,7 +133,8 @@ def _auto_sims8(mode, vc, p, k, n, B):
 #: name: (modes, estimator); each returns the uncapped projected phi_{>=r} as grid.estimate_y
 EXTRA = {"blend": (("direct", "hashed"), _blend),
          "auto_blend": (("direct",), _auto_blend),
-         "auto_sims8": (("direct", "hashed"), _auto_sims8)}
+         "auto_sims8": (("direct", "hashed"), _auto_sims8),
+         "auto_pilot3": (("direct", "hashed"), _auto_pilot3)}
 EXTRA_RUN: list = []  # --extra
 
 
