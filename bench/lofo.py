@@ -52,7 +52,7 @@ MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 
 
 # --------------------------------------------------------------------------------------------
-# candidates tried for the worst held-out cells and not adopted (docs/accuracy_grid.md, "Three
+# candidates tried for the worst held-out cells and not adopted (docs/accuracy_grid.md, "Four
 # more candidates for the worst cells"); ``--extra`` runs them beside the library's
 # --------------------------------------------------------------------------------------------
 def _mean_fit(a, b):
