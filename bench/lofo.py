@@ -70,23 +70,27 @@ def _blend(mode, vc, p, k, n, B):
                      grid.estimate_y(mode, vc, p, k, "mle", n, B))
 
 
+def _knowing_blend(plain):
+    """``selection._estimates`` that also gives the blend (asked for, or whenever both of its
+    parts are computed: ``_select`` takes its release from the pilots' fits)."""
+    def estimates(vc, p, k, methods):
+        base = [m for m in methods if m != "blend"]
+        if "blend" in methods:
+            base = list(dict.fromkeys(base + ["deconvolution", "mle"]))
+        out = plain(vc, p, k, base)
+        if "deconvolution" in out and "mle" in out:
+            out["blend"] = _mean_fit(out["deconvolution"], out["mle"])
+        return out
+    return estimates
+
+
 def _auto_blend(mode, vc, p, k, n, B):
     """``auto`` with the blend among its candidates (direct mode): the minimax over the two
     stand-ins favours a compromise, if any candidate is one."""
     from aggregator import selection
     from aggregator.estimate import project_l1
     plain = selection._estimates
-
-    def with_blend(vc_, p_, k_, methods):
-        base = [m for m in methods if m != "blend"]
-        if "blend" in methods:
-            base = list(dict.fromkeys(base + ["deconvolution", "mle"]))
-        out = plain(vc_, p_, k_, base)
-        if "deconvolution" in out and "mle" in out:
-            out["blend"] = _mean_fit(out["deconvolution"], out["mle"])
-        return out
-
-    selection._estimates = with_blend
+    selection._estimates = _knowing_blend(plain)
     try:
         y, _ = selection.select(vc, p, layers=k, n=n, candidates=selection.CANDIDATES + (
             ("blend", "items"), ("blend", "scale")))
@@ -100,17 +104,7 @@ def _auto_pilot3(mode, vc, p, k, n, B):
     smooth and the spiky one, nearer the truth where the two err in opposite directions."""
     from aggregator import selection
     plain, kw = selection._estimates, selection.select.__kwdefaults__
-
-    def with_blend(vc_, p_, k_, methods):
-        base = [m for m in methods if m != "blend"]
-        if "blend" in methods:
-            base = list(dict.fromkeys(base + ["deconvolution", "mle"]))
-        out = plain(vc_, p_, k_, base)
-        if "blend" in methods:
-            out["blend"] = _mean_fit(out["deconvolution"], out["mle"])
-        return out
-
-    selection._estimates, old = with_blend, kw["pilots"]
+    selection._estimates, old = _knowing_blend(plain), kw["pilots"]
     kw["pilots"] = tuple(old) + ("blend",)
     try:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
