@@ -22,9 +22,11 @@ Estimators of phi_{>=r}
 * ``"auto"``: the estimator and cap rule chosen from the counters by minimax bootstrap regret over
   a smooth and a spiky stand-in truth (:mod:`aggregator.selection`).
 
-Which one a release uses when none is named is :func:`default_method` (mode, layers): the
-candidate with the lowest worst-case regret over the accuracy grid (bench/grid.py,
-docs/accuracy_grid.md), all candidates measured on the same noisy counters.
+This module is the core: it imports no other module of the package. The estimators by name, and
+which one a release uses when none is named, are :mod:`aggregator.estimators`
+(:func:`aggregator.estimators.default_method` per mode and layers: the candidate with the lowest
+worst-case regret over the accuracy grid, bench/grid.py, docs/accuracy_grid.md); the release's
+histogram, direct or hashed, is :mod:`aggregator.anonymize`.
 
 Projections
 -----------
@@ -63,25 +65,17 @@ __all__ = [
     "cumulative_from_counts",
     "prevalences_from_cumulative",
     "cumulative_l1",
-    "anonymized_histogram",
-    "anonymized_cumulative",
     "l1_distance",
-    "phi_estimate",
-    "METHODS",
-    "MODES",
-    "DEFAULT_METHODS",
-    "default_method",
-    "DEFAULTS",
-    "DEFAULT_RULES",
-    "default_cap",
     "MLE_MAX_ITER",
+    "BASIC_METHODS",
+    "basic_prevalence",
+    "checked_cumulative",
     "MLE_TOL",
     "DECONV_MAX_ITER",
     "DECONV_TOL",
     "deconv_tol",
     "em_prevalences",
     "deconvolved_batch",
-    "anonymized_cumulative_many",
     "pass_through_bound",
     "sparse_top",
     "SPARSE_DENSITY",
@@ -903,53 +897,6 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     return out
 
 
-def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, buckets=None,
-                               cap=None, shrunk_start=None) -> list:
-    """[:func:`anonymized_cumulative` of each counter set], the EM estimators of direct mode
-    fitted together (:func:`deconvolved_batch`: equal to rounding, not bit for bit); for the
-    bootstrap's re-estimates. Everything else: one call per counter set. ``shrunk_start``:
-    hashed mode's early-stopped EM from that start for every set (the release's choice,
-    ``largedomain.chosen_start``); None: each set's likelier one."""
-    many = list(many)
-    k = _check_layers(layers)
-    if method not in ("deconvolution", "mle") or not many:
-        return [anonymized_cumulative(x, p, layers=layers, n=n, method=method, buckets=buckets,
-                                      cap=cap) for x in many]
-    iters = ((DECONV_MAX_ITER, DECONV_TOL if buckets is not None else deconv_tol(p, k))
-             if method == "deconvolution"
-             else (MLE_MAX_ITER, MLE_TOL))
-    vcs = [noisy_value_counts(x) for x in many]
-    start = bool(shrunk_start) and buckets is not None and method == "deconvolution"
-    phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1],
-                             shrunk_start=start)
-    if buckets is not None:  # the bucket counters' estimates, then the inversion of each
-        from .largedomain import DEFAULT_VARIANT, _check_buckets, _hashed_cumulative
-        B = _check_buckets(buckets)
-        out = []
-        for vc, phi in zip(vcs, phis):
-            if vc.total != B:
-                raise ValueError(f"buckets={B} but {vc.total} counters were given")
-            rule = cap if cap is not None else default_cap("hashed", k, n=n, counters=vc.total,
-                                                            p=p)
-            if rule not in CAP_RULES:
-                raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
-            out.append(_checked_cumulative(_hashed_cumulative(
-                vc, p, B, n, k, method, DEFAULT_VARIANT, None, rule, phi=phi,
-                shrunk_start=shrunk_start)))
-        return out
-    out = []
-    for vc, phi in zip(vcs, phis):
-        y = project_l1(phi)
-        if n is not None:
-            rule = cap if cap is not None else default_cap("direct", k, n=n, counters=vc.total,
-                                                            p=p)
-            if rule not in CAP_RULES:
-                raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
-            y = cap_total(y, n, rule)
-        out.append(_checked_cumulative(y))
-    return out
-
-
 # Cross-fitting: the stopping point of the EM from held-out likelihood
 XFIT_MAX_ITER = 400
 XFIT_TOL = 1e-14  # numerical convergence only
@@ -1144,7 +1091,7 @@ def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
       rounding go to the first positions.
     * ``"none"``: y as it is (no cap; for measurements).
 
-    The default per mode and layer count is :func:`default_cap` (measured in
+    The default per mode and layer count is :func:`aggregator.estimators.default_cap` (measured in
     docs/accuracy_grid.md).
 
     >>> y = np.array([6, 3, 1])          # the histogram (3, 2, 2, 1, 1, 1): 10 events
@@ -1358,81 +1305,18 @@ def l1_distance(counts_a, counts_b) -> int:
     return int(np.abs(a - b).sum())
 
 
-# Estimators of phi_{>=r} and the default for each (mode, layers). "mle" is the EM of
-# deconvolved_prevalence run to convergence: MLE_TOL on the normalized log-likelihood gain, at most
-# MLE_MAX_ITER SQUAREM steps (a bound on the time; reached at eps = 0.5 with millions of counters).
-METHODS = ("threshold", "deconvolution", "mle", "wupagh", "xfit", "auto")
-MODES = ("direct", "hashed")
+# "mle" is the EM of deconvolved_prevalence run to convergence: MLE_TOL on the normalized
+# log-likelihood gain, at most MLE_MAX_ITER SQUAREM steps (a bound on the time; reached at
+# eps = 0.5 with millions of counters).
 MLE_MAX_ITER = 1000
 MLE_TOL = 1e-9
-# (mode, layers) -> (method, cap rule); a layer count without a key uses the largest key below it.
-# Chosen by the lowest worst-case regret over the accuracy grid, every candidate on the same noisy
-# counters (docs/accuracy_grid.md; bench/accuracy_grid.py writes the choice to
-# bench/grid_defaults.json, and tests/test_grid_defaults.py checks this table against it).
-DEFAULTS = {
-    ("direct", 1): ("auto", "items"),
-    ("direct", 2): ("auto", "items"),
-    ("direct", 3): ("auto", "items"),
-    ("direct", 6): ("auto", "items"),
-    ("hashed", 1): ("auto", "items"),
-    ("hashed", 2): ("auto", "items"),
-    ("hashed", 3): ("auto", "items"),
-    ("hashed", 6): ("auto", "items"),
-}
-DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
-# (mode, layers) -> (snr cut, (method, cap) below it, (method, cap) at or above it): a rule on the
-# public signal-to-noise ratio (intervals.signal_to_noise(n, counters, p, layers)) that replaces
-# the fixed DEFAULTS entry when n is known. Chosen on the accuracy grid like DEFAULTS (lowest
-# worst-case regret; bench/grid_defaults.json "rules"); layers above the largest key: its entry.
-DEFAULT_RULES: dict = {}
+BASIC_METHODS = ("threshold", "deconvolution", "mle")  # need nothing but the counters
 
 
-def _key(table: dict, mode: str, layers: int):
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    k = _check_layers(layers)
-    keys = [kk for m, kk in table if m == mode and kk <= k]
-    return (mode, max(keys)) if keys else None
-
-
-def _default(mode: str, layers: int, n=None, counters=None, p=None) -> tuple[str, str]:
-    key = _key(DEFAULT_RULES, mode, layers)
-    if key is not None and None not in (n, counters, p) and counters > 0:
-        from .intervals import signal_to_noise
-        cut, low, high = DEFAULT_RULES[key]
-        return low if signal_to_noise(int(n), int(counters), p, int(layers)) < cut else high
-    return DEFAULTS[_key(DEFAULTS, mode, layers)]
-
-
-def default_method(mode: str, layers: int, *, n=None, counters=None, p=None) -> str:
-    """The estimator a release uses when none is named (:data:`DEFAULTS`).
-
-    >>> default_method("hashed", 1), default_method("direct", 2), default_method("direct", 5)
-    ('auto', 'auto', 'auto')
-    """
-    return _default(mode, layers, n, counters, p)[0]
-
-
-def default_cap(mode: str, layers: int, *, n=None, counters=None, p=None) -> str:
-    """The rule that caps a release's total at n when none is named (:data:`DEFAULTS`; with n,
-    the number of counters and p: :data:`DEFAULT_RULES` where it has an entry)."""
-    return _default(mode, layers, n, counters, p)[1]
-
-
-def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=None) -> np.ndarray:
-    """phi_hat_{>=r} by the named estimator (:data:`METHODS`; default :func:`default_method`).
-
-    ``n``: the number of events when public; the estimators that use it (``"xfit"``) fit
-    under sum_r phi_{>=r} = n, the others ignore it.
-
-    ``mode`` only selects the default: ``"hashed"`` when the counters are hash buckets (their
-    phi is then the reduced histogram's, which :mod:`aggregator.largedomain` inverts).
-    """
-    if method is None:
-        method = default_method(mode, layers)
-    if mode == "hashed" and not _BUCKET_COUNTERS.get():
-        with bucket_counters():
-            return phi_estimate(noisy_counts, p, layers=layers, method=method, mode=mode, n=n)
+def basic_prevalence(noisy_counts, p, *, layers=1, method="deconvolution") -> np.ndarray:
+    """phi_hat_{>=r} by one of the estimators that need nothing but the counters
+    (:data:`BASIC_METHODS`); :func:`aggregator.estimators.phi_estimate` names every estimator,
+    these and the ones built on them."""
     if method == "threshold":
         if not threshold_usable(p, layers):
             raise ValueError(f"the threshold estimator cannot run on {layers} noise layers (its "
@@ -1444,19 +1328,16 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
     if method == "mle":
         return deconvolved_prevalence(noisy_counts, p, layers=layers, max_iter=MLE_MAX_ITER,
                                       tol=MLE_TOL)
-    if method == "auto":
-        from .selection import selected_prevalence
-        return selected_prevalence(noisy_counts, p, layers=layers, n=n)
-    if method == "xfit":
-        return crossfit_prevalence(noisy_counts, p, layers=layers, n=n)
-    if method == "wupagh":
-        if not threshold_usable(p, layers):  # the same inverse filter g^{*k}
-            raise ValueError(f"the wupagh estimator cannot run on {layers} noise layers (its "
-                             "inverse filter amplifies the noise past 1e6); use "
-                             "release.estimator = default")
-        from .wupagh import wupagh_prevalence
-        return wupagh_prevalence(noisy_counts, p, layers=layers)
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    raise ValueError(f"method must be one of {BASIC_METHODS}, got {method!r}")
+
+
+def checked_cumulative(y) -> np.ndarray:
+    """y as int64 with its trailing zeros dropped (a valid phi_{>=r} has them at the end only);
+    the check of :func:`counts_from_cumulative`."""
+    y = np.asarray(y, dtype=np.int64)
+    if len(y) and (np.any(y[1:] > y[:-1]) or y[-1] < 0):
+        raise ValueError("cumulative prevalence must be non-increasing and >= 0")
+    return y[: int(np.count_nonzero(y))]
 
 
 def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np.ndarray]:
@@ -1473,13 +1354,13 @@ def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np
 
 _FITS: list = []  # [(counters' value counts, p, layers, {method: projected phi_{>=r}})]
 _FORGET: list = []  # the other modules' memos of a window's counters: each one's clear()
-_N_FREE = ("deconvolution", "mle", "threshold")  # estimators that do not use n
+_N_FREE = BASIC_METHODS  # estimators that do not use n
 
 
 def remember_fits(vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> None:
     """Keep the l1-projected estimates ``fits`` ({method: phi_{>=r}}, before any cap) of the
-    counters ``vc`` (the last counters only): :func:`anonymized_cumulative` on the same counters
-    takes them instead of fitting again. ``method="auto"`` fits the pilots on the real counters
+    counters ``vc`` (the last counters only): :func:`aggregator.anonymize.anonymized_cumulative`
+    on the same counters takes them instead of fitting again. ``method="auto"`` fits the pilots on the real counters
     (:mod:`aggregator.selection`), and the error bars' stand-ins are the same fits."""
     _FITS[:] = [(vc, float(p), int(layers), {m: np.array(y, dtype=np.int64) for m, y in
                                              fits.items() if m in _N_FREE})]
@@ -1518,117 +1399,3 @@ def _remembered_fit(vc: NoisyValueCounts, p: float, layers: int, method: str):
     return fits[method].copy()
 
 
-def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buckets=None,
-                          cap=None) -> np.ndarray:
-    """The l1 release of :func:`anonymized_histogram` as its cumulative prevalence phi_{>=r},
-    r = 1..(the largest count) (int64, no trailing zeros): ``counts_from_cumulative`` of it is
-    exactly ``anonymized_histogram(..., loss="l1")``, and it is what the bootstrap and the
-    properties need, without listing millions of counts and counting them again.
-    """
-    vc = noisy_value_counts(noisy_counts)
-    k = _check_layers(layers)
-    feats = dict(n=n, counters=vc.total, p=p)
-    mode = "hashed" if buckets is not None else "direct"
-    if method is None:
-        method = default_method(mode, k, **feats)
-    cap = default_cap(mode, k, **feats) if cap is None else cap
-    if buckets is not None:
-        from .largedomain import hashed_cumulative
-        y = hashed_cumulative(vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap)
-    else:
-        if cap not in CAP_RULES:
-            raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-        y = _remembered_fit(vc, p, k, method)
-        if y is None:
-            y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
-        if n is not None:
-            y = cap_total(y, n, cap)
-    return _checked_cumulative(y)
-
-
-def _checked_cumulative(y) -> np.ndarray:
-    """y as int64 with its trailing zeros dropped (a valid phi_{>=r} has them at the end only);
-    the check of :func:`counts_from_cumulative`."""
-    y = np.asarray(y, dtype=np.int64)
-    if len(y) and (np.any(y[1:] > y[:-1]) or y[-1] < 0):
-        raise ValueError("cumulative prevalence must be non-increasing and >= 0")
-    return y[: int(np.count_nonzero(y))]
-
-
-def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,
-                         buckets=None, cap=None):
-    """Estimate the anonymized histogram from counters noised with ``layers`` DLap(p) layers.
-
-    Parameters
-    ----------
-    noisy_counts
-        The noisy counters (int array) or their :class:`NoisyValueCounts`.
-    p
-        DLap parameter of each layer (``state.p``).
-    layers
-        Number of independent DLap(p) layers in each counter (``state.layers``).
-    loss
-        ``"l1"`` (Algorithm 1/5: l1 isotonic projection) or ``"l2"`` (Algorithm 3: adds
-        sum = n and the rank box gamma = 10 log(2 n D) / log(1/p); needs ``n``).
-    n
-        Number of events (public under replace-one). Required for ``"l2"`` (sum = n); with
-        ``"l1"`` the histogram is capped at n events (:func:`cap_total`).
-    method
-        Estimator of phi (:data:`METHODS`). Default: :func:`default_method` (mode, layers), the
-        lowest worst-case regret over the accuracy grid (docs/accuracy_grid.md).
-    buckets
-        Number of hash buckets B when the counters are a hashed-mode state (``state.size``).
-        Collisions are then undone by inverting Gamma^B
-        (:func:`aggregator.largedomain.hashed_histogram`; docs/large_domains.md).
-    cap
-        How the total is capped at ``n`` (:data:`CAP_RULES`; default :func:`default_cap`;
-        ``"none"`` leaves the l1 projection as it is). Ignored without ``n``.
-
-    Returns
-    -------
-    int64 array of counts in decreasing order, zeros dropped.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from aggregator.noise import discrete_laplace
-    >>> true = np.array([50, 20, 20, 5] + [0] * 96)
-    >>> noisy = true + discrete_laplace(0.2, 100)
-    >>> est = anonymized_histogram(noisy, 0.2)
-    >>> bool(np.all(np.diff(est) <= 0)) and est.dtype == np.int64
-    True
-    """
-    if loss == "l1":
-        return counts_from_cumulative(anonymized_cumulative(
-            noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap))
-    vc = noisy_value_counts(noisy_counts)
-    k = _check_layers(layers)
-    feats = dict(n=n, counters=vc.total, p=p)
-    if buckets is not None:
-        from .largedomain import hashed_histogram
-        if method is None:
-            method = default_method("hashed", k, **feats)
-        if cap is None:
-            cap = default_cap("hashed", k, **feats)
-        return hashed_histogram(vc, p, buckets=buckets, n=n, layers=layers, loss=loss,
-                                method=method, cap=cap)
-    if loss != "l2":
-        raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
-    if method is None:
-        method = default_method("direct", k, **feats)
-    cap = default_cap("direct", k, **feats) if cap is None else cap
-    if cap not in CAP_RULES:
-        raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-    phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n)
-    if n is None:
-        raise ValueError("loss='l2' needs n (the number of events, public under replace-one)")
-    n = int(n)
-    D = vc.total
-    gamma = 10.0 * math.log(max(2 * n * D, 2)) / math.log(1.0 / p)
-    R = max(len(phi_hat), int(vc.hi + gamma) + 1, 1)
-    phi_hat = np.concatenate([phi_hat, np.zeros(R - len(phi_hat))])
-    lower, upper = rank_box(vc, gamma, R)
-    y = project_l2(phi_hat, n, lower, upper)
-    if y is None:  # as the paper: infeasible -> the all-zero histogram
-        return np.zeros(0, dtype=np.int64)
-    return counts_from_cumulative(y)

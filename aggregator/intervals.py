@@ -73,12 +73,15 @@ import math
 import numpy as np
 
 from .estimate import (
-    NoisyValueCounts, anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram,
-    counts_from_cumulative,
-    cumulative_from_counts, cumulative_l1, noise_pmf, noisy_value_counts,
-    prevalences_from_cumulative,
+    counts_from_cumulative, cumulative_from_counts, cumulative_l1, noise_pmf, noisy_value_counts,
+    NoisyValueCounts, prevalences_from_cumulative,
 )
-from . import bucket_likelihood
+from .anonymize import anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram
+from . import bucket_likelihood, counter_model
+from .counter_model import (  # noqa: F401  (chi2_shift, simulate_counts: re-exported)
+    chi2_shift, noise_floor, signal_to_noise, simulate_counts, simulate_from_cumulative,
+    simulate_grouped,
+)
 from .properties import entropy, entropy_prevalences, support_coverage_prevalences
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
@@ -88,30 +91,6 @@ __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_be
            "standard_errors"]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
-
-
-def chi2_shift(p: float, layers: int = 1) -> float:
-    """chi2_k = sum_v (q(v-1) - q(v))^2 / q(v) for q the pmf of ``layers`` DLap(p) draws.
-
-    >>> p = 0.5
-    >>> round(chi2_shift(p), 6) == round((1 - p) ** 2 / p, 6)
-    True
-    """
-    _, q = noise_pmf(p, layers)
-    shifted = np.concatenate([[0.0], q[:-1]])  # q(v - 1)
-    return float(np.sum((shifted - q) ** 2 / q))
-
-
-def noise_floor(counters: int, p: float, layers: int = 1) -> float:
-    """sqrt(counters / chi2_k): the Cramer-Rao standard error for the number of items."""
-    if counters < 1:
-        raise ValueError(f"counters must be >= 1, got {counters}")
-    return math.sqrt(counters / chi2_shift(p, layers))
-
-
-def signal_to_noise(n: int, counters: int, p: float, layers: int = 1) -> float:
-    """n / noise_floor: events against the smallest achievable error on the number of items."""
-    return float(n) / noise_floor(counters, p, layers)
 
 
 def signal_below_noise(n: int, counters: int, p: float, layers: int = 1) -> bool:
@@ -357,7 +336,7 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     log-likelihood stays within chi2_1(level) / 2 of the best seen (``ref``, the stand-in's or a
     path point's), part way by bisection when it cannot go all the way, which ends the splits
     (merges) and the path goes on to the rounds (they may cost less). ``loglik``: the
-    log-likelihood of ``y`` if known (:func:`aggregator.selection._loglik`). ``drop``: the
+    log-likelihood of ``y`` if known (:func:`aggregator.counter_model.loglik`). ``drop``: the
     region's depth instead of chi2_1(level) / 2 (:func:`error_bars` passes the calibrated
     :func:`likelihood_drop`). The likelihood change is computed exactly on the noisy values
     within K of a changed count (nothing else moves).
@@ -373,8 +352,6 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     True
     """
     from scipy.stats import chi2
-
-    from .selection import _loglik
 
     y = np.asarray(y, dtype=np.int64)
     K, q = noise_pmf(p, layers)
@@ -416,7 +393,8 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
                                        - np.log(np.maximum(old[seen], 1e-300)))).sum())
         return total
 
-    base_ll = _loglik(vc, y, counters, p, layers) if loglik is None else float(loglik)
+    base_ll = (counter_model.loglik(vc, y, counters, p, layers) if loglik is None
+               else float(loglik))
     best = max(base_ll, ref if ref is not None else -np.inf)
 
     def walk(*groups) -> np.ndarray:
@@ -519,86 +497,15 @@ def likelihood_drop(sims: dict, truths: dict, refits: dict, p: float, layers: in
     """
     from scipy.stats import chi2
 
-    from .selection import _loglik
-
     gaps = []
     for sm, states in sims.items():
         y_t = cumulative_from_counts(truths[sm])
         for sim, fits in zip(states, refits[sm]):
-            ref = max(_loglik(sim, cumulative_from_counts(f), sim.total, p, layers) for f in fits)
-            gaps.append(ref - _loglik(sim, y_t, sim.total, p, layers))
+            ref = max(counter_model.loglik(sim, cumulative_from_counts(f), sim.total, p, layers)
+                      for f in fits)
+            gaps.append(ref - counter_model.loglik(sim, y_t, sim.total, p, layers))
     wilks = float(chi2.ppf(level, 1)) / 2.0
     return max(wilks, float(np.quantile(gaps, level))) if gaps else wilks
-
-
-def simulate_counts(rng: np.random.Generator, values, counters: int, p: float,
-                    layers: int) -> NoisyValueCounts:
-    """Noisy-value counts of ``values`` plus counters - len(values) zero counters.
-
-    Each counter gets ``layers`` DLap(p) draws. Counters holding the same value are exchangeable,
-    so the noisy values of the m counters at a value h are h plus one multinomial draw of m over
-    the exact noise pmf (cut at a 1e-17 tail): one draw per distinct value instead of 2 x layers
-    geometric draws per counter (a bootstrap state at D = 1e7 has millions of small counters
-    and a few thousand distinct values); values held by one counter draw their noise directly.
-    For the bootstrap only (seeded, not private): the state's noise comes from aggregator.noise.
-    """
-    values = np.asarray(values, dtype=np.int64)
-    if len(values) > counters:
-        raise ValueError("more non-zero values than counters")
-    vals, mult = np.unique(values, return_counts=True)
-    return _simulate_grouped(rng, vals, mult, counters - len(values), p, layers)
-
-
-def simulate_from_cumulative(rng: np.random.Generator, y, counters: int, p: float,
-                             layers: int) -> NoisyValueCounts:
-    """:func:`simulate_counts` of the histogram with cumulative prevalence ``y`` (phi_{>=r},
-    r = 1..len(y)), without listing its items: the multiplicity of count r is y_r - y_{r+1}.
-    Same draws as ``simulate_counts(rng, counts_from_cumulative(y), ...)`` (values in the same
-    increasing order), without a sort of millions of counts."""
-    y = np.asarray(y, dtype=np.int64)
-    phi = prevalences_from_cumulative(y)
-    vals = np.flatnonzero(phi) + 1
-    items = int(y[0]) if len(y) else 0
-    if items > counters:
-        raise ValueError("more non-zero values than counters")
-    return _simulate_grouped(rng, vals, phi[vals - 1], counters - items, p, layers)
-
-
-def _simulate_grouped(rng, vals, mult, zeros: int, p: float, layers: int) -> NoisyValueCounts:
-    """Noisy-value counts of mult[i] counters at each value vals[i] (increasing) plus ``zeros``
-    empty counters (see :func:`simulate_counts`)."""
-    K, q = noise_pmf(p, layers)
-    if zeros:  # the empty counters: one more value, 0 (a repeated value is fine below)
-        vals, mult = np.concatenate([[0], vals]), np.concatenate([[zeros], mult])
-    one = mult == 1
-    parts = []
-    if one.any():
-        h = vals[one]
-        noise = np.zeros(len(h), dtype=np.int64)
-        for _ in range(layers):
-            noise += rng.geometric(1.0 - p, len(h)) - rng.geometric(1.0 - p, len(h))
-        parts.append(noisy_value_counts(h + noise))
-    if not one.all():
-        parts.append(_multinomial_part(rng, vals[~one], mult[~one], K, q))
-    out = parts[0]
-    for part in parts[1:]:
-        out = out.merge(part)
-    return out
-
-
-def _multinomial_part(rng, vals, mult, K: int, q: np.ndarray,
-                      rows: int = 2048) -> NoisyValueCounts:
-    """Noisy-value counts of mult[i] counters at vals[i]: one multinomial draw per value (in
-    blocks of ``rows`` values, so that the draws never hold more than rows x len(q) numbers)."""
-    lo = int(vals.min()) - K
-    size = int(vals.max()) + K + 1 - lo
-    c = np.zeros(size, dtype=np.int64)
-    taps = np.arange(len(q))
-    for i in range(0, len(vals), rows):
-        draws = rng.multinomial(mult[i: i + rows], q)  # one row per value
-        idx = (vals[i: i + rows] - K - lo)[:, None] + taps
-        c += np.bincount(idx.ravel(), weights=draws.ravel(), minlength=size).astype(np.int64)
-    return NoisyValueCounts(lo, c)
 
 
 def _simulated_state(rng, counts, counters, p, layers, hashed, buf=None):
@@ -617,7 +524,7 @@ def _simulated_state(rng, counts, counters, p, layers, hashed, buf=None):
         per_value = np.bincount(buf)
         vals = np.flatnonzero(per_value[1:]) + 1
         mult = per_value[vals]
-        return _simulate_grouped(rng, vals, mult, counters - int(mult.sum()), p, layers)
+        return simulate_grouped(rng, vals, mult, counters - int(mult.sum()), p, layers)
     return simulate_counts(rng, counts[:counters], counters, p, layers)
 
 
@@ -707,7 +614,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
                reps=30, level=0.9, rng=None, model="both", release=None) -> dict:
     """The release and parametric-bootstrap error bars for it.
 
-    Arguments as for :func:`aggregator.estimate.anonymized_histogram` (the estimate is exactly
+    Arguments as for :func:`aggregator.anonymize.anonymized_histogram` (the estimate is exactly
     the release's), plus ``reps`` bootstrap repetitions, the two-sided ``level``, ``rng`` (a
     numpy Generator or seed for the bootstrap, not for privacy noise) and ``model``, the
     stand-in truth: ``"both"`` (default) the early-stopped EM's and the converged NPMLE's
@@ -776,7 +683,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     >>> bool(lo <= len(eb["histogram"]) <= hi) and eb["l1_bound"] > 0
     True
     """
-    from .estimate import default_cap, default_method
+    from .estimators import default_cap, default_method
 
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level!r}")
@@ -820,8 +727,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     truths = _Lazy(lambda sm: est if sm is None else counts_from_cumulative(truth_y[sm]))
     lls, bucket_lls = {}, {}
     if buckets is None:
-        from .selection import _loglik
-        lls = {sm: _loglik(vc, t, counters, p, layers) for sm, t in truth_y.items()}
+        lls = {sm: counter_model.loglik(vc, t, counters, p, layers) for sm, t in truth_y.items()}
     else:  # hashed mode: the bucket counters' likelihood of an item histogram
         bucket_lls = {sm: bucket_likelihood.bucket_loglik(vc, t, counters, p, layers)
                       for sm, t in truth_y.items()}

@@ -30,10 +30,11 @@ import numpy as np
 
 from .bucket_likelihood import bucket_loglik
 from .estimate import (
-    CAP_RULES, METHODS, MLE_MAX_ITER, MLE_TOL, bucket_counters, cap_total, counters_key,
-    counts_from_cumulative, deconvolved_prevalence, default_cap, default_method, forget_with,
-    noisy_value_counts, phi_estimate, project_l1, project_l2, rank_box,
+    bucket_counters, CAP_RULES, cap_total, counters_key, counts_from_cumulative,
+    deconvolved_prevalence, forget_with, MLE_MAX_ITER, MLE_TOL, noisy_value_counts, project_l1,
+    project_l2, rank_box,
 )
+from .estimators import default_cap, default_method, METHODS, phi_estimate
 from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this module's API)
     INVERT_CAP, _check_buckets, _check_cumulative, gamma_b, gamma_b_alg6,
     invert_gamma,
@@ -161,7 +162,7 @@ def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None) -> np
     over eight bootstrap draws, the bad pick in six) and changed nothing at 1 layer, so the
     selection runs uncapped as the grid chose it.
 
-    Default (``method=None``): ``estimate.default_method("hashed", layers)``, the lowest
+    Default (``method=None``): ``estimators.default_method("hashed", layers)``, the lowest
     worst-case regret over the accuracy grid's hashed cells (docs/accuracy_grid.md).
 
     What sets hashed mode apart: most of the B counters are empty (B ~ 2 n, D ~ 0.35 n occupied),
@@ -206,7 +207,7 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
         see :func:`l2_histogram`).
     method
         Estimator of the reduced cumulative prevalence (:data:`HASHED_METHODS`). Default:
-        ``estimate.default_method("hashed", layers)`` (see :func:`hashed_phi_estimate`).
+        ``estimators.default_method("hashed", layers)`` (see :func:`hashed_phi_estimate`).
     variant
         ``"exact"`` (default): invert Gamma^B at every degree (:func:`invert_gamma`), then project.
         ``"alg7-single"``: Algorithm 7's binary searches for r <= m, the hashed histogram itself
@@ -215,7 +216,7 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
         Algorithm 7's cut-off; default :func:`alg7_m` (B, p).
     cap
         Rule that caps the total at n (``estimate.CAP_RULES``; default
-        ``estimate.default_cap("hashed", layers)``).
+        ``estimators.default_cap("hashed", layers)``).
     """
     vc = noisy_value_counts(noisy_counts)
     B = _check_buckets(buckets)

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import estimate as _estimate
+from . import anonymize as _anonymize
 from . import intervals, properties
-from .estimate import anonymized_histogram, forget_fits, noisy_value_counts
+from .estimate import forget_fits, noisy_value_counts
+from .anonymize import anonymized_histogram
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
@@ -55,7 +56,7 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     ``rng`` is a test-only noise source for the release layer; the state is not modified.
     ``error_bar_reps`` bootstrap repetitions give the release's ``accuracy`` block
     (:func:`estimate_with_accuracy`); 0 leaves the intervals out (the signal-to-noise fields stay).
-    ``method`` names the estimator (:data:`aggregator.estimate.METHODS`; None: the default for
+    ``method`` names the estimator (:data:`aggregator.estimators.METHODS`; None: the default for
     the mode and layer count, docs/accuracy_grid.md).
     ``view``: a list that receives ``(counts, layers)``, the exact counters this release was
     computed from (with its release layer): what a rollup adds up (never a redraw: a second
@@ -184,7 +185,7 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         forget_fits()  # what auto kept of these counters does not outlive the release
     signal = n if n is not None else int(np.asarray(hist).sum())
     snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
-    from .estimate import default_method
+    from .estimators import default_method
     resolved = method or default_method("hashed" if buckets is not None else "direct", layers,
                                         n=n, counters=counters, p=p)
     accuracy = {
@@ -357,7 +358,7 @@ def _planned(counters, p, layers, n, *, hashed, reps, rng, cancel=None) -> dict:
             # anonymized_histogram, the one call the privacy audits watch)
             _, acc = estimate_with_accuracy(vc, p, layers=layers, n=n,
                                             buckets=counters if hashed else None, reps=reps,
-                                            _estimator=_estimate.anonymized_histogram)
+                                            _estimator=_anonymize.anonymized_histogram)
             rel = acc.get("expected_relative_error") or {}
             figures.append((rel.get("distinct_items"), rel.get("entropy_nats"),
                             acc["signal_below_noise"]))

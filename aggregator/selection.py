@@ -19,7 +19,7 @@ The rule
    better by a log-likelihood margin (:func:`_standin_cap`): the stand-ins' cap decides which cap
    family the bootstrap favours, and the counters can tell a heavy tail from noise.
 2. Parametric bootstrap. For each pilot, simulate the state it implies (same counters, p,
-   layers; fresh seeded noise, :func:`aggregator.intervals.simulate_counts`) :data:`SIMS` times,
+   layers; fresh seeded noise, :func:`aggregator.counter_model.simulate_counts`) :data:`SIMS` times,
    run every candidate (estimator x cap rule, :data:`CANDIDATES`) on each simulated state, and
    measure its l1 error against the pilot: an estimate of each candidate's error if the pilot were
    the truth.
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import counter_model
 from .estimate import cap_total, cumulative_l1, forget_with, remember_fits
 
 __all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "select", "selected_prevalence"]
@@ -100,7 +101,7 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
 def _estimates(vc, p, k: int, methods) -> dict:
     """{method: projected phi_{>=r}}; the early-stopped EM and the converged NPMLE share one EM
     run (:func:`aggregator.estimate.em_prevalences`: the NPMLE continues the early stop)."""
-    from .estimate import em_prevalences, phi_estimate, project_l1
+    from .estimate import basic_prevalence, em_prevalences, project_l1
 
     out = {}
     if "deconvolution" in methods and "mle" in methods:
@@ -108,7 +109,7 @@ def _estimates(vc, p, k: int, methods) -> dict:
         out = {"deconvolution": project_l1(early), "mle": project_l1(full)}
     for m in methods:
         if m not in out:
-            out[m] = project_l1(phi_estimate(vc, p, layers=k, method=m))
+            out[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m))
     return {m: out[m] for m in methods}
 
 
@@ -130,47 +131,16 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
     for pm in pilots:
         y_s, y_i = cap_total(fits[pm], int(n), "scale"), cap_total(fits[pm], int(n), "items")
         if not np.array_equal(y_s, y_i):
-            gaps.append(_loglik(vc, y_i, vc.total, p, k) - _loglik(vc, y_s, vc.total, p, k))
+            ll = counter_model.loglik
+            gaps.append(ll(vc, y_i, vc.total, p, k) - ll(vc, y_s, vc.total, p, k))
     return "items" if gaps and min(gaps) > STANDIN_MARGIN else "scale"
-
-
-def _loglik(vc, y, counters: int, p: float, k: int) -> float:
-    """log-likelihood of the noisy value counts ``vc`` if the counters held the histogram with
-    cumulative prevalence ``y`` (every counter's noisy value = its value + k DLap(p) draws)."""
-    from .estimate import _conv, noise_pmf, prevalences_from_cumulative
-
-    K, q = noise_pmf(p, k)
-    y = np.asarray(y, dtype=np.int64)
-    mult = prevalences_from_cumulative(y)
-    hi = max(len(y), vc.hi) + K
-    lo = min(0, vc.lo) - K
-    w = np.zeros(hi - lo + 1)
-    w[-lo] = counters - (int(y[0]) if len(y) else 0)  # the empty counters, at value 0
-    w[1 - lo: len(y) + 1 - lo] = mult
-    w /= max(counters, 1)
-    pred = _conv(w, q)  # pmf of a noisy value on [lo, hi]
-    seen = vc.c > 0
-    at = np.flatnonzero(seen) + vc.lo - lo
-    pa = pred[at]
-    # a wide kernel goes through an FFT, whose rounding (~1e-15 of the largest value) swamps the
-    # small probabilities of the sparse tail, where one unexplained counter is the evidence:
-    # those are summed directly over the stand-in values within reach K
-    small = np.flatnonzero(pa < 1e-9)
-    if len(small):
-        nz = np.flatnonzero(w)
-        for i in small:
-            v = at[i]
-            r = nz[np.searchsorted(nz, v - K): np.searchsorted(nz, v + K, side="right")]
-            pa[i] = float((w[r] * q[v - r + K]).sum())
-    return float((vc.c[seen] * np.log(np.maximum(pa, 1e-300))).sum())
 
 
 def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple[np.ndarray, tuple]:
     from .estimate import (
         _check_layers, _data_seed, counts_from_cumulative, noisy_value_counts,
-        phi_estimate, project_l1,
+        basic_prevalence, project_l1,
     )
-    from .intervals import simulate_from_cumulative
 
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
@@ -199,7 +169,7 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
         total = int(y_p.sum()) if n is not None else None
         err = {c: 0.0 for c in candidates}
         for _ in range(int(sims)):
-            sim = simulate_from_cumulative(rng, y_p, D, p, k)
+            sim = counter_model.simulate_from_cumulative(rng, y_p, D, p, k)
             ests = _estimates(sim, p, k, methods)
             for m in methods:
                 y = ests[m]
@@ -211,10 +181,10 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
             regret[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
     choice = min(candidates, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
     m, rule = choice
-    y = fits[m] if m in fits else project_l1(phi_estimate(vc, p, layers=k, method=m))
+    y = fits[m] if m in fits else project_l1(basic_prevalence(vc, p, layers=k, method=m))
     return cap(y, n, rule), choice
 
 
 def selected_prevalence(noisy_counts, p, *, layers=1, n=None) -> np.ndarray:
-    """phi_{>=r} of :func:`select` as floats (``estimate.phi_estimate(method="auto")``)."""
+    """phi_{>=r} of :func:`select` as floats (``estimators.phi_estimate(method="auto")``)."""
     return select(noisy_counts, p, layers=layers, n=n)[0].astype(np.float64)

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from aggregator.estimate import anonymized_histogram
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
 from ._data import (DISTRIBUTIONS, Timer, errors, fmt, mean_se, naive, noisy, ratio_se, theorem9_shape,

@@ -9,7 +9,7 @@ Run from the repository root (one process; on a shared machine with ``nice``)::
 The run is resumable: every finished cell is saved to out/grid_results.pkl (out/ is git-ignored)
 and skipped on the next start. Writes docs/accuracy_grid.md, docs/img/grid_regret.png,
 docs/img/grid_snr.png and bench/grid_defaults.json (the chosen defaults, which
-tests/test_grid_defaults.py checks against aggregator.estimate.DEFAULT_METHODS).
+tests/test_grid_defaults.py checks against aggregator.estimators.DEFAULT_METHODS).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.estimate import default_cap, default_method
+from aggregator.estimators import default_cap, default_method
 
 from . import grid
 from ._data import cpu_model, git_rev, mean_se, versions
@@ -140,7 +140,7 @@ def run_timing(quick: bool) -> dict:
     layer count; every method with the default cap and the defaults; np.bincount over the same
     array as the baseline; repetitions interleaved, medians."""
     from aggregator import largedomain as ld
-    from aggregator.estimate import anonymized_histogram
+    from aggregator.anonymize import anonymized_histogram
     from aggregator.intervals import error_bars
     from aggregator.noise import p_from_epsilon
 
@@ -355,7 +355,7 @@ def analyse(results: list) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# a rule on the public signal-to-noise ratio (estimate.DEFAULT_RULES)
+# a rule on the public signal-to-noise ratio (estimators.DEFAULT_RULES)
 # --------------------------------------------------------------------------------------------
 def log_snr(cell, k: int) -> float:
     from aggregator.intervals import signal_to_noise
@@ -635,7 +635,7 @@ def _write_rules(w, results, an) -> None:
       "In-sample the rule is fitted to these very cells, so it is judged out of sample: "
       "*held out* = leave one distribution out (fit on the other distributions' cells, read the "
       "regret on the held-out distribution's cells; the worst over all). The rule becomes the "
-      "default (`estimate.DEFAULT_RULES`) only if its held-out worst case beats the fixed "
+      "default (`estimators.DEFAULT_RULES`) only if its held-out worst case beats the fixed "
       "choice's in-sample worst case.")
     w("")
     w("| mode | layers | fixed choice: worst | rule (below cut / above cut) | SNR cut | rule: worst "
@@ -905,7 +905,7 @@ def _write_timing(w, tm: dict | None) -> None:
       f"holding n = {tm['n']:.0e} Zipf(1.1) events; hashed mode n = {tm['n']:.0e} events of "
       f"Zipf(1.1) items in B = {tm['B']:.0e} buckets. `anonymized_histogram(x, p, layers=k, "
       "n=n, buckets=B or None, method=...)`; `default` = no method named (the table "
-      "`estimate.DEFAULTS`: method and cap rule per mode and layers); baseline `np.bincount(x - "
+      "`estimators.DEFAULTS`: method and cap rule per mode and layers); baseline `np.bincount(x - "
       f"x.min())`. Medians of {TIME_REPS} interleaved repetitions of bincount, the default, "
       f"threshold and wupagh; one run of the others (error bars: direct mode, 1-2 layers); "
       "every call cold (`auto` keeps its last choice for the error bars of the same release; "
@@ -952,7 +952,7 @@ def _write_rerun(w, results, rr: dict | None) -> None:
       "| geo-mean error new / old (range) | new worse by > 2 se (paired) | new better by > 2 se "
       "| s per estimate old -> new |")
     w("|---|---|---|---|---|---|---|---|---|---|")
-    from aggregator.estimate import DEFAULTS
+    from aggregator.estimators import DEFAULTS
     by_key = {r.cell.key: r for r in results}
     for mode in ("direct", "hashed"):
         for k in RERUN_LAYERS:

@@ -47,7 +47,8 @@ from functools import lru_cache
 import numpy as np
 
 from aggregator.central import _as_counts, _dp_anon_hist_known_n, dp_anon_hist, privhist
-from aggregator.estimate import anonymized_histogram, l1_distance
+from aggregator.estimate import l1_distance
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
 from ._data import Timer, cpu_model, fmt, git_rev, mean_se, naive, noisy, versions, weights

@@ -239,10 +239,10 @@ def hashed_diagnostic(windows: int = 4) -> None:
     counters' unbiased estimate (sum x^2 - B Var Z) and the early-stopped EM's fit; and the
     number of SQUAREM steps that EM makes before its stop."""
     from aggregator.estimate import (
-        DECONV_MAX_ITER, DECONV_TOL, _em_problem, _squarem, anonymized_cumulative,
-        anonymized_histogram, bucket_counters, cap_total, cumulative_from_counts,
-        em_prevalences, forget_fits, noise_pmf,
+        bucket_counters, cap_total, cumulative_from_counts, DECONV_MAX_ITER, DECONV_TOL,
+        em_prevalences, _em_problem, forget_fits, noise_pmf, _squarem,
     )
+    from aggregator.anonymize import anonymized_cumulative, anonymized_histogram
     from aggregator.largedomain import _invert
     from aggregator.release import internal_level
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.estimate import anonymized_histogram, cumulative_from_counts, cumulative_l1, \
-    forget_fits
+from aggregator.estimate import cumulative_from_counts, cumulative_l1, forget_fits
+from aggregator.anonymize import anonymized_histogram
 from aggregator.intervals import error_bars
 from aggregator.properties import entropy
 

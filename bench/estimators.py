@@ -30,8 +30,10 @@ import time
 
 import numpy as np
 
-from aggregator.estimate import (anonymized_histogram, counts_from_cumulative,
-                                 cumulative_from_counts, deconvolved_prevalence, project_l1)
+from aggregator.estimate import (
+    counts_from_cumulative, cumulative_from_counts, deconvolved_prevalence, project_l1,
+)
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
 from ._data import Timer, errors, fmt, mean_se, noisy, true_counts

@@ -4,7 +4,7 @@ A *cell* fixes what a deployment does not choose: the mode (direct counters over
 of D items, or B = choose_buckets(n) hash buckets over an unbounded one), the item distribution,
 n, eps and the number of DLap layers in the released counters (1 = state-only, 2 = joint model,
 3 = joint model after an audit export). A *candidate* is what the code chooses: the estimator of
-phi_{>=r} (``estimate.METHODS``) and the rule that caps the total at the public n
+phi_{>=r} (``estimators.METHODS``) and the rule that caps the total at the public n
 (``estimate.CAP_RULES``; ``"none"`` is shown for reference: it can release more than n events).
 
 Pairing: in each repetition of a cell one draw of the items and, per layer count, ONE draw of the
@@ -48,8 +48,9 @@ from aggregator import largedomain as ld
 import zlib
 
 from aggregator.estimate import (
-    CAP_RULES, cap_total, cumulative_from_counts, cumulative_l1, phi_estimate, project_l1,
+    CAP_RULES, cap_total, cumulative_from_counts, cumulative_l1, project_l1,
 )
+from aggregator.estimators import phi_estimate
 from aggregator.noise import p_from_epsilon
 
 from ._data import REAL, real_profile, true_counts
@@ -60,7 +61,7 @@ LAYERS = (1, 2, 3, 6)
 EPS = (0.25, 0.5, 1.0, 2.0, 4.0)
 DIRECT_DISTS = ("zipf0.7", "zipf", "zipf1.5", "zipf2", "geometric", "uniform", "heavy")
 HASHED_DISTS = ("zipf", "zipf1.01", "zipf1.5", "distinct")  # bench.largedomain.items_counts
-# Estimators measured by the grid (estimate.METHODS less "xfit", whose three EM runs per estimate
+# Estimators measured by the grid (estimators.METHODS less "xfit", whose three EM runs per estimate
 # did not pay for themselves in the pilot runs: docs/accuracy_grid.md notes)
 METHODS = ("threshold", "deconvolution", "mle", "wupagh", "auto")
 ADMISSIBLE_CAPS = tuple(c for c in CAP_RULES if c != "none")

@@ -33,7 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aggregator.estimate import anonymized_histogram, l1_distance  # noqa: E402
+from aggregator.estimate import l1_distance  # noqa: E402
+from aggregator.anonymize import anonymized_histogram  # noqa: E402
 from aggregator.largedomain import choose_buckets  # noqa: E402
 from aggregator.noise import p_from_epsilon  # noqa: E402
 from bench.largedomain import hash_items, hashed_vc, noisy_vc  # noqa: E402

@@ -54,9 +54,10 @@ import numpy as np
 
 from aggregator import largedomain as ld
 from aggregator.estimate import (
-    NoisyValueCounts, anonymized_histogram, counts_from_cumulative, cumulative_from_counts,
-    l1_distance, noise_pmf, noisy_value_counts, project_l1,
+    counts_from_cumulative, cumulative_from_counts, l1_distance, noise_pmf, noisy_value_counts,
+    NoisyValueCounts, project_l1,
 )
+from aggregator.anonymize import anonymized_histogram
 from aggregator.hashing import bucket_of
 from aggregator.noise import p_from_epsilon
 

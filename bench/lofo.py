@@ -414,7 +414,7 @@ def main(argv=None) -> int:
                          f"beside the library's: {', '.join(EXTRA)}")
     ap.add_argument("--cap", choices=("items",),
                     help="report: only the candidates with this cap rule (the release's cap is "
-                         "chosen apart: estimate.DEFAULTS caps by items)")
+                         "chosen apart: estimators.DEFAULTS caps by items)")
     ap.add_argument("--grid-hashed", action="store_true",
                     help="run: the accuracy grid's hashed cells (bench.grid.grid_cells) instead "
                          "of this bench's, e.g. with --out out/lofo_grid_hashed")

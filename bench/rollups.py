@@ -33,7 +33,8 @@ import time
 import numpy as np
 
 from aggregator import properties
-from aggregator.estimate import anonymized_histogram, l1_distance
+from aggregator.estimate import l1_distance
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.release import estimate_with_accuracy
 
@@ -226,7 +227,7 @@ def held_out(by_profile: dict) -> list[str]:
 
 def methods(profile: str = "sc-ru", hourly: int = 10_000) -> list[str]:
     """Every estimator on one day (48 layers) and one week (336 layers) of ``profile``."""
-    from aggregator.estimate import METHODS
+    from aggregator.estimators import METHODS
     rng = np.random.default_rng()
     w = real_profile(profile)
     p = p_from_epsilon(1.0)

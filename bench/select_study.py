@@ -10,7 +10,7 @@ grid's own noisy counters (same seeds, so the same draws as out/grid_results.pkl
   :data:`SIMS` simulated states drawn from it, the l1 error of every candidate against the
   stand-in (what ``selection._select`` computes for its two stand-ins and two draws);
 * ``loglik``: the log-likelihood of the observed noisy values under each stand-in
-  (``selection._loglik``).
+  (``counter_model.loglik``).
 
 A rule is then a function of ``boot`` and ``loglik`` (never of ``true``) that returns a
 candidate; its error in a cell is ``true`` of that candidate. ``--report`` compares rules by the
@@ -35,7 +35,8 @@ import numpy as np
 
 from aggregator.estimate import cap_total, cumulative_from_counts, cumulative_l1
 from aggregator.intervals import simulate_from_cumulative
-from aggregator.selection import CANDIDATES, _estimates, _loglik
+from aggregator.counter_model import loglik as _loglik
+from aggregator.selection import CANDIDATES, _estimates
 from bench import grid
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "select_study.pkl"
@@ -96,7 +97,7 @@ def run(layers) -> None:
 
 
 def relik() -> None:
-    """Recompute every stored ``loglik`` with the current ``selection._loglik`` (the real
+    """Recompute every stored ``loglik`` with the current ``counter_model.loglik`` (the real
     counters' fits only: cheap next to the bootstrap)."""
     with open(RESULTS, "rb") as f:
         stored = pickle.load(f)["results"]

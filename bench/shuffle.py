@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from aggregator import central
-from aggregator.estimate import anonymized_histogram, l1_distance
+from aggregator.estimate import l1_distance
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 from aggregator.service.shuffle_wire import SEALED_SIZE
 from aggregator.shuffle import BalcerCheuRandomizer, GKMPRandomizer, gkmp_analyze

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.estimate import anonymized_histogram, l1_distance
+from aggregator.estimate import l1_distance
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
 from ._data import noisy, true_counts

@@ -8,7 +8,8 @@ from scipy.stats import chi2
 
 from aggregator import bucket_likelihood as bl
 from aggregator import intervals as iv
-from aggregator.estimate import anonymized_cumulative, cumulative_from_counts, noisy_value_counts
+from aggregator.estimate import cumulative_from_counts, noisy_value_counts
+from aggregator.anonymize import anonymized_cumulative
 from aggregator.noise import discrete_laplace, p_from_epsilon
 
 
@@ -142,7 +143,7 @@ def test_the_release_picks_the_start_once_and_its_bootstrap_reruns_that_start(mo
     p, layers, B = p_from_epsilon(1.0), 2, 40_000
     counts = _users(g, 20_000)
     vc = _noisy_buckets(g, counts, B, p, layers)
-    import aggregator.estimate as est
+    import aggregator.anonymize as est  # the bootstrap's batch fit goes through it
     calls, starts = [], []  # calls: the release's choice (shrunk?) each time one is made
     real, real_batch = ld._likelier_start, est.deconvolved_batch
 

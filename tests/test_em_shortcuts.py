@@ -15,7 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aggregator import anonymize as A
 from aggregator import estimate as E
+from aggregator import estimators as M
 from aggregator import intervals as iv
 from aggregator import largedomain as ld
 from aggregator.noise import discrete_laplace
@@ -100,9 +102,9 @@ def test_one_em_run_gives_both_estimators_exactly(layers):
     h = _dense_and_sparse(rng, 3000, 30, 3000)
     x, _ = _noisy(rng, h, 0.6, layers)
     early, full = E.em_prevalences(x, 0.6, layers=layers)
-    np.testing.assert_array_equal(early, E.phi_estimate(x, 0.6, layers=layers,
+    np.testing.assert_array_equal(early, M.phi_estimate(x, 0.6, layers=layers,
                                                         method="deconvolution"))
-    np.testing.assert_array_equal(full, E.phi_estimate(x, 0.6, layers=layers, method="mle"))
+    np.testing.assert_array_equal(full, M.phi_estimate(x, 0.6, layers=layers, method="mle"))
 
 
 @pytest.mark.parametrize("n, taps", [(3000, 101), (5000, 301), (1000, 97)])
@@ -164,15 +166,15 @@ def test_hashed_release_gives_n_to_xfit_and_runs_auto_uncapped(monkeypatch):
         seen["xfit"] = n
         return real_xfit(noisy_counts, p, layers=layers, n=n, **kw)
 
-    monkeypatch.setattr(sel, "selected_prevalence", auto_spy)
-    monkeypatch.setattr(E, "crossfit_prevalence", xfit_spy)
+    monkeypatch.setattr(M, "selected_prevalence", auto_spy)  # where phi_estimate finds them
+    monkeypatch.setattr(M, "crossfit_prevalence", xfit_spy)
     rng = np.random.default_rng(5)
     B, n = 4000, 2000
     red = np.bincount(rng.integers(0, B, n), minlength=B)
     x, _ = _noisy(rng, red, 0.5, 1)
-    assert E.default_method("hashed", 1) == "auto"
-    E.anonymized_histogram(x, 0.5, buckets=B, n=n)
-    E.anonymized_histogram(x, 0.5, buckets=B, n=n, method="xfit")
+    assert M.default_method("hashed", 1) == "auto"
+    A.anonymized_histogram(x, 0.5, buckets=B, n=n)
+    A.anonymized_histogram(x, 0.5, buckets=B, n=n, method="xfit")
     assert seen == {"auto": None, "xfit": n}
 
 

@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 
 from aggregator.estimate import (
-    anonymized_histogram, cap_total, counts_from_cumulative, cumulative_from_counts,
-    cumulative_prevalence, deconvolved_prevalence, l1_distance, noise_pmf, noisy_value_counts,
-    default_cap, project_l1, project_l2, threshold_kernel,
+    cap_total, counts_from_cumulative, cumulative_from_counts, cumulative_prevalence,
+    deconvolved_prevalence, l1_distance, noise_pmf, noisy_value_counts, project_l1, project_l2,
+    threshold_kernel,
 )
+from aggregator.estimators import default_cap
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace
 
 
@@ -337,7 +339,7 @@ def _zipf_noisy(D, n, p, layers, seed):
 @pytest.mark.parametrize("buckets", [False, True])
 @pytest.mark.parametrize("with_n", [False, True])
 def test_anonymized_cumulative_is_the_histogram(layers, buckets, with_n):
-    from aggregator.estimate import anonymized_cumulative
+    from aggregator.anonymize import anonymized_cumulative
     p = 0.6
     h, noisy = _zipf_noisy(3000, 5000, p, layers, 7 + layers)
     kw = dict(layers=layers, n=5000 if with_n else None, buckets=3000 if buckets else None)
@@ -352,6 +354,7 @@ def test_anonymized_cumulative_is_the_histogram(layers, buckets, with_n):
 def test_remembered_pilot_fits_are_the_fits():
     """auto keeps its pilots' fits of the real counters; a later call on counters with the same
     value counts (another object) takes them, and they equal a fresh fit."""
+    from aggregator import anonymize as A
     from aggregator import estimate as E
     from aggregator.selection import select
     p = 0.6
@@ -359,9 +362,9 @@ def test_remembered_pilot_fits_are_the_fits():
     select(noisy, p, layers=2, n=8000)
     assert E._FITS
     for method in ("deconvolution", "mle", "threshold"):
-        cached = E.anonymized_cumulative(noisy.copy(), p, layers=2, n=8000, method=method)
+        cached = A.anonymized_cumulative(noisy.copy(), p, layers=2, n=8000, method=method)
         E._FITS.clear()
-        fresh = E.anonymized_cumulative(noisy, p, layers=2, n=8000, method=method)
+        fresh = A.anonymized_cumulative(noisy, p, layers=2, n=8000, method=method)
         assert np.array_equal(cached, fresh)
         select(noisy, p, layers=2, n=8000, sims=3)  # refills the cache (another key)
     other = noisy.copy()
@@ -371,8 +374,8 @@ def test_remembered_pilot_fits_are_the_fits():
 
 @pytest.mark.parametrize("layers", [1, 2, 3])
 def test_deconvolved_batch_equals_one_at_a_time_to_rounding(layers):
-    from aggregator.estimate import MLE_MAX_ITER, MLE_TOL, anonymized_cumulative, \
-        anonymized_cumulative_many, deconvolved_batch
+    from aggregator.estimate import deconvolved_batch, MLE_MAX_ITER, MLE_TOL
+    from aggregator.anonymize import anonymized_cumulative, anonymized_cumulative_many
     p = 0.6
     sets = [_zipf_noisy(2000 * (i + 1), 3000 * (i + 1), p, layers, 11 + i)[1] for i in range(4)]
     sets.append(discrete_laplace(p, 500, rng=np.random.default_rng(1)))  # no events at all

@@ -1,7 +1,7 @@
 """The release defaults are the accuracy grid's choices, and the release really uses them.
 
 bench/accuracy_grid.py writes the candidate with the lowest worst-case regret per (mode, layers) to
-bench/grid_defaults.json (docs/accuracy_grid.md has the measurements); aggregator.estimate.DEFAULTS
+bench/grid_defaults.json (docs/accuracy_grid.md has the measurements); aggregator.estimators.DEFAULTS
 must say the same, and a release that names no estimator and no cap rule must be exactly the one
 that names the defaults.
 """
@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from aggregator import largedomain as ld
-from aggregator.estimate import (
-    CAP_RULES, DEFAULT_RULES, DEFAULTS, METHODS, MODES, anonymized_histogram, default_cap,
-    default_method, phi_estimate,
+from aggregator.estimate import CAP_RULES
+from aggregator.estimators import (
+    default_cap, default_method, DEFAULT_RULES, DEFAULTS, METHODS, MODES, phi_estimate,
 )
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 
 GRID = Path(__file__).resolve().parent.parent / "bench" / "grid_defaults.json"
@@ -40,7 +41,7 @@ def test_code_rules_are_the_grids_rules():
 
 
 def test_a_rule_picks_by_the_public_snr(monkeypatch):
-    from aggregator import estimate as E
+    from aggregator import estimators as E
     from aggregator.intervals import signal_to_noise
     p = p_from_epsilon(1.0)
     snr = signal_to_noise(1_000, 10_000, p, 2)

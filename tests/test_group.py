@@ -142,7 +142,7 @@ def _summaries(states, model="state-only", window=0):
 
 
 def test_hashed_slices_merge_into_the_release_of_their_concatenation():
-    from aggregator.estimate import anonymized_histogram
+    from aggregator.anonymize import anonymized_histogram
     rng = np.random.default_rng(1)
     states = []
     for i in range(3):
@@ -163,7 +163,7 @@ def test_hashed_slices_merge_into_the_release_of_their_concatenation():
 def test_a_merged_release_is_the_one_state_release_whatever_P():
     """Zipf items over D counters split into P = 6 slices, joint model: the merged release equals
     the release of the one D-counter state the slices form (with the same release layers)."""
-    from aggregator.estimate import anonymized_histogram
+    from aggregator.anonymize import anonymized_histogram
     Dz, P, eps = 20_000, 6, 1.0
     rng = np.random.default_rng(17)
     items = np.minimum(rng.zipf(1.1, 200_000) - 1, Dz - 1)

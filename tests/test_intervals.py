@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from aggregator import intervals as iv
-from aggregator.estimate import anonymized_histogram, noise_pmf
+from aggregator.estimate import noise_pmf
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 
 
@@ -308,7 +309,7 @@ def test_plausible_extremes_stay_within_the_likelihood_region():
     from scipy.stats import chi2
 
     from aggregator.estimate import cumulative_from_counts, noisy_value_counts
-    from aggregator.selection import _loglik
+    from aggregator.counter_model import loglik as _loglik
     g = np.random.default_rng(4)
     p = p_from_epsilon(1.0)
     C = 50_000
@@ -336,7 +337,7 @@ def test_error_bars_reach_the_plausible_extremes():
     n = int(h.sum())
     eb = iv.error_bars(noisy, p, n=n, reps=4, rng=0)
     from aggregator.estimate import cumulative_from_counts, noisy_value_counts
-    from aggregator.selection import _loglik
+    from aggregator.counter_model import loglik as _loglik
     vc = noisy_value_counts(noisy)
     ys = {m: cumulative_from_counts(anonymized_histogram(noisy, p, n=n, method=m))
           for m in ("deconvolution", "mle")}
@@ -357,7 +358,7 @@ def test_the_region_drop_is_calibrated_to_the_fits_gap_over_a_truth(monkeypatch)
     from scipy.stats import chi2
 
     from aggregator.estimate import cumulative_from_counts, noisy_value_counts
-    from aggregator.selection import _loglik
+    from aggregator.counter_model import loglik as _loglik
     g = np.random.default_rng(0)
     p = p_from_epsilon(1.0)
     C = 10**5

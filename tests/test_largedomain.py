@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from aggregator import largedomain as ld
 from aggregator.estimate import (
-    anonymized_histogram, counts_from_cumulative, cumulative_from_counts, l1_distance, project_l1,
+    counts_from_cumulative, cumulative_from_counts, l1_distance, project_l1,
 )
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.state import PanPrivateHistogram
 
@@ -227,10 +228,10 @@ def test_hashed_state_end_to_end_beats_the_raw_bucket_histogram():
 
 def test_hashed_one_layer_default_is_the_grid_choice_and_mle_beats_the_threshold_estimator():
     """Mostly-empty buckets (B = 3 n): the release uses the grid's default for hashed mode, one
-    layer (estimate.default_method), and the EM NPMLE run to convergence beats the threshold
+    layer (estimators.default_method), and the EM NPMLE run to convergence beats the threshold
     estimator on the same noisy counters. Seeded hashing and noise, six data sets: valid
     histograms every time, lower total error."""
-    from aggregator.estimate import default_method
+    from aggregator.estimators import default_method
     p = p_from_epsilon(1.0)
     tot = {"mle": 0, "threshold": 0}
     for seed in range(6):
@@ -264,7 +265,7 @@ def test_hashed_two_layer_default_is_the_grid_choice_and_mle_beats_early_stoppin
         B = 2 * n
         noisy = (_reduced(h, B, rng) + discrete_laplace(p, B, rng=rng)
                  + discrete_laplace(p, B, rng=rng))
-        from aggregator.estimate import default_cap, default_method
+        from aggregator.estimators import default_cap, default_method
         est = anonymized_histogram(noisy, p, n=n, layers=2, buckets=B)
         assert est.dtype == np.int64 and np.all(np.diff(est) <= 0) and est.min() > 0
         feats = dict(n=n, counters=B, p=p)
@@ -284,7 +285,7 @@ def test_hashed_phi_estimate_defaults_and_errors():
     noisy = np.concatenate([np.zeros(300, np.int64), rng.integers(1, 9, 100)])
     p = 0.5
     noisy = noisy + discrete_laplace(p, len(noisy), rng=rng)
-    from aggregator.estimate import default_method as dm
+    from aggregator.estimators import default_method as dm
     np.testing.assert_allclose(ld.hashed_phi_estimate(noisy, p),
                                ld.hashed_phi_estimate(noisy, p, method=dm("hashed", 1)))
     np.testing.assert_allclose(ld.hashed_phi_estimate(noisy, p, layers=2),
@@ -292,7 +293,7 @@ def test_hashed_phi_estimate_defaults_and_errors():
     with pytest.raises(ValueError):
         ld.hashed_phi_estimate(noisy, p, method="magic")
     # direct mode has its own default (without n, no cap)
-    from aggregator.estimate import default_method, phi_estimate
+    from aggregator.estimators import default_method, phi_estimate
     np.testing.assert_array_equal(
         anonymized_histogram(noisy, p),
         counts_from_cumulative(project_l1(phi_estimate(noisy, p,

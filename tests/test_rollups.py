@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from aggregator.estimate import anonymized_histogram
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.release import make_release
 from aggregator.service.config import ConfigError, aggregation_configs, load_config, rollup_spans
@@ -377,7 +377,7 @@ def test_a_directory_never_switches_between_one_state_and_level_states(tmp_path)
 
 @pytest.mark.parametrize("layers", [48, 336])
 def test_estimators_take_the_layers_of_a_day_and_a_week(layers):
-    from aggregator.estimate import phi_estimate
+    from aggregator.estimators import phi_estimate
     from aggregator.release import estimate_with_accuracy
     p = p_from_epsilon(1.0)
     h = np.random.default_rng().integers(0, 300, 3000)

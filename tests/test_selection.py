@@ -4,6 +4,8 @@ cross-fitted EM (estimate.crossfit_prevalence, method="xfit")."""
 import numpy as np
 import pytest
 
+from aggregator import anonymize as A
+from aggregator import counter_model
 from aggregator import estimate as E
 from aggregator import selection as S
 from aggregator.noise import discrete_laplace, p_from_epsilon
@@ -28,7 +30,7 @@ def test_auto_is_deterministic_and_capped(layers):
     np.testing.assert_array_equal(y1, y2)
     assert c1 == c2 and c1 in S.CANDIDATES
     assert y1.sum() <= n and np.all(np.diff(y1) <= 0)
-    rel = E.anonymized_histogram(noisy, p, layers=layers, n=n, method="auto")
+    rel = A.anonymized_histogram(noisy, p, layers=layers, n=n, method="auto")
     np.testing.assert_array_equal(E.cumulative_from_counts(rel), y1[: len(E.cumulative_from_counts(rel))])
 
 
@@ -36,7 +38,7 @@ def test_auto_release_is_the_chosen_candidates_release():
     noisy, p, h = _state(11, 2)
     n = int(h.sum())
     y, (m, cap) = S.select(noisy, p, layers=2, n=n)
-    named = E.anonymized_histogram(noisy, p, layers=2, n=n, method=m, cap=cap)
+    named = A.anonymized_histogram(noisy, p, layers=2, n=n, method=m, cap=cap)
     np.testing.assert_array_equal(E.counts_from_cumulative(y), named)
 
 
@@ -47,7 +49,7 @@ def test_auto_without_n_and_empty_window():
     empty = discrete_laplace(p, 4_000, rng=np.random.default_rng(1))
     y0, _ = S.select(empty, p, layers=2, n=0)
     assert y0.sum() == 0
-    assert len(E.anonymized_histogram(empty, p, layers=2, n=0, method="auto")) == 0
+    assert len(A.anonymized_histogram(empty, p, layers=2, n=0, method="auto")) == 0
 
 
 def test_mean_m_step_meets_the_constraint_and_maximizes():
@@ -79,7 +81,7 @@ def test_xfit_uses_n_and_is_deterministic():
 
 
 def test_loglik_is_the_likelihood_of_the_noisy_values():
-    """selection._loglik against the definition: every counter's noisy value is its stand-in value
+    """counter_model.loglik against the definition: every counter's noisy value is its stand-in value
     plus the k-layer noise, so the log-likelihood is sum_j log sum_r P(r) q(v_j - r)."""
     noisy, p, h = _state(4, 2, items=40, zeros=200, top=12)
     vc = E.noisy_value_counts(noisy)
@@ -94,7 +96,7 @@ def test_loglik_is_the_likelihood_of_the_noisy_values():
         d = v - r
         ok = np.abs(d) <= K
         want += np.log((share[ok] * q[d[ok] + K]).sum())
-    assert S._loglik(vc, y, len(noisy), p, 2) == pytest.approx(want, rel=1e-9)
+    assert counter_model.loglik(vc, y, len(noisy), p, 2) == pytest.approx(want, rel=1e-9)
 
 
 def test_stand_ins_keep_heavy_hitters_when_the_counters_show_them():

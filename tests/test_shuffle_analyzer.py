@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from aggregator.estimate import anonymized_histogram
+from aggregator.anonymize import anonymized_histogram
 from aggregator.service.analyzer import ShuffleAnalyzer, load_analyzer_key
 from aggregator.service.config import load_config
 from aggregator.service.process import ServiceError

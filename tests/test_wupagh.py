@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from aggregator import largedomain as ld
-from aggregator.estimate import (
-    METHODS, anonymized_histogram, cumulative_prevalence, noise_pmf, phi_estimate,
-)
+from aggregator.estimate import cumulative_prevalence, noise_pmf
+from aggregator.estimators import METHODS, phi_estimate
+from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.wupagh import (
     inverse_filter, project_simplex, unbiased_profile, wupagh_prevalence, wupagh_profile,

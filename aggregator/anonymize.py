@@ -1,0 +1,182 @@
+"""The release's anonymized histogram from noisy counters, direct or hashed.
+
+:func:`anonymized_histogram` is the one entry point a release calls: the named (or default)
+estimator of :mod:`aggregator.estimators` on the counters, the l1 (or l2) projection, the cap at
+the public n; with ``buckets`` the counters are hash buckets and the collisions are undone
+(:mod:`aggregator.largedomain`). :func:`anonymized_cumulative` is the same release as its
+cumulative prevalence, and :func:`anonymized_cumulative_many` fits many counter sets at once (the
+bootstrap's re-estimates in :mod:`aggregator.intervals`).
+
+Everything here is post-processing of the noisy counters and public quantities (n, D or B, p,
+layers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import estimate
+from .estimate import (
+    CAP_RULES, DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, _check_layers,
+    _remembered_fit, cap_total, checked_cumulative, counts_from_cumulative, deconvolved_batch,
+    noisy_value_counts, project_l1, project_l2, rank_box,
+)
+from .estimators import default_cap, default_method, phi_estimate
+from .largedomain import (
+    DEFAULT_VARIANT, _check_buckets, _hashed_cumulative, hashed_cumulative, hashed_histogram,
+)
+
+__all__ = ["anonymized_histogram", "anonymized_cumulative", "anonymized_cumulative_many"]
+
+
+def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, buckets=None,
+                               cap=None, shrunk_start=None) -> list:
+    """[:func:`anonymized_cumulative` of each counter set], the EM estimators of direct mode
+    fitted together (:func:`deconvolved_batch`: equal to rounding, not bit for bit); for the
+    bootstrap's re-estimates. Everything else: one call per counter set. ``shrunk_start``:
+    hashed mode's early-stopped EM from that start for every set (the release's choice,
+    ``largedomain.chosen_start``); None: each set's likelier one."""
+    many = list(many)
+    k = _check_layers(layers)
+    if method not in ("deconvolution", "mle") or not many:
+        return [anonymized_cumulative(x, p, layers=layers, n=n, method=method, buckets=buckets,
+                                      cap=cap) for x in many]
+    iters = ((DECONV_MAX_ITER, DECONV_TOL if buckets is not None else estimate.deconv_tol(p, k))
+             if method == "deconvolution"
+             else (MLE_MAX_ITER, MLE_TOL))
+    vcs = [noisy_value_counts(x) for x in many]
+    start = bool(shrunk_start) and buckets is not None and method == "deconvolution"
+    phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1],
+                             shrunk_start=start)
+    if buckets is not None:  # the bucket counters' estimates, then the inversion of each
+        B = _check_buckets(buckets)
+        out = []
+        for vc, phi in zip(vcs, phis):
+            if vc.total != B:
+                raise ValueError(f"buckets={B} but {vc.total} counters were given")
+            rule = cap if cap is not None else default_cap("hashed", k, n=n, counters=vc.total,
+                                                            p=p)
+            if rule not in CAP_RULES:
+                raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
+            out.append(checked_cumulative(_hashed_cumulative(
+                vc, p, B, n, k, method, DEFAULT_VARIANT, None, rule, phi=phi,
+                shrunk_start=shrunk_start)))
+        return out
+    out = []
+    for vc, phi in zip(vcs, phis):
+        y = project_l1(phi)
+        if n is not None:
+            rule = cap if cap is not None else default_cap("direct", k, n=n, counters=vc.total,
+                                                            p=p)
+            if rule not in CAP_RULES:
+                raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
+            y = cap_total(y, n, rule)
+        out.append(checked_cumulative(y))
+    return out
+
+
+def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buckets=None,
+                          cap=None) -> np.ndarray:
+    """The l1 release of :func:`anonymized_histogram` as its cumulative prevalence phi_{>=r},
+    r = 1..(the largest count) (int64, no trailing zeros): ``counts_from_cumulative`` of it is
+    exactly ``anonymized_histogram(..., loss="l1")``, and it is what the bootstrap and the
+    properties need, without listing millions of counts and counting them again.
+    """
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    feats = dict(n=n, counters=vc.total, p=p)
+    mode = "hashed" if buckets is not None else "direct"
+    if method is None:
+        method = default_method(mode, k, **feats)
+    cap = default_cap(mode, k, **feats) if cap is None else cap
+    if buckets is not None:
+        y = hashed_cumulative(vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap)
+    else:
+        if cap not in CAP_RULES:
+            raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
+        y = _remembered_fit(vc, p, k, method)
+        if y is None:
+            y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
+        if n is not None:
+            y = cap_total(y, n, cap)
+    return checked_cumulative(y)
+
+
+def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,
+                         buckets=None, cap=None):
+    """Estimate the anonymized histogram from counters noised with ``layers`` DLap(p) layers.
+
+    Parameters
+    ----------
+    noisy_counts
+        The noisy counters (int array) or their :class:`NoisyValueCounts`.
+    p
+        DLap parameter of each layer (``state.p``).
+    layers
+        Number of independent DLap(p) layers in each counter (``state.layers``).
+    loss
+        ``"l1"`` (Algorithm 1/5: l1 isotonic projection) or ``"l2"`` (Algorithm 3: adds
+        sum = n and the rank box gamma = 10 log(2 n D) / log(1/p); needs ``n``).
+    n
+        Number of events (public under replace-one). Required for ``"l2"`` (sum = n); with
+        ``"l1"`` the histogram is capped at n events (:func:`cap_total`).
+    method
+        Estimator of phi (:data:`METHODS`). Default: :func:`default_method` (mode, layers), the
+        lowest worst-case regret over the accuracy grid (docs/accuracy_grid.md).
+    buckets
+        Number of hash buckets B when the counters are a hashed-mode state (``state.size``).
+        Collisions are then undone by inverting Gamma^B
+        (:func:`aggregator.largedomain.hashed_histogram`; docs/large_domains.md).
+    cap
+        How the total is capped at ``n`` (:data:`CAP_RULES`; default :func:`default_cap`;
+        ``"none"`` leaves the l1 projection as it is). Ignored without ``n``.
+
+    Returns
+    -------
+    int64 array of counts in decreasing order, zeros dropped.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from aggregator.noise import discrete_laplace
+    >>> true = np.array([50, 20, 20, 5] + [0] * 96)
+    >>> noisy = true + discrete_laplace(0.2, 100)
+    >>> est = anonymized_histogram(noisy, 0.2)
+    >>> bool(np.all(np.diff(est) <= 0)) and est.dtype == np.int64
+    True
+    """
+    if loss == "l1":
+        return counts_from_cumulative(anonymized_cumulative(
+            noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap))
+    vc = noisy_value_counts(noisy_counts)
+    k = _check_layers(layers)
+    feats = dict(n=n, counters=vc.total, p=p)
+    if buckets is not None:
+        if method is None:
+            method = default_method("hashed", k, **feats)
+        if cap is None:
+            cap = default_cap("hashed", k, **feats)
+        return hashed_histogram(vc, p, buckets=buckets, n=n, layers=layers, loss=loss,
+                                method=method, cap=cap)
+    if loss != "l2":
+        raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
+    if method is None:
+        method = default_method("direct", k, **feats)
+    cap = default_cap("direct", k, **feats) if cap is None else cap
+    if cap not in CAP_RULES:
+        raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
+    phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n)
+    if n is None:
+        raise ValueError("loss='l2' needs n (the number of events, public under replace-one)")
+    n = int(n)
+    D = vc.total
+    gamma = 10.0 * math.log(max(2 * n * D, 2)) / math.log(1.0 / p)
+    R = max(len(phi_hat), int(vc.hi + gamma) + 1, 1)
+    phi_hat = np.concatenate([phi_hat, np.zeros(R - len(phi_hat))])
+    lower, upper = rank_box(vc, gamma, R)
+    y = project_l2(phi_hat, n, lower, upper)
+    if y is None:  # as the paper: infeasible -> the all-zero histogram
+        return np.zeros(0, dtype=np.int64)
+    return counts_from_cumulative(y)
