@@ -290,6 +290,56 @@ def report() -> None:
             print()
 
 
+def _regrets_on(results: dict, mode: str, layers: int, idx) -> dict:
+    """{cell key: auto / items' regret} from the repetitions ``idx`` of every cell only (a
+    callable: each cell's own, given its key)."""
+    out = {}
+    for key, res in results.items():
+        if key[0] != mode:
+            continue
+        at = idx(key) if callable(idx) else idx
+        e = {c: float(np.mean(np.asarray(res.l1[(layers, *c)])[at])) for c in CANDIDATES
+             if (layers, *c) in res.l1}
+        best = min(e.values())
+        out[key] = e[("auto", "items")] / best if best > 0 else 1.0
+    return out
+
+
+def reps_report(block: int = 4, boots: int = 400) -> None:
+    """How much of the worst-case regret is the repetitions' lottery: the default's (auto /
+    items) regret per cell from all repetitions, against what runs of ``block`` repetitions
+    each would read (the repetitions cut into consecutive blocks: the first block is exactly a
+    ``block``-repetition run), and a bootstrap over each cell's repetitions of the worst cell's
+    regret (90% interval)."""
+    results = load()
+    reps = min(len(r.items) for r in results.values())
+    print(f"{len(results)} cells in {OUT}, {reps} repetitions each\n")
+    print(f"| mode | layers | auto / items, all {reps} repetitions: median / geo-mean / worst "
+          f"(cell) | cells > 1.5 | worst from each block of {block} | worst, bootstrap 90% |")
+    print("|---|---|---|---|---|---|")
+    g = np.random.default_rng(0)  # the benchmark's own resampling, not a release
+    for mode in ("direct", "hashed"):
+        for layers in LAYERS:
+            allr = _regrets_on(results, mode, layers, slice(0, reps))
+            if not allr:
+                continue
+            rs = np.array(list(allr.values()))
+            wk = max(allr, key=allr.get)
+            blocks = [max(_regrets_on(results, mode, layers, slice(b, b + block)).values())
+                      for b in range(0, reps - block + 1, block)]
+            worst = [max(_regrets_on(results, mode, layers,
+                                     lambda _k: g.integers(0, reps, reps)).values())
+                     for _ in range(boots)]
+            over = sorted((k for k in allr if allr[k] > 1.5), key=allr.get, reverse=True)
+            cells = "; ".join(f"{k[1]} n={k[2]} D={k[3]} eps={k[4]}: {allr[k]:.2f}" for k in over)
+            print(f"| {mode} | {layers} | {np.median(rs):.2f} / "
+                  f"{np.exp(np.mean(np.log(rs))):.2f} / {allr[wk]:.2f} ({wk[1]} n={wk[2]} "
+                  f"D={wk[3]} eps={wk[4]}) | {len(over)}{': ' + cells if cells else ''} | "
+                  f"{', '.join(f'{b:.2f}' for b in blocks)} | "
+                  f"{np.quantile(worst, 0.05):.2f}-{np.quantile(worst, 0.95):.2f} |")
+    print()
+
+
 def _features(cell: Cell, layers: int) -> dict:
     """Public quantities of a release, known before any data: the signal-to-noise figure
     (``intervals.signal_to_noise``: events over the Cramer-Rao floor on the number of items) and
@@ -418,17 +468,25 @@ def main(argv=None) -> int:
     ap.add_argument("--grid-hashed", action="store_true",
                     help="run: the accuracy grid's hashed cells (bench.grid.grid_cells) instead "
                          "of this bench's, e.g. with --out out/lofo_grid_hashed")
+    ap.add_argument("--reps", type=int, default=4,
+                    help="repetitions per cell (default 4); the first ones draw exactly "
+                         "what a run with fewer draws (the same seeds), so a cell's regret can "
+                         "be re-read with more of them, e.g. with --out out/lofo_reps16")
+    ap.add_argument("--blocks", type=int, metavar="B",
+                    help="report: the default's regret from all repetitions against runs of B "
+                         "repetitions each (how much of the worst case is the draws' lottery)")
     ap.add_argument("--hashed-real", action="store_true",
                     help="run: the real profiles of the direct cells as hashed items (n = D/10, "
                          "D, 10 D) instead of this bench's cells, e.g. with --out "
                          "out/lofo_hashed_real")
     args = ap.parse_args(argv)
-    global OUT, CANDIDATES
+    global OUT, CANDIDATES, REPS
     extra = [e for e in args.extra.split(",") if e]
     bad = [e for e in extra if e not in EXTRA]
     if bad:
         ap.error(f"unknown --extra {', '.join(bad)}; choose among {', '.join(EXTRA)}")
     EXTRA_RUN[:] = extra
+    REPS = args.reps
     CANDIDATES = tuple((m, c) for m in METHODS + tuple(extra) for c in CAPS
                        if args.cap in (None, c))
     if args.grid_hashed and args.hashed_real:
@@ -449,6 +507,8 @@ def main(argv=None) -> int:
         run((i, k))
     if args.report:
         report()
+    if args.blocks:
+        reps_report(args.blocks)
     if args.rules:
         rules_report()
     if args.compare:
