@@ -534,22 +534,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _control(cfg: dict, kind: str, timeout_s: float = 120.0) -> dict:
-    """Ask the running service to act (between batches) and wait for its answer."""
+    """Ask the running service to act (between batches) and wait for its answer; a service that
+    stops before it answers (its finite source ran out, a SIGTERM) is seen at once, not after
+    ``timeout_s``."""
     import uuid
     from pathlib import Path
 
-    control = Path(cfg["checkpoint"]["dir"]) / "control"
+    from .process import service_running
+
+    where = cfg["checkpoint"]["dir"]
+    control = Path(where) / "control"
     control.mkdir(parents=True, exist_ok=True)
     rid = uuid.uuid4().hex[:12]
     req = control / f"{kind}-{rid}.req"
     req.write_text("")
     done = req.with_suffix(".done")
     deadline = time.monotonic() + timeout_s
+    checked = time.monotonic()
     while time.monotonic() < deadline:
         if done.exists():
             result = json.loads(done.read_text())
             done.unlink(missing_ok=True)
             return result
+        if time.monotonic() - checked >= 0.5:
+            checked = time.monotonic()
+            if not service_running(where) and not done.exists():
+                req.unlink(missing_ok=True)  # nobody will answer it
+                raise UsageError(f"the service on {where} stopped before it answered the {kind} "
+                                 "request; run the command again (with no service running it "
+                                 "runs here, from the checkpoint)")
         time.sleep(0.1)
     req.unlink(missing_ok=True)
     raise UsageError(f"the running service did not answer the {kind} request within "
