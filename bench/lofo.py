@@ -340,6 +340,69 @@ def reps_report(block: int = 4, boots: int = 400) -> None:
     print()
 
 
+TOTAL_CUTS = (1.02, 1.05, 1.1, 1.15, 1.2, 1.3, 1.5, 2.0, math.inf)
+TOTAL_SWITCHES = (("mle", "items"), ("mle", "scale"), ("deconvolution", "scale"), ("auto", "scale"))
+
+
+def totals_rules_report() -> None:
+    """A per-window rule on what the release sees: a pilot's uncapped total T (the early-stopped
+    EM's or the NPMLE's) against the public n. Rule (pilot, cut, X): X when T / n > cut, else
+    auto / items. Pilot, cut and X chosen on the other families (lowest worst regret, ties:
+    geometric mean), scored on the held-out one; each window's error is that of the candidate
+    the rule names there (every candidate ran on the same counters: no re-run)."""
+    results = load()
+    rules = [(pm, cut, x) for pm in ("deconvolution", "mle") for cut in TOTAL_CUTS
+             for x in TOTAL_SWITCHES]
+    print("| mode | layers | auto / items: median / geo-mean / worst | rule held out: median / "
+          "geo-mean / worst | rules picked (folds) | best rule in-sample: worst |")
+    print("|---|---|---|---|---|---|")
+    for mode in ("direct", "hashed"):
+        for layers in LAYERS:
+            cells = {k: r for k, r in results.items() if k[0] == mode}
+            if not cells:
+                continue
+
+            def regret(key, rule):
+                r = cells[key]
+                E = {c: np.asarray(r.l1[(layers, *c)], float) for c in CANDIDATES
+                     if (layers, *c) in r.l1}
+                best = min(e.mean() for e in E.values())
+                e = E[("auto", "items")]
+                if rule is not None:
+                    pm, cut, x = rule
+                    e = np.where(np.asarray(r.total[(layers, pm)]) / max(key[2], 1) > cut,
+                                 E[x], e)
+                return e.mean() / best if best > 0 else 1.0
+
+            reg = {rule: {k: regret(k, rule) for k in cells} for rule in rules}
+            base = np.array([regret(k, None) for k in cells])
+            fam = {k: family(r.cell) for k, r in cells.items()}
+
+            def score(rule, keys):
+                v = np.array([reg[rule][k] for k in keys])
+                return v.max(), float(np.exp(np.log(v).mean()))
+
+            held, picks = [], []
+            for f in sorted(set(fam.values())):
+                train = [k for k in cells if fam[k] != f]
+                rule = min(rules, key=lambda ru: score(ru, train))
+                picks.append(rule)
+                held += [reg[rule][k] for k in cells if fam[k] == f]
+            h = np.array(held)
+            ins = min(rules, key=lambda ru: score(ru, list(cells)))
+            top = max(set(picks), key=picks.count)
+
+            def fmt(v):
+                return f"{np.median(v):.2f} / {np.exp(np.mean(np.log(v))):.2f} / {v.max():.2f}"
+
+            def name(ru):
+                return f"{ru[0]} T/n > {ru[1]:g}: {' / '.join(ru[2])}"
+            print(f"| {mode} | {layers} | {fmt(base)} | {fmt(h)} | {name(top)} "
+                  f"({picks.count(top)} of {len(picks)}) | {name(ins)}: "
+                  f"{score(ins, list(cells))[0]:.2f} |")
+    print()
+
+
 def _features(cell: Cell, layers: int) -> dict:
     """Public quantities of a release, known before any data: the signal-to-noise figure
     (``intervals.signal_to_noise``: events over the Cramer-Rao floor on the number of items) and
@@ -475,6 +538,9 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, metavar="B",
                     help="report: the default's regret from all repetitions against runs of B "
                          "repetitions each (how much of the worst case is the draws' lottery)")
+    ap.add_argument("--totals-rule", action="store_true",
+                    help="report: a per-window rule on a pilot's uncapped total against n, "
+                         "chosen held out (tried for the worst cells, not adopted)")
     ap.add_argument("--hashed-real", action="store_true",
                     help="run: the real profiles of the direct cells as hashed items (n = D/10, "
                          "D, 10 D) instead of this bench's cells, e.g. with --out "
@@ -509,6 +575,8 @@ def main(argv=None) -> int:
         report()
     if args.blocks:
         reps_report(args.blocks)
+    if args.totals_rule:
+        totals_rules_report()
     if args.rules:
         rules_report()
     if args.compare:

@@ -290,6 +290,58 @@ def report(layers) -> None:
                   f"{v[4][1]} n={v[4][2]:.0e} D={v[4][3]:.0e} eps={v[4][4]:g} | {v[5]} | {v[6]} | "
                   f"{lottery[name]} |")
 
+# the three worst cells of bench.lofo (docs/accuracy_grid.md, "Sixteen repetitions"): (dist, n,
+# D, eps, layers); the early-stopped EM is best in the second, the NPMLE in the first
+LR_CELLS = (("heavy", 10**5, 10**6, 0.5, 2), ("zipf1.5", 10**5, 10**6, 2.0, 1),
+            ("zipf0.7", 10**5, 10**6, 0.5, 2))
+
+
+def lr_check(reps: int = 4, sims: int = 4) -> None:
+    """Can the counters tell which stand-in is nearer the truth? A calibrated likelihood-ratio
+    check: G = LL(NPMLE fit) - LL(early-stopped EM fit) on the counters, against G on states
+    simulated from each stand-in (as ``selection._select`` simulates them); a stand-in whose
+    simulated G is far from the observed one (|z| large) would be implausible and could leave the
+    minimax. Prints, per window, G, each stand-in's simulated G (mean +- sd, z) and the two fits'
+    l1 errors against the truth."""
+    from aggregator.counter_model import loglik, simulate_from_cumulative
+    from aggregator.estimate import _data_seed, cumulative_from_counts, noisy_value_counts
+    from aggregator.selection import PILOTS, _estimates, _standin_cap
+
+    from .grid import Cell, _noisy, draw
+
+    print("| cell | window | G observed | EM stand-in: G simulated, z | NPMLE stand-in: G "
+          "simulated, z | l1 error EM / NPMLE (items cap) |")
+    print("|---|---|---|---|---|---|")
+    for dist, n, D, eps, k in LR_CELLS:
+        cell = Cell("direct", dist, n, D, eps, reps)
+        p = cell.p
+        for rep in range(reps):
+            h, _, rng = draw(cell, rep)
+            truth = cumulative_from_counts(h)
+            for kk in (1, 2):  # the grid's draws: the 1-layer counters first
+                vc = noisy_value_counts(_noisy(rng, h, D - len(h), p, kk))
+                if kk == k:
+                    break
+            fits = _estimates(vc, p, k, ["deconvolution", "mle"])
+            g_obs = loglik(vc, fits["mle"], D, p, k) - loglik(vc, fits["deconvolution"], D, p, k)
+            cap = _standin_cap(vc, fits, PILOTS, n, p, k)
+            srng = np.random.default_rng(_data_seed(vc))
+            cols = []
+            for pm in PILOTS:
+                y_p = cap_total(fits[pm], n, cap)
+                g = []
+                for _ in range(sims):
+                    sim = simulate_from_cumulative(srng, y_p, D, p, k)
+                    e = _estimates(sim, p, k, ("deconvolution", "mle"))
+                    g.append(loglik(sim, e["mle"], D, p, k) - loglik(sim, e["deconvolution"], D,
+                                                                        p, k))
+                g = np.array(g)
+                z = (g_obs - g.mean()) / max(float(g.std(ddof=1)), 1e-9)
+                cols.append(f"{g.mean():.1f} +- {g.std(ddof=1):.1f}, z = {z:+.1f}")
+            errs = [cumulative_l1(cap_total(fits[m], n, "items"), truth) for m in PILOTS]
+            print(f"| {dist} n={n:.0e} D={D:.0e} eps={eps:g}, {k} layer{'s' * (k > 1)} | {rep} | "
+                  f"{g_obs:.1f} | {cols[0]} | {cols[1]} | {errs[0]:,.0f} / {errs[1]:,.0f} |")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -298,6 +350,9 @@ def main() -> None:
     ap.add_argument("--relik", action="store_true", help="recompute the stored log-likelihoods")
     ap.add_argument("--outside", action="store_true",
                     help="auto now vs before on the coverage cells (not the study's cells)")
+    ap.add_argument("--lr-check", action="store_true",
+                    help="can a calibrated likelihood ratio tell the stand-ins apart? (the "
+                         "three worst cells of bench.lofo)")
     ap.add_argument("--layers", default="1,2,3,6")
     a = ap.parse_args()
     layers = [int(x) for x in a.layers.split(",")]
@@ -309,6 +364,8 @@ def main() -> None:
         report(layers)
     if a.outside:
         outside()
+    if a.lr_check:
+        lr_check()
 
 
 if __name__ == "__main__":
