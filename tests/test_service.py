@@ -500,7 +500,9 @@ def generator_service(tmp_path, env, *, events, rate, metrics_port="-1", ready="
 def test_release_and_export_requests_reach_a_running_service(tmp_path):
     state_dir = tmp_path / "state"
     env = dict(os.environ, PANAGG_TESTING="1", PANAGG_AUDIT_KEY=KEY_HEX)
-    with generator_service(tmp_path, env, events=40000, rate=8000) as proc:
+    # 25 s of events: the two requests must reach the service before its finite source ends (at
+    # 5 s a loaded machine let it end first; the CLI now says so at once instead of waiting)
+    with generator_service(tmp_path, env, events=40000, rate=1600) as proc:
         rel = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
                               str(state_dir)], env=env, capture_output=True, text=True, timeout=120)
         assert rel.returncode == 0, rel.stderr
