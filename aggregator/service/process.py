@@ -971,9 +971,14 @@ class Aggregator(EventTimeWindows):
         thread = getattr(self, "_plan_thread", None)
         if thread is not None:
             self._plan_cancel.set()
-            # it stops at its next simulated window (seconds at most); a stop never waits
-            # longer for a log line
+            # it stops at its next simulated window (seconds); on a loaded machine that window
+            # can take longer, and a process that exits while the thread is inside native code
+            # aborts (exit -6, "terminate called without an active exception": two rename tests
+            # of several aggregations in a loaded suite run), so the stop waits for it
             thread.join(timeout=10)
+            if thread.is_alive():
+                log.info("stopping: waiting for the accuracy plan's simulated window to end")
+                thread.join()
             self._plan_thread = None
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
