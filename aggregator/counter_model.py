@@ -5,10 +5,11 @@ Every counter holds its count h plus ``layers`` independent DLap(p) draws (pmf q
 exchangeable. Three things follow from that model alone, and the estimators, their selection and
 their error bars all ask them, so they live below those modules:
 
-* **Information** (:func:`chi2_shift`, :func:`noise_floor`, :func:`signal_to_noise`): a counter's
-  Fisher information about a one-event shift is chi2_k = sum_v (q(v - 1) - q(v))^2 / q(v), so
-  no unbiased estimate of the number of items among C counters has a standard error below
-  sqrt(C / chi2_k) (Cramer-Rao); what that means for a release is in :mod:`aggregator.intervals`.
+* **Information** (:func:`noise_floor`, :func:`signal_to_noise`; :func:`chi2_shift` lives in
+  :mod:`aggregator.estimate`, whose early stop scales by it): a counter's Fisher information
+  about a one-event shift is chi2_k = sum_v (q(v - 1) - q(v))^2 / q(v), so no unbiased
+  estimate of the number of items among C counters has a standard error below sqrt(C / chi2_k)
+  (Cramer-Rao); what that means for a release is in :mod:`aggregator.intervals`.
 * **Simulation** (:func:`simulate_counts`, :func:`simulate_from_cumulative`): the noisy-value
   counts a histogram gives, drawn for a parametric bootstrap (seeded, never the state's noise).
 * **Likelihood** (:func:`loglik`): the log-likelihood of observed noisy-value counts if the
@@ -29,24 +30,13 @@ import math
 
 import numpy as np
 
-from .estimate import (
-    NoisyValueCounts, _conv, noise_pmf, noisy_value_counts, prevalences_from_cumulative,
+from .estimate import (  # noqa: F401  (chi2_shift: re-exported, information)
+    NoisyValueCounts, _conv, chi2_shift, noise_pmf, noisy_value_counts,
+    prevalences_from_cumulative,
 )
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "simulate_counts",
            "simulate_from_cumulative", "simulate_grouped", "loglik"]
-
-
-def chi2_shift(p: float, layers: int = 1) -> float:
-    """chi2_k = sum_v (q(v-1) - q(v))^2 / q(v) for q the pmf of ``layers`` DLap(p) draws.
-
-    >>> p = 0.5
-    >>> round(chi2_shift(p), 6) == round((1 - p) ** 2 / p, 6)
-    True
-    """
-    _, q = noise_pmf(p, layers)
-    shifted = np.concatenate([[0.0], q[:-1]])  # q(v - 1)
-    return float(np.sum((shifted - q) ** 2 / q))
 
 
 def noise_floor(counters: int, p: float, layers: int = 1) -> float:

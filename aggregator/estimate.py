@@ -74,6 +74,7 @@ __all__ = [
     "DECONV_MAX_ITER",
     "DECONV_TOL",
     "deconv_tol",
+    "chi2_shift",
     "em_prevalences",
     "deconvolved_batch",
     "pass_through_bound",
@@ -703,11 +704,23 @@ def bucket_counters():
         _BUCKET_COUNTERS.reset(token)
 
 
+def chi2_shift(p: float, layers: int = 1) -> float:
+    """chi2_k = sum_v (q(v-1) - q(v))^2 / q(v) for q the pmf of ``layers`` DLap(p) draws.
+
+    >>> p = 0.5
+    >>> round(chi2_shift(p), 6) == round((1 - p) ** 2 / p, 6)
+    True
+    """
+    _, q = noise_pmf(p, layers)
+    shifted = np.concatenate([[0.0], q[:-1]])  # q(v - 1)
+    return float(np.sum((shifted - q) ** 2 / q))
+
+
 def deconv_tol(p: float, layers: int = 1) -> float:
     """The early-stopped EM's tolerance for counters carrying ``layers`` DLap(p) layers:
     :data:`DECONV_TOL` times chi2_k / chi2_1, the Fisher information a counter holds about a
     one-event shift under k layers relative to one (chi2_k = sum_v (q(v-1) - q(v))^2 / q(v),
-    q the k-layer noise pmf; ``intervals.chi2_shift``).
+    q the k-layer noise pmf; :func:`chi2_shift`).
 
     Why: the tolerance is on the mean log-likelihood gain per counter and step, and with k
     layers each counter carries chi2_k / chi2_1 (0.31 for two layers at eps 1, 0.13 for three)
@@ -728,13 +741,7 @@ def deconv_tol(p: float, layers: int = 1) -> float:
     k = _check_layers(layers)
     if k == 1 or _BUCKET_COUNTERS.get():
         return DECONV_TOL
-
-    def chi2(layers_):
-        _, q = noise_pmf(p, layers_)
-        shifted = np.concatenate([[0.0], q[:-1]])
-        return float(np.sum((shifted - q) ** 2 / q))
-
-    return DECONV_TOL * chi2(k) / chi2(1)
+    return DECONV_TOL * chi2_shift(p, k) / chi2_shift(p, 1)
 
 
 def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITER,
@@ -1360,8 +1367,9 @@ _N_FREE = BASIC_METHODS  # estimators that do not use n
 def remember_fits(vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> None:
     """Keep the l1-projected estimates ``fits`` ({method: phi_{>=r}}, before any cap) of the
     counters ``vc`` (the last counters only): :func:`aggregator.anonymize.anonymized_cumulative`
-    on the same counters takes them instead of fitting again. ``method="auto"`` fits the pilots on the real counters
-    (:mod:`aggregator.selection`), and the error bars' stand-ins are the same fits."""
+    on the same counters takes them instead of fitting again. ``method="auto"`` fits the pilots
+    on the real counters (:mod:`aggregator.selection`), and the error bars' stand-ins are the
+    same fits."""
     _FITS[:] = [(vc, float(p), int(layers), {m: np.array(y, dtype=np.int64) for m, y in
                                              fits.items() if m in _N_FREE})]
 

@@ -74,7 +74,7 @@ import numpy as np
 
 from .estimate import (
     counts_from_cumulative, cumulative_from_counts, cumulative_l1, noise_pmf, noisy_value_counts,
-    NoisyValueCounts, prevalences_from_cumulative,
+    prevalences_from_cumulative,
 )
 from .anonymize import anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram
 from . import bucket_likelihood, counter_model
