@@ -205,17 +205,19 @@ def run(shard: tuple[int, int]) -> None:
               flush=True)
 
 
-def regret_table(results: dict, mode: str, layers: int):
+def regret_table(results: dict, mode: str, layers: int, at=None):
     """{cell key: {candidate: regret}} and {cell key: family} for one mode and layer count (the
     candidates of :data:`CANDIDATES` that every cell of the mode has: an ``--extra`` one may
-    exist in one mode only)."""
+    exist in one mode only). ``at``: the repetitions to read (an index or slice, or a callable
+    giving each cell's own from its key); None: all of them."""
     reg, fam = {}, {}
     mine = [res for key, res in results.items() if key[0] == mode]
     cands = [c for c in CANDIDATES if all((layers, *c) in res.l1 for res in mine)]
     for key, res in results.items():
         if key[0] != mode:
             continue
-        e = {cand: float(np.mean(res.l1[(layers, *cand)])) for cand in cands}
+        idx = slice(None) if at is None else at(key) if callable(at) else at
+        e = {cand: float(np.mean(np.asarray(res.l1[(layers, *cand)])[idx])) for cand in cands}
         best = min(e.values())
         reg[key] = {cand: (v / best if best > 0 else (1.0 if v == 0 else math.inf))
                     for cand, v in e.items()}
@@ -291,18 +293,9 @@ def report() -> None:
 
 
 def _regrets_on(results: dict, mode: str, layers: int, idx) -> dict:
-    """{cell key: auto / items' regret} from the repetitions ``idx`` of every cell only (a
-    callable: each cell's own, given its key)."""
-    out = {}
-    for key, res in results.items():
-        if key[0] != mode:
-            continue
-        at = idx(key) if callable(idx) else idx
-        e = {c: float(np.mean(np.asarray(res.l1[(layers, *c)])[at])) for c in CANDIDATES
-             if (layers, *c) in res.l1}
-        best = min(e.values())
-        out[key] = e[("auto", "items")] / best if best > 0 else 1.0
-    return out
+    """{cell key: auto / items' regret} from the repetitions ``idx`` (see :func:`regret_table`)."""
+    reg, _ = regret_table(results, mode, layers, at=idx)
+    return {key: r[("auto", "items")] for key, r in reg.items()}
 
 
 def reps_report(block: int = 4, boots: int = 400) -> None:
