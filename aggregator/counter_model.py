@@ -17,7 +17,7 @@ their error bars all ask them, so they live below those modules:
 
 >>> import numpy as np
 >>> y = np.array([3, 1])                    # three items: counts 2, 1, 1
->>> vc = simulate_from_cumulative(np.random.default_rng(0), y, 10, 0.5, 1)
+>>> vc = simulate_from_cumulative(np.random.default_rng(), y, 10, 0.5, 1)
 >>> vc.total                                # ten counters, seven of them empty
 10
 >>> loglik(vc, y, 10, 0.5, 1) > loglik(vc, np.array([10] * 5), 10, 0.5, 1)
