@@ -21,11 +21,11 @@ from . import estimate  # deconv_tol looked up at call time: bench.lofo --fixed-
 from .estimate import (
     CAP_RULES, DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, _check_layers,
     _remembered_fit, cap_total, checked_cumulative, counts_from_cumulative, deconvolved_batch,
-    noisy_value_counts, project_l1, project_l2, rank_box,
+    noisy_value_counts, project_l1, project_l2, rank_box, sparse_top,
 )
 from .estimators import default_cap, default_method, phi_estimate
 from .largedomain import (
-    DEFAULT_VARIANT, _check_buckets, _hashed_cumulative, hashed_cumulative, hashed_histogram,
+    DEFAULT_VARIANT, HASHED_CAP_RULES, _check_buckets, _hashed_cumulative, hashed_cumulative, hashed_histogram,
 )
 
 __all__ = ["anonymized_histogram", "anonymized_cumulative", "anonymized_cumulative_many"]
@@ -58,8 +58,8 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
                 raise ValueError(f"buckets={B} but {vc.total} counters were given")
             rule = cap if cap is not None else default_cap("hashed", k, n=n, counters=vc.total,
                                                             p=p)
-            if rule not in CAP_RULES:
-                raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
+            if rule not in HASHED_CAP_RULES:
+                raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {rule!r}")
             out.append(checked_cumulative(_hashed_cumulative(
                 vc, p, B, n, k, method, DEFAULT_VARIANT, None, rule, phi=phi,
                 shrunk_start=shrunk_start)))
@@ -72,7 +72,7 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
                                                             p=p)
             if rule not in CAP_RULES:
                 raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
-            y = cap_total(y, n, rule)
+            y = cap_total(y, n, rule, fitted_top=_fitted_top(vc, p, k, rule))
         out.append(checked_cumulative(y))
     return out
 
@@ -100,8 +100,13 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
         if y is None:
             y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
         if n is not None:
-            y = cap_total(y, n, cap)
+            y = cap_total(y, n, cap, fitted_top=_fitted_top(vc, p, k, cap))
     return checked_cumulative(y)
+
+
+def _fitted_top(vc, p, k: int, rule: str):
+    """The EM's axis top for cap ``"fitted"`` (estimate.cap_total), else None."""
+    return sparse_top(vc, p, k) if rule == "fitted" else None
 
 
 def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,

@@ -1076,10 +1076,10 @@ def project_l1(phi_hat) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # the public n: a histogram never holds more events than the stream had
 # --------------------------------------------------------------------------------------------
-CAP_RULES = ("items", "scale", "none")
+CAP_RULES = ("items", "scale", "fitted", "none")
 
 
-def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
+def cap_total(y, total: int, rule: str = "items", *, fitted_top: int | None = None) -> np.ndarray:
     """A cumulative prevalence with at most ``total`` events (sum_r y_r <= total), from y.
 
     sum_r phi_{>=r} is the number of events, so with total = n (public under replace-one
@@ -1096,6 +1096,15 @@ def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
       more item of the largest count that fits (y_r = c + 1 for the first r).
     * ``"scale"``: thin every level alike, y_r -> floor(y_r total / sum y), and the units lost to
       rounding go to the first positions.
+    * ``"fitted"`` (direct counters; ``fitted_top`` is :func:`sparse_top` of the counters y was
+      estimated from): thin only the items the EM fitted. A count above ``fitted_top`` comes from
+      a counter the EM passed through at its noisy value (:func:`_sparse_counters`): measured
+      to within the noise, not inferred, so those items stay as they are and the items at counts
+      <= ``fitted_top`` are thinned alike (``"scale"`` on them). Where the passed-through items
+      alone hold more than ``total`` events, it thins every level as ``"scale"`` does. It is
+      ``"scale"`` where nothing is passed through, and better where heavy hitters are: thinning
+      them removes real events from the items the counters show best (docs/accuracy_grid.md,
+      "A cap that keeps the measured items").
     * ``"none"``: y as it is (no cap; for measurements).
 
     The default per mode and layer count is :func:`aggregator.estimators.default_cap` (measured in
@@ -1106,6 +1115,9 @@ def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
     [3, 3, 1]
     >>> cap_total(y, 7, rule="scale").tolist()   # every level thinned: (2, 2, 1, 1, 1)
     [5, 2, 0]
+    >>> y = np.array([5, 1, 1, 1, 1])   # (5, 1, 1, 1, 1); the EM's axis ends at 1: the 5 stays
+    >>> cap_total(y, 7, "fitted", fitted_top=1).tolist(), cap_total(y, 7, "scale").tolist()
+    ([3, 1, 1, 1, 1], [4, 1, 1, 1, 0])
     """
     y = np.asarray(y, dtype=np.int64)
     total = int(total)
@@ -1113,6 +1125,8 @@ def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
         raise ValueError(f"total must be >= 0, got {total}")
     if rule not in CAP_RULES:
         raise ValueError(f"rule must be one of {CAP_RULES}, got {rule!r}")
+    if rule == "fitted" and (fitted_top is None or int(fitted_top) < 0):
+        raise ValueError("rule 'fitted' needs fitted_top >= 0 (estimate.sparse_top of the counters)")
     if len(y) and (np.any(y[1:] > y[:-1]) or y[-1] < 0):
         raise ValueError("y must be a non-increasing, non-negative cumulative prevalence")
     have = int(y.sum())
@@ -1137,15 +1151,25 @@ def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
                 hi = c
         out = np.minimum(y, lo)
     else:
-        # exact integer floor(y total / have); Python ints when the product could overflow int64
-        if int(y[0]) * total < 2**62:
-            out = (y * total) // have
+        top = len(y) if rule == "scale" else min(int(fitted_top), len(y))
+        base = int(y[top]) if top < len(y) else 0  # items above the EM's axis: kept whole
+        room = total - int(y[top:].sum()) - base * top  # events left for the fitted items
+        if room > 0:  # (room < the fitted items' events, since y does not fit)
+            out = np.concatenate([_thinned(y[:top] - base, room) + base, y[top:]])
         else:
-            out = np.array([v * total // have for v in y.tolist()], dtype=np.int64)
+            out = _thinned(y, total)
     # the remainder is below the number of positions that can take one more unit; adding it at
     # the first positions keeps y non-increasing
     out[: total - int(out.sum())] += 1
     return out
+
+
+def _thinned(y: np.ndarray, total: int) -> np.ndarray:
+    """floor(y_r total / sum y), exactly: Python ints when the product could overflow int64."""
+    have = int(y.sum())
+    if len(y) and int(y[0]) * total < 2**62:
+        return (y * total) // have
+    return np.array([v * total // have for v in y.tolist()], dtype=np.int64)
 
 
 def _run_boundaries(*arrays: np.ndarray) -> np.ndarray:

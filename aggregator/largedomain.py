@@ -41,6 +41,9 @@ from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this mo
 )
 from .selection import select
 
+# "fitted" thins around the direct EM's axis (estimate.cap_total); the bucket inversion has none
+HASHED_CAP_RULES = tuple(rule for rule in CAP_RULES if rule != "fitted")
+
 __all__ = [
     "VARIANTS",
     "DEFAULT_VARIANT",
@@ -229,8 +232,8 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     if loss != "l1":
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     cap = default_cap("hashed", layers) if cap is None else cap
-    if cap not in CAP_RULES:
-        raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
+    if cap not in HASHED_CAP_RULES:
+        raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {cap!r}")
     return counts_from_cumulative(_hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap))
 
 
@@ -337,8 +340,8 @@ def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     cap = default_cap("hashed", layers) if cap is None else cap
-    if cap not in CAP_RULES:
-        raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
+    if cap not in HASHED_CAP_RULES:
+        raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {cap!r}")
     return _hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap)
 
 

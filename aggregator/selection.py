@@ -113,11 +113,12 @@ def _estimates(vc, p, k: int, methods) -> dict:
     return {m: out[m] for m in methods}
 
 
-def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
+def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "scale") -> str:
     """The cap rule that brings the stand-ins to n: ``"items"`` if, for every pilot whose total
     exceeds n (the two rules differ only there), the stand-in it gives fits the counters better
     than the ``"scale"`` one by more than :data:`STANDIN_MARGIN` in log-likelihood; else
-    ``"scale"``.
+    ``thin``, the candidates' thinning rule (``"scale"``; ``"fitted"`` when bench.lofo's
+    ``auto_fitted`` asks for it, docs/accuracy_grid.md "A cap that keeps the measured items").
 
     Each cap rule favours the candidates with the same rule in the bootstrap (a candidate does well
     on data shaped like its own output), so the stand-ins' cap decides between the two families.
@@ -133,13 +134,13 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
         if not np.array_equal(y_s, y_i):
             ll = counter_model.loglik
             gaps.append(ll(vc, y_i, vc.total, p, k) - ll(vc, y_s, vc.total, p, k))
-    return "items" if gaps and min(gaps) > STANDIN_MARGIN else "scale"
+    return "items" if gaps and min(gaps) > STANDIN_MARGIN else thin
 
 
 def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple[np.ndarray, tuple]:
     from .estimate import (
         _check_layers, _data_seed, counts_from_cumulative, noisy_value_counts,
-        basic_prevalence, project_l1,
+        basic_prevalence, project_l1, sparse_top,
     )
 
     vc = noisy_value_counts(noisy_counts)
@@ -151,8 +152,14 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     if not threshold_usable(p, k):  # many layers (rollups): its kernel amplifies noise 1e6+ fold
         candidates = tuple(c for c in candidates if c[0] != "threshold")
 
-    def cap(y, total, rule):
-        return y if rule == "none" or total is None else cap_total(y, int(total), rule)
+    rules = {c for _, c in candidates}
+    thin = "fitted" if "fitted" in rules else "scale"
+
+    def cap(y, total, rule, counters):
+        if rule == "none" or total is None:
+            return y
+        top = sparse_top(counters, p, k) if rule == "fitted" else None
+        return cap_total(y, int(total), rule, fitted_top=top)
 
     methods = tuple(dict.fromkeys(m for m, _ in candidates))
     fits = _estimates(vc, p, k, [m for m in dict.fromkeys(pilots + methods)
@@ -160,9 +167,9 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     remember_fits(vc, p, k, fits)  # the error bars' stand-ins are two of them
     rng = np.random.default_rng(_data_seed(vc) if seed is None else seed)
     regret: dict = {c: [] for c in candidates}
-    standin_cap = _standin_cap(vc, fits, pilots, n, p, k) if n is not None else "none"
+    standin_cap = _standin_cap(vc, fits, pilots, n, p, k, thin) if n is not None else "none"
     for pm in pilots:
-        y_p = cap(fits[pm], n, standin_cap)
+        y_p = cap(fits[pm], n, standin_cap, vc)
         if len(y_p) and y_p[0] > D:  # more items than counters (only without n): keep the top
             truth = counts_from_cumulative(y_p)[:D]
             y_p = np.asarray(np.cumsum(np.bincount(truth)[::-1])[::-1][1:], dtype=np.int64)
@@ -175,14 +182,14 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
                 y = ests[m]
                 for c in candidates:
                     if c[0] == m:
-                        err[c] += cumulative_l1(cap(y, total, c[1]), y_p)
+                        err[c] += cumulative_l1(cap(y, total, c[1], sim), y_p)
         best = min(err.values())
         for c in candidates:
             regret[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
     choice = min(candidates, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
     m, rule = choice
     y = fits[m] if m in fits else project_l1(basic_prevalence(vc, p, layers=k, method=m))
-    return cap(y, n, rule), choice
+    return cap(y, n, rule, vc), choice
 
 
 def selected_prevalence(noisy_counts, p, *, layers=1, n=None) -> np.ndarray:

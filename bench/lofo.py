@@ -17,7 +17,7 @@ Usage (results accumulate in out/lofo_results.<shard>.pkl; shards run in paralle
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.lofo --run --shard 1/2
     .venv/bin/python -m bench.lofo --report        # prints the tables (markdown)
 
-``--extra blend,auto_blend,auto_sims8,auto_pilot3`` (with ``--run`` and ``--report``) adds candidates that
+``--extra blend,auto_blend,auto_sims8,auto_pilot3,auto_fitted`` (with ``--run`` and ``--report``) adds candidates that
 were tried for the worst held-out cells and not adopted (:data:`EXTRA`).
 
 Benchmark only: seeded numpy noise (bench.grid.draw).
@@ -124,11 +124,24 @@ def _auto_sims8(mode, vc, p, k, n, B):
         kw["sims"] = old
 
 
+def _auto_fitted(mode, vc, p, k, n, B):
+    """``auto`` whose thinning cap keeps the items the EM passed through (cap ``"fitted"``,
+    estimate.cap_total) instead of thinning every level (``"scale"``), for its candidates and its
+    stand-ins (direct mode): in the heavy-hitter family the EM stand-in thinned to n by
+    ``scale`` also thins the heavy hitters, and the EM's own error there halves with ``fitted``."""
+    from aggregator import selection
+    cands = tuple((m, "fitted" if c == "scale" else c) for m, c in selection.CANDIDATES)
+    from aggregator.estimate import project_l1
+    return project_l1(selection.select(vc, p, layers=k, n=n, candidates=cands)[0]
+                      .astype(np.float64))
+
+
 #: name: (modes, estimator); each returns the uncapped projected phi_{>=r} as grid.estimate_y
 EXTRA = {"blend": (("direct", "hashed"), _blend),
          "auto_blend": (("direct",), _auto_blend),
          "auto_sims8": (("direct", "hashed"), _auto_sims8),
-         "auto_pilot3": (("direct", "hashed"), _auto_pilot3)}
+         "auto_pilot3": (("direct", "hashed"), _auto_pilot3),
+         "auto_fitted": (("direct",), _auto_fitted)}
 EXTRA_RUN: list = []  # --extra
 
 
