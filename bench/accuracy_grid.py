@@ -928,8 +928,10 @@ def _write_timing(w, tm: dict | None) -> None:
 def _union_best(old, new, k: int) -> float:
     """The per-cell oracle over both runs: the lowest mean error of any admissible candidate,
     stored or re-run (the same denominator for the old and the new default)."""
-    errs = [np.mean(v) for (kk, m, cap), v in old.l1.items() if kk == k and cap != "none"]
-    errs += [np.mean(v) for (kk, m, cap), v in new.l1.items() if kk == k and cap != "none"]
+    errs = [np.mean(v) for (kk, m, cap), v in old.l1.items()
+            if kk == k and cap in grid.ADMISSIBLE_CAPS]
+    errs += [np.mean(v) for (kk, m, cap), v in new.l1.items()
+             if kk == k and cap in grid.ADMISSIBLE_CAPS]
     return float(min(errs))
 
 
