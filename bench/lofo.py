@@ -481,6 +481,57 @@ def rules_report() -> None:
               + ", ".join(f"{f} {v:.2f}" for f, v in sorted(floor.items())) + "\n")
 
 
+FIXED_SIX = tuple((m, c) for m in ("threshold", "deconvolution", "mle") for c in CAPS)
+
+
+def versus_report(extra: str) -> None:
+    """Direct mode: ``auto`` and the ``--extra`` auto variant ``extra`` each against the best of
+    the six fixed candidates and itself (and, where the results hold them, with the three fixed
+    ``fitted``-cap candidates in that best), then leave one family out between the two."""
+    results = {k: r for k, r in load().items() if k[0] == "direct"}
+    crits = {"geo-mean": lambda v: float(np.exp(np.mean(np.log(v)))),
+             "worst": lambda v: float(np.max(v)), "p90": lambda v: float(np.quantile(v, 0.9))}
+    for layers in LAYERS:
+        rows = []  # (family, auto's regret, the variant's, the variant's with fitted in the best)
+        for res in results.values():
+            if (layers, extra, "items") not in res.l1:
+                continue
+            e = {c: float(np.mean(res.l1[(layers, *c)])) for c in FIXED_SIX}
+            a = float(np.mean(res.l1[(layers, "auto", "items")]))
+            x = float(np.mean(res.l1[(layers, extra, "items")]))
+            fit = [float(np.mean(res.l1[(layers, m, "fitted")])) for m in
+                   ("threshold", "deconvolution", "mle") if (layers, m, "fitted") in res.l1]
+            b = min(e.values())
+            rows.append((family(res.cell), res.cell, a / min(b, a), x / min(b, x),
+                         x / min([b, x] + fit)))
+        if not rows:
+            continue
+        print(f"### direct mode, {layers} layer{'s' if layers > 1 else ''} ({len(rows)} cells)\n")
+        print("| candidate | median | geo-mean | worst (cell) | cells > 1.5 |")
+        print("|---|---|---|---|---|")
+        for j, name in ((2, "auto"), (3, extra), (4, f"{extra}, fitted caps in the best")):
+            v = np.array([r[j] for r in rows])
+            c = rows[int(np.argmax(v))][1]
+            print(f"| {name} | {np.median(v):.2f} | {crits['geo-mean'](v):.2f} | {v.max():.2f} "
+                  f"({c.dist} n={c.n} D={c.D} eps={c.eps}) | {int((v > 1.5).sum())} |")
+        print()
+        print(f"| LOFO between auto and {extra}, criterion | held-out median | geo-mean | worst "
+              f"| {extra} picked |")
+        print("|---|---|---|---|---|")
+        fams = sorted({r[0] for r in rows})
+        for name, fn in crits.items():
+            held, picked = [], 0
+            for f in fams:
+                train = [r for r in rows if r[0] != f]
+                j = 3 if fn([r[3] for r in train]) < fn([r[2] for r in train]) else 2
+                picked += j == 3
+                held += [r[j] for r in rows if r[0] == f]
+            v = np.asarray(held)
+            print(f"| {name} | {np.median(v):.2f} | {crits['geo-mean'](v):.2f} | {v.max():.2f} | "
+                  f"{picked} of {len(fams)} folds |")
+        print()
+
+
 def compare(other: Path) -> None:
     """Per cell, the mean l1 error of auto / deconvolution / mle (items cap) here and in the
     results under ``other`` (the same cells and seeded draws, run at another commit), and the
@@ -547,6 +598,10 @@ def main(argv=None) -> int:
     ap.add_argument("--totals-rule", action="store_true",
                     help="report: a per-window rule on a pilot's uncapped total against n, "
                          "chosen held out (tried for the worst cells, not adopted)")
+    ap.add_argument("--versus", metavar="EXTRA",
+                    help="report, direct mode: auto against the --extra auto variant EXTRA "
+                         "(e.g. auto_fitted), each against the best fixed candidate, and leave "
+                         "one family out between the two")
     ap.add_argument("--hashed-real", action="store_true",
                     help="run: the real profiles of the direct cells as hashed items (n = D/10, "
                          "D, 10 D) instead of this bench's cells, e.g. with --out "
@@ -587,6 +642,8 @@ def main(argv=None) -> int:
         rules_report()
     if args.compare:
         compare(Path(args.compare))
+    if args.versus:
+        versus_report(args.versus)
     return 0
 
 
