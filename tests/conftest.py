@@ -90,6 +90,21 @@ def restartable_broker(_restartable_broker) -> RestartableBroker:
     return _restartable_broker
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_plan_simulation_in_services():
+    """Every service a test starts as a subprocess (with this environment) skips the start
+    line's simulated expected errors (release.plan_errors = false): each start ran six simulated
+    releases with error bars in a thread beside the test's own work, 5-25 s of CPU a start on
+    a 2-core machine (one test of four kill-and-restart runs: 87 s -> 62 s without them). The
+    plan is tested directly (tests/test_release_accuracy.py) and with the thread on by the tests
+    that set release.plan_errors = true (tests/test_release_accuracy.py)."""
+    had = os.environ.get("PANAGG_RELEASE_PLAN_ERRORS")
+    os.environ.setdefault("PANAGG_RELEASE_PLAN_ERRORS", "false")
+    yield
+    if had is None:
+        os.environ.pop("PANAGG_RELEASE_PLAN_ERRORS", None)
+
+
 @pytest.fixture(autouse=True)
 def _no_plan_simulation_in_process(request, monkeypatch):
     """An Aggregator started inside the test process computes no simulated expected errors in

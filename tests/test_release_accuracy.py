@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -203,3 +208,40 @@ def test_release_estimator_is_configurable_and_named():
     cfg = _cfg("release.estimator=deconvolution")
     from aggregator.service.process import release_method
     assert release_method(cfg) == "deconvolution" and release_method(_cfg()) is None
+
+
+@pytest.mark.parametrize("plan_errors", ["true", "false"])
+def test_a_service_logs_its_plans_expected_errors_unless_told_not_to(tmp_path, plan_errors):
+    """release.plan_errors: a service logs the floor line at once and, by default, the expected
+    errors of simulated releases from a thread beside the loop, then stops cleanly (SIGTERM, exit
+    0: it waits for the thread's simulated window); false: the floor line says they are not
+    simulated, and no thread runs."""
+    log_path = tmp_path / "stderr.log"
+    env = dict(os.environ, PANAGG_RELEASE_PLAN_ERRORS=plan_errors)
+    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=200000",
+            "--set", "source.generator_rate=1000", "--set", "source.max_records=500",
+            "--set", "state.domain_size=500",
+            "--set", "window.size=20000", "--state-dir", str(tmp_path / "state"),
+            "--release-dir", str(tmp_path / "releases"), "--metrics-port", "-1"]
+    with open(log_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:
+        plan = []
+        deadline = time.time() + (120 if plan_errors == "true" else 5)
+        while time.time() < deadline and len(plan) < 2 and proc.poll() is None:
+            time.sleep(0.5)
+            plan = [x for x in log_path.read_text().splitlines() if "accuracy plan: " in x]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    text = log_path.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert plan and "accuracy plan: 500 counters (D)" in plan[0], text[-3000:]
+    if plan_errors == "true":
+        assert len(plan) == 2 and re.search(r"accuracy plan: (\+-[0-9.]+%|\?) distinct items",
+                                            plan[1]), text[-3000:]
+    else:
+        assert len(plan) == 1 and plan[0].endswith(
+            "; expected errors not simulated (release.plan_errors = false; panagg plan gives "
+            "them)"), text[-3000:]

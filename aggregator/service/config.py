@@ -112,6 +112,9 @@ DEFAULTS: dict[str, dict] = {
         "topic": "",                # empty: releases only go to files
         "on_exhausted": True,       # finite sources: release the partial last window
         "error_bar_reps": 10,       # bootstrap repetitions for the release's intervals; 0: none
+        "plan_errors": True,        # the start line's expected errors, from simulated releases
+                                    # (seconds of CPU beside the loop at every start); false:
+                                    # the noise floor only (`panagg plan` gives both)
         "estimator": "default",     # default (the accuracy grid's choice) or a METHODS name
         "workers": 1,               # release worker processes beside the consume loop; 0: the
                                     # release runs in the loop (intake stops while it runs)
