@@ -152,13 +152,14 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     if not threshold_usable(p, k):  # many layers (rollups): its kernel amplifies noise 1e6+ fold
         candidates = tuple(c for c in candidates if c[0] != "threshold")
 
-    rules = {c for _, c in candidates}
-    thin = "fitted" if "fitted" in rules else "scale"
+    thin = "fitted" if any(c == "fitted" for _, c in candidates) else "scale"
 
-    def cap(y, total, rule, counters):
+    def axis_top(counters):  # what cap "fitted" keeps whole (only asked for with that rule)
+        return sparse_top(counters, p, k) if thin == "fitted" else None
+
+    def cap(y, total, rule, top):
         if rule == "none" or total is None:
             return y
-        top = sparse_top(counters, p, k) if rule == "fitted" else None
         return cap_total(y, int(total), rule, fitted_top=top)
 
     methods = tuple(dict.fromkeys(m for m, _ in candidates))
@@ -168,8 +169,9 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     rng = np.random.default_rng(_data_seed(vc) if seed is None else seed)
     regret: dict = {c: [] for c in candidates}
     standin_cap = _standin_cap(vc, fits, pilots, n, p, k, thin) if n is not None else "none"
+    top = axis_top(vc)
     for pm in pilots:
-        y_p = cap(fits[pm], n, standin_cap, vc)
+        y_p = cap(fits[pm], n, standin_cap, top)
         if len(y_p) and y_p[0] > D:  # more items than counters (only without n): keep the top
             truth = counts_from_cumulative(y_p)[:D]
             y_p = np.asarray(np.cumsum(np.bincount(truth)[::-1])[::-1][1:], dtype=np.int64)
@@ -178,18 +180,19 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
         for _ in range(int(sims)):
             sim = counter_model.simulate_from_cumulative(rng, y_p, D, p, k)
             ests = _estimates(sim, p, k, methods)
+            top_sim = axis_top(sim) if total is not None else None
             for m in methods:
                 y = ests[m]
                 for c in candidates:
                     if c[0] == m:
-                        err[c] += cumulative_l1(cap(y, total, c[1], sim), y_p)
+                        err[c] += cumulative_l1(cap(y, total, c[1], top_sim), y_p)
         best = min(err.values())
         for c in candidates:
             regret[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
     choice = min(candidates, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
     m, rule = choice
     y = fits[m] if m in fits else project_l1(basic_prevalence(vc, p, layers=k, method=m))
-    return cap(y, n, rule, vc), choice
+    return cap(y, n, rule, top), choice
 
 
 def selected_prevalence(noisy_counts, p, *, layers=1, n=None) -> np.ndarray:

@@ -221,15 +221,16 @@ def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None,
         values = h if occupied is None else occupied
         for k in layers:
             vc = _noisy(rng, values, C - len(values), p, k)  # shared by every candidate
+            # cap "fitted" keeps the items above the direct EM's axis whole (hashed: no axis)
+            top = sparse_top(vc, p, k) if cell.mode == "direct" else None
             for m in methods:
                 t = time.perf_counter()
                 y = estimate(cell.mode, vc, p, k, m, cell.n, B)
                 out.add(out.seconds, (k, m), time.perf_counter() - t)
                 out.add(out.total, (k, m), int(y.sum()))
                 for cap in CAP_RULES:
-                    if cap == "fitted" and cell.mode == "hashed":
-                        continue  # it thins around the direct EM's axis only
-                    top = sparse_top(vc, p, k) if cap == "fitted" else None
+                    if cap == "fitted" and top is None:
+                        continue
                     out.add(out.l1, (k, m, cap),
                             cumulative_l1(cap_total(y, cell.n, cap, fitted_top=top), truth))
     return out

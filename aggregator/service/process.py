@@ -948,11 +948,12 @@ class Aggregator(EventTimeWindows):
 
     def log_accuracy_plan(self) -> None:
         line, below = accuracy_plan(self.cfg, simulate=False)
-        if not self.cfg["release"]["plan_errors"]:  # no simulated releases at this start
+        simulate = self.cfg["release"]["plan_errors"]
+        if not simulate:  # no simulated releases at this start
             line += ("; expected errors not simulated (release.plan_errors = false; "
                      "panagg plan gives them)")
         (log.warning if below else log.info)("%s", line)
-        if not self.cfg["release"]["plan_errors"]:
+        if not simulate:
             return
         # the expected errors come from simulated releases (seconds): computed in a thread, so
         # the loop starts at once; close() cancels it and waits for the simulated window in
