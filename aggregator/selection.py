@@ -46,7 +46,7 @@ it.
 
 >>> import numpy as np
 >>> from aggregator.noise import discrete_laplace
->>> g = np.random.default_rng(3)
+>>> g = np.random.default_rng()
 >>> h = np.concatenate([g.integers(1, 20, 400), np.zeros(3_600, np.int64)])
 >>> noisy = h + discrete_laplace(0.5, len(h), rng=g) + discrete_laplace(0.5, len(h), rng=g)
 >>> y, choice = select(noisy, 0.5, layers=2, n=int(h.sum()))

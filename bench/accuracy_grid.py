@@ -180,7 +180,7 @@ def run_timing(quick: bool) -> dict:
                              load=os.getloadavg()))
             log(f"timing {mode} k={k}: " + ", ".join(
                 f"{a} {np.median(b):.2f}s" for a, b in times.items()))
-            del x
+            x = None  # free the counters before the next layer count
     return dict(n=n, eps=eps, B=B, rows=rows,
                 started=datetime.datetime.now().isoformat(timespec="seconds"),
                 rev=git_rev(["aggregator", "bench"]))

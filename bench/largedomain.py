@@ -471,7 +471,7 @@ def section_time(quick: bool) -> dict:
                                     L=len(psi)))
             log(f"time layers={layers} {m}: release {statistics.median(ours[m]):.2f} s, bincount "
                 f"{statistics.median(base):.3f} s, ratio {statistics.median(ratio):.1f}x")
-        del noisy
+        noisy = None  # free the counters before the next layer count
     out["load1"] = os.getloadavg()
     return out
 

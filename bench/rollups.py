@@ -27,7 +27,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import numpy as np

@@ -35,7 +35,7 @@ class ZipfLogins:
         Seed of the synthetic-data generator (None: fresh). Batch b is generated from
         (seed, b), so any offset can be regenerated after a restart.
 
-    >>> g = ZipfLogins(events=1000, accounts=50, seed=1)
+    >>> g = ZipfLogins(events=1000, accounts=50)
     >>> sum(len(b) for b in g.iter_batches())
     1000
     """

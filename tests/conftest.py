@@ -111,9 +111,10 @@ def _no_plan_simulation_in_process(request, monkeypatch):
     its plan thread (the thread still starts, is cancelled and joined by close()). That thread
     re-simulated whole releases at every start of a short in-process run and was cancelled
     before it could cache them: 57 s -> 6 s for one test of tests/test_privacy_crash.py. The
-    plan itself is tested directly (tests/test_release_accuracy.py), and every service started
-    as a subprocess (tests/test_cli.py, tests/integration) runs the real thread. A test that
-    needs the real thread in process says @pytest.mark.plan_thread."""
+    plan itself is tested directly (tests/test_release_accuracy.py); services started as
+    subprocesses skip it by release.plan_errors = false (the fixture above), except the tests
+    that turn it on. A test that needs the real thread in process says
+    @pytest.mark.plan_thread."""
     if request.node.get_closest_marker("plan_thread") is None:
         import aggregator.service.process as process
         monkeypatch.setattr(process.Aggregator, "_log_planned_errors", lambda self: None)

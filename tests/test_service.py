@@ -353,7 +353,7 @@ def test_no_payload_in_logs_metrics_or_errors(tmp_path):
 
 
 def test_reject_log_is_rate_limited(caplog):
-    from aggregator.service.process import RejectLog
+    from aggregator.service.rejects import RejectLog
 
     rl = RejectLog(burst=3, period_s=3600)
     with caplog.at_level("WARNING", logger="panagg.service"):
@@ -724,7 +724,7 @@ def test_msgpack_stream_and_stdin_replay(tmp_path):
     assert doc["offsets"] == {"file:events.msgpack": 3001}
     # the same events from stdin, as JSON lines
     other = tmp_path / "second"
-    args = cli_sets(other, "-", **{"release.on_exhausted": "false", "release.on_exhausted": "true"})
+    args = cli_sets(other, "-", **{"release.on_exhausted": "true"})
     lines = "\n".join(json.dumps({"item": int(i)}) for i in items) + "\n"
     res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], input=lines, text=True,
                          capture_output=True, timeout=120, env=dict(os.environ, PANAGG_TESTING="1"))
