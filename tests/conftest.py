@@ -116,5 +116,5 @@ def _no_plan_simulation_in_process(request, monkeypatch):
     that turn it on. A test that needs the real thread in process says
     @pytest.mark.plan_thread."""
     if request.node.get_closest_marker("plan_thread") is None:
-        import aggregator.service.process as process
-        monkeypatch.setattr(process.Aggregator, "_log_planned_errors", lambda self: None)
+        import aggregator.service.accuracy_plan as accuracy_plan
+        monkeypatch.setattr(accuracy_plan.StartPlan, "_simulate", lambda self: None)

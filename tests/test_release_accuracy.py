@@ -18,7 +18,7 @@ import pytest
 from aggregator import intervals
 from aggregator.release import PHI_BANDS, estimate_with_accuracy, make_release
 from aggregator.service.config import load_config
-from aggregator.service.process import accuracy_plan, warn_if_below_noise
+from aggregator.service.accuracy_plan import accuracy_plan, warn_if_below_noise
 from aggregator.state import PanPrivateHistogram
 
 
@@ -160,7 +160,7 @@ def test_accuracy_plan_line_is_verbatim():
 def test_start_line_and_plan_state_the_same_expected_errors():
     """The service logs the floor line at once and the simulated expected errors from a thread;
     the second line is the plan's clause (the same simulation, cached per configuration)."""
-    from aggregator.service.process import planned_errors
+    from aggregator.service.accuracy_plan import planned_errors
 
     cfg = _cfg("state.domain_size=2000", "window.size=20000")
     line, _ = accuracy_plan(cfg)

@@ -55,9 +55,10 @@ from .config import shuffle_n
 from .deadletter import DeadLetterError, DeadLetters
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
-from .process import (ServiceError, _Backoff, choose_buckets_for, identity_of, lock_directory,
-                      release_method)
-from .publisher import ReleasePublisher
+from .identity import choose_buckets_for, identity_of
+from .errors import ServiceError
+from .process import lock_directory, release_method
+from .publisher import Backoff, ReleasePublisher
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
                            load_private_key, parse_analyzer_record, public_key_hex)
 
@@ -622,7 +623,7 @@ class ShuffleAnalyzer:
         release["counted"] = {"stream": f"kafka:{self.cfg['source']['topic']}",
                               "item": f"shuffle:{self.protocol} messages"}
         if (release.get("accuracy") or {}).get("signal_below_noise"):
-            from .process import warn_if_below_noise
+            from .accuracy_plan import warn_if_below_noise
             warn_if_below_noise(release)
         extra = {"recovered_from": f"refused-{w['uid']}"} if self._recovering else {}
         self.ledger.append(entry_id=f"release-{w['uid']}", kind="release", window=k,
@@ -835,7 +836,7 @@ class ShuffleAnalyzer:
         self.source.commit(record.offsets)
 
     def _wait_for(self, action, what: str) -> None:
-        backoff = _Backoff(what)
+        backoff = Backoff(what)
         while True:
             try:
                 action()

@@ -956,7 +956,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``panagg plan``: the accuracy plan of a configuration, before any data (public inputs)."""
-    from .process import accuracy_plan
+    from .accuracy_plan import accuracy_plan
 
     from .config import aggregation_configs
 

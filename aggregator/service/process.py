@@ -32,7 +32,6 @@ import fcntl
 from concurrent.futures import TimeoutError as FuturesTimeout
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -46,156 +45,28 @@ from consumers.kafka_security import client_options, redacted
 from state_store.audit import AuditKeyError, load_key, write_export
 from state_store.local import LocalStore, _fault, atomic_write
 
-from ..intervals import SNR_MIN, noise_floor
-from ..noise import p_from_epsilon
-from ..release import make_release, release_from_view
-from ..state import NEIGHBOR_RELATIONS, PanPrivateHistogram
+from ..release import make_release
+from ..state import PanPrivateHistogram
+from .accuracy_plan import StartPlan, warn_if_below_noise
 from .anchor import (kafka_metadata, parse_kafka_metadata, release_dir_anchor,
                      write_release_dir_anchor)
 from .deadletter import DeadLetterError, DeadLetters
+from .errors import ServiceError, Stopping
 from .event_time import EventTimeWindows
-from .ledger import BudgetExceeded, Ledger, LedgerError
+from .identity import (IDENTITY_DEFAULTS, choose_buckets_for, directory_identity, identity_of,
+                       item_identity)
+from .ledger import Ledger, LedgerError
 from .metrics import Metrics
 from .publisher import Backoff as _Backoff
 from .publisher import ReleasePublisher
-from .rollup import (ROLLUP_ARGUMENT, RollupError, RollupStore, RollupSum, missing_caveat,
-                     rollup_block)
+from .rejects import RejectLog, RejectWatch
+from .release_gate import ReleaseGate, covered_ranges
+from .rollup_closer import RollupCloser, ledgered_unpublished_rollups
 from .window import WindowTask, new_window, totals_from
 
-__all__ = ["release_method", "Aggregator", "ServiceError", "choose_buckets_for", "identity_of", "service_running",
-           "warn_if_below_noise", "accuracy_plan", "planned_errors"]
+__all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
 
 log = logging.getLogger("panagg.service")
-
-
-class ServiceError(RuntimeError):
-    """A condition that stops the service with a clear message."""
-
-
-class Stopping(Exception):
-    """The service was asked to stop while it waited (nothing more is made durable)."""
-
-
-class RejectLog:
-    """Rejected records in the log by position and reason, never content, rate-limited: the
-    first ``burst`` of each minute one line each, then one summary line a minute by reason."""
-
-    def __init__(self, burst: int = 5, period_s: float = 60.0):
-        self.burst, self.period_s = burst, period_s
-        self.start = time.monotonic()
-        self.logged = 0
-        self.suppressed: dict[str, int] = {}
-
-    def record(self, partition: str, offset: int, reason: str) -> None:
-        self.flush()
-        if self.logged < self.burst:
-            self.logged += 1
-            log.warning("rejected record at %s offset %d: %s", partition, int(offset), reason)
-        else:
-            self.suppressed[reason] = self.suppressed.get(reason, 0) + 1
-
-    def flush(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.start < self.period_s:
-            return
-        if self.suppressed:
-            log.warning("%d more rejected records in the last %.0f s (%s); counts by reason in "
-                        "panagg_decode_errors_total", sum(self.suppressed.values()),
-                        now - self.start, ", ".join(f"{k}: {v}" for k, v in
-                                                    sorted(self.suppressed.items())))
-        self.start, self.logged, self.suppressed = now, 0, {}
-
-
-class RejectWatch:
-    """Says loudly, once, when the first records of a run are (almost) all rejected: a wrong
-    ``source.format`` or ``state.mode`` otherwise looks like an idle stream (a release of n = 0).
-
-    Looks at the first ``sample`` records a process sees; at ``ratio`` or more rejected, logs one
-    error naming the likely fix (from the rejects' reasons and the records' first byte, never
-    their content), and :meth:`fatal` gives the same line for a finite run that ends with no event.
-    """
-
-    def __init__(self, cfg: dict, sample: int = 1000, ratio: float = 0.9):
-        self.cfg, self.sample, self.ratio = cfg, sample, ratio
-        self.seen = self.rejected = self.counted = 0
-        self.reasons: dict[str, int] = {}
-        self.looks_json = self.looks_msgpack = 0
-        #: what the rejected items of reason wrong_type are (map, list, ...): the fix differs
-        self.kinds: dict[str, int] = {}
-        self.warned = False
-
-    def observe(self, values, rejected, filtered: int = 0) -> None:
-        self.counted += len(values) - len(rejected) - filtered
-        if self.seen >= self.sample:
-            return
-        self.seen += len(values) - filtered
-        self.rejected += len(rejected)
-        for i, reason in rejected:
-            self.reasons[reason] = self.reasons.get(reason, 0) + 1
-            head = bytes(values[i][:1]) if isinstance(values[i], (bytes, bytearray)) else b""
-            self.looks_json += head in (b"{", b"[")
-            self.looks_msgpack += bool(head) and 0x80 <= head[0] <= 0x8F
-            if reason == "wrong_type" and sum(self.kinds.values()) < 100:
-                kind = self._item_kind(values[i])
-                self.kinds[kind] = self.kinds.get(kind, 0) + 1
-        if self.seen >= min(self.sample, 100) and not self.warned \
-                and self.rejected >= self.ratio * self.seen:
-            self.warned = True
-            log.error("%s", self.message())
-
-    def _item_kind(self, raw) -> str:
-        """The type (only) of the value at item.field in one rejected record."""
-        import msgpack
-
-        from consumers.decode import _walk
-        if self.cfg["item"]["source"] != "value" or not isinstance(raw, (bytes, bytearray)):
-            return "?"
-        try:
-            doc = (msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)
-                   if self.cfg["source"]["format"] == "msgpack" else json.loads(bytes(raw)))
-        except Exception:
-            return "?"
-        item = _walk(doc, tuple(self.cfg["item"]["field"].split(".")))
-        return {dict: "map", list: "list", float: "a number with a fraction",
-                bool: "true or false", type(None): "null"}.get(type(item), "?")
-
-    def message(self) -> str:
-        top = max(self.reasons, key=self.reasons.get) if self.reasons else "?"
-        fmt, mode = self.cfg["source"]["format"], self.cfg["state"]["mode"]
-        kind = max(self.kinds, key=self.kinds.get) if self.kinds else "?"
-        field = self.cfg["item"]["field"]
-        if top == "wrong_type" and kind == "map":
-            fix = (f"item.field {field!r} is a map; name one of its keys with a dotted path, "
-                   f"e.g. item.field = {field}.id")
-        elif top == "wrong_type" and kind == "list":
-            fix = (f"item.field {field!r} is a list; name one of its elements by position, "
-                   f"e.g. item.field = {field}.0, or a key inside it ({field}.0.id)")
-        elif top == "wrong_type" and mode == "hashed" and kind != "?":
-            fix = (f"item.field {field!r} holds {kind}; items are strings, bytes or whole "
-                   "numbers: name a field that holds one")
-        elif top in ("undecodable", "not_a_map") and fmt == "msgpack" and self.looks_json:
-            fix = "the records look like JSON: set source.format = json"
-        elif top in ("undecodable", "not_a_map") and fmt == "json" and self.looks_msgpack:
-            fix = "the records look like msgpack: set source.format = msgpack"
-        elif top == "wrong_type" and mode == "direct":
-            fix = ("direct mode counts ints in [0, state.domain_size); for string or bytes "
-                   "items set state.mode = hashed")
-        elif top == "out_of_range":
-            fix = "items fall outside [0, state.domain_size): raise state.domain_size"
-        elif top == "missing_item":
-            fix = ("records carry no item where item.source / item.field say (default: the "
-                   'field "item", {"item": <str|bytes|int>, ...}); set item.field (e.g. user.id) '
-                   "or item.source = key / header")
-        else:
-            fix = "see docs/operations.md, Bad input"
-        return (f"{self.rejected} of the first {self.seen} records were rejected (mostly "
-                f"{top}): {fix}")
-
-    def fatal(self) -> str | None:
-        """The line to stop a finite run with: nothing counted, something rejected."""
-        if self.counted == 0 and self.rejected:
-            return self.message()
-        return None
 
 
 def release_method(cfg: dict) -> str | None:
@@ -210,167 +81,6 @@ def service_key_error(exc: Exception) -> str:
     return (f"the running service cannot sign the export: {exc}. The key is read by the "
             "service from its own environment or its audit.key_file, not from this shell: set "
             "it there and restart the service")
-
-
-def warn_if_below_noise(release: dict) -> None:
-    """One error line for a release whose signal is below its noise (the document says so too,
-    in ``signal_below_noise``): it may look normal and still be mostly noise."""
-    acc = release.get("accuracy") or {}
-    if acc.get("signal_below_noise"):
-        # events over the Cramer-Rao floor (older releases: under signal_to_noise)
-        snr = acc.get("events_over_noise_floor", acc.get("signal_to_noise")) or 0.0
-        why = ("its distinct items could be off by 2x at the interval's level; "
-               if acc.get("distinct_could_be_off_2x") else "")
-        log.error("window %s: the release is below its noise floor (%sevents over the error "
-                  "floor %.2f, flagged below %g: "
-                  "%s events against an error floor of ~%s items); its statistics are mostly "
-                  "noise. Fix: more events per window (window.size), fewer counters "
-                  "(state.domain_size, or hashed mode), or a larger state.epsilon",
-                  release.get("window"), why, snr, SNR_MIN,
-                  release.get("n") if release.get("n") is not None
-                  else release.get("n_in_histogram"),
-                  f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
-
-
-def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
-    """The start line on accuracy: the error floor for the configured counters, eps, layers and
-    the events a window is expected to hold, and a suggestion when that is below the noise.
-
-    Public quantities only (nothing of the stream): the number of counters (D, or B in hashed
-    mode), p, the layers the release will carry (1, plus 2 per in-window snapshot, plus the
-    joint model's release layer) and n (count windows: their size; time windows and hashed
-    mode: ``state.expected_n``). With ``simulate``, the line ends with the expected errors the
-    releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
-    """
-    st = cfg["state"]
-    counters, p, layers, n, hashed = _plan_inputs(cfg)
-    floor = noise_floor(counters, p, layers)
-    basis = "the window's size" if cfg["window"]["kind"] == "count" else "state.expected_n"
-    n_min = int(math.ceil(SNR_MIN * floor))
-    line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st['epsilon']:g}"
-            f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
-            f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
-            f"{n_min:,} events to be above the noise")
-    if simulate:
-        line += _planned_errors(counters, p, layers, n, hashed)
-    below = n / floor < SNR_MIN
-    if below:
-        from ..largedomain import choose_buckets
-        b = choose_buckets(max(n, 2), float(st["epsilon"]))
-        line += (f". BELOW THE NOISE at {n:,} events: use hashed mode (state.mode = \"hashed\", "
-                 f"~{b:,} buckets for {n:,} events)" if not hashed else
-                 f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
-        line += " or longer windows (window.size)"
-    return line, below
-
-
-def _plan_inputs(cfg: dict) -> tuple[int, float, int, int, bool]:
-    """(counters, p, layers at release, events per window, hashed) of a configuration: the
-    public inputs of the accuracy plan (:func:`accuracy_plan`)."""
-    st = cfg["state"]
-    hashed = st["mode"] == "hashed"
-    counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
-    layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
-    p = p_from_epsilon(float(st["epsilon"]),
-                       NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
-    n = int(cfg["window"]["size"]) if cfg["window"]["kind"] == "count" else int(st["expected_n"])
-    return counters, p, layers, n, hashed
-
-
-def planned_errors(cfg: dict, cancel=None) -> str:
-    """The start line's second part: the expected relative errors the releases will state (the
-    clause :func:`accuracy_plan` ends with; computed after the first line, off the loop).
-    ``cancel``: see :func:`aggregator.release.planned_accuracy`."""
-    counters, p, layers, n, hashed = _plan_inputs(cfg)
-    clause = _planned_errors(counters, p, layers, n, hashed, cancel=cancel)
-    return "accuracy plan: " + clause.split("; expected error of a release: ", 1)[1]
-
-
-def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool,
-                    cancel=None) -> str:
-    """The expected relative errors the releases will state, from simulated windows of two
-    reference shapes (aggregator.release.planned_accuracy), as a clause of the plan line."""
-    from ..release import PLAN_SHAPES, planned_accuracy
-
-    from ..release import PLAN_MAX_EVENTS
-    plan = planned_accuracy(counters, p, layers, n, hashed=hashed, cancel=cancel)
-    capped = (f" (simulated with {PLAN_MAX_EVENTS:,} events per window, not the {n:,} the "
-              "window holds: the plan's cost is bounded, its figures are for that size)"
-              if n > PLAN_MAX_EVENTS else "")
-
-    def pct(v):
-        return "?" if v is None else f"+-{100 * v:.1f}%"
-
-    parts = [f"{pct(v['distinct_items'])} distinct items, {pct(v['entropy_nats'])} entropy for "
-             f"{PLAN_SHAPES[shape]}" + (" (BELOW THE NOISE: could be off by 2x)"
-                                         if v["signal_below_noise"] else "")
-             for shape, v in plan.items()]
-    return "; expected error of a release: " + "; ".join(parts) + capped
-
-
-def choose_buckets_for(cfg: dict) -> int:
-    """Number of hash buckets for hashed mode: configured, or from expected_n by the default rule
-    of :func:`aggregator.largedomain.choose_buckets` (docs/large_domains.md, "Choosing B")."""
-    if cfg["state"]["buckets"]:
-        return int(cfg["state"]["buckets"])
-    from ..largedomain import choose_buckets
-    return int(choose_buckets(max(int(cfg["state"]["expected_n"]), 2), cfg["state"]["epsilon"]))
-
-
-def identity_of(cfg: dict) -> dict:
-    """What a state directory counts and under which settings (the ledger's ``identity``)."""
-    src, st = cfg["source"], cfg["state"]
-    stream = {"kafka": f"kafka:{src['topic']}", "file": f"file:{os.path.basename(src['path'])}",
-              "generator": "generator"}[src["kind"]]
-    direct = st["mode"] == "direct"
-    return {
-        "stream": stream, "group": src["group"] if src["kind"] == "kafka" else "",
-        "partitioned": bool(cfg["scale"]["partitioned"]), "mode": st["mode"],
-        "domain": int(st["domain_size"]) if direct else choose_buckets_for(cfg),
-        "epsilon": float(st["epsilon"]), "model": st["model"],
-        "window": f"{cfg['window']['kind']}:{cfg['window']['size']:g}",
-        "snapshots_per_window": int(cfg["checkpoint"]["snapshots_per_window"]),
-        "budget_per_window": float(cfg["ledger"]["budget_per_window"] or st["epsilon"]),
-        "budget_total": float(cfg["ledger"]["budget_total"]),
-        "item": item_identity(cfg),
-    }
-
-
-#: identity keys added after state directories existed: what a ledger without them recorded
-_IDENTITY_DEFAULTS = {"item": "value:item"}
-
-
-def directory_identity(cfg: dict) -> dict:
-    """Settings a state directory depends on beyond :func:`identity_of` (issue 27): the format
-    its records are decoded in (the open window is replayed from the source after a restart) and
-    where its releases go (a new directory leaves a gap in the old one). From a config dict, or
-    from the config.json a start saved."""
-    src, rel = cfg.get("source") or {}, cfg.get("release") or {}
-    out = {}
-    if "format" in src:
-        out["format"] = src["format"]
-    if rel.get("dir"):
-        out["release_dir"] = os.path.abspath(rel["dir"])
-    return out
-
-
-def item_identity(cfg: dict) -> str:
-    """What is counted, as one string for the ledger's identity (``value:item`` by default)."""
-    it = cfg.get("item") or {"source": "value", "field": "item"}
-    where = {"value": it["field"], "key": "", "header": it.get("header", "")}[it["source"]]
-    out = f"{it['source']}:{where}" if where else it["source"]
-    extra = [name for name, on in (("coerce", it.get("coerce")),
-                                   ("nfc", it.get("normalize") == "nfc"),
-                                   ("casefold", it.get("casefold"))) if on]
-    if it.get("filter_field"):
-        extra.append(f"filter {it['filter_field']}={it['filter_value']}")
-    return out + (f" ({', '.join(extra)})" if extra else "")
-
-
-def k_size(cfg: dict, windows: int):
-    """The length of ``windows`` base windows (events or seconds, as window.size)."""
-    size = cfg["window"]["size"]
-    return int(size) * windows if float(size).is_integer() else float(size) * windows
 
 
 def remove_created(paths) -> None:
@@ -453,13 +163,23 @@ class Aggregator(EventTimeWindows):
                                  budget_per_event=per_event)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
+        #: asks the ledger about the events a release covers (:mod:`.release_gate`)
+        self.gate = ReleaseGate(self.ledger, self.metrics, epsilon=self.epsilon, model=self.model,
+                                stream=identity_of(cfg)["stream"], aggregation=self.anchor_name,
+                                directory=self.dir)
         self._keep_processing_time()
+        #: the start's accuracy plan in the log (a thread simulates the expected errors)
+        self.plan = StartPlan(cfg)
         from .config import rollup_spans
-        #: window.rollups: {span: base windows per rollup}; their sums live under dir/rollups
-        self.rollup_spans = rollup_spans(cfg)
-        self.rollups = (RollupStore(self.dir / "rollups", self.rollup_spans)
-                        if self.rollup_spans else None)
-        self._rollup_jobs: list[dict] = []  # rollups being estimated in the release worker
+        spans = rollup_spans(cfg)
+        #: window.rollups (:mod:`.rollup_closer`; sums under dir/rollups), None without them
+        self.rollups = RollupCloser(
+            self.dir / "rollups", spans, ledger=self.ledger, metrics=self.metrics,
+            model=self.model, loss=self.loss, method=release_method(cfg),
+            error_bar_reps=int(cfg["release"]["error_bar_reps"]),
+            stream=identity_of(cfg)["stream"], aggregation=self.anchor_name,
+            base_kind=cfg["window"]["kind"], window_size=cfg["window"]["size"],
+            annotate=self._annotate, worker=lambda: self.worker) if spans else None
         self.control = self.dir / "control"
         #: ledger entries a start decided on, written only once every start check has passed
         #: (a refused start writes nothing)
@@ -590,7 +310,7 @@ class Aggregator(EventTimeWindows):
             return first
         # a ledger from before a key was in the identity: the last start's saved config says
         saved = directory_identity(self._saved_config())
-        had = {k: recorded.get(k, saved.get(k, _IDENTITY_DEFAULTS.get(k, mine[k]))) for k in mine}
+        had = {k: recorded.get(k, saved.get(k, IDENTITY_DEFAULTS.get(k, mine[k]))) for k in mine}
         changed = [k for k in mine if had[k] != mine[k]]
         if not changed:
             return recorded
@@ -640,7 +360,11 @@ class Aggregator(EventTimeWindows):
         self.metrics.window_id.set(task.window["id"])
         self.metrics.window_events.set(task.window["events"])
         self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
-        self._recover_rollups(task)
+        # a rollup ledgered but not yet published is published from the ledger; views kept
+        # before a stop are folded (each once)
+        ledgered_unpublished_rollups(self.ledger, self.cfg["release"]["dir"], task.pending)
+        if self.rollups is not None:
+            self.rollups.fold(task.pending)
 
     def restore_task(self, task: WindowTask, *, where: str, commit: bool = True) -> None:
         """Resume ``task`` from its latest checkpoint (see :mod:`.window`): a fresh state (or
@@ -843,7 +567,7 @@ class Aggregator(EventTimeWindows):
         task.offsets, at = self._start_offsets(bool(committed))
         # never over positions whose events this release would charge past the budget (a
         # fresh start, an aggregation renamed or added under --accept-change)
-        resume = self.ledger.charges(self._other_charges()).resume_offsets(
+        resume = self.ledger.charges(self.gate.other_charges()).resume_offsets(
             self.epsilon, budget=self.ledger.budget_per_event)
         floor = dict(committed) if committed and self.fresh_start else {}
         floor.update(task.offsets)
@@ -862,24 +586,6 @@ class Aggregator(EventTimeWindows):
             log.warning("fresh start without a checkpoint in %s: numbering continues at window "
                         "%d", where, first)
         log.info("no checkpoint in %s: starting window %d at %s", where, first, at)
-
-    def _other_charges(self) -> list[dict]:
-        """Ledger entries of the stream's other aggregations (their charges count against the
-        same per-event budget): every sibling directory's ledger, configured or not any more."""
-        if not self.aggregation:
-            return []
-        out = []
-        # (and a one-aggregation ledger at the top, which the set refuses to start over)
-        for path in sorted([*self.dir.parent.glob("*/ledger.jsonl"),
-                            *self.dir.parent.glob("ledger.jsonl")]):
-            if path.parent.resolve() == self.dir.resolve():
-                continue
-            try:
-                out.extend(Ledger(path, budget_per_window=1.0).entries)
-            except LedgerError as exc:
-                raise ServiceError(f"{exc} (another aggregation's ledger: its charges count "
-                                   "against this stream's per-event budget)") from None
-        return out
 
     def _start_offsets(self, committed: bool) -> tuple[dict[str, int], str]:
         """Where a new state directory starts (``source.start``), and that in words."""
@@ -946,47 +652,6 @@ class Aggregator(EventTimeWindows):
         end_offsets = getattr(self.source, "end_offsets", None)
         return end_offsets() if end_offsets else None
 
-    def log_accuracy_plan(self) -> None:
-        line, below = accuracy_plan(self.cfg, simulate=False)
-        simulate = self.cfg["release"]["plan_errors"]
-        if not simulate:  # no simulated releases at this start
-            line += ("; expected errors not simulated (release.plan_errors = false; "
-                     "panagg plan gives them)")
-        (log.warning if below else log.info)("%s", line)
-        if not simulate:
-            return
-        # the expected errors come from simulated releases (seconds): computed in a thread, so
-        # the loop starts at once; close() cancels it and waits for the simulated window in
-        # hand (a process must not exit while the thread is inside native code: that aborts it)
-        self._plan_cancel = threading.Event()
-        self._plan_thread = threading.Thread(target=self._log_planned_errors, name="panagg-plan",
-                                             daemon=True)
-        self._plan_thread.start()
-
-    def _log_planned_errors(self) -> None:
-        from ..release import PlanCancelled
-        try:
-            log.info("%s", planned_errors(self.cfg, cancel=self._plan_cancel.is_set))
-        except PlanCancelled:
-            pass  # stopped before the plan was done: no line
-        except Exception as exc:  # a plan is advice: it never stops the service
-            log.warning("accuracy plan: expected errors not computed (%s: %s)",
-                        type(exc).__name__, exc)
-
-    def _close_plan(self) -> None:
-        thread = getattr(self, "_plan_thread", None)
-        if thread is not None:
-            self._plan_cancel.set()
-            # it stops at its next simulated window (seconds); on a loaded machine that window
-            # can take longer, and a process that exits while the thread is inside native code
-            # aborts (exit -6, "terminate called without an active exception": two rename tests
-            # of several aggregations in a loaded suite run), so the stop waits for it
-            thread.join(timeout=10)
-            if thread.is_alive():
-                log.info("stopping: waiting for the accuracy plan's simulated window to end")
-                thread.join()
-            self._plan_thread = None
-
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
         self._lock()
@@ -1045,7 +710,7 @@ class Aggregator(EventTimeWindows):
                      "auto): an event lands in the window of its timestamp, after a broker "
                      "outage too; window.clock = process windows by this process's clock",
                      w["size"])
-        self.log_accuracy_plan()
+        self.plan.start()
         self._publish_pending(self.task)
 
     def _ledger_composition(self) -> None:
@@ -1080,8 +745,8 @@ class Aggregator(EventTimeWindows):
         self._maybe_snapshot(self.task)
         if self.task.inflight:
             self._collect_releases(self.task)
-        if self._rollup_jobs:
-            self._collect_rollups(self.task)
+        if self.rollups is not None and self.rollups.jobs:
+            self.rollups.collect(self.task.pending)
         self._handle_control()
         if self.task.pending:
             self._publish_pending(self.task)
@@ -1101,8 +766,8 @@ class Aggregator(EventTimeWindows):
         """Publish what is pending; a run must not end looking successful if it could not."""
         if self.task.inflight:  # a finite run's last windows: wait for their releases
             self._collect_releases(self.task, wait=True)
-        if self._rollup_jobs:
-            self._collect_rollups(self.task, wait=True)
+        if self.rollups is not None and self.rollups.jobs:
+            self.rollups.collect(self.task.pending, wait=True)
         if self.task.pending:
             self.publisher.retry_now(wait_s=10.0)
             self._publish_pending(self.task)
@@ -1166,7 +831,7 @@ class Aggregator(EventTimeWindows):
                                    f"{self.cfg['source']['bootstrap']} reachable?")
 
     def close(self) -> None:
-        self._close_plan()
+        self.plan.close()
         self.publisher.close()
         if self.worker is not None and self._owns_worker:
             self.worker.close()  # releases not collected are replayed at the next start
@@ -1471,7 +1136,8 @@ class Aggregator(EventTimeWindows):
         release = self._ledgered_release(task, closing)
         if release is not None:
             task.pending.append(json.dumps(release, allow_nan=False))
-            self._fold_rollups(task)
+            if self.rollups is not None:
+                self.rollups.fold(task.pending)
         if task.queue:  # after a restart: the next closed window to replay, or the open one
             self._open_next(task, closing)
             if not task.queue and task.close_at is None:
@@ -1503,7 +1169,7 @@ class Aggregator(EventTimeWindows):
         hand the closed state to the worker, start the next window at once."""
         closing = dict(task.window, ended_unix=time.time())
         wid, uid = closing["id"], closing["uid"]
-        ranges, charge = self.window_ranges(task, closing), self._charge_of(closing)
+        ranges, charge = self.window_ranges(task, closing), self.gate.charge_of(closing)
         entry = self.ledger.get(f"release-{uid}")
         start = task.window_start  # set whenever a window opens (mark_start)
         event_time = closing["kind"] == "event_time"
@@ -1513,8 +1179,9 @@ class Aggregator(EventTimeWindows):
         if entry is not None:  # decided before a restart (never replayed: kept for safety)
             if entry["document"] not in task.pending:
                 task.pending.append(entry["document"])
-        elif self._budget_allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
-                                 task=task, in_flight=task.inflight):
+        elif self.gate.allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
+                              in_flight=task.inflight, refusal_fields=lambda: self._position_fields(
+                                  task, closing, ranges)):
             self._wait_for_room(task)
             future = self.worker.submit(
                 task.state, model=self.model, loss=self.loss, window=wid, rng=self._rng(1, wid),
@@ -1616,15 +1283,15 @@ class Aggregator(EventTimeWindows):
             self.ledger.append(entry_id=f"release-{closing['uid']}", kind="release",
                                window=closing["id"], window_uid=closing["uid"],
                                epsilon_spent=job["charge"], model=self.model, document=doc,
-                               **self._position_fields_of(closing, job["ranges"],
-                                                          job["end_offsets"], job["totals"]),
+                               **self.gate.position_fields(closing, job["ranges"],
+                                                           job["end_offsets"], job["totals"]),
                                **job.get("extra", {}))
             _fault("release-ledgered")
             task.pending.append(doc)
             task.inflight.pop(0)
             if view:
-                self._keep_view(closing, release, *view[0])
-                self._fold_rollups(task)
+                self.rollups.keep_view(closing, release, *view[0])
+                self.rollups.fold(task.pending)
             if job.get("checkpoint") is not None:
                 # event time: at once (its start was fixed at the close, whatever the loop does
                 # now), so that at most one ledgered window is ahead of the checkpoint (a
@@ -1686,25 +1353,6 @@ class Aggregator(EventTimeWindows):
             if level:
                 release["rollup_level"] = level
 
-    def window_ranges(self, task: WindowTask, window: dict | None = None) -> dict:
-        """The source positions ``[start, end)`` per partition the window covers (what its
-        release charges in the ledger)."""
-        window = task.window if window is None else window
-        starts = window.get("start_offsets") or {}
-        out = {}
-        for part, end in task.offsets.items():
-            if part not in starts:  # (a window's first record of a partition records its start)
-                continue            # never counted here: not covered
-            start = int(starts[part])
-            if int(end) > start:
-                out[part] = [start, int(end)]
-        return out
-
-    def _charge_of(self, closing: dict) -> float:
-        """What the window's release costs: epsilon, or 0 for a window without events (n is
-        public under replace-one, and a state holding no event reveals none)."""
-        return self.epsilon if int(closing.get("events", 0)) > 0 else 0.0
-
     def _ledgered_release(self, task: WindowTask, closing: dict) -> dict | None:
         """The window's release: from the ledger if it is there, else computed once (after the
         budget check over its source ranges, before anything is durable) and ledgered with its
@@ -1716,9 +1364,10 @@ class Aggregator(EventTimeWindows):
                      wid)
             return json.loads(entry["document"])
         ranges = self.window_ranges(task, closing)
-        charge = self._charge_of(closing)
-        if not self._budget_allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
-                                   task=task):
+        charge = self.gate.charge_of(closing)
+        if not self.gate.allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
+                                refusal_fields=lambda: self._position_fields(task, closing,
+                                                                             ranges)):
             return None
         view: list | None = [] if self.rollups is not None else None
         release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
@@ -1735,55 +1384,22 @@ class Aggregator(EventTimeWindows):
                             window_uid=uid, epsilon_spent=charge, model=self.model,
                             document=doc, **self._position_fields(task, closing, ranges))
         if view:
-            self._keep_view(closing, release, *view[0])
+            self.rollups.keep_view(closing, release, *view[0])
         return release
 
+    def window_ranges(self, task: WindowTask, window: dict | None = None) -> dict:
+        """The source positions the window covers (:func:`.release_gate.covered_ranges`): what
+        its release charges in the ledger."""
+        window = task.window if window is None else window
+        return covered_ranges(window.get("start_offsets"), task.offsets)
+
     def _position_fields(self, task: WindowTask, closing: dict, ranges: dict) -> dict:
-        fields = self._position_fields_of(closing, ranges, task.offsets, task.totals)
+        """The gate's position fields at the task's current position (event time: and what
+        the entry records of the second window)."""
+        fields = self.gate.position_fields(closing, ranges, task.offsets, task.totals)
         if closing.get("kind") == "event_time":
             fields.update(self._second_window_fields())
         return fields
-
-    def _position_fields_of(self, closing: dict, ranges: dict, end_offsets: dict,
-                            totals: dict) -> dict:
-        """What a release or refusal records of the source: the ranges it covers, the end a
-        restart resumes at, the totals there, and whose chain of checkpoints it is."""
-        return {"ranges": ranges, "end_offsets": dict(end_offsets),
-                "totals": {"events": int(totals["events"]),
-                           "rejects": dict(totals["rejects"]),
-                           "filtered": int(totals.get("filtered", 0))},
-                "stream": identity_of(self.cfg)["stream"], "aggregation": self.anchor_name,
-                "lineage": closing.get("lineage"), "window_kind": closing.get("kind"),
-                "n": int(closing.get("events", 0))}
-
-    def _budget_allows(self, uid: str, wid: int, *, ranges: dict | None = None,
-                       charge: float | None = None, closing: dict | None = None,
-                       task: WindowTask | None = None, in_flight=()) -> bool:
-        """The ledger's answer for window ``uid`` (covering the source ``ranges``) before any
-        release noise is drawn; a refusal is ledgered with its ranges (so every process and
-        restart gets the same answer, and a restart does not replay the refused window)."""
-        if self.ledger.has(f"refused-{uid}"):
-            return False
-        charge = self.epsilon if charge is None else charge
-        try:
-            # windows handed to the worker are charged as if ledgered (their entries follow)
-            flying = [{"kind": "release", "epsilon_spent": j["charge"], "ranges": j["ranges"],
-                       "lineage": j["window"].get("lineage"),
-                       "window_kind": j["window"].get("kind")} for j in in_flight]
-            self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
-                                      lineage=(closing or {}).get("lineage"),
-                                      window_kind=(closing or {}).get("kind"),
-                                      others=[*self._other_charges(), *flying] if ranges
-                                      else (), pending=sum(j["charge"] for j in in_flight))
-        except BudgetExceeded as exc:
-            log.error("%s", exc)
-            self.metrics.releases_refused.inc()
-            extra = (self._position_fields(task, closing, ranges)
-                     if task is not None and closing is not None else {})
-            self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
-                                window_uid=uid, model=self.model, note=str(exc), **extra)
-            return False
-        return True
 
     def _publish_pending(self, task: WindowTask) -> None:
         """Deliver the ledgered releases of ``task.pending`` (:mod:`.publisher`): files at once,
@@ -1823,180 +1439,6 @@ class Aggregator(EventTimeWindows):
         except OSError as exc:
             log.warning("could not record the ledger's head in %s (%s); retried at the next "
                         "publication", self.cfg["release"]["dir"], exc.strerror or exc)
-
-    # -- rollups (window.rollups, docs/rollups.md) ---------------------------------------------
-    ROLLUP_ARGUMENT = ROLLUP_ARGUMENT
-
-    def _keep_view(self, closing: dict, release: dict, counts, layers: int) -> None:
-        """Keep a ledgered base window's release view for the rollups: written (atomically)
-        only after its release entry is in the ledger, so a file never holds a view the ledger
-        did not decide; folded into each rollup's sum by :meth:`_fold_rollups` (idempotent by
-        uid). A crash between the ledger entry and this write loses the window from its
-        rollups: the rollup then names it as missing (never a silent under-count)."""
-        if self.rollups is None:
-            return
-        meta = {"p": float(release["p"]), "mode": release["domain"]["mode"],
-                "size": int(release["domain"]["size"]), "epsilon": float(release["epsilon"]),
-                "neighbor": release["neighbor"], "events": int(closing.get("events", 0)),
-                "started_unix": closing.get("started_unix"),
-                "ended_unix": closing.get("ended_unix")}
-        _fault("rollup-before-view")
-        self.rollups.put_inbox(closing["uid"], closing["id"], counts, layers=int(layers),
-                               n=release.get("n"), meta=meta)
-        _fault("rollup-view-kept")
-
-    def _fold_rollups(self, task: WindowTask) -> None:
-        """Add every kept base view to its rollups' sums, then release the rollups whose last
-        base window is decided. Each step is idempotent: a sum names the uids it holds, and a
-        rollup the ledger already has is not released again."""
-        if self.rollups is None:
-            return
-        for meta, counts in self.rollups.inbox():
-            uid, wid = meta["uid"], int(meta["window"])
-            if self.ledger.get(f"release-{uid}") is None:  # a view is kept after its entry
-                log.error("rollups: the kept view of window %s is not a ledgered release; it is "
-                          "dropped (it is in no rollup)", wid)
-                self.rollups.drop_inbox(uid)
-                continue
-            for span, k in self.rollup_spans.items():
-                idx = wid // k
-                if self.ledger.has(f"rollup-{span}-{idx}") or \
-                        self.ledger.has(f"rollup-refused-{span}-{idx}"):
-                    log.warning("rollups: window %s was released after rollup %s-%s; it is not "
-                                "in it", wid, span, idx)
-                    continue
-                try:
-                    r = self.rollups.load(span, idx) or RollupSum(
-                        span, idx, windows=k, p=meta["p"], mode=meta["mode"],
-                        size=meta["size"])
-                    added = r.update(uid, wid, counts, layers=meta["layers"], n=meta["n"])
-                except RollupError as exc:
-                    raise ServiceError(f"rollups: {exc}; move {self.rollups.dir / span} aside "
-                                       "to start this rollup afresh") from None
-                if added:
-                    r.parts[uid].update(events=meta.get("events"),
-                                        started_unix=meta.get("started_unix"),
-                                        ended_unix=meta.get("ended_unix"),
-                                        epsilon=meta["epsilon"], neighbor=meta["neighbor"])
-                    self.rollups.save(r)
-                    _fault("rollup-folded")
-            self.rollups.drop_inbox(uid)
-        decided = [e["window"] for e in self.ledger.entries
-                   if e["kind"] in ("release", "refused") and isinstance(e.get("window"), int)]
-        if not decided:
-            return
-        last = max(decided)
-        for span, k in self.rollup_spans.items():
-            for idx in self.rollups.open_indices(span):
-                if (idx + 1) * k - 1 <= last:
-                    self._close_rollup(task, span, idx)
-
-    def _close_rollup(self, task: WindowTask, span: str, idx: int) -> None:
-        """Release rollup ``span`` #``idx`` from its sum: the ledger is asked first (every base
-        window a ledgered release of this aggregation), the entry names them and charges 0."""
-        name, rid = f"{span}-{idx}", f"rollup-{span}-{idx}"
-        if any((j["span"], j["idx"]) == (span, idx) for j in self._rollup_jobs):
-            return  # being estimated in the release worker
-        r = self.rollups.load(span, idx)
-        if r is None or self.ledger.has(rid) or self.ledger.has(f"rollup-refused-{span}-{idx}"):
-            self.rollups.remove(span, idx)
-            return
-        try:
-            entries = self.ledger.check_rollup(name, list(r.parts),
-                                               aggregation=self.anchor_name)
-        except BudgetExceeded as exc:
-            log.error("%s", exc)
-            self.ledger.append(entry_id=f"rollup-refused-{span}-{idx}", kind="refused-rollup",
-                               window=name, model=self.model, note=str(exc), rollup=span)
-            self.rollups.remove(span, idx)
-            return
-        by_window = {e["window"]: e for e in self.ledger.entries
-                     if e["kind"] in ("release", "refused") and isinstance(e.get("window"), int)}
-        missing = []
-        for w in r.missing():
-            e = by_window.get(w)
-            if e is None:
-                why = "not counted here (before this service's first window, or no such window)"
-            elif e["kind"] == "refused":
-                why = "refused by the ledger (budget): it has no release"
-            else:
-                why = ("released, but its view was lost in a crash between its ledger entry and "
-                       "the rollup's files (docs/rollups.md)")
-            missing.append({"window": w, "why": why})
-        parts = sorted(r.parts.values(), key=lambda v: v["window"])
-        first = parts[0]
-        job = {"span": span, "idx": idx, "rollup": r, "parts": parts, "entries": entries,
-               "missing": missing}
-        kwargs = dict(p=r.p, layers=r.layers, n=r.n, epsilon=float(first["epsilon"]),
-                      neighbor=first["neighbor"], mode=r.mode, size=r.size, window=name,
-                      loss=self.loss, error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
-                      method=release_method(self.cfg))
-        if self.worker is not None:  # beside the loop: a week of 1e6 counters takes minutes
-            job["future"] = self.worker.call(release_from_view, r.counts, **kwargs)
-            self._rollup_jobs.append(job)
-            return
-        self._finish_rollup(task, job, release_from_view(r.counts, **kwargs))
-
-    def _collect_rollups(self, task: WindowTask, *, wait: bool = False) -> None:
-        """Ledger and queue the rollups the release worker has estimated (in close order)."""
-        while self._rollup_jobs and (wait or self._rollup_jobs[0]["future"].done()):
-            job = self._rollup_jobs.pop(0)
-            try:
-                release = job["future"].result()
-            except Exception as exc:
-                log.error("the release of rollup %s-%s failed in the release worker (%s: %s); "
-                          "its sum stays in %s and it is released at the next start",
-                          job["span"], job["idx"], type(exc).__name__, exc, self.rollups.dir)
-                continue
-            self._finish_rollup(task, job, release)
-
-    def _finish_rollup(self, task: WindowTask, job: dict, release: dict) -> None:
-        span, idx, r, parts = job["span"], job["idx"], job["rollup"], job["parts"]
-        missing, entries = job["missing"], job["entries"]
-        name, rid = f"{span}-{idx}", f"rollup-{span}-{idx}"
-        if self.ledger.has(rid):
-            return
-        started = [v.get("started_unix") for v in parts if v.get("started_unix") is not None]
-        ended = [v.get("ended_unix") for v in parts if v.get("ended_unix") is not None]
-        self._annotate(release, {
-            "kind": "rollup", "size": k_size(self.cfg, r.windows),
-            "events": sum(int(v.get("events") or 0) for v in parts),
-            "started_unix": min(started) if started else None,
-            "ended_unix": max(ended) if ended else None})
-        release["window_info"]["base_kind"] = self.cfg["window"]["kind"]
-        release["rollup"] = rollup_block(r, missing, r.layers)
-        if missing:
-            release["caveat"] = missing_caveat(name, len(parts), r.windows, missing)
-            log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
-                        "which and why)", name, len(parts), r.windows, len(missing))
-        doc = json.dumps(release, allow_nan=False)
-        self.ledger.append(
-            entry_id=rid, kind="rollup", window=name, epsilon_spent=0.0, model=self.model,
-            document=doc, rollup=span, note=self.ROLLUP_ARGUMENT,
-            base_windows=[{"window": e["window"], "uid": e["window_uid"], "seq": e["seq"],
-                           "hash": e["hash"]} for e in entries],
-            missing=[m["window"] for m in missing], n=r.n,
-            stream=identity_of(self.cfg)["stream"], aggregation=self.anchor_name)
-        _fault("rollup-ledgered")
-        task.pending.append(doc)
-        self.rollups.remove(span, idx)
-        self.metrics.rollup_released(span, release)
-        log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
-                 "(estimated in %.1f s)", name, len(parts), r.layers, r.n,
-                 release.get("release_seconds", float("nan")))
-
-    def _recover_rollups(self, task: WindowTask) -> None:
-        """At a start: a rollup ledgered but not yet published (a stop between its entry and
-        the checkpoint holding its document) is published from the ledger; views kept before a
-        stop are folded (each once)."""
-        rel_dir = Path(self.cfg["release"]["dir"])
-        for e in self.ledger.entries:
-            if e["kind"] == "rollup" and e.get("document") and \
-                    not (rel_dir / f"release-{e['window']}.json").exists() and \
-                    e["document"] not in task.pending:
-                task.pending.append(e["document"])
-        if self.rollups is not None:
-            self._fold_rollups(task)
 
     # -- announced audit exports and control requests ------------------------------------------
     def export(self, export_id: str | None = None) -> Path:

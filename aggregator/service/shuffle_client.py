@@ -83,7 +83,7 @@ def hashed_buckets(key: bytes, buckets: int, *, nfc: bool = False, casefold: boo
 
 def bucket_map(cfg: dict) -> Callable:
     """The item -> bucket map of ``cfg`` (direct or hashed); raises ValueError naming the key."""
-    from .process import choose_buckets_for
+    from .identity import choose_buckets_for
     st = cfg["state"]
     if st["mode"] == "direct":
         return direct_buckets(int(st["domain_size"]))

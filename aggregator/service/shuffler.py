@@ -78,7 +78,7 @@ def make_randomizer(cfg: dict):
     """The randomizer every client, the shuffler and the analyzer of ``cfg`` share."""
     from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer
     from .config import shuffle_n
-    from .process import choose_buckets_for
+    from .identity import choose_buckets_for
 
     st, sh = cfg["state"], cfg["shuffle"]
     buckets = int(st["domain_size"]) if st["mode"] == "direct" else choose_buckets_for(cfg)

@@ -23,7 +23,9 @@ from consumers.decode import Decoder, ItemSpec
 
 from ...hashing import bucket_of
 from ..ledger import LedgerError
-from ..process import ServiceError, choose_buckets_for, release_method
+from ..identity import choose_buckets_for
+from ..errors import ServiceError
+from ..process import release_method
 from .counter import Counter
 from .export import ExportCollector
 from .forced import ReleaseRequests

@@ -53,6 +53,7 @@ import logging
 import time
 from types import SimpleNamespace
 
+from ..errors import ServiceError
 from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, rollup_block
 from .summary import merge_summaries, view_summary
 from .topics import read_partition
@@ -83,7 +84,6 @@ class SliceRollups:
         self.spans, self.topics, self.identity = dict(spans), topics, identity
         P = int(identity["partitions"])
         if "size" in identity and -(-int(identity["size"]) // P) > self.MAX_SLICE:
-            from ..process import ServiceError
             need = -(-int(identity["size"]) // self.MAX_SLICE)
             raise ServiceError(f"window.rollups as sums keep each partition's slice of "
                                f"{-(-int(identity['size']) // P)} counters in one Kafka message, "
@@ -117,8 +117,7 @@ class SliceRollups:
             try:
                 r = RollupSum.from_bytes(value)
             except RollupError as exc:
-                from ..process import ServiceError
-                raise ServiceError(f"{self._rollups} partition {partition}, key {key!r}: {exc}; "
+                    raise ServiceError(f"{self._rollups} partition {partition}, key {key!r}: {exc}; "
                                    "write a tombstone for that key (the rollup is then not "
                                    "released) or restore the topic") from None
             if r.span in self.spans:

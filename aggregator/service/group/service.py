@@ -30,7 +30,7 @@ from pathlib import Path
 from consumers.kafka_security import client_options, redacted
 
 from ..config import aggregation_configs
-from ..process import ServiceError
+from ..errors import ServiceError
 from .pipeline import MUST_AGREE, Pipeline
 from .repartition import Repartitioner
 from .topics import GroupTopicError

@@ -1,0 +1,167 @@
+"""What a service says about accuracy before and at each release: the start line's plan
+(:func:`accuracy_plan`: the error floor of the configured counters, eps and layers, and the
+expected errors of simulated releases, :func:`planned_errors`) and the error line for a release
+below its noise (:func:`warn_if_below_noise`). Public quantities only: nothing of the stream."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+from ..intervals import SNR_MIN, noise_floor
+from ..noise import p_from_epsilon
+from ..state import NEIGHBOR_RELATIONS
+from .identity import choose_buckets_for
+
+__all__ = ["accuracy_plan", "planned_errors", "warn_if_below_noise", "StartPlan"]
+
+log = logging.getLogger("panagg.service")
+
+
+def warn_if_below_noise(release: dict) -> None:
+    """One error line for a release whose signal is below its noise (the document says so too,
+    in ``signal_below_noise``): it may look normal and still be mostly noise."""
+    acc = release.get("accuracy") or {}
+    if acc.get("signal_below_noise"):
+        # events over the Cramer-Rao floor (older releases: under signal_to_noise)
+        snr = acc.get("events_over_noise_floor", acc.get("signal_to_noise")) or 0.0
+        why = ("its distinct items could be off by 2x at the interval's level; "
+               if acc.get("distinct_could_be_off_2x") else "")
+        log.error("window %s: the release is below its noise floor (%sevents over the error "
+                  "floor %.2f, flagged below %g: "
+                  "%s events against an error floor of ~%s items); its statistics are mostly "
+                  "noise. Fix: more events per window (window.size), fewer counters "
+                  "(state.domain_size, or hashed mode), or a larger state.epsilon",
+                  release.get("window"), why, snr, SNR_MIN,
+                  release.get("n") if release.get("n") is not None
+                  else release.get("n_in_histogram"),
+                  f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
+
+
+def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
+    """The start line on accuracy: the error floor for the configured counters, eps, layers and
+    the events a window is expected to hold, and a suggestion when that is below the noise.
+
+    Public quantities only (nothing of the stream): the number of counters (D, or B in hashed
+    mode), p, the layers the release will carry (1, plus 2 per in-window snapshot, plus the
+    joint model's release layer) and n (count windows: their size; time windows and hashed
+    mode: ``state.expected_n``). With ``simulate``, the line ends with the expected errors the
+    releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
+    """
+    st = cfg["state"]
+    counters, p, layers, n, hashed = _plan_inputs(cfg)
+    floor = noise_floor(counters, p, layers)
+    basis = "the window's size" if cfg["window"]["kind"] == "count" else "state.expected_n"
+    n_min = int(math.ceil(SNR_MIN * floor))
+    line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st['epsilon']:g}"
+            f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
+            f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
+            f"{n_min:,} events to be above the noise")
+    if simulate:
+        line += _planned_errors(counters, p, layers, n, hashed)
+    below = n / floor < SNR_MIN
+    if below:
+        from ..largedomain import choose_buckets
+        b = choose_buckets(max(n, 2), float(st["epsilon"]))
+        line += (f". BELOW THE NOISE at {n:,} events: use hashed mode (state.mode = \"hashed\", "
+                 f"~{b:,} buckets for {n:,} events)" if not hashed else
+                 f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
+        line += " or longer windows (window.size)"
+    return line, below
+
+
+def _plan_inputs(cfg: dict) -> tuple[int, float, int, int, bool]:
+    """(counters, p, layers at release, events per window, hashed) of a configuration: the
+    public inputs of the accuracy plan (:func:`accuracy_plan`)."""
+    st = cfg["state"]
+    hashed = st["mode"] == "hashed"
+    counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
+    layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
+    p = p_from_epsilon(float(st["epsilon"]),
+                       NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
+    n = int(cfg["window"]["size"]) if cfg["window"]["kind"] == "count" else int(st["expected_n"])
+    return counters, p, layers, n, hashed
+
+
+def planned_errors(cfg: dict, cancel=None) -> str:
+    """The start line's second part: the expected relative errors the releases will state (the
+    clause :func:`accuracy_plan` ends with; computed after the first line, off the loop).
+    ``cancel``: see :func:`aggregator.release.planned_accuracy`."""
+    counters, p, layers, n, hashed = _plan_inputs(cfg)
+    clause = _planned_errors(counters, p, layers, n, hashed, cancel=cancel)
+    return "accuracy plan: " + clause.split("; expected error of a release: ", 1)[1]
+
+
+def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool,
+                    cancel=None) -> str:
+    """The expected relative errors the releases will state, from simulated windows of two
+    reference shapes (aggregator.release.planned_accuracy), as a clause of the plan line."""
+    from ..release import PLAN_SHAPES, planned_accuracy
+
+    from ..release import PLAN_MAX_EVENTS
+    plan = planned_accuracy(counters, p, layers, n, hashed=hashed, cancel=cancel)
+    capped = (f" (simulated with {PLAN_MAX_EVENTS:,} events per window, not the {n:,} the "
+              "window holds: the plan's cost is bounded, its figures are for that size)"
+              if n > PLAN_MAX_EVENTS else "")
+
+    def pct(v):
+        return "?" if v is None else f"+-{100 * v:.1f}%"
+
+    parts = [f"{pct(v['distinct_items'])} distinct items, {pct(v['entropy_nats'])} entropy for "
+             f"{PLAN_SHAPES[shape]}" + (" (BELOW THE NOISE: could be off by 2x)"
+                                         if v["signal_below_noise"] else "")
+             for shape, v in plan.items()]
+    return "; expected error of a release: " + "; ".join(parts) + capped
+
+
+class StartPlan:
+    """The accuracy plan a service logs at its start: the floor line at once
+    (:func:`accuracy_plan`), then, with ``release.plan_errors``, the expected errors of simulated
+    releases (:func:`planned_errors`, seconds) from a thread, so the loop starts at once.
+
+    :meth:`close` cancels the thread and waits for the simulated window in hand: a process must
+    not exit while the thread is inside native code (that aborts it)."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        line, below = accuracy_plan(self.cfg, simulate=False)
+        simulate = self.cfg["release"]["plan_errors"]
+        if not simulate:  # no simulated releases at this start
+            line += ("; expected errors not simulated (release.plan_errors = false; "
+                     "panagg plan gives them)")
+        (log.warning if below else log.info)("%s", line)
+        if not simulate:
+            return
+        self._cancel.clear()
+        self._thread = threading.Thread(target=self._simulate, name="panagg-plan", daemon=True)
+        self._thread.start()
+
+    def _simulate(self) -> None:
+        from ..release import PlanCancelled
+        try:
+            log.info("%s", planned_errors(self.cfg, cancel=self._cancel.is_set))
+        except PlanCancelled:
+            pass  # stopped before the plan was done: no line
+        except Exception as exc:  # a plan is advice: it never stops the service
+            log.warning("accuracy plan: expected errors not computed (%s: %s)",
+                        type(exc).__name__, exc)
+
+    def close(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self._cancel.set()
+        # it stops at its next simulated window (seconds); on a loaded machine that window can
+        # take longer, and a process that exits while the thread is inside native code aborts
+        # (exit -6, "terminate called without an active exception": two rename tests of several
+        # aggregations in a loaded suite run), so the stop waits for it
+        thread.join(timeout=10)
+        if thread.is_alive():
+            log.info("stopping: waiting for the accuracy plan's simulated window to end")
+            thread.join()
+        self._thread = None

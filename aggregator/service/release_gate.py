@@ -1,0 +1,131 @@
+"""The ledger's question before any release noise is drawn: may this window be released, given
+every earlier charge on the events it covers?
+
+A window's release reveals the records of a range of source positions per partition
+(:func:`covered_ranges`). The gate asks the ledger about those positions, not about a window
+number: a crash inside the close, a fresh start, a renamed aggregation or a restored ledger
+cannot re-release an event past its budget, because its position is charged whatever window,
+uid or aggregation covered it before (:mod:`.charges`). The stream's other aggregations count
+against the same per-event budget (their ledgers are read too), and so do the windows already
+handed to the release worker (charged as if ledgered: their entries follow).
+
+A refusal is itself ledgered with the ranges it covers, so every process and every restart
+gets the same answer, and a restart does not replay a refused window.
+
+>>> covered_ranges({"p0": 100, "p1": 7}, {"p0": 250, "p1": 7, "p2": 9})
+{'p0': [100, 250]}
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+from .errors import ServiceError
+from .ledger import BudgetExceeded, Ledger, LedgerError
+from .metrics import Metrics
+
+__all__ = ["ReleaseGate", "covered_ranges"]
+
+log = logging.getLogger("panagg.service")
+
+
+def covered_ranges(start_offsets: dict | None, end_offsets: dict) -> dict:
+    """The source positions ``[start, end)`` per partition a window covers: from where its first
+    record of the partition was (``start_offsets``) to the current position. A partition the
+    window never counted from has no start and is not covered; an empty range is left out."""
+    starts = start_offsets or {}
+    out = {}
+    for part, end in end_offsets.items():
+        if part not in starts:
+            continue
+        start = int(starts[part])
+        if int(end) > start:
+            out[part] = [start, int(end)]
+    return out
+
+
+class ReleaseGate:
+    """Charges releases by the events they cover, in one aggregator's ledger.
+
+    Parameters
+    ----------
+    ledger, metrics
+        The aggregator's ledger (its budgets) and metrics (refusals are counted).
+    epsilon, model
+        What one window's release costs, and the noise model ledgered with it.
+    stream, aggregation
+        What the entries name: the counted stream and the aggregation ("" when it is the only
+        one).
+    directory
+        The aggregator's state directory; a named aggregation's siblings (``../*/ledger.jsonl``)
+        hold the stream's other charges.
+    """
+
+    def __init__(self, ledger: Ledger, metrics: Metrics, *, epsilon: float, model: str,
+                 stream: str, aggregation: str, directory):
+        self.ledger, self.metrics = ledger, metrics
+        self.epsilon, self.model = float(epsilon), model
+        self.stream, self.aggregation = stream, aggregation
+        self.dir = Path(directory)
+
+    def charge_of(self, closing: dict) -> float:
+        """What the window's release costs: epsilon, or 0 for a window without events (n is
+        public under replace-one, and a state holding no event reveals none)."""
+        return self.epsilon if int(closing.get("events", 0)) > 0 else 0.0
+
+    def position_fields(self, closing: dict, ranges: dict, end_offsets: dict,
+                        totals: dict) -> dict:
+        """What a release or refusal records of the source: the ranges it covers, the end a
+        restart resumes at, the totals there, and whose chain of checkpoints it is."""
+        return {"ranges": ranges, "end_offsets": dict(end_offsets),
+                "totals": {"events": int(totals["events"]),
+                           "rejects": dict(totals["rejects"]),
+                           "filtered": int(totals.get("filtered", 0))},
+                "stream": self.stream, "aggregation": self.aggregation,
+                "lineage": closing.get("lineage"), "window_kind": closing.get("kind"),
+                "n": int(closing.get("events", 0))}
+
+    def other_charges(self) -> list[dict]:
+        """Ledger entries of the stream's other aggregations (their charges count against the
+        same per-event budget): every sibling directory's ledger, configured or not any more."""
+        if not self.aggregation:
+            return []
+        out = []
+        # (and a one-aggregation ledger at the top, which the set refuses to start over)
+        for path in sorted([*self.dir.parent.glob("*/ledger.jsonl"),
+                            *self.dir.parent.glob("ledger.jsonl")]):
+            if path.parent.resolve() == self.dir.resolve():
+                continue
+            try:
+                out.extend(Ledger(path, budget_per_window=1.0).entries)
+            except LedgerError as exc:
+                raise ServiceError(f"{exc} (another aggregation's ledger: its charges count "
+                                   "against this stream's per-event budget)") from None
+        return out
+
+    def allows(self, uid: str, wid: int, *, ranges: dict, charge: float, closing: dict,
+               in_flight=(), refusal_fields: Callable[[], dict] = dict) -> bool:
+        """The ledger's answer for window ``uid`` covering the source ``ranges`` at ``charge``;
+        ``in_flight``: the jobs handed to the release worker and not yet ledgered. A refusal is
+        ledgered with ``refusal_fields()`` (its position fields) and counted."""
+        if self.ledger.has(f"refused-{uid}"):
+            return False
+        try:
+            flying = [{"kind": "release", "epsilon_spent": j["charge"], "ranges": j["ranges"],
+                       "lineage": j["window"].get("lineage"),
+                       "window_kind": j["window"].get("kind")} for j in in_flight]
+            self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
+                                      lineage=closing.get("lineage"),
+                                      window_kind=closing.get("kind"),
+                                      others=[*self.other_charges(), *flying] if ranges
+                                      else (), pending=sum(j["charge"] for j in in_flight))
+        except BudgetExceeded as exc:
+            log.error("%s", exc)
+            self.metrics.releases_refused.inc()
+            self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
+                               window_uid=uid, model=self.model, note=str(exc),
+                               **refusal_fields())
+            return False
+        return True
