@@ -29,7 +29,6 @@ counters), and n events are drawn from it multinomially.
 from __future__ import annotations
 
 import math
-import time
 
 from pathlib import Path
 
@@ -180,100 +179,3 @@ def c_p(p: float) -> float:
 def theorem9_shape(p: float, n: int, D: int) -> float:
     """sqrt(C_p (n + D) log n): the *shape* of Theorem 9's bound (constant 1, not exact)."""
     return math.sqrt(c_p(p) * (n + D) * math.log(max(n, 2)))
-
-
-def ratio_se(a, b) -> tuple[float, float]:
-    """Ratio of means and its delta-method standard error (independent samples)."""
-    ma, sa = mean_se(a)
-    mb, sb = mean_se(b)
-    r = ma / mb
-    if math.isnan(sa) or math.isnan(sb):
-        return r, float("nan")
-    return r, r * math.sqrt((sa / ma) ** 2 + (sb / mb) ** 2)
-
-
-def git_rev(modules) -> str:
-    """Short HEAD, noting which of ``modules`` the working tree changes (benchmark provenance)."""
-    import subprocess
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                             capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--name-only", "HEAD", "--", *modules],
-                               cwd=root, text=True, capture_output=True).stdout.split()
-        return rev + (f" (working tree differs from it in {', '.join(dirty)})" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
-def cpu_model() -> str:
-    import platform
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def versions(packages) -> str:
-    """"Python x.y.z, numpy a.b, ..." for the packages that are installed."""
-    import platform
-    from importlib.metadata import version
-    out = [f"Python {platform.python_version()}"]
-    for pkg in packages:
-        try:
-            out.append(f"{pkg} {version(pkg)}")
-        except Exception:
-            pass
-    return ", ".join(out)
-
-
-def mean_se(xs) -> tuple[float, float]:
-    x = np.asarray(xs, dtype=np.float64)
-    if len(x) == 0:
-        return float("nan"), float("nan")
-    if len(x) == 1:
-        return float(x[0]), float("nan")
-    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x)))
-
-
-def _num(v: float, digits: int) -> str:
-    a = abs(v)
-    if v == 0:
-        return "0"
-    if a >= 1e7 or a < 1e-2:
-        return f"{v:.{digits - 1}e}"
-    if a >= 100:
-        return f"{v:.0f}"
-    return f"{v:.{digits}g}"
-
-
-def fmt(m: float, se: float, digits: int = 3) -> str:
-    """'mean ± se' with readable numbers ('-' when there is no data)."""
-    if math.isnan(m):
-        return "-"
-    return _num(m, digits) if math.isnan(se) else f"{_num(m, digits)} ± {_num(se, digits)}"
-
-
-class Timer:
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.s = time.perf_counter() - self.t0
-        return False
-
-
-def write_doc_section(doc, marker: str, name: str, lines: list[str], title: str = "") -> None:
-    """Replace (or append) the block between ``<!-- MARKER NAME begin/end -->`` in ``doc``."""
-    import re
-    doc = Path(doc)
-    begin, end = f"<!-- {marker} {name} begin -->", f"<!-- {marker} {name} end -->"
-    block = "\n".join([begin, *lines, end])
-    text = doc.read_text() if doc.exists() else f"# {title}\n"
-    pat = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(text)

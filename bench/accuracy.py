@@ -41,8 +41,8 @@ import numpy as np
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
-from ._data import (DISTRIBUTIONS, Timer, errors, fmt, mean_se, naive, noisy, ratio_se, theorem9_shape,
-                    true_counts)
+from ._data import DISTRIBUTIONS, errors, naive, noisy, theorem9_shape, true_counts
+from .harness import Timer, fmt, mean_se, ratio_se
 
 METHODS = ("alg1", "l2", "joint", "naive")
 EXPENSIVE = {"l2", "joint"}
@@ -159,9 +159,8 @@ def timing_table(cells):
 
 def plot(stat, thm9, key, values, fixed, path):
     """stat(dist, v, method, metric) -> (mean, se); thm9(dist, v) -> shape value."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))

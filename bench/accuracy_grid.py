@@ -29,7 +29,7 @@ import numpy as np
 from aggregator.estimators import default_cap, default_method
 
 from . import grid
-from ._data import cpu_model, git_rev, mean_se, versions
+from .harness import cpu_model, git_rev, mean_se, parse_shard, shard_arg, versions
 
 METHODS = grid.METHODS
 
@@ -86,7 +86,7 @@ def run(quick: bool, path: Path, shard: str | None = None) -> dict:
     cells = grid.grid_cells(quick)
     done = set(state["results"])
     if shard:  # "i/N": every N-th cell not yet in the main file, into a file of its own
-        i, N = map(int, shard.split("/"))
+        i, N = parse_shard(shard)
         others = set()
         for sp in shard_paths(path):
             others |= set(load(sp)["results"])
@@ -259,7 +259,7 @@ def run_rerun(state: dict, path: Path, modes=("direct", "hashed")) -> dict:
 
 
 def replace_path(path: Path, shard: str) -> Path:
-    i, N = map(int, shard.split("/"))
+    i, N = parse_shard(shard)
     return path.with_name(f"{path.stem}_replace{i}of{N}.pkl")
 
 
@@ -268,7 +268,7 @@ def run_replace(state: dict, path: Path, methods, layers, shard: str = "0/1") ->
     counters (the grid's seeds: the same draws) into a file of its own, every N-th cell of shard
     i/N (cheapest first); ``--replace-merge`` then puts them in place of the stored entries. For
     an estimator change that the whole report should show, not only the ``--rerun`` section."""
-    i, N = map(int, shard.split("/"))
+    i, N = parse_shard(shard)
     out = replace_path(path, shard)
     part = load(out)
     mine = sorted(ordered(state), key=lambda r: cell_cost(r.cell))[i::N]
@@ -1015,9 +1015,8 @@ def _write_cells(w, results, an) -> None:
 
 
 def _plot_regret(an: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
 
     keys = list(an)
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 4.2), dpi=100,
@@ -1042,9 +1041,8 @@ def _plot_regret(an: dict, path: Path) -> None:
 
 
 def _plot_snr(rows, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
     marks = {1: "o", 2: "s", 3: "^", 4: "D", 5: "P", 6: "v"}
@@ -1071,7 +1069,7 @@ def _plot_snr(rows, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few small cells; writes under out/")
-    ap.add_argument("--shard", help="i/N: run every N-th remaining cell into its own file")
+    ap.add_argument("--shard", type=shard_arg, help="i/N: run every N-th remaining cell into its own file")
     ap.add_argument("--merge", action="store_true", help="fold the --shard files into the main one")
     ap.add_argument("--report", action="store_true", help="only re-render the saved results")
     ap.add_argument("--run-only", action="store_true", help="run (resume) the grid, no report")
@@ -1103,7 +1101,7 @@ def main(argv=None) -> int:
         coverage_check(args.coverage_check.split(","), args.quick)
         return 0
     if args.shard and args.coverage:  # the coverage cells i, i + N, ... into a shard file
-        i, N = map(int, args.shard.split("/"))
+        i, N = parse_shard(args.shard)
         sp = path.with_name(f"{path.stem}_shardcov{i}of{N}.pkl")
         part = load(sp)
         mine = grid.coverage_cells(args.quick)[i::N]

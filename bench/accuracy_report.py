@@ -51,7 +51,8 @@ from aggregator.estimate import l1_distance
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
-from ._data import Timer, cpu_model, fmt, git_rev, mean_se, naive, noisy, versions, weights
+from ._data import naive, noisy, weights
+from .harness import Timer, cpu_model, fmt, git_rev, mean_se, versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 20240604
@@ -305,10 +306,8 @@ def loglog_slope(ns, ys):
 # plots
 # --------------------------------------------------------------------------------------------
 def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    from .harness import pyplot
+    return pyplot()
 
 
 def _series(ax, cells, keys, xs, m):

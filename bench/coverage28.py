@@ -37,6 +37,7 @@ from aggregator.properties import entropy
 
 from . import grid
 from ._data import real_profile
+from .harness import parse_shard, shard_arg
 from .grid import Cell
 from .lofo import family
 
@@ -176,7 +177,7 @@ def report() -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true")
-    ap.add_argument("--shard", default="0/1")
+    ap.add_argument("--shard", type=shard_arg, default="0/1")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--mode", choices=("direct", "hashed"), help="run only this mode's cells")
     ap.add_argument("--out", help="results directory (default out/coverage28)")
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     if args.mode:
         MODES_RUN[:] = [args.mode]
     if args.run:
-        run(tuple(int(x) for x in args.shard.split("/")))
+        run(parse_shard(args.shard))
     if args.report:
         report()
     return 0

@@ -58,7 +58,7 @@ from consumers.file_source import FileSource  # noqa: E402
 from consumers.kafka_source import KafkaSource  # noqa: E402
 from state_store.local import Checkpoint, LocalStore  # noqa: E402
 
-from bench._data import cpu_model, git_rev, versions, write_doc_section  # noqa: E402
+from bench.harness import cpu_model, git_rev, versions, write_doc_section  # noqa: E402
 
 D = 100_000
 DOC = ROOT / "docs" / "e2e.md"

@@ -36,7 +36,8 @@ from aggregator.estimate import (
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
-from ._data import Timer, errors, fmt, mean_se, noisy, true_counts
+from ._data import errors, noisy, true_counts
+from .harness import Timer, fmt, mean_se
 
 METHODS = ("threshold", "deconvolution")
 EARLY = 10  # max_iter of the early-stopped EM variant shown next to the default (not in the code)
@@ -145,9 +146,8 @@ def geo_mean(xs):
 
 
 def plot_part1(res, dn, epss, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
@@ -177,9 +177,8 @@ def plot_part1(res, dn, epss, path):
 
 
 def plot_part2(res2, settings, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(res2), figsize=(5 * len(res2), 4.2), squeeze=False)
     iters = [s for s in settings if s[1] == 0.0 and s[0] > 0]  # max_iter = 0: table only

@@ -40,12 +40,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,7 +59,7 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.hashing import bucket_of
 from aggregator.noise import p_from_epsilon
 
-from ._data import mean_se, ratio_se
+from .harness import git_rev, mean_se, ratio_se, timed
 
 SEED = 20261121
 EPS = (0.5, 1.0, 2.0)
@@ -414,18 +412,6 @@ def l2sq(a, b) -> float:
     return float(((a - b) ** 2).sum())
 
 
-def _timed(fn, reps):
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        gc.disable()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-        gc.enable()
-    return times
-
-
 def section_time(quick: bool) -> dict:
     """Release time for n events into B = n sqrt(log n) buckets, against one np.bincount pass."""
     n = 10**6 if quick else 10**7
@@ -444,9 +430,9 @@ def section_time(quick: bool) -> dict:
         methods = TIME_METHODS[layers]
         base, ours, stages = [], {m: [] for m in methods}, {m: {} for m in methods}
         for rep in range(reps):
-            base += _timed(lambda: np.bincount(noisy - noisy.min()), 1)
+            base += timed(lambda: np.bincount(noisy - noisy.min()), 1)
             for m in methods:  # interleaved with the baseline, same counters
-                ours[m] += _timed(lambda: anonymized_histogram(noisy, p, n=n, layers=layers,
+                ours[m] += timed(lambda: anonymized_histogram(noisy, p, n=n, layers=layers,
                                                                buckets=B, method=m), 1)
                 st = stages[m]
                 t = time.perf_counter()
@@ -489,18 +475,9 @@ METHOD_LABEL = {"mle": "EM NPMLE, converged (default)", "threshold": "threshold 
                 "deconvolution": "EM, early-stopped (direct mode's 2-layer default)"}
 
 
-def git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "?"
-
-
 def _plot_ratio(cells, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
 
     ns = sorted({n for n, _ in cells})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
@@ -541,9 +518,8 @@ def _plot_ratio(cells, path):
 
 
 def _plot_time(tm, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
 
     rows = tm["rows"]
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), dpi=100)
@@ -565,9 +541,8 @@ def _plot_time(tm, path):
 
 
 def _plot_buckets(cells, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
 
     panels = sorted({(n, dist) for n, _, dist in cells}, key=lambda x: (x[1] != "zipf", x[0]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), dpi=100,
@@ -607,9 +582,8 @@ VARIANT_LABEL = {"exact": "exact inverse (single hist.)",
 
 
 def _plot_variants(cells, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
 
     keys = sorted(cells)
     variants = ("exact", "alg7-single", "alg7-two", "reduced")
@@ -843,9 +817,8 @@ def write_sweep(w, cells: dict) -> None:
 
 
 def _plot_sweep(cells, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .harness import pyplot
+    plt = pyplot()
     import matplotlib.ticker
 
     dists = [d for d in DISTS if any(c[2] == d for c in cells)]
@@ -1421,7 +1394,8 @@ def main(argv=None) -> int:
     R["buckets"] = section_buckets(args.quick)
     R["mismatch"] = section_mismatch(args.quick)
     R["l2"] = section_l2(args.quick)
-    meta = dict(started=started, load0=load0, load1=os.getloadavg(), rev=git_rev(),
+    meta = dict(started=started, load0=load0, load1=os.getloadavg(),
+                rev=git_rev(["aggregator", "bench/largedomain.py"]),
                 wall=time.perf_counter() - T0, quick=args.quick,
                 cmd="python -m bench.largedomain" + (" --quick" if args.quick else ""),
                 machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from aggregator.service.config import load_config  # noqa: E402
 from aggregator.service.multi import MultiAggregator  # noqa: E402
 from aggregator.service.process import Aggregator  # noqa: E402
-from bench._data import write_doc_section  # noqa: E402
+from bench.harness import write_doc_section  # noqa: E402
 from bench.e2e import TimedSource, load1, machine, start_broker  # noqa: E402
 from consumers.kafka_source import KafkaSource  # noqa: E402
 

@@ -35,7 +35,8 @@ import time
 
 import numpy as np
 
-from ._data import cpu_model, git_rev, versions, weights
+from ._data import weights
+from .harness import cpu_model, git_rev, versions
 from aggregator.release import ERROR_BAR_REPS, make_release
 from aggregator.state import PanPrivateHistogram
 from .speed import _time_once

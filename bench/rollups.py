@@ -37,7 +37,8 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.release import estimate_with_accuracy
 
-from ._data import git_rev, mean_se, real_profile, weights, write_doc_section
+from ._data import real_profile, weights
+from .harness import git_rev, mean_se, write_doc_section
 
 DOC = "docs/rollups.md"
 PROFILES = ("wf-en", "sc-ru", "ss-en", "jb-zh")

@@ -34,7 +34,8 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 from aggregator.service.shuffle_wire import SEALED_SIZE
 from aggregator.shuffle import BalcerCheuRandomizer, GKMPRandomizer, gkmp_analyze
-from bench._data import cpu_model, git_rev, noisy, true_counts, write_doc_section
+from bench._data import noisy, true_counts
+from bench.harness import cpu_model, git_rev, write_doc_section
 
 DELTA = 1e-6
 DOC = Path(__file__).resolve().parent.parent / "docs" / "shuffle.md"

@@ -60,7 +60,7 @@ from aggregator.service.config import load_config  # noqa: E402
 from aggregator.service.shuffle_client import ShuffleClient  # noqa: E402
 from aggregator.service.shuffle_wire import new_keypair, public_key_hex  # noqa: E402
 from aggregator.service.shuffler import CHUNK_BOXES, Shuffler  # noqa: E402
-from bench._data import cpu_model, git_rev, versions, write_doc_section  # noqa: E402
+from bench.harness import cpu_model, git_rev, versions, write_doc_section  # noqa: E402
 
 DOC = ROOT / "docs" / "shuffle.md"
 PRODUCER = dict(acks="all", linger_ms=5, max_request_size=16 * 1024 * 1024)

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._data import cpu_model, git_rev, versions  # noqa: E402
+from .harness import cpu_model, git_rev, versions  # noqa: E402
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, discrete_laplace_pmf, p_from_epsilon
 from aggregator.state import PanPrivateHistogram
