@@ -1,0 +1,119 @@
+"""An ``auto`` variant of :mod:`bench.lofo` (``--extra``) on every direct cell of the accuracy
+grid, beside the fixed candidates and ``auto``: the check a variant that won the
+leave-one-family-out cells must pass on the grid's other cells before it becomes a default.
+
+Each cell runs its own repetitions with the grid's seeds (:func:`bench.grid.draw`); every
+candidate sees the same noisy counters. Regret is a candidate's mean l1 error over the best
+mean of the six fixed candidates (threshold / EM / NPMLE x items / scale), and, for a variant
+whose thinning cap is ``fitted``, also against a best that includes the three fixed ``fitted``
+candidates (the fair reference if the library offered that cap).
+
+Usage (results in out/grid_extra/<variant>.<shard>.pkl; shards run in parallel)::
+
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.grid_extra --run auto_fitted --shard 0/2
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.grid_extra --run auto_fitted --shard 1/2
+    .venv/bin/python -m bench.grid_extra --report auto_fitted
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import grid, lofo
+from .harness import md_table, shard_arg, shard_of
+
+OUT = Path("out") / "grid_extra"
+FIXED = lofo.FIXED_SIX
+FITTED = tuple((m, "fitted") for m in ("threshold", "deconvolution", "mle"))
+
+
+def _path(variant: str, shard: str) -> Path:
+    return OUT / f"{variant}.{shard.replace('/', 'of')}.pkl"
+
+
+def run(variant: str, shard: str, layers: int = 1) -> None:
+    """The shard's direct grid cells (cheapest first), resumable: a finished cell is saved."""
+    path = _path(variant, shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = pickle.loads(path.read_bytes()) if path.exists() else {}
+    cells = sorted((c for c in grid.grid_cells() if c.mode == "direct"),
+                   key=lambda c: (c.n > 10 * (c.D or 1), c.n))
+    methods = lofo.METHODS + (variant,)
+    for c in shard_of(cells, shard):
+        if c.key in done:
+            continue
+        t = time.time()
+        done[c.key] = grid.run_cell(c, layers=(layers,), methods=methods,
+                                    estimate=lofo._estimate_y)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(done))
+        tmp.replace(path)
+        print(f"{c.dist} n={c.n} D={c.D} eps={c.eps} reps={c.reps}: {time.time() - t:.1f} s",
+              flush=True)
+
+
+def load(variant: str) -> dict:
+    out = {}
+    for f in sorted(OUT.glob(f"{variant}.*.pkl")):
+        out.update(pickle.loads(f.read_bytes()))
+    return out
+
+
+def regrets(results: dict, variant: str, layers: int = 1) -> list[tuple]:
+    """Per cell with a positive best: (cell key, auto's regret, the variant's, the variant's
+    against a best that includes the fixed fitted candidates)."""
+    rows = []
+    for key, r in results.items():
+        E = {k[1:]: float(np.mean(v)) for k, v in r.l1.items() if k[0] == layers}
+        best = min(E[c] for c in FIXED)
+        if best <= 0:
+            continue
+        best_f = min([best] + [E[c] for c in FITTED if c in E])
+        v = E[(variant, "items")]
+        rows.append((key, E[("auto", "items")] / best, v / best, v / best_f))
+    return rows
+
+
+def report(variant: str) -> None:
+    rows = regrets(load(variant), variant)
+    if not rows:
+        print(f"no results for {variant} in {OUT}: run --run {variant} first")
+        return
+    print(f"{len(rows)} direct grid cells, 1 layer\n")
+    table = []
+    for j, name in ((1, "auto (default)"), (2, variant),
+                    (3, f"{variant}, fixed fitted caps in the best")):
+        v = np.array([r[j] for r in rows])
+        w = max(rows, key=lambda r: r[j])[0]
+        table.append([name, f"{np.median(v):.3f}", f"{np.exp(np.mean(np.log(v))):.3f}",
+                      f"{v.max():.2f} ({w[1]} n={w[2]} D={w[3]} eps={w[4]})",
+                      int((v > 1.5).sum())])
+    print("\n".join(md_table(["", "median", "geo-mean", "worst (cell)", "cells above 1.5"],
+                             table)))
+    print("\nlargest changes (auto -> variant):")
+    for r in sorted(rows, key=lambda r: abs(np.log(r[2] / r[1])), reverse=True)[:8]:
+        print(f"  {r[0][1]} n={r[0][2]} D={r[0][3]} eps={r[0][4]}: {r[1]:.2f} -> {r[2]:.2f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", metavar="VARIANT", choices=sorted(lofo.EXTRA))
+    ap.add_argument("--shard", type=shard_arg, default="0/1")
+    ap.add_argument("--report", metavar="VARIANT", choices=sorted(lofo.EXTRA))
+    args = ap.parse_args(argv)
+    if not (args.run or args.report):
+        ap.error("give --run VARIANT and/or --report VARIANT")
+    if args.run:
+        run(args.run, args.shard)
+    if args.report:
+        report(args.report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
