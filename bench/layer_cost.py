@@ -13,6 +13,7 @@ Usage (after ``bench.lofo --run``)::
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --tol-sweep 2 0   # LAYERS REP
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --cell jb-zh 10 1.0 3  # NAME MULT EPS REPS
+    .venv/bin/python -m bench.layer_cost --best out/lofo_reps16   # stored errors only, no run
 """
 
 from __future__ import annotations
@@ -89,7 +90,40 @@ def one_cell(name: str, mult: float, eps: float, reps: int) -> None:
               f"stop {o2:.0f} ({o2 / e1:.2f}x), scaled stop {n2:.0f} ({n2 / e1:.2f}x)")
 
 
+def best_ratios(out: str) -> None:
+    """Is the layer cost the selection's or the estimators'? From a stored ``bench.lofo`` run
+    (no estimator runs): per direct cell, E(2 layers) / E(1 layer) of the default (auto /
+    items) against the same ratio of the best fixed candidate in hindsight at each layer count
+    (the six of :data:`bench.lofo.FIXED_SIX`, each layer count's own best)."""
+    from pathlib import Path
+
+    from . import lofo
+    from .harness import md_table
+
+    lofo.OUT = Path(out) / "lofo_results.pkl"
+    rows = []
+    for key, r in lofo.load().items():
+        if key[0] != "direct":
+            continue
+        E = {k: float(np.mean(v)) for k, v in r.l1.items()}
+        b1 = min(E[(1, *c)] for c in lofo.FIXED_SIX)
+        b2 = min(E[(2, *c)] for c in lofo.FIXED_SIX)
+        if b1 > 0:
+            rows.append((key, E[(2, "auto", "items")] / E[(1, "auto", "items")], b2 / b1))
+    a, b = np.array([r[1] for r in rows]), np.array([r[2] for r in rows])
+    print(f"{len(rows)} direct cells; E(2 layers) / E(1 layer), geometric mean / max: default "
+          f"{math.exp(np.log(a).mean()):.2f} / {a.max():.2f}, best fixed candidate "
+          f"{math.exp(np.log(b).mean()):.2f} / {b.max():.2f}\n")
+    top = sorted(rows, key=lambda r: -r[1])[:8]
+    print("\n".join(md_table(["cell", "default", "best fixed candidate"],
+                             [[f"{k[1]} n={k[2]} D={k[3]} eps={k[4]}", f"{x:.2f}", f"{y:.2f}"]
+                              for k, x, y in top])))
+
+
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--best":  # --best OUT_DIR
+        best_ratios(sys.argv[2])
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--tol-sweep":  # --tol-sweep LAYERS REP
         tol_sweep(int(sys.argv[2]), int(sys.argv[3]))
         return 0
