@@ -52,7 +52,7 @@ from state_store.local import Checkpoint, LocalStore
 from ..release import estimate_with_accuracy, package_release
 from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer, ShuffleConfigError
 from .config import shuffle_n
-from .deadletter import DeadLetterError, DeadLetters
+from .deadletter import DeadLetterError, DeadLetters, service_producer
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
 from .identity import choose_buckets_for, identity_of
@@ -868,12 +868,5 @@ class ShuffleAnalyzer:
 
     def _kafka_producer(self):
         if self._producer is None:
-            from kafka import KafkaProducer
-
-            from .deadletter import MAX_REQUEST_BYTES
-            self._producer = KafkaProducer(bootstrap_servers=self.cfg["source"]["bootstrap"],
-                                           acks="all", linger_ms=20, max_block_ms=5000,
-                                           max_request_size=MAX_REQUEST_BYTES,
-                                           request_timeout_ms=10000, reconnect_backoff_max_ms=1000,
-                                           **client_options(self.cfg.get("security")))
+            self._producer = service_producer(self.cfg)
         return self._producer

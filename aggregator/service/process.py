@@ -41,7 +41,7 @@ import numpy as np
 
 from consumers.base import Segment, Source, offsets_array
 from consumers.decode import FILTERED, Decoder, ItemSpec
-from consumers.kafka_security import client_options, redacted
+from consumers.kafka_security import redacted
 from state_store.audit import AuditKeyError, load_key, write_export
 from state_store.local import LocalStore, _fault, atomic_write
 
@@ -50,7 +50,7 @@ from ..state import PanPrivateHistogram
 from .accuracy_plan import StartPlan, warn_if_below_noise
 from .anchor import (kafka_metadata, parse_kafka_metadata, release_dir_anchor,
                      write_release_dir_anchor)
-from .deadletter import DeadLetterError, DeadLetters
+from .deadletter import DeadLetterError, DeadLetters, service_producer
 from .errors import ServiceError, Stopping
 from .event_time import EventTimeWindows
 from .identity import (IDENTITY_DEFAULTS, choose_buckets_for, directory_identity, identity_of,
@@ -1000,14 +1000,7 @@ class Aggregator(EventTimeWindows):
 
     def _kafka_producer(self):
         if self._producer is None:
-            from kafka import KafkaProducer
-
-            from .deadletter import MAX_REQUEST_BYTES
-            self._producer = KafkaProducer(bootstrap_servers=self.cfg["source"]["bootstrap"],
-                                           acks="all", linger_ms=20, max_block_ms=5000,
-                                           max_request_size=MAX_REQUEST_BYTES,
-                                           request_timeout_ms=10000, reconnect_backoff_max_ms=1000,
-                                           **client_options(self.cfg.get("security")))
+            self._producer = service_producer(self.cfg)
         return self._producer
 
     def _caught_up(self, task: WindowTask) -> None:
