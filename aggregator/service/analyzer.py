@@ -524,6 +524,17 @@ class ShuffleAnalyzer:
                         "settings before it tops up a short window", k, ", ".join(differ))
         return None
 
+    def _problem_or_budget(self, doc: dict, uid: str, k: int) -> tuple[str, str] | None:
+        """Why window ``k`` (uid ``uid``: its first record's position) may not be released: its
+        end marker (:meth:`_problem`), else the ledger's budget; None when it may."""
+        problem = self._problem(doc)
+        if problem is None:
+            try:
+                self.ledger.check_release(uid, self.epsilon, window=k)
+            except BudgetExceeded as exc:
+                problem = ("budget", str(exc))
+        return problem
+
     def _close(self, doc: dict, partition: str, offset: int) -> None:
         w = self.window
         k, uid = w["id"], w["uid"]
@@ -535,12 +546,7 @@ class ShuffleAnalyzer:
         elif self.ledger.has(f"refused-{uid}"):
             log.info("window %d was refused before (ledger): not released", k)
         else:
-            problem = self._problem(doc)
-            if problem is None:
-                try:
-                    self.ledger.check_release(uid, self.epsilon, window=k)
-                except BudgetExceeded as exc:
-                    problem = ("budget", str(exc))
+            problem = self._problem_or_budget(doc, uid, k)
             if problem is not None:
                 self._refuse(problem[1], end=f"{partition}:{offset + 1}", cause=problem[0],
                              marker={f: doc[f] for f in ("events", "topped_up", "messages")})
@@ -798,12 +804,7 @@ class ShuffleAnalyzer:
             self.window = None
             return "records gone"
         doc, offset = marker
-        problem = self._problem(doc)
-        if problem is None:
-            try:
-                self.ledger.check_release(uid, self.epsilon, window=k)
-            except BudgetExceeded as exc:
-                problem = ("budget", str(exc))
+        problem = self._problem_or_budget(doc, uid, k)
         if problem is not None:
             log.error("still refused: %s", problem[1])
             self.window = None
