@@ -3,10 +3,11 @@ grid, beside the fixed candidates and ``auto``: the check a variant that won the
 leave-one-family-out cells must pass on the grid's other cells before it becomes a default.
 
 Each cell runs its own repetitions with the grid's seeds (:func:`bench.grid.draw`); every
-candidate sees the same noisy counters. Regret is a candidate's mean l1 error over the best
-mean of the six fixed candidates (threshold / EM / NPMLE x items / scale), and, for a variant
-whose thinning cap is ``fitted``, also against a best that includes the three fixed ``fitted``
-candidates (the fair reference if the library offered that cap).
+candidate sees the same noisy counters. Regret as ``bench.lofo --versus`` reads it
+(:func:`bench.lofo.versus_rows`): a candidate's mean l1 error over the best mean of the six
+fixed candidates (threshold / EM / NPMLE x items / scale) and itself, and for the variant also
+against a best that includes the three fixed ``fitted`` candidates (the fair reference if the
+library offered that cap).
 
 Usage (results in out/grid_extra/<variant>.<shard>.pkl; shards run in parallel)::
 
@@ -28,8 +29,6 @@ from . import grid, lofo
 from .harness import md_table, shard_arg, shard_of
 
 OUT = Path("out") / "grid_extra"
-FIXED = lofo.FIXED_SIX
-FITTED = tuple((m, "fitted") for m in ("threshold", "deconvolution", "mle"))
 
 
 def _path(variant: str, shard: str) -> Path:
@@ -64,40 +63,26 @@ def load(variant: str) -> dict:
     return out
 
 
-def regrets(results: dict, variant: str, layers: int = 1) -> list[tuple]:
-    """Per cell with a positive best: (cell key, auto's regret, the variant's, the variant's
-    against a best that includes the fixed fitted candidates)."""
-    rows = []
-    for key, r in results.items():
-        E = {k[1:]: float(np.mean(v)) for k, v in r.l1.items() if k[0] == layers}
-        best = min(E[c] for c in FIXED)
-        if best <= 0:
-            continue
-        best_f = min([best] + [E[c] for c in FITTED if c in E])
-        v = E[(variant, "items")]
-        rows.append((key, E[("auto", "items")] / best, v / best, v / best_f))
-    return rows
-
-
 def report(variant: str) -> None:
-    rows = regrets(load(variant), variant)
+    rows = lofo.versus_rows(load(variant).values(), variant, 1)
     if not rows:
         print(f"no results for {variant} in {OUT}: run --run {variant} first")
         return
     print(f"{len(rows)} direct grid cells, 1 layer\n")
     table = []
-    for j, name in ((1, "auto (default)"), (2, variant),
-                    (3, f"{variant}, fixed fitted caps in the best")):
+    for j, name in ((2, "auto (default)"), (3, variant),
+                    (4, f"{variant}, fixed fitted caps in the best")):
         v = np.array([r[j] for r in rows])
-        w = max(rows, key=lambda r: r[j])[0]
+        c = max(rows, key=lambda r: r[j])[1]
         table.append([name, f"{np.median(v):.3f}", f"{np.exp(np.mean(np.log(v))):.3f}",
-                      f"{v.max():.2f} ({w[1]} n={w[2]} D={w[3]} eps={w[4]})",
+                      f"{v.max():.2f} ({c.dist} n={c.n} D={c.D} eps={c.eps})",
                       int((v > 1.5).sum())])
     print("\n".join(md_table(["", "median", "geo-mean", "worst (cell)", "cells above 1.5"],
                              table)))
     print("\nlargest changes (auto -> variant):")
-    for r in sorted(rows, key=lambda r: abs(np.log(r[2] / r[1])), reverse=True)[:8]:
-        print(f"  {r[0][1]} n={r[0][2]} D={r[0][3]} eps={r[0][4]}: {r[1]:.2f} -> {r[2]:.2f}")
+    for r in sorted(rows, key=lambda r: abs(np.log(r[3] / r[2])), reverse=True)[:8]:
+        c = r[1]
+        print(f"  {c.dist} n={c.n} D={c.D} eps={c.eps}: {r[2]:.2f} -> {r[3]:.2f}")
 
 
 def main(argv=None) -> int:

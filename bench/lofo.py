@@ -490,6 +490,27 @@ def rules_report() -> None:
 FIXED_SIX = tuple((m, c) for m in ("threshold", "deconvolution", "mle") for c in CAPS)
 
 
+def versus_rows(results, extra: str, layers: int) -> list[tuple]:
+    """Per cell result that ran ``extra`` at ``layers``: (family, cell, auto's regret, the
+    variant's, the variant's with the fixed ``fitted``-cap candidates in the best). Each regret
+    is a mean error over the best of the six fixed candidates and the candidate itself (so it is
+    at least 1); a cell whose best is 0 is left out."""
+    rows = []
+    for res in results:
+        if (layers, extra, "items") not in res.l1:
+            continue
+        b = min(float(np.mean(res.l1[(layers, *c)])) for c in FIXED_SIX)
+        a = float(np.mean(res.l1[(layers, "auto", "items")]))
+        x = float(np.mean(res.l1[(layers, extra, "items")]))
+        fit = [float(np.mean(res.l1[(layers, m, "fitted")])) for m in
+               ("threshold", "deconvolution", "mle") if (layers, m, "fitted") in res.l1]
+        if min(b, a) <= 0 or min(b, x) <= 0:
+            continue
+        rows.append((family(res.cell), res.cell, a / min(b, a), x / min(b, x),
+                     x / min([b, x] + fit)))
+    return rows
+
+
 def versus_report(extra: str) -> None:
     """Direct mode: ``auto`` and the ``--extra`` auto variant ``extra`` each against the best of
     the six fixed candidates and itself (and, where the results hold them, with the three fixed
@@ -498,18 +519,7 @@ def versus_report(extra: str) -> None:
     crits = {"geo-mean": lambda v: float(np.exp(np.mean(np.log(v)))),
              "worst": lambda v: float(np.max(v)), "p90": lambda v: float(np.quantile(v, 0.9))}
     for layers in LAYERS:
-        rows = []  # (family, auto's regret, the variant's, the variant's with fitted in the best)
-        for res in results.values():
-            if (layers, extra, "items") not in res.l1:
-                continue
-            e = {c: float(np.mean(res.l1[(layers, *c)])) for c in FIXED_SIX}
-            a = float(np.mean(res.l1[(layers, "auto", "items")]))
-            x = float(np.mean(res.l1[(layers, extra, "items")]))
-            fit = [float(np.mean(res.l1[(layers, m, "fitted")])) for m in
-                   ("threshold", "deconvolution", "mle") if (layers, m, "fitted") in res.l1]
-            b = min(e.values())
-            rows.append((family(res.cell), res.cell, a / min(b, a), x / min(b, x),
-                         x / min([b, x] + fit)))
+        rows = versus_rows(results.values(), extra, layers)
         if not rows:
             continue
         print(f"### direct mode, {layers} layer{'s' if layers > 1 else ''} ({len(rows)} cells)\n")
