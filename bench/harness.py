@@ -1,8 +1,7 @@
 """What every benchmark shares: provenance, timing, statistics, tables and doc sections.
 
 * provenance: :func:`git_rev` (HEAD, and which measured modules the working tree changes),
-  :func:`cpu_model`, :func:`versions`, and :func:`provenance` (the one line a doc section opens
-  with: when, which code, which machine);
+  :func:`cpu_model`, :func:`versions`;
 * timing: :class:`Timer` (a ``with`` block) and :func:`timed` (repetitions of one call with the
   garbage collector held off, as the release's timings are read);
 * statistics: :func:`mean_se`, :func:`ratio_se`, :func:`fmt`;
@@ -29,13 +28,12 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["git_rev", "cpu_model", "versions", "provenance", "Timer", "timed", "mean_se",
+__all__ = ["git_rev", "cpu_model", "versions", "Timer", "timed", "mean_se",
            "ratio_se", "fmt", "md_table", "write_doc_section", "pyplot", "parse_shard", "shard_arg",
            "shard_of"]
 
@@ -154,13 +152,6 @@ def timed(fn, reps: int = 1) -> list[float]:
         finally:
             gc.enable()
     return times
-
-
-def provenance(modules, packages=("numpy", "scipy")) -> str:
-    """When, which code (:func:`git_rev` over ``modules``) and which machine: the line a measured
-    section states beside its command."""
-    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, git {git_rev(modules)}; "
-            f"{os.cpu_count()} CPUs, {cpu_model()}; {versions(packages)}")
 
 
 def md_table(header, rows) -> list[str]:

@@ -53,10 +53,10 @@ from ..release import estimate_with_accuracy, package_release
 from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer, ShuffleConfigError
 from .config import shuffle_n
 from .deadletter import DeadLetterError, DeadLetters, service_producer
+from .errors import ServiceError
+from .identity import choose_buckets_for, identity_of
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
-from .identity import choose_buckets_for, identity_of
-from .errors import ServiceError
 from .process import lock_directory, release_method
 from .publisher import Backoff, ReleasePublisher
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,

@@ -163,10 +163,10 @@ class Aggregator(EventTimeWindows):
                                  budget_per_event=per_event)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
+        stream = identity_of(cfg)["stream"]
         #: asks the ledger about the events a release covers (:mod:`.release_gate`)
         self.gate = ReleaseGate(self.ledger, self.metrics, epsilon=self.epsilon, model=self.model,
-                                stream=identity_of(cfg)["stream"], aggregation=self.anchor_name,
-                                directory=self.dir)
+                                stream=stream, aggregation=self.anchor_name, directory=self.dir)
         self._keep_processing_time()
         #: the start's accuracy plan in the log (a thread simulates the expected errors)
         self.plan = StartPlan(cfg)
@@ -177,8 +177,7 @@ class Aggregator(EventTimeWindows):
             self.dir / "rollups", spans, ledger=self.ledger, metrics=self.metrics,
             model=self.model, loss=self.loss, method=release_method(cfg),
             error_bar_reps=int(cfg["release"]["error_bar_reps"]),
-            stream=identity_of(cfg)["stream"], aggregation=self.anchor_name,
-            base_kind=cfg["window"]["kind"], window_size=cfg["window"]["size"],
+            stream=stream, aggregation=self.anchor_name, base_kind=cfg["window"]["kind"], window_size=cfg["window"]["size"],
             annotate=self._annotate, worker=lambda: self.worker) if spans else None
         self.control = self.dir / "control"
         #: ledger entries a start decided on, written only once every start check has passed

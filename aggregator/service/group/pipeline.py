@@ -23,8 +23,8 @@ from consumers.decode import Decoder, ItemSpec
 
 from ...hashing import bucket_of
 from ..ledger import LedgerError
-from ..identity import choose_buckets_for
 from ..errors import ServiceError
+from ..identity import choose_buckets_for
 from ..process import release_method
 from .counter import Counter
 from .export import ExportCollector

@@ -117,7 +117,7 @@ class SliceRollups:
             try:
                 r = RollupSum.from_bytes(value)
             except RollupError as exc:
-                    raise ServiceError(f"{self._rollups} partition {partition}, key {key!r}: {exc}; "
+                raise ServiceError(f"{self._rollups} partition {partition}, key {key!r}: {exc}; "
                                    "write a tombstone for that key (the rollup is then not "
                                    "released) or restore the topic") from None
             if r.span in self.spans:
