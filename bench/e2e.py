@@ -110,9 +110,9 @@ def produce(bootstrap: str, topic: str, events: int, partitions: int = 3) -> Non
 
 def client_settings(cfg: dict) -> dict:
     """The kafka-python settings the service's source runs with (from the config, as the CLI)."""
-    src = cfg["source"]
-    return {"max_poll_records": src["max_records"], "fetch_max_bytes": src["fetch_max_bytes"],
-            "max_partition_fetch_bytes": src["max_partition_fetch_bytes"]}
+    src = cfg.source
+    return {"max_poll_records": src.max_records, "fetch_max_bytes": src.fetch_max_bytes,
+            "max_partition_fetch_bytes": src.max_partition_fetch_bytes}
 
 
 def bare_consume(bootstrap: str, topic: str, events: int, settings: dict) -> tuple[float, float]:
@@ -212,11 +212,11 @@ def service_run(make_source, events: int, tmp: Path, profile: str | None = None
 
 def kafka_source(bootstrap: str, topic: str):
     def make(cfg):
-        src = cfg["source"]
-        return KafkaSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", src["max_records"],
-                           consumer_config={"fetch_max_bytes": src["fetch_max_bytes"],
+        src = cfg.source
+        return KafkaSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", src.max_records,
+                           consumer_config={"fetch_max_bytes": src.fetch_max_bytes,
                                             "max_partition_fetch_bytes":
-                                                src["max_partition_fetch_bytes"]})
+                                                src.max_partition_fetch_bytes})
     return make
 
 

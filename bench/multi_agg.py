@@ -78,11 +78,11 @@ def one_run(bootstrap: str, topic: str, events: int, tmp: Path, kind: str) -> tu
         sets += ["ledger.budget_per_event=2"]
         sets += [f"aggregations.{name}.{s}" for name, ss in THREE.items() for s in ss]
     cfg = load_config(None, sets, env={})
-    src = cfg["source"]
-    inner = KafkaSource(bootstrap, topic, f"bench-{uuid.uuid4().hex}", src["max_records"],
-                        consumer_config={"fetch_max_bytes": src["fetch_max_bytes"],
+    src = cfg.source
+    inner = KafkaSource(bootstrap, topic, f"bench-{uuid.uuid4().hex}", src.max_records,
+                        consumer_config={"fetch_max_bytes": src.fetch_max_bytes,
                                          "max_partition_fetch_bytes":
-                                             src["max_partition_fetch_bytes"]})
+                                             src.max_partition_fetch_bytes})
     ref: list = [None]
     # Every record delivered is counted by the turn after it: stop on the count delivered.
     t = TimedSource(inner, lambda s: s.delivered >= events, lambda: ref[0].stop_event.set())

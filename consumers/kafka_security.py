@@ -46,7 +46,9 @@ def _tls(sec: dict) -> bool:
 
 def redacted(cfg: dict) -> dict:
     """``cfg`` with every secret value blanked (for files written next to the checkpoints)."""
-    out = {section: dict(values) for section, values in cfg.items()}
+    # a typed config (aggregator/service/settings.py) gives its plain form: lists, not tuples
+    out = cfg.to_dict() if hasattr(cfg, "to_dict") else {
+        section: dict(values) for section, values in cfg.items()}
     sec = out.get("security")
     if sec:
         for key in _SECRET_KEYS:

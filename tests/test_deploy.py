@@ -179,26 +179,26 @@ def test_aggregator_environment_is_a_valid_panagg_config(compose):
         assert not unknown, f"{name}: not configuration keys: {sorted(unknown)}"
         cfg = _agg_config(compose, name)
         configs[name] = cfg
-        assert cfg["source"]["kind"] == "kafka"
-        assert cfg["source"]["bootstrap"] == "kafka:9092"
-        assert cfg["source"]["group"] == "panagg"
+        assert cfg.source.kind == "kafka"
+        assert cfg.source.bootstrap == "kafka:9092"
+        assert cfg.source.group == "panagg"
         # (scale-out: time windows by the process clock; window.clock = auto cannot choose
         # the records' timestamps there)
-        assert cfg["window"]["kind"] == "time"
-        assert cfg["metrics"]["host"] == "0.0.0.0"
+        assert cfg.window.kind == "time"
+        assert cfg.metrics.host == "0.0.0.0"
         assert env["PANAGG_STATE_EPSILON"]
         # the metrics port is the container side of the one published port
         ports = _ports(svc)
-        assert [c for _, _, c in ports] == [str(cfg["metrics"]["port"])]
+        assert [c for _, _, c in ports] == [str(cfg.metrics.port)]
         # scale-out on Kafka alone (issue 29): shared state in Kafka internal topics, each member
         # only its own scratch volume
-        assert cfg["scale"]["partitioned"] is True
-        assert cfg["scale"]["store"] == "kafka"
+        assert cfg.scale.partitioned is True
+        assert cfg.scale.store == "kafka"
         volumes = [(s, t) for s, t in _mounts(svc) if not s.startswith((".", "/"))]
         assert len(volumes) == 1, f"{name}: expected one named (scratch) volume"
         target = volumes[0][1].rstrip("/") + "/"
-        assert cfg["checkpoint"]["dir"].startswith(target)
-        assert cfg["release"]["dir"].startswith(target)
+        assert cfg.checkpoint.dir.startswith(target)
+        assert cfg.release.dir.startswith(target)
         assert svc["depends_on"]["kafka-init"]["condition"] == "service_completed_successfully"
         assert svc["stop_signal"] == "SIGTERM" and svc.get("stop_grace_period")
     # scale.store = kafka: no volume shared (test_aggregators_share_no_volume)
@@ -495,9 +495,9 @@ def test_example_config_loads_and_is_complete():
     assert documented == expected, (f"deploy/panagg.example.toml lacks "
                                     f"{sorted(expected - documented)}")
     state_dir = "/var/lib/" + _unit()["Service"]["StateDirectory"][-1]
-    assert cfg["checkpoint"]["dir"].startswith(state_dir + "/")
-    assert cfg["release"]["dir"].startswith(state_dir + "/")
-    assert cfg["metrics"]["host"] == "127.0.0.1"
+    assert cfg.checkpoint.dir.startswith(state_dir + "/")
+    assert cfg.release.dir.startswith(state_dir + "/")
+    assert cfg.metrics.host == "127.0.0.1"
 
 
 # -- Kubernetes (deploy/kubernetes/) ---------------------------------------------------------------
@@ -625,14 +625,14 @@ def test_kubernetes_manifests_validate_against_the_api_schemas(k8s_docs, version
 
 def test_kubernetes_config_is_scale_out_on_kafka(k8s_docs, tmp_path):
     cfg, env = _k8s_config(k8s_docs, tmp_path)
-    assert cfg["source"]["kind"] == "kafka"
-    assert cfg["scale"]["partitioned"] is True
-    assert cfg["scale"]["store"] == "kafka"
+    assert cfg.source.kind == "kafka"
+    assert cfg.scale.partitioned is True
+    assert cfg.scale.store == "kafka"
     # static membership: the pod's name, distinct for every replica
     assert env["PANAGG_SOURCE_INSTANCE_ID"] == K8S_FAKE_POD
-    assert cfg["source"]["instance_id"] == K8S_FAKE_POD
+    assert cfg.source.instance_id == K8S_FAKE_POD
     # SASL and TLS from the Secret, never inline
-    sec = cfg["security"]
+    sec = cfg.security
     assert sec["protocol"] == "SASL_SSL" and sec["sasl_mechanism"].startswith("SCRAM-")
     assert sec["password_file"] and not sec["password"] and not sec["allow_inline_password"]
     assert sec["ca_file"] and sec["check_hostname"] is True
@@ -665,8 +665,8 @@ def test_kubernetes_deployment_is_replicated_and_stateless(k8s_docs, tmp_path):
     cfg, env = _k8s_config(k8s_docs, tmp_path)
     # the root filesystem is read-only: everything written is on an emptyDir
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    for what, path in (("checkpoint.dir", cfg["checkpoint"]["dir"]),
-                       ("release.dir", cfg["release"]["dir"]),
+    for what, path in (("checkpoint.dir", cfg.checkpoint.dir),
+                       ("release.dir", cfg.release.dir),
                        ("MPLCONFIGDIR", env["MPLCONFIGDIR"])):
         assert any((path.rstrip("/") + "/").startswith(w) for w in writable), \
             f"{what} = {path} is not on a writable emptyDir ({writable})"
@@ -708,13 +708,13 @@ def test_kubernetes_probes_hit_the_metrics_servers_health_endpoints(k8s_docs, tm
 
     cfg, _ = _k8s_config(k8s_docs, tmp_path)
     container = _container(k8s_docs)
-    assert cfg["metrics"]["host"] == "0.0.0.0", "the kubelet probes the pod IP, not loopback"
+    assert cfg.metrics.host == "0.0.0.0", "the kubelet probes the pod IP, not loopback"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
 
     def target(probe):
         get = container[probe]["httpGet"]
         port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
-        assert port == cfg["metrics"]["port"], f"{probe}: port {get['port']}"
+        assert port == cfg.metrics.port, f"{probe}: port {get['port']}"
         assert get.get("scheme", "HTTP") == "HTTP"
         return get["path"]
 

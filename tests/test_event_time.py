@@ -229,10 +229,12 @@ def test_a_directory_started_with_clock_time_windows_keeps_them(tmp_path, caplog
     first.run()
     assert first.ledger.identity()["window"] == "time:10"
     cfg = cfg_for(tmp_path, *sets)
-    assert cfg["window"]["kind"] == "event_time"
+    assert cfg.window.kind == "event_time"
     with caplog.at_level("INFO", logger="panagg.service"):
         again = Aggregator(cfg, ListSource(PARTS))
-    assert cfg["window"]["kind"] == "time"
+    # the start keeps the directory's windows in its own config; the caller's is not edited
+    assert again.cfg.window.kind == "time" and not again.cfg.window.auto_event_time
+    assert cfg.window.kind == "event_time"
     assert "counts time windows by this process's clock (it was started so): it keeps them" \
         in caplog.text
     again.run()  # no identity refusal: the same settings

@@ -405,7 +405,7 @@ def test_late_messages_after_a_marker_count_in_the_next_window_or_are_rejected()
 def test_a_group_takes_event_time_windows_and_keeps_intake_time_unless_asked():
     cfg = _cfg("window.kind=event_time", "window.allowed_lateness_s=20", "source.kind=kafka",
                "source.topic=t")
-    assert cfg["window"]["kind"] == "event_time"
+    assert cfg.window.kind == "event_time"
     auto = _cfg("source.kind=kafka", "source.topic=t")
     assert auto["window"]["kind"] == "time"     # window.clock = auto: intake time in a group
     record = _cfg("source.kind=kafka", "source.topic=t", "window.clock=record")

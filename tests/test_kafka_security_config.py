@@ -30,7 +30,7 @@ def test_options_passed_to_kafka_python(pw_file, tmp_path):
     ca = tmp_path / "ca.pem"
     ca.write_text("x")
     cfg = load_config(None, sasl(pw_file, f"security.ca_file={ca}"), env={})
-    assert client_options(cfg["security"], env={}) == {
+    assert client_options(cfg.security, env={}) == {
         "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-256",
         "sasl_plain_username": "svc", "sasl_plain_password": SECRET,
         "ssl_check_hostname": True, "ssl_cafile": str(ca)}
@@ -40,7 +40,7 @@ def test_options_passed_to_kafka_python(pw_file, tmp_path):
 def test_password_from_the_environment(pw_file):
     sets = [s for s in sasl(pw_file) if "password_file" not in s] + ["security.password_env=PW"]
     cfg = load_config(None, sets, env={"PW": SECRET})
-    assert client_options(cfg["security"], env={"PW": SECRET})["sasl_plain_password"] == SECRET
+    assert client_options(cfg.security, env={"PW": SECRET})["sasl_plain_password"] == SECRET
     # the generic PANAGG_SECURITY_PASSWORD is not a way in: secrets come by name only (refused,
     # so that it is not mistaken for one), unless security.password_env names it
     with pytest.raises(ConfigError, match="PANAGG_SECURITY_PASSWORD is not read") as err:
@@ -49,7 +49,7 @@ def test_password_from_the_environment(pw_file):
     sets = [s for s in sasl(pw_file) if "password_file" not in s] + [
         "security.password_env=PANAGG_SECURITY_PASSWORD"]
     cfg = load_config(None, sets, env={"PANAGG_SECURITY_PASSWORD": SECRET})
-    assert cfg["security"]["password"] == ""
+    assert cfg.security.password == ""
 
 
 @pytest.mark.parametrize("sets, fragment", [
@@ -95,6 +95,6 @@ def test_inline_password_only_when_insisted_and_never_saved(tmp_path):
     toml.write_text(f'[security]\nprotocol = "SASL_SSL"\nsasl_mechanism = "PLAIN"\n'
                     f'username = "u"\npassword = "{SECRET}"\nallow_inline_password = true\n')
     cfg = load_config(str(toml), env={})
-    assert client_options(cfg["security"])["sasl_plain_password"] == SECRET
+    assert client_options(cfg.security)["sasl_plain_password"] == SECRET
     assert SECRET not in repr(redacted(cfg))
-    assert cfg["security"]["password"] == SECRET  # redacted() copies; the live config keeps it
+    assert cfg.security.password == SECRET  # redacted() copies; the live config keeps it

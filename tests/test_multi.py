@@ -80,8 +80,8 @@ def test_config_states_the_composition_or_refuses(tmp_path):
     names = [name for name, _ in aggregation_configs(cfg)]
     assert names == ["account", "device", "ip"]
     one = dict(aggregation_configs(cfg))["ip"]
-    assert one["item"]["field"] == "ip" and one["state"]["epsilon"] == 0.5
-    assert one["window"]["size"] == 900 and one["checkpoint"]["dir"].endswith("state/ip")
+    assert one.item.field == "ip" and one.state.epsilon == 0.5
+    assert one.window.size == 900 and one.checkpoint.dir.endswith("state/ip")
     assert one["aggregation"]["epsilon_per_event"] == 2.0
     bad = {("ledger.budget_per_event=1.5",): "over ledger.budget_per_event = 1.5",
            ("ledger.budget_per_event=0",): "set ledger.budget_per_event",
@@ -114,14 +114,14 @@ def test_one_pass_counts_each_aggregation_as_its_own_run_would(tmp_path, monkeyp
     cfg = config(tmp_path)
     # polls of 500 records reach the aggregations in chunks of 64 (the shared parses' lifetime)
     monkeypatch.setattr("aggregator.service.multi.PARSE_CHUNK", 64)
-    MultiAggregator(cfg, FileSource(cfg["source"]["path"], fmt="json", batch=500)).run()
+    MultiAggregator(cfg, FileSource(cfg.source.path, fmt="json", batch=500)).run()
     # each aggregation alone, over the same file (its own config as the service derives it)
     for name, one in aggregation_configs(cfg):
-        alone = json.loads(json.dumps(one))
+        alone = one.to_dict()
         alone["checkpoint"]["dir"] = str(tmp_path / "alone" / name)
         alone["release"]["dir"] = str(tmp_path / "alone-rel" / name)
         del alone["aggregation"]
-        Aggregator(alone, FileSource(cfg["source"]["path"], fmt="json", batch=333)).run()
+        Aggregator(alone, FileSource(cfg.source.path, fmt="json", batch=333)).run()
         mine = releases(tmp_path / "releases" / name)
         theirs = releases(tmp_path / "alone-rel" / name)
         assert [d["n"] for d in mine] == [d["n"] for d in theirs] and len(mine) >= 4
@@ -140,7 +140,7 @@ def test_one_pass_counts_each_aggregation_as_its_own_run_would(tmp_path, monkeyp
     # a restart over a longer file counts only the new records, in every aggregation
     before = {n: sum(d["n"] for d in releases(tmp_path / "releases" / n)) for n in ("account",)}
     write_events(tmp_path / "events.jsonl", 2000, seed=2, start=4000)
-    MultiAggregator(cfg, FileSource(cfg["source"]["path"], fmt="json", batch=500)).run()
+    MultiAggregator(cfg, FileSource(cfg.source.path, fmt="json", batch=500)).run()
     assert sum(d["n"] for d in releases(tmp_path / "releases" / "account")) == \
         before["account"] + 2000 == 6000
     ledger = [json.loads(line) for line in
@@ -151,12 +151,12 @@ def test_one_pass_counts_each_aggregation_as_its_own_run_would(tmp_path, monkeyp
 def test_another_set_of_aggregations_is_refused_unless_accepted(tmp_path):
     write_events(tmp_path / "events.jsonl", 800, seed=3)
     cfg = config(tmp_path)
-    MultiAggregator(cfg, FileSource(cfg["source"]["path"], fmt="json")).run()
+    MultiAggregator(cfg, FileSource(cfg.source.path, fmt="json")).run()
     two = config(tmp_path, "ledger.budget_per_event=2.5", "aggregations.os.item.field=device",
                  "aggregations.os.state.mode=hashed", "aggregations.os.state.epsilon=0.5")
     with pytest.raises(ServiceError, match="counts the aggregations account, device, ip"):
-        MultiAggregator(two, FileSource(cfg["source"]["path"], fmt="json")).run()
-    MultiAggregator(two, FileSource(cfg["source"]["path"], fmt="json"), accept_change=True).run()
+        MultiAggregator(two, FileSource(cfg.source.path, fmt="json")).run()
+    MultiAggregator(two, FileSource(cfg.source.path, fmt="json"), accept_change=True).run()
     # the new one starts at the group's offsets (Kafka), at the start of a file: it counts the
     # whole file once; the others count nothing twice
     assert sum(d["n"] for d in releases(tmp_path / "releases" / "os")) == 800
@@ -248,7 +248,7 @@ def test_views_drop_what_they_had_and_a_hold_rereads_from_the_source():
 def test_one_exposition_labels_every_series_by_aggregation(tmp_path):
     write_events(tmp_path / "events.jsonl", 1500, seed=4)
     cfg = config(tmp_path)
-    multi = MultiAggregator(cfg, FileSource(cfg["source"]["path"], fmt="json"))
+    multi = MultiAggregator(cfg, FileSource(cfg.source.path, fmt="json"))
     multi.run()
     text = generate_latest(multi.metrics.registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}

@@ -100,7 +100,7 @@ def test_several_aggregations_release_in_parallel_and_exactly(tmp_path, monkeypa
     monkeypatch.setenv("PANAGG_TEST_RELEASE_DELAY_S", "1.5")
     write_events(tmp_path / "events.jsonl", 2100, seed=3)
     cfg = config(tmp_path, "release.workers=3")
-    multi = MultiAggregator(cfg, FileSource(cfg["source"]["path"], fmt="json", batch=700))
+    multi = MultiAggregator(cfg, FileSource(cfg.source.path, fmt="json", batch=700))
     multi.run()
     runs = [(name, started, ended) for name, agg in multi.aggs.items()
             for _, started, ended in agg.release_runs]

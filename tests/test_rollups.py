@@ -83,11 +83,11 @@ def test_sums_and_hybrid_spans_run_in_a_group(kind):
              "source.kind=kafka", "source.topic=t"]
     cfg = load_config(None, ["source.kind=generator", *group, "window.rollups=3x",
                              "window.rollup_design=sum"], env={})
-    assert rollup_spans(cfg) == {"3x": 3} and not cfg["aggregations"]
+    assert rollup_spans(cfg) == {"3x": 3} and not cfg.aggregations
     if kind != "time":
         return
     cfg = load_config(None, ["source.kind=generator", *group, "window.rollups=3x,6x"], env={})
-    assert cfg["aggregations"]["r3x"]["window"] == {"rollup_design": "sum", "size": 180,
+    assert cfg.aggregations["r3x"]["window"] == {"rollup_design": "sum", "size": 180,
                                                     "rollups": ["2x"]}
 
 

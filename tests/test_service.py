@@ -391,9 +391,9 @@ def test_config_file_env_and_flags_layer(tmp_path):
     toml = tmp_path / "panagg.toml"
     toml.write_text('[state]\nepsilon = 2.0\ndomain_size = 77\n[window]\nkind = "time"\nsize = 60\n')
     cfg = load_config(str(toml), ["state.domain_size=88"], env={"PANAGG_STATE_EPSILON": "0.5"})
-    assert cfg["state"]["epsilon"] == 0.5 and cfg["state"]["domain_size"] == 88
+    assert cfg.state.epsilon == 0.5 and cfg.state.domain_size == 88
     # (time windows of the default Kafka source: by the records' timestamps, window.clock)
-    assert (cfg["window"]["kind"], cfg["window"]["size"]) == ("event_time", 60)
+    assert (cfg.window.kind, cfg.window.size) == ("event_time", 60)
     toml.write_text("[state]\nepsilon = [1]\n")
     with pytest.raises(ConfigError, match="state.epsilon must be a number"):
         load_config(str(toml), env={})

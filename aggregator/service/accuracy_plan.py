@@ -13,6 +13,7 @@ from ..intervals import SNR_MIN, noise_floor
 from ..noise import p_from_epsilon
 from ..state import NEIGHBOR_RELATIONS
 from .identity import choose_buckets_for
+from .settings import Config
 
 __all__ = ["accuracy_plan", "planned_errors", "warn_if_below_noise", "StartPlan"]
 
@@ -39,7 +40,7 @@ def warn_if_below_noise(release: dict) -> None:
                   f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
 
 
-def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
+def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     """The start line on accuracy: the error floor for the configured counters, eps, layers and
     the events a window is expected to hold, and a suggestion when that is below the noise.
 
@@ -49,12 +50,12 @@ def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
     mode: ``state.expected_n``). With ``simulate``, the line ends with the expected errors the
     releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
     """
-    st = cfg["state"]
+    st = cfg.state
     counters, p, layers, n, hashed = _plan_inputs(cfg)
     floor = noise_floor(counters, p, layers)
-    basis = "the window's size" if cfg["window"]["kind"] == "count" else "state.expected_n"
+    basis = "the window's size" if cfg.window.kind == "count" else "state.expected_n"
     n_min = int(math.ceil(SNR_MIN * floor))
-    line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st['epsilon']:g}"
+    line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st.epsilon:g}"
             f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
             f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
             f"{n_min:,} events to be above the noise")
@@ -63,7 +64,7 @@ def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
     below = n / floor < SNR_MIN
     if below:
         from ..largedomain import choose_buckets
-        b = choose_buckets(max(n, 2), float(st["epsilon"]))
+        b = choose_buckets(max(n, 2), float(st.epsilon))
         line += (f". BELOW THE NOISE at {n:,} events: use hashed mode (state.mode = \"hashed\", "
                  f"~{b:,} buckets for {n:,} events)" if not hashed else
                  f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
@@ -71,20 +72,20 @@ def accuracy_plan(cfg: dict, simulate: bool = True) -> tuple[str, bool]:
     return line, below
 
 
-def _plan_inputs(cfg: dict) -> tuple[int, float, int, int, bool]:
+def _plan_inputs(cfg: Config) -> tuple[int, float, int, int, bool]:
     """(counters, p, layers at release, events per window, hashed) of a configuration: the
     public inputs of the accuracy plan (:func:`accuracy_plan`)."""
-    st = cfg["state"]
-    hashed = st["mode"] == "hashed"
-    counters = choose_buckets_for(cfg) if hashed else int(st["domain_size"])
-    layers = 1 + 2 * int(cfg["checkpoint"]["snapshots_per_window"]) + (st["model"] == "joint")
-    p = p_from_epsilon(float(st["epsilon"]),
+    st = cfg.state
+    hashed = st.mode == "hashed"
+    counters = choose_buckets_for(cfg) if hashed else int(st.domain_size)
+    layers = 1 + 2 * int(cfg.checkpoint.snapshots_per_window) + (st.model == "joint")
+    p = p_from_epsilon(float(st.epsilon),
                        NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
-    n = int(cfg["window"]["size"]) if cfg["window"]["kind"] == "count" else int(st["expected_n"])
+    n = int(cfg.window.size) if cfg.window.kind == "count" else int(st.expected_n)
     return counters, p, layers, n, hashed
 
 
-def planned_errors(cfg: dict, cancel=None) -> str:
+def planned_errors(cfg: Config, cancel=None) -> str:
     """The start line's second part: the expected relative errors the releases will state (the
     clause :func:`accuracy_plan` ends with; computed after the first line, off the loop).
     ``cancel``: see :func:`aggregator.release.planned_accuracy`."""
@@ -123,14 +124,14 @@ class StartPlan:
     :meth:`close` cancels the thread and waits for the simulated window in hand: a process must
     not exit while the thread is inside native code (that aborts it)."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         line, below = accuracy_plan(self.cfg, simulate=False)
-        simulate = self.cfg["release"]["plan_errors"]
+        simulate = self.cfg.release.plan_errors
         if not simulate:  # no simulated releases at this start
             line += ("; expected errors not simulated (release.plan_errors = false; "
                      "panagg plan gives them)")

@@ -61,6 +61,7 @@ from .process import lock_directory, release_method
 from .publisher import Backoff, ReleasePublisher
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
                            load_private_key, parse_analyzer_record, public_key_hex)
+from .settings import Config
 
 __all__ = ["ShuffleAnalyzer", "load_analyzer_key", "KEY_ENV", "PARTIAL_CHECKPOINT_S"]
 
@@ -74,13 +75,13 @@ REASONS = ("malformed_record", "undecryptable", "other_parameters", "bucket_out_
            "bad_sign", "stale_window")
 
 
-def load_analyzer_key(cfg: dict, env=None):
+def load_analyzer_key(cfg: Config, env=None):
     """The analyzer's private key: ``shuffle.key_file``, else $PANAGG_SHUFFLE_PRIVATE_KEY (hex).
     Raises ServiceError with one line naming the fix."""
     from nacl.public import PrivateKey
 
     env = os.environ if env is None else env
-    path = cfg["shuffle"]["key_file"]
+    path = cfg.shuffle.key_file
     if path:
         try:
             return load_private_key(path)
@@ -109,15 +110,15 @@ class ShuffleAnalyzer:
     :func:`load_analyzer_key`.
     """
 
-    def __init__(self, cfg: dict, source: Source, metrics: Metrics | None = None, *,
+    def __init__(self, cfg: Config, source: Source, metrics: Metrics | None = None, *,
                  private_key=None, fresh_start: bool = False, accept_change: bool = False):
         self.cfg, self.source = cfg, source
         self.metrics = metrics or Metrics()
-        st, sh = cfg["state"], cfg["shuffle"]
-        self.epsilon, self.delta = float(st["epsilon"]), float(sh["delta"])
-        self.protocol, self.gamma, self.loss = sh["protocol"], float(sh["gamma"]), st["loss"]
-        self.direct = st["mode"] == "direct"
-        self.buckets = int(st["domain_size"]) if self.direct else choose_buckets_for(cfg)
+        st, sh = cfg.state, cfg.shuffle
+        self.epsilon, self.delta = float(st.epsilon), float(sh.delta)
+        self.protocol, self.gamma, self.loss = sh.protocol, float(sh.gamma), st.loss
+        self.direct = st.mode == "direct"
+        self.buckets = int(st.domain_size) if self.direct else choose_buckets_for(cfg)
         self.n = shuffle_n(cfg)
         try:
             if self.protocol == "gkmp":
@@ -144,20 +145,20 @@ class ShuffleAnalyzer:
             self.opener = BoxOpener(self.key)
         except WireError as exc:   # a malformed $PANAGG_SHUFFLE_DECRYPT_WORKERS
             raise ServiceError(str(exc)) from None
-        self.dir = Path(cfg["checkpoint"]["dir"])
+        self.dir = Path(cfg.checkpoint.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fresh_start, self.accept_change = fresh_start, accept_change
-        budget = cfg["ledger"]["budget_per_window"] or self.epsilon
+        budget = cfg.ledger.budget_per_window or self.epsilon
         self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
-                             budget_total=cfg["ledger"]["budget_total"] or None)
+                             budget_total=cfg.ledger.budget_total or None)
         self.store: LocalStore | None = None
         self._producer = None
-        topic = cfg["source"]["dead_letter_topic"]
+        topic = cfg.source.dead_letter_topic
         self.dead_letters = DeadLetters(topic, self._kafka_producer, self.metrics) if topic else None
         self.stop_event = threading.Event()
         self._lock_file = None
         self.on_started = None  # called once the start succeeded (the CLI's metrics URL)
-        self.publisher = ReleasePublisher(cfg["release"]["dir"], cfg["release"]["topic"],
+        self.publisher = ReleasePublisher(cfg.release.dir, cfg.release.topic,
                                           producer=self._kafka_producer,
                                           on_published=self._published)
         # the live position
@@ -591,7 +592,7 @@ class ShuffleAnalyzer:
             self.last_counts = counts.copy()
             hist, accuracy = estimate_with_accuracy(
                 counts, self.p, layers=1, loss=self.loss, n=events, buckets=hashed,
-                reps=int(self.cfg["release"]["error_bar_reps"]),
+                reps=int(self.cfg.release.error_bar_reps),
                 method=release_method(self.cfg))
             extra = {"p": self.p, "layers": 1}
         else:
@@ -621,12 +622,12 @@ class ShuffleAnalyzer:
         if self.protocol != "gkmp":
             release["accuracy"] = accuracy
         release["release_seconds"] = time.perf_counter() - started
-        release["window_info"] = {"kind": self.cfg["window"]["kind"],
-                                  "size": self.cfg["window"]["size"], "events": events,
+        release["window_info"] = {"kind": self.cfg.window.kind,
+                                  "size": self.cfg.window.size, "events": events,
                                   "topped_up": int(doc["topped_up"]),
                                   "messages": int(doc["messages"]),
                                   "started_unix": w["started_unix"], "ended_unix": time.time()}
-        release["counted"] = {"stream": f"kafka:{self.cfg['source']['topic']}",
+        release["counted"] = {"stream": f"kafka:{self.cfg.source.topic}",
                               "item": f"shuffle:{self.protocol} messages"}
         if (release.get("accuracy") or {}).get("signal_below_noise"):
             from .accuracy_plan import warn_if_below_noise
@@ -690,12 +691,12 @@ class ShuffleAnalyzer:
         committed, with no consumer group (nothing committed, no rebalance of the analyzer's)."""
         from kafka import KafkaConsumer, TopicPartition
         topic, _, p = partition.rpartition(":")
-        consumer = KafkaConsumer(bootstrap_servers=self.cfg["source"]["bootstrap"], group_id=None,
+        consumer = KafkaConsumer(bootstrap_servers=self.cfg.source.bootstrap, group_id=None,
                                  enable_auto_commit=False, isolation_level="read_committed",
                                  allow_auto_create_topics=False,
                                  max_partition_fetch_bytes=int(
-                                     self.cfg["source"]["max_partition_fetch_bytes"]),
-                                 **client_options(self.cfg.get("security")))
+                                     self.cfg.source.max_partition_fetch_bytes),
+                                 **client_options(self.cfg.security))
         try:
             tp = TopicPartition(topic, int(p))
             consumer.assign([tp])
@@ -722,11 +723,11 @@ class ShuffleAnalyzer:
         """The dead letters of positions ``partition@[start, end)`` (their key), by offset;
         the whole dead-letter topic is read once (no group, nothing committed)."""
         from kafka import KafkaConsumer, TopicPartition
-        topic = self.cfg["source"]["dead_letter_topic"]
-        consumer = KafkaConsumer(bootstrap_servers=self.cfg["source"]["bootstrap"], group_id=None,
+        topic = self.cfg.source.dead_letter_topic
+        consumer = KafkaConsumer(bootstrap_servers=self.cfg.source.bootstrap, group_id=None,
                                  enable_auto_commit=False, isolation_level="read_committed",
                                  allow_auto_create_topics=False,
-                                 **client_options(self.cfg.get("security")))
+                                 **client_options(self.cfg.security))
         found: dict[int, bytes] = {}
         try:
             parts = consumer.partitions_for_topic(topic) or set()
@@ -766,7 +767,7 @@ class ShuffleAnalyzer:
         recs = (records or self._read_range)(partition, int(start), end)
         source = "the analyzer topic"
         if not recs and entry.get("marker") and (records is not None or
-                                                 self.cfg["source"]["dead_letter_topic"]):
+                                                 self.cfg.source.dead_letter_topic):
             # retention took the window off the analyzer topic: its chunks were dead-lettered
             # when it was refused (keyed by their positions), the ledger kept the marker's counts
             dead = records(partition, int(start), end, dead_letters=True) if records else \
@@ -799,7 +800,7 @@ class ShuffleAnalyzer:
         if self.window is None or marker is None or marker[1] != end - 1:
             log.error("window %d cannot be recovered: neither the analyzer topic nor the "
                       "dead-letter topic (%s) holds its records %s..%d whole", k,
-                      self.cfg["source"]["dead_letter_topic"] or "none set",
+                      self.cfg.source.dead_letter_topic or "none set",
                       f"{partition}@{start}", end - 1)
             self.window = None
             return "records gone"

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from .settings import Config
+
 __all__ = ["main"]
 
 
@@ -209,50 +211,50 @@ def _topic_missing(source, topic: str) -> str | None:
             + (f"; topics there: {', '.join(near)}" if near else ""))
 
 
-def _make_source(cfg: dict):
-    src = cfg["source"]
-    if src["kind"] == "kafka":
+def _make_source(cfg: Config):
+    src = cfg.source
+    if src.kind == "kafka":
         import hashlib
         import os
 
         from consumers.kafka_source import KafkaSource
         # static membership: a restarted process (same state dir) takes its partitions back at
         # once instead of waiting for the dead member's session to time out
-        instance = src["instance_id"] or "panagg-" + hashlib.sha256(
-            os.path.abspath(cfg["checkpoint"]["dir"]).encode()).hexdigest()[:16]
-        consumer_config = {"bootstrap_timeout_ms": int(src["connect_timeout_s"] * 1000),
-                           "session_timeout_ms": int(src["session_timeout_s"] * 1000),
-                           "heartbeat_interval_ms": int(min(3.0, src["session_timeout_s"] / 3) * 1000),
-                           "fetch_max_bytes": src["fetch_max_bytes"],
-                           "max_partition_fetch_bytes": src["max_partition_fetch_bytes"]}
+        instance = src.instance_id or "panagg-" + hashlib.sha256(
+            os.path.abspath(cfg.checkpoint.dir).encode()).hexdigest()[:16]
+        consumer_config = {"bootstrap_timeout_ms": int(src.connect_timeout_s * 1000),
+                           "session_timeout_ms": int(src.session_timeout_s * 1000),
+                           "heartbeat_interval_ms": int(min(3.0, src.session_timeout_s / 3) * 1000),
+                           "fetch_max_bytes": src.fetch_max_bytes,
+                           "max_partition_fetch_bytes": src.max_partition_fetch_bytes}
         consumer_config["group_instance_id"] = instance
-        problem = probe_bootstrap(src["bootstrap"], min(5.0, float(src["connect_timeout_s"])))
+        problem = probe_bootstrap(src.bootstrap, min(5.0, float(src.connect_timeout_s)))
         if problem:
             raise UsageError(problem)
         # reading must never create the topic it reads (a typo would then wait on an empty one)
         consumer_config["allow_auto_create_topics"] = False
-        if cfg["state"]["model"] == "shuffle":  # the shuffler's windows are transactions
+        if cfg.state.model == "shuffle":  # the shuffler's windows are transactions
             consumer_config["isolation_level"] = "read_committed"
-        source = KafkaSource(src["bootstrap"], src["topic"], src["group"], src["max_records"],
+        source = KafkaSource(src.bootstrap, src.topic, src.group, src.max_records,
                              consumer_config=consumer_config,
-                             security=cfg["security"])
-        missing = _topic_missing(source, src["topic"])
+                             security=cfg.security)
+        missing = _topic_missing(source, src.topic)
         if missing:
             source.close()
             raise UsageError(missing)
         return source
-    if src["kind"] == "file":
+    if src.kind == "file":
         from consumers.file_source import FileSource
-        return FileSource(src["path"], fmt="json" if src["format"] == "json" else "msgpack",
-                          batch=src["max_records"])
+        return FileSource(src.path, fmt="json" if src.format == "json" else "msgpack",
+                          batch=src.max_records)
     from consumers.generator import GeneratorSource, ZipfLogins
-    gen = ZipfLogins(events=src["generator_events"], accounts=cfg["state"]["domain_size"],
-                     s=src["generator_zipf"], batch=src["max_records"],
-                     seed=None if src["generator_seed"] < 0 else src["generator_seed"])
-    return GeneratorSource(gen, rate=src["generator_rate"] or None)
+    gen = ZipfLogins(events=src.generator_events, accounts=cfg.state.domain_size,
+                     s=src.generator_zipf, batch=src.max_records,
+                     seed=None if src.generator_seed < 0 else src.generator_seed)
+    return GeneratorSource(gen, rate=src.generator_rate or None)
 
 
-def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
+def _run_service(cfg: Config, idle_exit_s: float | None = None, **start) -> int:
     import signal
 
     from .metrics import Metrics
@@ -263,14 +265,14 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
     if split:
         logging.getLogger("panagg.service").info(split)
     agg = _make_aggregator(cfg, metrics, **start)
-    if cfg["metrics"]["port"] >= 0:
+    if cfg.metrics.port >= 0:
         try:
-            port = metrics.serve(cfg["metrics"]["host"], cfg["metrics"]["port"])
+            port = metrics.serve(cfg.metrics.host, cfg.metrics.port)
         except OSError as exc:
-            raise UsageError(f"cannot serve metrics on {cfg['metrics']['host']}:"
-                             f"{cfg['metrics']['port']} ({exc.strerror}); set metrics.port "
+            raise UsageError(f"cannot serve metrics on {cfg.metrics.host}:"
+                             f"{cfg.metrics.port} ({exc.strerror}); set metrics.port "
                              "(0 = any free port, -1 = off)") from None
-        url = f"http://{cfg['metrics']['host']}:{port}/metrics"
+        url = f"http://{cfg.metrics.host}:{port}/metrics"
         print(f"metrics on {url}", file=sys.stderr)
         # for panagg status, once the start succeeded (a refused start writes nothing)
         agg.on_started = lambda: _note_metrics_url(cfg, url)
@@ -285,32 +287,32 @@ def _run_service(cfg: dict, idle_exit_s: float | None = None, **start) -> int:
     return 0
 
 
-def _note_metrics_url(cfg: dict, url: str) -> None:
+def _note_metrics_url(cfg: Config, url: str) -> None:
     """Leave the metrics URL in the state directory for ``panagg status`` (port 0 picks one)."""
     from pathlib import Path
 
     from .status import METRICS_URL_FILE
 
-    d = Path(cfg["checkpoint"]["dir"])
+    d = Path(cfg.checkpoint.dir)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".{METRICS_URL_FILE}.tmp"
     tmp.write_text(url + "\n")
     tmp.replace(d / METRICS_URL_FILE)
 
 
-def _make_aggregator(cfg: dict, metrics=None, **start):
+def _make_aggregator(cfg: Config, metrics=None, **start):
     """The service object for ``cfg`` with its source (one line if Kafka is unreachable)."""
     import logging
 
     from .process import Aggregator
 
-    if cfg["state"]["model"] == "shuffle":  # the analyzer's key first: one line if missing
+    if cfg.state.model == "shuffle":  # the analyzer's key first: one line if missing
         from .analyzer import load_analyzer_key
         start["private_key"] = load_analyzer_key(cfg)
-    if cfg["scale"]["partitioned"]:
+    if cfg.scale.partitioned:
         from .group.service import GroupService  # builds its own Kafka clients
-        problem = probe_bootstrap(cfg["source"]["bootstrap"],
-                                  min(5.0, float(cfg["source"]["connect_timeout_s"])))
+        problem = probe_bootstrap(cfg.source.bootstrap,
+                                  min(5.0, float(cfg.source.connect_timeout_s)))
         if problem:
             raise UsageError(problem)
         return GroupService(cfg, metrics, **start)
@@ -325,17 +327,17 @@ def _make_aggregator(cfg: dict, metrics=None, **start):
         if isinstance(exc, KafkaConnectError):  # a secured cluster said why: one line, the fix
             raise UsageError(str(exc)) from None
         if type(exc).__module__.startswith("kafka"):
-            raise UsageError(f"cannot reach Kafka at {cfg['source']['bootstrap']} "
+            raise UsageError(f"cannot reach Kafka at {cfg.source.bootstrap} "
                              f"({type(exc).__name__}); check source.bootstrap and that the broker "
                              "is running (deploy/kafka/kafka.sh start)") from None
         raise
     finally:
         if quiet:
             kafka_net.setLevel(logging.WARNING)
-    if cfg["state"]["model"] == "shuffle":
+    if cfg.state.model == "shuffle":
         from .analyzer import ShuffleAnalyzer
         return ShuffleAnalyzer(cfg, source, metrics, **start)
-    if cfg.get("aggregations"):  # several aggregations of the stream, one consumer
+    if cfg.aggregations:  # several aggregations of the stream, one consumer
         from .multi import MultiAggregator
         return MultiAggregator(cfg, source, metrics, **start)
     return Aggregator(cfg, source, metrics, **start)
@@ -399,15 +401,15 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
         shuffler = Shuffler(cfg)
     except ShufflerError as exc:
         raise UsageError(str(exc)) from None
-    if cfg["metrics"]["port"] >= 0:
+    if cfg.metrics.port >= 0:
         try:
-            port = shuffler.metrics.serve(cfg["metrics"]["host"], cfg["metrics"]["port"])
+            port = shuffler.metrics.serve(cfg.metrics.host, cfg.metrics.port)
         except OSError as exc:
-            raise UsageError(f"cannot serve metrics on {cfg['metrics']['host']}:"
-                             f"{cfg['metrics']['port']} ({exc.strerror}); set metrics.port "
+            raise UsageError(f"cannot serve metrics on {cfg.metrics.host}:"
+                             f"{cfg.metrics.port} ({exc.strerror}); set metrics.port "
                              "(--metrics-port; -1 turns metrics off)") from None
         logging.getLogger("panagg.shuffle").info("metrics on http://%s:%d/metrics",
-                                                 cfg["metrics"]["host"], port)
+                                                 cfg.metrics.host, port)
     try:
         shuffler.run(idle_exit_s=args.exit_when_idle)
     except ShufflerError as exc:
@@ -430,20 +432,20 @@ def cmd_shuffle_clients(args: argparse.Namespace) -> int:
     from .shuffler import ShufflerError
     cfg = _load(args, [])
     _setup_logging(args.verbose)
-    topic = cfg["shuffle"]["client_topic"]
+    topic = cfg.shuffle.client_topic
     if not topic:
         raise UsageError("panagg shuffle-clients needs shuffle.client_topic")
     try:
         client = ShuffleClient.from_config(cfg)
     except ShufflerError as exc:
         raise UsageError(str(exc)) from None
-    D = client.randomizer.buckets if cfg["state"]["mode"] == "direct" else 10 * client.randomizer.buckets
+    D = client.randomizer.buckets if cfg.state.mode == "direct" else 10 * client.randomizer.buckets
     w = 1.0 / np.arange(1, D + 1) ** 1.1
     rng = np.random.default_rng()
-    hashed = cfg["state"]["mode"] != "direct"   # hashed mode: text items "item-<k>"
-    producer = KafkaProducer(bootstrap_servers=cfg["source"]["bootstrap"], acks="all",
+    hashed = cfg.state.mode != "direct"   # hashed mode: text items "item-<k>"
+    producer = KafkaProducer(bootstrap_servers=cfg.source.bootstrap, acks="all",
                              max_request_size=16 * 1024 * 1024,
-                             **client_options(cfg.get("security")))
+                             **client_options(cfg.security))
     sent = 0
     while sent < args.events:
         k = min(1000, args.events - sent)
@@ -483,7 +485,7 @@ def cmd_shuffle_recover(args: argparse.Namespace) -> int:
         extra.append(f"source.bootstrap={args.bootstrap}")
     cfg = _load(args, extra)
     _setup_logging(args.verbose)
-    if cfg["state"]["model"] != "shuffle":
+    if cfg.state.model != "shuffle":
         raise UsageError("panagg shuffle-recover is for state.model = shuffle")
     try:
         analyzer = ShuffleAnalyzer(cfg, None, private_key=load_analyzer_key(cfg))
@@ -533,7 +535,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _control(cfg: dict, kind: str, timeout_s: float = 120.0) -> dict:
+def _control(cfg: Config, kind: str, timeout_s: float = 120.0) -> dict:
     """Ask the running service to act (between batches) and wait for its answer; a service that
     stops before it answers (its finite source ran out, a SIGTERM) is seen at once, not after
     ``timeout_s``."""
@@ -542,7 +544,7 @@ def _control(cfg: dict, kind: str, timeout_s: float = 120.0) -> dict:
 
     from .process import service_running
 
-    where = cfg["checkpoint"]["dir"]
+    where = cfg.checkpoint.dir
     control = Path(where) / "control"
     control.mkdir(parents=True, exist_ok=True)
     rid = uuid.uuid4().hex[:12]
@@ -569,17 +571,17 @@ def _control(cfg: dict, kind: str, timeout_s: float = 120.0) -> dict:
                      f"{timeout_s:.0f} s; is it stuck? see its log")
 
 
-def _offline(cfg: dict):
+def _offline(cfg: Config):
     """The service over its checkpoint and source while it is not running: the open window's
     counters exist only in a running service's memory, so they are rebuilt by replaying the
     window from the source up to its current end (docs/privacy.md)."""
     from pathlib import Path
 
-    if (Path(cfg["checkpoint"]["dir"]) / "aggregations.json").exists():
-        raise UsageError(f"{cfg['checkpoint']['dir']} holds several aggregations; pass "
-                         f"--state-dir {cfg['checkpoint']['dir']}/NAME for one of them")
-    if not (Path(cfg["checkpoint"]["dir"]) / "checkpoints").is_dir():
-        raise UsageError(f"{cfg['checkpoint']['dir']} holds no panagg state (no checkpoints/ "
+    if (Path(cfg.checkpoint.dir) / "aggregations.json").exists():
+        raise UsageError(f"{cfg.checkpoint.dir} holds several aggregations; pass "
+                         f"--state-dir {cfg.checkpoint.dir}/NAME for one of them")
+    if not (Path(cfg.checkpoint.dir) / "checkpoints").is_dir():
+        raise UsageError(f"{cfg.checkpoint.dir} holds no panagg state (no checkpoints/ "
                          "directory); pass the --state-dir the service runs with")
     agg = _make_aggregator(cfg)
     agg._lock()
@@ -597,13 +599,13 @@ def cmd_release(args: argparse.Namespace) -> int:
 
     cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                 state_dir=args.state_dir)
-    if cfg["scale"]["partitioned"]:
+    if cfg.scale.partitioned:
         return _group_release(cfg, args.state_dir)
-    if cfg["state"]["model"] == "shuffle":
+    if cfg.state.model == "shuffle":
         raise UsageError("state.model = shuffle: a window is released at the shuffler's end "
                          "marker, never before (its noise is complete only then); there is no "
                          "forced release (docs/shuffle.md)")
-    if service_running(cfg["checkpoint"]["dir"]):
+    if service_running(cfg.checkpoint.dir):
         result = _control(cfg, "release")
         if not result.get("ok"):
             raise UsageError(result.get("error", "release failed"))
@@ -617,11 +619,11 @@ def cmd_release(args: argparse.Namespace) -> int:
     if rel is None:
         raise UsageError("the privacy ledger refused the release (budget spent); see "
                          "`ledger.budget_total` in docs/configuration.md")
-    print(f"released window {rel['window']} (n={rel['n']:,}) to {cfg['release']['dir']}")
+    print(f"released window {rel['window']} (n={rel['n']:,}) to {cfg.release.dir}")
     return 0
 
 
-def _group_aggregations(cfg: dict, state_dir: str | None) -> list[tuple[str, dict]]:
+def _group_aggregations(cfg: Config, state_dir: str | None) -> list[tuple[str, dict]]:
     """(name, config) of each aggregation of a group member: from the config, or from the
     member directory's saved config (a saved config's ``[aggregations]`` are not read back into
     ``cfg``); ("", cfg) for a group of one."""
@@ -638,16 +640,11 @@ def _group_aggregations(cfg: dict, state_dir: str | None) -> list[tuple[str, dic
                    if saved is not None and saved.exists() else [])
     if not names:
         return [("", cfg)]
-    out = []
-    for name in names:
-        one = {section: dict(values) for section, values in cfg.items()
-               if isinstance(values, dict)}
-        one["checkpoint"]["dir"] = os.path.join(cfg["checkpoint"]["dir"], name)
-        out.append((name, one))
-    return out
+    return [(name, cfg.updated({"checkpoint": {"dir": os.path.join(cfg.checkpoint.dir, name)}}))
+            for name in names]
 
 
-def _ask_group(cfg: dict, request, state_dir: str | None = None):
+def _ask_group(cfg: Config, request, state_dir: str | None = None):
     """``request(bootstrap, security, topics)`` of each aggregation's leader of a Kafka-only
     group (aggregator/service/group/forced.py); yields (name, config, answer)."""
     from consumers.kafka_security import client_options
@@ -655,33 +652,33 @@ def _ask_group(cfg: dict, request, state_dir: str | None = None):
     from .group.forced import ForcedReleaseError
     from .group.topics import GroupTopics
 
-    src = cfg["source"]
+    src = cfg.source
     for name, one in _group_aggregations(cfg, state_dir):
         try:
-            got = request(src["bootstrap"], client_options(cfg.get("security")),
-                          GroupTopics(src["group"], name))
+            got = request(src.bootstrap, client_options(cfg.security),
+                          GroupTopics(src.group, name))
         except ForcedReleaseError as exc:
             raise UsageError(str(exc)) from None
         yield name, one, got
 
 
-def _group_release(cfg: dict, state_dir: str | None = None) -> int:
+def _group_release(cfg: Config, state_dir: str | None = None) -> int:
     """A forced release of a Kafka-only group, asked of each aggregation's leader."""
     from .group.forced import request_release
 
-    src = cfg["source"]
+    src = cfg.source
     for name, _, got in _ask_group(cfg, request_release, state_dir):
         what = f"{name} window" if name else "window"
         if got["release"] is None:
             print(f"{what} {got['window']} closed in every partition; its release follows once "
-                  f"every summary is in (panagg status --group {src['group']} --bootstrap "
-                  f"{src['bootstrap']})")
+                  f"every summary is in (panagg status --group {src.group} --bootstrap "
+                  f"{src.bootstrap})")
         else:
             print(f"released {what} {got['window']} (by the group's leader)")
     return 0
 
 
-def _group_export(cfg: dict, state_dir: str | None = None) -> int:
+def _group_export(cfg: Config, state_dir: str | None = None) -> int:
     """An audit export of a Kafka-only group, signed by each aggregation's leader
     (aggregator/service/group/export.py); the document is written here too."""
     from pathlib import Path
@@ -691,7 +688,7 @@ def _group_export(cfg: dict, state_dir: str | None = None) -> int:
     from .group.forced import request_export
 
     for _, one, got in _ask_group(cfg, request_export, state_dir):
-        out = Path(one["audit"]["dir"] or Path(one["checkpoint"]["dir"]) / "exports")
+        out = Path(one.audit.dir or Path(one.checkpoint.dir) / "exports")
         print(save_export(out / f"export-{got['id']}.panagg", got["document"]))
     return 0
 
@@ -707,9 +704,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
                     state_dir=args.state_dir)
         # a running service signs with its own key (its environment, its audit.key_file): this
         # shell's key is only checked when the export runs here, offline
-        if cfg["scale"]["partitioned"]:
+        if cfg.scale.partitioned:
             return _group_export(cfg, args.state_dir)
-        if service_running(cfg["checkpoint"]["dir"]):
+        if service_running(cfg.checkpoint.dir):
             result = _control(cfg, "export")
             if not result.get("ok"):
                 raise UsageError(result.get("error", "export failed"))
@@ -717,9 +714,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
             _note_other_key(cfg, result["path"])
             return 0
         try:
-            load_key(cfg["audit"]["key_file"] or None)  # fail before touching the state
+            load_key(cfg.audit.key_file or None)  # fail before touching the state
         except AuditKeyError as exc:
-            raise UsageError(f"{exc} (no service is running on {cfg['checkpoint']['dir']}: the "
+            raise UsageError(f"{exc} (no service is running on {cfg.checkpoint.dir}: the "
                              "export runs here, with this shell's key)") from None
         agg = _offline(cfg)
         try:
@@ -752,12 +749,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _note_other_key(cfg: dict, path: str) -> None:
+def _note_other_key(cfg: Config, path: str) -> None:
     """A key in this shell does not sign a running service's export (the service signs with its
     own): say so when they differ, or `audit verify` with this shell's key fails later."""
     from state_store.audit import AuditKeyError, key_id, load_key, read_export
     try:
-        mine = key_id(load_key(cfg["audit"]["key_file"] or None))
+        mine = key_id(load_key(cfg.audit.key_file or None))
         theirs = read_export(path)["key_id"]
     except (AuditKeyError, ValueError, OSError):
         return  # no key here: nothing to mix up
@@ -973,7 +970,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         any_below = any_below or below
     print(f"each event spends up to {several[0][1]['aggregation']['epsilon_per_event']:g} eps over "
           f"{', '.join(name for name, _ in several)} (ledger.budget_per_event "
-          f"{cfg['ledger']['budget_per_event']:g})")
+          f"{cfg.ledger.budget_per_event:g})")
     return 1 if any_below else 0
 
 
@@ -1009,14 +1006,14 @@ def _group_status(args: argparse.Namespace) -> int:
     from .group.status import collect_group_status, format_group_status, group_aggregations
 
     cfg = _load(args, [])
-    boot = args.bootstrap or cfg["source"]["bootstrap"]
+    boot = args.bootstrap or cfg.source.bootstrap
     problem = probe_bootstrap(boot, 5.0)
     if problem:
         raise UsageError(problem)
     from kafka.admin import KafkaAdminClient
 
     from consumers.kafka_security import client_options
-    admin = KafkaAdminClient(bootstrap_servers=boot, **client_options(cfg.get("security")))
+    admin = KafkaAdminClient(bootstrap_servers=boot, **client_options(cfg.security))
     try:
         names = group_aggregations(admin.list_topics(), args.group)
     finally:
@@ -1027,8 +1024,8 @@ def _group_status(args: argparse.Namespace) -> int:
     out = []
     for name in names:
         try:
-            out.append(collect_group_status(boot, args.group, cfg.get("security"),
-                                            source_topic=args.topic or cfg["source"]["topic"],
+            out.append(collect_group_status(boot, args.group, cfg.security,
+                                            source_topic=args.topic or cfg.source.topic,
                                             aggregation=name))
         except LookupError as exc:
             raise UsageError(str(exc)) from None

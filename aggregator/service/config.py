@@ -13,6 +13,8 @@ import math
 import os
 import tomllib
 
+from .settings import Config, defaults
+
 __all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n",
            "aggregation_configs", "AGGREGATION_SECTIONS"]
 
@@ -21,153 +23,9 @@ class ConfigError(ValueError):
     """A configuration mistake the user can fix from the message alone."""
 
 
-DEFAULTS: dict[str, dict] = {
-    "source": {
-        "kind": "kafka",            # kafka | file | generator
-        "bootstrap": "127.0.0.1:9092",
-        "topic": "events",
-        "group": "panagg",
-        "instance_id": "",          # Kafka static membership id; empty: derived from checkpoint.dir
-                                    # (partitioned mode: empty means dynamic membership)
-        "start": "earliest",        # a new state dir starts at: earliest | latest | a time
-                                    # (ISO 8601 with zone, e.g. 2026-11-20T00:00:00Z)
-        "connect_timeout_s": 30.0,  # give up (one clear line) if Kafka cannot be reached
-        "session_timeout_s": 45.0,  # Kafka group session: a dead member's partitions move after it
-        "format": "msgpack",        # msgpack | json
-        "max_records": 20000,       # records decoded and counted at once (in flight)
-        "fetch_max_bytes": 16777216,           # Kafka client fetch buffer (in flight)
-        "max_partition_fetch_bytes": 4194304,  # per partition, within fetch_max_bytes
-        "dead_letter_topic": "",    # empty: no dead-letter topic
-        "path": "",                 # file source: path or "-" for stdin
-        "max_message_bytes": 65536,
-        "max_item_bytes": 1024,
-        "generator_events": 1000000,  # generator source
-        "generator_zipf": 1.1,
-        "generator_rate": 0.0,        # events/s; 0 = as fast as possible
-        "generator_seed": -1,         # -1: fresh
-    },
-    "item": {                       # which part of a record is the counted item
-        "source": "value",          # value (a field of the message) | key (record key) | header
-        "field": "item",            # value: dotted field path, e.g. user.id (digits index a list)
-        "header": "",               # header: the header's name (the last one of that name wins)
-        "coerce": False,            # direct mode: "00042" / b"42" count as the int 42
-        "normalize": "none",        # hashed mode, text items: none | nfc (Unicode NFC)
-        "casefold": False,          # hashed mode, text items: Unicode case folding
-        "filter_field": "",         # only records with filter_value at this field path are
-        "filter_value": "",         # events; the rest are counted as filtered (not rejects)
-    },
-    "security": {                   # every Kafka client (consumer, admin, producers); secrets are
-                                    # read from a file or the environment, never logged
-        "protocol": "PLAINTEXT",    # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
-        "sasl_mechanism": "",       # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (SASL_* protocols)
-        "username": "",
-        "password_file": "",        # a file holding the SASL password (trailing newline dropped)
-        "password_env": "",         # or the name of an environment variable holding it
-        "password": "",             # inline: refused unless allow_inline_password (then warned)
-        "allow_inline_password": False,
-        "ca_file": "",              # PEM CA bundle for the broker's certificate; empty: system CAs
-        "cert_file": "",            # client certificate (mutual TLS), PEM
-        "key_file": "",             # its private key, PEM
-        "key_password_file": "",    # a file holding the private key's password, if encrypted
-        "check_hostname": True,     # the broker's certificate must name the host connected to
-    },
-    "state": {
-        "mode": "direct",           # direct | hashed
-        "domain_size": 100000,      # direct mode: items are ints in [0, domain_size)
-        "buckets": 0,               # hashed mode: 0 = choose from expected_n
-        "expected_n": 1000000,      # hashed mode: events expected per window
-        "epsilon": 1.0,
-        "model": "joint",           # joint | state-only | shuffle (the analyzer of the
-                                    # shuffle model: docs/shuffle.md)
-        "loss": "l1",               # l1 | l2
-    },
-    "window": {
-        "kind": "count",            # count | time | event_time (Kafka record timestamps)
-        "size": 1000000,            # events (count) or seconds (time, event_time)
-        "clock": "auto",            # time windows: auto (Kafka: the records' timestamps where
-                                    # event_time applies, else this process's clock) | record |
-                                    # process
-        "late": "next",             # event_time: a record of a closed window: next | dead_letter
-        "max_future_skew_s": 300.0, # event_time: a timestamp later than now + this is rejected
-        "idle_partition_timeout_s": 0.0,  # event_time: a partition read to its end stops
-                                    # holding the watermark after this long (0: never)
-        "allowed_lateness_s": 0.0,  # event_time: a window keeps its records stamped in it
-                                    # until the watermark passes its end + this (< size)
-        "rollups": [],              # longer releases from the same stream, e.g. ["1d", "7d"]
-                                    # (multiples of window.size; count windows: events or
-                                    # "24x"), built as window.rollup_design says; docs/rollups.md
-        "rollup_design": "hybrid",  # hybrid (default: the first span its own live state, eps
-                                    # split in two, longer spans sums of its views) | sum (0
-                                    # extra eps, base windows keep all of it: sums of their
-                                    # views) | tree (every span its own state, eps split
-                                    # equally); measured and chosen: docs/rollups.md
-    },
-    "checkpoint": {
-        "dir": "var/panagg",
-        "snapshots_per_window": 0,  # layered snapshots inside a window (each: +2 noise layers;
-                                    # bounds the replay after a crash to a fraction of a window)
-    },
-    "release": {
-        "dir": "out/releases",
-        "topic": "",                # empty: releases only go to files
-        "on_exhausted": True,       # finite sources: release the partial last window
-        "error_bar_reps": 10,       # bootstrap repetitions for the release's intervals; 0: none
-        "plan_errors": True,        # the start line's expected errors, from simulated releases
-                                    # (seconds of CPU beside the loop at every start); false:
-                                    # the noise floor only (`panagg plan` gives both)
-        "estimator": "default",     # default (the accuracy grid's choice) or a METHODS name
-        "workers": 1,               # release worker processes beside the consume loop; 0: the
-                                    # release runs in the loop (intake stops while it runs)
-        "max_in_flight": 2,         # closed windows waiting for their release before intake
-                                    # pauses (backpressure; their counters are in memory only)
-    },
-    "ledger": {
-        "budget_per_window": 0.0,   # 0: equal to state.epsilon (one release per window)
-        "budget_total": 0.0,        # 0: no cap across windows
-        "budget_per_event": 0.0,    # several [aggregations.*]: the cap on the sum of their
-                                    # per-window budgets (each event is in one window of each);
-                                    # required (> 0) once there are two or more
-    },
-    "metrics": {
-        "host": "127.0.0.1",
-        "port": 9464,               # 0: pick a free port; -1: disabled
-    },
-    "audit": {
-        "key_file": "",             # or PANAGG_AUDIT_KEY (hex)
-        "dir": "",                  # empty: <checkpoint.dir>/exports
-    },
-    "scale": {
-        "partitioned": False,       # several processes in one group (scale-out, docs/scale-out.md)
-        "store": "kafka",           # partitioned: the group shares state in Kafka's internal
-                                    # topics only, each member a local scratch dir (docs/scale-out.md)
-        "partitions": 0,            # store = kafka: repartition topic partitions (the domain is
-                                    # split into this many slices); 0: the source topic's count
-        "close_grace_s": 2.0,       # store = kafka: a window closes this long after its end
-        "repartition_retention_s": 0.0,  # store = kafka: retention of the repartition topic
-                                    # (plaintext items); 0: 3 windows, at least one hour
-    },
-    "shuffle": {                    # state.model = shuffle (docs/shuffle.md); the clients, the
-                                    # shuffler and the analyzer must agree on these and on
-                                    # state.epsilon and the number of buckets
-        "protocol": "gkmp",         # gkmp (correlated noise, DLap) | balcer-cheu (seed 002)
-        "delta": 1e-6,              # the shuffled view of a window is (epsilon, delta)-DP
-        "gamma": 0.1,               # gkmp: share of epsilon spent on flooding
-        "n": 0,                     # randomizer outputs per window (events + top-ups); 0: window.size
-                                    # (count windows; time windows must set it)
-        "key_file": "",             # analyzer: its private key (`panagg shuffle-keygen`), or the
-                                    # environment variable PANAGG_SHUFFLE_PRIVATE_KEY (hex)
-        "public_key": "",           # clients and shuffler: the analyzer's public key (hex or file)
-        "client_topic": "",         # shuffler: the topic clients produce to
-        "analyzer_topic": "",       # shuffler: the topic it writes windows to (default source.topic)
-        "group": "",                # shuffler: consumer group / transactional id prefix
-        "shuffler_dir": "",         # shuffler: its state file (default <checkpoint.dir>/shuffler)
-        "hash_key": "",             # hashed-mode clients: the bucket hash key, 32 hex digits
-                                    # shared by every client (not secret: aggregator/hashing.py)
-    },
-    "testing": {
-        "noise_seed": -1,           # TEST ONLY (needs PANAGG_TESTING=1): deterministic noise
-    },
-}
+#: every settable key and its default, ``{section: {key: value}}``: the sections' dataclasses in
+#: :mod:`.settings` say what each key means
+DEFAULTS: dict[str, dict] = defaults()
 
 _CHOICES = {
     ("source", "kind"): ("kafka", "file", "generator"),
@@ -337,8 +195,8 @@ def _validate_event_time(cfg: dict) -> None:
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None,
-                env: dict | None = None, base: dict | None = None) -> dict:
-    """The merged, validated configuration as a dict of sections.
+                env: dict | None = None, base: dict | None = None) -> Config:
+    """The merged, validated configuration (:class:`.settings.Config`).
 
     ``base`` (e.g. the effective config a service saved in its checkpoint directory) replaces
     the built-in defaults; the file, the environment and the overrides still apply on top.
@@ -405,7 +263,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     _validate(cfg, env)
     aggregations = _rollup_levels(cfg, aggregations)
     cfg["aggregations"] = _aggregations(cfg, aggregations)
-    return cfg
+    return Config.from_mapping(cfg)
 
 
 def _level_name(base: str | None, span: str) -> str:
@@ -413,16 +271,16 @@ def _level_name(base: str | None, span: str) -> str:
     return f"{base}-{tail}" if base else tail
 
 
-def rollup_split_line(cfg: dict) -> str | None:
+def rollup_split_line(cfg: Config) -> str | None:
     """The start's one line for ``window.rollup_design = tree | hybrid``: what each level now
     spends of the epsilon that was set (None for plain sums, which spend nothing more)."""
-    w = cfg["window"]
-    if not w.get("rollups") or w.get("rollup_design") == "sum" or not cfg.get("aggregations"):
+    w = cfg.window
+    if not w.rollups or w.rollup_design == "sum" or not cfg.aggregations:
         return None
-    parts = [f"{name} at eps {over.get('state', {}).get('epsilon', cfg['state']['epsilon']):g}"
-             for name, over in sorted(cfg["aggregations"].items())]
-    return (f"window.rollup_design = {w['rollup_design']}: {', '.join(parts)} (the per-event "
-            f"total {cfg['state']['epsilon']:g} split between the levels: each base window is "
+    parts = [f"{name} at eps {over.get('state', {}).get('epsilon', cfg.state.epsilon):g}"
+             for name, over in sorted(cfg.aggregations.items())]
+    return (f"window.rollup_design = {w.rollup_design}: {', '.join(parts)} (the per-event "
+            f"total {cfg.state.epsilon:g} split between the levels: each base window is "
             "released at that share; rollup_design = sum keeps the base windows at the full "
             "epsilon and spends nothing on rollups, less accurate for the longer spans; "
             "docs/rollups.md)")
@@ -578,9 +436,11 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
     return out
 
 
-def aggregation_config(cfg: dict, name: str, overrides: dict | None = None) -> dict:
+def aggregation_config(cfg: Config | dict, name: str, overrides: dict | None = None) -> Config:
     """The full, validated config of aggregation ``name``: the service's settings, its own
     overrides, and its own directories (``checkpoint.dir/NAME``, ``release.dir/NAME``)."""
+    if isinstance(cfg, Config):
+        cfg = cfg.to_dict()
     one = {section: dict(values) for section, values in cfg.items()
            if section not in ("aggregations", "rollup_levels")}
     for section, values in (overrides if overrides is not None
@@ -602,16 +462,15 @@ def aggregation_config(cfg: dict, name: str, overrides: dict | None = None) -> d
     level = (cfg.get("rollup_levels") or {}).get(name)
     if level:
         one["aggregation"]["rollup_level"] = dict(level)
-    return one
+    return Config.from_mapping(one)
 
 
-def aggregation_configs(cfg: dict) -> list[tuple[str, dict]]:
+def aggregation_configs(cfg: Config) -> list[tuple[str, Config]]:
     """(name, config) of every aggregation of ``cfg``, in name order (empty: single mode)."""
-    out = [(name, aggregation_config(cfg, name)) for name in sorted(cfg.get("aggregations") or {})]
-    total = sum(one["ledger"]["budget_per_window"] or one["state"]["epsilon"] for _, one in out)
-    for _, one in out:
-        one["aggregation"]["epsilon_per_event"] = total
-    return out
+    out = [(name, aggregation_config(cfg, name)) for name in sorted(cfg.aggregations)]
+    total = sum(one.ledger.budget_per_window or one.state.epsilon for _, one in out)
+    return [(name, one.updated({"aggregation": {"epsilon_per_event": total}}))
+            for name, one in out]
 
 
 def _validate(cfg: dict, env=None) -> None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from .settings import Config
+
 __all__ = ["DeadLetters", "DeadLetterError", "dead_letter_record", "service_producer"]
 
 log = logging.getLogger("panagg.deadletter")
@@ -34,7 +36,7 @@ MAX_REQUEST_BYTES = 1 << 20      # kafka-python's default max_request_size, set 
 _VALUE_LIMIT = MAX_REQUEST_BYTES - (64 << 10)  # room for key, headers and batch overhead
 
 
-def service_producer(cfg: dict):
+def service_producer(cfg: Config):
     """The producer a service writes its dead letters and release topic with: the source's
     brokers and security, every write acknowledged by all in-sync replicas (``acks="all"``), a
     send that cannot be buffered failing within 5 s instead of blocking intake, and requests up
@@ -42,10 +44,10 @@ def service_producer(cfg: dict):
     from kafka import KafkaProducer
 
     from consumers.kafka_security import client_options
-    return KafkaProducer(bootstrap_servers=cfg["source"]["bootstrap"], acks="all", linger_ms=20,
+    return KafkaProducer(bootstrap_servers=cfg.source.bootstrap, acks="all", linger_ms=20,
                          max_block_ms=5000, max_request_size=MAX_REQUEST_BYTES,
                          request_timeout_ms=10000, reconnect_backoff_max_ms=1000,
-                         **client_options(cfg.get("security")))
+                         **client_options(cfg.security))
 
 
 class DeadLetterError(RuntimeError):

@@ -141,7 +141,7 @@ class EventTimeWindows:
         self._second: SecondWindow | None = None
         self._carried = None  # the second window's state, taken over by the window a close opens
         self._future = (FutureRejects(self.dir / "future_rejects")
-                        if self.cfg["window"]["kind"] == "event_time" else None)
+                        if self.cfg.window.kind == "event_time" else None)
 
     # -- window bounds -------------------------------------------------------------------------
     def _open_event_time_window(self, task: WindowTask, w: dict) -> None:
@@ -241,7 +241,7 @@ class EventTimeWindows:
         return state
 
     def _set_event_index(self, w: dict, index: int | None) -> None:
-        size = int(self.cfg["window"]["size"])
+        size = int(self.cfg.window.size)
         w["event_index"] = None if index is None else int(index)
         w["event_start_unix"] = None if index is None else int(index) * size
         w["event_end_unix"] = None if index is None else (int(index) + 1) * size
@@ -269,12 +269,12 @@ class EventTimeWindows:
         bad = {i for i, _ in decoded.rejected}
         good_idx = np.asarray([i for i in range(len(seg)) if i not in bad], dtype=np.int64)
         if len(good_idx) and task.window["event_index"] is not None:
-            wcfg = self.cfg["window"]
+            wcfg = self.cfg.window
             ts = _timestamps(seg, len(seg))[good_idx]
-            limit_ms = int((time.time() + float(wcfg["max_future_skew_s"])) * 1000)
+            limit_ms = int((time.time() + float(wcfg.max_future_skew_s)) * 1000)
             was_future = self._future.mask(seg.partition, offsets_array(seg.offsets)[good_idx])
             mine = (ts >= 0) & (ts <= limit_ms) & ~was_future & \
-                (ts // (int(wcfg["size"]) * 1000) == task.window["event_index"])
+                (ts // (int(wcfg.size) * 1000) == task.window["event_index"])
             self._count_events(task, _take(decoded.items, np.flatnonzero(mine)))
         task.offsets[seg.partition] = int(seg.offsets[-1]) + 1
 
@@ -313,11 +313,11 @@ class EventTimeWindows:
         offsets = offsets_array(seg.offsets)
         m = len(offsets)
         good_idx = np.arange(len(items)) if good is None else np.asarray(good, dtype=np.int64)
-        wcfg = self.cfg["window"]
-        size_ms = int(wcfg["size"]) * 1000
-        lateness_ms = int(round(float(wcfg["allowed_lateness_s"]) * 1000))
+        wcfg = self.cfg.window
+        size_ms = int(wcfg.size) * 1000
+        lateness_ms = int(round(float(wcfg.allowed_lateness_s) * 1000))
         ts = _timestamps(seg, m)[good_idx] if len(good_idx) else np.zeros(0, np.int64)
-        limit_ms = int((time.time() + float(wcfg["max_future_skew_s"])) * 1000)
+        limit_ms = int((time.time() + float(wcfg.max_future_skew_s)) * 1000)
         reasons = {int(i): r for i, r in rejected}  # record index -> reason
         # future: by the clock now, or by the decision of an earlier read of the record (a
         # replay's later clock must not count what the first read dead-lettered)
@@ -333,7 +333,7 @@ class EventTimeWindows:
             keep = np.flatnonzero(~bad)
             items, good_idx, ts = _take(items, keep), good_idx[keep], ts[keep]
         widx = ts // size_ms
-        dead_letter_late = wcfg["late"] == "dead_letter"
+        dead_letter_late = wcfg.late == "dead_letter"
         j = rec = 0
         while True:
             target = task.close_at.get(seg.partition) if task.close_at else None
@@ -401,7 +401,7 @@ class EventTimeWindows:
     def _event_time_turn(self, task: WindowTask) -> None:
         """``window.idle_partition_timeout``: partitions read to their end while the others wait
         at a later window stop holding the watermark after that many seconds (logged)."""
-        timeout = float(self.cfg["window"]["idle_partition_timeout_s"])
+        timeout = float(self.cfg.window.idle_partition_timeout_s)
         assigned = getattr(self.source, "assigned", None)
         if not timeout or not self._ahead or task.close_at is not None:
             self._idle_since = None

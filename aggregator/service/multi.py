@@ -46,6 +46,7 @@ from .anchor import kafka_metadata, parse_kafka_metadata
 from .config import aggregation_configs
 from .metrics import Metrics
 from .process import Aggregator, ServiceError, Stopping, lock_directory, remove_created
+from .settings import Config
 
 __all__ = ["MultiAggregator", "SourceView"]
 
@@ -216,10 +217,10 @@ class MultiAggregator:
     Parameters as for :class:`~aggregator.service.process.Aggregator`; ``metrics`` serves the
     exposition of all aggregations (each has its own registry, labelled by name)."""
 
-    def __init__(self, cfg: dict, source: Source, metrics: Metrics | None = None, *,
+    def __init__(self, cfg: Config, source: Source, metrics: Metrics | None = None, *,
                  fresh_start: bool = False, accept_change: bool = False):
         self.cfg, self.source = cfg, source
-        self.dir = Path(cfg["checkpoint"]["dir"])
+        self.dir = Path(cfg.checkpoint.dir)
         self.accept_change = accept_change
         configs = aggregation_configs(cfg)
         if not configs:
@@ -309,7 +310,7 @@ class MultiAggregator:
                 "window.rollup_design = sum")
         path = self.dir / SET_FILE
         mine = {"aggregations": sorted(self.aggs),
-                "budget_per_event": self.cfg["ledger"]["budget_per_event"] or None}
+                "budget_per_event": self.cfg.ledger.budget_per_event or None}
         if path.exists():
             recorded = json.loads(path.read_text())
             if recorded == mine:
@@ -351,7 +352,7 @@ class MultiAggregator:
             if any(a.async_releases() for a in self.aggs.values()):
                 # one pool for all: their releases run in parallel, up to release.workers
                 from .release_worker import ReleaseWorker
-                worker = ReleaseWorker(int(self.cfg["release"]["workers"]))
+                worker = ReleaseWorker(int(self.cfg.release.workers))
                 for agg in self.aggs.values():
                     if agg.async_releases():
                         agg.worker = worker
@@ -367,7 +368,7 @@ class MultiAggregator:
             self._record_set()
             if self.on_started is not None:
                 self.on_started()
-            finite = self.cfg["source"]["kind"] != "kafka"
+            finite = self.cfg.source.kind != "kafka"
             idle_since = None
             share = poll_timeout_s / len(self.aggs)
             while not self.stop_event.is_set():

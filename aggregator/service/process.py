@@ -62,6 +62,7 @@ from .publisher import ReleasePublisher
 from .rejects import RejectLog, RejectWatch
 from .release_gate import ReleaseGate, covered_ranges
 from .rollup_closer import RollupCloser, ledgered_unpublished_rollups
+from .settings import Config
 from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
@@ -69,9 +70,9 @@ __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_
 log = logging.getLogger("panagg.service")
 
 
-def release_method(cfg: dict) -> str | None:
+def release_method(cfg: Config) -> str | None:
     """``release.estimator``: None for the grid's default, else the named estimator."""
-    name = cfg["release"].get("estimator", "default")
+    name = cfg.release.estimator
     return None if name == "default" else name
 
 
@@ -131,35 +132,35 @@ class Aggregator(EventTimeWindows):
         the change in the ledger.
     """
 
-    def __init__(self, cfg: dict, source: Source, metrics: Metrics | None = None, *,
+    def __init__(self, cfg: Config, source: Source, metrics: Metrics | None = None, *,
                  fresh_start: bool = False, accept_change: bool = False):
-        self.cfg = cfg
+        self.cfg = cfg = Config.from_mapping(cfg)
         self.source = source
         self.metrics = metrics or Metrics()
-        st = cfg["state"]
-        self.epsilon = float(st["epsilon"])
-        self.model, self.loss = st["model"], st["loss"]
-        self.direct = st["mode"] == "direct"
-        self.size = int(st["domain_size"]) if self.direct else choose_buckets_for(cfg)
-        src = cfg["source"]
-        self.decoder = Decoder(src["format"], domain_size=self.size if self.direct else None,
-                               max_message_bytes=src["max_message_bytes"],
-                               max_item_bytes=src["max_item_bytes"],
-                               spec=ItemSpec.from_config(cfg["item"]))
-        self.dir = Path(cfg["checkpoint"]["dir"])
-        self.snapshots_per_window = int(cfg["checkpoint"]["snapshots_per_window"])
+        st = cfg.state
+        self.epsilon = float(st.epsilon)
+        self.model, self.loss = st.model, st.loss
+        self.direct = st.mode == "direct"
+        self.size = int(st.domain_size) if self.direct else choose_buckets_for(cfg)
+        src = cfg.source
+        self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
+                               max_message_bytes=src.max_message_bytes,
+                               max_item_bytes=src.max_item_bytes,
+                               spec=ItemSpec.from_config(cfg.item))
+        self.dir = Path(cfg.checkpoint.dir)
+        self.snapshots_per_window = int(cfg.checkpoint.snapshots_per_window)
         self.fresh_start, self.accept_change = fresh_start, accept_change
         self._lock_file = None
         self.task = WindowTask("all", None)
         #: a name for this aggregation in anchors and charges ("" when it is the only one)
-        self.aggregation = cfg.get("aggregation")
-        self.anchor_name = self.aggregation["name"] if self.aggregation else ""
-        budget = cfg["ledger"]["budget_per_window"] or self.epsilon
-        per_event = ((self.aggregation or {}).get("budget_per_event")
-                     or cfg["ledger"].get("budget_per_event") or budget)
+        self.aggregation = cfg.aggregation
+        self.anchor_name = self.aggregation.name if self.aggregation else ""
+        budget = cfg.ledger.budget_per_window or self.epsilon
+        per_event = ((self.aggregation.budget_per_event if self.aggregation else None)
+                     or cfg.ledger.budget_per_event or budget)
         try:
             self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
-                                 budget_total=cfg["ledger"]["budget_total"] or None,
+                                 budget_total=cfg.ledger.budget_total or None,
                                  budget_per_event=per_event)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
@@ -168,6 +169,7 @@ class Aggregator(EventTimeWindows):
         self.gate = ReleaseGate(self.ledger, self.metrics, epsilon=self.epsilon, model=self.model,
                                 stream=stream, aggregation=self.anchor_name, directory=self.dir)
         self._keep_processing_time()
+        cfg = self.cfg  # (the line above may have replaced it)
         #: the start's accuracy plan in the log (a thread simulates the expected errors)
         self.plan = StartPlan(cfg)
         from .config import rollup_spans
@@ -176,18 +178,18 @@ class Aggregator(EventTimeWindows):
         self.rollups = RollupCloser(
             self.dir / "rollups", spans, ledger=self.ledger, metrics=self.metrics,
             model=self.model, loss=self.loss, method=release_method(cfg),
-            error_bar_reps=int(cfg["release"]["error_bar_reps"]),
-            stream=stream, aggregation=self.anchor_name, base_kind=cfg["window"]["kind"], window_size=cfg["window"]["size"],
+            error_bar_reps=int(cfg.release.error_bar_reps),
+            stream=stream, aggregation=self.anchor_name, base_kind=cfg.window.kind, window_size=cfg.window.size,
             annotate=self._annotate, worker=lambda: self.worker) if spans else None
         self.control = self.dir / "control"
         #: ledger entries a start decided on, written only once every start check has passed
         #: (a refused start writes nothing)
         self._deferred: list[dict] | None = None
-        seed = cfg["testing"]["noise_seed"]
+        seed = cfg.testing.noise_seed
         self._seed = seed if seed >= 0 and os.environ.get("PANAGG_TESTING") == "1" else None
         self._producer = None
-        topic = src["dead_letter_topic"]
-        name = self.aggregation["name"] if self.aggregation else None
+        topic = src.dead_letter_topic
+        name = self.aggregation.name if self.aggregation else None
         self.dead_letters = (DeadLetters(topic, self._kafka_producer, self.metrics, name)
                              if topic else None)
         self.stop_event = threading.Event()
@@ -201,7 +203,7 @@ class Aggregator(EventTimeWindows):
         self._progress_at: float | None = None
         self._progress_events = 0.0
         self.publisher = ReleasePublisher(
-            cfg["release"]["dir"], cfg["release"]["topic"], producer=self._kafka_producer,
+            cfg.release.dir, cfg.release.topic, producer=self._kafka_producer,
             key_of=self._release_key, on_published=self._published)
         self._init_event_time()
         self._commit_backoff = _Backoff("checkpoint")
@@ -222,14 +224,12 @@ class Aggregator(EventTimeWindows):
         """``window.kind = time`` on Kafka windows by the records' timestamps
         (``window.clock = auto``); a state directory started before that, with windows by this
         process's clock, keeps them (its checkpoints and ledger are processing-time windows)."""
-        w = self.cfg["window"]
-        if not w.get("auto_event_time"):
+        if not self.cfg.window.auto_event_time:
             return
         started = (self.ledger.identity() or {}).get("window", "")
         if started.startswith("time:"):
-            w["kind"] = "time"
-            w.pop("auto_event_time")
-            w["idle_partition_timeout_s"] = 0.0
+            self.cfg = self.cfg.updated({"window": {"kind": "time", "auto_event_time": False,
+                                                    "idle_partition_timeout_s": 0.0}})
             log.info("%s counts time windows by this process's clock (it was started so): it "
                      "keeps them; for windows by the records' Kafka timestamps use a new "
                      "checkpoint.dir (or set window.clock = process to say so)", self.dir)
@@ -245,7 +245,7 @@ class Aggregator(EventTimeWindows):
         return PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
 
     def _new_window(self, task: WindowTask, window_id: int) -> dict:
-        w = new_window(window_id, self.cfg["window"]["kind"], self.cfg["window"]["size"])
+        w = new_window(window_id, self.cfg.window.kind, self.cfg.window.size)
         if w["kind"] == "event_time":
             self._open_event_time_window(task, w)
         return w
@@ -303,7 +303,7 @@ class Aggregator(EventTimeWindows):
         recorded = self.ledger.identity()
         if recorded is None:
             first = dict(mine, run=os.urandom(8).hex(), first_window=0,
-                         start=self.cfg["source"]["start"])
+                         start=self.cfg.source.start)
             self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                                 identity=first)
             return first
@@ -361,7 +361,7 @@ class Aggregator(EventTimeWindows):
         self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
         # a rollup ledgered but not yet published is published from the ledger; views kept
         # before a stop are folded (each once)
-        ledgered_unpublished_rollups(self.ledger, self.cfg["release"]["dir"], task.pending)
+        ledgered_unpublished_rollups(self.ledger, self.cfg.release.dir, task.pending)
         if self.rollups is not None:
             self.rollups.fold(task.pending)
 
@@ -490,7 +490,7 @@ class Aggregator(EventTimeWindows):
         anchors = []
         if ckpt is not None and ckpt.ledger_head:
             anchors.append((f"checkpoint {ckpt.seq}", ckpt.ledger_head))
-        rel = release_dir_anchor(self.cfg["release"]["dir"], self.ledger.path)
+        rel = release_dir_anchor(self.cfg.release.dir, self.ledger.path)
         if rel is not None and rel.get("unreadable"):
             raise ServiceError(f"the ledger anchor {rel['where']} is unreadable; restore it "
                                "from a backup (it records how far the ledger had come)")
@@ -500,7 +500,7 @@ class Aggregator(EventTimeWindows):
         kafka = [parse_kafka_metadata(m).get(self.anchor_name) for m in (probe() if probe else [])]
         kafka = [h for h in kafka if h]
         if kafka:
-            anchors.append((f"the committed offsets of group {self.cfg['source']['group']!r}",
+            anchors.append((f"the committed offsets of group {self.cfg.source.group!r}",
                             max(kafka, key=lambda h: h["seq"])))
         elif probe is None and not self._anchor_note_logged:
             self._anchor_note_logged = True
@@ -514,7 +514,7 @@ class Aggregator(EventTimeWindows):
                 # a new directory on a group another one used: not only a lost ledger
                 raise ServiceError(
                     f"checkpoint.dir {self.dir} is new, but consumer group "
-                    f"{self.cfg['source']['group']!r} has committed offsets of a state directory "
+                    f"{self.cfg.source.group!r} has committed offsets of a state directory "
                     f"whose ledger had {head['seq']} entries: another state directory (or a lost "
                     "one) counted this topic. Use that state directory (restore it from a backup "
                     "if it was lost), or another source.group to count the topic anew")
@@ -530,9 +530,9 @@ class Aggregator(EventTimeWindows):
         probe = getattr(self.source, "replay_problem", None)
         if probe is None:
             return
-        w = self.cfg["window"]
+        w = self.cfg.window
         problem = probe(dict(task.offsets),
-                        w["size"] if w["kind"] in ("time", "event_time") else None)
+                        w.size if w.kind in ("time", "event_time") else None)
         if problem:
             raise ServiceError(problem)
 
@@ -545,7 +545,7 @@ class Aggregator(EventTimeWindows):
         committed = getattr(self.source, "committed_offsets", lambda: {})()
         if committed and not released and not self.fresh_start:
             raise ServiceError(
-                f"no checkpoint in {where}, but consumer group {self.cfg['source']['group']!r} "
+                f"no checkpoint in {where}, but consumer group {self.cfg.source.group!r} "
                 "has committed offsets: another state directory (or a lost one) counted this "
                 "topic. Use that state directory, another source.group, or --fresh-start to "
                 "count from the committed offsets")
@@ -589,21 +589,21 @@ class Aggregator(EventTimeWindows):
     def _start_offsets(self, committed: bool) -> tuple[dict[str, int], str]:
         """Where a new state directory starts (``source.start``), and that in words."""
         from .config import parse_start
-        src = self.cfg["source"]
-        start = parse_start(src["start"]) if src["kind"] == "kafka" else "earliest"
+        src = self.cfg.source
+        start = parse_start(src.start) if src.kind == "kafka" else "earliest"
         if start == "earliest":
             return {}, ("the group's committed offsets (--fresh-start)" if committed and
                         self.fresh_start else "the earliest retained records" if
-                        src["kind"] == "kafka" else "the start of the input")
+                        src.kind == "kafka" else "the start of the input")
         probe = getattr(self.source, "initial_offsets", None)
         offsets = probe(start) if probe is not None else None
         if not offsets:
-            raise ServiceError(f"source.start = {src['start']}: the partitions of topic "
-                               f"{src['topic']!r} are not known (does it exist?); create the "
+            raise ServiceError(f"source.start = {src.start}: the partitions of topic "
+                               f"{src.topic!r} are not known (does it exist?); create the "
                                "topic, or start from earliest")
         where = ", ".join(f"{k} at {v}" for k, v in sorted(offsets.items()))
         what = "the latest offsets" if start == "latest" else \
-            f"the first records at or after {src['start']}"
+            f"the first records at or after {src.start}"
         return offsets, f"{what} (source.start): {where}"
 
     def _check_start_policy(self, where: str) -> None:
@@ -611,7 +611,7 @@ class Aggregator(EventTimeWindows):
         start than the directory had (it resumes from its checkpoint: the setting would be
         silently ignored)."""
         from .config import parse_start
-        wanted = self.cfg["source"]["start"]
+        wanted = self.cfg.source.start
         if parse_start(wanted) == "earliest":
             return
         had = (self.ledger.identity() or {}).get("start", "earliest")
@@ -661,7 +661,7 @@ class Aggregator(EventTimeWindows):
             if self.on_started is not None:
                 self.on_started()
             idle_since = None
-            finite = self.cfg["source"]["kind"] != "kafka"
+            finite = self.cfg.source.kind != "kafka"
             while not self.stop_event.is_set():
                 if self._paused_for_budget(poll_timeout_s, finite):
                     continue
@@ -700,15 +700,15 @@ class Aggregator(EventTimeWindows):
         self.save_effective_config()
         if self.worker is None and self.async_releases():
             from .release_worker import ReleaseWorker
-            self.worker = ReleaseWorker(int(self.cfg["release"]["workers"]))
+            self.worker = ReleaseWorker(int(self.cfg.release.workers))
             self._owns_worker = True
         self._ledger_composition()
-        w = self.cfg["window"]
-        if w.get("auto_event_time"):
+        w = self.cfg.window
+        if w.auto_event_time:
             log.info("time windows of %g s by the records' Kafka timestamps (window.clock = "
                      "auto): an event lands in the window of its timestamp, after a broker "
                      "outage too; window.clock = process windows by this process's clock",
-                     w["size"])
+                     w.size)
         self.plan.start()
         self._publish_pending(self.task)
 
@@ -717,15 +717,17 @@ class Aggregator(EventTimeWindows):
         differs from the last one recorded (docs/privacy.md, section 19)."""
         if not self.aggregation:
             return
-        mine = {k: self.aggregation[k] for k in ("of", "budget_per_event", "epsilon_per_event")}
+        agg = self.aggregation
+        # as the ledger's JSON has it (a list), so that the same set compares equal
+        mine = {"of": list(agg.of), "budget_per_event": agg.budget_per_event,
+                "epsilon_per_event": agg.epsilon_per_event}
         last = [e for e in self.ledger.entries if e["kind"] == "composition"]
         if last and last[-1].get("composition") == mine:
             return
         self._ledger_append(entry_id=f"composition-{os.urandom(6).hex()}", kind="composition",
                             window=self.task.window["id"], composition=mine,
-                            note=f"aggregation {self.aggregation['name']!r} of "
-                                 f"{', '.join(self.aggregation['of'])}: each event spends up to "
-                                 f"{self.aggregation['epsilon_per_event']:g} eps over them")
+                            note=f"aggregation {agg.name!r} of {', '.join(agg.of)}: each event "
+                                 f"spends up to {agg.epsilon_per_event:g} eps over them")
 
     def turn(self, segments) -> None:
         """Count one poll's segments, then the turn's housekeeping."""
@@ -739,7 +741,7 @@ class Aggregator(EventTimeWindows):
         if not polled:
             self._caught_up(self.task)
         self._maybe_close_time_window(self.task)
-        if self.cfg["window"]["kind"] == "event_time":
+        if self.cfg.window.kind == "event_time":
             self._event_time_turn(self.task)
         self._maybe_snapshot(self.task)
         if self.task.inflight:
@@ -755,7 +757,7 @@ class Aggregator(EventTimeWindows):
     def input_ended(self) -> None:
         """A finite source delivered everything: release the open window (release.on_exhausted)."""
         # (an event-time window's close can start the next one with events)
-        while self.cfg["release"]["on_exhausted"] and self.task.window["events"] > 0:
+        while self.cfg.release.on_exhausted and self.task.window["events"] > 0:
             self.close_window()
         problem = self.reject_watch.fatal()
         if problem:  # a finite run that counted nothing must not exit 0
@@ -827,7 +829,7 @@ class Aggregator(EventTimeWindows):
             if time.monotonic() > deadline:
                 raise ServiceError(f"could not replay the open window from the source within "
                                    f"{timeout_s:.0f} s; is the broker at "
-                                   f"{self.cfg['source']['bootstrap']} reachable?")
+                                   f"{self.cfg.source.bootstrap} reachable?")
 
     def close(self) -> None:
         self.plan.close()
@@ -853,7 +855,7 @@ class Aggregator(EventTimeWindows):
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
-        if self.cfg["window"]["kind"] == "event_time":
+        if self.cfg.window.kind == "event_time":
             self._ingest_event_time(seg)
             return
         items, good, rejected = self._decode(seg)
@@ -1113,7 +1115,7 @@ class Aggregator(EventTimeWindows):
         """Whether releases run beside the loop (``release.workers`` > 0) for this service:
         every window kind, with or without snapshots (several aggregations share one worker
         pool); scale-out releases in the loop (docs/configuration.md)."""
-        return int(self.cfg["release"].get("workers", 0)) > 0
+        return int(self.cfg.release.workers) > 0
 
     def close_window(self) -> dict | None:
         """Release the current window (if the budget allows) and start the next one, durably.
@@ -1177,7 +1179,7 @@ class Aggregator(EventTimeWindows):
             self._wait_for_room(task)
             future = self.worker.submit(
                 task.state, model=self.model, loss=self.loss, window=wid, rng=self._rng(1, wid),
-                error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
+                error_bar_reps=int(self.cfg.release.error_bar_reps),
                 method=release_method(self.cfg), keep_view=self.rollups is not None)
             job = {"window": closing, "start": start, "ranges": ranges, "charge": charge,
                    "end_offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals),
@@ -1231,7 +1233,7 @@ class Aggregator(EventTimeWindows):
     def _wait_for_room(self, task: WindowTask) -> None:
         """Backpressure: at ``release.max_in_flight`` closed windows waiting for their release,
         intake pauses (one line, ``panagg_intake_paused``) until the oldest is released."""
-        limit = int(self.cfg["release"].get("max_in_flight", 2))
+        limit = int(self.cfg.release.max_in_flight)
         if len(task.inflight) < limit:
             return
         log.warning("the release path is behind (%d closed windows waiting, "
@@ -1335,12 +1337,12 @@ class Aggregator(EventTimeWindows):
         if closing["kind"] == "event_time":
             release["window_info"].update(
                 {k: closing.get(k) for k in ("event_start_unix", "event_end_unix", "late")},
-                late_policy=self.cfg["window"]["late"],
-                allowed_lateness_s=self.cfg["window"]["allowed_lateness_s"])
+                late_policy=self.cfg.window.late,
+                allowed_lateness_s=self.cfg.window.allowed_lateness_s)
         release["counted"] = {"stream": identity_of(self.cfg)["stream"],
                               "item": item_identity(self.cfg)}
         if self.aggregation:
-            release["aggregation"] = dict(self.aggregation, epsilon=self.epsilon)
+            release["aggregation"] = dict(self.aggregation.to_dict(), epsilon=self.epsilon)
             level = release["aggregation"].pop("rollup_level", None)
             if level:
                 release["rollup_level"] = level
@@ -1364,7 +1366,7 @@ class Aggregator(EventTimeWindows):
         view: list | None = [] if self.rollups is not None else None
         release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
                                rng=self._rng(1, wid),
-                               error_bar_reps=int(self.cfg["release"]["error_bar_reps"]),
+                               error_bar_reps=int(self.cfg.release.error_bar_reps),
                                method=release_method(self.cfg), view=view)
         if charge > 0:
             warn_if_below_noise(release)
@@ -1426,16 +1428,16 @@ class Aggregator(EventTimeWindows):
         """The ledger's head beside the published releases (:mod:`.anchor`); best effort: a
         failure is said once and retried at the next publication."""
         try:
-            write_release_dir_anchor(self.cfg["release"]["dir"], self.ledger.path,
+            write_release_dir_anchor(self.cfg.release.dir, self.ledger.path,
                                      self.ledger.head())
         except OSError as exc:
             log.warning("could not record the ledger's head in %s (%s); retried at the next "
-                        "publication", self.cfg["release"]["dir"], exc.strerror or exc)
+                        "publication", self.cfg.release.dir, exc.strerror or exc)
 
     # -- announced audit exports and control requests ------------------------------------------
     def export(self, export_id: str | None = None) -> Path:
         """Signed snapshot for auditors, with fresh layers just before and just after it."""
-        key = load_key(self.cfg["audit"]["key_file"] or None)
+        key = load_key(self.cfg.audit.key_file or None)
         if self._second is not None and self._second.events:
             raise ServiceError(
                 f"an audit export while two event-time windows are live is not built (window "
@@ -1455,7 +1457,7 @@ class Aggregator(EventTimeWindows):
                             window=task.window["id"], window_uid=task.window["uid"],
                             epsilon_spent=0.0, model=self.model,
                             note="announced export; fresh DLap layers before and after")
-        out_dir = Path(self.cfg["audit"]["dir"] or self.dir / "exports")
+        out_dir = Path(self.cfg.audit.dir or self.dir / "exports")
         path = write_export(out_dir / f"export-{export_id}.panagg", state=snapshot,
                             window=task.window, offsets=task.offsets, export_id=export_id, key=key)
         self.metrics.exports.inc()

@@ -9,6 +9,8 @@ import json
 import logging
 import time
 
+from .settings import Config
+
 __all__ = ["RejectLog", "RejectWatch"]
 
 log = logging.getLogger("panagg.service")
@@ -53,7 +55,7 @@ class RejectWatch:
     their content), and :meth:`fatal` gives the same line for a finite run that ends with no event.
     """
 
-    def __init__(self, cfg: dict, sample: int = 1000, ratio: float = 0.9):
+    def __init__(self, cfg: Config, sample: int = 1000, ratio: float = 0.9):
         self.cfg, self.sample, self.ratio = cfg, sample, ratio
         self.seen = self.rejected = self.counted = 0
         self.reasons: dict[str, int] = {}
@@ -86,22 +88,22 @@ class RejectWatch:
         import msgpack
 
         from consumers.decode import _walk
-        if self.cfg["item"]["source"] != "value" or not isinstance(raw, (bytes, bytearray)):
+        if self.cfg.item.source != "value" or not isinstance(raw, (bytes, bytearray)):
             return "?"
         try:
             doc = (msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)
-                   if self.cfg["source"]["format"] == "msgpack" else json.loads(bytes(raw)))
+                   if self.cfg.source.format == "msgpack" else json.loads(bytes(raw)))
         except Exception:
             return "?"
-        item = _walk(doc, tuple(self.cfg["item"]["field"].split(".")))
+        item = _walk(doc, tuple(self.cfg.item.field.split(".")))
         return {dict: "map", list: "list", float: "a number with a fraction",
                 bool: "true or false", type(None): "null"}.get(type(item), "?")
 
     def message(self) -> str:
         top = max(self.reasons, key=self.reasons.get) if self.reasons else "?"
-        fmt, mode = self.cfg["source"]["format"], self.cfg["state"]["mode"]
+        fmt, mode = self.cfg.source.format, self.cfg.state.mode
         kind = max(self.kinds, key=self.kinds.get) if self.kinds else "?"
-        field = self.cfg["item"]["field"]
+        field = self.cfg.item.field
         if top == "wrong_type" and kind == "map":
             fix = (f"item.field {field!r} is a map; name one of its keys with a dotted path, "
                    f"e.g. item.field = {field}.id")

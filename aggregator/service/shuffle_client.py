@@ -36,6 +36,7 @@ from typing import Callable
 import numpy as np
 
 from .shuffle_wire import ParamTag, client_record, load_public_key, new_event_id, seal_rows
+from .settings import Config
 
 __all__ = ["ShuffleClient", "bucket_map", "direct_buckets", "hashed_buckets"]
 
@@ -81,13 +82,13 @@ def hashed_buckets(key: bytes, buckets: int, *, nfc: bool = False, casefold: boo
     return to_bucket
 
 
-def bucket_map(cfg: dict) -> Callable:
+def bucket_map(cfg: Config) -> Callable:
     """The item -> bucket map of ``cfg`` (direct or hashed); raises ValueError naming the key."""
     from .identity import choose_buckets_for
-    st = cfg["state"]
-    if st["mode"] == "direct":
-        return direct_buckets(int(st["domain_size"]))
-    text = str(cfg["shuffle"].get("hash_key") or "").strip()
+    st = cfg.state
+    if st.mode == "direct":
+        return direct_buckets(int(st.domain_size))
+    text = cfg.shuffle.hash_key.strip()
     try:
         key = bytes.fromhex(text)
     except ValueError:
@@ -96,9 +97,8 @@ def bucket_map(cfg: dict) -> Callable:
         raise ValueError("hashed-mode shuffle clients need shuffle.hash_key: 32 hex digits shared "
                          "by every client (e.g. `python -c \"import secrets; "
                          "print(secrets.token_hex(16))\"`)")
-    it = cfg.get("item") or {}
-    return hashed_buckets(key, choose_buckets_for(cfg), nfc=it.get("normalize") == "nfc",
-                          casefold=bool(it.get("casefold")))
+    return hashed_buckets(key, choose_buckets_for(cfg), nfc=cfg.item.normalize == "nfc",
+                          casefold=cfg.item.casefold)
 
 
 class ShuffleClient:
@@ -123,13 +123,13 @@ class ShuffleClient:
         self.to_bucket = to_bucket or direct_buckets(int(randomizer.buckets))
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ShuffleClient":
+    def from_config(cls, cfg: Config) -> "ShuffleClient":
         from .shuffler import ShufflerError, make_randomizer
-        if not cfg["shuffle"]["public_key"]:
+        if not cfg.shuffle.public_key:
             raise ShufflerError("clients need shuffle.public_key (printed by `panagg shuffle-keygen`)")
         try:
             to_bucket = bucket_map(cfg)
-            return cls(str(cfg["shuffle"]["public_key"]), make_randomizer(cfg), to_bucket)
+            return cls(str(cfg.shuffle.public_key), make_randomizer(cfg), to_bucket)
         except ValueError as exc:  # WireError, ShuffleConfigError, a bad hash key
             raise ShufflerError(str(exc)) from None
 

@@ -59,6 +59,7 @@ import numpy as np
 
 from .shuffle_wire import (EVENT_ID_SIZE, ParamTag, WireError, chunk_record, end_record,
                            load_public_key, parse_client_record, seal_rows)
+from .settings import Config
 
 log = logging.getLogger("panagg.shuffle")
 
@@ -74,26 +75,26 @@ class ShufflerError(RuntimeError):
     """A condition the operator must fix (one line)."""
 
 
-def make_randomizer(cfg: dict):
+def make_randomizer(cfg: Config):
     """The randomizer every client, the shuffler and the analyzer of ``cfg`` share."""
     from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer
     from .config import shuffle_n
     from .identity import choose_buckets_for
 
-    st, sh = cfg["state"], cfg["shuffle"]
-    buckets = int(st["domain_size"]) if st["mode"] == "direct" else choose_buckets_for(cfg)
+    st, sh = cfg.state, cfg.shuffle
+    buckets = int(st.domain_size) if st.mode == "direct" else choose_buckets_for(cfg)
     n = shuffle_n(cfg)
-    if sh["protocol"] == "gkmp":
-        return GKMPRandomizer(float(st["epsilon"]), float(sh["delta"]), n, buckets,
-                              gamma=float(sh["gamma"]))
-    return BalcerCheuRandomizer(float(st["epsilon"]), float(sh["delta"]), n, buckets)
+    if sh.protocol == "gkmp":
+        return GKMPRandomizer(float(st.epsilon), float(sh.delta), n, buckets,
+                              gamma=float(sh.gamma))
+    return BalcerCheuRandomizer(float(st.epsilon), float(sh.delta), n, buckets)
 
 
-def params_of(cfg: dict, rz) -> dict:
-    sh = cfg["shuffle"]
-    return {"protocol": sh["protocol"], "epsilon": float(cfg["state"]["epsilon"]),
-            "delta": float(sh["delta"]), "n": int(rz.n), "buckets": int(rz.buckets),
-            "gamma": float(sh["gamma"])}
+def params_of(cfg: Config, rz) -> dict:
+    sh = cfg.shuffle
+    return {"protocol": sh.protocol, "epsilon": float(cfg.state.epsilon),
+            "delta": float(sh.delta), "n": int(rz.n), "buckets": int(rz.buckets),
+            "gamma": float(sh.gamma)}
 
 
 # -------------------------------------------------------------------------------------------
@@ -258,12 +259,12 @@ class ShufflerMetrics:
 class Shuffler:
     """One shuffler process (one consumer of the client topic, one transactional producer)."""
 
-    def __init__(self, cfg: dict, *, state_dir: str | os.PathLike | None = None,
+    def __init__(self, cfg: Config, *, state_dir: str | os.PathLike | None = None,
                  metrics: ShufflerMetrics | None = None):
-        sh = cfg["shuffle"]
+        sh = cfg.shuffle
         self.cfg = cfg
         self.client_topic = sh.get("client_topic") or ""
-        self.analyzer_topic = sh.get("analyzer_topic") or cfg["source"]["topic"]
+        self.analyzer_topic = sh.get("analyzer_topic") or cfg.source.topic
         if not self.client_topic:
             raise ShufflerError("panagg shuffle needs shuffle.client_topic (the topic clients "
                                 "produce to)")
@@ -272,14 +273,14 @@ class Shuffler:
                                 "the topic the analyzer reads")
         if self.analyzer_topic == self.client_topic:
             raise ShufflerError("shuffle.analyzer_topic must differ from shuffle.client_topic")
-        if cfg["source"]["kind"] != "kafka":
+        if cfg.source.kind != "kafka":
             raise ShufflerError("panagg shuffle runs on Kafka: set source.kind = kafka and "
                                 "source.bootstrap")
         if not sh.get("public_key"):
             raise ShufflerError("panagg shuffle needs shuffle.public_key: the analyzer's public key "
                                 "(hex, or a file), printed by `panagg shuffle-keygen`")
         try:
-            self.public_key = load_public_key(str(sh["public_key"]))
+            self.public_key = load_public_key(str(sh.public_key))
         except WireError as exc:
             raise ShufflerError(f"shuffle.public_key: {exc}") from None
         try:
@@ -288,14 +289,14 @@ class Shuffler:
             raise ShufflerError(str(exc)) from None
         self.params = params_of(cfg, self.randomizer)
         self.n = self.randomizer.n
-        self.count_window = cfg["window"]["kind"] == "count"
-        self.window_s = None if self.count_window else float(cfg["window"]["size"])
+        self.count_window = cfg.window.kind == "count"
+        self.window_s = None if self.count_window else float(cfg.window.size)
         self.dir = Path(state_dir or sh.get("shuffler_dir") or
-                        Path(cfg["checkpoint"]["dir"]) / "shuffler")
+                        Path(cfg.checkpoint.dir) / "shuffler")
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.group = sh.get("group") or "panagg-shuffler"
         self.txn_id = f"{self.group}-{self.analyzer_topic}"
-        self.dead_topic = cfg["source"].get("dead_letter_topic") or ""
+        self.dead_topic = cfg.source.dead_letter_topic
         self.metrics = metrics or ShufflerMetrics()
         self.stats = {"events": 0, "windows": 0, "messages": 0, "duplicates": 0,
                       "dead_letters": 0, "topped_up": 0}
@@ -379,7 +380,7 @@ class Shuffler:
         except KafkaError as exc:
             self.close()
             why = (str(exc).splitlines() or [""])[0] or type(exc).__name__
-            raise ShufflerError(f"Kafka at {self.cfg['source']['bootstrap']}: {why}; check "
+            raise ShufflerError(f"Kafka at {self.cfg.source.bootstrap}: {why}; check "
                                 "source.bootstrap and the [security] settings") from None
 
     def _connect(self):
@@ -387,8 +388,8 @@ class Shuffler:
 
         from consumers.kafka_security import client_options
 
-        sec = client_options(self.cfg.get("security"))
-        boot = self.cfg["source"]["bootstrap"]
+        sec = client_options(self.cfg.security)
+        boot = self.cfg.source.bootstrap
         self._consumer = KafkaConsumer(bootstrap_servers=boot, group_id=self.group,
                                        enable_auto_commit=False, auto_offset_reset="earliest",
                                        isolation_level="read_committed",

@@ -17,6 +17,8 @@ single-node broker; use 3 on a production cluster).
 
 from __future__ import annotations
 
+from .settings import Config
+
 __all__ = ["TopicError", "shuffle_topics", "create_topics"]
 
 
@@ -24,9 +26,9 @@ class TopicError(RuntimeError):
     """Topics that cannot be created or are unfit (one line naming the fix)."""
 
 
-def shuffle_topics(cfg: dict, client_partitions: int = 6) -> dict[str, int]:
+def shuffle_topics(cfg: Config, client_partitions: int = 6) -> dict[str, int]:
     """``{topic: partitions}`` the shuffle deployment of ``cfg`` needs."""
-    sh, src = cfg["shuffle"], cfg["source"]
+    sh, src = cfg.shuffle, cfg.source
     client = sh.get("client_topic") or ""
     analyzer = sh.get("analyzer_topic") or src.get("topic") or ""
     if not client:
@@ -48,7 +50,7 @@ def shuffle_topics(cfg: dict, client_partitions: int = 6) -> dict[str, int]:
     return out
 
 
-def create_topics(cfg: dict, wanted: dict[str, int], replication_factor: int = 1,
+def create_topics(cfg: Config, wanted: dict[str, int], replication_factor: int = 1,
                   timeout_s: float = 30.0) -> list[tuple[str, int, str]]:
     """Create each topic of ``wanted`` that does not exist; ``[(topic, partitions, "created" |
     "exists")]``. Raises TopicError (one line) if Kafka is unreachable, a creation fails, or the
@@ -58,10 +60,10 @@ def create_topics(cfg: dict, wanted: dict[str, int], replication_factor: int = 1
 
     from consumers.kafka_security import client_options
 
-    boot = cfg["source"]["bootstrap"]
+    boot = cfg.source.bootstrap
     try:
         admin = KafkaAdminClient(bootstrap_servers=boot, request_timeout_ms=int(timeout_s * 1000),
-                                 **client_options(cfg.get("security")))
+                                 **client_options(cfg.security))
     except KafkaError as exc:
         raise TopicError(f"cannot reach Kafka at {boot} ({type(exc).__name__}); check "
                          "source.bootstrap and that the broker runs") from None
@@ -82,7 +84,7 @@ def create_topics(cfg: dict, wanted: dict[str, int], replication_factor: int = 1
         out = []
         described = {d.get("name", d.get("topic")): len(d.get("partitions") or [])
                      for d in admin.describe_topics(list(wanted))}
-        analyzer = cfg["shuffle"].get("analyzer_topic") or cfg["source"].get("topic")
+        analyzer = cfg.shuffle.analyzer_topic or cfg.source.topic
         for t, p in wanted.items():
             have = described.get(t, 0)
             if t == analyzer and have not in (0, 1):

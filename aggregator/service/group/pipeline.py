@@ -26,6 +26,7 @@ from ..ledger import LedgerError
 from ..errors import ServiceError
 from ..identity import choose_buckets_for
 from ..process import release_method
+from ..settings import Config
 from .counter import Counter
 from .export import ExportCollector
 from .forced import ReleaseRequests
@@ -58,36 +59,36 @@ class Pipeline:
     """Aggregation ``name`` ("" for a group of one) with its config ``cfg``; ``clients`` is the
     member (:class:`~aggregator.service.group.service.GroupService`) that makes Kafka clients."""
 
-    def __init__(self, name: str, cfg: dict, clients, metrics):
+    def __init__(self, name: str, cfg: Config, clients, metrics):
         self.name, self.cfg, self.clients, self.metrics = name, cfg, clients, metrics
-        st, src = cfg["state"], cfg["source"]
-        self.direct = st["mode"] == "direct"
-        self.size = int(st["domain_size"]) if self.direct else choose_buckets_for(cfg)
-        self.topics = GroupTopics(src["group"], name)
-        self.decoder = Decoder(src["format"], domain_size=self.size if self.direct else None,
-                               max_message_bytes=src["max_message_bytes"],
-                               max_item_bytes=src["max_item_bytes"],
-                               spec=ItemSpec.from_config(cfg["item"]))
+        st, src = cfg.state, cfg.source
+        self.direct = st.mode == "direct"
+        self.size = int(st.domain_size) if self.direct else choose_buckets_for(cfg)
+        self.topics = GroupTopics(src.group, name)
+        self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
+                               max_message_bytes=src.max_message_bytes,
+                               max_item_bytes=src.max_item_bytes,
+                               spec=ItemSpec.from_config(cfg.item))
         self.identity: dict | None = None
         self.ledger: TopicLedger | None = None
         self.counter: Counter | None = None
         self.leader: Leader | None = None
-        self.about = f"aggregation {name} of group {src['group']}" if name else \
-            f"group {src['group']}"
+        self.about = f"aggregation {name} of group {src.group}" if name else \
+            f"group {src.group}"
 
     # -- start -------------------------------------------------------------------------------
     def identity_of_config(self, partitions: int) -> dict:
         from ...state import PanPrivateHistogram
 
-        st, w = self.cfg["state"], self.cfg["window"]
-        neighbor = PanPrivateHistogram(st["epsilon"], size=1).neighbor
-        event_time = w["kind"] == "event_time"
-        return {"mode": st["mode"], "size": self.size, "epsilon": float(st["epsilon"]),
-                "neighbor": neighbor, "model": st["model"], "window_size": float(w["size"]),
-                "partitions": int(partitions), "window_kind": w["kind"] if w["kind"] in
+        st, w = self.cfg.state, self.cfg.window
+        neighbor = PanPrivateHistogram(st.epsilon, size=1).neighbor
+        event_time = w.kind == "event_time"
+        return {"mode": st.mode, "size": self.size, "epsilon": float(st.epsilon),
+                "neighbor": neighbor, "model": st.model, "window_size": float(w.size),
+                "partitions": int(partitions), "window_kind": w.kind if w.kind in
                 ("event_time", "count") else "time",
-                "allowed_lateness_s": float(w["allowed_lateness_s"]),
-                "late": w["late"] if event_time else "next"}
+                "allowed_lateness_s": float(w.allowed_lateness_s),
+                "late": w.late if event_time else "next"}
 
     def anchor(self, admin) -> dict | None:
         """The newest ledger head the counting group's committed offsets carry (None: none)."""
@@ -109,13 +110,13 @@ class Pipeline:
         new (with ``seed(txn)``'s messages in the same transaction: where a new group starts
         reading, ``source.start``), else check this member's settings against it."""
         cfg = self.cfg
-        budget = cfg["ledger"]["budget_per_window"] or float(cfg["state"]["epsilon"])
-        agg = cfg.get("aggregation") or {}
+        budget = cfg.ledger.budget_per_window or float(cfg.state.epsilon)
+        agg = cfg.aggregation or {}
         self.ledger = TopicLedger(self.clients.consumer(None), self.topics.ledger,
                                   budget_per_window=budget,
-                                  budget_total=cfg["ledger"]["budget_total"] or None,
+                                  budget_total=cfg.ledger.budget_total or None,
                                   budget_per_event=agg.get("budget_per_event")
-                                  or cfg["ledger"].get("budget_per_event") or budget)
+                                  or cfg.ledger.budget_per_event or budget)
         try:
             self.ledger.read_to_end()
             problem = self.ledger.anchor_problem(anchor)
@@ -134,7 +135,7 @@ class Pipeline:
         that has one would be silently ignored (it resumes from the group's offsets): refused."""
         from ..config import parse_start
 
-        wanted = self.cfg["source"]["start"]
+        wanted = self.cfg.source.start
         had = self.identity.get("start", "earliest")
         if parse_start(wanted) != "earliest" and parse_start(had) != parse_start(wanted):
             raise ServiceError(f"source.start = {wanted} only places a new group, but "
@@ -163,7 +164,7 @@ class Pipeline:
                 ident["aggregation"] = self.name
             if not self.direct:
                 ident["hash_key"] = os.urandom(16).hex()
-            ident["start"] = str(self.cfg["source"]["start"])
+            ident["start"] = str(self.cfg.source.start)
             txn.begin()
             self.ledger.append(entry_id="identity", kind="identity", identity=ident,
                                producer=txn)
@@ -199,18 +200,18 @@ class Pipeline:
             index_of = lambda items: bucket_of(items, key, size)  # noqa: E731
         return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics,
                      clock=self.clock(), name=self.name,
-                     dead_topic=self.cfg["source"]["dead_letter_topic"],
+                     dead_topic=self.cfg.source.dead_letter_topic,
                      counted=self.identity.get("window_kind") == "count")
 
     def clock(self) -> EventClock | None:
         """The event-time windows of this aggregation (None: by intake time)."""
         if self.identity.get("window_kind", "time") != "event_time":
             return None
-        w = self.cfg["window"]
+        w = self.cfg.window
         return EventClock(size_s=self.identity["window_size"],
                           lateness_s=self.identity["allowed_lateness_s"],
-                          max_future_skew_s=w["max_future_skew_s"], late=self.identity["late"],
-                          idle_timeout_s=w["idle_partition_timeout_s"])
+                          max_future_skew_s=w.max_future_skew_s, late=self.identity["late"],
+                          idle_timeout_s=w.idle_partition_timeout_s)
 
     def rollup_spans(self) -> dict[str, int]:
         """window.rollups as sums (rollup_design = sum, or a hybrid level's longer spans)."""
@@ -222,8 +223,8 @@ class Pipeline:
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
                                self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
                                self.topics, self.identity, self.ledger, self.metrics,
-                               member=instance, grace_s=self.cfg["scale"]["close_grace_s"],
-                               snapshots_per_window=self.cfg["checkpoint"]["snapshots_per_window"],
+                               member=instance, grace_s=self.cfg.scale.close_grace_s,
+                               snapshots_per_window=self.cfg.checkpoint.snapshots_per_window,
                                snapshot_reader=SimpleNamespace(
                                    consumer=self.clients.consumer(None),
                                    topic=self.topics.snapshots),
@@ -266,17 +267,17 @@ class Pipeline:
             from .summary import merge_summaries
             merge = lambda summaries, **kw: worker.call(merge_summaries, summaries, **kw)  # noqa: E731
         leader = Leader(txn, self.ledger, self.clients.consumer(None), self.topics,
-                      self.identity, self.metrics, release_dir=cfg["release"]["dir"],
-                      release_topic=cfg["release"]["topic"], loss=cfg["state"]["loss"],
-                      error_bar_reps=cfg["release"]["error_bar_reps"],
+                      self.identity, self.metrics, release_dir=cfg.release.dir,
+                      release_topic=cfg.release.topic, loss=cfg.state.loss,
+                      error_bar_reps=cfg.release.error_bar_reps,
                       method=release_method(cfg), merge=merge,
-                      grace_s=cfg["scale"]["close_grace_s"], aggregation=self.name,
-                      rollup_level=(cfg.get("aggregation") or {}).get("rollup_level"),
+                      grace_s=cfg.scale.close_grace_s, aggregation=self.name,
+                      rollup_level=(cfg.aggregation or {}).get("rollup_level"),
                       requests=ReleaseRequests(self.clients.consumer(None), self.topics),
                       exports=ExportCollector(self.clients.consumer(None), self.topics,
                                               int(self.identity["partitions"])),
-                      audit_key_file=cfg["audit"]["key_file"],
-                      audit_dir=cfg["audit"]["dir"] or os.path.join(cfg["checkpoint"]["dir"],
+                      audit_key_file=cfg.audit.key_file,
+                      audit_dir=cfg.audit.dir or os.path.join(cfg.checkpoint.dir,
                                                                     "exports"),
                       closer=closer)
         spans = self.rollup_spans()

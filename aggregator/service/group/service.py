@@ -31,6 +31,7 @@ from consumers.kafka_security import client_options, redacted
 
 from ..config import aggregation_configs
 from ..errors import ServiceError
+from ..settings import Config
 from .pipeline import MUST_AGREE, Pipeline
 from .repartition import Repartitioner
 from .topics import GroupTopicError
@@ -44,17 +45,17 @@ log = logging.getLogger("panagg.group")
 class GroupService:
     """One member of the group ``source.group`` (see the module docstring)."""
 
-    def __init__(self, cfg: dict, metrics, *, fresh_start: bool = False,
+    def __init__(self, cfg: Config, metrics, *, fresh_start: bool = False,
                  accept_change: bool = False):
         if fresh_start or accept_change:
             raise ServiceError("--fresh-start and --accept-change do not apply to scale.store = "
                                "kafka: the group's state is its Kafka topics (use another "
                                "source.group for a new group)")
         self.cfg, self.metrics = cfg, metrics
-        src = cfg["source"]
-        self.instance = src["instance_id"] or \
+        src = cfg.source
+        self.instance = src.instance_id or \
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.security = client_options(cfg.get("security"))
+        self.security = client_options(cfg.security)
         named = aggregation_configs(cfg)
         if named:
             # each aggregation its own series (labelled aggregation=NAME, as one process does):
@@ -87,21 +88,21 @@ class GroupService:
 
     # -- Kafka clients -----------------------------------------------------------------------
     def _common(self) -> dict:
-        return dict(bootstrap_servers=self.cfg["source"]["bootstrap"],
+        return dict(bootstrap_servers=self.cfg.source.bootstrap,
                     reconnect_backoff_max_ms=1000, **self.security)
 
     def consumer(self, group: str | None, **extra):
         from kafka import KafkaConsumer
 
-        src = self.cfg["source"]
+        src = self.cfg.source
         conf = dict(self._common(), group_id=group, enable_auto_commit=False,
                     isolation_level="read_committed", auto_offset_reset="earliest",
                     client_id=f"panagg-{self.instance}",
-                    fetch_max_bytes=src["fetch_max_bytes"],
-                    max_partition_fetch_bytes=src["max_partition_fetch_bytes"])
+                    fetch_max_bytes=src.fetch_max_bytes,
+                    max_partition_fetch_bytes=src.max_partition_fetch_bytes)
         if group is not None:
-            conf.update(session_timeout_ms=int(src["session_timeout_s"] * 1000),
-                        heartbeat_interval_ms=int(min(3.0, src["session_timeout_s"] / 3) * 1000))
+            conf.update(session_timeout_ms=int(src.session_timeout_s * 1000),
+                        heartbeat_interval_ms=int(min(3.0, src.session_timeout_s / 3) * 1000))
         conf.update(extra)
         c = KafkaConsumer(**conf)
         self._clients.append(c)
@@ -129,15 +130,15 @@ class GroupService:
 
     # -- start -------------------------------------------------------------------------------
     def _partitions(self, admin) -> int:
-        src = self.cfg["source"]
-        want = int(self.cfg["scale"]["partitions"])
-        found = [d for d in admin.describe_topics([src["topic"]])
-                 if d.get("topic", d.get("name")) == src["topic"]]
+        src = self.cfg.source
+        want = int(self.cfg.scale.partitions)
+        found = [d for d in admin.describe_topics([src.topic])
+                 if d.get("topic", d.get("name")) == src.topic]
         have = len(found[0].get("partitions") or []) if found else 0
         if not have:
-            raise ServiceError(f"topic {src['topic']!r} does not exist on the cluster: create it "
+            raise ServiceError(f"topic {src.topic!r} does not exist on the cluster: create it "
                                "(panagg reads it, never creates it) or fix source.topic")
-        self.source_partitions = [f"{src['topic']}:{p}" for p in range(have)]
+        self.source_partitions = [f"{src.topic}:{p}" for p in range(have)]
         return want or have
 
     def _retrying(self, call, what: str):
@@ -146,7 +147,7 @@ class GroupService:
         line."""
         from kafka.errors import KafkaError
 
-        deadline = time.monotonic() + float(self.cfg["source"]["connect_timeout_s"])
+        deadline = time.monotonic() + float(self.cfg.source.connect_timeout_s)
         while True:
             try:
                 return call()
@@ -160,7 +161,7 @@ class GroupService:
     def _check_directory(self) -> None:
         """A directory the shared-directory store used is not scratch: its ledger records
         privacy spent. A member never takes it over (a silent switch would forget the charges)."""
-        d = Path(self.cfg["checkpoint"]["dir"])
+        d = Path(self.cfg.checkpoint.dir)
         if (d / "ledger.jsonl").exists() or (d / "partitions").is_dir():
             raise ServiceError(
                 f"checkpoint.dir {d} holds a state directory of one process or of the removed "
@@ -175,7 +176,7 @@ class GroupService:
         cfg = self.cfg
         self._check_directory()
         admin = KafkaAdminClient(**self._common(), request_timeout_ms=int(
-            cfg["source"]["connect_timeout_s"] * 1000))
+            cfg.source.connect_timeout_s * 1000))
         try:
             P = self._partitions(admin)
             anchors = {}
@@ -190,18 +191,18 @@ class GroupService:
                         "it was deleted; restore it (the ledger is the record of privacy "
                         "spent), or start a new group (another source.group) knowing the old "
                         "charges are not carried over")
-            src_topic = cfg["source"]["topic"]
-            listed = self._retrying(lambda: admin.list_group_offsets(cfg["source"]["group"]),
+            src_topic = cfg.source.topic
+            listed = self._retrying(lambda: admin.list_group_offsets(cfg.source.group),
                                     "reading the source group's committed offsets")
             committed = {tp.partition: om.offset for tp, om in
-                         (listed.get(cfg["source"]["group"]) or {}).items()
+                         (listed.get(cfg.source.group) or {}).items()
                          if tp.topic == src_topic and om.offset is not None and om.offset > 0}
             for pipe in self.pipelines:
                 # (a count window's duration is not known: a week, and a replay that finds its
                 # window's first records deleted withholds the window, counter.py)
-                retention = cfg["scale"]["repartition_retention_s"] or (
-                    7 * 86400.0 if pipe.cfg["window"]["kind"] == "count"
-                    else max(3 * float(pipe.cfg["window"]["size"]), 3600.0))
+                retention = cfg.scale.repartition_retention_s or (
+                    7 * 86400.0 if pipe.cfg.window.kind == "count"
+                    else max(3 * float(pipe.cfg.window.size), 3600.0))
                 for line in pipe.topics.ensure(admin, P, int(retention * 1000)):
                     log.info(line)
         except GroupTopicError as exc:
@@ -212,18 +213,18 @@ class GroupService:
         for i, pipe in enumerate(self.pipelines):
             # one group, one start: the first aggregation's identity carries it
             pipe.open_ledger(P, anchors[pipe.name], seed=seed if i == 0 else None)
-        if cfg["release"]["workers"]:
+        if cfg.release.workers:
             from ..release_worker import ReleaseWorker
-            self.worker = ReleaseWorker(cfg["release"]["workers"])
-        group_opts = {"group_instance_id": self.instance} if cfg["source"]["instance_id"] else {}
+            self.worker = ReleaseWorker(cfg.release.workers)
+        group_opts = {"group_instance_id": self.instance} if cfg.source.instance_id else {}
         for pipe in self.pipelines:
             pipe.start_counting(self.instance, group_opts)
-        intake = self.consumer(cfg["source"]["group"], **group_opts,
-                               max_poll_records=cfg["source"]["max_records"])
+        intake = self.consumer(cfg.source.group, **group_opts,
+                               max_poll_records=cfg.source.max_records)
         marks = self.pipelines[0].topics.intake
         self.intake = Repartitioner(
-            intake, self.transactions(f"{cfg['source']['group']}.panagg.intake.{self.instance}"),
-            [pipe.route(P) for pipe in self.pipelines], max_records=cfg["source"]["max_records"],
+            intake, self.transactions(f"{cfg.source.group}.panagg.intake.{self.instance}"),
+            [pipe.route(P) for pipe in self.pipelines], max_records=cfg.source.max_records,
             marks_topic=marks, marks_reader=self.consumer(None))
         from kafka import ConsumerRebalanceListener
         rp = self.intake
@@ -236,10 +237,10 @@ class GroupService:
                 rp.read_marks()   # a partition may come with marks another member wrote
                 rp.assigned(assigned)
 
-        intake.subscribe([cfg["source"]["topic"]], listener=_Marks())
+        intake.subscribe([cfg.source.topic], listener=_Marks())
         self._seed_marks(committed)
         for pipe in self.pipelines:   # a rollup level's is its share
-            pipe.metrics.epsilon.set(float(pipe.cfg["state"]["epsilon"]))
+            pipe.metrics.epsilon.set(float(pipe.cfg.state.epsilon))
         self._save_config()
         for pipe in self.pipelines:
             kind, size = pipe.identity.get("window_kind"), pipe.identity["window_size"]
@@ -260,14 +261,14 @@ class GroupService:
 
         from ..config import parse_start
 
-        src = self.cfg["source"]
-        start = parse_start(src["start"])
+        src = self.cfg.source
+        start = parse_start(src.start)
         if start == "earliest":
             return None
         probe = self.consumer(None)
         try:
-            parts = probe.partitions_for_topic(src["topic"]) or set()
-            tps = [TopicPartition(src["topic"], p) for p in sorted(parts)]
+            parts = probe.partitions_for_topic(src.topic) or set()
+            tps = [TopicPartition(src.topic, p) for p in sorted(parts)]
             ends = probe.end_offsets(tps)
             if start == "latest":
                 at = ends
@@ -284,10 +285,10 @@ class GroupService:
                 txn.send(marks, partition=0, key=f"{tp.topic}:{tp.partition}".encode(),
                          value=str(int(off)).encode())
             txn.send_offsets({tp: OffsetAndMetadata(int(off), "", -1) for tp, off in at.items()},
-                             src["group"])
-            log.info("new group %s starts at %s (source.start = %s): %s", src["group"],
+                             src.group)
+            log.info("new group %s starts at %s (source.start = %s): %s", src.group,
                      "the latest offsets" if start == "latest" else "the first records at or "
-                     "after it", src["start"], ", ".join(f"{tp.partition} at {off}"
+                     "after it", src.start, ", ".join(f"{tp.partition} at {off}"
                                                          for tp, off in sorted(at.items())))
         return seed
 
@@ -296,7 +297,7 @@ class GroupService:
         process, or by the removed shared-directory store) but without a high-water mark: their
         committed offset becomes the mark, so a later reset of the offsets cannot re-read what
         was counted before the marks existed."""
-        topic = self.cfg["source"]["topic"]
+        topic = self.cfg.source.topic
         seeds = {p: o for p, o in committed.items() if (topic, p) not in self.intake.marks}
         if not seeds:
             return
@@ -315,7 +316,7 @@ class GroupService:
     def _save_config(self) -> None:
         """The member's config (no secrets) in its scratch directory: commands run on that
         directory then know it is a member of a Kafka-only group and say what applies."""
-        d = Path(self.cfg["checkpoint"]["dir"])
+        d = Path(self.cfg.checkpoint.dir)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / ".config.json.tmp"
         tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))
