@@ -141,7 +141,7 @@ def two_windows_live(agg) -> bool:
     """A window counts within its lateness while the next one counts too, and the checkpoint
     starts a window that was the second one (it replays part of its records among records
     released before)."""
-    second = agg._second
+    second = agg.event_time.second
     return bool(second is not None and second.events
                 and agg.task.durable.window.get("skip_until"))
 
@@ -159,13 +159,14 @@ def test_a_crash_while_two_windows_are_live_replays_every_release_exactly(tmp_pa
         for _ in range(stop_at):
             for seg in agg.source.poll():
                 agg._ingest(seg)
-            agg._event_time_turn(agg.task)
+            agg.event_time.turn(agg.task)
         if not two_windows_live(agg):
             continue
         crashed += 1
         durable = agg.task.durable
-        assert durable.totals["events"] + agg.task.window["events"] + agg._second.events == \
-            agg.task.totals["events"]  # the checkpoint holds none of the live windows' events
+        live = agg.task.window["events"] + agg.event_time.second.events
+        # the checkpoint holds none of the live windows' events
+        assert durable.totals["events"] + live == agg.task.totals["events"]
         del agg  # SIGKILL: nothing after the checkpoint is durable
 
         again = Aggregator(settings(run, lateness, late),
@@ -185,7 +186,7 @@ def drive(agg, steps=None) -> None:
         segments = agg.source.poll()
         for seg in segments:
             agg._ingest(seg)
-        agg._event_time_turn(agg.task)
+        agg.event_time.turn(agg.task)
         if not segments and agg.source.exhausted:
             while agg.task.window["events"]:
                 agg.close_window()
@@ -199,7 +200,7 @@ def test_a_release_request_while_two_windows_are_live_is_replayed_exactly(tmp_pa
     replay with another interleaving give the same releases, and every event is in one."""
     def until_two_windows(agg):
         agg.restore()
-        while not (agg._second is not None and agg._second.events):
+        while not (agg.event_time.second is not None and agg.event_time.second.events):
             drive(agg, 1)
         agg.close_window()  # `panagg release`
 
@@ -224,7 +225,7 @@ def test_a_release_request_while_two_windows_are_live_is_replayed_exactly(tmp_pa
 def test_lateness_zero_keeps_one_live_window(tmp_path):
     agg = Recording(settings(tmp_path, 0, "next"), ListSource(PARTS, chunk=1))
     agg.run()
-    assert agg._second is None and len(agg.items_of) == len(releases(tmp_path))
+    assert agg.event_time.second is None and len(agg.items_of) == len(releases(tmp_path))
 
 
 def test_releases_say_the_allowed_lateness(tmp_path):

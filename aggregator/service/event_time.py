@@ -33,7 +33,7 @@ to ``checkpoint.dir/future_rejects`` (position only, synced) before its dead let
 and a replay rejects the records listed there again whatever the clock says
 (:class:`FutureRejects`).
 
-What a checkpoint records (:meth:`EventTimeWindows._open_event_time_window`). The checkpoint
+What a checkpoint records (:meth:`EventTimeWindows.open_window`). The checkpoint
 written when window ``a`` closes starts window ``a + 1``. If that window already counted records
 (read before ``a``'s close positions), the checkpoint holds no counters for them (as always: the
 open window's events are replayed from the source under fresh noise) but two positions per
@@ -131,34 +131,48 @@ class SecondWindow:
 
 
 class EventTimeWindows:
-    """The event-time part of :class:`aggregator.service.process.Aggregator` (a mixin: it counts
-    with the aggregator's ``_count``, ``_account``, ``_hold`` and ``_reject``)."""
+    """Which event-time window each record of the consume loop is counted in, and when the open
+    window closes (the module docstring's definitions), as a component of the loop.
 
-    def _init_event_time(self) -> None:
+    ``host`` is the :class:`aggregator.service.process.Aggregator` it serves. It counts with the
+    host's counting steps and nothing else: ``_decode`` / ``_parse`` (records to items),
+    ``_count`` (items into a state), ``_account`` / ``_reject`` / ``_hold`` /
+    ``_closed_or_held`` / ``_release_held`` (source positions, rejects and paused partitions),
+    ``_new_window`` / ``_new_state`` / ``close_window`` / ``_ledger_append`` (the close path) and
+    ``_window_gauges``; it reads the host's ``cfg``, ``task``, ``source``, ``metrics``, ``dir``
+    and ``model``. The host calls :meth:`ingest` for each segment, :meth:`turn` once a loop
+    turn, :meth:`open_window` for each window it opens and :meth:`carried_state`,
+    :meth:`second_window_fields` and :meth:`skip_decided_window` on its close and restore path.
+    """
+
+    def __init__(self, host) -> None:
+        self.host = host
         self._next_event_index: int | None = None  # the window a close opens
         self._ahead: dict[str, int] = {}  # partition -> window its held record is in
         self._idle_since: float | None = None
-        self._second: SecondWindow | None = None
+        #: the window after the open one while it counts already (allowed lateness), else None
+        self.second: SecondWindow | None = None
         self._carried = None  # the second window's state, taken over by the window a close opens
-        self._future = (FutureRejects(self.dir / "future_rejects")
-                        if self.cfg.window.kind == "event_time" else None)
+        #: positions rejected as future_timestamp, rejected again on a replay (event_time only)
+        self.future = (FutureRejects(host.dir / "future_rejects")
+                       if host.cfg.window.kind == "event_time" else None)
 
     # -- window bounds -------------------------------------------------------------------------
-    def _open_event_time_window(self, task: WindowTask, w: dict) -> None:
+    def open_window(self, task: WindowTask, w: dict) -> None:
         """Event-time fields of the window ``w`` that is about to start (set before the
         checkpoint that starts it, so a replay from that checkpoint assigns every record as the
         first run did): its bounds, which earlier records are late, and, if the second window
         already counted records, what the checkpoint must replay of them."""
         prev = task.window or {}
         closed = prev.get("event_index")
-        if self._future is not None and task.durable is not None:
+        if self.future is not None and task.durable is not None:
             # a crash from here on restores at least the last durable checkpoint
-            self._future.prune(self._replay_starts(task.durable))
+            self.future.prune(self.replay_starts(task.durable))
         # records of windows before this one are late
         w["late_before"] = closed + 1 if closed is not None else prev.get("late_before")
         w["late"] = 0
-        index, second = self._next_event_index, self._second
-        self._next_event_index, self._second, self._carried = None, None, None
+        index, second = self._next_event_index, self.second
+        self._next_event_index, self.second, self._carried = None, None, None
         task.replay = None
         at = dict(task.offsets)  # the closing window's close positions
         # a close before a replay got through the records released two windows ago (a release
@@ -173,22 +187,22 @@ class EventTimeWindows:
             task.replay = {"offsets": dict(at, **start), "events": second.events}
         if skip:
             w["skip_until"] = dict(sorted(skip.items()))
-        self._set_event_index(w, index)
+        self.set_event_index(w, index)
         # waiting partitions wait for this window's end now (a release request may close a
         # window before they all passed it): they read their waiting records again
         self._ahead.clear()
-        self._release_held()
+        self.host._release_held()
 
-    def _second_window_fields(self) -> dict:
+    def second_window_fields(self) -> dict:
         """What a closing event-time window's ledger entry records of the second window (so a
         restart can open the next window as the close did, without replaying this one)."""
-        second = self._second
+        second = self.second
         if second is None or not second.events:
             return {"second": None}
         return {"second": {"index": int(second.index), "events": int(second.events),
                            "first": dict(second.first)}}
 
-    def _skip_decided_event_window(self, task: WindowTask, entry: dict) -> bool:
+    def skip_decided_window(self, task: WindowTask, entry: dict) -> bool:
         """The restored event-time window is in the ledger already (a stop between its ledger
         entry and the checkpoint that opens the next window): open the next window as the close
         did instead of replaying this one. The replay reads from the decided window's start,
@@ -200,7 +214,7 @@ class EventTimeWindows:
             return False
         closed, second = dict(task.window), entry["second"]
         ends = {p: int(o) for p, o in entry["end_offsets"].items()}
-        w = self._new_window(task, closed["id"] + 1)
+        w = self.host._new_window(task, closed["id"] + 1)
         index = closed.get("event_index")
         w["late_before"] = index + 1 if index is not None else closed.get("late_before")
         w["late"] = 0
@@ -213,66 +227,66 @@ class EventTimeWindows:
         w.update(lineage=closed.get("lineage"),
                  start_offsets=dict(ends, **{p: min(int(o), ends.get(p, int(o)))
                                              for p, o in first.items()}))
-        self._set_event_index(w, second["index"] if second else None)
+        self.set_event_index(w, second["index"] if second else None)
         totals = totals_from(entry["totals"])
         totals["events"] -= int((second or {}).get("events", 0))  # the replay counts them again
         task.window, task.totals = w, totals
         task.mark_start()
-        task.state = self._new_state(task, w["id"])
+        task.state = self.host._new_state(task, w["id"])
         task.close_at, task.replay = None, None
         self._ahead.clear()
         if second:
-            self._ledger_append(
+            self.host._ledger_append(
                 entry_id=f"restart-{os.urandom(6).hex()}", kind="restart", window=w["id"],
-                window_uid=w["uid"], model=self.model, replay_from=dict(task.offsets),
+                window_uid=w["uid"], model=self.host.model, replay_from=dict(task.offsets),
                 unit=task.name, note="the second window's events (read before the stop) "
                                      "counted again under fresh noise; 2 eps for them against "
                                      "an intruder who read memory before the restart")
         return True
 
     @staticmethod
-    def _replay_starts(ckpt) -> dict[str, int]:
+    def replay_starts(ckpt) -> dict[str, int]:
         """Where a restore from ``ckpt`` starts reading each partition."""
         return {p: int(o) for p, o in (ckpt.offsets or {}).items()}
 
-    def _carried_state(self):
+    def carried_state(self):
         """The state of the window just opened if it was the live second window, else None."""
         state, self._carried = self._carried, None
         return state
 
-    def _set_event_index(self, w: dict, index: int | None) -> None:
-        size = int(self.cfg.window.size)
+    def set_event_index(self, w: dict, index: int | None) -> None:
+        size = int(self.host.cfg.window.size)
         w["event_index"] = None if index is None else int(index)
         w["event_start_unix"] = None if index is None else int(index) * size
         w["event_end_unix"] = None if index is None else (int(index) + 1) * size
 
     # -- counting ------------------------------------------------------------------------------
-    def _ingest_event_time(self, seg: Segment) -> None:
+    def ingest(self, seg: Segment) -> None:
         """Count ``seg``: first its records a restored window replays among records already
         released in the window before it (``window.skip_until``), then the rest."""
-        until = (self.task.window.get("skip_until") or {}).get(seg.partition)
+        until = (self.host.task.window.get("skip_until") or {}).get(seg.partition)
         if until is not None and seg.offsets[0] < until:
             cut = int(np.searchsorted(offsets_array(seg.offsets), until))
-            self._replay_among_released(self.task, _slice(seg, 0, cut))
+            self._replay_among_released(self.host.task, _slice(seg, 0, cut))
             seg = _slice(seg, cut, len(seg))
             if not len(seg):
                 return
-        items, good, rejected = self._decode(seg)
-        self._count_event_time(self.task, seg, items, good, rejected, self.close_window)
+        items, good, rejected = self.host._decode(seg)
+        self.count(self.host.task, seg, items, good, rejected, self.host.close_window)
 
     def _replay_among_released(self, task: WindowTask, seg: Segment) -> None:
         """Records before the previous window's close position on their partition: count those
         stamped in the open window (it was the second window when they were first read) and
         pass over the rest silently (released, late or rejected before: their totals and dead
         letters are in the checkpoint already)."""
-        decoded = self._parse(seg)
+        decoded = self.host._parse(seg)
         bad = {i for i, _ in decoded.rejected}
         good_idx = np.asarray([i for i in range(len(seg)) if i not in bad], dtype=np.int64)
         if len(good_idx) and task.window["event_index"] is not None:
-            wcfg = self.cfg.window
+            wcfg = self.host.cfg.window
             ts = _timestamps(seg, len(seg))[good_idx]
             limit_ms = int((time.time() + float(wcfg.max_future_skew_s)) * 1000)
-            was_future = self._future.mask(seg.partition, offsets_array(seg.offsets)[good_idx])
+            was_future = self.future.mask(seg.partition, offsets_array(seg.offsets)[good_idx])
             mine = (ts >= 0) & (ts <= limit_ms) & ~was_future & \
                 (ts // (int(wcfg.size) * 1000) == task.window["event_index"])
             self._count_events(task, _take(decoded.items, np.flatnonzero(mine)))
@@ -282,26 +296,26 @@ class EventTimeWindows:
         """Count ``items`` into ``task``'s open window."""
         if not len(items):
             return
-        self._count(task.state, items)
+        self.host._count(task.state, items)
         task.window["events"] += len(items)
         task.totals["events"] += len(items)
-        self.metrics.events.inc(len(items))
-        self._window_gauges(task)
+        self.host.metrics.events.inc(len(items))
+        self.host._window_gauges(task)
 
     def _count_second(self, task: WindowTask, partition: str, first_offset: int, items) -> None:
         """Count ``items`` (the first at ``first_offset``) into the second window."""
-        if self._second is None:
+        if self.second is None:
             wid = task.window["id"] + 1
-            self._second = SecondWindow(task.window["event_index"] + 1,
-                                        self._new_state(task, wid))
-        second = self._second
-        self._count(second.state, items)
+            self.second = SecondWindow(task.window["event_index"] + 1,
+                                        self.host._new_state(task, wid))
+        second = self.second
+        self.host._count(second.state, items)
         second.events += len(items)
         second.first.setdefault(partition, int(first_offset))
         task.totals["events"] += len(items)
-        self.metrics.events.inc(len(items))
+        self.host.metrics.events.inc(len(items))
 
-    def _count_event_time(self, task: WindowTask, seg: Segment, items, good, rejected,
+    def count(self, task: WindowTask, seg: Segment, items, good, rejected,
                           close) -> None:
         """Count ``seg`` by its records' timestamps (the module docstring's definitions).
 
@@ -313,7 +327,7 @@ class EventTimeWindows:
         offsets = offsets_array(seg.offsets)
         m = len(offsets)
         good_idx = np.arange(len(items)) if good is None else np.asarray(good, dtype=np.int64)
-        wcfg = self.cfg.window
+        wcfg = self.host.cfg.window
         size_ms = int(wcfg.size) * 1000
         lateness_ms = int(round(float(wcfg.allowed_lateness_s) * 1000))
         ts = _timestamps(seg, m)[good_idx] if len(good_idx) else np.zeros(0, np.int64)
@@ -321,14 +335,14 @@ class EventTimeWindows:
         reasons = {int(i): r for i, r in rejected}  # record index -> reason
         # future: by the clock now, or by the decision of an earlier read of the record (a
         # replay's later clock must not count what the first read dead-lettered)
-        future = (ts >= 0) & ((ts > limit_ms) | self._future.mask(seg.partition,
+        future = (ts >= 0) & ((ts > limit_ms) | self.future.mask(seg.partition,
                                                                    offsets[good_idx]))
         bad = (ts < 0) | future
         if bad.any():
             for i in np.flatnonzero(bad):
                 if future[i]:  # durable before the dead letter
-                    self._future.add(seg.partition, int(offsets[good_idx[i]]))
-                self._reject(seg, int(good_idx[i]),
+                    self.future.add(seg.partition, int(offsets[good_idx[i]]))
+                self.host._reject(seg, int(good_idx[i]),
                              "no_timestamp" if ts[i] < 0 else "future_timestamp", reasons)
             keep = np.flatnonzero(~bad)
             items, good_idx, ts = _take(items, keep), good_idx[keep], ts[keep]
@@ -354,7 +368,7 @@ class EventTimeWindows:
             later = chunk > open_ if open_ is not None else np.zeros(len(chunk), bool)
             if dead_letter_late and n_late:
                 for i in np.flatnonzero(late):
-                    self._reject(seg, int(good_idx[j + i]), "late", reasons)
+                    self.host._reject(seg, int(good_idx[j + i]), "late", reasons)
             if later.any():
                 at = j + np.flatnonzero(later)
                 self._count_second(task, seg.partition, int(offsets[good_idx[at[0]]]),
@@ -366,25 +380,25 @@ class EventTimeWindows:
             j = ahead_at
             upto = int(good_idx[j]) if ahead_at < jl else rec_limit
             rej_idx = np.asarray(sorted(reasons), dtype=np.int64)
-            self._account(task, seg.partition, offsets, rej_idx,
+            self.host._account(task, seg.partition, offsets, rej_idx,
                           [reasons[int(i)] for i in rej_idx], rec, upto)
             rec = max(rec, upto)
             if ahead_at < jl:  # this partition has passed the open window: it waits here
                 self._ahead[seg.partition] = int(widx[j])
-                self._hold(seg.partition, int(offsets[rec]))
-                self._advance_event_time(task, close)
+                self.host._hold(seg.partition, int(offsets[rec]))
+                self.advance(task, close)
                 return
-            if self._closed_or_held(task, seg.partition, offsets, rec, close):
+            if self.host._closed_or_held(task, seg.partition, offsets, rec, close):
                 continue  # (a close clears the waits: _open_event_time_window)
             return
 
     # -- closing -------------------------------------------------------------------------------
-    def _advance_event_time(self, task: WindowTask, close, idle=()) -> None:
+    def advance(self, task: WindowTask, close, idle=()) -> None:
         """Close the open event-time window (or open the first one) once every assigned
         partition has passed it, except ``idle`` ones. The next window is the second window if
         it counted anything, else the earliest one a waiting record falls in
         (:meth:`_open_event_time_window`)."""
-        assigned = getattr(self.source, "assigned", None)
+        assigned = getattr(self.host.source, "assigned", None)
         parts = set(assigned) if assigned else set(self._ahead)
         if not self._ahead or not parts - set(idle) <= set(self._ahead):
             return
@@ -392,23 +406,23 @@ class EventTimeWindows:
         self._ahead.clear()
         self._idle_since = None
         if task.window.get("event_index") is None:
-            self._set_event_index(task.window, nxt)  # the first window (in memory: replayable)
+            self.set_event_index(task.window, nxt)  # the first window (in memory: replayable)
         else:
             self._next_event_index = nxt
             close()
-        self._release_held()
+        self.host._release_held()
 
-    def _event_time_turn(self, task: WindowTask) -> None:
+    def turn(self, task: WindowTask) -> None:
         """``window.idle_partition_timeout``: partitions read to their end while the others wait
         at a later window stop holding the watermark after that many seconds (logged)."""
-        timeout = float(self.cfg.window.idle_partition_timeout_s)
-        assigned = getattr(self.source, "assigned", None)
+        timeout = float(self.host.cfg.window.idle_partition_timeout_s)
+        assigned = getattr(self.host.source, "assigned", None)
         if not timeout or not self._ahead or task.close_at is not None:
             self._idle_since = None
             return
         parts = set(assigned) if assigned else set(self._ahead)
         idle = sorted(parts - set(self._ahead))
-        probe = getattr(self.source, "caught_up", None)
+        probe = getattr(self.host.source, "caught_up", None)
         if not idle or (probe is not None and not probe(idle)):
             self._idle_since = None
             return
@@ -419,7 +433,7 @@ class EventTimeWindows:
                      "(window.idle_partition_timeout_s) no longer hold the watermark; the "
                      "window closes at the other partitions' positions",
                      task.window["id"], ", ".join(idle), now - self._idle_since)
-            self._advance_event_time(task, self.close_window, idle=idle)
+            self.advance(task, self.host.close_window, idle=idle)
 
 
 def _timestamps(seg: Segment, m: int) -> np.ndarray:

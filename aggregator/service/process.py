@@ -113,7 +113,7 @@ def lock_directory(directory: Path):
     return f
 
 
-class Aggregator(EventTimeWindows):
+class Aggregator:
     """One aggregator process over one :class:`Source`.
 
     Parameters
@@ -205,7 +205,8 @@ class Aggregator(EventTimeWindows):
         self.publisher = ReleasePublisher(
             cfg.release.dir, cfg.release.topic, producer=self._kafka_producer,
             key_of=self._release_key, on_published=self._published)
-        self._init_event_time()
+        #: event-time windows (window.kind = event_time; :mod:`.event_time`)
+        self.event_time = EventTimeWindows(self)
         self._commit_backoff = _Backoff("checkpoint")
         self._anchor_note_logged = False
         #: the release worker (aggregator.service.release_worker): None releases in the loop;
@@ -247,7 +248,7 @@ class Aggregator(EventTimeWindows):
     def _new_window(self, task: WindowTask, window_id: int) -> dict:
         w = new_window(window_id, self.cfg.window.kind, self.cfg.window.size)
         if w["kind"] == "event_time":
-            self._open_event_time_window(task, w)
+            self.event_time.open_window(task, w)
         return w
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -462,7 +463,7 @@ class Aggregator(EventTimeWindows):
             return False
         wid = task.window["id"]
         if task.window["kind"] == "event_time":
-            if not self._skip_decided_event_window(task, entry):
+            if not self.event_time.skip_decided_window(task, entry):
                 return False
             if entry["kind"] == "release" and entry["document"] not in task.pending:
                 task.pending.append(entry["document"])
@@ -742,7 +743,7 @@ class Aggregator(EventTimeWindows):
             self._caught_up(self.task)
         self._maybe_close_time_window(self.task)
         if self.cfg.window.kind == "event_time":
-            self._event_time_turn(self.task)
+            self.event_time.turn(self.task)
         self._maybe_snapshot(self.task)
         if self.task.inflight:
             self._collect_releases(self.task)
@@ -856,7 +857,7 @@ class Aggregator(EventTimeWindows):
         if not len(seg):
             return
         if self.cfg.window.kind == "event_time":
-            self._ingest_event_time(seg)
+            self.event_time.ingest(seg)
             return
         items, good, rejected = self._decode(seg)
         self._count_segment(self.task, seg, items, good, rejected, self.close_window)
@@ -1145,7 +1146,7 @@ class Aggregator(EventTimeWindows):
         task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
             (task.replay or {}).get("offsets") or task.offsets))
         task.mark_start()
-        carried = self._carried_state()  # event_time: the second window, counting already
+        carried = self.event_time.carried_state()  # the second window, counting already
         task.state = carried if carried is not None else self._new_state(task, wid + 1)
         self.metrics.window_id.set(wid + 1)
         self.metrics.window_events.set(task.window["events"])
@@ -1168,7 +1169,7 @@ class Aggregator(EventTimeWindows):
         start = task.window_start  # set whenever a window opens (mark_start)
         event_time = closing["kind"] == "event_time"
         # (event time: what the entry records of the second window, before the next opens)
-        extra = self._second_window_fields() if event_time else {}
+        extra = self.event_time.second_window_fields() if event_time else {}
         job = None
         if entry is not None:  # decided before a restart (never replayed: kept for safety)
             if entry["document"] not in task.pending:
@@ -1222,7 +1223,7 @@ class Aggregator(EventTimeWindows):
             task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
                 (task.replay or {}).get("offsets") or task.offsets))
         task.mark_start()
-        carried = self._carried_state()  # event time: the second window, counting already
+        carried = self.event_time.carried_state()  # the second window, counting already
         task.state = carried if carried is not None else self._new_state(task, task.window["id"])
         if task.close_at is None:
             self._replay_target(task)  # a time window that ended while the service was down
@@ -1311,8 +1312,9 @@ class Aggregator(EventTimeWindows):
         ledgered (as the close in the loop writes it), with the current pending releases."""
         record.pending = list(task.pending)
         self._save_position(task, record)
-        if self._future is not None:  # a restart starts here now: older decisions are moot
-            self._future.prune(self._replay_starts(record))
+        future = self.event_time.future
+        if future is not None:  # a restart starts here now: older decisions are moot
+            future.prune(self.event_time.replay_starts(record))
 
     def commit_position(self, task: WindowTask) -> None:
         """A checkpoint while windows are in flight or the open window counts: the replay
@@ -1392,7 +1394,7 @@ class Aggregator(EventTimeWindows):
         the entry records of the second window)."""
         fields = self.gate.position_fields(closing, ranges, task.offsets, task.totals)
         if closing.get("kind") == "event_time":
-            fields.update(self._second_window_fields())
+            fields.update(self.event_time.second_window_fields())
         return fields
 
     def _publish_pending(self, task: WindowTask) -> None:
@@ -1438,7 +1440,7 @@ class Aggregator(EventTimeWindows):
     def export(self, export_id: str | None = None) -> Path:
         """Signed snapshot for auditors, with fresh layers just before and just after it."""
         key = load_key(self.cfg.audit.key_file or None)
-        if self._second is not None and self._second.events:
+        if self.event_time.second is not None and self.event_time.second.events:
             raise ServiceError(
                 f"an audit export while two event-time windows are live is not built (window "
                 f"{self.task.window['id']} is open within window.allowed_lateness_s while the "
