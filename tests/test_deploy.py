@@ -252,6 +252,19 @@ def test_dockerfile_is_slim_nonroot_and_runs_panagg():
         assert f"!{package}" in ignore
 
 
+def test_every_module_directory_is_packaged():
+    """A wheel (the image's, `pip install /path/to/panagg`) carries only the packages pyproject
+    lists: a directory of modules left out installs a service that fails at its first import
+    of it (aggregator.service.group, the Kafka-only group, was left out once)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"])
+    tops = [ROOT / name for name in {p.split(".")[0] for p in listed}]
+    found = {str(d.relative_to(ROOT)).replace("/", ".")
+             for top in tops for d in [top, *top.rglob("*")]
+             if d.is_dir() and "__pycache__" not in d.parts and any(d.glob("*.py"))}
+    assert found == listed, f"pyproject packages lacks {sorted(found - listed)}"
+
+
 def test_docker_compose_config_validates():
     if shutil.which("docker") is None:
         pytest.skip("docker CLI not installed: compose file checked by parsing only")
