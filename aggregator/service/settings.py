@@ -32,13 +32,8 @@ from dataclasses import dataclass, field
 __all__ = ["Section", "Config", "AggregationSettings", "SECTIONS", "defaults"]
 
 
-class Section(Mapping):
-    """A config section: attributes for code, a read-only mapping of its keys for serialization.
-
-    A field whose metadata says ``derived`` is set by validation, not by the user: it is left
-    out of :func:`defaults` (so no file or flag can set it) and out of the mapping while it holds
-    its default (the saved effective config is what the user's settings resolved to).
-    """
+class _Fields(Mapping):
+    """A frozen dataclass's fields as a read-only mapping: those :meth:`_keys` shows."""
 
     def __getitem__(self, key):
         if key not in self._keys():
@@ -50,6 +45,18 @@ class Section(Mapping):
 
     def __len__(self):
         return len(self._keys())
+
+    def _keys(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+
+class Section(_Fields):
+    """A config section: attributes for code, a read-only mapping of its keys for serialization.
+
+    A field whose metadata says ``derived`` is set by validation, not by the user: it is left
+    out of :func:`defaults` (so no file or flag can set it) and out of the mapping while it holds
+    its default (the saved effective config is what the user's settings resolved to).
+    """
 
     def _keys(self) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(self)
@@ -263,6 +270,7 @@ class ShuffleSettings(Section):
 class TestingSettings(Section):
     """[testing]"""
 
+    __test__ = False  # a settings section, not a test class for pytest to collect
     noise_seed: int = -1  # TEST ONLY (needs PANAGG_TESTING=1): deterministic noise
 
 @dataclass(frozen=True, eq=False)
@@ -295,7 +303,7 @@ def defaults() -> dict[str, dict]:
 
 
 @dataclass(frozen=True, eq=False)
-class Config(Mapping):
+class Config(_Fields):
     """The validated configuration of one service (or of one of its aggregations).
 
     ``aggregations`` maps each ``[aggregations.NAME]`` to the settings it overrides (empty:
@@ -343,17 +351,6 @@ class Config(Mapping):
         """The plain ``{section: {key: value}}`` form (for JSON, and for deriving configs)."""
         return {name: value.to_dict() if isinstance(value, Section) else copy.deepcopy(dict(value))
                 for name, value in self.items()}
-
-    def __getitem__(self, key):
-        if key not in self._keys():
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return iter(self._keys())
-
-    def __len__(self):
-        return len(self._keys())
 
     def _keys(self) -> tuple[str, ...]:
         # the service's own config has no `aggregation` and, without rollup levels, none of
