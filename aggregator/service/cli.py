@@ -984,11 +984,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise UsageError("give --state-dir (one process) or --group with --bootstrap (a group "
                          "with scale.store = kafka)")
     saved = _load(args, [], state_dir=args.state_dir)
-    if saved["scale"]["partitioned"]:
+    if saved.scale.partitioned:
         raise UsageError(f"{args.state_dir} is the scratch directory of a member of group "
-                         f"{saved['source']['group']!r}, whose state is in Kafka: run panagg "
-                         f"status --group {saved['source']['group']} --bootstrap "
-                         f"{saved['source']['bootstrap']}")
+                         f"{saved.source.group!r}, whose state is in Kafka: run panagg "
+                         f"status --group {saved.source.group} --bootstrap "
+                         f"{saved.source.bootstrap}")
     try:
         status = collect_status(args.state_dir)
     except StatusError as exc:
