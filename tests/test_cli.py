@@ -253,3 +253,16 @@ def test_plan_prints_the_accuracy_plan_and_fails_below_the_noise():
     assert ok.returncode == 0 and ok.stdout.startswith("accuracy plan: 1,000,000 counters (D)")
     low = run("plan", "--set", "state.domain_size=100000000", "--set", "window.size=40000")
     assert low.returncode == 1 and "BELOW THE NOISE at 40,000 events" in low.stdout
+
+
+def test_status_of_a_group_members_scratch_dir_points_to_the_group(tmp_path):
+    # a member of a Kafka-only group keeps only scratch files: its state is in the group's topics
+    saved = {"source": {"kind": "kafka", "group": "logins", "bootstrap": "10.0.0.5:9092"},
+             "scale": {"partitioned": True}, "window": {"kind": "time", "size": 60}}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    res = run("status", "--state-dir", str(tmp_path))
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert lines == [f"panagg: error: {tmp_path} is the scratch directory of a member of group "
+                     "'logins', whose state is in Kafka: run panagg status --group logins "
+                     "--bootstrap 10.0.0.5:9092"], lines
