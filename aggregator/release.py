@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -415,8 +416,20 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
 def plot_rank_frequency(release: dict, path: Path) -> None:
     """Log-log rank vs count plot of the released histogram (PNG).
 
-    Uses matplotlib's object API (no pyplot global state), so it may run off the main thread.
+    Uses matplotlib's object API (no pyplot global state) and draws under one process-wide lock:
+    separate figures still share matplotlib's font objects and layout caches, so two threads
+    drawing at once (one plot thread per aggregation) raise at random or corrupt the heap (seen
+    as a SIGABRT in CI with two aggregations).
     """
+    with _DRAWING:
+        _draw_rank_frequency(release, path)
+
+
+# matplotlib is not thread-safe even across separate Figure objects (its FreeType fonts are shared)
+_DRAWING = threading.Lock()
+
+
+def _draw_rank_frequency(release: dict, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -262,3 +262,38 @@ def test_corrupt_snapshots_are_refused():
         PanPrivateHistogram.deserialize(b"not msgpack at all \xff\xfe")
     with pytest.raises(SnapshotError):
         PanPrivateHistogram.deserialize(msgpack.packb({"format": "something else"}))
+
+
+_PLOTS_FROM_THREADS = """
+import sys, threading
+from aggregator.release import plot_release
+release = {"n": 1000, "n_in_histogram": 1000, "epsilon": 1.0, "model": "pan-private",
+           "histogram": {"pairs": [[r, 3] for r in range(1, 60)]}}
+failed = []
+def draw(j):
+    for k in range(5):
+        try:
+            plot_release(dict(release, window=f"{j}-{k}"), sys.argv[1])
+        except Exception as exc:
+            failed.append(type(exc).__name__)
+threads = [threading.Thread(target=draw, args=(j,)) for j in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(sorted(set(failed)))
+"""
+
+
+def test_plots_drawn_from_several_threads_at_once_all_succeed(tmp_path):
+    # one plot thread per aggregation: matplotlib shares its fonts between figures, and without
+    # the drawing lock most of these raised or the process aborted (a separate process, so an
+    # abort fails this test instead of the whole suite)
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PLOTS_FROM_THREADS, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    pngs = sorted(tmp_path.glob("release-*.png"))
+    assert len(pngs) == 20
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
