@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collects nothing: that is a failure here, said out loud.
 test: $(STAMP)
-	@$(BIN)/python -m pytest -q; rc=$$?; \
+	@$(BIN)/python -m pytest -q --durations=20; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5) - failing" >&2; exit 1; fi; \
 	exit $$rc
 

@@ -98,3 +98,20 @@ def test_a_section_hides_a_derived_field_only_while_it_holds_its_default():
     marked = dataclasses.replace(window, kind="event_time", auto_event_time=True)
     assert marked["auto_event_time"] is True and marked.auto_event_time
     assert isinstance(marked, Section) and len(marked) == len(window) + 1
+
+
+def test_the_ledger_budgets_are_resolved_in_one_place():
+    # every ledger (the directory's, the group's topic, the shuffle analyzer's) takes these
+    one = load_config(env={}, overrides=["source.kind=generator", "state.epsilon=0.25"])
+    assert (one.budget_per_window, one.budget_per_event) == (0.25, 0.25)
+    wider = one.updated({"ledger": {"budget_per_window": 0.5, "budget_per_event": 0}})
+    assert (wider.budget_per_window, wider.budget_per_event) == (0.5, 0.5)
+    cfg = load_config(env={}, overrides=[
+        "source.kind=generator", "ledger.budget_per_event=1.5",
+        "aggregations.ip.state.epsilon=0.5", "aggregations.user.state.epsilon=1"])
+    ip = dict(aggregation_configs(cfg))["ip"]
+    assert (ip.budget_per_window, ip.budget_per_event) == (0.5, 1.5)
+    # an aggregation's own cap comes before the service's
+    own = dataclasses.replace(ip, aggregation=dataclasses.replace(ip.aggregation,
+                                                                  budget_per_event=2.0))
+    assert own.budget_per_event == 2.0 and isinstance(own.budget_per_event, float)

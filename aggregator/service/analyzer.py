@@ -148,8 +148,7 @@ class ShuffleAnalyzer:
         self.dir = Path(cfg.checkpoint.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fresh_start, self.accept_change = fresh_start, accept_change
-        budget = cfg.ledger.budget_per_window or self.epsilon
-        self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
+        self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=cfg.budget_per_window,
                              budget_total=cfg.ledger.budget_total or None)
         self.store: LocalStore | None = None
         self._producer = None

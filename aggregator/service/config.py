@@ -468,7 +468,7 @@ def aggregation_config(cfg: Config | dict, name: str, overrides: dict | None = N
 def aggregation_configs(cfg: Config) -> list[tuple[str, Config]]:
     """(name, config) of every aggregation of ``cfg``, in name order (empty: single mode)."""
     out = [(name, aggregation_config(cfg, name)) for name in sorted(cfg.aggregations)]
-    total = sum(one.ledger.budget_per_window or one.state.epsilon for _, one in out)
+    total = sum(one.budget_per_window for _, one in out)
     return [(name, one.updated({"aggregation": {"epsilon_per_event": total}}))
             for name, one in out]
 

@@ -35,7 +35,7 @@ def identity_of(cfg: Config) -> dict:
         "epsilon": float(st.epsilon), "model": st.model,
         "window": f"{cfg.window.kind}:{cfg.window.size:g}",
         "snapshots_per_window": int(cfg.checkpoint.snapshots_per_window),
-        "budget_per_window": float(cfg.ledger.budget_per_window or st.epsilon),
+        "budget_per_window": cfg.budget_per_window,
         "budget_total": float(cfg.ledger.budget_total),
         "item": item_identity(cfg),
     }

@@ -155,13 +155,10 @@ class Aggregator:
         #: a name for this aggregation in anchors and charges ("" when it is the only one)
         self.aggregation = cfg.aggregation
         self.anchor_name = self.aggregation.name if self.aggregation else ""
-        budget = cfg.ledger.budget_per_window or self.epsilon
-        per_event = ((self.aggregation.budget_per_event if self.aggregation else None)
-                     or cfg.ledger.budget_per_event or budget)
         try:
-            self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=budget,
+            self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=cfg.budget_per_window,
                                  budget_total=cfg.ledger.budget_total or None,
-                                 budget_per_event=per_event)
+                                 budget_per_event=cfg.budget_per_event)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
         stream = identity_of(cfg)["stream"]

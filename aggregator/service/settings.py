@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -50,6 +51,14 @@ class _Fields(Mapping):
         raise NotImplementedError
 
 
+@functools.cache
+def _field_defaults(cls) -> tuple[tuple[str, bool, object], ...]:
+    """Each field of a section class as (name, derived, default), in order: computed once per
+    class, as the mapping view reads them at every lookup."""
+    return tuple((f.name, bool(f.metadata.get("derived")), f.default)
+                 for f in dataclasses.fields(cls))
+
+
 class Section(_Fields):
     """A config section: attributes for code, a read-only mapping of its keys for serialization.
 
@@ -59,8 +68,8 @@ class Section(_Fields):
     """
 
     def _keys(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self)
-                     if not (f.metadata.get("derived") and getattr(self, f.name) == f.default))
+        return tuple(name for name, derived, default in _field_defaults(type(self))
+                     if not (derived and getattr(self, name) == default))
 
     @classmethod
     def from_mapping(cls, values: Mapping | None):
@@ -347,6 +356,20 @@ class Config(_Fields):
             name: dataclasses.replace(getattr(self, name), **dict(values))
             for name, values in changes.items()})
 
+    @property
+    def budget_per_window(self) -> float:
+        """The epsilon one window's release may spend: ``ledger.budget_per_window``, else the
+        state's epsilon (what one release spends)."""
+        return float(self.ledger.budget_per_window or self.state.epsilon)
+
+    @property
+    def budget_per_event(self) -> float:
+        """The ledger's cap on the epsilon spent on any one event over every release that covers
+        it: this aggregation's own ``budget_per_event``, else ``ledger.budget_per_event``, else
+        the per-window budget (one release per event)."""
+        own = self.aggregation.budget_per_event if self.aggregation is not None else None
+        return float(own or self.ledger.budget_per_event or self.budget_per_window)
+
     def to_dict(self) -> dict:
         """The plain ``{section: {key: value}}`` form (for JSON, and for deriving configs)."""
         return {name: value.to_dict() if isinstance(value, Section) else copy.deepcopy(dict(value))
@@ -355,5 +378,5 @@ class Config(_Fields):
     def _keys(self) -> tuple[str, ...]:
         # the service's own config has no `aggregation` and, without rollup levels, none of
         # those: the mapping shows what is there, as the saved config always has
-        return tuple(f.name for f in dataclasses.fields(self)
-                     if getattr(self, f.name) is not None)
+        return tuple(name for name, _, _ in _field_defaults(type(self))
+                     if getattr(self, name) is not None)

@@ -110,13 +110,10 @@ class Pipeline:
         new (with ``seed(txn)``'s messages in the same transaction: where a new group starts
         reading, ``source.start``), else check this member's settings against it."""
         cfg = self.cfg
-        budget = cfg.ledger.budget_per_window or float(cfg.state.epsilon)
-        agg = cfg.aggregation or {}
         self.ledger = TopicLedger(self.clients.consumer(None), self.topics.ledger,
-                                  budget_per_window=budget,
+                                  budget_per_window=cfg.budget_per_window,
                                   budget_total=cfg.ledger.budget_total or None,
-                                  budget_per_event=agg.get("budget_per_event")
-                                  or cfg.ledger.budget_per_event or budget)
+                                  budget_per_event=cfg.budget_per_event)
         try:
             self.ledger.read_to_end()
             problem = self.ledger.anchor_problem(anchor)
@@ -272,7 +269,7 @@ class Pipeline:
                       error_bar_reps=cfg.release.error_bar_reps,
                       method=release_method(cfg), merge=merge,
                       grace_s=cfg.scale.close_grace_s, aggregation=self.name,
-                      rollup_level=(cfg.aggregation or {}).get("rollup_level"),
+                      rollup_level=cfg.aggregation.rollup_level if cfg.aggregation else None,
                       requests=ReleaseRequests(self.clients.consumer(None), self.topics),
                       exports=ExportCollector(self.clients.consumer(None), self.topics,
                                               int(self.identity["partitions"])),
