@@ -46,6 +46,7 @@ import contextvars
 
 import heapq
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -1383,8 +1384,34 @@ def rank_box(vc: NoisyValueCounts, gamma: float, R: int) -> tuple[np.ndarray, np
     return count_ge(r + gamma), count_ge(r - gamma)
 
 
-_FITS: list = []  # [(counters' value counts, p, layers, {method: projected phi_{>=r}})]
-_FORGET: list = []  # the other modules' memos of a window's counters: each one's clear()
+class LastCounters:
+    """A one-entry memo of what was derived from the last counters, one per thread.
+
+    A release and its error bars ask for the same fits on the same counters, so the last result
+    is kept. Per thread, because threads of one process compute at once (each aggregation's
+    accuracy plan): with one shared entry, a thread could find its key and then read the entry
+    another thread had just put there (another window's fit), or find it cleared under it.
+    :func:`forget_fits` clears the calling thread's entries.
+    """
+
+    def __init__(self):
+        self._local = threading.local()
+        _FORGET.append(self.clear)
+
+    @property
+    def entry(self):
+        """The calling thread's last entry (None: none)."""
+        return getattr(self._local, "entry", None)
+
+    def put(self, entry) -> None:
+        self._local.entry = entry
+
+    def clear(self) -> None:
+        self._local.entry = None
+
+
+_FORGET: list = []  # every memo of a window's counters: each one's clear()
+_FITS = LastCounters()  # (counters' value counts, p, layers, {method: projected phi_{>=r}})
 _N_FREE = BASIC_METHODS  # estimators that do not use n
 
 
@@ -1394,16 +1421,15 @@ def remember_fits(vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> No
     on the same counters takes them instead of fitting again. ``method="auto"`` fits the pilots
     on the real counters (:mod:`aggregator.selection`), and the error bars' stand-ins are the
     same fits."""
-    _FITS[:] = [(vc, float(p), int(layers), {m: np.array(y, dtype=np.int64) for m, y in
-                                             fits.items() if m in _N_FREE})]
+    _FITS.put((vc, float(p), int(layers), {m: np.array(y, dtype=np.int64) for m, y in
+                                           fits.items() if m in _N_FREE}))
 
 
 def forget_fits() -> None:
     """Drop what :func:`remember_fits` keeps, and every memo registered with
     :func:`forget_with` (the release path does once its release is made: nothing derived from a
     window's counters outlives its release)."""
-    _FITS.clear()
-    for clear in _FORGET:
+    for clear in _FORGET:  # _FITS among them
         clear()
 
 
@@ -1420,9 +1446,10 @@ def forget_with(clear) -> None:
 
 
 def _remembered_fit(vc: NoisyValueCounts, p: float, layers: int, method: str):
-    if not _FITS:
+    held = _FITS.entry
+    if held is None:
         return None
-    old, p0, k0, fits = _FITS[0]
+    old, p0, k0, fits = held
     if method not in fits or p0 != float(p) or k0 != int(layers):
         return None
     if old is not vc and (old.lo != vc.lo or len(old.c) != len(vc.c)

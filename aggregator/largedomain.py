@@ -31,7 +31,7 @@ import numpy as np
 from .bucket_likelihood import bucket_loglik
 from .estimate import (
     bucket_counters, CAP_RULES, cap_total, counters_key, counts_from_cumulative,
-    deconvolved_prevalence, forget_with, MLE_MAX_ITER, MLE_TOL, noisy_value_counts, project_l1,
+    deconvolved_prevalence, LastCounters, MLE_MAX_ITER, MLE_TOL, noisy_value_counts, project_l1,
     project_l2, rank_box,
 )
 from .estimators import default_cap, default_method, METHODS, phi_estimate
@@ -252,8 +252,9 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     layers = int(layers)
     early = variant != "reduced" and _early_stopped(vc, p, layers, method)
     key = _start_key(vc, p, B, n, layers, variant, m) if early else None
-    if early and phi is None and _STARTS and _STARTS[0][0] == key:
-        y = _STARTS[0][2]  # decided on these counters already: that fit, not a second EM
+    held = _STARTS.entry
+    if early and phi is None and held is not None and held[0] == key:
+        y = held[2]  # decided on these counters already: that fit, not a second EM
         return y if n is None else cap_total(y, n, cap)
     if phi is not None:
         psi = project_l1(phi)
@@ -265,14 +266,13 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     y = _invert(psi, B, n, p, variant, m, sparse_above=sparse)
     if early and shrunk_start is None:
         y, shrunk, other = _likelier_start(vc, p, B, n, layers, variant, m, sparse, y)
-        _STARTS[:] = [(key, shrunk, y, other if n is None else cap_total(other, n, cap))]
+        _STARTS.put((key, shrunk, y, other if n is None else cap_total(other, n, cap)))
     return y if n is None else cap_total(y, n, cap)
 
 
 # the last (counters' key, shrunk start?, its fit, the other start's fit as released): a release
 # and its error bars both ask
-_STARTS: list = []
-forget_with(_STARTS.clear)
+_STARTS = LastCounters()
 
 
 def _start_key(vc, p, B, n, layers, variant=DEFAULT_VARIANT, m=None) -> tuple:
@@ -288,7 +288,8 @@ def chosen_start(vc, p, B: int, n, layers: int) -> tuple[bool, np.ndarray] | Non
     truth may take the other one: the change test counts their gap as it counts the gap
     between ``auto``'s candidates."""
     key = _start_key(vc, p, B, n, layers)
-    return (_STARTS[0][1], _STARTS[0][3]) if _STARTS and _STARTS[0][0] == key else None
+    held = _STARTS.entry
+    return (held[1], held[3]) if held is not None and held[0] == key else None
 
 
 def _early_stopped(vc, p, layers: int, method) -> bool:

@@ -59,7 +59,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import counter_model
-from .estimate import cap_total, cumulative_l1, forget_with, remember_fits
+from .estimate import LastCounters, cap_total, cumulative_l1, remember_fits
 
 __all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "select", "selected_prevalence"]
 
@@ -70,8 +70,7 @@ SIMS = 4
 STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-capped
 
 
-_LAST: list = []  # the last (key, result) of select: a release and its error bars both ask
-forget_with(_LAST.clear)
+_LAST = LastCounters()  # the last (key, result) of select: a release and its error bars both ask
 
 
 def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDIDATES,
@@ -89,12 +88,13 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
     vc0 = _nvc(noisy_counts)
     key = (*counters_key(vc0), float(p), int(layers), None if n is None else int(n),
            tuple(pilots), tuple(candidates), int(sims), seed)
-    if _LAST and _LAST[0][0] == key:
-        y, choice = _LAST[0][1]
+    held = _LAST.entry
+    if held is not None and held[0] == key:
+        y, choice = held[1]
         return y.copy(), choice
     result = _select(vc0, p, layers=layers, n=n, pilots=pilots, candidates=candidates, sims=sims,
                      seed=seed)
-    _LAST[:] = [(key, (result[0].copy(), result[1]))]
+    _LAST.put((key, (result[0].copy(), result[1])))
     return result
 
 

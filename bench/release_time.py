@@ -73,9 +73,8 @@ def _forget() -> None:
     """Drop what the estimators keep of the last counters (auto's choice and fits): with one
     layer (state-only) every repetition sees the same counters, and a service never releases
     the same counters twice."""
-    from aggregator import estimate, selection
-    for mod, name in ((selection, "_LAST"), (estimate, "_FITS")):
-        getattr(mod, name, []).clear()
+    from aggregator import estimate
+    estimate.forget_fits()
 
 
 def time_release(state, model: str, reps: int, bars: int = ERROR_BAR_REPS) -> dict:

@@ -197,5 +197,37 @@ def test_nothing_derived_from_the_counters_outlives_the_release():
     for method in (None, "deconvolution"):
         estimate_with_accuracy(vc, p, layers=layers, n=int(counts.sum()), buckets=B,
                                method=method, reps=4)
-        assert not selection._LAST and not ld._STARTS
+        assert selection._LAST.entry is None and ld._STARTS.entry is None
         assert bl._big_pmf.cache_info().currsize == 0
+
+
+def test_each_thread_keeps_its_own_memo_of_the_last_counters():
+    # each aggregation's accuracy plan computes in its own thread of one process: one thread's
+    # fits are not another's memo hit, and one thread's release forgetting its counters does not
+    # drop (nor race with) another's
+    import threading
+
+    from aggregator import estimate, selection
+    g = np.random.default_rng(16)
+    p = p_from_epsilon(1.0)
+    noisy = np.bincount(g.zipf(1.5, 3_000) % 2_000, minlength=2_000) + discrete_laplace(p, 2_000,
+                                                                                         rng=g)
+    vc = estimate.noisy_value_counts(noisy)
+    estimate.forget_fits()
+    selection.select(noisy, p, n=3_000)
+    estimate.remember_fits(vc, p, 1, {"deconvolution": [5, 3, 1]})
+    mine = selection._LAST.entry
+    assert mine is not None and estimate._remembered_fit(vc, p, 1, "deconvolution") is not None
+    seen = {}
+
+    def other_thread():
+        seen["memo"] = (selection._LAST.entry, estimate._remembered_fit(vc, p, 1, "deconvolution"))
+        estimate.forget_fits()
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert seen["memo"] == (None, None)
+    assert selection._LAST.entry is mine   # the other thread's forget left this thread's memo
+    estimate.forget_fits()
+    assert selection._LAST.entry is None

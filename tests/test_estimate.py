@@ -386,7 +386,7 @@ def test_remembered_pilot_fits_are_the_fits():
     p = 0.6
     _, noisy = _zipf_noisy(4000, 8000, p, 2, 3)
     select(noisy, p, layers=2, n=8000)
-    assert E._FITS
+    assert E._FITS.entry is not None
     for method in ("deconvolution", "mle", "threshold"):
         cached = A.anonymized_cumulative(noisy.copy(), p, layers=2, n=8000, method=method)
         E._FITS.clear()
