@@ -137,8 +137,49 @@ def _auto_fitted(mode, vc, p, k, n, B):
                       .astype(np.float64))
 
 
+def _held_to_n(vc, p, k, n, early):
+    """The early-stopped EM's fit ``early``, or, when its total exceeds n, the early-stopped EM
+    refit with its axis' mean count held to what n leaves (``deconvolved_prevalence(n=...)``:
+    the M-step under sum_h h pi_h = mu). The truth's total is exactly n, so a surplus is a misfit
+    the fit itself can avoid, where a cap can only remove items or thin levels afterwards; a
+    deficit is left alone (held to n, a deficit moves mass into the heaviest counts)."""
+    from aggregator.estimate import deconvolved_prevalence, project_l1
+    if n is None or float(np.sum(early)) <= n:
+        return early
+    return project_l1(deconvolved_prevalence(vc, p, layers=k, n=n))
+
+
+def _em_held(mode, vc, p, k, n, B):
+    """The early-stopped EM, refit under the mean constraint when its total exceeds n (direct
+    mode)."""
+    return _held_to_n(vc, p, k, n, grid.estimate_y(mode, vc, p, k, "deconvolution", n, B))
+
+
+def _auto_em_held(mode, vc, p, k, n, B):
+    """``auto`` whose early-stopped EM (candidate and stand-in) is :func:`_em_held`'s."""
+    from aggregator import selection
+    from aggregator.estimate import forget_fits
+    plain = selection._estimates
+
+    def estimates(vc_, p_, k_, methods):
+        out = plain(vc_, p_, k_, methods)
+        if "deconvolution" in out:
+            out["deconvolution"] = _held_to_n(vc_, p_, k_, n, out["deconvolution"])
+        return out
+    # no memo crosses between this and the library's auto on the same counters
+    forget_fits()
+    selection._estimates = estimates
+    try:
+        return grid.estimate_y(mode, vc, p, k, "auto", n, B)
+    finally:
+        selection._estimates = plain
+        forget_fits()
+
+
 #: name: (modes, estimator); each returns the uncapped projected phi_{>=r} as grid.estimate_y
-EXTRA = {"blend": (("direct", "hashed"), _blend),
+EXTRA = {"em_held": (("direct",), _em_held),
+         "auto_em_held": (("direct",), _auto_em_held),
+         "blend": (("direct", "hashed"), _blend),
          "auto_blend": (("direct",), _auto_blend),
          "auto_sims8": (("direct", "hashed"), _auto_sims8),
          "auto_pilot3": (("direct", "hashed"), _auto_pilot3),

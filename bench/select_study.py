@@ -344,6 +344,46 @@ def lr_check(reps: int = 4, sims: int = 4) -> None:
                   f"{g_obs:.1f} | {cols[0]} | {cols[1]} | {errs[0]:,.0f} / {errs[1]:,.0f} |")
 
 
+def em_tail(reps: int = 2) -> None:
+    """The heavy cell of LR_CELLS (where the converged NPMLE is best): each fit's l1 error with
+    the ``items`` cap, and where the early-stopped EM's error sits (phi_{>=r} at a few r);
+    the EM held to n (bench.lofo's ``em_held``, ``auto_em_held``) beside the library's."""
+    from aggregator.estimate import cap_total, cumulative_from_counts, cumulative_l1
+
+    from . import lofo
+    from .grid import Cell, _noisy, draw
+
+    dist, n, D, eps, _ = LR_CELLS[0]
+    cell = Cell("direct", dist, n, D, eps, reps)
+    methods = ("deconvolution", "mle", "auto", "em_held", "auto_em_held")
+    rs = (1, 2, 3, 5, 10, 15, 30)
+    print("| repetition, layers | " + " | ".join(methods) + " |")
+    print("|---" * (len(methods) + 1) + "|")
+    shapes = []
+    for rep in range(reps):
+        h, _, rng = draw(cell, rep)
+        truth = cumulative_from_counts(h)
+        for k in (1, 2):  # the grid's draws: the 1-layer counters first
+            vc = _noisy(rng, h, D - len(h), cell.p, k)
+            row = []
+            for m in methods:
+                y = lofo._estimate_y("direct", vc, cell.p, k, m, n, None)
+                capped = cap_total(y, n, "items")
+                row.append(f"{cumulative_l1(capped, truth):,.0f} (total {y.sum() / n:.2f} n)")
+                if rep == 0 and k == 1 and m in ("deconvolution", "mle"):
+                    shapes.append((m, y, capped))
+            print(f"| {rep + 1}, {k} | " + " | ".join(row) + " |", flush=True)
+    at = lambda y, r: y[r - 1] if r - 1 < len(y) else 0  # noqa: E731
+    h, _, _ = draw(cell, 0)
+    truth = cumulative_from_counts(h)
+    print("\n| r | " + " | ".join(str(r) for r in rs) + " |")
+    print("|---" * (len(rs) + 1) + "|")
+    for name, y in [("truth", truth)] + [(f"{m}{', items cap' if c else ''}", yy)
+                                         for m, y, capped in shapes
+                                         for c, yy in ((False, y), (True, capped))]:
+        print(f"| {name} | " + " | ".join(f"{at(y, r):,.0f}" for r in rs) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true")
@@ -354,6 +394,9 @@ def main() -> None:
     ap.add_argument("--lr-check", action="store_true",
                     help="can a calibrated likelihood ratio tell the stand-ins apart? (the "
                          "three worst cells of bench.lofo)")
+    ap.add_argument("--em-tail", action="store_true",
+                    help="the heavy cell: where the early-stopped EM's error sits, and the EM "
+                         "held to n (tried, not adopted)")
     ap.add_argument("--layers", default="1,2,3,6")
     a = ap.parse_args()
     layers = [int(x) for x in a.layers.split(",")]
@@ -367,6 +410,8 @@ def main() -> None:
         outside()
     if a.lr_check:
         lr_check()
+    if a.em_tail:
+        em_tail()
 
 
 if __name__ == "__main__":
