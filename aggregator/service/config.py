@@ -421,7 +421,7 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
             raise ConfigError(f"aggregations.{name}: state.model = shuffle is not built with "
                               "several aggregations; run the analyzer as its own service")
         one = aggregation_config(cfg, name, out[name])
-        budget = one["ledger"]["budget_per_window"] or one["state"]["epsilon"]
+        budget = one.budget_per_window
         total += budget
         parts.append(f"{name} {budget:g}")
     cap = cfg["ledger"]["budget_per_event"]
