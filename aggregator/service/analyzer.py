@@ -57,7 +57,7 @@ from .errors import ServiceError
 from .identity import choose_buckets_for, identity_of
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
-from .process import lock_directory, release_method
+from .process import lock_directory, release_method, remove_created
 from .publisher import Backoff, ReleasePublisher
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
                            load_private_key, parse_analyzer_record, public_key_hex)
@@ -145,8 +145,7 @@ class ShuffleAnalyzer:
             self.opener = BoxOpener(self.key)
         except WireError as exc:   # a malformed $PANAGG_SHUFFLE_DECRYPT_WORKERS
             raise ServiceError(str(exc)) from None
-        self.dir = Path(cfg.checkpoint.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(cfg.checkpoint.dir)  # made by the start (_lock), not here
         self.fresh_start, self.accept_change = fresh_start, accept_change
         self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=cfg.budget_per_window,
                              budget_total=cfg.ledger.budget_total or None)
@@ -177,6 +176,9 @@ class ShuffleAnalyzer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
+        # what this start creates, removed again if the start is refused (it writes nothing)
+        self._created = [p for p in (self.dir, self.dir / "service.lock") if not p.exists()]
+        self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_file = lock_directory(self.dir)
 
     def identity(self) -> dict:
@@ -250,11 +252,13 @@ class ShuffleAnalyzer:
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped, or (``idle_exit_s``) until the topic is idle that long."""
         self._lock()
+        started = False
         try:
             self.restore()
             tmp = self.dir / ".config.json.tmp"  # after the checks: a refused start writes none
             tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))
             os.replace(tmp, self.dir / "config.json")
+            started = True
             log.info("shuffle analyzer: %s, %d buckets, n=%d, epsilon %g, delta %g%s; public "
                      "key %s", self.protocol, self.buckets, self.n, self.epsilon, self.delta,
                      f", DLap p={self.p:.6g}" if self.p is not None else "", self.public_hex)
@@ -289,6 +293,8 @@ class ShuffleAnalyzer:
                 self._publish_pending()
         finally:
             self.close()
+            if not started:
+                remove_created(self._created)
             log.info("stopped: %s", f"window {self.window['id']} open with "
                      f"{self.window['received']:,} messages (kept in the checkpoint)"
                      if self.window else "no window open")

@@ -175,3 +175,24 @@ def test_wrong_key_dead_letters_and_one_refusal(kafka_broker, tmp_path):
     assert len(letters) == len(chunks)
     assert all(dict(m.headers)["reason"] == b"undecryptable" for m in letters)
     assert {m.value for m in letters} == set(chunks)
+
+
+def test_a_start_refused_after_the_analyzer_is_built_writes_nothing(kafka_broker, tmp_path):
+    # the metrics port is taken: the start is refused after the analyzer (and its source) are
+    # made, and a refused start leaves no trace (the analyzer made its state directory then)
+    import socket
+
+    topic = make_topic(kafka_broker)
+    key_file = tmp_path / "analyzer.key"
+    save_private_key(new_keypair(), str(key_file))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli",
+                              *args(kafka_broker, topic, tmp_path, key_file, "--metrics-port",
+                                    str(port)), "--exit-when-idle", "3"],
+                             capture_output=True, text=True, timeout=300, env=env())
+    assert res.returncode != 0
+    assert "cannot serve metrics" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "state").exists() and not (tmp_path / "releases").exists()
