@@ -310,3 +310,34 @@ def test_box_opener_helpers_give_the_same_messages():
     finally:
         opener.close()
     assert opener._procs == []
+
+
+def test_a_refused_shuffler_start_writes_nothing(tmp_path, keys):
+    # Kafka unreachable: one line naming the fix at once, and no shuffler directory left behind
+    # (it is made at the first save of the shuffler's state, not when the shuffler is built)
+    import subprocess
+    import sys
+
+    sets = ["state.model=shuffle", "state.epsilon=4", f"state.domain_size={B}",
+            f"window.size={N}", f"shuffle.public_key={public_key_hex(keys)}",
+            "shuffle.client_topic=clients", "source.topic=analyzer",
+            "source.bootstrap=127.0.0.1:1", "source.connect_timeout_s=2",
+            f"checkpoint.dir={tmp_path / 'state'}", "metrics.port=-1"]
+    toml = tmp_path / "shuffler.toml"
+    toml.write_text("[state]\nmodel = \"shuffle\"\n")
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "shuffle", "--config",
+                          str(toml), *[a for kv in sets for a in ("--set", kv)],
+                          "--exit-when-idle", "1"],
+                         capture_output=True, text=True, timeout=300)
+    cfg = cfg_for(tmp_path, keys)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "panagg: error: cannot reach Kafka: connection refused at 127.0.0.1:1 (nothing listens "
+        "on that port). Check source.bootstrap and that the broker is running "
+        "(deploy/kafka/kafka.sh start)")
+    assert "kafka.net" not in res.stderr   # no burst of client retries
+    assert not (tmp_path / "state").exists()
+    sh = Shuffler(cfg)
+    assert not (tmp_path / "state").exists()   # building it writes nothing
+    sh._save_state()
+    assert (tmp_path / "state" / "shuffler").is_dir()

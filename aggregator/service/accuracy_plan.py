@@ -79,8 +79,8 @@ def _plan_inputs(cfg: Config) -> tuple[int, float, int, int, bool]:
     hashed = st.mode == "hashed"
     counters = choose_buckets_for(cfg) if hashed else int(st.domain_size)
     layers = 1 + 2 * int(cfg.checkpoint.snapshots_per_window) + (st.model == "joint")
-    p = p_from_epsilon(float(st.epsilon),
-                       NEIGHBOR_RELATIONS[st.get("neighbor", "replace-one")])
+    # the service counts under the replace-one relation only (no setting chooses another)
+    p = p_from_epsilon(float(st.epsilon), NEIGHBOR_RELATIONS["replace-one"])
     n = int(cfg.window.size) if cfg.window.kind == "count" else int(st.expected_n)
     return counters, p, layers, n, hashed
 

@@ -401,6 +401,10 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
         shuffler = Shuffler(cfg)
     except ShufflerError as exc:
         raise UsageError(str(exc)) from None
+    # one line at once, as `panagg run` says it, not the client's retries and a timeout at 30 s
+    problem = probe_bootstrap(cfg.source.bootstrap, min(5.0, float(cfg.source.connect_timeout_s)))
+    if problem:
+        raise UsageError(problem)
     if cfg.metrics.port >= 0:
         try:
             port = shuffler.metrics.serve(cfg.metrics.host, cfg.metrics.port)

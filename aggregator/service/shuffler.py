@@ -263,8 +263,8 @@ class Shuffler:
                  metrics: ShufflerMetrics | None = None):
         sh = cfg.shuffle
         self.cfg = cfg
-        self.client_topic = sh.get("client_topic") or ""
-        self.analyzer_topic = sh.get("analyzer_topic") or cfg.source.topic
+        self.client_topic = sh.client_topic or ""
+        self.analyzer_topic = sh.analyzer_topic or cfg.source.topic
         if not self.client_topic:
             raise ShufflerError("panagg shuffle needs shuffle.client_topic (the topic clients "
                                 "produce to)")
@@ -276,7 +276,7 @@ class Shuffler:
         if cfg.source.kind != "kafka":
             raise ShufflerError("panagg shuffle runs on Kafka: set source.kind = kafka and "
                                 "source.bootstrap")
-        if not sh.get("public_key"):
+        if not sh.public_key:
             raise ShufflerError("panagg shuffle needs shuffle.public_key: the analyzer's public key "
                                 "(hex, or a file), printed by `panagg shuffle-keygen`")
         try:
@@ -291,10 +291,11 @@ class Shuffler:
         self.n = self.randomizer.n
         self.count_window = cfg.window.kind == "count"
         self.window_s = None if self.count_window else float(cfg.window.size)
-        self.dir = Path(state_dir or sh.get("shuffler_dir") or
+        # made at the first save, so a start refused before it (Kafka unreachable, the metrics
+        # port taken) writes nothing
+        self.dir = Path(state_dir or sh.shuffler_dir or
                         Path(cfg.checkpoint.dir) / "shuffler")
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.group = sh.get("group") or "panagg-shuffler"
+        self.group = sh.group or "panagg-shuffler"
         self.txn_id = f"{self.group}-{self.analyzer_topic}"
         self.dead_topic = cfg.source.dead_letter_topic
         self.metrics = metrics or ShufflerMetrics()
@@ -316,6 +317,7 @@ class Shuffler:
     def _save_state(self) -> None:
         doc = {"next_window": self.next_window, "recent": self.recent[-RECENT_WINDOWS:],
                "pending": self.pending}
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.dir / (STATE_FILE + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
