@@ -1426,9 +1426,10 @@ def remember_fits(vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> No
 
 
 def forget_fits() -> None:
-    """Drop what :func:`remember_fits` keeps, and every memo registered with
-    :func:`forget_with` (the release path does once its release is made: nothing derived from a
-    window's counters outlives its release)."""
+    """Drop what :func:`remember_fits` keeps, every :class:`LastCounters` memo (the calling
+    thread's entries: each thread's release forgets its own counters) and every memo registered
+    with :func:`forget_with` (the release path does once its release is made: nothing derived
+    from a window's counters outlives its release)."""
     for clear in _FORGET:  # _FITS among them
         clear()
 

@@ -57,7 +57,7 @@ from .errors import ServiceError
 from .identity import choose_buckets_for, identity_of
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
-from .process import lock_directory, release_method, remove_created
+from .process import claim_directory, release_method, remove_created
 from .publisher import Backoff, ReleasePublisher
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
                            load_private_key, parse_analyzer_record, public_key_hex)
@@ -177,9 +177,7 @@ class ShuffleAnalyzer:
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
         # what this start creates, removed again if the start is refused (it writes nothing)
-        self._created = [p for p in (self.dir, self.dir / "service.lock") if not p.exists()]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_file = lock_directory(self.dir)
+        self._created, self._lock_file = claim_directory(self.dir)
 
     def identity(self) -> dict:
         mine = identity_of(self.cfg)

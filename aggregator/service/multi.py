@@ -45,7 +45,7 @@ from consumers.base import Segment, Source, offsets_array
 from .anchor import kafka_metadata, parse_kafka_metadata
 from .config import aggregation_configs
 from .metrics import Metrics
-from .process import Aggregator, ServiceError, Stopping, lock_directory, remove_created
+from .process import Aggregator, ServiceError, Stopping, claim_directory, remove_created
 from .settings import Config
 
 __all__ = ["MultiAggregator", "SourceView"]
@@ -293,9 +293,8 @@ class MultiAggregator:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _lock(self) -> None:
-        self._created = [p for p in (self.dir, self.dir / "service.lock") if not p.exists()]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_file = lock_directory(self.dir)
+        # what this start creates, removed again if the start is refused (it writes nothing)
+        self._created, self._lock_file = claim_directory(self.dir)
 
     def check_set(self) -> None:
         """The set of aggregations this directory counts; another set is refused unless

@@ -94,6 +94,17 @@ def remove_created(paths) -> None:
             pass
 
 
+def claim_directory(directory: Path, *later: Path):
+    """Make ``directory`` and hold its lock (:func:`lock_directory`) for a start. Returns (the
+    paths that did not exist before: ``directory``, ``later`` (paths the start makes after
+    this) and the lock file, for :func:`remove_created` after a refused start; the open lock
+    file)."""
+    directory = Path(directory)
+    created = [p for p in (directory, *later, directory / "service.lock") if not p.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    return created, lock_directory(directory)
+
+
 def lock_directory(directory: Path):
     """Hold ``directory/service.lock`` (flock) for this process, with its pid inside; one line
     naming the other process if it is held. Returns the open file: closing it unlocks."""
@@ -251,11 +262,9 @@ class Aggregator:
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
         # what this start creates, removed again if the start is refused (it writes nothing)
-        self._created = [p for p in (self.dir, self.control, self.dir / "checkpoints",
-                                     self.dir / "service.lock") if not p.exists()]
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._created, self._lock_file = claim_directory(self.dir, self.control,
+                                                         self.dir / "checkpoints")
         self.control.mkdir(exist_ok=True)
-        self._lock_file = lock_directory(self.dir)
 
     def _remove_created(self) -> None:
         """After a refused start (the lock released): remove what :meth:`_lock` created, so
