@@ -798,11 +798,17 @@ def em_prevalences(noisy_counts, p, *, layers=1, R=None) -> tuple[np.ndarray, np
 
 
 def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                      tol=None, shrunk_start=False) -> list:
+                      tol=None, shrunk_start=False, early=None) -> list:
     """:func:`deconvolved_prevalence` (without n) of several counter sets at once: one SQUAREM
     loop over a matrix with one row per counter set (each row stops at its own step, by the
     same rule), so the ~25 numpy calls of an EM step are made once per step for all of them.
-    For the bootstrap's re-estimates (10-20 small EM problems per release).
+    For the bootstrap's re-estimates (10-20 small EM problems per release) and ``auto``'s
+    simulated states.
+
+    ``early`` = (max_iter, tol) of a looser stop on the same path, as in :func:`_squarem`: each
+    item of the result is then the pair (phi at the early stop, phi at this run's stop), what
+    :func:`em_prevalences` gives for one set (pass ``max_iter=MLE_MAX_ITER, tol=MLE_TOL,
+    early=(DECONV_MAX_ITER, deconv_tol(p, layers))`` for exactly its pair, to rounding).
 
     The rows share one FFT length (the longest axis'), so a row's convolutions round
     differently from a run of its own: the results equal :func:`deconvolved_prevalence`'s to
@@ -813,7 +819,9 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     tol = deconv_tol(p, k) if tol is None else tol
     vcs = [noisy_value_counts(x) for x in many]
     probs = [_em_problem(vc, p, k) for vc in vcs]
-    out = [prob.cumulative(None) if not prob.spans else None for prob in probs]
+    out = [None if prob.spans else prob.cumulative(None) for prob in probs]
+    if early is not None:  # a set with nothing to fit: its early and final estimate are one
+        out = [None if y is None else (y, y.copy()) for y in out]
     todo = [i for i, prob in enumerate(probs) if prob.spans]
     if not todo:
         return out
@@ -854,6 +862,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     Wr, Ar, zr = W, A, zero
     ll, M = loglik(P, Wr)
     result = [None] * B
+    early_result = [None] * B  # (with early) each row's pi where the looser stop first held
     for step in range(1, max_iter + 1):
         P1 = em_step(P, M, Wr)
         P2 = em_step(P1, conv(P1), Wr)
@@ -890,6 +899,10 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
                                              1e-6), 1.0)
         gain = (ll_new - ll) / denom
         P, ll, M = new, np.maximum(ll_new, ll), M_new
+        if early is not None:
+            for j in np.flatnonzero((gain < early[1]) | (step >= early[0])):
+                if early_result[rows[j]] is None:
+                    early_result[rows[j]] = P[j].copy()
         done = (gain < tol) | (step >= max_iter)
         if done.any():
             for j in np.flatnonzero(done):
@@ -902,6 +915,9 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     for j, i in enumerate(todo):
         prob = probs[i]
         out[i] = prob.cumulative(result[j][: len(prob.w)])
+        if early is not None:
+            first = result[j] if early_result[j] is None else early_result[j]
+            out[i] = (prob.cumulative(first[: len(prob.w)]), out[i])
     return out
 
 

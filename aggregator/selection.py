@@ -38,7 +38,9 @@ it never touches the state or its noise: post-processing.
 
 Cost: one EM run on the counters plus pilots x SIMS EM runs on simulated value counts (the
 early-stopped EM and the converged NPMLE share each run: :func:`aggregator.estimate.em_prevalences`;
-the threshold candidate is a single pass): about 1 + SIMS x 2 times the converged NPMLE's time.
+the threshold candidate is a single pass). The simulated states are fitted together, one batched
+loop (:func:`aggregator.estimate.deconvolved_batch`), so their cost is about that of the slowest
+one's converged NPMLE, not the sum.
 The EM itself is cheap at large domains: counters in the sparse tail are passed through
 (:func:`aggregator.estimate._sparse_counters`), so its axis spans the dense counts only (~1e3
 values at D = 1e7 Zipf counters instead of ~1e4). docs/accuracy_grid.md ("Release time") measures
@@ -113,6 +115,33 @@ def _estimates(vc, p, k: int, methods) -> dict:
     return {m: out[m] for m in methods}
 
 
+def _estimates_many(vcs, p, k: int, methods) -> list:
+    """[:func:`_estimates` of each counter set], the EM estimators of all sets fitted in one
+    batched loop (:func:`aggregator.estimate.deconvolved_batch`, equal to rounding): for the
+    simulated states, whose fits only rank the candidates. The real counters' fits stay
+    :func:`_estimates` (the release is reproducible bit for bit)."""
+    from .estimate import (DECONV_MAX_ITER, MLE_MAX_ITER, MLE_TOL, basic_prevalence,
+                           deconv_tol, deconvolved_batch, project_l1)
+
+    em = [m for m in ("deconvolution", "mle") if m in methods]
+    fitted = [{} for _ in vcs]
+    if len(em) == 2:
+        pairs = deconvolved_batch(vcs, p, layers=k, max_iter=MLE_MAX_ITER, tol=MLE_TOL,
+                                  early=(DECONV_MAX_ITER, deconv_tol(p, k)))
+        fitted = [{"deconvolution": project_l1(e), "mle": project_l1(f)} for e, f in pairs]
+    elif em:
+        m = em[0]
+        it = (DECONV_MAX_ITER, deconv_tol(p, k)) if m == "deconvolution" else (MLE_MAX_ITER,
+                                                                               MLE_TOL)
+        fitted = [{m: project_l1(y)} for y in deconvolved_batch(vcs, p, layers=k,
+                                                                 max_iter=it[0], tol=it[1])]
+    for vc, out in zip(vcs, fitted):
+        for m in methods:
+            if m not in out:
+                out[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m))
+    return [{m: out[m] for m in methods} for out in fitted]
+
+
 def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "scale") -> str:
     """The cap rule that brings the stand-ins to n: ``"items"`` if, for every pilot whose total
     exceeds n (the two rules differ only there), the stand-in it gives fits the counters better
@@ -170,16 +199,21 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     regret: dict = {c: [] for c in candidates}
     standin_cap = _standin_cap(vc, fits, pilots, n, p, k, thin) if n is not None else "none"
     top = axis_top(vc)
+    stand_ins, states = [], []  # every stand-in's states drawn first, then fitted in one batch
     for pm in pilots:
         y_p = cap(fits[pm], n, standin_cap, top)
         if len(y_p) and y_p[0] > D:  # more items than counters (only without n): keep the top
             truth = counts_from_cumulative(y_p)[:D]
             y_p = np.asarray(np.cumsum(np.bincount(truth)[::-1])[::-1][1:], dtype=np.int64)
+        stand_ins.append(y_p)
+        states += [counter_model.simulate_from_cumulative(rng, y_p, D, p, k)
+                   for _ in range(int(sims))]
+    fitted = iter(zip(states, _estimates_many(states, p, k, methods)))
+    for y_p in stand_ins:
         total = int(y_p.sum()) if n is not None else None
         err = {c: 0.0 for c in candidates}
         for _ in range(int(sims)):
-            sim = counter_model.simulate_from_cumulative(rng, y_p, D, p, k)
-            ests = _estimates(sim, p, k, methods)
+            sim, ests = next(fitted)
             top_sim = axis_top(sim) if total is not None else None
             for m in methods:
                 y = ests[m]

@@ -418,3 +418,25 @@ def test_deconvolved_batch_equals_one_at_a_time_to_rounding(layers):
     for x, y in zip(sets[:3], many):
         one = anonymized_cumulative(x, p, layers=layers, method="mle")
         assert abs(int(one.sum()) - int(y.sum())) <= 0.001 * max(int(one.sum()), 1000)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_deconvolved_batch_gives_em_prevalences_pair_of_each_set(layers):
+    # auto's simulated states are fitted in one batch: each pair is the early-stopped EM and the
+    # converged NPMLE of one set, as em_prevalences gives them (to the batch's rounding)
+    from aggregator.estimate import (deconvolved_batch, deconv_tol, em_prevalences,
+                                     DECONV_MAX_ITER, MLE_MAX_ITER, MLE_TOL)
+    p = 0.6
+    sets = [_zipf_noisy(1500 * (i + 1), 4000, p, layers, 31 + i)[1] for i in range(3)]
+    sets.append(discrete_laplace(p, 400, rng=np.random.default_rng(2)))  # no events at all
+    pairs = deconvolved_batch(sets, p, layers=layers, max_iter=MLE_MAX_ITER, tol=MLE_TOL,
+                              early=(DECONV_MAX_ITER, deconv_tol(p, layers)))
+    for x, (b_early, b_full) in zip(sets, pairs):
+        a_early, a_full = em_prevalences(x, p, layers=layers)
+        assert len(b_early) == len(a_early) and len(b_full) == len(a_full)
+        np.testing.assert_allclose(b_early, a_early, rtol=1e-6,
+                                   atol=1e-6 * max(1.0, float(a_early.max())))
+        np.testing.assert_allclose(b_full, a_full, rtol=2e-2,
+                                   atol=2e-2 * max(1.0, float(a_full.max())))
+    # the early stop is a point on the path before the end, not the end itself
+    assert any(not np.allclose(e, f) for e, f in pairs[:3])
