@@ -151,7 +151,7 @@ def internal_level(level: float, mode: str = "direct") -> float:
 
 def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "l1", n=None,
                            buckets=None, reps: int = ERROR_BAR_REPS, level: float = 0.9,
-                           method: str | None = None, _estimator=None):
+                           method: str | None = None, rng=None, _estimator=None):
     """The released histogram and its ``accuracy`` block, from the noisy counters only.
 
     Everything here is post-processing of the (already noised) counters and public quantities
@@ -168,7 +168,8 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
       from the same bootstrap the expected and standard errors of distinct items and entropy,
       ``signal_to_noise`` as the distinct-items estimate over its expected error, and the 2x
       flag (:func:`_add_expected_errors`). The bootstrap's randomness only touches released
-      values; it is drawn fresh (OS entropy), not seeded.
+      values; it is drawn fresh (OS entropy), not seeded. ``rng``: the bootstrap's generator
+      instead, for :func:`planned_accuracy`'s synthetic windows only (a release passes none).
     """
     kw = dict(layers=layers, n=n, buckets=buckets, method=method)
     try:
@@ -181,7 +182,8 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         bars = None
         if reps and loss == "l1":  # (its stand-ins are the pilot fits auto kept: no refit)
             inner = internal_level(level, "hashed" if buckets is not None else "direct")
-            bars = intervals.error_bars(vc, p, reps=int(reps), level=inner, release=hist, **kw)
+            bars = intervals.error_bars(vc, p, reps=int(reps), level=inner, release=hist,
+                                        rng=rng, **kw)
     finally:
         forget_fits()  # what auto kept of these counters does not outlive the release
     signal = n if n is not None else int(np.asarray(hist).sum())
@@ -292,8 +294,12 @@ def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bo
     ``auto`` choosing differently), hence the median.
 
     Public inputs only (counters, p, layers, n); the simulated events are synthetic, so their
-    generator may be anything (``rng``: a numpy Generator or seed; None: fresh, and the result
-    is kept for the same configuration in this process). ``cancel``: a function asked before
+    generator may be anything (``rng``: a numpy Generator or seed). None: a generator seeded by
+    the configuration itself (:func:`_plan_seed`), so one configuration states the same figures
+    in every process: the service's start line, a second aggregation and `panagg plan` in
+    another shell agree (with fresh draws they differed by up to 2.8x, the spread of a median of
+    3 simulated windows), and the result is kept for the configuration in this process.
+    ``cancel``: a function asked before
     each simulated window; when it returns True, :class:`PlanCancelled` is raised (a service
     that stops before its plan is done does not wait for it). A real window
     of a similar shape states about the same figures (docs/accuracy_changes.md, "Expected errors").
@@ -301,13 +307,22 @@ def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bo
     key = (int(counters), float(p), int(layers), int(n), bool(hashed), int(reps))
     if rng is None and key in _PLANS:  # the same configuration again (a restart, a second
         return {k: dict(v) for k, v in _PLANS[key].items()}  # aggregation, `panagg plan`)
-    out = _planned(counters, p, layers, n, hashed=hashed, reps=reps, rng=rng, cancel=cancel)
+    out = _planned(counters, p, layers, n, hashed=hashed, reps=reps,
+                   rng=_plan_seed(key) if rng is None else rng, cancel=cancel)
     if rng is None:
         _PLANS[key] = {k: dict(v) for k, v in out.items()}
     return out
 
 
 _PLANS: dict = {}  # planned_accuracy's results per configuration (this process)
+
+
+def _plan_seed(key: tuple) -> list[int]:
+    """The plan's generator seed: the public configuration it simulates (counters, p, layers,
+    n, hashed, reps), as integers. Synthetic windows only: no state and no privacy noise is
+    drawn from it (those come from the OS CSPRNG)."""
+    counters, p, layers, n, hashed, reps = key
+    return [counters, round(p * 2**52), layers, n, int(hashed), reps]
 
 
 PLAN_WINDOWS = 3  # simulated windows per shape; the plan states the median of their figures
@@ -359,7 +374,7 @@ def _planned(counters, p, layers, n, *, hashed, reps, rng, cancel=None) -> dict:
             # anonymized_histogram, the one call the privacy audits watch)
             _, acc = estimate_with_accuracy(vc, p, layers=layers, n=n,
                                             buckets=counters if hashed else None, reps=reps,
-                                            _estimator=_anonymize.anonymized_histogram)
+                                            rng=rng, _estimator=_anonymize.anonymized_histogram)
             rel = acc.get("expected_relative_error") or {}
             figures.append((rel.get("distinct_items"), rel.get("entropy_nats"),
                             acc["signal_below_noise"]))

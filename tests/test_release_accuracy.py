@@ -169,6 +169,23 @@ def test_start_line_and_plan_state_the_same_expected_errors():
     assert accuracy_plan(cfg, simulate=False)[0] == line.split("; expected error")[0]
 
 
+def test_one_configuration_plans_the_same_figures_in_every_process(monkeypatch):
+    """The start line of a service and `panagg plan` in another shell are two processes: each
+    simulates the plan afresh (nothing is cached across processes), and they must state the
+    same figures. Fresh draws differed by up to 2.8x (a median of 3 simulated windows)."""
+    from aggregator import release
+
+    def fresh_process_plan(**kw):
+        monkeypatch.setattr(release, "_PLANS", {})  # what a new process starts with
+        return release.planned_accuracy(300, 0.6, 2, 1500, hashed=False, reps=4, **kw)
+
+    first, second = fresh_process_plan(), fresh_process_plan()
+    assert first == second
+    assert first["zipf"]["distinct_items"] > 0
+    # negative control: other draws of the synthetic windows give other figures
+    assert fresh_process_plan(rng=np.random.default_rng()) != first
+
+
 def test_accuracy_plan_suggests_a_fix_below_the_noise():
     line, below = accuracy_plan(_cfg("state.domain_size=100000000", "window.size=40000"))
     assert below
