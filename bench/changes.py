@@ -282,6 +282,29 @@ def hashed_diagnostic(windows: int = 4) -> None:
         forget_fits()
 
 
+def plan_spread(draws: int = 8) -> None:
+    """How much `panagg plan`'s figure (the median over PLAN_WINDOWS simulated windows of the
+    expected relative error of distinct items) moves between draws of its synthetic windows:
+    what a fresh draw in each process gave before the plan was seeded by its configuration."""
+    from aggregator import release
+
+    D, n, layers, p = 10**6, 40_000, 2, math.exp(-0.5)
+    default = release.PLAN_WINDOWS
+    try:
+        for windows in (3, 5):
+            release.PLAN_WINDOWS = windows
+            figs = {shape: [] for shape in release.PLAN_SHAPES}
+            for seed in range(draws):
+                plan = release.planned_accuracy(D, p, layers, n, hashed=False, rng=1000 + seed)
+                for shape in figs:
+                    figs[shape].append(100 * plan[shape]["distinct_items"])
+            for shape, v in figs.items():
+                print(f"{windows} windows, {shape}: +-{min(v):.1f}% to +-{max(v):.1f}% distinct "
+                      f"items (median {np.median(v):.1f}%) over {draws} draws", flush=True)
+    finally:
+        release.PLAN_WINDOWS = default
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=40)
@@ -294,7 +317,13 @@ def main(argv=None) -> int:
                     help="only the issue's hashed setting, window by window")
     ap.add_argument("--planned-only", action="store_true",
                     help="only print planned_accuracy for the cells with a reference shape")
+    ap.add_argument("--plan-spread", action="store_true",
+                    help="only the spread of the plan's figures over 8 draws of its synthetic "
+                         "windows (D = 1e6, n = 4e4, 2 layers, eps 1), with 3 and 5 windows")
     args = ap.parse_args(argv)
+    if args.plan_spread:
+        plan_spread()
+        return 0
     if args.plot_example:
         plot_example(args.plot_example)
         return 0

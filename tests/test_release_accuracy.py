@@ -172,7 +172,7 @@ def test_start_line_and_plan_state_the_same_expected_errors():
 def test_one_configuration_plans_the_same_figures_in_every_process(monkeypatch):
     """The start line of a service and `panagg plan` in another shell are two processes: each
     simulates the plan afresh (nothing is cached across processes), and they must state the
-    same figures. Fresh draws differed by up to 2.8x (a median of 3 simulated windows)."""
+    same figures. Fresh draws differed by up to 3x (a median of 3 simulated windows)."""
     from aggregator import release
 
     def fresh_process_plan(**kw):
