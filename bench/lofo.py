@@ -17,7 +17,8 @@ Usage (results accumulate in out/lofo_results.<shard>.pkl; shards run in paralle
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.lofo --run --shard 1/2
     .venv/bin/python -m bench.lofo --report        # prints the tables (markdown)
 
-``--extra blend,auto_blend,auto_sims8,auto_pilot3,auto_fitted`` (with ``--run`` and ``--report``) adds candidates that
+``--extra blend,auto_blend,auto_sims8,auto_pilot3,auto_fitted,em_likelier,auto_likelier`` (with
+``--run`` and ``--report``) adds candidates that
 were tried for the worst held-out cells and not adopted (:data:`EXTRA`).
 
 Benchmark only: seeded numpy noise (bench.grid.draw).
@@ -26,6 +27,7 @@ Benchmark only: seeded numpy noise (bench.grid.draw).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import pickle
 import sys
@@ -85,18 +87,30 @@ def _knowing_blend(plain):
     return estimates
 
 
+@contextlib.contextmanager
+def _auto_estimates(estimates):
+    """``auto`` (``selection``) fitting the real counters and its simulated states with
+    ``estimates`` (a stand-in for ``selection._estimates``, one counter set at a time; the
+    library fits the simulated states in one batch, ``selection._estimates_many``)."""
+    from aggregator import selection
+    plain, plain_many = selection._estimates, selection._estimates_many
+    selection._estimates = estimates
+    selection._estimates_many = lambda vcs, p, k, methods: [estimates(v, p, k, methods)
+                                                            for v in vcs]
+    try:
+        yield
+    finally:
+        selection._estimates, selection._estimates_many = plain, plain_many
+
+
 def _auto_blend(mode, vc, p, k, n, B):
     """``auto`` with the blend among its candidates (direct mode): the minimax over the two
     stand-ins favours a compromise, if any candidate is one."""
     from aggregator import selection
     from aggregator.estimate import project_l1
-    plain = selection._estimates
-    selection._estimates = _knowing_blend(plain)
-    try:
+    with _auto_estimates(_knowing_blend(selection._estimates)):
         y, _ = selection.select(vc, p, layers=k, n=n, candidates=selection.CANDIDATES + (
             ("blend", "items"), ("blend", "scale")))
-    finally:
-        selection._estimates = plain
     return project_l1(y.astype(np.float64))
 
 
@@ -104,13 +118,14 @@ def _auto_pilot3(mode, vc, p, k, n, B):
     """``auto`` with the blend as a third stand-in truth (both modes): a stand-in between the
     smooth and the spiky one, nearer the truth where the two err in opposite directions."""
     from aggregator import selection
-    plain, kw = selection._estimates, selection.select.__kwdefaults__
-    selection._estimates, old = _knowing_blend(plain), kw["pilots"]
+    kw = selection.select.__kwdefaults__
+    old = kw["pilots"]
     kw["pilots"] = tuple(old) + ("blend",)
     try:
-        return grid.estimate_y(mode, vc, p, k, "auto", n, B)
+        with _auto_estimates(_knowing_blend(selection._estimates)):
+            return grid.estimate_y(mode, vc, p, k, "auto", n, B)
     finally:
-        selection._estimates, kw["pilots"] = plain, old
+        kw["pilots"] = old
 
 
 def _auto_sims8(mode, vc, p, k, n, B):
@@ -157,6 +172,12 @@ def _em_held(mode, vc, p, k, n, B):
 
 def _auto_em_held(mode, vc, p, k, n, B):
     """``auto`` whose early-stopped EM (candidate and stand-in) is :func:`_em_held`'s."""
+    return _auto_with_em(mode, vc, p, k, n, B, _held_to_n)
+
+
+def _auto_with_em(mode, vc, p, k, n, B, em):
+    """``auto`` whose early-stopped EM (candidate and stand-in, on the counters and on every
+    simulated state) is ``em(vc, p, k, n, the library's early-stopped EM fit)``."""
     from aggregator import selection
     from aggregator.estimate import forget_fits
     plain = selection._estimates
@@ -164,16 +185,60 @@ def _auto_em_held(mode, vc, p, k, n, B):
     def estimates(vc_, p_, k_, methods):
         out = plain(vc_, p_, k_, methods)
         if "deconvolution" in out:
-            out["deconvolution"] = _held_to_n(vc_, p_, k_, n, out["deconvolution"])
+            out["deconvolution"] = em(vc_, p_, k_, n, out["deconvolution"])
         return out
     # no memo crosses between this and the library's auto on the same counters
     forget_fits()
-    selection._estimates = estimates
     try:
-        return grid.estimate_y(mode, vc, p, k, "auto", n, B)
+        with _auto_estimates(estimates):
+            return grid.estimate_y(mode, vc, p, k, "auto", n, B)
     finally:
-        selection._estimates = plain
         forget_fits()
+
+
+#: the smoothed start's share in :func:`_likelier_em`'s shrunk start (the library's is
+#: estimate.START_SMOOTH_SHARE = 0.05, which at D = 1e6 counters is 50,000 counters' worth of
+#: the over-dispersed start: the very tail the heavy family's error sits in)
+SHRUNK_SMOOTH_SHARE = 1e-4
+
+
+def _shrunk_em(vc, p, k):
+    """The early-stopped EM from the shrunk start (the zero cluster's noisy values pulled to
+    their true mean and variance), :data:`SHRUNK_SMOOTH_SHARE` of the smoothed start mixed in."""
+    from aggregator import estimate
+    old, estimate.START_SMOOTH_SHARE = estimate.START_SMOOTH_SHARE, SHRUNK_SMOOTH_SHARE
+    try:
+        return estimate.project_l1(estimate.deconvolved_prevalence(vc, p, layers=k,
+                                                                   shrunk_start=True))
+    finally:
+        estimate.START_SMOOTH_SHARE = old
+
+
+def _likelier_em(vc, p, k, n, early):
+    """The early-stopped EM's fit ``early`` (smoothed start) or the one from the shrunk start
+    (:func:`_shrunk_em`), whichever the counters' likelihood prefers, both capped at n by
+    ``items`` (the rule hashed mode applies to its bucket counters, ``largedomain._likelier_
+    start``). The early stop keeps the fit near its start: the smoothed start leaves a tail
+    at r = 2-15 where the heavy family has none, the shrunk one keeps too little spread for
+    Zipf(0.7) and Zipf(1.5) (docs/accuracy_grid.md, "The EM's start chosen by the likelihood")."""
+    from aggregator.counter_model import loglik
+    from aggregator.estimate import cap_total, noisy_value_counts
+    vc = noisy_value_counts(vc)
+    other = _shrunk_em(vc, p, k)
+
+    def ll(y):
+        return loglik(vc, y if n is None else cap_total(y, int(n), "items"), vc.total, p, k)
+    return other if ll(other) > ll(early) else early
+
+
+def _em_likelier(mode, vc, p, k, n, B):
+    """The early-stopped EM from the likelier of its two starts (direct mode)."""
+    return _likelier_em(vc, p, k, n, grid.estimate_y(mode, vc, p, k, "deconvolution", n, B))
+
+
+def _auto_likelier(mode, vc, p, k, n, B):
+    """``auto`` whose early-stopped EM is :func:`_em_likelier`'s."""
+    return _auto_with_em(mode, vc, p, k, n, B, _likelier_em)
 
 
 #: name: (modes, estimator); each returns the uncapped projected phi_{>=r} as grid.estimate_y
@@ -183,7 +248,9 @@ EXTRA = {"em_held": (("direct",), _em_held),
          "auto_blend": (("direct",), _auto_blend),
          "auto_sims8": (("direct", "hashed"), _auto_sims8),
          "auto_pilot3": (("direct", "hashed"), _auto_pilot3),
-         "auto_fitted": (("direct",), _auto_fitted)}
+         "auto_fitted": (("direct",), _auto_fitted),
+         "em_likelier": (("direct",), _em_likelier),
+         "auto_likelier": (("direct",), _auto_likelier)}
 EXTRA_RUN: list = []  # --extra
 
 
