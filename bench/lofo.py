@@ -327,6 +327,34 @@ def run(shard: tuple[int, int]) -> None:
               flush=True)
 
 
+def add_extras(base: Path, shard: tuple[int, int]) -> None:
+    """Only the ``--extra`` candidates, on the cells and repetitions stored in ``base`` (another
+    run's results directory, e.g. out/lofo_reps16), merged into a copy of them under --out: the
+    library's candidates are not run again (the same seeds draw the same counters)."""
+    i, k = shard
+    src = {}
+    for path in sorted(base.glob(OUT.stem + "*.pkl")):
+        src.update(pickle.loads(path.read_bytes()))
+    mine = OUT.with_name(f"{OUT.stem}.{i}.pkl")
+    done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
+    for idx, (key, res) in enumerate(sorted(src.items(), key=lambda kv: str(kv[0]))):
+        if idx % k != i or res.cell.mode not in MODES_RUN or key in done:
+            continue
+        t = time.time()
+        extras = tuple(m for m in EXTRA_RUN if res.cell.mode in EXTRA[m][0])
+        layers = sorted({key_[0] for key_ in res.l1})
+        more = grid.run_cell(res.cell, layers=layers, methods=extras, estimate=_estimate_y,
+                             reps=range(len(res.items)))
+        for name in ("l1", "seconds", "total"):
+            getattr(res, name).update(getattr(more, name))
+        done[key] = res
+        tmp = mine.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(done))
+        tmp.replace(mine)
+        print(f"{res.cell.mode} {res.cell.dist} n={res.cell.n} D={res.cell.D} eps={res.cell.eps}"
+              f" x {len(res.items)}: {time.time() - t:.1f} s", flush=True)
+
+
 def regret_table(results: dict, mode: str, layers: int, at=None):
     """{cell key: {candidate: regret}} and {cell key: family} for one mode and layer count (the
     candidates of :data:`CANDIDATES` that every cell of the mode has: an ``--extra`` one may
@@ -726,6 +754,9 @@ def main(argv=None) -> int:
                     help="report, direct mode: auto against the --extra auto variant EXTRA "
                          "(e.g. auto_fitted), each against the best fixed candidate, and leave "
                          "one family out between the two")
+    ap.add_argument("--add-to", metavar="DIR",
+                    help="run only the --extra candidates on the cells and repetitions stored in "
+                         "DIR (e.g. out/lofo_reps16), writing DIR's results with them to --out")
     ap.add_argument("--hashed-real", action="store_true",
                     help="run: the real profiles of the direct cells as hashed items (n = D/10, "
                          "D, 10 D) instead of this bench's cells, e.g. with --out "
@@ -753,6 +784,10 @@ def main(argv=None) -> int:
     if args.mode:
         MODES_RUN[:] = [args.mode]
     OUT.parent.mkdir(parents=True, exist_ok=True)
+    if args.add_to:
+        if Path(args.add_to).resolve() == OUT.parent.resolve() or not extra:
+            ap.error("--add-to needs --extra and an --out other than DIR")
+        add_extras(Path(args.add_to), parse_shard(args.shard))
     if args.run:
         i, k = parse_shard(args.shard)
         run((i, k))
