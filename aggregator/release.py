@@ -298,10 +298,10 @@ def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bo
     the configuration itself (:func:`_plan_seed`), so one configuration states the same figures
     in every process: the service's start line, a second aggregation and `panagg plan` in
     another shell agree (with fresh draws they differed by up to 3x, the spread of a median of
-    3 simulated windows: `python -m bench.changes --plan-spread`), and the result is kept for the configuration in this process.
-    ``cancel``: a function asked before
-    each simulated window; when it returns True, :class:`PlanCancelled` is raised (a service
-    that stops before its plan is done does not wait for it). A real window
+    3 simulated windows: `python -m bench.changes --plan-spread`), and the result is kept for
+    the configuration in this process. ``cancel``: a function asked before each simulated
+    window; when it returns True, :class:`PlanCancelled` is raised (a service that stops
+    before its plan is done does not wait for it). A real window
     of a similar shape states about the same figures (docs/accuracy_changes.md, "Expected errors").
     """
     key = (int(counters), float(p), int(layers), int(n), bool(hashed), int(reps))
