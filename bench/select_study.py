@@ -384,6 +384,43 @@ def em_tail(reps: int = 2) -> None:
         print(f"| {name} | " + " | ".join(f"{at(y, r):,.0f}" for r in rs) + " |")
 
 
+def starts(reps: int = 2) -> None:
+    """The early-stopped EM from its two starts on the three cells of LR_CELLS (repetitions
+    1-2, 1 and 2 layers, the grid's draws): the l1 error with the better of the two caps, and
+    the counters' log-likelihood of each fit capped at n by ``items`` (what bench.lofo's
+    ``em_likelier`` compares). The shrunk start with bench.lofo.SHRUNK_SMOOTH_SHARE of the
+    smoothed one mixed in; the library's 5% share beside it."""
+    from aggregator import estimate
+    from aggregator.counter_model import loglik
+    from aggregator.estimate import (cap_total, cumulative_from_counts, cumulative_l1,
+                                     deconvolved_prevalence, project_l1)
+
+    from . import lofo
+    from .grid import Cell, _noisy, draw
+
+    print("| cell | repetition, layers | smoothed start: error, LL | shrunk, 5% smoothed: error "
+          "| shrunk, 1e-4 smoothed: error, LL | LL(shrunk) - LL(smoothed) |")
+    print("|---|---|---|---|---|---|")
+    for dist, n, D, eps, _ in LR_CELLS:
+        cell = Cell("direct", dist, n, D, eps, reps)
+        for rep in range(reps):
+            h, _, rng = draw(cell, rep)
+            truth = cumulative_from_counts(h)
+            for k in (1, 2):  # the grid's draws: the 1-layer counters first
+                vc = _noisy(rng, h, D - len(h), cell.p, k)
+                fits = [project_l1(deconvolved_prevalence(vc, cell.p, layers=k)),
+                        project_l1(deconvolved_prevalence(vc, cell.p, layers=k,
+                                                          shrunk_start=True)),
+                        lofo._shrunk_em(vc, cell.p, k)]
+                err = [min(cumulative_l1(cap_total(y, n, c), truth) for c in ("items", "scale"))
+                       for y in fits]
+                ll = [loglik(vc, cap_total(y, n, "items"), D, cell.p, k) for y in fits]
+                print(f"| {dist} n = {n:.0e}, D = {D:.0e}, eps {eps:g} | {rep + 1}, {k} | "
+                      f"{err[0]:,.0f}, {ll[0]:,.1f} | {err[1]:,.0f} | {err[2]:,.0f}, {ll[2]:,.1f} "
+                      f"| {ll[2] - ll[0]:+.1f} |", flush=True)
+    assert estimate.START_SMOOTH_SHARE == 0.05  # _shrunk_em put the library's share back
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true")
@@ -397,6 +434,9 @@ def main() -> None:
     ap.add_argument("--em-tail", action="store_true",
                     help="the heavy cell: where the early-stopped EM's error sits, and the EM "
                          "held to n (tried, not adopted)")
+    ap.add_argument("--starts", action="store_true",
+                    help="the early-stopped EM from the smoothed and the shrunk start on the "
+                         "three worst cells of bench.lofo: errors and likelihoods")
     ap.add_argument("--layers", default="1,2,3,6")
     a = ap.parse_args()
     layers = [int(x) for x in a.layers.split(",")]
@@ -412,6 +452,8 @@ def main() -> None:
         lr_check()
     if a.em_tail:
         em_tail()
+    if a.starts:
+        starts()
 
 
 if __name__ == "__main__":
