@@ -31,13 +31,15 @@ from .harness import md_table, shard_arg, shard_of
 OUT = Path("out") / "grid_extra"
 
 
-def _path(variant: str, shard: str) -> Path:
-    return OUT / f"{variant}.{shard.replace('/', 'of')}.pkl"
+def _path(variant: str, shard: str, layers: int = 1) -> Path:
+    # (1 layer keeps the names of the first runs)
+    tag = "" if layers == 1 else f".{layers}layers"
+    return OUT / f"{variant}{tag}.{shard.replace('/', 'of')}.pkl"
 
 
 def run(variant: str, shard: str, layers: int = 1) -> None:
     """The shard's direct grid cells (cheapest first), resumable: a finished cell is saved."""
-    path = _path(variant, shard)
+    path = _path(variant, shard, layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = pickle.loads(path.read_bytes()) if path.exists() else {}
     cells = sorted((c for c in grid.grid_cells() if c.mode == "direct"),
@@ -56,19 +58,22 @@ def run(variant: str, shard: str, layers: int = 1) -> None:
               flush=True)
 
 
-def load(variant: str) -> dict:
+def load(variant: str, layers: int = 1) -> dict:
     out = {}
-    for f in sorted(OUT.glob(f"{variant}.*.pkl")):
+    for f in sorted(OUT.glob(_path(variant, "*", layers).name)):
+        if layers == 1 and "layers." in f.name:
+            continue  # another layer count's file
         out.update(pickle.loads(f.read_bytes()))
     return out
 
 
-def report(variant: str) -> None:
-    rows = lofo.versus_rows(load(variant).values(), variant, 1)
+def report(variant: str, layers: int = 1) -> None:
+    rows = lofo.versus_rows(load(variant, layers).values(), variant, layers)
     if not rows:
-        print(f"no results for {variant} in {OUT}: run --run {variant} first")
+        print(f"no results for {variant} at {layers} layer(s) in {OUT}: run --run {variant} "
+              "first")
         return
-    print(f"{len(rows)} direct grid cells, 1 layer\n")
+    print(f"{len(rows)} direct grid cells, {layers} layer{'s' * (layers > 1)}\n")
     table = []
     for j, name in ((2, "auto (default)"), (3, variant),
                     (4, f"{variant}, fixed fitted caps in the best")):
@@ -90,13 +95,15 @@ def main(argv=None) -> int:
     ap.add_argument("--run", metavar="VARIANT", choices=sorted(lofo.EXTRA))
     ap.add_argument("--shard", type=shard_arg, default="0/1")
     ap.add_argument("--report", metavar="VARIANT", choices=sorted(lofo.EXTRA))
+    ap.add_argument("--layers", type=int, default=1,
+                    help="noise layers of the counters (default 1; the grid's layer counts)")
     args = ap.parse_args(argv)
     if not (args.run or args.report):
         ap.error("give --run VARIANT and/or --report VARIANT")
     if args.run:
-        run(args.run, args.shard)
+        run(args.run, args.shard, args.layers)
     if args.report:
-        report(args.report)
+        report(args.report, args.layers)
     return 0
 
 
