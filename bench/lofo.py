@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import pickle
 import sys
@@ -233,9 +234,10 @@ def _likelier_em(vc, p, k, n, early, margin=0.0):
 
 #: :func:`_likelier_em_sparse`'s margin: Wilks' chi2_1(0.9) / 2, the drop the intervals use
 WILKS_90 = 1.3527
+WILKS_99 = 3.3174  # chi2_1(0.99) / 2
 
 
-def _likelier_em_sparse(vc, p, k, n, early):
+def _likelier_em_sparse(vc, p, k, n, early, margin=WILKS_90):
     """:func:`_likelier_em` only where the shrunk start was built for, a window whose counters
     are mostly empty (n <= the number of counters, so the cluster holding 0 is the bulk of
     them), and only when the shrunk start's fit is likelier by more than Wilks' 90% drop.
@@ -247,12 +249,20 @@ def _likelier_em_sparse(vc, p, k, n, early):
     vc = noisy_value_counts(vc)
     if n is None or n > vc.total:
         return early
-    return _likelier_em(vc, p, k, n, early, margin=WILKS_90)
+    return _likelier_em(vc, p, k, n, early, margin=margin)
 
 
 def _auto_likelier_m(mode, vc, p, k, n, B):
     """``auto`` whose early-stopped EM is :func:`_likelier_em_sparse`'s."""
     return _auto_with_em(mode, vc, p, k, n, B, _likelier_em_sparse)
+
+
+def _auto_likelier_m99(mode, vc, p, k, n, B):
+    """:func:`_auto_likelier_m` with the margin at Wilks' 99% drop, chi2_1(0.99) / 2 = 3.32
+    nats: the 90% one let one Zipf(0.7) window in 16 take the shrunk start at +2.0 nats with 3x
+    the error (docs/accuracy_grid.md)."""
+    return _auto_with_em(mode, vc, p, k, n, B,
+                         functools.partial(_likelier_em_sparse, margin=WILKS_99))
 
 
 def _em_likelier(mode, vc, p, k, n, B):
@@ -275,7 +285,8 @@ EXTRA = {"em_held": (("direct",), _em_held),
          "auto_fitted": (("direct",), _auto_fitted),
          "em_likelier": (("direct",), _em_likelier),
          "auto_likelier": (("direct",), _auto_likelier),
-         "auto_likelier_m": (("direct",), _auto_likelier_m)}
+         "auto_likelier_m": (("direct",), _auto_likelier_m),
+         "auto_likelier_m99": (("direct",), _auto_likelier_m99)}
 EXTRA_RUN: list = []  # --extra
 
 
