@@ -77,6 +77,7 @@ __all__ = [
     "deconv_tol",
     "chi2_shift",
     "em_prevalences",
+    "em_prevalences_many",
     "deconvolved_batch",
     "pass_through_bound",
     "sparse_top",
@@ -797,6 +798,14 @@ def em_prevalences(noisy_counts, p, *, layers=1, R=None) -> tuple[np.ndarray, np
     return prob.cumulative(early, R), prob.cumulative(pi, R)
 
 
+def em_prevalences_many(many, p, *, layers=1) -> list:
+    """[:func:`em_prevalences` of each counter set], all sets on one batched path
+    (:func:`deconvolved_batch`: equal to rounding, not bit for bit): for ``auto``'s simulated
+    states, whose fits only rank its candidates."""
+    return deconvolved_batch(many, p, layers=layers, max_iter=MLE_MAX_ITER, tol=MLE_TOL,
+                             early=(DECONV_MAX_ITER, deconv_tol(p, layers)))
+
+
 def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
                       tol=None, shrunk_start=False, early=None) -> list:
     """:func:`deconvolved_prevalence` (without n) of several counter sets at once: one SQUAREM
@@ -806,9 +815,8 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     simulated states.
 
     ``early`` = (max_iter, tol) of a looser stop on the same path, as in :func:`_squarem`: each
-    item of the result is then the pair (phi at the early stop, phi at this run's stop), what
-    :func:`em_prevalences` gives for one set (pass ``max_iter=MLE_MAX_ITER, tol=MLE_TOL,
-    early=(DECONV_MAX_ITER, deconv_tol(p, layers))`` for exactly its pair, to rounding).
+    item of the result is then the pair (phi at the early stop, phi at this run's stop);
+    :func:`em_prevalences_many` asks for :func:`em_prevalences`'s pair this way.
 
     The rows share one FFT length (the longest axis'), so a row's convolutions round
     differently from a run of its own: the results equal :func:`deconvolved_prevalence`'s to

@@ -116,30 +116,22 @@ def _estimates(vc, p, k: int, methods) -> dict:
 
 
 def _estimates_many(vcs, p, k: int, methods) -> list:
-    """[:func:`_estimates` of each counter set], the EM estimators of all sets fitted in one
-    batched loop (:func:`aggregator.estimate.deconvolved_batch`, equal to rounding): for the
-    simulated states, whose fits only rank the candidates. The real counters' fits stay
-    :func:`_estimates` (the release is reproducible bit for bit)."""
-    from .estimate import (DECONV_MAX_ITER, MLE_MAX_ITER, MLE_TOL, basic_prevalence,
-                           deconv_tol, deconvolved_batch, project_l1)
+    """[:func:`_estimates` of each counter set], the early-stopped EM and the converged NPMLE of
+    all sets on one batched path (:func:`aggregator.estimate.em_prevalences_many`, equal to
+    rounding): for the simulated states, whose fits only rank the candidates. The real
+    counters' fits stay :func:`_estimates` (the release is reproducible bit for bit)."""
+    from .estimate import basic_prevalence, em_prevalences_many, project_l1
 
-    em = [m for m in ("deconvolution", "mle") if m in methods]
-    fitted = [{} for _ in vcs]
-    if len(em) == 2:
-        pairs = deconvolved_batch(vcs, p, layers=k, max_iter=MLE_MAX_ITER, tol=MLE_TOL,
-                                  early=(DECONV_MAX_ITER, deconv_tol(p, k)))
-        fitted = [{"deconvolution": project_l1(e), "mle": project_l1(f)} for e, f in pairs]
-    elif em:
-        m = em[0]
-        it = (DECONV_MAX_ITER, deconv_tol(p, k)) if m == "deconvolution" else (MLE_MAX_ITER,
-                                                                               MLE_TOL)
-        fitted = [{m: project_l1(y)} for y in deconvolved_batch(vcs, p, layers=k,
-                                                                 max_iter=it[0], tol=it[1])]
-    for vc, out in zip(vcs, fitted):
+    if not ("deconvolution" in methods and "mle" in methods):
+        return [_estimates(vc, p, k, methods) for vc in vcs]
+    out = []
+    for vc, (early, full) in zip(vcs, em_prevalences_many(vcs, p, layers=k)):
+        fits = {"deconvolution": project_l1(early), "mle": project_l1(full)}
         for m in methods:
-            if m not in out:
-                out[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m))
-    return [{m: out[m] for m in methods} for out in fitted]
+            if m not in fits:
+                fits[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m))
+        out.append({m: fits[m] for m in methods})
+    return out
 
 
 def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "scale") -> str:

@@ -424,13 +424,11 @@ def test_deconvolved_batch_equals_one_at_a_time_to_rounding(layers):
 def test_deconvolved_batch_gives_em_prevalences_pair_of_each_set(layers):
     # auto's simulated states are fitted in one batch: each pair is the early-stopped EM and the
     # converged NPMLE of one set, as em_prevalences gives them (to the batch's rounding)
-    from aggregator.estimate import (deconvolved_batch, deconv_tol, em_prevalences,
-                                     DECONV_MAX_ITER, MLE_MAX_ITER, MLE_TOL)
+    from aggregator.estimate import em_prevalences, em_prevalences_many
     p = 0.6
     sets = [_zipf_noisy(1500 * (i + 1), 4000, p, layers, 31 + i)[1] for i in range(3)]
     sets.append(discrete_laplace(p, 400, rng=np.random.default_rng(2)))  # no events at all
-    pairs = deconvolved_batch(sets, p, layers=layers, max_iter=MLE_MAX_ITER, tol=MLE_TOL,
-                              early=(DECONV_MAX_ITER, deconv_tol(p, layers)))
+    pairs = em_prevalences_many(sets, p, layers=layers)
     for x, (b_early, b_full) in zip(sets, pairs):
         a_early, a_full = em_prevalences(x, p, layers=layers)
         assert len(b_early) == len(a_early) and len(b_full) == len(a_full)
