@@ -240,7 +240,8 @@ WILKS_99 = 3.3174  # chi2_1(0.99) / 2
 def _likelier_em_sparse(vc, p, k, n, early, margin=WILKS_90):
     """:func:`_likelier_em` only where the shrunk start was built for, a window whose counters
     are mostly empty (n <= the number of counters, so the cluster holding 0 is the bulk of
-    them), and only when the shrunk start's fit is likelier by more than Wilks' 90% drop.
+    them), and only when the shrunk start's fit is likelier by more than ``margin`` (Wilks'
+    90% drop unless given).
     Why both: on the accuracy grid the plain rule lost where the likelihood preferred the
     shrunk start by less than a nat (sc-fa, sc-es) and in dense windows (n = 100 D), where one
     linear map distorts the whole histogram and the likelihood still prefers it (by 4-21
@@ -336,12 +337,23 @@ def cells() -> list[Cell]:
     return out
 
 
-def load() -> dict:
-    """Every shard's results (one file per shard: no two processes write the same file)."""
+def load(directory: Path | None = None) -> dict:
+    """Every shard's results (one file per shard: no two processes write the same file), in
+    ``directory`` (default: --out's)."""
     out = {}
-    for path in sorted(OUT.parent.glob(OUT.stem + "*.pkl")):
+    for path in sorted((directory or OUT.parent).glob(OUT.stem + "*.pkl")):
         out.update(pickle.loads(path.read_bytes()))
     return out
+
+
+def _save(shard: int, key, res) -> None:
+    """Add one cell's result to this shard's file (written whole, then renamed into place)."""
+    mine = OUT.with_name(f"{OUT.stem}.{shard}.pkl")
+    done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
+    done[key] = res
+    tmp = mine.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(done))
+    tmp.replace(mine)
 
 
 def run(shard: tuple[int, int]) -> None:
@@ -353,12 +365,7 @@ def run(shard: tuple[int, int]) -> None:
         t = time.time()
         methods = METHODS + tuple(m for m in EXTRA_RUN if c.mode in EXTRA[m][0])
         res = grid.run_cell(c, layers=LAYERS, methods=methods, estimate=_estimate_y)
-        mine = OUT.with_name(f"{OUT.stem}.{i}.pkl")
-        done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
-        done[c.key] = res
-        tmp = mine.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(done))
-        tmp.replace(mine)
+        _save(i, c.key, res)
         print(f"{c.mode} {c.dist} n={c.n} D={c.D} eps={c.eps}: {time.time() - t:.1f} s",
               flush=True)
 
@@ -368,12 +375,8 @@ def add_extras(base: Path, shard: tuple[int, int]) -> None:
     run's results directory, e.g. out/lofo_reps16), merged into a copy of them under --out: the
     library's candidates are not run again (the same seeds draw the same counters)."""
     i, k = shard
-    src = {}
-    for path in sorted(base.glob(OUT.stem + "*.pkl")):
-        src.update(pickle.loads(path.read_bytes()))
-    mine = OUT.with_name(f"{OUT.stem}.{i}.pkl")
-    done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
-    for idx, (key, res) in enumerate(sorted(src.items(), key=lambda kv: str(kv[0]))):
+    done = load()
+    for idx, (key, res) in enumerate(sorted(load(base).items(), key=lambda kv: str(kv[0]))):
         if idx % k != i or res.cell.mode not in MODES_RUN or key in done:
             continue
         t = time.time()
@@ -383,10 +386,7 @@ def add_extras(base: Path, shard: tuple[int, int]) -> None:
                              reps=range(len(res.items)))
         for name in ("l1", "seconds", "total"):
             getattr(res, name).update(getattr(more, name))
-        done[key] = res
-        tmp = mine.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(done))
-        tmp.replace(mine)
+        _save(i, key, res)
         print(f"{res.cell.mode} {res.cell.dist} n={res.cell.n} D={res.cell.D} eps={res.cell.eps}"
               f" x {len(res.items)}: {time.time() - t:.1f} s", flush=True)
 
