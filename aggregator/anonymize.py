@@ -36,8 +36,9 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     """[:func:`anonymized_cumulative` of each counter set], the EM estimators of direct mode
     fitted together (:func:`deconvolved_batch`: equal to rounding, not bit for bit); for the
     bootstrap's re-estimates. Everything else: one call per counter set. ``shrunk_start``:
-    hashed mode's early-stopped EM from that start for every set (the release's choice,
-    ``largedomain.chosen_start``); None: each set's likelier one."""
+    the early-stopped EM from that start for every set (the release's choice: hashed mode's
+    ``largedomain.chosen_start``, direct mode's ``selection.chosen_start``); None: hashed, each
+    set's likelier one; direct, the smoothed start (the named estimator's)."""
     many = list(many)
     k = _check_layers(layers)
     if method not in ("deconvolution", "mle") or not many:
@@ -47,9 +48,10 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
              if method == "deconvolution"
              else (MLE_MAX_ITER, MLE_TOL))
     vcs = [noisy_value_counts(x) for x in many]
-    start = bool(shrunk_start) and buckets is not None and method == "deconvolution"
+    start = bool(shrunk_start) and method == "deconvolution"
     phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1],
-                             shrunk_start=start)
+                             shrunk_start=start, smooth_share=None if buckets is not None
+                             else estimate.DIRECT_START_SMOOTH_SHARE)
     if buckets is not None:  # the bucket counters' estimates, then the inversion of each
         B = _check_buckets(buckets)
         out = []

@@ -527,14 +527,16 @@ class _EMProblem:
                 out[off + a - lo_v: off + b - lo_v + 1] = vc.c[a - vc.lo: b - vc.lo + 1]
         return out
 
-    def start(self, w: np.ndarray, shrunk: bool = False) -> np.ndarray:
+    def start(self, w: np.ndarray, shrunk: bool = False, smooth_share=None) -> np.ndarray:
         """The EM's first pmf: the noisy-value histogram smoothed by the noise once more, or
         (``shrunk``) with the cluster holding 0 shrunk to the true values' first two moments
-        (:meth:`_shrunk`), :data:`START_SMOOTH_SHARE` of the smoothed one mixed in."""
+        (:meth:`_shrunk`), ``smooth_share`` of the smoothed one mixed in (default
+        :data:`START_SMOOTH_SHARE`)."""
         pi = (np.convolve(w / w.sum(), self.q, mode="same") + 1e-12) * self.allowed
         pi /= pi.sum()
         if shrunk and self.zero_idx is not None:
-            pi = (1.0 - START_SMOOTH_SHARE) * self._shrunk(w, pi) + START_SMOOTH_SHARE * pi
+            share = START_SMOOTH_SHARE if smooth_share is None else float(smooth_share)
+            pi = (1.0 - share) * self._shrunk(w, pi) + share * pi
         return pi
 
     def _shrunk(self, w: np.ndarray, pi: np.ndarray) -> np.ndarray:
@@ -589,6 +591,10 @@ class _EMProblem:
 
 
 START_SMOOTH_SHARE = 0.05  # of the smoothed start in the shrunk one (every count keeps support)
+# ... in direct mode's (``selection``'s likelier start): at D = 1e6 counters 0.05 is 50,000
+# counters' worth of the over-dispersed start, the very tail at r = 2-15 the shrunk start is
+# there to remove (docs/accuracy_grid.md, "The EM's start chosen by the likelihood")
+DIRECT_START_SMOOTH_SHARE = 1e-4
 EM_TAIL = 1e-10  # noise pmf tail cut of the EM (D * 1e-10 counters misplaced at most)
 # A counter is passed through (released at its noisy value) when fewer than this many counters per
 # value lie within the noise reach +-K of it: :func:`_sparse_counters`
@@ -747,7 +753,8 @@ def deconv_tol(p: float, layers: int = 1) -> float:
 
 
 def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                           tol=None, R=None, n=None, shrunk_start=False) -> np.ndarray:
+                           tol=None, R=None, n=None, shrunk_start=False,
+                           smooth_share=None) -> np.ndarray:
     """phi_{>=r}, r = 1..R, from the NPMLE of the prevalences (EM deconvolution).
 
     Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws
@@ -765,7 +772,8 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITE
     max(v, 0); the remaining clusters run EM (SQUAREM-accelerated) on one compressed axis where
     each cluster keeps its own span and spans are separated by zeros that the kernel cannot cross.
 
-    ``shrunk_start``: start from the shrunk pmf (:meth:`_EMProblem.start`), not the smoothed one.
+    ``shrunk_start``: start from the shrunk pmf (:meth:`_EMProblem.start`), not the smoothed one,
+    with ``smooth_share`` of the smoothed one in it (default :data:`START_SMOOTH_SHARE`).
     """
     vc = noisy_value_counts(noisy_counts)
     k = _check_layers(layers)
@@ -774,7 +782,7 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITE
     if not prob.spans:
         return prob.cumulative(None, R)
     w = prob.w / prob.w.sum()
-    pi = _squarem(prob.start(w, shrunk_start), w, w > 0, prob.q, prob.allowed, max_iter, tol,
+    pi = _squarem(prob.start(w, shrunk_start, smooth_share), w, w > 0, prob.q, prob.allowed, max_iter, tol,
                   prob.zero_idx, mean=prob.mean_constraint(n))
     return prob.cumulative(pi, R)
 
@@ -807,7 +815,7 @@ def em_prevalences_many(many, p, *, layers=1) -> list:
 
 
 def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                      tol=None, shrunk_start=False, early=None) -> list:
+                      tol=None, shrunk_start=False, smooth_share=None, early=None) -> list:
     """:func:`deconvolved_prevalence` (without n) of several counter sets at once: one SQUAREM
     loop over a matrix with one row per counter set (each row stops at its own step, by the
     same rule), so the ~25 numpy calls of an EM step are made once per step for all of them.
@@ -821,7 +829,8 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     The rows share one FFT length (the longest axis'), so a row's convolutions round
     differently from a run of its own: the results equal :func:`deconvolved_prevalence`'s to
     rounding (1e-12 relative on phi_{>=r}), not bit for bit; use that function where the
-    result must be reproducible exactly (the release itself). ``shrunk_start`` as there.
+    result must be reproducible exactly (the release itself). ``shrunk_start`` and
+    ``smooth_share`` as there.
     """
     k = _check_layers(layers)
     tol = deconv_tol(p, k) if tol is None else tol
@@ -853,7 +862,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
         prob = probs[i]
         w = prob.w / prob.w.sum()
         W[j, : len(w)], A[j, : len(w)] = w, prob.allowed
-        P[j, : len(w)] = prob.start(w, shrunk_start)
+        P[j, : len(w)] = prob.start(w, shrunk_start, smooth_share)
         if prob.zero_idx is not None:
             zero[j] = prob.zero_idx
     # W is 0 where no counter is: W / max(M, 1e-300) is the EM's ratio there too (0), so the

@@ -701,11 +701,15 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     mode = "hashed" if buckets is not None else "direct"
     chosen = method if method is not None else default_method(
         mode, layers, n=n, counters=counters, p=p)
+    start = None  # the early-stopped EM's start the release took (None: the smoothed one)
+    other_start = None  # ... and the fit from the start it left, capped as the release
     if chosen == "auto":  # the candidate auto chose on these counters (it keeps its last choice)
+        from .selection import chosen_start as em_start
         from .selection import select
         if buckets is None:
             _, (m_sel, cap_sel) = select(vc, p, layers=layers, n=n)
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
+            start, other_start = em_start(vc, p, layers=layers, n=n) or (None, None)
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
             from .estimate import bucket_counters
             with bucket_counters():
@@ -718,7 +722,6 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     top = float(n) if n is not None else math.inf
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
     spread, rms, gaps = {}, {}, {}  # per statistic, the largest over the stand-ins
-    other_start = None  # hashed: the early-stopped EM's fit from the start the release left
     # the stand-ins as cumulative prevalences: the bootstrap works on phi_{>=r} (a few thousand
     # distinct counts), not on the millions of counts they list at D = 1e7
     truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, **(kw | {"method": sm}))
@@ -750,16 +753,19 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # Each estimator is fitted once on every state, all states in one batched EM loop
         # (the release's estimator and a stand-in's are often the same: not fitted twice). One
         # fit per state and estimator was 23 of the 43 s of `panagg plan` at D = 1e8.
+        # (the release's estimator re-runs the start it took: not a stand-in's, then)
         def resolved(k):
             return (k["method"] or chosen,
-                    k["cap"] or default_cap(mode, layers, n=n, counters=counters, p=p))
+                    k["cap"] or default_cap(mode, layers, n=n, counters=counters, p=p),
+                    start if k is kw_boot else None)
 
         states = [s for sm in stand_ins for s in sims[sm]]
         fit_kws = [kw | {"method": sm} if sm else kw_boot for sm in stand_ins]
         fitted = {}  # resolved estimator -> its cumulative re-estimate of every state
         for f in (kw_boot, *fit_kws):
             if resolved(f) not in fitted:
-                fitted[resolved(f)] = anonymized_cumulative_many(states, p, **f)
+                fitted[resolved(f)] = anonymized_cumulative_many(
+                    states, p, shrunk_start=start if f is kw_boot else None, **f)
         at = {sm: range(i * int(reps), (i + 1) * int(reps)) for i, sm in enumerate(stand_ins)}
         boot = {sm: [fitted[resolved(kw_boot)][j] for j in at[sm]] for sm in stand_ins}
         refits = {sm: [[counts_from_cumulative(fitted[resolved(f)][j]) for f in fit_kws]
@@ -769,7 +775,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     if boot:
         boot_ys = boot
     else:  # all re-estimates at once (the EM estimators run as one batched loop)
-        start = None  # hashed early-stopped EM: the start the release took, for every draw
+        # hashed early-stopped EM: the start the release took, for every draw
         if buckets is not None and (kw_boot["method"] or chosen) == "deconvolution":
             from .largedomain import chosen_start
             start, other_start = chosen_start(vc, p, buckets, n, layers) or (None, None)

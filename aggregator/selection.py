@@ -30,6 +30,23 @@ The rule
    smooth, or only if it is spiky, loses to one that is good under both.
 4. The winner's estimate on the real counters (the pilots' runs are reused) is the release.
 
+The early-stopped EM's start (direct mode, one noise layer)
+-------------------------------------------------------------
+An early-stopped EM ends near its start. Its default start, the noisy values smoothed by the
+noise once more, is over-dispersed: in a mostly empty window it leaves a tail at r = 2-15 that a
+heavy-hitter window (a few items holding most events, every other item seen once) does not have,
+and the early stop keeps it (2x the l1 error of the best candidate). So where a window's counters
+are mostly empty (n <= D: the cluster holding 0 is their bulk) the EM also runs from the shrunk
+start (the zero cluster's noisy values pulled to their true mean and variance,
+``estimate._EMProblem.start``), and keeps that fit only when the counters' likelihood prefers it
+by more than :data:`START_MARGIN` nats (both fits capped at n by ``"items"``); on the counters and
+on every simulated state alike, as the pilot and as the candidate. :func:`chosen_start` tells the
+error bars which start the release took, so their bootstrap re-runs it. Measured held out
+(bench/lofo.py, ``auto_likelier_m99``; docs/accuracy_grid.md): the direct worst regret at one
+layer 1.77 -> 1.44. At two layers the accuracy grid lost with it (n = D windows), so it is not
+applied there, nor in hashed mode, whose bucket counters run their own choice of start
+(``largedomain._likelier_start``).
+
 Each pilot alone biases the choice toward itself (an estimator does well on data shaped like its
 own output); the minimax over a smooth and a spiky pilot is what removes most of that bias
 (measured in docs/accuracy_grid.md). The bootstrap's randomness is seeded from the counters
@@ -63,13 +80,18 @@ import numpy as np
 from . import counter_model
 from .estimate import LastCounters, cap_total, cumulative_l1, remember_fits
 
-__all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "select", "selected_prevalence"]
+__all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "START_MARGIN", "select",
+           "selected_prevalence", "chosen_start"]
 
 PILOTS = ("deconvolution", "mle")
 CANDIDATES = tuple((m, c) for m in ("deconvolution", "mle", "threshold")
                    for c in ("items", "scale"))
 SIMS = 4
 STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-capped
+# the shrunk start's fit is kept when likelier by more than this: Wilks' chi2_1(0.99) / 2. At
+# Wilks' 90% drop (1.35) one Zipf(0.7) window in 16 took it at +2.0 nats with 3x the error; the
+# heavy-hitter windows take it at +8.5 nats and more (docs/accuracy_grid.md)
+START_MARGIN = 3.3174
 
 
 _LAST = LastCounters()  # the last (key, result) of select: a release and its error bars both ask
@@ -85,19 +107,38 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
     release's estimate and its error bars (:func:`aggregator.intervals.error_bars`) ask for the
     same choice on the same counters, and it is the costliest step of a release.
     """
-    from .estimate import counters_key
     from .estimate import noisy_value_counts as _nvc
     vc0 = _nvc(noisy_counts)
+    y, choice, _ = _select_held(vc0, p, layers=layers, n=n, pilots=pilots,
+                                candidates=candidates, sims=sims, seed=seed)
+    return y, choice
+
+
+def _select_held(vc0, p, *, layers, n, pilots, candidates, sims, seed) -> tuple:
+    """:func:`_select`'s (y, choice, start) of these counters, from the memo when it holds them."""
+    from .estimate import counters_key
     key = (*counters_key(vc0), float(p), int(layers), None if n is None else int(n),
            tuple(pilots), tuple(candidates), int(sims), seed)
     held = _LAST.entry
     if held is not None and held[0] == key:
-        y, choice = held[1]
-        return y.copy(), choice
-    result = _select(vc0, p, layers=layers, n=n, pilots=pilots, candidates=candidates, sims=sims,
-                     seed=seed)
-    _LAST.put((key, (result[0].copy(), result[1])))
-    return result
+        y, choice, start = held[1]
+        return y.copy(), choice, start
+    y, choice, start = _select(vc0, p, layers=layers, n=n, pilots=pilots, candidates=candidates,
+                               sims=sims, seed=seed)
+    _LAST.put((key, (y.copy(), choice, start)))
+    return y, choice, start
+
+
+def chosen_start(noisy_counts, p, *, layers=1, n=None) -> tuple[bool, np.ndarray] | None:
+    """(whether the release took the shrunk start, phi_{>=r} of the other start's fit capped as
+    the release) when :func:`select`'s choice on these counters is the early-stopped EM and it
+    chose between the two starts (direct mode, one layer, n <= D: see the module's docstring);
+    else None. The error bars' bootstrap re-runs that start (conditional on the choice, as it
+    re-runs the chosen candidate), and the gap to the other start's fit counts as the gap
+    between two candidates does."""
+    from .estimate import noisy_value_counts as _nvc
+    return _select_held(_nvc(noisy_counts), p, layers=layers, n=n, pilots=PILOTS,
+                        candidates=CANDIDATES, sims=SIMS, seed=None)[2]
 
 
 def _estimates(vc, p, k: int, methods) -> dict:
@@ -115,23 +156,65 @@ def _estimates(vc, p, k: int, methods) -> dict:
     return {m: out[m] for m in methods}
 
 
-def _estimates_many(vcs, p, k: int, methods) -> list:
+def _estimates_many(vcs, p, k: int, methods, n=None) -> list:
     """[:func:`_estimates` of each counter set], the early-stopped EM and the converged NPMLE of
     all sets on one batched path (:func:`aggregator.estimate.em_prevalences_many`, equal to
     rounding): for the simulated states, whose fits only rank the candidates. The real
-    counters' fits stay :func:`_estimates` (the release is reproducible bit for bit)."""
-    from .estimate import basic_prevalence, em_prevalences_many, project_l1
+    counters' fits stay :func:`_estimates` (the release is reproducible bit for bit).
+    With ``n`` the early-stopped EM takes its likelier start as the real counters' does
+    (:func:`_take_likelier_start`; the shrunk start's fits in one batch too)."""
+    from .estimate import (DIRECT_START_SMOOTH_SHARE, basic_prevalence, deconvolved_batch,
+                           em_prevalences_many, project_l1)
 
     if not ("deconvolution" in methods and "mle" in methods):
-        return [_estimates(vc, p, k, methods) for vc in vcs]
-    out = []
-    for vc, (early, full) in zip(vcs, em_prevalences_many(vcs, p, layers=k)):
-        fits = {"deconvolution": project_l1(early), "mle": project_l1(full)}
-        for m in methods:
-            if m not in fits:
-                fits[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m))
-        out.append({m: fits[m] for m in methods})
+        out = [_estimates(vc, p, k, methods) for vc in vcs]
+    else:
+        out = []
+        for vc, (early, full) in zip(vcs, em_prevalences_many(vcs, p, layers=k)):
+            fits = {"deconvolution": project_l1(early), "mle": project_l1(full)}
+            for m in methods:
+                if m not in fits:
+                    fits[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m))
+            out.append({m: fits[m] for m in methods})
+    todo = [i for i, vc in enumerate(vcs) if "deconvolution" in methods
+            and _two_starts(vc, k, n)]
+    if todo:
+        shrunk = deconvolved_batch([vcs[i] for i in todo], p, layers=k, shrunk_start=True,
+                                   smooth_share=DIRECT_START_SMOOTH_SHARE)
+        for i, phi in zip(todo, shrunk):
+            _take_likelier_start(vcs[i], p, k, n, out[i], project_l1(phi))
     return out
+
+
+def _two_starts(vc, k: int, n) -> bool:
+    """Whether the early-stopped EM on these counters chooses between its two starts: direct
+    mode, one noise layer, n known and at most the number of counters (see the module's
+    docstring)."""
+    from .estimate import _BUCKET_COUNTERS
+    return k == 1 and n is not None and int(n) <= vc.total and not _BUCKET_COUNTERS.get()
+
+
+def _shrunk_fit(vc, p, k: int) -> np.ndarray:
+    """The early-stopped EM's projected fit from the shrunk start (direct mode's share of the
+    smoothed one, ``estimate.DIRECT_START_SMOOTH_SHARE``)."""
+    from .estimate import DIRECT_START_SMOOTH_SHARE, deconvolved_prevalence, project_l1
+    return project_l1(deconvolved_prevalence(vc, p, layers=k, shrunk_start=True,
+                                             smooth_share=DIRECT_START_SMOOTH_SHARE))
+
+
+def _take_likelier_start(vc, p, k: int, n, fits: dict, shrunk: np.ndarray) -> tuple:
+    """Put in ``fits["deconvolution"]`` (the early-stopped EM's fit from the smoothed start) the
+    shrunk start's fit ``shrunk`` when the counters' likelihood prefers it by more than
+    :data:`START_MARGIN`, both capped at n by ``"items"`` (as histograms of the n events,
+    whatever the cap the candidates then apply). Returns (whether it did, the other fit)."""
+    smooth = fits["deconvolution"]
+
+    def ll(y):
+        return counter_model.loglik(vc, cap_total(y, int(n), "items"), vc.total, p, k)
+    if ll(shrunk) > ll(smooth) + START_MARGIN:
+        fits["deconvolution"] = shrunk
+        return True, smooth
+    return False, shrunk
 
 
 def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "scale") -> str:
@@ -158,7 +241,7 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "
     return "items" if gaps and min(gaps) > STANDIN_MARGIN else thin
 
 
-def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple[np.ndarray, tuple]:
+def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple:
     from .estimate import (
         _check_layers, _data_seed, counts_from_cumulative, noisy_value_counts,
         basic_prevalence, project_l1, sparse_top,
@@ -186,6 +269,9 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     methods = tuple(dict.fromkeys(m for m, _ in candidates))
     fits = _estimates(vc, p, k, [m for m in dict.fromkeys(pilots + methods)
                                  if m in pilots or m == "threshold"])
+    start = None  # (shrunk start taken?, the other start's fit) when the EM chose between them
+    if "deconvolution" in fits and _two_starts(vc, k, n):
+        start = _take_likelier_start(vc, p, k, n, fits, _shrunk_fit(vc, p, k))
     remember_fits(vc, p, k, fits)  # the error bars' stand-ins are two of them
     rng = np.random.default_rng(_data_seed(vc) if seed is None else seed)
     regret: dict = {c: [] for c in candidates}
@@ -200,7 +286,7 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
         stand_ins.append(y_p)
         states += [counter_model.simulate_from_cumulative(rng, y_p, D, p, k)
                    for _ in range(int(sims))]
-    fitted = iter(zip(states, _estimates_many(states, p, k, methods)))
+    fitted = iter(zip(states, _estimates_many(states, p, k, methods, n)))
     for y_p in stand_ins:
         total = int(y_p.sum()) if n is not None else None
         err = {c: 0.0 for c in candidates}
@@ -218,7 +304,11 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     choice = min(candidates, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
     m, rule = choice
     y = fits[m] if m in fits else project_l1(basic_prevalence(vc, p, layers=k, method=m))
-    return cap(y, n, rule, top), choice
+    if m != "deconvolution" or start is None:
+        start = None
+    else:
+        start = (start[0], cap(start[1], n, rule, top))
+    return cap(y, n, rule, top), choice, start
 
 
 def selected_prevalence(noisy_counts, p, *, layers=1, n=None) -> np.ndarray:

@@ -92,16 +92,35 @@ def _knowing_blend(plain):
 def _auto_estimates(estimates):
     """``auto`` (``selection``) fitting the real counters and its simulated states with
     ``estimates`` (a stand-in for ``selection._estimates``, one counter set at a time; the
-    library fits the simulated states in one batch, ``selection._estimates_many``)."""
+    library fits the simulated states in one batch, ``selection._estimates_many``), and without
+    the library's choice of the early-stopped EM's start (``selection.START_MARGIN``): these
+    variants were measured against ``auto`` before it, and ``_auto_with_em`` brings its own."""
     from aggregator import selection
     plain, plain_many = selection._estimates, selection._estimates_many
+    margin = selection.START_MARGIN
     selection._estimates = estimates
-    selection._estimates_many = lambda vcs, p, k, methods: [estimates(v, p, k, methods)
-                                                            for v in vcs]
+    selection._estimates_many = lambda vcs, p, k, methods, n=None: [
+        estimates(v, p, k, methods) for v in vcs]
+    selection.START_MARGIN = math.inf
     try:
         yield
     finally:
         selection._estimates, selection._estimates_many = plain, plain_many
+        selection.START_MARGIN = margin
+
+
+def _auto_smoothed(mode, vc, p, k, n, B):
+    """``auto`` as it was before the early-stopped EM chose its start by the likelihood
+    (``selection.START_MARGIN``, direct mode at 1 layer): the smoothed start only."""
+    from aggregator import selection
+    from aggregator.estimate import forget_fits
+    margin, selection.START_MARGIN = selection.START_MARGIN, math.inf
+    forget_fits()  # no memo crosses between this and the library's auto on the same counters
+    try:
+        return grid.estimate_y(mode, vc, p, k, "auto", n, B)
+    finally:
+        selection.START_MARGIN = margin
+        forget_fits()
 
 
 def _auto_blend(mode, vc, p, k, n, B):
@@ -287,7 +306,8 @@ EXTRA = {"em_held": (("direct",), _em_held),
          "em_likelier": (("direct",), _em_likelier),
          "auto_likelier": (("direct",), _auto_likelier),
          "auto_likelier_m": (("direct",), _auto_likelier_m),
-         "auto_likelier_m99": (("direct",), _auto_likelier_m99)}
+         "auto_likelier_m99": (("direct",), _auto_likelier_m99),
+         "auto_smoothed": (("direct",), _auto_smoothed)}
 EXTRA_RUN: list = []  # --extra
 
 
@@ -356,6 +376,9 @@ def _save(shard: int, key, res) -> None:
     tmp.replace(mine)
 
 
+FIRST_REP = 0  # --first-rep: the index of the first repetition drawn
+
+
 def run(shard: tuple[int, int]) -> None:
     i, k = shard
     todo = [c for idx, c in enumerate(cells()) if idx % k == i and c.mode in MODES_RUN]
@@ -364,7 +387,8 @@ def run(shard: tuple[int, int]) -> None:
             continue
         t = time.time()
         methods = METHODS + tuple(m for m in EXTRA_RUN if c.mode in EXTRA[m][0])
-        res = grid.run_cell(c, layers=LAYERS, methods=methods, estimate=_estimate_y)
+        res = grid.run_cell(c, layers=LAYERS, methods=methods, estimate=_estimate_y,
+                            reps=range(FIRST_REP, FIRST_REP + c.reps))
         _save(i, c.key, res)
         print(f"{c.mode} {c.dist} n={c.n} D={c.D} eps={c.eps}: {time.time() - t:.1f} s",
               flush=True)
@@ -780,6 +804,11 @@ def main(argv=None) -> int:
                     help="repetitions per cell (default 4); the first ones draw exactly "
                          "what a run with fewer draws (the same seeds), so a cell's regret can "
                          "be re-read with more of them, e.g. with --out out/lofo_reps16")
+    ap.add_argument("--first-rep", type=int, default=0, metavar="R",
+                    help="run: draw repetitions R .. R + reps - 1 (other seeds than a run from "
+                         "0: e.g. a rule's margin chosen on repetitions 0-15, checked on 16-23)")
+    ap.add_argument("--layers", default="1,2",
+                    help="layer counts run and reported (default 1,2)")
     ap.add_argument("--blocks", type=int, metavar="B",
                     help="report: the default's regret from all repetitions against runs of B "
                          "repetitions each (how much of the worst case is the draws' lottery)")
@@ -798,13 +827,16 @@ def main(argv=None) -> int:
                          "D, 10 D) instead of this bench's cells, e.g. with --out "
                          "out/lofo_hashed_real")
     args = ap.parse_args(argv)
-    global OUT, CANDIDATES, REPS
+    global OUT, CANDIDATES, REPS, FIRST_REP, LAYERS
     extra = [e for e in args.extra.split(",") if e]
     bad = [e for e in extra if e not in EXTRA]
     if bad:
         ap.error(f"unknown --extra {', '.join(bad)}; choose among {', '.join(EXTRA)}")
     EXTRA_RUN[:] = extra
-    REPS = args.reps
+    REPS, FIRST_REP = args.reps, args.first_rep
+    LAYERS = tuple(int(x) for x in args.layers.split(","))
+    if not LAYERS or any(x < 1 for x in LAYERS):
+        ap.error(f"--layers takes layer counts >= 1, got {args.layers!r}")
     CANDIDATES = tuple((m, c) for m in METHODS + tuple(extra) for c in CAPS
                        if args.cap in (None, c))
     if args.grid_hashed and args.hashed_real:

@@ -118,3 +118,79 @@ def test_stand_ins_keep_heavy_hitters_when_the_counters_show_them():
     vc0 = E.noisy_value_counts(noisy0)
     fits0 = S._estimates(vc0, p_from_epsilon(1.0), 1, S.PILOTS)
     assert S._standin_cap(vc0, fits0, S.PILOTS, 6, p_from_epsilon(1.0), 1) == "scale"
+
+
+def _heavy_window(seed, layers=1, heavy=40, once=2_000):
+    """``heavy`` items seen 60 times and ``once`` seen once among 20,000 counters (n <= D)."""
+    g = np.random.default_rng(seed)
+    h = np.zeros(20_000, np.int64)
+    h[:heavy], h[heavy: heavy + once] = 60, 1
+    p = p_from_epsilon(0.5)
+    noisy = h.copy()
+    for _ in range(layers):
+        noisy += discrete_laplace(p, len(h), rng=g)
+    return noisy, p, int(h.sum())
+
+
+@pytest.mark.parametrize("margin", [-1e9, 1e9, None])
+def test_early_stopped_em_takes_the_shrunk_start_only_when_likelier_by_the_margin(
+        monkeypatch, margin):
+    noisy, p, n = _heavy_window(3)
+    vc = E.noisy_value_counts(noisy)
+    smooth = E.project_l1(E.em_prevalences(vc, p, layers=1)[0])
+    shrunk = E.project_l1(E.deconvolved_prevalence(vc, p, layers=1, shrunk_start=True,
+                                                   smooth_share=E.DIRECT_START_SMOOTH_SHARE))
+    assert not np.array_equal(smooth, shrunk)
+
+    def ll(y):
+        return counter_model.loglik(vc, E.cap_total(y, n, "items"), vc.total, p, 1)
+    if margin is not None:
+        monkeypatch.setattr(S, "START_MARGIN", margin)
+    E.forget_fits()
+    y, (m, cap) = S.select(noisy, p, layers=1, n=n)
+    took, other = S.chosen_start(noisy, p, layers=1, n=n)
+    assert m == "deconvolution"  # (this window's choice, whichever start)
+    assert took == (ll(shrunk) > ll(smooth) + S.START_MARGIN)
+    mine, theirs = (shrunk, smooth) if took else (smooth, shrunk)
+    np.testing.assert_array_equal(y, E.cap_total(mine, n, cap))
+    np.testing.assert_array_equal(other, E.cap_total(theirs, n, cap))
+    # the error bars' stand-in "deconvolution" is the fit the release took
+    np.testing.assert_array_equal(A.anonymized_cumulative(noisy, p, layers=1, method="deconvolution"),
+                                  np.trim_zeros(mine, "b"))
+
+
+def test_two_starts_only_at_one_layer_with_mostly_empty_counters(monkeypatch):
+    monkeypatch.setattr(S, "START_MARGIN", -1e9)  # any fit from the shrunk start would be taken
+    noisy, p, n = _heavy_window(4, layers=2)
+    S.select(noisy, p, layers=2, n=n)
+    assert S.chosen_start(noisy, p, layers=2, n=n) is None
+    noisy, p, n = _heavy_window(4)
+    assert S.chosen_start(noisy, p, layers=1, n=None) is None
+    dense = noisy + 3  # n > D: every counter holds an item
+    assert S.chosen_start(dense, p, layers=1, n=3 * len(noisy)) is None
+    with E.bucket_counters():  # hashed mode's bucket counters choose their start elsewhere
+        assert S.chosen_start(noisy, p, layers=1, n=n) is None
+
+
+@pytest.mark.parametrize("margin", [-1e9, 1e9])
+@pytest.mark.parametrize("below_noise", [False, True])
+def test_error_bars_rerun_the_start_the_release_took_and_count_the_other(monkeypatch, margin,
+                                                                        below_noise):
+    from aggregator import intervals as iv
+    monkeypatch.setattr(S, "START_MARGIN", margin)
+    # (windows whose choice is the early-stopped EM, whichever start)
+    noisy, p, n = (_heavy_window(0, heavy=5, once=200) if below_noise else _heavy_window(5))
+    assert iv.signal_below_noise(n, len(noisy), p, 1) == below_noise  # (the two bootstrap paths)
+    E.forget_fits()
+    calls = []  # (shrunk start?, smoothed share) of each batch of re-estimates
+    real = A.deconvolved_batch
+    monkeypatch.setattr(A, "deconvolved_batch", lambda *a, **kw: calls.append(
+        (kw.get("shrunk_start"), kw.get("smooth_share"))) or real(*a, **kw))
+    eb = iv.error_bars(noisy, p, layers=1, n=n, reps=4, rng=0)
+    took, other = S.chosen_start(noisy, p, layers=1, n=n)
+    assert took == (margin < 0) and S.select(noisy, p, layers=1, n=n)[1][0] == "deconvolution"
+    # the release's re-estimates from its start (the stand-ins' own estimators: the smoothed)
+    assert (took, E.DIRECT_START_SMOOTH_SHARE) in calls
+    assert all(not s for s, _ in calls) or took
+    gap = abs(len(eb["histogram"]) - int(other[0]))
+    assert gap > 0 and eb["selected"] and eb["stand_in_gap"]["distinct"] >= gap
