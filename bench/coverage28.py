@@ -43,6 +43,7 @@ from .lofo import family
 
 LEVELS = (0.9, 0.8, 0.75, 0.7, 0.6, 0.5)
 REPS = 12
+LAYERS = (1, 2)  # --layers narrows them
 OUT = Path("out/coverage28")
 MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 
@@ -50,7 +51,14 @@ MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 HASHED_REAL: list = []  # --hashed-real: the real profiles' vocabularies as hashed items instead
 
 
+START_CELLS: list = []  # --start-cells: where bench.lofo saw auto's choice of start change
+
+
 def cells() -> list[Cell]:
+    if START_CELLS:  # 24 releases each: the shrunk start is taken in about half the heavy ones
+        return [Cell("direct", "heavy", 10**5, 10**6, 0.5, 24),
+                Cell("direct", "geometric", 10**5, 10**5, 0.5, 24),
+                Cell("direct", "uniform", 10**5, 10**5, 1.0, 24)]
     if HASHED_REAL:  # coverage where no hashed level was chosen: n = D / 10 and D
         from .lofo import REAL_PICK
         return [Cell("hashed", name, n, None, (1.0, 0.5)[(i + j) % 2], REPS)
@@ -86,6 +94,10 @@ def run_cell(cell: Cell, layers: int) -> list[dict]:
         hist = np.asarray(anonymized_histogram(vc, p, layers=layers, n=cell.n, buckets=B))
         err = cumulative_l1(cumulative_from_counts(hist), truth_y)
         row = {"rep": rep, "true_distinct": t_d, "release_distinct": len(hist), "l1": err}
+        if B is None:  # whether auto's early-stopped EM took the shrunk start (selection)
+            from aggregator.selection import chosen_start
+            row["shrunk_start"] = bool((chosen_start(vc, p, layers=layers, n=cell.n)
+                                        or (False,))[0])
         for lv in LEVELS:
             eb = error_bars(vc, p, layers=layers, n=cell.n, buckets=B, reps=10, level=lv,
                             rng=[rep, int(lv * 100)], release=hist)
@@ -105,7 +117,7 @@ def run(shard) -> None:
     mine = OUT / f"results.{i}.pkl"
     done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
     for idx, cell in enumerate(cells()):
-        for layers in (1, 2):
+        for layers in LAYERS:
             if (idx * 2 + layers) % k != i or (cell.key, layers) in done or \
                     cell.mode not in MODES_RUN:
                 continue
@@ -140,9 +152,15 @@ def report() -> None:
         if not fams:
             continue
         print(f"### {mode} mode: coverage at each internal level (nominal 0.90)\n")
+        allrows = [r for f in fams for r in by[(mode, f)]]
+        if mode == "direct":
+            taken = [r for r in allrows if r.get("shrunk_start", False)]
+            print(f"(auto's early-stopped EM took the shrunk start in {len(taken)} of "
+                  f"{len(allrows)} releases" + (": their coverage " + ", ".join(
+                      f"{s} {np.mean([r[lv][s] for r in taken]):.3f}" for lv in LEVELS[:1]
+                      for s in STATS) + f" at {LEVELS[0]:g}" if taken else "") + ")\n")
         print("| internal level | " + " | ".join(STATS) + " | mean width (distinct / truth) |")
         print("|---|---|---|---|---|")
-        allrows = [r for f in fams for r in by[(mode, f)]]
         for lv in LEVELS:
             cov = [np.mean([r[lv][s] for r in allrows]) for s in STATS]
             wid = np.mean([r[lv]["width"] for r in allrows])
@@ -175,6 +193,7 @@ def report() -> None:
 
 
 def main(argv=None) -> int:
+    global OUT, LAYERS, LEVELS  # set once from the arguments, before any run or report
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", type=shard_arg, default="0/1")
@@ -184,9 +203,23 @@ def main(argv=None) -> int:
     ap.add_argument("--hashed-real", action="store_true",
                     help="run: the real profiles' vocabularies as hashed items (n = D/10 and D) "
                          "instead of the cells above, e.g. with --out out/cov28_hashed_real")
+    ap.add_argument("--start-cells", action="store_true",
+                    help="run: the three direct cells where auto's choice of the early-stopped "
+                         "EM's start changed releases in bench.lofo (instead of the cells above)")
+    ap.add_argument("--layers", default="1,2", help="layer counts run (default 1,2)")
+    ap.add_argument("--levels", default=",".join(f"{v:g}" for v in LEVELS),
+                    help="internal levels run and reported (default all of them)")
+    ap.add_argument("--start-margin", type=float,
+                    help="run: selection.START_MARGIN (inf: auto as before it chose the "
+                         "early-stopped EM's start by the likelihood)")
     args = ap.parse_args(argv)
-    global OUT
+    LAYERS = tuple(int(x) for x in args.layers.split(","))
+    LEVELS = tuple(float(x) for x in args.levels.split(","))
+    if args.start_margin is not None:
+        from aggregator import selection
+        selection.START_MARGIN = args.start_margin
     HASHED_REAL[:] = [True] if args.hashed_real else []
+    START_CELLS[:] = [True] if args.start_cells else []
     if args.out:
         OUT = Path(args.out)
     if args.mode:
