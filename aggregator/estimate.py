@@ -782,8 +782,8 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITE
     if not prob.spans:
         return prob.cumulative(None, R)
     w = prob.w / prob.w.sum()
-    pi = _squarem(prob.start(w, shrunk_start, smooth_share), w, w > 0, prob.q, prob.allowed, max_iter, tol,
-                  prob.zero_idx, mean=prob.mean_constraint(n))
+    pi = _squarem(prob.start(w, shrunk_start, smooth_share), w, w > 0, prob.q, prob.allowed,
+                  max_iter, tol, prob.zero_idx, mean=prob.mean_constraint(n))
     return prob.cumulative(pi, R)
 
 
