@@ -58,7 +58,9 @@ Cost: one EM run on the counters plus pilots x SIMS EM runs on simulated value c
 early-stopped EM and the converged NPMLE share each run: :func:`aggregator.estimate.em_prevalences`;
 the threshold candidate is a single pass). The simulated states are fitted together, one batched
 loop (:func:`aggregator.estimate.deconvolved_batch`), so their cost is about that of the slowest
-one's converged NPMLE, not the sum.
+one's converged NPMLE, not the sum. Where the early-stopped EM chooses its start (one layer,
+n <= D), its second start adds one early-stopped run on the counters and one batch on the
+states.
 The EM itself is cheap at large domains: counters in the sparse tail are passed through
 (:func:`aggregator.estimate._sparse_counters`), so its axis spans the dense counts only (~1e3
 values at D = 1e7 Zipf counters instead of ~1e4). docs/accuracy_grid.md ("Release time") measures
