@@ -205,16 +205,19 @@ def _shrunk_fit(vc, p, k: int) -> np.ndarray:
                                              smooth_share=DIRECT_START_SMOOTH_SHARE))
 
 
-def _take_likelier_start(vc, p, k: int, n, fits: dict, shrunk: np.ndarray) -> tuple:
+def _take_likelier_start(vc, p, k: int, n, fits: dict, shrunk: np.ndarray,
+                         margin=None) -> tuple:
     """Put in ``fits["deconvolution"]`` (the early-stopped EM's fit from the smoothed start) the
     shrunk start's fit ``shrunk`` when the counters' likelihood prefers it by more than
-    :data:`START_MARGIN`, both capped at n by ``"items"`` (as histograms of the n events,
-    whatever the cap the candidates then apply). Returns (whether it did, the other fit)."""
+    ``margin`` (default :data:`START_MARGIN`), both capped at n by ``"items"`` (as histograms of
+    the n events, whatever the cap the candidates then apply). Returns (whether it did, the
+    other fit)."""
     smooth = fits["deconvolution"]
+    margin = START_MARGIN if margin is None else margin
 
     def ll(y):
         return counter_model.loglik(vc, cap_total(y, int(n), "items"), vc.total, p, k)
-    if ll(shrunk) > ll(smooth) + START_MARGIN:
+    if ll(shrunk) > ll(smooth) + margin:
         fits["deconvolution"] = shrunk
         return True, smooth
     return False, shrunk

@@ -216,39 +216,33 @@ def _auto_with_em(mode, vc, p, k, n, B, em):
         forget_fits()
 
 
-#: the smoothed start's share in :func:`_likelier_em`'s shrunk start (the library's is
-#: estimate.START_SMOOTH_SHARE = 0.05, which at D = 1e6 counters is 50,000 counters' worth of
-#: the over-dispersed start: the very tail the heavy family's error sits in)
-SHRUNK_SMOOTH_SHARE = 1e-4
-
-
 def _shrunk_em(vc, p, k):
     """The early-stopped EM from the shrunk start (the zero cluster's noisy values pulled to
-    their true mean and variance), :data:`SHRUNK_SMOOTH_SHARE` of the smoothed start mixed in."""
-    from aggregator import estimate
-    old, estimate.START_SMOOTH_SHARE = estimate.START_SMOOTH_SHARE, SHRUNK_SMOOTH_SHARE
-    try:
-        return estimate.project_l1(estimate.deconvolved_prevalence(vc, p, layers=k,
-                                                                   shrunk_start=True))
-    finally:
-        estimate.START_SMOOTH_SHARE = old
+    their true mean and variance), ``estimate.DIRECT_START_SMOOTH_SHARE`` (1e-4) of the
+    smoothed start mixed in: the library's second start (``selection._shrunk_fit``). Measured
+    here first, with the share set apart from hashed mode's ``estimate.START_SMOOTH_SHARE`` =
+    0.05, which at D = 1e6 counters is 50,000 counters' worth of the over-dispersed start: the
+    very tail the heavy family's error sits in."""
+    from aggregator import selection
+    from aggregator.estimate import noisy_value_counts
+    return selection._shrunk_fit(noisy_value_counts(vc), p, k)
 
 
 def _likelier_em(vc, p, k, n, early, margin=0.0):
     """The early-stopped EM's fit ``early`` (smoothed start) or the one from the shrunk start
-    (:func:`_shrunk_em`), whichever the counters' likelihood prefers, both capped at n by
-    ``items`` (the rule hashed mode applies to its bucket counters, ``largedomain._likelier_
-    start``). The early stop keeps the fit near its start: the smoothed start leaves a tail
-    at r = 2-15 where the heavy family has none, the shrunk one keeps too little spread for
-    Zipf(0.7) and Zipf(1.5) (docs/accuracy_grid.md, "The EM's start chosen by the likelihood")."""
-    from aggregator.counter_model import loglik
-    from aggregator.estimate import cap_total, noisy_value_counts
+    (:func:`_shrunk_em`), whichever the counters' likelihood prefers by more than ``margin``,
+    both capped at n by ``items`` (``selection._take_likelier_start``, the rule the library
+    applies with its own margin; hashed mode compares its two starts on its bucket counters,
+    ``largedomain._likelier_start``). The early stop keeps the fit near its start: the smoothed
+    start leaves a tail at r = 2-15 where the heavy family has none, the shrunk one keeps too
+    little spread for Zipf(0.7) and Zipf(1.5) (docs/accuracy_grid.md, "The EM's start chosen by
+    the likelihood")."""
+    from aggregator import selection
+    from aggregator.estimate import noisy_value_counts
     vc = noisy_value_counts(vc)
-    other = _shrunk_em(vc, p, k)
-
-    def ll(y):
-        return loglik(vc, y if n is None else cap_total(y, int(n), "items"), vc.total, p, k)
-    return other if ll(other) > ll(early) + margin else early
+    fits = {"deconvolution": early}
+    selection._take_likelier_start(vc, p, k, n, fits, _shrunk_em(vc, p, k), margin=margin)
+    return fits["deconvolution"]
 
 
 #: :func:`_likelier_em_sparse`'s margin: Wilks' chi2_1(0.9) / 2, the drop the intervals use

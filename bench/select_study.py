@@ -388,9 +388,8 @@ def starts(reps: int = 2) -> None:
     """The early-stopped EM from its two starts on the three cells of LR_CELLS (repetitions
     1-2, 1 and 2 layers, the grid's draws): the l1 error with the better of the two caps, and
     the counters' log-likelihood of each fit capped at n by ``items`` (what bench.lofo's
-    ``em_likelier`` compares). The shrunk start with bench.lofo.SHRUNK_SMOOTH_SHARE of the
-    smoothed one mixed in; the library's 5% share beside it."""
-    from aggregator import estimate
+    ``em_likelier`` compares). The shrunk start with direct mode's 1e-4 of the smoothed one
+    mixed in (``estimate.DIRECT_START_SMOOTH_SHARE``); hashed mode's 5% share beside it."""
     from aggregator.counter_model import loglik
     from aggregator.estimate import (cap_total, cumulative_from_counts, cumulative_l1,
                                      deconvolved_prevalence, project_l1)
@@ -398,7 +397,6 @@ def starts(reps: int = 2) -> None:
     from . import lofo
     from .grid import Cell, _noisy, draw
 
-    share = estimate.START_SMOOTH_SHARE
     print("| cell | repetition, layers | smoothed start: error, LL | shrunk, 5% smoothed: error "
           "| shrunk, 1e-4 smoothed: error, LL | LL(shrunk) - LL(smoothed) |")
     print("|---|---|---|---|---|---|")
@@ -419,7 +417,6 @@ def starts(reps: int = 2) -> None:
                 print(f"| {dist} n = {n:.0e}, D = {D:.0e}, eps {eps:g} | {rep + 1}, {k} | "
                       f"{err[0]:,.0f}, {ll[0]:,.1f} | {err[1]:,.0f} | {err[2]:,.0f}, {ll[2]:,.1f} "
                       f"| {ll[2] - ll[0]:+.1f} |", flush=True)
-    assert estimate.START_SMOOTH_SHARE == share  # _shrunk_em put the library's share back
 
 
 def main() -> None:
