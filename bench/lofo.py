@@ -17,7 +17,7 @@ Usage (results accumulate in out/lofo_results.<shard>.pkl; shards run in paralle
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.lofo --run --shard 1/2
     .venv/bin/python -m bench.lofo --report        # prints the tables (markdown)
 
-``--extra blend,auto_blend,auto_sims8,auto_pilot3,auto_fitted,em_likelier,auto_likelier`` (with
+``--extra blend,auto_blend,auto_sims8,auto_pilot3,auto_fitted,em_likelier,auto_likelier,auto_item_space`` (with
 ``--run`` and ``--report``) adds candidates that
 were tried for the worst held-out cells and not adopted (:data:`EXTRA`).
 
@@ -172,6 +172,44 @@ def _auto_fitted(mode, vc, p, k, n, B):
                       .astype(np.float64))
 
 
+def _auto_item_space(mode, vc, p, k, n, B):
+    """``auto`` in hashed mode judging its candidates where the release is made (hashed mode
+    only): the library's ``auto`` ranks the candidates by their l1 error on the *bucket*
+    histogram, and the release is the *item* histogram inverted from it (``largedomain._invert``)
+    and capped at n by ``items``. Here each stand-in and each candidate's fit of each simulated
+    state are inverted and capped as the release is, and the minimax regret is taken on those
+    item histograms; the stand-ins, the states and the seed are the library's."""
+    from aggregator import counter_model, largedomain as ld, selection
+    from aggregator.estimate import _data_seed, bucket_counters, cap_total, cumulative_l1
+
+    def released(psi, counters):  # a bucket fit as the release makes it: inverted, capped at n
+        y = ld._invert(psi, B, n, p, ld.DEFAULT_VARIANT, None,
+                       sparse_above=ld.sparse_top(counters, p, k))
+        return cap_total(y, int(n), "items")
+
+    from aggregator.estimate import threshold_usable
+    methods = tuple(m for m in dict.fromkeys(m for m, _ in selection.CANDIDATES)
+                    if m != "threshold" or threshold_usable(p, k))
+    with bucket_counters():
+        fits = selection._estimates(vc, p, k, list(methods))
+        rng = np.random.default_rng(_data_seed(vc))
+        regret = {m: [] for m in methods}
+        for pm in selection.PILOTS:
+            y_p = fits[pm]
+            truth = released(y_p, vc)
+            states = [counter_model.simulate_from_cumulative(rng, y_p, B, p, k)
+                      for _ in range(selection.SIMS)]
+            err = {m: 0.0 for m in methods}
+            for sim, ests in zip(states, selection._estimates_many(states, p, k, methods)):
+                for m in methods:
+                    err[m] += cumulative_l1(released(ests[m], sim), truth)
+            best = min(err.values())
+            for m in methods:
+                regret[m].append(err[m] / best if best > 0 else (1.0 if err[m] == 0 else np.inf))
+    choice = min(methods, key=lambda m: (max(regret[m]), float(np.mean(regret[m]))))
+    return grid.estimate_y(mode, vc, p, k, choice, n, B)
+
+
 def _held_to_n(vc, p, k, n, early):
     """The early-stopped EM's fit ``early``, or, when its total exceeds n, the early-stopped EM
     refit with its axis' mean count held to what n leaves (``deconvolved_prevalence(n=...)``:
@@ -301,7 +339,8 @@ EXTRA = {"em_held": (("direct",), _em_held),
          "auto_likelier": (("direct",), _auto_likelier),
          "auto_likelier_m": (("direct",), _auto_likelier_m),
          "auto_likelier_m99": (("direct",), _auto_likelier_m99),
-         "auto_smoothed": (("direct",), _auto_smoothed)}
+         "auto_smoothed": (("direct",), _auto_smoothed),
+         "auto_item_space": (("hashed",), _auto_item_space)}
 EXTRA_RUN: list = []  # --extra
 
 
@@ -701,18 +740,18 @@ def versus_rows(results, extra: str, layers: int) -> list[tuple]:
     return rows
 
 
-def versus_report(extra: str) -> None:
-    """Direct mode: ``auto`` and the ``--extra`` auto variant ``extra`` each against the best of
+def versus_report(extra: str, mode: str = "direct") -> None:
+    """One mode's cells (direct by default): ``auto`` and the ``--extra`` auto variant ``extra`` each against the best of
     the six fixed candidates and itself (and, where the results hold them, with the three fixed
     ``fitted``-cap candidates in that best), then leave one family out between the two."""
-    results = {k: r for k, r in load().items() if k[0] == "direct"}
+    results = {k: r for k, r in load().items() if k[0] == mode}
     crits = {"geo-mean": lambda v: float(np.exp(np.mean(np.log(v)))),
              "worst": lambda v: float(np.max(v)), "p90": lambda v: float(np.quantile(v, 0.9))}
     for layers in LAYERS:
         rows = versus_rows(results.values(), extra, layers)
         if not rows:
             continue
-        print(f"### direct mode, {layers} layer{'s' if layers > 1 else ''} ({len(rows)} cells)\n")
+        print(f"### {mode} mode, {layers} layer{'s' if layers > 1 else ''} ({len(rows)} cells)\n")
         print("| candidate | median | geo-mean | worst (cell) | cells > 1.5 |")
         print("|---|---|---|---|---|")
         for j, name in ((2, "auto"), (3, extra), (4, f"{extra}, fitted caps in the best")):
@@ -864,7 +903,7 @@ def main(argv=None) -> int:
     if args.compare:
         compare(Path(args.compare))
     if args.versus:
-        versus_report(args.versus)
+        versus_report(args.versus, args.mode or "direct")
     return 0
 
 
