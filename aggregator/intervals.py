@@ -312,6 +312,10 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
 
 PATH_TOP = 64  # the plausible-extreme paths move items of counts 1..PATH_TOP
 
+#: the stand-in that is the early-stopped EM's fit from the start the release did not take
+#: (:func:`error_bars`, direct mode above the noise)
+OTHER_START = "other start"
+
 
 def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: float = 0.9,
                        ref: float | None = None, loglik: float | None = None,
@@ -647,7 +651,13 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
 
     When the release's estimator is ``"auto"`` (:mod:`aggregator.selection`) the bootstrap
     re-runs the candidate it chose on these counters, not the whole choice (conditional on the
-    selection; ~10x cheaper), in direct and in hashed mode.
+    selection; ~10x cheaper), in direct and in hashed mode. Where that candidate is the
+    early-stopped EM and it chose between its two starts (``selection.chosen_start``), the
+    fit from the start it left is a third stand-in (:data:`OTHER_START`; direct mode above the
+    noise, ``model="both"``) whenever its log-likelihood is within ``selection.START_MARGIN`` of
+    the release's: the counters do not rule it out, and in heavy-hitter windows it is the fit
+    near the truth (the distinct-items interval covered 15 of 22 windows of the heavy cell
+    without it; docs/accuracy_grid.md).
 
     Returns:
 
@@ -733,6 +743,19 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     else:  # hashed mode: the bucket counters' likelihood of an item histogram
         bucket_lls = {sm: bucket_likelihood.bucket_loglik(vc, t, counters, p, layers)
                       for sm, t in truth_y.items()}
+    below = bool(lls) and (n is None or signal_below_noise(int(n), counters, p, layers))
+    if model == "both" and not below and other_start is not None and len(other_start):
+        # the early-stopped EM's fit from the start the release left is a third stand-in when
+        # the counters cannot tell it from the release (as the start rule itself cannot: within
+        # its margin): in heavy-hitter windows the release keeps the smoothed start's tail and
+        # drops ~30% of the singletons, and the other fit is near the truth; the bootstrap at
+        # it sees the release's bias there, which neither the EM's nor the NPMLE's stand-in has
+        from .selection import START_MARGIN
+        ll_other = counter_model.loglik(vc, other_start, counters, p, layers)
+        if ll_other >= counter_model.loglik(vc, y, counters, p, layers) - START_MARGIN:
+            stand_ins += (OTHER_START,)
+            truth_y[OTHER_START] = np.asarray(other_start, dtype=np.int64)
+            lls[OTHER_START] = ll_other
 
     buf = np.empty(counters, dtype=np.int64) if buckets is not None else None
 
@@ -745,7 +768,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     sims = {sm: [simulate(sm) for _ in range(int(reps))] for sm in stand_ins}
     buf = None  # the simulations are drawn: free the buffer
     drop, boot = None, None  # Wilks' chi2_1(level) / 2; re-estimates made as the loop needs them
-    if lls and (n is None or signal_below_noise(int(n), counters, p, layers)):
+    if below:
         # below the noise the likelihood is flat out to the edge of what n allows (all
         # singletons), where Wilks' approximation fails: the region's drop is calibrated by
         # refitting the stand-in estimators on the states (a whole-histogram region; above

@@ -194,3 +194,37 @@ def test_error_bars_rerun_the_start_the_release_took_and_count_the_other(monkeyp
     assert all(not s for s, _ in calls) or took
     gap = abs(len(eb["histogram"]) - int(other[0]))
     assert gap > 0 and eb["selected"] and eb["stand_in_gap"]["distinct"] >= gap
+
+
+@pytest.mark.parametrize("margin", [-1e9, 1e9, None])
+@pytest.mark.parametrize("below_noise", [False, True])
+def test_error_bars_bootstrap_the_other_starts_fit_where_the_counters_allow_it(
+        monkeypatch, margin, below_noise):
+    """Above the noise, the early-stopped EM's fit from the start the release left is a third
+    stand-in exactly when its log-likelihood is within START_MARGIN of the release's: its
+    states are drawn and the intervals reach it. Below the noise (the calibrated region) it
+    is not."""
+    from aggregator import intervals as iv
+    if margin is not None:
+        monkeypatch.setattr(S, "START_MARGIN", margin)
+    noisy, p, n = (_heavy_window(0, heavy=5, once=200) if below_noise else _heavy_window(5))
+    assert iv.signal_below_noise(n, len(noisy), p, 1) == below_noise
+    E.forget_fits()
+    drawn = []  # the truths the bootstrap's states were drawn from
+    real = iv.simulate_from_cumulative
+    monkeypatch.setattr(iv, "simulate_from_cumulative", lambda rng, y, *a: drawn.append(
+        np.asarray(y).copy()) or real(rng, y, *a))
+    eb = iv.error_bars(noisy, p, layers=1, n=n, reps=4, rng=0)
+    took, other = S.chosen_start(noisy, p, layers=1, n=n)
+    vc = E.noisy_value_counts(noisy)
+    release = E.cumulative_from_counts(eb["histogram"])
+
+    def ll(y):
+        return counter_model.loglik(vc, y, vc.total, p, 1)
+    used = not below_noise and ll(other) >= ll(release) - S.START_MARGIN
+    assert used == (margin != -1e9 and not below_noise) or margin is None
+    from_other = sum(len(y) == len(other) and np.array_equal(y, other) for y in drawn)
+    assert from_other == (4 if used else 0)
+    if used:
+        lo, hi = eb["distinct"]
+        assert lo <= int(other[0]) <= hi
