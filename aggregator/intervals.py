@@ -103,7 +103,7 @@ def expected_errors(bars: dict) -> dict:
     (:func:`error_bars`): {"distinct": items, "entropy": nats}.
 
     ``rms_error``: the root-mean-square deviation of the re-estimates from the stand-in truth
-    (the estimator's spread and its bias at the stand-in), the largest over the two stand-ins.
+    (the estimator's spread and its bias at the stand-in), the largest over the stand-ins.
     Measured against the truth (bench/changes.py, docs/accuracy_changes.md "Expected errors"): the
     actual root-mean-square error over the stated one was 0.8-1.2 for distinct items; adding
     the gap between the stand-in fits (``stand_in_gap``) in quadrature overstated it (0.6-0.85).
