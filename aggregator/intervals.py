@@ -657,7 +657,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     noise, ``model="both"``) whenever its log-likelihood is within ``selection.START_MARGIN`` of
     the release's: the counters do not rule it out, and in heavy-hitter windows it is the fit
     near the truth (the distinct-items interval covered 15 of 22 windows of the heavy cell
-    without it; docs/accuracy_grid.md).
+    without it, 20 with it; docs/accuracy_grid.md).
 
     Returns:
 
