@@ -17,9 +17,9 @@ Usage (results accumulate in out/lofo_results.<shard>.pkl; shards run in paralle
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.lofo --run --shard 1/2
     .venv/bin/python -m bench.lofo --report        # prints the tables (markdown)
 
-``--extra blend,auto_blend,auto_sims8,auto_pilot3,auto_fitted,em_likelier,auto_likelier,auto_item_space,auto_pilot_shrunk`` (with
-``--run`` and ``--report``) adds candidates that
-were tried for the worst held-out cells and not adopted (:data:`EXTRA`).
+``--extra blend,auto_blend,auto_sims8,auto_pilot3,auto_fitted,em_likelier,auto_likelier`` (and
+the others of :data:`EXTRA`, e.g. ``auto_item_space``, ``auto_pilot_shrunk``; with ``--run`` and
+``--report``) adds candidates that were tried for the worst held-out cells and not adopted.
 
 Benchmark only: seeded numpy noise (bench.grid.draw).
 """
@@ -178,7 +178,8 @@ def _auto_item_space(mode, vc, p, k, n, B):
     histogram, and the release is the *item* histogram inverted from it (``largedomain._invert``)
     and capped at n by ``items``. Here each stand-in and each candidate's fit of each simulated
     state are inverted and capped as the release is, and the minimax regret is taken on those
-    item histograms; the stand-ins, the states and the seed are the library's."""
+    item histograms; the stand-ins (the pilots' bucket fits), the number of states and the seed
+    are the library's."""
     from aggregator import counter_model, largedomain as ld, selection
     from aggregator.estimate import _data_seed, bucket_counters, cap_total, cumulative_l1
 
@@ -218,8 +219,8 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
     shrunk one is shaped like the truth (heavy hitters and singletons, no tail at r = 2-15),
     and ``auto`` took the smoothed start's EM in half the windows at 2-3x the NPMLE's error:
     a stand-in shaped like the truth should make that candidate's worst regret show it."""
-    from aggregator import selection
-    from aggregator.estimate import forget_fits
+    from aggregator import counter_model, selection
+    from aggregator.estimate import cap_total, forget_fits, project_l1
     if n is None or int(n) > vc.total:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
     plain = selection._estimates
@@ -227,8 +228,6 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
     smooth = plain(vc, p, k, ["deconvolution", "mle"])["deconvolution"]
 
     def ll(y):
-        from aggregator import counter_model
-        from aggregator.estimate import cap_total
         return counter_model.loglik(vc, cap_total(y, int(n), "items"), vc.total, p, k)
     if ll(shrunk) < ll(smooth) - selection.START_MARGIN:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
@@ -242,7 +241,6 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
     selection._estimates = estimates
     forget_fits()
     try:
-        from aggregator.estimate import project_l1
         y, _ = selection.select(vc, p, layers=k, n=n,
                                 pilots=selection.PILOTS + ("shrunk",))
         return project_l1(y.astype(np.float64))
@@ -783,9 +781,10 @@ def versus_rows(results, extra: str, layers: int) -> list[tuple]:
 
 
 def versus_report(extra: str, mode: str = "direct") -> None:
-    """One mode's cells (direct by default): ``auto`` and the ``--extra`` auto variant ``extra`` each against the best of
-    the six fixed candidates and itself (and, where the results hold them, with the three fixed
-    ``fitted``-cap candidates in that best), then leave one family out between the two."""
+    """One mode's cells (direct by default): ``auto`` and the ``--extra`` auto variant
+    ``extra`` each against the best of the six fixed candidates and itself (and, where the
+    results hold them, with the three fixed ``fitted``-cap candidates in that best), then leave
+    one family out between the two."""
     results = {k: r for k, r in load().items() if k[0] == mode}
     crits = {"geo-mean": lambda v: float(np.exp(np.mean(np.log(v)))),
              "worst": lambda v: float(np.max(v)), "p90": lambda v: float(np.quantile(v, 0.9))}
@@ -891,9 +890,9 @@ def main(argv=None) -> int:
                     help="report: a per-window rule on a pilot's uncapped total against n, "
                          "chosen held out (tried for the worst cells, not adopted)")
     ap.add_argument("--versus", metavar="EXTRA",
-                    help="report, direct mode: auto against the --extra auto variant EXTRA "
-                         "(e.g. auto_fitted), each against the best fixed candidate, and leave "
-                         "one family out between the two")
+                    help="report, direct mode (or --mode): auto against the --extra auto "
+                         "variant EXTRA (e.g. auto_fitted), each against the best fixed "
+                         "candidate, and leave one family out between the two")
     ap.add_argument("--add-to", metavar="DIR",
                     help="run only the --extra candidates on the cells and repetitions stored in "
                          "DIR (e.g. out/lofo_reps16), writing DIR's results with them to --out")
