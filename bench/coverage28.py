@@ -53,6 +53,9 @@ HASHED_REAL: list = []  # --hashed-real: the real profiles' vocabularies as hash
 
 START_CELLS: list = []  # --start-cells: where bench.lofo saw auto's choice of start change
 
+FIRST_REP = 0  # --first-rep: the first repetition drawn (new draws for a figure already read)
+REPS_RUN: list = []  # --reps: repetitions per cell instead of each cell's own
+
 
 def cells() -> list[Cell]:
     if START_CELLS:  # 24 releases each: the shrunk start is taken in about half the heavy ones
@@ -85,7 +88,7 @@ def run_cell(cell: Cell, layers: int) -> list[dict]:
     rows = []
     p, C = cell.p, cell.counters
     B = C if cell.mode == "hashed" else None
-    for rep in range(cell.reps):
+    for rep in range(FIRST_REP, FIRST_REP + (REPS_RUN[0] if REPS_RUN else cell.reps)):
         h, occupied, rng = grid.draw(cell, rep)
         values = h if occupied is None else occupied
         vc = grid._noisy(rng, values, C - len(values), p, layers)
@@ -193,7 +196,7 @@ def report() -> None:
 
 
 def main(argv=None) -> int:
-    global OUT, LAYERS, LEVELS  # set once from the arguments, before any run or report
+    global OUT, LAYERS, LEVELS, FIRST_REP  # set once from the arguments, before any run
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", type=shard_arg, default="0/1")
@@ -212,7 +215,12 @@ def main(argv=None) -> int:
     ap.add_argument("--start-margin", type=float,
                     help="run: selection.START_MARGIN (inf: auto as before it chose the "
                          "early-stopped EM's start by the likelihood)")
+    ap.add_argument("--first-rep", type=int, default=0, metavar="R",
+                    help="run: draw repetitions R, R + 1, ... (seeds no earlier run used)")
+    ap.add_argument("--reps", type=int, help="run: repetitions per cell (default each cell's)")
     args = ap.parse_args(argv)
+    FIRST_REP = args.first_rep
+    REPS_RUN[:] = [args.reps] if args.reps else []
     LAYERS = tuple(int(x) for x in args.layers.split(","))
     LEVELS = tuple(float(x) for x in args.levels.split(","))
     if args.start_margin is not None:
