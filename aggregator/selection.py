@@ -247,6 +247,19 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "
     return "items" if gaps and min(gaps) > STANDIN_MARGIN else thin
 
 
+def _regrets(err: dict) -> dict:
+    """{candidate: its error under one stand-in over the smallest error under it} (``err``:
+    {candidate: summed l1 error against that stand-in}; every candidate 1 when all are 0)."""
+    best = min(err.values())
+    return {c: e / best if best > 0 else (1.0 if e == 0 else np.inf) for c, e in err.items()}
+
+
+def _minimax(regret: dict):
+    """The candidate with the smallest worst regret over the stand-ins (``regret``: {candidate:
+    [its regret under each stand-in]}); ties: the smaller mean regret, then the earlier one."""
+    return min(regret, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
+
+
 def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple:
     from .estimate import (
         _check_layers, _data_seed, counts_from_cumulative, noisy_value_counts,
@@ -304,10 +317,9 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
                 for c in candidates:
                     if c[0] == m:
                         err[c] += cumulative_l1(cap(y, total, c[1], top_sim), y_p)
-        best = min(err.values())
-        for c in candidates:
-            regret[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
-    choice = min(candidates, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
+        for c, r in _regrets(err).items():
+            regret[c].append(r)
+    choice = _minimax(regret)
     m, rule = choice
     y = fits[m] if m in fits else project_l1(basic_prevalence(vc, p, layers=k, method=m))
     if m != "deconvolution" or start is None:

@@ -204,11 +204,9 @@ def _auto_item_space(mode, vc, p, k, n, B):
             for sim, ests in zip(states, selection._estimates_many(states, p, k, methods)):
                 for m in methods:
                     err[m] += cumulative_l1(released(ests[m], sim), truth)
-            best = min(err.values())
-            for m in methods:
-                regret[m].append(err[m] / best if best > 0 else (1.0 if err[m] == 0 else np.inf))
-    choice = min(methods, key=lambda m: (max(regret[m]), float(np.mean(regret[m]))))
-    return grid.estimate_y(mode, vc, p, k, choice, n, B)
+            for m, r in selection._regrets(err).items():
+                regret[m].append(r)
+    return grid.estimate_y(mode, vc, p, k, selection._minimax(regret), n, B)
 
 
 def _auto_pilot_shrunk(mode, vc, p, k, n, B):
@@ -219,17 +217,18 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
     shrunk one is shaped like the truth (heavy hitters and singletons, no tail at r = 2-15),
     and ``auto`` took the smoothed start's EM in half the windows at 2-3x the NPMLE's error:
     a stand-in shaped like the truth should make that candidate's worst regret show it."""
-    from aggregator import counter_model, selection
-    from aggregator.estimate import cap_total, forget_fits, project_l1
+    from aggregator import selection
+    from aggregator.estimate import forget_fits, project_l1
     if n is None or int(n) > vc.total:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
     plain = selection._estimates
     shrunk = selection._shrunk_fit(vc, p, k)
     smooth = plain(vc, p, k, ["deconvolution", "mle"])["deconvolution"]
 
-    def ll(y):
-        return counter_model.loglik(vc, cap_total(y, int(n), "items"), vc.total, p, k)
-    if ll(shrunk) < ll(smooth) - selection.START_MARGIN:
+    # ruled out unless likelier than the smoothed start's fit by more than -START_MARGIN
+    plausible, _ = selection._take_likelier_start(vc, p, k, n, {"deconvolution": smooth}, shrunk,
+                                                  margin=-selection.START_MARGIN)
+    if not plausible:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
 
     def estimates(vc_, p_, k_, methods):

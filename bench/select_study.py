@@ -36,7 +36,7 @@ import numpy as np
 from aggregator.estimate import cap_total, cumulative_from_counts, cumulative_l1
 from aggregator.intervals import simulate_from_cumulative
 from aggregator.counter_model import loglik as _loglik
-from aggregator.selection import CANDIDATES, _estimates
+from aggregator.selection import CANDIDATES, _estimates, _minimax, _regrets as _stand_in_regrets
 from bench import grid
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "select_study.pkl"
@@ -154,18 +154,16 @@ def _regrets(boot, standins, candidates, sims) -> dict:
     the best candidate's under that stand-in."""
     reg = {c: [] for c in candidates}
     for s in standins:
-        err = {c: sum(boot[s][i][c] for i in sims) for c in candidates}
-        best = min(err.values())
-        for c in candidates:
-            reg[c].append(err[c] / best if best > 0 else (1.0 if err[c] == 0 else np.inf))
+        for c, r in _stand_in_regrets({c: sum(boot[s][i][c] for i in sims)
+                                       for c in candidates}).items():
+            reg[c].append(r)
     return reg
 
 
 def minimax(boot, standins, candidates, sims):
     """The rule of ``selection._select``: the smallest worst regret over the stand-ins (ties:
     mean regret)."""
-    reg = _regrets(boot, standins, candidates, sims)
-    return min(candidates, key=lambda c: (max(reg[c]), float(np.mean(reg[c]))))
+    return _minimax(_regrets(boot, standins, candidates, sims))
 
 
 def meanreg(boot, standins, candidates, sims):
