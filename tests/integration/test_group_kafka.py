@@ -982,8 +982,9 @@ def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
     doc = read_export(path, bytes.fromhex(key))
     state = PanPrivateHistogram.deserialize(doc["state"])
     # (the member logs with it: once, under load, a state of n = 0 was exported)
-    assert state.size == D and state.n == 3000 and state.layers == 2, \
-        f"n={state.n} layers={state.layers} window={doc['window']}\n{out.stdout}{out.stderr}\n{members.logs()}"
+    assert state.size == D and state.n == 3000 and state.layers == 2, (
+        f"n={state.n} layers={state.layers} window={doc['window']}\n"
+        f"{out.stdout}{out.stderr}\n{members.logs()}")
     assert doc["window"]["partitions"] == PARTS and len(doc["offsets"]) == PARTS
     docs = check_exact(kafka_broker, GroupTopics(group), 3000)
     exported = [d for d in docs if d["window"] in doc["window"]["windows"]]
