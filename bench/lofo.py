@@ -574,6 +574,57 @@ def report() -> None:
             print()
 
 
+def oracle_report(mode: str) -> None:
+    """What a rule that knew more than the counters could reach: per layer count, the worst and
+    median regret of the best fixed candidate for each group of cells, chosen on that group's own
+    cells (in sample), where the group is the family (the data's source or shape), the regime
+    (:func:`_regime`: public before the data) or both. A default that reads only the counters cannot beat the regime oracle
+    by choosing among these candidates unless the counters tell the cells of a regime apart."""
+    results = load()
+    groups = {
+        "family": lambda k, fam: fam[k],
+        "regime": lambda k, fam: _regime(k),
+        "family and regime": lambda k, fam: (fam[k], *_regime(k)),
+    }
+    for layers in LAYERS:
+        reg, fam = regret_table(results, mode, layers)
+        if not reg:
+            continue
+        cands = list(next(iter(reg.values())))
+        print(f"### {mode} mode, {layers} layer{'s' if layers > 1 else ''} ({len(reg)} cells)\n")
+        print("| oracle knows | groups | median | worst (cell) | its pick there |")
+        print("|---|---|---|---|---|")
+        a = {k: reg[k][("auto", "items")] for k in reg}
+        worst_k = max(a, key=a.get)
+        print(f"| nothing (auto / items) | 1 | {np.median(list(a.values())):.2f} | "
+              f"{a[worst_k]:.2f} ({fam[worst_k]} {_cell_name(worst_k)}) | auto / items |")
+        for name, of in groups.items():
+            members: dict = {}
+            for k in reg:
+                members.setdefault(of(k, fam), []).append(k)
+            got = {}
+            for keys in members.values():
+                c = min(cands, key=lambda c: (max(reg[k][c] for k in keys), cands.index(c)))
+                got.update({k: (reg[k][c], c) for k in keys})
+            worst_k = max(got, key=lambda k: got[k][0])
+            print(f"| {name} | {len(members)} | {np.median([r for r, _ in got.values()]):.2f} | "
+                  f"{got[worst_k][0]:.2f} ({fam[worst_k]} {_cell_name(worst_k)}) | "
+                  f"{' / '.join(got[worst_k][1])} |")
+        print()
+
+
+def _regime(key) -> tuple:
+    """What a deployment knows before the data: D / n and eps (direct), n and eps (hashed, where
+    the number of buckets follows from them)."""
+    _, _, n, D, eps = key
+    return (round(D / n, 3) if D else n, eps)
+
+
+def _cell_name(key) -> str:
+    _, _, n, D, eps = key
+    return f"n={n:.0e} D={D:.0e} eps={eps}" if D else f"n={n:.0e} eps={eps}"
+
+
 def _regrets_on(results: dict, mode: str, layers: int, idx) -> dict:
     """{cell key: auto / items' regret} from the repetitions ``idx`` (see :func:`regret_table`)."""
     reg, _ = regret_table(results, mode, layers, at=idx)
@@ -888,6 +939,10 @@ def main(argv=None) -> int:
     ap.add_argument("--totals-rule", action="store_true",
                     help="report: a per-window rule on a pilot's uncapped total against n, "
                          "chosen held out (tried for the worst cells, not adopted)")
+    ap.add_argument("--oracles", action="store_true",
+                    help="report: the best fixed candidate per family, per regime (D / n or n, eps) "
+                         "and per both, chosen in sample: what knowing more than the counters "
+                         "would reach (--mode, default direct)")
     ap.add_argument("--versus", metavar="EXTRA",
                     help="report, direct mode (or --mode): auto against the --extra auto "
                          "variant EXTRA (e.g. auto_fitted), each against the best fixed "
@@ -944,6 +999,8 @@ def main(argv=None) -> int:
         compare(Path(args.compare))
     if args.versus:
         versus_report(args.versus, args.mode or "direct")
+    if args.oracles:
+        oracle_report(args.mode or "direct")
     return 0
 
 
