@@ -578,8 +578,9 @@ def oracle_report(mode: str) -> None:
     """What a rule that knew more than the counters could reach: per layer count, the worst and
     median regret of the best fixed candidate for each group of cells, chosen on that group's own
     cells (in sample), where the group is the family (the data's source or shape), the regime
-    (:func:`_regime`: public before the data) or both. A default that reads only the counters cannot beat the regime oracle
-    by choosing among these candidates unless the counters tell the cells of a regime apart."""
+    (:func:`_regime`: public before the data) or both. A default that reads only the counters
+    cannot beat the regime oracle by choosing among these candidates unless the counters tell the
+    cells of a regime apart."""
     results = load()
     groups = {
         "family": lambda k, fam: fam[k],
