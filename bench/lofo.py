@@ -941,7 +941,8 @@ def main(argv=None) -> int:
                     help="report: a per-window rule on a pilot's uncapped total against n, "
                          "chosen held out (tried for the worst cells, not adopted)")
     ap.add_argument("--oracles", action="store_true",
-                    help="report: the best fixed candidate per family, per regime (D / n or n, eps) "
+                    help="report: the best fixed candidate per family, per regime (D / n or n, "
+                         "eps) "
                          "and per both, chosen in sample: what knowing more than the counters "
                          "would reach (--mode, default direct)")
     ap.add_argument("--versus", metavar="EXTRA",
