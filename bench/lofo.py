@@ -374,11 +374,10 @@ def _auto_simpler_start(mode, vc, p, k, n, B):
     Zipf(0.7) cell's smoothed fit is 4.8-8.9 nats likelier and stays. 1 layer: the library's
     rule (the shrunk start only when likelier by the margin)."""
     from aggregator import selection
-    from aggregator.estimate import _BUCKET_COUNTERS, forget_fits
+    from aggregator.estimate import forget_fits
     plain_two, margin = selection._two_starts, selection.START_MARGIN
-    if k == 2:
-        selection._two_starts = lambda vc_, k_, n_: (
-            n_ is not None and int(n_) <= vc_.total and not _BUCKET_COUNTERS.get())
+    if k == 2:  # the library's condition as at 1 layer
+        selection._two_starts = lambda vc_, k_, n_: plain_two(vc_, 1, n_)
         selection.START_MARGIN = -margin
     forget_fits()
     try:
@@ -615,7 +614,6 @@ def oracle_report(mode: str) -> None:
         reg, fam = regret_table(results, mode, layers)
         if not reg:
             continue
-        cands = list(next(iter(reg.values())))
         print(f"### {mode} mode, {layers} layer{'s' if layers > 1 else ''} ({len(reg)} cells)\n")
         print("| oracle knows | groups | median | worst (cell) | its pick there |")
         print("|---|---|---|---|---|")
@@ -629,7 +627,7 @@ def oracle_report(mode: str) -> None:
                 members.setdefault(of(k, fam), []).append(k)
             got = {}
             for keys in members.values():
-                c = min(cands, key=lambda c: (max(reg[k][c] for k in keys), cands.index(c)))
+                c = pick(reg, keys, "worst")
                 got.update({k: (reg[k][c], c) for k in keys})
             worst_k = max(got, key=lambda k: got[k][0])
             print(f"| {name} | {len(members)} | {np.median([r for r, _ in got.values()]):.2f} | "
