@@ -859,8 +859,7 @@ def versus_report(extra: str, mode: str = "direct") -> None:
     results hold them, with the three fixed ``fitted``-cap candidates in that best), then leave
     one family out between the two."""
     results = {k: r for k, r in load().items() if k[0] == mode}
-    crits = {"geo-mean": lambda v: float(np.exp(np.mean(np.log(v)))),
-             "worst": lambda v: float(np.max(v)), "p90": lambda v: float(np.quantile(v, 0.9))}
+    crits = {name: CRITERIA[name] for name in ("geo-mean", "worst", "p90")}  # the rows' order
     for layers in LAYERS:
         rows = versus_rows(results.values(), extra, layers)
         if not rows:
