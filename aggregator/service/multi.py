@@ -113,7 +113,17 @@ class SourceView(Source):
         self.committed: dict[str, int] = {}
 
     # -- what the hub calls ----------------------------------------------------------------------
-    def deliver(self, segments: list[Segment]) -> list[Segment]:
+    def deliver(self, segments: list[Segment], origins: dict[str, int | None]) -> list[Segment]:
+        """The records of ``segments`` this view has not had. ``origins[p]``: the consumer's
+        position in partition ``p`` before the segment (where its stream of records continues
+        from), or None where that is not known.
+
+        A segment is taken only if it reaches back to the next offset this view wants: its
+        first record is at or before it, or the consumer's stream runs unbroken from at or
+        before it (offsets in between are transaction markers or compacted away). A segment
+        that starts past it (records read for the others while this view held the partition)
+        is left for the re-read the hub's seek brings: taking it would skip the records in
+        between (the silent loss of issue 46)."""
         out = []
         for seg in segments:
             p = seg.partition
@@ -122,6 +132,14 @@ class SourceView(Source):
             want = self.next.get(p)
             if want is not None:
                 offsets = offsets_array(seg.offsets)
+                origin = origins.get(p)
+                if int(offsets[0]) > want and (origin is None or origin > want):
+                    if origin is not None:
+                        continue  # wait for the re-read from the hub's seek
+                    # nothing says where the consumer came from: take it, but say so
+                    log.error("partition %s: records %d-%d were skipped by the consumer "
+                              "(retention or an offset reset?); the window's range names them",
+                              p, want, int(offsets[0]) - 1)
                 start = int(np.searchsorted(offsets, want))
                 if start >= len(offsets):
                     continue
@@ -246,6 +264,10 @@ class MultiAggregator:
         for agg in self.aggs.values():
             agg.decoder.shared = self._parsed
         self._start: dict[str, int] = {}
+        #: the consumer's next offset per partition as far as the hub knows (its seeks and the
+        #: records it handed on); partitions seeked during the current poll
+        self._position: dict[str, int] = {}
+        self._seeked: set[str] = set()
         self._lock_file = None
         self._paused: set[str] = set()
         self.on_started = None  # called once every aggregation started (the CLI's metrics URL)
@@ -269,14 +291,13 @@ class MultiAggregator:
             self.source.commit(least, kafka_metadata(heads) if heads else "")
 
     def held_changed(self, keys, resumed: bool = False) -> None:
-        seek = getattr(self.source, "seek_partition", None)
-        if seek is None:
+        if getattr(self.source, "seek_partition", None) is None:
             return
         for p in keys:
             want = [v.next[p] for v in self.views.values() if p in v.next]
             if resumed:  # back to the least offset a view still wants; the others drop repeats
                 if want:
-                    seek(p, min(want))
+                    self._seek(p, min(want))
                 if p in self._paused:
                     self.source.resume([p])
                     self._paused.discard(p)
@@ -284,7 +305,14 @@ class MultiAggregator:
                 self.source.pause([p])
                 self._paused.add(p)
                 if want:
-                    seek(p, min(want))
+                    self._seek(p, min(want))
+
+    def _seek(self, partition: str, offset: int) -> None:
+        """Move the consumer in ``partition`` to ``offset``. The rest of the poll being counted
+        is then stale for that partition (read before the seek): it is dropped, and read again."""
+        self.source.seek_partition(partition, offset)
+        self._position[partition] = int(offset)
+        self._seeked.add(partition)
 
     def _track_start(self) -> None:
         # a (re)assignment seeks the consumer to these: the least offset any view wants
@@ -362,6 +390,7 @@ class MultiAggregator:
                     agg.start()  # restores its checkpoint: its view learns its offsets
             self._track_start()
             self.source.seek(self._start)
+            self._position.update(self._start)
             running = True  # a refused start says why in one line, not "stopped" before it
             log.info("one consumer for %d aggregations (%s)", len(self.aggs), ", ".join(self.aggs))
             self._record_set()
@@ -422,9 +451,17 @@ class MultiAggregator:
         poll of 20,000 records, the garbage collector's passes over them cost more than the
         parses saved: docs/item_selection.md)."""
         got = dict.fromkeys(self.aggs, False)
+        self._seeked.clear()
         for chunk in _chunks(segments, PARSE_CHUNK):
+            chunk = [seg for seg in chunk if seg.partition not in self._seeked]
+            if not chunk:
+                continue
+            origins = {}
+            for seg in chunk:  # (a seek while the chunk is counted sets the position anew)
+                origins[seg.partition] = self._position.get(seg.partition)
+                self._position[seg.partition] = int(seg.offsets[-1]) + 1
             for name, agg in self.aggs.items():
-                mine = self.views[name].deliver(chunk)
+                mine = self.views[name].deliver(chunk, origins)
                 got[name] = got[name] or bool(mine)
                 with _about(name):
                     for seg in mine:
