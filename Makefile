@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	@$(BIN)/python -m pytest -q --durations=20; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5) - failing" >&2; exit 1; fi; \
+	exit $$rc
+
+# the fast lane: no broker, no fault matrix (tests/integration and tests/chaos left out)
+test-fast: $(STAMP)
+	@$(BIN)/python -m pytest -q -x --ignore=tests/integration --ignore=tests/chaos \
+	  -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; exit 1; fi; \
 	exit $$rc
 
 bench: $(STAMP)

@@ -1,0 +1,337 @@
+"""One producer, one checker, every mode, the same faults (issue 46).
+
+:func:`run_case` starts a real ``panagg run`` in one of :data:`MODES` against a real broker
+(:class:`Broker`, from ``deploy/kafka/kafka.sh``), produces a steady stream of msgpack events
+into a new 3-partition topic, injects one of :data:`FAULTS` while it runs, stops the producer,
+lets the service settle, stops it with SIGTERM and checks the one invariant of
+:mod:`tests.chaos.invariant` over what a user can read: the ledger(s), the release files and
+the topic's end offsets. On top, what only the harness knows: the service never exited on its
+own, every restart started, and every produced record is in a decided window or in the open
+window the last checkpoint holds (``unreleased``, bounded by a window).
+
+The suite runs a small matrix (tests/chaos/test_chaos.py); ``python -m bench.chaos`` runs the
+full one and writes its table (docs/chaos.md).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+
+from .invariant import check_directory
+
+__all__ = ["Broker", "FAULTS", "MODES", "Result", "run_case"]
+
+ROOT = Path(__file__).resolve().parents[2]
+KAFKA_SH = ROOT / "deploy" / "kafka" / "kafka.sh"
+PARTITIONS = 3
+DOMAIN = 500
+
+
+class Broker:
+    """A real single-node broker in ``state`` that a fault can kill, stop and start again (a
+    restart of the same directory keeps its port, so clients find it again)."""
+
+    def __init__(self, state: Path):
+        self.state = Path(state)
+        self.bootstrap = ""
+
+    def _sh(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(KAFKA_SH), *args, str(self.state)], capture_output=True,
+                              text=True, timeout=180)
+
+    def start(self) -> str:
+        done = self._sh("start")
+        if done.returncode != 0:
+            raise RuntimeError(f"kafka.sh start failed: {done.stderr[-2000:]}")
+        self.bootstrap = done.stdout.strip().splitlines()[-1].split("=", 1)[1]
+        return self.bootstrap
+
+    def stop(self) -> None:
+        self._sh("stop")
+
+    def kill(self) -> None:
+        pid_file = self.state / "pid"
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        deadline = time.monotonic() + 30
+        while self._sh("status").returncode == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def running(self) -> bool:
+        return self._sh("status").returncode == 0
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How ``panagg run`` is configured: ``sets`` are ``--set`` pairs, ``toml`` a config file's
+    text (several aggregations); ``window_events`` bounds what the open window can hold at the
+    harness's rate (events), for the ``unreleased`` check."""
+
+    sets: tuple[str, ...] = ()
+    toml: str = ""
+    window_events: int = 0
+
+
+RATE = 1500  # events per second of the harness's producer
+
+MODES: dict[str, Mode] = {
+    "count": Mode(("window.kind=count", "window.size=4000"), window_events=4000),
+    "time": Mode(("window.kind=time", "window.clock=process", "window.size=3"),
+                 window_events=8 * RATE),
+    "event_time": Mode(("window.kind=event_time", "window.size=3"), window_events=8 * RATE),
+    "several": Mode(toml="""
+[ledger]
+budget_per_event = 2.0
+[aggregations.small]
+window.size = 2500
+state.epsilon = 1.0
+[aggregations.large]
+window.size = 6000
+state.epsilon = 1.0
+""", window_events=6000),
+    "rollups_sum": Mode(("window.kind=count", "window.size=2000", 'window.rollups=["3x"]',
+                         "window.rollup_design=sum"), window_events=2000),
+    "rollups_hybrid": Mode(("window.kind=event_time", "window.size=2",
+                            'window.rollups=["6s"]', "window.rollup_design=hybrid"),
+                           window_events=16 * RATE),
+    "rollups_tree": Mode(("window.kind=count", "window.size=2000", 'window.rollups=["3x"]',
+                          "window.rollup_design=tree"), window_events=6000),
+}
+
+#: faults: what happens while the producer runs
+FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
+          "start_broker_away")
+
+
+@dataclass
+class Result:
+    mode: str
+    fault: str
+    seed: int
+    produced: int = 0
+    released: dict[str, int] = field(default_factory=dict)
+    unreleased: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    faults: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def _env() -> dict:
+    return dict(os.environ, PANAGG_TESTING="1", PYTHONPATH=str(ROOT))
+
+
+class _Producer(threading.Thread):
+    """A steady stream of ``{"item": i}`` events; rides out a broker outage (it retries; what
+    it could not write is simply not in the topic, whose end offsets are the truth)."""
+
+    def __init__(self, bootstrap: str, topic: str, rate: int, seed: int):
+        super().__init__(daemon=True)
+        self.bootstrap, self.topic, self.rate = bootstrap, topic, rate
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from kafka import KafkaProducer
+
+        producer = None
+        i, t0 = 0, time.monotonic()
+        while not self.stop.is_set():
+            try:
+                if producer is None:
+                    producer = KafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=5,
+                                             acks="all", retries=5,
+                                             reconnect_backoff_max_ms=500)
+                for _ in range(self.rate // 20):
+                    item = min(int(self.rng.paretovariate(1.2)), DOMAIN - 1)
+                    producer.send(self.topic, msgpack.packb({"item": item}))
+                    i += 1
+            except Exception:  # the broker is away: try again in a moment
+                time.sleep(0.5)
+                continue
+            time.sleep(max(0.0, t0 + i / self.rate - time.monotonic()))
+        if producer is not None:
+            try:
+                producer.flush(timeout=30)
+                producer.close(timeout=10)
+            except Exception:
+                pass
+
+
+def _admin(bootstrap: str):
+    from kafka import KafkaAdminClient
+
+    return KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30000)
+
+
+def _make_topic(bootstrap: str) -> str:
+    from kafka.admin import NewTopic
+
+    topic = f"chaos-{uuid.uuid4().hex[:8]}"
+    admin = _admin(bootstrap)
+    admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
+    admin.close()
+    return topic
+
+
+def _ends(bootstrap: str, topic: str) -> dict[str, int]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
+    tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+    ends = c.end_offsets(tps)
+    c.close()
+    return {f"{topic}:{tp.partition}": int(o) for tp, o in ends.items()}
+
+
+class _Service:
+    """``panagg run`` as a child process; every start's stderr kept."""
+
+    def __init__(self, args: list[str], workdir: Path):
+        self.args, self.workdir = args, workdir
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.problems: list[str] = []
+
+    def start(self) -> None:
+        self.starts += 1
+        err = open(self.workdir / f"stderr-{self.starts}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *self.args],
+                                     cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err)
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            log = (self.workdir / f"stderr-{self.starts}.log").read_text()[-1500:]
+            self.problems.append(f"the service exited on its own (rc {self.proc.returncode}) "
+                                 f"in start {self.starts}: {log}")
+            self.start()  # what an operator's supervisor would do; the check goes on
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 120) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.problems.append(f"SIGTERM did not stop the service within {timeout} s")
+            self.proc.kill()
+            self.proc.wait()
+            return
+        if self.proc.returncode != 0:
+            log = (self.workdir / f"stderr-{self.starts}.log").read_text()[-1500:]
+            self.problems.append(f"the stop exited {self.proc.returncode}: {log}")
+
+
+def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
+             seconds: float = 16.0, settle: float = 3.0) -> Result:
+    """One run of ``mode`` under ``fault`` (module docstring); ``seed`` draws the fault's
+    moments and the events."""
+    rng = random.Random(seed)
+    spec = MODES[mode]
+    res = Result(mode, fault, seed)
+    t_start = time.monotonic()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not broker.running():
+        broker.start()
+    topic = _make_topic(broker.bootstrap)
+    state, releases = workdir / "state", workdir / "releases"
+    args = ["run", "--bootstrap", broker.bootstrap, "--topic", topic, "--state-dir", str(state),
+            "--release-dir", str(releases), "--metrics-port", "-1",
+            "--set", f"source.group=g-{topic}", "--set", f"state.domain_size={DOMAIN}",
+            "--set", "release.error_bar_reps=0", "--set", "source.connect_timeout_s=60"]
+    if spec.toml:
+        (workdir / "mode.toml").write_text(spec.toml)
+        args += ["--config", str(workdir / "mode.toml")]
+    for s in spec.sets:
+        args += ["--set", s]
+    if fault == "slow_release":
+        # releases much slower than the windows: the release path falls behind
+        args += ["--set", "release.error_bar_reps=400", "--set", "release.max_in_flight=2"]
+    service = _Service(args, workdir)
+    producer = _Producer(broker.bootstrap, topic, RATE, seed)
+    producer.start()
+    if fault == "start_broker_away":
+        time.sleep(rng.uniform(1, 3))
+        broker.stop()
+        service.start()
+        time.sleep(rng.uniform(2, 6))
+        broker.start()
+        res.faults += 1
+    else:
+        time.sleep(rng.uniform(0.5, 2))
+        service.start()
+    t_end = time.monotonic() + seconds
+    planned = sorted(rng.uniform(2, seconds - 2) for _ in range(2))
+    while time.monotonic() < t_end:
+        service.check_alive()
+        if planned and time.monotonic() >= t_end - seconds + planned[0] and fault in (
+                "kill9", "broker_kill", "broker_restart"):
+            planned.pop(0)
+            res.faults += 1
+            if fault == "kill9":
+                service.kill9()
+                time.sleep(rng.uniform(0, 1.5))
+                service.start()
+            elif fault == "broker_kill":
+                broker.kill()
+                time.sleep(rng.uniform(1, 5))
+                broker.start()
+            else:
+                broker.stop()
+                time.sleep(rng.uniform(1, 5))
+                broker.start()
+        time.sleep(0.2)
+    producer.stop.set()
+    producer.join(60)
+    time.sleep(settle)
+    service.check_alive()
+    service.stop()
+    # a last start reads the topic to its end and publishes what is pending, then exits: what a
+    # user finds once the service caught up (the open window stays open)
+    drain = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args,
+                            "--exit-when-idle", "4"], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=600)
+    (workdir / "stderr-drain.log").write_text(drain.stderr)
+    if drain.returncode != 0:
+        service.problems.append(f"the draining start exited {drain.returncode}: "
+                                f"{drain.stderr[-1500:]}")
+    res.violations += service.problems
+    ends = _ends(broker.bootstrap, topic)
+    res.produced = sum(ends.values())
+    report = check_directory(state, releases, ends=ends, begins={p: 0 for p in ends})
+    if not report:
+        res.violations.append("no aggregation has a ledger")
+    for name, cov in report.items():
+        label = name or mode
+        res.violations += [f"[{label}] {v}" for v in cov.violations]
+        res.released[label] = cov.released_events
+        left = sum(ends[p] - cov.covered.get(p, 0) for p in ends)
+        res.unreleased[label] = left
+        if left > spec.window_events:
+            res.violations.append(f"[{label}] {left} records after the last decided window: "
+                                  f"more than the open window can hold ({spec.window_events})")
+    res.seconds = time.monotonic() - t_start
+    return res

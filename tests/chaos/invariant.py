@@ -1,0 +1,193 @@
+"""The one invariant of every mode: nothing lost, nothing doubled, nothing silently shortened.
+
+It reads only what a user can read after a run: each aggregation's ledger (``ledger.jsonl``),
+its release directory (``release-<window>.json``), every publication of a window on a release
+topic if there is one, and the source's end offsets. For each aggregation:
+
+1. **Windows.** Every ``release`` or ``refused`` ledger entry is one window; window numbers are
+   unique and consecutive from the first to the last (none missing in between).
+2. **Ranges tile the source.** Per partition, the windows' ``[start, end)`` ranges follow each
+   other without a gap or an overlap, from the first offset counted to where the open window
+   starts (``covered``); nothing past the source's end.
+3. **n equals the positions.** A release's ``n`` plus its rejects and filtered records is the
+   number of records in its ranges (the harness's producer writes one record per offset, no
+   transaction markers).
+4. **Published once, with one content.** Each release entry has its document in the release
+   directory with the same window and n; every publication of a window (files and topic) has
+   the same content; no document exists without its ledger entry.
+5. **Nothing lost without a name.** A refused (withheld) window names its ranges in its entry,
+   so every offset below ``covered`` is in exactly one named window.
+
+:func:`check_aggregation` returns the violations (strings; empty: the invariant holds) and
+what was covered, so a harness can add what only it knows (every produced event released).
+
+>>> entries = [
+...     {"kind": "release", "window": 0, "n": 3, "ranges": {"t:0": [0, 3]},
+...      "totals": {"events": 3, "rejects": {}}},
+...     {"kind": "release", "window": 1, "n": 2, "ranges": {"t:0": [3, 5]},
+...      "totals": {"events": 5, "rejects": {}}}]
+>>> docs = {0: [{"window": 0, "n": 3}], 1: [{"window": 1, "n": 2}]}
+>>> check_aggregation(entries, docs, ends={"t:0": 7}).violations
+[]
+>>> entries[1]["n"] = 1  # a window that lost an event
+>>> check_aggregation(entries, docs, ends={"t:0": 7}).violations[0]
+'window 1: n 1 + 0 rejected/filtered but its ranges hold 2 records'
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Coverage", "check_aggregation", "check_directory", "read_ledger", "read_releases"]
+
+WINDOW_KINDS = ("release", "refused")
+
+
+@dataclass
+class Coverage:
+    """What one aggregation's ledger says was decided, and what is wrong with it."""
+
+    violations: list[str] = field(default_factory=list)
+    #: per partition, where the decided windows end (the open window starts there)
+    covered: dict[str, int] = field(default_factory=dict)
+    #: per partition, where the first decided window starts
+    first: dict[str, int] = field(default_factory=dict)
+    released_events: int = 0
+    windows: list[int] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)
+
+
+def read_ledger(path: Path) -> list[dict]:
+    """The entries of ``ledger.jsonl`` (a torn last line, which a kill leaves, is skipped)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def read_releases(release_dir: Path) -> dict[int, list[dict]]:
+    """``{window: [document]}`` of the window releases in ``release_dir`` (rollups left out)."""
+    out: dict[int, list[dict]] = {}
+    for path in sorted(Path(release_dir).glob("release-*.json")):
+        doc = json.loads(path.read_text())
+        if "rollup" in doc or not isinstance(doc.get("window"), int):
+            continue
+        out.setdefault(doc["window"], []).append(doc)
+    return out
+
+
+def _content(doc: dict) -> str:
+    # what a consumer of the release reads; the publication's own time may differ
+    keep = {k: v for k, v in doc.items() if k not in ("published_unix",)}
+    return json.dumps(keep, sort_keys=True)
+
+
+def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
+                      ends: dict[str, int] | None = None,
+                      topic_docs: dict[int, list[dict]] | None = None,
+                      begins: dict[str, int] | None = None) -> Coverage:
+    """The invariant of the module docstring over one aggregation's ledger ``entries``, its
+    release documents ``docs`` (``{window: [document, ...]}``, one per publication) and, if
+    known, the source's end offsets ``ends``, the release topic's publications and where each
+    partition's counting began (``begins``: the first window must start there)."""
+    cov = Coverage()
+    bad = cov.violations.append
+    decided = [e for e in entries if e.get("kind") in WINDOW_KINDS]
+    ids = [e["window"] for e in decided]
+    if len(ids) != len(set(ids)):
+        dup = sorted({w for w in ids if ids.count(w) > 1})
+        bad(f"windows decided twice in the ledger: {dup}")
+    if ids:
+        missing = sorted(set(range(min(ids), max(ids) + 1)) - set(ids))
+        if missing:
+            bad(f"windows missing between {min(ids)} and {max(ids)}: {missing}")
+    spans: dict[str, list[tuple[int, int, int]]] = {}
+    for e in sorted(decided, key=lambda e: e["window"]):
+        w = e["window"]
+        ranges = e.get("ranges")
+        if ranges is None:
+            bad(f"window {w}: {e['kind']} entry names no ranges")
+            continue
+        size = 0
+        for part, (a, b) in ranges.items():
+            if b < a:
+                bad(f"window {w}: range {part} [{a}, {b}) runs backwards")
+            size += b - a
+            spans.setdefault(part, []).append((a, b, w))
+        if e["kind"] == "refused":
+            cov.refused.append(w)
+            continue
+        cov.windows.append(w)
+        # the entry's totals are running sums; a window's own rejects are the difference
+        n = int(e["n"])
+        cov.released_events += n
+        other = _window_others(decided, e)
+        if n + other != size:
+            bad(f"window {w}: n {n} + {other} rejected/filtered but its ranges hold {size} "
+                "records")
+        published = docs.get(w, [])
+        if not published:
+            bad(f"window {w}: released in the ledger but no release document")
+        for doc in published + list((topic_docs or {}).get(w, [])):
+            if doc.get("n") != n:
+                bad(f"window {w}: a published document says n={doc.get('n')}, the ledger {n}")
+        contents = {_content(d) for d in published + list((topic_docs or {}).get(w, []))}
+        if len(contents) > 1:
+            bad(f"window {w}: published with {len(contents)} different contents")
+    for w in sorted(set(docs) | set(topic_docs or {})):
+        if w not in cov.windows:
+            bad(f"window {w}: a document is published but the ledger has no release of it")
+    for part, ss in sorted(spans.items()):
+        ss.sort()
+        cov.first[part] = ss[0][0]
+        if begins is not None and ss[0][0] != begins.get(part, 0):
+            bad(f"{part}: offsets [{begins.get(part, 0)}, {ss[0][0]}) before window {ss[0][2]} "
+                "are in no window")
+        for (a0, b0, w0), (a1, b1, w1) in zip(ss, ss[1:]):
+            if b0 < a1:
+                bad(f"{part}: offsets [{b0}, {a1}) between windows {w0} and {w1} are in no "
+                    "window")
+            elif b0 > a1:
+                bad(f"{part}: offsets [{a1}, {b0}) are in windows {w0} and {w1}")
+        cov.covered[part] = max(b for _, b, _ in ss)
+        if ends is not None and cov.covered[part] > ends.get(part, 0):
+            bad(f"{part}: windows cover up to {cov.covered[part]}, past the source's end "
+                f"{ends.get(part, 0)}")
+    return cov
+
+
+def _window_others(decided: list[dict], entry: dict) -> int:
+    """The rejected and filtered records of ``entry``'s window: its totals minus those of the
+    window before it (the totals are running sums of the lineage)."""
+    def others(e):
+        t = e.get("totals") or {}
+        return sum((t.get("rejects") or {}).values()) + int(t.get("filtered", 0))
+    before = [e for e in decided if e["window"] == entry["window"] - 1 and e.get("totals")]
+    mine = others(entry)
+    return mine - others(before[0]) if before else mine
+
+
+def check_directory(state_dir: Path, release_dir: Path, ends: dict[str, int] | None = None,
+                    topic_docs: dict[str, dict[int, list[dict]]] | None = None,
+                    begins: dict[str, int] | None = None) -> dict[str, Coverage]:
+    """:func:`check_aggregation` for every aggregation of a service's directories: one (a
+    ``ledger.jsonl`` at the top) or several (one directory each, with a release directory of
+    the same name). ``topic_docs``: ``{aggregation: {window: [document]}}`` read from a release
+    topic. Returns ``{aggregation name or "": Coverage}``."""
+    state_dir, release_dir = Path(state_dir), Path(release_dir)
+    if (state_dir / "ledger.jsonl").exists():
+        units = {"": (state_dir, release_dir)}
+    else:
+        units = {p.name: (p, release_dir / p.name) for p in sorted(state_dir.iterdir())
+                 if (p / "ledger.jsonl").exists()}
+    out = {}
+    for name, (sdir, rdir) in units.items():
+        entries = read_ledger(sdir / "ledger.jsonl")
+        docs = read_releases(rdir) if rdir.exists() else {}
+        out[name] = check_aggregation(entries, docs, ends, (topic_docs or {}).get(name), begins)
+    return out

@@ -1,0 +1,38 @@
+"""The small fault matrix of issue 46 in the suite: the same producer and the same invariant
+(tests/chaos/invariant.py) for one process, several aggregations and rollups under a service
+kill -9, a broker kill -9 or clean restart and a start while the broker is away. The full
+matrix is ``python -m bench.chaos`` (docs/chaos.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import Broker, run_case
+
+CASES = [
+    ("count", "kill9", 11),
+    ("several", "kill9", 12),
+    ("rollups_hybrid", "kill9", 13),
+    ("event_time", "broker_kill", 14),
+    ("time", "broker_restart", 15),
+    ("rollups_tree", "start_broker_away", 16),
+]
+
+
+@pytest.fixture(scope="module")
+def chaos_broker(tmp_path_factory):
+    broker = Broker(tmp_path_factory.mktemp("kafka-chaos"))
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("mode,fault,seed", CASES, ids=[f"{m}-{f}" for m, f, _ in CASES])
+def test_nothing_lost_doubled_or_shortened(chaos_broker, tmp_path, mode, fault, seed):
+    res = run_case(chaos_broker, mode, fault, seed, tmp_path)
+    assert res.produced > 0
+    assert res.ok, "\n".join(res.violations[:20])
+    assert sum(res.released.values()) > 0, "nothing was released"
