@@ -44,6 +44,8 @@ True
 
 from __future__ import annotations
 
+import copy
+
 import hashlib
 import os
 
@@ -263,6 +265,26 @@ class PanPrivateHistogram:
         self._layers += other._layers
         if self._n is not None:
             self._n += other._n
+        return self
+
+    # -- moving the counters between processes ---------------------------------------------------
+    def split_counters(self) -> tuple["PanPrivateHistogram", np.ndarray]:
+        """``(shell, counters)``: a copy of this state without its counters (small to pickle)
+        and the counters themselves (not copied), so that a caller can move them by another
+        route (the release worker's shared memory). :meth:`with_counters` joins them again.
+
+        >>> s = PanPrivateHistogram(1.0, size=4)
+        >>> shell, c = s.split_counters()
+        >>> shell.with_counters(c.copy()).counts.tolist() == s.counts.tolist()
+        True
+        """
+        shell = copy.copy(self)
+        shell._counts = np.empty(0, dtype=np.int64)
+        return shell, self._counts
+
+    def with_counters(self, counters: np.ndarray) -> "PanPrivateHistogram":
+        """This shell holding ``counters`` (in place; returns self)."""
+        self._counts = np.asarray(counters, dtype=np.int64)
         return self
 
     # -- snapshots -------------------------------------------------------------------------------

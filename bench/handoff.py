@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from aggregator.service.release_worker import ReleaseWorker
+from aggregator.service.release_worker import ReleaseWorker, compute_release
 from aggregator.state import PanPrivateHistogram
 
 
-def one(worker: ReleaseWorker, counters: int, rep: int, rng) -> tuple[float, float]:
+def one(worker: ReleaseWorker, counters: int, rep: int, rng, route: str) -> tuple[float, float]:
     closed = PanPrivateHistogram(1.0, size=counters)
     closed.add_indices(rng.integers(0, counters, counters))
     live = PanPrivateHistogram(1.0, size=counters)
@@ -38,8 +38,10 @@ def one(worker: ReleaseWorker, counters: int, rep: int, rng) -> tuple[float, flo
     time.sleep(1.0)
     before = counted[0] - c0
     c1, t0 = counted[0], time.perf_counter()
-    future = worker.submit(closed, model="joint", loss="l1", window=rep, rng=None,
-                           error_bar_reps=0, method=None)
+    hand = worker.submit if route == "shm" else (lambda *a, **k: worker.call(compute_release,
+                                                                            *a, **k))
+    future = hand(closed, model="joint", loss="l1", window=rep, rng=None, error_bar_reps=0,
+                  method="threshold")
     submit_s = time.perf_counter() - t0
     time.sleep(1.0)
     after = counted[0] - c1
@@ -58,12 +60,14 @@ def main() -> None:
     rng = np.random.default_rng()
     print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}; "
           f"D = {args.counters:.0e}")
-    print("| rep | submit() | counting in the second after / the second before |")
-    print("|---|---|---|")
+    print("| route | rep | submit() | counting in the second after / the second before |")
+    print("|---|---|---|---|")
     try:
         for rep in range(args.reps):
-            submit_s, ratio = one(worker, int(args.counters), rep, rng)
-            print(f"| {rep} | {submit_s * 1000:.1f} ms | {ratio:.2f}x |")
+            for route in ("shm", "pipe"):
+                submit_s, ratio = one(worker, int(args.counters), rep, rng, route)
+                print(f"| {route} | {rep} | {submit_s * 1000:.1f} ms | {ratio:.2f}x |",
+                      flush=True)
     finally:
         worker.close()
 

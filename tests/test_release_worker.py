@@ -4,6 +4,7 @@ windows waiting for their release replays and releases each exactly once, and th
 charges stay per event. (Several aggregations still release in the loop: not tested here.)"""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -149,3 +150,68 @@ def test_snapshots_with_the_release_worker_stay_exact(tmp_path, fault, restart):
     assert [e["window"] for e in releases] == [0, 1, 2]
     ranges = [e["ranges"]["file:events.jsonl"] for e in releases]
     assert ranges == [[0, 1000], [1000, 2000], [2000, 3000]]
+
+
+def _blocks() -> set:
+    from pathlib import Path
+    return {p.name for p in Path("/dev/shm").glob("psm_*")}
+
+
+def test_the_hand_off_goes_through_shared_memory_freed_once_collected():
+    """Issue 53: the closed counters reach the worker through a shared-memory block (not the
+    pool's pipe, whose pickling held the loop's GIL); the release is the state's own, and the
+    block is gone once the release is collected."""
+    from aggregator.release import make_release
+    from aggregator.service.release_worker import ReleaseWorker
+    from aggregator.state import PanPrivateHistogram
+
+    state = PanPrivateHistogram(1.0, size=4000)
+    state.add_indices(np.random.default_rng(3).integers(0, 40, 5000))
+    worker = ReleaseWorker(1)
+    try:
+        future = worker.submit(state, model="joint", loss="l1", window=0,
+                               rng=np.random.default_rng(5), error_bar_reps=0,
+                               method="threshold")
+        during = {block.name.lstrip("/") for block in worker._blocks}
+        assert len(during) == 1 and during <= _blocks()  # the block, while the release runs
+        doc = future.result(timeout=300)[0]
+        deadline = time.monotonic() + 10  # (freed by the future's done callback)
+        while during & _blocks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        worker.close()
+    assert not (during & _blocks())
+    here = make_release(state, model="joint", loss="l1", window=0, rng=np.random.default_rng(5),
+                        error_bar_reps=0, method="threshold")
+    assert doc["histogram"] == here["histogram"] and doc["n"] == here["n"] == 5000
+
+
+def test_a_block_in_flight_is_unlinked_when_the_service_is_killed(tmp_path):
+    """A kill -9 while a release runs leaves no block behind: the pool's resource tracker, which
+    outlives the killed process, unlinks it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import sys, time\n"
+        "from aggregator.service.release_worker import ReleaseWorker\n"
+        "from aggregator.state import PanPrivateHistogram\n"
+        "w = ReleaseWorker(1)\n"
+        "w.submit(PanPrivateHistogram(1.0, size=1000), model='joint', loss='l1', window=0,\n"
+        "         rng=None, error_bar_reps=0, method=None)\n"
+        "print(next(iter(w._blocks)).name, flush=True)\n"
+        "time.sleep(600)\n")
+    env = dict(os.environ, PANAGG_TESTING="1", PANAGG_TEST_RELEASE_DELAY_S="600")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    name = proc.stdout.readline().strip().lstrip("/")
+    assert name and name in _blocks()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while name in _blocks() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert name not in _blocks()

@@ -12,6 +12,14 @@ once drawn, its release layer: memory only, never a file. After a crash the chec
 the closed, unreleased windows with where each starts and ends in the source, and they are
 replayed under fresh noise (docs/privacy.md section 16, "Releases beside the loop").
 
+The hand-off. The closed counters reach the worker through a shared-memory block, not through
+the pool's pipe: pickling 1e7 counters (80 MB) in the executor's feeder thread held the loop's
+GIL for seconds (intake stalls of 3-5 s, issue 53). :meth:`ReleaseWorker.submit` copies the
+counters into a fresh block (one memcpy), sends the state without them plus the block's name,
+and the worker maps and copies them back. The block holds the closed state, which the release
+view already covers (docs/privacy.md, section 16); it is unlinked once the release is collected
+or abandoned, and by the pool's resource tracker if the service is killed.
+
 Test hook: with ``PANAGG_TESTING=1``, ``PANAGG_TEST_RELEASE_DELAY_S`` makes every release take
 that much longer (a slow release on a small domain).
 """
@@ -21,8 +29,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import shared_memory
+
+import numpy as np
 
 __all__ = ["ReleaseWorker", "compute_release"]
 
@@ -48,6 +60,29 @@ def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar
     if keep_view:
         return doc, started, time.time(), view[0]
     return doc, started, time.time()
+
+
+def _shelve(state):
+    """``(shell, block)``: a copy of ``state`` without its counters, and a new shared-memory
+    block holding them (the caller unlinks it)."""
+    shell, counts = state.split_counters()
+    block = shared_memory.SharedMemory(create=True, size=max(1, counts.nbytes))
+    np.ndarray(counts.shape, counts.dtype, buffer=block.buf)[:] = counts
+    return shell, (block.name, counts.shape, counts.dtype.str), block
+
+
+def compute_release_shared(shell, where, **kwargs):
+    """:func:`compute_release` of a state whose counters are in the shared block ``where``
+    (``(name, shape, dtype)``): mapped, copied into this process, unmapped."""
+    name, shape, dtype = where
+    # (a spawned worker shares the parent's resource tracker: the block stays registered there,
+    # so a parent killed -9 still has it unlinked)
+    block = shared_memory.SharedMemory(name=name)
+    try:
+        shell.with_counters(np.array(np.ndarray(shape, np.dtype(dtype), buffer=block.buf)))
+    finally:
+        block.close()
+    return compute_release(shell, **kwargs)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -88,9 +123,33 @@ class ReleaseWorker:
                                          initializer=_die_with_parent,
                                          initargs=(os.getpid(),))
         self._pool.submit(_warm)
+        self._blocks: set = set()  # shared blocks handed over and not yet unlinked
+        self._blocks_lock = threading.Lock()
 
     def submit(self, state, **kwargs) -> Future:
-        return self._pool.submit(compute_release, state, **kwargs)
+        """The release of the closed ``state``, computed in the pool (module docstring: the
+        counters go through a shared-memory block)."""
+        shell, where, block = _shelve(state)
+        with self._blocks_lock:
+            self._blocks.add(block)
+        try:
+            future = self._pool.submit(compute_release_shared, shell, where, **kwargs)
+        except BaseException:
+            self._free(block)
+            raise
+        future.add_done_callback(lambda _f: self._free(block))
+        return future
+
+    def _free(self, block) -> None:
+        with self._blocks_lock:
+            if block not in self._blocks:
+                return
+            self._blocks.discard(block)
+        block.close()
+        try:
+            block.unlink()
+        except FileNotFoundError:
+            pass
 
     def call(self, fn, *args, **kwargs) -> Future:
         """Run ``fn`` (a module-level function: it is pickled by name) in the pool: a group's
@@ -115,3 +174,5 @@ class ReleaseWorker:
             proc.join(timeout_s)
         if manager is not None:
             manager.join(timeout_s)
+        for block in list(self._blocks):  # releases abandoned by the stop
+            self._free(block)

@@ -84,6 +84,7 @@ class Mode:
     sets: tuple[str, ...] = ()
     toml: str = ""
     window_events: int = 0
+    members: int = 0  # a group (scale.partitioned) of this many members; 0: one process
 
 
 RATE = 1500  # events per second of the harness's producer
@@ -111,10 +112,14 @@ state.epsilon = 1.0
     "rollups_tree": Mode(("window.kind=count", "window.size=2000", 'window.rollups=["3x"]',
                           "window.rollup_design=tree"), window_events=6000),
 }
+_GROUP = ("scale.partitioned=true", "scale.store=kafka", "window.kind=time", "window.size=2",
+          "source.session_timeout_s=6", "scale.close_grace_s=1")
+for _k in (1, 2, 3):
+    MODES[f"group{_k}"] = Mode(_GROUP, window_events=6 * RATE, members=_k)
 
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
-          "start_broker_away")
+          "start_broker_away", "start_together")
 
 
 @dataclass
@@ -128,6 +133,9 @@ class Result:
     violations: list[str] = field(default_factory=list)
     faults: int = 0
     seconds: float = 0.0
+    #: per broker return: seconds until the next release was published (None: none before the
+    #: run's end)
+    resume_s: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -257,81 +265,202 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
     if not broker.running():
         broker.start()
     topic = _make_topic(broker.bootstrap)
-    state, releases = workdir / "state", workdir / "releases"
-    args = ["run", "--bootstrap", broker.bootstrap, "--topic", topic, "--state-dir", str(state),
-            "--release-dir", str(releases), "--metrics-port", "-1",
-            "--set", f"source.group=g-{topic}", "--set", f"state.domain_size={DOMAIN}",
-            "--set", "release.error_bar_reps=0", "--set", "source.connect_timeout_s=60"]
+    group = f"g-{topic}"
+    common = ["run", "--bootstrap", broker.bootstrap, "--topic", topic, "--metrics-port", "-1",
+              "--set", f"source.group={group}", "--set", f"state.domain_size={DOMAIN}",
+              "--set", "release.error_bar_reps=0", "--set", "source.connect_timeout_s=60"]
     if spec.toml:
         (workdir / "mode.toml").write_text(spec.toml)
-        args += ["--config", str(workdir / "mode.toml")]
+        common += ["--config", str(workdir / "mode.toml")]
     for s in spec.sets:
-        args += ["--set", s]
+        common += ["--set", s]
     if fault == "slow_release":
         # releases much slower than the windows: the release path falls behind
-        args += ["--set", "release.error_bar_reps=400", "--set", "release.max_in_flight=2"]
-    service = _Service(args, workdir)
+        common += ["--set", "release.error_bar_reps=400", "--set", "release.max_in_flight=2"]
+
+    def args_of(name: str) -> list[str]:
+        home = workdir / name if name else workdir
+        own = ["--state-dir", str(home / "state"), "--release-dir", str(home / "releases")]
+        return common + own + (["--set", f"source.instance_id={name}"] if name else [])
+
+    names = [f"m{k}" for k in range(1, spec.members + 1)] or [""]
+    for name in names:
+        (workdir / name).mkdir(parents=True, exist_ok=True)
+    services = {name: _Service(args_of(name), workdir / name) for name in names}
     producer = _Producer(broker.bootstrap, topic, RATE, seed)
     producer.start()
+    returns: list[float] = []  # wall-clock times the broker came back
     if fault == "start_broker_away":
         time.sleep(rng.uniform(1, 3))
         broker.stop()
-        service.start()
+        for svc in services.values():
+            svc.start()
         time.sleep(rng.uniform(2, 6))
         broker.start()
+        returns.append(time.time())
         res.faults += 1
-    else:
+    elif fault == "start_together" or len(names) == 1:
         time.sleep(rng.uniform(0.5, 2))
-        service.start()
-    t_end = time.monotonic() + seconds
+        for svc in services.values():
+            svc.start()
+        res.faults += fault == "start_together"
+    else:  # the first member makes the group, the others join
+        services[names[0]].start()
+        time.sleep(4)
+        for name in names[1:]:
+            services[name].start()
+    t0 = time.monotonic()
     planned = sorted(rng.uniform(2, seconds - 2) for _ in range(2))
-    while time.monotonic() < t_end:
-        service.check_alive()
-        if planned and time.monotonic() >= t_end - seconds + planned[0] and fault in (
+    while time.monotonic() < t0 + seconds:
+        for svc in services.values():
+            svc.check_alive()
+        if planned and time.monotonic() >= t0 + planned[0] and fault in (
                 "kill9", "broker_kill", "broker_restart"):
             planned.pop(0)
             res.faults += 1
             if fault == "kill9":
-                service.kill9()
+                victim = services[rng.choice(names)]
+                victim.kill9()
                 time.sleep(rng.uniform(0, 1.5))
-                service.start()
+                victim.start()
             elif fault == "broker_kill":
                 broker.kill()
                 time.sleep(rng.uniform(1, 5))
                 broker.start()
+                returns.append(time.time())
             else:
                 broker.stop()
                 time.sleep(rng.uniform(1, 5))
                 broker.start()
+                returns.append(time.time())
         time.sleep(0.2)
     producer.stop.set()
     producer.join(60)
-    time.sleep(settle)
-    service.check_alive()
-    service.stop()
+    time.sleep(settle if spec.members == 0 else settle + 12)
+    if spec.members:
+        try:
+            published = [ts for recs in _read_topic(broker.bootstrap, f"{group}.panagg.releases",
+                                                    stamps=True).values() for _, _, ts in recs]
+        except Exception:  # no release topic: the group never released (the check says so)
+            published = []
+    else:
+        published = [p.stat().st_mtime for p in (workdir / "releases").rglob("release-*.json")]
+    for back in returns:
+        later = [t - back for t in published if t > back]
+        res.resume_s.append(round(min(later), 2) if later else None)
+    for svc in services.values():
+        svc.check_alive()
+    for svc in services.values():
+        svc.stop()
     # a last start reads the topic to its end and publishes what is pending, then exits: what a
     # user finds once the service caught up (the open window stays open)
-    drain = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args,
-                            "--exit-when-idle", "4"], cwd=ROOT, env=_env(),
-                           capture_output=True, text=True, timeout=600)
+    drain = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args_of(names[0]),
+                            "--exit-when-idle", "6" if spec.members else "4"], cwd=ROOT,
+                           env=_env(), capture_output=True, text=True, timeout=600)
     (workdir / "stderr-drain.log").write_text(drain.stderr)
+    for name, svc in services.items():
+        res.violations += [f"[{name or mode}] {p}" for p in svc.problems]
     if drain.returncode != 0:
-        service.problems.append(f"the draining start exited {drain.returncode}: "
-                                f"{drain.stderr[-1500:]}")
-    res.violations += service.problems
+        res.violations.append(f"the draining start exited {drain.returncode}: "
+                              f"{drain.stderr[-1500:]}")
     ends = _ends(broker.bootstrap, topic)
     res.produced = sum(ends.values())
-    report = check_directory(state, releases, ends=ends, begins={p: 0 for p in ends})
-    if not report:
-        res.violations.append("no aggregation has a ledger")
-    for name, cov in report.items():
-        label = name or mode
-        res.violations += [f"[{label}] {v}" for v in cov.violations]
-        res.released[label] = cov.released_events
-        left = sum(ends[p] - cov.covered.get(p, 0) for p in ends)
-        res.unreleased[label] = left
-        if left > spec.window_events:
-            res.violations.append(f"[{label}] {left} records after the last decided window: "
-                                  f"more than the open window can hold ({spec.window_events})")
+    if spec.members:
+        _check_group(res, broker.bootstrap, group, spec)
+    else:
+        report = check_directory(workdir / "state", workdir / "releases", ends=ends,
+                                 begins={p: 0 for p in ends})
+        if not report:
+            res.violations.append("no aggregation has a ledger")
+        for name, cov in report.items():
+            label = name or mode
+            res.violations += [f"[{label}] {v}" for v in cov.violations]
+            res.released[label] = cov.released_events
+            left = sum(ends[p] - cov.covered.get(p, 0) for p in ends)
+            res.unreleased[label] = left
+            if left > spec.window_events:
+                res.violations.append(f"[{label}] {left} records after the last decided "
+                                      f"window: more than the open window can hold "
+                                      f"({spec.window_events})")
     res.seconds = time.monotonic() - t_start
     return res
+
+
+def _read_topic(bootstrap: str, topic: str, stamps: bool = False) -> dict[int, list]:
+    """Every committed record of ``topic``: ``{partition: [(offset, value)]}`` (``stamps``:
+    ``(offset, value, timestamp in s)``)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                      enable_auto_commit=False, group_id=None)
+    parts = sorted(c.partitions_for_topic(topic) or ())
+    tps = [TopicPartition(topic, p) for p in parts]
+    out: dict[int, list] = {p: [] for p in parts}
+    if tps:
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        end = c.end_offsets(tps)
+        deadline = time.monotonic() + 60
+        while any(c.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
+            for tp, recs in c.poll(timeout_ms=500).items():
+                out[tp.partition].extend((r.offset, r.value, r.timestamp / 1000) if stamps
+                                         else (r.offset, r.value) for r in recs)
+    c.close()
+    return out
+
+
+def _check_group(res: Result, bootstrap: str, group: str, spec: Mode) -> None:
+    """The invariant over a group's topics: its ledger topic's windows, whose ranges are
+    positions of its repartition topic (each record there holds the events of one source
+    record, 4 bytes an event), and its release topic's publications."""
+    import json
+
+    from aggregator.service.group.topics import GroupTopics
+
+    from .invariant import check_aggregation
+
+    topics = GroupTopics(group)
+    try:
+        ledger_records = _read_topic(bootstrap, topics.ledger)
+        repart = _read_topic(bootstrap, topics.repartition)
+        published = _read_topic(bootstrap, topics.releases)
+    except Exception as exc:  # no topics: the group never started
+        res.violations.append(f"the group's topics cannot be read: {type(exc).__name__}: {exc}")
+        return
+    entries = [json.loads(v) for recs in ledger_records.values() for _, v in recs
+               if v is not None]
+    entries = [e for e in entries if isinstance(e, dict)]
+    docs: dict[int, list[dict]] = {}
+    for recs in published.values():
+        for _, v in recs:
+            if v is None:
+                continue
+            doc = json.loads(v)
+            if "rollup" not in doc and isinstance(doc.get("window"), int):
+                docs.setdefault(doc["window"], []).append(doc)
+    events_at = {f"{topics.repartition}:{p}": {off: len(v or b"") // 4 for off, v in recs}
+                 for p, recs in repart.items()}
+
+    def size_of(part: str, a: int, b: int) -> int:
+        return sum(k for off, k in events_at.get(part, {}).items() if a <= off < b)
+
+    # time windows of a group: only released windows are published; offsets between ranges
+    # may hold transaction markers (no event), which size_of counts as nothing
+    cov = check_aggregation(entries, docs, topic_docs=None, size_of=size_of)
+    for v in cov.violations:
+        if " are in no window" in v:
+            part, rest = v.split(": offsets [", 1)
+            a, b = (int(x) for x in rest.split(")", 1)[0].split(", "))
+            if size_of(part, a, b) == 0:
+                continue  # markers only
+        res.violations.append(f"[group] {v}")
+    total = sum(sum(m.values()) for m in events_at.values())
+    if total != res.produced:
+        res.violations.append(f"[group] the repartition topic holds {total} events of "
+                              f"{res.produced} source records")
+    res.released["group"] = cov.released_events
+    left = sum(size_of(part, cov.covered.get(part, 0), 1 << 62) for part in events_at)
+    res.unreleased["group"] = left
+    if left > spec.window_events:
+        res.violations.append(f"[group] {left} events after the last decided window: more "
+                              f"than the open window can hold ({spec.window_events})")

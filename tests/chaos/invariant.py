@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 __all__ = ["Coverage", "check_aggregation", "check_directory", "read_ledger", "read_releases"]
 
@@ -90,11 +91,14 @@ def _content(doc: dict) -> str:
 def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
                       ends: dict[str, int] | None = None,
                       topic_docs: dict[int, list[dict]] | None = None,
-                      begins: dict[str, int] | None = None) -> Coverage:
+                      begins: dict[str, int] | None = None,
+                      size_of: Callable[[str, int, int], int] | None = None) -> Coverage:
     """The invariant of the module docstring over one aggregation's ledger ``entries``, its
     release documents ``docs`` (``{window: [document, ...]}``, one per publication) and, if
     known, the source's end offsets ``ends``, the release topic's publications and where each
-    partition's counting began (``begins``: the first window must start there)."""
+    partition's counting began (``begins``: the first window must start there). ``size_of(part,
+    a, b)``: the events positions ``[a, b)`` of ``part`` hold (default ``b - a``: one record
+    each; a group's repartition records hold several)."""
     cov = Coverage()
     bad = cov.violations.append
     decided = [e for e in entries if e.get("kind") in WINDOW_KINDS]
@@ -117,7 +121,7 @@ def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
         for part, (a, b) in ranges.items():
             if b < a:
                 bad(f"window {w}: range {part} [{a}, {b}) runs backwards")
-            size += b - a
+            size += (b - a) if size_of is None else size_of(part, a, b)
             spans.setdefault(part, []).append((a, b, w))
         if e["kind"] == "refused":
             cov.refused.append(w)
