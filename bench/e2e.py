@@ -170,8 +170,8 @@ class TimedSource(Source):
     def exhausted(self):
         return self.inner.exhausted
 
-    def commit(self, offsets):
-        self.inner.commit(offsets)
+    def commit(self, offsets, metadata=""):  # metadata: the ledger's anchor (Source.commit)
+        self.inner.commit(offsets, metadata)
 
     def lag(self, positions=None):
         return self.inner.lag(positions)

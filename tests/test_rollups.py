@@ -437,3 +437,34 @@ def test_audit_a_memory_read_and_the_rollup_stay_within_epsilon_a_redraw_does_no
              Look.of(base + x - c_t + rest, base + y - c_t + rest, 5)]
     bad = lr_epsilon([rx[1] - rx[0], rx[2] - rx[0]], [ry[1] - ry[0], ry[2] - ry[0]], looks, p)
     assert bad.eps > 1.0, bad
+
+
+# -- panagg status on one level of a running rollup service ---------------------------------
+
+def test_status_of_a_level_reads_the_running_services_metrics(tmp_path):
+    """The levels' process serves one exposition and leaves its URL in checkpoint.dir, above
+    the levels' directories: status of a level asks it for that level's series (issue 46: it
+    said "metrics off" while metrics were on)."""
+    import os
+    import signal
+
+    from tests.test_service import generator_service
+
+    env = dict(os.environ, PANAGG_TESTING="1")
+    # generator_service takes no extra settings: the rollup ones go in by the environment
+    env.update({"PANAGG_WINDOW_KIND": "time", "PANAGG_WINDOW_ROLLUPS": '["2x"]'})
+    with generator_service(tmp_path, env, events=10**6, rate=4000, metrics_port="0",
+                           ready="metrics.url") as proc:
+        outs = {name: subprocess.run(
+            [sys.executable, "-m", "aggregator.service.cli", "status", "--state-dir",
+             str(tmp_path / "state" / name)], env=env, capture_output=True, text=True,
+            timeout=60) for name in ("base", "r2x")}
+        proc.send_signal(signal.SIGTERM)  # asked while running; a stop is a clean exit
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+    for name, res in outs.items():
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.splitlines()
+        assert "metrics off" not in res.stdout, res.stdout
+        win = [ln for ln in lines if ln.startswith("window: 0 open since ")]
+        assert len(win) == 1 and " events so far (" in win[0], res.stdout
+        assert "health: ok; ready" in lines, res.stdout

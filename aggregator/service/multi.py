@@ -383,10 +383,13 @@ class MultiAggregator:
                 for agg in self.aggs.values():
                     if agg.async_releases():
                         agg.worker = worker
-            for name, agg in self.aggs.items():
+            for name, agg in self.aggs.items():  # every check before any aggregation writes
                 with _about(name):
                     agg._lock()
                     started.append(agg)
+                    agg.check_start()
+            for name, agg in self.aggs.items():
+                with _about(name):
                     agg.start()  # restores its checkpoint: its view learns its offsets
             self._track_start()
             self.source.seek(self._start)

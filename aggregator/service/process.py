@@ -193,6 +193,7 @@ class Aggregator:
         #: ledger entries a start decided on, written only once every start check has passed
         #: (a refused start writes nothing)
         self._deferred: list[dict] | None = None
+        self._checked: list[dict] | None = None  # check_start passed: its ledger entries
         seed = cfg.testing.noise_seed
         self._seed = seed if seed >= 0 and os.environ.get("PANAGG_TESTING") == "1" else None
         self._producer = None
@@ -337,9 +338,10 @@ class Aggregator:
         log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
         return dict(recorded, **mine)
 
-    def restore(self) -> None:
-        """Load the checkpoint (or start the first window) and seek the source there. Every
-        check runs before anything is written: a refused start leaves the directory as it was."""
+    def check_start(self) -> None:
+        """Every check of a start, before anything is written; the ledger entries they make
+        wait for :meth:`restore`. (Several aggregations run all their checks before any of them
+        writes: one refused refuses the start, which then wrote nothing.)"""
         task = self.task
         task.store = LocalStore(self.dir / "checkpoints")
         self._deferred = []
@@ -348,10 +350,18 @@ class Aggregator:
             self.check_identity()
             self.restore_task(task, where=str(task.store.dir), commit=False)
             self.check_replayable(task)
-            deferred, self._deferred = self._deferred, None
+            self._checked, self._deferred = self._deferred, None
         except BaseException:
             self._deferred = None
             raise
+
+    def restore(self) -> None:
+        """Load the checkpoint (or start the first window) and seek the source there. Every
+        check runs before anything is written: a refused start leaves the directory as it was."""
+        if self._checked is None:
+            self.check_start()
+        task = self.task
+        deferred, self._checked = self._checked, None
         for entry in deferred:
             self._ledger_append(**entry)
         moved = task.durable is None or task.durable.window.get("uid") != task.window.get("uid")

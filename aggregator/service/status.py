@@ -52,8 +52,19 @@ def _ledger(state_dir: Path) -> Ledger:
         raise StatusError(str(exc)) from None
 
 
-def _scrape(url: str, timeout_s: float = 2.0) -> dict:
-    """The running service's health, readiness and progress gauges (bounded: 2 s per call)."""
+def _metrics_url(state_dir: Path) -> tuple[Path, str | None]:
+    """The file holding the metrics URL of the service on ``state_dir``, and the aggregation
+    label to read: one aggregation of several (rollups too) is served by the process on the
+    parent directory, whose one exposition labels every series with its aggregation."""
+    own = state_dir / METRICS_URL_FILE
+    if not own.exists() and (state_dir.parent / "aggregations.json").exists():
+        return state_dir.parent / METRICS_URL_FILE, state_dir.name
+    return own, None
+
+
+def _scrape(url: str, timeout_s: float = 2.0, aggregation: str | None = None) -> dict:
+    """The running service's health, readiness and progress gauges (bounded: 2 s per call);
+    ``aggregation``: only that aggregation's series."""
     from prometheus_client.parser import text_string_to_metric_families
 
     base = url.rsplit("/metrics", 1)[0]
@@ -74,9 +85,12 @@ def _scrape(url: str, timeout_s: float = 2.0) -> dict:
     lag = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            labels = dict(sample.labels)
+            if labels.pop("aggregation", None) != aggregation:
+                continue
             if sample.name == "panagg_consumer_lag_records":
-                lag[sample.labels.get("partition", "")] = sample.value
-            elif not sample.labels:
+                lag[labels.get("partition", "")] = sample.value
+            elif not labels:
                 out[sample.name] = sample.value
     out["lag"] = lag
     return out
@@ -114,9 +128,9 @@ def collect_status(state_dir) -> dict:
     status["releases"] = len(history)
     status["last_release"] = history[-1] if history else None
     status["refused"] = sum(1 for e in ledger.entries if e["kind"] == "refused")
-    url_file = state_dir / METRICS_URL_FILE
+    url_file, aggregation = _metrics_url(state_dir)
     if running and url_file.exists():
-        scraped = _scrape(url_file.read_text().strip())
+        scraped = _scrape(url_file.read_text().strip(), aggregation=aggregation)
         status["health"] = {k: {"code": v[0], "text": v[1]} for k, v in scraped.items()
                             if k in ("healthz", "ready")}
         live = {}

@@ -1603,3 +1603,31 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
     print(f"\n{len(docs)} event-time windows, {kills} kills, {members.runs} member runs")
+
+
+def test_a_member_stopped_by_sigterm_says_what_a_restart_finds(kafka_broker, tmp_path):
+    """The one-process service ends with "stopped (...): window N open ..."; a member said
+    nothing (issue 46). Now it names the repartition partitions it counted and their open
+    windows, read before leaving the group gives them away."""
+    topic, group = make_topic(kafka_broker, partitions=2), f"g-{uuid.uuid4().hex[:8]}"
+    produce(kafka_broker, topic, list(range(200)), rate=10_000)
+    # windows far longer than the test: the open window holds the events
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=3600")
+    members.start("m1")
+    log = tmp_path / "m1-1.log"
+    try:
+        deadline = time.monotonic() + 120
+        while "leading group" not in log.read_text() and time.monotonic() < deadline:
+            assert members.procs["m1"].poll() is None, members.logs()
+            time.sleep(0.5)
+        assert "leading group" in log.read_text(), members.logs()
+    finally:
+        members.stop_all()
+    assert members.procs["m1"].returncode == 0, members.logs()
+    stops = [ln.split("panagg.group: ", 1)[1] for ln in log.read_text().splitlines()
+             if "panagg.group: stopped (" in ln]
+    assert len(stops) == 1, members.logs()
+    assert re.fullmatch(r"stopped \(stop requested\): member m1, partition 0 window \d+ with "
+                        r"[\d,]+ events from offset 0; partition 1 window \d+ with [\d,]+ events "
+                        r"from offset 0; an open window is replayed from its start by the member "
+                        r"counting its partition next", stops[0]), stops[0]

@@ -12,6 +12,7 @@ import time
 import uuid
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
 from tests.test_multi import login_aggregations
 
@@ -101,3 +102,50 @@ def test_three_aggregations_one_consumer_exact_after_a_kill(kafka_broker, tmp_pa
     assert all(r.key.endswith(b"#ip") and dict(r.headers)["reason"] == b"missing_item"
                for r in got)
     assert len({r.key for r in got}) == 9000 - truth["ip"]
+
+
+def _tree(directory):
+    """Every file under ``directory`` with its bytes (what a start wrote, if anything), but
+    the lock files (a start holds them; they name its pid)."""
+    return {p.relative_to(directory).as_posix(): p.read_bytes()
+            for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != "service.lock"} if directory.exists() else None
+
+
+def test_a_start_one_level_refuses_writes_nothing_in_any_level(kafka_broker, tmp_path):
+    """window.rollups = ["1d"] (hybrid: the levels base and r1d, one directory each) on a topic
+    that keeps a day: base's hour windows are replayable, r1d's day is not. The refusal came
+    after base had started and left base/{checkpoints,ledger.jsonl,config.json}, for which the
+    next start was refused (issue 46); now every level's checks run before any level writes."""
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1,
+                                  topic_configs={"retention.ms": str(3 * 86_400_000)})])
+    args = ["run", "--bootstrap", kafka_broker, "--topic", topic, "--exit-when-idle", "2",
+            "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "rel"),
+            "--metrics-port", "-1", "--set", f"source.group=g-{topic}",
+            "--set", "state.domain_size=500", "--set", "window.kind=time",
+            "--set", "window.size=3600", "--set", 'window.rollups=["1d"]']
+    fragment = "less than two windows (window.size=86400 s)"
+    try:
+        # a new directory: nothing left, not even the directories
+        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
+                                            configs={"retention.ms": str(86_400_000)})])
+        refused = run_service(args)
+        assert refused.returncode == 2 and fragment in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert _tree(tmp_path / "state") is None
+        # a started directory: the refusal changes no file of either level
+        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
+                                            configs={"retention.ms": str(3 * 86_400_000)})])
+        first = run_service(args)
+        assert first.returncode == 0, first.stderr
+        before = _tree(tmp_path / "state")
+        assert {"base/ledger.jsonl", "r1d/ledger.jsonl"} <= set(before)
+        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
+                                            configs={"retention.ms": str(86_400_000)})])
+        again = run_service(args)
+        assert again.returncode == 2 and fragment in again.stderr, again.stderr
+        assert _tree(tmp_path / "state") == before
+    finally:
+        admin.close()

@@ -338,6 +338,7 @@ class GroupService:
         if self.on_started is not None:
             self.on_started()
         idle_since = time.monotonic()
+        failed = False
         try:
             while not self.stop_event.is_set():
                 took = self._stage("intake", None, self.intake.step, poll_timeout_s)
@@ -352,8 +353,29 @@ class GroupService:
                     idle_since = time.monotonic()
                 elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                     break
+        except BaseException:
+            failed = True
+            raise
         finally:
+            held = self._held()  # before close: leaving the group gives the partitions away
             self.close()
+            self._stop_line("on the error below" if failed else None, held)
+
+    def _held(self) -> list[str]:
+        out = []
+        for pipe in self.pipelines:
+            tasks = sorted(pipe.counter.tasks.items()) if pipe.counter else []
+            out += [f"{f'[{pipe.name}] ' if pipe.name else ''}partition {p} window {t.window} "
+                    f"with {t.events:,} events from offset {t.start}" for p, t in tasks]
+        return out
+
+    def _stop_line(self, reason: str | None, held: list[str]) -> None:
+        """What a restart finds, as the one-process service says it: the open windows of the
+        repartition partitions this member counted, replayed from their starts."""
+        reason = reason or ("stop requested" if self.stop_event.is_set() else "input ended or idle")
+        log.info("stopped (%s): member %s, %s; an open window is replayed from its start by the "
+                 "member counting its partition next", reason, self.instance,
+                 "; ".join(held) if held else "no repartition partitions held")
 
     def _report(self, every_s: float = 5.0) -> None:
         """Every few seconds: readiness, the intake's lag, and this member's line in
