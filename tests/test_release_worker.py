@@ -215,3 +215,31 @@ def test_a_block_in_flight_is_unlinked_when_the_service_is_killed(tmp_path):
     while name in _blocks() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert name not in _blocks()
+
+
+def test_the_longest_intake_stall_of_a_window_is_exported(tmp_path):
+    """panagg_intake_stall_seconds: the longest time between two polls in the last closed
+    window. A count that takes 0.4 s in window 1 is its stall; window 0's is smaller."""
+    items = np.random.default_rng(33).integers(0, D, 3000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "release.workers": 1,
+                                     "source.max_records": 100})
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=100, progress=False))
+    count, stalls = agg._count, {}
+    close = agg.close_window
+
+    def slow_in_window_1(state, batch):
+        if agg.task.window["id"] == 1 and agg.task.window["events"] == 500:
+            time.sleep(0.4)
+        return count(state, batch)
+
+    def closing():
+        wid = agg.task.window["id"]
+        out = close()
+        stalls[wid] = agg.metrics.intake_stall._value.get()
+        return out
+
+    agg._count, agg.close_window = slow_in_window_1, closing
+    agg.run()
+    assert stalls[1] >= 0.4 > stalls[0]

@@ -254,6 +254,10 @@ def _make_source(cfg: Config):
     return GeneratorSource(gen, rate=src.generator_rate or None)
 
 
+class _StoppedBeforeStart(Exception):
+    """SIGTERM or SIGINT while the service was still being built (e.g. waiting for Kafka)."""
+
+
 def _run_service(cfg: Config, idle_exit_s: float | None = None, **start) -> int:
     import signal
 
@@ -264,7 +268,18 @@ def _run_service(cfg: Config, idle_exit_s: float | None = None, **start) -> int:
     split = rollup_split_line(cfg)
     if split:
         logging.getLogger("panagg.service").info(split)
-    agg = _make_aggregator(cfg, metrics, **start)
+
+    def stop_before_start(*_):  # nothing is written yet: a SIGTERM here just ends the start
+        raise _StoppedBeforeStart()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_before_start)
+    try:
+        agg = _make_aggregator(cfg, metrics, **start)
+    except _StoppedBeforeStart:
+        logging.getLogger("panagg.service").info(
+            "stopped before the start completed (nothing was counted or written)")
+        return 0
     if cfg.metrics.port >= 0:
         try:
             port = metrics.serve(cfg.metrics.host, cfg.metrics.port)

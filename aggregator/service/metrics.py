@@ -84,6 +84,10 @@ class Metrics:
         self.budget_remaining.set(float("inf"))
         self.intake_paused = Gauge("panagg_intake_paused", "1 while the service consumes "
                                    "nothing because the privacy budget is spent", registry=r)
+        self.intake_stall = Gauge("panagg_intake_stall_seconds", "Longest time the consume "
+                                  "loop spent between two polls in the last closed window "
+                                  "(counting, closing, handing off; a poll waiting for records "
+                                  "is not a stall)", registry=r)
         # the latest published release's statistics (released values, already private), so a
         # dashboard can trend them across windows
         self.release_window = Gauge("panagg_release_window", "Window number of the latest "

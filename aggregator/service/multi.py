@@ -407,7 +407,11 @@ class MultiAggregator:
                 if any([self._each(name, agg._paused_for_budget, share, finite)
                         for name, agg in self.aggs.items()]):
                     continue
+                for agg in self.aggs.values():
+                    agg.intake_gap.polling()
                 segments = self.source.poll(poll_timeout_s)
+                for agg in self.aggs.values():
+                    agg.intake_gap.polled()
                 self._count(segments)
                 self._track_start()
                 self._health()

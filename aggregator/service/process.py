@@ -53,6 +53,7 @@ from .anchor import (kafka_metadata, parse_kafka_metadata, release_dir_anchor,
 from .deadletter import DeadLetterError, DeadLetters, service_producer
 from .errors import ServiceError, Stopping
 from .event_time import EventTimeWindows
+from .intake_gap import IntakeGap
 from .identity import (IDENTITY_DEFAULTS, choose_buckets_for, directory_identity, identity_of,
                        item_identity)
 from .ledger import Ledger, LedgerError
@@ -209,6 +210,7 @@ class Aggregator:
         self.reject_log = RejectLog()
         self._last_lag = 0.0
         self._pause_logged: float | None = None
+        self.intake_gap = IntakeGap()  # the longest stall of intake per window
         self._progress_at: float | None = None
         self._progress_events = 0.0
         self.publisher = ReleasePublisher(
@@ -682,7 +684,9 @@ class Aggregator:
             while not self.stop_event.is_set():
                 if self._paused_for_budget(poll_timeout_s, finite):
                     continue
+                self.intake_gap.polling()
                 segments = self.source.poll(poll_timeout_s)
+                self.intake_gap.polled()
                 self.turn(segments)
                 if segments:
                     idle_since = None
@@ -1138,6 +1142,7 @@ class Aggregator:
         """Release the current window (if the budget allows) and start the next one, durably.
         With a release worker, the release is computed beside the loop and collected later in
         window order (:meth:`_collect_releases`); the return value is then ``{"window": id}``."""
+        self.metrics.intake_stall.set(self.intake_gap.take())
         if self.worker is not None and self.task.window_start is not None:
             return self._close_async(self.task)
         task = self.task

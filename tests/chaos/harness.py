@@ -239,6 +239,13 @@ class _Service:
     def stop(self, timeout: float = 120) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
+        # SIGTERM is handled from the service's first step on; before it (the interpreter and
+        # its imports, seconds on a loaded machine) the default action ends the process
+        log = self.workdir / f"stderr-{self.starts}.log"
+        deadline = time.monotonic() + 60
+        while "connecting to Kafka" not in log.read_text() and self.proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)
