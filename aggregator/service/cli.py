@@ -153,7 +153,7 @@ def _setup_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def probe_bootstrap(bootstrap: str, timeout_s: float = 5.0) -> str | None:
+def probe_bootstrap(bootstrap: str, timeout_s: float = 5.0, say: bool = True) -> str | None:
     """One line saying why no bootstrap server can be reached (None: one answers TCP).
 
     The Kafka client reports a wrong host name, a closed port and a silent firewall alike, as a
@@ -171,7 +171,8 @@ def probe_bootstrap(bootstrap: str, timeout_s: float = 5.0) -> str | None:
         if not host or not port.isdigit():
             problems.append(f"{server!r} is not host:port")
             continue
-        logging.getLogger("panagg.service").info("connecting to Kafka at %s", server)
+        if say:
+            logging.getLogger("panagg.service").info("connecting to Kafka at %s", server)
         try:
             addrs = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except socket.gaierror:
@@ -194,6 +195,28 @@ def probe_bootstrap(bootstrap: str, timeout_s: float = 5.0) -> str | None:
         problems.append(reason or f"no address for {server}")
     return ("cannot reach Kafka: " + "; ".join(problems) + ". Check source.bootstrap and that "
             "the broker is running (deploy/kafka/kafka.sh start)")
+
+
+def _wait_for_bootstrap(cfg: Config) -> None:
+    """A group member waits for a broker that does not answer (yet): up to
+    source.connect_timeout_s, probing every second, with one line when it starts waiting; then
+    one line naming the setting. A member restarted while the broker restarts thus starts when
+    the broker is back instead of crash-looping (issue 46). A malformed address fails at once."""
+    wait_s = float(cfg.source.connect_timeout_s)
+    deadline = time.monotonic() + wait_s
+    problem = probe_bootstrap(cfg.source.bootstrap, min(5.0, wait_s))
+    if problem and "is not host:port" not in problem:
+        logging.getLogger("panagg.service").warning(
+            "%s; waiting up to %g s for it (source.connect_timeout_s)", problem.split(". ")[0],
+            wait_s)
+        while problem and time.monotonic() < deadline:
+            time.sleep(1.0)
+            problem = probe_bootstrap(cfg.source.bootstrap, min(5.0, wait_s), say=False)
+        if problem:
+            problem = problem.replace(". Check", f" for {wait_s:g} s "
+                                      "(source.connect_timeout_s). Check", 1)
+    if problem:
+        raise UsageError(problem)
 
 
 def _topic_missing(source, topic: str) -> str | None:
@@ -326,10 +349,7 @@ def _make_aggregator(cfg: Config, metrics=None, **start):
         start["private_key"] = load_analyzer_key(cfg)
     if cfg.scale.partitioned:
         from .group.service import GroupService  # builds its own Kafka clients
-        problem = probe_bootstrap(cfg.source.bootstrap,
-                                  min(5.0, float(cfg.source.connect_timeout_s)))
-        if problem:
-            raise UsageError(problem)
+        _wait_for_bootstrap(cfg)
         return GroupService(cfg, metrics, **start)
     kafka_net = logging.getLogger("kafka.net")
     quiet = kafka_net.level < logging.CRITICAL and not logging.getLogger().isEnabledFor(logging.DEBUG)

@@ -22,10 +22,21 @@ import json
 import time
 from pathlib import Path
 
+from kafka.errors import KafkaTimeoutError
+
 from ..ledger import GENESIS, Ledger, LedgerError
 from .topics import read_partition
 
-__all__ = ["TopicLedger"]
+__all__ = ["TopicLedger", "LedgerUnreachable"]
+
+
+class LedgerUnreachable(LedgerError, KafkaTimeoutError):
+    """The ledger topic could not be read to its end in time (the broker away or restarting).
+    A Kafka error too: a member's loop treats it as an outage and retries the stage, where a
+    damaged ledger (a plain :class:`LedgerError`) stops the member."""
+
+    def __str__(self) -> str:   # the message alone, without KafkaError's class-name prefix
+        return RuntimeError.__str__(self)
 
 
 class TopicLedger(Ledger):
@@ -85,8 +96,8 @@ class TopicLedger(Ledger):
         """Read every committed entry there is now (a new leader does this before it writes)."""
         if not read_partition(self._consumer, self._tp, lambda r: self._take(r.value, r.offset),
                               timeout_s):
-            raise LedgerError(f"ledger topic {self.topic}: could not read to its end within "
-                              f"{timeout_s:g} s; check the broker")
+            raise LedgerUnreachable(f"ledger topic {self.topic}: could not read to its end "
+                                    f"within {timeout_s:g} s; check the broker")
 
     def _take(self, raw: bytes, offset: int) -> dict:
         where = f"ledger topic {self.topic} offset {offset}"
@@ -141,9 +152,9 @@ class TopicLedger(Ledger):
         self.read_to_end(timeout_s)
         while want is not None and self.head()["seq"] < want:
             if time.monotonic() > deadline:
-                raise LedgerError(f"ledger topic {self.topic}: entry {want} was committed but "
-                                  f"could not be read back within {timeout_s:g} s; check the "
-                                  "broker")
+                raise LedgerUnreachable(f"ledger topic {self.topic}: entry {want} was committed "
+                                        f"but could not be read back within {timeout_s:g} s; "
+                                        "check the broker")
             time.sleep(0.02)
             self.read_to_end(timeout_s)
 

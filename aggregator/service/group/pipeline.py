@@ -31,7 +31,7 @@ from .counter import Counter
 from .export import ExportCollector
 from .forced import ReleaseRequests
 from .leader import Leader
-from .ledger_topic import TopicLedger
+from .ledger_topic import LedgerUnreachable, TopicLedger
 from .closer import Closer
 from .count_windows import CountCloser
 from .repartition import EventClock, Route
@@ -122,6 +122,8 @@ class Pipeline:
                                   "restore the topic, or start a new group (another "
                                   "source.group) knowing the old charges are not carried over")
             self.identity = self.ledger.identity() or self._write_identity(partitions, seed)
+        except LedgerUnreachable:
+            raise       # the broker is away: the start is tried again (service.py)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
         self.check_identity(self.identity_of_config(partitions))

@@ -520,5 +520,18 @@ class Repartitioner:
                 else:
                     self.consumer.seek(tp, committed)
         except KafkaError:  # the broker is away: the group re-seeks at the next assignment
+            self._rejoin()
+
+    def _rejoin(self) -> None:
+        """Leave the source group and subscribe again (same topics, same rebalance listener):
+        the next assignment places every partition at its committed offset. The topics are
+        taken before ``unsubscribe``, which empties the subscription (subscribing to nothing
+        raised ValueError and killed the member during a broker outage, issue 46)."""
+        topics = self._topics
+        listener = getattr(getattr(self.consumer, "_subscription", None), "rebalance_listener",
+                           None)
+        try:
             self.consumer.unsubscribe()
-            self.consumer.subscribe(self._topics)
+        except KafkaError:   # its LeaveGroup cannot reach the broker: the session expires it
+            pass
+        self.consumer.subscribe(topics, listener=listener)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -323,17 +324,45 @@ class GroupService:
         os.replace(tmp, d / "config.json")
 
     # -- the loop ----------------------------------------------------------------------------
+    def _start_retrying(self) -> None:
+        """:meth:`start`, tried again while Kafka answers with a passing error, for up to
+        source.connect_timeout_s; then one line. Passing: a broker that is restarting (no
+        coordinator yet, timeouts) and ``ProducerFencedError``, which a member gets when
+        another one starting at the same instant wrote the new group's identity with the same
+        transactional id: its next try reads that identity (members started together once
+        exited here, issue 46). A try that failed leaves nothing of its own behind (its
+        clients are closed; the identity is written in one transaction or not at all)."""
+        from kafka.errors import InvalidProducerEpochError, KafkaError, ProducerFencedError
+
+        passing = (ProducerFencedError, InvalidProducerEpochError)
+        wait_s = float(self.cfg.source.connect_timeout_s)
+        deadline = time.monotonic() + wait_s
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                self.start()
+                return
+            except KafkaError as exc:
+                self.close()
+                again = getattr(exc, "retriable", False) or isinstance(exc, passing)
+                if not again or time.monotonic() > deadline:
+                    raise ServiceError(
+                        f"the group could not start: Kafka answered {type(exc).__name__}"
+                        + (f" for {wait_s:g} s (source.connect_timeout_s)" if again else "")
+                        + "; check the cluster and try again") from None
+                if tries == 1:
+                    log.info("the group's start met %s (a broker restarting, or another member "
+                             "starting at the same time); trying again for up to %g s",
+                             type(exc).__name__, wait_s)
+            except Exception:
+                self.close()
+                raise
+            # jittered: members that fenced each other do not meet again at the same instant
+            time.sleep(random.uniform(0.5, 2.0))
+
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.1) -> None:
-        from kafka.errors import KafkaError
-        try:
-            self.start()
-        except KafkaError as exc:   # one line, never a trace
-            self.close()
-            raise ServiceError(f"the group could not start: Kafka answered "
-                               f"{type(exc).__name__}; check the cluster and try again") from None
-        except Exception:
-            self.close()
-            raise
+        self._start_retrying()
         self.metrics.set_ready(True)
         if self.on_started is not None:
             self.on_started()
