@@ -760,8 +760,10 @@ def test_unreachable_kafka_is_one_line(tmp_path):
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in res.stderr
     assert lines[-1] == ("panagg: error: cannot reach Kafka: connection refused at 127.0.0.1:1 "
-                         "(nothing listens on that port). Check source.bootstrap and that the "
-                         "broker is running (deploy/kafka/kafka.sh start)")
+                         "(nothing listens on that port) for 2 s (source.connect_timeout_s). "
+                         "Check source.bootstrap and that the broker is running "
+                         "(deploy/kafka/kafka.sh start)")
+    assert "waiting up to 2 s for it (source.connect_timeout_s)" in res.stderr
     assert not any("ECONNREFUSED" in ln for ln in lines)  # no burst of client retries
 
 

@@ -198,14 +198,15 @@ def probe_bootstrap(bootstrap: str, timeout_s: float = 5.0, say: bool = True) ->
 
 
 def _wait_for_bootstrap(cfg: Config) -> None:
-    """A group member waits for a broker that does not answer (yet): up to
-    source.connect_timeout_s, probing every second, with one line when it starts waiting; then
-    one line naming the setting. A member restarted while the broker restarts thus starts when
-    the broker is back instead of crash-looping (issue 46). A malformed address fails at once."""
+    """The service (one process or a group member) waits for a broker that does not answer
+    (yet): up to source.connect_timeout_s, probing every second, with one line when it starts
+    waiting; then one line naming the setting. A service restarted while the broker restarts
+    thus starts when the broker is back instead of crash-looping (issue 46). A malformed address
+    or a host name that does not resolve (a typo, most often) fails at once."""
     wait_s = float(cfg.source.connect_timeout_s)
     deadline = time.monotonic() + wait_s
     problem = probe_bootstrap(cfg.source.bootstrap, min(5.0, wait_s))
-    if problem and "is not host:port" not in problem:
+    if problem and "is not host:port" not in problem and "cannot resolve host" not in problem:
         logging.getLogger("panagg.service").warning(
             "%s; waiting up to %g s for it (source.connect_timeout_s)", problem.split(". ")[0],
             wait_s)
@@ -251,9 +252,7 @@ def _make_source(cfg: Config):
                            "fetch_max_bytes": src.fetch_max_bytes,
                            "max_partition_fetch_bytes": src.max_partition_fetch_bytes}
         consumer_config["group_instance_id"] = instance
-        problem = probe_bootstrap(src.bootstrap, min(5.0, float(src.connect_timeout_s)))
-        if problem:
-            raise UsageError(problem)
+        _wait_for_bootstrap(cfg)
         # reading must never create the topic it reads (a typo would then wait on an empty one)
         consumer_config["allow_auto_create_topics"] = False
         if cfg.state.model == "shuffle":  # the shuffler's windows are transactions

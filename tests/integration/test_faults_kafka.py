@@ -185,6 +185,44 @@ def test_counting_resumes_soon_after_the_broker_returns(tmp_path, how, restartab
             proc.kill()
 
 
+def test_a_service_started_while_the_broker_is_away_waits_for_it(tmp_path, restartable_broker):
+    """Issue 46: a service (re)started while the broker restarts waits up to
+    source.connect_timeout_s and counts once the broker is back (it exited at once, "cannot
+    reach Kafka": a pod restarted during a broker restart crash-looped); a SIGTERM while it
+    waits ends it with exit 0 and nothing written."""
+    broker = restartable_broker
+    bootstrap = broker.bootstrap
+    topic = make_topic(bootstrap, partitions=2)
+    produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(700)])
+    args = service_args(bootstrap, topic, tmp_path, "--set", "window.size=300", "--set",
+                        "source.connect_timeout_s=90", "--exit-when-idle", "3")
+    broker.stop()
+    stopped = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli",
+                                *service_args(bootstrap, topic, tmp_path / "other"),
+                                "--set", "source.connect_timeout_s=90"],
+                               env=env(), stderr=subprocess.PIPE, text=True)
+    waiting = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(8)
+        assert waiting.poll() is None and stopped.poll() is None  # both still waiting
+        stopped.send_signal(signal.SIGTERM)
+        assert stopped.wait(timeout=60) == 0, stopped.stderr.read()[-3000:]
+        assert not (tmp_path / "other").exists()
+        broker.start()
+        _, err = waiting.communicate(timeout=300)
+    finally:
+        for proc in (stopped, waiting):
+            if proc.poll() is None:
+                proc.kill()
+    assert waiting.returncode == 0, err[-3000:]
+    assert "waiting up to 90 s for it (source.connect_timeout_s)" in err
+    assert "Traceback" not in err
+    released = _releases(tmp_path / "state")
+    assert sum(e["n"] for e in released) > 0
+    assert all(e["n"] == sum(b - a for a, b in e["ranges"].values()) for e in released)
+
+
 def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
     """The service holds partitions (pause, seek) and resumes them to replay windows exactly;
     random sequences of those on a real broker, then everything resumed: every partition is read
