@@ -54,6 +54,7 @@ from .deadletter import DeadLetterError, DeadLetters, service_producer
 from .errors import ServiceError, Stopping
 from .event_time import EventTimeWindows
 from .intake_gap import IntakeGap
+from .next_state import NextState
 from .identity import (IDENTITY_DEFAULTS, choose_buckets_for, directory_identity, identity_of,
                        item_identity)
 from .ledger import Ledger, LedgerError
@@ -253,6 +254,12 @@ class Aggregator:
         return np.random.default_rng([self._seed, *[int(t) for t in tag]])
 
     def _new_state(self, task: WindowTask, window_id: int) -> PanPrivateHistogram:
+        """Window ``window_id``'s fresh state (drawn ahead, beside the loop: :mod:`.next_state`)."""
+        if getattr(self, "_next_state", None) is None:
+            self._next_state = NextState(self._draw_state, size=self.size)
+        return self._next_state.take(window_id)
+
+    def _draw_state(self, window_id: int) -> PanPrivateHistogram:
         kwargs = {"size": self.size} if self.direct else {"buckets": self.size}
         return PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
 
