@@ -176,3 +176,75 @@ def test_a_member_started_while_the_broker_is_away_waits_for_it(restartable_brok
     assert len(said) == 1 and "source.connect_timeout_s" in said[0], late.stderr
     assert "Traceback" not in late.stderr
 
+
+def _scrape(url):
+    """(/ready status, /metrics samples by name) of a member."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = url.rsplit("/metrics", 1)[0]
+    try:
+        ready = urllib.request.urlopen(base + "/ready", timeout=5).status
+    except urllib.error.HTTPError as exc:
+        ready = exc.code
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples if not s.labels}
+    return ready, samples
+
+
+def test_a_leader_behind_its_windows_is_not_ready_and_says_so_once(kafka_broker, tmp_path):
+    """The release path slower than the windows (the test hook makes each merge 6 s longer,
+    for 2 s windows): the leader's complete windows pile up past release.max_in_flight; its
+    /ready answers 503 naming why, panagg_release_queue shows the queue, one WARNING is
+    printed (not one per turn). With the merges fast again the queue drains: ready, one INFO
+    line. (It used to stay ready with 59-72 windows queued, silent.)"""
+    import os
+
+    topic = make_topic(kafka_broker, partitions=2)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    delay = tmp_path / "delay"
+    delay.write_text("6")
+    log = open(tmp_path / "m1.log", "w")
+    proc = subprocess.Popen(
+        member_cmd(kafka_broker, topic, group, "m1", tmp_path, "--metrics-port", "0"),
+        stdout=log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", PANAGG_TESTING="1",
+                 PANAGG_TEST_RELEASE_DELAY_S=f"@{delay}"))
+    text = (tmp_path / "m1.log").read_text
+    try:
+        deadline = time.monotonic() + 90
+        while "metrics on " not in text():
+            assert proc.poll() is None and time.monotonic() < deadline, text()
+            time.sleep(0.5)
+        url = text().split("metrics on ", 1)[1].split()[0]
+        behind = None
+        deadline = time.monotonic() + 120
+        while behind is None:
+            assert proc.poll() is None and time.monotonic() < deadline, text()
+            ready, samples = _scrape(url)
+            if ready == 503 and samples.get("panagg_release_queue", 0) > 2:
+                behind = samples["panagg_release_queue"]
+            time.sleep(1)
+        time.sleep(6)                  # more turns behind: still one WARNING
+        assert _scrape(url)[0] == 503
+        delay.unlink()                 # merges fast again: the queue drains
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, text()
+            ready, samples = _scrape(url)
+            if ready == 200 and samples.get("panagg_release_queue", 99) <= 2:
+                break
+            time.sleep(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+    out = text()
+    print(f"\nqueue seen at {behind:g} windows while not ready")
+    assert out.count("the leader is behind") == 1, out[-3000:]
+    assert out.count("the leader caught up") == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
