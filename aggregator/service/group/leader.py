@@ -176,9 +176,10 @@ class Leader:
         if self.by_marker and not any(s.get("refused") or s.get("n") for s in have.values()):
             self._skip_empty(w, have)
             return
-        refused = [s for s in have.values() if s.get("refused")]
+        refused = [have[p]["refused"] for p in sorted(have) if have[p].get("refused")]
         if refused:
-            self._withhold(w, have, refused[0]["refused"])
+            # every partition's reason: each names its own lost or charged positions
+            self._withhold(w, have, "; ".join(dict.fromkeys(refused)))
             return
         summaries = [have[p] for p in range(self.P)]
         if self.merge is None:
