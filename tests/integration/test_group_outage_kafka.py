@@ -6,6 +6,7 @@ behind its windows. The whole group across broker restarts is in test_group_kafk
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 import uuid
@@ -176,3 +177,153 @@ def test_a_member_started_while_the_broker_is_away_waits_for_it(restartable_brok
     assert len(said) == 1 and "source.connect_timeout_s" in said[0], late.stderr
     assert "Traceback" not in late.stderr
 
+
+def _scrape(url):
+    """(/ready status, /metrics samples by name) of a member."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = url.rsplit("/metrics", 1)[0]
+    try:
+        ready = urllib.request.urlopen(base + "/ready", timeout=5).status
+    except urllib.error.HTTPError as exc:
+        ready = exc.code
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples if not s.labels}
+    return ready, samples
+
+
+def test_a_leader_behind_its_windows_is_not_ready_and_says_so_once(kafka_broker, tmp_path):
+    """The release path slower than the windows (the test hook makes each merge 6 s longer,
+    for 2 s windows): the leader's complete windows pile up past release.max_in_flight; its
+    /ready answers 503 naming why, panagg_release_queue shows the queue, one WARNING is
+    printed (not one per turn). With the merges fast again the queue drains: ready, one INFO
+    line. (It used to stay ready with 59-72 windows queued, silent.)"""
+    import os
+
+    topic = make_topic(kafka_broker, partitions=2)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    delay = tmp_path / "delay"
+    delay.write_text("6")
+    log = open(tmp_path / "m1.log", "w")
+    proc = subprocess.Popen(
+        member_cmd(kafka_broker, topic, group, "m1", tmp_path, "--metrics-port", "0"),
+        stdout=log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", PANAGG_TESTING="1",
+                 PANAGG_TEST_RELEASE_DELAY_S=f"@{delay}"))
+    text = (tmp_path / "m1.log").read_text
+    try:
+        deadline = time.monotonic() + 90
+        while "metrics on " not in text():
+            assert proc.poll() is None and time.monotonic() < deadline, text()
+            time.sleep(0.5)
+        url = text().split("metrics on ", 1)[1].split()[0]
+        behind = None
+        deadline = time.monotonic() + 120
+        while behind is None:
+            assert proc.poll() is None and time.monotonic() < deadline, text()
+            ready, samples = _scrape(url)
+            if ready == 503 and samples.get("panagg_release_queue", 0) > 2:
+                behind = samples["panagg_release_queue"]
+            time.sleep(1)
+        time.sleep(6)                  # more turns behind: still one WARNING
+        assert _scrape(url)[0] == 503
+        delay.unlink()                 # merges fast again: the queue drains
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, text()
+            ready, samples = _scrape(url)
+            if ready == 200 and samples.get("panagg_release_queue", 99) <= 2:
+                break
+            time.sleep(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+    out = text()
+    print(f"\nqueue seen at {behind:g} windows while not ready")
+    assert out.count("the leader is behind") == 1, out[-3000:]
+    assert out.count("the leader caught up") == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def _counts(tmp_path, partition) -> str:
+    """The member whose log says last that it counts repartition partition ``partition``."""
+    last = {}
+    for f in tmp_path.glob("m*-*.log"):
+        for line in f.read_text().splitlines():
+            if f"counting partition {partition} of" in line:
+                last[f.name.split("-")[0]] = line[:23]
+    return max(last, key=last.get)
+
+
+def test_records_deleted_before_they_were_counted_withhold_every_window_they_fall_in(
+        kafka_broker, tmp_path):
+    """A member killed -9 while its repartition partition fills; the partition's records are
+    deleted (DeleteRecords: what retention does, sooner) before the next owner counts them.
+    Every window whose range may hold deleted positions is withheld with a ledger entry naming
+    them; none is released short of them (one was released with three partitions' ranges
+    empty, no flag: issue 46). Windows of other partitions, and later ones, release."""
+    import signal
+
+    from kafka import TopicPartition
+    from kafka.admin import KafkaAdminClient
+
+    topic = make_topic(kafka_broker, partitions=2)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
+    # (the victim's partitions move after 15 s: the records are deleted before that)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set",
+                      "source.session_timeout_s=15")
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    try:
+        members.start("m1")
+        members.start("m2")
+        produce(kafka_broker, topic, np.arange(2000) % D, 2000)
+        wait_for_total(kafka_broker, topics, 2000, 180, members)
+        victim = _counts(tmp_path, 1)
+        members.procs[victim].send_signal(signal.SIGKILL)
+        members.procs[victim].wait(30)
+        produce(kafka_broker, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
+        tp = TopicPartition(topics.repartition, 1)
+        c = KafkaConsumer(bootstrap_servers=kafka_broker)
+        low = c.end_offsets([tp])[tp]
+        c.close()
+        counting = admin.list_group_offsets(topics.counting_group)[topics.counting_group]
+        committed = counting[tp].offset
+        # windows before this one were closed by the victim, before anything was deleted
+        first_open = json.loads(counting[tp].metadata)["w"]
+        admin.delete_records({tp: low})
+        assert committed < low
+        produce(kafka_broker, topic, np.arange(1000) % D, 1000)
+        survivor = "m2" if victim == "m1" else "m1"
+        deadline = time.monotonic() + 180
+        while True:                      # the survivor counts partition 1 past the deletion
+            entries = read_ledger(kafka_broker, topics).entries
+            after = [e for e in entries if e["kind"] == "release" and not e.get("withheld")
+                     and e["ranges"].get(f"{topics.repartition}:1", [0, 0])[0] >= low]
+            if after:
+                break
+            assert members.procs[survivor].poll() is None, members.logs()
+            assert time.monotonic() < deadline, members.logs()
+            time.sleep(2)
+    finally:
+        members.stop_all()
+        admin.close()
+    key = f"{topics.repartition}:1"
+    released = [e for e in entries if e["kind"] == "release" and not e.get("withheld")]
+    withheld = [e for e in entries if e["kind"] == "release" and e.get("withheld")]
+
+    def touches(a, b):   # holds deleted positions, or is an empty range among them
+        return (a < low and b > committed) or (a == b and committed <= a < low)
+
+    short = [(e["window"], e["ranges"][key]) for e in released
+             if e["window"] >= first_open and key in e["ranges"] and touches(*e["ranges"][key])]
+    assert not short, f"released short of deleted records {committed}-{low}: {short}"
+    named = [e for e in withheld if "deleted by the repartition topic's retention" in
+             e["withheld"]]
+    assert named, [e.get("withheld") for e in withheld]
+    print(f"\n{len(named)} window(s) withheld naming offsets {committed}-{low} of partition 1")

@@ -44,6 +44,10 @@ __all__ = ["SliceTask", "Counter"]
 
 log = logging.getLogger("panagg.group")
 
+#: a jump of the repartition offsets this small may be transaction markers of intakes writing
+#: at once; larger ones are checked against the partition's first offset every time
+SMALL_JUMP = 64
+
 
 class SliceTask:
     """The open window of one repartition partition."""
@@ -64,6 +68,9 @@ class SliceTask:
         self.snapshots = 0
         #: why this window cannot be released (its snapshot was lost): it is withheld
         self.lost: str | None = None
+        #: (first, end) offsets of this partition deleted (retention) before they were
+        #: counted: every window whose range starts below ``end`` is withheld, naming them
+        self.deleted: tuple[int, int] | None = None
 
     def advance(self, window: int) -> None:
         """Open ``window`` at the current position (fresh noise)."""
@@ -98,6 +105,8 @@ class Counter:
                  member: str, grace_s: float = 2.0, first_window: int | None = None,
                  snapshots_per_window: int = 0, snapshot_reader=None, rollups=None):
         self.consumer, self.txn, self.topics = consumer, txn, topics
+        #: partition -> when its first offset was last looked at (_check_deleted)
+        self._low_checked: dict[int, float] = {}
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
         self.member = member
         self.P = int(identity["partitions"])
@@ -190,6 +199,7 @@ class Counter:
                     task.lost = (f"records of partition {p} from offset {start} to {low} were "
                                  "deleted by the repartition topic's retention before the window "
                                  "closed (scale.repartition_retention_s)")
+                    task.deleted = (start, low)
             if committed is not None and "s" in meta:
                 # the window resumes from its layered snapshot, never from its start (a replay
                 # under fresh noise would be a second view of what the snapshot holds)
@@ -234,6 +244,8 @@ class Counter:
             for rec in recs:
                 if rec.offset < task.position:
                     continue
+                if rec.offset > task.position + 1:
+                    self._check_deleted(task, tp, rec.offset - task.position)
                 head = dict(rec.headers or ())
                 close = head.get("close")
                 if close is not None:
@@ -422,6 +434,41 @@ class Counter:
                                "state": snapshot}, use_bin_type=True)
         return [(self.topics.exports, f"slice/{export_id}/{task.partition}".encode(), value)]
 
+    def _check_deleted(self, task: SliceTask, tp, jump: int) -> None:
+        """The partition's records jumped ``jump`` offsets (more than one transaction marker):
+        if the partition's first offset is now past the task's position, retention deleted
+        records before they were counted (the consumer went on from the first one left).
+        Noted on the task: every window they may belong to is withheld (:meth:`_close`),
+        never released short of them (issue 46: a window was released with the ranges of
+        three partitions empty, no flag). Small jumps are common (several intakes' markers
+        interleave, aborted transactions): those look at the first offset at most once a
+        second per partition; a jump of more than SMALL_JUMP offsets always looks (retention
+        deletes whole segments)."""
+        if task.deleted is not None and task.deleted[1] > task.position:
+            return
+        now = time.monotonic()
+        if jump <= SMALL_JUMP and now - self._low_checked.get(tp.partition, -1e9) < 1.0:
+            return
+        self._low_checked[tp.partition] = now
+        low = self.consumer.beginning_offsets([tp]).get(tp)
+        if low is not None and low > task.position:
+            task.deleted = (task.position, int(low))
+            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
+                        "its retention before they were counted (scale."
+                        "repartition_retention_s); the windows they fall in are withheld",
+                        task.partition, self.topics.repartition, task.position, low)
+
+    def _deleted_reason(self, task: SliceTask, end: int) -> str | None:
+        """Why the window of ``task`` (its range ending at ``end``) is withheld if it may
+        hold records deleted before they were counted; None if it cannot."""
+        if task.deleted is None or task.start >= task.deleted[1]:
+            return None
+        first, last = max(task.start, task.deleted[0]), task.deleted[1]
+        return (f"records of partition {task.partition} from offset {first} to {last} were "
+                "deleted by the repartition topic's retention before they were counted "
+                f"(scale.repartition_retention_s); window range [{task.start}, {end}) "
+                "cannot be released whole")
+
     def _close(self, task: SliceTask, extra: list | None = None) -> bool:
         """Write task's window summary and its partition's next start in one transaction
         (False: not written, the window is dropped and replayed); ``extra`` messages
@@ -433,7 +480,7 @@ class Counter:
         end = task.position
         key = f"{self.topics.repartition}:{p}"
         ranges = {key: [task.start, end]}
-        refused = task.lost or self._refusal(w, ranges)
+        refused = task.lost or self._deleted_reason(task, end) or self._refusal(w, ranges)
         if self.count:   # a count window's times are when this partition opened and closed it
             times = task.opened_unix, time.time()
         else:

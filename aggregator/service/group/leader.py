@@ -66,7 +66,7 @@ class Leader:
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
                  grace_s: float = 2.0, aggregation: str = "", rollup_level: dict | None = None,
                  requests=None, exports=None, audit_key_file: str = "", audit_dir: str = "",
-                 closer=None):
+                 closer=None, max_in_flight: int = 2):
         from kafka import TopicPartition
 
         self.txn, self.ledger, self.topics = txn, ledger, topics
@@ -110,6 +110,11 @@ class Leader:
         self.released: list[dict] = []
         #: sum rollups (rollups.RollupReleases), set by the pipeline when configured
         self.rollups = None
+        #: release.max_in_flight: complete windows the leader may have queued before it says it
+        #: is behind (``behind``: why, "" while it keeps up; the member's /ready reads it)
+        self.max_in_flight = int(max_in_flight)
+        self.behind = ""
+        self._complete_at: dict[int, float] = {}
 
     # -- which windows are decided -----------------------------------------------------------
     def decided(self) -> set[int]:
@@ -150,6 +155,7 @@ class Leader:
         if self.rollups is not None:
             # (event-time windows without events are skipped, not ledgered: settled too)
             self.rollups.step(self.decided() | self._skipped)
+        self._watch_queue()
         if self._in_flight is not None:
             w, fut = self._in_flight
             if not fut.done():
@@ -170,15 +176,57 @@ class Leader:
         if self.by_marker and not any(s.get("refused") or s.get("n") for s in have.values()):
             self._skip_empty(w, have)
             return
-        refused = [s for s in have.values() if s.get("refused")]
+        refused = [have[p]["refused"] for p in sorted(have) if have[p].get("refused")]
         if refused:
-            self._withhold(w, have, refused[0]["refused"])
+            # every partition's reason: each names its own lost or charged positions
+            self._withhold(w, have, "; ".join(dict.fromkeys(refused)))
             return
         summaries = [have[p] for p in range(self.P)]
         if self.merge is None:
             self._publish(w, merge_summaries(summaries, **self.merge_kwargs))
         else:
             self._in_flight = (w, self.merge(summaries, **self.merge_kwargs))
+
+    def _watch_queue(self) -> None:
+        """The complete windows (every partition's summary in) not decided yet are the
+        leader's release queue (``panagg_release_queue``). More than release.max_in_flight of
+        them, or the oldest waiting longer than max_in_flight + 1 windows (time windows), means
+        the release path is slower than the windows: one WARNING, ``behind`` set (the member's
+        /ready answers 503) until the queue is down to max(1, max_in_flight // 2) windows (one
+        INFO line). One process
+        pauses its intake there; a group's intake runs on other members, so it is said, not
+        paused (the queue lives in Kafka, not in memory)."""
+        now = time.time()
+        nxt = self.next_window()
+        complete = sorted(k for k, have in self.pending.items()
+                          if k >= nxt and len(have) >= self.P)
+        for k in complete:
+            self._complete_at.setdefault(k, now)
+        for k in [k for k in self._complete_at if k < nxt]:
+            del self._complete_at[k]
+        self.metrics.release_queue.set(len(complete))
+        waited = now - self._complete_at[complete[0]] if complete else 0.0
+        bound = None if self.count else (self.max_in_flight + 1) * self.size
+        if len(complete) > self.max_in_flight:
+            reason = (f"the leader is behind: {len(complete)} complete windows wait for their "
+                      f"release (release.max_in_flight = {self.max_in_flight})")
+        elif bound is not None and waited > bound:
+            reason = (f"the leader is behind: window {complete[0]} has waited {waited:.0f} s "
+                      f"for its release (more than release.max_in_flight + 1 windows)")
+        elif self.behind and len(complete) > max(1, self.max_in_flight // 2):
+            # back to ready only well within the bound: at the edge it would flap with each
+            # window that closes (seen: behind, caught up, behind again within a second)
+            reason = self.behind
+        else:
+            reason = ""
+        if reason and not self.behind:
+            log.warning("%s; the release path is slower than the windows (a faster "
+                        "release.estimator, release.error_bar_reps = 0 or longer windows help)",
+                        reason)
+        elif self.behind and not reason:
+            log.info("the leader caught up: %d complete window(s) wait for their release",
+                     len(complete))
+        self.behind = reason
 
     def _force(self) -> None:
         """A forced release asked for (``panagg release``): close markers for window K in

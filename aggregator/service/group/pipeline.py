@@ -278,7 +278,7 @@ class Pipeline:
                       audit_key_file=cfg.audit.key_file,
                       audit_dir=cfg.audit.dir or os.path.join(cfg.checkpoint.dir,
                                                                     "exports"),
-                      closer=closer)
+                      closer=closer, max_in_flight=cfg.release.max_in_flight)
         spans = self.rollup_spans()
         if spans:
             leader.rollups = RollupReleases(leader, spans)
@@ -286,6 +286,7 @@ class Pipeline:
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
+        self.metrics.release_queue.set(0)    # the queue is the next leader's to show
         if leader is not None:
             leader.txn.close()
             self.clients.discard(leader.summaries)

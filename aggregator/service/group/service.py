@@ -377,6 +377,7 @@ class GroupService:
                     counted += self._stage("counting", pipe, pipe.counter.step, wait)
                     self._stage("leading", pipe, pipe.lead)
                 self.metrics.heartbeat()
+                self._update_ready()
                 self._report()
                 if took or counted:
                     idle_since = time.monotonic()
@@ -414,13 +415,11 @@ class GroupService:
         if now - self._reported < every_s:
             return
         self._reported = now
-        failing = [name for name, at in self._outage_logged.items() if now - at < 2 * every_s]
-        reason = f"Kafka errors in {', '.join(sorted(failing))}" if failing else ""
-        self.metrics.set_ready(not failing, reason)
+        ready, reason = self._update_ready()
         lag = self._intake_lag()
         pipe = self.pipelines[0]
         line = {"member": self.instance, "host": socket.gethostname(), "pid": os.getpid(),
-                "time_unix": time.time(), "ready": not failing, "reason": reason,
+                "time_unix": time.time(), "ready": ready, "reason": reason,
                 "metrics_url": self.metrics_url, "intake_lag_records": lag,
                 "aggregations": {p.name or "-": {
                     "partitions": sorted(p.counter.tasks) if p.counter else [],
@@ -432,6 +431,18 @@ class GroupService:
                                           value=json.dumps(line).encode())
         except Exception as exc:  # a report is a convenience; the next one retries
             log.debug("member report not sent (%s)", type(exc).__name__)
+
+    def _update_ready(self, every_s: float = 5.0) -> tuple[bool, str]:
+        """/ready: 503 while a stage met Kafka errors in the last 2 reports, or while this
+        member leads and its leader is behind (leader.py, ``_watch_queue``)."""
+        now = time.monotonic()
+        failing = [name for name, at in self._outage_logged.items() if now - at < 2 * every_s]
+        reasons = [f"Kafka errors in {', '.join(sorted(failing))}"] if failing else []
+        reasons += [p.leader.behind for p in self.pipelines
+                    if p.leader is not None and p.leader.behind]
+        reason = "; ".join(reasons)
+        self.metrics.set_ready(not reasons, reason)
+        return not reasons, reason
 
     def _members_producer(self):
         if self._plain is None:

@@ -103,6 +103,8 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
     Noisy-value counts add up over partitions; the estimators then run once on the sum, with
     ``buckets`` = the total number of hash buckets in hashed mode.
     """
+    from ..release_worker import test_delay
+    test_delay()    # the test hook of release_worker.py (a slow merge on a small domain)
     if not summaries:
         raise ValueError("no summaries to merge")
     first = summaries[0]
