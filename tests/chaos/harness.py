@@ -112,10 +112,10 @@ state.epsilon = 1.0
     "rollups_tree": Mode(("window.kind=count", "window.size=2000", 'window.rollups=["3x"]',
                           "window.rollup_design=tree"), window_events=6000),
 }
-_GROUP = ("scale.partitioned=true", "scale.store=kafka", "window.kind=time", "window.size=2",
+_GROUP = ("scale.partitioned=true", "scale.store=kafka", "window.kind=time", "window.size=5",
           "source.session_timeout_s=6", "scale.close_grace_s=1")
 for _k in (1, 2, 3):
-    MODES[f"group{_k}"] = Mode(_GROUP, window_events=6 * RATE, members=_k)
+    MODES[f"group{_k}"] = Mode(_GROUP, window_events=12 * RATE, members=_k)
 
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
@@ -343,7 +343,7 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
         time.sleep(0.2)
     producer.stop.set()
     producer.join(60)
-    time.sleep(settle if spec.members == 0 else settle + 12)
+    time.sleep(settle if spec.members == 0 else settle + 25)
     if spec.members:
         try:
             published = [ts for recs in _read_topic(broker.bootstrap, f"{group}.panagg.releases",
@@ -362,7 +362,7 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
     # a last start reads the topic to its end and publishes what is pending, then exits: what a
     # user finds once the service caught up (the open window stays open)
     drain = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args_of(names[0]),
-                            "--exit-when-idle", "6" if spec.members else "4"], cwd=ROOT,
+                            "--exit-when-idle", "20" if spec.members else "4"], cwd=ROOT,
                            env=_env(), capture_output=True, text=True, timeout=600)
     (workdir / "stderr-drain.log").write_text(drain.stderr)
     for name, svc in services.items():
