@@ -3,10 +3,8 @@ mode; NFC and case folding in hashed mode; a filter whose left-out records are n
 rejects. The msgpack batch fast path must agree with the per-message path on every case."""
 
 import json
-import os
 
 import msgpack
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
