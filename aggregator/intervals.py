@@ -900,7 +900,9 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         gaps["entropy"] = max(gaps.get("entropy", 0.0),
                               abs(st_est[0] - _hist_stats(other_start)[0]))
     Rm = max(len(v) for v in lows)
-    pad = (lambda v, fill: np.concatenate([v, np.full(Rm - len(v), fill)]))
+    def pad(v, fill):
+        return np.concatenate([v, np.full(Rm - len(v), fill)])
+
     lower = np.clip(np.min([pad(v, 0.0) for v in lows], axis=0), 0.0, top)
     upper = np.clip(np.max([pad(v, 0.0) for v in highs], axis=0), 0.0, top)
     if buckets is None:  # direct mode: no more items than counters

@@ -820,7 +820,9 @@ COVERAGE_NAMES = ("l1", "distinct", "entropy", "coverage", "phi", "phi_r", "band
 
 def coverage_summary(rec: dict) -> dict:
     """Coverage fractions of one (cell, layers) record of grid.run_coverage."""
-    frac = lambda ds: float(np.mean([v for d in ds for v in d.values()])) if any(ds) else math.nan
+    def frac(ds):
+        return float(np.mean([v for d in ds for v in d.values()])) if any(ds) else math.nan
+
     return dict(l1=float(np.mean(np.array(rec["l1"]) <= np.array(rec["bound"]))),
                 distinct=float(np.mean(rec["distinct"])), entropy=float(np.mean(rec["entropy"])),
                 coverage=float(np.mean(rec.get("coverage", [math.nan]))),
