@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,14 +19,20 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/panagg demo --events 1000000 --output out/releases
 
+# ruff, configured in pyproject.toml ([tool.ruff]): pycodestyle and pyflakes at 100 columns
+lint: $(STAMP)
+	$(BIN)/ruff check aggregator consumers state_store tests bench
+
 # pytest exits 5 when it collects nothing: that is a failure here, said out loud.
-test: $(STAMP)
+# lint first: a style violation fails the suite (and CI) with ruff's message, before any test.
+test: $(STAMP) lint
 	@$(BIN)/python -m pytest -q --durations=20; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5) - failing" >&2; exit 1; fi; \
 	exit $$rc
 
-# the fast lane: no broker, no fault matrix (tests/integration and tests/chaos left out)
-test-fast: $(STAMP)
+# the fast lane: no broker, no fault matrix (tests/integration and tests/chaos left out);
+# linted too, since ruff takes about a second
+test-fast: $(STAMP) lint
 	@$(BIN)/python -m pytest -q -x --ignore=tests/integration --ignore=tests/chaos \
 	  -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; exit 1; fi; \
@@ -43,4 +49,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.group --all
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out .pytest_cache .ruff_cache

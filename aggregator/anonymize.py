@@ -25,7 +25,8 @@ from .estimate import (
 )
 from .estimators import default_cap, default_method, phi_estimate
 from .largedomain import (
-    DEFAULT_VARIANT, HASHED_CAP_RULES, _check_buckets, _hashed_cumulative, hashed_cumulative, hashed_histogram,
+    DEFAULT_VARIANT, HASHED_CAP_RULES, _check_buckets, _hashed_cumulative, hashed_cumulative,
+    hashed_histogram,
 )
 
 __all__ = ["anonymized_histogram", "anonymized_cumulative", "anonymized_cumulative_many"]

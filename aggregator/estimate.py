@@ -126,7 +126,8 @@ def noisy_value_counts(noisy_counts) -> NoisyValueCounts:
         raise TypeError(f"noisy_counts must be integers, got {x.dtype}")
     lo, hi = int(x.min()), int(x.max())
     if hi - lo > 50_000_000:
-        raise ValueError("noisy counter values span more than 5e7; is this really a noisy histogram?")
+        raise ValueError("noisy counter values span more than 5e7; "
+                         "is this really a noisy histogram?")
     shifted = x - lo if lo != 0 else x
     return NoisyValueCounts(lo, np.bincount(shifted, minlength=hi - lo + 1).astype(np.int64))
 
@@ -1160,7 +1161,8 @@ def cap_total(y, total: int, rule: str = "items", *, fitted_top: int | None = No
     if rule not in CAP_RULES:
         raise ValueError(f"rule must be one of {CAP_RULES}, got {rule!r}")
     if rule == "fitted" and (fitted_top is None or int(fitted_top) < 0):
-        raise ValueError("rule 'fitted' needs fitted_top >= 0 (estimate.sparse_top of the counters)")
+        raise ValueError("rule 'fitted' needs fitted_top >= 0 "
+                         "(estimate.sparse_top of the counters)")
     if len(y) and (np.any(y[1:] > y[:-1]) or y[-1] < 0):
         raise ValueError("y must be a non-increasing, non-negative cumulative prevalence")
     have = int(y.sum())

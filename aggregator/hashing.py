@@ -99,8 +99,9 @@ def _canonical(items) -> list[bytes]:
 
 
 def _flat(items) -> tuple[bytes, np.ndarray, np.ndarray]:
-    """(buf, start, lengths): item i's canonical bytes are ``buf[start[i] : start[i] + lengths[i]]``;
-    ``buf`` ends with 8 spare zero bytes so that every 8-byte load from a row start stays inside."""
+    """(buf, start, lengths): item i's canonical bytes are
+    ``buf[start[i] : start[i] + lengths[i]]``; ``buf`` ends with 8 spare zero bytes so that every
+    8-byte load from a row start stays inside."""
     enc = _canonical(items)
     lengths = np.array(list(map(len, enc)), dtype=np.int64)
     enc.append(bytes(8))

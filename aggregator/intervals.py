@@ -486,8 +486,8 @@ def likelihood_drop(sims: dict, truths: dict, refits: dict, p: float, layers: in
     ``sims`` maps each stand-in (a key of ``truths``, its histogram) to states simulated from
     it; ``refits`` maps it to, per state, the histograms the stand-in estimators fit on that
     state (as on the real counters). gap = max over them of LL(refit) - LL(stand-in) is how
-    much the best fit out-likes the truth the state came from. The result is the ``level`` quantile of
-    the gaps, at least chi2_1(level) / 2.
+    much the best fit out-likes the truth the state came from. The result is the ``level``
+    quantile of the gaps, at least chi2_1(level) / 2.
 
     Why not Wilks' chi2_1(level) / 2 alone: that is the drop for the *profile* likelihood of one
     statistic (the best histogram with a given number of items), and the paths of
@@ -900,7 +900,9 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         gaps["entropy"] = max(gaps.get("entropy", 0.0),
                               abs(st_est[0] - _hist_stats(other_start)[0]))
     Rm = max(len(v) for v in lows)
-    pad = (lambda v, fill: np.concatenate([v, np.full(Rm - len(v), fill)]))
+    def pad(v, fill):
+        return np.concatenate([v, np.full(Rm - len(v), fill)])
+
     lower = np.clip(np.min([pad(v, 0.0) for v in lows], axis=0), 0.0, top)
     upper = np.clip(np.max([pad(v, 0.0) for v in highs], axis=0), 0.0, top)
     if buckets is None:  # direct mode: no more items than counters

@@ -23,9 +23,9 @@ kept as the reference the tests check against.
 
 Inverting it
 ------------
-The same identity read backwards inverts Gamma^B exactly: if psi_l = phi^red_{>=l} is the (estimated)
-reduced cumulative prevalence, g_t = (psi_t - psi_{t+1}) / B (g_0 = 1 - psi_1 / B) is the
-distribution of a bucket total, and log g must equal the sparse series above. So
+The same identity read backwards inverts Gamma^B exactly: if psi_l = phi^red_{>=l} is the
+(estimated) reduced cumulative prevalence, g_t = (psi_t - psi_{t+1}) / B (g_0 = 1 - psi_1 / B) is
+the distribution of a bucket total, and log g must equal the sparse series above. So
 
     phi_t a = [z^t] log g - sum_{k >= 2, k | t} (-1)^(k+1) a^k phi_{t/k} / k,
 

@@ -146,7 +146,8 @@ def support_coverage_prevalences(vals, phis, m: int, *, smoothing: str = "binomi
 
 
 def support_size(hist, K: float, alpha: float = 0.1, **kwargs) -> float:
-    """Support size of a distribution whose atoms have mass >= 1/K, via S_m at m = K log(3/alpha)."""
+    """Support size of a distribution whose atoms have mass >= 1/K, via S_m at
+    m = K log(3/alpha)."""
     if K <= 0 or not 0 < alpha < 1:
         raise ValueError("need K > 0 and 0 < alpha < 1")
     return support_coverage(hist, math.ceil(K * math.log(3.0 / alpha)), **kwargs)

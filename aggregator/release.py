@@ -28,9 +28,9 @@ from .anonymize import anonymized_histogram
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
-__all__ = ["MODELS", "ReleaseExists", "make_release", "release_from_view", "estimate_with_accuracy", "package_release",
-           "write_release", "plot_release", "plot_rank_frequency", "ERROR_BAR_REPS", "PHI_BANDS",
-           "planned_accuracy", "PLAN_SHAPES"]
+__all__ = ["MODELS", "ReleaseExists", "make_release", "release_from_view", "estimate_with_accuracy",
+           "package_release", "write_release", "plot_release", "plot_rank_frequency",
+           "ERROR_BAR_REPS", "PHI_BANDS", "planned_accuracy", "PLAN_SHAPES"]
 
 ERROR_BAR_REPS = 10  # bootstrap repetitions per release (release.error_bar_reps); 0: none
 PUBLIC_MODE = 0o644   # release files are published: readable by all, whatever the umask

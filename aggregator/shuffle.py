@@ -86,7 +86,8 @@ __all__ = [
 
 _SOURCE = OSEntropy()
 _TABLE_BITS = 128
-SAMPLING_TV_PER_DRAW = 2.0 ** -100  # bound on the total variation of one table draw (see _NegBinomial)
+# bound on the total variation of one table draw (see _NegBinomial)
+SAMPLING_TV_PER_DRAW = 2.0 ** -100
 DEFAULT_MAX_MESSAGES = 10_000  # expected messages per event above which a configuration is refused
 
 
@@ -159,7 +160,8 @@ class _NegBinomial:
         hi, lo = w[:, 0], w[:, 1]
         below = np.searchsorted(self._t_hi, hi, side="left")     # thresholds with hi part < U's
         out = 1 + below.astype(np.int64)
-        ties = np.nonzero((below < len(self._t)) & (self._t_hi[np.minimum(below, len(self._t) - 1)] == hi))[0] \
+        ties = np.nonzero((below < len(self._t))
+                          & (self._t_hi[np.minimum(below, len(self._t) - 1)] == hi))[0] \
             if len(self._t) else np.zeros(0, dtype=np.int64)
         for i in ties:                                            # rare: exact 128-bit comparison
             u = (int(hi[i]) << 64) | int(lo[i])
@@ -378,9 +380,11 @@ class GKMPRandomizer:
         self._flood = _NegBinomial(r / self.n, q)
         per_bucket = 2 * (self.p / (1 - self.p) + float(r) * q / (1 - q)) / self.n
         self.expected_messages = 1.0 + self.buckets * per_bucket
-        draws = self.n * 3 * (self.buckets + 1)                # upper bound on table draws: the sum
-        self.sampling_tv = draws * SAMPLING_TV_PER_DRAW        # of nonzeros is < 3 B per event in
-        self.delta_spent = d + self.sampling_tv                # expectation; bound stated per bucket
+        # upper bound on table draws: the sum of nonzeros is < 3 B per event in expectation;
+        # bound stated per bucket
+        draws = self.n * 3 * (self.buckets + 1)
+        self.sampling_tv = draws * SAMPLING_TV_PER_DRAW
+        self.delta_spent = d + self.sampling_tv
         # variance of one event's message count: B independent buckets, each 2 NB(1/n, p)
         # shares and 2 copies of one NB(r/n, q) flooding count (NB(k, q) variance k q / (1-q)^2)
         self.messages_variance = self.buckets * (
@@ -388,7 +392,8 @@ class GKMPRandomizer:
         self.max_buckets = int((max_messages - 1) / per_bucket)
         if self.expected_messages > max_messages:
             raise ShuffleConfigError(
-                f"{self.expected_messages:,.0f} messages per event expected at buckets={self.buckets:,}, "
+                f"{self.expected_messages:,.0f} messages per event expected at "
+                f"buckets={self.buckets:,}, "
                 f"n={self.n:,}, epsilon={self.epsilon:g}, delta={self.delta:g}: above max_messages="
                 f"{max_messages:,.0f}; use at most {self.max_buckets:,} buckets, a longer window "
                 "(larger n) or a larger gamma")
@@ -465,7 +470,8 @@ def _as_rows(messages, buckets: int) -> np.ndarray:
     if m.size == 0:
         return m.reshape(0, 2)
     if m.ndim != 2 or m.shape[1] != 2:
-        raise ValueError(f"messages must be an (m, 2) array of (bucket, sign) rows, got shape {m.shape}")
+        raise ValueError("messages must be an (m, 2) array of (bucket, sign) rows, "
+                         f"got shape {m.shape}")
     if m[:, 0].min() < 0 or m[:, 0].max() >= buckets:
         raise ValueError(f"a message names a bucket outside [0, {buckets})")
     return m
@@ -502,7 +508,8 @@ def balcer_cheu_delta(epsilon: float, n: int, s: float) -> float:
     inf_mass = pm[~np.isfinite(up)].sum() + pm[~np.isfinite(down)].sum()
     fin_up, fin_dn = np.isfinite(up), np.isfinite(down)
     # L = up_y + down_x = up_y - (-down_x): A = up, B = -down
-    return _delta_of_difference(epsilon, up[fin_up], pm[fin_up], -down[fin_dn], pm[fin_dn]) + inf_mass
+    return (_delta_of_difference(epsilon, up[fin_up], pm[fin_up], -down[fin_dn], pm[fin_dn])
+            + inf_mass)
 
 
 class BalcerCheuRandomizer:
@@ -524,20 +531,24 @@ class BalcerCheuRandomizer:
         self.epsilon, self.delta, self.n, self.buckets = _check_common(epsilon, delta, n, buckets)
         eps1, delta1 = self.epsilon / 2, self.delta / 2
         if eps1 > 1:
-            raise ShuffleConfigError(f"Balcer-Cheu covers epsilon <= 2 (eps' = eps/2 <= 1), got {epsilon:g}")
+            raise ShuffleConfigError("Balcer-Cheu covers epsilon <= 2 (eps' = eps/2 <= 1), "
+                                     f"got {epsilon:g}")
         need = 100 * math.log(2 / delta1) / eps1 ** 2
         if self.n < need:
-            raise ShuffleConfigError(f"Balcer-Cheu needs n >= 100 ln(2/delta') / eps'^2 = {math.ceil(need):,} "
-                                     f"events per window at epsilon={epsilon:g}, delta={delta:g}; got n={n:,}")
+            raise ShuffleConfigError("Balcer-Cheu needs n >= 100 ln(2/delta') / eps'^2 = "
+                                     f"{math.ceil(need):,} events per window at "
+                                     f"epsilon={epsilon:g}, delta={delta:g}; got n={n:,}")
         blanket = 1 - 50 * math.log(2 / delta1) / (eps1 ** 2 * self.n)
         self._threshold = int(math.floor(blanket * 2 ** 64))     # Ber(s) with s = threshold / 2^64
         self.s = self._threshold / 2 ** 64
         self.expected_messages = 1 + self.buckets * self.s
         self.messages_variance = self.buckets * self.s * (1 - self.s)
         if self.expected_messages > max_messages:
-            raise ShuffleConfigError(f"{self.expected_messages:,.0f} messages per event expected (about one "
-                                     f"per bucket): above max_messages={max_messages:,.0f}; use fewer buckets")
-        self.delta_spent = balcer_cheu_delta(self.epsilon, self.n, self.s) if self.n <= 5_000_000 else None
+            raise ShuffleConfigError(f"{self.expected_messages:,.0f} messages per event expected "
+                                     "(about one per bucket): above "
+                                     f"max_messages={max_messages:,.0f}; use fewer buckets")
+        self.delta_spent = (balcer_cheu_delta(self.epsilon, self.n, self.s) if self.n <= 5_000_000
+                            else None)
         self._source = rng if rng is not None else _SOURCE
 
     @property

@@ -129,7 +129,8 @@ class PanPrivateHistogram:
         if (size is None) == (buckets is None):
             raise ValueError("give exactly one of size= (direct mode) or buckets= (hashed mode)")
         if neighbor not in NEIGHBOR_RELATIONS:
-            raise ValueError(f"neighbor must be one of {sorted(NEIGHBOR_RELATIONS)}, got {neighbor!r}")
+            raise ValueError(f"neighbor must be one of {sorted(NEIGHBOR_RELATIONS)}, "
+                             f"got {neighbor!r}")
         length = size if size is not None else buckets
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
             raise ValueError(f"size/buckets must be a positive integer, got {length!r}")
@@ -260,7 +261,8 @@ class PanPrivateHistogram:
         mine = (self._mode, self.size, self._key, self._p, self._neighbor)
         theirs = (other._mode, other.size, other._key, other._p, other._neighbor)
         if mine != theirs:
-            raise ValueError("cannot merge states with different mode, size, key, epsilon or neighbor")
+            raise ValueError("cannot merge states with different mode, size, key, epsilon "
+                             "or neighbor")
         self._counts += other._counts
         self._layers += other._layers
         if self._n is not None:
@@ -350,5 +352,5 @@ class PanPrivateHistogram:
     def __repr__(self) -> str:
         what = f"size={self.size}" if self._mode == "direct" else f"buckets={self.size}"
         count = f", n={self._n}" if self._n is not None else ""
-        return (f"PanPrivateHistogram(epsilon={self._epsilon}, {what}, neighbor={self._neighbor!r}, "
-                f"layers={self._layers}{count})")
+        return (f"PanPrivateHistogram(epsilon={self._epsilon}, {what}, "
+                f"neighbor={self._neighbor!r}, layers={self._layers}{count})")

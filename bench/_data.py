@@ -10,7 +10,8 @@ Item distributions over a domain [D] (items sampled multinomially, n events):
 * ``geometric`` weights rho**i with rho = 1 - 10 / D (mean rank about D / 10, so the support
                  that matters scales with D instead of collapsing to a handful of items)
 * ``heavy``     5 heavy hitters holding half the mass (0.2, 0.12, 0.08, 0.06, 0.04), the other
-                 half uniform over the remaining D - 5 items (with D >> n: a long tail of singletons)
+                 half uniform over the remaining D - 5 items (with D >> n: a long tail of
+                 singletons)
 
 Real frequency profiles (:data:`REAL`), shipped inside PyPI packages (the ``bench`` extra): the
 profile is a probability vector over its vocabulary (D = the vocabulary size, the state's

@@ -499,7 +499,8 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     w("")
     w("Produced by:")
     w("")
-    run = "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.accuracy_grid"
+    run = ("OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 nice -n 15 "
+           ".venv/bin/python -m bench.accuracy_grid")
     q = " --quick" if quick else ""
     w("```")
     w(f"{run}{q} --run-only             # the grid (resumable)")
@@ -638,8 +639,8 @@ def _write_rules(w, results, an) -> None:
       "default (`estimators.DEFAULT_RULES`) only if its held-out worst case beats the fixed "
       "choice's in-sample worst case.")
     w("")
-    w("| mode | layers | fixed choice: worst | rule (below cut / above cut) | SNR cut | rule: worst "
-      "in-sample | rule: worst held out (cell) | adopted |")
+    w("| mode | layers | fixed choice: worst | rule (below cut / above cut) | SNR cut "
+      "| rule: worst in-sample | rule: worst held out (cell) | adopted |")
     w("|---|---|---|---|---|---|---|---|")
     for (mode, k), a in an.items():
         r = a["rule"]
@@ -820,7 +821,9 @@ COVERAGE_NAMES = ("l1", "distinct", "entropy", "coverage", "phi", "phi_r", "band
 
 def coverage_summary(rec: dict) -> dict:
     """Coverage fractions of one (cell, layers) record of grid.run_coverage."""
-    frac = lambda ds: float(np.mean([v for d in ds for v in d.values()])) if any(ds) else math.nan
+    def frac(ds):
+        return float(np.mean([v for d in ds for v in d.values()])) if any(ds) else math.nan
+
     return dict(l1=float(np.mean(np.array(rec["l1"]) <= np.array(rec["bound"]))),
                 distinct=float(np.mean(rec["distinct"])), entropy=float(np.mean(rec["entropy"])),
                 coverage=float(np.mean(rec.get("coverage", [math.nan]))),
@@ -1069,7 +1072,8 @@ def _plot_snr(rows, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few small cells; writes under out/")
-    ap.add_argument("--shard", type=shard_arg, help="i/N: run every N-th remaining cell into its own file")
+    ap.add_argument("--shard", type=shard_arg,
+                    help="i/N: run every N-th remaining cell into its own file")
     ap.add_argument("--merge", action="store_true", help="fold the --shard files into the main one")
     ap.add_argument("--report", action="store_true", help="only re-render the saved results")
     ap.add_argument("--run-only", action="store_true", help="run (resume) the grid, no report")

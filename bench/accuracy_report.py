@@ -344,8 +344,8 @@ def _legend(fig, axes):
 def plot_vs_n(cells, g, path):
     plt = _plt()
     rows, cols = g["n_eps"], g["ds_n"]
-    fig, axes = plt.subplots(len(rows), len(cols), figsize=(max(4.3 * len(cols), 13), 3.9 * len(rows)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(rows), len(cols),
+                             figsize=(max(4.3 * len(cols), 13), 3.9 * len(rows)), squeeze=False)
     for i, eps in enumerate(rows):
         for j, ds in enumerate(cols):
             ax = axes[i, j]
@@ -485,7 +485,8 @@ def price_table(cells, keys, xs, key):
         s2 = price(c, "pan2", CENTRAL_ALL)
         row = [_ks(x, key), SHORT[bm], fmt(*ms(c, bm)), fmt(*ms(c, "pan1")), fmt(*ms(c, "pan2")),
                "**" + _pfmt(p1) + "**", "**" + _pfmt(p2) + "**", _pfmt(pn),
-               f"{_pfmt(s1)} ({SHORT[s1[2]]})", f"{_pfmt(s2)} ({SHORT[s2[2]]})", _pfmt(pnom) + f" ({SHORT[pnom[2]]})"]
+               f"{_pfmt(s1)} ({SHORT[s1[2]]})", f"{_pfmt(s2)} ({SHORT[s2[2]]})",
+               _pfmt(pnom) + f" ({SHORT[pnom[2]]})"]
         L.append("| " + " | ".join(row) + " |")
     return "\n".join(L)
 
@@ -515,8 +516,9 @@ def observations(cells, g):
                 rs.append((ms(c, m)[0] / dah_upper(n, e), ds, n, e))
     if rs:
         lo, hi = min(rs), max(rs)
-        out.append(f"* DPAnonHist (n public) mean l1 / its explicit upper bound 8 m e^-e/(1-e^-2e), "
-                   f"m = ceil(sqrt n), over {len(rs)} (cell, epsilon) pairs: {lo[0]:.3f} "
+        out.append("* DPAnonHist (n public) mean l1 / its explicit upper bound "
+                   f"8 m e^-e/(1-e^-2e), m = ceil(sqrt n), over {len(rs)} (cell, epsilon) pairs: "
+                   f"{lo[0]:.3f} "
                    f"({lo[1]} n={lo[2]:.0e} e={lo[3]:g}) to {hi[0]:.3f} ({hi[1]} n={hi[2]:.0e} "
                    f"e={hi[3]:g}). Never above 1 means no cell contradicts Theorem 6.")
     rs = [(ms(c, "dahp_h")[0] / ms(c, "dah_h")[0], k) for k, c in cells.items()
@@ -743,7 +745,8 @@ def write_md(path, cells, g, meta, quick):
         + meta["wordfreq"] + "; its 'large' lists ("
         + "; ".join(f"{lang}: {t:,} words, the top 1e5 hold {100 * m:.1f}% of the listed mass"
                     for lang, (t, m) in sorted(WORD_STATS.items()))
-        + "), top 1e5 words kept and renormalized, then n events drawn multinomially from that probability vector. wordfreq stores "
+        + "), top 1e5 words kept and renormalized, then n events drawn multinomially from that "
+        "probability vector. wordfreq stores "
         "frequencies binned to centibels, so many tail words tie; the profile is used as is. "
         "Citation: Robyn Speer, *rspeer/wordfreq: v3.0* (v3.0.2), Zenodo, 2022, "
         "doi:10.5281/zenodo.7199437. License: the code is Apache-2.0 (package metadata); the "
@@ -759,7 +762,8 @@ def write_md(path, cells, g, meta, quick):
         "Dotted: LB shapes (constant 1).", ""]
     for ds in g["ds_eps"]:
         keys = [(ds, n_e, e) for e in g["eps"]]
-        md += [f"### {DATASETS[ds]}: l1 error vs eps", "", error_table(cells, keys, g["eps"], "eps"),
+        md += [f"### {DATASETS[ds]}: l1 error vs eps", "",
+               error_table(cells, keys, g["eps"], "eps"),
                "", f"Price of pan-privacy ({DATASETS[ds]}, n = {n_e:.0e}):", "",
                price_table(cells, keys, g["eps"], "eps"), ""]
     md += [f"## Error vs n (eps = {', '.join(f'{e:g}' for e in g['n_eps'])})", "",
@@ -789,7 +793,9 @@ def main(argv=None):
     if args.seed != SEED:
         cmd += f" --seed {args.seed}"
     outdir = args.outdir or ("out" if args.quick else "docs")
-    rev = git_rev(["aggregator/noise.py", "aggregator/estimate.py", "aggregator/central.py", "bench/_data.py"])  # at the start: other commits may land while this runs
+    # at the start: other commits may land while this runs
+    rev = git_rev(["aggregator/noise.py", "aggregator/estimate.py", "aggregator/central.py",
+                   "bench/_data.py"])
     g, todo = plan(args.quick)
     n_cells = sum(len(v) for v in todo.values())
     print(f"{cmd}: {n_cells} cells, {g['reps']} repetitions each; writing to {outdir}/",
@@ -803,7 +809,8 @@ def main(argv=None):
     plot_price(cells, g, os.path.join(outdir, "img", "report_price.png"))
     meta = {"cmd": cmd, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "rev": rev, "elapsed": time.perf_counter() - t0, "cpu": cpu_model(),
-            "versions": versions(("numpy", "scipy", "wordfreq")), "seed": args.seed, "wordfreq": _wordfreq_meta()}
+            "versions": versions(("numpy", "scipy", "wordfreq")), "seed": args.seed,
+            "wordfreq": _wordfreq_meta()}
     path = os.path.join(outdir, "accuracy.md")
     write_md(path, cells, g, meta, args.quick)
     print(f"wrote {path} and {outdir}/img/report_*.png; measurements {elapsed / 60:.1f} min, "

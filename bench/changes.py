@@ -221,7 +221,8 @@ def plot_example(path: str) -> None:
                      "accuracy": {"standard_error": {"distinct_items": 35.0, "entropy_nats": 0.012},
                                   "intervals": {"reps": 10, "level": 0.9,
                                                 "distinct_items": [d - 80, d + 90],
-                                                "entropy_nats": [5.95 + 0.2 * up, 6.05 + 0.2 * up]}},
+                                                "entropy_nats": [5.95 + 0.2 * up,
+                                                                 6.05 + 0.2 * up]}},
                      "signal_below_noise": i == 3})
     led = _Ledger()
     led.entries = [{"kind": "release", "time_unix": 1795000000 + 30 * i, "document": json.dumps(d)}

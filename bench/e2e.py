@@ -120,8 +120,9 @@ def bare_consume(bootstrap: str, topic: str, events: int, settings: dict) -> tup
     fetch every record and touch its value."""
     from kafka import KafkaConsumer
 
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"bare-{uuid.uuid4().hex}",
-                             enable_auto_commit=False, auto_offset_reset="earliest", **settings)
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap,
+                             group_id=f"bare-{uuid.uuid4().hex}", enable_auto_commit=False,
+                             auto_offset_reset="earliest", **settings)
     seen, nbytes = 0, 0
     t0 = None
     while seen < events:

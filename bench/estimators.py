@@ -240,7 +240,8 @@ def main(argv=None):
           "Counters carry `layers` independent DLap(p) layers, p = exp(-eps/2) rounded up "
           "(replace-one). `threshold` = unbiased inverse-filter estimator F = f * g^{*(k-1)} "
           "(seed 001 eq. (1), App. E); `deconvolution` = EM NPMLE of the prevalences "
-          "(SQUAREM, defaults max_iter=200, tol=1e-5 on the log-likelihood gain per non-zero counter). Both followed by the l1 isotonic "
+          "(SQUAREM, defaults max_iter=200, tol=1e-5 on the log-likelihood gain per non-zero "
+          "counter). Both followed by the l1 isotonic "
           "projection, via `anonymized_histogram(x, p, layers=L, method=...)`. Zipf(1.1) items, "
           "multinomial sampling; each repetition redraws data and noise; both methods see the "
           "same counters. Entries: mean ± standard error of the l1 error over repetitions; "
@@ -265,7 +266,8 @@ def main(argv=None):
                 ma, mb = mean_se(a["l1"])[0], mean_se(b["l1"])[0]
                 ratios.append(ma / mb)
                 wins += mb < ma
-                md.append(f"| {D:.0e} | {n:.0e} | {eps:g} | {len(a['l1'])} | {fmt(*mean_se(a['l1']))} "
+                md.append(f"| {D:.0e} | {n:.0e} | {eps:g} | {len(a['l1'])} "
+                          f"| {fmt(*mean_se(a['l1']))} "
                           f"| {fmt(*mean_se(b['l1']))} | {ma / mb:.2f} | "
                           f"{fmt(*mean_se(c[(L, 'early')]['l1']))} | "
                           f"{fmt(*mean_se(c[(L, 'loose')]['l1']))} | "

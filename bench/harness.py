@@ -134,7 +134,8 @@ def write_doc_section(doc, marker: str, name: str, lines: list[str], title: str 
     block = "\n".join([begin, *lines, end])
     text = doc.read_text() if doc.exists() else f"# {title}\n"
     pat = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
+    text = (pat.sub(lambda _: block, text) if pat.search(text)
+            else text.rstrip("\n") + "\n\n" + block + "\n")
     doc.write_text(text)
 
 

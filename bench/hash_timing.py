@@ -128,7 +128,8 @@ def crossover(mod, key: bytes, item_bytes: int, reps: int) -> list[str]:
     they cross is the right ``_SCALAR_ROWS`` (below it the long rows finish in Python)."""
     k0, k1 = mod._check_key(key)
     saved = mod._SCALAR_ROWS
-    lines = [f"| rows of {item_bytes} B | numpy steps | Python words | faster |", "|---:|---:|---:|---|"]
+    lines = [f"| rows of {item_bytes} B | numpy steps | Python words | faster |",
+             "|---:|---:|---:|---|"]
     try:
         for k in (1, 2, 4, 8, 10, 12, 16, 24, 32):
             flat = mod._flat(["u" * item_bytes] * k)
@@ -248,11 +249,13 @@ def main(argv=None) -> int:
     print()
     print(f"jitter: plain batch {statistics.median(plain) * 1e3:.2f} ms, IQR "
           f"{(q(plain, 75) - q(plain, 25)) * 1e6:.0f} µs, 5-95% {q(plain, 5) * 1e3:.2f} .. "
-          f"{q(plain, 95) * 1e3:.2f} ms; A/A paired diff IQR {q(d, 25):+.0f} .. {q(d, 75):+.0f} µs; "
+          f"{q(plain, 95) * 1e3:.2f} ms; A/A paired diff IQR {q(d, 25):+.0f} .. "
+          f"{q(d, 75):+.0f} µs; "
           f"per plain item {statistics.median(plain) / args.n * 1e9:.0f} ns")
     short, long_ = times["one ASCII item of 64 B"], times[f"one ASCII item of {args.item_bytes} B"]
     if not isinstance(short, str) and not isinstance(long_, str):
-        slope = statistics.median([(a - b) * 1e9 for a, b in zip(long_, short)]) / (args.item_bytes - 64)
+        slope = (statistics.median([(a - b) * 1e9 for a, b in zip(long_, short)])
+                 / (args.item_bytes - 64))
         print(f"one item's own length: {slope:.0f} ns per byte (median paired difference of the "
               f"{args.item_bytes} B and 64 B rows over {args.item_bytes - 64} bytes)")
     if args.decode:
@@ -261,7 +264,8 @@ def main(argv=None) -> int:
         msgs = decode_batches(args.n, args.item_bytes)
         t = time_interleaved({k: (lambda b=b: dec.decode(b)) for k, b in msgs.items()}, args.reps)
         print()
-        print(f"Decoder('msgpack').decode, consumers/decode.py: {source(args.rev, 'consumers/decode.py')}")
+        print("Decoder('msgpack').decode, consumers/decode.py: "
+              f"{source(args.rev, 'consumers/decode.py')}")
         print()
         print("\n".join(report(t, args.n, {k: "plain" for k in msgs if k != "plain"})))
     if args.crossover:

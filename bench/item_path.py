@@ -5,8 +5,9 @@ batch, with a field path, a filter, the record key or a header, against ``{"item
 
 Each case is timed on the same machine, interleaved with its baseline (the order rotates every
 repetition), and reported as throughput relative to the baseline: the median of the per-repetition
-ratios, with min and max, and the ratio of the best (least disturbed) repetitions. Times are the process's CPU time (``time.process_time``; the work is
-single-threaded), so other processes competing for the cores do not enter the ratio. Two kinds of comparison:
+ratios, with min and max, and the ratio of the best (least disturbed) repetitions. Times are the
+process's CPU time (``time.process_time``; the work is single-threaded), so other processes
+competing for the cores do not enter the ratio. Two kinds of comparison:
 
 * extraction only: the *same* records (``{"item": i, "user": {"id": i}, "event": ..., "ts": ...}``)
   decoded with ``item.field = item`` (the baseline) and with ``item.field = user.id`` (or a filter

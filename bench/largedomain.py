@@ -895,7 +895,8 @@ def write_two_layer_estimators(w, hd: dict) -> None:
         pr = f"{np.mean(ha) / np.mean(hb):.2f}" + (
             f" ({d.min():.2f}..{d.max():.2f})" if len(d) > 1 else "")
         w(f"| {nfmt(n)} | {e:g} | {len(ha)} | {ea} | {eb} | {pr} | "
-          f"{fmt(*ratio_se(ha, c[('direct', 2, a)]))} | {fmt(*ratio_se(hb, c[('direct', 2, b)]))} | "
+          f"{fmt(*ratio_se(ha, c[('direct', 2, a)]))} | "
+          f"{fmt(*ratio_se(hb, c[('direct', 2, b)]))} | "
           f"{fmt(*mean_se(c[('zeros', 2, a)]))} | {fmt(*mean_se(c[('zeros', 2, b)]))} | "
           f"{statistics.median(c[('t_hashed', 2, a)]):.2f}, "
           f"{statistics.median(c[('t_hashed', 2, b)]):.2f} |")
@@ -1007,8 +1008,8 @@ def write_report(R, meta, outdir: Path) -> None:
     w("![hashed vs direct](img/largedomain_ratio.png)\n")
     # ---- setup
     w("## Setup\n")
-    w("* Items: strings `u<k>`, k ~ Zipf(1.1) over all positive integers (unbounded domain; numpy's "
-      "zipf sampler). n events per repetition; D = number of distinct items seen.")
+    w("* Items: strings `u<k>`, k ~ Zipf(1.1) over all positive integers (unbounded domain; "
+      "numpy's zipf sampler). n events per repetition; D = number of distinct items seen.")
     w("* Hashed mode: the real `aggregator.hashing.bucket_of` (SipHash-2-4, fresh random key per "
       "repetition) on the distinct strings; bucket totals = sum of their items' counts.")
     w("* Direct mode (the oracle): one counter per distinct item, i.e. D = number of distinct "
@@ -1032,7 +1033,8 @@ def write_report(R, meta, outdir: Path) -> None:
     w("## l1 error: hashed vs direct\n")
     for layers in (1, 2):
         m = DEFAULT_METHOD[layers]
-        w(f"### {layers} layer{'s' if layers > 1 else ''} ({'state-only' if layers == 1 else 'joint model'}, {m})\n")
+        w(f"### {layers} layer{'s' if layers > 1 else ''} "
+          f"({'state-only' if layers == 1 else 'joint model'}, {m})\n")
         w("| n | eps | reps | D (mean) | B | B/n | direct (oracle D) | direct+zeros | hashed | "
           "**hashed / direct** | zeros / direct | hashed / (direct+zeros) | hashed release s |")
         w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -1041,7 +1043,8 @@ def write_report(R, meta, outdir: Path) -> None:
             r = ratio_se(c[("hashed",) + k], c[("direct",) + k])
             rz = ratio_se(c[("zeros",) + k], c[("direct",) + k])
             rh = ratio_se(c[("hashed",) + k], c[("zeros",) + k])
-            w(f"| {nfmt(n)} | {e:g} | {len(c[('hashed',) + k])} | {np.mean(c['D']):.3g} | {c['B']:.3g} | "
+            w(f"| {nfmt(n)} | {e:g} | {len(c[('hashed',) + k])} | {np.mean(c['D']):.3g} | "
+              f"{c['B']:.3g} | "
               f"{c['B'] / n:.2f} | {fmt(*mean_se(c[('direct',) + k]))} | "
               f"{fmt(*mean_se(c[('zeros',) + k]))} | {fmt(*mean_se(c[('hashed',) + k]))} | "
               f"**{fmt(*r)}** | {fmt(*rz)} | {fmt(*rh)} | "
@@ -1150,7 +1153,8 @@ def write_report(R, meta, outdir: Path) -> None:
         m = row.get("method", DEFAULT_METHOD[row["layers"]])
         w(f"| {row['layers']} | {m}{' (default)' if m == DEFAULT_METHOD[row['layers']] else ''} | "
           f"{statistics.median(row['ours']):.2f} s | {statistics.median(row['base']):.3f} s | "
-          f"{statistics.median(row['ratio']):.1f}x ({min(row['ratio']):.1f}..{max(row['ratio']):.1f}) | "
+          f"{statistics.median(row['ratio']):.1f}x "
+          f"({min(row['ratio']):.1f}..{max(row['ratio']):.1f}) | "
           f"{'met' if statistics.median(row['ours']) <= 10 else 'not met'} |")
     if "load0" in tm:
         w(f"\nLoad average (1, 5, 15 min) when the timing section started: "
@@ -1271,8 +1275,8 @@ def write_report(R, meta, outdir: Path) -> None:
     w("## When the real n differs from the expected n\n")
     w(f"B = choose_buckets({nfmt(mm['n_exp'])}, {mm['eps']:g}) = {mm['rows'][0]['B_fixed']:,} "
       "fixed in advance; data with another n. *right B* = choose_buckets(real n).\n")
-    w("| real n | n / expected | D | occupied buckets (fixed B) | error, fixed B | error, right B | "
-      "fixed / right | direct (oracle) |")
+    w("| real n | n / expected | D | occupied buckets (fixed B) | error, fixed B "
+      "| error, right B | fixed / right | direct (oracle) |")
     w("|---|---|---|---|---|---|---|---|")
     for r in mm["rows"]:
         a = r["acc"]
@@ -1333,7 +1337,8 @@ def write_report(R, meta, outdir: Path) -> None:
     w("|---|---|---|---|---|---|---|---|---|")
     for r in l2["rows"]:
         a = r["acc"]
-        w(f"| {nfmt(r['n'])} | {len(a['l1'])} | {np.mean(a['B2']):.3g} | {fmt(*mean_se(a['l1']))} | "
+        w(f"| {nfmt(r['n'])} | {len(a['l1'])} | {np.mean(a['B2']):.3g} | "
+          f"{fmt(*mean_se(a['l1']))} | "
           f"{fmt(*mean_se(a['l2-same']))} | {fmt(*mean_se(a['l2-two']))} | "
           f"{fmt(*mean_se(a['l1_l1']))} | {fmt(*mean_se(a['l2-same_l1']))} | "
           f"{fmt(*mean_se(a['l2-two_l1']))} |")

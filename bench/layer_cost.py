@@ -11,8 +11,10 @@ second layer (``intervals.noise_floor``).
 Usage (after ``bench.lofo --run``)::
 
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost
-    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --tol-sweep 2 0   # LAYERS REP
-    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --cell jb-zh 10 1.0 3  # NAME MULT EPS REPS
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --tol-sweep 2 0
+        # --tol-sweep LAYERS REP
+    OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.layer_cost --cell jb-zh 10 1.0 3
+        # --cell NAME MULT EPS REPS
     .venv/bin/python -m bench.layer_cost --best out/lofo_reps16   # stored errors only, no run
 """
 
@@ -161,7 +163,8 @@ def main() -> int:
         after = np.array([x[3] / x[1] for x in sel])
         real = [i for i, x in enumerate(sel) if family(x[0]) in ("wf", "sc", "ss", "jb", "ac",
                                                                "py")]
-        print(f"\n{mode}: {len(sel)} cells; E(2)/E(1) geo-mean {math.exp(np.log(before).mean()):.2f}"
+        print(f"\n{mode}: {len(sel)} cells; E(2)/E(1) geo-mean "
+              f"{math.exp(np.log(before).mean()):.2f}"
               f" -> {math.exp(np.log(after).mean()):.2f}, max {before.max():.2f} -> "
               f"{after.max():.2f}; 2-layer error new / old geo-mean "
               f"{math.exp(np.log(after / before).mean()):.3f} (range {np.min(after / before):.2f}"

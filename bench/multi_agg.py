@@ -1,15 +1,17 @@
 """Throughput of three aggregations of one stream (one consumer, one pass) against one.
 
-    PANAGG_KAFKA_BOOTSTRAP=host:port .venv/bin/python -m bench.multi_agg [--events 300000] [--reps 3]
+    PANAGG_KAFKA_BOOTSTRAP=host:port .venv/bin/python -m bench.multi_agg \\
+        [--events 300000] [--reps 3]
 
 One topic of JSON login events (``{"user": {"id"}, "ip", "device", "event"}``, 3 partitions).
 Per repetition, alternating (the order rotates): the service with one aggregation (per account,
 ``item.field = user.id``, direct) and with three (per account, per IP hashed, per device hashed
 with the filter ``event = login``), and the three again with each aggregation parsing every
 record itself (the shared parse of ``consumers/decode.py`` off: what sharing it saves), each from
-a fresh state directory and consumer group over the same records. Events/s = records / (last record delivered - first record delivered), the wall
-clock of the process (the broker shares the two cores); CPU = the process's CPU seconds over the
-same span. Writes a section of docs/item_selection.md.
+a fresh state directory and consumer group over the same records. Events/s = records / (last
+record delivered - first record delivered), the wall clock of the process (the broker shares the
+two cores); CPU = the process's CPU seconds over the same span. Writes a section of
+docs/item_selection.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ grid's criterion: worst-case and geometric-mean regret against the best candidat
 
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.select_study --run [--layers 1,2]
     .venv/bin/python -m bench.select_study --report
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.select_study --outside   # cells it was not chosen on
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.select_study --outside  # cells not chosen on
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def one_cell(dist: str, D: int, n: int, eps: float, reps: int, rng) -> dict:
             est = np.where(view > n, view - bc.s * n, 0.0)   # balcer_cheu_analyze on these counts
             errs["bc"].append(l1_distance(truth, _hist(np.rint(est).astype(np.int64))))
         for layers, key in ((1, "pan1"), (2, "pan2")):
-            errs[key].append(l1_distance(truth, anonymized_histogram(noisy(rng, h, p_pan, layers), p_pan,
-                                                                     layers=layers, n=n)))
+            errs[key].append(l1_distance(truth, anonymized_histogram(
+                noisy(rng, h, p_pan, layers), p_pan, layers=layers, n=n)))
         rel = central.privhist(h, eps) if eps <= 1 else central.dp_anon_hist(h, eps, n=n)
         errs["central"].append(l1_distance(truth, np.asarray(rel, dtype=np.int64)))
     out = {k: (float(np.mean(v)) if v else float("nan")) for k, v in errs.items()}
@@ -92,15 +92,17 @@ def error_table(reps: int, quick: bool, rng) -> list[str]:
         t0 = time.perf_counter()
         r = one_cell(dist, D, n, eps, reps, rng)
         bc = f"{r['bc']:,.0f}" if not r["bc_note"] else "refused (n too small)"
-        lines.append(f"| {dist} | {D:,} | {n:,} | {eps:g} | {r['gkmp']:,.0f} | {bc} | {r['pan1']:,.0f} | "
-                     f"{r['pan2']:,.0f} | {r['central']:,.0f} | {r['gkmp'] / r['pan1']:.2f} | {r['msgs']:.1f} |")
+        lines.append(f"| {dist} | {D:,} | {n:,} | {eps:g} | {r['gkmp']:,.0f} | {bc} | "
+                     f"{r['pan1']:,.0f} | {r['pan2']:,.0f} | {r['central']:,.0f} | "
+                     f"{r['gkmp'] / r['pan1']:.2f} | {r['msgs']:.1f} |")
         print(lines[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return lines
 
 
 def cost_table(rng) -> list[str]:
     n = 100_000
-    lines = ["| B / n | B | protocol | expected msgs/event | measured msgs/event | bytes/event sealed |",
+    lines = ["| B / n | B | protocol | expected msgs/event | measured msgs/event "
+             "| bytes/event sealed |",
              "|---|---|---|---|---|---|"]
     for frac in (0.001, 0.01, 0.1, 1.0):
         B = int(frac * n)
@@ -116,9 +118,11 @@ def cost_table(rng) -> list[str]:
                 rows, _ = rz.encode_many(rng.integers(0, B, size=events))
                 measured = len(rows) / events
             else:
-                measured = np.mean([len(rz.encode(int(b))) for b in rng.integers(0, B, size=min(events, 50))])
+                measured = np.mean([len(rz.encode(int(b)))
+                                    for b in rng.integers(0, B, size=min(events, 50))])
             lines.append(f"| {frac:g} | {B:,} | {'GKMP' if name == 'gkmp' else 'Balcer-Cheu'} | "
-                         f"{rz.expected_messages:,.1f} | {measured:,.1f} | {rz.expected_messages * SEALED_SIZE:,.0f} |")
+                         f"{rz.expected_messages:,.1f} | {measured:,.1f} | "
+                         f"{rz.expected_messages * SEALED_SIZE:,.0f} |")
     return lines
 
 
@@ -135,14 +139,18 @@ def main(argv=None) -> int:
         print("\n".join(cost))
         if not args.no_write:
             write_doc_section(DOC, "bench.shuffle", "cost", [
-                f"Command: `python -m bench.shuffle --cost-only` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+                "Command: `python -m bench.shuffle --cost-only` "
+                f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
                 f"git {git_rev(['aggregator', 'bench'])}); n = 100,000, eps = 1, delta = 1e-6; "
-                f"{SEALED_SIZE} bytes per sealed message (wire v2: the parameter fingerprint inside "
-                "every box).", ""] + cost)
+                f"{SEALED_SIZE} bytes per sealed message (wire v2: the parameter fingerprint "
+                "inside every box).", ""] + cost)
         return 0
-    head = [f"Command: `python -m bench.shuffle --reps {args.reps}{' --quick' if args.quick else ''}` "
-            f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_model()}; git {git_rev(['aggregator', 'bench'])}); "
-            f"delta = {DELTA:g}, gamma = 0.1, l1 error of the anonymized histogram, mean of {args.reps} draws.", ""]
+    head = [f"Command: `python -m bench.shuffle --reps {args.reps}"
+            f"{' --quick' if args.quick else ''}` "
+            f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_model()}; "
+            f"git {git_rev(['aggregator', 'bench'])}); "
+            f"delta = {DELTA:g}, gamma = 0.1, l1 error of the anonymized histogram, mean of "
+            f"{args.reps} draws.", ""]
     err = error_table(args.reps, args.quick, rng)
     cost = cost_table(rng)
     print("\n".join(cost))

@@ -153,7 +153,8 @@ def bare(bootstrap, topic, events, n, transactional: bool) -> float:
                 in_txn += 1
                 if transactional and in_txn == n:
                     p.send_offsets_to_transaction(
-                        {TopicPartition(topic, q): OffsetAndMetadata(o, "", -1) for q, o in ends.items()},
+                        {TopicPartition(topic, q): OffsetAndMetadata(o, "", -1)
+                         for q, o in ends.items()},
                         group)
                     p.commit_transaction()
                     p.begin_transaction()
@@ -348,7 +349,8 @@ def main(argv=None) -> int:
                 la0 = loadavg()
                 tb = bare(bootstrap, topic, events, args.n, False)
                 tt = bare(bootstrap, topic, events, args.n, True)
-                tc = bare_batched(bootstrap, topic, events, max(1, round(CHUNK_BOXES * events / boxes)))
+                tc = bare_batched(bootstrap, topic, events,
+                                  max(1, round(CHUNK_BOXES * events / boxes)))
                 ts, stats = shuffler(bootstrap, topic, pub, events, args.n, args.epsilon,
                                      args.buckets, tmp)
                 assert stats["events"] == events and stats["messages"] == boxes, stats
@@ -373,8 +375,10 @@ def table(args, events, boxes, mb, rows) -> list[str]:
     cratios = [tc / ts for _tb, _tt, tc, ts, *_ in rows]
     out = [f"`python -m bench.shuffler_throughput --events {args.events} --n {args.n} "
            f"--buckets {args.buckets} --epsilon {args.epsilon:g} --reps {args.reps}` "
-           f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {git_rev(['aggregator', 'bench/shuffler_throughput.py'])}; "
-           f"{os.cpu_count()} CPUs, {cpu_model()}; {versions(['kafka-python', 'PyNaCl', 'msgpack', 'numpy'])}; "
+           f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+           f"{git_rev(['aggregator', 'bench/shuffler_throughput.py'])}; "
+           f"{os.cpu_count()} CPUs, {cpu_model()}; "
+           f"{versions(['kafka-python', 'PyNaCl', 'msgpack', 'numpy'])}; "
            "single-node broker on loopback, the same machine):", "",
            f"GKMP, eps {args.epsilon:g}, delta 1e-6, n = {args.n:,} events per window, B = "
            f"{args.buckets:,}: {events:,} events in {events // args.n} windows, {boxes:,} sealed "

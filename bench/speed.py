@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.speed              # full sizes, writes docs/speed.md, docs/img/speed.png
-    .venv/bin/python -m bench.speed --quick      # small sizes, smoke test (writes to /tmp)
+    .venv/bin/python -m bench.speed          # full sizes: docs/speed.md, docs/img/speed.png
+    .venv/bin/python -m bench.speed --quick  # small sizes, smoke test (writes to /tmp)
 
 Absolute times depend on the machine and on whatever else runs on it, so nothing here is
 judged on an absolute threshold. Each section times its competitors *interleaved* (A, B, C,
@@ -279,7 +279,8 @@ def bench_release(items: np.ndarray, D: int, reps: int, joint_reps: int, log):
     return rows, noisy, p
 
 
-def bench_update(items: np.ndarray, D: int, reps: int, log) -> tuple[list[Row], PanPrivateHistogram]:
+def bench_update(items: np.ndarray, D: int, reps: int,
+                 log) -> tuple[list[Row], PanPrivateHistogram]:
     rows = []
     dt, state = _time_once(lambda: PanPrivateHistogram(epsilon=1, size=D))
     log(f"  constructor (D={D:.0e} DLap draws): {_fmt_t(dt)} (one run, not a target)")
@@ -295,7 +296,8 @@ def bench_update(items: np.ndarray, D: int, reps: int, log) -> tuple[list[Row], 
         rows.append(Row("3 update", f"update(items), direct size={D:.0e}, {n:.0e} {label} ints",
                         "np.bincount(items, minlength=D)", statistics.median(times["update"]),
                         statistics.median(times["bincount"]), r, "speedup", ">= 0.5x throughput",
-                        r[0] >= 0.5, note=f"{n / statistics.median(times['update']) / 1e6:.0f} M items/s",
+                        r[0] >= 0.5,
+                        note=f"{n / statistics.median(times['update']) / 1e6:.0f} M items/s",
                         reps=reps))
         log(f"  update {label}: {_fmt_t(rows[-1].t_ours)} vs bincount {_fmt_t(rows[-1].t_base)}: "
             f"throughput ratio {r[0]:.2f} ({r[1]:.2f}..{r[2]:.2f})")
@@ -458,8 +460,10 @@ def plot(rows: list[Row], path: Path) -> None:
     y = np.arange(len(rows))[::-1]
     colors = ["tab:green" if r.met else ("tab:red" if r.met is False else "tab:gray") for r in rows]
     vals = [r.time_ratio for r in rows]
-    lo = [r.time_ratio - (1 / r.ratio[2] if r.ratio_kind == "speedup" else r.ratio[1]) for r in rows]
-    hi = [(1 / r.ratio[1] if r.ratio_kind == "speedup" else r.ratio[2]) - r.time_ratio for r in rows]
+    lo = [r.time_ratio - (1 / r.ratio[2] if r.ratio_kind == "speedup" else r.ratio[1])
+          for r in rows]
+    hi = [(1 / r.ratio[1] if r.ratio_kind == "speedup" else r.ratio[2]) - r.time_ratio
+          for r in rows]
     ax.barh(y, vals, color=colors, xerr=[lo, hi], capsize=2, ecolor="k", alpha=0.85)
     ax.set_xscale("log")
     ax.axvline(1.0, color="k", lw=0.8)
@@ -581,7 +585,9 @@ def main(argv=None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     load0 = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    rev = git_rev(["aggregator/noise.py", "aggregator/state.py", "aggregator/estimate.py", "aggregator/hashing.py"])  # at the start: other commits may land while this runs
+    # at the start: other commits may land while this runs
+    rev = git_rev(["aggregator/noise.py", "aggregator/state.py", "aggregator/estimate.py",
+                   "aggregator/hashing.py"])
 
     log(f"[1] sampler: {N_samp:.0e} draws, eps in (0.25, 1, 4), {args.sampler_reps} reps")
     rows, checks = bench_sampler(N_samp, args.sampler_reps, (0.25, 1.0, 4.0), log)
@@ -619,8 +625,9 @@ def main(argv=None) -> int:
         "(measurement built once; converting its output list to numpy is not timed). Both are "
         "exact discrete Laplace samplers.",
         f"2. **Release.** True counts: n = {n:.0e} events drawn i.i.d. from Zipf(1.1) over "
-        f"D = {D:.0e} items (seeded), counted with bincount; noisy = true + DLap(p_from_epsilon(1)) "
-        "(one layer, OS CSPRNG). Timed: `anonymized_histogram(noisy, p)` (defaults: threshold "
+        f"D = {D:.0e} items (seeded), counted with bincount; noisy = true + "
+        "DLap(p_from_epsilon(1)) (one layer, OS CSPRNG). Timed: "
+        "`anonymized_histogram(noisy, p)` (defaults: threshold "
         "estimator, l1 projection) vs `np.bincount(noisy - noisy.min())`. Joint model: a second "
         "independent DLap layer added, `anonymized_histogram(noisy2, p, layers=2)` (default "
         "method for two layers: EM deconvolution) vs the same bincount.",
@@ -628,7 +635,8 @@ def main(argv=None) -> int:
         f"timed in the ratio); `state.update(items)` on the same {n:.0e} Zipf items as above "
         "(int64 array), and on uniform items, vs `np.bincount(items, minlength=D)`. Hashed: "
         f"`PanPrivateHistogram(epsilon=1, buckets=2**20).update(items)` on {n_hash:.0e} items "
-        f"`'user-<id>'` (ids Zipf over {n_hash:.0e}) given as a list of str and as a numpy `U` array; "
+        f"`'user-<id>'` (ids Zipf over {n_hash:.0e}) given as a list of str and as a numpy `U` "
+        "array; "
         "baseline `np.bincount(ids, minlength=2**20)` on the int ids.",
         f"4. **Snapshots.** The {D:.0e}-counter state from 3: `serialize()` (msgpack + SHA-256), "
         "`deserialize(bytes)`, and the same with the file written to / read from /tmp, vs "

@@ -309,8 +309,9 @@ class Decoder:
             if not -(2**63) <= item < 2**64:
                 return None, "oversized"
             return item, None
-        if len(item) > self.max_item_bytes or (isinstance(item, str) and
-                                               len(item.encode("utf-8", "surrogatepass")) > self.max_item_bytes):
+        if len(item) > self.max_item_bytes or (
+                isinstance(item, str)
+                and len(item.encode("utf-8", "surrogatepass")) > self.max_item_bytes):
             return None, "oversized"
         if isinstance(item, str):
             try:

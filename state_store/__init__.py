@@ -1,3 +1,4 @@
-"""Snapshot stores. The state's own format is :meth:`aggregator.state.PanPrivateHistogram.serialize`;
-the atomic directory store, checkpoints and signed audit exports arrive with the streaming service.
+"""Snapshot stores. The state's own format is
+:meth:`aggregator.state.PanPrivateHistogram.serialize`; the atomic directory store, checkpoints
+and signed audit exports arrive with the streaming service.
 """

@@ -53,7 +53,8 @@ def load_key(key_file: str | None = None) -> bytes:
     except ValueError:
         raise AuditKeyError(f"audit key in {where} is not hex") from None
     if len(key) < 16:
-        raise AuditKeyError(f"audit key in {where} is too short: use at least 16 bytes (32 hex digits)")
+        raise AuditKeyError(f"audit key in {where} is too short: "
+                            "use at least 16 bytes (32 hex digits)")
     return key
 
 

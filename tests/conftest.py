@@ -20,7 +20,8 @@ def kafka_broker(tmp_path_factory):
         return
     missing = [tool for tool in ("java", "mvn") if shutil.which(tool) is None]
     if missing:
-        pytest.fail(f"integration tests need {', '.join(missing)} on PATH (a real broker, no mocks)")
+        pytest.fail(f"integration tests need {', '.join(missing)} on PATH "
+                    "(a real broker, no mocks)")
     state = tmp_path_factory.mktemp("kafka")
     res = subprocess.run([str(KAFKA_SH), "start", str(state)], capture_output=True, text=True,
                          timeout=300)
@@ -73,7 +74,8 @@ class RestartableBroker:
 def _restartable_broker(tmp_path_factory):
     missing = [tool for tool in ("java", "mvn") if shutil.which(tool) is None]
     if missing:
-        pytest.fail(f"integration tests need {', '.join(missing)} on PATH (a real broker, no mocks)")
+        pytest.fail(f"integration tests need {', '.join(missing)} on PATH "
+                    "(a real broker, no mocks)")
     broker = RestartableBroker(tmp_path_factory.mktemp("kafka-restartable"))
     try:
         yield broker

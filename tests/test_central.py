@@ -169,7 +169,8 @@ def test_truncate_to_total_is_the_l1_projection():
 
 
 def test_remove_closest_ties_and_shortfall():
-    r = np.array([3, 4, 5, 6]); phi = np.array([2, 1, 2, 1])
+    r = np.array([3, 4, 5, 6])
+    phi = np.array([2, 1, 2, 1])
     r2, phi2 = _remove_closest(r, phi, 4, 2, prefer_above=True)  # 4 first, then 5 (tie 3 vs 5)
     assert dict(zip(r2.tolist(), phi2.tolist())) == {3: 2, 5: 1, 6: 1}
     r3, phi3 = _remove_closest(r, phi, 4, 2, prefer_above=False)
@@ -218,7 +219,8 @@ def test_smoothed_query_has_sensitivity_one():
     _, y0 = _smoothed_scaled_cumulative(base_r, base_phi, s)
     for k in range(len(base_r)):
         for d in (-1, 1):  # one item of count r[k] moves to r[k] + d
-            phi = base_phi.copy(); phi[k] -= 1
+            phi = base_phi.copy()
+            phi[k] -= 1
             r, phi = central._merge(np.append(base_r, base_r[k] + d), np.append(phi, 1))
             _, y1 = _smoothed_scaled_cumulative(r, phi, s)
             assert np.abs(y1 - y0).sum() == 1

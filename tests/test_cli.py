@@ -8,8 +8,8 @@ import numpy as np
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_demo_writes_releases(tmp_path):
@@ -164,10 +164,12 @@ def test_repeated_kafka_client_lines_are_condensed_and_ours_are_not():
         "            f.window_s = 0.5\n"
         "import time\n"
         "for i in range(50):\n"
-        "    logging.getLogger('kafka.coordinator').error('Heartbeat failed: %s', 'UnknownMemberIdError')\n"
+        "    logging.getLogger('kafka.coordinator').error('Heartbeat failed: %s', "
+        "'UnknownMemberIdError')\n"
         "    logging.getLogger('panagg.service').warning('ours %d', i)\n"
         "time.sleep(0.6)\n"
-        "logging.getLogger('kafka.coordinator').error('Heartbeat failed: %s', 'UnknownMemberIdError')\n")
+        "logging.getLogger('kafka.coordinator').error('Heartbeat failed: %s', "
+        "'UnknownMemberIdError')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
@@ -191,7 +193,8 @@ def test_central_never_overwrites_another_release(tmp_path):
 
 def test_a_second_demo_run_writes_beside_the_first_not_over_it(tmp_path):
     out = tmp_path / "rel"
-    assert run("demo", "--events", "3000", "--accounts", "300", "--output", str(out)).returncode == 0
+    assert run("demo", "--events", "3000", "--accounts", "300",
+               "--output", str(out)).returncode == 0
     first = (out / "release-0.json").read_bytes()
     res = run("demo", "--events", "3000", "--accounts", "300", "--output", str(out))
     assert res.returncode == 0, res.stderr
@@ -209,7 +212,8 @@ def test_version_flag_and_build_info_metric():
     res = run("--version")
     assert res.returncode == 0 and res.stdout.strip() == f"panagg {version('panagg')}"
     text = generate_latest(Metrics().registry).decode()
-    assert f'panagg_build_info{{python="{sys.version.split()[0]}",version="{version("panagg")}"}} 1.0' in text
+    assert (f'panagg_build_info{{python="{sys.version.split()[0]}",'
+            f'version="{version("panagg")}"}} 1.0') in text
 
 
 def _run_with_path(extra_path, *args):

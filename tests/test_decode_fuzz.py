@@ -39,7 +39,8 @@ def canonical(item) -> bytes:
 
 
 def decoder(fmt: str, mode: str) -> Decoder:
-    return Decoder(fmt, domain_size={"hashed": None, "direct64": D_SMALL, "direct2**63": D_BIG}[mode])
+    return Decoder(fmt, domain_size={"hashed": None, "direct64": D_SMALL,
+                                     "direct2**63": D_BIG}[mode])
 
 
 def direct_reason(item, domain: int):
@@ -64,7 +65,8 @@ ITEMS = [
     ("float 1.0", 1.0, TYPE), ("float nan", math.nan, TYPE), ("float inf", math.inf, TYPE),
     ("float -inf", -math.inf, TYPE),
     ("bool true", True, TYPE), ("bool false", False, TYPE), ("null", None, TYPE),
-    ("map", {"a": 1}, TYPE), ("empty map", {}, TYPE), ("list", [1, "a"], TYPE), ("empty list", [], TYPE),
+    ("map", {"a": 1}, TYPE), ("empty map", {}, TYPE), ("list", [1, "a"], TYPE),
+    ("empty list", [], TYPE),
     ("str empty", "", OK), ("str a", "a", OK), ("str é", "é", OK), ("str emoji", "\U0001F600", OK),
     ("str NUL", "\x00", OK), ("str trailing NUL", "a\x00", OK), ("str inner NUL", "a\x00b", OK),
     ("str leading NUL", "\x00a", OK), ("str 9 trailing NULs", "a" + "\x00" * 9, OK),
@@ -75,7 +77,8 @@ ITEMS = [
     ("str MAX+1 with 3-byte end", "a" * (MAX - 2) + "€", BIG),
     ("str MAX with 4-byte end", "a" * (MAX - 4) + "\U0001F600", OK),
     ("str MAX+1 with 4-byte end", "a" * (MAX - 3) + "\U0001F600", BIG),
-    ("str MAX all 2-byte", "é" * (MAX // 2), OK), ("str MAX+1 all 2-byte", "é" * (MAX // 2) + "a", BIG),
+    ("str MAX all 2-byte", "é" * (MAX // 2), OK),
+    ("str MAX+1 all 2-byte", "é" * (MAX // 2) + "a", BIG),
     ("str MAX/4 chars of 2 bytes", "é" * (MAX // 4), OK),  # short enough for the fast path
     ("str MAX ending in NUL", "a" * (MAX - 1) + "\x00", OK),
     ("str lone high surrogate", "\ud800", UNDEC), ("str lone low surrogate", "a\udfff", UNDEC),
@@ -225,9 +228,11 @@ def test_boundary_item_in_batch(fmt, mode, item):
     for raw, undecodable in messages(fmt, item):
         want = outcome(item, expected(item, mode, undecodable))
         good = [filler(item, mode, i) for i in range(63)]
-        check_batch(dec, mode, [encode(x) for x in good] + [raw], [("ok", x) for x in good] + [want])
+        check_batch(dec, mode, [encode(x) for x in good] + [raw],
+                    [("ok", x) for x in good] + [want])
         check_batch(dec, mode, [raw] * 64, [want] * 64)
-        check_batch(dec, mode, [raw] + [encode(x) for x in good], [want] + [("ok", x) for x in good])
+        check_batch(dec, mode, [raw] + [encode(x) for x in good],
+                    [want] + [("ok", x) for x in good])
 
 
 def test_fast_path_serves_the_uint64_batch(monkeypatch):
@@ -257,7 +262,8 @@ def test_fast_path_keeps_a_batch_with_one_long_valid_item(monkeypatch, long_item
                                       b"x" * (MAX + 1)])
 def test_fast_path_hands_an_oversized_item_to_the_per_message_path(too_long):
     items = [f"s{i}" for i in range(63)] + [too_long]
-    batch = Decoder("msgpack").decode([msgpack.packb({"item": x}, use_bin_type=True) for x in items])
+    batch = Decoder("msgpack").decode([msgpack.packb({"item": x}, use_bin_type=True)
+                                       for x in items])
     assert batch.rejected == [(63, "oversized")] and batch.items == items[:63]
 
 
@@ -302,7 +308,8 @@ RAW = [  # (id, format, message value, hashed outcome, direct (D = 64) outcome)
     ("JSON duplicate keys, int last", "json", b'{"item": "b", "item": 5}', ("ok", 5), ("ok", 5)),
     ("JSON \\u0000 at the end", "json", b'{"item": "a\\u0000"}', ("ok", "a\x00"), TYPE),
     ("JSON raw NUL in string", "json", b'{"item": "a\x00"}', UNDEC, UNDEC),  # control char
-    ("JSON escaped surrogate pair", "json", b'{"item": "\\ud83d\\ude00"}', ("ok", "\U0001F600"), TYPE),
+    ("JSON escaped surrogate pair", "json", b'{"item": "\\ud83d\\ude00"}', ("ok", "\U0001F600"),
+     TYPE),
     ("JSON array", "json", b"[1]", "not_a_map", "not_a_map"),
     ("JSON number", "json", b"1", "not_a_map", "not_a_map"),
     ("JSON null", "json", b"null", "not_a_map", "not_a_map"),
@@ -328,8 +335,10 @@ RAW = [  # (id, format, message value, hashed outcome, direct (D = 64) outcome)
     ("msgpack uint64 max", "msgpack", b"\x81\xa4item\xcf" + b"\xff" * 8, ("ok", 2**64 - 1),
      "out_of_range"),
 ]
-RAW_CASES = [pytest.param(fmt, mode, raw, (h if mode == "hashed" else d), id=f"{fmt}-{mode}-{id_}")
-             for id_, where, raw, h, d in RAW for fmt in ("msgpack", "json") if where in ("both", fmt)
+RAW_CASES = [pytest.param(fmt, mode, raw, (h if mode == "hashed" else d),
+                          id=f"{fmt}-{mode}-{id_}")
+             for id_, where, raw, h, d in RAW
+             for fmt in ("msgpack", "json") if where in ("both", fmt)
              for mode in ("hashed", "direct64")]
 
 
@@ -342,7 +351,8 @@ def test_raw_message(fmt, mode, raw, want):
     check_batch(dec, mode, [raw] * 64, [want] * 64)
     good = [f"s{i}" if mode == "hashed" else i for i in range(63)]
     enc = msgpack.packb if fmt == "msgpack" else (lambda x: json.dumps(x).encode())
-    check_batch(dec, mode, [enc({"item": x}) for x in good] + [raw], [("ok", x) for x in good] + [want])
+    check_batch(dec, mode, [enc({"item": x}) for x in good] + [raw],
+                [("ok", x) for x in good] + [want])
 
 
 def test_error_reasons_are_the_documented_ones():
@@ -358,7 +368,8 @@ SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-(2**63
                     st.sampled_from([x for _, x, _ in ITEMS if len(repr(x)) < 40]))
 MSGPACK_ONLY = st.one_of(st.binary(max_size=40), st.binary(min_size=1000, max_size=1100),
                          st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=5)),
-                         st.builds(msgpack.Timestamp, st.integers(0, 2**34), st.integers(0, 999_999_999)))
+                         st.builds(msgpack.Timestamp, st.integers(0, 2**34),
+                                   st.integers(0, 999_999_999)))
 
 
 def values(extra):
@@ -412,7 +423,8 @@ def mixed_batch_check(fmt: str, recs: list) -> None:
             docs.append(GARBAGE)  # any outcome, as long as nothing raises
             continue
         try:
-            raw = msgpack.packb(rec, use_bin_type=True) if fmt == "msgpack" else json.dumps(rec).encode()
+            raw = (msgpack.packb(rec, use_bin_type=True) if fmt == "msgpack"
+                   else json.dumps(rec).encode())
         except (OverflowError, UnicodeEncodeError, ValueError, TypeError):
             continue  # not representable in this format
         raws.append(raw)

@@ -1,11 +1,12 @@
-"""Deploy artifacts (deploy/): compose file, Dockerfile, Prometheus, Grafana, systemd, example config.
+"""Deploy artifacts (deploy/): compose file, Dockerfile, Prometheus, Grafana, systemd, example
+config.
 
 Fast and offline. Nothing here starts a container (no Docker engine on the build machines): the
 files are parsed and checked against the code they configure. The compose environment and the
-example TOML go through the real ``aggregator.service.config.load_config``; every metric name in the
-Grafana dashboard must be in the exposition of a real ``aggregator.service.metrics.Metrics`` registry.
-Where the tools exist, ``promtool``, ``systemd-analyze verify`` and ``docker compose config`` check
-the files too; each of those tests skips with the reason when its tool is missing.
+example TOML go through the real ``aggregator.service.config.load_config``; every metric name in
+the Grafana dashboard must be in the exposition of a real ``aggregator.service.metrics.Metrics``
+registry. Where the tools exist, ``promtool``, ``systemd-analyze verify`` and ``docker compose
+config`` check the files too; each of those tests skips with the reason when its tool is missing.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def test_bind_mounts_and_build_context_exist(compose):
             if source.startswith((".", "/")):
                 assert (DEPLOY / source).exists(), f"{name}: bind mount source {source} missing"
             else:
-                assert source in (compose.get("volumes") or {}), f"{name}: volume {source} undeclared"
+                assert source in (compose.get("volumes") or {}), \
+                    f"{name}: volume {source} undeclared"
         build = svc.get("build")
         if build:
             context = (DEPLOY / build["context"]).resolve()
@@ -272,7 +274,8 @@ def test_docker_compose_config_validates():
     if probe.returncode != 0:
         pytest.skip("docker compose plugin not installed (`docker compose version` fails): "
                     "compose file checked by parsing only")
-    res = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "-q"],
+                         capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
 
 
@@ -360,7 +363,8 @@ def exposition():
             names.setdefault(family.name + suffix, set())
         for sample in family.samples:
             names.setdefault(sample.name, set()).update(sample.labels)
-    assert "panagg_events_total" in names and "le" in names["panagg_release_duration_seconds_bucket"]
+    assert ("panagg_events_total" in names
+            and "le" in names["panagg_release_duration_seconds_bucket"])
     return names
 
 
@@ -424,7 +428,8 @@ def test_dashboard_covers_the_operational_metrics(dashboard):
     assert wanted <= used, f"dashboard lacks {sorted(wanted - used)}"
     exprs = [t["expr"] for _, t in _targets(dashboard)]
     assert "rate(panagg_events_total[1m])" in exprs
-    for hist in ("panagg_release_duration_seconds_bucket", "panagg_checkpoint_duration_seconds_bucket"):
+    for hist in ("panagg_release_duration_seconds_bucket",
+                 "panagg_checkpoint_duration_seconds_bucket"):
         quantiles = {q for e in exprs if hist in e
                      for q in re.findall(r"histogram_quantile\(\s*([0-9.]+)", e)}
         assert {"0.5", "0.99"} <= quantiles, f"{hist}: p50 and p99 wanted, got {quantiles}"
@@ -479,7 +484,8 @@ def test_systemd_unit_runs_panagg_hardened():
 
 
 def test_systemd_analyze_verify(tmp_path):
-    """systemd-analyze verify in a scratch root holding a stub panagg (the real path need not exist)."""
+    """systemd-analyze verify in a scratch root holding a stub panagg (the real path need not
+    exist)."""
     tool = shutil.which("systemd-analyze")
     units = next((p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
                   if (p / "sysinit.target").exists()), None)
@@ -740,7 +746,8 @@ def test_kubernetes_probes_hit_the_metrics_servers_health_endpoints(k8s_docs, tm
         base = f"http://127.0.0.1:{port}"
         for probe, path in paths.items():
             code, body = _get(base + path)
-            assert code == 503 and "start" in body, f"{probe} {path} before the first turn: {body!r}"
+            assert code == 503 and "start" in body, \
+                f"{probe} {path} before the first turn: {body!r}"
         m.heartbeat()
         m.set_ready(True)
         want = {"livenessProbe": "ok\n", "startupProbe": "ok\n", "readinessProbe": "ready\n"}

@@ -46,7 +46,8 @@ def test_kernel_is_unbiased_exactly(layers):
         # F(m) = 0 below m0, F[m - m0] on [m0, layers - 1], 1 above
         z = np.arange(-K, K + 1)
         m = tau + z
-        vals = np.where(m < m0, 0.0, np.where(m > layers - 1, 1.0, F[np.clip(m - m0, 0, len(F) - 1)]))
+        vals = np.where(m < m0, 0.0,
+                        np.where(m > layers - 1, 1.0, F[np.clip(m - m0, 0, len(F) - 1)]))
         assert math.isclose(float(np.dot(q, vals)), float(tau >= 0), abs_tol=1e-9)
 
 
@@ -210,7 +211,8 @@ def test_noisy_value_counts_are_additive():
     merged = noisy_value_counts(a).merge(noisy_value_counts(b))
     whole = noisy_value_counts(np.concatenate([a, b]))
     assert merged.lo == whole.lo and np.array_equal(merged.c, whole.c)
-    np.testing.assert_allclose(cumulative_prevalence(merged, 0.4), cumulative_prevalence(whole, 0.4))
+    np.testing.assert_allclose(cumulative_prevalence(merged, 0.4),
+                               cumulative_prevalence(whole, 0.4))
 
 
 def test_deconvolution_conserves_counter_mass():

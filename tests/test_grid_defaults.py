@@ -1,9 +1,9 @@
 """The release defaults are the accuracy grid's choices, and the release really uses them.
 
 bench/accuracy_grid.py writes the candidate with the lowest worst-case regret per (mode, layers) to
-bench/grid_defaults.json (docs/accuracy_grid.md has the measurements); aggregator.estimators.DEFAULTS
-must say the same, and a release that names no estimator and no cap rule must be exactly the one
-that names the defaults.
+bench/grid_defaults.json (docs/accuracy_grid.md has the measurements);
+aggregator.estimators.DEFAULTS must say the same, and a release that names no estimator and no cap
+rule must be exactly the one that names the defaults.
 """
 
 import json

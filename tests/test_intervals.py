@@ -1,4 +1,5 @@
-"""Noise floor and bootstrap error bars (aggregator.intervals): the math, the shapes, the release."""
+"""Noise floor and bootstrap error bars (aggregator.intervals): the math, the shapes, the
+release."""
 
 import math
 

@@ -3,10 +3,8 @@ mode; NFC and case folding in hashed mode; a filter whose left-out records are n
 rejects. The msgpack batch fast path must agree with the per-message path on every case."""
 
 import json
-import os
 
 import msgpack
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -57,10 +55,12 @@ def test_coerce_numeric_strings_in_direct_mode():
     values = [pack({"item": str(i)}) for i in range(100)] + [pack({"item": i}) for i in range(100)]
     batch = both_paths(dec, values)
     assert list(batch.items) == list(range(100)) * 2
-    for raw, want in [("00042", (42, None)), ("-1", (None, "wrong_type")), ("4 2", (None, "wrong_type")),
+    for raw, want in [("00042", (42, None)), ("-1", (None, "wrong_type")),
+                      ("4 2", (None, "wrong_type")),
                       ("٤٢", (None, "wrong_type")),  # Arabic-Indic digits are not ASCII digits
                       ("1_0", (None, "wrong_type")), ("", (None, "wrong_type")),
-                      ("5000", (None, "out_of_range")), (b"17", (17, None)), ("1" * 41, (None, "wrong_type"))]:
+                      ("5000", (None, "out_of_range")), (b"17", (17, None)),
+                      ("1" * 41, (None, "wrong_type"))]:
         assert dec.decode_one(pack({"item": raw})) == want, raw
     values[150] = pack({"item": "x1"})
     assert both_paths(dec, values).rejected == [(150, "wrong_type")]
@@ -74,12 +74,14 @@ def test_record_key_and_header_items():
     dec = Decoder("msgpack", spec=ItemSpec(source="key"))
     assert list(both_paths(dec, values, keys, headers).items) == keys
     dec = Decoder("msgpack", spec=ItemSpec(source="header", header="device"))
-    assert list(both_paths(dec, values, keys, headers).items) == [f"dev-{i % 3}".encode() for i in range(n)]
+    assert list(both_paths(dec, values, keys, headers).items) == [f"dev-{i % 3}".encode()
+                                                                  for i in range(n)]
     keys[3], headers[4] = None, [("trace", b"t")]
     headers[5] = [("device", b"first"), ("device", b"last")]  # the last one wins
     b_key = both_paths(Decoder(spec=ItemSpec(source="key")), values, keys, headers)
     assert b_key.rejected == [(3, "missing_item")]
-    b_hdr = both_paths(Decoder(spec=ItemSpec(source="header", header="device")), values, keys, headers)
+    b_hdr = both_paths(Decoder(spec=ItemSpec(source="header", header="device")), values, keys,
+                       headers)
     assert b_hdr.rejected == [(4, "missing_item")] and b_hdr.items[4] == b"last"
     # direct mode: a key is text; its digits are the int
     dec = Decoder(domain_size=50, spec=ItemSpec(source="key"))
@@ -119,7 +121,8 @@ def test_filter_leaves_records_out_without_rejecting_them():
     reasons = dict(batch.rejected)
     assert reasons[10] == reasons[12] == FILTERED and reasons[11] == "out_of_range"
     assert reasons[13] == "undecodable"
-    assert {i for i, r in reasons.items() if r == FILTERED} == {i for i in range(300) if i % 3 == 0} | {10}
+    assert ({i for i, r in reasons.items() if r == FILTERED}
+            == {i for i in range(300) if i % 3 == 0} | {10})
     # the fast path handles a batch where nothing is wrong but some records are left out
     good = [pack({"event": "login" if i % 2 else "x", "user": {"id": i % 100}}) for i in range(200)]
     batch = both_paths(dec, good)
@@ -211,10 +214,12 @@ def test_item_choice_is_part_of_the_state_dirs_identity(tmp_path):
         _run(tmp_path, [([pack({"user": {"id": 1}})] * 10, None, None)], "item.field=user.id")
 
 
-_leaf = (st.none() | st.booleans() | st.integers(-5, 2**64 - 1) | st.sampled_from(["login", "x", "7", "Zoë"])
+_leaf = (st.none() | st.booleans() | st.integers(-5, 2**64 - 1)
+         | st.sampled_from(["login", "x", "7", "Zoë"])
          | st.binary(max_size=4) | st.floats(allow_nan=False))
 _record = st.one_of(
-    st.fixed_dictionaries({"event": _leaf, "user": st.one_of(_leaf, st.fixed_dictionaries({"id": _leaf})),
+    st.fixed_dictionaries({"event": _leaf,
+                           "user": st.one_of(_leaf, st.fixed_dictionaries({"id": _leaf})),
                            "item": _leaf}),
     _leaf, st.lists(_leaf, max_size=2))
 
@@ -223,11 +228,13 @@ _record = st.one_of(
 @given(st.lists(_record, min_size=64, max_size=90), st.sampled_from([
     ItemSpec(), ItemSpec(path=("user", "id")), ItemSpec(path=("user", "id"), coerce=True),
     ItemSpec(filter_path=("event",), filter_value="login"),
-    ItemSpec(path=("user", "id"), filter_path=("event",), filter_value="7", nfc=True, casefold=True),
+    ItemSpec(path=("user", "id"), filter_path=("event",), filter_value="7", nfc=True,
+             casefold=True),
     ItemSpec(filter_path=("user", "id"), filter_value="true")]), st.booleans())
 def test_fast_path_agrees_with_per_message_decoding(docs, spec, direct):
     if direct and (spec.nfc or spec.casefold):
-        spec = ItemSpec(path=spec.path, filter_path=spec.filter_path, filter_value=spec.filter_value)
+        spec = ItemSpec(path=spec.path, filter_path=spec.filter_path,
+                        filter_value=spec.filter_value)
     if not direct and spec.coerce:
         spec = ItemSpec(path=spec.path)
     values = [pack(d) for d in docs]

@@ -55,7 +55,8 @@ def test_password_from_the_environment(pw_file):
 @pytest.mark.parametrize("sets, fragment", [
     (["security.protocol=TLS"], "security.protocol must be one of"),
     (["security.protocol=SASL_SSL"], "needs security.sasl_mechanism"),
-    (["security.protocol=SASL_SSL", "security.sasl_mechanism=GSSAPI"], "needs security.sasl_mechanism"),
+    (["security.protocol=SASL_SSL", "security.sasl_mechanism=GSSAPI"],
+     "needs security.sasl_mechanism"),
     (["security.protocol=SASL_SSL", "security.sasl_mechanism=PLAIN"], "needs security.username"),
     (["security.protocol=SASL_SSL", "security.sasl_mechanism=PLAIN", "security.username=u"],
      "needs the SASL password"),

@@ -117,7 +117,8 @@ def test_gamma_lemma20_monotonicity():
 
 
 def test_gamma_is_affine_in_the_last_entry():
-    """With phi_{>=1..r-1} fixed, Gamma_r is affine in phi_{>=r} (r >= 2), slope (1-q)^(phi_1 - 1)."""
+    """With phi_{>=1..r-1} fixed, Gamma_r is affine in phi_{>=r} (r >= 2), slope
+    (1-q)^(phi_1 - 1)."""
     B = 50
     base = [9, 6, 4]  # phi_{>=1}, phi_{>=2}, phi_{>=3}
     vals = [ld.gamma_b(np.array(base + [x]), B)[3] for x in range(0, 5)]
@@ -169,7 +170,8 @@ def test_greedy_prefix_recovers_integers_exactly():
 
 
 def test_greedy_binary_search_is_closest_integer():
-    """Each step picks the integer x minimizing |Gamma_r(..., x) - psi_r| (checked by brute force)."""
+    """Each step picks the integer x minimizing |Gamma_r(..., x) - psi_r| (checked by brute
+    force)."""
     rng = np.random.default_rng(8)
     B, n = 40, 30
     psi = np.sort(rng.uniform(0, 12, 6))[::-1]

@@ -8,7 +8,6 @@ within its budget or is refused with one line, writing nothing.
 """
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -20,7 +19,7 @@ import pytest
 from aggregator.service import Aggregator
 from aggregator.service.charges import ChargeBook
 from aggregator.service.config import load_config
-from aggregator.service.ledger import Ledger, LedgerError, migrate
+from aggregator.service.ledger import Ledger, LedgerError
 from consumers.base import Source
 from state_store.local import LocalStore
 

@@ -54,7 +54,8 @@ def write_events(path, count, seed, start=0):
     r = random.Random(seed)
     with open(path, "a") as f:
         for i in range(start, start + count):
-            ev = {"user": {"id": r.randrange(200)}, "ip": f"10.0.{r.randrange(9)}.{r.randrange(99)}",
+            ev = {"user": {"id": r.randrange(200)},
+                  "ip": f"10.0.{r.randrange(9)}.{r.randrange(99)}",
                   "device": f"d{r.randrange(60)}", "event": r.choice(["login", "login", "logout"])}
             if i % 101 == 0:
                 ev.pop("ip")  # a reject for ip only

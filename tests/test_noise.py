@@ -352,7 +352,8 @@ def test_zero_prefix_walks_past_the_table(p):
 
 
 def test_ties_inside_a_vector_batch():
-    """Ties mixed with ordinary draws: the vector path and the scalar path agree with the reference."""
+    """Ties mixed with ordinary draws: the vector path and the scalar path agree with the
+    reference."""
     p = math.exp(-0.5)
     desc = exact_desc(p)
     pf = Fraction(p)

@@ -162,7 +162,8 @@ def test_changing_source_format_is_refused_and_accepted_only_explicitly(tmp_path
     res = panagg(*run_args(tmp_path, path, fmt="json"), "--accept-change")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "settings of " in res.stderr and "format 'msgpack' -> 'json'" in res.stderr
-    entries = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().split("\n") if x]
+    entries = [json.loads(x)
+               for x in (tmp_path / "state" / "ledger.jsonl").read_text().split("\n") if x]
     ids = [e for e in entries if e["kind"] == "identity"]
     assert ids[-1]["identity"]["format"] == "json" and ids[-1]["previous"]["format"] == "msgpack"
 
@@ -200,7 +201,7 @@ def test_a_safe_setting_change_is_logged_once(tmp_path):
     assert res.returncode == 0 and "changed from" not in res.stderr
 
 
-# -- 8: the README's audit export on a running service ----------------------------------------------
+# -- 8: the README's audit export on a running service ---------------------------------------------
 ROOT = Path(__file__).resolve().parent.parent
 KEY, OTHER = "5a" * 32, "c3" * 32
 
@@ -210,7 +211,8 @@ def test_readme_audit_export_works_on_a_running_service(tmp_path):
     documented = [x.split("#")[0].strip() for x in readme.splitlines() if "audit export" in x
                   and x.startswith(("panagg", "PANAGG"))]
     assert documented == ["panagg audit export --state-dir var/panagg"]
-    assert "start it as `PANAGG_AUDIT_KEY=<64 hex digits> panagg run ...`" in " ".join(readme.split())
+    assert ("start it as `PANAGG_AUDIT_KEY=<64 hex digits> panagg run ...`"
+            in " ".join(readme.split()))
     state = tmp_path / "state"
     shell = {k: v for k, v in os.environ.items() if k != "PANAGG_AUDIT_KEY"}
     # the service as the README says: the key in its own environment
@@ -286,20 +288,26 @@ def test_a_service_that_stops_before_it_answers_is_named_at_once(tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-# -- 9: kafka-python's own lines ---------------------------------------------------------------------
+# -- 9: kafka-python's own lines -------------------------------------------------------------------
 LIBRARY_LINES = r'''
 import logging, ssl, sys
 from kafka.errors import KafkaConnectionError, KafkaProtocolError, UnsupportedVersionError
 from aggregator.service.cli import _setup_logging
 _setup_logging(verbose=sys.argv[1] == "-v")
 t = "<KafkaTCPTransport [127.0.0.1:9092<-5000]>"
-logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, KafkaConnectionError("socket disconnected"))
-logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, ConnectionResetError(104, "Connection reset by peer"))
-logging.getLogger("kafka.net.selector").warning("Task %r ran for %.3fs (>%.3fs threshold). It is blocking the event loop -- likely a tight sync loop inside a coroutine. Other pollers will time out." % ("<kafka.net.selector.Task x>", 0.144, 0.1))
-logging.getLogger("kafka.net.manager").error("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")
-logging.getLogger("kafka.coordinator").warning("Marking the coordinator dead (node coordinator-1) for group panagg: KafkaConnectionError: 111 ECONNREFUSED.")
-logging.getLogger("kafka.net.transport").error("%s: Abort (%s)", t, KafkaProtocolError("bad frame"))
-logging.getLogger("kafka.consumer.fetcher").error("Fetch to node 1 failed: %s", UnsupportedVersionError("v99"))
+log = logging.getLogger
+log("kafka.net.transport").error("%s: Abort (%s)", t, KafkaConnectionError("socket disconnected"))
+log("kafka.net.transport").error("%s: Abort (%s)", t,
+                                 ConnectionResetError(104, "Connection reset by peer"))
+log("kafka.net.selector").warning(
+    "Task %r ran for %.3fs (>%.3fs threshold). It is blocking the event loop -- likely a tight "
+    "sync loop inside a coroutine. Other pollers will time out."
+    % ("<kafka.net.selector.Task x>", 0.144, 0.1))
+log("kafka.net.manager").error("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")
+log("kafka.coordinator").warning("Marking the coordinator dead (node coordinator-1) for group "
+                                 "panagg: KafkaConnectionError: 111 ECONNREFUSED.")
+log("kafka.net.transport").error("%s: Abort (%s)", t, KafkaProtocolError("bad frame"))
+log("kafka.consumer.fetcher").error("Fetch to node 1 failed: %s", UnsupportedVersionError("v99"))
 '''
 
 

@@ -4,7 +4,8 @@ The audits are *statistical lower bounds* on the privacy loss: for neighbouring 
 draw many outputs of the mechanism M, estimate P[M(x) in S] and P[M(x') in S] for a large family
 of events S fixed in advance, and report
 
-    eps_hat = max over S and both directions of  log( lower_CI P[M(x) in S] / upper_CI P[M(x') in S] )
+    eps_hat = max over S and both directions of
+              log( lower_CI P[M(x) in S] / upper_CI P[M(x') in S] )
 
 with one-sided Clopper-Pearson intervals, Bonferroni-corrected over every interval computed. If M
 is eps-DP then, with probability at least 1 - ALPHA, every such ratio is <= e^eps (because
@@ -135,7 +136,8 @@ def _best_log_ratio(c_num, n_num, c_den, n_den, a) -> tuple[float, int]:
         if point[chunk[0]] <= best:
             break
         with np.errstate(divide="ignore"):
-            r = np.log(_cp_lower(c_num[chunk], n_num, a)) - np.log(_cp_upper(c_den[chunk], n_den, a))
+            r = (np.log(_cp_lower(c_num[chunk], n_num, a))
+                 - np.log(_cp_upper(c_den[chunk], n_den, a)))
         j = int(np.argmax(r))
         if r[j] > best:
             best, best_i = float(r[j]), int(chunk[j])
@@ -466,7 +468,8 @@ def test_exports_intrusion_release_jointly_private(changed, intrusion):
 
 
 def test_export_with_after_layer_only_is_flagged():
-    """Intrusion just before an export that has no 'before' layer: they differ by exact increments."""
+    """Intrusion just before an export that has no 'before' layer: they differ by exact
+    increments."""
     p = p_from_epsilon(1.0, 2)
     # events [0, 1]; intrusion; the replaced event (1 in x, 2 in x'); export; layer; [2, 0]; release
     sched_x = [[0, 1], "view", [1], "view", "layer", [2, 0], "layer", "view"]

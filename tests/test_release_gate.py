@@ -75,7 +75,8 @@ def test_windows_in_the_release_worker_count_as_charged(tmp_path):
 
 
 def test_other_aggregations_of_the_stream_charge_the_same_events(tmp_path):
-    users, ips = gate_in(tmp_path / "set" / "users", "users"), gate_in(tmp_path / "set" / "ips", "ips")
+    users, ips = (gate_in(tmp_path / "set" / "users", "users"),
+                  gate_in(tmp_path / "set" / "ips", "ips"))
     release(users, "u1", 0, {"p0": [0, 100]})
     assert [e["window_uid"] for e in ips.other_charges() if e["kind"] == "release"] == ["u1"]
     # at a per-event budget of one release, the other aggregation's window is refused

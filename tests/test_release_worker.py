@@ -11,7 +11,7 @@ import pytest
 
 from aggregator.service import Aggregator
 from consumers.file_source import FileSource
-from tests.test_service import (D, SEED, cfg_for, cli_sets, durable, expected_release,
+from tests.test_service import (D, cfg_for, cli_sets, durable, expected_release,
                                 ledger_entries, run_cli, write_events)
 
 DELAY = "1.5"

@@ -31,7 +31,8 @@ def test_auto_is_deterministic_and_capped(layers):
     assert c1 == c2 and c1 in S.CANDIDATES
     assert y1.sum() <= n and np.all(np.diff(y1) <= 0)
     rel = A.anonymized_histogram(noisy, p, layers=layers, n=n, method="auto")
-    np.testing.assert_array_equal(E.cumulative_from_counts(rel), y1[: len(E.cumulative_from_counts(rel))])
+    np.testing.assert_array_equal(E.cumulative_from_counts(rel),
+                                  y1[: len(E.cumulative_from_counts(rel))])
 
 
 def test_auto_release_is_the_chosen_candidates_release():
@@ -81,8 +82,8 @@ def test_xfit_uses_n_and_is_deterministic():
 
 
 def test_loglik_is_the_likelihood_of_the_noisy_values():
-    """counter_model.loglik against the definition: every counter's noisy value is its stand-in value
-    plus the k-layer noise, so the log-likelihood is sum_j log sum_r P(r) q(v_j - r)."""
+    """counter_model.loglik against the definition: every counter's noisy value is its stand-in
+    value plus the k-layer noise, so the log-likelihood is sum_j log sum_r P(r) q(v_j - r)."""
     noisy, p, h = _state(4, 2, items=40, zeros=200, top=12)
     vc = E.noisy_value_counts(noisy)
     y = E.cumulative_from_counts(np.sort(h[h > 0])[::-1][:30])  # a stand-in, not the truth
@@ -155,8 +156,9 @@ def test_early_stopped_em_takes_the_shrunk_start_only_when_likelier_by_the_margi
     np.testing.assert_array_equal(y, E.cap_total(mine, n, cap))
     np.testing.assert_array_equal(other, E.cap_total(theirs, n, cap))
     # the error bars' stand-in "deconvolution" is the fit the release took
-    np.testing.assert_array_equal(A.anonymized_cumulative(noisy, p, layers=1, method="deconvolution"),
-                                  np.trim_zeros(mine, "b"))
+    np.testing.assert_array_equal(
+        A.anonymized_cumulative(noisy, p, layers=1, method="deconvolution"),
+        np.trim_zeros(mine, "b"))
 
 
 def test_two_starts_only_at_one_layer_with_mostly_empty_counters(monkeypatch):

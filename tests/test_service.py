@@ -169,8 +169,8 @@ def test_count_windows_split_batches_exactly(tmp_path):
 
 def run_cli(args, env_extra=None, timeout=300):
     env = dict(os.environ, PANAGG_TESTING="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def cli_sets(tmp_path, path, **overrides):
@@ -380,7 +380,8 @@ def test_bad_config_is_one_line(sets, fragment, monkeypatch):
     monkeypatch.delenv("PANAGG_TESTING")
     with pytest.raises(ConfigError, match=fragment):
         load_config(None, sets, env={})
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", *sum([["--set", s] for s in sets], [])],
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run",
+                          *sum([["--set", s] for s in sets], [])],
                          capture_output=True, text=True, timeout=60,
                          env={k: v for k, v in os.environ.items() if k != "PANAGG_TESTING"})
     assert res.returncode == 2
@@ -389,7 +390,8 @@ def test_bad_config_is_one_line(sets, fragment, monkeypatch):
 
 def test_config_file_env_and_flags_layer(tmp_path):
     toml = tmp_path / "panagg.toml"
-    toml.write_text('[state]\nepsilon = 2.0\ndomain_size = 77\n[window]\nkind = "time"\nsize = 60\n')
+    toml.write_text('[state]\nepsilon = 2.0\ndomain_size = 77\n'
+                    '[window]\nkind = "time"\nsize = 60\n')
     cfg = load_config(str(toml), ["state.domain_size=88"], env={"PANAGG_STATE_EPSILON": "0.5"})
     assert cfg.state.epsilon == 0.5 and cfg.state.domain_size == 88
     # (time windows of the default Kafka source: by the records' timestamps, window.clock)
@@ -406,10 +408,13 @@ def test_config_file_env_and_flags_layer(tmp_path):
 @given(st.one_of(
     st.binary(max_size=200),
     st.builds(lambda d: msgpack.packb(d), st.recursive(
-        st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True) | st.text() | st.binary(),
-        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+        st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True)
+        | st.text() | st.binary(),
+        lambda kids: (st.lists(kids, max_size=3)
+                      | st.dictionaries(st.text(max_size=5), kids, max_size=3)),
         max_leaves=6)),
-    st.builds(lambda v: msgpack.packb({"item": v}), st.integers(-2**63, 2**64 - 1) | st.text() | st.binary()),
+    st.builds(lambda v: msgpack.packb({"item": v}),
+              st.integers(-2**63, 2**64 - 1) | st.text() | st.binary()),
     st.builds(lambda v: json.dumps({"item": v}).encode(), st.integers() | st.text() | st.floats()),
 ))
 def test_decoder_never_raises_and_always_classifies(raw):
@@ -503,8 +508,9 @@ def test_release_and_export_requests_reach_a_running_service(tmp_path):
     # 25 s of events: the two requests must reach the service before its finite source ends (at
     # 5 s a loaded machine let it end first; the CLI now says so at once instead of waiting)
     with generator_service(tmp_path, env, events=40000, rate=1600) as proc:
-        rel = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
-                              str(state_dir)], env=env, capture_output=True, text=True, timeout=120)
+        rel = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                              "--state-dir", str(state_dir)], env=env, capture_output=True,
+                             text=True, timeout=120)
         assert rel.returncode == 0, rel.stderr
         assert rel.stdout.strip() == "released window 0 (by the running service)"
         exp = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
@@ -534,7 +540,8 @@ def test_export_key_error_points_at_the_running_service(tmp_path):
     env["PANAGG_TESTING"] = "1"
     with generator_service(tmp_path, env, events=30000, rate=6000, settle=1.0) as proc:
         exp = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
-                              "--state-dir", str(state_dir)], env=dict(env, PANAGG_AUDIT_KEY=KEY_HEX),
+                              "--state-dir", str(state_dir)],
+                             env=dict(env, PANAGG_AUDIT_KEY=KEY_HEX),
                              capture_output=True, text=True, timeout=120)
     assert exp.returncode == 2
     lines = exp.stderr.strip().splitlines()
@@ -702,7 +709,8 @@ def test_hashed_mode_counts_strings_and_releases(tmp_path):
     assert agg.size >= 20000  # B chosen from expected_n before any data
     rel = json.loads((tmp_path / "releases" / "release-0.json").read_text())
     assert rel["n"] == 20000 and rel["domain"]["mode"] == "hashed"
-    released = np.repeat([r for r, _ in rel["histogram"]["pairs"]], [c for _, c in rel["histogram"]["pairs"]])
+    released = np.repeat([r for r, _ in rel["histogram"]["pairs"]],
+                         [c for _, c in rel["histogram"]["pairs"]])
     truth = np.bincount(picks)
     truth = truth[truth > 0]
     from aggregator.estimate import l1_distance
@@ -726,8 +734,9 @@ def test_msgpack_stream_and_stdin_replay(tmp_path):
     other = tmp_path / "second"
     args = cli_sets(other, "-", **{"release.on_exhausted": "true"})
     lines = "\n".join(json.dumps({"item": int(i)}) for i in items) + "\n"
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], input=lines, text=True,
-                         capture_output=True, timeout=120, env=dict(os.environ, PANAGG_TESTING="1"))
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], input=lines,
+                         text=True, capture_output=True, timeout=120,
+                         env=dict(os.environ, PANAGG_TESTING="1"))
     assert res.returncode == 0, res.stderr
     rel = json.loads((other / "releases" / "release-0.json").read_text())
     assert rel["n"] == 3000 and rel["histogram"] == expected_release(items, 0)["histogram"]
@@ -780,7 +789,7 @@ def test_unresolvable_kafka_host_is_its_own_line(tmp_path):
     assert "connecting to Kafka at no-such-host.invalid:9092" in res.stderr  # not silent
 
 
-# -- the ledger is the authority; a state directory keeps its identity ------------------------------
+# -- the ledger is the authority; a state directory keeps its identity -----------------------------
 def _three_windows(tmp_path, n=3000, **overrides):
     items = np.random.default_rng(15).integers(0, D, n)
     path = tmp_path / "events.jsonl"

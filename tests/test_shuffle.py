@@ -34,7 +34,8 @@ def _chi2_pvalue(sample: np.ndarray, pmf, lo: int, hi: int) -> float:
     """Chi-square goodness of fit on the integers [lo, hi] plus the two tails."""
     k = np.arange(lo, hi + 1)
     probs = pmf(k)
-    expected = np.concatenate([[pmf_tail_low(pmf, lo)], probs, [1 - probs.sum() - pmf_tail_low(pmf, lo)]])
+    expected = np.concatenate([[pmf_tail_low(pmf, lo)], probs,
+                               [1 - probs.sum() - pmf_tail_low(pmf, lo)]])
     inside = sample[(sample >= lo) & (sample <= hi)] - lo   # each value in exactly one bin
     observed = np.concatenate([[np.sum(sample < lo)], np.bincount(inside, minlength=hi - lo + 1),
                                [np.sum(sample > hi)]])
@@ -54,7 +55,8 @@ def pmf_tail_low(pmf, lo):
 # samplers and the analyzer's noise law
 
 
-@pytest.mark.parametrize("k,q", [(Fraction(3, 10), 0.75), (Fraction(1, 50), 0.625), (Fraction(7, 3), 0.9375)])
+@pytest.mark.parametrize("k,q", [(Fraction(3, 10), 0.75), (Fraction(1, 50), 0.625),
+                                 (Fraction(7, 3), 0.9375)])
 def test_negative_binomial_sampler_law(k, q):
     nb = _NegBinomial(k, q)
     buckets = 400_000
@@ -66,7 +68,8 @@ def test_negative_binomial_sampler_law(k, q):
 
     def pmf(x):
         x = np.asarray(x, dtype=np.float64)
-        out = np.exp(gammaln(x + kf) - gammaln(kf) - gammaln(x + 1) + kf * np.log1p(-q) + x * np.log(q))
+        out = np.exp(gammaln(x + kf) - gammaln(kf) - gammaln(x + 1) + kf * np.log1p(-q)
+                     + x * np.log(q))
         return np.where(x >= 0, out, 0.0)
 
     assert _chi2_pvalue(full, pmf, 0, 60) > 1e-6
@@ -270,7 +273,8 @@ def test_audit_flags_noise_for_a_larger_epsilon():
     """Shares and flooding for 1.25 eps, claimed as eps (a 25% rise in privacy loss): flagged."""
     eps, delta = 1.0, 1e-3
     loud = GKMPRandomizer(epsilon=1.25 * eps, delta=delta, n=3, buckets=2)
-    assert _audit_epsilon(_views(loud, AUDIT_X, N_AUDIT), _views(loud, AUDIT_Y, N_AUDIT), delta) > eps
+    assert _audit_epsilon(_views(loud, AUDIT_X, N_AUDIT), _views(loud, AUDIT_Y, N_AUDIT),
+                          delta) > eps
 
 
 def test_audit_flags_missing_flooding():
@@ -299,7 +303,8 @@ def test_refuses_configurations_that_flood_clients():
     assert ok.expected_messages < 10_000
 
 
-@pytest.mark.parametrize("kwargs", [dict(epsilon=0), dict(delta=1.0), dict(n=0), dict(buckets=0), dict(gamma=1.0)])
+@pytest.mark.parametrize("kwargs", [dict(epsilon=0), dict(delta=1.0), dict(n=0), dict(buckets=0),
+                                    dict(gamma=1.0)])
 def test_bad_parameters_one_line(kwargs):
     base = dict(epsilon=1.0, delta=1e-6, n=100, buckets=10)
     base.update(kwargs)

@@ -49,7 +49,8 @@ def test_check_record_reasons(client):
     assert eid == key.hex() and all(len(b) == SEALED_SIZE for b in boxes)
     cases = [(None, value, "no_event_id"), (b"short", value, "no_event_id"),
              (key, b"\xc1not msgpack", "undecodable"), (key, None, "undecodable"),
-             (key, msgpack.packb([1, 2]), "not_a_map"), (key, msgpack.packb({"v": 1, "boxes": []}), "not_a_map"),
+             (key, msgpack.packb([1, 2]), "not_a_map"),
+             (key, msgpack.packb({"v": 1, "boxes": []}), "not_a_map"),
              (key, client_record([b"x" * 10]), "bad_boxes"), (key, client_record([]), "bad_boxes")]
     for k, v, reason in cases:
         with pytest.raises(ValueError) as exc:
@@ -121,7 +122,7 @@ def test_top_up_keeps_the_analyzer_noise_law(keys):
     assert 0.75 < d.var() / var < 1.3
 
 
-# -- the permutation --------------------------------------------------------------------------------
+# -- the permutation -------------------------------------------------------------------------------
 def test_permutation_is_uniform_over_all_orders():
     items = list("abcd")
     perms = list(itertools.permutations(items))
@@ -199,7 +200,7 @@ def test_recent_ids_are_bounded(tmp_path, keys):
     assert len(Shuffler(cfg_for(tmp_path, keys)).recent) == RECENT_WINDOWS
 
 
-# -- configuration errors: one line each -------------------------------------------------------------
+# -- configuration errors: one line each -----------------------------------------------------------
 @pytest.mark.parametrize("extra, words", [
     (["shuffle.client_topic="], "shuffle.client_topic"),
     (["shuffle.public_key="], "shuffle.public_key"),
@@ -212,7 +213,7 @@ def test_config_errors_are_one_line(tmp_path, keys, extra, words):
     assert words in str(exc.value) and "\n" not in str(exc.value)
 
 
-# -- clients: the service's item -> bucket maps -----------------------------------------------------
+# -- clients: the service's item -> bucket maps ----------------------------------------------------
 def test_client_maps_items_like_the_service(tmp_path, keys):
     cfg = cfg_for(tmp_path, keys)
     c = ShuffleClient.from_config(cfg)
@@ -222,8 +223,8 @@ def test_client_maps_items_like_the_service(tmp_path, keys):
     with pytest.raises(ValueError):
         bucket_map(cfg)(["text"])
     hk = "00112233445566778899aabbccddeeff"
-    hcfg = cfg_for(tmp_path, keys, "state.mode=hashed", "state.buckets=64", f"shuffle.hash_key={hk}",
-                   "item.casefold=true")
+    hcfg = cfg_for(tmp_path, keys, "state.mode=hashed", "state.buckets=64",
+                   f"shuffle.hash_key={hk}", "item.casefold=true")
     hc = ShuffleClient.from_config(hcfg)
     items = ["Alice", "bob", "ALICE", 17, b"raw"]
     want = bucket_of(["alice", "bob", "alice", 17, b"raw"], bytes.fromhex(hk), 64)

@@ -104,7 +104,8 @@ def test_merge_adds_counts_layers_and_n():
     with pytest.raises(ValueError):
         a.merge(PanPrivateHistogram(epsilon=1.0, size=21))
     with pytest.raises(ValueError):
-        PanPrivateHistogram(epsilon=1.0, buckets=20).merge(PanPrivateHistogram(epsilon=1.0, buckets=20))
+        PanPrivateHistogram(epsilon=1.0, buckets=20).merge(
+            PanPrivateHistogram(epsilon=1.0, buckets=20))
 
 
 def test_snapshot_round_trip_and_fields():
@@ -183,7 +184,8 @@ def test_replace_one_snapshot_without_a_count_is_refused():
 def test_repr_shows_n_only_when_public():
     r = PanPrivateHistogram(epsilon=1.0, size=4)
     r.update([1, 2, 3])
-    assert repr(r) == "PanPrivateHistogram(epsilon=1.0, size=4, neighbor='replace-one', layers=1, n=3)"
+    assert repr(r) == ("PanPrivateHistogram(epsilon=1.0, size=4, neighbor='replace-one', "
+                       "layers=1, n=3)")
     a = PanPrivateHistogram(epsilon=1.0, buckets=4, neighbor="add-remove")
     a.update(["x", "y", "z"])
     assert repr(a) == "PanPrivateHistogram(epsilon=1.0, buckets=4, neighbor='add-remove', layers=1)"

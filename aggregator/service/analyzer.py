@@ -7,12 +7,14 @@ It opens every box with its private key, adds the ``(bucket, sign)`` rows to two
 bucket (``plus``, ``minus``) and, at the end marker, releases the window through the same
 estimators as the pan-private service:
 
-* **gkmp**: ``counts = plus - minus = h + DLap(p)`` exactly (:func:`aggregator.shuffle.gkmp_analyze`)
-  with ``p`` of ``GKMPRandomizer(epsilon, delta, n, B, gamma)``: one noise layer, none added here.
+* **gkmp**: ``counts = plus - minus = h + DLap(p)`` exactly
+  (:func:`aggregator.shuffle.gkmp_analyze`) with ``p`` of
+  ``GKMPRandomizer(epsilon, delta, n, B, gamma)``: one noise layer, none added here.
   The histogram sums to the window's real events ``e`` (top-ups carry noise only), so ``e`` is
   the public n the estimators get; ``n = e + t`` is what the noise law was calibrated for.
-* **balcer-cheu**: the seed-002 analyzer on ``plus`` (:func:`aggregator.shuffle.balcer_cheu_analyze`),
-  then the anonymized histogram of its rounded estimates (no DLap estimator: the noise is not DLap).
+* **balcer-cheu**: the seed-002 analyzer on ``plus``
+  (:func:`aggregator.shuffle.balcer_cheu_analyze`), then the anonymized histogram of its rounded
+  estimates (no DLap estimator: the noise is not DLap).
 
 Privacy. What the analyzer holds of a closed window, ``(plus, minus)``, is the multiset of the
 shuffled messages: the (eps, delta)-DP view itself. The open window's partial sums come from a
@@ -140,7 +142,8 @@ class ShuffleAnalyzer:
         self._recovering = False
         self.key = private_key if private_key is not None else load_analyzer_key(cfg)
         self.public_hex = public_key_hex(self.key)
-        #: decryption over worker processes (shuffle_wire.BoxOpener; $PANAGG_SHUFFLE_DECRYPT_WORKERS)
+        #: decryption over worker processes
+        #: (shuffle_wire.BoxOpener; $PANAGG_SHUFFLE_DECRYPT_WORKERS)
         try:
             self.opener = BoxOpener(self.key)
         except WireError as exc:   # a malformed $PANAGG_SHUFFLE_DECRYPT_WORKERS
@@ -152,7 +155,8 @@ class ShuffleAnalyzer:
         self.store: LocalStore | None = None
         self._producer = None
         topic = cfg.source.dead_letter_topic
-        self.dead_letters = DeadLetters(topic, self._kafka_producer, self.metrics) if topic else None
+        self.dead_letters = (DeadLetters(topic, self._kafka_producer, self.metrics) if topic
+                             else None)
         self.stop_event = threading.Event()
         self._lock_file = None
         self.on_started = None  # called once the start succeeded (the CLI's metrics URL)
@@ -494,14 +498,14 @@ class ShuffleAnalyzer:
         corrupt = causes.get("bucket_out_of_range", 0) + causes.get("bad_sign", 0)
         if corrupt:
             return "corrupt", (f"window {k}: not released: {corrupt:,} chunk(s) hold buckets "
-                               f"outside [0, {self.buckets:,}) or bad signs although their messages "
-                               "carry this analyzer's parameter fingerprint: non-conforming or "
-                               "corrupted clients (dead letters, reasons bucket_out_of_range / "
-                               "bad_sign)")
+                               f"outside [0, {self.buckets:,}) or bad signs although their "
+                               "messages carry this analyzer's parameter fingerprint: "
+                               "non-conforming or corrupted clients (dead letters, reasons "
+                               "bucket_out_of_range / bad_sign)")
         if causes.get("malformed_record"):
             return "malformed", (f"window {k}: not released: {causes['malformed_record']:,} "
-                                 f"chunk(s) are malformed (boxes not {SEALED_SIZE} bytes: a shuffler "
-                                 "or clients of another wire version?), dead-lettered")
+                                 f"chunk(s) are malformed (boxes not {SEALED_SIZE} bytes: a "
+                                 "shuffler or clients of another wire version?), dead-lettered")
         if w["received"] != doc["messages"]:
             return "count", (f"window {k}: not released: the end marker counts "
                              f"{doc['messages']:,} messages, {w['received']:,} were received and "

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from state_store.local import atomic_write
 
-__all__ = ["release_dir_anchor", "write_release_dir_anchor", "kafka_metadata", "parse_kafka_metadata"]
+__all__ = ["release_dir_anchor", "write_release_dir_anchor", "kafka_metadata",
+           "parse_kafka_metadata"]
 
 _PREFIX = "panagg-ledger:"
 _HASH_CHARS = 24  # 96 bits of the head's hash: room for many aggregations in 4 kB of metadata

@@ -62,7 +62,8 @@ def _one_line_library_errors(record) -> bool:
     the message and the exception in one line instead, and our own tracebacks stay rare and loud."""
     if record.exc_info and record.name.split(".", 1)[0] == "kafka":
         exc = record.exc_info[1]
-        record.msg = record.getMessage() + ("" if exc is None else f" ({type(exc).__name__}: {exc})")
+        record.msg = record.getMessage() + ("" if exc is None
+                                            else f" ({type(exc).__name__}: {exc})")
         record.args = None
         record.exc_info = record.exc_text = None
     return True
@@ -351,7 +352,8 @@ def _make_aggregator(cfg: Config, metrics=None, **start):
         _wait_for_bootstrap(cfg)
         return GroupService(cfg, metrics, **start)
     kafka_net = logging.getLogger("kafka.net")
-    quiet = kafka_net.level < logging.CRITICAL and not logging.getLogger().isEnabledFor(logging.DEBUG)
+    quiet = (kafka_net.level < logging.CRITICAL
+             and not logging.getLogger().isEnabledFor(logging.DEBUG))
     if quiet:  # bootstrap retries log a burst of errors; one line of ours says it all
         kafka_net.setLevel(logging.CRITICAL)
     try:
@@ -565,7 +567,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         d_iv = e_iv = ""
         if iv:
             lvl = f"{iv['level']:.0%}"
-            d_iv = f" ({lvl} interval {iv['distinct_items'][0]:,.0f}-{iv['distinct_items'][1]:,.0f})"
+            d_iv = (f" ({lvl} interval {iv['distinct_items'][0]:,.0f}-"
+                    f"{iv['distinct_items'][1]:,.0f})")
             e_iv = f" ({iv['entropy_nats'][0]:.3f}-{iv['entropy_nats'][1]:.3f})"
         flag = ", BELOW THE NOISE" if rel.get("signal_below_noise") else ""
         print(f"window {rel['window']}: n={rel['n']:,} released {p['distinct_items']:,} items"

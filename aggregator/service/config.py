@@ -46,11 +46,16 @@ _CHOICES = {
     ("item", "normalize"): ("none", "nfc"),
 }
 _SECRET = {("security", "password")}  # never echoed in an error
-_POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"), ("scale", "close_grace_s"), ("source", "max_records"), ("source", "max_message_bytes"), ("source", "max_item_bytes"),
+_POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"),
+             ("scale", "close_grace_s"), ("source", "max_records"),
+             ("source", "max_message_bytes"), ("source", "max_item_bytes"),
              ("source", "fetch_max_bytes"), ("source", "max_partition_fetch_bytes"),
              ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
              ("window", "size"), ("release", "max_in_flight")}
-_NON_NEGATIVE = {("scale", "partitions"), ("scale", "repartition_retention_s"), ("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"), ("release", "workers"), ("source", "generator_events"), ("source", "generator_rate"), ("state", "buckets"),
+_NON_NEGATIVE = {("scale", "partitions"), ("scale", "repartition_retention_s"),
+                 ("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"),
+                 ("release", "workers"), ("source", "generator_events"),
+                 ("source", "generator_rate"), ("state", "buckets"),
                  ("ledger", "budget_per_window"), ("ledger", "budget_total"),
                  ("window", "max_future_skew_s"), ("window", "idle_partition_timeout_s"),
                  ("window", "allowed_lateness_s")}
@@ -213,7 +218,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             with open(path, "rb") as f:
                 doc = tomllib.load(f)
         except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found; pass an existing file to --config") from None
+            raise ConfigError(f"config file {path} not found; "
+                              "pass an existing file to --config") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         for name, over in (doc.pop("aggregations", None) or {}).items():
@@ -358,8 +364,9 @@ def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
 #: PANAGG_* variables that are not settings: keys read by name (audit, shuffle analyzer), the
 #: analyzer's decrypt pool, and the test harness's (PANAGG_TEST*: PANAGG_TESTING, test hooks;
 #: PANAGG_KAFKA_*: a broker for the tests and benchmarks)
-NON_SETTING_ENV = ("PANAGG_AUDIT_KEY", "PANAGG_SHUFFLE_PRIVATE_KEY", "PANAGG_SHUFFLE_DECRYPT_WORKERS",
-                   "PANAGG_KAFKA_BOOTSTRAP", "PANAGG_KAFKA_SECURE_STATE")
+NON_SETTING_ENV = ("PANAGG_AUDIT_KEY", "PANAGG_SHUFFLE_PRIVATE_KEY",
+                   "PANAGG_SHUFFLE_DECRYPT_WORKERS", "PANAGG_KAFKA_BOOTSTRAP",
+                   "PANAGG_KAFKA_SECURE_STATE")
 
 
 def _check_environment(cfg: dict, env) -> None:
@@ -369,13 +376,15 @@ def _check_environment(cfg: dict, env) -> None:
                 if (s, k) not in _SECRET}
     named = cfg["security"]["password_env"]  # a secret by name may be called PANAGG_anything
     for var in sorted(v for v in env if v.startswith("PANAGG_")):
-        if var in settings or var in NON_SETTING_ENV or var == named or var.startswith("PANAGG_TEST"):
+        if (var in settings or var in NON_SETTING_ENV or var == named
+                or var.startswith("PANAGG_TEST")):
             continue
         if var == "PANAGG_SECURITY_PASSWORD":
             raise ConfigError("PANAGG_SECURITY_PASSWORD is not read: secrets come in by name only; "
                               "put the password in a file (security.password_file) or name the "
                               "variable that holds it (security.password_env), and unset it")
-        near = difflib.get_close_matches(var, list(settings) + list(NON_SETTING_ENV), n=1, cutoff=0.8)
+        near = difflib.get_close_matches(var, list(settings) + list(NON_SETTING_ENV), n=1,
+                                         cutoff=0.8)
         hint = (f" (did you mean {near[0]}" + (f", i.e. {settings[near[0]]}" if near[0] in settings
                                                 else "") + "?)" if near else "")
         raise ConfigError(f"unknown environment variable {var}{hint}; rename or unset it "

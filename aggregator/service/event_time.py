@@ -456,6 +456,8 @@ def _take(items, idx: np.ndarray):
 
 def _slice(seg: Segment, lo: int, hi: int) -> Segment:
     """Records ``[lo, hi)`` of ``seg``."""
-    part = (lambda col: None if col is None else col[lo:hi])
+    def part(col):
+        return None if col is None else col[lo:hi]
+
     return Segment(seg.partition, seg.offsets[lo:hi], seg.values[lo:hi], part(seg.keys),
                    part(seg.headers), part(seg.timestamps))

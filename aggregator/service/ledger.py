@@ -1,4 +1,5 @@
-"""The privacy ledger: the append-only, hash-chained authority on what was released and what it cost.
+"""The privacy ledger: the append-only, hash-chained authority on what was released and what it
+cost.
 
 Each line of ``ledger.jsonl`` is one JSON entry, written with fsync before the thing it records
 becomes visible. Kinds:

@@ -79,7 +79,9 @@ def _about(name: str):
 
 def _slice(seg: Segment, start: int, stop: int | None = None) -> Segment:
     """The records of ``seg`` from index ``start`` to ``stop``."""
-    cut = (lambda col: None if col is None else col[start:stop])
+    def cut(col):
+        return None if col is None else col[start:stop]
+
     return Segment(seg.partition, seg.offsets[start:stop], seg.values[start:stop], cut(seg.keys),
                    cut(seg.headers), cut(seg.timestamps))
 

@@ -189,7 +189,8 @@ class Aggregator:
             self.dir / "rollups", spans, ledger=self.ledger, metrics=self.metrics,
             model=self.model, loss=self.loss, method=release_method(cfg),
             error_bar_reps=int(cfg.release.error_bar_reps),
-            stream=stream, aggregation=self.anchor_name, base_kind=cfg.window.kind, window_size=cfg.window.size,
+            stream=stream, aggregation=self.anchor_name, base_kind=cfg.window.kind,
+            window_size=cfg.window.size,
             annotate=self._annotate, worker=lambda: self.worker) if spans else None
         self.control = self.dir / "control"
         #: ledger entries a start decided on, written only once every start check has passed
@@ -334,7 +335,8 @@ class Aggregator:
         if not self.accept_change:
             where = ""
             if "release_dir" in changed:
-                done = [e["window"] for e in self.ledger.releases() if isinstance(e.get("window"), int)]
+                done = [e["window"] for e in self.ledger.releases()
+                        if isinstance(e.get("window"), int)]
                 where = (f"; the releases so far ({len(done)}, up to window {max(done)}) are in "
                          f"{had['release_dir']}: a new release.dir would leave a gap there"
                          if done else "")

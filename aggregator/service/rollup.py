@@ -81,10 +81,11 @@ def parse_span(text, *, kind: str, size: float) -> int:
     (24, 168)
     >>> parse_span(3000, kind="count", size=1000), parse_span("5x", kind="count", size=1000)
     (3, 5)
-    >>> parse_span("90m", kind="time", size=3600)
+    >>> parse_span("90m", kind="time", size=3600)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    aggregator.service.rollup.RollupError: window.rollups: "90m" is 5400 s, not a multiple of window.size = 3600 s; use a multiple such as "2h"
+    aggregator.service.rollup.RollupError: window.rollups: "90m" is 5400 s, not a multiple of
+    window.size = 3600 s; use a multiple such as "2h"
     """
     raw = str(text).strip().lower()
     m = re.fullmatch(r"(\d+)x", raw)

@@ -57,7 +57,8 @@ def direct_buckets(buckets: int) -> Callable:
     return to_bucket
 
 
-def hashed_buckets(key: bytes, buckets: int, *, nfc: bool = False, casefold: bool = False) -> Callable:
+def hashed_buckets(key: bytes, buckets: int, *, nfc: bool = False,
+                   casefold: bool = False) -> Callable:
     """Hashed mode: SipHash-2-4 of the item's canonical bytes mod ``buckets`` (the service's
     map, :func:`aggregator.hashing.bucket_of`), after the decoder's text normalisation."""
     from ..hashing import KEY_BYTES, bucket_of
@@ -126,7 +127,8 @@ class ShuffleClient:
     def from_config(cls, cfg: Config) -> "ShuffleClient":
         from .shuffler import ShufflerError, make_randomizer
         if not cfg.shuffle.public_key:
-            raise ShufflerError("clients need shuffle.public_key (printed by `panagg shuffle-keygen`)")
+            raise ShufflerError("clients need shuffle.public_key "
+                                "(printed by `panagg shuffle-keygen`)")
         try:
             to_bucket = bucket_map(cfg)
             return cls(str(cfg.shuffle.public_key), make_randomizer(cfg), to_bucket)
@@ -136,7 +138,8 @@ class ShuffleClient:
     def bucket(self, item) -> int:
         b = int(self.to_bucket([item])[0])
         if not 0 <= b < self.randomizer.buckets:
-            raise ValueError(f"item {item!r} maps to bucket {b}, outside [0, {self.randomizer.buckets})")
+            raise ValueError(f"item {item!r} maps to bucket {b}, "
+                             f"outside [0, {self.randomizer.buckets})")
         return b
 
     def messages(self, item) -> list[bytes]:

@@ -116,7 +116,8 @@ def load_public_key(text_or_path: str) -> PublicKey:
         try:
             text = open(text_or_path).read().strip()
         except OSError:
-            raise WireError(f"{text_or_path!r} is neither 64 hex digits nor a readable key file") from None
+            raise WireError(f"{text_or_path!r} is neither 64 hex digits "
+                            "nor a readable key file") from None
     try:
         return PublicKey(bytes.fromhex(text))
     except (ValueError, TypeError):
@@ -169,7 +170,8 @@ class ParamTag:
                        "buckets": buckets, "gamma": gamma})
         except (KeyError, ValueError, struct.error):
             return None
-        return tag if tag.fingerprint_u64 == int(fingerprint_u64) and tag.descriptor == desc else None
+        return (tag if tag.fingerprint_u64 == int(fingerprint_u64) and tag.descriptor == desc
+                else None)
 
     def differences(self, other: "ParamTag") -> list[tuple[str, str, str]]:
         """``[(key, this side, other side)]`` for every parameter that differs."""
@@ -294,12 +296,12 @@ def _worker_main() -> None:
 
 class BoxOpener:
     """Opens sealed boxes with one private key, a chunk's boxes split between this process and
-    ``workers`` helper processes (:func:`_worker_main`, started once as ``python -c``, fed through pipes: no
-    ``multiprocessing``, which would re-import the caller's main module, and no fork of a
-    process holding Kafka client threads). Each box costs one X25519 scalar multiplication (its
-    own ephemeral key: the messages must stay unlinkable), so decryption is CPU-bound and scales
-    with free cores, not with batching. The workers get the private key once, on their stdin;
-    they never see anything but boxes."""
+    ``workers`` helper processes (:func:`_worker_main`, started once as ``python -c``, fed
+    through pipes: no ``multiprocessing``, which would re-import the caller's main module, and
+    no fork of a process holding Kafka client threads). Each box costs one X25519 scalar
+    multiplication (its own ephemeral key: the messages must stay unlinkable), so decryption is
+    CPU-bound and scales with free cores, not with batching. The workers get the private key
+    once, on their stdin; they never see anything but boxes."""
 
     def __init__(self, private_key: PrivateKey, workers: int | None = None):
         self.key = private_key
@@ -387,7 +389,8 @@ def parse_client_record(value: bytes) -> list[bytes]:
         doc = msgpack.unpackb(value, raw=False)
     except Exception:
         raise WireError("client record is not msgpack") from None
-    if not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION or not isinstance(doc.get("boxes"), list):
+    if (not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION
+            or not isinstance(doc.get("boxes"), list)):
         raise WireError(f"client record is not a v{WIRE_VERSION} {{'v', 'boxes'}} map")
     boxes = doc["boxes"]
     if not boxes or not all(isinstance(b, bytes) and len(b) == SEALED_SIZE for b in boxes):
@@ -396,7 +399,8 @@ def parse_client_record(value: bytes) -> list[bytes]:
 
 
 def chunk_record(window: int, boxes: list[bytes]) -> bytes:
-    return msgpack.packb({"v": WIRE_VERSION, "window": int(window), "boxes": boxes}, use_bin_type=True)
+    return msgpack.packb({"v": WIRE_VERSION, "window": int(window), "boxes": boxes},
+                         use_bin_type=True)
 
 
 def end_record(window: int, events: int, topped_up: int, messages: int,
@@ -418,7 +422,8 @@ def parse_analyzer_record(value: bytes) -> dict:
         doc = msgpack.unpackb(value, raw=False)
     except Exception:
         raise WireError("analyzer record is not msgpack") from None
-    if not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION or not isinstance(doc.get("window"), int):
+    if (not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION
+            or not isinstance(doc.get("window"), int)):
         raise WireError(f"analyzer record is not a v{WIRE_VERSION} chunk or end marker")
     if doc.get("end") is True:
         return doc

@@ -277,8 +277,8 @@ class Shuffler:
             raise ShufflerError("panagg shuffle runs on Kafka: set source.kind = kafka and "
                                 "source.bootstrap")
         if not sh.public_key:
-            raise ShufflerError("panagg shuffle needs shuffle.public_key: the analyzer's public key "
-                                "(hex, or a file), printed by `panagg shuffle-keygen`")
+            raise ShufflerError("panagg shuffle needs shuffle.public_key: the analyzer's public "
+                                "key (hex, or a file), printed by `panagg shuffle-keygen`")
         try:
             self.public_key = load_public_key(str(sh.public_key))
         except WireError as exc:
@@ -363,7 +363,8 @@ class Shuffler:
             self.next_window = last + 1
             self._save_state()
         start = {}
-        file_ends = {int(p): int(o) for p, o in self.recent[-1]["ends"].items()} if self.recent else {}
+        file_ends = ({int(p): int(o) for p, o in self.recent[-1]["ends"].items()} if self.recent
+                     else {})
         for p, (off, _meta) in committed.items():
             if off is None and p in file_ends:
                 # offsets expired (offsets.retention.minutes) while the shuffler was stopped: the
@@ -411,7 +412,8 @@ class Shuffler:
         committed = {}
         for tp in self._tps:
             om = self._consumer.committed(tp, metadata=True)
-            committed[tp.partition] = (None, "") if om is None else (int(om.offset), om.metadata or "")
+            committed[tp.partition] = ((None, "") if om is None
+                                       else (int(om.offset), om.metadata or ""))
         self._start = self._reconcile(committed)
         for tp in self._tps:
             self._consumer.seek(tp, self._start[tp.partition])
@@ -464,7 +466,8 @@ class Shuffler:
                 started = time.monotonic()
                 done += 1
                 continue
-            if idle_exit_s is not None and not buffer and time.monotonic() - last_data > idle_exit_s:
+            if (idle_exit_s is not None and not buffer
+                    and time.monotonic() - last_data > idle_exit_s):
                 log.info("no client records for %.0f s: stopping with %d event(s) in the open "
                          "window (read again at the next start)", idle_exit_s, len(win.events))
                 break

@@ -185,7 +185,8 @@ def test_mutual_tls(secure, tmp_path):
     base = ["security.protocol=SSL", f"security.ca_file={tls(secure, 'ca.pem')}"]
     res = run(secure, tmp_path / "nocert", topic, *base, bootstrap=secure["ssl"])
     assert_one_clear_line(res, "client certificate", "security.cert_file")
-    res = run(secure, tmp_path / "cert", topic, *base, f"security.cert_file={tls(secure, 'client.pem')}",
+    res = run(secure, tmp_path / "cert", topic, *base,
+              f"security.cert_file={tls(secure, 'client.pem')}",
               f"security.key_file={tls(secure, 'client.key')}", "window.size=400",
               bootstrap=secure["ssl"])
     assert res.returncode == 0, res.stderr[-3000:]

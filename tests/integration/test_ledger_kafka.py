@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 
 from tests.test_ledger import charge_by_position
-from tests.integration.test_service_kafka import (D, env, make_topic, produce, run_service,
+from tests.integration.test_service_kafka import (D, make_topic, produce, run_service,
                                                   service_args)
 
 

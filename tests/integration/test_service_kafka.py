@@ -52,8 +52,9 @@ def expected_counts(items, window=0):
 
 
 def service_args(bootstrap, topic, tmp_path, *extra):
-    args = ["run", "--bootstrap", bootstrap, "--topic", topic, "--state-dir", str(tmp_path / "state"),
-            "--release-dir", str(tmp_path / "releases"), "--metrics-port", "-1",
+    args = ["run", "--bootstrap", bootstrap, "--topic", topic,
+            "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "releases"),
+            "--metrics-port", "-1",
             "--set", f"state.domain_size={D}", "--set", "window.size=100000000",
             "--set", f"testing.noise_seed={SEED}", "--set", f"source.group=g-{topic}",
             "--set", "release.on_exhausted=false"]
@@ -65,8 +66,9 @@ def env():
 
 
 def run_service(args, timeout=240, extra_env=None):
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=dict(env(), **(extra_env or {})))
+    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(env(), **(extra_env or {})))
 
 
 KEY_HEX = "7e" * 32
@@ -84,7 +86,8 @@ def live_counts_via_export(tmp_path):
     """The open window's counters of the stopped service: an offline export replays the window
     from Kafka; its snapshot minus the (test-seeded) layer drawn before it."""
     res = run_service(["audit", "export", "--state-dir", str(tmp_path / "state"),
-                       "--set", f"testing.noise_seed={SEED}"], extra_env={"PANAGG_AUDIT_KEY": KEY_HEX})
+                       "--set", f"testing.noise_seed={SEED}"],
+                      extra_env={"PANAGG_AUDIT_KEY": KEY_HEX})
     assert res.returncode == 0, res.stderr[-3000:]
     doc = read_export(res.stdout.strip().splitlines()[-1], bytes.fromhex(KEY_HEX))
     state = PanPrivateHistogram.deserialize(doc["state"])
@@ -210,7 +213,8 @@ def test_kcat_json_producer_and_release_to_topic(kafka_broker, tmp_path):
     subprocess.run(["kcat", "-P", "-b", kafka_broker, "-t", topic], input=lines.encode(),
                    check=True, timeout=60)
     res = run_service(service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "4",
-                                   "--set", "source.format=json", "--set", f"release.topic={out_topic}",
+                                   "--set", "source.format=json",
+                                   "--set", f"release.topic={out_topic}",
                                    "--set", "window.size=5000"))
     assert res.returncode == 0, res.stderr[-3000:]
     release = json.loads((tmp_path / "releases" / "release-0.json").read_text())
@@ -342,8 +346,9 @@ def test_second_member_in_the_same_group_is_refused(kafka_broker, tmp_path):
     for k in range(2):
         d = tmp_path / f"agg{k}"
         args = service_args(kafka_broker, topic, d, "--set", f"source.instance_id=member-{k}")
-        procs.append(subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
+                                      env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
         time.sleep(4)
     # until one of them stops (the refused one), for at most 90 s; then stop the other
     deadline = time.monotonic() + 90

@@ -7,7 +7,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import numpy as np

@@ -58,7 +58,8 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
         return [x for s in [*base, *extra] for x in ("--set", s)]
 
     # 1. topics with what the product ships
-    made = cli("shuffle-topics", "--config", os.devnull, *sets(), "--client-partitions", "1")   # one order: a window per kind
+    # one order: a window per kind
+    made = cli("shuffle-topics", "--config", os.devnull, *sets(), "--client-partitions", "1")
     assert made.returncode == 0, made.stderr[-2000:]
     assert sorted(made.stdout.split("\n")[:3]) == sorted([
         f"{names['clients']}: 1 partition(s), created", f"{names['analyzer']}: 1 partition(s), "
@@ -162,5 +163,6 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
         assert e["epsilon_spent"] == rz.epsilon == doc["epsilon"]
         assert e["delta_spent"] == rz.delta_spent == doc["delta_spent"] and e["delta"] == rz.delta
         assert doc["domain"]["size"] == rz.buckets and doc["n"] == N
-        assert e.get("recovered_from") == (None if w == 0 else f"refused-{refused[w]['window_uid']}")
+        assert e.get("recovered_from") == (None if w == 0
+                                           else f"refused-{refused[w]['window_uid']}")
         assert e["window_uid"] == (refused[w]["window_uid"] if w else e["window_uid"])

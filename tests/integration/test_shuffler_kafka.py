@@ -46,7 +46,8 @@ def sets(bootstrap, t, tmp_path, pub, key_file=None, *extra):
            f"window.size={N}", f"shuffle.public_key={pub}", f"shuffle.client_topic={t['clients']}",
            f"shuffle.group=sh-{t['clients']}", f"shuffle.shuffler_dir={tmp_path / 'shuffler'}",
            f"source.dead_letter_topic={t['dlq']}", f"checkpoint.dir={tmp_path / 'state'}",
-           f"release.dir={tmp_path / 'releases'}", "metrics.port=-1", f"source.group=an-{t['clients']}",
+           f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
+           f"source.group=an-{t['clients']}",
            "release.error_bar_reps=0", "release.estimator=threshold", *extra]
     if key_file:
         out.append(f"shuffle.key_file={key_file}")
