@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 
@@ -430,7 +431,12 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
         assert res.returncode == 0, res.stderr
         out = res.stdout
         assert "aggregation ip of group" in out and "aggregation user of group" in out, out
-        assert out.count("leads (ledger, merges)") == 2 and "NOT READY" not in out, out
+        assert out.count("leads (ledger, merges)") == 2, out
+        # the only readiness problem allowed: a leader that says it is behind (2 s windows on a
+        # loaded 2-core machine; issue 46: it must say so, with /ready 503)
+        for line in out.splitlines():
+            if "NOT READY" in line:
+                assert "leads" in line and "the leader is behind" in line, out
         urls = sorted(set(re.findall(r"http://\S+/metrics", out)))
         assert len(urls) == 2, out
         # a forced release on a member's directory asks each aggregation's leader
@@ -442,9 +448,13 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
             re.search(r"released user window \d+", forced.stdout), forced.stdout
         events = {"user": 0.0, "ip": 0.0}
         for url in urls:
-            for path in ("healthz", "ready"):
-                with urllib.request.urlopen(url.replace("/metrics", f"/{path}"), timeout=5) as r:
+            with urllib.request.urlopen(url.replace("/metrics", "/healthz"), timeout=5) as r:
+                assert r.status == 200
+            try:
+                with urllib.request.urlopen(url.replace("/metrics", "/ready"), timeout=5) as r:
                     assert r.status == 200
+            except urllib.error.HTTPError as exc:  # a leader behind its windows, and only that
+                assert exc.code == 503 and "the leader is behind" in exc.read().decode()
             # each aggregation its own series, labelled as one process labels them
             with urllib.request.urlopen(url, timeout=5) as r:
                 fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
