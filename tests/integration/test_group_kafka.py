@@ -351,14 +351,16 @@ def test_three_members_survive_a_broker_kill_and_a_clean_restart_and_lose_nothin
             back = time.monotonic()
             before = _released_total(bootstrap, topics)
             while _released_total(bootstrap, topics) <= before:
-                assert time.monotonic() - back < 120, "no release after the broker came back"
+                # (generous: a loaded 2-core machine leaves the leader windows behind; the
+                # figure itself is measured in docs/scale-out.md, not asserted)
+                assert time.monotonic() - back < 300, "no release after the broker came back"
                 assert all(p.poll() is None for p in members.procs.values()), "a member exited"
                 time.sleep(0.5)
             resumed.append(time.monotonic() - back)
         time.sleep(5)
         producer.stop()
         total = source_records(bootstrap, topic)
-        wait_for_total(bootstrap, topics, total, 180, members)
+        wait_for_total(bootstrap, topics, total, 420, members)
         print(f"\nreleases resumed {resumed[0]:.1f} s after the kill -9, {resumed[1]:.1f} s "
               f"after the clean restart; {total} events")
         assert all(p.poll() is None for p in members.procs.values()), "a member exited"
