@@ -27,14 +27,21 @@ def _releases(tmp_path):
             for p in (tmp_path / "releases").glob("release-*.json")}
 
 
-def test_intake_goes_on_while_a_release_runs_and_every_release_is_exact(tmp_path, monkeypatch):
-    monkeypatch.setenv("PANAGG_TEST_RELEASE_DELAY_S", DELAY)  # inherited by the worker
-    items = np.random.default_rng(31).integers(0, D, 3000)
+def _three_windows(tmp_path, seed):
+    """(items, path, aggregator): 3,000 events in a file, windows of 1,000, a release worker,
+    polls of 100 records."""
+    items = np.random.default_rng(seed).integers(0, D, 3000)
     path = tmp_path / "events.jsonl"
     write_events(path, items)
     cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "release.workers": 1,
                                      "source.max_records": 100})
-    agg = Aggregator(cfg, FileSource(str(path), "json", batch=100, progress=False))
+    return items, path, Aggregator(cfg, FileSource(str(path), "json", batch=100,
+                                                   progress=False))
+
+
+def test_intake_goes_on_while_a_release_runs_and_every_release_is_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("PANAGG_TEST_RELEASE_DELAY_S", DELAY)  # inherited by the worker
+    items, path, agg = _three_windows(tmp_path, seed=31)
     counted_while_releasing = []
     count = agg._count
 
@@ -220,12 +227,7 @@ def test_a_block_in_flight_is_unlinked_when_the_service_is_killed(tmp_path):
 def test_the_longest_intake_stall_of_a_window_is_exported(tmp_path):
     """panagg_intake_stall_seconds: the longest time between two polls in the last closed
     window. A count that takes 0.4 s in window 1 is its stall; window 0's is smaller."""
-    items = np.random.default_rng(33).integers(0, D, 3000)
-    path = tmp_path / "events.jsonl"
-    write_events(path, items)
-    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "release.workers": 1,
-                                     "source.max_records": 100})
-    agg = Aggregator(cfg, FileSource(str(path), "json", batch=100, progress=False))
+    _, _, agg = _three_windows(tmp_path, seed=33)
     count, stalls = agg._count, {}
     close = agg.close_window
 

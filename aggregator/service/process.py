@@ -155,6 +155,7 @@ class Aggregator:
         self.model, self.loss = st.model, st.loss
         self.direct = st.mode == "direct"
         self.size = int(st.domain_size) if self.direct else choose_buckets_for(cfg)
+        self._next_state = NextState(self._draw_state, size=self.size)  # drawn beside the loop
         src = cfg.source
         self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
                                max_message_bytes=src.max_message_bytes,
@@ -256,8 +257,6 @@ class Aggregator:
 
     def _new_state(self, task: WindowTask, window_id: int) -> PanPrivateHistogram:
         """Window ``window_id``'s fresh state (drawn ahead, beside the loop: :mod:`.next_state`)."""
-        if getattr(self, "_next_state", None) is None:
-            self._next_state = NextState(self._draw_state, size=self.size)
         return self._next_state.take(window_id)
 
     def _draw_state(self, window_id: int) -> PanPrivateHistogram:
