@@ -67,6 +67,27 @@ def test_intake_goes_on_while_a_release_runs_and_every_release_is_exact(tmp_path
     assert ckpt.unreleased == [] and ckpt.pending == [] and ckpt.window["id"] == 3
 
 
+def test_states_counted_in_their_shared_blocks_release_exactly(tmp_path, monkeypatch):
+    """The service path of the zero-copy hand-off (issue 53): with every state housed in a
+    shared block as it is drawn, each window is counted in its block, handed over by name (only
+    window 0, drawn before the worker started, is copied at its close) and released exactly."""
+    from aggregator.service import release_worker
+
+    monkeypatch.setattr(release_worker, "HOUSE_MIN_SIZE", 1)
+    copied = []
+    shelve = release_worker._shelve
+    monkeypatch.setattr(release_worker, "_shelve",
+                        lambda state: copied.append(1) or shelve(state))
+    items, path, agg = _three_windows(tmp_path, seed=34)
+    agg.run()
+    docs = _releases(tmp_path)
+    assert sorted(docs) == [0, 1, 2] and len(copied) == 1
+    for w in range(3):
+        assert docs[w]["n"] == 1000
+        assert docs[w]["histogram"] == expected_release(items[w * 1000:(w + 1) * 1000],
+                                                        w)["histogram"]
+
+
 @pytest.mark.parametrize("fault, replayed", [
     ("release-submitted:2", [0, 1]),   # windows 0 and 1 closed, neither released
     ("release-ledgered:1", [1]),       # window 0 ledgered, its checkpoint not yet written
@@ -191,6 +212,100 @@ def test_the_hand_off_goes_through_shared_memory_freed_once_collected():
     here = make_release(state, model="joint", loss="l1", window=0, rng=np.random.default_rng(5),
                         error_bar_reps=0, method="threshold")
     assert doc["histogram"] == here["histogram"] and doc["n"] == here["n"] == 5000
+
+
+def test_a_housed_state_is_handed_over_without_a_copy_and_its_block_freed():
+    """Issue 53: a state drawn into a block of its own (``house``, beside the loop) goes to the
+    worker by that block's name (no new block, nothing copied at the close); the release is the
+    state's own; the block is unlinked once collected, and a housed state dropped unused takes
+    its block with it."""
+    import gc
+
+    from aggregator.release import make_release
+    from aggregator.service.release_worker import HOUSE_MIN_SIZE, ReleaseWorker
+    from aggregator.state import PanPrivateHistogram
+
+    def housed_names() -> set:
+        return {block.name.lstrip("/") for block in worker._housed.values()}
+
+    worker = ReleaseWorker(1)
+    try:
+        state = worker.house(PanPrivateHistogram(1.0, size=HOUSE_MIN_SIZE))
+        housed = housed_names()
+        assert len(housed) == 1 and housed <= _blocks()
+        state.add_indices(np.random.default_rng(3).integers(0, 40, 5000))  # counted in place
+        expected = make_release(state, model="joint", loss="l1", window=0,
+                                rng=np.random.default_rng(5), error_bar_reps=0,
+                                method="threshold")
+        future = worker.submit(state, model="joint", loss="l1", window=0,
+                               rng=np.random.default_rng(5), error_bar_reps=0,
+                               method="threshold")
+        # the same block changed hands, no copy into a new one
+        assert not worker._housed and {b.name.lstrip("/") for b in worker._blocks} == housed
+        del state
+        doc = future.result(timeout=300)[0]
+        assert doc["histogram"] == expected["histogram"] and doc["n"] == 5000
+        deadline = time.monotonic() + 10
+        while housed & _blocks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (housed & _blocks())
+
+        dropped = worker.house(PanPrivateHistogram(1.0, size=HOUSE_MIN_SIZE))
+        unused = housed_names()
+        assert len(unused) == 1 and unused <= _blocks()
+        del dropped
+        gc.collect()
+        assert not (unused & _blocks()) and not worker._housed
+        small = worker.house(PanPrivateHistogram(1.0, size=100))  # below the size: as it was
+        assert not worker._housed and small.size == 100
+    finally:
+        worker.close()
+
+
+def test_no_room_in_dev_shm_falls_back_to_the_pipe_with_one_warning(monkeypatch, caplog):
+    """A /dev/shm too small for a block (containers cap it at 64 MiB) must not kill the service
+    with SIGBUS: the block's pages are reserved up front, and without room the closed state goes
+    through the pool's pipe, with one WARNING naming the fix."""
+    import errno
+    import logging
+    import os
+    from multiprocessing import shared_memory
+
+    from aggregator.release import make_release
+    from aggregator.service.release_worker import HOUSE_MIN_SIZE, ReleaseWorker
+    from aggregator.state import PanPrivateHistogram
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    made = []
+    real = shared_memory.SharedMemory
+
+    def tracked(*args, **kwargs):
+        block = real(*args, **kwargs)
+        made.append(block.name.lstrip("/"))
+        return block
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(shared_memory, "SharedMemory", tracked)
+    worker = ReleaseWorker(1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="panagg.service"):
+            state = worker.house(PanPrivateHistogram(1.0, size=HOUSE_MIN_SIZE))
+            state.add_indices(np.arange(100))
+            futures = [worker.submit(state, model="joint", loss="l1", window=w,
+                                     rng=np.random.default_rng(5), error_bar_reps=0,
+                                     method="threshold") for w in range(2)]
+            docs = [f.result(timeout=300)[0] for f in futures]
+    finally:
+        worker.close()
+    assert made and not (set(made) & _blocks())  # each block tried was given up at once
+    assert not worker._housed and not worker._blocks
+    warned = [r.getMessage() for r in caplog.records if "/dev/shm" in r.getMessage()]
+    assert len(warned) == 1 and "larger /dev/shm" in warned[0]
+    expected = make_release(state, model="joint", loss="l1", window=0,
+                            rng=np.random.default_rng(5), error_bar_reps=0, method="threshold")
+    assert docs[0]["histogram"] == expected["histogram"] and docs[0]["n"] == 100
 
 
 def test_a_block_in_flight_is_unlinked_when_the_service_is_killed(tmp_path):

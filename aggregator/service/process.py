@@ -261,7 +261,12 @@ class Aggregator:
 
     def _draw_state(self, window_id: int) -> PanPrivateHistogram:
         kwargs = {"size": self.size} if self.direct else {"buckets": self.size}
-        return PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
+        state = PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
+        worker = self.worker  # (this runs beside the loop: the worker may go meanwhile)
+        if worker is not None:
+            # its counters in a shared block of their own: the close hands over no copy
+            state = worker.house(state)
+        return state
 
     def _new_window(self, task: WindowTask, window_id: int) -> dict:
         w = new_window(window_id, self.cfg.window.kind, self.cfg.window.size)

@@ -14,11 +14,22 @@ replayed under fresh noise (docs/privacy.md section 16, "Releases beside the loo
 
 The hand-off. The closed counters reach the worker through a shared-memory block, not through
 the pool's pipe: pickling 1e7 counters (80 MB) in the executor's feeder thread held the loop's
-GIL for seconds (intake stalls of 3-5 s, issue 53). :meth:`ReleaseWorker.submit` copies the
-counters into a fresh block (one memcpy), sends the state without them plus the block's name,
-and the worker maps and copies them back. The block holds the closed state, which the release
-view already covers (docs/privacy.md, section 16); it is unlinked once the release is collected
-or abandoned, and by the pool's resource tracker if the service is killed.
+GIL for seconds (intake stalls of 3-5 s, issue 53). A window's state of
+:data:`HOUSE_MIN_SIZE` counters or more is drawn into a block of its own before the window
+opens (:meth:`ReleaseWorker.house`, called beside the loop by :mod:`.next_state`), so at the
+close :meth:`ReleaseWorker.submit` sends only the state without its counters plus the block's
+name: no copy in the loop. A state that is not housed (the first window after a start, a
+restored one) is copied into a fresh block at the close (one memcpy). The worker maps the block
+and copies the counters out. A block holds a window's live, then closed, state: pan-private
+memory, which section 16 of docs/privacy.md already covers; it is unlinked once the release is
+collected or abandoned, when a housed state is dropped unused, and by the pool's resource
+tracker if the service is killed.
+
+Room. Blocks live in ``/dev/shm``, a tmpfs that containers often cap (64 MiB by default in
+Docker and Kubernetes): a page touched past the cap kills the process with SIGBUS. So a block's
+pages are reserved when it is made (``posix_fallocate``: a clear ENOSPC instead), and a state
+with no room goes through the pool's pipe as before, with one WARNING naming the fix
+(deploy/kubernetes/deployment.yaml mounts a larger ``/dev/shm``).
 
 Test hook: with ``PANAGG_TESTING=1``, ``PANAGG_TEST_RELEASE_DELAY_S`` makes every release (and
 every merge of a group's leader) take that much longer (a slow release on a small domain).
@@ -31,6 +42,7 @@ import multiprocessing
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import shared_memory
 
@@ -76,11 +88,50 @@ def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar
     return doc, started, time.time()
 
 
+#: states of this many counters or more are housed in a block of their own ahead of the close
+#: (below it the copy at the close is shorter than a thread's start)
+HOUSE_MIN_SIZE = 100_000
+
+
+class NoRoom(OSError):
+    """``/dev/shm`` cannot hold another block of the asked size."""
+
+
+def _new_block(nbytes: int) -> shared_memory.SharedMemory:
+    """A fresh shared block of ``nbytes`` whose pages are reserved now (:class:`NoRoom` if the
+    tmpfs is full: touching an unreserved page past its cap would be a SIGBUS)."""
+    block = shared_memory.SharedMemory(create=True, size=max(1, int(nbytes)))
+    try:
+        fd = getattr(block, "_fd", -1)
+        if fd >= 0 and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, max(1, int(nbytes)))
+    except OSError as exc:
+        _drop(block)
+        raise NoRoom(exc.errno, f"/dev/shm has no room for {nbytes / 2**20:.0f} MiB") from None
+    return block
+
+
+def _drop(block) -> None:
+    """Unmap (when no array still views it) and unlink ``block``."""
+    try:
+        block.close()
+    except BufferError:  # an array still maps it: unmapped when that array goes
+        pass
+    try:
+        block.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _counters_of(state) -> np.ndarray:
+    return state.split_counters()[1]
+
+
 def _shelve(state):
     """``(shell, block)``: a copy of ``state`` without its counters, and a new shared-memory
     block holding them (the caller unlinks it)."""
     shell, counts = state.split_counters()
-    block = shared_memory.SharedMemory(create=True, size=max(1, counts.nbytes))
+    block = _new_block(counts.nbytes)
     np.ndarray(counts.shape, counts.dtype, buffer=block.buf)[:] = counts
     return shell, (block.name, counts.shape, counts.dtype.str), block
 
@@ -138,12 +189,67 @@ class ReleaseWorker:
                                          initargs=(os.getpid(),))
         self._pool.submit(_warm)
         self._blocks: set = set()  # shared blocks handed over and not yet unlinked
+        self._housed: dict = {}  # (address, bytes) of a housed state's counters -> its block
         self._blocks_lock = threading.Lock()
+        self._warned_room = False
+
+    def house(self, state):
+        """``state`` with its counters moved into a shared block of their own (module
+        docstring): its close then hands over the block's name, no copy. Returns ``state``
+        unchanged below :data:`HOUSE_MIN_SIZE` counters or when ``/dev/shm`` has no room.
+        Thread-safe (called from the thread that draws the next window's state)."""
+        counts = _counters_of(state)
+        if counts.size < HOUSE_MIN_SIZE:
+            return state
+        try:
+            block = _new_block(counts.nbytes)
+        except NoRoom as exc:
+            self._no_room(exc)
+            return state
+        housed = np.ndarray(counts.shape, counts.dtype, buffer=block.buf)
+        housed[:] = counts
+        state.with_counters(housed)
+        key = (housed.__array_interface__["data"][0], housed.nbytes)
+        with self._blocks_lock:
+            self._housed[key] = block
+        # dropped unused (a draw for another window, a stop): the block goes with the state
+        weakref.finalize(state, self._unhouse, key, block)
+        return state
+
+    def _unhouse(self, key, block=None) -> None:
+        """Unlink the housed block at ``key`` (only if it is still ``block``: an address can
+        be mapped again by a later block once this one was handed over and freed)."""
+        with self._blocks_lock:
+            if block is None:
+                block = self._housed.get(key)
+            if block is None or self._housed.get(key) is not block:
+                return
+            del self._housed[key]
+        _drop(block)
+
+    def _no_room(self, exc: OSError) -> None:
+        if not self._warned_room:
+            self._warned_room = True
+            log.warning("%s: closed windows go to the release worker through its pipe (slower, "
+                        "it may stall intake at the close); give the process a larger /dev/shm "
+                        "(about 3 x 8 bytes x state.domain_size per aggregation; "
+                        "deploy/kubernetes/deployment.yaml mounts one)", exc.strerror or exc)
 
     def submit(self, state, **kwargs) -> Future:
         """The release of the closed ``state``, computed in the pool (module docstring: the
-        counters go through a shared-memory block)."""
-        shell, where, block = _shelve(state)
+        counters go through a shared-memory block, the state's own when it is housed)."""
+        shell, counts = state.split_counters()
+        key = (counts.__array_interface__["data"][0], counts.nbytes)
+        with self._blocks_lock:
+            block = self._housed.pop(key, None)
+        if block is not None:  # housed: the block changes hands, nothing is copied
+            where = (block.name, counts.shape, counts.dtype.str)
+        else:
+            try:
+                shell, where, block = _shelve(state)
+            except NoRoom as exc:
+                self._no_room(exc)
+                return self._pool.submit(compute_release, state, **kwargs)
         with self._blocks_lock:
             self._blocks.add(block)
         try:
@@ -159,11 +265,7 @@ class ReleaseWorker:
             if block not in self._blocks:
                 return
             self._blocks.discard(block)
-        block.close()
-        try:
-            block.unlink()
-        except FileNotFoundError:
-            pass
+        _drop(block)
 
     def call(self, fn, *args, **kwargs) -> Future:
         """Run ``fn`` (a module-level function: it is pickled by name) in the pool: a group's
@@ -190,3 +292,5 @@ class ReleaseWorker:
             manager.join(timeout_s)
         for block in list(self._blocks):  # releases abandoned by the stop
             self._free(block)
+        for key in list(self._housed):  # housed states never closed
+            self._unhouse(key)
