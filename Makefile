@@ -25,15 +25,17 @@ lint: $(STAMP)
 
 # pytest exits 5 when it collects nothing: that is a failure here, said out loud.
 # lint first: a style violation fails the suite (and CI) with ruff's message, before any test.
+# Two workers (pytest-xdist): the tests on a real broker run one at a time on one of them
+# (tests/conftest.py, pytest_collection_modifyitems), the rest on the other.
 test: $(STAMP) lint
-	@$(BIN)/python -m pytest -q --durations=20; rc=$$?; \
+	@$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5) - failing" >&2; exit 1; fi; \
 	exit $$rc
 
 # the fast lane: no broker, no fault matrix (tests/integration and tests/chaos left out);
 # linted too, since ruff takes about a second
 test-fast: $(STAMP) lint
-	@$(BIN)/python -m pytest -q -x --ignore=tests/integration --ignore=tests/chaos \
+	@$(BIN)/python -m pytest -q -x -n 2 --ignore=tests/integration --ignore=tests/chaos \
 	  -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; exit 1; fi; \
 	exit $$rc

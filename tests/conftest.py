@@ -120,3 +120,20 @@ def _no_plan_simulation_in_process(request, monkeypatch):
     if request.node.get_closest_marker("plan_thread") is None:
         import aggregator.service.accuracy_plan as accuracy_plan
         monkeypatch.setattr(accuracy_plan.StartPlan, "_simulate", lambda self: None)
+
+
+#: fixtures that start or use a real broker (above)
+_BROKER_FIXTURES = {"kafka_broker", "_restartable_broker", "restartable_broker"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``):
+    every test on a real broker (tests/integration, the fault matrix of tests/chaos, a test with
+    a broker fixture above) goes to one group, so they run one after another on one worker, as
+    they did before, with one session broker, while the other worker takes the rest (their
+    timings stay those of one broker test at a time). Without xdist the mark does nothing."""
+    for item in items:
+        parts = set(Path(str(item.fspath)).parts)
+        if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) \
+                or parts & {"integration", "chaos"}:
+            item.add_marker(pytest.mark.xdist_group("broker"))
