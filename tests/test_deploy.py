@@ -254,6 +254,80 @@ def test_dockerfile_is_slim_nonroot_and_runs_panagg():
         assert f"!{package}" in ignore
 
 
+LOCK = DEPLOY / "requirements.lock"
+
+
+def _lock() -> dict[str, str]:
+    """{canonical name: version} of deploy/requirements.lock (every line ``name==version``)."""
+    pins: dict[str, str] = {}
+    for raw in LOCK.read_text().splitlines():
+        line = raw.split("#")[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!-]+)", line)
+        assert m, f"deploy/requirements.lock: {raw!r} is not an exact pin (name==version)"
+        name = re.sub(r"[-_.]+", "-", m.group(1)).lower()
+        assert name not in pins, f"deploy/requirements.lock pins {name} twice"
+        pins[name] = m.group(2)
+    return pins
+
+
+def test_image_installs_exactly_the_lock():
+    """Issue 54: the image's dependency versions come from the lock, not from a fresh resolve."""
+    text = DOCKERFILE.read_text()
+    copy = re.search(r"^COPY\s+deploy/requirements\.lock\s+(\S+)", text, flags=re.M)
+    assert copy, "the Dockerfile does not copy deploy/requirements.lock"
+    target = copy.group(1)
+    run = " ".join(text.split("\\\n"))
+    installs = re.findall(r"pip install ([^&]*)", run)
+    lock_install = [i for i in installs if target in i]
+    assert lock_install and "--no-deps" in lock_install[0].split(), installs
+    wheel_install = [i for i in installs if "/wheels/" in i]
+    assert wheel_install and "--no-deps" in wheel_install[0].split(), \
+        "panagg's wheel must install without resolving its dependencies again"
+    assert "pip check" in run, "pip check: a lock missing a dependency fails the build"
+    assert "!deploy/requirements.lock" in (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+
+
+def test_lock_covers_the_runtime_dependencies():
+    """Every runtime dependency of pyproject is pinned, within its range, and so is every
+    dependency of a locked package (as far as this environment has the locked version to read
+    its metadata from); nothing from the test or bench extras is in the image."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    pins = _lock()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for spec in project["dependencies"]:
+        req = Requirement(spec)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, f"deploy/requirements.lock lacks {name} (pyproject: {spec})"
+        assert req.specifier.contains(pins[name], prereleases=True), \
+            f"deploy/requirements.lock pins {name}=={pins[name]}, outside pyproject's {spec}"
+    extras = {re.sub(r"[-_.]+", "-", Requirement(s).name).lower()
+              for group in project["optional-dependencies"].values() for s in group}
+    runtime = {re.sub(r"[-_.]+", "-", Requirement(s).name).lower()
+               for s in project["dependencies"]}
+    leaked = (extras - runtime) & set(pins)
+    assert not leaked, f"test or bench packages in the lock: {sorted(leaked)}"
+    for name, version in pins.items():
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        if dist.version != version:
+            continue  # another version here: its requirements may differ from the locked one's
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            dep = re.sub(r"[-_.]+", "-", req.name).lower()
+            assert dep in pins, f"deploy/requirements.lock lacks {dep}, which {name} needs"
+            assert req.specifier.contains(pins[dep], prereleases=True), \
+                f"{name}=={version} needs {spec}; the lock pins {dep}=={pins[dep]}"
+
+
 def test_every_module_directory_is_packaged():
     """A wheel (the image's, `pip install /path/to/panagg`) carries only the packages pyproject
     lists: a directory of modules left out installs a service that fails at its first import
