@@ -579,3 +579,42 @@ def test_the_intake_writes_a_dead_letter_per_rejected_record_in_its_transaction(
     Repartitioner._send(Producer(), plain, tp, recs, now_ms)
     assert [(k, h["reason"]) for t, k, h in sent if t == "dl"] == [(b"src:0@105",
                                                                     b"undecodable")]
+
+
+class _Admin:
+    """A KafkaAdminClient that knows the topics ``have`` (3 partitions each) and records
+    every call that would write."""
+
+    def __init__(self, have, writes):
+        self.have, self.writes = set(have), writes
+
+    def describe_topics(self, names):
+        return [{"topic": n, "partitions": [{}, {}, {}]} for n in names if n in self.have]
+
+    def list_topics(self):
+        return sorted(self.have)
+
+    def create_topics(self, *a, **k):
+        self.writes.append("create_topics")
+
+    def close(self):
+        pass
+
+
+def test_a_missing_release_topic_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """deploy/kubernetes sets release.topic: the leader sends each release there in the
+    transaction that ledgers it, so a missing topic would hold every window undecided."""
+    import kafka.admin
+
+    writes: list[str] = []
+    monkeypatch.setattr(kafka.admin, "KafkaAdminClient",
+                        lambda **kw: _Admin({"events"}, writes))
+    svc = GroupService(_cfg(f"checkpoint.dir={tmp_path / 'scratch'}",
+                            "release.topic=panagg-releases"), Metrics())
+    with pytest.raises(ServiceError) as err:
+        svc.start()
+    assert str(err.value) == (
+        "release.topic 'panagg-releases' does not exist on the cluster: create it once, "
+        "compacted so that it keeps every release (kafka-topics.sh --create --topic "
+        "panagg-releases --partitions 1 --config cleanup.policy=compact), or unset release.topic")
+    assert writes == [] and not (tmp_path / "scratch").exists()

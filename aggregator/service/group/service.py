@@ -171,6 +171,19 @@ class GroupService:
                 "source.group the group starts at its committed offsets, so nothing is counted "
                 "twice")
 
+    def _check_release_topics(self, existing: set[str]) -> None:
+        """release.topic must exist: the leader sends each release there inside the transaction
+        that ledgers it, so a missing topic would hold every window undecided (and a broker
+        that creates topics on first use would make it with its default retention, deleting
+        releases after a week). Refused before anything is written."""
+        for topic in sorted({p.cfg.release.topic for p in self.pipelines} - {""}):
+            if topic not in existing:
+                raise ServiceError(
+                    f"release.topic {topic!r} does not exist on the cluster: create it once, "
+                    f"compacted so that it keeps every release (kafka-topics.sh --create --topic "
+                    f"{topic} --partitions 1 --config cleanup.policy=compact), or unset "
+                    "release.topic")
+
     def start(self) -> None:
         from kafka.admin import KafkaAdminClient
 
@@ -182,6 +195,7 @@ class GroupService:
             P = self._partitions(admin)
             anchors = {}
             existing = set(admin.list_topics())
+            self._check_release_topics(existing)
             for pipe in self.pipelines:
                 anchors[pipe.name] = self._retrying(lambda: pipe.anchor(admin),
                                                     "reading the group's committed offsets")
