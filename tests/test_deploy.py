@@ -41,18 +41,22 @@ TARGET_LABELS = {"instance", "job"}
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])([^}]*))?\}")
+# what a required variable (``${X:?message}``) stands for when the tests interpolate
+REQUIRED = "<required>"
 
 
 def _interpolate(value):
-    """Compose variable interpolation with every variable unset: ``${X:-default}`` -> default."""
+    """Compose variable interpolation with every variable unset: ``${X:-default}`` -> default;
+    ``${X:?message}`` (compose refuses to run without X) -> REQUIRED."""
     if isinstance(value, dict):
         return {k: _interpolate(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_interpolate(v) for v in value]
     if not isinstance(value, str):
         return value
-    out = _VAR.sub(lambda m: m.group(2) or "", value.replace("$$", "\0"))
+    out = _VAR.sub(lambda m: REQUIRED if m.group(2) == "?" else m.group(3) or "",
+                   value.replace("$$", "\0"))
     assert "$" not in out, f"unsupported interpolation in {value!r}: use ${{VAR:-default}}"
     return out.replace("\0", "$")
 
@@ -155,6 +159,23 @@ def test_bind_mounts_and_build_context_exist(compose):
             context = (DEPLOY / build["context"]).resolve()
             assert context == ROOT, f"{name}: build context should be the repository root"
             assert (context / build["dockerfile"]).resolve() == DOCKERFILE
+
+
+def test_compose_has_no_default_credentials(compose_raw, compose):
+    """Issue 54: Grafana's admin password has no default (compose stops, saying so, while
+    GRAFANA_ADMIN_PASSWORD is unset), and no other password has one either."""
+    grafana = compose_raw["services"]["grafana"]["environment"]
+    password = grafana["GF_SECURITY_ADMIN_PASSWORD"]
+    m = _VAR.fullmatch(password)
+    assert m and m.group(1) == "GRAFANA_ADMIN_PASSWORD" and m.group(2) == "?", password
+    assert "docs/deploy.md" in m.group(3)   # the message says where to look
+    assert _env(compose["services"]["grafana"])["GF_SECURITY_ADMIN_PASSWORD"] == REQUIRED
+    for name, svc in compose["services"].items():
+        for key, value in _env(svc).items():
+            if re.search(r"PASSWORD|SECRET|TOKEN", key) and not key.endswith(("_FILE", "_ENV")):
+                assert value == REQUIRED, f"{name}: {key} has a default value"
+    header = COMPOSE.read_text().split("\nname:")[0]
+    assert "GRAFANA_ADMIN_PASSWORD=" in header and "openssl rand" in header
 
 
 def test_kafka_is_single_node_kraft_with_healthcheck(compose):
