@@ -618,3 +618,25 @@ def test_a_missing_release_topic_is_refused_before_anything_is_written(tmp_path,
         "compacted so that it keeps every release (kafka-topics.sh --create --topic "
         "panagg-releases --partitions 1 --config cleanup.policy=compact), or unset release.topic")
     assert writes == [] and not (tmp_path / "scratch").exists()
+
+
+def test_every_aggregations_ready_series_says_the_members_readiness():
+    """``panagg_ready`` (the PanaggNotReady alert's series): with several aggregations the
+    member's exposition is its pipelines' registries, so each must follow /ready."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = Metrics()
+    svc = GroupService(_cfg("ledger.budget_per_event=2", "aggregations.user.item.field=user",
+                            "aggregations.ip.item.field=ip"), metrics)
+
+    def ready() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        return {s.labels["aggregation"]: s.value for s in fams["panagg_ready"].samples}
+
+    assert ready() == {"ip": 0.0, "user": 0.0}
+    svc._set_ready(True)
+    assert ready() == {"ip": 1.0, "user": 1.0} and metrics.readiness()[0] == 200
+    svc._set_ready(False, "Kafka errors in intake")
+    assert ready() == {"ip": 0.0, "user": 0.0} and metrics.readiness()[0] == 503

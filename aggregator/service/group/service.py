@@ -377,7 +377,7 @@ class GroupService:
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.1) -> None:
         self._start_retrying()
-        self.metrics.set_ready(True)
+        self._set_ready(True)
         if self.on_started is not None:
             self.on_started()
         idle_since = time.monotonic()
@@ -455,8 +455,16 @@ class GroupService:
         reasons += [p.leader.behind for p in self.pipelines
                     if p.leader is not None and p.leader.behind]
         reason = "; ".join(reasons)
-        self.metrics.set_ready(not reasons, reason)
+        self._set_ready(not reasons, reason)
         return not reasons, reason
+
+    def _set_ready(self, ready: bool, reason: str = "") -> None:
+        """/ready, and ``panagg_ready``: with several aggregations the exposition is each
+        pipeline's registry (labelled aggregation=NAME), so each says the member's readiness."""
+        self.metrics.set_ready(ready, reason)
+        for pipe in self.pipelines:
+            if pipe.metrics is not self.metrics:
+                pipe.metrics.set_ready(ready, reason)
 
     def _members_producer(self):
         if self._plain is None:
