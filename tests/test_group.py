@@ -640,3 +640,29 @@ def test_every_aggregations_ready_series_says_the_members_readiness():
     assert ready() == {"ip": 1.0, "user": 1.0} and metrics.readiness()[0] == 200
     svc._set_ready(False, "Kafka errors in intake")
     assert ready() == {"ip": 0.0, "user": 0.0} and metrics.readiness()[0] == 503
+
+
+def test_the_leader_shows_the_budget_after_each_decided_window():
+    """The budget alerts (deploy/prometheus/alerts.yml) read panagg_budget_*; a group's leader
+    sets them from its ledger once a window's transaction is committed."""
+    from types import SimpleNamespace
+
+    from aggregator.service.group.leader import Leader
+
+    sent = []
+    txn = SimpleNamespace(begin=lambda: None, commit=lambda: None,
+                          send=lambda topic, **kw: sent.append(topic))
+    spent = [7.0]
+    ledger = SimpleNamespace(append=lambda **kw: spent.__setitem__(0, spent[0] + 1.0),
+                             committed=lambda: None, spent=lambda: spent[0],
+                             remaining=lambda: 10.0 - spent[0])
+    metrics = Metrics()
+    lead = SimpleNamespace(txn=txn, ledger=ledger, metrics=metrics, pending={3: {0: {}}},
+                           release_topic="panagg-releases", identity={"lineage": "L"},
+                           topics=SimpleNamespace(releases="g.panagg.releases",
+                                                  summaries="g.panagg.summaries"))
+    assert Leader._transact(lead, 3, {0: {}}, entry={"kind": "release"}, document="{}")
+    reg = metrics.registry
+    assert reg.get_sample_value("panagg_budget_spent_epsilon") == 8.0
+    assert reg.get_sample_value("panagg_budget_remaining_epsilon") == 2.0
+    assert sent == ["g.panagg.releases", "panagg-releases", "g.panagg.summaries"]

@@ -472,6 +472,8 @@ class Leader:
             txn.failed(exc)
             raise
         self.ledger.committed()
+        # the budget gauges, as one process shows them (the budget alerts read them)
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
         self.pending.pop(w, None)
         return True
 
