@@ -572,6 +572,8 @@ def test_the_intake_writes_a_dead_letter_per_rejected_record_in_its_transaction(
     assert dead == {b"src:0@102#users": b"late", b"src:0@103#users": b"no_timestamp",
                     b"src:0@104#users": b"future_timestamp",
                     b"src:0@105#users": b"undecodable"}, dead
+    # counted as one process counts them (the PanaggDeadLetters alert reads it)
+    assert route.metrics.registry.get_sample_value("panagg_dead_letters_total") == 4
     # by intake time, the same path (bad input only)
     sent.clear()
     plain = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100),
