@@ -644,16 +644,17 @@ def test_every_aggregations_ready_series_says_the_members_readiness():
     assert ready() == {"ip": 0.0, "user": 0.0} and metrics.readiness()[0] == 503
 
 
-def test_the_leader_shows_the_budget_after_each_decided_window():
+def test_the_leader_shows_the_budget_and_keys_release_topic_as_one_process():
     """The budget alerts (deploy/prometheus/alerts.yml) read panagg_budget_*; a group's leader
-    sets them from its ledger once a window's transaction is committed."""
+    sets them from its ledger once a window's transaction is committed. On release.topic a
+    release is keyed as one process keys it (docs/configuration.md: NAME/W)."""
     from types import SimpleNamespace
 
     from aggregator.service.group.leader import Leader
 
     sent = []
     txn = SimpleNamespace(begin=lambda: None, commit=lambda: None,
-                          send=lambda topic, **kw: sent.append(topic))
+                          send=lambda topic, key=None, **kw: sent.append((topic, key)))
     spent = [7.0]
     ledger = SimpleNamespace(append=lambda **kw: spent.__setitem__(0, spent[0] + 1.0),
                              committed=lambda: None, spent=lambda: spent[0],
@@ -662,9 +663,18 @@ def test_the_leader_shows_the_budget_after_each_decided_window():
     lead = SimpleNamespace(txn=txn, ledger=ledger, metrics=metrics, pending={3: {0: {}}},
                            release_topic="panagg-releases", identity={"lineage": "L"},
                            topics=SimpleNamespace(releases="g.panagg.releases",
-                                                  summaries="g.panagg.summaries"))
+                                                  summaries="g.panagg.summaries"),
+                           aggregation="")
+    lead.release_key = lambda name: Leader.release_key(lead, name)
     assert Leader._transact(lead, 3, {0: {}}, entry={"kind": "release"}, document="{}")
     reg = metrics.registry
     assert reg.get_sample_value("panagg_budget_spent_epsilon") == 8.0
     assert reg.get_sample_value("panagg_budget_remaining_epsilon") == 2.0
-    assert sent == ["g.panagg.releases", "panagg-releases", "g.panagg.summaries"]
+    assert sent == [("g.panagg.releases", b"3"), ("panagg-releases", b"3"),
+                    ("g.panagg.summaries", b"3/0")]
+    # several aggregations share release.topic: keyed NAME/W as one process keys them, so a
+    # compacted topic keeps every aggregation's release of window 3
+    sent.clear()
+    lead.aggregation, lead.pending = "ip", {3: {0: {}}}
+    assert Leader._transact(lead, 3, {0: {}}, entry={"kind": "release"}, document="{}")
+    assert ("panagg-releases", b"ip/3") in sent and ("g.panagg.releases", b"3") in sent
