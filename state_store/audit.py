@@ -22,7 +22,8 @@ import msgpack
 
 from .local import atomic_write
 
-__all__ = ["AuditKeyError", "ExportError", "load_key", "write_export", "read_export"]
+__all__ = ["AuditKeyError", "ExportError", "check_configured_key", "load_key",
+           "write_export", "read_export"]
 
 _FORMAT = "panagg.audit-export"
 
@@ -51,11 +52,27 @@ def load_key(key_file: str | None = None) -> bytes:
     try:
         key = bytes.fromhex(text.strip())
     except ValueError:
-        raise AuditKeyError(f"audit key in {where} is not hex") from None
+        raise AuditKeyError(f"audit key in {where} is not hex: use 64 hex digits "
+                            "(e.g. from `openssl rand -hex 32`)") from None
     if len(key) < 16:
-        raise AuditKeyError(f"audit key in {where} is too short: "
-                            "use at least 16 bytes (32 hex digits)")
+        raise AuditKeyError(f"audit key in {where} is too short ({2 * len(key)} hex digits): "
+                            "use at least 32 hex digits, e.g. 64 from `openssl rand -hex 32`")
     return key
+
+
+def check_configured_key(key_file: str | None = None) -> None:
+    """At a service's start: a configured key must be usable (:func:`load_key`), so that a
+    mistyped key stops the start instead of the first export, perhaps months later. No key at
+    all (``PANAGG_AUDIT_KEY`` unset or empty, no ``audit.key_file``) is allowed: exports are
+    then refused. Raises :class:`AuditKeyError` with one line naming the fix; never the key."""
+    from_env = bool(os.environ.get("PANAGG_AUDIT_KEY"))
+    if not from_env and not key_file:
+        return
+    try:
+        load_key(key_file)
+    except AuditKeyError as exc:
+        instead = ("leave PANAGG_AUDIT_KEY empty" if from_env else "unset audit.key_file")
+        raise AuditKeyError(f"{exc}; or {instead} to run with audit exports refused") from None
 
 
 def key_id(key: bytes) -> str:

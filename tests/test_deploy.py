@@ -41,18 +41,22 @@ TARGET_LABELS = {"instance", "job"}
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])([^}]*))?\}")
+# what a required variable (``${X:?message}``) stands for when the tests interpolate
+REQUIRED = "<required>"
 
 
 def _interpolate(value):
-    """Compose variable interpolation with every variable unset: ``${X:-default}`` -> default."""
+    """Compose variable interpolation with every variable unset: ``${X:-default}`` -> default;
+    ``${X:?message}`` (compose refuses to run without X) -> REQUIRED."""
     if isinstance(value, dict):
         return {k: _interpolate(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_interpolate(v) for v in value]
     if not isinstance(value, str):
         return value
-    out = _VAR.sub(lambda m: m.group(2) or "", value.replace("$$", "\0"))
+    out = _VAR.sub(lambda m: REQUIRED if m.group(2) == "?" else m.group(3) or "",
+                   value.replace("$$", "\0"))
     assert "$" not in out, f"unsupported interpolation in {value!r}: use ${{VAR:-default}}"
     return out.replace("\0", "$")
 
@@ -157,6 +161,23 @@ def test_bind_mounts_and_build_context_exist(compose):
             assert (context / build["dockerfile"]).resolve() == DOCKERFILE
 
 
+def test_compose_has_no_default_credentials(compose_raw, compose):
+    """Issue 54: Grafana's admin password has no default (compose stops, saying so, while
+    GRAFANA_ADMIN_PASSWORD is unset), and no other password has one either."""
+    grafana = compose_raw["services"]["grafana"]["environment"]
+    password = grafana["GF_SECURITY_ADMIN_PASSWORD"]
+    m = _VAR.fullmatch(password)
+    assert m and m.group(1) == "GRAFANA_ADMIN_PASSWORD" and m.group(2) == "?", password
+    assert "docs/deploy.md" in m.group(3)   # the message says where to look
+    assert _env(compose["services"]["grafana"])["GF_SECURITY_ADMIN_PASSWORD"] == REQUIRED
+    for name, svc in compose["services"].items():
+        for key, value in _env(svc).items():
+            if re.search(r"PASSWORD|SECRET|TOKEN", key) and not key.endswith(("_FILE", "_ENV")):
+                assert value == REQUIRED, f"{name}: {key} has a default value"
+    header = COMPOSE.read_text().split("\nname:")[0]
+    assert "GRAFANA_ADMIN_PASSWORD=" in header and "openssl rand" in header
+
+
 def test_kafka_is_single_node_kraft_with_healthcheck(compose):
     kafka = compose["services"]["kafka"]
     env = _env(kafka)
@@ -252,6 +273,80 @@ def test_dockerfile_is_slim_nonroot_and_runs_panagg():
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
     for package in top_level:
         assert f"!{package}" in ignore
+
+
+LOCK = DEPLOY / "requirements.lock"
+
+
+def _lock() -> dict[str, str]:
+    """{canonical name: version} of deploy/requirements.lock (every line ``name==version``)."""
+    pins: dict[str, str] = {}
+    for raw in LOCK.read_text().splitlines():
+        line = raw.split("#")[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!-]+)", line)
+        assert m, f"deploy/requirements.lock: {raw!r} is not an exact pin (name==version)"
+        name = re.sub(r"[-_.]+", "-", m.group(1)).lower()
+        assert name not in pins, f"deploy/requirements.lock pins {name} twice"
+        pins[name] = m.group(2)
+    return pins
+
+
+def test_image_installs_exactly_the_lock():
+    """Issue 54: the image's dependency versions come from the lock, not from a fresh resolve."""
+    text = DOCKERFILE.read_text()
+    copy = re.search(r"^COPY\s+deploy/requirements\.lock\s+(\S+)", text, flags=re.M)
+    assert copy, "the Dockerfile does not copy deploy/requirements.lock"
+    target = copy.group(1)
+    run = " ".join(text.split("\\\n"))
+    installs = re.findall(r"pip install ([^&]*)", run)
+    lock_install = [i for i in installs if target in i]
+    assert lock_install and "--no-deps" in lock_install[0].split(), installs
+    wheel_install = [i for i in installs if "/wheels/" in i]
+    assert wheel_install and "--no-deps" in wheel_install[0].split(), \
+        "panagg's wheel must install without resolving its dependencies again"
+    assert "pip check" in run, "pip check: a lock missing a dependency fails the build"
+    assert "!deploy/requirements.lock" in (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+
+
+def test_lock_covers_the_runtime_dependencies():
+    """Every runtime dependency of pyproject is pinned, within its range, and so is every
+    dependency of a locked package (as far as this environment has the locked version to read
+    its metadata from); nothing from the test or bench extras is in the image."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    pins = _lock()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for spec in project["dependencies"]:
+        req = Requirement(spec)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, f"deploy/requirements.lock lacks {name} (pyproject: {spec})"
+        assert req.specifier.contains(pins[name], prereleases=True), \
+            f"deploy/requirements.lock pins {name}=={pins[name]}, outside pyproject's {spec}"
+    extras = {re.sub(r"[-_.]+", "-", Requirement(s).name).lower()
+              for group in project["optional-dependencies"].values() for s in group}
+    runtime = {re.sub(r"[-_.]+", "-", Requirement(s).name).lower()
+               for s in project["dependencies"]}
+    leaked = (extras - runtime) & set(pins)
+    assert not leaked, f"test or bench packages in the lock: {sorted(leaked)}"
+    for name, version in pins.items():
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        if dist.version != version:
+            continue  # another version here: its requirements may differ from the locked one's
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            dep = re.sub(r"[-_.]+", "-", req.name).lower()
+            assert dep in pins, f"deploy/requirements.lock lacks {dep}, which {name} needs"
+            assert req.specifier.contains(pins[dep], prereleases=True), \
+                f"{name}=={version} needs {spec}; the lock pins {dep}=={pins[dep]}"
 
 
 def test_every_module_directory_is_packaged():
@@ -525,6 +620,13 @@ def test_example_config_loads_and_is_complete():
 # offline: the JSON schemas of the Kubernetes API (bundled with kubernetes-validate, strict: an
 # unknown field fails), then the same code checks as the compose file.
 K8S = DEPLOY / "kubernetes"
+K8S_PVC = DEPLOY / "kubernetes-release-pvc"   # the overlay: release files on a shared volume
+KUSTOMIZATION = "kustomization.yaml"
+
+
+def _k8s_manifests() -> list[Path]:
+    """The Kubernetes objects of deploy/kubernetes (kustomization.yaml is kustomize's, not one)."""
+    return [p for p in sorted(K8S.glob("*.yaml")) if p.name != KUSTOMIZATION]
 # the oldest and the newest API version the manifests are checked against (both bundled with the
 # pinned kubernetes-validate)
 K8S_VERSIONS = ("1.29.0", "1.37.0")
@@ -534,7 +636,7 @@ K8S_FAKE_POD = "panagg-6f9c8d7b5-x2k4q"  # what metadata.name of a Deployment's 
 @pytest.fixture(scope="module")
 def k8s_docs() -> list[tuple[str, dict]]:
     docs = []
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in _k8s_manifests():
         for doc in yaml.safe_load_all(path.read_text()):
             if doc is not None:
                 docs.append((path.name, doc))
@@ -625,7 +727,7 @@ CONTAINER_CONFIG = "/etc/panagg/panagg.toml"
 
 def test_kubernetes_manifests_parse(k8s_docs):
     kinds = sorted(d["kind"] for _, d in k8s_docs)
-    assert {"ConfigMap", "Secret", "Deployment", "Service"} <= set(kinds), kinds
+    assert {"ConfigMap", "Secret", "Deployment", "Service", "NetworkPolicy"} <= set(kinds), kinds
     for name, doc in k8s_docs:
         assert doc.get("apiVersion") and doc.get("metadata", {}).get("name"), name
     assert not {"PersistentVolumeClaim", "PersistentVolume", "StatefulSet"} & set(kinds)
@@ -700,7 +802,7 @@ def test_kubernetes_runs_as_the_images_user():
     text = DOCKERFILE.read_text()
     uid = int(re.search(r"useradd\b.*?--uid\s+(\d+)", text, flags=re.S).group(1))
     gid = int(re.search(r"groupadd\b.*?--gid\s+(\d+)", text, flags=re.S).group(1))
-    docs = [(p.name, d) for p in sorted(K8S.glob("*.yaml"))
+    docs = [(p.name, d) for p in _k8s_manifests()
             for d in yaml.safe_load_all(p.read_text()) if d]
     pod, container = _pod(docs), _container(docs)
     ctx = pod["securityContext"]
@@ -769,3 +871,161 @@ def test_kubernetes_metrics_service_selects_the_pods(k8s_docs):
         assert port["targetPort"] in names or port["targetPort"] in names.values()
     for doc in (d for _, d in k8s_docs if d["kind"] == "PodDisruptionBudget"):
         assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+# -- issue 54: durable releases, spread replicas, a NetworkPolicy, kustomize -----------------------
+def test_kubernetes_releases_go_to_a_topic_the_docs_create(k8s_docs, tmp_path):
+    """Without editing a manifest, releases are durable: the ConfigMap sets release.topic (the
+    leader writes each release there in the transaction that ledgers it), and docs/deploy.md
+    creates that topic, compacted so that it keeps every release (a group's start refuses a
+    missing one)."""
+    cfg, _ = _k8s_config(k8s_docs, tmp_path)
+    topic = cfg.release.topic
+    assert topic, "deploy/kubernetes/configmap.yaml: release.topic is not set"
+    assert topic != cfg.source.topic and not topic.startswith(f"{cfg.source.group}.panagg.")
+    commands = (ROOT / "docs" / "deploy.md").read_text().replace("\\\n", " ").splitlines()
+    creates = [c.split() for c in commands if "kafka-topics.sh" in c and "--create" in c]
+    create = [c for c in creates if c[c.index("--topic") + 1] == topic]
+    assert create, f"docs/deploy.md does not create the release topic {topic}"
+    assert "cleanup.policy=compact" in create[0], " ".join(create[0])
+
+
+def test_kubernetes_replicas_are_spread_over_nodes(k8s_docs):
+    pod = _pod(k8s_docs)
+    labels = _k8s_one(k8s_docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    spread = {c["topologyKey"]: c for c in pod["topologySpreadConstraints"]}
+    node = spread["kubernetes.io/hostname"]
+    assert node["maxSkew"] == 1 and node["whenUnsatisfiable"] == "DoNotSchedule"
+    assert node.get("nodeTaintsPolicy") == "Honor"   # a tainted empty node caps the others
+    for c in spread.values():
+        assert c["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
+def _bootstrap_hosts(cfg) -> list[tuple[str, int]]:
+    out = []
+    for server in cfg.source.bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        out.append((host, int(port)))
+    return out
+
+
+def test_kubernetes_network_policy_admits_prometheus_and_reaches_kafka_and_dns(k8s_docs,
+                                                                                tmp_path):
+    policy = _k8s_one(k8s_docs, "NetworkPolicy")["spec"]
+    labels = _k8s_one(k8s_docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
+    cfg, _ = _k8s_config(k8s_docs, tmp_path)
+    # in: only the metrics port, only from Prometheus pods
+    metrics_port = {p["containerPort"] for p in _container(k8s_docs)["ports"]
+                    if p["name"] == "metrics"}
+    assert metrics_port == {cfg.metrics.port}
+    ingress_ports = {(p["protocol"], p["port"]) for rule in policy["ingress"]
+                     for p in rule["ports"]}
+    assert ingress_ports == {("TCP", cfg.metrics.port)}
+    for rule in policy["ingress"]:
+        assert rule["from"], "an ingress rule without `from` admits every pod"
+        for peer in rule["from"]:
+            assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    # out: the brokers' ports in their namespace, and DNS; every rule names its peers and ports
+    egress = policy["egress"]
+    for rule in egress:
+        assert rule.get("to") and rule.get("ports"), rule
+    allowed = {(p["protocol"], p["port"]) for rule in egress for p in rule["ports"]}
+    assert {("UDP", 53), ("TCP", 53)} <= allowed
+    for host, port in _bootstrap_hosts(cfg):
+        labels_ = host.split(".")
+        namespace = labels_[labels_.index("svc") - 1]   # <pod>.<service>.<namespace>.svc
+        reach = [rule for rule in egress if ("TCP", port) in
+                 {(p["protocol"], p["port"]) for p in rule["ports"]}]
+        peers = [peer for rule in reach for peer in rule["to"]]
+        assert any(peer.get("namespaceSelector", {}).get("matchLabels", {})
+                   .get("kubernetes.io/metadata.name") == namespace for peer in peers), \
+            f"no egress to {host}:{port} (namespace {namespace})"
+    dns = [rule for rule in egress if ("UDP", 53) in
+           {(p["protocol"], p["port"]) for p in rule["ports"]}]
+    assert all(peer["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+               for rule in dns for peer in rule["to"])
+
+
+def test_kubernetes_kustomization_applies_every_manifest_but_the_example_secret():
+    kust = yaml.safe_load((K8S / KUSTOMIZATION).read_text())
+    assert kust["kind"] == "Kustomization"
+    objects = {p.name for p in _k8s_manifests()} - {"secret.example.yaml"}
+    assert set(kust["resources"]) == objects
+    images = {i["name"] for i in kust.get("images", [])}
+    deployment = yaml.safe_load((K8S / "deployment.yaml").read_text())
+    used = {c["image"].rpartition(":")[0] for c in
+            deployment["spec"]["template"]["spec"]["containers"]}
+    assert images <= used, f"kustomization images {images} name no image of the Deployment"
+
+
+def _json_patch_add(doc: dict, ops: list[dict]) -> dict:
+    """RFC 6902 `add` operations (all the overlay uses), on a copy of ``doc``."""
+    import copy
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] == "add", op
+        *parents, last = op["path"].lstrip("/").split("/")
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node.insert(len(node) if last == "-" else int(last), op["value"])
+        else:
+            node[last] = op["value"]
+    return doc
+
+
+def _pvc_overlay() -> tuple[dict, dict]:
+    """(the Deployment with the overlay's patch applied, the PersistentVolumeClaim)."""
+    kust = yaml.safe_load((K8S_PVC / KUSTOMIZATION).read_text())
+    assert (K8S_PVC / kust["resources"][0]).resolve() == K8S
+    objects = [yaml.safe_load((K8S_PVC / r).read_text()) for r in kust["resources"][1:]]
+    (claim,) = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    (patch,) = kust["patches"]
+    assert patch["target"] == {"kind": "Deployment", "name": "panagg"}
+    deployment = yaml.safe_load((K8S / "deployment.yaml").read_text())
+    ops = yaml.safe_load((K8S_PVC / patch["path"]).read_text())
+    return _json_patch_add(deployment, ops), claim
+
+
+def test_release_pvc_overlay_puts_release_dir_on_the_claim(k8s_docs, tmp_path):
+    import kubernetes_validate
+    deployment, claim = _pvc_overlay()
+    for version in K8S_VERSIONS:
+        for doc in (deployment, claim):
+            kubernetes_validate.validate(doc, version, strict=True)
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]   # replicas on several nodes
+    pod = deployment["spec"]["template"]["spec"]
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+              if "persistentVolumeClaim" in v}
+    assert set(claims.values()) == {claim["metadata"]["name"]}
+    (container,) = pod["containers"]
+    cfg, _ = _k8s_config(k8s_docs, tmp_path)
+    on_claim = [m["mountPath"].rstrip("/") + "/" for m in container["volumeMounts"]
+                if m["name"] in claims and not m.get("readOnly")]
+    assert any((cfg.release.dir.rstrip("/") + "/").startswith(m) for m in on_claim), \
+        f"release.dir {cfg.release.dir} is not on the claim ({on_claim})"
+    # the state stays scratch: only release.dir moves
+    assert not any((cfg.checkpoint.dir.rstrip("/") + "/").startswith(m) for m in on_claim)
+
+
+@pytest.mark.parametrize("where", [K8S, K8S_PVC], ids=["base", "release-pvc"])
+def test_kubectl_kustomize_renders(where):
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: kustomizations checked by parsing only")
+    res = subprocess.run(["kubectl", "kustomize", str(where)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    rendered = [d for d in yaml.safe_load_all(res.stdout) if d]
+    kinds = sorted(d["kind"] for d in rendered)
+    assert "Secret" not in kinds
+    if where == K8S_PVC:
+        assert "PersistentVolumeClaim" in kinds
+        mine, _ = _pvc_overlay()
+        (theirs,) = [d for d in rendered if d["kind"] == "Deployment"]
+        spec = theirs["spec"]["template"]["spec"]
+        assert spec["volumes"] == mine["spec"]["template"]["spec"]["volumes"]
+        assert (spec["containers"][0]["volumeMounts"]
+                == mine["spec"]["template"]["spec"]["containers"][0]["volumeMounts"])

@@ -572,6 +572,8 @@ def test_the_intake_writes_a_dead_letter_per_rejected_record_in_its_transaction(
     assert dead == {b"src:0@102#users": b"late", b"src:0@103#users": b"no_timestamp",
                     b"src:0@104#users": b"future_timestamp",
                     b"src:0@105#users": b"undecodable"}, dead
+    # counted as one process counts them (the PanaggDeadLetters alert reads it)
+    assert route.metrics.registry.get_sample_value("panagg_dead_letters_total") == 4
     # by intake time, the same path (bad input only)
     sent.clear()
     plain = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100),
@@ -579,3 +581,100 @@ def test_the_intake_writes_a_dead_letter_per_rejected_record_in_its_transaction(
     Repartitioner._send(Producer(), plain, tp, recs, now_ms)
     assert [(k, h["reason"]) for t, k, h in sent if t == "dl"] == [(b"src:0@105",
                                                                     b"undecodable")]
+
+
+class _Admin:
+    """A KafkaAdminClient that knows the topics ``have`` (3 partitions each) and records
+    every call that would write."""
+
+    def __init__(self, have, writes):
+        self.have, self.writes = set(have), writes
+
+    def describe_topics(self, names):
+        return [{"topic": n, "partitions": [{}, {}, {}]} for n in names if n in self.have]
+
+    def list_topics(self):
+        return sorted(self.have)
+
+    def create_topics(self, *a, **k):
+        self.writes.append("create_topics")
+
+    def close(self):
+        pass
+
+
+def test_a_missing_release_topic_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """deploy/kubernetes sets release.topic: the leader sends each release there in the
+    transaction that ledgers it, so a missing topic would hold every window undecided."""
+    import kafka.admin
+
+    writes: list[str] = []
+    monkeypatch.setattr(kafka.admin, "KafkaAdminClient",
+                        lambda **kw: _Admin({"events"}, writes))
+    svc = GroupService(_cfg(f"checkpoint.dir={tmp_path / 'scratch'}",
+                            "release.topic=panagg-releases"), Metrics())
+    with pytest.raises(ServiceError) as err:
+        svc.start()
+    assert str(err.value) == (
+        "release.topic 'panagg-releases' does not exist on the cluster: create it once, "
+        "compacted so that it keeps every release (kafka-topics.sh --create --topic "
+        "panagg-releases --partitions 1 --config cleanup.policy=compact), or unset release.topic")
+    assert writes == [] and not (tmp_path / "scratch").exists()
+
+
+def test_every_aggregations_ready_series_says_the_members_readiness():
+    """``panagg_ready`` (the PanaggNotReady alert's series): with several aggregations the
+    member's exposition is its pipelines' registries, so each must follow /ready."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = Metrics()
+    svc = GroupService(_cfg("ledger.budget_per_event=2", "aggregations.user.item.field=user",
+                            "aggregations.ip.item.field=ip"), metrics)
+
+    def ready() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        return {s.labels["aggregation"]: s.value for s in fams["panagg_ready"].samples}
+
+    assert ready() == {"ip": 0.0, "user": 0.0}
+    svc._set_ready(True)
+    assert ready() == {"ip": 1.0, "user": 1.0} and metrics.readiness()[0] == 200
+    svc._set_ready(False, "Kafka errors in intake")
+    assert ready() == {"ip": 0.0, "user": 0.0} and metrics.readiness()[0] == 503
+
+
+def test_the_leader_shows_the_budget_and_keys_release_topic_as_one_process():
+    """The budget alerts (deploy/prometheus/alerts.yml) read panagg_budget_*; a group's leader
+    sets them from its ledger once a window's transaction is committed. On release.topic a
+    release is keyed as one process keys it (docs/configuration.md: NAME/W)."""
+    from types import SimpleNamespace
+
+    from aggregator.service.group.leader import Leader
+
+    sent = []
+    txn = SimpleNamespace(begin=lambda: None, commit=lambda: None,
+                          send=lambda topic, key=None, **kw: sent.append((topic, key)))
+    spent = [7.0]
+    ledger = SimpleNamespace(append=lambda **kw: spent.__setitem__(0, spent[0] + 1.0),
+                             committed=lambda: None, spent=lambda: spent[0],
+                             remaining=lambda: 10.0 - spent[0])
+    metrics = Metrics()
+    lead = SimpleNamespace(txn=txn, ledger=ledger, metrics=metrics, pending={3: {0: {}}},
+                           release_topic="panagg-releases", identity={"lineage": "L"},
+                           topics=SimpleNamespace(releases="g.panagg.releases",
+                                                  summaries="g.panagg.summaries"),
+                           aggregation="")
+    lead.release_key = lambda name: Leader.release_key(lead, name)
+    assert Leader._transact(lead, 3, {0: {}}, entry={"kind": "release"}, document="{}")
+    reg = metrics.registry
+    assert reg.get_sample_value("panagg_budget_spent_epsilon") == 8.0
+    assert reg.get_sample_value("panagg_budget_remaining_epsilon") == 2.0
+    assert sent == [("g.panagg.releases", b"3"), ("panagg-releases", b"3"),
+                    ("g.panagg.summaries", b"3/0")]
+    # several aggregations share release.topic: keyed NAME/W as one process keys them, so a
+    # compacted topic keeps every aggregation's release of window 3
+    sent.clear()
+    lead.aggregation, lead.pending = "ip", {3: {0: {}}}
+    assert Leader._transact(lead, 3, {0: {}}, entry={"kind": "release"}, document="{}")
+    assert ("panagg-releases", b"ip/3") in sent and ("g.panagg.releases", b"3") in sent

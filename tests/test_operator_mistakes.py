@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 
 from aggregator.service.cli import _handled_library_line
 from state_store.audit import key_id, read_export
@@ -380,3 +381,59 @@ def test_unknown_keys_in_the_file_and_in_set_name_the_near_match(tmp_path):
                             "key, did you mean state.epsilon?")
     else:
         raise AssertionError("not refused")
+
+
+# -- issue 54: the audit key is checked at start, not at the first export ------------------------
+@pytest.mark.parametrize("key,said", [
+    ("not-a-key-" + "x" * 54, "is not hex: use 64 hex digits (e.g. from `openssl rand -hex 32`)"),
+    ("abc", "is not hex: use 64 hex digits (e.g. from `openssl rand -hex 32`)"),  # odd length
+    ("5a" * 8, "is too short (16 hex digits): use at least 32 hex digits, e.g. 64 from "
+               "`openssl rand -hex 32`"),
+])
+def test_an_invalid_audit_key_refuses_the_start_and_writes_nothing(tmp_path, key, said):
+    path = events(tmp_path / "in.bin", 250)
+    res = panagg(*run_args(tmp_path, path), env={"PANAGG_AUDIT_KEY": key})
+    assert res.returncode == 2
+    assert last_line(res) == (f"panagg: error: audit key in PANAGG_AUDIT_KEY {said}; or leave "
+                              "PANAGG_AUDIT_KEY empty to run with audit exports refused")
+    assert key not in res.stderr and key not in res.stdout   # never the key itself
+    assert "stopped (" not in res.stderr
+    assert not (tmp_path / "state").exists() and not (tmp_path / "releases").exists()
+
+
+def test_an_unusable_audit_key_file_refuses_the_start(tmp_path):
+    path = events(tmp_path / "in.bin", 250)
+    key_file = tmp_path / "audit.key"
+    key_file.write_text("0123456789abcdef\n")   # 8 bytes
+    shell = {k: v for k, v in os.environ.items() if k != "PANAGG_AUDIT_KEY"}
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli",
+                          *run_args(tmp_path, path, f"audit.key_file={key_file}")],
+                         capture_output=True, text=True, timeout=180,
+                         env=dict(shell, PANAGG_TESTING="1"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        f"panagg: error: audit key in {key_file} is too short (16 hex digits): use at least 32 "
+        "hex digits, e.g. 64 from `openssl rand -hex 32`; or unset audit.key_file to run with "
+        "audit exports refused")
+    assert not (tmp_path / "state").exists() and not (tmp_path / "releases").exists()
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli",
+                          *run_args(tmp_path, path, f"audit.key_file={tmp_path / 'missing'}")],
+                         capture_output=True, text=True, timeout=180,
+                         env=dict(shell, PANAGG_TESTING="1"))
+    assert res.returncode == 2
+    assert last_line(res) == (
+        f"panagg: error: cannot read audit key file {tmp_path / 'missing'}: No such file or "
+        "directory; or unset audit.key_file to run with audit exports refused")
+
+
+def test_an_empty_audit_key_runs_with_exports_refused(tmp_path):
+    """Empty is the documented "no key" (docker-compose's default): the service runs, and an
+    export is refused saying where the key goes."""
+    path = events(tmp_path / "in.bin", 250)
+    res = panagg(*run_args(tmp_path, path), env={"PANAGG_AUDIT_KEY": ""})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted((tmp_path / "releases").glob("release-*.json"))
+    res = panagg("audit", "export", "--state-dir", str(tmp_path / "state"),
+                 env={"PANAGG_AUDIT_KEY": ""})
+    assert res.returncode == 2
+    assert "no audit signing key: set PANAGG_AUDIT_KEY to 64 hex digits" in last_line(res)

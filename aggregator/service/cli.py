@@ -407,6 +407,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             extra.append(f"{key}={value}")
     cfg = _load(args, extra)
     _setup_logging(args.verbose)
+    from state_store.audit import AuditKeyError, check_configured_key
+    try:  # a mistyped key stops the start, not the first export (nothing is written yet)
+        check_configured_key(cfg.audit.key_file or None)
+    except AuditKeyError as exc:
+        raise UsageError(str(exc)) from None
     return _run_service(cfg, idle_exit_s=args.exit_when_idle, fresh_start=args.fresh_start,
                         accept_change=args.accept_change)
 

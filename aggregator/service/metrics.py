@@ -149,6 +149,11 @@ class Metrics:
         self._server = None
         self._heartbeat: float | None = None
         self._ready: tuple[bool, str] = (False, "starting")
+        # /ready as a series, for alerting (deploy/prometheus/alerts.yml); the reason is in /ready
+        self.ready = Gauge("panagg_ready", "1 while /ready answers 200 (counting), 0 while it "
+                           "answers 503 (starting, broker unreachable, a write failing, budget "
+                           "spent, a group leader behind: /ready says which)", registry=r)
+        self.ready.set_function(lambda: 1.0 if self._ready[0] else 0.0)
 
     def budget(self, spent: float, remaining: float | None) -> None:
         self.budget_spent.set(spent)

@@ -451,6 +451,12 @@ class Leader:
                         self.topics.releases, exc.strerror)
             return None
 
+    def release_key(self, name: str) -> str:
+        """The record key on ``release.topic``: as one process keys it, the window (or rollup)
+        name, prefixed ``NAME/`` with several aggregations. The aggregations share the topic,
+        so on a compacted one a bare window number would keep one aggregation's release."""
+        return f"{self.aggregation}/{name}" if self.aggregation else name
+
     def _transact(self, w: int, have: dict, *, entry: dict, document: str | None) -> bool:
         from kafka.errors import KafkaError
 
@@ -462,7 +468,8 @@ class Leader:
                 txn.send(self.topics.releases, partition=0, key=str(w).encode(),
                          value=document.encode())
                 if self.release_topic:
-                    txn.send(self.release_topic, key=str(w).encode(), value=document.encode())
+                    txn.send(self.release_topic, key=self.release_key(str(w)).encode(),
+                             value=document.encode())
             for p in have:
                 txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(), value=None)
             txn.commit()
@@ -472,6 +479,8 @@ class Leader:
             txn.failed(exc)
             raise
         self.ledger.committed()
+        # the budget gauges, as one process shows them (the budget alerts read them)
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
         self.pending.pop(w, None)
         return True
 

@@ -477,6 +477,7 @@ class Repartitioner:
 
         from ..deadletter import dead_letter_record
 
+        sent = 0
         for i, reason in rejected:
             if reason == FILTERED:
                 continue
@@ -485,6 +486,10 @@ class Repartitioner:
                                                      rec.value, reason, rec.key,
                                                      aggregation=route.name or None)
             producer.send(route.dead_topic, key=key, value=value, headers=headers)
+            sent += 1
+        # panagg_dead_letters_total, as one process counts them (the PanaggDeadLetters alert);
+        # like the rejects, counted when sent in the transaction (an aborted one re-sends them)
+        route.metrics.dead_letters.inc(sent)
 
     @staticmethod
     def _count_rejects(metrics, rejected) -> None:

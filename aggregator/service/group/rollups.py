@@ -390,10 +390,12 @@ class RollupReleases:
             if entry is not None:
                 lead.ledger.append(model=lead.identity["model"], producer=txn, **entry)
             if document is not None:
-                name = f"{span}-{idx}".encode()
-                txn.send(lead.topics.releases, partition=0, key=name, value=document.encode())
+                name = f"{span}-{idx}"
+                txn.send(lead.topics.releases, partition=0, key=name.encode(),
+                         value=document.encode())
                 if lead.release_topic:
-                    txn.send(lead.release_topic, key=name, value=document.encode())
+                    txn.send(lead.release_topic, key=lead.release_key(name).encode(),
+                             value=document.encode())
             for p in have:
                 txn.send(lead.topics.summaries, partition=0,
                          key=f"r/{span}/{idx}/{p}".encode(), value=None)

@@ -171,6 +171,19 @@ class GroupService:
                 "source.group the group starts at its committed offsets, so nothing is counted "
                 "twice")
 
+    def _check_release_topics(self, existing: set[str]) -> None:
+        """release.topic must exist: the leader sends each release there inside the transaction
+        that ledgers it, so a missing topic would hold every window undecided (and a broker
+        that creates topics on first use would make it with its default retention, deleting
+        releases after a week). Refused before anything is written."""
+        for topic in sorted({p.cfg.release.topic for p in self.pipelines} - {""}):
+            if topic not in existing:
+                raise ServiceError(
+                    f"release.topic {topic!r} does not exist on the cluster: create it once, "
+                    f"compacted so that it keeps every release (kafka-topics.sh --create --topic "
+                    f"{topic} --partitions 1 --config cleanup.policy=compact), or unset "
+                    "release.topic")
+
     def start(self) -> None:
         from kafka.admin import KafkaAdminClient
 
@@ -182,6 +195,7 @@ class GroupService:
             P = self._partitions(admin)
             anchors = {}
             existing = set(admin.list_topics())
+            self._check_release_topics(existing)
             for pipe in self.pipelines:
                 anchors[pipe.name] = self._retrying(lambda: pipe.anchor(admin),
                                                     "reading the group's committed offsets")
@@ -363,7 +377,7 @@ class GroupService:
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.1) -> None:
         self._start_retrying()
-        self.metrics.set_ready(True)
+        self._set_ready(True)
         if self.on_started is not None:
             self.on_started()
         idle_since = time.monotonic()
@@ -441,8 +455,16 @@ class GroupService:
         reasons += [p.leader.behind for p in self.pipelines
                     if p.leader is not None and p.leader.behind]
         reason = "; ".join(reasons)
-        self.metrics.set_ready(not reasons, reason)
+        self._set_ready(not reasons, reason)
         return not reasons, reason
+
+    def _set_ready(self, ready: bool, reason: str = "") -> None:
+        """/ready, and ``panagg_ready``: with several aggregations the exposition is each
+        pipeline's registry (labelled aggregation=NAME), so each says the member's readiness."""
+        self.metrics.set_ready(ready, reason)
+        for pipe in self.pipelines:
+            if pipe.metrics is not self.metrics:
+                pipe.metrics.set_ready(ready, reason)
 
     def _members_producer(self):
         if self._plain is None:
