@@ -48,6 +48,7 @@ import heapq
 import math
 import threading
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -345,14 +346,15 @@ def _convolver(q: np.ndarray, length: int):
     return lambda a: _CORRELATE(a, q_rev, "same")  # what np.convolve(a, q, "same") calls
 
 
+_CORRELATE: Callable[..., np.ndarray] | None = None
 try:  # numpy's kernel behind np.convolve (np.convolve(a, v) = correlate(a, v[::-1]))
-    from numpy._core.multiarray import correlate as _CORRELATE
+    from numpy._core.multiarray import correlate as _np_correlate
     _probe = np.random.default_rng().random((2, 40))  # any values: an equality probe
-    if not np.array_equal(_CORRELATE(_probe[0], _probe[1][:9][::-1], "same"),
-                          np.convolve(_probe[0], _probe[1][:9], mode="same")):
-        _CORRELATE = None
+    if np.array_equal(_np_correlate(_probe[0], _probe[1][:9][::-1], "same"),
+                      np.convolve(_probe[0], _probe[1][:9], mode="same")):
+        _CORRELATE = _np_correlate
 except Exception:  # another numpy: np.convolve itself
-    _CORRELATE = None
+    pass
 
 
 def _em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray,
@@ -837,7 +839,8 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     tol = deconv_tol(p, k) if tol is None else tol
     vcs = [noisy_value_counts(x) for x in many]
     probs = [_em_problem(vc, p, k) for vc in vcs]
-    out = [None if prob.spans else prob.cumulative(None) for prob in probs]
+    # each item phi_{>=r}, or with ``early`` the pair (early phi, final phi)
+    out: list[Any] = [None if prob.spans else prob.cumulative(None) for prob in probs]
     if early is not None:  # a set with nothing to fit: its early and final estimate are one
         out = [None if y is None else (y, y.copy()) for y in out]
     todo = [i for i, prob in enumerate(probs) if prob.spans]
@@ -879,8 +882,9 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     rows = np.arange(B)  # the rows still running (indices into W, A, zero)
     Wr, Ar, zr = W, A, zero
     ll, M = loglik(P, Wr)
-    result = [None] * B
-    early_result = [None] * B  # (with early) each row's pi where the looser stop first held
+    result: list[np.ndarray | None] = [None] * B
+    # (with early) each row's pi where the looser stop first held
+    early_result: list[np.ndarray | None] = [None] * B
     for step in range(1, max_iter + 1):
         P1 = em_step(P, M, Wr)
         P2 = em_step(P1, conv(P1), Wr)
@@ -918,13 +922,13 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
         gain = (ll_new - ll) / denom
         P, ll, M = new, np.maximum(ll_new, ll), M_new
         if early is not None:
-            for j in np.flatnonzero((gain < early[1]) | (step >= early[0])):
-                if early_result[rows[j]] is None:
-                    early_result[rows[j]] = P[j].copy()
+            for ri in np.flatnonzero((gain < early[1]) | (step >= early[0])):
+                if early_result[rows[ri]] is None:
+                    early_result[rows[ri]] = P[ri].copy()
         done = (gain < tol) | (step >= max_iter)
         if done.any():
-            for j in np.flatnonzero(done):
-                result[rows[j]] = P[j]
+            for ri in np.flatnonzero(done):
+                result[rows[ri]] = P[ri]
             keep = ~done
             rows, P, ll, M = rows[keep], P[keep], ll[keep], M[keep]
             if not len(rows):
@@ -932,9 +936,12 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
             Wr, Ar, zr = W[rows], A[rows], zero[rows]
     for j, i in enumerate(todo):
         prob = probs[i]
-        out[i] = prob.cumulative(result[j][: len(prob.w)])
+        last = result[j]
+        assert last is not None  # every row stops by max_iter at the latest
+        out[i] = prob.cumulative(last[: len(prob.w)])
         if early is not None:
-            first = result[j] if early_result[j] is None else early_result[j]
+            first = early_result[j]
+            first = last if first is None else first
             out[i] = (prob.cumulative(first[: len(prob.w)]), out[i])
     return out
 
@@ -1027,7 +1034,7 @@ def crossfit_prevalence(noisy_counts, p, *, layers=1, n=None, max_iter=XFIT_MAX_
         w = fit / fit.sum()
         hb = np.add.reduceat(held, starts)
         nz_h = hb > 0
-        score: dict = {}
+        score = {}  # SQUAREM step -> held-out log-likelihood
 
         def read(step, pi, hb=hb, nz_h=nz_h, score=score):
             if step not in cps_set:
@@ -1187,7 +1194,8 @@ def cap_total(y, total: int, rule: str = "items", *, fitted_top: int | None = No
                 hi = c
         out = np.minimum(y, lo)
     else:
-        top = len(y) if rule == "scale" else min(int(fitted_top), len(y))
+        # (rule "fitted" without fitted_top was refused above)
+        top = len(y) if rule == "scale" or fitted_top is None else min(int(fitted_top), len(y))
         base = int(y[top]) if top < len(y) else 0  # items above the EM's axis: kept whole
         room = total - int(y[top:].sum()) - base * top  # events left for the fitted items
         if room > 0:  # (room < the fitted items' events, since y does not fit)

@@ -25,6 +25,7 @@ post-processing of the noisy counters.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -103,10 +104,12 @@ def greedy_prefix(psi_ge, buckets: int, n: int, m: int) -> np.ndarray:
     out = np.zeros(m, dtype=np.int64)
     prev = n  # phi_hat_{>=0}
     total = 0  # phi_hat_{>=1}
+    gam: Callable[[int], float]  # Gamma_r(x) with phi_{>=1..r-1} fixed
     for r in range(1, m + 1):
         if r == 1:
-            def gam(x):
+            def gam_first(x):
                 return -B * math.expm1(x * lq)
+            gam = gam_first
         else:
             if r >= 3:  # fold in phi_{r-2} (known since step r-1) before using S_r
                 v = r - 2
@@ -125,8 +128,9 @@ def greedy_prefix(psi_ge, buckets: int, n: int, m: int) -> np.ndarray:
             lead = math.exp(total * lq)
             head = -math.expm1(total * lq)
 
-            def gam(x, S=S, lead=lead, head=head, up=prev):
+            def gam_later(x, S=S, lead=lead, head=head, up=prev):
                 return B * (head - lead * (S - 1.0 + (up - x) * a))
+            gam = gam_later
         lb, ub = 0, prev
         while ub > lb + 1:
             mid = (ub + lb) // 2
@@ -256,6 +260,7 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     if early and phi is None and held is not None and held[0] == key:
         y = held[2]  # decided on these counters already: that fit, not a second EM
         return y if n is None else cap_total(y, n, cap)
+    psi: np.ndarray | None
     if phi is not None:
         psi = project_l1(phi)
     else:  # auto's pilots on these bucket counters are the reduced estimates it would make
