@@ -17,12 +17,14 @@ import math
 
 import numpy as np
 
-from . import estimate  # deconv_tol looked up at call time: bench.lofo --fixed-tol swaps it
-from .estimate import (
-    CAP_RULES, DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, _check_layers,
-    _remembered_fit, cap_total, checked_cumulative, counts_from_cumulative, deconvolved_batch,
-    noisy_value_counts, project_l1, project_l2, rank_box, sparse_top,
-)
+from . import deconvolution  # deconv_tol looked up at call time: bench.lofo --fixed-tol swaps it
+from .cap import CAP_RULES, cap_total
+from .counters import check_layers, noisy_value_counts
+from .deconvolution import DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, deconvolved_batch
+from .em import DIRECT_START_SMOOTH_SHARE, sparse_top
+from .histograms import checked_cumulative, counts_from_cumulative
+from .memo import remembered_fit
+from .projection import project_l1, project_l2, rank_box
 from .estimators import default_cap, default_method, phi_estimate
 from .largedomain import (
     DEFAULT_VARIANT, HASHED_CAP_RULES, _check_buckets, _hashed_cumulative, hashed_cumulative,
@@ -41,18 +43,20 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     ``largedomain.chosen_start``, direct mode's ``selection.chosen_start``); None: hashed, each
     set's likelier one; direct, the smoothed start (the named estimator's)."""
     many = list(many)
-    k = _check_layers(layers)
+    k = check_layers(layers)
     if method not in ("deconvolution", "mle") or not many:
         return [anonymized_cumulative(x, p, layers=layers, n=n, method=method, buckets=buckets,
                                       cap=cap) for x in many]
-    iters = ((DECONV_MAX_ITER, DECONV_TOL if buckets is not None else estimate.deconv_tol(p, k))
-             if method == "deconvolution"
-             else (MLE_MAX_ITER, MLE_TOL))
+    if method == "mle":
+        iters = (MLE_MAX_ITER, MLE_TOL)
+    else:
+        iters = (DECONV_MAX_ITER,
+                 DECONV_TOL if buckets is not None else deconvolution.deconv_tol(p, k))
     vcs = [noisy_value_counts(x) for x in many]
     start = bool(shrunk_start) and method == "deconvolution"
     phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1],
                              shrunk_start=start, smooth_share=None if buckets is not None
-                             else estimate.DIRECT_START_SMOOTH_SHARE)
+                             else DIRECT_START_SMOOTH_SHARE)
     if buckets is not None:  # the bucket counters' estimates, then the inversion of each
         B = _check_buckets(buckets)
         out = []
@@ -88,7 +92,7 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
     properties need, without listing millions of counts and counting them again.
     """
     vc = noisy_value_counts(noisy_counts)
-    k = _check_layers(layers)
+    k = check_layers(layers)
     feats = dict(n=n, counters=vc.total, p=p)
     mode = "hashed" if buckets is not None else "direct"
     if method is None:
@@ -99,7 +103,7 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
     else:
         if cap not in CAP_RULES:
             raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-        y = _remembered_fit(vc, p, k, method)
+        y = remembered_fit(vc, p, k, method)
         if y is None:
             y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
         if n is not None:
@@ -159,7 +163,7 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
         return counts_from_cumulative(anonymized_cumulative(
             noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap))
     vc = noisy_value_counts(noisy_counts)
-    k = _check_layers(layers)
+    k = check_layers(layers)
     feats = dict(n=n, counters=vc.total, p=p)
     if buckets is not None:
         if method is None:

@@ -44,7 +44,8 @@ from typing import NamedTuple
 import numpy as np
 from scipy.optimize import isotonic_regression
 
-from .estimate import counts_from_cumulative, cumulative_from_counts, project_l1
+from .histograms import counts_from_cumulative, cumulative_from_counts
+from .projection import project_l1
 from .noise import discrete_laplace, p_from_epsilon
 
 __all__ = ["dp_anon_hist", "privhist", "privhist_prevalences"]

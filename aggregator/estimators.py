@@ -33,10 +33,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import counter_model
-from .estimate import (
-    BASIC_METHODS, _BUCKET_COUNTERS, _check_layers, basic_prevalence, bucket_counters,
-    crossfit_prevalence, threshold_usable,
-)
+from .counters import check_layers as _check_layers
+from .crossfit import crossfit_prevalence
+from .deconvolution import _BUCKET_COUNTERS, bucket_counters
+from .estimator import BASIC_METHODS, basic_prevalence
+from .threshold import threshold_usable
 from .selection import selected_prevalence
 from .wupagh import wupagh_prevalence
 

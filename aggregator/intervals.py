@@ -72,9 +72,9 @@ import math
 
 import numpy as np
 
-from .estimate import (
-    counts_from_cumulative, cumulative_from_counts, cumulative_l1, noise_pmf, noisy_value_counts,
-    prevalences_from_cumulative,
+from .counters import noise_pmf, noisy_value_counts
+from .histograms import (
+    counts_from_cumulative, cumulative_from_counts, cumulative_l1, prevalences_from_cumulative,
 )
 from .anonymize import anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram
 from . import bucket_likelihood, counter_model
@@ -721,7 +721,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
             start, other_start = em_start(vc, p, layers=layers, n=n) or (None, None)
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
-            from .estimate import bucket_counters
+            from .deconvolution import bucket_counters
             with bucket_counters():
                 _, (m_sel, _) = select(vc, p, layers=layers, n=None)
             kw_boot = kw | {"method": m_sel}

@@ -30,11 +30,13 @@ from typing import Callable
 import numpy as np
 
 from .bucket_likelihood import bucket_loglik
-from .estimate import (
-    bucket_counters, CAP_RULES, cap_total, counters_key, counts_from_cumulative,
-    deconvolved_prevalence, LastCounters, MLE_MAX_ITER, MLE_TOL, noisy_value_counts, project_l1,
-    project_l2, rank_box,
-)
+from .cap import CAP_RULES, cap_total
+from .counters import counters_key, noisy_value_counts
+from .deconvolution import MLE_MAX_ITER, MLE_TOL, bucket_counters, deconvolved_prevalence
+from .em import sparse_top as em_top
+from .histograms import counts_from_cumulative
+from .memo import LastCounters, remembered_fit
+from .projection import project_l1, project_l2, rank_box
 from .estimators import default_cap, default_method, METHODS, phi_estimate
 from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this module's API)
     INVERT_CAP, _check_buckets, _check_cumulative, gamma_b, gamma_b_alg6,
@@ -250,7 +252,6 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     passes the release's). Otherwise the early-stopped EM takes the start these counters'
     likelihood prefers (:func:`_likelier_start`), and the fit is kept for the same counters'
     next call (the error bars' stand-in: :func:`chosen_start`)."""
-    from .estimate import _remembered_fit
     if shrunk_start is not None and phi is None:
         raise ValueError("shrunk_start names the start phi came from: pass phi with it")
     layers = int(layers)
@@ -264,7 +265,7 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     if phi is not None:
         psi = project_l1(phi)
     else:  # auto's pilots on these bucket counters are the reduced estimates it would make
-        psi = None if method is None else _remembered_fit(vc, p, layers, method)
+        psi = None if method is None else remembered_fit(vc, p, layers, method)
         if psi is None:
             psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n)
     sparse = sparse_top(vc, p, layers)
@@ -362,7 +363,6 @@ def sparse_top(noisy_counts, p: float, layers: int = 1) -> int:
     costs each such item at most n / B events of l1 error in expectation (0.5 at B = 2n), the
     order of the noise the EM passes through there (E|Z| = 0.85 at eps = 1).
     """
-    from .estimate import sparse_top as em_top
     return em_top(noisy_value_counts(noisy_counts), p, layers)
 
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from . import anonymize as _anonymize
 from . import intervals, properties
-from .estimate import forget_fits, noisy_value_counts
+from .counters import noisy_value_counts
+from .memo import forget_fits
 from .anonymize import anonymized_histogram
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram

@@ -51,7 +51,7 @@ is not applied there, nor in hashed mode, whose bucket counters run their own ch
 Each pilot alone biases the choice toward itself (an estimator does well on data shaped like its
 own output); the minimax over a smooth and a spiky pilot is what removes most of that bias
 (measured in docs/accuracy_grid.md). The bootstrap's randomness is seeded from the counters
-(:func:`aggregator.estimate._data_seed`), so the release is a deterministic function of them, and
+(:func:`aggregator.counters.data_seed`), so the release is a deterministic function of them, and
 it never touches the state or its noise: post-processing.
 
 Cost: one EM run on the counters plus pilots x SIMS EM runs on simulated value counts (the
@@ -81,13 +81,25 @@ from __future__ import annotations
 import numpy as np
 
 from . import counter_model
-from .estimate import LastCounters, cap_total, cumulative_l1, remember_fits
+from .cap import cap_total
+from .counters import check_layers, counters_key, data_seed, noisy_value_counts
+from .deconvolution import (
+    _BUCKET_COUNTERS, deconvolved_batch, deconvolved_prevalence, em_prevalences,
+    em_prevalences_many,
+)
+from .em import DIRECT_START_SMOOTH_SHARE, sparse_top
+from .estimator import BASIC, DECONVOLUTION, MLE, THRESHOLD, basic_prevalence
+from .histograms import counts_from_cumulative, cumulative_l1
+from .memo import LastCounters, remember_fits
+from .projection import project_l1
 
 __all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "START_MARGIN", "select",
            "selected_prevalence", "chosen_start"]
 
-PILOTS = ("deconvolution", "mle")
-CANDIDATES = tuple((m, c) for m in ("deconvolution", "mle", "threshold")
+# the estimators that need only the counters (aggregator.estimator), the EMs first (the order
+# breaks ties between equal regrets)
+PILOTS = (DECONVOLUTION.name, MLE.name)
+CANDIDATES = tuple((e.name, c) for e in (DECONVOLUTION, MLE, THRESHOLD)
                    for c in ("items", "scale"))
 SIMS = 4
 STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-capped
@@ -110,8 +122,7 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
     release's estimate and its error bars (:func:`aggregator.intervals.error_bars`) ask for the
     same choice on the same counters, and it is the costliest step of a release.
     """
-    from .estimate import noisy_value_counts as _nvc
-    vc0 = _nvc(noisy_counts)
+    vc0 = noisy_value_counts(noisy_counts)
     y, choice, _ = _select_held(vc0, p, layers=layers, n=n, pilots=pilots,
                                 candidates=candidates, sims=sims, seed=seed)
     return y, choice
@@ -119,7 +130,6 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
 
 def _select_held(vc0, p, *, layers, n, pilots, candidates, sims, seed) -> tuple:
     """:func:`_select`'s (y, choice, start) of these counters, from the memo when it holds them."""
-    from .estimate import counters_key
     key = (*counters_key(vc0), float(p), int(layers), None if n is None else int(n),
            tuple(pilots), tuple(candidates), int(sims), seed)
     held = _LAST.entry
@@ -139,16 +149,13 @@ def chosen_start(noisy_counts, p, *, layers=1, n=None) -> tuple[bool, np.ndarray
     else None. The error bars' bootstrap re-runs that start (conditional on the choice, as it
     re-runs the chosen candidate), and the gap to the other start's fit counts as the gap
     between two candidates does."""
-    from .estimate import noisy_value_counts as _nvc
-    return _select_held(_nvc(noisy_counts), p, layers=layers, n=n, pilots=PILOTS,
+    return _select_held(noisy_value_counts(noisy_counts), p, layers=layers, n=n, pilots=PILOTS,
                         candidates=CANDIDATES, sims=SIMS, seed=None)[2]
 
 
 def _estimates(vc, p, k: int, methods) -> dict:
     """{method: projected phi_{>=r}}; the early-stopped EM and the converged NPMLE share one EM
     run (:func:`aggregator.estimate.em_prevalences`: the NPMLE continues the early stop)."""
-    from .estimate import basic_prevalence, em_prevalences, project_l1
-
     out = {}
     if "deconvolution" in methods and "mle" in methods:
         early, full = em_prevalences(vc, p, layers=k)
@@ -166,9 +173,6 @@ def _estimates_many(vcs, p, k: int, methods, n=None) -> list:
     counters' fits stay :func:`_estimates` (the release is reproducible bit for bit).
     With ``n`` the early-stopped EM takes its likelier start as the real counters' does
     (:func:`_take_likelier_start`; the shrunk start's fits in one batch too)."""
-    from .estimate import (DIRECT_START_SMOOTH_SHARE, basic_prevalence, deconvolved_batch,
-                           em_prevalences_many, project_l1)
-
     if not ("deconvolution" in methods and "mle" in methods):
         out = [_estimates(vc, p, k, methods) for vc in vcs]
     else:
@@ -193,14 +197,12 @@ def _two_starts(vc, k: int, n) -> bool:
     """Whether the early-stopped EM on these counters chooses between its two starts: direct
     mode, one noise layer, n known and at most the number of counters (see the module's
     docstring)."""
-    from .estimate import _BUCKET_COUNTERS
     return k == 1 and n is not None and int(n) <= vc.total and not _BUCKET_COUNTERS.get()
 
 
 def _shrunk_fit(vc, p, k: int) -> np.ndarray:
     """The early-stopped EM's projected fit from the shrunk start (direct mode's share of the
     smoothed one, ``estimate.DIRECT_START_SMOOTH_SHARE``)."""
-    from .estimate import DIRECT_START_SMOOTH_SHARE, deconvolved_prevalence, project_l1
     return project_l1(deconvolved_prevalence(vc, p, layers=k, shrunk_start=True,
                                              smooth_share=DIRECT_START_SMOOTH_SHARE))
 
@@ -261,19 +263,15 @@ def _minimax(regret: dict):
 
 
 def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple:
-    from .estimate import (
-        _check_layers, _data_seed, counts_from_cumulative, noisy_value_counts,
-        basic_prevalence, project_l1, sparse_top,
-    )
-
     vc = noisy_value_counts(noisy_counts)
-    k = _check_layers(layers)
+    k = check_layers(layers)
     D = vc.total
     if n is None:
         candidates = tuple(dict.fromkeys((m, "none") for m, _ in candidates))
-    from .estimate import threshold_usable
-    if not threshold_usable(p, k):  # many layers (rollups): its kernel amplifies noise 1e6+ fold
-        candidates = tuple(c for c in candidates if c[0] != "threshold")
+    # many layers (rollups): the threshold's kernel amplifies the noise 1e6+ fold
+    usable = {e.name: e.usable(p, k) for e in BASIC}
+    uses_n = {e.name: e.uses_n for e in BASIC}
+    candidates = tuple(c for c in candidates if usable.get(c[0], True))
 
     thin = "fitted" if any(c == "fitted" for _, c in candidates) else "scale"
 
@@ -291,8 +289,10 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     start = None  # (shrunk start taken?, the other start's fit) when the EM chose between them
     if "deconvolution" in fits and _two_starts(vc, k, n):
         start = _take_likelier_start(vc, p, k, n, fits, _shrunk_fit(vc, p, k))
-    remember_fits(vc, p, k, fits)  # the error bars' stand-ins are two of them
-    rng = np.random.default_rng(_data_seed(vc) if seed is None else seed)
+    # the error bars' stand-ins are two of them (fits that do not depend on n only: the memo's
+    # key holds no n)
+    remember_fits(vc, p, k, {m: y for m, y in fits.items() if not uses_n.get(m, True)})
+    rng = np.random.default_rng(data_seed(vc) if seed is None else seed)
     regret: dict = {c: [] for c in candidates}
     standin_cap = _standin_cap(vc, fits, pilots, n, p, k, thin) if n is not None else "none"
     top = axis_top(vc)

@@ -70,6 +70,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .counters import noisy_value_counts
+
 __all__ = ["inverse_filter", "unbiased_profile", "project_simplex", "wupagh_profile",
            "wupagh_prevalence"]
 
@@ -104,8 +106,6 @@ def unbiased_profile(noisy_counts, p: float, layers: int = 1) -> np.ndarray:
     (expectation 0) are dropped, which is the restriction of the circulant inverse to the
     profile's support.
     """
-    from .estimate import noisy_value_counts
-
     vc = noisy_value_counts(noisy_counts)
     k = int(layers)
     g = inverse_filter(p, k)
@@ -150,8 +150,6 @@ def wupagh_profile(noisy_counts, p: float, layers: int = 1) -> np.ndarray:
     """The reconstructed profile phi_t (counts), t = 0..T: the noisy profile c, the circulant
     inverse (:func:`unbiased_profile`), the projection onto the simplex scaled to d counters
     (:func:`project_simplex`)."""
-    from .estimate import noisy_value_counts
-
     vc = noisy_value_counts(noisy_counts)
     return project_simplex(unbiased_profile(vc, p, layers), vc.total)
 

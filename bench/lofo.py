@@ -936,7 +936,7 @@ def main(argv=None) -> int:
                     help="per-cell errors here against the results in DIR (another commit's)")
     ap.add_argument("--fixed-tol", action="store_true",
                     help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
-                         "before estimate.deconv_tol), results in out/lofo_fixed_tol/")
+                         "before deconvolution.deconv_tol), results in out/lofo_fixed_tol/")
     ap.add_argument("--extra", default="",
                     help=f"comma-separated candidates tried and not adopted, run and reported "
                          f"beside the library's: {', '.join(EXTRA)}")
@@ -995,8 +995,8 @@ def main(argv=None) -> int:
     CELL_SET[:] = ["grid-hashed"] if args.grid_hashed else ["hashed-real"] if \
         args.hashed_real else []
     if args.fixed_tol:
-        from aggregator import estimate
-        estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL
+        from aggregator import deconvolution
+        deconvolution.deconv_tol = lambda p, layers=1: deconvolution.DECONV_TOL
         OUT = Path("out/lofo_fixed_tol/lofo_results.pkl")
     if args.out:
         OUT = Path(args.out) / OUT.name
