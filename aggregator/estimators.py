@@ -1,14 +1,20 @@
-"""The estimators of phi_{>=r} by name, and the one a release uses when none is named.
+"""The registry of the estimators of phi_{>=r} by name, and the one a release uses when none is
+named.
 
-The estimators (:data:`METHODS`):
+:data:`ESTIMATORS` maps each name to its :class:`aggregator.estimator.Estimator` (the name, whether
+it uses n, whether it runs on hash buckets, where it is usable, its fit, one line of doc); every
+list of estimator names is read from it: :data:`METHODS` here, the choices of
+``release.estimator`` (:mod:`aggregator.service.config`), ``panagg estimators``, hashed mode's
+(:data:`aggregator.largedomain.HASHED_METHODS`), and ``auto``'s candidates
+(:mod:`aggregator.selection`, which takes the count-only ones, :data:`aggregator.estimator.BASIC`).
+:func:`phi_estimate` dispatches by name through it. The estimators:
 
 * ``"threshold"``, ``"deconvolution"``, ``"mle"``: need nothing but the counters
-  (:func:`aggregator.estimate.basic_prevalence`: the unbiased threshold estimate, the
-  early-stopped EM, the converged NPMLE);
-* ``"xfit"``: the EM stopped by cross-fitting, with n
-  (:func:`aggregator.estimate.crossfit_prevalence`);
+  (:mod:`aggregator.estimator`: the unbiased threshold estimate, the early-stopped EM, the
+  converged NPMLE);
 * ``"wupagh"``: Wu and Pagh's inverse-filter profile (:mod:`aggregator.wupagh`);
-* ``"auto"``: one of the basic ones with a cap rule, chosen from the counters by minimax
+* ``"xfit"``: the EM stopped by cross-fitting, with n (:mod:`aggregator.crossfit`);
+* ``"auto"``: one of the count-only ones with a cap rule, chosen from the counters by minimax
   bootstrap regret (:mod:`aggregator.selection`).
 
 The default per (mode, layers) is :data:`DEFAULTS` (:func:`default_method`, :func:`default_cap`),
@@ -36,17 +42,48 @@ from . import counter_model
 from .counters import check_layers as _check_layers
 from .crossfit import crossfit_prevalence
 from .deconvolution import _BUCKET_COUNTERS, bucket_counters
-from .estimator import BASIC_METHODS, basic_prevalence
-from .threshold import threshold_usable
+from .estimator import BASIC, Estimator
 from .selection import selected_prevalence
+from .threshold import threshold_usable
 from .wupagh import wupagh_prevalence
 
-__all__ = ["METHODS", "MODES", "DEFAULTS", "DEFAULT_METHODS", "DEFAULT_RULES", "default_method",
-           "default_cap", "phi_estimate"]
+__all__ = ["ESTIMATORS", "METHODS", "estimator", "MODES", "DEFAULTS", "DEFAULT_METHODS",
+           "DEFAULT_RULES", "default_method", "default_cap", "phi_estimate"]
 
 
-METHODS = ("threshold", "deconvolution", "mle", "wupagh", "xfit", "auto")
+WUPAGH = Estimator(
+    "wupagh",
+    lambda noisy_counts, p, *, layers, n: wupagh_prevalence(noisy_counts, p, layers=layers),
+    "Wu and Pagh (ICML 2024): the noise's circulant inverse, projected onto the simplex",
+    usable=threshold_usable)  # the same inverse filter g^{*k} as the threshold estimate
+XFIT = Estimator(
+    "xfit",
+    lambda noisy_counts, p, *, layers, n: crossfit_prevalence(noisy_counts, p, layers=layers,
+                                                              n=n),
+    "the EM stopped where the held-out likelihood of half the counters peaks",
+    uses_n=True)
+AUTO = Estimator(
+    "auto",
+    lambda noisy_counts, p, *, layers, n: selected_prevalence(noisy_counts, p, layers=layers,
+                                                              n=n),
+    "a count-only estimator and cap rule chosen from the counters by minimax bootstrap regret",
+    uses_n=True)
+
+#: every estimator by name: the one place a name is written
+ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (*BASIC, WUPAGH, XFIT, AUTO)}
+METHODS = tuple(ESTIMATORS)
 MODES = ("direct", "hashed")
+
+
+def estimator(name: str) -> Estimator:
+    """The estimator called ``name`` (:data:`ESTIMATORS`).
+
+    >>> estimator("xfit").uses_n, estimator("mle").hashed
+    (True, True)
+    """
+    if name not in ESTIMATORS:
+        raise ValueError(f"method must be one of {METHODS}, got {name!r}")
+    return ESTIMATORS[name]
 
 
 # (mode, layers) -> (method, cap rule); a layer count without a key uses the largest key below it.
@@ -119,16 +156,4 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
     if mode == "hashed" and not _BUCKET_COUNTERS.get():
         with bucket_counters():
             return phi_estimate(noisy_counts, p, layers=layers, method=method, mode=mode, n=n)
-    if method in BASIC_METHODS:
-        return basic_prevalence(noisy_counts, p, layers=layers, method=method)
-    if method == "auto":
-        return selected_prevalence(noisy_counts, p, layers=layers, n=n)
-    if method == "xfit":
-        return crossfit_prevalence(noisy_counts, p, layers=layers, n=n)
-    if method == "wupagh":
-        if not threshold_usable(p, layers):  # the same inverse filter g^{*k}
-            raise ValueError(f"the wupagh estimator cannot run on {layers} noise layers (its "
-                             "inverse filter amplifies the noise past 1e6); use "
-                             "release.estimator = default")
-        return wupagh_prevalence(noisy_counts, p, layers=layers)
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return estimator(method).estimate(noisy_counts, p, layers=layers, n=n)

@@ -37,7 +37,7 @@ from .em import sparse_top as em_top
 from .histograms import counts_from_cumulative
 from .memo import LastCounters, remembered_fit
 from .projection import project_l1, project_l2, rank_box
-from .estimators import default_cap, default_method, METHODS, phi_estimate
+from .estimators import ESTIMATORS, default_cap, default_method, phi_estimate
 from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this module's API)
     INVERT_CAP, _check_buckets, _check_cumulative, gamma_b, gamma_b_alg6,
     invert_gamma,
@@ -152,9 +152,9 @@ def _pad(y: np.ndarray, R: int) -> np.ndarray:
     return np.concatenate([y, np.zeros(max(0, R - len(y)), dtype=y.dtype)])[:R]
 
 
-# Estimators of the reduced (bucket) cumulative prevalence: those of aggregator.estimate ("mle" is
-# the EM NPMLE run to convergence, "deconvolution" the same EM stopped early by its tolerance).
-HASHED_METHODS = METHODS
+# Estimators of the reduced (bucket) cumulative prevalence: those of the registry that run on hash
+# buckets ("mle" is the EM NPMLE run to convergence, "deconvolution" the same EM stopped early).
+HASHED_METHODS = tuple(name for name, e in ESTIMATORS.items() if e.hashed)
 __all__ += ["MLE_MAX_ITER", "MLE_TOL"]  # re-exported: they define "mle"
 __all__ += ["hashed_cumulative"]
 
