@@ -139,7 +139,7 @@ def crossfit_prevalence(noisy_counts, p, *, layers=1, n=None, max_iter=XFIT_MAX_
         pi0 = prob.start(w)
         if not read(0, pi0):
             squarem(pi0, w, w > 0, q, prob.allowed, max_iter, XFIT_TOL, prob.zero_idx,
-                     callback=read, mean=mean)
+                    callback=read, mean=mean)
         scores.append(score)
     # the steps both halves reached (a half stops once it is well past its held-out maximum)
     steps = sorted(set.intersection(*(set(s) for s in scores))) if scores else []

@@ -38,8 +38,6 @@ tolerance: docs/accuracy_grid.md ("Layer cost") and docs/estimators.md.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any
 
 import numpy as np
@@ -63,21 +61,6 @@ MLE_MAX_ITER = 1000
 MLE_TOL = 1e-9
 
 
-# True while estimating from hash-bucket counters (hashed mode): the early stop stays at
-# DECONV_TOL for every layer count there (see deconv_tol)
-_BUCKET_COUNTERS = contextvars.ContextVar("panagg_bucket_counters", default=False)
-
-
-@contextlib.contextmanager
-def bucket_counters():
-    """Within this block the EM estimates are of hash-bucket counters (hashed mode)."""
-    token = _BUCKET_COUNTERS.set(True)
-    try:
-        yield
-    finally:
-        _BUCKET_COUNTERS.reset(token)
-
-
 def chi2_shift(p: float, layers: int = 1) -> float:
     """chi2_k = sum_v (q(v-1) - q(v))^2 / q(v) for q the pmf of ``layers`` DLap(p) draws.
 
@@ -90,7 +73,7 @@ def chi2_shift(p: float, layers: int = 1) -> float:
     return float(np.sum((shifted - q) ** 2 / q))
 
 
-def deconv_tol(p: float, layers: int = 1) -> float:
+def deconv_tol(p: float, layers: int = 1, *, hashed: bool = False) -> float:
     """The early-stopped EM's tolerance for counters carrying ``layers`` DLap(p) layers:
     :data:`DECONV_TOL` times chi2_k / chi2_1, the Fisher information a counter holds about a
     one-event shift under k layers relative to one (chi2_k = sum_v (q(v-1) - q(v))^2 / q(v),
@@ -103,9 +86,9 @@ def deconv_tol(p: float, layers: int = 1) -> float:
     1-layer error (jieba's Chinese word counts, D = 3.5e5, n = 3.5e6, eps 1: 11,333 -> 32,686;
     with the scaled tolerance 17,000-26,800: docs/accuracy_grid.md, "Layer cost").
 
-    Direct mode only: on hash-bucket counters (inside :func:`bucket_counters`, which hashed
-    mode's estimators enter) the scaled tolerance made the 2-layer default 3.8% worse on
-    geometric mean over 20 hashed cells (up to 3x on one), so it stays at :data:`DECONV_TOL`.
+    Direct mode only: on hash-bucket counters (``hashed=True``, which hashed mode's estimators
+    pass) the scaled tolerance made the 2-layer default 3.8% worse on geometric mean over 20
+    hashed cells (up to 3x on one), so it stays at :data:`DECONV_TOL`.
 
     >>> deconv_tol(0.5, 1) == DECONV_TOL
     True
@@ -113,14 +96,14 @@ def deconv_tol(p: float, layers: int = 1) -> float:
     0.308
     """
     k = check_layers(layers)
-    if k == 1 or _BUCKET_COUNTERS.get():
+    if k == 1 or hashed:
         return DECONV_TOL
     return DECONV_TOL * chi2_shift(p, k) / chi2_shift(p, 1)
 
 
 def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITER,
                            tol=None, R=None, n=None, shrunk_start=False,
-                           smooth_share=None) -> np.ndarray:
+                           smooth_share=None, hashed=False) -> np.ndarray:
     """phi_{>=r}, r = 1..R, from the NPMLE of the prevalences (EM deconvolution).
 
     Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws
@@ -143,17 +126,18 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITE
     """
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
-    tol = deconv_tol(p, k) if tol is None else tol
+    tol = deconv_tol(p, k, hashed=hashed) if tol is None else tol
     prob = em_problem(vc, p, k)
     if not prob.spans:
         return prob.cumulative(None, R)
     w = prob.w / prob.w.sum()
     pi = squarem(prob.start(w, shrunk_start, smooth_share), w, w > 0, prob.q, prob.allowed,
-                  max_iter, tol, prob.zero_idx, mean=prob.mean_constraint(n))
+                 max_iter, tol, prob.zero_idx, mean=prob.mean_constraint(n))
     return prob.cumulative(pi, R)
 
 
-def em_prevalences(noisy_counts, p, *, layers=1, R=None) -> tuple[np.ndarray, np.ndarray]:
+def em_prevalences(noisy_counts, p, *, layers=1, R=None,
+                   hashed=False) -> tuple[np.ndarray, np.ndarray]:
     """(``"deconvolution"``'s phi_{>=r}, ``"mle"``'s phi_{>=r}) from one EM run.
 
     Both estimators run the same deterministic SQUAREM path from the same start and differ only
@@ -168,20 +152,22 @@ def em_prevalences(noisy_counts, p, *, layers=1, R=None) -> tuple[np.ndarray, np
         return est, est.copy()
     w = prob.w / prob.w.sum()
     early, pi = squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, MLE_MAX_ITER, MLE_TOL,
-                         prob.zero_idx, early=(DECONV_MAX_ITER, deconv_tol(p, layers)))
+                        prob.zero_idx, early=(DECONV_MAX_ITER, deconv_tol(p, layers,
+                                                                         hashed=hashed)))
     return prob.cumulative(early, R), prob.cumulative(pi, R)
 
 
-def em_prevalences_many(many, p, *, layers=1) -> list:
+def em_prevalences_many(many, p, *, layers=1, hashed=False) -> list:
     """[:func:`em_prevalences` of each counter set], all sets on one batched path
     (:func:`deconvolved_batch`: equal to rounding, not bit for bit): for ``auto``'s simulated
     states, whose fits only rank its candidates."""
     return deconvolved_batch(many, p, layers=layers, max_iter=MLE_MAX_ITER, tol=MLE_TOL,
-                             early=(DECONV_MAX_ITER, deconv_tol(p, layers)))
+                             early=(DECONV_MAX_ITER, deconv_tol(p, layers, hashed=hashed)))
 
 
 def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                      tol=None, shrunk_start=False, smooth_share=None, early=None) -> list:
+                      tol=None, shrunk_start=False, smooth_share=None, early=None,
+                      hashed=False) -> list:
     """:func:`deconvolved_prevalence` (without n) of several counter sets at once: one SQUAREM
     loop over a matrix with one row per counter set (each row stops at its own step, by the
     same rule), so the ~25 numpy calls of an EM step are made once per step for all of them.
@@ -199,7 +185,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     ``smooth_share`` as there.
     """
     k = check_layers(layers)
-    tol = deconv_tol(p, k) if tol is None else tol
+    tol = deconv_tol(p, k, hashed=hashed) if tol is None else tol
     vcs = [noisy_value_counts(x) for x in many]
     probs = [em_problem(vc, p, k) for vc in vcs]
     # each item phi_{>=r}, or with ``early`` the pair (early phi, final phi)

@@ -37,9 +37,8 @@ from .crossfit import (
     XFIT_BIN, XFIT_MAX_ITER, XFIT_PATIENCE, XFIT_TOL, crossfit_prevalence,
 )
 from .deconvolution import (
-    _BUCKET_COUNTERS, DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, bucket_counters,
-    chi2_shift, deconv_tol, deconvolved_batch, deconvolved_prevalence, em_prevalences,
-    em_prevalences_many,
+    DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, chi2_shift, deconv_tol, deconvolved_batch,
+    deconvolved_prevalence, em_prevalences, em_prevalences_many,
 )
 from .em import (
     DIRECT_START_SMOOTH_SHARE, EM_TAIL, SPARSE_DENSITY, START_SMOOTH_SHARE,
@@ -73,10 +72,10 @@ __all__ = [
     # also here for the code that imported them from this module
     "THRESHOLD_GRID_LAYERS", "THRESHOLD_MAX_GAIN", "threshold_usable", "XFIT_BIN",
     "XFIT_MAX_ITER", "XFIT_PATIENCE", "XFIT_TOL", "START_SMOOTH_SHARE",
-    "DIRECT_START_SMOOTH_SHARE", "EM_TAIL", "bucket_counters", "LastCounters", "remember_fits",
+    "DIRECT_START_SMOOTH_SHARE", "EM_TAIL", "LastCounters", "remember_fits",
     "forget_fits", "forget_with", "counters_key",
     # private names that tests and bench reach for
-    "_BUCKET_COUNTERS", "_EMProblem", "_FITS", "_check_layers", "_check_p", "_conv",
+    "_EMProblem", "_FITS", "_check_layers", "_check_p", "_conv",
     "_data_seed", "_em_problem", "_mean_m_step", "_remembered_fit", "_sparse_counters",
     "_squarem",
 ]

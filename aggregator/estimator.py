@@ -49,9 +49,11 @@ def _always(p: float, layers: int) -> bool:
 class Estimator:
     """An estimator of phi_{>=r} by name.
 
-    ``fit(noisy_counts, p, *, layers, n)`` returns phi_hat_{>=r} (floats, not projected);
-    :meth:`estimate` calls it after checking :attr:`usable`. ``doc``: one line for listings
-    (``panagg`` help, docs).
+    ``fit(noisy_counts, p, *, layers, n, hashed)`` returns phi_hat_{>=r} (floats, not
+    projected); ``hashed``: the counters are hash buckets (the EM's early stop does not scale
+    with the layers there: :func:`aggregator.deconvolution.deconv_tol`). :meth:`estimate`
+    calls it after checking :attr:`usable`. ``doc``: one line for listings
+    (``panagg estimators``).
     """
 
     name: str
@@ -61,27 +63,31 @@ class Estimator:
     hashed: bool = True
     usable: Callable[[float, int], bool] = field(default=_always, repr=False)
 
-    def estimate(self, noisy_counts, p: float, *, layers: int = 1, n=None) -> np.ndarray:
-        """phi_hat_{>=r} of these counters (``n``: the public number of events, or None)."""
+    def estimate(self, noisy_counts, p: float, *, layers: int = 1, n=None,
+                 hashed: bool = False) -> np.ndarray:
+        """phi_hat_{>=r} of these counters (``n``: the public number of events, or None;
+        ``hashed``: they are hash buckets)."""
         if not self.usable(p, layers):
             raise ValueError(f"the {self.name} estimator cannot run on {layers} noise layers "
                              "(its inverse filter amplifies the noise past 1e6); use "
                              "release.estimator = default")
-        return self.fit(noisy_counts, p, layers=layers, n=n)
+        return self.fit(noisy_counts, p, layers=layers, n=n, hashed=hashed)
 
 
 THRESHOLD = Estimator(
     "threshold",
-    lambda noisy_counts, p, *, layers, n: cumulative_prevalence(noisy_counts, p, layers=layers),
+    lambda noisy_counts, p, *, layers, n, hashed: cumulative_prevalence(noisy_counts, p,
+                                                                       layers=layers),
     "unbiased inverse-filter estimate (seed 001 Lemma 10); its variance grows ~100x per layer",
     usable=threshold_usable)
 DECONVOLUTION = Estimator(
     "deconvolution",
-    lambda noisy_counts, p, *, layers, n: deconvolved_prevalence(noisy_counts, p, layers=layers),
+    lambda noisy_counts, p, *, layers, n, hashed: deconvolved_prevalence(
+        noisy_counts, p, layers=layers, hashed=hashed),
     f"EM NPMLE of the prevalences stopped early (deconv_tol, at most {DECONV_MAX_ITER} steps)")
 MLE = Estimator(
     "mle",
-    lambda noisy_counts, p, *, layers, n: deconvolved_prevalence(
+    lambda noisy_counts, p, *, layers, n, hashed: deconvolved_prevalence(
         noisy_counts, p, layers=layers, max_iter=MLE_MAX_ITER, tol=MLE_TOL),
     "the same EM run to convergence: the NPMLE")
 
@@ -91,10 +97,11 @@ BASIC_METHODS = tuple(e.name for e in BASIC)
 _BY_NAME = {e.name: e for e in BASIC}
 
 
-def basic_prevalence(noisy_counts, p, *, layers=1, method="deconvolution") -> np.ndarray:
+def basic_prevalence(noisy_counts, p, *, layers=1, method="deconvolution",
+                     hashed=False) -> np.ndarray:
     """phi_hat_{>=r} by one of the estimators that need nothing but the counters
     (:data:`BASIC`); :func:`aggregator.estimators.phi_estimate` names every estimator, these
     and the ones built on them."""
     if method not in _BY_NAME:
         raise ValueError(f"method must be one of {BASIC_METHODS}, got {method!r}")
-    return _BY_NAME[method].estimate(noisy_counts, p, layers=layers)
+    return _BY_NAME[method].estimate(noisy_counts, p, layers=layers, hashed=hashed)

@@ -41,7 +41,6 @@ import numpy as np
 from . import counter_model
 from .counters import check_layers as _check_layers
 from .crossfit import crossfit_prevalence
-from .deconvolution import _BUCKET_COUNTERS, bucket_counters
 from .estimator import BASIC, Estimator
 from .selection import selected_prevalence
 from .threshold import threshold_usable
@@ -53,19 +52,20 @@ __all__ = ["ESTIMATORS", "METHODS", "estimator", "MODES", "DEFAULTS", "DEFAULT_M
 
 WUPAGH = Estimator(
     "wupagh",
-    lambda noisy_counts, p, *, layers, n: wupagh_prevalence(noisy_counts, p, layers=layers),
+    lambda noisy_counts, p, *, layers, n, hashed: wupagh_prevalence(noisy_counts, p,
+                                                                   layers=layers),
     "Wu and Pagh (ICML 2024): the noise's circulant inverse, projected onto the simplex",
     usable=threshold_usable)  # the same inverse filter g^{*k} as the threshold estimate
 XFIT = Estimator(
     "xfit",
-    lambda noisy_counts, p, *, layers, n: crossfit_prevalence(noisy_counts, p, layers=layers,
-                                                              n=n),
+    lambda noisy_counts, p, *, layers, n, hashed: crossfit_prevalence(noisy_counts, p,
+                                                                      layers=layers, n=n),
     "the EM stopped where the held-out likelihood of half the counters peaks",
     uses_n=True)
 AUTO = Estimator(
     "auto",
-    lambda noisy_counts, p, *, layers, n: selected_prevalence(noisy_counts, p, layers=layers,
-                                                              n=n),
+    lambda noisy_counts, p, *, layers, n, hashed: selected_prevalence(
+        noisy_counts, p, layers=layers, n=n, hashed=hashed),
     "a count-only estimator and cap rule chosen from the counters by minimax bootstrap regret",
     uses_n=True)
 
@@ -148,12 +148,11 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
     ``n``: the number of events when public; the estimators that use it (``"xfit"``) fit
     under sum_r phi_{>=r} = n, the others ignore it.
 
-    ``mode`` only selects the default: ``"hashed"`` when the counters are hash buckets (their
-    phi is then the reduced histogram's, which :mod:`aggregator.largedomain` inverts).
+    ``mode``: ``"hashed"`` when the counters are hash buckets (their phi is then the reduced
+    histogram's, which :mod:`aggregator.largedomain` inverts); it selects the default, and the
+    estimators' ``hashed`` (the EM's early stop: :func:`aggregator.deconvolution.deconv_tol`).
     """
     if method is None:
         method = default_method(mode, layers)
-    if mode == "hashed" and not _BUCKET_COUNTERS.get():
-        with bucket_counters():
-            return phi_estimate(noisy_counts, p, layers=layers, method=method, mode=mode, n=n)
-    return estimator(method).estimate(noisy_counts, p, layers=layers, n=n)
+    return estimator(method).estimate(noisy_counts, p, layers=layers, n=n,
+                                      hashed=mode == "hashed")

@@ -721,9 +721,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
             start, other_start = em_start(vc, p, layers=layers, n=n) or (None, None)
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
-            from .deconvolution import bucket_counters
-            with bucket_counters():
-                _, (m_sel, _) = select(vc, p, layers=layers, n=None)
+            _, (m_sel, _) = select(vc, p, layers=layers, n=None, hashed=True)
             kw_boot = kw | {"method": m_sel}
     else:
         kw_boot = kw

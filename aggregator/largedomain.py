@@ -32,7 +32,7 @@ import numpy as np
 from .bucket_likelihood import bucket_loglik
 from .cap import CAP_RULES, cap_total
 from .counters import counters_key, noisy_value_counts
-from .deconvolution import MLE_MAX_ITER, MLE_TOL, bucket_counters, deconvolved_prevalence
+from .deconvolution import MLE_MAX_ITER, MLE_TOL, deconvolved_prevalence
 from .em import sparse_top as em_top
 from .histograms import counts_from_cumulative
 from .memo import LastCounters, remembered_fit
@@ -303,14 +303,13 @@ def _early_stopped(vc, p, layers: int, method) -> bool:
     candidate ``auto`` chose: :func:`aggregator.selection.select` keeps its last choice)."""
     method = default_method("hashed", layers) if method is None else method
     if method == "auto":
-        with bucket_counters():
-            _, (method, _) = select(vc, p, layers=layers, n=None)
+        _, (method, _) = select(vc, p, layers=layers, n=None, hashed=True)
     return method == "deconvolution"
 
 
 def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tuple:
     """The early-stopped EM's item histogram ``y`` (from the smoothed start), or the one from
-    the shrunk start (``estimate._EMProblem.start``), whichever the bucket counters' likelihood
+    the shrunk start (``em.EMProblem.start``), whichever the bucket counters' likelihood
     of the item histogram prefers (:func:`aggregator.bucket_likelihood.bucket_loglik`; with n,
     of both capped at n by ``"items"``). Returns (that histogram, whether it is the shrunk
     start's) and the other one.
@@ -325,8 +324,7 @@ def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tup
     default's error fell 6% / 10% on geometric mean at 1 / 2 layers, up to 2.8x on mostly
     distinct items (docs/accuracy_changes.md, "The hashed under-count, fixed").
     """
-    with bucket_counters():
-        phi = deconvolved_prevalence(vc, p, layers=layers, shrunk_start=True)
+    phi = deconvolved_prevalence(vc, p, layers=layers, shrunk_start=True, hashed=True)
     y_shrunk = _invert(project_l1(phi), B, n, p, variant, m, sparse_above=sparse)
 
     def loglik(y_):  # (both as histograms of the n events, whatever the release's cap rule)

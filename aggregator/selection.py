@@ -84,8 +84,7 @@ from . import counter_model
 from .cap import cap_total
 from .counters import check_layers, counters_key, data_seed, noisy_value_counts
 from .deconvolution import (
-    _BUCKET_COUNTERS, deconvolved_batch, deconvolved_prevalence, em_prevalences,
-    em_prevalences_many,
+    deconvolved_batch, deconvolved_prevalence, em_prevalences, em_prevalences_many,
 )
 from .em import DIRECT_START_SMOOTH_SHARE, sparse_top
 from .estimator import BASIC, DECONVOLUTION, MLE, THRESHOLD, basic_prevalence
@@ -113,10 +112,13 @@ _LAST = LastCounters()  # the last (key, result) of select: a release and its er
 
 
 def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDIDATES,
-           sims=SIMS, seed=None) -> tuple[np.ndarray, tuple]:
+           sims=SIMS, seed=None, hashed=False) -> tuple[np.ndarray, tuple]:
     """(cumulative prevalence phi_{>=r} of the release, chosen (method, cap)).
 
     Without ``n`` the cap rules are not applied (every candidate is taken as ``"none"``).
+    ``hashed``: the counters are hash buckets (the EM's early stop does not scale with the
+    layers there, :func:`aggregator.deconvolution.deconv_tol`; the early-stopped EM keeps its
+    smoothed start, hashed mode choosing its start after the inversion).
 
     The result is a deterministic function of the arguments, so the last one is kept: the
     release's estimate and its error bars (:func:`aggregator.intervals.error_bars`) ask for the
@@ -124,20 +126,20 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
     """
     vc0 = noisy_value_counts(noisy_counts)
     y, choice, _ = _select_held(vc0, p, layers=layers, n=n, pilots=pilots,
-                                candidates=candidates, sims=sims, seed=seed)
+                                candidates=candidates, sims=sims, seed=seed, hashed=hashed)
     return y, choice
 
 
-def _select_held(vc0, p, *, layers, n, pilots, candidates, sims, seed) -> tuple:
+def _select_held(vc0, p, *, layers, n, pilots, candidates, sims, seed, hashed) -> tuple:
     """:func:`_select`'s (y, choice, start) of these counters, from the memo when it holds them."""
     key = (*counters_key(vc0), float(p), int(layers), None if n is None else int(n),
-           tuple(pilots), tuple(candidates), int(sims), seed)
+           tuple(pilots), tuple(candidates), int(sims), seed, bool(hashed))
     held = _LAST.entry
     if held is not None and held[0] == key:
         y, choice, start = held[1]
         return y.copy(), choice, start
     y, choice, start = _select(vc0, p, layers=layers, n=n, pilots=pilots, candidates=candidates,
-                               sims=sims, seed=seed)
+                               sims=sims, seed=seed, hashed=hashed)
     _LAST.put((key, (y.copy(), choice, start)))
     return y, choice, start
 
@@ -150,23 +152,24 @@ def chosen_start(noisy_counts, p, *, layers=1, n=None) -> tuple[bool, np.ndarray
     re-runs the chosen candidate), and the gap to the other start's fit counts as the gap
     between two candidates does."""
     return _select_held(noisy_value_counts(noisy_counts), p, layers=layers, n=n, pilots=PILOTS,
-                        candidates=CANDIDATES, sims=SIMS, seed=None)[2]
+                        candidates=CANDIDATES, sims=SIMS, seed=None, hashed=False)[2]
 
 
-def _estimates(vc, p, k: int, methods) -> dict:
+def _estimates(vc, p, k: int, methods, hashed=False) -> dict:
     """{method: projected phi_{>=r}}; the early-stopped EM and the converged NPMLE share one EM
-    run (:func:`aggregator.estimate.em_prevalences`: the NPMLE continues the early stop)."""
+    run (:func:`aggregator.deconvolution.em_prevalences`: the NPMLE continues the early stop).
+    """
     out = {}
     if "deconvolution" in methods and "mle" in methods:
-        early, full = em_prevalences(vc, p, layers=k)
+        early, full = em_prevalences(vc, p, layers=k, hashed=hashed)
         out = {"deconvolution": project_l1(early), "mle": project_l1(full)}
     for m in methods:
         if m not in out:
-            out[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m))
+            out[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m, hashed=hashed))
     return {m: out[m] for m in methods}
 
 
-def _estimates_many(vcs, p, k: int, methods, n=None) -> list:
+def _estimates_many(vcs, p, k: int, methods, n=None, hashed=False) -> list:
     """[:func:`_estimates` of each counter set], the early-stopped EM and the converged NPMLE of
     all sets on one batched path (:func:`aggregator.estimate.em_prevalences_many`, equal to
     rounding): for the simulated states, whose fits only rank the candidates. The real
@@ -174,17 +177,18 @@ def _estimates_many(vcs, p, k: int, methods, n=None) -> list:
     With ``n`` the early-stopped EM takes its likelier start as the real counters' does
     (:func:`_take_likelier_start`; the shrunk start's fits in one batch too)."""
     if not ("deconvolution" in methods and "mle" in methods):
-        out = [_estimates(vc, p, k, methods) for vc in vcs]
+        out = [_estimates(vc, p, k, methods, hashed=hashed) for vc in vcs]
     else:
         out = []
-        for vc, (early, full) in zip(vcs, em_prevalences_many(vcs, p, layers=k)):
+        for vc, (early, full) in zip(vcs, em_prevalences_many(vcs, p, layers=k, hashed=hashed)):
             fits = {"deconvolution": project_l1(early), "mle": project_l1(full)}
             for m in methods:
                 if m not in fits:
-                    fits[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m))
+                    fits[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m,
+                                                          hashed=hashed))
             out.append({m: fits[m] for m in methods})
     todo = [i for i, vc in enumerate(vcs) if "deconvolution" in methods
-            and _two_starts(vc, k, n)]
+            and _two_starts(vc, k, n, hashed=hashed)]
     if todo:
         shrunk = deconvolved_batch([vcs[i] for i in todo], p, layers=k, shrunk_start=True,
                                    smooth_share=DIRECT_START_SMOOTH_SHARE)
@@ -193,11 +197,11 @@ def _estimates_many(vcs, p, k: int, methods, n=None) -> list:
     return out
 
 
-def _two_starts(vc, k: int, n) -> bool:
+def _two_starts(vc, k: int, n, hashed=False) -> bool:
     """Whether the early-stopped EM on these counters chooses between its two starts: direct
-    mode, one noise layer, n known and at most the number of counters (see the module's
-    docstring)."""
-    return k == 1 and n is not None and int(n) <= vc.total and not _BUCKET_COUNTERS.get()
+    mode (not ``hashed``), one noise layer, n known and at most the number of counters (see the
+    module's docstring)."""
+    return k == 1 and n is not None and int(n) <= vc.total and not hashed
 
 
 def _shrunk_fit(vc, p, k: int) -> np.ndarray:
@@ -262,7 +266,7 @@ def _minimax(regret: dict):
     return min(regret, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
 
 
-def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tuple:
+def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashed) -> tuple:
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
     D = vc.total
@@ -285,9 +289,9 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
 
     methods = tuple(dict.fromkeys(m for m, _ in candidates))
     fits = _estimates(vc, p, k, [m for m in dict.fromkeys(pilots + methods)
-                                 if m in pilots or m == "threshold"])
+                                 if m in pilots or m == "threshold"], hashed=hashed)
     start = None  # (shrunk start taken?, the other start's fit) when the EM chose between them
-    if "deconvolution" in fits and _two_starts(vc, k, n):
+    if "deconvolution" in fits and _two_starts(vc, k, n, hashed=hashed):
         start = _take_likelier_start(vc, p, k, n, fits, _shrunk_fit(vc, p, k))
     # the error bars' stand-ins are two of them (fits that do not depend on n only: the memo's
     # key holds no n)
@@ -305,7 +309,7 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
         stand_ins.append(y_p)
         states += [counter_model.simulate_from_cumulative(rng, y_p, D, p, k)
                    for _ in range(int(sims))]
-    fitted = iter(zip(states, _estimates_many(states, p, k, methods, n)))
+    fitted = iter(zip(states, _estimates_many(states, p, k, methods, n, hashed=hashed)))
     for y_p in stand_ins:
         total = int(y_p.sum()) if n is not None else None
         err = {c: 0.0 for c in candidates}
@@ -321,7 +325,8 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
             regret[c].append(r)
     choice = _minimax(regret)
     m, rule = choice
-    y = fits[m] if m in fits else project_l1(basic_prevalence(vc, p, layers=k, method=m))
+    y = fits[m] if m in fits else project_l1(basic_prevalence(vc, p, layers=k, method=m,
+                                                              hashed=hashed))
     if m != "deconvolution" or start is None:
         start = None
     else:
@@ -329,6 +334,6 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed) -> tu
     return cap(y, n, rule, top), choice, start
 
 
-def selected_prevalence(noisy_counts, p, *, layers=1, n=None) -> np.ndarray:
+def selected_prevalence(noisy_counts, p, *, layers=1, n=None, hashed=False) -> np.ndarray:
     """phi_{>=r} of :func:`select` as floats (``estimators.phi_estimate(method="auto")``)."""
-    return select(noisy_counts, p, layers=layers, n=n)[0].astype(np.float64)
+    return select(noisy_counts, p, layers=layers, n=n, hashed=hashed)[0].astype(np.float64)

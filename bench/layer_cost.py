@@ -80,7 +80,7 @@ def one_cell(name: str, mult: float, eps: float, reps: int) -> None:
     c = Cell("direct", name, int(mult * D), D, eps, reps)
     fixed = deconvolution.deconv_tol
     new = grid.run_cell(c, layers=(1, 2), methods=("deconvolution", "mle", "auto"))
-    deconvolution.deconv_tol = lambda p, layers=1: deconvolution.DECONV_TOL
+    deconvolution.deconv_tol = lambda p, layers=1, hashed=False: deconvolution.DECONV_TOL
     try:
         old = grid.run_cell(c, layers=(1, 2), methods=("deconvolution", "mle", "auto"))
     finally:
@@ -141,7 +141,8 @@ def main() -> int:
         r = res[c.key]
         e1 = float(np.mean(r.l1[(1, "auto", "items")]))
         e2 = float(np.mean(r.l1[(2, "auto", "items")]))
-        deconvolution.deconv_tol = lambda p, layers=1: deconvolution.DECONV_TOL  # the code before
+        # the code before
+        deconvolution.deconv_tol = lambda p, layers=1, hashed=False: deconvolution.DECONV_TOL
         try:
             # (both layer counts: the noise draws follow in that order, so the 2-layer counters
             # are the same as in the lofo run)

@@ -159,9 +159,9 @@ def test_hashed_release_gives_n_to_xfit_and_runs_auto_uncapped(monkeypatch):
     seen = {}
     real_auto, real_xfit = sel.selected_prevalence, E.crossfit_prevalence
 
-    def auto_spy(noisy_counts, p, *, layers=1, n=None):
+    def auto_spy(noisy_counts, p, *, layers=1, n=None, **kw):
         seen["auto"] = n
-        return real_auto(noisy_counts, p, layers=layers, n=n)
+        return real_auto(noisy_counts, p, layers=layers, n=n, **kw)
 
     def xfit_spy(noisy_counts, p, *, layers=1, n=None, **kw):
         seen["xfit"] = n
