@@ -111,5 +111,5 @@ def test_hashed_release_uses_the_default_rule(layers):
     np.testing.assert_array_equal(anonymized_histogram(noisy, p, layers=layers, n=n, buckets=B),
                                   named)
     np.testing.assert_array_equal(ld.hashed_phi_estimate(noisy, p, layers=layers),
-                                  phi_estimate(noisy, p, layers=layers,
+                                  phi_estimate(noisy, p, layers=layers, mode="hashed",
                                                method=default_method("hashed", layers)))
