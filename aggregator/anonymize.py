@@ -63,8 +63,7 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
         for vc, phi in zip(vcs, phis):
             if vc.total != B:
                 raise ValueError(f"buckets={B} but {vc.total} counters were given")
-            rule = cap if cap is not None else default_cap("hashed", k, n=n, counters=vc.total,
-                                                            p=p)
+            rule = cap if cap is not None else default_cap("hashed", k)
             if rule not in HASHED_CAP_RULES:
                 raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {rule!r}")
             out.append(checked_cumulative(_hashed_cumulative(
@@ -75,8 +74,7 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     for vc, phi in zip(vcs, phis):
         y = project_l1(phi)
         if n is not None:
-            rule = cap if cap is not None else default_cap("direct", k, n=n, counters=vc.total,
-                                                            p=p)
+            rule = cap if cap is not None else default_cap("direct", k)
             if rule not in CAP_RULES:
                 raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
             y = cap_total(y, n, rule, fitted_top=_fitted_top(vc, p, k, rule))
@@ -93,11 +91,10 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
     """
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
-    feats = dict(n=n, counters=vc.total, p=p)
     mode = "hashed" if buckets is not None else "direct"
     if method is None:
-        method = default_method(mode, k, **feats)
-    cap = default_cap(mode, k, **feats) if cap is None else cap
+        method = default_method(mode, k)
+    cap = default_cap(mode, k) if cap is None else cap
     if buckets is not None:
         y = hashed_cumulative(vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap)
     else:
@@ -164,19 +161,18 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
             noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap))
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
-    feats = dict(n=n, counters=vc.total, p=p)
     if buckets is not None:
         if method is None:
-            method = default_method("hashed", k, **feats)
+            method = default_method("hashed", k)
         if cap is None:
-            cap = default_cap("hashed", k, **feats)
+            cap = default_cap("hashed", k)
         return hashed_histogram(vc, p, buckets=buckets, n=n, layers=layers, loss=loss,
                                 method=method, cap=cap)
     if loss != "l2":
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     if method is None:
-        method = default_method("direct", k, **feats)
-    cap = default_cap("direct", k, **feats) if cap is None else cap
+        method = default_method("direct", k)
+    cap = default_cap("direct", k) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
     phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n)

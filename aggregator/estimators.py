@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import counter_model
 from .counters import check_layers as _check_layers
 from .crossfit import crossfit_prevalence
 from .estimator import BASIC, Estimator
@@ -47,7 +46,7 @@ from .threshold import threshold_usable
 from .wupagh import wupagh_prevalence
 
 __all__ = ["ESTIMATORS", "METHODS", "estimator", "MODES", "DEFAULTS", "DEFAULT_METHODS",
-           "DEFAULT_RULES", "default_method", "default_cap", "phi_estimate"]
+           "default_method", "default_cap", "phi_estimate"]
 
 
 WUPAGH = Estimator(
@@ -102,44 +101,31 @@ DEFAULTS = {
 }
 DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
 
-
-# (mode, layers) -> (snr cut, (method, cap) below it, (method, cap) at or above it): a rule on the
-# public signal-to-noise ratio (counter_model.signal_to_noise(n, counters, p, layers)) that replaces
-# the fixed DEFAULTS entry when n is known. Chosen on the accuracy grid like DEFAULTS (lowest
-# worst-case regret; bench/grid_defaults.json "rules"); layers above the largest key: its entry.
-DEFAULT_RULES: dict = {}
+# (The grid also evaluates rules on the public signal-to-noise ratio that would replace a
+# DEFAULTS entry when n is known, bench/accuracy_grid.py "rules"; none has beaten the fixed table
+# held out, so none is in the code: tests/test_grid_defaults.py fails when the grid adopts one.)
 
 
-def _key(table: dict, mode: str, layers: int):
+def _default(mode: str, layers: int) -> tuple[str, str]:
+    """DEFAULTS' entry of the largest layer count at most ``layers`` for ``mode``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     k = _check_layers(layers)
-    keys = [kk for m, kk in table if m == mode and kk <= k]
-    return (mode, max(keys)) if keys else None
+    return DEFAULTS[(mode, max(kk for m, kk in DEFAULTS if m == mode and kk <= k))]
 
 
-def _default(mode: str, layers: int, n=None, counters=None, p=None) -> tuple[str, str]:
-    key = _key(DEFAULT_RULES, mode, layers)
-    if key is not None and None not in (n, counters, p) and counters > 0:
-        cut, low, high = DEFAULT_RULES[key]
-        snr = counter_model.signal_to_noise(int(n), int(counters), p, int(layers))
-        return low if snr < cut else high
-    return DEFAULTS[_key(DEFAULTS, mode, layers)]
-
-
-def default_method(mode: str, layers: int, *, n=None, counters=None, p=None) -> str:
+def default_method(mode: str, layers: int) -> str:
     """The estimator a release uses when none is named (:data:`DEFAULTS`).
 
     >>> default_method("hashed", 1), default_method("direct", 2), default_method("direct", 5)
     ('auto', 'auto', 'auto')
     """
-    return _default(mode, layers, n, counters, p)[0]
+    return _default(mode, layers)[0]
 
 
-def default_cap(mode: str, layers: int, *, n=None, counters=None, p=None) -> str:
-    """The rule that caps a release's total at n when none is named (:data:`DEFAULTS`; with n,
-    the number of counters and p: :data:`DEFAULT_RULES` where it has an entry)."""
-    return _default(mode, layers, n, counters, p)[1]
+def default_cap(mode: str, layers: int) -> str:
+    """The rule that caps a release's total at n when none is named (:data:`DEFAULTS`)."""
+    return _default(mode, layers)[1]
 
 
 def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=None) -> np.ndarray:

@@ -709,8 +709,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     est = (np.asarray(release, dtype=np.int64) if release is not None
            else anonymized_histogram(vc, p, **kw))
     mode = "hashed" if buckets is not None else "direct"
-    chosen = method if method is not None else default_method(
-        mode, layers, n=n, counters=counters, p=p)
+    chosen = method if method is not None else default_method(mode, layers)
     start = None  # the early-stopped EM's start the release took (None: the smoothed one)
     other_start = None  # ... and the fit from the start it left, capped as the release
     if chosen == "auto":  # the candidate auto chose on these counters (it keeps its last choice)
@@ -780,7 +779,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # (the release's estimator re-runs the start it took: not a stand-in's, then)
         def resolved(k):
             return (k["method"] or chosen,
-                    k["cap"] or default_cap(mode, layers, n=n, counters=counters, p=p),
+                    k["cap"] or default_cap(mode, layers),
                     start if k is kw_boot else None)
 
         states = [s for sm in stand_ins for s in sims[sm]]
