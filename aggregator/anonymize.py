@@ -21,7 +21,7 @@ from . import deconvolution  # deconv_tol looked up at call time: bench.lofo --f
 from .cap import CAP_RULES, cap_total
 from .counters import check_layers, noisy_value_counts
 from .deconvolution import DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, deconvolved_batch
-from .em import DIRECT_START_SMOOTH_SHARE, sparse_top
+from .em import DIRECT_START_SMOOTH_SHARE
 from .histograms import checked_cumulative, counts_from_cumulative
 from .memo import remembered_fit
 from .projection import project_l1, project_l2, rank_box
@@ -77,7 +77,7 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
             rule = cap if cap is not None else default_cap("direct", k)
             if rule not in CAP_RULES:
                 raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
-            y = cap_total(y, n, rule, fitted_top=_fitted_top(vc, p, k, rule))
+            y = cap_total(y, n, rule)
         out.append(checked_cumulative(y))
     return out
 
@@ -104,13 +104,8 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
         if y is None:
             y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
         if n is not None:
-            y = cap_total(y, n, cap, fitted_top=_fitted_top(vc, p, k, cap))
+            y = cap_total(y, n, cap)
     return checked_cumulative(y)
-
-
-def _fitted_top(vc, p, k: int, rule: str):
-    """The EM's axis top for cap ``"fitted"`` (estimate.cap_total), else None."""
-    return sparse_top(vc, p, k) if rule == "fitted" else None
 
 
 def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["CAP_RULES", "cap_total"]
+__all__ = ["CAP_RULES", "cap_total", "thinned", "with_remainder"]
 
 
-CAP_RULES = ("items", "scale", "fitted", "none")
+CAP_RULES = ("items", "scale", "none")
 
 
-def cap_total(y, total: int, rule: str = "items", *, fitted_top: int | None = None) -> np.ndarray:
+def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
     """A cumulative prevalence with at most ``total`` events (sum_r y_r <= total), from y.
 
     sum_r phi_{>=r} is the number of events, so with total = n (public under replace-one
@@ -51,30 +51,19 @@ def cap_total(y, total: int, rule: str = "items", *, fitted_top: int | None = No
       projection among the histograms with at most c items (tests/test_estimate.py checks it
       against an integer LP). c is the largest cap that fits, and the events left over go to one
       more item of the largest count that fits (y_r = c + 1 for the first r).
-    * ``"scale"``: thin every level alike, y_r -> floor(y_r total / sum y), and the units lost to
-      rounding go to the first positions.
-    * ``"fitted"`` (direct counters; ``fitted_top`` is :func:`sparse_top` of the counters y was
-      estimated from): thin only the items the EM fitted. A count above ``fitted_top`` comes from
-      a counter the EM passed through at its noisy value (:func:`_sparse_counters`): measured
-      to within the noise, not inferred, so those items stay as they are and the items at counts
-      <= ``fitted_top`` are thinned alike (``"scale"`` on them). Where the passed-through items
-      alone hold more than ``total`` events, it thins every level as ``"scale"`` does. It is
-      ``"scale"`` where nothing is passed through, and better where heavy hitters are: thinning
-      them removes real events from the items the counters show best (docs/accuracy_grid.md,
-      "A cap that keeps the measured items").
+    * ``"scale"``: thin every level alike, y_r -> floor(y_r total / sum y) (:func:`thinned`),
+      and the units lost to rounding go to the first positions.
     * ``"none"``: y as it is (no cap; for measurements).
 
-    The default per mode and layer count is :func:`aggregator.estimators.default_cap` (measured in
-    docs/accuracy_grid.md).
+    (A third cutting rule, ``"fitted"``, which thins only the items the EM fitted, was measured
+    and not adopted: it lives in bench/fitted_cap.py.) The default per mode and layer count is
+    :func:`aggregator.estimators.default_cap` (measured in docs/accuracy_grid.md).
 
     >>> y = np.array([6, 3, 1])          # the histogram (3, 2, 2, 1, 1, 1): 10 events
     >>> cap_total(y, 7).tolist()         # at most 7: keep the largest items, (3, 2, 2)
     [3, 3, 1]
     >>> cap_total(y, 7, rule="scale").tolist()   # every level thinned: (2, 2, 1, 1, 1)
     [5, 2, 0]
-    >>> y = np.array([5, 1, 1, 1, 1])   # (5, 1, 1, 1, 1); the EM's axis ends at 1: the 5 stays
-    >>> cap_total(y, 7, "fitted", fitted_top=1).tolist(), cap_total(y, 7, "scale").tolist()
-    ([3, 1, 1, 1, 1], [4, 1, 1, 1, 0])
     """
     y = np.asarray(y, dtype=np.int64)
     total = int(total)
@@ -82,9 +71,6 @@ def cap_total(y, total: int, rule: str = "items", *, fitted_top: int | None = No
         raise ValueError(f"total must be >= 0, got {total}")
     if rule not in CAP_RULES:
         raise ValueError(f"rule must be one of {CAP_RULES}, got {rule!r}")
-    if rule == "fitted" and (fitted_top is None or int(fitted_top) < 0):
-        raise ValueError("rule 'fitted' needs fitted_top >= 0 "
-                         "(estimate.sparse_top of the counters)")
     if len(y) and (np.any(y[1:] > y[:-1]) or y[-1] < 0):
         raise ValueError("y must be a non-increasing, non-negative cumulative prevalence")
     have = int(y.sum())
@@ -109,22 +95,24 @@ def cap_total(y, total: int, rule: str = "items", *, fitted_top: int | None = No
                 hi = c
         out = np.minimum(y, lo)
     else:
-        # (rule "fitted" without fitted_top was refused above)
-        top = len(y) if rule == "scale" or fitted_top is None else min(int(fitted_top), len(y))
-        base = int(y[top]) if top < len(y) else 0  # items above the EM's axis: kept whole
-        room = total - int(y[top:].sum()) - base * top  # events left for the fitted items
-        if room > 0:  # (room < the fitted items' events, since y does not fit)
-            out = np.concatenate([_thinned(y[:top] - base, room) + base, y[top:]])
-        else:
-            out = _thinned(y, total)
-    # the remainder is below the number of positions that can take one more unit; adding it at
-    # the first positions keeps y non-increasing
+        out = thinned(y, total)
+    return with_remainder(out, total)
+
+
+def with_remainder(out: np.ndarray, total: int) -> np.ndarray:
+    """``out`` (a non-increasing cut of y holding at most ``total`` events, short of it by less
+    than the number of positions that can take one more unit) with the units left to reach
+    ``total`` added at its first positions: it stays non-increasing. In place; returns it."""
     out[: total - int(out.sum())] += 1
     return out
 
 
-def _thinned(y: np.ndarray, total: int) -> np.ndarray:
-    """floor(y_r total / sum y), exactly: Python ints when the product could overflow int64."""
+def thinned(y: np.ndarray, total: int) -> np.ndarray:
+    """floor(y_r total / sum y), exactly: Python ints when the product could overflow int64.
+
+    >>> thinned(np.array([6, 3, 1]), 7).tolist()
+    [4, 2, 0]
+    """
     have = int(y.sum())
     if len(y) and int(y[0]) * total < 2**62:
         return (y * total) // have

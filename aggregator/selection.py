@@ -86,7 +86,7 @@ from .counters import check_layers, counters_key, data_seed, noisy_value_counts
 from .deconvolution import (
     deconvolved_batch, deconvolved_prevalence, em_prevalences, em_prevalences_many,
 )
-from .em import DIRECT_START_SMOOTH_SHARE, sparse_top
+from .em import DIRECT_START_SMOOTH_SHARE
 from .estimator import BASIC, DECONVOLUTION, MLE, THRESHOLD, basic_prevalence
 from .histograms import counts_from_cumulative, cumulative_l1
 from .memo import LastCounters, remember_fits
@@ -229,12 +229,11 @@ def _take_likelier_start(vc, p, k: int, n, fits: dict, shrunk: np.ndarray,
     return False, shrunk
 
 
-def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "scale") -> str:
+def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
     """The cap rule that brings the stand-ins to n: ``"items"`` if, for every pilot whose total
     exceeds n (the two rules differ only there), the stand-in it gives fits the counters better
     than the ``"scale"`` one by more than :data:`STANDIN_MARGIN` in log-likelihood; else
-    ``thin``, the candidates' thinning rule (``"scale"``; ``"fitted"`` when bench.lofo's
-    ``auto_fitted`` asks for it, docs/accuracy_grid.md "A cap that keeps the measured items").
+    ``"scale"``, the candidates' thinning rule.
 
     Each cap rule favours the candidates with the same rule in the bootstrap (a candidate does well
     on data shaped like its own output), so the stand-ins' cap decides between the two families.
@@ -250,7 +249,16 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "
         if not np.array_equal(y_s, y_i):
             ll = counter_model.loglik
             gaps.append(ll(vc, y_i, vc.total, p, k) - ll(vc, y_s, vc.total, p, k))
-    return "items" if gaps and min(gaps) > STANDIN_MARGIN else thin
+    return "items" if gaps and min(gaps) > STANDIN_MARGIN else "scale"
+
+
+def _capped(y, total, rule: str, counters, p: float, k: int) -> np.ndarray:
+    """y capped at ``total`` by ``rule`` (as it is with ``"none"`` or no total); ``counters``
+    (with p and k) are what y was estimated from: no library rule reads them, a rule bench
+    measures does (bench/fitted_cap.py patches this function)."""
+    if rule == "none" or total is None:
+        return y
+    return cap_total(y, int(total), rule)
 
 
 def _regrets(err: dict) -> dict:
@@ -277,16 +285,6 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
     uses_n = {e.name: e.uses_n for e in BASIC}
     candidates = tuple(c for c in candidates if usable.get(c[0], True))
 
-    thin = "fitted" if any(c == "fitted" for _, c in candidates) else "scale"
-
-    def axis_top(counters):  # what cap "fitted" keeps whole (only asked for with that rule)
-        return sparse_top(counters, p, k) if thin == "fitted" else None
-
-    def cap(y, total, rule, top):
-        if rule == "none" or total is None:
-            return y
-        return cap_total(y, int(total), rule, fitted_top=top)
-
     methods = tuple(dict.fromkeys(m for m, _ in candidates))
     fits = _estimates(vc, p, k, [m for m in dict.fromkeys(pilots + methods)
                                  if m in pilots or m == "threshold"], hashed=hashed)
@@ -298,11 +296,10 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
     remember_fits(vc, p, k, {m: y for m, y in fits.items() if not uses_n.get(m, True)})
     rng = np.random.default_rng(data_seed(vc) if seed is None else seed)
     regret: dict = {c: [] for c in candidates}
-    standin_cap = _standin_cap(vc, fits, pilots, n, p, k, thin) if n is not None else "none"
-    top = axis_top(vc)
+    standin_cap = _standin_cap(vc, fits, pilots, n, p, k) if n is not None else "none"
     stand_ins, states = [], []  # every stand-in's states drawn first, then fitted in one batch
     for pm in pilots:
-        y_p = cap(fits[pm], n, standin_cap, top)
+        y_p = _capped(fits[pm], n, standin_cap, vc, p, k)
         if len(y_p) and y_p[0] > D:  # more items than counters (only without n): keep the top
             truth = counts_from_cumulative(y_p)[:D]
             y_p = np.asarray(np.cumsum(np.bincount(truth)[::-1])[::-1][1:], dtype=np.int64)
@@ -315,12 +312,11 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
         err = {c: 0.0 for c in candidates}
         for _ in range(int(sims)):
             sim, ests = next(fitted)
-            top_sim = axis_top(sim) if total is not None else None
             for m in methods:
                 y = ests[m]
                 for c in candidates:
                     if c[0] == m:
-                        err[c] += cumulative_l1(cap(y, total, c[1], top_sim), y_p)
+                        err[c] += cumulative_l1(_capped(y, total, c[1], sim, p, k), y_p)
         for c, r in _regrets(err).items():
             regret[c].append(r)
     choice = _minimax(regret)
@@ -330,8 +326,8 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
     if m != "deconvolution" or start is None:
         start = None
     else:
-        start = (start[0], cap(start[1], n, rule, top))
-    return cap(y, n, rule, top), choice, start
+        start = (start[0], _capped(start[1], n, rule, vc, p, k))
+    return _capped(y, n, rule, vc, p, k), choice, start
 
 
 def selected_prevalence(noisy_counts, p, *, layers=1, n=None, hashed=False) -> np.ndarray:

@@ -162,14 +162,17 @@ def _auto_sims8(mode, vc, p, k, n, B):
 
 def _auto_fitted(mode, vc, p, k, n, B):
     """``auto`` whose thinning cap keeps the items the EM passed through (cap ``"fitted"``,
-    estimate.cap_total) instead of thinning every level (``"scale"``), for its candidates and its
-    stand-ins (direct mode): in the heavy-hitter family the EM stand-in thinned to n by
+    bench/fitted_cap.py) instead of thinning every level (``"scale"``), for its candidates and
+    its stand-ins (direct mode): in the heavy-hitter family the EM stand-in thinned to n by
     ``scale`` also thins the heavy hitters, and the EM's own error there halves with ``fitted``."""
     from aggregator import selection
-    cands = tuple((m, "fitted" if c == "scale" else c) for m, c in selection.CANDIDATES)
     from aggregator.estimate import project_l1
-    return project_l1(selection.select(vc, p, layers=k, n=n, candidates=cands)[0]
-                      .astype(np.float64))
+
+    from .fitted_cap import auto_fitted
+    cands = tuple((m, "fitted" if c == "scale" else c) for m, c in selection.CANDIDATES)
+    with auto_fitted():
+        y, _ = selection.select(vc, p, layers=k, n=n, candidates=cands)
+    return project_l1(y.astype(np.float64))
 
 
 def _auto_item_space(mode, vc, p, k, n, B):
