@@ -55,7 +55,7 @@ def convolve(a: np.ndarray, q: np.ndarray) -> np.ndarray:
     """a * q, "same" length (q symmetric, odd length). Direct for short kernels (numpy's loop is
     faster there); one real FFT with the kernel's spectrum cached for the wide kernels of small
     eps or many layers: the EM convolves thousands of times with the same q, and scipy's
-    oaconvolve spent 5x the transform's time in argument handling on axes of ~1e3 values."""
+    argument handling dominated the transforms' time (docs/core_figures.md, "Convolution")."""
     if len(q) < _FFT_TAPS or len(a) < 4 * len(q):
         return np.convolve(a, q, mode="same")
     key = (id(q), len(a))
@@ -80,9 +80,9 @@ _PLANS: dict = {}  # (id(q), len(a)) -> (q, FFT length, kernel half-width, kerne
 
 def _fft_pair():
     """(rfft(x), irfft(X, n)) on 1-d float64 / complex128 arrays of the FFT length: scipy's
-    pocketfft kernels called directly (the EM makes ~1e4 transforms of ~1e3 values per release,
-    and scipy.fft's argument handling took 60% of their time), checked at first use to give
-    bit for bit what scipy.fft.rfft / irfft give; scipy.fft itself otherwise."""
+    pocketfft kernels called directly (the EM makes thousands of small transforms per release,
+    and scipy.fft's argument handling took most of their time: docs/core_figures.md), checked at
+    first use to give bit for bit what scipy.fft.rfft / irfft give; scipy.fft itself otherwise."""
     from scipy import fft
     try:
         from scipy.fft._pocketfft import pypocketfft as pfft

@@ -80,15 +80,13 @@ def deconv_tol(p: float, layers: int = 1, *, hashed: bool = False) -> float:
     q the k-layer noise pmf; :func:`chi2_shift`).
 
     Why: the tolerance is on the mean log-likelihood gain per counter and step, and with k
-    layers each counter carries chi2_k / chi2_1 (0.31 for two layers at eps 1, 0.13 for three)
-    of the information, so every step gains that much less: a fixed 1e-5 stopped the 2-layer EM
-    at a point the 1-layer EM passes early. On the held-out real profile that cost 2.9x the
-    1-layer error (jieba's Chinese word counts, D = 3.5e5, n = 3.5e6, eps 1: 11,333 -> 32,686;
-    with the scaled tolerance 17,000-26,800: docs/accuracy_grid.md, "Layer cost").
+    layers each counter carries chi2_k / chi2_1 of the information, so every step gains that
+    much less: a fixed tolerance stopped the 2-layer EM at a point the 1-layer EM passes early,
+    at a large cost in error on the held-out real profile.
 
     Direct mode only: on hash-bucket counters (``hashed=True``, which hashed mode's estimators
-    pass) the scaled tolerance made the 2-layer default 3.8% worse on geometric mean over 20
-    hashed cells (up to 3x on one), so it stays at :data:`DECONV_TOL`.
+    pass) the scaled tolerance made the 2-layer default worse, so it stays at
+    :data:`DECONV_TOL`. The figures: docs/core_figures.md, "The early stop".
 
     >>> deconv_tol(0.5, 1) == DECONV_TOL
     True
@@ -112,9 +110,10 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITE
 
     Early stopping is part of the estimator: the NPMLE overfits (it turns spiky) when EM runs to
     convergence, and the l1 error first falls, then rises with the iterations. ``tol`` (on the
-    mean log-likelihood gain per SQUAREM step) = 1e-5 was never worse than running to 1e-11 over
-    36 measured configurations and 1.25-1.7x better on geometric mean (docs/estimators.md);
-    :func:`crossfit_prevalence` chooses the stopping point from the data instead.
+    mean log-likelihood gain per SQUAREM step) = 1e-5 was never worse than running to
+    convergence in the measurements (docs/core_figures.md, "The early stop");
+    :func:`aggregator.crossfit.crossfit_prevalence` chooses the stopping point from the data
+    instead.
 
     The likelihood separates over clusters of noisy values more than 2K apart (q vanishes
     beyond K): a cluster holding a single distinct value v is solved exactly by a point mass at

@@ -245,12 +245,12 @@ class EMProblem:
         not bias), each split linearly between the two nearest counts >= 0.
 
         Why: the smoothed start has variance Var T + 2 Var Z, and where one counter says little
-        about its value (hash buckets at B = 2 n, 2 layers at eps 1: Var Z = 15.7 against
-        Var T ~ 0.5) the early-stopped EM ends near its start. Over-dispersed bucket totals look
-        like fewer, larger items, and the inversion of Gamma^B then under-counted mostly
-        distinct users by 7-8% in every window. One linear map is wrong for heavy tails (it
-        moves a bucket of 30 events to 27), so the hashed release keeps whichever start's fit
-        the counters' likelihood prefers (``aggregator.largedomain._likelier_start``)."""
+        about its value (Var Z >> Var T: hash buckets, several layers) the early-stopped EM ends
+        near its start. Over-dispersed bucket totals look like fewer, larger items, and the
+        inversion of Gamma^B then under-counted mostly distinct users. One linear map is wrong
+        for heavy tails, so the hashed release keeps whichever start's fit the counters'
+        likelihood prefers (``aggregator.largedomain._likelier_start``). The figures:
+        docs/core_figures.md, "The EM's shrunk start"."""
         off, lo_v, hi_v = next(s for s in self.spans if s[1] <= 0 <= s[2])
         seg = w[off: off + hi_v - lo_v + 1].astype(np.float64)
         x = np.arange(lo_v, hi_v + 1, dtype=np.float64)
@@ -290,9 +290,9 @@ class EMProblem:
 
 
 START_SMOOTH_SHARE = 0.05  # of the smoothed start in the shrunk one (every count keeps support)
-# ... in direct mode's (``selection``'s likelier start): at D = 1e6 counters 0.05 is 50,000
-# counters' worth of the over-dispersed start, the very tail at r = 2-15 the shrunk start is
-# there to remove (docs/accuracy_grid.md, "The EM's start chosen by the likelihood")
+# ... in direct mode's (``selection``'s likelier start): with millions of counters 0.05 of the
+# over-dispersed start is the very tail the shrunk start is there to remove
+# (docs/core_figures.md, "The EM's shrunk start")
 DIRECT_START_SMOOTH_SHARE = 1e-4
 EM_TAIL = 1e-10  # noise pmf tail cut of the EM (D * 1e-10 counters misplaced at most)
 # A counter is passed through (released at its noisy value) when fewer than this many counters per
@@ -307,8 +307,8 @@ def _sparse_counters(vals: np.ndarray, cnt: np.ndarray, K: int, density: float) 
     coincide, which needs other counters within the noise reach: where the window
     [v - K, v + K] holds fewer than ``density`` counters per value (the counter included), as in
     the tail of large counts, there is next to nothing to pool, and the EM spent most of its time
-    there (at D = 1e7 Zipf counters the values above ~300 are 0.02% of the counters and 95% of
-    the EM's axis). Such a counter, if above K (its window clear of the empty counters' noise), is
+    there (a tiny share of the counters, most of the EM's axis: docs/core_figures.md, "Sparse
+    counters"). Such a counter, if above K (its window clear of the empty counters' noise), is
     released as a point mass at its noisy value. Its l1 error is then exactly |Z_j|, its noise;
     over the passed counters at most sum_j |Z_j|, in expectation their number times E|Z|
     (:func:`pass_through_bound`). ``density`` = 0 passes nothing (the exact NPMLE's clusters).

@@ -167,10 +167,9 @@ def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None) -> np
     fits under it. ``"auto"`` does not get it: with n its bootstrap also weighs capping the
     *reduced* histogram (pilots thinned to n, the cap rules as candidates), while the release caps
     the *item* histogram after the inversion; measured on the accuracy grid's 17 hashed cells
-    (docs/accuracy_grid.md, "The EM change, re-measured"), handing it n raised the 2-layer
-    geometric-mean regret from 1.13 to 1.22 ('distinct' n = 1e6, eps = 0.25: 2.1x the mean error
-    over eight bootstrap draws, the bad pick in six) and changed nothing at 1 layer, so the
-    selection runs uncapped as the grid chose it.
+    (docs/core_figures.md, "Hashed auto runs without n"), handing it n raised the 2-layer
+    geometric-mean regret and changed nothing at 1 layer, so the selection runs uncapped as the
+    grid chose it.
 
     Default (``method=None``): ``estimators.default_method("hashed", layers)``, the lowest
     worst-case regret over the accuracy grid's hashed cells (docs/accuracy_grid.md).
@@ -316,14 +315,10 @@ def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tup
     start's) and the other one.
 
     Why: where a counter says little about its bucket's total, the early-stopped EM ends near
-    its start, and the smoothed start is over-dispersed: in the issue's new-user window (B =
-    2e5, ~97,500 users mostly seen once, 2 layers, eps 1) the release was 7-8% low in every
-    window. The shrunk start has the totals' mean and variance, and fits those users to +1%;
-    but one linear map distorts heavy tails (Zipf(1.1), n = 1e5: 2.1x the l1 error). The
-    likelihood of the *item* histogram tells them apart: on the held-out grid's Zipf-family
-    draws it kept the smoothed start's fit in 113 of 120 (median margin 9 nats), and the
-    default's error fell 6% / 10% on geometric mean at 1 / 2 layers, up to 2.8x on mostly
-    distinct items (docs/accuracy_changes.md, "The hashed under-count, fixed").
+    its start, and the smoothed start is over-dispersed: in a window of mostly distinct users
+    the release was low in every window. The shrunk start has the totals' mean and variance,
+    and fits those users; but one linear map distorts heavy tails. The likelihood of the *item*
+    histogram tells them apart (the figures: docs/core_figures.md, "The EM's shrunk start").
     """
     phi = deconvolved_prevalence(vc, p, layers=layers, shrunk_start=True, hashed=True)
     y_shrunk = _invert(project_l1(phi), B, n, p, variant, m, sparse_above=sparse)

@@ -4,11 +4,11 @@ Why a rule and not one estimator
 --------------------------------
 No estimator of phi_{>=r} is best on every data shape (docs/accuracy_grid.md): the early-stopped EM
 (``"deconvolution"``) wins on dense, near-uniform counters, where the converged NPMLE (``"mle"``)
-overfits into spikes, and loses 3-15x when most counters are empty and the noise has two or three
-layers, where the EM needs hundreds of steps; very sparse windows favour the NPMLE thinned to n
-(cap ``"scale"``), heavy tails the largest items (cap ``"items"``). The counters themselves say
-which regime they are in, and a release may use them for that: any function of the noisy counters
-and the public quantities (n, D or B, p, layers) is post-processing.
+overfits into spikes, and loses by a wide margin when most counters are empty and the noise has
+two or three layers, where the EM needs hundreds of steps; very sparse windows favour the NPMLE
+thinned to n (cap ``"scale"``), heavy tails the largest items (cap ``"items"``). The counters
+themselves say which regime they are in, and a release may use them for that: any function of the
+noisy counters and the public quantities (n, D or B, p, layers) is post-processing.
 
 The rule
 --------
@@ -35,18 +35,16 @@ The early-stopped EM's start (direct mode, one noise layer)
 An early-stopped EM ends near its start. Its default start, the noisy values smoothed by the
 noise once more, is over-dispersed: in a mostly empty window it leaves a tail at r = 2-15 that a
 heavy-hitter window (a few items holding most events, every other item seen once) does not have,
-and the early stop keeps it (2x the l1 error of the best candidate). So where a window's counters
+and the early stop keeps it. So where a window's counters
 are mostly empty (n <= D: the cluster holding 0 is their bulk) the EM also runs from the shrunk
 start (the zero cluster's noisy values pulled to their true mean and variance,
-``estimate._EMProblem.start``), and keeps that fit only when the counters' likelihood prefers it
+``em.EMProblem.start``), and keeps that fit only when the counters' likelihood prefers it
 by more than :data:`START_MARGIN` nats (both fits capped at n by ``"items"``); on the counters and
 on every simulated state alike, as the pilot and as the candidate. :func:`chosen_start` tells the
 error bars which start the release took, so their bootstrap re-runs it. Measured held out
-(bench/lofo.py, 52 direct cells; docs/accuracy_grid.md): the worst regret at one layer 1.43 ->
-1.37 on 16 repetitions the margin was not chosen on (1.77 -> 1.44 on the 16 it was), the median
-and geometric mean unchanged. At two layers the accuracy grid lost with it (n = D windows), so it
-is not applied there, nor in hashed mode, whose bucket counters run their own choice of start
-(``largedomain._likelier_start``).
+(bench/lofo.py; the figures: docs/core_figures.md, "auto"), it lowered the worst regret at one
+layer and lost at two, so it is not applied there, nor in hashed mode, whose bucket counters
+run their own choice of start (``largedomain._likelier_start``).
 
 Each pilot alone biases the choice toward itself (an estimator does well on data shaped like its
 own output); the minimax over a smooth and a spiky pilot is what removes most of that bias
@@ -102,9 +100,8 @@ CANDIDATES = tuple((e.name, c) for e in (DECONVOLUTION, MLE, THRESHOLD)
                    for c in ("items", "scale"))
 SIMS = 4
 STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-capped
-# the shrunk start's fit is kept when likelier by more than this: Wilks' chi2_1(0.99) / 2. At
-# Wilks' 90% drop (1.35) one Zipf(0.7) window in 16 took it at +2.0 nats with 3x the error; the
-# heavy-hitter windows take it at +8.5 nats and more (docs/accuracy_grid.md)
+# the shrunk start's fit is kept when likelier by more than this: Wilks' chi2_1(0.99) / 2 (why
+# not 90%: docs/core_figures.md, "auto")
 START_MARGIN = 3.3174
 
 
@@ -239,8 +236,8 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
     on data shaped like its own output), so the stand-ins' cap decides between the two families.
     Thinning every level (``scale``) is right for near-empty windows, where the largest noisy
     counters are noise, and wrong for heavy tails, where it thins away heavy hitters the counters
-    plainly show; the likelihood tells the two apart when it can (gaps of hundreds to thousands
-    where ``items`` is 10-50x better on the accuracy grid), and ``scale`` stays where it cannot.
+    plainly show; the likelihood tells the two apart when it can (docs/core_figures.md,
+    "auto"), and ``scale`` stays where it cannot.
     bench/select_study.py compares this rule with the alternatives on the grid's counters.
     """
     gaps = []
