@@ -1,7 +1,7 @@
 """The noisy-counter model: what a histogram implies for k-layer DLap(p) counters.
 
 Every counter holds its count h plus ``layers`` independent DLap(p) draws (pmf q, exact up to a
-1e-17 tail: :func:`aggregator.estimate.noise_pmf`), and counters holding the same count are
+1e-17 tail: :func:`aggregator.counters.noise_pmf`), and counters holding the same count are
 exchangeable. Three things follow from that model alone, and the estimators, their selection and
 their error bars all ask them, so they live below those modules:
 

@@ -210,7 +210,7 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
         B, the number of counters (must equal their count).
     n
         Number of events. Needed by ``"alg7-single"`` (phi_hat_{>=0} = n) and ``loss="l2"``;
-        with ``loss="l1"`` the item histogram is capped at n events (``estimate.cap_total``).
+        with ``loss="l1"`` the item histogram is capped at n events (``cap.cap_total``).
     loss
         ``"l1"`` or ``"l2"`` (seed 001 Algorithm 4 with the box taken from these same counters,
         see :func:`l2_histogram`).
@@ -224,7 +224,7 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     m
         Algorithm 7's cut-off; default :func:`alg7_m` (B, p).
     cap
-        Rule that caps the total at n (``estimate.CAP_RULES``; default
+        Rule that caps the total at n (``cap.CAP_RULES``; default
         ``estimators.default_cap("hashed", layers)``).
     """
     vc = noisy_value_counts(noisy_counts)
@@ -348,7 +348,7 @@ def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None
 
 def sparse_top(noisy_counts, p: float, layers: int = 1) -> int:
     """The count above which the hashed release leaves collisions uncorrected: the top of the
-    EM's axis (``estimate.sparse_top``), above which every bucket is a sparse counter.
+    EM's axis (``em.sparse_top``), above which every bucket is a sparse counter.
 
     The inverse of Gamma^B is a power series as long as twice the largest count (2e6 terms at
     n = 1e7: 1.5 s), while above the dense range each bucket holds one large item plus the

@@ -53,16 +53,15 @@ own output); the minimax over a smooth and a spiky pilot is what removes most of
 it never touches the state or its noise: post-processing.
 
 Cost: one EM run on the counters plus pilots x SIMS EM runs on simulated value counts (the
-early-stopped EM and the converged NPMLE share each run: :func:`aggregator.estimate.em_prevalences`;
-the threshold candidate is a single pass). The simulated states are fitted together, one batched
-loop (:func:`aggregator.estimate.deconvolved_batch`), so their cost is about that of the slowest
+early-stopped EM and the converged NPMLE share each run:
+:func:`aggregator.deconvolution.em_prevalences`; the threshold candidate is a single pass). The
+simulated states are fitted together, one batched loop
+(:func:`aggregator.deconvolution.deconvolved_batch`), so their cost is about that of the slowest
 one's converged NPMLE, not the sum. Where the early-stopped EM chooses its start (one layer,
 n <= D), its second start adds one early-stopped run on the counters and one batch on the
-states.
-The EM itself is cheap at large domains: counters in the sparse tail are passed through
-(:func:`aggregator.estimate._sparse_counters`), so its axis spans the dense counts only (~1e3
-values at D = 1e7 Zipf counters instead of ~1e4). docs/accuracy_grid.md ("Release time") measures
-it.
+states. The EM itself is cheap at large domains: counters in the sparse tail are passed through
+(:func:`aggregator.em._sparse_counters`), so its axis spans the dense counts only.
+docs/accuracy_grid.md ("Release time") measures it.
 
 >>> import numpy as np
 >>> from aggregator.noise import discrete_laplace
@@ -168,7 +167,7 @@ def _estimates(vc, p, k: int, methods, hashed=False) -> dict:
 
 def _estimates_many(vcs, p, k: int, methods, n=None, hashed=False) -> list:
     """[:func:`_estimates` of each counter set], the early-stopped EM and the converged NPMLE of
-    all sets on one batched path (:func:`aggregator.estimate.em_prevalences_many`, equal to
+    all sets on one batched path (:func:`aggregator.deconvolution.em_prevalences_many`, equal to
     rounding): for the simulated states, whose fits only rank the candidates. The real
     counters' fits stay :func:`_estimates` (the release is reproducible bit for bit).
     With ``n`` the early-stopped EM takes its likelier start as the real counters' does
@@ -203,7 +202,7 @@ def _two_starts(vc, k: int, n, hashed=False) -> bool:
 
 def _shrunk_fit(vc, p, k: int) -> np.ndarray:
     """The early-stopped EM's projected fit from the shrunk start (direct mode's share of the
-    smoothed one, ``estimate.DIRECT_START_SMOOTH_SHARE``)."""
+    smoothed one, ``em.DIRECT_START_SMOOTH_SHARE``)."""
     return project_l1(deconvolved_prevalence(vc, p, layers=k, shrunk_start=True,
                                              smooth_share=DIRECT_START_SMOOTH_SHARE))
 

@@ -46,10 +46,10 @@ Adaptations here
   sum g^{*k}(u)^2 (roughly 100x per layer at p = exp(-1/2)), which is this estimator's weakness
   with several layers, as for the threshold estimator (whose cumulative sums are the same f_hat).
 * The release needs phi_{>=r}, r = 1..R: the suffix sums of the projected profile (t >= 1), which
-  are non-increasing and >= 0 by construction; ``estimate.project_l1`` then only rounds them.
+  are non-increasing and >= 0 by construction; ``projection.project_l1`` then only rounds them.
 
 Relation to the other estimators: the cumulative sums of f_hat are exactly the threshold
-estimator's phi_hat_{>=r} (``estimate.cumulative_prevalence``); Wu-Pagh differs in the
+estimator's phi_hat_{>=r} (``threshold.cumulative_prevalence``); Wu-Pagh differs in the
 projection (Euclidean, onto profiles summing to d, sparsifying by the soft threshold) where
 Algorithm 1 projects the cumulative sums in l1 with no constraint on the total.
 
