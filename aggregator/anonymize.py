@@ -17,12 +17,14 @@ import math
 
 import numpy as np
 
-from . import estimate  # deconv_tol looked up at call time: bench.lofo --fixed-tol swaps it
-from .estimate import (
-    CAP_RULES, DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, _check_layers,
-    _remembered_fit, cap_total, checked_cumulative, counts_from_cumulative, deconvolved_batch,
-    noisy_value_counts, project_l1, project_l2, rank_box, sparse_top,
-)
+from . import deconvolution  # deconv_tol looked up at call time: bench.lofo --fixed-tol swaps it
+from .cap import CAP_RULES, cap_total
+from .counters import check_layers, noisy_value_counts
+from .deconvolution import DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, deconvolved_batch
+from .em import DIRECT_START_SMOOTH_SHARE
+from .histograms import checked_cumulative, counts_from_cumulative
+from .memo import remembered_fit
+from .projection import project_l1, project_l2, rank_box
 from .estimators import default_cap, default_method, phi_estimate
 from .largedomain import (
     DEFAULT_VARIANT, HASHED_CAP_RULES, _check_buckets, _hashed_cumulative, hashed_cumulative,
@@ -41,26 +43,27 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     ``largedomain.chosen_start``, direct mode's ``selection.chosen_start``); None: hashed, each
     set's likelier one; direct, the smoothed start (the named estimator's)."""
     many = list(many)
-    k = _check_layers(layers)
+    k = check_layers(layers)
     if method not in ("deconvolution", "mle") or not many:
         return [anonymized_cumulative(x, p, layers=layers, n=n, method=method, buckets=buckets,
                                       cap=cap) for x in many]
-    iters = ((DECONV_MAX_ITER, DECONV_TOL if buckets is not None else estimate.deconv_tol(p, k))
-             if method == "deconvolution"
-             else (MLE_MAX_ITER, MLE_TOL))
+    if method == "mle":
+        iters = (MLE_MAX_ITER, MLE_TOL)
+    else:
+        iters = (DECONV_MAX_ITER,
+                 DECONV_TOL if buckets is not None else deconvolution.deconv_tol(p, k))
     vcs = [noisy_value_counts(x) for x in many]
     start = bool(shrunk_start) and method == "deconvolution"
     phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1],
                              shrunk_start=start, smooth_share=None if buckets is not None
-                             else estimate.DIRECT_START_SMOOTH_SHARE)
+                             else DIRECT_START_SMOOTH_SHARE)
     if buckets is not None:  # the bucket counters' estimates, then the inversion of each
         B = _check_buckets(buckets)
         out = []
         for vc, phi in zip(vcs, phis):
             if vc.total != B:
                 raise ValueError(f"buckets={B} but {vc.total} counters were given")
-            rule = cap if cap is not None else default_cap("hashed", k, n=n, counters=vc.total,
-                                                            p=p)
+            rule = cap if cap is not None else default_cap("hashed", k)
             if rule not in HASHED_CAP_RULES:
                 raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {rule!r}")
             out.append(checked_cumulative(_hashed_cumulative(
@@ -71,11 +74,10 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     for vc, phi in zip(vcs, phis):
         y = project_l1(phi)
         if n is not None:
-            rule = cap if cap is not None else default_cap("direct", k, n=n, counters=vc.total,
-                                                            p=p)
+            rule = cap if cap is not None else default_cap("direct", k)
             if rule not in CAP_RULES:
                 raise ValueError(f"cap must be one of {CAP_RULES}, got {rule!r}")
-            y = cap_total(y, n, rule, fitted_top=_fitted_top(vc, p, k, rule))
+            y = cap_total(y, n, rule)
         out.append(checked_cumulative(y))
     return out
 
@@ -88,28 +90,22 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
     properties need, without listing millions of counts and counting them again.
     """
     vc = noisy_value_counts(noisy_counts)
-    k = _check_layers(layers)
-    feats = dict(n=n, counters=vc.total, p=p)
+    k = check_layers(layers)
     mode = "hashed" if buckets is not None else "direct"
     if method is None:
-        method = default_method(mode, k, **feats)
-    cap = default_cap(mode, k, **feats) if cap is None else cap
+        method = default_method(mode, k)
+    cap = default_cap(mode, k) if cap is None else cap
     if buckets is not None:
         y = hashed_cumulative(vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap)
     else:
         if cap not in CAP_RULES:
             raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-        y = _remembered_fit(vc, p, k, method)
+        y = remembered_fit(vc, p, k, method)
         if y is None:
             y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
         if n is not None:
-            y = cap_total(y, n, cap, fitted_top=_fitted_top(vc, p, k, cap))
+            y = cap_total(y, n, cap)
     return checked_cumulative(y)
-
-
-def _fitted_top(vc, p, k: int, rule: str):
-    """The EM's axis top for cap ``"fitted"`` (estimate.cap_total), else None."""
-    return sparse_top(vc, p, k) if rule == "fitted" else None
 
 
 def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,
@@ -159,20 +155,19 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
         return counts_from_cumulative(anonymized_cumulative(
             noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap))
     vc = noisy_value_counts(noisy_counts)
-    k = _check_layers(layers)
-    feats = dict(n=n, counters=vc.total, p=p)
+    k = check_layers(layers)
     if buckets is not None:
         if method is None:
-            method = default_method("hashed", k, **feats)
+            method = default_method("hashed", k)
         if cap is None:
-            cap = default_cap("hashed", k, **feats)
+            cap = default_cap("hashed", k)
         return hashed_histogram(vc, p, buckets=buckets, n=n, layers=layers, loss=loss,
                                 method=method, cap=cap)
     if loss != "l2":
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     if method is None:
-        method = default_method("direct", k, **feats)
-    cap = default_cap("direct", k, **feats) if cap is None else cap
+        method = default_method("direct", k)
+    cap = default_cap("direct", k) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
     phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n)

@@ -48,7 +48,9 @@ import math
 
 import numpy as np
 
-from .estimate import forget_with, noise_pmf, noisy_value_counts, prevalences_from_cumulative
+from .counters import noise_pmf, noisy_value_counts
+from .histograms import prevalences_from_cumulative
+from .memo import forget_with
 from .occupancy import gamma_b
 
 __all__ = ["BucketLikelihood", "bucket_loglik", "plausible_extremes", "PATH_TOP"]

@@ -44,7 +44,8 @@ from typing import NamedTuple
 import numpy as np
 from scipy.optimize import isotonic_regression
 
-from .estimate import counts_from_cumulative, cumulative_from_counts, project_l1
+from .histograms import counts_from_cumulative, cumulative_from_counts
+from .projection import project_l1
 from .noise import discrete_laplace, p_from_epsilon
 
 __all__ = ["dp_anon_hist", "privhist", "privhist_prevalences"]
@@ -224,7 +225,7 @@ def dp_anon_hist(counts, epsilon, rng=None, *, n=None) -> np.ndarray:
     on phi_{>=1..m} of the rest (Algorithm 1 lines 3-4), plus one DLap(e^-eps_n) for n.
 
     Projections (lines 5-6): each noisy part goes to its l1-nearest integer partition with
-    :func:`aggregator.estimate.project_l1` (exact integer l1 isotonic regression: the high part
+    :func:`aggregator.projection.project_l1` (exact integer l1 isotonic regression: the high part
     as a count vector, the low part through its cumulative prevalences, which keeps every low
     count <= m). The paper projects onto partitions of size <= n; we drop that constraint: the
     projection is post-processing (privacy unaffected), and Theorem 6's utility argument only

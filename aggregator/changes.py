@@ -44,6 +44,7 @@ Everything here reads released values only: post-processing, no privacy cost.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 __all__ = ["STATISTICS", "LEVEL", "compare", "standard_error", "sampling_variance",
            "describe"]
@@ -114,7 +115,7 @@ def compare(before: dict, after: dict, level: float = LEVEL) -> dict:
     for stat in STATISTICS:
         x0 = (before.get("properties") or {}).get(stat)
         x1 = (after.get("properties") or {}).get(stat)
-        row = {"before": x0, "after": x1, "change": None, "relative": None,
+        row: dict[str, Any] = {"before": x0, "after": x1, "change": None, "relative": None,
                "threshold": None, "significant": None, "direction": None}
         out[stat] = row
         if x0 is None or x1 is None:

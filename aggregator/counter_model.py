@@ -1,7 +1,7 @@
 """The noisy-counter model: what a histogram implies for k-layer DLap(p) counters.
 
 Every counter holds its count h plus ``layers`` independent DLap(p) draws (pmf q, exact up to a
-1e-17 tail: :func:`aggregator.estimate.noise_pmf`), and counters holding the same count are
+1e-17 tail: :func:`aggregator.counters.noise_pmf`), and counters holding the same count are
 exchangeable. Three things follow from that model alone, and the estimators, their selection and
 their error bars all ask them, so they live below those modules:
 
@@ -30,10 +30,10 @@ import math
 
 import numpy as np
 
-from .estimate import (  # noqa: F401  (chi2_shift: re-exported, information)
-    NoisyValueCounts, _conv, chi2_shift, noise_pmf, noisy_value_counts,
-    prevalences_from_cumulative,
-)
+from .convolution import convolve as _conv
+from .counters import NoisyValueCounts, noise_pmf, noisy_value_counts
+from .deconvolution import chi2_shift  # noqa: F401  (re-exported: information)
+from .histograms import prevalences_from_cumulative
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "simulate_counts",
            "simulate_from_cumulative", "simulate_grouped", "loglik"]

@@ -1,14 +1,20 @@
-"""The estimators of phi_{>=r} by name, and the one a release uses when none is named.
+"""The registry of the estimators of phi_{>=r} by name, and the one a release uses when none is
+named.
 
-The estimators (:data:`METHODS`):
+:data:`ESTIMATORS` maps each name to its :class:`aggregator.estimator.Estimator` (the name, whether
+it uses n, whether it runs on hash buckets, where it is usable, its fit, one line of doc); every
+list of estimator names is read from it: :data:`METHODS` here, the choices of
+``release.estimator`` (:mod:`aggregator.service.config`), ``panagg estimators``, hashed mode's
+(:data:`aggregator.largedomain.HASHED_METHODS`), and ``auto``'s candidates
+(:mod:`aggregator.selection`, which takes the count-only ones, :data:`aggregator.estimator.BASIC`).
+:func:`phi_estimate` dispatches by name through it. The estimators:
 
 * ``"threshold"``, ``"deconvolution"``, ``"mle"``: need nothing but the counters
-  (:func:`aggregator.estimate.basic_prevalence`: the unbiased threshold estimate, the
-  early-stopped EM, the converged NPMLE);
-* ``"xfit"``: the EM stopped by cross-fitting, with n
-  (:func:`aggregator.estimate.crossfit_prevalence`);
+  (:mod:`aggregator.estimator`: the unbiased threshold estimate, the early-stopped EM, the
+  converged NPMLE);
 * ``"wupagh"``: Wu and Pagh's inverse-filter profile (:mod:`aggregator.wupagh`);
-* ``"auto"``: one of the basic ones with a cap rule, chosen from the counters by minimax
+* ``"xfit"``: the EM stopped by cross-fitting, with n (:mod:`aggregator.crossfit`);
+* ``"auto"``: one of the count-only ones with a cap rule, chosen from the counters by minimax
   bootstrap regret (:mod:`aggregator.selection`).
 
 The default per (mode, layers) is :data:`DEFAULTS` (:func:`default_method`, :func:`default_cap`),
@@ -32,20 +38,51 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import counter_model
-from .estimate import (
-    BASIC_METHODS, _BUCKET_COUNTERS, _check_layers, basic_prevalence, bucket_counters,
-    crossfit_prevalence, threshold_usable,
-)
+from .counters import check_layers as _check_layers
+from .crossfit import crossfit_prevalence
+from .estimator import BASIC, Estimator
 from .selection import selected_prevalence
+from .threshold import threshold_usable
 from .wupagh import wupagh_prevalence
 
-__all__ = ["METHODS", "MODES", "DEFAULTS", "DEFAULT_METHODS", "DEFAULT_RULES", "default_method",
-           "default_cap", "phi_estimate"]
+__all__ = ["ESTIMATORS", "METHODS", "estimator", "MODES", "DEFAULTS", "DEFAULT_METHODS",
+           "default_method", "default_cap", "phi_estimate"]
 
 
-METHODS = ("threshold", "deconvolution", "mle", "wupagh", "xfit", "auto")
+WUPAGH = Estimator(
+    "wupagh",
+    lambda noisy_counts, p, *, layers, n, hashed: wupagh_prevalence(noisy_counts, p,
+                                                                   layers=layers),
+    "Wu and Pagh (ICML 2024): the noise's circulant inverse, projected onto the simplex",
+    usable=threshold_usable)  # the same inverse filter g^{*k} as the threshold estimate
+XFIT = Estimator(
+    "xfit",
+    lambda noisy_counts, p, *, layers, n, hashed: crossfit_prevalence(noisy_counts, p,
+                                                                      layers=layers, n=n),
+    "the EM stopped where the held-out likelihood of half the counters peaks",
+    uses_n=True)
+AUTO = Estimator(
+    "auto",
+    lambda noisy_counts, p, *, layers, n, hashed: selected_prevalence(
+        noisy_counts, p, layers=layers, n=n, hashed=hashed),
+    "a count-only estimator and cap rule chosen from the counters by minimax bootstrap regret",
+    uses_n=True)
+
+#: every estimator by name: the one place a name is written
+ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (*BASIC, WUPAGH, XFIT, AUTO)}
+METHODS = tuple(ESTIMATORS)
 MODES = ("direct", "hashed")
+
+
+def estimator(name: str) -> Estimator:
+    """The estimator called ``name`` (:data:`ESTIMATORS`).
+
+    >>> estimator("xfit").uses_n, estimator("mle").hashed
+    (True, True)
+    """
+    if name not in ESTIMATORS:
+        raise ValueError(f"method must be one of {METHODS}, got {name!r}")
+    return ESTIMATORS[name]
 
 
 # (mode, layers) -> (method, cap rule); a layer count without a key uses the largest key below it.
@@ -64,44 +101,31 @@ DEFAULTS = {
 }
 DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
 
-
-# (mode, layers) -> (snr cut, (method, cap) below it, (method, cap) at or above it): a rule on the
-# public signal-to-noise ratio (counter_model.signal_to_noise(n, counters, p, layers)) that replaces
-# the fixed DEFAULTS entry when n is known. Chosen on the accuracy grid like DEFAULTS (lowest
-# worst-case regret; bench/grid_defaults.json "rules"); layers above the largest key: its entry.
-DEFAULT_RULES: dict = {}
+# (The grid also evaluates rules on the public signal-to-noise ratio that would replace a
+# DEFAULTS entry when n is known, bench/accuracy_grid.py "rules"; none has beaten the fixed table
+# held out, so none is in the code: tests/test_grid_defaults.py fails when the grid adopts one.)
 
 
-def _key(table: dict, mode: str, layers: int):
+def _default(mode: str, layers: int) -> tuple[str, str]:
+    """DEFAULTS' entry of the largest layer count at most ``layers`` for ``mode``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     k = _check_layers(layers)
-    keys = [kk for m, kk in table if m == mode and kk <= k]
-    return (mode, max(keys)) if keys else None
+    return DEFAULTS[(mode, max(kk for m, kk in DEFAULTS if m == mode and kk <= k))]
 
 
-def _default(mode: str, layers: int, n=None, counters=None, p=None) -> tuple[str, str]:
-    key = _key(DEFAULT_RULES, mode, layers)
-    if key is not None and None not in (n, counters, p) and counters > 0:
-        cut, low, high = DEFAULT_RULES[key]
-        snr = counter_model.signal_to_noise(int(n), int(counters), p, int(layers))
-        return low if snr < cut else high
-    return DEFAULTS[_key(DEFAULTS, mode, layers)]
-
-
-def default_method(mode: str, layers: int, *, n=None, counters=None, p=None) -> str:
+def default_method(mode: str, layers: int) -> str:
     """The estimator a release uses when none is named (:data:`DEFAULTS`).
 
     >>> default_method("hashed", 1), default_method("direct", 2), default_method("direct", 5)
     ('auto', 'auto', 'auto')
     """
-    return _default(mode, layers, n, counters, p)[0]
+    return _default(mode, layers)[0]
 
 
-def default_cap(mode: str, layers: int, *, n=None, counters=None, p=None) -> str:
-    """The rule that caps a release's total at n when none is named (:data:`DEFAULTS`; with n,
-    the number of counters and p: :data:`DEFAULT_RULES` where it has an entry)."""
-    return _default(mode, layers, n, counters, p)[1]
+def default_cap(mode: str, layers: int) -> str:
+    """The rule that caps a release's total at n when none is named (:data:`DEFAULTS`)."""
+    return _default(mode, layers)[1]
 
 
 def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=None) -> np.ndarray:
@@ -110,24 +134,11 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
     ``n``: the number of events when public; the estimators that use it (``"xfit"``) fit
     under sum_r phi_{>=r} = n, the others ignore it.
 
-    ``mode`` only selects the default: ``"hashed"`` when the counters are hash buckets (their
-    phi is then the reduced histogram's, which :mod:`aggregator.largedomain` inverts).
+    ``mode``: ``"hashed"`` when the counters are hash buckets (their phi is then the reduced
+    histogram's, which :mod:`aggregator.largedomain` inverts); it selects the default, and the
+    estimators' ``hashed`` (the EM's early stop: :func:`aggregator.deconvolution.deconv_tol`).
     """
     if method is None:
         method = default_method(mode, layers)
-    if mode == "hashed" and not _BUCKET_COUNTERS.get():
-        with bucket_counters():
-            return phi_estimate(noisy_counts, p, layers=layers, method=method, mode=mode, n=n)
-    if method in BASIC_METHODS:
-        return basic_prevalence(noisy_counts, p, layers=layers, method=method)
-    if method == "auto":
-        return selected_prevalence(noisy_counts, p, layers=layers, n=n)
-    if method == "xfit":
-        return crossfit_prevalence(noisy_counts, p, layers=layers, n=n)
-    if method == "wupagh":
-        if not threshold_usable(p, layers):  # the same inverse filter g^{*k}
-            raise ValueError(f"the wupagh estimator cannot run on {layers} noise layers (its "
-                             "inverse filter amplifies the noise past 1e6); use "
-                             "release.estimator = default")
-        return wupagh_prevalence(noisy_counts, p, layers=layers)
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return estimator(method).estimate(noisy_counts, p, layers=layers, n=n,
+                                      hashed=mode == "hashed")

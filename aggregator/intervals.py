@@ -72,9 +72,9 @@ import math
 
 import numpy as np
 
-from .estimate import (
-    counts_from_cumulative, cumulative_from_counts, cumulative_l1, noise_pmf, noisy_value_counts,
-    prevalences_from_cumulative,
+from .counters import noise_pmf, noisy_value_counts
+from .histograms import (
+    counts_from_cumulative, cumulative_from_counts, cumulative_l1, prevalences_from_cumulative,
 )
 from .anonymize import anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram
 from . import bucket_likelihood, counter_model
@@ -296,18 +296,18 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
         one = z / math.sqrt(d[0]) * (mult[0] > 0)
         return {"phi_ge": np.r_[one, np.zeros(top - 1)], "phi_r": np.r_[one, np.zeros(top - 1)],
                 "entropy": 0.0, "coverage_2n": 2.0 * one, "l1": one}
-    out = {"phi_ge": np.zeros(top), "phi_r": np.zeros(top)}
+    phi_ge, phi_r = np.zeros(top), np.zeros(top)
     for r in range(1, top + 1):
-        out["phi_ge"][r - 1] = reach((a_idx + 1 == r).astype(float) - (b_idx + 1 == r))
-        out["phi_r"][r - 1] = reach((a_idx + 1 == r).astype(float) - (a_idx == r)
-                                    + (b_idx == r) - (b_idx + 1 == r))
+        phi_ge[r - 1] = reach((a_idx + 1 == r).astype(float) - (b_idx + 1 == r))
+        phi_r[r - 1] = reach((a_idx + 1 == r).astype(float) - (a_idx == r)
+                             + (b_idx == r) - (b_idx + 1 == r))
     g = np.zeros(A + 1)
     g[1:] = np.arange(1, A + 1) * np.log(np.arange(1, A + 1))
-    out["entropy"] = reach((g[a_idx + 1] - g[a_idx] - g[b_idx + 1] + g[b_idx]) / n) if n else 0.0
+    entropy = reach((g[a_idx + 1] - g[a_idx] - g[b_idx + 1] + g[b_idx]) / n) if n else 0.0
     odd = (np.arange(A + 1) % 2 == 1).astype(float) * 2.0  # S_2n weight of an item at count v
-    out["coverage_2n"] = reach(odd[a_idx + 1] - odd[a_idx] - odd[b_idx + 1] + odd[b_idx])
-    out["l1"] = max(paths_l1)
-    return out
+    coverage = reach(odd[a_idx + 1] - odd[a_idx] - odd[b_idx + 1] + odd[b_idx])
+    return {"phi_ge": phi_ge, "phi_r": phi_r, "entropy": entropy, "coverage_2n": coverage,
+            "l1": max(paths_l1)}
 
 
 PATH_TOP = 64  # the plausible-extreme paths move items of counts 1..PATH_TOP
@@ -709,8 +709,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     est = (np.asarray(release, dtype=np.int64) if release is not None
            else anonymized_histogram(vc, p, **kw))
     mode = "hashed" if buckets is not None else "direct"
-    chosen = method if method is not None else default_method(
-        mode, layers, n=n, counters=counters, p=p)
+    chosen = method if method is not None else default_method(mode, layers)
     start = None  # the early-stopped EM's start the release took (None: the smoothed one)
     other_start = None  # ... and the fit from the start it left, capped as the release
     if chosen == "auto":  # the candidate auto chose on these counters (it keeps its last choice)
@@ -721,17 +720,18 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
             start, other_start = em_start(vc, p, layers=layers, n=n) or (None, None)
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
-            from .estimate import bucket_counters
-            with bucket_counters():
-                _, (m_sel, _) = select(vc, p, layers=layers, n=None)
+            _, (m_sel, _) = select(vc, p, layers=layers, n=None, hashed=True)
             kw_boot = kw | {"method": m_sel}
     else:
         kw_boot = kw
     y = cumulative_from_counts(est)
-    stand_ins = {"both": ("deconvolution", "mle")}.get(model, (model,))
+    stand_ins: tuple[str | None, ...] = {"both": ("deconvolution", "mle")}.get(model, (model,))
     top = float(n) if n is not None else math.inf
     lows, highs, l1s, hs, cvs, bands, rl, rh = [], [], [], [], [], [], [], []
-    spread, rms, gaps = {}, {}, {}  # per statistic, the largest over the stand-ins
+    # per statistic, the largest over the stand-ins
+    spread: dict[str, float] = {}
+    rms: dict[str, float] = {}
+    gaps: dict[str, float] = {}
     # the stand-ins as cumulative prevalences: the bootstrap works on phi_{>=r} (a few thousand
     # distinct counts), not on the millions of counts they list at D = 1e7
     truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, **(kw | {"method": sm}))
@@ -779,7 +779,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # (the release's estimator re-runs the start it took: not a stand-in's, then)
         def resolved(k):
             return (k["method"] or chosen,
-                    k["cap"] or default_cap(mode, layers, n=n, counters=counters, p=p),
+                    k["cap"] or default_cap(mode, layers),
                     start if k is kw_boot else None)
 
         states = [s for sm in stand_ins for s in sims[sm]]
@@ -914,7 +914,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     c_lo, c_hi = min(v[0] for v in cvs), max(v[1] for v in cvs)
     b_lo = np.min([v[0] for v in bands], axis=0)
     b_hi = np.max([v[1] for v in bands], axis=0)
-    starts = (1,) + tuple(b + 1 for b in RANK_BANDS[:-1])
+    band_starts = (1,) + tuple(b + 1 for b in RANK_BANDS[:-1])
     out = {
         "histogram": est,
         "level": level,
@@ -936,7 +936,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         "support_coverage_2n": (max(c_hat - c_hi, 0.0), max(c_hat - c_lo, 0.0)),
         "rank_bands": [(int(s), int(e), float(np.clip(b_hat[i] - b_hi[i], 0.0, top)),
                         float(np.clip(b_hat[i] - b_lo[i], 0.0, top)))
-                       for i, (s, e) in enumerate(zip(starts, RANK_BANDS))],
+                       for i, (s, e) in enumerate(zip(band_starts, RANK_BANDS))],
     }
     if n is not None:
         out["relative_l1_bound"] = out["l1_bound"] / max(int(n), 1)

@@ -25,24 +25,28 @@ post-processing of the noisy counters.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
 from .bucket_likelihood import bucket_loglik
-from .estimate import (
-    bucket_counters, CAP_RULES, cap_total, counters_key, counts_from_cumulative,
-    deconvolved_prevalence, LastCounters, MLE_MAX_ITER, MLE_TOL, noisy_value_counts, project_l1,
-    project_l2, rank_box,
-)
-from .estimators import default_cap, default_method, METHODS, phi_estimate
+from .cap import CAP_RULES, cap_total
+from .counters import counters_key, noisy_value_counts
+from .deconvolution import MLE_MAX_ITER, MLE_TOL, deconvolved_prevalence
+from .em import sparse_top as em_top
+from .histograms import counts_from_cumulative
+from .memo import LastCounters, remembered_fit
+from .projection import project_l1, project_l2, rank_box
+from .estimators import ESTIMATORS, default_cap, default_method, phi_estimate
 from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this module's API)
     INVERT_CAP, _check_buckets, _check_cumulative, gamma_b, gamma_b_alg6,
     invert_gamma,
 )
 from .selection import select
 
-# "fitted" thins around the direct EM's axis (estimate.cap_total); the bucket inversion has none
-HASHED_CAP_RULES = tuple(rule for rule in CAP_RULES if rule != "fitted")
+# the bucket inversion takes every cap rule (bench/fitted_cap.py's "fitted" needs the direct EM's
+# axis, and hashed mode has none)
+HASHED_CAP_RULES = CAP_RULES
 
 __all__ = [
     "VARIANTS",
@@ -103,10 +107,12 @@ def greedy_prefix(psi_ge, buckets: int, n: int, m: int) -> np.ndarray:
     out = np.zeros(m, dtype=np.int64)
     prev = n  # phi_hat_{>=0}
     total = 0  # phi_hat_{>=1}
+    gam: Callable[[int], float]  # Gamma_r(x) with phi_{>=1..r-1} fixed
     for r in range(1, m + 1):
         if r == 1:
-            def gam(x):
+            def gam_first(x):
                 return -B * math.expm1(x * lq)
+            gam = gam_first
         else:
             if r >= 3:  # fold in phi_{r-2} (known since step r-1) before using S_r
                 v = r - 2
@@ -125,8 +131,9 @@ def greedy_prefix(psi_ge, buckets: int, n: int, m: int) -> np.ndarray:
             lead = math.exp(total * lq)
             head = -math.expm1(total * lq)
 
-            def gam(x, S=S, lead=lead, head=head, up=prev):
+            def gam_later(x, S=S, lead=lead, head=head, up=prev):
                 return B * (head - lead * (S - 1.0 + (up - x) * a))
+            gam = gam_later
         lb, ub = 0, prev
         while ub > lb + 1:
             mid = (ub + lb) // 2
@@ -146,9 +153,9 @@ def _pad(y: np.ndarray, R: int) -> np.ndarray:
     return np.concatenate([y, np.zeros(max(0, R - len(y)), dtype=y.dtype)])[:R]
 
 
-# Estimators of the reduced (bucket) cumulative prevalence: those of aggregator.estimate ("mle" is
-# the EM NPMLE run to convergence, "deconvolution" the same EM stopped early by its tolerance).
-HASHED_METHODS = METHODS
+# Estimators of the reduced (bucket) cumulative prevalence: those of the registry that run on hash
+# buckets ("mle" is the EM NPMLE run to convergence, "deconvolution" the same EM stopped early).
+HASHED_METHODS = tuple(name for name, e in ESTIMATORS.items() if e.hashed)
 __all__ += ["MLE_MAX_ITER", "MLE_TOL"]  # re-exported: they define "mle"
 __all__ += ["hashed_cumulative"]
 
@@ -160,10 +167,9 @@ def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None) -> np
     fits under it. ``"auto"`` does not get it: with n its bootstrap also weighs capping the
     *reduced* histogram (pilots thinned to n, the cap rules as candidates), while the release caps
     the *item* histogram after the inversion; measured on the accuracy grid's 17 hashed cells
-    (docs/accuracy_grid.md, "The EM change, re-measured"), handing it n raised the 2-layer
-    geometric-mean regret from 1.13 to 1.22 ('distinct' n = 1e6, eps = 0.25: 2.1x the mean error
-    over eight bootstrap draws, the bad pick in six) and changed nothing at 1 layer, so the
-    selection runs uncapped as the grid chose it.
+    (docs/core_figures.md, "Hashed auto runs without n"), handing it n raised the 2-layer
+    geometric-mean regret and changed nothing at 1 layer, so the selection runs uncapped as the
+    grid chose it.
 
     Default (``method=None``): ``estimators.default_method("hashed", layers)``, the lowest
     worst-case regret over the accuracy grid's hashed cells (docs/accuracy_grid.md).
@@ -204,7 +210,7 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
         B, the number of counters (must equal their count).
     n
         Number of events. Needed by ``"alg7-single"`` (phi_hat_{>=0} = n) and ``loss="l2"``;
-        with ``loss="l1"`` the item histogram is capped at n events (``estimate.cap_total``).
+        with ``loss="l1"`` the item histogram is capped at n events (``cap.cap_total``).
     loss
         ``"l1"`` or ``"l2"`` (seed 001 Algorithm 4 with the box taken from these same counters,
         see :func:`l2_histogram`).
@@ -218,7 +224,7 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     m
         Algorithm 7's cut-off; default :func:`alg7_m` (B, p).
     cap
-        Rule that caps the total at n (``estimate.CAP_RULES``; default
+        Rule that caps the total at n (``cap.CAP_RULES``; default
         ``estimators.default_cap("hashed", layers)``).
     """
     vc = noisy_value_counts(noisy_counts)
@@ -246,7 +252,6 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     passes the release's). Otherwise the early-stopped EM takes the start these counters'
     likelihood prefers (:func:`_likelier_start`), and the fit is kept for the same counters'
     next call (the error bars' stand-in: :func:`chosen_start`)."""
-    from .estimate import _remembered_fit
     if shrunk_start is not None and phi is None:
         raise ValueError("shrunk_start names the start phi came from: pass phi with it")
     layers = int(layers)
@@ -256,10 +261,11 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     if early and phi is None and held is not None and held[0] == key:
         y = held[2]  # decided on these counters already: that fit, not a second EM
         return y if n is None else cap_total(y, n, cap)
+    psi: np.ndarray | None
     if phi is not None:
         psi = project_l1(phi)
     else:  # auto's pilots on these bucket counters are the reduced estimates it would make
-        psi = None if method is None else _remembered_fit(vc, p, layers, method)
+        psi = None if method is None else remembered_fit(vc, p, layers, method)
         if psi is None:
             psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n)
     sparse = sparse_top(vc, p, layers)
@@ -297,30 +303,24 @@ def _early_stopped(vc, p, layers: int, method) -> bool:
     candidate ``auto`` chose: :func:`aggregator.selection.select` keeps its last choice)."""
     method = default_method("hashed", layers) if method is None else method
     if method == "auto":
-        with bucket_counters():
-            _, (method, _) = select(vc, p, layers=layers, n=None)
+        _, (method, _) = select(vc, p, layers=layers, n=None, hashed=True)
     return method == "deconvolution"
 
 
 def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tuple:
     """The early-stopped EM's item histogram ``y`` (from the smoothed start), or the one from
-    the shrunk start (``estimate._EMProblem.start``), whichever the bucket counters' likelihood
+    the shrunk start (``em.EMProblem.start``), whichever the bucket counters' likelihood
     of the item histogram prefers (:func:`aggregator.bucket_likelihood.bucket_loglik`; with n,
     of both capped at n by ``"items"``). Returns (that histogram, whether it is the shrunk
     start's) and the other one.
 
     Why: where a counter says little about its bucket's total, the early-stopped EM ends near
-    its start, and the smoothed start is over-dispersed: in the issue's new-user window (B =
-    2e5, ~97,500 users mostly seen once, 2 layers, eps 1) the release was 7-8% low in every
-    window. The shrunk start has the totals' mean and variance, and fits those users to +1%;
-    but one linear map distorts heavy tails (Zipf(1.1), n = 1e5: 2.1x the l1 error). The
-    likelihood of the *item* histogram tells them apart: on the held-out grid's Zipf-family
-    draws it kept the smoothed start's fit in 113 of 120 (median margin 9 nats), and the
-    default's error fell 6% / 10% on geometric mean at 1 / 2 layers, up to 2.8x on mostly
-    distinct items (docs/accuracy_changes.md, "The hashed under-count, fixed").
+    its start, and the smoothed start is over-dispersed: in a window of mostly distinct users
+    the release was low in every window. The shrunk start has the totals' mean and variance,
+    and fits those users; but one linear map distorts heavy tails. The likelihood of the *item*
+    histogram tells them apart (the figures: docs/core_figures.md, "The EM's shrunk start").
     """
-    with bucket_counters():
-        phi = deconvolved_prevalence(vc, p, layers=layers, shrunk_start=True)
+    phi = deconvolved_prevalence(vc, p, layers=layers, shrunk_start=True, hashed=True)
     y_shrunk = _invert(project_l1(phi), B, n, p, variant, m, sparse_above=sparse)
 
     def loglik(y_):  # (both as histograms of the n events, whatever the release's cap rule)
@@ -348,7 +348,7 @@ def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None
 
 def sparse_top(noisy_counts, p: float, layers: int = 1) -> int:
     """The count above which the hashed release leaves collisions uncorrected: the top of the
-    EM's axis (``estimate.sparse_top``), above which every bucket is a sparse counter.
+    EM's axis (``em.sparse_top``), above which every bucket is a sparse counter.
 
     The inverse of Gamma^B is a power series as long as twice the largest count (2e6 terms at
     n = 1e7: 1.5 s), while above the dense range each bucket holds one large item plus the
@@ -357,7 +357,6 @@ def sparse_top(noisy_counts, p: float, layers: int = 1) -> int:
     costs each such item at most n / B events of l1 error in expectation (0.5 at B = 2n), the
     order of the noise the EM passes through there (E|Z| = 0.85 at eps = 1).
     """
-    from .estimate import sparse_top as em_top
     return em_top(noisy_value_counts(noisy_counts), p, layers)
 
 

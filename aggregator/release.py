@@ -23,7 +23,8 @@ import numpy as np
 
 from . import anonymize as _anonymize
 from . import intervals, properties
-from .estimate import forget_fits, noisy_value_counts
+from .counters import noisy_value_counts
+from .memo import forget_fits
 from .anonymize import anonymized_histogram
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
@@ -189,8 +190,7 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
     signal = n if n is not None else int(np.asarray(hist).sum())
     snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
     from .estimators import default_method
-    resolved = method or default_method("hashed" if buckets is not None else "direct", layers,
-                                        n=n, counters=counters, p=p)
+    resolved = method or default_method("hashed" if buckets is not None else "direct", layers)
     accuracy = {
         "estimator": resolved if method else f"{resolved} (default)",
         "signal_to_noise": round(float(snr), 4),  # (replaced below when the bootstrap runs)

@@ -213,6 +213,7 @@ class PanPrivateHistogram:
     def index_of(self, items) -> np.ndarray:
         """Counter index of each item (validates direct-mode ranges; hashes in hashed mode)."""
         if self._mode == "hashed":
+            assert self._key is not None  # a hashed state always holds its key
             return bucket_of(items, self._key, self.size)
         idx = np.asarray(items)
         if idx.size == 0:
@@ -266,6 +267,7 @@ class PanPrivateHistogram:
         self._counts += other._counts
         self._layers += other._layers
         if self._n is not None:
+            assert other._n is not None  # the same neighbor relation (checked above): both count
             self._n += other._n
         return self
 
@@ -300,7 +302,7 @@ class PanPrivateHistogram:
             "key": self._key, "epsilon": self._epsilon, "neighbor": self._neighbor, "p": self._p,
             "layers": self._layers, "n": self._n,
         }
-        counts = memoryview(np.ascontiguousarray(self._counts, dtype="<i8")).cast("B")
+        counts = np.ascontiguousarray(self._counts, dtype="<i8").data.cast("B")
         body = dict(header, counts=counts, checksum=_checksum(header, counts))
         return msgpack.packb(body, use_bin_type=True)
 

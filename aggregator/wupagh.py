@@ -46,10 +46,10 @@ Adaptations here
   sum g^{*k}(u)^2 (roughly 100x per layer at p = exp(-1/2)), which is this estimator's weakness
   with several layers, as for the threshold estimator (whose cumulative sums are the same f_hat).
 * The release needs phi_{>=r}, r = 1..R: the suffix sums of the projected profile (t >= 1), which
-  are non-increasing and >= 0 by construction; ``estimate.project_l1`` then only rounds them.
+  are non-increasing and >= 0 by construction; ``projection.project_l1`` then only rounds them.
 
 Relation to the other estimators: the cumulative sums of f_hat are exactly the threshold
-estimator's phi_hat_{>=r} (``estimate.cumulative_prevalence``); Wu-Pagh differs in the
+estimator's phi_hat_{>=r} (``threshold.cumulative_prevalence``); Wu-Pagh differs in the
 projection (Euclidean, onto profiles summing to d, sparsifying by the soft threshold) where
 Algorithm 1 projects the cumulative sums in l1 with no constraint on the total.
 
@@ -69,6 +69,8 @@ True
 from __future__ import annotations
 
 import numpy as np
+
+from .counters import noisy_value_counts
 
 __all__ = ["inverse_filter", "unbiased_profile", "project_simplex", "wupagh_profile",
            "wupagh_prevalence"]
@@ -104,8 +106,6 @@ def unbiased_profile(noisy_counts, p: float, layers: int = 1) -> np.ndarray:
     (expectation 0) are dropped, which is the restriction of the circulant inverse to the
     profile's support.
     """
-    from .estimate import noisy_value_counts
-
     vc = noisy_value_counts(noisy_counts)
     k = int(layers)
     g = inverse_filter(p, k)
@@ -150,8 +150,6 @@ def wupagh_profile(noisy_counts, p: float, layers: int = 1) -> np.ndarray:
     """The reconstructed profile phi_t (counts), t = 0..T: the noisy profile c, the circulant
     inverse (:func:`unbiased_profile`), the projection onto the simplex scaled to d counters
     (:func:`project_simplex`)."""
-    from .estimate import noisy_value_counts
-
     vc = noisy_value_counts(noisy_counts)
     return project_simplex(unbiased_profile(vc, p, layers), vc.total)
 

@@ -355,7 +355,7 @@ def analyse(results: list) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# a rule on the public signal-to-noise ratio (estimators.DEFAULT_RULES)
+# a rule on the public signal-to-noise ratio (none adopted: the release has no code for one)
 # --------------------------------------------------------------------------------------------
 def log_snr(cell, k: int) -> float:
     from aggregator.intervals import signal_to_noise
@@ -636,7 +636,7 @@ def _write_rules(w, results, an) -> None:
       "In-sample the rule is fitted to these very cells, so it is judged out of sample: "
       "*held out* = leave one distribution out (fit on the other distributions' cells, read the "
       "regret on the held-out distribution's cells; the worst over all). The rule becomes the "
-      "default (`estimators.DEFAULT_RULES`) only if its held-out worst case beats the fixed "
+      "default (the release would then apply it) only if its held-out worst case beats the fixed "
       "choice's in-sample worst case.")
     w("")
     w("| mode | layers | fixed choice: worst | rule (below cut / above cut) | SNR cut "

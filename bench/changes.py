@@ -240,7 +240,7 @@ def hashed_diagnostic(windows: int = 4) -> None:
     counters' unbiased estimate (sum x^2 - B Var Z) and the early-stopped EM's fit; and the
     number of SQUAREM steps that EM makes before its stop."""
     from aggregator.estimate import (
-        bucket_counters, cap_total, cumulative_from_counts, DECONV_MAX_ITER, DECONV_TOL,
+        cap_total, cumulative_from_counts, DECONV_MAX_ITER, DECONV_TOL,
         em_prevalences, _em_problem, forget_fits, noise_pmf, _squarem,
     )
     from aggregator.anonymize import anonymized_cumulative, anonymized_histogram
@@ -264,12 +264,11 @@ def hashed_diagnostic(windows: int = 4) -> None:
         inv = cap_total(_invert(cumulative_from_counts(red[red > 0]).astype(float), B, n, p,
                                 "exact", None), n, "items")
         steps = []
-        with bucket_counters():
-            early = em_prevalences(vc, p, layers=cell[6])[0]
-            prob = _em_problem(vc, p, cell[6])
-            w = prob.w / prob.w.sum()
-            _squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, DECONV_MAX_ITER, DECONV_TOL,
-                     prob.zero_idx, callback=lambda step, pi: steps.append(step) and False)
+        early = em_prevalences(vc, p, layers=cell[6], hashed=True)[0]
+        prob = _em_problem(vc, p, cell[6])
+        w = prob.w / prob.w.sum()
+        _squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, DECONV_MAX_ITER, DECONV_TOL,
+                 prob.zero_idx, callback=lambda step, pi: steps.append(step) and False)
         v = np.arange(vc.lo, vc.hi + 1, dtype=float)
         m2_fit = float(((2 * np.arange(1, len(early) + 1) - 1) * early).sum())
         m2_mom = float((v * v * vc.c).sum()) - B * var_z

@@ -4,7 +4,7 @@ the layer-scaled EM tolerance (issue 28, "Layer cost").
 On the cells of bench/lofo.py (every candidate, the same noisy counters per repetition), the
 default's (auto / items) l1 error with 2 layers over its error with 1 layer; "before" re-runs the
 2-layer default with the early-stopped EM's tolerance fixed at 1e-5 for every layer count (the
-code before ``estimate.deconv_tol``), on the same counters. Also the information floor of the
+code before ``deconvolution.deconv_tol``), on the same counters. Also the information floor of the
 ratio: sqrt(chi2_1 / chi2_2), how much the Cramer-Rao floor on the number of items grows with the
 second layer (``intervals.noise_floor``).
 
@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from aggregator import estimate
+from aggregator import deconvolution
 from aggregator.intervals import noise_floor
 from aggregator.noise import p_from_epsilon
 
@@ -43,7 +43,7 @@ SWEEP_TOLS = (1e-5, 3e-6, 1.3e-6)
 
 def tol_sweep(layers: int, rep: int) -> None:
     """The early-stopped EM (items cap) at several tolerances on 12 cells, one repetition: the
-    measurement behind ``estimate.deconv_tol`` (chi2_2 / chi2_1 = 0.31, chi2_3 / chi2_1 = 0.13
+    measurement behind ``deconvolution.deconv_tol`` (chi2_2 / chi2_1 = 0.31, chi2_3 / chi2_1 = 0.13
     at eps 1, i.e. about 3e-6 and 1.3e-6)."""
     from aggregator.estimate import (cap_total, cumulative_from_counts, cumulative_l1,
                                      deconvolved_prevalence, noisy_value_counts, project_l1)
@@ -78,13 +78,13 @@ def one_cell(name: str, mult: float, eps: float, reps: int) -> None:
 
     D = len(real_profile(name))
     c = Cell("direct", name, int(mult * D), D, eps, reps)
-    fixed = estimate.deconv_tol
+    fixed = deconvolution.deconv_tol
     new = grid.run_cell(c, layers=(1, 2), methods=("deconvolution", "mle", "auto"))
-    estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL
+    deconvolution.deconv_tol = lambda p, layers=1, hashed=False: deconvolution.DECONV_TOL
     try:
         old = grid.run_cell(c, layers=(1, 2), methods=("deconvolution", "mle", "auto"))
     finally:
-        estimate.deconv_tol = fixed
+        deconvolution.deconv_tol = fixed
     for m in ("deconvolution", "mle", "auto"):
         e1 = float(np.mean(new.l1[(1, m, "items")]))
         o2, n2 = (float(np.mean(r.l1[(2, m, "items")])) for r in (old, new))
@@ -134,20 +134,21 @@ def main() -> int:
         return 0
     res = load()
     rows = []
-    fixed = estimate.deconv_tol
+    fixed = deconvolution.deconv_tol
     for c in cells():
         if c.key not in res:
             continue
         r = res[c.key]
         e1 = float(np.mean(r.l1[(1, "auto", "items")]))
         e2 = float(np.mean(r.l1[(2, "auto", "items")]))
-        estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL  # the code before
+        # the code before
+        deconvolution.deconv_tol = lambda p, layers=1, hashed=False: deconvolution.DECONV_TOL
         try:
             # (both layer counts: the noise draws follow in that order, so the 2-layer counters
             # are the same as in the lofo run)
             old = grid.run_cell(c, layers=(1, 2), methods=("auto",))
         finally:
-            estimate.deconv_tol = fixed
+            deconvolution.deconv_tol = fixed
         e2_old = float(np.mean(old.l1[(2, "auto", "items")]))
         p = p_from_epsilon(c.eps)
         floor = noise_floor(1000, p, 2) / noise_floor(1000, p, 1)

@@ -77,11 +77,11 @@ def _blend(mode, vc, p, k, n, B):
 def _knowing_blend(plain):
     """``selection._estimates`` that also gives the blend (asked for, or whenever both of its
     parts are computed: ``_select`` takes its release from the pilots' fits)."""
-    def estimates(vc, p, k, methods):
+    def estimates(vc, p, k, methods, **kw):
         base = [m for m in methods if m != "blend"]
         if "blend" in methods:
             base = list(dict.fromkeys(base + ["deconvolution", "mle"]))
-        out = plain(vc, p, k, base)
+        out = plain(vc, p, k, base, **kw)
         if "deconvolution" in out and "mle" in out:
             out["blend"] = _mean_fit(out["deconvolution"], out["mle"])
         return out
@@ -99,8 +99,8 @@ def _auto_estimates(estimates):
     plain, plain_many = selection._estimates, selection._estimates_many
     margin = selection.START_MARGIN
     selection._estimates = estimates
-    selection._estimates_many = lambda vcs, p, k, methods, n=None: [
-        estimates(v, p, k, methods) for v in vcs]
+    selection._estimates_many = lambda vcs, p, k, methods, n=None, **kw: [
+        estimates(v, p, k, methods, **kw) for v in vcs]
     selection.START_MARGIN = math.inf
     try:
         yield
@@ -162,14 +162,17 @@ def _auto_sims8(mode, vc, p, k, n, B):
 
 def _auto_fitted(mode, vc, p, k, n, B):
     """``auto`` whose thinning cap keeps the items the EM passed through (cap ``"fitted"``,
-    estimate.cap_total) instead of thinning every level (``"scale"``), for its candidates and its
-    stand-ins (direct mode): in the heavy-hitter family the EM stand-in thinned to n by
+    bench/fitted_cap.py) instead of thinning every level (``"scale"``), for its candidates and
+    its stand-ins (direct mode): in the heavy-hitter family the EM stand-in thinned to n by
     ``scale`` also thins the heavy hitters, and the EM's own error there halves with ``fitted``."""
     from aggregator import selection
-    cands = tuple((m, "fitted" if c == "scale" else c) for m, c in selection.CANDIDATES)
     from aggregator.estimate import project_l1
-    return project_l1(selection.select(vc, p, layers=k, n=n, candidates=cands)[0]
-                      .astype(np.float64))
+
+    from .fitted_cap import auto_fitted
+    cands = tuple((m, "fitted" if c == "scale" else c) for m, c in selection.CANDIDATES)
+    with auto_fitted():
+        y, _ = selection.select(vc, p, layers=k, n=n, candidates=cands)
+    return project_l1(y.astype(np.float64))
 
 
 def _auto_item_space(mode, vc, p, k, n, B):
@@ -181,7 +184,7 @@ def _auto_item_space(mode, vc, p, k, n, B):
     item histograms; the stand-ins (the pilots' bucket fits), the number of states and the seed
     are the library's."""
     from aggregator import counter_model, largedomain as ld, selection
-    from aggregator.estimate import _data_seed, bucket_counters, cap_total, cumulative_l1
+    from aggregator.estimate import _data_seed, cap_total, cumulative_l1
 
     def released(psi, counters):  # a bucket fit as the release makes it: inverted, capped at n
         y = ld._invert(psi, B, n, p, ld.DEFAULT_VARIANT, None,
@@ -191,21 +194,21 @@ def _auto_item_space(mode, vc, p, k, n, B):
     from aggregator.estimate import threshold_usable
     methods = tuple(m for m in dict.fromkeys(m for m, _ in selection.CANDIDATES)
                     if m != "threshold" or threshold_usable(p, k))
-    with bucket_counters():
-        fits = selection._estimates(vc, p, k, list(methods))
-        rng = np.random.default_rng(_data_seed(vc))
-        regret = {m: [] for m in methods}
-        for pm in selection.PILOTS:
-            y_p = fits[pm]
-            truth = released(y_p, vc)
-            states = [counter_model.simulate_from_cumulative(rng, y_p, B, p, k)
-                      for _ in range(selection.SIMS)]
-            err = {m: 0.0 for m in methods}
-            for sim, ests in zip(states, selection._estimates_many(states, p, k, methods)):
-                for m in methods:
-                    err[m] += cumulative_l1(released(ests[m], sim), truth)
-            for m, r in selection._regrets(err).items():
-                regret[m].append(r)
+    fits = selection._estimates(vc, p, k, list(methods), hashed=True)
+    rng = np.random.default_rng(_data_seed(vc))
+    regret = {m: [] for m in methods}
+    for pm in selection.PILOTS:
+        y_p = fits[pm]
+        truth = released(y_p, vc)
+        states = [counter_model.simulate_from_cumulative(rng, y_p, B, p, k)
+                  for _ in range(selection.SIMS)]
+        err = {m: 0.0 for m in methods}
+        for sim, ests in zip(states, selection._estimates_many(states, p, k, methods,
+                                                               hashed=True)):
+            for m in methods:
+                err[m] += cumulative_l1(released(ests[m], sim), truth)
+        for m, r in selection._regrets(err).items():
+            regret[m].append(r)
     return grid.estimate_y(mode, vc, p, k, selection._minimax(regret), n, B)
 
 
@@ -231,9 +234,9 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
     if not plausible:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
 
-    def estimates(vc_, p_, k_, methods):
+    def estimates(vc_, p_, k_, methods, **kw):
         base = [m for m in methods if m != "shrunk"]
-        out = plain(vc_, p_, k_, base)
+        out = plain(vc_, p_, k_, base, **kw)
         if "shrunk" in methods:
             out["shrunk"] = shrunk
         return out
@@ -278,8 +281,8 @@ def _auto_with_em(mode, vc, p, k, n, B, em):
     from aggregator.estimate import forget_fits
     plain = selection._estimates
 
-    def estimates(vc_, p_, k_, methods):
-        out = plain(vc_, p_, k_, methods)
+    def estimates(vc_, p_, k_, methods, **kw):
+        out = plain(vc_, p_, k_, methods, **kw)
         if "deconvolution" in out:
             out["deconvolution"] = em(vc_, p_, k_, n, out["deconvolution"])
         return out
@@ -377,7 +380,7 @@ def _auto_simpler_start(mode, vc, p, k, n, B):
     from aggregator.estimate import forget_fits
     plain_two, margin = selection._two_starts, selection.START_MARGIN
     if k == 2:  # the library's condition as at 1 layer
-        selection._two_starts = lambda vc_, k_, n_: plain_two(vc_, 1, n_)
+        selection._two_starts = lambda vc_, k_, n_, **kw: plain_two(vc_, 1, n_, **kw)
         selection.START_MARGIN = -margin
     forget_fits()
     try:
@@ -936,7 +939,7 @@ def main(argv=None) -> int:
                     help="per-cell errors here against the results in DIR (another commit's)")
     ap.add_argument("--fixed-tol", action="store_true",
                     help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
-                         "before estimate.deconv_tol), results in out/lofo_fixed_tol/")
+                         "before deconvolution.deconv_tol), results in out/lofo_fixed_tol/")
     ap.add_argument("--extra", default="",
                     help=f"comma-separated candidates tried and not adopted, run and reported "
                          f"beside the library's: {', '.join(EXTRA)}")
@@ -995,8 +998,8 @@ def main(argv=None) -> int:
     CELL_SET[:] = ["grid-hashed"] if args.grid_hashed else ["hashed-real"] if \
         args.hashed_real else []
     if args.fixed_tol:
-        from aggregator import estimate
-        estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL
+        from aggregator import deconvolution
+        deconvolution.deconv_tol = lambda p, layers=1, hashed=False: deconvolution.DECONV_TOL
         OUT = Path("out/lofo_fixed_tol/lofo_results.pkl")
     if args.out:
         OUT = Path(args.out) / OUT.name

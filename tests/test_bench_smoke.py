@@ -16,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-HELPERS = {"__init__", "_data", "grid", "harness"}  # libraries of the benches, no main
+# libraries of the benches, no main
+HELPERS = {"__init__", "_data", "grid", "harness", "fitted_cap"}
 
 #: module -> its smallest case (flags); "kafka": it takes the broker from the environment
 TINY = {

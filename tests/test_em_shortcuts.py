@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregator import anonymize as A
+from aggregator import em
 from aggregator import estimate as E
 from aggregator import estimators as M
 from aggregator import intervals as iv
@@ -58,7 +59,7 @@ def test_pass_through_is_the_em_of_the_rest_plus_the_noisy_values(seed, dense, s
     # the same EM without the passed counters and without passing anything through
     rest = E.noisy_value_counts(x[~passed]) if (~passed).any() else None
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(E, "SPARSE_DENSITY", 0.0)
+        mp.setattr(em, "SPARSE_DENSITY", 0.0)  # read by em.em_problem
         r_early, r_full = (E.em_prevalences(rest, p, layers=layers) if rest is not None
                            else (np.zeros(0), np.zeros(0)))
     points = E.cumulative_from_counts(x[passed]).astype(float)
@@ -158,9 +159,9 @@ def test_hashed_release_gives_n_to_xfit_and_runs_auto_uncapped(monkeypatch):
     seen = {}
     real_auto, real_xfit = sel.selected_prevalence, E.crossfit_prevalence
 
-    def auto_spy(noisy_counts, p, *, layers=1, n=None):
+    def auto_spy(noisy_counts, p, *, layers=1, n=None, **kw):
         seen["auto"] = n
-        return real_auto(noisy_counts, p, layers=layers, n=n)
+        return real_auto(noisy_counts, p, layers=layers, n=n, **kw)
 
     def xfit_spy(noisy_counts, p, *, layers=1, n=None, **kw):
         seen["xfit"] = n

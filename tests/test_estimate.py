@@ -255,39 +255,15 @@ def test_rejects_non_integer_counters():
 # --------------------------------------------------------------------------------------------
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 30), max_size=25), st.integers(0, 400),
-       st.sampled_from(["items", "scale", "fitted"]), st.integers(0, 35))
-def test_cap_total_is_a_valid_histogram_with_the_capped_total(counts, total, rule, top):
+       st.sampled_from(["items", "scale"]))
+def test_cap_total_is_a_valid_histogram_with_the_capped_total(counts, total, rule):
     y = cumulative_from_counts(counts)
-    out = cap_total(y, total, rule, fitted_top=top)
+    out = cap_total(y, total, rule)
     assert np.all(np.diff(out) <= 0) and (len(out) == 0 or out[-1] >= 0)
     if y.sum() <= total:
         np.testing.assert_array_equal(out, y)
     else:
         assert out.sum() == total
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 30), min_size=1, max_size=25), st.integers(0, 400),
-       st.integers(0, 35))
-def test_cap_fitted_keeps_the_items_above_the_axis_and_thins_the_others(counts, total, top):
-    """"fitted": the items counted above ``fitted_top`` (passed through by the EM) stay whole
-    while the others can hold the rest; the items at or below it are thinned, never raised."""
-    counts = np.asarray(counts)
-    out = counts_from_cumulative(cap_total(cumulative_from_counts(counts), total, "fitted",
-                                           fitted_top=top))
-    above, below = np.sort(counts[counts > top]), counts[counts <= top]
-    if counts.sum() <= total:
-        np.testing.assert_array_equal(np.sort(out), np.sort(counts))
-    elif above.sum() < total:  # else they alone are over: every level is thinned ("scale")
-        np.testing.assert_array_equal(np.sort(out[out > top]), above)
-        kept = np.sort(out[out <= top])[::-1]
-        assert len(kept) <= len(below) and np.all(kept <= np.sort(below)[::-1][:len(kept)])
-    assert int(out.sum()) == min(int(counts.sum()), total)
-
-
-def test_cap_fitted_needs_the_axis_top():
-    with pytest.raises(ValueError, match="fitted_top"):
-        cap_total(np.array([3, 1]), 2, "fitted")
 
 
 @settings(max_examples=200, deadline=None)
@@ -309,8 +285,10 @@ def test_cap_total_rejects_bad_input():
         cap_total(np.array([2, 1]), -1)
     with pytest.raises(ValueError):
         cap_total(np.array([2, 1]), 1, rule="magic")
-    with pytest.raises(ValueError, match="cap must be one of"):  # no EM axis in hashed mode
+    with pytest.raises(ValueError, match="cap must be one of"):  # a bench rule, not a release's
         anonymized_histogram(np.array([3, 0, 1, 2]), 0.5, n=4, buckets=4, cap="fitted")
+    with pytest.raises(ValueError, match="cap must be one of"):
+        anonymized_histogram(np.array([3, 0, 1, 2]), 0.5, n=4, cap="fitted")
 
 
 @pytest.mark.parametrize("method", ["threshold", "deconvolution", "mle"])
@@ -326,7 +304,7 @@ def test_release_never_holds_more_events_than_n(method):
     free = anonymized_histogram(noisy, p, layers=2, method=method)
     if method == "threshold":  # (the EM estimates happen to fall short of n here)
         assert free.sum() > n
-    for cap in (None, "items", "scale", "fitted"):
+    for cap in (None, "items", "scale"):
         est = anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap=cap)
         assert est.sum() <= n and np.all(np.diff(est) <= 0)
     np.testing.assert_array_equal(

@@ -243,7 +243,7 @@ def test_hashed_one_layer_default_is_the_grid_choice_and_mle_beats_the_threshold
         noisy = _reduced(h, B, rng) + discrete_laplace(p, B, rng=rng)
         est = anonymized_histogram(noisy, p, buckets=B)
         assert est.dtype == np.int64 and np.all(np.diff(est) <= 0) and est.min() > 0
-        default = default_method("hashed", 1, counters=B, p=p)
+        default = default_method("hashed", 1)
         np.testing.assert_array_equal(est, ld.hashed_histogram(noisy, p, buckets=B,
                                                                method=default))
         for m in tot:
@@ -270,11 +270,10 @@ def test_hashed_two_layer_default_is_the_grid_choice_and_mle_beats_early_stoppin
         from aggregator.estimators import default_cap, default_method
         est = anonymized_histogram(noisy, p, n=n, layers=2, buckets=B)
         assert est.dtype == np.int64 and np.all(np.diff(est) <= 0) and est.min() > 0
-        feats = dict(n=n, counters=B, p=p)
         np.testing.assert_array_equal(
             est, ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2,
-                                     method=default_method("hashed", 2, **feats),
-                                     cap=default_cap("hashed", 2, **feats)))
+                                     method=default_method("hashed", 2),
+                                     cap=default_cap("hashed", 2)))
         est = ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="mle")
         early = ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="deconvolution")
         errs.append((l1_distance(h, est), l1_distance(h, early)))

@@ -1020,6 +1020,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1 if any_below else 0
 
 
+def cmd_estimators(args: argparse.Namespace) -> int:
+    """``panagg estimators``: the names ``release.estimator`` takes, from the estimators'
+    registry (:data:`aggregator.estimators.ESTIMATORS`), with what each one needs."""
+    from ..estimators import ESTIMATORS
+
+    width = max(len(name) for name in ("default", *ESTIMATORS))
+    print(f"{'default':<{width}}  the accuracy grid's choice per mode and layer count "
+          "(docs/accuracy_grid.md)")
+    for name, e in ESTIMATORS.items():
+        needs = ", ".join(x for x, on in (("uses n", e.uses_n), ("hashed", e.hashed)) if on)
+        print(f"{name:<{width}}  {e.doc} [{needs}]")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """``panagg status``: exit 0, or 1 when a running service reports itself unhealthy."""
     from .status import StatusError, collect_status, format_status
@@ -1231,6 +1245,9 @@ def build_parser() -> argparse.ArgumentParser:
     pla.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                      help="override one setting (repeatable)")
     pla.set_defaults(func=cmd_plan)
+    est = sub.add_parser("estimators", help="the estimators release.estimator names, from the "
+                                            "estimators' registry")
+    est.set_defaults(func=cmd_estimators)
     sta = sub.add_parser("status", help="window, progress, lag, health, budget and last release "
                                         "of a state directory")
     sta.add_argument("--state-dir", help="checkpoint.dir (one process, or the shared directory "

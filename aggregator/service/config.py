@@ -13,6 +13,7 @@ import math
 import os
 import tomllib
 
+from ..estimators import METHODS
 from .settings import Config, defaults
 
 __all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n",
@@ -34,8 +35,7 @@ _CHOICES = {
     ("state", "model"): ("joint", "state-only", "shuffle"),
     ("shuffle", "protocol"): ("gkmp", "balcer-cheu"),
     ("state", "loss"): ("l1", "l2"),
-    ("release", "estimator"): ("default", "threshold", "deconvolution", "mle", "wupagh", "xfit",
-                               "auto"),
+    ("release", "estimator"): ("default", *METHODS),  # the estimators' registry
     ("window", "kind"): ("count", "time", "event_time"),
     ("window", "late"): ("next", "dead_letter"),
     ("window", "clock"): ("auto", "record", "process"),

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from ...estimate import NoisyValueCounts, noisy_value_counts
+from ...counters import NoisyValueCounts, noisy_value_counts
 from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
