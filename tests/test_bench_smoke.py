@@ -1,5 +1,5 @@
-"""Every bench in bench/ at least starts (issue 46: bench/e2e.py failed on the Source.commit
-signature and nothing ran it, so the Kafka figure went unmeasured).
+"""Every bench in bench/ at least starts (issue 46: bench/e2e.py, now bench/service/e2e.py, failed
+on the Source.commit signature and nothing ran it, so the Kafka figure went unmeasured).
 
 Benches with a tiny case run it (the Kafka ones on the session's broker, writing no doc); the
 rest parse their flags (``--help``: the module imports and builds its parser). A bench run here
@@ -16,22 +16,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-HELPERS = {"__init__", "_data", "grid", "harness"}  # libraries of the benches, no main
+HELPERS = {"__init__", "grid"}  # libraries of the benches, no main
 
 #: module -> its smallest case (flags); "kafka": it takes the broker from the environment
 TINY = {
-    "e2e": (["--events", "2000", "--reps", "1", "--no-write"], "kafka"),
-    "multi_agg": (["--events", "1000", "--reps", "1", "--no-write"], "kafka"),
-    "handoff": (["--counters", "1e4", "--reps", "1"], None),
-    "item_path": (["--n", "2000", "--batch", "1000", "--reps", "1"], None),
-    "group_rollup_time": (["1000", "2", "2", "2"], None),  # REPS >= 2: error bars
+    "service.e2e": (["--events", "2000", "--reps", "1", "--no-write"], "kafka"),
+    "service.multi_agg": (["--events", "1000", "--reps", "1", "--no-write"], "kafka"),
+    "service.handoff": (["--counters", "1e4", "--reps", "1"], None),
+    "service.item_path": (["--n", "2000", "--batch", "1000", "--reps", "1"], None),
+    "service.group_rollup_time": (["1000", "2", "2", "2"], None),  # REPS >= 2: error bars
 }
 #: modules with no argparse: --help would run them
-NO_HELP = {"group_rollup_time", "layer_cost"}
+NO_HELP = {"service.group_rollup_time", "accuracy.layer_cost"}
 #: not started here, and why (shown as a skip)
-UNCOVERED = {"layer_cost": "no --help and no tiny case: it reads bench.lofo --run's results"}
+UNCOVERED = {"accuracy.layer_cost":
+             "no --help and no tiny case: it reads bench.accuracy.lofo --run's results"}
 
-MODULES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in HELPERS)
+MODULES = sorted(f"{p.parent.name}.{p.stem}" for p in BENCH.glob("*/*.py") if p.stem not in HELPERS)
 
 
 def _run(module, args, tmp_path, env=None):
