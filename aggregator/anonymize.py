@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from . import estimate  # deconv_tol looked up at call time: bench.lofo --fixed-tol swaps it
+# deconv_tol looked up at call time: bench.accuracy.lofo --fixed-tol swaps it
+from . import estimate
 from .estimate import (
     CAP_RULES, DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, _check_layers,
     _remembered_fit, cap_total, checked_cumulative, counts_from_cumulative, deconvolved_batch,

@@ -25,8 +25,8 @@ Estimators of phi_{>=r}
 This module is the core: it imports no other module of the package. The estimators by name, and
 which one a release uses when none is named, are :mod:`aggregator.estimators`
 (:func:`aggregator.estimators.default_method` per mode and layers: the candidate with the lowest
-worst-case regret over the accuracy grid, bench/grid.py, docs/accuracy_grid.md); the release's
-histogram, direct or hashed, is :mod:`aggregator.anonymize`.
+worst-case regret over the accuracy grid, bench/accuracy/grid.py, docs/accuracy_grid.md); the
+release's histogram, direct or hashed, is :mod:`aggregator.anonymize`.
 
 Projections
 -----------

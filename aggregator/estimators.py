@@ -50,8 +50,8 @@ MODES = ("direct", "hashed")
 
 # (mode, layers) -> (method, cap rule); a layer count without a key uses the largest key below it.
 # Chosen by the lowest worst-case regret over the accuracy grid, every candidate on the same noisy
-# counters (docs/accuracy_grid.md; bench/accuracy_grid.py writes the choice to
-# bench/grid_defaults.json, and tests/test_grid_defaults.py checks this table against it).
+# counters (docs/accuracy_grid.md; bench/accuracy/accuracy_grid.py writes the choice to
+# bench/accuracy/grid_defaults.json, and tests/test_grid_defaults.py checks this table against it).
 DEFAULTS = {
     ("direct", 1): ("auto", "items"),
     ("direct", 2): ("auto", "items"),
@@ -68,7 +68,8 @@ DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
 # (mode, layers) -> (snr cut, (method, cap) below it, (method, cap) at or above it): a rule on the
 # public signal-to-noise ratio (counter_model.signal_to_noise(n, counters, p, layers)) that replaces
 # the fixed DEFAULTS entry when n is known. Chosen on the accuracy grid like DEFAULTS (lowest
-# worst-case regret; bench/grid_defaults.json "rules"); layers above the largest key: its entry.
+# worst-case regret; bench/accuracy/grid_defaults.json "rules"); layers above the largest key:
+# its entry.
 DEFAULT_RULES: dict = {}
 
 

@@ -25,7 +25,8 @@ The rule
    the truth.
 3. Minimax regret. regret(candidate, pilot) = error / the smallest error under that pilot. The
    choice is the candidate with the smallest worst regret over the pilots (ties: the lower mean
-   regret): the grid's own selection rule (bench/grid.py), applied to the plausible truths of
+   regret): the grid's own selection rule (bench/accuracy/grid.py), applied to the plausible
+   truths of
    these counters instead of to a benchmark grid. A candidate that is good only if the truth is
    smooth, or only if it is spiky, loses to one that is good under both.
 4. The winner's estimate on the real counters (the pilots' runs are reused) is the release.
@@ -42,7 +43,8 @@ start (the zero cluster's noisy values pulled to their true mean and variance,
 by more than :data:`START_MARGIN` nats (both fits capped at n by ``"items"``); on the counters and
 on every simulated state alike, as the pilot and as the candidate. :func:`chosen_start` tells the
 error bars which start the release took, so their bootstrap re-runs it. Measured held out
-(bench/lofo.py, 52 direct cells; docs/accuracy_grid.md): the worst regret at one layer 1.43 ->
+(bench/accuracy/lofo.py, 52 direct cells; docs/accuracy_grid.md): the worst regret at one layer
+1.43 ->
 1.37 on 16 repetitions the margin was not chosen on (1.77 -> 1.44 on the 16 it was), the median
 and geometric mean unchanged. At two layers the accuracy grid lost with it (n = D windows), so it
 is not applied there, nor in hashed mode, whose bucket counters run their own choice of start
@@ -227,7 +229,7 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "
     """The cap rule that brings the stand-ins to n: ``"items"`` if, for every pilot whose total
     exceeds n (the two rules differ only there), the stand-in it gives fits the counters better
     than the ``"scale"`` one by more than :data:`STANDIN_MARGIN` in log-likelihood; else
-    ``thin``, the candidates' thinning rule (``"scale"``; ``"fitted"`` when bench.lofo's
+    ``thin``, the candidates' thinning rule (``"scale"``; ``"fitted"`` when bench.accuracy.lofo's
     ``auto_fitted`` asks for it, docs/accuracy_grid.md "A cap that keeps the measured items").
 
     Each cap rule favours the candidates with the same rule in the bootstrap (a candidate does well
@@ -236,7 +238,7 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int, thin: str = "
     counters are noise, and wrong for heavy tails, where it thins away heavy hitters the counters
     plainly show; the likelihood tells the two apart when it can (gaps of hundreds to thousands
     where ``items`` is 10-50x better on the accuracy grid), and ``scale`` stays where it cannot.
-    bench/select_study.py compares this rule with the alternatives on the grid's counters.
+    bench/accuracy/select_study.py compares this rule with the alternatives on the grid's counters.
     """
     gaps = []
     for pm in pilots:
