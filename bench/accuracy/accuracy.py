@@ -30,7 +30,6 @@ their time budget is used (at least 2 repetitions unless one run exceeds the har
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -42,7 +41,7 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
 from .._data import DISTRIBUTIONS, errors, naive, noisy, theorem9_shape, true_counts
-from ..harness import Timer, fmt, mean_se, ratio_se
+from ..harness import Timer, fmt, mean_se, parser, ratio_se
 
 METHODS = ("alg1", "l2", "joint", "naive")
 EXPENSIVE = {"l2", "joint"}
@@ -68,6 +67,13 @@ def settings(quick: bool):
     # budget: seconds per expensive method per cell; cap: a single run longer than this
     # stops that method after one repetition.
     return dict(reps=5, headline_reps=10, budget=12.0, cap=30.0, big_n_reps=3)
+
+
+# --smoke: the quick run's code on one tiny cell per distribution (the headline cell included)
+SMOKE_BASE = dict(D=300, n=300, eps=1.0)
+SMOKE_GRID = {"n": [300], "eps": [1.0], "D": [300]}
+DISTS = DISTRIBUTIONS  # the distributions run (--smoke: zipf only)
+SMOKE_SETTINGS = dict(reps=1, headline_reps=1, budget=1.0, cap=10.0, big_n_reps=1)
 
 
 def run_cell(dist, D, n, eps, reps, budget, cap, seed):
@@ -166,7 +172,7 @@ def plot(stat, thm9, key, values, fixed, path):
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     style = {"alg1": ("C0", "o-"), "l2": ("C1", "s--"), "joint": ("C2", "^-"),
              "naive": ("C3", "x-"), "thm9": ("k", ":")}
-    for j, dist in enumerate(DISTRIBUTIONS):
+    for j, dist in enumerate(DISTS[:3]):  # the figure has three columns
         for i, metric in enumerate(("l1", "l2sq")):
             ax = axes[i, j]
             for m in METHODS:
@@ -260,7 +266,8 @@ def replot_from_md(md_path, outdir):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    global BASE, HEADLINE, DISTS
+    ap = parser(__doc__, "Zipf, D = n = 300, into out/")
     ap.add_argument("--quick", action="store_true", help="small grid, 2 repetitions")
     ap.add_argument("--seed", type=int, default=20240601)
     ap.add_argument("--outdir", default=None,
@@ -268,6 +275,10 @@ def main(argv=None):
     ap.add_argument("--replot", action="store_true",
                     help="only redraw the PNGs from the tables of an existing accuracy_core.md")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.quick = True
+        BASE, HEADLINE = SMOKE_BASE, ("zipf", *SMOKE_BASE.values())
+        DISTS = DISTRIBUTIONS[:1]
     cmd = "python -m bench.accuracy.accuracy" + (" --quick" if args.quick else "")
     if args.seed != 20240601:
         cmd += f" --seed {args.seed}"
@@ -276,15 +287,15 @@ def main(argv=None):
     if args.replot:
         replot_from_md(out, outdir)
         return 0
-    g = grids(args.quick)
-    st = settings(args.quick)
+    g = SMOKE_GRID if args.smoke else grids(args.quick)
+    st = SMOKE_SETTINGS if args.smoke else settings(args.quick)
 
     todo = []
     for key, values in g.items():
         for v in values:
             cfg = dict(BASE)
             cfg[key] = v
-            for dist in DISTRIBUTIONS:
+            for dist in DISTS:
                 k = (dist, cfg["D"], cfg["n"], cfg["eps"])
                 if k not in todo:
                     todo.append(k)
@@ -349,7 +360,7 @@ def main(argv=None):
     for key, values in g.items():
         md += [f"## Error vs {key} ({fixed_desc[key]})", "",
                f"![error vs {key}](img/accuracy_vs_{key}.png)", ""]
-        for dist in DISTRIBUTIONS:
+        for dist in DISTS:
             for metric in ("l1", "l2sq"):
                 md += [f"### {dist}: {'l1' if metric == 'l1' else 'l2^2'} error vs {key}", "",
                        table(cells, key, values, dist, metric, BASE), ""]
@@ -357,10 +368,10 @@ def main(argv=None):
     md += ["## State-only vs joint model, per eps", "",
            "Ratio of mean l1 errors joint (2 layers, deconvolution) / state-only (Alg. 1), "
            "D = 1e5, n = 1e6. Above 1 means the joint model's extra layer costs accuracy.", "",
-           "| eps | " + " | ".join(DISTRIBUTIONS) + " |", "|---|" + "---|" * len(DISTRIBUTIONS)]
+           "| eps | " + " | ".join(DISTS) + " |", "|---|" + "---|" * len(DISTS)]
     for eps in g["eps"]:
         row = [f"{eps:g}"]
-        for dist in DISTRIBUTIONS:
+        for dist in DISTS:
             c = cells[(dist, BASE["D"], BASE["n"], eps)]
             row.append(fmt(*ratio_se(c["joint"]["l1"], c["alg1"]["l1"]), digits=2))
         md.append("| " + " | ".join(row) + " |")

@@ -16,7 +16,6 @@ tests/test_grid_defaults.py checks against aggregator.estimators.DEFAULT_METHODS
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -31,7 +30,7 @@ import numpy as np
 from aggregator.estimators import default_cap, default_method
 
 from . import grid
-from ..harness import cpu_model, git_rev, mean_se, parse_shard, shard_arg, versions
+from ..harness import cpu_model, git_rev, mean_se, parse_shard, parser, shard_arg, versions
 
 METHODS = grid.METHODS
 
@@ -315,10 +314,15 @@ def run_coverage(quick: bool, state: dict, path: Path, cells=None) -> dict:
 ADMISSIBLE = tuple((m, c) for m in METHODS for c in grid.ADMISSIBLE_CAPS)
 
 
+#: the grid whose order the report follows (--smoke: its own two cells; the full grid's real
+#: profiles need the bench extra)
+ORDER: bool | str = False
+
+
 def ordered(state: dict) -> list:
     """Results in grid order (cells of the current grid first, then any others)."""
     res = state["results"]
-    keys = [c.key for c in grid.grid_cells(False) if c.key in res]
+    keys = [c.key for c in grid.grid_cells(ORDER) if c.key in res]
     keys += [k for k in res if k not in set(keys)]
     return [res[k] for k in keys]
 
@@ -1073,7 +1077,7 @@ def _plot_snr(rows, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "two tiny cells, one repetition, into out/")
     ap.add_argument("--quick", action="store_true", help="a few small cells; writes under out/")
     ap.add_argument("--shard", type=shard_arg,
                     help="i/N: run every N-th remaining cell into its own file")
@@ -1101,7 +1105,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timing", action="store_true",
                     help="time the release at D = 1e7 (full arrays) into the results file")
     args = ap.parse_args(argv)
-    path = RESULTS.with_name("grid_results_quick.pkl") if args.quick else RESULTS
+    global ORDER
+    if args.smoke:
+        args.quick = ORDER = "smoke"  # grid.grid_cells: the smoke cells; the quick outputs
+    path = RESULTS.with_name(f"grid_results_{'smoke' if args.smoke else 'quick'}.pkl") \
+        if args.quick else RESULTS
     if args.merge:
         merge_shards(path)
     if args.coverage_check:

@@ -35,7 +35,6 @@ shared by every method and every eps; each method's noise has its own seed.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
@@ -52,7 +51,7 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
 from .._data import naive, noisy, weights
-from ..harness import Timer, cpu_model, fmt, git_rev, mean_se, versions
+from ..harness import Timer, cpu_model, fmt, git_rev, mean_se, parser, versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 20240604
@@ -211,9 +210,12 @@ def run_methods(h: np.ndarray, ds: str, n: int, eps: float, rep: int, seed: int)
     return out
 
 
-def plan(quick: bool):
+def plan(quick: bool, smoke: bool = False):
     """{(ds, n): [eps, ...]} and the grids."""
-    if quick:
+    if smoke:  # the quick grid's data sets, two points on each axis (slopes need two)
+        g = dict(n=[1_000, 3_000], eps=[1.0, 4.0], n_eps=[1.0, 4.0], eps_n=3_000,
+                 ds_n=["zipf", "zipf_scaled", "en"], ds_eps=["zipf", "en"], reps=2)
+    elif quick:
         g = dict(n=[1_000, 10_000, 100_000], eps=[0.5, 2.0, 8.0], n_eps=[1.0, 4.0],
                  eps_n=100_000, ds_n=["zipf", "zipf_scaled", "en"], ds_eps=["zipf", "en"],
                  reps=3)
@@ -782,12 +784,13 @@ def write_md(path, cells, g, meta, quick):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "n = 1e3, 3e3, eps = 1, 4, 2 repetitions, into out/; needs wordfreq")
     ap.add_argument("--quick", action="store_true", help="small grid, 3 repetitions, to out/")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--outdir", default=None,
                     help="output directory (default docs/, or out/ with --quick)")
     args = ap.parse_args(argv)
+    args.quick = args.quick or args.smoke
     _need_wordfreq()
     cmd = "python -m bench.accuracy.accuracy_report" + (" --quick" if args.quick else "")
     if args.seed != SEED:
@@ -796,7 +799,7 @@ def main(argv=None):
     # at the start: other commits may land while this runs
     rev = git_rev(["aggregator/noise.py", "aggregator/estimate.py", "aggregator/central.py",
                    "bench/_data.py"])
-    g, todo = plan(args.quick)
+    g, todo = plan(args.quick, args.smoke)
     n_cells = sum(len(v) for v in todo.values())
     print(f"{cmd}: {n_cells} cells, {g['reps']} repetitions each; writing to {outdir}/",
           flush=True)

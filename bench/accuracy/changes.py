@@ -22,7 +22,6 @@ Benchmark only: seeded numpy noise (not private). Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -34,6 +33,7 @@ from aggregator import changes, intervals
 from aggregator.properties import entropy
 from aggregator.release import estimate_with_accuracy, package_release
 from bench._data import true_counts
+from bench.harness import parser
 from bench.accuracy.largedomain import hash_items, items_counts, noisy_vc
 
 # name, mode, counters (D or B), n, item model, eps, layers
@@ -50,6 +50,7 @@ CELLS = [
     ("wordfreq-en n=D/10", "direct", 100_000, 10_000, "wf-en", 0.5, 2),
     ("spellchecker-ru n=D/10", "direct", 19_880, 1_988, "sc-ru", 1.0, 2),
 ]
+SMOKE_CELL = ("smoke: direct zipf", "direct", 1_000, 1_000, "zipf", 1.0, 2)  # --smoke
 USERS_PER_EVENT = 0.3  # "users": d = 0.3 n items, counts 1 + Poisson(n / d - 1)
 
 
@@ -307,7 +308,7 @@ def plan_spread(draws: int = 8) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "2 windows, 1 changed pair of one tiny cell (D = n = 1000)")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--pairs", type=int, default=20, help="changed pairs per cell (power)")
     ap.add_argument("--cells", default="", help="comma-separated cell numbers (default all)")
@@ -343,11 +344,14 @@ def main(argv=None) -> int:
         return 0
     if args.quick:
         args.windows, args.pairs = 12, 6
-    pick = [int(i) for i in args.cells.split(",")] if args.cells else range(len(CELLS))
+    cells = CELLS
+    if args.smoke:
+        args.windows, args.pairs, cells = 2, 1, [SMOKE_CELL]
+    pick = [int(i) for i in args.cells.split(",")] if args.cells else range(len(cells))
     out = []
     for i in pick:
         t0 = time.time()
-        r = run_cell(CELLS[i], args.windows, args.pairs, seed=1000 + i)
+        r = run_cell(cells[i], args.windows, args.pairs, seed=1000 + i)
         r["seconds"] = round(time.time() - t0, 1)
         print(json.dumps(r), flush=True)
         out.append(r)

@@ -23,7 +23,6 @@ here.
 
 from __future__ import annotations
 
-import argparse
 import pickle
 import sys
 import time
@@ -38,7 +37,7 @@ from aggregator.properties import entropy
 
 from . import grid
 from .._data import real_profile
-from ..harness import parse_shard, shard_arg
+from ..harness import parse_shard, parser, shard_arg
 from .grid import Cell
 from .lofo import family
 
@@ -58,7 +57,13 @@ FIRST_REP = 0  # --first-rep: the first repetition drawn (new draws for a figure
 REPS_RUN: list = []  # --reps: repetitions per cell instead of each cell's own
 
 
+SMOKE: list = []  # --smoke: two tiny cells, one repetition, one layer count
+
+
 def cells() -> list[Cell]:
+    if SMOKE:
+        return [Cell("direct", "zipf", 1_000, 1_000, 1.0, 1),
+                Cell("hashed", "zipf", 300, None, 1.0, 1)]
     if START_CELLS:  # 24 releases each: the shrunk start is taken in about half the heavy ones
         return [Cell("direct", "heavy", 10**5, 10**6, 0.5, 24),
                 Cell("direct", "geometric", 10**5, 10**5, 0.5, 24),
@@ -198,7 +203,7 @@ def report() -> None:
 
 def main(argv=None) -> int:
     global OUT, LAYERS, LEVELS, FIRST_REP  # set once from the arguments, before any run
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "--run and --report on two tiny cells, 1 layer, into out/coverage28")
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", type=shard_arg, default="0/1")
     ap.add_argument("--report", action="store_true")
@@ -234,6 +239,9 @@ def main(argv=None) -> int:
         OUT = Path(args.out)
     if args.mode:
         MODES_RUN[:] = [args.mode]
+    if args.smoke:
+        SMOKE[:], LAYERS, LEVELS = [True], (1,), (0.9, 0.8)
+        args.run = args.report = True
     if args.run:
         run(parse_shard(args.shard))
     if args.report:

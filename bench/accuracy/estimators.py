@@ -22,7 +22,6 @@ Noise from a seeded numpy Generator (reproducible; benchmark only, never private
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -37,7 +36,7 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
 from .._data import errors, noisy, true_counts
-from ..harness import Timer, fmt, mean_se
+from ..harness import Timer, fmt, mean_se, parser
 
 METHODS = ("threshold", "deconvolution")
 EARLY = 10  # max_iter of the early-stopped EM variant shown next to the default (not in the code)
@@ -45,8 +44,10 @@ LOOSE_TOL = 1e-5  # tol of a loosely converged EM variant (not in the code)
 SEED = 20240602
 
 
-def part1(quick: bool, seed: int):
-    if quick:
+def part1(quick: bool, seed: int, smoke: bool = False):
+    if smoke:
+        dn, epss, reps = [(300, 1_000)], [1.0], 1
+    elif quick:
         dn, epss, reps = [(10_000, 100_000)], [1.0, 4.0], 2
     else:
         dn, epss, reps = [(10_000, 100_000), (10_000, 1_000_000), (100_000, 1_000_000)], \
@@ -107,8 +108,11 @@ EM_SETTINGS = [  # (max_iter, tol); tol = 0 runs exactly max_iter SQUAREM iterat
 DEFAULT_EM = (2000, 1e-11)
 
 
-def part2(quick: bool, seed: int):
-    if quick:
+def part2(quick: bool, seed: int, smoke: bool = False):
+    if smoke:
+        cases = [("zipf", 300, 1_000, 1.0, 2)]
+        settings, reps = [(0, 0.0), (5, 0.0), (2000, LOOSE_TOL), DEFAULT_EM], 1
+    elif quick:
         cases = [("zipf", 10_000, 100_000, 1.0, 2)]
         settings, reps = [(0, 0.0), (5, 0.0), (100, 0.0), (2000, LOOSE_TOL), DEFAULT_EM], 2
     else:
@@ -213,12 +217,13 @@ def plot_part2(res2, settings, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "D = 300, n = 1000, one repetition, into out/")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--outdir", default=None,
                     help="output directory (default docs/, or out/ with --quick)")
     args = ap.parse_args(argv)
+    args.quick = args.quick or args.smoke
     cmd = "python -m bench.accuracy.estimators" + (" --quick" if args.quick else "")
     if args.seed != SEED:
         cmd += f" --seed {args.seed}"
@@ -226,8 +231,8 @@ def main(argv=None):
     os.makedirs(os.path.join(outdir, "img"), exist_ok=True)
     t_start = time.perf_counter()
 
-    res, dn, epss = part1(args.quick, args.seed)
-    res2, settings = part2(args.quick, args.seed)
+    res, dn, epss = part1(args.quick, args.seed, args.smoke)
+    res2, settings = part2(args.quick, args.seed, args.smoke)
     total = time.perf_counter() - t_start
     plot_part1(res, dn, epss, os.path.join(outdir, "img", "estimators.png"))
     plot_part2(res2, settings, os.path.join(outdir, "img", "estimators_em_iterations.png"))

@@ -106,7 +106,7 @@ DENSE_SIZES = ((10**4, 10**6, 1), (10**5, 10**7, 1))
 DENSE_DISTS = ("zipf", "uniform", "geometric")
 
 
-def grid_cells(quick: bool = False) -> list[Cell]:
+def grid_cells(quick: bool | str = False) -> list[Cell]:
     """The grid (what a deployment does not choose), a rotating design rather than a full
     factorial so that it runs in well under an hour on one core:
 
@@ -120,7 +120,12 @@ def grid_cells(quick: bool = False) -> list[Cell]:
       (eps 0.5 and 1 alternating) and n = 10 D (eps 1 and 2);
     * hashed: :data:`HASHED_DISTS` at n = 1e3 .. 1e6 (B = choose_buckets(n)), eps rotating, plus
       Zipf(1.1) at n = 1e7.
+
+    ``quick``: a few small cells; ``"smoke"``: two tiny ones, one repetition.
     """
+    if quick == "smoke":  # tests/test_bench_smoke.py: one repetition of two tiny cells
+        return [Cell("direct", "zipf", 10**3, 300, 1.0, 1),
+                Cell("hashed", "zipf", 100, None, 1.0, 1)]
     if quick:
         return [Cell("direct", "zipf", 10**3, 10**4, 1.0, 2),
                 Cell("direct", "heavy", 10**3, 10**5, 0.5, 2),

@@ -20,7 +20,6 @@ Usage (results in out/grid_extra/<variant>.<shard>.pkl; shards run in parallel):
 
 from __future__ import annotations
 
-import argparse
 import pickle
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from . import grid, lofo
-from ..harness import md_table, shard_arg, shard_of
+from ..harness import md_table, parser, shard_arg, shard_of
 
 OUT = Path("out") / "grid_extra"
 
@@ -39,12 +38,13 @@ def _path(variant: str, shard: str, layers: int = 1) -> Path:
     return OUT / f"{variant}{tag}.{shard.replace('/', 'of')}.pkl"
 
 
-def run(variant: str, shard: str, layers: int = 1) -> None:
-    """The shard's direct grid cells (cheapest first), resumable: a finished cell is saved."""
+def run(variant: str, shard: str, layers: int = 1, smoke: bool = False) -> None:
+    """The shard's direct grid cells (cheapest first), resumable: a finished cell is saved
+    (``smoke``: the grid's smoke cell instead)."""
     path = _path(variant, shard, layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = pickle.loads(path.read_bytes()) if path.exists() else {}
-    cells = sorted((c for c in grid.grid_cells() if c.mode == "direct"),
+    cells = sorted((c for c in grid.grid_cells("smoke" if smoke else False) if c.mode == "direct"),
                    key=lambda c: (c.n > 10 * (c.D or 1), c.n))
     methods = lofo.METHODS + (variant,)
     for c in shard_of(cells, shard):
@@ -93,17 +93,19 @@ def report(variant: str, layers: int = 1) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "--run and --report auto_fitted on the grid's direct smoke cell")
     ap.add_argument("--run", metavar="VARIANT", choices=sorted(lofo.EXTRA))
     ap.add_argument("--shard", type=shard_arg, default="0/1")
     ap.add_argument("--report", metavar="VARIANT", choices=sorted(lofo.EXTRA))
     ap.add_argument("--layers", type=int, default=1,
                     help="noise layers of the counters (default 1; the grid's layer counts)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.run = args.report = "auto_fitted"
     if not (args.run or args.report):
         ap.error("give --run VARIANT and/or --report VARIANT")
     if args.run:
-        run(args.run, args.shard, args.layers)
+        run(args.run, args.shard, args.layers, args.smoke)
     if args.report:
         report(args.report, args.layers)
     return 0

@@ -21,23 +21,19 @@ docs/hashed_universe.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from aggregator.estimate import l1_distance  # noqa: E402
-from aggregator.anonymize import anonymized_histogram  # noqa: E402
-from aggregator.largedomain import choose_buckets  # noqa: E402
-from aggregator.noise import p_from_epsilon  # noqa: E402
-from bench.accuracy.largedomain import hash_items, hashed_vc, noisy_vc  # noqa: E402
+from aggregator.estimate import l1_distance
+from aggregator.anonymize import anonymized_histogram
+from aggregator.largedomain import choose_buckets
+from aggregator.noise import p_from_epsilon
+from bench.accuracy.largedomain import hash_items, hashed_vc, noisy_vc
+from bench.harness import ROOT, git_rev, parser
 
 SEED = 20261123
 DISTS = ("zipf1.1", "zipf1.5", "uniform")
@@ -82,25 +78,28 @@ def run_cell(n: int, U: int, dist: str, eps: float, reps: int) -> dict:
     return out
 
 
-def cells(quick: bool, eps_list=EPS):
-    ns = NS[:2] if quick else NS
+def cells(quick: bool, eps_list=EPS, smoke: bool = False):
+    ns = (300,) if smoke else NS[:2] if quick else NS
     for n in ns:
-        for ratio in RATIOS:
-            for dist in DISTS:
+        for ratio in RATIOS[:1] if smoke else RATIOS:
+            for dist in DISTS[:1] if smoke else DISTS:
                 for eps in eps_list:
                     yield n, n * ratio, dist, eps
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, "Zipf(1.1), n = U = 300, eps 1, one repetition, into out/")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--eps", type=float, action="append", help="only these eps (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "hashed_universe.md"))
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.reps, args.eps, args.out = 1, [1.0], "out/hashed_universe.md"
+        Path("out").mkdir(exist_ok=True)
     started = time.time()
     rows = []
-    for n, U, dist, eps in cells(args.quick, tuple(args.eps) if args.eps else EPS):
+    for n, U, dist, eps in cells(args.quick, tuple(args.eps) if args.eps else EPS, args.smoke):
         res = run_cell(n, U, dist, eps, args.reps)
         for layers in LAYERS:
             hashed = statistics.mean(res[("hashed", layers)])
@@ -119,10 +118,7 @@ def main(argv=None) -> int:
 
 
 def write(rows, args, started) -> None:
-    import subprocess
-
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True, cwd=ROOT).stdout.strip()
+    rev = git_rev(["aggregator", "bench/accuracy/hashed_universe.py"])
     load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
     lines = ["# Hashed mode against direct mode over the real id universe", "",
              f"Produced by `.venv/bin/python -m bench.accuracy.hashed_universe --reps {args.reps}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -30,7 +31,8 @@ from aggregator import estimate
 from aggregator.intervals import noise_floor
 from aggregator.noise import p_from_epsilon
 
-from . import grid
+from . import grid, lofo
+from ..harness import parser
 from .lofo import cells, family, load
 
 
@@ -123,16 +125,29 @@ def best_ratios(out: str) -> None:
                               for k, x, y in top])))
 
 
-def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--best":  # --best OUT_DIR
-        best_ratios(sys.argv[2])
+def main(argv=None) -> int:
+    ap = parser(__doc__, "bench.accuracy.lofo's direct smoke cells, 1 and 2 layers, into "
+                         "out/layer_cost_smoke/, then read")
+    ap.add_argument("--best", metavar="OUT_DIR", help="stored errors only, no run")
+    ap.add_argument("--tol-sweep", nargs=2, type=int, metavar=("LAYERS", "REP"))
+    ap.add_argument("--cell", nargs=4, metavar=("NAME", "MULT", "EPS", "REPS"))
+    args = ap.parse_args(argv)
+    if args.best:
+        best_ratios(args.best)
         return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "--tol-sweep":  # --tol-sweep LAYERS REP
-        tol_sweep(int(sys.argv[2]), int(sys.argv[3]))
+    if args.tol_sweep:
+        tol_sweep(*args.tol_sweep)
         return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "--cell":  # --cell NAME MULT EPS REPS
-        one_cell(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+    if args.cell:
+        name, mult, eps, reps = args.cell
+        one_cell(name, float(mult), float(eps), int(reps))
         return 0
+    if args.smoke:  # the lofo run this reads, on lofo's smoke cells
+        lofo.CELL_SET[:], lofo.MODES_RUN[:] = ["smoke"], ["direct"]
+        lofo.REPS, lofo.LAYERS = 1, (1, 2)
+        lofo.OUT = Path("out/layer_cost_smoke/lofo_results.pkl")
+        lofo.OUT.parent.mkdir(parents=True, exist_ok=True)
+        lofo.run((0, 1))
     res = load()
     rows = []
     fixed = estimate.deconv_tol

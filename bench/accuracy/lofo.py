@@ -26,7 +26,6 @@ Benchmark only: seeded numpy noise (bench.accuracy.grid.draw).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import math
@@ -39,7 +38,7 @@ import numpy as np
 
 from . import grid
 from .._data import NEW_REAL, real_profile
-from ..harness import parse_shard, shard_arg
+from ..harness import parse_shard, parser, shard_arg
 from .grid import Cell
 
 METHODS = ("threshold", "deconvolution", "mle", "auto")
@@ -426,6 +425,11 @@ CELL_SET: list = []  # --grid-hashed / --hashed-real: other cells than these
 
 
 def cells() -> list[Cell]:
+    if CELL_SET == ["smoke"]:  # two families per mode, held out in turn
+        return [Cell("direct", "zipf", 1_000, 300, 1.0, REPS),
+                Cell("direct", "uniform", 1_000, 300, 1.0, REPS),
+                Cell("hashed", "zipf", 300, None, 1.0, REPS),
+                Cell("hashed", "distinct", 300, None, 1.0, REPS)]
     if CELL_SET == ["grid-hashed"]:  # an out-of-sample check of a hashed pick: n to 1e7
         return [c for c in grid.grid_cells() if c.mode == "hashed"]
     if CELL_SET == ["hashed-real"]:  # the real profiles' vocabularies as hashed items
@@ -922,7 +926,8 @@ def compare(other: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "--run and --report on four tiny cells, 1 repetition, 1 layer, "
+                         "into out/")
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", type=shard_arg, default="0/1")
     ap.add_argument("--report", action="store_true")
@@ -980,6 +985,8 @@ def main(argv=None) -> int:
                          "out/lofo_hashed_real")
     args = ap.parse_args(argv)
     global OUT, CANDIDATES, REPS, FIRST_REP, LAYERS
+    if args.smoke:
+        args.reps, args.layers, args.run, args.report = 1, "1", True, True
     extra = [e for e in args.extra.split(",") if e]
     bad = [e for e in extra if e not in EXTRA]
     if bad:
@@ -994,7 +1001,7 @@ def main(argv=None) -> int:
     if args.grid_hashed and args.hashed_real:
         ap.error("--grid-hashed and --hashed-real are two cell sets: run them apart")
     CELL_SET[:] = ["grid-hashed"] if args.grid_hashed else ["hashed-real"] if \
-        args.hashed_real else []
+        args.hashed_real else ["smoke"] if args.smoke else []
     if args.fixed_tol:
         from aggregator import estimate
         estimate.deconv_tol = lambda p, layers=1: estimate.DECONV_TOL

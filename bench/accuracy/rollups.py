@@ -26,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -38,7 +37,7 @@ from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.release import estimate_with_accuracy
 
 from .._data import real_profile, weights
-from ..harness import git_rev, mean_se, write_doc_section
+from ..harness import git_rev, mean_se, parser, write_doc_section
 
 DOC = "docs/rollups.md"
 PROFILES = ("wf-en", "sc-ru", "ss-en", "jb-zh")
@@ -79,7 +78,8 @@ def accuracy(profiles, hourly, eps: float, reps: int) -> list[str]:
               "week-sum / tree3 week | week-sum / tree2 week |",
               "|---|---|---|---|---|---|---|"]
     for name in profiles:
-        w = real_profile(name)
+        # (--smoke: "zipf", Zipf(1.1) over 200 items instead of a real profile)
+        w = weights("zipf", 200) if name == "zipf" else real_profile(name)
         D = len(w)
         for nh in hourly:
             res: dict = {d: [] for d in designs}
@@ -272,7 +272,8 @@ def timing(cells, reps_bars: int) -> list[str]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, "--accuracy: Zipf(1.1) over 200 items, 20 events an hour, eps 8 "
+                         "(narrow noise: 336 layers stay cheap), one repetition; writes no doc")
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--timing", action="store_true")
     ap.add_argument("--methods", action="store_true", help="every estimator at 48 and 336 "
@@ -288,6 +289,9 @@ def main(argv=None) -> None:
     ap.add_argument("--summarize", metavar="OUTPUT", help="compare the designs from the output "
                     "of an --accuracy run (its printed table)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.accuracy, args.no_doc, args.profiles, args.hourly, args.reps, args.eps = \
+            True, True, ["zipf"], [20], 1, 8.0
     if args.bound:
         print("\n".join(bound(args.profiles, args.hourly[0], args.eps, args.reps)))
         return
@@ -324,6 +328,7 @@ def main(argv=None) -> None:
         # an hour of 1e6 events, its day (24 windows) and its week (168) at 1e6 counters
         lines = timing([(10**6, 10**6, 2), (10**6, 24 * 10**6, 48), (10**6, 168 * 10**6, 336)],
                        reps_bars=10)
+
         if not args.no_doc:
             write_doc_section(DOC, "bench", "rollups-timing", lines, "Rollups")
 

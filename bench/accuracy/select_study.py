@@ -27,7 +27,6 @@ grid's criterion: worst-case and geometric-mean regret against the best candidat
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import pickle
 import time
@@ -40,6 +39,7 @@ from aggregator.intervals import simulate_from_cumulative
 from aggregator.counter_model import loglik as _loglik
 from aggregator.selection import CANDIDATES, _estimates, _minimax, _regrets as _stand_in_regrets
 from bench.accuracy import grid
+from bench.harness import parser
 
 OUT = Path(__file__).resolve().parents[2] / "out" / "select_study.pkl"
 RESULTS = OUT.with_name("grid_results.pkl")
@@ -419,8 +419,23 @@ def starts(reps: int = 2) -> None:
                       f"| {ll[2] - ll[0]:+.1f} |", flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def smoke() -> None:
+    """--smoke: the grid's direct smoke cell run (1 layer) into out/, as the stored grid this
+    study reads, then --run and --report on it."""
+    global OUT, RESULTS
+    OUT = Path("out") / "select_study_smoke.pkl"
+    RESULTS = OUT.with_name("grid_results_select_smoke.pkl")
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.unlink(missing_ok=True)
+    cells = [c for c in grid.grid_cells("smoke") if c.mode == "direct"]
+    RESULTS.write_bytes(pickle.dumps({"results": {c.key: grid.run_cell(c, layers=(1,))
+                                                  for c in cells}}))
+    run([1])
+    report([1])
+
+
+def main(argv=None) -> None:
+    ap = parser(__doc__, "the grid's direct smoke cell, 1 layer, --run and --report, in out/")
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--relik", action="store_true", help="recompute the stored log-likelihoods")
@@ -436,7 +451,10 @@ def main() -> None:
                     help="the early-stopped EM from the smoothed and the shrunk start on the "
                          "three worst cells of bench.accuracy.lofo: errors and likelihoods")
     ap.add_argument("--layers", default="1,2,3,6")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.smoke:
+        smoke()
+        return
     layers = [int(x) for x in a.layers.split(",")]
     if a.run:
         run(layers)

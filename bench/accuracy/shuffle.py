@@ -22,9 +22,7 @@ B / n, from the calibrated parameters; the measured mean of one encode_many run 
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -35,10 +33,10 @@ from aggregator.noise import p_from_epsilon
 from aggregator.service.shuffle_wire import SEALED_SIZE
 from aggregator.shuffle import BalcerCheuRandomizer, GKMPRandomizer, gkmp_analyze
 from bench._data import noisy, true_counts
-from bench.harness import cpu_model, git_rev, write_doc_section
+from bench.harness import ROOT, cpu_model, git_rev, parser, write_doc_section
 
 DELTA = 1e-6
-DOC = Path(__file__).resolve().parents[2] / "docs" / "shuffle.md"
+DOC = ROOT / "docs" / "shuffle.md"
 
 
 def _hist(counts: np.ndarray) -> np.ndarray:
@@ -80,10 +78,12 @@ def one_cell(dist: str, D: int, n: int, eps: float, reps: int, rng) -> dict:
     return out
 
 
-def error_table(reps: int, quick: bool, rng) -> list[str]:
+def error_table(reps: int, quick: bool, rng, smoke: bool = False) -> list[str]:
     cells = [("zipf", 10_000, 100_000, 1.0), ("uniform", 10_000, 100_000, 1.0),
              ("heavy", 100_000, 100_000, 1.0), ("zipf", 10_000, 100_000, 0.5)]
-    if not quick:
+    if smoke:
+        cells = [("zipf", 1_000, 10_000, 1.0)]
+    elif not quick:
         cells += [("geometric", 10_000, 100_000, 1.0), ("zipf", 1_000, 100_000, 2.0)]
     lines = ["| data | D | n | eps | shuffle GKMP | shuffle Balcer-Cheu | pan-private 1 layer | "
              "pan-private 2 layers | central | GKMP / pan 1 layer | GKMP msgs/event |",
@@ -127,12 +127,15 @@ def cost_table(rng) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "one cell, D = 1000, n = 10,000, one draw, and the cost table; "
+                         "writes no doc")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--cost-only", action="store_true", help="only the cost table")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.reps, args.no_write = 1, True
     rng = np.random.default_rng()
     if args.cost_only:
         cost = cost_table(rng)
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
             f"git {git_rev(['aggregator', 'bench'])}); "
             f"delta = {DELTA:g}, gamma = 0.1, l1 error of the anonymized histogram, mean of "
             f"{args.reps} draws.", ""]
-    err = error_table(args.reps, args.quick, rng)
+    err = error_table(args.reps, args.quick, rng, args.smoke)
     cost = cost_table(rng)
     print("\n".join(cost))
     if not args.no_write:
