@@ -53,7 +53,6 @@ from aggregator.noise import p_from_epsilon
 from .._data import naive, noisy, weights
 from ..harness import Timer, cpu_model, fmt, git_rev, mean_se, parser, versions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 20240604
 K_WORDS = 100_000
 D_FIXED = 100_000

@@ -39,7 +39,6 @@ builds the full B-length counter array.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
@@ -60,7 +59,7 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.hashing import bucket_of
 from aggregator.noise import p_from_epsilon
 
-from ..harness import git_rev, mean_se, ratio_se, timed
+from ..harness import git_rev, mean_se, parser, ratio_se, timed
 
 SEED = 20261121
 EPS = (0.5, 1.0, 2.0)
@@ -146,7 +145,7 @@ def nfmt(n: int) -> str:
 # --------------------------------------------------------------------------------------------
 # sections
 # --------------------------------------------------------------------------------------------
-def section_gamma(quick: bool) -> dict:
+def section_gamma(quick: bool | str) -> dict:
     """Speed and exactness of Gamma^B: fast map vs Algorithm 6, and the inverse."""
     rng = np.random.default_rng([SEED, 1])
     out = {"rows": [], "exact": []}
@@ -164,7 +163,7 @@ def section_gamma(quick: bool) -> dict:
         err = max(abs(fast[e - 1] - r) / max(r, 1e-12) for e, r in zip(ells, ref))
         out["exact"].append((n, B, L, err, t6))
         log(f"gamma exactness n={n}: max rel diff {err:.2e}, Algorithm 6 {t6 * 1e3:.1f} ms per l")
-    sizes = (10**5, 10**6) if quick else (10**5, 10**6, 10**7)
+    sizes = (10**4,) if quick == "smoke" else (10**5, 10**6) if quick else (10**5, 10**6, 10**7)
     for n in sizes:
         _, h = items_counts(rng, n)
         phi = cumulative_from_counts(h).astype(np.float64)
@@ -227,8 +226,10 @@ def plain_histogram(vc, p, layers, method):
                                                                     method=method)))
 
 
-def section_headline(quick: bool) -> dict:
-    if quick:
+def section_headline(quick: bool | str) -> dict:
+    if quick == "smoke":
+        grid = [(10**3, 1)]
+    elif quick:
         grid = [(10**4, 4), (10**5, 2), (10**6, 1)]
     else:
         grid = [(10**4, 16), (10**5, 8), (10**6, 6), (10**7, 3)]
@@ -247,10 +248,10 @@ def section_headline(quick: bool) -> dict:
     return cells
 
 
-def section_variants(quick: bool) -> dict:
+def section_variants(quick: bool | str) -> dict:
     """exact vs Algorithm 7 (one histogram) vs Algorithm 7 (two histograms) vs no inversion,
     at equal total epsilon and memory."""
-    grid = [(10**5, 2)] if quick else [(10**5, 6), (10**6, 3)]
+    grid = [(10**3, 1)] if quick == "smoke" else [(10**5, 2)] if quick else [(10**5, 6), (10**6, 3)]
     cells = {}
     for n, reps in grid:
         for eps in EPS:
@@ -310,9 +311,9 @@ def bucket_sweep_rep(n: int, eps: float, dist: str, rep: int, ratios=SWEEP_RATIO
     return out
 
 
-def section_buckets(quick: bool) -> dict:
+def section_buckets(quick: bool | str) -> dict:
     """Error against B/n (the basis of choose_buckets)."""
-    grid = ([(10**5, 2, "zipf")] if quick else
+    grid = ([(10**3, 1, "zipf")] if quick == "smoke" else [(10**5, 2, "zipf")] if quick else
             [(10**5, 8, "zipf"), (10**6, 4, "zipf"), (10**5, 8, "distinct")])
     cells = {}
     for n, reps, dist in grid:
@@ -342,9 +343,9 @@ def section_buckets(quick: bool) -> dict:
     return cells
 
 
-def section_mismatch(quick: bool) -> dict:
+def section_mismatch(quick: bool | str) -> dict:
     """B chosen for an expected n, data with another n."""
-    n_exp = 10**5 if quick else 10**6
+    n_exp = 10**3 if quick == "smoke" else 10**5 if quick else 10**6
     factors = (0.1, 1.0, 10.0) if quick else (0.1, 0.3, 1.0, 3.0, 10.0)
     reps = 1 if quick else 3
     eps = 1.0
@@ -373,10 +374,10 @@ def section_mismatch(quick: bool) -> dict:
     return {"n_exp": n_exp, "eps": eps, "rows": rows}
 
 
-def section_l2(quick: bool) -> dict:
+def section_l2(quick: bool | str) -> dict:
     """Algorithm 4: l2^2 error of the l1 estimate, of the box from the same counters, and of the
     box from a second, collision-free hash (its memory reported)."""
-    grid = [(1_000, 3)] if quick else [(1_000, 8), (3_000, 5)]
+    grid = [(300, 1)] if quick == "smoke" else [(1_000, 3)] if quick else [(1_000, 8), (3_000, 5)]
     eps = 1.0
     rows = []
     for n, reps in grid:
@@ -413,10 +414,10 @@ def l2sq(a, b) -> float:
     return float(((a - b) ** 2).sum())
 
 
-def section_time(quick: bool) -> dict:
+def section_time(quick: bool | str) -> dict:
     """Release time for n events into B = n sqrt(log n) buckets, against one np.bincount pass."""
-    n = 10**6 if quick else 10**7
-    reps = 2 if quick else 3
+    n = 10**4 if quick == "smoke" else 10**6 if quick else 10**7
+    reps = 1 if quick == "smoke" else 2 if quick else 3
     eps = 1.0
     p = p_from_epsilon(eps)
     B = int(n * math.sqrt(math.log(n)))
@@ -1365,7 +1366,7 @@ def write_report(R, meta, outdir: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "every section at n <= 1e4, one repetition, into out/")
     ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     ap.add_argument("--out", default=None, help="output directory (default docs/, or out/)")
     ap.add_argument("--replot", metavar="PICKLE", default=None,
@@ -1375,6 +1376,8 @@ def main(argv=None) -> int:
                          "(resumable), then exit; the full run renders it")
     ap.add_argument("--workers", type=int, default=1, help="processes for --sweep")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.quick = "smoke"  # the sections' smallest sizes; the quick run's outputs (out/)
     if args.sweep:
         Path("out").mkdir(exist_ok=True)
         path = SWEEP_PKL if not args.quick else Path("out") / "largedomain_bsweep_quick.pkl"

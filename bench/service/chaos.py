@@ -9,18 +9,18 @@ one invariant (tests/chaos/invariant.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.harness import parser
 from tests.chaos.harness import FAULTS, MODES, Broker, run_case
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "--modes count --faults kill9 --seeds 1 --seconds 4 (its own broker)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     ap.add_argument("--faults", default=",".join(FAULTS), help="comma-separated faults")
     ap.add_argument("--seeds", type=int, default=3, help="runs of each mode x fault")
@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--doc", help="write the table to this markdown file")
     ap.add_argument("--json", help="append each run's result to this JSON-lines file")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.modes, args.faults, args.seeds, args.seconds = "count", "kill9", 1, 4.0
     modes, faults = args.modes.split(","), args.faults.split(",")
     unknown = [m for m in modes if m not in MODES] + [f for f in faults if f not in FAULTS]
     if unknown:

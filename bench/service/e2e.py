@@ -31,7 +31,6 @@ tables into docs/e2e.md between ``<!-- bench.service.e2e NAME begin/end -->`` ma
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -47,8 +46,6 @@ if "--no-crc32c" in sys.argv:  # before kafka-python is imported anywhere: it lo
 import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from aggregator.service.config import load_config  # noqa: E402
 from aggregator.service import Aggregator  # noqa: E402
@@ -58,7 +55,7 @@ from consumers.file_source import FileSource  # noqa: E402
 from consumers.kafka_source import KafkaSource  # noqa: E402
 from state_store.local import Checkpoint, LocalStore  # noqa: E402
 
-from bench.harness import cpu_model, git_rev, versions, write_doc_section  # noqa: E402
+from bench.harness import ROOT, cpu_model, git_rev, parser, versions, write_doc_section  # noqa: E402
 
 D = 100_000
 DOC = ROOT / "docs" / "e2e.md"
@@ -276,8 +273,8 @@ def write_section(name: str, lines: list[str]) -> None:
     write_doc_section(DOC, "bench.service.e2e", name, lines, title="End-to-end throughput")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    ap = parser(__doc__, "--events 2000 --reps 1 --no-write")
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kafka-only", action="store_true", help="skip the file and checkpoint rows")
@@ -287,7 +284,9 @@ def main() -> None:
     ap.add_argument("--section", default="latest", help="name of the block in docs/e2e.md")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--cprofile", help="cProfile of the last service run to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.events, args.reps, args.no_write = 2000, 1, True
     m = machine()
     cmd = "python -m bench.service.e2e " + " ".join(sys.argv[1:])
     lines = [f"Command: `{cmd}` ({m['when']}; {m['cpus']} CPUs, {m['cpu']}; {m['versions']}; "

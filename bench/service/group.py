@@ -26,7 +26,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.harness import ROOT, parser
 
 
 # -- 1. accuracy ------------------------------------------------------------------------------
@@ -286,7 +285,8 @@ def takeover(boot, tmp, window=5.0) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "--accuracy: Zipf over D = 1000, n = 1000, 1 repetition; with "
+                         "--throughput too: 2000 events, 1 member")
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--takeover", action="store_true")
@@ -302,7 +302,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/group_bench.json")
     args = ap.parse_args(argv)
     res: dict = {}
-    if args.accuracy or args.all:
+    if args.smoke:
+        res["accuracy"] = accuracy(["zipf"], D=1_000, n=1_000, eps=1.0, reps=1)
+        args.events, args.members = 2_000, "1"
+    elif args.accuracy or args.all:
         res["accuracy"] = accuracy(["zipf", "wf-en", "sc-es"], D=100_000, n=1_000_000, eps=1.0,
                                    reps=args.reps)
     if args.throughput or args.takeover or args.count_windows or args.all:

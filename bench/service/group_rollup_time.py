@@ -1,6 +1,6 @@
 """Time of a group's sum rollup: each partition's fold per close and the leader's merge.
 
-    PYTHONPATH=. python bench/service/group_rollup_time.py D P K REPS
+    python -m bench.service.group_rollup_time D P K REPS
 
 D counters in P slices; each slice folds K views (zipf(1.3) counts of 20,000 / P events plus
 two DLap layers, as a joint-model release view) through SliceRollups.fold, then the leader
@@ -9,7 +9,6 @@ fold time per close (deepcopy of the sum, update, to_bytes) and the merge + esti
 """
 
 import json
-import sys
 import time
 from types import SimpleNamespace
 
@@ -20,9 +19,10 @@ from aggregator.service.group.repartition import slice_size
 from aggregator.service.group.rollups import SliceRollups
 from aggregator.service.group.summary import merge_summaries
 from aggregator.state import PanPrivateHistogram
+from bench.harness import parser
 
 
-def main(D: int, P: int, k: int, reps: int) -> None:
+def run(D: int, P: int, k: int, reps: int) -> None:
     ident = {"lineage": "L", "model": "joint", "window_size": 3600.0, "partitions": P,
              "size": D}
     rolls = SliceRollups({"x": k}, None, ident)
@@ -49,5 +49,17 @@ def main(D: int, P: int, k: int, reps: int) -> None:
           f"merge+estimate={time.perf_counter() - t0:.1f} s")
 
 
+def main(argv=None) -> None:
+    ap = parser(__doc__, "D = 1000, P = 2, K = 2, REPS = 2 (error bars need two)")
+    for name in ("D", "P", "K", "REPS"):
+        ap.add_argument(name, type=int, nargs="?")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.D, args.P, args.K, args.REPS = 1000, 2, 2, 2
+    if None in (args.D, args.P, args.K, args.REPS):
+        ap.error("give D P K REPS (or --smoke)")
+    run(args.D, args.P, args.K, args.REPS)
+
+
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:5]))
+    main()

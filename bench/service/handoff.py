@@ -8,7 +8,6 @@ worker then estimates on another core).
 
 from __future__ import annotations
 
-import argparse
 import os
 import threading
 import time
@@ -17,6 +16,7 @@ import numpy as np
 
 from aggregator.service.release_worker import ReleaseWorker, compute_release
 from aggregator.state import PanPrivateHistogram
+from bench.harness import parser
 
 
 def one(worker: ReleaseWorker, counters: int, rep: int, rng, route: str) -> tuple[float, float]:
@@ -51,11 +51,13 @@ def one(worker: ReleaseWorker, counters: int, rep: int, rng, route: str) -> tupl
     return submit_s, after / before
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    ap = parser(__doc__, "--counters 1e4 --reps 1")
     ap.add_argument("--counters", type=float, default=1e7)
     ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.counters, args.reps = 1e4, 1
     worker = ReleaseWorker(1)
     rng = np.random.default_rng()
     print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}; "

@@ -21,7 +21,6 @@ against word by word in Python, which sets ``hashing._SCALAR_ROWS``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
 import os
@@ -36,7 +35,7 @@ from itertools import repeat
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import ROOT, parser
 
 
 def load(name: str, rev: str | None) -> types.ModuleType:
@@ -202,7 +201,7 @@ def report(times: dict, n: int, ref: dict[str, str]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "--n 1000 --reps 3 --decode --options --crossover")
     ap.add_argument("--n", type=int, default=20_000, help="items per batch")
     ap.add_argument("--reps", type=int, default=41)
     ap.add_argument("--buckets", type=int, default=2**20)
@@ -215,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--crossover", action="store_true",
                     help="also time k long rows in numpy steps vs Python words (_SCALAR_ROWS)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.n, args.reps, args.decode, args.options, args.crossover = 1000, 3, True, True, True
 
     mod = load("aggregator.hashing", args.rev)
     if (args.options or args.crossover) and not hasattr(mod, "_canonical"):

@@ -17,7 +17,6 @@ Needs java and mvn (deploy/kafka/kafka.sh) like the integration tests.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import msgpack
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.harness import ROOT, parser
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -136,7 +135,8 @@ def run(bootstrap: str, root: Path, counters: int, rate: float, window: int, win
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "D = 1e4, 2 windows of 1000 events at 2000 events/s; the broker of "
+                         "$PANAGG_KAFKA_BOOTSTRAP if set")
     ap.add_argument("--counters", type=float, default=1e7)
     ap.add_argument("--rate", type=float, default=4000)
     ap.add_argument("--window", type=int, default=100_000, help="events per count window")
@@ -145,6 +145,9 @@ def main(argv=None) -> None:
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose service runs")
     ap.add_argument("--bootstrap", help="a running broker (default: one started here)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.counters, args.rate, args.window, args.windows = 1e4, 2000.0, 1000, 2
+        args.bootstrap = args.bootstrap or os.environ.get("PANAGG_KAFKA_BOOTSTRAP")
     broker_dir = None
     bootstrap = args.bootstrap
     if bootstrap is None:

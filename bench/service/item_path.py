@@ -21,22 +21,18 @@ docs/item_selection.md).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import msgpack
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from aggregator.state import PanPrivateHistogram  # noqa: E402
-from consumers.decode import FILTERED, Decoder, ItemSpec  # noqa: E402
+from aggregator.state import PanPrivateHistogram
+from bench.harness import parser, versions
+from consumers.decode import FILTERED, Decoder, ItemSpec
 
 D, B = 100_000, 1 << 18
 
@@ -95,11 +91,13 @@ def cpu_times(competitors: dict, reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "--n 2000 --batch 1000 --reps 1")
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=20_000)
     ap.add_argument("--reps", type=int, default=21)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.n, args.batch, args.reps = 2000, 1000, 1
     full, login_only, minimal, keys, headers, texts = records(args.n)
     path = ItemSpec(path=("user", "id"))
     cases = []  # (mode, what, baseline, case)
@@ -131,8 +129,7 @@ def main(argv=None) -> int:
                                                          casefold=True)), texts, args.batch,
                                    False)))
     print(f"n = {args.n:,} records per run, batches of {args.batch:,}, {args.reps} interleaved "
-          f"repetitions; Python {platform.python_version()}, numpy {np.__version__}, "
-          f"msgpack {msgpack.version}; {platform.machine()}\n")
+          f"repetitions; {versions(['numpy', 'msgpack'])}; {platform.machine()}\n")
     print("| mode | case | baseline (M records per CPU-s) | case (M records per CPU-s) | "
           "throughput vs baseline: median of paired ratios (min-max) | best vs best |")
     print("|---|---|---|---|---|---|")

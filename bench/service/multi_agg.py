@@ -16,7 +16,6 @@ docs/item_selection.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,13 +23,11 @@ import tempfile
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from aggregator.service.config import load_config  # noqa: E402
 from aggregator.service.multi import MultiAggregator  # noqa: E402
 from aggregator.service.process import Aggregator  # noqa: E402
-from bench.harness import write_doc_section  # noqa: E402
+from bench.harness import ROOT, parser, write_doc_section  # noqa: E402
 from bench.service.e2e import TimedSource, load1, machine, start_broker  # noqa: E402
 from consumers.kafka_source import KafkaSource  # noqa: E402
 
@@ -98,11 +95,13 @@ def one_run(bootstrap: str, topic: str, events: int, tmp: Path, kind: str) -> tu
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "--events 1000 --reps 1 --no-write")
     ap.add_argument("--events", type=int, default=300_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.events, args.reps, args.no_write = 1000, 1, True
     m = machine()
     head = (f"Command: `python -m bench.service.multi_agg {' '.join(sys.argv[1:])}` ({m['when']}; "
             f"{m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; broker on loopback). Load average "

@@ -13,7 +13,6 @@ window waiting for its release.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -24,15 +23,24 @@ import numpy as np
 
 from aggregator.service import Aggregator
 from aggregator.service.config import load_config
+from bench.harness import parser
 from consumers.generator import GeneratorSource, ZipfLogins
 
 
-def run(counters: int, window: float, rate: float, seconds: float, workers: int) -> dict:
+#: --smoke's cheap release (the threshold estimator, no error bars, no plan), so that a window's
+#: release takes a fraction of a 1 s window
+SMOKE_RELEASE = ("release.estimator=threshold", "release.error_bar_reps=0",
+                 "release.plan_errors=false")
+
+
+def run(counters: int, window: float, rate: float, seconds: float, workers: int,
+        options=()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, [
             "source.kind=generator", f"state.domain_size={counters}", "window.kind=time",
             f"window.size={int(window)}", f"checkpoint.dir={tmp}/state",
-            f"release.dir={tmp}/releases", "metrics.port=-1", f"release.workers={workers}"])
+            f"release.dir={tmp}/releases", "metrics.port=-1", f"release.workers={workers}",
+            *options])
         gen = ZipfLogins(int(rate * seconds * 2), accounts=counters, batch=2000)
         agg = Aggregator(cfg, GeneratorSource(gen, rate=rate))
         marks: list[tuple[float, int, bool]] = []
@@ -86,21 +94,25 @@ def _quantiles(values) -> str:
             f"{len(v)}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    ap = parser(__doc__, "D = 1e4, 1 s windows, 5,000 events/s for 3 s, both routes, the "
+                         "threshold estimator without error bars")
     ap.add_argument("--counters", type=float, default=1e6)
     ap.add_argument("--window", type=float, default=10)
     ap.add_argument("--rate", type=float, default=40000)
     ap.add_argument("--seconds", type=float, default=45)
     ap.add_argument("--workers", default="1,0", help="release.workers values to run, e.g. 1")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.counters, args.window, args.rate, args.seconds = 1e4, 1.0, 5000.0, 3.0
     print(f"cores: {os.cpu_count()}; D = {args.counters:.0e}, {args.window:g} s windows, offered "
           f"{args.rate:,.0f} events/s, {args.seconds:g} s")
     print("| release | events/s during a release | events/s without | ratio | releases | "
           "release compute p50 / max | window end -> ledgered |")
     print("|---|---|---|---|---|---|---|")
     for workers in (int(w) for w in args.workers.split(",")):
-        r = run(int(args.counters), args.window, args.rate, args.seconds, workers)
+        r = run(int(args.counters), args.window, args.rate, args.seconds, workers,
+                SMOKE_RELEASE if args.smoke else ())
         comp = sorted(r["compute_s"])
         comp_txt = (f"{np.median(comp):.2f} / {max(comp):.2f} s" if comp else "in the loop")
         print(f"| {'worker' if workers else 'in the loop'} | {r['rate_during_release']:,.0f} | "

@@ -24,7 +24,6 @@ machine-independent figure. Nothing here is judged by a test.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import datetime
 import io
@@ -37,7 +36,7 @@ import time
 import numpy as np
 
 from .._data import weights
-from ..harness import cpu_model, git_rev, versions
+from ..harness import cpu_model, git_rev, parser, versions
 from aggregator.release import ERROR_BAR_REPS, make_release
 from aggregator.state import PanPrivateHistogram
 from .speed import _time_once
@@ -115,7 +114,7 @@ def profile_release(state, model: str, top: int = 30) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "--sizes 1e4 --layers 1 --hashed 1e4 --reps 1 --error-bar-reps 2")
     ap.add_argument("--sizes", default="1e5,1e6,1e7", help="direct-mode D values")
     ap.add_argument("--layers", default="1,2,3")
     ap.add_argument("--n", type=float, default=None, help="events (default: n = D)")
@@ -125,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--error-bar-reps", type=int, default=ERROR_BAR_REPS,
                     help="release.error_bar_reps (default: the service's default; 0: no bars)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.layers, args.hashed, args.reps, args.error_bar_reps = \
+            "1e4", "1", "1e4", 1, 2
     log = lambda s: print(s, flush=True)  # noqa: E731
     sizes = [int(float(x)) for x in args.sizes.split(",") if x]
     hsizes = [int(float(x)) for x in args.hashed.split(",") if x]

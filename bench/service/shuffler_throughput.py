@@ -42,7 +42,6 @@ leaving the rest of the page as it is.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -54,14 +53,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from aggregator.service.config import load_config  # noqa: E402
 from aggregator.service.shuffle_client import ShuffleClient  # noqa: E402
 from aggregator.service.shuffle_wire import new_keypair, public_key_hex  # noqa: E402
 from aggregator.service.shuffler import CHUNK_BOXES, Shuffler  # noqa: E402
-from bench.harness import cpu_model, git_rev, versions, write_doc_section  # noqa: E402
+from bench.harness import ROOT, cpu_model, git_rev, parser, versions, write_doc_section  # noqa: E402
 
 DOC = ROOT / "docs" / "shuffle.md"
 PRODUCER = dict(acks="all", linger_ms=5, max_request_size=16 * 1024 * 1024)
@@ -310,7 +307,7 @@ def loadavg() -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, "--events 2000 --n 1000 --reps 1 --no-doc")
     ap.add_argument("--events", type=int, default=30_000)
     ap.add_argument("--n", type=int, default=10_000)
     ap.add_argument("--buckets", type=int, default=100)
@@ -320,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--section", default="latest", help="doc block name (several configurations)")
     ap.add_argument("--analyzer", action="store_true", help="the analyzer's throughput (issue 31)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.events, args.n, args.reps, args.no_doc = 2000, 1000, 1, True
     if args.analyzer:
         return analyzer_main(args)
     events = args.events - args.events % args.n

@@ -42,7 +42,6 @@ OS CSPRNG as in production.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import math
@@ -56,12 +55,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..harness import cpu_model, git_rev, versions  # noqa: E402
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, discrete_laplace_pmf, p_from_epsilon
 from aggregator.state import PanPrivateHistogram
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..harness import ROOT, cpu_model, git_rev, parser, versions
 COMMAND = ".venv/bin/python -m bench.service.speed"
 
 
@@ -560,7 +558,7 @@ def write_md(rows, checks, breakdown, meta, path: Path, img_rel: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "--quick's sections at D = 1e4, one repetition each, into out/")
     ap.add_argument("--reps", type=int, default=11, help="repetitions of the fast sections")
     ap.add_argument("--sampler-reps", type=int, default=3,
                     help="repetitions of the sampler section (OpenDP takes seconds per call)")
@@ -573,7 +571,12 @@ def main(argv=None) -> int:
                     help="plot output (default docs/img/speed.png)")
     args = ap.parse_args(argv)
 
-    if args.quick:
+    if args.smoke:
+        args.quick, args.reps, args.sampler_reps, args.joint_reps = True, 1, 1, 1
+        D, N_samp, n_hash = 10**4, 10**3, 10**3
+        md = args.md or Path("out/speed.md")
+        img = args.img or Path("out/img/speed.png")
+    elif args.quick:
         D, N_samp, n_hash = 10**5, 10**4, 10**4
         md = args.md or Path("/tmp/panagg-speed/speed.md")
         img = args.img or Path("/tmp/panagg-speed/img/speed.png")

@@ -21,7 +21,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import p_from_epsilon
 
 from .._data import noisy, true_counts
+from ..harness import ROOT, parser
 
 CELLS = [  # (distribution, D, n): a dense and a sparse shape
     ("zipf", 100_000, 1_000_000),
@@ -44,13 +44,16 @@ CELLS = [  # (distribution, D, n): a dense and a sparse shape
 LAYERS = (2, 4, 6, 8)
 
 
-def accuracy(reps: int, eps: float = 1.0) -> None:
+SMOKE_CELLS = [("zipf", 1_000, 1_000)]  # --smoke accuracy
+
+
+def accuracy(reps: int, eps: float = 1.0, cells=CELLS) -> None:
     p = p_from_epsilon(eps)
     print(f"l1 error of the default estimator (mean of {reps} runs; eps = {eps}); ratio to the "
           "2-layer default in the same run")
     print("| cell | " + " | ".join(f"{k} layers" for k in LAYERS) + " |")
     print("|---|" + "---|" * len(LAYERS))
-    for dist, D, n in CELLS:
+    for dist, D, n in cells:
         rng = np.random.default_rng([7, D, n])
         errs = {k: [] for k in LAYERS}
         for _ in range(reps):
@@ -112,7 +115,7 @@ def recovery(bootstrap: str, events: int) -> None:
 
 
 def audit() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(ROOT))
     from tests import test_privacy_service as t
 
     rows = [("memory + files + release, replaced event after the intrusion", {"gap": 1}),
@@ -136,8 +139,9 @@ def audit() -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="what", required=True)
+    ap = parser(__doc__, "accuracy (the default without a subcommand): one cell, D = n = 1000, "
+                         "one run; recovery: 2,000 events")
+    sub = ap.add_subparsers(dest="what")
     acc = sub.add_parser("accuracy")
     acc.add_argument("--reps", type=int, default=3)
     rec = sub.add_parser("recovery")
@@ -145,10 +149,12 @@ def main(argv=None) -> int:
     rec.add_argument("--events", type=int, default=1_000_000)
     sub.add_parser("audit")
     args = ap.parse_args(argv)
-    if args.what == "accuracy":
-        accuracy(args.reps)
+    if args.what is None and not args.smoke:
+        ap.error("give accuracy, recovery or audit (or --smoke)")
+    if args.what in (None, "accuracy"):
+        accuracy(1, cells=SMOKE_CELLS) if args.smoke else accuracy(args.reps)
     elif args.what == "recovery":
-        recovery(args.bootstrap, args.events)
+        recovery(args.bootstrap, 2_000 if args.smoke else args.events)
     else:
         audit()
     return 0
