@@ -10,5 +10,6 @@
   distributions and real frequency profiles; used by accuracy benches and by
   ``service.group``, ``service.release_time`` and ``service.views``).
 
-Every bench runs as ``python -m bench.<package>.<name>`` from the repository root.
+Every bench runs as ``python -m bench.<package>.<name>`` from the repository root, and with
+``--smoke`` at a tiny size (the suite runs them all: tests/test_bench_smoke.py).
 """
