@@ -104,7 +104,7 @@ def run(quick: bool, path: Path, shard: str | None = None) -> dict:
     t_run = time.perf_counter()
     for i, cell in enumerate(todo):
         t = time.perf_counter()
-        state["results"][cell.key] = grid.run_cell(cell)
+        state["results"][cell.key] = grid.run_cell(cell, layers=LAYERS)
         save(state, path)
         log(f"{i + 1}/{len(todo)} {cell.mode} {cell.dist} n={cell.n:g} D={cell.D or '-'} "
             f"eps={cell.eps} reps={cell.reps}: {time.perf_counter() - t:.1f} s")
@@ -314,6 +314,8 @@ def run_coverage(quick: bool, state: dict, path: Path, cells=None) -> dict:
 ADMISSIBLE = tuple((m, c) for m in METHODS for c in grid.ADMISSIBLE_CAPS)
 
 
+#: the layer counts run (--smoke: 1 and 2)
+LAYERS = grid.LAYERS
 #: the grid whose order the report follows (--smoke: its own two cells; the full grid's real
 #: profiles need the bench extra)
 ORDER: bool | str = False
@@ -1077,7 +1079,7 @@ def _plot_snr(rows, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, "two tiny cells, one repetition, into out/")
+    ap = parser(__doc__, "two tiny cells, 1 and 2 layers, one repetition, into out/")
     ap.add_argument("--quick", action="store_true", help="a few small cells; writes under out/")
     ap.add_argument("--shard", type=shard_arg,
                     help="i/N: run every N-th remaining cell into its own file")
@@ -1105,9 +1107,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timing", action="store_true",
                     help="time the release at D = 1e7 (full arrays) into the results file")
     args = ap.parse_args(argv)
-    global ORDER
+    global ORDER, LAYERS
     if args.smoke:
         args.quick = ORDER = "smoke"  # grid.grid_cells: the smoke cells; the quick outputs
+        LAYERS = (1, 2)
     path = RESULTS.with_name(f"grid_results_{'smoke' if args.smoke else 'quick'}.pkl") \
         if args.quick else RESULTS
     if args.merge:

@@ -50,7 +50,7 @@ CELLS = [
     ("wordfreq-en n=D/10", "direct", 100_000, 10_000, "wf-en", 0.5, 2),
     ("spellchecker-ru n=D/10", "direct", 19_880, 1_988, "sc-ru", 1.0, 2),
 ]
-SMOKE_CELL = ("smoke: direct zipf", "direct", 1_000, 1_000, "zipf", 1.0, 2)  # --smoke
+SMOKE_CELL = ("smoke: direct zipf", "direct", 300, 300, "zipf", 1.0, 2)  # --smoke
 USERS_PER_EVENT = 0.3  # "users": d = 0.3 n items, counts 1 + Poisson(n / d - 1)
 
 
@@ -308,7 +308,7 @@ def plan_spread(draws: int = 8) -> None:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, "2 windows, 1 changed pair of one tiny cell (D = n = 1000)")
+    ap = parser(__doc__, "2 windows, 1 changed pair of one tiny cell (D = n = 300)")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--pairs", type=int, default=20, help="changed pairs per cell (power)")
     ap.add_argument("--cells", default="", help="comma-separated cell numbers (default all)")

@@ -1366,7 +1366,7 @@ def write_report(R, meta, outdir: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, "every section at n <= 1e4, one repetition, into out/")
+    ap = parser(__doc__, "every section at n <= 1e4, eps 1, one repetition, into out/")
     ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     ap.add_argument("--out", default=None, help="output directory (default docs/, or out/)")
     ap.add_argument("--replot", metavar="PICKLE", default=None,
@@ -1377,7 +1377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="processes for --sweep")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.quick = "smoke"  # the sections' smallest sizes; the quick run's outputs (out/)
+        global EPS
+        args.quick, EPS = "smoke", (1.0,)  # the sections' smallest sizes at one eps; out/
     if args.sweep:
         Path("out").mkdir(exist_ok=True)
         path = SWEEP_PKL if not args.quick else Path("out") / "largedomain_bsweep_quick.pkl"
