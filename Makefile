@@ -44,13 +44,13 @@ test-fast: $(STAMP) lint
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
-	$(BIN)/python -m bench.speed
-	$(BIN)/python -m bench.accuracy
-	$(BIN)/python -m bench.estimators
-	$(BIN)/python -m bench.accuracy_report
-	$(BIN)/python -m bench.largedomain
-	$(BIN)/python -m bench.e2e
-	$(BIN)/python -m bench.group --all
+	$(BIN)/python -m bench.service.speed
+	$(BIN)/python -m bench.accuracy.accuracy
+	$(BIN)/python -m bench.accuracy.estimators
+	$(BIN)/python -m bench.accuracy.accuracy_report
+	$(BIN)/python -m bench.accuracy.largedomain
+	$(BIN)/python -m bench.service.e2e
+	$(BIN)/python -m bench.service.group --all
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .mypy_cache

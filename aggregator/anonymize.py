@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from . import deconvolution  # deconv_tol looked up at call time: bench.lofo --fixed-tol swaps it
+# deconv_tol looked up at call time: bench.accuracy.lofo --fixed-tol swaps it
+from . import deconvolution
 from .cap import CAP_RULES, cap_total
 from .counters import check_layers, noisy_value_counts
 from .deconvolution import DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, deconvolved_batch

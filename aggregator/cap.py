@@ -56,7 +56,8 @@ def cap_total(y, total: int, rule: str = "items") -> np.ndarray:
     * ``"none"``: y as it is (no cap; for measurements).
 
     (A third cutting rule, ``"fitted"``, which thins only the items the EM fitted, was measured
-    and not adopted: it lives in bench/fitted_cap.py.) The default per mode and layer count is
+    and not adopted: it lives in bench/accuracy/fitted_cap.py.) The default per mode and layer
+    count is
     :func:`aggregator.estimators.default_cap` (measured in docs/accuracy_grid.md).
 
     >>> y = np.array([6, 3, 1])          # the histogram (3, 2, 2, 1, 1, 1): 10 events

@@ -87,8 +87,8 @@ def estimator(name: str) -> Estimator:
 
 # (mode, layers) -> (method, cap rule); a layer count without a key uses the largest key below it.
 # Chosen by the lowest worst-case regret over the accuracy grid, every candidate on the same noisy
-# counters (docs/accuracy_grid.md; bench/accuracy_grid.py writes the choice to
-# bench/grid_defaults.json, and tests/test_grid_defaults.py checks this table against it).
+# counters (docs/accuracy_grid.md; bench/accuracy/accuracy_grid.py writes the choice to
+# bench/accuracy/grid_defaults.json, and tests/test_grid_defaults.py checks this table against it).
 DEFAULTS = {
     ("direct", 1): ("auto", "items"),
     ("direct", 2): ("auto", "items"),
@@ -102,7 +102,8 @@ DEFAULTS = {
 DEFAULT_METHODS = {key: method for key, (method, _) in DEFAULTS.items()}
 
 # (The grid also evaluates rules on the public signal-to-noise ratio that would replace a
-# DEFAULTS entry when n is known, bench/accuracy_grid.py "rules"; none has beaten the fixed table
+# DEFAULTS entry when n is known, bench/accuracy/accuracy_grid.py "rules"; none has beaten the
+# fixed table
 # held out, so none is in the code: tests/test_grid_defaults.py fails when the grid adopts one.)
 
 

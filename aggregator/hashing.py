@@ -41,7 +41,7 @@ _MASK = (1 << 64) - 1
 _INIT = (0x736F6D6570736575, 0x646F72616E646F6D, 0x6C7967656E657261, 0x7465646279746573)
 # At most this many rows still running finish word by word in Python (~2-3 us a word each): a
 # numpy step costs ~30 us whatever its row count (about 60 calls); the two cross near 12-16 rows
-# (``python -m bench.hash_timing --crossover``).
+# (``python -m bench.service.hash_timing --crossover``).
 _SCALAR_ROWS = 12
 
 

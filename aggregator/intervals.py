@@ -16,8 +16,8 @@ The signal is the n events (the l1 norm of the true cumulative prevalence), so t
 relative l1 error cannot be much below sigma / n: :func:`signal_to_noise` is n / sigma, computed
 from public quantities only (n, the number of counters, p, k), so it can be checked before any
 data arrives. Below :data:`SNR_MIN` = 2 the release is flagged (:func:`signal_below_noise`): over
-the accuracy grid (bench/grid.py, 468 cells and layer counts), the best estimator's relative l1
-error reached 1/2 only at SNR <= 1.6 (docs/accuracy_grid.md, "Signal below noise").
+the accuracy grid (bench/accuracy/grid.py, 468 cells and layer counts), the best estimator's
+relative l1 error reached 1/2 only at SNR <= 1.6 (docs/accuracy_grid.md, "Signal below noise").
 
 Error bars
 ----------
@@ -104,7 +104,8 @@ def expected_errors(bars: dict) -> dict:
 
     ``rms_error``: the root-mean-square deviation of the re-estimates from the stand-in truth
     (the estimator's spread and its bias at the stand-in), the largest over the stand-ins.
-    Measured against the truth (bench/changes.py, docs/accuracy_changes.md "Expected errors"): the
+    Measured against the truth (bench/accuracy/changes.py, docs/accuracy_changes.md "Expected
+    errors"): the
     actual root-mean-square error over the stated one was 0.8-1.2 for distinct items; adding
     the gap between the stand-in fits (``stand_in_gap``) in quadrature overstated it (0.6-0.85).
     """
@@ -122,7 +123,7 @@ def standard_errors(bars: dict) -> dict:
     g apart has standard deviation g / 2). Without that term, on a stationary hashed stream of
     mostly distinct users (B = 2e5, n = 1e5, eps 1, 2 layers) `auto` flipped between the
     early-stopped EM and the NPMLE, 7% apart, and 26% of consecutive windows read as a
-    significant change at level 0.9 (bench/changes.py).
+    significant change at level 0.9 (bench/accuracy/changes.py).
     """
     sel = bool(bars.get("selected"))
     return {k: math.hypot(float(bars["spread"][k]),

@@ -13,8 +13,8 @@ D / log(1/p)) by binary search (Gamma^B_r is increasing in phi_{>=r} with the lo
 Lemma 20; in fact it is affine in it for r >= 2, see :func:`greedy_prefix`) and takes r > m from a
 second, unhashed histogram (:func:`two_histogram_estimate`). An unhashed histogram does not exist
 for an unbounded domain, so ``"alg7-single"`` takes r > m from the same hashed histogram, where
-collisions only shift large counts by about n/B. ``bench/largedomain.py`` measures all of them at
-equal total epsilon and memory; docs/large_domains.md has the numbers and the reason for the
+collisions only shift large counts by about n/B. ``bench/accuracy/largedomain.py`` measures all of
+them at equal total epsilon and memory; docs/large_domains.md has the numbers and the reason for the
 default.
 
 Privacy: the hash key is drawn before any data and stored with the state, the map is
@@ -44,7 +44,8 @@ from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this mo
 )
 from .selection import select
 
-# the bucket inversion takes every cap rule (bench/fitted_cap.py's "fitted" needs the direct EM's
+# the bucket inversion takes every cap rule (bench/accuracy/fitted_cap.py's "fitted" needs the
+# direct EM's
 # axis, and hashed mode has none)
 HASHED_CAP_RULES = CAP_RULES
 

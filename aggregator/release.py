@@ -131,7 +131,7 @@ def internal_level(level: float, mode: str = "direct") -> float:
     leaving each family out, the lowest internal level at which every statistic covered at
     least 0.90 on the other families was 0.8 in every direct fold, and the held-out families'
     coverage at the level chosen without them was 0.91 / 0.93 / 0.91 (direct) and 0.90 / 0.94 /
-    0.92 (hashed, before the change below) (bench/coverage28.py; docs/accuracy_changes.md,
+    0.92 (hashed, before the change below) (bench/accuracy/coverage28.py; docs/accuracy_changes.md,
     "Intervals at their level").
     Hashed mode's intervals reach the bucket likelihood's plausible extremes since issue 28's
     new-user window (:mod:`aggregator.bucket_likelihood`: every fit under-counted mostly
@@ -298,8 +298,8 @@ def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bo
     the configuration itself (:func:`_plan_seed`), so one configuration states the same figures
     in every process: the service's start line, a second aggregation and `panagg plan` in
     another shell agree (with fresh draws they differed by up to 3x, the spread of a median of
-    3 simulated windows: `python -m bench.changes --plan-spread`), and the result is kept for
-    the configuration in this process. ``cancel``: a function asked before each simulated
+    3 simulated windows: `python -m bench.accuracy.changes --plan-spread`), and the result is kept
+    for the configuration in this process. ``cancel``: a function asked before each simulated
     window; when it returns True, :class:`PlanCancelled` is raised (a service that stops
     before its plan is done does not wait for it). A real window
     of a similar shape states about the same figures (docs/accuracy_changes.md, "Expected errors").

@@ -25,7 +25,8 @@ The rule
    the truth.
 3. Minimax regret. regret(candidate, pilot) = error / the smallest error under that pilot. The
    choice is the candidate with the smallest worst regret over the pilots (ties: the lower mean
-   regret): the grid's own selection rule (bench/grid.py), applied to the plausible truths of
+   regret): the grid's own selection rule (bench/accuracy/grid.py), applied to the plausible truths
+   of
    these counters instead of to a benchmark grid. A candidate that is good only if the truth is
    smooth, or only if it is spiky, loses to one that is good under both.
 4. The winner's estimate on the real counters (the pilots' runs are reused) is the release.
@@ -42,7 +43,8 @@ start (the zero cluster's noisy values pulled to their true mean and variance,
 by more than :data:`START_MARGIN` nats (both fits capped at n by ``"items"``); on the counters and
 on every simulated state alike, as the pilot and as the candidate. :func:`chosen_start` tells the
 error bars which start the release took, so their bootstrap re-runs it. Measured held out
-(bench/lofo.py; the figures: docs/core_figures.md, "auto"), it lowered the worst regret at one
+(bench/accuracy/lofo.py; the figures: docs/core_figures.md, "auto"), it lowered the worst regret at
+one
 layer and lost at two, so it is not applied there, nor in hashed mode, whose bucket counters
 run their own choice of start (``largedomain._likelier_start``).
 
@@ -237,7 +239,7 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
     counters are noise, and wrong for heavy tails, where it thins away heavy hitters the counters
     plainly show; the likelihood tells the two apart when it can (docs/core_figures.md,
     "auto"), and ``scale`` stays where it cannot.
-    bench/select_study.py compares this rule with the alternatives on the grid's counters.
+    bench/accuracy/select_study.py compares this rule with the alternatives on the grid's counters.
     """
     gaps = []
     for pm in pilots:
@@ -251,7 +253,7 @@ def _standin_cap(vc, fits: dict, pilots, n: int, p: float, k: int) -> str:
 def _capped(y, total, rule: str, counters, p: float, k: int) -> np.ndarray:
     """y capped at ``total`` by ``rule`` (as it is with ``"none"`` or no total); ``counters``
     (with p and k) are what y was estimated from: no library rule reads them, a rule bench
-    measures does (bench/fitted_cap.py patches this function)."""
+    measures does (bench/accuracy/fitted_cap.py patches this function)."""
     if rule == "none" or total is None:
         return y
     return cap_total(y, int(total), rule)

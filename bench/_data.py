@@ -44,7 +44,7 @@ DISTRIBUTIONS = ("zipf", "uniform", "geometric", "zipf0.7", "zipf1.5", "zipf2", 
 REAL = ("wf-en", "wf-de", "wf-ja", "wf-ar", "sc-es", "sc-ru", "sc-fa", "sc-lv", "ss-en", "ss-en2")
 REAL_TOP = 100_000  # wordfreq lists: the top words kept
 # Real profiles from sources the accuracy grid never used (issue 28's held-out families): for the
-# leave-one-family-out study (bench/lofo.py), not in the grid's cells.
+# leave-one-family-out study (bench/accuracy/lofo.py), not in the grid's cells.
 # * ``jb-zh``: jieba 0.42's Chinese dictionary (349,046 words with corpus counts);
 # * ``ac-en``: autocorrect 2.6's English word counts (a different corpus than wordfreq / symspell);
 # * ``py-ids``: identifier counts in this Python's standard library source (program identifiers,

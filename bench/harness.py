@@ -1,7 +1,7 @@
 """What every benchmark shares: provenance, timing, statistics, tables and doc sections.
 
 * provenance: :func:`git_rev` (HEAD, and which measured modules the working tree changes),
-  :func:`cpu_model`, :func:`versions`;
+  :func:`cpu_model`, :func:`versions`, and :func:`provenance`, all three in one line;
 * timing: :class:`Timer` (a ``with`` block) and :func:`timed` (repetitions of one call with the
   garbage collector held off, as the release's timings are read);
 * statistics: :func:`mean_se`, :func:`ratio_se`, :func:`fmt`;
@@ -9,7 +9,11 @@
   :func:`write_doc_section` (a generated block between markers, so hand-written notes around it
   survive a re-run);
 * grids run in parallel processes: :func:`parse_shard` and :func:`shard_of` (which cells
-  ``--shard i/N`` runs).
+  ``--shard i/N`` runs);
+* the command line every bench shares: :func:`parser` (the description from the module's
+  docstring, and ``--smoke``: a run at a tiny size, seconds long, that writes nothing into docs/;
+  tests/test_bench_smoke.py runs every bench with it) and :data:`ROOT` (the repository root, for
+  docs/ and deploy/ paths).
 
 The data the accuracy benchmarks draw (distributions, real profiles, seeded noise) is in
 :mod:`bench._data`.
@@ -26,16 +30,21 @@ The data the accuracy benchmarks draw (distributions, real profiles, seeded nois
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["git_rev", "cpu_model", "versions", "Timer", "timed", "mean_se",
+__all__ = ["ROOT", "git_rev", "cpu_model", "versions", "provenance", "Timer", "timed", "mean_se",
            "ratio_se", "fmt", "md_table", "write_doc_section", "pyplot", "parse_shard", "shard_arg",
-           "shard_of"]
+           "shard_of", "parser"]
+
+#: the repository root: benches run from it (``python -m bench.<package>.<name>``)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def mean_se(xs) -> tuple[float, float]:
@@ -61,7 +70,7 @@ def ratio_se(a, b) -> tuple[float, float]:
 def git_rev(modules) -> str:
     """Short HEAD, noting which of ``modules`` the working tree changes (benchmark provenance)."""
     import subprocess
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                              capture_output=True, check=True).stdout.strip()
@@ -94,6 +103,13 @@ def versions(packages) -> str:
         except Exception:
             pass
     return ", ".join(out)
+
+
+def provenance(modules=("aggregator",), packages=("numpy",)) -> str:
+    """One line for a result's header: the git revision (:func:`git_rev` of ``modules``), the CPU
+    and its count, and the versions of ``packages``."""
+    return (f"git {git_rev(modules)}; {os.cpu_count()} CPUs, {cpu_model()}; "
+            f"{versions(packages)}")
 
 
 def _num(v: float, digits: int) -> str:
@@ -185,7 +201,6 @@ def parse_shard(shard: str = "0/1") -> tuple[int, int]:
 def shard_arg(text: str) -> str:
     """argparse ``type=`` for ``--shard``: the text, checked (a bad one is argparse's one-line
     usage error, not a trace)."""
-    import argparse
     try:
         parse_shard(text)
     except ValueError as exc:
@@ -202,3 +217,18 @@ def shard_of(items, shard: str = "0/1") -> list:
     """
     i, n = parse_shard(shard)
     return [x for k, x in enumerate(items) if k % n == i]
+
+
+def parser(doc: str, smoke: str = "") -> argparse.ArgumentParser:
+    """A bench's argument parser: the first line of its docstring ``doc`` as the description,
+    and ``--smoke``, a run at a tiny size (``smoke`` says which) that takes seconds and writes
+    nothing into docs/: the run tests/test_bench_smoke.py makes of every bench.
+
+    >>> parser("Throughput of one thing.\\n\\nMore.", "100 events").parse_args(["--smoke"]).smoke
+    True
+    """
+    ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny run for the test suite, seconds long, writing no doc"
+                    + (f" ({smoke})" if smoke else ""))
+    return ap

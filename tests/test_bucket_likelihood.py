@@ -167,7 +167,8 @@ def test_the_release_picks_the_start_once_and_its_bootstrap_reruns_that_start(mo
 def test_the_change_test_counts_the_gap_between_the_two_starts():
     # another window of the same users may take the other start (the likelihood margins are
     # small there): its standard error carries half their gap, as for auto's candidates; without
-    # it 8 of 39 stationary window pairs read as a change at level 0.9 (bench.changes, cell 0)
+    # it 8 of 39 stationary window pairs read as a change at level 0.9 (bench.accuracy.changes,
+    # cell 0)
     from aggregator import largedomain as ld
     g = np.random.default_rng(14)
     p, layers, B = p_from_epsilon(1.0), 2, 40_000

@@ -1,5 +1,6 @@
-"""bench/fitted_cap.py: the cap rule "fitted", measured and not adopted (the library's cap rules
-are aggregator.cap.CAP_RULES), and auto given it as bench.lofo's auto_fitted does."""
+"""bench/accuracy/fitted_cap.py: the cap rule "fitted", measured and not adopted (the library's cap
+rules
+are aggregator.cap.CAP_RULES), and auto given it as bench.accuracy.lofo's auto_fitted does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from aggregator import selection
 from aggregator.histograms import counts_from_cumulative, cumulative_from_counts
 from aggregator.noise import discrete_laplace
-from bench.fitted_cap import auto_fitted, cap_fitted, capped
+from bench.accuracy.fitted_cap import auto_fitted, cap_fitted, capped
 
 
 @settings(max_examples=300, deadline=None)

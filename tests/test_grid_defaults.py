@@ -1,7 +1,7 @@
 """The release defaults are the accuracy grid's choices, and the release really uses them.
 
-bench/accuracy_grid.py writes the candidate with the lowest worst-case regret per (mode, layers) to
-bench/grid_defaults.json (docs/accuracy_grid.md has the measurements);
+bench/accuracy/accuracy_grid.py writes the candidate with the lowest worst-case regret per
+(mode, layers) to bench/accuracy/grid_defaults.json (docs/accuracy_grid.md has the measurements);
 aggregator.estimators.DEFAULTS must say the same, and a release that names no estimator and no cap
 rule must be exactly the one that names the defaults.
 """
@@ -20,7 +20,7 @@ from aggregator.estimators import (
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 
-GRID = Path(__file__).resolve().parent.parent / "bench" / "grid_defaults.json"
+GRID = Path(__file__).resolve().parent.parent / "bench" / "accuracy" / "grid_defaults.json"
 
 
 def test_code_defaults_are_the_grids_choice():
@@ -31,7 +31,8 @@ def test_code_defaults_are_the_grids_choice():
 
 
 def test_the_grid_adopted_no_snr_rule():
-    """bench/accuracy_grid.py also judges rules on the public signal-to-noise ratio that would
+    """bench/accuracy/accuracy_grid.py also judges rules on the public signal-to-noise ratio that
+    would
     replace a DEFAULTS entry when n is known; none has won held out, and the code has none. If
     the grid adopts one, this fails: the release must then learn to apply it."""
     assert json.loads(GRID.read_text()).get("rules", {}) == {}

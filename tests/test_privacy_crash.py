@@ -41,7 +41,7 @@ was published once (one release file, equal to the ledgered document, one releas
 ledger) and, once the release is ledgered, that the restart never read a record of window 0 (no
 restart entry for it; its first poll is at window 0's end).
 
-    python -m bench.privacy_audit --crash-only   # the figures of docs/privacy.md section 16
+    python -m bench.service.privacy_audit --crash-only   # the figures of docs/privacy.md section 16
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class _Fault:
 
 
 class _Patches:
-    """setattr with undo (pytest's monkeypatch, usable from bench/privacy_audit.py too)."""
+    """setattr with undo (pytest's monkeypatch, usable from bench/service/privacy_audit.py too)."""
 
     def __init__(self):
         self.undo = []

@@ -5,7 +5,7 @@ ratio, on each block between consecutive looks, and on their sums.
 Each scenario below builds the same schedules, real states and real service runs that
 tests/test_privacy.py and tests/test_privacy_service.py audit with ``empirical_epsilon``, plus
 the model of their views (true counters under both neighbours, layers as designed); the scenario
-functions are shared with ``python -m bench.privacy_audit``, which prints the table of
+functions are shared with ``python -m bench.service.privacy_audit``, which prints the table of
 docs/privacy.md section 13. Negative controls: two independent eps-looks of one event (must read
 about 2 eps; the older family reads about eps there), noise 25 % weaker than claimed, half the
 noise, and the broken layerings. Production noise (OS entropy), no seeds; an eps-DP mechanism

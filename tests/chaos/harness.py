@@ -9,8 +9,8 @@ the topic's end offsets. On top, what only the harness knows: the service never 
 own, every restart started, and every produced record is in a decided window or in the open
 window the last checkpoint holds (``unreleased``, bounded by a window).
 
-The suite runs a small matrix (tests/chaos/test_chaos.py); ``python -m bench.chaos`` runs the
-full one and writes its table (docs/chaos.md).
+The suite runs a small matrix (tests/chaos/test_chaos.py); ``python -m bench.service.chaos`` runs
+the full one and writes its table (docs/chaos.md).
 """
 
 from __future__ import annotations

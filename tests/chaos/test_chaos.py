@@ -1,7 +1,7 @@
 """The small fault matrix of issue 46 in the suite: the same producer and the same invariant
 (tests/chaos/invariant.py) for one process, several aggregations and rollups under a service
 kill -9, a broker kill -9 or clean restart and a start while the broker is away. The full
-matrix is ``python -m bench.chaos`` (docs/chaos.md)."""
+matrix is ``python -m bench.service.chaos`` (docs/chaos.md)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,335 @@
+"""Scale-out on Kafka alone (``scale.store = kafka``): throughput, accuracy against P, and the
+time from a member's kill -9 to the group's release. Issue "Scale-out on Kafka alone".
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.service.group --accuracy    # offline: merged l1 at P = 1, 3, 6, 12
+    .venv/bin/python -m bench.service.group --throughput  # real broker: events/s, 1-3 members
+    .venv/bin/python -m bench.service.group --takeover    # real broker: kill -9 -> release
+    .venv/bin/python -m bench.service.group --all         # the three; writes docs/group_bench.md
+
+1. Accuracy (offline, production code paths): one true histogram per repetition (n events over a
+   real profile or Zipf(1.1), D counters), split by counter index mod P into P slice states
+   (:func:`aggregator.service.group.repartition.slice_size` counters each, the state noise drawn
+   by :class:`~aggregator.state.PanPrivateHistogram`), each summarized with the release layer
+   (``partition_summary``, joint model) and merged with ``merge_summaries``; l1 distance of the
+   merged release to the true anonymized histogram, and the ratio to P = 1 (one process) on the
+   same true histograms. Noise from the OS CSPRNG (unseeded).
+2. Throughput (real Apache Kafka on loopback; ``deploy/kafka/kafka.sh`` or
+   $PANAGG_KAFKA_BOOTSTRAP): a backlog of N msgpack records (unkeyed) on a 6-partition topic,
+   then k = 1, 2, 3 members started at once on a new group; events/s = N / (time from the start
+   until the releases (read from ``<group>.panagg.releases``) hold N events), window 5 s.
+3. Takeover: two members, a steady 2,000 events/s; kill -9 of the member that does not lead, not
+   restarted; the time from the kill until the window open at the kill is released, against the
+   same window's planned release time (its end + close grace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from bench.harness import ROOT, parser
+
+
+# -- 1. accuracy ------------------------------------------------------------------------------
+def merged_l1(counts: np.ndarray, P: int, eps: float, reps_err: int = 0) -> float:
+    from aggregator.estimate import l1_distance
+    from aggregator.service.group.repartition import slice_size
+    from aggregator.service.group.summary import merge_summaries, partition_summary
+    from aggregator.state import PanPrivateHistogram
+
+    D = len(counts)
+    idx = np.arange(D)
+    summaries = []
+    info = {"kind": "time", "size": 1.0, "events": 0, "started_unix": 0.0, "ended_unix": 1.0}
+    for p in range(P):
+        st = PanPrivateHistogram(eps, size=slice_size(D, P, p))
+        mine = counts[idx % P == p]
+        st.add_indices(np.repeat(np.arange(len(mine)), mine))
+        s = partition_summary(st, model="joint", window=0, partition=p, partitions=P,
+                              window_info=dict(info, events=int(mine.sum())))
+        summaries.append(s)
+    release = merge_summaries(summaries, error_bar_reps=reps_err)
+    pairs = release["histogram"]["pairs"]
+    est = np.repeat([r for r, _ in pairs], [c for _, c in pairs]) if pairs else np.zeros(0)
+    return float(l1_distance(counts[counts > 0], est))
+
+
+def accuracy(profiles, D: int, n: int, eps: float, reps: int, Ps=(1, 3, 6, 12)) -> list[dict]:
+    from bench._data import real_profile, weights
+
+    rows = []
+    for name in profiles:
+        w = weights("zipf", D) if name == "zipf" else real_profile(name)[:D]
+        w = w / w.sum()
+        errs = {P: [] for P in Ps}
+        for _ in range(reps):
+            rng = np.random.default_rng()
+            counts = rng.multinomial(n, w)
+            counts = np.concatenate([counts, np.zeros(D - len(counts), dtype=counts.dtype)])
+            rng.shuffle(counts)   # item ids carry no order
+            for P in Ps:
+                errs[P].append(merged_l1(counts, P, eps))
+        base = float(np.mean(errs[1]))
+        for P in Ps:
+            m = float(np.mean(errs[P]))
+            se = float(np.std(errs[P], ddof=1) / np.sqrt(reps)) if reps > 1 else 0.0
+            rows.append({"profile": name, "P": P, "l1": m, "se": se, "ratio": m / base})
+            print(f"{name:8s} P={P:2d} l1={m:9.0f} +- {se:6.0f}  ratio to P=1 {m / base:5.2f}",
+                  file=sys.stderr)
+    return rows
+
+
+# -- 2. and 3. on a real broker -------------------------------------------------------------------
+def _broker(tmp: Path):
+    boot = os.environ.get("PANAGG_KAFKA_BOOTSTRAP")
+    if boot:
+        return boot, None
+    out = subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start", str(tmp / "kafka")],
+                         capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-1].split("=", 1)[1], tmp / "kafka"
+
+
+def _topic(boot, parts=6):
+    from kafka.admin import KafkaAdminClient, NewTopic
+    name = f"gb-{uuid.uuid4().hex[:8]}"
+    a = KafkaAdminClient(bootstrap_servers=boot)
+    a.create_topics([NewTopic(name, num_partitions=parts, replication_factor=1)])
+    a.close()
+    return name
+
+
+def _produce(boot, topic, n, rate=None, D=100_000, event_span_s=None):
+    """n records; ``event_span_s``: stamped over that many seconds an hour ago (out of order
+    within 2 s), then one record per partition far later, so every window of the span closes."""
+    import msgpack
+    from kafka import KafkaProducer
+    p = KafkaProducer(bootstrap_servers=boot, linger_ms=20, batch_size=512 * 1024)
+    rng = np.random.default_rng()
+    items = np.minimum(rng.zipf(1.1, n), D - 1)
+    vals = [msgpack.packb({"item": int(i)}) for i in items]
+    stamps = [None] * n
+    if event_span_s:
+        t0 = time.time() - 3600
+        stamps = (1000 * (t0 + np.linspace(0, event_span_s, n) + rng.uniform(0, 2, n))).astype(
+            np.int64).tolist()
+    step = max(1, int((rate or 1e9) / 20))
+    for i in range(0, n, step):
+        for v, ts in zip(vals[i:i + step], stamps[i:i + step]):
+            p.send(topic, value=v, timestamp_ms=ts)
+        if rate:
+            time.sleep(0.05)
+    if event_span_s:
+        for part in sorted(p.partitions_for(topic)):
+            p.send(topic, value=vals[0], partition=part,
+                   timestamp_ms=int(1000 * (t0 + event_span_s + 600)))
+    p.flush()
+    p.close()
+
+
+def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0):
+    log = open(tmp / f"{group}-{name}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", boot, "--topic",
+         topic, "--state-dir", str(tmp / group / name), "--release-dir",
+         str(tmp / group / name / "rel"), "--metrics-port", "-1",
+         "--set", "scale.partitioned=true", "--set", "scale.store=kafka",
+         "--set", "window.kind=time", "--set", f"window.size={int(window)}",
+         "--set", "state.domain_size=100000", "--set", f"source.group={group}",
+         "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
+         "--set", "scale.close_grace_s=1",
+         *(["--set", "window.kind=event_time", "--set", "window.allowed_lateness_s=2"]
+           if event_time else []),
+         *(["--set", "window.kind=count", "--set", f"window.size={int(count)}"]
+           if count else [])], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def _released(boot, group):
+    """[(window, n, time of the ledger entry)] from the group's ledger topic."""
+    from kafka import KafkaConsumer
+
+    from aggregator.service.group.ledger_topic import TopicLedger
+    c = KafkaConsumer(bootstrap_servers=boot, isolation_level="read_committed", group_id=None,
+                      enable_auto_commit=False)
+    try:
+        led = TopicLedger(c, f"{group}.panagg.ledger", budget_per_window=1.0)
+        led.read_to_end()
+        return [(e["window"], e.get("n", 0), e["time_unix"]) for e in led.entries
+                if e["kind"] == "release"]
+    except Exception:
+        return []
+    finally:
+        c.close()
+
+
+def _stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False) -> list[dict]:
+    """``event_time``: windows by the records' timestamps (5 s windows, 2 s lateness, the
+    backlog stamped over 200 s: 40 windows)."""
+    rows = []
+    for k in members:
+        topic = _topic(boot)
+        _produce(boot, topic, n, event_span_s=200 if event_time else None)
+        group = f"gb-{uuid.uuid4().hex[:6]}"
+        t0 = time.monotonic()
+        procs = [_member(boot, topic, group, f"m{i}", tmp, event_time=event_time)
+                 for i in range(k)]
+        try:
+            while sum(r[1] for r in _released(boot, group)) < n:
+                if time.monotonic() - t0 > 900:
+                    raise RuntimeError(f"{k} member(s): not done in 900 s")
+                time.sleep(1)
+            secs = time.monotonic() - t0
+        finally:
+            _stop(procs)
+        rows.append({"members": k, "events": n, "seconds": secs, "events_per_s": n / secs,
+                     "windows": "event_time" if event_time else "time"})
+        print(f"{k} member(s): {n} events in {secs:.1f} s = {n / secs:,.0f} events/s "
+              "(start, group join and the last window's close included)", file=sys.stderr)
+    return rows
+
+
+def count_windows(boot, tmp, n=200_000, size=20_000, rate=5_000, members=2) -> dict:
+    """Count windows of ``size`` events cut by the leader, the stream at ``rate`` events/s:
+    how many events each window holds (the cut's overshoot), no kills."""
+    topic = _topic(boot)
+    group = f"gb-{uuid.uuid4().hex[:6]}"
+    procs = [_member(boot, topic, group, "m0", tmp, count=size)]
+    time.sleep(4)
+    procs += [_member(boot, topic, group, f"m{i}", tmp, count=size) for i in range(1, members)]
+    time.sleep(4)
+    try:
+        _produce(boot, topic, n, rate=rate)
+        # the last cut may be short of n by its overshoot: wait for all but one, then quiet
+        deadline = time.monotonic() + 300
+        while sum(r[1] for r in _released(boot, group)) < (n // size - 1) * size:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the count windows were not all cut within 300 s")
+            time.sleep(1)
+        time.sleep(8)
+    finally:
+        _stop(procs)
+    sizes = [k for _, k, _ in sorted(_released(boot, group))]
+    over = np.array(sizes) / size - 1.0
+    row = {"size": size, "rate": rate, "members": members, "windows": sizes,
+           "overshoot_mean": float(over.mean()), "overshoot_max": float(over.max()),
+           "overshoot_min": float(over.min()),
+           "overshoot_max_s": float(over.max() * size / rate)}
+    print(f"count windows of {size:,} at {rate:,} events/s, {members} members: "
+          f"n/N - 1 mean {row['overshoot_mean']:+.3f}, min {row['overshoot_min']:+.3f}, "
+          f"max {row['overshoot_max']:+.3f} "
+          f"({row['overshoot_max_s']:.2f} s of the stream)", file=sys.stderr)
+    return row
+
+
+def takeover(boot, tmp, window=5.0) -> dict:
+    topic = _topic(boot)
+    group = f"gb-{uuid.uuid4().hex[:6]}"
+    procs = {"m0": _member(boot, topic, group, "m0", tmp, window)}
+    time.sleep(4)
+    procs["m1"] = _member(boot, topic, group, "m1", tmp, window)
+    stop = threading.Event()
+
+    def steady():
+        while not stop.is_set():
+            _produce(boot, topic, 2000, rate=None)
+            time.sleep(1)
+    th = threading.Thread(target=steady, daemon=True)
+    th.start()
+    try:
+        time.sleep(20)   # the group settles, windows are being released
+        from aggregator.service.group.status import collect_group_status
+        st = collect_group_status(boot, group)
+        victim = next(m["member"] for m in st["members"] if not m["leads"])
+        killed = time.time()
+        procs[victim].send_signal(signal.SIGKILL)
+        w_open = int(killed // window)
+        planned = (w_open + 1) * window + 1.0
+        while True:
+            done = {w: t for w, _, t in _released(boot, group)}
+            if w_open in done:
+                break
+            if time.time() - killed > 180:
+                raise RuntimeError("window not released within 180 s of the kill")
+            time.sleep(0.5)
+        row = {"kill_to_release_s": done[w_open] - killed,
+               "delay_past_planned_s": done[w_open] - planned, "window_s": window,
+               "session_timeout_s": 6.0}
+        print(f"kill -9 -> window {w_open} released after {row['kill_to_release_s']:.1f} s "
+              f"({row['delay_past_planned_s']:.1f} s past its planned time; session timeout 6 s)",
+              file=sys.stderr)
+        return row
+    finally:
+        stop.set()
+        _stop(procs.values())
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__, "--accuracy: Zipf over D = 1000, n = 1000, 1 repetition; with "
+                         "--throughput too: 2000 events, 1 member")
+    ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--throughput", action="store_true")
+    ap.add_argument("--takeover", action="store_true")
+    ap.add_argument("--event-time", action="store_true",
+                    help="--throughput with event-time windows (2 s allowed lateness)")
+    ap.add_argument("--members", default="1,2,3", help="--throughput: member counts")
+    ap.add_argument("--count-windows", type=int, default=0, metavar="N",
+                    help="count windows of N events: what each window holds (the overshoot)")
+    ap.add_argument("--rate", type=int, default=5000, help="--count-windows: events/s")
+    ap.add_argument("--all", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--events", type=int, default=300_000)
+    ap.add_argument("--out", default="out/group_bench.json")
+    args = ap.parse_args(argv)
+    res: dict = {}
+    if args.smoke:
+        res["accuracy"] = accuracy(["zipf"], D=1_000, n=1_000, eps=1.0, reps=1)
+        args.events, args.members = 2_000, "1"
+    elif args.accuracy or args.all:
+        res["accuracy"] = accuracy(["zipf", "wf-en", "sc-es"], D=100_000, n=1_000_000, eps=1.0,
+                                   reps=args.reps)
+    if args.throughput or args.takeover or args.count_windows or args.all:
+        import tempfile
+        tmp = Path(tempfile.mkdtemp(prefix="group-bench-"))
+        boot, state = _broker(tmp)
+        try:
+            if args.throughput or args.all:
+                res["throughput"] = throughput(
+                    boot, tmp, n=args.events, event_time=args.event_time,
+                    members=tuple(int(m) for m in args.members.split(",")))
+            if args.takeover or args.all:
+                res["takeover"] = takeover(boot, tmp)
+            if args.count_windows:
+                res["count_windows"] = count_windows(boot, tmp, n=args.events,
+                                                     size=args.count_windows, rate=args.rate)
+        finally:
+            if state is not None:
+                subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

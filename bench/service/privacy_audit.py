@@ -1,0 +1,135 @@
+"""The privacy audit table of docs/privacy.md (section 13): every audit of tests/test_privacy*.py
+read by both test families, with the negative controls.
+
+    python -m bench.service.privacy_audit            # the whole table (about 35 s on 2 cores)
+    python -m bench.service.privacy_audit --no-service
+    python -m bench.service.privacy_audit --crash-only   # the crash rows of section 16 (about 60 s)
+
+Columns: runs per neighbouring stream, the older event family (``empirical_epsilon`` in
+tests/test_privacy.py: values, thresholds and quadrants of counters and of differences of
+consecutive looks), the likelihood-ratio family (tests/lr_audit.py: thresholds on each look's,
+each block's and their sums' exact log-likelihood ratio) and the event that attains the latter.
+Both are certified lower bounds (Clopper-Pearson, Bonferroni, 1e-6 per audit). The scenarios are
+the functions of tests/test_privacy_lr.py, so the table measures what the tests assert on.
+Production noise (OS entropy, no seed): readings move by a few hundredths between runs. Figures,
+not assertions.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.harness import ROOT, parser
+
+if str(ROOT) not in sys.path:  # the scenarios are the tests' (tests/ is not a package on the path)
+    sys.path.insert(0, str(ROOT))
+
+from tests import test_privacy_lr as S  # noqa: E402
+from tests.lr_audit import lr_epsilon  # noqa: E402
+from tests.test_privacy import empirical_epsilon  # noqa: E402
+
+
+def _mechanism_rows():
+    yield "single look (state)", "<= eps", 0.5, lambda: S.single_look(0.5)
+    yield "single look (state)", "<= eps", 1.0, lambda: S.single_look(1.0)
+    yield "single look (state)", "<= eps", 2.0, lambda: S.single_look(2.0)
+    yield "joint view: intrusion + release, event before", "<= eps", 1.0, lambda: S.joint("before")
+    yield "joint view: intrusion + release, event after", "<= eps", 1.0, lambda: S.joint("after")
+    for changed in range(3):
+        for intrusion in range(3):
+            yield (f"2 exports + intrusion + release, event in segment {changed}, intrusion "
+                   f"after segment {intrusion}", "<= eps", 1.0,
+                   lambda c=changed, i=intrusion: S.exports(c, i))
+    yield "real states: one snapshot", "<= eps", 1.0, S.real_states
+    yield "real states: snapshot + release (fresh layer)", "<= eps", 1.0, S.real_joint
+    yield "real add-remove snapshots", "<= eps", 1.0, lambda: S.add_remove(1.0)
+    yield "real add-remove snapshots, two merged states", "<= eps", 1.0, \
+        lambda: S.add_remove(1.0, merged=True)
+    yield "R3 model: memory read before a crash + release of the replay", "<= 2 eps", 1.0, \
+        S.crash_replay
+    yield "**control**: two independent eps-looks of one event", "~2 eps", 1.0, \
+        S.two_independent_looks
+    yield "**control**: noise for eps = 1.25 claimed as 1 (+25 %)", "> eps", 1.0, \
+        lambda: S.single_look(1.0, noise_eps=1.25)
+    yield "**control**: half the noise (loss 2 eps)", "> eps", 1.0, \
+        lambda: S.single_look(1.0, noise_eps=2.0)
+    yield "**control**: a counter without noise", "> eps", 1.0, S.unnoised_counter
+    yield "**control**: release without a fresh layer", "> eps", 1.0, \
+        lambda: S.joint("after", fresh_layer=False)
+    yield "**control**: export without its 'before' layer", "> eps", 1.0, \
+        lambda: S.broken_exports("after-only")
+    yield "**control**: export without its 'after' layer", "> eps", 1.0, \
+        lambda: S.broken_exports("before-only")
+
+
+def _service_rows(tmp: Path):
+    snap = {"checkpoint.snapshots_per_window": 2}
+    for gap in (1, 2, 3):
+        yield (f"service: memory + files + release, gap {gap}", "<= eps", 1.0,
+               lambda g=gap: S.service(tmp, g))
+    for gap in (1, 2, 3):
+        yield (f"service, 2 layered snapshots per window: gap {gap}", "<= eps", 1.0,
+               lambda g=gap: S.service(tmp, g, **snap))
+    yield ("service: two backups of the state directory + release", "<= eps", 1.0,
+           lambda: S.service(tmp, 0, backups=(1, 2), **snap))
+    yield ("**control** service: checkpoint holding the live noise (old design)", "> eps", 1.0,
+           lambda: S.service_old_checkpoints(tmp))
+    yield ("**control** service: noise for eps = 1.25 claimed as 1 (+25 %)", "> eps", 1.0,
+           lambda: S.service(tmp, 2, epsilon=1.25))
+
+
+def _crash_rows(tmp: Path):
+    """tests/test_privacy_crash.py: a crash at each step of a window's close, then the restarted
+    memory (first read past the replaced event / caught up) + the published release."""
+    from functools import lru_cache
+
+    from tests import test_privacy_crash as C
+
+    @lru_cache(maxsize=1)  # one step's views at a time, for its two reads
+    def views(step, old=False):
+        return C.crash_views(tmp, step, old=old)
+
+    for step in C.STEPS:
+        for which in C.READS:
+            yield (f"service, crash at `{step}`, restarted memory ({which}) + release",
+                   "<= eps", 1.0, lambda s=step, w=which: C.scenario(views(s), w))
+    for which in C.READS:
+        yield (f"**control** service: old restart (ledgered window replayed), memory ({which}) "
+               "+ release", "> eps" if which == "first" else "<= eps", 1.0,
+               lambda w=which: C.scenario(views("ledger-after-release", True), w))
+    yield ("**control**: old replay emulated (fresh real state) + real release", "> eps", 1.0,
+           lambda: C.scenario(C.emulated_old_replay(views("ledger-after-release")), "first"))
+
+
+def main(argv=None) -> None:
+    ap = parser(__doc__, "the first audit and the first negative control, no service rows")
+    ap.add_argument("--no-service", action="store_true", help="skip the real-service rows")
+    ap.add_argument("--crash-only", action="store_true",
+                    help="only the rows of tests/test_privacy_crash.py")
+    args = ap.parse_args(argv)
+    print("| view | eps | claim | runs per stream | older family | LR family | LR attained at |")
+    print("|---|---|---|---|---|---|---|")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        rows = [] if args.crash_only else list(_mechanism_rows())
+        if args.smoke:
+            rows = [rows[0], next(r for r in rows if r[0].startswith("**control**"))]
+            args.no_service = True
+        if not args.no_service and not args.crash_only:
+            rows += list(_service_rows(Path(d)))
+        if not args.no_service:
+            rows += list(_crash_rows(Path(d)))
+        for label, claim, eps, build in rows:
+            vx, vy, looks, p = build()
+            old, _ = empirical_epsilon(vx, vy)
+            r = lr_epsilon(vx, vy, looks, p)
+            print(f"| {label} | {eps:g} | {claim} | {len(vx[0]):,} | {old:.3f} | {r.eps:.3f} | "
+                  f"`{r.where}` |", flush=True)
+    print(f"\n{len(rows)} audits in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
