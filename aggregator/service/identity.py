@@ -49,7 +49,9 @@ _DIRECTORY = {
                                 if (cfg.get("release") or {}).get("dir") else None),
 }
 
-#: identity key -> the settings that enter it, in declaration order (settings.py)
+#: identity key -> the settings that enter it, in declaration order (settings.py). A key declared
+#: later does not refuse an existing directory: a ledger without it is taken to have recorded
+#: the current value, or its IDENTITY_DEFAULTS entry (Aggregator.check_identity)
 IDENTITY_KEYS: dict[str, tuple[Setting, ...]] = settings_by("identity")
 
 #: why a state directory is tied to each identity key (docs/configuration.md's table)
@@ -75,6 +77,7 @@ IDENTITY_WHY = {
     "budget_total": "the privacy budget",
     "partitioned": "one state per partition or one for all",
 }
+
 
 def _check_rules() -> None:
     """The declaration and the rules above agree (run at import: a mistake here would change

@@ -110,7 +110,8 @@ class Setting:
     bounds: tuple[Bound, ...] = ()
     #: the key of the ledger's identity this setting enters (identity.py), None: none
     identity: str | None = None
-    #: the key of a scale-out group's identity every member must agree on (group/pipeline.py)
+    #: the key of a scale-out group's identity every member must agree on (group/pipeline.py;
+    #: a key added later needs what older groups meant in pipeline._IDENTITY_DEFAULTS)
     agree: str | None = None
     test_only: bool = False
     secret: bool = False
