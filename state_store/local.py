@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
+
+from .failpoints import failpoint
 
 __all__ = ["Checkpoint", "CheckpointError", "LocalStore", "atomic_write"]
 
@@ -50,27 +51,6 @@ class Checkpoint:
     unreleased: list = field(default_factory=list)
 
 
-def _fault(point: str) -> None:
-    """Test-only fault injection: PANAGG_TEST_FAULT=point:N kills the process (SIGKILL) the Nth
-    time ``point`` is reached; ``point:N:stop`` stops it (SIGSTOP) there instead, so a test can
-    change the world (fill the disk, stop the broker) before it goes on. Ignored unless
-    PANAGG_TESTING=1."""
-    spec = os.environ.get("PANAGG_TEST_FAULT")
-    if not spec or os.environ.get("PANAGG_TESTING") != "1":
-        return
-    name, _, rest = spec.partition(":")
-    if name != point:
-        return
-    nth, _, action = rest.partition(":")
-    count = _fault.counts.get(point, 0) + 1
-    _fault.counts[point] = count
-    if count == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
-
-
-_fault.counts = {}
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -95,14 +75,14 @@ def atomic_write(path: Path, chunks, fault_prefix: str | None = None) -> None:
             f.write(chunk)
             if fault_prefix and i == 0:
                 f.flush()
-                _fault(f"{fault_prefix}-mid-write")
+                failpoint(f"{fault_prefix}-mid-write")
         f.flush()
         os.fsync(f.fileno())
     if fault_prefix:
-        _fault(f"{fault_prefix}-before-rename")
+        failpoint(f"{fault_prefix}-before-rename")
     os.replace(tmp, path)
     if fault_prefix:
-        _fault(f"{fault_prefix}-after-rename")
+        failpoint(f"{fault_prefix}-after-rename")
     _fsync_dir(path.parent)
 
 

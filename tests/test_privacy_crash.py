@@ -55,14 +55,12 @@ import numpy as np
 import pytest
 
 import aggregator.release as release_mod
-import aggregator.service.ledger as ledger_mod
-import aggregator.service.process as process_mod
-import state_store.local as local_mod
 from aggregator.noise import p_from_epsilon
 from aggregator.service import Aggregator
 from aggregator.service.config import DEFAULTS, load_config
 from aggregator.state import PanPrivateHistogram
 from consumers.base import Segment, Source
+from state_store import failpoints
 from tests.lr_audit import Look, lr_epsilon
 from tests.test_privacy import empirical_epsilon
 
@@ -90,8 +88,8 @@ class _Crash(BaseException):
 
 
 class _Fault:
-    """``state_store.local._fault`` in-process: raise :class:`_Crash` the n-th time ``point``
-    is reached (the modules that imported the function by name are patched as well)."""
+    """The failpoint ``point`` armed in this process (state_store/failpoints.py): raise
+    :class:`_Crash` the n-th time it is reached."""
 
     def __init__(self, point: str, nth: int):
         self.point, self.nth, self.seen = point, nth, 0
@@ -200,20 +198,17 @@ def _crash_and_restart(tmp: Path, r: int, step: str, *, old=False):
     fault = _Fault(step, STEPS[step])
     with _Patches() as patch:
         patch.set(release_mod, "anonymized_histogram", capture)
-        for mod in (local_mod, ledger_mod, process_mod):
-            patch.set(mod, "_fault", fault)
-        try:
-            Aggregator(cfg, _Stream(segments)).run()
-            raise AssertionError(f"no crash at {step}")
-        except _Crash:
-            pass
+        with failpoints.armed(step, fault, nth=None):
+            try:
+                Aggregator(cfg, _Stream(segments)).run()
+                raise AssertionError(f"no crash at {step}")
+            except _Crash:
+                pass
         assert fault.seen == fault.nth and len(release_input) == 1
         ledgered = [e for e in _ledger(base) if e["kind"] == "release"]
         assert len(ledgered) == (step != "ledger-before-release"), step  # the crash is in
         published = list((base / "releases").glob("release-*.json"))   # window 0's close
         assert len(published) == (step == "published"), step
-        for mod in (local_mod, ledger_mod, process_mod):
-            patch.set(mod, "_fault", lambda point: None)
 
         reads: list[tuple[int, np.ndarray]] = []
         restarted = (_OldRestart if old else Aggregator)(cfg, None)

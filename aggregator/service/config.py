@@ -13,8 +13,9 @@ import math
 import os
 import tomllib
 
-from ..estimators import METHODS
-from .settings import Config, defaults
+from state_store.failpoints import under_tests
+
+from .settings import SETTINGS, Config, defaults
 
 __all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n",
            "aggregation_configs", "AGGREGATION_SECTIONS"]
@@ -28,37 +29,8 @@ class ConfigError(ValueError):
 #: :mod:`.settings` say what each key means
 DEFAULTS: dict[str, dict] = defaults()
 
-_CHOICES = {
-    ("source", "kind"): ("kafka", "file", "generator"),
-    ("source", "format"): ("msgpack", "json"),
-    ("state", "mode"): ("direct", "hashed"),
-    ("state", "model"): ("joint", "state-only", "shuffle"),
-    ("shuffle", "protocol"): ("gkmp", "balcer-cheu"),
-    ("state", "loss"): ("l1", "l2"),
-    ("release", "estimator"): ("default", *METHODS),  # the estimators' registry
-    ("window", "kind"): ("count", "time", "event_time"),
-    ("window", "late"): ("next", "dead_letter"),
-    ("window", "clock"): ("auto", "record", "process"),
-    ("window", "rollup_design"): ("sum", "tree", "hybrid"),
-    ("scale", "store"): ("directory", "kafka"),   # directory: removed, refused with the way on
-    ("security", "protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
-    ("item", "source"): ("value", "key", "header"),
-    ("item", "normalize"): ("none", "nfc"),
-}
-_SECRET = {("security", "password")}  # never echoed in an error
-_POSITIVE = {("source", "connect_timeout_s"), ("source", "session_timeout_s"),
-             ("scale", "close_grace_s"), ("source", "max_records"),
-             ("source", "max_message_bytes"), ("source", "max_item_bytes"),
-             ("source", "fetch_max_bytes"), ("source", "max_partition_fetch_bytes"),
-             ("state", "domain_size"), ("state", "expected_n"), ("state", "epsilon"),
-             ("window", "size"), ("release", "max_in_flight")}
-_NON_NEGATIVE = {("scale", "partitions"), ("scale", "repartition_retention_s"),
-                 ("checkpoint", "snapshots_per_window"), ("release", "error_bar_reps"),
-                 ("release", "workers"), ("source", "generator_events"),
-                 ("source", "generator_rate"), ("state", "buckets"),
-                 ("ledger", "budget_per_window"), ("ledger", "budget_total"),
-                 ("window", "max_future_skew_s"), ("window", "idle_partition_timeout_s"),
-                 ("window", "allowed_lateness_s")}
+#: the secrets: a bad value is never echoed in an error, nor read from PANAGG_<SECTION>_<KEY>
+_SECRET = {(one.section, one.key) for one in SETTINGS.values() if one.secret}
 
 
 # keys that existed once: a config that still sets one gets the reason and the replacement
@@ -483,21 +455,14 @@ def aggregation_configs(cfg: Config) -> list[tuple[str, Config]]:
 
 
 def _validate(cfg: dict, env=None) -> None:
-    for (section, key), choices in _CHOICES.items():
-        if cfg[section][key] not in choices:
-            raise ConfigError(f"{section}.{key} must be one of {', '.join(choices)}, got "
-                              f"{cfg[section][key]!r}; {_where(section, key)}")
-    for section, key in _POSITIVE:
-        if not cfg[section][key] > 0:
-            raise ConfigError(f"{section}.{key} must be positive, got {cfg[section][key]!r}; "
-                              f"{_where(section, key)}")
-    for section, key in _NON_NEGATIVE:
-        if cfg[section][key] < 0:
-            raise ConfigError(f"{section}.{key} must be >= 0, got {cfg[section][key]!r}; "
-                              f"{_where(section, key)}")
-    if cfg["state"]["epsilon"] < 1e-3:
-        raise ConfigError("state.epsilon must be >= 0.001 (below that the noise drowns every "
-                          f"count), got {cfg['state']['epsilon']!r}")
+    for one in SETTINGS.values():   # the choices and bounds each setting declares
+        value = cfg[one.section][one.key]
+        problem = one.problem(value)
+        if problem:
+            raise ConfigError(f"{one.name} {problem}; {_where(one.section, one.key)}")
+        if one.test_only and value != one.default and not under_tests():
+            raise ConfigError(f"{one.name} is a test hook ({one.brief}) and is refused outside "
+                              "tests; remove it (tests also set PANAGG_TESTING=1)")
     src = cfg["source"]
     if src["kind"] == "file" and not src["path"]:
         raise ConfigError("source.kind = file needs source.path (a file, or - for stdin); "
@@ -516,9 +481,6 @@ def _validate(cfg: dict, env=None) -> None:
     if cfg["source"]["max_partition_fetch_bytes"] > cfg["source"]["fetch_max_bytes"]:
         raise ConfigError("source.max_partition_fetch_bytes must be <= source.fetch_max_bytes; "
                           + _where("source", "max_partition_fetch_bytes"))
-    if cfg["metrics"]["port"] < -1 or cfg["metrics"]["port"] > 65535:
-        raise ConfigError("metrics.port must be -1 (off), 0 (any free port) or 1..65535; "
-                          + _where("metrics", "port"))
     _validate_item(cfg)
     _validate_shuffle(cfg)
     _resolve_clock(cfg)
@@ -533,9 +495,6 @@ def _validate(cfg: dict, env=None) -> None:
         check_security(cfg["security"], env)
     except SecurityError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg["testing"]["noise_seed"] >= 0 and os.environ.get("PANAGG_TESTING") != "1":
-        raise ConfigError("testing.noise_seed makes the noise predictable and is refused outside "
-                          "tests; remove it (tests also set PANAGG_TESTING=1)")
 
 
 def rollup_spans(cfg: dict) -> dict[str, int]:
@@ -574,16 +533,7 @@ def shuffle_n(cfg: dict) -> int:
 
 
 def _validate_shuffle(cfg: dict) -> None:
-    sh = cfg["shuffle"]
-    if not 0.0 < sh["delta"] < 1.0:
-        raise ConfigError(f"shuffle.delta must be in (0, 1), e.g. 1e-6, got {sh['delta']!r}; "
-                          + _where("shuffle", "delta"))
-    if not 0.0 < sh["gamma"] < 1.0:
-        raise ConfigError(f"shuffle.gamma must be in (0, 1), e.g. 0.1, got {sh['gamma']!r}; "
-                          + _where("shuffle", "gamma"))
-    if sh["n"] < 0:
-        raise ConfigError(f"shuffle.n must be >= 0 (0: window.size), got {sh['n']!r}; "
-                          + _where("shuffle", "n"))
+    sh = cfg["shuffle"]   # (its bounds: settings.py)
     if cfg["state"]["model"] != "shuffle":
         return
     if cfg["window"]["kind"] == "time" and not sh["n"]:

@@ -55,7 +55,7 @@ import os
 import time
 from pathlib import Path
 
-from state_store.local import _fault
+from state_store.failpoints import failpoint
 
 from .charges import ChargeBook
 
@@ -298,9 +298,9 @@ class Ledger:
             return False
         entry = self.chained_entry(entry_id=entry_id, kind=kind, window=window,
                                    epsilon_spent=epsilon_spent, model=model, note=note, **extra)
-        _fault(f"ledger-before-{kind}")
+        failpoint(f"ledger-before-{kind}")
         _write_line(self.path, json.dumps(entry, sort_keys=True, allow_nan=False) + "\n")
-        _fault(f"ledger-after-{kind}")
+        failpoint(f"ledger-after-{kind}")
         self.entries.append(entry)
         self._by_id[entry_id] = entry
         self.torn_tail = False

@@ -43,7 +43,8 @@ from consumers.base import Segment, Source, offsets_array
 from consumers.decode import FILTERED, Decoder, ItemSpec
 from consumers.kafka_security import redacted
 from state_store.audit import AuditKeyError, load_key, write_export
-from state_store.local import LocalStore, _fault, atomic_write
+from state_store.failpoints import failpoint, under_tests
+from state_store.local import LocalStore, atomic_write
 
 from ..release import make_release
 from ..state import PanPrivateHistogram
@@ -199,7 +200,7 @@ class Aggregator:
         self._deferred: list[dict] | None = None
         self._checked: list[dict] | None = None  # check_start passed: its ledger entries
         seed = cfg.testing.noise_seed
-        self._seed = seed if seed >= 0 and os.environ.get("PANAGG_TESTING") == "1" else None
+        self._seed = seed if seed >= 0 and under_tests() else None  # (test-only: settings.py)
         self._producer = None
         topic = src.dead_letter_topic
         name = self.aggregation.name if self.aggregation else None
@@ -1220,7 +1221,7 @@ class Aggregator:
                    "end_offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals),
                    "future": future, "extra": extra}
             task.inflight.append(job)
-            _fault("release-submitted")
+            failpoint("release-submitted")
         elif event_time and task.inflight:
             # refused: its entry is in the ledger; the checkpoint that passes it follows the
             # releases still in flight (rare: the budget is spent)
@@ -1315,7 +1316,7 @@ class Aggregator:
                                **self.gate.position_fields(closing, job["ranges"],
                                                            job["end_offsets"], job["totals"]),
                                **job.get("extra", {}))
-            _fault("release-ledgered")
+            failpoint("release-ledgered")
             task.pending.append(doc)
             task.inflight.pop(0)
             if view:
@@ -1439,7 +1440,7 @@ class Aggregator:
             return
         done = self.publisher.publish(list(task.pending))
         for doc in done:
-            _fault("published")
+            failpoint("published")
             task.pending.remove(doc)
         if done:
             self._save_pending(task)

@@ -31,8 +31,9 @@ pages are reserved when it is made (``posix_fallocate``: a clear ENOSPC instead)
 with no room goes through the pool's pipe as before, with one WARNING naming the fix
 (deploy/kubernetes/deployment.yaml mounts a larger ``/dev/shm``).
 
-Test hook: with ``PANAGG_TESTING=1``, ``PANAGG_TEST_RELEASE_DELAY_S`` makes every release (and
-every merge of a group's leader) take that much longer (a slow release on a small domain).
+Test hook: ``slow_point("release")`` (state_store/failpoints.py): with ``PANAGG_TESTING=1``,
+``PANAGG_TEST_RELEASE_DELAY_S`` makes every release (and every merge of a group's leader) take
+that much longer (a slow release on a small domain).
 """
 
 from __future__ import annotations
@@ -48,25 +49,11 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from state_store.failpoints import slow_point
+
 __all__ = ["ReleaseWorker", "compute_release"]
 
 log = logging.getLogger("panagg.service")
-
-
-def test_delay() -> None:
-    """The test hook of the module docstring (a release, or a group leader's merge). The value
-    ``@PATH`` reads the delay from that file at each call (none while the file is missing), so
-    a test can make the release path slow and then fast again in one run."""
-    delay = os.environ.get("PANAGG_TEST_RELEASE_DELAY_S")
-    if not delay or os.environ.get("PANAGG_TESTING") != "1":
-        return
-    if delay.startswith("@"):
-        try:
-            with open(delay[1:]) as f:
-                delay = f.read().strip()
-        except FileNotFoundError:
-            return
-    time.sleep(float(delay))
 
 
 def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar_reps: int,
@@ -79,7 +66,7 @@ def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar
     from ..release import make_release
 
     started = time.time()
-    test_delay()
+    slow_point("release")
     view: list | None = [] if keep_view else None
     doc = make_release(state, model=model, loss=loss, window=window, rng=rng,
                        error_bar_reps=error_bar_reps, method=method, view=view)

@@ -23,7 +23,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from state_store.local import _fault
+from state_store.failpoints import failpoint
 
 from ..release import release_from_view
 from .errors import ServiceError
@@ -102,10 +102,10 @@ class RollupCloser:
                 "neighbor": release["neighbor"], "events": int(closing.get("events", 0)),
                 "started_unix": closing.get("started_unix"),
                 "ended_unix": closing.get("ended_unix")}
-        _fault("rollup-before-view")
+        failpoint("rollup-before-view")
         self.store.put_inbox(closing["uid"], closing["id"], counts, layers=int(layers),
                              n=release.get("n"), meta=meta)
-        _fault("rollup-view-kept")
+        failpoint("rollup-view-kept")
 
     def fold(self, pending: list) -> None:
         """Add every kept view to its rollups' sums, then close the rollups whose last base
@@ -138,7 +138,7 @@ class RollupCloser:
                                         ended_unix=meta.get("ended_unix"),
                                         epsilon=meta["epsilon"], neighbor=meta["neighbor"])
                     self.store.save(r)
-                    _fault("rollup-folded")
+                    failpoint("rollup-folded")
             self.store.drop_inbox(uid)
         decided = [e["window"] for e in self.ledger.entries
                    if e["kind"] in ("release", "refused") and isinstance(e.get("window"), int)]
@@ -236,7 +236,7 @@ class RollupCloser:
                            "hash": e["hash"]} for e in entries],
             missing=[m["window"] for m in missing], n=r.n,
             stream=self.stream, aggregation=self.aggregation)
-        _fault("rollup-ledgered")
+        failpoint("rollup-ledgered")
         pending.append(doc)
         self.store.remove(span, idx)
         self.metrics.rollup_released(span, release)

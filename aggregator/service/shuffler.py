@@ -50,12 +50,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import time
 from collections import deque
 from pathlib import Path
 
 import numpy as np
+
+from state_store.failpoints import failpoint, is_armed
 
 from .shuffle_wire import (EVENT_ID_SIZE, ParamTag, WireError, chunk_record, end_record,
                            load_public_key, parse_client_record, seal_rows)
@@ -546,12 +547,11 @@ class Shuffler:
                  f" + {missing} topped up" if missing else "", len(boxes), self.analyzer_topic)
 
     def _testing_kill(self, point: str) -> None:
-        """TEST ONLY (PANAGG_TESTING=1 and PANAGG_TESTING_SHUFFLER_KILL=<point>): kill -9 this
-        process at ``point`` of a window's commit, its sends flushed (the integration tests)."""
-        if (os.environ.get("PANAGG_TESTING") == "1"
-                and os.environ.get("PANAGG_TESTING_SHUFFLER_KILL") == point):
+        """The failpoint ``shuffler-<point>`` of a window's commit (state_store/failpoints.py:
+        the integration tests kill the shuffler there, its sends flushed first)."""
+        if is_armed(f"shuffler-{point}"):
             self._producer.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        failpoint(f"shuffler-{point}")
 
     def close(self) -> None:
         for c in (self._consumer, self._producer):

@@ -26,7 +26,7 @@ from ..ledger import LedgerError
 from ..errors import ServiceError
 from ..identity import choose_buckets_for
 from ..process import release_method
-from ..settings import Config
+from ..settings import Config, settings_by
 from .counter import Counter
 from .export import ExportCollector
 from .forced import ReleaseRequests
@@ -43,14 +43,14 @@ __all__ = ["Pipeline", "MUST_AGREE"]
 
 log = logging.getLogger("panagg.group")
 
-#: identity fields every member must share with the group
-MUST_AGREE = ("mode", "size", "epsilon", "neighbor", "model", "window_size", "partitions",
-              "window_kind", "allowed_lateness_s", "late")
-_NAMES = {"mode": "state.mode", "size": "state.domain_size / state.buckets",
-          "epsilon": "state.epsilon", "neighbor": "the neighbour relation",
-          "model": "state.model", "window_size": "window.size", "partitions": "scale.partitions",
-          "window_kind": "window.kind", "allowed_lateness_s": "window.allowed_lateness_s",
-          "late": "window.late"}
+#: the agreement keys that are no setting: the neighbour relation of the state's noise
+_NOT_SETTINGS = {"neighbor": "the neighbour relation"}
+#: the settings of each key of the group's identity every member must share with the group
+#: (settings.py, ``agree=``; the keys are the group ledger's, older than the settings' names)
+_AGREED = settings_by("agree")
+MUST_AGREE = (*_AGREED, *_NOT_SETTINGS)
+_NAMES = {**{key: " / ".join(one.name for one in fed) for key, fed in _AGREED.items()},
+          **_NOT_SETTINGS}
 #: what an identity written before event-time windows existed in groups means
 _IDENTITY_DEFAULTS = {"window_kind": "time", "allowed_lateness_s": 0.0, "late": "next"}
 

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from state_store.failpoints import slow_point
+
 from ...counters import NoisyValueCounts, noisy_value_counts
 from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
@@ -103,8 +105,7 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
     Noisy-value counts add up over partitions; the estimators then run once on the sum, with
     ``buckets`` = the total number of hash buckets in hashed mode.
     """
-    from ..release_worker import test_delay
-    test_delay()    # the test hook of release_worker.py (a slow merge on a small domain)
+    slow_point("release")    # a test hook: a slow merge on a small domain (failpoints.py)
     if not summaries:
         raise ValueError("no summaries to merge")
     first = summaries[0]
