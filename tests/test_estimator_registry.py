@@ -21,8 +21,8 @@ def test_every_name_is_the_key_of_its_estimator():
 
 
 def test_the_config_hashed_mode_and_auto_read_the_registry():
-    from aggregator.service.config import _CHOICES
-    assert _CHOICES[("release", "estimator")] == ("default", *METHODS)
+    from aggregator.service.settings import SETTINGS
+    assert SETTINGS["release.estimator"].choices == ("default", *METHODS)
     assert largedomain.HASHED_METHODS == tuple(n for n, e in ESTIMATORS.items() if e.hashed)
     # auto chooses among the estimators that need only the counters (none of them uses n)
     assert {m for m, _ in selection.CANDIDATES} == set(base.BASIC_METHODS)
