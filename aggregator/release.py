@@ -12,14 +12,17 @@ state's epsilon (see docs/privacy.md):
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
+
+from state_store.atomic import atomic_write
 
 from . import anonymize as _anonymize
 from . import intervals, properties
@@ -428,7 +431,7 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
     return release
 
 
-def plot_rank_frequency(release: dict, path: Path) -> None:
+def plot_rank_frequency(release: dict, path: Path | BinaryIO) -> None:
     """Log-log rank vs count plot of the released histogram (PNG).
 
     Uses matplotlib's object API (no pyplot global state) and draws under one process-wide lock:
@@ -444,7 +447,7 @@ def plot_rank_frequency(release: dict, path: Path) -> None:
 _DRAWING = threading.Lock()
 
 
-def _draw_rank_frequency(release: dict, path: Path) -> None:
+def _draw_rank_frequency(release: dict, path: Path | BinaryIO) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -462,7 +465,7 @@ def _draw_rank_frequency(release: dict, path: Path) -> None:
                  f"{release['model']}")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")
 
 
 class ReleaseExists(FileExistsError):
@@ -493,33 +496,15 @@ def write_release(release: dict, outdir: str | os.PathLike, *, plot: bool = True
 
 
 def _create_once(path: Path, data: bytes) -> bool:
-    """Write ``data`` to ``path`` atomically unless ``path`` exists (False then): temp file,
-    fsync, hard link to the final name (which fails rather than replaces)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, PUBLIC_MODE)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        return True
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    """Write ``data`` to ``path`` atomically and durably unless ``path`` exists (False then):
+    the temp file is hard-linked to the final name, which fails rather than replaces."""
+    return atomic_write(path, data, mode=PUBLIC_MODE, exclusive=True)
 
 
 def plot_release(release: dict, outdir: str | os.PathLike) -> Path:
     """The PNG rank-frequency plot ``release-<window>.png`` next to the release JSON."""
     path = Path(outdir) / f"release-{release['window']}.png"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        plot_rank_frequency(release, Path(tmp))
-        os.chmod(tmp, PUBLIC_MODE)  # public, like the JSON (mkstemp makes 0600)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    png = io.BytesIO()
+    plot_rank_frequency(release, png)
+    atomic_write(path, png.getvalue(), mode=PUBLIC_MODE)  # public, like the JSON
     return path

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgpack
 
-from .local import atomic_write
+from .atomic import atomic_write
 
 __all__ = ["AuditKeyError", "ExportError", "check_configured_key", "load_key",
            "write_export", "read_export"]

@@ -44,7 +44,7 @@ The points
 ----------
 
 ``checkpoint-mid-write``, ``checkpoint-before-rename``, ``checkpoint-after-rename`` (a
-checkpoint's atomic write; other files written with ``fault_prefix`` likewise),
+checkpoint's atomic write, through its ``hook``),
 ``ledger-before-KIND`` / ``ledger-after-KIND`` (a ledger entry of that kind, e.g. ``release``),
 ``release-submitted``, ``release-ledgered``, ``published`` (a window's release),
 ``rollup-before-view``, ``rollup-view-kept``, ``rollup-folded``, ``rollup-ledgered`` (a rollup),

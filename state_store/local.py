@@ -1,9 +1,10 @@
 """Atomic local-directory store for checkpoints.
 
-A checkpoint is one file, written as: temp file in the same directory -> write -> fsync ->
-rename over the final name -> fsync the directory. A crash at any instant leaves either the old
-checkpoint or the new one, never a torn file; a checksum (SHA-256 over the header and the state
-bytes) is verified on load anyway. Only the latest checkpoint is kept once the next is durable.
+A checkpoint is one file, written by :func:`state_store.atomic.atomic_write`: temp file in the
+same directory -> write -> fsync -> rename over the final name -> fsync the directory. A crash
+at any instant leaves either the old checkpoint or the new one, never a torn file; a checksum
+(SHA-256 over the header and the state bytes) is verified on load anyway. Only the latest
+checkpoint is kept once the next is durable.
 
 Checkpoint contents: the window (number, random uid, kind, start), the next offset of every
 source partition, per-reason totals of rejected records and of counted events up to those
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import msgpack
 
+from .atomic import PRIVATE_MODE, atomic_write  # noqa: F401  (re-exported)
 from .failpoints import failpoint
 
 __all__ = ["Checkpoint", "CheckpointError", "LocalStore", "atomic_write"]
@@ -51,39 +53,10 @@ class Checkpoint:
     unreleased: list = field(default_factory=list)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-PRIVATE_MODE = 0o600  # checkpoints, exports, summaries: views of noisy state, owner only
-
-
-def atomic_write(path: Path, chunks, fault_prefix: str | None = None) -> None:
-    """Write ``chunks`` (bytes-like) to ``path`` atomically and durably, mode 0600 whatever the
-    umask (everything written this way is a view of the state or service-internal; public
-    releases are written by :mod:`aggregator.release`, 0644)."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
-    os.fchmod(fd, PRIVATE_MODE)  # a leftover temp file of an earlier process kept its mode
-    with os.fdopen(fd, "wb") as f:
-        for i, chunk in enumerate(chunks):
-            f.write(chunk)
-            if fault_prefix and i == 0:
-                f.flush()
-                failpoint(f"{fault_prefix}-mid-write")
-        f.flush()
-        os.fsync(f.fileno())
-    if fault_prefix:
-        failpoint(f"{fault_prefix}-before-rename")
-    os.replace(tmp, path)
-    if fault_prefix:
-        failpoint(f"{fault_prefix}-after-rename")
-    _fsync_dir(path.parent)
+def _checkpoint_fault(stage: str) -> None:
+    """The failpoints of a checkpoint write: ``checkpoint-mid-write``, ``-before-rename``,
+    ``-after-rename``."""
+    failpoint(f"checkpoint-{stage}")
 
 
 def _digest(header: dict, state: bytes) -> bytes:
@@ -124,7 +97,7 @@ class LocalStore:
         path = self.dir / f"checkpoint-{ckpt.seq:012d}.ckpt"
         # frame: 8-byte header length, header, state bytes
         atomic_write(path, [len(body).to_bytes(8, "little") + body, state],
-                     fault_prefix="checkpoint")
+                     hook=_checkpoint_fault)
         for _, old in files:  # only the latest is kept
             old.unlink(missing_ok=True)
         return path

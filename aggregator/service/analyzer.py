@@ -49,6 +49,7 @@ import numpy as np
 
 from consumers.base import Segment, Source
 from consumers.kafka_security import client_options, redacted
+from state_store.atomic import atomic_write
 from state_store.local import Checkpoint, LocalStore
 
 from ..release import estimate_with_accuracy, package_release
@@ -257,9 +258,9 @@ class ShuffleAnalyzer:
         started = False
         try:
             self.restore()
-            tmp = self.dir / ".config.json.tmp"  # after the checks: a refused start writes none
-            tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))
-            os.replace(tmp, self.dir / "config.json")
+            # after the checks: a refused start writes none
+            atomic_write(self.dir / "config.json",
+                         json.dumps(redacted(self.cfg), indent=1, sort_keys=True), mode=None)
             started = True
             log.info("shuffle analyzer: %s, %d buckets, n=%d, epsilon %g, delta %g%s; public "
                      "key %s", self.protocol, self.buckets, self.n, self.epsilon, self.delta,

@@ -28,7 +28,7 @@ import json
 import os
 from pathlib import Path
 
-from state_store.local import atomic_write
+from state_store.atomic import atomic_write
 
 __all__ = ["release_dir_anchor", "write_release_dir_anchor", "kafka_metadata",
            "parse_kafka_metadata"]
@@ -61,8 +61,8 @@ def write_release_dir_anchor(release_dir, ledger_path, head: dict) -> None:
     path = _anchor_path(release_dir, ledger_path)
     doc = {"ledger": str(Path(ledger_path).resolve()), "seq": int(head["seq"]),
            "hash": str(head["hash"])}
-    atomic_write(path, [json.dumps(doc, sort_keys=True).encode() + b"\n"])
-    os.chmod(path, 0o644)  # public like the releases beside it: a hash of a public record
+    # public like the releases beside it: a hash of a public record
+    atomic_write(path, json.dumps(doc, sort_keys=True) + "\n", mode=0o644)
 
 
 def kafka_metadata(heads: dict[str, dict]) -> str:

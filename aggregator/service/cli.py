@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from state_store.atomic import atomic_write
+
 from .settings import Config
 
 __all__ = ["main"]
@@ -333,9 +335,7 @@ def _note_metrics_url(cfg: Config, url: str) -> None:
 
     d = Path(cfg.checkpoint.dir)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{METRICS_URL_FILE}.tmp"
-    tmp.write_text(url + "\n")
-    tmp.replace(d / METRICS_URL_FILE)
+    atomic_write(d / METRICS_URL_FILE, url + "\n", mode=None)
 
 
 def _make_aggregator(cfg: Config, metrics=None, **start):

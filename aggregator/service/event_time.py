@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from consumers.base import Segment, offsets_array
+from state_store.atomic import atomic_write
 
 from .window import WindowTask, totals_from
 
@@ -108,12 +109,8 @@ class FutureRejects:
         kept = {p: offs for p, offs in kept.items() if offs}
         if kept == self.positions:
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(f"{p} {o}\n" for p in sorted(kept) for o in sorted(kept[p]))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        atomic_write(self.path, "".join(f"{p} {o}\n" for p in sorted(kept)
+                                        for o in sorted(kept[p])), mode=None)
         self.positions = kept
 
 

@@ -55,6 +55,7 @@ import os
 import time
 from pathlib import Path
 
+from state_store.atomic import atomic_write
 from state_store.failpoints import failpoint
 
 from .charges import ChargeBook
@@ -362,12 +363,7 @@ def migrate(path: str | os.PathLike) -> int:
         prev = entry["hash"]
         out.append(json.dumps(entry, sort_keys=True, allow_nan=False) + "\n")
     os.link(path, backup)
-    tmp = path.with_name(f".{path.name}.migrate-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(out)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, "".join(out), mode=None)
     return len(out)
 
 

@@ -31,7 +31,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from consumers.base import Segment, Source, offsets_array
+from state_store.atomic import atomic_write
 
 from .anchor import kafka_metadata, parse_kafka_metadata
 from .config import aggregation_configs
@@ -364,9 +364,7 @@ class MultiAggregator:
         mine, self._set_to_record = getattr(self, "_set_to_record", None), None
         if mine is None:
             return
-        tmp = self.dir / f".{SET_FILE}.tmp"
-        tmp.write_text(json.dumps(mine, indent=1, sort_keys=True))
-        os.replace(tmp, self.dir / SET_FILE)
+        atomic_write(self.dir / SET_FILE, json.dumps(mine, indent=1, sort_keys=True), mode=None)
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """The :meth:`Aggregator.run` loop, for every aggregation at once."""

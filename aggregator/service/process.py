@@ -309,9 +309,8 @@ class Aggregator:
                 if was != new[section][key] and (section, key) != ("security", "password"):
                     log.info("setting %s.%s changed from %r to %r", section, key, was,
                              new[section][key])
-        tmp = self.dir / ".config.json.tmp"
-        tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))  # no secrets
-        os.replace(tmp, self.dir / "config.json")
+        atomic_write(self.dir / "config.json",  # no secrets
+                     json.dumps(redacted(self.cfg), indent=1, sort_keys=True), mode=None)
 
     def check_identity(self) -> dict:
         """Record the state directory's identity at its first start; refuse (or, with

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from state_store.local import atomic_write
+from state_store.atomic import atomic_write
 
 __all__ = ["RollupSum", "RollupStore", "parse_span", "RollupError", "ROLLUP_ARGUMENT",
            "rollup_block", "missing_caveat"]

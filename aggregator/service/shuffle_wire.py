@@ -52,6 +52,7 @@ True
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -62,6 +63,8 @@ import msgpack
 import numpy as np
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
+
+from state_store.atomic import atomic_write
 
 WIRE_VERSION = 2
 PLAIN_SIZE = 26
@@ -88,10 +91,10 @@ def new_keypair() -> PrivateKey:
 
 
 def save_private_key(key: PrivateKey, path: str) -> None:
-    """Write the 32-byte private key, hex, to a new file readable by its owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(bytes(key).hex() + "\n")
+    """Write the 32-byte private key, hex, to a new file readable by its owner only (durably:
+    the public key is handed out next); FileExistsError if ``path`` exists."""
+    if not atomic_write(path, bytes(key).hex() + "\n", mode=0o600, exclusive=True):
+        raise FileExistsError(errno.EEXIST, "a key file is never overwritten", str(path))
 
 
 def load_private_key(path: str) -> PrivateKey:

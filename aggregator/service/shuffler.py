@@ -56,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+from state_store.atomic import atomic_write
 from state_store.failpoints import failpoint, is_armed
 
 from .shuffle_wire import (EVENT_ID_SIZE, ParamTag, WireError, chunk_record, end_record,
@@ -319,18 +320,7 @@ class Shuffler:
         doc = {"next_window": self.next_window, "recent": self.recent[-RECENT_WINDOWS:],
                "pending": self.pending}
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.dir / (STATE_FILE + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.dir / STATE_FILE)
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        atomic_write(self.dir / STATE_FILE, json.dumps(doc))  # owner only, 0600
 
     def _reconcile(self, committed: dict[int, tuple[int | None, str]]) -> dict[int, int]:
         """Match the state file with Kafka's committed offsets (read after init_transactions,

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 from consumers.kafka_security import client_options, redacted
+from state_store.atomic import atomic_write
 
 from ..config import aggregation_configs
 from ..errors import ServiceError
@@ -333,9 +334,8 @@ class GroupService:
         directory then know it is a member of a Kafka-only group and say what applies."""
         d = Path(self.cfg.checkpoint.dir)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / ".config.json.tmp"
-        tmp.write_text(json.dumps(redacted(self.cfg), indent=1, sort_keys=True))
-        os.replace(tmp, d / "config.json")
+        atomic_write(d / "config.json", json.dumps(redacted(self.cfg), indent=1, sort_keys=True),
+                     mode=None)
 
     # -- the loop ----------------------------------------------------------------------------
     def _start_retrying(self) -> None:
