@@ -2,6 +2,7 @@
 release topic."""
 
 import json
+import re
 import socket
 
 import numpy as np
@@ -40,8 +41,11 @@ def test_release_files_are_written_while_the_release_topic_is_down(tmp_path, wor
     # the run does not end looking successful: the topic still owes them
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
-    assert "3 release(s) could not be published (topic 'releases' has not acknowledged them " \
-        "yet)" in last
+    # the reason: the sender's last failure if it had one by then (a loaded machine gets there:
+    # KafkaTimeoutError, NoBrokersAvailable), else that the topic has not acknowledged them
+    assert "3 release(s) could not be published (" in last
+    assert "topic 'releases' has not acknowledged them yet)" in last or \
+        re.search(r"\(window \d+: \w+\)", last), last
     assert last.endswith("); they stay in the checkpoint and are published at the next start "
                          "once the cause is fixed")
 

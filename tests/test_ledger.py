@@ -230,12 +230,23 @@ def test_an_idle_time_window_run_keeps_its_budget(tmp_path, caplog):
                              f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
                              "ledger.budget_total=2", "release.error_bar_reps=0"])
     agg = Aggregator(cfg, _IdleStream())
-    stopper = threading.Timer(4.5, agg.stop_event.set)
+    published = tmp_path / "releases"
+
+    def stop_after_three_windows():  # (not a fixed time: a loaded machine starts slower)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not agg.stop_event.is_set():
+            if len(list(published.glob("release-*.json"))) >= 3:
+                break
+            time.sleep(0.1)
+        agg.stop_event.set()
+
+    stopper = threading.Thread(target=stop_after_three_windows, daemon=True)
     stopper.start()
     try:
         agg.run()
     finally:
-        stopper.cancel()
+        agg.stop_event.set()
+        stopper.join()
     releases = agg.ledger.releases()
     assert len(releases) >= 3  # more windows than budget_total pays for at eps 1 each
     assert all(e["epsilon_spent"] == 0.0 and e["n"] == 0 for e in releases)

@@ -8,6 +8,7 @@ noise plus the true counts.
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -538,11 +539,13 @@ def test_export_key_error_points_at_the_running_service(tmp_path):
     state_dir = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k != "PANAGG_AUDIT_KEY"}
     env["PANAGG_TESTING"] = "1"
-    with generator_service(tmp_path, env, events=30000, rate=6000, settle=1.0) as proc:
+    # a source that outlasts the request however slow the machine, then a stop (a clean exit)
+    with generator_service(tmp_path, env, events=10**6, rate=6000, settle=1.0) as proc:
         exp = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
                               "--state-dir", str(state_dir)],
                              env=dict(env, PANAGG_AUDIT_KEY=KEY_HEX),
                              capture_output=True, text=True, timeout=120)
+        proc.send_signal(signal.SIGTERM)
     assert exp.returncode == 2
     lines = exp.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
@@ -596,11 +599,13 @@ def test_status_asks_the_running_service(tmp_path):
     """Progress, health and readiness come from the running service's own endpoints."""
     state_dir = tmp_path / "state"
     env = dict(os.environ, PANAGG_TESTING="1")
-    with generator_service(tmp_path, env, events=40000, rate=8000, metrics_port="0",
+    # a source that outlasts the request however slow the machine, then a stop (a clean exit)
+    with generator_service(tmp_path, env, events=10**6, rate=8000, metrics_port="0",
                            ready="metrics.url") as proc:
         res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status",
                               "--state-dir", str(state_dir)], env=env, capture_output=True,
                              text=True, timeout=60)
+        proc.send_signal(signal.SIGTERM)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[1] == "service: running"
