@@ -110,16 +110,25 @@ def _drop(block) -> None:
         pass
 
 
-def _counters_of(state) -> np.ndarray:
-    return state.split_counters()[1]
+def _in_block(counts: np.ndarray):
+    """``(block, array)``: a new shared block holding a copy of ``counts``, and the array over
+    it (:class:`NoRoom` without room)."""
+    block = _new_block(counts.nbytes)
+    housed = np.ndarray(counts.shape, counts.dtype, buffer=block.buf)
+    housed[:] = counts
+    return block, housed
+
+
+def _key(counts: np.ndarray) -> tuple[int, int]:
+    """Where ``counts`` live (address, bytes): how a housed state's block is found again."""
+    return counts.__array_interface__["data"][0], counts.nbytes
 
 
 def _shelve(state):
     """``(shell, block)``: a copy of ``state`` without its counters, and a new shared-memory
     block holding them (the caller unlinks it)."""
     shell, counts = state.split_counters()
-    block = _new_block(counts.nbytes)
-    np.ndarray(counts.shape, counts.dtype, buffer=block.buf)[:] = counts
+    block, _ = _in_block(counts)
     return shell, (block.name, counts.shape, counts.dtype.str), block
 
 
@@ -185,18 +194,16 @@ class ReleaseWorker:
         docstring): its close then hands over the block's name, no copy. Returns ``state``
         unchanged below :data:`HOUSE_MIN_SIZE` counters or when ``/dev/shm`` has no room.
         Thread-safe (called from the thread that draws the next window's state)."""
-        counts = _counters_of(state)
+        counts = state.counts
         if counts.size < HOUSE_MIN_SIZE:
             return state
         try:
-            block = _new_block(counts.nbytes)
+            block, housed = _in_block(counts)
         except NoRoom as exc:
             self._no_room(exc)
             return state
-        housed = np.ndarray(counts.shape, counts.dtype, buffer=block.buf)
-        housed[:] = counts
         state.with_counters(housed)
-        key = (housed.__array_interface__["data"][0], housed.nbytes)
+        key = _key(housed)
         with self._blocks_lock:
             self._housed[key] = block
         # dropped unused (a draw for another window, a stop): the block goes with the state
@@ -226,7 +233,7 @@ class ReleaseWorker:
         """The release of the closed ``state``, computed in the pool (module docstring: the
         counters go through a shared-memory block, the state's own when it is housed)."""
         shell, counts = state.split_counters()
-        key = (counts.__array_interface__["data"][0], counts.nbytes)
+        key = _key(counts)
         with self._blocks_lock:
             block = self._housed.pop(key, None)
         if block is not None:  # housed: the block changes hands, nothing is copied
