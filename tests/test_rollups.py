@@ -80,7 +80,7 @@ def test_sums_and_hybrid_spans_run_in_a_group(kind):
     """A group takes sum rollups (aggregator/service/group/rollups.py) of every window kind:
     plain sums, and a hybrid level's longer spans as sums of the level's windows."""
     group = [f"window.kind={kind}", "window.size=60", "scale.partitioned=true",
-             "source.kind=kafka", "source.topic=t"]
+             "scale.exchange=items", "source.kind=kafka", "source.topic=t"]
     cfg = load_config(None, ["source.kind=generator", *group, "window.rollups=3x",
                              "window.rollup_design=sum"], env={})
     assert rollup_spans(cfg) == {"3x": 3} and not cfg.aggregations
@@ -94,8 +94,8 @@ def test_sums_and_hybrid_spans_run_in_a_group(kind):
 def test_tree_and_one_span_hybrid_levels_run_in_a_group_and_name_themselves():
     """In a Kafka-only group every level is an aggregation of its own: tree and a one-span
     hybrid are allowed; each level's config says what it is (its releases' rollup_level)."""
-    base = ["source.kind=kafka", "source.topic=t", "scale.partitioned=true", "window.kind=time",
-            "window.size=60", "state.domain_size=100"]
+    base = ["source.kind=kafka", "source.topic=t", "scale.partitioned=true",
+            "scale.exchange=items", "window.kind=time", "window.size=60", "state.domain_size=100"]
     for design, spans, levels in (("hybrid", "3x", {"r3x": 3}),
                                   ("tree", "3x,6x", {"r3x": 3, "r6x": 6})):
         cfg = load_config(None, base + [f"window.rollups={spans}",

@@ -112,7 +112,8 @@ RECORDED = {
                  "checkpoint.snapshots_per_window=2", "state.model=state-only"],
                 {"": {"budget_per_window": 2.0, "budget_total": 10.0, "model": "state-only",
                       "snapshots_per_window": 2}}),
-    "group, event time": (["scale.partitioned=true", "window.kind=event_time", "window.size=60",
+    "group, event time": (["scale.partitioned=true", "scale.exchange=items",
+                           "window.kind=event_time", "window.size=60",
                            "window.allowed_lateness_s=5", "window.late=dead_letter"],
                           {"": {"partitioned": True, "window": "event_time:60"}}),
 }
@@ -129,11 +130,14 @@ def test_the_identity_of_a_state_directory_is_what_main_recorded(sets, expected)
 
 
 def test_a_group_members_identity_is_what_main_recorded():
-    cfg = load_config(None, ["scale.partitioned=true", "window.kind=event_time", "window.size=60",
+    cfg = load_config(None, ["scale.partitioned=true", "scale.exchange=items",
+                             "window.kind=event_time", "window.size=60",
                              "window.allowed_lateness_s=5", "window.late=dead_letter"], env={})
     pipe = GroupService(cfg, Metrics()).pipelines[0]
+    # (an identity written before scale.exchange existed means "items": pipeline.py)
     assert json.dumps(pipe.identity_of_config(6), sort_keys=True) == json.dumps({
-        "allowed_lateness_s": 5.0, "epsilon": 1.0, "late": "dead_letter", "mode": "direct",
+        "allowed_lateness_s": 5.0, "epsilon": 1.0, "exchange": "items", "late": "dead_letter",
+        "mode": "direct",
         "model": "joint", "neighbor": "replace-one", "partitions": 6, "size": 100000,
         "window_kind": "event_time", "window_size": 60.0}, sort_keys=True)
 

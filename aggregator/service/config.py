@@ -111,6 +111,22 @@ def _check_kafka_group(cfg: dict) -> None:
         raise ConfigError(f"scale.partitioned with scale.store = kafka {why}; docs/scale-out.md")
 
 
+def _check_views(cfg: dict) -> None:
+    """What a group with scale.exchange = views cannot do yet: one line naming the way."""
+    if cfg["scale"]["partitioned"] and cfg["scale"]["exchange"] == "views":
+        needs = [what for what, used in (
+            (f"window.kind = {cfg['window']['kind']}", cfg["window"]["kind"] != "time"),
+            ("window.rollups", bool(cfg["window"].get("rollups"))),
+            ("checkpoint.snapshots_per_window", bool(cfg["checkpoint"]["snapshots_per_window"])),
+        ) if used]
+        if needs:
+            raise ConfigError(
+                f"scale.exchange = views (the default) counts time windows by each member's "
+                f"clock, without {', '.join(needs)} yet: set scale.exchange = \"items\" for them "
+                "(its repartition topic holds every event's counter index in plaintext: "
+                "docs/privacy.md section 20), or use one process; docs/scale-out.md")
+
+
 def _event_time_problem(cfg: dict) -> str | None:
     """Why windows by record timestamps cannot apply to ``cfg`` (None: they can)."""
     if cfg["source"]["kind"] != "kafka":
@@ -484,6 +500,7 @@ def _validate(cfg: dict, env=None) -> None:
     _validate_item(cfg)
     _validate_shuffle(cfg)
     _resolve_clock(cfg)
+    _check_views(cfg)
     _validate_event_time(cfg)
     rollup_spans(cfg)
     start = parse_start(cfg["source"]["start"])

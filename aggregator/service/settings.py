@@ -747,6 +747,17 @@ class ScaleSettings(Section):
               "scratch checkpoint.dir",
         doc="where a group shares its state: `kafka` (internal topics `<group>.panagg.*`). "
             "`directory` (the removed shared-directory store) is refused with the way to move")
+    exchange: str = setting(
+        "views", choices=("views", "items"), agree="exchange",
+        brief="views: each member counts its own source partitions and shares only eps-DP "
+              "views; items: plaintext counter indices in a repartition topic",
+        doc="what a group's members share: `views` (each member counts the source partitions "
+            "it is assigned into its own pan-private state, and at a window's end writes only "
+            "that state's eps-DP view with one more DLap layer: every internal topic is eps-DP; "
+            "time windows) or `items` (the domain split: intake writes every event's counter "
+            "index in plaintext to the repartition topic, readable by anyone who can read the "
+            "topic; needed for count and event-time windows, rollups, snapshots and exports). "
+            "Fixed for the life of the group (docs/scale-out.md)")
     partitions: int = setting(
         0, bounds=(NON_NEGATIVE,), agree="partitions",
         brief="slices of the domain (repartition topic partitions); 0: the source topic's "

@@ -115,7 +115,10 @@ state.epsilon = 1.0
 _GROUP = ("scale.partitioned=true", "scale.store=kafka", "window.kind=time", "window.size=5",
           "source.session_timeout_s=6", "scale.close_grace_s=1")
 for _k in (1, 2, 3):
+    # the default exchange (views: members count their own source partitions), and items
     MODES[f"group{_k}"] = Mode(_GROUP, window_events=12 * RATE, members=_k)
+    MODES[f"group_items{_k}"] = Mode(_GROUP + ("scale.exchange=items",),
+                                     window_events=12 * RATE, members=_k)
 
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
@@ -373,7 +376,7 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
     ends = _ends(broker.bootstrap, topic)
     res.produced = sum(ends.values())
     if spec.members:
-        _check_group(res, broker.bootstrap, group, spec)
+        _check_group(res, broker.bootstrap, group, spec, topic)
     else:
         report = check_directory(workdir / "state", workdir / "releases", ends=ends,
                                  begins={p: 0 for p in ends})
@@ -416,10 +419,11 @@ def _read_topic(bootstrap: str, topic: str, stamps: bool = False) -> dict[int, l
     return out
 
 
-def _check_group(res: Result, bootstrap: str, group: str, spec: Mode) -> None:
-    """The invariant over a group's topics: its ledger topic's windows, whose ranges are
-    positions of its repartition topic (each record there holds the events of one source
-    record, 4 bytes an event), and its release topic's publications."""
+def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str) -> None:
+    """The invariant over a group's topics: its ledger topic's windows and its release topic's
+    publications. The ledger's ranges are source positions (scale.exchange = views: one event
+    an offset), or positions of the repartition topic (items: each record there holds the
+    events of one source record, 4 bytes an event)."""
     import json
 
     from aggregator.service.group.topics import GroupTopics
@@ -429,7 +433,6 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode) -> None:
     topics = GroupTopics(group)
     try:
         ledger_records = _read_topic(bootstrap, topics.ledger)
-        repart = _read_topic(bootstrap, topics.repartition)
         published = _read_topic(bootstrap, topics.releases)
     except Exception as exc:  # no topics: the group never started
         res.violations.append(f"the group's topics cannot be read: {type(exc).__name__}: {exc}")
@@ -437,6 +440,13 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode) -> None:
     entries = [json.loads(v) for recs in ledger_records.values() for _, v in recs
                if v is not None]
     entries = [e for e in entries if isinstance(e, dict)]
+    ident = next((e.get("identity") or {} for e in entries if e.get("kind") == "identity"), {})
+    views = ident.get("exchange") == "views"
+    try:
+        read = _read_topic(bootstrap, topic if views else topics.repartition)
+    except Exception as exc:
+        res.violations.append(f"the group's input cannot be read: {type(exc).__name__}: {exc}")
+        return
     docs: dict[int, list[dict]] = {}
     for recs in published.values():
         for _, v in recs:
@@ -445,8 +455,11 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode) -> None:
             doc = json.loads(v)
             if "rollup" not in doc and isinstance(doc.get("window"), int):
                 docs.setdefault(doc["window"], []).append(doc)
-    events_at = {f"{topics.repartition}:{p}": {off: len(v or b"") // 4 for off, v in recs}
-                 for p, recs in repart.items()}
+    if views:
+        events_at = {f"{topic}:{p}": {off: 1 for off, _ in recs} for p, recs in read.items()}
+    else:
+        events_at = {f"{topics.repartition}:{p}": {off: len(v or b"") // 4 for off, v in recs}
+                     for p, recs in read.items()}
 
     def size_of(part: str, a: int, b: int) -> int:
         return sum(k for off, k in events_at.get(part, {}).items() if a <= off < b)

@@ -1,6 +1,7 @@
 """The small fault matrix of issue 46 in the suite: the same producer and the same invariant
 (tests/chaos/invariant.py) for one process, several aggregations and rollups under a service
-kill -9, a broker kill -9 or clean restart and a start while the broker is away. The full
+kill -9, a broker kill -9 or clean restart and a start while the broker is away, and a
+group of two members counting their own partitions (scale.exchange = views) under kill -9. The full
 matrix is ``python -m bench.service.chaos`` (docs/chaos.md)."""
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ CASES = [
     ("event_time", "broker_kill", 14),
     ("time", "broker_restart", 15),
     ("rollups_tree", "start_broker_away", 16),
+    # a group of two with the default views exchange: members killed, the same invariant over
+    # the ledger's source positions
+    ("group2", "kill9", 17),
 ]
 
 

@@ -41,6 +41,15 @@ log = logging.getLogger("panagg.group")
 WAIT_NOTICE_S = 5.0
 
 
+def _summary_keys(w: int, have: dict):
+    """The summaries topic's keys of window ``w``'s summaries (and of views' chunks)."""
+    for p in have:
+        yield f"{w}/{p}".encode()
+    for s in {id(s): s for s in have.values()}.values():
+        for k in range(int(s.get("chunks") or 0)):
+            yield f"{w}/{s['partition']}/c{k}".encode()
+
+
 class Leader:
     """The ledger's writer while this member holds the ledger partition.
 
@@ -66,7 +75,8 @@ class Leader:
                  error_bar_reps: int = 10, method: str | None = None, merge=None,
                  grace_s: float = 2.0, aggregation: str = "", rollup_level: dict | None = None,
                  requests=None, exports=None, audit_key_file: str = "", audit_dir: str = "",
-                 closer=None, max_in_flight: int = 2):
+                 closer=None, max_in_flight: int = 2, merge_fn=merge_summaries,
+                 source_topic: str = ""):
         from kafka import TopicPartition
 
         self.txn, self.ledger, self.topics = txn, ledger, topics
@@ -75,6 +85,15 @@ class Leader:
         self.merge_kwargs = {"loss": loss, "error_bar_reps": int(error_bar_reps),
                              "method": method}
         self.merge = merge
+        #: the merge in the loop (no release worker): merge_summaries, or views.merge_views
+        self.merge_fn = merge_fn
+        #: scale.exchange = views: each summary is a member's view covering its partitions,
+        #: sent as chunk messages before its header (views.py)
+        self.views = identity.get("exchange") == "views"
+        #: the topic whose partitions the summaries cover (views: the source's)
+        self.counted_topic = source_topic if self.views and source_topic else \
+            topics.repartition
+        self._chunks: dict[str, dict[int, bytes]] = {}
         self.grace_s = float(grace_s)
         self.aggregation = aggregation
         self.rollup_level = rollup_level
@@ -146,7 +165,14 @@ class Leader:
             for rec in records:
                 if rec.value is None:
                     continue  # a tombstone
+                if self.views and b"/c" in (rec.key or b""):
+                    head, _, k = rec.key.decode().rpartition("/c")
+                    self._chunks.setdefault(head, {})[int(k)] = rec.value
+                    continue
                 s = json.loads(rec.value)
+                if self.views:
+                    self._take_view(s, rec.key.decode())
+                    continue
                 if self.rollups is not None and self.rollups.take(s):
                     continue
                 self.last_member[int(s["partition"])] = str(s.get("member", "?"))
@@ -181,11 +207,26 @@ class Leader:
             # every partition's reason: each names its own lost or charged positions
             self._withhold(w, have, "; ".join(dict.fromkeys(refused)))
             return
-        summaries = [have[p] for p in range(self.P)]
+        summaries = list({id(have[p]): have[p] for p in range(self.P)}.values())
         if self.merge is None:
-            self._publish(w, merge_summaries(summaries, **self.merge_kwargs))
+            self._publish(w, self.merge_fn(summaries, **self.merge_kwargs))
         else:
             self._in_flight = (w, self.merge(summaries, **self.merge_kwargs))
+
+    def _take_view(self, s: dict, key: str) -> None:
+        """A member's view of window w: its chunks (read before it) attached, filed under every
+        source partition it covers."""
+        got = self._chunks.pop(key, {})
+        if s.get("chunks") and sorted(got) != list(range(int(s["chunks"]))):
+            # a transaction writes the chunks and the header together: missing ones were
+            # removed under the view (a compaction of tombstoned keys): never merge a part
+            s = dict(s, refused=f"the view of partitions {s.get('covers')} lost chunks")
+        s["_chunks"] = [got[k] for k in sorted(got)]
+        w = int(s["window"])
+        for p in s["covers"]:
+            self.last_member[int(p)] = str(s.get("member", "?"))
+            self.pending.setdefault(w, {})[int(p)] = s
+        self._first_seen.setdefault(w, time.time())
 
     def _watch_queue(self) -> None:
         """The complete windows (every partition's summary in) not decided yet are the
@@ -241,7 +282,12 @@ class Leader:
         if self.event_time and kind == "release" and self.closer is not None:
             self._force_event_time(rid)
             return
-        if self.event_time:
+        if self.views:
+            # the close markers travel in the repartition topic, which a views group has not
+            error = ("forced releases and audit exports of a group with scale.exchange = views "
+                     "are not built yet: its windows close on the members' clocks; use "
+                     "scale.exchange = items for them (docs/scale-out.md)")
+        elif self.event_time:
             # an export closes its partition's open window, and a partition here holds several
             error = ("audit exports of a group with event-time windows are not built yet: a "
                      "partition holds several live windows (one process refuses that too); "
@@ -352,8 +398,8 @@ class Leader:
         txn = self.txn
         try:
             txn.begin()
-            for p in have:
-                txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(), value=None)
+            for key in _summary_keys(w, have):
+                txn.send(self.topics.summaries, partition=0, key=key, value=None)
             txn.commit()
         except Exception as exc:
             txn.failed(exc)
@@ -379,7 +425,7 @@ class Leader:
         log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
                     "%s: that member is stopped, stuck or gone (the group moves its "
                     "partitions after source.session_timeout_s)", w, named,
-                    self.topics.repartition, late + (0 if self.by_marker else self.grace_s),
+                    self.counted_topic, late + (0 if self.by_marker else self.grace_s),
                     "its first summary" if self.by_marker else "its end")
 
     @staticmethod
@@ -424,6 +470,7 @@ class Leader:
         release["window_uid"] = fields["window_uid"]
         release["ranges"] = fields["ranges"]
         release["scale_out"] = {"store": "kafka", "partitions": self.P,
+                                "exchange": "views" if self.views else "items",
                                 "members": sorted({s.get("member", "") for s in have.values()})}
         doc = json.dumps(release, allow_nan=False, sort_keys=True)
         import hashlib
@@ -470,8 +517,8 @@ class Leader:
                 if self.release_topic:
                     txn.send(self.release_topic, key=self.release_key(str(w)).encode(),
                              value=document.encode())
-            for p in have:
-                txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(), value=None)
+            for key in _summary_keys(w, have):
+                txn.send(self.topics.summaries, partition=0, key=key, value=None)
             txn.commit()
         except KafkaError as exc:
             log.warning("window %d not decided (%s); it is tried again", w, type(exc).__name__)
@@ -491,6 +538,6 @@ class Leader:
         if not have:
             return
         self.txn.begin()
-        for p in have:
-            self.txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(), value=None)
+        for key in _summary_keys(w, have):
+            self.txn.send(self.topics.summaries, partition=0, key=key, value=None)
         self.txn.commit()

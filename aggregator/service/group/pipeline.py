@@ -52,7 +52,8 @@ MUST_AGREE = (*_AGREED, *_NOT_SETTINGS)
 _NAMES = {**{key: " / ".join(one.name for one in fed) for key, fed in _AGREED.items()},
           **_NOT_SETTINGS}
 #: what an identity written before event-time windows existed in groups means
-_IDENTITY_DEFAULTS = {"window_kind": "time", "allowed_lateness_s": 0.0, "late": "next"}
+_IDENTITY_DEFAULTS = {"window_kind": "time", "allowed_lateness_s": 0.0, "late": "next",
+                      "exchange": "items"}
 
 
 class Pipeline:
@@ -63,6 +64,8 @@ class Pipeline:
         self.name, self.cfg, self.clients, self.metrics = name, cfg, clients, metrics
         st, src = cfg.state, cfg.source
         self.direct = st.mode == "direct"
+        #: scale.exchange = views: members count their own source partitions (views.py)
+        self.views = cfg.scale.exchange == "views"
         self.size = int(st.domain_size) if self.direct else choose_buckets_for(cfg)
         self.topics = GroupTopics(src.group, name)
         self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
@@ -88,7 +91,8 @@ class Pipeline:
                 "partitions": int(partitions), "window_kind": w.kind if w.kind in
                 ("event_time", "count") else "time",
                 "allowed_lateness_s": float(w.allowed_lateness_s),
-                "late": w.late if event_time else "next"}
+                "late": w.late if event_time else "next",
+                "exchange": self.cfg.scale.exchange}
 
     def anchor(self, admin) -> dict | None:
         """The newest ledger head the counting group's committed offsets carry (None: none)."""
@@ -191,13 +195,17 @@ class Pipeline:
                 f"has {mine[k]!r}: start every member with the group's settings, or use another "
                 "source.group for a new group")
 
-    def route(self, partitions: int) -> Route:
+    def index_of(self):
+        """The counter index of each decoded item: the item (direct), or its hash bucket under
+        the group's key."""
         if self.direct:
-            index_of = lambda items: np.asarray(items, dtype=np.int64)  # noqa: E731
-        else:
-            key, size = bytes.fromhex(self.identity["hash_key"]), self.size
-            index_of = lambda items: bucket_of(items, key, size)  # noqa: E731
-        return Route(self.topics.repartition, partitions, self.decoder, index_of, self.metrics,
+            return lambda items: np.asarray(items, dtype=np.int64)
+        key, size = bytes.fromhex(self.identity["hash_key"]), self.size
+        return lambda items: bucket_of(items, key, size)
+
+    def route(self, partitions: int) -> Route:
+        return Route(self.topics.repartition, partitions, self.decoder, self.index_of(),
+                     self.metrics,
                      clock=self.clock(), name=self.name,
                      dead_topic=self.cfg.source.dead_letter_topic,
                      counted=self.identity.get("window_kind") == "count")
@@ -218,6 +226,16 @@ class Pipeline:
         return rollup_spans(self.cfg)
 
     def start_counting(self, instance: str, group_opts: dict) -> None:
+        if self.views:
+            from .views import ViewCounter
+            cfg = self.cfg
+            self.counter = ViewCounter(
+                self.clients.consumer(self.topics.counting_group, **group_opts,
+                                      max_poll_records=cfg.source.max_records),
+                self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
+                self.topics, self.identity, self.ledger, self.metrics, member=instance,
+                source_topic=cfg.source.topic, route=self.route(int(self.identity["partitions"])))
+            return
         spans = self.rollup_spans()
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
                                self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
@@ -262,9 +280,11 @@ class Pipeline:
                                  self.identity["partitions"], int(self.identity["window_size"]))
         merge = None
         worker = self.clients.worker
+        from .summary import merge_summaries
+        from .views import merge_views
+        merge_fn = merge_views if self.views else merge_summaries
         if worker is not None:
-            from .summary import merge_summaries
-            merge = lambda summaries, **kw: worker.call(merge_summaries, summaries, **kw)  # noqa: E731
+            merge = lambda summaries, **kw: worker.call(merge_fn, summaries, **kw)  # noqa: E731
         leader = Leader(txn, self.ledger, self.clients.consumer(None), self.topics,
                       self.identity, self.metrics, release_dir=cfg.release.dir,
                       release_topic=cfg.release.topic, loss=cfg.state.loss,
@@ -278,7 +298,8 @@ class Pipeline:
                       audit_key_file=cfg.audit.key_file,
                       audit_dir=cfg.audit.dir or os.path.join(cfg.checkpoint.dir,
                                                                     "exports"),
-                      closer=closer, max_in_flight=cfg.release.max_in_flight)
+                      closer=closer, max_in_flight=cfg.release.max_in_flight,
+                      merge_fn=merge_fn, source_topic=cfg.source.topic)
         spans = self.rollup_spans()
         if spans:
             leader.rollups = RollupReleases(leader, spans)

@@ -77,6 +77,9 @@ class GroupService:
         self.stop_event = threading.Event()
         self.on_started = None
         self.worker = None
+        #: scale.exchange = views: no intake stage; each member counts source partitions
+        self.views = cfg.scale.exchange == "views"
+        self.intake = None
         self._clients: list = []
         self._txns: list[Transactions] = []
         self._outage_logged: dict[str, float] = {}
@@ -141,6 +144,14 @@ class GroupService:
             raise ServiceError(f"topic {src.topic!r} does not exist on the cluster: create it "
                                "(panagg reads it, never creates it) or fix source.topic")
         self.source_partitions = [f"{src.topic}:{p}" for p in range(have)]
+        if self.views:
+            # each member counts whole source partitions: the group's partitions are the
+            # source's (a views group checks that the source keeps them: its identity)
+            if want and want != have:
+                raise ServiceError(f"scale.partitions = {want} applies to scale.exchange = items; "
+                                   f"with views the group counts the {have} partitions of "
+                                   f"{src.topic}: remove scale.partitions")
+            return have
         return want or have
 
     def _retrying(self, call, what: str):
@@ -219,7 +230,8 @@ class GroupService:
                 retention = cfg.scale.repartition_retention_s or (
                     7 * 86400.0 if pipe.cfg.window.kind == "count"
                     else max(3 * float(pipe.cfg.window.size), 3600.0))
-                for line in pipe.topics.ensure(admin, P, int(retention * 1000)):
+                for line in pipe.topics.ensure(admin, P, int(retention * 1000),
+                                               views=self.views):
                     log.info(line)
         except GroupTopicError as exc:
             raise ServiceError(str(exc)) from None
@@ -227,14 +239,20 @@ class GroupService:
             admin.close()
         seed = self._start_seed()
         for i, pipe in enumerate(self.pipelines):
-            # one group, one start: the first aggregation's identity carries it
-            pipe.open_ledger(P, anchors[pipe.name], seed=seed if i == 0 else None)
+            # one group, one start: the first aggregation's identity carries it (a views group:
+            # each aggregation's counting group is placed by its own identity's transaction)
+            pipe.open_ledger(P, anchors[pipe.name],
+                             seed=seed(pipe) if seed is not None and (i == 0 or self.views)
+                             else None)
         if cfg.release.workers:
             from ..release_worker import ReleaseWorker
             self.worker = ReleaseWorker(cfg.release.workers)
         group_opts = {"group_instance_id": self.instance} if cfg.source.instance_id else {}
         for pipe in self.pipelines:
             pipe.start_counting(self.instance, group_opts)
+        self._started_lines()
+        if self.views:
+            return
         intake = self.consumer(cfg.source.group, **group_opts,
                                max_poll_records=cfg.source.max_records)
         marks = self.pipelines[0].topics.intake
@@ -255,18 +273,36 @@ class GroupService:
 
         intake.subscribe([cfg.source.topic], listener=_Marks())
         self._seed_marks(committed)
+
+    def _started_lines(self) -> None:
         for pipe in self.pipelines:   # a rollup level's is its share
             pipe.metrics.epsilon.set(float(pipe.cfg.state.epsilon))
         self._save_config()
         for pipe in self.pipelines:
+            if self.views:
+                log.info("member %s of %s: scale.exchange = views: counts its own partitions of "
+                         "%s into its own pan-private state (%s mode, %d counters, windows of "
+                         "%g s by this member's clock); it writes only eps-DP views to %s.*",
+                         self.instance, pipe.about, self.cfg.source.topic,
+                         pipe.identity["mode"], pipe.size, pipe.identity["window_size"],
+                         pipe.topics.prefix)
+                continue
             kind, size = pipe.identity.get("window_kind"), pipe.identity["window_size"]
             windows = (f"count windows of {int(size):,} events, cut by the leader" if kind == "count"
                        else f"windows of {size:g} s by event time (allowed lateness "
                        f"{pipe.identity['allowed_lateness_s']:g} s)" if kind == "event_time"
                        else f"windows of {size:g} s by intake time")
+            P = int(pipe.identity["partitions"])
             log.info("member %s of %s: %d partition(s), %s mode with %d counters split into %d "
                      "slices, %s; shared state only in %s.*", self.instance, pipe.about, P,
                      pipe.identity["mode"], pipe.size, P, windows, pipe.topics.prefix)
+            log.warning("scale.exchange = items: %s holds every event's counter index in "
+                        "plaintext (kept %s) and anyone who can read it learns them; the "
+                        "default scale.exchange = views keeps every internal topic eps-DP "
+                        "(docs/privacy.md section 20)", pipe.topics.repartition,
+                        f"{self.cfg.scale.repartition_retention_s:g} s"
+                        if self.cfg.scale.repartition_retention_s else "three windows, at "
+                        "least one hour")
 
     def _start_seed(self):
         """``source.start`` (latest, or a time) for a new group: the source offsets it places
@@ -295,18 +331,29 @@ class GroupService:
         finally:
             self.discard(probe)
         marks = self.pipelines[0].topics.intake
+        views = self.views
 
-        def seed(txn):
-            for tp, off in at.items():
-                txn.send(marks, partition=0, key=f"{tp.topic}:{tp.partition}".encode(),
-                         value=str(int(off)).encode())
-            txn.send_offsets({tp: OffsetAndMetadata(int(off), "", -1) for tp, off in at.items()},
-                             src.group)
+        def seed_of(pipe):
+            def seed(txn):
+                if views:
+                    # the member's counting group reads the source: it starts there
+                    txn.send_offsets({tp: OffsetAndMetadata(int(off), "", -1)
+                                      for tp, off in at.items()}, pipe.topics.counting_group)
+                else:
+                    for tp, off in at.items():
+                        txn.send(marks, partition=0, key=f"{tp.topic}:{tp.partition}".encode(),
+                                 value=str(int(off)).encode())
+                    txn.send_offsets({tp: OffsetAndMetadata(int(off), "", -1)
+                                      for tp, off in at.items()}, src.group)
+                log_start()
+            return seed
+
+        def log_start():
             log.info("new group %s starts at %s (source.start = %s): %s", src.group,
                      "the latest offsets" if start == "latest" else "the first records at or "
                      "after it", src.start, ", ".join(f"{tp.partition} at {off}"
                                                          for tp, off in sorted(at.items())))
-        return seed
+        return seed_of
 
     def _seed_marks(self, committed: dict[int, int]) -> None:
         """Source partitions the group's offsets show as read (by this group before, by one
@@ -384,7 +431,8 @@ class GroupService:
         failed = False
         try:
             while not self.stop_event.is_set():
-                took = self._stage("intake", None, self.intake.step, poll_timeout_s)
+                took = self._stage("intake", None, self.intake.step, poll_timeout_s) \
+                    if self.intake is not None else 0
                 counted = 0
                 wait = poll_timeout_s / len(self.pipelines)
                 for pipe in self.pipelines:
@@ -408,8 +456,12 @@ class GroupService:
     def _held(self) -> list[str]:
         out = []
         for pipe in self.pipelines:
+            name = f"[{pipe.name}] " if pipe.name else ""
+            if self.views and pipe.counter:
+                out += [name + line for line in pipe.counter.held()]
+                continue
             tasks = sorted(pipe.counter.tasks.items()) if pipe.counter else []
-            out += [f"{f'[{pipe.name}] ' if pipe.name else ''}partition {p} window {t.window} "
+            out += [f"{name}partition {p} window {t.window} "
                     f"with {t.events:,} events from offset {t.start}" for p, t in tasks]
         return out
 
@@ -419,7 +471,7 @@ class GroupService:
         reason = reason or ("stop requested" if self.stop_event.is_set() else "input ended or idle")
         log.info("stopped (%s): member %s, %s; an open window is replayed from its start by the "
                  "member counting its partition next", reason, self.instance,
-                 "; ".join(held) if held else "no repartition partitions held")
+                 "; ".join(held) if held else "no partitions held")
 
     def _report(self, every_s: float = 5.0) -> None:
         """Every few seconds: readiness, the intake's lag, and this member's line in
@@ -436,15 +488,25 @@ class GroupService:
                 "time_unix": time.time(), "ready": ready, "reason": reason,
                 "metrics_url": self.metrics_url, "intake_lag_records": lag,
                 "aggregations": {p.name or "-": {
-                    "partitions": sorted(p.counter.tasks) if p.counter else [],
-                    "windows": {str(k): t.window for k, t in (p.counter.tasks.items()
-                                                             if p.counter else [])},
+                    "partitions": self._owned(p), "windows": self._windows(p),
                     "leads": p.leader is not None} for p in self.pipelines}}
         try:
             self._members_producer().send(pipe.topics.members, key=self.instance.encode(),
                                           value=json.dumps(line).encode())
         except Exception as exc:  # a report is a convenience; the next one retries
             log.debug("member report not sent (%s)", type(exc).__name__)
+
+    def _owned(self, pipe) -> list[int]:
+        if pipe.counter is None:
+            return []
+        return pipe.counter.owned() if self.views else sorted(pipe.counter.tasks)
+
+    def _windows(self, pipe) -> dict[str, int]:
+        if pipe.counter is None:
+            return {}
+        if self.views:
+            return pipe.counter.windows()
+        return {str(k): t.window for k, t in pipe.counter.tasks.items()}
 
     def _update_ready(self, every_s: float = 5.0) -> tuple[bool, str]:
         """/ready: 503 while a stage met Kafka errors in the last 2 reports, or while this
@@ -477,8 +539,9 @@ class GroupService:
     def _intake_lag(self) -> int | None:
         """Source records not yet taken by this member's intake (over its partitions)."""
         try:
-            consumer = self.intake.consumer
-            tps = list(consumer.assignment())
+            consumer = self.intake.consumer if self.intake is not None else \
+                self.pipelines[0].counter.consumer
+            tps = [tp for tp in consumer.assignment() if tp.topic == self.cfg.source.topic]
             if not tps:
                 return 0
             ends = consumer.end_offsets(tps, timeout_ms=1000)   # never stall the loop

@@ -53,21 +53,31 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
             raise LookupError(f"no Kafka-only group {group!r} on {bootstrap} (its topic "
                               f"{topics.ledger} does not exist); check --group (source.group)")
         described = admin.describe_groups([topics.counting_group]).get(topics.counting_group, {})
-        members = []
-        for m in described.get("members") or []:
-            parts = _assigned(m)
-            members.append({"member": m.get("group_instance_id") or m.get("client_id"),
-                            "host": str(m.get("client_host", "")).lstrip("/"),
-                            "partitions": sorted(p for t, p in parts if t == topics.repartition),
-                            "leads": any(t == topics.ledger for t, _ in parts)})
-        out["members"] = sorted(members, key=lambda m: m["member"])
-        out["state"] = described.get("group_state", "")
         committed = admin.list_group_offsets(topics.counting_group).get(topics.counting_group, {})
         consumer = KafkaConsumer(**opts, group_id=None, isolation_level="read_committed",
                                  enable_auto_commit=False)
         try:
-            parts = sorted(consumer.partitions_for_topic(topics.repartition) or [])
-            tps = [TopicPartition(topics.repartition, p) for p in parts]
+            ledger = TopicLedger(consumer, topics.ledger, budget_per_window=1.0)
+            ledger.read_to_end()
+            ident = ledger.identity() or {}
+            # the partitions the members count: the repartition topic's, or (scale.exchange =
+            # views) the source topic's, which the counting group then commits
+            counted = topics.repartition
+            if ident.get("exchange") == "views":
+                counted = next((tp.topic for tp in committed if tp.topic != topics.ledger),
+                               source_topic or counted)
+            members = []
+            for m in described.get("members") or []:
+                parts = _assigned(m)
+                members.append({"member": m.get("group_instance_id") or m.get("client_id"),
+                                "host": str(m.get("client_host", "")).lstrip("/"),
+                                "partitions": sorted(p for t, p in parts if t == counted),
+                                "leads": any(t == topics.ledger for t, _ in parts)})
+            out["members"] = sorted(members, key=lambda m: m["member"])
+            out["state"] = described.get("group_state", "")
+            out["exchange"] = ident.get("exchange", "items")
+            parts = sorted(consumer.partitions_for_topic(counted) or [])
+            tps = [TopicPartition(counted, p) for p in parts]
             ends = consumer.end_offsets(tps)
             rows = []
             for tp in tps:
@@ -78,16 +88,13 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
                              "committed": None if c is None else c.offset,
                              "backlog_messages": ends[tp] - (c.offset if c is not None else 0)})
             out["partitions"] = rows
-            if source_topic:
+            if source_topic and out["exchange"] != "views":
                 intake = admin.list_group_offsets(group).get(group, {})
                 src = [TopicPartition(source_topic, p)
                        for p in sorted(consumer.partitions_for_topic(source_topic) or [])]
                 src_end = consumer.end_offsets(src)
                 out["intake_backlog_records"] = sum(
                     src_end[tp] - (intake[tp].offset if tp in intake else 0) for tp in src)
-            ledger = TopicLedger(consumer, topics.ledger, budget_per_window=1.0)
-            ledger.read_to_end()
-            ident = ledger.identity() or {}
             rel = [e for e in ledger.entries if e["kind"] == "release"]
             out["identity"] = {k: ident.get(k) for k in ("mode", "size", "epsilon", "partitions",
                                                          "window_size", "first_window",

@@ -133,22 +133,31 @@ class GroupTopics:
         """The consumer group of the counting stage (over the repartition topic)."""
         return f"{self.prefix}.count"
 
-    def wanted(self, partitions: int, retention_ms: int) -> dict[str, tuple[int, dict]]:
-        """``{topic: (partitions, configs)}``."""
+    def wanted(self, partitions: int, retention_ms: int,
+               views: bool = False) -> dict[str, tuple[int, dict]]:
+        """``{topic: (partitions, configs)}``; ``views`` (scale.exchange = views): no
+        repartition topic, and none for the snapshots and sum rollups it does not take."""
         compact = {"cleanup.policy": "compact"}
+        # retention deletes whole segments only: a segment rolls at a quarter of the retention,
+        # so no plaintext index outlives it by more than that (the broker's default keeps a
+        # quiet topic's records for a week, whatever retention.ms says)
+        repartition = {} if views else {
+            self.repartition: (int(partitions), {
+                "cleanup.policy": "delete", "retention.ms": str(int(retention_ms)),
+                "segment.ms": str(max(60_000, int(retention_ms) // 4))})}
         return {
-            self.repartition: (int(partitions), {"cleanup.policy": "delete",
-                                                 "retention.ms": str(int(retention_ms))}),
+            **repartition,
             self.summaries: (1, compact),
             self.ledger: (1, compact),
             self.releases: (1, compact),
             # a signed export holds every counter (8 bytes each): 64 MB fits 8e6 of them
             self.exports: (1, dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
-            self.snapshots: (int(partitions),
-                             dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
-            # a sum holds its slice's counters (8 bytes each): the producer sends up to 16 MB
-            self.rollups: (int(partitions),
-                           dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
+            **({} if views else {
+                self.snapshots: (int(partitions),
+                                 dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
+                # a sum holds its slice's counters (8 bytes each): the producer sends up to 16 MB
+                self.rollups: (int(partitions),
+                               dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)}))}),
             self.intake: (1, compact),
             self.members: (1, compact),
         }
@@ -165,7 +174,7 @@ class GroupTopics:
             time.sleep(0.2)
 
     def ensure(self, admin, partitions: int, retention_ms: int,
-               replication_factor: int = 1) -> list[str]:
+               replication_factor: int = 1, views: bool = False) -> list[str]:
         """Create what is missing, check what exists; returns one log line per created topic.
 
         ``admin`` is a kafka-python ``KafkaAdminClient``.
@@ -173,7 +182,7 @@ class GroupTopics:
         from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
         from kafka.errors import TopicAlreadyExistsError
 
-        wanted = self.wanted(partitions, retention_ms)
+        wanted = self.wanted(partitions, retention_ms, views)
         existing = set(admin.list_topics())
         created = []
         for name, (parts, configs) in wanted.items():

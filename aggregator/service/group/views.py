@@ -1,0 +1,446 @@
+"""The views exchange (``scale.exchange = "views"``): each member counts its own source partitions.
+
+A member reads the source partitions the counting group (``<group>.panagg.count``) assigns it and
+counts them into its own pan-private state of all D counters, as one process would: its memory
+holds counters plus its own DLap layer, never an event. Nothing per event is written to any
+topic. Windows are the member's processing time, aligned to the epoch: window w covers what the
+member counted in [w * size, (w + 1) * size).
+
+Closing window w, in one Kafka transaction (docs/privacy.md section 20):
+
+1. ask the ledger whether the window's source positions were charged already (then the summary
+   says "refused", and no view is drawn);
+2. otherwise draw the view: the state plus a fresh DLap layer V. An intruder who read the
+   member's memory during the window knows ``c(t) + L``; the view is ``c(T) + L + V``, so the
+   increments between the two stay behind one full DLap layer (section 16's lesson);
+3. write the view (zlib chunks of int32 or int64 counters, then a JSON header naming the source
+   ranges it covers) to ``<group>.panagg.summaries`` and commit the partitions' next offsets with
+   metadata ``{"w": w + 1}`` to the counting group, with the group's metadata (a member the group
+   dropped is fenced: nothing of it is seen).
+
+The leader sums the views of a window once they cover every source partition
+(:func:`merge_views`). A member-window that counted no event sends no view (its ranges are empty:
+public); the sum then has fewer layers, and the release says how many.
+
+A rebalance is a handover like a restart: a window whose partitions changed owner is dropped and
+replayed from the committed offsets under fresh noise, by whoever owns each partition next.
+
+>>> import numpy as np
+>>> from aggregator.state import PanPrivateHistogram
+>>> s = PanPrivateHistogram(1.0, size=6)
+>>> s.add_indices(np.array([1, 1, 4]))
+>>> head = view_header(s, window=3, covers=[0], partitions=2,
+...                    window_info={"kind": "time", "size": 60.0, "events": 3,
+...                                 "started_unix": 180.0, "ended_unix": 240.0})
+>>> head["layers"], head["n"], head["covers"], len(head["_chunks"]) == head["chunks"]
+(2, 3, [0], True)
+>>> empty = view_header(None, window=3, covers=[1], partitions=2, size=6, params=s,
+...                     window_info={"kind": "time", "size": 60.0, "events": 0,
+...                                  "started_unix": 180.0, "ended_unix": 240.0})
+>>> release = merge_views([head, empty], error_bar_reps=0)
+>>> release["n"], release["layers"], release["domain"]["counters"]
+(3, 2, 6)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+import zlib
+
+import numpy as np
+
+from ...counters import noisy_value_counts
+from ...noise import discrete_laplace
+from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
+from ...state import PanPrivateHistogram
+
+__all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "CHUNK_COUNTERS"]
+
+log = logging.getLogger("panagg.group")
+
+#: counters per chunk message: int32 chunks stay under 512 KB before compression, so a view fits
+#: a broker's default message size (1 MB) whatever D is
+CHUNK_COUNTERS = 1 << 17
+VIEW_FORMAT = "panagg.view"
+
+
+# -- pure parts: a view and the sum of a window's views -------------------------------------
+def _encode(counts: np.ndarray) -> tuple[str, list[bytes]]:
+    small = counts.size == 0 or (int(counts.min()) >= -(2 ** 31) and
+                                 int(counts.max()) < 2 ** 31)
+    dtype = "<i4" if small else "<i8"
+    arr = counts.astype(dtype)
+    return dtype, [zlib.compress(arr[i:i + CHUNK_COUNTERS].tobytes(), 1)
+                   for i in range(0, max(1, arr.size), CHUNK_COUNTERS)]
+
+
+def decode_view(header: dict) -> np.ndarray:
+    """The counters of a view from its header's ``_chunks`` (int64)."""
+    parts = [np.frombuffer(zlib.decompress(c), dtype=header["dtype"]) for c in header["_chunks"]]
+    out = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+    if out.size != int(header["size"]):
+        raise ValueError(f"view of window {header['window']} holds {out.size} counters, "
+                         f"not {header['size']}")
+    return out
+
+
+def view_header(state: PanPrivateHistogram | None, *, window: int, covers: list[int],
+                partitions: int, window_info: dict, mode: str = "direct",
+                size: int | None = None, params=None, rng=None) -> dict:
+    """The view of a member's window: ``state`` plus one fresh DLap layer, as chunks (kept in
+    ``_chunks``, sent as their own messages) and a JSON-able header. ``state`` None: the member
+    counted no event in the window; the header carries no counters (``size`` and ``params``,
+    anything with epsilon, neighbor and p, describe the domain). ``mode``: the group's (a
+    hashed group's counters are hash buckets)."""
+    params = state if state is not None else params
+    head = {"format": VIEW_FORMAT, "version": 1, "window": int(window),
+            "partition": int(min(covers)), "covers": sorted(int(p) for p in covers),
+            "partitions": int(partitions), "mode": str(mode),
+            "size": int(state.size if state is not None else size),
+            "epsilon": params.epsilon, "neighbor": params.neighbor, "p": params.p,
+            "model": "joint", "window_info": dict(window_info), "uid": uuid.uuid4().hex}
+    if state is None:
+        head.update(layers=0, n=0, chunks=0, dtype="<i4", _chunks=[])
+        return head
+    counts = state.counts + discrete_laplace(state.p, state.size, rng=rng)
+    dtype, chunks = _encode(counts)
+    head.update(layers=int(state.layers) + 1, n=int(state.n), chunks=len(chunks), dtype=dtype,
+                _chunks=chunks)
+    return head
+
+
+_MUST_AGREE = ("window", "partitions", "mode", "size", "epsilon", "neighbor", "p")
+
+
+def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ERROR_BAR_REPS,
+                method: str | None = None, rng=None) -> dict:
+    """The window's release from the views of every member that counted part of it: the sum of
+    the views' counters (each with its state layer and its view layer), then the estimators,
+    told how many layers the sum holds. Deterministic but for a window no member counted an
+    event in: that one gets the two layers one process's empty window has, drawn here."""
+    if not views:
+        raise ValueError("no views to merge")
+    first = views[0]
+    for v in views:
+        if v.get("format") != VIEW_FORMAT:
+            raise ValueError("not a member's view")
+        bad = [k for k in _MUST_AGREE if v[k] != first[k]]
+        if bad:
+            raise ValueError(f"views of window {first['window']} disagree on {', '.join(bad)}")
+    covered = sorted(p for v in views for p in v["covers"])
+    if covered != list(range(first["partitions"])):
+        raise ValueError(f"window {first['window']} needs views of partitions "
+                         f"0..{first['partitions'] - 1} once each, got {covered}")
+    started = time.perf_counter()
+    size = int(first["size"])
+    total = np.zeros(size, dtype=np.int64)
+    layers = 0
+    for v in views:
+        if v["chunks"]:
+            total += decode_view(v)
+            layers += int(v["layers"])
+    if layers == 0:
+        for _ in range(2):
+            total += discrete_laplace(first["p"], size, rng=rng)
+        layers = 2
+    vc = noisy_value_counts(total)
+    n = int(sum(int(v["n"]) for v in views))
+    hashed = first["mode"] == "hashed"
+    hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=layers, loss=loss, n=n,
+                                            buckets=size if hashed else None,
+                                            reps=error_bar_reps, method=method)
+    members = sum(1 for v in views if v["chunks"])
+    release = package_release(
+        hist, window=first["window"], n=n, epsilon=first["epsilon"],
+        neighbor=first["neighbor"], model="joint",
+        extra={"p": first["p"], "layers": layers, "loss": loss,
+               "domain": {"mode": first["mode"], "size": size, "counters": size,
+                          "partitions": first["partitions"]},
+               "exchange": {"kind": "views", "views": members,
+                            "why_layers": "each member's view carries its state's layer and "
+                                          "its view's layer; the leader sums them"}},
+        accuracy=accuracy)
+    infos = [v["window_info"] for v in views]
+    release["window_info"] = {
+        "kind": infos[0]["kind"], "size": infos[0]["size"],
+        "events": int(sum(i["events"] for i in infos)),
+        "started_unix": min(i["started_unix"] for i in infos),
+        "ended_unix": max(i["ended_unix"] for i in infos),
+        "per_partition": "time windows by each member's clock, aligned to the epoch",
+    }
+    release["release_seconds"] = time.perf_counter() - started
+    return release
+
+
+# -- the member's counting stage --------------------------------------------------------------
+class MemberWindow:
+    """One open window of this member: the partitions counted into it and their ranges."""
+
+    def __init__(self, window: int):
+        self.window = int(window)
+        self.state: PanPrivateHistogram | None = None   # drawn at the first event
+        #: source partition -> [first offset of the window, next offset to read]
+        self.ranges: dict[int, list[int]] = {}
+        self.events = 0
+        #: dead letters of rejected records, sent with the window's close (exactly once)
+        self.dead: list[tuple[bytes, bytes, list]] = []
+
+
+class ViewCounter:
+    """Counts the assigned source partitions into this member's own state; writes its views.
+
+    Parameters
+    ----------
+    consumer
+        kafka-python consumer (group ``<group>.panagg.count``, read_committed, no auto-commit),
+        not yet subscribed.
+    txn
+        :class:`~aggregator.service.group.txn.Transactions` (the transactional producer).
+    route
+        :class:`~aggregator.service.group.repartition.Route`: the decoder, the counter index of
+        an item, the metrics and the dead-letter topic.
+    """
+
+    def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *, member: str,
+                 source_topic: str, route):
+        self.consumer, self.txn, self.topics = consumer, txn, topics
+        self.identity, self.ledger, self.metrics = identity, ledger, metrics
+        self.member, self.source_topic, self.route = member, source_topic, route
+        self.P = int(identity["partitions"])
+        self.D = int(identity["size"])
+        self.size = float(identity["window_size"])
+        self.first_window = int(identity["first_window"])
+        #: window -> its MemberWindow; partition -> the window it is counted into
+        self.tasks: dict[int, MemberWindow] = {}
+        self.where: dict[int, int] = {}
+        self.summaries_written = 0
+        self._needs_sync = False
+        self.is_leader = False
+        from kafka import ConsumerRebalanceListener
+
+        counter = self
+
+        class _Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked):
+                for tp in revoked:
+                    if tp.topic == topics.ledger:
+                        counter.is_leader = False
+                counter._needs_sync = True
+
+            def on_partitions_assigned(self, assigned):
+                counter._needs_sync = True
+
+        consumer.subscribe([source_topic, topics.ledger], listener=_Listener())
+
+    # -- what the member holds (status, stop line) -----------------------------------------
+    def held(self) -> list[str]:
+        return [f"window {w} with {t.events:,} events of partition(s) "
+                f"{', '.join(f'{p} from offset {r[0]}' for p, r in sorted(t.ranges.items()))}"
+                for w, t in sorted(self.tasks.items())]
+
+    def owned(self) -> list[int]:
+        return sorted(self.where)
+
+    def windows(self) -> dict[str, int]:
+        return {str(p): w for p, w in sorted(self.where.items())}
+
+    # -- ownership ---------------------------------------------------------------------------
+    def _drop_window(self, w: int) -> None:
+        task = self.tasks.pop(w, None)
+        if task is None:
+            return
+        for p in task.ranges:
+            self.where.pop(p, None)
+        if task.ranges:
+            log.info("window %d of partition(s) %s is dropped here and replayed from its "
+                     "start under fresh noise", w, ", ".join(map(str, sorted(task.ranges))))
+            self.metrics.handovers.labels(event="released").inc()
+
+    def _sync(self) -> None:
+        from kafka import TopicPartition
+
+        self._needs_sync = False
+        assigned = self.consumer.assignment()
+        ledger_tps = [tp for tp in assigned if tp.topic == self.topics.ledger]
+        if ledger_tps:
+            self.consumer.pause(*ledger_tps)
+        self.is_leader = bool(ledger_tps)
+        owned = {tp.partition for tp in assigned if tp.topic == self.source_topic}
+        # a window that lost a partition holds that partition's events in its one state: the
+        # whole window is dropped; its other partitions are read again from their commits
+        for w, task in list(self.tasks.items()):
+            if set(task.ranges) - owned:
+                self._drop_window(w)
+        for w, task in self.tasks.items():
+            for p, (_, position) in task.ranges.items():
+                # a poll that brought the assignment may have read past what was counted
+                self.consumer.seek(TopicPartition(self.source_topic, p), position)
+        for p in sorted(owned - set(self.where)):
+            tp = TopicPartition(self.source_topic, p)
+            committed = self.consumer.committed(tp, metadata=True, timeout_ms=5000)
+            if committed is None or committed.offset is None or committed.offset < 0:
+                window = self.first_window
+                self.consumer.seek_to_beginning(tp)
+                start = self.consumer.position(tp)
+            else:
+                meta = json.loads(committed.metadata or "{}")
+                window = int(meta.get("w", self.first_window))
+                start = int(committed.offset)
+                self.consumer.seek(tp, start)
+            task = self.tasks.setdefault(window, MemberWindow(window))
+            task.ranges[p] = [start, start]
+            self.where[p] = window
+            self.metrics.handovers.labels(event="acquired").inc()
+            log.info("counting partition %d of %s from offset %d (window %d) into this "
+                     "member's own state", p, self.source_topic, start, window)
+        self.metrics.partitions_owned.set(len(self.where))
+
+    # -- counting ----------------------------------------------------------------------------
+    def _state(self) -> PanPrivateHistogram:
+        ident = self.identity
+        return PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"], size=self.D)
+
+    def step(self, timeout_s: float = 0.2) -> int:
+        """One poll; count it; close the windows that ended. Returns events counted."""
+        polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000))
+        if self._needs_sync:
+            self._sync()
+            polled = {}    # read again from what the sync sought
+        self.ledger.tail(0)
+        counted = 0
+        for tp, recs in polled.items():
+            if tp.topic != self.source_topic or tp.partition not in self.where:
+                continue
+            task = self.tasks[self.where[tp.partition]]
+            rng = task.ranges[tp.partition]
+            recs = [r for r in recs if r.offset >= rng[1]]
+            if not recs:
+                continue
+            counted += self._count(task, tp, recs)
+            rng[1] = recs[-1].offset + 1
+        if counted:
+            self.metrics.events.inc(counted)
+        now = time.time()
+        for w in sorted(self.tasks):
+            if now >= (w + 1) * self.size and w in self.tasks:
+                if not self._close(self.tasks[w]):
+                    break
+        return counted
+
+    def _count(self, task: MemberWindow, tp, recs) -> int:
+        from .repartition import Repartitioner
+
+        route = self.route
+        decoded = route.decoder.decode([r.value for r in recs], [r.key for r in recs],
+                                       [r.headers for r in recs])
+        if decoded.rejected:
+            Repartitioner._count_rejects(route.metrics, decoded.rejected)
+            if route.dead_topic:
+                task.dead += _dead_letters(route, tp, recs, decoded.rejected)
+        if not len(decoded.items):
+            return 0
+        idx = np.asarray(route.index_of(decoded.items), dtype=np.int64)
+        if task.state is None:
+            task.state = self._state()
+        task.state.add_indices(idx)
+        task.events += len(idx)
+        return len(idx)
+
+    # -- closing -----------------------------------------------------------------------------
+    def _close(self, task: MemberWindow) -> bool:
+        """Write the window's view, its partitions' next offsets (and its dead letters) in one
+        transaction; then the partitions count into the next window. False: not written, the
+        window is dropped and replayed."""
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        w = task.window
+        ranges = {f"{self.source_topic}:{p}": list(r) for p, r in sorted(task.ranges.items())}
+        info = {"kind": "time", "size": self.size, "events": int(task.events),
+                "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
+        refused = self._refusal(w, ranges) if task.events else None
+        if refused:
+            head = {"format": VIEW_FORMAT, "version": 1, "window": w,
+                    "partition": min(task.ranges), "covers": sorted(task.ranges),
+                    "partitions": self.P, "refused": refused, "chunks": 0, "_chunks": []}
+        else:
+            head = view_header(task.state, window=w, covers=list(task.ranges),
+                               partitions=self.P, window_info=info, mode=self.identity["mode"],
+                               size=self.D, params=self._params())
+        head.update(ranges=ranges, member=self.member)
+        chunks = head.pop("_chunks")
+        key = f"{w}/{head['partition']}"
+        ledger_head = self.ledger.head()
+        meta = json.dumps({"w": w + 1, "lh": f"{ledger_head['seq']}:{ledger_head['hash'][:16]}"},
+                          separators=(",", ":"))
+        txn = self.txn
+        try:
+            txn.begin()
+            # the chunks first: the leader reads them before the header that names them
+            for k, chunk in enumerate(chunks):
+                txn.send(self.topics.summaries, partition=0, key=f"{key}/c{k}".encode(),
+                         value=chunk)
+            txn.send(self.topics.summaries, partition=0, key=key.encode(),
+                     value=json.dumps(head, allow_nan=False).encode())
+            for dkey, value, headers in task.dead:
+                txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
+            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(r[1], meta,
+                                                                                      -1)
+                              for p, r in task.ranges.items()}, self.consumer.group_metadata())
+            txn.commit()
+        except Exception as exc:
+            log.warning("view of window %d not written (%s); the window is replayed from its "
+                        "start", w, type(exc).__name__)
+            self.txn.failed(exc)
+            self._drop_window(w)
+            self._needs_sync = True
+            return False
+        if task.dead:
+            self.route.metrics.dead_letters.inc(len(task.dead))
+        self.summaries_written += 1
+        self.metrics.summaries.inc()
+        del self.tasks[w]
+        nxt = self.tasks.setdefault(w + 1, MemberWindow(w + 1))
+        for p, r in task.ranges.items():
+            nxt.ranges[p] = [r[1], r[1]]
+            self.where[p] = w + 1
+        return True
+
+    def _params(self):
+        from types import SimpleNamespace
+
+        ident = self.identity
+        probe = PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"], size=1)
+        return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
+
+    def _refusal(self, window: int, ranges: dict) -> str | None:
+        eps = float(self.identity["epsilon"])
+        peak = self.ledger.charges().peak(ranges, eps, lineage=self.identity["lineage"],
+                                          window_kind="time")
+        if peak > self.ledger.budget_per_event * (1 + 1e-12):
+            return (f"positions {ranges} were released before (they would reach {peak:g} eps "
+                    f"> {self.ledger.budget_per_event:g})")
+        return None
+
+
+def _dead_letters(route, tp, recs, rejected) -> list:
+    from consumers.decode import FILTERED
+
+    from ..deadletter import dead_letter_record
+
+    out = []
+    for i, reason in rejected:
+        if reason == FILTERED:
+            continue
+        rec = recs[i]
+        out.append(dead_letter_record(f"{tp.topic}:{tp.partition}", rec.offset, rec.value,
+                                      reason, rec.key, aggregation=route.name or None))
+    return out
+
+
+def window_of(now: float, size: float) -> int:
+    return int(math.floor(now / size))
