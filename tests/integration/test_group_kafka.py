@@ -57,6 +57,9 @@ def member_cmd(bootstrap, topic, group, name, tmp, *extra):
             "--topic", topic, "--state-dir", str(tmp / name / "state"),
             "--release-dir", str(tmp / name / "releases"), "--metrics-port", "-1",
             "--set", "scale.partitioned=true", "--set", "scale.store=kafka",
+            # these tests are the domain-split exchange's (the views exchange's:
+            # test_group_views.py and the chaos matrix)
+            "--set", "scale.exchange=items",
             "--set", "window.kind=time", "--set", f"window.size={WINDOW_S}",
             "--set", f"state.domain_size={D}", "--set", f"source.group={group}",
             "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",

@@ -1,0 +1,130 @@
+"""A group with the default views exchange on a real broker: what its topics hold, read back as
+an intruder would, and that every event is released once.
+
+Each member counts its own source partitions into its own pan-private state and writes only
+views (its state plus a fresh DLap layer) to the summaries topic (aggregator/service/group/
+views.py). Read back: no repartition topic exists, no record of any internal topic is a
+per-event record, and the views of all windows summed minus the exact counts of every produced
+event is noise of exactly the layers the views claim (a view written without its layer, or a
+state without its own, shows as a variance ratio near 0.5 or lower: the negative control).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from aggregator.noise import p_from_epsilon
+from aggregator.service.group.topics import GroupTopics
+
+from .test_group_kafka import Members, make_topic, produce, read_all, read_ledger, releases, \
+    wait_for_total
+
+D = 1000
+PARTS = 4
+
+#: what a view's header may carry: no counter, no item, no per-slice count
+HEADER_KEYS = {"format", "version", "window", "partition", "covers", "partitions", "mode",
+               "size", "epsilon", "neighbor", "p", "model", "window_info", "uid", "layers",
+               "n", "chunks", "dtype", "ranges", "member", "refused"}
+
+
+def _wait_counting(members, tmp_path, timeout_s=90):
+    """Until both members count partitions and one leads (their logs say so)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        logs = {f.name.split("-")[0]: f.read_text() for f in tmp_path.glob("v*.log")}
+        if len(logs) == 2 and all("counting partition" in t for t in logs.values()) and \
+                any("leading" in t for t in logs.values()):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the members did not start counting\n{members.logs()}")
+
+
+def _dlap_variance(p: float) -> float:
+    return 2 * p / (1 - p) ** 2
+
+
+def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka_broker,
+                                                                            tmp_path):
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}")
+    rng = np.random.default_rng(7)
+    # a skewed stream: a few heavy items, many light ones
+    items = np.concatenate([rng.integers(0, 20, 3000), rng.integers(0, D, 5000)])
+    rng.shuffle(items)
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        # several windows of 2 s, each member with its own partitions in each
+        produce(kafka_broker, topic, items, rate=1000)
+        topics = GroupTopics(group)
+        wait_for_total(kafka_broker, topics, len(items), 120, members)
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "scale.exchange = views" in logs and "Traceback" not in logs, logs[-3000:]
+
+    # every event once: the ledger's source ranges tile each partition, n = events in them
+    docs = releases(kafka_broker, topics)
+    windows = [d["window"] for d in docs]
+    assert len(windows) == len(set(windows))
+    assert sum(d["n"] for d in docs) == len(items)
+    ledger = read_ledger(kafka_broker, topics)
+    entries = [e for e in ledger.entries if e["kind"] == "release"]
+    assert not any(e.get("withheld") for e in entries)
+    spans: dict[str, list] = {}
+    for e in entries:
+        assert e["n"] == sum(b - a for a, b in e["ranges"].values())
+        for part, ab in e["ranges"].items():
+            spans.setdefault(part, []).append(tuple(ab))
+    assert sorted(spans) == [f"{topic}:{p}" for p in range(PARTS)]
+    for part, ss in spans.items():
+        ss.sort()
+        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
+    assert all(d["scale_out"]["exchange"] == "views" for d in docs)
+
+    # what an intruder reads in the internal topics
+    from kafka.admin import KafkaAdminClient
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    internal = sorted(t for t in admin.list_topics() if t.startswith(f"{group}.panagg"))
+    admin.close()
+    assert topics.repartition not in internal
+    headers, chunks = [], {}
+    for t in internal:
+        for recs in read_all(kafka_broker, t).values():
+            for _, key, value in recs:
+                if value is None:
+                    continue
+                if t == topics.summaries and b"/c" in key:
+                    chunks[key.decode()] = value
+                    continue
+                doc = json.loads(value)   # every other record is a JSON document
+                if t == topics.summaries:
+                    assert set(doc) <= HEADER_KEYS, set(doc) - HEADER_KEYS
+                    headers.append((key.decode(), doc))
+    views = [(k, h) for k, h in headers if h.get("chunks")]
+    assert views and all(h["layers"] == 2 for _, h in views)
+    total = np.zeros(D, dtype=np.int64)
+    for key, h in views:
+        parts = [np.frombuffer(zlib.decompress(chunks.pop(f"{key}/c{k}")), dtype=h["dtype"])
+                 for k in range(h["chunks"])]
+        total += np.concatenate(parts).astype(np.int64)
+    assert not chunks, "a chunk no header names"
+    exact = np.bincount(items, minlength=D)
+    residual = total - exact
+    layers = sum(h["layers"] for _, h in views)
+    ratio = residual.var() / (layers * _dlap_variance(p_from_epsilon(1.0, 2)))
+    # the noise each view claims, all of it: without one layer per view it would be ~0.5
+    # several windows, each member's own view in them
+    assert len({h["member"] for _, h in views}) == 2 and len(views) >= 4, views
+    assert 0.75 < ratio < 1.3, (ratio, layers)
+    # and nothing exact: the sum is far from the counts on most counters
+    assert np.mean(residual == 0) < 0.3
