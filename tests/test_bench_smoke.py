@@ -40,6 +40,7 @@ LANE = {
     "accuracy.rollups": "here",
     "accuracy.select_study": "here",
     "accuracy.shuffle": "here",
+    "accuracy.views_cost": "here",
     "service.chaos": "chaos",
     "service.e2e": "kafka",
     "service.group": "here",  # its offline part; --throughput in tests/integration
