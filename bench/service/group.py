@@ -137,6 +137,10 @@ def _produce(boot, topic, n, rate=None, D=100_000, event_span_s=None):
     p.close()
 
 
+#: scale.exchange of the time-window runs (--exchange)
+EXCHANGE = ["views"]
+
+
 def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0):
     log = open(tmp / f"{group}-{name}.log", "w")
     return subprocess.Popen(
@@ -151,7 +155,10 @@ def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0):
          *(["--set", "window.kind=event_time", "--set", "window.allowed_lateness_s=2"]
            if event_time else []),
          *(["--set", "window.kind=count", "--set", f"window.size={int(count)}"]
-           if count else [])], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+           if count else []),
+         # count and event-time windows are the items exchange's (the views one: time windows)
+         "--set", f"scale.exchange={'items' if event_time or count else EXCHANGE[0]}"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def _released(boot, group):
@@ -297,10 +304,13 @@ def main(argv=None) -> int:
                     help="count windows of N events: what each window holds (the overshoot)")
     ap.add_argument("--rate", type=int, default=5000, help="--count-windows: events/s")
     ap.add_argument("--all", action="store_true")
+    ap.add_argument("--exchange", choices=("views", "items"), default="views",
+                    help="scale.exchange of the time-window runs")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--events", type=int, default=300_000)
     ap.add_argument("--out", default="out/group_bench.json")
     args = ap.parse_args(argv)
+    EXCHANGE[0] = args.exchange
     res: dict = {}
     if args.smoke:
         res["accuracy"] = accuracy(["zipf"], D=1_000, n=1_000, eps=1.0, reps=1)
