@@ -119,7 +119,9 @@ def test_members_started_at_the_same_instant_on_a_new_group_all_keep_running(
     for r in range(rounds):
         topic = make_topic(kafka_broker)
         group = f"g-{uuid.uuid4().hex[:8]}"
-        members = Members(kafka_broker, topic, group, tmp_path / f"round{r}")
+        # the README's loop sets no exchange: the default, views
+        members = Members(kafka_broker, topic, group, tmp_path / f"round{r}",
+                          "--set", "scale.exchange=views")
         (tmp_path / f"round{r}").mkdir()
         names = ["m1", "m2", "m3"]
         try:

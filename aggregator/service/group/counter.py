@@ -128,6 +128,7 @@ class Counter:
         self.rollups = rollups
         self.summaries_written = 0
         self._needs_sync = False
+        self._generation = None
         #: the group assigned this member the ledger's partition: it leads
         self.is_leader = False
         from kafka import ConsumerRebalanceListener
@@ -166,6 +167,11 @@ class Counter:
 
         self._needs_sync = False
         assigned = self.consumer.assignment()
+        # the generation these partitions were assigned in: every commit names it, so a commit
+        # made after a rebalance this member has not synced yet is refused by the group
+        # coordinator (a rebalance that ran in the client's background once let a member close
+        # a window of partitions another member was already replaying: two views of them)
+        self._generation = self.consumer.group_metadata()
         ledger_tps = [tp for tp in assigned if tp.topic == self.topics.ledger]
         if ledger_tps:
             self.consumer.pause(*ledger_tps)
@@ -331,6 +337,8 @@ class Counter:
         from kafka.structs import OffsetAndMetadata
 
         p, sl = task.partition, task.slice
+        if not self._still_owned(task):
+            return False
         key = f"{self.topics.repartition}:{p}"
         out, rolled = [], []
         for w, live in sl.to_close(upto):
@@ -379,7 +387,7 @@ class Counter:
                 txn.send(topic, partition=part, key=rkey, value=value)
             tp = TopicPartition(self.topics.repartition, p)
             txn.send_offsets({tp: OffsetAndMetadata(resume, meta, -1)},
-                             self.consumer.group_metadata())
+                             self._generation)
             txn.commit()
         except Exception as exc:
             self._abort(task, exc)
@@ -413,7 +421,7 @@ class Counter:
                      key=str(task.partition).encode(), value=message)
             txn.send_offsets({TopicPartition(self.topics.repartition, task.partition):
                               OffsetAndMetadata(task.position, meta, -1)},
-                             self.consumer.group_metadata())
+                             self._generation)
             txn.commit()
         except Exception as exc:
             self._abort(task, exc)
@@ -477,6 +485,8 @@ class Counter:
         from kafka.structs import OffsetAndMetadata
 
         w, p = task.window, task.partition
+        if not self._still_owned(task):
+            return False
         end = task.position
         key = f"{self.topics.repartition}:{p}"
         ranges = {key: [task.start, end]}
@@ -522,7 +532,7 @@ class Counter:
                 # the window's snapshot is done with: no noisy state left at rest for it
                 txn.send(self.topics.snapshots, partition=p, key=str(p).encode(), value=None)
             tp = TopicPartition(self.topics.repartition, p)
-            txn.send_offsets({tp: OffsetAndMetadata(end, meta, -1)}, self.consumer.group_metadata())
+            txn.send_offsets({tp: OffsetAndMetadata(end, meta, -1)}, self._generation)
             txn.commit()
         except Exception as exc:
             self._abort(task, exc)
@@ -533,6 +543,22 @@ class Counter:
         self.metrics.summaries.inc()
         task.advance(w + 1)
         return True
+
+    def _still_owned(self, task: SliceTask) -> bool:
+        """Whether this member still holds the task's partition in the generation it synced;
+        if not, the task is dropped (its next owner replays it) and a sync is due. kafka-python
+        rejoins in its background thread, so a rebalance may have moved the partition since the
+        last poll: a close then would be a second view of what the new owner replays."""
+        from kafka import TopicPartition
+
+        ok = (not self._needs_sync and self._generation is not None
+              and self.consumer.group_metadata().generation_id == self._generation.generation_id
+              and TopicPartition(self.topics.repartition, task.partition)
+              in self.consumer.assignment())
+        if not ok:
+            self.tasks.pop(task.partition, None)
+            self._needs_sync = True
+        return ok
 
     def _refusal(self, window: int, ranges: dict) -> str | None:
         """Why the ledger refuses this partition's window (its positions were charged)."""

@@ -94,6 +94,8 @@ class Leader:
         self.counted_topic = source_topic if self.views and source_topic else \
             topics.repartition
         self._chunks: dict[str, dict[int, bytes]] = {}
+        #: views: windows two views of one partition arrived for, and why (withheld)
+        self._twice: dict[int, str] = {}
         self.grace_s = float(grace_s)
         self.aggregation = aggregation
         self.rollup_level = rollup_level
@@ -187,7 +189,15 @@ class Leader:
             if not fut.done():
                 return
             self._in_flight = None
-            self._publish(w, fut.result())
+            try:
+                release = fut.result()
+            except ValueError as exc:
+                # summaries that do not make one window (they disagree, or a partition is
+                # missing or twice): charged, never published, and the member keeps running
+                self._withhold(w, self.pending.get(w, {}), f"its summaries cannot be merged: "
+                               f"{exc}")
+                return
+            self._publish(w, release)
         w = self.next_window()
         for old in [k for k in self.pending if k < w]:
             self._tombstone_later(old)
@@ -203,13 +213,20 @@ class Leader:
             self._skip_empty(w, have)
             return
         refused = [have[p]["refused"] for p in sorted(have) if have[p].get("refused")]
+        if w in self._twice:
+            refused.append(self._twice.pop(w))
         if refused:
             # every partition's reason: each names its own lost or charged positions
             self._withhold(w, have, "; ".join(dict.fromkeys(refused)))
             return
         summaries = list({id(have[p]): have[p] for p in range(self.P)}.values())
         if self.merge is None:
-            self._publish(w, self.merge_fn(summaries, **self.merge_kwargs))
+            try:
+                release = self.merge_fn(summaries, **self.merge_kwargs)
+            except ValueError as exc:
+                self._withhold(w, have, f"its summaries cannot be merged: {exc}")
+                return
+            self._publish(w, release)
         else:
             self._in_flight = (w, self.merge(summaries, **self.merge_kwargs))
 
@@ -223,6 +240,16 @@ class Leader:
             s = dict(s, refused=f"the view of partitions {s.get('covers')} lost chunks")
         s["_chunks"] = [got[k] for k in sorted(got)]
         w = int(s["window"])
+        held = self.pending.get(w, {})
+        twice = sorted(int(p) for p in s["covers"]
+                       if int(p) in held and held[int(p)].get("uid") != s.get("uid"))
+        if twice:
+            # two committed views of one partition's window: never expected (each commit names
+            # the generation its partitions were assigned in); both were written, so the window
+            # is charged and withheld, never merged from one of them
+            self._twice[w] = (f"partition(s) {', '.join(map(str, twice))} of window {w} were "
+                              f"viewed twice (by {held[twice[0]].get('member', '?')} and "
+                              f"{s.get('member', '?')})")
         for p in s["covers"]:
             self.last_member[int(p)] = str(s.get("member", "?"))
             self.pending.setdefault(w, {})[int(p)] = s

@@ -219,6 +219,7 @@ class ViewCounter:
         self.where: dict[int, int] = {}
         self.summaries_written = 0
         self._needs_sync = False
+        self._generation = None
         self.is_leader = False
         from kafka import ConsumerRebalanceListener
 
@@ -265,6 +266,11 @@ class ViewCounter:
 
         self._needs_sync = False
         assigned = self.consumer.assignment()
+        # the generation these partitions were assigned in: every commit names it, so a commit
+        # made after a rebalance this member has not synced yet is refused by the group
+        # coordinator (a rebalance that ran in the client's background once let a member close
+        # a window of partitions another member was already replaying: two views of them)
+        self._generation = self.consumer.group_metadata()
         ledger_tps = [tp for tp in assigned if tp.topic == self.topics.ledger]
         if ledger_tps:
             self.consumer.pause(*ledger_tps)
@@ -359,6 +365,10 @@ class ViewCounter:
         from kafka.structs import OffsetAndMetadata
 
         w = task.window
+        if not self._still_owned(task):
+            self._drop_window(w)
+            self._needs_sync = True
+            return False
         ranges = {f"{self.source_topic}:{p}": list(r) for p, r in sorted(task.ranges.items())}
         info = {"kind": "time", "size": self.size, "events": int(task.events),
                 "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
@@ -390,7 +400,7 @@ class ViewCounter:
                 txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
             txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(r[1], meta,
                                                                                       -1)
-                              for p, r in task.ranges.items()}, self.consumer.group_metadata())
+                              for p, r in task.ranges.items()}, self._generation)
             txn.commit()
         except Exception as exc:
             log.warning("view of window %d not written (%s); the window is replayed from its "
@@ -409,6 +419,19 @@ class ViewCounter:
             nxt.ranges[p] = [r[1], r[1]]
             self.where[p] = w + 1
         return True
+
+    def _still_owned(self, task: MemberWindow) -> bool:
+        """Whether this member still holds the window's partitions in the generation it synced
+        (kafka-python rejoins in its background thread: a rebalance may have moved them since
+        the last poll, and its listener only marks the sync as needed)."""
+        if self._needs_sync or self._generation is None:
+            return False
+        now = self.consumer.group_metadata()
+        if now.generation_id != self._generation.generation_id:
+            return False
+        owned = {tp.partition for tp in self.consumer.assignment()
+                 if tp.topic == self.source_topic}
+        return set(task.ranges) <= owned
 
     def _params(self):
         from types import SimpleNamespace
