@@ -143,6 +143,33 @@ def real_joint(eps=1.0, n=N_REAL // 2):
     return views[0], views[1], looks, p_from_epsilon(eps, 2)
 
 
+def member_view(where, eps=1.0, n=N_REAL // 2, view_layer=True):
+    """A group member of the views exchange (aggregator/service/group/views.py, docs/privacy.md
+    section 20a): an intrusion reads the member's memory at t, then the member writes its view
+    of the window with the real ``view_header`` (decoded as the leader decodes it). The model is
+    the joint one: memory, then the view one fresh layer later. ``view_layer`` False: the
+    member's counters written as they are (the design section 16 forbids: the negative
+    control)."""
+    from aggregator.service.group.views import decode_view, view_header
+
+    info = {"kind": "time", "size": 1.0, "events": 0, "started_unix": 0.0, "ended_unix": 1.0}
+    (px, sx), (py, sy) = tp.JOINT_PAIRS[where]
+    views = []
+    for prefix, suffix in ((px, sx), (py, sy)):
+        a = np.empty((n, 3), dtype=np.int64)
+        b = np.empty((n, 3), dtype=np.int64)
+        for r in range(n):
+            s = PanPrivateHistogram(eps, size=3)
+            s.update(prefix)
+            a[r] = s.counts
+            s.update(suffix)
+            b[r] = decode_view(view_header(s, window=0, covers=[0], partitions=1,
+                                           window_info=info)) if view_layer else s.counts
+        views.append([a, b])
+    looks = schedule_model(tp._joint_schedule(px, sx), tp._joint_schedule(py, sy), 3)
+    return views[0], views[1], looks, p_from_epsilon(eps, 2)
+
+
 def add_remove(eps=1.0, n=N_REAL, merged=False):
     """Real add-remove snapshots (the counters; tests/test_privacy.py checks the n field is nil
     and every other field constant). Sensitivity 1: p = exp(-eps)."""
@@ -286,6 +313,20 @@ def test_real_states():
 def test_real_states_joint_view():
     r = audit(real_joint())
     assert 0.4 <= r.eps <= 1.0, r
+
+
+@pytest.mark.parametrize("where", sorted(tp.JOINT_PAIRS))
+def test_a_group_members_memory_and_its_view(where):
+    """The views exchange: one intrusion into a member plus the view it writes, with the
+    member's real code, reads at or below eps."""
+    r = audit(member_view(where))
+    assert 0.4 <= r.eps <= 1.0, r
+
+
+def test_a_member_view_without_its_layer_is_flagged():
+    """The negative control: a view written without its layer reveals the increments."""
+    r = audit(member_view("after", view_layer=False))
+    assert r.eps > 5.0, r
 
 
 @pytest.mark.parametrize("merged", [False, True])
