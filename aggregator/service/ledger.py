@@ -113,6 +113,8 @@ class Ledger:
         """Re-read the file (scale-out: several processes append to one shared ledger, each
         under the merge lock)."""
         self.entries: list[dict] = []
+        #: called with each entry once it is durable (the budget registry records charges)
+        self.listeners: list = []
         self._by_id: dict[str, dict] = {}
         self.torn_tail = False
         if not self.path.exists():
@@ -305,6 +307,8 @@ class Ledger:
         self.entries.append(entry)
         self._by_id[entry_id] = entry
         self.torn_tail = False
+        for listener in self.listeners:   # the budget registry (release_gate.py)
+            listener(entry)
         return True
 
 

@@ -731,6 +731,7 @@ class Aggregator:
     def start(self) -> None:
         """Restore the checkpoint, seek the source, publish what a crash left pending."""
         self.restore()
+        self._attach_registry()
         self.save_effective_config()
         if self.worker is None and self.async_releases():
             from .release_worker import ReleaseWorker
@@ -865,7 +866,31 @@ class Aggregator:
                                    f"{timeout_s:.0f} s; is the broker at "
                                    f"{self.cfg.source.bootstrap} reachable?")
 
+    def _attach_registry(self) -> None:
+        """A Kafka source: the cluster's budget registry (``ledger.registry_topic``;
+        state_store/registry.py) is read before every release and gets every charge."""
+        cfg = self.cfg
+        if cfg.source.kind != "kafka" or not cfg.ledger.registry_topic or \
+                self.gate.registry is not None:
+            return
+        from consumers.kafka_security import client_options
+        from state_store.registry import KafkaBudgetRegistry, RegistryError
+
+        reg = KafkaBudgetRegistry(cfg.source.bootstrap, cfg.ledger.registry_topic,
+                                  {"state_dir": str(self.dir.resolve()),
+                                   "consumer_group": cfg.source.group},
+                                  security=client_options(cfg.security),
+                                  timeout_s=float(cfg.source.connect_timeout_s))
+        try:
+            reg.open()
+            self.gate.attach_registry(reg)
+        except RegistryError as exc:
+            reg.close()
+            raise ServiceError(str(exc)) from None
+
     def close(self) -> None:
+        if self.gate.registry is not None:
+            self.gate.registry.close()
         self.plan.close()
         self.publisher.close()
         if self.worker is not None and self._owns_worker:

@@ -69,6 +69,81 @@ class ReleaseGate:
         self.epsilon, self.model = float(epsilon), model
         self.stream, self.aggregation = stream, aggregation
         self.dir = Path(directory)
+        #: the cluster's budget registry (state_store/registry.py), None without one
+        self.registry = None
+
+    # -- the budget registry ----------------------------------------------------------------
+    def attach_registry(self, registry) -> None:
+        """Check every release against ``registry`` too, and record this ledger's charges there
+        as they are ledgered (what a crash or an outage kept from it: at once, and before each
+        check)."""
+        self.registry = registry
+        self.ledger.listeners.append(self._record)
+        self._catch_up()
+
+    def _record(self, entry: dict) -> None:
+        from state_store.registry import ledger_id
+        try:
+            self.registry.record(ledger_id(self.ledger.entries), entry)
+        except Exception as exc:  # the release is ledgered; the charge follows at the next check
+            log.warning("the charge of %s is not in the budget registry yet (%s); it is "
+                        "written before the next release", entry.get("id"), type(exc).__name__)
+
+    def _catch_up(self) -> None:
+        from state_store.registry import ledger_id
+        n = self.registry.catch_up(ledger_id(self.ledger.entries), self.ledger.entries)
+        if n:
+            log.info("%d charge(s) of this ledger written to the budget registry %s", n,
+                     self.registry.topic)
+
+    def _known(self) -> set[tuple[str, str]]:
+        """(ledger id, entry id) of every entry the ledgers this gate reads hold: the
+        registry's charges beyond them are another deployment's (or lost from these)."""
+        from state_store.registry import ledger_id
+        known = set()
+        ledgers = [self.ledger.entries]
+        if self.aggregation:
+            for path in sorted([*self.dir.parent.glob("*/ledger.jsonl"),
+                                *self.dir.parent.glob("ledger.jsonl")]):
+                if path.parent.resolve() != self.dir.resolve():
+                    ledgers.append(Ledger(path, budget_per_window=1.0).entries)
+        for entries in ledgers:
+            lid = ledger_id(entries)
+            known |= {(lid, e["id"]) for e in entries}
+        return known
+
+    def _check_registry(self, uid: str, wid: int, *, ranges: dict, charge: float,
+                        closing: dict, others: list, pending: float) -> None:
+        """BudgetExceeded naming the other deployment when the registry's charges bring the
+        window's events over the per-event budget."""
+        from kafka.errors import KafkaError
+        from state_store.registry import RegistryError
+        try:
+            self.registry.read_to_end()
+            self._catch_up()
+        except (KafkaError, RegistryError) as exc:
+            # the cluster is away (the source with it): the ledger's own check stands, and the
+            # charges this misses are read at the next release
+            log.warning("the budget registry %s could not be read (%s): window %s is checked "
+                        "against this deployment's ledgers only", self.registry.topic,
+                        type(exc).__name__, wid)
+        theirs = self.registry.charges(self._known())
+        if not theirs:
+            return
+        try:
+            self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
+                                      lineage=closing.get("lineage"),
+                                      window_kind=closing.get("kind"),
+                                      others=[*others, *theirs], pending=pending)
+        except BudgetExceeded:
+            from .ledger import _ranges_text
+            raise BudgetExceeded(
+                f"release of window {wid} refused: its events (source positions "
+                f"{_ranges_text(ranges)}) were released by {self.registry.who(ranges, theirs)} "
+                f"(the budget registry {self.registry.topic}), and this release would bring them "
+                f"over the per-event budget {self.ledger.budget_per_event:g}; nothing of it is "
+                "published (one deployment per stream, or one that starts after those "
+                "positions: docs/privacy.md section 22)") from None
 
     def charge_of(self, closing: dict) -> float:
         """What the window's release costs: epsilon, or 0 for a window without events (n is
@@ -116,11 +191,15 @@ class ReleaseGate:
             flying = [{"kind": "release", "epsilon_spent": j["charge"], "ranges": j["ranges"],
                        "lineage": j["window"].get("lineage"),
                        "window_kind": j["window"].get("kind")} for j in in_flight]
+            others = [*self.other_charges(), *flying] if ranges else []
+            pending = sum(j["charge"] for j in in_flight)
             self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
                                       lineage=closing.get("lineage"),
                                       window_kind=closing.get("kind"),
-                                      others=[*self.other_charges(), *flying] if ranges
-                                      else (), pending=sum(j["charge"] for j in in_flight))
+                                      others=others, pending=pending)
+            if self.registry is not None and ranges and charge > 0:
+                self._check_registry(uid, wid, ranges=ranges, charge=charge, closing=closing,
+                                     others=others, pending=pending)
         except BudgetExceeded as exc:
             log.error("%s", exc)
             self.metrics.releases_refused.inc()

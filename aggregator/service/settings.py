@@ -699,6 +699,18 @@ class LedgerSettings(Section):
             "two or more, refused when the sum exceeds it")
 
 
+    registry_topic: str = setting(
+        "panagg.budget",
+        brief="Kafka sources: the cluster's budget registry topic (\"\": none)",
+        doc="Kafka sources: a compacted topic on the source's cluster where every panagg "
+            "deployment records the source positions it charged, and which each reads before "
+            "a release, so a second state directory, a new `source.group`, a restored directory "
+            "or a second group over the same records stays within `ledger.budget_per_event` or "
+            "is refused in one line naming the other deployment (docs/privacy.md section 22). "
+            "Created at the first start if missing; `\"\"`: none (charges across deployments are "
+            "then not checked)")
+
+
 @dataclass(frozen=True, eq=False)
 class MetricsSettings(Section):
     """[metrics]: the Prometheus endpoint"""

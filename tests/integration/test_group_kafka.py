@@ -449,8 +449,12 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
                                  "--state-dir", str(tmp_path / "m1" / "state")],
                                 capture_output=True, text=True, timeout=200)
         assert forced.returncode == 0, forced.stderr
-        assert re.search(r"released ip window \d+", forced.stdout) and \
-            re.search(r"released user window \d+", forced.stdout), forced.stdout
+        # each aggregation's leader answers: released, or (a leader behind its windows on a
+        # loaded machine, as above) its markers written and the release to follow
+        for name in ("ip", "user"):
+            assert re.search(rf"released {name} window \d+", forced.stdout) or re.search(
+                rf"{name} window \d+ closed in every partition; its release follows",
+                forced.stdout), forced.stdout
         events = {"user": 0.0, "ip": 0.0}
         for url in urls:
             with urllib.request.urlopen(url.replace("/metrics", "/healthz"), timeout=5) as r:

@@ -94,6 +94,9 @@ class Leader:
         self.counted_topic = source_topic if self.views and source_topic else \
             topics.repartition
         self._chunks: dict[str, dict[int, bytes]] = {}
+        #: the cluster's budget registry (views: the ledger's ranges are source positions;
+        #: state_store/registry.py), set by the pipeline
+        self.registry = None
         #: views: windows two views of one partition arrived for, and why (withheld)
         self._twice: dict[int, str] = {}
         self.grace_s = float(grace_s)
@@ -486,6 +489,8 @@ class Leader:
             self.ledger.check_release(fields["window_uid"], eps, window=w,
                                       ranges=fields["ranges"], lineage=fields["lineage"],
                                       window_kind=self.window_kind)
+            if self.registry is not None:
+                self._check_registry(w, fields, eps)
         except BudgetExceeded as exc:
             # the summaries were written, so the window was seen: charged, not published
             self._withhold(w, have, str(exc))
@@ -515,6 +520,37 @@ class Leader:
                  f"{self.aggregation} " if self.aggregation else "", w, release["n"], self.P,
                  path or self.topics.releases)
 
+    def _known(self) -> set[tuple[str, str]]:
+        from state_store.registry import ledger_id
+        lid = ledger_id(self.ledger.entries)
+        return {(lid, e["id"]) for e in self.ledger.entries}
+
+    def _check_registry(self, w: int, fields: dict, eps: float) -> None:
+        """BudgetExceeded naming the other deployment when the registry's charges (another
+        deployment's, or this ledger's that it lost) bring the window's events over budget."""
+        from state_store.registry import RegistryError
+
+        from ..ledger import _ranges_text
+        try:
+            self.registry.read_to_end()
+        except RegistryError as exc:
+            # (a Kafka error goes up: the leader's turn is lost and tried again)
+            log.warning("%s; window %d is checked against the group's ledger only", exc, w)
+        theirs = self.registry.charges(self._known())
+        if not theirs:
+            return
+        try:
+            self.ledger.check_release(fields["window_uid"], eps, window=w,
+                                      ranges=fields["ranges"], lineage=fields["lineage"],
+                                      window_kind=self.window_kind, others=theirs)
+        except BudgetExceeded:
+            raise BudgetExceeded(
+                f"release of window {w} refused: its events (source positions "
+                f"{_ranges_text(fields['ranges'])}) were released by "
+                f"{self.registry.who(fields['ranges'], theirs)} (the budget registry "
+                f"{self.registry.topic}), and this release would bring them over the per-event "
+                f"budget {self.ledger.budget_per_event:g}; nothing of it is published") from None
+
     def local_file(self, release: dict, what: str) -> str | None:
         """The release's file in ``release.dir`` once its document is in Kafka (None: the
         write failed, said in one line; the local file is a convenience)."""
@@ -538,6 +574,13 @@ class Leader:
         try:
             txn.begin()
             self.ledger.append(entry_id=f"{self.identity['lineage']}/{w}", producer=txn, **entry)
+            if self.registry is not None:
+                # the charge, in the transaction of its ledger entry
+                from state_store.registry import ledger_id
+                msg = self.registry.message(ledger_id(self.ledger.entries), dict(
+                    entry, id=f"{self.identity['lineage']}/{w}"))
+                if msg is not None:
+                    txn.send(self.registry.topic, partition=0, key=msg[0], value=msg[1])
             if document is not None:
                 txn.send(self.topics.releases, partition=0, key=str(w).encode(),
                          value=document.encode())

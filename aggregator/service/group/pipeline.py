@@ -303,12 +303,27 @@ class Pipeline:
         spans = self.rollup_spans()
         if spans:
             leader.rollups = RollupReleases(leader, spans)
+        if self.views and cfg.ledger.registry_topic:
+            from consumers.kafka_security import client_options
+            from state_store.registry import KafkaBudgetRegistry, RegistryError
+            reg = KafkaBudgetRegistry(cfg.source.bootstrap, cfg.ledger.registry_topic,
+                                      {"group": cfg.source.group,
+                                       "aggregation": self.name or None},
+                                      security=client_options(cfg.security),
+                                      timeout_s=float(cfg.source.connect_timeout_s))
+            try:
+                reg.open()
+            except RegistryError as exc:
+                raise ServiceError(str(exc)) from None
+            leader.registry = reg
         return leader
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
         self.metrics.release_queue.set(0)    # the queue is the next leader's to show
         if leader is not None:
+            if leader.registry is not None:
+                leader.registry.close()
             leader.txn.close()
             self.clients.discard(leader.summaries)
             if leader.requests is not None:

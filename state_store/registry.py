@@ -1,0 +1,254 @@
+"""The budget registry: one event, one charge, across every deployment that reads a Kafka cluster.
+
+A ledger records what its own lineage released, keyed by source positions (``<topic>:<partition>``
+offsets). It cannot see another ledger: a second state directory, a new ``source.group``, a
+restored directory whose group offsets were re-committed without their anchor, or a second
+Kafka-only group each start their own, and the same records would be released again. The
+registry is a compacted topic on the cluster itself (``ledger.registry_topic``, default
+``panagg.budget``, one partition) that every deployment writes each charge to and reads before it
+draws a release:
+
+* **Key** ``<ledger id>/<entry id>``: the ledger's id is the hash of its first entry (a restored
+  copy of a ledger keeps it; another ledger never has it), the entry's id is unique in its ledger,
+  so compaction keeps every charge and a charge written twice is one record.
+* **Value** (JSON): the charged ranges of source positions with the epsilon, lineage and window
+  kind the ledger recorded (so overlapping event-time windows of one lineage count as the ledger
+  counts them: :mod:`aggregator.service.charges`), and who charged them (``deployment``: host,
+  state directory or group, consumer group) for the refusal's one line.
+* **Reading.** A deployment counts every registry charge its own ledgers do not hold, by (ledger
+  id, entry id): a charge of another deployment, or one of its own that its ledger lost (a
+  directory restored from a backup holds the same ledger id without its later entries). What the
+  ledgers hold is counted by them, never twice.
+* **Writing.** One process: right after the ledger entry (a crash between the two is caught up
+  at the next start and before every release: :meth:`KafkaBudgetRegistry.catch_up`). A Kafka-only
+  group's leader: in the transaction of its ledger entry.
+
+What it cannot see: records copied where no panagg deployment on this cluster read them (another
+cluster, a topic copied and never released here, a file): docs/privacy.md section 22.
+
+>>> reg = MemoryRegistry(deployment={"state_dir": "/srv/a"})
+>>> reg.record("L1", {"id": "release-w0", "kind": "release", "epsilon_spent": 1.0,
+...                   "ranges": {"t:0": [0, 100]}, "lineage": "x"})
+>>> [c["ranges"] for c in reg.charges(known={("L2", "release-w0")})]
+[{'t:0': [0, 100]}]
+>>> reg.charges(known={("L1", "release-w0")})
+[]
+>>> reg.who({"t:0": [50, 60]}, reg.charges(known=set()))
+'state dir /srv/a'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+
+__all__ = ["ledger_id", "charge_of", "MemoryRegistry", "KafkaBudgetRegistry", "RegistryError",
+           "deployment_name"]
+
+log = logging.getLogger("panagg.registry")
+
+
+class RegistryError(RuntimeError):
+    """The registry topic cannot be created, read or written (one line naming the fix)."""
+
+
+def ledger_id(entries: list[dict]) -> str | None:
+    """The id of a ledger: its first entry's hash (None: an empty ledger)."""
+    return str(entries[0]["hash"])[:32] if entries and entries[0].get("hash") else None
+
+
+def charge_of(entry: dict) -> bool:
+    """Whether a ledger entry charges source positions (the registry holds those only)."""
+    return bool(entry.get("ranges")) and float(entry.get("epsilon_spent") or 0.0) > 0.0
+
+
+def deployment_name(dep: dict) -> str:
+    """One line naming a deployment: its group (a Kafka-only group) or its state directory."""
+    if dep.get("group"):
+        return f"group {dep['group']}"
+    where = f"state dir {dep.get('state_dir', '?')}"
+    return where + (f" on {dep['host']}" if dep.get("host") and dep.get("host") != _HOST else "")
+
+
+_HOST = socket.gethostname()
+
+
+def _value(lid: str, entry: dict, deployment: dict) -> dict:
+    return {"format": "panagg.charge", "version": 1, "ledger": lid, "entry": entry["id"],
+            "kind": entry.get("kind"), "window": entry.get("window"),
+            "epsilon_spent": float(entry.get("epsilon_spent") or 0.0),
+            "ranges": entry.get("ranges") or {}, "lineage": entry.get("lineage"),
+            "window_kind": entry.get("window_kind"), "deployment": dict(deployment),
+            "time_unix": time.time()}
+
+
+class MemoryRegistry:
+    """The registry's logic over records held in memory (tests, and the topic's cache)."""
+
+    def __init__(self, deployment: dict):
+        self.deployment = dict(deployment, host=deployment.get("host", _HOST))
+        #: key -> value, as the compacted topic holds them
+        self.records: dict[str, dict] = {}
+
+    def record(self, lid: str, entry: dict) -> None:
+        if charge_of(entry):
+            self.records[f"{lid}/{entry['id']}"] = _value(lid, entry, self.deployment)
+
+    def has(self, lid: str, entry_id: str) -> bool:
+        return f"{lid}/{entry_id}" in self.records
+
+    def charges(self, known: set[tuple[str, str]]) -> list[dict]:
+        """The registry's charges the ledgers in ``known`` ((ledger id, entry id) pairs) do not
+        hold, as ledger-like entries (``kind = release``) for the charge book."""
+        return [{"kind": "release", "epsilon_spent": v["epsilon_spent"], "ranges": v["ranges"],
+                 "lineage": v.get("lineage"), "window_kind": v.get("window_kind"),
+                 "deployment": v.get("deployment") or {}}
+                for v in self.records.values() if (v["ledger"], v["entry"]) not in known]
+
+    @staticmethod
+    def who(ranges: dict, charges: list[dict]) -> str:
+        """The deployments among ``charges`` whose ranges meet ``ranges`` (one line)."""
+        names = []
+        for c in charges:
+            meets = any(part in ranges and c_ab[0] < ranges[part][1] and c_ab[1] > ranges[part][0]
+                        for part, c_ab in c["ranges"].items())
+            if meets:
+                name = deployment_name(c["deployment"])
+                if name not in names:
+                    names.append(name)
+        return ", ".join(names) or "another deployment"
+
+
+class KafkaBudgetRegistry(MemoryRegistry):
+    """The registry kept in a compacted one-partition topic of the cluster the source is on.
+
+    Parameters
+    ----------
+    bootstrap, security
+        The cluster (``source.bootstrap``) and kafka-python client options (SASL, TLS).
+    topic
+        ``ledger.registry_topic``; created compacted with one partition if missing.
+    deployment
+        What names this deployment in another's refusal (state dir or group, consumer group).
+    """
+
+    def __init__(self, bootstrap: str, topic: str, deployment: dict, *,
+                 security: dict | None = None, timeout_s: float = 30.0):
+        super().__init__(deployment)
+        self.topic = topic
+        self._opts = dict(bootstrap_servers=bootstrap, **(security or {}))
+        self.timeout_s = float(timeout_s)
+        self._consumer = None
+        self._producer = None
+        self._tp = None
+
+    # -- the topic -----------------------------------------------------------------------------
+    def open(self) -> None:
+        """Create the topic if missing (compacted, one partition), then read it to its end."""
+        from kafka import KafkaConsumer, TopicPartition
+        from kafka.admin import KafkaAdminClient, NewTopic
+        from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+        try:
+            admin = KafkaAdminClient(**self._opts,
+                                     request_timeout_ms=int(self.timeout_s * 1000))
+            try:
+                if self.topic not in set(admin.list_topics()):
+                    try:
+                        admin.create_topics([NewTopic(self.topic, num_partitions=1,
+                                                      replication_factor=1, topic_configs={
+                                                          "cleanup.policy": "compact"})])
+                        log.info("created the budget registry topic %s (compacted): every "
+                                 "deployment on this cluster records its charges there",
+                                 self.topic)
+                    except TopicAlreadyExistsError:
+                        pass
+            finally:
+                admin.close()
+            self._consumer = KafkaConsumer(**self._opts, group_id=None,
+                                           enable_auto_commit=False,
+                                           isolation_level="read_committed")
+            self._tp = TopicPartition(self.topic, 0)
+            deadline = time.monotonic() + self.timeout_s
+            while not (self._consumer.partitions_for_topic(self.topic) or set()):
+                if time.monotonic() > deadline:
+                    raise RegistryError(f"the budget registry topic {self.topic} has no "
+                                        "partition yet")
+                time.sleep(0.2)
+            self._consumer.assign([self._tp])
+            self._consumer.seek_to_beginning(self._tp)
+            self.read_to_end()
+        except KafkaError as exc:
+            self.close()
+            raise RegistryError(
+                f"the budget registry topic {self.topic} cannot be used ({type(exc).__name__}); "
+                "create it (kafka-topics.sh --create --topic "
+                f"{self.topic} --partitions 1 --config cleanup.policy=compact) and grant this "
+                "client read and write on it, or set ledger.registry_topic = \"\" to go "
+                "without one (charges across deployments are then not checked)") from None
+
+    def read_to_end(self) -> None:
+        """Every record committed to the topic so far (the charges other deployments wrote)."""
+        if self._consumer is None:
+            return
+        end = self._consumer.end_offsets([self._tp], timeout_ms=int(self.timeout_s * 1000))
+        end_at = end[self._tp]
+        deadline = time.monotonic() + self.timeout_s
+        while self._consumer.position(self._tp) < end_at:
+            if time.monotonic() > deadline:
+                raise RegistryError(f"the budget registry topic {self.topic} was not read to its "
+                                    f"end within {self.timeout_s:g} s")
+            for recs in self._consumer.poll(timeout_ms=200).values():
+                for r in recs:
+                    key = r.key.decode() if r.key else ""
+                    if r.value is None:
+                        self.records.pop(key, None)
+                        continue
+                    try:
+                        value = json.loads(r.value)
+                    except ValueError:
+                        continue
+                    if isinstance(value, dict) and value.get("format") == "panagg.charge":
+                        self.records[key] = value
+
+    # -- writing -------------------------------------------------------------------------------
+    def message(self, lid: str, entry: dict) -> tuple[bytes, bytes] | None:
+        """(key, value) of ``entry``'s charge (None: it charges nothing)."""
+        if not charge_of(entry):
+            return None
+        value = _value(lid, entry, self.deployment)
+        return f"{lid}/{entry['id']}".encode(), json.dumps(value, sort_keys=True).encode()
+
+    def record(self, lid: str, entry: dict) -> None:
+        """Write one charge (one process: after its ledger entry) and wait for it."""
+        msg = self.message(lid, entry)
+        if msg is None:
+            return
+        if self._producer is None:
+            from kafka import KafkaProducer
+            self._producer = KafkaProducer(**self._opts, acks="all", linger_ms=0,
+                                           max_block_ms=int(self.timeout_s * 1000))
+        self._producer.send(self.topic, key=msg[0], value=msg[1], partition=0).get(
+            timeout=self.timeout_s)
+        super().record(lid, entry)
+
+    def catch_up(self, lid: str | None, entries: list[dict]) -> int:
+        """Write the charges of ``entries`` (one ledger) the registry does not hold yet (a crash
+        between a ledger entry and its charge, a broker away then); returns how many."""
+        if lid is None:
+            return 0
+        missing = [e for e in entries if charge_of(e) and not self.has(lid, e["id"])]
+        for e in missing:
+            self.record(lid, e)
+        return len(missing)
+
+    def close(self) -> None:
+        for client in (self._consumer, self._producer):
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:
+                    pass
+        self._consumer = self._producer = None

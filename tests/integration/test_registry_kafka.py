@@ -1,0 +1,106 @@
+"""The budget registry on a real broker (state_store/registry.py, issue 48): deployments that
+share no state directory, no consumer group and no ledger still charge each event once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from tests.integration.test_ledger_kafka import _args, _produce
+from tests.integration.test_service_kafka import make_topic, run_service
+
+
+def _charges(state_dir, part, n):
+    import numpy as np
+
+    charge = np.zeros(n)
+    for e in (json.loads(x) for x in (state_dir / "ledger.jsonl").read_text().splitlines()):
+        if e["kind"] == "release":
+            lo, hi = e["ranges"].get(part, [0, 0])
+            charge[lo:hi] += e["epsilon_spent"]
+    return charge
+
+
+def _with(args, **sets):
+    out = list(args)
+    for k, v in sets.items():
+        out += ["--set", f"{k.replace('__', '.')}={v}"]
+    return out
+
+
+def _commit_without_metadata(bootstrap, group, topic):
+    """An operator's --reset-offsets --to-earliest --execute on the stopped group."""
+    import time
+
+    from kafka import TopicPartition
+    from kafka.admin import KafkaAdminClient
+    from kafka.structs import OffsetAndMetadata
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        deadline = time.monotonic() + 120  # offsets of a group change only while it is empty
+        while admin.describe_groups([group])[group]["group_state"] not in ("Empty", "Dead"):
+            assert time.monotonic() < deadline, admin.describe_groups([group])
+            time.sleep(0.5)
+        admin.alter_group_offsets(group, {TopicPartition(topic, 0): OffsetAndMetadata(0, "", -1)})
+    finally:
+        admin.close()
+
+
+def test_a_second_deployment_on_the_same_records_is_refused_naming_the_first(kafka_broker,
+                                                                             tmp_path):
+    """A new state directory with a new source.group over a topic another deployment released
+    (the audit's 800 of 400): its windows are refused in one line naming the first deployment's
+    state directory; every position is charged once over both ledgers. Without the registry
+    (ledger.registry_topic = "") the same second run releases them again: the control."""
+    topic = make_topic(kafka_broker, partitions=1)
+    registry = f"reg-{topic}"
+    _produce(kafka_broker, topic, 2500, 11)
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    first = run_service(_with(_args(kafka_broker, topic, a), ledger__registry_topic=registry))
+    assert first.returncode == 0, first.stderr[-2000:]
+    part = f"{topic}:0"
+    assert _charges(a / "state", part, 2500)[:2000].min() == 1.0
+    second = run_service(_with(_args(kafka_broker, topic, b), source__group=f"other-{topic}",
+                               ledger__registry_topic=registry))
+    assert second.returncode == 0, second.stderr[-2000:]
+    said = [ln for ln in second.stderr.splitlines() if "budget registry" in ln and "refused" in ln]
+    assert said and all(str(a / "state") in ln for ln in said), second.stderr[-3000:]
+    both = _charges(a / "state", part, 2500) + _charges(b / "state", part, 2500)
+    assert both.max() == 1.0 and both[:2000].min() == 1.0
+    # the control: the same second deployment without a registry releases the events again
+    shutil.rmtree(b)
+    control = run_service(_with(_args(kafka_broker, topic, c), source__group=f"third-{topic}",
+                                ledger__registry_topic=""))
+    assert control.returncode == 0, control.stderr[-2000:]
+    assert (_charges(a / "state", part, 2500) + _charges(c / "state", part, 2500)).max() == 2.0
+
+
+def test_a_directory_restored_without_its_anchor_cannot_release_its_events_again(kafka_broker,
+                                                                               tmp_path):
+    """The state and release directories restored from a backup, and the group's offsets
+    committed again without metadata (what `kafka-consumer-groups --reset-offsets --execute`
+    writes: the ledger's anchor is gone): the restored ledger lacks the later releases, which the
+    registry holds under the same ledger id; the replayed windows are refused."""
+    topic = make_topic(kafka_broker, partitions=1)
+    registry = f"reg-{topic}"
+    _produce(kafka_broker, topic, 1500, 12)
+    args = _with(_args(kafka_broker, topic, tmp_path), ledger__registry_topic=registry)
+    assert run_service(args).returncode == 0
+    backup = tmp_path / "backup"
+    for name in ("state", "releases"):
+        shutil.copytree(tmp_path / name, backup / name)
+    _produce(kafka_broker, topic, 2000, 13)
+    assert run_service(args).returncode == 0
+    part = f"{topic}:0"
+    assert _charges(tmp_path / "state", part, 3500)[:3000].min() == 1.0
+    for name in ("state", "releases"):
+        shutil.rmtree(tmp_path / name)
+        shutil.copytree(backup / name, tmp_path / name)
+    _commit_without_metadata(kafka_broker, f"g-{topic}", topic)
+    again = run_service(args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "budget registry" in again.stderr, again.stderr[-3000:]
+    charge = _charges(tmp_path / "state", part, 3500)
+    # the restored ledger charges [0, 1000) and nothing of [1000, 3000) again
+    assert charge[1000:3000].max() == 0.0, charge[990:1010]
