@@ -128,3 +128,47 @@ def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka
     assert 0.75 < ratio < 1.3, (ratio, layers)
     # and nothing exact: the sum is far from the counts on most counters
     assert np.mean(residual == 0) < 0.3
+
+
+def test_a_second_group_on_released_records_withholds_them_naming_the_first(kafka_broker,
+                                                                            tmp_path):
+    """Two views groups with different names over one topic (the audit's 3,400 of 1,200): the
+    second group's leader finds the first group's charges in the budget registry and withholds
+    every window over them, in one line naming the first group."""
+    topic = make_topic(kafka_broker, PARTS)
+    registry = f"reg-{topic}"
+    items = np.arange(3000) % D
+    first = Members(kafka_broker, topic, f"a-{topic}", tmp_path / "a", "--set",
+                    "scale.exchange=views", "--set", f"ledger.registry_topic={registry}")
+    (tmp_path / "a").mkdir()
+    try:
+        first.start("g1")
+        produce(kafka_broker, topic, items, rate=3000)
+        wait_for_total(kafka_broker, GroupTopics(f"a-{topic}"), len(items), 120, first)
+    finally:
+        first.stop_all()
+    second = Members(kafka_broker, topic, f"b-{topic}", tmp_path / "b", "--set",
+                     "scale.exchange=views", "--set", f"ledger.registry_topic={registry}")
+    (tmp_path / "b").mkdir()
+    topics = GroupTopics(f"b-{topic}")
+    try:
+        second.start("h1")
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                entries = [e for e in read_ledger(kafka_broker, topics).entries
+                           if e["kind"] == "release"]
+            except Exception:
+                entries = []
+            covered = sum(b - a for e in entries for a, b in e["ranges"].values())
+            if covered >= len(items):
+                break
+            assert time.monotonic() < deadline, second.logs()
+            time.sleep(2)
+    finally:
+        second.stop_all()
+    assert all(e.get("withheld") for e in entries if sum(
+        b - a for a, b in e["ranges"].values())), entries
+    assert sum(d["n"] for d in releases(kafka_broker, topics)) == 0
+    logs = second.logs(last=100000)
+    assert f"released by group a-{topic}" in logs, logs[-3000:]
