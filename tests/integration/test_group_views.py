@@ -172,3 +172,33 @@ def test_a_second_group_on_released_records_withholds_them_naming_the_first(kafk
     assert sum(d["n"] for d in releases(kafka_broker, topics)) == 0
     logs = second.logs(last=100000)
     assert f"released by group a-{topic}" in logs, logs[-3000:]
+
+
+def test_a_forced_release_of_a_views_group_closes_the_open_window_at_every_member(
+        kafka_broker, tmp_path):
+    """panagg release on a member's directory: the leader writes one close record to the
+    intake topic, both members close the open window at once (an hour-long one), and the
+    release holds every event produced."""
+    import subprocess
+    import sys
+
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", "window.size=3600")
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        produce(kafka_broker, topic, np.arange(900) % D, rate=3000)
+        time.sleep(3)      # both members have counted them (no window ends for an hour)
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                                 "--state-dir", str(tmp_path / "v1" / "state")],
+                                capture_output=True, text=True, timeout=200)
+        assert forced.returncode == 0, forced.stderr + members.logs()
+        wait_for_total(kafka_broker, GroupTopics(group), 900, 60, members)
+    finally:
+        members.stop_all()
+    docs = releases(kafka_broker, GroupTopics(group))
+    assert [d["n"] for d in docs] == [900], docs
+    assert docs[0]["exchange"]["views"] >= 1

@@ -18,6 +18,12 @@ in every partition's log:
 
 Records stamped in K that a partition reads after its marker count in the next window (as a late
 record of intake time always does). Nothing in a request or marker depends on the events.
+
+A views group (``scale.exchange = views``) has no repartition partitions: the leader writes one
+``close:<summaries topic>`` = ``{"upto": K}`` record to the intake topic instead, which every
+member follows (views.py): it closes its windows up to K at once, and the partitions count into
+K + 1 until K + 1 ends by the clock. A member that misses the record (it starts after it) closes
+K by the clock: K is released then, as any window.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 import uuid
 
 __all__ = ["ReleaseRequests", "request_release", "request_export", "ForcedReleaseError",
-           "REQUEST", "DONE", "EXPORT", "EXPORTED"]
+           "REQUEST", "DONE", "EXPORT", "EXPORTED", "close_key"]
 
 log = logging.getLogger("panagg.group")
 
@@ -38,6 +44,11 @@ DONE = "released:"
 #: an audit export rides the same path: the markers also carry ``export`` = its id
 EXPORT = "export:"
 EXPORTED = "exported:"
+
+
+def close_key(topics) -> bytes:
+    """The intake topic's key of a views group's forced close (views.py follows it)."""
+    return f"close:{topics.summaries}".encode()
 
 
 class ForcedReleaseError(RuntimeError):
@@ -97,6 +108,17 @@ class ReleaseRequests:
         self.send_answer(txn, kind, request_id, window, error)
         txn.commit()
         self.answered(kind, request_id)
+
+    def answer_views(self, txn, request_id: str, window: int) -> None:
+        """A views group (views.py): the members close on their clocks and hold no marker
+        partition, so the close is one record ``close:<summaries topic>`` = ``{"upto": K}`` in
+        the intake topic, which every member follows; with the answer, in one transaction."""
+        txn.begin()
+        txn.send(self.topics.intake, partition=0, key=close_key(self.topics),
+                 value=json.dumps({"upto": int(window), "id": request_id}).encode())
+        self.send_answer(txn, "release", request_id, window)
+        txn.commit()
+        self.answered("release", request_id)
 
     def send_answer(self, txn, kind: str, request_id: str, window: int | None,
                     error: str = "") -> None:

@@ -312,11 +312,20 @@ class Leader:
         if self.event_time and kind == "release" and self.closer is not None:
             self._force_event_time(rid)
             return
+        if self.views and kind == "release":
+            k = forced_window(self.size, self.next_window())
+            try:
+                self.requests.answer_views(self.txn, rid, k)
+            except KafkaError as exc:
+                self.txn.failed(exc)
+                raise
+            log.info("forced release: window %d%s closes now at every member (close record "
+                     "written)", k, f" of {self.aggregation}" if self.aggregation else "")
+            return
         if self.views:
-            # the close markers travel in the repartition topic, which a views group has not
-            error = ("forced releases and audit exports of a group with scale.exchange = views "
-                     "are not built yet: its windows close on the members' clocks; use "
-                     "scale.exchange = items for them (docs/scale-out.md)")
+            error = ("audit exports of a group with scale.exchange = views are not built yet "
+                     "(each member holds its own state; docs/scale-out.md); use "
+                     "scale.exchange = items for them")
         elif self.event_time:
             # an export closes its partition's open window, and a partition here holds several
             error = ("audit exports of a group with event-time windows are not built yet: a "

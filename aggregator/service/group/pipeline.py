@@ -234,7 +234,8 @@ class Pipeline:
                                       max_poll_records=cfg.source.max_records),
                 self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
                 self.topics, self.identity, self.ledger, self.metrics, member=instance,
-                source_topic=cfg.source.topic, route=self.route(int(self.identity["partitions"])))
+                source_topic=cfg.source.topic, route=self.route(int(self.identity["partitions"])),
+                closes=self.clients.consumer(None))
             return
         spans = self.rollup_spans()
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),

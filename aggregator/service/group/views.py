@@ -206,7 +206,7 @@ class ViewCounter:
     """
 
     def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *, member: str,
-                 source_topic: str, route):
+                 source_topic: str, route, closes=None):
         self.consumer, self.txn, self.topics = consumer, txn, topics
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
         self.member, self.source_topic, self.route = member, source_topic, route
@@ -218,6 +218,16 @@ class ViewCounter:
         self.tasks: dict[int, MemberWindow] = {}
         self.where: dict[int, int] = {}
         self.summaries_written = 0
+        #: forced releases (forced.py): a consumer following the intake topic's close records
+        #: from its end now (a record missed before the start is a window closed by the clock)
+        self.closes = closes
+        self._forced_upto = -1
+        if closes is not None:
+            from kafka import TopicPartition
+            tp = TopicPartition(topics.intake, 0)
+            closes.assign([tp])
+            closes.seek_to_end(tp)
+            closes.position(tp)
         self._needs_sync = False
         self._generation = None
         self.is_leader = False
@@ -330,12 +340,25 @@ class ViewCounter:
             rng[1] = recs[-1].offset + 1
         if counted:
             self.metrics.events.inc(counted)
+        forced = self._forced()
         now = time.time()
         for w in sorted(self.tasks):
-            if now >= (w + 1) * self.size and w in self.tasks:
+            if (now >= (w + 1) * self.size or w <= forced) and w in self.tasks:
                 if not self._close(self.tasks[w]):
                     break
         return counted
+
+    def _forced(self) -> int:
+        """The latest window a forced release asked to close now (-1: none)."""
+        if self.closes is None:
+            return -1
+        from .forced import close_key
+        key = close_key(self.topics)
+        for records in self.closes.poll(timeout_ms=0).values():
+            for rec in records:
+                if rec.key == key and rec.value is not None:
+                    self._forced_upto = max(self._forced_upto, int(json.loads(rec.value)["upto"]))
+        return self._forced_upto
 
     def _count(self, task: MemberWindow, tp, recs) -> int:
         from .repartition import Repartitioner
