@@ -669,7 +669,7 @@ def test_the_leader_shows_the_budget_and_keys_release_topic_as_one_process():
                            release_topic="panagg-releases", identity={"lineage": "L"},
                            topics=SimpleNamespace(releases="g.panagg.releases",
                                                   summaries="g.panagg.summaries"),
-                           aggregation="")
+                           aggregation="", registry=None)
     lead.release_key = lambda name: Leader.release_key(lead, name)
     assert Leader._transact(lead, 3, {0: {}}, entry={"kind": "release"}, document="{}")
     reg = metrics.registry

@@ -36,6 +36,7 @@ import numpy as np
 
 from ...state import PanPrivateHistogram
 from .event_windows import EventSlice
+from .membership import Membership
 from .snapshots import layered_look, restore, take_snapshot
 from .summary import partition_summary
 from .repartition import slice_size
@@ -128,7 +129,7 @@ class Counter:
         self.rollups = rollups
         self.summaries_written = 0
         self._needs_sync = False
-        self._generation = None
+        self.membership = Membership(consumer, topics.repartition, topics.ledger)
         #: the group assigned this member the ledger's partition: it leads
         self.is_leader = False
         from kafka import ConsumerRebalanceListener
@@ -166,17 +167,8 @@ class Counter:
         from kafka import TopicPartition
 
         self._needs_sync = False
-        assigned = self.consumer.assignment()
-        # the generation these partitions were assigned in: every commit names it, so a commit
-        # made after a rebalance this member has not synced yet is refused by the group
-        # coordinator (a rebalance that ran in the client's background once let a member close
-        # a window of partitions another member was already replaying: two views of them)
-        self._generation = self.consumer.group_metadata()
-        ledger_tps = [tp for tp in assigned if tp.topic == self.topics.ledger]
-        if ledger_tps:
-            self.consumer.pause(*ledger_tps)
-        self.is_leader = bool(ledger_tps)
-        owned = {tp.partition for tp in assigned if tp.topic == self.topics.repartition}
+        owned = self.membership.sync()
+        self.is_leader = self.membership.is_leader
         for p in list(self.tasks):
             if p not in owned:
                 self._drop(p)
@@ -387,7 +379,7 @@ class Counter:
                 txn.send(topic, partition=part, key=rkey, value=value)
             tp = TopicPartition(self.topics.repartition, p)
             txn.send_offsets({tp: OffsetAndMetadata(resume, meta, -1)},
-                             self._generation)
+                             self.membership.generation)
             txn.commit()
         except Exception as exc:
             self._abort(task, exc)
@@ -421,7 +413,7 @@ class Counter:
                      key=str(task.partition).encode(), value=message)
             txn.send_offsets({TopicPartition(self.topics.repartition, task.partition):
                               OffsetAndMetadata(task.position, meta, -1)},
-                             self._generation)
+                             self.membership.generation)
             txn.commit()
         except Exception as exc:
             self._abort(task, exc)
@@ -532,7 +524,7 @@ class Counter:
                 # the window's snapshot is done with: no noisy state left at rest for it
                 txn.send(self.topics.snapshots, partition=p, key=str(p).encode(), value=None)
             tp = TopicPartition(self.topics.repartition, p)
-            txn.send_offsets({tp: OffsetAndMetadata(end, meta, -1)}, self._generation)
+            txn.send_offsets({tp: OffsetAndMetadata(end, meta, -1)}, self.membership.generation)
             txn.commit()
         except Exception as exc:
             self._abort(task, exc)
@@ -549,12 +541,7 @@ class Counter:
         if not, the task is dropped (its next owner replays it) and a sync is due. kafka-python
         rejoins in its background thread, so a rebalance may have moved the partition since the
         last poll: a close then would be a second view of what the new owner replays."""
-        from kafka import TopicPartition
-
-        ok = (not self._needs_sync and self._generation is not None
-              and self.consumer.group_metadata().generation_id == self._generation.generation_id
-              and TopicPartition(self.topics.repartition, task.partition)
-              in self.consumer.assignment())
+        ok = not self._needs_sync and self.membership.holds([task.partition])
         if not ok:
             self.tasks.pop(task.partition, None)
             self._needs_sync = True

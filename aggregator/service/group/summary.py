@@ -33,7 +33,7 @@ from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 
-__all__ = ["partition_summary", "view_summary", "merge_summaries", "SUMMARY_FORMAT"]
+__all__ = ["partition_summary", "view_summary", "merge_summaries", "agreeing", "SUMMARY_FORMAT"]
 
 SUMMARY_FORMAT = "panagg.summary"
 
@@ -88,6 +88,19 @@ def _value_counts(summary: dict) -> NoisyValueCounts:
 _MUST_AGREE = ("window", "partitions", "mode", "epsilon", "neighbor", "p", "model")
 
 
+def agreeing(docs: list[dict], fmt: str, keys, what: str) -> dict:
+    """The first of ``docs`` once every one is of format ``fmt`` and agrees with it on
+    ``keys`` (one window's summaries or views); ValueError naming the keys otherwise."""
+    first = docs[0]
+    for d in docs:
+        if d.get("format") != fmt:
+            raise ValueError(f"not one of a window's {what} (format {d.get('format')!r})")
+        bad = [k for k in keys if d[k] != first[k]]
+        if bad:
+            raise ValueError(f"{what} of window {first['window']} disagree on {', '.join(bad)}")
+    return first
+
+
 def _add_layers(vc: NoisyValueCounts, p: float, extra: int, rng=None) -> NoisyValueCounts:
     """The value counts after ``extra`` fresh DLap(p) layers on every counter. Counters are
     exchangeable in this form, so drawing a layer per counter of each value is exactly adding
@@ -108,13 +121,7 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
     slow_point("release")    # a test hook: a slow merge on a small domain (failpoints.py)
     if not summaries:
         raise ValueError("no summaries to merge")
-    first = summaries[0]
-    for s in summaries:
-        if s.get("format") != SUMMARY_FORMAT:
-            raise ValueError("not a partition summary")
-        bad = [k for k in _MUST_AGREE if s[k] != first[k]]
-        if bad:
-            raise ValueError(f"summaries of window {first['window']} disagree on {', '.join(bad)}")
+    first = agreeing(summaries, SUMMARY_FORMAT, _MUST_AGREE, "summaries")
     have = sorted(s["partition"] for s in summaries)
     if have != list(range(first["partitions"])):
         raise ValueError(f"window {first['window']} needs summaries of partitions "

@@ -57,6 +57,8 @@ from ...counters import noisy_value_counts
 from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
+from .membership import Membership
+from .summary import agreeing
 
 __all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "CHUNK_COUNTERS"]
 
@@ -124,13 +126,7 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
     event in: that one gets the two layers one process's empty window has, drawn here."""
     if not views:
         raise ValueError("no views to merge")
-    first = views[0]
-    for v in views:
-        if v.get("format") != VIEW_FORMAT:
-            raise ValueError("not a member's view")
-        bad = [k for k in _MUST_AGREE if v[k] != first[k]]
-        if bad:
-            raise ValueError(f"views of window {first['window']} disagree on {', '.join(bad)}")
+    first = agreeing(views, VIEW_FORMAT, _MUST_AGREE, "views")
     covered = sorted(p for v in views for p in v["covers"])
     if covered != list(range(first["partitions"])):
         raise ValueError(f"window {first['window']} needs views of partitions "
@@ -229,7 +225,7 @@ class ViewCounter:
             closes.seek_to_end(tp)
             closes.position(tp)
         self._needs_sync = False
-        self._generation = None
+        self.membership = Membership(consumer, source_topic, topics.ledger)
         self.is_leader = False
         from kafka import ConsumerRebalanceListener
 
@@ -275,17 +271,8 @@ class ViewCounter:
         from kafka import TopicPartition
 
         self._needs_sync = False
-        assigned = self.consumer.assignment()
-        # the generation these partitions were assigned in: every commit names it, so a commit
-        # made after a rebalance this member has not synced yet is refused by the group
-        # coordinator (a rebalance that ran in the client's background once let a member close
-        # a window of partitions another member was already replaying: two views of them)
-        self._generation = self.consumer.group_metadata()
-        ledger_tps = [tp for tp in assigned if tp.topic == self.topics.ledger]
-        if ledger_tps:
-            self.consumer.pause(*ledger_tps)
-        self.is_leader = bool(ledger_tps)
-        owned = {tp.partition for tp in assigned if tp.topic == self.source_topic}
+        owned = self.membership.sync()
+        self.is_leader = self.membership.is_leader
         # a window that lost a partition holds that partition's events in its one state: the
         # whole window is dropped; its other partitions are read again from their commits
         for w, task in list(self.tasks.items()):
@@ -423,7 +410,7 @@ class ViewCounter:
                 txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
             txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(r[1], meta,
                                                                                       -1)
-                              for p, r in task.ranges.items()}, self._generation)
+                              for p, r in task.ranges.items()}, self.membership.generation)
             txn.commit()
         except Exception as exc:
             log.warning("view of window %d not written (%s); the window is replayed from its "
@@ -447,14 +434,7 @@ class ViewCounter:
         """Whether this member still holds the window's partitions in the generation it synced
         (kafka-python rejoins in its background thread: a rebalance may have moved them since
         the last poll, and its listener only marks the sync as needed)."""
-        if self._needs_sync or self._generation is None:
-            return False
-        now = self.consumer.group_metadata()
-        if now.generation_id != self._generation.generation_id:
-            return False
-        owned = {tp.partition for tp in self.consumer.assignment()
-                 if tp.topic == self.source_topic}
-        return set(task.ranges) <= owned
+        return not self._needs_sync and self.membership.holds(task.ranges)
 
     def _params(self):
         from types import SimpleNamespace

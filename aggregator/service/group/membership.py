@@ -1,0 +1,46 @@
+"""What a counting stage holds of its consumer group: its partitions, the generation it was
+given them in, and whether it leads (the ledger topic's one partition rides along).
+
+Both counting stages (:mod:`.counter`, the items exchange, and :mod:`.views`) sync with it after
+a rebalance and check it before every close: kafka-python rejoins in its background thread, so
+a rebalance can move a partition between a poll and a window's close. Each commit names the
+generation of the sync (a commit after an unsynced rebalance is refused by the coordinator), and
+a close first checks that the generation and the partitions are still its own (the README's
+start loop once produced two committed views of one partition's window without it).
+"""
+
+from __future__ import annotations
+
+__all__ = ["Membership"]
+
+
+class Membership:
+    """The assignment of ``consumer`` as of its last :meth:`sync`, over ``counted`` (the topic
+    the stage counts) and ``ledger`` (the leader's topic)."""
+
+    def __init__(self, consumer, counted: str, ledger: str):
+        self.consumer, self.counted, self.ledger = consumer, counted, ledger
+        #: the group metadata at the last sync (passed to send_offsets_to_transaction)
+        self.generation = None
+        self.is_leader = False
+
+    def sync(self) -> set[int]:
+        """Read the assignment now: pause the ledger's partition (it is read by its own
+        consumer), note whether this member leads; returns the counted partitions owned."""
+        assigned = self.consumer.assignment()
+        self.generation = self.consumer.group_metadata()
+        ledger_tps = [tp for tp in assigned if tp.topic == self.ledger]
+        if ledger_tps:
+            self.consumer.pause(*ledger_tps)
+        self.is_leader = bool(ledger_tps)
+        return {tp.partition for tp in assigned if tp.topic == self.counted}
+
+    def holds(self, partitions) -> bool:
+        """Whether ``partitions`` of the counted topic are still this member's, in the
+        generation of the last sync."""
+        if self.generation is None:
+            return False
+        if self.consumer.group_metadata().generation_id != self.generation.generation_id:
+            return False
+        owned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.counted}
+        return set(partitions) <= owned
