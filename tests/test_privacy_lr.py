@@ -126,7 +126,20 @@ def real_states(eps=1.0, n=N_REAL):
 
 def real_joint(eps=1.0, n=N_REAL // 2):
     """A real snapshot (serialize/deserialize) at t, then the release input after rerandomize()."""
-    (px, sx), (py, sy) = tp.JOINT_PAIRS["after"]
+
+    def release(s):
+        s.rerandomize()
+        return s.counts
+
+    return _nested(tp.JOINT_PAIRS["after"], eps, n, release,
+                   first=lambda s: PanPrivateHistogram.deserialize(s.serialize()).counts)
+
+
+def _nested(pair, eps: float, n: int, second, first=lambda s: s.counts):
+    """Two looks at real states of the joint ``pair`` ((prefix, suffix) per stream): ``first``
+    of the state at t, then ``second`` of it after the suffix; the model is the joint one
+    (memory, then one fresh layer later)."""
+    (px, sx), (py, sy) = pair
     views = []
     for prefix, suffix in ((px, sx), (py, sy)):
         a = np.empty((n, 3), dtype=np.int64)
@@ -134,10 +147,9 @@ def real_joint(eps=1.0, n=N_REAL // 2):
         for r in range(n):
             s = PanPrivateHistogram(eps, size=3)
             s.update(prefix)
-            a[r] = PanPrivateHistogram.deserialize(s.serialize()).counts
+            a[r] = first(s)
             s.update(suffix)
-            s.rerandomize()
-            b[r] = s.counts
+            b[r] = second(s)
         views.append([a, b])
     looks = schedule_model(tp._joint_schedule(px, sx), tp._joint_schedule(py, sy), 3)
     return views[0], views[1], looks, p_from_epsilon(eps, 2)
@@ -153,21 +165,13 @@ def member_view(where, eps=1.0, n=N_REAL // 2, view_layer=True):
     from aggregator.service.group.views import decode_view, view_header
 
     info = {"kind": "time", "size": 1.0, "events": 0, "started_unix": 0.0, "ended_unix": 1.0}
-    (px, sx), (py, sy) = tp.JOINT_PAIRS[where]
-    views = []
-    for prefix, suffix in ((px, sx), (py, sy)):
-        a = np.empty((n, 3), dtype=np.int64)
-        b = np.empty((n, 3), dtype=np.int64)
-        for r in range(n):
-            s = PanPrivateHistogram(eps, size=3)
-            s.update(prefix)
-            a[r] = s.counts
-            s.update(suffix)
-            b[r] = decode_view(view_header(s, window=0, covers=[0], partitions=1,
-                                           window_info=info)) if view_layer else s.counts
-        views.append([a, b])
-    looks = schedule_model(tp._joint_schedule(px, sx), tp._joint_schedule(py, sy), 3)
-    return views[0], views[1], looks, p_from_epsilon(eps, 2)
+
+    def view(s):
+        if not view_layer:
+            return s.counts
+        return decode_view(view_header(s, window=0, covers=[0], partitions=1, window_info=info))
+
+    return _nested(tp.JOINT_PAIRS[where], eps, n, view)
 
 
 def add_remove(eps=1.0, n=N_REAL, merged=False):

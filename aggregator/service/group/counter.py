@@ -132,24 +132,7 @@ class Counter:
         self.membership = Membership(consumer, topics.repartition, topics.ledger)
         #: the group assigned this member the ledger's partition: it leads
         self.is_leader = False
-        from kafka import ConsumerRebalanceListener
-
-        counter = self
-
-        class _Listener(ConsumerRebalanceListener):
-            def on_partitions_revoked(self, revoked):
-                for tp in revoked:
-                    if tp.topic == topics.repartition:
-                        counter._drop(tp.partition)
-                    elif tp.topic == topics.ledger:
-                        counter.is_leader = False
-
-            def on_partitions_assigned(self, assigned):
-                counter._needs_sync = True
-
-        # the ledger's one partition rides along: whoever the group gives it leads (it is
-        # paused at once; the ledger is read by its own consumer)
-        consumer.subscribe([topics.repartition, topics.ledger], listener=_Listener())
+        self.membership.subscribe(self, on_revoked=self._drop)
 
     # -- ownership ---------------------------------------------------------------------------
     def _drop(self, partition: int) -> None:

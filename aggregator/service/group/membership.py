@@ -24,6 +24,29 @@ class Membership:
         self.generation = None
         self.is_leader = False
 
+    def subscribe(self, stage, on_revoked=None) -> None:
+        """Subscribe to the counted topic and the ledger's (whoever the group gives the ledger's
+        one partition leads; it is paused at once, the ledger is read by its own consumer).
+        A rebalance marks ``stage._needs_sync``, and a lost ledger partition ``stage.is_leader``
+        False; ``on_revoked(partition)`` for each counted partition taken away."""
+        from kafka import ConsumerRebalanceListener
+
+        counted, ledger = self.counted, self.ledger
+
+        class _Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked):
+                for tp in revoked:
+                    if tp.topic == ledger:
+                        stage.is_leader = False
+                    elif tp.topic == counted and on_revoked is not None:
+                        on_revoked(tp.partition)
+                stage._needs_sync = True
+
+            def on_partitions_assigned(self, assigned):
+                stage._needs_sync = True
+
+        self.consumer.subscribe([counted, ledger], listener=_Listener())
+
     def sync(self) -> set[int]:
         """Read the assignment now: pause the ledger's partition (it is read by its own
         consumer), note whether this member leads; returns the counted partitions owned."""

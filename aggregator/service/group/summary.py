@@ -33,7 +33,8 @@ from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 
-__all__ = ["partition_summary", "view_summary", "merge_summaries", "agreeing", "SUMMARY_FORMAT"]
+__all__ = ["partition_summary", "view_summary", "merge_summaries", "agreeing",
+           "merged_window_info", "SUMMARY_FORMAT"]
 
 SUMMARY_FORMAT = "panagg.summary"
 
@@ -101,6 +102,15 @@ def agreeing(docs: list[dict], fmt: str, keys, what: str) -> dict:
     return first
 
 
+def merged_window_info(infos: list[dict], per_partition: str) -> dict:
+    """A window's ``window_info`` from its parts': the events added up, the earliest start and
+    the latest end."""
+    return {"kind": infos[0]["kind"], "size": infos[0]["size"],
+            "events": int(sum(i["events"] for i in infos)),
+            "started_unix": min(i["started_unix"] for i in infos),
+            "ended_unix": max(i["ended_unix"] for i in infos), "per_partition": per_partition}
+
+
 def _add_layers(vc: NoisyValueCounts, p: float, extra: int, rng=None) -> NoisyValueCounts:
     """The value counts after ``extra`` fresh DLap(p) layers on every counter. Counters are
     exchangeable in this form, so drawing a layer per counter of each value is exactly adding
@@ -155,13 +165,7 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
                "domain": {"mode": first["mode"], "size": counters, "counters": counters,
                           "partitions": first["partitions"]}},
         accuracy=accuracy)
-    release["window_info"] = {
-        "kind": infos[0]["kind"], "size": infos[0]["size"],
-        "events": int(sum(i["events"] for i in infos)),
-        "started_unix": min(i["started_unix"] for i in infos),
-        "ended_unix": max(i["ended_unix"] for i in infos),
-        "per_partition": "time windows aligned to the epoch",
-    }
+    release["window_info"] = merged_window_info(infos, "time windows aligned to the epoch")
     if infos[0]["kind"] == "count":
         release["window_info"]["per_partition"] = (
             "count windows, closed by the leader's markers once the group's intake took "

@@ -58,7 +58,7 @@ from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 from .membership import Membership
-from .summary import agreeing
+from .summary import agreeing, merged_window_info
 
 __all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "CHUNK_COUNTERS"]
 
@@ -160,14 +160,9 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
                             "why_layers": "each member's view carries its state's layer and "
                                           "its view's layer; the leader sums them"}},
         accuracy=accuracy)
-    infos = [v["window_info"] for v in views]
-    release["window_info"] = {
-        "kind": infos[0]["kind"], "size": infos[0]["size"],
-        "events": int(sum(i["events"] for i in infos)),
-        "started_unix": min(i["started_unix"] for i in infos),
-        "ended_unix": max(i["ended_unix"] for i in infos),
-        "per_partition": "time windows by each member's clock, aligned to the epoch",
-    }
+    release["window_info"] = merged_window_info(
+        [v["window_info"] for v in views],
+        "time windows by each member's clock, aligned to the epoch")
     release["release_seconds"] = time.perf_counter() - started
     return release
 
@@ -227,21 +222,7 @@ class ViewCounter:
         self._needs_sync = False
         self.membership = Membership(consumer, source_topic, topics.ledger)
         self.is_leader = False
-        from kafka import ConsumerRebalanceListener
-
-        counter = self
-
-        class _Listener(ConsumerRebalanceListener):
-            def on_partitions_revoked(self, revoked):
-                for tp in revoked:
-                    if tp.topic == topics.ledger:
-                        counter.is_leader = False
-                counter._needs_sync = True
-
-            def on_partitions_assigned(self, assigned):
-                counter._needs_sync = True
-
-        consumer.subscribe([source_topic, topics.ledger], listener=_Listener())
+        self.membership.subscribe(self)
 
     # -- what the member holds (status, stop line) -----------------------------------------
     def held(self) -> list[str]:
