@@ -437,3 +437,16 @@ def test_an_empty_audit_key_runs_with_exports_refused(tmp_path):
                  env={"PANAGG_AUDIT_KEY": ""})
     assert res.returncode == 2
     assert "no audit signing key: set PANAGG_AUDIT_KEY to 64 hex digits" in last_line(res)
+
+
+def test_accepting_a_new_source_path_says_its_records_count_as_new_data(tmp_path):
+    """A renamed file under --accept-change: the ledger charges positions, not contents, so a
+    copy of released records would be released again (issue 48's 600 of 300). The run says so
+    in one WARNING line instead of promising a budget it cannot keep."""
+    path = events(tmp_path / "in.bin", 250)
+    assert panagg(*run_args(tmp_path, path)).returncode == 0
+    moved = path.rename(tmp_path / "renamed.bin")
+    res = panagg(*run_args(tmp_path, moved), "--accept-change")
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [ln for ln in res.stderr.splitlines() if "counted stream changed" in ln]
+    assert len(said) == 1 and "count as new data and are released again" in said[0], res.stderr

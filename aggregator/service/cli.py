@@ -1161,8 +1161,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--accept-change", action="store_true",
                      help="accept settings that differ from those the state directory was "
                           "created with (recorded in the ledger); every release still asks "
-                          "the ledger about the source positions it covers, so no event goes "
-                          "over ledger.budget_per_event across the change")
+                          "the ledger (and, for Kafka, the cluster's budget registry) about the "
+                          "source positions it covers, so no position goes over "
+                          "ledger.budget_per_event across the change. A new source.topic or "
+                          "source.path is new positions: if it holds copies of released "
+                          "records, they count as new data and are released again")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=cmd_run)
 

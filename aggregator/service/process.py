@@ -351,6 +351,11 @@ class Aggregator:
                             identity=dict(recorded, **mine), previous=recorded,
                             note=f"settings changed: {what}")
         log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
+        if "stream" in changed:
+            log.warning("the counted stream changed (%s -> %s): its positions are new ones, so "
+                        "records it holds that are copies of released ones count as new data and "
+                        "are released again (the ledger and the budget registry know positions, "
+                        "not contents: docs/privacy.md section 22)", had["stream"], mine["stream"])
         return dict(recorded, **mine)
 
     def check_start(self) -> None:
