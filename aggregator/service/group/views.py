@@ -184,16 +184,12 @@ class MemberWindow:
 class ViewCounter:
     """Counts the assigned source partitions into this member's own state; writes its views.
 
-    Parameters
-    ----------
-    consumer
-        kafka-python consumer (group ``<group>.panagg.count``, read_committed, no auto-commit),
-        not yet subscribed.
-    txn
-        :class:`~aggregator.service.group.txn.Transactions` (the transactional producer).
-    route
-        :class:`~aggregator.service.group.repartition.Route`: the decoder, the counter index of
-        an item, the metrics and the dead-letter topic.
+    ``consumer``, ``txn``, ``topics``, ``identity``, ``ledger`` and ``metrics`` are what
+    :class:`~aggregator.service.group.counter.Counter` takes, the consumer subscribed here to the
+    source topic (and the ledger's). ``route`` is the intake's
+    :class:`~aggregator.service.group.repartition.Route` (decoder, counter index of an item,
+    metrics, dead-letter topic); ``closes`` a consumer with no group that follows the forced
+    releases' close records.
     """
 
     def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *, member: str,
