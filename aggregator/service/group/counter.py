@@ -50,6 +50,20 @@ log = logging.getLogger("panagg.group")
 SMALL_JUMP = 64
 
 
+def charged_before(ledger, identity: dict, ranges: dict, window_kind: str) -> str | None:
+    """Why the group's ``ledger`` refuses a window over ``ranges`` (its positions were charged
+    before, past the per-event budget); None if it may be summarized. Event-time windows of the
+    group's lineage overlap in positions and split the records between them: charges.py takes
+    their largest charge, not the sum."""
+    eps = float(identity["epsilon"])
+    peak = ledger.charges().peak(ranges, eps, lineage=identity["lineage"],
+                                 window_kind=window_kind)
+    if peak > ledger.budget_per_event * (1 + 1e-12):
+        return (f"positions {ranges} were released before (they would reach {peak:g} eps "
+                f"> {ledger.budget_per_event:g})")
+    return None
+
+
 class SliceTask:
     """The open window of one repartition partition."""
 
@@ -532,15 +546,7 @@ class Counter:
 
     def _refusal(self, window: int, ranges: dict) -> str | None:
         """Why the ledger refuses this partition's window (its positions were charged)."""
-        eps = float(self.identity["epsilon"])
-        # event-time windows of the group's lineage overlap in positions and split the records
-        # between them: charges.py takes their largest charge, not the sum
-        peak = self.ledger.charges().peak(ranges, eps, lineage=self.identity["lineage"],
-                                          window_kind=self.window_kind)
-        if peak > self.ledger.budget_per_event * (1 + 1e-12):
-            return (f"positions {ranges} were released before (they would reach {peak:g} eps "
-                    f"> {self.ledger.budget_per_event:g})")
-        return None
+        return charged_before(self.ledger, self.identity, ranges, self.window_kind)
 
     def _abort(self, task: SliceTask, exc: Exception) -> None:
         """The group moved the partition (we are fenced) or the broker is gone: the summary is

@@ -40,7 +40,8 @@ from consumers.kafka_source import _unpark
 from .topics import read_partition
 from .watermark import MarkRecord, low_watermark, stamp, too_far_ahead
 
-__all__ = ["Repartitioner", "Route", "EventClock", "slice_size", "total_key"]
+__all__ = ["Repartitioner", "Route", "EventClock", "slice_size", "total_key",
+           "dead_letter_records"]
 
 log = logging.getLogger("panagg.group")
 
@@ -58,6 +59,18 @@ def slice_size(size: int, partitions: int, partition: int) -> int:
     [4, 3, 3]
     """
     return max(0, -(-(int(size) - int(partition)) // int(partitions)))
+
+
+def dead_letter_records(route, tp, recs, rejected) -> list:
+    """``(key, value, headers)`` of each rejected record's dead letter (not of the records the
+    item filter leaves out), as one process writes them."""
+    from consumers.decode import FILTERED
+
+    from ..deadletter import dead_letter_record
+
+    return [dead_letter_record(f"{tp.topic}:{tp.partition}", recs[i].offset, recs[i].value,
+                               reason, recs[i].key, aggregation=route.name or None)
+            for i, reason in rejected if reason != FILTERED]
 
 
 class EventClock:
@@ -473,18 +486,8 @@ class Repartitioner:
         written exactly when its source offset is committed, once."""
         if not route.dead_topic:
             return
-        from consumers.decode import FILTERED
-
-        from ..deadletter import dead_letter_record
-
         sent = 0
-        for i, reason in rejected:
-            if reason == FILTERED:
-                continue
-            rec = recs[i]
-            key, value, headers = dead_letter_record(f"{tp.topic}:{tp.partition}", rec.offset,
-                                                     rec.value, reason, rec.key,
-                                                     aggregation=route.name or None)
+        for key, value, headers in dead_letter_records(route, tp, recs, rejected):
             producer.send(route.dead_topic, key=key, value=value, headers=headers)
             sent += 1
         # panagg_dead_letters_total, as one process counts them (the PanaggDeadLetters alert);

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import uuid
 import zlib
@@ -57,6 +56,7 @@ from ...counters import noisy_value_counts
 from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
+from .counter import charged_before
 from .membership import Membership
 from .summary import agreeing, merged_window_info
 
@@ -325,7 +325,7 @@ class ViewCounter:
         return self._forced_upto
 
     def _count(self, task: MemberWindow, tp, recs) -> int:
-        from .repartition import Repartitioner
+        from .repartition import Repartitioner, dead_letter_records
 
         route = self.route
         decoded = route.decoder.decode([r.value for r in recs], [r.key for r in recs],
@@ -333,7 +333,7 @@ class ViewCounter:
         if decoded.rejected:
             Repartitioner._count_rejects(route.metrics, decoded.rejected)
             if route.dead_topic:
-                task.dead += _dead_letters(route, tp, recs, decoded.rejected)
+                task.dead += dead_letter_records(route, tp, recs, decoded.rejected)
         if not len(decoded.items):
             return 0
         idx = np.asarray(route.index_of(decoded.items), dtype=np.int64)
@@ -421,29 +421,4 @@ class ViewCounter:
         return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
 
     def _refusal(self, window: int, ranges: dict) -> str | None:
-        eps = float(self.identity["epsilon"])
-        peak = self.ledger.charges().peak(ranges, eps, lineage=self.identity["lineage"],
-                                          window_kind="time")
-        if peak > self.ledger.budget_per_event * (1 + 1e-12):
-            return (f"positions {ranges} were released before (they would reach {peak:g} eps "
-                    f"> {self.ledger.budget_per_event:g})")
-        return None
-
-
-def _dead_letters(route, tp, recs, rejected) -> list:
-    from consumers.decode import FILTERED
-
-    from ..deadletter import dead_letter_record
-
-    out = []
-    for i, reason in rejected:
-        if reason == FILTERED:
-            continue
-        rec = recs[i]
-        out.append(dead_letter_record(f"{tp.topic}:{tp.partition}", rec.offset, rec.value,
-                                      reason, rec.key, aggregation=route.name or None))
-    return out
-
-
-def window_of(now: float, size: float) -> int:
-    return int(math.floor(now / size))
+        return charged_before(self.ledger, self.identity, ranges, "time")
