@@ -26,7 +26,7 @@ from .errors import ServiceError
 from .ledger import BudgetExceeded, Ledger, LedgerError
 from .metrics import Metrics
 
-__all__ = ["ReleaseGate", "covered_ranges"]
+__all__ = ["ReleaseGate", "covered_ranges", "check_registry"]
 
 log = logging.getLogger("panagg.service")
 
@@ -44,6 +44,28 @@ def covered_ranges(start_offsets: dict | None, end_offsets: dict) -> dict:
         if int(end) > start:
             out[part] = [start, int(end)]
     return out
+
+
+def check_registry(registry, ledger: Ledger, known: set, uid: str, epsilon: float, *, window,
+                   ranges: dict, lineage, window_kind, others=(), pending: float = 0.0) -> None:
+    """BudgetExceeded, in one line naming the other deployment, when the budget ``registry``'s
+    charges beyond ``known`` (the (ledger id, entry id) pairs the checking ledgers hold) bring
+    the window's events over ``ledger``'s per-event budget. The registry is read already."""
+    theirs = registry.charges(known)
+    if not theirs:
+        return
+    try:
+        ledger.check_release(uid, epsilon, window=window, ranges=ranges, lineage=lineage,
+                             window_kind=window_kind, others=[*others, *theirs], pending=pending)
+    except BudgetExceeded:
+        from .ledger import _ranges_text
+        raise BudgetExceeded(
+            f"release of window {window} refused: its events (source positions "
+            f"{_ranges_text(ranges)}) were released by {registry.who(ranges, theirs)} "
+            f"(the budget registry {registry.topic}), and this release would bring them "
+            f"over the per-event budget {ledger.budget_per_event:g}; nothing of it is "
+            "published (one deployment per stream, or one that starts after those "
+            "positions: docs/privacy.md section 22)") from None
 
 
 class ReleaseGate:
@@ -96,24 +118,18 @@ class ReleaseGate:
             log.info("%d charge(s) of this ledger written to the budget registry %s", n,
                      self.registry.topic)
 
-    def _known(self) -> set[tuple[str, str]]:
-        """(ledger id, entry id) of every entry the ledgers this gate reads hold: the
+    def _known(self, siblings: list[list[dict]]) -> set[tuple[str, str]]:
+        """(ledger id, entry id) of every entry this ledger and its ``siblings`` hold: the
         registry's charges beyond them are another deployment's (or lost from these)."""
         from state_store.registry import ledger_id
         known = set()
-        ledgers = [self.ledger.entries]
-        if self.aggregation:
-            for path in sorted([*self.dir.parent.glob("*/ledger.jsonl"),
-                                *self.dir.parent.glob("ledger.jsonl")]):
-                if path.parent.resolve() != self.dir.resolve():
-                    ledgers.append(Ledger(path, budget_per_window=1.0).entries)
-        for entries in ledgers:
+        for entries in [self.ledger.entries, *siblings]:
             lid = ledger_id(entries)
             known |= {(lid, e["id"]) for e in entries}
         return known
 
     def _check_registry(self, uid: str, wid: int, *, ranges: dict, charge: float,
-                        closing: dict, others: list, pending: float) -> None:
+                        closing: dict, siblings: list, others: list, pending: float) -> None:
         """BudgetExceeded naming the other deployment when the registry's charges bring the
         window's events over the per-event budget."""
         from kafka.errors import KafkaError
@@ -127,23 +143,9 @@ class ReleaseGate:
             log.warning("the budget registry %s could not be read (%s): window %s is checked "
                         "against this deployment's ledgers only", self.registry.topic,
                         type(exc).__name__, wid)
-        theirs = self.registry.charges(self._known())
-        if not theirs:
-            return
-        try:
-            self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
-                                      lineage=closing.get("lineage"),
-                                      window_kind=closing.get("kind"),
-                                      others=[*others, *theirs], pending=pending)
-        except BudgetExceeded:
-            from .ledger import _ranges_text
-            raise BudgetExceeded(
-                f"release of window {wid} refused: its events (source positions "
-                f"{_ranges_text(ranges)}) were released by {self.registry.who(ranges, theirs)} "
-                f"(the budget registry {self.registry.topic}), and this release would bring them "
-                f"over the per-event budget {self.ledger.budget_per_event:g}; nothing of it is "
-                "published (one deployment per stream, or one that starts after those "
-                "positions: docs/privacy.md section 22)") from None
+        check_registry(self.registry, self.ledger, self._known(siblings), uid, charge, window=wid,
+                       ranges=ranges, lineage=closing.get("lineage"),
+                       window_kind=closing.get("kind"), others=others, pending=pending)
 
     def charge_of(self, closing: dict) -> float:
         """What the window's release costs: epsilon, or 0 for a window without events (n is
@@ -165,6 +167,10 @@ class ReleaseGate:
     def other_charges(self) -> list[dict]:
         """Ledger entries of the stream's other aggregations (their charges count against the
         same per-event budget): every sibling directory's ledger, configured or not any more."""
+        return [e for entries in self._sibling_ledgers() for e in entries]
+
+    def _sibling_ledgers(self) -> list[list[dict]]:
+        """The entries of each other aggregation's ledger of this stream, ledger by ledger."""
         if not self.aggregation:
             return []
         out = []
@@ -174,7 +180,7 @@ class ReleaseGate:
             if path.parent.resolve() == self.dir.resolve():
                 continue
             try:
-                out.extend(Ledger(path, budget_per_window=1.0).entries)
+                out.append(Ledger(path, budget_per_window=1.0).entries)
             except LedgerError as exc:
                 raise ServiceError(f"{exc} (another aggregation's ledger: its charges count "
                                    "against this stream's per-event budget)") from None
@@ -191,7 +197,8 @@ class ReleaseGate:
             flying = [{"kind": "release", "epsilon_spent": j["charge"], "ranges": j["ranges"],
                        "lineage": j["window"].get("lineage"),
                        "window_kind": j["window"].get("kind")} for j in in_flight]
-            others = [*self.other_charges(), *flying] if ranges else []
+            siblings = self._sibling_ledgers() if ranges else []
+            others = [*(e for entries in siblings for e in entries), *flying] if ranges else []
             pending = sum(j["charge"] for j in in_flight)
             self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
                                       lineage=closing.get("lineage"),
@@ -199,7 +206,7 @@ class ReleaseGate:
                                       others=others, pending=pending)
             if self.registry is not None and ranges and charge > 0:
                 self._check_registry(uid, wid, ranges=ranges, charge=charge, closing=closing,
-                                     others=others, pending=pending)
+                                     siblings=siblings, others=others, pending=pending)
         except BudgetExceeded as exc:
             log.error("%s", exc)
             self.metrics.releases_refused.inc()

@@ -539,26 +539,15 @@ class Leader:
         deployment's, or this ledger's that it lost) bring the window's events over budget."""
         from state_store.registry import RegistryError
 
-        from ..ledger import _ranges_text
+        from ..release_gate import check_registry
         try:
             self.registry.read_to_end()
         except RegistryError as exc:
             # (a Kafka error goes up: the leader's turn is lost and tried again)
             log.warning("%s; window %d is checked against the group's ledger only", exc, w)
-        theirs = self.registry.charges(self._known())
-        if not theirs:
-            return
-        try:
-            self.ledger.check_release(fields["window_uid"], eps, window=w,
-                                      ranges=fields["ranges"], lineage=fields["lineage"],
-                                      window_kind=self.window_kind, others=theirs)
-        except BudgetExceeded:
-            raise BudgetExceeded(
-                f"release of window {w} refused: its events (source positions "
-                f"{_ranges_text(fields['ranges'])}) were released by "
-                f"{self.registry.who(fields['ranges'], theirs)} (the budget registry "
-                f"{self.registry.topic}), and this release would bring them over the per-event "
-                f"budget {self.ledger.budget_per_event:g}; nothing of it is published") from None
+        check_registry(self.registry, self.ledger, self._known(), fields["window_uid"], eps,
+                       window=w, ranges=fields["ranges"], lineage=fields["lineage"],
+                       window_kind=self.window_kind)
 
     def local_file(self, release: dict, what: str) -> str | None:
         """The release's file in ``release.dir`` once its document is in Kafka (None: the
