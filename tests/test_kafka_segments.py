@@ -4,7 +4,7 @@ import numpy as np
 from kafka.consumer.fetcher import ConsumerRecord
 
 from consumers.base import Segment, offsets_array
-from consumers.kafka_source import _HEADERS, _KEY, RecordColumn, _offsets
+from consumers.kafka.kafka_python import _HEADERS, _KEY, RecordColumn, _offsets
 
 
 def records(offsets, keys=None, headers=None):

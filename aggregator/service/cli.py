@@ -227,7 +227,7 @@ def _topic_missing(source, topic: str) -> str | None:
     """One line when the cluster has no topic ``topic`` (None: it exists, or the metadata could
     not be read, in which case the client's own errors follow)."""
     try:
-        topics = source.consumer.topics()
+        topics = source.topics()
     except Exception:
         return None
     if topic in topics:
@@ -244,25 +244,39 @@ def _make_source(cfg: Config):
         import hashlib
         import os
 
-        from consumers.kafka_source import KafkaSource
         # static membership: a restarted process (same state dir) takes its partitions back at
         # once instead of waiting for the dead member's session to time out
         instance = src.instance_id or "panagg-" + hashlib.sha256(
             os.path.abspath(cfg.checkpoint.dir).encode()).hexdigest()[:16]
-        consumer_config = {"bootstrap_timeout_ms": int(src.connect_timeout_s * 1000),
-                           "session_timeout_ms": int(src.session_timeout_s * 1000),
-                           "heartbeat_interval_ms": int(min(3.0, src.session_timeout_s / 3) * 1000),
-                           "fetch_max_bytes": src.fetch_max_bytes,
-                           "max_partition_fetch_bytes": src.max_partition_fetch_bytes}
-        consumer_config["group_instance_id"] = instance
         _wait_for_bootstrap(cfg)
-        # reading must never create the topic it reads (a typo would then wait on an empty one)
-        consumer_config["allow_auto_create_topics"] = False
-        if cfg.state.model == "shuffle":  # the shuffler's windows are transactions
-            consumer_config["isolation_level"] = "read_committed"
-        source = KafkaSource(src.bootstrap, src.topic, src.group, src.max_records,
-                             consumer_config=consumer_config,
-                             security=cfg.security)
+        if src.client == "confluent":
+            from consumers.kafka.confluent import ConfluentSource
+            rd = {"session.timeout.ms": int(src.session_timeout_s * 1000),
+                  "heartbeat.interval.ms": int(min(3.0, src.session_timeout_s / 3) * 1000),
+                  "group.instance.id": instance}
+            if cfg.state.model == "shuffle":
+                rd["isolation.level"] = "read_committed"
+            source = ConfluentSource(src.bootstrap, src.topic, src.group, src.max_records,
+                                     consumer_config=rd, security=cfg.security,
+                                     fetch_max_bytes=src.fetch_max_bytes,
+                                     max_partition_fetch_bytes=src.max_partition_fetch_bytes)
+            logging.getLogger("panagg.service").info("reading with %s (source.client = confluent)",
+                                                     source.client_version)
+        else:
+            from consumers.kafka.kafka_python import KafkaSource
+            consumer_config = {
+                "bootstrap_timeout_ms": int(src.connect_timeout_s * 1000),
+                "session_timeout_ms": int(src.session_timeout_s * 1000),
+                "heartbeat_interval_ms": int(min(3.0, src.session_timeout_s / 3) * 1000),
+                "fetch_max_bytes": src.fetch_max_bytes,
+                "max_partition_fetch_bytes": src.max_partition_fetch_bytes,
+                "group_instance_id": instance,
+                # reading must never create the topic it reads (a typo would wait on nothing)
+                "allow_auto_create_topics": False}
+            if cfg.state.model == "shuffle":  # the shuffler's windows are transactions
+                consumer_config["isolation_level"] = "read_committed"
+            source = KafkaSource(src.bootstrap, src.topic, src.group, src.max_records,
+                                 consumer_config=consumer_config, security=cfg.security)
         missing = _topic_missing(source, src.topic)
         if missing:
             source.close()
@@ -1348,7 +1362,7 @@ def main(argv: list[str] | None = None) -> int:
         # conditions the user can act on, raised deep in the service: one line, exit 2
         from state_store.local import CheckpointError
 
-        from consumers.kafka_source import PartialAssignment
+        from consumers.kafka.kafka_python import PartialAssignment
 
         from ..state import SnapshotError
         from .ledger import LedgerError

@@ -111,6 +111,20 @@ def _check_kafka_group(cfg: dict) -> None:
         raise ConfigError(f"scale.partitioned with scale.store = kafka {why}; docs/scale-out.md")
 
 
+def _check_client(cfg: dict) -> None:
+    """Where source.client = confluent does not reach yet: one line naming the way."""
+    if cfg["source"]["client"] != "confluent":
+        return
+    if cfg["source"]["kind"] != "kafka":
+        raise ConfigError(f"source.client = confluent reads Kafka; source.kind is "
+                          f"{cfg['source']['kind']}: remove source.client or set source.kind = "
+                          "kafka")
+    if cfg["scale"]["partitioned"] or cfg["state"]["model"] == "shuffle":
+        what = "scale.partitioned" if cfg["scale"]["partitioned"] else "state.model = shuffle"
+        raise ConfigError(f"source.client = confluent serves one process; {what} runs on "
+                          "kafka-python for now: set source.client = \"kafka-python\"")
+
+
 def _check_views(cfg: dict) -> None:
     """What a group with scale.exchange = views cannot do yet: one line naming the way."""
     if cfg["scale"]["partitioned"] and cfg["scale"]["exchange"] == "views":
@@ -501,6 +515,7 @@ def _validate(cfg: dict, env=None) -> None:
     _validate_shuffle(cfg)
     _resolve_clock(cfg)
     _check_views(cfg)
+    _check_client(cfg)
     _validate_event_time(cfg)
     rollup_spans(cfg)
     start = parse_start(cfg["source"]["start"])

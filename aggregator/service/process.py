@@ -874,12 +874,10 @@ class Aggregator:
     def _attach_registry(self) -> None:
         """A Kafka source: the cluster's budget registry (``ledger.registry_topic``;
         state_store/registry.py) is read before every release and gets every charge."""
-        from consumers.kafka_source import KafkaSource
-
         cfg = self.cfg
         # (several aggregations read the source through a view of the one consumer's hub)
         source = getattr(getattr(self.source, "hub", None), "source", self.source)
-        if not isinstance(source, KafkaSource) or not cfg.ledger.registry_topic or \
+        if not getattr(source, "is_kafka", False) or not cfg.ledger.registry_topic or \
                 self.gate.registry is not None:
             return
         from consumers.kafka_security import client_options

@@ -212,6 +212,14 @@ class SourceSettings(Section):
         brief="kafka | file | generator",
         doc="`kafka`, `file` (JSON lines or msgpack stream; `-` = stdin) or `generator` "
             "(synthetic Zipf logins)")
+    client: str = setting(
+        "kafka-python", choices=("kafka-python", "confluent"),
+        brief="kafka-python | confluent (librdkafka: pip install 'panagg[confluent]')",
+        doc="the Kafka client the source reads with: `kafka-python` (the default, pure Python) "
+            "or `confluent` (confluent-kafka on librdkafka, parsing records in C: several times "
+            "the events/s on one core, docs/e2e.md \"Which Kafka client\"; install it with "
+            "`pip install 'panagg[confluent]'`). The same exactly-once contract either way. A "
+            "scale-out group's members and the shuffler run on kafka-python for now")
     bootstrap: str = setting(
         "127.0.0.1:9092",
         brief="Kafka bootstrap servers",

@@ -397,6 +397,11 @@ class Shuffler:
         self._producer = KafkaProducer(bootstrap_servers=boot, transactional_id=self.txn_id,
                                        acks="all", max_request_size=16 * 1024 * 1024,
                                        linger_ms=5, **sec)
+        from consumers.kafka import compat
+        try:
+            compat.check_producer(self._producer, transactional=True)
+        except compat.KafkaPythonIncompatible as exc:
+            raise ShufflerError(str(exc)) from None
         # fences an older instance with the same id and settles its open transaction, so the
         # committed offsets read next are final
         self._producer.init_transactions()

@@ -52,7 +52,7 @@ from aggregator.service import Aggregator  # noqa: E402
 from aggregator.state import PanPrivateHistogram  # noqa: E402
 from consumers.base import Source  # noqa: E402
 from consumers.file_source import FileSource  # noqa: E402
-from consumers.kafka_source import KafkaSource  # noqa: E402
+from consumers.kafka.kafka_python import KafkaSource  # noqa: E402
 from state_store.local import Checkpoint, LocalStore  # noqa: E402
 
 from bench.harness import ROOT, cpu_model, git_rev, parser, versions, write_doc_section  # noqa: E402

@@ -29,7 +29,7 @@ from aggregator.service.multi import MultiAggregator  # noqa: E402
 from aggregator.service.process import Aggregator  # noqa: E402
 from bench.harness import ROOT, parser, write_doc_section  # noqa: E402
 from bench.service.e2e import TimedSource, load1, machine, start_broker  # noqa: E402
-from consumers.kafka_source import KafkaSource  # noqa: E402
+from consumers.kafka.kafka_python import KafkaSource  # noqa: E402
 
 DOC = ROOT / "docs" / "item_selection.md"
 ACCOUNTS = 100_000

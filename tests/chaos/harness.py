@@ -112,6 +112,11 @@ state.epsilon = 1.0
     "rollups_tree": Mode(("window.kind=count", "window.size=2000", 'window.rollups=["3x"]',
                           "window.rollup_design=tree"), window_events=6000),
 }
+# the same one-process modes on the librdkafka client (source.client = confluent)
+for _name in ("count", "time", "event_time", "several"):
+    _m = MODES[_name]
+    MODES[f"{_name}_confluent"] = Mode(_m.sets + ("source.client=confluent",), _m.toml,
+                                       _m.window_events)
 _GROUP = ("scale.partitioned=true", "scale.store=kafka", "window.kind=time", "window.size=5",
           "source.session_timeout_s=6", "scale.close_grace_s=1")
 for _k in (1, 2, 3):

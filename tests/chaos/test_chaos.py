@@ -20,6 +20,9 @@ CASES = [
     # a group of two with the default views exchange: members killed, the same invariant over
     # the ledger's source positions
     ("group2", "kill9", 17),
+    # the librdkafka client (source.client = confluent): the same invariant
+    ("count_confluent", "kill9", 18),
+    ("time_confluent", "broker_restart", 19),
 ]
 
 

@@ -231,7 +231,7 @@ def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
 
     from kafka import TopicPartition
 
-    from consumers.kafka_source import KafkaSource, partition_key
+    from consumers.kafka.kafka_python import KafkaSource, partition_key
 
     topic = make_topic(kafka_broker, partitions=3)
     produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(9000)])

@@ -35,7 +35,7 @@ from kafka.errors import KafkaError
 import numpy as np
 
 from consumers.base import Segment
-from consumers.kafka_source import _unpark
+from consumers.kafka.compat import unpark
 
 from .topics import read_partition
 from .watermark import MarkRecord, low_watermark, stamp, too_far_ahead
@@ -294,7 +294,7 @@ class Repartitioner:
         if self._clocked:
             # kafka-python 3.0.12 keeps a resumed partition's parked records (and the partition)
             # out of every later fetch without this: consumers/kafka_source.py says why
-            _unpark(self.consumer)
+            unpark(self.consumer)
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
         if time.monotonic() - self._idle_checked >= 1.0:
             self._idle_checked = time.monotonic()

@@ -28,7 +28,8 @@ import time
 import uuid
 from pathlib import Path
 
-from consumers.kafka_security import client_options, redacted
+from consumers.kafka import compat
+from consumers.kafka_security import KafkaConnectError, client_options, redacted
 from state_store.atomic import atomic_write
 
 from ..config import aggregation_configs
@@ -111,6 +112,7 @@ class GroupService:
         conf.update(extra)
         c = KafkaConsumer(**conf)
         self._clients.append(c)
+        _checked(compat.check_consumer, c)
         return c
 
     def producer(self, transactional_id: str, keep: bool = True):
@@ -120,6 +122,7 @@ class GroupService:
                           transaction_timeout_ms=15000, linger_ms=5,
                           max_request_size=16 * 1024 * 1024)
         try:
+            _checked(compat.check_producer, p, transactional=True)
             p.init_transactions()
         except Exception:
             close_producer(p)
@@ -595,6 +598,15 @@ class GroupService:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+
+def _checked(check, client, **kw) -> None:
+    """``check`` (consumers.kafka.compat) on a new client: a kafka-python without the parts the
+    group patches stops the start with one line (a KafkaConnectError, as the CLI prints)."""
+    try:
+        check(client, **kw)
+    except compat.KafkaPythonIncompatible as exc:
+        raise KafkaConnectError(str(exc)) from None
 
 
 def _close_client(client) -> None:

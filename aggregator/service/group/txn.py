@@ -29,6 +29,8 @@ import logging
 
 from kafka.errors import KafkaTimeoutError
 
+from consumers.kafka import compat
+
 __all__ = ["Transactions", "TIMEOUT_S", "drop_stale_offsets", "close_producer"]
 
 log = logging.getLogger("panagg.group")
@@ -38,7 +40,7 @@ TIMEOUT_S = 10.0
 
 
 def _wait(producer, result, what: str) -> None:
-    producer._sender.wakeup()
+    compat.wake_sender(producer)
     if not result.wait(timeout_ms=TIMEOUT_S * 1000):
         raise KafkaTimeoutError(f"{what} not answered within {TIMEOUT_S:g} s")
 
@@ -46,11 +48,7 @@ def _wait(producer, result, what: str) -> None:
 def drop_stale_offsets(producer) -> None:
     """Forget offsets a failed ``send_offsets_to_transaction`` left in ``producer`` (see the
     module docstring); call it before ``begin_transaction``."""
-    tm = getattr(producer, "_transaction_manager", None)
-    stale = getattr(tm, "_pending_txn_offset_commits", None)
-    if stale:
-        with tm._lock:
-            stale.clear()
+    compat.drop_stale_offsets(producer)
 
 
 def close_producer(producer, timeout_s: float = 5.0) -> None:
@@ -63,11 +61,7 @@ def close_producer(producer, timeout_s: float = 5.0) -> None:
         return
     except Exception:
         pass
-    sender = getattr(producer, "_sender", None)
-    if sender is not None:
-        sender.force_close()
-        sender.join(timeout_s)
-    producer._closed = True     # its __del__ then has nothing left to do
+    compat.force_close(producer, timeout_s)
 
 
 class Transactions:

@@ -1,4 +1,5 @@
-"""Kafka source (kafka-python): consumer group, auto-commit off, offsets from the checkpoint.
+"""Kafka source on kafka-python (``source.client = "kafka-python"``, the default): consumer
+group, auto-commit off, offsets from the checkpoint.
 
 Exactly-once counting does not rely on Kafka's committed offsets: the service keeps the next
 offset of every partition inside its checkpoint, and on (re)assignment this source seeks each
@@ -16,16 +17,15 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from .base import Segment, Source
-from .kafka_security import KafkaConnectError, SecurityError, client_options, diagnose_connect
+from ..base import Segment, Source
+from ..kafka_security import KafkaConnectError, SecurityError, client_options, diagnose_connect
+from . import compat
+from .common import (PartialAssignment, partial_assignment_error, partition_key,
+                     replay_problem)
 
 __all__ = ["KafkaSource", "PartialAssignment", "partition_key", "parse_partition_key"]
 
 log = logging.getLogger("panagg.kafka")
-
-
-def partition_key(topic: str, partition: int) -> str:
-    return f"{topic}:{partition}"
 
 
 def parse_partition_key(key: str) -> TopicPartition:
@@ -38,21 +38,6 @@ _CALL_MS = 5000  # bound on every blocking client call outside poll()
 
 _KEY, _HEADERS = ConsumerRecord._fields.index("key"), ConsumerRecord._fields.index("headers")
 _TIMESTAMP = ConsumerRecord._fields.index("timestamp")
-
-
-def _unpark(consumer) -> None:
-    """Let a resumed partition's parked records back in (kafka-python 3.0.12): records fetched
-    for a partition while it was paused are parked, and given back only when the fetcher's
-    in-line slot is ``None``; a drained (empty, falsy) slot left there keeps them parked for
-    good, and the fetcher never fetches a partition with parked records. The partition is then
-    never read again (not paused, lag growing): the service holds and resumes partitions to
-    replay windows exactly, which hit this in 8 of 12 random pause/seek/resume runs
-    (tests/integration/test_faults_kafka.py). Clearing the drained slot is what the library
-    means by it; a version without these attributes makes this a no-op."""
-    fetcher = getattr(consumer, "_fetcher", None)
-    slot = getattr(fetcher, "_next_partition_records", None)
-    if slot is not None and not slot and getattr(fetcher, "_paused_partition_records", None):
-        fetcher._next_partition_records = None
 
 
 def _offsets(records) -> range | list[int]:
@@ -100,10 +85,6 @@ class RecordColumn(Sequence):
         return f"RecordColumn({list(self)!r})"
 
 
-class PartialAssignment(RuntimeError):
-    """Another member of the group holds some of the topic's partitions."""
-
-
 class _SeekOnAssign(ConsumerRebalanceListener):
     def __init__(self, source: "KafkaSource"):
         self.source = source
@@ -147,6 +128,9 @@ class KafkaSource(Source):
         raises :class:`~consumers.kafka_security.KafkaConnectError` (one line naming the fix).
     """
 
+    #: a real Kafka source (the budget registry attaches to these)
+    is_kafka = True
+
     def __init__(self, bootstrap: str, topic: str, group: str, max_records: int = 20000,
                  consumer_config: dict | None = None, security: dict | None = None):
         self.topic, self.group, self.max_records = topic, group, int(max_records)
@@ -177,6 +161,11 @@ class KafkaSource(Source):
         config.update(consumer_config or {})
         with diagnose_connect(security, bootstrap):
             self.consumer = KafkaConsumer(**config)
+        try:
+            compat.check_consumer(self.consumer)
+        except compat.KafkaPythonIncompatible as exc:
+            self.consumer.close(autocommit=False)
+            raise KafkaConnectError(str(exc)) from None
         self.consumer.subscribe([topic], listener=_SeekOnAssign(self))
 
     def seek(self, offsets: dict[str, int]) -> None:
@@ -188,7 +177,7 @@ class KafkaSource(Source):
                 self.consumer.seek(parse_partition_key(key), self.start_offsets[key])
 
     def poll(self, timeout_s: float = 1.0) -> list[Segment]:
-        _unpark(self.consumer)
+        compat.unpark(self.consumer)
         try:
             polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000),
                                         max_records=self.max_records)
@@ -209,11 +198,7 @@ class KafkaSource(Source):
                 partial = mine and mine != set(everything)
                 self.partial_assignment = sorted(mine) if partial else None
         if self.partial_assignment is not None:
-            raise PartialAssignment(
-                f"consumer group {self.group!r} gave this process only partitions "
-                f"{self.partial_assignment} of {self.topic!r}: another aggregator runs in the same "
-                "group. Set scale.partitioned = true on every member to run several aggregators "
-                "in one group (docs/scale-out.md), or give each its own source.group")
+            raise partial_assignment_error(self.group, self.topic, self.partial_assignment)
         segments = []
         for tp, records in polled.items():
             if records:
@@ -261,6 +246,10 @@ class KafkaSource(Source):
                 method(parse_partition_key(key))
             except (KeyError, ValueError):
                 pass
+
+    def topics(self) -> set[str]:
+        """The cluster's topic names."""
+        return set(self.consumer.topics())
 
     # -- replay: where the topic ends, whether we are there, what the group committed ---------
     def _topic_partitions(self) -> list[TopicPartition]:
@@ -324,36 +313,15 @@ class KafkaSource(Source):
         can). A restart rebuilds the open window from the topic (docs/privacy.md), so the
         topic must keep at least a window's records and must not be compacted."""
         config = self._topic_config()
-        if config is None:
-            log.warning("could not read the configuration of topic %r: its retention is not "
-                        "checked against the window", self.topic)
-        else:
-            if "compact" in config.get("cleanup.policy", ""):
-                return (f"topic {self.topic!r} is compacted (cleanup.policy="
-                        f"{config['cleanup.policy']}): a restart replays the open window from "
-                        "the topic, which compaction shortens; count a topic with "
-                        "cleanup.policy=delete")
-            retention = int(config.get("retention.ms", "-1"))
-            if window_seconds and 0 <= retention < 2000 * window_seconds:
-                return (f"topic {self.topic!r} keeps records for retention.ms={retention}, less "
-                        f"than two windows (window.size={window_seconds:g} s): a restart could "
-                        "not replay the open window; raise the topic's retention.ms or shorten "
-                        "window.size")
         try:
             tps = [parse_partition_key(k) for k in offsets]
             begins = self.consumer.beginning_offsets(tps, timeout_ms=_CALL_MS) if tps else {}
         except Exception as exc:
             log.warning("beginning offsets of %r unknown (%s)", self.topic, type(exc).__name__)
-            return None
-        for tp, begin in begins.items():
-            start = offsets[partition_key(tp.topic, tp.partition)]
-            if begin > start:
-                return (f"the open window starts at offset {start} of partition "
-                        f"{partition_key(tp.topic, tp.partition)}, but the topic now begins at "
-                        f"{begin} (retention deleted part of the window), so it cannot be "
-                        "replayed; raise the topic's retention.ms, and to go on without that "
-                        "window move the checkpoints away and start with --fresh-start")
-        return None
+            begins = None
+        return replay_problem(self.topic, config, window_seconds, offsets, None if begins is None
+                              else {partition_key(tp.topic, tp.partition): int(b)
+                                    for tp, b in begins.items()})
 
     def _topic_config(self) -> dict[str, str] | None:
         from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
