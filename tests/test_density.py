@@ -115,7 +115,7 @@ def test_user_level_audit_reads_at_most_epsilon_whatever_the_events(events, neig
 
 @pytest.mark.parametrize("events", EVENTS)
 def test_the_dnpry_calibration_is_within_its_claim_and_wastes_the_state_share(events):
-    s = PanPrivateDensity(EPS, 20_000, calibration="dnpry")
+    s = PanPrivateDensity(EPS, 20_000, calibration="dnpry", neighbor="add-remove")
     e = EPS / 2  # DNPRY's parameter: their theorem claims 2e
     assert s.b - s.a == pytest.approx(e / 4)
     loss = audit(s, events)
@@ -124,12 +124,13 @@ def test_the_dnpry_calibration_is_within_its_claim_and_wastes_the_state_share(ev
     assert -math.log1p(-e / 2) < 0.6 * e
 
 
+@pytest.mark.parametrize("neighbor", ["add-remove", "replace-one"])
 @pytest.mark.parametrize("events", EVENTS)
-def test_negative_control_a_redraw_at_doubled_epsilon_is_caught(events):
+def test_negative_control_a_redraw_at_doubled_epsilon_is_caught(events, neighbor):
     """The same mechanism whose bits are drawn for twice the state's share, claimed as eps."""
-    s = PanPrivateDensity(EPS, 20_000)
-    A, B = bit_thresholds(2 * s.epsilon_state)
-    loss = exact_user_loss(A / WORD, B / WORD, s.p, events)
+    s = PanPrivateDensity(EPS, 20_000, neighbor=neighbor)
+    A, B = bit_thresholds(2 * s.epsilon_state / s.sensitivity)
+    loss = exact_user_loss(A / WORD, B / WORD, s.p, events, neighbor)
     assert loss > 1.05 * EPS, loss
     assert loss >= 1.8 * s.epsilon_state
 
@@ -138,7 +139,7 @@ def test_negative_control_a_release_without_its_noise_is_caught():
     """The intrusion and an exact count of 1-bits: the count shows whether the user's cell was
     redrawn after the intrusion (the bound eps_state + eps_release is loose: the exact joint
     loss is below it, so halving the release noise alone can stay under eps, see the table)."""
-    s = PanPrivateDensity(EPS, 20_000)
+    s = PanPrivateDensity(EPS, 20_000, neighbor="add-remove")
     assert exact_user_loss(s.a, s.b, 1e-9, 10) > 10 * EPS
 
 
@@ -217,19 +218,21 @@ def test_occupancy_formulas_match_a_simulation():
 
 #: login-like profiles, (distinct users, events each) blocks; m from the plan's best cells
 PROFILES = {
-    "once": [(3000, 1)],
-    "ten times": [(1500, 10)],
-    "heavy": [(5, 10_000), (1200, 1), (300, 10)],
+    "once": ([(3000, 1)], "replace-one"),
+    "ten times": ([(1500, 10)], "replace-one"),
+    "heavy": ([(5, 10_000), (1200, 1), (300, 10)], "replace-one"),
+    "once, add-remove": ([(3000, 1)], "add-remove"),
 }
 
 
-def _run_profile(blocks, cells, runs, level=0.9):
+def _run_profile(blocks, neighbor, cells, runs, level=0.9):
     events = [f"p{j}-u{i}" for j, (n, g) in enumerate(blocks) for i in range(n)
               for _ in range(g)]
     U = sum(n for n, _ in blocks)
     est, cover = [], 0
     for _ in range(runs):
-        s = PanPrivateDensity(EPS, cells)  # a fresh key: the hash is part of the error
+        s = PanPrivateDensity(EPS, cells, neighbor=neighbor)  # a fresh key: the hash is part
+        # of the error
         for chunk in range(0, len(events), 20_000):
             s.update(events[chunk:chunk + 20_000])
         r = s.release()
@@ -237,19 +240,20 @@ def _run_profile(blocks, cells, runs, level=0.9):
         cover += lo <= U <= hi
         est.append(r.distinct)
     est = np.array(est)
-    stated = expected_relative_error(U, cells, EPS, state_share=s.epsilon_state / EPS)
+    stated = expected_relative_error(U, cells, EPS, state_share=s.epsilon_state / EPS,
+                                     neighbor=neighbor)
     return U, stated, float(np.sqrt(np.mean((est / U - 1) ** 2))), cover / runs
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_stated_error_and_interval_coverage_by_simulation(name):
-    """400 runs per profile at user-level eps 1; the stated relative error within 1.3x of the
-    RMS relative error, the 90 % interval covering 0.87-0.94 (+- 3.3 binomial sd at 400
-    runs: 0.85-0.95 per profile, and the pooled figure below)."""
-    blocks = PROFILES[name]
+    """400 runs per profile at user-level eps 1 (replace-one, and one add-remove); the stated
+    relative error within 1.3x of the RMS relative error, the 90 % interval covering 0.85-0.95
+    per profile (+- 3.3 binomial sd at 400 runs) and 0.87-0.94 pooled (below)."""
+    blocks, neighbor = PROFILES[name]
     U = sum(n for n, _ in blocks)
     cells = 2 * U
-    U, stated, actual, coverage = _run_profile(blocks, cells, 400)
+    U, stated, actual, coverage = _run_profile(blocks, neighbor, cells, 400)
     _RESULTS[name] = (U, cells, stated, actual, coverage)
     assert 1 / 1.3 <= stated / actual <= 1.3, (stated, actual)
     assert 0.85 <= coverage <= 0.95, coverage
@@ -269,14 +273,17 @@ def test_pooled_coverage_is_in_the_target_band():
 # the plan
 # ---------------------------------------------------------------------------------------------
 def test_plan_meets_its_target_and_refuses_the_unreachable():
-    pl = plan_cells(10_000, EPS, 0.05)
-    assert pl.relative_error <= 0.05
-    assert expected_relative_error(10_000, pl.cells, EPS) <= 0.05 * 1.001
-    assert expected_relative_error(10_000, int(pl.cells * 1.05), EPS) > 0.05
-    assert 1.5 * 10_000 < pl.best_cells < 3 * 10_000  # the floor is near m = 2U
-    assert pl.best_relative_error < 0.03
-    with pytest.raises(ValueError, match="out of reach"):
-        plan_cells(100, EPS, 0.05)
+    for neighbor, target, floor in [("replace-one", 0.1, 0.06), ("add-remove", 0.05, 0.03)]:
+        pl = plan_cells(10_000, EPS, target, neighbor=neighbor)
+        assert pl.relative_error <= target
+        err = expected_relative_error(10_000, pl.cells, EPS, neighbor=neighbor)
+        assert err <= target * 1.001
+        assert expected_relative_error(10_000, int(pl.cells * 1.05), EPS,
+                                       neighbor=neighbor) > target
+        assert 1.5 * 10_000 < pl.best_cells < 3 * 10_000  # the floor is near m = 2U
+        assert pl.best_relative_error < floor
+        with pytest.raises(ValueError, match="out of reach"):
+            plan_cells(100, EPS, target, neighbor=neighbor)
 
 
 def audit_table() -> None:
@@ -288,17 +295,20 @@ def audit_table() -> None:
         for g in EVENTS:
             print(f"| {calibration} | {neighbor} | {g} | {s.epsilon_state:.3f} | "
                   f"{audit(s, g):.4f} |")
-    s = PanPrivateDensity(EPS, 20_000)
-    A, B = bit_thresholds(2 * s.epsilon_state)
-    print(f"| full, bits at 2 x eps_state (control) | add-remove | 1 | {s.epsilon_state:.3f} | "
-          f"{exact_user_loss(A / WORD, B / WORD, s.p, 1):.4f} |")
+    for neighbor in ("add-remove", "replace-one"):
+        s = PanPrivateDensity(EPS, 20_000, neighbor=neighbor)
+        A, B = bit_thresholds(2 * s.epsilon_state / s.sensitivity)
+        for g in EVENTS:
+            loss = exact_user_loss(A / WORD, B / WORD, s.p, g, neighbor)
+            print(f"| control: bits at 2 x eps_state | {neighbor} | {g} | "
+                  f"{s.epsilon_state:.3f} | {loss:.4f} |")
 
 
 if __name__ == "__main__":
     audit_table()
     if "--accuracy" in sys.argv:
-        for name, blocks in PROFILES.items():
+        for name, (blocks, neighbor) in PROFILES.items():
             U = sum(n for n, _ in blocks)
-            U, stated, actual, cov = _run_profile(blocks, 2 * U, 400)
+            U, stated, actual, cov = _run_profile(blocks, neighbor, 2 * U, 400)
             print(f"{name}: U={U} m={2 * U} stated={stated:.4f} actual={actual:.4f} "
                   f"ratio={stated / actual:.3f} coverage90={cov:.3f}")
