@@ -275,9 +275,11 @@ def expected_relative_error(users: float, cells: int, epsilon: float, **kw) -> f
 class DensityPlan:
     """The cells to use for ``users`` expected users, and what they achieve.
 
-    ``cells`` is the largest m that meets the target (room for more users than expected:
-    past m ~ 2U the error grows like e^(U/m), below it only like sqrt(m/U)); ``best_cells``
-    minimises the error, ``best_relative_error`` is the floor no m goes under.
+    ``cells`` minimises the relative error at ``users`` (about 2.3 U); it stays within about
+    1.0-1.3x of that error from U to 4U actual users and grows fast past ~5U (the cells fill
+    up: the error grows like e^(U/m)), slowly below U (like sqrt(m/U)). ``cells_range`` is every
+    m that meets the target at ``users``: its top end leaves room for many more users than
+    expected, at a larger error at ``users``.
     """
 
     users: float
@@ -286,8 +288,7 @@ class DensityPlan:
     cells: int
     relative_error: float
     state_share: float
-    best_cells: int
-    best_relative_error: float
+    cells_range: tuple[int, int]
 
 
 def plan_cells(users: float, epsilon: float, target_relative_error: float, *,
@@ -296,10 +297,11 @@ def plan_cells(users: float, epsilon: float, target_relative_error: float, *,
 
     The relative error at U = x m is ~ e^x / (2 (b - a) sqrt(x U)): minimal near m = 2U and
     ~1.17 / ((b - a) sqrt(U)) there, so a target below that floor is refused (with the floor
-    and the users it would need).
+    and the users it would need). The error of any other m: :func:`expected_relative_error`.
 
     >>> pl = plan_cells(10_000, 1.0, 0.1)
-    >>> pl.best_relative_error < pl.relative_error <= 0.1 and pl.cells > pl.best_cells
+    >>> lo, hi = pl.cells_range
+    >>> pl.relative_error < 0.1 and lo < 20_000 < 22_000 < pl.cells < 25_000 < hi
     True
     """
     eps = _check_epsilon(epsilon)
@@ -314,22 +316,33 @@ def plan_cells(users: float, epsilon: float, target_relative_error: float, *,
     grid = np.unique(np.geomspace(max(2, users / 8), users * 400, 160).astype(np.int64))
     errs = np.array([err(int(m)) for m in grid])
     i = int(np.argmin(errs))
-    best, floor = int(grid[i]), float(errs[i])
+    # refine the minimum between the grid's neighbours (the error is unimodal in m)
+    lo, hi = int(grid[max(i - 1, 0)]), int(grid[min(i + 1, len(grid) - 1)])
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        lo, hi = (lo, m2) if err(m1) <= err(m2) else (m1, hi)
+    best = min(range(lo, hi + 1), key=err)
+    floor = err(best)
     if floor > target_relative_error:
         need = users * (floor / target_relative_error) ** 2
         raise ValueError(f"a relative error of {target_relative_error:g} is out of reach for "
                          f"{users:g} users at epsilon {eps:g}: the best is {floor:.3g} (at "
                          f"{best} cells); it needs about {need:.3g} users")
-    # the largest m meeting the target: bisect between the best m and the first grid m past it
-    ok = np.flatnonzero(errs[i:] <= target_relative_error)
-    j = i + int(ok[-1])
-    lo, hi = int(grid[j]), int(grid[j + 1]) if j + 1 < len(grid) else int(grid[j])
-    while hi - lo > max(1, lo // 1000):
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if err(mid) <= target_relative_error else (lo, mid)
-    share = best_state_share(eps, lo, users=users, neighbor=neighbor)
-    return DensityPlan(float(users), eps, float(target_relative_error), lo, err(lo), share,
-                       best, floor)
+
+    def edge(inside: int, outside: int) -> int:
+        """The last m meeting the target between ``inside`` (meets it) and ``outside``."""
+        while abs(outside - inside) > max(1, min(inside, outside) // 1000):
+            mid = (inside + outside) // 2
+            inside, outside = (mid, outside) if err(mid) <= target_relative_error \
+                else (inside, mid)
+        return inside
+
+    ok = np.flatnonzero(errs <= target_relative_error)
+    top = edge(int(grid[ok[-1]]), int(grid[min(ok[-1] + 1, len(grid) - 1)]))
+    bottom = edge(int(grid[ok[0]]), int(grid[max(ok[0] - 1, 0)])) if ok[0] > 0 else int(grid[0])
+    share = best_state_share(eps, best, users=users, neighbor=neighbor)
+    return DensityPlan(float(users), eps, float(target_relative_error), best, floor, share,
+                       (min(bottom, best), max(top, best)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -275,13 +275,19 @@ def test_pooled_coverage_is_in_the_target_band():
 def test_plan_meets_its_target_and_refuses_the_unreachable():
     for neighbor, target, floor in [("replace-one", 0.1, 0.06), ("add-remove", 0.05, 0.03)]:
         pl = plan_cells(10_000, EPS, target, neighbor=neighbor)
-        assert pl.relative_error <= target
-        err = expected_relative_error(10_000, pl.cells, EPS, neighbor=neighbor)
-        assert err <= target * 1.001
-        assert expected_relative_error(10_000, int(pl.cells * 1.05), EPS,
-                                       neighbor=neighbor) > target
-        assert 1.5 * 10_000 < pl.best_cells < 3 * 10_000  # the floor is near m = 2U
-        assert pl.best_relative_error < floor
+        assert 1.5 * 10_000 < pl.cells < 3 * 10_000  # the floor is near m = 2U
+        assert pl.relative_error < floor
+        assert pl.relative_error == pytest.approx(
+            expected_relative_error(10_000, pl.cells, EPS, neighbor=neighbor))
+        for m in (pl.cells // 2, pl.cells * 2):
+            assert expected_relative_error(10_000, m, EPS, neighbor=neighbor) > pl.relative_error
+        lo, hi = pl.cells_range
+        for m, meets in [(lo, True), (hi, True), (int(lo * 0.97), False), (int(hi * 1.03), False)]:
+            err = expected_relative_error(10_000, m, EPS, neighbor=neighbor)
+            assert (err <= target) == meets, (m, err)
+        # the planned cells hold up when 4x the users come, not when 10x do
+        four = expected_relative_error(40_000, pl.cells, EPS, neighbor=neighbor)
+        assert four < 1.3 * pl.relative_error
         with pytest.raises(ValueError, match="out of reach"):
             plan_cells(100, EPS, target, neighbor=neighbor)
 
