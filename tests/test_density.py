@@ -245,28 +245,19 @@ def _run_profile(blocks, neighbor, cells, runs, level=0.9):
     return U, stated, float(np.sqrt(np.mean((est / U - 1) ** 2))), cover / runs
 
 
-@pytest.mark.parametrize("name", sorted(PROFILES))
-def test_stated_error_and_interval_coverage_by_simulation(name):
-    """400 runs per profile at user-level eps 1 (replace-one, and one add-remove); the stated
-    relative error within 1.3x of the RMS relative error, the 90 % interval covering 0.85-0.95
-    per profile (+- 3.3 binomial sd at 400 runs) and 0.87-0.94 pooled (below)."""
-    blocks, neighbor = PROFILES[name]
-    U = sum(n for n, _ in blocks)
-    cells = 2 * U
-    U, stated, actual, coverage = _run_profile(blocks, neighbor, cells, 400)
-    _RESULTS[name] = (U, cells, stated, actual, coverage)
-    assert 1 / 1.3 <= stated / actual <= 1.3, (stated, actual)
-    assert 0.85 <= coverage <= 0.95, coverage
-
-
-_RESULTS: dict = {}
-
-
-def test_pooled_coverage_is_in_the_target_band():
-    if len(_RESULTS) < len(PROFILES):
-        pytest.skip("needs the three profile runs of this module (run the whole file)")
-    pooled = np.mean([v[4] for v in _RESULTS.values()])
-    assert 0.87 <= pooled <= 0.94, pooled
+def test_stated_error_and_interval_coverage_by_simulation():
+    """400 runs per profile at user-level eps 1 (replace-one, and one add-remove), m = 2U: the
+    stated relative error within 1.3x of the RMS relative error; the 90 % interval covering
+    0.84-0.96 per profile (+- 4 binomial sd at 400 runs) and 0.87-0.94 pooled (1,600 runs:
+    0.87 is 4 sd below 0.90). One test, so the pooled figure does not depend on test order."""
+    coverages = []
+    for name, (blocks, neighbor) in PROFILES.items():
+        U = sum(n for n, _ in blocks)
+        U, stated, actual, coverage = _run_profile(blocks, neighbor, 2 * U, 400)
+        assert 1 / 1.3 <= stated / actual <= 1.3, (name, stated, actual)
+        assert 0.84 <= coverage <= 0.96, (name, coverage)
+        coverages.append(coverage)
+    assert 0.87 <= np.mean(coverages) <= 0.94, coverages
 
 
 # ---------------------------------------------------------------------------------------------
