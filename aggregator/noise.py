@@ -30,6 +30,9 @@ the OS generator is uniform. Callers that start from an epsilon should compute `
 :func:`p_from_epsilon`, which rounds ``p`` up so the privacy guarantee holds for the true
 exp(-eps / Delta) (more noise, never less).
 
+:func:`bernoulli` draws exact Bernoulli bits from the same source (one word per bit, P[True] a
+numerator over 2**64): the bits of the user-level density state, :mod:`aggregator.density`.
+
 References
 ----------
 Canonne, Kamath, Steinke. The Discrete Gaussian for Differential Privacy. NeurIPS 2020
@@ -47,7 +50,8 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["OSEntropy", "discrete_laplace", "discrete_laplace_pmf", "p_from_epsilon"]
+__all__ = ["OSEntropy", "WORD", "bernoulli", "discrete_laplace", "discrete_laplace_pmf",
+           "p_from_epsilon"]
 
 _U_BITS = 63  # bits of U taken from each word; the 64th bit is the sign
 
@@ -219,6 +223,36 @@ def discrete_laplace(p: float, size, rng=None) -> np.ndarray:
         mag[i] = _resolve_tie(int(u[i]), first_tied_k, m, e, source)
     out = np.where(sign, -mag, mag)
     return out.reshape(shape)
+
+
+WORD = 1 << 64  # a Bernoulli threshold is a numerator over 2**64
+
+
+def bernoulli(threshold: int, size, rng=None) -> np.ndarray:
+    """Exact Bernoulli(threshold / 2**64) draws as a bool array of shape ``size``.
+
+    One uniform 64-bit word per draw from the same source as :func:`discrete_laplace`; the draw
+    is True iff the word is below ``threshold``, so P[True] is exactly ``threshold / 2**64`` (a
+    dyadic rational: callers round a real probability to a threshold in the direction that
+    keeps their privacy guarantee, as :func:`p_from_epsilon` does for p). No float is on the
+    sampling path.
+
+    >>> bernoulli(0, 3).tolist(), bernoulli(WORD, 2).tolist()
+    ([False, False, False], [True, True])
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, np.integer)) \
+            or not 0 <= threshold <= WORD:
+        raise ValueError(f"threshold must be an integer in [0, 2**64], got {threshold!r}")
+    source = _DEFAULT_SOURCE if rng is None else rng
+    shape = (size,) if np.isscalar(size) else tuple(size)
+    count = int(np.prod(shape, dtype=np.int64))
+    if count < 0:
+        raise ValueError("size must be non-negative")
+    if threshold == WORD:
+        return np.ones(shape, dtype=bool)
+    if count == 0 or threshold == 0:
+        return np.zeros(shape, dtype=bool)
+    return (_words(source, count) < np.uint64(threshold)).reshape(shape)
 
 
 def discrete_laplace_pmf(p: float, k) -> np.ndarray:

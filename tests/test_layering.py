@@ -6,6 +6,7 @@ through function-level imports, so no one of them could be read, tested or repla
 layers now (each imports only those above it in this list):
 
     noise, occupancy, properties, hashing      no sibling
+    density                                    user-level distinct users: noise, hashing
     counters, histograms, convolution          the core's base: value counts, noise pmf,
                                                histograms, convolution with one kernel
     threshold, em, projection, cap, memo       the core: inverse filter, EM, projections, cap
