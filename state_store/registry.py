@@ -50,6 +50,21 @@ __all__ = ["ledger_id", "charge_of", "MemoryRegistry", "KafkaBudgetRegistry", "R
 log = logging.getLogger("panagg.registry")
 
 
+#: bound on one read or write of the registry at a release (the cluster away: the release goes on
+#: checked against this deployment's ledgers, and the charge is written before the next one)
+CHECK_S = 3.0
+
+
+def _cluster_away(exc) -> bool:
+    """Whether a kafka-python error means the cluster did not answer (wait for it), not that it
+    refused (fail at once)."""
+    from kafka.errors import (BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError,
+                              NodeNotReadyError, RequestTimedOutError)
+    return isinstance(exc, (BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError,
+                            NodeNotReadyError, RequestTimedOutError)) or \
+        bool(getattr(exc, "retriable", False))
+
+
 class RegistryError(RuntimeError):
     """The registry topic cannot be created, read or written (one line naming the fix)."""
 
@@ -146,60 +161,90 @@ class KafkaBudgetRegistry(MemoryRegistry):
 
     # -- the topic -----------------------------------------------------------------------------
     def open(self) -> None:
-        """Create the topic if missing (compacted, one partition), then read it to its end."""
-        from kafka import KafkaConsumer, TopicPartition
-        from kafka.admin import KafkaAdminClient, NewTopic
-        from kafka.errors import KafkaError, TopicAlreadyExistsError
+        """Create the topic if missing (compacted, one partition), then read it to its end.
 
-        try:
-            admin = KafkaAdminClient(**self._opts,
-                                     request_timeout_ms=int(self.timeout_s * 1000))
+        A cluster that does not answer (yet) is waited for up to ``timeout_s`` (the service
+        passes ``source.connect_timeout_s``, as for its source), with one WARNING when the wait
+        starts: a service restarted while its broker restarts starts when the broker is back. A
+        refusal (authorization, a topic that cannot be made) fails at once, in one line."""
+        from kafka.errors import KafkaError
+
+        deadline = time.monotonic() + self.timeout_s
+        said = False
+        while True:
             try:
-                if self.topic not in set(admin.list_topics()):
-                    try:
-                        admin.create_topics([NewTopic(self.topic, num_partitions=1,
-                                                      replication_factor=1, topic_configs={
-                                                          "cleanup.policy": "compact"})])
-                        log.info("created the budget registry topic %s (compacted): every "
-                                 "deployment on this cluster records its charges there",
-                                 self.topic)
-                    except TopicAlreadyExistsError:
-                        pass
-            finally:
-                admin.close()
-            self._consumer = KafkaConsumer(**self._opts, group_id=None,
-                                           enable_auto_commit=False,
-                                           isolation_level="read_committed")
-            self._tp = TopicPartition(self.topic, 0)
-            deadline = time.monotonic() + self.timeout_s
-            while not (self._consumer.partitions_for_topic(self.topic) or set()):
-                if time.monotonic() > deadline:
-                    raise RegistryError(f"the budget registry topic {self.topic} has no "
-                                        "partition yet")
-                time.sleep(0.2)
-            self._consumer.assign([self._tp])
-            self._consumer.seek_to_beginning(self._tp)
-            self.read_to_end()
-        except KafkaError as exc:
-            self.close()
-            raise RegistryError(
-                f"the budget registry topic {self.topic} cannot be used ({type(exc).__name__}); "
+                self._open_once()
+                return
+            except KafkaError as exc:
+                self.close()
+                if not _cluster_away(exc) or time.monotonic() >= deadline:
+                    raise RegistryError(self._unusable(exc)) from None
+                if not said:
+                    said = True
+                    log.warning("the budget registry topic %s cannot be reached (%s); waiting "
+                                "up to %g s for the cluster (source.connect_timeout_s)",
+                                self.topic, type(exc).__name__, self.timeout_s)
+                time.sleep(1.0)
+
+    def _unusable(self, exc) -> str:
+        if _cluster_away(exc):
+            return (f"the budget registry topic {self.topic} could not be reached within "
+                    f"{self.timeout_s:g} s (source.connect_timeout_s; {type(exc).__name__}): is "
+                    "the cluster at source.bootstrap up? Or set ledger.registry_topic = \"\" to "
+                    "go without one (charges across deployments are then not checked)")
+        return (f"the budget registry topic {self.topic} cannot be used ({type(exc).__name__}); "
                 "create it (kafka-topics.sh --create --topic "
                 f"{self.topic} --partitions 1 --config cleanup.policy=compact) and grant this "
                 "client read and write on it, or set ledger.registry_topic = \"\" to go "
-                "without one (charges across deployments are then not checked)") from None
+                "without one (charges across deployments are then not checked)")
 
-    def read_to_end(self) -> None:
-        """Every record committed to the topic so far (the charges other deployments wrote)."""
+    def _open_once(self) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+        from kafka.admin import KafkaAdminClient, NewTopic
+        from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
+
+        step_ms = int(min(self.timeout_s, 5.0) * 1000)
+        admin = KafkaAdminClient(**self._opts, request_timeout_ms=step_ms,
+                                 bootstrap_timeout_ms=step_ms)
+        try:
+            if self.topic not in set(admin.list_topics()):
+                try:
+                    admin.create_topics([NewTopic(self.topic, num_partitions=1,
+                                                  replication_factor=1, topic_configs={
+                                                      "cleanup.policy": "compact"})])
+                    log.info("created the budget registry topic %s (compacted): every "
+                             "deployment on this cluster records its charges there", self.topic)
+                except TopicAlreadyExistsError:
+                    pass
+        finally:
+            admin.close()
+        self._consumer = KafkaConsumer(**self._opts, group_id=None, enable_auto_commit=False,
+                                       isolation_level="read_committed",
+                                       bootstrap_timeout_ms=step_ms)
+        self._tp = TopicPartition(self.topic, 0)
+        deadline = time.monotonic() + step_ms / 1000
+        while not (self._consumer.partitions_for_topic(self.topic) or set()):
+            if time.monotonic() > deadline:
+                raise KafkaTimeoutError(f"the topic {self.topic} has no partition yet")
+            time.sleep(0.2)
+        self._consumer.assign([self._tp])
+        self._consumer.seek_to_beginning(self._tp)
+        self.read_to_end(self.timeout_s)
+
+    def read_to_end(self, timeout_s: float | None = None) -> None:
+        """Every record committed to the topic so far (the charges other deployments wrote),
+        within ``timeout_s`` (default :data:`CHECK_S`: a check before a release must not stall
+        the service's loop for long while the cluster is away)."""
         if self._consumer is None:
             return
-        end = self._consumer.end_offsets([self._tp], timeout_ms=int(self.timeout_s * 1000))
+        timeout_s = CHECK_S if timeout_s is None else timeout_s
+        end = self._consumer.end_offsets([self._tp], timeout_ms=int(timeout_s * 1000))
         end_at = end[self._tp]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while self._consumer.position(self._tp) < end_at:
             if time.monotonic() > deadline:
                 raise RegistryError(f"the budget registry topic {self.topic} was not read to its "
-                                    f"end within {self.timeout_s:g} s")
+                                    f"end within {timeout_s:g} s")
             for recs in self._consumer.poll(timeout_ms=200).values():
                 for r in recs:
                     key = r.key.decode() if r.key else ""
@@ -229,9 +274,9 @@ class KafkaBudgetRegistry(MemoryRegistry):
         if self._producer is None:
             from kafka import KafkaProducer
             self._producer = KafkaProducer(**self._opts, acks="all", linger_ms=0,
-                                           max_block_ms=int(self.timeout_s * 1000))
+                                           max_block_ms=int(CHECK_S * 1000))
         self._producer.send(self.topic, key=msg[0], value=msg[1], partition=0).get(
-            timeout=self.timeout_s)
+            timeout=CHECK_S)
         super().record(lid, entry)
 
     def catch_up(self, lid: str | None, entries: list[dict]) -> int:

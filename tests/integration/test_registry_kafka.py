@@ -104,3 +104,45 @@ def test_a_directory_restored_without_its_anchor_cannot_release_its_events_again
     charge = _charges(tmp_path / "state", part, 3500)
     # the restored ledger charges [0, 1000) and nothing of [1000, 3000) again
     assert charge[1000:3000].max() == 0.0, charge[990:1010]
+
+
+def test_the_registry_waits_for_a_cluster_that_comes_back(restartable_broker, caplog):
+    """A start while the broker restarts waits for the registry as for the source
+    (source.connect_timeout_s) instead of failing at once; a cluster that stays away is named in
+    one line after the wait."""
+    import logging
+    import threading
+    import time
+
+    from state_store.registry import KafkaBudgetRegistry, RegistryError
+
+    bootstrap = restartable_broker.bootstrap
+    restartable_broker.stop()
+    back = threading.Timer(6.0, restartable_broker.start)
+    back.start()
+    reg = KafkaBudgetRegistry(bootstrap, "panagg.budget.wait", {"state_dir": "/x"},
+                              timeout_s=120)
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="panagg.registry"):
+            reg.open()
+        waited = time.monotonic() - t0
+    finally:
+        back.join()
+        reg.close()
+    assert waited > 5.0, "open() returned before the broker was back"
+    assert any("waiting up to 120 s" in r.getMessage() for r in caplog.records)
+
+    restartable_broker.stop()
+    reg = KafkaBudgetRegistry(bootstrap, "panagg.budget.wait", {"state_dir": "/x"}, timeout_s=4)
+    t0 = time.monotonic()
+    try:
+        reg.open()
+        raise AssertionError("open() succeeded with the broker stopped")
+    except RegistryError as exc:
+        msg = str(exc)
+    finally:
+        reg.close()
+        restartable_broker.start()
+    assert "\n" not in msg and "could not be reached within 4 s" in msg
+    assert time.monotonic() - t0 >= 4.0
