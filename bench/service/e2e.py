@@ -1,7 +1,8 @@
 """End-to-end throughput of the service, as ratios measured in one run, with the machine's state.
 
     python -m bench.service.e2e [--events 1000000] [--reps 3] [--kafka-only] [--no-crc32c]
-                        [--topic NAME] [--section NAME] [--cprofile PATH]
+                        [--clients kafka-python,confluent] [--topic NAME] [--section NAME]
+                        [--cprofile PATH]
 
 1. Kafka: the service (decode -> count -> checkpoints, in-process Aggregator on the same
    KafkaSource the CLI builds, with the config's client settings) against a bare kafka-python
@@ -16,6 +17,9 @@
 2. File source: the service replaying a msgpack file, against a bare msgpack read of the file.
 3. Checkpoint of a 10^7-counter state (LocalStore.save: serialize + fsync + rename) against
    np.save of the same int64 array plus fsync.
+Each client of ``source.client`` is measured the same way against its own bare loop (kafka-python:
+``poll``; confluent-kafka: ``consume(num_messages)``), and the confluent service against the
+kafka-python service on the same backlog.
 Scale-out throughput (several ``panagg run`` members of one group) is
 ``python -m bench.service.group --throughput``.
 
@@ -73,7 +77,7 @@ def crc32c_active() -> bool:
 
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "cpu": cpu_model(), "crc32c": crc32c_active(),
-            "versions": versions(["kafka-python", "crc32c", "msgpack", "numpy"]),
+            "versions": versions(["kafka-python", "crc32c", "msgpack", "numpy", "confluent-kafka"]),
             "rev": git_rev(["aggregator", "consumers", "bench/service/e2e.py"]),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
@@ -110,6 +114,34 @@ def client_settings(cfg: dict) -> dict:
     src = cfg.source
     return {"max_poll_records": src.max_records, "fetch_max_bytes": src.fetch_max_bytes,
             "max_partition_fetch_bytes": src.max_partition_fetch_bytes}
+
+
+def bare_consume_confluent(bootstrap: str, topic: str, events: int, settings: dict
+                           ) -> tuple[float, float]:
+    """The same bare loop on confluent-kafka (librdkafka): ``consume(num_messages)`` batches,
+    every value touched."""
+    from confluent_kafka import Consumer
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bare-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                         "fetch.max.bytes": settings["fetch_max_bytes"],
+                         "max.partition.fetch.bytes": settings["max_partition_fetch_bytes"],
+                         "queued.max.messages.kbytes": settings["fetch_max_bytes"] // 1024,
+                         "queued.min.messages": settings["max_poll_records"]})
+    consumer.subscribe([topic])
+    seen, nbytes = 0, 0
+    t0 = None
+    while seen < events:
+        msgs = consumer.consume(num_messages=settings["max_poll_records"], timeout=1.0)
+        if t0 is None and msgs:
+            t0, c0 = time.perf_counter(), time.process_time()
+        for m in msgs:
+            if m.error() is None:
+                nbytes += len(m.value())
+                seen += 1
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    consumer.close()
+    return dt, cpu
 
 
 def bare_consume(bootstrap: str, topic: str, events: int, settings: dict) -> tuple[float, float]:
@@ -208,9 +240,14 @@ def service_run(make_source, events: int, tmp: Path, profile: str | None = None
     return wrapped.t1 - wrapped.t0, wrapped.c1 - wrapped.c0
 
 
-def kafka_source(bootstrap: str, topic: str):
+def kafka_source(bootstrap: str, topic: str, client: str = "kafka-python"):
     def make(cfg):
         src = cfg.source
+        if client == "confluent":
+            from consumers.kafka.confluent import ConfluentSource
+            return ConfluentSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", src.max_records,
+                                   fetch_max_bytes=src.fetch_max_bytes,
+                                   max_partition_fetch_bytes=src.max_partition_fetch_bytes)
         return KafkaSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", src.max_records,
                            consumer_config={"fetch_max_bytes": src.fetch_max_bytes,
                                             "max_partition_fetch_bytes":
@@ -226,20 +263,23 @@ def throughput_row(name: str, events: int, bare_t: list, svc_t: list, target: st
             statistics.median(ratios), min(ratios), max(ratios), target)
 
 
-def kafka_reps(bootstrap: str, topic: str, args, tmp: Path) -> list[dict]:
+def kafka_reps(bootstrap: str, topic: str, args, tmp: Path, client: str = "kafka-python"
+               ) -> list[dict]:
     settings = client_settings(service_config(args.events, tmp / "probe"))
+    bare = bare_consume_confluent if client == "confluent" else bare_consume
     reps = []
     for rep in range(args.reps):
         r = {"load_bare": [load1()]}
-        r["bare_s"], r["bare_cpu"] = bare_consume(bootstrap, topic, args.events, settings)
+        r["bare_s"], r["bare_cpu"] = bare(bootstrap, topic, args.events, settings)
         r["load_bare"].append(load1())
         r["load_svc"] = [load1()]
         last = rep == args.reps - 1
-        r["svc_s"], r["svc_cpu"] = service_run(kafka_source(bootstrap, topic), args.events, tmp,
+        r["svc_s"], r["svc_cpu"] = service_run(kafka_source(bootstrap, topic, client),
+                                               args.events, tmp,
                                                profile=args.cprofile if last else None)
         r["load_svc"].append(load1())
         reps.append(r)
-        print(f"  rep {rep}: bare {args.events / r['bare_s']:,.0f} ev/s (load "
+        print(f"  {client} rep {rep}: bare {args.events / r['bare_s']:,.0f} ev/s (load "
               f"{r['load_bare'][0]:.2f}->{r['load_bare'][1]:.2f}), service "
               f"{args.events / r['svc_s']:,.0f} ev/s (load {r['load_svc'][0]:.2f}->"
               f"{r['load_svc'][1]:.2f}), ratio {r['bare_s'] / r['svc_s']:.2f}, CPU ratio "
@@ -247,8 +287,9 @@ def kafka_reps(bootstrap: str, topic: str, args, tmp: Path) -> list[dict]:
     return reps
 
 
-def kafka_lines(events: int, reps: list[dict], settings: dict) -> list[str]:
-    lines = ["| rep | bare kafka-python ev/s | load before -> after | service ev/s | "
+def kafka_lines(events: int, reps: list[dict], settings: dict, client: str = "kafka-python"
+                ) -> list[str]:
+    lines = [f"| rep | bare {client} ev/s | load before -> after | service ev/s | "
              "load before -> after | ratio | CPU µs/event bare, service | CPU ratio |",
              "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(reps):
@@ -269,6 +310,18 @@ def kafka_lines(events: int, reps: list[dict], settings: dict) -> list[str]:
     return lines
 
 
+def cross_line(events: int, by_client: dict) -> str:
+    """The confluent service against the kafka-python service on the same backlog (paired by
+    repetition), and CPU per event of each."""
+    kp, cf = by_client["kafka-python"], by_client["confluent"]
+    speed = [a["svc_s"] / b["svc_s"] for a, b in zip(kp, cf)]
+    cpu = [b["svc_cpu"] / a["svc_cpu"] for a, b in zip(kp, cf)]
+    return (f"confluent service over kafka-python service (events/s, same backlog, per "
+            f"repetition): median **{statistics.median(speed):.2f}x** ({min(speed):.2f}.."
+            f"{max(speed):.2f}; target >= 2.5x); CPU per event, confluent over kafka-python: "
+            f"{statistics.median(cpu):.2f}.")
+
+
 def write_section(name: str, lines: list[str]) -> None:
     write_doc_section(DOC, "bench.service.e2e", name, lines, title="End-to-end throughput")
 
@@ -278,6 +331,8 @@ def main(argv=None) -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kafka-only", action="store_true", help="skip the file and checkpoint rows")
+    ap.add_argument("--clients", default="kafka-python,confluent",
+                    help="comma-separated Kafka clients to measure (kafka-python, confluent)")
     ap.add_argument("--no-crc32c", action="store_true",
                     help="hide the crc32c package from kafka-python (its pure-Python fallback)")
     ap.add_argument("--topic", help="reuse this topic (it holds >= --events records)")
@@ -303,11 +358,17 @@ def main(argv=None) -> None:
             if not args.topic:
                 print(f"producing {args.events:,} events to {topic} ...", flush=True)
                 produce(bootstrap, topic, args.events)
-            reps = kafka_reps(bootstrap, topic, args, tmp)
             settings = client_settings(service_config(args.events, tmp / "probe"))
-            lines += ["Kafka -> counters, service vs bare kafka-python loop (target >= 0.9x "
-                      "idle, >= 0.8x loaded):", "", *kafka_lines(args.events, reps, settings),
-                      ""]
+            by_client = {}
+            for client in args.clients.split(","):
+                by_client[client] = reps = kafka_reps(bootstrap, topic, args, tmp, client)
+                target = ("target >= 0.9x idle, >= 0.8x loaded" if client == "kafka-python"
+                          else "target >= 0.8x")
+                lines += [f"Kafka -> counters on {client} (`source.client = \"{client}\"`), "
+                          f"service vs a bare {client} loop ({target}):", "",
+                          *kafka_lines(args.events, reps, settings, client), ""]
+            if len(by_client) == 2:
+                lines += [cross_line(args.events, by_client), ""]
         finally:
             if broker_state is not None:
                 subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(broker_state)],

@@ -54,6 +54,32 @@ def librdkafka_options(security: dict | None) -> dict:
     return out
 
 
+class _Quieter(logging.Filter):
+    """librdkafka logs every failed reconnect (tens a second during a broker outage) at ERROR;
+    the service reports the outage itself (``Kafka broker unreachable``), so each kind of
+    librdkafka line passes at most once per :attr:`every_s`."""
+
+    every_s = 60.0
+
+    def __init__(self):
+        super().__init__()
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import time
+        msg = record.getMessage()
+        kind = msg.split(" ", 1)[0]   # the facility, e.g. FAIL, REQTMOUT
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < self.every_s:
+            return False
+        self._last[kind] = now
+        return True
+
+
+_RDLOG = logging.getLogger("panagg.kafka.librdkafka")
+_RDLOG.addFilter(_Quieter())
+
+
 def _import():
     try:
         import confluent_kafka
@@ -146,8 +172,7 @@ class ConfluentSource(Source):
             "reconnect.backoff.max.ms": 1000, "allow.auto.create.topics": False,
             "enable.partition.eof": False, "statistics.interval.ms": 1000,
             "stats_cb": self._stats, "error_cb": self._error,
-            "logger": logging.getLogger("panagg.kafka.librdkafka"),
-            **self._security}
+            "logger": _RDLOG, **self._security}
         config.update(consumer_config or {})
         self.consumer = ck.Consumer(config)
         #: what the start line names
@@ -331,10 +356,14 @@ class ConfluentSource(Source):
             if not keys or any(k not in mine for k in keys):
                 return False
             ends = self._watermarks(keys)
-            positions = self.consumer.position([self._tp(k) for k in keys])
-            return all(tp.offset >= 0 and tp.offset >= ends[partition_key(tp.topic,
-                                                                            tp.partition)][1]
-                       for tp in positions)
+            for tp in self.consumer.position([self._tp(k) for k in keys]):
+                key = partition_key(tp.topic, tp.partition)
+                # nothing consumed since the assignment: librdkafka has no position yet
+                # (OFFSET_INVALID); the assignment's offset is where reading stands
+                pos = tp.offset if tp.offset >= 0 else self.start_offsets.get(key, -1)
+                if pos < 0 or pos < ends[key][1]:
+                    return False
+            return True
         except Exception:
             return False
 
@@ -374,7 +403,7 @@ class ConfluentSource(Source):
         ck = self._ck
         try:
             admin = ck.admin.AdminClient({"bootstrap.servers": self.bootstrap, **self._security,
-                                          "logger": logging.getLogger("panagg.kafka.librdkafka")})
+                                          "logger": _RDLOG})
             res = ck.admin.ConfigResource(ck.admin.ResourceType.TOPIC, self.topic)
             entries = admin.describe_configs([res], request_timeout=10)[res].result(timeout=10)
             self._config_cache = {k: str(v.value) for k, v in entries.items()}

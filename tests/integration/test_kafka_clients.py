@@ -200,3 +200,22 @@ def test_the_service_counts_the_same_on_both_clients(kafka_broker, tmp_path):
         out[client] = (doc["n"], doc["histogram"])
     assert out["kafka-python"] == out["confluent"]
     assert out["confluent"][0] == 3000
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_caught_up_when_started_at_the_end_with_nothing_to_read(kafka_broker, client):
+    """A restart whose checkpoint is at the end of every partition reads nothing: it is caught
+    up (what --exit-when-idle and the replay wait ask), not waiting for a position forever."""
+    topic = make_topic(kafka_broker, partitions=2)
+    _produce(kafka_broker, topic, 40, partitions=2)
+    src = _source(client, kafka_broker, topic)
+    try:
+        src.seek({f"{topic}:0": 20, f"{topic}:1": 20})
+        deadline = time.monotonic() + 60
+        while len(src.assigned) < 2 and time.monotonic() < deadline:
+            assert src.poll(0.5) == []
+        assert src.caught_up(sorted(src.assigned))
+        _produce(kafka_broker, topic, 2, partitions=2)
+        assert not src.caught_up(sorted(src.assigned))
+    finally:
+        src.close()
