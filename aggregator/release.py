@@ -34,7 +34,8 @@ from .state import PanPrivateHistogram
 
 __all__ = ["MODELS", "ReleaseExists", "make_release", "release_from_view", "estimate_with_accuracy",
            "package_release", "write_release", "plot_release", "plot_rank_frequency",
-           "ERROR_BAR_REPS", "PHI_BANDS", "planned_accuracy", "PLAN_SHAPES"]
+           "ERROR_BAR_REPS", "PHI_BANDS", "planned_accuracy", "PLAN_SHAPES", "headline",
+           "PRIVACY_UNIT", "PRIVACY_UNIT_CONSEQUENCE"]
 
 ERROR_BAR_REPS = 10  # bootstrap repetitions per release (release.error_bar_reps); 0: none
 PUBLIC_MODE = 0o644   # release files are published: readable by all, whatever the umask
@@ -428,7 +429,53 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
         # one field a consumer can test before trusting anything else in the document
         release["signal_below_noise"] = accuracy["signal_below_noise"]
         release["accuracy"] = accuracy
-    return release
+    if model == "central":  # a trusted curator's release: no pan-private window, no headline
+        return release
+    return {"headline": headline(release), **release}
+
+
+PRIVACY_UNIT = "event"
+PRIVACY_UNIT_CONSEQUENCE = "a source that contributes g events is protected at g x eps"
+
+
+def headline(release: dict) -> dict:
+    """The block a release document opens with: what a person reads first, copied from the
+    detail below it (nothing new is computed, so it costs no privacy).
+
+    Distinct items and entropy, each with its released value, its interval
+    (``accuracy.intervals``, at ``interval_level``) and its expected relative error
+    (``accuracy.expected_relative_error``); the release's ``signal_below_noise`` flag and
+    ``signal_to_noise`` (the one figure the log names so); the privacy unit, eps, the window and
+    n. A figure the release does not have (no intervals: ``release.error_bar_reps = 0``, loss
+    l2, the Balcer-Cheu analyzer) is null.
+
+    The privacy unit is one event: a window is eps-DP for neighbours that differ in one event
+    (the service counts under replace-one, docs/privacy.md), so a source (user, device) that
+    contributes g events to a window is protected at g x eps by group privacy, not at eps.
+    """
+    props = release.get("properties") or {}
+    acc = release.get("accuracy") or {}
+    iv = acc.get("intervals") or {}
+    rel_err = acc.get("expected_relative_error") or {}
+
+    def stat(key: str) -> dict:
+        return {"value": props.get(key), "interval": iv.get(key),
+                "expected_relative_error": rel_err.get(key)}
+
+    out = {
+        "distinct_items": stat("distinct_items"),
+        "entropy_nats": stat("entropy_nats"),
+        "interval_level": iv.get("level"),
+        "signal_below_noise": release.get("signal_below_noise"),
+        "signal_to_noise": acc.get("signal_to_noise"),
+        "privacy_unit": PRIVACY_UNIT,
+        "privacy_unit_consequence": PRIVACY_UNIT_CONSEQUENCE,
+        "epsilon": release.get("epsilon"),
+    }
+    if release.get("delta") is not None:  # the shuffle model: (eps, delta)-DP
+        out["delta"] = release["delta"]
+    out.update(window=release.get("window"), n=release.get("n"))
+    return out
 
 
 def plot_rank_frequency(release: dict, path: Path | BinaryIO) -> None:

@@ -1,0 +1,55 @@
+"""What a person reads at a glance (issue 51): a release that opens with its headline, one
+signal-to-noise figure in the log and the release, advice that fits the mode, `panagg demo`
+beside the truth, a PNG with the headline and a band, and a warning when releases would take
+longer than a window."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from aggregator.release import make_release, write_release
+from aggregator.state import PanPrivateHistogram
+
+
+def _zipf_state(D=2000, n=20000, seed=3):
+    s = PanPrivateHistogram(1.0, size=D, rng=np.random.default_rng([seed, 1]))
+    w = 1.0 / np.arange(1, D + 1) ** 1.1
+    s.add_indices(np.random.default_rng(seed).choice(D, n, p=w / w.sum()))
+    return s
+
+
+# -- 1. the release opens with its headline ----------------------------------------------------
+
+def test_release_file_opens_with_the_headline(tmp_path):
+    rel = make_release(_zipf_state(), window=3, error_bar_reps=6)
+    path = write_release(rel, tmp_path, plot=False)
+    doc = json.loads(path.read_text())  # the file as written: key order kept
+    assert next(iter(doc)) == "headline"
+    head = doc["headline"]
+    acc, props = doc["accuracy"], doc["properties"]
+    for key in ("distinct_items", "entropy_nats"):
+        assert head[key] == {"value": props[key], "interval": acc["intervals"][key],
+                             "expected_relative_error": acc["expected_relative_error"][key]}
+        lo, hi = head[key]["interval"]
+        assert lo <= hi and head[key]["expected_relative_error"] > 0
+    assert head["interval_level"] == 0.9
+    assert head["signal_below_noise"] is doc["signal_below_noise"] is False
+    assert head["signal_to_noise"] == acc["signal_to_noise"]
+    assert head["privacy_unit"] == "event"
+    assert head["privacy_unit_consequence"] == ("a source that contributes g events is "
+                                                "protected at g x eps")
+    assert (head["epsilon"], head["window"], head["n"]) == (1.0, 3, 20000)
+    # every field of the detail is still there
+    for key in ("format", "version", "window", "n", "epsilon", "histogram", "properties",
+                "accuracy", "signal_below_noise", "release_seconds"):
+        assert key in doc
+
+
+def test_headline_without_intervals_says_null():
+    rel = make_release(_zipf_state(), window=0, error_bar_reps=0)
+    head = rel["headline"]
+    assert head["distinct_items"]["value"] == rel["properties"]["distinct_items"]
+    assert head["distinct_items"]["interval"] is None and head["interval_level"] is None
+    assert head["signal_to_noise"] == rel["accuracy"]["signal_to_noise"]
