@@ -6,10 +6,12 @@ longer than a window."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 
 from aggregator.release import make_release, write_release
+from aggregator.service.accuracy_plan import warn_if_below_noise
 from aggregator.state import PanPrivateHistogram
 
 
@@ -53,3 +55,36 @@ def test_headline_without_intervals_says_null():
     assert head["distinct_items"]["value"] == rel["properties"]["distinct_items"]
     assert head["distinct_items"]["interval"] is None and head["interval_level"] is None
     assert head["signal_to_noise"] == rel["accuracy"]["signal_to_noise"]
+
+
+# -- 2. one signal-to-noise figure; advice that fits the mode ----------------------------------
+
+def _error_lines(caplog, release):
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="panagg.service"):
+        warn_if_below_noise(release)
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_below_noise_line_names_the_releases_signal_to_noise(caplog):
+    # hashed mode, few events over many buckets at a small eps: below the noise
+    s = PanPrivateHistogram(0.5, buckets=20000, rng=np.random.default_rng(1))
+    s.update([f"user-{i}" for i in np.random.default_rng(2).integers(0, 3000, 3000)])
+    rel = make_release(s, window=7, error_bar_reps=4)
+    acc = rel["accuracy"]
+    assert rel["signal_below_noise"] is True
+    (line,) = _error_lines(caplog, rel)
+    snr = acc["signal_to_noise"]
+    assert f"signal-to-noise {snr:.1f}" in line
+    assert f"events over the noise floor {acc['events_over_noise_floor']:.2f}" in line
+    assert line.count("signal-to-noise") == 1
+    # hashed mode is on: the fix is not "use hashed mode"
+    assert "hashed mode" not in line and "state.mode" not in line
+    fix = line.split("Fix: ", 1)[1]
+    assert "window.size" in fix and "state.epsilon" in fix and "state.buckets" in fix
+
+
+def test_below_noise_line_in_direct_mode_suggests_hashed_mode(caplog):
+    rel = make_release(PanPrivateHistogram(1.0, size=100000), window=4, error_bar_reps=4)
+    (line,) = _error_lines(caplog, rel)
+    assert 'hashed mode: state.mode = "hashed"' in line and "state.buckets" not in line

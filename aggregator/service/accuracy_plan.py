@@ -15,29 +15,52 @@ from ..state import NEIGHBOR_RELATIONS
 from .identity import choose_buckets_for
 from .settings import Config
 
-__all__ = ["accuracy_plan", "planned_errors", "warn_if_below_noise", "StartPlan"]
+__all__ = ["accuracy_plan", "planned_errors", "warn_if_below_noise", "below_noise_fix",
+           "StartPlan"]
 
 log = logging.getLogger("panagg.service")
 
 
 def warn_if_below_noise(release: dict) -> None:
     """One error line for a release whose signal is below its noise (the document says so too,
-    in ``signal_below_noise``): it may look normal and still be mostly noise."""
+    in ``signal_below_noise``): it may look normal and still be mostly noise.
+
+    The line names one figure signal-to-noise: the release's own ``accuracy.signal_to_noise``
+    (the distinct-items estimate over its expected error); the public events-over-the-noise-floor
+    figure is named as such. The fix it suggests is one the release's configuration does not
+    already have (hashed mode is not suggested to a hashed-mode release)."""
     acc = release.get("accuracy") or {}
-    if acc.get("signal_below_noise"):
-        # events over the Cramer-Rao floor (older releases: under signal_to_noise)
-        snr = acc.get("events_over_noise_floor", acc.get("signal_to_noise")) or 0.0
-        why = ("its distinct items could be off by 2x at the interval's level; "
-               if acc.get("distinct_could_be_off_2x") else "")
-        log.error("window %s: the release is below its noise floor (%sevents over the error "
-                  "floor %.2f, flagged below %g: "
-                  "%s events against an error floor of ~%s items); its statistics are mostly "
-                  "noise. Fix: more events per window (window.size), fewer counters "
-                  "(state.domain_size, or hashed mode), or a larger state.epsilon",
-                  release.get("window"), why, snr, SNR_MIN,
-                  release.get("n") if release.get("n") is not None
-                  else release.get("n_in_histogram"),
-                  f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
+    if not acc.get("signal_below_noise"):
+        return
+    snr = acc.get("signal_to_noise")
+    # (events over the Cramer-Rao floor; older releases held it under signal_to_noise)
+    over = acc.get("events_over_noise_floor", snr if snr is not None else 0.0) or 0.0
+    why = ("its distinct items could be off by 2x at the interval's level"
+           if acc.get("distinct_could_be_off_2x") else
+           f"events over the noise floor below {SNR_MIN:g}")
+    n = release.get("n") if release.get("n") is not None else release.get("n_in_histogram")
+    floor = acc.get("noise_floor_items")
+    log.error("window %s: the release is below its noise floor (%s; signal-to-noise %s, events "
+              "over the noise floor %.2f: %s events against an error floor of ~%s items); its "
+              "statistics are mostly noise. Fix: %s",
+              release.get("window"), why, "?" if snr is None else f"{snr:.1f}", over,
+              "?" if n is None else f"{n:,}", f"{floor:,.0f}" if floor else "?",
+              below_noise_fix(release))
+
+
+def below_noise_fix(release: dict) -> str:
+    """What helps a release below its noise, for the mode it was made in: more events per
+    window, a larger eps, fewer counters; hashed mode only to a direct-mode release."""
+    domain = release.get("domain") or {}
+    if domain.get("mode") == "hashed":
+        size = domain.get("size")
+        fewer = (f"fewer buckets (state.buckets, {size:,} now) when items repeat"
+                 if isinstance(size, int) else "fewer buckets (state.buckets) when items repeat")
+        return ("more events per window (window.size, and state.expected_n with it), "
+                f"a larger state.epsilon, or {fewer}")
+    return ("more events per window (window.size), fewer counters "
+            '(state.domain_size, or hashed mode: state.mode = "hashed"), or a larger '
+            "state.epsilon")
 
 
 def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
@@ -57,8 +80,8 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     n_min = int(math.ceil(SNR_MIN * floor))
     line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st.epsilon:g}"
             f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
-            f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
-            f"{n_min:,} events to be above the noise")
+            f"{n:,} events per window ({basis}) events over the noise floor {n / floor:.1f}; "
+            f"windows need >= {n_min:,} events to be above the noise")
     if simulate:
         line += _planned_errors(counters, p, layers, n, hashed)
     below = n / floor < SNR_MIN
