@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import subprocess
+import sys
 
 import numpy as np
 
+from aggregator.properties import entropy
 from aggregator.release import make_release, write_release
 from aggregator.service.accuracy_plan import warn_if_below_noise
+from aggregator.service.config import load_config
 from aggregator.state import PanPrivateHistogram
+from consumers.generator import ZipfLogins
 
 
 def _zipf_state(D=2000, n=20000, seed=3):
@@ -88,3 +94,31 @@ def test_below_noise_line_in_direct_mode_suggests_hashed_mode(caplog):
     rel = make_release(PanPrivateHistogram(1.0, size=100000), window=4, error_bar_reps=4)
     (line,) = _error_lines(caplog, rel)
     assert 'hashed mode: state.mode = "hashed"' in line and "state.buckets" not in line
+
+
+# -- 3. `panagg demo` beside the truth ---------------------------------------------------------
+
+def test_demo_prints_the_truth_beside_each_release(tmp_path):
+    out = tmp_path / "rel"
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "demo", "--events",
+                          "40000", "--accounts", "3000", "--windows", "2", "--seed", "11",
+                          "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "data seed 11" in res.stdout
+    # the truth, recomputed here from the seed and the generator's batch size
+    batch = load_config(None, []).source.max_records
+    ids = np.concatenate(list(ZipfLogins(40000, 3000, 1.1, batch=batch, seed=11).iter_batches()))
+    pattern = re.compile(r"window (\d) \(n=20,000, 90% intervals\): distinct items ([\d,]+) "
+                         r"\(([\d,]+)-([\d,]+)\); true ([\d,]+)\. entropy ([\d.]+) nats "
+                         r"\(([\d.]+)-([\d.]+)\); true ([\d.]+)")
+    found = [pattern.search(line) for line in res.stdout.splitlines()]
+    found = [m for m in found if m]
+    assert [m.group(1) for m in found] == ["0", "1"], res.stdout
+    for m in found:
+        w = int(m.group(1))
+        counts = np.bincount(ids[w * 20000:(w + 1) * 20000])
+        counts = np.sort(counts[counts > 0])[::-1]
+        assert int(m.group(5).replace(",", "")) == len(counts)
+        assert float(m.group(9)) == round(entropy(counts), 3)
+        rel = json.loads((out / f"release-{w}.json").read_text())
+        assert int(m.group(2).replace(",", "")) == rel["headline"]["distinct_items"]["value"]
