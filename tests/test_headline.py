@@ -122,3 +122,31 @@ def test_demo_prints_the_truth_beside_each_release(tmp_path):
         assert float(m.group(9)) == round(entropy(counts), 3)
         rel = json.loads((out / f"release-{w}.json").read_text())
         assert int(m.group(2).replace(",", "")) == rel["headline"]["distinct_items"]["value"]
+
+
+# -- 4. the release PNG: headline, band, legend ------------------------------------------------
+
+def test_release_png_shows_headline_band_and_legend(tmp_path):
+    from matplotlib.collections import PolyCollection
+
+    from aggregator.release import release_figure
+
+    rel = make_release(_zipf_state(), window=5, error_bar_reps=6)
+    path = write_release(rel, tmp_path)
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = release_figure(json.loads(path.read_text()))  # what the PNG was drawn from
+    ax = fig.axes[0]
+    texts = "\n".join(t.get_text() for t in ax.texts)
+    head = rel["headline"]
+    d = head["distinct_items"]
+    assert f"distinct items {d['value']:,}" in texts
+    assert f"{d['interval'][0]:,.0f}-{d['interval'][1]:,.0f}" in texts
+    e = head["entropy_nats"]
+    assert f"entropy {e['value']:.3f} nats" in texts
+    assert f"{e['interval'][0]:.3f}-{e['interval'][1]:.3f}" in texts
+    assert "per event" in texts and f"signal-to-noise {head['signal_to_noise']:.1f}" in texts
+    legend = ax.get_legend()
+    assert legend is not None
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert "90% interval" in labels and any("released histogram" in x for x in labels)
+    assert any(isinstance(c, PolyCollection) for c in ax.collections)  # the band
