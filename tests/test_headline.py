@@ -15,7 +15,7 @@ import numpy as np
 
 from aggregator.properties import entropy
 from aggregator.release import make_release, write_release
-from aggregator.service.accuracy_plan import warn_if_below_noise
+from aggregator.service.accuracy_plan import StartPlan, accuracy_plan, warn_if_below_noise
 from aggregator.service.config import load_config
 from aggregator.state import PanPrivateHistogram
 from consumers.generator import ZipfLogins
@@ -150,3 +150,46 @@ def test_release_png_shows_headline_band_and_legend(tmp_path):
     labels = [t.get_text() for t in legend.get_texts()]
     assert "90% interval" in labels and any("released histogram" in x for x in labels)
     assert any(isinstance(c, PolyCollection) for c in ax.collections)  # the band
+
+
+# -- 5. the plan and the start line: releases slower than the windows --------------------------
+
+def test_plan_warns_when_a_release_outlasts_a_time_window(caplog):
+    from aggregator.service.accuracy_plan import expected_release_seconds, release_time_warning
+
+    short = load_config(None, ["window.kind=time", "window.size=2", "state.expected_n=5000",
+                               "state.domain_size=4000000", "release.plan_errors=false"])
+    seconds = expected_release_seconds(short)
+    assert 2 < seconds < 10
+    line, _ = accuracy_plan(short, simulate=False)
+    assert "RELEASE SLOWER THAN THE WINDOW" in line
+    assert f"window.size >= {int(np.ceil(seconds))} s" in line
+    assert 'release.estimator = "deconvolution"' in line and "error_bar_reps = 0" in line
+    # the start line says it at WARNING
+    plan = StartPlan(short)
+    with caplog.at_level(logging.INFO, logger="panagg.service"):
+        plan.start()
+    plan.close()
+    (rec,) = [r for r in caplog.records if "accuracy plan" in r.getMessage()]
+    assert rec.levelno == logging.WARNING and "RELEASE SLOWER" in rec.getMessage()
+    # a fast release is cheaper; only the setting not already chosen is named
+    fast = load_config(None, ["window.kind=time", "window.size=1", "state.expected_n=5000",
+                              "state.domain_size=10000000", "release.error_bar_reps=0",
+                              "release.estimator=deconvolution"])
+    assert expected_release_seconds(fast) < seconds
+    clause = release_time_warning(fast)
+    assert clause and "release.estimator" not in clause and "error_bar_reps" not in clause
+    # long enough time windows, and count windows (no length in seconds), say nothing
+    assert release_time_warning(load_config(None, ["window.kind=time", "window.size=60",
+                                                   "state.domain_size=4000000"])) is None
+    assert release_time_warning(load_config(None, ["window.size=10",
+                                                   "state.domain_size=4000000"])) is None
+
+
+def test_panagg_plan_prints_the_release_time_warning(tmp_path):
+    conf = tmp_path / "p.toml"
+    conf.write_text('[state]\ndomain_size = 1000\nexpected_n = 5000\n'
+                    '[window]\nkind = "time"\nsize = 2\n')
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "plan", "--config",
+                          str(conf)], capture_output=True, text=True, timeout=300)
+    assert "RELEASE SLOWER THAN THE WINDOW" in res.stdout, res.stdout + res.stderr
