@@ -34,7 +34,9 @@ from .state import PanPrivateHistogram
 
 __all__ = ["MODELS", "ReleaseExists", "make_release", "release_from_view", "estimate_with_accuracy",
            "package_release", "write_release", "plot_release", "plot_rank_frequency",
-           "ERROR_BAR_REPS", "PHI_BANDS", "planned_accuracy", "PLAN_SHAPES"]
+           "release_figure", "headline_lines",
+           "ERROR_BAR_REPS", "PHI_BANDS", "planned_accuracy", "PLAN_SHAPES", "headline",
+           "PRIVACY_UNIT", "PRIVACY_UNIT_CONSEQUENCE"]
 
 ERROR_BAR_REPS = 10  # bootstrap repetitions per release (release.error_bar_reps); 0: none
 PUBLIC_MODE = 0o644   # release files are published: readable by all, whatever the umask
@@ -428,11 +430,59 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
         # one field a consumer can test before trusting anything else in the document
         release["signal_below_noise"] = accuracy["signal_below_noise"]
         release["accuracy"] = accuracy
-    return release
+    if model == "central":  # a trusted curator's release: no pan-private window, no headline
+        return release
+    return {"headline": headline(release), **release}
+
+
+PRIVACY_UNIT = "event"
+PRIVACY_UNIT_CONSEQUENCE = "a source that contributes g events is protected at g x eps"
+
+
+def headline(release: dict) -> dict:
+    """The block a release document opens with: what a person reads first, copied from the
+    detail below it (nothing new is computed, so it costs no privacy).
+
+    Distinct items and entropy, each with its released value, its interval
+    (``accuracy.intervals``, at ``interval_level``) and its expected relative error
+    (``accuracy.expected_relative_error``); the release's ``signal_below_noise`` flag and
+    ``signal_to_noise`` (the one figure the log names so); the privacy unit, eps, the window and
+    n. A figure the release does not have (no intervals: ``release.error_bar_reps = 0``, loss
+    l2, the Balcer-Cheu analyzer) is null.
+
+    The privacy unit is one event: a window is eps-DP for neighbours that differ in one event
+    (the service counts under replace-one, docs/privacy.md), so a source (user, device) that
+    contributes g events to a window is protected at g x eps by group privacy, not at eps.
+    """
+    props = release.get("properties") or {}
+    acc = release.get("accuracy") or {}
+    iv = acc.get("intervals") or {}
+    rel_err = acc.get("expected_relative_error") or {}
+
+    def stat(key: str) -> dict:
+        return {"value": props.get(key), "interval": iv.get(key),
+                "expected_relative_error": rel_err.get(key)}
+
+    out = {
+        "distinct_items": stat("distinct_items"),
+        "entropy_nats": stat("entropy_nats"),
+        "interval_level": iv.get("level"),
+        "signal_below_noise": release.get("signal_below_noise"),
+        "signal_to_noise": acc.get("signal_to_noise"),
+        "privacy_unit": PRIVACY_UNIT,
+        "privacy_unit_consequence": PRIVACY_UNIT_CONSEQUENCE,
+        "epsilon": release.get("epsilon"),
+    }
+    if release.get("delta") is not None:  # the shuffle model: (eps, delta)-DP
+        out["delta"] = release["delta"]
+    out.update(window=release.get("window"), n=release.get("n"))
+    return out
 
 
 def plot_rank_frequency(release: dict, path: Path | BinaryIO) -> None:
-    """Log-log rank vs count plot of the released histogram (PNG).
+    """The release's PNG (:func:`release_figure`): the headline figures with their intervals in
+    a box, the released histogram as a log-log rank-frequency curve with its interval band, and a
+    legend.
 
     Uses matplotlib's object API (no pyplot global state) and draws under one process-wide lock:
     separate figures still share matplotlib's font objects and layout caches, so two threads
@@ -440,32 +490,103 @@ def plot_rank_frequency(release: dict, path: Path | BinaryIO) -> None:
     as a SIGABRT in CI with two aggregations).
     """
     with _DRAWING:
-        _draw_rank_frequency(release, path)
+        release_figure(release).savefig(path, format="png")
 
 
 # matplotlib is not thread-safe even across separate Figure objects (its FreeType fonts are shared)
 _DRAWING = threading.Lock()
 
 
-def _draw_rank_frequency(release: dict, path: Path | BinaryIO) -> None:
+def headline_lines(release: dict) -> list[str]:
+    """The headline as text lines (the PNG's box; ``panagg demo`` prints the same figures):
+    distinct items and entropy with their intervals and expected errors, the flag, then n, eps,
+    the privacy unit and the signal-to-noise."""
+    head = release.get("headline") or headline(release)
+    level = head.get("interval_level")
+    lvl = f"{100 * level:g}% " if level else ""
+
+    def one(label: str, key: str, fmt: str, unit: str = "") -> str:
+        s = head[key]
+        if s["value"] is None:
+            return f"{label}: ?"
+        text = f"{label} {format(s['value'], fmt)}{unit}"
+        if s["interval"]:
+            lo, hi = s["interval"]
+            text += f" ({lvl}interval {format(lo, fmt)}-{format(hi, fmt)})"
+        if s["expected_relative_error"] is not None:
+            text += f", expect +-{100 * s['expected_relative_error']:.1f}%"
+        return text
+
+    lines = [one("distinct items", "distinct_items", ",.0f"),
+             one("entropy", "entropy_nats", ".3f", " nats")]
+    if head.get("signal_below_noise"):
+        lines.append("BELOW THE NOISE: distinct items could be off by 2x")
+    n = release.get("n")
+    n_text = f"n={n:,}" if n is not None else f"n_in_histogram={release.get('n_in_histogram'):,}"
+    snr = head.get("signal_to_noise")
+    eps = head.get("epsilon")
+    lines.append(f"{n_text}, eps={eps:g} per {head['privacy_unit']}" if eps is not None
+                 else n_text)
+    if snr is not None:
+        lines[-1] += f", signal-to-noise {snr:.1f}"
+    return lines
+
+
+def release_figure(release: dict):
+    """The release's figure (a matplotlib Figure, not yet saved; the caller holds
+    :data:`_DRAWING`): in the style of ``panagg history --plot`` (:func:`aggregator.service.
+    status.plot_history`: its size, grid, bands at alpha 0.25, small legend).
+
+    * the released histogram as its rank-frequency curve (rank r item's released count, log-log);
+    * its interval band where the release states one: over ranks first..last the curve scaled
+      to both ends of the interval for the events those ranks hold (``accuracy.intervals.
+      rank_bands``: 1, 2-10, 11-100, ...), and for counts 1..10 the interval of phi_{>=c}
+      (``phi_at_least``: the rank at which the count falls to c);
+    * a box with the headline (:func:`headline_lines`), and a legend.
+
+    A release without an accuracy block (central, Balcer-Cheu) gets the curve and what it has.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     pairs = release["histogram"]["pairs"]
+    # (pairs run from the largest count down: the curve's ranks in order)
     counts = np.repeat([r for r, _ in pairs], [c for _, c in pairs]) if pairs else np.zeros(0)
-    fig = Figure(figsize=(6, 4), dpi=100)
+    fig = Figure(figsize=(9, 5.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     if len(counts):
-        ax.loglog(np.arange(1, len(counts) + 1), counts, drawstyle="steps-post")
+        ax.loglog(np.arange(1, len(counts) + 1), counts, drawstyle="steps-post",
+                  label="released histogram (rank-frequency)")
+    iv = (release.get("accuracy") or {}).get("intervals") or {}
+    level = iv.get("level")
+    band = f"{100 * level:g}% interval" if level else "interval"
+    labels = iter([band, None])
+    for first, last, lo, hi in iv.get("rank_bands") or []:
+        # the events of ranks first..last lie in [lo, hi]: the curve there, scaled to both ends
+        seg = counts[first - 1:min(last, len(counts))].astype(float)
+        if len(seg) and seg.sum() > 0:
+            x = np.arange(first, first + len(seg) + 1)
+            scale = np.array([lo, hi]) / seg.sum()
+            ax.fill_between(x, np.append(seg, seg[-1]) * scale[0],
+                            np.append(seg, seg[-1]) * scale[1], step="post", color="C0",
+                            alpha=0.25, lw=0, label=next(labels, None))
+    tail = iv.get("phi_at_least") or []
+    if tail:  # the rank at which the count falls to c lies in phi_{>=c}'s interval
+        ax.fill_betweenx([row[0] for row in tail], [max(row[1], 1.0) for row in tail],
+                         [max(row[2], 1.0) for row in tail], step="post", color="C0",
+                         alpha=0.25, lw=0, label=next(labels, None))
     ax.set_xlabel("rank")
     ax.set_ylabel("count")
-    n_text = release["n"] if release["n"] is not None else release["n_in_histogram"]
-    ax.set_title(f"window {release['window']}: n={n_text}, eps={release['epsilon']:g}, "
-                 f"{release['model']}")
+    ax.set_title(f"window {release['window']}: {release['model']} release", fontsize="medium")
     ax.grid(True, which="both", alpha=0.3)
+    ax.text(0.02, 0.03, "\n".join(headline_lines(release)), transform=ax.transAxes,
+            ha="left", va="bottom", fontsize="small",
+            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9, "edgecolor": "0.6"})
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    return fig
 
 
 class ReleaseExists(FileExistsError):

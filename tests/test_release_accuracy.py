@@ -149,7 +149,8 @@ def test_accuracy_plan_line_is_verbatim():
     head, _, planned = line.partition("; expected error of a release: ")
     assert head == ("accuracy plan: 1,000,000 counters (D), eps 1, 2 noise layer(s) at release: "
                     "error floor ~3,564 items; with 40,000 events per window (the window's size) "
-                    "signal-to-noise 11.2; windows need >= 7,129 events to be above the noise")
+                    "events over the noise floor 11.2; windows need >= 7,129 events to be above "
+                    "the noise")
     # the releases' own expected errors, from simulated windows of the two reference shapes
     assert re.fullmatch(r"\+-[0-9.]+% distinct items, \+-[0-9.]+% entropy for a Zipf\(1\.1\) "
                         r"window( \(BELOW THE NOISE: could be off by 2x\))?; \+-[0-9.]+% distinct "

@@ -15,29 +15,52 @@ from ..state import NEIGHBOR_RELATIONS
 from .identity import choose_buckets_for
 from .settings import Config
 
-__all__ = ["accuracy_plan", "planned_errors", "warn_if_below_noise", "StartPlan"]
+__all__ = ["accuracy_plan", "planned_errors", "warn_if_below_noise", "below_noise_fix",
+           "StartPlan", "expected_release_seconds", "release_time_warning"]
 
 log = logging.getLogger("panagg.service")
 
 
 def warn_if_below_noise(release: dict) -> None:
     """One error line for a release whose signal is below its noise (the document says so too,
-    in ``signal_below_noise``): it may look normal and still be mostly noise."""
+    in ``signal_below_noise``): it may look normal and still be mostly noise.
+
+    The line names one figure signal-to-noise: the release's own ``accuracy.signal_to_noise``
+    (the distinct-items estimate over its expected error); the public events-over-the-noise-floor
+    figure is named as such. The fix it suggests is one the release's configuration does not
+    already have (hashed mode is not suggested to a hashed-mode release)."""
     acc = release.get("accuracy") or {}
-    if acc.get("signal_below_noise"):
-        # events over the Cramer-Rao floor (older releases: under signal_to_noise)
-        snr = acc.get("events_over_noise_floor", acc.get("signal_to_noise")) or 0.0
-        why = ("its distinct items could be off by 2x at the interval's level; "
-               if acc.get("distinct_could_be_off_2x") else "")
-        log.error("window %s: the release is below its noise floor (%sevents over the error "
-                  "floor %.2f, flagged below %g: "
-                  "%s events against an error floor of ~%s items); its statistics are mostly "
-                  "noise. Fix: more events per window (window.size), fewer counters "
-                  "(state.domain_size, or hashed mode), or a larger state.epsilon",
-                  release.get("window"), why, snr, SNR_MIN,
-                  release.get("n") if release.get("n") is not None
-                  else release.get("n_in_histogram"),
-                  f"{acc['noise_floor_items']:,.0f}" if acc.get("noise_floor_items") else "?")
+    if not acc.get("signal_below_noise"):
+        return
+    snr = acc.get("signal_to_noise")
+    # (events over the Cramer-Rao floor; older releases held it under signal_to_noise)
+    over = acc.get("events_over_noise_floor", snr if snr is not None else 0.0) or 0.0
+    why = ("its distinct items could be off by 2x at the interval's level"
+           if acc.get("distinct_could_be_off_2x") else
+           f"events over the noise floor below {SNR_MIN:g}")
+    n = release.get("n") if release.get("n") is not None else release.get("n_in_histogram")
+    floor = acc.get("noise_floor_items")
+    log.error("window %s: the release is below its noise floor (%s; signal-to-noise %s, events "
+              "over the noise floor %.2f: %s events against an error floor of ~%s items); its "
+              "statistics are mostly noise. Fix: %s",
+              release.get("window"), why, "?" if snr is None else f"{snr:.1f}", over,
+              "?" if n is None else f"{n:,}", f"{floor:,.0f}" if floor else "?",
+              below_noise_fix(release))
+
+
+def below_noise_fix(release: dict) -> str:
+    """What helps a release below its noise, for the mode it was made in: more events per
+    window, a larger eps, fewer counters; hashed mode only to a direct-mode release."""
+    domain = release.get("domain") or {}
+    if domain.get("mode") == "hashed":
+        size = domain.get("size")
+        fewer = (f"fewer buckets (state.buckets, {size:,} now) when items repeat"
+                 if isinstance(size, int) else "fewer buckets (state.buckets) when items repeat")
+        return ("more events per window (window.size, and state.expected_n with it), "
+                f"a larger state.epsilon, or {fewer}")
+    return ("more events per window (window.size), fewer counters "
+            '(state.domain_size, or hashed mode: state.mode = "hashed"), or a larger '
+            "state.epsilon")
 
 
 def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
@@ -57,8 +80,11 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     n_min = int(math.ceil(SNR_MIN * floor))
     line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st.epsilon:g}"
             f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
-            f"{n:,} events per window ({basis}) signal-to-noise {n / floor:.1f}; windows need >= "
-            f"{n_min:,} events to be above the noise")
+            f"{n:,} events per window ({basis}) events over the noise floor {n / floor:.1f}; "
+            f"windows need >= {n_min:,} events to be above the noise")
+    slow = release_time_warning(cfg)
+    if slow:
+        line += "; " + slow
     if simulate:
         line += _planned_errors(counters, p, layers, n, hashed)
     below = n / floor < SNR_MIN
@@ -70,6 +96,58 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
                  f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
         line += " or longer windows (window.size)"
     return line, below
+
+
+#: A release's time on this 2-core machine, linear in its counters (D, or B in hashed mode):
+#: :func:`aggregator.release.make_release` of one window (joint model, 2 layers, Zipf(1.1) items,
+#: n = min(D, 1e6) events), each size in a fresh process, the first (cold) run timed as a
+#: service's first release is: with the default estimator (auto) and 10 bootstrap repetitions
+#: 2.5 s at D = 1e4, 2.8 s at 1e5, 2.9 s at 1e6, 3.0 s at 3e6 (1.8 s warm) and 3.8 s at 1e7 (3.4
+#: s warm); hashed, B = 2e5 / 2e6: 4.0 / 3.3 s. Fit, rounded up: 3 s + 2.5e-7 s per counter.
+#: With a fast estimator (threshold, deconvolution) and no bootstrap (error_bar_reps = 0):
+#: 0.01 s at 1e4, 0.35-0.46 s at 3e6, 1.4-1.5 s at 1e7: 0.05 s + 1.5e-7 s per counter.
+#: Measured on an idle machine: under load (other processes, several aggregations sharing
+#: release.workers) a hashed release of a 60 s window took 36-72 s (issue 51), where this says
+#: ~3 s; so the estimate is a lower bound, and a window near it is already short.
+RELEASE_SECONDS = {"default": (3.0, 2.5e-7), "fast": (0.05, 1.5e-7)}
+FAST_ESTIMATORS = ("threshold", "deconvolution")
+
+
+def _fast_release(cfg: Config) -> tuple[bool, bool]:
+    """(the estimator is a fast one, the bootstrap is off) for this configuration."""
+    return (cfg.release.estimator in FAST_ESTIMATORS, int(cfg.release.error_bar_reps) == 0)
+
+
+def expected_release_seconds(cfg: Config) -> float:
+    """About how long one release of this configuration takes on an idle 2-core machine
+    (:data:`RELEASE_SECONDS`: a line in the counters, measured): the fast line when the
+    estimator is fast and the bootstrap off, else the default's."""
+    counters = _plan_inputs(cfg)[0]
+    base, per_counter = RELEASE_SECONDS["fast" if all(_fast_release(cfg)) else "default"]
+    return base + per_counter * counters
+
+
+def release_time_warning(cfg: Config) -> str | None:
+    """For time windows (``time``, ``event_time``) shorter than a release is expected to take
+    (:func:`expected_release_seconds`): a clause saying so and naming the settings that fix it
+    (the ones not already set); None otherwise (count windows: their length in seconds is not
+    known before the data)."""
+    if cfg.window.kind == "count":
+        return None
+    seconds = expected_release_seconds(cfg)
+    if seconds <= float(cfg.window.size):
+        return None
+    counters, hashed = _plan_inputs(cfg)[0], cfg.state.mode == "hashed"
+    fixes = [f"longer windows (window.size >= {math.ceil(seconds):,} s)"]
+    fast_estimator, no_bootstrap = _fast_release(cfg)
+    if not fast_estimator:
+        fixes.append('a faster estimator (release.estimator = "deconvolution")')
+    if not no_bootstrap:
+        fixes.append("no bootstrap intervals (release.error_bar_reps = 0)")
+    return (f"RELEASE SLOWER THAN THE WINDOW: a release of {counters:,} counters "
+            f"({'B' if hashed else 'D'}) is expected to take ~{seconds:.1f} s (more under load)"
+            f" and a window lasts {cfg.window.size:,} s, so releases would fall behind the "
+            f"windows; fix: {' or '.join(fixes)}")
 
 
 def _plan_inputs(cfg: Config) -> tuple[int, float, int, int, bool]:
@@ -135,7 +213,7 @@ class StartPlan:
         if not simulate:  # no simulated releases at this start
             line += ("; expected errors not simulated (release.plan_errors = false; "
                      "panagg plan gives them)")
-        (log.warning if below else log.info)("%s", line)
+        (log.warning if below or release_time_warning(self.cfg) else log.info)("%s", line)
         if not simulate:
             return
         self._cancel.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
 import sys
 import time
 
@@ -34,6 +35,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -557,6 +568,8 @@ def cmd_shuffle_recover(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """``panagg demo``: synthetic logins through the service's pipeline, then each release beside
+    the truth of its window (the generator's data is known here: recomputed from its seed)."""
     import tempfile
 
     windows = args.windows
@@ -568,31 +581,66 @@ def cmd_demo(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if list(output.glob("release-*.json")):  # an earlier run's releases: never overwrite them
         output = output / time.strftime("run-%Y%m%dT%H%M%SZ", time.gmtime())
+    # the synthetic data's seed (not privacy noise): the truth below is regenerated from it
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**63)
     print(f"panagg demo: {args.events:,} synthetic logins over {args.accounts:,} accounts "
-          f"(Zipf {args.zipf}), eps={args.epsilon}, model={args.model}, {windows} window(s)")
+          f"(Zipf {args.zipf}, data seed {seed}), eps={args.epsilon}, model={args.model}, "
+          f"{windows} window(s)")
     with tempfile.TemporaryDirectory(prefix="panagg-demo-") as state_dir:
         cfg = _load(args, [
             "source.kind=generator", f"source.generator_events={per_window * windows}",
-            f"source.generator_zipf={args.zipf}", f"state.domain_size={args.accounts}",
+            f"source.generator_zipf={args.zipf}", f"source.generator_seed={seed}",
+            f"state.domain_size={args.accounts}",
             f"state.epsilon={args.epsilon}", f"state.model={args.model}",
             "window.kind=count", f"window.size={per_window}", f"checkpoint.dir={state_dir}",
             f"release.dir={output}", "metrics.port=-1"])
         _setup_logging()
         _run_service(cfg)
-    for path in sorted(output.glob("release-*.json")):
-        rel = json.loads(path.read_text())
-        p = rel["properties"]
-        iv = (rel.get("accuracy") or {}).get("intervals")
-        d_iv = e_iv = ""
-        if iv:
-            lvl = f"{iv['level']:.0%}"
-            d_iv = (f" ({lvl} interval {iv['distinct_items'][0]:,.0f}-"
-                    f"{iv['distinct_items'][1]:,.0f})")
-            e_iv = f" ({iv['entropy_nats'][0]:.3f}-{iv['entropy_nats'][1]:.3f})"
-        flag = ", BELOW THE NOISE" if rel.get("signal_below_noise") else ""
-        print(f"window {rel['window']}: n={rel['n']:,} released {p['distinct_items']:,} items"
-              f"{d_iv}, entropy {p['entropy_nats']:.3f} nats{e_iv}{flag} -> {path}")
+    releases = sorted(((json.loads(path.read_text()), path)
+                       for path in output.glob("release-*.json")), key=lambda r: r[0]["window"])
+    truth = demo_truth(cfg, [rel["window_info"]["events"] for rel, _ in releases])
+    for (rel, path), (true_distinct, true_entropy) in zip(releases, truth):
+        print(demo_line(rel, true_distinct, true_entropy, path))
     return 0
+
+
+def demo_truth(cfg: Config, events: list[int]) -> list[tuple[int, float]]:
+    """(distinct items, plug-in entropy in nats) of each window of the demo's generator, in
+    order: windows of ``events[k]`` events each, one after the other from the first event (the
+    generator source's offsets, as the count windows cut them), regenerated from the seed."""
+    from consumers.generator import ZipfLogins
+
+    from ..properties import entropy
+    src = cfg.source
+    gen = ZipfLogins(events=src.generator_events, accounts=cfg.state.domain_size,
+                     s=src.generator_zipf, batch=src.max_records, seed=src.generator_seed)
+    ids = np.concatenate(list(gen.iter_batches())) if src.generator_events else np.zeros(0, int)
+    out, start = [], 0
+    for k in events:
+        counts = np.bincount(ids[start:start + k], minlength=1)
+        counts = np.sort(counts[counts > 0])[::-1]
+        out.append((int(len(counts)), float(entropy(counts))))
+        start += k
+    return out
+
+
+def demo_line(rel: dict, true_distinct: int, true_entropy: float, path) -> str:
+    """One window of ``panagg demo``: the released headline figures with their intervals, each
+    beside its truth, e.g. "distinct items 63,080 (59,721-67,156); true 61,912"."""
+    head = rel["headline"]
+
+    def one(key: str, fmt: str, unit: str = "") -> str:
+        s = head[key]
+        iv = (f" ({format(s['interval'][0], fmt)}-{format(s['interval'][1], fmt)})"
+              if s["interval"] else "")
+        return f"{format(s['value'], fmt)}{unit}{iv}"
+
+    level = head.get("interval_level")
+    lvl = f", {level:.0%} intervals" if level else ""
+    flag = "; BELOW THE NOISE" if head.get("signal_below_noise") else ""
+    return (f"window {rel['window']} (n={rel['n']:,}{lvl}): distinct items "
+            f"{one('distinct_items', ',.0f')}; true {true_distinct:,}. entropy "
+            f"{one('entropy_nats', '.3f', ' nats')}; true {true_entropy:.3f}{flag} -> {path}")
 
 
 def _control(cfg: Config, kind: str, timeout_s: float = 120.0) -> dict:
@@ -1151,6 +1199,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=("joint", "state-only"), default="joint")
     demo.add_argument("--windows", type=_positive_int, default=1, help="tumbling windows")
     demo.add_argument("--output", default="out/releases", help="directory for release files")
+    demo.add_argument("--seed", type=_non_negative_int, default=None,
+                      help="the synthetic data's seed (default: fresh; printed either way)")
     demo.set_defaults(func=cmd_demo)
 
     run = sub.add_parser("run", help="run the service (config TOML + PANAGG_* env + flags)")
