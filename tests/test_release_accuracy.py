@@ -263,3 +263,40 @@ def test_a_service_logs_its_plans_expected_errors_unless_told_not_to(tmp_path, p
         assert len(plan) == 1 and plan[0].endswith(
             "; expected errors not simulated (release.plan_errors = false; panagg plan gives "
             "them)"), text[-3000:]
+
+
+@pytest.mark.plan_thread
+def test_the_start_plan_waits_for_the_loop_to_catch_up(monkeypatch, caplog):
+    """The simulated plan (seconds of CPU and the GIL) waits until the loop first finds nothing
+    to read, so a start on a backlog counts at full speed; at most PLAN_DEFER_S."""
+    import logging
+
+    import aggregator.service.accuracy_plan as accuracy_plan
+    from aggregator.service.config import load_config
+
+    calls = []
+    monkeypatch.setattr(accuracy_plan, "planned_errors",
+                        lambda cfg, cancel=None: calls.append(time.monotonic()) or "plan done")
+    monkeypatch.setattr(accuracy_plan, "PLAN_DEFER_S", 60.0)
+    cfg = load_config(None, ["state.domain_size=500", "release.plan_errors=true"], env={})
+    plan = accuracy_plan.StartPlan(cfg)
+    with caplog.at_level(logging.INFO, logger="panagg.service"):
+        plan.start()
+        time.sleep(1.5)
+        assert calls == []            # the loop has not been idle: no simulation yet
+        t_idle = time.monotonic()
+        plan.idle()
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        plan.close()
+    assert calls and calls[0] >= t_idle
+    monkeypatch.setattr(accuracy_plan, "PLAN_DEFER_S", 0.5)   # never idle: runs anyway
+    calls.clear()
+    plan = accuracy_plan.StartPlan(cfg)
+    plan.start()
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    plan.close()
+    assert calls

@@ -779,6 +779,7 @@ class Aggregator:
         """After a poll's records are counted (``polled``: whether there were any): time
         windows, snapshots, control requests, publishing, lag, health."""
         if not polled:
+            self.plan.idle()   # caught up: the start's simulated plan may take its CPU now
             self._caught_up(self.task)
         self._maybe_close_time_window(self.task)
         if self.cfg.window.kind == "event_time":

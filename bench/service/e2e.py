@@ -217,11 +217,15 @@ def service_config(events: int, state_dir: Path, extra=()) -> dict:
                               "release.on_exhausted=false", *extra], env={})
 
 
+#: extra ``--set`` pairs of every service run (``--no-plan``: release.plan_errors=false)
+SERVICE_SETS: list[str] = []
+
+
 def service_run(make_source, events: int, tmp: Path, profile: str | None = None
                 ) -> tuple[float, float]:
     """Seconds (wall, CPU of the process) for the service to count ``events`` records."""
     state_dir = tmp / f"svc-{uuid.uuid4().hex[:8]}"
-    cfg = service_config(events, state_dir)
+    cfg = service_config(events, state_dir, SERVICE_SETS)
     ref: list = [None]
     wrapped = TimedSource(make_source(cfg), lambda _: ref[0].task.window["events"] >= events,
                           lambda: ref[0].stop_event.set())
@@ -331,6 +335,9 @@ def main(argv=None) -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kafka-only", action="store_true", help="skip the file and checkpoint rows")
+    ap.add_argument("--no-plan", action="store_true",
+                    help="release.plan_errors = false: leave out the start's simulated accuracy "
+                         "plan (a one-time CPU cost that overlaps the first seconds of intake)")
     ap.add_argument("--clients", default="kafka-python,confluent",
                     help="comma-separated Kafka clients to measure (kafka-python, confluent)")
     ap.add_argument("--no-crc32c", action="store_true",
@@ -342,6 +349,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.events, args.reps, args.no_write = 2000, 1, True
+    if args.no_plan:
+        SERVICE_SETS.append("release.plan_errors=false")
     m = machine()
     cmd = "python -m bench.service.e2e " + " ".join(sys.argv[1:])
     lines = [f"Command: `{cmd}` ({m['when']}; {m['cpus']} CPUs, {m['cpu']}; {m['versions']}; "
