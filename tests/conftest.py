@@ -107,6 +107,22 @@ def _no_plan_simulation_in_services():
         os.environ.pop("PANAGG_RELEASE_PLAN_ERRORS", None)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_shared_budget_registry_in_services():
+    """Every service a test starts as a subprocess (with this environment) runs without the
+    cluster's budget registry (ledger.registry_topic = ""): the suite shares one broker, and
+    many tests run a second deployment over the same records on purpose (a control, a
+    comparison of two clients, a fresh start), which the default registry would refuse, as it
+    should in production. The registry is tested where it is the subject, with its own topic
+    (tests/integration/test_registry_kafka.py, test_group_views.py), and the default is tested
+    there with this variable removed."""
+    had = os.environ.get("PANAGG_LEDGER_REGISTRY_TOPIC")
+    os.environ.setdefault("PANAGG_LEDGER_REGISTRY_TOPIC", "")
+    yield
+    if had is None:
+        os.environ.pop("PANAGG_LEDGER_REGISTRY_TOPIC", None)
+
+
 @pytest.fixture(autouse=True)
 def _no_plan_simulation_in_process(request, monkeypatch):
     """An Aggregator started inside the test process computes no simulated expected errors in

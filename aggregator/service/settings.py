@@ -708,17 +708,17 @@ class LedgerSettings(Section):
 
 
     registry_topic: str = setting(
-        "",
-        brief="Kafka sources: the cluster's budget registry topic, e.g. panagg.budget (\"\": "
-              "none)",
+        "panagg.budget",
+        brief="Kafka sources: the cluster's budget registry topic (\"\": none)",
         doc="Kafka sources: a compacted topic on the source's cluster where every panagg "
             "deployment records the source positions it charged, and which each reads before "
             "a release, so a second state directory, a new `source.group`, a restored directory "
             "or a second group over the same records stays within `ledger.budget_per_event` or "
             "is refused in one line naming the other deployment (docs/privacy.md section 22). "
-            "Created at the first start if missing. Off by default for now (`\"\"`: charges "
-            "across deployments are not checked); set it to the same name, e.g. `panagg.budget`, "
-            "in every deployment on a cluster")
+            "Created at the first start if missing (a start waits up to "
+            "`source.connect_timeout_s` for the cluster, as for the source). Keep the same name "
+            "in every deployment on a cluster; `\"\"` turns it off (charges across deployments "
+            "are then not checked)")
 
 
 @dataclass(frozen=True, eq=False)

@@ -70,7 +70,9 @@ def one_run(bootstrap: str, topic: str, events: int, tmp: Path, kind: str) -> tu
     state = tmp / f"run-{uuid.uuid4().hex[:8]}"
     sets = [f"checkpoint.dir={state}", f"release.dir={state}/rel", "metrics.port=-1",
             "source.format=json", f"window.size={10 * events}", "release.on_exhausted=false",
-            f"source.bootstrap={bootstrap}", f"source.topic={topic}"]
+            f"source.bootstrap={bootstrap}", f"source.topic={topic}",
+            # repetitions over one topic on purpose: the budget registry would refuse the second
+            "ledger.registry_topic="]
     if aggregations == 1:
         sets += THREE["account"]
     else:

@@ -146,3 +146,27 @@ def test_the_registry_waits_for_a_cluster_that_comes_back(restartable_broker, ca
         restartable_broker.start()
     assert "\n" not in msg and "could not be reached within 4 s" in msg
     assert time.monotonic() - t0 >= 4.0
+
+
+def test_the_registry_is_on_by_default(kafka_broker, tmp_path):
+    """Without ledger.registry_topic set anywhere, a Kafka deployment records its charges in
+    panagg.budget, and a second deployment over the same records is refused."""
+    import os
+    import subprocess
+    import sys
+
+    def run(args):
+        env = {k: v for k, v in os.environ.items() if k != "PANAGG_LEDGER_REGISTRY_TOPIC"}
+        return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
+                              capture_output=True, text=True, timeout=240,
+                              env=dict(env, PANAGG_TESTING="1"))
+
+    topic = make_topic(kafka_broker, partitions=1)
+    _produce(kafka_broker, topic, 2000, 3)
+    a, b = tmp_path / "a", tmp_path / "b"
+    first = run(_args(kafka_broker, topic, a))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(_with(_args(kafka_broker, topic, b), source__group=f"other-{topic}"))
+    assert "the budget registry panagg.budget" in second.stderr, second.stderr[-3000:]
+    assert _charges(a / "state", f"{topic}:0", 2000).max() > 0.0
+    assert _charges(b / "state", f"{topic}:0", 2000).max() == 0.0
