@@ -231,6 +231,20 @@ class Release:
                 f"signal_below_noise={self.signal_below_noise})")
 
 
+def _not_yet(cfg: Any) -> str | None:
+    """What the API does not drive (one phrase), or None."""
+    if cfg.window.kind == "event_time":
+        return ("windows by record timestamps (window.kind = event_time, or time windows of "
+                "a Kafka source with window.clock = auto): set window.clock = process")
+    if cfg.aggregations:
+        return "several aggregations of one stream ([aggregations.NAME])"
+    if cfg.scale.partitioned:
+        return "a scale-out group (scale.partitioned)"
+    if cfg.state.model == "shuffle":
+        return "the shuffle model's analyzer (state.model = shuffle)"
+    return None
+
+
 class ReleaseRefused(RuntimeError):
     """The ledger refused a window's release (the budget is spent); the refusal is in the
     ledger, the window's counters are gone and nothing about it is released."""
@@ -262,20 +276,39 @@ class Aggregation:
         from .service.settings import Config
 
         cfg = Config.from_mapping(config).updated({"release": {"workers": 0}})
+        why = _not_yet(cfg)
+        if why:
+            from .service.config import ConfigError
+            raise ConfigError(f"aggregator.api does not run {why} yet; use panagg run for it")
 
         class FedSource(Source):
-            """The caller's records: nothing to poll; :meth:`seek` says where to resume."""
+            """The caller's records: nothing to poll. :meth:`seek` says where to resume; a
+            partition the service holds (a replay that reached its end in one partition before
+            the others: :meth:`Aggregator._hold`) keeps its later records back until the
+            window closes (:meth:`Aggregation._turn`)."""
 
             def __init__(self) -> None:
-                self.resume: dict[str, int] = {}
+                self.resumed_at: dict[str, int] = {}
+                self.held: set[str] = set()
 
             def seek(self, offsets: dict[str, int]) -> None:
-                self.resume = {str(p): int(o) for p, o in offsets.items()}
+                self.resumed_at = {str(p): int(o) for p, o in offsets.items()}
 
             def poll(self, timeout_s: float = 1.0) -> list:
                 return []
 
+            def seek_partition(self, partition: str, offset: int) -> None:
+                pass  # the records from ``offset`` on are kept back: Aggregation._turn
+
+            def pause(self, partitions: list[str]) -> None:
+                self.held.update(partitions)
+
+            def resume(self, partitions: list[str]) -> None:
+                self.held.difference_update(partitions)
+
         self._source = FedSource()
+        #: records of held partitions not counted yet, fed once the hold ends
+        self._backlog: dict[str, list] = {}
         self._agg = Aggregator(cfg, self._source, fresh_start=fresh_start,
                                accept_change=accept_change)
         self._open = False
@@ -313,7 +346,7 @@ class Aggregation:
         """Where this start resumed: per partition, the offset of the first record not in the
         last checkpoint's totals (the open window's start). Feed from there after a restart;
         records below are skipped either way."""
-        return dict(self._source.resume)
+        return dict(self._source.resumed_at)
 
     def position(self, partition: str = DEFAULT_PARTITION) -> int:
         """The next offset ``partition`` expects (0 for one never fed)."""
@@ -433,8 +466,37 @@ class Aggregation:
 
     # -- the loop ------------------------------------------------------------------------------
     def _turn(self, segments: list) -> list[Release]:
-        self._agg.turn(segments)
+        agg, src = self._agg, self._source
+        queue: list = list(segments) or [None]  # (None: a turn without records)
+        while queue:
+            seg = queue.pop(0)
+            if seg is not None and seg.partition in src.held:
+                self._backlog.setdefault(seg.partition, []).append(seg)
+                continue
+            agg.turn([] if seg is None else [seg])
+            if seg is not None and seg.partition in src.held:
+                rest = self._rest(seg)  # what the hold left of it waits for the hold's end
+                if rest is not None:
+                    self._backlog.setdefault(seg.partition, []).append(rest)
+            for p in [p for p in self._backlog if p not in src.held]:
+                queue += self._backlog.pop(p)
         return self._new_releases()
+
+    def _rest(self, seg: Any) -> Any:
+        """The records of ``seg`` the aggregator did not take in (its partition held), or None."""
+        from consumers.base import Segment
+
+        pos = self.position(seg.partition)
+        offs = list(seg.offsets)
+        i = next((k for k, o in enumerate(offs) if o >= pos), len(offs))
+        if i == len(offs):
+            return None
+
+        def cut(seq: Any) -> Any:
+            return None if seq is None else list(seq)[i:]
+
+        return Segment(seg.partition, offs[i:], seg.values[i:], keys=cut(seg.keys),
+                       headers=cut(seg.headers), timestamps=cut(seg.timestamps))
 
     def _new_releases(self) -> list[Release]:
         entries = self._agg.ledger.entries

@@ -170,3 +170,82 @@ def test_read_refuses_what_is_not_a_release(tmp_path):
     path.write_text(json.dumps({"format": "something"}))
     with pytest.raises(ValueError, match="not a panagg release"):
         Release.read(path)
+
+
+def crash_at_the_checkpoint_after_a_release(agg, feed):
+    """``feed()`` closes a window: the ledger gets its release, the process dies before the
+    checkpoint that starts the next window."""
+    from aggregator.service import process
+
+    def crash(self, task, **kw):
+        raise RuntimeError("killed before the checkpoint")
+
+    original = process.Aggregator.commit
+    process.Aggregator.commit = crash
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            feed()
+    finally:
+        process.Aggregator.commit = original
+    agg._agg.close()  # (the process is gone: its lock with it)
+
+
+def test_a_window_ledgered_before_a_crash_is_not_counted_again(tmp_path):
+    xs = items(1400, seed=6)
+    a = [msgpack.packb({"item": i}) for i in xs[:700]]
+    b = [msgpack.packb({"item": i}) for i in xs[700:]]
+    agg = Aggregation(cfg_for(tmp_path))
+    agg.feed_records(a[:600], partition="A")
+    agg.feed_records(b[:300], partition="B")
+    crash_at_the_checkpoint_after_a_release(
+        agg, lambda: agg.feed_records(b[300:500], partition="B", offsets=range(300, 500)))
+    with Aggregation(cfg_for(tmp_path)) as agg:
+        # the ledgered window is passed: the next starts at its ledgered end
+        assert agg.window == 1 and agg.resume_offsets == {"A": 600, "B": 400}
+        assert agg.feed_records(a, partition="A", offsets=range(700)) == []
+        assert agg.feed_records(b, partition="B", offsets=range(700)) == []
+        rel = agg.release()
+    assert rel.window == 1 and rel.n == 400
+    same_figures(rel.document, expected_document(xs[600:700] + xs[1100:], 1))
+    assert [r.window for r in Release.from_ledger(tmp_path / "state" / "ledger.jsonl")] == [0, 1]
+
+
+def test_a_replay_held_in_one_partition_keeps_its_later_records(tmp_path, monkeypatch):
+    """The same crash, restarted as a state directory that replays the ledgered window to its
+    ledgered end in each partition (a checkpoint listing windows released beside the loop by
+    a service with release.workers > 0 does so: forced here). Partition A reaches its end
+    first and is held there; its later records are window 1's, counted once window 0 closes
+    (not dropped)."""
+    from aggregator.service import process
+
+    xs = items(1400, seed=6)
+    a = [msgpack.packb({"item": i}) for i in xs[:700]]
+    b = [msgpack.packb({"item": i}) for i in xs[700:]]
+    agg = Aggregation(cfg_for(tmp_path))
+    agg.feed_records(a[:600], partition="A")
+    agg.feed_records(b[:300], partition="B")
+    crash_at_the_checkpoint_after_a_release(
+        agg, lambda: agg.feed_records(b[300:500], partition="B", offsets=range(300, 500)))
+    monkeypatch.setattr(process.Aggregator, "_skip_decided_window", lambda self, task: False)
+    with Aggregation(cfg_for(tmp_path)) as agg:
+        assert agg.window == 0 and agg.resume_offsets == {}
+        assert agg.feed_records(a, partition="A") == []        # held at 600: 100 kept back
+        assert agg.position("A") == 600
+        assert agg.feed_records(b, partition="B") == []         # window 0: from the ledger
+        assert agg.position("A") == 700 and agg.window == 1
+        rel = agg.release()
+    assert rel.window == 1 and rel.n == 400
+    same_figures(rel.document, expected_document(xs[600:700] + xs[1100:], 1))
+
+
+def test_time_windows_by_this_process_clock_and_what_is_not_driven_yet(tmp_path):
+    with pytest.raises(ConfigError, match="window.clock = process"):
+        Aggregation(cfg_for(tmp_path, **{"window.kind": "time", "window.size": 60}))
+    cfg = cfg_for(tmp_path, **{"window.kind": "time", "window.size": 1,
+                               "window.clock": "process"})
+    with Aggregation(cfg) as agg:
+        assert agg.feed(items(300)) == []
+        import time
+        time.sleep(1.1)
+        made = agg.tick()
+    assert [r.window for r in made] == [0] and made[0].n == 300
