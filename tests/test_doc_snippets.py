@@ -72,3 +72,13 @@ def test_python_block_runs(page, line, text, skip, tmp_path):
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, f"{page.name}:{line} failed:\n{res.stderr[-3000:]}"
+
+
+def test_the_api_page_runs_and_the_readme_points_to_it():
+    """Issue 54: the Python API's page has snippets this suite runs, and the README's library
+    section shows the API and links the page."""
+    api = [p for p in CASES if p.id.startswith("docs/api.md:")]
+    assert sum(1 for p in api if p.values[3] is None) >= 3
+    readme = (ROOT / "README.md").read_text()
+    library = readme.split("## Library", 1)[1].split("\n## ", 1)[0]
+    assert "docs/api.md" in library and "from aggregator.api import" in library

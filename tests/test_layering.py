@@ -19,6 +19,9 @@ layers now (each imports only those above it in this list):
     anonymize                                  the release's histogram, direct or hashed
     intervals                                  error bars
     release, ...                               the release document
+    api                                        the public Python API (issue 54): it drives the
+                                               service (aggregator.service) and nothing of the
+                                               package, the service included, imports it
 
 ``estimate`` is no layer: it lists the core's names for code outside the package, and no module
 of the package imports it.
@@ -110,3 +113,23 @@ def test_the_cycle_finder_sees_a_lazy_import_cycle():
     found = cycle(g)
     assert found is not None and found[0] == found[-1] and "em" in found
     assert _imports(PKG / "selection.py") >= {"em", "counter_model"}
+
+
+def test_the_public_api_is_the_top_layer():
+    """aggregator/api.py sits on the service (aggregator.service imports the core): no module
+    of the package or of the service imports it back, at any depth."""
+    users = [str(p.relative_to(PKG)) for p in sorted(PKG.rglob("*.py"))
+             if p.stem != "api" and "api" in _imports(p) | _service_imports(p)]
+    assert not users, f"modules importing aggregator.api: {users}"
+
+
+def _service_imports(path: Path) -> set[str]:
+    """``api`` if a module of aggregator.service imports it (``from ..api import``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level >= 2 and \
+                (node.module or "").split(".")[0] == "api":
+            return {"api"}
+        if isinstance(node, ast.ImportFrom) and node.level >= 2 and not node.module and \
+                any(a.name == "api" for a in node.names):
+            return {"api"}
+    return set()
