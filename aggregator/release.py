@@ -435,6 +435,35 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
     return {"headline": headline(release), **release}
 
 
+def _utc(unix) -> str | None:
+    if unix is None:
+        return None
+    import datetime as _dt
+    when = _dt.datetime.fromtimestamp(float(unix), _dt.timezone.utc)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def stamp_window(release: dict) -> dict:
+    """Set ``window_start`` and ``window_end`` (ISO 8601 UTC) from ``release["window_info"]``.
+
+    Window ids are numbered per mode (one process counts 0, 1, 2 from its first window; a
+    scale-out group numbers time windows by the epoch, ``start // window.size``), so ids alone
+    do not order releases from different deployments. These two fields do, in every mode: the
+    records' time for event-time windows, else the clock that opened and closed the window (a
+    group's epoch-aligned bounds). Post-processing of public fields only (no privacy cost).
+    Returns ``release``; a document without ``window_info`` (the central CLI) is left as is."""
+    info = release.get("window_info")
+    if not info:
+        return release
+    if info.get("event_start_unix") is not None:
+        start, end = info.get("event_start_unix"), info.get("event_end_unix")
+    else:
+        start, end = info.get("started_unix"), info.get("ended_unix")
+    release["window_start"] = _utc(start)
+    release["window_end"] = _utc(end)
+    return release
+
+
 PRIVACY_UNIT = "event"
 PRIVACY_UNIT_CONSEQUENCE = "a source that contributes g events is protected at g x eps"
 

@@ -63,15 +63,22 @@ def load_key(key_file: str | None = None) -> bytes:
 def check_configured_key(key_file: str | None = None) -> None:
     """At a service's start: a configured key must be usable (:func:`load_key`), so that a
     mistyped key stops the start instead of the first export, perhaps months later. No key at
-    all (``PANAGG_AUDIT_KEY`` unset or empty, no ``audit.key_file``) is allowed: exports are
-    then refused. Raises :class:`AuditKeyError` with one line naming the fix; never the key."""
-    from_env = bool(os.environ.get("PANAGG_AUDIT_KEY"))
+    all (``PANAGG_AUDIT_KEY`` unset, no ``audit.key_file``) is allowed: exports are
+    then refused. ``PANAGG_AUDIT_KEY`` set to an empty (or blank) string is refused too: it
+    is what a missing secret or an unset shell variable expands to, so it says "a key was
+    meant here". Raises :class:`AuditKeyError` with one line naming the fix; never the key."""
+    raw = os.environ.get("PANAGG_AUDIT_KEY")
+    if raw is not None and not raw.strip():
+        raise AuditKeyError("PANAGG_AUDIT_KEY is set but empty: set it to 64 hex digits (e.g. "
+                            "from `openssl rand -hex 32`), or unset it to run with audit "
+                            "exports refused")
+    from_env = bool(raw)
     if not from_env and not key_file:
         return
     try:
         load_key(key_file)
     except AuditKeyError as exc:
-        instead = ("leave PANAGG_AUDIT_KEY empty" if from_env else "unset audit.key_file")
+        instead = ("unset PANAGG_AUDIT_KEY" if from_env else "unset audit.key_file")
         raise AuditKeyError(f"{exc}; or {instead} to run with audit exports refused") from None
 
 

@@ -162,8 +162,9 @@ def test_bind_mounts_and_build_context_exist(compose):
 
 
 def test_compose_has_no_default_credentials(compose_raw, compose):
-    """Issue 54: Grafana's admin password has no default (compose stops, saying so, while
-    GRAFANA_ADMIN_PASSWORD is unset), and no other password has one either."""
+    """Issue 54: Grafana's admin password and the audit key have no default (compose stops,
+    saying so, while GRAFANA_ADMIN_PASSWORD or PANAGG_AUDIT_KEY is unset), and no other
+    password, secret or key has one either."""
     grafana = compose_raw["services"]["grafana"]["environment"]
     password = grafana["GF_SECURITY_ADMIN_PASSWORD"]
     m = _VAR.fullmatch(password)
@@ -172,10 +173,18 @@ def test_compose_has_no_default_credentials(compose_raw, compose):
     assert _env(compose["services"]["grafana"])["GF_SECURITY_ADMIN_PASSWORD"] == REQUIRED
     for name, svc in compose["services"].items():
         for key, value in _env(svc).items():
-            if re.search(r"PASSWORD|SECRET|TOKEN", key) and not key.endswith(("_FILE", "_ENV")):
+            if (re.search(r"PASSWORD|SECRET|TOKEN|(?<!PUBLIC)_KEY$", key)
+                    and not key.endswith(("_FILE", "_ENV"))):
                 assert value == REQUIRED, f"{name}: {key} has a default value"
+    # the audit key too: an empty one was the default, and the aggregators refuse an empty key
+    for name in AGGREGATORS:
+        raw = compose_raw["services"][name]["environment"]["PANAGG_AUDIT_KEY"]
+        m = _VAR.fullmatch(raw)
+        assert m and m.group(1) == "PANAGG_AUDIT_KEY" and m.group(2) == "?", raw
+        assert "openssl rand -hex 32" in m.group(3) and "docs/deploy.md" in m.group(3)
     header = COMPOSE.read_text().split("\nname:")[0]
     assert "GRAFANA_ADMIN_PASSWORD=" in header and "openssl rand" in header
+    assert 'PANAGG_AUDIT_KEY=$(openssl rand -hex 32)' in header
 
 
 def test_kafka_is_single_node_kraft_with_healthcheck(compose):

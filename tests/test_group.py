@@ -683,3 +683,31 @@ def test_the_leader_shows_the_budget_and_keys_release_topic_as_one_process():
     lead.aggregation, lead.pending = "ip", {3: {0: {}}}
     assert Leader._transact(lead, 3, {0: {}}, entry={"kind": "release"}, document="{}")
     assert ("panagg-releases", b"ip/3") in sent and ("g.panagg.releases", b"3") in sent
+
+
+def test_history_of_a_members_scratch_directory_points_at_the_group(tmp_path):
+    """Issue 54: a member's directory holds no ledger (the group's is in Kafka): `panagg history`
+    on it names the command that reads the group's releases, in one line."""
+    import json
+    import subprocess
+    import sys
+
+    from consumers.kafka_security import redacted
+
+    cfg = load_config(None, ["source.kind=kafka", "source.bootstrap=broker:9092",
+                             "source.topic=logins", "source.group=panagg",
+                             "scale.partitioned=true", "scale.store=kafka", "window.kind=time"])
+    (tmp_path / "config.json").write_text(json.dumps(redacted(cfg)))
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "history",
+                          "--state-dir", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"panagg: error: {tmp_path} is the scratch directory of a member of group 'panagg', "
+        "whose ledger is in Kafka: run panagg history --group panagg --bootstrap broker:9092")
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "history"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        "panagg: error: give --state-dir (one process) or --group with --bootstrap (a group "
+        "with scale.store = kafka)")

@@ -394,8 +394,8 @@ def test_an_invalid_audit_key_refuses_the_start_and_writes_nothing(tmp_path, key
     path = events(tmp_path / "in.bin", 250)
     res = panagg(*run_args(tmp_path, path), env={"PANAGG_AUDIT_KEY": key})
     assert res.returncode == 2
-    assert last_line(res) == (f"panagg: error: audit key in PANAGG_AUDIT_KEY {said}; or leave "
-                              "PANAGG_AUDIT_KEY empty to run with audit exports refused")
+    assert last_line(res) == (f"panagg: error: audit key in PANAGG_AUDIT_KEY {said}; or unset "
+                              "PANAGG_AUDIT_KEY to run with audit exports refused")
     assert key not in res.stderr and key not in res.stdout   # never the key itself
     assert "stopped (" not in res.stderr
     assert not (tmp_path / "state").exists() and not (tmp_path / "releases").exists()
@@ -426,15 +426,34 @@ def test_an_unusable_audit_key_file_refuses_the_start(tmp_path):
         "directory; or unset audit.key_file to run with audit exports refused")
 
 
-def test_an_empty_audit_key_runs_with_exports_refused(tmp_path):
-    """Empty is the documented "no key" (docker-compose's default): the service runs, and an
-    export is refused saying where the key goes."""
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_audit_key_refuses_the_start_and_writes_nothing(tmp_path, key):
+    """PANAGG_AUDIT_KEY set to an empty string is what a missing secret or an unset shell
+    variable expands to (compose's old ``${PANAGG_AUDIT_KEY:-}``): a key was meant, so the start
+    stops saying how to give one, or how to run without."""
     path = events(tmp_path / "in.bin", 250)
-    res = panagg(*run_args(tmp_path, path), env={"PANAGG_AUDIT_KEY": ""})
+    res = panagg(*run_args(tmp_path, path), env={"PANAGG_AUDIT_KEY": key})
+    assert res.returncode == 2
+    assert last_line(res) == ("panagg: error: PANAGG_AUDIT_KEY is set but empty: set it to 64 "
+                              "hex digits (e.g. from `openssl rand -hex 32`), or unset it to run "
+                              "with audit exports refused")
+    assert "stopped (" not in res.stderr
+    assert not (tmp_path / "state").exists() and not (tmp_path / "releases").exists()
+
+
+def test_no_audit_key_runs_with_exports_refused(tmp_path):
+    """Unset is the documented "no key": the service runs, and an export is refused saying
+    where the key goes."""
+    path = events(tmp_path / "in.bin", 250)
+    shell = {k: v for k, v in os.environ.items() if k != "PANAGG_AUDIT_KEY"}
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli",
+                          *run_args(tmp_path, path)], capture_output=True, text=True,
+                         timeout=180, env=dict(shell, PANAGG_TESTING="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted((tmp_path / "releases").glob("release-*.json"))
-    res = panagg("audit", "export", "--state-dir", str(tmp_path / "state"),
-                 env={"PANAGG_AUDIT_KEY": ""})
+    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
+                          "--state-dir", str(tmp_path / "state")], capture_output=True,
+                         text=True, timeout=180, env=dict(shell, PANAGG_TESTING="1"))
     assert res.returncode == 2
     assert "no audit signing key: set PANAGG_AUDIT_KEY to 64 hex digits" in last_line(res)
 

@@ -122,6 +122,8 @@ def test_gkmp_window_released_with_the_analyzer_counts(tmp_path, key):
     assert rel["epsilon"] == 1.0 and rel["delta"] == 1e-6 and rel["delta_spent"] <= 1e-6
     assert rel["p"] == rz.p and rel["layers"] == 1 and rel["n"] == 200
     assert rel["window_info"]["messages"] == len(rows) and rel["window_info"]["topped_up"] == 0
+    # issue 54: the window's bounds in the one scheme every service release has (ISO 8601 UTC)
+    assert rel["window_start"].endswith("Z") and rel["window_start"] <= rel["window_end"]
     hist = anonymized_histogram(an.last_counts, rz.p, layers=1, n=200, method="threshold")
     vals, cnts = np.unique(hist[hist > 0], return_counts=True)
     assert sorted(rel["histogram"]["pairs"]) == [[int(r), int(c)] for r, c in zip(vals, cnts)]

@@ -52,7 +52,7 @@ from consumers.kafka_security import client_options, redacted
 from state_store.atomic import atomic_write
 from state_store.local import Checkpoint, LocalStore
 
-from ..release import estimate_with_accuracy, package_release
+from ..release import estimate_with_accuracy, package_release, stamp_window
 from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer, ShuffleConfigError
 from .config import shuffle_n
 from .deadletter import DeadLetterError, DeadLetters, service_producer
@@ -635,6 +635,7 @@ class ShuffleAnalyzer:
                                   "topped_up": int(doc["topped_up"]),
                                   "messages": int(doc["messages"]),
                                   "started_unix": w["started_unix"], "ended_unix": time.time()}
+        stamp_window(release)
         release["counted"] = {"stream": f"kafka:{self.cfg.source.topic}",
                               "item": f"shuffle:{self.protocol} messages"}
         if (release.get("accuracy") or {}).get("signal_below_noise"):

@@ -1164,12 +1164,25 @@ def cmd_history(args: argparse.Namespace) -> int:
 
     from .status import StatusError, _ledger, format_history, plot_history, release_history
 
-    try:
-        if not 0 < args.level < 1:
-            raise UsageError(f"--level must be between 0 and 1 (e.g. 0.9), got {args.level:g}")
-        rows = release_history(_ledger(Path(args.state_dir)), level=args.level)
-    except StatusError as exc:
-        raise UsageError(str(exc)) from None
+    if not 0 < args.level < 1:
+        raise UsageError(f"--level must be between 0 and 1 (e.g. 0.9), got {args.level:g}")
+    if args.group:
+        rows = _group_history(args)
+    elif not args.state_dir:
+        raise UsageError("give --state-dir (one process) or --group with --bootstrap (a group "
+                         "with scale.store = kafka)")
+    else:
+        saved = Path(args.state_dir) / "ledger.jsonl"
+        if not saved.exists():
+            member = _member_group(args.state_dir)
+            if member is not None:
+                raise UsageError(f"{args.state_dir} is the scratch directory of a member of group "
+                                 f"{member[0]!r}, whose ledger is in Kafka: run panagg history "
+                                 f"--group {member[0]} --bootstrap {member[1]}")
+        try:
+            rows = release_history(_ledger(Path(args.state_dir)), level=args.level)
+        except StatusError as exc:
+            raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -1185,6 +1198,34 @@ def cmd_history(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(f"\nplot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _member_group(state_dir: str) -> tuple[str, str] | None:
+    """(group, bootstrap) if ``state_dir`` is a Kafka-only group member's scratch directory
+    (its saved config says scale.partitioned), else None."""
+    try:
+        saved = _load(argparse.Namespace(config=None, set=None), [], state_dir=state_dir)
+    except (UsageError, OSError, ValueError):
+        return None
+    if not saved.scale.partitioned:
+        return None
+    return saved.source.group, saved.source.bootstrap
+
+
+def _group_history(args: argparse.Namespace) -> list[dict]:
+    """``panagg history --group G --bootstrap B``: a Kafka-only group's releases, from Kafka."""
+    from .group.status import group_release_history
+
+    cfg = _load(args, [])
+    boot = args.bootstrap or cfg.source.bootstrap
+    problem = probe_bootstrap(boot, 5.0)
+    if problem:
+        raise UsageError(problem)
+    try:
+        return group_release_history(boot, args.group, cfg.security,
+                                     aggregation=args.aggregation or "", level=args.level)
+    except LookupError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1329,7 +1370,14 @@ def build_parser() -> argparse.ArgumentParser:
     sta.add_argument("--json", action="store_true", help="the same as JSON")
     sta.set_defaults(func=cmd_status)
     his = sub.add_parser("history", help="ledgered releases window by window (and a plot)")
-    his.add_argument("--state-dir", required=True, help="checkpoint.dir")
+    his.add_argument("--state-dir", help="checkpoint.dir (one process)")
+    his.add_argument("--group", help="a scale-out group with scale.store = kafka (source.group): "
+                                     "its releases, from its ledger and releases topics")
+    his.add_argument("--bootstrap", help="with --group: the Kafka bootstrap servers")
+    his.add_argument("--aggregation", help="with --group: one aggregation of several (its name)")
+    his.add_argument("--config", help="with --group: a config file (security settings)")
+    his.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                     help="with --group: override one setting (repeatable)")
     his.add_argument("--json", action="store_true", help="rows as JSON")
     his.add_argument("--plot", help="write distinct items and entropy across windows to this PNG "
                                     "(intervals as bands, significant changes marked)")

@@ -46,7 +46,7 @@ from state_store.audit import AuditKeyError, load_key, write_export
 from state_store.failpoints import failpoint, under_tests
 from state_store.local import LocalStore, atomic_write
 
-from ..release import make_release
+from ..release import make_release, stamp_window
 from ..state import PanPrivateHistogram
 from .accuracy_plan import StartPlan, warn_if_below_noise
 from .anchor import (kafka_metadata, parse_kafka_metadata, release_dir_anchor,
@@ -1415,6 +1415,7 @@ class Aggregator:
             level = release["aggregation"].pop("rollup_level", None)
             if level:
                 release["rollup_level"] = level
+        stamp_window(release)
 
     def _ledgered_release(self, task: WindowTask, closing: dict) -> dict | None:
         """The window's release: from the ledger if it is there, else computed once (after the

@@ -743,9 +743,10 @@ class AuditSettings(Section):
         "",
         brief="hex HMAC key file; PANAGG_AUDIT_KEY (in /etc/panagg/env) wins",
         doc="hex HMAC key file for exports (or `PANAGG_AUDIT_KEY`, which wins). Checked at "
-            "`panagg run`'s start: a key that is set but not hex, shorter than 32 hex digits, "
-            "or a key file that cannot be read refuses the start with one line, before "
-            "anything is written; no key (both empty) runs with audit exports refused")
+            "`panagg run`'s start: a key that is set but not hex, shorter than 32 hex digits "
+            "or empty, or a key file that cannot be read refuses the start with one line, "
+            "before anything is written; no key (`PANAGG_AUDIT_KEY` unset, `audit.key_file` "
+            "empty) runs with audit exports refused")
     dir: str = setting(
         "", shown_default="empty (= `<checkpoint.dir>/exports`)",
         brief="empty: <checkpoint.dir>/exports",

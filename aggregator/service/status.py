@@ -242,7 +242,8 @@ def release_history(ledger: Ledger, level: float = changes.LEVEL) -> list[dict]:
         acc = doc.get("accuracy") or {}
         iv = acc.get("intervals") or {}
         row = {
-            "window": doc.get("window"), "time_unix": e.get("time_unix"), "n": doc.get("n"),
+            "window": doc.get("window"), "window_start": doc.get("window_start"),
+            "time_unix": e.get("time_unix"), "n": doc.get("n"),
             "distinct_items": props.get("distinct_items"),
             "entropy_nats": props.get("entropy_nats"),
             "distinct_items_interval": iv.get("distinct_items"),

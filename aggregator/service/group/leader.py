@@ -28,7 +28,7 @@ import logging
 import time
 from pathlib import Path
 
-from ...release import write_release
+from ...release import stamp_window, write_release
 from ..ledger import BudgetExceeded
 from .forced import forced_window
 from .summary import merge_summaries
@@ -513,6 +513,7 @@ class Leader:
         release["scale_out"] = {"store": "kafka", "partitions": self.P,
                                 "exchange": "views" if self.views else "items",
                                 "members": sorted({s.get("member", "") for s in have.values()})}
+        stamp_window(release)
         doc = json.dumps(release, allow_nan=False, sort_keys=True)
         import hashlib
         entry = dict(kind="release", window=w, epsilon_spent=eps,

@@ -53,6 +53,7 @@ import logging
 import time
 from types import SimpleNamespace
 
+from ...release import stamp_window
 from ..errors import ServiceError
 from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, rollup_block
 from .summary import merge_summaries, view_summary
@@ -361,6 +362,7 @@ class RollupReleases:
         release["window_uid"] = rid
         release["scale_out"] = {"store": "kafka", "partitions": lead.P,
                                 "members": sorted({s.get("member", "") for s in have.values()})}
+        stamp_window(release)
         doc = json.dumps(release, allow_nan=False, sort_keys=True)
         entry = dict(entry_id=rid, kind="rollup", window=name, epsilon_spent=0.0,
                      note=ROLLUP_ARGUMENT, rollup=span, n=int(release["n"]),

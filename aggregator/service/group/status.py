@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 from .topics import GroupTopics, read_partition
 
-__all__ = ["collect_group_status", "format_group_status", "group_aggregations"]
+__all__ = ["collect_group_status", "format_group_status", "group_aggregations",
+           "group_release_history"]
 
 
 def group_aggregations(topic_names, group: str) -> list[str]:
@@ -124,6 +126,66 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
     finally:
         admin.close()
     return out
+
+
+def group_release_history(bootstrap: str, group: str, security: dict | None = None,
+                          aggregation: str = "", level: float | None = None) -> list[dict]:
+    """``panagg history`` of a Kafka-only group: the rows of
+    :func:`aggregator.service.status.release_history` from the group's ledger topic, each
+    release's document read from the group's releases topic (the leader writes both in one
+    transaction; the ledger entry holds the document's sha256, which is checked here).
+    LookupError (one line) when the group has no ledger topic on ``bootstrap``."""
+    import hashlib
+
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.admin import KafkaAdminClient
+
+    from consumers.kafka_security import client_options
+
+    from ..status import release_history
+    from .ledger_topic import TopicLedger
+
+    topics = GroupTopics(group, aggregation)
+    opts = dict(bootstrap_servers=bootstrap, **client_options(security))
+    admin = KafkaAdminClient(**opts)
+    try:
+        names = set(admin.list_topics())
+    finally:
+        admin.close()
+    if topics.ledger not in names:
+        raise LookupError(f"no Kafka-only group {group!r} on {bootstrap} (its topic "
+                          f"{topics.ledger} does not exist); check --group (source.group)")
+    consumer = KafkaConsumer(**opts, group_id=None, isolation_level="read_committed",
+                             enable_auto_commit=False)
+    docs: dict[str, bytes] = {}
+    try:
+        ledger = TopicLedger(consumer, topics.ledger, budget_per_window=1.0)
+        ledger.read_to_end()
+        if topics.releases in names:
+            tp = TopicPartition(topics.releases, 0)
+            consumer.assign([tp])
+            consumer.seek_to_beginning(tp)
+
+            def keep(record) -> None:
+                if record.key is not None and record.value is not None:
+                    docs[record.key.decode()] = record.value
+
+            if not read_partition(consumer, tp, keep):
+                raise LookupError(f"releases topic {topics.releases}: could not read to its end "
+                                  "within 30 s; check the broker")
+    finally:
+        consumer.close()
+    entries = []
+    for e in ledger.entries:
+        if e["kind"] not in ("release", "rollup") or e.get("withheld"):
+            continue
+        raw = docs.get(str(e["window"]))
+        if raw is None or (e.get("document_sha256")
+                           and hashlib.sha256(raw).hexdigest() != e["document_sha256"]):
+            continue   # (compacted away, or not this entry's document: never shown as it)
+        entries.append(dict(e, document=raw.decode()))
+    kw = {} if level is None else {"level": level}
+    return release_history(SimpleNamespace(entries=entries), **kw)  # type: ignore[arg-type]
 
 
 def _assigned(member: dict) -> list[tuple[str, int]]:
