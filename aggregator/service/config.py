@@ -493,6 +493,10 @@ def _validate(cfg: dict, env=None) -> None:
         if one.test_only and value != one.default and not under_tests():
             raise ConfigError(f"{one.name} is a test hook ({one.brief}) and is refused outside "
                               "tests; remove it (tests also set PANAGG_TESTING=1)")
+    if cfg["state"]["privacy_unit"] == "user":
+        raise ConfigError("state.privacy_unit = user is not built into the service yet (the "
+                          "user-level density state and its charges: docs/privacy_unit.md); "
+                          "remove it (event: every output is eps-DP per event)")
     src = cfg["source"]
     if src["kind"] == "file" and not src["path"]:
         raise ConfigError("source.kind = file needs source.path (a file, or - for stdin); "

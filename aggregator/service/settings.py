@@ -484,6 +484,13 @@ class StateSettings(Section):
             "the release are jointly epsilon-DP; `state-only`: better accuracy, caveat printed in"
             " each release; `shuffle`: the shuffle model's analyzer, reading the shuffler's "
             "analyzer topic (`[shuffle]` below, docs/shuffle.md)")
+    privacy_unit: str = setting(
+        "event", choices=("event", "user"),
+        brief="event (each window is eps-DP per event); user: not built yet",
+        doc="what one neighbour differs in: `event` (the service: each window is eps-DP for one "
+            "event changed, so a source that contributes g events is protected at g x eps). "
+            "`user` (every user protected however often they appear: the density state of "
+            "docs/privacy_unit.md) is not a service setting yet and is refused")
     loss: str = setting(
         "l1", choices=("l1", "l2"),
         brief="l1 | l2",
