@@ -199,3 +199,20 @@ def test_an_events_presence_across_all_keys_reads_at_most_eps():
     print(f"breakdown audit: eps {EPS:g}, parallel {res.eps:.3f} (exact {exact:.3f}), key "
           f"changed {moved.eps:.3f}; "
           f"an event in two keys' states {bad.eps:.3f} (exact {exact_bad:.3f})")
+
+
+def test_plan_says_the_breakdown_is_charged_once(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "ev.jsonl").write_text("")
+    res = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "plan", "--set", "source.kind=file",
+         "--set", f"source.path={tmp_path / 'ev.jsonl'}", "--set", "state.domain_size=20",
+         "--set", "window.size=20000", "--set", "breakdown.field=country",
+         "--set", "breakdown.keys=de,fr"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert [ln.split("]")[0] for ln in lines[:3]] == ["[de", "[fr", "[other"]
+    assert lines[-1] == ("breakdown by country over 3 keys, one parallel composition: each event "
+                         "spends 1 eps (its key's window) over all of them "
+                         "(ledger.budget_per_event 1)")
