@@ -50,10 +50,15 @@ def test_a_breakdown_is_one_aggregation_per_key_charged_as_one(tmp_path):
     assert cfg.ledger.budget_per_event == EPS
     for one in several.values():
         assert one.aggregation.epsilon_per_event == EPS
-        assert one.aggregation.parallel["group"] == "breakdown:country"
+        assert one.aggregation.parallel["group"].startswith("breakdown:country#")
         assert not one.breakdown.field  # a key's own config does not expand again
     without_other = dict(aggregation_configs(_cfg(tmp_path, "breakdown.other=false")))
     assert sorted(without_other) == ["de", "fr", "it"]
+    # another key domain is another group: its charges add to the old one's (a new key may
+    # count records the old `other` already released)
+    assert without_other["de"].aggregation.parallel["group"] != de.aggregation.parallel["group"]
+    again = dict(aggregation_configs(_cfg(tmp_path, keys=("it", "fr", "de"))))
+    assert again["de"].aggregation.parallel == de.aggregation.parallel
 
 
 @pytest.mark.parametrize("sets, says", [
@@ -113,8 +118,8 @@ def test_fifty_keys_cost_the_budget_of_one_aggregation_per_event(tmp_path):
     refused = [e for es in ledgers.values() for e in es if e["kind"] == "refused"]
     assert not refused and len(rel) == 51   # one release per key (and other), none refused
     assert sum(e["n"] for e in rel) == 5000  # every event in exactly one key's release
-    assert all(e["epsilon_spent"] == EPS and e["parallel"]["group"] == "breakdown:country"
-               for e in rel)
+    assert all(e["epsilon_spent"] == EPS and e["parallel"]["group"].startswith(
+        "breakdown:country#") for e in rel)
     assert {e["parallel"]["member"] for e in rel} == {*KEYS50, "other"}
     # the per-event charge over every key's release: eps, not 51 eps
     book = ChargeBook(rel)

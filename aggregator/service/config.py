@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
+import json
 import math
 import os
 import tomllib
@@ -330,9 +332,16 @@ def _breakdown(cfg: dict, given: dict[str, list]) -> dict[str, list]:
 
 
 def breakdown_group(cfg: Config | dict) -> str | None:
-    """The parallel group's name of a config with a breakdown (None without one)."""
-    field = (cfg["breakdown"]["field"] if isinstance(cfg, dict) else cfg.breakdown.field)
-    return f"breakdown:{field}" if field else None
+    """The parallel group's name of a config with a breakdown (None without one):
+    ``breakdown:FIELD#DIGEST``, the digest of the key domain (and ``breakdown.other``). A record
+    is in one key's state only *within one domain*: after a change of the keys (``--accept-change``)
+    a new key may count records an old key (``other``) already released, so the new domain is
+    another group, whose charges add to the old one's."""
+    bd = cfg["breakdown"]
+    if not bd["field"]:
+        return None
+    domain = json.dumps([str(bd["field"]), sorted(map(str, bd["keys"])), bool(bd["other"])])
+    return f"breakdown:{bd['field']}#{hashlib.sha256(domain.encode()).hexdigest()[:8]}"
 
 
 def _level_name(base: str | None, span: str) -> str:
