@@ -36,7 +36,7 @@ __all__ = ["MODELS", "ReleaseExists", "make_release", "release_from_view", "esti
            "package_release", "write_release", "plot_release", "plot_rank_frequency",
            "release_figure", "headline_lines",
            "ERROR_BAR_REPS", "PHI_BANDS", "planned_accuracy", "PLAN_SHAPES", "headline",
-           "PRIVACY_UNIT", "PRIVACY_UNIT_CONSEQUENCE"]
+           "PRIVACY_UNIT", "PRIVACY_UNIT_CONSEQUENCE", "privacy_unit_clause"]
 
 ERROR_BAR_REPS = 10  # bootstrap repetitions per release (release.error_bar_reps); 0: none
 PUBLIC_MODE = 0o644   # release files are published: readable by all, whatever the umask
@@ -466,6 +466,19 @@ def stamp_window(release: dict) -> dict:
 
 PRIVACY_UNIT = "event"
 PRIVACY_UNIT_CONSEQUENCE = "a source that contributes g events is protected at g x eps"
+#: where the privacy unit of each output is explained (event level here, user level for density)
+PRIVACY_UNIT_DOC = "docs/privacy_unit.md"
+
+
+def privacy_unit_clause() -> str:
+    """The privacy unit in one clause, as ``panagg plan``, the start line and ``panagg status``
+    say it: the same words as every release's ``headline`` (:data:`PRIVACY_UNIT`,
+    :data:`PRIVACY_UNIT_CONSEQUENCE`).
+
+    >>> privacy_unit_clause()[:60]
+    'privacy unit: the event (a source that contributes g events '
+    """
+    return f"privacy unit: the {PRIVACY_UNIT} ({PRIVACY_UNIT_CONSEQUENCE}; {PRIVACY_UNIT_DOC})"
 
 
 def headline(release: dict) -> dict:

@@ -82,6 +82,9 @@ class ItemSpec:
         Only records whose value has ``filter_value`` at ``filter_path`` (compared as text:
         strings as they are, ints in decimal, booleans as ``true``/``false``) are events; the
         rest (the field missing included) are :data:`FILTERED`.
+    filter_exclude
+        Instead of ``filter_value`` (a breakdown's ``other`` key): the records whose value at
+        ``filter_path`` is one of these are :data:`FILTERED`, all others are events.
     """
 
     source: str = "value"
@@ -92,6 +95,7 @@ class ItemSpec:
     casefold: bool = False
     filter_path: tuple | None = None
     filter_value: str = ""
+    filter_exclude: frozenset | None = None
 
     @classmethod
     def from_config(cls, item: dict) -> "ItemSpec":
@@ -99,7 +103,15 @@ class ItemSpec:
         return cls(source=item["source"], path=tuple(item["field"].split(".")),
                    header=item["header"], coerce=bool(item["coerce"]),
                    nfc=item["normalize"] == "nfc", casefold=bool(item["casefold"]),
-                   filter_path=fp, filter_value=str(item["filter_value"]))
+                   filter_path=fp, filter_value=str(item["filter_value"]),
+                   filter_exclude=(frozenset(map(str, item.get("filter_exclude") or ())) or None))
+
+    def passes(self, value) -> bool:
+        """Whether a record whose value at ``filter_path`` is ``value`` is an event."""
+        text = _as_text(value)
+        if self.filter_exclude is not None:
+            return text not in self.filter_exclude
+        return text == self.filter_value
 
     @property
     def default(self) -> bool:
@@ -271,8 +283,7 @@ class Decoder:
                 return None, "undecodable"
             if not isinstance(doc, dict):
                 return None, "not_a_map"
-            if spec.filter_path is not None and \
-                    _as_text(_walk(doc, spec.filter_path)) != spec.filter_value:
+            if spec.filter_path is not None and not spec.passes(_walk(doc, spec.filter_path)):
                 return None, FILTERED
         if spec.source == "value":
             item = _walk(doc, spec.path) if not self._default else doc.get("item", _MISSING)
@@ -376,7 +387,9 @@ class Decoder:
         if spec.filter_path is not None:
             if set(map(type, objs)) != {dict}:
                 return None  # not_a_map: the per-message path names it
-            match = _matches(_pluck(objs, spec.filter_path), spec.filter_value)
+            values = _pluck(objs, spec.filter_path)
+            match = (_matches(values, spec.filter_value) if spec.filter_exclude is None
+                     else [spec.passes(v) for v in values])
             if not all(match):
                 mask = np.fromiter(match, bool, n)
                 keep = np.flatnonzero(mask).tolist()

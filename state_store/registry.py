@@ -96,7 +96,8 @@ def _value(lid: str, entry: dict, deployment: dict) -> dict:
             "epsilon_spent": float(entry.get("epsilon_spent") or 0.0),
             "ranges": entry.get("ranges") or {}, "lineage": entry.get("lineage"),
             "window_kind": entry.get("window_kind"), "deployment": dict(deployment),
-            "time_unix": time.time()}
+            "time_unix": time.time(),
+            **({"parallel": entry["parallel"]} if entry.get("parallel") else {})}
 
 
 class MemoryRegistry:
@@ -119,7 +120,7 @@ class MemoryRegistry:
         hold, as ledger-like entries (``kind = release``) for the charge book."""
         return [{"kind": "release", "epsilon_spent": v["epsilon_spent"], "ranges": v["ranges"],
                  "lineage": v.get("lineage"), "window_kind": v.get("window_kind"),
-                 "deployment": v.get("deployment") or {}}
+                 "parallel": v.get("parallel"), "deployment": v.get("deployment") or {}}
                 for v in self.records.values() if (v["ledger"], v["entry"]) not in known]
 
     @staticmethod

@@ -150,7 +150,8 @@ def test_accuracy_plan_line_is_verbatim():
     assert head == ("accuracy plan: 1,000,000 counters (D), eps 1, 2 noise layer(s) at release: "
                     "error floor ~3,564 items; with 40,000 events per window (the window's size) "
                     "events over the noise floor 11.2; windows need >= 7,129 events to be above "
-                    "the noise")
+                    "the noise; privacy unit: the event (a source that contributes g events is "
+                    "protected at g x eps; docs/privacy_unit.md)")
     # the releases' own expected errors, from simulated windows of the two reference shapes
     assert re.fullmatch(r"\+-[0-9.]+% distinct items, \+-[0-9.]+% entropy for a Zipf\(1\.1\) "
                         r"window( \(BELOW THE NOISE: could be off by 2x\))?; \+-[0-9.]+% distinct "

@@ -574,12 +574,15 @@ def test_status_and_history_of_a_state_dir(tmp_path):
     assert lines[1] == "service: not running"
     assert lines[2].startswith("counts: file:events.jsonl (group -), direct mode over 500 "
                                "counters, eps 1 per window, count:1000 windows")
-    assert lines[3].startswith("window: 2 open since ") and "none on disk by design" in lines[3]
+    assert lines[3] == ("privacy unit: the event (a source that contributes g events is "
+                        "protected at g x eps; docs/privacy_unit.md)")
+    assert lines[4].startswith("window: 2 open since ") and "none on disk by design" in lines[4]
     assert "budget: eps 2 spent (no total cap)" in lines
     last = [ln for ln in lines if ln.startswith("last release: window 1 at ")]
     assert len(last) == 1 and "n=1,000, distinct " in last[0]
     doc = json.loads(run_cli(["status", "--state-dir", state, "--json"]).stdout)
     assert doc["window"]["id"] == 2 and doc["releases"] == 2 and doc["budget"]["spent"] == 2.0
+    assert doc["privacy_unit"]["unit"] == "event"
     hist = run_cli(["history", "--state-dir", state, "--plot", str(tmp_path / "h.png")])
     assert hist.returncode == 0, hist.stderr
     rows = hist.stdout.splitlines()

@@ -74,6 +74,8 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     mode: ``state.expected_n``). With ``simulate``, the line ends with the expected errors the
     releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
     """
+    from ..release import privacy_unit_clause
+
     st = cfg.state
     counters, p, layers, n, hashed = _plan_inputs(cfg)
     floor = noise_floor(counters, p, layers)
@@ -82,7 +84,7 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st.epsilon:g}"
             f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
             f"{n:,} events per window ({basis}) events over the noise floor {n / floor:.1f}; "
-            f"windows need >= {n_min:,} events to be above the noise")
+            f"windows need >= {n_min:,} events to be above the noise; {privacy_unit_clause()}")
     slow = release_time_warning(cfg)
     if slow:
         line += "; " + slow

@@ -23,6 +23,20 @@ lineage's charge at a position is the largest of its overlapping windows, not th
 1.0
 >>> book.resume_offsets(1.0, budget=1.0)             # where a fresh start may begin
 {'p0': 200}
+
+A **parallel group** (a breakdown's keys, ``parallel = {"group", "member"}`` on the entries)
+puts each record in the state of one member only (its key's): a position's charge from the group
+is the largest of its members' charges, each member's summed as above, not their sum.
+
+>>> keys = ChargeBook([
+...     {"kind": "release", "epsilon_spent": 1.0, "lineage": k, "window_kind": "count",
+...      "ranges": {"p0": [0, 100]}, "parallel": {"group": "breakdown:c", "member": k}}
+...     for k in ("de", "fr", "it")])
+>>> keys.peak({"p0": [0, 100]}, 0.0)                 # three keys' releases, one charge
+1.0
+>>> keys.peak({"p0": [0, 100]}, 1.0, lineage="de2",  # the same key again: it adds up
+...           parallel={"group": "breakdown:c", "member": "de"})
+2.0
 """
 
 from __future__ import annotations
@@ -48,9 +62,10 @@ class ChargeBook:
     """
 
     def __init__(self, entries):
-        # partition -> list of (start, end, eps, group): one group's overlapping ranges charge
-        # their maximum (event-time windows of one lineage), different groups add up
-        self._by_partition: dict[str, list[tuple[int, int, float, str]]] = defaultdict(list)
+        # partition -> list of (start, end, eps, group, parallel): one group's overlapping
+        # ranges charge their maximum (event-time windows of one lineage), different groups add
+        # up; the members of one parallel group (pgroup, member) charge their maximum
+        self._by_partition: dict[str, list[tuple]] = defaultdict(list)
         for i, e in enumerate(entries):
             if e.get("kind") not in CHARGED_KINDS or not e.get("ranges"):
                 continue
@@ -58,26 +73,29 @@ class ChargeBook:
             if eps <= 0:
                 continue
             group = self._group(e.get("lineage"), e.get("window_kind"), f"entry-{i}")
+            par = _parallel(e.get("parallel"))
             for part, (start, end) in e["ranges"].items():
                 if int(end) > int(start):
-                    self._by_partition[part].append((int(start), int(end), eps, group))
+                    self._by_partition[part].append((int(start), int(end), eps, group, par))
 
     @staticmethod
     def _group(lineage, window_kind, unique: str) -> str:
         return f"et:{lineage}" if window_kind == "event_time" and lineage else unique
 
     def peak(self, ranges: dict, epsilon: float, *, lineage: str | None = None,
-             window_kind: str | None = None) -> float:
+             window_kind: str | None = None, parallel: dict | None = None) -> float:
         """The largest charge any position of ``ranges`` would carry with a new release of
-        ``epsilon`` over them (the check: ``peak <= budget_per_event``)."""
+        ``epsilon`` over them (the check: ``peak <= budget_per_event``); ``parallel``: the new
+        release's parallel group and member (a breakdown's key), None for none."""
         new_group = self._group(lineage, window_kind, "new")
+        new_par = _parallel(parallel)
         worst = 0.0 if not ranges else float(epsilon)
         for part, (start, end) in ranges.items():
             start, end = int(start), int(end)
             if end <= start:
                 continue
             spans = [s for s in self._by_partition.get(part, ()) if s[0] < end and s[1] > start]
-            spans.append((start, end, float(epsilon), new_group))
+            spans.append((start, end, float(epsilon), new_group, new_par))
             worst = max(worst, _max_sum(spans, start, end))
         return worst
 
@@ -98,6 +116,13 @@ class ChargeBook:
         return sorted(self._by_partition)
 
 
+def _parallel(value) -> tuple[str, str] | None:
+    """(group, member) of an entry's ``parallel`` field, None without one."""
+    if not value:
+        return None
+    return str(value["group"]), str(value["member"])
+
+
 def _segments(spans, lo, hi):
     """(start, end, charge) of the pieces between consecutive boundaries of ``spans``."""
     cuts = sorted({s[0] for s in spans} | {s[1] for s in spans}
@@ -105,11 +130,17 @@ def _segments(spans, lo, hi):
     for a, b in zip(cuts, cuts[1:]):
         if lo is not None and (b <= lo or a >= hi):
             continue
-        best: dict[str, float] = {}
-        for s, e, eps, group in spans:
+        # (parallel group or None, member) -> group -> the largest charge there
+        best: dict[tuple, dict[str, float]] = defaultdict(dict)
+        for s, e, eps, group, par in spans:
             if s <= a and e >= b:
-                best[group] = max(best.get(group, 0.0), eps)
-        yield a, b, sum(best.values())
+                one = best[par or (None, "")]
+                one[group] = max(one.get(group, 0.0), eps)
+        total = sum(best.pop((None, ""), {}).values())
+        members: dict[str, float] = {}
+        for (pgroup, _), groups in best.items():  # a position is in one member's state only
+            members[pgroup] = max(members.get(pgroup, 0.0), sum(groups.values()))
+        yield a, b, total + sum(members.values())
 
 
 def _max_sum(spans, lo: int, hi: int) -> float:

@@ -1049,6 +1049,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                      f"entropy={props.get('entropy_nats', float('nan')):.3f}")
         elif e.get("note"):
             extra = e["note"]
+        if e.get("parallel"):  # a breakdown's key: its group's members share one charge
+            extra += f"  parallel {e['parallel']['group']} key {e['parallel']['member']}"
         if e.get("ranges"):
             extra += "  positions " + ", ".join(f"{p} [{a}, {b})"
                                                 for p, (a, b) in sorted(e["ranges"].items()))
@@ -1076,9 +1078,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         line, below = accuracy_plan(one)
         print(f"[{name}] {line}")
         any_below = any_below or below
-    print(f"each event spends up to {several[0][1]['aggregation']['epsilon_per_event']:g} eps over "
-          f"{', '.join(name for name, _ in several)} (ledger.budget_per_event "
-          f"{cfg.ledger.budget_per_event:g})")
+    spend = several[0][1]['aggregation']['epsilon_per_event']
+    if cfg.breakdown.field:
+        print(f"breakdown by {cfg.breakdown.field} over {len(several)} keys, one parallel "
+              f"composition: each event spends {spend:g} eps (its key's window) over all of them "
+              f"(ledger.budget_per_event {cfg.ledger.budget_per_event:g})")
+    else:
+        print(f"each event spends up to {spend:g} eps over "
+              f"{', '.join(name for name, _ in several)} (ledger.budget_per_event "
+              f"{cfg.ledger.budget_per_event:g})")
     return 1 if any_below else 0
 
 

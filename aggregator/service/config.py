@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
+import json
 import math
 import os
 import tomllib
@@ -269,9 +271,77 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
     _check_environment(cfg, env)
     _validate(cfg, env)
+    aggregations = _breakdown(cfg, aggregations)
     aggregations = _rollup_levels(cfg, aggregations)
     cfg["aggregations"] = _aggregations(cfg, aggregations)
     return Config.from_mapping(cfg)
+
+
+#: the most keys a breakdown takes (each is an aggregation: its state, window and releases)
+BREAKDOWN_MAX_KEYS = 1000
+#: the key a breakdown counts the records outside its keys in (``breakdown.other``)
+OTHER_KEY = "other"
+
+
+def _breakdown(cfg: dict, given: dict[str, list]) -> dict[str, list]:
+    """``[breakdown]``: one aggregation per key of ``breakdown.keys`` (and ``other``), each
+    filtered to its key; :func:`_aggregations` then charges them as one parallel composition (an
+    event is in one key's state only: docs/privacy.md section 24). A setting a breakdown does
+    not support yet is refused in one line."""
+    bd = cfg["breakdown"]
+    if not bd["field"]:
+        if bd["keys"]:
+            raise ConfigError("breakdown.keys is set without breakdown.field (the field the "
+                              "keys are values of); " + _where("breakdown", "field"))
+        return given
+    where = _where("breakdown", "field")
+    if any(seg == "" for seg in bd["field"].split(".")):
+        raise ConfigError(f"breakdown.field = {bd['field']!r} has an empty segment; write a "
+                          "dotted path such as geo.country; " + where)
+    why = ("[aggregations] tables (one breakdown per service for now)" if given else
+           "window.rollups" if cfg["window"]["rollups"] else
+           "scale.partitioned (a scale-out group)" if cfg["scale"]["partitioned"] else
+           "state.model = shuffle" if cfg["state"]["model"] == "shuffle" else
+           "item.filter_field (the breakdown's filter is its key)"
+           if cfg["item"]["filter_field"] else None)
+    if why:
+        raise ConfigError(f"breakdown.field is not built with {why} yet; remove one of them "
+                          "(docs/privacy.md section 24)")
+    keys = [str(k) for k in bd["keys"]]
+    if not keys or len(keys) > BREAKDOWN_MAX_KEYS:
+        raise ConfigError(f"breakdown.keys must list 1 to {BREAKDOWN_MAX_KEYS:,} keys (the public "
+                          f"key domain), got {len(keys)}; " + _where("breakdown", "keys"))
+    for k in keys:
+        if not _NAME.fullmatch(k) or (k == OTHER_KEY and bd["other"]):
+            raise ConfigError(f"breakdown.keys: {k!r} cannot name its aggregation: use a "
+                              "lowercase letter, then up to 31 of a-z 0-9 _ -"
+                              + (f" (and not {OTHER_KEY!r}: records outside the keys are "
+                                 "counted there)" if k == OTHER_KEY else ""))
+    if len(set(keys)) != len(keys):
+        raise ConfigError("breakdown.keys lists a key twice; list each once")
+    src = "breakdown"
+    out = {k: [("item", "filter_field", bd["field"], src), ("item", "filter_value", k, src)]
+           for k in keys}
+    if bd["other"]:
+        out[OTHER_KEY] = [("item", "filter_field", bd["field"], src),
+                          ("item", "filter_exclude", keys, src)]
+    led = cfg["ledger"]
+    if not led["budget_per_event"]:  # one parallel group: an event spends one key's window
+        led["budget_per_event"] = float(led["budget_per_window"] or cfg["state"]["epsilon"])
+    return out
+
+
+def breakdown_group(cfg: Config | dict) -> str | None:
+    """The parallel group's name of a config with a breakdown (None without one):
+    ``breakdown:FIELD#DIGEST``, the digest of the key domain (and ``breakdown.other``). A record
+    is in one key's state only *within one domain*: after a change of the keys (``--accept-change``)
+    a new key may count records an old key (``other``) already released, so the new domain is
+    another group, whose charges add to the old one's."""
+    bd = cfg["breakdown"]
+    if not bd["field"]:
+        return None
+    domain = json.dumps([str(bd["field"]), sorted(map(str, bd["keys"])), bool(bd["other"])])
+    return f"breakdown:{bd['field']}#{hashlib.sha256(domain.encode()).hexdigest()[:8]}"
 
 
 def _level_name(base: str | None, span: str) -> str:
@@ -436,6 +506,15 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
         total += budget
         parts.append(f"{name} {budget:g}")
     cap = cfg["ledger"]["budget_per_event"]
+    if breakdown_group(cfg):
+        # parallel composition: an event is in its own key's state only, so it spends the
+        # largest of the keys' per-window budgets, not their sum (docs/privacy.md section 24)
+        most = max(aggregation_config(cfg, name, out[name]).budget_per_window for name in out)
+        if most > cap * (1 + 1e-9):
+            raise ConfigError(f"breakdown by {cfg['breakdown']['field']}: each event spends "
+                              f"{most:g} eps (its key's window), over ledger.budget_per_event = "
+                              f"{cap:g}; lower state.epsilon or raise the budget")
+        return out
     if len(out) >= 2 and not cap:
         raise ConfigError(f"{len(out)} aggregations spend {' + '.join(parts)} = {total:g} eps on "
                           "each event (one window of each); set ledger.budget_per_event to the "
@@ -470,6 +549,11 @@ def aggregation_config(cfg: Config | dict, name: str, overrides: dict | None = N
     one["aggregations"] = {}
     one["aggregation"] = {"name": name, "of": sorted(cfg["aggregations"] or [name]),
                           "budget_per_event": cfg["ledger"]["budget_per_event"] or None}
+    group = breakdown_group(cfg)
+    if group:  # one key of a breakdown: its releases are one parallel composition with the others
+        one["aggregation"]["parallel"] = {"group": group, "member": name,
+                                          "of": len(cfg["aggregations"])}
+        one["breakdown"] = dict(DEFAULTS["breakdown"])  # the key's own config has no breakdown
     level = (cfg.get("rollup_levels") or {}).get(name)
     if level:
         one["aggregation"]["rollup_level"] = dict(level)
@@ -479,7 +563,9 @@ def aggregation_config(cfg: Config | dict, name: str, overrides: dict | None = N
 def aggregation_configs(cfg: Config) -> list[tuple[str, Config]]:
     """(name, config) of every aggregation of ``cfg``, in name order (empty: single mode)."""
     out = [(name, aggregation_config(cfg, name)) for name in sorted(cfg.aggregations)]
-    total = sum(one.budget_per_window for _, one in out)
+    spends = [one.budget_per_window for _, one in out]
+    # a breakdown's keys are one parallel composition: an event spends one key's window
+    total = (max(spends, default=0.0) if breakdown_group(cfg) else sum(spends))
     return [(name, one.updated({"aggregation": {"epsilon_per_event": total}}))
             for name, one in out]
 
@@ -493,6 +579,10 @@ def _validate(cfg: dict, env=None) -> None:
         if one.test_only and value != one.default and not under_tests():
             raise ConfigError(f"{one.name} is a test hook ({one.brief}) and is refused outside "
                               "tests; remove it (tests also set PANAGG_TESTING=1)")
+    if cfg["state"]["privacy_unit"] == "user":
+        raise ConfigError("state.privacy_unit = user is not built into the service yet (the "
+                          "user-level density state and its charges: docs/privacy_unit.md); "
+                          "remove it (event: every output is eps-DP per event)")
     src = cfg["source"]
     if src["kind"] == "file" and not src["path"]:
         raise ConfigError("source.kind = file needs source.path (a file, or - for stdin); "
@@ -624,6 +714,10 @@ def _validate_item(cfg: dict) -> None:
     if item["source"] != "value" and item["field"] != "item":
         raise ConfigError(f"item.field is a field of the value, but item.source = "
                           f"{item['source']}; remove item.field or set item.source = value")
+    if item["filter_exclude"] and (item["filter_value"] or not item["filter_field"]):
+        raise ConfigError("item.filter_exclude needs item.filter_field and no item.filter_value "
+                          "(records whose field is one of them are filtered); "
+                          + _where("item", "filter_exclude"))
     if item["filter_value"] and not item["filter_field"]:
         raise ConfigError("item.filter_value is set without item.filter_field (the field it is "
                           "compared with); " + _where("item", "filter_field"))

@@ -133,6 +133,8 @@ def item_identity(cfg: Config) -> str:
     out = f"{it.source}:{where}" if where else it.source
     extra = [name for name, on in (("coerce", it.coerce), ("nfc", it.normalize == "nfc"),
                                    ("casefold", it.casefold)) if on]
-    if it.filter_field:
+    if it.filter_field and it.filter_exclude:
+        extra.append(f"filter {it.filter_field} not in {','.join(sorted(it.filter_exclude))}")
+    elif it.filter_field:
         extra.append(f"filter {it.filter_field}={it.filter_value}")
     return out + (f" ({', '.join(extra)})" if extra else "")

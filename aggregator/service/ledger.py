@@ -227,7 +227,8 @@ class Ledger:
 
     def check_release(self, window_uid: str, epsilon: float, *, window=None,
                       ranges: dict | None = None, lineage: str | None = None,
-                      window_kind: str | None = None, others=(), pending: float = 0.0) -> None:
+                      window_kind: str | None = None, others=(), pending: float = 0.0,
+                      parallel: dict | None = None) -> None:
         """Raise BudgetExceeded if releasing the window ``window_uid`` (covering the source
         ``ranges``) at ``epsilon`` would go over budget. Call it before drawing any noise.
         ``pending``: epsilon of releases granted but not ledgered yet (in the release worker)."""
@@ -239,7 +240,7 @@ class Ledger:
                 f"{self.budget_per_window:g} for that window")
         if ranges and epsilon > 0:
             peak = self.charges(others).peak(ranges, epsilon, lineage=lineage,
-                                             window_kind=window_kind)
+                                             window_kind=window_kind, parallel=parallel)
             if peak > self.budget_per_event * (1 + 1e-12):
                 raise BudgetExceeded(
                     f"release of {name} refused: some of its events were released before "

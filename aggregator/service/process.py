@@ -179,7 +179,8 @@ class Aggregator:
         stream = identity_of(cfg)["stream"]
         #: asks the ledger about the events a release covers (:mod:`.release_gate`)
         self.gate = ReleaseGate(self.ledger, self.metrics, epsilon=self.epsilon, model=self.model,
-                                stream=stream, aggregation=self.anchor_name, directory=self.dir)
+                                stream=stream, aggregation=self.anchor_name, directory=self.dir,
+                                parallel=self.aggregation.parallel if self.aggregation else None)
         self._keep_processing_time()
         cfg = self.cfg  # (the line above may have replaced it)
         #: the start's accuracy plan in the log (a thread simulates the expected errors)
@@ -761,13 +762,19 @@ class Aggregator:
         # as the ledger's JSON has it (a list), so that the same set compares equal
         mine = {"of": list(agg.of), "budget_per_event": agg.budget_per_event,
                 "epsilon_per_event": agg.epsilon_per_event}
+        note = (f"aggregation {agg.name!r} of {', '.join(agg.of)}: each event spends up to "
+                f"{agg.epsilon_per_event:g} eps over them")
+        if agg.parallel:  # a breakdown's key: one parallel composition with the other keys
+            mine["parallel"] = dict(agg.parallel)
+            note = (f"key {agg.name!r} of {agg.parallel['group']} ({len(agg.of)} keys), one "
+                    "parallel composition: an event is in its key's state only, so each event "
+                    f"spends {agg.epsilon_per_event:g} eps over all keys' releases, not one "
+                    "charge per key (docs/privacy.md section 24)")
         last = [e for e in self.ledger.entries if e["kind"] == "composition"]
         if last and last[-1].get("composition") == mine:
             return
         self._ledger_append(entry_id=f"composition-{os.urandom(6).hex()}", kind="composition",
-                            window=self.task.window["id"], composition=mine,
-                            note=f"aggregation {agg.name!r} of {', '.join(agg.of)}: each event "
-                                 f"spends up to {agg.epsilon_per_event:g} eps over them")
+                            window=self.task.window["id"], composition=mine, note=note)
 
     def turn(self, segments) -> None:
         """Count one poll's segments, then the turn's housekeeping."""

@@ -47,7 +47,8 @@ def covered_ranges(start_offsets: dict | None, end_offsets: dict) -> dict:
 
 
 def check_registry(registry, ledger: Ledger, known: set, uid: str, epsilon: float, *, window,
-                   ranges: dict, lineage, window_kind, others=(), pending: float = 0.0) -> None:
+                   ranges: dict, lineage, window_kind, others=(), pending: float = 0.0,
+                   parallel: dict | None = None) -> None:
     """BudgetExceeded, in one line naming the other deployment, when the budget ``registry``'s
     charges beyond ``known`` (the (ledger id, entry id) pairs the checking ledgers hold) bring
     the window's events over ``ledger``'s per-event budget. The registry is read already."""
@@ -56,7 +57,8 @@ def check_registry(registry, ledger: Ledger, known: set, uid: str, epsilon: floa
         return
     try:
         ledger.check_release(uid, epsilon, window=window, ranges=ranges, lineage=lineage,
-                             window_kind=window_kind, others=[*others, *theirs], pending=pending)
+                             window_kind=window_kind, others=[*others, *theirs], pending=pending,
+                             parallel=parallel)
     except BudgetExceeded:
         from .ledger import _ranges_text
         raise BudgetExceeded(
@@ -86,8 +88,12 @@ class ReleaseGate:
     """
 
     def __init__(self, ledger: Ledger, metrics: Metrics, *, epsilon: float, model: str,
-                 stream: str, aggregation: str, directory):
+                 stream: str, aggregation: str, directory, parallel: dict | None = None):
         self.ledger, self.metrics = ledger, metrics
+        #: a breakdown's key: {"group", "member"}, recorded with each release and refusal (the
+        #: charge book takes the largest of a group's members at a position, not their sum)
+        self.parallel = ({"group": parallel["group"], "member": parallel["member"]}
+                         if parallel else None)
         self.epsilon, self.model = float(epsilon), model
         self.stream, self.aggregation = stream, aggregation
         self.dir = Path(directory)
@@ -145,7 +151,8 @@ class ReleaseGate:
                         type(exc).__name__, wid)
         check_registry(self.registry, self.ledger, self._known(siblings), uid, charge, window=wid,
                        ranges=ranges, lineage=closing.get("lineage"),
-                       window_kind=closing.get("kind"), others=others, pending=pending)
+                       window_kind=closing.get("kind"), others=others, pending=pending,
+                       parallel=self.parallel)
 
     def charge_of(self, closing: dict) -> float:
         """What the window's release costs: epsilon, or 0 for a window without events (n is
@@ -162,7 +169,8 @@ class ReleaseGate:
                            "filtered": int(totals.get("filtered", 0))},
                 "stream": self.stream, "aggregation": self.aggregation,
                 "lineage": closing.get("lineage"), "window_kind": closing.get("kind"),
-                "n": int(closing.get("events", 0))}
+                "n": int(closing.get("events", 0)),
+                **({"parallel": dict(self.parallel)} if self.parallel else {})}
 
     def other_charges(self) -> list[dict]:
         """Ledger entries of the stream's other aggregations (their charges count against the
@@ -196,14 +204,15 @@ class ReleaseGate:
         try:
             flying = [{"kind": "release", "epsilon_spent": j["charge"], "ranges": j["ranges"],
                        "lineage": j["window"].get("lineage"),
-                       "window_kind": j["window"].get("kind")} for j in in_flight]
+                       "window_kind": j["window"].get("kind"),
+                       "parallel": self.parallel} for j in in_flight]
             siblings = self._sibling_ledgers() if ranges else []
             others = [*(e for entries in siblings for e in entries), *flying] if ranges else []
             pending = sum(j["charge"] for j in in_flight)
             self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
                                       lineage=closing.get("lineage"),
                                       window_kind=closing.get("kind"),
-                                      others=others, pending=pending)
+                                      others=others, pending=pending, parallel=self.parallel)
             if self.registry is not None and ranges and charge > 0:
                 self._check_registry(uid, wid, ranges=ranges, charge=charge, closing=closing,
                                      siblings=siblings, others=others, pending=pending)

@@ -379,6 +379,12 @@ class ItemSettings(Section):
         brief='... e.g. "login" are events; the rest are filtered (not rejects)',
         doc="the value `item.filter_field` must have for a record to be an event (compared as "
             "text; see there)")
+    filter_exclude: tuple[str, ...] = setting(
+        (), identity="item",
+        brief="with filter_field and no filter_value: records with one of these are filtered",
+        doc="with `item.filter_field` and an empty `filter_value`: the records whose field is one "
+            "of these (compared as text) are filtered, all others are events (the field missing "
+            "included). A `[breakdown]` sets it for its `other` key")
 
 
 @dataclass(frozen=True, eq=False)
@@ -484,6 +490,13 @@ class StateSettings(Section):
             "the release are jointly epsilon-DP; `state-only`: better accuracy, caveat printed in"
             " each release; `shuffle`: the shuffle model's analyzer, reading the shuffler's "
             "analyzer topic (`[shuffle]` below, docs/shuffle.md)")
+    privacy_unit: str = setting(
+        "event", choices=("event", "user"),
+        brief="event (each window is eps-DP per event); user: not built yet",
+        doc="what one neighbour differs in: `event` (the service: each window is eps-DP for one "
+            "event changed, so a source that contributes g events is protected at g x eps). "
+            "`user` (every user protected however often they appear: the density state of "
+            "docs/privacy_unit.md) is not a service setting yet and is refused")
     loss: str = setting(
         "l1", choices=("l1", "l2"),
         brief="l1 | l2",
@@ -754,6 +767,33 @@ class AuditSettings(Section):
 
 
 @dataclass(frozen=True, eq=False)
+class BreakdownSettings(Section):
+    """[breakdown]: one release per key of a public key domain, each event charged once
+    (parallel composition, docs/privacy.md section 24)"""
+
+    field: str = setting(
+        "",
+        brief='e.g. "country": one histogram per key of the records\' field',
+        doc="the dotted path of the key field (compared as text, like `item.filter_field`); set, "
+            "the service runs one aggregation per key of `breakdown.keys` (each filtered to its "
+            "key, released in `release.dir/KEY`) and charges each event once: the keys are one "
+            "parallel composition (docs/privacy.md section 24). Not with `[aggregations]`, "
+            "`window.rollups`, `scale.partitioned` or `state.model = shuffle`")
+    keys: tuple[str, ...] = setting(
+        (),
+        brief='the public key domain, fixed before the data, e.g. ["de", "fr", "it"]',
+        doc="the public key domain: each key names its aggregation (a lowercase letter, then up "
+            "to 31 of a-z 0-9 _ -). It must be chosen without the data (a key list read off the "
+            "stream would itself leak); at least one key, at most 1,000")
+    other: bool = setting(
+        True,
+        brief="true: records outside the keys are counted in key `other`",
+        doc="`true`: records whose key is not in `breakdown.keys` (the field missing included) "
+            "are counted and released in one more key, `other`; `false`: they are filtered (not "
+            "events, counted by `panagg_filtered_records_total`) and appear in no release")
+
+
+@dataclass(frozen=True, eq=False)
 class ScaleSettings(Section):
     """[scale]: several processes in one group (docs/scale-out.md)"""
 
@@ -888,6 +928,8 @@ class AggregationSettings(Section):
     budget_per_event: float | None = None
     epsilon_per_event: float | None = field(default=None, metadata={"derived": True})
     rollup_level: Mapping | None = field(default=None, metadata={"derived": True})
+    #: a breakdown's key: {"group": "breakdown:FIELD", "member": KEY, "of": n keys}
+    parallel: Mapping | None = field(default=None, metadata={"derived": True})
 
 
 #: section name -> its class, in the order of docs/configuration.md
@@ -895,8 +937,8 @@ SECTIONS: dict[str, type[Section]] = {
     "source": SourceSettings, "item": ItemSettings, "security": SecuritySettings,
     "state": StateSettings, "window": WindowSettings, "checkpoint": CheckpointSettings,
     "release": ReleaseSettings, "ledger": LedgerSettings, "metrics": MetricsSettings,
-    "audit": AuditSettings, "scale": ScaleSettings, "shuffle": ShuffleSettings,
-    "testing": TestingSettings}
+    "breakdown": BreakdownSettings, "audit": AuditSettings, "scale": ScaleSettings,
+    "shuffle": ShuffleSettings, "testing": TestingSettings}
 
 
 #: "section.key" -> its :class:`Setting`, every settable key in the order of the sections
@@ -948,6 +990,7 @@ class Config(_Fields):
     release: ReleaseSettings = field(default_factory=ReleaseSettings)
     ledger: LedgerSettings = field(default_factory=LedgerSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    breakdown: BreakdownSettings = field(default_factory=BreakdownSettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
     scale: ScaleSettings = field(default_factory=ScaleSettings)
     shuffle: ShuffleSettings = field(default_factory=ShuffleSettings)

@@ -124,6 +124,8 @@ def collect_status(state_dir) -> dict:
     status["budget"] = {"spent": spent, "total": total,
                         "remaining": None if total is None else max(0.0, total - spent),
                         "per_window": identity.get("epsilon")}
+    from ..release import PRIVACY_UNIT, PRIVACY_UNIT_CONSEQUENCE
+    status["privacy_unit"] = {"unit": PRIVACY_UNIT, "consequence": PRIVACY_UNIT_CONSEQUENCE}
     history = release_history(ledger)
     status["releases"] = len(history)
     status["last_release"] = history[-1] if history else None
@@ -162,6 +164,9 @@ def format_status(s: dict) -> list[str]:
                      f"{ident.get('mode')} mode over {ident.get('domain'):,} counters, eps "
                      f"{ident.get('epsilon'):g} per window, {ident.get('window')} windows, "
                      f"model {ident.get('model')}")
+    if s.get("privacy_unit"):
+        from ..release import privacy_unit_clause
+        lines.append(privacy_unit_clause())
     win = s.get("window")
     live = s.get("live") or {}
     if win:
