@@ -190,7 +190,9 @@ def crash_at_the_checkpoint_after_a_release(agg, feed):
     agg._agg.close()  # (the process is gone: its lock with it)
 
 
-def test_a_window_ledgered_before_a_crash_is_not_counted_again(tmp_path):
+def _crashed_after_window_0(tmp_path):
+    """Two partitions fed, window 0 released from A's 600 and B's 300 records, then a crash
+    at the checkpoint after B's next 200: returns the items and both partitions' records."""
     xs = items(1400, seed=6)
     a = [msgpack.packb({"item": i}) for i in xs[:700]]
     b = [msgpack.packb({"item": i}) for i in xs[700:]]
@@ -199,6 +201,11 @@ def test_a_window_ledgered_before_a_crash_is_not_counted_again(tmp_path):
     agg.feed_records(b[:300], partition="B")
     crash_at_the_checkpoint_after_a_release(
         agg, lambda: agg.feed_records(b[300:500], partition="B", offsets=range(300, 500)))
+    return xs, a, b
+
+
+def test_a_window_ledgered_before_a_crash_is_not_counted_again(tmp_path):
+    xs, a, b = _crashed_after_window_0(tmp_path)
     with Aggregation(cfg_for(tmp_path)) as agg:
         # the ledgered window is passed: the next starts at its ledgered end
         assert agg.window == 1 and agg.resume_offsets == {"A": 600, "B": 400}
@@ -218,14 +225,7 @@ def test_a_replay_held_in_one_partition_keeps_its_later_records(tmp_path, monkey
     (not dropped)."""
     from aggregator.service import process
 
-    xs = items(1400, seed=6)
-    a = [msgpack.packb({"item": i}) for i in xs[:700]]
-    b = [msgpack.packb({"item": i}) for i in xs[700:]]
-    agg = Aggregation(cfg_for(tmp_path))
-    agg.feed_records(a[:600], partition="A")
-    agg.feed_records(b[:300], partition="B")
-    crash_at_the_checkpoint_after_a_release(
-        agg, lambda: agg.feed_records(b[300:500], partition="B", offsets=range(300, 500)))
+    xs, a, b = _crashed_after_window_0(tmp_path)
     monkeypatch.setattr(process.Aggregator, "_skip_decided_window", lambda self, task: False)
     with Aggregation(cfg_for(tmp_path)) as agg:
         assert agg.window == 0 and agg.resume_offsets == {}
