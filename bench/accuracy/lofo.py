@@ -1063,6 +1063,8 @@ def choice_report() -> None:
                 print(f"| {label} | {counts} | " + " | ".join(
                     cell(w, r, keys) for w in WINDOWS for r in rules) + " |")
             print()
+            if len(set(fam.values())) < 2:  # nothing to choose on with one family held out
+                continue
             held, picks = [], []
             for f in sorted(set(fam.values())):
                 train = [k for k in fam if fam[k] != f]
