@@ -21,6 +21,13 @@ Usage (results accumulate in out/lofo_results.<shard>.pkl; shards run in paralle
 the others of :data:`EXTRA`, e.g. ``auto_item_space``, ``auto_pilot_shrunk``; with ``--run`` and
 ``--report``) adds candidates that were tried for the worst held-out cells and not adopted.
 
+Issue 51's choice: ``--extra xfit,auto_xfit,auto_flag`` runs the library's ``xfit`` (the EM
+stopped by cross-fitting, with n; on the buckets in hashed mode), ``auto`` with ``xfit`` among
+its candidates, and the flag-driven fallback (the NPMLE when the default release raises its own
+``signal_below_noise``, else ``auto``); ``--choice`` reports them per family in all, flagged and
+unflagged windows (docs/estimators.md, "The choice held out"). ``--max-counters N --keep DIST``
+leaves the larger direct cells out of a run that must fit the time.
+
 Benchmark only: seeded numpy noise (bench.accuracy.grid.draw).
 """
 
@@ -390,6 +397,78 @@ def _auto_simpler_start(mode, vc, p, k, n, B):
         forget_fits()
 
 
+def _xfit(mode, vc, p, k, n, B):
+    """The library's ``xfit`` (the EM stopped by cross-fitting, fitting under the public n in
+    every M-step), both modes: in hashed mode on the bucket counters, whose totals sum to n,
+    then inverted as every hashed estimator is (``largedomain.hashed_histogram``)."""
+    return grid.estimate_y(mode, vc, p, k, "xfit", n, B)
+
+
+@contextlib.contextmanager
+def _with_xfit(n):
+    """``auto`` (``selection.select``) with ``xfit`` among its candidates, with both cap rules
+    (issue 51: "put every estimator the library has into the choice"). ``selection`` fits the
+    candidates that are not pilots through ``basic_prevalence``, on the real counters and on
+    every simulated state: here that name also knows ``xfit``, given ``n`` (the window's public
+    n in direct mode, where the stand-ins are capped at n; None in hashed mode, where ``auto``
+    runs without n, ``largedomain.hashed_phi_estimate``)."""
+    from aggregator import selection
+    from aggregator.crossfit import crossfit_prevalence
+    from aggregator.estimate import forget_fits
+    plain = selection.basic_prevalence
+
+    def basic(vc_, p_, *, layers=1, method="deconvolution", hashed=False):
+        if method == "xfit":
+            return crossfit_prevalence(vc_, p_, layers=layers, n=n)
+        return plain(vc_, p_, layers=layers, method=method, hashed=hashed)
+    kw = selection.select.__kwdefaults__
+    old = kw["candidates"]
+    kw["candidates"] = tuple(old) + (("xfit", "items"), ("xfit", "scale"))
+    selection.basic_prevalence = basic
+    forget_fits()  # no memo crosses between this and the library's auto on the same counters
+    try:
+        yield
+    finally:
+        selection.basic_prevalence = plain
+        kw["candidates"] = old
+        forget_fits()
+
+
+def _auto_xfit(mode, vc, p, k, n, B):
+    """``auto`` with ``xfit`` (items and scale caps) among its candidates (:func:`_with_xfit`),
+    both modes."""
+    with _with_xfit(n if mode == "direct" else None):
+        return grid.estimate_y(mode, vc, p, k, "auto", n, B)
+
+
+FLAG_LOG: list = []  # (layers, the release's signal_below_noise) per auto_flag call, in order
+
+
+def _flagged(mode, vc, p, k, n, B) -> bool:
+    """The default release's own ``signal_below_noise`` (the public SNR below
+    ``intervals.SNR_MIN`` or the distinct-items interval reaching 2x off), as
+    ``release.estimate_with_accuracy`` computes it (its bootstrap seeded here: a benchmark)."""
+    from aggregator.estimate import forget_fits
+    from aggregator.release import estimate_with_accuracy
+    forget_fits()
+    try:
+        _, acc = estimate_with_accuracy(vc, p, layers=k, n=n, buckets=B if mode == "hashed"
+                                        else None, rng=np.random.default_rng([20261129, k]))
+    finally:
+        forget_fits()
+    return bool(acc["signal_below_noise"])
+
+
+def _auto_flag(mode, vc, p, k, n, B):
+    """The flag-driven fallback (issue 51): the converged NPMLE (``mle``) when the default
+    release's own ``signal_below_noise`` flag is raised, else ``auto``; the flag is a function
+    of the counters and public quantities (post-processing, no privacy cost). Logs the flag
+    (:data:`FLAG_LOG`) so the report can split flagged from unflagged windows."""
+    flag = _flagged(mode, vc, p, k, n, B)
+    FLAG_LOG.append((k, flag))
+    return grid.estimate_y(mode, vc, p, k, "mle" if flag else "auto", n, B)
+
+
 #: name: (modes, estimator); each returns the uncapped projected phi_{>=r} as grid.estimate_y
 EXTRA = {"em_held": (("direct",), _em_held),
          "auto_em_held": (("direct",), _auto_em_held),
@@ -405,7 +484,10 @@ EXTRA = {"em_held": (("direct",), _em_held),
          "auto_smoothed": (("direct",), _auto_smoothed),
          "auto_item_space": (("hashed",), _auto_item_space),
          "auto_pilot_shrunk": (("direct",), _auto_pilot_shrunk),
-         "auto_simpler_start": (("direct",), _auto_simpler_start)}
+         "auto_simpler_start": (("direct",), _auto_simpler_start),
+         "xfit": (("direct", "hashed"), _xfit),
+         "auto_xfit": (("direct", "hashed"), _auto_xfit),
+         "auto_flag": (("direct", "hashed"), _auto_flag)}
 EXTRA_RUN: list = []  # --extra
 
 
@@ -482,16 +564,32 @@ def _save(shard: int, key, res) -> None:
 FIRST_REP = 0  # --first-rep: the index of the first repetition drawn
 
 
+MAX_COUNTERS: list = []  # --max-counters N [--keep DIST ...]: [N, {DIST, ...}]
+
+
+def _kept(c: Cell) -> bool:
+    """Whether ``--max-counters`` keeps the cell: hashed cells, direct cells of at most N
+    counters, and the direct cells of a ``--keep`` distribution whatever their size."""
+    if not MAX_COUNTERS or c.mode != "direct":
+        return True
+    limit, keep = MAX_COUNTERS
+    return c.counters <= limit or c.dist in keep
+
+
 def run(shard: tuple[int, int]) -> None:
     i, k = shard
-    todo = [c for idx, c in enumerate(cells()) if idx % k == i and c.mode in MODES_RUN]
+    todo = [c for idx, c in enumerate(cells()) if idx % k == i and c.mode in MODES_RUN
+            and _kept(c)]
     for c in todo:
         if c.key in load():
             continue
         t = time.time()
         methods = METHODS + tuple(m for m in EXTRA_RUN if c.mode in EXTRA[m][0])
+        FLAG_LOG.clear()
         res = grid.run_cell(c, layers=LAYERS, methods=methods, estimate=_estimate_y,
                             reps=range(FIRST_REP, FIRST_REP + c.reps))
+        if FLAG_LOG:  # auto_flag ran: each (layers, repetition)'s signal_below_noise
+            res.flags = {k: [f for kk, f in FLAG_LOG if kk == k] for k in LAYERS}
         _save(i, c.key, res)
         print(f"{c.mode} {c.dist} n={c.n} D={c.D} eps={c.eps}: {time.time() - t:.1f} s",
               flush=True)
@@ -898,6 +996,90 @@ def versus_report(extra: str, mode: str = "direct") -> None:
         print()
 
 
+CHOICE_RULES = (("auto", "items"), ("auto_xfit", "items"), ("auto_flag", "items"))
+WINDOWS = ("all", "flagged", "unflagged")
+
+
+def _choice_regrets(results: dict, mode: str, layers: int) -> dict:
+    """{window group: {cell key: {candidate: regret}}}: each candidate's mean error over the
+    group's repetitions of the cell (all of them, those whose default release raised its own
+    ``signal_below_noise``, those that did not: the flags ``auto_flag`` logged) over the
+    smallest such mean of every candidate the cells hold (the fixed ones, ``xfit`` and the
+    rules themselves); a cell without repetitions in a group is not in it."""
+    mine = {key: res for key, res in results.items() if key[0] == mode}
+    cands = [c for c in CANDIDATES if mine and all((layers, *c) in r.l1 for r in mine.values())]
+    out: dict = {w: {} for w in WINDOWS}
+    for key, res in mine.items():
+        flags = np.asarray(getattr(res, "flags", {}).get(layers, []), bool)
+        E = {c: np.asarray(res.l1[(layers, *c)], float) for c in cands}
+        for w in WINDOWS:
+            idx = (np.ones(len(flags), bool) if w == "all" else flags if w == "flagged"
+                   else ~flags)
+            if not idx.any():
+                continue
+            e = {c: float(v[idx].mean()) for c, v in E.items()}
+            best = min(e.values())
+            out[w][key] = {c: (v / best if best > 0 else (1.0 if v == 0 else math.inf))
+                           for c, v in e.items()}
+    return out
+
+
+def choice_report() -> None:
+    """Issue 51's choice: per family, the median and worst regret of ``auto`` (the default),
+    ``auto_xfit`` (``xfit`` among its candidates) and ``auto_flag`` (the NPMLE when the default
+    release raises its own flag), each items-capped, in all windows and in flagged and unflagged
+    ones, against the best of every candidate run (fixed ones and ``xfit`` with both caps, and
+    the rules); then the rule chosen leaving each family out (lowest worst regret on the other
+    families' cells, ties: the geometric mean), scored on the held-out family."""
+    results = load()
+    if not results or not any(hasattr(r, "flags") for r in results.values()):
+        print("no auto_flag results: run with --extra xfit,auto_xfit,auto_flag")
+        return
+    reps = sorted({len(r.items) for r in results.values()})
+    print(f"{len(results)} cells in {OUT}, {'/'.join(map(str, reps))} repetitions each\n")
+    names = {"auto": "auto", "auto_xfit": "auto+xfit", "auto_flag": "flag fallback"}
+    for mode in ("direct", "hashed"):
+        for layers in LAYERS:
+            reg = _choice_regrets(results, mode, layers)
+            if not reg["all"]:
+                continue
+            fam = {k: family(results[k].cell) for k in reg["all"]}
+            rules = [c for c in CHOICE_RULES if c in next(iter(reg["all"].values()))]
+            print(f"### {mode} mode, {layers} layer{'s' if layers > 1 else ''} "
+                  f"({len(reg['all'])} cells, {len(reg['flagged'])} with a flagged window)\n")
+            print("Regret median / worst per family (cells: all / with a flagged window / "
+                  "with an unflagged one):\n")
+            print("| family | cells | " + " | ".join(
+                f"{names[r[0]]}, {w}" for w in WINDOWS for r in rules) + " |")
+            print("|---|---|" + "---|" * (len(WINDOWS) * len(rules)))
+
+            def cell(w, r, keys):
+                v = [reg[w][k][r] for k in keys if k in reg[w]]
+                return f"{np.median(v):.2f} / {max(v):.2f}" if v else "-"
+            for f in sorted(set(fam.values())) + ["all families"]:
+                keys = [k for k in fam if f in (fam[k], "all families")]
+                counts = "/".join(str(sum(k in reg[w] for k in keys)) for w in WINDOWS)
+                label = f"**{f}**" if f == "all families" else f
+                print(f"| {label} | {counts} | " + " | ".join(
+                    cell(w, r, keys) for w in WINDOWS for r in rules) + " |")
+            print()
+            if len(set(fam.values())) < 2:  # nothing to choose on with one family held out
+                continue
+            held, picks = [], []
+            for f in sorted(set(fam.values())):
+                train = [k for k in fam if fam[k] != f]
+                pick_ = min(rules, key=lambda r: (max(reg["all"][k][r] for k in train),
+                                                  float(np.mean([math.log(reg["all"][k][r])
+                                                                 for k in train]))))
+                picks.append(pick_)
+                held += [reg["all"][k][pick_] for k in fam if fam[k] == f]
+            h = np.asarray(held)
+            print("Rule chosen leaving each family out (lowest worst regret on the others): "
+                  + ", ".join(f"{names[r[0]]} {picks.count(r)}" for r in rules if r in picks)
+                  + f" of {len(picks)} folds; held out median {np.median(h):.2f}, geometric "
+                  f"mean {np.exp(np.mean(np.log(h))):.2f}, worst {h.max():.2f}.\n")
+
+
 def compare(other: Path) -> None:
     """Per cell, the mean l1 error of auto / deconvolution / mle (items cap) here and in the
     results under ``other`` (the same cells and seeded draws, run at another commit), and the
@@ -987,6 +1169,16 @@ def main(argv=None) -> int:
                     help="run: the real profiles of the direct cells as hashed items (n = D/10, "
                          "D, 10 D) instead of this bench's cells, e.g. with --out "
                          "out/lofo_hashed_real")
+    ap.add_argument("--max-counters", type=int, metavar="N",
+                    help="run: leave out the direct cells of more than N counters (a run that "
+                         "fits the time), except those of the --keep distributions")
+    ap.add_argument("--keep", action="append", default=[], metavar="DIST",
+                    help="with --max-counters: keep this distribution's cells whatever their "
+                         "size (e.g. heavy: issue 28's blocked cell)")
+    ap.add_argument("--choice", action="store_true",
+                    help="report: per family, auto against auto_xfit and auto_flag (run with "
+                         "--extra xfit,auto_xfit,auto_flag), in all, flagged and unflagged "
+                         "windows, and the rule picked leaving each family out")
     args = ap.parse_args(argv)
     global OUT, CANDIDATES, REPS, FIRST_REP, LAYERS
     if args.smoke:
@@ -1006,6 +1198,8 @@ def main(argv=None) -> int:
         ap.error("--grid-hashed and --hashed-real are two cell sets: run them apart")
     CELL_SET[:] = ["grid-hashed"] if args.grid_hashed else ["hashed-real"] if \
         args.hashed_real else ["smoke"] if args.smoke else []
+    if args.max_counters:
+        MAX_COUNTERS[:] = [args.max_counters, set(args.keep)]
     if args.fixed_tol:
         from aggregator import deconvolution
         deconvolution.deconv_tol = lambda p, layers=1, hashed=False: deconvolution.DECONV_TOL
@@ -1036,6 +1230,8 @@ def main(argv=None) -> int:
         versus_report(args.versus, args.mode or "direct")
     if args.oracles:
         oracle_report(args.mode or "direct")
+    if args.choice:
+        choice_report()
     return 0
 
 
