@@ -4,8 +4,10 @@ refusal and why a topic cannot replay an open window."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
-__all__ = ["PartialAssignment", "partial_assignment_error", "partition_key", "replay_problem"]
+__all__ = ["PartialAssignment", "RecordColumn", "partial_assignment_error", "partition_key",
+           "replay_problem"]
 
 log = logging.getLogger("panagg.kafka")
 
@@ -57,3 +59,39 @@ def replay_problem(topic: str, config: dict[str, str] | None, window_seconds: fl
                     "without that window move the checkpoints away and start with "
                     "--fresh-start")
     return None
+
+
+class RecordColumn(Sequence):
+    """One field (key, headers or timestamp) of a poll's records, read only where it is used:
+    the service reads keys for dead letters and the keyed-topic sample, headers only for
+    ``item.source = header``, so building a list of every record's key and headers on each poll
+    (about 60 ns a record) is wasted in the common case. ``get`` reads the field of one record
+    (an ``itemgetter`` for kafka-python's tuples, a method call for librdkafka's messages).
+    Indexing, slicing and iteration give the same values as the list would."""
+
+    __slots__ = ("_records", "_get")
+
+    def __init__(self, records, get):
+        self._records, self._get = records, get
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return RecordColumn(self._records[i], self._get)
+        return self._get(self._records[i])
+
+    def __iter__(self):
+        get = self._get
+        return (get(r) for r in self._records)
+
+    def __eq__(self, other):
+        if isinstance(other, (list, tuple, RecordColumn)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"RecordColumn({list(self)!r})"

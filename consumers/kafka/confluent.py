@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from ..base import Segment, Source
 from ..kafka_security import KafkaConnectError, SecurityError, client_options
-from .common import partial_assignment_error, partition_key, replay_problem
+from .common import RecordColumn, partial_assignment_error, partition_key, replay_problem
 
 __all__ = ["ConfluentSource", "librdkafka_options"]
 
@@ -88,35 +88,6 @@ def _import():
             'source.client = "confluent" needs confluent-kafka: pip install '
             "'panagg[confluent]' (or set source.client = \"kafka-python\")") from None
     return confluent_kafka
-
-
-class MessageColumn(Sequence):
-    """One field (key, headers or timestamp) of a poll's messages, read where it is used (the
-    service reads keys and headers rarely): list semantics without a list per poll."""
-
-    __slots__ = ("_msgs", "_get")
-
-    def __init__(self, msgs, get):
-        self._msgs, self._get = msgs, get
-
-    def __len__(self) -> int:
-        return len(self._msgs)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return MessageColumn(self._msgs[i], self._get)
-        return self._get(self._msgs[i])
-
-    def __iter__(self):
-        get = self._get
-        return (get(m) for m in self._msgs)
-
-    def __eq__(self, other):
-        if isinstance(other, (list, tuple, Sequence)):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None
 
 
 def _key(m):
@@ -286,8 +257,8 @@ class ConfluentSource(Source):
             offsets: Sequence[int] = (range(first, last + 1) if last - first == len(ms) - 1
                                       else [m.offset() for m in ms])
             segments.append(Segment(partition_key(self.topic, part), offsets,
-                                    [m.value() for m in ms], MessageColumn(ms, _key),
-                                    MessageColumn(ms, _headers), MessageColumn(ms, _timestamp)))
+                                    [m.value() for m in ms], RecordColumn(ms, _key),
+                                    RecordColumn(ms, _headers), RecordColumn(ms, _timestamp)))
         return segments
 
     def _message_error(self, err) -> None:

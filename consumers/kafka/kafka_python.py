@@ -10,7 +10,7 @@ so that lag shows up in the usual Kafka tooling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from operator import itemgetter
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer
 from kafka.consumer.fetcher import ConsumerRecord
@@ -20,7 +20,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from ..base import Segment, Source
 from ..kafka_security import KafkaConnectError, SecurityError, client_options, diagnose_connect
 from . import compat
-from .common import (PartialAssignment, partial_assignment_error, partition_key,
+from .common import (PartialAssignment, RecordColumn, partial_assignment_error, partition_key,
                      replay_problem)
 
 __all__ = ["KafkaSource", "PartialAssignment", "partition_key", "parse_partition_key"]
@@ -36,8 +36,9 @@ def parse_partition_key(key: str) -> TopicPartition:
 _CALL_MS = 5000  # bound on every blocking client call outside poll()
 
 
-_KEY, _HEADERS = ConsumerRecord._fields.index("key"), ConsumerRecord._fields.index("headers")
-_TIMESTAMP = ConsumerRecord._fields.index("timestamp")
+_KEY = itemgetter(ConsumerRecord._fields.index("key"))
+_HEADERS = itemgetter(ConsumerRecord._fields.index("headers"))
+_TIMESTAMP = itemgetter(ConsumerRecord._fields.index("timestamp"))
 
 
 def _offsets(records) -> range | list[int]:
@@ -48,41 +49,6 @@ def _offsets(records) -> range | list[int]:
     if last - first == len(records) - 1:
         return range(first, last + 1)
     return [r.offset for r in records]
-
-
-class RecordColumn(Sequence):
-    """One field (key or headers) of a poll's records, read only where it is used: the service
-    reads keys for dead letters and the keyed-topic sample, headers only for
-    ``item.source = header``, so building a list of every record's key and headers on each poll
-    (about 60 ns a record) is wasted in the common case. Indexing, slicing and iteration give the
-    same values as the list would."""
-
-    __slots__ = ("_records", "_field")
-
-    def __init__(self, records, field: int):
-        self._records, self._field = records, field
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return RecordColumn(self._records[i], self._field)
-        return self._records[i][self._field]
-
-    def __iter__(self):
-        field = self._field
-        return (r[field] for r in self._records)
-
-    def __eq__(self, other):
-        if isinstance(other, (list, tuple, RecordColumn)):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"RecordColumn({list(self)!r})"
 
 
 class _SeekOnAssign(ConsumerRebalanceListener):
