@@ -142,6 +142,7 @@ def _no_plan_simulation_in_process(request, monkeypatch):
 _BROKER_FIXTURES = {"kafka_broker", "_restartable_broker", "restartable_broker"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``):
     every test on a real broker (tests/integration, the fault matrix of tests/chaos, a test with
@@ -153,3 +154,19 @@ def pytest_collection_modifyitems(config, items):
         if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) \
                 or parts & {"integration", "chaos"}:
             item.add_marker(pytest.mark.xdist_group("broker"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` pytest-xdist groups by a suffix it writes into each marked node
+    id; a pytest that ignores the write (9.2, pytest-xdist#1386) would run the broker tests on
+    both workers at once, slower and flaky. Say so instead of running."""
+    config = session.config
+    if not getattr(config, "workerinput", None) or not config.getvalue("loadgroup"):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} does not let pytest-xdist group tests ({lost[0]} has no "
+            f"group suffix): install the tested pytest with `pip install 'pytest<9.2'`")
