@@ -10,6 +10,7 @@ one invariant (tests/chaos/invariant.py).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="runs of each mode x fault")
     ap.add_argument("--first-seed", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=16.0, help="production time per run")
+    ap.add_argument("--faults-per-run", type=int, default=2,
+                    help="kills or broker outages at random moments of each run")
     ap.add_argument("--doc", help="write the table to this markdown file")
     ap.add_argument("--json", help="append each run's result to this JSON-lines file")
     args = ap.parse_args(argv)
@@ -46,7 +49,8 @@ def main(argv=None) -> int:
                         seed = args.first_seed + k
                         res = run_case(broker, mode, fault, seed,
                                        Path(tmp) / f"{mode}-{fault}-{seed}",
-                                       seconds=args.seconds)
+                                       seconds=args.seconds,
+                                       faults=args.faults_per_run)
                         rows.append(res)
                         print(f"{mode:15s} {fault:18s} seed {seed}: "
                               f"{'ok' if res.ok else 'VIOLATED'} produced {res.produced} "
@@ -82,6 +86,17 @@ def _table(rows, command: str, seconds: float) -> str:
                      f"{sum(not r.ok for r in rs)} |")
     lines.append(f"| **all** | | {len(rows)} | {sum(r.faults for r in rows)} | "
                  f"{sum(r.produced for r in rows):,} | | | {sum(not r.ok for r in rows)} |")
+    for label, pick in (("a group", lambda r: MODES[r.mode].members > 0),
+                        ("one process", lambda r: MODES[r.mode].members == 0)):
+        back = [s for r in rows if pick(r) for s in r.resume_s]
+        seen = sorted(s for s in back if s is not None)
+        if back:
+            lines.append("")
+            lines.append(f"Next release after the broker's return, {label}: median "
+                         f"{statistics.median(seen):.1f} s over {len(seen)} returns"
+                         if seen else f"Next release after the broker's return, {label}: none")
+            if len(seen) < len(back):
+                lines[-1] += f" ({len(back) - len(seen)} returns with no release after them)"
     return "\n".join(lines)
 
 

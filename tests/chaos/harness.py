@@ -268,9 +268,9 @@ class _Service:
 
 
 def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
-             seconds: float = 16.0, settle: float = 3.0) -> Result:
+             seconds: float = 16.0, settle: float = 3.0, faults: int = 2) -> Result:
     """One run of ``mode`` under ``fault`` (module docstring); ``seed`` draws the fault's
-    moments and the events."""
+    moments and the events; ``faults`` kills or broker outages at random moments of the run."""
     rng = random.Random(seed)
     spec = MODES[mode]
     res = Result(mode, fault, seed)
@@ -325,7 +325,7 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
         for name in names[1:]:
             services[name].start()
     t0 = time.monotonic()
-    planned = sorted(rng.uniform(2, seconds - 2) for _ in range(2))
+    planned = sorted(rng.uniform(2, seconds - 2) for _ in range(faults))
     while time.monotonic() < t0 + seconds:
         for svc in services.values():
             svc.check_alive()

@@ -122,10 +122,13 @@ class Members:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    def logs(self, last=3000):
+    def logs(self, last=3000, first=1500):
         out = []
         for f in sorted(self.tmp.glob("*.log")):
-            out.append(f"--- {f.name}\n{f.read_text()[-last:]}")
+            text = f.read_text()
+            if len(text) > first + last:
+                text = f"{text[:first]}\n[...]\n{text[-last:]}"   # how it began, how it ends
+            out.append(f"--- {f.name}\n{text}")
         return "\n".join(out)
 
 

@@ -61,9 +61,19 @@ class Membership:
     def holds(self, partitions) -> bool:
         """Whether ``partitions`` of the counted topic are still this member's, in the
         generation of the last sync."""
+        return self.why_not(partitions) is None
+
+    def why_not(self, partitions) -> str | None:
+        """Why ``partitions`` are not (any more) this member's in the generation of the last
+        sync, in words for the log; None when they are."""
         if self.generation is None:
-            return False
-        if self.consumer.group_metadata().generation_id != self.generation.generation_id:
-            return False
+            return "not synced with the group yet"
+        now = self.consumer.group_metadata()
+        if now.generation_id != self.generation.generation_id:
+            return (f"the group moved from generation {self.generation.generation_id} to "
+                    f"{now.generation_id} ({getattr(now, 'state', '?')})")
         owned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.counted}
-        return set(partitions) <= owned
+        lost = sorted(set(partitions) - owned)
+        if lost:
+            return f"partition(s) {', '.join(map(str, lost))} no longer assigned here"
+        return None

@@ -353,6 +353,7 @@ class ViewCounter:
 
         w = task.window
         if not self._still_owned(task):
+            log.info("window %d is not closed here: %s", w, self._why_not_owned(task))
             self._drop_window(w)
             self._needs_sync = True
             return False
@@ -412,6 +413,11 @@ class ViewCounter:
         (kafka-python rejoins in its background thread: a rebalance may have moved them since
         the last poll, and its listener only marks the sync as needed)."""
         return not self._needs_sync and self.membership.holds(task.ranges)
+
+    def _why_not_owned(self, task: MemberWindow) -> str:
+        if self._needs_sync:
+            return "a rebalance came since the last sync"
+        return self.membership.why_not(task.ranges) or "?"
 
     def _params(self):
         from types import SimpleNamespace
