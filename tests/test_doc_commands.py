@@ -1,0 +1,121 @@
+"""Every shell command of README.md and docs/*.md names what exists (issue 54: the docs' shell
+snippets were never run). A ```sh block needs a broker, Docker or a cluster to run, so each line is
+checked as far as it can be here without one:
+
+- ``panagg ...`` (also ``.venv/bin/panagg``, ``docker compose exec SVC panagg``) parses with the
+  CLI's own parser, and a ``run`` line without ``--config`` loads its ``--set`` settings and flags
+  as the service would (unknown keys, bad values and refused combinations fail here);
+- ``python -m MODULE`` and ``python FILE.py`` name a module or a file of the repository;
+- ``make TARGET`` names a Makefile target; a ``deploy/...``, ``tests/...`` or ``examples/...``
+  path exists.
+
+Placeholders the page explains (``PORT``, ``FILE``, ``BROKER``, ``$k``) are filled in first.
+"""
+
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from aggregator.service.cli import UsageError, _load, build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FILL = [(re.compile(r"\$\(\(\s*9463\s*\+\s*k\s*\)\)"), "9464"), (re.compile(r"\$k\b"), "1"),
+        (re.compile(r"127\.0\.0\.1:PORT"), "127.0.0.1:9092"),
+        (re.compile(r"\$\(openssl rand -\w+ \d+\)"), "00ff")]
+RUN_FLAGS = (("bootstrap", "source.bootstrap"), ("topic", "source.topic"),
+             ("epsilon", "state.epsilon"), ("state_dir", "checkpoint.dir"),
+             ("release_dir", "release.dir"), ("metrics_port", "metrics.port"))
+
+
+def _commands(page: Path):
+    """(line number, command words) of each command of each ```sh block of ``page``."""
+    lines = page.read_text().splitlines()
+    inside, joined, first = False, "", 0
+    for no, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            inside = line.strip() in ("```sh", "```bash", "```shell")
+            continue
+        if not inside:
+            continue
+        if not joined:
+            first = no
+        if line.rstrip().endswith("\\"):
+            joined += line.rstrip()[:-1] + " "
+            continue
+        text, joined = joined + line, ""
+        for old, new in FILL:
+            text = old.sub(new, text)
+        try:
+            words = shlex.split(text, comments=True)
+        except ValueError:
+            continue
+        # one command per piece of a pipe, a list or a loop body
+        piece: list[str] = []
+        for w in [*words, ";"]:
+            if w in (";", "&&", "||", "|", "&", "do", "done", "then"):
+                if piece:
+                    yield first, piece
+                piece = []
+            else:
+                piece.append(w)
+
+
+CASES = [pytest.param(page, no, words, id=f"{page.relative_to(ROOT)}:{no}:{words[0]}")
+         for page in PAGES for no, words in _commands(page)]
+
+
+def _make_targets() -> set[str]:
+    return set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), re.M))
+
+
+def _panagg_args(words: list[str]) -> list[str] | None:
+    """The CLI's arguments when ``words`` run panagg (directly, from a venv, in a container)."""
+    if words[:2] == ["docker", "compose"] and "exec" in words:
+        words = words[words.index("exec") + 2:]   # exec SERVICE panagg ...
+    if words and (words[0] == "panagg" or words[0].endswith("bin/panagg")):
+        return words[1:]
+    return None
+
+
+@pytest.mark.parametrize("page, line, words", CASES)
+def test_a_shell_command_of_the_docs_names_what_exists(page, line, words):
+    where = f"{page.relative_to(ROOT)}:{line}: {' '.join(words)}"
+    args = _panagg_args(words)
+    if args is not None:
+        try:
+            parsed = build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"the CLI refuses {where}")
+        if parsed.command == "run" and not getattr(parsed, "config", None):
+            extra = [f"{key}={getattr(parsed, flag)}" for flag, key in RUN_FLAGS
+                     if getattr(parsed, flag, None) is not None]
+            try:
+                _load(parsed, extra)
+            except UsageError as exc:
+                pytest.fail(f"{where}: {exc}")
+        return
+    head = words[0]
+    if head.endswith("python") or head.startswith("python3"):
+        if len(words) > 2 and words[1] == "-m":
+            module = words[2]
+            path = ROOT / Path(*module.split("."))
+            assert path.with_suffix(".py").exists() or (path / "__main__.py").exists() \
+                or importlib.util.find_spec(module) is not None, f"{where}: no module {module}"
+        elif len(words) > 1 and words[1].endswith(".py"):
+            assert (ROOT / words[1]).exists(), f"{where}: no file {words[1]}"
+    elif head == "make" and len(words) > 1:
+        assert words[1] in _make_targets(), f"{where}: no Makefile target {words[1]}"
+    for w in words:
+        if re.match(r"^(deploy|tests|examples|bench)/[\w./-]+$", w) and "var/" not in w:
+            assert (ROOT / w).exists(), f"{where}: no {w} in the repository"
+
+
+def test_the_shell_blocks_were_found():
+    """The reader above sees the README's own commands (it cannot silently read nothing)."""
+    readme = [words for page, _, words in (c.values for c in CASES) if page.name == "README.md"]
+    assert any(w[:2] == ["make", "demo"] for w in readme)
+    assert sum(_panagg_args(w) is not None for w in readme) >= 10
