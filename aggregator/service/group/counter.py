@@ -165,6 +165,9 @@ class Counter:
 
         self._needs_sync = False
         owned = self.membership.sync()
+        if owned is None:   # between generations: nothing is counted or closed until synced
+            self._needs_sync = True
+            return
         self.is_leader = self.membership.is_leader
         for p in list(self.tasks):
             if p not in owned:

@@ -11,7 +11,23 @@ start loop once produced two committed views of one partition's window without i
 
 from __future__ import annotations
 
-__all__ = ["Membership"]
+__all__ = ["Membership", "fencing", "STABLE"]
+
+#: kafka-python's MemberState.STABLE: joined, assigned, heartbeating
+STABLE = "<stable>"
+
+
+def fencing(meta) -> bool:
+    """Whether a transaction's offsets committed under group metadata ``meta`` are fenced.
+
+    A consumer that fell out of its group (a heartbeat refused after a broker restart, a session
+    timeout) has generation -1 and no member id until it joins again, and keeps its assignment
+    meanwhile. The broker accepts a TxnOffsetCommit with generation -1 and no member id from
+    anyone (old clients sent no group metadata), so a close in that gap would commit a window
+    of partitions another member already counts: two views of one window (seen under load with
+    two members started together). Only a generation and a member id let the broker refuse it.
+    """
+    return getattr(meta, "generation_id", -1) >= 0 and bool(getattr(meta, "member_id", ""))
 
 
 class Membership:
@@ -47,11 +63,15 @@ class Membership:
 
         self.consumer.subscribe([counted, ledger], listener=_Listener())
 
-    def sync(self) -> set[int]:
+    def sync(self) -> set[int] | None:
         """Read the assignment now: pause the ledger's partition (it is read by its own
-        consumer), note whether this member leads; returns the counted partitions owned."""
+        consumer), note whether this member leads; returns the counted partitions owned, or
+        None while the member is between generations (try again after the next poll)."""
+        meta = self.consumer.group_metadata()
+        if not fencing(meta) or meta.state != STABLE:
+            return None
         assigned = self.consumer.assignment()
-        self.generation = self.consumer.group_metadata()
+        self.generation = meta
         ledger_tps = [tp for tp in assigned if tp.topic == self.ledger]
         if ledger_tps:
             self.consumer.pause(*ledger_tps)
@@ -69,6 +89,8 @@ class Membership:
         if self.generation is None:
             return "not synced with the group yet"
         now = self.consumer.group_metadata()
+        if not fencing(now):
+            return f"this member fell out of the group ({getattr(now, 'state', '?')})"
         if now.generation_id != self.generation.generation_id:
             return (f"the group moved from generation {self.generation.generation_id} to "
                     f"{now.generation_id} ({getattr(now, 'state', '?')})")

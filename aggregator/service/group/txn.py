@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import logging
 
-from kafka.errors import KafkaTimeoutError
+from kafka.errors import CommitFailedError, KafkaTimeoutError
 
 from consumers.kafka import compat
+
+from .membership import fencing
 
 __all__ = ["Transactions", "TIMEOUT_S", "drop_stale_offsets", "close_producer"]
 
@@ -84,6 +86,10 @@ class Transactions:
         return self.producer.send(*args, **kwargs)
 
     def send_offsets(self, offsets, group_metadata) -> None:
+        if not isinstance(group_metadata, str) and not fencing(group_metadata):
+            # the broker would take these offsets from a member that fell out of its group
+            # (membership.fencing): refuse here; the caller aborts and syncs again
+            raise CommitFailedError("the consumer is between generations of its group")
         self._bounded(lambda tm: tm.send_offsets_to_transaction(offsets, group_metadata),
                       lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata),
                       "the offsets of the transaction")

@@ -216,6 +216,7 @@ class ViewCounter:
             closes.seek_to_end(tp)
             closes.position(tp)
         self._needs_sync = False
+        self._last_wait: str | None = None
         self.membership = Membership(consumer, source_topic, topics.ledger)
         self.is_leader = False
         self.membership.subscribe(self)
@@ -249,11 +250,16 @@ class ViewCounter:
 
         self._needs_sync = False
         owned = self.membership.sync()
+        if owned is None:   # between generations: nothing is acquired or closed until synced
+            self._needs_sync = True
+            return
         self.is_leader = self.membership.is_leader
         # a window that lost a partition holds that partition's events in its one state: the
-        # whole window is dropped; its other partitions are read again from their commits
+        # whole window is dropped; its other partitions are read again from their commits.
+        # So is a window whose partition was committed past its start meanwhile: another
+        # member held it between two of this member's syncs and wrote its view.
         for w, task in list(self.tasks.items()):
-            if set(task.ranges) - owned:
+            if set(task.ranges) - owned or self._moved_on(task):
                 self._drop_window(w)
         for w, task in self.tasks.items():
             for p, (_, position) in task.ranges.items():
@@ -278,6 +284,18 @@ class ViewCounter:
             log.info("counting partition %d of %s from offset %d (window %d) into this "
                      "member's own state", p, self.source_topic, start, window)
         self.metrics.partitions_owned.set(len(self.where))
+
+    def _moved_on(self, task: MemberWindow) -> bool:
+        """Whether a partition of ``task`` has a committed offset other than the window's start
+        (a view of this window, or a later one, was written by another member)."""
+        from kafka import TopicPartition
+
+        for p, (start, _) in task.ranges.items():
+            committed = self.consumer.committed(TopicPartition(self.source_topic, p),
+                                                timeout_ms=5000)
+            if committed is not None and committed >= 0 and committed != start:
+                return True
+        return False
 
     # -- counting ----------------------------------------------------------------------------
     def _state(self) -> PanPrivateHistogram:
@@ -353,10 +371,15 @@ class ViewCounter:
 
         w = task.window
         if not self._still_owned(task):
-            log.info("window %d is not closed here: %s", w, self._why_not_owned(task))
-            self._drop_window(w)
+            # not closed now: the next sync keeps the window when its partitions are still this
+            # member's and nobody committed past its start, or drops it (replayed elsewhere)
+            why = self._why_not_owned(task)
+            if why != self._last_wait:
+                log.info("window %d waits for the group to settle: %s", w, why)
+                self._last_wait = why
             self._needs_sync = True
             return False
+        self._last_wait = None
         ranges = {f"{self.source_topic}:{p}": list(r) for p, r in sorted(task.ranges.items())}
         info = {"kind": "time", "size": self.size, "events": int(task.events),
                 "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
