@@ -711,3 +711,56 @@ def test_history_of_a_members_scratch_directory_points_at_the_group(tmp_path):
     assert res.stderr.strip().splitlines()[-1] == (
         "panagg: error: give --state-dir (one process) or --group with --bootstrap (a group "
         "with scale.store = kafka)")
+
+
+def test_a_member_between_generations_neither_syncs_nor_commits():
+    """A consumer that fell out of its group keeps its assignment with generation -1 and no
+    member id; the broker takes a TxnOffsetCommit with that metadata from anyone. The membership
+    does not sync then, and the transaction refuses such offsets before the producer sees them."""
+    from kafka import TopicPartition
+    from kafka.errors import CommitFailedError
+    from kafka.structs import ConsumerGroupMetadata
+
+    from aggregator.service.group.membership import Membership, fencing
+    from aggregator.service.group.txn import Transactions
+
+    stable = ConsumerGroupMetadata("g", 7, "m-1", None, "<stable>")
+    fell_out = ConsumerGroupMetadata("g", -1, "", None, "<unjoined>")
+    rejoining = ConsumerGroupMetadata("g", 7, "m-1", None, "<rebalancing>")
+
+    class Consumer:
+        meta = stable
+
+        def group_metadata(self):
+            return self.meta
+
+        def assignment(self):
+            return {TopicPartition("src", 0), TopicPartition("src", 1)}
+
+        def pause(self, *tps):
+            pass
+
+    consumer = Consumer()
+    membership = Membership(consumer, "src", "ledger")
+    assert membership.sync() == {0, 1} and membership.holds([0, 1])
+    consumer.meta = fell_out
+    assert not membership.holds([0, 1])
+    assert "fell out" in membership.why_not([0, 1])
+    assert membership.sync() is None          # the assignment is not taken while out
+    consumer.meta = rejoining
+    assert membership.sync() is None          # nor while the generation is not settled
+    assert fencing(stable) and fencing(rejoining) and not fencing(fell_out)
+
+    sent = []
+
+    class Producer:
+        def send_offsets_to_transaction(self, offsets, meta):
+            sent.append(meta)
+
+    txn = Transactions(Producer)
+    with pytest.raises(CommitFailedError):
+        txn.send_offsets({TopicPartition("src", 0): None}, fell_out)
+    assert sent == []
+    txn.send_offsets({TopicPartition("src", 0): None}, stable)
+    txn.send_offsets({TopicPartition("src", 0): None}, "a-group-id")   # a seed: no generation
+    assert sent == [stable, "a-group-id"]
