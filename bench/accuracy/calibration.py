@@ -177,10 +177,8 @@ def _base(rule: str, r: dict, s: str) -> float | None:
     val = r["release"][s]
     if val <= 0:
         return None
-    if rule == "library":  # what the release states (the library at the commit run)
-        return r["stated"].get(s + ("_items" if s == "distinct" else "_nats"))
-    if rule == "rms":  # the bootstrap's RMS deviation from the stand-ins (before issue 51)
-        a = r["rms"][s]
+    if rule in ("library", "rms"):  # the bootstrap's RMS deviation from the stand-ins: what
+        a = r["rms"][s]  # releases stated before issue 51 ("library": the figures before)
     elif rule == "rms+gap":  # and the stand-ins' disagreement, in quadrature
         a = math.hypot(r["rms"][s], r["gap"][s])
     elif rule == "interval":  # the 90% interval's half-width as a normal's 1.645 sd
@@ -403,12 +401,67 @@ def report() -> None:
         print(f"* {rule_name(ru)}: score {sc:.3f}, {n_g - bad}/{n_g} groups ok, {over}/{n_r} "
               "over 2x; factors " + ", ".join(f"{k[0]}/bin{k[1]}/{k[2]} {v:.3f}"
                                              for k, v in sorted(fc.items())))
+    held_out_table(rows, fams, LIBRARY_RULE)
     rng = np.random.default_rng(0)
     sizes = sorted({len(rs) for rs in groups(rows).values()})
     print("\nChance that a group of m releases whose stated figure is exactly the sd of a normal "
           "error reads 0.7-1.4: " + ", ".join(
               f"m = {m}: {np.mean([0.7 <= np.sqrt(np.mean(rng.normal(size=m) ** 2)) <= 1.4 for _ in range(4000)]):.2f}"  # noqa: E501
               for m in sizes))
+
+
+#: the rule the library takes (aggregator.intervals.expected_errors): hypot(rms_error,
+#: stand_in_gap) times a factor per mode and statistic, fit so that 2 % of the figures are
+#: exceeded twice: the rule every fold of the leave-one-family-out choice took (issue 51)
+LIBRARY_RULE = ("rms+gap", "one", "q98")
+
+
+def held_out_table(rows, fams, rule) -> None:
+    """``rule`` with its factors fit without each family in turn: per held-out family and per
+    group, actual/stated and the share over 2x, before (``rms_error``) and after."""
+    print(f"\n### {rule_name(rule)}, factors fit leaving each family out\n")
+    print(_line(["held-out", "mode", "regime", "layers", "releases",
+                 "actual/stated d / e (before)", "after", ">2x d / e (before)", "after"]))
+    print("|" + "---|" * 9)
+    pooled = {"before": [], "after": []}
+    fam_lines = []
+    for mode, f in fams:
+        train = [r for r in rows if r["family"] != f]
+        test = [r for r in rows if r["family"] == f and r["mode"] == mode]
+        fc = fit_factors(train, *rule)
+        per = {"before": {}, "after": {}}
+        for (_, _, reg, L), rs in sorted(groups(test).items()):
+            cols = []
+            for tag in ("before", "after"):
+                prs = [_pairs(rs, st, "library") if tag == "before"
+                       else _pairs_rule(rs, st, rule, fc) for st in STATS]
+                cols.append((" / ".join(f"{ratio(pr):.2f}" for pr in prs),
+                             " / ".join(f"{over2x(pr):.2f}" for pr in prs)))
+            print(_line([f, mode, reg, L, len(rs), cols[0][0], cols[1][0], cols[0][1],
+                         cols[1][1]]))
+        for tag in ("before", "after"):
+            for st in STATS:
+                pr = (_pairs(test, st, "library") if tag == "before"
+                      else _pairs_rule(test, st, rule, fc))
+                per[tag][st] = pr
+                pooled[tag].extend(pr)
+        fam_lines.append(_line([f, mode, len(test)] + [
+            " / ".join(f"{ratio(per[t][st]):.2f}" for st in STATS) for t in ("before", "after")]
+            + [" / ".join(f"{over2x(per[t][st]):.3f}" for st in STATS)
+               for t in ("before", "after")]))
+    print("\nPer family (all its groups pooled):\n")
+    print(_line(["held-out", "mode", "releases", "actual/stated d / e (before)", "after",
+                 ">2x d / e (before)", "after"]))
+    print("|" + "---|" * 7)
+    for line in fam_lines:
+        print(line)
+    for tag in ("before", "after"):
+        pr = pooled[tag]
+        print(f"\n**{tag}**: {sum(x > 2 * y for x, y in pr)} of {len(pr)} stated figures "
+              f"({over2x(pr):.3f}) exceeded twice", end="")
+    fc = fit_factors(rows, *rule)
+    print("\n\nFactors fit on every family (aggregator.intervals.EXPECTED_ERROR_FACTORS): "
+          + ", ".join(f"({k[0]!r}, {k[1]}, {k[2]!r}): {v:.2f}" for k, v in sorted(fc.items())))
 
 
 def _admits_2x(r: dict) -> bool:
