@@ -15,9 +15,11 @@ sigma = sqrt(C / chi2_k) (:func:`noise_floor`). For one layer chi2_1 = (1 - p)^2
 The signal is the n events (the l1 norm of the true cumulative prevalence), so the release's
 relative l1 error cannot be much below sigma / n: :func:`signal_to_noise` is n / sigma, computed
 from public quantities only (n, the number of counters, p, k), so it can be checked before any
-data arrives. Below :data:`SNR_MIN` = 2 the release is flagged (:func:`signal_below_noise`): over
-the accuracy grid (bench/accuracy/grid.py, 468 cells and layer counts), the best estimator's
-relative l1 error reached 1/2 only at SNR <= 1.6 (docs/accuracy_grid.md, "Signal below noise").
+data arrives. Below :data:`SNR_MIN` = 2 :func:`signal_below_noise` is true: over the accuracy
+grid (bench/accuracy/grid.py, 468 cells and layer counts), the best estimator's relative l1
+error reached 1/2 only at SNR <= 1.6 (docs/accuracy_grid.md, "Signal below noise"). A release
+without a bootstrap is flagged on it; one with a bootstrap is flagged exactly when its
+distinct-items interval admits a 2x error (:func:`aggregator.release.estimate_with_accuracy`).
 
 Error bars
 ----------
