@@ -242,13 +242,11 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         iv["rank_bands"] = [[int(a), int(b), round(float(lo), 2), round(float(hi), 2)]
                             for a, b, lo, hi in bars["rank_bands"]]
     accuracy["intervals"] = iv
-    _add_expected_errors(accuracy, hist, bars, snr_public=snr,
-                         mode="hashed" if buckets is not None else "direct")
+    _add_expected_errors(accuracy, hist, bars, mode="hashed" if buckets is not None else "direct")
     return hist, accuracy
 
 
-def _add_expected_errors(accuracy: dict, hist, bars: dict, snr_public: float,
-                         mode: str = "direct") -> None:
+def _add_expected_errors(accuracy: dict, hist, bars: dict, mode: str = "direct") -> None:
     """The bootstrap's error figures for distinct items and entropy, and the flag.
 
     * ``standard_error``: :func:`aggregator.intervals.standard_errors` (how much another window
@@ -265,9 +263,9 @@ def _add_expected_errors(accuracy: dict, hist, bars: dict, snr_public: float,
       or above twice the estimate (``distinct_could_be_off_2x``): at the interval's level the
       estimate could be off by 2x. Not also when the public events over the noise floor are
       below :data:`aggregator.intervals.SNR_MIN` (that figure stays as
-      ``events_over_noise_floor``, and decides the flag only where no bootstrap runs): with both,
-      hashed windows the plan called ample were flagged while their interval was +-5 %, and the
-      flag did not say what a reader takes it to say (issue 51). An empty release whose
+      ``events_over_noise_floor``, and decides the flag only where no bootstrap runs): issue 51
+      asked for one meaning, "the interval says a 2x error is plausible", where the two rules
+      under one name had flagged windows 5 % off and not one 34 % off. An empty release whose
       interval reaches one item is flagged too.
     """
     iv = accuracy["intervals"]

@@ -105,22 +105,23 @@ def test_flag_when_the_distinct_interval_reaches_2x():
     for interval, flagged in (([900.0, 1100.0], False), ([450.0, 1100.0], True),
                               ([900.0, 2100.0], True)):
         acc = {"signal_to_noise": 50.0, "intervals": {"distinct_items": interval}}
-        _add_expected_errors(acc, hist, bars, snr_public=50.0)
+        _add_expected_errors(acc, hist, bars)
         assert acc["signal_below_noise"] is flagged and acc["distinct_could_be_off_2x"] is flagged
         want = intervals.expected_errors(bars, "direct")
         assert acc["expected_relative_error"]["distinct_items"] == pytest.approx(
             want["distinct"] / 1000, abs=1e-4)
         assert acc["signal_to_noise"] == pytest.approx(1000 / want["distinct"], rel=1e-3)
-    # below the public floor with an interval that rules a 2x error out: not flagged (issue 51:
-    # the flag is the interval's 2x condition, nothing else, once the bootstrap ran)
+    # whatever the public floor says (it is not an argument any more), an interval that rules a
+    # 2x error out is not flagged (issue 51: the flag is the interval's 2x condition, nothing
+    # else, once the bootstrap ran)
     acc = {"signal_to_noise": 1.0, "intervals": {"distinct_items": [900.0, 1100.0]}}
-    _add_expected_errors(acc, hist, bars, snr_public=1.0)
+    _add_expected_errors(acc, hist, bars)
     assert acc["signal_below_noise"] is False and acc["distinct_could_be_off_2x"] is False
     # the edges: exactly half and exactly twice do not admit more than 2x
     for interval, flagged in (([500.0, 2000.0], False), ([499.9, 1000.0], True),
                               ([1000.0, 2000.1], True)):
         acc = {"intervals": {"distinct_items": interval}}
-        _add_expected_errors(acc, hist, bars, snr_public=50.0)
+        _add_expected_errors(acc, hist, bars)
         assert acc["signal_below_noise"] is flagged
 
 
