@@ -15,9 +15,11 @@ sigma = sqrt(C / chi2_k) (:func:`noise_floor`). For one layer chi2_1 = (1 - p)^2
 The signal is the n events (the l1 norm of the true cumulative prevalence), so the release's
 relative l1 error cannot be much below sigma / n: :func:`signal_to_noise` is n / sigma, computed
 from public quantities only (n, the number of counters, p, k), so it can be checked before any
-data arrives. Below :data:`SNR_MIN` = 2 the release is flagged (:func:`signal_below_noise`): over
-the accuracy grid (bench/accuracy/grid.py, 468 cells and layer counts), the best estimator's
-relative l1 error reached 1/2 only at SNR <= 1.6 (docs/accuracy_grid.md, "Signal below noise").
+data arrives. Below :data:`SNR_MIN` = 2 :func:`signal_below_noise` is true: over the accuracy
+grid (bench/accuracy/grid.py, 468 cells and layer counts), the best estimator's relative l1
+error reached 1/2 only at SNR <= 1.6 (docs/accuracy_grid.md, "Signal below noise"). A release
+without a bootstrap is flagged on it; one with a bootstrap is flagged exactly when its
+distinct-items interval admits a 2x error (:func:`aggregator.release.estimate_with_accuracy`).
 
 Error bars
 ----------
@@ -88,6 +90,7 @@ __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_be
            "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums",
            "RANK_BANDS", "MODELS", "prediction_band", "prediction_bound", "information_floor",
            "FLOOR_R", "plausible_extremes", "PATH_TOP", "expected_errors",
+           "EXPECTED_ERROR_FACTORS",
            "standard_errors"]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
@@ -98,18 +101,42 @@ def signal_below_noise(n: int, counters: int, p: float, layers: int = 1) -> bool
     return signal_to_noise(n, counters, p, layers) < SNR_MIN
 
 
-def expected_errors(bars: dict) -> dict:
-    """The error a release should expect on distinct items and entropy, from its bootstrap
-    (:func:`error_bars`): {"distinct": items, "entropy": nats}.
+#: :func:`expected_errors`' factor per (mode, statistic): fit on every family of
+#: bench/accuracy/calibration.py so that 2 % of the releases' actual errors exceed twice the
+#: stated figure (docs/accuracy_changes.md, "Expected errors held out")
+EXPECTED_ERROR_FACTORS = {
+    ("direct", "distinct"): 0.89, ("direct", "entropy"): 0.79,
+    ("hashed", "distinct"): 0.96, ("hashed", "entropy"): 0.71,
+}
 
-    ``rms_error``: the root-mean-square deviation of the re-estimates from the stand-in truth
-    (the estimator's spread and its bias at the stand-in), the largest over the stand-ins.
-    Measured against the truth (bench/accuracy/changes.py, docs/accuracy_changes.md "Expected
-    errors"): the
-    actual root-mean-square error over the stated one was 0.8-1.2 for distinct items; adding
-    the gap between the stand-in fits (``stand_in_gap``) in quadrature overstated it (0.6-0.85).
+
+def expected_errors(bars: dict, mode: str = "direct") -> dict:
+    """The error a release should expect on distinct items and entropy, from its bootstrap
+    (:func:`error_bars`): {"distinct": items, "entropy": nats}: the root-mean-square error the
+    release claims.
+
+    The bootstrap's ``rms_error`` (the root-mean-square deviation of the re-estimates from the
+    stand-in truth: the estimator's spread and its bias at the stand-in, the largest over the
+    stand-ins) and ``stand_in_gap`` (how far the release is from the stand-ins, fits of the
+    same counters that the bootstrap at either one does not see: model uncertainty) in
+    quadrature, times :data:`EXPECTED_ERROR_FACTORS` of the ``mode`` and statistic.
+
+    Why: ``rms_error`` alone (what releases stated before issue 51) did not predict the error:
+    over 124 releases of 8 direct and 5 hashed families (real profiles and synthetic ones, n =
+    D/10 to 10 D, eps 0.5-2, 1 and 2 layers; bench/accuracy/calibration.py), 7.3 % of the
+    stated figures were exceeded twice, up to 31 % in one family: in windows where the
+    estimator's bias at the truth is larger than at the bootstrap's stand-ins, which the gap
+    between the stand-in fits sees. The rule (the base figure among ``rms_error``, it and the
+    gap in quadrature, the interval's half-width over 1.645 and the larger of the first and
+    the third; a factor per mode and statistic or also per bin of events over the noise floor;
+    the factor fit to an RMS ratio of 1 or to 2 % over twice) was chosen leaving one family
+    out, and every one of the 13 folds chose this one; held out, 3.6 % of the figures were
+    exceeded twice (docs/accuracy_changes.md, "Expected errors held out", per family). The
+    issue's targets are not all met: see there.
     """
-    return {k: float(bars["rms_error"][k]) for k in ("distinct", "entropy")}
+    return {k: EXPECTED_ERROR_FACTORS[(mode, k)]
+            * math.hypot(float(bars["rms_error"][k]), float(bars["stand_in_gap"][k]))
+            for k in ("distinct", "entropy")}
 
 
 def standard_errors(bars: dict) -> dict:

@@ -29,6 +29,7 @@ LANE = {
     "accuracy.accuracy_grid": "here",
     "accuracy.accuracy_report": "here",
     "accuracy.bit_identity": "here",
+    "accuracy.calibration": "here",
     "accuracy.changes": "here",
     "accuracy.coverage28": "here",
     "accuracy.estimators": "here",
