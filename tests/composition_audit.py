@@ -15,13 +15,14 @@ neighbours       releases    N = 2e5   N = 1e6   N = 1e7   N = 1e8
 ===============  ==========  ========  ========  ========  ========
 replace-one      1           0.59      0.67      0.75      0.80
 replace-one      2           1.07      1.22      1.36      1.46
-add-remove       1           0.71      0.77      0.83      0.86
+add-remove       1           0.70      0.77      0.83      0.86
 add-remove       2           1.33      1.45      1.56      1.64
 ===============  ==========  ========  ========  ========  ========
 
-So no event-based pure-DP audit reads >= 1.5 on two replace-one 2-layer releases below ~2e8
-runs per stream (the event {sum L >= 1.46} has ratio e^1.5 at P_y = 3.5e-4; ratio e^1.6 needs
-P_y = 1.8e-5); with add-remove neighbours (one counter, p = exp(-eps)) 1e7 runs suffice.
+So no event-based pure-DP audit reads >= 1.5 on two replace-one 2-layer releases below ~3e8
+runs per stream (expected 1.488 at 2e8, 1.511 at 4e8; the event {sum L >= 1.46} has ratio
+e^1.5 at P_y = 3.5e-4; ratio e^1.6 needs P_y = 1.8e-5); with add-remove neighbours (one
+counter, p = exp(-eps)) 1e7 runs suffice.
 
 How the trials are drawn. A real state of T counters (direct mode) is T independent trials: the
 counters' noise is independent (one DLap(p) draw per counter per layer, from the OS CSPRNG) and

@@ -35,7 +35,7 @@ def test_one_real_release_replace_one_stays_within_eps():
 def test_two_real_releases_of_the_same_events_read_1_5_eps():
     # the negative control: add-remove, 8e6 trials, ~40 s. {sum L >= ~1.6} has ratio ~e^1.6 at
     # P_y ~ 1e-3; the model expects 1.554 (standard deviation ~0.013 between runs); the truth is
-    # 2 eps. The LR family on 2e5 runs reads ~1.33 here, the counter-event family ~eps / 2.
+    # 2 eps. On 2e5 runs the model expects only 1.34 (composition_audit.expected_reading).
     r = audit("add-remove", releases=2, eps=EPS, trials=8_000_000)
     assert r.eps >= 1.5 * EPS, r
     assert r.eps <= 2.0 * EPS, r  # and no more than the truth
@@ -45,7 +45,7 @@ def test_two_real_releases_of_the_same_events_read_1_5_eps():
 def test_two_real_replace_one_releases_are_flagged():
     # replace-one, 1e6 trials, ~18 s: reads ~1.22 (model 1.215, sd ~0.02), above what any eps-DP
     # mechanism reads (<= eps w.p. 1 - 1e-6). 1.5 eps is out of reach for any event-based
-    # pure-DP bound below ~2e8 trials here (model: 1.46 at 1e8; composition_audit docstring).
+    # pure-DP bound below ~3e8 trials here (model: 1.46 at 1e8, 1.51 at 4e8).
     r = audit("replace-one", releases=2, eps=EPS, trials=1_000_000)
     assert r.eps > 1.1 * EPS, r
     assert r.eps <= 2.0 * EPS, r
