@@ -344,8 +344,9 @@ def test_add_remove_snapshots(merged):
 # the service audits of tests/test_privacy_service.py (real Aggregator, production noise)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("gap", [1, 2, 3])
-def test_service_memory_files_release(tmp_path, gap):
-    r = audit(service(tmp_path, gap))
+@pytest.mark.parametrize("workers", [0, 1])  # the release in the loop / in the default worker
+def test_service_memory_files_release(tmp_path, gap, workers):
+    r = audit(service(tmp_path, gap, workers=workers))
     assert r.eps <= 1.0, r
     if gap < 3:
         assert r.eps >= 0.8, r

@@ -25,6 +25,8 @@ weaker than the epsilon it claims.
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -34,6 +36,7 @@ import pytest
 import aggregator.release as release_mod
 from aggregator.service import Aggregator
 from aggregator.service.config import load_config
+from aggregator.service.release_worker import ReleaseWorker
 from aggregator.state import PanPrivateHistogram
 from consumers.base import Segment, Source
 from tests.test_privacy import empirical_epsilon
@@ -86,12 +89,51 @@ def _counters_in_files(state_dir: Path) -> list[np.ndarray]:
     return [c for _, c in sorted(found, key=lambda t: t[0])]
 
 
+@contextmanager
+def _capture_worker_views(into: list):
+    """While active, every release submitted to a :class:`ReleaseWorker` is computed with
+    ``keep_view`` (the worker process returns the exact release-layered counters it estimated
+    from, as for a rollup) and those counters are appended to ``into``; the loop receives the
+    result it asked for (without the view unless it asked for it). The release itself, its
+    noise and its process are the production ones."""
+    original = ReleaseWorker.submit
+
+    def submit(self, state, **kwargs):
+        wanted = kwargs.get("keep_view", False)
+        kwargs["keep_view"] = True
+        inner = original(self, state, **kwargs)
+        outer: Future = Future()
+
+        def done(f):
+            try:
+                result = f.result()
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop as it was
+                outer.set_exception(exc)
+                return
+            into.append(np.array(result[3][0], copy=True))
+            outer.set_result(result if wanted else result[:3])
+
+        inner.add_done_callback(done)
+        return outer
+
+    ReleaseWorker.submit = submit
+    try:
+        yield
+    finally:
+        ReleaseWorker.submit = original
+
+
 def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=1.0,
-                   backups=(), **sets) -> list[np.ndarray]:
+                   backups=(), workers=0, **sets) -> list[np.ndarray]:
     """One run of the service on stream r: the intruder's views as (T, 3) arrays, in time
     order: the files' counters and the memory at ``gap`` (or the state directory's copies taken
-    at ``backups``), then the release's input."""
-    state_dir = tmp_path / f"state-{r}-{gap}"
+    at ``backups``), then the release's input.
+
+    ``workers`` 0: the release in the loop, its input captured where the estimator receives it.
+    ``workers`` 1 (the default of ``release.workers``): the release in a spawned worker process;
+    its input is the release-layered view the worker returns (``keep_view``, what a rollup
+    receives), captured as the loop collects the release (:func:`_capture_worker_views`)."""
+    state_dir = tmp_path / f"state-{r}-{gap}-w{workers}"
     shutil.rmtree(state_dir, ignore_errors=True)
     shutil.rmtree(f"{state_dir}-releases", ignore_errors=True)  # one run's, never another's
     overrides = [f"checkpoint.dir={state_dir}", f"release.dir={state_dir}-releases",
@@ -104,7 +146,9 @@ def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=
                  # the release in the loop, where the audit captures its input in-process; the
                  # release worker computes the same function of the same handed-over state in
                  # another process (docs/privacy.md section 16, "Releases beside the loop")
-                 "release.workers=0"] + [f"{k}={v}" for k, v in sets.items()]
+                 f"release.workers={workers}"] + [f"{k}={v}" for k, v in sets.items()]
+    if workers:  # the worker runs the estimate (post-processing of the view): the fast one
+        overrides.append("release.estimator=threshold")
     cfg = load_config(None, overrides, env={})
     looks: list[list[np.ndarray]] = []
 
@@ -120,17 +164,21 @@ def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=
     at = {k: (lambda k=k: backup(k)) for k in backups} or {gap: intrude}
     agg = cls(cfg, _Stream(_segments(r), at))
     release_input = []
-    original = release_mod.anonymized_histogram
+    if workers:
+        with _capture_worker_views(release_input):
+            agg.run()
+    else:
+        original = release_mod.anonymized_histogram
 
-    def capture(counts, p, **kw):  # the release's view; its estimate is post-processing
-        release_input.append(np.array(counts, copy=True))
-        return np.zeros(0, dtype=np.int64)
+        def capture(counts, p, **kw):  # the release's view; its estimate is post-processing
+            release_input.append(np.array(counts, copy=True))
+            return np.zeros(0, dtype=np.int64)
 
-    release_mod.anonymized_histogram = capture
-    try:
-        agg.run()
-    finally:
-        release_mod.anonymized_histogram = original
+        release_mod.anonymized_histogram = capture
+        try:
+            agg.run()
+        finally:
+            release_mod.anonymized_histogram = original
     assert len(release_input) == 1
     views = [v for look in looks for v in look] + release_input
     return [v.reshape(T, 3) for v in views]
@@ -146,8 +194,11 @@ def _audit(tmp_path, gap, **kw):
 
 
 @pytest.mark.parametrize("gap", [1, 2, 3])  # after the 0,0 events / the replaced one / the last
-def test_memory_files_and_release_are_jointly_private(tmp_path, gap):
-    (eps_hat, event), n_views = _audit(tmp_path, gap)
+@pytest.mark.parametrize("workers", [0, 1])  # the release in the loop / in the default worker
+def test_memory_files_and_release_are_jointly_private(tmp_path, gap, workers):
+    """``workers`` 1 (release.workers' default): the release is drawn in a spawned worker
+    process from the handed-over state; its input is the view the worker returns."""
+    (eps_hat, event), n_views = _audit(tmp_path, gap, workers=workers)
     assert n_views == 2  # memory and the release: no counters of the open window in any file
     assert eps_hat <= 1.0, event
     if gap < 3:  # one layer protects the replaced event in the joint view: the audit sees ~eps

@@ -4,6 +4,7 @@ read by both test families, with the negative controls.
     python -m bench.service.privacy_audit            # the whole table (about 35 s on 2 cores)
     python -m bench.service.privacy_audit --no-service
     python -m bench.service.privacy_audit --crash-only   # the crash rows of section 16 (about 60 s)
+    python -m bench.service.privacy_audit --worker-only  # service rows, release.workers = 1
 
 Columns: runs per neighbouring stream, the older event family (``empirical_epsilon`` in
 tests/test_privacy.py: values, thresholds and quadrants of counters and of differences of
@@ -81,6 +82,15 @@ def _service_rows(tmp: Path):
            lambda: S.service(tmp, 2, epsilon=1.25))
 
 
+def _worker_rows(tmp: Path):
+    """The intruder audit with the release in the default release worker (release.workers = 1):
+    its input is the release-layered view the spawned worker returns."""
+    for gap in (1, 2, 3):
+        yield (f"service, release.workers = 1: memory + files + release, gap {gap}", "<= eps",
+               1.0, lambda g=gap: S.service(tmp, g, workers=1,
+                                            **{"release.plan_errors": "false"}))
+
+
 def _crash_rows(tmp: Path):
     """tests/test_privacy_crash.py: a crash at each step of a window's close, then the restarted
     memory (first read past the replaced event / caught up) + the published release."""
@@ -109,12 +119,17 @@ def main(argv=None) -> None:
     ap.add_argument("--no-service", action="store_true", help="skip the real-service rows")
     ap.add_argument("--crash-only", action="store_true",
                     help="only the rows of tests/test_privacy_crash.py")
+    ap.add_argument("--worker-only", action="store_true",
+                    help="only the service rows with release.workers = 1 (about 2 min)")
     args = ap.parse_args(argv)
     print("| view | eps | claim | runs per stream | older family | LR family | LR attained at |")
     print("|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        rows = [] if args.crash_only else list(_mechanism_rows())
+        rows = [] if args.crash_only or args.worker_only else list(_mechanism_rows())
+        if args.worker_only:
+            rows += list(_worker_rows(Path(d)))
+            args.no_service = True
         if args.smoke:
             rows = [rows[0], next(r for r in rows if r[0].startswith("**control**"))]
             args.no_service = True
