@@ -428,7 +428,7 @@ class FileBudgetRegistry(MemoryRegistry):
                 return None
             cid = content_id(n, _prefix_digest(file_path, n))
             self._aliases = {cid}
-        self.sources[partition] = cid
+        self.sources = {partition: cid}  # (one file a run)
         return cid
 
     def translate(self, ranges: dict, sources: dict | None = None) -> dict:
