@@ -1001,12 +1001,12 @@ class Aggregator:
         self._file_registry = None
         if self.cfg.source.kind != "file":
             return
+        from consumers.file_source import FileSource
         source = getattr(getattr(self.source, "hub", None), "source", self.source)
         where = self.cfg.ledger.file_registry
-        path = getattr(source, "path", self.cfg.source.path)
-        part = getattr(source, "partition", None)
-        if not where or path == "-" or part is None:
-            return
+        if not where or not isinstance(source, FileSource) or source.path == "-":
+            return  # (records fed by the caller, aggregator.api: no file to know)
+        path, part = source.path, source.partition
         where = default_file_registry() if where == "auto" else where
         reg = FileBudgetRegistry(where, {"state_dir": str(self.dir.resolve()),
                                          "file": str(Path(path).resolve())})
