@@ -1287,7 +1287,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "Kafka, ledger.file_registry for files) about the records it covers, "
                           "so none goes over ledger.budget_per_event across the change. A new "
                           "source.path keeps the charges of a file with the same content "
-                          "(renamed, moved or grown; not with ledger.file_registry = "", and "
+                          "(renamed, moved or grown; not with an empty ledger.file_registry, and "
                           "not a copy read by another user or host unless the registry file "
                           "is shared). A new source.topic counts as NEW data (copies of "
                           "released records are released again; a warning says so) unless "
