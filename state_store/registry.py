@@ -45,7 +45,7 @@ import socket
 import time
 
 __all__ = ["ledger_id", "charge_of", "MemoryRegistry", "KafkaBudgetRegistry", "RegistryError",
-           "deployment_name"]
+           "deployment_name", "FileBudgetRegistry", "default_file_registry"]
 
 log = logging.getLogger("panagg.registry")
 
@@ -84,7 +84,8 @@ def deployment_name(dep: dict) -> str:
     if dep.get("group"):
         return f"group {dep['group']}"
     where = f"state dir {dep.get('state_dir', '?')}"
-    return where + (f" on {dep['host']}" if dep.get("host") and dep.get("host") != _HOST else "")
+    where += f" on {dep['host']}" if dep.get("host") and dep.get("host") != _HOST else ""
+    return where + (f" reading {dep['file']}" if dep.get("file") else "")
 
 
 _HOST = socket.gethostname()
@@ -298,3 +299,190 @@ class KafkaBudgetRegistry(MemoryRegistry):
                 except Exception:
                     pass
         self._consumer = self._producer = None
+
+
+# -- file sources: the registry in a file, keyed by content ---------------------------------------
+
+#: how many leading bytes of a file name its content (at most): enough to tell files apart, cheap
+#: to read at every start
+CONTENT_PREFIX = 1 << 20
+
+
+def default_file_registry() -> str:
+    """Where ``ledger.file_registry = "auto"`` keeps the registry: one per user."""
+    import os
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                             "state")
+    return os.path.join(base, "panagg", "budget-registry.jsonl")
+
+
+def _prefix_digest(path, length: int) -> str | None:
+    """SHA-256 of the first ``length`` bytes of ``path`` (None: the file is shorter)."""
+    import hashlib
+    h = hashlib.sha256()
+    left = length
+    with open(path, "rb") as f:
+        while left > 0:
+            chunk = f.read(min(left, 1 << 16))
+            if not chunk:
+                return None
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()[:32]
+
+
+def content_id(length: int, digest: str) -> str:
+    return f"content:{digest}@{length}"
+
+
+def _content_length(cid: str) -> int | None:
+    if not cid.startswith("content:") or "@" not in cid:
+        return None
+    try:
+        return int(cid.rsplit("@", 1)[1])
+    except ValueError:
+        return None
+
+
+class FileBudgetRegistry(MemoryRegistry):
+    """The budget registry of file sources: a JSON-lines file (one charge a line, appended under
+    an exclusive lock), its ranges keyed by the *content* of the file they were read from, not
+    its name.
+
+    **Identity of a file.** ``content:<sha256 of its first L bytes>@L``, where L is the file's
+    size when a run first met it, capped at :data:`CONTENT_PREFIX` (1 MiB). A file matches a
+    known identity when it is at least L bytes long and its first L bytes hash the same, so a
+    renamed or moved copy keeps its identity, and so does a log file that grew by appends (its
+    first L bytes do not change). A record's position is its index in the file, so the charged
+    positions of an identity are records inside those first L bytes, or records after them that
+    the earlier run read; a different file that shares the first L bytes (a copy then edited
+    further down) is taken as the same one: its positions are charged as the earlier file's
+    (a refusal too many, never a release too many).
+
+    Charges are written with their ranges re-keyed (``file:<name>`` -> the content identity) and
+    read back by content, so every charge counts: those of this state directory's own ledger
+    are under other keys in the ledger's own check, never counted twice.
+    """
+
+    def __init__(self, path, deployment: dict):
+        super().__init__(deployment)
+        from pathlib import Path
+        self.path = Path(path).expanduser()
+        self.topic = str(self.path)  # (named in the refusal's line, as the Kafka topic is)
+        #: partition name -> content identity of this run's source
+        self.sources: dict[str, str] = {}
+        #: content identities taken as the same content as this run's source (prefixes of it)
+        self._aliases: set[str] = set()
+
+    def open(self) -> None:
+        """Read the file (nothing is written: a start refused later leaves no trace here; the
+        file and its directory are made at the first charge)."""
+        try:
+            self.read_to_end()
+        except OSError as exc:
+            raise RegistryError(
+                f"the budget registry file {self.path} cannot be used ({exc.strerror or exc}); "
+                "set ledger.file_registry to a file this user can write, or to \"\" to go "
+                "without one (a renamed input or a new checkpoint.dir is then not checked "
+                "against earlier runs)") from None
+
+    def read_to_end(self, timeout_s: float | None = None) -> None:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return
+        for line in text.splitlines():
+            try:
+                value = json.loads(line)
+                key = f"{value['ledger']}/{value['entry']}"
+            except (ValueError, KeyError, TypeError):
+                continue  # (a torn last line of a crashed writer)
+            if isinstance(value, dict) and value.get("format") == "panagg.charge":
+                self.records[key] = value
+
+    def identify(self, partition: str, file_path) -> str | None:
+        """The content identity of ``file_path`` (read as ``partition``): a known identity it
+        matches, or a new one of its first min(size, 1 MiB) bytes (None: an empty file)."""
+        import os
+        size = os.path.getsize(file_path)
+        known = {}
+        for v in self.records.values():
+            for part in v.get("ranges") or {}:
+                n = _content_length(part)
+                if n is not None:
+                    known.setdefault(n, set()).add(part)
+        matches = []
+        for n in sorted(known):
+            if 0 < n <= size:
+                cid = content_id(n, _prefix_digest(file_path, n))
+                if cid in known[n]:
+                    matches.append(cid)
+        if matches:
+            # the longest prefix names it; the others (an earlier, shorter look at the same
+            # file) are the same content too
+            cid = matches[-1]
+            self._aliases = set(matches)
+        else:
+            n = min(size, CONTENT_PREFIX)
+            if n == 0:
+                return None
+            cid = content_id(n, _prefix_digest(file_path, n))
+            self._aliases = {cid}
+        self.sources = {partition: cid}  # (one file a run)
+        return cid
+
+    def translate(self, ranges: dict, sources: dict | None = None) -> dict:
+        """``ranges`` with each file partition re-keyed by its content identity (``sources``:
+        the entry's own mapping; default: this run's)."""
+        names = dict(self.sources, **(sources or {}))
+        return {names.get(p, p): list(ab) for p, ab in ranges.items()}
+
+    def record(self, lid: str, entry: dict) -> None:
+        import fcntl
+        import os
+        if not charge_of(entry):
+            return
+        entry = dict(entry, ranges=self.translate(entry["ranges"], entry.get("sources")))
+        value = _value(lid, entry, self.deployment)
+        line = json.dumps(value, sort_keys=True) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # (and the lock with it)
+        self.records[f"{lid}/{entry['id']}"] = value
+
+    def charges(self, known: set[tuple[str, str]]) -> list[dict]:
+        """Every charge (``known`` is not needed: the ledgers key theirs by file name, these
+        are keyed by content, so none is counted twice), earlier looks at this run's content
+        re-keyed to its identity."""
+        out = super().charges(set())
+        if len(self._aliases) > 1:
+            cid = self.sources and next(iter(self.sources.values()))
+            for c in out:
+                c["ranges"] = {(cid if p in self._aliases else p): ab
+                               for p, ab in c["ranges"].items()}
+        return out
+
+    def catch_up(self, lid: str | None, entries: list[dict]) -> int:
+        if lid is None:
+            return 0
+        missing = [e for e in entries if charge_of(e) and not self.has(lid, e["id"])]
+        for e in missing:
+            self.record(lid, e)
+        return len(missing)
+
+    def resume_offsets(self, epsilon: float, budget: float) -> dict[str, int]:
+        """Per file partition of this run, the first position after which a release of
+        ``epsilon`` fits ``budget`` given every charge here (a new state directory over a file
+        read before starts there)."""
+        from aggregator.service.charges import ChargeBook
+        book = ChargeBook(self.charges(set()))
+        by_content = book.resume_offsets(epsilon, budget=budget)
+        return {part: by_content[cid] for part, cid in self.sources.items() if cid in by_content}
+
+    def close(self) -> None:
+        pass

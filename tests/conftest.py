@@ -124,6 +124,15 @@ def _no_shared_budget_registry_in_services():
 
 
 @pytest.fixture(autouse=True)
+def _file_budget_registry_per_test(tmp_path_factory, monkeypatch):
+    """Each test has its own file-source budget registry (ledger.file_registry = auto:
+    $XDG_STATE_HOME/panagg/budget-registry.jsonl), in the test process and in the services it
+    starts: never the user's own, and never one test's charges refusing another's run over a
+    file of the same content. Within one test it is shared, as two runs of one user share it."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+
+
+@pytest.fixture(autouse=True)
 def _no_plan_simulation_in_process(request, monkeypatch):
     """An Aggregator started inside the test process computes no simulated expected errors in
     its plan thread (the thread still starts, is cancelled and joined by close()). That thread

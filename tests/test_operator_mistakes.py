@@ -458,14 +458,22 @@ def test_no_audit_key_runs_with_exports_refused(tmp_path):
     assert "no audit signing key: set PANAGG_AUDIT_KEY to 64 hex digits" in last_line(res)
 
 
-def test_accepting_a_new_source_path_says_its_records_count_as_new_data(tmp_path):
-    """A renamed file under --accept-change: the ledger charges positions, not contents, so a
-    copy of released records would be released again (issue 48's 600 of 300). The run says so
-    in one WARNING line instead of promising a budget it cannot keep."""
+def test_accepting_a_new_source_path_says_what_its_records_are_charged_as(tmp_path):
+    """A renamed file under --accept-change (issue 48's 600 of 300): the budget registry knows
+    the file by its content, so the run says in one WARNING line that it keeps its charges, and
+    releases nothing again; with ledger.file_registry = "" nothing knows the content, and the
+    line says the records count as new data."""
     path = events(tmp_path / "in.bin", 250)
     assert panagg(*run_args(tmp_path, path)).returncode == 0
+    before = sorted((tmp_path / "releases").glob("release-*.json"))
     moved = path.rename(tmp_path / "renamed.bin")
     res = panagg(*run_args(tmp_path, moved), "--accept-change")
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [ln for ln in res.stderr.splitlines() if "WARNING" in ln and "source.path changed" in ln]
+    assert len(said) == 1 and "keeps its charges" in said[0], res.stderr
+    assert sorted((tmp_path / "releases").glob("release-*.json")) == before
+    again = moved.rename(tmp_path / "again.bin")
+    res = panagg(*run_args(tmp_path, again), "--accept-change", "--set", "ledger.file_registry=")
     assert res.returncode == 0, res.stderr[-3000:]
     said = [ln for ln in res.stderr.splitlines() if "counted stream changed" in ln]
     assert len(said) == 1 and "count as new data and are released again" in said[0], res.stderr

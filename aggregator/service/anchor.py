@@ -9,9 +9,14 @@ restored together with its checkpoint. Those are caught by comparing the ledger 
     Each checkpoint carries the head at the time it was written: a ledger older than the
     checkpoint beside it is refused. Restored *together* with its checkpoint, it passes here.
 ``release directory``
-    ``release.dir/.panagg-ledger-head-<h>`` (``h``: a hash of the ledger's absolute path, so two
-    state directories publishing to one release directory keep separate anchors) is replaced
-    after each publication. A state directory restored from a backup is older than it.
+    ``release.dir/.panagg-ledger-head-<h>`` (``h``: a hash of the ledger's id, the hash of its
+    first entry, so two state directories publishing to one release directory keep separate
+    anchors, and a state directory restored or moved to another path is still recognised) is
+    replaced after each publication. A state directory restored from a backup is older than it.
+    (Anchors written before the id keyed them, by a hash of the ledger's absolute path, are
+    still read.) A deleted anchor file loses this check only: the budget registry still holds
+    every charge the ledger made (state_store/registry.py), so the events of a replayed window
+    are refused, not released again.
 ``Kafka``
     The consumer group's committed offsets carry the head in their metadata (``panagg-ledger:
     <seq>:<hash prefix>``; several aggregations: one ``name=seq:hash`` item each). A state
@@ -37,15 +42,14 @@ _PREFIX = "panagg-ledger:"
 _HASH_CHARS = 24  # 96 bits of the head's hash: room for many aggregations in 4 kB of metadata
 
 
-def _anchor_path(release_dir: str | os.PathLike, ledger_path: str | os.PathLike) -> Path:
-    tag = hashlib.sha256(str(Path(ledger_path).resolve()).encode()).hexdigest()[:16]
+def _anchor_path(release_dir: str | os.PathLike, ledger_path: str | os.PathLike,
+                 lineage: str | None = None) -> Path:
+    key = f"ledger-id:{lineage}" if lineage else str(Path(ledger_path).resolve())
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(release_dir) / f".panagg-ledger-head-{tag}"
 
 
-def release_dir_anchor(release_dir, ledger_path) -> dict | None:
-    """The head last recorded in ``release_dir`` for the ledger at ``ledger_path`` (None: none
-    or unreadable, which is said by the caller)."""
-    path = _anchor_path(release_dir, ledger_path)
+def _read(path: Path) -> dict | None:
     try:
         doc = json.loads(path.read_text())
         return {"seq": int(doc["seq"]), "hash": str(doc["hash"]), "where": str(path)}
@@ -55,12 +59,26 @@ def release_dir_anchor(release_dir, ledger_path) -> dict | None:
         return {"seq": 0, "hash": "", "where": str(path), "unreadable": True}
 
 
-def write_release_dir_anchor(release_dir, ledger_path, head: dict) -> None:
-    """Record ``head`` in ``release_dir`` (atomically; never lowers a recorded head)."""
+def release_dir_anchor(release_dir, ledger_path, lineage: str | None = None) -> dict | None:
+    """The head last recorded in ``release_dir`` for the ledger with id ``lineage`` (its first
+    entry's hash), or by the older name for the ledger at ``ledger_path`` (None: none;
+    ``unreadable``, which is said by the caller). Of both, the further one."""
+    found = [a for a in (_read(_anchor_path(release_dir, ledger_path, lineage)) if lineage
+                         else None, _read(_anchor_path(release_dir, ledger_path))) if a]
+    bad = [a for a in found if a.get("unreadable")]
+    if bad:
+        return bad[0]
+    return max(found, key=lambda a: a["seq"]) if found else None
+
+
+def write_release_dir_anchor(release_dir, ledger_path, head: dict,
+                             lineage: str | None = None) -> None:
+    """Record ``head`` in ``release_dir`` (atomically) under the ledger's id ``lineage`` (the
+    ledger's path when it has none yet)."""
     Path(release_dir).mkdir(parents=True, exist_ok=True)
-    path = _anchor_path(release_dir, ledger_path)
+    path = _anchor_path(release_dir, ledger_path, lineage)
     doc = {"ledger": str(Path(ledger_path).resolve()), "seq": int(head["seq"]),
-           "hash": str(head["hash"])}
+           "hash": str(head["hash"]), **({"ledger_id": lineage} if lineage else {})}
     # public like the releases beside it: a hash of a public record
     atomic_write(path, json.dumps(doc, sort_keys=True) + "\n", mode=0o644)
 

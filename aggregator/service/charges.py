@@ -112,6 +112,11 @@ class ChargeBook:
                 out[part] = over
         return out
 
+    def most(self, partitions) -> float:
+        """The largest charge any position of ``partitions`` carries (0: none charged)."""
+        return max((total for part in partitions for _, _, total in
+                    _segments(self._by_partition.get(part, ()), None, None)), default=0.0)
+
     def charged_partitions(self) -> list[str]:
         return sorted(self._by_partition)
 

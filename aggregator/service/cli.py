@@ -437,8 +437,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_configured_key(cfg.audit.key_file or None)
     except AuditKeyError as exc:
         raise UsageError(str(exc)) from None
+    start = {}
+    if args.same_records_as:
+        if not args.accept_change:
+            raise UsageError("--same-records-as goes with --accept-change (it says what the "
+                             "change of source.topic is)")
+        if cfg.scale.partitioned or cfg.state.model == "shuffle":
+            raise UsageError("--same-records-as applies to a one-process service (not to "
+                             "scale.store = kafka nor to the shuffle analyzer)")
+        start["same_records_as"] = args.same_records_as
     return _run_service(cfg, idle_exit_s=args.exit_when_idle, fresh_start=args.fresh_start,
-                        accept_change=args.accept_change)
+                        accept_change=args.accept_change, **start)
 
 
 def cmd_shuffle_keygen(args: argparse.Namespace) -> int:
@@ -1274,11 +1283,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--accept-change", action="store_true",
                      help="accept settings that differ from those the state directory was "
                           "created with (recorded in the ledger); every release still asks "
-                          "the ledger (and, for Kafka, the cluster's budget registry) about the "
-                          "source positions it covers, so no position goes over "
-                          "ledger.budget_per_event across the change. A new source.topic or "
-                          "source.path is new positions: if it holds copies of released "
-                          "records, they count as new data and are released again")
+                          "the ledger (and the budget registry: ledger.registry_topic for "
+                          "Kafka, ledger.file_registry for files) about the records it covers, "
+                          "so none goes over ledger.budget_per_event across the change. A new "
+                          "source.path keeps the charges of a file with the same content "
+                          "(renamed, moved or grown; not with an empty ledger.file_registry, and "
+                          "not a copy read by another user or host unless the registry file "
+                          "is shared). A new source.topic counts as NEW data (copies of "
+                          "released records are released again; a warning says so) unless "
+                          "--same-records-as names the old topic")
+    run.add_argument("--same-records-as", metavar="OLD_TOPIC",
+                     help="with --accept-change on source.topic: the new topic holds copies of "
+                          "OLD_TOPIC's records, so each of its records is charged as the most "
+                          "charged record of OLD_TOPIC (its offsets need not match the "
+                          "original's); recorded in the ledger, later starts keep it")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=cmd_run)
 

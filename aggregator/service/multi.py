@@ -238,7 +238,8 @@ class MultiAggregator:
     exposition of all aggregations (each has its own registry, labelled by name)."""
 
     def __init__(self, cfg: Config, source: Source, metrics: Metrics | None = None, *,
-                 fresh_start: bool = False, accept_change: bool = False):
+                 fresh_start: bool = False, accept_change: bool = False,
+                 same_records_as: str | None = None):
         self.cfg, self.source = cfg, source
         self.dir = Path(cfg.checkpoint.dir)
         self.accept_change = accept_change
@@ -253,7 +254,7 @@ class MultiAggregator:
         for name, one in configs:
             self.views[name] = SourceView(self, name)
             agg = Aggregator(one, self.views[name], Metrics(), fresh_start=fresh_start,
-                             accept_change=accept_change)
+                             accept_change=accept_change, same_records_as=same_records_as)
             agg.stop_event = self.stop_event  # one SIGTERM stops all
             self.aggs[name] = agg
         self.metrics = metrics or Metrics()

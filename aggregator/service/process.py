@@ -147,8 +147,11 @@ class Aggregator:
     """
 
     def __init__(self, cfg: Config, source: Source, metrics: Metrics | None = None, *,
-                 fresh_start: bool = False, accept_change: bool = False):
+                 fresh_start: bool = False, accept_change: bool = False,
+                 same_records_as: str | None = None):
         self.cfg = cfg = Config.from_mapping(cfg)
+        #: --same-records-as: the topic whose records source.topic holds copies of
+        self.same_records_as = same_records_as
         self.source = source
         self.metrics = metrics or Metrics()
         st = cfg.state
@@ -200,6 +203,8 @@ class Aggregator:
         #: (a refused start writes nothing)
         self._deferred: list[dict] | None = None
         self._checked: list[dict] | None = None  # check_start passed: its ledger entries
+        #: a file source's budget registry, read at the start's checks (None: none)
+        self._file_registry = None
         seed = cfg.testing.noise_seed
         self._seed = seed if seed >= 0 and under_tests() else None  # (test-only: settings.py)
         self._producer = None
@@ -334,6 +339,7 @@ class Aggregator:
         saved = directory_identity(self._saved_config())
         had = {k: recorded.get(k, saved.get(k, IDENTITY_DEFAULTS.get(k, mine[k]))) for k in mine}
         changed = [k for k in mine if had[k] != mine[k]]
+        same = self._same_records_entry(had, mine, changed)
         if not changed:
             return recorded
         what = ", ".join(f"{k} {had[k]!r} -> {mine[k]!r}" for k in changed)
@@ -350,14 +356,54 @@ class Aggregator:
                                f"--accept-change to record the change in the ledger{where}")
         self._start_append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
                             identity=dict(recorded, **mine), previous=recorded,
-                            note=f"settings changed: {what}")
+                            note=f"settings changed: {what}", **same)
         log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
         if "stream" in changed:
-            log.warning("the counted stream changed (%s -> %s): its positions are new ones, so "
-                        "records it holds that are copies of released ones count as new data and "
-                        "are released again (the ledger and the budget registry know positions, "
-                        "not contents: docs/privacy.md section 22)", had["stream"], mine["stream"])
+            self._say_stream_changed(had["stream"], mine["stream"], same)
         return dict(recorded, **mine)
+
+    def _same_records_entry(self, had: dict, mine: dict, changed: list) -> dict:
+        """``--same-records-as OLD`` checked against the change (one line if it does not fit),
+        as the identity entry's field: the new topic's records are copies of OLD's."""
+        old = self.same_records_as
+        if not old:
+            return {}
+        if self.cfg.source.kind != "kafka":
+            raise ServiceError("--same-records-as applies to a Kafka source.topic only; a file "
+                               "source is recognised by its content (ledger.file_registry)")
+        if "stream" not in changed:
+            raise ServiceError(f"--same-records-as {old}: source.topic did not change "
+                               f"({mine['stream'][6:]}); give it with --accept-change when "
+                               "source.topic changes from that topic")
+        if had["stream"] != f"kafka:{old}":
+            counted = had["stream"].removeprefix("kafka:")
+            raise ServiceError(f"--same-records-as {old}: {self.dir} counted topic {counted}, "
+                               f"not {old}; name the topic it counted")
+        return {"same_records_as": {"from": old, "to": self.cfg.source.topic}}
+
+    def _say_stream_changed(self, was: str, now: str, same: dict) -> None:
+        """The warning line of a changed source: what the new records are charged as."""
+        if same:
+            log.warning("source.topic changed (%s -> %s) with --same-records-as %s: every "
+                        "record of %s is charged as the most-charged record of %s (the copy's "
+                        "offsets need not match), so copies of released records are refused, "
+                        "not released again", was[6:], now[6:], same["same_records_as"]["from"],
+                        now[6:], was[6:])
+        elif self.cfg.source.kind == "kafka":
+            log.warning("source.topic changed (%s -> %s) without --same-records-as: its "
+                        "records count as new data, and copies of released records in it are "
+                        "released again (the ledger and the budget registry know positions, not "
+                        "contents); if it holds the same records, stop and start again with "
+                        "--accept-change --same-records-as %s", was[6:], now[6:], was[6:])
+        elif self.cfg.source.kind == "file" and self.cfg.ledger.file_registry:
+            log.warning("source.path changed (%s -> %s): its records are charged by the "
+                        "file's content (ledger.file_registry), so a renamed or moved copy of "
+                        "the file read before keeps its charges", was[5:], now[5:])
+        else:
+            log.warning("the counted stream changed (%s -> %s): its positions are new ones, so "
+                        "records it holds that are copies of released ones count as new data "
+                        "and are released again (ledger.file_registry = \"\": nothing knows "
+                        "the file's content; docs/privacy.md section 22)", was, now)
 
     def check_start(self) -> None:
         """Every check of a start, before anything is written; the ledger entries they make
@@ -367,9 +413,11 @@ class Aggregator:
         task.store = LocalStore(self.dir / "checkpoints")
         self._deferred = []
         try:
+            self._prepare_file_registry()
             self.check_anchors(task.store.load_latest())
             self.check_identity()
             self.restore_task(task, where=str(task.store.dir), commit=False)
+            self._carry_renamed_file(task)
             self.check_replayable(task)
             self._checked, self._deferred = self._deferred, None
         except BaseException:
@@ -528,7 +576,9 @@ class Aggregator:
         anchors = []
         if ckpt is not None and ckpt.ledger_head:
             anchors.append((f"checkpoint {ckpt.seq}", ckpt.ledger_head))
-        rel = release_dir_anchor(self.cfg.release.dir, self.ledger.path)
+        from state_store.registry import ledger_id
+        rel = release_dir_anchor(self.cfg.release.dir, self.ledger.path,
+                                 ledger_id(self.ledger.entries))
         if rel is not None and rel.get("unreadable"):
             raise ServiceError(f"the ledger anchor {rel['where']} is unreadable; restore it "
                                "from a backup (it records how far the ledger had come)")
@@ -606,6 +656,17 @@ class Aggregator:
         # fresh start, an aggregation renamed or added under --accept-change)
         resume = self.ledger.charges(self.gate.other_charges()).resume_offsets(
             self.epsilon, budget=self.ledger.budget_per_event)
+        registry = getattr(self, "_file_registry", None)
+        if registry is not None:  # the same content read before (renamed, another state dir)
+            theirs = registry.resume_offsets(self.epsilon, budget=self.ledger.budget_per_event)
+            for part, pos in theirs.items():
+                if pos > resume.get(part, 0):
+                    resume[part] = pos
+                    log.warning(
+                        "%s was read and released before (by %s, the budget registry %s): "
+                        "counting starts after its last released position %d", part[5:],
+                        registry.who(registry.translate({part: [0, pos]}),
+                                     registry.charges(set())), registry.topic, pos)
         floor = dict(committed) if committed and self.fresh_start else {}
         floor.update(task.offsets)
         later = {p: o for p, o in resume.items() if o > floor.get(p, 0)}
@@ -885,8 +946,13 @@ class Aggregator:
         cfg = self.cfg
         # (several aggregations read the source through a view of the one consumer's hub)
         source = getattr(getattr(self.source, "hub", None), "source", self.source)
-        if not getattr(source, "is_kafka", False) or not cfg.ledger.registry_topic or \
-                self.gate.registry is not None:
+        if self.gate.registry is not None:
+            return
+        if cfg.source.kind == "file":
+            if self._file_registry is not None:
+                self.gate.attach_registry(self._file_registry)
+            return
+        if not getattr(source, "is_kafka", False) or not cfg.ledger.registry_topic:
             return
         from consumers.kafka_security import client_options
         from state_store.registry import KafkaBudgetRegistry, RegistryError
@@ -902,6 +968,59 @@ class Aggregator:
         except RegistryError as exc:
             reg.close()
             raise ServiceError(str(exc)) from None
+
+    def _carry_renamed_file(self, task: WindowTask) -> None:
+        """A file source renamed or moved (``--accept-change`` on ``source.path``) whose content
+        is the one this state directory read (the same content identity in its ledger): the
+        checkpoint's positions of the old name are the new name's, so counting resumes where it
+        was instead of counting the file again."""
+        cids = dict(self.gate.sources)
+        if not cids or self._file_registry is None:
+            return
+        (part, cid), = cids.items()
+        same = self._file_registry._aliases | {cid}
+        old = {p for e in self.ledger.entries for p, c in (e.get("sources") or {}).items()
+               if c in same and p != part}
+        for name in sorted(old):
+            if name in task.offsets and part not in task.offsets:
+                task.offsets[part] = task.offsets[name]
+                starts = task.window.get("start_offsets")
+                if isinstance(starts, dict) and name in starts:
+                    starts[part] = starts[name]
+                log.warning("%s has the content %s read as %s (ledger.file_registry): counting "
+                            "resumes at its position %d", part[5:], self.dir, name[5:],
+                            task.offsets[part])
+
+    def _prepare_file_registry(self) -> None:
+        """A file source: read the registry file (``ledger.file_registry``), keyed by the input's
+        content, so a renamed, moved or grown file, or one read from a new state directory,
+        keeps its charges (state_store/registry.py, FileBudgetRegistry). Nothing is written
+        before the start's checks passed (:meth:`_attach_registry`)."""
+        from state_store.registry import (FileBudgetRegistry, RegistryError,
+                                          default_file_registry)
+        self._file_registry = None
+        if self.cfg.source.kind != "file":
+            return
+        from consumers.file_source import FileSource
+        source = getattr(getattr(self.source, "hub", None), "source", self.source)
+        where = self.cfg.ledger.file_registry
+        if not where or not isinstance(source, FileSource) or source.path == "-":
+            return  # (records fed by the caller, aggregator.api: no file to know)
+        path, part = source.path, source.partition
+        where = default_file_registry() if where == "auto" else where
+        reg = FileBudgetRegistry(where, {"state_dir": str(self.dir.resolve()),
+                                         "file": str(Path(path).resolve())})
+        try:
+            reg.open()
+            cid = reg.identify(part, path)
+        except RegistryError as exc:
+            raise ServiceError(str(exc)) from None
+        except OSError as exc:
+            raise ServiceError(f"{path} cannot be read ({exc.strerror or exc})") from None
+        if cid is None:
+            return  # an empty file: nothing to charge yet (its identity is taken when it has)
+        self.gate.sources = {part: cid}
+        self._file_registry = reg
 
     def close(self) -> None:
         if self.gate.registry is not None:
@@ -1505,8 +1624,9 @@ class Aggregator:
         """The ledger's head beside the published releases (:mod:`.anchor`); best effort: a
         failure is said once and retried at the next publication."""
         try:
+            from state_store.registry import ledger_id
             write_release_dir_anchor(self.cfg.release.dir, self.ledger.path,
-                                     self.ledger.head())
+                                     self.ledger.head(), ledger_id(self.ledger.entries))
         except OSError as exc:
             log.warning("could not record the ledger's head in %s (%s); retried at the next "
                         "publication", self.cfg.release.dir, exc.strerror or exc)

@@ -99,6 +99,9 @@ class ReleaseGate:
         self.dir = Path(directory)
         #: the cluster's budget registry (state_store/registry.py), None without one
         self.registry = None
+        #: a file source: partition name -> the content identity of the file (ledgered with
+        #: each release, the key of its charges in the file registry)
+        self.sources: dict[str, str] = {}
 
     # -- the budget registry ----------------------------------------------------------------
     def attach_registry(self, registry) -> None:
@@ -143,14 +146,16 @@ class ReleaseGate:
         try:
             self.registry.read_to_end()
             self._catch_up()
-        except (KafkaError, RegistryError) as exc:
+        except (KafkaError, RegistryError, OSError) as exc:
             # the cluster is away (the source with it): the ledger's own check stands, and the
             # charges this misses are read at the next release
             log.warning("the budget registry %s could not be read (%s): window %s is checked "
                         "against this deployment's ledgers only", self.registry.topic,
                         type(exc).__name__, wid)
+        translate = getattr(self.registry, "translate", None)  # a file source: by content
         check_registry(self.registry, self.ledger, self._known(siblings), uid, charge, window=wid,
-                       ranges=ranges, lineage=closing.get("lineage"),
+                       ranges=translate(ranges) if translate else ranges,
+                       lineage=closing.get("lineage"),
                        window_kind=closing.get("kind"), others=others, pending=pending,
                        parallel=self.parallel)
 
@@ -170,7 +175,10 @@ class ReleaseGate:
                 "stream": self.stream, "aggregation": self.aggregation,
                 "lineage": closing.get("lineage"), "window_kind": closing.get("kind"),
                 "n": int(closing.get("events", 0)),
-                **({"parallel": dict(self.parallel)} if self.parallel else {})}
+                **({"parallel": dict(self.parallel)} if self.parallel else {}),
+                # a file source: the content identity of each file partition (the registry's key)
+                **({"sources": {p: c for p, c in self.sources.items() if p in ranges}}
+                   if self.sources and set(self.sources) & set(ranges) else {})}
 
     def other_charges(self) -> list[dict]:
         """Ledger entries of the stream's other aggregations (their charges count against the
@@ -194,6 +202,49 @@ class ReleaseGate:
                                    "against this stream's per-event budget)") from None
         return out
 
+    def same_records(self) -> dict[str, set[str]]:
+        """Topic -> the topics whose records it holds copies of, as the operator stated them
+        (``--accept-change --same-records-as OLD``: the ledger's identity entries), followed
+        through chains of changes."""
+        direct: dict[str, set[str]] = {}
+        for e in self.ledger.entries:
+            m = e.get("same_records_as") if e.get("kind") == "identity" else None
+            if m:
+                direct.setdefault(m["to"], set()).add(m["from"])
+        out = {}
+        for topic in direct:
+            seen, todo = set(), list(direct[topic])
+            while todo:
+                one = todo.pop()
+                if one not in seen and one != topic:
+                    seen.add(one)
+                    todo.extend(direct.get(one, ()))
+            out[topic] = seen
+        return out
+
+    def same_records_charges(self, ranges: dict, others: list) -> list[dict]:
+        """Charges standing for the old topic's on a topic that holds copies of its records:
+        every position of the new topic is charged as the old topic's most-charged position
+        (a copy's offsets need not be the original's, so no finer mapping is safe)."""
+        copies = self.same_records()
+        if not copies:
+            return []
+        theirs = []
+        if self.registry is not None and not getattr(self.registry, "sources", None):
+            theirs = self.registry.charges(self._known(self._sibling_ledgers()))
+        book = self.ledger.charges([*others, *theirs])
+        out = []
+        for topic, olds in copies.items():
+            mine = {p: ab for p, ab in ranges.items() if p.rpartition(":")[0] == topic}
+            if not mine:
+                continue
+            parts = [p for p in book.charged_partitions() if p.rpartition(":")[0] in olds]
+            most = book.most(parts)
+            if most > 0:
+                out.append({"kind": "release", "epsilon_spent": most, "ranges": mine,
+                            "lineage": None, "window_kind": "count"})
+        return out
+
     def allows(self, uid: str, wid: int, *, ranges: dict, charge: float, closing: dict,
                in_flight=(), refusal_fields: Callable[[], dict] = dict) -> bool:
         """The ledger's answer for window ``uid`` covering the source ``ranges`` at ``charge``;
@@ -209,6 +260,8 @@ class ReleaseGate:
             siblings = self._sibling_ledgers() if ranges else []
             others = [*(e for entries in siblings for e in entries), *flying] if ranges else []
             pending = sum(j["charge"] for j in in_flight)
+            if ranges:
+                others += self.same_records_charges(ranges, others)
             self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
                                       lineage=closing.get("lineage"),
                                       window_kind=closing.get("kind"),

@@ -732,6 +732,18 @@ class LedgerSettings(Section):
             "`source.connect_timeout_s` for the cluster, as for the source). Keep the same name "
             "in every deployment on a cluster; `\"\"` turns it off (charges across deployments "
             "are then not checked)")
+    file_registry: str = setting(
+        "auto",
+        brief="file sources: the budget registry file (\"auto\": per user; \"\": none)",
+        doc="file sources: a file where every run over a file source records the positions it "
+            "charged, keyed by the input's content (a digest of its leading bytes, not its "
+            "name), and which each reads before a release, so the same file renamed, moved, "
+            "grown or read from a new `checkpoint.dir` stays within `ledger.budget_per_event` "
+            "or is refused in one line naming the earlier run (docs/privacy.md section 22). "
+            "`auto`: `$XDG_STATE_HOME/panagg/budget-registry.jsonl` (default "
+            "`~/.local/state/panagg/budget-registry.jsonl`), one per user: runs by another "
+            "user or on another host are not seen unless they name the same file (a shared "
+            "path works: it is locked for every write); `\"\"` turns it off")
 
 
 @dataclass(frozen=True, eq=False)
