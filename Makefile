@@ -34,11 +34,12 @@ test: $(STAMP) lint
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5) - failing" >&2; exit 1; fi; \
 	exit $$rc
 
-# the fast lane: no broker, no fault matrix (tests/integration and tests/chaos left out);
+# the fast lane: no broker, no fault matrix, no test marked slow (tests/conftest.py marks
+# every broker test);
 # linted too, since ruff takes about a second
 test-fast: $(STAMP) lint
 	@$(BIN)/python -m pytest -q -x -n 2 --ignore=tests/integration --ignore=tests/chaos \
-	  -p no:cacheprovider; rc=$$?; \
+	  -m "not broker and not slow" -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; exit 1; fi; \
 	exit $$rc
 

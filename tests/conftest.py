@@ -163,6 +163,7 @@ def pytest_collection_modifyitems(config, items):
         if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) \
                 or parts & {"integration", "chaos"}:
             item.add_marker(pytest.mark.xdist_group("broker"))
+            item.add_marker(pytest.mark.broker)   # `make test-fast` leaves these out
 
 
 @pytest.hookimpl(trylast=True)

@@ -627,7 +627,8 @@ def test_file_modes_do_not_follow_the_umask(tmp_path, monkeypatch):
         old = os.umask(umask)
         try:
             out = tmp_path / f"u{umask:o}"
-            cfg = cfg_for(out, path, **{"window.size": 1000})
+            # the same file twice on purpose: outside the budget registry (test_budget_lineage)
+            cfg = cfg_for(out, path, **{"window.size": 1000, "ledger.file_registry": ""})
             Aggregator(cfg, FileSource(str(path), "json", batch=500, progress=False)).run()
         finally:
             os.umask(old)
