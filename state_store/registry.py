@@ -116,6 +116,16 @@ class MemoryRegistry:
     def has(self, lid: str, entry_id: str) -> bool:
         return f"{lid}/{entry_id}" in self.records
 
+    def catch_up(self, lid: str | None, entries: list[dict]) -> int:
+        """Write the charges of ``entries`` (one ledger) the registry does not hold yet (a crash
+        between a ledger entry and its charge, a broker away then); returns how many."""
+        if lid is None:
+            return 0
+        missing = [e for e in entries if charge_of(e) and not self.has(lid, e["id"])]
+        for e in missing:
+            self.record(lid, e)
+        return len(missing)
+
     def charges(self, known: set[tuple[str, str]]) -> list[dict]:
         """The registry's charges the ledgers in ``known`` ((ledger id, entry id) pairs) do not
         hold, as ledger-like entries (``kind = release``) for the charge book."""
@@ -280,16 +290,6 @@ class KafkaBudgetRegistry(MemoryRegistry):
         self._producer.send(self.topic, key=msg[0], value=msg[1], partition=0).get(
             timeout=CHECK_S)
         super().record(lid, entry)
-
-    def catch_up(self, lid: str | None, entries: list[dict]) -> int:
-        """Write the charges of ``entries`` (one ledger) the registry does not hold yet (a crash
-        between a ledger entry and its charge, a broker away then); returns how many."""
-        if lid is None:
-            return 0
-        missing = [e for e in entries if charge_of(e) and not self.has(lid, e["id"])]
-        for e in missing:
-            self.record(lid, e)
-        return len(missing)
 
     def close(self) -> None:
         for client in (self._consumer, self._producer):
@@ -466,14 +466,6 @@ class FileBudgetRegistry(MemoryRegistry):
                 c["ranges"] = {(cid if p in self._aliases else p): ab
                                for p, ab in c["ranges"].items()}
         return out
-
-    def catch_up(self, lid: str | None, entries: list[dict]) -> int:
-        if lid is None:
-            return 0
-        missing = [e for e in entries if charge_of(e) and not self.has(lid, e["id"])]
-        for e in missing:
-            self.record(lid, e)
-        return len(missing)
 
     def resume_offsets(self, epsilon: float, budget: float) -> dict[str, int]:
         """Per file partition of this run, the first position after which a release of
