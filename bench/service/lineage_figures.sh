@@ -4,7 +4,7 @@
 # backup to another path (C) or in place with its release-dir anchor deleted (D; C and D then
 # follow the publication clash's advice: a new release.dir), a grown file read from a new state
 # dir (E). Each case has its own budget registry ($XDG_STATE_HOME).
-# usage: bench/lineage_figures.sh TREE   (PY: the python with panagg's dependencies)
+# usage: bench/service/lineage_figures.sh TREE   (PY: the python with panagg's dependencies)
 TREE=$1; W=$(mktemp -d); cd $W
 export PYTHONPATH=$TREE XDG_STATE_HOME=$W/xdg
 PY=${PY:-python}
