@@ -73,14 +73,16 @@ def release_dir_anchor(release_dir, ledger_path, lineage: str | None = None) -> 
 
 def write_release_dir_anchor(release_dir, ledger_path, head: dict,
                              lineage: str | None = None) -> None:
-    """Record ``head`` in ``release_dir`` (atomically) under the ledger's id ``lineage`` (the
-    ledger's path when it has none yet)."""
+    """Record ``head`` in ``release_dir`` (atomically) under the ledger's id ``lineage`` and
+    under the ledger's path: the id recognises a state directory restored or moved elsewhere,
+    the path a state directory deleted and started again empty (a new ledger has a new id)."""
     Path(release_dir).mkdir(parents=True, exist_ok=True)
-    path = _anchor_path(release_dir, ledger_path, lineage)
     doc = {"ledger": str(Path(ledger_path).resolve()), "seq": int(head["seq"]),
            "hash": str(head["hash"]), **({"ledger_id": lineage} if lineage else {})}
-    # public like the releases beside it: a hash of a public record
-    atomic_write(path, json.dumps(doc, sort_keys=True) + "\n", mode=0o644)
+    for key in ({lineage, None} if lineage else {None}):
+        # public like the releases beside it: a hash of a public record
+        atomic_write(_anchor_path(release_dir, ledger_path, key),
+                     json.dumps(doc, sort_keys=True) + "\n", mode=0o644)
 
 
 def kafka_metadata(heads: dict[str, dict]) -> str:
