@@ -34,6 +34,7 @@ import argparse
 import gc
 import math
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -41,7 +42,7 @@ import numpy as np
 
 __all__ = ["ROOT", "git_rev", "cpu_model", "versions", "provenance", "Timer", "timed", "mean_se",
            "ratio_se", "fmt", "md_table", "write_doc_section", "pyplot", "parse_shard", "shard_arg",
-           "shard_of", "parser"]
+           "shard_of", "parser", "run_resumable"]
 
 #: the repository root: benches run from it (``python -m bench.<package>.<name>``)
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,3 +233,20 @@ def parser(doc: str, smoke: str = "") -> argparse.ArgumentParser:
                     help="a tiny run for the test suite, seconds long, writing no doc"
                     + (f" ({smoke})" if smoke else ""))
     return ap
+
+
+def run_resumable(path: Path, jobs, run_one, label) -> dict:
+    """Run each of ``jobs`` ((key, job) pairs) whose key the pickled results at ``path`` do not
+    hold yet, saving them after each job (a stopped study resumes where it was); ``label(job)``
+    names the job in its progress line. Returns every result at ``path``."""
+    done = pickle.loads(path.read_bytes()) if path.exists() else {}
+    for key, job in jobs:
+        if key in done:
+            continue
+        t = time.time()
+        done[key] = run_one(job)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(done))
+        tmp.replace(path)
+        print(f"{label(job)}: {time.time() - t:.0f} s", flush=True)
+    return done

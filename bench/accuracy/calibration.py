@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 import pickle
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +47,7 @@ from aggregator.release import estimate_with_accuracy
 
 from . import grid
 from .._data import real_profile
-from ..harness import parse_shard, parser, shard_arg
+from ..harness import parse_shard, parser, run_resumable, shard_arg
 from .grid import Cell
 from .lofo import family
 
@@ -141,22 +140,19 @@ def run_cell(cell: Cell, layers: int) -> list[dict]:
     return rows
 
 
+def _label(job) -> str:
+    cell, layers = job
+    return f"{cell.mode} {cell.dist} n={cell.n} D={cell.D} eps={cell.eps} L{layers}"
+
+
 def run(shard) -> None:
     i, k = shard
     OUT.mkdir(parents=True, exist_ok=True)
     mine = OUT / (f"results.{i}.pkl" if not FIRST_REP else f"results.r{FIRST_REP}.{i}.pkl")
-    done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
     jobs = [(c, L) for c in cells() for L in LAYERS]
-    for idx, (cell, layers) in enumerate(jobs):
-        if idx % k != i or (cell.key, layers) in done:
-            continue
-        t = time.time()
-        done[(cell.key, layers)] = run_cell(cell, layers)
-        tmp = mine.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(done))
-        tmp.replace(mine)
-        print(f"{cell.mode} {cell.dist} n={cell.n} D={cell.D} eps={cell.eps} L{layers}: "
-              f"{time.time() - t:.0f} s", flush=True)
+    run_resumable(mine, [((cell.key, layers), (cell, layers))
+                         for idx, (cell, layers) in enumerate(jobs) if idx % k == i],
+                  lambda job: run_cell(*job), _label)
 
 
 def load() -> dict:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import pickle
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,7 @@ from aggregator.properties import entropy
 
 from . import grid
 from .._data import real_profile
-from ..harness import parse_shard, parser, shard_arg
+from ..harness import parse_shard, parser, run_resumable, shard_arg
 from .grid import Cell
 from .lofo import family
 
@@ -120,23 +119,17 @@ def run_cell(cell: Cell, layers: int) -> list[dict]:
     return rows
 
 
+def _label(job) -> str:
+    cell, layers = job
+    return f"{cell.mode} {cell.dist} n={cell.n} D={cell.D} eps={cell.eps} L{layers}"
+
+
 def run(shard) -> None:
     i, k = shard
     OUT.mkdir(parents=True, exist_ok=True)
-    mine = OUT / f"results.{i}.pkl"
-    done = pickle.loads(mine.read_bytes()) if mine.exists() else {}
-    for idx, cell in enumerate(cells()):
-        for layers in LAYERS:
-            if (idx * 2 + layers) % k != i or (cell.key, layers) in done or \
-                    cell.mode not in MODES_RUN:
-                continue
-            t = time.time()
-            done[(cell.key, layers)] = run_cell(cell, layers)
-            tmp = mine.with_suffix(".tmp")
-            tmp.write_bytes(pickle.dumps(done))
-            tmp.replace(mine)
-            print(f"{cell.mode} {cell.dist} n={cell.n} D={cell.D} eps={cell.eps} L{layers}: "
-                  f"{time.time() - t:.0f} s", flush=True)
+    jobs = [((cell.key, layers), (cell, layers)) for idx, cell in enumerate(cells())
+            for layers in LAYERS if (idx * 2 + layers) % k == i and cell.mode in MODES_RUN]
+    run_resumable(OUT / f"results.{i}.pkl", jobs, lambda job: run_cell(*job), _label)
 
 
 def load() -> dict:
