@@ -79,7 +79,7 @@ def write_release_dir_anchor(release_dir, ledger_path, head: dict,
     Path(release_dir).mkdir(parents=True, exist_ok=True)
     doc = {"ledger": str(Path(ledger_path).resolve()), "seq": int(head["seq"]),
            "hash": str(head["hash"]), **({"ledger_id": lineage} if lineage else {})}
-    for key in ({lineage, None} if lineage else {None}):
+    for key in (lineage, None) if lineage else (None,):
         # public like the releases beside it: a hash of a public record
         atomic_write(_anchor_path(release_dir, ledger_path, key),
                      json.dumps(doc, sort_keys=True) + "\n", mode=0o644)

@@ -11,10 +11,9 @@ start loop once produced two committed views of one partition's window without i
 
 from __future__ import annotations
 
-__all__ = ["Membership", "fencing", "STABLE"]
+from kafka.structs import MemberState
 
-#: kafka-python's MemberState.STABLE: joined, assigned, heartbeating
-STABLE = "<stable>"
+__all__ = ["Membership", "fencing"]
 
 
 def fencing(meta) -> bool:
@@ -68,7 +67,7 @@ class Membership:
         consumer), note whether this member leads; returns the counted partitions owned, or
         None while the member is between generations (try again after the next poll)."""
         meta = self.consumer.group_metadata()
-        if not fencing(meta) or meta.state != STABLE:
+        if not fencing(meta) or meta.state != MemberState.STABLE:
             return None
         assigned = self.consumer.assignment()
         self.generation = meta
