@@ -1451,8 +1451,9 @@ def import_clash() -> str | None:
         return (f"panagg's packages come from different places ({where}): another install "
                 "shadows one of them; install panagg in its own virtual environment "
                 "(python -m venv)")
-    others = {name: sorted({d for d in packages_distributions().get(name, [])
-                            if d.lower() != "panagg"}) for name in TOP_LEVEL}
+    owners = packages_distributions()  # reads every installed distribution's file list: once
+    others = {name: sorted({d for d in owners.get(name, []) if d.lower() != "panagg"})
+              for name in TOP_LEVEL}
     clash = {k: v for k, v in others.items() if v}
     if clash:
         what = "; ".join(f"{k!r} also by {', '.join(v)}" for k, v in clash.items())
