@@ -183,13 +183,13 @@ def plausible_extremes(noisy, y, buckets: int, p: float, layers: int = 1, level:
     LL stays within the drop, part way by bisection when it cannot go all the way, which ends
     the walk. ``loglik``: the LL of ``y`` if known.
     """
-    from scipy.stats import chi2
+    from scipy.special import chdtri  # chi-square quantile from the upper tail
 
     vc = noisy_value_counts(noisy)
     model = _model(vc, y, buckets, p, layers)
     if not model.small.any() and len(model.big) == 1:
         return []
-    drop = float(chi2.ppf(level, 1)) / 2.0
+    drop = float(chdtri(1, 1.0 - level)) / 2.0
     base = model.loglik(vc) if loglik is None else float(loglik)
     best = max(base, ref if ref is not None else -np.inf)
     top = model.top

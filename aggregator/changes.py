@@ -107,7 +107,7 @@ def compare(before: dict, after: dict, level: float = LEVEL) -> dict:
     (True / False, None when a release has no error figure), "direction" (+1 / -1 when
     significant, 0 when not, None when unknown)}, "level": level}.
     """
-    from scipy.stats import t as student_t
+    from scipy.special import stdtrit  # Student-t quantile
 
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level!r}")
@@ -131,7 +131,7 @@ def compare(before: dict, after: dict, level: float = LEVEL) -> dict:
         den = (b0 * b0 / d0 if d0 < math.inf else 0.0) + (b1 * b1 / d1 if d1 < math.inf else 0.0)
         df = (b0 + b1) ** 2 / den if den > 0 else math.inf
         q = 0.5 + level / 2
-        crit = float(student_t.ppf(q, df)) if df < math.inf else float(student_t.ppf(q, 1e9))
+        crit = float(stdtrit(df if df < math.inf else 1e9, q))
         row["threshold"] = crit * math.sqrt(var)
         significant = abs(row["change"]) > row["threshold"]
         row["significant"] = bool(significant)

@@ -128,15 +128,16 @@ def support_coverage_prevalences(vals, phis, m: int, *, smoothing: str = "binomi
     if t <= 1.0:
         weights = np.ones(len(vals))
     elif smoothing == "binomial":
-        from scipy import stats  # (0.5-1 s to import: only where it is needed)
+        from scipy.special import bdtrc  # P(Binomial > x); scipy.stats costs ~1 s to import
 
         k = max(1, math.ceil(0.5 * math.log(n * t * t / (t - 1.0), 3)))
-        weights = stats.binom.sf(vals - 1, k, 2.0 / (t + 2.0))  # P(L >= i)
+        below = vals - 1  # P(L >= i) = P(L > i - 1), 0 past k (where bdtrc is undefined)
+        weights = np.where(below >= k, 0.0, bdtrc(np.minimum(below, k), k, 2.0 / (t + 2.0)))
     elif smoothing == "poisson":
-        from scipy import stats
+        from scipy.special import pdtrc  # P(Poisson > x)
 
         rr = r if r is not None else math.log(n * (t + 1.0) ** 2 / (t - 1.0)) / (2.0 * t)
-        weights = stats.poisson.sf(vals - 1, rr)
+        weights = pdtrc(vals - 1, rr)
     else:
         raise ValueError(f"smoothing must be 'binomial' or 'poisson', got {smoothing!r}")
     # U = -sum_i (-t)^i P(L >= i) Phi_i, computed in logs for large i

@@ -160,9 +160,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _warm() -> bool:
-    """Import what a release needs before the first window closes (scipy.stats alone ~0.6 s)."""
+    """Import what a release needs before the first window closes (~0.7 s of imports)."""
     from .. import intervals, release  # noqa: F401
-    import scipy.stats  # noqa: F401
     return True
 
 
