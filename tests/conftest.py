@@ -93,6 +93,18 @@ def restartable_broker(_restartable_broker) -> RestartableBroker:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _no_plots_in_services():
+    """Services a test starts draw no release PNGs (release.plots = false): matplotlib's import
+    and the drawing cost ~1 s of CPU per service start that releases, on a thread beside the
+    test's own work. The tests that look at a plot set release.plots = true."""
+    had = os.environ.get("PANAGG_RELEASE_PLOTS")
+    os.environ.setdefault("PANAGG_RELEASE_PLOTS", "false")
+    yield
+    if had is None:
+        os.environ.pop("PANAGG_RELEASE_PLOTS", None)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _no_plan_simulation_in_services():
     """Every service a test starts as a subprocess (with this environment) skips the start
     line's simulated expected errors (release.plan_errors = false): each start ran six simulated

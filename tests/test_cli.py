@@ -1,5 +1,6 @@
 """panagg demo: runs the whole pipeline, writes release files; bad flags are one line, exit 2."""
 
+import os
 import json
 import subprocess
 import sys
@@ -7,15 +8,16 @@ import sys
 import numpy as np
 
 
-def run(*args):
+def run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def test_demo_writes_releases(tmp_path):
     out = tmp_path / "rel"
     res = run("demo", "--events", "60000", "--accounts", "3000", "--windows", "2",
-              "--output", str(out))
+              "--output", str(out), env={"PANAGG_RELEASE_PLOTS": "true"})  # (conftest: false)
     assert res.returncode == 0, res.stderr
     files = sorted(p.name for p in out.iterdir() if not p.name.startswith(".panagg-ledger-head-"))
     assert files == ["release-0.json", "release-0.png", "release-1.json", "release-1.png"]

@@ -631,7 +631,8 @@ def test_file_modes_do_not_follow_the_umask(tmp_path, monkeypatch):
         try:
             out = tmp_path / f"u{umask:o}"
             # the same file twice on purpose: outside the budget registry (test_budget_lineage)
-            cfg = cfg_for(out, path, **{"window.size": 1000, "ledger.file_registry": ""})
+            cfg = cfg_for(out, path, **{"window.size": 1000, "ledger.file_registry": "",
+                                        "release.plots": "true"})
             Aggregator(cfg, FileSource(str(path), "json", batch=500, progress=False)).run()
         finally:
             os.umask(old)

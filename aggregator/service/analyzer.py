@@ -163,7 +163,8 @@ class ShuffleAnalyzer:
         self.on_started = None  # called once the start succeeded (the CLI's metrics URL)
         self.publisher = ReleasePublisher(cfg.release.dir, cfg.release.topic,
                                           producer=self._kafka_producer,
-                                          on_published=self._published)
+                                          on_published=self._published,
+                                          plot=cfg.release.plots)
         # the live position
         self.window: dict | None = None     # the open window (None between windows)
         self.plus = np.zeros(self.buckets, dtype=np.int64)

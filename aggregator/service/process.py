@@ -225,7 +225,7 @@ class Aggregator:
         self._progress_events = 0.0
         self.publisher = ReleasePublisher(
             cfg.release.dir, cfg.release.topic, producer=self._kafka_producer,
-            key_of=self._release_key, on_published=self._published)
+            key_of=self._release_key, on_published=self._published, plot=cfg.release.plots)
         #: event-time windows (window.kind = event_time; :mod:`.event_time`)
         self.event_time = EventTimeWindows(self)
         self._commit_backoff = _Backoff("checkpoint")

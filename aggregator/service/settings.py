@@ -625,6 +625,14 @@ class ReleaseSettings(Section):
         "out/releases", identity="release_dir", example="/var/lib/panagg/releases",
         brief="release-<window>.json + .png",
         doc="release JSON + PNG files")
+    plots: bool = setting(
+        True,
+        brief="draw release-<window>.png beside each JSON; false: JSON only",
+        doc="draw each release's plot, `release-<window>.png`, beside its JSON (matplotlib, on a "
+            "thread beside the consume loop: ~0.8 s of CPU to import at the first release, then"
+            " a fraction of a second per plot). The JSON is the release; `false` on a headless "
+            "deployment that reads the JSON or the topic only. The test suite sets it false for "
+            "the services it starts (tests/conftest.py) except where a test looks at the plot")
     topic: str = setting(
         "",
         brief="Kafka topic for release JSON (key = window id); empty: files only",
