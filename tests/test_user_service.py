@@ -16,13 +16,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench.service.user_windows import WINDOW, write_logins
+
 SEED = 20260
-WINDOW = 5000
 
 
 def run_cli(args, env_extra=None, timeout=120):
@@ -42,27 +42,6 @@ def user_args(tmp_path, path, **overrides):
     for k, v in cfg.items():
         out += ["--set", f"{k}={v}"]
     return out
-
-
-def write_logins(path: Path, windows: int, seed: int = 7) -> list[int]:
-    """``windows`` windows of WINDOW login events each; window w has its own users (1,200 to
-    3,100 of them, odd counts), every one logging in at least once, a few heavy users with
-    hundreds of logins and the rest spread over the others. Returns the true distinct users."""
-    rng = np.random.default_rng(seed)
-    truth, lines = [], []
-    for w in range(windows):
-        users = int(rng.integers(600, 1550)) * 2 + 1
-        ids = [f"alice-{w}-{i:05d}" for i in range(users)]
-        heavy = ids[:5]
-        rest = WINDOW - users - 5 * 300
-        stream = ids + [u for u in heavy for _ in range(300)] \
-            + [ids[int(i)] for i in rng.integers(0, users, rest)]
-        rng.shuffle(stream)
-        assert len(stream) == WINDOW
-        lines += [json.dumps({"user": u, "event": "login"}) for u in stream]
-        truth.append(users)
-    path.write_text("\n".join(lines) + "\n")
-    return truth
 
 
 def releases(tmp_path) -> dict[int, dict]:
@@ -209,3 +188,15 @@ def test_an_intruder_reads_no_user_and_no_exact_count_on_disk_or_in_the_log(tmp_
     for users in truth:
         assert not re.search(rb"(?<![0-9A-Za-z.])%d(?![0-9A-Za-z.])" % users, seen), users
     assert list((tmp_path / "state" / "checkpoints").iterdir())
+
+
+def test_an_audit_export_is_refused_in_one_line_and_ledgers_nothing(tmp_path):
+    path = tmp_path / "logins.jsonl"
+    write_logins(path, 1, seed=17)
+    assert run_cli(user_args(tmp_path, path)).returncode == 0
+    before = (tmp_path / "state" / "ledger.jsonl").read_bytes()
+    res = run_cli(["audit", "export", "--state-dir", str(tmp_path / "state")],
+                  {"PANAGG_AUDIT_KEY": "00ff" * 16})
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert "audit export of a user-level density state is refused" in res.stderr
+    assert (tmp_path / "state" / "ledger.jsonl").read_bytes() == before

@@ -66,7 +66,7 @@ from .rejects import RejectLog, RejectWatch
 from .release_gate import ReleaseGate, covered_ranges
 from .rollup_closer import RollupCloser, ledgered_unpublished_rollups
 from .settings import Config
-from .user_window import is_user, new_user_state, user_cells, user_release
+from .user_window import NO_EXPORT, is_user, new_user_state, user_cells, user_release
 from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
@@ -1643,8 +1643,7 @@ class Aggregator:
     def export(self, export_id: str | None = None) -> Path:
         """Signed snapshot for auditors, with fresh layers just before and just after it."""
         if self.user:
-            raise ServiceError("an audit export of a user-level density state is refused: a "
-                               "second look at its bits is not covered (docs/privacy_unit.md)")
+            raise ServiceError(NO_EXPORT)
         key = load_key(self.cfg.audit.key_file or None)
         if self.event_time.second is not None and self.event_time.second.events:
             raise ServiceError(

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from ..density import DensityRelease, PanPrivateDensity, plan_cells
 from ..hashing import KEY_BYTES
 
-__all__ = ["USER", "USER_CONSEQUENCE", "INTERVAL_LEVEL", "is_user", "user_cells",
+__all__ = ["USER", "USER_CONSEQUENCE", "INTERVAL_LEVEL", "NO_EXPORT", "is_user", "user_cells",
            "user_unit_problem", "new_user_state", "user_release", "user_plan_line",
            "unit_clause"]
 
@@ -42,6 +42,9 @@ USER_CONSEQUENCE = ("all events of one user in a window, however many, are hidde
                     "active in k windows spends k x eps")
 #: the level of the released intervals
 INTERVAL_LEVEL = 0.9
+#: why an audit export (of a running or a stopped service) is refused under the user unit
+NO_EXPORT = ("an audit export of a user-level density state is refused: a second look at its "
+             "bits is not covered (docs/privacy_unit.md)")
 
 
 def is_user(cfg) -> bool:
