@@ -56,6 +56,7 @@ LANE = {
     "service.release_time": "here",
     "service.shuffler_throughput": "kafka",
     "service.speed": "here",
+    "service.user_windows": "here",
     "service.views": "here",  # accuracy; recovery in tests/integration
 }
 #: bench -> modules of the ``bench`` extra its smoke run needs

@@ -50,9 +50,11 @@ def test_readme_says_the_unit():
     assert "The privacy unit is the event" in text and PRIVACY_UNIT_CONSEQUENCE in text
 
 
-def test_user_level_is_refused_in_one_line():
+def test_user_level_needs_its_expected_users_in_one_line():
     assert load_config(None, ["state.privacy_unit=event"]).state.privacy_unit == "event"
     with pytest.raises(ConfigError) as err:
         load_config(None, ["state.privacy_unit=user"])
     msg = str(err.value)
-    assert "\n" not in msg and "docs/privacy_unit.md" in msg and "not built" in msg
+    assert "\n" not in msg and "docs/privacy_unit.md" in msg and "state.expected_users" in msg
+    cfg = load_config(None, ["state.privacy_unit=user", "state.expected_users=5000"])
+    assert cfg.state.privacy_unit == "user"

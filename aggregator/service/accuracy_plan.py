@@ -75,7 +75,10 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
     """
     from ..release import privacy_unit_clause
+    from .user_window import is_user, user_plan_line
 
+    if is_user(cfg):  # distinct users from a density state: its own plan (no simulation)
+        return user_plan_line(cfg), False
     st = cfg.state
     counters, p, layers, n, hashed = _plan_inputs(cfg)
     floor = noise_floor(counters, p, layers)
@@ -135,7 +138,7 @@ def release_time_warning(cfg: Config) -> str | None:
     (:func:`expected_release_seconds`): a clause saying so and naming the settings that fix it
     (the ones not already set); None otherwise (count windows: their length in seconds is not
     known before the data)."""
-    if cfg.window.kind == "count":
+    if cfg.window.kind == "count" or cfg.state.privacy_unit == "user":
         return None
     seconds = expected_release_seconds(cfg)
     if seconds <= float(cfg.window.size):
@@ -226,6 +229,9 @@ class StartPlan:
 
     def start(self) -> None:
         line, below = accuracy_plan(self.cfg, simulate=False)
+        if self.cfg.state.privacy_unit == "user":  # the plan is computed, not simulated
+            log.info("%s", line)
+            return
         simulate = self.cfg.release.plan_errors
         if not simulate:  # no simulated releases at this start
             line += ("; expected errors not simulated (release.plan_errors = false; "

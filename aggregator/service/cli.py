@@ -823,6 +823,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
         # shell's key is only checked when the export runs here, offline
         if cfg.scale.partitioned:
             return _group_export(cfg, args.state_dir)
+        if cfg.state.privacy_unit == "user":  # before anything is replayed or ledgered
+            from .user_window import NO_EXPORT
+            raise UsageError(NO_EXPORT)
         if service_running(cfg.checkpoint.dir):
             result = _control(cfg, "export")
             if not result.get("ok"):

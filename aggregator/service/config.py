@@ -271,6 +271,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
     _check_environment(cfg, env)
     _validate(cfg, env)
+    _check_user_unit(cfg, aggregations)
     aggregations = _breakdown(cfg, aggregations)
     aggregations = _rollup_levels(cfg, aggregations)
     cfg["aggregations"] = _aggregations(cfg, aggregations)
@@ -579,10 +580,7 @@ def _validate(cfg: dict, env=None) -> None:
         if one.test_only and value != one.default and not under_tests():
             raise ConfigError(f"{one.name} is a test hook ({one.brief}) and is refused outside "
                               "tests; remove it (tests also set PANAGG_TESTING=1)")
-    if cfg["state"]["privacy_unit"] == "user":
-        raise ConfigError("state.privacy_unit = user is not built into the service yet (the "
-                          "user-level density state and its charges: docs/privacy_unit.md); "
-                          "remove it (event: every output is eps-DP per event)")
+    _check_user_unit(cfg)
     src = cfg["source"]
     if src["kind"] == "file" and not src["path"]:
         raise ConfigError("source.kind = file needs source.path (a file, or - for stdin); "
@@ -617,6 +615,15 @@ def _validate(cfg: dict, env=None) -> None:
         check_security(cfg["security"], env)
     except SecurityError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_user_unit(cfg: dict, aggregations=None) -> None:
+    """``state.privacy_unit = user``: refused in one line where it is not wired
+    (:func:`.user_window.user_unit_problem`)."""
+    from .user_window import user_unit_problem
+    problem = user_unit_problem(cfg, aggregations)
+    if problem:
+        raise ConfigError(problem)
 
 
 def rollup_spans(cfg: dict) -> dict[str, int]:

@@ -22,6 +22,11 @@ def choose_buckets_for(cfg: Config) -> int:
     return int(choose_buckets(max(int(cfg.state.expected_n), 2), cfg.state.epsilon))
 
 
+def _user_cells(cfg: Config) -> int:
+    from .user_window import user_cells
+    return user_cells(cfg)
+
+
 def _stream(cfg: Config) -> str:
     src = cfg.source
     return {"kafka": f"kafka:{src.topic}", "file": f"file:{os.path.basename(src.path)}",
@@ -33,7 +38,8 @@ def _stream(cfg: Config) -> str:
 _DERIVED = {
     "stream": _stream,
     "group": lambda cfg: cfg.source.group if cfg.source.kind == "kafka" else "",
-    "domain": lambda cfg: (int(cfg.state.domain_size) if cfg.state.mode == "direct"
+    "domain": lambda cfg: (_user_cells(cfg) if cfg.state.privacy_unit == "user" else
+                           int(cfg.state.domain_size) if cfg.state.mode == "direct"
                            else choose_buckets_for(cfg)),
     # window.clock enters through the kind it made of time windows (config._resolve_clock)
     "window": lambda cfg: f"{cfg.window.kind}:{cfg.window.size:g}",
@@ -45,6 +51,8 @@ _DERIVED = {
 #: config mapping (a saved config.json may lack them: then they are left out)
 _DIRECTORY = {
     "format": lambda cfg: (cfg.get("source") or {}).get("format"),
+    # (a config saved before the setting: left out, so IDENTITY_DEFAULTS' "event")
+    "unit": lambda cfg: (cfg.get("state") or {}).get("privacy_unit"),
     "release_dir": lambda cfg: (os.path.abspath((cfg.get("release") or {})["dir"])
                                 if (cfg.get("release") or {}).get("dir") else None),
 }
@@ -62,7 +70,8 @@ IDENTITY_WHY = {
               "decode the same way",
     "item": "what is counted of each record",
     "mode": "the counters and their noise",
-    "domain": "the number of counters",
+    "domain": "the number of counters (the user unit: the density state's cells)",
+    "unit": "what the state protects: one event, or all events of one user",
     "epsilon": "the counters' noise",
     "model": "what the noise protects against",
     "window": "window numbering and boundaries; `window.clock` through the kind it makes of "
@@ -111,7 +120,7 @@ def identity_of(cfg: Config) -> dict:
 
 
 #: identity keys added after state directories existed: what a ledger without them recorded
-IDENTITY_DEFAULTS = {"item": "value:item"}
+IDENTITY_DEFAULTS = {"item": "value:item", "unit": "event"}
 
 
 def directory_identity(cfg: Mapping) -> dict:

@@ -66,6 +66,7 @@ from .rejects import RejectLog, RejectWatch
 from .release_gate import ReleaseGate, covered_ranges
 from .rollup_closer import RollupCloser, ledgered_unpublished_rollups
 from .settings import Config
+from .user_window import NO_EXPORT, is_user, new_user_state, user_cells, user_release
 from .window import WindowTask, new_window, totals_from
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
@@ -157,8 +158,11 @@ class Aggregator:
         st = cfg.state
         self.epsilon = float(st.epsilon)
         self.model, self.loss = st.model, st.loss
-        self.direct = st.mode == "direct"
-        self.size = int(st.domain_size) if self.direct else choose_buckets_for(cfg)
+        #: state.privacy_unit = user: a density state per window (:mod:`.user_window`)
+        self.user = is_user(cfg)
+        self.direct = st.mode == "direct" and not self.user
+        self.size = (user_cells(cfg) if self.user else int(st.domain_size) if self.direct
+                     else choose_buckets_for(cfg))
         self._next_state = NextState(self._draw_state, size=self.size)  # drawn beside the loop
         src = cfg.source
         self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
@@ -267,6 +271,8 @@ class Aggregator:
         return self._next_state.take(window_id)
 
     def _draw_state(self, window_id: int) -> PanPrivateHistogram:
+        if self.user:
+            return new_user_state(self.cfg, self._rng(0, window_id))  # type: ignore[return-value]
         kwargs = {"size": self.size} if self.direct else {"buckets": self.size}
         state = PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
         worker = self.worker  # (this runs beside the loop: the worker may go meanwhile)
@@ -1308,7 +1314,7 @@ class Aggregator:
         """Whether releases run beside the loop (``release.workers`` > 0) for this service:
         every window kind, with or without snapshots (several aggregations share one worker
         pool); scale-out releases in the loop (docs/configuration.md)."""
-        return int(self.cfg.release.workers) > 0
+        return int(self.cfg.release.workers) > 0 and not self.user  # (user: one count of bits)
 
     def close_window(self) -> dict | None:
         """Release the current window (if the budget allows) and start the next one, durably.
@@ -1560,10 +1566,12 @@ class Aggregator:
                                                                              ranges)):
             return None
         view: list | None = [] if self.rollups is not None else None
-        release = make_release(task.state, model=self.model, loss=self.loss, window=wid,
-                               rng=self._rng(1, wid),
-                               error_bar_reps=int(self.cfg.release.error_bar_reps),
-                               method=release_method(self.cfg), view=view)
+        release = (user_release(task.state, self.cfg, window=wid, n=int(closing["events"]),
+                                rng=self._rng(1, wid)) if self.user else
+                   make_release(task.state, model=self.model, loss=self.loss, window=wid,
+                                rng=self._rng(1, wid),
+                                error_bar_reps=int(self.cfg.release.error_bar_reps),
+                                method=release_method(self.cfg), view=view))
         if charge > 0:
             warn_if_below_noise(release)
         else:
@@ -1634,6 +1642,8 @@ class Aggregator:
     # -- announced audit exports and control requests ------------------------------------------
     def export(self, export_id: str | None = None) -> Path:
         """Signed snapshot for auditors, with fresh layers just before and just after it."""
+        if self.user:
+            raise ServiceError(NO_EXPORT)
         key = load_key(self.cfg.audit.key_file or None)
         if self.event_time.second is not None and self.event_time.second.events:
             raise ServiceError(

@@ -193,7 +193,7 @@ class ReleasePublisher:
                 self._filed[doc] = path
                 if self._sender is not None:
                     self._sender.put(doc)
-                if self._plots is not None:
+                if self._plots is not None and "histogram" in release:  # (not distinct users)
                     self._plots.submit(self._plot, release)
                 if self._on_published is not None:
                     self._on_published(release, path)

@@ -491,12 +491,32 @@ class StateSettings(Section):
             " each release; `shuffle`: the shuffle model's analyzer, reading the shuffler's "
             "analyzer topic (`[shuffle]` below, docs/shuffle.md)")
     privacy_unit: str = setting(
-        "event", choices=("event", "user"),
-        brief="event (each window is eps-DP per event); user: not built yet",
-        doc="what one neighbour differs in: `event` (the service: each window is eps-DP for one "
-            "event changed, so a source that contributes g events is protected at g x eps). "
-            "`user` (every user protected however often they appear: the density state of "
-            "docs/privacy_unit.md) is not a service setting yet and is refused")
+        "event", choices=("event", "user"), identity="unit",
+        brief="event (each window is eps-DP per event) | user (distinct users per window, each "
+              "user protected however often: docs/privacy_unit.md)",
+        doc="what one neighbour differs in: `event` (the histograms: each window is eps-DP for "
+            "one event changed, so a source that contributes g events is protected at g x eps). "
+            "`user`: each window keeps a user-level pan-private density state instead of the "
+            "counters (the item is the user, e.g. `item.field = \"user\"`) and releases its "
+            "distinct users with a 90 % interval; all events of one user in a window, however "
+            "many, are hidden at eps, and a user active in k windows spends k x eps "
+            "(docs/privacy_unit.md). Needs `state.expected_users`; not yet with scale-out, "
+            "rollups, event-time windows, snapshots, several aggregations, a breakdown, hashed "
+            "mode or a model other than `joint` (each refused in one line)")
+    expected_users: int = setting(
+        0, bounds=(NON_NEGATIVE,), identity="domain", example=10000,
+        brief="privacy_unit = user: distinct users expected per window (sizes the state)",
+        doc="`state.privacy_unit = \"user\"`: the distinct users a window is expected to hold; "
+            "the density state has the cells that minimise the relative error there (about "
+            "2.3 x, `aggregator.density.plan_cells`). The error stays within about 1.3x of that "
+            "from 1x to 4x as many users, grows slowly below (like the root of the ratio) and "
+            "fast past ~5x: err on the high side. Required with the user unit")
+    user_universe: int = setting(
+        0, bounds=(NON_NEGATIVE,),
+        brief="privacy_unit = user: the public number of users (registered accounts); 0: none",
+        doc="`state.privacy_unit = \"user\"`: a public universe size (e.g. registered "
+            "accounts, known without the data); set, each release also gives the active "
+            "fraction (distinct users / this) with its interval; 0: no fraction")
     loss: str = setting(
         "l1", choices=("l1", "l2"),
         brief="l1 | l2",

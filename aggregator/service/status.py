@@ -125,7 +125,10 @@ def collect_status(state_dir) -> dict:
                         "remaining": None if total is None else max(0.0, total - spent),
                         "per_window": identity.get("epsilon")}
     from ..release import PRIVACY_UNIT, PRIVACY_UNIT_CONSEQUENCE
-    status["privacy_unit"] = {"unit": PRIVACY_UNIT, "consequence": PRIVACY_UNIT_CONSEQUENCE}
+    from .user_window import USER, USER_CONSEQUENCE
+    status["privacy_unit"] = ({"unit": USER, "consequence": USER_CONSEQUENCE}
+                              if identity.get("unit") == USER else
+                              {"unit": PRIVACY_UNIT, "consequence": PRIVACY_UNIT_CONSEQUENCE})
     history = release_history(ledger)
     status["releases"] = len(history)
     status["last_release"] = history[-1] if history else None
@@ -160,13 +163,15 @@ def format_status(s: dict) -> list[str]:
     ident = s["identity"]
     lines = [f"panagg status of {s['state_dir']}", f"service: {s['service']}"]
     if ident:
+        what = (f"distinct users in {ident.get('domain'):,} cells" if ident.get("unit") == "user"
+                else f"{ident.get('mode')} mode over {ident.get('domain'):,} counters")
         lines.append(f"counts: {ident.get('stream')} (group {ident.get('group') or '-'}), "
-                     f"{ident.get('mode')} mode over {ident.get('domain'):,} counters, eps "
+                     f"{what}, eps "
                      f"{ident.get('epsilon'):g} per window, {ident.get('window')} windows, "
                      f"model {ident.get('model')}")
     if s.get("privacy_unit"):
-        from ..release import privacy_unit_clause
-        lines.append(privacy_unit_clause())
+        from .user_window import unit_clause
+        lines.append(unit_clause(s["privacy_unit"]["unit"]))
     win = s.get("window")
     live = s.get("live") or {}
     if win:
@@ -221,6 +226,13 @@ def _expected(row: dict, key: str) -> str:
 
 def _release_summary(row: dict) -> str:
     n = "?" if row["n"] is None else f"{row['n']:,}"
+    users = row.get("distinct_users")
+    if users:  # a user-level release: distinct users, their interval and expected error
+        lo, hi = users["interval"]
+        rel = users.get("expected_relative_error")
+        return (f"n={n}, distinct users {users['value']:,.0f} [{lo:,.0f}-"
+                + ("inf" if hi is None else f"{hi:,.0f}") + "]"
+                + (f" (expect +-{100 * rel:.1f}%)" if rel is not None else ""))
     text = (f"n={n}, distinct {row['distinct_items']:,}{_interval(row, 'distinct_items', ',.0f')}"
             f"{_expected(row, 'distinct_items')}"
             f", entropy {row['entropy_nats']:.3f}{_interval(row, 'entropy_nats', '.3f')}"
@@ -260,12 +272,14 @@ def release_history(ledger: Ledger, level: float = changes.LEVEL) -> list[dict]:
             "model": doc.get("model"), "epsilon": doc.get("epsilon"),
             "change": None,
         }
+        if doc.get("distinct_users"):  # state.privacy_unit = user (aggregator/service/user_window)
+            row["distinct_users"] = doc["distinct_users"]
         if series is not None:  # a rollup: compared with the previous rollup of its span
             ru = doc.get("rollup") or {}
             row["rollup"] = {"span": series, "windows": len(ru.get("windows", [])),
                              "base_windows": ru.get("base_windows"),
                              "complete": ru.get("complete"), "layers": doc.get("layers")}
-        if prev is not None:
+        if prev is not None and not row.get("distinct_users"):
             c = changes.compare(prev, doc, level=level)
             row["change"] = {"versus_window": prev.get("window"), "level": level,
                              **{k: {f: c[k][f] for f in ("relative", "threshold", "significant",
