@@ -502,6 +502,11 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
         if out[name].get("state", {}).get("model", cfg["state"]["model"]) == "shuffle":
             raise ConfigError(f"aggregations.{name}: state.model = shuffle is not built with "
                               "several aggregations; run the analyzer as its own service")
+        if out[name].get("state", {}).get("privacy_unit") == "user":
+            # (a top-level user unit with [aggregations] is refused before: user_unit_problem)
+            raise ConfigError(f"aggregations.{name}: state.privacy_unit = user is not built with "
+                              "several aggregations yet; run it as a service of its own "
+                              "(docs/privacy_unit.md)")
         one = aggregation_config(cfg, name, out[name])
         budget = one.budget_per_window
         total += budget
