@@ -18,6 +18,7 @@ import tomllib
 from state_store.failpoints import under_tests
 
 from .settings import SETTINGS, Config, defaults
+from .user_window import user_unit_problem
 
 __all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n",
            "aggregation_configs", "AGGREGATION_SECTIONS"]
@@ -625,7 +626,6 @@ def _validate(cfg: dict, env=None) -> None:
 def _check_user_unit(cfg: dict, aggregations=None) -> None:
     """``state.privacy_unit = user``: refused in one line where it is not wired
     (:func:`.user_window.user_unit_problem`)."""
-    from .user_window import user_unit_problem
     problem = user_unit_problem(cfg, aggregations)
     if problem:
         raise ConfigError(problem)
