@@ -12,23 +12,15 @@ real login files, the real service in a subprocess (as tests/test_service.py run
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from bench.service.user_windows import WINDOW, write_logins
+from tests.test_service import run_cli
 
 SEED = 20260
-
-
-def run_cli(args, env_extra=None, timeout=120):
-    env = dict(os.environ, PANAGG_TESTING="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def user_args(tmp_path, path, **overrides):
