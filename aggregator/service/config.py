@@ -271,8 +271,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
                                  "e.g. --set window.size=100000"))
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
     _check_environment(cfg, env)
-    _validate(cfg, env)
-    _check_user_unit(cfg, aggregations)
+    _validate(cfg, env)  # (checks the user unit first, so its refusal is the one said)
+    _check_user_unit(cfg, aggregations)  # again, now that the [aggregations] tables are known
     aggregations = _breakdown(cfg, aggregations)
     aggregations = _rollup_levels(cfg, aggregations)
     cfg["aggregations"] = _aggregations(cfg, aggregations)
