@@ -132,11 +132,12 @@ class EventTimeWindows:
     window closes (the module docstring's definitions), as a component of the loop.
 
     ``host`` is the :class:`aggregator.service.process.Aggregator` it serves. It counts with the
-    host's counting steps and nothing else: ``_decode`` / ``_parse`` (records to items),
-    ``_count`` (items into a state), ``_account`` / ``_reject`` / ``_hold`` /
-    ``_closed_or_held`` / ``_release_held`` (source positions, rejects and paused partitions),
-    ``_new_window`` / ``_new_state`` / ``close_window`` / ``_ledger_append`` (the close path) and
-    ``_window_gauges``; it reads the host's ``cfg``, ``task``, ``source``, ``metrics``, ``dir``
+    host's intake stage (:class:`.stages.intake.Intake`) and nothing else: ``decode`` /
+    ``parse`` (records to items), ``count`` (items into a state), ``account`` / ``reject`` /
+    ``hold`` / ``closed_or_held`` / ``release_held`` (source positions, rejects and paused
+    partitions) and ``window_gauges``; it opens windows through the host's window assigner
+    (``windows.new_window``) and closes them through ``_new_state`` / ``close_window`` /
+    ``_ledger_append``; it reads the host's ``cfg``, ``task``, ``source``, ``metrics``, ``dir``
     and ``model``. The host calls :meth:`ingest` for each segment, :meth:`turn` once a loop
     turn, :meth:`open_window` for each window it opens and :meth:`carried_state`,
     :meth:`second_window_fields` and :meth:`skip_decided_window` on its close and restore path.
@@ -211,7 +212,7 @@ class EventTimeWindows:
             return False
         closed, second = dict(task.window), entry["second"]
         ends = {p: int(o) for p, o in entry["end_offsets"].items()}
-        w = self.host._new_window(task, closed["id"] + 1)
+        w = self.host.windows.new_window(task, closed["id"] + 1)
         index = closed.get("event_index")
         w["late_before"] = index + 1 if index is not None else closed.get("late_before")
         w["late"] = 0

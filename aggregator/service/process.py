@@ -17,14 +17,17 @@ checkpoint that starts the next window; publishing happens from that document. A
 ledger already holds (a crash after the ledger entry, or a restored older checkpoint) is
 re-published from the ledgered document, never computed again.
 
-The checkpoint commit is one numbered sequence (:meth:`Aggregator.commit`):
+:class:`Aggregator` wires the stages of :mod:`.stages` (one concern a module: the start's
+checks, resuming a task, intake, the window assigner, the checkpoint sequence, release,
+publishing, control requests, health) and runs the loop: start, then per poll a turn
+(count, then housekeeping), then the input's end and finish. The checkpoint commit is one
+numbered sequence (:class:`.stages.checkpoint.Checkpoints`):
 
 1. dead letters of every record before the new offsets are acknowledged by the broker;
 2. (snapshot only) a fresh noise layer on the live counters, the snapshot, another fresh layer;
 3. the checkpoint is written atomically (temp file, fsync, rename, directory fsync);
 4. the offsets go to the Kafka group, for lag monitoring only.
 """
-
 from __future__ import annotations
 
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -64,9 +67,11 @@ from .stages.intake import Intake
 from .stages.registries import BudgetRegistries
 from .stages.publish import PublishStep
 from .stages.release import ReleaseStep, release_method
+from .stages.resume import Resume
 from .stages.start_checks import StartChecks, keep_processing_time, save_effective_config
+from .stages.windows import WindowAssigner
 from .stages.state_dir import claim_directory, remove_created, service_running
-from .window import WindowTask, new_window, totals_from
+from .window import WindowTask
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
 
@@ -112,7 +117,6 @@ class Aggregator:
                                max_item_bytes=src.max_item_bytes,
                                spec=ItemSpec.from_config(cfg.item))
         self.dir = Path(cfg.checkpoint.dir)
-        self.snapshots_per_window = int(cfg.checkpoint.snapshots_per_window)
         self.fresh_start, self.accept_change = fresh_start, accept_change
         self._lock_file = None
         self.task = WindowTask("all", None)
@@ -194,6 +198,17 @@ class Aggregator:
         self.publisher = self.publishing.publisher
         #: event-time windows (window.kind = event_time; :mod:`.event_time`)
         self.event_time = EventTimeWindows(self)
+        #: which window a record counts into, and when it ends (:mod:`.stages.windows`)
+        self.windows = WindowAssigner(cfg, self.ledger, source, self.metrics,
+                                      event_time=self.event_time)
+        #: where the task resumes at a start (:mod:`.stages.resume`)
+        self.resume = Resume(self.ledger, self.checks, self.registries, self.gate, self.windows,
+                             source, event_time=self.event_time,
+                             new_state=lambda task, wid: self._new_state(task, wid),
+                             rng=self._rng, append=lambda **e: self._ledger_append(**e),
+                             start_append=self._start_append, epsilon=self.epsilon,
+                             model=self.model, direct=self.direct, size=self.size,
+                             fresh_start=fresh_start, directory=self.dir, group=cfg.source.group)
         #: the release worker (aggregator.service.release_worker): None releases in the loop;
         #: several aggregations share one (set before start)
         self.worker = None
@@ -224,12 +239,6 @@ class Aggregator:
             # its counters in a shared block of their own: the close hands over no copy
             state = worker.house(state)
         return state
-
-    def _new_window(self, task: WindowTask, window_id: int) -> dict:
-        w = new_window(window_id, self.cfg.window.kind, self.cfg.window.size)
-        if w["kind"] == "event_time":
-            self.event_time.open_window(task, w)
-        return w
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
@@ -296,188 +305,10 @@ class Aggregator:
             self.rollups.fold(task.pending)
 
     def restore_task(self, task: WindowTask, *, where: str, commit: bool = True) -> None:
-        """Resume ``task`` from its latest checkpoint (see :mod:`.window`): a fresh state (or
-        the checkpoint's snapshot plus a fresh layer), the window, offsets and totals. A window
-        the ledger already decided (released or refused) is not replayed: the next window
-        starts at its ledgered end. ``commit=False``: the caller commits once its checks pass."""
-        ckpt = task.store.load_latest()
-        if ckpt is None:
-            self._first_start(task, where)
-            if commit:
-                self.commit(task)  # from now on a missing checkpoint is a lost one
-            return
-        self.checks.check_start_policy(where)
-        self.checks.check_not_rolled_back(ckpt.window, where)
-        task.window, task.offsets = dict(ckpt.window), dict(ckpt.offsets)
-        task.pending = list(ckpt.pending)
-        task.totals = totals_from(ckpt.totals)
-        task.window.setdefault("uid", f"v1-{task.name}-{task.window['id']}")
-        task.window.setdefault("snapshots", 0)
-        # checkpoints from before source ranges: the window starts at the checkpoint's offsets
-        # (a snapshot's are mid-window: its partitions' first records then mark the start)
-        task.window.setdefault("start_offsets", dict(ckpt.offsets) if ckpt.state is None else {})
-        task.window.setdefault("lineage", f"legacy-{(self.ledger.identity() or {}).get('run')}")
-        task.durable, task.replay = ckpt, None
-        task.queue, task.inflight = [], []
-        if ckpt.unreleased:
-            self._queue_unreleased(task, ckpt)
-        elif self._skip_decided_window(task):
-            if commit:
-                self.commit(task)
-            return
-        task.mark_start()
-        if ckpt.state is None:
-            task.state = self._new_state(task, task.window["id"])
-        else:
-            task.state = PanPrivateHistogram.deserialize(ckpt.state)
-            self.checks.check_state_matches_config(
-                task.state, f"the checkpoint in {where}", direct=self.direct, size=self.size,
-                epsilon=self.epsilon)
-            # the restored memory must not equal the file plus exact increments
-            task.state.rerandomize(rng=self._rng(3, task.window["id"], ckpt.seq))
-            # where this window's records start is behind the snapshot (and the totals there
-            # are not known): its close runs in the loop, which needs neither
-            task.window_start = None
-        if task.close_at is None:
-            self._replay_target(task)
-        # what the restart costs (docs/privacy.md, R3): the events counted after this checkpoint
-        # before the stop are counted again under fresh noise
-        self._ledger_append(entry_id=f"restart-{os.urandom(6).hex()}", kind="restart",
-                            window=task.window["id"], window_uid=task.window["uid"],
-                            model=self.model, replay_from=dict(task.offsets), unit=task.name,
-                            note="events after replay_from counted again under fresh noise; "
-                                 "2 eps for them against an intruder who read memory before "
-                                 "the restart")
-        log.info("restored checkpoint %d of %s: window %s from %d partition offset(s)%s; the "
-                 "window's later events are replayed from the source under fresh noise",
-                 ckpt.seq, task.name, task.window["id"], len(task.offsets),
-                 " and a layered snapshot" if ckpt.state is not None else "")
-
-    def _queue_unreleased(self, task: WindowTask, ckpt) -> None:
-        """The checkpoint lists closed windows whose release was not ledgered when it was
-        written (releases beside the loop): replay each from its start to its recorded end and
-        close it, then the open window. Those the ledger holds by now are not replayed: the
-        replay starts at the end of the last of them."""
-        queue = [dict(u) for u in ckpt.unreleased] + [{"window": dict(ckpt.window),
-                                                       "end_offsets": None}]
-        while len(queue) > 1:
-            uid = queue[0]["window"]["uid"]
-            entry = self.ledger.get(f"release-{uid}") or self.ledger.get(f"refused-{uid}")
-            if entry is None:
-                break
-            if entry["kind"] == "release" and entry["document"] not in task.pending:
-                task.pending.append(entry["document"])
-            head = queue.pop(0)
-            task.offsets = dict(task.offsets, **{p: int(o) for p, o in
-                                                  head["end_offsets"].items()})
-            task.totals = totals_from(head["totals"])
-        first = queue.pop(0)
-        task.window = dict(first["window"], events=0)
-        task.close_at = ({p: int(o) for p, o in first["end_offsets"].items()}
-                         if first.get("end_offsets") is not None else None)
-        task.queue = queue
-        closed = (task.close_at is not None) + sum(q.get("end_offsets") is not None
-                                                    for q in queue)
-        log.info("%d closed window(s) of %s were not released when the service stopped: each "
-                 "is replayed from the source and released once", closed, task.name)
-
-    def _skip_decided_window(self, task: WindowTask) -> bool:
-        """If the ledger already holds the restored window's release (or refusal) with its end
-        positions and totals (a stop between the ledger entry and the checkpoint that starts the
-        next window), start the next window at that end instead of replaying this one: a replay
-        would put the window's events in memory under fresh noise beside the published release
-        of the old noise (two looks at them). True if skipped."""
-        uid = task.window["uid"]
-        entry = self.ledger.get(f"release-{uid}") or self.ledger.get(f"refused-{uid}")
-        if entry is None or entry.get("end_offsets") is None or entry.get("totals") is None:
-            return False
-        wid = task.window["id"]
-        if task.window["kind"] == "event_time":
-            if not self.event_time.skip_decided_window(task, entry):
-                return False
-            if entry["kind"] == "release" and entry["document"] not in task.pending:
-                task.pending.append(entry["document"])
-            log.info("window %s of %s is in the ledger already (%s): it is not replayed; window "
-                     "%s starts after it", wid, task.name, entry["kind"], wid + 1)
-            return True
-        if entry["kind"] == "release" and entry["document"] not in task.pending:
-            task.pending.append(entry["document"])
-        ends = {p: int(o) for p, o in entry["end_offsets"].items()}
-        task.offsets = dict(task.offsets, **ends)
-        task.totals = totals_from(entry["totals"])
-        lineage = task.window["lineage"]
-        task.window = self._new_window(task, wid + 1)
-        task.window.update(lineage=lineage, start_offsets=dict(task.offsets))
-        task.mark_start()
-        task.state = self._new_state(task, wid + 1)
-        task.close_at = None
-        log.info("window %s of %s is in the ledger already (%s): it is not replayed; window %s "
-                 "starts at its end", wid, task.name, entry["kind"], wid + 1)
-        return True
-
-    def _first_start(self, task: WindowTask, where: str) -> None:
-        released = [e for e in self.ledger.entries if e["kind"] in ("release", "refused")]
-        first = 0
-        committed = getattr(self.source, "committed_offsets", lambda: {})()
-        if committed and not released and not self.fresh_start:
-            raise ServiceError(
-                f"no checkpoint in {where}, but consumer group {self.cfg.source.group!r} "
-                "has committed offsets: another state directory (or a lost one) counted this "
-                "topic. Use that state directory, another source.group, or --fresh-start to "
-                "count from the committed offsets")
-        if released:
-            if not self.fresh_start:
-                raise ServiceError(
-                    f"no checkpoint in {where}, but the ledger in {self.dir} records "
-                    f"{len(released)} release(s): the checkpoint was lost or moved away. Restore "
-                    "it from a backup, or start with --fresh-start (the window it held is then "
-                    "never released)")
-            first = max(int(e["window"]) for e in released
-                        if isinstance(e.get("window"), int)) + 1
-        task.window = self._new_window(task, first)
-        task.state = self._new_state(task, first)
-        task.offsets, task.pending = {}, []
-        task.totals = {"events": 0, "rejects": {}}
-        task.durable = None
-        task.offsets, at = self.checks.start_offsets(bool(committed))
-        # never over positions whose events this release would charge past the budget (a
-        # fresh start, an aggregation renamed or added under --accept-change)
-        resume = self.ledger.charges(self.gate.other_charges()).resume_offsets(
-            self.epsilon, budget=self.ledger.budget_per_event)
-        # the same content read before (renamed, another state dir)
-        self.registries.resume_after_file(resume, self.epsilon, self.ledger.budget_per_event)
-        floor = dict(committed) if committed and self.fresh_start else {}
-        floor.update(task.offsets)
-        later = {p: o for p, o in resume.items() if o > floor.get(p, 0)}
-        if later:
-            task.offsets.update(later)
-            at = ("after the last released position (" + ", ".join(
-                f"{k} at {v}" for k, v in sorted(later.items())) + f"), not at {at}")
-        task.window.update(lineage=os.urandom(8).hex(), start_offsets=dict(task.offsets))
-        task.mark_start()
-        if released:
-            self._start_append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
-                                window=first, resume_offsets=dict(floor, **task.offsets),
-                                note=f"started without a checkpoint in {where}; counting "
-                                     f"resumes {at}")
-            log.warning("fresh start without a checkpoint in %s: numbering continues at window "
-                        "%d", where, first)
-        log.info("no checkpoint in %s: starting window %d at %s", where, first, at)
-
-    def _replay_target(self, task: WindowTask) -> None:
-        """Where replaying the restored window must stop before it closes: the ledgered end of a
-        window already released, or (time windows whose end passed while down) the source's
-        end offsets now."""
-        entry = self.ledger.get(f"release-{task.window['uid']}")
-        if entry is not None and entry.get("end_offsets") is not None:
-            task.close_at = {p: int(o) for p, o in entry["end_offsets"].items()}
-        elif task.window["kind"] == "time" and task.progress() >= 1:
-            ends = self._end_offsets(task)
-            task.close_at = ends if ends else None
-
-    def _end_offsets(self, task: WindowTask) -> dict[str, int] | None:
-        end_offsets = getattr(self.source, "end_offsets", None)
-        return end_offsets() if end_offsets else None
+        """Resume ``task`` from its latest checkpoint (:meth:`.Resume.restore_task`);
+        ``commit=False``: the caller commits once its checks pass."""
+        if self.resume.restore_task(task, where=where) and commit:
+            self.commit(task)  # from now on a missing checkpoint is a lost one
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
@@ -577,8 +408,10 @@ class Aggregator:
         windows, snapshots, control requests, publishing, lag, health."""
         if not polled:
             self.plan.idle()   # caught up: the start's simulated plan may take its CPU now
-            self._caught_up(self.task)
-        self._maybe_close_time_window(self.task)
+            if self.windows.caught_up(self.task):
+                self.close_window()
+        if self.windows.time_window_due(self.task):
+            self.close_window()
         if self.cfg.window.kind == "event_time":
             self.event_time.turn(self.task)
         self._maybe_snapshot(self.task)
@@ -707,36 +540,9 @@ class Aggregator:
             self._producer = service_producer(self.cfg)
         return self._producer
 
-    def _caught_up(self, task: WindowTask) -> None:
-        """The source had nothing more: a replay target not reached by now never will be (a
-        partition with fewer records than its end offset showed, e.g. compaction)."""
-        probe = getattr(self.source, "caught_up", None)
-        if task.close_at is not None and (probe is None or probe(list(task.close_at))):
-            task.close_at = None
-            if task.window["kind"] == "time" and task.progress() >= 1:
-                self._close(task)
-
-    def _close(self, task: WindowTask) -> None:
-        self.close_window()
-
-    def _maybe_close_time_window(self, task: WindowTask) -> None:
-        if task.window["kind"] != "time" or task.close_at is not None:
-            return  # replaying: the window closes when the replay reaches its target
-        progress = task.progress()
-        self.metrics.window_progress.set(min(progress, 1.0))
-        if progress >= 1:
-            self._close(task)
-
     def _maybe_snapshot(self, task: WindowTask) -> None:
-        """Optional layered snapshots at public points of the window (each costs two layers in
-        the release; they bound the replay after a crash to a fraction of the window)."""
-        k = self.snapshots_per_window
-        if not k or task.close_at is not None or task.window["snapshots"] >= k:
-            return
-        if task.inflight:  # a snapshot checkpoint lists no closed windows: it waits for them
-            return
-        if task.progress() >= (task.window["snapshots"] + 1) / (k + 1):
-            task.window["snapshots"] += 1
+        """A layered snapshot checkpoint when one is due (:meth:`.WindowAssigner.snapshot_due`)."""
+        if self.windows.snapshot_due(task):
             self.commit(task, snapshot=True, tag=(task.window["snapshots"],))
 
     # -- the checkpoint ------------------------------------------------------------------------
@@ -783,7 +589,7 @@ class Aggregator:
             self._publish_pending(task)
             return release
         task.close_at = None
-        task.window = self._new_window(task, wid + 1)
+        task.window = self.windows.new_window(task, wid + 1)
         # where the next window's records start (an event-time second window: where its
         # replay starts), and the chain of checkpoints it belongs to
         task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
@@ -856,7 +662,7 @@ class Aggregator:
             if nxt.get("end_offsets") is not None:
                 task.close_at = {p: int(o) for p, o in nxt["end_offsets"].items()}
         else:
-            task.window = self._new_window(task, wid + 1)
+            task.window = self.windows.new_window(task, wid + 1)
             # (event time: the second window's records start before this window's close)
             task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
                 (task.replay or {}).get("offsets") or task.offsets))
@@ -864,7 +670,7 @@ class Aggregator:
         carried = self.event_time.carried_state()  # the second window, counting already
         task.state = carried if carried is not None else self._new_state(task, task.window["id"])
         if task.close_at is None:
-            self._replay_target(task)  # a time window that ended while the service was down
+            self.windows.replay_target(task)  # a time window that ended while the service was down
         self.metrics.window_id.set(task.window["id"])
         self.metrics.window_events.set(0)
         self.metrics.window_progress.set(0)
