@@ -30,8 +30,6 @@ numbered sequence (:class:`.stages.checkpoint.Checkpoints`):
 """
 from __future__ import annotations
 
-from concurrent.futures import TimeoutError as FuturesTimeout
-import json
 import logging
 import os
 import threading
@@ -43,7 +41,7 @@ import numpy as np
 from consumers.base import Segment, Source
 from consumers.decode import Decoder, ItemSpec
 from state_store.audit import load_key, write_export
-from state_store.failpoints import failpoint, under_tests
+from state_store.failpoints import under_tests
 from state_store.local import LocalStore
 
 from ..state import PanPrivateHistogram
@@ -57,10 +55,11 @@ from .identity import choose_buckets_for, identity_of
 from .ledger import Ledger, LedgerError
 from .metrics import Metrics
 from .rejects import RejectLog, RejectWatch
-from .release_gate import ReleaseGate, covered_ranges
+from .release_gate import ReleaseGate
 from .rollup_closer import RollupCloser, ledgered_unpublished_rollups
 from .settings import Config
 from .stages.checkpoint import Checkpoints
+from .stages.close import Closer
 from .stages.control import ControlRequests
 from .stages.health import LoopHealth
 from .stages.intake import Intake
@@ -201,6 +200,16 @@ class Aggregator:
         #: which window a record counts into, and when it ends (:mod:`.stages.windows`)
         self.windows = WindowAssigner(cfg, self.ledger, source, self.metrics,
                                       event_time=self.event_time)
+        #: closing a window: release, next window, checkpoint (:mod:`.stages.close`)
+        self.closer = Closer(self.releases, self.gate, self.ledger, self.windows,
+                             self.checkpoints, self.metrics, self.health,
+                             event_time=self.event_time,
+                             max_in_flight=int(cfg.release.max_in_flight),
+                             new_state=lambda task, wid: self._new_state(task, wid),
+                             commit=lambda task: self.commit(task),
+                             publish=lambda task: self._publish_pending(task),
+                             worker=lambda: self.worker,
+                             stopping=lambda: self.stop_event.is_set(), rollups=self.rollups)
         #: where the task resumes at a start (:mod:`.stages.resume`)
         self.resume = Resume(self.ledger, self.checks, self.registries, self.gate, self.windows,
                              source, event_time=self.event_time,
@@ -566,180 +575,15 @@ class Aggregator:
         return int(self.cfg.release.workers) > 0
 
     def close_window(self) -> dict | None:
-        """Release the current window (if the budget allows) and start the next one, durably.
-        With a release worker, the release is computed beside the loop and collected later in
-        window order (:meth:`_collect_releases`); the return value is then ``{"window": id}``."""
+        """Release the open window (if the budget allows) and start the next one, durably
+        (:meth:`.Closer.close`); beside the loop the return value is ``{"window": id}``."""
         self.metrics.intake_stall.set(self.intake_gap.take())
-        if self.worker is not None and self.task.window_start is not None:
-            return self._close_async(self.task)
-        task = self.task
-        t0 = time.perf_counter()
-        closing = dict(task.window, ended_unix=time.time())
-        wid, uid = closing["id"], closing["uid"]
-        release = self.releases.ledgered_release(
-            task, closing, lambda ranges: self._position_fields(task, closing, ranges))
-        if release is not None:
-            task.pending.append(json.dumps(release, allow_nan=False))
-            if self.rollups is not None:
-                self.rollups.fold(task.pending)
-        if task.queue:  # after a restart: the next closed window to replay, or the open one
-            self._open_next(task, closing)
-            if not task.queue and task.close_at is None:
-                self.commit(task)
-            self._publish_pending(task)
-            return release
-        task.close_at = None
-        task.window = self.windows.new_window(task, wid + 1)
-        # where the next window's records start (an event-time second window: where its
-        # replay starts), and the chain of checkpoints it belongs to
-        task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
-            (task.replay or {}).get("offsets") or task.offsets))
-        task.mark_start()
-        carried = self.event_time.carried_state()  # the second window, counting already
-        task.state = carried if carried is not None else self._new_state(task, wid + 1)
-        self.metrics.window_id.set(wid + 1)
-        self.metrics.window_events.set(task.window["events"])
-        self.metrics.window_progress.set(0)
-        self.commit(task)  # the next window's start and the pending release, atomically
-        self._publish_pending(task)
-        self.metrics.release_duration.observe(time.perf_counter() - t0)
-        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
-        log.debug("closed window %s (uid %s)", wid, uid)
-        return release
+        return self.closer.close(self.task)
 
-    # -- releases beside the loop ---------------------------------------------------------------
-    def _close_async(self, task: WindowTask) -> dict:
-        """Close the window: ledger check over its source ranges (before any release noise),
-        hand the closed state to the worker, start the next window at once."""
-        closing = dict(task.window, ended_unix=time.time())
-        wid, uid = closing["id"], closing["uid"]
-        ranges, charge = self.window_ranges(task, closing), self.gate.charge_of(closing)
-        entry = self.ledger.get(f"release-{uid}")
-        start = task.window_start  # set whenever a window opens (mark_start)
-        event_time = closing["kind"] == "event_time"
-        # (event time: what the entry records of the second window, before the next opens)
-        extra = self.event_time.second_window_fields() if event_time else {}
-        job = None
-        if entry is not None:  # decided before a restart (never replayed: kept for safety)
-            if entry["document"] not in task.pending:
-                task.pending.append(entry["document"])
-        elif self.gate.allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
-                              in_flight=task.inflight, refusal_fields=lambda: self._position_fields(
-                                  task, closing, ranges)):
-            self._wait_for_room(task)
-            job = self.releases.submit(self.worker, task, closing, start=start, ranges=ranges,
-                                       charge=charge, extra=extra)
-            task.inflight.append(job)
-            failpoint("release-submitted")
-        elif event_time and task.inflight:
-            # refused: its entry is in the ledger; the checkpoint that passes it follows the
-            # releases still in flight (rare: the budget is spent)
-            self._collect_releases(task, wait=True)
-        self._open_next(task, closing)
-        self.metrics.release_queue.set(len(task.inflight))
-        if event_time:
-            # the checkpoint that starts the next window is written once this window's release
-            # is ledgered (:meth:`_collect_releases`): until then a restart replays this window
-            # from its start (a stop in between: the restart sees the entry and passes it)
-            if job is not None:
-                job["checkpoint"] = task.record(None)
-            elif not task.inflight:
-                self.commit(task)
-        elif not task.queue and task.close_at is None:
-            self.commit_position(task)
-        log.debug("closed window %s (uid %s)", wid, uid)
-        return {"window": wid}
-
-    def _open_next(self, task: WindowTask, closing: dict) -> None:
-        """The window after ``closing``: the next one a restart still has to replay, or a new
-        one starting here."""
-        wid = closing["id"]
-        task.close_at = None
-        task.state = None  # the closed counters now live in the worker only
-        if task.queue:
-            nxt = task.queue.pop(0)
-            task.window = dict(nxt["window"], events=0)
-            if nxt.get("end_offsets") is not None:
-                task.close_at = {p: int(o) for p, o in nxt["end_offsets"].items()}
-        else:
-            task.window = self.windows.new_window(task, wid + 1)
-            # (event time: the second window's records start before this window's close)
-            task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
-                (task.replay or {}).get("offsets") or task.offsets))
-        task.mark_start()
-        carried = self.event_time.carried_state()  # the second window, counting already
-        task.state = carried if carried is not None else self._new_state(task, task.window["id"])
-        if task.close_at is None:
-            self.windows.replay_target(task)  # a time window that ended while the service was down
-        self.metrics.window_id.set(task.window["id"])
-        self.metrics.window_events.set(0)
-        self.metrics.window_progress.set(0)
-
-    def _wait_for_room(self, task: WindowTask) -> None:
-        """Backpressure: at ``release.max_in_flight`` closed windows waiting for their release,
-        intake pauses (one line, ``panagg_intake_paused``) until the oldest is released."""
-        limit = int(self.cfg.release.max_in_flight)
-        if len(task.inflight) < limit:
-            return
-        log.warning("the release path is behind (%d closed windows waiting, "
-                    "release.max_in_flight = %d): intake pauses until window %s is released",
-                    len(task.inflight), limit, task.inflight[0]["window"]["id"])
-        self.metrics.intake_paused.set(1)
-        while len(task.inflight) >= limit:
-            try:
-                task.inflight[0]["future"].exception(timeout=0.5)
-            except FuturesTimeout:  # meanwhile: true lag, health, a stop request
-                self.metrics.heartbeat()
-                self.health.update_lag(now=True)
-                if self.stop_event.is_set():
-                    raise Stopping() from None
-                continue
-            self._collect_releases(task, commit=False)
-        self.metrics.intake_paused.set(0)
-
-    def _collect_releases(self, task: WindowTask, *, wait: bool = False,
-                          commit: bool = True) -> int:
-        """Ledger, checkpoint and publish the worker's finished releases in window order (with
-        ``wait``: every one in flight). Returns how many were collected."""
-        done, committed = self.releases.ledger_finished(task, wait=wait,
-                                                        on_checkpoint=self._commit_start)
-        if done:
-            if committed:
-                self._publish_pending(task)
-            elif commit and not task.queue and task.close_at is None:
-                self.commit_position(task)
-                self._publish_pending(task)
-        return done
-
-    def _commit_start(self, task: WindowTask, record) -> None:
-        """Event time: the checkpoint that starts the window after one whose release is now
-        ledgered (as the close in the loop writes it), with the current pending releases."""
-        record.pending = list(task.pending)
-        self.checkpoints.save_position(task, record)
-        future = self.event_time.future
-        if future is not None:  # a restart starts here now: older decisions are moot
-            future.prune(self.event_time.replay_starts(record))
-
-    def commit_position(self, task: WindowTask) -> None:
-        """A checkpoint while windows are in flight or the open window counts: the replay
-        starts at the first unreleased window (or the open window's start), and the closed,
-        unreleased windows are listed with their ends (the commit sequence of
-        :meth:`commit` without a snapshot)."""
-        self.checkpoints.save_position(task, task.record_position())
-
-    def window_ranges(self, task: WindowTask, window: dict | None = None) -> dict:
-        """The source positions the window covers (:func:`.release_gate.covered_ranges`): what
-        its release charges in the ledger."""
-        window = task.window if window is None else window
-        return covered_ranges(window.get("start_offsets"), task.offsets)
-
-    def _position_fields(self, task: WindowTask, closing: dict, ranges: dict) -> dict:
-        """The gate's position fields at the task's current position (event time: and what
-        the entry records of the second window)."""
-        fields = self.gate.position_fields(closing, ranges, task.offsets, task.totals)
-        if closing.get("kind") == "event_time":
-            fields.update(self.event_time.second_window_fields())
-        return fields
+    def _collect_releases(self, task: WindowTask, *, wait: bool = False) -> int:
+        """Ledger, checkpoint and publish the worker's finished releases (:meth:`.Closer.
+        collect`)."""
+        return self.closer.collect(task, wait=wait)
 
     def _publish_pending(self, task: WindowTask) -> None:
         """Deliver ``task``'s ledgered releases (:meth:`.PublishStep.publish_pending`)."""
