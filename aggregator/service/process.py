@@ -31,7 +31,6 @@ numbered sequence (:class:`.stages.checkpoint.Checkpoints`):
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -385,26 +384,10 @@ class Aggregator:
 
     def _ledger_composition(self) -> None:
         """With several aggregations: the set this one is part of, in its ledger, whenever it
-        differs from the last one recorded (docs/privacy.md, section 19)."""
-        if not self.aggregation:
-            return
-        agg = self.aggregation
-        # as the ledger's JSON has it (a list), so that the same set compares equal
-        mine = {"of": list(agg.of), "budget_per_event": agg.budget_per_event,
-                "epsilon_per_event": agg.epsilon_per_event}
-        note = (f"aggregation {agg.name!r} of {', '.join(agg.of)}: each event spends up to "
-                f"{agg.epsilon_per_event:g} eps over them")
-        if agg.parallel:  # a breakdown's key: one parallel composition with the other keys
-            mine["parallel"] = dict(agg.parallel)
-            note = (f"key {agg.name!r} of {agg.parallel['group']} ({len(agg.of)} keys), one "
-                    "parallel composition: an event is in its key's state only, so each event "
-                    f"spends {agg.epsilon_per_event:g} eps over all keys' releases, not one "
-                    "charge per key (docs/privacy.md section 24)")
-        last = [e for e in self.ledger.entries if e["kind"] == "composition"]
-        if last and last[-1].get("composition") == mine:
-            return
-        self._ledger_append(entry_id=f"composition-{os.urandom(6).hex()}", kind="composition",
-                            window=self.task.window["id"], composition=mine, note=note)
+        differs from the last one recorded (:meth:`.StartChecks.composition_entry`)."""
+        entry = self.checks.composition_entry(self.task.window["id"])
+        if entry is not None:
+            self._ledger_append(**entry)
 
     def turn(self, segments) -> None:
         """Count one poll's segments, then the turn's housekeeping."""

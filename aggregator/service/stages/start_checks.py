@@ -200,6 +200,29 @@ class StartChecks:
                         "and are released again (ledger.file_registry = \"\": nothing knows "
                         "the file's content; docs/privacy.md section 22)", was, now)
 
+    def composition_entry(self, window: int) -> dict | None:
+        """With several aggregations: the ledger entry of the set this one is part of, if it
+        differs from the last one recorded (docs/privacy.md, section 19); else None."""
+        agg = self.cfg.aggregation
+        if not agg:
+            return None
+        # as the ledger's JSON has it (a list), so that the same set compares equal
+        mine = {"of": list(agg.of), "budget_per_event": agg.budget_per_event,
+                "epsilon_per_event": agg.epsilon_per_event}
+        note = (f"aggregation {agg.name!r} of {', '.join(agg.of)}: each event spends up to "
+                f"{agg.epsilon_per_event:g} eps over them")
+        if agg.parallel:  # a breakdown's key: one parallel composition with the other keys
+            mine["parallel"] = dict(agg.parallel)
+            note = (f"key {agg.name!r} of {agg.parallel['group']} ({len(agg.of)} keys), one "
+                    "parallel composition: an event is in its key's state only, so each event "
+                    f"spends {agg.epsilon_per_event:g} eps over all keys' releases, not one "
+                    "charge per key (docs/privacy.md section 24)")
+        last = [e for e in self.ledger.entries if e["kind"] == "composition"]
+        if last and last[-1].get("composition") == mine:
+            return None
+        return dict(entry_id=f"composition-{os.urandom(6).hex()}", kind="composition",
+                    window=window, composition=mine, note=note)
+
     # -- anchors, the checkpoint's place, the source -------------------------------------------
     def check_anchors(self, ckpt) -> None:
         """Refuse a ledger older than a head recorded outside it: in the checkpoint, in the
