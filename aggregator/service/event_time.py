@@ -136,7 +136,7 @@ class EventTimeWindows:
     ``parse`` (records to items), ``count`` (items into a state), ``account`` / ``reject`` /
     ``hold`` / ``closed_or_held`` / ``release_held`` (source positions, rejects and paused
     partitions) and ``window_gauges``; it opens windows through the host's window assigner
-    (``windows.new_window``) and closes them through ``_new_state`` / ``close_window`` /
+    (``assigner.new_window``) and closes them through ``_new_state`` / ``close_window`` /
     ``_ledger_append``; it reads the host's ``cfg``, ``task``, ``source``, ``metrics``, ``dir``
     and ``model``. The host calls :meth:`ingest` for each segment, :meth:`turn` once a loop
     turn, :meth:`open_window` for each window it opens and :meth:`carried_state`,
@@ -212,7 +212,7 @@ class EventTimeWindows:
             return False
         closed, second = dict(task.window), entry["second"]
         ends = {p: int(o) for p, o in entry["end_offsets"].items()}
-        w = self.host.windows.new_window(task, closed["id"] + 1)
+        w = self.host.assigner.new_window(task, closed["id"] + 1)
         index = closed.get("event_index")
         w["late_before"] = index + 1 if index is not None else closed.get("late_before")
         w["late"] = 0

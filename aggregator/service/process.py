@@ -197,10 +197,10 @@ class Aggregator:
         #: event-time windows (window.kind = event_time; :mod:`.event_time`)
         self.event_time = EventTimeWindows(self)
         #: which window a record counts into, and when it ends (:mod:`.stages.windows`)
-        self.windows = WindowAssigner(cfg, self.ledger, source, self.metrics,
+        self.assigner = WindowAssigner(cfg, self.ledger, source, self.metrics,
                                       event_time=self.event_time)
         #: closing a window: release, next window, checkpoint (:mod:`.stages.close`)
-        self.closer = Closer(self.releases, self.gate, self.ledger, self.windows,
+        self.closer = Closer(self.releases, self.gate, self.ledger, self.assigner,
                              self.checkpoints, self.metrics, self.health,
                              event_time=self.event_time,
                              max_in_flight=int(cfg.release.max_in_flight),
@@ -210,7 +210,7 @@ class Aggregator:
                              worker=lambda: self.worker,
                              stopping=lambda: self.stop_event.is_set(), rollups=self.rollups)
         #: where the task resumes at a start (:mod:`.stages.resume`)
-        self.resume = Resume(self.ledger, self.checks, self.registries, self.gate, self.windows,
+        self.resume = Resume(self.ledger, self.checks, self.registries, self.gate, self.assigner,
                              source, event_time=self.event_time,
                              new_state=lambda task, wid: self._new_state(task, wid),
                              rng=self._rng, append=lambda **e: self._ledger_append(**e),
@@ -400,9 +400,9 @@ class Aggregator:
         windows, snapshots, control requests, publishing, lag, health."""
         if not polled:
             self.plan.idle()   # caught up: the start's simulated plan may take its CPU now
-            if self.windows.caught_up(self.task):
+            if self.assigner.caught_up(self.task):
                 self.close_window()
-        if self.windows.time_window_due(self.task):
+        if self.assigner.time_window_due(self.task):
             self.close_window()
         if self.cfg.window.kind == "event_time":
             self.event_time.turn(self.task)
@@ -534,7 +534,7 @@ class Aggregator:
 
     def _maybe_snapshot(self, task: WindowTask) -> None:
         """A layered snapshot checkpoint when one is due (:meth:`.WindowAssigner.snapshot_due`)."""
-        if self.windows.snapshot_due(task):
+        if self.assigner.snapshot_due(task):
             self.commit(task, snapshot=True, tag=(task.window["snapshots"],))
 
     # -- the checkpoint ------------------------------------------------------------------------
