@@ -60,11 +60,12 @@ from .errors import ServiceError
 from .identity import choose_buckets_for, identity_of
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
-from .process import claim_directory, release_method, remove_created
 from .publisher import Backoff, ReleasePublisher
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
                            load_private_key, parse_analyzer_record, public_key_hex)
 from .settings import Config
+from .stages.release import release_method
+from .stages.state_dir import claim_directory, remove_created
 
 __all__ = ["ShuffleAnalyzer", "load_analyzer_key", "KEY_ENV", "PARTIAL_CHECKPOINT_S"]
 
