@@ -96,6 +96,25 @@ class Aggregator:
         the change in the ledger.
     """
 
+    #: the stages that read the source (a later assignment of ``source`` reaches each)
+    _SOURCE_STAGES = ("checks", "registries", "intake", "health", "checkpoints", "assigner",
+                      "resume")
+
+    @property
+    def source(self) -> Source:
+        """The event source."""
+        return self._source
+
+    @source.setter
+    def source(self, source: Source) -> None:
+        # a source set after construction (a test's stand-in, a restart's) must reach the
+        # stages too: they hold it for their probes (lag, seeks, committed offsets)
+        self._source = source
+        for name in self._SOURCE_STAGES:
+            stage = self.__dict__.get(name)
+            if stage is not None:
+                stage.source = source
+
     def __init__(self, cfg: Config, source: Source, metrics: Metrics | None = None, *,
                  fresh_start: bool = False, accept_change: bool = False,
                  same_records_as: str | None = None):
