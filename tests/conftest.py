@@ -92,16 +92,22 @@ def restartable_broker(_restartable_broker) -> RestartableBroker:
     return _restartable_broker
 
 
+def _service_default(var: str, value: str):
+    """Set ``var`` for the services the tests start (a value the environment already has wins)
+    for the session, then remove it if it was not there before."""
+    had = os.environ.get(var)
+    os.environ.setdefault(var, value)
+    yield
+    if had is None:
+        os.environ.pop(var, None)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _no_plots_in_services():
     """Services a test starts draw no release PNGs (release.plots = false): matplotlib's import
     and the drawing cost ~1 s of CPU per service start that releases, on a thread beside the
     test's own work. The tests that look at a plot set release.plots = true."""
-    had = os.environ.get("PANAGG_RELEASE_PLOTS")
-    os.environ.setdefault("PANAGG_RELEASE_PLOTS", "false")
-    yield
-    if had is None:
-        os.environ.pop("PANAGG_RELEASE_PLOTS", None)
+    yield from _service_default("PANAGG_RELEASE_PLOTS", "false")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -112,11 +118,7 @@ def _no_plan_simulation_in_services():
     a 2-core machine (one test of four kill-and-restart runs: 87 s -> 62 s without them). The
     plan is tested directly (tests/test_release_accuracy.py) and with the thread on by the tests
     that set release.plan_errors = true (tests/test_release_accuracy.py)."""
-    had = os.environ.get("PANAGG_RELEASE_PLAN_ERRORS")
-    os.environ.setdefault("PANAGG_RELEASE_PLAN_ERRORS", "false")
-    yield
-    if had is None:
-        os.environ.pop("PANAGG_RELEASE_PLAN_ERRORS", None)
+    yield from _service_default("PANAGG_RELEASE_PLAN_ERRORS", "false")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -128,11 +130,7 @@ def _no_shared_budget_registry_in_services():
     should in production. The registry is tested where it is the subject, with its own topic
     (tests/integration/test_registry_kafka.py, test_group_views.py), and the default is tested
     there with this variable removed."""
-    had = os.environ.get("PANAGG_LEDGER_REGISTRY_TOPIC")
-    os.environ.setdefault("PANAGG_LEDGER_REGISTRY_TOPIC", "")
-    yield
-    if had is None:
-        os.environ.pop("PANAGG_LEDGER_REGISTRY_TOPIC", None)
+    yield from _service_default("PANAGG_LEDGER_REGISTRY_TOPIC", "")
 
 
 @pytest.fixture(autouse=True)

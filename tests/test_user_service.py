@@ -12,23 +12,15 @@ real login files, the real service in a subprocess (as tests/test_service.py run
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from bench.service.user_windows import WINDOW, write_logins
+from tests.test_service import run_cli
 
 SEED = 20260
-
-
-def run_cli(args, env_extra=None, timeout=120):
-    env = dict(os.environ, PANAGG_TESTING="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def user_args(tmp_path, path, **overrides):
@@ -200,3 +192,18 @@ def test_an_audit_export_is_refused_in_one_line_and_ledgers_nothing(tmp_path):
     assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
     assert "audit export of a user-level density state is refused" in res.stderr
     assert (tmp_path / "state" / "ledger.jsonl").read_bytes() == before
+
+
+def test_the_user_unit_inside_an_aggregation_table_is_refused(tmp_path):
+    """[aggregations.NAME] may set state.*: the user unit there is refused as it is beside them
+    at the top level (not run by a service that does not wire it)."""
+    from aggregator.service.config import ConfigError, load_config
+
+    sets = ["source.kind=file", f"source.path={tmp_path / 'x.jsonl'}",
+            "ledger.budget_per_event=2", "aggregations.a.item.field=user",
+            "aggregations.a.state.privacy_unit=user", "aggregations.a.state.expected_users=100",
+            "aggregations.b.item.field=ip"]
+    with pytest.raises(ConfigError, match=r"^aggregations\.a: state\.privacy_unit = user is not "
+                                          r"built with several aggregations"):
+        load_config(None, sets, env={})
+    load_config(None, [s for s in sets if "privacy_unit" not in s], env={})  # the rest is fine

@@ -18,6 +18,7 @@ import tomllib
 from state_store.failpoints import under_tests
 
 from .settings import SETTINGS, Config, defaults
+from .user_window import user_unit_problem
 
 __all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n",
            "aggregation_configs", "AGGREGATION_SECTIONS"]
@@ -270,8 +271,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
                                  "e.g. --set window.size=100000"))
         cfg[section][key] = _coerce(section, key, value.strip(), DEFAULTS[section][key])
     _check_environment(cfg, env)
-    _validate(cfg, env)
-    _check_user_unit(cfg, aggregations)
+    _validate(cfg, env)  # (checks the user unit first, so its refusal is the one said)
+    _check_user_unit(cfg, aggregations)  # again, now that the [aggregations] tables are known
     aggregations = _breakdown(cfg, aggregations)
     aggregations = _rollup_levels(cfg, aggregations)
     cfg["aggregations"] = _aggregations(cfg, aggregations)
@@ -502,6 +503,11 @@ def _aggregations(cfg: dict, given: dict[str, list]) -> dict[str, dict]:
         if out[name].get("state", {}).get("model", cfg["state"]["model"]) == "shuffle":
             raise ConfigError(f"aggregations.{name}: state.model = shuffle is not built with "
                               "several aggregations; run the analyzer as its own service")
+        if out[name].get("state", {}).get("privacy_unit") == "user":
+            # (a top-level user unit with [aggregations] is refused before: user_unit_problem)
+            raise ConfigError(f"aggregations.{name}: state.privacy_unit = user is not built with "
+                              "several aggregations yet; run it as a service of its own "
+                              "(docs/privacy_unit.md)")
         one = aggregation_config(cfg, name, out[name])
         budget = one.budget_per_window
         total += budget
@@ -620,7 +626,6 @@ def _validate(cfg: dict, env=None) -> None:
 def _check_user_unit(cfg: dict, aggregations=None) -> None:
     """``state.privacy_unit = user``: refused in one line where it is not wired
     (:func:`.user_window.user_unit_problem`)."""
-    from .user_window import user_unit_problem
     problem = user_unit_problem(cfg, aggregations)
     if problem:
         raise ConfigError(problem)

@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 
 from .settings import Config, Setting, settings_by
+from .user_window import user_cells
 
 __all__ = ["choose_buckets_for", "identity_of", "directory_identity", "item_identity",
            "IDENTITY_DEFAULTS", "IDENTITY_KEYS"]
@@ -22,11 +23,6 @@ def choose_buckets_for(cfg: Config) -> int:
     return int(choose_buckets(max(int(cfg.state.expected_n), 2), cfg.state.epsilon))
 
 
-def _user_cells(cfg: Config) -> int:
-    from .user_window import user_cells
-    return user_cells(cfg)
-
-
 def _stream(cfg: Config) -> str:
     src = cfg.source
     return {"kafka": f"kafka:{src.topic}", "file": f"file:{os.path.basename(src.path)}",
@@ -38,7 +34,7 @@ def _stream(cfg: Config) -> str:
 _DERIVED = {
     "stream": _stream,
     "group": lambda cfg: cfg.source.group if cfg.source.kind == "kafka" else "",
-    "domain": lambda cfg: (_user_cells(cfg) if cfg.state.privacy_unit == "user" else
+    "domain": lambda cfg: (user_cells(cfg) if cfg.state.privacy_unit == "user" else
                            int(cfg.state.domain_size) if cfg.state.mode == "direct"
                            else choose_buckets_for(cfg)),
     # window.clock enters through the kind it made of time windows (config._resolve_clock)
