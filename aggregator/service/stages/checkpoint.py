@@ -81,9 +81,10 @@ class Checkpoints:
         blob = None
         if snapshot:
             wid = task.window["id"]
-            task.state.rerandomize(rng=self.rng(2, wid, *tag, 0))
-            blob = task.state.serialize()
-            task.state.rerandomize(rng=self.rng(2, wid, *tag, 1))
+            state = task.live_state()
+            state.rerandomize(rng=self.rng(2, wid, *tag, 0))
+            blob = state.serialize()
+            state.rerandomize(rng=self.rng(2, wid, *tag, 1))
         # 3. the checkpoint, atomically, with the ledger's head (an older ledger is refused)
         record = task.record(blob)
         record.ledger_head = self.ledger.head()
@@ -114,7 +115,7 @@ class Checkpoints:
     def save(self, task: WindowTask, record) -> None:
         """Write ``record`` to the task's store; it is the task's durable checkpoint now."""
         t0 = time.perf_counter()
-        task.store.save(record)
+        task.checkpoints().save(record)
         task.durable = record
         self.metrics.checkpointed(time.perf_counter() - t0)
 

@@ -114,7 +114,7 @@ class Intake:
             if room is not None:
                 take = min(take, room)
             if take:
-                self.count(task.state, items[j:j + take])
+                self.count(task.live_state(), items[j:j + take])
                 j += take
                 task.window["events"] += take
                 task.totals["events"] += take

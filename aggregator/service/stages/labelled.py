@@ -4,6 +4,8 @@ nothing; exports only what each aggregation's own metrics export (public-safe nu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
@@ -16,7 +18,7 @@ class ByAggregation:
     def __init__(self, registries: dict[str, CollectorRegistry]):
         self.registries = registries
 
-    def collect(self):
+    def collect(self) -> Iterable[Metric]:
         families: dict[str, Metric] = {}
         for name, registry in self.registries.items():
             for fam in registry.collect():

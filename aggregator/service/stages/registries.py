@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from state_store.registry import FileBudgetRegistry
+
 from ..errors import ServiceError
 from ..release_gate import ReleaseGate
 from ..settings import Config
@@ -51,7 +53,7 @@ class BudgetRegistries:
         self.cfg, self.dir, self.source, self.gate, self.ledger = (
             cfg, Path(directory), source, gate, ledger)
         #: a file source's budget registry, read at the start's checks (None: none)
-        self.file = None
+        self.file: FileBudgetRegistry | None = None
 
     def _real_source(self):
         # (several aggregations read the source through a view of the one consumer's hub)

@@ -23,9 +23,11 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 from state_store.failpoints import failpoint
 
+from ...density import PanPrivateDensity
 from ...release import make_release, stamp_window
 from ..accuracy_plan import warn_if_below_noise
 from ..errors import ServiceError
@@ -120,9 +122,11 @@ class ReleaseStep:
                                 refusal_fields=lambda: position_fields(ranges)):
             return None
         view: list | None = [] if self.rollups is not None else None
-        release = (user_release(task.state, self.cfg, window=wid, n=int(closing["events"]),
-                                rng=self.rng(1, wid)) if is_user(self.cfg) else
-                   make_release(task.state, model=self.model, loss=self.loss, window=wid,
+        state = task.live_state()
+        release = (user_release(cast(PanPrivateDensity, state), self.cfg, window=wid,
+                                n=int(closing["events"]), rng=self.rng(1, wid))
+                   if is_user(self.cfg) else
+                   make_release(state, model=self.model, loss=self.loss, window=wid,
                                 rng=self.rng(1, wid),
                                 error_bar_reps=int(self.cfg.release.error_bar_reps),
                                 method=release_method(self.cfg), view=view))

@@ -90,7 +90,7 @@ class Resume:
         the ledger already decided (released or refused) is not replayed: the next window
         starts at its ledgered end. True: the caller must commit the position set (no
         checkpoint holds it yet: a first start, or a window passed)."""
-        ckpt = task.store.load_latest()
+        ckpt = task.checkpoints().load_latest()
         if ckpt is None:
             self.first_start(task, where)
             return True
@@ -208,7 +208,7 @@ class Resume:
         consumer group shows that a checkpoint existed."""
         released = [e for e in self.ledger.entries if e["kind"] in ("release", "refused")]
         first = 0
-        committed = getattr(self.source, "committed_offsets", lambda: {})()
+        committed: dict = getattr(self.source, "committed_offsets", lambda: {})()
         if committed and not released and not self.fresh_start:
             raise ServiceError(
                 f"no checkpoint in {where}, but consumer group {self.group!r} "

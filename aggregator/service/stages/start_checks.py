@@ -132,7 +132,8 @@ class StartChecks:
             return first
         # a ledger from before a key was in the identity: the last start's saved config says
         saved = directory_identity(saved_config(self.dir))
-        had = {k: recorded.get(k, saved.get(k, IDENTITY_DEFAULTS.get(k, mine[k]))) for k in mine}
+        had: dict = {k: recorded.get(k, saved.get(k, IDENTITY_DEFAULTS.get(k, mine[k])))
+                     for k in mine}
         changed = [k for k in mine if had[k] != mine[k]]
         same = self._same_records_entry(had, mine, changed)
         if not changed:
@@ -207,7 +208,7 @@ class StartChecks:
         if not agg:
             return None
         # as the ledger's JSON has it (a list), so that the same set compares equal
-        mine = {"of": list(agg.of), "budget_per_event": agg.budget_per_event,
+        mine: dict = {"of": list(agg.of), "budget_per_event": agg.budget_per_event,
                 "epsilon_per_event": agg.epsilon_per_event}
         note = (f"aggregation {agg.name!r} of {', '.join(agg.of)}: each event spends up to "
                 f"{agg.epsilon_per_event:g} eps over them")
@@ -239,8 +240,9 @@ class StartChecks:
         if rel is not None:
             anchors.append((rel["where"], rel))
         probe = getattr(self.source, "committed_metadata", None)
-        kafka = [parse_kafka_metadata(m).get(self.anchor_name) for m in (probe() if probe else [])]
-        kafka = [h for h in kafka if h]
+        metadata = [parse_kafka_metadata(m).get(self.anchor_name)
+                    for m in (probe() if probe else [])]
+        kafka: list[dict] = [h for h in metadata if h]
         if kafka:
             anchors.append((f"the committed offsets of group {self.cfg.source.group!r}",
                             max(kafka, key=lambda h: h["seq"])))
