@@ -18,7 +18,9 @@ resume at a start           :mod:`.resume` (checkpoint or first window; unreleas
 intake                      :mod:`.intake` (decode, count a segment, hold/release partitions)
 window assignment, clock    :mod:`.windows` (count, processing time, replay targets, snapshot
                             schedule; event time is ``..event_time``, opened through it)
-checkpoints                 :mod:`.checkpoint` (the numbered commit sequence, with retries)
+checkpoints                 :mod:`.checkpoint` (the numbered commit sequence);
+                            :mod:`.durable_write` (waiting for a write that fails: backoff,
+                            readiness; the shuffle analyzer's checkpoints too)
 close and release           :mod:`.close` (the order of release, next window, checkpoint;
                             backpressure); :mod:`.release` (the release in or beside the loop,
                             ledgered with its document); :mod:`.publish` (delivery, anchor);

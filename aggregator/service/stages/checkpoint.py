@@ -27,12 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..anchor import kafka_metadata
-from ..deadletter import DeadLetterError
-from ..errors import Stopping
 from ..ledger import Ledger
 from ..metrics import Metrics
-from ..publisher import Backoff
 from ..window import WindowTask
+from .durable_write import wait_for_write
 
 __all__ = ["Checkpoints"]
 
@@ -124,27 +122,6 @@ class Checkpoints:
             self.dead_letters.flush(timeout_s=10.0)
 
     def wait_for(self, action, what: str) -> None:
-        """Run ``action`` until it succeeds, with backoff and one log line per state change; a
-        stop request ends the wait (:class:`Stopping`: the window is replayed next start)."""
-        backoff = Backoff(what)
-        while True:
-            try:
-                action()
-                if backoff.failing:
-                    self.metrics.write_failing.labels(what=what).set(0)
-                    self.metrics.set_ready(True)
-                backoff.ok()
-                return
-            except (DeadLetterError, OSError) as exc:
-                if isinstance(exc, OSError) and exc.filename is None:
-                    exc.filename = str(self.dir)
-                reason = (str(exc) if isinstance(exc, DeadLetterError) else
-                          f"{exc.strerror or type(exc).__name__}: {exc.filename}")
-                backoff.failed(reason)
-                # intake waits for this write: health checks must say so at once
-                self.metrics.write_failing.labels(what=what).set(1)
-                self.metrics.set_ready(False, f"{what} cannot be written ({reason}); intake "
-                                              "waits for it")
-            while not backoff.ready():
-                if self.wait(0.1):
-                    raise Stopping()
+        """Run ``action`` until it succeeds (:mod:`.durable_write`: backoff, readiness, a stop
+        request ends the wait with :class:`Stopping`)."""
+        wait_for_write(action, what, self.metrics, stop=self.wait, directory=self.dir)
