@@ -284,8 +284,8 @@ class Aggregation:
         class FedSource(Source):
             """The caller's records: nothing to poll. :meth:`seek` says where to resume; a
             partition the service holds (a replay that reached its end in one partition before
-            the others: :meth:`Aggregator._hold`) keeps its later records back until the
-            window closes (:meth:`Aggregation._turn`)."""
+            the others: :meth:`~aggregator.service.stages.intake.Intake.hold`) keeps its later
+            records back until the window closes (:meth:`Aggregation._turn`)."""
 
             def __init__(self) -> None:
                 self.resumed_at: dict[str, int] = {}

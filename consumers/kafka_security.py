@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 __all__ = ["PROTOCOLS", "MECHANISMS", "KafkaConnectError", "SecurityError", "client_options",
@@ -36,7 +37,7 @@ class KafkaConnectError(RuntimeError):
     """A secured cluster refused the connection; the message is one line naming the fix."""
 
 
-def _sasl(sec: dict) -> bool:
+def _sasl(sec: Mapping) -> bool:
     return sec["protocol"].startswith("SASL_")
 
 
@@ -44,7 +45,7 @@ def _tls(sec: dict) -> bool:
     return sec["protocol"] in ("SSL", "SASL_SSL")
 
 
-def redacted(cfg: dict) -> dict:
+def redacted(cfg: Mapping) -> dict:
     """``cfg`` with every secret value blanked (for files written next to the checkpoints)."""
     # a typed config (aggregator/service/settings.py) gives its plain form: lists, not tuples
     out = cfg.to_dict() if hasattr(cfg, "to_dict") else {
@@ -57,7 +58,7 @@ def redacted(cfg: dict) -> dict:
     return out
 
 
-def check_security(sec: dict, env: dict | None = None) -> None:
+def check_security(sec: Mapping, env: dict | None = None) -> None:
     """Raise :class:`SecurityError` for a ``[security]`` section that cannot work: settings that
     the protocol does not use, a missing password source, files that are not there."""
     env = os.environ if env is None else env
@@ -112,7 +113,7 @@ def check_security(sec: dict, env: dict | None = None) -> None:
                             "client certificate too (PEM)")
 
 
-def read_password(sec: dict, env: dict | None = None) -> str:
+def read_password(sec: Mapping, env: dict | None = None) -> str:
     """The SASL password from its configured source (a trailing newline of a file dropped)."""
     env = os.environ if env is None else env
     if sec.get("password_file"):
@@ -144,7 +145,7 @@ def read_password(sec: dict, env: dict | None = None) -> str:
     return sec.get("password", "")
 
 
-def client_options(sec: dict | None, env: dict | None = None) -> dict:
+def client_options(sec: Mapping | None, env: dict | None = None) -> dict:
     """kafka-python keyword arguments for a ``[security]`` config section (empty for PLAINTEXT).
     Every Kafka client of the service takes these."""
     if not sec or sec["protocol"] == "PLAINTEXT":

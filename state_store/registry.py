@@ -431,6 +431,11 @@ class FileBudgetRegistry(MemoryRegistry):
         self.sources = {partition: cid}  # (one file a run)
         return cid
 
+    def content_ids(self) -> set[str]:
+        """The content identities taken as this run's source: its own and those of earlier,
+        shorter looks at the same file (empty before :meth:`identify`)."""
+        return set(self._aliases)
+
     def translate(self, ranges: dict, sources: dict | None = None) -> dict:
         """``ranges`` with each file partition re-keyed by its content identity (``sources``:
         the entry's own mapping; default: this run's)."""

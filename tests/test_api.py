@@ -223,10 +223,10 @@ def test_a_replay_held_in_one_partition_keeps_its_later_records(tmp_path, monkey
     a service with release.workers > 0 does so: forced here). Partition A reaches its end
     first and is held there; its later records are window 1's, counted once window 0 closes
     (not dropped)."""
-    from aggregator.service import process
+    from aggregator.service.stages.resume import Resume
 
     xs, a, b = _crashed_after_window_0(tmp_path)
-    monkeypatch.setattr(process.Aggregator, "_skip_decided_window", lambda self, task: False)
+    monkeypatch.setattr(Resume, "skip_decided_window", lambda self, task: False)
     with Aggregation(cfg_for(tmp_path)) as agg:
         assert agg.window == 0 and agg.resume_offsets == {}
         assert agg.feed_records(a, partition="A") == []        # held at 600: 100 kept back

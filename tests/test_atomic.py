@@ -179,7 +179,8 @@ NOT_DURABLE = {
     ("aggregator/service/event_time.py", "open"): "appends one fsynced line to the positions",
     ("state_store/registry.py", "open"): "appends one fsynced line under an flock (the file "
                                          "budget registry, shared by every run of a user)",
-    ("aggregator/service/process.py", "open"): "service.lock: an flock with the pid inside",
+    ("aggregator/service/stages/state_dir.py", "open"): "service.lock: an flock with the pid "
+                                                       "inside",
     ("aggregator/service/cli.py", "write_text"): "an empty control request (its name is all)",
     ("aggregator/service/cli.py", "save"): "np.save of the counters a user asked for (--counters)",
     ("aggregator/service/status.py", "savefig"): "the plot `panagg status --plot` draws",

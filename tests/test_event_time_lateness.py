@@ -81,19 +81,22 @@ class Recording(Aggregator):
         self.items_of: dict[int, tuple] = {}  # id(state) -> (state, [items])
         self.windows: dict[int, int] = {}  # event index -> id of the state released for it
         self.dead: list[tuple[str, int]] = []
+        count, reject = self.intake.count, self.intake.reject
 
-    def _count(self, state, items):
-        self.items_of.setdefault(id(state), (state, []))[1].extend(int(i) for i in items)
-        super()._count(state, items)
+        def counting(state, items):
+            self.items_of.setdefault(id(state), (state, []))[1].extend(int(i) for i in items)
+            count(state, items)
+
+        def rejecting(seg, i, reason, reasons):
+            if reason == "late":
+                self.dead.append((seg.partition, int(seg.offsets[i])))
+            reject(seg, i, reason, reasons)
+
+        self.intake.count, self.intake.reject = counting, rejecting
 
     def close_window(self):
         self.windows[self.task.window["event_index"]] = id(self.task.state)
         return super().close_window()
-
-    def _reject(self, seg, i, reason, reasons):
-        if reason == "late":
-            self.dead.append((seg.partition, int(seg.offsets[i])))
-        super()._reject(seg, i, reason, reasons)
 
     def assignment(self) -> dict:
         where = {item: k for k, sid in self.windows.items() for item in self.items_of[sid][1]}
@@ -263,14 +266,14 @@ def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, 
         run = tmp_path / f"{nth}"
         agg = Aggregator(settings(run, lateness, "next", f"release.workers={workers}"),
                          ListSource(PARTS, chunk=1))
-        save = agg._save
+        save = agg.checkpoints.save
 
         def stop_after_release(task, record, nth=nth, agg=agg, save=save):
             if len(agg.ledger.releases()) >= nth:
                 raise _Killed()  # SIGKILL: the checkpoint that opens the next window is lost
             return save(task, record)
 
-        agg._save = stop_after_release
+        agg.checkpoints.save = stop_after_release
         with pytest.raises(_Killed):
             agg.run()
         ledgered = agg.ledger.releases()[-1]
@@ -280,8 +283,9 @@ def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, 
         again = Aggregator(settings(run, lateness, "next"),
                            ListSource(PARTS, ["t:2", "t:1", "t:0"], chunk=100))
         counted = []
-        count = again._count
-        again._count = lambda state, items: (counted.append(len(items)), count(state, items))
+        count = again.intake.count
+        again.intake.count = lambda state, items: (counted.append(len(items)),
+                                                   count(state, items))
         again.run()
         assert releases(run) == expected_releases(windows), (nth, lateness)
         before = sum(json.loads(e["document"])["window_info"]["events"]

@@ -251,7 +251,7 @@ def test_an_idle_time_window_run_keeps_its_budget(tmp_path, caplog):
     assert len(releases) >= 3  # more windows than budget_total pays for at eps 1 each
     assert all(e["epsilon_spent"] == 0.0 and e["n"] == 0 for e in releases)
     assert agg.ledger.spent() == 0.0 and agg.ledger.remaining() == 2.0
-    assert agg.budget_exhausted() is None
+    assert agg.health.budget_exhausted() is None
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 

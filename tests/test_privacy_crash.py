@@ -28,7 +28,7 @@ of the statistics: whatever the views really are, the audit stays valid (a mecha
 eps-DP on the joint view reads > eps with probability at most 1e-6), and it is powerful against
 the old behaviour. Negative controls: the same crash restarted the old way (the ledgered window
 replayed from its start under fresh noise, then its ledgered document re-published; the fix's
-``_skip_decided_window`` disabled) reads clearly above eps, about 1.5 at eps = 1; so does the
+``Resume.skip_decided_window`` disabled) reads clearly above eps, about 1.5 at eps = 1; so does the
 old replay emulated on the real release views (the memory rebuilt as a fresh real state from the
 same events, tests/test_privacy_lr.py's R3 model).
 
@@ -163,8 +163,9 @@ class _OldRestart(Aggregator):
     under fresh noise, then its ledgered document is re-published when the replay reaches its
     ledgered end."""
 
-    def _skip_decided_window(self, task):
-        return False
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.resume.skip_decided_window = lambda task: False
 
 
 def _config(base: Path):

@@ -226,7 +226,7 @@ class _OldCheckpoints(Aggregator):
 
     def commit(self, task, *, snapshot=False, tag=()):
         record = task.record(task.state.serialize() if snapshot else None)
-        self._save(task, record)
+        self.checkpoints.save(task, record)
         return record.state
 
 

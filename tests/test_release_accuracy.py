@@ -290,7 +290,7 @@ def test_release_estimator_is_configurable_and_named():
     default = make_release(s, window=0, error_bar_reps=0)
     assert default["accuracy"]["estimator"].endswith(" (default)")
     cfg = _cfg("release.estimator=deconvolution")
-    from aggregator.service.process import release_method
+    from aggregator.service.stages.release import release_method
     assert release_method(cfg) == "deconvolution" and release_method(_cfg()) is None
 
 

@@ -43,13 +43,13 @@ def test_intake_goes_on_while_a_release_runs_and_every_release_is_exact(tmp_path
     monkeypatch.setenv("PANAGG_TEST_RELEASE_DELAY_S", DELAY)  # inherited by the worker
     items, path, agg = _three_windows(tmp_path, seed=31)
     counted_while_releasing = []
-    count = agg._count
+    count = agg.intake.count
 
     def probe(state, batch):  # how many windows wait for their release as events are counted
         counted_while_releasing.append((len(agg.task.inflight), len(batch)))
         return count(state, batch)
 
-    agg._count = probe
+    agg.intake.count = probe
     agg.run()
     during = sum(n for waiting, n in counted_while_releasing if waiting)
     assert during >= 1000  # a whole window counted while the previous release ran
@@ -343,7 +343,7 @@ def test_the_longest_intake_stall_of_a_window_is_exported(tmp_path):
     """panagg_intake_stall_seconds: the longest time between two polls in the last closed
     window. A count that takes 0.4 s in window 1 is its stall; window 0's is smaller."""
     _, _, agg = _three_windows(tmp_path, seed=33)
-    count, stalls = agg._count, {}
+    count, stalls = agg.intake.count, {}
     close = agg.close_window
 
     def slow_in_window_1(state, batch):
@@ -357,6 +357,6 @@ def test_the_longest_intake_stall_of_a_window_is_exported(tmp_path):
         stalls[wid] = agg.metrics.intake_stall._value.get()
         return out
 
-    agg._count, agg.close_window = slow_in_window_1, closing
+    agg.intake.count, agg.close_window = slow_in_window_1, closing
     agg.run()
     assert stalls[1] >= 0.4 > stalls[0]

@@ -287,11 +287,11 @@ def test_spent_budget_pauses_an_endless_stream(tmp_path, caplog):
     Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False)).run()
     agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
     agg.restore()
-    assert not agg._paused_for_budget(0.01, finite=True)  # files run to their end
+    assert not agg.paused_for_budget(0.01, finite=True)  # files run to their end
     caplog.clear()  # (the run's own lines: a release below its noise floor logs an ERROR)
     with caplog.at_level("ERROR", logger="panagg.service"):
-        assert agg._paused_for_budget(0.01, finite=False)
-        assert agg._paused_for_budget(0.01, finite=False)
+        assert agg.paused_for_budget(0.01, finite=False)
+        assert agg.paused_for_budget(0.01, finite=False)
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and msgs[0].startswith(
         "privacy budget spent: 1 of ledger.budget_total=1 leaves 0 < 1 for a window, so intake "
@@ -655,7 +655,7 @@ def test_progress_and_stop_lines(tmp_path, caplog):
     write_events(path, items)
     cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "release.on_exhausted": "false"})
     agg = Aggregator(cfg, FileSource(str(path), "json", batch=300, progress=False))
-    agg.PROGRESS_EVERY_S = 0.0  # every turn (a minute in production)
+    agg.health.progress_every_s = 0.0  # every turn (a minute in production)
     with caplog.at_level("INFO", logger="panagg.service"):
         agg.run()
     lines = [r.getMessage() for r in caplog.records]

@@ -2,12 +2,15 @@
 shuffle_wire: no shuffler, no broker (tests/integration/test_shuffle_analyzer_kafka.py has the
 broker, kill -9 and dead letters)."""
 
+import errno
 import json
 import logging
 import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -404,3 +407,59 @@ def test_recovery_from_dead_letters_when_retention_took_the_window(tmp_path, key
     run(config(other, n=100), values, key)
     lost = ShuffleAnalyzer(config(other, n=100, buckets=30), None, private_key=key)
     assert [o for _, _, o in lost.recover(None, gone)] == ["records gone"]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_seen_and_waited_for(tmp_path, key, monkeypatch):
+    """The disk under the analyzer's checkpoints fills (ENOSPC): the analyzer does not skip the
+    write; it waits, says so at once (``/ready`` 503 naming the checkpoint,
+    ``panagg_write_failing{what="checkpoint"}`` 1), goes on when the disk has room again and
+    releases the window; a stop while it waits ends the run (nothing written after it)."""
+    from aggregator.service.metrics import Metrics
+    from state_store.local import LocalStore
+
+    full = threading.Event()
+    full.set()
+    real_save = LocalStore.save
+
+    def save(self, record):
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, record)
+
+    monkeypatch.setattr(LocalStore, "save", save)
+    rz = GKMPRandomizer(1.0, 1e-6, 200, 50)
+    values = window_records(0, gkmp_window(rz, np.arange(200) % 50), key, events=200)
+    metrics = Metrics()
+    an = ShuffleAnalyzer(config(tmp_path), ListSource(values), private_key=key, metrics=metrics)
+    failing = metrics.write_failing.labels(what="checkpoint")
+    runner = threading.Thread(target=an.run)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while failing._value.get() != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status, reason = metrics.readiness()
+    assert failing._value.get() == 1, "the failing checkpoint was not reported"
+    assert status == 503 and "checkpoint cannot be written (No space left on device" in reason
+    assert runner.is_alive() and not releases(tmp_path)   # waiting, not skipping the write
+    full.clear()
+    runner.join(60)
+    assert not runner.is_alive()
+    assert failing._value.get() == 0 and metrics.readiness()[0] == 200
+    (rel,) = releases(tmp_path)
+    assert rel["n"] == 200
+
+    # a stop request while the write fails ends the wait: the run returns
+    full.set()
+    again = tmp_path / "again"
+    stopped = ShuffleAnalyzer(config(again), ListSource(values), private_key=key,
+                              metrics=Metrics())
+    runner = threading.Thread(target=stopped.run)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while not (again / "state").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    stopped.stop_event.set()
+    runner.join(30)
+    assert not runner.is_alive(), "a stop request did not end the wait for the checkpoint"
+    assert not releases(again)

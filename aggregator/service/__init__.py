@@ -6,6 +6,8 @@ service: configuration, the CLI, windows and checkpoints, the privacy ledger, me
 scale-out.
 """
 
-from .process import Aggregator, ServiceError, service_running
+from .errors import ServiceError
+from .process import Aggregator
+from .stages.state_dir import service_running
 
 __all__ = ["Aggregator", "ServiceError", "service_running"]

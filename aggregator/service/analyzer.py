@@ -55,16 +55,18 @@ from state_store.local import Checkpoint, LocalStore
 from ..release import estimate_with_accuracy, package_release, stamp_window
 from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer, ShuffleConfigError
 from .config import shuffle_n
-from .deadletter import DeadLetterError, DeadLetters, service_producer
-from .errors import ServiceError
+from .deadletter import DeadLetters, service_producer
+from .errors import ServiceError, Stopping
 from .identity import choose_buckets_for, identity_of
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
-from .process import claim_directory, release_method, remove_created
-from .publisher import Backoff, ReleasePublisher
+from .publisher import ReleasePublisher
 from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
                            load_private_key, parse_analyzer_record, public_key_hex)
 from .settings import Config
+from .stages.durable_write import wait_for_write
+from .stages.release import release_method
+from .stages.state_dir import claim_directory, remove_created
 
 __all__ = ["ShuffleAnalyzer", "load_analyzer_key", "KEY_ENV", "PARTIAL_CHECKPOINT_S"]
 
@@ -295,6 +297,9 @@ class ShuffleAnalyzer:
             if self.pending:
                 self.publisher.retry_now(wait_s=10.0)
                 self._publish_pending()
+        except Stopping:
+            log.info("stopped while waiting for a write; the analyzer resumes from its last "
+                     "checkpoint at the next start")
         finally:
             self.close()
             if not started:
@@ -848,17 +853,8 @@ class ShuffleAnalyzer:
         self.source.commit(record.offsets)
 
     def _wait_for(self, action, what: str) -> None:
-        backoff = Backoff(what)
-        while True:
-            try:
-                action()
-                backoff.ok()
-                return
-            except (DeadLetterError, OSError) as exc:
-                backoff.failed(str(exc) if isinstance(exc, DeadLetterError) else
-                               f"{exc.strerror or type(exc).__name__}")
-            while not backoff.ready():
-                time.sleep(0.1)
+        wait_for_write(action, what, self.metrics, stop=self.stop_event.wait,
+                       directory=self.dir)
 
     def _publish_pending(self) -> None:
         """Deliver the ledgered releases (:mod:`.publisher`): files at once, the release topic

@@ -558,7 +558,7 @@ def cmd_shuffle_recover(args: argparse.Namespace) -> int:
     "Recovering a refused window"): this config must hold the fix (the clients' key or
     parameters); the analyzer of --state-dir must be stopped."""
     from .analyzer import ShuffleAnalyzer, load_analyzer_key
-    from .process import ServiceError
+    from .errors import ServiceError
     extra = [f"checkpoint.dir={args.state_dir}"] if args.state_dir else []
     if args.bootstrap:
         extra.append(f"source.bootstrap={args.bootstrap}")
@@ -659,7 +659,7 @@ def _control(cfg: Config, kind: str, timeout_s: float = 120.0) -> dict:
     import uuid
     from pathlib import Path
 
-    from .process import service_running
+    from .stages.state_dir import service_running
 
     where = cfg.checkpoint.dir
     control = Path(where) / "control"
@@ -712,7 +712,7 @@ def _offline(cfg: Config):
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from .process import service_running
+    from .stages.state_dir import service_running
 
     cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                 state_dir=args.state_dir)
@@ -816,7 +816,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from ..state import PanPrivateHistogram
 
     if args.audit_command == "export":
-        from .process import service_running
+        from .stages.state_dir import service_running
         cfg = _load(args, [f"checkpoint.dir={args.state_dir}"] if args.state_dir else [],
                     state_dir=args.state_dir)
         # a running service signs with its own key (its environment, its audit.key_file): this
@@ -1023,7 +1023,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .ledger import Ledger, LedgerError, migrate
-    from .process import service_running
+    from .stages.state_dir import service_running
 
     path = Path(args.state_dir) / "ledger.jsonl"
     if not path.exists():
@@ -1494,7 +1494,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from ..state import SnapshotError
         from .ledger import LedgerError
-        from .process import ServiceError
+        from .errors import ServiceError
         if isinstance(exc, (ServiceError, CheckpointError, SnapshotError, PartialAssignment,
                             LedgerError)):
             print(f"panagg: error: {exc}", file=sys.stderr)

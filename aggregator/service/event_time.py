@@ -132,11 +132,12 @@ class EventTimeWindows:
     window closes (the module docstring's definitions), as a component of the loop.
 
     ``host`` is the :class:`aggregator.service.process.Aggregator` it serves. It counts with the
-    host's counting steps and nothing else: ``_decode`` / ``_parse`` (records to items),
-    ``_count`` (items into a state), ``_account`` / ``_reject`` / ``_hold`` /
-    ``_closed_or_held`` / ``_release_held`` (source positions, rejects and paused partitions),
-    ``_new_window`` / ``_new_state`` / ``close_window`` / ``_ledger_append`` (the close path) and
-    ``_window_gauges``; it reads the host's ``cfg``, ``task``, ``source``, ``metrics``, ``dir``
+    host's intake stage (:class:`.stages.intake.Intake`) and nothing else: ``decode`` /
+    ``parse`` (records to items), ``count`` (items into a state), ``account`` / ``reject`` /
+    ``hold`` / ``closed_or_held`` / ``release_held`` (source positions, rejects and paused
+    partitions) and ``window_gauges``; it opens windows through the host's window assigner
+    (``assigner.new_window``) and closes them through ``_new_state`` / ``close_window`` /
+    ``_ledger_append``; it reads the host's ``cfg``, ``task``, ``source``, ``metrics``, ``dir``
     and ``model``. The host calls :meth:`ingest` for each segment, :meth:`turn` once a loop
     turn, :meth:`open_window` for each window it opens and :meth:`carried_state`,
     :meth:`second_window_fields` and :meth:`skip_decided_window` on its close and restore path.
@@ -188,7 +189,7 @@ class EventTimeWindows:
         # waiting partitions wait for this window's end now (a release request may close a
         # window before they all passed it): they read their waiting records again
         self._ahead.clear()
-        self.host._release_held()
+        self.host.intake.release_held()
 
     def second_window_fields(self) -> dict:
         """What a closing event-time window's ledger entry records of the second window (so a
@@ -211,7 +212,7 @@ class EventTimeWindows:
             return False
         closed, second = dict(task.window), entry["second"]
         ends = {p: int(o) for p, o in entry["end_offsets"].items()}
-        w = self.host._new_window(task, closed["id"] + 1)
+        w = self.host.assigner.new_window(task, closed["id"] + 1)
         index = closed.get("event_index")
         w["late_before"] = index + 1 if index is not None else closed.get("late_before")
         w["late"] = 0
@@ -268,7 +269,7 @@ class EventTimeWindows:
             seg = _slice(seg, cut, len(seg))
             if not len(seg):
                 return
-        items, good, rejected = self.host._decode(seg)
+        items, good, rejected = self.host.intake.decode(seg)
         self.count(self.host.task, seg, items, good, rejected, self.host.close_window)
 
     def _replay_among_released(self, task: WindowTask, seg: Segment) -> None:
@@ -276,7 +277,7 @@ class EventTimeWindows:
         stamped in the open window (it was the second window when they were first read) and
         pass over the rest silently (released, late or rejected before: their totals and dead
         letters are in the checkpoint already)."""
-        decoded = self.host._parse(seg)
+        decoded = self.host.intake.parse(seg)
         bad = {i for i, _ in decoded.rejected}
         good_idx = np.asarray([i for i in range(len(seg)) if i not in bad], dtype=np.int64)
         if len(good_idx) and task.window["event_index"] is not None:
@@ -293,11 +294,11 @@ class EventTimeWindows:
         """Count ``items`` into ``task``'s open window."""
         if not len(items):
             return
-        self.host._count(task.state, items)
+        self.host.intake.count(task.state, items)
         task.window["events"] += len(items)
         task.totals["events"] += len(items)
         self.host.metrics.events.inc(len(items))
-        self.host._window_gauges(task)
+        self.host.intake.window_gauges(task)
 
     def _count_second(self, task: WindowTask, partition: str, first_offset: int, items) -> None:
         """Count ``items`` (the first at ``first_offset``) into the second window."""
@@ -306,7 +307,7 @@ class EventTimeWindows:
             self.second = SecondWindow(task.window["event_index"] + 1,
                                         self.host._new_state(task, wid))
         second = self.second
-        self.host._count(second.state, items)
+        self.host.intake.count(second.state, items)
         second.events += len(items)
         second.first.setdefault(partition, int(first_offset))
         task.totals["events"] += len(items)
@@ -339,7 +340,7 @@ class EventTimeWindows:
             for i in np.flatnonzero(bad):
                 if future[i]:  # durable before the dead letter
                     self.future.add(seg.partition, int(offsets[good_idx[i]]))
-                self.host._reject(seg, int(good_idx[i]),
+                self.host.intake.reject(seg, int(good_idx[i]),
                              "no_timestamp" if ts[i] < 0 else "future_timestamp", reasons)
             keep = np.flatnonzero(~bad)
             items, good_idx, ts = _take(items, keep), good_idx[keep], ts[keep]
@@ -365,7 +366,7 @@ class EventTimeWindows:
             later = chunk > open_ if open_ is not None else np.zeros(len(chunk), bool)
             if dead_letter_late and n_late:
                 for i in np.flatnonzero(late):
-                    self.host._reject(seg, int(good_idx[j + i]), "late", reasons)
+                    self.host.intake.reject(seg, int(good_idx[j + i]), "late", reasons)
             if later.any():
                 at = j + np.flatnonzero(later)
                 self._count_second(task, seg.partition, int(offsets[good_idx[at[0]]]),
@@ -377,15 +378,15 @@ class EventTimeWindows:
             j = ahead_at
             upto = int(good_idx[j]) if ahead_at < jl else rec_limit
             rej_idx = np.asarray(sorted(reasons), dtype=np.int64)
-            self.host._account(task, seg.partition, offsets, rej_idx,
+            self.host.intake.account(task, seg.partition, offsets, rej_idx,
                           [reasons[int(i)] for i in rej_idx], rec, upto)
             rec = max(rec, upto)
             if ahead_at < jl:  # this partition has passed the open window: it waits here
                 self._ahead[seg.partition] = int(widx[j])
-                self.host._hold(seg.partition, int(offsets[rec]))
+                self.host.intake.hold(seg.partition, int(offsets[rec]))
                 self.advance(task, close)
                 return
-            if self.host._closed_or_held(task, seg.partition, offsets, rec, close):
+            if self.host.intake.closed_or_held(task, seg.partition, offsets, rec, close):
                 continue  # (a close clears the waits: _open_event_time_window)
             return
 
@@ -407,7 +408,7 @@ class EventTimeWindows:
         else:
             self._next_event_index = nxt
             close()
-        self.host._release_held()
+        self.host.intake.release_held()
 
     def turn(self, task: WindowTask) -> None:
         """``window.idle_partition_timeout``: partitions read to their end while the others wait

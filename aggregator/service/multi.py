@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
 
 from consumers.base import Segment, Source, offsets_array
 from state_store.atomic import atomic_write
@@ -45,8 +44,11 @@ from state_store.atomic import atomic_write
 from .anchor import kafka_metadata, parse_kafka_metadata
 from .config import aggregation_configs
 from .metrics import Metrics
-from .process import Aggregator, ServiceError, Stopping, claim_directory, remove_created
+from .errors import ServiceError, Stopping
+from .process import Aggregator
 from .settings import Config
+from .stages.labelled import ByAggregation
+from .stages.state_dir import claim_directory, remove_created
 
 __all__ = ["MultiAggregator", "SourceView"]
 
@@ -211,26 +213,6 @@ class SourceView(Source):
         return getattr(self.hub.source, name)
 
 
-class _ByAggregation:
-    """A collector that exposes every aggregation's registry with an ``aggregation`` label."""
-
-    def __init__(self, registries: dict[str, CollectorRegistry]):
-        self.registries = registries
-
-    def collect(self):
-        families: dict[str, Metric] = {}
-        for name, registry in self.registries.items():
-            for fam in registry.collect():
-                out = families.get(fam.name)
-                if out is None:
-                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type,
-                                                      fam.unit)
-                for s in fam.samples:
-                    out.add_sample(s.name, dict(s.labels, aggregation=name), s.value,
-                                   s.timestamp, s.exemplar)
-        return list(families.values())
-
-
 class MultiAggregator:
     """Every ``[aggregations.NAME]`` of ``cfg`` over one :class:`Source` (module docstring).
 
@@ -260,7 +242,7 @@ class MultiAggregator:
         self.metrics = metrics or Metrics()
         # the exposition is the aggregations' series, labelled; not the hub's own (unused) ones
         self.metrics.registry = CollectorRegistry()
-        self.metrics.registry.register(_ByAggregation(
+        self.metrics.registry.register(ByAggregation(
             {name: agg.metrics.registry for name, agg in self.aggs.items()}))
         # one parse of each record for all aggregations (their decoders read, never change it)
         self._parsed: dict = {}
@@ -405,7 +387,7 @@ class MultiAggregator:
             share = poll_timeout_s / len(self.aggs)
             while not self.stop_event.is_set():
                 # one consumer: an aggregation whose total budget is spent pauses the intake
-                if any([self._each(name, agg._paused_for_budget, share, finite)
+                if any([self._each(name, agg.paused_for_budget, share, finite)
                         for name, agg in self.aggs.items()]):
                     continue
                 for agg in self.aggs.values():

@@ -100,7 +100,7 @@ def collect_status(state_dir) -> dict:
     """The status of ``state_dir`` as a JSON-ready dict (see the module docstring)."""
     from state_store.local import CheckpointError, LocalStore
 
-    from .process import service_running
+    from .stages.state_dir import service_running
 
     state_dir = Path(state_dir)
     ledger = _ledger(state_dir)

@@ -97,6 +97,19 @@ class WindowTask:
         #: must replay those n events from (it holds no counters); None otherwise
         self.replay: dict | None = None
 
+    def live_state(self) -> PanPrivateHistogram:
+        """The open window's state (a window that counts has one; the user unit's is a
+        density state with the same counting calls: user_window.py)."""
+        if self.state is None:
+            raise RuntimeError(f"unit {self.name!r}: no window's state is open")
+        return self.state
+
+    def checkpoints(self) -> LocalStore:
+        """This unit's checkpoint store (set before the first window opens)."""
+        if self.store is None:
+            raise RuntimeError(f"unit {self.name!r}: no checkpoint store")
+        return self.store
+
     # -- progress through the window -----------------------------------------------------------
     def room(self) -> int | None:
         """Events the current count window still takes (None: not a count window)."""

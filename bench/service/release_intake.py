@@ -44,7 +44,7 @@ def run(counters: int, window: float, rate: float, seconds: float, workers: int,
         gen = ZipfLogins(int(rate * seconds * 2), accounts=counters, batch=2000)
         agg = Aggregator(cfg, GeneratorSource(gen, rate=rate))
         marks: list[tuple[float, int, bool]] = []
-        count = agg._count
+        count = agg.intake.count
         closing = {"busy": False}
         close = agg.close_window
 
@@ -60,7 +60,7 @@ def run(counters: int, window: float, rate: float, seconds: float, workers: int,
             finally:
                 closing["busy"] = False
 
-        agg._count, agg.close_window = probe, timed_close
+        agg.intake.count, agg.close_window = probe, timed_close
         stop = threading.Timer(seconds, agg.stop_event.set)
         stop.start()
         t0 = time.monotonic()

@@ -25,8 +25,8 @@ from ...hashing import bucket_of
 from ..ledger import LedgerError
 from ..errors import ServiceError
 from ..identity import choose_buckets_for
-from ..process import release_method
 from ..settings import Config, settings_by
+from ..stages.release import release_method
 from .counter import Counter
 from .export import ExportCollector
 from .forced import ReleaseRequests

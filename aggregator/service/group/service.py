@@ -67,11 +67,11 @@ class GroupService:
             from prometheus_client import CollectorRegistry
 
             from ..metrics import Metrics
-            from ..multi import _ByAggregation
+            from ..stages.labelled import ByAggregation
 
             self.pipelines = [Pipeline(name, one, self, Metrics()) for name, one in named]
             metrics.registry = CollectorRegistry()
-            metrics.registry.register(_ByAggregation(
+            metrics.registry.register(ByAggregation(
                 {p.name: p.metrics.registry for p in self.pipelines}))
         else:
             self.pipelines = [Pipeline("", cfg, self, metrics)]

@@ -1,0 +1,150 @@
+"""The loop's health: what the service says about itself each turn (every mode that runs the
+one-process loop wires one).
+
+Each turn of the consume loop ends with :meth:`LoopHealth.turned`: the /healthz heartbeat, the
+progress line (once a minute), the reject log's flush and /ready (not ready while the broker is
+unreachable or dead letters are not acknowledged). Every 5 s :meth:`LoopHealth.update_lag` reads
+the consumer lag and the broker's state. When ``ledger.budget_total`` leaves less than one
+window's epsilon, :meth:`LoopHealth.intake_paused` says so (once, then every 10 minutes) and
+intake pauses.
+
+Invariant: only public-safe numbers go out (event counts, lag, window ids; n is public under
+replace-one neighbours): never an item, a counter or a payload. Writes nothing durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ..ledger import Ledger
+from ..metrics import Metrics
+from ..rejects import RejectLog
+
+__all__ = ["LoopHealth"]
+
+log = logging.getLogger("panagg.service")
+
+
+class LoopHealth:
+    """Lag, broker state, progress and readiness of one loop over ``source``.
+
+    Parameters
+    ----------
+    metrics
+        The service's metrics (gauges set here).
+    source
+        The event source (``lag``, and where it has them ``lag_now`` and ``connected``).
+    ledger, epsilon
+        The privacy ledger and the window's epsilon (the budget pause).
+    positions
+        The loop's current source positions (a callable: they move every turn).
+    reject_log
+        Flushed each turn.
+    dead_letters
+        The dead-letter producer, or None (readiness while its acknowledgements lag).
+    """
+
+    #: seconds between progress lines (a test may set 0: every turn)
+    PROGRESS_EVERY_S = 60.0
+
+    def __init__(self, metrics: Metrics, source, ledger: Ledger, epsilon: float, *,
+                 positions: Callable[[], dict[str, int]], reject_log: RejectLog,
+                 dead_letters=None):
+        self.metrics, self.source, self.ledger, self.epsilon = metrics, source, ledger, epsilon
+        self.positions, self.reject_log, self.dead_letters = positions, reject_log, dead_letters
+        self.progress_every_s = self.PROGRESS_EVERY_S
+        self._last_lag = 0.0
+        #: the broker's state at the last look (None: not known, or not a Kafka source)
+        self.connected: bool | None = None
+        self._pause_logged: float | None = None
+        self._progress_at: float | None = None
+        self._progress_events = 0.0
+
+    def update_lag(self, now: bool = False) -> None:
+        """Lag and broker state every 5 s (``now``: at once, from the broker's end offsets, for
+        a loop that is not polling)."""
+        if now:
+            probe = getattr(self.source, "lag_now", None)
+            lag = probe(self.positions()) if probe else None
+            for part, value in (lag or {}).items():
+                self.metrics.lag.labels(partition=part).set(value)
+            return
+        now_t = time.monotonic()
+        if now_t - self._last_lag < 5.0:
+            return
+        self._last_lag = now_t
+        probe = getattr(self.source, "connected", None)
+        state = probe() if probe else None
+        if state is not None:
+            if self.connected is not None and state != self.connected:
+                log.warning("Kafka broker %s", "reachable again" if state else
+                            "unreachable: counting waits; time windows still close by the clock")
+            self.connected = state
+            self.metrics.broker_connected.set(int(state))
+        lag = self.source.lag(self.positions())
+        for part, value in (lag or {}).items():
+            self.metrics.lag.labels(partition=part).set(value)
+
+    def budget_exhausted(self) -> str | None:
+        """The line to pause intake with, when ``ledger.budget_total`` leaves less than one
+        window's epsilon: counting on would only fill windows that are refused and discarded."""
+        remaining = self.ledger.remaining()
+        if remaining is None or remaining >= self.epsilon * (1 - 1e-12):
+            return None
+        return (f"privacy budget spent: {self.ledger.spent():g} of ledger.budget_total="
+                f"{self.ledger.budget_total:g} leaves {remaining:g} < {self.epsilon:g} for a "
+                "window, so intake is paused (nothing is consumed, no window is counted only to "
+                "be discarded). Fix: raise ledger.budget_total (a policy change, recorded in the "
+                "ledger with --accept-change) or stop the service")
+
+    def intake_paused(self, finite: bool) -> bool:
+        """True while intake is paused for the budget (said once, then every 10 minutes; not
+        ready meanwhile). Only an endless source (Kafka) pauses: a finite run (a file, the
+        generator) goes to its end, and each window the budget cannot pay for is refused,
+        ledgered and logged."""
+        if finite:
+            return False
+        problem = self.budget_exhausted()
+        self.metrics.intake_paused.set(1 if problem else 0)
+        if problem is None:
+            self._pause_logged = None
+            return False
+        now = time.monotonic()
+        if self._pause_logged is None or now - self._pause_logged >= 600.0:
+            log.error("%s", problem)  # once, then every 10 minutes while paused
+            self._pause_logged = now
+        self.metrics.heartbeat()
+        self.metrics.set_ready(False, "privacy budget spent: intake paused")
+        return True
+
+    def progress_line(self) -> None:
+        """One info line a minute: events counted, rate, open window(s), lag (public numbers)."""
+        now = time.monotonic()
+        last = self._progress_at
+        if last is None:
+            self._progress_at, self._progress_events = now, self.metrics.events._value.get()
+            return
+        if now - last < self.progress_every_s:
+            return
+        events = self.metrics.events._value.get()
+        rate = (events - self._progress_events) / (now - last)
+        self._progress_at, self._progress_events = now, events
+        lag = sum(s.value for m in self.metrics.lag.collect() for s in m.samples)
+        log.info("progress: %s events counted (%.0f/s over the last %.0f s), window %s at %s "
+                 "events, lag %s records", f"{int(events):,}", rate, now - last,
+                 int(self.metrics.window_id._value.get()),
+                 f"{int(self.metrics.window_events._value.get()):,}", f"{int(lag):,}")
+
+    def turned(self) -> None:
+        """One turn of the consume loop is done: /healthz and /ready (docs/operations.md)."""
+        self.metrics.heartbeat()
+        self.progress_line()
+        self.reject_log.flush()
+        if self.connected is False:
+            self.metrics.set_ready(False, "Kafka broker unreachable")
+        elif self.dead_letters is not None and self.dead_letters.outstanding > 10_000:
+            self.metrics.set_ready(False, "dead letters are not being acknowledged")
+        else:
+            self.metrics.set_ready(True)
