@@ -35,8 +35,8 @@ test: $(STAMP) lint
 	exit $$rc
 
 # the fast lane: no broker, no fault matrix, no test marked slow (tests/conftest.py marks
-# every broker test);
-# linted too, since ruff takes about a second
+# every broker test, and every test tests/durations.tsv measured over tests/durations.py's
+# SLOW_S); linted too, since ruff takes about a second
 test-fast: $(STAMP) lint
 	@$(BIN)/python -m pytest -q -x -n 2 --ignore=tests/integration --ignore=tests/chaos \
 	  -m "not broker and not slow" -p no:cacheprovider; rc=$$?; \

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import durations
+
 ROOT = Path(__file__).resolve().parent.parent
 KAFKA_SH = ROOT / "deploy" / "kafka" / "kafka.sh"
 
@@ -168,12 +170,15 @@ def pytest_collection_modifyitems(config, items):
     a broker fixture above) goes to one group, so they run one after another on one worker, as
     they did before, with one session broker, while the other worker takes the rest (their
     timings stay those of one broker test at a time). Without xdist the mark does nothing."""
+    measured = durations.load()
     for item in items:
         parts = set(Path(str(item.fspath)).parts)
         if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) \
                 or parts & {"integration", "chaos"}:
             item.add_marker(pytest.mark.xdist_group("broker"))
             item.add_marker(pytest.mark.broker)   # `make test-fast` leaves these out
+        elif measured.get(item.nodeid, 0.0) > durations.SLOW_S:
+            item.add_marker(pytest.mark.slow)   # measured long (tests/durations.py)
 
 
 @pytest.hookimpl(trylast=True)

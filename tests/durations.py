@@ -1,0 +1,78 @@
+"""The measured length of each test, which `make test-fast` reads to leave the long ones out.
+
+``tests/durations.tsv`` holds one line per test, ``seconds<TAB>node id``: setup, call and
+teardown summed, as one run of the whole suite printed them with ``--durations=0``. The
+conftest marks ``slow`` every test measured over :data:`SLOW_S` seconds (and every broker test,
+whatever its length), and ``make test-fast`` deselects ``slow``. A test the file does not know
+(new since the last measurement) runs in the fast lane until the file is measured again::
+
+    python -m pytest -n 2 --dist loadgroup --durations=0 -p no:cacheprovider > suite.log
+    python tests/durations.py suite.log
+
+The file is a measurement, not a rule: a test's length on another machine differs, and the fast
+lane is a convenience beside `make test` (the suite CI runs), never instead of it.
+
+>>> parse(["1.50s call     tests/test_a.py::test_x@broker",
+...        "0.20s setup    tests/test_a.py::test_x@broker",
+...        "(2 durations < 0.005s hidden.)"])
+{'tests/test_a.py::test_x': 1.7}
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+#: a test longer than this (in seconds, on the 2-core machine CI uses) is ``slow``
+SLOW_S = 2.0
+
+TSV = Path(__file__).with_name("durations.tsv")
+
+_LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(\S+)")
+
+
+def parse(lines: Iterable[str]) -> dict[str, float]:
+    """Seconds per node id from the ``--durations=0`` lines of a pytest log (an xdist group's
+    ``@name`` suffix dropped: the id a test has without xdist)."""
+    out: dict[str, float] = {}
+    for line in lines:
+        m = _LINE.match(line)
+        if m:
+            node = m.group(3).split("@")[0] if "::" in m.group(3) else m.group(3)
+            out[node] = round(out.get(node, 0.0) + float(m.group(1)), 3)
+    return out
+
+
+def load(path: Path = TSV) -> dict[str, float]:
+    """The measured seconds per node id (empty when the file is missing)."""
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        seconds, _, node = line.partition("\t")
+        if node:
+            out[node] = float(seconds)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python tests/durations.py PYTEST_LOG (a run with --durations=0)",
+              file=sys.stderr)
+        return 2
+    measured = parse(Path(argv[0]).read_text(errors="replace").splitlines())
+    if not measured:
+        print(f"{argv[0]} has no --durations=0 lines: run pytest with --durations=0",
+              file=sys.stderr)
+        return 2
+    TSV.write_text("".join(f"{s:.2f}\t{n}\n" for n, s in
+                           sorted(measured.items(), key=lambda kv: (-kv[1], kv[0]))))
+    slow = sum(1 for s in measured.values() if s > SLOW_S)
+    print(f"{TSV}: {len(measured)} tests, {slow} over {SLOW_S:g} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
