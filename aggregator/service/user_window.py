@@ -181,8 +181,8 @@ def user_plan_line(cfg) -> str:
             f"{users:,}), eps {eps:g} per user per window: expected error {at(users)} at "
             f"{users:,} users ({at(users / 2)} at half, {at(2 * users)} at twice as many), "
             f"{100 * INTERVAL_LEVEL:g}% intervals; per-user budget {per_user:g} eps "
-            f"(ledger.budget_per_user): {windows:,} released windows in all, a restart costing "
-            f"one; {unit_clause(USER)}")
+            f"(ledger.budget_per_user): {windows:,} released windows in all (one replayed after a "
+            f"restart counts twice); {unit_clause(USER)}")
 
 
 def unit_clause(unit: str) -> str:
