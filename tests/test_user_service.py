@@ -105,6 +105,8 @@ def test_active_fraction_and_status_say_the_unit(tmp_path):
     status = run_cli(["status", "--state-dir", str(tmp_path / "state")])
     assert status.returncode == 0, status.stderr
     assert "privacy unit: the user" in status.stdout and "distinct users" in status.stdout
+    assert ("per-user budget: eps 2 of 100 charged to every user by this ledger (98 more "
+            "window(s)") in status.stdout
     plan = run_cli(["plan", "--set", "state.privacy_unit=user", "--set",
                     "state.expected_users=2000", "--set", "ledger.budget_per_user=30"])
     assert plan.returncode == 0 and "privacy unit: the user" in plan.stdout
