@@ -6,7 +6,8 @@ helpers).
 * the budget reached after N windows: window N+1 refused in one line, ledgered as refused, no
   document; with a budget one window larger every window is released (the control);
 * a restart counts: a window replayed after a kill is charged twice;
-* another deployment's user-level releases on the same content count (the file registry);
+* another deployment's user-level releases on the same content count (the file registry), and
+  in a cluster's registry those on the same topic or a --same-records-as one, not another topic;
 * the setting missing, below one window's eps, or set under the event unit: one line, nothing
   written;
 * an endless source pauses its intake once the budget cannot pay for a window.
@@ -165,3 +166,53 @@ def test_a_spent_budget_pauses_an_endless_source(tmp_path, caplog, monkeypatch):
         "intake is paused"), msgs
     assert agg.metrics.readiness()[0] == 503
     agg.close()
+
+
+def test_the_registry_counts_user_releases_of_the_same_stream_only(tmp_path):
+    """The gate with a budget registry (in memory, as a Kafka cluster's would hold it): another
+    deployment's user-level releases on the same topic count, on a topic whose records this one
+    holds copies of (--same-records-as) too, on another topic not; this ledger's own charges in
+    the registry are not counted twice."""
+    from aggregator.service.ledger import Ledger
+    from aggregator.service.metrics import Metrics
+    from aggregator.service.release_gate import ReleaseGate
+    from aggregator.service.user_budget import UserBudget
+    from state_store.registry import MemoryRegistry, ledger_id
+
+    class Cluster(MemoryRegistry):  # the topic's records, read already
+        topic = "panagg.budget"
+
+        def read_to_end(self, timeout_s=None):
+            pass
+
+    reg = Cluster({"state_dir": "/srv/other"})
+    for entry_id, topic in (("release-a", "logins"), ("release-b", "eu"),
+                            ("release-c", "logins-old")):
+        reg.record("L-other", {"id": entry_id, "kind": "release", "epsilon_spent": 1.0,
+                               "ranges": {f"{topic}:0": [0, 10]}, "lineage": "x",
+                               "user_epsilon": 1.0, "user_stream": f"kafka:{topic}"})
+    ledger = Ledger(tmp_path / "ledger.jsonl", budget_per_window=1.0)
+    gate = ReleaseGate(ledger, Metrics(), epsilon=1.0, model="joint", stream="kafka:logins",
+                       aggregation="", directory=tmp_path)
+    gate.user_budget = UserBudget(ledger, budget=2.0, epsilon=1.0)
+    gate.attach_registry(reg)
+    window = {"events": 10, "lineage": "L1", "kind": "count"}
+
+    def release(uid, wid, ranges):
+        assert gate.allows(uid, wid, ranges=ranges, charge=1.0, closing=window)
+        ledger.append(entry_id=f"release-{uid}", kind="release", window=wid, window_uid=uid,
+                      epsilon_spent=1.0, document="{}", ranges=ranges, lineage="L1",
+                      window_kind="count", **gate.user_charge_fields(uid, 1.0))
+
+    release("u0", 0, {"logins:0": [100, 200]})  # the other's 1 on logins + 1 = 2
+    mine = reg.records[f"{ledger_id(ledger.entries)}/release-u0"]  # (not counted twice)
+    assert mine["user_epsilon"] == 1.0 and mine["user_stream"] == "kafka:logins"
+    assert not gate.allows("u1", 1, ranges={"logins:0": [200, 300]}, charge=1.0, closing=window)
+    note = ledger.get("refused-u1")["note"]
+    assert "charged 3 eps > ledger.budget_per_user = 2" in note
+    assert "other deployments on this stream 1 (the budget registry)" in note
+    # the operator says logins holds copies of logins-old: its users' releases count too
+    ledger.append(entry_id="identity-copy", kind="identity", identity={},
+                  same_records_as={"from": "logins-old", "to": "logins"})
+    assert sorted(c["entry"] for c in gate.user_charges_elsewhere()) == ["release-a",
+                                                                        "release-c"]
