@@ -757,12 +757,12 @@ class LedgerSettings(Section):
             "every window of the stream, restarts included. Any user may be in every window, so "
             "a user's charge is the sum of every user-level release of the state directory "
             "(each `state.epsilon`; every lineage: a fresh start gives no user a new budget), "
-            "one `state.epsilon` for each restart (the replayed window's bits are drawn again) "
-            "and what other deployments on the same stream charged (the budget registry); a "
-            "release that would bring it over this is refused before its noise is drawn, and "
-            "a Kafka source pauses its intake (docs/privacy_unit.md). E.g. 30 at eps 1: a user "
-            "is in at most 30 released windows. Required with the user unit (at least "
-            "`state.epsilon`), refused with the event unit (events are not users)")
+            "one more `state.epsilon` for each restart that replayed a released window (its "
+            "bits were drawn twice) and what other deployments on the same stream charged (the "
+            "budget registry); a release that would bring it over this is refused before its "
+            "noise is drawn, and a Kafka source pauses its intake (docs/privacy_unit.md). E.g. "
+            "30 at eps 1: a user is in at most 30 released windows. Required with the user unit "
+            "(at least `state.epsilon`), refused with the event unit (events are not users)")
     registry_topic: str = setting(
         "panagg.budget",
         brief="Kafka sources: the cluster's budget registry topic (\"\": none)",
