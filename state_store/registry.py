@@ -14,7 +14,9 @@ draws a release:
 * **Value** (JSON): the charged ranges of source positions with the epsilon, lineage and window
   kind the ledger recorded (so overlapping event-time windows of one lineage count as the ledger
   counts them: :mod:`aggregator.service.charges`), and who charged them (``deployment``: host,
-  state directory or group, consumer group) for the refusal's one line.
+  state directory or group, consumer group) for the refusal's one line. A user-level release
+  adds what it charged every user and the stream it did so on (``user_epsilon``,
+  ``user_stream``: :mod:`aggregator.service.user_budget`).
 * **Reading.** A deployment counts every registry charge its own ledgers do not hold, by (ledger
   id, entry id): a charge of another deployment, or one of its own that its ledger lost (a
   directory restored from a backup holds the same ledger id without its later entries). What the
@@ -98,7 +100,11 @@ def _value(lid: str, entry: dict, deployment: dict) -> dict:
             "ranges": entry.get("ranges") or {}, "lineage": entry.get("lineage"),
             "window_kind": entry.get("window_kind"), "deployment": dict(deployment),
             "time_unix": time.time(),
-            **({"parallel": entry["parallel"]} if entry.get("parallel") else {})}
+            **({"parallel": entry["parallel"]} if entry.get("parallel") else {}),
+            # the user unit: what the release charged every user of the stream it names
+            # (aggregator/service/user_budget.py)
+            **({k: entry[k] for k in ("user_epsilon", "user_stream")}
+               if entry.get("user_epsilon") else {})}
 
 
 class MemoryRegistry:

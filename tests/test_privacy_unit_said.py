@@ -56,5 +56,6 @@ def test_user_level_needs_its_expected_users_in_one_line():
         load_config(None, ["state.privacy_unit=user"])
     msg = str(err.value)
     assert "\n" not in msg and "docs/privacy_unit.md" in msg and "state.expected_users" in msg
-    cfg = load_config(None, ["state.privacy_unit=user", "state.expected_users=5000"])
+    cfg = load_config(None, ["state.privacy_unit=user", "state.expected_users=5000",
+                             "ledger.budget_per_user=30"])
     assert cfg.state.privacy_unit == "user"

@@ -26,7 +26,8 @@ SEED = 20260
 def user_args(tmp_path, path, **overrides):
     cfg = {"source.kind": "file", "source.path": str(path), "source.format": "json",
            "source.max_records": 700, "item.field": "user", "state.privacy_unit": "user",
-           "state.expected_users": 2000, "window.kind": "count", "window.size": WINDOW,
+           "state.expected_users": 2000, "ledger.budget_per_user": 100,
+           "window.kind": "count", "window.size": WINDOW,
            "checkpoint.dir": tmp_path / "state", "release.dir": tmp_path / "releases",
            "metrics.port": -1, "testing.noise_seed": SEED, "release.on_exhausted": "false"}
     cfg.update(overrides)
@@ -104,10 +105,13 @@ def test_active_fraction_and_status_say_the_unit(tmp_path):
     status = run_cli(["status", "--state-dir", str(tmp_path / "state")])
     assert status.returncode == 0, status.stderr
     assert "privacy unit: the user" in status.stdout and "distinct users" in status.stdout
+    assert ("per-user budget: eps 2 of 100 charged to every user by this ledger (98 more "
+            "window(s)") in status.stdout
     plan = run_cli(["plan", "--set", "state.privacy_unit=user", "--set",
-                    "state.expected_users=2000"])
+                    "state.expected_users=2000", "--set", "ledger.budget_per_user=30"])
     assert plan.returncode == 0 and "privacy unit: the user" in plan.stdout
     assert "at 2,000 users" in plan.stdout
+    assert "per-user budget 30 eps (ledger.budget_per_user): 30 released windows" in plan.stdout
 
 
 @pytest.mark.parametrize("fault", ["checkpoint-mid-write:3", "checkpoint-after-rename:2",

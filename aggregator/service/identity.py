@@ -51,7 +51,15 @@ _DIRECTORY = {
     "unit": lambda cfg: (cfg.get("state") or {}).get("privacy_unit"),
     "release_dir": lambda cfg: (os.path.abspath((cfg.get("release") or {})["dir"])
                                 if (cfg.get("release") or {}).get("dir") else None),
+    # (a later key: a directory recorded without it adopts the current value)
+    "budget_per_user": lambda cfg: _float_or_none((cfg.get("ledger") or {})
+                                                  .get("budget_per_user")),
 }
+
+
+def _float_or_none(value) -> float | None:
+    return None if value is None else float(value)
+
 
 #: identity key -> the settings that enter it, in declaration order (settings.py). A key declared
 #: later does not refuse an existing directory: a ledger without it is taken to have recorded
@@ -80,6 +88,7 @@ IDENTITY_WHY = {
                    "there`); with `--accept-change` later windows go to the new one",
     "budget_per_window": "the privacy budget",
     "budget_total": "the privacy budget",
+    "budget_per_user": "the privacy budget (the user unit: what one user may be charged)",
     "partitioned": "one state per partition or one for all",
 }
 

@@ -57,6 +57,7 @@ from .rejects import RejectLog, RejectWatch
 from .release_gate import ReleaseGate
 from .rollup_closer import RollupCloser, ledgered_unpublished_rollups
 from .settings import Config
+from .user_budget import UserBudget
 from .user_window import NO_EXPORT, is_user, new_user_state, user_cells
 from .stages.checkpoint import Checkpoints
 from .stages.close import Closer
@@ -155,6 +156,9 @@ class Aggregator:
         self.gate = ReleaseGate(self.ledger, self.metrics, epsilon=self.epsilon, model=self.model,
                                 stream=stream, aggregation=self.anchor_name, directory=self.dir,
                                 parallel=self.aggregation.parallel if self.aggregation else None)
+        if self.user:  # any user may be in every window: the ledger bounds their sum
+            self.gate.user_budget = UserBudget(self.ledger, budget=cfg.ledger.budget_per_user,
+                                               epsilon=self.epsilon)
         self.cfg = cfg = keep_processing_time(cfg, self.ledger, self.dir)
         #: the lineage checks of a start (:mod:`.stages.start_checks`)
         self.checks = StartChecks(cfg, self.ledger, self.dir, source, append=self._start_append,
@@ -207,6 +211,7 @@ class Aggregator:
         self.health = LoopHealth(self.metrics, source, self.ledger, self.epsilon,
                                  positions=lambda: dict(self.task.offsets),
                                  reject_log=self.reject_log, dead_letters=self.dead_letters)
+        self.health.user_budget = self.gate.user_budget
         #: the checkpoint sequence (:mod:`.stages.checkpoint`)
         self.checkpoints = Checkpoints(self.ledger, self.metrics, source, self.dir,
                                        dead_letters=self.dead_letters,
@@ -406,6 +411,9 @@ class Aggregator:
                      "outage too; window.clock = process windows by this process's clock",
                      w.size)
         self.plan.start()
+        budget_line = self.gate.user_budget_line()
+        if budget_line:
+            log.info("%s", budget_line)
         self._publish_pending(self.task)
 
     def _ledger_composition(self) -> None:

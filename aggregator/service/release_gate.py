@@ -9,6 +9,11 @@ uid or aggregation covered it before (:mod:`.charges`). The stream's other aggre
 against the same per-event budget (their ledgers are read too), and so do the windows already
 handed to the release worker (charged as if ledgered: their entries follow).
 
+Under the user unit positions do not bound a person (one user's events are at many positions,
+in every window): the gate asks the per-user budget too (:mod:`.user_budget`), over this
+ledger's user-level charges and those other deployments on the same stream wrote to the budget
+registry.
+
 A refusal is itself ledgered with the ranges it covers, so every process and every restart
 gets the same answer, and a restart does not replay a refused window.
 
@@ -25,6 +30,7 @@ from typing import Callable
 from .errors import ServiceError
 from .ledger import BudgetExceeded, Ledger, LedgerError
 from .metrics import Metrics
+from .user_budget import USER_EPSILON, USER_STREAM, UserBudget, user_spent
 
 __all__ = ["ReleaseGate", "covered_ranges", "check_registry"]
 
@@ -102,6 +108,8 @@ class ReleaseGate:
         #: a file source: partition name -> the content identity of the file (ledgered with
         #: each release, the key of its charges in the file registry)
         self.sources: dict[str, str] = {}
+        #: the user unit's per-user budget (:mod:`.user_budget`), None under the event unit
+        self.user_budget: UserBudget | None = None
 
     # -- the budget registry ----------------------------------------------------------------
     def attach_registry(self, registry) -> None:
@@ -245,6 +253,47 @@ class ReleaseGate:
                             "lineage": None, "window_kind": "count"})
         return out
 
+    # -- the user unit's per-user budget ---------------------------------------------------
+    def user_stream(self) -> str:
+        """The stream a user-level charge is on: a file's content identity (with the file
+        registry: a renamed or grown file is the same stream), else ``kafka:<topic>`` or
+        ``file:<name>``."""
+        return next(iter(self.sources.values()), self.stream)
+
+    def user_streams(self) -> set[str]:
+        """The streams whose users are this stream's: itself, the topics whose records it holds
+        copies of (``--same-records-as``) and earlier looks at the same file content."""
+        out = {self.user_stream()}
+        out |= {f"kafka:{old}" for olds in self.same_records().values() for old in olds}
+        content_ids = getattr(self.registry, "content_ids", None)
+        return out | (content_ids() if content_ids else set())
+
+    def user_charge_fields(self, uid: str, charge: float) -> dict:
+        """What the release of window ``uid`` at ``charge`` records of what it charged every
+        user (:meth:`.UserBudget.charge_of`): nothing under the event unit."""
+        if self.user_budget is None:
+            return {}
+        return self.user_budget.fields(self.user_budget.charge_of(uid, charge),
+                                       self.user_stream())
+
+    def user_charges_elsewhere(self, siblings=()) -> list[dict]:
+        """The budget registry's user-level charges on this stream that this directory's ledgers
+        do not hold (other deployments', or this ledger's lost ones), as last read."""
+        if self.registry is None:
+            return []
+        streams = self.user_streams()
+        known = self._known(list(siblings))
+        return [v for v in self.registry.records.values()
+                if float(v.get(USER_EPSILON) or 0.0) > 0 and v.get(USER_STREAM) in streams
+                and (v["ledger"], v["entry"]) not in known]
+
+    def user_budget_line(self) -> str | None:
+        """The start's line on the per-user budget (None under the event unit)."""
+        if self.user_budget is None:
+            return None
+        self.user_budget.elsewhere = user_spent(self.user_charges_elsewhere())
+        return self.user_budget.line()
+
     def allows(self, uid: str, wid: int, *, ranges: dict, charge: float, closing: dict,
                in_flight=(), refusal_fields: Callable[[], dict] = dict) -> bool:
         """The ledger's answer for window ``uid`` covering the source ``ranges`` at ``charge``;
@@ -269,6 +318,9 @@ class ReleaseGate:
             if self.registry is not None and ranges and charge > 0:
                 self._check_registry(uid, wid, ranges=ranges, charge=charge, closing=closing,
                                      siblings=siblings, others=others, pending=pending)
+            if self.user_budget is not None and charge > 0:  # (the registry is read by now)
+                self.user_budget.check(wid, self.user_budget.charge_of(uid, charge),
+                                       self.user_charges_elsewhere(siblings), pending=pending)
         except BudgetExceeded as exc:
             log.error("%s", exc)
             self.metrics.releases_refused.inc()

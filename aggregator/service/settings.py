@@ -499,8 +499,9 @@ class StateSettings(Section):
             "`user`: each window keeps a user-level pan-private density state instead of the "
             "counters (the item is the user, e.g. `item.field = \"user\"`) and releases its "
             "distinct users with a 90 % interval; all events of one user in a window, however "
-            "many, are hidden at eps, and a user active in k windows spends k x eps "
-            "(docs/privacy_unit.md). Needs `state.expected_users`; not yet with scale-out, "
+            "many, are hidden at eps, and a user active in k windows spends k x eps, at most "
+            "`ledger.budget_per_user` (docs/privacy_unit.md). Needs `state.expected_users` and "
+            "`ledger.budget_per_user`; not yet with scale-out, "
             "rollups, event-time windows, snapshots, several aggregations, a breakdown, hashed "
             "mode or a model other than `joint` (each refused in one line)")
     expected_users: int = setting(
@@ -748,6 +749,20 @@ class LedgerSettings(Section):
             "two or more, refused when the sum exceeds it")
 
 
+    budget_per_user: float = setting(
+        0.0, bounds=(NON_NEGATIVE,), identity="budget_per_user", shown_default="0 (unset)",
+        brief="privacy_unit = user: the eps one user may be charged over all windows "
+              "(required there)",
+        doc="`state.privacy_unit = \"user\"`: the total epsilon one user may be charged over "
+            "every window of the stream, restarts included. Any user may be in every window, so "
+            "a user's charge is the sum of every user-level release of the state directory "
+            "(each `state.epsilon`; every lineage: a fresh start gives no user a new budget), "
+            "one more `state.epsilon` for each restart that replayed a released window (its "
+            "bits were drawn twice) and what other deployments on the same stream charged (the "
+            "budget registry); a release that would bring it over this is refused before its "
+            "noise is drawn, and a Kafka source pauses its intake (docs/privacy_unit.md). E.g. "
+            "30 at eps 1: a user is in at most 30 released windows. Required with the user unit "
+            "(at least `state.epsilon`), refused with the event unit (events are not users)")
     registry_topic: str = setting(
         "panagg.budget",
         brief="Kafka sources: the cluster's budget registry topic (\"\": none)",

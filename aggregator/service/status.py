@@ -17,6 +17,7 @@ was released, so the list is the same whether or not the release files are still
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -124,6 +125,14 @@ def collect_status(state_dir) -> dict:
     status["budget"] = {"spent": spent, "total": total,
                         "remaining": None if total is None else max(0.0, total - spent),
                         "per_window": identity.get("epsilon")}
+    if identity.get("unit") == "user" and identity.get("budget_per_user"):
+        from .user_budget import user_spent
+        cap, eps, charged = (float(identity["budget_per_user"]), float(identity["epsilon"]),
+                             user_spent(ledger.entries))
+        # (this ledger's charges: the registry's of other deployments are read at a release)
+        status["budget"]["per_user"] = {
+            "budget": cap, "spent": charged,
+            "windows_left": max(0, math.floor((cap - charged) / eps + 1e-9))}
     from ..release import PRIVACY_UNIT, PRIVACY_UNIT_CONSEQUENCE
     from .user_window import USER, USER_CONSEQUENCE
     status["privacy_unit"] = ({"unit": USER, "consequence": USER_CONSEQUENCE}
@@ -198,6 +207,11 @@ def format_status(s: dict) -> list[str]:
     lines.append(f"budget: eps {b['spent']:g} spent" + (
         f" of {b['total']:g} ({b['remaining']:g} left)" if b["total"] is not None
         else " (no total cap)"))
+    per_user = b.get("per_user")
+    if per_user:
+        lines.append(f"per-user budget: eps {per_user['spent']:g} of {per_user['budget']:g} "
+                     f"charged to every user by this ledger ({per_user['windows_left']} more "
+                     "window(s); other deployments' are counted at each release)")
     last = s.get("last_release")
     if last:
         lines.append(f"last release: window {last['window']} at {_fmt_time(last['time_unix'])}, "

@@ -11,12 +11,14 @@ the relative error there, about 2.3 x the expected users).
 
 The rest is the service's own path, unchanged: the window's close consults the ledger before the
 release's noise is drawn, the release is ledgered with its document and its source ranges and
-charged ``state.epsilon`` per window (a user present in k windows spends k x eps; the ledger's
-budgets bound k), the checkpoint holds the window's start in the source and no state (a crash
+charged ``state.epsilon`` per window (a user present in k windows spends k x eps, and any user
+may be in every window: ``ledger.budget_per_user`` bounds the sum, :mod:`.user_budget`), the
+checkpoint holds the window's start in the source and no state (a crash
 replays the window into fresh bits with a fresh key), and the documents are published from the
 ledger. Releases run in the loop (one count of bits and one DLap: nothing for a worker to do).
 
-What is refused, one line each at start (:func:`user_unit_problem`): what the density state
+What is refused, one line each at start (:func:`user_unit_problem`): no ``ledger.budget_per_user``
+(or one below a window's eps, or one under the event unit), what the density state
 does not support (several intrusions: snapshots, audit exports; merging: rollups, scale-out) and
 what is not wired yet (event-time windows, several aggregations or a breakdown, the shuffle and
 state-only models, hashed mode's counters).
@@ -39,7 +41,7 @@ __all__ = ["USER", "USER_CONSEQUENCE", "INTERVAL_LEVEL", "NO_EXPORT", "is_user",
 USER = "user"
 #: what eps means for a person under the user unit (every user-level document and line says it)
 USER_CONSEQUENCE = ("all events of one user in a window, however many, are hidden at eps; a user "
-                    "active in k windows spends k x eps")
+                    "active in k windows spends k x eps, at most ledger.budget_per_user")
 #: the level of the released intervals
 INTERVAL_LEVEL = 0.9
 #: why an audit export (of a running or a stopped service) is refused under the user unit
@@ -68,13 +70,27 @@ def user_cells(cfg) -> int:
 def user_unit_problem(cfg: dict, aggregations: Mapping | None = None) -> str | None:
     """Why ``cfg`` (the loader's dict, its clock resolved) cannot run with the user unit, in one
     line naming the fix; None when it can (or the unit is the event)."""
+    per_user = float(cfg["ledger"]["budget_per_user"])
     if not is_user(cfg):
+        if per_user > 0:  # (the operator may believe users are bounded: they are not)
+            return ("ledger.budget_per_user bounds users under state.privacy_unit = user only; "
+                    "under the event unit a user with g events is charged g x eps per window: "
+                    "remove it, or set state.privacy_unit = user (docs/privacy_unit.md)")
         return None
     st, w = cfg["state"], cfg["window"]
     head = "state.privacy_unit = user"
     if int(st["expected_users"]) <= 0:
         return (f"{head} needs state.expected_users (the distinct users a window is expected to "
                 "hold: it sizes the hashed universe; docs/privacy_unit.md)")
+    eps = float(st["epsilon"])
+    if per_user <= 0:
+        return (f"{head} needs ledger.budget_per_user (the eps one user may be charged over all "
+                f"windows, restarts included: e.g. {30 * eps:g} for 30 windows at "
+                f"state.epsilon {eps:g}; docs/privacy_unit.md)")
+    if per_user < eps * (1 - 1e-12):
+        return (f"{head}: ledger.budget_per_user {per_user:g} is below one window's "
+                f"state.epsilon {eps:g}, so no window could be released; set it to at least "
+                f"{eps:g} (docs/privacy_unit.md)")
     unsupported = [
         (cfg["scale"]["partitioned"], "scale.partitioned (density states do not merge)"),
         (bool(w["rollups"]), "window.rollups (a day's users need one day-long window, not a "
@@ -159,10 +175,14 @@ def user_plan_line(cfg) -> str:
     def at(u: float) -> str:
         return f"+-{100 * expected_relative_error(max(u, 1.0), m, eps):.1f}%"
 
+    per_user = float(cfg.ledger.budget_per_user)
+    windows = math.floor(per_user / eps + 1e-9)
     return (f"accuracy plan: distinct users per window in {m:,} cells (state.expected_users "
             f"{users:,}), eps {eps:g} per user per window: expected error {at(users)} at "
             f"{users:,} users ({at(users / 2)} at half, {at(2 * users)} at twice as many), "
-            f"{100 * INTERVAL_LEVEL:g}% intervals; {unit_clause(USER)}")
+            f"{100 * INTERVAL_LEVEL:g}% intervals; per-user budget {per_user:g} eps "
+            f"(ledger.budget_per_user): {windows:,} released windows in all (one replayed after a "
+            f"restart counts twice); {unit_clause(USER)}")
 
 
 def unit_clause(unit: str) -> str:

@@ -51,6 +51,7 @@ def run_once(directory: Path, windows: int, seed: int) -> list[tuple[int, dict]]
     sets = {"source.kind": "file", "source.path": directory / "logins.jsonl",
             "source.format": "json", "item.field": "user", "state.privacy_unit": "user",
             "state.expected_users": 2000, "window.kind": "count", "window.size": WINDOW,
+            "ledger.budget_per_user": windows,  # (every window released: eps 1 each)
             "checkpoint.dir": directory / "state", "release.dir": directory / "releases",
             "metrics.port": -1, "release.on_exhausted": "false",
             # a registry of its own: not the user's, where a rerun's file would be refused

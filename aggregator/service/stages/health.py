@@ -4,9 +4,9 @@ one-process loop wires one).
 Each turn of the consume loop ends with :meth:`LoopHealth.turned`: the /healthz heartbeat, the
 progress line (once a minute), the reject log's flush and /ready (not ready while the broker is
 unreachable or dead letters are not acknowledged). Every 5 s :meth:`LoopHealth.update_lag` reads
-the consumer lag and the broker's state. When ``ledger.budget_total`` leaves less than one
-window's epsilon, :meth:`LoopHealth.intake_paused` says so (once, then every 10 minutes) and
-intake pauses.
+the consumer lag and the broker's state. When ``ledger.budget_total`` (or the user unit's
+``ledger.budget_per_user``) leaves less than one window's epsilon,
+:meth:`LoopHealth.intake_paused` says so (once, then every 10 minutes) and intake pauses.
 
 Invariant: only public-safe numbers go out (event counts, lag, window ids; n is public under
 replace-one neighbours): never an item, a counter or a payload. Writes nothing durable.
@@ -61,6 +61,8 @@ class LoopHealth:
         self._pause_logged: float | None = None
         self._progress_at: float | None = None
         self._progress_events = 0.0
+        #: the user unit's per-user budget (:mod:`..user_budget`; set by the service), or None
+        self.user_budget = None
 
     def update_lag(self, now: bool = False) -> None:
         """Lag and broker state every 5 s (``now``: at once, from the broker's end offsets, for
@@ -88,8 +90,12 @@ class LoopHealth:
             self.metrics.lag.labels(partition=part).set(value)
 
     def budget_exhausted(self) -> str | None:
-        """The line to pause intake with, when ``ledger.budget_total`` leaves less than one
-        window's epsilon: counting on would only fill windows that are refused and discarded."""
+        """The line to pause intake with, when ``ledger.budget_total`` (or, under the user unit,
+        ``ledger.budget_per_user``) leaves less than one window's epsilon: counting on would
+        only fill windows that are refused and discarded."""
+        per_user = self.user_budget.exhausted() if self.user_budget is not None else None
+        if per_user is not None:
+            return per_user
         remaining = self.ledger.remaining()
         if remaining is None or remaining >= self.epsilon * (1 - 1e-12):
             return None

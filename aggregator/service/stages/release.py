@@ -135,10 +135,14 @@ class ReleaseStep:
         else:
             log.info("window %s had no events: released at epsilon 0 (it holds only noise)", wid)
         self.annotate(release, closing)
+        if self.gate.user_budget is not None:  # what every user has spent, this one included
+            release["per_user_budget"] = self.gate.user_budget.document(
+                self.gate.user_budget.charge_of(uid, charge))
         doc = json.dumps(release, allow_nan=False)
         self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid,
                            window_uid=uid, epsilon_spent=charge, model=self.model,
-                           document=doc, **position_fields(ranges))
+                           document=doc, **position_fields(ranges),
+                           **self.gate.user_charge_fields(uid, charge))
         if view:
             self.rollups.keep_view(closing, release, *view[0])
         return release
@@ -185,6 +189,7 @@ class ReleaseStep:
                                epsilon_spent=job["charge"], model=self.model, document=doc,
                                **self.gate.position_fields(closing, job["ranges"],
                                                            job["end_offsets"], job["totals"]),
+                               **self.gate.user_charge_fields(closing["uid"], job["charge"]),
                                **job.get("extra", {}))
             failpoint("release-ledgered")
             task.pending.append(doc)
