@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Sequence
 
 from ..base import Segment, Source
@@ -34,6 +35,7 @@ __all__ = ["ConfluentSource", "librdkafka_options"]
 log = logging.getLogger("panagg.kafka")
 
 _CALL_S = 5.0  # bound on every blocking client call outside poll()
+_CLOSE_S = 15.0  # bound on leaving the group at a stop (close())
 
 #: kafka-python option (consumers.kafka_security.client_options) -> librdkafka property
 _SECURITY = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
@@ -425,7 +427,20 @@ class ConfluentSource(Source):
         return self._brokers_up
 
     def close(self) -> None:
-        try:
-            self.consumer.close()
-        except Exception as exc:
-            log.debug("close: %s", type(exc).__name__)
+        """Leave the group, bounded: librdkafka's close can wait forever on a group coordinator
+        that does not answer (seen after a clean broker restart; librdkafka#3740), and a stop
+        must not hang on it. Nothing durable depends on the close (the checkpoint holds the
+        offsets); past the bound the broker expires the membership itself."""
+        def leave() -> None:
+            try:
+                self.consumer.close()
+            except Exception as exc:
+                log.debug("close: %s", type(exc).__name__)
+
+        closing = threading.Thread(target=leave, name="panagg-confluent-close", daemon=True)
+        closing.start()
+        closing.join(_CLOSE_S)
+        if closing.is_alive():
+            log.warning("the Kafka consumer did not leave group %r within %g s (its group "
+                        "coordinator did not answer); stopping without it: the broker drops the "
+                        "membership after its session timeout", self.group, _CLOSE_S)
