@@ -210,8 +210,8 @@ class Aggregator:
         #: lag, broker state, progress line, readiness, the budget pause (:mod:`.stages.health`)
         self.health = LoopHealth(self.metrics, source, self.ledger, self.epsilon,
                                  positions=lambda: dict(self.task.offsets),
-                                 reject_log=self.reject_log, dead_letters=self.dead_letters)
-        self.health.user_budget = self.gate.user_budget
+                                 reject_log=self.reject_log, dead_letters=self.dead_letters,
+                                 user_budget=self.gate.user_budget)
         #: the checkpoint sequence (:mod:`.stages.checkpoint`)
         self.checkpoints = Checkpoints(self.ledger, self.metrics, source, self.dir,
                                        dead_letters=self.dead_letters,

@@ -17,7 +17,6 @@ was released, so the list is the same whether or not the release files are still
 from __future__ import annotations
 
 import json
-import math
 import time
 import urllib.error
 import urllib.request
@@ -126,13 +125,12 @@ def collect_status(state_dir) -> dict:
                         "remaining": None if total is None else max(0.0, total - spent),
                         "per_window": identity.get("epsilon")}
     if identity.get("unit") == "user" and identity.get("budget_per_user"):
-        from .user_budget import user_spent
+        from .user_budget import user_spent, windows_left
         cap, eps, charged = (float(identity["budget_per_user"]), float(identity["epsilon"]),
                              user_spent(ledger.entries))
         # (this ledger's charges: the registry's of other deployments are read at a release)
-        status["budget"]["per_user"] = {
-            "budget": cap, "spent": charged,
-            "windows_left": max(0, math.floor((cap - charged) / eps + 1e-9))}
+        status["budget"]["per_user"] = {"budget": cap, "spent": charged,
+                                        "windows_left": windows_left(cap, charged, eps)}
     from ..release import PRIVACY_UNIT, PRIVACY_UNIT_CONSEQUENCE
     from .user_window import USER, USER_CONSEQUENCE
     status["privacy_unit"] = ({"unit": USER, "consequence": USER_CONSEQUENCE}

@@ -55,7 +55,7 @@ import math
 
 from .ledger import BudgetExceeded
 
-__all__ = ["USER_EPSILON", "USER_STREAM", "user_spent", "UserBudget"]
+__all__ = ["USER_EPSILON", "USER_STREAM", "user_spent", "windows_left", "UserBudget"]
 
 #: the field of a user-level release's ledger entry (and registry charge): what it charged every
 #: user, restarts of its window included
@@ -72,6 +72,15 @@ def user_spent(entries) -> float:
     """What every user may have been charged by ``entries`` (ledger entries or registry
     charges): the sum of their :data:`USER_EPSILON`."""
     return float(sum(float(e.get(USER_EPSILON) or 0.0) for e in entries))
+
+
+def windows_left(budget: float, spent: float, epsilon: float) -> int:
+    """How many more windows of ``epsilon`` a per-user ``budget`` pays for after ``spent``.
+
+    >>> windows_left(3.0, 1.0, 1.0), windows_left(3.0, 3.5, 1.0), windows_left(0.3, 0.0, 0.1)
+    (2, 0, 3)
+    """
+    return max(0, math.floor((budget - spent) / epsilon + 1e-9))
 
 
 def _releases(entries) -> str:
@@ -114,7 +123,7 @@ class UserBudget:
 
     def windows_left(self) -> int:
         """How many more windows the budget pays for (a replayed one costs two)."""
-        return max(0, math.floor((self.budget - self.spent()) / self.epsilon + 1e-9))
+        return windows_left(self.budget, self.spent(), self.epsilon)
 
     def charge_of(self, window_uid: str, charge: float) -> float:
         """What releasing window ``window_uid`` at ``charge`` charges every user: ``charge``,
@@ -168,7 +177,7 @@ class UserBudget:
         every user has been charged with this release, the windows left."""
         spent = self.spent() + user_charge
         return {"budget_per_user": self.budget, "spent": spent, "this_release": user_charge,
-                "windows_left": max(0, math.floor((self.budget - spent) / self.epsilon + 1e-9))}
+                "windows_left": windows_left(self.budget, spent, self.epsilon)}
 
     def line(self) -> str:
         """The start's line: spent, budget and the windows left."""

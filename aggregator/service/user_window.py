@@ -33,6 +33,7 @@ from collections.abc import Mapping
 
 from ..density import DensityRelease, PanPrivateDensity, plan_cells
 from ..hashing import KEY_BYTES
+from .user_budget import windows_left
 
 __all__ = ["USER", "USER_CONSEQUENCE", "INTERVAL_LEVEL", "NO_EXPORT", "is_user", "user_cells",
            "user_unit_problem", "new_user_state", "user_release", "user_plan_line",
@@ -176,7 +177,7 @@ def user_plan_line(cfg) -> str:
         return f"+-{100 * expected_relative_error(max(u, 1.0), m, eps):.1f}%"
 
     per_user = float(cfg.ledger.budget_per_user)
-    windows = math.floor(per_user / eps + 1e-9)
+    windows = windows_left(per_user, 0.0, eps)
     return (f"accuracy plan: distinct users per window in {m:,} cells (state.expected_users "
             f"{users:,}), eps {eps:g} per user per window: expected error {at(users)} at "
             f"{users:,} users ({at(users / 2)} at half, {at(2 * users)} at twice as many), "

@@ -44,6 +44,9 @@ class LoopHealth:
         Flushed each turn.
     dead_letters
         The dead-letter producer, or None (readiness while its acknowledgements lag).
+    user_budget
+        The user unit's :class:`..user_budget.UserBudget` (the pause when it cannot pay for a
+        window), or None.
     """
 
     #: seconds between progress lines (a test may set 0: every turn)
@@ -51,7 +54,7 @@ class LoopHealth:
 
     def __init__(self, metrics: Metrics, source, ledger: Ledger, epsilon: float, *,
                  positions: Callable[[], dict[str, int]], reject_log: RejectLog,
-                 dead_letters=None):
+                 dead_letters=None, user_budget=None):
         self.metrics, self.source, self.ledger, self.epsilon = metrics, source, ledger, epsilon
         self.positions, self.reject_log, self.dead_letters = positions, reject_log, dead_letters
         self.progress_every_s = self.PROGRESS_EVERY_S
@@ -61,8 +64,8 @@ class LoopHealth:
         self._pause_logged: float | None = None
         self._progress_at: float | None = None
         self._progress_events = 0.0
-        #: the user unit's per-user budget (:mod:`..user_budget`; set by the service), or None
-        self.user_budget = None
+        #: the user unit's per-user budget (:mod:`..user_budget`), or None
+        self.user_budget = user_budget
 
     def update_lag(self, now: bool = False) -> None:
         """Lag and broker state every 5 s (``now``: at once, from the broker's end offsets, for
