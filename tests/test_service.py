@@ -278,13 +278,10 @@ def test_ledger_refuses_over_budget_release(tmp_path):
     assert [e["window"] for e in refused] == [2] and refused[0]["epsilon_spent"] == 0
 
 
-def test_spent_budget_pauses_an_endless_stream(tmp_path, caplog):
-    """Kafka runs do not end: the loop stops consuming, says so once, and reports not ready."""
-    items = np.random.default_rng(5).integers(0, D, 1000)
-    path = tmp_path / "events.jsonl"
-    write_events(path, items)
-    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "ledger.budget_total": 1.0})
-    Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False)).run()
+def pause_line_said_once(cfg, path, caplog) -> tuple[Aggregator, str]:
+    """A restart of ``cfg`` over the file at ``path`` whose budget is spent: a finite source is
+    not paused (files run to their end), an endless one is, twice asked and said once (one
+    ERROR). The restarted aggregator (not ready, for the caller's checks) and that line."""
     agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
     agg.restore()
     assert not agg.paused_for_budget(0.01, finite=True)  # files run to their end
@@ -293,10 +290,22 @@ def test_spent_budget_pauses_an_endless_stream(tmp_path, caplog):
         assert agg.paused_for_budget(0.01, finite=False)
         assert agg.paused_for_budget(0.01, finite=False)
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and msgs[0].startswith(
+    assert len(msgs) == 1, msgs
+    return agg, msgs[0]
+
+
+def test_spent_budget_pauses_an_endless_stream(tmp_path, caplog):
+    """Kafka runs do not end: the loop stops consuming, says so once, and reports not ready."""
+    items = np.random.default_rng(5).integers(0, D, 1000)
+    path = tmp_path / "events.jsonl"
+    write_events(path, items)
+    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "ledger.budget_total": 1.0})
+    Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False)).run()
+    agg, line = pause_line_said_once(cfg, path, caplog)
+    assert line.startswith(
         "privacy budget spent: 1 of ledger.budget_total=1 leaves 0 < 1 for a window, so intake "
         "is paused")
-    assert "Fix: raise ledger.budget_total" in msgs[0]
+    assert "Fix: raise ledger.budget_total" in line
     assert agg.metrics.readiness()[0] == 503
     assert agg.metrics.intake_paused._value.get() == 1
     agg.close()

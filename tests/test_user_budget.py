@@ -23,6 +23,7 @@ import json
 import pytest
 
 from bench.service.user_windows import WINDOW, write_logins
+from tests.test_service import pause_line_said_once
 from tests.test_user_service import ledger, releases, run_cli, user_args
 
 SPENT = "the per-user budget is spent"
@@ -144,8 +145,6 @@ def test_a_spent_budget_pauses_an_endless_source(tmp_path, caplog, monkeypatch):
     """Kafka runs do not end: once the budget cannot pay for a window the loop stops consuming
     (no user's bits are held for a window that would be refused), says so once, is not ready."""
     from aggregator.service.config import load_config
-    from aggregator.service.process import Aggregator
-    from consumers.file_source import FileSource
 
     monkeypatch.setenv("PANAGG_TESTING", "1")
     path = tmp_path / "logins.jsonl"
@@ -153,17 +152,10 @@ def test_a_spent_budget_pauses_an_endless_source(tmp_path, caplog, monkeypatch):
     args = user_args(tmp_path, path, **{"ledger.budget_per_user": 2})
     cfg = load_config(None, [a for a in args[1:] if a != "--set"])
     assert run_cli(args).returncode == 0
-    agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
-    agg.restore()
-    assert not agg.paused_for_budget(0.01, finite=True)  # files run to their end
-    caplog.clear()
-    with caplog.at_level("ERROR", logger="panagg.service"):
-        assert agg.paused_for_budget(0.01, finite=False)
-        assert agg.paused_for_budget(0.01, finite=False)
-    msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and msgs[0].startswith(
+    agg, line = pause_line_said_once(cfg, path, caplog)
+    assert line.startswith(
         "per-user budget spent: 2 of ledger.budget_per_user=2 leaves 0 < 1 for a window, so "
-        "intake is paused"), msgs
+        "intake is paused"), line
     assert agg.metrics.readiness()[0] == 503
     agg.close()
 
