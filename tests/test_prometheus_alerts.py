@@ -109,7 +109,8 @@ def test_the_issue_asks_these_alerts(rules):
     for metric in ("up", "panagg_ready", "panagg_release_queue", "panagg_summaries_overdue",
                    "panagg_budget_remaining_epsilon", "panagg_dead_letters_total",
                    "panagg_release_change", "panagg_intake_stall_seconds",
-                   "panagg_write_failing", "panagg_last_release_timestamp_seconds"):
+                   "panagg_write_failing", "panagg_last_release_timestamp_seconds",
+                   "panagg_user_budget_remaining_epsilon"):
         assert any(metric in names for names in reads.values()), metric
 
 

@@ -157,6 +157,11 @@ def test_a_spent_budget_pauses_an_endless_source(tmp_path, caplog, monkeypatch):
         "per-user budget spent: 2 of ledger.budget_per_user=2 leaves 0 < 1 for a window, so "
         "intake is paused"), line
     assert agg.metrics.readiness()[0] == 503
+    # the gauges PanaggUserBudgetSpent reads (deploy/prometheus/alerts.yml)
+    reg = agg.metrics.registry
+    assert reg.get_sample_value("panagg_user_budget_spent_epsilon") == 2.0
+    assert reg.get_sample_value("panagg_user_budget_remaining_epsilon") == 0.0
+    assert reg.get_sample_value("panagg_epsilon") == 1.0
     agg.close()
 
 

@@ -82,6 +82,17 @@ class Metrics:
                                       "ledger.budget_total (+Inf: no total cap); below "
                                       "panagg_epsilon, intake is paused", registry=r)
         self.budget_remaining.set(float("inf"))
+        # under state.privacy_unit = "user": what every user has been charged (each user-level
+        # release charges every user, present or not, so these depend on no event)
+        self.user_budget_spent = Gauge("panagg_user_budget_spent_epsilon", "Epsilon charged to "
+                                       "every user by user-level releases (this ledger and the "
+                                       "budget registry's other deployments; 0 under the event "
+                                       "unit)", registry=r)
+        self.user_budget_remaining = Gauge("panagg_user_budget_remaining_epsilon", "Epsilon "
+                                           "left to every user under ledger.budget_per_user "
+                                           "(+Inf under the event unit); below panagg_epsilon, "
+                                           "intake is paused", registry=r)
+        self.user_budget_remaining.set(float("inf"))
         self.intake_paused = Gauge("panagg_intake_paused", "1 while the service consumes "
                                    "nothing because the privacy budget is spent", registry=r)
         self.intake_stall = Gauge("panagg_intake_stall_seconds", "Longest time the consume "
@@ -155,9 +166,19 @@ class Metrics:
                            "spent, a group leader behind: /ready says which)", registry=r)
         self.ready.set_function(lambda: 1.0 if self._ready[0] else 0.0)
 
-    def budget(self, spent: float, remaining: float | None) -> None:
+    def budget(self, spent: float, remaining: float | None, user=None) -> None:
+        """The budget gauges: ``ledger.budget_total``'s, and ``user``'s (the user unit's
+        :class:`.user_budget.UserBudget`) when there is one."""
         self.budget_spent.set(spent)
         self.budget_remaining.set(float("inf") if remaining is None else remaining)
+        if user is not None:
+            self.user_budget(user)
+
+    def user_budget(self, user) -> None:
+        """``ledger.budget_per_user``'s gauges from the user unit's ``UserBudget``."""
+        spent = user.spent()
+        self.user_budget_spent.set(spent)
+        self.user_budget_remaining.set(max(user.budget - spent, 0.0))
 
     def rollup_released(self, span: str, release: dict) -> None:
         """A rollup is ledgered: its count, its base windows and its estimate time."""

@@ -125,7 +125,7 @@ class Closer:
         self.commit(task)  # the next window's start and the pending release, atomically
         self.publish(task)
         self.metrics.release_duration.observe(time.perf_counter() - t0)
-        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
+        self.metrics.budget(self.ledger.spent(), self.ledger.remaining(), self.gate.user_budget)
         log.debug("closed window %s (uid %s)", wid, uid)
         return release
 

@@ -209,5 +209,6 @@ class ReleaseStep:
             done += 1
         if done:
             self.metrics.release_queue.set(len(task.inflight))
-            self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
+            self.metrics.budget(self.ledger.spent(), self.ledger.remaining(),
+                                self.gate.user_budget)
         return done, committed
