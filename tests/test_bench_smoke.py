@@ -53,6 +53,7 @@ LANE = {
     "service.multi_agg": "kafka",
     "service.privacy_audit": "here",
     "service.release_intake": "here",
+    "service.registry_cost": "kafka",
     "service.release_time": "here",
     "service.shuffler_throughput": "kafka",
     "service.speed": "here",

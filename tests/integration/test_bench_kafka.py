@@ -16,6 +16,7 @@ KAFKA_SMOKES = [
     ("service.e2e", ["--smoke"]),
     ("service.multi_agg", ["--smoke"]),
     ("service.intake_stall", ["--smoke"]),
+    ("service.registry_cost", ["--smoke"]),
     ("service.shuffler_throughput", ["--smoke"]),
     ("service.group", ["--smoke", "--throughput"]),
     ("service.views", ["--smoke", "recovery", "--bootstrap", "{bootstrap}"]),
