@@ -288,6 +288,11 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
     # no member crashed, and none printed a trace at its stop (the release worker's pool once
     # did: ReleaseWorker.close now joins it)
     assert not crash_traces(logs), members.logs()
+    # a start of the opt-in items exchange says what it gives up (sections 20 and 22; a
+    # member killed early in its start may not have said it yet)
+    said = [ln for ln in logs.splitlines() if "scale.exchange = items:" in ln]
+    assert said and all(
+        "plaintext" in ln and "not in the budget registry" in ln for ln in said), said[:3]
 
 
 class SteadyProducer:
