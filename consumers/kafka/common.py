@@ -141,10 +141,15 @@ class IntakeWatch:
     def end_offsets(self) -> dict[str, int] | None:  # the backend's
         raise NotImplementedError
 
+    def client_positions(self, keys) -> dict[str, int]:  # the backend's
+        """The client's own next offset in each of ``keys`` where it knows it (no wait)."""
+        raise NotImplementedError
+
     def stalled(self, positions: dict[str, int], after_s: float) -> bool:
         """True if the client has partitions assigned and not paused, delivered nothing for
         ``after_s`` seconds of polling, and the broker's end offsets show records past
-        ``positions`` (the service's next offsets) in one of them. Asks the broker (bounded)
+        ``positions`` (the service's next offsets) and past the client's own position in one of
+        them. Asks the broker (bounded)
         only once the quiet time passed ``after_s``."""
         if after_s <= 0 or time.monotonic() - self.quiet_since < after_s:
             return False
@@ -154,4 +159,10 @@ class IntakeWatch:
         ends = self.end_offsets()
         if not ends:   # unknown (the broker does not answer): an outage, reported as one
             return False
-        return any(ends.get(k, 0) > positions[k] for k in waiting)
+        # the client's own position where it is further: it steps over transaction markers,
+        # which the end offset counts and the service's positions (records) never reach
+        try:
+            client = self.client_positions(waiting)
+        except Exception:
+            client = {}
+        return any(ends.get(k, 0) > max(positions[k], client.get(k, -1)) for k in waiting)

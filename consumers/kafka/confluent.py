@@ -377,6 +377,11 @@ class ConfluentSource(Source, IntakeWatch):
         except Exception:
             return False
 
+    def client_positions(self, keys) -> dict[str, int]:
+        """librdkafka's application position in each of ``keys`` (where it has one)."""
+        return {partition_key(tp.topic, tp.partition): int(tp.offset)
+                for tp in self.consumer.position([self._tp(k) for k in keys]) if tp.offset >= 0}
+
     def _committed(self) -> list:
         return self.consumer.committed([self._tp(k) for k in self._keys()], timeout=_CALL_S)
 

@@ -279,6 +279,15 @@ class KafkaSource(Source, IntakeWatch):
         except Exception:
             return False
 
+    def client_positions(self, keys) -> dict[str, int]:
+        """The consumer's fetch position in each of ``keys`` (bounded wait where unknown)."""
+        out = {}
+        for key in keys:
+            pos = self.consumer.position(parse_partition_key(key), timeout_ms=1000)
+            if pos is not None:
+                out[key] = int(pos)
+        return out
+
     def committed_offsets(self) -> dict[str, int]:
         """The group's committed offsets for the topic's partitions (empty: none)."""
         out = {}

@@ -104,3 +104,47 @@ def test_a_consumer_that_delivers_nothing_is_said_rebuilt_and_loses_nothing(
     not_ready = [reason for ready, reason in metrics.ready_log if not ready]
     assert any("Kafka intake stalled" in reason for reason in not_ready), metrics.ready_log
     assert any("Kafka intake resumed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_an_idle_transactional_topic_is_not_a_stall(kafka_broker, tmp_path, caplog, client):
+    """A transactional producer's commit markers count in the end offsets but are no records:
+    read to its end, the topic has end offsets past the service's positions and nothing to
+    deliver. The client's own position (past the markers) says so: no stall, no rebuild."""
+    if client == "confluent":
+        pytest.importorskip("confluent_kafka")
+    from kafka import KafkaProducer
+
+    topic = make_topic(kafka_broker)
+    producer = KafkaProducer(bootstrap_servers=kafka_broker, transactional_id=f"tx-{topic}")
+    producer.init_transactions()
+    for batch in range(3):
+        producer.begin_transaction()
+        for i in range(500):
+            producer.send(topic, msgpack.packb({"item": (batch * 500 + i) % D}))
+        producer.commit_transaction()
+    producer.close()
+    cfg = load_config(None, [
+        "source.kind=kafka", f"source.bootstrap={kafka_broker}", f"source.topic={topic}",
+        f"source.group=g-{topic}", f"source.client={client}", f"state.domain_size={D}",
+        "window.kind=count", "window.size=100000000",
+        f"checkpoint.dir={tmp_path / 'state'}", f"release.dir={tmp_path / 'releases'}",
+        "metrics.port=-1", "release.error_bar_reps=0", "release.workers=0",
+        "release.plan_errors=false", "source.stall_timeout_s=1"])
+    metrics = _ReadyLog()
+    agg = _make_aggregator(cfg, metrics)
+    runner = threading.Thread(target=agg.run, name="service", daemon=True)
+    with caplog.at_level(logging.INFO, logger="panagg"):
+        runner.start()
+        try:
+            _wait(lambda: metrics.events._value.get() == 1500, 120, "the 1500 events")
+            ends = agg.source.end_offsets()
+            assert sum(ends.values()) > sum(agg.task.offsets.values())  # the markers
+            # idle past the stall time, over several of the 5 s health looks
+            time.sleep(16)
+        finally:
+            agg.stop_event.set()
+            runner.join(120)
+    assert metrics.consumer_rebuilds._value.get() == 0
+    assert not any("Kafka intake stalled" in r.getMessage() for r in caplog.records)
+    assert all(ready for ready, _ in metrics.ready_log), metrics.ready_log
