@@ -148,3 +148,53 @@ def test_an_idle_transactional_topic_is_not_a_stall(kafka_broker, tmp_path, capl
     assert metrics.consumer_rebuilds._value.get() == 0
     assert not any("Kafka intake stalled" in r.getMessage() for r in caplog.records)
     assert all(ready for ready, _ in metrics.ready_log), metrics.ready_log
+
+
+def test_several_aggregations_rebuild_their_one_consumer_and_lose_nothing(kafka_broker, tmp_path,
+                                                                           caplog):
+    """Two aggregations fed by one consumer (aggregator/service/multi.py): the stall is seen by
+    an aggregation's watch, the shared consumer is rebuilt once per look and its positions
+    reset, and each aggregation still counts every event exactly once."""
+    topic = make_topic(kafka_broker)
+    produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(3000)])
+    toml = tmp_path / "two.toml"
+    toml.write_text("[ledger]\nbudget_per_event = 2.0\n"
+                    "[aggregations.a]\nwindow.size = 100000000\nstate.epsilon = 1.0\n"
+                    "[aggregations.b]\nwindow.size = 100000000\nstate.epsilon = 1.0\n")
+    cfg = load_config(str(toml), [
+        "source.kind=kafka", f"source.bootstrap={kafka_broker}", f"source.topic={topic}",
+        f"source.group=g-{topic}", "source.client=kafka-python", f"state.domain_size={D}",
+        "window.kind=count", f"checkpoint.dir={tmp_path / 'state'}",
+        f"release.dir={tmp_path / 'releases'}", "metrics.port=-1", "release.error_bar_reps=0",
+        "release.workers=0", "release.plan_errors=false", "source.stall_timeout_s=3"])
+    metrics = _ReadyLog()
+    hub = _make_aggregator(cfg, metrics)
+    aggs = hub.aggs.values()
+
+    def counted(n):
+        return all(a.metrics.events._value.get() == n for a in aggs)
+
+    runner = threading.Thread(target=hub.run, name="service", daemon=True)
+    with caplog.at_level(logging.INFO, logger="panagg"):
+        runner.start()
+        try:
+            _wait(lambda: counted(3000), 120, "the first 3000 events in each aggregation")
+            stuck = hub.source.consumer
+            _stop_fetching("kafka-python", hub.source)
+            produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(2000)])
+            _wait(lambda: hub.source.consumer is not stuck, 120, "the consumer's rebuild")
+            _wait(lambda: counted(5000), 120, "the 2000 events after the stall")
+            _wait(lambda: metrics.readiness()[0] == 200, 60, "/ready 200 again")
+            time.sleep(2)
+        finally:
+            hub.stop_event.set()
+            runner.join(120)
+    assert not runner.is_alive()
+    for agg in aggs:
+        assert agg.task.totals["events"] == 5000
+        assert sum(agg.task.offsets.values()) == 5000
+    assert sum(a.metrics.consumer_rebuilds._value.get() for a in aggs) >= 1
+    stalled = [r for r in caplog.records if "Kafka intake stalled" in r.getMessage()]
+    assert 1 <= len(stalled) <= len(aggs), [r.getMessage() for r in stalled]
+    assert any("Kafka intake stalled" in reason for ready, reason in metrics.ready_log
+               if not ready), metrics.ready_log
