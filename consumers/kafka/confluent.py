@@ -170,16 +170,20 @@ class ConfluentSource(Source, IntakeWatch):
         ``group.instance.id``: it takes the partitions back at once) and starts every partition
         at the service's offsets (:meth:`_on_assign`). Records the old client had fetched but
         not handed over are simply fetched again: nothing is counted twice or skipped."""
-        self._close_bounded(self.consumer, _REBUILD_CLOSE_S)
+        old, self.consumer = self.consumer, self._subscribed()
         self.assigned.clear()
         self._pending_seeks.clear()
         self.assignment_changed = False
         self.partial_assignment = None
-        self.consumer = self._subscribed()
+        # (its revocation, if the close runs late, is ignored: the callbacks act for the
+        # current client only)
+        self._close_bounded(old, _REBUILD_CLOSE_S)
         self._quiet_from_now()
 
     # -- group callbacks (run inside consume()) -------------------------------------------------
     def _on_assign(self, consumer, partitions) -> None:
+        if consumer is not self.consumer:   # a replaced client (rebuild) still closing
+            return
         for tp in partitions:
             key = partition_key(tp.topic, tp.partition)
             self.assigned.add(key)
@@ -197,6 +201,12 @@ class ConfluentSource(Source, IntakeWatch):
         log.info("assigned partitions: %s", sorted(self.assigned))
 
     def _on_revoke(self, consumer, partitions) -> None:
+        if consumer is not self.consumer:   # a replaced client (rebuild) still closing
+            try:
+                consumer.unassign()
+            except Exception:
+                pass
+            return
         gone = {partition_key(tp.topic, tp.partition) for tp in partitions}
         self.assigned -= gone
         for key in gone:

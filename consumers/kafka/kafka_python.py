@@ -150,13 +150,20 @@ class KafkaSource(Source, IntakeWatch):
         (:class:`_SeekOnAssign`). Records the old client had fetched but not handed over are
         fetched again: nothing is counted twice or skipped."""
         try:
-            self.consumer.close(autocommit=False, timeout_ms=_CALL_MS)
+            new = self._subscribed()
+        except Exception as exc:   # (the broker answered a moment ago; try again later)
+            log.warning("the stalled Kafka consumer could not be replaced (%s); trying again "
+                        "after source.stall_timeout_s", type(exc).__name__)
+            self._quiet_from_now()
+            return
+        old, self.consumer = self.consumer, new
+        try:
+            old.close(autocommit=False, timeout_ms=_CALL_MS)
         except Exception as exc:
             log.debug("close: %s", type(exc).__name__)
         self.assigned.clear()
         self.assignment_changed = False
         self.partial_assignment = None
-        self.consumer = self._subscribed()
         self._quiet_from_now()
 
     def seek(self, offsets: dict[str, int]) -> None:
