@@ -76,6 +76,10 @@ class Metrics:
                                       "(NaN until known, and for file and generator sources)",
                                       registry=r)
         self.broker_connected.set(float("nan"))
+        self.consumer_rebuilds = Counter("panagg_consumer_rebuilds", "Kafka consumers replaced "
+                                         "because they delivered nothing for "
+                                         "source.stall_timeout_s while their partitions had "
+                                         "records waiting (an intake stall)", registry=r)
         self.budget_spent = Gauge("panagg_budget_spent_epsilon", "Epsilon spent by all ledgered "
                                   "releases", registry=r)
         self.budget_remaining = Gauge("panagg_budget_remaining_epsilon", "Epsilon left under "

@@ -200,6 +200,9 @@ class SourceView(Source):
     def close(self) -> None:
         pass  # the hub closes the shared source once
 
+    def rebuild(self) -> None:
+        self.hub.rebuild_source()
+
     def _seek_partition(self, key: str, offset: int) -> None:
         self.next[key] = int(offset)
 
@@ -298,6 +301,15 @@ class MultiAggregator:
         self.source.seek_partition(partition, offset)
         self._position[partition] = int(offset)
         self._seeked.add(partition)
+
+    def rebuild_source(self) -> None:
+        """Replace the shared consumer after an intake stall (:meth:`.LoopHealth.watch_intake`
+        of the aggregation that saw it first): the new one starts every partition at the least
+        offset a view wants (:attr:`_start`), so that is where the consumer's stream now runs
+        from."""
+        self.source.rebuild()
+        self._position.clear()
+        self._position.update(self._start)
 
     def _track_start(self) -> None:
         # a (re)assignment seeks the consumer to these: the least offset any view wants

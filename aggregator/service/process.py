@@ -211,7 +211,8 @@ class Aggregator:
         self.health = LoopHealth(self.metrics, source, self.ledger, self.epsilon,
                                  positions=lambda: dict(self.task.offsets),
                                  reject_log=self.reject_log, dead_letters=self.dead_letters,
-                                 user_budget=self.gate.user_budget)
+                                 user_budget=self.gate.user_budget,
+                                 stall_timeout_s=src.stall_timeout_s)
         #: the checkpoint sequence (:mod:`.stages.checkpoint`)
         self.checkpoints = Checkpoints(self.ledger, self.metrics, source, self.dir,
                                        dead_letters=self.dead_letters,

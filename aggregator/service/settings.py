@@ -269,6 +269,17 @@ class SourceSettings(Section):
         brief="a dead member's partitions move to the others after this",
         doc="Kafka group session timeout: a dead member's partitions move to the others after "
             "this (broker minimum 6)")
+    stall_timeout_s: float = setting(
+        30.0, bounds=(NON_NEGATIVE,),
+        brief="rebuild a Kafka consumer that delivers nothing this long while records wait; 0: "
+              "off",
+        doc="intake stall: when the Kafka consumer holds partitions that have records waiting "
+            "(the broker's end offsets past the service's positions) and delivers none for this "
+            "long, the service says so once (WARNING `Kafka intake stalled`), is not ready "
+            "(/ready 503), counts it in `panagg_consumer_rebuilds_total` and replaces the "
+            "consumer with a new one that resumes at the service's own offsets (nothing lost or "
+            "counted twice); seen with `source.client = confluent` after a clean broker restart "
+            "(docs/operations.md, \"Intake stalled\"). 0: off")
     format: str = setting(
         "msgpack", choices=("msgpack", "json"), identity="format",
         brief='msgpack | json; schema {"item": <str|bytes|int>, ...}',

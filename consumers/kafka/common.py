@@ -4,10 +4,11 @@ refusal and why a topic cannot replay an open window."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
-__all__ = ["PartialAssignment", "RecordColumn", "partial_assignment_error", "partition_key",
-           "replay_problem"]
+__all__ = ["IntakeWatch", "PartialAssignment", "RecordColumn", "partial_assignment_error",
+           "partition_key", "replay_problem"]
 
 log = logging.getLogger("panagg.kafka")
 
@@ -95,3 +96,73 @@ class RecordColumn(Sequence):
 
     def __repr__(self) -> str:
         return f"RecordColumn({list(self)!r})"
+
+
+class IntakeWatch:
+    """Whether a Kafka client stopped delivering (both backends): a client can hold its
+    assignment and yet hand over no record for minutes while its partitions have records waiting
+    (seen with librdkafka after a clean broker restart: its group coordinator requests timed out,
+    REQTMOUT, for ~2 minutes). :meth:`stalled` says so from the broker's end offsets;
+    the backend's ``rebuild`` replaces the client (docs/operations.md, "Intake stalled").
+
+    The backend calls :meth:`_delivered` when a poll returned records, :meth:`_polling` at each
+    poll, :meth:`_quiet_from_now` on a new assignment or client, and keeps :attr:`paused` (a
+    paused partition is not expected to deliver)."""
+
+    #: a gap between two polls longer than this (s) is the loop's own (closing, a release
+    #: pause), not the client's: the quiet time starts again
+    POLL_GAP_S = 5.0
+
+    assigned: set[str]
+    start_offsets: dict[str, int]
+
+    def _watch_init(self) -> None:
+        now = time.monotonic()
+        #: since when the client delivered nothing while polled (monotonic s)
+        self.quiet_since = now
+        self._polled_at = now
+        #: when a poll last returned records (monotonic s; 0: never)
+        self.delivered_at = 0.0
+        #: partitions the service paused (held at a replay target, ...)
+        self.paused: set[str] = set()
+
+    def _polling(self) -> None:
+        now = time.monotonic()
+        if now - self._polled_at > self.POLL_GAP_S:
+            self.quiet_since = now
+        self._polled_at = now
+
+    def _delivered(self) -> None:
+        self.quiet_since = self.delivered_at = time.monotonic()
+
+    def _quiet_from_now(self) -> None:
+        self.quiet_since = time.monotonic()
+
+    def end_offsets(self) -> dict[str, int] | None:  # the backend's
+        raise NotImplementedError
+
+    def client_positions(self, keys) -> dict[str, int]:  # the backend's
+        """The client's own next offset in each of ``keys`` where it knows it (no wait)."""
+        raise NotImplementedError
+
+    def stalled(self, positions: dict[str, int], after_s: float) -> bool:
+        """True if the client has partitions assigned and not paused, delivered nothing for
+        ``after_s`` seconds of polling, and the broker's end offsets show records past
+        ``positions`` (the service's next offsets) and past the client's own position in one of
+        them. Asks the broker (bounded)
+        only once the quiet time passed ``after_s``."""
+        if after_s <= 0 or time.monotonic() - self.quiet_since < after_s:
+            return False
+        waiting = [k for k in self.assigned if k not in self.paused and k in positions]
+        if not waiting:
+            return False
+        ends = self.end_offsets()
+        if not ends:   # unknown (the broker does not answer): an outage, reported as one
+            return False
+        # the client's own position where it is further: it steps over transaction markers,
+        # which the end offset counts and the service's positions (records) never reach
+        try:
+            client = self.client_positions(waiting)
+        except Exception:
+            client = {}
+        return any(ends.get(k, 0) > max(positions[k], client.get(k, -1)) for k in waiting)

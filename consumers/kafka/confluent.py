@@ -16,7 +16,10 @@ Differences the backend hides:
 * the connection state comes from librdkafka's statistics (one JSON a second): a broker in state
   ``UP`` means connected;
 * librdkafka pre-fetches into its own queue: ``queued.max.messages.kbytes`` is bounded by
-  ``source.fetch_max_bytes`` (plaintext in memory until counted, docs/privacy.md "In flight").
+  ``source.fetch_max_bytes`` (plaintext in memory until counted, docs/privacy.md "In flight");
+* a client that holds its assignment but delivers nothing while records wait (after a clean
+  broker restart its group coordinator requests can time out for minutes) is replaced by
+  :meth:`ConfluentSource.rebuild`, which resumes at the service's offsets like any assignment.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from collections.abc import Sequence
 
 from ..base import Segment, Source
 from ..kafka_security import KafkaConnectError, SecurityError, client_options
-from .common import RecordColumn, partial_assignment_error, partition_key, replay_problem
+from .common import (IntakeWatch, RecordColumn, partial_assignment_error, partition_key,
+                     replay_problem)
 
 __all__ = ["ConfluentSource", "librdkafka_options"]
 
@@ -36,6 +40,7 @@ log = logging.getLogger("panagg.kafka")
 
 _CALL_S = 5.0  # bound on every blocking client call outside poll()
 _CLOSE_S = 15.0  # bound on leaving the group at a stop (close())
+_REBUILD_CLOSE_S = 5.0  # bound on closing a stalled client before its replacement starts
 
 #: kafka-python option (consumers.kafka_security.client_options) -> librdkafka property
 _SECURITY = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
@@ -105,7 +110,7 @@ def _timestamp(m):
     return ts if kind else -1   # TIMESTAMP_NOT_AVAILABLE is 0
 
 
-class ConfluentSource(Source):
+class ConfluentSource(Source, IntakeWatch):
     """Records of ``topic`` for consumer group ``group`` through librdkafka.
 
     ``consumer_config`` takes librdkafka properties (``"session.timeout.ms"``, ...), added to and
@@ -147,14 +152,38 @@ class ConfluentSource(Source):
             "stats_cb": self._stats, "error_cb": self._error,
             "logger": _RDLOG, **self._security}
         config.update(consumer_config or {})
-        self.consumer = ck.Consumer(config)
+        self._config = config
+        self._watch_init()
         #: what the start line names
         self.client_version = f"confluent-kafka {ck.version()[0]} (librdkafka {ck.libversion()[0]})"
-        self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_revoke)
+        self.consumer = self._subscribed()
+
+    def _subscribed(self):
+        consumer = self._ck.Consumer(self._config)
+        consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                           on_lost=self._on_revoke)
+        return consumer
+
+    def rebuild(self) -> None:
+        """Replace the client: close this one (bounded: a coordinator that does not answer
+        cannot hold the loop) and subscribe a new one, which joins the group again (the same
+        ``group.instance.id``: it takes the partitions back at once) and starts every partition
+        at the service's offsets (:meth:`_on_assign`). Records the old client had fetched but
+        not handed over are simply fetched again: nothing is counted twice or skipped."""
+        old, self.consumer = self.consumer, self._subscribed()
+        self.assigned.clear()
+        self._pending_seeks.clear()
+        self.assignment_changed = False
+        self.partial_assignment = None
+        # (its revocation, if the close runs late, is ignored: the callbacks act for the
+        # current client only)
+        self._close_bounded(old, _REBUILD_CLOSE_S)
+        self._quiet_from_now()
 
     # -- group callbacks (run inside consume()) -------------------------------------------------
     def _on_assign(self, consumer, partitions) -> None:
+        if consumer is not self.consumer:   # a replaced client (rebuild) still closing
+            return
         for tp in partitions:
             key = partition_key(tp.topic, tp.partition)
             self.assigned.add(key)
@@ -162,10 +191,22 @@ class ConfluentSource(Source):
             if key in self.start_offsets:
                 tp.offset = int(self.start_offsets[key])
         consumer.assign(partitions)
+        # a partition the service holds stays held in a new assignment (or a new client)
+        held = [tp for tp in partitions
+                if partition_key(tp.topic, tp.partition) in self.paused]
+        if held:
+            consumer.pause(held)
         self.assignment_changed = True
+        self._quiet_from_now()
         log.info("assigned partitions: %s", sorted(self.assigned))
 
     def _on_revoke(self, consumer, partitions) -> None:
+        if consumer is not self.consumer:   # a replaced client (rebuild) still closing
+            try:
+                consumer.unassign()
+            except Exception:
+                pass
+            return
         gone = {partition_key(tp.topic, tp.partition) for tp in partitions}
         self.assigned -= gone
         for key in gone:
@@ -221,17 +262,22 @@ class ConfluentSource(Source):
             self.seek_partition(key, offset)
 
     def pause(self, keys) -> None:
+        keys = list(keys)
+        self.paused.update(keys)
         tps = [self._tp(k) for k in keys if k in self.assigned]
         if tps:
             self.consumer.pause(tps)
 
     def resume(self, keys) -> None:
+        keys = list(keys)
+        self.paused.difference_update(keys)
         tps = [self._tp(k) for k in keys if k in self.assigned]
         if tps:
             self.consumer.resume(tps)
 
     # -- records --------------------------------------------------------------------------------
     def poll(self, timeout_s: float = 1.0) -> list[Segment]:
+        self._polling()
         if self._pending_seeks:
             self._retry_seeks()
         msgs = self.consumer.consume(num_messages=self.max_records, timeout=timeout_s)
@@ -242,6 +288,7 @@ class ConfluentSource(Source):
         if not msgs:
             return []
         self._brokers_up = True
+        self._delivered()
         by_part: dict[int, list] = {}
         for m in msgs:
             if m.error() is not None:
@@ -340,6 +387,11 @@ class ConfluentSource(Source):
         except Exception:
             return False
 
+    def client_positions(self, keys) -> dict[str, int]:
+        """librdkafka's application position in each of ``keys`` (where it has one)."""
+        return {partition_key(tp.topic, tp.partition): int(tp.offset)
+                for tp in self.consumer.position([self._tp(k) for k in keys]) if tp.offset >= 0}
+
     def _committed(self) -> list:
         return self.consumer.committed([self._tp(k) for k in self._keys()], timeout=_CALL_S)
 
@@ -431,16 +483,22 @@ class ConfluentSource(Source):
         that does not answer (seen after a clean broker restart; librdkafka#3740), and a stop
         must not hang on it. Nothing durable depends on the close (the checkpoint holds the
         offsets); past the bound the broker expires the membership itself."""
+        if not self._close_bounded(self.consumer, _CLOSE_S):
+            log.warning("the Kafka consumer did not leave group %r within %g s (its group "
+                        "coordinator did not answer); stopping without it: the broker drops the "
+                        "membership after its session timeout", self.group, _CLOSE_S)
+
+    @staticmethod
+    def _close_bounded(consumer, bound_s: float) -> bool:
+        """Close ``consumer`` on a thread of its own, waiting at most ``bound_s`` (False: it
+        was still closing)."""
         def leave() -> None:
             try:
-                self.consumer.close()
+                consumer.close()
             except Exception as exc:
                 log.debug("close: %s", type(exc).__name__)
 
         closing = threading.Thread(target=leave, name="panagg-confluent-close", daemon=True)
         closing.start()
-        closing.join(_CLOSE_S)
-        if closing.is_alive():
-            log.warning("the Kafka consumer did not leave group %r within %g s (its group "
-                        "coordinator did not answer); stopping without it: the broker drops the "
-                        "membership after its session timeout", self.group, _CLOSE_S)
+        closing.join(bound_s)
+        return not closing.is_alive()

@@ -20,8 +20,8 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from ..base import Segment, Source
 from ..kafka_security import KafkaConnectError, SecurityError, client_options, diagnose_connect
 from . import compat
-from .common import (PartialAssignment, RecordColumn, partial_assignment_error, partition_key,
-                     replay_problem)
+from .common import (IntakeWatch, PartialAssignment, RecordColumn, partial_assignment_error,
+                     partition_key, replay_problem)
 
 __all__ = ["KafkaSource", "PartialAssignment", "partition_key", "parse_partition_key"]
 
@@ -69,13 +69,17 @@ class _SeekOnAssign(ConsumerRebalanceListener):
             # must continue where the counters are, or it would count records twice
             if key in self.source.start_offsets:
                 self.source.consumer.seek(tp, self.source.start_offsets[key])
+            # a partition the service holds stays held in a new assignment (or a new client)
+            if key in self.source.paused:
+                self.source.consumer.pause(tp)
+        self.source._quiet_from_now()
         # the ownership check needs metadata, a blocking call: not allowed in this IO-thread
         # callback, so poll() does it
         self.source.assignment_changed = True
         log.info("assigned partitions: %s", sorted(self.source.assigned))
 
 
-class KafkaSource(Source):
+class KafkaSource(Source, IntakeWatch):
     """Records of ``topic`` for consumer group ``group``.
 
     Parameters
@@ -125,14 +129,42 @@ class KafkaSource(Source):
             raise KafkaConnectError(str(exc)) from None
         config.update(self.security_options)
         config.update(consumer_config or {})
-        with diagnose_connect(security, bootstrap):
-            self.consumer = KafkaConsumer(**config)
+        self._config, self._security = config, security
+        self._watch_init()
+        self.consumer = self._subscribed()
+
+    def _subscribed(self) -> KafkaConsumer:
+        with diagnose_connect(self._security, self.bootstrap):
+            consumer = KafkaConsumer(**self._config)
         try:
-            compat.check_consumer(self.consumer)
+            compat.check_consumer(consumer)
         except compat.KafkaPythonIncompatible as exc:
-            self.consumer.close(autocommit=False)
+            consumer.close(autocommit=False)
             raise KafkaConnectError(str(exc)) from None
-        self.consumer.subscribe([topic], listener=_SeekOnAssign(self))
+        consumer.subscribe([self.topic], listener=_SeekOnAssign(self))
+        return consumer
+
+    def rebuild(self) -> None:
+        """Replace the client: close this one (bounded) and subscribe a new one, which joins
+        the group again and seeks every partition to the service's offsets on its assignment
+        (:class:`_SeekOnAssign`). Records the old client had fetched but not handed over are
+        fetched again: nothing is counted twice or skipped."""
+        try:
+            new = self._subscribed()
+        except Exception as exc:   # (the broker answered a moment ago; try again later)
+            log.warning("the stalled Kafka consumer could not be replaced (%s); trying again "
+                        "after source.stall_timeout_s", type(exc).__name__)
+            self._quiet_from_now()
+            return
+        old, self.consumer = self.consumer, new
+        try:
+            old.close(autocommit=False, timeout_ms=_CALL_MS)
+        except Exception as exc:
+            log.debug("close: %s", type(exc).__name__)
+        self.assigned.clear()
+        self.assignment_changed = False
+        self.partial_assignment = None
+        self._quiet_from_now()
 
     def seek(self, offsets: dict[str, int]) -> None:
         # keep the caller's dict itself: the service updates it as it counts, so every later
@@ -143,6 +175,7 @@ class KafkaSource(Source):
                 self.consumer.seek(parse_partition_key(key), self.start_offsets[key])
 
     def poll(self, timeout_s: float = 1.0) -> list[Segment]:
+        self._polling()
         compat.unpark(self.consumer)
         try:
             polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000),
@@ -173,6 +206,8 @@ class KafkaSource(Source):
                                         RecordColumn(records, _KEY),
                                         RecordColumn(records, _HEADERS),
                                         RecordColumn(records, _TIMESTAMP)))
+        if segments:
+            self._delivered()
         return segments
 
     def initial_offsets(self, start) -> dict[str, int] | None:
@@ -201,9 +236,13 @@ class KafkaSource(Source):
             log.info("partition %s left the assignment before its seek", key)
 
     def pause(self, keys) -> None:
+        keys = list(keys)
+        self.paused.update(keys)
         self._each(self.consumer.pause, keys)
 
     def resume(self, keys) -> None:
+        keys = list(keys)
+        self.paused.difference_update(keys)
         self._each(self.consumer.resume, keys)
 
     def _each(self, method, keys) -> None:
@@ -246,6 +285,15 @@ class KafkaSource(Source):
             return all(self.consumer.position(tp) >= ends[tp] for tp in tps)
         except Exception:
             return False
+
+    def client_positions(self, keys) -> dict[str, int]:
+        """The consumer's fetch position in each of ``keys`` (bounded wait where unknown)."""
+        out = {}
+        for key in keys:
+            pos = self.consumer.position(parse_partition_key(key), timeout_ms=1000)
+            if pos is not None:
+                out[key] = int(pos)
+        return out
 
     def committed_offsets(self) -> dict[str, int]:
         """The group's committed offsets for the topic's partitions (empty: none)."""

@@ -4,7 +4,10 @@ one-process loop wires one).
 Each turn of the consume loop ends with :meth:`LoopHealth.turned`: the /healthz heartbeat, the
 progress line (once a minute), the reject log's flush and /ready (not ready while the broker is
 unreachable or dead letters are not acknowledged). Every 5 s :meth:`LoopHealth.update_lag` reads
-the consumer lag and the broker's state. When ``ledger.budget_total`` (or the user unit's
+the consumer lag and the broker's state, and :meth:`LoopHealth.watch_intake` looks for an intake
+stall: a Kafka consumer that holds partitions with records waiting and delivered none for
+``source.stall_timeout_s`` is said once, makes /ready 503 and is rebuilt (it resumes at the
+service's offsets) until records arrive again. When ``ledger.budget_total`` (or the user unit's
 ``ledger.budget_per_user``) leaves less than one window's epsilon,
 :meth:`LoopHealth.intake_paused` says so (once, then every 10 minutes) and intake pauses.
 
@@ -54,7 +57,7 @@ class LoopHealth:
 
     def __init__(self, metrics: Metrics, source, ledger: Ledger, epsilon: float, *,
                  positions: Callable[[], dict[str, int]], reject_log: RejectLog,
-                 dead_letters=None, user_budget=None):
+                 dead_letters=None, user_budget=None, stall_timeout_s: float = 0.0):
         self.metrics, self.source, self.ledger, self.epsilon = metrics, source, ledger, epsilon
         self.positions, self.reject_log, self.dead_letters = positions, reject_log, dead_letters
         self.progress_every_s = self.PROGRESS_EVERY_S
@@ -66,6 +69,10 @@ class LoopHealth:
         self._progress_events = 0.0
         #: the user unit's per-user budget (:mod:`..user_budget`), or None
         self.user_budget = user_budget
+        #: ``source.stall_timeout_s`` (0: no stall watch)
+        self.stall_timeout_s = float(stall_timeout_s)
+        #: since when intake is stalled (monotonic s; None: it is not)
+        self.stalled_since: float | None = None
 
     def update_lag(self, now: bool = False) -> None:
         """Lag and broker state every 5 s (``now``: at once, from the broker's end offsets, for
@@ -91,6 +98,36 @@ class LoopHealth:
         lag = self.source.lag(self.positions())
         for part, value in (lag or {}).items():
             self.metrics.lag.labels(partition=part).set(value)
+        self.watch_intake()
+
+    def watch_intake(self) -> None:
+        """An intake stall (module docstring): said once per stall (no count, no offset in the
+        line), /ready 503 meanwhile (:meth:`turned`), each rebuild counted in
+        ``panagg_consumer_rebuilds_total``. Only for a source with ``stalled`` and ``rebuild``
+        (the Kafka backends, consumers/kafka/common.py); not during a broker outage (reported
+        as one) or a budget pause (nothing is polled)."""
+        source = self.source
+        stalled, rebuild = getattr(source, "stalled", None), getattr(source, "rebuild", None)
+        if not self.stall_timeout_s or stalled is None or rebuild is None:
+            return
+        if self.stalled_since is not None and source.delivered_at > self.stalled_since:
+            log.info("Kafka intake resumed: records arrive again (stalled %.0f s)",
+                     time.monotonic() - self.stalled_since)
+            self.stalled_since = None
+        if self.connected is False or self._pause_logged is not None:
+            return
+        if not stalled(self.positions(), self.stall_timeout_s):
+            return
+        now = time.monotonic()
+        if self.stalled_since is None:
+            self.stalled_since = now
+            log.warning("Kafka intake stalled: the consumer holds partitions with records "
+                        "waiting but delivered none for %g s (source.stall_timeout_s); "
+                        "rebuilding it; the new one resumes at the counted offsets (nothing "
+                        "is lost or counted twice)", self.stall_timeout_s)
+        self.metrics.consumer_rebuilds.inc()
+        self.metrics.set_ready(False, "Kafka intake stalled: rebuilding the consumer")
+        rebuild()
 
     def budget_exhausted(self) -> str | None:
         """The line to pause intake with, when ``ledger.budget_total`` (or, under the user unit,
@@ -156,6 +193,9 @@ class LoopHealth:
         self.reject_log.flush()
         if self.connected is False:
             self.metrics.set_ready(False, "Kafka broker unreachable")
+        elif self.stalled_since is not None:
+            self.metrics.set_ready(False, "Kafka intake stalled: records wait in assigned "
+                                   "partitions and none arrive; the consumer is being rebuilt")
         elif self.dead_letters is not None and self.dead_letters.outstanding > 10_000:
             self.metrics.set_ready(False, "dead letters are not being acknowledged")
         else:
