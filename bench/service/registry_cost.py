@@ -17,7 +17,6 @@ consumer group, so the latencies with and without compare in one run.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import threading
