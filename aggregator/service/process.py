@@ -35,39 +35,37 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from consumers.base import Segment, Source
 from consumers.decode import Decoder, ItemSpec
-from state_store.audit import load_key, write_export
-from state_store.failpoints import under_tests
-from state_store.local import LocalStore
 
-from ..state import PanPrivateHistogram
 from .accuracy_plan import StartPlan
-from .deadletter import DeadLetters, service_producer
+from .deadletter import DeadLetters
 from .errors import ServiceError, Stopping
 from .event_time import EventTimeWindows
 from .intake_gap import IntakeGap
-from .next_state import NextState
 from .identity import choose_buckets_for, identity_of
 from .ledger import Ledger, LedgerError
 from .metrics import Metrics
 from .rejects import RejectLog, RejectWatch
 from .release_gate import ReleaseGate
-from .rollup_closer import RollupCloser, ledgered_unpublished_rollups
+from .rollup_closer import RollupCloser
 from .settings import Config
 from .user_budget import UserBudget
-from .user_window import NO_EXPORT, is_user, new_user_state, user_cells
-from .stages.checkpoint import Checkpoints
+from .user_window import is_user, user_cells
+from .stages.caught_up import catch_up, idle_can_count
+from .stages.checkpoint import Checkpoints, log_stop
 from .stages.close import Closer
 from .stages.control import ControlRequests
+from .stages.export import AuditExports
+from .stages.fresh_state import FreshStates
 from .stages.health import LoopHealth
 from .stages.intake import Intake
+from .stages.producer import SharedProducer
 from .stages.registries import BudgetRegistries
 from .stages.publish import PublishStep
 from .stages.release import ReleaseStep, release_method
 from .stages.resume import Resume
+from .stages.start import Start
 from .stages.start_checks import StartChecks, keep_processing_time, save_effective_config
 from .stages.windows import WindowAssigner
 from .stages.state_dir import claim_directory, remove_created, service_running
@@ -99,7 +97,7 @@ class Aggregator:
 
     #: the stages that read the source (a later assignment of ``source`` reaches each)
     _SOURCE_STAGES = ("checks", "registries", "intake", "health", "checkpoints", "assigner",
-                      "resume")
+                      "resume", "starting")
 
     @property
     def source(self) -> Source:
@@ -132,7 +130,10 @@ class Aggregator:
         self.direct = st.mode == "direct" and not self.user
         self.size = (user_cells(cfg) if self.user else int(st.domain_size) if self.direct
                      else choose_buckets_for(cfg))
-        self._next_state = NextState(self._draw_state, size=self.size)  # drawn beside the loop
+        #: each window's fresh state, drawn beside the loop, and the noise's rng
+        self.states = FreshStates(cfg, epsilon=self.epsilon, size=self.size, direct=self.direct,
+                                  user=self.user, worker=lambda: self.worker)
+        self._rng, self._new_state = self.states.rng, self.states.take
         src = cfg.source
         self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
                                max_message_bytes=src.max_message_bytes,
@@ -161,7 +162,8 @@ class Aggregator:
                                                epsilon=self.epsilon)
         self.cfg = cfg = keep_processing_time(cfg, self.ledger, self.dir)
         #: the lineage checks of a start (:mod:`.stages.start_checks`)
-        self.checks = StartChecks(cfg, self.ledger, self.dir, source, append=self._start_append,
+        self.checks = StartChecks(cfg, self.ledger, self.dir, source,
+                                  append=lambda **e: self._ledger_append(**e),
                                   accept_change=accept_change, fresh_start=fresh_start,
                                   same_records_as=same_records_as, anchor_name=self.anchor_name)
         #: the budget registry of the source, attached to the gate (:mod:`.stages.registries`)
@@ -187,19 +189,12 @@ class Aggregator:
         #: panagg release / export asking the running loop (:mod:`.stages.control`)
         self.requests = ControlRequests(self.control, export=lambda rid: self.export(rid),
                                         release=lambda: self.close_window())
-        #: ledger entries a start decided on, written only once every start check has passed
-        #: (a refused start writes nothing)
-        self._deferred: list[dict] | None = None
-        self._checked: list[dict] | None = None  # check_start passed: its ledger entries
-        seed = cfg.testing.noise_seed
-        self._seed = seed if seed >= 0 and under_tests() else None  # (test-only: settings.py)
-        self._producer = None
+        self.producer = SharedProducer(cfg)  #: made on first use
         topic = src.dead_letter_topic
         name = self.aggregation.name if self.aggregation else None
-        self.dead_letters = (DeadLetters(topic, self._kafka_producer, self.metrics, name)
+        self.dead_letters = (DeadLetters(topic, self.producer.get, self.metrics, name)
                              if topic else None)
         self.stop_event = threading.Event()
-        self._export_seq = 0
         self.reject_watch = RejectWatch(cfg)
         self.reject_log = RejectLog()
         self.intake_gap = IntakeGap()  # the longest stall of intake per window
@@ -219,7 +214,7 @@ class Aggregator:
                                        wait=lambda s: self.stop_event.wait(s))
         #: delivery of the ledgered releases (:mod:`.stages.publish`)
         self.publishing = PublishStep(cfg.release.dir, cfg.release.topic, self.ledger,
-                                      self.metrics, producer=self._kafka_producer,
+                                      self.metrics, producer=self.producer.get,
                                       save_pending=lambda task: self._save_pending(task),
                                       plot=cfg.release.plots)
         self.publisher = self.publishing.publisher
@@ -235,7 +230,7 @@ class Aggregator:
                              max_in_flight=int(cfg.release.max_in_flight),
                              new_state=lambda task, wid: self._new_state(task, wid),
                              commit=lambda task: self.commit(task),
-                             publish=lambda task: self._publish_pending(task),
+                             publish=lambda task: self.publishing.publish_pending(task),
                              worker=lambda: self.worker,
                              stopping=lambda: self.stop_event.is_set(), rollups=self.rollups)
         #: where the task resumes at a start (:mod:`.stages.resume`)
@@ -243,9 +238,24 @@ class Aggregator:
                              source, event_time=self.event_time,
                              new_state=lambda task, wid: self._new_state(task, wid),
                              rng=self._rng, append=lambda **e: self._ledger_append(**e),
-                             start_append=self._start_append, epsilon=self.epsilon,
+                             start_append=lambda **e: self._ledger_append(**e),
+                             epsilon=self.epsilon,
                              model=self.model, direct=self.direct, size=self.size,
                              fresh_start=fresh_start, directory=self.dir, group=cfg.source.group)
+        #: the start: every check, then the writes it decided (:mod:`.stages.start`)
+        self.starting = Start(self.ledger, self.checks, self.registries, self.resume,
+                              self.metrics, source, commit=lambda task: self.commit(task),
+                              rollups=self.rollups, directory=self.dir,
+                              release_dir=cfg.release.dir)
+        #: a ledger entry (held while a start checks: a refused start writes nothing)
+        self._ledger_append = self.starting.append
+        #: announced audit exports (:mod:`.stages.export`)
+        self.exports = AuditExports(
+            cfg.audit.key_file, Path(cfg.audit.dir or self.dir / "exports"), self.metrics,
+            model=self.model, user=self.user, event_time=self.event_time,
+            commit=lambda task, **kw: self.commit(task, **kw),
+            collect=lambda task: self.closer.collect(task, wait=True),
+            append=lambda **e: self._ledger_append(**e))
         #: the release worker (aggregator.service.release_worker): None releases in the loop;
         #: several aggregations share one (set before start)
         self.worker = None
@@ -256,28 +266,6 @@ class Aggregator:
         #: called once the start succeeded (the CLI leaves the metrics URL for panagg status)
         self.on_started = None
         self.metrics.epsilon.set(self.epsilon)
-
-    # -- noise sources -------------------------------------------------------------------------
-    def _rng(self, *tag):
-        """None (OS CSPRNG) in production; a deterministic generator only under PANAGG_TESTING."""
-        if self._seed is None:
-            return None
-        return np.random.default_rng([self._seed, *[int(t) for t in tag]])
-
-    def _new_state(self, task: WindowTask, window_id: int) -> PanPrivateHistogram:
-        """Window ``window_id``'s fresh state (drawn ahead, beside the loop: :mod:`.next_state`)."""
-        return self._next_state.take(window_id)
-
-    def _draw_state(self, window_id: int) -> PanPrivateHistogram:
-        if self.user:
-            return new_user_state(self.cfg, self._rng(0, window_id))  # type: ignore[return-value]
-        kwargs = {"size": self.size} if self.direct else {"buckets": self.size}
-        state = PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
-        worker = self.worker  # (this runs beside the loop: the worker may go meanwhile)
-        if worker is not None:
-            # its counters in a shared block of their own: the close hands over no copy
-            state = worker.house(state)
-        return state
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
@@ -298,56 +286,13 @@ class Aggregator:
         save_effective_config(self.dir, self.cfg)
 
     def check_start(self) -> None:
-        """Every check of a start, before anything is written; the ledger entries they make
-        wait for :meth:`restore`. (Several aggregations run all their checks before any of them
-        writes: one refused refuses the start, which then wrote nothing.)"""
-        task = self.task
-        task.store = LocalStore(self.dir / "checkpoints")
-        self._deferred = []
-        try:
-            self.registries.prepare_file()
-            self.checks.check_anchors(task.store.load_latest())
-            self.checks.check_identity()
-            self.restore_task(task, where=str(task.store.dir), commit=False)
-            self.registries.carry_renamed_file(task)
-            self.checks.check_replayable(task.offsets)
-            self._checked, self._deferred = self._deferred, None
-        except BaseException:
-            self._deferred = None
-            raise
+        """Every check of a start, before anything is written (:meth:`.Start.check`)."""
+        self.starting.check(self.task)
 
     def restore(self) -> None:
-        """Load the checkpoint (or start the first window) and seek the source there. Every
-        check runs before anything is written: a refused start leaves the directory as it was."""
-        if self._checked is None:
-            self.check_start()
-        task = self.task
-        deferred, self._checked = self._checked, None
-        for entry in deferred:
-            self._ledger_append(**entry)
-        moved = task.durable is None or task.durable.window.get("uid") != task.window.get("uid")
-        if moved and not task.queue and task.close_at is None:
-            self.commit(task)  # from now on a missing checkpoint is a lost one
-        self.source.seek(task.offsets)
-        # the totals of the checkpoint, then every record after it once: exact after restarts
-        self.metrics.events.inc(task.totals["events"])
-        for reason, count in task.totals["rejects"].items():
-            self.metrics.decode_errors.labels(reason=reason).inc(count)
-        self.metrics.filtered.inc(task.totals.get("filtered", 0))
-        self.metrics.window_id.set(task.window["id"])
-        self.metrics.window_events.set(task.window["events"])
-        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
-        # a rollup ledgered but not yet published is published from the ledger; views kept
-        # before a stop are folded (each once)
-        ledgered_unpublished_rollups(self.ledger, self.cfg.release.dir, task.pending)
-        if self.rollups is not None:
-            self.rollups.fold(task.pending)
-
-    def restore_task(self, task: WindowTask, *, where: str, commit: bool = True) -> None:
-        """Resume ``task`` from its latest checkpoint (:meth:`.Resume.restore_task`);
-        ``commit=False``: the caller commits once its checks pass."""
-        if self.resume.restore_task(task, where=where) and commit:
-            self.commit(task)  # from now on a missing checkpoint is a lost one
+        """Load the checkpoint (or start the first window) and seek the source there, every
+        check first: a refused start leaves the directory as it was (:meth:`.Start.restore`)."""
+        self.starting.restore(self.task)
 
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
@@ -403,7 +348,7 @@ class Aggregator:
             from .release_worker import ReleaseWorker
             self.worker = ReleaseWorker(int(self.cfg.release.workers))
             self._owns_worker = True
-        self._ledger_composition()
+        self.starting.ledger_composition(self.task)
         w = self.cfg.window
         if w.auto_event_time:
             log.info("time windows of %g s by the records' Kafka timestamps (window.clock = "
@@ -414,14 +359,7 @@ class Aggregator:
         budget_line = self.gate.user_budget_line()
         if budget_line:
             log.info("%s", budget_line)
-        self._publish_pending(self.task)
-
-    def _ledger_composition(self) -> None:
-        """With several aggregations: the set this one is part of, in its ledger, whenever it
-        differs from the last one recorded (:meth:`.StartChecks.composition_entry`)."""
-        entry = self.checks.composition_entry(self.task.window["id"])
-        if entry is not None:
-            self._ledger_append(**entry)
+        self.publishing.publish_pending(self.task)
 
     def turn(self, segments) -> None:
         """Count one poll's segments, then the turn's housekeeping."""
@@ -442,12 +380,12 @@ class Aggregator:
             self.event_time.turn(self.task)
         self._maybe_snapshot(self.task)
         if self.task.inflight:
-            self._collect_releases(self.task)
+            self.closer.collect(self.task)
         if self.rollups is not None and self.rollups.jobs:
             self.rollups.collect(self.task.pending)
         self.requests.serve()
         if self.task.pending:
-            self._publish_pending(self.task)
+            self.publishing.publish_pending(self.task)
         self.health.update_lag()
         self.health.turned()
 
@@ -463,12 +401,12 @@ class Aggregator:
     def finish(self) -> None:
         """Publish what is pending; a run must not end looking successful if it could not."""
         if self.task.inflight:  # a finite run's last windows: wait for their releases
-            self._collect_releases(self.task, wait=True)
+            self.closer.collect(self.task, wait=True)
         if self.rollups is not None and self.rollups.jobs:
             self.rollups.collect(self.task.pending, wait=True)
         if self.task.pending:
             self.publisher.retry_now(wait_s=10.0)
-            self._publish_pending(self.task)
+            self.publishing.publish_pending(self.task)
         if self.task.pending:
             raise ServiceError(
                 f"{len(self.task.pending)} release(s) could not be published "
@@ -476,58 +414,21 @@ class Aggregator:
                 "published at the next start once the cause is fixed")
 
     def idle_can_count(self) -> bool:
-        """Whether a turn without records counts towards --exit-when-idle: not before the
-        consumer group has assigned this process partitions and it has read them to their end
-        (a rebalance or a slow first fetch is not an idle stream)."""
-        assigned = getattr(self.source, "assigned", None)
-        if assigned is None:  # file and generator sources
-            return True
-        if not assigned:
-            return False
-        probe = getattr(self.source, "caught_up", None)
-        # partitions waiting at a later event-time window are held there, not behind
-        return probe is None or bool(probe(sorted(set(assigned) - set(self.intake.held)))) \
-            if set(assigned) - set(self.intake.held) else True
+        """Whether a turn without records counts towards --exit-when-idle (:mod:`.stages.
+        caught_up`)."""
+        return idle_can_count(self.source, self.intake.held)
 
     def _stop_line(self, reason: str | None = None) -> None:
         """What a restart will find: the last checkpoint and what is replayed from it."""
-        task = getattr(self, "task", None)
-        win = getattr(task, "window", None) or {}
-        durable = getattr(task, "durable", None)
-        reason = reason or ("stop requested" if self.stop_event.is_set() else "input ended or idle")
-        if not win:
-            log.info("stopped (%s)", reason)
-            return
-        where = ""
-        if durable is not None:
-            where = (f" (checkpoint {durable.seq}, at offsets "
-                     f"{', '.join(f'{k}: {v}' for k, v in sorted(durable.offsets.items()))})")
-        log.info("stopped (%s): window %s open with %s events; the last checkpoint holds its "
-                 "start%s, so the next start replays it from the source", reason, win.get("id"),
-                 f"{int(win.get('events', 0)):,}", where)
+        log_stop(getattr(self, "task", None), reason or (
+            "stop requested" if self.stop_event.is_set() else "input ended or idle"))
 
     def catch_up(self, timeout_s: float = 120.0) -> None:
-        """Count what the source holds now (the open window's replay, then anything newer),
-        for offline commands that act on the window of a stopped service."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            segments = self.source.poll(0.5)
-            for seg in segments:
-                self._ingest(seg)
-            self._maybe_snapshot(self.task)  # the same public schedule as the live loop
-            if segments:
-                continue
-            if self.source.exhausted:
-                return
-            probe = getattr(self.source, "caught_up", None)
-            held = self.intake.held
-            assigned = sorted(set(getattr(self.source, "assigned", ()) or ()) - held)
-            if probe is None or (assigned and probe(assigned)) or (held and not assigned):
-                return  # (partitions held at a later event-time window are not behind)
-            if time.monotonic() > deadline:
-                raise ServiceError(f"could not replay the open window from the source within "
-                                   f"{timeout_s:.0f} s; is the broker at "
-                                   f"{self.cfg.source.bootstrap} reachable?")
+        """Count what the source holds now, for offline commands that act on the window of a
+        stopped service (:func:`.stages.caught_up.catch_up`)."""
+        catch_up(self.source, lambda: self.intake.held, ingest=self._ingest,
+                 snapshot=lambda: self._maybe_snapshot(self.task),
+                 bootstrap=self.cfg.source.bootstrap, timeout_s=timeout_s)
 
     def close(self) -> None:
         if self.gate.registry is not None:
@@ -539,13 +440,7 @@ class Aggregator:
             self.worker = None
         if self.dead_letters is not None:
             self.dead_letters.close()
-        if self._producer is not None:
-            try:
-                self._producer.flush(timeout=5)
-                self._producer.close(timeout=5)
-            except Exception:
-                pass
-            self._producer = None
+        self.producer.close()
         self.source.close()
         if self._lock_file is not None:
             self._lock_file.close()
@@ -560,11 +455,6 @@ class Aggregator:
             return
         items, good, rejected = self.intake.decode(seg)
         self.intake.count_segment(self.task, seg, items, good, rejected, self.close_window)
-
-    def _kafka_producer(self):
-        if self._producer is None:
-            self._producer = service_producer(self.cfg)
-        return self._producer
 
     def _maybe_snapshot(self, task: WindowTask) -> None:
         """A layered snapshot checkpoint when one is due (:meth:`.WindowAssigner.snapshot_due`)."""
@@ -597,60 +487,11 @@ class Aggregator:
         self.metrics.intake_stall.set(self.intake_gap.take())
         return self.closer.close(self.task)
 
-    def _collect_releases(self, task: WindowTask, *, wait: bool = False) -> int:
-        """Ledger, checkpoint and publish the worker's finished releases (:meth:`.Closer.
-        collect`)."""
-        return self.closer.collect(task, wait=wait)
-
-    def _publish_pending(self, task: WindowTask) -> None:
-        """Deliver ``task``'s ledgered releases (:meth:`.PublishStep.publish_pending`)."""
-        self.publishing.publish_pending(task)
-
     # -- announced audit exports and control requests ------------------------------------------
     def export(self, export_id: str | None = None) -> Path:
-        """Signed snapshot for auditors, with fresh layers just before and just after it."""
-        if self.user:
-            raise ServiceError(NO_EXPORT)
-        key = load_key(self.cfg.audit.key_file or None)
-        if self.event_time.second is not None and self.event_time.second.events:
-            raise ServiceError(
-                f"an audit export while two event-time windows are live is not built (window "
-                f"{self.task.window['id']} is open within window.allowed_lateness_s while the "
-                "next one counts already); request it again once that window has closed")
-        if self.task.inflight:  # the export's checkpoint holds no list of unreleased windows
-            self._collect_releases(self.task, wait=True)
-        self._export_seq += 1
-        export_id = export_id or f"{int(time.time())}-{self.task.window['id']}-{self._export_seq}"
-        return self._export_task(self.task, export_id, key)
-
-    def _export_task(self, task: WindowTask, export_id: str, key: bytes) -> Path:
-        """Export ``task``'s state: the layered snapshot of a checkpoint (so a restart resumes
-        from it instead of drawing noise the export did not see), ledgered, then signed."""
-        snapshot = self.commit(task, snapshot=True, tag=(1000 + self._export_seq,))
-        self._ledger_append(entry_id=f"export-{export_id}", kind="export",
-                            window=task.window["id"], window_uid=task.window["uid"],
-                            epsilon_spent=0.0, model=self.model,
-                            note="announced export; fresh DLap layers before and after")
-        out_dir = Path(self.cfg.audit.dir or self.dir / "exports")
-        path = write_export(out_dir / f"export-{export_id}.panagg", state=snapshot,
-                            window=task.window, offsets=task.offsets, export_id=export_id, key=key)
-        self.metrics.exports.inc()
-        log.info("audit export %s written to %s", export_id, path)
-        return path
-
-    def _ledger_append(self, **entry) -> None:
-        if self._deferred is not None:  # a start still checking: written once all checks pass
-            self._deferred.append(entry)
-            return
-        self.ledger.append(**entry)
-
-    def _start_append(self, **entry) -> None:
-        """An entry of the start's checks (identity, fresh start): deferred while a start is
-        checking, else written directly (scale-out holds the group's lock around its start)."""
-        if self._deferred is not None:
-            self._deferred.append(entry)
-        else:
-            self.ledger.append(**entry)
+        """Signed snapshot for auditors, with fresh layers just before and just after it
+        (:meth:`.AuditExports.export`)."""
+        return self.exports.export(self.task, export_id)
 
     def paused_for_budget(self, poll_timeout_s: float, finite: bool) -> bool:
         """True while intake is paused for the spent budget (:meth:`.LoopHealth.intake_paused`):
