@@ -10,23 +10,16 @@ an event; it costs a replay of at most one window (or one snapshot interval), an
 retain that much (checked at start for Kafka time windows; a window the source no longer holds
 stops the service with one line).
 
-Windows. Tumbling, by event count or processing time; each window starts a fresh state with fresh
-noise and a random uid. Closing a window: the ledger is consulted (budget) before any release
-noise is drawn; the release is computed once and ledgered *with its document* before the
-checkpoint that starts the next window; publishing happens from that document. A window the
-ledger already holds (a crash after the ledger entry, or a restored older checkpoint) is
-re-published from the ledgered document, never computed again.
+Windows are tumbling (by count, processing time or event time), each with fresh noise
+(:mod:`.stages.windows`). A window's release is ledgered *with its document* before the
+checkpoint that starts the next window, and published from that document (:mod:`.stages.close`);
+a window the ledger already holds is re-published from it, never computed again
+(:mod:`.stages.release`).
 
-:class:`Aggregator` wires the stages of :mod:`.stages` (one concern a module: the start's
-checks, resuming a task, intake, the window assigner, the checkpoint sequence, release,
-publishing, control requests, health) and runs the loop: start, then per poll a turn
-(count, then housekeeping), then the input's end and finish. The checkpoint commit is one
-numbered sequence (:class:`.stages.checkpoint.Checkpoints`):
-
-1. dead letters of every record before the new offsets are acknowledged by the broker;
-2. (snapshot only) a fresh noise layer on the live counters, the snapshot, another fresh layer;
-3. the checkpoint is written atomically (temp file, fsync, rename, directory fsync);
-4. the offsets go to the Kafka group, for lag monitoring only.
+:class:`Aggregator` wires the stages of :mod:`.stages`, one concern a module (the start and its
+checks, resuming a task, fresh states, intake, the window assigner, the checkpoint sequence,
+release, publishing, exports, control requests, health), and runs the loop: start, then per
+poll a turn (count, then housekeeping), then the input's end and finish.
 """
 from __future__ import annotations
 
@@ -36,14 +29,13 @@ import time
 from pathlib import Path
 
 from consumers.base import Segment, Source
-from consumers.decode import Decoder, ItemSpec
 
 from .accuracy_plan import StartPlan
 from .deadletter import DeadLetters
 from .errors import ServiceError, Stopping
 from .event_time import EventTimeWindows
 from .intake_gap import IntakeGap
-from .identity import choose_buckets_for, identity_of
+from .identity import identity_of
 from .ledger import Ledger, LedgerError
 from .metrics import Metrics
 from .rejects import RejectLog, RejectWatch
@@ -51,7 +43,6 @@ from .release_gate import ReleaseGate
 from .rollup_closer import RollupCloser
 from .settings import Config
 from .user_budget import UserBudget
-from .user_window import is_user, user_cells
 from .stages.caught_up import catch_up, idle_can_count
 from .stages.checkpoint import Checkpoints, log_stop
 from .stages.close import Closer
@@ -59,7 +50,7 @@ from .stages.control import ControlRequests
 from .stages.export import AuditExports
 from .stages.fresh_state import FreshStates
 from .stages.health import LoopHealth
-from .stages.intake import Intake
+from .stages.intake import Intake, decoder_for
 from .stages.producer import SharedProducer
 from .stages.registries import BudgetRegistries
 from .stages.publish import PublishStep
@@ -68,7 +59,7 @@ from .stages.resume import Resume
 from .stages.start import Start
 from .stages.start_checks import StartChecks, keep_processing_time, save_effective_config
 from .stages.windows import WindowAssigner
-from .stages.state_dir import claim_directory, remove_created, service_running
+from .stages.state_dir import DirectoryClaim, service_running
 from .window import WindowTask
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
@@ -123,25 +114,15 @@ class Aggregator:
         self.source = source
         self.metrics = metrics or Metrics()
         st = cfg.state
-        self.epsilon = float(st.epsilon)
-        self.model, self.loss = st.model, st.loss
-        #: state.privacy_unit = user: a density state per window (:mod:`.user_window`)
-        self.user = is_user(cfg)
-        self.direct = st.mode == "direct" and not self.user
-        self.size = (user_cells(cfg) if self.user else int(st.domain_size) if self.direct
-                     else choose_buckets_for(cfg))
-        #: each window's fresh state, drawn beside the loop, and the noise's rng
-        self.states = FreshStates(cfg, epsilon=self.epsilon, size=self.size, direct=self.direct,
-                                  user=self.user, worker=lambda: self.worker)
+        self.epsilon, self.model, self.loss = float(st.epsilon), st.model, st.loss
+        #: each window's fresh state, drawn beside the loop, and the noise's rng; user: a
+        #: density state per window (:mod:`.user_window`), direct: a dense domain
+        self.states = FreshStates(cfg, worker=lambda: self.worker)
+        self.user, self.direct, self.size = self.states.user, self.states.direct, self.states.size
         self._rng, self._new_state = self.states.rng, self.states.take
-        src = cfg.source
-        self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
-                               max_message_bytes=src.max_message_bytes,
-                               max_item_bytes=src.max_item_bytes,
-                               spec=ItemSpec.from_config(cfg.item))
+        self.decoder = decoder_for(cfg, self.size if self.direct else None)
         self.dir = Path(cfg.checkpoint.dir)
         self.fresh_start, self.accept_change = fresh_start, accept_change
-        self._lock_file = None
         self.task = WindowTask("all", None)
         #: a name for this aggregation in anchors and charges ("" when it is the only one)
         self.aggregation = cfg.aggregation
@@ -186,11 +167,14 @@ class Aggregator:
             annotate=self.releases.annotate, worker=lambda: self.worker) if spans else None
         self.releases.rollups = self.rollups
         self.control = self.dir / "control"
+        #: checkpoint.dir's lock; what a start made, removed if it is refused (:mod:`.stages.
+        #: state_dir`)
+        self.claim = DirectoryClaim(self.dir, self.control, self.dir / "checkpoints")
         #: panagg release / export asking the running loop (:mod:`.stages.control`)
         self.requests = ControlRequests(self.control, export=lambda rid: self.export(rid),
                                         release=lambda: self.close_window())
         self.producer = SharedProducer(cfg)  #: made on first use
-        topic = src.dead_letter_topic
+        topic = cfg.source.dead_letter_topic
         name = self.aggregation.name if self.aggregation else None
         self.dead_letters = (DeadLetters(topic, self.producer.get, self.metrics, name)
                              if topic else None)
@@ -269,16 +253,12 @@ class Aggregator:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _lock(self) -> None:
-        # what this start creates, removed again if the start is refused (it writes nothing)
-        self._created, self._lock_file = claim_directory(self.dir, self.control,
-                                                         self.dir / "checkpoints")
+        self.claim.claim()  # what this start creates is removed again if it is refused
         self.control.mkdir(exist_ok=True)
 
     def _remove_created(self) -> None:
-        """After a refused start (the lock released): remove what :meth:`_lock` created, so
-        that the directory is as it was (an empty new directory is removed too)."""
-        remove_created(getattr(self, "_created", []))
-        self._created = []
+        """After a refused start (the lock released): :meth:`.DirectoryClaim.remove_created`."""
+        self.claim.remove_created()
 
     def save_effective_config(self) -> None:
         """Keep the running config next to the checkpoints (:func:`.start_checks.
@@ -349,12 +329,7 @@ class Aggregator:
             self.worker = ReleaseWorker(int(self.cfg.release.workers))
             self._owns_worker = True
         self.starting.ledger_composition(self.task)
-        w = self.cfg.window
-        if w.auto_event_time:
-            log.info("time windows of %g s by the records' Kafka timestamps (window.clock = "
-                     "auto): an event lands in the window of its timestamp, after a broker "
-                     "outage too; window.clock = process windows by this process's clock",
-                     w.size)
+        self.assigner.log_clock()
         self.plan.start()
         budget_line = self.gate.user_budget_line()
         if budget_line:
@@ -442,9 +417,7 @@ class Aggregator:
             self.dead_letters.close()
         self.producer.close()
         self.source.close()
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
+        self.claim.release()
 
     # -- counting ------------------------------------------------------------------------------
     def _ingest(self, seg: Segment) -> None:

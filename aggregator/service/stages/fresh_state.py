@@ -2,8 +2,9 @@
 
 A window opens with a fresh pan-private state: every counter a DLap draw independent of every
 event (docs/privacy.md R1), so that memory read at any instant is eps-DP. What is drawn follows
-the state's settings: the dense counters of a direct domain, the hashed buckets otherwise, or
-the density state of ``state.privacy_unit = user`` (:mod:`..user_window`). With a release
+the state's settings: the dense counters of a direct domain (``state.domain_size``), the
+buckets of hashed items (:func:`..identity.choose_buckets_for`), or the density cells of
+``state.privacy_unit = user`` (:mod:`..user_window`). With a release
 worker the state's counters are moved into a shared block of their own
 (:meth:`..release_worker.ReleaseWorker.house`), so that its close hands the worker a name,
 not a copy. The draw runs beside the loop, one window ahead (:mod:`..next_state`): at 1e7
@@ -27,8 +28,9 @@ import numpy as np
 from state_store.failpoints import under_tests
 
 from ...state import PanPrivateHistogram
+from ..identity import choose_buckets_for
 from ..next_state import NextState
-from ..user_window import new_user_state
+from ..user_window import is_user, new_user_state, user_cells
 from ..window import WindowTask
 
 if TYPE_CHECKING:
@@ -43,21 +45,23 @@ class FreshStates:
     Parameters
     ----------
     cfg
-        The service's configuration (``state``, ``testing.noise_seed``).
-    epsilon, size, direct, user
-        The state's settings: counters (or buckets, or density cells) and their kind.
+        The service's configuration (``state``, ``testing.noise_seed``); from it ``user``
+        (a density state), ``direct`` (a dense domain) and ``size`` (counters, buckets or cells).
     worker
         ``worker()``: the release worker now (None: releases in the loop); asked at each draw,
         beside the loop, so a worker that goes meanwhile is not used.
     """
 
-    def __init__(self, cfg, *, epsilon: float, size: int, direct: bool, user: bool,
-                 worker: Callable[[], ReleaseWorker | None]):
-        self.cfg, self.epsilon, self.size = cfg, epsilon, size
-        self.direct, self.user, self.worker = direct, user, worker
+    def __init__(self, cfg, *, worker: Callable[[], ReleaseWorker | None]):
+        st = cfg.state
+        self.cfg, self.epsilon, self.worker = cfg, float(st.epsilon), worker
+        self.user = is_user(cfg)
+        self.direct = st.mode == "direct" and not self.user
+        self.size = (user_cells(cfg) if self.user else int(st.domain_size) if self.direct
+                     else choose_buckets_for(cfg))
         seed = cfg.testing.noise_seed
         self.seed = seed if seed >= 0 and under_tests() else None  # (test-only: settings.py)
-        self.ahead = NextState(self.draw, size=size)
+        self.ahead = NextState(self.draw, size=self.size)
 
     def rng(self, *tag) -> np.random.Generator | None:
         """None (OS CSPRNG) in production; a deterministic generator only under PANAGG_TESTING."""
