@@ -35,14 +35,10 @@ from .deadletter import DeadLetters
 from .errors import ServiceError, Stopping
 from .event_time import EventTimeWindows
 from .intake_gap import IntakeGap
-from .identity import identity_of
-from .ledger import Ledger, LedgerError
 from .metrics import Metrics
 from .rejects import RejectLog, RejectWatch
-from .release_gate import ReleaseGate
-from .rollup_closer import RollupCloser
 from .settings import Config
-from .user_budget import UserBudget
+from .stages.budget import open_budget
 from .stages.caught_up import catch_up, idle_can_count
 from .stages.checkpoint import Checkpoints, log_stop
 from .stages.close import Closer
@@ -52,14 +48,14 @@ from .stages.fresh_state import FreshStates
 from .stages.health import LoopHealth
 from .stages.intake import Intake, decoder_for
 from .stages.producer import SharedProducer
-from .stages.registries import BudgetRegistries
 from .stages.publish import PublishStep
-from .stages.release import ReleaseStep, release_method
+from .stages.registries import BudgetRegistries
+from .stages.release import ReleaseStep, release_method, rollups_for
 from .stages.resume import Resume
 from .stages.start import Start
 from .stages.start_checks import StartChecks, keep_processing_time, save_effective_config
-from .stages.windows import WindowAssigner
 from .stages.state_dir import DirectoryClaim, service_running
+from .stages.windows import WindowAssigner
 from .window import WindowTask
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
@@ -127,20 +123,9 @@ class Aggregator:
         #: a name for this aggregation in anchors and charges ("" when it is the only one)
         self.aggregation = cfg.aggregation
         self.anchor_name = self.aggregation.name if self.aggregation else ""
-        try:
-            self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=cfg.budget_per_window,
-                                 budget_total=cfg.ledger.budget_total or None,
-                                 budget_per_event=cfg.budget_per_event)
-        except LedgerError as exc:
-            raise ServiceError(str(exc)) from None
-        stream = identity_of(cfg)["stream"]
-        #: asks the ledger about the events a release covers (:mod:`.release_gate`)
-        self.gate = ReleaseGate(self.ledger, self.metrics, epsilon=self.epsilon, model=self.model,
-                                stream=stream, aggregation=self.anchor_name, directory=self.dir,
-                                parallel=self.aggregation.parallel if self.aggregation else None)
-        if self.user:  # any user may be in every window: the ledger bounds their sum
-            self.gate.user_budget = UserBudget(self.ledger, budget=cfg.ledger.budget_per_user,
-                                               epsilon=self.epsilon)
+        #: the privacy ledger, and the gate that asks it before any release noise
+        #: (:mod:`.stages.budget`)
+        self.ledger, self.gate = open_budget(cfg, self.dir, self.metrics, user=self.user)
         self.cfg = cfg = keep_processing_time(cfg, self.ledger, self.dir)
         #: the lineage checks of a start (:mod:`.stages.start_checks`)
         self.checks = StartChecks(cfg, self.ledger, self.dir, source,
@@ -155,16 +140,9 @@ class Aggregator:
         self.releases = ReleaseStep(cfg, self.ledger, self.gate, self.metrics,
                                     epsilon=self.epsilon, model=self.model, loss=self.loss,
                                     rng=self._rng)
-        from .config import rollup_spans
-        spans = rollup_spans(cfg)
         #: window.rollups (:mod:`.rollup_closer`; sums under dir/rollups), None without them
-        self.rollups = RollupCloser(
-            self.dir / "rollups", spans, ledger=self.ledger, metrics=self.metrics,
-            model=self.model, loss=self.loss, method=release_method(cfg),
-            error_bar_reps=int(cfg.release.error_bar_reps),
-            stream=stream, aggregation=self.anchor_name, base_kind=cfg.window.kind,
-            window_size=cfg.window.size,
-            annotate=self.releases.annotate, worker=lambda: self.worker) if spans else None
+        self.rollups = rollups_for(cfg, self.dir, self.gate, self.metrics,
+                                   annotate=self.releases.annotate, worker=lambda: self.worker)
         self.releases.rollups = self.rollups
         self.control = self.dir / "control"
         #: checkpoint.dir's lock; what a start made, removed if it is refused (:mod:`.stages.
@@ -219,12 +197,8 @@ class Aggregator:
                              stopping=lambda: self.stop_event.is_set(), rollups=self.rollups)
         #: where the task resumes at a start (:mod:`.stages.resume`)
         self.resume = Resume(self.ledger, self.checks, self.registries, self.gate, self.assigner,
-                             source, event_time=self.event_time,
-                             new_state=lambda task, wid: self._new_state(task, wid),
-                             rng=self._rng, append=lambda **e: self._ledger_append(**e),
-                             start_append=lambda **e: self._ledger_append(**e),
-                             epsilon=self.epsilon,
-                             model=self.model, direct=self.direct, size=self.size,
+                             source, event_time=self.event_time, states=self.states,
+                             append=lambda **e: self._ledger_append(**e), model=self.model,
                              fresh_start=fresh_start, directory=self.dir, group=cfg.source.group)
         #: the start: every check, then the writes it decided (:mod:`.stages.start`)
         self.starting = Start(self.ledger, self.checks, self.registries, self.resume,
@@ -379,14 +353,7 @@ class Aggregator:
             self.closer.collect(self.task, wait=True)
         if self.rollups is not None and self.rollups.jobs:
             self.rollups.collect(self.task.pending, wait=True)
-        if self.task.pending:
-            self.publisher.retry_now(wait_s=10.0)
-            self.publishing.publish_pending(self.task)
-        if self.task.pending:
-            raise ServiceError(
-                f"{len(self.task.pending)} release(s) could not be published "
-                f"({self.publisher.last_reason}); they stay in the checkpoint and are "
-                "published at the next start once the cause is fixed")
+        self.publishing.publish_last(self.task)
 
     def idle_can_count(self) -> bool:
         """Whether a turn without records counts towards --exit-when-idle (:mod:`.stages.
