@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
 from consumers.base import Segment, Source
@@ -39,7 +38,7 @@ from .metrics import Metrics
 from .rejects import RejectLog, RejectWatch
 from .settings import Config
 from .stages.budget import open_budget
-from .stages.caught_up import catch_up, idle_can_count
+from .stages.caught_up import IdleExit, catch_up, idle_can_count
 from .stages.checkpoint import Checkpoints, log_stop
 from .stages.close import Closer
 from .stages.control import ControlRequests
@@ -111,8 +110,7 @@ class Aggregator:
         self.metrics = metrics or Metrics()
         st = cfg.state
         self.epsilon, self.model, self.loss = float(st.epsilon), st.model, st.loss
-        #: each window's fresh state, drawn beside the loop, and the noise's rng; user: a
-        #: density state per window (:mod:`.user_window`), direct: a dense domain
+        #: each window's fresh state (user: a density state, direct: a dense domain) and the rng
         self.states = FreshStates(cfg, worker=lambda: self.worker)
         self.user, self.direct, self.size = self.states.user, self.states.direct, self.states.size
         self._rng, self._new_state = self.states.rng, self.states.take
@@ -123,8 +121,7 @@ class Aggregator:
         #: a name for this aggregation in anchors and charges ("" when it is the only one)
         self.aggregation = cfg.aggregation
         self.anchor_name = self.aggregation.name if self.aggregation else ""
-        #: the privacy ledger, and the gate that asks it before any release noise
-        #: (:mod:`.stages.budget`)
+        #: the privacy ledger and the gate asked before any release noise (:mod:`.stages.budget`)
         self.ledger, self.gate = open_budget(cfg, self.dir, self.metrics, user=self.user)
         self.cfg = cfg = keep_processing_time(cfg, self.ledger, self.dir)
         #: the lineage checks of a start (:mod:`.stages.start_checks`)
@@ -137,24 +134,22 @@ class Aggregator:
         #: the start's accuracy plan in the log (a thread simulates the expected errors)
         self.plan = StartPlan(cfg)
         #: close and release: in the loop or beside it (:mod:`.stages.release`)
-        self.releases = ReleaseStep(cfg, self.ledger, self.gate, self.metrics,
-                                    epsilon=self.epsilon, model=self.model, loss=self.loss,
-                                    rng=self._rng)
+        self.releases = ReleaseStep(cfg, self.ledger, self.gate, self.metrics, epsilon=self.epsilon,
+                                    model=self.model, loss=self.loss, rng=self._rng)
         #: window.rollups (:mod:`.rollup_closer`; sums under dir/rollups), None without them
         self.rollups = rollups_for(cfg, self.dir, self.gate, self.metrics,
                                    annotate=self.releases.annotate, worker=lambda: self.worker)
         self.releases.rollups = self.rollups
         self.control = self.dir / "control"
-        #: checkpoint.dir's lock; what a start made, removed if it is refused (:mod:`.stages.
-        #: state_dir`)
+        #: checkpoint.dir's lock, and what a refused start made (:mod:`.stages.state_dir`)
         self.claim = DirectoryClaim(self.dir, self.control, self.dir / "checkpoints")
         #: panagg release / export asking the running loop (:mod:`.stages.control`)
         self.requests = ControlRequests(self.control, export=lambda rid: self.export(rid),
                                         release=lambda: self.close_window())
         self.producer = SharedProducer(cfg)  #: made on first use
         topic = cfg.source.dead_letter_topic
-        name = self.aggregation.name if self.aggregation else None
-        self.dead_letters = (DeadLetters(topic, self.producer.get, self.metrics, name)
+        self.dead_letters = (DeadLetters(topic, self.producer.get, self.metrics,
+                                         self.aggregation.name if self.aggregation else None)
                              if topic else None)
         self.stop_event = threading.Event()
         self.reject_watch = RejectWatch(cfg)
@@ -171,14 +166,12 @@ class Aggregator:
                                  user_budget=self.gate.user_budget)
         #: the checkpoint sequence (:mod:`.stages.checkpoint`)
         self.checkpoints = Checkpoints(self.ledger, self.metrics, source, self.dir,
-                                       dead_letters=self.dead_letters,
-                                       anchor_name=self.anchor_name, rng=self._rng,
-                                       wait=lambda s: self.stop_event.wait(s))
+                                       dead_letters=self.dead_letters, anchor_name=self.anchor_name,
+                                       rng=self._rng, wait=lambda s: self.stop_event.wait(s))
         #: delivery of the ledgered releases (:mod:`.stages.publish`)
-        self.publishing = PublishStep(cfg.release.dir, cfg.release.topic, self.ledger,
-                                      self.metrics, producer=self.producer.get,
-                                      save_pending=lambda task: self._save_pending(task),
-                                      plot=cfg.release.plots)
+        self.publishing = PublishStep(cfg.release.dir, cfg.release.topic, self.ledger, self.metrics,
+                                      producer=self.producer.get, plot=cfg.release.plots,
+                                      save_pending=lambda task: self._save_pending(task))
         self.publisher = self.publishing.publisher
         #: event-time windows (window.kind = event_time; :mod:`.event_time`)
         self.event_time = EventTimeWindows(self)
@@ -186,12 +179,10 @@ class Aggregator:
         self.assigner = WindowAssigner(cfg, self.ledger, source, self.metrics,
                                       event_time=self.event_time)
         #: closing a window: release, next window, checkpoint (:mod:`.stages.close`)
-        self.closer = Closer(self.releases, self.gate, self.ledger, self.assigner,
-                             self.checkpoints, self.metrics, self.health,
-                             event_time=self.event_time,
+        self.closer = Closer(self.releases, self.gate, self.ledger, self.assigner, self.checkpoints,
+                             self.metrics, self.health, event_time=self.event_time,
                              max_in_flight=int(cfg.release.max_in_flight),
-                             new_state=lambda task, wid: self._new_state(task, wid),
-                             commit=lambda task: self.commit(task),
+                             new_state=self.states.take, commit=lambda task: self.commit(task),
                              publish=lambda task: self.publishing.publish_pending(task),
                              worker=lambda: self.worker,
                              stopping=lambda: self.stop_event.is_set(), rollups=self.rollups)
@@ -201,10 +192,9 @@ class Aggregator:
                              append=lambda **e: self._ledger_append(**e), model=self.model,
                              fresh_start=fresh_start, directory=self.dir, group=cfg.source.group)
         #: the start: every check, then the writes it decided (:mod:`.stages.start`)
-        self.starting = Start(self.ledger, self.checks, self.registries, self.resume,
-                              self.metrics, source, commit=lambda task: self.commit(task),
-                              rollups=self.rollups, directory=self.dir,
-                              release_dir=cfg.release.dir)
+        self.starting = Start(self.ledger, self.checks, self.registries, self.resume, self.metrics,
+                              source, commit=lambda task: self.commit(task), rollups=self.rollups,
+                              directory=self.dir, release_dir=cfg.release.dir)
         #: a ledger entry (held while a start checks: a refused start writes nothing)
         self._ledger_append = self.starting.append
         #: announced audit exports (:mod:`.stages.export`)
@@ -212,8 +202,7 @@ class Aggregator:
             cfg.audit.key_file, Path(cfg.audit.dir or self.dir / "exports"), self.metrics,
             model=self.model, user=self.user, event_time=self.event_time,
             commit=lambda task, **kw: self.commit(task, **kw),
-            collect=lambda task: self.closer.collect(task, wait=True),
-            append=lambda **e: self._ledger_append(**e))
+            collect=lambda task: self.closer.collect(task, wait=True), append=self._ledger_append)
         #: the release worker (aggregator.service.release_worker): None releases in the loop;
         #: several aggregations share one (set before start)
         self.worker = None
@@ -257,7 +246,7 @@ class Aggregator:
             started = True  # a refused start says why in one line, not "stopped" before it
             if self.on_started is not None:
                 self.on_started()
-            idle_since = None
+            idle = IdleExit(idle_exit_s, self.idle_can_count)
             finite = self.cfg.source.kind != "kafka"
             while not self.stop_event.is_set():
                 if self.paused_for_budget(poll_timeout_s, finite):
@@ -267,16 +256,12 @@ class Aggregator:
                 self.intake_gap.polled()
                 self.turn(segments)
                 if segments:
-                    idle_since = None
+                    idle.polled()
                     continue
                 if self.source.exhausted:
                     self.input_ended()
                     break
-                # only an --exit-when-idle run asks (the check may wait on the broker)
-                if idle_exit_s is None or not self.idle_can_count():
-                    continue
-                idle_since = idle_since or time.monotonic()
-                if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
+                if idle.over():  # --exit-when-idle (:class:`.stages.caught_up.IdleExit`)
                     break
             self.finish()
         except Stopping:

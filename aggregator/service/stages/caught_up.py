@@ -3,9 +3,10 @@
 Two callers ask it. ``--exit-when-idle`` ends a run after a stretch of empty polls, but an empty
 poll is not an idle stream while the consumer group has not assigned this process partitions
 yet, or while it has not read them to their end (a rebalance, a slow first fetch):
-:func:`idle_can_count`. Offline commands that act on the open window of a stopped service
-(``panagg release`` / ``panagg export`` without a running service) first replay that window
-from the source, and anything newer, then stop: :func:`catch_up`.
+:func:`idle_can_count`, which :class:`IdleExit` asks before it counts a stretch as idle. Offline
+commands that act on the open window of a stopped service (``panagg release`` / ``panagg
+export`` without a running service) first replay that window from the source, and anything
+newer, then stop: :func:`catch_up`.
 
 Partitions intake holds at a later event-time window's start (:attr:`.intake.Intake.held`) are
 waiting, not behind: neither caller waits for them. File and generator sources have no
@@ -23,7 +24,7 @@ from consumers.base import Segment
 
 from ..errors import ServiceError
 
-__all__ = ["catch_up", "idle_can_count"]
+__all__ = ["IdleExit", "catch_up", "idle_can_count"]
 
 
 def idle_can_count(source, held: set[str]) -> bool:
@@ -39,6 +40,27 @@ def idle_can_count(source, held: set[str]) -> bool:
     # partitions waiting at a later event-time window are held there, not behind
     return probe is None or bool(probe(sorted(set(assigned) - set(held)))) \
         if set(assigned) - set(held) else True
+
+
+class IdleExit:
+    """``--exit-when-idle``: ends a run after ``idle_exit_s`` of polls without records, counted
+    only while ``can_count()`` (:func:`idle_can_count`); None: never."""
+
+    def __init__(self, idle_exit_s: float | None, can_count: Callable[[], bool]):
+        self.after_s, self.can_count = idle_exit_s, can_count
+        self.since: float | None = None
+
+    def polled(self) -> None:
+        """A poll brought records: the idle stretch starts again."""
+        self.since = None
+
+    def over(self) -> bool:
+        """After a poll without records: whether the run has been idle long enough to end."""
+        # only an --exit-when-idle run asks (the check may wait on the broker)
+        if self.after_s is None or not self.can_count():
+            return False
+        self.since = self.since or time.monotonic()
+        return time.monotonic() - self.since >= self.after_s
 
 
 def catch_up(source, held: Callable[[], set[str]], *, ingest: Callable[[Segment], None],
