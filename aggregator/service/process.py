@@ -2,19 +2,15 @@
 
 Exactly once, by replay. The open window's counters live only in memory (docs/privacy.md: a
 checkpoint holding the same noise as memory would let one intrusion read the exact recent
-events). A checkpoint holds where the window starts in the source, the totals up to there and the
-releases not yet published (plus, optionally, a layered snapshot: :mod:`.window`). After a crash,
-a stop or a handover the service seeks the source back to the checkpoint's offsets and counts the
-window again under fresh noise. A crash at any instant therefore neither loses nor double-counts
-an event; it costs a replay of at most one window (or one snapshot interval), and the source must
-retain that much (checked at start for Kafka time windows; a window the source no longer holds
-stops the service with one line).
+events). A checkpoint holds where the window starts in the source (:mod:`.stages.checkpoint`);
+after a crash, a stop or a handover the service counts the window again from there under fresh
+noise (:mod:`.stages.resume`). A crash at any instant therefore neither loses nor double-counts
+an event; it costs a replay of at most one window, which the source must retain.
 
-Windows are tumbling (by count, processing time or event time), each with fresh noise
-(:mod:`.stages.windows`). A window's release is ledgered *with its document* before the
-checkpoint that starts the next window, and published from that document (:mod:`.stages.close`);
-a window the ledger already holds is re-published from it, never computed again
-(:mod:`.stages.release`).
+Windows are tumbling (by count, processing or event time), each with fresh noise
+(:mod:`.stages.windows`). A release is ledgered *with its document* before the checkpoint that
+starts the next window and published from it (:mod:`.stages.close`); a window the ledger holds
+is re-published, never computed again (:mod:`.stages.release`).
 
 :class:`Aggregator` wires the stages of :mod:`.stages`, one concern a module (the start and its
 checks, resuming a task, fresh states, intake, the window assigner, the checkpoint sequence,
@@ -147,13 +143,11 @@ class Aggregator:
         self.requests = ControlRequests(self.control, export=lambda rid: self.export(rid),
                                         release=lambda: self.close_window())
         self.producer = SharedProducer(cfg)  #: made on first use
-        topic = cfg.source.dead_letter_topic
-        self.dead_letters = (DeadLetters(topic, self.producer.get, self.metrics,
-                                         self.aggregation.name if self.aggregation else None)
+        topic, name = cfg.source.dead_letter_topic, self.aggregation and self.aggregation.name
+        self.dead_letters = (DeadLetters(topic, self.producer.get, self.metrics, name or None)
                              if topic else None)
         self.stop_event = threading.Event()
-        self.reject_watch = RejectWatch(cfg)
-        self.reject_log = RejectLog()
+        self.reject_watch, self.reject_log = RejectWatch(cfg), RejectLog()
         self.intake_gap = IntakeGap()  # the longest stall of intake per window
         #: decode and count each polled segment into the open window (:mod:`.stages.intake`)
         self.intake = Intake(self.decoder, source, self.metrics, direct=self.direct,
@@ -171,7 +165,7 @@ class Aggregator:
         #: delivery of the ledgered releases (:mod:`.stages.publish`)
         self.publishing = PublishStep(cfg.release.dir, cfg.release.topic, self.ledger, self.metrics,
                                       producer=self.producer.get, plot=cfg.release.plots,
-                                      save_pending=lambda task: self._save_pending(task))
+                                      save_pending=self.checkpoints.save_pending)
         self.publisher = self.publishing.publisher
         #: event-time windows (window.kind = event_time; :mod:`.event_time`)
         self.event_time = EventTimeWindows(self)
@@ -203,40 +197,15 @@ class Aggregator:
             model=self.model, user=self.user, event_time=self.event_time,
             commit=lambda task, **kw: self.commit(task, **kw),
             collect=lambda task: self.closer.collect(task, wait=True), append=self._ledger_append)
-        #: the release worker (aggregator.service.release_worker): None releases in the loop;
-        #: several aggregations share one (set before start)
+        #: the release worker (:mod:`.release_worker`; None: in the loop; multi sets a shared one)
         self.worker = None
         self._owns_worker = False
-        #: (window, started, ended) of each release the worker computed (wall clock; kept in
-        #: the process for latency figures, never in a document)
-        self.release_runs = self.releases.runs
+        self.release_runs = self.releases.runs  #: the worker's release timings (ReleaseStep.runs)
         #: called once the start succeeded (the CLI leaves the metrics URL for panagg status)
         self.on_started = None
         self.metrics.epsilon.set(self.epsilon)
 
-    # -- lifecycle -----------------------------------------------------------------------------
-    def _lock(self) -> None:
-        self.claim.claim()  # what this start creates is removed again if it is refused
-        self.control.mkdir(exist_ok=True)
-
-    def _remove_created(self) -> None:
-        """After a refused start (the lock released): :meth:`.DirectoryClaim.remove_created`."""
-        self.claim.remove_created()
-
-    def save_effective_config(self) -> None:
-        """Keep the running config next to the checkpoints (:func:`.start_checks.
-        save_effective_config`)."""
-        save_effective_config(self.dir, self.cfg)
-
-    def check_start(self) -> None:
-        """Every check of a start, before anything is written (:meth:`.Start.check`)."""
-        self.starting.check(self.task)
-
-    def restore(self) -> None:
-        """Load the checkpoint (or start the first window) and seek the source there, every
-        check first: a refused start leaves the directory as it was (:meth:`.Start.restore`)."""
-        self.starting.restore(self.task)
-
+    # -- the loop (multi drives its steps: start, a turn per poll, input_ended, finish) ------
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
         self._lock()
@@ -276,8 +245,6 @@ class Aggregator:
             else:
                 self._remove_created()
 
-    # The loop's steps, also driven one by one by aggregator.service.multi (several aggregations
-    # fed by one consumer): start, then per poll a turn, then input_ended (finite input) and finish.
     def start(self) -> None:
         """Restore the checkpoint, seek the source, publish what a crash left pending."""
         self.restore()
@@ -323,6 +290,15 @@ class Aggregator:
         self.health.update_lag()
         self.health.turned()
 
+    def paused_for_budget(self, poll_timeout_s: float, finite: bool) -> bool:
+        """True while intake is paused for the spent budget (:meth:`.LoopHealth.intake_paused`):
+        the loop then only serves control requests."""
+        if not self.health.intake_paused(finite):
+            return False
+        self.requests.serve()
+        self.stop_event.wait(poll_timeout_s)
+        return True
+
     def input_ended(self) -> None:
         """A finite source delivered everything: release the open window (release.on_exhausted)."""
         # (an event-time window's close can start the next one with events)
@@ -340,26 +316,8 @@ class Aggregator:
             self.rollups.collect(self.task.pending, wait=True)
         self.publishing.publish_last(self.task)
 
-    def idle_can_count(self) -> bool:
-        """Whether a turn without records counts towards --exit-when-idle (:mod:`.stages.
-        caught_up`)."""
-        return idle_can_count(self.source, self.intake.held)
-
-    def _stop_line(self, reason: str | None = None) -> None:
-        """What a restart will find: the last checkpoint and what is replayed from it."""
-        log_stop(getattr(self, "task", None), reason or (
-            "stop requested" if self.stop_event.is_set() else "input ended or idle"))
-
-    def catch_up(self, timeout_s: float = 120.0) -> None:
-        """Count what the source holds now, for offline commands that act on the window of a
-        stopped service (:func:`.stages.caught_up.catch_up`)."""
-        catch_up(self.source, lambda: self.intake.held, ingest=self._ingest,
-                 snapshot=lambda: self._maybe_snapshot(self.task),
-                 bootstrap=self.cfg.source.bootstrap, timeout_s=timeout_s)
-
     def close(self) -> None:
-        if self.gate.registry is not None:
-            self.gate.registry.close()
+        self.registries.close()
         self.plan.close()
         self.publisher.close()
         if self.worker is not None and self._owns_worker:
@@ -371,7 +329,7 @@ class Aggregator:
         self.source.close()
         self.claim.release()
 
-    # -- counting ------------------------------------------------------------------------------
+    # -- the stages' entry points: the loop, other modes (multi), the CLI, the API -----------------
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
@@ -386,25 +344,10 @@ class Aggregator:
         if self.assigner.snapshot_due(task):
             self.commit(task, snapshot=True, tag=(task.window["snapshots"],))
 
-    # -- the checkpoint ------------------------------------------------------------------------
     def commit(self, task: WindowTask, *, snapshot: bool = False, tag: tuple = ()) -> bytes | None:
         """Make ``task``'s position durable (:meth:`.Checkpoints.commit`; with ``snapshot`` a
         layered snapshot, returned)."""
         return self.checkpoints.commit(task, snapshot=snapshot, tag=tag)
-
-    def _save_pending(self, task: WindowTask) -> None:
-        """Publishing progress only: the last durable checkpoint with the shorter pending list."""
-        if task.durable is None:
-            self.commit(task)
-            return
-        self.checkpoints.rewrite_pending(task)
-
-    # -- window close and release --------------------------------------------------------------
-    def async_releases(self) -> bool:
-        """Whether releases run beside the loop (``release.workers`` > 0) for this service:
-        every window kind, with or without snapshots (several aggregations share one worker
-        pool); scale-out releases in the loop (docs/configuration.md)."""
-        return int(self.cfg.release.workers) > 0 and not self.user  # (user: one count of bits)
 
     def close_window(self) -> dict | None:
         """Release the open window (if the budget allows) and start the next one, durably
@@ -412,17 +355,45 @@ class Aggregator:
         self.metrics.intake_stall.set(self.intake_gap.take())
         return self.closer.close(self.task)
 
-    # -- announced audit exports and control requests ------------------------------------------
+    def async_releases(self) -> bool:
+        """Whether releases run beside the loop (:meth:`.ReleaseStep.beside_loop`)."""
+        return self.releases.beside_loop()
+
     def export(self, export_id: str | None = None) -> Path:
-        """Signed snapshot for auditors, with fresh layers just before and just after it
-        (:meth:`.AuditExports.export`)."""
+        """A signed audit export with fresh layers around it (:meth:`.AuditExports.export`)."""
         return self.exports.export(self.task, export_id)
 
-    def paused_for_budget(self, poll_timeout_s: float, finite: bool) -> bool:
-        """True while intake is paused for the spent budget (:meth:`.LoopHealth.intake_paused`):
-        the loop then only serves control requests."""
-        if not self.health.intake_paused(finite):
-            return False
-        self.requests.serve()
-        self.stop_event.wait(poll_timeout_s)
-        return True
+    def _lock(self) -> None:
+        self.claim.claim()  # what this start creates is removed again if it is refused
+        self.control.mkdir(exist_ok=True)
+
+    def _remove_created(self) -> None:
+        """After a refused start (the lock released): :meth:`.DirectoryClaim.remove_created`."""
+        self.claim.remove_created()
+
+    def save_effective_config(self) -> None:
+        """Keep the running config next to the checkpoints (:func:`.save_effective_config`)."""
+        save_effective_config(self.dir, self.cfg)
+
+    def check_start(self) -> None:
+        """Every check of a start, before anything is written (:meth:`.Start.check`)."""
+        self.starting.check(self.task)
+
+    def restore(self) -> None:
+        """Every check, then the checkpoint restored, the source sought (:meth:`.Start.restore`)."""
+        self.starting.restore(self.task)
+
+    def idle_can_count(self) -> bool:
+        """Whether an empty turn counts towards --exit-when-idle (:mod:`.stages.caught_up`)."""
+        return idle_can_count(self.source, self.intake.held)
+
+    def _stop_line(self, reason: str | None = None) -> None:
+        """What a restart will find: the last checkpoint and what is replayed from it."""
+        log_stop(getattr(self, "task", None), reason or (
+            "stop requested" if self.stop_event.is_set() else "input ended or idle"))
+
+    def catch_up(self, timeout_s: float = 120.0) -> None:
+        """Count what the source holds now, for offline commands (:func:`.stages.caught_up`)."""
+        catch_up(self.source, lambda: self.intake.held, ingest=self._ingest,
+                 snapshot=lambda: self._maybe_snapshot(self.task),
+                 bootstrap=self.cfg.source.bootstrap, timeout_s=timeout_s)

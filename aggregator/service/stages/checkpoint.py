@@ -3,7 +3,10 @@
 A checkpoint holds where the open window starts in the source, the totals up to there and the
 releases not yet published; never the live counters (``process``'s module docstring: a file
 holding memory's noise would let one intrusion read the exact recent events). Optionally it
-holds a *layered snapshot*: a view with a fresh noise layer on each side.
+holds a *layered snapshot*: a view with a fresh noise layer on each side. A restart counts the
+open window again from its checkpoint, so the source must retain one window (or one snapshot
+interval); the start checks it for Kafka time windows, and a window the source no longer holds
+stops the service with one line.
 
 The numbered sequence of :meth:`Checkpoints.commit`:
 
@@ -117,6 +120,14 @@ class Checkpoints:
         record.ledger_head = self.ledger.head()
         self.wait_for(lambda: self.save(task, record), "checkpoint")
         self.source.commit(record.offsets, self.kafka_anchor())
+
+    def save_pending(self, task: WindowTask) -> None:
+        """Publishing progress only: the last durable checkpoint with the shorter pending list
+        (:meth:`rewrite_pending`; a task without one is committed)."""
+        if task.durable is None:
+            self.commit(task)
+            return
+        self.rewrite_pending(task)
 
     def rewrite_pending(self, task: WindowTask) -> None:
         """Publishing progress only: the task's last durable checkpoint with its shorter pending

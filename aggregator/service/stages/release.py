@@ -122,6 +122,13 @@ class ReleaseStep:
         #: the process for latency figures, never in a document)
         self.runs: list[tuple[int, float, float]] = []
 
+    def beside_loop(self) -> bool:
+        """Whether releases run beside the loop (``release.workers`` > 0): every window kind,
+        with or without snapshots (several aggregations share one worker pool); scale-out
+        releases in the loop (docs/configuration.md), and so does the user unit (its release is
+        one count of bits)."""
+        return int(self.cfg.release.workers) > 0 and not is_user(self.cfg)
+
     def annotate(self, release: dict, closing: dict) -> None:
         """:func:`annotate` with this aggregation's settings."""
         annotate(release, closing, self.cfg, self.epsilon)
