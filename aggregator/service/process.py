@@ -2,75 +2,55 @@
 
 Exactly once, by replay. The open window's counters live only in memory (docs/privacy.md: a
 checkpoint holding the same noise as memory would let one intrusion read the exact recent
-events). A checkpoint holds where the window starts in the source, the totals up to there and the
-releases not yet published (plus, optionally, a layered snapshot: :mod:`.window`). After a crash,
-a stop or a handover the service seeks the source back to the checkpoint's offsets and counts the
-window again under fresh noise. A crash at any instant therefore neither loses nor double-counts
-an event; it costs a replay of at most one window (or one snapshot interval), and the source must
-retain that much (checked at start for Kafka time windows; a window the source no longer holds
-stops the service with one line).
+events). A checkpoint holds where the window starts in the source (:mod:`.stages.checkpoint`);
+after a crash, a stop or a handover the service counts the window again from there under fresh
+noise (:mod:`.stages.resume`). A crash at any instant therefore neither loses nor double-counts
+an event; it costs a replay of at most one window, which the source must retain.
 
-Windows. Tumbling, by event count or processing time; each window starts a fresh state with fresh
-noise and a random uid. Closing a window: the ledger is consulted (budget) before any release
-noise is drawn; the release is computed once and ledgered *with its document* before the
-checkpoint that starts the next window; publishing happens from that document. A window the
-ledger already holds (a crash after the ledger entry, or a restored older checkpoint) is
-re-published from the ledgered document, never computed again.
+Windows are tumbling (by count, processing or event time), each with fresh noise
+(:mod:`.stages.windows`). A release is ledgered *with its document* before the checkpoint that
+starts the next window and published from it (:mod:`.stages.close`); a window the ledger holds
+is re-published, never computed again (:mod:`.stages.release`).
 
-:class:`Aggregator` wires the stages of :mod:`.stages` (one concern a module: the start's
-checks, resuming a task, intake, the window assigner, the checkpoint sequence, release,
-publishing, control requests, health) and runs the loop: start, then per poll a turn
-(count, then housekeeping), then the input's end and finish. The checkpoint commit is one
-numbered sequence (:class:`.stages.checkpoint.Checkpoints`):
-
-1. dead letters of every record before the new offsets are acknowledged by the broker;
-2. (snapshot only) a fresh noise layer on the live counters, the snapshot, another fresh layer;
-3. the checkpoint is written atomically (temp file, fsync, rename, directory fsync);
-4. the offsets go to the Kafka group, for lag monitoring only.
+:class:`Aggregator` wires the stages of :mod:`.stages`, one concern a module (the start and its
+checks, resuming a task, fresh states, intake, the window assigner, the checkpoint sequence,
+release, publishing, exports, control requests, health), and runs the loop: start, then per
+poll a turn (count, then housekeeping), then the input's end and finish.
 """
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
-import numpy as np
-
 from consumers.base import Segment, Source
-from consumers.decode import Decoder, ItemSpec
-from state_store.audit import load_key, write_export
-from state_store.failpoints import under_tests
-from state_store.local import LocalStore
 
-from ..state import PanPrivateHistogram
 from .accuracy_plan import StartPlan
-from .deadletter import DeadLetters, service_producer
+from .deadletter import DeadLetters
 from .errors import ServiceError, Stopping
 from .event_time import EventTimeWindows
 from .intake_gap import IntakeGap
-from .next_state import NextState
-from .identity import choose_buckets_for, identity_of
-from .ledger import Ledger, LedgerError
 from .metrics import Metrics
 from .rejects import RejectLog, RejectWatch
-from .release_gate import ReleaseGate
-from .rollup_closer import RollupCloser, ledgered_unpublished_rollups
 from .settings import Config
-from .user_budget import UserBudget
-from .user_window import NO_EXPORT, is_user, new_user_state, user_cells
-from .stages.checkpoint import Checkpoints
+from .stages.budget import open_budget
+from .stages.caught_up import IdleExit, catch_up, idle_can_count
+from .stages.checkpoint import Checkpoints, log_stop
 from .stages.close import Closer
 from .stages.control import ControlRequests
+from .stages.export import AuditExports
+from .stages.fresh_state import FreshStates
 from .stages.health import LoopHealth
-from .stages.intake import Intake
-from .stages.registries import BudgetRegistries
+from .stages.intake import Intake, decoder_for
+from .stages.producer import SharedProducer
 from .stages.publish import PublishStep
-from .stages.release import ReleaseStep, release_method
+from .stages.registries import BudgetRegistries
+from .stages.release import ReleaseStep, release_method, rollups_for
 from .stages.resume import Resume
+from .stages.start import Start
 from .stages.start_checks import StartChecks, keep_processing_time, save_effective_config
+from .stages.state_dir import DirectoryClaim, service_running
 from .stages.windows import WindowAssigner
-from .stages.state_dir import claim_directory, remove_created, service_running
 from .window import WindowTask
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
@@ -99,7 +79,7 @@ class Aggregator:
 
     #: the stages that read the source (a later assignment of ``source`` reaches each)
     _SOURCE_STAGES = ("checks", "registries", "intake", "health", "checkpoints", "assigner",
-                      "resume")
+                      "resume", "starting")
 
     @property
     def source(self) -> Source:
@@ -125,43 +105,24 @@ class Aggregator:
         self.source = source
         self.metrics = metrics or Metrics()
         st = cfg.state
-        self.epsilon = float(st.epsilon)
-        self.model, self.loss = st.model, st.loss
-        #: state.privacy_unit = user: a density state per window (:mod:`.user_window`)
-        self.user = is_user(cfg)
-        self.direct = st.mode == "direct" and not self.user
-        self.size = (user_cells(cfg) if self.user else int(st.domain_size) if self.direct
-                     else choose_buckets_for(cfg))
-        self._next_state = NextState(self._draw_state, size=self.size)  # drawn beside the loop
-        src = cfg.source
-        self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
-                               max_message_bytes=src.max_message_bytes,
-                               max_item_bytes=src.max_item_bytes,
-                               spec=ItemSpec.from_config(cfg.item))
+        self.epsilon, self.model, self.loss = float(st.epsilon), st.model, st.loss
+        #: each window's fresh state (user: a density state, direct: a dense domain) and the rng
+        self.states = FreshStates(cfg, worker=lambda: self.worker)
+        self.user, self.direct, self.size = self.states.user, self.states.direct, self.states.size
+        self._rng, self._new_state = self.states.rng, self.states.take
+        self.decoder = decoder_for(cfg, self.size if self.direct else None)
         self.dir = Path(cfg.checkpoint.dir)
         self.fresh_start, self.accept_change = fresh_start, accept_change
-        self._lock_file = None
         self.task = WindowTask("all", None)
         #: a name for this aggregation in anchors and charges ("" when it is the only one)
         self.aggregation = cfg.aggregation
         self.anchor_name = self.aggregation.name if self.aggregation else ""
-        try:
-            self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=cfg.budget_per_window,
-                                 budget_total=cfg.ledger.budget_total or None,
-                                 budget_per_event=cfg.budget_per_event)
-        except LedgerError as exc:
-            raise ServiceError(str(exc)) from None
-        stream = identity_of(cfg)["stream"]
-        #: asks the ledger about the events a release covers (:mod:`.release_gate`)
-        self.gate = ReleaseGate(self.ledger, self.metrics, epsilon=self.epsilon, model=self.model,
-                                stream=stream, aggregation=self.anchor_name, directory=self.dir,
-                                parallel=self.aggregation.parallel if self.aggregation else None)
-        if self.user:  # any user may be in every window: the ledger bounds their sum
-            self.gate.user_budget = UserBudget(self.ledger, budget=cfg.ledger.budget_per_user,
-                                               epsilon=self.epsilon)
+        #: the privacy ledger and the gate asked before any release noise (:mod:`.stages.budget`)
+        self.ledger, self.gate = open_budget(cfg, self.dir, self.metrics, user=self.user)
         self.cfg = cfg = keep_processing_time(cfg, self.ledger, self.dir)
         #: the lineage checks of a start (:mod:`.stages.start_checks`)
-        self.checks = StartChecks(cfg, self.ledger, self.dir, source, append=self._start_append,
+        self.checks = StartChecks(cfg, self.ledger, self.dir, source,
+                                  append=lambda **e: self._ledger_append(**e),
                                   accept_change=accept_change, fresh_start=fresh_start,
                                   same_records_as=same_records_as, anchor_name=self.anchor_name)
         #: the budget registry of the source, attached to the gate (:mod:`.stages.registries`)
@@ -169,39 +130,24 @@ class Aggregator:
         #: the start's accuracy plan in the log (a thread simulates the expected errors)
         self.plan = StartPlan(cfg)
         #: close and release: in the loop or beside it (:mod:`.stages.release`)
-        self.releases = ReleaseStep(cfg, self.ledger, self.gate, self.metrics,
-                                    epsilon=self.epsilon, model=self.model, loss=self.loss,
-                                    rng=self._rng)
-        from .config import rollup_spans
-        spans = rollup_spans(cfg)
+        self.releases = ReleaseStep(cfg, self.ledger, self.gate, self.metrics, epsilon=self.epsilon,
+                                    model=self.model, loss=self.loss, rng=self._rng)
         #: window.rollups (:mod:`.rollup_closer`; sums under dir/rollups), None without them
-        self.rollups = RollupCloser(
-            self.dir / "rollups", spans, ledger=self.ledger, metrics=self.metrics,
-            model=self.model, loss=self.loss, method=release_method(cfg),
-            error_bar_reps=int(cfg.release.error_bar_reps),
-            stream=stream, aggregation=self.anchor_name, base_kind=cfg.window.kind,
-            window_size=cfg.window.size,
-            annotate=self.releases.annotate, worker=lambda: self.worker) if spans else None
+        self.rollups = rollups_for(cfg, self.dir, self.gate, self.metrics,
+                                   annotate=self.releases.annotate, worker=lambda: self.worker)
         self.releases.rollups = self.rollups
         self.control = self.dir / "control"
+        #: checkpoint.dir's lock, and what a refused start made (:mod:`.stages.state_dir`)
+        self.claim = DirectoryClaim(self.dir, self.control, self.dir / "checkpoints")
         #: panagg release / export asking the running loop (:mod:`.stages.control`)
         self.requests = ControlRequests(self.control, export=lambda rid: self.export(rid),
                                         release=lambda: self.close_window())
-        #: ledger entries a start decided on, written only once every start check has passed
-        #: (a refused start writes nothing)
-        self._deferred: list[dict] | None = None
-        self._checked: list[dict] | None = None  # check_start passed: its ledger entries
-        seed = cfg.testing.noise_seed
-        self._seed = seed if seed >= 0 and under_tests() else None  # (test-only: settings.py)
-        self._producer = None
-        topic = src.dead_letter_topic
-        name = self.aggregation.name if self.aggregation else None
-        self.dead_letters = (DeadLetters(topic, self._kafka_producer, self.metrics, name)
+        self.producer = SharedProducer(cfg)  #: made on first use
+        topic, name = cfg.source.dead_letter_topic, self.aggregation and self.aggregation.name
+        self.dead_letters = (DeadLetters(topic, self.producer.get, self.metrics, name or None)
                              if topic else None)
         self.stop_event = threading.Event()
-        self._export_seq = 0
-        self.reject_watch = RejectWatch(cfg)
-        self.reject_log = RejectLog()
+        self.reject_watch, self.reject_log = RejectWatch(cfg), RejectLog()
         self.intake_gap = IntakeGap()  # the longest stall of intake per window
         #: decode and count each polled segment into the open window (:mod:`.stages.intake`)
         self.intake = Intake(self.decoder, source, self.metrics, direct=self.direct,
@@ -215,14 +161,12 @@ class Aggregator:
                                  stall_timeout_s=src.stall_timeout_s)
         #: the checkpoint sequence (:mod:`.stages.checkpoint`)
         self.checkpoints = Checkpoints(self.ledger, self.metrics, source, self.dir,
-                                       dead_letters=self.dead_letters,
-                                       anchor_name=self.anchor_name, rng=self._rng,
-                                       wait=lambda s: self.stop_event.wait(s))
+                                       dead_letters=self.dead_letters, anchor_name=self.anchor_name,
+                                       rng=self._rng, wait=lambda s: self.stop_event.wait(s))
         #: delivery of the ledgered releases (:mod:`.stages.publish`)
-        self.publishing = PublishStep(cfg.release.dir, cfg.release.topic, self.ledger,
-                                      self.metrics, producer=self._kafka_producer,
-                                      save_pending=lambda task: self._save_pending(task),
-                                      plot=cfg.release.plots)
+        self.publishing = PublishStep(cfg.release.dir, cfg.release.topic, self.ledger, self.metrics,
+                                      producer=self.producer.get, plot=cfg.release.plots,
+                                      save_pending=self.checkpoints.save_pending)
         self.publisher = self.publishing.publisher
         #: event-time windows (window.kind = event_time; :mod:`.event_time`)
         self.event_time = EventTimeWindows(self)
@@ -230,126 +174,39 @@ class Aggregator:
         self.assigner = WindowAssigner(cfg, self.ledger, source, self.metrics,
                                       event_time=self.event_time)
         #: closing a window: release, next window, checkpoint (:mod:`.stages.close`)
-        self.closer = Closer(self.releases, self.gate, self.ledger, self.assigner,
-                             self.checkpoints, self.metrics, self.health,
-                             event_time=self.event_time,
+        self.closer = Closer(self.releases, self.gate, self.ledger, self.assigner, self.checkpoints,
+                             self.metrics, self.health, event_time=self.event_time,
                              max_in_flight=int(cfg.release.max_in_flight),
-                             new_state=lambda task, wid: self._new_state(task, wid),
-                             commit=lambda task: self.commit(task),
-                             publish=lambda task: self._publish_pending(task),
+                             new_state=self.states.take, commit=lambda task: self.commit(task),
+                             publish=lambda task: self.publishing.publish_pending(task),
                              worker=lambda: self.worker,
                              stopping=lambda: self.stop_event.is_set(), rollups=self.rollups)
         #: where the task resumes at a start (:mod:`.stages.resume`)
         self.resume = Resume(self.ledger, self.checks, self.registries, self.gate, self.assigner,
-                             source, event_time=self.event_time,
-                             new_state=lambda task, wid: self._new_state(task, wid),
-                             rng=self._rng, append=lambda **e: self._ledger_append(**e),
-                             start_append=self._start_append, epsilon=self.epsilon,
-                             model=self.model, direct=self.direct, size=self.size,
+                             source, event_time=self.event_time, states=self.states,
+                             append=lambda **e: self._ledger_append(**e), model=self.model,
                              fresh_start=fresh_start, directory=self.dir, group=cfg.source.group)
-        #: the release worker (aggregator.service.release_worker): None releases in the loop;
-        #: several aggregations share one (set before start)
+        #: the start: every check, then the writes it decided (:mod:`.stages.start`)
+        self.starting = Start(self.ledger, self.checks, self.registries, self.resume, self.metrics,
+                              source, commit=lambda task: self.commit(task), rollups=self.rollups,
+                              directory=self.dir, release_dir=cfg.release.dir)
+        #: a ledger entry (held while a start checks: a refused start writes nothing)
+        self._ledger_append = self.starting.append
+        #: announced audit exports (:mod:`.stages.export`)
+        self.exports = AuditExports(
+            cfg.audit.key_file, Path(cfg.audit.dir or self.dir / "exports"), self.metrics,
+            model=self.model, user=self.user, event_time=self.event_time,
+            commit=lambda task, **kw: self.commit(task, **kw),
+            collect=lambda task: self.closer.collect(task, wait=True), append=self._ledger_append)
+        #: the release worker (:mod:`.release_worker`; None: in the loop; multi sets a shared one)
         self.worker = None
         self._owns_worker = False
-        #: (window, started, ended) of each release the worker computed (wall clock; kept in
-        #: the process for latency figures, never in a document)
-        self.release_runs = self.releases.runs
+        self.release_runs = self.releases.runs  #: the worker's release timings (ReleaseStep.runs)
         #: called once the start succeeded (the CLI leaves the metrics URL for panagg status)
         self.on_started = None
         self.metrics.epsilon.set(self.epsilon)
 
-    # -- noise sources -------------------------------------------------------------------------
-    def _rng(self, *tag):
-        """None (OS CSPRNG) in production; a deterministic generator only under PANAGG_TESTING."""
-        if self._seed is None:
-            return None
-        return np.random.default_rng([self._seed, *[int(t) for t in tag]])
-
-    def _new_state(self, task: WindowTask, window_id: int) -> PanPrivateHistogram:
-        """Window ``window_id``'s fresh state (drawn ahead, beside the loop: :mod:`.next_state`)."""
-        return self._next_state.take(window_id)
-
-    def _draw_state(self, window_id: int) -> PanPrivateHistogram:
-        if self.user:
-            return new_user_state(self.cfg, self._rng(0, window_id))  # type: ignore[return-value]
-        kwargs = {"size": self.size} if self.direct else {"buckets": self.size}
-        state = PanPrivateHistogram(self.epsilon, rng=self._rng(0, window_id), **kwargs)
-        worker = self.worker  # (this runs beside the loop: the worker may go meanwhile)
-        if worker is not None:
-            # its counters in a shared block of their own: the close hands over no copy
-            state = worker.house(state)
-        return state
-
-    # -- lifecycle -----------------------------------------------------------------------------
-    def _lock(self) -> None:
-        # what this start creates, removed again if the start is refused (it writes nothing)
-        self._created, self._lock_file = claim_directory(self.dir, self.control,
-                                                         self.dir / "checkpoints")
-        self.control.mkdir(exist_ok=True)
-
-    def _remove_created(self) -> None:
-        """After a refused start (the lock released): remove what :meth:`_lock` created, so
-        that the directory is as it was (an empty new directory is removed too)."""
-        remove_created(getattr(self, "_created", []))
-        self._created = []
-
-    def save_effective_config(self) -> None:
-        """Keep the running config next to the checkpoints (:func:`.start_checks.
-        save_effective_config`)."""
-        save_effective_config(self.dir, self.cfg)
-
-    def check_start(self) -> None:
-        """Every check of a start, before anything is written; the ledger entries they make
-        wait for :meth:`restore`. (Several aggregations run all their checks before any of them
-        writes: one refused refuses the start, which then wrote nothing.)"""
-        task = self.task
-        task.store = LocalStore(self.dir / "checkpoints")
-        self._deferred = []
-        try:
-            self.registries.prepare_file()
-            self.checks.check_anchors(task.store.load_latest())
-            self.checks.check_identity()
-            self.restore_task(task, where=str(task.store.dir), commit=False)
-            self.registries.carry_renamed_file(task)
-            self.checks.check_replayable(task.offsets)
-            self._checked, self._deferred = self._deferred, None
-        except BaseException:
-            self._deferred = None
-            raise
-
-    def restore(self) -> None:
-        """Load the checkpoint (or start the first window) and seek the source there. Every
-        check runs before anything is written: a refused start leaves the directory as it was."""
-        if self._checked is None:
-            self.check_start()
-        task = self.task
-        deferred, self._checked = self._checked, None
-        for entry in deferred:
-            self._ledger_append(**entry)
-        moved = task.durable is None or task.durable.window.get("uid") != task.window.get("uid")
-        if moved and not task.queue and task.close_at is None:
-            self.commit(task)  # from now on a missing checkpoint is a lost one
-        self.source.seek(task.offsets)
-        # the totals of the checkpoint, then every record after it once: exact after restarts
-        self.metrics.events.inc(task.totals["events"])
-        for reason, count in task.totals["rejects"].items():
-            self.metrics.decode_errors.labels(reason=reason).inc(count)
-        self.metrics.filtered.inc(task.totals.get("filtered", 0))
-        self.metrics.window_id.set(task.window["id"])
-        self.metrics.window_events.set(task.window["events"])
-        self.metrics.budget(self.ledger.spent(), self.ledger.remaining())
-        # a rollup ledgered but not yet published is published from the ledger; views kept
-        # before a stop are folded (each once)
-        ledgered_unpublished_rollups(self.ledger, self.cfg.release.dir, task.pending)
-        if self.rollups is not None:
-            self.rollups.fold(task.pending)
-
-    def restore_task(self, task: WindowTask, *, where: str, commit: bool = True) -> None:
-        """Resume ``task`` from its latest checkpoint (:meth:`.Resume.restore_task`);
-        ``commit=False``: the caller commits once its checks pass."""
-        if self.resume.restore_task(task, where=where) and commit:
-            self.commit(task)  # from now on a missing checkpoint is a lost one
-
+    # -- the loop (multi drives its steps: start, a turn per poll, input_ended, finish) ------
     def run(self, *, idle_exit_s: float | None = None, poll_timeout_s: float = 0.5) -> None:
         """Consume until stopped (stop_event / SIGTERM), or until a finite source is exhausted."""
         self._lock()
@@ -359,7 +216,7 @@ class Aggregator:
             started = True  # a refused start says why in one line, not "stopped" before it
             if self.on_started is not None:
                 self.on_started()
-            idle_since = None
+            idle = IdleExit(idle_exit_s, self.idle_can_count)
             finite = self.cfg.source.kind != "kafka"
             while not self.stop_event.is_set():
                 if self.paused_for_budget(poll_timeout_s, finite):
@@ -369,16 +226,12 @@ class Aggregator:
                 self.intake_gap.polled()
                 self.turn(segments)
                 if segments:
-                    idle_since = None
+                    idle.polled()
                     continue
                 if self.source.exhausted:
                     self.input_ended()
                     break
-                # only an --exit-when-idle run asks (the check may wait on the broker)
-                if idle_exit_s is None or not self.idle_can_count():
-                    continue
-                idle_since = idle_since or time.monotonic()
-                if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
+                if idle.over():  # --exit-when-idle (:class:`.stages.caught_up.IdleExit`)
                     break
             self.finish()
         except Stopping:
@@ -393,8 +246,6 @@ class Aggregator:
             else:
                 self._remove_created()
 
-    # The loop's steps, also driven one by one by aggregator.service.multi (several aggregations
-    # fed by one consumer): start, then per poll a turn, then input_ended (finite input) and finish.
     def start(self) -> None:
         """Restore the checkpoint, seek the source, publish what a crash left pending."""
         self.restore()
@@ -404,25 +255,13 @@ class Aggregator:
             from .release_worker import ReleaseWorker
             self.worker = ReleaseWorker(int(self.cfg.release.workers))
             self._owns_worker = True
-        self._ledger_composition()
-        w = self.cfg.window
-        if w.auto_event_time:
-            log.info("time windows of %g s by the records' Kafka timestamps (window.clock = "
-                     "auto): an event lands in the window of its timestamp, after a broker "
-                     "outage too; window.clock = process windows by this process's clock",
-                     w.size)
+        self.starting.ledger_composition(self.task)
+        self.assigner.log_clock()
         self.plan.start()
         budget_line = self.gate.user_budget_line()
         if budget_line:
             log.info("%s", budget_line)
-        self._publish_pending(self.task)
-
-    def _ledger_composition(self) -> None:
-        """With several aggregations: the set this one is part of, in its ledger, whenever it
-        differs from the last one recorded (:meth:`.StartChecks.composition_entry`)."""
-        entry = self.checks.composition_entry(self.task.window["id"])
-        if entry is not None:
-            self._ledger_append(**entry)
+        self.publishing.publish_pending(self.task)
 
     def turn(self, segments) -> None:
         """Count one poll's segments, then the turn's housekeeping."""
@@ -443,14 +282,23 @@ class Aggregator:
             self.event_time.turn(self.task)
         self._maybe_snapshot(self.task)
         if self.task.inflight:
-            self._collect_releases(self.task)
+            self.closer.collect(self.task)
         if self.rollups is not None and self.rollups.jobs:
             self.rollups.collect(self.task.pending)
         self.requests.serve()
         if self.task.pending:
-            self._publish_pending(self.task)
+            self.publishing.publish_pending(self.task)
         self.health.update_lag()
         self.health.turned()
+
+    def paused_for_budget(self, poll_timeout_s: float, finite: bool) -> bool:
+        """True while intake is paused for the spent budget (:meth:`.LoopHealth.intake_paused`):
+        the loop then only serves control requests."""
+        if not self.health.intake_paused(finite):
+            return False
+        self.requests.serve()
+        self.stop_event.wait(poll_timeout_s)
+        return True
 
     def input_ended(self) -> None:
         """A finite source delivered everything: release the open window (release.on_exhausted)."""
@@ -464,75 +312,13 @@ class Aggregator:
     def finish(self) -> None:
         """Publish what is pending; a run must not end looking successful if it could not."""
         if self.task.inflight:  # a finite run's last windows: wait for their releases
-            self._collect_releases(self.task, wait=True)
+            self.closer.collect(self.task, wait=True)
         if self.rollups is not None and self.rollups.jobs:
             self.rollups.collect(self.task.pending, wait=True)
-        if self.task.pending:
-            self.publisher.retry_now(wait_s=10.0)
-            self._publish_pending(self.task)
-        if self.task.pending:
-            raise ServiceError(
-                f"{len(self.task.pending)} release(s) could not be published "
-                f"({self.publisher.last_reason}); they stay in the checkpoint and are "
-                "published at the next start once the cause is fixed")
-
-    def idle_can_count(self) -> bool:
-        """Whether a turn without records counts towards --exit-when-idle: not before the
-        consumer group has assigned this process partitions and it has read them to their end
-        (a rebalance or a slow first fetch is not an idle stream)."""
-        assigned = getattr(self.source, "assigned", None)
-        if assigned is None:  # file and generator sources
-            return True
-        if not assigned:
-            return False
-        probe = getattr(self.source, "caught_up", None)
-        # partitions waiting at a later event-time window are held there, not behind
-        return probe is None or bool(probe(sorted(set(assigned) - set(self.intake.held)))) \
-            if set(assigned) - set(self.intake.held) else True
-
-    def _stop_line(self, reason: str | None = None) -> None:
-        """What a restart will find: the last checkpoint and what is replayed from it."""
-        task = getattr(self, "task", None)
-        win = getattr(task, "window", None) or {}
-        durable = getattr(task, "durable", None)
-        reason = reason or ("stop requested" if self.stop_event.is_set() else "input ended or idle")
-        if not win:
-            log.info("stopped (%s)", reason)
-            return
-        where = ""
-        if durable is not None:
-            where = (f" (checkpoint {durable.seq}, at offsets "
-                     f"{', '.join(f'{k}: {v}' for k, v in sorted(durable.offsets.items()))})")
-        log.info("stopped (%s): window %s open with %s events; the last checkpoint holds its "
-                 "start%s, so the next start replays it from the source", reason, win.get("id"),
-                 f"{int(win.get('events', 0)):,}", where)
-
-    def catch_up(self, timeout_s: float = 120.0) -> None:
-        """Count what the source holds now (the open window's replay, then anything newer),
-        for offline commands that act on the window of a stopped service."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            segments = self.source.poll(0.5)
-            for seg in segments:
-                self._ingest(seg)
-            self._maybe_snapshot(self.task)  # the same public schedule as the live loop
-            if segments:
-                continue
-            if self.source.exhausted:
-                return
-            probe = getattr(self.source, "caught_up", None)
-            held = self.intake.held
-            assigned = sorted(set(getattr(self.source, "assigned", ()) or ()) - held)
-            if probe is None or (assigned and probe(assigned)) or (held and not assigned):
-                return  # (partitions held at a later event-time window are not behind)
-            if time.monotonic() > deadline:
-                raise ServiceError(f"could not replay the open window from the source within "
-                                   f"{timeout_s:.0f} s; is the broker at "
-                                   f"{self.cfg.source.bootstrap} reachable?")
+        self.publishing.publish_last(self.task)
 
     def close(self) -> None:
-        if self.gate.registry is not None:
-            self.gate.registry.close()
+        self.registries.close()
         self.plan.close()
         self.publisher.close()
         if self.worker is not None and self._owns_worker:
@@ -540,19 +326,11 @@ class Aggregator:
             self.worker = None
         if self.dead_letters is not None:
             self.dead_letters.close()
-        if self._producer is not None:
-            try:
-                self._producer.flush(timeout=5)
-                self._producer.close(timeout=5)
-            except Exception:
-                pass
-            self._producer = None
+        self.producer.close()
         self.source.close()
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
+        self.claim.release()
 
-    # -- counting ------------------------------------------------------------------------------
+    # -- the stages' entry points: the loop, other modes (multi), the CLI, the API -----------------
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
@@ -562,35 +340,15 @@ class Aggregator:
         items, good, rejected = self.intake.decode(seg)
         self.intake.count_segment(self.task, seg, items, good, rejected, self.close_window)
 
-    def _kafka_producer(self):
-        if self._producer is None:
-            self._producer = service_producer(self.cfg)
-        return self._producer
-
     def _maybe_snapshot(self, task: WindowTask) -> None:
         """A layered snapshot checkpoint when one is due (:meth:`.WindowAssigner.snapshot_due`)."""
         if self.assigner.snapshot_due(task):
             self.commit(task, snapshot=True, tag=(task.window["snapshots"],))
 
-    # -- the checkpoint ------------------------------------------------------------------------
     def commit(self, task: WindowTask, *, snapshot: bool = False, tag: tuple = ()) -> bytes | None:
         """Make ``task``'s position durable (:meth:`.Checkpoints.commit`; with ``snapshot`` a
         layered snapshot, returned)."""
         return self.checkpoints.commit(task, snapshot=snapshot, tag=tag)
-
-    def _save_pending(self, task: WindowTask) -> None:
-        """Publishing progress only: the last durable checkpoint with the shorter pending list."""
-        if task.durable is None:
-            self.commit(task)
-            return
-        self.checkpoints.rewrite_pending(task)
-
-    # -- window close and release --------------------------------------------------------------
-    def async_releases(self) -> bool:
-        """Whether releases run beside the loop (``release.workers`` > 0) for this service:
-        every window kind, with or without snapshots (several aggregations share one worker
-        pool); scale-out releases in the loop (docs/configuration.md)."""
-        return int(self.cfg.release.workers) > 0 and not self.user  # (user: one count of bits)
 
     def close_window(self) -> dict | None:
         """Release the open window (if the budget allows) and start the next one, durably
@@ -598,66 +356,45 @@ class Aggregator:
         self.metrics.intake_stall.set(self.intake_gap.take())
         return self.closer.close(self.task)
 
-    def _collect_releases(self, task: WindowTask, *, wait: bool = False) -> int:
-        """Ledger, checkpoint and publish the worker's finished releases (:meth:`.Closer.
-        collect`)."""
-        return self.closer.collect(task, wait=wait)
+    def async_releases(self) -> bool:
+        """Whether releases run beside the loop (:meth:`.ReleaseStep.beside_loop`)."""
+        return self.releases.beside_loop()
 
-    def _publish_pending(self, task: WindowTask) -> None:
-        """Deliver ``task``'s ledgered releases (:meth:`.PublishStep.publish_pending`)."""
-        self.publishing.publish_pending(task)
-
-    # -- announced audit exports and control requests ------------------------------------------
     def export(self, export_id: str | None = None) -> Path:
-        """Signed snapshot for auditors, with fresh layers just before and just after it."""
-        if self.user:
-            raise ServiceError(NO_EXPORT)
-        key = load_key(self.cfg.audit.key_file or None)
-        if self.event_time.second is not None and self.event_time.second.events:
-            raise ServiceError(
-                f"an audit export while two event-time windows are live is not built (window "
-                f"{self.task.window['id']} is open within window.allowed_lateness_s while the "
-                "next one counts already); request it again once that window has closed")
-        if self.task.inflight:  # the export's checkpoint holds no list of unreleased windows
-            self._collect_releases(self.task, wait=True)
-        self._export_seq += 1
-        export_id = export_id or f"{int(time.time())}-{self.task.window['id']}-{self._export_seq}"
-        return self._export_task(self.task, export_id, key)
+        """A signed audit export with fresh layers around it (:meth:`.AuditExports.export`)."""
+        return self.exports.export(self.task, export_id)
 
-    def _export_task(self, task: WindowTask, export_id: str, key: bytes) -> Path:
-        """Export ``task``'s state: the layered snapshot of a checkpoint (so a restart resumes
-        from it instead of drawing noise the export did not see), ledgered, then signed."""
-        snapshot = self.commit(task, snapshot=True, tag=(1000 + self._export_seq,))
-        self._ledger_append(entry_id=f"export-{export_id}", kind="export",
-                            window=task.window["id"], window_uid=task.window["uid"],
-                            epsilon_spent=0.0, model=self.model,
-                            note="announced export; fresh DLap layers before and after")
-        out_dir = Path(self.cfg.audit.dir or self.dir / "exports")
-        path = write_export(out_dir / f"export-{export_id}.panagg", state=snapshot,
-                            window=task.window, offsets=task.offsets, export_id=export_id, key=key)
-        self.metrics.exports.inc()
-        log.info("audit export %s written to %s", export_id, path)
-        return path
+    def _lock(self) -> None:
+        self.claim.claim()  # what this start creates is removed again if it is refused
+        self.control.mkdir(exist_ok=True)
 
-    def _ledger_append(self, **entry) -> None:
-        if self._deferred is not None:  # a start still checking: written once all checks pass
-            self._deferred.append(entry)
-            return
-        self.ledger.append(**entry)
+    def _remove_created(self) -> None:
+        """After a refused start (the lock released): :meth:`.DirectoryClaim.remove_created`."""
+        self.claim.remove_created()
 
-    def _start_append(self, **entry) -> None:
-        """An entry of the start's checks (identity, fresh start): deferred while a start is
-        checking, else written directly (scale-out holds the group's lock around its start)."""
-        if self._deferred is not None:
-            self._deferred.append(entry)
-        else:
-            self.ledger.append(**entry)
+    def save_effective_config(self) -> None:
+        """Keep the running config next to the checkpoints (:func:`.save_effective_config`)."""
+        save_effective_config(self.dir, self.cfg)
 
-    def paused_for_budget(self, poll_timeout_s: float, finite: bool) -> bool:
-        """True while intake is paused for the spent budget (:meth:`.LoopHealth.intake_paused`):
-        the loop then only serves control requests."""
-        if not self.health.intake_paused(finite):
-            return False
-        self.requests.serve()
-        self.stop_event.wait(poll_timeout_s)
-        return True
+    def check_start(self) -> None:
+        """Every check of a start, before anything is written (:meth:`.Start.check`)."""
+        self.starting.check(self.task)
+
+    def restore(self) -> None:
+        """Every check, then the checkpoint restored, the source sought (:meth:`.Start.restore`)."""
+        self.starting.restore(self.task)
+
+    def idle_can_count(self) -> bool:
+        """Whether an empty turn counts towards --exit-when-idle (:mod:`.stages.caught_up`)."""
+        return idle_can_count(self.source, self.intake.held)
+
+    def _stop_line(self, reason: str | None = None) -> None:
+        """What a restart will find: the last checkpoint and what is replayed from it."""
+        log_stop(getattr(self, "task", None), reason or (
+            "stop requested" if self.stop_event.is_set() else "input ended or idle"))
+
+    def catch_up(self, timeout_s: float = 120.0) -> None:
+        """Count what the source holds now, for offline commands (:func:`.stages.caught_up`)."""
+        catch_up(self.source, lambda: self.intake.held, ingest=self._ingest,
+                 snapshot=lambda: self._maybe_snapshot(self.task),
+                 bootstrap=self.cfg.source.bootstrap, timeout_s=timeout_s)

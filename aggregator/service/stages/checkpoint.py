@@ -3,7 +3,10 @@
 A checkpoint holds where the open window starts in the source, the totals up to there and the
 releases not yet published; never the live counters (``process``'s module docstring: a file
 holding memory's noise would let one intrusion read the exact recent events). Optionally it
-holds a *layered snapshot*: a view with a fresh noise layer on each side.
+holds a *layered snapshot*: a view with a fresh noise layer on each side. A restart counts the
+open window again from its checkpoint, so the source must retain one window (or one snapshot
+interval); the start checks it for Kafka time windows, and a window the source no longer holds
+stops the service with one line.
 
 The numbered sequence of :meth:`Checkpoints.commit`:
 
@@ -17,11 +20,12 @@ Invariant: a checkpoint never says more events are counted than memory holds (a 
 a snapshot inside a window is refused). Each write is retried with backoff until it succeeds or
 a stop is requested (:class:`..errors.Stopping`: the window is replayed at the next start).
 Durable writes: the task's checkpoint files (offsets, totals, pending release documents, and a
-snapshot that is a noised view).
+snapshot that is a noised view). At a stop, :func:`log_stop` says what a restart will find.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +36,25 @@ from ..metrics import Metrics
 from ..window import WindowTask
 from .durable_write import wait_for_write
 
-__all__ = ["Checkpoints"]
+__all__ = ["Checkpoints", "log_stop"]
+
+log = logging.getLogger("panagg.service")
+
+
+def log_stop(task: WindowTask | None, reason: str) -> None:
+    """The stop line: the open window, the last checkpoint and what is replayed from it."""
+    win = getattr(task, "window", None) or {}
+    durable = getattr(task, "durable", None)
+    if not win:
+        log.info("stopped (%s)", reason)
+        return
+    where = ""
+    if durable is not None:
+        where = (f" (checkpoint {durable.seq}, at offsets "
+                 f"{', '.join(f'{k}: {v}' for k, v in sorted(durable.offsets.items()))})")
+    log.info("stopped (%s): window %s open with %s events; the last checkpoint holds its "
+             "start%s, so the next start replays it from the source", reason, win.get("id"),
+             f"{int(win.get('events', 0)):,}", where)
 
 
 class Checkpoints:
@@ -98,6 +120,14 @@ class Checkpoints:
         record.ledger_head = self.ledger.head()
         self.wait_for(lambda: self.save(task, record), "checkpoint")
         self.source.commit(record.offsets, self.kafka_anchor())
+
+    def save_pending(self, task: WindowTask) -> None:
+        """Publishing progress only: the last durable checkpoint with the shorter pending list
+        (:meth:`rewrite_pending`; a task without one is committed)."""
+        if task.durable is None:
+            self.commit(task)
+            return
+        self.rewrite_pending(task)
 
     def rewrite_pending(self, task: WindowTask) -> None:
         """Publishing progress only: the task's last durable checkpoint with its shorter pending

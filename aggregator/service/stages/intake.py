@@ -7,7 +7,7 @@ counts the items into a :class:`..window.WindowTask` in one vectorized call per 
 (:meth:`Intake.count`), closing the window (the caller's ``close``) when a count window fills or
 a replay reaches its target, so that each window holds exactly its records. A partition that
 reached its replay target before the others is held there (:meth:`Intake.hold`) until the window
-closes.
+closes. The decoder follows the source's and the items' settings (:func:`decoder_for`).
 
 Invariant: the task's offsets always match its counters and its reject totals (a record is in
 exactly one of: counted, rejected, filtered; each exactly once). Writes nothing durable; the
@@ -22,16 +22,24 @@ import logging
 import numpy as np
 
 from consumers.base import Segment, offsets_array
-from consumers.decode import FILTERED, Decoder
+from consumers.decode import FILTERED, Decoder, ItemSpec
 
 from ...state import PanPrivateHistogram
 from ..metrics import Metrics
 from ..rejects import RejectLog, RejectWatch
 from ..window import WindowTask
 
-__all__ = ["Intake"]
+__all__ = ["Intake", "decoder_for"]
 
 log = logging.getLogger("panagg.service")
+
+
+def decoder_for(cfg, domain_size: int | None) -> Decoder:
+    """The decoder of ``cfg``'s source and item settings; ``domain_size``: a direct domain's
+    size (its indices are checked against it), None for hashed items."""
+    src = cfg.source
+    return Decoder(src.format, domain_size=domain_size, max_message_bytes=src.max_message_bytes,
+                   max_item_bytes=src.max_item_bytes, spec=ItemSpec.from_config(cfg.item))
 
 
 class Intake:

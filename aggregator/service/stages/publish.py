@@ -6,6 +6,8 @@ publish_pending` hands the pending documents to the :class:`..publisher.ReleaseP
 document every sink holds leaves ``task.pending``, the shorter list is checkpointed
 (``save_pending``), and the ledger's head is recorded beside the releases (:mod:`..anchor`), so
 that a state directory restored without its latest ledger is refused at the next start.
+At the end of a run :meth:`PublishStep.publish_last` tries once more and refuses to end quietly
+with releases undelivered (they stay in the checkpoint for the next start).
 
 Invariant: only ledgered documents are published, in window order. Durable writes: the release
 files (noised documents), the release topic's records, the release directory's anchor file
@@ -22,6 +24,7 @@ from pathlib import Path
 from state_store.failpoints import failpoint
 
 from ..anchor import write_release_dir_anchor
+from ..errors import ServiceError
 from ..ledger import Ledger
 from ..metrics import Metrics
 from ..publisher import ReleasePublisher
@@ -79,6 +82,18 @@ class PublishStep:
         if done:
             self.save_pending(task)
             self.anchor_in_release_dir()
+
+    def publish_last(self, task: WindowTask) -> None:
+        """The run's end: retry the sinks now; a run must not end looking successful if it
+        could not publish (:class:`..errors.ServiceError`)."""
+        if task.pending:
+            self.publisher.retry_now(wait_s=10.0)
+            self.publish_pending(task)
+        if task.pending:
+            raise ServiceError(
+                f"{len(task.pending)} release(s) could not be published "
+                f"({self.publisher.last_reason}); they stay in the checkpoint and are "
+                "published at the next start once the cause is fixed")
 
     def published(self, release: dict, path: Path) -> None:
         """A release's file is written: metrics and the log line."""

@@ -129,6 +129,11 @@ class BudgetRegistries:
                     registry.who(registry.translate({part: [0, pos]}),
                                  registry.charges(set())), registry.topic, pos)
 
+    def close(self) -> None:
+        """At the stop: close the registry attached to the gate (if any)."""
+        if self.gate.registry is not None:
+            self.gate.registry.close()
+
     def attach(self) -> None:
         """Once the start's checks passed: the file registry, or for a Kafka source the
         cluster's budget registry (``ledger.registry_topic``; state_store/registry.py), is read

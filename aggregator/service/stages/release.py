@@ -9,7 +9,9 @@ over the source positions the window covers).
 :class:`ReleaseStep` does it either in the loop (:meth:`ReleaseStep.ledgered_release`) or beside
 it (:meth:`ReleaseStep.submit` hands the closed counters to the release worker,
 :meth:`ReleaseStep.ledger_finished` ledgers the finished ones in window order). Which window
-opens next, and the checkpoints that follow, are the caller's (the window assigner's).
+opens next, and the checkpoints that follow, are the caller's (the window assigner's). The
+rollups (``window.rollups``: sums of consecutive windows' views, released at their ends) close
+beside it: :func:`rollups_for` builds their :class:`..rollup_closer.RollupCloser`.
 
 Invariant: the ledger entry of a release holds the released (noised) document only; the
 counters never leave memory except to the release worker's shared block. Durable writes: the
@@ -23,6 +25,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 from state_store.failpoints import failpoint
@@ -35,11 +38,12 @@ from ..identity import identity_of, item_identity
 from ..ledger import Ledger
 from ..metrics import Metrics
 from ..release_gate import ReleaseGate, covered_ranges
+from ..rollup_closer import RollupCloser
 from ..settings import Config
 from ..user_window import is_user, user_release
 from ..window import WindowTask
 
-__all__ = ["ReleaseStep", "annotate", "release_method"]
+__all__ = ["ReleaseStep", "annotate", "release_method", "rollups_for"]
 
 log = logging.getLogger("panagg.service")
 
@@ -48,6 +52,24 @@ def release_method(cfg: Config) -> str | None:
     """``release.estimator``: None for the grid's default, else the named estimator."""
     name = cfg.release.estimator
     return None if name == "default" else name
+
+
+def rollups_for(cfg: Config, directory: Path, gate: ReleaseGate, metrics: Metrics, *,
+                annotate: Callable[[dict, dict], None],
+                worker: Callable[[], object]) -> RollupCloser | None:
+    """``window.rollups``' closer (its sums under ``directory/rollups``; the gate's ledger,
+    stream and aggregation), None without rollups; ``annotate`` completes a release document
+    (:meth:`ReleaseStep.annotate`), ``worker()`` is the release worker now."""
+    from ..config import rollup_spans
+    spans = rollup_spans(cfg)  # type: ignore[arg-type]  # (it reads a Config too)
+    if not spans:
+        return None
+    return RollupCloser(
+        Path(directory) / "rollups", spans, ledger=gate.ledger, metrics=metrics,
+        model=cfg.state.model, loss=cfg.state.loss, method=release_method(cfg),
+        error_bar_reps=int(cfg.release.error_bar_reps), stream=gate.stream,
+        aggregation=gate.aggregation, base_kind=cfg.window.kind, window_size=cfg.window.size,
+        annotate=annotate, worker=worker)
 
 
 def annotate(release: dict, closing: dict, cfg: Config, epsilon: float) -> None:
@@ -99,6 +121,13 @@ class ReleaseStep:
         #: (window, started, ended) of each release the worker computed (wall clock; kept in
         #: the process for latency figures, never in a document)
         self.runs: list[tuple[int, float, float]] = []
+
+    def beside_loop(self) -> bool:
+        """Whether releases run beside the loop (``release.workers`` > 0): every window kind,
+        with or without snapshots (several aggregations share one worker pool); scale-out
+        releases in the loop (docs/configuration.md), and so does the user unit (its release is
+        one count of bits)."""
+        return int(self.cfg.release.workers) > 0 and not is_user(self.cfg)
 
     def annotate(self, release: dict, closing: dict) -> None:
         """:func:`annotate` with this aggregation's settings."""

@@ -12,8 +12,8 @@ a checkpoint (:meth:`Resume.first_start`) the first window starts at ``source.st
 positions the budget has spent.
 
 Invariant: a start never replays a decided window and never counts a position twice into one
-window. Durable writes: ledger entries (``restart``, ``fresh-start``) through the deferred
-``append`` / ``start_append`` of the start (a refused start writes nothing); the caller commits
+window. Durable writes: ledger entries (``restart``, ``fresh-start``) through the start's
+``append`` (held until every check passed: a refused start writes nothing); the caller commits
 the position when :meth:`Resume.restore_task` says so.
 """
 
@@ -29,6 +29,7 @@ from ..errors import ServiceError
 from ..ledger import Ledger
 from ..release_gate import ReleaseGate
 from ..window import WindowTask, totals_from
+from .fresh_state import FreshStates
 from .registries import BudgetRegistries
 from .start_checks import StartChecks
 from .windows import WindowAssigner
@@ -57,14 +58,13 @@ class Resume:
         The event source (``committed_offsets`` where it has them).
     event_time
         The event-time windows (a decided event-time window is passed their way).
-    new_state
-        ``new_state(task, window_id)``: window ``window_id``'s fresh state.
-    rng
-        ``rng(*tag)``: the restored snapshot's fresh layer (None: the OS CSPRNG).
-    append, start_append
-        Ledger entries of the start (deferred while it checks).
-    epsilon, model, direct, size
-        The state's settings (a restored snapshot must match them).
+    states
+        The fresh states (:mod:`.fresh_state`): a window's new state, the ``rng`` of a restored
+        snapshot's fresh layer, the state's settings (a restored snapshot must match them).
+    append
+        ``append(**entry)``: a ledger entry of the start (held while it checks).
+    model
+        The counter model (in the ``restart`` entry).
     fresh_start
         ``--fresh-start``: start without the lost checkpoint.
     directory, group
@@ -73,15 +73,14 @@ class Resume:
 
     def __init__(self, ledger: Ledger, checks: StartChecks, registries: BudgetRegistries,
                  gate: ReleaseGate, windows: WindowAssigner, source, *, event_time,
-                 new_state: Callable[[WindowTask, int], PanPrivateHistogram], rng: Callable,
-                 append: Callable[..., None], start_append: Callable[..., None],
-                 epsilon: float, model: str, direct: bool, size: int, fresh_start: bool,
-                 directory: Path, group: str):
+                 states: FreshStates, append: Callable[..., None], model: str,
+                 fresh_start: bool, directory: Path, group: str):
         self.ledger, self.checks, self.registries, self.gate = ledger, checks, registries, gate
         self.windows, self.source, self.event_time = windows, source, event_time
-        self.new_state, self.rng = new_state, rng
-        self.append, self.start_append = append, start_append
-        self.epsilon, self.model, self.direct, self.size = epsilon, model, direct, size
+        self.new_state, self.rng = states.take, states.rng
+        self.append = self.start_append = append
+        self.epsilon, self.direct, self.size = states.epsilon, states.direct, states.size
+        self.model = model
         self.fresh_start, self.dir, self.group = fresh_start, directory, group
 
     def restore_task(self, task: WindowTask, *, where: str) -> bool:

@@ -3,7 +3,8 @@
 A start claims the directory (:func:`claim_directory`): it makes the directory and holds
 ``service.lock`` (an flock with the holder's pid inside) for as long as it runs. A start that is
 refused afterwards removes what it created (:func:`remove_created`), so that a refused start
-leaves the directory as it was. Durable writes here: ``service.lock`` only (a pid, no data).
+leaves the directory as it was (:class:`DirectoryClaim` holds both for one service). Durable
+writes here: ``service.lock`` only (a pid, no data).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from ..errors import ServiceError
 
-__all__ = ["claim_directory", "lock_directory", "remove_created", "service_running"]
+__all__ = ["DirectoryClaim", "claim_directory", "lock_directory", "remove_created",
+           "service_running"]
 
 
 def remove_created(paths) -> None:
@@ -36,6 +38,33 @@ def claim_directory(directory: Path, *later: Path):
     created = [p for p in (directory, *later, directory / "service.lock") if not p.exists()]
     directory.mkdir(parents=True, exist_ok=True)
     return created, lock_directory(directory)
+
+
+class DirectoryClaim:
+    """One service's claim on ``directory`` (and on ``later``, paths its start makes after it):
+    :meth:`claim` at the start, :meth:`remove_created` after a refused one, :meth:`release` at
+    the stop."""
+
+    def __init__(self, directory: Path, *later: Path):
+        self.dir, self.later = Path(directory), later
+        self.created: list[Path] = []
+        self.lock_file = None
+
+    def claim(self) -> None:
+        """Make the directory and hold its lock (:func:`claim_directory`)."""
+        self.created, self.lock_file = claim_directory(self.dir, *self.later)
+
+    def remove_created(self) -> None:
+        """After a refused start (the lock released): remove what :meth:`claim` created, so
+        that the directory is as it was (an empty new directory is removed too)."""
+        remove_created(self.created)
+        self.created = []
+
+    def release(self) -> None:
+        """Release the lock (closing its file)."""
+        if self.lock_file is not None:
+            self.lock_file.close()
+            self.lock_file = None
 
 
 def lock_directory(directory: Path):

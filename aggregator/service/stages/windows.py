@@ -16,12 +16,16 @@ assigner decides; the caller closes, checkpoints and releases. Writes nothing.
 
 from __future__ import annotations
 
+import logging
+
 from ..ledger import Ledger
 from ..metrics import Metrics
 from ..settings import Config
 from ..window import WindowTask, new_window
 
 __all__ = ["WindowAssigner"]
+
+log = logging.getLogger("panagg.service")
 
 
 class WindowAssigner:
@@ -45,9 +49,19 @@ class WindowAssigner:
     def __init__(self, cfg: Config, ledger: Ledger, source, metrics: Metrics, *,
                  event_time=None):
         self.kind, self.size = cfg.window.kind, cfg.window.size
+        self.auto_event_time = bool(cfg.window.auto_event_time)
         self.snapshots_per_window = int(cfg.checkpoint.snapshots_per_window)
         self.ledger, self.source, self.metrics = ledger, source, metrics
         self.event_time = event_time
+
+    def log_clock(self) -> None:
+        """At a start, with ``window.clock = auto`` on Kafka: the line saying which clock cuts
+        the windows (the records' timestamps, not this process's)."""
+        if self.auto_event_time:
+            log.info("time windows of %g s by the records' Kafka timestamps (window.clock = "
+                     "auto): an event lands in the window of its timestamp, after a broker "
+                     "outage too; window.clock = process windows by this process's clock",
+                     self.size)
 
     def new_window(self, task: WindowTask, window_id: int) -> dict:
         """Window ``window_id``'s record (its uid fresh); an event-time window is opened on
