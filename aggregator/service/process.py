@@ -158,7 +158,7 @@ class Aggregator:
                                  positions=lambda: dict(self.task.offsets),
                                  reject_log=self.reject_log, dead_letters=self.dead_letters,
                                  user_budget=self.gate.user_budget,
-                                 stall_timeout_s=src.stall_timeout_s)
+                                 stall_timeout_s=cfg.source.stall_timeout_s)
         #: the checkpoint sequence (:mod:`.stages.checkpoint`)
         self.checkpoints = Checkpoints(self.ledger, self.metrics, source, self.dir,
                                        dead_letters=self.dead_letters, anchor_name=self.anchor_name,
