@@ -32,7 +32,6 @@ import contextvars
 import json
 import logging
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +46,7 @@ from .metrics import Metrics
 from .errors import ServiceError, Stopping
 from .process import Aggregator
 from .settings import Config
+from .stages.caught_up import IdleExit
 from .stages.labelled import ByAggregation
 from .stages.state_dir import claim_directory, remove_created
 
@@ -395,12 +395,16 @@ class MultiAggregator:
             if self.on_started is not None:
                 self.on_started()
             finite = self.cfg.source.kind != "kafka"
-            idle_since = None
+            # --exit-when-idle: the same rule as one aggregation's, over all of them
+            idle = IdleExit(idle_exit_s,
+                            lambda: all(a.idle_can_count() for a in self.aggs.values()))
             share = poll_timeout_s / len(self.aggs)
             while not self.stop_event.is_set():
                 # one consumer: an aggregation whose total budget is spent pauses the intake
                 if any([self._each(name, agg.paused_for_budget, share, finite)
                         for name, agg in self.aggs.items()]):
+                    if idle.paused_over():
+                        break
                     continue
                 for agg in self.aggs.values():
                     agg.intake_gap.polling()
@@ -411,16 +415,13 @@ class MultiAggregator:
                 self._track_start()
                 self._health()
                 if segments:
-                    idle_since = None
+                    idle.polled()
                     continue
                 if self.source.exhausted:
                     for name, agg in self.aggs.items():
                         self._each(name, agg.input_ended)
                     break
-                if idle_exit_s is None or not all(a.idle_can_count() for a in self.aggs.values()):
-                    continue
-                idle_since = idle_since or time.monotonic()
-                if time.monotonic() - idle_since >= idle_exit_s:
+                if idle.over():
                     break
             for name, agg in self.aggs.items():
                 self._each(name, agg.finish)

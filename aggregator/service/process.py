@@ -220,6 +220,8 @@ class Aggregator:
             finite = self.cfg.source.kind != "kafka"
             while not self.stop_event.is_set():
                 if self.paused_for_budget(poll_timeout_s, finite):
+                    if idle.paused_over():  # --exit-when-idle: a paused intake counts nothing
+                        break
                     continue
                 self.intake_gap.polling()
                 segments = self.source.poll(poll_timeout_s)
@@ -292,8 +294,7 @@ class Aggregator:
         self.health.turned()
 
     def paused_for_budget(self, poll_timeout_s: float, finite: bool) -> bool:
-        """True while intake is paused for the spent budget (:meth:`.LoopHealth.intake_paused`):
-        the loop then only serves control requests."""
+        """True while the spent budget pauses intake (:meth:`.LoopHealth.intake_paused`)."""
         if not self.health.intake_paused(finite):
             return False
         self.requests.serve()
@@ -346,8 +347,7 @@ class Aggregator:
             self.commit(task, snapshot=True, tag=(task.window["snapshots"],))
 
     def commit(self, task: WindowTask, *, snapshot: bool = False, tag: tuple = ()) -> bytes | None:
-        """Make ``task``'s position durable (:meth:`.Checkpoints.commit`; with ``snapshot`` a
-        layered snapshot, returned)."""
+        """``task``'s position made durable (:meth:`.Checkpoints.commit`); a snapshot returned."""
         return self.checkpoints.commit(task, snapshot=snapshot, tag=tag)
 
     def close_window(self) -> dict | None:

@@ -166,7 +166,9 @@ class UserBudget:
         left = self.budget - self.spent()
         if left >= self.epsilon * (1 - _SLACK):
             return None
-        return (f"per-user budget spent: {self.spent():g} of ledger.budget_per_user="
+        theirs = (f" ({self.elsewhere:g} of it by other deployments on this stream, the "
+                  "budget registry)" if self.elsewhere else "")
+        return (f"per-user budget spent: {self.spent():g}{theirs} of ledger.budget_per_user="
                 f"{self.budget:g} leaves {max(left, 0.0):g} < {self.epsilon:g} for a window, so "
                 "intake is paused (no window is counted only to be refused). Fix: raise "
                 "ledger.budget_per_user (a policy change, recorded in the ledger with "

@@ -149,3 +149,19 @@ def test_a_start_one_level_refuses_writes_nothing_in_any_level(kafka_broker, tmp
         assert _tree(tmp_path / "state") == before
     finally:
         admin.close()
+
+
+def test_a_spent_budget_pauses_the_one_consumer_and_an_idle_run_still_exits(kafka_broker,
+                                                                             tmp_path):
+    """--exit-when-idle ends a run without events for that long. Once one aggregation's
+    ledger.budget_total is spent the one consumer pauses (nothing more is counted): the run must
+    end too, not wait forever (it did: a pause never counted as idle)."""
+    topic = make_topic(kafka_broker)
+    produce_logins(kafka_broker, topic, 3000)
+    args = args_for(kafka_broker, topic, tmp_path, f"g-{uuid.uuid4().hex[:8]}")
+    res = run_service([*args, "--set", "ledger.budget_total=1", "--exit-when-idle", "3"],
+                      timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [d["window"] for d in released(tmp_path, "account")] == [0]
+    paused = [ln for ln in res.stderr.splitlines() if "intake is paused" in ln]
+    assert len(paused) == 1 and "privacy budget spent" in paused[0], res.stderr[-3000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from tests.integration.test_ledger_kafka import _args, _produce
+from tests.integration.test_ledger_kafka import _args, _produce, _releases
 from tests.integration.test_service_kafka import make_topic, run_service
 
 
@@ -170,3 +170,47 @@ def test_the_registry_is_on_by_default(kafka_broker, tmp_path):
     assert "the budget registry panagg.budget" in second.stderr, second.stderr[-3000:]
     assert _charges(a / "state", f"{topic}:0", 2000).max() > 0.0
     assert _charges(b / "state", f"{topic}:0", 2000).max() == 0.0
+
+
+def _produce_logins(bootstrap, topic, n, seed):
+    import msgpack
+    import numpy as np
+
+    from tests.integration.test_service_kafka import produce
+
+    users = np.random.default_rng(seed).integers(0, 1500, n)
+    produce(bootstrap, topic, [msgpack.packb({"user": f"u{u}"}) for u in users],
+            key_of=lambda i: b"k")
+
+
+def test_another_deployments_user_charges_count_against_the_per_user_budget(kafka_broker,
+                                                                            tmp_path):
+    """Issue 50 on a real broker: deployment A (user unit) releases two windows of a topic, so
+    every user is charged 2 eps in the cluster's registry. Deployment B (new state directory, new
+    group) over the same topic may charge an event twice (ledger.budget_per_event = 2), but its
+    per-user budget of 3 pays for one window only: after it the intake pauses, in one line
+    counting A's user charges, and the run exits when idle. The control without the registry
+    releases both."""
+    topic = make_topic(kafka_broker, partitions=1)
+    registry = f"reg-{topic}"
+    _produce_logins(kafka_broker, topic, 2500, 21)
+    user = {"item__field": "user", "state__privacy_unit": "user",
+            "state__expected_users": 2000, "ledger__budget_per_user": 3}
+
+    def deployment(name, **sets):
+        return _with(_args(kafka_broker, topic, tmp_path / name),
+                     source__group=f"{name}-{topic}", **user, **sets)
+
+    a = run_service(deployment("a", ledger__registry_topic=registry))
+    assert a.returncode == 0, a.stderr[-2000:]
+    assert [e["user_epsilon"] for e in _releases(tmp_path / "a")] == [1.0, 1.0]
+    b = run_service(deployment("b", ledger__registry_topic=registry, ledger__budget_per_event=2))
+    assert b.returncode == 0, b.stderr[-2000:]
+    assert [e["window"] for e in _releases(tmp_path / "b")] == [0], b.stderr[-3000:]
+    said = [ln for ln in b.stderr.splitlines() if "per-user budget spent" in ln]
+    assert len(said) == 1 and "intake is paused" in said[0], b.stderr[-3000:]
+    assert "spent: 3 (2 of it by other deployments on this stream" in said[0], said[0]
+    # the control: the same deployment without the registry knows only its own ledger
+    c = run_service(deployment("c", ledger__registry_topic="", ledger__budget_per_event=2))
+    assert c.returncode == 0, c.stderr[-2000:]
+    assert [e["window"] for e in _releases(tmp_path / "c")] == [0, 1], c.stderr[-3000:]

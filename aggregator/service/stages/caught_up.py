@@ -62,6 +62,15 @@ class IdleExit:
         self.since = self.since or time.monotonic()
         return time.monotonic() - self.since >= self.after_s
 
+    def paused_over(self) -> bool:
+        """While the spent budget pauses intake: whether the run has been idle long enough to
+        end. Nothing more is counted while paused (the source is not read), so the pause is an
+        idle stretch whatever the source holds."""
+        if self.after_s is None:
+            return False
+        self.since = self.since or time.monotonic()
+        return time.monotonic() - self.since >= self.after_s
+
 
 def catch_up(source, held: Callable[[], set[str]], *, ingest: Callable[[Segment], None],
              snapshot: Callable[[], None], bootstrap: str, timeout_s: float = 120.0) -> None:
