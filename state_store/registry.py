@@ -171,7 +171,11 @@ class KafkaBudgetRegistry(MemoryRegistry):
                  security: dict | None = None, timeout_s: float = 30.0):
         super().__init__(deployment)
         self.topic = topic
-        self._opts = dict(bootstrap_servers=bootstrap, **(security or {}))
+        # a broker that comes back is found within a second, as by the source's consumer
+        # (kafka-python backs off up to 30 s between reconnects: after a clean broker restart
+        # every check and charge write timed out for 50 s, each stalling the loop 3 s)
+        self._opts = dict(bootstrap_servers=bootstrap, reconnect_backoff_max_ms=1000,
+                          **(security or {}))
         self.timeout_s = float(timeout_s)
         self._consumer = None
         self._producer = None

@@ -214,3 +214,53 @@ def test_another_deployments_user_charges_count_against_the_per_user_budget(kafk
     c = run_service(deployment("c", ledger__registry_topic="", ledger__budget_per_event=2))
     assert c.returncode == 0, c.stderr[-2000:]
     assert [e["window"] for e in _releases(tmp_path / "c")] == [0, 1], c.stderr[-3000:]
+
+
+def test_an_open_registry_reads_and_writes_again_soon_after_a_clean_broker_restart(
+        restartable_broker):
+    """The chaos matrix's count / broker_restart cell: after a clean broker restart every check
+    and charge write of the registry timed out (3 s each, on the consume loop) for 50 s, because
+    its clients backed off up to kafka-python's 30 s between reconnects while the broker was
+    away. A registry that failed through an outage reads to its end and writes a charge within
+    a few seconds of the broker's return (10 s here, a third of that backoff)."""
+    import time
+
+    from kafka.errors import KafkaError
+
+    from state_store.registry import KafkaBudgetRegistry, RegistryError
+
+    reg = KafkaBudgetRegistry(restartable_broker.bootstrap, "panagg.budget.restart",
+                              {"state_dir": "/x"}, timeout_s=30)
+    entry = {"id": "release-1", "kind": "release", "epsilon_spent": 1.0,
+             "ranges": {"t:0": [0, 10]}, "hash": "ab" * 16}
+    try:
+        reg.open()
+        reg.record("lid", entry)
+        restartable_broker.stop()
+        away = time.monotonic() + 15.0
+        k = 1
+        while time.monotonic() < away:  # the windows that close while the broker is away
+            k += 1
+            try:
+                reg.read_to_end(1.0)
+            except (KafkaError, RegistryError):
+                pass
+            try:
+                reg.record("lid", dict(entry, id=f"release-{k}"))
+            except KafkaError:
+                pass
+        restartable_broker.start()
+        deadline, last = time.monotonic() + 10.0, None
+        while time.monotonic() < deadline:
+            try:
+                reg.read_to_end(2.0)
+                reg.record("lid", dict(entry, id="release-back"))
+                break
+            except (KafkaError, RegistryError) as exc:
+                last = exc
+        else:
+            raise AssertionError(f"the registry was not usable 10 s after the broker's return: "
+                                 f"{last!r}")
+        assert reg.has("lid", "release-back")
+    finally:
+        reg.close()
