@@ -382,7 +382,9 @@ class Shuffler:
 
         from consumers.kafka_security import client_options
 
-        sec = client_options(self.cfg.security)
+        # reconnects backed off at most 1 s: a broker that comes back is found at once, as by
+        # the service's own clients (kafka-python's default waits up to 30 s)
+        sec = dict(client_options(self.cfg.security), reconnect_backoff_max_ms=1000)
         boot = self.cfg.source.bootstrap
         self._consumer = KafkaConsumer(bootstrap_servers=boot, group_id=self.group,
                                        enable_auto_commit=False, auto_offset_reset="earliest",
