@@ -213,3 +213,24 @@ def test_the_registry_counts_user_releases_of_the_same_stream_only(tmp_path):
                   same_records_as={"from": "logins-old", "to": "logins"})
     assert sorted(c["entry"] for c in gate.user_charges_elsewhere()) == ["release-a",
                                                                         "release-c"]
+
+
+def test_the_per_user_gauges_are_set_at_the_start(tmp_path, monkeypatch):
+    """A restart shows what every user has spent from its first turn (before any release of its
+    own): the gauges follow the ledger at the start, not only after a release."""
+    from aggregator.service import Aggregator
+    from aggregator.service.config import load_config
+    from consumers.file_source import FileSource
+
+    monkeypatch.setenv("PANAGG_TESTING", "1")
+    path = tmp_path / "logins.jsonl"
+    write_logins(path, 2, seed=29)
+    args = user_args(tmp_path, path, **{"ledger.budget_per_user": 5})
+    assert run_cli(args).returncode == 0
+    cfg = load_config(None, [a for a in args[1:] if a != "--set"])
+    agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
+    reg = agg.metrics.registry
+    assert reg.get_sample_value("panagg_user_budget_remaining_epsilon") == float("inf")
+    agg.run()  # the file was read to its end by the first run: nothing more is released
+    assert reg.get_sample_value("panagg_user_budget_spent_epsilon") == 2.0
+    assert reg.get_sample_value("panagg_user_budget_remaining_epsilon") == 3.0

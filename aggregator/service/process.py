@@ -260,9 +260,9 @@ class Aggregator:
         self.starting.ledger_composition(self.task)
         self.assigner.log_clock()
         self.plan.start()
-        budget_line = self.gate.user_budget_line()
-        if budget_line:
-            log.info("%s", budget_line)
+        if self.gate.user_budget is not None:  # the per-user budget's start line and gauges
+            log.info("%s", self.gate.user_budget_line())
+            self.metrics.user_budget(self.gate.user_budget)
         self.publishing.publish_pending(self.task)
 
     def turn(self, segments) -> None:
