@@ -611,7 +611,10 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     ("records of partition p ... window range [a, b)", or "from offset a to b" when no window
     range is named). Offsets in no window are excused only where the harness read them and
     they hold no event (transaction markers): offsets below ``readable_from`` (deleted before
-    anyone read them) in no window are lost without a name.
+    anyone read them) in no window are lost without a name. And a window released with a
+    partition's range empty right where that partition's records were deleted by retention
+    before they were counted (a withheld window names them) is published short: the deleted
+    records may be its own (docs/scale-out.md: every window they may fall in is withheld).
 
     >>> rk = "r:1"
     >>> events = {"r:0": {o: 1 for o in range(40)}, rk: {o: 1 for o in range(40)}}
@@ -638,6 +641,10 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     >>> gone = {"r:0": events["r:0"], rk: {o: 1 for o in range(30, 40)}}
     >>> check_group_entries(bad, docs, gone, {"r:0": 0, rk: 30}).violations[-1]
     'r:1: offsets [10, 30) between windows 0 and 2 are in no window'
+    >>> # every position named, but window 2 released with partition 1 empty after the deletion
+    >>> short = [good[0], held, rel(2, [20, 40], [30, 30]), rel(3, [40, 40], [30, 40])]
+    >>> check_group_entries(short, docs, events, {"r:0": 0, rk: 30}).violations[0][:60]
+    "window 2: released with r:1's range empty at 30, where recor"
     """
     from .invariant import check_aggregation
 
@@ -648,6 +655,7 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
                        r"(?:.*?window range \[(\d+), (\d+)\))?")
     keys = {k.rsplit(":", 1)[1]: k for k in list(events_at) + list(readable_from)}
     fixed = []
+    deleted_end: dict[str, list[tuple[int, int]]] = {}  # key: (end of deleted records, window)
     for e in entries:
         if e.get("kind") == "release" and e.get("withheld"):
             ranges = dict(e.get("ranges") or {})
@@ -656,6 +664,9 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
                 if m and m.group(1) in keys:
                     a, b = (m.group(4), m.group(5)) if m.group(4) else (m.group(2), m.group(3))
                     ranges.setdefault(keys[m.group(1)], [int(a), int(b)])
+                    if "retention" in reason:
+                        deleted_end.setdefault(keys[m.group(1)], []).append(
+                            (int(m.group(3)), int(e["window"])))
             e = dict(e, kind="refused", ranges=ranges)
         fixed.append(e)
     cov = check_aggregation(fixed, docs, topic_docs=None, size_of=size_of)
@@ -667,6 +678,17 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
             if size_of(part, a, b) == 0 and a >= readable_from.get(part, 0):
                 continue  # markers only
         kept.append(v)
+    for e in fixed:
+        if e.get("kind") != "release":
+            continue
+        for key, ends_at in deleted_end.items():
+            r = (e.get("ranges") or {}).get(key)
+            for x, u in ends_at:
+                if r is not None and r[0] == r[1] == x and e["window"] > u:
+                    kept.append(f"window {e['window']}: released with {key}'s range empty at "
+                                f"{x}, where records deleted by retention before they were "
+                                f"counted end (withheld window {u} names them): they may be "
+                                "this window's")
     cov.violations = kept
     return cov
 
