@@ -621,8 +621,8 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     >>> rel = lambda w, r0, r1: {"kind": "release", "window": w, "n": (r0[1] - r0[0]) +
     ...     (r1[1] - r1[0]), "ranges": {"r:0": r0, rk: r1}, "totals": {"rejects": {}}}
     >>> why = ("records of partition 1 from offset 10 to 30 were deleted by the repartition "
-    ...        "topic's retention before they were counted; window range [10, 30) cannot be "
-    ...        "released whole")
+    ...        "topic's retention before they were counted (scale.repartition_retention_s); "
+    ...        "window range [10, 30) cannot be released whole")
     >>> held = {"kind": "release", "window": 1, "withheld": why, "ranges": {"r:0": [10, 20]}}
     >>> docs = {0: [{"n": 20}], 2: [{"n": 20}]}
     >>> good = [rel(0, [0, 10], [0, 10]), held, rel(2, [20, 40], [30, 40])]
@@ -651,17 +651,18 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     def size_of(part: str, a: int, b: int) -> int:
         return sum(k for off, k in events_at.get(part, {}).items() if a <= off < b)
 
+    # (a reason holds "; " itself: "...(scale.repartition_retention_s); window range [a, b)")
     named = re.compile(r"records of partition (\d+) from offset (\d+) to (\d+)"
-                       r"(?:.*?window range \[(\d+), (\d+)\))?")
+                       r"(?:(?:(?!records of partition).)*?window range \[(\d+), (\d+)\))?")
     keys = {k.rsplit(":", 1)[1]: k for k in list(events_at) + list(readable_from)}
     fixed = []
     deleted_end: dict[str, list[tuple[int, int]]] = {}  # key: (end of deleted records, window)
     for e in entries:
         if e.get("kind") == "release" and e.get("withheld"):
             ranges = dict(e.get("ranges") or {})
-            for reason in str(e["withheld"]).split("; "):
-                m = named.search(reason)
-                if m and m.group(1) in keys:
+            for m in named.finditer(str(e["withheld"])):
+                reason = m.group(0)
+                if m.group(1) in keys:
                     a, b = (m.group(4), m.group(5)) if m.group(4) else (m.group(2), m.group(3))
                     ranges.setdefault(keys[m.group(1)], [int(a), int(b)])
                     if "retention" in reason:
