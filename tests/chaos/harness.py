@@ -608,10 +608,10 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     events at each offset the harness read). A withheld window (a ``release`` entry with
     ``withheld``: its ``ranges`` hold the partitions that were not refused) counts as a refused
     window whose ranges are those plus the ones its reason names for the refused partitions
-    ("records of partition p ... window range [a, b)", or "from offset a to b" when no window
-    range is named). Offsets in no window are excused only where the harness read them and
-    they hold no event (transaction markers): offsets below ``readable_from`` (deleted before
-    anyone read them) in no window are lost without a name. And a window released with a
+    ("records of partition p ... window range [a, b)"; a reason naming only the deleted span
+    names no range of the window). Offsets in no window are excused only where the harness read
+    them and they hold no event (transaction markers): offsets below ``readable_from`` (deleted
+    before anyone read them) in no window are lost without a name. And a window released with a
     partition's range empty right where that partition's records were deleted by retention
     before they were counted (a withheld window names them) is published short: the deleted
     records may be its own (docs/scale-out.md: every window they may fall in is withheld).
@@ -663,14 +663,19 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
             for m in named.finditer(str(e["withheld"])):
                 reason = m.group(0)
                 if m.group(1) in keys:
-                    a, b = (m.group(4), m.group(5)) if m.group(4) else (m.group(2), m.group(3))
-                    ranges.setdefault(keys[m.group(1)], [int(a), int(b)])
+                    # the deleted span is not the window's range (a window resumed there ends
+                    # where the first record left is): only a named window range tiles
+                    if m.group(4):
+                        ranges.setdefault(keys[m.group(1)], [int(m.group(4)), int(m.group(5))])
                     if "retention" in reason:
                         deleted_end.setdefault(keys[m.group(1)], []).append(
                             (int(m.group(3)), int(e["window"])))
             e = dict(e, kind="refused", ranges=ranges)
         fixed.append(e)
-    cov = check_aggregation(fixed, docs, topic_docs=None, size_of=size_of)
+    # every partition is counted from its first offset (the topics are new): events before
+    # the first window are in no window
+    cov = check_aggregation(fixed, docs, topic_docs=None, size_of=size_of,
+                            begins={k: 0 for k in events_at})
     kept = []
     for v in cov.violations:
         if " are in no window" in v:
