@@ -5,6 +5,12 @@ one invariant (tests/chaos/invariant.py).
 
     python -m bench.service.chaos --seeds 5 --doc docs/chaos.md
     python -m bench.service.chaos --modes count,several --faults kill9 --seeds 1   # a smoke run
+    python -m bench.service.chaos --modes count --faults disk_full --seeds 1
+    python -m bench.service.chaos --modes group_items2 --faults past_retention --seeds 1
+
+A fault that does not apply to a mode (disk_full to a group, past_retention to all but
+group_items2 and group_items3), or a full disk where no filesystem can be mounted, is skipped
+with its reason, never faked.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ def main(argv=None) -> int:
                                        Path(tmp) / f"{mode}-{fault}-{seed}",
                                        seconds=args.seconds,
                                        faults=args.faults_per_run)
+                        if res.skipped:
+                            print(f"{mode:15s} {fault:18s} seed {seed}: skipped "
+                                  f"({res.skipped})", flush=True)
+                            continue
                         rows.append(res)
                         print(f"{mode:15s} {fault:18s} seed {seed}: "
                               f"{'ok' if res.ok else 'VIOLATED'} produced {res.produced} "
@@ -58,6 +68,8 @@ def main(argv=None) -> int:
                               f"({res.seconds:.0f} s)", flush=True)
                         for v in res.violations[:5]:
                             print(f"    {v[:300]}", flush=True)
+                        for note in res.notes:
+                            print(f"    ({note[:300]})", flush=True)
                         if args.json:
                             with open(args.json, "a") as f:
                                 f.write(json.dumps(res.__dict__) + "\n")

@@ -21,6 +21,9 @@
 # certificate: STATE_DIR/tls/{ca.pem, client.pem, client.key}; STATE_DIR/tls/other-ca.pem is an
 # unrelated CA (for testing a wrong trust store). Start prints "sasl_ssl=127.0.0.1:PORT" and
 # "ssl=127.0.0.1:PORT" before the bootstrap line. Test material only: never reuse these keys.
+#
+# KAFKA_PROPERTIES (at every start): extra server.properties lines, e.g.
+# "log.retention.check.interval.ms=5000" for a test of retention (tests/chaos/harness.py).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cmd=${1:-}
@@ -142,6 +145,7 @@ transaction.state.log.min.isr=1
 group.initial.rebalance.delay.ms=0
 log.retention.hours=24
 PROPS
+  if [ -n "${KAFKA_PROPERTIES:-}" ]; then printf '%s\n' "$KAFKA_PROPERTIES" >> "$state/server.properties"; fi
   if [ "$secure" = 1 ]; then
     local pw store; pw=$(cat "$state/secrets/password"); store=$(cat "$state/tls/store.password")
     cat >> "$state/server.properties" <<PROPS
