@@ -299,8 +299,9 @@ class _Service:
             self.problems.append(f"the stop exited {self.proc.returncode}: {tail}")
 
 
-def _fill(path: Path) -> Path:
-    """Fill the filesystem of ``path`` to its last byte (a real ENOSPC); returns the filler."""
+def fill_disk(path: Path) -> Path:
+    """Fill the filesystem of ``path`` to its last byte (a real ENOSPC); returns the filler
+    (also tests/integration/test_faults_kafka.py's)."""
     filler = path / "filler"
     with open(filler, "wb", buffering=0) as f:
         for block in (65536, 1):
@@ -417,7 +418,7 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             planned.pop(0)
             res.faults += 1
             assert disk is not None
-            filler = _fill(disk)
+            filler = fill_disk(disk)
             full_until = time.monotonic() + rng.uniform(*FULL_S)
             while time.monotonic() < full_until:
                 for svc in services.values():

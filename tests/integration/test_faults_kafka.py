@@ -16,6 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from tests.chaos.harness import fill_disk
 from tests.integration.test_service_kafka import D, env, make_topic, produce, service_args
 
 
@@ -26,18 +27,6 @@ def _mount_small_disk(path: Path, size: str = "4m") -> None:
     if res.returncode != 0:  # a full disk needs a filesystem of its own (root, CAP_SYS_ADMIN)
         pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
 
-
-def _fill(path: Path) -> Path:
-    """Fill the filesystem of ``path`` to the last byte; returns the filler file."""
-    filler = path / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        for block in (65536, 1):
-            try:
-                while True:
-                    f.write(b"\0" * block)
-            except OSError:
-                pass
-    return filler
 
 
 def _ready(url):
@@ -84,7 +73,7 @@ def test_a_full_disk_after_a_release_is_seen_and_every_partition_is_read_after(
                 assert proc.poll() is None and time.time() < deadline, "".join(log)[-3000:]
                 time.sleep(0.05)
             url = next(line.split()[-1] for line in log if line.startswith("metrics on "))
-            filler = _fill(disk)  # the checkpoint after the release now meets ENOSPC
+            filler = fill_disk(disk)  # the checkpoint after the release now meets ENOSPC
             os.kill(proc.pid, signal.SIGCONT)
             t0 = time.time()
             while True:
