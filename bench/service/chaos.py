@@ -100,15 +100,22 @@ def _table(rows, command: str, seconds: float) -> str:
                  f"{sum(r.produced for r in rows):,} | | | {sum(not r.ok for r in rows)} |")
     for label, pick in (("a group", lambda r: MODES[r.mode].members > 0),
                         ("one process", lambda r: MODES[r.mode].members == 0)):
-        back = [s for r in rows if pick(r) for s in r.resume_s]
-        seen = sorted(s for s in back if s is not None)
+        back = [(s, c) for r in rows if pick(r)
+                for s, c in zip(r.resume_s, r.resume_censored or [False] * len(r.resume_s))]
+        seen = sorted(s for s, c in back if s is not None and not c)
+        censored = sum(c for _, c in back)
         if back:
             lines.append("")
-            lines.append(f"Next release after the broker's return, {label}: median "
-                         f"{statistics.median(seen):.1f} s over {len(seen)} returns"
-                         if seen else f"Next release after the broker's return, {label}: none")
-            if len(seen) < len(back):
-                lines[-1] += f" ({len(back) - len(seen)} returns with no release after them)"
+            lines.append(f"Next release holding events after the broker's return, {label}: "
+                         f"median {statistics.median(seen):.1f} s over {len(seen)} returns"
+                         if seen else f"Next release holding events after the broker's return, "
+                         f"{label}: none")
+            if censored:
+                lines[-1] += (f"; {censored} returns left out, the next outage began before "
+                              "their release")
+            if len(seen) + censored < len(back):
+                lines[-1] += (f"; {len(back) - len(seen) - censored} returns with no release "
+                              "after them")
     return "\n".join(lines)
 
 

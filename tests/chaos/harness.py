@@ -15,6 +15,7 @@ the full one and writes its table (docs/chaos.md).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -169,9 +170,12 @@ class Result:
     violations: list[str] = field(default_factory=list)
     faults: int = 0
     seconds: float = 0.0
-    #: per broker return: seconds until the next release was published (None: none before the
-    #: run's end)
+    #: per broker return: seconds until the next release holding events was published (None:
+    #: none before the run's end)
     resume_s: list = field(default_factory=list)
+    #: per broker return: True when the next outage began before that release, which then
+    #: measures that outage too (not a figure of this return)
+    resume_censored: list = field(default_factory=list)
     #: why the case did not run (the fault does not apply, or cannot be made here)
     skipped: str = ""
     #: what the harness saw besides the invariant (a full disk's lines, deleted records)
@@ -387,8 +391,10 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
         recorder = _Recorder(broker.bootstrap, GroupTopics(group).repartition)
         recorder.start()
     returns: list[float] = []  # wall-clock times the broker came back
+    outages: list[float] = []  # and the times it went away
     if fault == "start_broker_away":
         time.sleep(rng.uniform(1, 3))
+        outages.append(time.time())
         broker.stop()
         for svc in services.values():
             svc.start()
@@ -453,11 +459,13 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
                 time.sleep(rng.uniform(0, 1.5))
                 victim.start()
             elif fault == "broker_kill":
+                outages.append(time.time())
                 broker.kill()
                 time.sleep(rng.uniform(1, 5))
                 broker.start()
                 returns.append(time.time())
             else:
+                outages.append(time.time())
                 broker.stop()
                 time.sleep(rng.uniform(1, 5))
                 broker.start()
@@ -469,14 +477,18 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
     if spec.members:
         try:
             published = [ts for recs in _read_topic(broker.bootstrap, f"{group}.panagg.releases",
-                                                    stamps=True).values() for _, _, ts in recs]
+                                                    stamps=True).values()
+                         for _, value, ts in recs if _holds_events(value)]
         except Exception:  # no release topic: the group never released (the check says so)
             published = []
     else:
-        published = [p.stat().st_mtime for p in (data / "releases").rglob("release-*.json")]
+        published = [p.stat().st_mtime for p in (data / "releases").rglob("release-*.json")
+                     if _holds_events(p.read_bytes())]
     for back in returns:
         later = [t - back for t in published if t > back]
         res.resume_s.append(round(min(later), 2) if later else None)
+        nxt = [t - back for t in outages if t > back]
+        res.resume_censored.append(bool(nxt) and (not later or min(nxt) < min(later)))
     for svc in services.values():
         svc.check_alive()
     for svc in services.values():
@@ -519,6 +531,16 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
                                       f"({spec.window_events})")
     res.seconds = time.monotonic() - t_start
     return res
+
+
+def _holds_events(document: bytes | None) -> bool:
+    """Whether a release document counts events (a time window's release of an intake that
+    waited holds none: it is no sign of intake resumed); an unreadable one counts."""
+    try:
+        n = json.loads(document or b"{}").get("n", 1)
+    except (ValueError, AttributeError):
+        return True
+    return n is None or n > 0  # (null: add-remove states do not publish n)
 
 
 def _read_topic(bootstrap: str, topic: str, stamps: bool = False) -> dict[int, list]:
