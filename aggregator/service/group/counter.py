@@ -86,6 +86,9 @@ class SliceTask:
         #: (first, end) offsets of this partition deleted (retention) before they were
         #: counted: every window whose range starts below ``end`` is withheld, naming them
         self.deleted: tuple[int, int] | None = None
+        #: the position at a jump whose first offset was not looked at (looked at less than a
+        #: second before): looked at before the window closes (:meth:`SliceCounter._close`)
+        self.unchecked_from: int | None = None
 
     def advance(self, window: int) -> None:
         """Open ``window`` at the current position (fresh noise)."""
@@ -448,15 +451,25 @@ class Counter:
             return
         now = time.monotonic()
         if jump <= SMALL_JUMP and now - self._low_checked.get(tp.partition, -1e9) < 1.0:
+            # not looked at now: at the close at the latest, so that no window is released
+            # short of records deleted at this jump
+            if task.unchecked_from is None:
+                task.unchecked_from = task.position
             return
         self._low_checked[tp.partition] = now
+        self._note_deleted(task, tp, task.position)
+
+    def _note_deleted(self, task: SliceTask, tp, since: int) -> None:
+        """Note on ``task`` the records from ``since`` to the partition's first offset, if
+        retention deleted them (the first offset is past ``since``)."""
         low = self.consumer.beginning_offsets([tp]).get(tp)
-        if low is not None and low > task.position:
-            task.deleted = (task.position, int(low))
+        if low is not None and low > since and (task.deleted is None
+                                                or task.deleted[1] <= since):
+            task.deleted = (since, int(low))
             log.warning("records of partition %d of %s from offset %d to %d were deleted by "
                         "its retention before they were counted (scale."
                         "repartition_retention_s); the windows they fall in are withheld",
-                        task.partition, self.topics.repartition, task.position, low)
+                        task.partition, self.topics.repartition, since, low)
 
     def _deleted_reason(self, task: SliceTask, end: int) -> str | None:
         """Why the window of ``task`` (its range ending at ``end``) is withheld if it may
@@ -481,6 +494,9 @@ class Counter:
             return False
         end = task.position
         key = f"{self.topics.repartition}:{p}"
+        if task.unchecked_from is not None:  # a jump of this window not looked at yet
+            since, task.unchecked_from = task.unchecked_from, None
+            self._note_deleted(task, TopicPartition(self.topics.repartition, p), since)
         ranges = {key: [task.start, end]}
         refused = task.lost or self._deleted_reason(task, end) or self._refusal(w, ranges)
         if self.count:   # a count window's times are when this partition opened and closed it
