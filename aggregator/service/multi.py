@@ -403,7 +403,7 @@ class MultiAggregator:
                 # one consumer: an aggregation whose total budget is spent pauses the intake
                 if any([self._each(name, agg.paused_for_budget, share, finite)
                         for name, agg in self.aggs.items()]):
-                    if idle.paused_over():
+                    if idle.over(paused=True):
                         break
                     continue
                 for agg in self.aggs.values():

@@ -220,7 +220,7 @@ class Aggregator:
             finite = self.cfg.source.kind != "kafka"
             while not self.stop_event.is_set():
                 if self.paused_for_budget(poll_timeout_s, finite):
-                    if idle.paused_over():  # --exit-when-idle: a paused intake counts nothing
+                    if idle.over(paused=True):  # --exit-when-idle: a paused intake counts nothing
                         break
                     continue
                 self.intake_gap.polling()

@@ -54,19 +54,12 @@ class IdleExit:
         """A poll brought records: the idle stretch starts again."""
         self.since = None
 
-    def over(self) -> bool:
-        """After a poll without records: whether the run has been idle long enough to end."""
+    def over(self, paused: bool = False) -> bool:
+        """After a poll without records (``paused``: a turn the spent budget paused intake):
+        whether the run has been idle long enough to end. Nothing is counted while paused (the
+        source is not read), so a pause is an idle stretch whatever the source holds."""
         # only an --exit-when-idle run asks (the check may wait on the broker)
-        if self.after_s is None or not self.can_count():
-            return False
-        self.since = self.since or time.monotonic()
-        return time.monotonic() - self.since >= self.after_s
-
-    def paused_over(self) -> bool:
-        """While the spent budget pauses intake: whether the run has been idle long enough to
-        end. Nothing more is counted while paused (the source is not read), so the pause is an
-        idle stretch whatever the source holds."""
-        if self.after_s is None:
+        if self.after_s is None or not (paused or self.can_count()):
             return False
         self.since = self.since or time.monotonic()
         return time.monotonic() - self.since >= self.after_s
