@@ -133,11 +133,10 @@ class LoopHealth:
         """The line to pause intake with, when ``ledger.budget_total`` (or, under the user unit,
         ``ledger.budget_per_user``) leaves less than one window's epsilon: counting on would
         only fill windows that are refused and discarded."""
-        per_user = None
-        if self.user_budget is not None:
-            per_user = self.user_budget.exhausted()
-            self.metrics.user_budget(self.user_budget)
+        per_user = self.user_budget.exhausted() if self.user_budget is not None else None
         if per_user is not None:
+            # (the gauges follow the start and each release; this refreshes them while paused)
+            self.metrics.user_budget(self.user_budget)
             return per_user
         remaining = self.ledger.remaining()
         if remaining is None or remaining >= self.epsilon * (1 - 1e-12):
