@@ -91,6 +91,13 @@ def start_broker(tmp: Path) -> tuple[str, Path | None]:
     return out.stdout.strip().splitlines()[-1].split("=", 1)[1], state
 
 
+def stop_broker(state: Path | None) -> None:
+    """Stop the broker :func:`start_broker` started (None: the environment's, left running)."""
+    if state is not None:
+        subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)],
+                       capture_output=True, timeout=120)
+
+
 def produce(bootstrap: str, topic: str, events: int, partitions: int = 3) -> None:
     from kafka import KafkaProducer
     from kafka.admin import KafkaAdminClient, NewTopic
@@ -382,9 +389,7 @@ def main(argv=None) -> None:
             if len(by_client) == 2:
                 lines += [cross_line(args.events, by_client), ""]
         finally:
-            if broker_state is not None:
-                subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(broker_state)],
-                               capture_output=True)
+            stop_broker(broker_state)
         if not args.kafka_only:
             rows += other_rows(args, tmp)
     if rows:

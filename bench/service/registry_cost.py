@@ -28,7 +28,7 @@ from aggregator.service import Aggregator
 from aggregator.service.config import load_config
 from aggregator.service.release_gate import ReleaseGate
 from bench.harness import parser, provenance
-from bench.service.e2e import kafka_source, produce, start_broker
+from bench.service.e2e import kafka_source, produce, start_broker, stop_broker
 
 D = 100_000
 
@@ -119,12 +119,7 @@ def main(argv=None) -> None:
                           f"registry {sum(c[2] for c in r['calls']):.3f} s in "
                           f"{len(r['calls'])} calls ({r['seconds']:.1f} s)", flush=True)
         finally:
-            if broker_state is not None:
-                import subprocess
-
-                from bench.service.e2e import ROOT
-                subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(broker_state)],
-                               capture_output=True, timeout=120)
+            stop_broker(broker_state)
     on = [r for r in runs if r["registry"]]
     off = [r for r in runs if not r["registry"]]
     lat_on = [x for r in on for x in r["latency"]]
