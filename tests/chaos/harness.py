@@ -343,6 +343,16 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def _supervise(services, seconds: float, every_s: float) -> None:
+    """Wait ``seconds`` while a fault lasts, restarting any of ``services`` that exited on its
+    own meanwhile (:meth:`_Service.check_alive`: what an operator's supervisor does)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        for svc in services:
+            svc.check_alive()
+        time.sleep(every_s)
+
+
 def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
               seconds: float, settle: float, faults: int, disk: Path | None = None) -> Result:
     rng = random.Random(seed)
@@ -425,11 +435,7 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             res.faults += 1
             assert disk is not None
             filler = fill_disk(disk)
-            full_until = time.monotonic() + rng.uniform(*FULL_S)
-            while time.monotonic() < full_until:
-                for svc in services.values():
-                    svc.check_alive()
-                time.sleep(0.2)
+            _supervise(services.values(), rng.uniform(*FULL_S), 0.2)
             filler.unlink()
         if planned and time.monotonic() >= t0 + planned[0] and fault == "past_retention":
             planned.pop(0)
@@ -440,12 +446,7 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
                       .read_text()] or names[1:]
             down = rng.choice(others)
             services[down].kill9()
-            back = time.monotonic() + DOWN_S
-            while time.monotonic() < back:
-                for name, svc in services.items():
-                    if name != down:
-                        svc.check_alive()
-                time.sleep(0.5)
+            _supervise([svc for name, svc in services.items() if name != down], DOWN_S, 0.5)
             services[down].start()
             res.notes.append(f"{down} down {DOWN_S:g} s (retention {RETENTION_S} s)")
             end = max(end, time.monotonic() + 15)
