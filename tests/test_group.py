@@ -764,3 +764,17 @@ def test_a_member_between_generations_neither_syncs_nor_commits():
     txn.send_offsets({TopicPartition("src", 0): None}, stable)
     txn.send_offsets({TopicPartition("src", 0): None}, "a-group-id")   # a seed: no generation
     assert sent == [stable, "a-group-id"]
+
+
+def test_a_views_group_takes_count_windows_and_refuses_what_it_cannot_do_in_one_line():
+    """The default exchange counts time and count windows (count_views.py); event-time windows,
+    rollups and in-window snapshots are refused naming scale.exchange = items."""
+    base = ["scale.partitioned=true", "scale.store=kafka", "window.size=60"]
+    cfg = load_config(None, overrides=[*base, "window.kind=count"])
+    assert cfg.scale.exchange == "views" and cfg.window.kind == "count"
+    for extra in (["window.kind=event_time"], ['window.rollups=["1h"]'],
+                  ["window.kind=time", "checkpoint.snapshots_per_window=2"]):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides=[*base, *extra])
+        msg = str(err.value)
+        assert 'set scale.exchange = "items"' in msg and "\n" not in msg, msg

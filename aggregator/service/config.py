@@ -132,14 +132,14 @@ def _check_views(cfg: dict) -> None:
     """What a group with scale.exchange = views cannot do yet: one line naming the way."""
     if cfg["scale"]["partitioned"] and cfg["scale"]["exchange"] == "views":
         needs = [what for what, used in (
-            (f"window.kind = {cfg['window']['kind']}", cfg["window"]["kind"] != "time"),
+            (f"window.kind = {cfg['window']['kind']}", cfg["window"]["kind"] == "event_time"),
             ("window.rollups", bool(cfg["window"].get("rollups"))),
             ("checkpoint.snapshots_per_window", bool(cfg["checkpoint"]["snapshots_per_window"])),
         ) if used]
         if needs:
             raise ConfigError(
-                f"scale.exchange = views (the default) counts time windows by each member's "
-                f"clock, without {', '.join(needs)} yet: set scale.exchange = \"items\" for them "
+                f"scale.exchange = views (the default) counts time and count windows, "
+                f"without {', '.join(needs)} yet: set scale.exchange = \"items\" for them "
                 "(its repartition topic holds every event's counter index in plaintext: "
                 "docs/privacy.md section 20), or use one process; docs/scale-out.md")
 

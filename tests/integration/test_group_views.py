@@ -202,3 +202,66 @@ def test_a_forced_release_of_a_views_group_closes_the_open_window_at_every_membe
     docs = releases(kafka_broker, GroupTopics(group))
     assert [d["n"] for d in docs] == [900], docs
     assert docs[0]["exchange"]["views"] >= 1
+
+
+def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_once(
+        kafka_broker, tmp_path):
+    """window.kind = count with the views exchange: each member cuts its own partitions' window
+    once the group's reported total reaches the window's goal (count_views.py). Every event is
+    released once (the ledger's source ranges tile every partition, each window's n is the
+    events of its ranges), the windows are consecutive, and the group took at least N events
+    per window: the first K windows hold at least K x N (a member cutting at its own total
+    alone would release windows of about 2 N here). A forced release then closes the rest."""
+    import subprocess
+    import sys
+
+    N = 2000
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}", "--set", "window.kind=count",
+                      "--set", f"window.size={N}")
+    items = np.random.default_rng(11).integers(0, D, 9 * N + 700)
+    topics = GroupTopics(group)
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        produce(kafka_broker, topic, items, rate=3000)
+        wait_for_total(kafka_broker, topics, 7 * N, 120, members)
+        time.sleep(4)       # the members have counted every event: the open window is short
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                                 "--state-dir", str(tmp_path / "v1" / "state")],
+                                capture_output=True, text=True, timeout=200)
+        assert forced.returncode == 0, forced.stderr + members.logs()
+        wait_for_total(kafka_broker, topics, len(items), 120, members)
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "count windows of 2,000 events of the group" in logs and "Traceback" not in logs, \
+        logs[-3000:]
+    docs = sorted(releases(kafka_broker, topics), key=lambda d: d["window"])
+    sizes = [d["n"] for d in docs]
+    print(f"\nwindow sizes (N = {N}): {sizes}")
+    assert sum(sizes) == len(items)
+    windows = [d["window"] for d in docs]
+    assert windows == list(range(windows[0], windows[0] + len(windows))), windows
+    assert all(d["window_info"]["kind"] == "count" for d in docs)
+    # every window before the forced one closed at the group's total: the first K windows hold
+    # at least K x N, and at most K x N plus what was in flight at the K-th cut (goals are
+    # multiples of N, so overshoots do not add up; members cutting at their own totals alone
+    # release windows of about 2 N here and fail this)
+    for k in range(1, len(sizes)):
+        assert k * N <= sum(sizes[:k]) <= (k + 3) * N, (k, sizes)
+    assert len(sizes) >= 5, sizes
+    entries = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "release"]
+    assert not any(e.get("withheld") for e in entries)
+    spans: dict[str, list] = {}
+    for e in entries:
+        assert e["n"] == sum(b - a for a, b in e["ranges"].values())
+        for part, ab in e["ranges"].items():
+            spans.setdefault(part, []).append(tuple(ab))
+    assert sorted(spans) == [f"{topic}:{p}" for p in range(PARTS)]
+    for part, ss in spans.items():
+        ss.sort()
+        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part

@@ -274,7 +274,8 @@ class Pipeline:
         if clock is not None:
             closer = Closer(txn, self.clients.consumer(None), self.topics,
                             self.identity["partitions"], self.clients.source_partitions, clock)
-        elif self.identity.get("window_kind") == "count":
+        elif self.identity.get("window_kind") == "count" and not self.views:
+            # (a views group's members cut their own windows: count_views.py)
             # (a short fetch wait: the totals' age is what a cut overshoots N by)
             closer = CountCloser(txn, self.clients.consumer(None, fetch_max_wait_ms=50),
                                  self.topics,

@@ -283,12 +283,16 @@ class GroupService:
         self._save_config()
         for pipe in self.pipelines:
             if self.views:
+                size = pipe.identity["window_size"]
+                windows = (f"count windows of {int(size):,} events of the group, cut by each "
+                           "member at the group's reported total"
+                           if pipe.identity.get("window_kind") == "count"
+                           else f"windows of {size:g} s by this member's clock")
                 log.info("member %s of %s: scale.exchange = views: counts its own partitions of "
-                         "%s into its own pan-private state (%s mode, %d counters, windows of "
-                         "%g s by this member's clock); it writes only eps-DP views to %s.*",
+                         "%s into its own pan-private state (%s mode, %d counters, %s); it "
+                         "writes only eps-DP views to %s.*",
                          self.instance, pipe.about, self.cfg.source.topic,
-                         pipe.identity["mode"], pipe.size, pipe.identity["window_size"],
-                         pipe.topics.prefix)
+                         pipe.identity["mode"], pipe.size, windows, pipe.topics.prefix)
                 continue
             kind, size = pipe.identity.get("window_kind"), pipe.identity["window_size"]
             windows = (f"count windows of {int(size):,} events, cut by the leader" if kind == "count"

@@ -56,6 +56,7 @@ from ...counters import noisy_value_counts
 from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
+from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
 from .membership import Membership
 from .summary import agreeing, merged_window_info
@@ -160,8 +161,10 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
                             "why_layers": "each member's view carries its state's layer and "
                                           "its view's layer; the leader sums them"}},
         accuracy=accuracy)
+    infos = [v["window_info"] for v in views]
     release["window_info"] = merged_window_info(
-        [v["window_info"] for v in views],
+        infos, "count windows cut by each member at the group's reported total"
+        if infos[0]["kind"] == "count" else
         "time windows by each member's clock, aligned to the epoch")
     release["release_seconds"] = time.perf_counter() - started
     return release
@@ -179,6 +182,12 @@ class MemberWindow:
         self.events = 0
         #: dead letters of rejected records, sent with the window's close (exactly once)
         self.dead: list[tuple[bytes, bytes, list]] = []
+        #: count windows (count_views.py): partition -> its running total at the window's
+        #: start, and events counted into this window from it; the group total that closes it
+        self.base: dict[int, int] = {}
+        self.counted: dict[int, int] = {}
+        self.goal: int | None = None
+        self.opened_unix = time.time()
 
 
 class ViewCounter:
@@ -215,6 +224,14 @@ class ViewCounter:
             closes.assign([tp])
             closes.seek_to_end(tp)
             closes.position(tp)
+        #: count windows: cut by the group's reported totals (count_views.py)
+        self.count = identity.get("window_kind") == "count"
+        self.totals = GroupTotals(source_topic)
+        self._reported_at = 0.0
+        self._reported: dict[int, tuple[int, int]] = {}
+        if closes is not None and self.count:
+            # the latest totals of every partition: the intake topic from its start
+            closes.seek_to_beginning(tp)
         self._needs_sync = False
         self._last_wait: str | None = None
         self.membership = Membership(consumer, source_topic, topics.ledger)
@@ -268,6 +285,7 @@ class ViewCounter:
         for p in sorted(owned - set(self.where)):
             tp = TopicPartition(self.source_topic, p)
             committed = self.consumer.committed(tp, metadata=True, timeout_ms=5000)
+            meta = {}
             if committed is None or committed.offset is None or committed.offset < 0:
                 window = self.first_window
                 self.consumer.seek_to_beginning(tp)
@@ -279,6 +297,12 @@ class ViewCounter:
                 self.consumer.seek(tp, start)
             task = self.tasks.setdefault(window, MemberWindow(window))
             task.ranges[p] = [start, start]
+            if self.count:
+                # a count window goes on from the committed numbers (a new group: from 0)
+                task.base[p], task.counted[p] = int(meta.get("t", 0)), 0
+                self._reported.pop(p, None)    # its next report is sent whatever it says
+                goal = int(meta.get("g", (window - self.first_window + 1) * self.size))
+                task.goal = max(task.goal or 0, goal)
             self.where[p] = window
             self.metrics.handovers.labels(event="acquired").inc()
             log.info("counting partition %d of %s from offset %d (window %d) into this "
@@ -323,12 +347,77 @@ class ViewCounter:
         if counted:
             self.metrics.events.inc(counted)
         forced = self._forced()
+        if self.count:
+            self._close_counted(forced)
+            return counted
         now = time.time()
         for w in sorted(self.tasks):
             if (now >= (w + 1) * self.size or w <= forced) and w in self.tasks:
                 if not self._close(self.tasks[w]):
                     break
         return counted
+
+    # -- count windows (count_views.py) ------------------------------------------------------
+    def _own_totals(self) -> dict[int, int]:
+        return {p: task.base[p] + task.counted[p] for task in self.tasks.values()
+                for p in task.ranges if p in task.base}
+
+    def _close_counted(self, forced: int) -> None:
+        """Close the open windows the group's total has reached (or a forced release asked),
+        then report this member's totals."""
+        for w in sorted(self.tasks):
+            task = self.tasks.get(w)
+            if task is None or not task.ranges:
+                continue
+            total = self.totals.total(self._own_totals())
+            if task.goal is None:
+                task.goal = total + int(self.size)
+            if not (total >= task.goal or w <= forced):
+                continue
+            nxt_goal = (total + int(self.size) if w <= forced
+                        else next_goal(task.goal, total, int(self.size)))
+            if not self._close(task, goal_after=nxt_goal):
+                break
+        self._report()
+
+    def _report(self, force: bool = False) -> None:
+        """This member's partitions' running totals to the intake topic (count_views.py), at
+        most every PROGRESS_S, only those that changed."""
+        now = time.monotonic()
+        if not force and now - self._reported_at < PROGRESS_S:
+            return
+        self._reported_at = now
+        news = {}
+        for task in self.tasks.values():
+            for p, (_, position) in task.ranges.items():
+                if p in task.base:
+                    now_at = (task.base[p] + task.counted[p], position)
+                    if self._reported.get(p) != now_at:
+                        news[p] = (now_at, task.window)
+        if not news or not self._still_owned_all():
+            return
+        txn = self.txn
+        try:
+            txn.begin()
+            for p, ((t, o), w) in sorted(news.items()):
+                txn.send(self.topics.intake, partition=0,
+                         key=progress_key(self.source_topic, p),
+                         value=json.dumps({"t": t, "o": o, "w": w, "m": self.member},
+                                          separators=(",", ":")).encode())
+            txn.commit()
+        except Exception as exc:
+            # the reports only time the cuts: nothing counted is lost; a fenced member syncs
+            log.info("progress of partition(s) %s not reported (%s)",
+                     ", ".join(map(str, sorted(news))), type(exc).__name__)
+            self.txn.failed(exc)
+            self._needs_sync = True
+            return
+        for p, (at, _) in news.items():
+            self._reported[p] = at
+
+    def _still_owned_all(self) -> bool:
+        return not self._needs_sync and all(self.membership.holds(t.ranges)
+                                            for t in self.tasks.values() if t.ranges)
 
     def _forced(self) -> int:
         """The latest window a forced release asked to close now (-1: none)."""
@@ -338,6 +427,8 @@ class ViewCounter:
         key = close_key(self.topics)
         for records in self.closes.poll(timeout_ms=0).values():
             for rec in records:
+                if self.count and self.totals.take(rec.key, rec.value):
+                    continue
                 if rec.key == key and rec.value is not None:
                     self._forced_upto = max(self._forced_upto, int(json.loads(rec.value)["upto"]))
         return self._forced_upto
@@ -359,10 +450,12 @@ class ViewCounter:
             task.state = self._state()
         task.state.add_indices(idx)
         task.events += len(idx)
+        if tp.partition in task.counted:
+            task.counted[tp.partition] += len(idx)
         return len(idx)
 
     # -- closing -----------------------------------------------------------------------------
-    def _close(self, task: MemberWindow) -> bool:
+    def _close(self, task: MemberWindow, goal_after: int | None = None) -> bool:
         """Write the window's view, its partitions' next offsets (and its dead letters) in one
         transaction; then the partitions count into the next window. False: not written, the
         window is dropped and replayed."""
@@ -381,8 +474,12 @@ class ViewCounter:
             return False
         self._last_wait = None
         ranges = {f"{self.source_topic}:{p}": list(r) for p, r in sorted(task.ranges.items())}
-        info = {"kind": "time", "size": self.size, "events": int(task.events),
-                "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
+        if self.count:   # a count window's times are when this member opened and closed it
+            info = {"kind": "count", "size": self.size, "events": int(task.events),
+                    "started_unix": task.opened_unix, "ended_unix": time.time()}
+        else:
+            info = {"kind": "time", "size": self.size, "events": int(task.events),
+                    "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
         refused = self._refusal(w, ranges) if task.events else None
         if refused:
             head = {"format": VIEW_FORMAT, "version": 1, "window": w,
@@ -396,8 +493,13 @@ class ViewCounter:
         chunks = head.pop("_chunks")
         key = f"{w}/{head['partition']}"
         ledger_head = self.ledger.head()
-        meta = json.dumps({"w": w + 1, "lh": f"{ledger_head['seq']}:{ledger_head['hash'][:16]}"},
-                          separators=(",", ":"))
+        lh = f"{ledger_head['seq']}:{ledger_head['hash'][:16]}"
+
+        def meta(p: int) -> str:
+            at = {"w": w + 1, "lh": lh}
+            if self.count:   # where the partition's next count window starts (count_views.py)
+                at.update(t=task.base[p] + task.counted[p], g=goal_after)
+            return json.dumps(at, separators=(",", ":"))
         txn = self.txn
         try:
             txn.begin()
@@ -409,8 +511,8 @@ class ViewCounter:
                      value=json.dumps(head, allow_nan=False).encode())
             for dkey, value, headers in task.dead:
                 txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
-            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(r[1], meta,
-                                                                                      -1)
+            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(r[1],
+                                                                                      meta(p), -1)
                               for p, r in task.ranges.items()}, self.membership.generation)
             txn.commit()
         except Exception as exc:
@@ -429,6 +531,10 @@ class ViewCounter:
         for p, r in task.ranges.items():
             nxt.ranges[p] = [r[1], r[1]]
             self.where[p] = w + 1
+            if self.count:
+                nxt.base[p], nxt.counted[p] = task.base[p] + task.counted[p], 0
+        if self.count:
+            nxt.goal = max(nxt.goal or 0, goal_after or 0) or None
         return True
 
     def _still_owned(self, task: MemberWindow) -> bool:
@@ -450,4 +556,5 @@ class ViewCounter:
         return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
 
     def _refusal(self, window: int, ranges: dict) -> str | None:
-        return charged_before(self.ledger, self.identity, ranges, "time")
+        return charged_before(self.ledger, self.identity, ranges,
+                              "count" if self.count else "time")
