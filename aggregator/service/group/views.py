@@ -393,16 +393,16 @@ class ViewCounter:
                 if p in task.base:
                     now_at = (task.base[p] + task.counted[p], position)
                     if self._reported.get(p) != now_at:
-                        news[p] = (now_at, task.window)
+                        news[p] = (now_at, task.window, task.goal)
         if not news or not self._still_owned_all():
             return
         txn = self.txn
         try:
             txn.begin()
-            for p, ((t, o), w) in sorted(news.items()):
+            for p, ((t, o), w, g) in sorted(news.items()):
                 txn.send(self.topics.intake, partition=0,
                          key=progress_key(self.source_topic, p),
-                         value=json.dumps({"t": t, "o": o, "w": w, "m": self.member},
+                         value=json.dumps({"t": t, "o": o, "w": w, "g": g, "m": self.member},
                                           separators=(",", ":")).encode())
             txn.commit()
         except Exception as exc:
@@ -412,7 +412,7 @@ class ViewCounter:
             self.txn.failed(exc)
             self._needs_sync = True
             return
-        for p, (at, _) in news.items():
+        for p, (at, _, _) in news.items():
             self._reported[p] = at
 
     def _still_owned_all(self) -> bool:
