@@ -133,15 +133,20 @@ def _check_views(cfg: dict) -> None:
     if cfg["scale"]["partitioned"] and cfg["scale"]["exchange"] == "views":
         needs = [what for what, used in (
             (f"window.kind = {cfg['window']['kind']}", cfg["window"]["kind"] == "event_time"),
-            ("window.rollups", bool(cfg["window"].get("rollups"))),
+            (f"window.rollup_design = {cfg['window'].get('rollup_design')}",
+             bool(cfg["window"].get("rollups")) and cfg["window"].get("rollup_design") != "sum"),
             ("checkpoint.snapshots_per_window", bool(cfg["checkpoint"]["snapshots_per_window"])),
         ) if used]
         if needs:
+            design = "rollup_design" in needs[0] and len(needs) == 1
             raise ConfigError(
-                f"scale.exchange = views (the default) counts time and count windows, "
-                f"without {', '.join(needs)} yet: set scale.exchange = \"items\" for them "
-                "(its repartition topic holds every event's counter index in plaintext: "
-                "docs/privacy.md section 20), or use one process; docs/scale-out.md")
+                "scale.exchange = views (the default) counts time and count windows and sum "
+                f"rollups, without {', '.join(needs)} yet: set "
+                + ("window.rollup_design = \"sum\" (rollups summed from the released views), "
+                   "or " if design else "")
+                + "scale.exchange = \"items\" (its repartition topic holds every event's "
+                "counter index in plaintext: docs/privacy.md section 20), or use one process; "
+                "docs/scale-out.md")
 
 
 def _event_time_problem(cfg: dict) -> str | None:

@@ -12,6 +12,7 @@ state without its own, shows as a variance ratio near 0.5 or lower: the negative
 from __future__ import annotations
 
 import json
+import threading
 import time
 import zlib
 
@@ -269,3 +270,116 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
     for part, ss in spans.items():
         ss.sort()
         assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
+
+
+def _leader(tmp_path) -> str:
+    """The member whose log says last that it leads."""
+    last = {}
+    for f in tmp_path.glob("v*.log"):
+        for line in f.read_text().splitlines():
+            if "leading group" in line or "leading aggregation" in line:
+                last[f.name.split("-")[0]] = line[:23]
+    return max(last, key=last.get)
+
+
+def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_kill(
+        kafka_broker, tmp_path):
+    """window.rollups = 3x (rollup_design = sum) with the views exchange: the leader adds each
+    released window's summed views to its rollups' running sums in the window's transaction
+    (view_rollups.py). The leader is killed -9 mid-stream and restarted: each rollup is
+    released once at 0 eps, its n is the sum of its base windows' n, its layers theirs, every
+    event is in one rollup, and each rollup's last running sum holds exactly the counters of
+    the views of its base windows (a window added twice, or a re-drawn layer, would not add
+    up)."""
+    from aggregator.service.rollup import ROLLUP_ARGUMENT
+    from aggregator.service.group.views import decode_view
+
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
+                      "--set", "window.size=2", "--set", "window.rollups=3x",
+                      "--set", "window.rollup_design=sum")
+    topics = GroupTopics(group)
+    items = np.random.default_rng(5).integers(0, D, 24_000)
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        feed = threading.Thread(target=produce, args=(kafka_broker, topic, items, 2000))
+        feed.start()
+        # the leader is killed just after it released the first window of a rollup: the
+        # rollup's other windows are added by the next leader, to the sum read back
+        deadline = time.monotonic() + 60
+        while not any(d["window"] % 3 == 0 and d["n"] for d in releases(kafka_broker, topics)):
+            assert time.monotonic() < deadline, members.logs()
+            time.sleep(0.2)
+        victim = _leader(tmp_path)
+        members.kill(victim)
+        members.start(victim)
+        feed.join()
+        wait_for_total(kafka_broker, topics, len(items), 180, members)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:     # the rollup of the last window with events
+            base = releases(kafka_broker, topics)
+            last = max(d["window"] for d in base if d["n"])
+            if any(d["rollup"]["index"] == last // 3
+                   for d in releases(kafka_broker, topics, rollups=True)):
+                break
+            time.sleep(1)
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "Traceback" not in logs, logs[-3000:]
+    base = {d["window"]: d for d in releases(kafka_broker, topics)}
+    assert sum(d["n"] for d in base.values()) == len(items)
+    rolls = releases(kafka_broker, topics, rollups=True)
+    names = [d["window"] for d in rolls]
+    assert rolls and len(names) == len(set(names)), names
+    for d in rolls:
+        r = d["rollup"]
+        assert r["windows"] == [w for w in range(3 * r["index"], 3 * r["index"] + 3)
+                                if w in base], (r, sorted(base))
+        assert d["n"] == sum(base[w]["n"] for w in r["windows"])
+        # (a window no member counted an event in adds no layer; a rollup of such windows
+        # only is released from two layers of its own, as such a window is)
+        layers = sum(base[w]["layers"] for w in r["windows"] if base[w]["n"])
+        assert r["layers"] == d["layers"] == (layers or 2)
+        assert r["epsilon_spent"] == 0.0 and r["argument"] == ROLLUP_ARGUMENT
+        assert d["window_info"]["kind"] == "rollup" and d["window_info"]["size"] == 6
+    assert sum(d["n"] for d in rolls) == len(items), "an event is in no rollup, or in two"
+    entries = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "rollup"]
+    assert sorted(e["window"] for e in entries) == sorted(names)
+    for e in entries:
+        doc = next(d for d in rolls if d["window"] == e["window"])
+        assert e["epsilon_spent"] == 0.0 and e["n"] == doc["n"]
+        assert [b["window"] for b in e["base_windows"]] == doc["rollup"]["windows"]
+    # the running sums, read back (tombstoned, not compacted yet): each rollup's last sum is
+    # the sum of the committed views of its windows
+    heads, chunks = {}, {}
+    for _, key, value in read_all(kafka_broker, topics.summaries, [0])[0]:
+        if value is None:
+            continue
+        if b"/c" in key:
+            chunks[key.decode()] = value
+        else:
+            heads[key.decode()] = json.loads(value)
+    view_sum: dict[int, np.ndarray] = {}
+    for key, h in heads.items():
+        if h.get("chunks"):
+            h["_chunks"] = [chunks[f"{key}/c{k}"] for k in range(h["chunks"])]
+            view_sum[h["window"]] = view_sum.get(h["window"], 0) + decode_view(h)
+    last_sum = {}
+    for _, key, value in read_all(kafka_broker, topics.rollups, [0])[0]:
+        if value is not None:
+            last_sum[key.decode()] = value
+    from aggregator.service.rollup import RollupSum
+    checked = 0
+    for key, value in last_sum.items():
+        r = RollupSum.from_bytes(zlib.decompress(value))
+        if f"3x-{r.index}" not in names:
+            continue
+        want = sum((view_sum[w] for w in r.covered() if w in view_sum), np.zeros(D, np.int64))
+        assert np.array_equal(r.counts, want), f"rollup 3x-{r.index} is not its views' sum"
+        checked += 1
+    assert checked >= 2, (checked, sorted(last_sum))

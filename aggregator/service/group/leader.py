@@ -132,6 +132,8 @@ class Leader:
         #: partition -> the member whose summary of it was read last (named when one is late)
         self.last_member: dict[int, str] = {}
         self.released: list[dict] = []
+        #: a views group's sum rollups (view_rollups.ViewRollups), set by the pipeline
+        self.view_rollups = None
         #: sum rollups (rollups.RollupReleases), set by the pipeline when configured
         self.rollups = None
         #: release.max_in_flight: complete windows the leader may have queued before it says it
@@ -186,6 +188,8 @@ class Leader:
         if self.rollups is not None:
             # (event-time windows without events are skipped, not ledgered: settled too)
             self.rollups.step(self.decided() | self._skipped)
+        if self.view_rollups is not None:
+            self.view_rollups.step(self.next_window())
         self._watch_queue()
         if self._in_flight is not None:
             w, fut = self._in_flight
@@ -524,8 +528,12 @@ class Leader:
         entry = dict(kind="release", window=w, epsilon_spent=eps,
                      model=self.identity["model"], n=int(release["n"]),
                      document_sha256=hashlib.sha256(doc.encode()).hexdigest(), **fields)
-        if not self._transact(w, have, entry=entry, document=doc):
+        folded, apply = ([], None) if self.view_rollups is None else \
+            self.view_rollups.fold(w, fields["window_uid"], have)
+        if not self._transact(w, have, entry=entry, document=doc, extra=folded):
             return
+        if apply is not None:
+            apply()
         self.released.append(release)
         path = self.local_file(release, f"release of window {w}")
         self.metrics.releases.inc()
@@ -571,7 +579,8 @@ class Leader:
         so on a compacted one a bare window number would keep one aggregation's release."""
         return f"{self.aggregation}/{name}" if self.aggregation else name
 
-    def _transact(self, w: int, have: dict, *, entry: dict, document: str | None) -> bool:
+    def _transact(self, w: int, have: dict, *, entry: dict, document: str | None,
+                  extra=()) -> bool:
         from kafka.errors import KafkaError
 
         txn = self.txn
@@ -593,6 +602,8 @@ class Leader:
                              value=document.encode())
             for key in _summary_keys(w, have):
                 txn.send(self.topics.summaries, partition=0, key=key, value=None)
+            for topic, key, value in extra:    # rollup sums (view_rollups.py)
+                txn.send(topic, partition=0, key=key, value=value)
             txn.commit()
         except KafkaError as exc:
             log.warning("window %d not decided (%s); it is tried again", w, type(exc).__name__)

@@ -303,7 +303,10 @@ class Pipeline:
                       closer=closer, max_in_flight=cfg.release.max_in_flight,
                       merge_fn=merge_fn, source_topic=cfg.source.topic)
         spans = self.rollup_spans()
-        if spans:
+        if spans and self.views:
+            from .view_rollups import ViewRollups
+            leader.view_rollups = ViewRollups(leader, spans, self.clients.consumer(None))
+        elif spans:
             leader.rollups = RollupReleases(leader, spans)
         if self.views and cfg.ledger.registry_topic:
             from consumers.kafka_security import client_options
@@ -334,3 +337,5 @@ class Pipeline:
                 self.clients.discard(leader.exports.consumer)
             if leader.closer is not None:
                 self.clients.discard(leader.closer.reader)
+            if leader.view_rollups is not None:
+                self.clients.discard(leader.view_rollups.reader)

@@ -136,7 +136,8 @@ class GroupTopics:
     def wanted(self, partitions: int, retention_ms: int,
                views: bool = False) -> dict[str, tuple[int, dict]]:
         """``{topic: (partitions, configs)}``; ``views`` (scale.exchange = views): no
-        repartition topic, and none for the snapshots and sum rollups it does not take."""
+        repartition topic, none for the snapshots it does not take, one partition for the
+        rollup sums its leader keeps."""
         compact = {"cleanup.policy": "compact"}
         # retention deletes whole segments only: a segment rolls at a quarter of the retention,
         # so no plaintext index outlives it by more than that (the broker's default keeps a
@@ -154,10 +155,11 @@ class GroupTopics:
             self.exports: (1, dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
             **({} if views else {
                 self.snapshots: (int(partitions),
-                                 dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
-                # a sum holds its slice's counters (8 bytes each): the producer sends up to 16 MB
-                self.rollups: (int(partitions),
-                               dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)}))}),
+                                 dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)}))}),
+            # a sum holds its slice's counters (8 bytes each): the producer sends up to 16 MB;
+            # a views group's leader keeps the sums of all D counters, zlib'd, in partition 0
+            self.rollups: (1 if views else int(partitions),
+                           dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
             self.intake: (1, compact),
             self.members: (1, compact),
         }

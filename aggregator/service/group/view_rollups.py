@@ -1,0 +1,269 @@
+"""Sum rollups (``window.rollups``, ``rollup_design = sum``) of a views group, kept by its leader.
+
+A rollup of k base windows is the sum of their release views (docs/rollups.md). In a views group
+the release of window w is computed from the sum of the members' views of w (``merge_views``),
+so that sum *is* w's release view: the leader adds it to the running sum of each rollup holding
+w, in the transaction of w's ledger entry. The sums live in ``<prefix>.rollups`` (one
+partition, compacted, key ``<span>/<index>``, zlib of :meth:`RollupSum.to_bytes`); a new leader
+reads them back as of the last decided window, so each released window is added exactly once.
+A withheld window is not added (its views are not a release): the rollup names it as missing,
+as one process does.
+
+Once a window at or past a rollup's last base window is decided, the rollup is released from its
+sum (through the same merge as a window: the estimators told how many layers it holds) and, in
+one transaction, the ledger gets its entry (0 eps: post-processing of released views, docs/
+privacy.md section 21), the document goes to the releases topics and the sum is tombstoned.
+
+>>> import numpy as np
+>>> from aggregator.state import PanPrivateHistogram
+>>> from .views import view_header
+>>> s = PanPrivateHistogram(1.0, size=4)
+>>> s.add_indices(np.array([0, 0, 3]))
+>>> info = {"kind": "time", "size": 5.0, "events": 3, "started_unix": 0.0, "ended_unix": 5.0}
+>>> v = view_header(s, window=7, covers=[0, 1], partitions=2, window_info=info)
+>>> have = {0: v, 1: v}
+>>> r = RollupSum("3x", 2, windows=3, p=s.p, mode="direct", size=4)
+>>> add_window(r, "L/7", 7, have)
+True
+>>> r.layers, r.n, r.covered(), bool(np.array_equal(r.counts, decode_view(v)))
+(2, 3, [7], True)
+>>> merged = rollup_view(r, partitions=2, params=s, window_info=info)
+>>> merged["layers"], merged["n"], merged["covers"], merged["window"]
+(2, 3, [0, 1], '3x-2')
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import time
+import zlib
+from types import SimpleNamespace
+
+import numpy as np
+
+from ...release import stamp_window
+from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, rollup_block
+from .rollups import rollup_window_size
+from .topics import read_partition
+from .views import VIEW_FORMAT, _encode, decode_view
+
+__all__ = ["ViewRollups", "add_window", "rollup_view"]
+
+log = logging.getLogger("panagg.group")
+
+
+def _views_of(have: dict) -> list[dict]:
+    """The distinct views of a window (``have`` files one view under each partition it covers)."""
+    return list({id(v): v for v in have.values()}.values())
+
+
+def add_window(r: RollupSum, uid: str, window: int, have: dict) -> bool:
+    """Add window ``window``'s release view, the sum of its members' views ``have``, to ``r``
+    (False: already in it). A window no member counted an event in adds no counter and no
+    layer (its release drew two layers of its own; they are noise alone)."""
+    views = _views_of(have)
+    counts = np.zeros(r.size, dtype=np.int64)
+    layers = 0
+    for v in views:
+        if v.get("chunks"):
+            counts += decode_view(v)
+            layers += int(v["layers"])
+    n = int(sum(int(v.get("n") or 0) for v in views))
+    return r.update(uid, window, counts, layers=layers, n=n)
+
+
+def rollup_view(r: RollupSum, *, partitions: int, params, window_info: dict,
+                mode: str = "direct") -> dict:
+    """The rollup's sum as one view covering every partition, for ``merge_views``."""
+    dtype, chunks = _encode(r.counts)
+    return {"format": VIEW_FORMAT, "version": 1, "window": f"{r.span}-{r.index}", "partition": 0,
+            "covers": list(range(int(partitions))), "partitions": int(partitions),
+            "mode": str(mode), "size": int(r.size), "epsilon": params.epsilon,
+            "neighbor": params.neighbor, "p": params.p, "model": "joint",
+            "window_info": dict(window_info), "layers": int(r.layers), "n": int(r.n or 0),
+            "chunks": len(chunks) if r.layers else 0, "dtype": dtype,
+            "_chunks": chunks if r.layers else []}
+
+
+class ViewRollups:
+    """The leader's running sums of a views group's rollups, and their releases.
+
+    ``leader`` is the :class:`~aggregator.service.group.leader.Leader`; ``spans`` {name: base
+    windows}; ``reader`` a consumer with no group (read committed) for the restore."""
+
+    def __init__(self, leader, spans: dict[str, int], reader):
+        from kafka import TopicPartition
+
+        self.leader, self.spans = leader, dict(spans)
+        self.sums: dict[tuple[str, int], RollupSum] = {}
+        self._in_flight = None   # ((span, idx), future)
+        tp = TopicPartition(leader.topics.rollups, 0)
+        reader.assign([tp])
+        reader.seek_to_beginning(tp)
+
+        def take(rec):
+            span, _, idx = rec.key.decode().partition("/")
+            if rec.value is None:
+                self.sums.pop((span, int(idx)), None)
+            else:
+                self.sums[(span, int(idx))] = RollupSum.from_bytes(zlib.decompress(rec.value))
+
+        if not read_partition(reader, tp, take):
+            raise RollupError(f"the rollup sums in {leader.topics.rollups} could not be read "
+                              "to their end; the leader tries again")
+        self.reader = reader
+        if self.sums:
+            log.info("%d open rollup sum(s) read back from %s (%s)", len(self.sums),
+                     leader.topics.rollups, ", ".join(f"{s}-{i}" for s, i in sorted(self.sums)))
+
+    # -- in the window's transaction -----------------------------------------------------------
+    def fold(self, w: int, uid: str, have: dict) -> tuple[list[tuple], object]:
+        """Messages (topic, key, value) adding window ``w`` to each rollup holding it, for the
+        transaction of its ledger entry, and what to apply once it is committed."""
+        ident = self.leader.identity
+        new = {}
+        for span, k in self.spans.items():
+            idx = w // k
+            r = self.sums.get((span, idx))
+            r = copy.deepcopy(r) if r is not None else RollupSum(
+                span, idx, windows=k, p=self._params().p, mode=ident["mode"],
+                size=int(ident["size"]))
+            add_window(r, uid, w, have)
+            new[(span, idx)] = r
+        msgs = [(self.leader.topics.rollups, f"{span}/{idx}".encode(),
+                 zlib.compress(r.to_bytes(), 1)) for (span, idx), r in new.items()]
+        return msgs, lambda: self.sums.update(new)
+
+    def _params(self):
+        from ...state import PanPrivateHistogram
+
+        ident = self.leader.identity
+        probe = PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"], size=1)
+        return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
+
+    # -- releasing the rollups whose windows are all decided ----------------------------------
+    def step(self, decided_below: int) -> None:
+        """Release the rollups whose last base window is below ``decided_below`` (the next
+        window the leader decides), one at a time, beside the loop when a worker exists."""
+        lead = self.leader
+        if self._in_flight is not None:
+            key, fut = self._in_flight
+            if not fut.done():
+                return
+            self._in_flight = None
+            self._publish(key, fut.result())
+        for key in sorted(self.sums, key=lambda t: (t[1], t[0])):
+            span, idx = key
+            last = (idx + 1) * self.spans.get(span, 0) - 1
+            if span not in self.spans or last >= decided_below:
+                continue
+            r = self.sums[key]
+            rid = f"{lead.identity['lineage']}/rollup-{span}-{idx}"
+            if lead.ledger.has(rid) or not r.parts:   # decided before, or nothing released
+                self._transact(key, entry=None, document=None)
+                continue
+            first = min(int(v["window"]) for v in r.parts.values())
+            size = float(lead.identity["window_size"])
+            info = {"kind": "rollup", "size": rollup_window_size(lead.identity, r.windows),
+                    "events": int(r.n or 0), "started_unix": first * size,
+                    "ended_unix": (last + 1) * size}
+            view = rollup_view(r, partitions=lead.P, params=self._params(), window_info=info,
+                               mode=lead.identity["mode"])
+            if lead.merge is None:
+                self._publish(key, lead.merge_fn([view], **lead.merge_kwargs))
+            else:   # beside the loop: a week of 1e6 counters takes a while
+                self._in_flight = (key, lead.merge([view], **lead.merge_kwargs))
+                return
+
+    def _missing(self, r: RollupSum) -> list[dict]:
+        lead = self.leader
+        out = []
+        for w in r.missing():
+            e = lead.ledger.get(f"{lead.identity['lineage']}/{w}")
+            if e is not None and e.get("withheld"):
+                why = f"withheld by the ledger ({e['withheld']})"
+            elif w < int(lead.identity["first_window"]):
+                why = "not counted by this group (before its first window)"
+            elif lead.by_marker:
+                why = "no event fell in it (not released)"
+            else:
+                why = "withheld by the ledger: it has no release"
+            out.append({"window": w, "why": why})
+        return out
+
+    def _publish(self, key: tuple[str, int], release: dict) -> None:
+        lead = self.leader
+        span, idx = key
+        r = self.sums[key]
+        name = f"{span}-{idx}"
+        missing = self._missing(r)
+        info = release["window_info"]
+        release["window_info"] = {k: info[k] for k in ("kind", "size", "events",
+                                                       "started_unix", "ended_unix")}
+        release["window_info"]["base_kind"] = lead.window_kind
+        release["rollup"] = rollup_block(r, missing, release["layers"])
+        if missing:
+            release["caveat"] = missing_caveat(name, len(r.parts), r.windows, missing)
+            log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
+                        "which and why)", name, len(r.parts), r.windows, len(missing))
+        if lead.aggregation:
+            release["aggregation"] = {"name": lead.aggregation}
+        rid = f"{lead.identity['lineage']}/rollup-{span}-{idx}"
+        release["window_uid"] = rid
+        release["scale_out"] = {"store": "kafka", "partitions": lead.P, "exchange": "views"}
+        stamp_window(release)
+        doc = json.dumps(release, allow_nan=False, sort_keys=True)
+        entries = [lead.ledger.get(uid) for uid in sorted(
+            r.parts, key=lambda u: int(r.parts[u]["window"]))]
+        entry = dict(entry_id=rid, kind="rollup", window=name, epsilon_spent=0.0,
+                     note=ROLLUP_ARGUMENT, rollup=span, n=int(release["n"]),
+                     base_windows=[{"window": e["window"], "uid": e["window_uid"],
+                                    "seq": e["seq"], "hash": e["hash"]}
+                                   for e in entries if e is not None],
+                     missing=[m["window"] for m in missing], lineage=lead.identity["lineage"],
+                     document_sha256=hashlib.sha256(doc.encode()).hexdigest())
+        self._transact(key, entry=entry, document=doc)
+        path = lead.local_file(release, f"rollup {name}")
+        lead.metrics.rollup_released(span, release)
+        lead.metrics.published(release)
+        log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
+                 "(estimated in %.1f s) -> %s", name, len(r.parts), release["layers"],
+                 release["n"], release.get("release_seconds", float("nan")),
+                 path or lead.topics.releases)
+
+    def _transact(self, key, *, entry: dict | None, document: str | None) -> None:
+        """The ledger entry (if any), the document (if any) and the sum's tombstone in one
+        transaction."""
+        from kafka.errors import KafkaError
+
+        lead = self.leader
+        span, idx = key
+        name = f"{span}-{idx}"
+        txn = lead.txn
+        try:
+            txn.begin()
+            if entry is not None:
+                lead.ledger.append(model=lead.identity["model"], producer=txn, **entry)
+            if document is not None:
+                txn.send(lead.topics.releases, partition=0, key=name.encode(),
+                         value=document.encode())
+                if lead.release_topic:
+                    txn.send(lead.release_topic, key=lead.release_key(name).encode(),
+                             value=document.encode())
+            txn.send(lead.topics.rollups, partition=0, key=f"{span}/{idx}".encode(),
+                     value=None)
+            txn.commit()
+        except KafkaError as exc:
+            log.warning("rollup %s not decided (%s); it is tried again", name,
+                        type(exc).__name__)
+            if entry is not None:
+                lead.ledger.aborted()
+            txn.failed(exc)
+            raise
+        if entry is not None:
+            lead.ledger.committed()
+            lead.metrics.last_release.set(time.time())
+        self.sums.pop(key, None)
