@@ -30,7 +30,7 @@ from pathlib import Path
 
 import msgpack
 
-from .invariant import check_directory
+from .invariant import check_directory, check_rollups
 
 __all__ = ["Broker", "FAULTS", "MODES", "Result", "run_case"]
 
@@ -130,6 +130,10 @@ for _k in (1, 2, 3):
     MODES[f"group_items{_k}"] = Mode(_GROUP + ("scale.exchange=items",),
                                      window_events=12 * RATE, members=_k)
     # count windows of the views exchange: each member cuts at the group's reported total
+    # sum rollups of the views exchange, added up by the leader
+    MODES[f"group_rollups{_k}"] = Mode(_GROUP + ('window.rollups=["3x"]',
+                                                 "window.rollup_design=sum"),
+                                       window_events=12 * RATE, members=_k)
     MODES[f"group_count{_k}"] = Mode(
         tuple(s for s in _GROUP if not s.startswith("window.")) +
         ("window.kind=count", "window.size=6000"), window_events=6000 + 6 * RATE, members=_k)
@@ -527,6 +531,8 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
         for name, cov in report.items():
             label = name or mode
             res.violations += [f"[{label}] {v}" for v in cov.violations]
+            if cov.rollups:
+                res.notes.append(f"[{label}] {cov.rollups} sum rollup publication(s) checked")
             res.released[label] = cov.released_events
             left = sum(ends[p] - cov.covered.get(p, 0) for p in ends)
             res.unreleased[label] = left
@@ -758,6 +764,7 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
         res.violations.append(f"the group's input cannot be read: {type(exc).__name__}: {exc}")
         return
     docs: dict[int, list[dict]] = {}
+    rollup_docs: list[dict] = []
     for recs in published.values():
         for _, v in recs:
             if v is None:
@@ -765,6 +772,8 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
             doc = json.loads(v)
             if "rollup" not in doc and isinstance(doc.get("window"), int):
                 docs.setdefault(doc["window"], []).append(doc)
+            elif "rollup" in doc:
+                rollup_docs.append(doc)
     name = topic if views else topics.repartition
     if views:
         events_at = {f"{topic}:{p}": {off: 1 for off, _ in recs} for p, recs in read.items()}
@@ -794,6 +803,9 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     # may hold transaction markers (no event), which size_of counts as nothing
     cov = check_group_entries(entries, docs, events_at, readable_from)
     res.violations += [f"[group] {v}" for v in cov.violations]
+    res.violations += [f"[group] {v}" for v in check_rollups(entries, docs, rollup_docs)]
+    if rollup_docs:
+        res.notes.append(f"[group] {len(rollup_docs)} sum rollup publication(s) checked")
 
     def size_of(part: str, a: int, b: int) -> int:
         return sum(k for off, k in events_at.get(part, {}).items() if a <= off < b)

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["Coverage", "check_aggregation", "check_directory", "read_ledger", "read_releases"]
+__all__ = ["Coverage", "check_aggregation", "check_directory", "check_rollups", "read_ledger",
+           "read_releases", "read_rollups"]
 
 WINDOW_KINDS = ("release", "refused")
 
@@ -58,6 +59,8 @@ class Coverage:
     released_events: int = 0
     windows: list[int] = field(default_factory=list)
     refused: list[int] = field(default_factory=list)
+    #: sum rollups checked (:func:`check_rollups`)
+    rollups: int = 0
 
 
 def read_ledger(path: Path) -> list[dict]:
@@ -165,6 +168,79 @@ def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
     return cov
 
 
+def read_rollups(release_dir: Path) -> list[dict]:
+    """The sum rollups' release documents in ``release_dir`` (one per file)."""
+    return [doc for doc in (json.loads(p.read_text())
+                            for p in sorted(Path(release_dir).glob("release-*.json")))
+            if "rollup" in doc]
+
+
+def check_rollups(entries: list[dict], docs: dict[int, list[dict]],
+                  rollup_docs: list[dict]) -> list[str]:
+    """Sum rollups (``rollup_design = sum``) over the released windows ``docs``: each rollup is
+    ledgered once (kind ``rollup``, 0 eps) and published with one content, its n is the sum of
+    the n of the base windows it names, which are released windows of its span, each in one
+    rollup of the span, and none it could hold is left out but those its document names as
+    missing.
+
+    >>> base = {4: [{"window": 4, "n": 3}], 5: [{"window": 5, "n": 2}]}
+    >>> roll = {"window": "2x-2", "n": 5, "rollup": {"span": "2x", "index": 2,
+    ...         "base_windows": 2, "windows": [4, 5], "missing": []}}
+    >>> led = [{"kind": "rollup", "window": "2x-2", "n": 5, "epsilon_spent": 0.0,
+    ...         "base_windows": [{"window": 4}, {"window": 5}]}]
+    >>> check_rollups(led, base, [roll])
+    []
+    >>> for v in check_rollups(led, base, [dict(roll, n=3)]):   # an event lost from it
+    ...     print(v)
+    rollup 2x-2: its ledger entry disagrees with its document
+    rollup 2x-2: n 3, its base windows [4, 5] hold 5
+    >>> twice = dict(roll, window="2x-3", rollup=dict(roll["rollup"], index=3))
+    >>> for v in check_rollups(led, base, [roll, twice])[-2:]:   # windows 4, 5 summed twice
+    ...     print(v)
+    rollup 2x-3: base window 5 is not a released window of it
+    base window 5 is in rollups 2x-2 and 2x-3
+    """
+    out = []
+    bad = out.append
+    led = [e for e in entries if e.get("kind") == "rollup"]
+    names = [e["window"] for e in led]
+    if len(names) != len(set(names)):
+        bad(f"rollups ledgered twice: {sorted({n for n in names if names.count(n) > 1})}")
+    by_name: dict[str, list[dict]] = {}
+    for d in rollup_docs:
+        by_name.setdefault(str(d["window"]), []).append(d)
+    seen: dict[str, dict[int, str]] = {}
+    for name, published in sorted(by_name.items()):
+        if len({_content(d) for d in published}) > 1:
+            bad(f"rollup {name}: published with several contents")
+        d = published[0]
+        r = d["rollup"]
+        entry = next((e for e in led if e["window"] == name), None)
+        if entry is None:
+            bad(f"rollup {name}: published but not in the ledger")
+        elif entry.get("epsilon_spent") != 0.0 or entry.get("n") != d["n"] or \
+                [b["window"] for b in entry.get("base_windows", [])] != r["windows"]:
+            bad(f"rollup {name}: its ledger entry disagrees with its document")
+        k, idx = int(r["base_windows"]), int(r["index"])
+        held = sum(int(docs[w][0]["n"]) for w in r["windows"] if w in docs)
+        if held != d["n"]:
+            bad(f"rollup {name}: n {d['n']}, its base windows {r['windows']} hold {held}")
+        for w in r["windows"]:
+            if w not in docs or not idx * k <= w < (idx + 1) * k:
+                bad(f"rollup {name}: base window {w} is not a released window of it")
+            other = seen.setdefault(r["span"], {}).setdefault(w, name)
+            if other != name:
+                bad(f"base window {w} is in rollups {other} and {name}")
+        named = set(r["windows"]) | {m["window"] for m in r.get("missing", [])}
+        left = [w for w in range(idx * k, (idx + 1) * k) if w in docs and w not in named]
+        if left:
+            bad(f"rollup {name}: released base windows {left} are left out unnamed")
+    for name in names:
+        if name not in by_name:
+            bad(f"rollup {name}: ledgered but never published")
+    return out
+
+
 def _window_others(decided: list[dict], entry: dict) -> int:
     """The rejected and filtered records of ``entry``'s window: its totals minus those of the
     window before it (the totals are running sums of the lineage)."""
@@ -194,4 +270,7 @@ def check_directory(state_dir: Path, release_dir: Path, ends: dict[str, int] | N
         entries = read_ledger(sdir / "ledger.jsonl")
         docs = read_releases(rdir) if rdir.exists() else {}
         out[name] = check_aggregation(entries, docs, ends, (topic_docs or {}).get(name), begins)
+        rolls = read_rollups(rdir) if rdir.exists() else []
+        out[name].violations += check_rollups(entries, docs, rolls)
+        out[name].rollups = len(rolls)
     return out
