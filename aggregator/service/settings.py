@@ -883,10 +883,10 @@ class ScaleSettings(Section):
         doc="what a group's members share: `views` (each member counts the source partitions "
             "it is assigned into its own pan-private state, and at a window's end writes only "
             "that state's eps-DP view with one more DLap layer: every internal topic is eps-DP; "
-            "time and count windows, sum rollups) or `items` (the domain split: intake writes "
-            "every event's counter index in plaintext to the repartition topic, readable by "
-            "anyone who can read the topic; needed for event-time windows, the hybrid and tree "
-            "rollup designs, snapshots and exports). "
+            "time and count windows, sum rollups, audit exports) or `items` (the domain split: "
+            "intake writes every event's counter index in plaintext to the repartition topic, "
+            "readable by anyone who can read the topic; needed for event-time windows, the "
+            "hybrid and tree rollup designs and in-window snapshots). "
             "Fixed for the life of the group (docs/scale-out.md)")
     partitions: int = setting(
         0, bounds=(NON_NEGATIVE,), agree="partitions",

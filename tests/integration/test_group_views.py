@@ -383,3 +383,57 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
         assert np.array_equal(r.counts, want), f"rollup 3x-{r.index} is not its views' sum"
         checked += 1
     assert checked >= 2, (checked, sorted(last_sum))
+
+
+def test_an_audit_export_of_a_views_group_is_its_windows_summed_views_signed(
+        kafka_broker, tmp_path, monkeypatch):
+    """panagg audit export on a member's directory of a views group: the leader closes the
+    open window at every member (as a forced release) and signs the sum of that window's views,
+    the very counters its release is computed from (no layer drawn: 0 eps in the ledger); the
+    window is then released once from the same views."""
+    import os
+    import subprocess
+    import sys
+
+    from aggregator.state import PanPrivateHistogram
+    from state_store.audit import read_export
+
+    key = os.urandom(32).hex()
+    monkeypatch.setenv("PANAGG_AUDIT_KEY", key)   # the members' (the leader signs)
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
+                      "--set", "window.size=3600")
+    topics = GroupTopics(group)
+    cli = [sys.executable, "-m", "aggregator.service.cli"]
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        produce(kafka_broker, topic, np.arange(900) % D, rate=3000)
+        time.sleep(3)      # both members have counted them (no window ends for an hour)
+        out = subprocess.run(cli + ["audit", "export", "--state-dir",
+                                    str(tmp_path / "v1" / "state")],
+                             capture_output=True, text=True, timeout=200,
+                             env=dict(os.environ, PANAGG_AUDIT_KEY=""))
+        assert out.returncode == 0, out.stderr + members.logs()
+        wait_for_total(kafka_broker, topics, 900, 60, members)
+    finally:
+        members.stop_all()
+    path = out.stdout.strip().splitlines()[-1]
+    ok = subprocess.run(cli + ["audit", "verify", path], capture_output=True, text=True,
+                        env=dict(os.environ, PANAGG_AUDIT_KEY=key))
+    assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
+    doc = read_export(path, bytes.fromhex(key))
+    state = PanPrivateHistogram.deserialize(doc["state"])
+    docs = releases(kafka_broker, topics)
+    assert [d["n"] for d in docs] == [900], docs
+    # the export holds what the release was computed from: the same n and layers (2 per view)
+    assert state.size == D and state.n == 900 and state.layers == docs[0]["layers"] >= 2, \
+        (state.n, state.layers, docs[0]["layers"])
+    assert doc["window"]["windows"] == [docs[0]["window"]]
+    assert doc["window"]["exchange"] == "views" and len(doc["offsets"]) == PARTS
+    exports = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "export"]
+    assert len(exports) == 1 and exports[0]["epsilon_spent"] == 0.0
+    assert "Traceback" not in members.logs(last=100000)

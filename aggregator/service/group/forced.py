@@ -76,13 +76,27 @@ class ReleaseRequests:
                       f"{EXPORTED}{rp}".encode(): ("export", "answered")}
         self.ids = {("release", "asked"): None, ("release", "answered"): None,
                     ("export", "asked"): None, ("export", "answered"): None}
+        #: the latest export answered: (its id, the window it closed) (a views group's leader
+        #: signs it from that window's views: leader.py)
+        self.exported: tuple[str, int] | None = None
 
     def poll(self) -> None:
         for records in self.consumer.poll(timeout_ms=0).values():
             for rec in records:
                 what = self._keys.get(rec.key)
                 if what is not None and rec.value is not None:
-                    self.ids[what] = str(json.loads(rec.value)["id"])
+                    body = json.loads(rec.value)
+                    self.ids[what] = str(body["id"])
+                    if what == ("export", "answered"):
+                        self.exported = (str(body["id"]), int(body["window"])) \
+                            if body.get("window") is not None else None
+
+    def export_of(self, window: int) -> str | None:
+        """The id of the export answered with ``window`` (None: none)."""
+        self.poll()
+        if self.exported is not None and self.exported[1] == int(window):
+            return self.exported[0]
+        return None
 
     def pending(self) -> tuple[str, str] | None:
         """``(kind, id)`` of a request not answered yet, exports first (None: none)."""
@@ -109,16 +123,17 @@ class ReleaseRequests:
         txn.commit()
         self.answered(kind, request_id)
 
-    def answer_views(self, txn, request_id: str, window: int) -> None:
+    def answer_views(self, txn, request_id: str, window: int, kind: str = "release") -> None:
         """A views group (views.py): the members close on their clocks and hold no marker
         partition, so the close is one record ``close:<summaries topic>`` = ``{"upto": K}`` in
-        the intake topic, which every member follows; with the answer, in one transaction."""
+        the intake topic, which every member follows; with the answer, in one transaction. An
+        export is then signed by the leader from window K's views (leader.py)."""
         txn.begin()
         txn.send(self.topics.intake, partition=0, key=close_key(self.topics),
                  value=json.dumps({"upto": int(window), "id": request_id}).encode())
-        self.send_answer(txn, "release", request_id, window)
+        self.send_answer(txn, kind, request_id, window)
         txn.commit()
-        self.answered("release", request_id)
+        self.answered(kind, request_id)
 
     def send_answer(self, txn, kind: str, request_id: str, window: int | None,
                     error: str = "") -> None:

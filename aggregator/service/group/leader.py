@@ -28,6 +28,8 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
+
 from ...release import stamp_window, write_release
 from ..ledger import BudgetExceeded
 from .forced import forced_window
@@ -216,6 +218,11 @@ class Leader:
             self._notice_waiting(w, have)
             return
         self.metrics.summaries_overdue.set(0)
+        if self.views and self.requests is not None:
+            eid = self.requests.export_of(w)
+            if eid is not None and eid not in self.exports.done and \
+                    not self.ledger.has(f"export-{eid}"):
+                self._export_views(eid, w, have)
         if self.by_marker and not any(s.get("refused") or s.get("n") for s in have.values()):
             self._skip_empty(w, have)
             return
@@ -316,31 +323,7 @@ class Leader:
         if self.event_time and kind == "release" and self.closer is not None:
             self._force_event_time(rid)
             return
-        if self.views and kind == "release":
-            if self.count:
-                # every member's open window is at most one past the views written: the
-                # latest of them closes (count_views.py), the next counts N from the cut
-                k = max(self.next_window(), max(self.pending, default=-1) + 1)
-            else:
-                k = forced_window(self.size, self.next_window())
-            try:
-                self.requests.answer_views(self.txn, rid, k)
-            except KafkaError as exc:
-                self.txn.failed(exc)
-                raise
-            log.info("forced release: window %d%s closes now at every member (close record "
-                     "written)", k, f" of {self.aggregation}" if self.aggregation else "")
-            return
-        if self.views:
-            error = ("audit exports of a group with scale.exchange = views are not built yet "
-                     "(each member holds its own state; docs/scale-out.md); use "
-                     "scale.exchange = items for them")
-        elif self.event_time:
-            # an export closes its partition's open window, and a partition here holds several
-            error = ("audit exports of a group with event-time windows are not built yet: a "
-                     "partition holds several live windows (one process refuses that too); "
-                     "docs/scale-out.md")
-        elif kind == "export":
+        if kind == "export" and (self.views or not self.event_time):
             from state_store.audit import AuditKeyError, load_key
             try:
                 load_key(self.audit_key_file or None)
@@ -348,6 +331,27 @@ class Leader:
                 error = (f"the group's leader cannot sign the export: {exc}. The key is read "
                          "by the members (their environment or audit.key_file), not by this "
                          "shell: set it there and restart them")
+        if self.views and not error:
+            if self.count:
+                # every member's open window is at most one past the views written: the
+                # latest of them closes (count_views.py), the next counts N from the cut
+                k = max(self.next_window(), max(self.pending, default=-1) + 1)
+            else:
+                k = forced_window(self.size, self.next_window())
+            try:
+                self.requests.answer_views(self.txn, rid, k, kind=kind)
+            except KafkaError as exc:
+                self.txn.failed(exc)
+                raise
+            log.info("%s: window %d%s closes now at every member (close record written)",
+                     "forced release" if kind == "release" else f"audit export {rid[:8]}", k,
+                     f" of {self.aggregation}" if self.aggregation else "")
+            return
+        if self.event_time and not error:
+            # an export closes its partition's open window, and a partition here holds several
+            error = ("audit exports of a group with event-time windows are not built yet: a "
+                     "partition holds several live windows (one process refuses that too); "
+                     "docs/scale-out.md")
         if self.count and not error:
             self._force_count(kind, rid)
             return
@@ -398,6 +402,54 @@ class Leader:
         closer.force(lambda txn, k: self.requests.send_answer(txn, kind, rid, k),
                      export_id=rid if kind == "export" else None)
         self.requests.answered(kind, rid)
+
+    def _export_views(self, eid: str, w: int, have: dict) -> None:
+        """An audit export of a views group: window ``w``'s views summed into one state (the
+        counters its release is computed from: post-processing, no layer drawn), signed; the
+        ledger entry (0 eps) and the document in one transaction, then the local file."""
+        from kafka.errors import KafkaError
+        from state_store.audit import load_key, save_export, signed_export
+
+        from ...state import PanPrivateHistogram
+        from .views import decode_view
+
+        ident = self.identity
+        state = PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"],
+                                    size=int(ident["size"]))
+        counts = np.zeros(int(ident["size"]), dtype=np.int64)
+        layers = n = 0
+        for v in {id(v): v for v in have.values()}.values():
+            if v.get("chunks") and not v.get("refused"):
+                counts += decode_view(v)
+                layers += int(v["layers"])
+                n += int(v["n"])
+        state._counts, state._layers, state._n = counts, layers, n
+        ranges = self._ranges(have)
+        window = {"id": w, "windows": [w], "partitions": self.P, "group": self.topics.group,
+                  "aggregation": self.aggregation or None, "exchange": "views"}
+        doc = signed_export(state=state.serialize(), window=window, offsets=ranges,
+                            export_id=eid, key=load_key(self.audit_key_file or None))
+        txn = self.txn
+        try:
+            txn.begin()
+            self.ledger.append(entry_id=f"export-{eid}", kind="export", window=w,
+                               epsilon_spent=0.0, model=ident["model"],
+                               note="announced export of a views group's window: the sum of "
+                               "its members' views, the counters its release is computed "
+                               "from (post-processing, no layer drawn)", producer=txn,
+                               ranges=ranges)
+            txn.send(self.topics.exports, partition=0, key=f"doc/{eid}".encode(), value=doc)
+            txn.commit()
+        except KafkaError as exc:
+            self.ledger.aborted()
+            txn.failed(exc)
+            raise
+        self.ledger.committed()
+        path = save_export(Path(self.audit_dir) / f"export-{eid}.panagg", doc)
+        self.exports.done.add(eid)
+        self.metrics.exports.inc()
+        log.info("audit export %s of window %d signed (%d layers, n=%d): %s and %s", eid[:8],
+                 w, layers, n, path, self.topics.exports)
 
     def _sign_exports(self) -> None:
         """Exports whose P slices are in: one state, signed; ledger entry, document and slice
