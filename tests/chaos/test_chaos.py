@@ -20,6 +20,8 @@ CASES = [
     # a group of two with the default views exchange: members killed, the same invariant over
     # the ledger's source positions
     ("group2", "kill9", 17),
+    # count windows of the views exchange (each member cuts at the group's reported total)
+    ("group_count2", "kill9", 21),
     # the librdkafka client (source.client = confluent): the same invariant
     ("count_confluent", "kill9", 18),
     ("time_confluent", "broker_restart", 19),
