@@ -489,10 +489,20 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
                              "(--metrics-port; -1 turns metrics off)") from None
         logging.getLogger("panagg.shuffle").info("metrics on http://%s:%d/metrics",
                                                  cfg.metrics.host, port)
+    # SIGTERM (a supervisor's stop) and SIGINT end the loop between polls: the committed windows
+    # stay, the open one is read again at the next start (as at --exit-when-idle), exit status 0
+    import signal
+    import threading
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
     try:
-        shuffler.run(idle_exit_s=args.exit_when_idle)
+        shuffler.run(idle_exit_s=args.exit_when_idle, stop=stopping.is_set)
     except ShufflerError as exc:
         raise UsageError(str(exc)) from None
+    if stopping.is_set():
+        logging.getLogger("panagg.shuffle").info(
+            "stopped on a signal; the open window's records are read again at the next start")
     st = shuffler.stats
     print(f"{st['windows']} window(s), {st['events']} events, {st['messages']} messages, "
           f"{st['topped_up']} topped up, {st['duplicates']} duplicates dropped, "
