@@ -90,6 +90,9 @@ class Mode:
     toml: str = ""
     window_events: int = 0
     members: int = 0  # a group (scale.partitioned) of this many members; 0: one process
+    #: the shuffle model: clients -> ``panagg shuffle`` -> the analyzer (``panagg run`` with
+    #: ``state.model = shuffle``); ``sets`` are the three's shared settings
+    shuffle: bool = False
 
 
 RATE = 1500  # events per second of the harness's producer
@@ -140,6 +143,16 @@ for _k in (1, 2, 3):
                                                      "window.size=5"),
                                            window_events=12 * RATE, members=_k)
 
+#: the shuffle model (docs/shuffle.md): GKMP at a large epsilon over few buckets, so that each
+#: event is a few sealed messages (the clients' sealing is the harness's cost), count windows
+#: of SHUFFLE_N events, SHUFFLE_RATE events a second
+SHUFFLE_N, SHUFFLE_RATE, SHUFFLE_B = 600, 300, 40
+MODES["shuffle"] = Mode(("state.model=shuffle", "state.epsilon=20",
+                         f"state.domain_size={SHUFFLE_B}", "window.kind=count",
+                         f"window.size={SHUFFLE_N}", "shuffle.protocol=gkmp",
+                         "release.estimator=threshold"),
+                        window_events=SHUFFLE_N, shuffle=True)
+
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
           "start_broker_away", "start_together", "disk_full", "past_retention")
@@ -163,6 +176,9 @@ def applies(mode: str, fault: str) -> str:
     spec = MODES[mode]
     if fault == "disk_full" and spec.members:
         return "disk_full is for the one-process modes (a group's state is in Kafka)"
+    if spec.shuffle and fault in ("disk_full", "past_retention", "start_together",
+                                  "slow_release"):
+        return f"{fault} is not built for the shuffle mode yet"
     if fault == "past_retention" and (spec.members < 2
                                       or "scale.exchange=items" not in spec.sets):
         return "past_retention is for groups of 2-3 with scale.exchange = items"
@@ -339,6 +355,10 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
     why = applies(mode, fault)
     if why:
         return Result(mode, fault, seed, skipped=why)
+    if MODES[mode].shuffle:
+        from .shuffle_case import run_shuffle_case
+        return run_shuffle_case(broker, mode, fault, seed, Path(workdir), seconds=seconds,
+                                settle=settle, faults=faults)
     if fault != "disk_full":
         return _run_case(broker, mode, fault, seed, Path(workdir), seconds=seconds,
                          settle=settle, faults=faults)
