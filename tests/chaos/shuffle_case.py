@@ -258,19 +258,9 @@ def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
     time.sleep(settle + 10)
     for svc in services.values():
         svc.check_alive()
-    # the analyzer stops on SIGTERM as `panagg run` does; the shuffler's stop is recorded as it is
-    services["analyzer"].stop()
-    sh = services["shuffler"]
-    if sh.proc is not None and sh.proc.poll() is None:
-        sh.proc.terminate()
-        try:
-            sh.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            sh.problems.append("SIGTERM did not stop the shuffler within 60 s")
-            sh.proc.kill()
-            sh.proc.wait()
-        if sh.proc.returncode != 0:
-            res.notes.append(f"SIGTERM ended the shuffler with exit status {sh.proc.returncode}")
+    # both stop on SIGTERM with exit status 0 (the shuffler since this harness found it did not)
+    for svc in services.values():
+        svc.stop()
     # drain: the shuffler reads the client topic to its end (the open window stays open), then
     # the analyzer reads the analyzer topic to its end
     env = dict(os.environ, PANAGG_TESTING="1", PYTHONPATH=str(Path(__file__).resolve()
