@@ -1037,6 +1037,11 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     # may hold transaction markers (no event), which size_of counts as nothing
     cov = check_group_entries(entries, docs, events_at, readable_from,
                               skips_empty=kind == "count")
+    if kind == "count":
+        ids = sorted(cov.windows + cov.refused)
+        skipped = sorted(set(range(ids[0], ids[-1] + 1)) - set(ids)) if ids else []
+        res.notes.append(f"{len(cov.windows)} windows released, {len(cov.refused)} withheld, "
+                         f"skipped with no event: {skipped}")
     res.violations += [f"[group] {v}" for v in cov.violations]
 
     def size_of(part: str, a: int, b: int) -> int:
