@@ -91,11 +91,10 @@ def check_shuffle(entries: list[dict], docs: dict[int, list[dict]],
             bad(f"windows missing between {min(ids)} and {max(ids)}: {missing}")
     for e in sorted(decided, key=lambda e: e["window"]):
         w = e["window"]
-        ms = markers.get(w)
-        if not ms:
+        if not markers.get(w):
             bad(f"window {w}: decided in the ledger but no end marker of it is on the topic")
             continue
-        off, mk = ms[0]
+        off, mk = markers[w][0]
         if e["kind"] == "refused":
             cov.refused.append(w)
             continue
@@ -291,7 +290,7 @@ def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
     c.assign(tps)
     c.seek_to_beginning(*tps)
     end = c.end_offsets(tps)
-    records, ids = 0, set()
+    records, ids = 0, set[bytes]()
     deadline = time.monotonic() + 120
     while any(c.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
         for recs in c.poll(timeout_ms=500).values():
