@@ -468,7 +468,16 @@ def cmd_shuffle_keygen(args: argparse.Namespace) -> int:
 
 def cmd_shuffle(args: argparse.Namespace) -> int:
     """The shuffle model's shuffler (docs/shuffle.md, "The shuffler")."""
+    import signal
+    import threading
+
     from .shuffler import Shuffler, ShufflerError
+
+    def stop_before_start(*_):  # nothing is written before the loop: the start just ends
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_before_start)
     extra = [f"metrics.port={args.metrics_port}"] if args.metrics_port is not None else []
     cfg = _load(args, extra)
     _setup_logging(args.verbose)
@@ -476,10 +485,10 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
         shuffler = Shuffler(cfg)
     except ShufflerError as exc:
         raise UsageError(str(exc)) from None
-    # one line at once, as `panagg run` says it, not the client's retries and a timeout at 30 s
-    problem = probe_bootstrap(cfg.source.bootstrap, min(5.0, float(cfg.source.connect_timeout_s)))
-    if problem:
-        raise UsageError(problem)
+    # as `panagg run`: a broker that does not answer (yet) is waited for up to
+    # source.connect_timeout_s (a shuffler restarted while the broker restarts starts when it is
+    # back instead of crash-looping), then one line naming the setting, not the client's retries
+    _wait_for_bootstrap(cfg)
     if cfg.metrics.port >= 0:
         try:
             port = shuffler.metrics.serve(cfg.metrics.host, cfg.metrics.port)
@@ -489,10 +498,18 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
                              "(--metrics-port; -1 turns metrics off)") from None
         logging.getLogger("panagg.shuffle").info("metrics on http://%s:%d/metrics",
                                                  cfg.metrics.host, port)
+    # SIGTERM (a supervisor's stop) and SIGINT end the loop between polls: the committed windows
+    # stay, the open one is read again at the next start (as at --exit-when-idle), exit status 0
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
     try:
-        shuffler.run(idle_exit_s=args.exit_when_idle)
+        shuffler.run(idle_exit_s=args.exit_when_idle, stop=stopping.is_set)
     except ShufflerError as exc:
         raise UsageError(str(exc)) from None
+    if stopping.is_set():
+        logging.getLogger("panagg.shuffle").info(
+            "stopped on a signal; the open window's records are read again at the next start")
     st = shuffler.stats
     print(f"{st['windows']} window(s), {st['events']} events, {st['messages']} messages, "
           f"{st['topped_up']} topped up, {st['duplicates']} duplicates dropped, "

@@ -90,6 +90,9 @@ class Mode:
     toml: str = ""
     window_events: int = 0
     members: int = 0  # a group (scale.partitioned) of this many members; 0: one process
+    #: the shuffle model: clients -> ``panagg shuffle`` -> the analyzer (``panagg run`` with
+    #: ``state.model = shuffle``); ``sets`` are the three's shared settings
+    shuffle: bool = False
 
 
 RATE = 1500  # events per second of the harness's producer
@@ -129,14 +132,34 @@ for _k in (1, 2, 3):
     MODES[f"group{_k}"] = Mode(_GROUP, window_events=12 * RATE, members=_k)
     MODES[f"group_items{_k}"] = Mode(_GROUP + ("scale.exchange=items",),
                                      window_events=12 * RATE, members=_k)
-    # count windows of the views exchange: each member cuts at the group's reported total
     # sum rollups of the views exchange, added up by the leader
     MODES[f"group_rollups{_k}"] = Mode(_GROUP + ('window.rollups=["3x"]',
                                                  "window.rollup_design=sum"),
                                        window_events=12 * RATE, members=_k)
+    # count windows of the views exchange: each member cuts at the group's reported total
     MODES[f"group_count{_k}"] = Mode(
         tuple(s for s in _GROUP if not s.startswith("window.")) +
         ("window.kind=count", "window.size=6000"), window_events=6000 + 6 * RATE, members=_k)
+    # count and event-time windows of the items exchange (views: event time refused at start).
+    # Count windows are cut by the leader's markers at multiples of N (a window holds N plus or
+    # minus about one intake poll); event-time windows by the records' timestamps, closed by the
+    # leader's markers once the low watermark passes a window's end
+    _items = tuple(s for s in _GROUP if not s.startswith("window.")) + ("scale.exchange=items",)
+    MODES[f"group_items_count{_k}"] = Mode(_items + ("window.kind=count", "window.size=5000"),
+                                           window_events=3 * 5000, members=_k)
+    MODES[f"group_items_event{_k}"] = Mode(_items + ("window.kind=event_time",
+                                                     "window.size=5"),
+                                           window_events=12 * RATE, members=_k)
+
+#: the shuffle model (docs/shuffle.md): GKMP at a large epsilon over few buckets, so that each
+#: event is a few sealed messages (the clients' sealing is the harness's cost), count windows
+#: of SHUFFLE_N events, SHUFFLE_RATE events a second
+SHUFFLE_N, SHUFFLE_RATE, SHUFFLE_B = 600, 300, 40
+MODES["shuffle"] = Mode(("state.model=shuffle", "state.epsilon=20",
+                         f"state.domain_size={SHUFFLE_B}", "window.kind=count",
+                         f"window.size={SHUFFLE_N}", "shuffle.protocol=gkmp",
+                         "release.estimator=threshold"),
+                        window_events=SHUFFLE_N, shuffle=True)
 
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
@@ -161,9 +184,15 @@ def applies(mode: str, fault: str) -> str:
     spec = MODES[mode]
     if fault == "disk_full" and spec.members:
         return "disk_full is for the one-process modes (a group's state is in Kafka)"
+    if spec.shuffle and fault in ("disk_full", "past_retention", "start_together",
+                                  "slow_release"):
+        return f"{fault} is not built for the shuffle mode yet"
     if fault == "past_retention" and (spec.members < 2
                                       or "scale.exchange=items" not in spec.sets):
         return "past_retention is for groups of 2-3 with scale.exchange = items"
+    if fault == "past_retention" and "window.kind=event_time" in spec.sets:
+        return ("past_retention: event-time windows of a group have no check of records "
+                "deleted before they were counted yet (docs/scale-out.md)")
     return ""
 
 
@@ -334,6 +363,10 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
     why = applies(mode, fault)
     if why:
         return Result(mode, fault, seed, skipped=why)
+    if MODES[mode].shuffle:
+        from .shuffle_case import run_shuffle_case
+        return run_shuffle_case(broker, mode, fault, seed, Path(workdir), seconds=seconds,
+                                settle=settle, faults=faults)
     if fault != "disk_full":
         return _run_case(broker, mode, fault, seed, Path(workdir), seconds=seconds,
                          settle=settle, faults=faults)
@@ -564,9 +597,10 @@ def _holds_events(document: bytes | None) -> bool:
     return n is None or n > 0  # (null: add-remove states do not publish n)
 
 
-def _read_topic(bootstrap: str, topic: str, stamps: bool = False) -> dict[int, list]:
+def _read_topic(bootstrap: str, topic: str, stamps: bool = False,
+                headers: bool = False) -> dict[int, list]:
     """Every committed record of ``topic``: ``{partition: [(offset, value)]}`` (``stamps``:
-    ``(offset, value, timestamp in s)``)."""
+    ``(offset, value, timestamp in s)``; ``headers``: ``(offset, value, {header: bytes})``)."""
     from kafka import KafkaConsumer, TopicPartition
 
     c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
@@ -582,7 +616,8 @@ def _read_topic(bootstrap: str, topic: str, stamps: bool = False) -> dict[int, l
         while any(c.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
             for tp, recs in c.poll(timeout_ms=500).items():
                 out[tp.partition].extend((r.offset, r.value, r.timestamp / 1000) if stamps
-                                         else (r.offset, r.value) for r in recs)
+                                         else (r.offset, r.value, dict(r.headers or ()))
+                                         if headers else (r.offset, r.value) for r in recs)
     c.close()
     return out
 
@@ -646,7 +681,7 @@ class _Recorder(threading.Thread):
 
 def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
                         events_at: dict[str, dict[int, int]],
-                        readable_from: dict[str, int]):
+                        readable_from: dict[str, int], skips_empty: bool = False):
     """The invariant over a group's ledger ``entries`` and publications ``docs``:
     :func:`~tests.chaos.invariant.check_aggregation` with ``events_at`` (per position key, the
     events at each offset the harness read). A withheld window (a ``release`` entry with
@@ -685,6 +720,27 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     >>> gone = {"r:0": events["r:0"], rk: {o: 1 for o in range(30, 40)}}
     >>> check_group_entries(bad, docs, gone, {"r:0": 0, rk: 30}).violations[-1]
     'r:1: offsets [10, 30) between windows 0 and 2 are in no window'
+    >>> # count windows (``skips_empty``): a window the leader cut with no event is neither
+    >>> # ledgered nor released, so its number is missing; excused only where the windows
+    >>> # around it meet on every partition (its ranges would hold no event)
+    >>> cut = [rel(0, [0, 10], [0, 10]), rel(2, [10, 40], [10, 40])]
+    >>> cdocs = {0: [{"n": 20}], 2: [{"n": 60}]}
+    >>> check_group_entries(cut, cdocs, events, {}).violations
+    ['windows missing between 0 and 2: [1]']
+    >>> check_group_entries(cut, cdocs, events, {}, skips_empty=True).violations
+    []
+    >>> # a lost count window (events in it) is still flagged, and so is a doubled one
+    >>> lost = [rel(0, [0, 10], [0, 10]), rel(2, [20, 40], [20, 40])]
+    >>> cdocs = {0: [{"n": 20}], 2: [{"n": 40}]}
+    >>> v = check_group_entries(lost, cdocs, events, {}, skips_empty=True).violations
+    >>> v[0]
+    'window 1 is missing and held events: r:0 [10, 20) holds 10; r:1 [10, 20) holds 10'
+    >>> v[1]
+    'r:0: offsets [10, 20) between windows 0 and 2 are in no window'
+    >>> twice = [rel(0, [0, 10], [0, 10]), rel(1, [10, 40], [10, 40]), rel(1, [10, 40], [10, 40])]
+    >>> cdocs = {0: [{"n": 20}], 1: [{"n": 60}]}
+    >>> check_group_entries(twice, cdocs, events, {}, skips_empty=True).violations[0]
+    'windows decided twice in the ledger: [1]'
     >>> # every position named, but window 2 released with partition 1 empty after the deletion
     >>> short = [good[0], held, rel(2, [20, 40], [30, 30]), rel(3, [40, 40], [30, 40])]
     >>> check_group_entries(short, docs, events, {"r:0": 0, rk: 30}).violations[0][:60]
@@ -721,7 +777,11 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     cov = check_aggregation(fixed, docs, topic_docs=None, size_of=size_of,
                             begins={k: 0 for k in events_at})
     kept = []
+    if skips_empty:
+        kept += _excuse_empty(fixed, cov, size_of)
     for v in cov.violations:
+        if skips_empty and v.startswith("windows missing between"):
+            continue  # said by _excuse_empty, window by window
         if " are in no window" in v:
             part, rest = v.split(": offsets [", 1)
             a, b = (int(x) for x in rest.split(")", 1)[0].split(", "))
@@ -740,6 +800,185 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
                                 f"counted end (withheld window {u} names them): they may be "
                                 "this window's")
     cov.violations = kept
+    return cov
+
+
+def _excuse_empty(entries: list[dict], cov, size_of) -> list[str]:
+    """Count windows of a group: a window number missing from the ledger is a window the
+    leader cut with no event (docs/scale-out.md, "Count windows": not released, its number
+    skipped). It is excused where, on every partition, the decided windows before and after
+    it meet, or what lies between holds no event; otherwise it is a lost window."""
+    decided = {e["window"]: e for e in entries if e.get("kind") in ("release", "refused")}
+    if not decided:
+        return []
+    out = []
+    ids = sorted(decided)
+    for m in sorted(set(range(ids[0], ids[-1] + 1)) - set(ids)):
+        before = decided[max(i for i in ids if i < m)].get("ranges") or {}
+        after = decided[min(i for i in ids if i > m)].get("ranges") or {}
+        held = []
+        for part in sorted(set(before) | set(after)):
+            if part in before and part in after:
+                a, b = before[part][1], after[part][0]
+                if b > a and size_of(part, a, b):
+                    held.append(f"{part} [{a}, {b}) holds {size_of(part, a, b)}")
+            else:
+                held.append(f"{part} has a range on one side only")
+        if held:
+            out.append(f"window {m} is missing and held events: {'; '.join(held)}")
+    return out
+
+
+def event_windows_of(records: dict[str, list]) -> tuple[dict[str, list], int, int]:
+    """Where each event of a group's repartition topic counts, with event-time windows, by the
+    rule a user can read in docs/scale-out.md ("Event-time windows", 3): per partition, the
+    leader's close markers (header ``close`` K: windows <= K end there; before its first marker
+    nothing is counted, then the partition is read again from its first offset as if that
+    marker were before it) and each message's window (header ``w``, ``late`` if the intake found
+    it late): a message counts in its window unless a marker before it closed that window, then
+    in the window after the last closed one (``window.late = next``). ``records``: per position
+    key, ``[(offset, value, headers)]`` in offset order. Returns ``({key: [(offset, window,
+    events)]}, events the intake sent late, events late at the counting partition)``.
+
+    >>> recs = {"r:0": [(0, b"x" * 8, {"w": b"5"}), (1, b"", {"close": b"4"}),
+    ...                 (2, b"x" * 4, {"w": b"6"}), (3, b"", {"close": b"5"}),
+    ...                 (4, b"x" * 4, {"w": b"5"}), (5, b"x" * 4, {"w": b"6", "late": b"1"})]}
+    >>> event_windows_of(recs)  # offset 4: window 5 closed at 3, so late here (in 6)
+    ({'r:0': [(0, 5, 2), (2, 6, 1), (4, 6, 1), (5, 6, 1)]}, 1, 1)
+    """
+    out: dict[str, list] = {}
+    late_intake = late_here = 0
+    for key, recs in records.items():
+        marks = [int(h["close"]) for _, _, h in recs if "close" in h]
+        mine = out.setdefault(key, [])
+        if not marks:
+            # no marker yet: the leader closed nothing (markers go to every partition at once);
+            # the events are in their open windows
+            mine += [(off, int(h["w"]), len(v or b"") // 4) for off, v, h in recs if "w" in h]
+            continue
+        closed = marks[0]
+        for off, v, h in recs:
+            if "close" in h:
+                closed = max(closed, int(h["close"]))
+                continue
+            if "w" not in h:
+                continue
+            k = len(v or b"") // 4
+            w = int(h["w"])
+            late_intake += k if "late" in h else 0
+            if w <= closed:
+                w = closed + 1
+                late_here += k if "late" not in h else 0
+            mine.append((off, w, k))
+    return out, late_intake, late_here
+
+
+def check_event_entries(entries: list[dict], docs: dict[int, list[dict]],
+                        assigned: dict[str, list]):
+    """The invariant over an event-time group's ledger ``entries`` and publications ``docs``,
+    with ``assigned`` (:func:`event_windows_of`: where each event of the repartition topic
+    counts). A partition holds several live windows, so windows' ranges overlap (window K's
+    range on a partition runs from its first record to K's close marker) and "ranges tile the
+    source" does not apply; instead:
+
+    1. every ``release`` or ``refused`` entry is one window, none twice; a window number missing
+       between the first and the last is one no event counts in (the leader skips it);
+    2. every event counts in exactly one window (by the rule of :func:`event_windows_of`), and
+       that window is decided unless it is after the last decided one (still open);
+    3. each event of window K lies within K's ledgered range on its partition;
+    4. each release's ``n`` plus its rejected and filtered records equals the events counting
+       in it;
+    5. each release is published with the ledger's ``n``, with one content, and no document
+       exists without its release entry.
+
+    >>> recs = {"r:0": [(0, b"", {"close": b"4"}), (1, b"x" * 8, {"w": b"5"}),
+    ...                 (2, b"x" * 4, {"w": b"6"}), (3, b"", {"close": b"5"}),
+    ...                 (4, b"x" * 4, {"w": b"6"}), (5, b"", {"close": b"6"}),
+    ...                 (6, b"x" * 4, {"w": b"7"})],
+    ...         "r:1": [(0, b"", {"close": b"4"}), (1, b"x" * 4, {"w": b"5"}),
+    ...                 (2, b"", {"close": b"5"}), (3, b"", {"close": b"6"})]}
+    >>> assigned = event_windows_of(recs)[0]
+    >>> rel = lambda w, n, r0, r1: {"kind": "release", "window": w, "n": n,
+    ...     "ranges": {"r:0": r0, "r:1": r1}, "totals": {"rejects": {}}}
+    >>> good = [rel(5, 3, [1, 4], [1, 3]), rel(6, 2, [2, 6], [4, 4])]
+    >>> docs = {5: [{"n": 3}], 6: [{"n": 2}]}
+    >>> cov = check_event_entries(good, docs, assigned)
+    >>> cov.violations, cov.released_events, cov.covered
+    ([], 5, {'r:0': 1, 'r:1': 0})
+    >>> # a window decided twice, and a window lost (its events in no decided window)
+    >>> check_event_entries(good + [good[1]], docs, assigned).violations
+    ['windows decided twice in the ledger: [6]']
+    >>> lost = [good[0], rel(7, 1, [6, 7], [4, 4])]
+    >>> check_event_entries(lost, {5: [{"n": 3}], 7: [{"n": 1}]}, assigned).violations
+    ['window 6: 2 events count in it (r:0 offsets 2-4) but the ledger has no entry of it']
+    >>> # a window released short, and one whose range leaves out one of its events
+    >>> short = [rel(5, 2, [1, 4], [1, 3]), rel(6, 2, [3, 6], [4, 4])]
+    >>> for v in check_event_entries(short, {5: [{"n": 2}], 6: [{"n": 2}]}, assigned).violations:
+    ...     print(v)
+    window 5: n 2 + 0 rejected/filtered but 3 events count in it
+    window 6: r:0 offsets [2, 2] count in it but lie outside its range [3, 6)
+    """
+    from .invariant import Coverage, _content, _window_others
+
+    cov = Coverage()
+    bad = cov.violations.append
+    decided = []
+    for e in entries:
+        if e.get("kind") == "release" and e.get("withheld"):
+            e = dict(e, kind="refused")
+        if e.get("kind") in ("release", "refused"):
+            decided.append(e)
+    ids = [e["window"] for e in decided]
+    if len(ids) != len(set(ids)):
+        bad(f"windows decided twice in the ledger: {sorted({w for w in ids if ids.count(w) > 1})}")
+    by_window: dict[int, dict[str, list[tuple[int, int]]]] = {}
+    for key, recs in assigned.items():
+        for off, w, k in recs:
+            if k:
+                by_window.setdefault(w, {}).setdefault(key, []).append((off, k))
+    last = max(ids) if ids else None
+    for w in sorted(by_window):
+        if w in ids or last is None or w > last:
+            continue
+        n = sum(k for recs in by_window[w].values() for _, k in recs)
+        where = "; ".join(f"{key} offsets {recs[0][0]}-{recs[-1][0]}"
+                          for key, recs in sorted(by_window[w].items()))
+        bad(f"window {w}: {n} events count in it ({where}) but the ledger has no entry of it")
+    for e in sorted(decided, key=lambda e: e["window"]):
+        w = e["window"]
+        ranges = e.get("ranges") or {}
+        mine = by_window.get(w, {})
+        size = sum(k for recs in mine.values() for _, k in recs)
+        for key, recs in sorted(mine.items()):
+            a, b = ranges.get(key, (0, 0))
+            out = [off for off, _ in recs if not a <= off < b]
+            if out:
+                bad(f"window {w}: {key} offsets [{min(out)}, {max(out)}] count in it but lie "
+                    f"outside its range [{a}, {b})")
+        if e["kind"] == "refused":
+            cov.refused.append(w)
+            continue
+        cov.windows.append(w)
+        n = int(e["n"])
+        cov.released_events += n
+        other = _window_others(decided, e)
+        if n + other != size:
+            bad(f"window {w}: n {n} + {other} rejected/filtered but {size} events count in it")
+        published = docs.get(w, [])
+        if not published:
+            bad(f"window {w}: released in the ledger but no release document")
+        for doc in published:
+            if doc.get("n") != n:
+                bad(f"window {w}: a published document says n={doc.get('n')}, the ledger {n}")
+        if len({_content(d) for d in published}) > 1:
+            bad(f"window {w}: published with {len({_content(d) for d in published})} "
+                "different contents")
+    for w in sorted(docs):
+        if w not in cov.windows:
+            bad(f"window {w}: a document is published but the ledger has no release of it")
+    # what is still open: the events of windows after the last decided one
+    for key, recs in assigned.items():
+        cov.covered[key] = sum(k for _, w, k in recs if last is None or w > last)
     return cov
 
 
@@ -768,8 +1007,11 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     entries = [e for e in entries if isinstance(e, dict)]
     ident = next((e.get("identity") or {} for e in entries if e.get("kind") == "identity"), {})
     views = ident.get("exchange") == "views"
+    kind = ident.get("window_kind") or next(
+        (x.split("=", 1)[1] for x in spec.sets if x.startswith("window.kind=")), "time")
     try:
-        read = _read_topic(bootstrap, topic if views else topics.repartition)
+        read = _read_topic(bootstrap, topic if views else topics.repartition,
+                           headers=not views)
     except Exception as exc:
         res.violations.append(f"the group's input cannot be read: {type(exc).__name__}: {exc}")
         return
@@ -786,10 +1028,15 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
                 rollup_docs.append(doc)
     name = topic if views else topics.repartition
     if views:
-        events_at = {f"{topic}:{p}": {off: 1 for off, _ in recs} for p, recs in read.items()}
+        events_at = {f"{topic}:{p}": {r[0]: 1 for r in recs} for p, recs in read.items()}
     else:
-        events_at = {f"{topics.repartition}:{p}": {off: len(v or b"") // 4 for off, v in recs}
+        events_at = {f"{topics.repartition}:{p}": {off: len(v or b"") // 4
+                                                    for off, v, _ in recs}
                      for p, recs in read.items()}
+    if kind == "event_time" and not views:
+        _check_event_group(res, spec, entries, docs, {
+            f"{topics.repartition}:{p}": recs for p, recs in read.items()})
+        return
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
     lows = {f"{name}:{tp.partition}": int(o) for tp, o in c.beginning_offsets(
         [TopicPartition(name, p) for p in read]).items()}
@@ -811,7 +1058,13 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
         res.notes.append(f"windows withheld: {held}")
     # time windows of a group: only released windows are published; offsets between ranges
     # may hold transaction markers (no event), which size_of counts as nothing
-    cov = check_group_entries(entries, docs, events_at, readable_from)
+    cov = check_group_entries(entries, docs, events_at, readable_from,
+                              skips_empty=kind == "count")
+    if kind == "count":
+        ids = sorted(cov.windows + cov.refused)
+        skipped = sorted(set(range(ids[0], ids[-1] + 1)) - set(ids)) if ids else []
+        res.notes.append(f"{len(cov.windows)} windows released, {len(cov.refused)} withheld, "
+                         f"skipped with no event: {skipped}")
     res.violations += [f"[group] {v}" for v in cov.violations]
     res.violations += [f"[group] {v}" for v in check_rollups(entries, docs, rollup_docs)]
     if rollup_docs:
@@ -827,6 +1080,30 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     res.released["group"] = cov.released_events
     left = sum(size_of(part, cov.covered.get(part, 0), 1 << 62) for part in events_at)
     res.unreleased["group"] = left
+    if left > spec.window_events:
+        res.violations.append(f"[group] {left} events after the last decided window: more "
+                              f"than the open window can hold ({spec.window_events})")
+
+
+def _check_event_group(res: Result, spec: Mode, entries: list[dict],
+                       docs: dict[int, list[dict]], records: dict[str, list]) -> None:
+    """:func:`check_event_entries` over an event-time group's topics (``records``: its
+    repartition topic with headers), and every produced event in the repartition topic once."""
+    assigned, late_intake, late_here = event_windows_of(records)
+    cov = check_event_entries(entries, docs, assigned)
+    res.violations += [f"[group] {v}" for v in cov.violations]
+    total = sum(k for recs in assigned.values() for _, _, k in recs)
+    if total != res.produced:
+        res.violations.append(f"[group] the repartition topic holds {total} events of "
+                              f"{res.produced} source records")
+    res.released["group"] = cov.released_events
+    left = sum(cov.covered.values())
+    res.unreleased["group"] = left
+    ids = sorted(cov.windows + cov.refused)
+    skipped = sorted(set(range(ids[0], ids[-1] + 1)) - set(ids)) if ids else []
+    res.notes.append(f"{len(cov.windows)} windows released, {len(cov.refused)} withheld, "
+                     f"{len(skipped)} skipped with no event; late events: {late_intake} by "
+                     f"the intake, {late_here} at a counting partition (window.late = next)")
     if left > spec.window_events:
         res.violations.append(f"[group] {left} events after the last decided window: more "
                               f"than the open window can hold ({spec.window_events})")

@@ -1,7 +1,8 @@
 """The small fault matrix of issue 46 in the suite: the same producer and the same invariant
 (tests/chaos/invariant.py) for one process, several aggregations and rollups under a service
 kill -9, a broker kill -9 or clean restart and a start while the broker is away, and a
-group of two members counting their own partitions (scale.exchange = views) under kill -9. The full
+group of two members counting their own partitions (scale.exchange = views) under kill -9, and
+the shuffle analyzer under kill -9 of the shuffler or the analyzer. The full
 matrix is ``python -m bench.service.chaos`` (docs/chaos.md)."""
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ CASES = [
     # a full disk (a tmpfs of its own, filled for 3-6 s twice, then freed): skipped where no
     # filesystem can be mounted
     ("count", "disk_full", 20),
+    # the shuffle model's three processes, the shuffler or the analyzer killed -9 (54-80 s a
+    # run at a load average of 20-25); the group's count and event-time windows take 80-90 s a
+    # run and are in the bench only (docs/chaos.md)
+    ("shuffle", "kill9", 22),
 ]
 
 

@@ -251,3 +251,23 @@ def test_clients_shuffler_analyzer_end_to_end(kafka_broker, tmp_path):
     for p in rel:
         doc = json.loads(p.read_text())
         assert doc["model"] == "shuffle" and doc["n"] == N
+
+
+def test_sigterm_stops_the_shuffler_with_status_0(kafka_broker, tmp_path):
+    """A supervisor's stop (SIGTERM) ends `panagg shuffle` between polls with exit status 0 and
+    its stats line; before, it had no handler and died of the signal (exit status -15), found by
+    the fault harness (docs/chaos.md, "The shuffle analyzer")."""
+    t = topics(kafka_broker, clients=2, analyzer=1, dlq=1)
+    setargs = sets(kafka_broker, t, tmp_path, public_key_hex(new_keypair()))
+    err = open(tmp_path / "shuffler.log", "w")
+    proc = subprocess.Popen(shuffler_cmd(setargs), stdout=subprocess.PIPE, stderr=err, text=True)
+    deadline = time.monotonic() + 120
+    while "shuffling" not in (tmp_path / "shuffler.log").read_text() and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, (tmp_path / "shuffler.log").read_text()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (tmp_path / "shuffler.log").read_text()[-2000:]
+    assert out.startswith("0 window(s), 0 events"), out
+    assert "stopped on a signal" in (tmp_path / "shuffler.log").read_text()
