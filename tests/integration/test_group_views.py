@@ -230,8 +230,15 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
         _wait_counting(members, tmp_path)
         produce(kafka_broker, topic, items, rate=3000)
         wait_for_total(kafka_broker, topics, 7 * N, 120, members)
-        time.sleep(4)       # the members have counted every event: the open window is short
-        status = _group_status(kafka_broker, group, topic)
+        # what an operator sees of the open window: the group's total from the members'
+        # reports, once they have counted every event
+        deadline = time.monotonic() + 60
+        while True:
+            status = _group_status(kafka_broker, group, topic)
+            if f"the group has counted {len(items):,} events" in status:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(1)
         forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
                                  "--state-dir", str(tmp_path / "v1" / "state")],
                                 capture_output=True, text=True, timeout=200)
@@ -242,8 +249,6 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
     logs = members.logs(last=100000)
     assert "count windows of 2,000 events of the group" in logs and "Traceback" not in logs, \
         logs[-3000:]
-    # what an operator sees of the open window: the group's total from the members' reports
-    assert f"the group has counted {len(items):,} events" in status, status
     docs = sorted(releases(kafka_broker, topics), key=lambda d: d["window"])
     sizes = [d["n"] for d in docs]
     print(f"\nwindow sizes (N = {N}): {sizes}")
