@@ -48,7 +48,7 @@ from ...release import stamp_window
 from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, rollup_block
 from .rollups import rollup_window_size
 from .topics import read_partition
-from .views import VIEW_FORMAT, _encode, decode_view
+from .views import VIEW_FORMAT, decode_view, encode_counts
 
 __all__ = ["ViewRollups", "add_window", "rollup_view"]
 
@@ -78,7 +78,7 @@ def add_window(r: RollupSum, uid: str, window: int, have: dict) -> bool:
 def rollup_view(r: RollupSum, *, partitions: int, params, window_info: dict,
                 mode: str = "direct") -> dict:
     """The rollup's sum as one view covering every partition, for ``merge_views``."""
-    dtype, chunks = _encode(r.counts)
+    dtype, chunks = encode_counts(r.counts)
     return {"format": VIEW_FORMAT, "version": 1, "window": f"{r.span}-{r.index}", "partition": 0,
             "covers": list(range(int(partitions))), "partitions": int(partitions),
             "mode": str(mode), "size": int(r.size), "epsilon": params.epsilon,

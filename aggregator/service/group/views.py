@@ -61,7 +61,8 @@ from .counter import charged_before
 from .membership import Membership
 from .summary import agreeing, merged_window_info
 
-__all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "CHUNK_COUNTERS"]
+__all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "encode_counts",
+           "CHUNK_COUNTERS"]
 
 log = logging.getLogger("panagg.group")
 
@@ -72,7 +73,8 @@ VIEW_FORMAT = "panagg.view"
 
 
 # -- pure parts: a view and the sum of a window's views -------------------------------------
-def _encode(counts: np.ndarray) -> tuple[str, list[bytes]]:
+def encode_counts(counts: np.ndarray) -> tuple[str, list[bytes]]:
+    """(dtype, zlib chunks of CHUNK_COUNTERS counters): int32 when every counter fits."""
     small = counts.size == 0 or (int(counts.min()) >= -(2 ** 31) and
                                  int(counts.max()) < 2 ** 31)
     dtype = "<i4" if small else "<i8"
@@ -110,7 +112,7 @@ def view_header(state: PanPrivateHistogram | None, *, window: int, covers: list[
         head.update(layers=0, n=0, chunks=0, dtype="<i4", _chunks=[])
         return head
     counts = state.counts + discrete_laplace(state.p, state.size, rng=rng)
-    dtype, chunks = _encode(counts)
+    dtype, chunks = encode_counts(counts)
     head.update(layers=int(state.layers) + 1, n=int(state.n), chunks=len(chunks), dtype=dtype,
                 _chunks=chunks)
     return head
