@@ -442,3 +442,79 @@ def test_an_audit_export_of_a_views_group_is_its_windows_summed_views_signed(
     exports = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "export"]
     assert len(exports) == 1 and exports[0]["epsilon_spent"] == 0.0
     assert "Traceback" not in members.logs(last=100000)
+
+
+def _counts_source(tmp_path, partition) -> str:
+    """The member whose log says last that it counts source partition ``partition``."""
+    last = {}
+    for f in tmp_path.glob("v*.log"):
+        for line in f.read_text().splitlines():
+            if f"counting partition {partition} of" in line:
+                last[f.name.split("-")[0]] = line[:23]
+    return max(last, key=last.get)
+
+
+def test_source_records_deleted_before_they_were_counted_withhold_their_window(
+        kafka_broker, tmp_path):
+    """A views member killed -9; records of its source partition are deleted (DeleteRecords:
+    what the topic's retention does, sooner) before the next owner counts them. The window
+    that would hold them is withheld with a ledger entry naming the deleted offsets and its
+    window range; none is released short of them; later windows of that partition release.
+    (Before, the new owner's consumer jumped to the first record left and the window was
+    released with its range over the deleted offsets and an n short of them, no flag.)"""
+    import signal
+
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.admin import KafkaAdminClient
+
+    topic = make_topic(kafka_broker, 2)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
+                      "--set", "window.size=2", "--set", "source.session_timeout_s=15")
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    tp = TopicPartition(topic, 1)
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        produce(kafka_broker, topic, np.arange(2000) % D, 2000)
+        wait_for_total(kafka_broker, topics, 2000, 120, members)
+        victim = _counts_source(tmp_path, 1)
+        members.procs[victim].send_signal(signal.SIGKILL)
+        members.procs[victim].wait(30)
+        produce(kafka_broker, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
+        c = KafkaConsumer(bootstrap_servers=kafka_broker)
+        low = c.end_offsets([tp])[tp]
+        c.close()
+        counting = admin.list_group_offsets(topics.counting_group)[topics.counting_group]
+        committed = counting[tp].offset
+        admin.delete_records({tp: low})
+        assert committed < low
+        produce(kafka_broker, topic, np.arange(1000) % D, 1000)
+        survivor = "v2" if victim == "v1" else "v1"
+        deadline = time.monotonic() + 180
+        while True:                      # the survivor counts partition 1 past the deletion
+            entries = read_ledger(kafka_broker, topics).entries
+            after = [e for e in entries if e["kind"] == "release" and not e.get("withheld")
+                     and e["ranges"].get(f"{topic}:1", [0, 0])[0] >= low]
+            if after:
+                break
+            assert members.procs[survivor].poll() is None, members.logs()
+            assert time.monotonic() < deadline, members.logs()
+            time.sleep(2)
+    finally:
+        members.stop_all()
+        admin.close()
+    key = f"{topic}:1"
+    released = [e for e in entries if e["kind"] == "release" and not e.get("withheld")]
+    short = [(e["window"], e["ranges"][key]) for e in released
+             if key in e["ranges"] and e["ranges"][key][0] < low and
+             e["ranges"][key][1] > committed]
+    assert not short, f"released over deleted records {committed}-{low}: {short}"
+    named = [e["withheld"] for e in entries if e["kind"] == "release" and e.get("withheld")
+             and f"from offset {committed} to {low} were deleted" in e["withheld"]]
+    assert named and "window range [" in named[0], \
+        [e.get("withheld") for e in entries if e.get("withheld")]
+    assert "Traceback" not in members.logs(last=100000)

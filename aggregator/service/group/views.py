@@ -190,6 +190,12 @@ class MemberWindow:
         self.counted: dict[int, int] = {}
         self.goal: int | None = None
         self.opened_unix = time.time()
+        #: partition -> first offset of a jump in its records (a transaction marker, or records
+        #: the topic's retention deleted before they were counted: looked at when it closes)
+        self.gaps: dict[int, int] = {}
+        #: partition -> (first, last + 1) offsets deleted before they were counted: the window
+        #: is withheld naming them, never released short of them
+        self.lost: dict[int, tuple[int, int]] = {}
 
 
 class ViewCounter:
@@ -287,7 +293,7 @@ class ViewCounter:
         for p in sorted(owned - set(self.where)):
             tp = TopicPartition(self.source_topic, p)
             committed = self.consumer.committed(tp, metadata=True, timeout_ms=5000)
-            meta = {}
+            meta: dict | None = None     # (None: no commit, counted from the beginning)
             if committed is None or committed.offset is None or committed.offset < 0:
                 window = self.first_window
                 self.consumer.seek_to_beginning(tp)
@@ -299,11 +305,16 @@ class ViewCounter:
                 self.consumer.seek(tp, start)
             task = self.tasks.setdefault(window, MemberWindow(window))
             task.ranges[p] = [start, start]
+            if meta is not None:
+                # the window's first records may be gone (the source topic's retention, a
+                # member down longer than it): replayed without them it would be short
+                self._note_deleted(task, {p: start})
             if self.count:
                 # a count window goes on from the committed numbers (a new group: from 0)
-                task.base[p], task.counted[p] = int(meta.get("t", 0)), 0
+                at = meta or {}
+                task.base[p], task.counted[p] = int(at.get("t", 0)), 0
                 self._reported.pop(p, None)    # its next report is sent whatever it says
-                goal = int(meta.get("g", (window - self.first_window + 1) * self.size))
+                goal = int(at.get("g", (window - self.first_window + 1) * self.size))
                 task.goal = max(task.goal or 0, goal)
             self.where[p] = window
             self.metrics.handovers.labels(event="acquired").inc()
@@ -344,6 +355,8 @@ class ViewCounter:
             recs = [r for r in recs if r.offset >= rng[1]]
             if not recs:
                 continue
+            if recs[0].offset > rng[1]:
+                task.gaps.setdefault(tp.partition, rng[1])
             counted += self._count(task, tp, recs)
             rng[1] = recs[-1].offset + 1
         if counted:
@@ -475,6 +488,9 @@ class ViewCounter:
             self._needs_sync = True
             return False
         self._last_wait = None
+        if task.gaps:     # one look at the first offsets of the partitions that jumped
+            self._note_deleted(task, dict(task.gaps))
+            task.gaps.clear()
         ranges = {f"{self.source_topic}:{p}": list(r) for p, r in sorted(task.ranges.items())}
         if self.count:   # a count window's times are when this member opened and closed it
             info = {"kind": "count", "size": self.size, "events": int(task.events),
@@ -482,7 +498,12 @@ class ViewCounter:
         else:
             info = {"kind": "time", "size": self.size, "events": int(task.events),
                     "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
-        refused = self._refusal(w, ranges) if task.events else None
+        refused = "; ".join(
+            f"records of partition {p} from offset {a} to {b} were deleted by the retention "
+            f"of {self.source_topic} before they were counted; window range "
+            f"[{task.ranges[p][0]}, {task.ranges[p][1]}) cannot be released whole"
+            for p, (a, b) in sorted(task.lost.items())) or (
+            self._refusal(w, ranges) if task.events else None)
         if refused:
             head = {"format": VIEW_FORMAT, "version": 1, "window": w,
                     "partition": min(task.ranges), "covers": sorted(task.ranges),
@@ -538,6 +559,25 @@ class ViewCounter:
         if self.count:
             nxt.goal = max(nxt.goal or 0, goal_after or 0) or None
         return True
+
+    def _note_deleted(self, task: MemberWindow, since: dict[int, int]) -> None:
+        """Note on ``task`` the records of each partition p of ``since`` from ``since[p]`` to
+        the partition's first offset, if the topic's retention deleted them before they were
+        counted (a jump in a partition's offsets is most often a transaction marker)."""
+        from kafka import TopicPartition
+
+        tps = {p: TopicPartition(self.source_topic, p) for p in since if p not in task.lost}
+        if not tps:
+            return
+        lows = self.consumer.beginning_offsets(list(tps.values()))
+        for p, tp in sorted(tps.items()):
+            low = lows.get(tp)
+            if low is not None and int(low) > since[p]:
+                task.lost[p] = (int(since[p]), int(low))
+                log.warning("records of partition %d of %s from offset %d to %d were deleted "
+                            "by the topic's retention before they were counted; window %d is "
+                            "withheld naming them", p, self.source_topic, since[p], low,
+                            task.window)
 
     def _still_owned(self, task: MemberWindow) -> bool:
         """Whether this member still holds the window's partitions in the generation it synced
