@@ -22,9 +22,9 @@ Run from the repository root::
    Beside it the same for one process (``scale.partitioned = false``, windows by its clock, no
    accuracy plan) on a backlog of its own, and CPU seconds per event: user + system of each
    process's tree (release workers included) from /proc just before it is stopped, with and
-   without each process's start-up CPU (an idle run on an empty topic), and the ratios of the
-   group's figures to one process's. ``--client confluent`` asks every process for
-   ``source.client = confluent`` (a process that refuses it is reported with its one line).
+   without each process's start-up CPU (its tree's CPU when its log says it starts to count),
+   and the ratios of the group's figures to one process's. ``--client confluent`` asks every
+   process for ``source.client = confluent`` (a process that refuses it: reported, its line).
 3. Takeover: two members, a steady 2,000 events/s; kill -9 of the member that does not lead, not
    restarted; the time from the kill until the window open at the kill is released, against the
    same window's planned release time (its end + close grace).
@@ -215,7 +215,8 @@ def tree_cpu(pid: int) -> float:
     """CPU seconds (user + system) of process ``pid`` and every descendant alive now (a
     member's release workers, spawned), plus what each has reaped (``cutime``/``cstime``):
     each process of the tree counted once. Linux /proc."""
-    stats, children = {}, {}
+    stats: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -274,6 +275,9 @@ def _run(boot, tmp, n, k, event_time=False) -> dict:
     procs = [_member(boot, topic, group, f"m{i}", tmp, event_time=event_time, alone=k == 0)
              for i in range(max(k, 1))]
     who = f"{k} member(s)" if k else "one process"
+    # the log line at which a process starts to count: its CPU until then is its start-up
+    mark = "assigned partitions" if k == 0 else "counting partition"
+    started: dict[int, float] = {}
     try:
         while (_released_alone(tmp, group) if k == 0 else
                sum(r[1] for r in _released(boot, group))) < n:
@@ -283,51 +287,31 @@ def _run(boot, tmp, n, k, event_time=False) -> dict:
                 return {"members": k, "client": CLIENT[0], "refused": gone}
             if time.monotonic() - t0 > 900:
                 raise RuntimeError(f"{who}: not done in 900 s")
-            time.sleep(1)
+            for i, p in enumerate(procs):
+                if i not in started and mark in (tmp / f"{group}-m{i}.log").read_text():
+                    started[i] = tree_cpu(p.pid)
+            time.sleep(0.2 if len(started) < len(procs) else 1)
         secs = time.monotonic() - t0
         cpu = [tree_cpu(p.pid) for p in procs]
     finally:
         _stop(procs)
+    start = [started.get(i, 0.0) for i in range(len(procs))]  # 0: counted before it was seen
     row = {"members": k, "client": CLIENT[0], "events": n, "seconds": secs,
            "events_per_s": n / secs, "cpu_s": cpu, "cpu_us_per_event": 1e6 * sum(cpu) / n,
+           "startup_cpu_s": start,
+           "net_cpu_us_per_event": 1e6 * (sum(cpu) - sum(start)) / n,
            "windows": "event_time" if event_time else "time"}
     print(f"{who}: {n} events in {secs:.1f} s = {n / secs:,.0f} events/s, CPU "
           f"{sum(cpu):.1f} s ({' + '.join(f'{c:.1f}' for c in cpu)}) = "
           f"{row['cpu_us_per_event']:.1f} us/event (start, group join and the last window's "
-          "close included)", file=sys.stderr)
+          f"close included), {row['net_cpu_us_per_event']:.1f} us/event without the start-up "
+          f"(CPU until its '{mark}' line: {' + '.join(f'{c:.1f}' for c in start)} s)",
+          file=sys.stderr)
     return row
 
 
-def idle_cpu(boot, tmp, k, secs=20.0) -> float:
-    """CPU seconds of one process (k = 0) or one member (k = 1) started on an empty topic,
-    ``secs`` after its start: start-up (imports, topics, join) and idle windows, the fixed
-    part of :func:`_run`'s figure."""
-    topic = _topic(boot)
-    group = f"gb-{uuid.uuid4().hex[:6]}"
-    proc = _member(boot, topic, group, "m0", tmp, alone=k == 0)
-    try:
-        time.sleep(secs)
-        gone = _exited([proc], tmp, group)
-        cpu = tree_cpu(proc.pid)
-    finally:
-        _stop([proc])
-    if gone is not None:
-        return float("nan")
-    print(f"{'one member' if k else 'one process'} idle on an empty topic: CPU {cpu:.1f} s "
-          f"in its first {secs:.0f} s", file=sys.stderr)
-    return cpu
-
-
-def _net(row: dict, idle: dict) -> None:
-    """CPU per event without the fixed start-up of each process (:func:`idle_cpu`)."""
-    if "refused" not in row:
-        fixed = idle[min(row["members"], 1)] * len(row["cpu_s"])
-        row["startup_cpu_s"] = fixed
-        row["net_cpu_us_per_event"] = 1e6 * (sum(row["cpu_s"]) - fixed) / row["events"]
-
-
 def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False,
-               one=True, idle_s=20.0) -> list[dict]:
+               one=True) -> list[dict]:
     """``event_time``: windows by the records' timestamps (5 s windows, 2 s lateness, the
     backlog stamped over 200 s: 40 windows). ``one``: one process first (k = 0: ``panagg run``
     with ``scale.partitioned = false``, intake-time windows of the same size), and each group
@@ -336,19 +320,11 @@ def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False,
     base = _run(boot, tmp, n, 0) if one and not event_time else None
     if base is not None:
         rows.append(base)
-    idle = {}
-    if base is not None and idle_s:
-        idle = {0: idle_cpu(boot, tmp, 0, idle_s), 1: idle_cpu(boot, tmp, 1, idle_s)}
-        _net(base, idle)
     for k in members:
         row = _run(boot, tmp, n, k, event_time=event_time)
-        if idle:
-            _net(row, idle)
         if base is not None and "refused" not in row and "refused" not in base:
             row["cpu_ratio"] = row["cpu_us_per_event"] / base["cpu_us_per_event"]
-            if idle:
-                row["net_cpu_ratio"] = (row["net_cpu_us_per_event"]
-                                        / base["net_cpu_us_per_event"])
+            row["net_cpu_ratio"] = row["net_cpu_us_per_event"] / base["net_cpu_us_per_event"]
             row["speed_ratio"] = row["events_per_s"] / (k * base["events_per_s"])
             print(f"{k} member(s) / one process: CPU per event {row['cpu_ratio']:.2f}x, "
                   f"events/s over {k} x one process's {row['speed_ratio']:.2f}", file=sys.stderr)
@@ -359,8 +335,9 @@ def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False,
 def throughput_lines(rows: list[dict], m: dict) -> list[str]:
     """The markdown table of :func:`throughput`'s rows."""
     out = ["| run | events/s | events/s over k x one process's | CPU s (each process) | "
-           "CPU us/event | over one process's | start-up CPU s (idle run) | CPU us/event net "
-           "of start-up | over one process's | events/s per core net (1 / CPU per event) |",
+           "CPU us/event | over one process's | start-up CPU s (until it counts) | "
+           "CPU us/event net of start-up | over one process's | "
+           "events/s per core net (1 / CPU per event) |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for r in rows:
@@ -373,7 +350,7 @@ def throughput_lines(rows: list[dict], m: dict) -> list[str]:
                    f"{r.get('speed_ratio', 1.0):.2f} | "
                    f"{' + '.join(f'{c:.1f}' for c in r['cpu_s'])} | "
                    f"{r['cpu_us_per_event']:.1f} | {r.get('cpu_ratio', 1.0):.2f} | "
-                   f"{r.get('startup_cpu_s', nan):.1f} | {net:.1f} | "
+                   f"{' + '.join(f'{c:.1f}' for c in r['startup_cpu_s'])} | {net:.1f} | "
                    f"{r.get('net_cpu_ratio', 1.0):.2f} | "
                    f"{(1e6 / net if net > 0 else nan):,.0f} |")
     out.append(f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
@@ -475,9 +452,6 @@ def main(argv=None) -> int:
                     help="--throughput: source.client of every process")
     ap.add_argument("--no-one", action="store_true",
                     help="--throughput: skip the one-process run (and the ratios to it)")
-    ap.add_argument("--idle-s", type=float, default=20.0,
-                    help="--throughput: seconds of the idle runs that measure each process's "
-                         "start-up CPU (0: none)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--events", type=int, default=300_000)
     ap.add_argument("--out", default="out/group_bench.json")
@@ -500,7 +474,6 @@ def main(argv=None) -> int:
             if args.throughput or args.all:
                 res["throughput"] = throughput(
                     boot, tmp, n=args.events, event_time=args.event_time, one=not args.no_one,
-                    idle_s=5.0 if args.smoke else args.idle_s,
                     members=tuple(int(k) for k in args.members.split(",")))
                 m["load_end"] = [round(x, 2) for x in os.getloadavg()]
                 res["machine"] = m
