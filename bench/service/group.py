@@ -346,12 +346,18 @@ def throughput_lines(rows: list[dict], m: dict) -> list[str]:
             out.append(f"| {who}, {r['client']} | refused: {r['refused']} |" + " |" * 8)
             continue
         net = r.get("net_cpu_us_per_event", nan)
+        # ratios: 1 on the one-process row, "-" where no one-process run (--no-one)
+        one = 1.0 if r["members"] == 0 else None
+
+        def ratio(key, one=one, r=r):
+            v = r.get(key, one)
+            return "-" if v is None else f"{v:.2f}"
         out.append(f"| {who}, {r['client']} | {r['events_per_s']:,.0f} | "
-                   f"{r.get('speed_ratio', 1.0):.2f} | "
+                   f"{ratio('speed_ratio')} | "
                    f"{' + '.join(f'{c:.1f}' for c in r['cpu_s'])} | "
-                   f"{r['cpu_us_per_event']:.1f} | {r.get('cpu_ratio', 1.0):.2f} | "
+                   f"{r['cpu_us_per_event']:.1f} | {ratio('cpu_ratio')} | "
                    f"{' + '.join(f'{c:.1f}' for c in r['startup_cpu_s'])} | {net:.1f} | "
-                   f"{r.get('net_cpu_ratio', 1.0):.2f} | "
+                   f"{ratio('net_cpu_ratio')} | "
                    f"{(1e6 / net if net > 0 else nan):,.0f} |")
     out.append(f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
                f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}.")
