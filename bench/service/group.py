@@ -235,6 +235,12 @@ def tree_cpu(pid: int) -> float:
     return total / _TICK
 
 
+def own_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` alone, its children not included."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return sum(int(x) for x in raw[raw.rindex(")") + 2:].split()[11:13]) / _TICK
+
+
 def _exited(procs, tmp, group) -> str | None:
     """The last line of the log of a process of ``procs`` that has exited, None while all run."""
     for i, p in enumerate(procs):
@@ -277,7 +283,7 @@ def _run(boot, tmp, n, k, event_time=False) -> dict:
     who = f"{k} member(s)" if k else "one process"
     # the log line at which a process starts to count: its CPU until then is its start-up
     mark = "assigned partitions" if k == 0 else "counting partition"
-    started: dict[int, float] = {}
+    started: dict[int, tuple[float, float]] = {}  # tree, own CPU at the line
     try:
         while (_released_alone(tmp, group) if k == 0 else
                sum(r[1] for r in _released(boot, group))) < n:
@@ -289,18 +295,30 @@ def _run(boot, tmp, n, k, event_time=False) -> dict:
                 raise RuntimeError(f"{who}: not done in 900 s")
             for i, p in enumerate(procs):
                 if i not in started and mark in (tmp / f"{group}-m{i}.log").read_text():
-                    started[i] = tree_cpu(p.pid)
+                    started[i] = tree_cpu(p.pid), own_cpu(p.pid)
             time.sleep(0.2 if len(started) < len(procs) else 1)
         secs = time.monotonic() - t0
         cpu = [tree_cpu(p.pid) for p in procs]
+        loop = [own_cpu(p.pid) for p in procs]
+        releases = (len(list((tmp / group / "m0" / "rel").glob("release-*.json"))) if k == 0
+                    else len(_released(boot, group)))
     finally:
         _stop(procs)
-    start = [started.get(i, 0.0) for i in range(len(procs))]  # 0: counted before it was seen
+    # (0, 0): counted before it was seen
+    start = [started.get(i, (0.0, 0.0))[0] for i in range(len(procs))]
+    start_own = [started.get(i, (0.0, 0.0))[1] for i in range(len(procs))]
     row = {"members": k, "client": CLIENT[0], "events": n, "seconds": secs,
            "events_per_s": n / secs, "cpu_s": cpu, "cpu_us_per_event": 1e6 * sum(cpu) / n,
-           "startup_cpu_s": start,
+           "startup_cpu_s": start, "releases": releases,
+           # the children: release workers (the leader's merges and releases, one process's)
+           "worker_cpu_s": [c - o for c, o in zip(cpu, loop)],
            "net_cpu_us_per_event": 1e6 * (sum(cpu) - sum(start)) / n,
            "windows": "event_time" if event_time else "time"}
+    row["loop_cpu_us_per_event"] = 1e6 * (sum(loop) - sum(start_own)) / n
+    print(f"{who}: {releases} releases; CPU of the release workers "
+          f"{' + '.join(f'{c:.1f}' for c in row['worker_cpu_s'])} s; of the processes "
+          f"themselves net of start-up {row['loop_cpu_us_per_event']:.1f} us/event",
+          file=sys.stderr)
     print(f"{who}: {n} events in {secs:.1f} s = {n / secs:,.0f} events/s, CPU "
           f"{sum(cpu):.1f} s ({' + '.join(f'{c:.1f}' for c in cpu)}) = "
           f"{row['cpu_us_per_event']:.1f} us/event (start, group join and the last window's "
@@ -325,6 +343,8 @@ def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False,
         if base is not None and "refused" not in row and "refused" not in base:
             row["cpu_ratio"] = row["cpu_us_per_event"] / base["cpu_us_per_event"]
             row["net_cpu_ratio"] = row["net_cpu_us_per_event"] / base["net_cpu_us_per_event"]
+            row["loop_cpu_ratio"] = (row["loop_cpu_us_per_event"]
+                                     / base["loop_cpu_us_per_event"])
             row["speed_ratio"] = row["events_per_s"] / (k * base["events_per_s"])
             print(f"{k} member(s) / one process: CPU per event {row['cpu_ratio']:.2f}x, "
                   f"events/s over {k} x one process's {row['speed_ratio']:.2f}", file=sys.stderr)
@@ -337,13 +357,14 @@ def throughput_lines(rows: list[dict], m: dict) -> list[str]:
     out = ["| run | events/s | events/s over k x one process's | CPU s (each process) | "
            "CPU us/event | over one process's | start-up CPU s (until it counts) | "
            "CPU us/event net of start-up | over one process's | "
-           "events/s per core net (1 / CPU per event) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "events/s per core net (1 / CPU per event) | releases | release workers' CPU s | "
+           "CPU us/event of the processes without their workers, net of start-up | over one "
+           "process's |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for r in rows:
         who = f"{r['members']} member(s)" if r["members"] else "one process"
         if "refused" in r:
-            out.append(f"| {who}, {r['client']} | refused: {r['refused']} |" + " |" * 8)
+            out.append(f"| {who}, {r['client']} | refused: {r['refused']} |" + " |" * 12)
             continue
         net = r.get("net_cpu_us_per_event", nan)
         # ratios: 1 on the one-process row, "-" where no one-process run (--no-one)
@@ -358,7 +379,9 @@ def throughput_lines(rows: list[dict], m: dict) -> list[str]:
                    f"{r['cpu_us_per_event']:.1f} | {ratio('cpu_ratio')} | "
                    f"{' + '.join(f'{c:.1f}' for c in r['startup_cpu_s'])} | {net:.1f} | "
                    f"{ratio('net_cpu_ratio')} | "
-                   f"{(1e6 / net if net > 0 else nan):,.0f} |")
+                   f"{(1e6 / net if net > 0 else nan):,.0f} | {r['releases']} | "
+                   f"{' + '.join(f'{c:.1f}' for c in r['worker_cpu_s'])} | "
+                   f"{r['loop_cpu_us_per_event']:.1f} | {ratio('loop_cpu_ratio')} |")
     out.append(f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
                f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}.")
     return out
