@@ -19,6 +19,12 @@ Run from the repository root::
    $PANAGG_KAFKA_BOOTSTRAP): a backlog of N msgpack records (unkeyed) on a 6-partition topic,
    then k = 1, 2, 3 members started at once on a new group; events/s = N / (time from the start
    until the releases (read from ``<group>.panagg.releases``) hold N events), window 5 s.
+   Beside it the same for one process (``scale.partitioned = false``, windows by its clock, no
+   accuracy plan) on a backlog of its own, and CPU seconds per event: user + system of each
+   process's tree (release workers included) from /proc just before it is stopped, with and
+   without each process's start-up CPU (its tree's CPU when its log says it starts to count),
+   and the ratios of the group's figures to one process's. ``--client confluent`` asks every
+   process for ``source.client = confluent`` (a process that refuses it: reported, its line).
 3. Takeover: two members, a steady 2,000 events/s; kill -9 of the member that does not lead, not
    restarted; the time from the kill until the window open at the kill is released, against the
    same window's planned release time (its end + close grace).
@@ -141,13 +147,24 @@ def _produce(boot, topic, n, rate=None, D=100_000, event_span_s=None):
 EXCHANGE = ["views"]
 
 
-def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0):
+#: source.client of every process a run starts (--client)
+CLIENT = ["kafka-python"]
+
+
+def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0, alone=False):
+    """A ``panagg run`` child: a member of ``group``, or with ``alone`` one process
+    (``scale.partitioned = false``, its releases in its release directory)."""
     log = open(tmp / f"{group}-{name}.log", "w")
+    # one process: windows by its clock, as the group's intake time (not the records' stamps)
+    # and no accuracy plan at start (a one-time simulation members do not make)
+    scale = (["--set", "scale.partitioned=false", "--set", "window.clock=process",
+              "--set", "release.plan_errors=false"] if alone else
+             ["--set", "scale.partitioned=true", "--set", "scale.store=kafka"])
     return subprocess.Popen(
         [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", boot, "--topic",
          topic, "--state-dir", str(tmp / group / name), "--release-dir",
-         str(tmp / group / name / "rel"), "--metrics-port", "-1",
-         "--set", "scale.partitioned=true", "--set", "scale.store=kafka",
+         str(tmp / group / name / "rel"), "--metrics-port", "-1", *scale,
+         "--set", f"source.client={CLIENT[0]}",
          "--set", "window.kind=time", "--set", f"window.size={int(window)}",
          "--set", "state.domain_size=100000", "--set", f"source.group={group}",
          "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
@@ -157,7 +174,8 @@ def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0):
          *(["--set", "window.kind=count", "--set", f"window.size={int(count)}"]
            if count else []),
          # count and event-time windows are the items exchange's (the views one: time windows)
-         "--set", f"scale.exchange={'items' if event_time or count else EXCHANGE[0]}"],
+         *([] if alone else
+           ["--set", f"scale.exchange={'items' if event_time or count else EXCHANGE[0]}"])],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
@@ -179,6 +197,67 @@ def _released(boot, group):
         c.close()
 
 
+def _released_alone(tmp, group, name="m0") -> int:
+    """Events in the releases one process (``_member(alone=True)``) wrote to its directory."""
+    n = 0
+    for path in (tmp / group / name / "rel").glob("release-*.json"):
+        try:
+            n += json.loads(path.read_text())["window_info"]["events"]
+        except (OSError, ValueError, KeyError):
+            pass  # being written
+    return n
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and every descendant alive now (a
+    member's release workers, spawned), plus what each has reaped (``cutime``/``cstime``):
+    each process of the tree counted once. Linux /proc."""
+    stats: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        f = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid ...
+        stats[int(d.name)] = sum(int(x) for x in f[11:15])  # utime stime cutime cstime
+        children.setdefault(int(f[1]), []).append(int(d.name))
+    todo, total = [pid], 0
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0)
+        todo += children.get(p, [])
+    return total / _TICK
+
+
+def own_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` alone, its children not included."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return sum(int(x) for x in raw[raw.rindex(")") + 2:].split()[11:13]) / _TICK
+
+
+def _exited(procs, tmp, group) -> str | None:
+    """The last line of the log of a process of ``procs`` that has exited, None while all run."""
+    for i, p in enumerate(procs):
+        if p.poll() is not None:
+            lines = (tmp / f"{group}-m{i}.log").read_text().strip().splitlines()
+            return lines[-1] if lines else f"exit {p.returncode}"
+    return None
+
+
+def machine() -> dict:
+    from bench.harness import cpu_model, git_rev
+    return {"cpus": os.cpu_count(), "cpu": cpu_model(),
+            "rev": git_rev(["aggregator", "consumers", "bench/service/group.py"]),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_start": [round(x, 2) for x in os.getloadavg()]}
+
+
 def _stop(procs):
     for p in procs:
         if p.poll() is None:
@@ -190,30 +269,122 @@ def _stop(procs):
             p.kill()
 
 
-def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False) -> list[dict]:
+def _run(boot, tmp, n, k, event_time=False) -> dict:
+    """k members (k = 0: one process) on a new backlog of n records, from their start until
+    the releases hold n events: seconds, and CPU seconds of the processes' trees read just
+    before they are stopped (start-up, join, counting, releases and the idle polls between
+    them all inside)."""
+    topic = _topic(boot)
+    _produce(boot, topic, n, event_span_s=200 if event_time else None)
+    group = f"gb-{uuid.uuid4().hex[:6]}"
+    t0 = time.monotonic()
+    procs = [_member(boot, topic, group, f"m{i}", tmp, event_time=event_time, alone=k == 0)
+             for i in range(max(k, 1))]
+    who = f"{k} member(s)" if k else "one process"
+    # the log line at which a process starts to count: its CPU until then is its start-up
+    mark = "assigned partitions" if k == 0 else "counting partition"
+    started: dict[int, tuple[float, float]] = {}  # tree, own CPU at the line
+    try:
+        while (_released_alone(tmp, group) if k == 0 else
+               sum(r[1] for r in _released(boot, group))) < n:
+            gone = _exited(procs, tmp, group)
+            if gone is not None:
+                print(f"{who} on {CLIENT[0]}: exited: {gone}", file=sys.stderr)
+                return {"members": k, "client": CLIENT[0], "refused": gone}
+            if time.monotonic() - t0 > 900:
+                raise RuntimeError(f"{who}: not done in 900 s")
+            for i, p in enumerate(procs):
+                if i not in started and mark in (tmp / f"{group}-m{i}.log").read_text():
+                    started[i] = tree_cpu(p.pid), own_cpu(p.pid)
+            time.sleep(0.2 if len(started) < len(procs) else 1)
+        secs = time.monotonic() - t0
+        cpu = [tree_cpu(p.pid) for p in procs]
+        loop = [own_cpu(p.pid) for p in procs]
+        releases = (len(list((tmp / group / "m0" / "rel").glob("release-*.json"))) if k == 0
+                    else len(_released(boot, group)))
+    finally:
+        _stop(procs)
+    # (0, 0): counted before it was seen
+    start = [started.get(i, (0.0, 0.0))[0] for i in range(len(procs))]
+    start_own = [started.get(i, (0.0, 0.0))[1] for i in range(len(procs))]
+    row = {"members": k, "client": CLIENT[0], "events": n, "seconds": secs,
+           "events_per_s": n / secs, "cpu_s": cpu, "cpu_us_per_event": 1e6 * sum(cpu) / n,
+           "startup_cpu_s": start, "releases": releases,
+           # the children: release workers (the leader's merges and releases, one process's)
+           "worker_cpu_s": [c - o for c, o in zip(cpu, loop)],
+           "net_cpu_us_per_event": 1e6 * (sum(cpu) - sum(start)) / n,
+           "windows": "event_time" if event_time else "time"}
+    row["loop_cpu_us_per_event"] = 1e6 * (sum(loop) - sum(start_own)) / n
+    print(f"{who}: {releases} releases; CPU of the release workers "
+          f"{' + '.join(f'{c:.1f}' for c in row['worker_cpu_s'])} s; of the processes "
+          f"themselves net of start-up {row['loop_cpu_us_per_event']:.1f} us/event",
+          file=sys.stderr)
+    print(f"{who}: {n} events in {secs:.1f} s = {n / secs:,.0f} events/s, CPU "
+          f"{sum(cpu):.1f} s ({' + '.join(f'{c:.1f}' for c in cpu)}) = "
+          f"{row['cpu_us_per_event']:.1f} us/event (start, group join and the last window's "
+          f"close included), {row['net_cpu_us_per_event']:.1f} us/event without the start-up "
+          f"(CPU until its '{mark}' line: {' + '.join(f'{c:.1f}' for c in start)} s)",
+          file=sys.stderr)
+    return row
+
+
+def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False,
+               one=True) -> list[dict]:
     """``event_time``: windows by the records' timestamps (5 s windows, 2 s lateness, the
-    backlog stamped over 200 s: 40 windows)."""
+    backlog stamped over 200 s: 40 windows). ``one``: one process first (k = 0: ``panagg run``
+    with ``scale.partitioned = false``, intake-time windows of the same size), and each group
+    row's ratios to it: CPU per event, and events/s over k times its events/s."""
     rows = []
+    base = _run(boot, tmp, n, 0) if one and not event_time else None
+    if base is not None:
+        rows.append(base)
     for k in members:
-        topic = _topic(boot)
-        _produce(boot, topic, n, event_span_s=200 if event_time else None)
-        group = f"gb-{uuid.uuid4().hex[:6]}"
-        t0 = time.monotonic()
-        procs = [_member(boot, topic, group, f"m{i}", tmp, event_time=event_time)
-                 for i in range(k)]
-        try:
-            while sum(r[1] for r in _released(boot, group)) < n:
-                if time.monotonic() - t0 > 900:
-                    raise RuntimeError(f"{k} member(s): not done in 900 s")
-                time.sleep(1)
-            secs = time.monotonic() - t0
-        finally:
-            _stop(procs)
-        rows.append({"members": k, "events": n, "seconds": secs, "events_per_s": n / secs,
-                     "windows": "event_time" if event_time else "time"})
-        print(f"{k} member(s): {n} events in {secs:.1f} s = {n / secs:,.0f} events/s "
-              "(start, group join and the last window's close included)", file=sys.stderr)
+        row = _run(boot, tmp, n, k, event_time=event_time)
+        if base is not None and "refused" not in row and "refused" not in base:
+            row["cpu_ratio"] = row["cpu_us_per_event"] / base["cpu_us_per_event"]
+            row["net_cpu_ratio"] = row["net_cpu_us_per_event"] / base["net_cpu_us_per_event"]
+            row["loop_cpu_ratio"] = (row["loop_cpu_us_per_event"]
+                                     / base["loop_cpu_us_per_event"])
+            row["speed_ratio"] = row["events_per_s"] / (k * base["events_per_s"])
+            print(f"{k} member(s) / one process: CPU per event {row['cpu_ratio']:.2f}x, "
+                  f"events/s over {k} x one process's {row['speed_ratio']:.2f}", file=sys.stderr)
+        rows.append(row)
     return rows
+
+
+def throughput_lines(rows: list[dict], m: dict) -> list[str]:
+    """The markdown table of :func:`throughput`'s rows."""
+    out = ["| run | events/s | events/s over k x one process's | CPU s (each process) | "
+           "CPU us/event | over one process's | start-up CPU s (until it counts) | "
+           "CPU us/event net of start-up | over one process's | "
+           "events/s per core net (1 / CPU per event) | releases | release workers' CPU s | "
+           "CPU us/event of the processes without their workers, net of start-up | over one "
+           "process's |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
+    for r in rows:
+        who = f"{r['members']} member(s)" if r["members"] else "one process"
+        if "refused" in r:
+            out.append(f"| {who}, {r['client']} | refused: {r['refused']} |" + " |" * 12)
+            continue
+        net = r.get("net_cpu_us_per_event", nan)
+        # ratios: 1 on the one-process row, "-" where no one-process run (--no-one)
+        one = 1.0 if r["members"] == 0 else None
+
+        def ratio(key, one=one, r=r):
+            v = r.get(key, one)
+            return "-" if v is None else f"{v:.2f}"
+        out.append(f"| {who}, {r['client']} | {r['events_per_s']:,.0f} | "
+                   f"{ratio('speed_ratio')} | "
+                   f"{' + '.join(f'{c:.1f}' for c in r['cpu_s'])} | "
+                   f"{r['cpu_us_per_event']:.1f} | {ratio('cpu_ratio')} | "
+                   f"{' + '.join(f'{c:.1f}' for c in r['startup_cpu_s'])} | {net:.1f} | "
+                   f"{ratio('net_cpu_ratio')} | "
+                   f"{(1e6 / net if net > 0 else nan):,.0f} | {r['releases']} | "
+                   f"{' + '.join(f'{c:.1f}' for c in r['worker_cpu_s'])} | "
+                   f"{r['loop_cpu_us_per_event']:.1f} | {ratio('loop_cpu_ratio')} |")
+    out.append(f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
+               f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}.")
+    return out
 
 
 def count_windows(boot, tmp, n=200_000, size=20_000, rate=5_000, members=2) -> dict:
@@ -306,11 +477,17 @@ def main(argv=None) -> int:
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--exchange", choices=("views", "items"), default="views",
                     help="scale.exchange of the time-window runs")
+    ap.add_argument("--client", choices=("kafka-python", "confluent"), default="kafka-python",
+                    help="--throughput: source.client of every process")
+    ap.add_argument("--no-one", action="store_true",
+                    help="--throughput: skip the one-process run (and the ratios to it)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--events", type=int, default=300_000)
     ap.add_argument("--out", default="out/group_bench.json")
     args = ap.parse_args(argv)
     EXCHANGE[0] = args.exchange
+    CLIENT[0] = args.client
+    m = machine()
     res: dict = {}
     if args.smoke:
         res["accuracy"] = accuracy(["zipf"], D=1_000, n=1_000, eps=1.0, reps=1)
@@ -325,8 +502,11 @@ def main(argv=None) -> int:
         try:
             if args.throughput or args.all:
                 res["throughput"] = throughput(
-                    boot, tmp, n=args.events, event_time=args.event_time,
-                    members=tuple(int(m) for m in args.members.split(",")))
+                    boot, tmp, n=args.events, event_time=args.event_time, one=not args.no_one,
+                    members=tuple(int(k) for k in args.members.split(",")))
+                m["load_end"] = [round(x, 2) for x in os.getloadavg()]
+                res["machine"] = m
+                print("\n".join(throughput_lines(res["throughput"], m)), file=sys.stderr)
             if args.takeover or args.all:
                 res["takeover"] = takeover(boot, tmp)
             if args.count_windows:

@@ -19,6 +19,7 @@ KAFKA_SMOKES = [
     ("service.registry_cost", ["--smoke"]),
     ("service.shuffler_throughput", ["--smoke"]),
     ("service.group", ["--smoke", "--throughput"]),
+    ("service.group", ["--smoke", "--throughput", "--client", "confluent", "--no-one"]),
     ("service.views", ["--smoke", "recovery", "--bootstrap", "{bootstrap}"]),
 ]
 
