@@ -491,6 +491,10 @@ class ViewCounter:
         if task.gaps:     # one look at the first offsets of the partitions that jumped
             self._note_deleted(task, dict(task.gaps))
             task.gaps.clear()
+        for p, (_, first_left) in task.lost.items():
+            # a window that ends before the first record left takes the deleted span whole,
+            # so the next one starts at that record and is released
+            task.ranges[p][1] = max(task.ranges[p][1], first_left)
         ranges = {f"{self.source_topic}:{p}": list(r) for p, r in sorted(task.ranges.items())}
         if self.count:   # a count window's times are when this member opened and closed it
             info = {"kind": "count", "size": self.size, "events": int(task.events),
