@@ -59,7 +59,8 @@ from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, ro
 from .summary import merge_summaries, view_summary
 from .topics import read_partition
 
-__all__ = ["SliceRollups", "RollupReleases", "judge_rollup", "rollup_window_size"]
+__all__ = ["SliceRollups", "RollupReleases", "judge_rollup", "rollup_window_size",
+           "publish_rollup", "transact_rollup"]
 
 log = logging.getLogger("panagg.group")
 
@@ -335,83 +336,102 @@ class RollupReleases:
         lead = self.leader
         span, idx = key
         have = self.pending.get(key, {})
-        name = f"{span}-{idx}"
         r = RollupSum(span, idx, windows=self.spans[span], p=release["p"], mode="", size=0)
         quiet = noise_only_windows(have, lead.ledger, lead.P)
         for s in have.values():
             for uid, part in s["parts"].items():
                 if uid not in quiet:
                     r.parts.setdefault(uid, part)
-        info = release["window_info"]
-        release["window_info"] = {k: info[k] for k in ("kind", "size", "events",
-                                                       "started_unix", "ended_unix")}
-        release["window_info"]["base_kind"] = lead.window_kind
-        release["rollup"] = rollup_block(r, missing, release["layers"])
-        if quiet:   # in the sum as noise layers only (event-time windows with no event)
-            release["rollup"]["noise_only_windows"] = sorted(int(u.rsplit("/", 1)[1])
-                                                             for u in quiet)
-        if missing:
-            release["caveat"] = missing_caveat(name, len(r.parts), r.windows, missing)
-            log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
-                        "which and why)", name, len(r.parts), r.windows, len(missing))
-        if lead.aggregation:
-            release["aggregation"] = {"name": lead.aggregation}
-        if lead.rollup_level:
-            release["rollup_level"] = dict(lead.rollup_level)
-        rid = f"{lead.identity['lineage']}/rollup-{span}-{idx}"
-        release["window_uid"] = rid
-        release["scale_out"] = {"store": "kafka", "partitions": lead.P,
-                                "members": sorted({s.get("member", "") for s in have.values()})}
-        stamp_window(release)
-        doc = json.dumps(release, allow_nan=False, sort_keys=True)
-        entry = dict(entry_id=rid, kind="rollup", window=name, epsilon_spent=0.0,
-                     note=ROLLUP_ARGUMENT, rollup=span, n=int(release["n"]),
-                     base_windows=[{"window": e["window"], "uid": e["window_uid"],
-                                    "seq": e["seq"], "hash": e["hash"]} for e in entries],
-                     missing=[m["window"] for m in missing], lineage=lead.identity["lineage"],
-                     document_sha256=hashlib.sha256(doc.encode()).hexdigest())
-        self._transact(key, have, entry=entry, document=doc)
-        path = lead.local_file(release, f"rollup {name}")
-        lead.metrics.rollup_released(span, release)
-        lead.metrics.published(release)
-        log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
-                 "(estimated in %.1f s) -> %s", name, len(r.parts), release["layers"],
-                 release["n"], release.get("release_seconds", float("nan")),
-                 path or lead.topics.releases)
+        extra = {"noise_only_windows": sorted(int(u.rsplit("/", 1)[1]) for u in quiet)} \
+            if quiet else {}   # in the sum as noise layers only (event-time windows, no event)
+        publish_rollup(lead, r, entries, missing, release, scale_out={
+            "store": "kafka", "partitions": lead.P,
+            "members": sorted({s.get("member", "") for s in have.values()})},
+            tombstones=[(lead.topics.summaries, f"r/{span}/{idx}/{p}".encode()) for p in have],
+            extra=extra)
+        self.done.add(key)
+        self.pending.pop(key, None)
 
     def _transact(self, key, have: dict, *, entry: dict | None, document: str | None) -> None:
         """The ledger entry (if any), the document (if any) and the rollup summaries'
         tombstones in one transaction."""
-        from kafka.errors import KafkaError
-
-        lead = self.leader
         span, idx = key
-        txn = lead.txn
-        try:
-            txn.begin()
-            if entry is not None:
-                lead.ledger.append(model=lead.identity["model"], producer=txn, **entry)
-            if document is not None:
-                name = f"{span}-{idx}"
-                txn.send(lead.topics.releases, partition=0, key=name.encode(),
-                         value=document.encode())
-                if lead.release_topic:
-                    txn.send(lead.release_topic, key=lead.release_key(name).encode(),
-                             value=document.encode())
-            for p in have:
-                txn.send(lead.topics.summaries, partition=0,
-                         key=f"r/{span}/{idx}/{p}".encode(), value=None)
-            txn.commit()
-        except KafkaError as exc:
-            log.warning("rollup %s-%d not decided (%s); it is tried again", span, idx,
-                        type(exc).__name__)
-            if entry is not None:
-                lead.ledger.aborted()
-            txn.failed(exc)
-            raise
-        if entry is not None:
-            lead.ledger.committed()
+        transact_rollup(self.leader, f"{span}-{idx}", entry=entry, document=document,
+                        tombstones=[(self.leader.topics.summaries, f"r/{span}/{idx}/{p}".encode())
+                                    for p in have])
         self.done.add(key)
         self.pending.pop(key, None)
+
+
+def publish_rollup(lead, r: RollupSum, entries: list, missing: list, release: dict, *,
+                   scale_out: dict, tombstones: list, extra: dict | None = None) -> None:
+    """Publish rollup ``r``'s ``release`` (computed from its sum) over the base windows' ledger
+    ``entries``, naming the ``missing`` ones: the document, its ledger entry (0 eps) and the
+    ``tombstones`` (topic, key) of what the sum was kept in, in one transaction; then the local
+    file, metrics and one line. ``lead`` is the group's leader (items and views alike)."""
+    name = f"{r.span}-{r.index}"
+    info = release["window_info"]
+    release["window_info"] = {k: info[k] for k in ("kind", "size", "events",
+                                                   "started_unix", "ended_unix")}
+    release["window_info"]["base_kind"] = lead.window_kind
+    release["rollup"] = rollup_block(r, missing, release["layers"])
+    release["rollup"].update(extra or {})
+    if missing:
+        release["caveat"] = missing_caveat(name, len(r.parts), r.windows, missing)
+        log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
+                    "which and why)", name, len(r.parts), r.windows, len(missing))
+    if lead.aggregation:
+        release["aggregation"] = {"name": lead.aggregation}
+    if lead.rollup_level:
+        release["rollup_level"] = dict(lead.rollup_level)
+    rid = f"{lead.identity['lineage']}/rollup-{name}"
+    release["window_uid"] = rid
+    release["scale_out"] = scale_out
+    stamp_window(release)
+    doc = json.dumps(release, allow_nan=False, sort_keys=True)
+    entry = dict(entry_id=rid, kind="rollup", window=name, epsilon_spent=0.0,
+                 note=ROLLUP_ARGUMENT, rollup=r.span, n=int(release["n"]),
+                 base_windows=[{"window": e["window"], "uid": e["window_uid"],
+                                "seq": e["seq"], "hash": e["hash"]} for e in entries],
+                 missing=[m["window"] for m in missing], lineage=lead.identity["lineage"],
+                 document_sha256=hashlib.sha256(doc.encode()).hexdigest())
+    transact_rollup(lead, name, entry=entry, document=doc, tombstones=tombstones)
+    path = lead.local_file(release, f"rollup {name}")
+    lead.metrics.rollup_released(r.span, release)
+    lead.metrics.published(release)
+    log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
+             "(estimated in %.1f s) -> %s", name, len(r.parts), release["layers"],
+             release["n"], release.get("release_seconds", float("nan")),
+             path or lead.topics.releases)
+
+
+def transact_rollup(lead, name: str, *, entry: dict | None, document: str | None,
+                    tombstones: list) -> None:
+    """The rollup ``name``'s ledger entry (if any), its document (if any) and the
+    ``tombstones`` (topic, key) in one transaction of the leader's."""
+    from kafka.errors import KafkaError
+
+    txn = lead.txn
+    try:
+        txn.begin()
+        if entry is not None:
+            lead.ledger.append(model=lead.identity["model"], producer=txn, **entry)
         if document is not None:
-            lead.metrics.last_release.set(time.time())
+            txn.send(lead.topics.releases, partition=0, key=name.encode(),
+                     value=document.encode())
+            if lead.release_topic:
+                txn.send(lead.release_topic, key=lead.release_key(name).encode(),
+                         value=document.encode())
+        for topic, key in tombstones:
+            txn.send(topic, partition=0, key=key, value=None)
+        txn.commit()
+    except KafkaError as exc:
+        log.warning("rollup %s not decided (%s); it is tried again", name, type(exc).__name__)
+        if entry is not None:
+            lead.ledger.aborted()
+        txn.failed(exc)
+        raise
+    if entry is not None:
+        lead.ledger.committed()
+    if document is not None:
+        lead.metrics.last_release.set(time.time())

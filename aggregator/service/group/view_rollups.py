@@ -35,18 +35,14 @@ True
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
-import time
 import zlib
 from types import SimpleNamespace
 
 import numpy as np
 
-from ...release import stamp_window
-from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, rollup_block
-from .rollups import rollup_window_size
+from ..rollup import RollupError, RollupSum
+from .rollups import publish_rollup, rollup_window_size, transact_rollup
 from .topics import read_partition
 from .views import VIEW_FORMAT, decode_view, encode_counts
 
@@ -198,72 +194,16 @@ class ViewRollups:
         lead = self.leader
         span, idx = key
         r = self.sums[key]
-        name = f"{span}-{idx}"
-        missing = self._missing(r)
-        info = release["window_info"]
-        release["window_info"] = {k: info[k] for k in ("kind", "size", "events",
-                                                       "started_unix", "ended_unix")}
-        release["window_info"]["base_kind"] = lead.window_kind
-        release["rollup"] = rollup_block(r, missing, release["layers"])
-        if missing:
-            release["caveat"] = missing_caveat(name, len(r.parts), r.windows, missing)
-            log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
-                        "which and why)", name, len(r.parts), r.windows, len(missing))
-        if lead.aggregation:
-            release["aggregation"] = {"name": lead.aggregation}
-        rid = f"{lead.identity['lineage']}/rollup-{span}-{idx}"
-        release["window_uid"] = rid
-        release["scale_out"] = {"store": "kafka", "partitions": lead.P, "exchange": "views"}
-        stamp_window(release)
-        doc = json.dumps(release, allow_nan=False, sort_keys=True)
-        entries = [lead.ledger.get(uid) for uid in sorted(
-            r.parts, key=lambda u: int(r.parts[u]["window"]))]
-        entry = dict(entry_id=rid, kind="rollup", window=name, epsilon_spent=0.0,
-                     note=ROLLUP_ARGUMENT, rollup=span, n=int(release["n"]),
-                     base_windows=[{"window": e["window"], "uid": e["window_uid"],
-                                    "seq": e["seq"], "hash": e["hash"]}
-                                   for e in entries if e is not None],
-                     missing=[m["window"] for m in missing], lineage=lead.identity["lineage"],
-                     document_sha256=hashlib.sha256(doc.encode()).hexdigest())
-        self._transact(key, entry=entry, document=doc)
-        path = lead.local_file(release, f"rollup {name}")
-        lead.metrics.rollup_released(span, release)
-        lead.metrics.published(release)
-        log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
-                 "(estimated in %.1f s) -> %s", name, len(r.parts), release["layers"],
-                 release["n"], release.get("release_seconds", float("nan")),
-                 path or lead.topics.releases)
+        entries = [e for e in (lead.ledger.get(uid) for uid in sorted(
+            r.parts, key=lambda u: int(r.parts[u]["window"]))) if e is not None]
+        publish_rollup(lead, r, entries, self._missing(r), release,
+                       scale_out={"store": "kafka", "partitions": lead.P, "exchange": "views"},
+                       tombstones=[(lead.topics.rollups, f"{span}/{idx}".encode())])
+        self.sums.pop(key, None)
 
     def _transact(self, key, *, entry: dict | None, document: str | None) -> None:
-        """The ledger entry (if any), the document (if any) and the sum's tombstone in one
-        transaction."""
-        from kafka.errors import KafkaError
-
-        lead = self.leader
+        """Decide a rollup with nothing to publish: its sum's tombstone (and ``entry``)."""
         span, idx = key
-        name = f"{span}-{idx}"
-        txn = lead.txn
-        try:
-            txn.begin()
-            if entry is not None:
-                lead.ledger.append(model=lead.identity["model"], producer=txn, **entry)
-            if document is not None:
-                txn.send(lead.topics.releases, partition=0, key=name.encode(),
-                         value=document.encode())
-                if lead.release_topic:
-                    txn.send(lead.release_topic, key=lead.release_key(name).encode(),
-                             value=document.encode())
-            txn.send(lead.topics.rollups, partition=0, key=f"{span}/{idx}".encode(),
-                     value=None)
-            txn.commit()
-        except KafkaError as exc:
-            log.warning("rollup %s not decided (%s); it is tried again", name,
-                        type(exc).__name__)
-            if entry is not None:
-                lead.ledger.aborted()
-            txn.failed(exc)
-            raise
-        if entry is not None:
-            lead.ledger.committed()
-            lead.metrics.last_release.set(time.time())
+        transact_rollup(self.leader, f"{span}-{idx}", entry=entry, document=document,
+                        tombstones=[(self.leader.topics.rollups, f"{span}/{idx}".encode())])
         self.sums.pop(key, None)
