@@ -46,6 +46,22 @@ def _wait_counting(members, tmp_path, timeout_s=90):
     pytest.fail(f"the members did not start counting\n{members.logs()}")
 
 
+def _check_ranges_tile(bootstrap, topics, topic) -> None:
+    """Every event once: no window withheld, each release's n the events of its ledgered
+    source ranges (one a record), and the ranges tile each source partition from offset 0."""
+    entries = [e for e in read_ledger(bootstrap, topics).entries if e["kind"] == "release"]
+    assert not any(e.get("withheld") for e in entries)
+    spans: dict[str, list] = {}
+    for e in entries:
+        assert e["n"] == sum(b - a for a, b in e["ranges"].values())
+        for part, ab in e["ranges"].items():
+            spans.setdefault(part, []).append(tuple(ab))
+    assert sorted(spans) == [f"{topic}:{p}" for p in range(PARTS)]
+    for part, ss in spans.items():
+        ss.sort()
+        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
+
+
 def _dlap_variance(p: float) -> float:
     return 2 * p / (1 - p) ** 2
 
@@ -78,18 +94,7 @@ def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka
     windows = [d["window"] for d in docs]
     assert len(windows) == len(set(windows))
     assert sum(d["n"] for d in docs) == len(items)
-    ledger = read_ledger(kafka_broker, topics)
-    entries = [e for e in ledger.entries if e["kind"] == "release"]
-    assert not any(e.get("withheld") for e in entries)
-    spans: dict[str, list] = {}
-    for e in entries:
-        assert e["n"] == sum(b - a for a, b in e["ranges"].values())
-        for part, ab in e["ranges"].items():
-            spans.setdefault(part, []).append(tuple(ab))
-    assert sorted(spans) == [f"{topic}:{p}" for p in range(PARTS)]
-    for part, ss in spans.items():
-        ss.sort()
-        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
+    _check_ranges_tile(kafka_broker, topics, topic)
     assert all(d["scale_out"]["exchange"] == "views" for d in docs)
 
     # what an intruder reads in the internal topics
@@ -264,17 +269,7 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
         assert sum(sizes[:k]) >= k * N, (k, sizes)
     assert np.median(sizes[:-1]) < 1.5 * N, sizes
     assert len(sizes) >= 5, sizes
-    entries = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "release"]
-    assert not any(e.get("withheld") for e in entries)
-    spans: dict[str, list] = {}
-    for e in entries:
-        assert e["n"] == sum(b - a for a, b in e["ranges"].values())
-        for part, ab in e["ranges"].items():
-            spans.setdefault(part, []).append(tuple(ab))
-    assert sorted(spans) == [f"{topic}:{p}" for p in range(PARTS)]
-    for part, ss in spans.items():
-        ss.sort()
-        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
+    _check_ranges_tile(kafka_broker, topics, topic)
 
 
 def _leader(tmp_path) -> str:

@@ -407,9 +407,6 @@ class Leader:
         """An audit export of a views group: window ``w``'s views summed into one state (the
         counters its release is computed from: post-processing, no layer drawn), signed; the
         ledger entry (0 eps) and the document in one transaction, then the local file."""
-        from kafka.errors import KafkaError
-        from state_store.audit import load_key, save_export, signed_export
-
         from ...state import PanPrivateHistogram
         from .views import decode_view
 
@@ -424,21 +421,50 @@ class Leader:
                 layers += int(v["layers"])
                 n += int(v["n"])
         state._counts, state._layers, state._n = counts, layers, n
-        ranges = self._ranges(have)
         window = {"id": w, "windows": [w], "partitions": self.P, "group": self.topics.group,
                   "aggregation": self.aggregation or None, "exchange": "views"}
+        self._ledger_export(eid, state, window, self._ranges(have),
+                            note="announced export of a views group's window: the sum of its "
+                            "members' views, the counters its release is computed from "
+                            "(post-processing, no layer drawn)")
+
+    def _sign_exports(self) -> None:
+        """Exports whose P slices are in: one state, signed; ledger entry, document and slice
+        tombstones in one transaction; then the local file (export.py)."""
+        from .export import assemble
+
+        for eid, slices in self.exports.complete():
+            state = assemble(slices)
+            windows = sorted({int(s["window"]) for s in slices})
+            ranges = {f"{self.topics.repartition}:{s['partition']}": s["range"] for s in slices}
+            window = {"id": windows[0], "windows": windows, "partitions": self.P,
+                      "group": self.topics.group, "aggregation": self.aggregation or None}
+            self._ledger_export(
+                eid, state, window, ranges,
+                note="announced export of every partition's open window; fresh DLap layers "
+                "before and after; each window closed with its slice",
+                tombstones=[f"slice/{eid}/{s['partition']}".encode() for s in slices])
+            self.exports.slices.pop(eid, None)
+
+    def _ledger_export(self, eid: str, state, window: dict, ranges: dict, *, note: str,
+                       tombstones=()) -> None:
+        """Sign ``state`` as export ``eid``; its ledger entry (0 eps), the document and the
+        exports topic's ``tombstones`` in one transaction; then the local file (only once the
+        export is ledgered, like one process's)."""
+        from kafka.errors import KafkaError
+        from state_store.audit import load_key, save_export, signed_export
+
         doc = signed_export(state=state.serialize(), window=window, offsets=ranges,
                             export_id=eid, key=load_key(self.audit_key_file or None))
         txn = self.txn
         try:
             txn.begin()
-            self.ledger.append(entry_id=f"export-{eid}", kind="export", window=w,
-                               epsilon_spent=0.0, model=ident["model"],
-                               note="announced export of a views group's window: the sum of "
-                               "its members' views, the counters its release is computed "
-                               "from (post-processing, no layer drawn)", producer=txn,
-                               ranges=ranges)
+            self.ledger.append(entry_id=f"export-{eid}", kind="export", window=window["id"],
+                               epsilon_spent=0.0, model=self.identity["model"], note=note,
+                               producer=txn, ranges=ranges)
             txn.send(self.topics.exports, partition=0, key=f"doc/{eid}".encode(), value=doc)
+            for key in tombstones:
+                txn.send(self.topics.exports, partition=0, key=key, value=None)
             txn.commit()
         except KafkaError as exc:
             self.ledger.aborted()
@@ -448,50 +474,9 @@ class Leader:
         path = save_export(Path(self.audit_dir) / f"export-{eid}.panagg", doc)
         self.exports.done.add(eid)
         self.metrics.exports.inc()
-        log.info("audit export %s of window %d signed (%d layers, n=%d): %s and %s", eid[:8],
-                 w, layers, n, path, self.topics.exports)
+        log.info("audit export %s of window(s) %s signed (%d layers): %s and %s", eid[:8],
+                 ", ".join(map(str, window["windows"])), state.layers, path, self.topics.exports)
 
-    def _sign_exports(self) -> None:
-        """Exports whose P slices are in: one state, signed; ledger entry, document and slice
-        tombstones in one transaction; then the local file (export.py)."""
-        from kafka.errors import KafkaError
-        from state_store.audit import load_key, save_export, signed_export
-
-        from .export import assemble
-
-        for eid, slices in self.exports.complete():
-            state = assemble(slices)
-            windows = sorted({int(s["window"]) for s in slices})
-            ranges = {f"{self.topics.repartition}:{s['partition']}": s["range"] for s in slices}
-            window = {"id": windows[0], "windows": windows, "partitions": self.P,
-                      "group": self.topics.group, "aggregation": self.aggregation or None}
-            doc = signed_export(state=state.serialize(), window=window, offsets=ranges,
-                                export_id=eid, key=load_key(self.audit_key_file or None))
-            txn = self.txn
-            try:
-                txn.begin()
-                self.ledger.append(entry_id=f"export-{eid}", kind="export", window=windows[0],
-                                   epsilon_spent=0.0, model=self.identity["model"],
-                                   note="announced export of every partition's open window; "
-                                   "fresh DLap layers before and after; each window closed with "
-                                   "its slice", producer=txn, ranges=ranges)
-                txn.send(self.topics.exports, partition=0, key=f"doc/{eid}".encode(), value=doc)
-                for s in slices:
-                    txn.send(self.topics.exports, partition=0,
-                             key=f"slice/{eid}/{s['partition']}".encode(), value=None)
-                txn.commit()
-            except KafkaError as exc:
-                self.ledger.aborted()
-                txn.failed(exc)
-                raise
-            self.ledger.committed()
-            # the local file only once the export is ledgered (like one process's)
-            path = save_export(Path(self.audit_dir) / f"export-{eid}.panagg", doc)
-            self.exports.done.add(eid)
-            self.exports.slices.pop(eid, None)
-            self.metrics.exports.inc()
-            log.info("audit export %s of window(s) %s signed: %s and %s", eid[:8],
-                     ", ".join(map(str, windows)), path, self.topics.exports)
     def _skip_empty(self, w: int, have: dict) -> None:
         """An event-time or count window no event fell in (noise-only summaries): not released,
         nothing charged; its summaries are removed."""
