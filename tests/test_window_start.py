@@ -99,7 +99,8 @@ def test_a_groups_release_says_its_epoch_aligned_window(tmp_path):
                                           "lineage": "L"},
         ledger=SimpleNamespace(check_release=lambda *a, **k: None), registry=None,
         aggregation="", rollup_level=None, views=False, P=P, window_kind="time",
-        _transact=lambda w_, have, entry, document: written.append(document) or True,
+        _transact=lambda w_, have, entry, document, extra=(): written.append(document) or True,
+        view_rollups=None,
         released=[], local_file=lambda rel, what: None, metrics=Metrics(),
         topics=SimpleNamespace(releases="g.panagg.releases"))
     lead._entry_fields = lambda w_, have: Leader._entry_fields(lead, w_, have)
