@@ -28,7 +28,6 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
 
 from ...release import stamp_window, write_release
 from ..ledger import BudgetExceeded
@@ -408,19 +407,13 @@ class Leader:
         counters its release is computed from: post-processing, no layer drawn), signed; the
         ledger entry (0 eps) and the document in one transaction, then the local file."""
         from ...state import PanPrivateHistogram
-        from .views import decode_view
+        from .views import distinct_views, sum_views
 
         ident = self.identity
         state = PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"],
                                     size=int(ident["size"]))
-        counts = np.zeros(int(ident["size"]), dtype=np.int64)
-        layers = n = 0
-        for v in {id(v): v for v in have.values()}.values():
-            if v.get("chunks") and not v.get("refused"):
-                counts += decode_view(v)
-                layers += int(v["layers"])
-                n += int(v["n"])
-        state._counts, state._layers, state._n = counts, layers, n
+        state._counts, state._layers, state._n = sum_views(distinct_views(have),
+                                                           int(ident["size"]))
         window = {"id": w, "windows": [w], "partitions": self.P, "group": self.topics.group,
                   "aggregation": self.aggregation or None, "exchange": "views"}
         self._ledger_export(eid, state, window, self._ranges(have),

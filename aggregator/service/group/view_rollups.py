@@ -16,14 +16,15 @@ privacy.md section 21), the document goes to the releases topics and the sum is 
 
 >>> import numpy as np
 >>> from aggregator.state import PanPrivateHistogram
->>> from .views import view_header
+>>> from .views import decode_view, distinct_views, sum_views, view_header
 >>> s = PanPrivateHistogram(1.0, size=4)
 >>> s.add_indices(np.array([0, 0, 3]))
 >>> info = {"kind": "time", "size": 5.0, "events": 3, "started_unix": 0.0, "ended_unix": 5.0}
 >>> v = view_header(s, window=7, covers=[0, 1], partitions=2, window_info=info)
 >>> have = {0: v, 1: v}
 >>> r = RollupSum("3x", 2, windows=3, p=s.p, mode="direct", size=4)
->>> add_window(r, "L/7", 7, have)
+>>> counts, layers, n = sum_views(distinct_views(have), 4)   # one view, filed twice
+>>> r.update("L/7", 7, counts, layers=layers, n=n)
 True
 >>> r.layers, r.n, r.covered(), bool(np.array_equal(r.counts, decode_view(v)))
 (2, 3, [7], True)
@@ -37,38 +38,14 @@ from __future__ import annotations
 import copy
 import logging
 import zlib
-from types import SimpleNamespace
-
-import numpy as np
-
 from ..rollup import RollupError, RollupSum
 from .rollups import publish_rollup, rollup_window_size, transact_rollup
 from .topics import read_partition
-from .views import VIEW_FORMAT, decode_view, encode_counts
+from .views import VIEW_FORMAT, distinct_views, encode_counts, state_params, sum_views
 
-__all__ = ["ViewRollups", "add_window", "rollup_view"]
+__all__ = ["ViewRollups", "rollup_view"]
 
 log = logging.getLogger("panagg.group")
-
-
-def _views_of(have: dict) -> list[dict]:
-    """The distinct views of a window (``have`` files one view under each partition it covers)."""
-    return list({id(v): v for v in have.values()}.values())
-
-
-def add_window(r: RollupSum, uid: str, window: int, have: dict) -> bool:
-    """Add window ``window``'s release view, the sum of its members' views ``have``, to ``r``
-    (False: already in it). A window no member counted an event in adds no counter and no
-    layer (its release drew two layers of its own; they are noise alone)."""
-    views = _views_of(have)
-    counts = np.zeros(r.size, dtype=np.int64)
-    layers = 0
-    for v in views:
-        if v.get("chunks"):
-            counts += decode_view(v)
-            layers += int(v["layers"])
-    n = int(sum(int(v.get("n") or 0) for v in views))
-    return r.update(uid, window, counts, layers=layers, n=n)
 
 
 def rollup_view(r: RollupSum, *, partitions: int, params, window_info: dict,
@@ -120,25 +97,21 @@ class ViewRollups:
         """Messages (topic, key, value) adding window ``w`` to each rollup holding it, for the
         transaction of its ledger entry, and what to apply once it is committed."""
         ident = self.leader.identity
+        counts, layers, n = sum_views(distinct_views(have), int(ident["size"]))
         new = {}
         for span, k in self.spans.items():
             idx = w // k
             r = self.sums.get((span, idx))
             r = copy.deepcopy(r) if r is not None else RollupSum(
-                span, idx, windows=k, p=self._params().p, mode=ident["mode"],
+                span, idx, windows=k, p=state_params(ident).p, mode=ident["mode"],
                 size=int(ident["size"]))
-            add_window(r, uid, w, have)
+            # (a window no member counted an event in adds no counter and no layer: its release
+            # drew two layers of its own, noise alone)
+            r.update(uid, w, counts, layers=layers, n=n)
             new[(span, idx)] = r
         msgs = [(self.leader.topics.rollups, f"{span}/{idx}".encode(),
                  zlib.compress(r.to_bytes(), 1)) for (span, idx), r in new.items()]
         return msgs, lambda: self.sums.update(new)
-
-    def _params(self):
-        from ...state import PanPrivateHistogram
-
-        ident = self.leader.identity
-        probe = PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"], size=1)
-        return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
 
     # -- releasing the rollups whose windows are all decided ----------------------------------
     def step(self, decided_below: int) -> None:
@@ -166,7 +139,8 @@ class ViewRollups:
             info = {"kind": "rollup", "size": rollup_window_size(lead.identity, r.windows),
                     "events": int(r.n or 0), "started_unix": first * size,
                     "ended_unix": (last + 1) * size}
-            view = rollup_view(r, partitions=lead.P, params=self._params(), window_info=info,
+            view = rollup_view(r, partitions=lead.P, params=state_params(lead.identity),
+                               window_info=info,
                                mode=lead.identity["mode"])
             if lead.merge is None:
                 self._publish(key, lead.merge_fn([view], **lead.merge_kwargs))

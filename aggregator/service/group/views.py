@@ -62,7 +62,7 @@ from .membership import Membership
 from .summary import agreeing, merged_window_info
 
 __all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "encode_counts",
-           "CHUNK_COUNTERS"]
+           "distinct_views", "sum_views", "state_params", "CHUNK_COUNTERS"]
 
 log = logging.getLogger("panagg.group")
 
@@ -118,6 +118,32 @@ def view_header(state: PanPrivateHistogram | None, *, window: int, covers: list[
     return head
 
 
+def distinct_views(have: dict) -> list[dict]:
+    """The views of a window once each (``have`` files a view under every partition it
+    covers)."""
+    return list({id(v): v for v in have.values()}.values())
+
+
+def sum_views(views: list[dict], size: int) -> tuple[np.ndarray, int, int]:
+    """``(counters, layers, n)`` of ``views`` added up: what a window's release is computed
+    from (a view without counters, or a refused one, adds none)."""
+    total = np.zeros(int(size), dtype=np.int64)
+    layers = 0
+    for v in views:
+        if v.get("chunks"):
+            total += decode_view(v)
+            layers += int(v["layers"])
+    return total, layers, int(sum(int(v.get("n") or 0) for v in views))
+
+
+def state_params(identity: dict):
+    """epsilon, neighbor and p of the group's states (anything ``view_header`` takes)."""
+    from types import SimpleNamespace
+
+    probe = PanPrivateHistogram(identity["epsilon"], neighbor=identity["neighbor"], size=1)
+    return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
+
+
 _MUST_AGREE = ("window", "partitions", "mode", "size", "epsilon", "neighbor", "p")
 
 
@@ -136,18 +162,12 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
                          f"0..{first['partitions'] - 1} once each, got {covered}")
     started = time.perf_counter()
     size = int(first["size"])
-    total = np.zeros(size, dtype=np.int64)
-    layers = 0
-    for v in views:
-        if v["chunks"]:
-            total += decode_view(v)
-            layers += int(v["layers"])
+    total, layers, n = sum_views(views, size)
     if layers == 0:
         for _ in range(2):
             total += discrete_laplace(first["p"], size, rng=rng)
         layers = 2
     vc = noisy_value_counts(total)
-    n = int(sum(int(v["n"]) for v in views))
     hashed = first["mode"] == "hashed"
     hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=layers, loss=loss, n=n,
                                             buckets=size if hashed else None,
@@ -395,11 +415,11 @@ class ViewCounter:
                 break
         self._report()
 
-    def _report(self, force: bool = False) -> None:
+    def _report(self) -> None:
         """This member's partitions' running totals to the intake topic (count_views.py), at
         most every PROGRESS_S, only those that changed."""
         now = time.monotonic()
-        if not force and now - self._reported_at < PROGRESS_S:
+        if now - self._reported_at < PROGRESS_S:
             return
         self._reported_at = now
         news = {}
@@ -409,7 +429,7 @@ class ViewCounter:
                     now_at = (task.base[p] + task.counted[p], position)
                     if self._reported.get(p) != now_at:
                         news[p] = (now_at, task.window, task.goal)
-        if not news or not self._still_owned_all():
+        if not news or not all(self._still_owned(t) for t in self.tasks.values() if t.ranges):
             return
         txn = self.txn
         try:
@@ -429,10 +449,6 @@ class ViewCounter:
             return
         for p, (at, _, _) in news.items():
             self._reported[p] = at
-
-    def _still_owned_all(self) -> bool:
-        return not self._needs_sync and all(self.membership.holds(t.ranges)
-                                            for t in self.tasks.values() if t.ranges)
 
     def _forced(self) -> int:
         """The latest window a forced release asked to close now (-1: none)."""
@@ -515,7 +531,7 @@ class ViewCounter:
         else:
             head = view_header(task.state, window=w, covers=list(task.ranges),
                                partitions=self.P, window_info=info, mode=self.identity["mode"],
-                               size=self.D, params=self._params())
+                               size=self.D, params=state_params(self.identity))
         head.update(ranges=ranges, member=self.member)
         chunks = head.pop("_chunks")
         key = f"{w}/{head['partition']}"
@@ -594,13 +610,6 @@ class ViewCounter:
             return "a rebalance came since the last sync"
         return self.membership.why_not(task.ranges) or "?"
 
-    def _params(self):
-        from types import SimpleNamespace
-
-        ident = self.identity
-        probe = PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"], size=1)
-        return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
-
     def _refusal(self, window: int, ranges: dict) -> str | None:
         return charged_before(self.ledger, self.identity, ranges,
-                              "count" if self.count else "time")
+                              self.identity.get("window_kind", "time"))
