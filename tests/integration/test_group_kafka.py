@@ -66,6 +66,17 @@ def member_cmd(bootstrap, topic, group, name, tmp, *extra):
             "--set", "scale.close_grace_s=1", "--set", "release.error_bar_reps=0", *extra]
 
 
+def last_saying(tmp_path, pattern: str, *texts: str) -> str:
+    """The member whose log (files ``pattern`` in ``tmp_path``, named ``<member>-<start>.log``)
+    says last one of ``texts``: which member counts a partition, or leads, now."""
+    last = {}
+    for f in tmp_path.glob(pattern):
+        for line in f.read_text().splitlines():
+            if any(t in line for t in texts):
+                last[f.name.split("-")[0]] = line[:23]
+    return max(last, key=last.get)
+
+
 def crash_traces(logs: str) -> list[str]:
     """The tracebacks in member logs (CPython's "Exception ignored in ..." reports at exit
     included: an operator sees them all the same). Not counted: a release-worker process that

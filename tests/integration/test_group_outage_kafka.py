@@ -23,8 +23,8 @@ from consumers.decode import Decoder
 
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import (D, Members, crash_traces, make_topic, member_cmd, produce,
-                               read_ledger, wait_for_total)
+from .test_group_kafka import (D, Members, crash_traces, last_saying, make_topic, member_cmd,
+                               produce, read_ledger, wait_for_total)
 
 
 def test_an_intake_transaction_failing_while_the_broker_is_away_keeps_the_member(
@@ -252,16 +252,6 @@ def test_a_leader_behind_its_windows_is_not_ready_and_says_so_once(kafka_broker,
     assert "Traceback" not in out, out[-3000:]
 
 
-def _counts(tmp_path, partition) -> str:
-    """The member whose log says last that it counts repartition partition ``partition``."""
-    last = {}
-    for f in tmp_path.glob("m*-*.log"):
-        for line in f.read_text().splitlines():
-            if f"counting partition {partition} of" in line:
-                last[f.name.split("-")[0]] = line[:23]
-    return max(last, key=last.get)
-
-
 def test_records_deleted_before_they_were_counted_withhold_every_window_they_fall_in(
         kafka_broker, tmp_path):
     """A member killed -9 while its repartition partition fills; the partition's records are
@@ -286,7 +276,7 @@ def test_records_deleted_before_they_were_counted_withhold_every_window_they_fal
         members.start("m2")
         produce(kafka_broker, topic, np.arange(2000) % D, 2000)
         wait_for_total(kafka_broker, topics, 2000, 180, members)
-        victim = _counts(tmp_path, 1)
+        victim = last_saying(tmp_path, "m*-*.log", "counting partition 1 of")
         members.procs[victim].send_signal(signal.SIGKILL)
         members.procs[victim].wait(30)
         produce(kafka_broker, topic, np.arange(3000) % D, 1000)   # 3 s: several windows

@@ -22,8 +22,8 @@ import pytest
 from aggregator.noise import p_from_epsilon
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import Members, _group_status, make_topic, produce, read_all, \
-    read_ledger, releases, wait_for_total
+from .test_group_kafka import Members, _group_status, last_saying, make_topic, produce, \
+    read_all, read_ledger, releases, wait_for_total
 
 D = 1000
 PARTS = 4
@@ -272,16 +272,6 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
     _check_ranges_tile(kafka_broker, topics, topic)
 
 
-def _leader(tmp_path) -> str:
-    """The member whose log says last that it leads."""
-    last = {}
-    for f in tmp_path.glob("v*.log"):
-        for line in f.read_text().splitlines():
-            if "leading group" in line or "leading aggregation" in line:
-                last[f.name.split("-")[0]] = line[:23]
-    return max(last, key=last.get)
-
-
 def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_kill(
         kafka_broker, tmp_path):
     """window.rollups = 3x (rollup_design = sum) with the views exchange: the leader adds each
@@ -314,7 +304,7 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
         while not any(d["window"] % 3 == 0 and d["n"] for d in releases(kafka_broker, topics)):
             assert time.monotonic() < deadline, members.logs()
             time.sleep(0.2)
-        victim = _leader(tmp_path)
+        victim = last_saying(tmp_path, "v*.log", "leading group", "leading aggregation")
         members.kill(victim)
         members.start(victim)
         feed.join()
@@ -439,16 +429,6 @@ def test_an_audit_export_of_a_views_group_is_its_windows_summed_views_signed(
     assert "Traceback" not in members.logs(last=100000)
 
 
-def _counts_source(tmp_path, partition) -> str:
-    """The member whose log says last that it counts source partition ``partition``."""
-    last = {}
-    for f in tmp_path.glob("v*.log"):
-        for line in f.read_text().splitlines():
-            if f"counting partition {partition} of" in line:
-                last[f.name.split("-")[0]] = line[:23]
-    return max(last, key=last.get)
-
-
 def test_source_records_deleted_before_they_were_counted_withhold_their_window(
         kafka_broker, tmp_path):
     """A views member killed -9; records of its source partition are deleted (DeleteRecords:
@@ -476,7 +456,7 @@ def test_source_records_deleted_before_they_were_counted_withhold_their_window(
         _wait_counting(members, tmp_path)
         produce(kafka_broker, topic, np.arange(2000) % D, 2000)
         wait_for_total(kafka_broker, topics, 2000, 120, members)
-        victim = _counts_source(tmp_path, 1)
+        victim = last_saying(tmp_path, "v*.log", "counting partition 1 of")
         members.procs[victim].send_signal(signal.SIGKILL)
         members.procs[victim].wait(30)
         produce(kafka_broker, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
