@@ -5,7 +5,7 @@ read by both test families, with the negative controls.
     python -m bench.service.privacy_audit --no-service
     python -m bench.service.privacy_audit --crash-only   # the crash rows of section 16 (about 60 s)
     python -m bench.service.privacy_audit --worker-only  # service rows, release.workers = 1
-    python -m bench.service.privacy_audit --group-only   # a views group on a broker (~6 min)
+    python -m bench.service.privacy_audit --group-only   # a views group on a broker (~4 min)
 
 Columns: runs per neighbouring stream, the older event family (``empirical_epsilon`` in
 tests/test_privacy.py: values, thresholds and quadrants of counters and of differences of
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
                     help="only the service rows with release.workers = 1 (about 2 min)")
     ap.add_argument("--group-only", action="store_true",
                     help="only the rows of a views group on a real broker ($PANAGG_KAFKA_BOOTSTRAP"
-                         " or one started from deploy/kafka; about 6 min)")
+                         " or one started from deploy/kafka; about 4 min)")
     args = ap.parse_args(argv)
     print("| view | eps | claim | runs per stream | older family | LR family | LR attained at |")
     print("|---|---|---|---|---|---|---|")
