@@ -41,7 +41,7 @@ import json
 import threading
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import msgpack
@@ -335,7 +335,7 @@ def run_windows(bootstrap: str, tmp: Path, trials: int, plan, *, epsilon: float 
                         files = _counters_in_files(Path(state_a))
                         assert not files, f"counters in {state_a}'s files: {len(files)}"
                         looks["memory"] = memory
-                with _views_without_layer() if unlayered else _no_change():
+                with _views_without_layer() if unlayered else nullcontext():
                     done = request_release(bootstrap, {}, group.topics, timeout_s=120)
                     assert done["window"] == window, (done, window)
                     views = summaries.views_of(window, 2)
@@ -365,11 +365,6 @@ def run_windows(bootstrap: str, tmp: Path, trials: int, plan, *, epsilon: float 
             group.stop()
         group.check()
     return out
-
-
-@contextmanager
-def _no_change():
-    yield
 
 
 def scenario(windows: list[dict], kind: str, gap: int, epsilon: float = 1.0):
