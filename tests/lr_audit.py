@@ -22,6 +22,24 @@ The statistics, one N-vector each, all exact log-likelihood ratios log P_x / P_y
 * ``sum B``: the sum of the blocks' ratios, which is the exact joint log-ratio of the whole view
   under the nested design (the blocks are independent there).
 
+Several members (independent chains, then a sum). A group of members (docs/privacy.md section
+20a) does not nest all its views: member k's memory M_k = c_k(t) + L_k and view
+V_k = c_k(T) + L_k + N_k nest (one chain), but the views of two members carry independent noise,
+and the release is V_1 + ... + V_P, a function of the views. A :class:`Look` therefore names its
+``chain`` (0 unless told: every look of one process is one chain) and whether it is ``derived``
+(a deterministic function of the other looks, such as the sum of the views). Then:
+
+* the blocks are taken within each chain (the nesting rule applies per chain), and ``sum B`` adds
+  the blocks of every chain. With independent chains the joint density of the non-derived looks
+  factorises over the chains, and within a chain over its blocks, so
+  log P_x(V) / P_y(V) = sum over chains c, blocks b of c of log P_x(b) / P_y(b) = sum B: still
+  the exact joint log-ratio. A chain's first block is its first look (named L_j, not B_j);
+* a derived look adds no information: the joint law of (views, f(views)) has the ratio of the
+  views alone, so it enters no block and no ``sum B``. Its marginal ratio ``L_j`` is still a
+  statistic of the family (for the sum of independent looks its law is c_x + (sum of their layers)
+  DLap(p), so ``layers`` is the total), and so is ``sum L`` over every look: fixed functions of
+  the views, so valid events whatever the mechanism did, only not the exact joint ratio.
+
 The events are {S >= t} and {S <= t} for each statistic S and every threshold t on a fixed grid
 (step ``-log(p) / 8``, eps / 16 for replace-one) across S's range [-R, R] under the model (R is
 ``||c(x) - c(y)||_1 * -log(p)`` per look or block, summed for the sums). The grid depends only on
@@ -57,21 +75,25 @@ _TOL = 1e-9      # log-ratios that are equal in exact arithmetic compare equal
 
 @dataclass(frozen=True)
 class Look:
-    """The model of one view: true counters under x and under y, and the layers it carries."""
+    """The model of one view: true counters under x and under y, the layers it carries, the
+    chain of nested looks it belongs to (one per group member; 0 for one process) and whether
+    it is ``derived``: a function of the other looks (the sum of a group's views)."""
 
     mean_x: tuple
     mean_y: tuple
     layers: int
+    chain: int = 0
+    derived: bool = False
 
     @classmethod
-    def of(cls, mean_x, mean_y, layers: int) -> "Look":
+    def of(cls, mean_x, mean_y, layers: int, chain: int = 0, derived: bool = False) -> "Look":
         mx = tuple(int(v) for v in np.asarray(mean_x).ravel())
         my = tuple(int(v) for v in np.asarray(mean_y).ravel())
         if len(mx) != len(my):
             raise ValueError("the two means have different lengths")
         if int(layers) < 1:
             raise ValueError("a look carries at least one noise layer")
-        return cls(mx, my, int(layers))
+        return cls(mx, my, int(layers), int(chain), bool(derived))
 
 
 @dataclass(frozen=True)
@@ -134,19 +156,28 @@ def statistics(views, looks, p: float) -> list[tuple[str, np.ndarray, float]]:
         r = _bound(look.mean_x, look.mean_y, p)
         if r > 0:
             marg.append((f"L{j}", log_ratio(v, look.mean_x, look.mean_y, p, look.layers), r))
-    nested = all(b.layers > a.layers for a, b in zip(looks, looks[1:]))
-    if nested and len(looks) > 1:
-        prev_v, prev_k = 0, 0
-        prev_x = prev_y = np.zeros(len(looks[0].mean_x), dtype=np.int64)
-        for j, (v, look) in enumerate(zip(views, looks)):
-            dx = np.subtract(look.mean_x, prev_x)
-            dy = np.subtract(look.mean_y, prev_y)
-            r = _bound(dx, dy, p)
-            if r > 0:
-                blocks.append((f"B{j}", log_ratio(v - prev_v, dx, dy, p, look.layers - prev_k), r))
-            prev_v, prev_x, prev_y, prev_k = v, look.mean_x, look.mean_y, look.layers
+    chains: dict[int, list[int]] = {}
+    for j, look in enumerate(looks):
+        if not look.derived:
+            chains.setdefault(look.chain, []).append(j)
+    nested = all(looks[b].layers > looks[a].layers
+                 for js in chains.values() for a, b in zip(js, js[1:]))
+    firsts = {js[0] for js in chains.values()}  # a chain's first block is its first look
+    if nested and sum(map(len, chains.values())) > 1:
+        for js in chains.values():
+            prev_v, prev_k = 0, 0
+            prev_x = prev_y = np.zeros(len(looks[js[0]].mean_x), dtype=np.int64)
+            for j in js:
+                v, look = views[j], looks[j]
+                dx = np.subtract(look.mean_x, prev_x)
+                dy = np.subtract(look.mean_y, prev_y)
+                r = _bound(dx, dy, p)
+                if r > 0:
+                    blocks.append((f"B{j}", log_ratio(v - prev_v, dx, dy, p,
+                                                      look.layers - prev_k), r))
+                prev_v, prev_x, prev_y, prev_k = v, look.mean_x, look.mean_y, look.layers
     out += marg
-    out += [b for b in blocks if b[0] != "B0"]  # B0 is L0
+    out += [b for b in blocks if int(b[0][1:]) not in firsts]  # B_first is L_first
     for name, group in (("sum L", marg), ("sum B", blocks)):
         if len(group) > 1:
             out.append((name, np.sum([s for _, s, _ in group], axis=0), sum(r for *_, r in group)))

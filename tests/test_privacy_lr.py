@@ -333,6 +333,48 @@ def test_a_member_view_without_its_layer_is_flagged():
     assert r.eps > 5.0, r
 
 
+def group_model(kind="own", gap=1, eps=1.0, n=N, view_layer=True):
+    """The views exchange's design, vectorized (the model tests/group_audit.py audits the real
+    group against): member A's memory (its state's layer), A's view (one more layer), member
+    B's view (two layers of its own) and the release, their sum. ``view_layer`` False: A's view
+    is its memory plus the increments, without its layer (the negative control)."""
+    from tests.group_audit import _means, group_looks
+
+    p = p_from_epsilon(eps, 2)
+    views = []
+    for r in (1, 2):
+        m = {k: np.asarray(v) for k, v in _means(kind, gap, r).items()}
+        state_a = discrete_laplace(p, (n, 3))
+        view_a = m["view_a"] + state_a + (discrete_laplace(p, (n, 3)) if view_layer else 0)
+        view_b = m["view_b"] + discrete_laplace(p, (n, 3)) + discrete_laplace(p, (n, 3))
+        views.append([m["memory"] + state_a, view_a, view_b, view_a + view_b])
+    return views[0], views[1], group_looks(kind, gap), p
+
+
+def test_the_group_model_reads_its_chains_apart():
+    """A derived look (the sum of the views) takes no block; each member's chain has its own
+    blocks and a chain's first block is its first look."""
+    from tests.lr_audit import statistics
+
+    vx, _, looks, p = group_model("own", 1, n=10)
+    names = [name for name, _, _ in statistics(vx, looks, p)]
+    assert names == ["L1", "L3", "B1", "sum L"], names
+
+
+@pytest.mark.parametrize("kind", ["own", "other"])
+@pytest.mark.parametrize("gap", [1, 2])
+def test_group_model(kind, gap):
+    r = audit(group_model(kind, gap))
+    assert r.eps <= 1.0, r
+    if kind == "own":   # one layer protects the event in A's memory, or in A's last block
+        assert r.eps >= 0.8, r
+
+
+def test_group_model_without_the_view_layer_is_flagged():
+    r = audit(group_model("own", 1, view_layer=False))
+    assert r.eps > 5.0, r
+
+
 @pytest.mark.parametrize("merged", [False, True])
 def test_add_remove_snapshots(merged):
     r = audit(add_remove(1.0, merged=merged))

@@ -5,6 +5,7 @@ read by both test families, with the negative controls.
     python -m bench.service.privacy_audit --no-service
     python -m bench.service.privacy_audit --crash-only   # the crash rows of section 16 (about 60 s)
     python -m bench.service.privacy_audit --worker-only  # service rows, release.workers = 1
+    python -m bench.service.privacy_audit --group-only   # a views group on a broker (~4 min)
 
 Columns: runs per neighbouring stream, the older event family (``empirical_epsilon`` in
 tests/test_privacy.py: values, thresholds and quadrants of counters and of differences of
@@ -114,6 +115,42 @@ def _crash_rows(tmp: Path):
            lambda: C.scenario(C.emulated_old_replay(views("ledger-after-release")), "first"))
 
 
+def _group_rows(tmp: Path, bootstrap: str):
+    """tests/integration/test_group_privacy.py: two real members of a views group on a broker;
+    one member's memory and files inside the window, every view of it, the release input."""
+    from functools import lru_cache
+
+    from tests import group_audit as G
+
+    trials, cycles = 40_000, 4   # 80,000 runs per stream per audit
+
+    @lru_cache(maxsize=1)        # one group run at a time, for its rows
+    def run(what):
+        sub = tmp / f"group-{what}"
+        sub.mkdir()
+        if what == "workers=1":
+            return G.group_scenarios(bootstrap, sub, trials, cycles)
+        if what == "workers=0":
+            return G.group_scenarios(bootstrap, sub, trials, cycles // 2, workers=0)
+        if what == "unlayered":
+            return G.group_scenarios(bootstrap, sub, 20_000, 1, gaps=(1,), unlayered=True)
+        return G.group_scenarios(bootstrap, sub, trials, cycles, gaps=(2,), epsilon=1.25)
+
+    where = {"own": "the intruded member's partition", "other": "the other member's partition"}
+    when = {1: "after", 2: "before"}
+    for workers in (1, 0):
+        for kind in G.KINDS:
+            for gap in (1, 2):
+                yield (f"views group, 2 members, release.workers = {workers}: one member's "
+                       f"memory + files + every view + release input, event on {where[kind]}, "
+                       f"{when[gap]} the intrusion", "<= eps", 1.0,
+                       lambda w=workers, k=kind, g=gap: run(f"workers={w}")[k, g])
+    yield ("**control** views group: views written without their layer", "> eps", 1.0,
+           lambda: run("unlayered")["own", 1])
+    yield ("**control** views group: noise for eps = 1.25 claimed as 1 (+25 %)", "> eps", 1.0,
+           lambda: run("weaker")["own", 2])
+
+
 def main(argv=None) -> None:
     ap = parser(__doc__, "the first audit and the first negative control, no service rows")
     ap.add_argument("--no-service", action="store_true", help="skip the real-service rows")
@@ -121,12 +158,23 @@ def main(argv=None) -> None:
                     help="only the rows of tests/test_privacy_crash.py")
     ap.add_argument("--worker-only", action="store_true",
                     help="only the service rows with release.workers = 1 (about 2 min)")
+    ap.add_argument("--group-only", action="store_true",
+                    help="only the rows of a views group on a real broker ($PANAGG_KAFKA_BOOTSTRAP"
+                         " or one started from deploy/kafka; about 4 min)")
     args = ap.parse_args(argv)
     print("| view | eps | claim | runs per stream | older family | LR family | LR attained at |")
     print("|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        rows = [] if args.crash_only or args.worker_only else list(_mechanism_rows())
+        rows = [] if args.crash_only or args.worker_only or args.group_only \
+            else list(_mechanism_rows())
+        broker = None
+        if args.group_only and not args.smoke:
+            from bench.service.e2e import start_broker
+            bootstrap, broker = start_broker(Path(d))
+            rows += list(_group_rows(Path(d), bootstrap))
+        if args.group_only:
+            args.no_service = True
         if args.worker_only:
             rows += list(_worker_rows(Path(d)))
             args.no_service = True
@@ -137,12 +185,17 @@ def main(argv=None) -> None:
             rows += list(_service_rows(Path(d)))
         if not args.no_service:
             rows += list(_crash_rows(Path(d)))
-        for label, claim, eps, build in rows:
-            vx, vy, looks, p = build()
-            old, _ = empirical_epsilon(vx, vy)
-            r = lr_epsilon(vx, vy, looks, p)
-            print(f"| {label} | {eps:g} | {claim} | {len(vx[0]):,} | {old:.3f} | {r.eps:.3f} | "
-                  f"`{r.where}` |", flush=True)
+        try:
+            for label, claim, eps, build in rows:
+                vx, vy, looks, p = build()
+                old, _ = empirical_epsilon(vx, vy)
+                r = lr_epsilon(vx, vy, looks, p)
+                print(f"| {label} | {eps:g} | {claim} | {len(vx[0]):,} | {old:.3f} | "
+                      f"{r.eps:.3f} | `{r.where}` |", flush=True)
+        finally:
+            if broker is not None:
+                from bench.service.e2e import stop_broker
+                stop_broker(broker)
     print(f"\n{len(rows)} audits in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
 
