@@ -28,6 +28,14 @@ Run from the repository root::
 3. Takeover: two members, a steady 2,000 events/s; kill -9 of the member that does not lead, not
    restarted; the time from the kill until the window open at the kill is released, against the
    same window's planned release time (its end + close grace).
+4. Broker restarts (``--restarts K``, issue 46: "a group resumes releasing within 10 s of the
+   broker's return"): a broker of its own (it is stopped and killed, so never
+   $PANAGG_KAFKA_BOOTSTRAP's), three members (``--members``' last count) of 2 s time windows over
+   D = 1,000, a steady 2,000 events/s; K outages, alternately a clean stop (SIGTERM) and a
+   kill -9, each 10 s after the last return and 8 s long; for each, the seconds from the
+   broker's return (``kafka.sh start`` answered) until the group's ledger holds one more
+   release. The load average at each return is printed beside it: on a shared 2-core machine
+   the leader's backlog before the outage, not Kafka, sets the tail.
 """
 
 from __future__ import annotations
@@ -151,7 +159,8 @@ EXCHANGE = ["views"]
 CLIENT = ["kafka-python"]
 
 
-def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0, alone=False):
+def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0, alone=False,
+            domain=100_000):
     """A ``panagg run`` child: a member of ``group``, or with ``alone`` one process
     (``scale.partitioned = false``, its releases in its release directory)."""
     log = open(tmp / f"{group}-{name}.log", "w")
@@ -166,7 +175,7 @@ def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0, 
          str(tmp / group / name / "rel"), "--metrics-port", "-1", *scale,
          "--set", f"source.client={CLIENT[0]}",
          "--set", "window.kind=time", "--set", f"window.size={int(window)}",
-         "--set", "state.domain_size=100000", "--set", f"source.group={group}",
+         "--set", f"state.domain_size={int(domain)}", "--set", f"source.group={group}",
          "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
          "--set", "scale.close_grace_s=1",
          *(["--set", "window.kind=event_time", "--set", "window.allowed_lateness_s=2"]
@@ -287,7 +296,7 @@ def _run(boot, tmp, n, k, event_time=False) -> dict:
     try:
         while (_released_alone(tmp, group) if k == 0 else
                sum(r[1] for r in _released(boot, group))) < n:
-            gone = _exited(procs, tmp, group)
+            gone = _exited(list(procs.values()), tmp, group)
             if gone is not None:
                 print(f"{who} on {CLIENT[0]}: exited: {gone}", file=sys.stderr)
                 return {"members": k, "client": CLIENT[0], "refused": gone}
@@ -462,6 +471,77 @@ def takeover(boot, tmp, window=5.0) -> dict:
         _stop(procs.values())
 
 
+def broker_restarts(tmp, k: int, members: int = 3, window: float = 2.0) -> dict:
+    """Issue 46's resume time after broker outages (the module docstring, 4.)."""
+    state = tmp / "kafka-restarts"
+    sh = str(ROOT / "deploy/kafka/kafka.sh")
+    boot = subprocess.run([sh, "start", str(state)], capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1].split("=", 1)[1]
+    topic = _topic(boot)
+    group = f"gb-{uuid.uuid4().hex[:6]}"
+    names = [f"m{i}" for i in range(members)]
+    procs = {names[0]: _member(boot, topic, group, names[0], tmp, window, domain=1_000)}
+    time.sleep(4)   # the first member makes the group; the others join it
+    for name in names[1:]:
+        procs[name] = _member(boot, topic, group, name, tmp, window, domain=1_000)
+    stop = threading.Event()
+
+    def steady():   # about 2,000 events/s; a send while the broker is away is dropped
+        while not stop.is_set():
+            try:
+                _produce(boot, topic, 200, D=1_000)
+            except Exception:
+                time.sleep(0.5)
+            time.sleep(0.1)
+    producer = threading.Thread(target=steady, daemon=True)
+    producer.start()
+    rows = []
+    try:
+        _wait_released(boot, group, 0, procs, tmp, 180)
+        for i in range(k):
+            how = "kill -9" if i % 2 else "clean stop"
+            time.sleep(10)
+            if how == "kill -9":
+                os.kill(int((state / "pid").read_text()), signal.SIGKILL)
+                (state / "pid").unlink()
+            else:
+                subprocess.run([sh, "stop", str(state)], capture_output=True, check=True)
+            time.sleep(8)
+            subprocess.run([sh, "start", str(state)], capture_output=True, check=True)
+            back = time.time()
+            load = os.getloadavg()[0]
+            _wait_released(boot, group, len(_released(boot, group)), procs, tmp, 300)
+            rows.append({"outage": how, "resumed_s": round(time.time() - back, 1),
+                         "load": round(load, 1)})
+            print(f"{how}: released again {rows[-1]['resumed_s']} s after the return "
+                  f"(load {load:.1f})", file=sys.stderr)
+    finally:
+        stop.set()
+        producer.join(timeout=60)   # its last batch flushed before the broker goes
+        _stop(procs.values())
+        subprocess.run([sh, "stop", str(state)], capture_output=True)
+    out: dict = {"rows": rows}
+    import statistics
+    for how in ("clean stop", "kill -9", None):
+        got = [r["resumed_s"] for r in rows if how in (None, r["outage"])]
+        if got:
+            out[f"median_s {how or 'all'}"] = statistics.median(got)
+    print("; ".join(f"{k}: {v}" for k, v in out.items() if k != "rows"), file=sys.stderr)
+    return out
+
+
+def _wait_released(boot, group, more_than: int, procs, tmp, timeout_s: float) -> None:
+    """Until the group's ledger holds more than ``more_than`` releases."""
+    t0 = time.time()
+    while len(_released(boot, group)) <= more_than:
+        gone = _exited(list(procs.values()), tmp, group)
+        if gone:
+            raise RuntimeError(gone)
+        if time.time() - t0 > timeout_s:
+            raise RuntimeError(f"no release within {timeout_s:g} s")
+        time.sleep(0.25)
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__, "--accuracy: Zipf over D = 1000, n = 1000, 1 repetition; with "
                          "--throughput too: 2000 events, 1 member")
@@ -474,6 +554,8 @@ def main(argv=None) -> int:
     ap.add_argument("--count-windows", type=int, default=0, metavar="N",
                     help="count windows of N events: what each window holds (the overshoot)")
     ap.add_argument("--rate", type=int, default=5000, help="--count-windows: events/s")
+    ap.add_argument("--restarts", type=int, default=0, metavar="K",
+                    help="K broker outages (clean stop, kill -9, ...) under a 3-member group")
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--exchange", choices=("views", "items"), default="views",
                     help="scale.exchange of the time-window runs")
@@ -495,7 +577,7 @@ def main(argv=None) -> int:
     elif args.accuracy or args.all:
         res["accuracy"] = accuracy(["zipf", "wf-en", "sc-es"], D=100_000, n=1_000_000, eps=1.0,
                                    reps=args.reps)
-    if args.throughput or args.takeover or args.count_windows or args.all:
+    if args.throughput or args.takeover or args.count_windows or args.restarts or args.all:
         import tempfile
         tmp = Path(tempfile.mkdtemp(prefix="group-bench-"))
         boot, state = _broker(tmp)
@@ -512,6 +594,9 @@ def main(argv=None) -> int:
             if args.count_windows:
                 res["count_windows"] = count_windows(boot, tmp, n=args.events,
                                                      size=args.count_windows, rate=args.rate)
+            if args.restarts:
+                members = int(args.members.split(",")[-1])
+                res["restarts"] = broker_restarts(tmp, args.restarts, members=members)
         finally:
             if state is not None:
                 subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)])

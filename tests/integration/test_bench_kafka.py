@@ -20,6 +20,7 @@ KAFKA_SMOKES = [
     ("service.shuffler_throughput", ["--smoke"]),
     ("service.group", ["--smoke", "--throughput"]),
     ("service.group", ["--smoke", "--throughput", "--client", "confluent", "--no-one"]),
+    ("service.group", ["--smoke", "--restarts", "1"]),   # its own broker: it stops it
     ("service.views", ["--smoke", "recovery", "--bootstrap", "{bootstrap}"]),
 ]
 
