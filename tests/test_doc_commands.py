@@ -31,16 +31,36 @@ RUN_FLAGS = (("bootstrap", "source.bootstrap"), ("topic", "source.topic"),
              ("release_dir", "release.dir"), ("metrics_port", "metrics.port"))
 
 
+SH_FENCES = ("```sh", "```bash", "```shell")
+
+
+def sh_blocks(page: Path):
+    """(first line number, text) of each ```sh block of ``page`` (also one indented in a list
+    item: its indent is removed); tests/test_doc_shell.py runs these."""
+    lines = page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() not in SH_FENCES:
+            i += 1
+            continue
+        indent = len(lines[i]) - len(lines[i].lstrip())
+        start = i + 1
+        i = start
+        while i < len(lines) and not lines[i].strip().startswith("```"):
+            i += 1
+        yield start + 1, "\n".join(ln[indent:] for ln in lines[start:i]) + "\n"
+        i += 1
+
+
 def _commands(page: Path):
     """(line number, command words) of each command of each ```sh block of ``page``."""
-    lines = page.read_text().splitlines()
-    inside, joined, first = False, "", 0
-    for no, line in enumerate(lines, 1):
-        if line.startswith("```"):
-            inside = line.strip() in ("```sh", "```bash", "```shell")
-            continue
-        if not inside:
-            continue
+    for start, block in sh_blocks(page):
+        yield from _block_commands(start, block)
+
+
+def _block_commands(start: int, block: str):
+    joined, first = "", 0
+    for no, line in enumerate(block.splitlines(), start):
         if not joined:
             first = no
         if line.rstrip().endswith("\\"):
