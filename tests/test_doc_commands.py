@@ -1,6 +1,8 @@
-"""Every shell command of README.md and docs/*.md names what exists (issue 54: the docs' shell
-snippets were never run). A ```sh block needs a broker, Docker or a cluster to run, so each line is
-checked as far as it can be here without one:
+"""Every shell command of README.md and docs/*.md names what exists (issue 54). The ```sh blocks
+are run as written by tests/test_doc_shell.py (and tests/integration/test_doc_shell.py on a real
+broker), or listed there with why they cannot be (Docker, a cluster, root, a long bench); this
+module checks each line of every block, listed ones included, as far as it can without running
+it:
 
 - ``panagg ...`` (also ``.venv/bin/panagg``, ``docker compose exec SVC panagg``) parses with the
   CLI's own parser, and a ``run`` line without ``--config`` loads its ``--set`` settings and flags

@@ -33,7 +33,7 @@ from tests.test_bench_smoke import LANE as BENCH_SMOKE_LANE
 from tests.test_doc_commands import PAGES, ROOT, sh_blocks
 
 _DEPLOY_WHY = ("no Docker engine or Kubernetes cluster on the test machine; "
-               "docs/deploy.md ('What the tests check of this page') says which check covers it")
+               "docs/deploy.md ('The shell blocks of this page') says which check covers it")
 #: (page, first line of the block) -> (lane, why it is not run here, or the run's note)
 BLOCKS: dict[tuple[str, str], tuple[str, str]] = {
     ("README.md", "panagg run --set source.kind=file --set source.path=logins.jsonl --set "
@@ -63,7 +63,7 @@ BLOCKS: dict[tuple[str, str], tuple[str, str]] = {
     ("docs/deploy.md", "useradd --system --home-dir /var/lib/panagg --shell /usr/sbin/nologin "
                        "panagg"):
         ("listed", "installs a system user, /etc and a systemd unit (root, systemd as PID 1); "
-                   "docs/deploy.md ('What the tests check of this page') says which check "
+                   "docs/deploy.md ('The shell blocks of this page') says which check "
                    "covers it"),
     ("docs/operations.md", "deploy/kafka/kafka.sh start var/kafka        # prints "
                            "bootstrap=127.0.0.1:PORT (real KRaft broker)"): ("broker", ""),
@@ -195,9 +195,14 @@ def test_every_shell_block_is_run_or_listed():
 
 
 def test_each_listed_block_says_why():
+    """A listed block has a reason; one that points to a section of a page points to one that
+    exists (docs/deploy.md's table of what checks its blocks)."""
     for page, first, no, _ in blocks():
         kind, why = lane(page, first)
         assert kind != "listed" or len(why) > 40, f"{page}:{no}: listed without a reason"
+        for target, heading in re.findall(r"(docs/[\w-]+\.md) \('([^']+)'\)", why):
+            assert re.search(rf"^#+ {re.escape(heading)}$", (ROOT / target).read_text(), re.M), \
+                f"{page}:{no}: {target} has no section {heading!r}"
 
 
 @pytest.mark.parametrize("page, line, text", cases("fast"))
