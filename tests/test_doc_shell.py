@@ -8,7 +8,8 @@ Each block has one row in :data:`BLOCKS`, keyed by its page and first line:
   where ``panagg``, ``python`` and ``.venv/bin/panagg`` are this checkout's;
 - ``broker``: run the same way by tests/integration/test_doc_shell.py against the session's
   broker, services stopped by SIGTERM once they answer;
-- ``listed``: not run, for the reason given (Docker, a cluster, root, a bench's long matrix).
+- ``listed``: not run, for the reason given (Docker, a cluster, root, a bench's long matrix:
+  its ``--smoke`` run is named, from tests/test_bench_smoke.py's table).
 
 A block with no row fails :func:`test_every_shell_block_is_run_or_listed`, so the docs cannot grow
 a snippet that nothing runs. Only what the pages call placeholders is filled in
@@ -32,6 +33,19 @@ import pytest
 from tests.test_bench_smoke import LANE as BENCH_SMOKE_LANE
 from tests.test_doc_commands import PAGES, ROOT, sh_blocks
 
+_SMOKE_WHERE = {"here": "tests/test_bench_smoke.py", "kafka": "tests/integration",
+                "chaos": "tests/chaos/test_bench_chaos.py"}
+
+
+def _bench(module: str, size: str) -> tuple[str, str]:
+    """A bench block: listed, its smoke run named from tests/test_bench_smoke.py's table (a
+    bench missing there fails at import)."""
+    return ("listed", f"a bench run of {size} as written; its --smoke run is in "
+                      f"{_SMOKE_WHERE[BENCH_SMOKE_LANE[module]]} (--smoke replaces the block's "
+                      "modes and sizes, so running it here would repeat that test, not this "
+                      "block)")
+
+
 _DEPLOY_WHY = ("no Docker engine or Kubernetes cluster on the test machine; "
                "docs/deploy.md ('The shell blocks of this page') says which check covers it")
 #: (page, first line of the block) -> (lane, why it is not run here, or the run's note)
@@ -54,6 +68,27 @@ BLOCKS: dict[tuple[str, str], tuple[str, str]] = {
                    "is parsed and its settings loaded by tests/test_doc_commands.py"),
     ("docs/api.md", "python examples/kafka_consumer.py --bootstrap 127.0.0.1:9092 --topic "
                     "logins --state-dir var/api \\"): ("broker", ""),
+    ("docs/chaos.md", "python -m bench.service.chaos --modes count,time,event_time,several,"
+                      "rollups_sum,rollups_hybrid,rollups_tree,count_confluent,"
+                      "several_confluent --faults kill9 --seeds 2 --seconds 40 "
+                      "--faults-per-run 10"):
+        _bench("service.chaos", "39 runs of 40-75 s, 35 min of production alone, killing brokers"),
+    ("docs/chaos.md", "python -m bench.service.chaos --modes group2 --faults "
+                      "broker_restart,broker_kill --seeds 1 --seconds 75 --faults-per-run 4"):
+        _bench("service.chaos", "8 runs of 40-75 s each, about 8 min, killing brokers"),
+    ("docs/chaos.md", "python -m bench.service.chaos --modes group_items_count2,"
+                      "group_items_event2 --faults none,kill9,broker_restart --seeds 2 "
+                      "--seconds 20"):
+        _bench("service.chaos", "18 runs of 20 s each, over 6 min, restarting brokers"),
+    ("docs/chaos.md", "python -m bench.service.chaos --modes group_items_count3,"
+                      "group_items_event3 --faults none,kill9 --seeds 1 --seconds 20"):
+        _bench("service.chaos", "6 runs of 20 s each, over 2 min, killing a broker"),
+    ("docs/chaos.md", "python -m bench.service.chaos --modes group_items_count2,"
+                      "group_items_event2,shuffle --faults broker_kill --seeds 1 --first-seed "
+                      "1001 --seconds 30"):
+        _bench("service.chaos", "3 runs of 30 s each, killing a broker"),
+    ("docs/privacy_unit.md", "python -m bench.service.user_windows --runs 8"):
+        _bench("service.user_windows", "192 windows, about 70 s (its docstring)"),
     ("docs/deploy.md", "cd deploy"): ("listed", _DEPLOY_WHY + " (docker compose)"),
     ("docs/deploy.md", "docker compose logs -f aggregator-1"):
         ("listed", _DEPLOY_WHY + " (docker compose)"),
@@ -98,14 +133,6 @@ BLOCKS: dict[tuple[str, str], tuple[str, str]] = {
                    "analyzer's key; tests/integration/test_shuffler_kafka.py runs the shuffler "
                    "with clients and the analyzer on a real broker"),
 }
-#: bench blocks: python -m bench.X lines whose smoke run (--smoke) tests/test_bench_smoke.py
-#: or tests/chaos runs; the block itself is a matrix of minutes to hours
-BENCH_LINE = re.compile(r"^python -m bench\.(\S+) ")
-_BENCH_WHY = ("a bench of minutes to hours as written ({}); its --smoke run is in {} "
-              "(--smoke replaces the block's modes and sizes, so it is not this block)")
-_SMOKE_WHERE = {"here": "tests/test_bench_smoke.py", "kafka": "tests/integration",
-                "chaos": "tests/chaos/test_bench_chaos.py"}
-
 #: files a block reads as the reader's own input (the page does not make them): name -> lines
 INPUTS = {
     "logins.jsonl": [json.dumps({"user": f"u{k % 700}", "item": k % 900}) for k in range(3000)],
@@ -132,13 +159,7 @@ def blocks():
 
 
 def lane(page: str, first: str) -> tuple[str, str]:
-    if (page, first) in BLOCKS:
-        return BLOCKS[(page, first)]
-    m = BENCH_LINE.match(first)
-    if m and m.group(1) in BENCH_SMOKE_LANE:
-        where = _SMOKE_WHERE[BENCH_SMOKE_LANE[m.group(1)]]
-        return "listed", _BENCH_WHY.format(m.group(1), where)
-    return "none", ""
+    return BLOCKS.get((page, first), ("none", ""))
 
 
 def cases(which: str):
