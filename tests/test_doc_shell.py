@@ -186,7 +186,10 @@ def clone(tmp: Path, broker: str = "127.0.0.1:9092") -> tuple[Path, dict[str, st
     (work / ".venv" / ".installed").touch()
     for name, lines in INPUTS.items():
         (work / name).write_text("\n".join(lines) + "\n")
-    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    # a block that names no metrics port serves on a free one, not the default 9464 another
+    # test's service may hold at the time (a flag of the block still wins: the group loops')
+    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+           "PANAGG_METRICS_PORT": "0"}
     return work, env
 
 

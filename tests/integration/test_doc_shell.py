@@ -6,9 +6,10 @@ broker's address. The topic the blocks name, ``logins``, is made fresh with a fe
 records, and the group ``panagg``'s topics and offsets of an earlier block are removed, as are
 the ``/tmp/panagg-$k`` directories the group loops name. A block
 that starts services (``panagg run`` in the foreground, the README's ``for k in 1 2 3; do ...
-& done`` group loop) runs until every service's ``/ready`` answers 200 on the metrics port the
-block gives it (the default 9464 where it gives none), or, for docs/api.md's example (no
-metrics), until it prints its first release; then each service gets SIGTERM and must exit 0,
+& done`` group loop) runs until every service's ``/ready`` answers 200 on the metrics port its
+start line names (the block's own; a free one where the block gives none, rather than the
+default 9464 another test may hold), or, for docs/api.md's example (no metrics), until it prints
+its first release; then each service gets SIGTERM and must exit 0,
 with no traceback in the block's output.
 """
 
@@ -78,15 +79,16 @@ def _fresh_topic(bootstrap: str, records: int) -> None:
     producer.close()
 
 
-def _metrics_ports(text: str) -> list[int]:
-    """The metrics ports the block's services listen on (as bash expands the loop's arithmetic;
-    the default 9464 for one ``panagg run`` that names none)."""
+def _service_count(text: str) -> int:
+    """How many services the block starts: one per turn of its ``for k in ...`` loop, else one."""
     loop = re.search(r"for k in ([\d ]+); do", text)
-    m = re.search(r"--metrics-port \$\(\((\d+)\s*\+\s*k\)\)", text)
-    if loop and m:
-        return [int(m.group(1)) + int(k) for k in loop.group(1).split()]
-    m = re.search(r"--metrics-port (\d+)", text)
-    return [int(m.group(1)) if m else 9464]
+    return len(loop.group(1).split()) if loop else 1
+
+
+def _metrics_ports(output: str) -> list[int]:
+    """The ports the services serve /ready on, from their ``metrics on URL`` start lines."""
+    return [int(p) for p in re.findall(r"^metrics on http://127\.0\.0\.1:(\d+)/metrics$",
+                                       output, re.M)]
 
 
 def _ready(port: int) -> bool:
@@ -137,12 +139,14 @@ def test_shell_block_runs_against_kafka(page, line, text, kafka_broker, tmp_path
                                  cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     try:
-        ports = _metrics_ports(text) if answer is None else []
+        count, ports = _service_count(text), []
 
         def answered() -> bool:
+            nonlocal ports
             if answer is not None:
                 return bool(answer.search(log.read_text()))
-            return all(_ready(p) for p in ports)
+            ports = _metrics_ports(log.read_text())
+            return len(ports) == count and all(_ready(p) for p in ports)
 
         deadline = time.monotonic() + 120
         while not (done.exists() and answered()):
@@ -154,7 +158,7 @@ def test_shell_block_runs_against_kafka(page, line, text, kafka_broker, tmp_path
             time.sleep(0.5)
         ready_s = time.monotonic() - t0
         services = _children(shell.pid)
-        assert len(services) == max(len(ports), 1), (services, ports)
+        assert len(services) == count, (services, ports)
         # the block's own status line, once more now that the services are up: it answers,
         # and (within a minute: the group may still be rebalancing) names every member ready
         for cmd in re.findall(r"^(?:\.venv/bin/)?panagg status .*$", body, re.M):
@@ -164,8 +168,8 @@ def test_shell_block_runs_against_kafka(page, line, text, kafka_broker, tmp_path
                                      capture_output=True, text=True, timeout=120)
                 assert res.returncode == 0, f"{cmd}:\n{res.stdout}{res.stderr}"
                 if "--group" not in cmd or (
-                        f"members ({len(ports)}, group Stable)" in res.stdout
-                        and res.stdout.count("; ready, reported") == len(ports)):
+                        f"members ({count}, group Stable)" in res.stdout
+                        and res.stdout.count("; ready, reported") == count):
                     break
                 assert time.monotonic() < deadline, f"{cmd}:\n{res.stdout}"
                 time.sleep(2)
