@@ -142,8 +142,8 @@ INPUTS = {
 SUPPLIED = [
     (re.compile(r"^deploy/kafka/kafka\.sh (start|stop) var/kafka\b.*$", re.M),
      "the session's broker (tests/conftest.py's kafka_broker, started by this same script) is "
-     "the block's broker: a second JVM per block would add ~20 s and 0.5 GB for nothing the "
-     "fixture's start does not already test"),
+     "the block's broker: a second one per block would add a broker start (the fixture's "
+     "setup: 10.7 s here) for nothing the fixture's own start does not already test"),
 ]
 #: clone entries the fresh directory links to (code, Makefile, deploy/, tests/, bench/)
 CLONE = ("aggregator", "consumers", "state_store", "bench", "tests", "examples", "deploy",
