@@ -11,12 +11,15 @@ counted again under fresh noise, the released windows' records are skipped).
         --set window.size=100000
 
 Prints one line per release (its headline) and stops after ``--exit-when-idle`` seconds without
-records (0: never). ``--config panagg.toml`` takes the service's config file as it is.
+records (0: never), or on SIGTERM. ``--config panagg.toml`` takes the service's config file as
+it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 import time
 
 from kafka import KafkaConsumer, TopicPartition
@@ -42,6 +45,11 @@ def show(release: Release) -> None:
           f"{release.privacy_unit} below_noise={release.signal_below_noise}", flush=True)
 
 
+#: set by SIGTERM (a container's stop, systemd's, kill): the loop ends after its turn and the
+#: aggregation closes, so the stop is clean (its checkpoint written, exit 0)
+STOP = threading.Event()
+
+
 def run(bootstrap: str, topic: str, state_dir: str, release_dir: str, sets: dict[str, str],
         config: str | None = None, exit_when_idle: float = 0.0) -> None:
     cfg = settings(config, {"source.kind": "kafka", "source.topic": topic,
@@ -60,7 +68,7 @@ def run(bootstrap: str, topic: str, state_dir: str, release_dir: str, sets: dict
                 else:
                     consumer.seek(tp, at)
             idle_since = time.monotonic()
-            while True:
+            while not STOP.is_set():
                 batch = consumer.poll(timeout_ms=500, max_records=5000)
                 made = []
                 for tp, msgs in batch.items():
@@ -92,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--exit-when-idle", type=float, default=0.0, metavar="SECONDS")
     args = ap.parse_args(argv)
     sets = dict(s.split("=", 1) for s in args.set)
+    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
     run(args.bootstrap, args.topic, args.state_dir, args.release_dir, sets, args.config,
         args.exit_when_idle)
 

@@ -272,3 +272,20 @@ def test_status_of_a_group_members_scratch_dir_points_to_the_group(tmp_path):
     assert lines == [f"panagg: error: {tmp_path} is the scratch directory of a member of group "
                      "'logins', whose state is in Kafka: run panagg status --group logins "
                      "--bootstrap 10.0.0.5:9092"], lines
+
+
+def test_group_status_of_a_starting_group_says_so():
+    """``panagg status --group`` run just after the members start (the README's group loop)
+    finds the group's topics before any member wrote the identity: it says the group is starting
+    instead of printing "None mode, None counters ... eps None"."""
+    from aggregator.service.group.status import format_group_status
+
+    starting = {"group": "panagg", "identity": {}, "members": [], "state": "Dead"}
+    lines = format_group_status(starting)
+    assert lines[0].startswith("group panagg (Kafka-only store): starting")
+    assert "None" not in "\n".join(lines) and lines[1] == "members (0, group Dead):"
+    ident = {"mode": "exact", "size": 1000, "partitions": 3, "epsilon": 1.0,
+             "window_kind": "time", "window_size": 3600}
+    started = format_group_status({**starting, "identity": ident})
+    assert started[0] == ("group panagg (Kafka-only store): exact mode, 1000 counters in 3 "
+                          "slices, eps 1.0, windows of 3600 s")

@@ -1160,6 +1160,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 1 if any(v.get("code") not in (200, None) for v in health.values()) else 0
 
 
+def _group_started(s: dict) -> bool:
+    """The group has written its identity and its members hold every source partition."""
+    held = {p for m in s["members"] for p in m["partitions"]}
+    return (s.get("identity", {}).get("mode") is not None and bool(s["members"])
+            and all(row["partition"] in held for row in s.get("partitions", [])))
+
+
 def _group_status(args: argparse.Namespace) -> int:
     """``panagg status --group G --bootstrap B``: a Kafka-only group, read from Kafka."""
     from .group.status import collect_group_status, format_group_status, group_aggregations
@@ -1172,22 +1179,32 @@ def _group_status(args: argparse.Namespace) -> int:
     from kafka.admin import KafkaAdminClient
 
     from consumers.kafka_security import client_options
-    admin = KafkaAdminClient(bootstrap_servers=boot, **client_options(cfg.security))
-    try:
-        names = group_aggregations(admin.list_topics(), args.group)
-    finally:
-        admin.close()
+    # --wait: members started a moment ago (the README's group loop) may not have made the
+    # group's topics, nor written its identity, yet
+    deadline = time.monotonic() + (args.wait or 0.0)
+    while True:
+        admin = KafkaAdminClient(bootstrap_servers=boot, **client_options(cfg.security))
+        try:
+            names = group_aggregations(admin.list_topics(), args.group)
+        finally:
+            admin.close()
+        out = []
+        for name in names:
+            try:
+                out.append(collect_group_status(boot, args.group, cfg.security,
+                                                source_topic=args.topic or cfg.source.topic,
+                                                aggregation=name))
+            except LookupError as exc:
+                if time.monotonic() >= deadline:
+                    raise UsageError(str(exc)) from None
+        started = names and len(out) == len(names) and all(_group_started(s) for s in out)
+        if started or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
     if not names:
         raise UsageError(f"no Kafka-only group {args.group!r} on {boot} (no "
-                         f"{args.group}.panagg.*ledger topic); check --group (source.group)")
-    out = []
-    for name in names:
-        try:
-            out.append(collect_group_status(boot, args.group, cfg.security,
-                                            source_topic=args.topic or cfg.source.topic,
-                                            aggregation=name))
-        except LookupError as exc:
-            raise UsageError(str(exc)) from None
+                         f"{args.group}.panagg.*ledger topic); check --group (source.group)"
+                         + ("" if args.wait else ", or --wait SECONDS for members starting"))
     if args.json:
         print(json.dumps(out if len(out) > 1 else out[0], indent=1, default=str))
     else:
@@ -1413,6 +1430,10 @@ def build_parser() -> argparse.ArgumentParser:
     sta.add_argument("--config", help="with --group: a config file (security settings)")
     sta.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                      help="with --group: override one setting (repeatable)")
+    sta.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                     help="with --group: wait up to SECONDS for members started just now to "
+                          "make the group's topics, write its identity and hold every "
+                          "partition")
     sta.add_argument("--json", action="store_true", help="the same as JSON")
     sta.set_defaults(func=cmd_status)
     his = sub.add_parser("history", help="ledgered releases window by window (and a plot)")

@@ -301,16 +301,30 @@ def _reports(consumer, topics) -> dict[str, dict]:
 def format_group_status(s: dict) -> list[str]:
     ident = s.get("identity", {})
     name = f"aggregation {s['aggregation']} of " if s.get("aggregation") else ""
-    lines = [f"{name}group {s['group']} (Kafka-only store): {ident.get('mode')} mode, "
-             f"{ident.get('size')} counters in {ident.get('partitions')} slices, eps "
-             f"{ident.get('epsilon')}, "
-             + (f"event-time windows of {ident.get('window_size')} s (allowed lateness "
-                f"{ident.get('allowed_lateness_s')} s)"
-                if ident.get("window_kind") == "event_time"
-                else f"count windows of {int(ident.get('window_size') or 0):,} events"
-                if ident.get("window_kind") == "count"
-                else f"windows of {ident.get('window_size')} s")]
-    lines.append(f"members ({len(s['members'])}, group {s.get('state', '')}):")
+    if ident.get("mode") is None:
+        # the group's topics exist but no member has written the identity yet: the members
+        # are starting (status run just after them, as the README's group loop does)
+        lines = [f"{name}group {s['group']} (Kafka-only store): starting, no member has "
+                 "written the group's identity yet (mode, counters, eps, windows)"]
+    else:
+        lines = [_identity_line(name, s['group'], ident)]
+    return lines + _member_lines(s, ident)
+
+
+def _identity_line(name: str, group: str, ident: dict) -> str:
+    return (f"{name}group {group} (Kafka-only store): {ident.get('mode')} mode, "
+            f"{ident.get('size')} counters in {ident.get('partitions')} slices, eps "
+            f"{ident.get('epsilon')}, "
+            + (f"event-time windows of {ident.get('window_size')} s (allowed lateness "
+               f"{ident.get('allowed_lateness_s')} s)"
+               if ident.get("window_kind") == "event_time"
+               else f"count windows of {int(ident.get('window_size') or 0):,} events"
+               if ident.get("window_kind") == "count"
+               else f"windows of {ident.get('window_size')} s"))
+
+
+def _member_lines(s: dict, ident: dict) -> list[str]:
+    lines = [f"members ({len(s['members'])}, group {s.get('state', '')}):"]
     for m in s["members"]:
         lead = ", leads (ledger, merges)" if m["leads"] else ""
         health = ""
