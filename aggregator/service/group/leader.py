@@ -141,6 +141,8 @@ class Leader:
         #: is behind (``behind``: why, "" while it keeps up; the member's /ready reads it)
         self.max_in_flight = int(max_in_flight)
         self.behind = ""
+        #: complete windows not decided yet, as the last turn counted them
+        self.queued = 0
         self._complete_at: dict[int, float] = {}
 
     # -- which windows are decided -----------------------------------------------------------
@@ -286,6 +288,7 @@ class Leader:
         for k in [k for k in self._complete_at if k < nxt]:
             del self._complete_at[k]
         self.metrics.release_queue.set(len(complete))
+        self.queued = len(complete)
         waited = now - self._complete_at[complete[0]] if complete else 0.0
         bound = None if self.count else (self.max_in_flight + 1) * self.size
         if len(complete) > self.max_in_flight:
@@ -308,6 +311,13 @@ class Leader:
             log.info("the leader caught up: %d complete window(s) wait for their release",
                      len(complete))
         self.behind = reason
+
+    @property
+    def busy(self) -> bool:
+        """A release is being computed or a complete window waits for one: a member that
+        leads is not idle (``--exit-when-idle``) while its leader has work its own intake
+        does not show (a slow release path drains after the last event was counted)."""
+        return self._in_flight is not None or self.queued > 0
 
     def _force(self) -> None:
         """A forced release asked for (``panagg release``): close markers for window K in

@@ -451,7 +451,8 @@ class GroupService:
                 self.metrics.heartbeat()
                 self._update_ready()
                 self._report()
-                if took or counted:
+                if took or counted or any(p.leader is not None and p.leader.busy
+                                          for p in self.pipelines):
                     idle_since = time.monotonic()
                 elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                     break
