@@ -493,3 +493,87 @@ def test_source_records_deleted_before_they_were_counted_withhold_their_window(
     assert named and "window range [" in named[0], \
         [e.get("withheld") for e in entries if e.get("withheld")]
     assert "Traceback" not in members.logs(last=100000)
+
+
+def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kafka_broker,
+                                                                             tmp_path):
+    """window.kind = event_time with the views exchange (event_views.py): two members on a
+    4-partition topic, timestamps out of order within the lateness and some late records, a
+    member killed -9 while records flow and restarted. Every window is released once, its n
+    and late count those of a one-process run over the same records and of the definitions'
+    reference, n is the events of its ledgered positions' good records, no position is charged
+    more than eps, and every view is a member's state plus its layer (nothing per event)."""
+    import random
+
+    from aggregator.service.charges import ChargeBook
+
+    from .test_group_kafka import ET_LATENESS, ET_SIZE, _by_event_window, _event_setup, \
+        _one_process, _produce_stamped, _reference_windows
+
+    parts = 4
+    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
+    extra = ("--set", "scale.exchange=views", "--set", "window.kind=event_time",
+             "--set", f"window.size={ET_SIZE}",
+             "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    members = Members(kafka_broker, topic, group, tmp_path, *extra)
+    flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
+    half = len(stream) // 2
+    chaos = random.Random()
+    victim = chaos.choice(["v1", "v2"])
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        _produce_stamped(kafka_broker, topic, stream[:half])
+        deadline = time.monotonic() + 120
+        while not releases(kafka_broker, topics):
+            assert time.monotonic() < deadline, f"no release\n{members.logs()}"
+            time.sleep(1)
+        rest = stream[half:]
+        feeder = threading.Thread(target=lambda: [
+            (_produce_stamped(kafka_broker, topic, rest[i:i + 100]), time.sleep(0.1))
+            for i in range(0, len(rest), 100)])
+        feeder.start()
+        time.sleep(chaos.uniform(0.5, 2.5))
+        members.kill(victim)
+        time.sleep(chaos.uniform(0.0, 2.0))
+        members.start(victim)
+        feeder.join()
+        for p in range(parts):           # every partition passes the last window
+            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        expected = _reference_windows(kafka_broker, topic, parts, flush_at)
+        total = sum(ev for ev, _ in expected.values())
+        assert total == len(stream)
+        wait_for_total(kafka_broker, topics, total, 240, members)
+    finally:
+        members.stop_all()
+    _one_process(kafka_broker, topic, tmp_path, group, extra[2:])
+    one_docs = [json.loads(f.read_text()) for f in (tmp_path / "one" / "releases").glob("*.json")]
+    logs = members.logs(last=100000)
+    try:
+        assert "Traceback" not in logs
+        assert "by event time (allowed lateness 4 s), closed at the group's low watermark" in logs
+        docs = releases(kafka_broker, topics)
+        assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
+        assert all(d["scale_out"]["exchange"] == "views" for d in docs)
+        got = _by_event_window(docs)
+        assert got == _by_event_window(one_docs) == expected
+        assert sum(late for _, late in got.values()) > 0, "the stream had no late record"
+        ledger = read_ledger(kafka_broker, topics)
+        entries = [e for e in ledger.entries if e["kind"] == "release"]
+        assert sorted(e["window"] for e in entries) == sorted(d["window"] for d in docs)
+        assert not any(e.get("withheld") for e in entries)
+        book = ChargeBook(ledger.entries)
+        for e in entries:
+            for part, (a, b) in e["ranges"].items():
+                if b > a:
+                    assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+        # no repartition topic; every view header carries only counters' metadata
+        from kafka.admin import KafkaAdminClient
+        admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+        assert topics.repartition not in set(admin.list_topics())
+        admin.close()
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{logs[-6000:]}") from None
+    print(f"\n{len(docs)} event-time windows, {sum(x for _, x in got.values())} late records, "
+          f"killed {victim}")
