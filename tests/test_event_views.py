@@ -124,3 +124,24 @@ def test_the_leader_fills_in_windows_a_partition_skipped_and_waits_for_the_rest(
     assert 2 not in skipped_parts(5, pending, 3, empty)
     # a later view that closed window 5 before it (after = 5) does not stand for window 5
     assert 1 not in skipped_parts(5, {5: pending[5], 7: {1: view({"1": 5})}}, 2, empty)
+
+
+def test_a_commit_that_only_sends_dead_letters_keeps_moved_late_records_for_the_replay():
+    """Records of a window closed while their partition was idle are moved, late, into the
+    next window, which is still open; a commit that sends dead letters without closing a window
+    must leave them to the replay (``d``, not ``s``). Committed as a close (the control), the
+    replay would pass over them: lost."""
+    ts = np.array([30_000, 31_000])          # window 3, on a partition closed up to window 5
+    first = PartitionClock(start=0, passed_ms=None, closed=5, skip_until=None)
+    d = first.assign(np.arange(2), ts, size_ms=10_000, lateness_ms=0)
+    assert d.window.tolist() == [6, 6] and d.late.all()
+    kw = dict(closed=5, position=2, offset=0, passed_ms=None, skip_until=None,
+              ledger_head="")
+    meta = commit_meta(**kw, closing=False)
+    assert meta == {"lh": "", "k": 5, "d": 2}
+    replay = PartitionClock.from_commit(0, meta)
+    again = replay.assign(np.arange(2), ts, size_ms=10_000, lateness_ms=0)
+    assert again.window.tolist() == [6, 6] and not again.skip.any()
+    assert replay.dead_until == 2            # their dead letters (if any) are not sent twice
+    control = PartitionClock.from_commit(0, commit_meta(**kw, closing=True))
+    assert control.assign(np.arange(2), ts, size_ms=10_000, lateness_ms=0).skip.all()

@@ -541,7 +541,8 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
         feeder.join()
         for p in range(parts):           # every partition passes the last window
             _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
-        expected = _reference_windows(kafka_broker, topic, parts, flush_at)
+        where: dict = {}
+        expected = _reference_windows(kafka_broker, topic, parts, flush_at, where)
         total = sum(ev for ev, _ in expected.values())
         assert total == len(stream)
         wait_for_total(kafka_broker, topics, total, 240, members)
@@ -568,6 +569,16 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
             for part, (a, b) in e["ranges"].items():
                 if b > a:
                     assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+        # each record's position is in the ledgered ranges of the window it was released in
+        # (the reference's window for it; the flush records' window stays open)
+        ranges = {e["window"]: e["ranges"] for e in entries}
+        flush_w = flush_at // 1000 // ET_SIZE
+        placed = {pos: w for pos, w in where.items() if w < flush_w}
+        assert len(placed) == len(stream) and set(placed.values()) <= set(ranges)
+        outside = [(p, off, w) for (p, off), w in placed.items()
+                   if not ranges[w].get(f"{topic}:{p}", [0, 0])[0] <= off
+                   < ranges[w].get(f"{topic}:{p}", [0, 0])[1]]
+        assert not outside, outside[:5]
         # no repartition topic; every view header carries only counters' metadata
         from kafka.admin import KafkaAdminClient
         admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
@@ -577,3 +588,65 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
         raise AssertionError(f"{exc}\n{logs[-6000:]}") from None
     print(f"\n{len(docs)} event-time windows, {sum(x for _, x in got.values())} late records, "
           f"killed {victim}")
+
+
+def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_broker, tmp_path):
+    """Event-time windows with views, window.late = dead_letter, one of 4 source partitions
+    never written to (window.idle_partition_timeout_s = 3): the members leave it out of the
+    group's watermark once it is idle, so the windows of the other three are released, each with
+    the n the definitions give (late records dead letters, once each, at their positions). A
+    record written to the idle partition afterwards, stamped in a released window, is late
+    there: a dead letter too, never counted (it waited for a close that never comes before the
+    dead letters got a commit of their own: this test failed then)."""
+    from .test_group_kafka import ET_LATENESS, ET_SIZE, _event_stream, _produce_stamped
+
+    from tests.test_event_time_lateness import reference
+
+    topic = make_topic(kafka_broker, PARTS)
+    dead = make_topic(kafka_broker, 1)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
+    stream = _event_stream(np.random.default_rng(), 6, 300, t0)
+    busy = {p: stream[p::3] for p in range(3)}
+    flush_at = (t0 + 20 * ET_SIZE) * 1000
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
+                      "--set", f"window.allowed_lateness_s={ET_LATENESS}",
+                      "--set", "window.late=dead_letter",
+                      "--set", "window.idle_partition_timeout_s=3",
+                      "--set", f"source.dead_letter_topic={dead}")
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        for p, recs in busy.items():
+            _produce_stamped(kafka_broker, topic, recs + [(flush_at, 0)], partition=p)
+        parts = {f"{topic}:{p}": [(ts / 1000, (p, off)) for off, (ts, _) in enumerate(recs)]
+                 for p, recs in busy.items()}
+        where, windows = reference(parts, ET_LATENESS, "dead_letter")
+        expected = {k: ev for k, (ev, _) in windows.items() if ev}
+        dead_at = {f"{topic}:{p}@{off}" for (p, off), w in where.items() if w == "dead"}
+        assert dead_at, "the stream had no late record"
+        wait_for_total(kafka_broker, topics, sum(expected.values()), 120, members)
+        # a record on the idle partition, stamped in the first (released) window
+        _produce_stamped(kafka_broker, topic, [(t0 * 1000 + 1000, 1)], partition=3)
+        dead_at.add(f"{topic}:3@0")
+        deadline = time.monotonic() + 60
+        while True:
+            keys = [k.decode() for _, k, _ in read_all(kafka_broker, dead, [0])[0]]
+            if f"{topic}:3@0" in keys:
+                break
+            assert time.monotonic() < deadline, f"no dead letter of it\n{members.logs()}"
+            time.sleep(1)
+        time.sleep(3)
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "Traceback" not in logs, logs[-3000:]
+    docs = releases(kafka_broker, topics)
+    got = {d["window"]: d["n"] for d in docs if d["n"]}
+    assert got == expected, (got, expected, logs[-3000:])
+    assert len({d["window"] for d in docs}) == len(docs)
+    keys = [k.decode() for _, k, _ in read_all(kafka_broker, dead, [0])[0]]
+    assert len(keys) == len(set(keys)) and set(keys) == dead_at, (sorted(keys), sorted(dead_at))

@@ -32,7 +32,10 @@ stamped at or after ``(k+1)*S + L``.
   of windows up to k were in committed views, or dead letters sent) and ``pm`` (the partition's
   ``passed`` before the committed offset). A replay (a crash, a handover) starts there, passes
   over what ``s`` says was decided, and counts the rest again under fresh noise: each source
-  position is in exactly one committed view.
+  position is in exactly one committed view. Dead letters go out with a close; while no window
+  closes (the watermark stands still) they go out in a commit of their own, which says how far
+  they were sent (``d``) and leaves ``s`` as it was: a record moved late into the open window
+  is not decided by it.
 
 >>> c = PartitionClock(start=0, passed_ms=None, closed=None, skip_until=None)
 >>> d = c.assign(np.arange(4), np.array([1500, 2600, 1200, 3100]), size_ms=1000, lateness_ms=500)
@@ -80,12 +83,16 @@ class PartitionClock:
         self.passed_ms = None if passed_ms is None else int(passed_ms)
         self.closed = None if closed is None else int(closed)
         self.skip_until = None if skip_until is None else int(skip_until)
+        #: below it, the dead letters of the records read were sent (at least ``skip_until``)
+        self.dead_until = self.skip_until
         self.idle_since_ms: int | None = None
 
     @classmethod
     def from_commit(cls, offset: int, meta: dict) -> "PartitionClock":
-        return cls(start=offset, passed_ms=meta.get("pm"), closed=meta.get("k"),
-                   skip_until=meta.get("s"))
+        clock = cls(start=offset, passed_ms=meta.get("pm"), closed=meta.get("k"),
+                    skip_until=meta.get("s"))
+        clock.dead_until = max(int(meta.get("d", 0)), clock.skip_until or 0) or None
+        return clock
 
     def assign(self, offsets: np.ndarray, ts: np.ndarray, *, size_ms: int,
                lateness_ms: int) -> Decisions:
@@ -113,16 +120,25 @@ class PartitionClock:
         return MarkRecord(self.passed_ms, self.idle_since_ms)
 
 
-def commit_meta(*, closed: int, position: int, offset: int, passed_ms: int | None,
-                skip_until: int | None, ledger_head: str) -> dict:
-    """The offset metadata of a partition committed at ``offset`` when window ``closed`` closes
-    with the partition read to ``position``."""
-    meta: dict = {"k": int(closed), "lh": ledger_head}
+def commit_meta(*, closed: int | None, position: int, offset: int, passed_ms: int | None,
+                skip_until: int | None, ledger_head: str, closing: bool = True,
+                dead_until: int | None = None) -> dict:
+    """The offset metadata of a partition committed at ``offset``, read to ``position``, the
+    last window closed on it ``closed`` (None: none yet). ``closing``: window ``closed`` closes
+    in this commit, so every record read so far of a window up to it is decided (``s``); else
+    the commit only sends the dead letters of the records read so far (``d``): records moved
+    late into the window after ``closed`` are not decided by it."""
+    meta: dict = {"lh": ledger_head}
+    if closed is not None:
+        meta["k"] = int(closed)
     if passed_ms is not None and passed_ms >= 0:
         meta["pm"] = int(passed_ms)
-    upto = max(int(position), int(skip_until or 0))
-    if offset < upto:
-        meta["s"] = upto
+    decided = max(int(position), int(skip_until or 0)) if closing else int(skip_until or 0)
+    if offset < decided:
+        meta["s"] = decided
+    sent = max(int(position), int(dead_until or 0))
+    if sent > max(offset, decided):
+        meta["d"] = sent
     return meta
 
 

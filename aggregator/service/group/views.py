@@ -578,7 +578,7 @@ class ViewCounter:
             if self.count:   # where the partition's next count window starts (count_views.py)
                 at.update(t=task.base[p] + task.counted[p], g=goal_after)
             return json.dumps(at, separators=(",", ":"))
-        commits = self._event_commits(task, lh) if self.event else {
+        commits = self._event_commits(list(task.ranges), w, lh) if self.event else {
             p: (r[1], meta(p)) for p, r in task.ranges.items()}
         txn = self.txn
         try:
@@ -693,8 +693,45 @@ class ViewCounter:
         self._note_idle(polled, now_ms)
         self._forced()     # (reads the group's watermark reports)
         self._close_event_time(now_ms)
+        self._send_dead_letters()
         self._report_marks()
         return counted
+
+    def _send_dead_letters(self) -> None:
+        """Dead letters waiting for a close that does not come (the watermark stands still):
+        sent at most every PROGRESS_S with their partitions' offsets (commits that close no
+        window), so each is written once."""
+        if not self._dead_pending or time.monotonic() - self._reported_at < PROGRESS_S \
+                or self._needs_sync or not self.membership.holds(list(self.clocks)):
+            return
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        parts = sorted({p for p, _ in self._dead_pending})
+        head = self.ledger.head()
+        commits = self._event_commits(parts, None, f"{head['seq']}:{head['hash'][:16]}")
+        letters = [dl for _, dl in self._dead_pending]
+        txn = self.txn
+        try:
+            txn.begin()
+            for dkey, value, headers in letters:
+                txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
+            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
+                              for p, (o, m) in commits.items()}, self.membership.generation)
+            txn.commit()
+        except Exception as exc:
+            log.warning("dead letters of partition(s) %s not written (%s); they are read again "
+                        "from the committed offsets", ", ".join(map(str, parts)),
+                        type(exc).__name__)
+            self.txn.failed(exc)
+            self._drop_event_time()
+            self._needs_sync = True
+            return
+        self.route.metrics.dead_letters.inc(len(letters))
+        for p, (offset, meta) in commits.items():
+            self._committed[p] = offset
+            self.clocks[p].dead_until = self.clocks[p].position
+        self._dead_pending = []
 
     def _note_idle(self, polled, now_ms: int) -> None:
         """A partition read to its end says since when (window.idle_partition_timeout_s)."""
@@ -735,9 +772,9 @@ class ViewCounter:
         if c.late == "dead_letter":
             rejects += [(int(i), "late") for i in good[d.late & ~d.skip]]
             count &= ~d.late
-        skip_until = self.clocks[p].skip_until
-        if skip_until is not None:   # a replay: those were dead letters before
-            rejects = [(i, r) for i, r in rejects if recs[i].offset >= skip_until]
+        sent = self.clocks[p].dead_until
+        if sent is not None:   # a replay: those were dead letters before
+            rejects = [(i, r) for i, r in rejects if recs[i].offset >= sent]
         if rejects:
             Repartitioner._count_rejects(route.metrics, rejects)
             if route.dead_topic:
@@ -792,21 +829,25 @@ class ViewCounter:
         task.dead = [dl for p, dl in self._dead_pending if p in task.ranges]
         return self._close(task)
 
-    def _event_commits(self, task: MemberWindow, lh: str) -> dict[int, tuple[int, str]]:
-        """Each covered partition's offset and metadata once ``task`` closes: the first record
-        counted into a window still open (it is replayed from there), else the position."""
+    def _event_commits(self, parts, closing: int | None, lh: str) -> dict[int, tuple[int, str]]:
+        """The offset and metadata of each of ``parts`` once window ``closing`` closes (None:
+        none, the commit only sends dead letters): the first record counted into a window still
+        open (it is replayed from there), else the position."""
         out = {}
-        for p in task.ranges:
+        for p in parts:
             clock = self.clocks[p]
-            later = [t for k, t in self.tasks.items() if k > task.window and p in t.ranges]
+            closed = clock.closed if closing is None else closing
+            later = [t for k, t in self.tasks.items()
+                     if (closed is None or k > closed) and p in t.ranges]
             if later:
                 first = min(later, key=lambda t: t.ranges[p][0])
                 offset, passed = first.ranges[p][0], first.passed_at[p]
             else:
                 offset, passed = clock.position, clock.passed_ms
             out[p] = (int(offset), encode_meta(commit_meta(
-                closed=task.window, position=clock.position, offset=offset, passed_ms=passed,
-                skip_until=clock.skip_until, ledger_head=lh)))
+                closed=closed, position=clock.position, offset=offset, passed_ms=passed,
+                skip_until=clock.skip_until, ledger_head=lh, closing=closing is not None,
+                dead_until=clock.dead_until)))
         return out
 
     def _event_closed(self, task: MemberWindow, commits: dict) -> None:
@@ -814,6 +855,7 @@ class ViewCounter:
             clock = self.clocks[p]
             clock.closed = task.window
             clock.skip_until = json.loads(meta).get("s")
+            clock.dead_until = max(clock.position, clock.skip_until or 0)
             self._committed[p] = offset
             self.where[p] = task.window + 1
         self._dead_pending = [(p, dl) for p, dl in self._dead_pending if p not in task.ranges]
