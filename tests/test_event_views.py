@@ -145,3 +145,29 @@ def test_a_commit_that_only_sends_dead_letters_keeps_moved_late_records_for_the_
     assert replay.dead_until == 2            # their dead letters (if any) are not sent twice
     control = PartitionClock.from_commit(0, commit_meta(**kw, closing=True))
     assert control.assign(np.arange(2), ts, size_ms=10_000, lateness_ms=0).skip.all()
+
+
+def test_a_partition_far_past_the_groups_watermark_is_paused_and_idle_ones_hold_nothing():
+    """GroupMarks: the group's closable window is the least of every source partition's
+    watermark (reports of the other members' partitions, this member's own live values), idle
+    ones left out after the timeout; an own partition more than MAX_AHEAD_WINDOWS windows past
+    it is to be paused."""
+    from aggregator.service.group.event_views import GroupMarks
+    from aggregator.service.group.repartition import EventClock
+    from aggregator.service.group.watermark import MAX_AHEAD_WINDOWS, MarkRecord
+
+    clock = EventClock(size_s=10, lateness_s=2, max_future_skew_s=60, late="next",
+                       idle_timeout_s=3)
+    marks = GroupMarks("rp", "src", 3, clock)
+    assert marks.take(marks.key(2), MarkRecord(45_000).encode())
+    assert not marks.take(b"progress:src:2", b"{}")
+    own = {0: MarkRecord(120_000), 1: MarkRecord(None)}
+    assert marks.closable(own, now_ms=0) is None          # partition 1 has no watermark yet
+    own[1] = MarkRecord(None, idle_since_ms=0)
+    assert marks.closable(own, now_ms=1000) is None       # idle for 1 s of 3
+    assert marks.closable(own, now_ms=3000) == 3          # 45 s >= (3 + 1) * 10 + 2
+    far = (45_000 // 10_000 + MAX_AHEAD_WINDOWS + 1) * 10_000
+    own[0] = MarkRecord(far)
+    assert marks.ahead(own, now_ms=3000) == {0}
+    own[0] = MarkRecord(far - 10_000)
+    assert marks.ahead(own, now_ms=3000) == set()

@@ -18,7 +18,9 @@ stamped at or after ``(k+1)*S + L``.
   member reads every report; the group's low watermark is :func:`.watermark.low_watermark`
   over all source partitions (those idle for ``window.idle_partition_timeout_s`` left out), so
   no member closes a window before every partition has passed it or is idle, and an idle
-  partition does not hold the group for ever. A member closes each of its open windows up to
+  partition does not hold the group for ever. A partition more than
+  :data:`.watermark.MAX_AHEAD_WINDOWS` windows past the low watermark is paused until it follows
+  (the items exchange's bound on the open windows, each a state of D counters). A member closes each of its open windows up to
   :func:`.watermark.closable_upto` in order, one view each (views.py); when the watermark moved
   on but it holds no events of those windows, it writes one empty view of the latest one.
 * **What a view says of skipped windows.** A view names, per partition it covers, the last window
@@ -54,7 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .watermark import MarkRecord, closable_upto, low_watermark, stamp
+from .watermark import MarkRecord, closable_upto, low_watermark, stamp, too_far_ahead
 
 __all__ = ["PartitionClock", "Decisions", "GroupMarks", "skipped_parts", "commit_meta",
            "window_info"]
@@ -164,13 +166,24 @@ class GroupMarks:
             self.reported[key[len(self.prefix):].decode()] = MarkRecord.decode(value)
         return True
 
-    def closable(self, own: dict[int, MarkRecord], now_ms: int) -> int | None:
-        """The last window every source partition has passed (idle ones left out)."""
+    def low(self, own: dict[int, MarkRecord], now_ms: int) -> int | None:
+        """The group's low watermark (ms; None while a partition that counts has none)."""
         marks = dict(self.reported)
         marks.update({f"{self.source_topic}:{p}": m for p, m in own.items()})
-        low = low_watermark(marks, self.sources, now_ms=now_ms,
-                            idle_timeout_ms=self.clock.idle_timeout_ms)
-        return closable_upto(low, size_ms=self.clock.size_ms, lateness_ms=self.clock.lateness_ms)
+        return low_watermark(marks, self.sources, now_ms=now_ms,
+                             idle_timeout_ms=self.clock.idle_timeout_ms)
+
+    def closable(self, own: dict[int, MarkRecord], now_ms: int) -> int | None:
+        """The last window every source partition has passed (idle ones left out)."""
+        return closable_upto(self.low(own, now_ms), size_ms=self.clock.size_ms,
+                             lateness_ms=self.clock.lateness_ms)
+
+    def ahead(self, own: dict[int, MarkRecord], now_ms: int) -> set[int]:
+        """This member's partitions more than MAX_AHEAD_WINDOWS windows past the group's low
+        watermark: paused until it follows (each open window holds a state of D counters)."""
+        low = self.low(own, now_ms)
+        return {p for p, m in own.items()
+                if too_far_ahead(m.passed_ms, low, size_ms=self.clock.size_ms)}
 
 
 def skipped_parts(w: int, pending: dict[int, dict[int, dict]], partitions: int,

@@ -60,6 +60,7 @@ from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
 from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta
 from .event_views import window_info as event_window_info
+from .watermark import MAX_AHEAD_WINDOWS
 from .membership import Membership
 from .summary import agreeing, event_time_info, merged_window_info
 
@@ -388,6 +389,8 @@ class ViewCounter:
 
     def step(self, timeout_s: float = 0.2) -> int:
         """One poll; count it; close the windows that ended. Returns events counted."""
+        if self.event:
+            self._pace()
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000))
         if self._needs_sync:
             self._sync()
@@ -732,6 +735,27 @@ class ViewCounter:
             self._committed[p] = offset
             self.clocks[p].dead_until = self.clocks[p].position
         self._dead_pending = []
+
+    def _pace(self) -> None:
+        """Pause the owned partitions too far ahead of the group's low watermark; resume the
+        others (event_views.GroupMarks.ahead)."""
+        from kafka import TopicPartition
+
+        from consumers.kafka.compat import unpark
+
+        ahead = {TopicPartition(self.source_topic, p) for p in self.marks.ahead(
+            {p: c.watermark() for p, c in self.clocks.items()}, int(time.time() * 1000))}
+        paused = {tp for tp in self.consumer.paused() if tp.topic == self.source_topic}
+        if ahead - paused:
+            self.consumer.pause(*(ahead - paused))
+            log.info("partition(s) %s of %s paused: more than %d windows past the group's low "
+                     "watermark", ", ".join(str(tp.partition) for tp in sorted(ahead - paused)),
+                     self.source_topic, MAX_AHEAD_WINDOWS)
+        if paused - ahead:
+            self.consumer.resume(*(paused - ahead))
+        # kafka-python keeps a resumed partition's parked records out of later fetches without
+        # this (consumers/kafka/compat.py)
+        unpark(self.consumer)
 
     def _note_idle(self, polled, now_ms: int) -> None:
         """A partition read to its end says since when (window.idle_partition_timeout_s)."""
