@@ -650,3 +650,61 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
     assert len({d["window"] for d in docs}) == len(docs)
     keys = [k.decode() for _, k, _ in read_all(kafka_broker, dead, [0])[0]]
     assert len(keys) == len(set(keys)) and set(keys) == dead_at, (sorted(keys), sorted(dead_at))
+
+
+def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_broker,
+                                                                          tmp_path):
+    """Event-time windows with views, no idle timeout: partition 0 holds 10 windows of records,
+    the other three only the first window's. Partition 0's member pauses it once it is more than
+    MAX_AHEAD_WINDOWS windows past the group's low watermark (its open windows each hold a
+    state), so no window closes past the others' records. Then the others get the rest: the
+    watermark moves, partition 0 resumes, and every window is released once with the n the
+    definitions give."""
+    from .test_group_kafka import ET_LATENESS, ET_SIZE, _produce_stamped
+
+    from tests.test_event_time_lateness import reference
+
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
+    rng = np.random.default_rng()
+    per = {p: sorted(int((t0 + rng.uniform(0, 10 * ET_SIZE if p == 0 else ET_SIZE)) * 1000)
+                     for _ in range(400 if p == 0 else 40)) for p in range(PARTS)}
+    rest = {p: sorted(int((t0 + rng.uniform(ET_SIZE, 10 * ET_SIZE)) * 1000) for _ in range(120))
+            for p in range(1, PARTS)}
+    flush_at = (t0 + 20 * ET_SIZE) * 1000
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
+                      "--set", f"window.allowed_lateness_s={ET_LATENESS}",
+                      "--set", "source.max_records=50")   # polls that a pause can stop
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        for p, ts in per.items():
+            _produce_stamped(kafka_broker, topic, [(t, 1) for t in ts], partition=p)
+        deadline = time.monotonic() + 60
+        while "paused: more than 3 windows past" not in members.logs(last=100000):
+            assert time.monotonic() < deadline, f"partition 0 was not paused\n{members.logs()}"
+            time.sleep(1)
+        time.sleep(2)
+        early = releases(kafka_broker, topics)
+        for p, ts in rest.items():
+            _produce_stamped(kafka_broker, topic, [(t, 1) for t in ts] + [(flush_at, 0)],
+                             partition=p)
+        _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=0)
+        parts = {f"{topic}:{p}": [(t / 1000, (p, i)) for i, t in
+                                  enumerate(per[p] + rest.get(p, []))] for p in range(PARTS)}
+        _, windows = reference(parts, ET_LATENESS, "next")
+        expected = {k: ev for k, (ev, _) in windows.items() if ev and k < flush_at // 10_000}
+        wait_for_total(kafka_broker, topics, sum(expected.values()), 120, members)
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "Traceback" not in logs, logs[-3000:]
+    # before the others' records came, nothing past the first windows closed
+    assert all(d["window"] <= t0 // ET_SIZE + 1 for d in early), [d["window"] for d in early]
+    docs = releases(kafka_broker, topics)
+    assert len({d["window"] for d in docs}) == len(docs)
+    assert {d["window"]: d["n"] for d in docs if d["n"]} == expected
