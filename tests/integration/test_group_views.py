@@ -579,11 +579,26 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
                    if not ranges[w].get(f"{topic}:{p}", [0, 0])[0] <= off
                    < ranges[w].get(f"{topic}:{p}", [0, 0])[1]]
         assert not outside, outside[:5]
-        # no repartition topic; every view header carries only counters' metadata
+        # what an intruder reads in the internal topics: no repartition topic, views' headers
+        # with their counters' metadata and the windows closed before them, watermarks
         from kafka.admin import KafkaAdminClient
         admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-        assert topics.repartition not in set(admin.list_topics())
+        internal = sorted(t for t in admin.list_topics() if t.startswith(f"{group}.panagg"))
         admin.close()
+        assert topics.repartition not in internal
+        marks = 0
+        for t in internal:
+            for recs in read_all(kafka_broker, t).values():
+                for _, key, value in recs:
+                    if value is None or (t == topics.summaries and b"/c" in key):
+                        continue
+                    doc = json.loads(value)
+                    if t == topics.summaries:
+                        assert set(doc) <= HEADER_KEYS | {"after"}, set(doc) - HEADER_KEYS
+                    if key.startswith(b"wm:"):
+                        assert set(doc) == {"ts", "idle", "first"}, doc
+                        marks += 1
+        assert marks > 0
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{logs[-6000:]}") from None
     print(f"\n{len(docs)} event-time windows, {sum(x for _, x in got.values())} late records, "
@@ -639,11 +654,19 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
                 break
             assert time.monotonic() < deadline, f"no dead letter of it\n{members.logs()}"
             time.sleep(1)
+        # a forced release is not built for event-time views: one line, nothing closes
+        import subprocess
+        import sys
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                                 "--state-dir", str(tmp_path / "v1" / "state")],
+                                capture_output=True, text=True, timeout=120)
         time.sleep(3)
     finally:
         members.stop_all()
     logs = members.logs(last=100000)
     assert "Traceback" not in logs, logs[-3000:]
+    assert forced.returncode != 0 and "are not built yet" in forced.stderr, forced.stderr
+    assert len(forced.stderr.strip().splitlines()) == 1, forced.stderr
     docs = releases(kafka_broker, topics)
     got = {d["window"]: d["n"] for d in docs if d["n"]}
     assert got == expected, (got, expected, logs[-3000:])
