@@ -612,7 +612,8 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
     the n the definitions give (late records dead letters, once each, at their positions). A
     record written to the idle partition afterwards, stamped in a released window, is late
     there: a dead letter too, never counted (it waited for a close that never comes before the
-    dead letters got a commit of their own: this test failed then)."""
+    dead letters got a commit of their own: this test failed then). An audit export is answered
+    with one line (not built for event-time views)."""
     from .test_group_kafka import ET_LATENESS, ET_SIZE, _event_stream, _produce_stamped
 
     from tests.test_event_time_lateness import reference
@@ -654,11 +655,11 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
                 break
             assert time.monotonic() < deadline, f"no dead letter of it\n{members.logs()}"
             time.sleep(1)
-        # a forced release is not built for event-time views: one line, nothing closes
+        # an audit export is not built for event-time views: one line, nothing closes
         import subprocess
         import sys
-        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
-                                 "--state-dir", str(tmp_path / "v1" / "state")],
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit",
+                                 "export", "--state-dir", str(tmp_path / "v1" / "state")],
                                 capture_output=True, text=True, timeout=120)
         time.sleep(3)
     finally:
@@ -731,3 +732,53 @@ def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_
     docs = releases(kafka_broker, topics)
     assert len({d["window"] for d in docs}) == len(docs)
     assert {d["window"]: d["n"] for d in docs if d["n"]} == expected
+
+
+def test_a_forced_release_of_an_event_time_views_group_releases_every_record_read(
+        kafka_broker, tmp_path):
+    """panagg release on an event-time views group: the leader answers with the window of the
+    newest timestamp the members reported, every member closes its windows up to it at once
+    (no record passes the last one, so the watermark alone would never close it), and every
+    record produced is released, each window once."""
+    import subprocess
+    import sys
+
+    from .test_group_kafka import ET_LATENESS, ET_SIZE, _produce_stamped
+
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
+    rng = np.random.default_rng()
+    per = {p: sorted(int((t0 + rng.uniform(0, 3 * ET_SIZE)) * 1000) for _ in range(150))
+           for p in range(PARTS)}
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
+                      "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    total = sum(len(ts) for ts in per.values())
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        for p, ts in per.items():
+            _produce_stamped(kafka_broker, topic, [(t, 1) for t in ts], partition=p)
+        deadline = time.monotonic() + 60    # the first window closes by the watermark
+        while not releases(kafka_broker, topics):
+            assert time.monotonic() < deadline, f"no release\n{members.logs()}"
+            time.sleep(1)
+        time.sleep(2)
+        assert sum(d["n"] for d in releases(kafka_broker, topics)) < total
+        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
+                                 "--state-dir", str(tmp_path / "v1" / "state")],
+                                capture_output=True, text=True, timeout=200)
+        assert forced.returncode == 0, forced.stderr + members.logs()
+        wait_for_total(kafka_broker, topics, total, 60, members)
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "Traceback" not in logs, logs[-3000:]
+    docs = releases(kafka_broker, topics)
+    assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
+    assert sum(d["n"] for d in docs) == total
+    newest = max(max(ts) for ts in per.values()) // (ET_SIZE * 1000)
+    assert max(d["window"] for d in docs) == newest

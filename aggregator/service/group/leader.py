@@ -339,11 +339,14 @@ class Leader:
         if self.event_time and kind == "release" and self.closer is not None:
             self._force_event_time(rid)
             return
-        if self.views and self.event_time:
-            self._refuse_request(kind, rid, (
-                "forced releases" if kind == "release" else "audit exports") + " of a group "
-                "with event-time windows and scale.exchange = views are not built yet: its "
-                "windows close when the group's watermark passes them; docs/scale-out.md")
+        if self.views and self.event_time and kind == "export":
+            self._refuse_request(kind, rid, "audit exports of a group with event-time windows "
+                                 "and scale.exchange = views are not built yet: a member holds "
+                                 "several open windows; docs/scale-out.md")
+            return
+        if self.views and self.event_time and self.requests.newest_ms is None:
+            self._refuse_request(kind, rid, "the group's event-time windows have not opened "
+                                 "yet (no records read): nothing to release")
             return
         if kind == "export" and (self.views or not self.event_time):
             from state_store.audit import AuditKeyError, load_key
@@ -358,6 +361,10 @@ class Leader:
                 # every member's open window is at most one past the views written: the
                 # latest of them closes (count_views.py), the next counts N from the cut
                 k = max(self.next_window(), max(self.pending, default=-1) + 1)
+            elif self.event_time:
+                # the window of the newest timestamp read: every record read so far is in it
+                # or before it; later records of those windows are late (event_views.py)
+                k = int(self.requests.newest_ms // int(round(self.size * 1000)))
             else:
                 k = forced_window(self.size, self.next_window())
             try:

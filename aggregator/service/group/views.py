@@ -833,6 +833,8 @@ class ViewCounter:
         if not self.clocks:
             return
         upto = self.marks.closable({p: c.watermark() for p, c in self.clocks.items()}, now_ms)
+        if self._forced_upto >= 0:     # a forced release closes every window up to it now
+            upto = max(upto if upto is not None else -1, self._forced_upto)
         if upto is None:
             return
         for w in sorted(self.tasks):
