@@ -52,6 +52,8 @@ import zlib
 
 import numpy as np
 
+from consumers.base import take_items
+
 from ...counters import noisy_value_counts
 from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
@@ -787,7 +789,7 @@ class ViewCounter:
         rejects += [(int(i), "no_timestamp") for i in good[no_ts]]
         rejects += [(int(i), "future_timestamp") for i in good[future]]
         keep = np.flatnonzero(~(no_ts | future))
-        items = _take(decoded.items, keep)
+        items = take_items(decoded.items, keep)
         good = good[keep]
         offsets = np.asarray([recs[i].offset for i in good], dtype=np.int64)
         d = self.clocks[p].assign(offsets, ts[keep], size_ms=c.size_ms,
@@ -807,7 +809,7 @@ class ViewCounter:
         sel = np.flatnonzero(count)
         if not len(sel):
             return 0
-        idx = np.asarray(route.index_of(_take(items, sel)), dtype=np.int64)
+        idx = np.asarray(route.index_of(take_items(items, sel)), dtype=np.int64)
         wins, late, offs = d.window[sel], d.late[sel], offsets[sel]
         for w in np.unique(wins):
             mine = wins == w
@@ -946,10 +948,3 @@ class ViewCounter:
     def _refusal(self, window: int, ranges: dict) -> str | None:
         return charged_before(self.ledger, self.identity, ranges,
                               self.identity.get("window_kind", "time"))
-
-
-def _take(items, idx: np.ndarray):
-    """``items`` at the positions ``idx`` (an array on the fast path, else a list)."""
-    if isinstance(items, np.ndarray):
-        return items[idx]
-    return [items[int(i)] for i in idx]
