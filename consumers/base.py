@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Segment", "Source", "offsets_array"]
+__all__ = ["Segment", "Source", "offsets_array", "take_items"]
 
 
 @dataclass
@@ -40,6 +40,14 @@ def offsets_array(offsets: Sequence[int]) -> np.ndarray:
     if isinstance(offsets, range):
         return np.arange(offsets.start, offsets.stop, offsets.step, dtype=np.int64)
     return np.asarray(offsets, dtype=np.int64)
+
+
+def take_items(items, idx: np.ndarray):
+    """Decoded ``items`` at the positions ``idx`` (an int64 array on the fast path, else a
+    list)."""
+    if isinstance(items, np.ndarray):
+        return items[idx]
+    return [items[int(i)] for i in idx]
 
 
 class Source:

@@ -767,16 +767,19 @@ def test_a_member_between_generations_neither_syncs_nor_commits():
 
 
 def test_a_views_group_takes_count_windows_and_refuses_what_it_cannot_do_in_one_line():
-    """The default exchange counts time and count windows (count_views.py) and sum rollups
-    (view_rollups.py); event-time windows, the hybrid and tree rollup designs and in-window
-    snapshots are refused naming scale.exchange = items (and the sum design)."""
+    """The default exchange counts time, event-time (event_views.py) and count windows
+    (count_views.py) and sum rollups (view_rollups.py); the hybrid and tree rollup designs and
+    in-window snapshots are refused naming scale.exchange = items (and the sum design)."""
     base = ["scale.partitioned=true", "scale.store=kafka", "window.size=60"]
     cfg = load_config(None, overrides=[*base, "window.kind=count"])
     assert cfg.scale.exchange == "views" and cfg.window.kind == "count"
+    cfg = load_config(None, overrides=[*base, "window.kind=event_time", "source.kind=kafka",
+                                       "source.topic=t", "window.allowed_lateness_s=5"])
+    assert cfg.scale.exchange == "views" and cfg.window.kind == "event_time"
     cfg = load_config(None, overrides=[*base, "window.kind=time", 'window.rollups=["1h"]',
                                        "window.rollup_design=sum"])
     assert list(cfg.window.rollups) == ["1h"]
-    for extra in (["window.kind=event_time"], ['window.rollups=["1h"]'],
+    for extra in (['window.rollups=["1h"]'],
                   ["window.kind=time", "checkpoint.snapshots_per_window=2"]):
         with pytest.raises(ConfigError) as err:
             load_config(None, overrides=[*base, *extra])

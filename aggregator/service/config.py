@@ -132,7 +132,6 @@ def _check_views(cfg: dict) -> None:
     """What a group with scale.exchange = views cannot do yet: one line naming the way."""
     if cfg["scale"]["partitioned"] and cfg["scale"]["exchange"] == "views":
         needs = [what for what, used in (
-            (f"window.kind = {cfg['window']['kind']}", cfg["window"]["kind"] == "event_time"),
             (f"window.rollup_design = {cfg['window'].get('rollup_design')}",
              bool(cfg["window"].get("rollups")) and cfg["window"].get("rollup_design") != "sum"),
             ("checkpoint.snapshots_per_window", bool(cfg["checkpoint"]["snapshots_per_window"])),

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from consumers.base import Segment, offsets_array
+from consumers.base import Segment, offsets_array, take_items
 from state_store.atomic import atomic_write
 
 from .window import WindowTask, totals_from
@@ -287,7 +287,7 @@ class EventTimeWindows:
             was_future = self.future.mask(seg.partition, offsets_array(seg.offsets)[good_idx])
             mine = (ts >= 0) & (ts <= limit_ms) & ~was_future & \
                 (ts // (int(wcfg.size) * 1000) == task.window["event_index"])
-            self._count_events(task, _take(decoded.items, np.flatnonzero(mine)))
+            self._count_events(task, take_items(decoded.items, np.flatnonzero(mine)))
         task.offsets[seg.partition] = int(seg.offsets[-1]) + 1
 
     def _count_events(self, task: WindowTask, items) -> None:
@@ -343,7 +343,7 @@ class EventTimeWindows:
                 self.host.intake.reject(seg, int(good_idx[i]),
                              "no_timestamp" if ts[i] < 0 else "future_timestamp", reasons)
             keep = np.flatnonzero(~bad)
-            items, good_idx, ts = _take(items, keep), good_idx[keep], ts[keep]
+            items, good_idx, ts = take_items(items, keep), good_idx[keep], ts[keep]
         widx = ts // size_ms
         dead_letter_late = wcfg.late == "dead_letter"
         j = rec = 0
@@ -370,10 +370,10 @@ class EventTimeWindows:
             if later.any():
                 at = j + np.flatnonzero(later)
                 self._count_second(task, seg.partition, int(offsets[good_idx[at[0]]]),
-                                   _take(items, at))
+                                   take_items(items, at))
             mine = ~later & ~late if dead_letter_late else ~later
             self._count_events(task, items[j:ahead_at] if mine.all() else
-                               _take(items, j + np.flatnonzero(mine)))
+                               take_items(items, j + np.flatnonzero(mine)))
             w["late"] = w.get("late", 0) + n_late
             j = ahead_at
             upto = int(good_idx[j]) if ahead_at < jl else rec_limit
@@ -443,13 +443,6 @@ def _timestamps(seg: Segment, m: int) -> np.ndarray:
         return np.fromiter(col, dtype=np.int64, count=m)
     except TypeError:  # a None among them
         return np.asarray([-1 if t is None else t for t in col], dtype=np.int64)
-
-
-def _take(items, idx: np.ndarray):
-    """``items`` at the positions ``idx`` (an int64 array on the fast path, else a list)."""
-    if isinstance(items, np.ndarray):
-        return items[idx]
-    return [items[int(i)] for i in idx]
 
 
 def _slice(seg: Segment, lo: int, hi: int) -> Segment:

@@ -883,9 +883,9 @@ class ScaleSettings(Section):
         doc="what a group's members share: `views` (each member counts the source partitions "
             "it is assigned into its own pan-private state, and at a window's end writes only "
             "that state's eps-DP view with one more DLap layer: every internal topic is eps-DP; "
-            "time and count windows, sum rollups, audit exports) or `items` (the domain split: "
-            "intake writes every event's counter index in plaintext to the repartition topic, "
-            "readable by anyone who can read the topic; needed for event-time windows, the "
+            "time, event-time and count windows, sum rollups, audit exports) or `items` (the "
+            "domain split: intake writes every event's counter index in plaintext to the "
+            "repartition topic, readable by anyone who can read the topic; needed for the "
             "hybrid and tree rollup designs and in-window snapshots). "
             "Fixed for the life of the group (docs/scale-out.md)")
     partitions: int = setting(

@@ -1388,9 +1388,10 @@ def _produce_stamped(bootstrap, topic, records, partition=None, pack=None):
     p.close()
 
 
-def _reference_windows(bootstrap, topic, parts, flush_at):
+def _reference_windows(bootstrap, topic, parts, flush_at, positions=None):
     """{event_start_unix: (n, late)} the definitions give (tests/test_event_time_lateness.py's
-    reference) over what the topic holds, partition by partition, before the flush window."""
+    reference) over what the topic holds, partition by partition, before the flush window.
+    ``positions`` (a dict): filled with each record's window, by (partition, offset)."""
     from tests.test_event_time_lateness import reference
 
     src = read_all(bootstrap, topic)
@@ -1406,7 +1407,9 @@ def _reference_windows(bootstrap, topic, parts, flush_at):
                 recs += [(r.timestamp / 1000, (p, r.offset)) for r in rs]
         by_part[f"{topic}:{p}"] = recs
     c.close()
-    _, ref = reference(by_part, ET_LATENESS, "next")
+    where, ref = reference(by_part, ET_LATENESS, "next")
+    if positions is not None:
+        positions.update(where)
     flush_w = flush_at // 1000 // ET_SIZE
     return {k * ET_SIZE: (ev, late) for k, (ev, late) in ref.items() if k < flush_w}
 

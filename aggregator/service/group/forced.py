@@ -79,10 +79,19 @@ class ReleaseRequests:
         #: the latest export answered: (its id, the window it closed) (a views group's leader
         #: signs it from that window's views: leader.py)
         self.exported: tuple[str, int] | None = None
+        #: event-time windows of a views group: the newest timestamp any source partition's
+        #: watermark report holds (event_views.py; None: none yet)
+        self.newest_ms: int | None = None
+        self._marks = f"wm:{rp}:".encode()
 
     def poll(self) -> None:
         for records in self.consumer.poll(timeout_ms=0).values():
             for rec in records:
+                if rec.key and rec.key.startswith(self._marks) and rec.value is not None:
+                    ts = json.loads(rec.value).get("ts")
+                    if ts is not None:
+                        self.newest_ms = max(int(ts), self.newest_ms or int(ts))
+                    continue
                 what = self._keys.get(rec.key)
                 if what is not None and rec.value is not None:
                     body = json.loads(rec.value)

@@ -214,6 +214,10 @@ class Leader:
         for old in [k for k in self._first_seen if k < w]:
             del self._first_seen[old]
         have = self.pending.get(w, {})
+        if self.views and self.event_time:
+            # a partition whose next view is of a later window had nothing of this one
+            from .event_views import skipped_parts
+            have = skipped_parts(w, self.pending, self.P, self._empty_part)
         self.metrics.windows_waiting.set(sum(1 for k in self.pending if k >= w))
         if len(have) < self.P:
             self._notice_waiting(w, have)
@@ -244,6 +248,19 @@ class Leader:
             self._publish(w, release)
         else:
             self._in_flight = (w, self.merge(summaries, **self.merge_kwargs))
+
+    def _empty_part(self, w: int, p: int) -> dict:
+        """Partition ``p``'s part of event-time window ``w`` where its member's next view says
+        it had no event of it (no counters, no layer: event_views.py)."""
+        from .event_views import window_info
+        from .views import state_params, view_header
+
+        head = view_header(None, window=w, covers=[p], partitions=self.P,
+                           window_info=window_info(w, self.identity),
+                           mode=self.identity["mode"], size=int(self.identity["size"]),
+                           params=state_params(self.identity))
+        head.update(ranges={}, member="", skipped=True)
+        return head
 
     def _take_view(self, s: dict, key: str) -> None:
         """A member's view of window w: its chunks (read before it) attached, filed under every
@@ -332,6 +349,15 @@ class Leader:
         if self.event_time and kind == "release" and self.closer is not None:
             self._force_event_time(rid)
             return
+        if self.views and self.event_time and kind == "export":
+            self._refuse_request(kind, rid, "audit exports of a group with event-time windows "
+                                 "and scale.exchange = views are not built yet: a member holds "
+                                 "several open windows; docs/scale-out.md")
+            return
+        if self.views and self.event_time and self.requests.newest_ms is None:
+            self._refuse_request(kind, rid, "the group's event-time windows have not opened "
+                                 "yet (no records read): nothing to release")
+            return
         if kind == "export" and (self.views or not self.event_time):
             from state_store.audit import AuditKeyError, load_key
             try:
@@ -345,6 +371,10 @@ class Leader:
                 # every member's open window is at most one past the views written: the
                 # latest of them closes (count_views.py), the next counts N from the cut
                 k = max(self.next_window(), max(self.pending, default=-1) + 1)
+            elif self.event_time:
+                # the window of the newest timestamp read: every record read so far is in it
+                # or before it; later records of those windows are late (event_views.py)
+                k = int(self.requests.newest_ms // int(round(self.size * 1000)))
             else:
                 k = forced_window(self.size, self.next_window())
             try:

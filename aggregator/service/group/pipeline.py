@@ -271,7 +271,8 @@ class Pipeline:
                  self.about)
         closer = None
         clock = self.clock()
-        if clock is not None:
+        if clock is not None and not self.views:
+            # (a views group's members close their own event-time windows: event_views.py)
             closer = Closer(txn, self.clients.consumer(None), self.topics,
                             self.identity["partitions"], self.clients.source_partitions, clock)
         elif self.identity.get("window_kind") == "count" and not self.views:

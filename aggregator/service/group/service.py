@@ -287,6 +287,9 @@ class GroupService:
                 windows = (f"count windows of {int(size):,} events of the group, cut by each "
                            "member at the group's reported total"
                            if pipe.identity.get("window_kind") == "count"
+                           else f"windows of {size:g} s by event time (allowed lateness "
+                           f"{pipe.identity['allowed_lateness_s']:g} s), closed at the group's "
+                           "low watermark" if pipe.identity.get("window_kind") == "event_time"
                            else f"windows of {size:g} s by this member's clock")
                 log.info("member %s of %s: scale.exchange = views: counts its own partitions of "
                          "%s into its own pan-private state (%s mode, %d counters, %s); it "

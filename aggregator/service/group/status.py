@@ -86,7 +86,9 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
                 c = committed.get(tp)
                 meta = json.loads(c.metadata) if c is not None and c.metadata else {}
                 rows.append({"partition": tp.partition,
-                             "next_window": meta.get("w"),
+                             # (event-time views: the window after the last one closed there)
+                             "next_window": meta.get("w", meta["k"] + 1 if "k" in meta
+                                                     else None),
                              "committed": None if c is None else c.offset,
                              "backlog_messages": ends[tp] - (c.offset if c is not None else 0)})
             out["partitions"] = rows

@@ -33,7 +33,7 @@ from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 
-__all__ = ["partition_summary", "view_summary", "merge_summaries", "agreeing",
+__all__ = ["partition_summary", "view_summary", "merge_summaries", "agreeing", "event_time_info",
            "merged_window_info", "SUMMARY_FORMAT"]
 
 SUMMARY_FORMAT = "panagg.summary"
@@ -111,6 +111,16 @@ def merged_window_info(infos: list[dict], per_partition: str) -> dict:
             "ended_unix": max(i["ended_unix"] for i in infos), "per_partition": per_partition}
 
 
+def event_time_info(infos: list[dict], per_partition: str) -> dict:
+    """The event-time fields of a window's ``window_info`` from its parts', as one process's
+    event-time release states them (by the records' timestamps)."""
+    return {"event_start_unix": infos[0]["event_start_unix"],
+            "event_end_unix": infos[0]["event_end_unix"],
+            "late": int(sum(i.get("late", 0) for i in infos)),
+            "late_policy": infos[0]["late_policy"],
+            "allowed_lateness_s": infos[0]["allowed_lateness_s"], "per_partition": per_partition}
+
+
 def _add_layers(vc: NoisyValueCounts, p: float, extra: int, rng=None) -> NoisyValueCounts:
     """The value counts after ``extra`` fresh DLap(p) layers on every counter. Counters are
     exchangeable in this form, so drawing a layer per counter of each value is exactly adding
@@ -171,13 +181,8 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
             "count windows, closed by the leader's markers once the group's intake took "
             "window.size events (docs/scale-out.md)")
     if infos[0]["kind"] == "event_time":
-        # by the records' timestamps, as one process's event-time release says it
-        release["window_info"].update(
-            event_start_unix=infos[0]["event_start_unix"],
-            event_end_unix=infos[0]["event_end_unix"],
-            late=int(sum(i.get("late", 0) for i in infos)), late_policy=infos[0]["late_policy"],
-            allowed_lateness_s=infos[0]["allowed_lateness_s"],
-            per_partition="event-time windows, closed by the leader's markers")
+        release["window_info"].update(event_time_info(
+            infos, "event-time windows, closed by the leader's markers"))
     release["release_seconds"] = time.perf_counter() - started
     if first["model"] == "state-only":
         release["caveat"] = STATE_ONLY_CAVEAT

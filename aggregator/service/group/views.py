@@ -52,14 +52,19 @@ import zlib
 
 import numpy as np
 
+from consumers.base import take_items
+
 from ...counters import noisy_value_counts
 from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
+from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta
+from .event_views import window_info as event_window_info
+from .watermark import MAX_AHEAD_WINDOWS
 from .membership import Membership
-from .summary import agreeing, merged_window_info
+from .summary import agreeing, event_time_info, merged_window_info
 
 __all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "encode_counts",
            "distinct_views", "sum_views", "state_params", "CHUNK_COUNTERS"]
@@ -188,6 +193,10 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
         infos, "count windows cut by each member at the group's reported total"
         if infos[0]["kind"] == "count" else
         "time windows by each member's clock, aligned to the epoch")
+    if infos[0]["kind"] == "event_time":
+        release["window_info"].update(event_time_info(
+            infos, "event-time windows, closed by each member once the group's low watermark "
+                   "passed them (event_views.py)"))
     release["release_seconds"] = time.perf_counter() - started
     return release
 
@@ -213,6 +222,10 @@ class MemberWindow:
         #: partition -> first offset of a jump in its records (a transaction marker, or records
         #: the topic's retention deleted before they were counted: looked at when it closes)
         self.gaps: dict[int, int] = {}
+        #: event-time windows (event_views.py): late events counted here, and each partition's
+        #: ``passed`` before its first record here (a commit at that record restores it)
+        self.late = 0
+        self.passed_at: dict[int, int] = {}
         #: partition -> (first, last + 1) offsets deleted before they were counted: the window
         #: is withheld naming them, never released short of them
         self.lost: dict[int, tuple[int, int]] = {}
@@ -257,8 +270,17 @@ class ViewCounter:
         self.totals = GroupTotals(source_topic)
         self._reported_at = 0.0
         self._reported: dict[int, tuple[int, int]] = {}
-        if closes is not None and self.count:
-            # the latest totals of every partition: the intake topic from its start
+        #: event-time windows (event_views.py): each owned partition's clock, the group's
+        #: watermarks, the offsets this member last committed, the dead letters not sent yet
+        self.event = identity.get("window_kind") == "event_time"
+        self.clocks: dict[int, PartitionClock] = {}
+        self.marks = GroupMarks(topics.repartition, source_topic, self.P, route.clock) \
+            if self.event else None
+        self._committed: dict[int, int] = {}
+        self._dead_pending: list[tuple[int, tuple]] = []
+        self._marked: dict[int, tuple] = {}
+        if closes is not None and (self.count or self.event):
+            # the latest totals (watermarks) of every partition: the intake topic from its start
             closes.seek_to_beginning(tp)
         self._needs_sync = False
         self._last_wait: str | None = None
@@ -280,6 +302,11 @@ class ViewCounter:
 
     # -- ownership ---------------------------------------------------------------------------
     def _drop_window(self, w: int) -> None:
+        if self.event:
+            # one window's records are spread over the partitions' open windows: all go, and
+            # every partition is read again from its commit
+            self._drop_event_time()
+            return
         task = self.tasks.pop(w, None)
         if task is None:
             return
@@ -299,6 +326,9 @@ class ViewCounter:
             self._needs_sync = True
             return
         self.is_leader = self.membership.is_leader
+        if self.event:
+            self._sync_event_time(owned)
+            return
         # a window that lost a partition holds that partition's events in its one state: the
         # whole window is dropped; its other partitions are read again from their commits.
         # So is a window whose partition was committed past its start meanwhile: another
@@ -361,11 +391,15 @@ class ViewCounter:
 
     def step(self, timeout_s: float = 0.2) -> int:
         """One poll; count it; close the windows that ended. Returns events counted."""
+        if self.event:
+            self._pace()
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000))
         if self._needs_sync:
             self._sync()
             polled = {}    # read again from what the sync sought
         self.ledger.tail(0)
+        if self.event:
+            return self._step_event_time(polled)
         counted = 0
         for tp, recs in polled.items():
             if tp.topic != self.source_topic or tp.partition not in self.where:
@@ -460,6 +494,8 @@ class ViewCounter:
             for rec in records:
                 if self.count and self.totals.take(rec.key, rec.value):
                     continue
+                if self.event and self.marks.take(rec.key, rec.value):
+                    continue
                 if rec.key == key and rec.value is not None:
                     self._forced_upto = max(self._forced_upto, int(json.loads(rec.value)["upto"]))
         return self._forced_upto
@@ -512,7 +548,9 @@ class ViewCounter:
             # so the next one starts at that record and is released
             task.ranges[p][1] = max(task.ranges[p][1], first_left)
         ranges = {f"{self.source_topic}:{p}": list(r) for p, r in sorted(task.ranges.items())}
-        if self.count:   # a count window's times are when this member opened and closed it
+        if self.event:
+            info = event_window_info(w, self.identity, events=task.events, late=task.late)
+        elif self.count:   # a count window's times are when this member opened and closed it
             info = {"kind": "count", "size": self.size, "events": int(task.events),
                     "started_unix": task.opened_unix, "ended_unix": time.time()}
         else:
@@ -533,6 +571,8 @@ class ViewCounter:
                                partitions=self.P, window_info=info, mode=self.identity["mode"],
                                size=self.D, params=state_params(self.identity))
         head.update(ranges=ranges, member=self.member)
+        if self.event:   # the windows before w since the last closed one were empty here
+            head["after"] = {str(p): self.clocks[p].closed for p in sorted(task.ranges)}
         chunks = head.pop("_chunks")
         key = f"{w}/{head['partition']}"
         ledger_head = self.ledger.head()
@@ -543,6 +583,8 @@ class ViewCounter:
             if self.count:   # where the partition's next count window starts (count_views.py)
                 at.update(t=task.base[p] + task.counted[p], g=goal_after)
             return json.dumps(at, separators=(",", ":"))
+        commits = self._event_commits(list(task.ranges), w, lh) if self.event else {
+            p: (r[1], meta(p)) for p, r in task.ranges.items()}
         txn = self.txn
         try:
             txn.begin()
@@ -554,9 +596,8 @@ class ViewCounter:
                      value=json.dumps(head, allow_nan=False).encode())
             for dkey, value, headers in task.dead:
                 txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
-            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(r[1],
-                                                                                      meta(p), -1)
-                              for p, r in task.ranges.items()}, self.membership.generation)
+            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
+                              for p, (o, m) in commits.items()}, self.membership.generation)
             txn.commit()
         except Exception as exc:
             log.warning("view of window %d not written (%s); the window is replayed from its "
@@ -570,6 +611,9 @@ class ViewCounter:
         self.summaries_written += 1
         self.metrics.summaries.inc()
         del self.tasks[w]
+        if self.event:
+            self._event_closed(task, commits)
+            return True
         nxt = self.tasks.setdefault(w + 1, MemberWindow(w + 1))
         for p, r in task.ranges.items():
             nxt.ranges[p] = [r[1], r[1]]
@@ -579,6 +623,297 @@ class ViewCounter:
         if self.count:
             nxt.goal = max(nxt.goal or 0, goal_after or 0) or None
         return True
+
+    # -- event-time windows (event_views.py) ------------------------------------------------
+    def _drop_event_time(self) -> None:
+        if any(t.events for t in self.tasks.values()):
+            log.info("event-time window(s) %s of partition(s) %s are dropped here and replayed "
+                     "from the committed offsets under fresh noise",
+                     ", ".join(map(str, sorted(self.tasks))),
+                     ", ".join(map(str, sorted(self.clocks))))
+            self.metrics.handovers.labels(event="released").inc()
+        self.tasks.clear()
+        self.clocks.clear()
+        self.where.clear()
+        self._committed.clear()
+        self._dead_pending.clear()
+        self._marked.clear()
+
+    def _sync_event_time(self, owned: set[int]) -> None:
+        """After a rebalance: keep the open windows when this member still holds every
+        partition it counted and nobody committed one of them since; else drop them all and
+        read every owned partition again from its commit (R3: fresh noise)."""
+        from kafka import TopicPartition
+
+        moved = any(self._commit_of(p)[0] != self._committed.get(p) for p in self.clocks
+                    if p in owned)
+        if set(self.clocks) - owned or moved:
+            self._drop_event_time()
+        for p, clock in self.clocks.items():
+            self.consumer.seek(TopicPartition(self.source_topic, p), clock.position)
+        for p in sorted(owned - set(self.clocks)):
+            offset, meta = self._commit_of(p)
+            tp = TopicPartition(self.source_topic, p)
+            if offset is None:
+                self.consumer.seek_to_beginning(tp)
+                offset = self.consumer.position(tp)
+                clock = PartitionClock(start=offset, passed_ms=None, closed=None,
+                                       skip_until=None)
+            else:
+                self.consumer.seek(tp, offset)
+                clock = PartitionClock.from_commit(offset, meta)
+            self.clocks[p], self._committed[p] = clock, offset
+            self.where[p] = -1 if clock.closed is None else clock.closed + 1
+            self.metrics.handovers.labels(event="acquired").inc()
+            log.info("counting partition %d of %s from offset %d by event time (last window "
+                     "closed there: %s) into this member's own state", p, self.source_topic,
+                     offset, "none" if clock.closed is None else clock.closed)
+        self.metrics.partitions_owned.set(len(self.clocks))
+
+    def _commit_of(self, p: int) -> tuple[int | None, dict]:
+        """The counting group's committed offset of source partition ``p`` and its metadata."""
+        from kafka import TopicPartition
+
+        got = self.consumer.committed(TopicPartition(self.source_topic, p), metadata=True,
+                                      timeout_ms=5000)
+        if got is None or got.offset is None or got.offset < 0:
+            return None, {}
+        return int(got.offset), json.loads(got.metadata or "{}")
+
+    def _step_event_time(self, polled) -> int:
+        counted = 0
+        now_ms = int(time.time() * 1000)
+        for tp, recs in polled.items():
+            clock = self.clocks.get(tp.partition) if tp.topic == self.source_topic else None
+            if clock is None:
+                continue
+            recs = [r for r in recs if r.offset >= clock.position]
+            if not recs:
+                continue
+            counted += self._count_event_time(tp.partition, tp, recs, now_ms)
+            clock.position = recs[-1].offset + 1
+            clock.idle_since_ms = None
+        if counted:
+            self.metrics.events.inc(counted)
+        self._note_idle(polled, now_ms)
+        self._forced()     # (reads the group's watermark reports)
+        self._close_event_time(now_ms)
+        self._send_dead_letters()
+        self._report_marks()
+        return counted
+
+    def _send_dead_letters(self) -> None:
+        """Dead letters waiting for a close that does not come (the watermark stands still):
+        sent at most every PROGRESS_S with their partitions' offsets (commits that close no
+        window), so each is written once."""
+        if not self._dead_pending or time.monotonic() - self._reported_at < PROGRESS_S \
+                or self._needs_sync or not self.membership.holds(list(self.clocks)):
+            return
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        parts = sorted({p for p, _ in self._dead_pending})
+        head = self.ledger.head()
+        commits = self._event_commits(parts, None, f"{head['seq']}:{head['hash'][:16]}")
+        letters = [dl for _, dl in self._dead_pending]
+        txn = self.txn
+        try:
+            txn.begin()
+            for dkey, value, headers in letters:
+                txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
+            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
+                              for p, (o, m) in commits.items()}, self.membership.generation)
+            txn.commit()
+        except Exception as exc:
+            log.warning("dead letters of partition(s) %s not written (%s); they are read again "
+                        "from the committed offsets", ", ".join(map(str, parts)),
+                        type(exc).__name__)
+            self.txn.failed(exc)
+            self._drop_event_time()
+            self._needs_sync = True
+            return
+        self.route.metrics.dead_letters.inc(len(letters))
+        for p, (offset, meta) in commits.items():
+            self._committed[p] = offset
+            self.clocks[p].dead_until = self.clocks[p].position
+        self._dead_pending = []
+
+    def _pace(self) -> None:
+        """Pause the owned partitions too far ahead of the group's low watermark; resume the
+        others (event_views.GroupMarks.ahead)."""
+        from kafka import TopicPartition
+
+        from consumers.kafka.compat import unpark
+
+        ahead = {TopicPartition(self.source_topic, p) for p in self.marks.ahead(
+            {p: c.watermark() for p, c in self.clocks.items()}, int(time.time() * 1000))}
+        paused = {tp for tp in self.consumer.paused() if tp.topic == self.source_topic}
+        if ahead - paused:
+            self.consumer.pause(*(ahead - paused))
+            log.info("partition(s) %s of %s paused: more than %d windows past the group's low "
+                     "watermark", ", ".join(str(tp.partition) for tp in sorted(ahead - paused)),
+                     self.source_topic, MAX_AHEAD_WINDOWS)
+        if paused - ahead:
+            self.consumer.resume(*(paused - ahead))
+        # kafka-python keeps a resumed partition's parked records out of later fetches without
+        # this (consumers/kafka/compat.py)
+        unpark(self.consumer)
+
+    def _note_idle(self, polled, now_ms: int) -> None:
+        """A partition read to its end says since when (window.idle_partition_timeout_s)."""
+        from kafka import TopicPartition
+
+        for p, clock in self.clocks.items():
+            tp = TopicPartition(self.source_topic, p)
+            high = self.consumer.highwater(tp)
+            if polled.get(tp) or high is None or clock.position < high:
+                clock.idle_since_ms = None
+            elif clock.idle_since_ms is None:
+                clock.idle_since_ms = now_ms
+
+    def _count_event_time(self, p: int, tp, recs, now_ms: int) -> int:
+        """Count ``recs`` of partition ``p`` into the windows their timestamps name
+        (:meth:`.event_views.PartitionClock.assign`); rejects become dead letters sent with the
+        next close, except those a replay passes over (sent before)."""
+        from .repartition import Repartitioner, dead_letter_records
+
+        route, c = self.route, self.route.clock
+        decoded = route.decoder.decode([r.value for r in recs], [r.key for r in recs],
+                                       [r.headers for r in recs])
+        bad = {i for i, _ in decoded.rejected}
+        good = np.asarray([i for i in range(len(recs)) if i not in bad], dtype=np.int64)
+        ts = np.asarray([-1 if recs[i].timestamp is None else recs[i].timestamp for i in good],
+                        dtype=np.int64)
+        rejects = list(decoded.rejected)
+        no_ts, future = ts < 0, ts > now_ms + c.skew_ms
+        rejects += [(int(i), "no_timestamp") for i in good[no_ts]]
+        rejects += [(int(i), "future_timestamp") for i in good[future]]
+        keep = np.flatnonzero(~(no_ts | future))
+        items = take_items(decoded.items, keep)
+        good = good[keep]
+        offsets = np.asarray([recs[i].offset for i in good], dtype=np.int64)
+        d = self.clocks[p].assign(offsets, ts[keep], size_ms=c.size_ms,
+                                  lateness_ms=c.lateness_ms)
+        count = ~d.skip
+        if c.late == "dead_letter":
+            rejects += [(int(i), "late") for i in good[d.late & ~d.skip]]
+            count &= ~d.late
+        sent = self.clocks[p].dead_until
+        if sent is not None:   # a replay: those were dead letters before
+            rejects = [(i, r) for i, r in rejects if recs[i].offset >= sent]
+        if rejects:
+            Repartitioner._count_rejects(route.metrics, rejects)
+            if route.dead_topic:
+                self._dead_pending += [(p, dl) for dl in
+                                       dead_letter_records(route, tp, recs, sorted(rejects))]
+        sel = np.flatnonzero(count)
+        if not len(sel):
+            return 0
+        idx = np.asarray(route.index_of(take_items(items, sel)), dtype=np.int64)
+        wins, late, offs = d.window[sel], d.late[sel], offsets[sel]
+        for w in np.unique(wins):
+            mine = wins == w
+            task = self.tasks.setdefault(int(w), MemberWindow(int(w)))
+            if task.state is None:
+                task.state = self._state()
+            task.state.add_indices(idx[mine])
+            task.events += int(mine.sum())
+            task.late += int(late[mine].sum())
+            at = offs[mine]
+            if p in task.ranges:
+                task.ranges[p][1] = int(at[-1]) + 1
+            else:
+                task.ranges[p] = [int(at[0]), int(at[-1]) + 1]
+                task.passed_at[p] = int(d.before[sel][mine][0])
+        return len(sel)
+
+    def _close_event_time(self, now_ms: int) -> None:
+        """Close the open windows the group's low watermark has passed, in order; then, if
+        the watermark moved on past every window this member holds events of, one empty view
+        of the last closable window (the leader learns these partitions had nothing up to
+        it)."""
+        if not self.clocks:
+            return
+        upto = self.marks.closable({p: c.watermark() for p, c in self.clocks.items()}, now_ms)
+        if self._forced_upto >= 0:     # a forced release closes every window up to it now
+            upto = max(upto if upto is not None else -1, self._forced_upto)
+        if upto is None:
+            return
+        for w in sorted(self.tasks):
+            if w > upto:
+                break
+            if not self._close_event_window(w):
+                return
+        if any(c.closed is None or c.closed < upto for c in self.clocks.values()):
+            self._close_event_window(upto)
+
+    def _close_event_window(self, w: int) -> bool:
+        """Close window ``w`` on every owned partition where it is still open: its view
+        covers them (empty ranges where they had no events of it)."""
+        task = self.tasks.setdefault(w, MemberWindow(w))
+        for p, clock in self.clocks.items():
+            if clock.closed is None or clock.closed < w:
+                task.ranges.setdefault(p, [clock.position, clock.position])
+        task.dead = [dl for p, dl in self._dead_pending if p in task.ranges]
+        return self._close(task)
+
+    def _event_commits(self, parts, closing: int | None, lh: str) -> dict[int, tuple[int, str]]:
+        """The offset and metadata of each of ``parts`` once window ``closing`` closes (None:
+        none, the commit only sends dead letters): the first record counted into a window still
+        open (it is replayed from there), else the position."""
+        out = {}
+        for p in parts:
+            clock = self.clocks[p]
+            closed = clock.closed if closing is None else closing
+            later = [t for k, t in self.tasks.items()
+                     if (closed is None or k > closed) and p in t.ranges]
+            if later:
+                first = min(later, key=lambda t: t.ranges[p][0])
+                offset, passed = first.ranges[p][0], first.passed_at[p]
+            else:
+                offset, passed = clock.position, clock.passed_ms
+            out[p] = (int(offset), encode_meta(commit_meta(
+                closed=closed, position=clock.position, offset=offset, passed_ms=passed,
+                skip_until=clock.skip_until, ledger_head=lh, closing=closing is not None,
+                dead_until=clock.dead_until)))
+        return out
+
+    def _event_closed(self, task: MemberWindow, commits: dict) -> None:
+        for p, (offset, meta) in commits.items():
+            clock = self.clocks[p]
+            clock.closed = task.window
+            clock.skip_until = json.loads(meta).get("s")
+            clock.dead_until = max(clock.position, clock.skip_until or 0)
+            self._committed[p] = offset
+            self.where[p] = task.window + 1
+        self._dead_pending = [(p, dl) for p, dl in self._dead_pending if p not in task.ranges]
+
+    def _report_marks(self) -> None:
+        """This member's partitions' watermarks to the intake topic (event_views.py), at most
+        every PROGRESS_S, only those that changed."""
+        now = time.monotonic()
+        if now - self._reported_at < PROGRESS_S or not self.clocks:
+            return
+        self._reported_at = now
+        news = {p: c.watermark() for p, c in self.clocks.items()
+                if self._marked.get(p) != (c.passed_ms, c.idle_since_ms)}
+        if not news or self._needs_sync or not self.membership.holds(list(self.clocks)):
+            return
+        txn = self.txn
+        try:
+            txn.begin()
+            for p, mark in sorted(news.items()):
+                txn.send(self.topics.intake, partition=0, key=self.marks.key(p),
+                         value=mark.encode())
+            txn.commit()
+        except Exception as exc:
+            log.info("watermarks of partition(s) %s not reported (%s)",
+                     ", ".join(map(str, sorted(news))), type(exc).__name__)
+            self.txn.failed(exc)
+            self._needs_sync = True
+            return
+        for p, mark in news.items():
+            self._marked[p] = (mark.passed_ms, mark.idle_since_ms)
 
     def _note_deleted(self, task: MemberWindow, since: dict[int, int]) -> None:
         """Note on ``task`` the records of each partition p of ``since`` from ``since[p]`` to
