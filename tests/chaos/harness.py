@@ -151,6 +151,12 @@ for _k in (1, 2, 3):
     MODES[f"group_items_event{_k}"] = Mode(_items + ("window.kind=event_time",
                                                      "window.size=5"),
                                            window_events=12 * RATE, members=_k)
+    # event-time windows of the views exchange: each member windows its own partitions by
+    # the records' timestamps and closes at the group's low watermark (event_views.py)
+    MODES[f"group_event{_k}"] = Mode(
+        tuple(s for s in _GROUP if not s.startswith("window.")) +
+        ("window.kind=event_time", "window.size=5", "window.allowed_lateness_s=1"),
+        window_events=12 * RATE, members=_k)
 
 #: the shuffle model (docs/shuffle.md): GKMP at a large epsilon over few buckets, so that each
 #: event is a few sealed messages (the clients' sealing is the harness's cost), count windows
@@ -881,6 +887,36 @@ def event_windows_of(records: dict[str, list]) -> tuple[dict[str, list], int, in
     return out, late_intake, late_here
 
 
+def event_windows_by_stamp(records: dict[str, list], size_s: float,
+                           lateness_s: float) -> tuple[dict[str, list], int]:
+    """Where each source record of a views group counts with event-time windows, by the rule
+    docs/scale-out.md states: the window its timestamp names, unless its partition had already
+    passed that window's end plus the lateness (a larger timestamp earlier in the partition):
+    then it is late and counts in the first window its partition had not passed
+    (``window.late = next``). ``records``: per position key, ``[(offset, value, timestamp in
+    s)]`` in offset order. Returns ``({key: [(offset, window, 1)]}, late records)``.
+
+    >>> event_windows_by_stamp({"t:0": [(0, b"", 1.5), (1, b"", 2.6), (2, b"", 1.2),
+    ...                                 (3, b"", 3.1)]}, 1.0, 0.5)
+    ({'t:0': [(0, 1, 1), (1, 2, 1), (2, 2, 1), (3, 3, 1)]}, 1)
+    """
+    size, lateness = round(size_s * 1000), round(lateness_s * 1000)
+    out: dict[str, list] = {}
+    late = 0
+    for key, recs in records.items():
+        passed = None
+        mine = out.setdefault(key, [])
+        for off, _, ts in recs:
+            ms = round(ts * 1000)
+            w = ms // size
+            if passed is not None and w < (passed - lateness) // size:
+                w = (passed - lateness) // size
+                late += 1
+            mine.append((off, w, 1))
+            passed = ms if passed is None else max(passed, ms)
+    return out, late
+
+
 def check_event_entries(entries: list[dict], docs: dict[int, list[dict]],
                         assigned: dict[str, list]):
     """The invariant over an event-time group's ledger ``entries`` and publications ``docs``,
@@ -1044,6 +1080,23 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     if kind == "event_time" and not views:
         _check_event_group(res, spec, entries, docs, {
             f"{topics.repartition}:{p}": recs for p, recs in read.items()})
+        return
+    if kind == "event_time":
+        stamped = _read_topic(bootstrap, topic, stamps=True)
+        size_s = float(ident.get("window_size", 5))
+        lateness_s = float(ident.get("allowed_lateness_s", 0.0))
+        assigned, late = event_windows_by_stamp(
+            {f"{topic}:{p}": recs for p, recs in stamped.items()}, size_s, lateness_s)
+        cov = check_event_entries(entries, docs, assigned)
+        res.violations += [f"[group] {v}" for v in cov.violations]
+        res.released["group"] = cov.released_events
+        left = sum(cov.covered.values())
+        res.unreleased["group"] = left
+        res.notes.append(f"{len(cov.windows)} windows released, {len(cov.refused)} withheld; "
+                         f"{late} late events by their partitions' timestamps")
+        if left > spec.window_events:
+            res.violations.append(f"[group] {left} events after the last decided window: more "
+                                  f"than the open window can hold ({spec.window_events})")
         return
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
     lows = {f"{name}:{tp.partition}": int(o) for tp, o in c.beginning_offsets(
