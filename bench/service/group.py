@@ -30,8 +30,10 @@ Run from the repository root::
    same window's planned release time (its end + close grace).
 4. Broker restarts (``--restarts K``, issue 46: "a group resumes releasing within 10 s of the
    broker's return"): a broker of its own (it is stopped and killed, so never
-   $PANAGG_KAFKA_BOOTSTRAP's), three members (``--members``' last count) of 2 s time windows over
-   D = 1,000, a steady 2,000 events/s; K outages, alternately a clean stop (SIGTERM) and a
+   $PANAGG_KAFKA_BOOTSTRAP's), three members (``--members``' last count) of 5 s time windows over
+   D = 1,000 (releases without error bars: with 2 s windows a leader on this 2-core machine fell
+   minutes behind before any outage, and the figure measured its backlog), a steady 2,000
+   events/s; K outages, alternately a clean stop (SIGTERM) and a
    kill -9, each 10 s after the last return and 8 s long; for each, the seconds from the
    broker's return (``kafka.sh start`` answered) until the group's ledger holds one more
    release. The load average at each return is printed beside it: on a shared 2-core machine
@@ -478,7 +480,7 @@ def takeover(boot, tmp, window=5.0) -> dict:
         _stop(procs.values())
 
 
-def broker_restarts(tmp, k: int, members: int = 3, window: float = 2.0) -> dict:
+def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0) -> dict:
     """Issue 46's resume time after broker outages (the module docstring, 4.)."""
     state = tmp / "kafka-restarts"
     sh = str(ROOT / "deploy/kafka/kafka.sh")
@@ -488,7 +490,7 @@ def broker_restarts(tmp, k: int, members: int = 3, window: float = 2.0) -> dict:
     group = f"gb-{uuid.uuid4().hex[:6]}"
     names = [f"m{i}" for i in range(members)]
     # releases without bootstrap error bars (as tests/integration/test_group_kafka.py's): a
-    # leader that keeps up with 2 s windows, so the figure is Kafka's recovery, not a backlog
+    # leader that keeps up with the windows, so the figure is Kafka's recovery, not a backlog
     # of releases (a leader behind says so: /ready 503 and a WARNING, docs/operations.md)
     quick = ("--set", "release.error_bar_reps=0")
     procs = {names[0]: _member(boot, topic, group, names[0], tmp, window, domain=1_000,
