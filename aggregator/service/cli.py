@@ -1310,7 +1310,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, help="metrics.port (0 any, -1 off)")
     run.add_argument("--exit-when-idle", type=_positive_float, metavar="SECONDS",
                      help="stop after this long without events (the open window is replayed "
-                          "from the source at the next start)")
+                          "from the source at the next start; a group's leader also waits "
+                          "until no complete window waits for its release)")
     run.add_argument("--fresh-start", action="store_true",
                      help="start without a checkpoint although the ledger or the consumer group "
                           "show earlier runs: counting resumes after the last released source "
