@@ -38,7 +38,7 @@ from consumers.base import Segment
 from consumers.kafka.compat import unpark
 
 from .topics import read_partition
-from .watermark import MarkRecord, low_watermark, stamp, too_far_ahead
+from .watermark import MarkRecord, low_watermark, stamp, stamped, too_far_ahead
 
 __all__ = ["Repartitioner", "Route", "EventClock", "slice_size", "total_key",
            "dead_letter_records"]
@@ -413,18 +413,7 @@ class Repartitioner:
         if not recs:
             return MarkRecord(passed_ms, None, first_ms)
         c = route.clock
-        seg_values = [r.value for r in recs]
-        decoded = route.decoder.decode(seg_values, [r.key for r in recs],
-                                       [r.headers for r in recs])
-        bad = {i for i, _ in decoded.rejected}
-        good = np.asarray([i for i in range(len(recs)) if i not in bad], dtype=np.int64)
-        ts = np.asarray([-1 if recs[i].timestamp is None else recs[i].timestamp for i in good],
-                        dtype=np.int64)
-        rejects = list(decoded.rejected)
-        no_ts, future = ts < 0, ts > now_ms + c.skew_ms
-        keep = ~(no_ts | future)
-        rejects += [(int(i), "no_timestamp") for i in good[no_ts]]
-        rejects += [(int(i), "future_timestamp") for i in good[future]]
+        decoded, good, ts, rejects, keep = stamped(route.decoder, recs, now_ms, c.skew_ms)
         items = decoded.items
         items = (np.asarray(items)[keep] if isinstance(items, np.ndarray)
                  else [it for it, k in zip(items, keep) if k])

@@ -62,7 +62,7 @@ from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
 from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta
 from .event_views import window_info as event_window_info
-from .watermark import MAX_AHEAD_WINDOWS
+from .watermark import MAX_AHEAD_WINDOWS, stamped
 from .membership import Membership
 from .summary import agreeing, event_time_info, merged_window_info
 
@@ -465,21 +465,11 @@ class ViewCounter:
                         news[p] = (now_at, task.window, task.goal)
         if not news or not all(self._still_owned(t) for t in self.tasks.values() if t.ranges):
             return
-        txn = self.txn
-        try:
-            txn.begin()
-            for p, ((t, o), w, g) in sorted(news.items()):
-                txn.send(self.topics.intake, partition=0,
-                         key=progress_key(self.source_topic, p),
-                         value=json.dumps({"t": t, "o": o, "w": w, "g": g, "m": self.member},
-                                          separators=(",", ":")).encode())
-            txn.commit()
-        except Exception as exc:
-            # the reports only time the cuts: nothing counted is lost; a fenced member syncs
-            log.info("progress of partition(s) %s not reported (%s)",
-                     ", ".join(map(str, sorted(news))), type(exc).__name__)
-            self.txn.failed(exc)
-            self._needs_sync = True
+        records = [(progress_key(self.source_topic, p),
+                    json.dumps({"t": t, "o": o, "w": w, "g": g, "m": self.member},
+                               separators=(",", ":")).encode())
+                   for p, ((t, o), w, g) in sorted(news.items())]
+        if not self._send_reports(records, news, "progress"):
             return
         for p, (at, _, _) in news.items():
             self._reported[p] = at
@@ -778,17 +768,8 @@ class ViewCounter:
         from .repartition import Repartitioner, dead_letter_records
 
         route, c = self.route, self.route.clock
-        decoded = route.decoder.decode([r.value for r in recs], [r.key for r in recs],
-                                       [r.headers for r in recs])
-        bad = {i for i, _ in decoded.rejected}
-        good = np.asarray([i for i in range(len(recs)) if i not in bad], dtype=np.int64)
-        ts = np.asarray([-1 if recs[i].timestamp is None else recs[i].timestamp for i in good],
-                        dtype=np.int64)
-        rejects = list(decoded.rejected)
-        no_ts, future = ts < 0, ts > now_ms + c.skew_ms
-        rejects += [(int(i), "no_timestamp") for i in good[no_ts]]
-        rejects += [(int(i), "future_timestamp") for i in good[future]]
-        keep = np.flatnonzero(~(no_ts | future))
+        decoded, good, ts, rejects, counts = stamped(route.decoder, recs, now_ms, c.skew_ms)
+        keep = np.flatnonzero(counts)
         items = take_items(decoded.items, keep)
         good = good[keep]
         offsets = np.asarray([recs[i].offset for i in good], dtype=np.int64)
@@ -888,6 +869,24 @@ class ViewCounter:
             self.where[p] = task.window + 1
         self._dead_pending = [(p, dl) for p, dl in self._dead_pending if p not in task.ranges]
 
+    def _send_reports(self, records: list[tuple[bytes, bytes]], parts, what: str) -> bool:
+        """``records`` (key, value) to the intake topic in one transaction of this member's.
+        False when it failed: reports only time the cuts and closes, so nothing counted is
+        lost; the member syncs with the group at its next turn (a fenced one starts over)."""
+        txn = self.txn
+        try:
+            txn.begin()
+            for key, value in records:
+                txn.send(self.topics.intake, partition=0, key=key, value=value)
+            txn.commit()
+        except Exception as exc:
+            log.info("%s of partition(s) %s not reported (%s)", what,
+                     ", ".join(map(str, sorted(parts))), type(exc).__name__)
+            self.txn.failed(exc)
+            self._needs_sync = True
+            return False
+        return True
+
     def _report_marks(self) -> None:
         """This member's partitions' watermarks to the intake topic (event_views.py), at most
         every PROGRESS_S, only those that changed."""
@@ -899,18 +898,8 @@ class ViewCounter:
                 if self._marked.get(p) != (c.passed_ms, c.idle_since_ms)}
         if not news or self._needs_sync or not self.membership.holds(list(self.clocks)):
             return
-        txn = self.txn
-        try:
-            txn.begin()
-            for p, mark in sorted(news.items()):
-                txn.send(self.topics.intake, partition=0, key=self.marks.key(p),
-                         value=mark.encode())
-            txn.commit()
-        except Exception as exc:
-            log.info("watermarks of partition(s) %s not reported (%s)",
-                     ", ".join(map(str, sorted(news))), type(exc).__name__)
-            self.txn.failed(exc)
-            self._needs_sync = True
+        records = [(self.marks.key(p), mark.encode()) for p, mark in sorted(news.items())]
+        if not self._send_reports(records, news, "watermarks"):
             return
         for p, mark in news.items():
             self._marked[p] = (mark.passed_ms, mark.idle_since_ms)

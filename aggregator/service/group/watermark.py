@@ -165,3 +165,22 @@ class MarkRecord:
     def close_key(route_topic: str) -> str:
         """The last window the leader closed (written with its close markers)."""
         return f"close:{route_topic}"
+
+
+def stamped(decoder, recs, now_ms: int, skew_ms: int):
+    """``recs`` (one source partition's records, in order) decoded, with their timestamps, for
+    event-time windows: ``(decoded, good, ts, rejects, keep)``. ``good``: the indices the
+    decoder accepted; ``ts``: their timestamps in ms (-1: none); ``rejects``: (index, reason) of
+    the records that do not count (undecodable, no timestamp, stamped past ``now_ms`` plus the
+    allowed skew); ``keep``: the mask over ``good`` of those that do."""
+    decoded = decoder.decode([r.value for r in recs], [r.key for r in recs],
+                             [r.headers for r in recs])
+    bad = {i for i, _ in decoded.rejected}
+    good = np.asarray([i for i in range(len(recs)) if i not in bad], dtype=np.int64)
+    ts = np.asarray([-1 if recs[i].timestamp is None else recs[i].timestamp for i in good],
+                    dtype=np.int64)
+    no_ts, future = ts < 0, ts > now_ms + skew_ms
+    rejects = list(decoded.rejected)
+    rejects += [(int(i), "no_timestamp") for i in good[no_ts]]
+    rejects += [(int(i), "future_timestamp") for i in good[future]]
+    return decoded, good, ts, rejects, ~(no_ts | future)
