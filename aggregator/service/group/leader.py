@@ -42,6 +42,12 @@ log = logging.getLogger("panagg.group")
 WAIT_NOTICE_S = 5.0
 
 
+def _holds_events(have: dict) -> bool:
+    """Whether the summaries or views ``have`` of one window count an event (or may: one
+    without its ``n``, or a refused one, which is decided all the same)."""
+    return any(s.get("n") is None or s.get("n") or s.get("refused") for s in have.values())
+
+
 def _summary_keys(w: int, have: dict):
     """The summaries topic's keys of window ``w``'s summaries (and of views' chunks)."""
     for p in have:
@@ -141,7 +147,7 @@ class Leader:
         #: is behind (``behind``: why, "" while it keeps up; the member's /ready reads it)
         self.max_in_flight = int(max_in_flight)
         self.behind = ""
-        #: complete windows not decided yet, as the last turn counted them
+        #: complete windows holding events not decided yet, as the last turn counted them
         self.queued = 0
         self._complete_at: dict[int, float] = {}
 
@@ -305,7 +311,7 @@ class Leader:
         for k in [k for k in self._complete_at if k < nxt]:
             del self._complete_at[k]
         self.metrics.release_queue.set(len(complete))
-        self.queued = len(complete)
+        self.queued = sum(1 for k in complete if _holds_events(self.pending[k]))
         waited = now - self._complete_at[complete[0]] if complete else 0.0
         bound = None if self.count else (self.max_in_flight + 1) * self.size
         if len(complete) > self.max_in_flight:
@@ -331,10 +337,15 @@ class Leader:
 
     @property
     def busy(self) -> bool:
-        """A release is being computed or a complete window waits for one: a member that
-        leads is not idle (``--exit-when-idle``) while its leader has work its own intake
-        does not show (a slow release path drains after the last event was counted)."""
-        return self._in_flight is not None or self.queued > 0
+        """A window holding events is being released or waits complete for its release: a
+        member that leads is not idle (``--exit-when-idle``) while its leader has such work,
+        which its own intake does not show (a slow release path drains after the last event
+        was counted). Empty windows do not count: time windows keep closing without events,
+        and a release path slower than they are would never let the member go."""
+        if self._in_flight is not None and _holds_events(self.pending.get(self._in_flight[0],
+                                                                          {})):
+            return True
+        return self.queued > 0
 
     def _force(self) -> None:
         """A forced release asked for (``panagg release``): close markers for window K in
