@@ -305,7 +305,7 @@ def _run(boot, tmp, n, k, event_time=False) -> dict:
     try:
         while (_released_alone(tmp, group) if k == 0 else
                sum(r[1] for r in _released(boot, group))) < n:
-            gone = _exited(list(procs.values()), tmp, group)
+            gone = _exited(procs, tmp, group)
             if gone is not None:
                 print(f"{who} on {CLIENT[0]}: exited: {gone}", file=sys.stderr)
                 return {"members": k, "client": CLIENT[0], "refused": gone}
