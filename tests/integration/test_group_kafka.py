@@ -1388,6 +1388,36 @@ def _produce_stamped(bootstrap, topic, records, partition=None, pack=None):
     p.close()
 
 
+
+def feed_across_a_kill(bootstrap, topic, topics, members, stream, names, parts,
+                       flush_at) -> str:
+    """An event-time group's stream fed across a kill: the first half of ``stream``
+    ((timestamp ms, item) pairs) until the group releases, then the rest at about 1,000
+    records/s while one of ``names`` (at random) is killed -9 and started again 0-2 s later,
+    then a record stamped ``flush_at`` on each of the ``parts`` partitions, so every window
+    passes. Returns the member killed."""
+    half = len(stream) // 2
+    _produce_stamped(bootstrap, topic, stream[:half])
+    deadline = time.monotonic() + 120
+    while not releases(bootstrap, topics):
+        assert time.monotonic() < deadline, f"no release\n{members.logs()}"
+        time.sleep(1)
+    rest = stream[half:]
+    feeder = threading.Thread(target=lambda: [
+        (_produce_stamped(bootstrap, topic, rest[i:i + 100]), time.sleep(0.1))
+        for i in range(0, len(rest), 100)])
+    feeder.start()
+    chaos = random.Random()
+    victim = chaos.choice(list(names))
+    time.sleep(chaos.uniform(0.5, 2.5))
+    members.kill(victim)
+    time.sleep(chaos.uniform(0.0, 2.0))
+    members.start(victim)
+    feeder.join()
+    for p in range(parts):           # every partition passes the last window
+        _produce_stamped(bootstrap, topic, [(flush_at, 0)], partition=p)
+    return victim
+
 def _reference_windows(bootstrap, topic, parts, flush_at, positions=None):
     """{event_start_unix: (n, late)} the definitions give (tests/test_event_time_lateness.py's
     reference) over what the topic holds, partition by partition, before the flush window.
@@ -1440,7 +1470,6 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
     assert SIZE == ET_SIZE
     parts = 4
     topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
-    half = len(stream) // 2
     extra = ("--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
              "--set", f"window.allowed_lateness_s={ET_LATENESS}")
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
@@ -1451,26 +1480,8 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
         members.start("m1")
         time.sleep(4)
         members.start("m2")
-        _produce_stamped(kafka_broker, topic, stream[:half])
-        deadline = time.monotonic() + 120
-        while not releases(kafka_broker, topics):
-            assert time.monotonic() < deadline, f"no release\n{members.logs()}"
-            time.sleep(1)
-        # the second half at about 1,000 records/s; a member killed -9 while it flows
-        rest = stream[half:]
-        feeder = threading.Thread(target=lambda: [
-            (_produce_stamped(kafka_broker, topic, rest[i:i + 100]), time.sleep(0.1))
-            for i in range(0, len(rest), 100)])
-        feeder.start()
-        chaos = random.Random()
-        victim = chaos.choice(["m1", "m2"])
-        time.sleep(chaos.uniform(0.5, 2.5))
-        members.kill(victim)
-        time.sleep(chaos.uniform(0.0, 2.0))
-        members.start(victim)
-        feeder.join()
-        for p in range(parts):           # every partition passes the last window
-            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        victim = feed_across_a_kill(kafka_broker, topic, topics, members, stream, ("m1", "m2"),
+                                    parts, flush_at)
         expected = _reference_windows(kafka_broker, topic, parts, flush_at)
         total = sum(ev for ev, _ in expected.values())
         assert total == len(stream)

@@ -550,12 +550,10 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
     and late count those of a one-process run over the same records and of the definitions'
     reference, n is the events of its ledgered positions' good records, no position is charged
     more than eps, and every view is a member's state plus its layer (nothing per event)."""
-    import random
-
     from aggregator.service.charges import ChargeBook
 
     from .test_group_kafka import ET_LATENESS, ET_SIZE, _by_event_window, _event_setup, \
-        _one_process, _produce_stamped, _reference_windows
+        _one_process, _reference_windows, feed_across_a_kill
 
     parts = 4
     topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
@@ -564,30 +562,12 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
              "--set", f"window.allowed_lateness_s={ET_LATENESS}")
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
     flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
-    half = len(stream) // 2
-    chaos = random.Random()
-    victim = chaos.choice(["v1", "v2"])
     try:
         for name in ("v1", "v2"):
             members.start(name)
         _wait_counting(members, tmp_path)
-        _produce_stamped(kafka_broker, topic, stream[:half])
-        deadline = time.monotonic() + 120
-        while not releases(kafka_broker, topics):
-            assert time.monotonic() < deadline, f"no release\n{members.logs()}"
-            time.sleep(1)
-        rest = stream[half:]
-        feeder = threading.Thread(target=lambda: [
-            (_produce_stamped(kafka_broker, topic, rest[i:i + 100]), time.sleep(0.1))
-            for i in range(0, len(rest), 100)])
-        feeder.start()
-        time.sleep(chaos.uniform(0.5, 2.5))
-        members.kill(victim)
-        time.sleep(chaos.uniform(0.0, 2.0))
-        members.start(victim)
-        feeder.join()
-        for p in range(parts):           # every partition passes the last window
-            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        victim = feed_across_a_kill(kafka_broker, topic, topics, members, stream, ("v1", "v2"),
+                                    parts, flush_at)
         where: dict = {}
         expected = _reference_windows(kafka_broker, topic, parts, flush_at, where)
         total = sum(ev for ev, _ in expected.values())
