@@ -1389,6 +1389,21 @@ def _produce_stamped(bootstrap, topic, records, partition=None, pack=None):
 
 
 
+
+def released_once(bootstrap, topics, docs) -> list[dict]:
+    """The ledger's release entries: one per published window of ``docs``, none withheld, and
+    no ledgered position charged past one window's eps (1.0)."""
+    ledger = read_ledger(bootstrap, topics)
+    entries = [e for e in ledger.entries if e["kind"] == "release"]
+    assert sorted(e["window"] for e in entries) == sorted(d["window"] for d in docs)
+    assert not any(e.get("withheld") for e in entries)
+    book = ChargeBook(ledger.entries)
+    for e in entries:
+        for part, (a, b) in e["ranges"].items():
+            if b > a:
+                assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+    return entries
+
 def feed_across_a_kill(bootstrap, topic, topics, members, stream, names, parts,
                        flush_at) -> str:
     """An event-time group's stream fed across a kill: the first half of ``stream``
@@ -1500,15 +1515,7 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
         rp = read_all(kafka_broker, topics.repartition)
         assert sum(len(v) // 4 for recs in rp.values() for _, _, v in recs
                    if v) == total + parts
-        ledger = read_ledger(kafka_broker, topics)
-        entries = [e for e in ledger.entries if e["kind"] == "release"]
-        assert sorted(e["window"] for e in entries) == sorted(d["window"] for d in docs)
-        assert not any(e.get("withheld") for e in entries)
-        book = ChargeBook(ledger.entries)
-        for e in entries:
-            for part, (a, b) in e["ranges"].items():
-                if b > a:
-                    assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+        released_once(kafka_broker, topics, docs)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))

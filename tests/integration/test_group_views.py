@@ -550,10 +550,8 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
     and late count those of a one-process run over the same records and of the definitions'
     reference, n is the events of its ledgered positions' good records, no position is charged
     more than eps, and every view is a member's state plus its layer (nothing per event)."""
-    from aggregator.service.charges import ChargeBook
-
     from .test_group_kafka import ET_LATENESS, ET_SIZE, _by_event_window, _event_setup, \
-        _one_process, _reference_windows, feed_across_a_kill
+        _one_process, _reference_windows, feed_across_a_kill, released_once
 
     parts = 4
     topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
@@ -587,15 +585,7 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
         got = _by_event_window(docs)
         assert got == _by_event_window(one_docs) == expected
         assert sum(late for _, late in got.values()) > 0, "the stream had no late record"
-        ledger = read_ledger(kafka_broker, topics)
-        entries = [e for e in ledger.entries if e["kind"] == "release"]
-        assert sorted(e["window"] for e in entries) == sorted(d["window"] for d in docs)
-        assert not any(e.get("withheld") for e in entries)
-        book = ChargeBook(ledger.entries)
-        for e in entries:
-            for part, (a, b) in e["ranges"].items():
-                if b > a:
-                    assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
+        entries = released_once(kafka_broker, topics, docs)
         # each record's position is in the ledgered ranges of the window it was released in
         # (the reference's window for it; the flush records' window stays open)
         ranges = {e["window"]: e["ranges"] for e in entries}
