@@ -36,7 +36,11 @@ Run from the repository root::
    events/s; K outages, alternately a clean stop (SIGTERM) and a
    kill -9, each 10 s after the last return and 8 s long; for each, the seconds from the
    broker's return (``kafka.sh start`` answered) until the group's ledger holds one more
-   release. The load average at each return is printed beside it: on a shared 2-core machine
+   release. The members keep the product's session timeout (``source.session_timeout_s``)
+   unless ``--session-timeout-s`` says otherwise (the other runs use 6 s): after a kill -9 a
+   KRaft broker loads the groups and starts their session clocks about 10 s before it takes
+   requests (it waits out its old registration), so members with a shorter session are
+   dropped, rejoin and rebalance more than once. The load average at each return is printed beside it: on a shared 2-core machine
    the leader's backlog before the outage, not Kafka, sets the tail.
 """
 
@@ -162,7 +166,7 @@ CLIENT = ["kafka-python"]
 
 
 def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0, alone=False,
-            domain=100_000, extra=()):
+            domain=100_000, extra=(), session_timeout_s: float | None = 6.0):
     """A ``panagg run`` child: a member of ``group``, or with ``alone`` one process
     (``scale.partitioned = false``, its releases in its release directory)."""
     log = open(tmp / f"{group}-{name}.log", "w")
@@ -178,7 +182,10 @@ def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0, 
          "--set", f"source.client={CLIENT[0]}",
          "--set", "window.kind=time", "--set", f"window.size={int(window)}",
          "--set", f"state.domain_size={int(domain)}", "--set", f"source.group={group}",
-         "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
+         "--set", f"source.instance_id={name}",
+         # (None: the product's default, source.session_timeout_s)
+         *(["--set", f"source.session_timeout_s={session_timeout_s:g}"]
+           if session_timeout_s is not None else []),
          "--set", "scale.close_grace_s=1",
          *(["--set", "window.kind=event_time", "--set", "window.allowed_lateness_s=2"]
            if event_time else []),
@@ -480,8 +487,10 @@ def takeover(boot, tmp, window=5.0) -> dict:
         _stop(procs.values())
 
 
-def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0) -> dict:
-    """Issue 46's resume time after broker outages (the module docstring, 4.)."""
+def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0,
+                    session_timeout_s: float | None = None) -> dict:
+    """Issue 46's resume time after broker outages (the module docstring, 4.);
+    ``session_timeout_s`` None: the members' default ``source.session_timeout_s``."""
     state = tmp / "kafka-restarts"
     sh = str(ROOT / "deploy/kafka/kafka.sh")
     boot = subprocess.run([sh, "start", str(state)], capture_output=True, text=True,
@@ -494,10 +503,11 @@ def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0) -> dict:
     # of releases (a leader behind says so: /ready 503 and a WARNING, docs/operations.md)
     quick = ("--set", "release.error_bar_reps=0")
     procs = {names[0]: _member(boot, topic, group, names[0], tmp, window, domain=1_000,
-                               extra=quick)}
+                               extra=quick, session_timeout_s=session_timeout_s)}
     time.sleep(4)   # the first member makes the group; the others join it
     for name in names[1:]:
-        procs[name] = _member(boot, topic, group, name, tmp, window, domain=1_000, extra=quick)
+        procs[name] = _member(boot, topic, group, name, tmp, window, domain=1_000, extra=quick,
+                              session_timeout_s=session_timeout_s)
     stop = threading.Event()
 
     def steady():   # about 2,000 events/s from one producer; a batch the broker misses is dropped
@@ -552,7 +562,8 @@ def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0) -> dict:
         entries = [e for e in _ledger(boot, group) if e["kind"] == "release"]
     finally:
         subprocess.run([sh, "stop", str(state)], capture_output=True)
-    out: dict = {"rows": rows, "windows released": sum(not e.get("withheld") for e in entries),
+    out: dict = {"session_timeout_s": session_timeout_s or "default", "rows": rows,
+                 "windows released": sum(not e.get("withheld") for e in entries),
                  "windows withheld": sum(bool(e.get("withheld")) for e in entries)}
     import statistics
     for how in ("clean stop", "kill -9", None):
@@ -589,6 +600,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=int, default=5000, help="--count-windows: events/s")
     ap.add_argument("--restarts", type=int, default=0, metavar="K",
                     help="K broker outages (clean stop, kill -9, ...) under a 3-member group")
+    ap.add_argument("--session-timeout-s", type=float, default=None, metavar="S",
+                    help="--restarts: the members' source.session_timeout_s (default: the "
+                         "product's default; the other runs use 6 s)")
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--exchange", choices=("views", "items"), default="views",
                     help="scale.exchange of the time-window runs")
@@ -629,7 +643,8 @@ def main(argv=None) -> int:
                                                      size=args.count_windows, rate=args.rate)
             if args.restarts:
                 members = int(args.members.split(",")[-1])
-                res["restarts"] = broker_restarts(tmp, args.restarts, members=members)
+                res["restarts"] = broker_restarts(tmp, args.restarts, members=members,
+                                                  session_timeout_s=args.session_timeout_s)
         finally:
             if state is not None:
                 subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)])
