@@ -19,7 +19,11 @@ import math
 
 import pytest
 
-from tests.user_audit import EPS, EVENTS, Scenario, doubled, user_level_loss
+from aggregator.density import PanPrivateDensity
+from aggregator.service.config import load_config
+from aggregator.service.user_window import user_cells
+from tests.test_density import exact_user_loss
+from tests.user_audit import EPS, EVENTS, EXPECTED_USERS, Scenario, doubled, user_level_loss
 
 #: other users sharing the victim's / the stand-in's cell, relative to the intrusion
 OTHERS = [("", ""), ("before", ""), ("after", ""), ("", "after"), ("both", "both")]
@@ -40,6 +44,12 @@ def test_the_service_reads_at_most_eps_for_a_user_with_1_10_or_10000_events(tmp_
                                                       sc)
     worst = max(losses.values())
     assert worst <= 1.05 * EPS, losses
+    # the service adds nothing to the mechanism: its worst is the core audit's at its m
+    core = PanPrivateDensity(EPS, user_cells(load_config(None, [
+        "state.privacy_unit=user", f"state.expected_users={EXPECTED_USERS}",
+        "ledger.budget_per_user=100"], env={})))
+    assert worst == pytest.approx(exact_user_loss(core.a, core.b, core.p, events,
+                                                  core.neighbor), abs=1e-9)
     # the audit sees the budget: a victim whose events straddle the intrusion (or come before
     # it, alone in its cell) shows most of eps
     assert worst >= 0.8 * EPS, losses

@@ -55,7 +55,7 @@ from consumers.base import Segment, Source
 EPS = 1.0
 EVENTS = (1, 10, 10_000)
 BACKGROUND = 1500        # other users' events in the audited window (one each, distinct users)
-EXPECTED_USERS = 2000    # state.expected_users: m = 4,590 cells at eps 1
+EXPECTED_USERS = 2000    # state.expected_users: m = 5,019 cells at eps 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,11 +17,16 @@ checkpoint holds the window's start in the source and no state (a crash
 replays the window into fresh bits with a fresh key), and the documents are published from the
 ledger. Releases run in the loop (one count of bits and one DLap: nothing for a worker to do).
 
+Rollups (``window.rollups``): every span a density state of its own, a level of the rollup
+levels' machinery (``config._rollup_levels``: a window of the span's length fed by the same
+records, sized by ``state.rollup_expected_users``: :func:`rollup_users`) at ``state.epsilon``;
+the per-user budget sums the levels' ledgers (:func:`user_rollup_line` says what a span costs).
+
 What is refused, one line each at start (:func:`user_unit_problem`): no ``ledger.budget_per_user``
 (or one below a window's eps, or one under the event unit), what the density state
-does not support (several intrusions: snapshots, audit exports; merging: rollups, scale-out) and
-what is not wired yet (event-time windows, several aggregations or a breakdown, the shuffle and
-state-only models, hashed mode's counters).
+does not support (several intrusions: snapshots, audit exports; merging: summed rollups,
+scale-out) and what is not wired yet (event-time windows, several aggregations or a
+breakdown, the shuffle and state-only models, hashed mode's counters).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python -m bench.service.user_privacy_audit --smoke   # one scenario per row kind
 
 The real Aggregator runs in this process under ``state.privacy_unit = "user"`` (eps 1,
-``state.expected_users`` 2,000: 4,590 cells) on a login stream; an intruder reads the density
+``state.expected_users`` 2,000: 5,019 cells) on a login stream; an intruder reads the density
 bits the service holds at one instant, every file under the state directory and the release
 document. The loss between the stream with the victim's events and the stream where a stand-in
 user has them (the service's replace-one neighbours) is computed exactly from the draws the
