@@ -90,6 +90,11 @@ def test_a_span_is_one_state_released_with_its_document_and_charged_per_user(tmp
     last = max((doc for level in LEVELS for doc in level_docs(tmp_path, level).values()),
                key=lambda doc: doc["per_user_budget"]["spent"])
     assert last["per_user_budget"]["spent"] == 10.0
+    # panagg status of either level counts both ledgers
+    status = run_cli(["status", "--state-dir", str(tmp_path / "state" / LEVELS[1])])
+    assert status.returncode == 0, status.stderr
+    assert ("per-user budget: eps 10 of 100 charged to every user by this ledger and the other "
+            "rollup levels' (8) (90 more window(s)") in status.stdout
     # the start line says what one span costs a user
     assert (f"a user active through one {SPAN} is charged 4 x 1 + 1 = 5 eps of "
             "ledger.budget_per_user") in res.stderr
