@@ -83,3 +83,13 @@ def test_control_two_looks_at_one_window_are_not_covered(tmp_path):
     the cell's bit never changes between the looks (an unbounded loss; DNPRY cover one)."""
     loss = user_level_loss(tmp_path, Scenario(10, 5), intrusions=(1, 2))
     assert math.isinf(loss)
+
+
+@pytest.mark.parametrize("events", EVENTS)
+def test_a_user_in_a_base_window_and_its_rollup_span_reads_two_windows_charged_two(tmp_path,
+                                                                                   events):
+    """window.rollups under the user unit: the victim's events in base window 0 are in the
+    span's state too; one look at both states the service holds, and both releases, read at
+    most two windows' eps: what the per-user budget charges (one eps per level's window)."""
+    loss = user_level_loss(tmp_path, Scenario(events, events // 2 or 1, rollup=2))
+    assert 1.5 * EPS < loss <= 2 * 1.05 * EPS, loss

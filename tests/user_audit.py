@@ -56,6 +56,7 @@ EPS = 1.0
 EVENTS = (1, 10, 10_000)
 BACKGROUND = 1500        # other users' events in the audited window (one each, distinct users)
 EXPECTED_USERS = 2000    # state.expected_users: m = 5,019 cells at eps 1
+ROLLUP_USERS = 3000      # state.rollup_expected_users of a span (a different m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,12 +242,13 @@ def state_loss(a: StateTrace, b: StateTrace) -> tuple[float, float]:
 
 def run_loss(ta: Trace, tb: Trace) -> float:
     """The joint loss of every state's views: the sum of the per-state maxima (or minima)."""
-    keyed = {s.key: s for s in tb.states}  # (states are drawn ahead, beside the loop: by key)
-    if len(ta.states) != len(tb.states) or set(keyed) != {s.key for s in ta.states}:
+    # (states are drawn ahead, beside the loop: matched by key and size, not order)
+    keyed = {(s.key, s.cells): s for s in tb.states}
+    if len(ta.states) != len(tb.states) or set(keyed) != {(s.key, s.cells) for s in ta.states}:
         raise AssertionError("the runs drew different density states")
     hi = lo = 0.0
     for a in ta.states:
-        b = keyed[a.key]
+        b = keyed[(a.key, a.cells)]
         h, low = state_loss(a, b)
         hi, lo = hi + h, lo + low
     return max(hi, -lo)
@@ -321,6 +323,9 @@ class Scenario:
     split: int
     others: tuple[str, str] = ("", "")
     windows: int = 1
+    #: ``window.rollups = ["<k>x"]``: a span of k base windows beside them (0: none); the
+    #: victim's events are in the first base window, so in the first span too
+    rollup: int = 0
 
     @property
     def intrusions(self) -> tuple[int, ...]:
@@ -363,6 +368,8 @@ def _segments(sc: Scenario, who: str, key_cells: Callable | None) -> tuple[list,
                     first[h0:] + ["filler"] * (size - len(seg0)),
                     second[:h1] + [who] * (sc.events - sc.split),
                     second[h1:] + ["filler"] * (size - len(seg1))]
+    if sc.rollup:  # the span's other base windows: other users only
+        segments += [[f"fill-{j}-{i:05d}" for i in range(size)] for j in range(sc.rollup - 1)]
     return [[pack({"item": u}) for u in s] for s in segments], size
 
 
@@ -380,6 +387,7 @@ def service_run(tmp: Path, sc: Scenario, who: str, *, workers: int = 1, seed: in
     the scenario's events; the intruder looks before each segment in ``intrusions``."""
     from aggregator.service import Aggregator
     from aggregator.service.config import load_config
+    from aggregator.service.multi import MultiAggregator
 
     os.environ["PANAGG_TESTING"] = "1"  # (testing.noise_seed: both runs hash with one key)
     state_dir = tmp / f"state-{who}"
@@ -392,19 +400,22 @@ def service_run(tmp: Path, sc: Scenario, who: str, *, workers: int = 1, seed: in
         f"state.expected_users={EXPECTED_USERS}", f"state.epsilon={epsilon}",
         "ledger.budget_per_user=100", "window.kind=count", f"window.size={size}",
         "metrics.port=-1", "release.on_exhausted=false", f"release.workers={workers}",
-        f"testing.noise_seed={seed}", f"ledger.file_registry={tmp / f'registry-{who}.jsonl'}"],
+        f"testing.noise_seed={seed}", f"ledger.file_registry={tmp / f'registry-{who}.jsonl'}"]
+        + ([f"window.rollups={sc.rollup}x", f"state.rollup_expected_users={ROLLUP_USERS}"]
+           if sc.rollup else []),
         env={})
     trace, files = Trace(), []
 
-    def intrude(k):
-        trace.look(agg.task.live_state(), f"memory@{k}")
+    def intrude(k):  # every state the service holds in memory (each level's, with rollups)
+        for one in (agg.aggs.values() if sc.rollup else [agg]):
+            trace.look(one.task.live_state(), f"memory@{k}")
         files.append(_files(state_dir))
 
     at = {k: (lambda k=k: intrude(k)) for k in intrusions or sc.intrusions}
     with trace.active(thresholds=thresholds):
-        agg = Aggregator(cfg, _Logins(segments, at))
+        agg = (MultiAggregator if sc.rollup else Aggregator)(cfg, _Logins(segments, at))
         agg.run()
-    docs = [json_load(f) for f in sorted((tmp / f"releases-{who}").glob("release-*.json"))]
+    docs = [json_load(f) for f in sorted((tmp / f"releases-{who}").rglob("release-*.json"))]
     return RunViews(trace, files, docs)
 
 

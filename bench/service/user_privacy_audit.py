@@ -1,6 +1,6 @@
 """The user-level intruder audit of the running service: exact losses by number of events.
 
-    python -m bench.service.user_privacy_audit           # the whole table (about 20 s)
+    python -m bench.service.user_privacy_audit           # the whole table (about 15 s)
     python -m bench.service.user_privacy_audit --smoke   # one scenario per row kind
 
 The real Aggregator runs in this process under ``state.privacy_unit = "user"`` (eps 1,
@@ -57,6 +57,13 @@ def main() -> None:
                              f"{loss:.4f}", at])
             if args.smoke:
                 break
+        for events in ((10,) if args.smoke else (1, 10, 10_000)):
+            loss = user_level_loss(tmp / f"r{events}", Scenario(events, events // 2 or 1,
+                                                                 rollup=2))
+            rows.append([f"{events:,} event(s) in a base window and its rollup span "
+                         "(window.rollups, one look at both states)", "<= 2 x 1.05 eps "
+                         "(charged 2 eps)", f"{loss:.4f}",
+                         f"{events // 2 or 1} of {events} before the look"])
         loss = user_level_loss(tmp / "dbl", Scenario(10, 5), thresholds=doubled)
         rows.append(["**control**: bits drawn for 2 x the state's share", "> eps",
                      f"{loss:.4f}", "5 of 10 before the look"])
