@@ -16,7 +16,10 @@ fresh start gives no user a new budget), of what each user-level release charged
   before and after sees two states of one released window (docs/privacy.md section 23: one
   more eps_s, rounded up here to one window's eps). A replayed window is charged 2 eps.
 
-To that the gate adds the user-level releases other deployments on the same stream wrote to the
+To that the gate adds the user-level charges of this deployment's other levels
+(``window.rollups`` under the user unit: each span a density state with a ledger of its own in a
+sibling directory, read as the per-event check reads them: ``levels`` of :meth:`UserBudget.check`)
+and the user-level releases other deployments on the same stream wrote to the
 budget registry (the same Kafka topic or one ``--same-records-as`` names; a file of the same
 content): :meth:`.release_gate.ReleaseGate.user_charges_elsewhere`. Event-level releases carry no
 ``user_epsilon``: they protect an event, and a user with g events in one is protected at g x eps
