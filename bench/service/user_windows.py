@@ -96,13 +96,13 @@ def summary(rows: list[tuple[int, dict]], what: str) -> str:
 
 
 def main() -> None:
-    ap = parser(__doc__, "one run of two windows")
+    ap = parser(__doc__, "one run of two windows and their span")
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--windows", type=int, default=24)
     ap.add_argument("--span", type=int, default=0, help="window.rollups = [\"<span>x\"]")
     args = ap.parse_args()
     runs, windows = (1, 2) if args.smoke else (args.runs, args.windows)
-    span = min(args.span, windows) if args.span else 0
+    span = 2 if args.smoke else (min(args.span, windows) if args.span else 0)  # (smoke: both)
     rows, spans = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(runs):
