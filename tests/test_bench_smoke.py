@@ -57,6 +57,7 @@ LANE = {
     "service.release_time": "here",
     "service.shuffler_throughput": "kafka",
     "service.speed": "here",
+    "service.user_privacy_audit": "here",
     "service.user_windows": "here",
     "service.views": "here",  # accuracy; recovery in tests/integration
 }

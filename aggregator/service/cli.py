@@ -1116,6 +1116,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"each event spends up to {spend:g} eps over "
               f"{', '.join(name for name, _ in several)} (ledger.budget_per_event "
               f"{cfg.ledger.budget_per_event:g})")
+    from .config import rollup_split_line
+    split = rollup_split_line(cfg)  # (what a user-level span costs: the start says it too)
+    if split and cfg.state.privacy_unit == "user":
+        print(split)
     return 1 if any_below else 0
 
 

@@ -361,6 +361,9 @@ def rollup_split_line(cfg: Config) -> str | None:
     w = cfg.window
     if not w.rollups or w.rollup_design == "sum" or not cfg.aggregations:
         return None
+    if cfg.state.privacy_unit == "user":  # every span its own state at the full eps
+        from .user_window import user_rollup_line
+        return user_rollup_line(cfg)
     parts = [f"{name} at eps {over.get('state', {}).get('epsilon', cfg.state.epsilon):g}"
              for name, over in sorted(cfg.aggregations.items())]
     return (f"window.rollup_design = {w.rollup_design}: {', '.join(parts)} (the per-event "
@@ -401,21 +404,33 @@ def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
         except RollupError as exc:
             raise ConfigError(where + str(exc)) from None
         spans.sort(key=lambda t: t[1])
-        own = spans if w["rollup_design"] == "tree" else spans[:1]
+        user = one["state"]["privacy_unit"] == "user"
+        # the user unit: every span a density state of its own at the full eps, each release
+        # charged to every user (ledger.budget_per_user): states of users do not sum
+        own = spans if w["rollup_design"] == "tree" or user else spans[:1]
         eps = float(one["state"]["epsilon"])
-        share = eps / (1 + len(own))
+        share = eps if user else eps / (1 + len(own))
         budget = float(one["ledger"]["budget_per_window"] or eps)
         keep = [e for e in entries if (e[0], e[1]) not in (
             ("state", "epsilon"), ("ledger", "budget_per_window"), ("window", "size"),
-            ("window", "rollups"), ("window", "rollup_design"))]
-        src = f"window.rollup_design = {w['rollup_design']}"
+            ("window", "rollups"), ("window", "rollup_design"),
+            ("state", "rollup_expected_users"), ("state", "expected_users"))]
+        src = ("window.rollups under state.privacy_unit = user" if user
+               else f"window.rollup_design = {w['rollup_design']}")
         common = [("state", "epsilon", share, src),
-                  ("ledger", "budget_per_window", budget / (1 + len(own)), src),
+                  ("ledger", "budget_per_window", budget if user else budget / (1 + len(own)),
+                   src),
                   ("window", "rollup_design", "sum", src)]
-        out[name or "base"] = keep + common + [("window", "rollups", [], src)]
+        if user:
+            from .user_window import rollup_users
+            users = rollup_users(one)
+            common.append(("state", "rollup_expected_users", [], src))
+            base_users = [("state", "expected_users", one["state"]["expected_users"], src)]
+        out[name or "base"] = keep + common + [("window", "rollups", [], src)] + (
+            base_users if user else [])
         for i, (span, k) in enumerate(own):
             rest = []
-            if w["rollup_design"] == "hybrid":
+            if w["rollup_design"] == "hybrid" and not user:
                 for longer, kl in spans[1:]:
                     if kl % k:
                         raise ConfigError(f"{where}window.rollups: {longer!r} is not a multiple "
@@ -426,16 +441,19 @@ def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
             size = w["size"] * k
             # what the level's releases say of themselves (the `rollup_level` block)
             cfg.setdefault("rollup_levels", {})[_level_name(name, span)] = {
-                "span": span, "design": w["rollup_design"], "base": name or "base",
-                "base_windows": k, "epsilon": share, "epsilon_per_event": eps,
-                "sums": rest}
+                "span": span, "design": "user" if user else w["rollup_design"],
+                "base": name or "base", "base_windows": k, "epsilon": share,
+                "epsilon_per_event": eps * (1 + len(own)) if user else eps, "sums": rest}
             out[_level_name(name, span)] = keep + common + [
                 ("window", "size", int(size) if float(size).is_integer() else size, src),
-                ("window", "rollups", rest, src)]
+                ("window", "rollups", rest, src)] + (
+                [("state", "expected_users", users[span], src)] if user else [])
     if single:
         led = cfg["ledger"]
         if not led["budget_per_event"]:
             led["budget_per_event"] = float(led["budget_per_window"] or cfg["state"]["epsilon"])
+            if cfg["state"]["privacy_unit"] == "user":  # (every level at the full eps)
+                led["budget_per_event"] *= len(out)
     return out
 
 

@@ -291,7 +291,9 @@ class ReleaseGate:
         """The start's line on the per-user budget (None under the event unit)."""
         if self.user_budget is None:
             return None
-        self.user_budget.elsewhere = user_spent(self.user_charges_elsewhere())
+        levels = self._sibling_ledgers()  # (window.rollups under the user unit: one per span)
+        self.user_budget.elsewhere = user_spent(self.user_charges_elsewhere(levels))
+        self.user_budget.levels = user_spent(e for entries in levels for e in entries)
         return self.user_budget.line()
 
     def allows(self, uid: str, wid: int, *, ranges: dict, charge: float, closing: dict,
@@ -319,8 +321,10 @@ class ReleaseGate:
                 self._check_registry(uid, wid, ranges=ranges, charge=charge, closing=closing,
                                      siblings=siblings, others=others, pending=pending)
             if self.user_budget is not None and charge > 0:  # (the registry is read by now)
+                levels = siblings if ranges else self._sibling_ledgers()
                 self.user_budget.check(wid, self.user_budget.charge_of(uid, charge),
-                                       self.user_charges_elsewhere(siblings), pending=pending)
+                                       self.user_charges_elsewhere(levels), pending=pending,
+                                       levels=[e for entries in levels for e in entries])
         except BudgetExceeded as exc:
             log.error("%s", exc)
             self.metrics.releases_refused.inc()

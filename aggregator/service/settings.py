@@ -512,8 +512,10 @@ class StateSettings(Section):
             "distinct users with a 90 % interval; all events of one user in a window, however "
             "many, are hidden at eps, and a user active in k windows spends k x eps, at most "
             "`ledger.budget_per_user` (docs/privacy_unit.md). Needs `state.expected_users` and "
-            "`ledger.budget_per_user`; not yet with scale-out, "
-            "rollups, event-time windows, snapshots, several aggregations, a breakdown, hashed "
+            "`ledger.budget_per_user`; `window.rollups` run a density state per span beside the "
+            "base windows (`state.rollup_expected_users`); event-time windows without "
+            "`window.allowed_lateness_s`; not yet with scale-out, "
+            "allowed lateness, snapshots, several aggregations, a breakdown, hashed "
             "mode or a model other than `joint` (each refused in one line)")
     expected_users: int = setting(
         0, bounds=(NON_NEGATIVE,), identity="domain", example=10000,
@@ -523,6 +525,16 @@ class StateSettings(Section):
             "2.3 x, `aggregator.density.plan_cells`). The error stays within about 1.3x of that "
             "from 1x to 4x as many users, grows slowly below (like the root of the ratio) and "
             "fast past ~5x: err on the high side. Required with the user unit")
+    rollup_expected_users: tuple[str, ...] = setting(
+        (),
+        brief="privacy_unit = user with window.rollups: distinct users expected per rollup "
+              "window, one per span",
+        doc="`state.privacy_unit = \"user\"` with `window.rollups`: the distinct users one "
+            "window of each span is expected to hold, in the order of `window.rollups` (a "
+            "day's users, not the sum of its windows': a user active all day is one). Each "
+            "span is a density state of its own, a window of the span's length at "
+            "`state.epsilon`, sized from this as `state.expected_users` sizes the base windows "
+            "(docs/privacy_unit.md, \"Rollups\"). Required there, one positive number per span")
     user_universe: int = setting(
         0, bounds=(NON_NEGATIVE,),
         brief="privacy_unit = user: the public number of users (registered accounts); 0: none",

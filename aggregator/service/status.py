@@ -96,6 +96,20 @@ def _scrape(url: str, timeout_s: float = 2.0, aggregation: str | None = None) ->
     return out
 
 
+def _sibling_user_charges(state_dir: Path) -> float:
+    """What the other aggregations of ``state_dir``'s set charged every user (0 outside a
+    set)."""
+    from .ledger import Ledger
+    from .multi import SET_FILE
+    from .user_budget import user_spent
+    parent = state_dir.resolve().parent
+    if not (parent / SET_FILE).exists():
+        return 0.0
+    return sum(user_spent(Ledger(path, budget_per_window=1.0).entries)
+               for path in sorted(parent.glob("*/ledger.jsonl"))
+               if path.parent.resolve() != state_dir.resolve())
+
+
 def collect_status(state_dir) -> dict:
     """The status of ``state_dir`` as a JSON-ready dict (see the module docstring)."""
     from state_store.local import CheckpointError, LocalStore
@@ -128,9 +142,14 @@ def collect_status(state_dir) -> dict:
         from .user_budget import user_spent, windows_left
         cap, eps, charged = (float(identity["budget_per_user"]), float(identity["epsilon"]),
                              user_spent(ledger.entries))
-        # (this ledger's charges: the registry's of other deployments are read at a release)
-        status["budget"]["per_user"] = {"budget": cap, "spent": charged,
-                                        "windows_left": windows_left(cap, charged, eps)}
+        # the other aggregations of the set (window.rollups' levels under the user unit) charge
+        # the same users: their ledgers count (the gate sums them before each release)
+        levels = _sibling_user_charges(state_dir)
+        # (the registry's charges of other deployments are read at a release)
+        status["budget"]["per_user"] = {"budget": cap, "spent": charged + levels,
+                                        "levels": levels,
+                                        "windows_left": windows_left(cap, charged + levels,
+                                                                     eps)}
     from ..release import PRIVACY_UNIT, PRIVACY_UNIT_CONSEQUENCE
     from .user_window import USER, USER_CONSEQUENCE
     status["privacy_unit"] = ({"unit": USER, "consequence": USER_CONSEQUENCE}
@@ -207,8 +226,11 @@ def format_status(s: dict) -> list[str]:
         else " (no total cap)"))
     per_user = b.get("per_user")
     if per_user:
+        levels = per_user.get("levels") or 0.0
+        by = (f"this ledger and the other rollup levels' ({levels:g})" if levels
+              else "this ledger")
         lines.append(f"per-user budget: eps {per_user['spent']:g} of {per_user['budget']:g} "
-                     f"charged to every user by this ledger ({per_user['windows_left']} more "
+                     f"charged to every user by {by} ({per_user['windows_left']} more "
                      "window(s); other deployments' are counted at each release)")
     last = s.get("last_release")
     if last:

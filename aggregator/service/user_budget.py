@@ -16,7 +16,10 @@ fresh start gives no user a new budget), of what each user-level release charged
   before and after sees two states of one released window (docs/privacy.md section 23: one
   more eps_s, rounded up here to one window's eps). A replayed window is charged 2 eps.
 
-To that the gate adds the user-level releases other deployments on the same stream wrote to the
+To that the gate adds the user-level charges of this deployment's other levels
+(``window.rollups`` under the user unit: each span a density state with a ledger of its own in a
+sibling directory, read as the per-event check reads them: ``levels`` of :meth:`UserBudget.check`)
+and the user-level releases other deployments on the same stream wrote to the
 budget registry (the same Kafka topic or one ``--same-records-as`` names; a file of the same
 content): :meth:`.release_gate.ReleaseGate.user_charges_elsewhere`. Event-level releases carry no
 ``user_epsilon``: they protect an event, and a user with g events in one is protected at g x eps
@@ -108,6 +111,9 @@ class UserBudget:
         self.ledger, self.budget, self.epsilon = ledger, float(budget), float(epsilon)
         #: other deployments' user charges on this stream, as read at the last check
         self.elsewhere = 0.0
+        #: the user charges of this deployment's other levels (``window.rollups``: each span a
+        #: state of its own, with a ledger of its own beside this one), as read at the last check
+        self.levels = 0.0
         self._cached: tuple[int, float] = (-1, 0.0)
 
     def own(self) -> float:
@@ -118,8 +124,9 @@ class UserBudget:
         return self._cached[1]
 
     def spent(self) -> float:
-        """This ledger's user charges and the registry's of other deployments (as last read)."""
-        return self.own() + self.elsewhere
+        """This ledger's user charges, its sibling levels' and the registry's of other
+        deployments (as last read)."""
+        return self.own() + self.levels + self.elsewhere
 
     def windows_left(self) -> int:
         """How many more windows the budget pays for (a replayed one costs two)."""
@@ -139,17 +146,21 @@ class UserBudget:
         :data:`USER_STREAM`."""
         return {USER_EPSILON: float(user_charge), USER_STREAM: stream}
 
-    def check(self, window, user_charge: float, elsewhere=(), pending: float = 0.0) -> None:
+    def check(self, window, user_charge: float, elsewhere=(), pending: float = 0.0,
+              levels=()) -> None:
         """BudgetExceeded (one line naming the fix) when a release that charges every user
         ``user_charge`` (:meth:`charge_of`) would bring a user's worst-case charge over the
         budget. ``elsewhere``: the registry's user charges of other deployments on this stream;
-        ``pending``: releases granted, not yet ledgered."""
+        ``pending``: releases granted, not yet ledgered; ``levels``: the entries of this
+        deployment's other levels' ledgers (``window.rollups``)."""
         self.elsewhere = user_spent(elsewhere)
+        self.levels = user_spent(levels)
         after = self.spent() + pending + user_charge
         if after <= self.budget * (1 + _SLACK):
             return
-        theirs = (f", other deployments on this stream {self.elsewhere:g} (the budget "
-                  "registry)" if self.elsewhere else "")
+        theirs = (f", the other rollup levels {self.levels:g}" if self.levels else "")
+        theirs += (f", other deployments on this stream {self.elsewhere:g} (the budget "
+                   "registry)" if self.elsewhere else "")
         raise BudgetExceeded(
             f"release of window {window} refused: the per-user budget is spent (a user present "
             f"in every window would be charged {after:g} eps > ledger.budget_per_user = "
@@ -183,8 +194,9 @@ class UserBudget:
 
     def line(self) -> str:
         """The start's line: spent, budget and the windows left."""
-        theirs = (f", {self.elsewhere:g} by other deployments on this stream" if self.elsewhere
-                  else "")
+        theirs = (f", {self.levels:g} by the other rollup levels" if self.levels else "")
+        theirs += (f", {self.elsewhere:g} by other deployments on this stream" if self.elsewhere
+                   else "")
         return (f"per-user budget: {self.spent():g} of ledger.budget_per_user={self.budget:g} "
                 f"eps charged to every user ({_releases(self.ledger.entries)} "
                 f"{self.own():g}{theirs}): {self.windows_left()} more window(s), each restart "

@@ -17,11 +17,18 @@ checkpoint holds the window's start in the source and no state (a crash
 replays the window into fresh bits with a fresh key), and the documents are published from the
 ledger. Releases run in the loop (one count of bits and one DLap: nothing for a worker to do).
 
+Rollups (``window.rollups``): every span a density state of its own, a level of the rollup
+levels' machinery (``config._rollup_levels``: a window of the span's length fed by the same
+records, sized by ``state.rollup_expected_users``: :func:`rollup_users`) at ``state.epsilon``;
+the per-user budget sums the levels' ledgers (:func:`user_rollup_line` says what a span costs).
+
 What is refused, one line each at start (:func:`user_unit_problem`): no ``ledger.budget_per_user``
 (or one below a window's eps, or one under the event unit), what the density state
-does not support (several intrusions: snapshots, audit exports; merging: rollups, scale-out) and
-what is not wired yet (event-time windows, several aggregations or a breakdown, the shuffle and
-state-only models, hashed mode's counters).
+does not support (several intrusions: snapshots, audit exports; merging: summed rollups,
+scale-out) and what is not wired yet (event-time windows with allowed lateness, several
+aggregations or a breakdown, the shuffle and state-only models, hashed mode's counters).
+Event-time windows without lateness run as the event unit's (one live window; a replay's
+``restart`` entry names the window it recounts, and the per-user budget charges it).
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ from ..hashing import KEY_BYTES
 from .user_budget import windows_left
 
 __all__ = ["USER", "USER_CONSEQUENCE", "INTERVAL_LEVEL", "NO_EXPORT", "is_user", "user_cells",
-           "user_unit_problem", "new_user_state", "user_release", "user_plan_line",
-           "unit_clause"]
+           "user_unit_problem", "rollup_users", "user_rollup_line", "new_user_state",
+           "user_release", "user_plan_line", "unit_clause"]
 
 USER = "user"
 #: what eps means for a person under the user unit (every user-level document and line says it)
@@ -73,6 +80,9 @@ def user_unit_problem(cfg: dict, aggregations: Mapping | None = None) -> str | N
     line naming the fix; None when it can (or the unit is the event)."""
     per_user = float(cfg["ledger"]["budget_per_user"])
     if not is_user(cfg):
+        if list(cfg["state"]["rollup_expected_users"]):
+            return ("state.rollup_expected_users applies to state.privacy_unit = user only; "
+                    "remove it")
         if per_user > 0:  # (the operator may believe users are bounded: they are not)
             return ("ledger.budget_per_user bounds users under state.privacy_unit = user only; "
                     "under the event unit a user with g events is charged g x eps per window: "
@@ -94,16 +104,16 @@ def user_unit_problem(cfg: dict, aggregations: Mapping | None = None) -> str | N
                 f"{eps:g} (docs/privacy_unit.md)")
     unsupported = [
         (cfg["scale"]["partitioned"], "scale.partitioned (density states do not merge)"),
-        (bool(w["rollups"]), "window.rollups (a day's users need one day-long window, not a "
-                             "sum of minutes: set window.size to the day)"),
+        (bool(w["rollups"]) and w["rollup_design"] == "sum",
+         "window.rollup_design = sum (density states do not sum: every span is a state of its "
+         "own; leave rollup_design at its default)"),
         (st["model"] != "joint", f"state.model = {st['model']} (the density release is the "
                                  "joint model's)"),
         (st["mode"] == "hashed", "state.mode = hashed (the users are hashed into "
                                  "state.expected_users' cells; leave state.mode at direct)"),
-        (w["kind"] == "event_time" or (w["kind"] == "time" and w["clock"] != "process"
-                                        and cfg["source"]["kind"] == "kafka"),
-         "event-time windows (window.kind = event_time, or time on Kafka: set window.clock = "
-         "process)"),
+        (w["kind"] == "event_time" and float(w["allowed_lateness_s"]) > 0,
+         "window.allowed_lateness_s > 0 with event-time windows (two live windows: a crash's "
+         "replay of the second is not charged to the users)"),
         (int(cfg["checkpoint"]["snapshots_per_window"]) > 0,
          "checkpoint.snapshots_per_window (a second look at the bits is not covered)"),
         (bool(cfg["breakdown"]["field"]), "a breakdown (breakdown.field)"),
@@ -113,6 +123,30 @@ def user_unit_problem(cfg: dict, aggregations: Mapping | None = None) -> str | N
         if bad:
             return (f"{head} does not support {what} yet; remove one of them "
                     "(docs/privacy_unit.md)")
+    return _rollup_users_problem(cfg)
+
+
+def rollup_users(cfg) -> dict[str, int]:
+    """``window.rollups`` -> the distinct users one window of the span is expected to hold
+    (``state.rollup_expected_users``, in the same order); checked by :func:`user_unit_problem`."""
+    st, w = (cfg["state"], cfg["window"]) if isinstance(cfg, Mapping) else (cfg.state, cfg.window)
+    return {str(span).strip().lower(): int(str(users).strip())
+            for span, users in zip(w["rollups"], st["rollup_expected_users"])}
+
+
+def _rollup_users_problem(cfg: dict) -> str | None:
+    spans, users = list(cfg["window"]["rollups"]), list(cfg["state"]["rollup_expected_users"])
+    if not spans:
+        return None if not users else (
+            "state.rollup_expected_users applies to window.rollups under state.privacy_unit = "
+            "user; remove it")
+    if len(users) != len(spans) or not all(str(u).strip().isdigit() and int(str(u)) > 0
+                                           for u in users):
+        example = ", ".join(str(int(cfg["state"]["expected_users"]) * 10) for _ in spans)
+        return ("state.privacy_unit = user with window.rollups needs "
+                "state.rollup_expected_users: the distinct users one window of each span is "
+                f"expected to hold, one per span of {spans} in that order (e.g. [{example}]: "
+                "a day's users, not the sum of its windows'; docs/privacy_unit.md)")
     return None
 
 
@@ -178,12 +212,40 @@ def user_plan_line(cfg) -> str:
 
     per_user = float(cfg.ledger.budget_per_user)
     windows = windows_left(per_user, 0.0, eps)
+    rollups = user_rollup_line(cfg)
     return (f"accuracy plan: distinct users per window in {m:,} cells (state.expected_users "
             f"{users:,}), eps {eps:g} per user per window: expected error {at(users)} at "
             f"{users:,} users ({at(users / 2)} at half, {at(2 * users)} at twice as many), "
             f"{100 * INTERVAL_LEVEL:g}% intervals; per-user budget {per_user:g} eps "
             f"(ledger.budget_per_user): {windows:,} released windows in all (one replayed after a "
-            f"restart counts twice); {unit_clause(USER)}")
+            f"restart counts twice); " + (f"{rollups}; " if rollups else "") + unit_clause(USER))
+
+
+def user_rollup_line(cfg) -> str | None:
+    """What ``window.rollups`` are under the user unit, and what one span costs a user: each
+    span a density state of its own (its cells, its expected error at
+    ``state.rollup_expected_users``), each of its windows charged ``state.epsilon`` to every
+    user beside the base windows it spans. None without rollups (the start line, and ``panagg
+    plan``'s)."""
+    from ..density import expected_relative_error
+    from .rollup import parse_span
+    w, st = cfg.window, cfg.state
+    if not w.rollups:
+        return None
+    eps, per_user = float(st.epsilon), float(cfg.ledger.budget_per_user)
+    parts = []
+    for span, users in rollup_users(cfg).items():
+        k = parse_span(span, kind=w.kind, size=w.size)
+        m = _cells(users, eps)
+        cost = (k + 1) * eps
+        parts.append(f"{span} = {k} base windows in one density state of {m:,} cells "
+                     f"(state.rollup_expected_users {users:,}; expected error "
+                     f"+-{100 * expected_relative_error(users, m, eps):.1f}% there), released "
+                     f"at eps {eps:g}: a user active through one {span} is charged {k} x "
+                     f"{eps:g} + {eps:g} = {cost:g} eps of ledger.budget_per_user "
+                     f"({windows_left(per_user, 0.0, cost):,} such spans)")
+    return ("user-level rollups (not sums of windows: a user in many is one): "
+            + "; ".join(parts))
 
 
 def unit_clause(unit: str) -> str:

@@ -7,6 +7,11 @@ users, each at least once, five heavy users with 300 logins each, the rest sprea
 reads the releases against the truth. The same files as tests/test_user_service.py.
 
     python -m bench.service.user_windows --runs 8       # 192 windows, about 70 s
+    python -m bench.service.user_windows --runs 8 --span 4   # and 48 spans of 4 windows
+
+``--span K``: ``window.rollups = ["Kx"]`` beside the windows (docs/privacy_unit.md,
+"Rollups"): a density state per span of K windows, ``state.rollup_expected_users`` K x 2,000,
+read against the span's truth (the windows' users are distinct, so their sum).
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ def write_logins(path: Path, windows: int, seed: int = 7) -> list[int]:
     return truth
 
 
-def run_once(directory: Path, windows: int, seed: int) -> list[tuple[int, dict]]:
-    """(truth, the release's ``distinct_users``) of each window of one service run."""
+def run_once(directory: Path, windows: int, seed: int,
+             span: int = 0) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
+    """(truth, the release's ``distinct_users``) of each window of one service run, and of
+    each span with ``span`` (window.rollups = ["<span>x"])."""
     truth = write_logins(directory / "logins.jsonl", windows, seed)
     sets = {"source.kind": "file", "source.path": directory / "logins.jsonl",
             "source.format": "json", "item.field": "user", "state.privacy_unit": "user",
@@ -56,38 +63,57 @@ def run_once(directory: Path, windows: int, seed: int) -> list[tuple[int, dict]]
             "metrics.port": -1, "release.on_exhausted": "false",
             # a registry of its own: not the user's, where a rerun's file would be refused
             "ledger.file_registry": directory / "budget-registry.jsonl"}
+    if span:
+        sets.update({"window.rollups": f"{span}x", "state.rollup_expected_users": 2000 * span,
+                     "ledger.budget_per_user": windows + windows // span})
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", *args],
                          capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if res.returncode != 0:
         raise SystemExit(res.stderr)
+    base = directory / "releases" / ("base" if span else "")
     out = []
     for w, users in enumerate(truth):
-        doc = json.loads((directory / "releases" / f"release-{w}.json").read_text())
+        doc = json.loads((base / f"release-{w}.json").read_text())
         out.append((users, doc["distinct_users"]))
-    return out
+    spans = []
+    for s in range(windows // span if span else 0):
+        doc = json.loads((directory / "releases" / f"r{span}x" / f"release-{s}.json")
+                         .read_text())
+        spans.append((sum(truth[s * span:(s + 1) * span]), doc["distinct_users"]))
+    return out, spans
 
 
-def main() -> None:
-    ap = parser(__doc__, "one run of two windows")
-    ap.add_argument("--runs", type=int, default=8)
-    ap.add_argument("--windows", type=int, default=24)
-    args = ap.parse_args()
-    runs, windows = (1, 2) if args.smoke else (args.runs, args.windows)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(runs):
-            d = Path(tmp) / str(r)
-            d.mkdir()
-            rows += run_once(d, windows, seed=100 + r)
+def summary(rows: list[tuple[int, dict]], what: str) -> str:
     inside = sum(d["interval"][0] <= u <= (d["interval"][1] or np.inf) for u, d in rows)
     errs = np.array([(d["value"] - u) / u for u, d in rows])
     stated = np.array([d["expected_relative_error"] for _, d in rows])
     rms = float(np.sqrt(np.mean(errs ** 2)))
-    print(f"{len(rows)} windows ({runs} runs): 90% interval coverage {inside / len(rows):.3f}; "
-          f"RMS relative error {rms:.3f}, mean stated {stated.mean():.3f}, stated / actual "
-          f"{stated.mean() / rms:.2f}")
+    return (f"{len(rows)} {what}: 90% interval coverage {inside / len(rows):.3f}; "
+            f"RMS relative error {rms:.3f}, mean stated {stated.mean():.3f}, stated / actual "
+            f"{stated.mean() / rms:.2f}")
+
+
+def main() -> None:
+    ap = parser(__doc__, "one run of two windows and their span")
+    ap.add_argument("--runs", type=int, default=8)
+    ap.add_argument("--windows", type=int, default=24)
+    ap.add_argument("--span", type=int, default=0, help="window.rollups = [\"<span>x\"]")
+    args = ap.parse_args()
+    runs, windows = (1, 2) if args.smoke else (args.runs, args.windows)
+    span = 2 if args.smoke else (min(args.span, windows) if args.span else 0)  # (smoke: both)
+    rows, spans = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(runs):
+            d = Path(tmp) / str(r)
+            d.mkdir()
+            one, more = run_once(d, windows, seed=100 + r, span=span)
+            rows += one
+            spans += more
+    print(summary(rows, f"windows ({runs} runs)"))
+    if spans:
+        print(summary(spans, f"spans of {span} windows (window.rollups, one state each)"))
 
 
 if __name__ == "__main__":
