@@ -40,8 +40,9 @@ Run from the repository root::
    unless ``--session-timeout-s`` says otherwise (the other runs use 6 s): after a kill -9 a
    KRaft broker loads the groups and starts their session clocks about 10 s before it takes
    requests (it waits out its old registration), so members with a shorter session are
-   dropped, rejoin and rebalance more than once. The load average at each return is printed beside it: on a shared 2-core machine
-   the leader's backlog before the outage, not Kafka, sets the tail.
+   dropped, rejoin and rebalance more than once. The load average at each return is printed
+   beside it: on a shared 2-core machine the leader's backlog before the outage, not Kafka,
+   sets the tail.
 """
 
 from __future__ import annotations
