@@ -150,11 +150,9 @@ def test_time_windows_release_users_exactly_once(tmp_path):
     ["state.mode=hashed"],
     ["checkpoint.snapshots_per_window=1"],
     ["breakdown.field=country"],
-    ["window.kind=time", "window.size=60", "source.kind=kafka", "source.topic=t",
-     "window.allowed_lateness_s=5"],
     ["state.expected_users=0"],
 ], ids=["scale-out", "summed rollups", "rollups without their users", "shuffle", "hashed",
-        "snapshots", "breakdown", "event time with lateness", "no expected users"])
+        "snapshots", "breakdown", "no expected users"])
 def test_unsupported_combinations_are_one_line_and_write_nothing(tmp_path, sets):
     path = tmp_path / "logins.jsonl"
     path.write_text(json.dumps({"user": "alice"}) + "\n")

@@ -151,6 +151,9 @@ class EventTimeWindows:
         #: the window after the open one while it counts already (allowed lateness), else None
         self.second: SecondWindow | None = None
         self._carried = None  # the second window's state, taken over by the window a close opens
+        #: a restore replayed the open window: the second window's records read before the stop
+        #: are counted again too, in the window the next close opens (:meth:`restored`)
+        self._second_replayed = False
         #: positions rejected as future_timestamp, rejected again on a replay (event_time only)
         self.future = (FutureRejects(host.dir / "future_rejects")
                        if host.cfg.window.kind == "event_time" else None)
@@ -190,6 +193,31 @@ class EventTimeWindows:
         # window before they all passed it): they read their waiting records again
         self._ahead.clear()
         self.host.intake.release_held()
+        if self._second_replayed:
+            self._second_replayed = False
+            self._charge_second_replay(task, w)
+
+    def restored(self) -> None:
+        """A restore replays the open window from its checkpoint (its restart entry is
+        ledgered). With allowed lateness the second window may have counted records before the
+        stop; the replay counts them again under fresh noise, into the window the next close
+        opens, so that window is named in a restart entry of its own (:meth:`open_window`)."""
+        self._second_replayed = True
+
+    def _charge_second_replay(self, task: WindowTask, w: dict) -> None:
+        """Under ``state.privacy_unit = user`` a window's restarts are charged to every user by
+        its uid (:meth:`.user_budget.UserBudget.charge_of`), so the second window's replay needs
+        an entry naming it; the event unit charges by source position, which the restored
+        window's entry covers already. When the second window had counted nothing before the
+        stop the entry charges a replay that did not happen: one eps, on the safe side."""
+        cfg = self.host.cfg
+        if cfg.state.privacy_unit != "user" or float(cfg.window.allowed_lateness_s) <= 0:
+            return
+        self.host._ledger_append(
+            entry_id=f"restart-{os.urandom(6).hex()}", kind="restart", window=w["id"],
+            window_uid=w["uid"], model=self.host.model, replay_from=dict(task.offsets),
+            unit=task.name, note="the second live window at the stop: its records read before "
+                                 "it counted again under fresh noise after the restore")
 
     def second_window_fields(self) -> dict:
         """What a closing event-time window's ledger entry records of the second window (so a

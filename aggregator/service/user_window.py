@@ -25,10 +25,11 @@ the per-user budget sums the levels' ledgers (:func:`user_rollup_line` says what
 What is refused, one line each at start (:func:`user_unit_problem`): no ``ledger.budget_per_user``
 (or one below a window's eps, or one under the event unit), what the density state
 does not support (several intrusions: snapshots, audit exports; merging: summed rollups,
-scale-out) and what is not wired yet (event-time windows with allowed lateness, several
-aggregations or a breakdown, the shuffle and state-only models, hashed mode's counters).
-Event-time windows without lateness run as the event unit's (one live window; a replay's
-``restart`` entry names the window it recounts, and the per-user budget charges it).
+scale-out) and what is not wired yet (several aggregations or a breakdown, the shuffle and
+state-only models, hashed mode's counters). Event-time windows run as the event unit's; a
+replay's ``restart`` entry names the window it recounts, and the per-user budget charges it.
+With allowed lateness two windows are live at once, and the second's replay gets a restart
+entry of its own when it opens (:meth:`.event_time.EventTimeWindows.restored`).
 """
 
 from __future__ import annotations
@@ -111,9 +112,6 @@ def user_unit_problem(cfg: dict, aggregations: Mapping | None = None) -> str | N
                                  "joint model's)"),
         (st["mode"] == "hashed", "state.mode = hashed (the users are hashed into "
                                  "state.expected_users' cells; leave state.mode at direct)"),
-        (w["kind"] == "event_time" and float(w["allowed_lateness_s"]) > 0,
-         "window.allowed_lateness_s > 0 with event-time windows (two live windows: a crash's "
-         "replay of the second is not charged to the users)"),
         (int(cfg["checkpoint"]["snapshots_per_window"]) > 0,
          "checkpoint.snapshots_per_window (a second look at the bits is not covered)"),
         (bool(cfg["breakdown"]["field"]), "a breakdown (breakdown.field)"),

@@ -133,6 +133,8 @@ class Resume:
                     note="events after replay_from counted again under fresh noise; "
                          "2 eps for them against an intruder who read memory before "
                          "the restart")
+        if task.window["kind"] == "event_time":
+            self.event_time.restored()
         log.info("restored checkpoint %d of %s: window %s from %d partition offset(s)%s; the "
                  "window's later events are replayed from the source under fresh noise",
                  ckpt.seq, task.name, task.window["id"], len(task.offsets),
