@@ -171,3 +171,16 @@ def test_a_partition_far_past_the_groups_watermark_is_paused_and_idle_ones_hold_
     assert marks.ahead(own, now_ms=3000) == {0}
     own[0] = MarkRecord(far - 10_000)
     assert marks.ahead(own, now_ms=3000) == set()
+
+
+def test_a_deleted_span_rides_in_the_commits_until_its_last_window_closes():
+    """Records deleted before they were counted taint every window up to ``through``; each
+    commit carries the span (``l``) while a tainted window is still to close, so a replay from
+    it withholds them too, and none after."""
+    lost = (100, 500, 12)
+    for closed, carried in ((None, True), (9, True), (11, True), (12, False), (13, False)):
+        meta = commit_meta(closed=closed, position=600, offset=550, passed_ms=1_000,
+                           skip_until=None, ledger_head="1:ab", lost=lost)
+        assert ("l" in meta) is carried, (closed, meta)
+        clock = PartitionClock.from_commit(550, meta)
+        assert clock.lost == (lost if carried else None)

@@ -495,6 +495,92 @@ def test_source_records_deleted_before_they_were_counted_withhold_their_window(
     assert "Traceback" not in members.logs(last=100000)
 
 
+def test_event_time_records_deleted_before_they_were_counted_withhold_every_window_they_may_hold(
+        kafka_broker, tmp_path):
+    """The event-time edition of the test above. The deleted records' timestamps are gone with
+    them, so any window not closed on their partition, up to the window of now +
+    window.max_future_skew_s (later stamps are rejected), may have held one: each of those is
+    withheld naming the deleted offsets, none is released over that partition, and the windows
+    after it release. (Before, the new owner counted on from the first record left and the
+    windows were released short of the deleted records, no flag.)"""
+    import re
+    import signal
+
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.admin import KafkaAdminClient
+
+    topic = make_topic(kafka_broker, 2)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}", "--set", "window.kind=event_time",
+                      "--set", "window.size=2", "--set", "window.allowed_lateness_s=1",
+                      "--set", "window.max_future_skew_s=4",
+                      "--set", "window.idle_partition_timeout_s=3",
+                      "--set", "source.session_timeout_s=15")
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    tp = TopicPartition(topic, 1)
+    key = f"{topic}:1"
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        deadline = time.monotonic() + 120
+        while sum(d["n"] for d in releases(kafka_broker, topics)) < 1000:  # windows close as
+            produce(kafka_broker, topic, np.arange(500) % D, 500)       # event time moves on
+            assert time.monotonic() < deadline, members.logs()[-4000:]
+        victim = last_saying(tmp_path, "v*.log", "counting partition 1 of")
+        members.procs[victim].send_signal(signal.SIGKILL)
+        members.procs[victim].wait(30)
+        produce(kafka_broker, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
+        c = KafkaConsumer(bootstrap_servers=kafka_broker)
+        low = c.end_offsets([tp])[tp]
+        c.close()
+        counting = admin.list_group_offsets(topics.counting_group)[topics.counting_group]
+        committed = counting[tp].offset
+        admin.delete_records({tp: low})
+        assert committed < low
+        produce(kafka_broker, topic, np.arange(1000) % D, 250)    # 4 s
+        survivor = "v2" if victim == "v1" else "v1"
+        said = None
+        deadline = time.monotonic() + 180
+        while True:          # the survivor releases partition 1's windows past the taint
+            logs = members.logs(last=100000)
+            said = said or re.search(r"partition 1 of \S+ from offset (\d+) to (\d+) were "
+                                     r"deleted .* up to window (\d+) is withheld", logs)
+            entries = read_ledger(kafka_broker, topics).entries
+            if said:
+                after = [e for e in entries if e["kind"] == "release"
+                         and not e.get("withheld") and e["window"] > int(said.group(3))
+                         and e["ranges"].get(key, [0, 0])[1] > e["ranges"].get(key, [0, 0])[0]]
+                if after:
+                    break
+            produce(kafka_broker, topic, np.arange(100) % D, 100)  # time moves on
+            assert members.procs[survivor].poll() is None, members.logs()
+            assert time.monotonic() < deadline, members.logs()[-4000:]
+    finally:
+        members.stop_all()
+        admin.close()
+    first, end, through = (int(x) for x in said.groups())
+    assert (first, end) == (committed, low), said.group(0)
+    withheld = {e["window"]: e["withheld"] for e in entries
+                if e["kind"] == "release" and e.get("withheld")}
+    released = {e["window"]: e for e in entries if e["kind"] == "release"
+                and not e.get("withheld")}
+    tainted = [w for w, text in withheld.items()
+               if f"from offset {committed} to {low} were deleted" in text]
+    assert tainted and max(tainted) <= through, (tainted, through)
+    # no window that may hold a deleted record is released: those after the last one closed on
+    # partition 1 (the survivor's commit says which) up to the taint's end
+    acquired = re.search(rf"counting partition 1 of \S+ from offset {committed} by event time "
+                         r"\(last window closed there: (\w+)\)", logs)
+    assert acquired, logs[-3000:]
+    closed_before = -1 if acquired.group(1) == "none" else int(acquired.group(1))
+    short = sorted(w for w in released if closed_before < w <= through)
+    assert not short, (short, closed_before, through, tainted)
+    assert "Traceback" not in members.logs(last=100000)
+
+
 def test_a_member_exits_when_idle_only_after_its_leader_released_the_complete_windows(
         kafka_broker, tmp_path):
     """``--exit-when-idle`` on a member that leads: its intake goes idle once the backlog is

@@ -28,6 +28,12 @@ stamped at or after ``(k+1)*S + L``.
   leader fills those in as empty parts of a window (:func:`skipped_parts`), so it releases each
   window once every source partition has reported through it; a window no partition holds an
   event of is not released (one process skips it too).
+* **Records deleted before they were counted** (the source topic's retention, a member down
+  longer than it): a partition acquired from a commit below its first offset, or whose offsets
+  jump past deleted records while counting, may have lost records of any window not yet closed
+  on it up to :func:`lost_through`; each of those windows is withheld naming the deleted
+  offsets (the leader ledgers it and publishes nothing of it), and the commits carry the span
+  (``l``) until the last of them closes, so a replay withholds them too.
 * **Offsets.** Several windows may be open on a partition. Closing window k commits, per
   partition, the first offset counted into a window still open (or the position when none is),
   with metadata ``k`` (last window closed), ``s`` (the position at the close: below it, records
@@ -59,7 +65,7 @@ import numpy as np
 from .watermark import MarkRecord, closable_upto, low_watermark, stamp, too_far_ahead
 
 __all__ = ["PartitionClock", "Decisions", "GroupMarks", "skipped_parts", "commit_meta",
-           "window_info"]
+           "lost_through", "window_info"]
 
 
 @dataclass
@@ -88,12 +94,18 @@ class PartitionClock:
         #: below it, the dead letters of the records read were sent (at least ``skip_until``)
         self.dead_until = self.skip_until
         self.idle_since_ms: int | None = None
+        #: (first, end, through): records [first, end) were deleted by retention before they
+        #: were counted, and every window up to ``through`` may have held one (:func:`lost_through`)
+        self.lost: tuple[int, int, int] | None = None
 
     @classmethod
     def from_commit(cls, offset: int, meta: dict) -> "PartitionClock":
         clock = cls(start=offset, passed_ms=meta.get("pm"), closed=meta.get("k"),
                     skip_until=meta.get("s"))
         clock.dead_until = max(int(meta.get("d", 0)), clock.skip_until or 0) or None
+        if meta.get("l"):
+            first, end, through = (int(x) for x in meta["l"])
+            clock.lost = (first, end, through)
         return clock
 
     def assign(self, offsets: np.ndarray, ts: np.ndarray, *, size_ms: int,
@@ -122,9 +134,25 @@ class PartitionClock:
         return MarkRecord(self.passed_ms, self.idle_since_ms)
 
 
+def lost_through(now_ms: int, *, size_ms: int, skew_ms: int) -> int:
+    """The last window a record deleted before it was counted may have belonged to.
+
+    Its timestamp is gone with it. It was written before now, and a record stamped later than
+    now + ``window.max_future_skew_s`` is rejected, so its window (or, if it was late, the
+    first window its partition had not passed, which is earlier) is at most the window of
+    ``now_ms + skew_ms``; none at or before the last window closed on its partition. Every
+    window in between may hold it, so each is withheld on that partition.
+
+    >>> lost_through(10_500, size_ms=1000, skew_ms=3000)
+    13
+    """
+    return int((int(now_ms) + int(skew_ms)) // int(size_ms))
+
+
 def commit_meta(*, closed: int | None, position: int, offset: int, passed_ms: int | None,
                 skip_until: int | None, ledger_head: str, closing: bool = True,
-                dead_until: int | None = None) -> dict:
+                dead_until: int | None = None,
+                lost: tuple[int, int, int] | None = None) -> dict:
     """The offset metadata of a partition committed at ``offset``, read to ``position``, the
     last window closed on it ``closed`` (None: none yet). ``closing``: window ``closed`` closes
     in this commit, so every record read so far of a window up to it is decided (``s``); else
@@ -141,6 +169,8 @@ def commit_meta(*, closed: int | None, position: int, offset: int, passed_ms: in
     sent = max(int(position), int(dead_until or 0))
     if sent > max(offset, decided):
         meta["d"] = sent
+    if lost is not None and (closed is None or closed < lost[2]):
+        meta["l"] = [int(x) for x in lost]  # a replay withholds the windows still to close
     return meta
 
 

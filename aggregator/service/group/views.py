@@ -60,7 +60,7 @@ from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
-from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta
+from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta, lost_through
 from .event_views import window_info as event_window_info
 from .watermark import MAX_AHEAD_WINDOWS, stamped
 from .membership import Membership
@@ -279,6 +279,9 @@ class ViewCounter:
         self._committed: dict[int, int] = {}
         self._dead_pending: list[tuple[int, tuple]] = []
         self._marked: dict[int, tuple] = {}
+        #: partition -> the position before a jump in its offsets (event time; looked at before
+        #: the next close: records deleted there, or transaction markers only)
+        self._event_gaps: dict[int, int] = {}
         if closes is not None and (self.count or self.event):
             # the latest totals (watermarks) of every partition: the intake topic from its start
             closes.seek_to_beginning(tp)
@@ -628,6 +631,7 @@ class ViewCounter:
         self._committed.clear()
         self._dead_pending.clear()
         self._marked.clear()
+        self._event_gaps.clear()
 
     def _sync_event_time(self, owned: set[int]) -> None:
         """After a rebalance: keep the open windows when this member still holds every
@@ -653,6 +657,8 @@ class ViewCounter:
                 self.consumer.seek(tp, offset)
                 clock = PartitionClock.from_commit(offset, meta)
             self.clocks[p], self._committed[p] = clock, offset
+            if meta:   # records after the commit may be gone (retention; a member down long)
+                self._note_deleted_event_time(p, offset)
             self.where[p] = -1 if clock.closed is None else clock.closed + 1
             self.metrics.handovers.labels(event="acquired").inc()
             log.info("counting partition %d of %s from offset %d by event time (last window "
@@ -680,6 +686,8 @@ class ViewCounter:
             recs = [r for r in recs if r.offset >= clock.position]
             if not recs:
                 continue
+            if recs[0].offset > clock.position:  # most often a transaction marker; looked
+                self._event_gaps.setdefault(tp.partition, clock.position)  # at before a close
             counted += self._count_event_time(tp.partition, tp, recs, now_ms)
             clock.position = recs[-1].offset + 1
             clock.idle_since_ms = None
@@ -820,6 +828,14 @@ class ViewCounter:
             upto = max(upto if upto is not None else -1, self._forced_upto)
         if upto is None:
             return
+        for clock in self.clocks.values():
+            if clock.lost is not None:
+                # each window that may hold a deleted record gets a view of its own (withheld):
+                # skipped, it would count as empty there (the views' "after")
+                first = clock.closed + 1 if clock.closed is not None else min(self.tasks,
+                                                                                default=upto)
+                for w in range(first, min(upto, clock.lost[2]) + 1):
+                    self.tasks.setdefault(w, MemberWindow(w))
         for w in sorted(self.tasks):
             if w > upto:
                 break
@@ -832,11 +848,39 @@ class ViewCounter:
         """Close window ``w`` on every owned partition where it is still open: its view
         covers them (empty ranges where they had no events of it)."""
         task = self.tasks.setdefault(w, MemberWindow(w))
+        for p, since in sorted(self._event_gaps.items()):
+            self._note_deleted_event_time(p, since)
+        self._event_gaps.clear()
         for p, clock in self.clocks.items():
             if clock.closed is None or clock.closed < w:
                 task.ranges.setdefault(p, [clock.position, clock.position])
+                if clock.lost is not None and w <= clock.lost[2]:
+                    task.lost[p] = clock.lost[:2]
         task.dead = [dl for p, dl in self._dead_pending if p in task.ranges]
         return self._close(task)
+
+    def _note_deleted_event_time(self, p: int, since: int) -> None:
+        """Whether records of partition ``p`` from ``since`` were deleted before they were
+        counted (its first offset is past ``since``); if so, every window not closed on it up
+        to :func:`.event_views.lost_through` is withheld there, naming them."""
+        from kafka import TopicPartition
+
+        clock = self.clocks[p]
+        if clock.lost is not None and clock.lost[1] > since:
+            return
+        tp = TopicPartition(self.source_topic, p)
+        low = self.consumer.beginning_offsets([tp]).get(tp)
+        if low is None or int(low) <= since:
+            return
+        c = self.route.clock
+        through = lost_through(int(time.time() * 1000), size_ms=c.size_ms, skew_ms=c.skew_ms)
+        first = since if clock.lost is None else min(clock.lost[0], since)
+        clock.lost = (int(first), int(low), max(through, clock.lost[2] if clock.lost else 0))
+        log.warning("records of partition %d of %s from offset %d to %d were deleted by the "
+                    "topic's retention before they were counted; their timestamps are gone "
+                    "with them, so every window not closed there up to window %d is withheld "
+                    "naming them (window.max_future_skew_s bounds how far)", p,
+                    self.source_topic, clock.lost[0], clock.lost[1], clock.lost[2])
 
     def _event_commits(self, parts, closing: int | None, lh: str) -> dict[int, tuple[int, str]]:
         """The offset and metadata of each of ``parts`` once window ``closing`` closes (None:
@@ -856,7 +900,7 @@ class ViewCounter:
             out[p] = (int(offset), encode_meta(commit_meta(
                 closed=closed, position=clock.position, offset=offset, passed_ms=passed,
                 skip_until=clock.skip_until, ledger_head=lh, closing=closing is not None,
-                dead_until=clock.dead_until)))
+                dead_until=clock.dead_until, lost=clock.lost)))
         return out
 
     def _event_closed(self, task: MemberWindow, commits: dict) -> None:
@@ -865,6 +909,8 @@ class ViewCounter:
             clock.closed = task.window
             clock.skip_until = json.loads(meta).get("s")
             clock.dead_until = max(clock.position, clock.skip_until or 0)
+            if clock.lost is not None and task.window >= clock.lost[2]:
+                clock.lost = None     # every window that may have held them is closed
             self._committed[p] = offset
             self.where[p] = task.window + 1
         self._dead_pending = [(p, dl) for p, dl in self._dead_pending if p not in task.ranges]
