@@ -20,6 +20,8 @@ Cells (``--cells``):
 
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python -m bench.accuracy.views_cost --reps 6 \\
         --doc docs/scale-out.md
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m bench.accuracy.views_cost --cells real \\
+        --reps 12 --dcap 20000 --eps 1 --doc docs/scale-out.md   # ~25 min on one core
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def main(argv=None) -> None:
                     help="real profiles: their first DCAP items (D = min(size, DCAP))")
     ap.add_argument("--eps", type=float, default=1.0)
     ap.add_argument("--doc", help="write the tables into this doc's views-cost block "
-                                  "(views-cost-real or views-cost-synth with --cells)")
+                                  "(views-cost-real or views-cost-synth with --cells, "
+                                  "-eps<EPS> after it at an eps other than 1)")
     args = ap.parse_args(argv)
     reps = 2 if args.smoke else args.reps
     cells = run(reps, _cells(args.cells, args.smoke, args.dcap), args.eps)
@@ -169,6 +172,7 @@ def main(argv=None) -> None:
     print("\n".join(lines))
     if args.doc and not args.smoke:
         name = "views-cost" if args.cells == "all" else f"views-cost-{args.cells}"
+        name += "" if args.eps == 1 else f"-eps{args.eps:g}"
         write_doc_section(args.doc, "bench", name, lines)
 
 
