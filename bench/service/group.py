@@ -29,12 +29,6 @@ Run from the repository root::
 3. Takeover: two members, a steady 2,000 events/s; kill -9 of the member that does not lead, not
    restarted; the time from the kill until the window open at the kill is released, against the
    same window's planned release time (its end + close grace).
-5. Memory (``--memory``, issue 47: "memory per member = one process's"): for each D of
-   ``--domains``, one process and then each k of ``--members`` members (views exchange unless
-   ``--exchange items``), each on a backlog of its own (``--events`` records over D items, the
-   throughput runs above with ``state.domain_size = D``); peak RSS is VmHWM from
-   /proc/<pid>/status of each ``panagg run`` process and of its release workers (sampled 5 times
-   a second; the process's own VmHWM is its peak whenever read), and each over one process's.
 4. Broker restarts (``--restarts K``, issue 46: "a group resumes releasing within 10 s of the
    broker's return"): a broker of its own (it is stopped and killed, so never
    $PANAGG_KAFKA_BOOTSTRAP's), three members (``--members``' last count) of 5 s time windows over
@@ -45,6 +39,12 @@ Run from the repository root::
    broker's return (``kafka.sh start`` answered) until the group's ledger holds one more
    release. The load average at each return is printed beside it: on a shared 2-core machine
    the leader's backlog before the outage, not Kafka, sets the tail.
+5. Memory (``--memory``, issue 47: "memory per member = one process's"): for each D of
+   ``--domains``, one process and then each k of ``--members`` members (views exchange unless
+   ``--exchange items``), each on a backlog of its own (``--events`` records over D items, the
+   throughput runs above with ``state.domain_size = D``); peak RSS is VmHWM from
+   /proc/<pid>/status of each ``panagg run`` process and of its release workers (sampled 5 times
+   a second; the process's own VmHWM is its peak whenever read), and each over one process's.
 """
 
 from __future__ import annotations
