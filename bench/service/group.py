@@ -26,6 +26,7 @@ Run from the repository root::
    without each process's start-up CPU (its tree's CPU when its log says it starts to count),
    and the ratios of the group's figures to one process's. ``--client confluent`` asks every
    process for ``source.client = confluent`` (a process that refuses it: reported, its line).
+   Each run records the peak RSS as 5. does.
 3. Takeover: two members, a steady 2,000 events/s; kill -9 of the member that does not lead, not
    restarted; the time from the kill until the window open at the kill is released, against the
    same window's planned release time (its end + close grace).
