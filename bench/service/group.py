@@ -6,6 +6,7 @@ Run from the repository root::
     .venv/bin/python -m bench.service.group --accuracy    # offline: merged l1 at P = 1, 3, 6, 12
     .venv/bin/python -m bench.service.group --throughput  # real broker: events/s, 1-3 members
     .venv/bin/python -m bench.service.group --takeover    # real broker: kill -9 -> release
+    .venv/bin/python -m bench.service.group --memory --members 2  # real broker: peak RSS
     .venv/bin/python -m bench.service.group --all         # the three; writes docs/group_bench.md
 
 1. Accuracy (offline, production code paths): one true histogram per repetition (n events over a
@@ -25,6 +26,7 @@ Run from the repository root::
    without each process's start-up CPU (its tree's CPU when its log says it starts to count),
    and the ratios of the group's figures to one process's. ``--client confluent`` asks every
    process for ``source.client = confluent`` (a process that refuses it: reported, its line).
+   Each run records the peak RSS as 5. does.
 3. Takeover: two members, a steady 2,000 events/s; kill -9 of the member that does not lead, not
    restarted; the time from the kill until the window open at the kill is released, against the
    same window's planned release time (its end + close grace).
@@ -43,6 +45,12 @@ Run from the repository root::
    dropped, rejoin and rebalance more than once. The load average at each return is printed
    beside it: on a shared 2-core machine the leader's backlog before the outage, not Kafka,
    sets the tail.
+5. Memory (``--memory``, issue 47: "memory per member = one process's"): for each D of
+   ``--domains``, one process and then each k of ``--members`` members (views exchange unless
+   ``--exchange items``), each on a backlog of its own (``--events`` records over D items, the
+   throughput runs above with ``state.domain_size = D``); peak RSS is VmHWM from
+   /proc/<pid>/status of each ``panagg run`` process and of its release workers (sampled 5 times
+   a second; the process's own VmHWM is its peak whenever read), and each over one process's.
 """
 
 from __future__ import annotations
@@ -267,6 +275,57 @@ def own_cpu(pid: int) -> float:
     return sum(int(x) for x in raw[raw.rindex(")") + 2:].split()[11:13]) / _TICK
 
 
+def vm_hwm_mb(pid: int) -> float:
+    """Peak resident set size (VmHWM, /proc/<pid>/status) of process ``pid`` in MB (10^6 bytes);
+    0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    return 0.0
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of every descendant of ``pid`` alive now (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                raw = (d / "stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(raw[raw.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo += children.get(c, [])
+    return out
+
+
+class PeakRss:
+    """Peaks of the VmHWM of processes and of their descendants (release workers), read from
+    /proc each time :meth:`sample` is called (a worker that lives between two samples is
+    missed; the processes' own VmHWM is their peak since they started, whenever read)."""
+
+    def __init__(self, pids):
+        self.pids = list(pids)
+        self.own = [0.0] * len(self.pids)
+        self.workers: list[dict[int, float]] = [{} for _ in self.pids]
+
+    def sample(self) -> None:
+        for i, pid in enumerate(self.pids):
+            self.own[i] = max(self.own[i], vm_hwm_mb(pid))
+            for c in descendants(pid):
+                self.workers[i][c] = max(self.workers[i].get(c, 0.0), vm_hwm_mb(c))
+
+    def worker_peak(self) -> list[float]:
+        """Each process's largest descendant peak (0: none seen)."""
+        return [max(w.values(), default=0.0) for w in self.workers]
+
+
 def _exited(procs, tmp, group) -> str | None:
     """The last line of the log of a process of ``procs`` that has exited, None while all run."""
     for i, p in enumerate(procs):
@@ -295,17 +354,20 @@ def _stop(procs):
             p.kill()
 
 
-def _run(boot, tmp, n, k, event_time=False) -> dict:
-    """k members (k = 0: one process) on a new backlog of n records, from their start until
-    the releases hold n events: seconds, and CPU seconds of the processes' trees read just
-    before they are stopped (start-up, join, counting, releases and the idle polls between
-    them all inside)."""
+def _run(boot, tmp, n, k, event_time=False, domain=100_000) -> dict:
+    """k members (k = 0: one process) on a new backlog of n records over ``domain`` items,
+    from their start until the releases hold n events: seconds, CPU seconds of the processes'
+    trees read just before they are stopped (start-up, join, counting, releases and the idle
+    polls between them all inside), and peak RSS (VmHWM) of each process and of its largest
+    release worker, sampled every 0.2 s."""
     topic = _topic(boot)
-    _produce(boot, topic, n, event_span_s=200 if event_time else None)
+    _produce(boot, topic, n, event_span_s=200 if event_time else None, D=domain)
     group = f"gb-{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
-    procs = [_member(boot, topic, group, f"m{i}", tmp, event_time=event_time, alone=k == 0)
+    procs = [_member(boot, topic, group, f"m{i}", tmp, event_time=event_time, alone=k == 0,
+                     domain=domain)
              for i in range(max(k, 1))]
+    rss = PeakRss(p.pid for p in procs)
     who = f"{k} member(s)" if k else "one process"
     # the log line at which a process starts to count: its CPU until then is its start-up
     mark = "assigned partitions" if k == 0 else "counting partition"
@@ -322,8 +384,12 @@ def _run(boot, tmp, n, k, event_time=False) -> dict:
             for i, p in enumerate(procs):
                 if i not in started and mark in (tmp / f"{group}-m{i}.log").read_text():
                     started[i] = tree_cpu(p.pid), own_cpu(p.pid)
-            time.sleep(0.2 if len(started) < len(procs) else 1)
+            # the releases read each second (a consumer each time), RSS 5 times a second
+            for _ in range(1 if len(started) < len(procs) else 5):
+                rss.sample()
+                time.sleep(0.2)
         secs = time.monotonic() - t0
+        rss.sample()
         cpu = [tree_cpu(p.pid) for p in procs]
         loop = [own_cpu(p.pid) for p in procs]
         releases = (len(list((tmp / group / "m0" / "rel").glob("release-*.json"))) if k == 0
@@ -339,12 +405,16 @@ def _run(boot, tmp, n, k, event_time=False) -> dict:
            # the children: release workers (the leader's merges and releases, one process's)
            "worker_cpu_s": [c - o for c, o in zip(cpu, loop)],
            "net_cpu_us_per_event": 1e6 * (sum(cpu) - sum(start)) / n,
-           "windows": "event_time" if event_time else "time"}
+           "windows": "event_time" if event_time else "time", "domain": domain,
+           "rss_mb": rss.own, "worker_rss_mb": rss.worker_peak()}
     row["loop_cpu_us_per_event"] = 1e6 * (sum(loop) - sum(start_own)) / n
     print(f"{who}: {releases} releases; CPU of the release workers "
           f"{' + '.join(f'{c:.1f}' for c in row['worker_cpu_s'])} s; of the processes "
           f"themselves net of start-up {row['loop_cpu_us_per_event']:.1f} us/event",
           file=sys.stderr)
+    print(f"{who}, D = {domain:,}: peak RSS (VmHWM) {' + '.join(f'{r:.0f}' for r in rss.own)} "
+          f"MB, its largest release worker's "
+          f"{' + '.join(f'{r:.0f}' for r in row['worker_rss_mb'])} MB", file=sys.stderr)
     print(f"{who}: {n} events in {secs:.1f} s = {n / secs:,.0f} events/s, CPU "
           f"{sum(cpu):.1f} s ({' + '.join(f'{c:.1f}' for c in cpu)}) = "
           f"{row['cpu_us_per_event']:.1f} us/event (start, group join and the last window's "
@@ -408,6 +478,57 @@ def throughput_lines(rows: list[dict], m: dict) -> list[str]:
                    f"{(1e6 / net if net > 0 else nan):,.0f} | {r['releases']} | "
                    f"{' + '.join(f'{c:.1f}' for c in r['worker_cpu_s'])} | "
                    f"{r['loop_cpu_us_per_event']:.1f} | {ratio('loop_cpu_ratio')} |")
+    out.append(f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
+               f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}.")
+    return out
+
+
+def memory(boot, tmp, n=200_000, domains=(1_000, 1_000_000), members=(2,)) -> list[dict]:
+    """Peak RSS per process (issue 47: a member's memory = one process's): for each D, one
+    process, then each k of ``members`` on a backlog of n records of their own over D items
+    (the throughput runs of :func:`_run`, D counters each); each row's peaks over one
+    process's of the same D."""
+    rows = []
+    for D in domains:
+        base = _run(boot, tmp, n, 0, domain=D)
+        rows.append(base)
+        for k in members:
+            row = _run(boot, tmp, n, k, domain=D)
+            if "refused" not in row and "refused" not in base:
+                row["rss_ratio"] = [r / base["rss_mb"][0] for r in row["rss_mb"]]
+                row["worker_rss_ratio"] = [r / base["worker_rss_mb"][0]
+                                           if base["worker_rss_mb"][0] else float("nan")
+                                           for r in row["worker_rss_mb"]]
+                row["cpu_ratio"] = row["cpu_us_per_event"] / base["cpu_us_per_event"]
+                row["net_cpu_ratio"] = (row["net_cpu_us_per_event"]
+                                        / base["net_cpu_us_per_event"])
+            rows.append(row)
+    return rows
+
+
+def memory_lines(rows: list[dict], m: dict) -> list[str]:
+    """The markdown table of :func:`memory`'s rows."""
+    out = ["| D | run | peak RSS of each process, MB | over one process's | peak RSS of its "
+           "largest release worker, MB | over one process's | CPU us/event (tree) | over one "
+           "process's | net of start-up, us/event | over one process's | releases |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def each(xs, f="{:.0f}"):
+        return " + ".join(f.format(x) for x in xs) if xs else "1"
+    for r in rows:
+        who = f"{r['members']} member(s)" if r["members"] else "one process"
+        if "refused" in r:
+            out.append(f"| {r.get('domain', '-')} | {who} | refused: {r['refused']} |" + " |" * 8)
+            continue
+        one = r["members"] == 0
+        out.append(
+            f"| {r['domain']:,} | {who} | {each(r['rss_mb'])} | "
+            f"{'1' if one else each(r.get('rss_ratio', []), '{:.2f}')} | "
+            f"{each(r['worker_rss_mb'])} | "
+            f"{'1' if one else each(r.get('worker_rss_ratio', []), '{:.2f}')} | "
+            f"{r['cpu_us_per_event']:.1f} | {1.0 if one else r.get('cpu_ratio', 0):.2f} | "
+            f"{r['net_cpu_us_per_event']:.1f} | {1.0 if one else r.get('net_cpu_ratio', 0):.2f} "
+            f"| {r['releases']} |")
     out.append(f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
                f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}.")
     return out
@@ -593,6 +714,10 @@ def main(argv=None) -> int:
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--takeover", action="store_true")
+    ap.add_argument("--memory", action="store_true",
+                    help="peak RSS (VmHWM) of one process and of each member (--members), D "
+                         "counters each (--domains), --events records each run")
+    ap.add_argument("--domains", default="1000,1000000", help="--memory: state.domain_size D")
     ap.add_argument("--event-time", action="store_true",
                     help="--throughput with event-time windows (2 s allowed lateness)")
     ap.add_argument("--members", default="1,2,3", help="--throughput: member counts")
@@ -621,11 +746,12 @@ def main(argv=None) -> int:
     res: dict = {}
     if args.smoke:
         res["accuracy"] = accuracy(["zipf"], D=1_000, n=1_000, eps=1.0, reps=1)
-        args.events, args.members = 2_000, "1"
+        args.events, args.members, args.domains = 2_000, "1", "1000"
     elif args.accuracy or args.all:
         res["accuracy"] = accuracy(["zipf", "wf-en", "sc-es"], D=100_000, n=1_000_000, eps=1.0,
                                    reps=args.reps)
-    if args.throughput or args.takeover or args.count_windows or args.restarts or args.all:
+    if (args.throughput or args.takeover or args.count_windows or args.restarts or args.memory
+            or args.all):
         import tempfile
         tmp = Path(tempfile.mkdtemp(prefix="group-bench-"))
         boot, state = _broker(tmp)
@@ -637,6 +763,13 @@ def main(argv=None) -> int:
                 m["load_end"] = [round(x, 2) for x in os.getloadavg()]
                 res["machine"] = m
                 print("\n".join(throughput_lines(res["throughput"], m)), file=sys.stderr)
+            if args.memory:
+                res["memory"] = memory(boot, tmp, n=args.events,
+                                       domains=tuple(int(d) for d in args.domains.split(",")),
+                                       members=tuple(int(k) for k in args.members.split(",")))
+                m["load_end"] = [round(x, 2) for x in os.getloadavg()]
+                res["machine"] = m
+                print("\n".join(memory_lines(res["memory"], m)), file=sys.stderr)
             if args.takeover or args.all:
                 res["takeover"] = takeover(boot, tmp)
             if args.count_windows:

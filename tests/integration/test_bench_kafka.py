@@ -21,6 +21,7 @@ KAFKA_SMOKES = [
     ("service.group", ["--smoke", "--throughput"]),
     ("service.group", ["--smoke", "--throughput", "--client", "confluent", "--no-one"]),
     ("service.group", ["--smoke", "--restarts", "1"]),   # its own broker: it stops it
+    ("service.group", ["--smoke", "--memory"]),   # peak RSS: one process, one member
     ("service.views", ["--smoke", "recovery", "--bootstrap", "{bootstrap}"]),
 ]
 
