@@ -38,31 +38,11 @@ from aggregator.service import Aggregator
 from aggregator.service.config import load_config
 from aggregator.service.release_worker import ReleaseWorker
 from aggregator.state import PanPrivateHistogram
-from consumers.base import Segment, Source
+from tests.scripted_source import ScriptedSource
 from tests.test_privacy import empirical_epsilon
 
 T = 40_000          # trials per service run
 RUNS = 4            # service runs per neighbouring stream (N = T * RUNS runs of the mechanism)
-
-
-class _Stream(Source):
-    """Segments of msgpack records; ``at[k]`` is called before segment k is handed out (an
-    instant between two batches: the previous batch is counted and checkpointed)."""
-
-    def __init__(self, segments, at):
-        self.segments, self.at, self.k, self.offset = segments, at, 0, 0
-
-    def poll(self, timeout_s=1.0):
-        if self.k in self.at:
-            self.at[self.k]()
-        if self.k >= len(self.segments):
-            self.exhausted = True
-            return []
-        values = self.segments[self.k]
-        self.k += 1
-        offsets = list(range(self.offset, self.offset + len(values)))
-        self.offset += len(values)
-        return [Segment("audit:0", offsets, values)]
 
 
 def _segments(r: int) -> list[list[bytes]]:
@@ -162,7 +142,7 @@ def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=
         looks.append(_counters_in_files(copy))
 
     at = {k: (lambda k=k: backup(k)) for k in backups} or {gap: intrude}
-    agg = cls(cfg, _Stream(_segments(r), at))
+    agg = cls(cfg, ScriptedSource(_segments(r), at))
     release_input = []
     if workers:
         with _capture_worker_views(release_input):

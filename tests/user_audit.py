@@ -50,7 +50,7 @@ import numpy as np
 import aggregator.density as density_mod
 from aggregator.density import PanPrivateDensity
 from aggregator.noise import WORD, discrete_laplace_pmf
-from consumers.base import Segment, Source
+from tests.scripted_source import ScriptedSource
 
 EPS = 1.0
 EVENTS = (1, 10, 10_000)
@@ -257,25 +257,6 @@ def run_loss(ta: Trace, tb: Trace) -> float:
 # ---------------------------------------------------------------------------------------------
 # the service runs
 # ---------------------------------------------------------------------------------------------
-class _Logins(Source):
-    """msgpack login records in segments; ``at[k]()`` runs before segment k is handed out."""
-
-    def __init__(self, segments, at):
-        self.segments, self.at, self.k, self.offset = segments, at, 0, 0
-
-    def poll(self, timeout_s=1.0):
-        if self.k in self.at:
-            self.at[self.k]()
-        if self.k >= len(self.segments):
-            self.exhausted = True
-            return []
-        values = self.segments[self.k]
-        self.k += 1
-        offsets = list(range(self.offset, self.offset + len(values)))
-        self.offset += len(values)
-        return [Segment("logins:0", offsets, values)]
-
-
 def _files(state_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(state_dir)): p.read_bytes()
             for p in sorted(state_dir.rglob("*")) if p.is_file()}
@@ -413,7 +394,8 @@ def service_run(tmp: Path, sc: Scenario, who: str, *, workers: int = 1, seed: in
 
     at = {k: (lambda k=k: intrude(k)) for k in intrusions or sc.intrusions}
     with trace.active(thresholds=thresholds):
-        agg = (MultiAggregator if sc.rollup else Aggregator)(cfg, _Logins(segments, at))
+        source = ScriptedSource(segments, at, "logins:0")
+        agg = (MultiAggregator if sc.rollup else Aggregator)(cfg, source)
         agg.run()
     docs = [json_load(f) for f in sorted((tmp / f"releases-{who}").rglob("release-*.json"))]
     return RunViews(trace, files, docs)

@@ -429,6 +429,29 @@ def test_an_audit_export_of_a_views_group_is_its_windows_summed_views_signed(
     assert "Traceback" not in members.logs(last=100000)
 
 
+def _kill_the_owner_and_delete(bootstrap, topic, topics, members, tmp_path, admin):
+    """Kill -9 the member counting partition 1, write 3 s of records, then delete them
+    (DeleteRecords: what retention does, sooner) before anyone counted them. Returns the
+    counting group's committed offset there, the first offset left and the member killed."""
+    import signal
+
+    from kafka import KafkaConsumer, TopicPartition
+
+    tp = TopicPartition(topic, 1)
+    victim = last_saying(tmp_path, "v*.log", "counting partition 1 of")
+    members.procs[victim].send_signal(signal.SIGKILL)
+    members.procs[victim].wait(30)
+    produce(bootstrap, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
+    c = KafkaConsumer(bootstrap_servers=bootstrap)
+    low = c.end_offsets([tp])[tp]
+    c.close()
+    counting = admin.list_group_offsets(topics.counting_group)[topics.counting_group]
+    committed = counting[tp].offset
+    admin.delete_records({tp: low})
+    assert committed < low
+    return committed, low, victim
+
+
 def test_source_records_deleted_before_they_were_counted_withhold_their_window(
         kafka_broker, tmp_path):
     """A views member killed -9; records of its source partition are deleted (DeleteRecords:
@@ -437,9 +460,6 @@ def test_source_records_deleted_before_they_were_counted_withhold_their_window(
     window range; none is released short of them; later windows of that partition release.
     (Before, the new owner's consumer jumped to the first record left and the window was
     released with its range over the deleted offsets and an n short of them, no flag.)"""
-    import signal
-
-    from kafka import KafkaConsumer, TopicPartition
     from kafka.admin import KafkaAdminClient
 
     topic = make_topic(kafka_broker, 2)
@@ -449,24 +469,14 @@ def test_source_records_deleted_before_they_were_counted_withhold_their_window(
                       "--set", f"state.domain_size={D}", "--set", "window.kind=time",
                       "--set", "window.size=2", "--set", "source.session_timeout_s=15")
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-    tp = TopicPartition(topic, 1)
     try:
         for name in ("v1", "v2"):
             members.start(name)
         _wait_counting(members, tmp_path)
         produce(kafka_broker, topic, np.arange(2000) % D, 2000)
         wait_for_total(kafka_broker, topics, 2000, 120, members)
-        victim = last_saying(tmp_path, "v*.log", "counting partition 1 of")
-        members.procs[victim].send_signal(signal.SIGKILL)
-        members.procs[victim].wait(30)
-        produce(kafka_broker, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
-        c = KafkaConsumer(bootstrap_servers=kafka_broker)
-        low = c.end_offsets([tp])[tp]
-        c.close()
-        counting = admin.list_group_offsets(topics.counting_group)[topics.counting_group]
-        committed = counting[tp].offset
-        admin.delete_records({tp: low})
-        assert committed < low
+        committed, low, victim = _kill_the_owner_and_delete(kafka_broker, topic, topics, members,
+                                                            tmp_path, admin)
         produce(kafka_broker, topic, np.arange(1000) % D, 1000)
         survivor = "v2" if victim == "v1" else "v1"
         deadline = time.monotonic() + 180
@@ -504,9 +514,6 @@ def test_event_time_records_deleted_before_they_were_counted_withhold_every_wind
     after it release. (Before, the new owner counted on from the first record left and the
     windows were released short of the deleted records, no flag.)"""
     import re
-    import signal
-
-    from kafka import KafkaConsumer, TopicPartition
     from kafka.admin import KafkaAdminClient
 
     topic = make_topic(kafka_broker, 2)
@@ -519,7 +526,6 @@ def test_event_time_records_deleted_before_they_were_counted_withhold_every_wind
                       "--set", "window.idle_partition_timeout_s=3",
                       "--set", "source.session_timeout_s=15")
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-    tp = TopicPartition(topic, 1)
     key = f"{topic}:1"
     try:
         for name in ("v1", "v2"):
@@ -529,17 +535,8 @@ def test_event_time_records_deleted_before_they_were_counted_withhold_every_wind
         while sum(d["n"] for d in releases(kafka_broker, topics)) < 1000:  # windows close as
             produce(kafka_broker, topic, np.arange(500) % D, 500)       # event time moves on
             assert time.monotonic() < deadline, members.logs()[-4000:]
-        victim = last_saying(tmp_path, "v*.log", "counting partition 1 of")
-        members.procs[victim].send_signal(signal.SIGKILL)
-        members.procs[victim].wait(30)
-        produce(kafka_broker, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
-        c = KafkaConsumer(bootstrap_servers=kafka_broker)
-        low = c.end_offsets([tp])[tp]
-        c.close()
-        counting = admin.list_group_offsets(topics.counting_group)[topics.counting_group]
-        committed = counting[tp].offset
-        admin.delete_records({tp: low})
-        assert committed < low
+        committed, low, victim = _kill_the_owner_and_delete(kafka_broker, topic, topics, members,
+                                                            tmp_path, admin)
         produce(kafka_broker, topic, np.arange(1000) % D, 250)    # 4 s
         survivor = "v2" if victim == "v1" else "v1"
         said = None
