@@ -60,7 +60,8 @@ from state_store.failpoints import failpoint
 
 from .charges import ChargeBook
 
-__all__ = ["Ledger", "BudgetExceeded", "LedgerError", "GENESIS", "entry_hash", "migrate"]
+__all__ = ["Ledger", "BudgetExceeded", "LedgerError", "GENESIS", "entry_hash", "migrate",
+           "sibling_ledger_paths"]
 
 log = logging.getLogger("panagg.ledger")
 
@@ -311,6 +312,16 @@ class Ledger:
         for listener in self.listeners:   # the budget registry (release_gate.py)
             listener(entry)
         return True
+
+
+def sibling_ledger_paths(directory: str | os.PathLike) -> list[Path]:
+    """The ledgers of the other aggregations of ``directory``'s set (its siblings' ledgers, and
+    a one-aggregation ledger at the top, which the set refuses to start over): their charges
+    count against the same stream's per-event and per-user budgets."""
+    here = Path(directory).resolve()
+    return [path for path in sorted([*here.parent.glob("*/ledger.jsonl"),
+                                     *here.parent.glob("ledger.jsonl")])
+            if path.parent.resolve() != here]
 
 
 def _ranges_text(ranges: dict) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ServiceError
-from .ledger import BudgetExceeded, Ledger, LedgerError
+from .ledger import BudgetExceeded, Ledger, LedgerError, sibling_ledger_paths
 from .metrics import Metrics
 from .user_budget import USER_EPSILON, USER_STREAM, UserBudget, user_spent
 
@@ -198,11 +198,7 @@ class ReleaseGate:
         if not self.aggregation:
             return []
         out = []
-        # (and a one-aggregation ledger at the top, which the set refuses to start over)
-        for path in sorted([*self.dir.parent.glob("*/ledger.jsonl"),
-                            *self.dir.parent.glob("ledger.jsonl")]):
-            if path.parent.resolve() == self.dir.resolve():
-                continue
+        for path in sibling_ledger_paths(self.dir):
             try:
                 out.append(Ledger(path, budget_per_window=1.0).entries)
             except LedgerError as exc:

@@ -99,15 +99,13 @@ def _scrape(url: str, timeout_s: float = 2.0, aggregation: str | None = None) ->
 def _sibling_user_charges(state_dir: Path) -> float:
     """What the other aggregations of ``state_dir``'s set charged every user (0 outside a
     set)."""
-    from .ledger import Ledger
+    from .ledger import sibling_ledger_paths
     from .multi import SET_FILE
     from .user_budget import user_spent
-    parent = state_dir.resolve().parent
-    if not (parent / SET_FILE).exists():
+    if not (state_dir.resolve().parent / SET_FILE).exists():
         return 0.0
     return sum(user_spent(Ledger(path, budget_per_window=1.0).entries)
-               for path in sorted(parent.glob("*/ledger.jsonl"))
-               if path.parent.resolve() != state_dir.resolve())
+               for path in sibling_ledger_paths(state_dir))
 
 
 def collect_status(state_dir) -> dict:
