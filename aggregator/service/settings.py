@@ -513,9 +513,9 @@ class StateSettings(Section):
             "many, are hidden at eps, and a user active in k windows spends k x eps, at most "
             "`ledger.budget_per_user` (docs/privacy_unit.md). Needs `state.expected_users` and "
             "`ledger.budget_per_user`; `window.rollups` run a density state per span beside the "
-            "base windows (`state.rollup_expected_users`); event-time windows without "
-            "`window.allowed_lateness_s`; not yet with scale-out, "
-            "allowed lateness, snapshots, several aggregations, a breakdown, hashed "
+            "base windows (`state.rollup_expected_users`); event-time windows too (a crash's "
+            "replays charged to every user); not yet with scale-out, "
+            "snapshots, several aggregations, a breakdown, hashed "
             "mode or a model other than `joint` (each refused in one line)")
     expected_users: int = setting(
         0, bounds=(NON_NEGATIVE,), identity="domain", example=10000,
