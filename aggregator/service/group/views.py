@@ -645,6 +645,7 @@ class ViewCounter:
             self._drop_event_time()
         for p, clock in self.clocks.items():
             self.consumer.seek(TopicPartition(self.source_topic, p), clock.position)
+        resumed: dict[int, int] = {}   # partitions counted on from a commit
         for p in sorted(owned - set(self.clocks)):
             offset, meta = self._commit_of(p)
             tp = TopicPartition(self.source_topic, p)
@@ -657,13 +658,15 @@ class ViewCounter:
                 self.consumer.seek(tp, offset)
                 clock = PartitionClock.from_commit(offset, meta)
             self.clocks[p], self._committed[p] = clock, offset
-            if meta:   # records after the commit may be gone (retention; a member down long)
-                self._note_deleted_event_time(p, offset)
+            if meta:
+                resumed[p] = offset
             self.where[p] = -1 if clock.closed is None else clock.closed + 1
             self.metrics.handovers.labels(event="acquired").inc()
             log.info("counting partition %d of %s from offset %d by event time (last window "
                      "closed there: %s) into this member's own state", p, self.source_topic,
                      offset, "none" if clock.closed is None else clock.closed)
+        # records after a commit may be gone (retention; a member down longer than it)
+        self._note_deleted_event_time(resumed)
         self.metrics.partitions_owned.set(len(self.clocks))
 
     def _commit_of(self, p: int) -> tuple[int | None, dict]:
@@ -848,9 +851,9 @@ class ViewCounter:
         """Close window ``w`` on every owned partition where it is still open: its view
         covers them (empty ranges where they had no events of it)."""
         task = self.tasks.setdefault(w, MemberWindow(w))
-        for p, since in sorted(self._event_gaps.items()):
-            self._note_deleted_event_time(p, since)
-        self._event_gaps.clear()
+        if self._event_gaps:   # one look at the first offsets of the partitions that jumped
+            self._note_deleted_event_time(self._event_gaps)
+            self._event_gaps.clear()
         for p, clock in self.clocks.items():
             if clock.closed is None or clock.closed < w:
                 task.ranges.setdefault(p, [clock.position, clock.position])
@@ -859,28 +862,24 @@ class ViewCounter:
         task.dead = [dl for p, dl in self._dead_pending if p in task.ranges]
         return self._close(task)
 
-    def _note_deleted_event_time(self, p: int, since: int) -> None:
-        """Whether records of partition ``p`` from ``since`` were deleted before they were
-        counted (its first offset is past ``since``); if so, every window not closed on it up
-        to :func:`.event_views.lost_through` is withheld there, naming them."""
-        from kafka import TopicPartition
-
-        clock = self.clocks[p]
-        if clock.lost is not None and clock.lost[1] > since:
-            return
-        tp = TopicPartition(self.source_topic, p)
-        low = self.consumer.beginning_offsets([tp]).get(tp)
-        if low is None or int(low) <= since:
-            return
+    def _note_deleted_event_time(self, since: dict[int, int]) -> None:
+        """For each partition p of ``since`` whose records from ``since[p]`` were deleted
+        before they were counted (its first offset is past it), every window not closed on it
+        up to :func:`.event_views.lost_through` is withheld there, naming them."""
         c = self.route.clock
-        through = lost_through(int(time.time() * 1000), size_ms=c.size_ms, skew_ms=c.skew_ms)
-        first = since if clock.lost is None else min(clock.lost[0], since)
-        clock.lost = (int(first), int(low), max(through, clock.lost[2] if clock.lost else 0))
-        log.warning("records of partition %d of %s from offset %d to %d were deleted by the "
-                    "topic's retention before they were counted; their timestamps are gone "
-                    "with them, so every window not closed there up to window %d is withheld "
-                    "naming them (window.max_future_skew_s bounds how far)", p,
-                    self.source_topic, clock.lost[0], clock.lost[1], clock.lost[2])
+        look = {p: at for p, at in since.items()
+                if self.clocks[p].lost is None or self.clocks[p].lost[1] <= at}
+        for p, low in self._deleted_since(look).items():
+            clock = self.clocks[p]
+            through = lost_through(int(time.time() * 1000), size_ms=c.size_ms,
+                                   skew_ms=c.skew_ms)
+            first = since[p] if clock.lost is None else min(clock.lost[0], since[p])
+            clock.lost = (int(first), low, max(through, clock.lost[2] if clock.lost else 0))
+            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
+                        "the topic's retention before they were counted; their timestamps are "
+                        "gone with them, so every window not closed there up to window %d is "
+                        "withheld naming them (window.max_future_skew_s bounds how far)", p,
+                        self.source_topic, clock.lost[0], clock.lost[1], clock.lost[2])
 
     def _event_commits(self, parts, closing: int | None, lh: str) -> dict[int, tuple[int, str]]:
         """The offset and metadata of each of ``parts`` once window ``closing`` closes (None:
@@ -954,20 +953,25 @@ class ViewCounter:
         """Note on ``task`` the records of each partition p of ``since`` from ``since[p]`` to
         the partition's first offset, if the topic's retention deleted them before they were
         counted (a jump in a partition's offsets is most often a transaction marker)."""
+        for p, low in self._deleted_since(
+                {p: at for p, at in since.items() if p not in task.lost}).items():
+            task.lost[p] = (int(since[p]), low)
+            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
+                        "the topic's retention before they were counted; window %d is withheld "
+                        "naming them", p, self.source_topic, since[p], low, task.window)
+
+    def _deleted_since(self, since: dict[int, int]) -> dict[int, int]:
+        """Partition -> its first offset, for each partition p of ``since`` whose first offset
+        is past ``since[p]``: the records in between were deleted (retention) before they were
+        counted. One look at the broker for all of them."""
         from kafka import TopicPartition
 
-        tps = {p: TopicPartition(self.source_topic, p) for p in since if p not in task.lost}
-        if not tps:
-            return
+        if not since:
+            return {}
+        tps = {p: TopicPartition(self.source_topic, p) for p in since}
         lows = self.consumer.beginning_offsets(list(tps.values()))
-        for p, tp in sorted(tps.items()):
-            low = lows.get(tp)
-            if low is not None and int(low) > since[p]:
-                task.lost[p] = (int(since[p]), int(low))
-                log.warning("records of partition %d of %s from offset %d to %d were deleted "
-                            "by the topic's retention before they were counted; window %d is "
-                            "withheld naming them", p, self.source_topic, since[p], low,
-                            task.window)
+        return {p: int(lows[tp]) for p, tp in sorted(tps.items())
+                if lows.get(tp) is not None and int(lows[tp]) > since[p]}
 
     def _still_owned(self, task: MemberWindow) -> bool:
         """Whether this member still holds the window's partitions in the generation it synced
