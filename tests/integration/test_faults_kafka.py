@@ -229,6 +229,13 @@ def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
         rng = random.Random()  # any sequence must end read through
         read = {}
         try:
+            # the holds below need an assignment: on a starved machine the join takes a while
+            deadline = time.time() + 120
+            while not source.assigned and time.time() < deadline:
+                for seg in source.poll(0.2):
+                    read[seg.partition] = max(read.get(seg.partition, 0),
+                                              int(seg.offsets[-1]) + 1)
+            assert source.assigned, f"trial {trial}: no partition assigned in 120 s"
             for turn in range(60):
                 for seg in source.poll(0.2):
                     read[seg.partition] = max(read.get(seg.partition, 0),
@@ -244,8 +251,9 @@ def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
                 elif op < 0.6:
                     source.resume([key])
             source.resume(sorted(source.assigned))
-            deadline = time.time() + 30
-            while not source.caught_up(sorted(source.assigned)) and time.time() < deadline:
+            deadline = time.time() + 120
+            while (not source.assigned or not source.caught_up(sorted(source.assigned))) \
+                    and time.time() < deadline:
                 for seg in source.poll(0.2):
                     read[seg.partition] = max(read.get(seg.partition, 0),
                                               int(seg.offsets[-1]) + 1)
