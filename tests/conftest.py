@@ -165,20 +165,30 @@ _BROKER_FIXTURES = {"kafka_broker", "_restartable_broker", "restartable_broker"}
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``):
-    every test on a real broker (tests/integration, the fault matrix of tests/chaos, a test with
-    a broker fixture above) goes to one group, so they run one after another on one worker, as
-    they did before, with one session broker, while the other worker takes the rest (their
-    timings stay those of one broker test at a time). Without xdist the mark does nothing."""
+    """``make test`` runs the suite on three pytest-xdist workers (``-n 3 --dist loadgroup``):
+    the tests on a real broker (tests/integration, the fault matrix of tests/chaos, a test with a
+    broker fixture above) go to two groups, "broker" and "broker2", whole files each, balanced
+    by their measured lengths (tests/durations.py), so each group runs one test at a time on
+    one worker with that worker's own session broker, while the third worker takes the rest.
+    With fewer than three workers every broker test is in "broker". The broker tests wait on
+    windows and brokers more than they compute, so two lanes of them share two cores with the
+    rest. Without xdist the mark does nothing."""
     measured = durations.load()
+    on_broker = []
     for item in items:
         parts = set(Path(str(item.fspath)).parts)
         if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) \
                 or parts & {"integration", "chaos"}:
-            item.add_marker(pytest.mark.xdist_group("broker"))
+            on_broker.append(item)
             item.add_marker(pytest.mark.broker)   # `make test-fast` leaves these out
         elif measured.get(item.nodeid, 0.0) > durations.SLOW_S:
             item.add_marker(pytest.mark.slow)   # measured long (tests/durations.py)
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    lanes = durations.broker_lanes(
+        [(str(item.fspath), item.nodeid) for item in on_broker], measured,
+        lanes=2 if workers >= 3 else 1)
+    for item in on_broker:
+        item.add_marker(pytest.mark.xdist_group(lanes[str(item.fspath)]))
 
 
 @pytest.hookimpl(trylast=True)

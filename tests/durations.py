@@ -57,6 +57,31 @@ def load(path: Path = TSV) -> dict[str, float]:
     return out
 
 
+def broker_lanes(tests: Iterable[tuple[str, str]], measured: dict[str, float],
+                 lanes: int = 2) -> dict[str, str]:
+    """The xdist group of each file of broker tests (``tests``: (file, node id) pairs): whole
+    files, the longest first, each to the lane with the least measured time so far; a test not
+    measured counts :data:`SLOW_S`. Lane 0 is "broker", lane k "broker<k+1>". The same input
+    gives the same lanes on every worker (xdist needs one collection everywhere).
+
+    >>> broker_lanes([("a.py", "a.py::x"), ("a.py", "a.py::y"), ("b.py", "b.py::z"),
+    ...               ("c.py", "c.py::w")], {"a.py::x": 50, "a.py::y": 20, "b.py::z": 40})
+    {'a.py': 'broker', 'b.py': 'broker2', 'c.py': 'broker2'}
+    >>> broker_lanes([("a.py", "a.py::x")], {}, lanes=1)
+    {'a.py': 'broker'}
+    """
+    per_file: dict[str, float] = {}
+    for path, node in tests:
+        per_file[path] = per_file.get(path, 0.0) + measured.get(node, SLOW_S)
+    load = [0.0] * max(1, lanes)
+    out: dict[str, str] = {}
+    for path in sorted(per_file, key=lambda f: (-per_file[f], f)):
+        k = min(range(len(load)), key=lambda i: (load[i], i))
+        load[k] += per_file[path]
+        out[path] = "broker" if k == 0 else f"broker{k + 1}"
+    return out
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python tests/durations.py PYTEST_LOG (a run with --durations=0)",
