@@ -292,8 +292,8 @@ class Group:
             t.join(60)
 
 
-def _counters_in_files(state_dir: Path) -> list[np.ndarray]:
-    from tests.test_privacy_service import _counters_in_files as found
+def counters_in_files(state_dir: Path) -> list[np.ndarray]:
+    from tests.helpers.privacy import counters_in_files as found
     return found(state_dir) if state_dir.exists() else []
 
 
@@ -332,7 +332,7 @@ def run_windows(bootstrap: str, tmp: Path, trials: int, plan, *, epsilon: float 
                     group.wait_events(window, counted)
                     if s + 1 == gap:   # an instant between two batches: both counted
                         memory = group.counter(a).tasks[window].state.counts.copy()
-                        files = _counters_in_files(Path(state_a))
+                        files = counters_in_files(Path(state_a))
                         assert not files, f"counters in {state_a}'s files: {len(files)}"
                         looks["memory"] = memory
                 with _views_without_layer() if unlayered else nullcontext():

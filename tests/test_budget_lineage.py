@@ -19,7 +19,7 @@ from aggregator.service.config import load_config
 from consumers.base import Segment, Source
 from state_store.registry import FileBudgetRegistry
 
-from tests.test_service import D, cli_sets, run_cli, write_events
+from tests.helpers.service import D, cli_sets, run_cli, write_events
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,6 @@ Print the table of docs/privacy.md section 23 with ``PYTHONPATH=. python tests/t
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 
@@ -26,65 +25,11 @@ import pytest
 from aggregator.density import (
     PanPrivateDensity, bit_thresholds, expected_occupied, expected_relative_error,
     invert_occupied, occupied_variance, plan_cells)
-from aggregator.noise import WORD, bernoulli, discrete_laplace_pmf
+from aggregator.noise import WORD, bernoulli
+from tests.user_audit import cell_joint, exact_user_loss, kernel
 
 EPS = 1.0
 EVENTS = (1, 10, 10_000)
-
-
-# ---------------------------------------------------------------------------------------------
-# the exact audit
-# ---------------------------------------------------------------------------------------------
-def _kernel(b: float, events: int) -> np.ndarray:
-    """Transition of one bit over ``events`` arrivals: each redraws it from Bernoulli(b)."""
-    redraw = np.array([[1 - b, b], [1 - b, b]])
-    return np.linalg.matrix_power(redraw, events)
-
-
-def _cell_joint(a: float, b: float, before: int, after: int) -> np.ndarray:
-    """P[bit at the intrusion = i, bit at the release = j] for a cell with ``before`` arrivals
-    before the intrusion and ``after`` after it (all users of the cell counted)."""
-    at_intrusion = np.array([1 - a, a]) @ _kernel(b, before)
-    return at_intrusion[:, None] * _kernel(b, after)
-
-
-def _joint_views(a, b, p, cells_before_after, ys):
-    """P[intrusion bits, release y] over the user's cells (independent), y = sum of final bits
-    + DLap(p). ``cells_before_after``: per cell (arrivals before, arrivals after)."""
-    laws = [_cell_joint(a, b, bf, af) for bf, af in cells_before_after]
-    ncell = len(laws)
-    out = np.zeros((2,) * ncell + (len(ys),))
-    for finals in itertools.product((0, 1), repeat=ncell):
-        noise = discrete_laplace_pmf(p, ys - sum(finals))
-        for starts in itertools.product((0, 1), repeat=ncell):
-            w = math.prod(law[s, f] for law, s, f in zip(laws, starts, finals))
-            out[starts] += w * noise
-    return out
-
-
-def exact_user_loss(a: float, b: float, p: float, events: int,
-                    neighbor: str = "add-remove") -> float:
-    """Max over intrusion time (every split of the user's events), collision patterns and views
-    of |ln P[view | with the user] / P[view | without]|: the exact user-level loss of one
-    intrusion + the release. Beyond |y| ~ 4 the DLap tails make the ratio constant, so the
-    window of y is exact."""
-    ys = np.arange(-8, 11)
-    splits = sorted({0, 1, events // 2, events - 1, events} & set(range(events + 1)))
-    others = [(0, 0), (1, 0), (0, 1), (1, 1)]  # other users of the cell: before / after
-    worst = 0.0
-    for g1 in splits:
-        g2 = events - g1
-        if neighbor == "add-remove":
-            for ob, oa in others:
-                x = _joint_views(a, b, p, [(ob + g1, oa + g2)], ys)
-                y = _joint_views(a, b, p, [(ob, oa)], ys)
-                worst = max(worst, float(np.max(np.abs(np.log(x) - np.log(y)))))
-        else:  # the user's events go to cell u in one world, to another user's cell v in the other
-            for (ob, oa), (vb, va) in itertools.product(others, repeat=2):
-                x = _joint_views(a, b, p, [(ob + g1, oa + g2), (vb, va)], ys)
-                y = _joint_views(a, b, p, [(ob, oa), (vb + g1, va + g2)], ys)
-                worst = max(worst, float(np.max(np.abs(np.log(x) - np.log(y)))))
-    return worst
 
 
 def audit(state: PanPrivateDensity, events: int) -> float:
@@ -93,12 +38,12 @@ def audit(state: PanPrivateDensity, events: int) -> float:
 
 def test_the_kernel_forgets_repetition_and_the_joint_law_is_a_distribution():
     a, b = 0.3, 0.7
-    assert np.allclose(_kernel(b, 1), _kernel(b, 10_000))
+    assert np.allclose(kernel(b, 1), kernel(b, 10_000))
     for bf, af in [(0, 0), (1, 0), (0, 1), (3, 5)]:
-        law = _cell_joint(a, b, bf, af)
+        law = cell_joint(a, b, bf, af)
         assert law.sum() == pytest.approx(1.0)
     # no arrival after the intrusion: the released bit is the intruded bit
-    assert _cell_joint(a, b, 1, 0)[0, 1] == 0 and _cell_joint(a, b, 1, 0)[1, 0] == 0
+    assert cell_joint(a, b, 1, 0)[0, 1] == 0 and cell_joint(a, b, 1, 0)[1, 0] == 0
 
 
 @pytest.mark.parametrize("neighbor", ["add-remove", "replace-one"])
@@ -146,8 +91,8 @@ def test_negative_control_a_release_without_its_noise_is_caught():
 def test_negative_control_two_intrusions_are_not_covered():
     """Two looks at a bit around the user's arrival: without the user the bit never changes."""
     s = PanPrivateDensity(EPS, 1000)
-    law = _cell_joint(s.a, s.b, 0, 0)  # (first look, second look) without the user
-    assert law[0, 1] == 0.0 and _cell_joint(s.a, s.b, 0, 1)[0, 1] > 0  # infinite ratio
+    law = cell_joint(s.a, s.b, 0, 0)  # (first look, second look) without the user
+    assert law[0, 1] == 0.0 and cell_joint(s.a, s.b, 0, 1)[0, 1] > 0  # infinite ratio
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,76 +6,15 @@ partitions) the test chooses, so cross-partition order is exact."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
 from aggregator.service.config import ConfigError, load_config
 from aggregator.service.process import Aggregator
-from consumers.base import Segment, Source
+from tests.helpers.event_time import ListSource, cfg_for, releases
 
 NOW = time.time()
-
-
-class ListSource(Source):
-    """Partitions of (timestamp s or None, item) records, read ``chunk`` records a poll from the
-    partitions in ``order`` (round robin), with Kafka's pause / resume / seek."""
-
-    def __init__(self, parts: dict[str, list], order=None, chunk=2):
-        self.parts, self.chunk = parts, chunk
-        self.order = list(order or parts)
-        self.assigned = set(parts)
-        self.pos = {p: 0 for p in parts}
-        self.paused: set[str] = set()
-        self.turn = 0
-
-    def seek(self, offsets):
-        for p, o in offsets.items():
-            self.pos[p] = o
-
-    def seek_partition(self, p, offset):
-        self.pos[p] = offset
-
-    def pause(self, keys):
-        self.paused |= set(keys)
-
-    def resume(self, keys):
-        self.paused -= set(keys)
-
-    def caught_up(self, keys):
-        return all(self.pos[p] >= len(self.parts[p]) for p in keys)
-
-    def poll(self, timeout_s=1.0):
-        for k in range(len(self.order)):
-            p = self.order[(self.turn + k) % len(self.order)]
-            lo = self.pos[p]
-            recs = self.parts[p][lo:lo + self.chunk]
-            if p in self.paused or not recs:
-                continue
-            self.turn = (self.turn + k + 1) % len(self.order)
-            self.pos[p] = lo + len(recs)
-            return [Segment(p, range(lo, lo + len(recs)),
-                            [json.dumps({"item": item}).encode() for _, item in recs],
-                            timestamps=[-1 if t is None else int(t * 1000) for t, _ in recs])]
-        self.exhausted = not self.paused and self.caught_up(self.parts)
-        return []
-
-
-def cfg_for(tmp_path, *sets):
-    return load_config(None, ["source.kind=kafka", "source.topic=t", "source.format=json",
-                              "state.domain_size=100", "window.kind=event_time",
-                              "window.size=10", f"checkpoint.dir={tmp_path / 'state'}",
-                              f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
-                              "release.error_bar_reps=0", "release.estimator=threshold",
-                              "window.idle_partition_timeout_s=0.05", *sets], env={})
-
-
-def releases(tmp_path):
-    docs = [json.loads(p.read_text()) for p in sorted((tmp_path / "releases").glob("*.json"))]
-    return sorted(({k: d["window_info"][k] for k in ("event_start_unix", "event_end_unix",
-                                                        "events", "late")}
-                   for d in docs), key=lambda w: w["event_start_unix"])
 
 
 # A: 1 2 | 12 13 | 47 ; B: 5 3 8 | 15 4 (late)  -- window 0 closes once both partitions

@@ -14,9 +14,8 @@ import pytest
 from aggregator.service import publisher
 from aggregator.service.config import ConfigError
 from aggregator.service.process import Aggregator
-from tests.test_event_time import ListSource, cfg_for, releases
+from tests.helpers.event_time import SIZE, ListSource, cfg_for, reference, releases
 
-SIZE = 10
 
 # (timestamp s, item) per partition; items are unique, so each one names its record. Out of
 # order within and across partitions: records behind their partition's latest timestamp by less
@@ -38,38 +37,6 @@ INTERLEAVINGS = [(None, 1), (None, 3), (["t:2", "t:1", "t:0"], 2), (["t:1", "t:0
 def no_plots(monkeypatch):
     """Release documents without their PNG plots (the plot is most of a release's time here)."""
     monkeypatch.setattr(publisher.ReleasePublisher, "_plot", lambda self, doc: None)
-
-
-def reference(parts: dict, lateness: float, late: str):
-    """Each record's window (its item -> window index, or "dead" for a late dead letter) and
-    each window's [events, late], from the definitions (aggregator/service/event_time.py):
-    window a closes at each partition's first record stamped at or after its end + lateness (a
-    partition read to its end does not hold it); records before that point go to the window
-    their timestamp says, late ones to a (or dead letters); the next window is a + 1 if that
-    got records, else the earliest window of the records the partitions stopped at."""
-    pos = dict.fromkeys(parts, 0)
-    where, windows = {}, {}
-    a = min(int(recs[0][0] // SIZE) for recs in parts.values() if recs)
-    while True:
-        stopped = {}
-        for p, recs in parts.items():
-            i = pos[p]
-            while i < len(recs) and recs[i][0] < (a + 1) * SIZE + lateness:
-                t, item = recs[i]
-                k = int(t // SIZE)
-                if k < a:
-                    windows.setdefault(a, [0, 0])[1] += 1
-                    k = a if late == "next" else "dead"
-                if k != "dead":
-                    windows.setdefault(k, [0, 0])[0] += 1
-                where[item] = k
-                i += 1
-            pos[p] = i
-            if i < len(recs):
-                stopped[p] = int(recs[i][0] // SIZE)
-        if not stopped:  # every partition read to its end: the input's end releases the rest
-            return where, windows
-        a = a + 1 if windows.get(a + 1, [0])[0] else min(stopped.values())
 
 
 class Recording(Aggregator):

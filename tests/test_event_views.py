@@ -13,8 +13,8 @@ import pytest
 from aggregator.service.group.event_views import PartitionClock, commit_meta, skipped_parts
 from aggregator.service.group.watermark import closable_upto
 
-from tests.test_event_time_lateness import SIZE, reference
-from tests.test_group import _contiguous_stream
+from tests.helpers.event_time import SIZE, reference
+from tests.helpers.event_time import contiguous_stream
 
 
 def _member(parts: dict, lateness: float, chaos: random.Random, *, crashes: int,
@@ -84,7 +84,7 @@ def test_a_views_member_windows_every_record_as_one_process_across_crashes(laten
     interleaving of the partitions' reads and wherever the member crashes and replays."""
     for seed in range(12):
         rng = np.random.default_rng(seed)
-        stream = _contiguous_stream(rng, lateness=lateness, size=SIZE)
+        stream = contiguous_stream(rng, lateness=lateness, size=SIZE)
         item = iter(range(10 ** 6))
         parts = {p: [(t / 1000, next(item)) for t in ts] for p, ts in stream.items()}
         where, windows = reference(parts, lateness, "next")
@@ -105,7 +105,7 @@ def test_without_the_skip_point_a_replay_counts_released_records_again():
     twice = 0
     for seed in range(12):
         rng = np.random.default_rng(seed)
-        stream = _contiguous_stream(rng, lateness=4, size=SIZE)
+        stream = contiguous_stream(rng, lateness=4, size=SIZE)
         item = iter(range(10 ** 6))
         parts = {p: [(t / 1000, next(item)) for t in ts] for p, ts in stream.items()}
         released = _member(parts, 4, random.Random(seed), crashes=3, meta=forgetful)

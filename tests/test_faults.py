@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import pytest
 
-from tests.test_service import D, cli_sets, run_cli, write_events
+from tests.helpers.service import D, cli_sets, run_cli, write_events
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ from aggregator.service.metrics import Metrics
 from aggregator.service.group.summary import _value_counts, merge_summaries, partition_summary
 from aggregator.service.process import ServiceError
 from aggregator.state import PanPrivateHistogram
+from tests.helpers.event_time import contiguous_stream
 
 
 @pytest.mark.parametrize("D,P", [(1, 1), (10, 3), (1000, 6), (1001, 12), (5, 8)])
@@ -261,24 +262,6 @@ from aggregator.service.group.watermark import (MarkRecord, closable_upto,  # no
                                                 low_watermark, opening_window, stamp)
 
 
-def _contiguous_stream(rng, parts=3, windows=6, per_window=12, lateness=4, size=10):
-    """Per partition, timestamps (s) window after window, shuffled within the window and its
-    lateness, plus a few late ones; every window has records on every partition."""
-    out = {}
-    for p in range(parts):
-        ts = []
-        for k in range(windows):
-            ts += [k * size + rng.uniform(0, size + lateness * 0.9) for _ in range(per_window)]
-        ts.sort()
-        # out-of-order within the lateness: swap neighbours; late: pull some far back
-        for i in range(0, len(ts) - 1, 3):
-            ts[i], ts[i + 1] = ts[i + 1], ts[i]
-        for i in rng.choice(np.arange(per_window * 2, len(ts)), size=4, replace=False):
-            ts[i] = max(0.0, ts[i] - 2 * size)
-        out[p] = [int(t * 1000) for t in ts]
-    return out
-
-
 @pytest.mark.parametrize("lateness", [0, 4])
 def test_the_intake_stamps_every_record_as_one_process_would(lateness):
     """The group's rule (each record's window from its own source partition's earlier records,
@@ -286,10 +269,10 @@ def test_the_intake_stamps_every_record_as_one_process_would(lateness):
     from the leader's opening marker: the earliest first record's window) against the
     one-process reference of tests/test_event_time_lateness.py, record by record, late ones
     included, on windows that each have records."""
-    from tests.test_event_time_lateness import SIZE, reference
+    from tests.helpers.event_time import SIZE, reference
 
     rng = np.random.default_rng()
-    stream = _contiguous_stream(rng, lateness=lateness, size=SIZE)
+    stream = contiguous_stream(rng, lateness=lateness, size=SIZE)
     item = iter(range(10 ** 6))
     parts = {p: [(t / 1000, next(item)) for t in ts] for p, ts in stream.items()}
     where, windows = reference(parts, lateness, "next")
@@ -316,7 +299,7 @@ def test_stamping_in_pieces_equals_stamping_at_once():
     """A source partition's records stamped over several polls (and members: the watermark
     carried in the intake topic) get the windows of one pass."""
     rng = np.random.default_rng()
-    ts = np.array(_contiguous_stream(rng, parts=1)[0])
+    ts = np.array(contiguous_stream(rng, parts=1)[0])
     whole = stamp(ts, None, size_ms=10_000, lateness_ms=4000, first_window=0)
     passed, pieces = None, []
     for chunk in np.array_split(ts, 7):

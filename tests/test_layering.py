@@ -133,3 +133,34 @@ def _service_imports(path: Path) -> set[str]:
                 any(a.name == "api" for a in node.names):
             return {"api"}
     return set()
+
+
+#: (importing test module, imported test module) pairs kept, each for its reason; every other
+#: shared helper lives in tests/helpers/ (issue 52)
+TEST_IMPORTS_KEPT = {
+    ("tests/test_doc_shell.py", "tests.test_doc_commands"):
+        "the shell-block test runs the blocks the doc-command test's page list finds",
+    ("tests/test_doc_shell.py", "tests.test_bench_smoke"):
+        "a bench block is listed by the smoke lane that runs it (one table)",
+    ("tests/integration/test_doc_shell.py", "tests.test_doc_shell"):
+        "the broker lane of the same table of blocks",
+    ("tests/test_prometheus_alerts.py", "tests.test_deploy"):
+        "the alert rules are checked against the deploy test's real exposition fixture",
+    ("tests/integration/test_group_kafka.py", "tests.test_group_rollups"):
+        "the broker test replays the unit test's closed rollup windows",
+}
+
+
+def test_tests_share_helpers_through_tests_helpers_not_each_other():
+    """A helper one test module takes from another ties the two (and made 40 such imports);
+    shared helpers live in tests/helpers/, and the few pairs above say why they stay."""
+    root = Path(__file__).parent.parent
+    found = set()
+    for path in sorted((root / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module \
+                    and node.module.startswith("tests.") \
+                    and node.module.rsplit(".", 1)[-1].startswith("test_"):
+                found.add((path.relative_to(root).as_posix(), node.module))
+    assert found - set(TEST_IMPORTS_KEPT) == set(), "import these from tests/helpers/ instead"
+    assert set(TEST_IMPORTS_KEPT) <= found, "a kept pair is gone: drop it from the list"

@@ -23,8 +23,9 @@ from aggregator.service.ledger import Ledger, LedgerError
 from consumers.base import Source
 from state_store.local import LocalStore
 
-from tests.test_service import (D, SEED, cli_sets, durable, expected_release, expected_state,
-                          ledger_entries, live_counts_via_export, run_cli, write_events)
+from tests.helpers.service import (D, SEED, charge_by_position, cli_sets, durable,
+                                   expected_release, expected_state, ledger_entries,
+                                   live_counts_via_export, run_cli, write_events)
 
 
 @pytest.fixture(autouse=True)
@@ -165,18 +166,6 @@ def test_fresh_start_never_releases_an_event_twice(tmp_path):
         lo, hi = e["ranges"][part]
         covered[lo:hi] += 1
     assert covered.max() == 1  # each event in one release
-
-
-def charge_by_position(state_dir: Path, part: str, n: int) -> np.ndarray:
-    """Epsilon charged to each of the first ``n`` positions of ``part`` by the releases in
-    every aggregation's ledger under ``state_dir``."""
-    charge = np.zeros(n)
-    for led in sorted(state_dir.glob("*/ledger.jsonl")):
-        for e in (json.loads(x) for x in led.read_text().splitlines()):
-            if e["kind"] == "release":
-                lo, hi = e["ranges"].get(part, [0, 0])
-                charge[lo:hi] += e["epsilon_spent"]
-    return charge
 
 
 def _multi_sets(tmp_path, path, names):

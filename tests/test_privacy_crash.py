@@ -62,7 +62,7 @@ from aggregator.state import PanPrivateHistogram
 from consumers.base import Segment, Source
 from state_store import failpoints
 from tests.lr_audit import Look, lr_epsilon
-from tests.test_privacy import empirical_epsilon
+from tests.helpers.privacy import empirical_epsilon
 
 EPS = 1.0
 T = 40_000   # trials per service run (counters 3j .. 3j+2 are trial j's)

@@ -37,9 +37,8 @@ import aggregator.release as release_mod
 from aggregator.service import Aggregator
 from aggregator.service.config import load_config
 from aggregator.service.release_worker import ReleaseWorker
-from aggregator.state import PanPrivateHistogram
 from tests.scripted_source import ScriptedSource
-from tests.test_privacy import empirical_epsilon
+from tests.helpers.privacy import counters_in_files, empirical_epsilon
 
 T = 40_000          # trials per service run
 RUNS = 4            # service runs per neighbouring stream (N = T * RUNS runs of the mechanism)
@@ -51,22 +50,6 @@ def _segments(r: int) -> list[list[bytes]]:
     return [[pack({"item": int(i)}) for i in np.repeat(base, 2)],   # events 0, 0 of every trial
             [pack({"item": int(i)}) for i in base + r],              # the replaced event
             [pack({"item": int(i)}) for i in base]]                  # one more: the window ends
-
-
-def _counters_in_files(state_dir: Path) -> list[np.ndarray]:
-    """Counters found in any file under the state directory (checkpoints, temp files, exports),
-    in the order of the files' checkpoint sequence numbers."""
-    found = []
-    for path in sorted(p for p in state_dir.rglob("*") if p.is_file()):
-        data = path.read_bytes()
-        if "checkpoint" not in path.name or len(data) < 8:
-            assert b"panagg.state" not in data, path  # no serialized state anywhere else
-            continue
-        hlen = int.from_bytes(data[:8], "little")
-        header = msgpack.unpackb(data[8:8 + hlen], raw=False, strict_map_key=False)
-        if header.get("has_state", True) and len(data) > 8 + hlen:
-            found.append((header["seq"], PanPrivateHistogram.deserialize(data[8 + hlen:]).counts))
-    return [c for _, c in sorted(found, key=lambda t: t[0])]
 
 
 @contextmanager
@@ -133,13 +116,13 @@ def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=
     looks: list[list[np.ndarray]] = []
 
     def intrude():
-        looks.append(_counters_in_files(state_dir) + [agg.task.state.counts.copy()])
+        looks.append(counters_in_files(state_dir) + [agg.task.state.counts.copy()])
 
     def backup(k):
         copy = tmp_path / f"backup-{r}-{k}"
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(state_dir, copy)
-        looks.append(_counters_in_files(copy))
+        looks.append(counters_in_files(copy))
 
     at = {k: (lambda k=k: backup(k)) for k in backups} or {gap: intrude}
     agg = cls(cfg, ScriptedSource(_segments(r), at))

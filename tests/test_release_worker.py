@@ -11,7 +11,7 @@ import pytest
 
 from aggregator.service import Aggregator
 from consumers.file_source import FileSource
-from tests.test_service import (D, cfg_for, cli_sets, durable, expected_release,
+from tests.helpers.service import (D, cfg_for, cli_sets, durable, expected_release,
                                 ledger_entries, run_cli, write_events)
 
 DELAY = "1.5"
@@ -124,7 +124,7 @@ def test_several_aggregations_release_in_parallel_and_exactly(tmp_path, monkeypa
     pool of 3 and releases made to take 1.5 s: the releases of different aggregations run at
     the same time (not one after another), and every window holds exactly its events."""
     from aggregator.service.multi import MultiAggregator
-    from tests.test_multi import config, write_events
+    from tests.helpers.multi import config, write_events
 
     monkeypatch.setenv("PANAGG_TEST_RELEASE_DELAY_S", "1.5")
     write_events(tmp_path / "events.jsonl", 2100, seed=3)

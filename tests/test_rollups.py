@@ -23,7 +23,7 @@ from aggregator.service.ledger import BudgetExceeded, Ledger
 from aggregator.service.rollup import RollupSum
 from aggregator.state import PanPrivateHistogram
 
-from tests.test_service import D, cli_sets, ledger_entries, run_cli, write_events
+from tests.helpers.service import D, cli_sets, ledger_entries, run_cli, write_events
 
 
 @pytest.fixture(autouse=True)
@@ -450,7 +450,7 @@ def test_status_of_a_level_reads_the_running_services_metrics(tmp_path):
     import os
     import signal
 
-    from tests.test_service import generator_service
+    from tests.helpers.service import generator_service
 
     env = dict(os.environ, PANAGG_TESTING="1")
     # generator_service takes no extra settings: the rollup ones go in by the environment

@@ -23,8 +23,8 @@ import json
 import pytest
 
 from bench.service.user_windows import WINDOW, write_logins
-from tests.test_service import pause_line_said_once
-from tests.test_user_service import ledger, releases, run_cli, user_args
+from tests.helpers.service import pause_line_said_once, run_cli
+from tests.helpers.user import ledger, releases, user_args
 
 SPENT = "the per-user budget is spent"
 

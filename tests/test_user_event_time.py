@@ -16,7 +16,7 @@ import numpy as np
 
 from aggregator.service.config import load_config
 from aggregator.service.process import Aggregator
-from tests.test_event_time import ListSource
+from tests.helpers.event_time import ListSource
 
 USERS = 400  # distinct users per event-time window
 

@@ -22,7 +22,7 @@ import pytest
 from aggregator.density import PanPrivateDensity
 from aggregator.service.config import load_config
 from aggregator.service.user_window import user_cells
-from tests.test_density import exact_user_loss
+from tests.user_audit import exact_user_loss
 from tests.user_audit import EPS, EVENTS, EXPECTED_USERS, Scenario, doubled, user_level_loss
 
 #: other users sharing the victim's / the stand-in's cell, relative to the intrusion

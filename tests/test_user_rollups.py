@@ -18,8 +18,8 @@ import json
 import pytest
 
 from bench.service.user_windows import WINDOW, write_logins
-from tests.test_service import run_cli
-from tests.test_user_service import user_args
+from tests.helpers.service import run_cli
+from tests.helpers.user import user_args
 
 SPAN = 4 * WINDOW          # a rollup of 4 base windows (count windows: a number of events)
 LEVELS = ("base", f"r{SPAN}")

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from tests.test_event_time_lateness import reference
+from tests.helpers.event_time import reference
 
 from .test_event_time_kafka import produce_at, releases
 from .test_service_kafka import (durable, env, ledger_entries, make_topic, run_service,

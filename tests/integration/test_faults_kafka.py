@@ -17,7 +17,7 @@ import msgpack
 import pytest
 
 from tests.chaos.harness import fill_disk
-from tests.integration.test_service_kafka import D, env, make_topic, produce, service_args
+from tests.helpers.kafka import D, env, make_topic, produce, service_args
 
 
 def _mount_small_disk(path: Path, size: str = "4m") -> None:

@@ -1437,7 +1437,7 @@ def _reference_windows(bootstrap, topic, parts, flush_at, positions=None):
     """{event_start_unix: (n, late)} the definitions give (tests/test_event_time_lateness.py's
     reference) over what the topic holds, partition by partition, before the flush window.
     ``positions`` (a dict): filled with each record's window, by (partition, offset)."""
-    from tests.test_event_time_lateness import reference
+    from tests.helpers.event_time import reference
 
     src = read_all(bootstrap, topic)
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
@@ -1480,7 +1480,7 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
     member killed -9 mid-stream and restarted: every window released once, its n and late count
     those of a one-process run over the same records (and of the definitions' reference), each
     repartitioned event in exactly one release, no position charged more than eps."""
-    from tests.test_event_time_lateness import SIZE
+    from tests.helpers.event_time import SIZE
 
     assert SIZE == ET_SIZE
     parts = 4
@@ -1594,7 +1594,7 @@ def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_r
     afterwards, stamped in a window already closed, arrives after that window's close marker:
     late, counted in the window after the last closed one, as one process counts it in its open
     window. Every event is released once."""
-    from tests.test_event_time_lateness import SIZE, reference
+    from tests.helpers.event_time import SIZE, reference
 
     topic = make_topic(kafka_broker, 3)
     group = f"g-{uuid.uuid4().hex[:8]}"
@@ -1644,7 +1644,7 @@ def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker,
     """Two aggregations (accounts direct, IPs hashed) with event-time windows in a group of 2
     members: each aggregation's windows, n and late counts are those of one process with the
     same two aggregations over the same records."""
-    from tests.test_event_time_lateness import SIZE
+    from tests.helpers.event_time import SIZE
 
     topic = make_topic(kafka_broker, 3)
     group = f"g-{uuid.uuid4().hex[:8]}"

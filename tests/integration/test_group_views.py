@@ -716,7 +716,7 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
     with one line (not built for event-time views)."""
     from .test_group_kafka import ET_LATENESS, ET_SIZE, _event_stream, _produce_stamped
 
-    from tests.test_event_time_lateness import reference
+    from tests.helpers.event_time import reference
 
     topic = make_topic(kafka_broker, PARTS)
     dead = make_topic(kafka_broker, 1)
@@ -786,7 +786,7 @@ def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_
     definitions give."""
     from .test_group_kafka import ET_LATENESS, ET_SIZE, _produce_stamped
 
-    from tests.test_event_time_lateness import reference
+    from tests.helpers.event_time import reference
 
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"

@@ -21,8 +21,7 @@ import pytest
 from aggregator.service.cli import _make_aggregator
 from aggregator.service.config import load_config
 from aggregator.service.metrics import Metrics
-from tests.integration.test_kafka_clients import CLIENTS
-from tests.integration.test_service_kafka import D, make_topic, produce
+from tests.helpers.kafka import CLIENTS, D, make_topic, produce
 
 
 class _ReadyLog(Metrics):
@@ -38,7 +37,7 @@ class _ReadyLog(Metrics):
         super().set_ready(ready, reason)
 
 
-def _wait(cond, timeout_s, what):
+def wait_for(cond, timeout_s, what):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
@@ -80,13 +79,13 @@ def test_a_consumer_that_delivers_nothing_is_said_rebuilt_and_loses_nothing(
     with caplog.at_level(logging.INFO, logger="panagg"):
         runner.start()
         try:
-            _wait(lambda: events() == 3000, 120, "the first 3000 events")
+            wait_for(lambda: events() == 3000, 120, "the first 3000 events")
             stuck = agg.source.consumer
             _stop_fetching(client, agg.source)
             produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(2000)])
-            _wait(lambda: agg.source.consumer is not stuck, 120, "the consumer's rebuild")
-            _wait(lambda: events() == 5000, 120, "the 2000 events after the stall")
-            _wait(lambda: metrics.readiness()[0] == 200, 60, "/ready 200 again")
+            wait_for(lambda: agg.source.consumer is not stuck, 120, "the consumer's rebuild")
+            wait_for(lambda: events() == 5000, 120, "the 2000 events after the stall")
+            wait_for(lambda: metrics.readiness()[0] == 200, 60, "/ready 200 again")
             time.sleep(2)  # polls after the last record: nothing is delivered twice
         finally:
             agg.stop_event.set()
@@ -137,7 +136,7 @@ def test_an_idle_transactional_topic_is_not_a_stall(kafka_broker, tmp_path, capl
     with caplog.at_level(logging.INFO, logger="panagg"):
         runner.start()
         try:
-            _wait(lambda: metrics.events._value.get() == 1500, 120, "the 1500 events")
+            wait_for(lambda: metrics.events._value.get() == 1500, 120, "the 1500 events")
             ends = agg.source.end_offsets()
             assert sum(ends.values()) > sum(agg.task.offsets.values())  # the markers
             # idle past the stall time, over several of the 5 s health looks
@@ -178,13 +177,13 @@ def test_several_aggregations_rebuild_their_one_consumer_and_lose_nothing(kafka_
     with caplog.at_level(logging.INFO, logger="panagg"):
         runner.start()
         try:
-            _wait(lambda: counted(3000), 120, "the first 3000 events in each aggregation")
+            wait_for(lambda: counted(3000), 120, "the first 3000 events in each aggregation")
             stuck = hub.source.consumer
             _stop_fetching("kafka-python", hub.source)
             produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(2000)])
-            _wait(lambda: hub.source.consumer is not stuck, 120, "the consumer's rebuild")
-            _wait(lambda: counted(5000), 120, "the 2000 events after the stall")
-            _wait(lambda: metrics.readiness()[0] == 200, 60, "/ready 200 again")
+            wait_for(lambda: hub.source.consumer is not stuck, 120, "the consumer's rebuild")
+            wait_for(lambda: counted(5000), 120, "the 2000 events after the stall")
+            wait_for(lambda: metrics.readiness()[0] == 200, 60, "/ready 200 again")
             time.sleep(2)
         finally:
             hub.stop_event.set()

@@ -14,9 +14,7 @@ import msgpack
 import pytest
 from kafka import KafkaProducer
 
-from tests.integration.test_service_kafka import D, make_topic, run_service, service_args
-
-CLIENTS = ["kafka-python", "confluent"]
+from tests.helpers.kafka import CLIENTS, D, make_topic, run_service, service_args
 
 
 def _source(client, bootstrap, topic, group=None, max_records=500):

@@ -5,47 +5,27 @@ ledger are refused; a fresh start resumes after the last released position."""
 import json
 import shutil
 
-import msgpack
-import numpy as np
 
-from tests.test_ledger import charge_by_position
-from tests.integration.test_service_kafka import (D, make_topic, produce, run_service,
-                                                  service_args)
-
-
-def _args(bootstrap, topic, tmp_path, *extra):
-    args = service_args(bootstrap, topic, tmp_path, "--exit-when-idle", "3", *extra)
-    args[args.index("window.size=100000000")] = "window.size=1000"
-    return args
-
-
-def _releases(tmp_path):
-    return [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()
-            if json.loads(x)["kind"] == "release"]
-
-
-def _produce(bootstrap, topic, n, seed):
-    items = np.random.default_rng(seed).integers(0, D, n)
-    produce(bootstrap, topic, [msgpack.packb({"item": int(i)}) for i in items],
-            key_of=lambda i: b"k")  # one partition of the topic gets them all
-    return items
+from tests.helpers.service import charge_by_position
+from tests.helpers.kafka import (D, count_window_args, make_topic, produce_items, release_entries,
+                                 run_service)
 
 
 def test_a_restored_state_and_release_directory_is_refused_by_the_kafka_anchor(kafka_broker,
                                                                                tmp_path):
     topic = make_topic(kafka_broker, partitions=1)
-    _produce(kafka_broker, topic, 2500, 1)
-    args = _args(kafka_broker, topic, tmp_path)
+    produce_items(kafka_broker, topic, 2500, 1)
+    args = count_window_args(kafka_broker, topic, tmp_path)
     first = run_service(args)
     assert first.returncode == 0, first.stderr[-2000:]
-    assert len(_releases(tmp_path)) == 2
+    assert len(release_entries(tmp_path)) == 2
     backup = tmp_path / "backup"
     shutil.copytree(tmp_path / "state", backup / "state")
     shutil.copytree(tmp_path / "releases", backup / "releases")
-    _produce(kafka_broker, topic, 2000, 2)
+    produce_items(kafka_broker, topic, 2000, 2)
     second = run_service(args)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert len(_releases(tmp_path)) == 4
+    assert len(release_entries(tmp_path)) == 4
     # both directories back from one backup: checkpoint, ledger and release.dir agree; only the
     # group's committed offsets have seen entries 5-8
     for name in ("state", "releases"):
@@ -55,7 +35,7 @@ def test_a_restored_state_and_release_directory_is_refused_by_the_kafka_anchor(k
     assert res.returncode == 2, res.stderr[-2000:]
     line = res.stderr.strip().splitlines()[-1]
     assert "truncated or rolled back" in line and "committed offsets of group" in line, line
-    assert len(_releases(tmp_path)) == 2  # nothing ledgered twice
+    assert len(release_entries(tmp_path)) == 2  # nothing ledgered twice
     assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == \
         ["release-0.json", "release-1.json"]
     # the ledger deleted (the directory otherwise as it was): refused the same way
@@ -67,17 +47,17 @@ def test_a_restored_state_and_release_directory_is_refused_by_the_kafka_anchor(k
 
 def test_fresh_start_on_kafka_never_releases_an_event_twice(kafka_broker, tmp_path):
     topic = make_topic(kafka_broker, partitions=1)
-    _produce(kafka_broker, topic, 2500, 3)
-    args = _args(kafka_broker, topic, tmp_path)
+    produce_items(kafka_broker, topic, 2500, 3)
+    args = count_window_args(kafka_broker, topic, tmp_path)
     assert run_service(args).returncode == 0
     shutil.rmtree(tmp_path / "state" / "checkpoints")  # the checkpoint is lost
     refused = run_service(args)
     assert refused.returncode == 2 and "--fresh-start" in refused.stderr.strip().splitlines()[-1]
-    _produce(kafka_broker, topic, 1500, 4)
+    produce_items(kafka_broker, topic, 1500, 4)
     res = run_service(args + ["--fresh-start"])
     assert res.returncode == 0, res.stderr[-2000:]
     part = f"{topic}:0"
-    ranges = [e["ranges"][part] for e in _releases(tmp_path)]
+    ranges = [e["ranges"][part] for e in release_entries(tmp_path)]
     assert ranges == [[0, 1000], [1000, 2000], [2000, 3000], [3000, 4000]]
     fresh = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text()
              .splitlines() if json.loads(x)["kind"] == "fresh-start"]
@@ -86,7 +66,7 @@ def test_fresh_start_on_kafka_never_releases_an_event_twice(kafka_broker, tmp_pa
 
 def test_a_renamed_aggregation_on_kafka_never_puts_an_event_over_budget(kafka_broker, tmp_path):
     topic = make_topic(kafka_broker, partitions=1)
-    _produce(kafka_broker, topic, 2500, 5)
+    produce_items(kafka_broker, topic, 2500, 5)
 
     def args(names):
         out = ["run", "--bootstrap", kafka_broker, "--topic", topic,

@@ -14,7 +14,7 @@ import uuid
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
-from tests.test_multi import login_aggregations
+from tests.helpers.multi import login_aggregations
 
 from .test_service_kafka import env, make_topic, run_service
 

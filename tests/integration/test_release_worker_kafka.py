@@ -14,7 +14,7 @@ import msgpack
 from kafka import KafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_service_kafka import D, env, make_topic, service_args
+from tests.helpers.kafka import D, env, make_topic, service_args
 
 
 def _producer(bootstrap, topic, rate, seconds, stop):
@@ -30,7 +30,7 @@ def _producer(bootstrap, topic, rate, seconds, stop):
     producer.close()
 
 
-def _scrape(url):
+def scrape(url):
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     out = {}
     for fam in text_string_to_metric_families(text):
@@ -61,7 +61,7 @@ def _run_while_producing(bootstrap, topic, args, seconds):
         producing.start()
         while proc.poll() is None:
             try:
-                samples.append(_scrape(url))
+                samples.append(scrape(url))
             except OSError:
                 break
             time.sleep(0.3)

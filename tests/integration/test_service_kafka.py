@@ -2,7 +2,6 @@
 checked by the real parser and by promtool, dead letters, and a kill -9 crash test."""
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -15,7 +14,7 @@ import uuid
 import msgpack
 import numpy as np
 import pytest
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,51 +23,13 @@ from aggregator.release import make_release
 from aggregator.state import PanPrivateHistogram
 from state_store.audit import read_export
 from state_store.local import LocalStore
-
-D = 2000
-SEED = 777
-
-
-def make_topic(bootstrap, partitions=3):
-    name = f"t-{uuid.uuid4().hex[:10]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
-    admin.close()
-    return name
-
-
-def produce(bootstrap, topic, values, key_of=None):
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=50, batch_size=256 * 1024,
-                             acks="all")
-    for i, v in enumerate(values):
-        producer.send(topic, value=v, key=None if key_of is None else key_of(i))
-    producer.flush()
-    producer.close()
+from tests.helpers.kafka import (D, SEED, env, make_topic, produce, read_to_end, run_service,
+                                 scrape, service_args, wait_for)
 
 
 def expected_counts(items, window=0):
     noise = discrete_laplace(p_from_epsilon(1.0), D, rng=np.random.default_rng([SEED, 0, window]))
     return noise + np.bincount(np.asarray(items, dtype=np.int64), minlength=D)
-
-
-def service_args(bootstrap, topic, tmp_path, *extra):
-    args = ["run", "--bootstrap", bootstrap, "--topic", topic,
-            "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "releases"),
-            "--metrics-port", "-1",
-            "--set", f"state.domain_size={D}", "--set", "window.size=100000000",
-            "--set", f"testing.noise_seed={SEED}", "--set", f"source.group=g-{topic}",
-            "--set", "release.on_exhausted=false"]
-    return args + list(extra)
-
-
-def env():
-    return dict(os.environ, PANAGG_TESTING="1")
-
-
-def run_service(args, timeout=240, extra_env=None):
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(env(), **(extra_env or {})))
 
 
 KEY_HEX = "7e" * 32
@@ -94,33 +55,6 @@ def live_counts_via_export(tmp_path):
     before = discrete_laplace(p_from_epsilon(1.0), D,
                               rng=np.random.default_rng([SEED, 2, doc["window"]["id"], 1001, 0]))
     return state.counts - before, state, doc
-
-
-def read_to_end(bootstrap, topic, isolation="read_uncommitted", timeout_s=60.0):
-    """Every record of ``topic``, read from the beginning up to the end offsets taken first (no
-    consumer_timeout_ms: that waits its whole length after the last record)."""
-    from kafka.structs import TopicPartition
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                             isolation_level=isolation)
-    try:
-        deadline = time.monotonic() + timeout_s
-        found = consumer.partitions_for_topic(topic)
-        while not found and time.monotonic() < deadline:
-            time.sleep(0.2)
-            found = consumer.partitions_for_topic(topic)
-        assert found, f"topic {topic} not found"
-        parts = [TopicPartition(topic, p) for p in sorted(found)]
-        consumer.assign(parts)
-        consumer.seek_to_beginning(*parts)
-        ends = consumer.end_offsets(parts)
-        out = []
-        while any(consumer.position(tp) < ends[tp] for tp in parts):
-            assert time.monotonic() < deadline, f"{topic}: not read to {ends} in {timeout_s} s"
-            for recs in consumer.poll(timeout_ms=500).values():
-                out.extend(recs)
-        return sorted(out, key=lambda r: (r.partition, r.offset))
-    finally:
-        consumer.close()
 
 
 def topic_records(bootstrap, topic):
@@ -415,24 +349,6 @@ def test_an_open_window_deleted_by_retention_is_refused_not_silently_shortened(k
         "checkpoints away and start with --fresh-start")
 
 
-def _scrape(url):
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {f.name: f.samples[0].value for f in text_string_to_metric_families(text)
-            if f.samples and not f.samples[0].labels}
-
-
-def _wait(cond, timeout_s, what):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if cond():
-                return
-        except OSError:  # (a scrape while the service starts or stops)
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path, restartable_broker):
     """The restartable broker, stopped and started again (same state dir, so the same port) under
     a running service: time windows keep closing by the clock through the outage, the
@@ -462,19 +378,19 @@ def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path, resta
                     url = line.split()[-1]
             assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.2)
-        _wait(lambda: _scrape(url)["panagg_events"] == 2000, 60, "the first 2000 events")
-        _wait(lambda: _scrape(url)["panagg_broker_connected"] == 1, 30, "connected = 1")
+        wait_for(lambda: scrape(url)["panagg_events"] == 2000, 60, "the first 2000 events")
+        wait_for(lambda: scrape(url)["panagg_broker_connected"] == 1, 30, "connected = 1")
         broker.stop()
-        _wait(lambda: _scrape(url)["panagg_broker_connected"] == 0, 30, "connected = 0")
-        releases = _scrape(url)["panagg_releases"]
+        wait_for(lambda: scrape(url)["panagg_broker_connected"] == 0, 30, "connected = 0")
+        releases = scrape(url)["panagg_releases"]
         time.sleep(7)  # two or more 3 s windows close by the clock with the broker down
-        assert _scrape(url)["panagg_releases"] >= releases + 2
+        assert scrape(url)["panagg_releases"] >= releases + 2
         assert broker.start() == bootstrap  # the same port
         produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(1000)])
-        _wait(lambda: _scrape(url)["panagg_events"] == 3000, 90, "counting after the outage")
-        _wait(lambda: _scrape(url)["panagg_broker_connected"] == 1, 30, "connected = 1 again")
+        wait_for(lambda: scrape(url)["panagg_events"] == 3000, 90, "counting after the outage")
+        wait_for(lambda: scrape(url)["panagg_broker_connected"] == 1, 30, "connected = 1 again")
         broker.stop()
-        _wait(lambda: _scrape(url)["panagg_broker_connected"] == 0, 30, "connected = 0 again")
+        wait_for(lambda: scrape(url)["panagg_broker_connected"] == 0, 30, "connected = 0 again")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)

@@ -15,7 +15,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 from aggregator.service.shuffle_wire import (ParamTag, chunk_record, end_record, new_keypair,
                                              save_private_key, seal_rows)
-from tests.integration.test_service_kafka import read_to_end
+from tests.helpers.kafka import read_to_end
 
 B, N, EPS = 200, 400, 20.0
 #: the clients' parameter fingerprint (sealed into every message) at the analyzer's settings

@@ -23,7 +23,7 @@ from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from aggregator.service.config import load_config
-from tests.integration.test_service_kafka import read_to_end
+from tests.helpers.kafka import read_to_end
 from aggregator.service.shuffle_client import ShuffleClient
 from aggregator.service.shuffle_wire import (new_keypair, open_boxes, parse_analyzer_record,
                                              parse_client_record, public_key_hex, save_private_key)
