@@ -51,6 +51,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
+from consumers.base import Segment, Source
+
+from .release import headline
+from .service.config import ConfigError, load_config
+from .service.identity import identity_of
+from .service.process import Aggregator
+from .service.settings import Config
+
 __all__ = ["Aggregation", "Figure", "Release", "ReleaseRefused", "settings"]
 
 #: the partition of records fed without one
@@ -70,7 +80,6 @@ def settings(path: str | os.PathLike | None = None,
     >>> settings(settings={"state.epsilon": 0.5}).state.epsilon
     0.5
     """
-    from .service.config import load_config
 
     sets = [f"{key}={_text(value)}" for key, value in (settings or {}).items()]
     return load_config(str(path) if path is not None else None, sets,
@@ -157,7 +166,6 @@ class Release:
         than the block: :func:`aggregator.release.headline`)."""
         head = self.document.get("headline")
         if head is None:
-            from .release import headline
             head = headline(dict(self.document))
         return head
 
@@ -249,7 +257,6 @@ class ReleaseRefused(RuntimeError):
     """The ledger refused a window's release (the budget is spent); the refusal is in the
     ledger, the window's counters are gone and nothing about it is released."""
 
-
 class Aggregation:
     """One pan-private aggregation you feed: the service's aggregator in your process.
 
@@ -270,15 +277,9 @@ class Aggregation:
 
     def __init__(self, config: Any, *, fresh_start: bool = False,
                  accept_change: bool = False):
-        from consumers.base import Source
-
-        from .service.process import Aggregator
-        from .service.settings import Config
-
         cfg = Config.from_mapping(config).updated({"release": {"workers": 0}})
         why = _not_yet(cfg)
         if why:
-            from .service.config import ConfigError
             raise ConfigError(f"aggregator.api does not run {why} yet; use panagg run for it")
 
         class FedSource(Source):
@@ -333,7 +334,6 @@ class Aggregation:
     @property
     def stream(self) -> str:
         """The stream as the ledger and every release name it (``counted.stream``)."""
-        from .service.identity import identity_of
         return str(identity_of(self._agg.cfg)["stream"])
 
     @property
@@ -374,7 +374,6 @@ class Aggregation:
         Returns the releases of the windows that closed meanwhile (count windows that filled;
         time windows whose time is up), in window order.
         """
-        from consumers.base import Segment
 
         self._check_open()
         vals = list(values)
@@ -423,7 +422,6 @@ class Aggregation:
             def encode(doc: dict) -> bytes:
                 return json.dumps(doc).encode()
         else:
-            import msgpack
             encode = msgpack.Packer().pack
 
         def record(item: Any) -> bytes:
@@ -484,7 +482,6 @@ class Aggregation:
 
     def _rest(self, seg: Any) -> Any:
         """The records of ``seg`` the aggregator did not take in (its partition held), or None."""
-        from consumers.base import Segment
 
         pos = self.position(seg.partition)
         offs = list(seg.offsets)

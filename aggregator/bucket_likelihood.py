@@ -47,6 +47,7 @@ import functools
 import math
 
 import numpy as np
+from scipy.special import chdtri
 
 from .counters import noise_pmf, noisy_value_counts
 from .histograms import prevalences_from_cumulative
@@ -155,7 +156,7 @@ def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     pmf's tail, both above 1e-17)."""
     if min(len(a), len(b)) < 64 or len(a) * len(b) < 4_000_000:
         return np.convolve(a, b)
-    from scipy.signal import oaconvolve
+    from scipy.signal import oaconvolve  # noqa: PLC0415 (imported on first use: the CLI starts without it)
     return np.maximum(oaconvolve(a, b), 0.0)
 
 
@@ -183,7 +184,6 @@ def plausible_extremes(noisy, y, buckets: int, p: float, layers: int = 1, level:
     LL stays within the drop, part way by bisection when it cannot go all the way, which ends
     the walk. ``loglik``: the LL of ``y`` if known.
     """
-    from scipy.special import chdtri  # chi-square quantile from the upper tail
 
     vc = noisy_value_counts(noisy)
     model = _model(vc, y, buckets, p, layers)

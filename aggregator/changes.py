@@ -44,7 +44,10 @@ Everything here reads released values only: post-processing, no privacy cost.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Any
+
+from scipy.special import stdtrit
 
 __all__ = ["STATISTICS", "LEVEL", "compare", "standard_error", "sampling_variance",
            "describe"]
@@ -84,7 +87,6 @@ def standard_error(release: dict, statistic: str) -> tuple[float | None, float]:
     """(standard error, degrees of freedom) of ``statistic`` in ``release``: the bootstrap's
     spread with reps - 1 degrees of freedom, else the interval's half-width over its normal
     quantile (infinite degrees of freedom), else (None, 0)."""
-    from statistics import NormalDist
 
     acc = release.get("accuracy") or {}
     iv = acc.get("intervals") or {}
@@ -107,7 +109,6 @@ def compare(before: dict, after: dict, level: float = LEVEL) -> dict:
     (True / False, None when a release has no error figure), "direction" (+1 / -1 when
     significant, 0 when not, None when unknown)}, "level": level}.
     """
-    from scipy.special import stdtrit  # Student-t quantile
 
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level!r}")

@@ -39,7 +39,7 @@ _SPECTRA: dict = {}  # (id(q), FFT length) -> (q, its spectrum): the EM convolve
 
 
 def _kernel_spectrum(q: np.ndarray, size: int) -> np.ndarray:
-    from scipy import fft
+    from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
     key = (id(q), size)
     hit = _SPECTRA.get(key)
     if hit is not None and hit[0] is q:  # the entry holds q, so its id cannot be reused
@@ -61,7 +61,7 @@ def convolve(a: np.ndarray, q: np.ndarray) -> np.ndarray:
     key = (id(q), len(a))
     plan = _PLANS.get(key)
     if plan is None or plan[0] is not q:  # the entry holds q, so its id cannot be reused
-        from scipy import fft
+        from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
         size = fft.next_fast_len(len(a) + len(q) - 1, real=True)
         if len(_PLANS) > 64:
             _PLANS.clear()
@@ -83,9 +83,9 @@ def _fft_pair():
     pocketfft kernels called directly (the EM makes thousands of small transforms per release,
     and scipy.fft's argument handling took most of their time: docs/core_figures.md), checked at
     first use to give bit for bit what scipy.fft.rfft / irfft give; scipy.fft itself otherwise."""
-    from scipy import fft
+    from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
     try:
-        from scipy.fft._pocketfft import pypocketfft as pfft
+        from scipy.fft._pocketfft import pypocketfft as pfft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
 
         def rfft(x):
             return pfft.r2c(x, (0,), True, 0, None, 1)

@@ -194,7 +194,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     todo = [i for i, prob in enumerate(probs) if prob.spans]
     if not todo:
         return out
-    from scipy import fft
+    from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
     q = probs[todo[0]].q
     L = max(len(probs[i].w) for i in todo)
     size = fft.next_fast_len(L + len(q) - 1, real=True)

@@ -73,18 +73,30 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.special import chdtri, ndtri, stdtrit
 
-from .counters import noise_pmf, noisy_value_counts
-from .histograms import (
-    counts_from_cumulative, cumulative_from_counts, cumulative_l1, prevalences_from_cumulative,
-)
-from .anonymize import anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram
 from . import bucket_likelihood, counter_model
+from .anonymize import anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram
 from .counter_model import (  # noqa: F401  (chi2_shift, simulate_counts: re-exported)
-    chi2_shift, noise_floor, signal_to_noise, simulate_counts, simulate_from_cumulative,
+    chi2_shift,
+    noise_floor,
+    signal_to_noise,
+    simulate_counts,
+    simulate_from_cumulative,
     simulate_grouped,
 )
-from .properties import entropy_prevalences, support_coverage_prevalences
+from .counters import noise_pmf, noisy_value_counts
+from .estimators import default_cap, default_method
+from .histograms import (
+    counts_from_cumulative,
+    cumulative_from_counts,
+    cumulative_l1,
+    prevalences_from_cumulative,
+)
+from .largedomain import chosen_start
+from .properties import entropy_prevalences, support_coverage, support_coverage_prevalences
+from .selection import START_MARGIN, select
+from .selection import chosen_start as em_start
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
            "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums",
@@ -172,7 +184,6 @@ def prediction_band(samples, level: float) -> tuple[np.ndarray, np.ndarray]:
     >>> bool(lo[0] < 1.0 and hi[0] > 10.0)
     True
     """
-    from scipy.special import stdtrit  # Student-t quantile (scipy.stats costs ~1 s to import)
 
     x = np.sort(np.asarray(samples, dtype=np.float64), axis=0)
     m = x.shape[0]
@@ -192,7 +203,6 @@ def prediction_bound(samples, level: float) -> float:
     >>> prediction_bound(np.arange(1.0, 11.0), 0.9)   # ceil(11 * 0.9) = 10: the maximum
     10.0
     """
-    from scipy.special import stdtrit
 
     x = np.sort(np.asarray(samples, dtype=np.float64))
     m = len(x)
@@ -251,7 +261,6 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
     >>> round(float(hw["phi_ge"][0] / noise_floor(10**5, p)), 3)     # z at 0.90
     1.645
     """
-    from scipy.special import ndtri  # the normal quantile
 
     y = np.asarray(y, dtype=np.int64)
     K, q = noise_pmf(p, layers)
@@ -383,7 +392,6 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     >>> bool(more[0] > 150 and fewer[0] <= 52)
     True
     """
-    from scipy.special import chdtri  # chi-square quantile from the upper tail
 
     y = np.asarray(y, dtype=np.int64)
     K, q = noise_pmf(p, layers)
@@ -527,7 +535,6 @@ def likelihood_drop(sims: dict, truths: dict, refits: dict, p: float, layers: in
     paths reach the stand-in's item count was tried and fails there: the paths reach a
     stand-in's shape easily and the truth's not at all.
     """
-    from scipy.special import chdtri
 
     gaps = []
     for sm, states in sims.items():
@@ -574,7 +581,6 @@ def rank_band_sums(counts, bands=RANK_BANDS) -> np.ndarray:
 
 
 def _coverage_2n(counts) -> float:
-    from .properties import support_coverage
     tot = int(np.asarray(counts).sum())
     return support_coverage(counts, 2 * tot) if tot else 0.0
 
@@ -720,7 +726,6 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     >>> bool(lo <= len(eb["histogram"]) <= hi) and eb["l1_bound"] > 0
     True
     """
-    from .estimators import default_cap, default_method
 
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level!r}")
@@ -741,8 +746,6 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     start = None  # the early-stopped EM's start the release took (None: the smoothed one)
     other_start = None  # ... and the fit from the start it left, capped as the release
     if chosen == "auto":  # the candidate auto chose on these counters (it keeps its last choice)
-        from .selection import chosen_start as em_start
-        from .selection import select
         if buckets is None:
             _, (m_sel, cap_sel) = select(vc, p, layers=layers, n=n)
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
@@ -778,7 +781,6 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # its margin): in heavy-hitter windows the release keeps the smoothed start's tail and
         # drops ~30% of the singletons, and the other fit is near the truth; the bootstrap at
         # it sees the release's bias there, which neither the EM's nor the NPMLE's stand-in has
-        from .selection import START_MARGIN
         ll_other = counter_model.loglik(vc, other_start, counters, p, layers)
         if ll_other >= counter_model.loglik(vc, y, counters, p, layers) - START_MARGIN:
             stand_ins += (OTHER_START,)
@@ -828,7 +830,6 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     else:  # all re-estimates at once (the EM estimators run as one batched loop)
         # hashed early-stopped EM: the start the release took, for every draw
         if buckets is not None and (kw_boot["method"] or chosen) == "deconvolution":
-            from .largedomain import chosen_start
             start, other_start = chosen_start(vc, p, buckets, n, layers) or (None, None)
         flat = anonymized_cumulative_many([s for sm in stand_ins for s in sims[sm]], p,
                                           shrunk_start=start, **kw_boot)

@@ -92,7 +92,7 @@ def _mul(a: np.ndarray, b: np.ndarray, N: int) -> np.ndarray:
     if min(len(a), len(b)) < _FFT_MIN:
         out = np.convolve(a, b)[:N]
     else:
-        from scipy import fft
+        from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
 
         size = fft.next_fast_len(len(a) + len(b) - 1, real=True)
         out = fft.irfft(fft.rfft(a, size) * fft.rfft(b, size), size)[:N]
@@ -169,7 +169,7 @@ def _series_exp_small(s: np.ndarray, N: int, B: int) -> np.ndarray:
     nz = np.flatnonzero(s)
     short = len(nz) and nz[-1] < _FFT_MIN
     if not short:
-        from scipy import fft
+        from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
 
         size = fft.next_fast_len(2 * N - 1, real=True)
         S = fft.rfft(s, size)

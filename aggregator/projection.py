@@ -107,8 +107,8 @@ def project_l2(phi_hat, n: int, lower, upper):
     need S_{i+1} <= len_{i+1} c_i; the run's cost is len * (|x - a| interpolated at integers)
     at x = S / len, a max of three lines. That small MILP goes to HiGHS.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
+    from scipy.optimize import Bounds, LinearConstraint, milp  # noqa: PLC0415 (imported on first use: the CLI starts without it)
+    from scipy.sparse import lil_matrix  # noqa: PLC0415 (imported on first use: the CLI starts without it)
 
     a = np.asarray(phi_hat, dtype=np.float64)
     lower = np.asarray(lower, dtype=np.float64)

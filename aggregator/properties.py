@@ -35,6 +35,7 @@ import math
 
 import numpy as np
 from scipy import special
+from scipy.special import bdtrc, pdtrc
 
 __all__ = ["entropy", "entropy_prevalences", "support_coverage", "support_coverage_prevalences",
            "support_size", "batched_item", "support_coverage_batched", "prevalences"]
@@ -128,13 +129,11 @@ def support_coverage_prevalences(vals, phis, m: int, *, smoothing: str = "binomi
     if t <= 1.0:
         weights = np.ones(len(vals))
     elif smoothing == "binomial":
-        from scipy.special import bdtrc  # P(Binomial > x); scipy.stats costs ~1 s to import
 
         k = max(1, math.ceil(0.5 * math.log(n * t * t / (t - 1.0), 3)))
         below = vals - 1  # P(L >= i) = P(L > i - 1), 0 past k (where bdtrc is undefined)
         weights = np.where(below >= k, 0.0, bdtrc(np.minimum(below, k), k, 2.0 / (t + 2.0)))
     elif smoothing == "poisson":
-        from scipy.special import pdtrc  # P(Poisson > x)
 
         rr = r if r is not None else math.log(n * (t + 1.0) ** 2 / (t - 1.0)) / (2.0 * t)
         weights = pdtrc(vals - 1, rr)

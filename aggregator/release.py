@@ -2,7 +2,6 @@
 
 The release is post-processing of a view of the counters, so everything in it is covered by the
 state's epsilon (see docs/privacy.md):
-
 * model ``"joint"`` (default): the release is computed from the counters plus a fresh DLap(p)
   layer W, so the release and any single intrusion into the state are jointly epsilon-DP;
 * model ``"state-only"``: the release is computed from the counters themselves (one layer less,
@@ -11,6 +10,7 @@ state's epsilon (see docs/privacy.md):
 
 from __future__ import annotations
 
+import datetime as _dt
 import errno
 import io
 import json
@@ -26,9 +26,11 @@ from state_store.atomic import atomic_write
 
 from . import anonymize as _anonymize
 from . import intervals, properties
-from .counters import noisy_value_counts
-from .memo import forget_fits
 from .anonymize import anonymized_histogram
+from .counters import noisy_value_counts
+from .estimators import default_method
+from .intervals import simulate_counts
+from .memo import forget_fits
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
@@ -195,7 +197,6 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         forget_fits()  # what auto kept of these counters does not outlive the release
     signal = n if n is not None else int(np.asarray(hist).sum())
     snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
-    from .estimators import default_method
     resolved = method or default_method("hashed" if buckets is not None else "direct", layers)
     accuracy = {
         "estimator": resolved if method else f"{resolved} (default)",
@@ -295,7 +296,6 @@ PLAN_SHAPES = {"zipf": "a Zipf(1.1) window", "distinct": "mostly distinct items"
 class PlanCancelled(Exception):
     """:func:`planned_accuracy` was asked to stop (its ``cancel`` returned True)."""
 
-
 def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bool,
                      reps: int = ERROR_BAR_REPS, rng=None, cancel=None) -> dict:
     """The expected errors a release will state, before any data: the release's own code
@@ -360,7 +360,6 @@ def _zipf_ids(rng, n: int, top: int | None) -> np.ndarray:
 
 
 def _planned(counters, p, layers, n, *, hashed, reps, rng, cancel=None) -> dict:
-    from .intervals import simulate_counts
 
     rng = np.random.default_rng(rng)
     n = min(int(n), PLAN_MAX_EVENTS)
@@ -447,7 +446,6 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
 def _utc(unix) -> str | None:
     if unix is None:
         return None
-    import datetime as _dt
     when = _dt.datetime.fromtimestamp(float(unix), _dt.timezone.utc)
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -597,8 +595,8 @@ def release_figure(release: dict):
 
     A release without an accuracy block (central, Balcer-Cheu) gets the curve and what it has.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (imported on first use: the CLI starts without it)
+    from matplotlib.figure import Figure  # noqa: PLC0415 (imported on first use: the CLI starts without it)
 
     pairs = release["histogram"]["pairs"]
     # (pairs run from the largest count down: the curve's ranks in order)
@@ -642,7 +640,6 @@ def release_figure(release: dict):
 
 class ReleaseExists(FileExistsError):
     """A different release document already has this file name (another run wrote it)."""
-
 
 def write_release(release: dict, outdir: str | os.PathLike, *, plot: bool = True) -> Path:
     """Write ``release-<window>.json`` and, unless ``plot=False``, its PNG plot

@@ -6,7 +6,6 @@ window, and the analyzer sees only the permuted multiset. Privacy is judged on t
 for two windows of ``n`` events that differ in one event (replace-one, ``n`` public).
 
 Two protocols, each a randomizer (one event -> messages) and an analyzer (messages -> counts):
-
 **Correlated noise (GKMP).** Ghazi, Kumar, Manurangsi, Pagh, ICML 2020 (seed 001 ref. [29]).
 Messages are ``(bucket, sign)`` rows. An event in bucket ``x`` sends ``(x, +1)``; for every bucket
 ``j`` it also sends ``Z+_j`` copies of ``(j, +1)`` and ``Z-_j`` copies of ``(j, -1)`` with
@@ -93,7 +92,6 @@ DEFAULT_MAX_MESSAGES = 10_000  # expected messages per event above which a confi
 
 class ShuffleConfigError(ValueError):
     """A protocol configuration that cannot be run as asked (the message names the fix)."""
-
 
 # --------------------------------------------------------------------------------------------
 # exact-ish samplers
@@ -498,7 +496,7 @@ def balcer_cheu_delta(epsilon: float, n: int, s: float) -> float:
     ``ln[P(X_y)/P(X_y - 1)] + ln[P(X_x)/P(X_x + 1)]`` (infinite where the other world cannot
     produce the view); this returns ``E[(1 - exp(eps - L))_+]`` under the first world.
     """
-    from scipy.stats import binom
+    from scipy.stats import binom  # noqa: PLC0415 (imported on first use: the CLI starts without it)
 
     k = np.arange(n + 1)
     pm = binom.pmf(k, n, s)

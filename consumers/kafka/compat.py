@@ -22,6 +22,8 @@ pins the tested minor.
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 __all__ = ["TESTED", "KafkaPythonIncompatible", "check_consumer", "check_producer", "unpark",
            "drop_stale_offsets", "wake_sender", "force_close"]
 
@@ -43,10 +45,8 @@ _TRANSACTIONAL = {("_transaction_manager", "_pending_txn_offset_commits"):
 class KafkaPythonIncompatible(RuntimeError):
     """The installed kafka-python lacks a private attribute the service relies on."""
 
-
 def _version() -> str:
     try:
-        from importlib.metadata import version
         return version("kafka-python")
     except Exception:
         return "unknown"

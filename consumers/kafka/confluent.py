@@ -27,12 +27,18 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 from ..base import Segment, Source
 from ..kafka_security import KafkaConnectError, SecurityError, client_options
-from .common import (IntakeWatch, RecordColumn, partial_assignment_error, partition_key,
-                     replay_problem)
+from .common import (
+    IntakeWatch,
+    RecordColumn,
+    partial_assignment_error,
+    partition_key,
+    replay_problem,
+)
 
 __all__ = ["ConfluentSource", "librdkafka_options"]
 
@@ -73,7 +79,6 @@ class _Quieter(logging.Filter):
         self._last: dict[str, float] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        import time
         msg = record.getMessage()
         kind = msg.split(" ", 1)[0]   # the facility, e.g. FAIL, REQTMOUT
         now = time.monotonic()
@@ -89,7 +94,7 @@ _RDLOG.addFilter(_Quieter())
 
 def _import():
     try:
-        import confluent_kafka
+        import confluent_kafka  # noqa: PLC0415 (an optional extra)
     except ImportError:
         raise KafkaConnectError(
             'source.client = "confluent" needs confluent-kafka: pip install '

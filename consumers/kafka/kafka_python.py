@@ -13,6 +13,7 @@ import logging
 from operator import itemgetter
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
@@ -20,8 +21,14 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from ..base import Segment, Source
 from ..kafka_security import KafkaConnectError, SecurityError, client_options, diagnose_connect
 from . import compat
-from .common import (IntakeWatch, PartialAssignment, RecordColumn, partial_assignment_error,
-                     partition_key, replay_problem)
+from .common import (
+    IntakeWatch,
+    PartialAssignment,
+    RecordColumn,
+    partial_assignment_error,
+    partition_key,
+    replay_problem,
+)
 
 __all__ = ["KafkaSource", "PartialAssignment", "partition_key", "parse_partition_key"]
 
@@ -338,7 +345,6 @@ class KafkaSource(Source, IntakeWatch):
                                     for tp, b in begins.items()})
 
     def _topic_config(self) -> dict[str, str] | None:
-        from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
         if self._config_cache is not None:
             return self._config_cache
         admin = None
