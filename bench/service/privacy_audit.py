@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:  # the scenarios are the tests' (tests/ is not a p
 
 from tests import test_privacy_lr as S  # noqa: E402
 from tests.lr_audit import lr_epsilon  # noqa: E402
-from tests.test_privacy import empirical_epsilon  # noqa: E402
+from tests.helpers.privacy import empirical_epsilon  # noqa: E402
 
 
 def _mechanism_rows():
