@@ -75,7 +75,7 @@ import math
 import numpy as np
 from scipy.special import chdtri, ndtri, stdtrit
 
-from . import bucket_likelihood, counter_model
+from . import bucket_likelihood, counter_model, selection
 from .anonymize import anonymized_cumulative, anonymized_cumulative_many, anonymized_histogram
 from .counter_model import (  # noqa: F401  (chi2_shift, simulate_counts: re-exported)
     chi2_shift,
@@ -95,8 +95,6 @@ from .histograms import (
 )
 from .largedomain import chosen_start
 from .properties import entropy_prevalences, support_coverage, support_coverage_prevalences
-from .selection import START_MARGIN, select
-from .selection import chosen_start as em_start
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
            "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums",
@@ -747,11 +745,11 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     other_start = None  # ... and the fit from the start it left, capped as the release
     if chosen == "auto":  # the candidate auto chose on these counters (it keeps its last choice)
         if buckets is None:
-            _, (m_sel, cap_sel) = select(vc, p, layers=layers, n=n)
+            _, (m_sel, cap_sel) = selection.select(vc, p, layers=layers, n=n)
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
-            start, other_start = em_start(vc, p, layers=layers, n=n) or (None, None)
+            start, other_start = selection.chosen_start(vc, p, layers=layers, n=n) or (None, None)
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
-            _, (m_sel, _) = select(vc, p, layers=layers, n=None, hashed=True)
+            _, (m_sel, _) = selection.select(vc, p, layers=layers, n=None, hashed=True)
             kw_boot = kw | {"method": m_sel}
     else:
         kw_boot = kw
@@ -782,7 +780,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # drops ~30% of the singletons, and the other fit is near the truth; the bootstrap at
         # it sees the release's bias there, which neither the EM's nor the NPMLE's stand-in has
         ll_other = counter_model.loglik(vc, other_start, counters, p, layers)
-        if ll_other >= counter_model.loglik(vc, y, counters, p, layers) - START_MARGIN:
+        if ll_other >= counter_model.loglik(vc, y, counters, p, layers) - selection.START_MARGIN:
             stand_ins += (OTHER_START,)
             truth_y[OTHER_START] = np.asarray(other_start, dtype=np.int64)
             lls[OTHER_START] = ll_other
