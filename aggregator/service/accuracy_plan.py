@@ -11,10 +11,19 @@ import threading
 import time
 
 from ..intervals import SNR_MIN, noise_floor
+from ..largedomain import choose_buckets
 from ..noise import p_from_epsilon
+from ..release import (
+    PLAN_MAX_EVENTS,
+    PLAN_SHAPES,
+    PlanCancelled,
+    planned_accuracy,
+    privacy_unit_clause,
+)
 from ..state import NEIGHBOR_RELATIONS
 from .identity import choose_buckets_for
 from .settings import Config
+from .user_window import is_user, user_plan_line
 
 __all__ = ["accuracy_plan", "planned_errors", "warn_if_below_noise", "below_noise_fix",
            "StartPlan", "expected_release_seconds", "release_time_warning"]
@@ -74,8 +83,6 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     mode: ``state.expected_n``). With ``simulate``, the line ends with the expected errors the
     releases will state (:func:`planned_errors`, seconds). Returns (line, below_noise).
     """
-    from ..release import privacy_unit_clause
-    from .user_window import is_user, user_plan_line
 
     if is_user(cfg):  # distinct users from a density state: its own plan (no simulation)
         return user_plan_line(cfg), False
@@ -95,7 +102,6 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
         line += _planned_errors(counters, p, layers, n, hashed)
     below = n / floor < SNR_MIN
     if below:
-        from ..largedomain import choose_buckets
         b = choose_buckets(max(n, 2), float(st.epsilon))
         line += (f". BELOW THE NOISE at {n:,} events: use hashed mode (state.mode = \"hashed\", "
                  f"~{b:,} buckets for {n:,} events)" if not hashed else
@@ -182,9 +188,7 @@ def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool,
                     cancel=None) -> str:
     """The expected relative errors the releases will state, from simulated windows of two
     reference shapes (aggregator.release.planned_accuracy), as a clause of the plan line."""
-    from ..release import PLAN_SHAPES, planned_accuracy
 
-    from ..release import PLAN_MAX_EVENTS
     plan = planned_accuracy(counters, p, layers, n, hashed=hashed, cancel=cancel)
     capped = (f" (simulated with {PLAN_MAX_EVENTS:,} events per window, not the {n:,} the "
               "window holds: the plan's cost is bounded, its figures are for that size)"
@@ -244,7 +248,6 @@ class StartPlan:
         self._thread.start()
 
     def _simulate(self) -> None:
-        from ..release import PlanCancelled
         deadline = time.monotonic() + PLAN_DEFER_S
         while not (self._idle.is_set() or self._cancel.is_set()) and time.monotonic() < deadline:
             self._idle.wait(0.2)

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from nacl.public import PrivateKey
 
 from consumers.base import Segment, Source
 from consumers.kafka_security import client_options, redacted
@@ -54,6 +55,7 @@ from state_store.local import Checkpoint, LocalStore
 
 from ..release import estimate_with_accuracy, package_release, stamp_window
 from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer, ShuffleConfigError
+from .accuracy_plan import warn_if_below_noise
 from .config import shuffle_n
 from .deadletter import DeadLetters, service_producer
 from .errors import ServiceError, Stopping
@@ -61,9 +63,18 @@ from .identity import choose_buckets_for, identity_of
 from .ledger import BudgetExceeded, Ledger
 from .metrics import Metrics
 from .publisher import ReleasePublisher
-from .shuffle_wire import (PARAM_KEYS, SEALED_SIZE, BoxOpener, ParamTag, WireError,
-                           load_private_key, parse_analyzer_record, public_key_hex)
 from .settings import Config
+from .shuffle_wire import (
+    PARAM_KEYS,
+    SEALED_SIZE,
+    BoxOpener,
+    ParamTag,
+    WireError,
+    end_record,
+    load_private_key,
+    parse_analyzer_record,
+    public_key_hex,
+)
 from .stages.durable_write import wait_for_write
 from .stages.release import release_method
 from .stages.state_dir import claim_directory, remove_created
@@ -83,7 +94,6 @@ REASONS = ("malformed_record", "undecryptable", "other_parameters", "bucket_out_
 def load_analyzer_key(cfg: Config, env=None):
     """The analyzer's private key: ``shuffle.key_file``, else $PANAGG_SHUFFLE_PRIVATE_KEY (hex).
     Raises ServiceError with one line naming the fix."""
-    from nacl.public import PrivateKey
 
     env = os.environ if env is None else env
     path = cfg.shuffle.key_file
@@ -645,7 +655,6 @@ class ShuffleAnalyzer:
         release["counted"] = {"stream": f"kafka:{self.cfg.source.topic}",
                               "item": f"shuffle:{self.protocol} messages"}
         if (release.get("accuracy") or {}).get("signal_below_noise"):
-            from .accuracy_plan import warn_if_below_noise
             warn_if_below_noise(release)
         extra = {"recovered_from": f"refused-{w['uid']}"} if self._recovering else {}
         self.ledger.append(entry_id=f"release-{w['uid']}", kind="release", window=k,
@@ -704,7 +713,8 @@ class ShuffleAnalyzer:
     def _read_range(self, partition: str, start: int, end: int) -> list[tuple[int, bytes]]:
         """Records ``[start, end)`` of ``partition`` ("topic:p") of the analyzer topic, read
         committed, with no consumer group (nothing committed, no rebalance of the analyzer's)."""
-        from kafka import KafkaConsumer, TopicPartition
+        # a Kafka client is loaded by a Kafka run only
+        from kafka import KafkaConsumer, TopicPartition  # noqa: PLC0415
         topic, _, p = partition.rpartition(":")
         consumer = KafkaConsumer(bootstrap_servers=self.cfg.source.bootstrap, group_id=None,
                                  enable_auto_commit=False, isolation_level="read_committed",
@@ -737,7 +747,8 @@ class ShuffleAnalyzer:
     def _read_dead_letters(self, partition: str, start: int, end: int) -> list[tuple[int, bytes]]:
         """The dead letters of positions ``partition@[start, end)`` (their key), by offset;
         the whole dead-letter topic is read once (no group, nothing committed)."""
-        from kafka import KafkaConsumer, TopicPartition
+        # a Kafka client is loaded by a Kafka run only
+        from kafka import KafkaConsumer, TopicPartition  # noqa: PLC0415
         topic = self.cfg.source.dead_letter_topic
         consumer = KafkaConsumer(bootstrap_servers=self.cfg.source.bootstrap, group_id=None,
                                  enable_auto_commit=False, isolation_level="read_committed",
@@ -788,7 +799,6 @@ class ShuffleAnalyzer:
             dead = records(partition, int(start), end, dead_letters=True) if records else \
                 self._read_dead_letters(partition, int(start), end)
             if dead:
-                from .shuffle_wire import end_record
                 recs = dead + [(end - 1, end_record(k, **entry["marker"]))]
                 source = "the dead-letter topic"
         self.window, self.last_closed = None, None

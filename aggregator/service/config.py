@@ -8,6 +8,7 @@ the value, what is expected and where to fix it. docs/configuration.md lists eve
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import difflib
 import hashlib
 import json
@@ -15,10 +16,12 @@ import math
 import os
 import tomllib
 
+from consumers.kafka_security import SecurityError, check_security
 from state_store.failpoints import under_tests
 
+from .rollup import RollupError, parse_span
 from .settings import SETTINGS, Config, defaults
-from .user_window import user_unit_problem
+from .user_window import rollup_users, user_rollup_line, user_unit_problem
 
 __all__ = ["DEFAULTS", "ConfigError", "load_config", "parse_start", "shuffle_n",
            "aggregation_configs", "AGGREGATION_SECTIONS"]
@@ -362,7 +365,6 @@ def rollup_split_line(cfg: Config) -> str | None:
     if not w.rollups or w.rollup_design == "sum" or not cfg.aggregations:
         return None
     if cfg.state.privacy_unit == "user":  # every span its own state at the full eps
-        from .user_window import user_rollup_line
         return user_rollup_line(cfg)
     parts = [f"{name} at eps {over.get('state', {}).get('epsilon', cfg.state.epsilon):g}"
              for name, over in sorted(cfg.aggregations.items())]
@@ -397,7 +399,6 @@ def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
                 return given  # nothing to expand
             continue
         where = f"aggregations.{name}: " if name else ""
-        from .rollup import RollupError, parse_span
         try:
             spans = [(str(sp).strip().lower(), parse_span(sp, kind=w["kind"], size=w["size"]))
                      for sp in w["rollups"]]
@@ -422,7 +423,6 @@ def _rollup_levels(cfg: dict, given: dict[str, list]) -> dict[str, list]:
                    src),
                   ("window", "rollup_design", "sum", src)]
         if user:
-            from .user_window import rollup_users
             users = rollup_users(one)
             common.append(("state", "rollup_expected_users", [], src))
             base_users = [("state", "expected_users", one["state"]["expected_users"], src)]
@@ -638,7 +638,6 @@ def _validate(cfg: dict, env=None) -> None:
     if start != "earliest" and src["kind"] != "kafka":
         raise ConfigError("source.start applies to Kafka topics (source.kind = kafka); remove it "
                           f"for a {src['kind']} source")
-    from consumers.kafka_security import SecurityError, check_security
     try:
         check_security(cfg["security"], env)
     except SecurityError as exc:
@@ -657,7 +656,6 @@ def rollup_spans(cfg: dict) -> dict[str, int]:
     """``window.rollups`` as {name: base windows per rollup}; a ConfigError (one line naming
     the fix) for a span that is not a multiple of the window, twice the same, or a setting
     rollups do not support yet (docs/rollups.md)."""
-    from .rollup import RollupError, parse_span
     names = cfg["window"]["rollups"]
     if not names:
         return {}
@@ -710,7 +708,6 @@ def _validate_shuffle(cfg: dict) -> None:
 
 def parse_start(text: str):
     """``source.start`` as ``"earliest"``, ``"latest"`` or a Unix time in milliseconds."""
-    import datetime as dt
     text = str(text).strip()
     if text in ("earliest", "latest"):
         return text

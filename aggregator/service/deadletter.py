@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from consumers.kafka_security import client_options
+
 from .settings import Config
 
 __all__ = ["DeadLetters", "DeadLetterError", "dead_letter_record", "service_producer"]
@@ -41,9 +43,8 @@ def service_producer(cfg: Config):
     brokers and security, every write acknowledged by all in-sync replicas (``acks="all"``), a
     send that cannot be buffered failing within 5 s instead of blocking intake, and requests up
     to :data:`MAX_REQUEST_BYTES`."""
-    from kafka import KafkaProducer
+    from kafka import KafkaProducer  # noqa: PLC0415 (a Kafka client is loaded by a Kafka run only)
 
-    from consumers.kafka_security import client_options
     return KafkaProducer(bootstrap_servers=cfg.source.bootstrap, acks="all", linger_ms=20,
                          max_block_ms=5000, max_request_size=MAX_REQUEST_BYTES,
                          request_timeout_ms=10000, reconnect_backoff_max_ms=1000,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from ..largedomain import choose_buckets
 from .settings import Config, Setting, settings_by
 from .user_window import user_cells
 
@@ -19,7 +20,6 @@ def choose_buckets_for(cfg: Config) -> int:
     of :func:`aggregator.largedomain.choose_buckets` (docs/large_domains.md, "Choosing B")."""
     if cfg.state.buckets:
         return int(cfg.state.buckets)
-    from ..largedomain import choose_buckets
     return int(choose_buckets(max(int(cfg.state.expected_n), 2), cfg.state.epsilon))
 
 

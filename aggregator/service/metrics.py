@@ -10,18 +10,28 @@ from __future__ import annotations
 import platform
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 
 from consumers.decode import REASONS
+
+from ..changes import STATISTICS, compare
 
 __all__ = ["Metrics"]
 
 
 def panagg_version() -> str:
     """The installed package's version ("unknown" from a source tree that is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return version("panagg")
     except PackageNotFoundError:
@@ -205,7 +215,6 @@ class Metrics:
         self.release_entropy.set(props.get("entropy_nats", float("nan")))
         snr = (release.get("accuracy") or {}).get("signal_to_noise")
         self.release_snr.set(float("nan") if snr is None else snr)
-        from ..changes import STATISTICS, compare
         c = compare(self._last_release, release) if self._last_release else {}
         for stat in STATISTICS:
             d = (c.get(stat) or {}).get("direction")
@@ -239,10 +248,6 @@ class Metrics:
     def serve(self, host: str = "127.0.0.1", port: int = 9464) -> int:
         """Serve /metrics (Prometheus exposition), /healthz and /ready; returns the bound port
         (0 picks a free one)."""
-        from socketserver import ThreadingMixIn
-        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
-        from prometheus_client import make_wsgi_app
 
         exposition = make_wsgi_app(self.registry)
 

@@ -42,9 +42,10 @@ from state_store.atomic import atomic_write
 
 from .anchor import kafka_metadata, parse_kafka_metadata
 from .config import aggregation_configs
-from .metrics import Metrics
 from .errors import ServiceError, Stopping
+from .metrics import Metrics
 from .process import Aggregator
+from .release_worker import ReleaseWorker
 from .settings import Config
 from .stages.caught_up import IdleExit
 from .stages.labelled import ByAggregation
@@ -373,7 +374,6 @@ class MultiAggregator:
             self.check_set()
             if any(a.async_releases() for a in self.aggs.values()):
                 # one pool for all: their releases run in parallel, up to release.workers
-                from .release_worker import ReleaseWorker
                 worker = ReleaseWorker(int(self.cfg.release.workers))
                 for agg in self.aggs.values():
                     if agg.async_releases():

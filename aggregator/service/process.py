@@ -32,6 +32,7 @@ from .event_time import EventTimeWindows
 from .intake_gap import IntakeGap
 from .metrics import Metrics
 from .rejects import RejectLog, RejectWatch
+from .release_worker import ReleaseWorker
 from .settings import Config
 from .stages.budget import open_budget
 from .stages.caught_up import IdleExit, catch_up, idle_can_count
@@ -254,7 +255,6 @@ class Aggregator:
         self.registries.attach()
         self.save_effective_config()
         if self.worker is None and self.async_releases():
-            from .release_worker import ReleaseWorker
             self.worker = ReleaseWorker(int(self.cfg.release.workers))
             self._owns_worker = True
         self.starting.ledger_composition(self.task)

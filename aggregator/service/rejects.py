@@ -9,6 +9,10 @@ import json
 import logging
 import time
 
+import msgpack
+
+from consumers.decode import _walk
+
 from .settings import Config
 
 __all__ = ["RejectLog", "RejectWatch"]
@@ -85,9 +89,7 @@ class RejectWatch:
 
     def _item_kind(self, raw) -> str:
         """The type (only) of the value at item.field in one rejected record."""
-        import msgpack
 
-        from consumers.decode import _walk
         if self.cfg.item.source != "value" or not isinstance(raw, (bytes, bytearray)):
             return "?"
         try:

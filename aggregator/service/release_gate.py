@@ -27,8 +27,10 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+from state_store.registry import RegistryError, ledger_id
+
 from .errors import ServiceError
-from .ledger import BudgetExceeded, Ledger, LedgerError, sibling_ledger_paths
+from .ledger import BudgetExceeded, Ledger, LedgerError, _ranges_text, sibling_ledger_paths
 from .metrics import Metrics
 from .user_budget import USER_EPSILON, USER_STREAM, UserBudget, user_spent
 
@@ -66,7 +68,6 @@ def check_registry(registry, ledger: Ledger, known: set, uid: str, epsilon: floa
                              window_kind=window_kind, others=[*others, *theirs], pending=pending,
                              parallel=parallel)
     except BudgetExceeded:
-        from .ledger import _ranges_text
         raise BudgetExceeded(
             f"release of window {window} refused: its events (source positions "
             f"{_ranges_text(ranges)}) were released by {registry.who(ranges, theirs)} "
@@ -121,7 +122,6 @@ class ReleaseGate:
         self._catch_up()
 
     def _record(self, entry: dict) -> None:
-        from state_store.registry import ledger_id
         try:
             self.registry.record(ledger_id(self.ledger.entries), entry)
         except Exception as exc:  # the release is ledgered; the charge follows at the next check
@@ -129,7 +129,6 @@ class ReleaseGate:
                         "written before the next release", entry.get("id"), type(exc).__name__)
 
     def _catch_up(self) -> None:
-        from state_store.registry import ledger_id
         n = self.registry.catch_up(ledger_id(self.ledger.entries), self.ledger.entries)
         if n:
             log.info("%d charge(s) of this ledger written to the budget registry %s", n,
@@ -138,7 +137,6 @@ class ReleaseGate:
     def _known(self, siblings: list[list[dict]]) -> set[tuple[str, str]]:
         """(ledger id, entry id) of every entry this ledger and its ``siblings`` hold: the
         registry's charges beyond them are another deployment's (or lost from these)."""
-        from state_store.registry import ledger_id
         known = set()
         for entries in [self.ledger.entries, *siblings]:
             lid = ledger_id(entries)
@@ -149,8 +147,8 @@ class ReleaseGate:
                         closing: dict, siblings: list, others: list, pending: float) -> None:
         """BudgetExceeded naming the other deployment when the registry's charges bring the
         window's events over the per-event budget."""
-        from kafka.errors import KafkaError
-        from state_store.registry import RegistryError
+        # a Kafka client is loaded by a Kafka run only
+        from kafka.errors import KafkaError  # noqa: PLC0415
         try:
             self.registry.read_to_end()
             self._catch_up()

@@ -38,9 +38,11 @@ that much longer (a slow release on a small domain).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import weakref
@@ -50,6 +52,8 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from state_store.failpoints import slow_point
+
+from ..release import make_release
 
 __all__ = ["ReleaseWorker", "compute_release"]
 
@@ -63,7 +67,6 @@ def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar
     With ``keep_view`` (window.rollups) a fourth item: ``(counts, layers)``, the release-layered
     counters the document was computed from, for the rollups to add up (the same draw: a
     second draw would be a second view of the window)."""
-    from ..release import make_release
 
     started = time.time()
     slow_point("release")
@@ -150,8 +153,6 @@ def _die_with_parent(parent: int) -> None:
     """A worker never outlives the loop (a kill -9 of the service): Linux's parent-death
     signal, and a check that the parent is still the one that started it."""
     try:
-        import ctypes
-        import signal
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # not Linux: the pool's own end-of-parent handling remains
         pass
@@ -160,8 +161,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _warm() -> bool:
-    """Import what a release needs before the first window closes (~0.7 s of imports)."""
-    from .. import intervals, release  # noqa: F401
+    """A first task for each worker, before the first window closes: importing this module
+    (its ``make_release``) has loaded what a release needs (~0.7 s of imports)."""
     return True
 
 

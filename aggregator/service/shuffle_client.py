@@ -10,7 +10,6 @@ read none of them; ``record(item)`` adds a fresh random event id as the Kafka ke
 drops redelivered copies by it).
 
 The item -> bucket maps are the service's (:func:`bucket_map`):
-
 * direct mode: integer ids in ``[0, state.domain_size)``, the bucket is the id;
 * hashed mode: ``siphash24(key, canonical_bytes(item)) mod B`` (:func:`aggregator.hashing.
   bucket_of`, after ``item.normalize`` / ``item.casefold`` as the decoder applies them), with
@@ -35,8 +34,11 @@ from typing import Callable
 
 import numpy as np
 
-from .shuffle_wire import ParamTag, client_record, load_public_key, new_event_id, seal_rows
+from ..hashing import KEY_BYTES, bucket_of
+from .identity import choose_buckets_for
 from .settings import Config
+from .shuffle_wire import ParamTag, client_record, load_public_key, new_event_id, seal_rows
+from .shuffler import ShufflerError, make_randomizer
 
 __all__ = ["ShuffleClient", "bucket_map", "direct_buckets", "hashed_buckets"]
 
@@ -61,7 +63,6 @@ def hashed_buckets(key: bytes, buckets: int, *, nfc: bool = False,
                    casefold: bool = False) -> Callable:
     """Hashed mode: SipHash-2-4 of the item's canonical bytes mod ``buckets`` (the service's
     map, :func:`aggregator.hashing.bucket_of`), after the decoder's text normalisation."""
-    from ..hashing import KEY_BYTES, bucket_of
     if len(key) != KEY_BYTES:
         raise ValueError(f"the bucket hash key must be {KEY_BYTES} bytes")
 
@@ -85,7 +86,6 @@ def hashed_buckets(key: bytes, buckets: int, *, nfc: bool = False,
 
 def bucket_map(cfg: Config) -> Callable:
     """The item -> bucket map of ``cfg`` (direct or hashed); raises ValueError naming the key."""
-    from .identity import choose_buckets_for
     st = cfg.state
     if st.mode == "direct":
         return direct_buckets(int(st.domain_size))
@@ -125,7 +125,6 @@ class ShuffleClient:
 
     @classmethod
     def from_config(cls, cfg: Config) -> "ShuffleClient":
-        from .shuffler import ShufflerError, make_randomizer
         if not cfg.shuffle.public_key:
             raise ShufflerError("clients need shuffle.public_key "
                                 "(printed by `panagg shuffle-keygen`)")

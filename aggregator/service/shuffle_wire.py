@@ -1,10 +1,8 @@
 """What travels between shuffle-model clients, the shuffler and the analyzer (docs/shuffle.md).
 
 Three hops, three formats (wire version 2):
-
 1. **Plaintext message** (inside a sealed box): 26 bytes, fixed size (a ciphertext's length says
    nothing about its content):
-
    ========  =====  =====================================================================
    bytes     type   what
    ========  =====  =====================================================================
@@ -57,10 +55,13 @@ import hashlib
 import os
 import secrets
 import struct
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
+from nacl.bindings import crypto_box_seal_open
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
 
@@ -223,7 +224,6 @@ def _unpack(plain: bytes, m: int) -> Opened:
 
 def open_messages(boxes, private_key: PrivateKey) -> Opened:
     """Decrypt sealed boxes; a box that fails (or opens to another size) raises WireError."""
-    from nacl.bindings import crypto_box_seal_open
     sk, pk = bytes(private_key), bytes(private_key.public_key)
     out = bytearray()
     for c in boxes:
@@ -275,9 +275,7 @@ def _worker_main() -> None:
     """A decryption worker (:class:`BoxOpener`): on stdin the 32-byte private key, then
     requests ``<u4 m>`` + ``m`` concatenated sealed boxes; on stdout per request ``b"\\x01"`` +
     the ``m`` plaintexts, or ``b"\\x00"`` if a box does not open (the chunk is rejected whole)."""
-    import sys
 
-    from nacl.bindings import crypto_box_seal_open
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
         sk = _read_exactly(inp, 32)
@@ -313,8 +311,6 @@ class BoxOpener:
 
     def _start(self) -> list:
         if not self._procs:
-            import subprocess
-            import sys
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [root] + [p for p in [os.environ.get("PYTHONPATH", "")] if p]))

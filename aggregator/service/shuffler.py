@@ -55,13 +55,28 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from consumers.kafka_security import client_options
 from state_store.atomic import atomic_write
 from state_store.failpoints import failpoint, is_armed
 
-from .shuffle_wire import (EVENT_ID_SIZE, ParamTag, WireError, chunk_record, end_record,
-                           load_public_key, parse_client_record, seal_rows)
+from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer
+from .config import shuffle_n
+from .deadletter import dead_letter_record
+from .group.txn import drop_stale_offsets
+from .identity import choose_buckets_for
 from .settings import Config
+from .shuffle_wire import (
+    EVENT_ID_SIZE,
+    ParamTag,
+    WireError,
+    chunk_record,
+    end_record,
+    load_public_key,
+    parse_client_record,
+    seal_rows,
+)
 
 log = logging.getLogger("panagg.shuffle")
 
@@ -79,9 +94,6 @@ class ShufflerError(RuntimeError):
 
 def make_randomizer(cfg: Config):
     """The randomizer every client, the shuffler and the analyzer of ``cfg`` share."""
-    from ..shuffle import BalcerCheuRandomizer, GKMPRandomizer
-    from .config import shuffle_n
-    from .identity import choose_buckets_for
 
     st, sh = cfg.state, cfg.shuffle
     buckets = int(st.domain_size) if st.mode == "direct" else choose_buckets_for(cfg)
@@ -219,7 +231,6 @@ class ShufflerMetrics:
     """Prometheus metrics of ``panagg shuffle`` (counts only: never an id, a box or a bucket)."""
 
     def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
         r = self.registry = CollectorRegistry()
         self.events = Counter("panagg_shuffler_events", "Client events shuffled into committed "
                               "windows", registry=r)
@@ -249,7 +260,6 @@ class ShufflerMetrics:
                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
     def serve(self, host: str, port: int) -> int:
-        from prometheus_client import start_http_server
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_port)
 
@@ -368,7 +378,8 @@ class Shuffler:
 
     # -- Kafka clients ------------------------------------------------------------------------
     def _clients(self):
-        from kafka.errors import KafkaError
+        # a Kafka client is loaded by a Kafka run only
+        from kafka.errors import KafkaError  # noqa: PLC0415
         try:
             self._connect()
         except KafkaError as exc:
@@ -378,9 +389,8 @@ class Shuffler:
                                 "source.bootstrap and the [security] settings") from None
 
     def _connect(self):
-        from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-
-        from consumers.kafka_security import client_options
+        # a Kafka client is loaded by a Kafka run only
+        from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # noqa: PLC0415
 
         # reconnects backed off at most 1 s: a broker that comes back is found at once, as by
         # the service's own clients (kafka-python's default waits up to 30 s)
@@ -399,7 +409,8 @@ class Shuffler:
         self._producer = KafkaProducer(bootstrap_servers=boot, transactional_id=self.txn_id,
                                        acks="all", max_request_size=16 * 1024 * 1024,
                                        linger_ms=5, **sec)
-        from consumers.kafka import compat
+        # a Kafka client is loaded by a Kafka run only
+        from consumers.kafka import compat  # noqa: PLC0415
         try:
             compat.check_producer(self._producer, transactional=True)
         except compat.KafkaPythonIncompatible as exc:
@@ -471,11 +482,9 @@ class Shuffler:
                 break
 
     def _commit_window(self, win: Window) -> None:
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
-
-        from .deadletter import dead_letter_record
-        from .group.txn import drop_stale_offsets
+        # a Kafka client is loaded by a Kafka run only
+        from kafka import TopicPartition  # noqa: PLC0415
+        from kafka.structs import OffsetAndMetadata  # noqa: PLC0415
 
         t0 = time.monotonic()
         wid = win.wid

@@ -20,10 +20,20 @@ import json
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from state_store.local import CheckpointError, LocalStore
+
 from .. import changes
-from .ledger import Ledger, LedgerError
+from ..release import PRIVACY_UNIT, PRIVACY_UNIT_CONSEQUENCE
+from .ledger import Ledger, LedgerError, sibling_ledger_paths
+from .multi import SET_FILE
+from .stages.state_dir import service_running
+from .user_budget import user_spent, windows_left
+from .user_window import USER, USER_CONSEQUENCE, unit_clause
 
 __all__ = ["StatusError", "collect_status", "format_status", "release_history",
            "format_history", "plot_history", "METRICS_URL_FILE"]
@@ -39,7 +49,6 @@ def _ledger(state_dir: Path) -> Ledger:
     path = state_dir / "ledger.jsonl"
     several = state_dir / "aggregations.json"  # aggregator.service.multi: one directory each
     if not path.exists() and several.exists():
-        import json
         names = json.loads(several.read_text()).get("aggregations", [])
         raise StatusError(f"{state_dir} holds several aggregations ({', '.join(names)}); pass "
                           f"--state-dir {state_dir}/NAME for one of them")
@@ -65,7 +74,6 @@ def _metrics_url(state_dir: Path) -> tuple[Path, str | None]:
 def _scrape(url: str, timeout_s: float = 2.0, aggregation: str | None = None) -> dict:
     """The running service's health, readiness and progress gauges (bounded: 2 s per call);
     ``aggregation``: only that aggregation's series."""
-    from prometheus_client.parser import text_string_to_metric_families
 
     base = url.rsplit("/metrics", 1)[0]
     out: dict = {}
@@ -99,9 +107,6 @@ def _scrape(url: str, timeout_s: float = 2.0, aggregation: str | None = None) ->
 def _sibling_user_charges(state_dir: Path) -> float:
     """What the other aggregations of ``state_dir``'s set charged every user (0 outside a
     set)."""
-    from .ledger import sibling_ledger_paths
-    from .multi import SET_FILE
-    from .user_budget import user_spent
     if not (state_dir.resolve().parent / SET_FILE).exists():
         return 0.0
     return sum(user_spent(Ledger(path, budget_per_window=1.0).entries)
@@ -110,9 +115,6 @@ def _sibling_user_charges(state_dir: Path) -> float:
 
 def collect_status(state_dir) -> dict:
     """The status of ``state_dir`` as a JSON-ready dict (see the module docstring)."""
-    from state_store.local import CheckpointError, LocalStore
-
-    from .stages.state_dir import service_running
 
     state_dir = Path(state_dir)
     ledger = _ledger(state_dir)
@@ -137,7 +139,6 @@ def collect_status(state_dir) -> dict:
                         "remaining": None if total is None else max(0.0, total - spent),
                         "per_window": identity.get("epsilon")}
     if identity.get("unit") == "user" and identity.get("budget_per_user"):
-        from .user_budget import user_spent, windows_left
         cap, eps, charged = (float(identity["budget_per_user"]), float(identity["epsilon"]),
                              user_spent(ledger.entries))
         # the other aggregations of the set (window.rollups' levels under the user unit) charge
@@ -148,8 +149,6 @@ def collect_status(state_dir) -> dict:
                                         "levels": levels,
                                         "windows_left": windows_left(cap, charged + levels,
                                                                      eps)}
-    from ..release import PRIVACY_UNIT, PRIVACY_UNIT_CONSEQUENCE
-    from .user_window import USER, USER_CONSEQUENCE
     status["privacy_unit"] = ({"unit": USER, "consequence": USER_CONSEQUENCE}
                               if identity.get("unit") == USER else
                               {"unit": PRIVACY_UNIT, "consequence": PRIVACY_UNIT_CONSEQUENCE})
@@ -194,7 +193,6 @@ def format_status(s: dict) -> list[str]:
                      f"{ident.get('epsilon'):g} per window, {ident.get('window')} windows, "
                      f"model {ident.get('model')}")
     if s.get("privacy_unit"):
-        from .user_window import unit_clause
         lines.append(unit_clause(s["privacy_unit"]["unit"]))
     win = s.get("window")
     live = s.get("live") or {}
@@ -359,11 +357,11 @@ def plot_history(rows: list[dict], path) -> None:
     changes marked (PNG). The x axis is the release time (UTC) of each window, or the window
     number relative to the first when no times are known: raw window numbers (time windows are
     numbered since the epoch, 59849607) do not read."""
-    from datetime import datetime, timezone
 
-    import matplotlib.dates as mdates
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    # only the plots need matplotlib: a run without them starts without it
+    import matplotlib.dates as mdates  # noqa: PLC0415
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
 
     rows = [r for r in rows if not r.get("rollup")] or rows  # rollups: a scale of their own
     fig = Figure(figsize=(9, 5.5), dpi=100)

@@ -17,6 +17,8 @@ single-node broker; use 3 on a production cluster).
 
 from __future__ import annotations
 
+from consumers.kafka_security import client_options
+
 from .settings import Config
 
 __all__ = ["TopicError", "shuffle_topics", "create_topics"]
@@ -55,10 +57,9 @@ def create_topics(cfg: Config, wanted: dict[str, int], replication_factor: int =
     """Create each topic of ``wanted`` that does not exist; ``[(topic, partitions, "created" |
     "exists")]``. Raises TopicError (one line) if Kafka is unreachable, a creation fails, or the
     analyzer topic (the one wanted with one partition) exists with another partition count."""
-    from kafka.admin import KafkaAdminClient, NewTopic
-    from kafka.errors import KafkaError, TopicAlreadyExistsError
-
-    from consumers.kafka_security import client_options
+    # a Kafka client is loaded by a Kafka run only
+    from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
+    from kafka.errors import KafkaError, TopicAlreadyExistsError  # noqa: PLC0415
 
     boot = cfg.source.bootstrap
     try:

@@ -39,8 +39,10 @@ import math
 import time
 from collections.abc import Mapping
 
-from ..density import DensityRelease, PanPrivateDensity, plan_cells
+from ..density import DensityRelease, PanPrivateDensity, expected_relative_error, plan_cells
 from ..hashing import KEY_BYTES
+from ..release import PRIVACY_UNIT_DOC, privacy_unit_clause
+from .rollup import parse_span
 from .user_budget import windows_left
 
 __all__ = ["USER", "USER_CONSEQUENCE", "INTERVAL_LEVEL", "NO_EXPORT", "is_user", "user_cells",
@@ -201,7 +203,6 @@ def user_release(state: PanPrivateDensity, cfg, *, window, n: int, rng=None) -> 
 def user_plan_line(cfg) -> str:
     """``panagg plan`` and the start line under the user unit: the cells, the expected relative
     error at the expected users (and at half and twice as many), and the unit."""
-    from ..density import expected_relative_error
     st = cfg.state
     users, eps, m = int(st.expected_users), float(st.epsilon), user_cells(cfg)
 
@@ -225,8 +226,6 @@ def user_rollup_line(cfg) -> str | None:
     ``state.rollup_expected_users``), each of its windows charged ``state.epsilon`` to every
     user beside the base windows it spans. None without rollups (the start line, and ``panagg
     plan``'s)."""
-    from ..density import expected_relative_error
-    from .rollup import parse_span
     w, st = cfg.window, cfg.state
     if not w.rollups:
         return None
@@ -249,7 +248,6 @@ def user_rollup_line(cfg) -> str | None:
 def unit_clause(unit: str) -> str:
     """The privacy unit in one clause (:func:`aggregator.release.privacy_unit_clause`'s words for
     the event)."""
-    from ..release import PRIVACY_UNIT_DOC, privacy_unit_clause
     if unit != USER:
         return privacy_unit_clause()
     return f"privacy unit: the user ({USER_CONSEQUENCE}; {PRIVACY_UNIT_DOC})"

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from state_store.failpoints import failpoint
+from state_store.registry import ledger_id
 
 from ..anchor import write_release_dir_anchor
 from ..errors import ServiceError
@@ -107,7 +108,6 @@ class PublishStep:
         """The ledger's head beside the published releases (:mod:`..anchor`); best effort: a
         failure is said once and retried at the next publication."""
         try:
-            from state_store.registry import ledger_id
             write_release_dir_anchor(self.release_dir, self.ledger.path,
                                      self.ledger.head(), ledger_id(self.ledger.entries))
         except OSError as exc:

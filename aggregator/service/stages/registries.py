@@ -19,7 +19,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from state_store.registry import FileBudgetRegistry
+from consumers.file_source import FileSource
+from consumers.kafka_security import client_options
+from state_store.registry import (
+    FileBudgetRegistry,
+    KafkaBudgetRegistry,
+    RegistryError,
+    default_file_registry,
+)
 
 from ..errors import ServiceError
 from ..release_gate import ReleaseGate
@@ -64,12 +71,9 @@ class BudgetRegistries:
         content, so a renamed, moved or grown file, or one read from a new state directory,
         keeps its charges (state_store/registry.py, FileBudgetRegistry). Nothing is written
         before the start's checks passed (:meth:`attach`)."""
-        from state_store.registry import (FileBudgetRegistry, RegistryError,
-                                          default_file_registry)
         self.file = None
         if self.cfg.source.kind != "file":
             return
-        from consumers.file_source import FileSource
         source = self._real_source()
         where = self.cfg.ledger.file_registry
         if not where or not isinstance(source, FileSource) or source.path == "-":
@@ -148,8 +152,6 @@ class BudgetRegistries:
             return
         if not getattr(source, "is_kafka", False) or not cfg.ledger.registry_topic:
             return
-        from consumers.kafka_security import client_options
-        from state_store.registry import KafkaBudgetRegistry, RegistryError
 
         reg = KafkaBudgetRegistry(cfg.source.bootstrap, cfg.ledger.registry_topic,
                                   {"state_dir": str(self.dir.resolve()),

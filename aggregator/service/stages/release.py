@@ -33,6 +33,7 @@ from state_store.failpoints import failpoint
 from ...density import PanPrivateDensity
 from ...release import make_release, stamp_window
 from ..accuracy_plan import warn_if_below_noise
+from ..config import rollup_spans
 from ..errors import ServiceError
 from ..identity import identity_of, item_identity
 from ..ledger import Ledger
@@ -60,7 +61,6 @@ def rollups_for(cfg: Config, directory: Path, gate: ReleaseGate, metrics: Metric
     """``window.rollups``' closer (its sums under ``directory/rollups``; the gate's ledger,
     stream and aggregation), None without rollups; ``annotate`` completes a release document
     (:meth:`ReleaseStep.annotate`), ``worker()`` is the release worker now."""
-    from ..config import rollup_spans
     spans = rollup_spans(cfg)  # type: ignore[arg-type]  # (it reads a Config too)
     if not spans:
         return None

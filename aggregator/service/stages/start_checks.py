@@ -25,6 +25,7 @@ from pathlib import Path
 
 from consumers.kafka_security import redacted
 from state_store.local import atomic_write
+from state_store.registry import ledger_id
 
 from ...state import PanPrivateHistogram
 from ..anchor import parse_kafka_metadata, release_dir_anchor
@@ -231,7 +232,6 @@ class StartChecks:
         anchors = []
         if ckpt is not None and ckpt.ledger_head:
             anchors.append((f"checkpoint {ckpt.seq}", ckpt.ledger_head))
-        from state_store.registry import ledger_id
         rel = release_dir_anchor(self.cfg.release.dir, self.ledger.path,
                                  ledger_id(self.ledger.entries))
         if rel is not None and rel.get("unreadable"):
