@@ -315,6 +315,13 @@ def test_keygen_writes_0600_and_refuses_to_overwrite(tmp_path):
     again = cli("shuffle-keygen", "--out", str(out))
     assert again.returncode == 2 and "never overwritten" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
+    # a directory that is not there: one line naming it, nothing written (not a temp name)
+    missing = cli("shuffle-keygen", "--out", str(tmp_path / "keys" / "analyzer.key"))
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.strip() == (
+        f"panagg: error: the directory {tmp_path / 'keys'} for --out does not exist: create it "
+        "first (readable by the analyzer's user only), then run shuffle-keygen again")
+    assert not (tmp_path / "keys").exists()
 
 
 def test_run_without_key_is_one_line(tmp_path):

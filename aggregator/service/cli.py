@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import secrets
 import sys
 import time
@@ -455,6 +456,10 @@ def cmd_shuffle_keygen(args: argparse.Namespace) -> int:
     key (hex) on stdout for the clients (docs/shuffle.md, "The analyzer")."""
     from .shuffle_wire import new_keypair, public_key_hex, save_private_key
 
+    where = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(where):
+        raise UsageError(f"the directory {where} for --out does not exist: create it first "
+                         "(readable by the analyzer's user only), then run shuffle-keygen again")
     key = new_keypair()
     try:
         save_private_key(key, args.out)
