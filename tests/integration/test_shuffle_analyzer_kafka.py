@@ -11,24 +11,15 @@ import uuid
 
 import numpy as np
 from kafka import KafkaProducer
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from aggregator.service.shuffle_wire import (ParamTag, chunk_record, end_record, new_keypair,
                                              save_private_key, seal_rows)
-from tests.helpers.kafka import read_to_end
+from tests.helpers.kafka import make_topic, read_to_end
 
 B, N, EPS = 200, 400, 20.0
 #: the clients' parameter fingerprint (sealed into every message) at the analyzer's settings
 TAG = ParamTag({"protocol": "gkmp", "epsilon": EPS, "delta": 1e-6, "n": N, "buckets": B,
                 "gamma": 0.1})
-
-
-def make_topic(bootstrap, partitions=1):
-    name = f"an-{uuid.uuid4().hex[:10]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
-    admin.close()
-    return name
 
 
 def produce(bootstrap, topic, values):
@@ -93,7 +84,7 @@ def ledger(tmp_path):
 
 
 def test_kill_minus_nine_exactly_one_release_per_window(kafka_broker, tmp_path):
-    topic = make_topic(kafka_broker)
+    topic = make_topic(kafka_broker, partitions=1)
     key = new_keypair()
     key_file = tmp_path / "analyzer.key"
     save_private_key(key, str(key_file))
@@ -151,7 +142,7 @@ def test_kill_minus_nine_exactly_one_release_per_window(kafka_broker, tmp_path):
 
 
 def test_wrong_key_dead_letters_and_one_refusal(kafka_broker, tmp_path):
-    topic = make_topic(kafka_broker)
+    topic = make_topic(kafka_broker, partitions=1)
     dlq = f"{topic}-dlq"
     mine, theirs = new_keypair(), new_keypair()
     key_file = tmp_path / "analyzer.key"
@@ -181,7 +172,7 @@ def test_a_start_refused_after_the_analyzer_is_built_writes_nothing(kafka_broker
     # made, and a refused start leaves no trace (the analyzer made its state directory then)
     import socket
 
-    topic = make_topic(kafka_broker)
+    topic = make_topic(kafka_broker, partitions=1)
     key_file = tmp_path / "analyzer.key"
     save_private_key(new_keypair(), str(key_file))
     with socket.socket() as taken:
