@@ -77,7 +77,11 @@ def _block_commands(start: int, block: str):
             continue
         # one command per piece of a pipe, a list or a loop body
         piece: list[str] = []
+        redirect = False  # a redirection's file is not a word of the command
         for w in [*words, ";"]:
+            if redirect or w in (">", ">>", "<", "2>", "2>>"):
+                redirect = not redirect
+                continue
             if w in (";", "&&", "||", "|", "&", "do", "done", "then"):
                 if piece:
                     yield first, piece

@@ -121,17 +121,7 @@ BLOCKS: dict[tuple[str, str], tuple[str, str]] = {
         ("listed", "needs a state directory holding a refused window; "
                    "tests/integration/test_shuffle_params_kafka.py makes one and runs the "
                    "recovery"),
-    ("docs/shuffle.md", "panagg shuffle-keygen --out /etc/panagg/analyzer.key          # "
-                        "prints the public key (hex)"):
-        ("listed", "writes under /etc/panagg (a system directory) and reads a shuffle.toml "
-                   "the page shows below it, with the key this line prints; "
-                   "tests/test_shuffle_analyzer.py runs shuffle-keygen, "
-                   "tests/integration/test_shuffle_params_kafka.py shuffle-topics"),
-    ("docs/shuffle.md", "panagg shuffle --config shuffle.toml --metrics-port 9465      # the "
-                        "shuffler (runs until stopped)"):
-        ("listed", "three processes that run until stopped, over a shuffle.toml with the "
-                   "analyzer's key; tests/integration/test_shuffler_kafka.py runs the shuffler "
-                   "with clients and the analyzer on a real broker"),
+    ("docs/shuffle.md", "mkdir -p keys var"): ("broker", ""),
 }
 #: files a block reads as the reader's own input (the page does not make them): name -> lines
 INPUTS = {

@@ -5,57 +5,25 @@ A block that cannot run here says so in the line just above its fence:
 ``<!-- doc-test: skip: REASON -->``; it is reported as a skip with that reason, never dropped
 silently. A ``toml`` block of the same file whose first line is ``# NAME.toml...`` is written to
 the block's working directory as NAME.toml, so a snippet may load the file its page shows; a
-``<... printed by shuffle-keygen>`` placeholder in it gets a fresh public key.
+``<... printed by shuffle-keygen>`` placeholder in it gets a fresh public key, and the relative
+key files it names are made (tests/helpers/docs.py).
 """
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.docs import blocks, write_page_files
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SKIP = re.compile(r"<!--\s*doc-test:\s*skip:\s*(.+?)\s*-->")
-FENCE = re.compile(r"^```(\w*)\s*$")
-KEY_PLACEHOLDER = re.compile(r"<[^>]*printed by shuffle-keygen>")
-
-
-def _blocks(page: Path):
-    """(language, first line number, text, skip reason or None) of each fenced block."""
-    lines = page.read_text().splitlines()
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m or not m.group(1):
-            i += 1
-            continue
-        start = i
-        i += 1
-        while i < len(lines) and not lines[i].startswith("```"):
-            i += 1
-        above = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
-        skip = SKIP.search(above)
-        yield m.group(1), start + 1, "\n".join(lines[start + 1:i]) + "\n", \
-            skip.group(1) if skip else None
-        i += 1
 
 
 CASES = [pytest.param(page, line, text, skip, id=f"{page.relative_to(ROOT)}:{line}")
-         for page in PAGES for lang, line, text, skip in _blocks(page) if lang == "python"]
-
-
-def _write_page_files(page: Path, cwd: Path) -> None:
-    for lang, _, text, _ in _blocks(page):
-        m = re.match(r"#\s*(\S+\.toml)\b", text)
-        if lang != "toml" or not m:
-            continue
-        if KEY_PLACEHOLDER.search(text):
-            from aggregator.service.shuffle_wire import new_keypair, public_key_hex
-            text = KEY_PLACEHOLDER.sub(public_key_hex(new_keypair()), text)
-        (cwd / m.group(1)).write_text(text)
+         for page in PAGES for lang, line, text, skip in blocks(page) if lang == "python"]
 
 
 def test_readme_has_a_python_block():
@@ -66,7 +34,7 @@ def test_readme_has_a_python_block():
 def test_python_block_runs(page, line, text, skip, tmp_path):
     if skip:
         pytest.skip(f"marked in the page: {skip}")
-    _write_page_files(page, tmp_path)
+    write_page_files(page, tmp_path, make_keys=True)
     script = tmp_path / "snippet.py"
     script.write_text(text)
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,

@@ -501,8 +501,8 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot serve metrics on {cfg.metrics.host}:"
                              f"{cfg.metrics.port} ({exc.strerror}); set metrics.port "
                              "(--metrics-port; -1 turns metrics off)") from None
-        logging.getLogger("panagg.shuffle").info("metrics on http://%s:%d/metrics",
-                                                 cfg.metrics.host, port)
+        # the same start line as `panagg run`'s, which scripts and supervisors read
+        print(f"metrics on http://{cfg.metrics.host}:{port}/metrics", file=sys.stderr)
     # SIGTERM (a supervisor's stop) and SIGINT end the loop between polls: the committed windows
     # stay, the open one is read again at the next start (as at --exit-when-idle), exit status 0
     stopping = threading.Event()

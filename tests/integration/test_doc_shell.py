@@ -31,7 +31,8 @@ from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
-from tests.test_doc_shell import cases, clone, script
+from tests.helpers.docs import write_page_files
+from tests.test_doc_shell import ROOT, cases, clone, script
 
 TOPIC = "logins"        # the topic every block names
 GROUP = "panagg"        # source.group's default: the group loops' group
@@ -80,9 +81,12 @@ def _fresh_topic(bootstrap: str, records: int) -> None:
 
 
 def _service_count(text: str) -> int:
-    """How many services the block starts: one per turn of its ``for k in ...`` loop, else one."""
+    """How many services the block starts: one per turn of its ``for k in ...`` loop, else one
+    per ``panagg run`` or ``panagg shuffle`` line it sends to the background, else one."""
     loop = re.search(r"for k in ([\d ]+); do", text)
-    return len(loop.group(1).split()) if loop else 1
+    if loop:
+        return len(loop.group(1).split())
+    return len(re.findall(r"^panagg (?:run|shuffle) .*&\s*(?:#.*)?$", text, re.M)) or 1
 
 
 def _metrics_ports(output: str) -> list[int]:
@@ -122,12 +126,13 @@ def test_shell_block_runs_against_kafka(page, line, text, kafka_broker, tmp_path
     records, answer = ANSWERS.get(page, (RECORDS, None))
     _fresh_topic(kafka_broker, records)
     work, env = clone(tmp_path, kafka_broker)
+    write_page_files(ROOT / page, work, broker=kafka_broker)  # the files the page shows
     body = script(text, kafka_broker)
     scratch = _block_tmp_dirs(body)  # outside the fresh directory: made fresh here too
     for d in scratch:
         shutil.rmtree(d, ignore_errors=True)
     done = tmp_path / "block-lines-done"
-    if re.search(r"&\s*$", body, re.M):
+    if re.search(r"&\s*(?:#.*)?$", body, re.M):
         body += EPILOGUE.format(done=done)
     else:
         done.touch()  # a foreground service: the block's last line is the one running
