@@ -111,11 +111,12 @@ BLOCKS: dict[tuple[str, str], tuple[str, str]] = {
                              "state.expected_users=5000 --set ledger.budget_per_user=30"):
         ("fast", ""),
     ("docs/scale-out.md", "for k in 1 2 3; do"): ("broker", ""),
-    ("docs/shuffle.md", "panagg shuffle-keygen --out /etc/panagg/analyzer.key    # 0600, never "
-                        "overwrites; prints the"):
-        ("listed", "writes the analyzer's key under /etc/panagg (a system directory) and reads "
-                   "an analyzer.toml the page shows only in parts; the analyzer runs against a "
-                   "real broker in tests/integration/test_shuffle_analyzer_kafka.py"),
+    ("docs/shuffle.md", "mkdir -p keys      # in production a directory only the analyzer's "
+                        "user reads: /etc/panagg"):
+        ("listed", "the analyzer alone, over the analyzer topic a deployment makes with "
+                   "`panagg shuffle-topics` (its start refuses a missing topic in one line, "
+                   "tests/integration/test_kafka_start_errors.py); the page's walk-through "
+                   "below makes the keys and topics and starts the analyzer, and runs here"),
     ("docs/shuffle.md", "panagg shuffle-recover --config shuffle.toml --state-dir var/analyzer "
                         "--window 1 \\"):
         ("listed", "needs a state directory holding a refused window; "

@@ -235,9 +235,10 @@ def _wait_for_bootstrap(cfg: Config) -> None:
         raise UsageError(problem)
 
 
-def _topic_missing(source, topic: str) -> str | None:
+def _topic_missing(source, topic: str, shuffle: bool = False) -> str | None:
     """One line when the cluster has no topic ``topic`` (None: it exists, or the metadata could
-    not be read, in which case the client's own errors follow)."""
+    not be read, in which case the client's own errors follow). The shuffle model's analyzer
+    topic has one partition and panagg's own command makes it."""
     try:
         topics = source.topics()
     except Exception:
@@ -245,8 +246,9 @@ def _topic_missing(source, topic: str) -> str | None:
     if topic in topics:
         return None
     near = sorted(t for t in topics if not t.startswith("__"))[:8]
-    return (f"topic {topic!r} does not exist on the cluster: create it (e.g. kafka-topics.sh "
-            f"--create --topic {topic} --partitions 3) or fix source.topic"
+    how = ("with `panagg shuffle-topics --config FILE` (one partition, with the client topic)"
+           if shuffle else f"(e.g. kafka-topics.sh --create --topic {topic} --partitions 3)")
+    return (f"topic {topic!r} does not exist on the cluster: create it {how} or fix source.topic"
             + (f"; topics there: {', '.join(near)}" if near else ""))
 
 
@@ -289,7 +291,7 @@ def _make_source(cfg: Config):
                 consumer_config["isolation_level"] = "read_committed"
             source = KafkaSource(src.bootstrap, src.topic, src.group, src.max_records,
                                  consumer_config=consumer_config, security=cfg.security)
-        missing = _topic_missing(source, src.topic)
+        missing = _topic_missing(source, src.topic, shuffle=cfg.state.model == "shuffle")
         if missing:
             source.close()
             raise UsageError(missing)
