@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import time
 
+from kafka.errors import KafkaError
+
 from .topics import follow_intake
 from .watermark import MarkRecord, closable_upto, low_watermark, opening_window
 
@@ -74,7 +76,6 @@ class Closer:
         partition has reached, now, with ``also(txn, K)``'s messages (the answer) in the same
         transaction. Records of those windows read later are late (event_windows.py), as after
         any marker. None: the windows are not open yet (nothing to close)."""
-        from kafka.errors import KafkaError
 
         self._read()
         if self.closed is None:
@@ -115,7 +116,6 @@ class Closer:
                 upto = None
         if upto is None:
             return None
-        from kafka.errors import KafkaError
 
         txn = self.txn
         try:

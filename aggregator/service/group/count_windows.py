@@ -34,6 +34,8 @@ from __future__ import annotations
 import json
 import logging
 
+from kafka.errors import KafkaError
+
 from .topics import follow_intake
 
 __all__ = ["CountCloser", "cut_key"]
@@ -96,7 +98,6 @@ class CountCloser:
 
     def _cut(self, extra_headers=(), also=None, forced: bool = False) -> int:
         """Close window ``closed + 1`` at the current total, in one transaction."""
-        from kafka.errors import KafkaError
 
         k, total = self.closed + 1, self.total
         nxt = self.next_at + self.size

@@ -24,6 +24,7 @@ import logging
 
 import msgpack
 import numpy as np
+from kafka import TopicPartition
 
 from ...state import PanPrivateHistogram
 
@@ -58,8 +59,6 @@ class ExportCollector:
     """The leader's reading of ``<group>.panagg.exports``: slices by export id."""
 
     def __init__(self, consumer, topics, partitions: int):
-        from kafka import TopicPartition
-
         self.consumer, self.topics, self.P = consumer, topics, int(partitions)
         tp = TopicPartition(topics.exports, 0)
         consumer.assign([tp])

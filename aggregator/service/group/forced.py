@@ -34,6 +34,8 @@ import math
 import time
 import uuid
 
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
 __all__ = ["ReleaseRequests", "request_release", "request_export", "ForcedReleaseError",
            "REQUEST", "DONE", "EXPORT", "EXPORTED", "close_key"]
 
@@ -63,8 +65,6 @@ class ReleaseRequests:
     request and answer per key)."""
 
     def __init__(self, consumer, topics):
-        from kafka import TopicPartition
-
         self.consumer, self.topics = consumer, topics
         self._tp = TopicPartition(topics.intake, 0)
         consumer.assign([self._tp])
@@ -165,7 +165,6 @@ def forced_window(size: float, next_undecided: int, now: float | None = None) ->
 
 
 def _ask(bootstrap: str, security: dict, topics, key: str, rid: str) -> None:
-    from kafka import KafkaProducer
 
     producer = KafkaProducer(bootstrap_servers=bootstrap, **security)
     try:
@@ -178,7 +177,6 @@ def _ask(bootstrap: str, security: dict, topics, key: str, rid: str) -> None:
 
 def _answer(consumer, topics, key: str, rid: str, deadline: float, bootstrap: str,
             timeout_s: float) -> dict:
-    from kafka import TopicPartition
 
     got = _scan(consumer, TopicPartition(topics.intake, 0), deadline,
                 lambda rec: rec.key == f"{key}{topics.repartition}".encode()
@@ -194,8 +192,6 @@ def _answer(consumer, topics, key: str, rid: str, deadline: float, bootstrap: st
 
 
 def _consumer(bootstrap: str, security: dict):
-    from kafka import KafkaConsumer
-
     return KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
                          isolation_level="read_committed", **security)
 
@@ -204,7 +200,6 @@ def _request(bootstrap: str, security: dict, topics, ask: str, answer: str, *, t
              topic: str, match, value) -> tuple[int, str, object]:
     """Ask with key ``ask``, wait for the leader's ``answer`` (its window), then for the record
     of ``topic`` that ``match``es it (its ``value``, or None when the wait ended first)."""
-    from kafka import TopicPartition
 
     rid = uuid.uuid4().hex
     _ask(bootstrap, security, topics, ask, rid)

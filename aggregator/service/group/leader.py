@@ -23,16 +23,27 @@ leader reads the same summaries and decides it once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
 from pathlib import Path
 
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+
+from state_store.audit import AuditKeyError, load_key, save_export, signed_export
+from state_store.registry import RegistryError, ledger_id
 
 from ...release import stamp_window, write_release
+from ...state import PanPrivateHistogram
 from ..ledger import BudgetExceeded
+from ..release_gate import check_registry
+from .event_views import skipped_parts, window_info
+from .export import assemble
 from .forced import forced_window
 from .summary import merge_summaries
+from .views import distinct_views, state_params, sum_views, view_header
 
 __all__ = ["Leader"]
 
@@ -84,8 +95,6 @@ class Leader:
                  requests=None, exports=None, audit_key_file: str = "", audit_dir: str = "",
                  closer=None, max_in_flight: int = 2, merge_fn=merge_summaries,
                  source_topic: str = ""):
-        from kafka import TopicPartition
-
         self.txn, self.ledger, self.topics = txn, ledger, topics
         self.identity, self.metrics = identity, metrics
         self.release_dir, self.release_topic = release_dir, release_topic
@@ -222,7 +231,6 @@ class Leader:
         have = self.pending.get(w, {})
         if self.views and self.event_time:
             # a partition whose next view is of a later window had nothing of this one
-            from .event_views import skipped_parts
             have = skipped_parts(w, self.pending, self.P, self._empty_part)
         self.metrics.windows_waiting.set(sum(1 for k in self.pending if k >= w))
         if len(have) < self.P:
@@ -258,8 +266,6 @@ class Leader:
     def _empty_part(self, w: int, p: int) -> dict:
         """Partition ``p``'s part of event-time window ``w`` where its member's next view says
         it had no event of it (no counters, no layer: event_views.py)."""
-        from .event_views import window_info
-        from .views import state_params, view_header
 
         head = view_header(None, window=w, covers=[p], partitions=self.P,
                            window_info=window_info(w, self.identity),
@@ -350,7 +356,6 @@ class Leader:
     def _force(self) -> None:
         """A forced release asked for (``panagg release``): close markers for window K in
         every partition, the answer, one transaction (forced.py)."""
-        from kafka.errors import KafkaError
 
         asked = self.requests.pending()
         if asked is None:
@@ -370,7 +375,6 @@ class Leader:
                                  "yet (no records read): nothing to release")
             return
         if kind == "export" and (self.views or not self.event_time):
-            from state_store.audit import AuditKeyError, load_key
             try:
                 load_key(self.audit_key_file or None)
             except AuditKeyError as exc:   # said to the asker; nothing closes
@@ -431,7 +435,6 @@ class Leader:
 
     def _refuse_request(self, kind: str, rid: str, error: str) -> None:
         """Answer a forced release or export with ``error`` alone (nothing closes)."""
-        from kafka.errors import KafkaError
 
         try:
             self.requests.answer(self.txn, kind, rid, None, self.P, error=error)
@@ -457,8 +460,6 @@ class Leader:
         """An audit export of a views group: window ``w``'s views summed into one state (the
         counters its release is computed from: post-processing, no layer drawn), signed; the
         ledger entry (0 eps) and the document in one transaction, then the local file."""
-        from ...state import PanPrivateHistogram
-        from .views import distinct_views, sum_views
 
         ident = self.identity
         state = PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"],
@@ -475,7 +476,6 @@ class Leader:
     def _sign_exports(self) -> None:
         """Exports whose P slices are in: one state, signed; ledger entry, document and slice
         tombstones in one transaction; then the local file (export.py)."""
-        from .export import assemble
 
         for eid, slices in self.exports.complete():
             state = assemble(slices)
@@ -495,8 +495,6 @@ class Leader:
         """Sign ``state`` as export ``eid``; its ledger entry (0 eps), the document and the
         exports topic's ``tombstones`` in one transaction; then the local file (only once the
         export is ledgered, like one process's)."""
-        from kafka.errors import KafkaError
-        from state_store.audit import load_key, save_export, signed_export
 
         doc = signed_export(state=state.serialize(), window=window, offsets=ranges,
                             export_id=eid, key=load_key(self.audit_key_file or None))
@@ -605,7 +603,6 @@ class Leader:
                                 "members": sorted({s.get("member", "") for s in have.values()})}
         stamp_window(release)
         doc = json.dumps(release, allow_nan=False, sort_keys=True)
-        import hashlib
         entry = dict(kind="release", window=w, epsilon_spent=eps,
                      model=self.identity["model"], n=int(release["n"]),
                      document_sha256=hashlib.sha256(doc.encode()).hexdigest(), **fields)
@@ -625,16 +622,13 @@ class Leader:
                  path or self.topics.releases)
 
     def _known(self) -> set[tuple[str, str]]:
-        from state_store.registry import ledger_id
         lid = ledger_id(self.ledger.entries)
         return {(lid, e["id"]) for e in self.ledger.entries}
 
     def _check_registry(self, w: int, fields: dict, eps: float) -> None:
         """BudgetExceeded naming the other deployment when the registry's charges (another
         deployment's, or this ledger's that it lost) bring the window's events over budget."""
-        from state_store.registry import RegistryError
 
-        from ..release_gate import check_registry
         try:
             self.registry.read_to_end()
         except RegistryError as exc:
@@ -662,7 +656,6 @@ class Leader:
 
     def _transact(self, w: int, have: dict, *, entry: dict, document: str | None,
                   extra=()) -> bool:
-        from kafka.errors import KafkaError
 
         txn = self.txn
         try:
@@ -670,7 +663,6 @@ class Leader:
             self.ledger.append(entry_id=f"{self.identity['lineage']}/{w}", producer=txn, **entry)
             if self.registry is not None:
                 # the charge, in the transaction of its ledger entry
-                from state_store.registry import ledger_id
                 msg = self.registry.message(ledger_id(self.ledger.entries), dict(
                     entry, id=f"{self.identity['lineage']}/{w}"))
                 if msg is not None:

@@ -22,6 +22,7 @@ import json
 import time
 from pathlib import Path
 
+from kafka import TopicPartition
 from kafka.errors import KafkaTimeoutError
 
 from ..ledger import GENESIS, Ledger, LedgerError
@@ -46,8 +47,6 @@ class TopicLedger(Ledger):
 
     def __init__(self, consumer, topic: str, *, budget_per_window: float,
                  budget_total: float | None = None, budget_per_event: float | None = None):
-        from kafka import TopicPartition
-
         self.topic = topic
         self._tp = TopicPartition(topic, 0)
         self._consumer = consumer

@@ -11,6 +11,7 @@ start loop once produced two committed views of one partition's window without i
 
 from __future__ import annotations
 
+from kafka import ConsumerRebalanceListener
 from kafka.structs import MemberState
 
 __all__ = ["Membership", "fencing"]
@@ -44,7 +45,6 @@ class Membership:
         one partition leads; it is paused at once, the ledger is read by its own consumer).
         A rebalance marks ``stage._needs_sync``, and a lost ledger partition ``stage.is_leader``
         False; ``on_revoked(partition)`` for each counted partition taken away."""
-        from kafka import ConsumerRebalanceListener
 
         counted, ledger = self.counted, self.ledger
 

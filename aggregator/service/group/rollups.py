@@ -53,6 +53,9 @@ import logging
 import time
 from types import SimpleNamespace
 
+from kafka import TopicPartition
+from kafka.errors import KafkaError, KafkaTimeoutError
+
 from ...release import stamp_window
 from ..errors import ServiceError
 from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, rollup_block
@@ -102,7 +105,6 @@ class SliceRollups:
     def restore(self, partition: int) -> None:
         """Partition ``partition``'s sums as of its committed offset (the sums and the offset
         are written in one transaction)."""
-        from kafka import TopicPartition
 
         tp = TopicPartition(self._rollups, partition)
         self.reader.assign([tp])
@@ -110,7 +112,6 @@ class SliceRollups:
         latest: dict[bytes, bytes | None] = {}
         if not read_partition(self.reader, tp, lambda rec: latest.__setitem__(rec.key,
                                                                                rec.value)):
-            from kafka.errors import KafkaTimeoutError  # the counting stage syncs again
             raise KafkaTimeoutError(f"{self._rollups} partition {partition} not read to its end")
         sums = {}
         for key, value in latest.items():
@@ -409,7 +410,6 @@ def transact_rollup(lead, name: str, *, entry: dict | None, document: str | None
                     tombstones: list) -> None:
     """The rollup ``name``'s ledger entry (if any), its document (if any) and the
     ``tombstones`` (topic, key) in one transaction of the leader's."""
-    from kafka.errors import KafkaError
 
     txn = lead.txn
     try:

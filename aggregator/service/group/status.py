@@ -10,10 +10,20 @@ may describe the group (offsets and counts of messages), never counters.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from types import SimpleNamespace
 
+from kafka import KafkaConsumer, TopicPartition
+from kafka.admin import KafkaAdminClient
+
+from consumers.kafka_security import client_options
+
+from ..status import release_history
+from .count_windows import cut_key
+from .forced import DONE, EXPORT, EXPORTED, REQUEST
+from .ledger_topic import TopicLedger
 from .topics import GroupTopics, read_partition
 
 __all__ = ["collect_group_status", "format_group_status", "group_aggregations",
@@ -39,12 +49,7 @@ def group_aggregations(topic_names, group: str) -> list[str]:
 
 def collect_group_status(bootstrap: str, group: str, security: dict | None = None,
                          source_topic: str = "", aggregation: str = "") -> dict:
-    from kafka import KafkaConsumer, TopicPartition
-    from kafka.admin import KafkaAdminClient
 
-    from consumers.kafka_security import client_options
-
-    from .ledger_topic import TopicLedger
 
     topics = GroupTopics(group, aggregation)
     opts = dict(bootstrap_servers=bootstrap, **client_options(security))
@@ -137,15 +142,8 @@ def group_release_history(bootstrap: str, group: str, security: dict | None = No
     release's document read from the group's releases topic (the leader writes both in one
     transaction; the ledger entry holds the document's sha256, which is checked here).
     LookupError (one line) when the group has no ledger topic on ``bootstrap``."""
-    import hashlib
 
-    from kafka import KafkaConsumer, TopicPartition
-    from kafka.admin import KafkaAdminClient
 
-    from consumers.kafka_security import client_options
-
-    from ..status import release_history
-    from .ledger_topic import TopicLedger
 
     topics = GroupTopics(group, aggregation)
     opts = dict(bootstrap_servers=bootstrap, **client_options(security))
@@ -200,7 +198,6 @@ def _assigned(member: dict) -> list[tuple[str, int]]:
 
 def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
     """{window: partitions with a summary} for the undecided windows in the summaries topic."""
-    from kafka import TopicPartition
 
     tp = TopicPartition(topics.summaries, 0)
     consumer.assign([tp])
@@ -229,10 +226,6 @@ def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
 def _intake_state(consumer, topics) -> dict:
     """From the intake topic: forced releases and exports asked and not yet answered, and (count
     windows) the events taken since the leader's last cut."""
-    from kafka import TopicPartition
-
-    from .count_windows import cut_key
-    from .forced import DONE, EXPORT, EXPORTED, REQUEST
 
     tp = TopicPartition(topics.intake, 0)
     if topics.intake not in (consumer.topics() or set()):
@@ -283,7 +276,6 @@ def _intake_state(consumer, topics) -> dict:
 
 def _reports(consumer, topics) -> dict[str, dict]:
     """The latest report of every member that ever wrote one (``<group>.panagg.members``)."""
-    from kafka import TopicPartition
 
     tp = TopicPartition(topics.members, 0)
     if topics.members not in (consumer.topics() or set()):

@@ -38,6 +38,9 @@ from __future__ import annotations
 import copy
 import logging
 import zlib
+
+from kafka import TopicPartition
+
 from ..rollup import RollupError, RollupSum
 from .rollups import publish_rollup, rollup_window_size, transact_rollup
 from .topics import read_partition
@@ -68,8 +71,6 @@ class ViewRollups:
     windows}; ``reader`` a consumer with no group (read committed) for the restore."""
 
     def __init__(self, leader, spans: dict[str, int], reader):
-        from kafka import TopicPartition
-
         self.leader, self.spans = leader, dict(spans)
         self.sums: dict[tuple[str, int], RollupSum] = {}
         self._in_flight = None   # ((span, idx), future)
