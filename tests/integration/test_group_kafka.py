@@ -1358,6 +1358,67 @@ def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
         members.stop_all()
 
 
+def _deleted_while_down(bootstrap, topic, group, members, name, admin, n=2000):
+    """Kill -9 ``name`` (the intake of every source partition), write ``n`` records, then
+    delete partition 1's (DeleteRecords: what the source topic's retention does, sooner)
+    before the intake read them. Returns the intake's committed offset there and the first
+    offset left."""
+    tp = TopicPartition(topic, 1)
+    members.kill(name)
+    produce(bootstrap, topic, np.arange(n) % D, 2000)
+    c = KafkaConsumer(bootstrap_servers=bootstrap)
+    low = c.end_offsets([tp])[tp]
+    c.close()
+    committed = admin.list_group_offsets(group)[group][tp].offset
+    admin.delete_records({tp: low})
+    assert committed < low
+    return committed, low
+
+
+@pytest.mark.parametrize("kind", ["time", "count"])
+def test_source_records_deleted_before_the_intake_read_them_withhold_their_window(
+        kafka_broker, tmp_path, kind):
+    """Issue 46, the items exchange: the intake down while records of a source partition are
+    deleted (the topic's retention, DeleteRecords here) before it read them. The window that
+    would have counted them is withheld with a ledger entry naming the deleted source offsets,
+    none is released short of them without that entry, and later windows are released. (Before,
+    the intake's consumer went on from the first record left and the window was released with
+    fewer events than the stream had, no flag.)"""
+    topic = make_topic(kafka_broker, 2)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    extra = ("--set", "window.kind=count", "--set", "window.size=500") if kind == "count" \
+        else ()
+    members = Members(kafka_broker, topic, group, tmp_path, *extra)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    try:
+        members.start("i1")
+        produce(kafka_broker, topic, np.arange(2000) % D, 2000)
+        wait_for_total(kafka_broker, topics, 2000, 120, members)
+        committed, low = _deleted_while_down(kafka_broker, topic, group, members, "i1", admin)
+        members.start("i1")
+        deadline = time.monotonic() + 180
+        while True:        # a window released after the one the deleted records fell in
+            produce(kafka_broker, topic, np.arange(1000) % D, 2000)
+            entries = read_ledger(kafka_broker, topics).entries
+            named = [e for e in entries if e["kind"] == "release" and e.get("withheld")
+                     and f"partition 1 from offset {committed} to {low} were deleted"
+                     in e["withheld"]]
+            if named and any(e["kind"] == "release" and not e.get("withheld")
+                             and e["window"] > named[0]["window"] for e in entries):
+                break
+            assert members.procs["i1"].poll() is None, members.logs()
+            assert time.monotonic() < deadline, (
+                [e.get("withheld") for e in entries if e.get("withheld")], members.logs())
+    finally:
+        members.stop_all()
+        admin.close()
+    assert len(named) == 1, named     # named once, not again at each restart or poll
+    logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
+    assert f"from offset {committed} to {low} were deleted" in logs
+    assert not crash_traces(logs), crash_traces(logs)[0]
+
+
 ET_SIZE, ET_LATENESS = 10, 4   # the reference of tests/test_event_time_lateness.py uses 10 s
 
 

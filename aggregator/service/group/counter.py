@@ -35,6 +35,7 @@ import uuid
 import numpy as np
 
 from ...state import PanPrivateHistogram
+from .deleted import deleted_since
 from .event_windows import EventSlice
 from .membership import Membership
 from .snapshots import layered_look, restore, take_snapshot
@@ -193,8 +194,8 @@ class Counter:
             task = SliceTask(p, window, start, slice_size(self.identity["size"], self.P, p),
                              lambda p=p: self._new_state(p))
             if committed is not None and committed.offset is not None and committed.offset >= 0:
-                low = self.consumer.beginning_offsets([tp]).get(tp)
-                if low is not None and low > start:
+                low = deleted_since(self.consumer, {tp: start}).get(tp)
+                if low is not None:
                     # retention deleted records of the open window before it closed: replayed
                     # without them it would release fewer events than its positions say
                     task.lost = (f"records of partition {p} from offset {start} to {low} were "
@@ -269,6 +270,11 @@ class Counter:
                     pass
                 if self.tasks.get(tp.partition) is not task:
                     break  # the close failed: the partition is read again from its offsets
+                lost = head.get("lost")
+                if lost is not None:
+                    # the intake found source records deleted before it read them, where this
+                    # message is: the window that would have counted them is withheld
+                    task.lost = "; ".join(filter(None, (task.lost, lost.decode())))
                 idx = np.frombuffer(rec.value, dtype="<i4").astype(np.int64)
                 task.state.add_indices(idx)
                 task.events += len(idx)
@@ -462,9 +468,8 @@ class Counter:
     def _note_deleted(self, task: SliceTask, tp, since: int) -> None:
         """Note on ``task`` the records from ``since`` to the partition's first offset, if
         retention deleted them (the first offset is past ``since``)."""
-        low = self.consumer.beginning_offsets([tp]).get(tp)
-        if low is not None and low > since and (task.deleted is None
-                                                or task.deleted[1] <= since):
+        low = deleted_since(self.consumer, {tp: since}).get(tp)
+        if low is not None and (task.deleted is None or task.deleted[1] <= since):
             task.deleted = (since, int(low))
             log.warning("records of partition %d of %s from offset %d to %d were deleted by "
                         "its retention before they were counted (scale."

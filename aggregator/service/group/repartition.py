@@ -20,6 +20,14 @@ never taken again, even if the source group's committed offsets were reset (an o
 ``--reset-offsets --to-earliest``, offsets expired): the events are not released twice, and the
 first such skip per partition says so in one line.
 
+Source records deleted before they were read (the source topic's retention, a member down longer
+than it): where a partition's offsets start (from its committed offset) or jump, the intake
+looks whether its first offset is past where reading was due to go on. If so, the same
+transaction writes a ``lost`` message (no indices, the deleted offsets in its header) to every
+repartition partition, stamped like the poll's records, where the deleted records would have
+been: each partition's window there is refused and the leader withholds it naming them
+(counter.py). Event-time windows are not covered yet: the intake logs a WARNING only.
+
 What the repartition topic holds: counter indices of events, in plaintext, like the source topic
 (docs/privacy.md section 17). Its retention is bounded (``scale.repartition_retention_s``).
 """
@@ -37,6 +45,7 @@ import numpy as np
 from consumers.base import Segment
 from consumers.kafka.compat import unpark
 
+from .deleted import deleted_since, deleted_text
 from .topics import read_partition
 from .watermark import MarkRecord, low_watermark, stamp, stamped, too_far_ahead
 
@@ -151,6 +160,11 @@ class Repartitioner:
         self._idle_checked = 0.0
         self._idle_written: dict[str, int] = {}
         self._taken_at: dict = {}
+        #: TopicPartition -> the next source offset due (None: none, a new group); a partition
+        #: not in it is looked at from its committed offset at the next step
+        self._next: dict = {}
+        #: partitions whose committed offset is still to be compared with their first offset
+        self._unchecked: set = set()
         if marks_reader is not None:
             from kafka import TopicPartition
             self._marks_tp = TopicPartition(marks_topic, 0)
@@ -191,6 +205,8 @@ class Repartitioner:
         """The group assigned ``tps`` (a rebalance callback): their watermarks are read from
         their committed offsets' metadata before their records are stamped."""
         self._need_passed |= set(tps)
+        for tp in tps:
+            self._next.pop(tp, None)   # looked at from its committed offset
 
     def _load_passed(self, tps) -> None:
         for tp in tps:
@@ -299,7 +315,14 @@ class Repartitioner:
         if time.monotonic() - self._idle_checked >= 1.0:
             self._idle_checked = time.monotonic()
             self._note_idle(polled)
-        if not polled:
+        try:
+            lost = self._deleted(polled)
+        except KafkaError:   # looked at again at the next step (nothing is skipped)
+            for tp, recs in polled.items():
+                if recs:
+                    self.consumer.seek(tp, recs[0].offset)
+            return 0
+        if not polled and not lost:
             return 0
         if self._need_passed and (self._clocked or self._counted):
             try:
@@ -310,6 +333,8 @@ class Repartitioner:
                 for tp, recs in polled.items():
                     if recs:
                         self.consumer.seek(tp, recs[0].offset)
+                for tp in lost:
+                    self._next.pop(tp, None)   # its deleted records are looked at again
                 raise
         now_ms = int(time.time() * 1000)
         taken = 0
@@ -319,6 +344,10 @@ class Repartitioner:
             offsets = {}
             passed = {}
             totals = {}
+            for tp, (first, low) in lost.items():
+                self._send_lost(txn, tp, first, low, now_ms)
+                if not polled.get(tp):   # read from the first record left, named once
+                    offsets[tp] = OffsetAndMetadata(low, self._offset_meta(tp, {}), -1)
             for tp, recs in polled.items():
                 if not recs:
                     continue
@@ -351,12 +380,14 @@ class Repartitioner:
             txn.send_offsets(offsets, self.consumer.group_metadata())
             txn.commit()
         except KafkaError as exc:
-            self._abort(polled, exc)
+            self._abort({**{tp: [] for tp in lost}, **polled}, exc)
             return 0
         for tp, om in offsets.items():
             key = (tp.topic, tp.partition)
             self.marks[key] = max(self.marks.get(key, 0), om.offset)
-            self._taken_at[tp] = now_ms
+            self._next[tp] = om.offset
+            if polled.get(tp):
+                self._taken_at[tp] = now_ms
         self.totals.update(totals)
         for key, mark in passed.items():
             self.passed[key], self.first[key] = mark.passed_ms, mark.first_ms
@@ -364,6 +395,47 @@ class Repartitioner:
             self._idle_written.pop(key, None)
         self.records += taken
         return taken
+
+    def _deleted(self, polled) -> dict:
+        """TopicPartition -> (first, end) source offsets deleted before they were read: for a
+        partition just assigned, from its committed offset (or the group's mark) to its first
+        offset; for one whose records jump, from where they were due to go on. A jump is most
+        often a transaction marker; each poll with one costs one look at the first offsets."""
+        since = {}
+        for tp in self.consumer.assignment():
+            if tp not in self._next:
+                at = self.consumer.committed(tp, timeout_ms=5000)
+                self._next[tp] = (self.marks.get((tp.topic, tp.partition))
+                                  if at is None or at < 0 else int(at))
+                self._unchecked.add(tp)
+            at, recs = self._next[tp], polled.get(tp)
+            if at is not None and ((recs and recs[0].offset > at)
+                                   or (not recs and tp in self._unchecked)):
+                since[tp] = at
+        lows = deleted_since(self.consumer, since)
+        self._unchecked.clear()
+        for tp, low in lows.items():
+            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
+                        "the topic's retention before they were read; %s", tp.partition,
+                        tp.topic, since[tp], low,
+                        "the windows they would have been counted in are withheld naming them"
+                        if any(r.clock is None for r in self.routes) else
+                        "event-time windows cannot say which windows held them (not covered "
+                        "yet: the windows are released without them)")
+        return {tp: (since[tp], low) for tp, low in lows.items()}
+
+    def _send_lost(self, producer, tp, first: int, end: int, now_ms: int) -> None:
+        """To every repartition partition of each intake-time route, a message with no indices
+        naming the deleted offsets, stamped like the poll's records: the window that would have
+        counted them is refused on every partition (counter.py), so the leader withholds it."""
+        text = (f"{deleted_text(tp.topic, tp.partition, first, end)}; the window that would "
+                "have counted them cannot be released whole").encode()
+        for route in self.routes:
+            if route.clock is not None:
+                continue
+            for p in range(route.partitions):
+                producer.send(route.topic, partition=p, timestamp_ms=now_ms,
+                              headers=[("lost", text)], value=b"")
 
     def _note_idle(self, polled) -> None:
         """``window.idle_partition_timeout_s``: a source partition read to its end says since
@@ -507,6 +579,8 @@ class Repartitioner:
                     type(exc).__name__)
         self.txn.failed(exc)
         self._need_passed |= set(polled)   # back to what the committed offsets say
+        for tp in polled:
+            self._next.pop(tp, None)
         try:
             for tp in polled:
                 if tp not in self.consumer.assignment():

@@ -60,6 +60,7 @@ from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
+from .deleted import deleted_since, deleted_text
 from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta, lost_through
 from .event_views import window_info as event_window_info
 from .watermark import MAX_AHEAD_WINDOWS, stamped
@@ -550,8 +551,7 @@ class ViewCounter:
             info = {"kind": "time", "size": self.size, "events": int(task.events),
                     "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
         refused = "; ".join(
-            f"records of partition {p} from offset {a} to {b} were deleted by the retention "
-            f"of {self.source_topic} before they were counted; window range "
+            f"{deleted_text(self.source_topic, p, a, b)}; window range "
             f"[{task.ranges[p][0]}, {task.ranges[p][1]}) cannot be released whole"
             for p, (a, b) in sorted(task.lost.items())) or (
             self._refusal(w, ranges) if task.events else None)
@@ -961,17 +961,13 @@ class ViewCounter:
                         "naming them", p, self.source_topic, since[p], low, task.window)
 
     def _deleted_since(self, since: dict[int, int]) -> dict[int, int]:
-        """Partition -> its first offset, for each partition p of ``since`` whose first offset
-        is past ``since[p]``: the records in between were deleted (retention) before they were
-        counted. One look at the broker for all of them."""
+        """Partition -> its first offset, for each partition p of ``since`` whose records from
+        ``since[p]`` were deleted before they were counted (:func:`.deleted.deleted_since`)."""
         from kafka import TopicPartition
 
-        if not since:
-            return {}
-        tps = {p: TopicPartition(self.source_topic, p) for p in since}
-        lows = self.consumer.beginning_offsets(list(tps.values()))
-        return {p: int(lows[tp]) for p, tp in sorted(tps.items())
-                if lows.get(tp) is not None and int(lows[tp]) > since[p]}
+        lows = deleted_since(self.consumer, {TopicPartition(self.source_topic, p): at
+                                             for p, at in since.items()})
+        return {tp.partition: low for tp, low in lows.items()}
 
     def _still_owned(self, task: MemberWindow) -> bool:
         """Whether this member still holds the window's partitions in the generation it synced
