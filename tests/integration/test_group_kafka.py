@@ -1375,6 +1375,22 @@ def _deleted_while_down(bootstrap, topic, group, members, name, admin, n=2000):
     return committed, low
 
 
+def _withheld_then_released(bootstrap, topics, members, name, committed, low, deadline):
+    """The windows withheld naming source partition 1's offsets ``committed`` to ``low`` as
+    deleted, once a window after them is released (None before that)."""
+    entries = read_ledger(bootstrap, topics).entries
+    named = sorted(e["window"] for e in entries if e["kind"] == "release"
+                   and f"partition 1 from offset {committed} to {low} were deleted"
+                   in (e.get("withheld") or ""))
+    if named and any(e["kind"] == "release" and not e.get("withheld")
+                     and e["window"] > named[-1] for e in entries):
+        return named, entries
+    assert members.procs[name].poll() is None, members.logs()
+    assert time.monotonic() < deadline, (
+        [e.get("withheld") for e in entries if e.get("withheld")], members.logs())
+    return None, entries
+
+
 @pytest.mark.parametrize("kind", ["time", "count"])
 def test_source_records_deleted_before_the_intake_read_them_withhold_their_window(
         kafka_broker, tmp_path, kind):
@@ -1398,18 +1414,11 @@ def test_source_records_deleted_before_the_intake_read_them_withhold_their_windo
         committed, low = _deleted_while_down(kafka_broker, topic, group, members, "i1", admin)
         members.start("i1")
         deadline = time.monotonic() + 180
-        while True:        # a window released after the one the deleted records fell in
+        named = None
+        while named is None:    # a window released after the one the deleted records fell in
             produce(kafka_broker, topic, np.arange(1000) % D, 2000)
-            entries = read_ledger(kafka_broker, topics).entries
-            named = [e for e in entries if e["kind"] == "release" and e.get("withheld")
-                     and f"partition 1 from offset {committed} to {low} were deleted"
-                     in e["withheld"]]
-            if named and any(e["kind"] == "release" and not e.get("withheld")
-                             and e["window"] > named[0]["window"] for e in entries):
-                break
-            assert members.procs["i1"].poll() is None, members.logs()
-            assert time.monotonic() < deadline, (
-                [e.get("withheld") for e in entries if e.get("withheld")], members.logs())
+            named, _ = _withheld_then_released(kafka_broker, topics, members, "i1", committed,
+                                               low, deadline)
     finally:
         members.stop_all()
         admin.close()
@@ -1417,6 +1426,51 @@ def test_source_records_deleted_before_the_intake_read_them_withhold_their_windo
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
     assert f"from offset {committed} to {low} were deleted" in logs
     assert not crash_traces(logs), crash_traces(logs)[0]
+
+
+def test_event_time_source_records_deleted_before_the_intake_read_them_withhold_their_windows(
+        kafka_broker, tmp_path):
+    """The event-time edition of the test above: the deleted records' timestamps went with
+    them, so every window not passed on their partition, up to the window of now +
+    window.max_future_skew_s (later stamps are rejected), may have held one. Each of those is
+    withheld naming the deleted offsets, none is released, and later windows are released."""
+    topic = make_topic(kafka_broker, 2)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    size_s, skew_s = 2, 4
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
+                      "--set", f"window.size={size_s}", "--set", "window.allowed_lateness_s=1",
+                      "--set", f"window.max_future_skew_s={skew_s}",
+                      "--set", "window.idle_partition_timeout_s=3")
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    try:
+        members.start("i1")
+        deadline = time.monotonic() + 120
+        while _released_total(kafka_broker, topics) < 1000:    # windows close as event time
+            produce(kafka_broker, topic, np.arange(500) % D, 500)    # moves on
+            assert time.monotonic() < deadline, members.logs()
+        killed_ms = int(time.time() * 1000)
+        committed, low = _deleted_while_down(kafka_broker, topic, group, members, "i1", admin)
+        started_ms = int(time.time() * 1000)
+        members.start("i1")
+        deadline = time.monotonic() + 180
+        tainted = None
+        while tainted is None:  # a window released after the ones the deleted records may hold
+            produce(kafka_broker, topic, np.arange(200) % D, 400)
+            tainted, entries = _withheld_then_released(kafka_broker, topics, members, "i1",
+                                                       committed, low, deadline)
+    finally:
+        members.stop_all()
+        admin.close()
+    size_ms = size_s * 1000
+    # from a window open when the intake was killed, to the skew's end past its restart
+    assert tainted[0] <= killed_ms // size_ms, (tainted, killed_ms // size_ms)
+    assert tainted[-1] >= (started_ms + skew_s * 1000) // size_ms, (tainted, started_ms)
+    assert tainted == list(range(tainted[0], tainted[-1] + 1)), tainted
+    released = [e["window"] for e in entries if e["kind"] == "release" and not e.get("withheld")]
+    assert not [w for w in released if tainted[0] <= w <= tainted[-1]], (released, tainted)
+    assert len(released) == len(set(released))
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
 
 
 ET_SIZE, ET_LATENESS = 10, 4   # the reference of tests/test_event_time_lateness.py uses 10 s

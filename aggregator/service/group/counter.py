@@ -317,6 +317,11 @@ class Counter:
                     break     # the close failed: the partition is read again from its offsets
                 task.position = rec.offset + 1
                 continue
+            if "lost" in head:   # source records deleted before the intake read them (intake)
+                task.slice.lose(rec.offset, int(head["from"]), int(head["through"]),
+                                head["lost"].decode())
+                task.position = rec.offset + 1
+                continue
             if "w" not in head:
                 task.position = rec.offset + 1
                 continue
@@ -354,7 +359,7 @@ class Counter:
                     "late_policy": self.late_policy,
                     "allowed_lateness_s": float(self.identity.get("allowed_lateness_s", 0.0)),
                     "start_offset": start, "end_offset": marker + 1}
-            refused = self._refusal(w, ranges) if live is not None else None
+            refused = (live.lost or self._refusal(w, ranges)) if live is not None else None
             view = [] if self.rollups is not None else None
             if refused:
                 summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,

@@ -29,12 +29,14 @@ __all__ = ["EventSlice", "LiveWindow"]
 class LiveWindow:
     """One open window's state on one partition."""
 
-    __slots__ = ("state", "events", "late", "first", "closed_at_first")
+    __slots__ = ("state", "events", "late", "first", "closed_at_first", "lost")
 
     def __init__(self, state, first: int, closed_at_first: int):
         self.state, self.first, self.closed_at_first = state, int(first), int(closed_at_first)
         self.events = 0
         self.late = 0
+        #: why the window cannot be released whole (source records it may hold were deleted)
+        self.lost: str | None = None
 
 
 class EventSlice:
@@ -77,6 +79,18 @@ class EventSlice:
         if late:
             live.late += n
         return n, 0
+
+    def lose(self, offset: int, first: int, through: int, reason: str) -> None:
+        """The message at ``offset`` says source records that may belong to any window from
+        ``first`` to ``through`` were deleted before they were read: each of those not closed
+        here is refused (a live window from the message on, so a replay from the commit reads
+        the message again until the last of them is summarized)."""
+        lo = max(int(first), self.closed + 1, self.summarized + 1)
+        for w in range(lo, int(through) + 1):
+            live = self.live.get(w)
+            if live is None:
+                live = self.live[w] = LiveWindow(self.make_state(), offset, self.closed)
+            live.lost = "; ".join(filter(None, (live.lost, reason)))
 
     def to_close(self, upto: int) -> list[tuple[int, LiveWindow | None]]:
         """The windows a marker closing ``upto`` summarizes now: those after both ``closed`` and

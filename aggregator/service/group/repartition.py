@@ -26,7 +26,10 @@ looks whether its first offset is past where reading was due to go on. If so, th
 transaction writes a ``lost`` message (no indices, the deleted offsets in its header) to every
 repartition partition, stamped like the poll's records, where the deleted records would have
 been: each partition's window there is refused and the leader withholds it naming them
-(counter.py). Event-time windows are not covered yet: the intake logs a WARNING only.
+(counter.py). Event-time windows: the deleted records' timestamps went with them, so the
+message names every window they may have held, from the first one their partition had not
+passed to :func:`.deleted.lost_through` (now plus the allowed future skew), and each of those
+is refused on every partition (event_windows.py).
 
 What the repartition topic holds: counter indices of events, in plaintext, like the source topic
 (docs/privacy.md section 17). Its retention is bounded (``scale.repartition_retention_s``).
@@ -45,7 +48,7 @@ import numpy as np
 from consumers.base import Segment
 from consumers.kafka.compat import unpark
 
-from .deleted import deleted_since, deleted_text
+from .deleted import deleted_since, deleted_text, lost_through
 from .topics import read_partition
 from .watermark import MarkRecord, low_watermark, stamp, stamped, too_far_ahead
 
@@ -416,26 +419,30 @@ class Repartitioner:
         self._unchecked.clear()
         for tp, low in lows.items():
             log.warning("records of partition %d of %s from offset %d to %d were deleted by "
-                        "the topic's retention before they were read; %s", tp.partition,
-                        tp.topic, since[tp], low,
-                        "the windows they would have been counted in are withheld naming them"
-                        if any(r.clock is None for r in self.routes) else
-                        "event-time windows cannot say which windows held them (not covered "
-                        "yet: the windows are released without them)")
+                        "the topic's retention before they were read; the windows they may "
+                        "have been counted in are withheld naming them", tp.partition,
+                        tp.topic, since[tp], low)
         return {tp: (since[tp], low) for tp, low in lows.items()}
 
     def _send_lost(self, producer, tp, first: int, end: int, now_ms: int) -> None:
-        """To every repartition partition of each intake-time route, a message with no indices
-        naming the deleted offsets, stamped like the poll's records: the window that would have
-        counted them is refused on every partition (counter.py), so the leader withholds it."""
-        text = (f"{deleted_text(tp.topic, tp.partition, first, end)}; the window that would "
-                "have counted them cannot be released whole").encode()
+        """To every repartition partition of each route, a message with no indices naming the
+        deleted offsets, stamped like the poll's records: the window that would have counted
+        them is refused on every partition (counter.py), so the leader withholds it. Event
+        time: every window they may have held (``from``, ``through`` headers), from the first
+        one their partition had not passed (-1: it had no record yet, every open one)."""
+        text = (f"{deleted_text(tp.topic, tp.partition, first, end)}; a window that may have "
+                "counted them cannot be released whole").encode()
         for route in self.routes:
-            if route.clock is not None:
-                continue
+            headers = [("lost", text)]
+            c = route.clock
+            if c is not None:
+                passed = self.passed.get(MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}"))
+                lo = -1 if passed is None else (passed - c.lateness_ms) // c.size_ms
+                through = lost_through(now_ms, size_ms=c.size_ms, skew_ms=c.skew_ms)
+                headers += [("from", str(lo).encode()), ("through", str(through).encode())]
             for p in range(route.partitions):
-                producer.send(route.topic, partition=p, timestamp_ms=now_ms,
-                              headers=[("lost", text)], value=b"")
+                producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
+                              value=b"")
 
     def _note_idle(self, polled) -> None:
         """``window.idle_partition_timeout_s``: a source partition read to its end says since

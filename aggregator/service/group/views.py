@@ -60,8 +60,8 @@ from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
-from .deleted import deleted_since, deleted_text
-from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta, lost_through
+from .deleted import deleted_since, deleted_text, lost_through
+from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta
 from .event_views import window_info as event_window_info
 from .watermark import MAX_AHEAD_WINDOWS, stamped
 from .membership import Membership
@@ -865,7 +865,7 @@ class ViewCounter:
     def _note_deleted_event_time(self, since: dict[int, int]) -> None:
         """For each partition p of ``since`` whose records from ``since[p]`` were deleted
         before they were counted (its first offset is past it), every window not closed on it
-        up to :func:`.event_views.lost_through` is withheld there, naming them."""
+        up to :func:`.deleted.lost_through` is withheld there, naming them."""
         c = self.route.clock
         look = {p: at for p, at in since.items()
                 if self.clocks[p].lost is None or self.clocks[p].lost[1] <= at}
