@@ -520,8 +520,12 @@ def test_the_intake_writes_each_window_to_every_partition_and_handles_late_recor
                   clock=EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
                                    late=late_policy, idle_timeout_s=0))
     out = _Sent()
-    mark = Repartitioner._send_event_time(out, route, None, recs, now_ms, None)
+    from kafka import TopicPartition
+
+    mark = Repartitioner._send_event_time(out, route, TopicPartition("src", 4), recs, now_ms, None)
     assert (mark.passed_ms, mark.first_ms) == (base + 21_000, base + 1000)
+    # each message names the source positions of the poll (the budget registry's charge)
+    assert {h["src"] for _, h, _ in out.messages} == {b"src:4:0:5"}
     groups = collections.Counter((h["w"], "late" in h) for _, h, _ in out.messages)
     w0, w2 = str(base // 10_000).encode(), str(base // 10_000 + 2).encode()
     w1 = str(base // 10_000 + 1).encode()

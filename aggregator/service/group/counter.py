@@ -39,7 +39,7 @@ from .deleted import deleted_since
 from .event_windows import EventSlice
 from .membership import Membership
 from .snapshots import layered_look, restore, take_snapshot
-from .summary import partition_summary
+from .summary import add_source, partition_summary
 from .repartition import slice_size
 
 __all__ = ["SliceTask", "Counter"]
@@ -87,6 +87,8 @@ class SliceTask:
         #: (first, end) offsets of this partition deleted (retention) before they were
         #: counted: every window whose range starts below ``end`` is withheld, naming them
         self.deleted: tuple[int, int] | None = None
+        #: the source positions the window's messages came from (the budget registry's charge)
+        self.sources: dict[str, list[int]] = {}
         #: the position at a jump whose first offset was not looked at (looked at less than a
         #: second before): looked at before the window closes (:meth:`SliceCounter._close`)
         self.unchecked_from: int | None = None
@@ -100,6 +102,7 @@ class SliceTask:
         self.opened_unix = time.time()
         self.snapshots = 0
         self.lost = None
+        self.sources = {}
 
 
 class Counter:
@@ -275,6 +278,7 @@ class Counter:
                     # the intake found source records deleted before it read them, where this
                     # message is: the window that would have counted them is withheld
                     task.lost = "; ".join(filter(None, (task.lost, lost.decode())))
+                add_source(task.sources, head.get("src"))
                 idx = np.frombuffer(rec.value, dtype="<i4").astype(np.int64)
                 task.state.add_indices(idx)
                 task.events += len(idx)
@@ -326,7 +330,8 @@ class Counter:
                 task.position = rec.offset + 1
                 continue
             idx = np.frombuffer(rec.value, dtype="<i4").astype(np.int64)
-            n, late = task.slice.add(rec.offset, int(head["w"]), "late" in head, idx)
+            n, late = task.slice.add(rec.offset, int(head["w"]), "late" in head, idx,
+                                     source=head.get("src"))
             counted += n
             rejected += late
             task.position = rec.offset + 1
@@ -370,6 +375,7 @@ class Counter:
                                             partition=p, partitions=self.P, window_info=info,
                                             view=view)
                 summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
+            summary["sources"] = live.sources if live is not None else {}
             out.append((w, summary))
             if self.rollups is not None:
                 # the same view into the rollup sums; applied at once so the next window of
@@ -527,6 +533,7 @@ class Counter:
                                         partition=p, partitions=self.P, window_info=info,
                                         view=view)
             summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
+        summary["sources"] = task.sources
         rolled, rolled_in = [], None
         if self.rollups is not None:   # the same view into the rollup sums (rollups.py)
             rolled, rolled_in = self.rollups.fold(p, w, view[0] if view else None,

@@ -23,13 +23,15 @@ fresh noise) and passes over the records of windows already summarized.
 
 from __future__ import annotations
 
+from .summary import add_source
+
 __all__ = ["EventSlice", "LiveWindow"]
 
 
 class LiveWindow:
     """One open window's state on one partition."""
 
-    __slots__ = ("state", "events", "late", "first", "closed_at_first", "lost")
+    __slots__ = ("state", "events", "late", "first", "closed_at_first", "lost", "sources")
 
     def __init__(self, state, first: int, closed_at_first: int):
         self.state, self.first, self.closed_at_first = state, int(first), int(closed_at_first)
@@ -37,6 +39,8 @@ class LiveWindow:
         self.late = 0
         #: why the window cannot be released whole (source records it may hold were deleted)
         self.lost: str | None = None
+        #: the source positions its messages came from (the budget registry's charge)
+        self.sources: dict[str, list[int]] = {}
 
 
 class EventSlice:
@@ -61,7 +65,8 @@ class EventSlice:
             return self.closed + 1, True
         return int(window), bool(late)
 
-    def add(self, offset: int, window: int, late: bool, indices) -> tuple[int, int]:
+    def add(self, offset: int, window: int, late: bool, indices,
+            source: bytes | None = None) -> tuple[int, int]:
         """Count the message at ``offset``. Returns ``(counted, rejected_late)``: the events
         counted now (0 for windows already summarized: a replay passes over them) and the late
         events rejected (``dead_letter``)."""
@@ -75,6 +80,7 @@ class EventSlice:
         if live is None:
             live = self.live[window] = LiveWindow(self.make_state(), offset, self.closed)
         live.state.add_indices(indices)
+        add_source(live.sources, source)
         live.events += n
         if late:
             live.late += n

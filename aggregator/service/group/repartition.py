@@ -73,6 +73,13 @@ def slice_size(size: int, partitions: int, partition: int) -> int:
     return max(0, -(-(int(size) - int(partition)) // int(partitions)))
 
 
+def source_header(tp, recs) -> tuple[str, bytes]:
+    """The header naming the source positions a repartition message's indices came from
+    (``<topic>:<partition>:<first>:<end>``): the leader charges them in the budget registry,
+    which is keyed by source positions. The same on every target partition: no item in it."""
+    return ("src", f"{tp.topic}:{tp.partition}:{recs[0].offset}:{recs[-1].offset + 1}".encode())
+
+
 def dead_letter_records(route, tp, recs, rejected) -> list:
     """``(key, value, headers)`` of each rejected record's dead letter (not of the records the
     item filter leaves out), as one process writes them."""
@@ -513,11 +520,12 @@ class Repartitioner:
         part = idx % route.partitions
         local = (idx // route.partitions).astype("<i4")
         groups = sorted({(int(w), bool(x)) for w, x in zip(window, late)})
+        src = source_header(tp, recs)
         # every (window, late) group to every partition, empty ones included: the partitions'
         # offsets depend on the records' timestamps (public), never on their items
         for w, is_late in groups:
             sel = (window == w) & (late == is_late)
-            headers = [("w", str(w).encode())] + ([("late", b"1")] if is_late else [])
+            headers = [("w", str(w).encode()), src] + ([("late", b"1")] if is_late else [])
             for p in range(route.partitions):
                 producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
                               value=local[sel & (part == p)].tobytes())
@@ -542,8 +550,9 @@ class Repartitioner:
         # one message to every partition, empty ones included: how many messages a partition
         # holds (its offsets, in logs and status) then depends on the polls, never on which
         # slices the items fell in
+        src = [source_header(tp, recs)]
         for p in range(route.partitions):
-            producer.send(route.topic, partition=p, timestamp_ms=now_ms,
+            producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=src,
                           value=local[part == p].tobytes())
         return len(local)
 
