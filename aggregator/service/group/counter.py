@@ -375,7 +375,7 @@ class Counter:
                                             partition=p, partitions=self.P, window_info=info,
                                             view=view)
                 summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
-            summary["sources"] = live.sources if live is not None else {}
+            summary["sources"] = sl.sources.get(w, {})
             out.append((w, summary))
             if self.rollups is not None:
                 # the same view into the rollup sums; applied at once so the next window of

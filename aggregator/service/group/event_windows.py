@@ -31,7 +31,7 @@ __all__ = ["EventSlice", "LiveWindow"]
 class LiveWindow:
     """One open window's state on one partition."""
 
-    __slots__ = ("state", "events", "late", "first", "closed_at_first", "lost", "sources")
+    __slots__ = ("state", "events", "late", "first", "closed_at_first", "lost")
 
     def __init__(self, state, first: int, closed_at_first: int):
         self.state, self.first, self.closed_at_first = state, int(first), int(closed_at_first)
@@ -39,8 +39,6 @@ class LiveWindow:
         self.late = 0
         #: why the window cannot be released whole (source records it may hold were deleted)
         self.lost: str | None = None
-        #: the source positions its messages came from (the budget registry's charge)
-        self.sources: dict[str, list[int]] = {}
 
 
 class EventSlice:
@@ -58,6 +56,10 @@ class EventSlice:
         self.make_state = make_state
         self.late_policy = late_policy
         self.live: dict[int, LiveWindow] = {}
+        #: window -> the source positions its messages came from (the budget registry's
+        #: charge), of every message naming it, empty or not: what a summary names must not
+        #: depend on which slices the items fell in
+        self.sources: dict[int, dict[str, list[int]]] = {}
 
     def window_of(self, window: int, late: bool) -> tuple[int, bool]:
         """Where a message naming ``window`` (``late``: the intake found it late) counts now."""
@@ -72,6 +74,8 @@ class EventSlice:
         events rejected (``dead_letter``)."""
         n = len(indices)
         window, late = self.window_of(window, late)
+        if window > self.summarized:
+            add_source(self.sources.setdefault(window, {}), source)
         if late and self.late_policy == "dead_letter":
             return 0, (n if window > self.summarized else 0)
         if window <= self.summarized or not n:
@@ -80,7 +84,6 @@ class EventSlice:
         if live is None:
             live = self.live[window] = LiveWindow(self.make_state(), offset, self.closed)
         live.state.add_indices(indices)
-        add_source(live.sources, source)
         live.events += n
         if late:
             live.late += n
@@ -109,6 +112,8 @@ class EventSlice:
         upto = int(upto)
         for w in [w for w in self.live if w <= upto]:
             del self.live[w]
+        for w in [w for w in self.sources if w <= upto]:
+            del self.sources[w]
         self.summarized = max(self.summarized, upto)
         self.closed = max(self.closed, upto)
 
