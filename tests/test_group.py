@@ -503,8 +503,12 @@ def test_the_intake_writes_each_window_to_every_partition_and_handles_late_recor
                   clock=EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
                                    late=late_policy, idle_timeout_s=0))
     out = _Sent()
-    mark = Repartitioner._send_event_time(out, route, None, recs, now_ms, None)
+    from kafka import TopicPartition
+
+    mark = Repartitioner._send_event_time(out, route, TopicPartition("src", 4), recs, now_ms, None)
     assert (mark.passed_ms, mark.first_ms) == (base + 21_000, base + 1000)
+    # each message names the source positions of the poll (the budget registry's charge)
+    assert {h["src"] for _, h, _ in out.messages} == {b"src:4:0:5"}
     groups = collections.Counter((h["w"], "late" in h) for _, h, _ in out.messages)
     w0, w2 = str(base // 10_000).encode(), str(base // 10_000 + 2).encode()
     w1 = str(base // 10_000 + 1).encode()
@@ -770,3 +774,21 @@ def test_a_views_group_takes_count_windows_and_refuses_what_it_cannot_do_in_one_
         assert 'scale.exchange = "items"' in msg and "\n" not in msg, msg
         if "rollups" in extra[0]:    # the default hybrid design: the sum design is named too
             assert 'window.rollup_design = "sum"' in msg, msg
+
+
+def test_a_slices_source_positions_do_not_depend_on_where_the_items_fell():
+    """What a partition's event-time summary names as its source positions (the budget
+    registry's charge) is every message of the window it read, empty or not: a slice that got
+    none of the items names the same positions as one that got them all."""
+    def make():
+        return PanPrivateHistogram(1.0, size=10)
+
+    full = EventSlice(closed=4, summarized=4, make_state=make)
+    empty = EventSlice(closed=4, summarized=4, make_state=make)
+    for offset, src in enumerate((b"t:0:0:50", b"t:1:7:9", b"t:0:50:80")):
+        full.add(offset, 5, False, np.array([1, 2], dtype=np.int64), source=src)
+        empty.add(offset, 5, False, np.zeros(0, dtype=np.int64), source=src)
+    assert full.sources[5] == empty.sources[5] == {"t:0": [0, 80], "t:1": [7, 9]}
+    assert 5 in full.live and 5 not in empty.live
+    full.closed_at(5)
+    assert full.sources == {}

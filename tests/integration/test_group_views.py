@@ -23,7 +23,7 @@ from aggregator.noise import p_from_epsilon
 from aggregator.service.group.topics import GroupTopics
 
 from .test_group_kafka import Members, _group_status, last_saying, make_topic, produce, \
-    read_all, read_ledger, releases, wait_for_total
+    read_all, read_ledger, releases, second_group_on_released, wait_for_total
 
 D = 1000
 PARTS = 4
@@ -141,42 +141,11 @@ def test_a_second_group_on_released_records_withholds_them_naming_the_first(kafk
     """Two views groups with different names over one topic (the audit's 3,400 of 1,200): the
     second group's leader finds the first group's charges in the budget registry and withholds
     every window over them, in one line naming the first group."""
-    topic = make_topic(kafka_broker, PARTS)
-    registry = f"reg-{topic}"
-    items = np.arange(3000) % D
-    first = Members(kafka_broker, topic, f"a-{topic}", tmp_path / "a", "--set",
-                    "scale.exchange=views", "--set", f"ledger.registry_topic={registry}")
-    (tmp_path / "a").mkdir()
-    try:
-        first.start("g1")
-        produce(kafka_broker, topic, items, rate=3000)
-        wait_for_total(kafka_broker, GroupTopics(f"a-{topic}"), len(items), 120, first)
-    finally:
-        first.stop_all()
-    second = Members(kafka_broker, topic, f"b-{topic}", tmp_path / "b", "--set",
-                     "scale.exchange=views", "--set", f"ledger.registry_topic={registry}")
-    (tmp_path / "b").mkdir()
-    topics = GroupTopics(f"b-{topic}")
-    try:
-        second.start("h1")
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                entries = [e for e in read_ledger(kafka_broker, topics).entries
-                           if e["kind"] == "release"]
-            except Exception:
-                entries = []
-            covered = sum(b - a for e in entries for a, b in e["ranges"].values())
-            if covered >= len(items):
-                break
-            assert time.monotonic() < deadline, second.logs()
-            time.sleep(2)
-    finally:
-        second.stop_all()
+    entries, again, logs, topic = second_group_on_released(kafka_broker, tmp_path, PARTS,
+                                                           "--set", "scale.exchange=views")
     assert all(e.get("withheld") for e in entries if sum(
         b - a for a, b in e["ranges"].values())), entries
-    assert sum(d["n"] for d in releases(kafka_broker, topics)) == 0
-    logs = second.logs(last=100000)
+    assert again == 0
     assert f"released by group a-{topic}" in logs, logs[-3000:]
 
 

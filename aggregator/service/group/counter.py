@@ -35,10 +35,11 @@ import uuid
 import numpy as np
 
 from ...state import PanPrivateHistogram
+from .deleted import deleted_since
 from .event_windows import EventSlice
 from .membership import Membership
 from .snapshots import layered_look, restore, take_snapshot
-from .summary import partition_summary
+from .summary import add_source, partition_summary
 from .repartition import slice_size
 
 __all__ = ["SliceTask", "Counter"]
@@ -86,6 +87,8 @@ class SliceTask:
         #: (first, end) offsets of this partition deleted (retention) before they were
         #: counted: every window whose range starts below ``end`` is withheld, naming them
         self.deleted: tuple[int, int] | None = None
+        #: the source positions the window's messages came from (the budget registry's charge)
+        self.sources: dict[str, list[int]] = {}
         #: the position at a jump whose first offset was not looked at (looked at less than a
         #: second before): looked at before the window closes (:meth:`SliceCounter._close`)
         self.unchecked_from: int | None = None
@@ -99,6 +102,7 @@ class SliceTask:
         self.opened_unix = time.time()
         self.snapshots = 0
         self.lost = None
+        self.sources = {}
 
 
 class Counter:
@@ -193,8 +197,8 @@ class Counter:
             task = SliceTask(p, window, start, slice_size(self.identity["size"], self.P, p),
                              lambda p=p: self._new_state(p))
             if committed is not None and committed.offset is not None and committed.offset >= 0:
-                low = self.consumer.beginning_offsets([tp]).get(tp)
-                if low is not None and low > start:
+                low = deleted_since(self.consumer, {tp: start}).get(tp)
+                if low is not None:
                     # retention deleted records of the open window before it closed: replayed
                     # without them it would release fewer events than its positions say
                     task.lost = (f"records of partition {p} from offset {start} to {low} were "
@@ -269,6 +273,12 @@ class Counter:
                     pass
                 if self.tasks.get(tp.partition) is not task:
                     break  # the close failed: the partition is read again from its offsets
+                lost = head.get("lost")
+                if lost is not None:
+                    # the intake found source records deleted before it read them, where this
+                    # message is: the window that would have counted them is withheld
+                    task.lost = "; ".join(filter(None, (task.lost, lost.decode())))
+                add_source(task.sources, head.get("src"))
                 idx = np.frombuffer(rec.value, dtype="<i4").astype(np.int64)
                 task.state.add_indices(idx)
                 task.events += len(idx)
@@ -311,11 +321,17 @@ class Counter:
                     break     # the close failed: the partition is read again from its offsets
                 task.position = rec.offset + 1
                 continue
+            if "lost" in head:   # source records deleted before the intake read them (intake)
+                task.slice.lose(rec.offset, int(head["from"]), int(head["through"]),
+                                head["lost"].decode())
+                task.position = rec.offset + 1
+                continue
             if "w" not in head:
                 task.position = rec.offset + 1
                 continue
             idx = np.frombuffer(rec.value, dtype="<i4").astype(np.int64)
-            n, late = task.slice.add(rec.offset, int(head["w"]), "late" in head, idx)
+            n, late = task.slice.add(rec.offset, int(head["w"]), "late" in head, idx,
+                                     source=head.get("src"))
             counted += n
             rejected += late
             task.position = rec.offset + 1
@@ -348,7 +364,7 @@ class Counter:
                     "late_policy": self.late_policy,
                     "allowed_lateness_s": float(self.identity.get("allowed_lateness_s", 0.0)),
                     "start_offset": start, "end_offset": marker + 1}
-            refused = self._refusal(w, ranges) if live is not None else None
+            refused = (live.lost or self._refusal(w, ranges)) if live is not None else None
             view = [] if self.rollups is not None else None
             if refused:
                 summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
@@ -359,6 +375,7 @@ class Counter:
                                             partition=p, partitions=self.P, window_info=info,
                                             view=view)
                 summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
+            summary["sources"] = sl.sources.get(w, {})
             out.append((w, summary))
             if self.rollups is not None:
                 # the same view into the rollup sums; applied at once so the next window of
@@ -462,9 +479,8 @@ class Counter:
     def _note_deleted(self, task: SliceTask, tp, since: int) -> None:
         """Note on ``task`` the records from ``since`` to the partition's first offset, if
         retention deleted them (the first offset is past ``since``)."""
-        low = self.consumer.beginning_offsets([tp]).get(tp)
-        if low is not None and low > since and (task.deleted is None
-                                                or task.deleted[1] <= since):
+        low = deleted_since(self.consumer, {tp: since}).get(tp)
+        if low is not None and (task.deleted is None or task.deleted[1] <= since):
             task.deleted = (since, int(low))
             log.warning("records of partition %d of %s from offset %d to %d were deleted by "
                         "its retention before they were counted (scale."
@@ -517,6 +533,7 @@ class Counter:
                                         partition=p, partitions=self.P, window_info=info,
                                         view=view)
             summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
+        summary["sources"] = task.sources
         rolled, rolled_in = [], None
         if self.rollups is not None:   # the same view into the rollup sums (rollups.py)
             rolled, rolled_in = self.rollups.fold(p, w, view[0] if view else None,

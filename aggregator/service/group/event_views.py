@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .deleted import lost_through
 from .watermark import MarkRecord, closable_upto, low_watermark, stamp, too_far_ahead
 
 __all__ = ["PartitionClock", "Decisions", "GroupMarks", "skipped_parts", "commit_meta",
@@ -132,21 +133,6 @@ class PartitionClock:
 
     def watermark(self) -> MarkRecord:
         return MarkRecord(self.passed_ms, self.idle_since_ms)
-
-
-def lost_through(now_ms: int, *, size_ms: int, skew_ms: int) -> int:
-    """The last window a record deleted before it was counted may have belonged to.
-
-    Its timestamp is gone with it. It was written before now, and a record stamped later than
-    now + ``window.max_future_skew_s`` is rejected, so its window (or, if it was late, the
-    first window its partition had not passed, which is earlier) is at most the window of
-    ``now_ms + skew_ms``; none at or before the last window closed on its partition. Every
-    window in between may hold it, so each is withheld on that partition.
-
-    >>> lost_through(10_500, size_ms=1000, skew_ms=3000)
-    13
-    """
-    return int((int(now_ms) + int(skew_ms)) // int(size_ms))
 
 
 def commit_meta(*, closed: int | None, position: int, offset: int, passed_ms: int | None,

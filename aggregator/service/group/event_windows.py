@@ -23,18 +23,22 @@ fresh noise) and passes over the records of windows already summarized.
 
 from __future__ import annotations
 
+from .summary import add_source
+
 __all__ = ["EventSlice", "LiveWindow"]
 
 
 class LiveWindow:
     """One open window's state on one partition."""
 
-    __slots__ = ("state", "events", "late", "first", "closed_at_first")
+    __slots__ = ("state", "events", "late", "first", "closed_at_first", "lost")
 
     def __init__(self, state, first: int, closed_at_first: int):
         self.state, self.first, self.closed_at_first = state, int(first), int(closed_at_first)
         self.events = 0
         self.late = 0
+        #: why the window cannot be released whole (source records it may hold were deleted)
+        self.lost: str | None = None
 
 
 class EventSlice:
@@ -52,6 +56,10 @@ class EventSlice:
         self.make_state = make_state
         self.late_policy = late_policy
         self.live: dict[int, LiveWindow] = {}
+        #: window -> the source positions its messages came from (the budget registry's
+        #: charge), of every message naming it, empty or not: what a summary names must not
+        #: depend on which slices the items fell in
+        self.sources: dict[int, dict[str, list[int]]] = {}
 
     def window_of(self, window: int, late: bool) -> tuple[int, bool]:
         """Where a message naming ``window`` (``late``: the intake found it late) counts now."""
@@ -59,12 +67,15 @@ class EventSlice:
             return self.closed + 1, True
         return int(window), bool(late)
 
-    def add(self, offset: int, window: int, late: bool, indices) -> tuple[int, int]:
+    def add(self, offset: int, window: int, late: bool, indices,
+            source: bytes | None = None) -> tuple[int, int]:
         """Count the message at ``offset``. Returns ``(counted, rejected_late)``: the events
         counted now (0 for windows already summarized: a replay passes over them) and the late
         events rejected (``dead_letter``)."""
         n = len(indices)
         window, late = self.window_of(window, late)
+        if window > self.summarized:
+            add_source(self.sources.setdefault(window, {}), source)
         if late and self.late_policy == "dead_letter":
             return 0, (n if window > self.summarized else 0)
         if window <= self.summarized or not n:
@@ -78,6 +89,18 @@ class EventSlice:
             live.late += n
         return n, 0
 
+    def lose(self, offset: int, first: int, through: int, reason: str) -> None:
+        """The message at ``offset`` says source records that may belong to any window from
+        ``first`` to ``through`` were deleted before they were read: each of those not closed
+        here is refused (a live window from the message on, so a replay from the commit reads
+        the message again until the last of them is summarized)."""
+        lo = max(int(first), self.closed + 1, self.summarized + 1)
+        for w in range(lo, int(through) + 1):
+            live = self.live.get(w)
+            if live is None:
+                live = self.live[w] = LiveWindow(self.make_state(), offset, self.closed)
+            live.lost = "; ".join(filter(None, (live.lost, reason)))
+
     def to_close(self, upto: int) -> list[tuple[int, LiveWindow | None]]:
         """The windows a marker closing ``upto`` summarizes now: those after both ``closed`` and
         ``summarized`` (a replay passes over the rest), each with its live state or None."""
@@ -89,6 +112,8 @@ class EventSlice:
         upto = int(upto)
         for w in [w for w in self.live if w <= upto]:
             del self.live[w]
+        for w in [w for w in self.sources if w <= upto]:
+            del self.sources[w]
         self.summarized = max(self.summarized, upto)
         self.closed = max(self.closed, upto)
 

@@ -42,7 +42,7 @@ from ..release_gate import check_registry
 from .event_views import skipped_parts, window_info
 from .export import assemble
 from .forced import forced_window
-from .summary import merge_summaries
+from .summary import merge_summaries, source_ranges
 from .views import distinct_views, state_params, sum_views, view_header
 
 __all__ = ["Leader"]
@@ -111,7 +111,7 @@ class Leader:
             topics.repartition
         self._chunks: dict[str, dict[int, bytes]] = {}
         #: the cluster's budget registry (views: the ledger's ranges are source positions;
-        #: state_store/registry.py), set by the pipeline
+        #: items: the entries' ``sources``; state_store/registry.py), set by the pipeline
         self.registry = None
         #: views: windows two views of one partition arrived for, and why (withheld)
         self._twice: dict[int, str] = {}
@@ -564,9 +564,19 @@ class Leader:
 
     # -- deciding a window -------------------------------------------------------------------
     def _entry_fields(self, w: int, have: dict) -> dict:
-        return {"window_uid": f"{self.identity['lineage']}/{w}", "ranges": self._ranges(have),
-                "lineage": self.identity["lineage"], "window_kind": self.window_kind,
-                "partitions": self.P}
+        fields = {"window_uid": f"{self.identity['lineage']}/{w}", "ranges": self._ranges(have),
+                  "lineage": self.identity["lineage"], "window_kind": self.window_kind,
+                  "partitions": self.P}
+        if not self.views:
+            # the items exchange ledgers repartition positions; the budget registry is keyed
+            # by source positions, which the summaries carry (intake -> counter)
+            fields["sources"] = source_ranges(have.values())
+        return fields
+
+    @staticmethod
+    def _registry_ranges(entry: dict) -> dict:
+        """The source positions an entry charges in the budget registry."""
+        return entry["sources"] if "sources" in entry else entry["ranges"]
 
     def _withhold(self, w: int, have: dict, reason: str) -> None:
         seen = {p: s for p, s in have.items() if not s.get("refused")}
@@ -635,7 +645,7 @@ class Leader:
             # (a Kafka error goes up: the leader's turn is lost and tried again)
             log.warning("%s; window %d is checked against the group's ledger only", exc, w)
         check_registry(self.registry, self.ledger, self._known(), fields["window_uid"], eps,
-                       window=w, ranges=fields["ranges"], lineage=fields["lineage"],
+                       window=w, ranges=self._registry_ranges(fields), lineage=fields["lineage"],
                        window_kind=self.window_kind)
 
     def local_file(self, release: dict, what: str) -> str | None:
@@ -664,7 +674,8 @@ class Leader:
             if self.registry is not None:
                 # the charge, in the transaction of its ledger entry
                 msg = self.registry.message(ledger_id(self.ledger.entries), dict(
-                    entry, id=f"{self.identity['lineage']}/{w}"))
+                    entry, id=f"{self.identity['lineage']}/{w}",
+                    ranges=self._registry_ranges(entry)))
                 if msg is not None:
                     txn.send(self.registry.topic, partition=0, key=msg[0], value=msg[1])
             if document is not None:

@@ -309,7 +309,7 @@ class Pipeline:
             leader.view_rollups = ViewRollups(leader, spans, self.clients.consumer(None))
         elif spans:
             leader.rollups = RollupReleases(leader, spans)
-        if self.views and cfg.ledger.registry_topic:
+        if cfg.ledger.registry_topic:
             from consumers.kafka_security import client_options
             from state_store.registry import KafkaBudgetRegistry, RegistryError
             reg = KafkaBudgetRegistry(cfg.source.bootstrap, cfg.ledger.registry_topic,

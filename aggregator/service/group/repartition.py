@@ -20,6 +20,17 @@ never taken again, even if the source group's committed offsets were reset (an o
 ``--reset-offsets --to-earliest``, offsets expired): the events are not released twice, and the
 first such skip per partition says so in one line.
 
+Source records deleted before they were read (the source topic's retention, a member down longer
+than it): where a partition's offsets start (from its committed offset) or jump, the intake
+looks whether its first offset is past where reading was due to go on. If so, the same
+transaction writes a ``lost`` message (no indices, the deleted offsets in its header) to every
+repartition partition, stamped like the poll's records, where the deleted records would have
+been: each partition's window there is refused and the leader withholds it naming them
+(counter.py). Event-time windows: the deleted records' timestamps went with them, so the
+message names every window they may have held, from the first one their partition had not
+passed to :func:`.deleted.lost_through` (now plus the allowed future skew), and each of those
+is refused on every partition (event_windows.py).
+
 What the repartition topic holds: counter indices of events, in plaintext, like the source topic
 (docs/privacy.md section 17). Its retention is bounded (``scale.repartition_retention_s``).
 """
@@ -37,6 +48,7 @@ import numpy as np
 from consumers.base import Segment
 from consumers.kafka.compat import unpark
 
+from .deleted import deleted_since, deleted_text, lost_through
 from .topics import read_partition
 from .watermark import MarkRecord, low_watermark, stamp, stamped, too_far_ahead
 
@@ -59,6 +71,13 @@ def slice_size(size: int, partitions: int, partition: int) -> int:
     [4, 3, 3]
     """
     return max(0, -(-(int(size) - int(partition)) // int(partitions)))
+
+
+def source_header(tp, recs) -> tuple[str, bytes]:
+    """The header naming the source positions a repartition message's indices came from
+    (``<topic>:<partition>:<first>:<end>``): the leader charges them in the budget registry,
+    which is keyed by source positions. The same on every target partition: no item in it."""
+    return ("src", f"{tp.topic}:{tp.partition}:{recs[0].offset}:{recs[-1].offset + 1}".encode())
 
 
 def dead_letter_records(route, tp, recs, rejected) -> list:
@@ -151,6 +170,11 @@ class Repartitioner:
         self._idle_checked = 0.0
         self._idle_written: dict[str, int] = {}
         self._taken_at: dict = {}
+        #: TopicPartition -> the next source offset due (None: none, a new group); a partition
+        #: not in it is looked at from its committed offset at the next step
+        self._next: dict = {}
+        #: partitions whose committed offset is still to be compared with their first offset
+        self._unchecked: set = set()
         if marks_reader is not None:
             from kafka import TopicPartition
             self._marks_tp = TopicPartition(marks_topic, 0)
@@ -191,6 +215,8 @@ class Repartitioner:
         """The group assigned ``tps`` (a rebalance callback): their watermarks are read from
         their committed offsets' metadata before their records are stamped."""
         self._need_passed |= set(tps)
+        for tp in tps:
+            self._next.pop(tp, None)   # looked at from its committed offset
 
     def _load_passed(self, tps) -> None:
         for tp in tps:
@@ -299,7 +325,14 @@ class Repartitioner:
         if time.monotonic() - self._idle_checked >= 1.0:
             self._idle_checked = time.monotonic()
             self._note_idle(polled)
-        if not polled:
+        try:
+            lost = self._deleted(polled)
+        except KafkaError:   # looked at again at the next step (nothing is skipped)
+            for tp, recs in polled.items():
+                if recs:
+                    self.consumer.seek(tp, recs[0].offset)
+            return 0
+        if not polled and not lost:
             return 0
         if self._need_passed and (self._clocked or self._counted):
             try:
@@ -310,6 +343,8 @@ class Repartitioner:
                 for tp, recs in polled.items():
                     if recs:
                         self.consumer.seek(tp, recs[0].offset)
+                for tp in lost:
+                    self._next.pop(tp, None)   # its deleted records are looked at again
                 raise
         now_ms = int(time.time() * 1000)
         taken = 0
@@ -319,6 +354,10 @@ class Repartitioner:
             offsets = {}
             passed = {}
             totals = {}
+            for tp, (first, low) in lost.items():
+                self._send_lost(txn, tp, first, low, now_ms)
+                if not polled.get(tp):   # read from the first record left, named once
+                    offsets[tp] = OffsetAndMetadata(low, self._offset_meta(tp, {}), -1)
             for tp, recs in polled.items():
                 if not recs:
                     continue
@@ -351,12 +390,14 @@ class Repartitioner:
             txn.send_offsets(offsets, self.consumer.group_metadata())
             txn.commit()
         except KafkaError as exc:
-            self._abort(polled, exc)
+            self._abort({**{tp: [] for tp in lost}, **polled}, exc)
             return 0
         for tp, om in offsets.items():
             key = (tp.topic, tp.partition)
             self.marks[key] = max(self.marks.get(key, 0), om.offset)
-            self._taken_at[tp] = now_ms
+            self._next[tp] = om.offset
+            if polled.get(tp):
+                self._taken_at[tp] = now_ms
         self.totals.update(totals)
         for key, mark in passed.items():
             self.passed[key], self.first[key] = mark.passed_ms, mark.first_ms
@@ -364,6 +405,51 @@ class Repartitioner:
             self._idle_written.pop(key, None)
         self.records += taken
         return taken
+
+    def _deleted(self, polled) -> dict:
+        """TopicPartition -> (first, end) source offsets deleted before they were read: for a
+        partition just assigned, from its committed offset (or the group's mark) to its first
+        offset; for one whose records jump, from where they were due to go on. A jump is most
+        often a transaction marker; each poll with one costs one look at the first offsets."""
+        since = {}
+        for tp in self.consumer.assignment():
+            if tp not in self._next:
+                at = self.consumer.committed(tp, timeout_ms=5000)
+                self._next[tp] = (self.marks.get((tp.topic, tp.partition))
+                                  if at is None or at < 0 else int(at))
+                self._unchecked.add(tp)
+            at, recs = self._next[tp], polled.get(tp)
+            if at is not None and ((recs and recs[0].offset > at)
+                                   or (not recs and tp in self._unchecked)):
+                since[tp] = at
+        lows = deleted_since(self.consumer, since)
+        self._unchecked.clear()
+        for tp, low in lows.items():
+            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
+                        "the topic's retention before they were read; the windows they may "
+                        "have been counted in are withheld naming them", tp.partition,
+                        tp.topic, since[tp], low)
+        return {tp: (since[tp], low) for tp, low in lows.items()}
+
+    def _send_lost(self, producer, tp, first: int, end: int, now_ms: int) -> None:
+        """To every repartition partition of each route, a message with no indices naming the
+        deleted offsets, stamped like the poll's records: the window that would have counted
+        them is refused on every partition (counter.py), so the leader withholds it. Event
+        time: every window they may have held (``from``, ``through`` headers), from the first
+        one their partition had not passed (-1: it had no record yet, every open one)."""
+        text = (f"{deleted_text(tp.topic, tp.partition, first, end)}; a window that may have "
+                "counted them cannot be released whole").encode()
+        for route in self.routes:
+            headers = [("lost", text)]
+            c = route.clock
+            if c is not None:
+                passed = self.passed.get(MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}"))
+                lo = -1 if passed is None else (passed - c.lateness_ms) // c.size_ms
+                through = lost_through(now_ms, size_ms=c.size_ms, skew_ms=c.skew_ms)
+                headers += [("from", str(lo).encode()), ("through", str(through).encode())]
+            for p in range(route.partitions):
+                producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
+                              value=b"")
 
     def _note_idle(self, polled) -> None:
         """``window.idle_partition_timeout_s``: a source partition read to its end says since
@@ -434,11 +520,12 @@ class Repartitioner:
         part = idx % route.partitions
         local = (idx // route.partitions).astype("<i4")
         groups = sorted({(int(w), bool(x)) for w, x in zip(window, late)})
+        src = source_header(tp, recs)
         # every (window, late) group to every partition, empty ones included: the partitions'
         # offsets depend on the records' timestamps (public), never on their items
         for w, is_late in groups:
             sel = (window == w) & (late == is_late)
-            headers = [("w", str(w).encode())] + ([("late", b"1")] if is_late else [])
+            headers = [("w", str(w).encode()), src] + ([("late", b"1")] if is_late else [])
             for p in range(route.partitions):
                 producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
                               value=local[sel & (part == p)].tobytes())
@@ -463,8 +550,9 @@ class Repartitioner:
         # one message to every partition, empty ones included: how many messages a partition
         # holds (its offsets, in logs and status) then depends on the polls, never on which
         # slices the items fell in
+        src = [source_header(tp, recs)]
         for p in range(route.partitions):
-            producer.send(route.topic, partition=p, timestamp_ms=now_ms,
+            producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=src,
                           value=local[part == p].tobytes())
         return len(local)
 
@@ -507,6 +595,8 @@ class Repartitioner:
                     type(exc).__name__)
         self.txn.failed(exc)
         self._need_passed |= set(polled)   # back to what the committed offsets say
+        for tp in polled:
+            self._next.pop(tp, None)
         try:
             for tp in polled:
                 if tp not in self.consumer.assignment():

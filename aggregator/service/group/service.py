@@ -309,9 +309,7 @@ class GroupService:
             log.warning("scale.exchange = items: %s holds every event's counter index in "
                         "plaintext (kept %s) and anyone who can read it learns them; the "
                         "default scale.exchange = views keeps every internal topic eps-DP "
-                        "(docs/privacy.md section 20); and this group's charges are not in the "
-                        "budget registry (its ledger counts repartition positions), so another "
-                        "deployment over the same records is not refused for them",
+                        "(docs/privacy.md section 20)",
                         pipe.topics.repartition,
                         f"{self.cfg.scale.repartition_retention_s:g} s"
                         if self.cfg.scale.repartition_retention_s else "three windows, at "

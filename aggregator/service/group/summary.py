@@ -33,13 +33,44 @@ from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 
-__all__ = ["partition_summary", "view_summary", "merge_summaries", "agreeing", "event_time_info",
-           "merged_window_info", "SUMMARY_FORMAT"]
+__all__ = ["add_source", "source_ranges", "partition_summary", "view_summary", "merge_summaries",
+           "agreeing", "event_time_info", "merged_window_info", "SUMMARY_FORMAT"]
 
 SUMMARY_FORMAT = "panagg.summary"
 
 
 # -- pure parts: summary and merge -------------------------------------------------------------------
+def add_source(sources: dict, header: bytes | None) -> None:
+    """Widen ``sources`` (``<topic>:<partition>`` -> [first, end)) by a repartition message's
+    ``src`` header (repartition.source_header).
+
+    >>> s = {}
+    >>> add_source(s, b"t:3:10:20"); add_source(s, b"t:3:20:25"); add_source(s, None); s
+    {'t:3': [10, 25]}
+    """
+    if header is None:
+        return
+    part, _, span = header.decode().rpartition(":")
+    part, _, first = part.rpartition(":")
+    have = sources.get(part)
+    a, b = int(first), int(span)
+    sources[part] = [a, b] if have is None else [min(have[0], a), max(have[1], b)]
+
+
+def source_ranges(summaries) -> dict:
+    """The source positions a window's summaries came from, per source partition the span
+    from the first to the last (the budget registry charges them: docs/privacy.md section 22).
+
+    >>> source_ranges([{"sources": {"t:0": [5, 9]}}, {"sources": {"t:0": [0, 7], "t:1": [2, 4]}}])
+    {'t:0': [0, 9], 't:1': [2, 4]}
+    """
+    out: dict[str, list[int]] = {}
+    for s in summaries:
+        for part, (a, b) in (s.get("sources") or {}).items():
+            add_source(out, f"{part}:{a}:{b}".encode())
+    return out
+
+
 def partition_summary(state: PanPrivateHistogram, *, model: str, window: int, partition: int,
                       partitions: int, window_info: dict, rng=None,
                       view: list | None = None) -> dict:

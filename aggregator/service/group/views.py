@@ -60,7 +60,8 @@ from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
-from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta, lost_through
+from .deleted import deleted_since, deleted_text, lost_through
+from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta
 from .event_views import window_info as event_window_info
 from .watermark import MAX_AHEAD_WINDOWS, stamped
 from .membership import Membership
@@ -550,8 +551,7 @@ class ViewCounter:
             info = {"kind": "time", "size": self.size, "events": int(task.events),
                     "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
         refused = "; ".join(
-            f"records of partition {p} from offset {a} to {b} were deleted by the retention "
-            f"of {self.source_topic} before they were counted; window range "
+            f"{deleted_text(self.source_topic, p, a, b)}; window range "
             f"[{task.ranges[p][0]}, {task.ranges[p][1]}) cannot be released whole"
             for p, (a, b) in sorted(task.lost.items())) or (
             self._refusal(w, ranges) if task.events else None)
@@ -865,7 +865,7 @@ class ViewCounter:
     def _note_deleted_event_time(self, since: dict[int, int]) -> None:
         """For each partition p of ``since`` whose records from ``since[p]`` were deleted
         before they were counted (its first offset is past it), every window not closed on it
-        up to :func:`.event_views.lost_through` is withheld there, naming them."""
+        up to :func:`.deleted.lost_through` is withheld there, naming them."""
         c = self.route.clock
         look = {p: at for p, at in since.items()
                 if self.clocks[p].lost is None or self.clocks[p].lost[1] <= at}
@@ -961,17 +961,13 @@ class ViewCounter:
                         "naming them", p, self.source_topic, since[p], low, task.window)
 
     def _deleted_since(self, since: dict[int, int]) -> dict[int, int]:
-        """Partition -> its first offset, for each partition p of ``since`` whose first offset
-        is past ``since[p]``: the records in between were deleted (retention) before they were
-        counted. One look at the broker for all of them."""
+        """Partition -> its first offset, for each partition p of ``since`` whose records from
+        ``since[p]`` were deleted before they were counted (:func:`.deleted.deleted_since`)."""
         from kafka import TopicPartition
 
-        if not since:
-            return {}
-        tps = {p: TopicPartition(self.source_topic, p) for p in since}
-        lows = self.consumer.beginning_offsets(list(tps.values()))
-        return {p: int(lows[tp]) for p, tp in sorted(tps.items())
-                if lows.get(tp) is not None and int(lows[tp]) > since[p]}
+        lows = deleted_since(self.consumer, {TopicPartition(self.source_topic, p): at
+                                             for p, at in since.items()})
+        return {tp.partition: low for tp, low in lows.items()}
 
     def _still_owned(self, task: MemberWindow) -> bool:
         """Whether this member still holds the window's partitions in the generation it synced
