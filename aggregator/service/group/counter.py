@@ -32,15 +32,18 @@ import math
 import time
 import uuid
 
+import msgpack
 import numpy as np
+from kafka import TopicPartition
+from kafka.structs import OffsetAndMetadata
 
 from ...state import PanPrivateHistogram
 from .deleted import deleted_since
 from .event_windows import EventSlice
 from .membership import Membership
+from .repartition import slice_size
 from .snapshots import layered_look, restore, take_snapshot
 from .summary import add_source, partition_summary
-from .repartition import slice_size
 
 __all__ = ["SliceTask", "Counter"]
 
@@ -168,7 +171,6 @@ class Counter:
         self.metrics.partitions_owned.set(len(self.tasks))
 
     def _sync(self) -> None:
-        from kafka import TopicPartition
 
         self._needs_sync = False
         owned = self.membership.sync()
@@ -308,7 +310,6 @@ class Counter:
                 # nothing is counted before the first marker says where the windows begin: read
                 # on to it, then start again from the partition's first offset
                 if "close" in head:
-                    from kafka import TopicPartition
                     task.slice.open_at(int(head["close"]))
                     self.consumer.seek(TopicPartition(self.topics.repartition, partition),
                                        task.position)
@@ -344,8 +345,6 @@ class Counter:
     def _close_event_time(self, task: SliceTask, marker: int, upto: int) -> bool:
         """The marker at offset ``marker`` closes every window up to ``upto``: their summaries
         and the partition's resume point in one transaction (False: not written; replayed)."""
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
 
         p, sl = task.partition, task.slice
         if not self._still_owned(task):
@@ -418,8 +417,6 @@ class Counter:
         due = (task.window + (task.snapshots + 1) / (k + 1)) * self.size
         if task.snapshots >= k or stamp_ms / 1000.0 < due or task.lost:
             return True
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
 
         t0 = time.perf_counter()
         message = take_snapshot(task)
@@ -445,7 +442,6 @@ class Counter:
         """An audit export of the open window's slice (docs/privacy.md section 6): a fresh
         layer, the snapshot, another fresh layer; returned as the message to write with the
         window's close."""
-        import msgpack
 
         snapshot = layered_look(task.state)
         value = msgpack.packb({"id": export_id, "partition": task.partition,
@@ -502,8 +498,6 @@ class Counter:
         """Write task's window summary and its partition's next start in one transaction
         (False: not written, the window is dropped and replayed); ``extra`` messages
         (topic, key, value) go in the same transaction."""
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
 
         w, p = task.window, task.partition
         if not self._still_owned(task):

@@ -41,13 +41,16 @@ import json
 import logging
 import time
 
-from kafka.errors import KafkaError
-
 import numpy as np
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
 
 from consumers.base import Segment
+from consumers.decode import FILTERED
 from consumers.kafka.compat import unpark
 
+from ..deadletter import dead_letter_record
 from .deleted import deleted_since, deleted_text, lost_through
 from .topics import read_partition
 from .watermark import MarkRecord, low_watermark, stamp, stamped, too_far_ahead
@@ -83,9 +86,6 @@ def source_header(tp, recs) -> tuple[str, bytes]:
 def dead_letter_records(route, tp, recs, rejected) -> list:
     """``(key, value, headers)`` of each rejected record's dead letter (not of the records the
     item filter leaves out), as one process writes them."""
-    from consumers.decode import FILTERED
-
-    from ..deadletter import dead_letter_record
 
     return [dead_letter_record(f"{tp.topic}:{tp.partition}", recs[i].offset, recs[i].value,
                                reason, recs[i].key, aggregation=route.name or None)
@@ -176,7 +176,6 @@ class Repartitioner:
         #: partitions whose committed offset is still to be compared with their first offset
         self._unchecked: set = set()
         if marks_reader is not None:
-            from kafka import TopicPartition
             self._marks_tp = TopicPartition(marks_topic, 0)
             marks_reader.assign([self._marks_tp])
             marks_reader.seek_to_beginning(self._marks_tp)
@@ -292,7 +291,6 @@ class Repartitioner:
             self.consumer.resume(*(paused - ahead))
 
     def _all_partitions(self):
-        from kafka import TopicPartition
         out = []
         for topic in self._topics:
             for p in sorted(self.consumer.partitions_for_topic(topic) or ()):
@@ -314,7 +312,6 @@ class Repartitioner:
 
     def step(self, timeout_s: float = 0.2) -> int:
         """One poll, one transaction; the number of source records taken."""
-        from kafka.structs import OffsetAndMetadata
 
         self._pace()
         if self._clocked:
@@ -455,7 +452,6 @@ class Repartitioner:
         """``window.idle_partition_timeout_s``: a source partition read to its end says since
         when, once, with its watermark (the leader then stops waiting for it after the
         timeout). Written with the partition's offsets, so a fenced member writes nothing."""
-        from kafka.structs import OffsetAndMetadata
 
         routes = [r for r in self._clocked if r.clock.idle_timeout_ms]
         if not routes:
@@ -573,7 +569,6 @@ class Repartitioner:
 
     @staticmethod
     def _count_rejects(metrics, rejected) -> None:
-        from consumers.decode import FILTERED
 
         counts: dict[str, int] = {}
         for _, reason in rejected:
