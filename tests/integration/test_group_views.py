@@ -31,7 +31,7 @@ PARTS = 4
 #: what a view's header may carry: no counter, no item, no per-slice count
 HEADER_KEYS = {"format", "version", "window", "partition", "covers", "partitions", "mode",
                "size", "epsilon", "neighbor", "p", "model", "window_info", "uid", "layers",
-               "n", "chunks", "dtype", "ranges", "member", "refused"}
+               "n", "chunks", "dtype", "ranges", "member", "refused", "charge"}
 
 
 def _wait_counting(members, tmp_path, timeout_s=90):
@@ -882,3 +882,139 @@ def test_a_forced_release_of_an_event_time_views_group_releases_every_record_rea
     assert sum(d["n"] for d in docs) == total
     newest = max(max(ts) for ts in per.values()) // (ET_SIZE * 1000)
     assert max(d["window"] for d in docs) == newest
+
+
+def _snapshot_records(bootstrap, topics) -> list[tuple[int, bytes | None]]:
+    """(key, value) of every committed record of the group's snapshots topic, in order."""
+    return [(int(key), value) for recs in read_all(bootstrap, topics.snapshots).values()
+            for _, key, value in recs]
+
+
+def _check_snapshot_topic(records) -> None:
+    """What an intruder reads in the snapshots topic: layered states and source ranges only (no
+    per-event record, no field beside them), each state with its own layer and the snapshot's
+    (at least 2), and every key tombstoned last (the windows closed: no state left at rest)."""
+    import msgpack
+
+    from aggregator.state import PanPrivateHistogram
+
+    states = [msgpack.unpackb(v, raw=False) for _, v in records if v is not None]
+    assert states, "no snapshot was written"
+    for doc in states:
+        assert set(doc) == {"window", "seq", "ranges", "state"}, set(doc)
+        assert PanPrivateHistogram.deserialize(doc["state"]).layers >= 2
+    last = {key: value for key, value in records}
+    assert all(v is None for v in last.values()), "a closed window's snapshot left at rest"
+
+
+def test_snapshots_of_a_views_group_bound_the_replay_and_a_member_resumes_from_one(
+        kafka_broker, tmp_path):
+    """checkpoint.snapshots_per_window = 2 on the views exchange (6 s windows): each member
+    snapshots its window's state at 1/3 and 2/3 of it with its partitions' offsets; a member
+    killed -9 three times and restarted resumes its windows from their snapshots (never from
+    their start), every event is released once, the releases count the snapshots' layers, and
+    the snapshots topic holds only layered states. (Before, the start was refused.)"""
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
+                      "--set", "window.size=6", "--set", "checkpoint.snapshots_per_window=2")
+    items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        producer = threading.Thread(target=produce, args=(kafka_broker, topic, items, 1500))
+        producer.start()
+        for _ in range(3):
+            # killed just after a snapshot of its current run (so within that window)
+            time.sleep(2)
+            deadline = time.monotonic() + 30
+            while "layered snapshot" not in (tmp_path / f"v2-{members.runs}.log").read_text():
+                assert time.monotonic() < deadline, members.logs()
+                time.sleep(0.1)
+            members.kill("v2")
+            members.start("v2")
+        producer.join()
+        wait_for_total(kafka_broker, topics, len(items), 180, members)
+        time.sleep(2)   # the last closes' tombstones are in the transactions of their views
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "resume window" in logs and "from its snapshot" in logs, logs[-5000:]
+    assert "cannot resume" not in logs and "Traceback" not in logs, logs[-5000:]
+    docs = releases(kafka_broker, topics)
+    assert len({d["window"] for d in docs}) == len(docs)
+    assert sum(d["n"] for d in docs) == len(items)
+    _check_ranges_tile(kafka_broker, topics, topic)
+    # a member's view: its state's layer, 2 per snapshot, its view's layer (+1 where a state
+    # was resumed from a snapshot: one process's restore rule); two members' views summed
+    assert max(d["layers"] for d in docs) >= 12, [d["layers"] for d in docs]
+    _check_snapshot_topic(_snapshot_records(kafka_broker, topics))
+
+
+def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
+        kafka_broker, tmp_path):
+    """A member killed -9 after a snapshot, whose snapshot is then gone from the topic (here a
+    tombstone, as a deletion or truncation leaves it): restarted, it withholds that window with
+    a ledger entry naming the missing snapshot (its positions charged, nothing released), never
+    replays it under fresh noise, and releases the later windows; every position is in one
+    entry."""
+    from kafka import KafkaProducer
+
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
+                      "--set", "window.size=6", "--set", "checkpoint.snapshots_per_window=2")
+    try:
+        members.start("v1")
+        deadline = time.monotonic() + 90
+        while "counting partition" not in members.logs():
+            assert time.monotonic() < deadline, members.logs()
+            time.sleep(0.5)
+        producer = threading.Thread(target=produce,
+                                    args=(kafka_broker, topic, np.arange(12_000) % D, 1000))
+        producer.start()
+        while "layered snapshot" not in members.logs(last=100000):
+            assert time.monotonic() < deadline + 60, members.logs()
+            time.sleep(0.2)
+        members.kill("v1")
+        tomb = KafkaProducer(bootstrap_servers=kafka_broker)
+        for key in range(PARTS):
+            tomb.send(topics.snapshots, partition=key, key=str(key).encode(), value=None)
+        tomb.flush()
+        tomb.close()
+        members.start("v1")
+        producer.join()
+        deadline = time.monotonic() + 180
+        while True:   # every position in a ledger entry: released or withheld
+            entries = [e for e in read_ledger(kafka_broker, topics).entries
+                       if e["kind"] == "release"]
+            if sum(b - a for e in entries for a, b in e["ranges"].values()) >= 12_000:
+                break
+            assert members.procs["v1"].poll() is None, members.logs()
+            assert time.monotonic() < deadline, members.logs(last=100000)[-5000:]
+            time.sleep(2)
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "Traceback" not in logs, logs[-5000:]
+    withheld = [e for e in entries if e.get("withheld")]
+    assert len(withheld) == 1 and "is missing from" in withheld[0]["withheld"] and \
+        "never replayed" in withheld[0]["withheld"], [e.get("withheld") for e in entries]
+    w = withheld[0]["window"]
+    docs = releases(kafka_broker, topics)
+    assert w not in {d["window"] for d in docs} and any(d["window"] > w for d in docs)
+    # every position once: the entries' ranges tile each partition from offset 0
+    spans: dict[str, list] = {}
+    for e in entries:
+        for part, ab in e["ranges"].items():
+            spans.setdefault(part, []).append(tuple(ab))
+    for part, ss in spans.items():
+        ss.sort()
+        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
+    assert sum(d["n"] for d in docs) + sum(
+        b - a for a, b in withheld[0]["ranges"].values()) == 12_000
