@@ -1151,7 +1151,9 @@ def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, 
     docs = check_exact(kafka_broker, GroupTopics(group), len(items))
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
     assert "from its snapshot" in logs, members.logs()
-    assert max(d["layers"] for d in docs) == 6          # 1 + 2 snapshots x 2 + release
+    # 1 + 2 snapshots x 2 + release; a resumed window too (its restore layer stands where the
+    # snapshot's second layer, which the snapshot does not hold, stood)
+    assert max(d["layers"] for d in docs) == 6
     assert "is missing from" not in logs and not crash_traces(logs), members.logs()
 
 
@@ -1175,6 +1177,49 @@ def test_a_lost_snapshot_withholds_its_window_never_replays_it(kafka_broker):
     finally:
         reader.consumer.close()
     assert task.lost and "withheld" in task.lost and task.start == 100
+
+
+def test_a_restored_snapshot_gets_a_fresh_layer_before_counting_on(kafka_broker):
+    """One process's restore rule in both exchanges (snapshots.restore, view_resume): the state
+    resumed from a snapshot carries one more layer than the snapshot and other counters, so the
+    new owner's memory is never the snapshot plus exact increments (section 16). (Before, the
+    items exchange's restore kept the snapshot's counters as they were.)"""
+    from types import SimpleNamespace
+
+    import msgpack
+
+    from aggregator.service.group.counter import SliceTask
+    from aggregator.service.group.snapshots import restore, view_resume
+    from aggregator.state import PanPrivateHistogram
+
+    topic = make_topic(kafka_broker, partitions=1)
+    snap = PanPrivateHistogram(1.0, size=200)
+    snap.rerandomize()
+    p = KafkaProducer(bootstrap_servers=kafka_broker)
+    p.send(topic, partition=0, key=b"0", value=msgpack.packb(
+        {"window": 7, "seq": 1, "start": 100, "position": 120, "events": 0,
+         "state": snap.serialize()}, use_bin_type=True))
+    p.flush()
+    reader = SimpleNamespace(consumer=KafkaConsumer(bootstrap_servers=kafka_broker,
+                                                    isolation_level="read_committed",
+                                                    enable_auto_commit=False, group_id=None),
+                             topic=topic)
+    task = SliceTask(0, 7, 120, 10, lambda: PanPrivateHistogram(1.0, size=200))
+    try:
+        restore(task, {"w": 7, "s": 1, "st": 100}, reader, 0)
+        p.send(topic, partition=0, key=b"0", value=msgpack.packb(
+            {"window": 7, "seq": 1, "ranges": {"0": [100, 120]}, "state": snap.serialize()},
+            use_bin_type=True))
+        p.flush()
+        got = view_resume(reader, 0, (7, 1), {0: 120})
+    finally:
+        reader.consumer.close()
+        p.close()
+    assert not task.lost and not isinstance(got, str), (task.lost, got)
+    for state in (task.state, got[0]):
+        assert state.layers == snap.layers + 1
+        assert np.mean(state.counts == snap.counts) < 0.5
+    assert got[1] == {0: 100}
 
 
 def _one_process(bootstrap, topic, tmp_path, group, extra):

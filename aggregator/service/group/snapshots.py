@@ -86,6 +86,9 @@ def restore(task, meta: dict, reader, partition: int) -> None:
         log.error("partition %d: %s", partition, task.lost)
         return
     task.state = PanPrivateHistogram.deserialize(found["state"])
+    # one process's restore rule (window.py): a fresh layer before counting on, so the memory
+    # after the resume is never the snapshot plus the exact increments since
+    task.state.rerandomize()
     task.snapshots = int(found["seq"])
     task.events = int(found["events"])
     log.info("partition %d resumes window %d from its snapshot %d at offset %d", partition,
