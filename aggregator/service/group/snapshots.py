@@ -15,6 +15,12 @@ A snapshot that cannot be found or does not match the metadata (the topic was de
 truncated) is never worked around by a replay from the start: the window is counted on from the
 committed offset and, at its close, withheld (its positions charged, nothing published), with
 one ERROR line. The window's close tombstones its snapshot in the same transaction.
+
+The views exchange (``views.ViewCounter``) takes the same layered look of a member's one window
+state over its source partitions, at j / (k + 1) of the window by the member's clock
+(:func:`view_snapshot`, key: the window's lowest partition), with every covered partition's
+offset committed at once; a new owner of all of them resumes it (:func:`view_resume`). Both
+restores add a fresh layer before counting on, as one process's does (window.py).
 """
 
 from __future__ import annotations

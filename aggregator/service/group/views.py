@@ -24,6 +24,10 @@ public); the sum then has fewer layers, and the release says how many.
 
 A rebalance is a handover like a restart: a window whose partitions changed owner is dropped and
 replayed from the committed offsets under fresh noise, by whoever owns each partition next.
+With ``checkpoint.snapshots_per_window`` (time windows) the commits inside a window are at its
+layered snapshots (snapshots.py): a new owner of all the partitions a snapshot covers resumes
+the window from it; one that cannot (the snapshot is gone, or a rebalance split its partitions)
+withholds the window, never replays it under fresh noise.
 
 >>> import numpy as np
 >>> from aggregator.state import PanPrivateHistogram
@@ -186,8 +190,9 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
                "domain": {"mode": first["mode"], "size": size, "counters": size,
                           "partitions": first["partitions"]},
                "exchange": {"kind": "views", "views": members,
-                            "why_layers": "each member's view carries its state's layer and "
-                                          "its view's layer; the leader sums them"}},
+                            "why_layers": "each member's view carries its state's layer, "
+                                          "two per in-window snapshot and its view's layer; "
+                                          "the leader sums them"}},
         accuracy=accuracy)
     infos = [v["window_info"] for v in views]
     release["window_info"] = merged_window_info(
