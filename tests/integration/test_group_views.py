@@ -948,10 +948,51 @@ def test_snapshots_of_a_views_group_bound_the_replay_and_a_member_resumes_from_o
     assert len({d["window"] for d in docs}) == len(docs)
     assert sum(d["n"] for d in docs) == len(items)
     _check_ranges_tile(kafka_broker, topics, topic)
-    # a member's view: its state's layer, 2 per snapshot, its view's layer (+1 where a state
-    # was resumed from a snapshot: one process's restore rule); two members' views summed
+    # a member's view: its state's layer, 2 per snapshot, its view's layer (a resumed state's
+    # restore layer stands for the snapshot's second one); two members' views summed
     assert max(d["layers"] for d in docs) >= 12, [d["layers"] for d in docs]
     _check_snapshot_topic(_snapshot_records(kafka_broker, topics))
+
+
+def _until_every_position_is_ledgered(bootstrap, topics, members, total) -> list[dict]:
+    """The release entries once every position is in one (released or withheld)."""
+    deadline = time.monotonic() + 180
+    while True:
+        entries = [e for e in read_ledger(bootstrap, topics).entries if e["kind"] == "release"]
+        if sum(b - a for e in entries for a, b in e["ranges"].values()) >= total:
+            return entries
+        assert all(p.poll() is None for p in members.procs.values()), members.logs()
+        assert time.monotonic() < deadline, members.logs(last=100000)[-5000:]
+        time.sleep(2)
+
+
+def _check_withheld_once(entries, docs, total, said: str) -> None:
+    """One window withheld naming ``said``, its positions charged; the later ones released;
+    every position in one entry (the ranges tile each partition) and released n plus the
+    withheld ranges = ``total``: nothing replayed, nothing lost."""
+    withheld = [e for e in entries if e.get("withheld")]
+    assert len(withheld) == 1 and said in withheld[0]["withheld"] and \
+        "never replayed" in withheld[0]["withheld"], [e.get("withheld") for e in entries]
+    w = withheld[0]["window"]
+    assert withheld[0]["epsilon_spent"] > 0 and withheld[0]["ranges"]
+    assert w not in {d["window"] for d in docs} and any(d["window"] > w for d in docs)
+    spans: dict[str, list] = {}
+    for e in entries:
+        for part, ab in e["ranges"].items():
+            spans.setdefault(part, []).append(tuple(ab))
+    assert len(spans) == PARTS
+    for part, ss in spans.items():
+        ss.sort()
+        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
+    assert sum(d["n"] for d in docs) + sum(
+        b - a for a, b in withheld[0]["ranges"].values()) == total
+
+
+def _wait_for(members, text: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in members.logs(last=100000):
+        assert time.monotonic() < deadline, members.logs()
+        time.sleep(0.2)
 
 
 def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
@@ -971,16 +1012,11 @@ def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
                       "--set", "window.size=6", "--set", "checkpoint.snapshots_per_window=2")
     try:
         members.start("v1")
-        deadline = time.monotonic() + 90
-        while "counting partition" not in members.logs():
-            assert time.monotonic() < deadline, members.logs()
-            time.sleep(0.5)
+        _wait_for(members, "counting partition")
         producer = threading.Thread(target=produce,
                                     args=(kafka_broker, topic, np.arange(12_000) % D, 1000))
         producer.start()
-        while "layered snapshot" not in members.logs(last=100000):
-            assert time.monotonic() < deadline + 60, members.logs()
-            time.sleep(0.2)
+        _wait_for(members, "layered snapshot")
         members.kill("v1")
         tomb = KafkaProducer(bootstrap_servers=kafka_broker)
         for key in range(PARTS):
@@ -989,32 +1025,39 @@ def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
         tomb.close()
         members.start("v1")
         producer.join()
-        deadline = time.monotonic() + 180
-        while True:   # every position in a ledger entry: released or withheld
-            entries = [e for e in read_ledger(kafka_broker, topics).entries
-                       if e["kind"] == "release"]
-            if sum(b - a for e in entries for a, b in e["ranges"].values()) >= 12_000:
-                break
-            assert members.procs["v1"].poll() is None, members.logs()
-            assert time.monotonic() < deadline, members.logs(last=100000)[-5000:]
-            time.sleep(2)
+        entries = _until_every_position_is_ledgered(kafka_broker, topics, members, 12_000)
+    finally:
+        members.stop_all()
+    assert "Traceback" not in members.logs(last=100000)
+    _check_withheld_once(entries, releases(kafka_broker, topics), 12_000, "is missing from")
+
+
+def test_a_rebalance_that_splits_a_views_snapshot_withholds_its_window(kafka_broker, tmp_path):
+    """A second member joins after the first snapshotted its window over all 4 partitions: the
+    rebalance splits them, neither member can resume the snapshot alone, so that window is
+    withheld at both (its positions charged, named in one ledger entry), never replayed under
+    fresh noise; the next windows are released from both members' views."""
+    topic = make_topic(kafka_broker, PARTS)
+    group = f"g-{topic}"
+    topics = GroupTopics(group)
+    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
+                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
+                      "--set", "window.size=12", "--set", "checkpoint.snapshots_per_window=2")
+    total = 20_000
+    try:
+        members.start("v1")
+        _wait_for(members, "counting partition")
+        producer = threading.Thread(target=produce,
+                                    args=(kafka_broker, topic, np.arange(total) % D, 1000))
+        producer.start()
+        _wait_for(members, "layered snapshot 1 ")   # 4 s into a 12 s window: v2 joins within it
+        members.start("v2")
+        producer.join()
+        entries = _until_every_position_is_ledgered(kafka_broker, topics, members, total)
     finally:
         members.stop_all()
     logs = members.logs(last=100000)
-    assert "Traceback" not in logs, logs[-5000:]
-    withheld = [e for e in entries if e.get("withheld")]
-    assert len(withheld) == 1 and "is missing from" in withheld[0]["withheld"] and \
-        "never replayed" in withheld[0]["withheld"], [e.get("withheld") for e in entries]
-    w = withheld[0]["window"]
+    assert "Traceback" not in logs
     docs = releases(kafka_broker, topics)
-    assert w not in {d["window"] for d in docs} and any(d["window"] > w for d in docs)
-    # every position once: the entries' ranges tile each partition from offset 0
-    spans: dict[str, list] = {}
-    for e in entries:
-        for part, ab in e["ranges"].items():
-            spans.setdefault(part, []).append(tuple(ab))
-    for part, ss in spans.items():
-        ss.sort()
-        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
-    assert sum(d["n"] for d in docs) + sum(
-        b - a for a, b in withheld[0]["ranges"].values()) == 12_000
+    _check_withheld_once(entries, docs, total, "a rebalance split the snapshot's partitions")
+    assert any(d["exchange"]["views"] == 2 for d in docs if "exchange" in d), docs[-1]
