@@ -1157,20 +1157,26 @@ def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, 
     assert "is missing from" not in logs and not crash_traces(logs), members.logs()
 
 
+def _snapshot_reader(bootstrap, topic):
+    """What a counter reads its snapshots with: a consumer with no group, and the topic."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(consumer=KafkaConsumer(bootstrap_servers=bootstrap,
+                                                  isolation_level="read_committed",
+                                                  enable_auto_commit=False, group_id=None),
+                           topic=topic)
+
+
 def test_a_lost_snapshot_withholds_its_window_never_replays_it(kafka_broker):
     """The metadata names a snapshot the topic does not hold: the window is marked lost (it
     will be withheld at its close), not restarted from its start under fresh noise."""
-    from types import SimpleNamespace
 
     from aggregator.service.group.counter import SliceTask
     from aggregator.service.group.snapshots import restore
     from aggregator.state import PanPrivateHistogram
 
     empty = make_topic(kafka_broker, partitions=1)
-    reader = SimpleNamespace(consumer=KafkaConsumer(bootstrap_servers=kafka_broker,
-                                                    isolation_level="read_committed",
-                                                    enable_auto_commit=False, group_id=None),
-                             topic=empty)
+    reader = _snapshot_reader(kafka_broker, empty)
     task = SliceTask(0, 7, 120, 10, lambda: PanPrivateHistogram(1.0, size=10))
     try:
         restore(task, {"w": 7, "s": 1, "st": 100}, reader, 0)
@@ -1184,7 +1190,6 @@ def test_a_restored_snapshot_gets_a_fresh_layer_before_counting_on(kafka_broker)
     resumed from a snapshot carries one more layer than the snapshot and other counters, so the
     new owner's memory is never the snapshot plus exact increments (section 16). (Before, the
     items exchange's restore kept the snapshot's counters as they were.)"""
-    from types import SimpleNamespace
 
     import msgpack
 
@@ -1200,10 +1205,7 @@ def test_a_restored_snapshot_gets_a_fresh_layer_before_counting_on(kafka_broker)
         {"window": 7, "seq": 1, "start": 100, "position": 120, "events": 0,
          "state": snap.serialize()}, use_bin_type=True))
     p.flush()
-    reader = SimpleNamespace(consumer=KafkaConsumer(bootstrap_servers=kafka_broker,
-                                                    isolation_level="read_committed",
-                                                    enable_auto_commit=False, group_id=None),
-                             topic=topic)
+    reader = _snapshot_reader(kafka_broker, topic)
     task = SliceTask(0, 7, 120, 10, lambda: PanPrivateHistogram(1.0, size=200))
     try:
         restore(task, {"w": 7, "s": 1, "st": 100}, reader, 0)

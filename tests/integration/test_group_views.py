@@ -884,6 +884,17 @@ def test_a_forced_release_of_an_event_time_views_group_releases_every_record_rea
     assert max(d["window"] for d in docs) == newest
 
 
+def _snapshotting_group(bootstrap, tmp_path, window_s: int):
+    """A new source topic of PARTS partitions and a views group over it, time windows of
+    ``window_s``, two in-window snapshots each: (topic, its GroupTopics, Members)."""
+    topic = make_topic(bootstrap, PARTS)
+    group = f"g-{topic}"
+    return topic, GroupTopics(group), Members(
+        bootstrap, topic, group, tmp_path, "--set", "scale.exchange=views", "--set",
+        f"state.domain_size={D}", "--set", "window.kind=time", "--set",
+        f"window.size={window_s}", "--set", "checkpoint.snapshots_per_window=2")
+
+
 def _snapshot_records(bootstrap, topics) -> list[tuple[int, bytes | None]]:
     """(key, value) of every committed record of the group's snapshots topic, in order."""
     return [(int(key), value) for recs in read_all(bootstrap, topics.snapshots).values()
@@ -914,12 +925,7 @@ def test_snapshots_of_a_views_group_bound_the_replay_and_a_member_resumes_from_o
     killed -9 three times and restarted resumes its windows from their snapshots (never from
     their start), every event is released once, the releases count the snapshots' layers, and
     the snapshots topic holds only layered states. (Before, the start was refused.)"""
-    topic = make_topic(kafka_broker, PARTS)
-    group = f"g-{topic}"
-    topics = GroupTopics(group)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
-                      "--set", "window.size=6", "--set", "checkpoint.snapshots_per_window=2")
+    topic, topics, members = _snapshotting_group(kafka_broker, tmp_path, 6)
     items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
     try:
         for name in ("v1", "v2"):
@@ -1004,12 +1010,7 @@ def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
     entry."""
     from kafka import KafkaProducer
 
-    topic = make_topic(kafka_broker, PARTS)
-    group = f"g-{topic}"
-    topics = GroupTopics(group)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
-                      "--set", "window.size=6", "--set", "checkpoint.snapshots_per_window=2")
+    topic, topics, members = _snapshotting_group(kafka_broker, tmp_path, 6)
     try:
         members.start("v1")
         _wait_for(members, "counting partition")
@@ -1037,12 +1038,7 @@ def test_a_rebalance_that_splits_a_views_snapshot_withholds_its_window(kafka_bro
     rebalance splits them, neither member can resume the snapshot alone, so that window is
     withheld at both (its positions charged, named in one ledger entry), never replayed under
     fresh noise; the next windows are released from both members' views."""
-    topic = make_topic(kafka_broker, PARTS)
-    group = f"g-{topic}"
-    topics = GroupTopics(group)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
-                      "--set", "window.size=12", "--set", "checkpoint.snapshots_per_window=2")
+    topic, topics, members = _snapshotting_group(kafka_broker, tmp_path, 12)
     total = 20_000
     try:
         members.start("v1")

@@ -584,9 +584,6 @@ class ViewCounter:
         snapshot (key: the window's lowest partition), its dead letters and its partitions'
         offsets at its positions with ``s`` = j in the metadata. False: not written, the
         window is dropped and resumed from its last commit."""
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
-
         k, w = self.snapshots_per_window, task.window
         # the latest point passed (several after a restart or a slow turn: only that one is
         # taken, each snapshot costs two layers)
@@ -616,26 +613,11 @@ class ViewCounter:
                                "f": task.ranges[p][0],
                                "lh": f"{head['seq']}:{head['hash'][:16]}"},
                               separators=(",", ":"))
-        txn = self.txn
-        try:
-            txn.begin()
-            txn.send(self.topics.snapshots, partition=key, key=str(key).encode(), value=message)
-            for dkey, value, headers in task.dead:
-                txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
-            txn.send_offsets({TopicPartition(self.source_topic, p):
-                              OffsetAndMetadata(r[1], meta(p), -1)
-                              for p, r in task.ranges.items()}, self.membership.generation)
-            txn.commit()
-        except Exception as exc:
-            log.warning("snapshot %d of window %d not written (%s); the window is resumed from "
-                        "its last commit", task.snapshots, w, type(exc).__name__)
-            self.txn.failed(exc)
-            self._drop_window(w)
-            self._needs_sync = True
+        if not self._transact(task, [(self.topics.snapshots, key, str(key).encode(), message)],
+                              {p: (r[1], meta(p)) for p, r in task.ranges.items()},
+                              f"snapshot {task.snapshots} of window {w}",
+                              "resumed from its last commit"):
             return False
-        if task.dead:
-            self.route.metrics.dead_letters.inc(len(task.dead))
-            task.dead = []
         task.snap_keys.add(key)
         for p, r in task.ranges.items():
             task.committed[p] = r[1]
@@ -644,14 +626,41 @@ class ViewCounter:
                  ", ".join(str(task.ranges[p][1]) for p in covers))
         return True
 
+    def _transact(self, task: MemberWindow, records: list, commits: dict[int, tuple[int, str]],
+                  what: str, then: str) -> bool:
+        """One transaction: ``records`` (topic, partition, key, value), the window's dead
+        letters so far and its partitions' ``commits`` (partition -> (offset, metadata)) with
+        the group's metadata. False: not written; the window is dropped (``then`` says how it
+        comes back) and the member syncs again."""
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        txn = self.txn
+        try:
+            txn.begin()
+            for topic, partition, key, value in records:
+                txn.send(topic, partition=partition, key=key, value=value)
+            for dkey, value, headers in task.dead:
+                txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
+            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
+                              for p, (o, m) in commits.items()}, self.membership.generation)
+            txn.commit()
+        except Exception as exc:
+            log.warning("%s not written (%s); the window is %s", what, type(exc).__name__, then)
+            self.txn.failed(exc)
+            self._drop_window(task.window)
+            self._needs_sync = True
+            return False
+        if task.dead:
+            self.route.metrics.dead_letters.inc(len(task.dead))
+            task.dead = []
+        return True
+
     # -- closing -----------------------------------------------------------------------------
     def _close(self, task: MemberWindow, goal_after: int | None = None) -> bool:
         """Write the window's view, its partitions' next offsets (and its dead letters) in one
         transaction; then the partitions count into the next window. False: not written, the
         window is dropped and replayed."""
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
-
         w = task.window
         if not self._still_owned(task):
             # not closed now: the next sync keeps the window when its partitions are still this
@@ -712,33 +721,18 @@ class ViewCounter:
             return json.dumps(at, separators=(",", ":"))
         commits = self._event_commits(list(task.ranges), w, lh) if self.event else {
             p: (r[1], meta(p)) for p, r in task.ranges.items()}
-        txn = self.txn
-        try:
-            txn.begin()
-            # the chunks first: the leader reads them before the header that names them
-            for k, chunk in enumerate(chunks):
-                txn.send(self.topics.summaries, partition=0, key=f"{key}/c{k}".encode(),
-                         value=chunk)
-            txn.send(self.topics.summaries, partition=0, key=key.encode(),
-                     value=json.dumps(head, allow_nan=False).encode())
-            for dkey, value, headers in task.dead:
-                txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
-            for snap in sorted(task.snap_keys):
-                # the window's snapshots are done with: no noisy state left at rest for it
-                txn.send(self.topics.snapshots, partition=snap, key=str(snap).encode(),
-                         value=None)
-            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
-                              for p, (o, m) in commits.items()}, self.membership.generation)
-            txn.commit()
-        except Exception as exc:
-            log.warning("view of window %d not written (%s); the window is replayed from its "
-                        "start", w, type(exc).__name__)
-            self.txn.failed(exc)
-            self._drop_window(w)
-            self._needs_sync = True
+        # the chunks first: the leader reads them before the header that names them; the
+        # window's snapshots are done with (tombstones): no noisy state left at rest for it
+        records = [(self.topics.summaries, 0, f"{key}/c{k}".encode(), chunk)
+                   for k, chunk in enumerate(chunks)]
+        records.append((self.topics.summaries, 0, key.encode(),
+                        json.dumps(head, allow_nan=False).encode()))
+        records += [(self.topics.snapshots, snap, str(snap).encode(), None)
+                    for snap in sorted(task.snap_keys)]
+        if not self._transact(task, records, commits, f"view of window {w}",
+                              "replayed from its start" if not task.snap_keys
+                              else "resumed from its last commit"):
             return False
-        if task.dead:
-            self.route.metrics.dead_letters.inc(len(task.dead))
         self.summaries_written += 1
         self.metrics.summaries.inc()
         del self.tasks[w]
