@@ -1186,11 +1186,7 @@ def test_a_lost_snapshot_of_an_items_group_is_withheld_with_its_positions_charge
             assert time.monotonic() < deadline, members.logs()
             time.sleep(0.3)
         members.kill("m1")
-        tomb = KafkaProducer(bootstrap_servers=kafka_broker)
-        for p in range(PARTS):
-            tomb.send(topics.snapshots, partition=p, key=str(p).encode(), value=None)
-        tomb.flush()
-        tomb.close()
+        tombstone_snapshots(kafka_broker, topics, PARTS)
         members.start("m1")
         producer.join()
         deadline = time.monotonic() + 120
@@ -1210,6 +1206,16 @@ def test_a_lost_snapshot_of_an_items_group_is_withheld_with_its_positions_charge
         assert "is missing from" in e["withheld"], e["withheld"]
         assert len(e["ranges"]) == PARTS and e["epsilon_spent"] > 0, e
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
+
+
+def tombstone_snapshots(bootstrap, topics, partitions: int) -> None:
+    """Every snapshot key of the group's snapshots topic tombstoned (the snapshots gone, as a
+    deletion or truncation leaves them)."""
+    tomb = KafkaProducer(bootstrap_servers=bootstrap)
+    for p in range(partitions):
+        tomb.send(topics.snapshots, partition=p, key=str(p).encode(), value=None)
+    tomb.flush()
+    tomb.close()
 
 
 def _snapshot_reader(bootstrap, topic):

@@ -23,7 +23,7 @@ from aggregator.noise import p_from_epsilon
 from aggregator.service.group.topics import GroupTopics
 
 from .test_group_kafka import Members, _group_status, last_saying, make_topic, produce, \
-    read_all, read_ledger, releases, wait_for_total
+    read_all, read_ledger, releases, tombstone_snapshots, wait_for_total
 
 D = 1000
 PARTS = 4
@@ -1008,8 +1008,6 @@ def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
     a ledger entry naming the missing snapshot (its positions charged, nothing released), never
     replays it under fresh noise, and releases the later windows; every position is in one
     entry."""
-    from kafka import KafkaProducer
-
     topic, topics, members = _snapshotting_group(kafka_broker, tmp_path, 6)
     try:
         members.start("v1")
@@ -1019,11 +1017,7 @@ def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
         producer.start()
         _wait_for(members, "layered snapshot")
         members.kill("v1")
-        tomb = KafkaProducer(bootstrap_servers=kafka_broker)
-        for key in range(PARTS):
-            tomb.send(topics.snapshots, partition=key, key=str(key).encode(), value=None)
-        tomb.flush()
-        tomb.close()
+        tombstone_snapshots(kafka_broker, topics, PARTS)
         members.start("v1")
         producer.join()
         entries = _until_every_position_is_ledgered(kafka_broker, topics, members, 12_000)
