@@ -63,6 +63,9 @@ def test_internal_topic_names_follow_the_group():
     assert wanted[t.repartition] == (6, {"cleanup.policy": "delete", "retention.ms": "3600000",
                                          "segment.ms": "900000"})
     assert t.repartition not in t.wanted(6, 3600_000, views=True)
+    # a views group has a snapshots topic only when it takes in-window snapshots
+    assert t.snapshots not in t.wanted(6, 3600_000, views=True)
+    assert t.wanted(6, 3600_000, views=True, snapshots=True)[t.snapshots][0] == 6
 
 
 def _cfg(*extra):
@@ -755,8 +758,9 @@ def test_a_member_between_generations_neither_syncs_nor_commits():
 
 def test_a_views_group_takes_count_windows_and_refuses_what_it_cannot_do_in_one_line():
     """The default exchange counts time, event-time (event_views.py) and count windows
-    (count_views.py) and sum rollups (view_rollups.py); the hybrid and tree rollup designs and
-    in-window snapshots are refused naming scale.exchange = items (and the sum design)."""
+    (count_views.py), sum rollups (view_rollups.py) and in-window snapshots of time windows;
+    the hybrid and tree rollup designs are refused naming scale.exchange = items (and the sum
+    design)."""
     base = ["scale.partitioned=true", "scale.store=kafka", "window.size=60"]
     cfg = load_config(None, overrides=[*base, "window.kind=count"])
     assert cfg.scale.exchange == "views" and cfg.window.kind == "count"
@@ -766,14 +770,23 @@ def test_a_views_group_takes_count_windows_and_refuses_what_it_cannot_do_in_one_
     cfg = load_config(None, overrides=[*base, "window.kind=time", 'window.rollups=["1h"]',
                                        "window.rollup_design=sum"])
     assert list(cfg.window.rollups) == ["1h"]
-    for extra in (['window.rollups=["1h"]'],
-                  ["window.kind=time", "checkpoint.snapshots_per_window=2"]):
+    # in-window snapshots of time windows (views.py, snapshots.py); count and event-time
+    # windows refuse them in one line, as the items exchange and one process do
+    cfg = load_config(None, overrides=[*base, "window.kind=time",
+                                       "checkpoint.snapshots_per_window=2"])
+    assert cfg.scale.exchange == "views" and cfg.checkpoint.snapshots_per_window == 2
+    for extra, said in ((["window.kind=count"], "set checkpoint.snapshots_per_window = 0"),
+                        (["window.kind=event_time", "source.kind=kafka", "source.topic=t"],
+                         "does not support checkpoint.snapshots_per_window")):
         with pytest.raises(ConfigError) as err:
-            load_config(None, overrides=[*base, *extra])
-        msg = str(err.value)
-        assert 'scale.exchange = "items"' in msg and "\n" not in msg, msg
-        if "rollups" in extra[0]:    # the default hybrid design: the sum design is named too
-            assert 'window.rollup_design = "sum"' in msg, msg
+            load_config(None, overrides=[*base, *extra, "checkpoint.snapshots_per_window=2"])
+        assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides=[*base, 'window.rollups=["1h"]'])
+    msg = str(err.value)
+    assert 'scale.exchange = "items"' in msg and "\n" not in msg, msg
+    # the default hybrid design: the sum design is named too
+    assert 'window.rollup_design = "sum"' in msg, msg
 
 
 def test_a_slices_source_positions_do_not_depend_on_where_the_items_fell():

@@ -656,7 +656,8 @@ class CheckpointSettings(Section):
             " not be compacted: checked at start). k > 0: k layered snapshots per window at "
             "public points (progress j/(k+1)) bound the replay to 1/(k+1) of a window, at 2 noise"
             " layers each in the release (docs/views.md). In a scale-out group each partition's "
-            "snapshots go to a Kafka topic with its committed offset (docs/scale-out.md). "
+            "(views: each member's window's) snapshots go to a Kafka topic with its committed "
+            "offsets; time windows only there (docs/scale-out.md). "
             "Replaces `checkpoint.every_events` / `every_seconds`, which are refused with this "
             "explanation")
 
@@ -895,10 +896,11 @@ class ScaleSettings(Section):
         doc="what a group's members share: `views` (each member counts the source partitions "
             "it is assigned into its own pan-private state, and at a window's end writes only "
             "that state's eps-DP view with one more DLap layer: every internal topic is eps-DP; "
-            "time, event-time and count windows, sum rollups, audit exports) or `items` (the "
+            "time, event-time and count windows, sum rollups, audit exports, in-window "
+            "snapshots of time windows) or `items` (the "
             "domain split: intake writes every event's counter index in plaintext to the "
             "repartition topic, readable by anyone who can read the topic; needed for the "
-            "hybrid and tree rollup designs and in-window snapshots). "
+            "hybrid and tree rollup designs). "
             "Fixed for the life of the group (docs/scale-out.md)")
     partitions: int = setting(
         0, bounds=(NON_NEGATIVE,), agree="partitions",

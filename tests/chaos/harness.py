@@ -132,6 +132,10 @@ for _k in (1, 2, 3):
     MODES[f"group{_k}"] = Mode(_GROUP, window_events=12 * RATE, members=_k)
     MODES[f"group_items{_k}"] = Mode(_GROUP + ("scale.exchange=items",),
                                      window_events=12 * RATE, members=_k)
+    # in-window snapshots of the views exchange: a member killed -9 resumes its window from
+    # its last snapshot (a rebalance that splits one withholds that window, named)
+    MODES[f"group_snapshots{_k}"] = Mode(_GROUP + ("checkpoint.snapshots_per_window=2",),
+                                         window_events=12 * RATE, members=_k)
     # sum rollups of the views exchange, added up by the leader
     MODES[f"group_rollups{_k}"] = Mode(_GROUP + ('window.rollups=["3x"]',
                                                  "window.rollup_design=sum"),

@@ -23,7 +23,8 @@ from aggregator.noise import p_from_epsilon
 from aggregator.service.group.topics import GroupTopics
 
 from .test_group_kafka import Members, _group_status, last_saying, make_topic, produce, \
-    read_all, read_ledger, releases, second_group_on_released, wait_for_total
+    read_all, read_ledger, releases, second_group_on_released, tombstone_snapshots, \
+    wait_for_total
 
 D = 1000
 PARTS = 4
@@ -31,7 +32,7 @@ PARTS = 4
 #: what a view's header may carry: no counter, no item, no per-slice count
 HEADER_KEYS = {"format", "version", "window", "partition", "covers", "partitions", "mode",
                "size", "epsilon", "neighbor", "p", "model", "window_info", "uid", "layers",
-               "n", "chunks", "dtype", "ranges", "member", "refused"}
+               "n", "chunks", "dtype", "ranges", "member", "refused", "charge"}
 
 
 def _wait_counting(members, tmp_path, timeout_s=90):
@@ -851,3 +852,172 @@ def test_a_forced_release_of_an_event_time_views_group_releases_every_record_rea
     assert sum(d["n"] for d in docs) == total
     newest = max(max(ts) for ts in per.values()) // (ET_SIZE * 1000)
     assert max(d["window"] for d in docs) == newest
+
+
+def _snapshotting_group(bootstrap, tmp_path, window_s: int):
+    """A new source topic of PARTS partitions and a views group over it, time windows of
+    ``window_s``, two in-window snapshots each: (topic, its GroupTopics, Members)."""
+    topic = make_topic(bootstrap, PARTS)
+    group = f"g-{topic}"
+    return topic, GroupTopics(group), Members(
+        bootstrap, topic, group, tmp_path, "--set", "scale.exchange=views", "--set",
+        f"state.domain_size={D}", "--set", "window.kind=time", "--set",
+        f"window.size={window_s}", "--set", "checkpoint.snapshots_per_window=2")
+
+
+def _snapshot_records(bootstrap, topics) -> list[tuple[int, bytes | None]]:
+    """(key, value) of every committed record of the group's snapshots topic, in order."""
+    return [(int(key), value) for recs in read_all(bootstrap, topics.snapshots).values()
+            for _, key, value in recs]
+
+
+def _check_snapshot_topic(records) -> None:
+    """What an intruder reads in the snapshots topic: layered states and source ranges only (no
+    per-event record, no field beside them), each state with its own layer and the snapshot's
+    (at least 2), and every key tombstoned last (the windows closed: no state left at rest)."""
+    import msgpack
+
+    from aggregator.state import PanPrivateHistogram
+
+    states = [msgpack.unpackb(v, raw=False) for _, v in records if v is not None]
+    assert states, "no snapshot was written"
+    for doc in states:
+        assert set(doc) == {"window", "seq", "ranges", "state"}, set(doc)
+        assert PanPrivateHistogram.deserialize(doc["state"]).layers >= 2
+    last = {key: value for key, value in records}
+    assert all(v is None for v in last.values()), "a closed window's snapshot left at rest"
+
+
+def test_snapshots_of_a_views_group_bound_the_replay_and_a_member_resumes_from_one(
+        kafka_broker, tmp_path):
+    """checkpoint.snapshots_per_window = 2 on the views exchange (6 s windows): each member
+    snapshots its window's state at 1/3 and 2/3 of it with its partitions' offsets; a member
+    killed -9 three times and restarted resumes its windows from their snapshots (never from
+    their start), every event is released once, the releases count the snapshots' layers, and
+    the snapshots topic holds only layered states. (Before, the start was refused.)"""
+    topic, topics, members = _snapshotting_group(kafka_broker, tmp_path, 6)
+    items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
+    try:
+        for name in ("v1", "v2"):
+            members.start(name)
+        _wait_counting(members, tmp_path)
+        producer = threading.Thread(target=produce, args=(kafka_broker, topic, items, 1500))
+        producer.start()
+        for _ in range(3):
+            # killed just after a snapshot of its current run (so within that window)
+            time.sleep(2)
+            deadline = time.monotonic() + 30
+            while "layered snapshot" not in (tmp_path / f"v2-{members.runs}.log").read_text():
+                assert time.monotonic() < deadline, members.logs()
+                time.sleep(0.1)
+            members.kill("v2")
+            members.start("v2")
+        producer.join()
+        wait_for_total(kafka_broker, topics, len(items), 180, members)
+        time.sleep(2)   # the last closes' tombstones are in the transactions of their views
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "resume window" in logs and "from its snapshot" in logs, logs[-5000:]
+    assert "cannot resume" not in logs and "Traceback" not in logs, logs[-5000:]
+    docs = releases(kafka_broker, topics)
+    assert len({d["window"] for d in docs}) == len(docs)
+    assert sum(d["n"] for d in docs) == len(items)
+    _check_ranges_tile(kafka_broker, topics, topic)
+    # a member's view: its state's layer, 2 per snapshot, its view's layer (a resumed state's
+    # restore layer stands for the snapshot's second one); two members' views summed
+    assert max(d["layers"] for d in docs) >= 12, [d["layers"] for d in docs]
+    _check_snapshot_topic(_snapshot_records(kafka_broker, topics))
+
+
+def _until_every_position_is_ledgered(bootstrap, topics, members, total) -> list[dict]:
+    """The release entries once every position is in one (released or withheld)."""
+    deadline = time.monotonic() + 180
+    while True:
+        entries = [e for e in read_ledger(bootstrap, topics).entries if e["kind"] == "release"]
+        if sum(b - a for e in entries for a, b in e["ranges"].values()) >= total:
+            return entries
+        assert all(p.poll() is None for p in members.procs.values()), members.logs()
+        assert time.monotonic() < deadline, members.logs(last=100000)[-5000:]
+        time.sleep(2)
+
+
+def _check_withheld_once(entries, docs, total, said: str) -> None:
+    """One window withheld naming ``said``, its positions charged; the later ones released;
+    every position in one entry (the ranges tile each partition) and released n plus the
+    withheld ranges = ``total``: nothing replayed, nothing lost."""
+    withheld = [e for e in entries if e.get("withheld")]
+    assert len(withheld) == 1 and said in withheld[0]["withheld"] and \
+        "never replayed" in withheld[0]["withheld"], [e.get("withheld") for e in entries]
+    w = withheld[0]["window"]
+    assert withheld[0]["epsilon_spent"] > 0 and withheld[0]["ranges"]
+    assert w not in {d["window"] for d in docs} and any(d["window"] > w for d in docs)
+    spans: dict[str, list] = {}
+    for e in entries:
+        for part, ab in e["ranges"].items():
+            spans.setdefault(part, []).append(tuple(ab))
+    assert len(spans) == PARTS
+    for part, ss in spans.items():
+        ss.sort()
+        assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
+    assert sum(d["n"] for d in docs) + sum(
+        b - a for a, b in withheld[0]["ranges"].values()) == total
+
+
+def _wait_for(members, text: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in members.logs(last=100000):
+        assert time.monotonic() < deadline, members.logs()
+        time.sleep(0.2)
+
+
+def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
+        kafka_broker, tmp_path):
+    """A member killed -9 after a snapshot, whose snapshot is then gone from the topic (here a
+    tombstone, as a deletion or truncation leaves it): restarted, it withholds that window with
+    a ledger entry naming the missing snapshot (its positions charged, nothing released), never
+    replays it under fresh noise, and releases the later windows; every position is in one
+    entry."""
+    topic, topics, members = _snapshotting_group(kafka_broker, tmp_path, 6)
+    try:
+        members.start("v1")
+        _wait_for(members, "counting partition")
+        producer = threading.Thread(target=produce,
+                                    args=(kafka_broker, topic, np.arange(12_000) % D, 1000))
+        producer.start()
+        _wait_for(members, "layered snapshot")
+        members.kill("v1")
+        tombstone_snapshots(kafka_broker, topics, PARTS)
+        members.start("v1")
+        producer.join()
+        entries = _until_every_position_is_ledgered(kafka_broker, topics, members, 12_000)
+    finally:
+        members.stop_all()
+    assert "Traceback" not in members.logs(last=100000)
+    _check_withheld_once(entries, releases(kafka_broker, topics), 12_000, "is missing from")
+
+
+def test_a_rebalance_that_splits_a_views_snapshot_withholds_its_window(kafka_broker, tmp_path):
+    """A second member joins after the first snapshotted its window over all 4 partitions: the
+    rebalance splits them, neither member can resume the snapshot alone, so that window is
+    withheld at both (its positions charged, named in one ledger entry), never replayed under
+    fresh noise; the next windows are released from both members' views."""
+    topic, topics, members = _snapshotting_group(kafka_broker, tmp_path, 12)
+    total = 20_000
+    try:
+        members.start("v1")
+        _wait_for(members, "counting partition")
+        producer = threading.Thread(target=produce,
+                                    args=(kafka_broker, topic, np.arange(total) % D, 1000))
+        producer.start()
+        _wait_for(members, "layered snapshot 1 ")   # 4 s into a 12 s window: v2 joins within it
+        members.start("v2")
+        producer.join()
+        entries = _until_every_position_is_ledgered(kafka_broker, topics, members, total)
+    finally:
+        members.stop_all()
+    logs = members.logs(last=100000)
+    assert "Traceback" not in logs
+    docs = releases(kafka_broker, topics)
+    _check_withheld_once(entries, docs, total, "a rebalance split the snapshot's partitions")
+    assert any(d["exchange"]["views"] == 2 for d in docs if "exchange" in d), docs[-1]

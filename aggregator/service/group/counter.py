@@ -522,6 +522,10 @@ class Counter:
             summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
                        "partitions": self.P, "refused": refused, "ranges": ranges,
                        "member": self.member}
+            if refused == task.lost and task.deleted is None:
+                # a lost snapshot was a view of the window's events: its positions are charged
+                # (the leader's _withhold), never released, never counted again
+                summary["charge"] = True
         else:
             summary = partition_summary(task.state, model=self.identity["model"], window=w,
                                         partition=p, partitions=self.P, window_info=info,

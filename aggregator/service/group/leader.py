@@ -579,7 +579,9 @@ class Leader:
         return entry["sources"] if "sources" in entry else entry["ranges"]
 
     def _withhold(self, w: int, have: dict, reason: str) -> None:
-        seen = {p: s for p, s in have.items() if not s.get("refused")}
+        # (a view refused with ``charge``, a window whose snapshot cannot be resumed: its
+        # snapshots were views of its events, so its positions are charged: views.py)
+        seen = {p: s for p, s in have.items() if not s.get("refused") or s.get("charge")}
         fields = self._entry_fields(w, seen)
         log.warning("window %d is withheld: %s; nothing of it is published", w, reason)
         self._transact(w, have, entry=dict(kind="release", window=w,

@@ -235,7 +235,11 @@ class Pipeline:
                 self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
                 self.topics, self.identity, self.ledger, self.metrics, member=instance,
                 source_topic=cfg.source.topic, route=self.route(int(self.identity["partitions"])),
-                closes=self.clients.consumer(None))
+                closes=self.clients.consumer(None),
+                snapshots_per_window=cfg.checkpoint.snapshots_per_window,
+                snapshot_reader=SimpleNamespace(consumer=self.clients.consumer(None),
+                                                topic=self.topics.snapshots)
+                if cfg.checkpoint.snapshots_per_window else None)
             return
         spans = self.rollup_spans()
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),

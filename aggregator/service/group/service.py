@@ -233,8 +233,9 @@ class GroupService:
                 retention = cfg.scale.repartition_retention_s or (
                     7 * 86400.0 if pipe.cfg.window.kind == "count"
                     else max(3 * float(pipe.cfg.window.size), 3600.0))
-                for line in pipe.topics.ensure(admin, P, int(retention * 1000),
-                                               views=self.views):
+                for line in pipe.topics.ensure(
+                        admin, P, int(retention * 1000), views=self.views,
+                        snapshots=bool(pipe.cfg.checkpoint.snapshots_per_window)):
                     log.info(line)
         except GroupTopicError as exc:
             raise ServiceError(str(exc)) from None

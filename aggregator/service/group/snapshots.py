@@ -15,6 +15,12 @@ A snapshot that cannot be found or does not match the metadata (the topic was de
 truncated) is never worked around by a replay from the start: the window is counted on from the
 committed offset and, at its close, withheld (its positions charged, nothing published), with
 one ERROR line. The window's close tombstones its snapshot in the same transaction.
+
+The views exchange (``views.ViewCounter``) takes the same layered look of a member's one window
+state over its source partitions, at j / (k + 1) of the window by the member's clock
+(:func:`view_snapshot`, key: the window's lowest partition), with every covered partition's
+offset committed at once; a new owner of all of them resumes it (:func:`view_resume`). Both
+restores add a fresh layer before counting on, as one process's does (window.py).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import msgpack
 from ...state import PanPrivateHistogram
 from .topics import read_partition
 
-__all__ = ["layered_look", "take_snapshot", "restore"]
+__all__ = ["layered_look", "take_snapshot", "restore", "read_snapshot", "view_snapshot",
+           "view_resume"]
 
 log = logging.getLogger("panagg.group")
 
@@ -49,27 +56,34 @@ def take_snapshot(task) -> bytes:
                          use_bin_type=True)
 
 
+def read_snapshot(reader, partition: int) -> dict | None:
+    """The latest snapshot in partition ``partition`` of the snapshots topic under key
+    ``partition``, decoded (None: none there, deleted, truncated or tombstoned)."""
+    if reader is None:
+        return None
+    from kafka import TopicPartition
+
+    tp = TopicPartition(reader.topic, partition)
+    reader.consumer.assign([tp])
+    reader.consumer.seek_to_beginning(tp)
+    latest = {}
+
+    def take(rec):
+        if rec.key == str(partition).encode():
+            latest["value"] = rec.value
+
+    read_partition(reader.consumer, tp, take)
+    if latest.get("value") is None:
+        return None
+    return msgpack.unpackb(latest["value"], raw=False)
+
+
 def restore(task, meta: dict, reader, partition: int) -> None:
     """Resume ``task`` (placed at the committed offset) from the snapshot the metadata names;
     mark it lost when there is none to match."""
     want = (int(meta["w"]), int(meta["s"]))
     task.start = int(meta.get("st", task.start))
-    found = None
-    if reader is not None:
-        from kafka import TopicPartition
-
-        tp = TopicPartition(reader.topic, partition)
-        reader.consumer.assign([tp])
-        reader.consumer.seek_to_beginning(tp)
-        latest = {}
-
-        def take(rec):
-            if rec.key == str(partition).encode():
-                latest["value"] = rec.value
-
-        read_partition(reader.consumer, tp, take)
-        if latest.get("value") is not None:
-            found = msgpack.unpackb(latest["value"], raw=False)
+    found = read_snapshot(reader, partition)
     if (found is None or (int(found["window"]), int(found["seq"])) != want
             or int(found["position"]) != task.position):
         task.lost = (f"its layered snapshot {want[1]} of window {want[0]} is missing from "
@@ -78,7 +92,38 @@ def restore(task, meta: dict, reader, partition: int) -> None:
         log.error("partition %d: %s", partition, task.lost)
         return
     task.state = PanPrivateHistogram.deserialize(found["state"])
+    # one process's restore rule (window.py): a fresh layer before counting on, so the memory
+    # after the resume is never the snapshot plus the exact increments since
+    task.state.rerandomize()
     task.snapshots = int(found["seq"])
     task.events = int(found["events"])
     log.info("partition %d resumes window %d from its snapshot %d at offset %d", partition,
              want[0], want[1], task.position)
+
+
+# -- the views exchange: one snapshot of a member's window over its source partitions ----------
+def view_snapshot(task) -> bytes:
+    """The layered snapshot of a views member's open window (``views.MemberWindow``): the state
+    (its n is public under replace-one, section 10) and the source ranges it holds, nothing
+    else; the task's state gets its two layers."""
+    blob = layered_look(task.state)
+    task.snapshots += 1
+    return msgpack.packb({"window": task.window, "seq": task.snapshots,
+                          "ranges": {str(p): list(r) for p, r in sorted(task.ranges.items())},
+                          "state": blob}, use_bin_type=True)
+
+
+def view_resume(reader, anchor: int, want: tuple[int, int], at: dict[int, int]):
+    """The state and window-start offsets of snapshot ``want`` = (window, seq) that partition
+    ``anchor``'s key holds, when it covers exactly the partitions of ``at`` at those committed
+    offsets; else a string saying why it cannot be resumed. The state gets one fresh layer, as
+    one process's restore adds (window.py): the memory after the resume is never the snapshot
+    plus exact increments."""
+    found = read_snapshot(reader, anchor)
+    if found is None or (int(found["window"]), int(found["seq"])) != want or \
+            {int(p): int(r[1]) for p, r in found["ranges"].items()} != at:
+        return (f"its layered snapshot {want[1]} of window {want[0]} is missing from "
+                f"{getattr(reader, 'topic', 'the snapshots topic')} (deleted or truncated)")
+    state = PanPrivateHistogram.deserialize(found["state"])
+    state.rerandomize()
+    return state, {int(p): int(r[0]) for p, r in found["ranges"].items()}

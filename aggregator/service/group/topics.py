@@ -133,11 +133,12 @@ class GroupTopics:
         """The consumer group of the counting stage (over the repartition topic)."""
         return f"{self.prefix}.count"
 
-    def wanted(self, partitions: int, retention_ms: int,
-               views: bool = False) -> dict[str, tuple[int, dict]]:
+    def wanted(self, partitions: int, retention_ms: int, views: bool = False,
+               snapshots: bool = False) -> dict[str, tuple[int, dict]]:
         """``{topic: (partitions, configs)}``; ``views`` (scale.exchange = views): no
-        repartition topic, none for the snapshots it does not take, one partition for the
-        rollup sums its leader keeps."""
+        repartition topic, the snapshots topic only when it takes ``snapshots``
+        (checkpoint.snapshots_per_window), one partition for the rollup sums its leader
+        keeps."""
         compact = {"cleanup.policy": "compact"}
         # retention deletes whole segments only: a segment rolls at a quarter of the retention,
         # so no plaintext index outlives it by more than that (the broker's default keeps a
@@ -153,7 +154,7 @@ class GroupTopics:
             self.releases: (1, compact),
             # a signed export holds every counter (8 bytes each): 64 MB fits 8e6 of them
             self.exports: (1, dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
-            **({} if views else {
+            **({} if views and not snapshots else {
                 self.snapshots: (int(partitions),
                                  dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)}))}),
             # a sum holds its slice's counters (8 bytes each): the producer sends up to 16 MB;
@@ -176,7 +177,8 @@ class GroupTopics:
             time.sleep(0.2)
 
     def ensure(self, admin, partitions: int, retention_ms: int,
-               replication_factor: int = 1, views: bool = False) -> list[str]:
+               replication_factor: int = 1, views: bool = False,
+               snapshots: bool = False) -> list[str]:
         """Create what is missing, check what exists; returns one log line per created topic.
 
         ``admin`` is a kafka-python ``KafkaAdminClient``.
@@ -184,7 +186,7 @@ class GroupTopics:
         from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
         from kafka.errors import TopicAlreadyExistsError
 
-        wanted = self.wanted(partitions, retention_ms, views)
+        wanted = self.wanted(partitions, retention_ms, views, snapshots)
         existing = set(admin.list_topics())
         created = []
         for name, (parts, configs) in wanted.items():

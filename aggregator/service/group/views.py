@@ -24,6 +24,10 @@ public); the sum then has fewer layers, and the release says how many.
 
 A rebalance is a handover like a restart: a window whose partitions changed owner is dropped and
 replayed from the committed offsets under fresh noise, by whoever owns each partition next.
+With ``checkpoint.snapshots_per_window`` (time windows) the commits inside a window are at its
+layered snapshots (snapshots.py): a new owner of all the partitions a snapshot covers resumes
+the window from it; one that cannot (the snapshot is gone, or a rebalance split its partitions)
+withholds the window, never replays it under fresh noise.
 
 >>> import numpy as np
 >>> from aggregator.state import PanPrivateHistogram
@@ -65,6 +69,7 @@ from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta
 from .event_views import window_info as event_window_info
 from .watermark import MAX_AHEAD_WINDOWS, stamped
 from .membership import Membership
+from .snapshots import view_resume, view_snapshot
 from .summary import agreeing, event_time_info, merged_window_info
 
 __all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "encode_counts",
@@ -186,8 +191,9 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
                "domain": {"mode": first["mode"], "size": size, "counters": size,
                           "partitions": first["partitions"]},
                "exchange": {"kind": "views", "views": members,
-                            "why_layers": "each member's view carries its state's layer and "
-                                          "its view's layer; the leader sums them"}},
+                            "why_layers": "each member's view carries its state's layer, "
+                                          "two per in-window snapshot and its view's layer; "
+                                          "the leader sums them"}},
         accuracy=accuracy)
     infos = [v["window_info"] for v in views]
     release["window_info"] = merged_window_info(
@@ -230,6 +236,14 @@ class MemberWindow:
         #: partition -> (first, last + 1) offsets deleted before they were counted: the window
         #: is withheld naming them, never released short of them
         self.lost: dict[int, tuple[int, int]] = {}
+        #: in-window snapshots (checkpoint.snapshots_per_window, snapshots.py): taken so far,
+        #: this member's latest commit per partition (a snapshot's position, else the window's
+        #: start), the keys of the snapshots the state holds (tombstoned at the close), and why
+        #: the window is withheld (a snapshot it cannot resume: never replayed under fresh noise)
+        self.snapshots = 0
+        self.committed: dict[int, int] = {}
+        self.snap_keys: set[int] = set()
+        self.withheld: str | None = None
 
 
 class ViewCounter:
@@ -244,7 +258,8 @@ class ViewCounter:
     """
 
     def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *, member: str,
-                 source_topic: str, route, closes=None):
+                 source_topic: str, route, closes=None, snapshots_per_window: int = 0,
+                 snapshot_reader=None):
         self.consumer, self.txn, self.topics = consumer, txn, topics
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
         self.member, self.source_topic, self.route = member, source_topic, route
@@ -256,6 +271,11 @@ class ViewCounter:
         self.tasks: dict[int, MemberWindow] = {}
         self.where: dict[int, int] = {}
         self.summaries_written = 0
+        #: k layered snapshots of each open time window at j / (k + 1) of it by this member's
+        #: clock, each in the transaction of its partitions' offsets (snapshots.py);
+        #: ``snapshot_reader`` (a consumer with no group and the topic) reads one back
+        self.snapshots_per_window = int(snapshots_per_window)
+        self.snapshot_reader = snapshot_reader
         #: forced releases (forced.py): a consumer following the intake topic's close records
         #: from its end now (a record missed before the start is a window closed by the clock)
         self.closes = closes
@@ -317,8 +337,10 @@ class ViewCounter:
         for p in task.ranges:
             self.where.pop(p, None)
         if task.ranges:
-            log.info("window %d of partition(s) %s is dropped here and replayed from its "
-                     "start under fresh noise", w, ", ".join(map(str, sorted(task.ranges))))
+            log.info("window %d of partition(s) %s is dropped here and %s", w,
+                     ", ".join(map(str, sorted(task.ranges))),
+                     "resumed from its committed snapshot" if task.snap_keys
+                     else "replayed from its start under fresh noise")
             self.metrics.handovers.labels(event="released").inc()
 
     def _sync(self) -> None:
@@ -344,21 +366,28 @@ class ViewCounter:
             for p, (_, position) in task.ranges.items():
                 # a poll that brought the assignment may have read past what was counted
                 self.consumer.seek(TopicPartition(self.source_topic, p), position)
+        snapped: dict[tuple[int, int, int], dict[int, int]] = {}   # (w, s, key) -> p: offset
         for p in sorted(owned - set(self.where)):
             tp = TopicPartition(self.source_topic, p)
-            committed = self.consumer.committed(tp, metadata=True, timeout_ms=5000)
-            meta: dict | None = None     # (None: no commit, counted from the beginning)
-            if committed is None or committed.offset is None or committed.offset < 0:
+            offset, meta = self._commit_of(p)
+            if offset is None:    # no commit: counted from the beginning
+                meta = None
                 window = self.first_window
                 self.consumer.seek_to_beginning(tp)
                 start = self.consumer.position(tp)
             else:
-                meta = json.loads(committed.metadata or "{}")
                 window = int(meta.get("w", self.first_window))
-                start = int(committed.offset)
+                start = offset
                 self.consumer.seek(tp, start)
             task = self.tasks.setdefault(window, MemberWindow(window))
             task.ranges[p] = [start, start]
+            task.committed[p] = start
+            if meta and "s" in meta:   # committed at an in-window snapshot: resumed below
+                task.ranges[p][0] = int(meta["f"])
+                held = snapped.setdefault((window, int(meta["s"]), int(meta["a"])), {})
+                held[p] = start
+                for q in meta["c"]:    # (-1: a partition of the snapshot not acquired here)
+                    held.setdefault(int(q), -1)
             if meta is not None:
                 # the window's first records may be gone (the source topic's retention, a
                 # member down longer than it): replayed without them it would be short
@@ -374,7 +403,36 @@ class ViewCounter:
             self.metrics.handovers.labels(event="acquired").inc()
             log.info("counting partition %d of %s from offset %d (window %d) into this "
                      "member's own state", p, self.source_topic, start, window)
+        for (w, seq, key), at in snapped.items():
+            self._resume(self.tasks[w], seq, key, at)
         self.metrics.partitions_owned.set(len(self.where))
+
+    def _resume(self, task: MemberWindow, seq: int, key: int, at: dict[int, int]) -> None:
+        """Resume ``task`` from the snapshot ``seq`` its partitions' commits name (``at``: each
+        partition it covers -> the offset acquired here, -1 for one held elsewhere), adding it to
+        the window's state; or withhold the window, never replaying it under fresh noise (a
+        replay would be a second view of the events the snapshot holds)."""
+        got = ("its partition(s) " + ", ".join(str(p) for p, o in sorted(at.items()) if o < 0)
+               + " went to other members (a rebalance split the snapshot's partitions)"
+               if min(at.values()) < 0 else
+               view_resume(self.snapshot_reader, key, (task.window, seq), at))
+        if isinstance(got, str):
+            why = (f"window {task.window} of partition(s) {', '.join(map(str, sorted(at)))} "
+                   f"cannot resume from its layered snapshot {seq}: {got}; the window is "
+                   "withheld, never replayed under fresh noise")
+            task.withheld = "; ".join(filter(None, (task.withheld, why)))
+            log.error("%s", why)
+            return
+        state, firsts = got
+        task.state = state if task.state is None else task.state.merge(state)
+        task.events += int(state.n or 0)
+        task.snapshots = max(task.snapshots, seq)
+        task.snap_keys.add(key)
+        for p, first in firsts.items():
+            task.ranges[p][0] = first
+        log.info("partition(s) %s resume window %d from its snapshot %d at offset(s) %s",
+                 ", ".join(map(str, sorted(at))), task.window, seq,
+                 ", ".join(str(at[p]) for p in sorted(at)))
 
     def _moved_on(self, task: MemberWindow) -> bool:
         """Whether a partition of ``task`` has a committed offset other than the window's start
@@ -384,7 +442,8 @@ class ViewCounter:
         for p, (start, _) in task.ranges.items():
             committed = self.consumer.committed(TopicPartition(self.source_topic, p),
                                                 timeout_ms=5000)
-            if committed is not None and committed >= 0 and committed != start:
+            if committed is not None and committed >= 0 and \
+                    committed != task.committed.get(p, start):
                 return True
         return False
 
@@ -424,6 +483,10 @@ class ViewCounter:
             self._close_counted(forced)
             return counted
         now = time.time()
+        if self.snapshots_per_window:
+            for w in sorted(self.tasks):
+                if w in self.tasks and not self._maybe_snapshot(self.tasks[w], now):
+                    break
         for w in sorted(self.tasks):
             if (now >= (w + 1) * self.size or w <= forced) and w in self.tasks:
                 if not self._close(self.tasks[w]):
@@ -515,14 +578,90 @@ class ViewCounter:
             task.counted[tp.partition] += len(idx)
         return len(idx)
 
+    # -- in-window snapshots (snapshots.py) -----------------------------------------------------
+    def _maybe_snapshot(self, task: MemberWindow, now: float) -> bool:
+        """Snapshot j of the window at j / (k + 1) of it by this member's clock (public
+        points): a fresh layer, the snapshot, another fresh layer, and in one transaction the
+        snapshot (key: the window's lowest partition), its dead letters and its partitions'
+        offsets at its positions with ``s`` = j in the metadata. False: not written, the
+        window is dropped and resumed from its last commit."""
+        k, w = self.snapshots_per_window, task.window
+        # the latest point passed (several after a restart or a slow turn: only that one is
+        # taken, each snapshot costs two layers)
+        passed = min(k, int((now / self.size - w) * (k + 1)))
+        if passed <= task.snapshots or now >= (w + 1) * self.size or task.withheld \
+                or not task.ranges:
+            return True
+        if task.gaps:     # records deleted before they were counted: the window is withheld
+            self._note_deleted(task, dict(task.gaps))
+            task.gaps.clear()
+        if task.lost or task.state is None or all(
+                r[1] == task.committed.get(p) for p, r in task.ranges.items()):
+            # nothing to release, no event yet, or nothing read since the last commit
+            task.snapshots = passed
+            return True
+        task.snapshots = passed - 1
+        if not self._still_owned(task):
+            self._needs_sync = True
+            return False
+        key = min(task.ranges)
+        message = view_snapshot(task)
+        head = self.ledger.head()
+        covers = sorted(task.ranges)
+
+        def meta(p: int) -> str:
+            return json.dumps({"w": w, "s": task.snapshots, "a": key, "c": covers,
+                               "f": task.ranges[p][0],
+                               "lh": f"{head['seq']}:{head['hash'][:16]}"},
+                              separators=(",", ":"))
+        if not self._transact(task, [(self.topics.snapshots, key, str(key).encode(), message)],
+                              {p: (r[1], meta(p)) for p, r in task.ranges.items()},
+                              f"snapshot {task.snapshots} of window {w}",
+                              "resumed from its last commit"):
+            return False
+        task.snap_keys.add(key)
+        for p, r in task.ranges.items():
+            task.committed[p] = r[1]
+        log.info("window %d: layered snapshot %d of partition(s) %s at offset(s) %s", w,
+                 task.snapshots, ", ".join(map(str, covers)),
+                 ", ".join(str(task.ranges[p][1]) for p in covers))
+        return True
+
+    def _transact(self, task: MemberWindow, records: list, commits: dict[int, tuple[int, str]],
+                  what: str, then: str) -> bool:
+        """One transaction: ``records`` (topic, partition, key, value), the window's dead
+        letters so far and its partitions' ``commits`` (partition -> (offset, metadata)) with
+        the group's metadata. False: not written; the window is dropped (``then`` says how it
+        comes back) and the member syncs again."""
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        txn = self.txn
+        try:
+            txn.begin()
+            for topic, partition, key, value in records:
+                txn.send(topic, partition=partition, key=key, value=value)
+            for dkey, value, headers in task.dead:
+                txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
+            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
+                              for p, (o, m) in commits.items()}, self.membership.generation)
+            txn.commit()
+        except Exception as exc:
+            log.warning("%s not written (%s); the window is %s", what, type(exc).__name__, then)
+            self.txn.failed(exc)
+            self._drop_window(task.window)
+            self._needs_sync = True
+            return False
+        if task.dead:
+            self.route.metrics.dead_letters.inc(len(task.dead))
+            task.dead = []
+        return True
+
     # -- closing -----------------------------------------------------------------------------
     def _close(self, task: MemberWindow, goal_after: int | None = None) -> bool:
         """Write the window's view, its partitions' next offsets (and its dead letters) in one
         transaction; then the partitions count into the next window. False: not written, the
         window is dropped and replayed."""
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
-
         w = task.window
         if not self._still_owned(task):
             # not closed now: the next sync keeps the window when its partitions are still this
@@ -553,12 +692,16 @@ class ViewCounter:
         refused = "; ".join(
             f"{deleted_text(self.source_topic, p, a, b)}; window range "
             f"[{task.ranges[p][0]}, {task.ranges[p][1]}) cannot be released whole"
-            for p, (a, b) in sorted(task.lost.items())) or (
+            for p, (a, b) in sorted(task.lost.items())) or task.withheld or (
             self._refusal(w, ranges) if task.events else None)
         if refused:
             head = {"format": VIEW_FORMAT, "version": 1, "window": w,
                     "partition": min(task.ranges), "covers": sorted(task.ranges),
                     "partitions": self.P, "refused": refused, "chunks": 0, "_chunks": []}
+            if refused == task.withheld:
+                # its snapshots were views of its events: its positions are charged, as a
+                # released window's are (never released, never counted again)
+                head["charge"] = True
         else:
             head = view_header(task.state, window=w, covers=list(task.ranges),
                                partitions=self.P, window_info=info, mode=self.identity["mode"],
@@ -578,29 +721,18 @@ class ViewCounter:
             return json.dumps(at, separators=(",", ":"))
         commits = self._event_commits(list(task.ranges), w, lh) if self.event else {
             p: (r[1], meta(p)) for p, r in task.ranges.items()}
-        txn = self.txn
-        try:
-            txn.begin()
-            # the chunks first: the leader reads them before the header that names them
-            for k, chunk in enumerate(chunks):
-                txn.send(self.topics.summaries, partition=0, key=f"{key}/c{k}".encode(),
-                         value=chunk)
-            txn.send(self.topics.summaries, partition=0, key=key.encode(),
-                     value=json.dumps(head, allow_nan=False).encode())
-            for dkey, value, headers in task.dead:
-                txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
-            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
-                              for p, (o, m) in commits.items()}, self.membership.generation)
-            txn.commit()
-        except Exception as exc:
-            log.warning("view of window %d not written (%s); the window is replayed from its "
-                        "start", w, type(exc).__name__)
-            self.txn.failed(exc)
-            self._drop_window(w)
-            self._needs_sync = True
+        # the chunks first: the leader reads them before the header that names them; the
+        # window's snapshots are done with (tombstones): no noisy state left at rest for it
+        records = [(self.topics.summaries, 0, f"{key}/c{k}".encode(), chunk)
+                   for k, chunk in enumerate(chunks)]
+        records.append((self.topics.summaries, 0, key.encode(),
+                        json.dumps(head, allow_nan=False).encode()))
+        records += [(self.topics.snapshots, snap, str(snap).encode(), None)
+                    for snap in sorted(task.snap_keys)]
+        if not self._transact(task, records, commits, f"view of window {w}",
+                              "replayed from its start" if not task.snap_keys
+                              else "resumed from its last commit"):
             return False
-        if task.dead:
-            self.route.metrics.dead_letters.inc(len(task.dead))
         self.summaries_written += 1
         self.metrics.summaries.inc()
         del self.tasks[w]
