@@ -87,6 +87,9 @@ BLOCKS: dict[tuple[str, str], tuple[str, str]] = {
                       "group_items_event2,shuffle --faults broker_kill --seeds 1 --first-seed "
                       "1001 --seconds 30"):
         _bench("service.chaos", "3 runs of 30 s each, killing a broker"),
+    ("docs/chaos.md", "python -m bench.service.chaos --modes group_snapshots2 --faults kill9 "
+                      "--seeds 2"):
+        _bench("service.chaos", "2 runs of 40-75 s, killing members"),
     ("docs/privacy_unit.md", "python -m bench.service.user_windows --runs 8"):
         _bench("service.user_windows", "192 windows, about 70 s (its docstring)"),
     ("docs/deploy.md", "cd deploy"): ("listed", _DEPLOY_WHY + " (docker compose)"),
