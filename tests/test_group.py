@@ -601,10 +601,10 @@ class _Admin:
 def test_a_missing_release_topic_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     """deploy/kubernetes sets release.topic: the leader sends each release there in the
     transaction that ledgers it, so a missing topic would hold every window undecided."""
-    import kafka.admin
+    from aggregator.service.group import service as group_service
 
     writes: list[str] = []
-    monkeypatch.setattr(kafka.admin, "KafkaAdminClient",
+    monkeypatch.setattr(group_service, "KafkaAdminClient",
                         lambda **kw: _Admin({"events"}, writes))
     svc = GroupService(_cfg(f"checkpoint.dir={tmp_path / 'scratch'}",
                             "release.topic=panagg-releases"), Metrics())

@@ -6,7 +6,6 @@ group assigns this member the ledger's partition, the :class:`~.leader.Leader`. 
 each stage briefly; the leader's merges run in the release worker, never in the loop.
 
 Start, in order (a refused start writes nothing of its own):
-
 1. reach Kafka, find the source topic, create or check the internal topics;
 2. read the ledger; if it is empty, write the group's identity (mode, counters, epsilon,
    partitions, window size, hash key, first window) as its first entry, with the leader's
@@ -28,13 +27,22 @@ import time
 import uuid
 from pathlib import Path
 
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient
+from kafka.errors import InvalidProducerEpochError, KafkaError, ProducerFencedError
+from kafka.structs import OffsetAndMetadata
+from prometheus_client import CollectorRegistry
+
 from consumers.kafka import compat
 from consumers.kafka_security import KafkaConnectError, client_options, redacted
 from state_store.atomic import atomic_write
 
-from ..config import aggregation_configs
+from ..config import aggregation_configs, parse_start
 from ..errors import ServiceError
+from ..metrics import Metrics
+from ..release_worker import ReleaseWorker
 from ..settings import Config
+from ..stages.labelled import ByAggregation
 from .pipeline import MUST_AGREE, Pipeline
 from .repartition import Repartitioner
 from .topics import GroupTopicError
@@ -64,10 +72,6 @@ class GroupService:
             # each aggregation its own series (labelled aggregation=NAME, as one process does):
             # a shared set would mix their counts and let their last-release gauges overwrite
             # each other
-            from prometheus_client import CollectorRegistry
-
-            from ..metrics import Metrics
-            from ..stages.labelled import ByAggregation
 
             self.pipelines = [Pipeline(name, one, self, Metrics()) for name, one in named]
             metrics.registry = CollectorRegistry()
@@ -98,8 +102,6 @@ class GroupService:
                     reconnect_backoff_max_ms=1000, **self.security)
 
     def consumer(self, group: str | None, **extra):
-        from kafka import KafkaConsumer
-
         src = self.cfg.source
         conf = dict(self._common(), group_id=group, enable_auto_commit=False,
                     isolation_level="read_committed", auto_offset_reset="earliest",
@@ -116,8 +118,6 @@ class GroupService:
         return c
 
     def producer(self, transactional_id: str, keep: bool = True):
-        from kafka import KafkaProducer
-
         p = KafkaProducer(**self._common(), transactional_id=transactional_id,
                           transaction_timeout_ms=15000, linger_ms=5,
                           max_request_size=16 * 1024 * 1024)
@@ -161,7 +161,6 @@ class GroupService:
         """``call()``, retried while Kafka answers with a retriable error (a broker that has
         just started has no group coordinator yet) for up to source.connect_timeout_s; then one
         line."""
-        from kafka.errors import KafkaError
 
         deadline = time.monotonic() + float(self.cfg.source.connect_timeout_s)
         while True:
@@ -200,7 +199,6 @@ class GroupService:
                     "release.topic")
 
     def start(self) -> None:
-        from kafka.admin import KafkaAdminClient
 
         cfg = self.cfg
         self._check_directory()
@@ -249,7 +247,6 @@ class GroupService:
                              seed=seed(pipe) if seed is not None and (i == 0 or self.views)
                              else None)
         if cfg.release.workers:
-            from ..release_worker import ReleaseWorker
             self.worker = ReleaseWorker(cfg.release.workers)
         group_opts = {"group_instance_id": self.instance} if cfg.source.instance_id else {}
         for pipe in self.pipelines:
@@ -264,7 +261,6 @@ class GroupService:
             intake, self.transactions(f"{cfg.source.group}.panagg.intake.{self.instance}"),
             [pipe.route(P) for pipe in self.pipelines], max_records=cfg.source.max_records,
             marks_topic=marks, marks_reader=self.consumer(None))
-        from kafka import ConsumerRebalanceListener
         rp = self.intake
 
         class _Marks(ConsumerRebalanceListener):
@@ -320,10 +316,6 @@ class GroupService:
         """``source.start`` (latest, or a time) for a new group: the source offsets it places
         the group at, as a function that writes them (the source group's committed offsets and
         the intake's marks) into the transaction of the group's identity; None for earliest."""
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
-
-        from ..config import parse_start
 
         src = self.cfg.source
         start = parse_start(src.start)
@@ -405,7 +397,6 @@ class GroupService:
         transactional id: its next try reads that identity (members started together once
         exited here, issue 46). A try that failed leaves nothing of its own behind (its
         clients are closed; the identity is written in one transaction or not at all)."""
-        from kafka.errors import InvalidProducerEpochError, KafkaError, ProducerFencedError
 
         passing = (ProducerFencedError, InvalidProducerEpochError)
         wait_s = float(self.cfg.source.connect_timeout_s)
@@ -543,7 +534,6 @@ class GroupService:
 
     def _members_producer(self):
         if self._plain is None:
-            from kafka import KafkaProducer
             # a report never blocks the loop (a broker away would hold send() for 60 s)
             self._plain = KafkaProducer(**self._common(), linger_ms=50, max_block_ms=1000)
             self._clients.append(self._plain)
@@ -574,7 +564,6 @@ class GroupService:
     def _stage(self, name: str, pipe, step, *args) -> int:
         """One stage's turn; a Kafka error (the broker away, a rebalance under way) costs the
         turn, never the member: each stage starts again from what Kafka committed."""
-        from kafka.errors import KafkaError
 
         try:
             return step(*args) or 0
@@ -621,7 +610,6 @@ def _checked(check, client, **kw) -> None:
 
 def _close_client(client) -> None:
     """Close a consumer or producer without waiting on a broker that is away."""
-    from kafka import KafkaProducer
 
     if isinstance(client, KafkaProducer):
         close_producer(client)

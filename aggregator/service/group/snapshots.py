@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 
 import msgpack
+from kafka import TopicPartition
 
 from ...state import PanPrivateHistogram
 from .topics import read_partition
@@ -61,7 +62,6 @@ def read_snapshot(reader, partition: int) -> dict | None:
     ``partition``, decoded (None: none there, deleted, truncated or tombstoned)."""
     if reader is None:
         return None
-    from kafka import TopicPartition
 
     tp = TopicPartition(reader.topic, partition)
     reader.consumer.assign([tp])

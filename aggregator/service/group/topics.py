@@ -30,6 +30,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kafka import TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
 __all__ = ["GroupTopics", "GroupTopicError", "read_partition", "follow_intake"]
 
 
@@ -52,7 +56,6 @@ def follow_intake(reader, topics, on_record):
     """Assign ``reader`` (no group, read committed) the intake topic's one partition, hand
     ``on_record`` everything committed there now, and return ``read()``: the records committed
     since, without waiting (the leader's closers follow the intake's marks this way)."""
-    from kafka import TopicPartition
 
     tp = TopicPartition(topics.intake, 0)
     reader.assign([tp])
@@ -183,8 +186,6 @@ class GroupTopics:
 
         ``admin`` is a kafka-python ``KafkaAdminClient``.
         """
-        from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-        from kafka.errors import TopicAlreadyExistsError
 
         wanted = self.wanted(partitions, retention_ms, views, snapshots)
         existing = set(admin.list_topics())

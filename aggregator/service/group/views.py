@@ -7,7 +7,6 @@ topic. Windows are the member's processing time, aligned to the epoch: window w 
 member counted in [w * size, (w + 1) * size).
 
 Closing window w, in one Kafka transaction (docs/privacy.md section 20):
-
 1. ask the ledger whether the window's source positions were charged already (then the summary
    says "refused", and no view is drawn);
 2. otherwise draw the view: the state plus a fresh DLap layer V. An intruder who read the
@@ -53,10 +52,14 @@ import logging
 import time
 import uuid
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
+from kafka import TopicPartition
+from kafka.structs import OffsetAndMetadata
 
 from consumers.base import take_items
+from consumers.kafka.compat import unpark
 
 from ...counters import noisy_value_counts
 from ...noise import discrete_laplace
@@ -67,10 +70,12 @@ from .counter import charged_before
 from .deleted import deleted_since, deleted_text, lost_through
 from .event_views import GroupMarks, PartitionClock, commit_meta, encode_meta
 from .event_views import window_info as event_window_info
-from .watermark import MAX_AHEAD_WINDOWS, stamped
+from .forced import close_key
 from .membership import Membership
+from .repartition import Repartitioner, dead_letter_records
 from .snapshots import view_resume, view_snapshot
 from .summary import agreeing, event_time_info, merged_window_info
+from .watermark import MAX_AHEAD_WINDOWS, stamped
 
 __all__ = ["ViewCounter", "view_header", "merge_views", "decode_view", "encode_counts",
            "distinct_views", "sum_views", "state_params", "CHUNK_COUNTERS"]
@@ -149,7 +154,6 @@ def sum_views(views: list[dict], size: int) -> tuple[np.ndarray, int, int]:
 
 def state_params(identity: dict):
     """epsilon, neighbor and p of the group's states (anything ``view_header`` takes)."""
-    from types import SimpleNamespace
 
     probe = PanPrivateHistogram(identity["epsilon"], neighbor=identity["neighbor"], size=1)
     return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
@@ -281,7 +285,6 @@ class ViewCounter:
         self.closes = closes
         self._forced_upto = -1
         if closes is not None:
-            from kafka import TopicPartition
             tp = TopicPartition(topics.intake, 0)
             closes.assign([tp])
             closes.seek_to_end(tp)
@@ -344,7 +347,6 @@ class ViewCounter:
             self.metrics.handovers.labels(event="released").inc()
 
     def _sync(self) -> None:
-        from kafka import TopicPartition
 
         self._needs_sync = False
         owned = self.membership.sync()
@@ -437,7 +439,6 @@ class ViewCounter:
     def _moved_on(self, task: MemberWindow) -> bool:
         """Whether a partition of ``task`` has a committed offset other than the window's start
         (a view of this window, or a later one, was written by another member)."""
-        from kafka import TopicPartition
 
         for p, (start, _) in task.ranges.items():
             committed = self.consumer.committed(TopicPartition(self.source_topic, p),
@@ -545,7 +546,6 @@ class ViewCounter:
         """The latest window a forced release asked to close now (-1: none)."""
         if self.closes is None:
             return -1
-        from .forced import close_key
         key = close_key(self.topics)
         for records in self.closes.poll(timeout_ms=0).values():
             for rec in records:
@@ -558,7 +558,6 @@ class ViewCounter:
         return self._forced_upto
 
     def _count(self, task: MemberWindow, tp, recs) -> int:
-        from .repartition import Repartitioner, dead_letter_records
 
         route = self.route
         decoded = route.decoder.decode([r.value for r in recs], [r.key for r in recs],
@@ -633,8 +632,6 @@ class ViewCounter:
         letters so far and its partitions' ``commits`` (partition -> (offset, metadata)) with
         the group's metadata. False: not written; the window is dropped (``then`` says how it
         comes back) and the member syncs again."""
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
 
         txn = self.txn
         try:
@@ -769,7 +766,6 @@ class ViewCounter:
         """After a rebalance: keep the open windows when this member still holds every
         partition it counted and nobody committed one of them since; else drop them all and
         read every owned partition again from its commit (R3: fresh noise)."""
-        from kafka import TopicPartition
 
         moved = any(self._commit_of(p)[0] != self._committed.get(p) for p in self.clocks
                     if p in owned)
@@ -803,7 +799,6 @@ class ViewCounter:
 
     def _commit_of(self, p: int) -> tuple[int | None, dict]:
         """The counting group's committed offset of source partition ``p`` and its metadata."""
-        from kafka import TopicPartition
 
         got = self.consumer.committed(TopicPartition(self.source_topic, p), metadata=True,
                                       timeout_ms=5000)
@@ -842,8 +837,6 @@ class ViewCounter:
         if not self._dead_pending or time.monotonic() - self._reported_at < PROGRESS_S \
                 or self._needs_sync or not self.membership.holds(list(self.clocks)):
             return
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
 
         parts = sorted({p for p, _ in self._dead_pending})
         head = self.ledger.head()
@@ -874,9 +867,6 @@ class ViewCounter:
     def _pace(self) -> None:
         """Pause the owned partitions too far ahead of the group's low watermark; resume the
         others (event_views.GroupMarks.ahead)."""
-        from kafka import TopicPartition
-
-        from consumers.kafka.compat import unpark
 
         ahead = {TopicPartition(self.source_topic, p) for p in self.marks.ahead(
             {p: c.watermark() for p, c in self.clocks.items()}, int(time.time() * 1000))}
@@ -894,7 +884,6 @@ class ViewCounter:
 
     def _note_idle(self, polled, now_ms: int) -> None:
         """A partition read to its end says since when (window.idle_partition_timeout_s)."""
-        from kafka import TopicPartition
 
         for p, clock in self.clocks.items():
             tp = TopicPartition(self.source_topic, p)
@@ -908,7 +897,6 @@ class ViewCounter:
         """Count ``recs`` of partition ``p`` into the windows their timestamps name
         (:meth:`.event_views.PartitionClock.assign`); rejects become dead letters sent with the
         next close, except those a replay passes over (sent before)."""
-        from .repartition import Repartitioner, dead_letter_records
 
         route, c = self.route, self.route.clock
         decoded, good, ts, rejects, counts = stamped(route.decoder, recs, now_ms, c.skew_ms)
@@ -1095,7 +1083,6 @@ class ViewCounter:
     def _deleted_since(self, since: dict[int, int]) -> dict[int, int]:
         """Partition -> its first offset, for each partition p of ``since`` whose records from
         ``since[p]`` were deleted before they were counted (:func:`.deleted.deleted_since`)."""
-        from kafka import TopicPartition
 
         lows = deleted_since(self.consumer, {TopicPartition(self.source_topic, p): at
                                              for p, at in since.items()})
