@@ -805,3 +805,24 @@ def test_a_slices_source_positions_do_not_depend_on_where_the_items_fell():
     assert 5 in full.live and 5 not in empty.live
     full.closed_at(5)
     assert full.sources == {}
+
+
+@pytest.mark.parametrize("error", ["ProducerFencedError", "InvalidTxnStateError"])
+def test_a_start_another_member_fenced_is_tried_again(tmp_path, monkeypatch, error):
+    """Members started together race for the group's transactional id while writing its
+    identity: the one fenced gets ProducerFencedError, or InvalidTxnStateError for the
+    transaction the fencing cut short; it starts again (it once exited, issue 46)."""
+    import kafka.errors
+
+    svc = GroupService(_cfg(f"checkpoint.dir={tmp_path / 'scratch'}",
+                            "source.connect_timeout_s=30"), Metrics())
+    tries = []
+
+    def start():
+        tries.append(1)
+        if len(tries) == 1:
+            raise getattr(kafka.errors, error)()
+    monkeypatch.setattr(svc, "start", start)
+    monkeypatch.setattr(svc, "close", lambda: None)
+    svc._start_retrying()
+    assert len(tries) == 2

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
-from kafka.errors import InvalidProducerEpochError, KafkaError, ProducerFencedError
+from kafka.errors import (InvalidProducerEpochError, InvalidTxnStateError, KafkaError,
+                          ProducerFencedError)
 from kafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry
 
@@ -395,10 +396,12 @@ class GroupService:
         coordinator yet, timeouts) and ``ProducerFencedError``, which a member gets when
         another one starting at the same instant wrote the new group's identity with the same
         transactional id: its next try reads that identity (members started together once
-        exited here, issue 46). A try that failed leaves nothing of its own behind (its
-        clients are closed; the identity is written in one transaction or not at all)."""
+        exited here, issue 46), or ``InvalidTxnStateError``, which the broker answers a producer
+        whose transaction that other member's fencing cut short (seen in the suite: a member of
+        two started together exited with it). A try that failed leaves nothing of its own behind
+        (its clients are closed; the identity is written in one transaction or not at all)."""
 
-        passing = (ProducerFencedError, InvalidProducerEpochError)
+        passing = (ProducerFencedError, InvalidProducerEpochError, InvalidTxnStateError)
         wait_s = float(self.cfg.source.connect_timeout_s)
         deadline = time.monotonic() + wait_s
         tries = 0
