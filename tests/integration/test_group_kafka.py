@@ -1130,19 +1130,40 @@ def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, 
     windows from their snapshots (never from their start), and every event is released once."""
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
+    topics = GroupTopics(group)
     members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=6",
                       "--set", "checkpoint.snapshots_per_window=2")
     items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
+
+    def snapshots_written() -> int:
+        try:
+            return sum(v is not None for recs in read_all(kafka_broker, topics.snapshots).values()
+                       for _, _, v in recs)
+        except (TypeError, ValueError):   # the topic is not there yet
+            return 0
     try:
         members.start("m1")
         time.sleep(4)
         members.start("m2")
         producer = threading.Thread(target=produce, args=(kafka_broker, topic, items, 2000))
         producer.start()
-        for _ in range(3):
-            time.sleep(4.5)
+        # each kill after a snapshot written since the last one (fixed sleeps let every kill of
+        # a loaded run land before its window's first snapshot), until a restart resumed from
+        # one or the stream ended
+        seen = 0
+        for _ in range(6):
+            deadline = time.monotonic() + 60
+            while (written := snapshots_written()) <= seen and producer.is_alive():
+                assert time.monotonic() < deadline, members.logs()
+                time.sleep(0.3)
+            if not producer.is_alive():
+                break
+            seen = written
             members.kill("m2")
             members.start("m2")
+            time.sleep(3)
+            if "from its snapshot" in "".join(f.read_text() for f in tmp_path.glob("*.log")):
+                break
         producer.join()
         wait_for_total(kafka_broker, GroupTopics(group), len(items), 180, members)
     finally:
