@@ -1145,24 +1145,33 @@ def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, 
         members.start("m1")
         time.sleep(4)
         members.start("m2")
-        producer = threading.Thread(target=produce, args=(kafka_broker, topic, items, 2000))
+        m2_log = tmp_path / f"m2-{members.runs}.log"
+        producer = threading.Thread(target=produce, args=(kafka_broker, topic, items, 1000))
         producer.start()
-        # each kill after a snapshot written since the last one (fixed sleeps let every kill of
-        # a loaded run land before its window's first snapshot), until a restart resumed from
-        # one or the stream ended
-        seen = 0
+        # each kill once m2 counts partitions and a snapshot was written after that (fixed
+        # sleeps let a loaded run's kills land before the window's first snapshot, or before
+        # the restarted m2 had joined), until a restart resumed from one or the stream ended
         for _ in range(6):
             deadline = time.monotonic() + 60
-            while (written := snapshots_written()) <= seen and producer.is_alive():
+            while producer.is_alive() and "counting partition" not in m2_log.read_text():
+                assert time.monotonic() < deadline, members.logs()
+                time.sleep(0.3)
+            seen = snapshots_written()
+            while producer.is_alive() and snapshots_written() <= seen:
                 assert time.monotonic() < deadline, members.logs()
                 time.sleep(0.3)
             if not producer.is_alive():
                 break
-            seen = written
             members.kill("m2")
             members.start("m2")
-            time.sleep(3)
-            if "from its snapshot" in "".join(f.read_text() for f in tmp_path.glob("*.log")):
+            m2_log = tmp_path / f"m2-{members.runs}.log"
+            deadline = time.monotonic() + 20
+            while "from its snapshot" not in "".join(f.read_text()
+                                                     for f in tmp_path.glob("*.log")):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            else:
                 break
         producer.join()
         wait_for_total(kafka_broker, GroupTopics(group), len(items), 180, members)
