@@ -360,7 +360,6 @@ def _zipf_ids(rng, n: int, top: int | None) -> np.ndarray:
 
 
 def _planned(counters, p, layers, n, *, hashed, reps, rng, cancel=None) -> dict:
-
     rng = np.random.default_rng(rng)
     n = min(int(n), PLAN_MAX_EVENTS)
     out = {}

@@ -171,7 +171,6 @@ class Counter:
         self.metrics.partitions_owned.set(len(self.tasks))
 
     def _sync(self) -> None:
-
         self._needs_sync = False
         owned = self.membership.sync()
         if owned is None:   # between generations: nothing is counted or closed until synced

@@ -165,7 +165,6 @@ def forced_window(size: float, next_undecided: int, now: float | None = None) ->
 
 
 def _ask(bootstrap: str, security: dict, topics, key: str, rid: str) -> None:
-
     producer = KafkaProducer(bootstrap_servers=bootstrap, **security)
     try:
         producer.send(topics.intake, partition=0, key=f"{key}{topics.repartition}".encode(),
@@ -177,7 +176,6 @@ def _ask(bootstrap: str, security: dict, topics, key: str, rid: str) -> None:
 
 def _answer(consumer, topics, key: str, rid: str, deadline: float, bootstrap: str,
             timeout_s: float) -> dict:
-
     got = _scan(consumer, TopicPartition(topics.intake, 0), deadline,
                 lambda rec: rec.key == f"{key}{topics.repartition}".encode()
                 and rec.value is not None and json.loads(rec.value).get("id") == rid,

@@ -668,7 +668,6 @@ class Leader:
 
     def _transact(self, w: int, have: dict, *, entry: dict, document: str | None,
                   extra=()) -> bool:
-
         txn = self.txn
         try:
             txn.begin()

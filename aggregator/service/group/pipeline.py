@@ -90,7 +90,6 @@ class Pipeline:
 
     # -- start -------------------------------------------------------------------------------
     def identity_of_config(self, partitions: int) -> dict:
-
         st, w = self.cfg.state, self.cfg.window
         neighbor = PanPrivateHistogram(st.epsilon, size=1).neighbor
         event_time = w.kind == "event_time"

@@ -569,7 +569,6 @@ class Repartitioner:
 
     @staticmethod
     def _count_rejects(metrics, rejected) -> None:
-
         counts: dict[str, int] = {}
         for _, reason in rejected:
             counts[reason] = counts.get(reason, 0) + 1

@@ -200,7 +200,6 @@ class GroupService:
                     "release.topic")
 
     def start(self) -> None:
-
         cfg = self.cfg
         self._check_directory()
         admin = KafkaAdminClient(**self._common(), request_timeout_ms=int(

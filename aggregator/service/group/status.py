@@ -49,8 +49,6 @@ def group_aggregations(topic_names, group: str) -> list[str]:
 
 def collect_group_status(bootstrap: str, group: str, security: dict | None = None,
                          source_topic: str = "", aggregation: str = "") -> dict:
-
-
     topics = GroupTopics(group, aggregation)
     opts = dict(bootstrap_servers=bootstrap, **client_options(security))
     admin = KafkaAdminClient(**opts)

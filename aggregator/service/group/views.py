@@ -347,7 +347,6 @@ class ViewCounter:
             self.metrics.handovers.labels(event="released").inc()
 
     def _sync(self) -> None:
-
         self._needs_sync = False
         owned = self.membership.sync()
         if owned is None:   # between generations: nothing is acquired or closed until synced
@@ -558,7 +557,6 @@ class ViewCounter:
         return self._forced_upto
 
     def _count(self, task: MemberWindow, tp, recs) -> int:
-
         route = self.route
         decoded = route.decoder.decode([r.value for r in recs], [r.key for r in recs],
                                        [r.headers for r in recs])
