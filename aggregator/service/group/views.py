@@ -987,10 +987,9 @@ class ViewCounter:
         c = self.route.clock
         look = {p: at for p, at in since.items()
                 if self.clocks[p].lost is None or self.clocks[p].lost[1] <= at}
+        through = lost_through(int(time.time() * 1000), size_ms=c.size_ms, skew_ms=c.skew_ms)
         for p, low in self._deleted_since(look).items():
             clock = self.clocks[p]
-            through = lost_through(int(time.time() * 1000), size_ms=c.size_ms,
-                                   skew_ms=c.skew_ms)
             first = since[p] if clock.lost is None else min(clock.lost[0], since[p])
             clock.lost = (int(first), low, max(through, clock.lost[2] if clock.lost else 0))
             log.warning("records of partition %d of %s from offset %d to %d were deleted by "
