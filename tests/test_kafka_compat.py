@@ -64,3 +64,34 @@ def test_unpark_lets_parked_records_back_only_when_the_slot_is_drained():
     finally:
         f._next_partition_records = None
         c.close()
+
+
+class _Coordinator:
+    """Stands in for kafka-python's coordinator: the three parts finish_join reads and sets."""
+
+    def __init__(self, join_task, needed):
+        self._join_task, self.needed, self.asked = join_task, needed, 0
+
+    def need_rejoin(self):
+        return self.needed
+
+    def request_rejoin(self):
+        self.asked += 1
+        self.needed = True
+
+
+@pytest.mark.parametrize("join_task,needed,asked", [
+    (object(), False, 1),   # a join in flight that no poll would await again: ask once more
+    (object(), True, 0),    # a join the next poll awaits anyway
+    (None, False, 0),       # no join under way
+])
+def test_finish_join_asks_again_only_for_a_join_no_poll_would_finish(join_task, needed, asked):
+    c = _consumer()
+    real = c._coordinator
+    try:
+        c._coordinator = _Coordinator(join_task, needed)
+        compat.finish_join(c)
+        assert c._coordinator.asked == asked
+    finally:
+        c._coordinator = real
+        c.close()

@@ -184,6 +184,7 @@ class KafkaSource(Source, IntakeWatch):
     def poll(self, timeout_s: float = 1.0) -> list[Segment]:
         self._polling()
         compat.unpark(self.consumer)
+        compat.finish_join(self.consumer)
         try:
             polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000),
                                         max_records=self.max_records)

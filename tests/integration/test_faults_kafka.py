@@ -262,6 +262,27 @@ def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
             source.close()
 
 
+def test_a_new_group_polled_in_short_turns_is_always_given_its_partitions(kafka_broker):
+    """A new group's first join comes before the topic's metadata and assigns nothing; the
+    rejoin that follows outlives many short polls. kafka-python 3.0.12 then never applies its
+    answer (docs/upstream/kafka-python-stuck-join.md): with 1 ms polls no new group got a
+    partition. The source finishes that join (compat.finish_join), so every one reads all."""
+    from consumers.kafka.kafka_python import KafkaSource
+
+    topic = make_topic(kafka_broker, partitions=3)
+    produce(kafka_broker, topic, [msgpack.packb({"item": i}) for i in range(30)])
+    for trial in range(5):
+        source = KafkaSource(kafka_broker, topic, f"g-short-{trial}-{topic}")
+        try:
+            read = 0
+            deadline = time.time() + 60
+            while read < 30 and time.time() < deadline:
+                read += sum(len(seg.offsets) for seg in source.poll(0.001))
+            assert read == 30 and len(source.assigned) == 3, (trial, read, source.assigned)
+        finally:
+            source.close()
+
+
 def test_a_backlog_lands_in_the_windows_of_its_timestamps(kafka_broker, tmp_path):
     """What a broker outage leaves: records stamped over three 30 s windows, all read at once.
     window.kind = time (the default clock, auto) puts each in the window of its timestamp, as

@@ -1,4 +1,4 @@
-"""The two kafka-python bug reports of docs/upstream/ and their reproducers, on the real broker:
+"""The kafka-python bug reports of docs/upstream/ and their reproducers, on the real broker:
 with the pinned client the bug shows (else the report and its patch in
 consumers/kafka/compat.py can go), and with panagg's patch it does not."""
 
@@ -22,7 +22,8 @@ def _run(script, bootstrap, *flags):
     return res.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("script", ["repro_parked_records.py", "repro_txn_offsets.py"])
+@pytest.mark.parametrize("script", ["repro_parked_records.py", "repro_txn_offsets.py",
+                                    "repro_stuck_join.py"])
 def test_the_reproducer_shows_the_bug_and_the_patch_fixes_it(kafka_broker, script):
     assert _run(script, kafka_broker, "--patched") == "OK"
     plain = _run(script, kafka_broker)

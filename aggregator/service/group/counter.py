@@ -37,6 +37,8 @@ import numpy as np
 from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
+from consumers.kafka.compat import finish_join
+
 from ...state import PanPrivateHistogram
 from .deleted import deleted_since
 from .event_windows import EventSlice
@@ -231,6 +233,7 @@ class Counter:
     # -- counting ----------------------------------------------------------------------------
     def step(self, timeout_s: float = 0.2) -> int:
         """One poll; count it; close the windows that ended. Returns events counted."""
+        finish_join(self.consumer)
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000))
         if self._needs_sync:
             # positions may have moved (a rebalance, a failed close): everything polled now is

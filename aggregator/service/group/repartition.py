@@ -48,7 +48,7 @@ from kafka.structs import OffsetAndMetadata
 
 from consumers.base import Segment
 from consumers.decode import FILTERED
-from consumers.kafka.compat import unpark
+from consumers.kafka.compat import finish_join, unpark
 
 from ..deadletter import dead_letter_record
 from .deleted import deleted_since, deleted_text, lost_through
@@ -318,6 +318,7 @@ class Repartitioner:
             # kafka-python 3.0.12 keeps a resumed partition's parked records (and the partition)
             # out of every later fetch without this: consumers/kafka_source.py says why
             unpark(self.consumer)
+        finish_join(self.consumer)
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
         if time.monotonic() - self._idle_checked >= 1.0:
             self._idle_checked = time.monotonic()

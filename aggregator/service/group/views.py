@@ -59,7 +59,7 @@ from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from consumers.base import take_items
-from consumers.kafka.compat import unpark
+from consumers.kafka.compat import finish_join, unpark
 
 from ...counters import noisy_value_counts
 from ...noise import discrete_laplace
@@ -456,6 +456,7 @@ class ViewCounter:
         """One poll; count it; close the windows that ended. Returns events counted."""
         if self.event:
             self._pace()
+        finish_join(self.consumer)
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000))
         if self._needs_sync:
             self._sync()
