@@ -165,14 +165,14 @@ _BROKER_FIXTURES = {"kafka_broker", "_restartable_broker", "restartable_broker"}
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``):
+    """``make test`` runs the suite on three pytest-xdist workers (``-n 3 --dist loadgroup``):
     the tests on a real broker (tests/integration, the fault matrix of tests/chaos, a test with a
-    broker fixture above) all go to the group "broker", so they run one at a time on one worker
-    with its session broker, while the other worker takes the rest. On three workers or more
-    (``-n 3``) they go to two groups, "broker" and "broker2", whole files each, balanced by
-    their measured lengths (tests/durations.py), each on its own worker and session broker,
-    the third worker taking the rest: 30 min instead of 50 here, but not yet what ``make test``
-    runs (the Makefile says why). Without xdist the mark does nothing."""
+    broker fixture above) go to two groups, "broker" and "broker2", whole files each, balanced
+    by their measured lengths (tests/durations.py), so each group runs one test at a time on
+    one worker with that worker's own session broker, while the third worker takes the rest.
+    With fewer than three workers every broker test is in "broker". The broker tests wait on
+    windows and brokers more than they compute, so two lanes of them share two cores with the
+    rest. Without xdist the mark does nothing."""
     measured = durations.load()
     on_broker = []
     for item in items:
