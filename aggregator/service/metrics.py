@@ -158,6 +158,11 @@ class Metrics:
                                          "window to its release being ledgered (scale-out: its "
                                          "merged release published)",
                                          buckets=_SECONDS, registry=r)
+        self.registry_check = Histogram("panagg_registry_check_seconds", "Time to read the "
+                                        "budget registry to its end and check one window's "
+                                        "charges against it (once per release, before its "
+                                        "noise is drawn; never on the counting path)",
+                                        buckets=_SECONDS, registry=r)
         # window.rollups: per span (label), released values only
         self.rollups = Counter("panagg_rollups_released", "Rollups ledgered (summed from the "
                                "base windows' release views, 0 extra eps)", ["span"],

@@ -24,6 +24,7 @@ gets the same answer, and a restart does not replay a refused window.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -149,6 +150,7 @@ class ReleaseGate:
         window's events over the per-event budget."""
         # a Kafka client is loaded by a Kafka run only
         from kafka.errors import KafkaError  # noqa: PLC0415
+        started = time.perf_counter()
         try:
             self.registry.read_to_end()
             self._catch_up()
@@ -159,11 +161,13 @@ class ReleaseGate:
                         "against this deployment's ledgers only", self.registry.topic,
                         type(exc).__name__, wid)
         translate = getattr(self.registry, "translate", None)  # a file source: by content
-        check_registry(self.registry, self.ledger, self._known(siblings), uid, charge, window=wid,
-                       ranges=translate(ranges) if translate else ranges,
-                       lineage=closing.get("lineage"),
-                       window_kind=closing.get("kind"), others=others, pending=pending,
-                       parallel=self.parallel)
+        try:
+            check_registry(self.registry, self.ledger, self._known(siblings), uid, charge,
+                           window=wid, ranges=translate(ranges) if translate else ranges,
+                           lineage=closing.get("lineage"), window_kind=closing.get("kind"),
+                           others=others, pending=pending, parallel=self.parallel)
+        finally:   # a refusal's check took its time too
+            self.metrics.registry_check.observe(time.perf_counter() - started)
 
     def charge_of(self, closing: dict) -> float:
         """What the window's release costs: epsilon, or 0 for a window without events (n is

@@ -12,22 +12,36 @@ topic and once with ``ledger.registry_topic = ""`` (the control), on the same ba
 consumer group, so the latencies with and without compare in one run.
 
     python -m bench.service.registry_cost --events 400000 --window 20000 --reps 3
+
+``--group views`` or ``--group items``: a group of two members (``panagg run`` children, 5 s
+time windows, ``scale.exchange`` as given) over a steady stream instead, once with a new registry
+topic and once with ``ledger.registry_topic = ""``, each for ``--seconds``. The leader's check
+is read from its own metrics (``panagg_registry_check_seconds``, beside
+``panagg_release_latency_seconds``: window end -> merged release published), the mean of each
+over the run's releases::
+
+    python -m bench.service.registry_cost --group items --seconds 90 --reps 2
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from aggregator.service import Aggregator
 from aggregator.service.config import load_config
 from aggregator.service.release_gate import ReleaseGate
 from bench.harness import parser, provenance
+from bench.service import group as group_bench
 from bench.service.e2e import kafka_source, produce, start_broker, stop_broker
 
 D = 100_000
@@ -80,6 +94,82 @@ def one_run(bootstrap: str, topic: str, events: int, window: int, tmp: Path,
             "calls": probe.calls, "seconds": seconds}
 
 
+def _metrics(port: int) -> dict[str, float]:
+    """``{sample name: value}`` of a member's /metrics (empty when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels or set(s.labels) == {"aggregation"}}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def group_run(bootstrap: str, tmp: Path, exchange: str, seconds: float, registry: bool) -> dict:
+    """Two members over a steady stream for ``seconds``; the leader's means (see the module
+    docstring). The topic and the group are new, so nothing of another run is charged."""
+    topic, group = group_bench._topic(bootstrap), f"rc-{uuid.uuid4().hex[:8]}"
+    reg = [f"panagg.budget.bench-{uuid.uuid4().hex[:8]}" if registry else ""]
+    ports = [_free_port(), _free_port()]
+    procs = [group_bench._member(bootstrap, topic, group, f"m{k}", tmp, window=5,
+                                 extra=["--metrics-port", str(port), "--set",
+                                        f"scale.exchange={exchange}", "--set",
+                                        f"ledger.registry_topic={reg[0]}", "--set",
+                                        "release.error_bar_reps=0"])
+             for k, port in enumerate(ports)]
+    try:
+        group_bench._produce(bootstrap, topic, int(2_000 * seconds), rate=2_000)
+        time.sleep(15)   # the last windows close and are released
+        scraped = [_metrics(port) for port in ports]
+    finally:
+        group_bench._stop(procs)
+    lead = max(scraped, key=lambda m: m.get("panagg_release_latency_seconds_count", 0))
+    releases = lead.get("panagg_release_latency_seconds_count", 0)
+    checks = lead.get("panagg_registry_check_seconds_count", 0)
+    return {"registry": registry, "releases": int(releases), "checks": int(checks),
+            "latency": lead.get("panagg_release_latency_seconds_sum", 0) / max(releases, 1),
+            "check": lead.get("panagg_registry_check_seconds_sum", 0) / max(checks, 1)}
+
+
+def group_main(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="panagg-registry-") as tmp_name:
+        tmp = Path(tmp_name)
+        bootstrap, broker_state = start_broker(tmp)
+        try:
+            runs = []
+            for rep in range(args.reps):
+                for registry in (True, False):
+                    r = group_run(bootstrap, tmp, args.group, args.seconds, registry)
+                    runs.append(r)
+                    print(f"  rep {rep} registry {'on ' if registry else 'off'}: "
+                          f"{r['releases']} releases, mean latency {r['latency']:.3f} s, "
+                          f"{r['checks']} checks of {r['check'] * 1e3:.1f} ms", flush=True)
+        finally:
+            stop_broker(broker_state)
+    on = [r for r in runs if r["registry"]]
+    off = [r for r in runs if not r["registry"]]
+    lat_on = statistics.mean(r["latency"] for r in on)
+    lat_off = statistics.mean(r["latency"] for r in off)
+    check = statistics.mean(r["check"] for r in on)
+    print(f"\n{provenance(('aggregator', 'state_store'), ('numpy', 'kafka-python'))}; a group "
+          f"of 2 ({args.group} exchange), 5 s windows, 2,000 events/s for {args.seconds:g} s, "
+          f"{args.reps} repetitions\n")
+    print("| measured | registry on | registry off |")
+    print("|---|---|---|")
+    print(f"| releases (leader) | {sum(r['releases'] for r in on)} | "
+          f"{sum(r['releases'] for r in off)} |")
+    print(f"| mean release latency (window end -> published) | {lat_on:.3f} s | "
+          f"{lat_off:.3f} s |")
+    print(f"| mean registry check per release | {check * 1e3:.1f} ms "
+          f"({check / lat_on:.1%} of the latency) | - |")
+
+
 def _stop_when_counted(agg, events: int, window: int) -> None:
     """Stop once every window of the backlog is ledgered (the last, partial one stays open)."""
     whole = events // window
@@ -100,7 +190,16 @@ def main(argv=None) -> None:
     ap.add_argument("--events", type=int, default=400_000)
     ap.add_argument("--window", type=int, default=20_000)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--group", choices=("views", "items"), default=None,
+                    help="a group of two members with this exchange instead of one process")
+    ap.add_argument("--seconds", type=float, default=90.0,
+                    help="--group: how long the steady stream of each run lasts")
     args = ap.parse_args(argv)
+    if args.group:
+        if args.smoke:
+            args.seconds, args.reps = 15.0, 1
+        group_main(args)
+        return
     if args.smoke:
         args.events, args.window, args.reps = 20_000, 5_000, 1
     with tempfile.TemporaryDirectory(prefix="panagg-registry-") as tmp_name:

@@ -17,6 +17,7 @@ KAFKA_SMOKES = [
     ("service.multi_agg", ["--smoke"]),
     ("service.intake_stall", ["--smoke"]),
     ("service.registry_cost", ["--smoke"]),
+    ("service.registry_cost", ["--smoke", "--group", "items"]),
     ("service.shuffler_throughput", ["--smoke"]),
     ("service.group", ["--smoke", "--throughput"]),
     ("service.group", ["--smoke", "--throughput", "--client", "confluent", "--no-one"]),

@@ -628,6 +628,9 @@ class Leader:
         path = self.local_file(release, f"release of window {w}")
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
+        ended = (release.get("window_info") or {}).get("ended_unix")
+        if ended is not None:   # window end -> merged release published, as docs/operations.md
+            self.metrics.release_latency.observe(max(0.0, time.time() - float(ended)))
         self.metrics.published(release)
         log.info("published release of %swindow %d: n=%d over %d partitions -> %s",
                  f"{self.aggregation} " if self.aggregation else "", w, release["n"], self.P,
@@ -640,15 +643,18 @@ class Leader:
     def _check_registry(self, w: int, fields: dict, eps: float) -> None:
         """BudgetExceeded naming the other deployment when the registry's charges (another
         deployment's, or this ledger's that it lost) bring the window's events over budget."""
-
+        started = time.perf_counter()
         try:
             self.registry.read_to_end()
         except RegistryError as exc:
             # (a Kafka error goes up: the leader's turn is lost and tried again)
             log.warning("%s; window %d is checked against the group's ledger only", exc, w)
-        check_registry(self.registry, self.ledger, self._known(), fields["window_uid"], eps,
-                       window=w, ranges=self._registry_ranges(fields), lineage=fields["lineage"],
-                       window_kind=self.window_kind)
+        try:
+            check_registry(self.registry, self.ledger, self._known(), fields["window_uid"], eps,
+                           window=w, ranges=self._registry_ranges(fields),
+                           lineage=fields["lineage"], window_kind=self.window_kind)
+        finally:   # a refusal's check took its time too
+            self.metrics.registry_check.observe(time.perf_counter() - started)
 
     def local_file(self, release: dict, what: str) -> str | None:
         """The release's file in ``release.dir`` once its document is in Kafka (None: the
