@@ -176,7 +176,7 @@ MODES["shuffle"] = Mode(("state.model=shuffle", "state.epsilon=20",
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
           "start_broker_away", "start_together", "disk_full", "past_retention",
-          "source_retention", "source_retention_early")
+          "source_retention", "source_retention_early", "source_retention_frozen")
 
 #: disk_full: the size of the service's own filesystem (state and release directories), and how
 #: long each fill lasts (s)
@@ -195,7 +195,9 @@ PAST_RETENTION_SETS = (f"scale.repartition_retention_s={RETENTION_S}",
 #: retention does to records no one read while the group was down), and the members start
 #: again. The members go down once the group decided a window (its ledger holds one), at most
 #: DECIDED_S after the planned moment; ``source_retention_early`` takes them down 3-6 s after
-#: the start, whether or not anything was decided (a group down before its first commit)
+#: the start, whether or not anything was decided (a group down before its first commit);
+#: ``source_retention_frozen`` freezes them instead (SIGSTOP, then SIGCONT: a stalled process
+#: that reads on from where it was, one process too)
 AWAY_S = (3.0, 6.0)
 KEEP_S = 1.0
 DECIDED_S = 120.0
@@ -207,7 +209,8 @@ def applies(mode: str, fault: str) -> str:
     if fault == "disk_full" and spec.members:
         return "disk_full is for the one-process modes (a group's state is in Kafka)"
     if spec.shuffle and fault in ("disk_full", "past_retention", "start_together",
-                                  "slow_release"):
+                                  "slow_release", "source_retention",
+                                  "source_retention_early", "source_retention_frozen"):
         return f"{fault} is not built for the shuffle mode yet"
     if fault == "past_retention" and spec.members < 2:
         return "past_retention is for groups of 2-3 (items: the repartition topic's retention; " \
@@ -215,11 +218,8 @@ def applies(mode: str, fault: str) -> str:
     if fault == "past_retention" and "window.kind=event_time" in spec.sets:
         return ("past_retention: event-time windows of a group have no check of records "
                 "deleted before they were counted yet (docs/scale-out.md)")
-    if fault.startswith("source_retention") and not spec.members:
-        return ("source_retention is for groups: one process refuses to start when records of "
-                "its open window were deleted (one line naming --fresh-start, "
-                "start_checks.check_replayable), so nothing is counted past them to check")
-    if fault.startswith("source_retention") and "window.kind=event_time" in spec.sets:
+    if fault.startswith("source_retention") and spec.members and \
+            "window.kind=event_time" in spec.sets:
         return (f"{fault}: the event-time checks (check_event_entries) do not read "
                 "spans named deleted yet; the intakes' naming is tested in "
                 "tests/integration (event_time_source_records_deleted)")
@@ -542,6 +542,9 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
         planned = []
         due = t0 + rng.uniform(3, 6)
         give_up = due + DECIDED_S
+    # (one process decides its first window within seconds; a group's start takes longer)
+    wait_decided = fault in ("source_retention", "source_retention_frozen") and \
+        bool(spec.members)
     while time.monotonic() < end:
         for svc in services.values():
             svc.check_alive()
@@ -565,7 +568,7 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             services[down].start()
             res.notes.append(f"{down} down {DOWN_S:g} s (retention {RETENTION_S} s)")
             end = max(end, time.monotonic() + 15)
-        if due is not None and time.monotonic() >= due and fault == "source_retention" \
+        if due is not None and time.monotonic() >= due and wait_decided \
                 and time.monotonic() < give_up and not _decided(broker.bootstrap, group):
             due = time.monotonic() + 1.0
             end = max(end, due + 1.0)
@@ -573,26 +576,34 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             due = None
             res.faults += 1
             res.notes.append(f"members down {time.monotonic() - t0:.0f} s in" +
-                             ("" if fault == "source_retention_early" else
+                             ("" if not wait_decided else
                               ", once a window was decided" if time.monotonic() < give_up
                               else f", no window decided within {DECIDED_S:g} s"))
-            # every member down (killed -9 or stopped), so that no one reads on meanwhile
-            how = rng.choice(("kill9", "sigterm"))
+            # every member down (killed -9, stopped or frozen), so that no one reads meanwhile
+            how = "sigstop" if fault == "source_retention_frozen" else \
+                rng.choice(("kill9", "sigterm"))
             for svc in services.values():
                 if how == "kill9":
                     svc.kill9()
-                else:
+                elif how == "sigterm":
                     svc.stop()
+                elif svc.proc is not None:
+                    svc.proc.send_signal(signal.SIGSTOP)
             away = rng.uniform(*AWAY_S)
             time.sleep(away)
             cut = _delete_records(broker.bootstrap, topic,
                                   keep=rng.randint(0, int(KEEP_S * RATE) // PARTITIONS))
             res.notes.append(f"every member {how} and down {away:.1f} s; the source's records "
                              f"deleted below {cut}")
-            services[names[0]].start()
-            for name in names[1:]:
-                time.sleep(1)
-                services[name].start()
+            if how == "sigstop":
+                for svc in services.values():
+                    if svc.proc is not None:
+                        svc.proc.send_signal(signal.SIGCONT)
+            else:
+                services[names[0]].start()
+                for name in names[1:]:
+                    time.sleep(1)
+                    services[name].start()
             end = max(end, time.monotonic() + 15)
         if planned and time.monotonic() >= t0 + planned[0] and fault in (
                 "kill9", "broker_kill", "broker_restart"):
@@ -871,7 +882,7 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
             ranges = dict(e.get("ranges") or {})
             for m in named.finditer(str(e["withheld"])):
                 reason = m.group(0)
-                said = DELETED.match(reason)
+                said = DELETED.match(str(e["withheld"]), m.start())   # a source deletion
                 if said and not any(k == f"{said.group(4)}:{m.group(1)}" for k in keys.values()):
                     continue   # another topic's partition (items: the source's)
                 if m.group(1) in keys:
@@ -879,7 +890,10 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
                     # where the first record left is): only a named window range tiles
                     if m.group(4):
                         ranges.setdefault(keys[m.group(1)], [int(m.group(4)), int(m.group(5))])
-                    if "retention" in reason:
+                    # (a source deletion, named by the window open when reading went on:
+                    # windows are the intake's or the member's processing time, so the
+                    # next window cannot hold them)
+                    if "retention" in reason and not said:
                         deleted_end.setdefault(keys[m.group(1)], []).append(
                             (int(m.group(3)), int(e["window"])))
             e = dict(e, kind="refused", ranges=ranges)
