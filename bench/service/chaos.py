@@ -7,10 +7,12 @@ one invariant (tests/chaos/invariant.py).
     python -m bench.service.chaos --modes count,several --faults kill9 --seeds 1   # a smoke run
     python -m bench.service.chaos --modes count --faults disk_full --seeds 1
     python -m bench.service.chaos --modes group_items2 --faults past_retention --seeds 1
+    python -m bench.service.chaos --modes group2,group_items2 --faults source_retention --seeds 3
 
 A fault that does not apply to a mode (disk_full to a group, past_retention to all but the
-items groups of 2-3 with time or count windows, the faults not built for ``shuffle``), or a
-full disk where no filesystem can be mounted, is skipped with its reason, never faked.
+groups of 2-3 with time or count windows, the source_retention faults to event-time groups,
+the faults not built for ``shuffle``), or a full disk where no filesystem can be mounted, is
+skipped with its reason, never faked.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import msgpack
 
-from .invariant import check_directory, check_rollups
+from .invariant import (DELETED, check_directory, check_rollups, check_source_spans,
+                        named_deleted)
 
 __all__ = ["Broker", "FAULTS", "MODES", "Result", "run_case"]
 
@@ -174,7 +175,8 @@ MODES["shuffle"] = Mode(("state.model=shuffle", "state.epsilon=20",
 
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
-          "start_broker_away", "start_together", "disk_full", "past_retention")
+          "start_broker_away", "start_together", "disk_full", "past_retention",
+          "source_retention", "source_retention_early", "source_retention_frozen")
 
 #: disk_full: the size of the service's own filesystem (state and release directories), and how
 #: long each fill lasts (s)
@@ -188,6 +190,17 @@ RETENTION_S = 15
 DOWN_S = 100.0
 PAST_RETENTION_SETS = (f"scale.repartition_retention_s={RETENTION_S}",
                        "source.session_timeout_s=150")
+#: source_retention: how long every member stays down while the producer goes on (s); then the
+#: source topic's records are deleted up to at most KEEP_S of production before its end (what
+#: retention does to records no one read while the group was down), and the members start
+#: again. The members go down once the group decided a window (its ledger holds one), at most
+#: DECIDED_S after the planned moment; ``source_retention_early`` takes them down 3-6 s after
+#: the start, whether or not anything was decided (a group down before its first commit);
+#: ``source_retention_frozen`` freezes them instead (SIGSTOP, then SIGCONT: a stalled process
+#: that reads on from where it was, one process too)
+AWAY_S = (3.0, 6.0)
+KEEP_S = 1.0
+DECIDED_S = 120.0
 
 
 def applies(mode: str, fault: str) -> str:
@@ -196,7 +209,8 @@ def applies(mode: str, fault: str) -> str:
     if fault == "disk_full" and spec.members:
         return "disk_full is for the one-process modes (a group's state is in Kafka)"
     if spec.shuffle and fault in ("disk_full", "past_retention", "start_together",
-                                  "slow_release"):
+                                  "slow_release", "source_retention",
+                                  "source_retention_early", "source_retention_frozen"):
         return f"{fault} is not built for the shuffle mode yet"
     if fault == "past_retention" and spec.members < 2:
         return "past_retention is for groups of 2-3 (items: the repartition topic's retention; " \
@@ -204,6 +218,11 @@ def applies(mode: str, fault: str) -> str:
     if fault == "past_retention" and "window.kind=event_time" in spec.sets:
         return ("past_retention: event-time windows of a group have no check of records "
                 "deleted before they were counted yet (docs/scale-out.md)")
+    if fault.startswith("source_retention") and spec.members and \
+            "window.kind=event_time" in spec.sets:
+        return (f"{fault}: the event-time checks (check_event_entries) do not read "
+                "spans named deleted yet; the intakes' naming is tested in "
+                "tests/integration (event_time_source_records_deleted)")
     return ""
 
 
@@ -291,14 +310,44 @@ def _make_topic(bootstrap: str, configs: dict | None = None) -> str:
     return topic
 
 
-def _ends(bootstrap: str, topic: str) -> dict[str, int]:
+def _ends(bootstrap: str, topic: str, first: bool = False) -> dict[str, int]:
+    """Each partition's end offset (``first``: its first offset, the log start a user reads as
+    any consumer does; records below it were deleted)."""
     from kafka import KafkaConsumer, TopicPartition
 
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
     tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
-    ends = c.end_offsets(tps)
+    ends = c.beginning_offsets(tps) if first else c.end_offsets(tps)
     c.close()
     return {f"{topic}:{tp.partition}": int(o) for tp, o in ends.items()}
+
+
+def _decided(bootstrap: str, group: str) -> bool:
+    """Whether the group's ledger topic holds a decided window (a release entry, withheld or
+    not): its members have committed source positions since."""
+    from aggregator.service.group.topics import GroupTopics
+
+    try:
+        recs = _read_topic(bootstrap, GroupTopics(group).ledger)
+    except Exception:   # not made yet
+        return False
+    return any(b'"kind": "release"' in (v or b"") or b'"kind":"release"' in (v or b"")
+               for part in recs.values() for _, v in part)
+
+
+def _delete_records(bootstrap: str, topic: str, keep: int) -> dict[int, int]:
+    """Delete each partition's records but its last ``keep`` (``kafka-delete-records``: what
+    the topic's retention does to old records); returns partition -> its first offset after."""
+    from kafka import TopicPartition
+
+    cut = {int(k.rsplit(":", 1)[1]): max(0, end - keep)
+           for k, end in _ends(bootstrap, topic).items()}
+    admin = _admin(bootstrap)
+    try:
+        admin.delete_records({TopicPartition(topic, p): o for p, o in cut.items()})
+    finally:
+        admin.close()
+    return cut
 
 
 class _Service:
@@ -449,13 +498,14 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
     producer = _Producer(broker.bootstrap, topic, RATE, seed)
     producer.start()
     recorder = None
-    if fault == "past_retention":
+    if fault == "past_retention" and not views_retention:
         # what a reader of the repartition topic sees while it runs: retention deletes records
-        # the checker must still count (the released windows' n, the gaps no window names)
+        # the checker must still count (the released windows' n, the gaps no window names).
+        # Not for the source topic: its records are one event an offset, and what its
+        # retention deleted is accounted for by the ledger's names (invariant.py, rule 6)
         from aggregator.service.group.topics import GroupTopics
 
-        recorder = _Recorder(broker.bootstrap, topic if views_retention
-                             else GroupTopics(group).repartition, per_record=views_retention)
+        recorder = _Recorder(broker.bootstrap, GroupTopics(group).repartition)
         recorder.start()
     returns: list[float] = []  # wall-clock times the broker came back
     outages: list[float] = []  # and the times it went away
@@ -484,6 +534,17 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
     end = t0 + seconds
     if fault == "past_retention":
         planned = [rng.uniform(3, 6)]
+    # source_retention: when every member goes down (looked at again each second until the
+    # group decided a window, up to give_up)
+    due: float | None = None
+    give_up = 0.0
+    if fault.startswith("source_retention"):
+        planned = []
+        due = t0 + rng.uniform(3, 6)
+        give_up = due + DECIDED_S
+    # (one process decides its first window within seconds; a group's start takes longer)
+    wait_decided = fault in ("source_retention", "source_retention_frozen") and \
+        bool(spec.members)
     while time.monotonic() < end:
         for svc in services.values():
             svc.check_alive()
@@ -506,6 +567,43 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             _supervise([svc for name, svc in services.items() if name != down], DOWN_S, 0.5)
             services[down].start()
             res.notes.append(f"{down} down {DOWN_S:g} s (retention {RETENTION_S} s)")
+            end = max(end, time.monotonic() + 15)
+        if due is not None and time.monotonic() >= due and wait_decided \
+                and time.monotonic() < give_up and not _decided(broker.bootstrap, group):
+            due = time.monotonic() + 1.0
+            end = max(end, due + 1.0)
+        elif due is not None and time.monotonic() >= due:
+            due = None
+            res.faults += 1
+            res.notes.append(f"members down {time.monotonic() - t0:.0f} s in" +
+                             ("" if not wait_decided else
+                              ", once a window was decided" if time.monotonic() < give_up
+                              else f", no window decided within {DECIDED_S:g} s"))
+            # every member down (killed -9, stopped or frozen), so that no one reads meanwhile
+            how = "sigstop" if fault == "source_retention_frozen" else \
+                rng.choice(("kill9", "sigterm"))
+            for svc in services.values():
+                if how == "kill9":
+                    svc.kill9()
+                elif how == "sigterm":
+                    svc.stop()
+                elif svc.proc is not None:
+                    svc.proc.send_signal(signal.SIGSTOP)
+            away = rng.uniform(*AWAY_S)
+            time.sleep(away)
+            cut = _delete_records(broker.bootstrap, topic,
+                                  keep=rng.randint(0, int(KEEP_S * RATE) // PARTITIONS))
+            res.notes.append(f"every member {how} and down {away:.1f} s; the source's records "
+                             f"deleted below {cut}")
+            if how == "sigstop":
+                for svc in services.values():
+                    if svc.proc is not None:
+                        svc.proc.send_signal(signal.SIGCONT)
+            else:
+                services[names[0]].start()
+                for name in names[1:]:
+                    time.sleep(1)
+                    services[name].start()
             end = max(end, time.monotonic() + 15)
         if planned and time.monotonic() >= t0 + planned[0] and fault in (
                 "kill9", "broker_kill", "broker_restart"):
@@ -584,7 +682,8 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
         _check_group(res, broker.bootstrap, group, spec, topic, recorder)
     else:
         report = check_directory(data / "state", data / "releases", ends=ends,
-                                 begins={p: 0 for p in ends})
+                                 begins={p: 0 for p in ends},
+                                 lows=_ends(broker.bootstrap, topic, first=True))
         if not report:
             res.violations.append("no aggregation has a ledger")
         for name, cov in report.items():
@@ -699,7 +798,8 @@ class _Recorder(threading.Thread):
 
 def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
                         events_at: dict[str, dict[int, int]],
-                        readable_from: dict[str, int], skips_empty: bool = False):
+                        readable_from: dict[str, int], skips_empty: bool = False,
+                        lows: dict[str, int] | None = None):
     """The invariant over a group's ledger ``entries`` and publications ``docs``:
     :func:`~tests.chaos.invariant.check_aggregation` with ``events_at`` (per position key, the
     events at each offset the harness read). A withheld window (a ``release`` entry with
@@ -712,6 +812,8 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     partition's range empty right where that partition's records were deleted by retention
     before they were counted (a withheld window names them) is published short: the deleted
     records may be its own (docs/scale-out.md: every window they may fall in is withheld).
+    ``lows``: the source's first offsets now (rule 6 of :mod:`.invariant`: what an entry names
+    deleted must be gone).
 
     >>> rk = "r:1"
     >>> events = {"r:0": {o: 1 for o in range(40)}, rk: {o: 1 for o in range(40)}}
@@ -780,12 +882,18 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
             ranges = dict(e.get("ranges") or {})
             for m in named.finditer(str(e["withheld"])):
                 reason = m.group(0)
+                said = DELETED.match(str(e["withheld"]), m.start())   # a source deletion
+                if said and not any(k == f"{said.group(4)}:{m.group(1)}" for k in keys.values()):
+                    continue   # another topic's partition (items: the source's)
                 if m.group(1) in keys:
                     # the deleted span is not the window's range (a window resumed there ends
                     # where the first record left is): only a named window range tiles
                     if m.group(4):
                         ranges.setdefault(keys[m.group(1)], [int(m.group(4)), int(m.group(5))])
-                    if "retention" in reason:
+                    # (a source deletion, named by the window open when reading went on:
+                    # windows are the intake's or the member's processing time, so the
+                    # next window cannot hold them)
+                    if "retention" in reason and not said:
                         deleted_end.setdefault(keys[m.group(1)], []).append(
                             (int(m.group(3)), int(e["window"])))
             e = dict(e, kind="refused", ranges=ranges)
@@ -793,7 +901,7 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
     # every partition is counted from its first offset (the topics are new): events before
     # the first window are in no window
     cov = check_aggregation(fixed, docs, topic_docs=None, size_of=size_of,
-                            begins={k: 0 for k in events_at})
+                            begins={k: 0 for k in events_at}, lows=lows)
     kept = []
     if skips_empty:
         kept += _excuse_empty(fixed, cov, size_of)
@@ -1036,7 +1144,10 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     publications. The ledger's ranges are source positions (scale.exchange = views: one event
     an offset), or positions of the repartition topic (items: each record there holds the
     events of one source record, 4 bytes an event); ``recorder`` read the repartition topic
-    while the case ran (what its retention deleted since is known from it)."""
+    while the case ran (what its retention deleted since is known from it). Source records
+    deleted before they were counted are accounted for where a withheld window names them and
+    the source no longer holds them (invariant.py, rule 6; items: every source offset in one
+    repartition message's ``src`` span or named, :func:`~.invariant.check_source_spans`)."""
     import json
 
     from kafka import KafkaConsumer, TopicPartition
@@ -1075,8 +1186,12 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
             elif "rollup" in doc:
                 rollup_docs.append(doc)
     name = topic if views else topics.repartition
+    ends = _ends(bootstrap, topic)
+    source_lows = _ends(bootstrap, topic, first=True)
     if views:
-        events_at = {f"{topic}:{p}": {r[0]: 1 for r in recs} for p, recs in read.items()}
+        # one event an offset (the harness's producer writes no transaction markers), read or
+        # deleted since: what a released window's range holds is its length
+        events_at = {key: dict.fromkeys(range(end), 1) for key, end in ends.items()}
     else:
         events_at = {f"{topics.repartition}:{p}": {off: len(v or b"") // 4
                                                     for off, v, _ in recs}
@@ -1106,7 +1221,7 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     lows = {f"{name}:{tp.partition}": int(o) for tp, o in c.beginning_offsets(
         [TopicPartition(name, p) for p in read]).items()}
     c.close()
-    readable_from = dict(lows)
+    readable_from = {} if views else dict(lows)
     if recorder is not None:
         for p, seen in recorder.events.items():
             key = f"{name}:{p}"
@@ -1124,7 +1239,23 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     # time windows of a group: only released windows are published; offsets between ranges
     # may hold transaction markers (no event), which size_of counts as nothing
     cov = check_group_entries(entries, docs, events_at, readable_from,
-                              skips_empty=kind == "count")
+                              skips_empty=kind == "count", lows=source_lows)
+    named = named_deleted([dict(e, kind="refused") if e.get("withheld") else e
+                           for e in entries])
+    deleted = cov.deleted
+    if not views:
+        # the ledger's ranges are repartition positions: the source's are in the messages
+        counted: dict[str, list[tuple[int, int]]] = {}
+        for recs in read.values():
+            for _, _, headers in recs:
+                if "src" in headers:
+                    src_topic, p, a, b = headers["src"].decode().rsplit(":", 3)
+                    counted.setdefault(f"{src_topic}:{p}", []).append((int(a), int(b)))
+        res.violations += [f"[group] {v}"
+                           for v in check_source_spans(counted, named, ends, source_lows)]
+    if named or any(source_lows.values()):
+        res.notes.append(f"source records deleted below {source_lows}; withheld windows name "
+                         f"{deleted} of them deleted before they were counted")
     if kind == "count":
         ids = sorted(cov.windows + cov.refused)
         skipped = sorted(set(range(ids[0], ids[-1] + 1)) - set(ids)) if ids else []
@@ -1139,9 +1270,9 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
         return sum(k for off, k in events_at.get(part, {}).items() if a <= off < b)
 
     total = sum(sum(m.values()) for m in events_at.values())
-    if total != res.produced:
-        res.violations.append(f"[group] the repartition topic holds {total} events of "
-                              f"{res.produced} source records")
+    if not views and total + deleted != res.produced:
+        res.violations.append(f"[group] the repartition topic holds {total} events and "
+                              f"{deleted} are named deleted, of {res.produced} source records")
     res.released["group"] = cov.released_events
     left = sum(size_of(part, cov.covered.get(part, 0), 1 << 62) for part in events_at)
     res.unreleased["group"] = left

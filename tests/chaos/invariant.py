@@ -17,6 +17,16 @@ topic if there is one, and the source's end offsets. For each aggregation:
    the same content; no document exists without its ledger entry.
 5. **Nothing lost without a name.** A refused (withheld) window names its ranges in its entry,
    so every offset below ``covered`` is in exactly one named window.
+6. **Deleted only where named, and really deleted.** Source records the topic's retention (or
+   ``kafka-delete-records``) deleted before they were counted are accounted for only where a
+   refused or withheld entry names them ("records of partition P from offset A to B were
+   deleted by the retention of T before they were counted", the words of
+   ``aggregator/service/group/deleted.py``): such a span may fill a gap between windows, no
+   released window may hold it, and it must lie below the partition's first offset now (the
+   topic's log start offset, which a user reads as any consumer does): a span named deleted
+   whose records are still there is a loss dressed as a deletion. :func:`check_source_spans`
+   applies the same rule where the ledger's ranges are not source positions (the items
+   exchange: its repartition messages name the source positions they came from).
 
 :func:`check_aggregation` returns the violations (strings; empty: the invariant holds) and
 what was covered, so a harness can add what only it knows (every produced event released).
@@ -37,14 +47,21 @@ what was covered, so a harness can add what only it knows (every produced event 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["Coverage", "check_aggregation", "check_directory", "check_rollups", "read_ledger",
-           "read_releases", "read_rollups"]
+__all__ = ["Coverage", "check_aggregation", "check_directory", "check_rollups",
+           "check_source_spans", "named_deleted", "read_ledger", "read_releases",
+           "read_rollups"]
 
 WINDOW_KINDS = ("release", "refused")
+
+#: how a ledger entry names source records deleted before they were counted (the words of
+#: aggregator.service.group.deleted.deleted_text; the topic is the source topic)
+DELETED = re.compile(r"records of partition (\d+) from offset (\d+) to (\d+) were deleted by "
+                     r"the retention of (\S+) before they were counted")
 
 
 @dataclass
@@ -61,6 +78,8 @@ class Coverage:
     refused: list[int] = field(default_factory=list)
     #: sum rollups checked (:func:`check_rollups`)
     rollups: int = 0
+    #: source positions refused or withheld entries name as deleted before they were counted
+    deleted: int = 0
 
 
 def read_ledger(path: Path) -> list[dict]:
@@ -95,16 +114,38 @@ def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
                       ends: dict[str, int] | None = None,
                       topic_docs: dict[int, list[dict]] | None = None,
                       begins: dict[str, int] | None = None,
-                      size_of: Callable[[str, int, int], int] | None = None) -> Coverage:
+                      size_of: Callable[[str, int, int], int] | None = None,
+                      lows: dict[str, int] | None = None) -> Coverage:
     """The invariant of the module docstring over one aggregation's ledger ``entries``, its
     release documents ``docs`` (``{window: [document, ...]}``, one per publication) and, if
     known, the source's end offsets ``ends``, the release topic's publications and where each
     partition's counting began (``begins``: the first window must start there). ``size_of(part,
     a, b)``: the events positions ``[a, b)`` of ``part`` hold (default ``b - a``: one record
-    each; a group's repartition records hold several)."""
+    each; a group's repartition records hold several). ``lows``: each source partition's first
+    offset now; given, every span a refused entry names deleted must lie below it (rule 6).
+
+    Rule 6, a silent loss and the same loss named (the source now begins at 9 on partition 0):
+
+    >>> rel = lambda w, a, b: {"kind": "release", "window": w, "n": b - a,
+    ...                        "ranges": {"t:0": [a, b]}, "totals": {"rejects": {}}}
+    >>> docs = {0: [{"n": 3}], 2: [{"n": 3}]}
+    >>> silent = [rel(0, 0, 3), {"kind": "refused", "window": 1, "ranges": {}}, rel(2, 9, 12)]
+    >>> check_aggregation(silent, docs, ends={"t:0": 12}, lows={"t:0": 9}).violations
+    ['t:0: offsets [3, 9) between windows 0 and 2 are in no window']
+    >>> why = ("records of partition 0 from offset 3 to 9 were deleted by the retention of t "
+    ...        "before they were counted")
+    >>> named = [silent[0], dict(silent[1], note=why), silent[2]]
+    >>> cov = check_aggregation(named, docs, ends={"t:0": 12}, lows={"t:0": 9})
+    >>> cov.violations, cov.deleted
+    ([], 6)
+    >>> print(*check_aggregation(named, docs, ends={"t:0": 12}, lows={"t:0": 5}).violations)
+    window 1 names t:0 offsets [3, 9) deleted, but the source still holds [5, 9) (it begins at 5)
+    """
     cov = Coverage()
     bad = cov.violations.append
     decided = [e for e in entries if e.get("kind") in WINDOW_KINDS]
+    named = named_deleted(decided)
+    cov.deleted = sum(b - a for spans in named.values() for a, b, _ in _union(spans))
     ids = [e["window"] for e in decided]
     if len(ids) != len(set(ids)):
         dup = sorted({w for w in ids if ids.count(w) > 1})
@@ -126,6 +167,10 @@ def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
                 bad(f"window {w}: range {part} [{a}, {b}) runs backwards")
             size += (b - a) if size_of is None else size_of(part, a, b)
             spans.setdefault(part, []).append((a, b, w))
+            for x, y, u in named.get(part, []) if e["kind"] == "release" else ():
+                if max(a, x) < min(b, y):
+                    bad(f"window {w}: released over {part} offsets [{max(a, x)}, {min(b, y)}), "
+                        f"which window {u} names deleted before they were counted")
         if e["kind"] == "refused":
             cov.refused.append(w)
             continue
@@ -152,20 +197,131 @@ def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
     for part, ss in sorted(spans.items()):
         ss.sort()
         cov.first[part] = ss[0][0]
-        if begins is not None and ss[0][0] != begins.get(part, 0):
-            bad(f"{part}: offsets [{begins.get(part, 0)}, {ss[0][0]}) before window {ss[0][2]} "
-                "are in no window")
+        begin = None if begins is None else begins.get(part, 0)
+        if begin is not None and ss[0][0] < begin:
+            bad(f"{part}: window {ss[0][2]} starts at {ss[0][0]}, before the source's "
+                f"{begin}")
+        for x, y in _uncovered(begin or 0, ss[0][0], named.get(part, [])) \
+                if begin is not None else ():
+            bad(f"{part}: offsets [{x}, {y}) before window {ss[0][2]} are in no window")
         for (a0, b0, w0), (a1, b1, w1) in zip(ss, ss[1:]):
-            if b0 < a1:
-                bad(f"{part}: offsets [{b0}, {a1}) between windows {w0} and {w1} are in no "
-                    "window")
+            if b0 < a1:   # a gap: accounted for only where an entry names it deleted
+                for x, y in _uncovered(b0, a1, named.get(part, [])):
+                    bad(f"{part}: offsets [{x}, {y}) between windows {w0} and {w1} are in no "
+                        "window")
             elif b0 > a1:
                 bad(f"{part}: offsets [{a1}, {b0}) are in windows {w0} and {w1}")
         cov.covered[part] = max(b for _, b, _ in ss)
         if ends is not None and cov.covered[part] > ends.get(part, 0):
             bad(f"{part}: windows cover up to {cov.covered[part]}, past the source's end "
                 f"{ends.get(part, 0)}")
+    if lows is not None:
+        cov.violations += _named_still_there(named, lows)
     return cov
+
+
+def named_deleted(entries: list[dict]) -> dict[str, list[tuple[int, int, int]]]:
+    """Per source partition (``topic:p``), the spans ``[a, b)`` that refused or withheld
+    entries (their ``note`` or ``withheld`` reason) name as deleted before they were counted,
+    each with the first window naming it; a span named by several windows is one span.
+
+    >>> why = ("records of partition 2 from offset 5 to 9 were deleted by the retention of "
+    ...        "src before they were counted; window range [5, 9) cannot be released whole")
+    >>> named_deleted([{"kind": "release", "window": 3, "withheld": why},
+    ...                {"kind": "refused", "window": 4, "note": why},
+    ...                {"kind": "release", "window": 5, "n": 1, "note": why}])
+    {'src:2': [(5, 9, 3)]}
+    """
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for e in sorted((e for e in entries if e.get("kind") in WINDOW_KINDS),
+                    key=lambda e: e["window"]):
+        if e["kind"] == "release" and not e.get("withheld"):
+            continue   # a released window names nothing deleted
+        for m in DELETED.finditer(str(e.get("withheld") or e.get("note") or "")):
+            mine = out.setdefault(f"{m.group(4)}:{m.group(1)}", [])
+            span = (int(m.group(2)), int(m.group(3)))
+            if all((a, b) != span for a, b, _ in mine):
+                mine.append((*span, e["window"]))
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def check_source_spans(counted: dict[str, list[tuple[int, int]]],
+                       named: dict[str, list[tuple[int, int, int]]], ends: dict[str, int],
+                       lows: dict[str, int]) -> list[str]:
+    """Rule 6 where the ledger's ranges are not source positions (the items exchange): per
+    source partition, the spans of source positions the counted messages came from
+    (``counted``; one span repeated, a poll's on every repartition partition, is one) and the
+    spans entries name deleted (:func:`named_deleted`) hold every offset from 0 to the end
+    exactly once, and every named span lies below the partition's first offset now.
+
+    >>> counted = {"s:0": [(0, 4), (9, 12), (9, 12)]}
+    >>> check_source_spans(counted, {}, {"s:0": 12}, {"s:0": 9})
+    ['s:0: offsets [4, 9) were neither counted nor named deleted']
+    >>> check_source_spans(counted, {"s:0": [(4, 9, 1)]}, {"s:0": 12}, {"s:0": 9})
+    []
+    >>> check_source_spans(counted, {"s:0": [(2, 9, 1)]}, {"s:0": 12}, {"s:0": 9})
+    ['s:0: offsets [2, 4) were counted and named deleted (window 1)']
+    """
+    out = []
+    for key in sorted(set(ends) | set(counted) | set(named)):
+        spans = sorted([(a, b, "") for a, b in set(counted.get(key, ()))] +
+                       [(a, b, f"window {w}") for a, b, w in _union(named.get(key, []))])
+        at = 0
+        for a, b, who in spans:
+            if a > at:
+                out.append(f"{key}: offsets [{at}, {a}) were neither counted nor named deleted")
+            elif a < at:
+                twice = f"[{a}, {min(at, b)})"
+                out.append(f"{key}: offsets {twice} were counted and named deleted ({who})"
+                           if who else f"{key}: offsets {twice} were counted twice")
+            at = max(at, b)
+        end = ends.get(key, 0)
+        if at < end:
+            out.append(f"{key}: offsets [{at}, {end}) were neither counted nor named deleted")
+        elif at > end:
+            out.append(f"{key}: counted up to {at}, past the source's end {end}")
+    return out + _named_still_there(named, lows)
+
+
+def _named_still_there(named: dict[str, list[tuple[int, int, int]]],
+                       lows: dict[str, int]) -> list[str]:
+    """A span named deleted must be gone: below the partition's first offset now."""
+    out = []
+    for key, spans in sorted(named.items()):
+        for a, b, w in spans:
+            low = lows.get(key)
+            if low is None:
+                out.append(f"window {w} names records of {key} deleted, a partition the source "
+                           "does not have")
+            elif b > low:
+                out.append(f"window {w} names {key} offsets [{a}, {b}) deleted, but the source "
+                           f"still holds [{max(a, low)}, {b}) (it begins at {low})")
+    return out
+
+
+def _union(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``spans`` (a, b, window) merged where they overlap (the first window kept)."""
+    out: list[tuple[int, int, int]] = []
+    for a, b, w in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b), out[-1][2])
+        else:
+            out.append((a, b, w))
+    return out
+
+
+def _uncovered(a: int, b: int, spans: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[a, b)`` no span of ``spans`` (a, b, window) covers."""
+    out, at = [], a
+    for x, y, _ in _union(spans):
+        if y <= at or x >= b:
+            continue
+        if x > at:
+            out.append((at, x))
+        at = max(at, y)
+    if at < b:
+        out.append((at, b))
+    return out
 
 
 def read_rollups(release_dir: Path) -> list[dict]:
@@ -254,11 +410,13 @@ def _window_others(decided: list[dict], entry: dict) -> int:
 
 def check_directory(state_dir: Path, release_dir: Path, ends: dict[str, int] | None = None,
                     topic_docs: dict[str, dict[int, list[dict]]] | None = None,
-                    begins: dict[str, int] | None = None) -> dict[str, Coverage]:
+                    begins: dict[str, int] | None = None,
+                    lows: dict[str, int] | None = None) -> dict[str, Coverage]:
     """:func:`check_aggregation` for every aggregation of a service's directories: one (a
     ``ledger.jsonl`` at the top) or several (one directory each, with a release directory of
     the same name). ``topic_docs``: ``{aggregation: {window: [document]}}`` read from a release
-    topic. Returns ``{aggregation name or "": Coverage}``."""
+    topic; ``lows``: the source's first offsets now (rule 6). Returns ``{aggregation name or
+    "": Coverage}``."""
     state_dir, release_dir = Path(state_dir), Path(release_dir)
     if (state_dir / "ledger.jsonl").exists():
         units = {"": (state_dir, release_dir)}
@@ -269,7 +427,8 @@ def check_directory(state_dir: Path, release_dir: Path, ends: dict[str, int] | N
     for name, (sdir, rdir) in units.items():
         entries = read_ledger(sdir / "ledger.jsonl")
         docs = read_releases(rdir) if rdir.exists() else {}
-        out[name] = check_aggregation(entries, docs, ends, (topic_docs or {}).get(name), begins)
+        out[name] = check_aggregation(entries, docs, ends, (topic_docs or {}).get(name), begins,
+                                      lows=lows)
         rolls = read_rollups(rdir) if rdir.exists() else []
         out[name].violations += check_rollups(entries, docs, rolls)
         out[name].rollups = len(rolls)

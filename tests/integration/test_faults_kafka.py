@@ -17,7 +17,8 @@ import msgpack
 import pytest
 
 from tests.chaos.harness import fill_disk
-from tests.helpers.kafka import D, env, make_topic, produce, service_args
+from tests.helpers.kafka import (D, env, make_topic, produce, produce_items, run_service,
+                                 service_args, wait_for)
 
 
 def _mount_small_disk(path: Path, size: str = "4m") -> None:
@@ -313,3 +314,54 @@ def test_a_backlog_lands_in_the_windows_of_its_timestamps(kafka_broker, tmp_path
     assert [e["n"] for e in releases] == sizes, res.stderr[-3000:]
     starts = [json.loads(e["document"])["window_info"]["event_start_unix"] for e in releases]
     assert starts == [base, base + 30, base + 60]
+
+
+def test_records_deleted_before_they_were_read_stop_the_service_not_a_short_release(
+        kafka_broker, tmp_path):
+    """A service stalled (SIGSTOP, as a long pause would) while the topic's retention deletes
+    records it had not read: the consumer goes on from the first record left without a word.
+    Before the fix the open count window took the records after the deletion and was released
+    with n = 2,000 over a range of 4,000 positions (the fault harness's
+    ``source_retention_frozen``: count window n 4,000 over 8,503, a time window n 2,697 over
+    7,350). Now the service stops with one line naming the deleted records, the window is not
+    released, and a restart refuses the same way (it cannot be replayed)."""
+    from kafka import KafkaAdminClient, TopicPartition
+
+    topic = make_topic(kafka_broker, partitions=1)
+    produce_items(kafka_broker, topic, 3000, seed=1)
+    args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
+                        "--set", "window.size=2000")
+    err = open(tmp_path / "stderr.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
+                            stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        # window 0 released, window 1 open with records 2000-2999
+        wait_for(lambda: (tmp_path / "releases" / "release-0.json").exists(), 120,
+                 "window 0's release")
+        proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: _stopped(proc.pid), 30, "the stall")
+        # the fetch it had sent is answered (empty) within fetch_max_wait_ms (0.5 s): what is
+        # produced next is not in a response waiting in its socket, read before the deletion
+        time.sleep(3)
+        produce_items(kafka_broker, topic, 3000, seed=2)   # offsets 3000-5999, not read
+        admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+        admin.delete_records({TopicPartition(topic, 0): 5000})   # 3000-4999, unread
+        admin.close()
+        proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: proc.poll() is not None or
+                 (tmp_path / "releases" / "release-1.json").exists(), 120,
+                 "the service's stop or window 1's release")
+        released = _releases(tmp_path / "state")
+        assert [r["window"] for r in released] == [0], released
+        assert proc.wait(60) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err.close()
+    last = (tmp_path / "stderr.log").read_text().strip().splitlines()[-1]
+    assert last.startswith(f"panagg: error: records of {topic}:0 from offset 3000 were deleted "
+                           "before they were read"), last
+    again = run_service(args)
+    assert again.returncode == 2
+    assert "cannot be replayed" in again.stderr.strip().splitlines()[-1]
