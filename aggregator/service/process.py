@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
 from consumers.base import Segment, Source
@@ -49,6 +48,7 @@ from .stages.publish import PublishStep
 from .stages.registries import BudgetRegistries
 from .stages.release import ReleaseStep, release_method, rollups_for
 from .stages.resume import Resume
+from .stages.retention import RetentionWatch
 from .stages.start import Start
 from .stages.start_checks import StartChecks, keep_processing_time, save_effective_config
 from .stages.state_dir import DirectoryClaim, service_running
@@ -56,10 +56,6 @@ from .stages.windows import WindowAssigner
 from .window import WindowTask
 
 __all__ = ["release_method", "Aggregator", "ServiceError", "Stopping", "service_running"]
-
-#: a jump in a partition's offsets this small is most often transaction markers: looked at
-#: once a second at most (:meth:`Aggregator._check_not_deleted`)
-SMALL_JUMP = 4
 
 log = logging.getLogger("panagg.service")
 
@@ -155,8 +151,7 @@ class Aggregator:
         self.stop_event = threading.Event()
         self.reject_watch, self.reject_log = RejectWatch(cfg), RejectLog()
         self.intake_gap = IntakeGap()  # the longest stall of intake per window
-        #: per partition, when the source was last asked whether a jump was a deletion
-        self._looked_at: dict[str, float] = {}
+        self.retention = RetentionWatch(source)  # records deleted before they were read
         #: decode and count each polled segment into the open window (:mod:`.stages.intake`)
         self.intake = Intake(self.decoder, source, self.metrics, direct=self.direct,
                              reject_watch=self.reject_watch, reject_log=self.reject_log,
@@ -342,37 +337,12 @@ class Aggregator:
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
-        self._check_not_deleted(seg)
+        self.retention.check(seg, self.task.offsets.get(seg.partition), self.task.window["id"])
         if self.cfg.window.kind == "event_time":
             self.event_time.ingest(seg)
             return
         items, good, rejected = self.intake.decode(seg)
         self.intake.count_segment(self.task, seg, items, good, rejected, self.close_window)
-
-    def _check_not_deleted(self, seg: Segment) -> None:
-        """Stop with one line if ``seg`` starts past where its partition was due to go on and
-        the records in between were deleted by the topic's retention before they were read
-        (the process fell behind it: a stall, a pause). The consumer goes on from the first
-        record left without a word, and the window counted without them would be released
-        short of the records its range names. Stopped before counting ``seg``, the open
-        window is not released; the next start refuses it the same way (it cannot be
-        replayed) until an operator decides. A jump is most often a transaction marker: one
-        of a few offsets is looked at once a second per partition at most."""
-        want = self.task.offsets.get(seg.partition)
-        first = int(seg.offsets[0])
-        probe = getattr(self.source, "replay_problem", None)   # Kafka sources
-        if want is None or first <= want or probe is None:
-            return
-        now = time.monotonic()
-        if first - want <= SMALL_JUMP and now - self._looked_at.get(seg.partition, -1e9) < 1.0:
-            return
-        self._looked_at[seg.partition] = now
-        problem = probe({seg.partition: int(want)}, None)
-        if problem:
-            raise ServiceError(f"records of {seg.partition} from offset {want} were deleted "
-                               "before they were read (the service fell behind the topic's "
-                               f"retention); window {self.task.window['id']} is not released: "
-                               f"{problem}")
 
     def _maybe_snapshot(self, task: WindowTask) -> None:
         """A layered snapshot checkpoint when one is due (:meth:`.WindowAssigner.snapshot_due`)."""

@@ -1,0 +1,59 @@
+"""Retention: records deleted by the source topic's retention before they were read.
+
+A Kafka consumer that falls behind its topic's retention (a stall, a pause, a process stopped
+by SIGSTOP) goes on from the first record left without a word (``auto_offset_reset =
+earliest``). The open window would then hold the records after the deletion and be released
+short of the records its ledgered range names, charged as released. :class:`RetentionWatch`
+sees it before the segment is counted: a segment that starts past where its partition was due
+to go on asks the source (``replay_problem``, the start check's question) whether the records in
+between are gone, and stops the service with one line if they are. The open window is not
+released; the next start refuses it (it cannot be replayed) until an operator decides, as for
+records deleted while the service was down.
+
+A jump in offsets is most often a transaction marker, one offset per transaction, so a jump of
+at most :data:`SMALL_JUMP` offsets is looked at once a second per partition at most; a larger
+one always. Writes nothing; one ListOffsets request per look (a Kafka source); a source without
+``replay_problem`` (files, tests) is never asked.
+
+Found by the fault harness (``source_retention_frozen``, docs/chaos.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+from consumers.base import Segment
+
+from ..errors import ServiceError
+
+__all__ = ["RetentionWatch", "SMALL_JUMP"]
+
+#: a jump in a partition's offsets this small is most often transaction markers
+SMALL_JUMP = 4
+
+
+class RetentionWatch:
+    """Asks ``source`` whether a segment's jump in offsets skipped deleted records."""
+
+    def __init__(self, source):
+        self.probe = getattr(source, "replay_problem", None)   # Kafka sources
+        #: per partition, when the source was last asked about a small jump
+        self._looked_at: dict[str, float] = {}
+
+    def check(self, seg: Segment, want: int | None, window) -> None:
+        """Raise :class:`..errors.ServiceError` (one line) if ``seg`` starts past ``want``
+        (where its partition was due to go on) because the records in between were deleted;
+        ``window`` names the open window in the message."""
+        first = int(seg.offsets[0])
+        if want is None or first <= want or self.probe is None:
+            return
+        now = time.monotonic()
+        if first - want <= SMALL_JUMP and now - self._looked_at.get(seg.partition, -1e9) < 1.0:
+            return
+        self._looked_at[seg.partition] = now
+        problem = self.probe({seg.partition: int(want)}, None)
+        if problem:
+            raise ServiceError(
+                f"records of {seg.partition} from offset {want} were deleted before they were "
+                "read (the service fell behind the topic's retention); window "
+                f"{window} is not released: {problem}")
