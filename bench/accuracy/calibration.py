@@ -465,10 +465,12 @@ def report() -> None:
               for m in sizes))
 
 
-#: the rule the library takes (aggregator.intervals.expected_errors): hypot(rms_error,
-#: stand_in_gap) times a factor per mode and statistic, fit so that 2 % of the figures are
-#: exceeded twice: the rule every fold of the leave-one-family-out choice took (issue 51)
-LIBRARY_RULE = ("rms+gap", "one", "q98")
+#: the rule the library takes (aggregator.intervals.expected_errors): the 90 % interval's
+#: half-width over 1.645 times a factor per mode and statistic, fit so that 2 % of the figures
+#: are exceeded twice. Until s67 it was hypot(rms_error, stand_in_gap) times such a factor,
+#: chosen in every fold on 124 releases; on 744 (12 a cell) the interval's figure beat it held
+#: out (docs/accuracy_changes.md, "Expected errors held out")
+LIBRARY_RULE = ("interval", "one", "q98")
 
 
 def held_out_table(rows, fams, rule) -> None:
