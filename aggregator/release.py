@@ -254,8 +254,8 @@ def _add_expected_errors(accuracy: dict, hist, bars: dict, mode: str = "direct")
       of the same truth would move the release): the basis of the change test between windows
       (:mod:`aggregator.changes`).
     * ``expected_error`` / ``expected_relative_error``: :func:`aggregator.intervals.expected_errors`
-      (the root-mean-square error to expect against the truth: the bootstrap's and its
-      stand-ins' gap, with a factor per ``mode`` and statistic chosen held out by family),
+      (the root-mean-square error to expect against the truth: the interval's half-width read
+      as a normal's, with a factor per ``mode`` and statistic chosen held out by family),
       absolute and over the released value.
     * ``signal_to_noise``: the distinct-items estimate over its expected error (10: expect
       about +-10%), ``signal_to_noise_basis`` "bootstrap"; the earlier figure (events over the
@@ -272,7 +272,7 @@ def _add_expected_errors(accuracy: dict, hist, bars: dict, mode: str = "direct")
     iv = accuracy["intervals"]
     distinct = int(len(hist))
     ent = properties.entropy(hist)
-    exp_err = intervals.expected_errors(bars, mode)
+    exp_err = intervals.expected_errors(bars, mode, level=iv.get("level", 0.9))
     se = intervals.standard_errors(bars)
     accuracy["standard_error"] = {"distinct_items": round(se["distinct"], 3),
                                   "entropy_nats": round(se["entropy"], 6)}

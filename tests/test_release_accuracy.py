@@ -100,7 +100,7 @@ def test_flag_when_the_distinct_interval_reaches_2x():
 
     bars = {"spread": {"distinct": 50.0, "entropy": 0.01}, "rms_error": {"distinct": 90.0,
             "entropy": 0.02}, "stand_in_gap": {"distinct": 10.0, "entropy": 0.0},
-            "selected": False}
+            "selected": False, "distinct": [850.0, 1150.0], "entropy_nats": [6.8, 7.0]}
     hist = np.ones(1000, dtype=np.int64)
     for interval, flagged in (([900.0, 1100.0], False), ([450.0, 1100.0], True),
                               ([900.0, 2100.0], True)):
@@ -125,18 +125,33 @@ def test_flag_when_the_distinct_interval_reaches_2x():
         assert acc["signal_below_noise"] is flagged
 
 
-def test_expected_error_is_the_calibrated_rms_of_the_release_s_own_bootstrap():
-    """The stated error is the bootstrap's RMS deviation and its stand-ins' gap in quadrature,
-    times the factor of the mode and statistic (issue 51: chosen held out by family,
-    bench/accuracy/calibration.py)."""
-    bars = {"rms_error": {"distinct": 30.0, "entropy": 0.02},
-            "stand_in_gap": {"distinct": 40.0, "entropy": 0.0}}
+def test_expected_error_reads_the_release_s_own_interval_as_a_normal_s():
+    """The stated error is the half-width of the release's interval over the normal quantile of
+    its level, times the factor of the mode and statistic (issue 51: the rule and the factors
+    chosen held out by family, bench/accuracy/calibration.py)."""
+    z90 = 1.6448536269514722
+    bars = {"distinct": [800.0, 1200.0], "entropy_nats": [6.9, 7.1],
+            "rms_error": {"distinct": 1.0, "entropy": 1.0},  # (not what the figure reads)
+            "stand_in_gap": {"distinct": 1e6, "entropy": 1e6}}
     for mode in ("direct", "hashed"):
         got = intervals.expected_errors(bars, mode)
         assert got["distinct"] == pytest.approx(
-            intervals.EXPECTED_ERROR_FACTORS[(mode, "distinct")] * 50.0)
+            intervals.EXPECTED_ERROR_FACTORS[(mode, "distinct")] * 200.0 / z90)
         assert got["entropy"] == pytest.approx(
-            intervals.EXPECTED_ERROR_FACTORS[(mode, "entropy")] * 0.02)
+            intervals.EXPECTED_ERROR_FACTORS[(mode, "entropy")] * 0.1 / z90)
+        # a narrower interval at a lower level of the same normal states the same figure
+        z80 = 1.2815515655446004
+        narrow = {"distinct": [1000.0 - 200.0 * z80 / z90, 1000.0 + 200.0 * z80 / z90],
+                  "entropy_nats": [7.0 - 0.1 * z80 / z90, 7.0 + 0.1 * z80 / z90]}
+        at80 = intervals.expected_errors(narrow, mode, level=0.8)
+        assert at80["distinct"] == pytest.approx(got["distinct"])
+        assert at80["entropy"] == pytest.approx(got["entropy"])
+        # twice as wide, twice the figure; a point interval states no error
+        wide = {"distinct": [600.0, 1400.0], "entropy_nats": [6.8, 7.2]}
+        assert intervals.expected_errors(wide, mode)["distinct"] == pytest.approx(
+            2 * got["distinct"])
+        point = {"distinct": [1000.0, 1000.0], "entropy_nats": [7.0, 7.0]}
+        assert intervals.expected_errors(point, mode) == {"distinct": 0.0, "entropy": 0.0}
     assert set(intervals.EXPECTED_ERROR_FACTORS) == {
         (m, st) for m in ("direct", "hashed") for st in ("distinct", "entropy")}
     assert all(f > 0 for f in intervals.EXPECTED_ERROR_FACTORS.values())
