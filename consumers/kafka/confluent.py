@@ -355,7 +355,10 @@ class ConfluentSource(Source, IntakeWatch):
         keys = self._keys()
         if not keys:
             return None
-        ends = {k: hi for k, (_, hi) in self._watermarks(keys).items()}
+        marks = self._watermarks(keys)
+        if start == "earliest":
+            return {k: lo for k, (lo, _) in marks.items()}
+        ends = {k: hi for k, (_, hi) in marks.items()}
         if start == "latest":
             return ends
         found = self.consumer.offsets_for_times([self._tp(k, int(start)) for k in keys],

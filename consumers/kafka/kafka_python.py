@@ -219,13 +219,16 @@ class KafkaSource(Source, IntakeWatch):
         return segments
 
     def initial_offsets(self, start) -> dict[str, int] | None:
-        """Where a new state directory starts in every partition of the topic: ``"latest"``
-        (the end offsets now) or a Unix time in ms (the first record at or after it, or the end
-        where there is none). None if the topic's partitions are not known (no such topic)."""
+        """Where a new state directory starts in every partition of the topic: ``"earliest"``
+        (the first record each still holds), ``"latest"`` (the end offsets now) or a Unix time
+        in ms (the first record at or after it, or the end where there is none). None if the
+        topic's partitions are not known (no such topic)."""
         tps = self._topic_partitions()
         if not tps:
             return None
-        if start == "latest":
+        if start == "earliest":
+            found = self.consumer.beginning_offsets(tps, timeout_ms=_CALL_MS)
+        elif start == "latest":
             found = self.consumer.end_offsets(tps, timeout_ms=_CALL_MS)
         else:
             at = self.consumer.offsets_for_times({tp: int(start) for tp in tps},

@@ -316,6 +316,47 @@ def test_a_backlog_lands_in_the_windows_of_its_timestamps(kafka_broker, tmp_path
     assert starts == [base, base + 30, base + 60]
 
 
+def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_deleted(
+        kafka_broker, tmp_path):
+    """A new state directory starts at the earliest retained records (the default), and is
+    stopped before its first window closes; the topic's retention then deletes records it had
+    not counted. Its checkpoint used to hold no start offsets for ``earliest``, so the restart
+    began at the first record left and released the window without the deleted records, named
+    nowhere (the fault harness's ``source_retention_early``: ``time`` lost [0, ~5,300) of
+    each partition). The start now records each partition's first offset: the restart refuses
+    the window in one line (it cannot be replayed), and nothing is released short."""
+    from kafka import KafkaAdminClient, TopicPartition
+
+    topic = make_topic(kafka_broker, partitions=1)
+    produce_items(kafka_broker, topic, 2000, seed=1)
+    args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
+                        "--set", "window.size=100000")
+    err = open(tmp_path / "stderr.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
+                            stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for(lambda: "starting window 0 at" in (tmp_path / "stderr.log").read_text()
+                 or proc.poll() is not None, 120, "the service's start")
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err.close()
+    started = (tmp_path / "stderr.log").read_text()
+    assert f"the earliest retained records: {topic}:0 at 0" in started, started[-2000:]
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    admin.delete_records({TopicPartition(topic, 0): 1000})   # counted, never released
+    admin.close()
+    again = run_service([*args, "--exit-when-idle", "3"])
+    assert again.returncode == 2, again.stderr[-2000:]
+    last = again.stderr.strip().splitlines()[-1]
+    assert "the open window starts at offset 0" in last and "cannot be replayed" in last, last
+    assert _releases(tmp_path / "state") == []
+
+
 def test_records_deleted_before_they_were_read_stop_the_service_not_a_short_release(
         kafka_broker, tmp_path):
     """A service stalled (SIGSTOP, as a long pause would) while the topic's retention deletes

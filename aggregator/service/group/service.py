@@ -313,20 +313,25 @@ class GroupService:
                         "least one hour")
 
     def _start_seed(self):
-        """``source.start`` (latest, or a time) for a new group: the source offsets it places
-        the group at, as a function that writes them (the source group's committed offsets and
-        the intake's marks) into the transaction of the group's identity; None for earliest."""
+        """``source.start`` (earliest, latest, or a time) for a new group: the source offsets it
+        places the group at, as a function that writes them (the source group's committed
+        offsets and the intake's marks) into the transaction of the group's identity; None when
+        the topic's partitions are not known yet. Earliest is the first record each partition
+        still holds: committed at once, so that records the topic's retention deletes before a
+        member first reads them are seen as deleted (group/deleted.py), not skipped unnamed."""
 
         src = self.cfg.source
         start = parse_start(src.start)
-        if start == "earliest":
-            return None
         probe = self.consumer(None)
         try:
             parts = probe.partitions_for_topic(src.topic) or set()
             tps = [TopicPartition(src.topic, p) for p in sorted(parts)]
+            if not tps:
+                return None
             ends = probe.end_offsets(tps)
-            if start == "latest":
+            if start == "earliest":
+                at = probe.beginning_offsets(tps)
+            elif start == "latest":
                 at = ends
             else:
                 found = probe.offsets_for_times({tp: int(start) for tp in tps})
@@ -354,6 +359,7 @@ class GroupService:
 
         def log_start():
             log.info("new group %s starts at %s (source.start = %s): %s", src.group,
+                     "the earliest retained records" if start == "earliest" else
                      "the latest offsets" if start == "latest" else "the first records at or "
                      "after it", src.start, ", ".join(f"{tp.partition} at {off}"
                                                          for tp, off in sorted(at.items())))

@@ -283,11 +283,18 @@ class StartChecks:
         """Where a new state directory starts (``source.start``), and that in words."""
         src = self.cfg.source
         start = parse_start(src.start) if src.kind == "kafka" else "earliest"
-        if start == "earliest":
-            return {}, ("the group's committed offsets (--fresh-start)" if committed and
-                        self.fresh_start else "the earliest retained records" if
-                        src.kind == "kafka" else "the start of the input")
         probe = getattr(self.source, "initial_offsets", None)
+        if start == "earliest":
+            if committed and self.fresh_start:
+                return {}, "the group's committed offsets (--fresh-start)"
+            # a Kafka topic's first retained records, as offsets: records its retention deletes
+            # before they are read are then seen as deleted (stages/retention.py), not skipped
+            offsets = probe("earliest") if probe is not None else None
+            if not offsets:
+                return {}, ("the earliest retained records" if src.kind == "kafka" else
+                            "the start of the input")
+            where = ", ".join(f"{k} at {v}" for k, v in sorted(offsets.items()))
+            return offsets, f"the earliest retained records: {where}"
         offsets = probe(start) if probe is not None else None
         if not offsets:
             raise ServiceError(f"source.start = {src.start}: the partitions of topic "
