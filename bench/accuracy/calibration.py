@@ -313,14 +313,15 @@ def groups(rows) -> dict:
     return g
 
 
-def score(rows, rule, factors) -> tuple:
+def _score_of(rows, pairs_of) -> tuple:
     """(fraction of (group, statistic) pairs with actual/stated outside 0.7-1.4, plus ten times
-    the fraction of stated figures exceeded twice beyond 2 %) of ``rows``: lower is better."""
+    the fraction of stated figures exceeded twice beyond 2 %), and its parts, of ``rows``, the
+    (actual, stated) pairs of a group's statistic read by ``pairs_of(rows, statistic)``: lower
+    is better."""
     bad = n_g = over = tot = 0
     for rs in groups(rows).values():
         for st in STATS:
-            pr = (_pairs(rs, st, "library") if rule == "library"
-                  else _pairs_rule(rs, st, rule, factors))
+            pr = pairs_of(rs, st)
             if not pr:
                 continue
             n_g += 1
@@ -329,6 +330,12 @@ def score(rows, rule, factors) -> tuple:
             tot += len(pr)
     frac = over / max(tot, 1)
     return bad / max(n_g, 1) + 10 * max(frac - 0.02, 0.0), bad, n_g, over, tot
+
+
+def score(rows, rule, factors) -> tuple:
+    """:func:`_score_of` for a rule of :data:`RULES` (or ``"library"``: the figure released)."""
+    return _score_of(rows, lambda rs, st: _pairs(rs, st, "library") if rule == "library"
+                     else _pairs_rule(rs, st, rule, factors))
 
 
 def rule_name(rule) -> str:
@@ -620,18 +627,7 @@ def _scale_pairs(rows, st, feats, fit):
 
 def score_scale(rows, feats, fit) -> tuple:
     """:func:`score` for a fitted feature rule."""
-    bad = n_g = over = tot = 0
-    for rs in groups(rows).values():
-        for st in STATS:
-            pr = _scale_pairs(rs, st, feats, fit)
-            if not pr:
-                continue
-            n_g += 1
-            bad += not (0.7 <= ratio(pr) <= 1.4)
-            over += sum(x > 2 * y for x, y in pr)
-            tot += len(pr)
-    frac = over / max(tot, 1)
-    return bad / max(n_g, 1) + 10 * max(frac - 0.02, 0.0), bad, n_g, over, tot
+    return _score_of(rows, lambda rs, st: _scale_pairs(rs, st, feats, fit))
 
 
 #: the stated figure over the RMS error at which a normal error exceeds twice the figure with

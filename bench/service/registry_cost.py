@@ -148,15 +148,13 @@ def group_main(args) -> None:
         bootstrap, broker_state = start_broker(tmp)
         try:
             runs = []
-            for rep in range(args.reps):
-                # the arms alternate which goes first: the machine's load drifts over a run
-                for registry in ((True, False) if rep % 2 == 0 else (False, True)):
-                    r = group_run(bootstrap, tmp, args.group, args.seconds, registry)
-                    runs.append(r)
-                    print(f"  rep {rep} registry {'on ' if registry else 'off'}: "
-                          f"{r['releases']} releases, mean latency {r['latency']:.3f} s "
-                          f"(median {r['median']:.3f} s, first {r['first']:.3f} s), "
-                          f"{r['checks']} checks of {r['check'] * 1e3:.1f} ms", flush=True)
+            for rep, registry in _arms(args.reps):
+                r = group_run(bootstrap, tmp, args.group, args.seconds, registry)
+                runs.append(r)
+                print(f"  rep {rep} registry {'on ' if registry else 'off'}: "
+                      f"{r['releases']} releases, mean latency {r['latency']:.3f} s "
+                      f"(median {r['median']:.3f} s, first {r['first']:.3f} s), "
+                      f"{r['checks']} checks of {r['check'] * 1e3:.1f} ms", flush=True)
         finally:
             stop_broker(broker_state)
     on = [r for r in runs if r["registry"]]
@@ -179,6 +177,14 @@ def group_main(args) -> None:
           f"{med_off:.3f} s |")
     print(f"| mean registry check per release | {check * 1e3:.1f} ms "
           f"({check / lat_on:.1%} of the latency) | - |")
+
+
+def _arms(reps: int):
+    """(repetition, registry on?) in run order: each repetition runs both arms, and which goes
+    first alternates, since the machine's load drifts over a run."""
+    for rep in range(reps):
+        for registry in ((True, False) if rep % 2 == 0 else (False, True)):
+            yield rep, registry
 
 
 def _stop_when_counted(agg, events: int, window: int) -> None:
@@ -220,14 +226,13 @@ def main(argv=None) -> None:
             topic = f"registry-cost-{uuid.uuid4().hex[:8]}"
             produce(bootstrap, topic, args.events)
             runs = []
-            for rep in range(args.reps):
-                for registry in (True, False):
-                    r = one_run(bootstrap, topic, args.events, args.window, tmp, registry)
-                    runs.append(r)
-                    print(f"  rep {rep} registry {'on ' if registry else 'off'}: "
-                          f"{r['releases']} releases, latency p50 {_p(r['latency'], .5):.3f} s, "
-                          f"registry {sum(c[2] for c in r['calls']):.3f} s in "
-                          f"{len(r['calls'])} calls ({r['seconds']:.1f} s)", flush=True)
+            for rep, registry in _arms(args.reps):
+                r = one_run(bootstrap, topic, args.events, args.window, tmp, registry)
+                runs.append(r)
+                print(f"  rep {rep} registry {'on ' if registry else 'off'}: "
+                      f"{r['releases']} releases, latency p50 {_p(r['latency'], .5):.3f} s, "
+                      f"registry {sum(c[2] for c in r['calls']):.3f} s in "
+                      f"{len(r['calls'])} calls ({r['seconds']:.1f} s)", flush=True)
         finally:
             stop_broker(broker_state)
     on = [r for r in runs if r["registry"]]
