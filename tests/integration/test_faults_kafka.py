@@ -42,9 +42,12 @@ def _stopped(pid):
     return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "T"
 
 
+def _ledger_entries(state):
+    return [json.loads(x) for x in (state / "ledger.jsonl").read_text().splitlines()]
+
+
 def _releases(state):
-    return [json.loads(x) for x in (state / "ledger.jsonl").read_text().splitlines()
-            if json.loads(x)["kind"] == "release"]
+    return [e for e in _ledger_entries(state) if e["kind"] == "release"]
 
 
 @pytest.mark.parametrize("workers", [1, 0], ids=["release-worker", "in-loop"])
@@ -323,14 +326,15 @@ def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_delet
     not counted. Its checkpoint used to hold no start offsets for ``earliest``, so the restart
     began at the first record left and released the window without the deleted records, named
     nowhere (the fault harness's ``source_retention_early``: ``time`` lost [0, ~5,300) of
-    each partition). The start now records each partition's first offset: the restart refuses
-    the window in one line (it cannot be replayed), and nothing is released short."""
+    each partition). The start now records each partition's first offset, so the restart
+    sees the deletion: it withholds the window with a ledger entry naming the deleted records
+    and counts on from the first record left; nothing is released short or lost unnamed."""
     from kafka import KafkaAdminClient, TopicPartition
 
     topic = make_topic(kafka_broker, partitions=1)
-    produce_items(kafka_broker, topic, 2000, seed=1)
+    produce_items(kafka_broker, topic, 500, seed=1)
     args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
-                        "--set", "window.size=100000")
+                        "--set", "window.size=1000")
     err = open(tmp_path / "stderr.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
                             stdout=subprocess.DEVNULL, stderr=err)
@@ -348,13 +352,19 @@ def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_delet
     started = (tmp_path / "stderr.log").read_text()
     assert f"the earliest retained records: {topic}:0 at 0" in started, started[-2000:]
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-    admin.delete_records({TopicPartition(topic, 0): 1000})   # counted, never released
+    admin.delete_records({TopicPartition(topic, 0): 300})   # counted, never released
     admin.close()
+    produce_items(kafka_broker, topic, 1500, seed=2)          # offsets 500-1999
     again = run_service([*args, "--exit-when-idle", "3"])
-    assert again.returncode == 2, again.stderr[-2000:]
-    last = again.stderr.strip().splitlines()[-1]
-    assert "the open window starts at offset 0" in last and "cannot be replayed" in last, last
-    assert _releases(tmp_path / "state") == []
+    assert again.returncode == 0, again.stderr[-2000:]
+    decided = [e for e in _ledger_entries(tmp_path / "state")
+               if e["kind"] in ("release", "refused")]
+    assert [(e["kind"], e["window"]) for e in decided] == [("refused", 0), ("release", 1)]
+    assert decided[0]["note"].startswith(f"records of partition 0 from offset 0 to 300 were "
+                                         f"deleted by the retention of {topic} before they "
+                                         "were counted"), decided[0]["note"]
+    assert decided[1]["n"] == 1000 and decided[1]["ranges"] == {f"{topic}:0": [300, 1300]}
+    assert "window 0 of all is withheld" in again.stderr
 
 
 def test_records_deleted_before_they_were_read_stop_the_service_not_a_short_release(
@@ -365,7 +375,8 @@ def test_records_deleted_before_they_were_read_stop_the_service_not_a_short_rele
     with n = 2,000 over a range of 4,000 positions (the fault harness's
     ``source_retention_frozen``: count window n 4,000 over 8,503, a time window n 2,697 over
     7,350). Now the service stops with one line naming the deleted records, the window is not
-    released, and a restart refuses the same way (it cannot be replayed)."""
+    released. The next start withholds that window with a ledger entry naming the deleted
+    records and counts on from the first record left."""
     from kafka import KafkaAdminClient, TopicPartition
 
     topic = make_topic(kafka_broker, partitions=1)
@@ -403,6 +414,10 @@ def test_records_deleted_before_they_were_read_stop_the_service_not_a_short_rele
     last = (tmp_path / "stderr.log").read_text().strip().splitlines()[-1]
     assert last.startswith(f"panagg: error: records of {topic}:0 from offset 3000 were deleted "
                            "before they were read"), last
-    again = run_service(args)
-    assert again.returncode == 2
-    assert "cannot be replayed" in again.stderr.strip().splitlines()[-1]
+    again = run_service([*args, "--exit-when-idle", "3"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    decided = [e for e in _ledger_entries(tmp_path / "state")
+               if e["kind"] in ("release", "refused")]
+    assert [(e["kind"], e["window"]) for e in decided] == [("release", 0), ("refused", 1)]
+    assert decided[1]["note"].startswith("records of partition 0 from offset 2000 to 5000 "
+                                         "were deleted by the retention"), decided[1]["note"]

@@ -329,8 +329,12 @@ def test_a_topic_that_cannot_replay_a_window_is_refused(kafka_broker, tmp_path, 
     assert res.stderr.strip().splitlines()[-1] == f"panagg: error: topic {topic!r} {fragment}"
 
 
-def test_an_open_window_deleted_by_retention_is_refused_not_silently_shortened(kafka_broker,
-                                                                                tmp_path):
+def test_an_open_window_deleted_by_retention_is_withheld_naming_them_not_shortened(kafka_broker,
+                                                                                   tmp_path):
+    """Records of the open window deleted by the topic's retention while the service was down:
+    the window cannot be replayed, so the start withholds it with a ledger entry naming the
+    deleted records and counts on from the first record left (it used to refuse every start
+    until an operator moved the checkpoints away: a supervisor's restarts looped on that)."""
     from kafka.structs import TopicPartition
     topic = make_topic(kafka_broker, partitions=1)
     produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(3000)])
@@ -341,12 +345,16 @@ def test_an_open_window_deleted_by_retention_is_refused_not_silently_shortened(k
     admin.delete_records({TopicPartition(topic, 0): 2500})
     admin.close()
     res = run_service(args)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1] == (
-        f"panagg: error: the open window starts at offset 2000 of partition {topic}:0, but the "
-        "topic now begins at 2500 (retention deleted part of the window), so it cannot be "
-        "replayed; raise the topic's retention.ms, and to go on without that window move the "
-        "checkpoints away and start with --fresh-start")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    entries = [json.loads(x) for x in
+               (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()]
+    decided = [(e["kind"], e["window"]) for e in entries if e["kind"] in ("release", "refused")]
+    assert decided == [("release", 0), ("refused", 1)]
+    refused = [e for e in entries if e["kind"] == "refused"][0]
+    assert refused["note"].startswith(f"records of partition 0 from offset 2000 to 2500 were "
+                                      f"deleted by the retention of {topic} before they were "
+                                      "counted"), refused["note"]
+    assert refused["end_offsets"] == {f"{topic}:0": 2500}
 
 
 def test_broker_outage_windows_stay_on_time_and_counting_resumes(tmp_path, restartable_broker):

@@ -11,6 +11,8 @@ between were deleted, and every window that may have held one is withheld naming
 
 from __future__ import annotations
 
+from ..stages.retention import deleted_text
+
 __all__ = ["deleted_since", "deleted_text", "lost_through"]
 
 
@@ -23,12 +25,6 @@ def deleted_since(consumer, since: dict) -> dict:
     lows = consumer.beginning_offsets(list(since))
     return {tp: int(lows[tp]) for tp in sorted(since)
             if lows.get(tp) is not None and int(lows[tp]) > since[tp]}
-
-
-def deleted_text(topic: str, partition: int, first: int, end: int) -> str:
-    """The words a withheld window's ledger entry names deleted records with."""
-    return (f"records of partition {partition} from offset {first} to {end} were deleted by "
-            f"the retention of {topic} before they were counted")
 
 
 def lost_through(now_ms: int, *, size_ms: int, skew_ms: int) -> int:

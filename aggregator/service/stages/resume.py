@@ -9,12 +9,15 @@ beside the loop) are replayed to their recorded ends and released once
 next window starts at its ledgered end (:meth:`Resume.skip_decided_window`; a replay would put
 its events in memory under fresh noise beside the published release of the old noise). Without
 a checkpoint (:meth:`Resume.first_start`) the first window starts at ``source.start``, never over
-positions the budget has spent.
+positions the budget has spent. An open window whose first records the topic's retention deleted
+while the service was down cannot be replayed: it is withheld, its ledger entry naming the
+deleted records, and the next window starts at the first records left
+(:meth:`Resume.withhold_deleted`).
 
 Invariant: a start never replays a decided window and never counts a position twice into one
-window. Durable writes: ledger entries (``restart``, ``fresh-start``) through the start's
-``append`` (held until every check passed: a refused start writes nothing); the caller commits
-the position when :meth:`Resume.restore_task` says so.
+window. Durable writes: ledger entries (``restart``, ``fresh-start``, ``refused``) through the
+start's ``append`` (held until every check passed: a refused start writes nothing); the caller
+commits the position when :meth:`Resume.restore_task` says so.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..release_gate import ReleaseGate
 from ..window import WindowTask, totals_from
 from .fresh_state import FreshStates
 from .registries import BudgetRegistries
+from .retention import deleted_spans, deleted_text
 from .start_checks import StartChecks
 from .windows import WindowAssigner
 
@@ -140,6 +144,39 @@ class Resume:
                  ckpt.seq, task.name, task.window["id"], len(task.offsets),
                  " and a layered snapshot" if ckpt.state is not None else "")
         return False
+
+    def withhold_deleted(self, task: WindowTask) -> bool:
+        """If the topic's retention deleted records of the restored open window before they
+        were counted (the service was down longer than the retention), withhold that window:
+        a ``refused`` entry names the deleted records (the words of every mode,
+        :func:`.retention.deleted_text`), and the next window starts at the first records left.
+        Without it the start was refused until an operator moved the checkpoints away, and a
+        supervisor restarting the service looped on that refusal. Only for an open window
+        replayed from its start (a snapshot's or a queued closed window's replay is refused by
+        the start's replay check, as before). True if withheld."""
+        if (task.queue or task.close_at is not None or task.window.get("kind") == "event_time"
+                or (task.durable is not None and task.durable.state is not None)):
+            return False
+        gone = deleted_spans(self.source, task.offsets)
+        if not gone:
+            return False
+        wid, uid = task.window["id"], task.window["uid"]
+        note = "; ".join(deleted_text(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]), a, b)
+                         for p, (a, b) in gone.items())
+        ends = dict(task.offsets, **{p: b for p, (_, b) in gone.items()})
+        fields = self.gate.position_fields(dict(task.window, events=0), {}, ends, task.totals)
+        self.append(entry_id=f"refused-{uid}", kind="refused", window=wid, window_uid=uid,
+                    model=self.model, note=note + " (seen at a restart: the open window cannot "
+                    "be replayed; counting goes on at the first records left)", **fields)
+        log.warning("window %s of %s is withheld: %s; nothing of it is published, and window %s "
+                    "starts at the first records left", wid, task.name, note, wid + 1)
+        lineage = task.window["lineage"]
+        task.offsets = ends
+        task.window = self.windows.new_window(task, wid + 1)
+        task.window.update(lineage=lineage, start_offsets=dict(task.offsets))
+        task.mark_start()
+        task.state = self.new_state(task, wid + 1)
+        return True
 
     def queue_unreleased(self, task: WindowTask, ckpt) -> None:
         """The checkpoint lists closed windows whose release was not ledgered when it was

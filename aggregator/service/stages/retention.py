@@ -26,10 +26,27 @@ from consumers.base import Segment
 
 from ..errors import ServiceError
 
-__all__ = ["RetentionWatch", "SMALL_JUMP"]
+__all__ = ["RetentionWatch", "SMALL_JUMP", "deleted_text", "deleted_spans"]
 
 #: a jump in a partition's offsets this small is most often transaction markers
 SMALL_JUMP = 4
+
+
+def deleted_text(topic: str, partition: int, first: int, end: int) -> str:
+    """The words a withheld window's ledger entry names deleted records with (every mode: the
+    fault harness's checker reads them, tests/chaos/invariant.py)."""
+    return (f"records of partition {partition} from offset {first} to {end} were deleted by "
+            f"the retention of {topic} before they were counted")
+
+
+def deleted_spans(source, offsets: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """``{partition key: (from, to)}``: the records from ``offsets`` on that the topic no
+    longer holds (its first offset now is ``to``), for a source that can say where its
+    partitions begin (``initial_offsets("earliest")``, Kafka); empty otherwise."""
+    probe = getattr(source, "initial_offsets", None)
+    firsts = probe("earliest") if probe is not None and offsets else None
+    return {p: (int(a), int(firsts[p])) for p, a in sorted(offsets.items())
+            if firsts and p in firsts and int(firsts[p]) > int(a)}
 
 
 class RetentionWatch:

@@ -85,6 +85,7 @@ class Start:
             self.checks.check_identity()
             self.resume.restore_task(task, where=str(task.store.dir))  # committed by restore
             self.registries.carry_renamed_file(task)
+            self.resume.withhold_deleted(task)
             self.checks.check_replayable(task.offsets)
             self.checked, self.deferred = self.deferred, None
         except BaseException:
