@@ -82,6 +82,8 @@ class Resume:
         self.ledger, self.checks, self.registries, self.gate = ledger, checks, registries, gate
         self.windows, self.source, self.event_time = windows, source, event_time
         self.new_state, self.rng = states.take, states.rng
+        #: the totals at the end of the closed window being replayed (a restart's queue)
+        self.closing_totals: dict | None = None
         self.append = self.start_append = append
         self.epsilon, self.direct, self.size = states.epsilon, states.direct, states.size
         self.model = model
@@ -146,37 +148,62 @@ class Resume:
         return False
 
     def withhold_deleted(self, task: WindowTask) -> bool:
-        """If the topic's retention deleted records of the restored open window before they
-        were counted (the service was down longer than the retention), withhold that window:
-        a ``refused`` entry names the deleted records (the words of every mode,
-        :func:`.retention.deleted_text`), and the next window starts at the first records left.
-        Without it the start was refused until an operator moved the checkpoints away, and a
-        supervisor restarting the service looped on that refusal. Only for an open window
-        replayed from its start (a snapshot's or a queued closed window's replay is refused by
-        the start's replay check, as before). True if withheld."""
-        if (task.queue or task.close_at is not None or task.window.get("kind") == "event_time"
+        """If the topic's retention deleted records of a restored window before they were
+        counted (the service was down longer than the retention), withhold that window: a
+        ``refused`` entry names the deleted records (the words of every mode,
+        :func:`.retention.deleted_text`), and counting goes on after it. A closed window the
+        checkpoint still had to release is withheld over its whole recorded extent (its ranges),
+        and the next one is looked at in turn; the open window is withheld over the deleted
+        records only, and the next window starts at the first records left. Without it the
+        start was refused until an operator moved the checkpoints away, and a supervisor
+        restarting the service looped on that refusal. A snapshot's replay and event-time
+        windows keep the refusal (the start's replay check). True if any was withheld."""
+        if (task.window.get("kind") == "event_time"
                 or (task.durable is not None and task.durable.state is not None)):
             return False
-        gone = deleted_spans(self.source, task.offsets)
-        if not gone:
-            return False
-        wid, uid = task.window["id"], task.window["uid"]
-        note = "; ".join(deleted_text(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]), a, b)
-                         for p, (a, b) in gone.items())
-        ends = dict(task.offsets, **{p: b for p, (_, b) in gone.items()})
-        fields = self.gate.position_fields(dict(task.window, events=0), {}, ends, task.totals)
-        self.append(entry_id=f"refused-{uid}", kind="refused", window=wid, window_uid=uid,
-                    model=self.model, note=note + " (seen at a restart: the open window cannot "
-                    "be replayed; counting goes on at the first records left)", **fields)
-        log.warning("window %s of %s is withheld: %s; nothing of it is published, and window %s "
-                    "starts at the first records left", wid, task.name, note, wid + 1)
-        lineage = task.window["lineage"]
-        task.offsets = ends
-        task.window = self.windows.new_window(task, wid + 1)
-        task.window.update(lineage=lineage, start_offsets=dict(task.offsets))
-        task.mark_start()
-        task.state = self.new_state(task, wid + 1)
-        return True
+        withheld = False
+        while self.ledger.get(f"release-{task.window['uid']}") is None:
+            gone = deleted_spans(self.source, task.offsets)
+            if not gone:
+                break
+            withheld = True
+            wid, uid = task.window["id"], task.window["uid"]
+            closed = dict(task.close_at) if task.queue and task.close_at else None
+            if closed is not None:   # a closed window: its extent is recorded
+                gone = {p: (a, min(b, closed.get(p, b))) for p, (a, b) in gone.items()}
+                ends = dict(task.offsets, **closed)
+                ranges = {p: [int(task.offsets.get(p, e)), int(e)] for p, e in closed.items()
+                          if int(e) > int(task.offsets.get(p, e))}
+                totals = totals_from(self.closing_totals) if self.closing_totals else task.totals
+            else:
+                ends = dict(task.offsets, **{p: b for p, (_, b) in gone.items()})
+                ranges, totals = {}, task.totals
+            note = "; ".join(deleted_text(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]), a, b)
+                             for p, (a, b) in gone.items() if b > a)
+            fields = self.gate.position_fields(dict(task.window, events=0), ranges, ends, totals)
+            self.append(entry_id=f"refused-{uid}", kind="refused", window=wid, window_uid=uid,
+                        model=self.model, note=note + " (seen at a restart: the window cannot "
+                        "be replayed; counting goes on after it)", **fields)
+            log.warning("window %s of %s is withheld: %s; nothing of it is published",
+                        wid, task.name, note)
+            task.offsets, task.totals = ends, totals
+            if task.queue:   # the next window the checkpoint listed (the last: the open one)
+                nxt = task.queue.pop(0)
+                task.window = dict(nxt["window"], events=0)
+                task.close_at = ({p: int(o) for p, o in nxt["end_offsets"].items()}
+                                 if nxt.get("end_offsets") is not None else None)
+                self.closing_totals = nxt.get("totals")
+                task.window["start_offsets"] = dict(task.offsets)
+            else:
+                lineage = task.window["lineage"]
+                task.window = self.windows.new_window(task, wid + 1)
+                task.window.update(lineage=lineage, start_offsets=dict(task.offsets))
+                task.close_at = None
+            task.mark_start()
+            task.state = self.new_state(task, task.window["id"])
+            if task.close_at is None and task.window.get("kind") == "time":
+                self.windows.replay_target(task)  # ended while the service was down
+        return withheld
 
     def queue_unreleased(self, task: WindowTask, ckpt) -> None:
         """The checkpoint lists closed windows whose release was not ledgered when it was
@@ -197,6 +224,7 @@ class Resume:
                                                   head["end_offsets"].items()})
             task.totals = totals_from(head["totals"])
         first = queue.pop(0)
+        self.closing_totals = first.get("totals")   # at its end (withhold_deleted reads it)
         task.window = dict(first["window"], events=0)
         task.close_at = ({p: int(o) for p, o in first["end_offsets"].items()}
                          if first.get("end_offsets") is not None else None)
