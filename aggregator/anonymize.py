@@ -24,7 +24,7 @@ from .counters import check_layers, noisy_value_counts
 from .deconvolution import DECONV_MAX_ITER, DECONV_TOL, MLE_MAX_ITER, MLE_TOL, deconvolved_batch
 from .em import DIRECT_START_SMOOTH_SHARE
 from .histograms import checked_cumulative, counts_from_cumulative
-from .memo import remembered_fit
+from .memo import ReleaseMemo, remembered_fit
 from .projection import project_l1, project_l2, rank_box
 from .estimators import default_cap, default_method, phi_estimate
 from .largedomain import (
@@ -84,11 +84,13 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
 
 
 def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buckets=None,
-                          cap=None) -> np.ndarray:
+                          cap=None, memo: ReleaseMemo | None = None) -> np.ndarray:
     """The l1 release of :func:`anonymized_histogram` as its cumulative prevalence phi_{>=r},
     r = 1..(the largest count) (int64, no trailing zeros): ``counts_from_cumulative`` of it is
     exactly ``anonymized_histogram(..., loss="l1")``, and it is what the bootstrap and the
     properties need, without listing millions of counts and counting them again.
+    ``memo``: the release's :class:`aggregator.memo.ReleaseMemo`; a fit it holds of these
+    counters is taken instead of fitting again (the same numbers; None: fit afresh).
     """
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
@@ -97,20 +99,21 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
         method = default_method(mode, k)
     cap = default_cap(mode, k) if cap is None else cap
     if buckets is not None:
-        y = hashed_cumulative(vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap)
+        y = hashed_cumulative(vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap,
+                              memo=memo)
     else:
         if cap not in CAP_RULES:
             raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-        y = remembered_fit(vc, p, k, method)
+        y = remembered_fit(memo, vc, p, k, method)
         if y is None:
-            y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n))
+            y = project_l1(phi_estimate(vc, p, layers=k, method=method, n=n, memo=memo))
         if n is not None:
             y = cap_total(y, n, cap)
     return checked_cumulative(y)
 
 
 def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,
-                         buckets=None, cap=None):
+                         buckets=None, cap=None, memo: ReleaseMemo | None = None):
     """Estimate the anonymized histogram from counters noised with ``layers`` DLap(p) layers.
 
     Parameters
@@ -137,6 +140,9 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     cap
         How the total is capped at ``n`` (:data:`CAP_RULES`; default :func:`default_cap`;
         ``"none"`` leaves the l1 projection as it is). Ignored without ``n``.
+    memo
+        The release's :class:`aggregator.memo.ReleaseMemo`, to hand what the estimate derived
+        to its error bars (:func:`aggregator.release.estimate_with_accuracy`); None: kept nowhere.
 
     Returns
     -------
@@ -154,7 +160,8 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     """
     if loss == "l1":
         return counts_from_cumulative(anonymized_cumulative(
-            noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap))
+            noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap,
+            memo=memo))
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
     if buckets is not None:
@@ -163,7 +170,7 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
         if cap is None:
             cap = default_cap("hashed", k)
         return hashed_histogram(vc, p, buckets=buckets, n=n, layers=layers, loss=loss,
-                                method=method, cap=cap)
+                                method=method, cap=cap, memo=memo)
     if loss != "l2":
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     if method is None:
@@ -171,7 +178,7 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     cap = default_cap("direct", k) if cap is None else cap
     if cap not in CAP_RULES:
         raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
-    phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n)
+    phi_hat = phi_estimate(vc, p, layers=k, method=method, n=n, memo=memo)
     if n is None:
         raise ValueError("loss='l2' needs n (the number of events, public under replace-one)")
     n = int(n)

@@ -51,10 +51,9 @@ from scipy.special import chdtri
 
 from .counters import noise_pmf, noisy_value_counts
 from .histograms import prevalences_from_cumulative
-from .memo import forget_with
 from .occupancy import gamma_b
 
-__all__ = ["BucketLikelihood", "bucket_loglik", "plausible_extremes", "PATH_TOP"]
+__all__ = ["BucketLikelihood", "bucket_loglik", "plausible_extremes", "PATH_TOP", "forget_pmfs"]
 
 PATH_TOP = 64  # the walks split and merge items of counts 1..PATH_TOP; bigger ones stay
 
@@ -147,7 +146,11 @@ def _big_pmf(big: bytes, top: int, buckets: int, length: int) -> np.ndarray:
     return out
 
 
-forget_with(_big_pmf.cache_clear)
+def forget_pmfs() -> None:
+    """Drop the kept pmfs of the big items (:func:`_big_pmf`): they are derived from a window's
+    counters, and :func:`aggregator.release.estimate_with_accuracy` drops them with its release.
+    (A cache keyed by its arguments: it changes the cost of a call, never its numbers.)"""
+    _big_pmf.cache_clear()
 
 
 def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:

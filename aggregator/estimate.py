@@ -50,10 +50,7 @@ from .histograms import (
     aligned_histograms, checked_cumulative, counts_from_cumulative, cumulative_from_counts,
     cumulative_l1, l1_distance, prevalences_from_cumulative,
 )
-from .memo import (
-    _FITS, LastCounters, forget_fits, forget_with, remember_fits,
-    remembered_fit as _remembered_fit,
-)
+from .memo import ReleaseMemo, remembered_fit as _remembered_fit
 from .projection import project_l1, project_l2, rank_box
 from .threshold import (
     THRESHOLD_GRID_LAYERS, THRESHOLD_MAX_GAIN, cumulative_prevalence, threshold_kernel,
@@ -72,10 +69,9 @@ __all__ = [
     # also here for the code that imported them from this module
     "THRESHOLD_GRID_LAYERS", "THRESHOLD_MAX_GAIN", "threshold_usable", "XFIT_BIN",
     "XFIT_MAX_ITER", "XFIT_PATIENCE", "XFIT_TOL", "START_SMOOTH_SHARE",
-    "DIRECT_START_SMOOTH_SHARE", "EM_TAIL", "LastCounters", "remember_fits",
-    "forget_fits", "forget_with", "counters_key",
+    "DIRECT_START_SMOOTH_SHARE", "EM_TAIL", "ReleaseMemo", "counters_key",
     # private names that tests and bench reach for
-    "_EMProblem", "_FITS", "_check_layers", "_check_p", "_conv",
+    "_EMProblem", "_check_layers", "_check_p", "_conv",
     "_data_seed", "_em_problem", "_mean_m_step", "_remembered_fit", "_sparse_counters",
     "_squarem",
 ]

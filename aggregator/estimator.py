@@ -8,7 +8,8 @@ what the release around it needs to know:
 
 * ``uses_n``: whether it uses the public number of events n when given (fitting under
   sum_r phi_{>=r} = n); one that does not gives the same estimate with and without n, so its
-  fit may be kept for the same counters whatever n (:func:`aggregator.memo.remember_fits`);
+  fit may be kept for the same counters whatever n
+  (:meth:`aggregator.memo.ReleaseMemo.remember_fits`);
 * ``hashed``: whether it may run on hash-bucket counters (:mod:`aggregator.largedomain`);
 * ``usable(p, layers)``: whether it can run at all there (the inverse filters amplify the noise
   past 1e6 with the many layers of a rollup: :func:`aggregator.threshold.threshold_usable`).
@@ -53,7 +54,8 @@ class Estimator:
     projected); ``hashed``: the counters are hash buckets (the EM's early stop does not scale
     with the layers there: :func:`aggregator.deconvolution.deconv_tol`). :meth:`estimate`
     calls it after checking :attr:`usable`. ``doc``: one line for listings
-    (``panagg estimators``).
+    (``panagg estimators``). ``uses_memo``: ``fit`` also takes ``memo``, a release's
+    :class:`aggregator.memo.ReleaseMemo` (or None), to keep what it derived for the error bars.
     """
 
     name: str
@@ -62,15 +64,19 @@ class Estimator:
     uses_n: bool = False
     hashed: bool = True
     usable: Callable[[float, int], bool] = field(default=_always, repr=False)
+    uses_memo: bool = False
 
     def estimate(self, noisy_counts, p: float, *, layers: int = 1, n=None,
-                 hashed: bool = False) -> np.ndarray:
+                 hashed: bool = False, memo=None) -> np.ndarray:
         """phi_hat_{>=r} of these counters (``n``: the public number of events, or None;
-        ``hashed``: they are hash buckets)."""
+        ``hashed``: they are hash buckets; ``memo``: the release's, for the estimators that
+        keep what they derive, :attr:`uses_memo`)."""
         if not self.usable(p, layers):
             raise ValueError(f"the {self.name} estimator cannot run on {layers} noise layers "
                              "(its inverse filter amplifies the noise past 1e6); use "
                              "release.estimator = default")
+        if self.uses_memo:
+            return self.fit(noisy_counts, p, layers=layers, n=n, hashed=hashed, memo=memo)
         return self.fit(noisy_counts, p, layers=layers, n=n, hashed=hashed)
 
 

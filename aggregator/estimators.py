@@ -63,10 +63,10 @@ XFIT = Estimator(
     uses_n=True)
 AUTO = Estimator(
     "auto",
-    lambda noisy_counts, p, *, layers, n, hashed: selected_prevalence(
-        noisy_counts, p, layers=layers, n=n, hashed=hashed),
+    lambda noisy_counts, p, *, layers, n, hashed, memo: selected_prevalence(
+        noisy_counts, p, layers=layers, n=n, hashed=hashed, memo=memo),
     "a count-only estimator and cap rule chosen from the counters by minimax bootstrap regret",
-    uses_n=True)
+    uses_n=True, uses_memo=True)
 
 #: every estimator by name: the one place a name is written
 ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (*BASIC, WUPAGH, XFIT, AUTO)}
@@ -129,7 +129,8 @@ def default_cap(mode: str, layers: int) -> str:
     return _default(mode, layers)[1]
 
 
-def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=None) -> np.ndarray:
+def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=None,
+                 memo=None) -> np.ndarray:
     """phi_hat_{>=r} by the named estimator (:data:`METHODS`; default :func:`default_method`).
 
     ``n``: the number of events when public; the estimators that use it (``"xfit"``) fit
@@ -138,8 +139,10 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
     ``mode``: ``"hashed"`` when the counters are hash buckets (their phi is then the reduced
     histogram's, which :mod:`aggregator.largedomain` inverts); it selects the default, and the
     estimators' ``hashed`` (the EM's early stop: :func:`aggregator.deconvolution.deconv_tol`).
+    ``memo``: the release's :class:`aggregator.memo.ReleaseMemo` (``"auto"`` keeps its choice
+    and pilot fits there for the error bars); None computes afresh.
     """
     if method is None:
         method = default_method(mode, layers)
     return estimator(method).estimate(noisy_counts, p, layers=layers, n=n,
-                                      hashed=mode == "hashed")
+                                      hashed=mode == "hashed", memo=memo)

@@ -94,6 +94,7 @@ from .histograms import (
     prevalences_from_cumulative,
 )
 from .largedomain import chosen_start
+from .memo import ReleaseMemo
 from .properties import entropy_prevalences, support_coverage, support_coverage_prevalences
 
 __all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
@@ -653,7 +654,8 @@ class _Lazy(dict):
 
 
 def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, cap=None,
-               reps=30, level=0.9, rng=None, model="both", release=None) -> dict:
+               reps=30, level=0.9, rng=None, model="both", release=None,
+               memo: ReleaseMemo | None = None) -> dict:
     """The release and parametric-bootstrap error bars for it.
 
     Arguments as for :func:`aggregator.anonymize.anonymized_histogram` (the estimate is exactly
@@ -663,7 +665,10 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     histograms, one smooth and one spiky, with the union of their intervals; ``"mle"`` or
     ``"deconvolution"`` one of them; None the release itself.
     ``release``: the release's histogram if already computed with these arguments (it is then
-    not recomputed).
+    not recomputed). ``memo``: the :class:`aggregator.memo.ReleaseMemo` the release was made
+    with: the error bars read what it chose there (``auto``'s candidate, the start taken) and
+    take its fits as their stand-ins instead of fitting again. Without one they make their own
+    (the same numbers: every entry is a deterministic function of the counters).
 
     Why two stand-ins: the basic bootstrap carries the estimator's bias at the stand-in into the
     interval, and the bias at the truth differs from it by how the stand-in's shape differs from
@@ -739,24 +744,27 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     if model is not None and model not in MODELS:
         raise ValueError(f"model must be one of {MODELS} or None, got {model!r}")
     rng = np.random.default_rng(rng)
+    memo = ReleaseMemo() if memo is None else memo
     vc = noisy_value_counts(noisy_counts)
     counters = vc.total
     kw = dict(layers=layers, n=n, buckets=buckets, method=method, cap=cap)
     # the release, when the caller already has it (exactly anonymized_histogram(**kw) of these
     # counters): the default estimator can take seconds, so it is not run twice
     est = (np.asarray(release, dtype=np.int64) if release is not None
-           else anonymized_histogram(vc, p, **kw))
+           else anonymized_histogram(vc, p, memo=memo, **kw))
     mode = "hashed" if buckets is not None else "direct"
     chosen = method if method is not None else default_method(mode, layers)
     start = None  # the early-stopped EM's start the release took (None: the smoothed one)
     other_start = None  # ... and the fit from the start it left, capped as the release
-    if chosen == "auto":  # the candidate auto chose on these counters (it keeps its last choice)
+    if chosen == "auto":  # the candidate auto chose on these counters (kept in the memo)
         if buckets is None:
-            _, (m_sel, cap_sel) = selection.select(vc, p, layers=layers, n=n)
+            _, (m_sel, cap_sel) = selection.select(vc, p, layers=layers, n=n, memo=memo)
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
-            start, other_start = selection.chosen_start(vc, p, layers=layers, n=n) or (None, None)
+            start, other_start = (selection.chosen_start(vc, p, layers=layers, n=n, memo=memo)
+                                  or (None, None))
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
-            _, (m_sel, _) = selection.select(vc, p, layers=layers, n=None, hashed=True)
+            _, (m_sel, _) = selection.select(vc, p, layers=layers, n=None, hashed=True,
+                                             memo=memo)
             kw_boot = kw | {"method": m_sel}
     else:
         kw_boot = kw
@@ -770,7 +778,8 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     gaps: dict[str, float] = {}
     # the stand-ins as cumulative prevalences: the bootstrap works on phi_{>=r} (a few thousand
     # distinct counts), not on the millions of counts they list at D = 1e7
-    truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, **(kw | {"method": sm}))
+    truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, memo=memo,
+                                                              **(kw | {"method": sm}))
                for sm in stand_ins}
     truths = _Lazy(lambda sm: est if sm is None else counts_from_cumulative(truth_y[sm]))
     lls, bucket_lls = {}, {}
@@ -835,7 +844,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     else:  # all re-estimates at once (the EM estimators run as one batched loop)
         # hashed early-stopped EM: the start the release took, for every draw
         if buckets is not None and (kw_boot["method"] or chosen) == "deconvolution":
-            start, other_start = chosen_start(vc, p, buckets, n, layers) or (None, None)
+            start, other_start = chosen_start(vc, p, buckets, n, layers, cap=cap, memo=memo)
         flat = anonymized_cumulative_many([s for sm in stand_ins for s in sims[sm]], p,
                                           shrunk_start=start, **kw_boot)
         boot_ys = {sm: flat[i * int(reps): (i + 1) * int(reps)] for i, sm in enumerate(stand_ins)}

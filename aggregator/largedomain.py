@@ -35,7 +35,7 @@ from .counters import counters_key, noisy_value_counts
 from .deconvolution import MLE_MAX_ITER, MLE_TOL, deconvolved_prevalence
 from .em import sparse_top as em_top
 from .histograms import counts_from_cumulative
-from .memo import LastCounters, remembered_fit
+from .memo import ReleaseMemo, remembered_fit
 from .projection import project_l1, project_l2, rank_box
 from .estimators import ESTIMATORS, default_cap, default_method, phi_estimate
 from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this module's API)
@@ -161,7 +161,8 @@ __all__ += ["MLE_MAX_ITER", "MLE_TOL"]  # re-exported: they define "mle"
 __all__ += ["hashed_cumulative"]
 
 
-def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None) -> np.ndarray:
+def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None,
+                        memo: ReleaseMemo | None = None) -> np.ndarray:
     """phi_hat_{>=r} of the B bucket counters (not projected).
 
     ``n``: the number of events, public under replace-one; the bucket totals sum to it. ``"xfit"``
@@ -188,18 +189,21 @@ def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None) -> np
     if method is None:
         method = default_method("hashed", int(layers))
     return phi_estimate(noisy_counts, p, layers=int(layers), method=method, mode="hashed",
-                        n=None if method == "auto" else n)
+                        n=None if method == "auto" else n, memo=memo)
 
 
-def reduced_cumulative(noisy_counts, p, *, layers=1, method=None, n=None) -> np.ndarray:
+def reduced_cumulative(noisy_counts, p, *, layers=1, method=None, n=None,
+                       memo: ReleaseMemo | None = None) -> np.ndarray:
     """Projected estimate of the reduced (bucket) cumulative prevalence: Algorithm 1 on the buckets
     with the estimator of :func:`hashed_phi_estimate`."""
     vc = noisy_value_counts(noisy_counts)
-    return project_l1(hashed_phi_estimate(vc, p, layers=int(layers), method=method, n=n))
+    return project_l1(hashed_phi_estimate(vc, p, layers=int(layers), method=method, n=n,
+                                          memo=memo))
 
 
 def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", method=None,
-                     variant=DEFAULT_VARIANT, m=None, cap=None) -> np.ndarray:
+                     variant=DEFAULT_VARIANT, m=None, cap=None,
+                     memo: ReleaseMemo | None = None) -> np.ndarray:
     """Anonymized histogram of the items from B hashed counters (the ``buckets=`` path).
 
     Parameters
@@ -227,6 +231,9 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     cap
         Rule that caps the total at n (``cap.CAP_RULES``; default
         ``estimators.default_cap("hashed", layers)``).
+    memo
+        The release's :class:`aggregator.memo.ReleaseMemo`: ``auto``'s choice and the
+        early-stopped EM's start decision are kept there for the error bars (None: not kept).
     """
     vc = noisy_value_counts(noisy_counts)
     B = _check_buckets(buckets)
@@ -241,24 +248,26 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     cap = default_cap("hashed", layers) if cap is None else cap
     if cap not in HASHED_CAP_RULES:
         raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {cap!r}")
-    return counts_from_cumulative(_hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap))
+    return counts_from_cumulative(_hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap,
+                                                     memo=memo))
 
 
 def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
-                       phi=None, shrunk_start=None) -> np.ndarray:
+                       phi=None, shrunk_start=None, memo: ReleaseMemo | None = None
+                       ) -> np.ndarray:
     """The l1 release's cumulative prevalence (before listing its counts): what
     :func:`hashed_histogram` lists, for callers that work on phi_{>=r} (the bootstrap).
     ``phi``: :func:`hashed_phi_estimate` of these counters when the caller has it;
     ``shrunk_start``: for the early-stopped EM, the start ``phi`` came from (the bootstrap
     passes the release's). Otherwise the early-stopped EM takes the start these counters'
-    likelihood prefers (:func:`_likelier_start`), and the fit is kept for the same counters'
-    next call (the error bars' stand-in: :func:`chosen_start`)."""
+    likelihood prefers (:func:`_likelier_start`), and the decision is kept in ``memo`` for the
+    same counters' next call (the error bars' stand-in: :func:`chosen_start`)."""
     if shrunk_start is not None and phi is None:
         raise ValueError("shrunk_start names the start phi came from: pass phi with it")
     layers = int(layers)
-    early = variant != "reduced" and _early_stopped(vc, p, layers, method)
+    early = variant != "reduced" and _early_stopped(vc, p, layers, method, memo)
     key = _start_key(vc, p, B, n, layers, variant, m) if early else None
-    held = _STARTS.entry
+    held = None if memo is None else memo.starts
     if early and phi is None and held is not None and held[0] == key:
         y = held[2]  # decided on these counters already: that fit, not a second EM
         return y if n is None else cap_total(y, n, cap)
@@ -266,20 +275,16 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
     if phi is not None:
         psi = project_l1(phi)
     else:  # auto's pilots on these bucket counters are the reduced estimates it would make
-        psi = None if method is None else remembered_fit(vc, p, layers, method)
+        psi = None if method is None else remembered_fit(memo, vc, p, layers, method)
         if psi is None:
-            psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n)
+            psi = reduced_cumulative(vc, p, layers=layers, method=method, n=n, memo=memo)
     sparse = sparse_top(vc, p, layers)
     y = _invert(psi, B, n, p, variant, m, sparse_above=sparse)
     if early and shrunk_start is None:
         y, shrunk, other = _likelier_start(vc, p, B, n, layers, variant, m, sparse, y)
-        _STARTS.put((key, shrunk, y, other if n is None else cap_total(other, n, cap)))
+        if memo is not None:  # (key, shrunk start?, its fit, the other start's fit as released)
+            memo.starts = (key, shrunk, y, other if n is None else cap_total(other, n, cap))
     return y if n is None else cap_total(y, n, cap)
-
-
-# the last (counters' key, shrunk start?, its fit, the other start's fit as released): a release
-# and its error bars both ask
-_STARTS = LastCounters()
 
 
 def _start_key(vc, p, B, n, layers, variant=DEFAULT_VARIANT, m=None) -> tuple:
@@ -287,24 +292,35 @@ def _start_key(vc, p, B, n, layers, variant=DEFAULT_VARIANT, m=None) -> tuple:
             variant, m)
 
 
-def chosen_start(vc, p, B: int, n, layers: int) -> tuple[bool, np.ndarray] | None:
+def chosen_start(vc, p, B: int, n, layers: int, *, cap=None,
+                 memo: ReleaseMemo | None = None) -> tuple[bool, np.ndarray]:
     """(whether the release took the shrunk start, phi_{>=r} of the other start's fit capped
-    as the release) for the early-stopped EM's release on these counters (the default variant),
-    if it is the last one decided; else None. The bootstrap re-runs that start (conditional on
-    the choice, as it re-runs the candidate ``auto`` chose), and another window of the same
-    truth may take the other one: the change test counts their gap as it counts the gap
-    between ``auto``'s candidates."""
+    as the release, by ``cap``) for the early-stopped EM's release on these counters (the
+    default variant). The bootstrap re-runs that start (conditional on the choice, as it re-runs
+    the candidate ``auto`` chose), and another window of the same truth may take the other one:
+    the change test counts their gap as it counts the gap between ``auto``'s candidates.
+
+    With the release's ``memo`` this is the decision the release made; without one (or one that
+    holds no decision on these counters) the early-stopped EM's release is made again to decide
+    (the same decision, at its cost)."""
     key = _start_key(vc, p, B, n, layers)
-    held = _STARTS.entry
-    return (held[1], held[3]) if held is not None and held[0] == key else None
+    held = None if memo is None else memo.starts
+    if held is None or held[0] != key:
+        memo = memo if memo is not None else ReleaseMemo()
+        cap = default_cap("hashed", layers) if cap is None else cap
+        _hashed_cumulative(vc, p, B, n, int(layers), "deconvolution", DEFAULT_VARIANT, None, cap,
+                           memo=memo)
+        held = memo.starts
+    assert held is not None and held[0] == key  # (the early-stopped EM always decides)
+    return held[1], held[3]
 
 
-def _early_stopped(vc, p, layers: int, method) -> bool:
+def _early_stopped(vc, p, layers: int, method, memo: ReleaseMemo | None = None) -> bool:
     """Whether ``method`` on these bucket counters is the early-stopped EM (named, or the
-    candidate ``auto`` chose: :func:`aggregator.selection.select` keeps its last choice)."""
+    candidate ``auto`` chose: :func:`aggregator.selection.select`, kept in ``memo``)."""
     method = default_method("hashed", layers) if method is None else method
     if method == "auto":
-        _, (method, _) = select(vc, p, layers=layers, n=None, hashed=True)
+        _, (method, _) = select(vc, p, layers=layers, n=None, hashed=True, memo=memo)
     return method == "deconvolution"
 
 
@@ -332,7 +348,8 @@ def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tup
 
 
 def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None,
-                      variant=DEFAULT_VARIANT, m=None, cap=None) -> np.ndarray:
+                      variant=DEFAULT_VARIANT, m=None, cap=None,
+                      memo: ReleaseMemo | None = None) -> np.ndarray:
     """phi_{>=r} of :func:`hashed_histogram` with ``loss="l1"`` (the same histogram, as a
     cumulative prevalence: ``counts_from_cumulative`` of it is exactly that histogram)."""
     vc = noisy_value_counts(noisy_counts)
@@ -344,7 +361,7 @@ def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None
     cap = default_cap("hashed", layers) if cap is None else cap
     if cap not in HASHED_CAP_RULES:
         raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {cap!r}")
-    return _hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap)
+    return _hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap, memo=memo)
 
 
 def sparse_top(noisy_counts, p: float, layers: int = 1) -> int:

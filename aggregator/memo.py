@@ -1,102 +1,94 @@
-"""Memos of the last counters: what a release derived from them, kept for its error bars.
+"""A release's memo: what a release derived from its counters, handed to its error bars.
 
-A release and its error bars ask for the same fits on the same counters (``auto``'s pilots are
-the error bars' stand-ins; its choice is what their bootstrap re-runs), and those fits are the
-costliest part of a release, so the last ones are kept. A memo holds one entry per thread
-(:class:`LastCounters`): threads of one process release at once. :func:`forget_fits` clears
-every memo of the calling thread once its release is made (as
-:func:`aggregator.release.estimate_with_accuracy` does), so nothing derived from a window's
-counters outlives its release.
+A release and its error bars ask for the same fits on the same counters: ``auto``'s pilot fits
+are the error bars' stand-ins, its choice (the candidate, and for the early-stopped EM the
+start it took) is what their bootstrap re-runs, and hashed mode's start decision is what the
+bootstrap re-runs there. Those fits are the costliest part of a release, so a release makes
+one :class:`ReleaseMemo` and passes it (``memo=``) to every call that fits these counters:
+:func:`aggregator.release.estimate_with_accuracy` to the estimator and to
+:func:`aggregator.intervals.error_bars`, which pass it on to ``anonymize``, ``selection`` and
+``largedomain``. The memo is the only link between them, and it is visible in every signature.
 
-An entry is keyed by the counters themselves (:func:`aggregator.counters.counters_key`, or the
-value counts compared in full) and the public parameters, so a hit is exactly what a fresh fit
-would give: the memos change the cost of a release, never its numbers.
+A function given no memo computes afresh (the same numbers: every entry is a deterministic
+function of its key); only the cost differs. Each entry is keyed by the counters themselves
+(:func:`aggregator.counters.counters_key`, or the value counts compared in full) and the public
+parameters, so a hit is exactly what a fresh fit would give. The memo lives as long as the
+release that made it: nothing derived from a window's counters outlives its release, and two
+releases (two threads, two windows) never see each other's entries.
+
+One entry is a choice, not only a cost: in direct mode at one layer ``auto`` may take the
+early-stopped EM from its shrunk start (:mod:`aggregator.selection`), and the ``"deconvolution"``
+fit it keeps is then that one, so the error bars' stand-in is the fit the release took; without
+the memo ``anonymized_cumulative(method="deconvolution")`` is the named estimator (the smoothed
+start). :func:`aggregator.intervals.error_bars` therefore always runs with a memo (its own when
+given none, in which it makes ``auto``'s choice again): the same numbers either way.
 
 >>> import numpy as np
 >>> from aggregator.counters import noisy_value_counts
 >>> vc = noisy_value_counts(np.array([2, 0, 1]))
->>> remember_fits(vc, 0.5, 1, {"deconvolution": [2, 1]})
->>> remembered_fit(vc, 0.5, 1, "deconvolution").tolist(), remembered_fit(vc, 0.5, 2, "mle")
+>>> memo = ReleaseMemo()
+>>> memo.remember_fits(vc, 0.5, 1, {"deconvolution": [2, 1]})
+>>> memo.fit(vc, 0.5, 1, "deconvolution").tolist(), memo.fit(vc, 0.5, 2, "mle")
 ([2, 1], None)
->>> forget_fits(); remembered_fit(vc, 0.5, 1, "deconvolution") is None
+>>> ReleaseMemo().fit(vc, 0.5, 1, "deconvolution") is None  # another release's memo
+True
+>>> remembered_fit(None, vc, 0.5, 1, "deconvolution") is None  # no memo: fit afresh
 True
 """
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from .counters import NoisyValueCounts
 
-__all__ = ["LastCounters", "remember_fits", "remembered_fit", "forget_fits", "forget_with"]
+__all__ = ["ReleaseMemo", "remembered_fit"]
 
 
-class LastCounters:
-    """A one-entry memo of what was derived from the last counters, one per thread.
+class ReleaseMemo:
+    """What one release derived from its counters, one entry per kind (the last one kept).
 
-    A release and its error bars ask for the same fits on the same counters, so the last result
-    is kept. Per thread, because threads of one process compute at once (each aggregation's
-    accuracy plan): with one shared entry, a thread could find its key and then read the entry
-    another thread had just put there (another window's fit), or find it cleared under it.
-    :func:`forget_fits` clears the calling thread's entries.
+    * ``fits``: (value counts, p, layers, {method: l1-projected phi_{>=r}}), the fits
+      ``auto`` made on the real counters (:meth:`remember_fits`);
+    * ``choice``: (key, (phi_{>=r}, (method, cap), start)), :func:`aggregator.selection.select`'s
+      result and the early-stopped EM's start decision in direct mode;
+    * ``starts``: (key, shrunk?, fit, the other start's fit as released), hashed mode's start
+      decision (:func:`aggregator.largedomain.chosen_start`).
+
+    A plain object: made by the release, passed down explicitly, dropped with the release.
     """
 
-    def __init__(self):
-        self._local = threading.local()
-        _FORGET.append(self.clear)
+    __slots__ = ("fits", "choice", "starts")
 
-    @property
-    def entry(self):
-        """The calling thread's last entry (None: none)."""
-        return getattr(self._local, "entry", None)
+    def __init__(self) -> None:
+        self.fits: tuple | None = None
+        self.choice: tuple | None = None
+        self.starts: tuple | None = None
 
-    def put(self, entry) -> None:
-        self._local.entry = entry
+    def remember_fits(self, vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> None:
+        """Keep the l1-projected estimates ``fits`` ({method: phi_{>=r}}, before any cap) of the
+        counters ``vc``: :func:`aggregator.anonymize.anonymized_cumulative` on the same counters
+        takes them instead of fitting again. ``method="auto"`` fits the pilots on the real
+        counters (:mod:`aggregator.selection`), and the error bars' stand-ins are the same fits.
+        Only fits that do not depend on n belong here (the key holds no n): the caller passes
+        those (:attr:`aggregator.estimator.Estimator.uses_n`)."""
+        self.fits = (vc, float(p), int(layers),
+                     {m: np.array(y, dtype=np.int64) for m, y in fits.items()})
 
-    def clear(self) -> None:
-        self._local.entry = None
-
-
-_FORGET: list = []  # every memo of a window's counters: each one's clear()
-_FITS = LastCounters()  # (counters' value counts, p, layers, {method: projected phi_{>=r}})
-
-
-def remember_fits(vc: NoisyValueCounts, p: float, layers: int, fits: dict) -> None:
-    """Keep the l1-projected estimates ``fits`` ({method: phi_{>=r}}, before any cap) of the
-    counters ``vc`` (the last counters only): :func:`aggregator.anonymize.anonymized_cumulative`
-    on the same counters takes them instead of fitting again. ``method="auto"`` fits the pilots
-    on the real counters (:mod:`aggregator.selection`), and the error bars' stand-ins are the
-    same fits. Only fits that do not depend on n belong here (the key holds no n): the caller
-    passes those (:attr:`aggregator.estimator.Estimator.uses_n`)."""
-    _FITS.put((vc, float(p), int(layers), {m: np.array(y, dtype=np.int64) for m, y in
-                                           fits.items()}))
-
-
-def forget_fits() -> None:
-    """Drop what :func:`remember_fits` keeps, every :class:`LastCounters` memo (the calling
-    thread's entries: each thread's release forgets its own counters) and every memo registered
-    with :func:`forget_with` (the release path does once its release is made: nothing derived
-    from a window's counters outlives its release)."""
-    for clear in _FORGET:  # _FITS among them
-        clear()
+    def fit(self, vc: NoisyValueCounts, p: float, layers: int, method: str):
+        """The kept fit of ``method`` on these counters (a copy), or None."""
+        if self.fits is None:
+            return None
+        old, p0, k0, fits = self.fits
+        if method not in fits or p0 != float(p) or k0 != int(layers):
+            return None
+        if old is not vc and (old.lo != vc.lo or len(old.c) != len(vc.c)
+                              or not np.array_equal(old.c, vc.c)):
+            return None
+        return fits[method].copy()
 
 
-def forget_with(clear) -> None:
-    """Register ``clear`` (a memo's clear()) to run with :func:`forget_fits`: the memos other
-    modules keep of the last counters (``auto``'s choice, hashed mode's start) go with it."""
-    _FORGET.append(clear)
-
-
-def remembered_fit(vc: NoisyValueCounts, p: float, layers: int, method: str):
-    held = _FITS.entry
-    if held is None:
-        return None
-    old, p0, k0, fits = held
-    if method not in fits or p0 != float(p) or k0 != int(layers):
-        return None
-    if old is not vc and (old.lo != vc.lo or len(old.c) != len(vc.c)
-                          or not np.array_equal(old.c, vc.c)):
-        return None
-    return fits[method].copy()
+def remembered_fit(memo: ReleaseMemo | None, vc: NoisyValueCounts, p: float, layers: int,
+                   method: str):
+    """``memo.fit(...)``, None without a memo (the caller fits afresh)."""
+    return None if memo is None else memo.fit(vc, p, layers, method)

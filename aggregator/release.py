@@ -30,7 +30,8 @@ from .anonymize import anonymized_histogram
 from .counters import noisy_value_counts
 from .estimators import default_method
 from .intervals import simulate_counts
-from .memo import forget_fits
+from .bucket_likelihood import forget_pmfs
+from .memo import ReleaseMemo
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
@@ -181,20 +182,26 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
       instead, for :func:`planned_accuracy`'s synthetic windows only (a release passes none).
     """
     kw = dict(layers=layers, n=n, buckets=buckets, method=method)
+    # what the release derives from these counters (auto's choice and pilot fits, the start
+    # taken), handed to its error bars; it goes with this call
+    memo = ReleaseMemo()
     try:
         # the release itself: exactly what the estimator gives on these counters (the one call
         # the privacy audits watch: tests/test_privacy_service.py)
         estimator = anonymized_histogram if _estimator is None else _estimator
-        hist = np.asarray(estimator(noisy_counts, p, loss=loss, **kw), dtype=np.int64)
+        hist = np.asarray(estimator(noisy_counts, p, loss=loss, memo=memo, **kw),
+                          dtype=np.int64)
         vc = noisy_value_counts(noisy_counts)
         counters = int(vc.total)
         bars = None
         if reps and loss == "l1":  # (its stand-ins are the pilot fits auto kept: no refit)
             inner = internal_level(level, "hashed" if buckets is not None else "direct")
             bars = intervals.error_bars(vc, p, reps=int(reps), level=inner, release=hist,
-                                        rng=rng, **kw)
+                                        rng=rng, memo=memo, **kw)
     finally:
-        forget_fits()  # what auto kept of these counters does not outlive the release
+        # the big items' pmfs are kept across calls (keyed by their arguments): not past this
+        # release either
+        forget_pmfs()
     signal = n if n is not None else int(np.asarray(hist).sum())
     snr = intervals.signal_to_noise(signal, counters, p, layers) if counters else 0.0
     resolved = method or default_method("hashed" if buckets is not None else "direct", layers)

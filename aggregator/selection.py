@@ -88,7 +88,7 @@ from .deconvolution import (
 from .em import DIRECT_START_SMOOTH_SHARE
 from .estimator import BASIC, DECONVOLUTION, MLE, THRESHOLD, basic_prevalence
 from .histograms import counts_from_cumulative, cumulative_l1
-from .memo import LastCounters, remember_fits
+from .memo import ReleaseMemo
 from .projection import project_l1
 
 __all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "START_MARGIN", "select",
@@ -106,11 +106,9 @@ STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-c
 START_MARGIN = 3.3174
 
 
-_LAST = LastCounters()  # the last (key, result) of select: a release and its error bars both ask
-
-
 def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDIDATES,
-           sims=SIMS, seed=None, hashed=False) -> tuple[np.ndarray, tuple]:
+           sims=SIMS, seed=None, hashed=False, memo: ReleaseMemo | None = None
+           ) -> tuple[np.ndarray, tuple]:
     """(cumulative prevalence phi_{>=r} of the release, chosen (method, cap)).
 
     Without ``n`` the cap rules are not applied (every candidate is taken as ``"none"``).
@@ -118,39 +116,44 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
     layers there, :func:`aggregator.deconvolution.deconv_tol`; the early-stopped EM keeps its
     smoothed start, hashed mode choosing its start after the inversion).
 
-    The result is a deterministic function of the arguments, so the last one is kept: the
-    release's estimate and its error bars (:func:`aggregator.intervals.error_bars`) ask for the
-    same choice on the same counters, and it is the costliest step of a release.
+    The result is a deterministic function of the arguments, so a release's ``memo``
+    (:class:`aggregator.memo.ReleaseMemo`) keeps it, and the pilot fits: the release's estimate
+    and its error bars (:func:`aggregator.intervals.error_bars`) ask for the same choice on the
+    same counters, and it is the costliest step of a release. Without a memo it is made afresh.
     """
     vc0 = noisy_value_counts(noisy_counts)
     y, choice, _ = _select_held(vc0, p, layers=layers, n=n, pilots=pilots,
-                                candidates=candidates, sims=sims, seed=seed, hashed=hashed)
+                                candidates=candidates, sims=sims, seed=seed, hashed=hashed,
+                                memo=memo)
     return y, choice
 
 
-def _select_held(vc0, p, *, layers, n, pilots, candidates, sims, seed, hashed) -> tuple:
+def _select_held(vc0, p, *, layers, n, pilots, candidates, sims, seed, hashed, memo) -> tuple:
     """:func:`_select`'s (y, choice, start) of these counters, from the memo when it holds them."""
     key = (*counters_key(vc0), float(p), int(layers), None if n is None else int(n),
            tuple(pilots), tuple(candidates), int(sims), seed, bool(hashed))
-    held = _LAST.entry
+    held = None if memo is None else memo.choice
     if held is not None and held[0] == key:
         y, choice, start = held[1]
         return y.copy(), choice, start
     y, choice, start = _select(vc0, p, layers=layers, n=n, pilots=pilots, candidates=candidates,
-                               sims=sims, seed=seed, hashed=hashed)
-    _LAST.put((key, (y.copy(), choice, start)))
+                               sims=sims, seed=seed, hashed=hashed, memo=memo)
+    if memo is not None:
+        memo.choice = (key, (y.copy(), choice, start))
     return y, choice, start
 
 
-def chosen_start(noisy_counts, p, *, layers=1, n=None) -> tuple[bool, np.ndarray] | None:
+def chosen_start(noisy_counts, p, *, layers=1, n=None, memo: ReleaseMemo | None = None
+                 ) -> tuple[bool, np.ndarray] | None:
     """(whether the release took the shrunk start, phi_{>=r} of the other start's fit capped as
     the release) when :func:`select`'s choice on these counters is the early-stopped EM and it
     chose between the two starts (direct mode, one layer, n <= D: see the module's docstring);
     else None. The error bars' bootstrap re-runs that start (conditional on the choice, as it
     re-runs the chosen candidate), and the gap to the other start's fit counts as the gap
-    between two candidates does."""
+    between two candidates does. With the release's ``memo`` this is the release's own decision;
+    without one :func:`select` is run afresh (the same decision, at its cost)."""
     return _select_held(noisy_value_counts(noisy_counts), p, layers=layers, n=n, pilots=PILOTS,
-                        candidates=CANDIDATES, sims=SIMS, seed=None, hashed=False)[2]
+                        candidates=CANDIDATES, sims=SIMS, seed=None, hashed=False, memo=memo)[2]
 
 
 def _estimates(vc, p, k: int, methods, hashed=False) -> dict:
@@ -272,7 +275,8 @@ def _minimax(regret: dict):
     return min(regret, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
 
 
-def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashed) -> tuple:
+def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashed,
+            memo=None) -> tuple:
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
     D = vc.total
@@ -291,7 +295,8 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
         start = _take_likelier_start(vc, p, k, n, fits, _shrunk_fit(vc, p, k))
     # the error bars' stand-ins are two of them (fits that do not depend on n only: the memo's
     # key holds no n)
-    remember_fits(vc, p, k, {m: y for m, y in fits.items() if not uses_n.get(m, True)})
+    if memo is not None:
+        memo.remember_fits(vc, p, k, {m: y for m, y in fits.items() if not uses_n.get(m, True)})
     rng = np.random.default_rng(data_seed(vc) if seed is None else seed)
     regret: dict = {c: [] for c in candidates}
     standin_cap = _standin_cap(vc, fits, pilots, n, p, k) if n is not None else "none"
@@ -328,6 +333,8 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
     return _capped(y, n, rule, vc, p, k), choice, start
 
 
-def selected_prevalence(noisy_counts, p, *, layers=1, n=None, hashed=False) -> np.ndarray:
+def selected_prevalence(noisy_counts, p, *, layers=1, n=None, hashed=False,
+                        memo: ReleaseMemo | None = None) -> np.ndarray:
     """phi_{>=r} of :func:`select` as floats (``estimators.phi_estimate(method="auto")``)."""
-    return select(noisy_counts, p, layers=layers, n=n, hashed=hashed)[0].astype(np.float64)
+    return select(noisy_counts, p, layers=layers, n=n, hashed=hashed,
+                  memo=memo)[0].astype(np.float64)

@@ -159,7 +159,7 @@ def test_the_release_picks_the_start_once_and_its_bootstrap_reruns_that_start(mo
     hist, acc = estimate_with_accuracy(vc, p, layers=layers, n=int(counts.sum()), buckets=B,
                                        method="deconvolution", reps=6)
     assert len(calls) == 1 and starts and len(set(starts)) == 1
-    assert starts[0] == calls[0]  # (the memo itself is gone with the release: forget_fits)
+    assert starts[0] == calls[0]  # (the memo itself goes with the release)
     lo, hi = acc["intervals"]["distinct_items"]
     assert lo <= len(hist) <= hi
 
@@ -186,10 +186,8 @@ def test_the_change_test_counts_the_gap_between_the_two_starts():
 
 
 def test_nothing_derived_from_the_counters_outlives_the_release():
-    # auto's choice, the start chosen and the big items' pmfs are memos of one window's
-    # counters: estimate.forget_fits drops them with the pilot fits once the release is made
-    from aggregator import largedomain as ld
-    from aggregator import selection
+    # auto's choice, the start chosen and the fits live in the release's memo, which goes with
+    # the release; the big items' pmfs (a cache keyed by its arguments) are dropped with it
     from aggregator.release import estimate_with_accuracy
     g = np.random.default_rng(15)
     p, layers, B = p_from_epsilon(1.0), 2, 20_000
@@ -198,37 +196,4 @@ def test_nothing_derived_from_the_counters_outlives_the_release():
     for method in (None, "deconvolution"):
         estimate_with_accuracy(vc, p, layers=layers, n=int(counts.sum()), buckets=B,
                                method=method, reps=4)
-        assert selection._LAST.entry is None and ld._STARTS.entry is None
         assert bl._big_pmf.cache_info().currsize == 0
-
-
-def test_each_thread_keeps_its_own_memo_of_the_last_counters():
-    # each aggregation's accuracy plan computes in its own thread of one process: one thread's
-    # fits are not another's memo hit, and one thread's release forgetting its counters does not
-    # drop (nor race with) another's
-    import threading
-
-    from aggregator import estimate, selection
-    g = np.random.default_rng(16)
-    p = p_from_epsilon(1.0)
-    noisy = np.bincount(g.zipf(1.5, 3_000) % 2_000, minlength=2_000) + discrete_laplace(p, 2_000,
-                                                                                         rng=g)
-    vc = estimate.noisy_value_counts(noisy)
-    estimate.forget_fits()
-    selection.select(noisy, p, n=3_000)
-    estimate.remember_fits(vc, p, 1, {"deconvolution": [5, 3, 1]})
-    mine = selection._LAST.entry
-    assert mine is not None and estimate._remembered_fit(vc, p, 1, "deconvolution") is not None
-    seen = {}
-
-    def other_thread():
-        seen["memo"] = (selection._LAST.entry, estimate._remembered_fit(vc, p, 1, "deconvolution"))
-        estimate.forget_fits()
-
-    t = threading.Thread(target=other_thread)
-    t.start()
-    t.join()
-    assert seen["memo"] == (None, None)
-    assert selection._LAST.entry is mine   # the other thread's forget left this thread's memo
-    estimate.forget_fits()
-    assert selection._LAST.entry is None

@@ -365,17 +365,18 @@ def test_remembered_pilot_fits_are_the_fits():
     from aggregator.selection import select
     p = 0.6
     _, noisy = _zipf_noisy(4000, 8000, p, 2, 3)
-    select(noisy, p, layers=2, n=8000)
-    assert E._FITS.entry is not None
+    memo = E.ReleaseMemo()
+    select(noisy, p, layers=2, n=8000, memo=memo)
+    assert memo.fits is not None
     for method in ("deconvolution", "mle", "threshold"):
-        cached = A.anonymized_cumulative(noisy.copy(), p, layers=2, n=8000, method=method)
-        E._FITS.clear()
+        cached = A.anonymized_cumulative(noisy.copy(), p, layers=2, n=8000, method=method,
+                                         memo=memo)
         fresh = A.anonymized_cumulative(noisy, p, layers=2, n=8000, method=method)
         assert np.array_equal(cached, fresh)
-        select(noisy, p, layers=2, n=8000, sims=3)  # refills the cache (another key)
     other = noisy.copy()
-    other[0] += 5  # other counters: not served from the cache
-    assert E._remembered_fit(noisy_value_counts(other), p, 2, "mle") is None
+    other[0] += 5  # other counters: not served from the memo
+    assert E._remembered_fit(memo, noisy_value_counts(other), p, 2, "mle") is None
+    assert E._remembered_fit(memo, noisy_value_counts(noisy), p, 2, "mle") is not None
 
 
 @pytest.mark.parametrize("layers", [1, 2, 3])

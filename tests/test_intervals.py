@@ -106,7 +106,6 @@ def test_hashed_error_bars_rerun_the_candidate_auto_chose(monkeypatch):
     calls = []
     real = selection._select
     monkeypatch.setattr(selection, "_select", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    selection._LAST.clear()
     eb = iv.error_bars(noisy, p, n=n, buckets=B, reps=3, rng=1)
     assert len(calls) == 1
     _, (m, _) = selection.select(noisy, p, n=None)

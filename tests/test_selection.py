@@ -8,6 +8,7 @@ from aggregator import anonymize as A
 from aggregator import counter_model
 from aggregator import estimate as E
 from aggregator import selection as S
+from aggregator.memo import ReleaseMemo
 from aggregator.noise import discrete_laplace, p_from_epsilon
 
 
@@ -147,18 +148,24 @@ def test_early_stopped_em_takes_the_shrunk_start_only_when_likelier_by_the_margi
         return counter_model.loglik(vc, E.cap_total(y, n, "items"), vc.total, p, 1)
     if margin is not None:
         monkeypatch.setattr(S, "START_MARGIN", margin)
-    E.forget_fits()
-    y, (m, cap) = S.select(noisy, p, layers=1, n=n)
-    took, other = S.chosen_start(noisy, p, layers=1, n=n)
+    memo = ReleaseMemo()
+    y, (m, cap) = S.select(noisy, p, layers=1, n=n, memo=memo)
+    took, other = S.chosen_start(noisy, p, layers=1, n=n, memo=memo)
+    again = S.chosen_start(noisy, p, layers=1, n=n)  # no memo: decided again, the same
+    assert again[0] == took and np.array_equal(again[1], other)
     assert m == "deconvolution"  # (this window's choice, whichever start)
     assert took == (ll(shrunk) > ll(smooth) + S.START_MARGIN)
     mine, theirs = (shrunk, smooth) if took else (smooth, shrunk)
     np.testing.assert_array_equal(y, E.cap_total(mine, n, cap))
     np.testing.assert_array_equal(other, E.cap_total(theirs, n, cap))
-    # the error bars' stand-in "deconvolution" is the fit the release took
+    # the error bars' stand-in "deconvolution" is the fit the release took (the memo's: the
+    # named estimator alone fits from the smoothed start)
+    np.testing.assert_array_equal(
+        A.anonymized_cumulative(noisy, p, layers=1, method="deconvolution", memo=memo),
+        np.trim_zeros(mine, "b"))
     np.testing.assert_array_equal(
         A.anonymized_cumulative(noisy, p, layers=1, method="deconvolution"),
-        np.trim_zeros(mine, "b"))
+        np.trim_zeros(smooth, "b"))
 
 
 def test_two_starts_only_at_one_layer_with_mostly_empty_counters(monkeypatch):
@@ -184,7 +191,6 @@ def test_error_bars_rerun_the_start_the_release_took_and_count_the_other(monkeyp
     # (windows whose choice is the early-stopped EM, whichever start)
     noisy, p, n = (_heavy_window(0, heavy=5, once=200) if below_noise else _heavy_window(5))
     assert iv.signal_below_noise(n, len(noisy), p, 1) == below_noise  # (the two bootstrap paths)
-    E.forget_fits()
     calls = []  # (shrunk start?, smoothed share) of each batch of re-estimates
     real = A.deconvolved_batch
     monkeypatch.setattr(A, "deconvolved_batch", lambda *a, **kw: calls.append(
@@ -212,7 +218,6 @@ def test_error_bars_bootstrap_the_other_starts_fit_where_the_counters_allow_it(
         monkeypatch.setattr(S, "START_MARGIN", margin)
     noisy, p, n = (_heavy_window(0, heavy=5, once=200) if below_noise else _heavy_window(5))
     assert iv.signal_below_noise(n, len(noisy), p, 1) == below_noise
-    E.forget_fits()
     drawn = []  # the truths the bootstrap's states were drawn from
     real = iv.simulate_from_cumulative
     monkeypatch.setattr(iv, "simulate_from_cumulative", lambda rng, y, *a: drawn.append(

@@ -126,10 +126,7 @@ TIME_LAYERS = (1, 2, 3, 4, 5, 6)
 
 
 def _timed(fn) -> float:
-    """Seconds of one cold call: the auto selection keeps its last result (a release and its
-    error bars ask for the same choice), so it is forgotten first."""
-    from aggregator import selection
-    selection._LAST.clear()
+    """Seconds of one cold call (nothing is kept between calls: a release's memo goes with it)."""
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
@@ -920,8 +917,8 @@ def _write_timing(w, tm: dict | None) -> None:
       "`estimators.DEFAULTS`: method and cap rule per mode and layers); baseline `np.bincount(x - "
       f"x.min())`. Medians of {TIME_REPS} interleaved repetitions of bincount, the default, "
       f"threshold and wupagh; one run of the others (error bars: direct mode, 1-2 layers); "
-      "every call cold (`auto` keeps its last choice for the error bars of the same release; "
-      f"the timing forgets it before each call); run {tm['started']} at {tm['rev']}.")
+      "every call cold (what `auto` keeps for the error bars lives in the release's memo, "
+      f"none here); run {tm['started']} at {tm['rev']}.")
     w("")
     names = list(dict.fromkeys(a for row in tm["rows"] for a in row["times"]))
     w("| mode | layers | default method | " + " | ".join(names) + " | default / bincount |")

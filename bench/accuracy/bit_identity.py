@@ -42,7 +42,6 @@ def run():
     from aggregator.largedomain import hashed_histogram
     from aggregator.noise import discrete_laplace
     from aggregator.release import estimate_with_accuracy
-    from aggregator import estimate as E
     out = {}
     g = np.random.default_rng(20261128)
     p = float(np.exp(-1.0))
@@ -60,7 +59,6 @@ def run():
                                                                 method=method, n=n)))
             out[("hist", layers, method)] = walk(arr(anonymized_histogram(
                 noisy, p, layers=layers, n=n, method=method)))
-            E.forget_fits()
         for cap in ("items", "scale", "fitted", "none"):
             try:
                 got = anonymized_histogram(noisy, p, layers=layers, n=n, method="deconvolution",
@@ -96,7 +94,6 @@ def run():
         for method in ("deconvolution", "mle", "auto"):
             out[("hashed", layers, method)] = walk(arr(hashed_histogram(
                 noisy, p, buckets=B, n=nh, layers=layers, method=method)))
-            E.forget_fits()
         hist, acc = estimate_with_accuracy(noisy, p, layers=layers, n=nh, buckets=B, reps=4,
                                            rng=np.random.default_rng(9))
         out[("hashed-ewa", layers)] = walk((hist, acc))

@@ -54,7 +54,6 @@ from pathlib import Path
 import numpy as np
 
 from aggregator import intervals
-from aggregator.estimate import forget_fits
 from aggregator.properties import entropy
 from aggregator.release import estimate_with_accuracy
 
@@ -154,7 +153,6 @@ def run_cell(cell: Cell, layers: int) -> list[dict]:
                        "f1": int(np.sum(hist == 1)), "f2": int(np.sum(hist == 2)),
                        "n_hist": int(np.sum(hist)), "eps": cell.eps},
         })
-        forget_fits()
     return rows
 
 

@@ -242,7 +242,7 @@ def hashed_diagnostic(windows: int = 4) -> None:
     number of SQUAREM steps that EM makes before its stop."""
     from aggregator.estimate import (
         cap_total, cumulative_from_counts, DECONV_MAX_ITER, DECONV_TOL,
-        em_prevalences, _em_problem, forget_fits, noise_pmf, _squarem,
+        em_prevalences, _em_problem, noise_pmf, _squarem, ReleaseMemo,
     )
     from aggregator.anonymize import anonymized_cumulative, anonymized_histogram
     from aggregator.largedomain import _invert
@@ -256,11 +256,13 @@ def hashed_diagnostic(windows: int = 4) -> None:
     for _ in range(windows):
         items, vc, p = window(rng, cell)
         n, B = int(items.sum()), cell[2]
-        h = anonymized_histogram(vc, p, layers=cell[6], n=n, buckets=B)
+        memo = ReleaseMemo()  # the release's choices, handed to its error bars
+        h = anonymized_histogram(vc, p, layers=cell[6], n=n, buckets=B, memo=memo)
         eb = intervals.error_bars(vc, p, layers=cell[6], n=n, buckets=B, reps=10, level=inner,
-                                  release=h)
+                                  release=h, memo=memo)
         fits = {m: int(anonymized_cumulative(vc, p, layers=cell[6], n=n, buckets=B,
-                                             method=m)[0]) for m in ("deconvolution", "mle")}
+                                             method=m, memo=memo)[0])
+                for m in ("deconvolution", "mle")}
         red = window.last_reduced
         inv = cap_total(_invert(cumulative_from_counts(red[red > 0]).astype(float), B, n, p,
                                 "exact", None), n, "items")
@@ -280,7 +282,6 @@ def hashed_diagnostic(windows: int = 4) -> None:
               f"sum T^2: true {int((red.astype(float) ** 2).sum())}, "
               f"unbiased {m2_mom:.0f}, early EM {m2_fit:.0f}; early EM steps {len(steps)}",
               flush=True)
-        forget_fits()
 
 
 def plan_spread(draws: int = 8) -> None:

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.estimate import cumulative_from_counts, cumulative_l1, forget_fits
+from aggregator.estimate import cumulative_from_counts, cumulative_l1
 from aggregator.anonymize import anonymized_histogram
 from aggregator.intervals import error_bars
+from aggregator.memo import ReleaseMemo
 from aggregator.properties import entropy
 
 from . import grid
@@ -99,22 +100,23 @@ def run_cell(cell: Cell, layers: int) -> list[dict]:
         vc = grid._noisy(rng, values, C - len(values), p, layers)
         truth_y = cumulative_from_counts(h)
         t_d, t_h = len(h), entropy(np.sort(h)[::-1])
-        hist = np.asarray(anonymized_histogram(vc, p, layers=layers, n=cell.n, buckets=B))
+        memo = ReleaseMemo()  # the release's choices, handed to its error bars
+        hist = np.asarray(anonymized_histogram(vc, p, layers=layers, n=cell.n, buckets=B,
+                                               memo=memo))
         err = cumulative_l1(cumulative_from_counts(hist), truth_y)
         row = {"rep": rep, "true_distinct": t_d, "release_distinct": len(hist), "l1": err}
         if B is None:  # whether auto's early-stopped EM took the shrunk start (selection)
             from aggregator.selection import chosen_start
-            row["shrunk_start"] = bool((chosen_start(vc, p, layers=layers, n=cell.n)
+            row["shrunk_start"] = bool((chosen_start(vc, p, layers=layers, n=cell.n, memo=memo)
                                         or (False,))[0])
         for lv in LEVELS:
             eb = error_bars(vc, p, layers=layers, n=cell.n, buckets=B, reps=10, level=lv,
-                            rng=[rep, int(lv * 100)], release=hist)
+                            rng=[rep, int(lv * 100)], release=hist, memo=memo)
             lo, hi = eb["distinct"]
             elo, ehi = eb["entropy_nats"]
             row[lv] = {"distinct": lo <= t_d <= hi, "entropy": elo <= t_h <= ehi,
                        "l1": err <= eb["l1_bound"],
                        "width": (hi - lo) / max(t_d, 1)}
-        forget_fits()
         rows.append(row)
     return rows
 

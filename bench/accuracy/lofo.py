@@ -119,14 +119,11 @@ def _auto_smoothed(mode, vc, p, k, n, B):
     """``auto`` as it was before the early-stopped EM chose its start by the likelihood
     (``selection.START_MARGIN``, direct mode at 1 layer): the smoothed start only."""
     from aggregator import selection
-    from aggregator.estimate import forget_fits
     margin, selection.START_MARGIN = selection.START_MARGIN, math.inf
-    forget_fits()  # no memo crosses between this and the library's auto on the same counters
     try:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
     finally:
         selection.START_MARGIN = margin
-        forget_fits()
 
 
 def _auto_blend(mode, vc, p, k, n, B):
@@ -228,7 +225,7 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
     and ``auto`` took the smoothed start's EM in half the windows at 2-3x the NPMLE's error:
     a stand-in shaped like the truth should make that candidate's worst regret show it."""
     from aggregator import selection
-    from aggregator.estimate import forget_fits, project_l1
+    from aggregator.estimate import project_l1
     if n is None or int(n) > vc.total:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
     plain = selection._estimates
@@ -248,14 +245,12 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
             out["shrunk"] = shrunk
         return out
     selection._estimates = estimates
-    forget_fits()
     try:
         y, _ = selection.select(vc, p, layers=k, n=n,
                                 pilots=selection.PILOTS + ("shrunk",))
         return project_l1(y.astype(np.float64))
     finally:
         selection._estimates = plain
-        forget_fits()
 
 
 def _held_to_n(vc, p, k, n, early):
@@ -285,7 +280,6 @@ def _auto_with_em(mode, vc, p, k, n, B, em):
     """``auto`` whose early-stopped EM (candidate and stand-in, on the counters and on every
     simulated state) is ``em(vc, p, k, n, the library's early-stopped EM fit)``."""
     from aggregator import selection
-    from aggregator.estimate import forget_fits
     plain = selection._estimates
 
     def estimates(vc_, p_, k_, methods, **kw):
@@ -293,13 +287,8 @@ def _auto_with_em(mode, vc, p, k, n, B, em):
         if "deconvolution" in out:
             out["deconvolution"] = em(vc_, p_, k_, n, out["deconvolution"])
         return out
-    # no memo crosses between this and the library's auto on the same counters
-    forget_fits()
-    try:
-        with _auto_estimates(estimates):
-            return grid.estimate_y(mode, vc, p, k, "auto", n, B)
-    finally:
-        forget_fits()
+    with _auto_estimates(estimates):
+        return grid.estimate_y(mode, vc, p, k, "auto", n, B)
 
 
 def _shrunk_em(vc, p, k):
@@ -384,17 +373,14 @@ def _auto_simpler_start(mode, vc, p, k, n, B):
     Zipf(0.7) cell's smoothed fit is 4.8-8.9 nats likelier and stays. 1 layer: the library's
     rule (the shrunk start only when likelier by the margin)."""
     from aggregator import selection
-    from aggregator.estimate import forget_fits
     plain_two, margin = selection._two_starts, selection.START_MARGIN
     if k == 2:  # the library's condition as at 1 layer
         selection._two_starts = lambda vc_, k_, n_, **kw: plain_two(vc_, 1, n_, **kw)
         selection.START_MARGIN = -margin
-    forget_fits()
     try:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
     finally:
         selection._two_starts, selection.START_MARGIN = plain_two, margin
-        forget_fits()
 
 
 def _xfit(mode, vc, p, k, n, B):
@@ -414,7 +400,6 @@ def _with_xfit(n):
     runs without n, ``largedomain.hashed_phi_estimate``)."""
     from aggregator import selection
     from aggregator.crossfit import crossfit_prevalence
-    from aggregator.estimate import forget_fits
     plain = selection.basic_prevalence
 
     def basic(vc_, p_, *, layers=1, method="deconvolution", hashed=False):
@@ -425,13 +410,11 @@ def _with_xfit(n):
     old = kw["candidates"]
     kw["candidates"] = tuple(old) + (("xfit", "items"), ("xfit", "scale"))
     selection.basic_prevalence = basic
-    forget_fits()  # no memo crosses between this and the library's auto on the same counters
     try:
         yield
     finally:
         selection.basic_prevalence = plain
         kw["candidates"] = old
-        forget_fits()
 
 
 def _auto_xfit(mode, vc, p, k, n, B):
@@ -448,14 +431,9 @@ def _flagged(mode, vc, p, k, n, B) -> bool:
     """The default release's own ``signal_below_noise`` (the public SNR below
     ``intervals.SNR_MIN`` or the distinct-items interval reaching 2x off), as
     ``release.estimate_with_accuracy`` computes it (its bootstrap seeded here: a benchmark)."""
-    from aggregator.estimate import forget_fits
     from aggregator.release import estimate_with_accuracy
-    forget_fits()
-    try:
-        _, acc = estimate_with_accuracy(vc, p, layers=k, n=n, buckets=B if mode == "hashed"
-                                        else None, rng=np.random.default_rng([20261129, k]))
-    finally:
-        forget_fits()
+    _, acc = estimate_with_accuracy(vc, p, layers=k, n=n, buckets=B if mode == "hashed"
+                                    else None, rng=np.random.default_rng([20261129, k]))
     return bool(acc["signal_below_noise"])
 
 

@@ -139,7 +139,6 @@ def outside(reps: int = 6) -> None:
                     vc = grid._noisy(rng, h, cell.counters - len(h), cell.p, k)
                     for name, (rule, sims) in rules.items():
                         S._standin_cap = rule
-                        S._LAST.clear()
                         y, _ = S.select(vc, cell.p, layers=k, n=cell.n, sims=sims)
                         err.setdefault((name, k), []).append(cumulative_l1(y, truth))
             print(f"{cell.dist} n={cell.n:.0e} D={cell.D:.0e} eps={cell.eps:g}: " + ", ".join(

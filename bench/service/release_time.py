@@ -69,14 +69,6 @@ def build_state(D: int, n: int, layers: int, *, hashed: bool = False, seed: int 
     return state, "joint"
 
 
-def _forget() -> None:
-    """Drop what the estimators keep of the last counters (auto's choice and fits): with one
-    layer (state-only) every repetition sees the same counters, and a service never releases
-    the same counters twice."""
-    from aggregator import estimate
-    estimate.forget_fits()
-
-
 def time_release(state, model: str, reps: int, bars: int = ERROR_BAR_REPS) -> dict:
     counts = state.counts
     comp = {
@@ -87,8 +79,7 @@ def time_release(state, model: str, reps: int, bars: int = ERROR_BAR_REPS) -> di
     est = None
     for r in range(reps):
         order = list(comp) if r % 2 == 0 else list(comp)[::-1]
-        for k in order:
-            _forget()
+        for k in order:  # (each release is cold: its memo goes with it)
             dt, out = _time_once(comp[k])
             times[k].append(dt)
             if k == "release" and est is None:
