@@ -101,3 +101,45 @@ def test_transactions_never_commit_an_aborted_transactions_offsets(kafka_broker)
     finally:
         txn.close()
         consumer.close()
+
+
+def test_a_producer_fenced_mid_transaction_says_it_was_fenced(kafka_broker):
+    """Two members write a new group's identity at once with the same transactional id: the
+    second one's init fences the first in the middle of its transaction, and the first's next
+    call (its start offsets, sent in the identity's transaction) raises a generic KafkaError
+    ("... in an error state"). A generic KafkaError stopped a member's start for good (seen in
+    the suite); ``Transactions.cause`` names the fencing, which the start tries again after."""
+    from kafka.errors import KafkaError, ProducerFencedError
+
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    admin.close()
+    tid = f"fence-{uuid.uuid4().hex[:8]}"
+
+    def make():
+        p = KafkaProducer(bootstrap_servers=kafka_broker, transactional_id=tid)
+        p.init_transactions()
+        return p
+
+    first = Transactions(make, remake=False)
+    first.begin()
+    first.send(topic, value=b"identity").get(timeout=30)
+    second = Transactions(make, remake=False)   # fences the first
+    errors: list[Exception] = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(type(e) is KafkaError for e in errors):
+            try:   # the fencing reaches the first's next calls
+                first.send_offsets({TopicPartition(topic, 0): OffsetAndMetadata(0, "", -1)},
+                                   f"g-{tid}")
+                first.send(topic, value=b"more").get(timeout=30)
+            except KafkaError as exc:
+                errors.append(exc)
+            time.sleep(0.2)
+        generic = [e for e in errors if type(e) is KafkaError]
+        assert generic, errors
+        assert isinstance(first.cause(generic[0]), ProducerFencedError), generic[0]
+    finally:
+        first.close()
+        second.close()

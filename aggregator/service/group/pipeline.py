@@ -19,6 +19,7 @@ import uuid
 from types import SimpleNamespace
 
 import numpy as np
+from kafka.errors import KafkaError
 
 from consumers.decode import Decoder, ItemSpec
 from consumers.kafka_security import client_options
@@ -182,6 +183,14 @@ class Pipeline:
             self.ledger.committed()
             log.info("new %s: identity written to %s", self.about, self.topics.ledger)
             return ident
+        except KafkaError as exc:
+            self.ledger.aborted()
+            # a member fenced by another one writing the identity at the same instant (its
+            # next start try reads that identity: service.py) says so, not "KafkaError"
+            cause = txn.cause(exc)
+            if cause is not exc:
+                raise cause from None
+            raise
         except Exception:
             self.ledger.aborted()
             raise

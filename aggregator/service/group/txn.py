@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 
-from kafka.errors import CommitFailedError, KafkaTimeoutError
+from kafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
 
 from consumers.kafka import compat
 
@@ -109,6 +109,17 @@ class Transactions:
             unbounded()
             return
         _wait(self.producer, start(tm), what)
+
+    def cause(self, exc: Exception) -> Exception:
+        """The error behind ``exc``: a producer fenced in the middle of a transaction answers
+        every later transactional call with a generic ``KafkaError`` ("... in an error state:
+        ProducerFencedError"); the error that put it there says what happened (another member
+        took the transactional id), so the caller can tell a race from a broken cluster."""
+        tm = getattr(self.producer, "_transaction_manager", None)
+        last = getattr(tm, "last_error", None) if tm is not None else None
+        if type(exc) is KafkaError and isinstance(last, KafkaError):
+            return last
+        return exc
 
     def failed(self, exc: Exception) -> None:
         """Clean up after ``exc`` broke the open transaction: abort it, or start over with a
