@@ -5,15 +5,15 @@ by SIGSTOP) goes on from the first record left without a word (``auto_offset_res
 earliest``). The open window would then hold the records after the deletion and be released
 short of the records its ledgered range names, charged as released. :class:`RetentionWatch`
 sees it before the segment is counted: a segment that starts past where its partition was due
-to go on asks the source (``replay_problem``, the start check's question) whether the records in
-between are gone, and stops the service with one line if they are. The open window is not
-released; the next start refuses it (it cannot be replayed) until an operator decides, as for
-records deleted while the service was down.
+to go on asks the source where the partition begins now (:func:`deleted_spans`, the same look
+the start makes) and stops the service with one line if the records in between are gone. The
+open window is not released; the next start withholds it with a ledger entry naming the
+deleted records and goes on (:meth:`.resume.Resume.withhold_deleted`).
 
 A jump in offsets is most often a transaction marker, one offset per transaction, so a jump of
 at most :data:`SMALL_JUMP` offsets is looked at once a second per partition at most; a larger
-one always. Writes nothing; one ListOffsets request per look (a Kafka source); a source without
-``replay_problem`` (files, tests) is never asked.
+one always. Writes nothing; one ListOffsets request per look (a Kafka source); a source that
+cannot say where its partitions begin (files, tests) is never asked.
 
 Found by the fault harness (``source_retention_frozen``, docs/chaos.md).
 """
@@ -53,7 +53,8 @@ class RetentionWatch:
     """Asks ``source`` whether a segment's jump in offsets skipped deleted records."""
 
     def __init__(self, source):
-        self.probe = getattr(source, "replay_problem", None)   # Kafka sources
+        self.source = source
+        self.asks = getattr(source, "initial_offsets", None) is not None   # Kafka sources
         #: per partition, when the source was last asked about a small jump
         self._looked_at: dict[str, float] = {}
 
@@ -62,15 +63,18 @@ class RetentionWatch:
         (where its partition was due to go on) because the records in between were deleted;
         ``window`` names the open window in the message."""
         first = int(seg.offsets[0])
-        if want is None or first <= want or self.probe is None:
+        if want is None or first <= want or not self.asks:
             return
         now = time.monotonic()
         if first - want <= SMALL_JUMP and now - self._looked_at.get(seg.partition, -1e9) < 1.0:
             return
         self._looked_at[seg.partition] = now
-        problem = self.probe({seg.partition: int(want)}, None)
-        if problem:
+        gone = deleted_spans(self.source, {seg.partition: int(want)})
+        if gone:
+            (_, begin), = gone.values()
             raise ServiceError(
                 f"records of {seg.partition} from offset {want} were deleted before they were "
-                "read (the service fell behind the topic's retention); window "
-                f"{window} is not released: {problem}")
+                f"read (the service fell behind the topic's retention; it begins at {begin} "
+                f"now); window {window} is not released: the next start withholds it, naming "
+                "them, and counts on from the first record left; raise the topic's "
+                "retention.ms above the longest stall")
