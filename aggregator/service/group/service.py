@@ -219,6 +219,17 @@ class GroupService:
                         "it was deleted; restore it (the ledger is the record of privacy "
                         "spent), or start a new group (another source.group) knowing the old "
                         "charges are not carried over")
+            intake = self.pipelines[0].topics.intake
+            if not self.views and intake not in existing and \
+                    any(pipe.topics.ledger in existing for pipe in self.pipelines):
+                # its marks are what keeps a record from being repartitioned twice: rebuilt
+                # from nothing, a reset's re-read would be counted and released again
+                raise ServiceError(
+                    f"the intake topic {intake} is missing, but the group's ledger topic "
+                    "exists: it was deleted, and with it the marks that keep a record from "
+                    "being counted twice; restore it, or start a new group (another "
+                    "source.group): the budget registry then withholds the records this group "
+                    "released")
             src_topic = cfg.source.topic
             listed = self._retrying(lambda: admin.list_group_offsets(cfg.source.group),
                                     "reading the source group's committed offsets")
