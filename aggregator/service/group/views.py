@@ -380,6 +380,8 @@ class ViewCounter:
                 window = int(meta.get("w", self.first_window))
                 start = offset
                 self.consumer.seek(tp, start)
+            if not meta and not self.count:
+                window, start = self._past_released(tp, window, start)
             task = self.tasks.setdefault(window, MemberWindow(window))
             task.ranges[p] = [start, start]
             task.committed[p] = start
@@ -407,6 +409,30 @@ class ViewCounter:
         for (w, seq, key), at in snapped.items():
             self._resume(self.tasks[w], seq, key, at)
         self.metrics.partitions_owned.set(len(self.where))
+
+    def _past_released(self, tp, window: int, start: int) -> tuple[int, int]:
+        """A time window's partition acquired without the group's commit metadata (its
+        offsets reset by an operator, or deleted): the window after the last one the ledger
+        released over it, from the end of the positions released, as the one process and the
+        items intake do; unchanged when the ledger released none there. Counted from
+        ``start`` instead, the records would be withheld as released before, and the new
+        records read in the same window with them."""
+        self.ledger.read_to_end()
+        key = f"{self.source_topic}:{tp.partition}"
+        spans = [(int(e["window"]), int(e["ranges"][key][1])) for e in self.ledger.entries
+                 if e.get("kind") == "release" and e.get("epsilon_spent")
+                 and key in (e.get("ranges") or {})]
+        if not spans:
+            return window, start
+        last = max(w for w, _ in spans)
+        end = max(b for _, b in spans)
+        if end > start:
+            log.warning("partition %d of %s was to be read from offset %d, but the group "
+                        "released it up to %d already (its committed offsets were reset or "
+                        "lost): records below %d are not counted again", tp.partition,
+                        self.source_topic, start, end, end)
+            self.consumer.seek(tp, end)
+        return max(window, last + 1), max(start, end)
 
     def _resume(self, task: MemberWindow, seq: int, key: int, at: dict[int, int]) -> None:
         """Resume ``task`` from the snapshot ``seq`` its partitions' commits name (``at``: each
