@@ -176,7 +176,8 @@ MODES["shuffle"] = Mode(("state.model=shuffle", "state.epsilon=20",
 #: faults: what happens while the producer runs
 FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
           "start_broker_away", "start_together", "disk_full", "past_retention",
-          "source_retention", "source_retention_early", "source_retention_frozen")
+          "source_retention", "source_retention_early", "source_retention_frozen",
+          "offsets_reset")
 
 #: disk_full: the size of the service's own filesystem (state and release directories), and how
 #: long each fill lasts (s)
@@ -198,6 +199,10 @@ PAST_RETENTION_SETS = (f"scale.repartition_retention_s={RETENTION_S}",
 #: the start, whether or not anything was decided (a group down before its first commit);
 #: ``source_retention_frozen`` freezes them instead (SIGSTOP, then SIGCONT: a stalled process
 #: that reads on from where it was, one process too)
+#: offsets_reset: once a window was decided, every member (or the one process) stopped (kill
+#: -9 or SIGTERM), the source's consumer groups reset to the earliest record without panagg's
+#: metadata (``kafka-consumer-groups --reset-offsets --to-earliest --execute``), and started
+#: again: every record is read again, and none may be released twice
 AWAY_S = (3.0, 6.0)
 KEEP_S = 1.0
 DECIDED_S = 120.0
@@ -210,7 +215,8 @@ def applies(mode: str, fault: str) -> str:
         return "disk_full is for the one-process modes (a group's state is in Kafka)"
     if spec.shuffle and fault in ("disk_full", "past_retention", "start_together",
                                   "slow_release", "source_retention",
-                                  "source_retention_early", "source_retention_frozen"):
+                                  "source_retention_early", "source_retention_frozen",
+                                  "offsets_reset"):
         return f"{fault} is not built for the shuffle mode yet"
     if fault == "past_retention" and spec.members < 2:
         return "past_retention is for groups of 2-3 (items: the repartition topic's retention; " \
@@ -348,6 +354,32 @@ def _delete_records(bootstrap: str, topic: str, keep: int) -> dict[int, int]:
     finally:
         admin.close()
     return cut
+
+
+def _reset_offsets(bootstrap: str, topic: str, groups: list[str]) -> list[str]:
+    """Reset each of ``groups`` that has offsets of ``topic`` to offset 0 with no metadata, once
+    it is empty (an operator's --reset-offsets --to-earliest); returns the groups reset."""
+    from kafka import TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    admin = _admin(bootstrap)
+    done = []
+    try:
+        for group in groups:
+            deadline = time.monotonic() + 60   # offsets change only in an empty group
+            while admin.describe_groups([group])[group]["group_state"] not in ("Empty", "Dead"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"consumer group {group} did not empty in 60 s")
+                time.sleep(0.5)
+            held = [tp for tp in admin.list_group_offsets(group).get(group, {})
+                    if tp.topic == topic]
+            if held:
+                admin.alter_group_offsets(group, {TopicPartition(topic, p): OffsetAndMetadata(
+                    0, "", -1) for p in range(PARTITIONS)})
+                done.append(group)
+    finally:
+        admin.close()
+    return done
 
 
 class _Service:
@@ -538,13 +570,13 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
     # group decided a window, up to give_up)
     due: float | None = None
     give_up = 0.0
-    if fault.startswith("source_retention"):
+    if fault.startswith("source_retention") or fault == "offsets_reset":
         planned = []
         due = t0 + rng.uniform(3, 6)
         give_up = due + DECIDED_S
     # (one process decides its first window within seconds; a group's start takes longer)
     wait_decided = fault in ("source_retention", "source_retention_frozen") and \
-        bool(spec.members)
+        bool(spec.members) or fault == "offsets_reset" and bool(spec.members)
     while time.monotonic() < end:
         for svc in services.values():
             svc.check_alive()
@@ -591,10 +623,15 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
                     svc.proc.send_signal(signal.SIGSTOP)
             away = rng.uniform(*AWAY_S)
             time.sleep(away)
-            cut = _delete_records(broker.bootstrap, topic,
-                                  keep=rng.randint(0, int(KEEP_S * RATE) // PARTITIONS))
-            res.notes.append(f"every member {how} and down {away:.1f} s; the source's records "
-                             f"deleted below {cut}")
+            if fault == "offsets_reset":
+                reset = _reset_offsets(broker.bootstrap, topic, [group, f"{group}.panagg.count"])
+                res.notes.append(f"every member {how}; consumer group(s) {', '.join(reset)} "
+                                 "reset to offset 0 without metadata")
+            else:
+                cut = _delete_records(broker.bootstrap, topic,
+                                      keep=rng.randint(0, int(KEEP_S * RATE) // PARTITIONS))
+                res.notes.append(f"every member {how} and down {away:.1f} s; the source's "
+                                 f"records deleted below {cut}")
             if how == "sigstop":
                 for svc in services.values():
                     if svc.proc is not None:

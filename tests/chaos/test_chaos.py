@@ -2,7 +2,8 @@
 (tests/chaos/invariant.py) for one process, several aggregations and rollups under a service
 kill -9, a broker kill -9 or clean restart and a start while the broker is away, and a
 group of two members counting their own partitions (scale.exchange = views) under kill -9 and
-with the source's unread records deleted while every member was down, and the shuffle analyzer
+with the source's unread records deleted while every member was down or its offsets reset, and
+the shuffle analyzer
 under kill -9 of the shuffler or the analyzer. The full
 matrix is ``python -m bench.service.chaos`` (docs/chaos.md)."""
 
@@ -27,6 +28,10 @@ CASES = [
     # every member down once the group decided a window, the source's records deleted past
     # where they read: the windows that may have held them withheld naming them (80-90 s)
     ("group2", "source_retention", 23),
+    # views count windows, every member down once a window was decided and the source's
+    # consumer group reset to offset 0 without metadata: the members go on after the released
+    # positions (before, the re-read window was withheld with the records written since)
+    ("group_count2", "offsets_reset", 25),
     # one process taken down 3-6 s after its first start, before any window closed, and the
     # records it had not released deleted: the restart withholds the window naming them
     ("time", "source_retention_early", 24),
