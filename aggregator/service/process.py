@@ -337,7 +337,9 @@ class Aggregator:
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
-        self.retention.check(seg, self.task.offsets.get(seg.partition), self.task.window["id"])
+        gone = self.retention.check(seg, self.task.offsets.get(seg.partition))
+        if gone:  # withheld, or a stop where it cannot be withheld running
+            self.closer.withhold_deleted(self.task, gone)
         if self.cfg.window.kind == "event_time":
             self.event_time.ingest(seg)
             return

@@ -367,16 +367,18 @@ def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_delet
     assert "window 0 of all is withheld" in again.stderr
 
 
-def test_records_deleted_before_they_were_read_stop_the_service_not_a_short_release(
+def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on(
         kafka_broker, tmp_path):
     """A service stalled (SIGSTOP, as a long pause would) while the topic's retention deletes
     records it had not read: the consumer goes on from the first record left without a word.
-    Before the fix the open count window took the records after the deletion and was released
-    with n = 2,000 over a range of 4,000 positions (the fault harness's
+    Before the first fix the open count window took the records after the deletion and was
+    released with n = 2,000 over a range of 4,000 positions (the fault harness's
     ``source_retention_frozen``: count window n 4,000 over 8,503, a time window n 2,697 over
-    7,350). Now the service stops with one line naming the deleted records, the window is not
-    released. The next start withholds that window with a ledger entry naming the deleted
-    records and counts on from the first record left."""
+    7,350); after it the service stopped with one line (exit 2) and the next start withheld
+    the window. Now the running service withholds the open window itself, with a ledger entry
+    naming the deleted records in the words of the restart (its range: the records it did
+    count), logs one WARNING line and counts on from the first record left: the next window is
+    released whole, nothing is lost unnamed, the service never stops."""
     from kafka import KafkaAdminClient, TopicPartition
 
     topic = make_topic(kafka_broker, partitions=1)
@@ -400,24 +402,39 @@ def test_records_deleted_before_they_were_read_stop_the_service_not_a_short_rele
         admin.delete_records({TopicPartition(topic, 0): 5000})   # 3000-4999, unread
         admin.close()
         proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: proc.poll() is not None or "window 1 of all is withheld" in
+                 (tmp_path / "stderr.log").read_text(), 120, "window 1 withheld")
+        produce_items(kafka_broker, topic, 1000, seed=3)   # offsets 6000-6999: window 2 fills
         wait_for(lambda: proc.poll() is not None or
-                 (tmp_path / "releases" / "release-1.json").exists(), 120,
-                 "the service's stop or window 1's release")
-        released = _releases(tmp_path / "state")
-        assert [r["window"] for r in released] == [0], released
-        assert proc.wait(60) == 2
+                 (tmp_path / "releases" / "release-2.json").exists(), 120, "window 2's release")
+        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         err.close()
-    last = (tmp_path / "stderr.log").read_text().strip().splitlines()[-1]
-    assert last.startswith(f"panagg: error: records of {topic}:0 from offset 3000 were deleted "
-                           "before they were read"), last
-    again = run_service([*args, "--exit-when-idle", "3"])
-    assert again.returncode == 0, again.stderr[-2000:]
+    log = (tmp_path / "stderr.log").read_text()
+    named = (f"records of partition 0 from offset 3000 to 5000 were deleted by the retention "
+             f"of {topic} before they were counted")
+    warned = [line for line in log.splitlines() if "is withheld" in line]
+    assert len(warned) == 1 and "WARNING" in warned[0] and named in warned[0], warned
     decided = [e for e in _ledger_entries(tmp_path / "state")
                if e["kind"] in ("release", "refused")]
-    assert [(e["kind"], e["window"]) for e in decided] == [("release", 0), ("refused", 1)]
-    assert decided[1]["note"].startswith("records of partition 0 from offset 2000 to 5000 "
-                                         "were deleted by the retention"), decided[1]["note"]
+    assert [(e["kind"], e["window"]) for e in decided] == [
+        ("release", 0), ("refused", 1), ("release", 2)], decided
+    part = f"{topic}:0"
+    withheld, after = decided[1], decided[2]
+    assert withheld["note"].startswith(named), withheld["note"]
+    # the window's range is what it counted; the deleted span lies between it and the next
+    assert withheld["ranges"] == {part: [2000, 3000]} and withheld["n"] == 1000, withheld
+    assert withheld["end_offsets"] == {part: 5000}
+    assert after["n"] == 2000 and after["ranges"] == {part: [5000, 7000]}, after
+    assert not (tmp_path / "releases" / "release-1.json").exists()
+    # a restart replays neither window: the ledger decided them
+    again = run_service([*args, "--exit-when-idle", "3"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert [(e["kind"], e["window"]) for e in _ledger_entries(tmp_path / "state")
+            if e["kind"] in ("release", "refused")] == [(e["kind"], e["window"]) for e in decided]
+    assert "is withheld" not in again.stderr

@@ -26,7 +26,7 @@ from consumers.base import Segment
 
 from ..errors import ServiceError
 
-__all__ = ["RetentionWatch", "SMALL_JUMP", "deleted_text", "deleted_spans"]
+__all__ = ["RetentionWatch", "SMALL_JUMP", "deleted_text", "deleted_spans", "stop_for_deleted"]
 
 #: a jump in a partition's offsets this small is most often transaction markers
 SMALL_JUMP = 4
@@ -58,23 +58,27 @@ class RetentionWatch:
         #: per partition, when the source was last asked about a small jump
         self._looked_at: dict[str, float] = {}
 
-    def check(self, seg: Segment, want: int | None, window) -> None:
-        """Raise :class:`..errors.ServiceError` (one line) if ``seg`` starts past ``want``
-        (where its partition was due to go on) because the records in between were deleted;
-        ``window`` names the open window in the message."""
+    def check(self, seg: Segment, want: int | None) -> dict[str, tuple[int, int]]:
+        """``{partition: (want, first)}`` if ``seg`` starts past ``want`` (where its partition
+        was due to go on) because the records in between were deleted (the partition begins at
+        ``first`` now); empty otherwise."""
         first = int(seg.offsets[0])
         if want is None or first <= want or not self.asks:
-            return
+            return {}
         now = time.monotonic()
         if first - want <= SMALL_JUMP and now - self._looked_at.get(seg.partition, -1e9) < 1.0:
-            return
+            return {}
         self._looked_at[seg.partition] = now
-        gone = deleted_spans(self.source, {seg.partition: int(want)})
-        if gone:
-            (_, begin), = gone.values()
-            raise ServiceError(
-                f"records of {seg.partition} from offset {want} were deleted before they were "
-                f"read (the service fell behind the topic's retention; it begins at {begin} "
-                f"now); window {window} is not released: the next start withholds it, naming "
-                "them, and counts on from the first record left; raise the topic's "
-                "retention.ms above the longest stall")
+        return deleted_spans(self.source, {seg.partition: int(want)})
+
+
+def stop_for_deleted(gone: dict[str, tuple[int, int]], window, why: str) -> ServiceError:
+    """The one line a running service stops with when it cannot withhold the open window
+    ``window`` over the deleted records ``gone`` (``why``): the next start withholds it."""
+    (partition, (want, begin)), = list(gone.items())[:1]
+    return ServiceError(
+        f"records of {partition} from offset {want} were deleted before they were read (the "
+        f"service fell behind the topic's retention; it begins at {begin} now); window "
+        f"{window} ({why}) is not released: the next start withholds it, naming them, and "
+        "counts on from the first record left; raise the topic's retention.ms above the "
+        "longest stall")
