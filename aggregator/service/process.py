@@ -81,7 +81,7 @@ class Aggregator:
 
     #: the stages that read the source (a later assignment of ``source`` reaches each)
     _SOURCE_STAGES = ("checks", "registries", "intake", "health", "checkpoints", "assigner",
-                      "resume", "starting")
+                      "resume", "starting", "retention")
 
     @property
     def source(self) -> Source:
@@ -337,9 +337,13 @@ class Aggregator:
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
-        gone = self.retention.check(seg, self.task.offsets.get(seg.partition))
+        seg = self.retention.trim(seg)  # (records fetched before a withheld deletion)
+        if not len(seg):
+            return
+        gone = self.retention.check(seg, self.task.offsets)
         if gone:  # withheld, or a stop where it cannot be withheld running
             self.closer.withhold_deleted(self.task, gone)
+            self.retention.passed(gone)
         if self.cfg.window.kind == "event_time":
             self.event_time.ingest(seg)
             return

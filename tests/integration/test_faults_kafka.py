@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 
 from tests.chaos.harness import fill_disk
@@ -438,3 +439,83 @@ def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on
     assert [(e["kind"], e["window"]) for e in _ledger_entries(tmp_path / "state")
             if e["kind"] in ("release", "refused")] == [(e["kind"], e["window"]) for e in decided]
     assert "is withheld" not in again.stderr
+
+def _produce_to(bootstrap, topic, partitions, n, seed):
+    """``n`` msgpack events to each of ``partitions`` (explicitly, not by key)."""
+    from kafka import KafkaProducer
+
+    rng = np.random.default_rng(seed)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=50, acks="all")
+    for p in partitions:
+        for item in rng.integers(0, D, n):
+            producer.send(topic, value=msgpack.packb({"item": int(item)}), partition=p)
+    producer.flush()
+    producer.close()
+
+
+def test_several_aggregations_withhold_one_window_each_over_every_deleted_partition(
+        kafka_broker, tmp_path):
+    """Several aggregations over two partitions, stalled (SIGSTOP) while the retention deletes
+    unread records of both: each aggregation withholds its open window once, its entry naming
+    the deleted records of both partitions (one look at the source for all of them, as a
+    restart's; the first version withheld one window per partition, each as its jump was
+    seen, and the later ones held records still on the topic), and counts on from the first
+    records left: the next window starts there in both partitions and is released whole."""
+    from kafka import KafkaAdminClient, TopicPartition
+
+    topic = make_topic(kafka_broker, partitions=2)
+    _produce_to(kafka_broker, topic, [0, 1], 1000, seed=1)   # offsets 0-999 of each
+    args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
+                        "--set", "ledger.budget_per_event=2",
+                        "--set", "aggregations.a.window.size=1500",
+                        "--set", "aggregations.b.window.size=1200")
+    err = open(tmp_path / "stderr.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
+                            stdout=subprocess.DEVNULL, stderr=err)
+    rel = tmp_path / "releases"
+    try:
+        wait_for(lambda: proc.poll() is not None or ((rel / "a" / "release-0.json").exists()
+                 and (rel / "b" / "release-0.json").exists()), 120, "both windows 0")
+        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+        time.sleep(2)   # the rest of the 2,000 records into the open windows
+        proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: _stopped(proc.pid), 30, "the stall")
+        time.sleep(3)
+        _produce_to(kafka_broker, topic, [0, 1], 1000, seed=2)   # 1000-1999, not read
+        admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+        admin.delete_records({TopicPartition(topic, 0): 1500, TopicPartition(topic, 1): 1500})
+        admin.close()
+        proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: proc.poll() is not None or (tmp_path / "stderr.log").read_text()
+                 .count("is withheld") >= 2, 120, "both open windows withheld")
+        _produce_to(kafka_broker, topic, [0, 1], 1000, seed=3)   # 2000-2999
+        wait_for(lambda: proc.poll() is not None or ((rel / "a" / "release-2.json").exists()
+                 and (rel / "b" / "release-3.json").exists()), 120, "the windows after")
+        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err.close()
+    log = (tmp_path / "stderr.log").read_text()
+    assert log.count("is withheld") == 2, log[-3000:]
+    keys = [f"{topic}:0", f"{topic}:1"]
+    for name in ("a", "b"):
+        decided = [e for e in _ledger_entries(tmp_path / "state" / name)
+                   if e["kind"] in ("release", "refused")]
+        kinds = [(e["kind"], e["window"]) for e in decided]
+        assert kinds[:3] == [("release", 0), ("refused", 1), ("release", 2)], (name, kinds)
+        first, withheld, after = decided[:3]
+        assert withheld["end_offsets"] == dict.fromkeys(keys, 1500), withheld
+        for k, key in enumerate(keys):
+            due = withheld["ranges"].get(key, [None, first["end_offsets"][key]])[1]
+            assert (f"records of partition {k} from offset {due} to 1500 were deleted by the "
+                    f"retention of {topic} before they were counted") in withheld["note"], \
+                withheld["note"]
+            assert after["ranges"][key][0] == 1500, after
+        held = sum(b - a for a, b in withheld["ranges"].values())
+        assert withheld["n"] == held and after["n"] == sum(
+            b - a for a, b in after["ranges"].values()), (withheld, after)
+        assert not (rel / name / "release-1.json").exists()

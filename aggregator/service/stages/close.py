@@ -157,7 +157,8 @@ class Closer:
                         totals=task.totals, events=closing["events"],
                         seen="seen while running: the window cannot be released whole; "
                              "counting goes on from the first record left")
-        task.offsets, task.close_at = ends, None
+        task.offsets.update(ends)  # (in place: a Kafka source seeks a reassignment to it)
+        task.close_at = None
         task.window = self.windows.new_window(task, wid + 1)
         task.window.update(lineage=closing.get("lineage"), start_offsets=dict(ends))
         task.mark_start()

@@ -157,8 +157,10 @@ class Resume:
         and the next one is looked at in turn; the open window is withheld over the deleted
         records only, and the next window starts at the first records left. Without it the
         start was refused until an operator moved the checkpoints away, and a supervisor
-        restarting the service looped on that refusal. A snapshot's replay and event-time
-        windows keep the refusal (the start's replay check). True if any was withheld."""
+        restarting the service looped on that refusal. The entry is the one a running service
+        writes when it finds its unread records deleted (:func:`.withhold.withhold_window`). A
+        snapshot's replay and event-time windows keep the refusal (the start's replay check).
+        True if any was withheld."""
         if (task.window.get("kind") == "event_time"
                 or (task.durable is not None and task.durable.state is not None)):
             return False
