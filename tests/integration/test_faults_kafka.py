@@ -519,3 +519,38 @@ def test_several_aggregations_withhold_one_window_each_over_every_deleted_partit
         assert withheld["n"] == held and after["n"] == sum(
             b - a for a, b in after["ranges"].values()), (withheld, after)
         assert not (rel / name / "release-1.json").exists()
+
+
+def test_a_deletion_inside_one_segment_is_seen_where_the_records_jump(kafka_broker):
+    """A client that went on from the first record left after a deletion can hand records from
+    before it and after it in one segment (librdkafka did, in the several-aggregations run of
+    the frozen fault: windows were released over the deleted records, unseen, since the watch
+    looked only at where a segment starts). The watch cuts a segment before each jump of more
+    than SMALL_JUMP offsets, and the look at the piece after it names the deleted records;
+    jumps of transaction markers stay in one piece."""
+    from kafka import KafkaAdminClient, TopicPartition
+
+    from aggregator.service.stages.retention import SMALL_JUMP, RetentionWatch
+    from consumers.base import Segment
+    from consumers.kafka.kafka_python import KafkaSource
+
+    topic = make_topic(kafka_broker, partitions=1)
+    produce_items(kafka_broker, topic, 40, seed=1)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    admin.delete_records({TopicPartition(topic, 0): 20})
+    admin.close()
+    source = KafkaSource(kafka_broker, topic, f"g-split-{topic}")
+    try:
+        key = f"{topic}:0"
+        watch = RetentionWatch(source)
+        # a jump of SMALL_JUMP offsets (transaction markers) stays in one piece
+        marked = Segment(key, [20, 21, 22 + SMALL_JUMP], [b"x"] * 3)
+        assert [list(p.offsets) for p in watch.split(marked)] == [[20, 21, 22 + SMALL_JUMP]]
+        # 12-14 fetched before the deletion, 20-22 after the client went on from 20
+        jumped = Segment(key, [12, 13, 14, 20, 21, 22], [b"x"] * 6)
+        pieces = watch.split(jumped)
+        assert [list(p.offsets) for p in pieces] == [[12, 13, 14], [20, 21, 22]]
+        assert watch.check(pieces[0], {key: 12}) == {}
+        assert watch.check(pieces[1], {key: 15}) == {key: (15, 20)}
+    finally:
+        source.close()
