@@ -81,7 +81,7 @@ class Aggregator:
 
     #: the stages that read the source (a later assignment of ``source`` reaches each)
     _SOURCE_STAGES = ("checks", "registries", "intake", "health", "checkpoints", "assigner",
-                      "resume", "starting")
+                      "resume", "starting", "retention")
 
     @property
     def source(self) -> Source:
@@ -337,7 +337,17 @@ class Aggregator:
     def _ingest(self, seg: Segment) -> None:
         if not len(seg):
             return
-        self.retention.check(seg, self.task.offsets.get(seg.partition), self.task.window["id"])
+        for part in self.retention.split(seg):  # (at a jump inside: a deletion gone past?)
+            self._ingest_part(part)
+
+    def _ingest_part(self, seg: Segment) -> None:
+        seg = self.retention.trim(seg)  # (records fetched before a withheld deletion)
+        if not len(seg):
+            return
+        gone = self.retention.check(seg, self.task.offsets)
+        if gone:  # withheld, or a stop where it cannot be withheld running
+            self.closer.withhold_deleted(self.task, gone)
+            self.retention.passed(gone)
         if self.cfg.window.kind == "event_time":
             self.event_time.ingest(seg)
             return

@@ -35,7 +35,9 @@ from ..window import WindowTask
 from .checkpoint import Checkpoints
 from .health import LoopHealth
 from .release import ReleaseStep
+from .retention import stop_for_deleted
 from .windows import WindowAssigner
+from .withhold import withhold_window
 
 __all__ = ["Closer"]
 
@@ -128,6 +130,43 @@ class Closer:
         self.metrics.budget(self.ledger.spent(), self.ledger.remaining(), self.gate.user_budget)
         log.debug("closed window %s (uid %s)", wid, uid)
         return release
+
+    # -- records deleted before they were read --------------------------------------------------
+    def withhold_deleted(self, task: WindowTask, gone: dict[str, tuple[int, int]]) -> None:
+        """The topic's retention deleted records of the open window before the loop read them
+        (``gone``: ``{partition: (due, first left)}``, :class:`.retention.RetentionWatch`):
+        withhold the window with the entry a restart writes (:func:`.withhold.withhold_window`:
+        its ranges are the records it counted, its note names the deleted ones) and start the
+        next window at the first records left, durably. Counted on, the window would be
+        released short of its range. Releases in flight are ledgered first (window order).
+        Where the window cannot be withheld here (an event-time window, a restart's replay, a
+        restored snapshot's window: where its records start is not known) the service stops
+        with one line and the next start withholds it (:meth:`.resume.Resume.withhold_deleted`)."""
+        why = ("an event-time window" if task.window.get("kind") == "event_time"
+               else "replayed after a restart" if task.queue
+               else "restored from a snapshot" if task.window_start is None else None)
+        if why is not None:
+            raise stop_for_deleted(gone, task.window["id"], why)
+        if task.inflight:
+            self.collect(task, wait=True)
+        closing = task.window
+        wid = closing["id"]
+        ends = dict(task.offsets, **{p: int(b) for p, (_, b) in gone.items()})
+        withhold_window(task, gone, gate=self.gate, append=self.ledger.append,
+                        model=self.releases.model, ranges=self.window_ranges(task), ends=ends,
+                        totals=task.totals, events=closing["events"],
+                        seen="seen while running: the window cannot be released whole; "
+                             "counting goes on from the first record left")
+        task.offsets.update(ends)  # (in place: a Kafka source seeks a reassignment to it)
+        task.close_at = None
+        task.window = self.windows.new_window(task, wid + 1)
+        task.window.update(lineage=closing.get("lineage"), start_offsets=dict(ends))
+        task.mark_start()
+        task.state = self.new_state(task, wid + 1)
+        self.metrics.window_id.set(wid + 1)
+        self.metrics.window_events.set(0)
+        self.metrics.window_progress.set(0)
+        self.commit(task)  # the next window's start: a restart does not replay the withheld one
 
     # -- releases beside the loop ---------------------------------------------------------------
     def close_async(self, task: WindowTask, worker) -> dict:

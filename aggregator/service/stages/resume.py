@@ -34,9 +34,10 @@ from ..release_gate import ReleaseGate
 from ..window import WindowTask, totals_from
 from .fresh_state import FreshStates
 from .registries import BudgetRegistries
-from .retention import deleted_spans, deleted_text
+from .retention import deleted_spans
 from .start_checks import StartChecks
 from .windows import WindowAssigner
+from .withhold import withhold_window
 
 __all__ = ["Resume"]
 
@@ -156,8 +157,10 @@ class Resume:
         and the next one is looked at in turn; the open window is withheld over the deleted
         records only, and the next window starts at the first records left. Without it the
         start was refused until an operator moved the checkpoints away, and a supervisor
-        restarting the service looped on that refusal. A snapshot's replay and event-time
-        windows keep the refusal (the start's replay check). True if any was withheld."""
+        restarting the service looped on that refusal. The entry is the one a running service
+        writes when it finds its unread records deleted (:func:`.withhold.withhold_window`). A
+        snapshot's replay and event-time windows keep the refusal (the start's replay check).
+        True if any was withheld."""
         if (task.window.get("kind") == "event_time"
                 or (task.durable is not None and task.durable.state is not None)):
             return False
@@ -167,7 +170,7 @@ class Resume:
             if not gone:
                 break
             withheld = True
-            wid, uid = task.window["id"], task.window["uid"]
+            wid = task.window["id"]
             closed = dict(task.close_at) if task.queue and task.close_at else None
             if closed is not None:   # a closed window: its extent is recorded
                 gone = {p: (a, min(b, closed.get(p, b))) for p, (a, b) in gone.items()}
@@ -178,14 +181,10 @@ class Resume:
             else:
                 ends = dict(task.offsets, **{p: b for p, (_, b) in gone.items()})
                 ranges, totals = {}, task.totals
-            note = "; ".join(deleted_text(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]), a, b)
-                             for p, (a, b) in gone.items() if b > a)
-            fields = self.gate.position_fields(dict(task.window, events=0), ranges, ends, totals)
-            self.append(entry_id=f"refused-{uid}", kind="refused", window=wid, window_uid=uid,
-                        model=self.model, note=note + " (seen at a restart: the window cannot "
-                        "be replayed; counting goes on after it)", **fields)
-            log.warning("window %s of %s is withheld: %s; nothing of it is published",
-                        wid, task.name, note)
+            withhold_window(task, gone, gate=self.gate, append=self.append, model=self.model,
+                            ranges=ranges, ends=ends, totals=totals, events=0,
+                            seen="seen at a restart: the window cannot be replayed; counting "
+                                 "goes on after it")
             task.offsets, task.totals = ends, totals
             if task.queue:   # the next window the checkpoint listed (the last: the open one)
                 nxt = task.queue.pop(0)
