@@ -319,7 +319,7 @@ class Aggregation:
             agg.start()
         except BaseException:
             agg.close()
-            agg._remove_created()
+            agg.claim.remove_created()
             raise
         self._open = True
         #: ledger entries already looked at (releases before this start are not returned)

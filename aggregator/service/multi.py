@@ -444,7 +444,7 @@ class MultiAggregator:
                            "on the error below" if failed else None)
             if not running:  # a refused start writes nothing: remove what it created
                 for agg in started:
-                    agg._remove_created()
+                    agg.claim.remove_created()
                 remove_created(getattr(self, "_created", []))
             log.removeFilter(self._log_filter)
 

@@ -248,8 +248,8 @@ class Aggregator:
             self.close()
             if started:
                 self._stop_line("on the error below" if failed else None)
-            else:
-                self._remove_created()
+            else:  # (the lock released: what the refused start made goes)
+                self.claim.remove_created()
 
     def start(self) -> None:
         """Restore the checkpoint, seek the source, publish what a crash left pending."""
@@ -335,24 +335,14 @@ class Aggregator:
 
     # -- the stages' entry points: the loop, other modes (multi), the CLI, the API -----------------
     def _ingest(self, seg: Segment) -> None:
-        if not len(seg):
-            return
-        for part in self.retention.split(seg):  # (at a jump inside: a deletion gone past?)
-            self._ingest_part(part)
-
-    def _ingest_part(self, seg: Segment) -> None:
-        seg = self.retention.trim(seg)  # (records fetched before a withheld deletion)
-        if not len(seg):
-            return
-        gone = self.retention.check(seg, self.task.offsets)
-        if gone:  # withheld, or a stop where it cannot be withheld running
-            self.closer.withhold_deleted(self.task, gone)
-            self.retention.passed(gone)
-        if self.cfg.window.kind == "event_time":
-            self.event_time.ingest(seg)
-            return
-        items, good, rejected = self.intake.decode(seg)
-        self.intake.count_segment(self.task, seg, items, good, rejected, self.close_window)
+        # (records deleted before they were read: :meth:`.RetentionWatch.parts`)
+        for part in self.retention.parts(
+                seg, self.task.offsets, lambda gone: self.closer.withhold_deleted(self.task, gone)):
+            if self.cfg.window.kind == "event_time":
+                self.event_time.ingest(part)
+                continue
+            items, good, rejected = self.intake.decode(part)
+            self.intake.count_segment(self.task, part, items, good, rejected, self.close_window)
 
     def _maybe_snapshot(self, task: WindowTask) -> None:
         """A layered snapshot checkpoint when one is due (:meth:`.WindowAssigner.snapshot_due`)."""
@@ -380,10 +370,6 @@ class Aggregator:
     def _lock(self) -> None:
         self.claim.claim()  # what this start creates is removed again if it is refused
         self.control.mkdir(exist_ok=True)
-
-    def _remove_created(self) -> None:
-        """After a refused start (the lock released): :meth:`.DirectoryClaim.remove_created`."""
-        self.claim.remove_created()
 
     def save_effective_config(self) -> None:
         """Keep the running config next to the checkpoints (:func:`.save_effective_config`)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -128,6 +129,22 @@ class RetentionWatch:
             return [seg]
         bounds = [0, *cuts, len(seg)]
         return [_slice(seg, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+    def parts(self, seg: Segment, due: dict[str, int], withhold) -> Iterator[Segment]:
+        """The parts of ``seg`` to count, in order: cut at its jumps (:meth:`split`), without
+        the records fetched before a withheld deletion (:meth:`trim`); a part that starts past
+        deleted records first has ``withhold(gone)`` called (the open window withheld, naming
+        them). Lazy: each part is checked against ``due`` as the previous one left it."""
+        for part in self.split(seg):
+            part = self.trim(part)
+            if not len(part):
+                continue
+            gone = self.check(part, due)
+            if gone:  # withheld, or a stop where it cannot be withheld running
+                withhold(gone)
+                self.passed(gone)
+            yield part
 
 
 def _slice(seg: Segment, start: int, stop: int) -> Segment:
