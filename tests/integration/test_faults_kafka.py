@@ -368,6 +368,31 @@ def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_delet
     assert "window 0 of all is withheld" in again.stderr
 
 
+def _freeze_delete_thaw(bootstrap, proc, produce_unread, cut) -> None:
+    """Stall ``proc`` (SIGSTOP), write records it does not read (``produce_unread``), delete
+    each partition's records below ``cut`` ({TopicPartition: offset}: what retention does),
+    then let it go on (SIGCONT)."""
+    from kafka import KafkaAdminClient
+
+    proc.send_signal(signal.SIGSTOP)
+    wait_for(lambda: _stopped(proc.pid), 30, "the stall")
+    # the fetch it had sent is answered (empty) within fetch_max_wait_ms (0.5 s): what is
+    # produced next is not in a response waiting in its socket, read before the deletion
+    time.sleep(3)
+    produce_unread()
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.delete_records(cut)
+    admin.close()
+    proc.send_signal(signal.SIGCONT)
+
+
+def _stop_cleanly(proc, tmp_path) -> None:
+    """The service still running, then stopped by SIGTERM with exit 0."""
+    assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+
+
 def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on(
         kafka_broker, tmp_path):
     """A service stalled (SIGSTOP, as a long pause would) while the topic's retention deletes
@@ -380,7 +405,7 @@ def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on
     naming the deleted records in the words of the restart (its range: the records it did
     count), logs one WARNING line and counts on from the first record left: the next window is
     released whole, nothing is lost unnamed, the service never stops."""
-    from kafka import KafkaAdminClient, TopicPartition
+    from kafka import TopicPartition
 
     topic = make_topic(kafka_broker, partitions=1)
     produce_items(kafka_broker, topic, 3000, seed=1)
@@ -393,24 +418,15 @@ def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on
         # window 0 released, window 1 open with records 2000-2999
         wait_for(lambda: (tmp_path / "releases" / "release-0.json").exists(), 120,
                  "window 0's release")
-        proc.send_signal(signal.SIGSTOP)
-        wait_for(lambda: _stopped(proc.pid), 30, "the stall")
-        # the fetch it had sent is answered (empty) within fetch_max_wait_ms (0.5 s): what is
-        # produced next is not in a response waiting in its socket, read before the deletion
-        time.sleep(3)
-        produce_items(kafka_broker, topic, 3000, seed=2)   # offsets 3000-5999, not read
-        admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-        admin.delete_records({TopicPartition(topic, 0): 5000})   # 3000-4999, unread
-        admin.close()
-        proc.send_signal(signal.SIGCONT)
+        _freeze_delete_thaw(kafka_broker, proc,   # offsets 3000-5999 written, 3000-4999 gone
+                            lambda: produce_items(kafka_broker, topic, 3000, seed=2),
+                            {TopicPartition(topic, 0): 5000})
         wait_for(lambda: proc.poll() is not None or "window 1 of all is withheld" in
                  (tmp_path / "stderr.log").read_text(), 120, "window 1 withheld")
         produce_items(kafka_broker, topic, 1000, seed=3)   # offsets 6000-6999: window 2 fills
         wait_for(lambda: proc.poll() is not None or
                  (tmp_path / "releases" / "release-2.json").exists(), 120, "window 2's release")
-        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        _stop_cleanly(proc, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -461,7 +477,7 @@ def test_several_aggregations_withhold_one_window_each_over_every_deleted_partit
     restart's; the first version withheld one window per partition, each as its jump was
     seen, and the later ones held records still on the topic), and counts on from the first
     records left: the next window starts there in both partitions and is released whole."""
-    from kafka import KafkaAdminClient, TopicPartition
+    from kafka import TopicPartition
 
     topic = make_topic(kafka_broker, partitions=2)
     _produce_to(kafka_broker, topic, [0, 1], 1000, seed=1)   # offsets 0-999 of each
@@ -478,22 +494,15 @@ def test_several_aggregations_withhold_one_window_each_over_every_deleted_partit
                  and (rel / "b" / "release-0.json").exists()), 120, "both windows 0")
         assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
         time.sleep(2)   # the rest of the 2,000 records into the open windows
-        proc.send_signal(signal.SIGSTOP)
-        wait_for(lambda: _stopped(proc.pid), 30, "the stall")
-        time.sleep(3)
-        _produce_to(kafka_broker, topic, [0, 1], 1000, seed=2)   # 1000-1999, not read
-        admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-        admin.delete_records({TopicPartition(topic, 0): 1500, TopicPartition(topic, 1): 1500})
-        admin.close()
-        proc.send_signal(signal.SIGCONT)
+        _freeze_delete_thaw(kafka_broker, proc,   # 1000-1999 written, 1000-1499 gone
+                            lambda: _produce_to(kafka_broker, topic, [0, 1], 1000, seed=2),
+                            {TopicPartition(topic, 0): 1500, TopicPartition(topic, 1): 1500})
         wait_for(lambda: proc.poll() is not None or (tmp_path / "stderr.log").read_text()
                  .count("is withheld") >= 2, 120, "both open windows withheld")
         _produce_to(kafka_broker, topic, [0, 1], 1000, seed=3)   # 2000-2999
         wait_for(lambda: proc.poll() is not None or ((rel / "a" / "release-2.json").exists()
                  and (rel / "b" / "release-3.json").exists()), 120, "the windows after")
-        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        _stop_cleanly(proc, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
