@@ -102,6 +102,18 @@ class GroupService:
         return dict(bootstrap_servers=self.cfg.source.bootstrap,
                     reconnect_backoff_max_ms=1000, **self.security)
 
+    def _holds_entries(self, topic: str) -> bool:
+        """Whether the one-partition ``topic`` holds a committed record: a ledger topic that
+        does not is one another member is making now (members started together), or one a
+        reader's metadata request made on a broker that creates topics on first use."""
+        tp = TopicPartition(topic, 0)
+        reader = self.consumer(None)
+        try:
+            return bool(reader.end_offsets([tp]).get(tp))
+        finally:
+            reader.close()
+            self._clients.remove(reader)
+
     def consumer(self, group: str | None, **extra):
         src = self.cfg.source
         conf = dict(self._common(), group_id=group, enable_auto_commit=False,
@@ -220,8 +232,9 @@ class GroupService:
                         "spent), or start a new group (another source.group) knowing the old "
                         "charges are not carried over")
             intake = self.pipelines[0].topics.intake
-            if not self.views and intake not in existing and \
-                    any(pipe.topics.ledger in existing for pipe in self.pipelines):
+            if not self.views and intake not in existing and any(
+                    self._holds_entries(pipe.topics.ledger) for pipe in self.pipelines
+                    if pipe.topics.ledger in existing):
                 # its marks are what keeps a record from being repartitioned twice: rebuilt
                 # from nothing, a reset's re-read would be counted and released again
                 raise ServiceError(
