@@ -2,6 +2,7 @@
 cannot be written turns /ready to 503 with the reason, and the restart after it reads every
 partition, with every window's n equal to its source range."""
 
+import contextlib
 import json
 import os
 import signal
@@ -320,6 +321,22 @@ def test_a_backlog_lands_in_the_windows_of_its_timestamps(kafka_broker, tmp_path
     assert starts == [base, base + 30, base + 60]
 
 
+@contextlib.contextmanager
+def _logged_service(args, tmp_path):
+    """``panagg run args`` in a subprocess, its stderr in ``tmp_path / "stderr.log"``; killed
+    at the end if it is still running."""
+    err = open(tmp_path / "stderr.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
+                            stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err.close()
+
+
 def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_deleted(
         kafka_broker, tmp_path):
     """A new state directory starts at the earliest retained records (the default), and is
@@ -336,20 +353,12 @@ def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_delet
     produce_items(kafka_broker, topic, 500, seed=1)
     args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
                         "--set", "window.size=1000")
-    err = open(tmp_path / "stderr.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                            stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with _logged_service(args, tmp_path) as proc:
         wait_for(lambda: "starting window 0 at" in (tmp_path / "stderr.log").read_text()
                  or proc.poll() is not None, 120, "the service's start")
         time.sleep(3)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        err.close()
     started = (tmp_path / "stderr.log").read_text()
     assert f"the earliest retained records: {topic}:0 at 0" in started, started[-2000:]
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
@@ -411,10 +420,7 @@ def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on
     produce_items(kafka_broker, topic, 3000, seed=1)
     args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
                         "--set", "window.size=2000")
-    err = open(tmp_path / "stderr.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                            stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with _logged_service(args, tmp_path) as proc:
         # window 0 released, window 1 open with records 2000-2999
         wait_for(lambda: (tmp_path / "releases" / "release-0.json").exists(), 120,
                  "window 0's release")
@@ -427,11 +433,6 @@ def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on
         wait_for(lambda: proc.poll() is not None or
                  (tmp_path / "releases" / "release-2.json").exists(), 120, "window 2's release")
         _stop_cleanly(proc, tmp_path)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        err.close()
     log = (tmp_path / "stderr.log").read_text()
     named = (f"records of partition 0 from offset 3000 to 5000 were deleted by the retention "
              f"of {topic} before they were counted")
@@ -485,11 +486,8 @@ def test_several_aggregations_withhold_one_window_each_over_every_deleted_partit
                         "--set", "ledger.budget_per_event=2",
                         "--set", "aggregations.a.window.size=1500",
                         "--set", "aggregations.b.window.size=1200")
-    err = open(tmp_path / "stderr.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                            stdout=subprocess.DEVNULL, stderr=err)
     rel = tmp_path / "releases"
-    try:
+    with _logged_service(args, tmp_path) as proc:
         wait_for(lambda: proc.poll() is not None or ((rel / "a" / "release-0.json").exists()
                  and (rel / "b" / "release-0.json").exists()), 120, "both windows 0")
         assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
@@ -503,11 +501,6 @@ def test_several_aggregations_withhold_one_window_each_over_every_deleted_partit
         wait_for(lambda: proc.poll() is not None or ((rel / "a" / "release-2.json").exists()
                  and (rel / "b" / "release-3.json").exists()), 120, "the windows after")
         _stop_cleanly(proc, tmp_path)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        err.close()
     log = (tmp_path / "stderr.log").read_text()
     assert log.count("is withheld") == 2, log[-3000:]
     keys = [f"{topic}:0", f"{topic}:1"]
