@@ -56,6 +56,7 @@ import numpy as np
 from consumers.base import Segment, offsets_array, take_items
 from state_store.atomic import atomic_write
 
+from .stages.withhold import carry_lost
 from .window import WindowTask, totals_from
 
 __all__ = ["EventTimeWindows", "SecondWindow", "FutureRejects"]
@@ -254,6 +255,7 @@ class EventTimeWindows:
                  start_offsets=dict(ends, **{p: min(int(o), ends.get(p, int(o)))
                                              for p, o in first.items()}))
         self.set_event_index(w, second["index"] if second else None)
+        carry_lost(closed, w)  # records deleted before they were counted: withheld on
         totals = totals_from(entry["totals"])
         totals["events"] -= int((second or {}).get("events", 0))  # the replay counts them again
         task.window, task.totals = w, totals

@@ -556,3 +556,142 @@ def test_a_deletion_inside_one_segment_is_seen_where_the_records_jump(kafka_brok
         assert watch.check(pieces[1], {key: 15}) == {key: (15, 20)}
     finally:
         source.close()
+
+
+def _produce_stamped(bootstrap, topic, n, stamp_ms, seed):
+    """``n`` msgpack events to partition 0, each stamped ``stamp_ms`` (+ its index, ms)."""
+    from kafka import KafkaProducer
+
+    items = np.random.default_rng(seed).integers(0, D, n)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=50, acks="all")
+    for i, item in enumerate(items):
+        producer.send(topic, value=msgpack.packb({"item": int(item)}), partition=0,
+                      timestamp_ms=int(stamp_ms) + i % 1000)
+    producer.flush()
+    producer.close()
+
+
+def _event_time_args(bootstrap, topic, tmp_path):
+    """Event-time windows of 2 s, stamps accepted up to 1 s ahead of the clock: a record
+    deleted unread may belong to any window up to the one of now + 1 s."""
+    args = service_args(bootstrap, topic, tmp_path, "--set", "window.kind=event_time",
+                        "--set", "window.max_future_skew_s=1")
+    args[args.index("window.size=100000000")] = "window.size=2"
+    return args
+
+
+def _check_event_time_withheld(tmp_path, topic, named, first_after):
+    """Windows 0 released, 1 withheld naming ``named`` (over its whole range, to the first
+    record of window 2), window 2 (past the last window a deleted record could be in) released
+    whole from ``first_after``; the one invariant of every mode holds (the chaos checker)."""
+    from tests.chaos.invariant import check_directory
+
+    decided = [e for e in _ledger_entries(tmp_path / "state")
+               if e["kind"] in ("release", "refused")]
+    assert [(e["kind"], e["window"]) for e in decided] == [
+        ("release", 0), ("refused", 1), ("release", 2)], decided
+    part = f"{topic}:0"
+    withheld, after = decided[1], decided[2]
+    assert named in withheld["note"], withheld["note"]
+    assert withheld["ranges"][part][1] == first_after, withheld
+    assert after["ranges"] == {part: [first_after, first_after + 500]} and after["n"] == 500
+    assert not (tmp_path / "releases" / "release-1.json").exists()
+    report = check_directory(tmp_path / "state", tmp_path / "releases")
+    assert all(not cov.violations for cov in report.values()), \
+        {k: c.violations for k, c in report.items()}
+
+
+def test_event_time_records_deleted_unread_withhold_every_window_they_may_be_in(
+        kafka_broker, tmp_path):
+    """Event-time windows, the service stalled (SIGSTOP) while retention deletes records of
+    the open window it had not read (the fault harness's ``source_retention_frozen``). Before,
+    the service stopped with one line (exit 2: "window 1 (an event-time window) is not
+    released") and a supervisor's restart was refused the same way. A deleted record's
+    timestamp is gone with it: any window from the open one to the window of now +
+    ``window.max_future_skew_s`` may have held it. Now one WARNING line names the deleted
+    records and those windows, each of them is withheld at its close (a ``refused`` entry
+    naming the records), nothing of them is published, and the first window past them is
+    released whole; the service never stops."""
+    from kafka import TopicPartition
+
+    topic = make_topic(kafka_broker, partitions=1)
+    base = (int(time.time()) // 2 - 300) * 2000   # windows of 2 s, ten minutes ago
+    _produce_stamped(kafka_broker, topic, 1000, base, seed=1)          # 0-999: window b
+    _produce_stamped(kafka_broker, topic, 1000, base + 2000, seed=2)   # 1000-1999: b + 1
+    args = _event_time_args(kafka_broker, topic, tmp_path)
+    with _logged_service(args, tmp_path) as proc:
+        wait_for(lambda: proc.poll() is not None or
+                 (tmp_path / "releases" / "release-0.json").exists(), 120, "window 0's release")
+        time.sleep(2)   # the rest of window 1's records read
+        _freeze_delete_thaw(kafka_broker, proc,   # 2000-2999 written (b + 1), 2000-2499 gone
+                            lambda: _produce_stamped(kafka_broker, topic, 1000, base + 2000,
+                                                     seed=3),
+                            {TopicPartition(topic, 0): 2500})
+        wait_for(lambda: proc.poll() is not None or "every later event-time window" in
+                 (tmp_path / "stderr.log").read_text(), 120, "the deletion seen")
+        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+        time.sleep(3)   # past the last window a deleted record can be in (now + 1 s)
+        _produce_stamped(kafka_broker, topic, 500, time.time() // 2 * 2000,   # 3000-3499
+                         seed=4)   # (all in the window of now)
+        time.sleep(3)
+        _produce_stamped(kafka_broker, topic, 10, time.time() * 1000, seed=5)    # closes it
+        wait_for(lambda: proc.poll() is not None or
+                 (tmp_path / "releases" / "release-2.json").exists(), 120, "window 2's release")
+        _stop_cleanly(proc, tmp_path)
+    log = (tmp_path / "stderr.log").read_text()
+    named = (f"records of partition 0 from offset 2000 to 2500 were deleted by the retention "
+             f"of {topic} before they were counted")
+    warned = [line for line in log.splitlines() if "WARNING" in line and named in line]
+    assert len(warned) == 1 and "seen while running" in warned[0], warned
+    _check_event_time_withheld(tmp_path, topic, named, 3000)
+    # a restart replays no decided window
+    again = run_service([*args, "--exit-when-idle", "3"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len([e for e in _ledger_entries(tmp_path / "state")
+                if e["kind"] in ("release", "refused")]) == 3
+    assert "withheld" not in again.stderr
+
+
+def test_event_time_restart_over_deleted_records_withholds_and_counts_on(
+        kafka_broker, tmp_path):
+    """The same deletion while the event-time service was down (SIGTERM): the restart used to
+    be refused in one line (the replay check: the window's records are gone), so a supervisor
+    looped on it. Now the restart replays the open window from the first records left, noted
+    as withheld with every later window a deleted record may be in (one WARNING line), and
+    goes on: the first window past them is released whole."""
+    from kafka import KafkaAdminClient, TopicPartition
+
+    topic = make_topic(kafka_broker, partitions=1)
+    base = (int(time.time()) // 2 - 300) * 2000
+    _produce_stamped(kafka_broker, topic, 1000, base, seed=1)
+    _produce_stamped(kafka_broker, topic, 1000, base + 2000, seed=2)
+    args = _event_time_args(kafka_broker, topic, tmp_path)
+    with _logged_service(args, tmp_path) as proc:
+        wait_for(lambda: proc.poll() is not None or
+                 (tmp_path / "releases" / "release-0.json").exists(), 120, "window 0's release")
+        time.sleep(2)
+        _stop_cleanly(proc, tmp_path)
+    _produce_stamped(kafka_broker, topic, 1000, base + 2000, seed=3)   # 2000-2999
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    admin.delete_records({TopicPartition(topic, 0): 2500})
+    admin.close()
+    (tmp_path / "stderr.log").rename(tmp_path / "stderr-1.log")
+    with _logged_service(args, tmp_path) as proc:
+        wait_for(lambda: proc.poll() is not None or "every later event-time window" in
+                 (tmp_path / "stderr.log").read_text(), 120, "the deletion seen")
+        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+        time.sleep(3)
+        _produce_stamped(kafka_broker, topic, 500, time.time() // 2 * 2000,   # 3000-3499
+                         seed=4)   # (all in the window of now)
+        time.sleep(3)
+        _produce_stamped(kafka_broker, topic, 10, time.time() * 1000, seed=5)
+        wait_for(lambda: proc.poll() is not None or
+                 (tmp_path / "releases" / "release-2.json").exists(), 120, "window 2's release")
+        _stop_cleanly(proc, tmp_path)
+    log = (tmp_path / "stderr.log").read_text()
+    # the window's replay started at its first record (1000): all of 1000-2499 is gone now
+    named = (f"records of partition 0 from offset 1000 to 2500 were deleted by the retention "
+             f"of {topic} before they were counted")
+    warned = [line for line in log.splitlines() if "WARNING" in line and named in line]
+    assert len(warned) == 1 and "seen at a restart" in warned[0], warned
+    _check_event_time_withheld(tmp_path, topic, named, 3000)

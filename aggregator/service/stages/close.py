@@ -37,7 +37,7 @@ from .health import LoopHealth
 from .release import ReleaseStep
 from .retention import stop_for_deleted
 from .windows import WindowAssigner
-from .withhold import withhold_window
+from .withhold import carry_lost, lost_spans, note_lost, withhold_window
 
 __all__ = ["Closer"]
 
@@ -94,6 +94,10 @@ class Closer:
         """Release ``task``'s window (if the budget allows) and start the next one, durably.
         With a release worker, the release is computed beside the loop and collected later in
         window order (:meth:`collect`); the return value is then ``{"window": id}``."""
+        lost = lost_spans(task.window) if task.window.get("kind") == "event_time" else []
+        if lost:  # it may hold records deleted before they were counted
+            self.withhold_lost(task, lost)
+            return None
         worker = self.worker()
         if worker is not None and task.window_start is not None:
             return self.close_async(task, worker)
@@ -138,12 +142,15 @@ class Closer:
         withhold the window with the entry a restart writes (:func:`.withhold.withhold_window`:
         its ranges are the records it counted, its note names the deleted ones) and start the
         next window at the first records left, durably. Counted on, the window would be
-        released short of its range. Releases in flight are ledgered first (window order).
-        Where the window cannot be withheld here (an event-time window, a restart's replay, a
-        restored snapshot's window: where its records start is not known) the service stops
-        with one line and the next start withholds it (:meth:`.resume.Resume.withhold_deleted`)."""
-        why = ("an event-time window" if task.window.get("kind") == "event_time"
-               else "replayed after a restart" if task.queue
+        released short of its range. Releases in flight are ledgered first (window order). An
+        event-time window is withheld at its close, and so is every later one that may hold a
+        deleted record (:func:`.withhold.note_lost`, :meth:`withhold_lost`). Where the window
+        cannot be withheld here (a restart's replay, a restored snapshot's window: where its
+        records start is not known) the service stops with one line and the next start
+        withholds it (:meth:`.resume.Resume.withhold_deleted`)."""
+        if task.window.get("kind") == "event_time":
+            return note_lost(task, gone, self.event_time.host.cfg.window, "seen while running")
+        why = ("replayed after a restart" if task.queue
                else "restored from a snapshot" if task.window_start is None else None)
         if why is not None:
             raise stop_for_deleted(gone, task.window["id"], why)
@@ -167,6 +174,28 @@ class Closer:
         self.metrics.window_events.set(0)
         self.metrics.window_progress.set(0)
         self.commit(task)  # the next window's start: a restart does not replay the withheld one
+
+    def withhold_lost(self, task: WindowTask, spans: list[tuple[str, int, int]]) -> None:
+        """Close the event-time window noted to maybe hold the deleted records ``spans``
+        (:func:`.withhold.lost_spans`) as withheld: a ``refused`` entry naming them over the
+        window's ranges (releases in flight ledgered first), then the next window, the note
+        handed on while it may hold one too (:func:`.withhold.carry_lost`), and its start's
+        checkpoint. Nothing of it is published."""
+        if task.inflight:
+            self.collect(task, wait=True)
+        closing = dict(task.window, ended_unix=time.time())
+        withhold_window(task, spans, gate=self.gate, append=self.ledger.append,
+                        model=self.releases.model, ranges=self.window_ranges(task, closing),
+                        ends=dict(task.offsets), totals=task.totals, events=closing["events"],
+                        window=closing, extra=self.event_time.second_window_fields(),
+                        seen="an event-time window that may hold them: it cannot be released "
+                             "whole", warn=False)
+        self.open_next(task, closing)
+        carry_lost(closing, task.window)
+        if not task.queue and task.close_at is None:
+            self.commit(task)
+        self.publish(task)
+        self.metrics.release_queue.set(len(task.inflight))
 
     # -- releases beside the loop ---------------------------------------------------------------
     def close_async(self, task: WindowTask, worker) -> dict:

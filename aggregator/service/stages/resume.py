@@ -37,7 +37,7 @@ from .registries import BudgetRegistries
 from .retention import deleted_spans
 from .start_checks import StartChecks
 from .windows import WindowAssigner
-from .withhold import withhold_window
+from .withhold import note_lost, withhold_window
 
 __all__ = ["Resume"]
 
@@ -159,10 +159,17 @@ class Resume:
         start was refused until an operator moved the checkpoints away, and a supervisor
         restarting the service looped on that refusal. The entry is the one a running service
         writes when it finds its unread records deleted (:func:`.withhold.withhold_window`). A
-        snapshot's replay and event-time windows keep the refusal (the start's replay check).
-        True if any was withheld."""
-        if (task.window.get("kind") == "event_time"
-                or (task.durable is not None and task.durable.state is not None)):
+        snapshot's replay keeps the refusal (the start's replay check). An event-time window
+        is replayed from the first records left, noted to be withheld at its close with every
+        later window that may hold a deleted record (:func:`.withhold.note_lost`: their
+        timestamps are gone). True if any was withheld (or so noted)."""
+        if task.window.get("kind") == "event_time":
+            gone = {} if self.ledger.get(f"release-{task.window['uid']}") else \
+                deleted_spans(self.source, task.offsets)
+            if gone:
+                note_lost(task, gone, self.event_time.host.cfg.window, "seen at a restart")
+            return bool(gone)
+        if task.durable is not None and task.durable.state is not None:
             return False
         withheld = False
         while self.ledger.get(f"release-{task.window['uid']}") is None:

@@ -10,9 +10,11 @@ the start makes). If the records in between are gone, the loop withholds the ope
 (:meth:`.close.Closer.withhold_deleted`): the ledger entry a start writes for records deleted
 while the service was down (:func:`.withhold.withhold_window`, naming them in the words of
 :func:`deleted_text`; its range: the records the window counted), one WARNING line, and the
-next window starts at the first record left. Where the open window cannot be withheld running
-(an event-time window, a restart's replay, a restored snapshot's window) the service stops
-with one line (:func:`stop_for_deleted`) and the next start withholds it
+next window starts at the first record left. An event-time window is withheld at its close,
+with every later window a deleted record may be in (its timestamp is gone:
+:func:`.withhold.note_lost`). Where the open window cannot be withheld running (a restart's
+replay, a restored snapshot's window) the service stops with one line
+(:func:`stop_for_deleted`) and the next start withholds it
 (:meth:`.resume.Resume.withhold_deleted`).
 
 A jump in offsets is most often a transaction marker, one offset per transaction, so a jump of
