@@ -30,8 +30,8 @@ from pathlib import Path
 
 import msgpack
 
-from .invariant import (DELETED, check_directory, check_rollups, check_source_spans,
-                        named_deleted)
+from .invariant import (DELETED, _named_still_there, check_directory, check_rollups,
+                        check_source_spans, named_deleted)
 
 __all__ = ["Broker", "FAULTS", "MODES", "Result", "run_case"]
 
@@ -224,11 +224,6 @@ def applies(mode: str, fault: str) -> str:
     if fault == "past_retention" and "window.kind=event_time" in spec.sets:
         return ("past_retention: event-time windows of a group have no check of records "
                 "deleted before they were counted yet (docs/scale-out.md)")
-    if fault.startswith("source_retention") and spec.members and \
-            "window.kind=event_time" in spec.sets:
-        return (f"{fault}: the event-time checks (check_event_entries) do not read "
-                "spans named deleted yet; the intakes' naming is tested in "
-                "tests/integration (event_time_source_records_deleted)")
     return ""
 
 
@@ -530,6 +525,13 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
     producer = _Producer(broker.bootstrap, topic, RATE, seed)
     producer.start()
     recorder = None
+    if fault.startswith("source_retention") and spec.members and \
+            "window.kind=event_time" in spec.sets and "scale.exchange=items" not in spec.sets:
+        # event-time views: each source record's window is its timestamp's, and what the
+        # retention deletes is gone with its timestamp (read here while the case runs, as any
+        # consumer of the topic could)
+        recorder = _Recorder(broker.bootstrap, topic, per_record=True)
+        recorder.start()
     if fault == "past_retention" and not views_retention:
         # what a reader of the repartition topic sees while it runs: retention deletes records
         # the checker must still count (the released windows' n, the gaps no window names).
@@ -786,6 +788,8 @@ class _Recorder(threading.Thread):
         #: one event a record (a source topic), not 4 bytes an event (a repartition topic)
         self.per_record = per_record
         self.events: dict[int, dict[int, int]] = {}
+        #: per partition, ``{offset: timestamp in s}`` of every record read
+        self.stamps: dict[int, dict[int, float]] = {}
         self.began: dict[int, int] = {}
         self.skipped: list[tuple[int, int, int]] = []
         self.stop = threading.Event()
@@ -830,6 +834,7 @@ class _Recorder(threading.Thread):
                         self.skipped.append((tp.partition, last[tp.partition] + 1, r.offset))
                     last[tp.partition] = r.offset
                     mine[r.offset] = 1 if self.per_record else len(r.value or b"") // 4
+                    self.stamps.setdefault(tp.partition, {})[r.offset] = r.timestamp / 1000
         c.close()
 
 
@@ -1233,16 +1238,48 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
         events_at = {f"{topics.repartition}:{p}": {off: len(v or b"") // 4
                                                     for off, v, _ in recs}
                      for p, recs in read.items()}
+    named = named_deleted([dict(e, kind="refused") if e.get("withheld") else e
+                           for e in entries])
     if kind == "event_time" and not views:
         _check_event_group(res, spec, entries, docs, {
-            f"{topics.repartition}:{p}": recs for p, recs in read.items()})
+            f"{topics.repartition}:{p}": recs for p, recs in read.items()},
+            deleted=_named_count(named))
+        # the source positions the repartition messages came from, and those named deleted
+        # before they were counted: every source offset once (invariant.py, rule 6)
+        counted: dict[str, list[tuple[int, int]]] = {}
+        for recs in read.values():
+            for _, _, headers in recs:
+                if "src" in headers and "w" in headers:
+                    src_topic, p, a, b = headers["src"].decode().rsplit(":", 3)
+                    counted.setdefault(f"{src_topic}:{p}", []).append((int(a), int(b)))
+        res.violations += [f"[group] {v}"
+                           for v in check_source_spans(counted, named, ends, source_lows)]
+        if named or any(source_lows.values()):
+            res.notes.append(f"source records deleted below {source_lows}; withheld windows "
+                             f"name {_named_count(named)} of them deleted before they were "
+                             "counted")
         return
     if kind == "event_time":
-        stamped = _read_topic(bootstrap, topic, stamps=True)
+        stamped = _stamped_source(bootstrap, topic, recorder, res)
         size_s = float(ident.get("window_size", 5))
         lateness_s = float(ident.get("allowed_lateness_s", 0.0))
-        assigned, late = event_windows_by_stamp(
-            {f"{topic}:{p}": recs for p, recs in stamped.items()}, size_s, lateness_s)
+        # records named deleted before they were counted count in no window (their stamps,
+        # read by the recorder, are what the members never saw)
+        unnamed = {key: [r for r in recs if not any(a <= r[0] < b for a, b, _ in
+                                                    named.get(key, ()))]
+                   for key, recs in stamped.items()}
+        assigned, late = event_windows_by_stamp(unnamed, size_s, lateness_s)
+        res.violations += [f"[group] {v}" for v in _named_still_there(named, source_lows)]
+        for key, end in sorted(ends.items()):
+            known = {r[0] for r in stamped.get(key, ())}
+            missing = [o for o in range(end) if o not in known]
+            if missing:
+                res.violations.append(f"[harness] {len(missing)} offsets of {key} (from "
+                                      f"{missing[0]}) were deleted before the harness read them")
+        if named or any(source_lows.values()):
+            res.notes.append(f"source records deleted below {source_lows}; withheld windows "
+                             f"name {_named_count(named)} of them deleted before they were "
+                             "counted")
         cov = check_event_entries(entries, docs, assigned)
         res.violations += [f"[group] {v}" for v in cov.violations]
         res.released["group"] = cov.released_events
@@ -1277,8 +1314,6 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     # may hold transaction markers (no event), which size_of counts as nothing
     cov = check_group_entries(entries, docs, events_at, readable_from,
                               skips_empty=kind == "count", lows=source_lows)
-    named = named_deleted([dict(e, kind="refused") if e.get("withheld") else e
-                           for e in entries])
     deleted = cov.deleted
     if not views:
         # the ledger's ranges are repartition positions: the source's are in the messages
@@ -1318,17 +1353,47 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
                               f"than the open window can hold ({spec.window_events})")
 
 
+def _named_count(named: dict[str, list[tuple[int, int, int]]]) -> int:
+    """How many source positions the spans named deleted hold (each once)."""
+    return sum(b - a for key in named for a, b in
+               {(a, b) for a, b, _ in named[key]})
+
+
+def _stamped_source(bootstrap: str, topic: str, recorder: _Recorder | None,
+                    res: Result) -> dict[str, list]:
+    """Every record of the source ``topic`` with its timestamp (``{topic:p: [(offset, None,
+    timestamp in s)]}``, offset order): what it holds now, and what ``recorder`` read of it
+    while the case ran (what its retention deleted since)."""
+    now = _read_topic(bootstrap, topic, stamps=True)
+    out: dict[str, dict[int, float]] = {}
+    for p, recs in now.items():
+        out.setdefault(f"{topic}:{p}", {}).update({off: ts for off, _, ts in recs})
+    if recorder is not None:
+        recorder.stop.set()
+        recorder.join(60)
+        for p, seen in recorder.stamps.items():
+            mine = out.setdefault(f"{topic}:{p}", {})
+            for off, ts in seen.items():
+                mine.setdefault(off, ts)
+        for p, a, b in recorder.skipped:
+            res.violations.append(f"[harness] offsets [{a}, {b}) of {topic}:{p} were deleted "
+                                  "before the harness read them")
+    return {key: [(off, None, ts) for off, ts in sorted(m.items())] for key, m in out.items()}
+
+
 def _check_event_group(res: Result, spec: Mode, entries: list[dict],
-                       docs: dict[int, list[dict]], records: dict[str, list]) -> None:
+                       docs: dict[int, list[dict]], records: dict[str, list],
+                       deleted: int = 0) -> None:
     """:func:`check_event_entries` over an event-time group's topics (``records``: its
-    repartition topic with headers), and every produced event in the repartition topic once."""
+    repartition topic with headers), and every produced event in the repartition topic once
+    but the ``deleted`` ones withheld windows name deleted before they were counted."""
     assigned, late_intake, late_here = event_windows_of(records)
     cov = check_event_entries(entries, docs, assigned)
     res.violations += [f"[group] {v}" for v in cov.violations]
     total = sum(k for recs in assigned.values() for _, _, k in recs)
-    if total != res.produced:
-        res.violations.append(f"[group] the repartition topic holds {total} events of "
-                              f"{res.produced} source records")
+    if total + deleted != res.produced:
+        res.violations.append(f"[group] the repartition topic holds {total} events and "
+                              f"{deleted} are named deleted, of {res.produced} source records")
     res.released["group"] = cov.released_events
     left = sum(cov.covered.values())
     res.unreleased["group"] = left
