@@ -1123,7 +1123,9 @@ def check_event_entries(entries: list[dict], docs: dict[int, list[dict]],
     decided = []
     for e in entries:
         if e.get("kind") == "release" and e.get("withheld"):
-            e = dict(e, kind="refused")
+            # its ranges hold the partitions not refused; a refused one's range is in its
+            # reason ("records of partition p ... deleted ...; window range [a, b)")
+            e = dict(e, kind="refused", ranges=_withheld_ranges(e, set(assigned)))
         if e.get("kind") in ("release", "refused"):
             decided.append(e)
     ids = [e["window"] for e in decided]
@@ -1351,6 +1353,31 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     if left > spec.window_events:
         res.violations.append(f"[group] {left} events after the last decided window: more "
                               f"than the open window can hold ({spec.window_events})")
+
+
+#: a withheld window's reason naming deleted records and the window's range on that partition
+_NAMED_RANGE = re.compile(r"records of partition (\d+) from offset (\d+) to (\d+)"
+                          r"(?:(?:(?!records of partition).)*?window range \[(\d+), (\d+)\))?")
+
+
+def _withheld_ranges(entry: dict, keys: set[str]) -> dict:
+    """A withheld window's ranges: those of its entry (the partitions not refused) and, for
+    each source partition of ``keys`` its reason names deleted records of, the window's range
+    there that the reason names.
+
+    >>> why = ("records of partition 1 from offset 3 to 9 were deleted by the retention of t "
+    ...        "before they were counted; window range [9, 14) cannot be released whole")
+    >>> _withheld_ranges({"withheld": why, "ranges": {"t:0": [5, 8]}}, {"t:0", "t:1"})
+    {'t:0': [5, 8], 't:1': [9, 14]}
+    """
+    ranges = dict(entry.get("ranges") or {})
+    text = str(entry.get("withheld") or "")
+    for m in _NAMED_RANGE.finditer(text):
+        said = DELETED.match(text, m.start())
+        key = f"{said.group(4)}:{m.group(1)}" if said else None
+        if key in keys and m.group(4):
+            ranges.setdefault(key, [int(m.group(4)), int(m.group(5))])
+    return ranges
 
 
 def _named_count(named: dict[str, list[tuple[int, int, int]]]) -> int:
