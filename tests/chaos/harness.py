@@ -1361,9 +1361,10 @@ _NAMED_RANGE = re.compile(r"records of partition (\d+) from offset (\d+) to (\d+
 
 
 def _withheld_ranges(entry: dict, keys: set[str]) -> dict:
-    """A withheld window's ranges: those of its entry (the partitions not refused) and, for
-    each source partition of ``keys`` its reason names deleted records of, the window's range
-    there that the reason names.
+    """A withheld window's ranges: those of its entry (the partitions not refused), its
+    ``withheld_ranges`` (the refused ones', uncharged) and, for each source partition of
+    ``keys`` its reason names deleted records of, the window's range there that the reason
+    names (entries from before ``withheld_ranges``).
 
     >>> why = ("records of partition 1 from offset 3 to 9 were deleted by the retention of t "
     ...        "before they were counted; window range [9, 14) cannot be released whole")
@@ -1371,6 +1372,8 @@ def _withheld_ranges(entry: dict, keys: set[str]) -> dict:
     {'t:0': [5, 8], 't:1': [9, 14]}
     """
     ranges = dict(entry.get("ranges") or {})
+    for key, r in (entry.get("withheld_ranges") or {}).items():   # the refused parts'
+        ranges.setdefault(key, list(r))
     text = str(entry.get("withheld") or "")
     for m in _NAMED_RANGE.finditer(text):
         said = DELETED.match(text, m.start())

@@ -583,6 +583,11 @@ class Leader:
         # snapshots were views of its events, so its positions are charged: views.py)
         seen = {p: s for p, s in have.items() if not s.get("refused") or s.get("charge")}
         fields = self._entry_fields(w, seen)
+        # the positions of the refused parts (not charged: no view of them was drawn), so
+        # that the entry names every position it withholds (issue 46)
+        unseen = self._ranges({p: s for p, s in have.items() if p not in seen})
+        if unseen:
+            fields["withheld_ranges"] = unseen
         log.warning("window %d is withheld: %s; nothing of it is published", w, reason)
         self._transact(w, have, entry=dict(kind="release", window=w,
                                           epsilon_spent=float(self.identity["epsilon"])
