@@ -11,7 +11,7 @@ between were deleted, and every window that may have held one is withheld naming
 
 from __future__ import annotations
 
-from ..stages.retention import deleted_text
+from ..stages.retention import deleted_text, lost_through
 
 __all__ = ["deleted_since", "deleted_text", "lost_through"]
 
@@ -25,18 +25,3 @@ def deleted_since(consumer, since: dict) -> dict:
     lows = consumer.beginning_offsets(list(since))
     return {tp: int(lows[tp]) for tp in sorted(since)
             if lows.get(tp) is not None and int(lows[tp]) > since[tp]}
-
-
-def lost_through(now_ms: int, *, size_ms: int, skew_ms: int) -> int:
-    """The last window a record deleted before it was counted may have belonged to.
-
-    Its timestamp is gone with it. It was written before now, and a record stamped later than
-    now + ``window.max_future_skew_s`` is rejected, so its window (or, if it was late, the
-    first window its partition had not passed, which is earlier) is at most the window of
-    ``now_ms + skew_ms``; none at or before the last window closed on its partition. Every
-    window in between may hold it, so each is withheld on that partition.
-
-    >>> lost_through(10_500, size_ms=1000, skew_ms=3000)
-    13
-    """
-    return int((int(now_ms) + int(skew_ms)) // int(size_ms))

@@ -37,7 +37,8 @@ from consumers.base import Segment, offsets_array
 
 from ..errors import ServiceError
 
-__all__ = ["RetentionWatch", "SMALL_JUMP", "deleted_text", "deleted_spans", "stop_for_deleted"]
+__all__ = ["RetentionWatch", "SMALL_JUMP", "deleted_text", "deleted_spans", "lost_through",
+           "stop_for_deleted"]
 
 log = logging.getLogger("panagg.service")
 
@@ -50,6 +51,21 @@ def deleted_text(topic: str, partition: int, first: int, end: int) -> str:
     fault harness's checker reads them, tests/chaos/invariant.py)."""
     return (f"records of partition {partition} from offset {first} to {end} were deleted by "
             f"the retention of {topic} before they were counted")
+
+
+def lost_through(now_ms: int, *, size_ms: int, skew_ms: int) -> int:
+    """The last window a record deleted before it was counted may have belonged to.
+
+    Its timestamp is gone with it. It was written before now, and a record stamped later than
+    now + ``window.max_future_skew_s`` is rejected, so its window (or, if it was late, the
+    first window its partition had not passed, which is earlier) is at most the window of
+    ``now_ms + skew_ms``; none at or before the last window closed on its partition. Every
+    window in between may hold it, so each is withheld on that partition.
+
+    >>> lost_through(10_500, size_ms=1000, skew_ms=3000)
+    13
+    """
+    return int((int(now_ms) + int(skew_ms)) // int(size_ms))
 
 
 def deleted_spans(source, offsets: dict[str, int]) -> dict[str, tuple[int, int]]:

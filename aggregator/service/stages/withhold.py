@@ -12,7 +12,7 @@ the window is published.
 
 Event time (``window.kind = event_time``): a deleted record's timestamp is gone with it, so any
 window from the open one up to the window of now + ``window.max_future_skew_s`` (a later stamp
-is rejected; :func:`.group.deleted.lost_through`, what a group's event-time close uses) may have
+is rejected; :func:`.retention.lost_through`, what a group's event-time close uses) may have
 held it. :func:`mark_lost` notes the deleted records and that last window on the open window
 (``window["lost"]``, in its checkpoints: a restart withholds it too); each window closed with
 the note (:func:`lost_spans`) is withheld naming them (:meth:`.close.Closer.withhold_lost`) and
@@ -29,10 +29,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..group.deleted import lost_through
 from ..release_gate import ReleaseGate
 from ..window import WindowTask
-from .retention import deleted_text
+from .retention import deleted_text, lost_through
 
 __all__ = ["carry_lost", "deleted_note", "lost_spans", "mark_lost", "note_lost",
            "withhold_window"]
