@@ -30,7 +30,7 @@ from pathlib import Path
 
 import msgpack
 
-from .invariant import (DELETED, _named_still_there, check_directory, check_rollups,
+from .invariant import (DELETED, _named_still_there, _union, check_directory, check_rollups,
                         check_source_spans, named_deleted)
 
 __all__ = ["Broker", "FAULTS", "MODES", "Result", "run_case"]
@@ -1384,9 +1384,13 @@ def _withheld_ranges(entry: dict, keys: set[str]) -> dict:
 
 
 def _named_count(named: dict[str, list[tuple[int, int, int]]]) -> int:
-    """How many source positions the spans named deleted hold (each once)."""
-    return sum(b - a for key in named for a, b in
-               {(a, b) for a, b, _ in named[key]})
+    """How many source positions the spans named deleted hold (each once, where spans
+    overlap too).
+
+    >>> _named_count({"t:0": [(3, 9, 1), (5, 9, 2)], "t:1": [(0, 2, 1)]})
+    8
+    """
+    return sum(b - a for spans in named.values() for a, b, _ in _union(spans))
 
 
 def _stamped_source(bootstrap: str, topic: str, recorder: _Recorder | None,
