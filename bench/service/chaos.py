@@ -10,8 +10,8 @@ one invariant (tests/chaos/invariant.py).
     python -m bench.service.chaos --modes group2,group_items2 --faults source_retention --seeds 3
 
 A fault that does not apply to a mode (disk_full to a group, past_retention to all but the
-groups of 2-3 with time or count windows, the faults not built for ``shuffle``), or a full disk where no filesystem can be mounted, is
-skipped with its reason, never faked.
+groups of 2-3 with time or count windows, the faults not built for ``shuffle``), or a full
+disk where no filesystem can be mounted, is skipped with its reason, never faked.
 """
 
 from __future__ import annotations
