@@ -90,13 +90,14 @@ class Transactions:
             # the broker would take these offsets from a member that fell out of its group
             # (membership.fencing): refuse here; the caller aborts and syncs again
             raise CommitFailedError("the consumer is between generations of its group")
-        self._bounded(lambda tm: tm.send_offsets_to_transaction(offsets, group_metadata),
-                      lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata),
-                      "the offsets of the transaction")
+        self._bounded(
+            lambda tm: tm.send_offsets_to_transaction(offsets, group_metadata),
+            lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata),
+            "the offsets of the transaction",
+        )
 
     def commit(self) -> None:
-        self._bounded(lambda tm: tm.begin_commit(), self.producer.commit_transaction,
-                      "the commit")
+        self._bounded(lambda tm: tm.begin_commit(), self.producer.commit_transaction, "the commit")
 
     def _abort(self) -> None:
         self._bounded(lambda tm: tm.begin_abort(), self.producer.abort_transaction, "the abort")
@@ -134,15 +135,16 @@ class Transactions:
                 fatal = True
         if not self._remake:
             return
-        log.info("transactional producer %s starts over after %s",
-                 getattr(self.producer, "config", {}).get("transactional_id", ""),
-                 type(exc).__name__)
+        log.info(
+            "transactional producer %s starts over after %s",
+            getattr(self.producer, "config", {}).get("transactional_id", ""),
+            type(exc).__name__,
+        )
         close_producer(self.producer)
         try:
             self.producer = self._make()
         except Exception as again:  # the broker is still away: try again at the next failure
-            log.warning("cannot start a new transactional producer yet (%s)",
-                        type(again).__name__)
+            log.warning("cannot start a new transactional producer yet (%s)", type(again).__name__)
 
     def close(self) -> None:
         close_producer(self.producer)

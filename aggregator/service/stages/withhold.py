@@ -33,8 +33,7 @@ from ..release_gate import ReleaseGate
 from ..window import WindowTask
 from .retention import deleted_text, lost_through
 
-__all__ = ["carry_lost", "deleted_note", "lost_spans", "mark_lost", "note_lost",
-           "withhold_window"]
+__all__ = ["carry_lost", "deleted_note", "lost_spans", "mark_lost", "note_lost", "withhold_window"]
 
 log = logging.getLogger("panagg.service")
 
@@ -42,26 +41,41 @@ log = logging.getLogger("panagg.service")
 def deleted_note(gone: dict[str, tuple[int, int]] | list[tuple[str, int, int]]) -> str:
     """The deleted records ``{"topic:p": (from, to)}`` (or ``[(topic:p, from, to), ...]``) in
     the words of every mode."""
-    spans = sorted(gone) if isinstance(gone, list) else \
-        sorted((p, a, b) for p, (a, b) in gone.items())
-    return "; ".join(deleted_text(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]), a, b)
-                     for p, a, b in spans if b > a)
+    spans = (
+        sorted(gone) if isinstance(gone, list) else sorted((p, a, b) for p, (a, b) in gone.items())
+    )
+    return "; ".join(
+        deleted_text(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]), a, b)
+        for p, a, b in spans
+        if b > a
+    )
 
 
-def mark_lost(window: dict, gone: dict[str, tuple[int, int]], *, size_s: float,
-              skew_s: float, now: float | None = None) -> int:
+def mark_lost(
+    window: dict,
+    gone: dict[str, tuple[int, int]],
+    *,
+    size_s: float,
+    skew_s: float,
+    now: float | None = None,
+) -> int:
     """Note on the event-time ``window`` that the records ``gone`` were deleted before they
     were counted: it and every later window up to the one returned (an event index: the window
     of now + ``skew_s``) may have held one. A note already there is extended."""
     now = time.time() if now is None else now
-    through = lost_through(int(now * 1000), size_ms=int(round(float(size_s) * 1000)),
-                           skew_ms=int(round(float(skew_s) * 1000)))
+    through = lost_through(
+        int(now * 1000),
+        size_ms=int(round(float(size_s) * 1000)),
+        skew_ms=int(round(float(skew_s) * 1000)),
+    )
     old = window.get("lost") or {}
     spans = [list(s) for s in old.get("spans", [])]
-    spans += [[p, int(a), int(b)] for p, (a, b) in sorted(gone.items())
-              if int(b) > int(a) and [p, int(a), int(b)] not in spans]
-    window["lost"] = {"through": max(int(old.get("through", through)), through),
-                      "spans": spans}
+    spans += [
+        [p, int(a), int(b)]
+        for p, (a, b) in sorted(gone.items())
+        if int(b) > int(a) and [p, int(a), int(b)] not in spans
+    ]
+    window["lost"] = {"through": max(int(old.get("through", through)), through), "spans": spans}
     return window["lost"]["through"]
 
 
@@ -71,13 +85,18 @@ def note_lost(task: WindowTask, gone: dict[str, tuple[int, int]], wcfg, seen: st
     first records left, and say so in one WARNING line."""
     through = mark_lost(task.window, gone, size_s=wcfg.size, skew_s=wcfg.max_future_skew_s)
     task.offsets.update({p: int(b) for p, (_, b) in gone.items()})
-    end = time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                        time.gmtime((through + 1) * float(wcfg.size)))
-    log.warning("%s (%s): window %s of %s and every later event-time window that may hold one "
-                "(to the window ending at %s: now + window.max_future_skew_s) are withheld, "
-                "nothing of them is published; counting goes on from the first records left. "
-                "Raise the topic's retention.ms above the longest stall", deleted_note(gone),
-                seen, task.window["id"], task.name, end)
+    end = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((through + 1) * float(wcfg.size)))
+    log.warning(
+        "%s (%s): window %s of %s and every later event-time window that may hold one "
+        "(to the window ending at %s: now + window.max_future_skew_s) are withheld, "
+        "nothing of them is published; counting goes on from the first records left. "
+        "Raise the topic's retention.ms above the longest stall",
+        deleted_note(gone),
+        seen,
+        task.window["id"],
+        task.name,
+        end,
+    )
 
 
 def lost_spans(window: dict) -> list[tuple[str, int, int]]:
@@ -101,10 +120,22 @@ def carry_lost(closed: dict, window: dict) -> None:
         window.pop("lost", None)
 
 
-def withhold_window(task: WindowTask, gone: dict[str, tuple[int, int]] | list, *,
-                    gate: ReleaseGate, append: Callable[..., object], model: str, ranges: dict,
-                    ends: dict, totals: dict, events: int, seen: str, window: dict | None = None,
-                    extra: dict | None = None, warn: bool = True) -> str:
+def withhold_window(
+    task: WindowTask,
+    gone: dict[str, tuple[int, int]] | list,
+    *,
+    gate: ReleaseGate,
+    append: Callable[..., object],
+    model: str,
+    ranges: dict,
+    ends: dict,
+    totals: dict,
+    events: int,
+    seen: str,
+    window: dict | None = None,
+    extra: dict | None = None,
+    warn: bool = True,
+) -> str:
     """Ledger ``task``'s open window (or ``window``, closing) as withheld: a ``refused`` entry
     naming the deleted records ``gone``, covering ``ranges`` (what the window counted:
     ``events``) and ending at ``ends`` with ``totals`` there (and ``extra`` fields); ``seen``
@@ -114,8 +145,21 @@ def withhold_window(task: WindowTask, gone: dict[str, tuple[int, int]] | list, *
     wid, uid = window["id"], window["uid"]
     note = deleted_note(gone)
     fields = gate.position_fields(dict(window, events=int(events)), ranges, ends, totals)
-    append(entry_id=f"refused-{uid}", kind="refused", window=wid, window_uid=uid, model=model,
-           note=f"{note} ({seen})", **fields, **(extra or {}))
-    log.log(logging.WARNING if warn else logging.INFO,
-            "window %s of %s is withheld: %s; nothing of it is published", wid, task.name, note)
+    append(
+        entry_id=f"refused-{uid}",
+        kind="refused",
+        window=wid,
+        window_uid=uid,
+        model=model,
+        note=f"{note} ({seen})",
+        **fields,
+        **(extra or {}),
+    )
+    log.log(
+        logging.WARNING if warn else logging.INFO,
+        "window %s of %s is withheld: %s; nothing of it is published",
+        wid,
+        task.name,
+        note,
+    )
     return note
