@@ -43,7 +43,7 @@ from .ledger_topic import LedgerUnreachable, TopicLedger
 from .repartition import EventClock, Route
 from .rollups import RollupReleases, SliceRollups
 from .summary import merge_summaries
-from .topics import GroupTopics
+from .topics import GroupTopics, latest_values
 from .txn import Transactions
 from .view_rollups import ViewRollups
 from . import views
@@ -251,7 +251,8 @@ class Pipeline:
                 snapshots_per_window=cfg.checkpoint.snapshots_per_window,
                 snapshot_reader=SimpleNamespace(consumer=self.clients.consumer(None),
                                                 topic=self.topics.snapshots)
-                if cfg.checkpoint.snapshots_per_window else None)
+                if cfg.checkpoint.snapshots_per_window else None,
+                views_reader=self._views_written)
             return
         spans = self.rollup_spans()
         self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
@@ -265,6 +266,15 @@ class Pipeline:
                                rollups=SliceRollups(spans, self.topics, self.identity,
                                                     self.clients.consumer(None))
                                if spans else None)
+
+    def _views_written(self) -> dict[str, bytes] | None:
+        """The summaries topic's latest values (views.ViewCounter._views_written), read by a
+        consumer made for it and closed after."""
+        consumer = self.clients.consumer(None)
+        try:
+            return latest_values(consumer, self.topics.summaries)
+        finally:
+            self.clients.discard(consumer)
 
     # -- leading -----------------------------------------------------------------------------
     def lead(self) -> None:

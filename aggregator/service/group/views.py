@@ -263,7 +263,7 @@ class ViewCounter:
 
     def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *, member: str,
                  source_topic: str, route, closes=None, snapshots_per_window: int = 0,
-                 snapshot_reader=None):
+                 snapshot_reader=None, views_reader=None):
         self.consumer, self.txn, self.topics = consumer, txn, topics
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
         self.member, self.source_topic, self.route = member, source_topic, route
@@ -280,6 +280,9 @@ class ViewCounter:
         #: ``snapshot_reader`` (a consumer with no group and the topic) reads one back
         self.snapshots_per_window = int(snapshots_per_window)
         self.snapshot_reader = snapshot_reader
+        #: ``views_reader()``: the summaries topic's latest values by key (views written and
+        #: not yet decided), read when a partition comes without commit metadata
+        self.views_reader, self._pending_views = views_reader, None
         #: forced releases (forced.py): a consumer following the intake topic's close records
         #: from its end now (a record missed before the start is a window closed by the clock)
         self.closes = closes
@@ -414,34 +417,50 @@ class ViewCounter:
 
     def _past_released(self, tp, window: int, start: int) -> tuple[int, int, int | None]:
         """A partition acquired without the group's commit metadata (its offsets reset by an
-        operator, or deleted): the window after the last one the ledger charged over it,
-        from the end of the positions charged, as the one process and the items intake do,
-        and the number of records charged there (None, and ``window`` and ``start``
-        unchanged, when the ledger charged none there). Counted from ``start`` instead, the
-        records would be withheld as released before, and the new records read in the same
-        window with them (found by the fault harness, ``offsets_reset``). Time and count
-        windows (event-time windows are not in offset order: :meth:`_sync_event_time`)."""
+        operator, or deleted): the window after the last one the ledger charged over it or a
+        member already wrote a view of (the leader releases it from that view), from the end
+        of those positions, as the one process and the items intake do, and the number of
+        records there (None, and ``window`` and ``start`` unchanged, when there are none).
+        Counted from ``start`` instead, the records would be withheld as released before, and
+        the new records read in the same window with them (found by the fault harness,
+        ``offsets_reset``); counted from the ledger's end alone, a window between its view and
+        its release was viewed twice and withheld. Time and count windows (event-time windows
+        are not in offset order: :meth:`_sync_event_time`)."""
         self.ledger.read_to_end()
         key = f"{self.source_topic}:{tp.partition}"
         spans = [(int(e["window"]), *map(int, e["ranges"][key])) for e in self.ledger.entries
                  if e.get("kind") == "release" and e.get("epsilon_spent")
                  and key in (e.get("ranges") or {})]
+        spans += [(int(h["window"]), *map(int, h["ranges"][key])) for h in self._views_written()
+                  if key in (h.get("ranges") or {})]
         if not spans:
             return window, start, None
         last = max(w for w, _, _ in spans)
         end = max(b for _, _, b in spans)
         if end > start:
             log.warning("partition %d of %s was to be read from offset %d, but the group "
-                        "released it up to %d already (its committed offsets were reset or "
-                        "lost): records below %d are not counted again", tp.partition,
+                        "released or viewed it up to %d already (its committed offsets were "
+                        "reset or lost): records below %d are not counted again", tp.partition,
                         self.source_topic, start, end, end)
             self.consumer.seek(tp, end)
-        covered, reach = 0, None    # the union of the charged ranges (withheld ones overlap)
+        covered, reach = 0, None    # the union of the ranges (withheld ones overlap)
         for _, a, b in sorted(spans, key=lambda s: s[1]):
             lo = a if reach is None else max(a, reach)
             covered += max(0, b - lo)
             reach = b if reach is None else max(reach, b)
         return max(window, last + 1), max(start, end), covered
+
+    def _views_written(self) -> list[dict]:
+        """The views in the summaries topic now: windows the leader has not decided yet (it
+        tombstones a window's views once it has). Read once a start; none if it cannot be
+        read (a window between its view and its release is then withheld as viewed twice:
+        named, never released twice)."""
+        if self._pending_views is None:
+            got = self.views_reader() if self.views_reader is not None else None
+            heads = [json.loads(v) for k, v in (got or {}).items() if "/c" not in k]
+            self._pending_views = [h for h in heads if h.get("format") == VIEW_FORMAT
+                                   and not h.get("skipped")]
+        return self._pending_views
 
     def _resume(self, task: MemberWindow, seq: int, key: int, at: dict[int, int]) -> None:
         """Resume ``task`` from the snapshot ``seq`` its partitions' commits name (``at``: each
