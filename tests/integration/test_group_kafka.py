@@ -77,6 +77,27 @@ def last_saying(tmp_path, pattern: str, *texts: str) -> str:
     return max(last, key=last.get)
 
 
+def counting_owner(bootstrap, topics, topic: str, partition: int, timeout_s: float = 60) -> str:
+    """The member (its ``source.instance_id``) the group's counting consumers assigned
+    ``partition`` of ``topic`` to, read from Kafka once the counting group is stable: members
+    started together rebalance a few times, and a log line saying who counts a partition may
+    be older than the last move (a test once killed the wrong member that way)."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            g = admin.describe_groups([topics.counting_group]).get(topics.counting_group, {})
+            if g.get("group_state") == "Stable":
+                for m in g.get("members") or []:
+                    for a in (m.get("member_assignment") or {}).get("assigned_partitions") or []:
+                        if a["topic"] == topic and partition in a["partitions"]:
+                            return str(m.get("client_id", "")).removeprefix("panagg-")
+            assert time.monotonic() < deadline, f"no stable owner of {topic}:{partition}: {g}"
+            time.sleep(0.5)
+    finally:
+        admin.close()
+
+
 def crash_traces(logs: str) -> list[str]:
     """The tracebacks in member logs (CPython's "Exception ignored in ..." reports at exit
     included: an operator sees them all the same). Not counted: a release-worker process that

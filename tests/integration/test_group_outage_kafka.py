@@ -23,7 +23,7 @@ from consumers.decode import Decoder
 
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import (D, Members, crash_traces, last_saying, make_topic, member_cmd,
+from .test_group_kafka import (D, Members, crash_traces, counting_owner, make_topic, member_cmd,
                                produce, read_ledger, wait_for_total)
 
 
@@ -297,7 +297,7 @@ def test_records_deleted_before_they_were_counted_withhold_every_window_they_fal
         members.start("m2")
         produce(kafka_broker, topic, np.arange(2000) % D, 2000)
         wait_for_total(kafka_broker, topics, 2000, 180, members)
-        victim = last_saying(tmp_path, "m*-*.log", "counting partition 1 of")
+        victim = counting_owner(kafka_broker, topics, topics.repartition, 1)
         members.procs[victim].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         members.procs[victim].wait(30)

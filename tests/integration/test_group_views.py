@@ -22,7 +22,7 @@ import pytest
 from aggregator.noise import p_from_epsilon
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import Members, _group_status, last_saying, make_topic, produce, \
+from .test_group_kafka import Members, _group_status, counting_owner, last_saying, make_topic, produce, \
     read_all, read_ledger, releases, second_group_on_released, tombstone_snapshots, \
     wait_for_total
 
@@ -408,7 +408,7 @@ def _kill_the_owner_and_delete(bootstrap, topic, topics, members, tmp_path, admi
     from kafka import KafkaConsumer, TopicPartition
 
     tp = TopicPartition(topic, 1)
-    victim = last_saying(tmp_path, "v*.log", "counting partition 1 of")
+    victim = counting_owner(bootstrap, topics, topic, 1)
     members.procs[victim].send_signal(signal.SIGKILL)
     members.procs[victim].wait(30)
     produce(bootstrap, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
