@@ -1530,9 +1530,9 @@ def test_a_deleted_intake_topic_and_reset_offsets_never_release_an_event_twice(
     topics = GroupTopics(group)
     extra = ("--set", f"scale.exchange={exchange}", "--set", f"ledger.registry_topic=reg-{topic}")
     if exchange == "views":
-        # count windows: once the 1,200 are released no window closes, so none is between its
-        # view and its release when the group stops (such a window is counted again after a
-        # reset and withheld as viewed twice: docs/chaos.md, "Offsets reset")
+        # count windows: once the 1,200 are released no window closes, so the released ranges
+        # are known when the group stops (a window between its view and its release:
+        # test_offsets_reset_between_a_view_and_its_release_count_no_record_twice)
         extra += ("--set", "window.kind=count", "--set", "window.size=300")
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
     rng = np.random.default_rng()
