@@ -252,7 +252,7 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
     the views of its base windows (a window added twice, or a re-drawn layer, would not add
     up)."""
     from aggregator.service.rollup import ROLLUP_ARGUMENT
-    from aggregator.service.group.views import decode_view
+    from aggregator.service.group.view_format import decode_view
 
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
