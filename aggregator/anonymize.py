@@ -28,15 +28,20 @@ from .memo import ReleaseMemo, remembered_fit
 from .projection import project_l1, project_l2, rank_box
 from .estimators import default_cap, default_method, phi_estimate
 from .largedomain import (
-    DEFAULT_VARIANT, HASHED_CAP_RULES, _check_buckets, _hashed_cumulative, hashed_cumulative,
+    DEFAULT_VARIANT,
+    HASHED_CAP_RULES,
+    _check_buckets,
+    _hashed_cumulative,
+    hashed_cumulative,
     hashed_histogram,
 )
 
 __all__ = ["anonymized_histogram", "anonymized_cumulative", "anonymized_cumulative_many"]
 
 
-def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, buckets=None,
-                               cap=None, shrunk_start=None) -> list:
+def anonymized_cumulative_many(
+    many, p, *, layers=1, n=None, method=None, buckets=None, cap=None, shrunk_start=None
+) -> list:
     """[:func:`anonymized_cumulative` of each counter set], the EM estimators of direct mode
     fitted together (:func:`deconvolved_batch`: equal to rounding, not bit for bit); for the
     bootstrap's re-estimates. Everything else: one call per counter set. ``shrunk_start``:
@@ -46,18 +51,28 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     many = list(many)
     k = check_layers(layers)
     if method not in ("deconvolution", "mle") or not many:
-        return [anonymized_cumulative(x, p, layers=layers, n=n, method=method, buckets=buckets,
-                                      cap=cap) for x in many]
+        return [
+            anonymized_cumulative(x, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap)
+            for x in many
+        ]
     if method == "mle":
         iters = (MLE_MAX_ITER, MLE_TOL)
     else:
-        iters = (DECONV_MAX_ITER,
-                 DECONV_TOL if buckets is not None else deconvolution.deconv_tol(p, k))
+        iters = (
+            DECONV_MAX_ITER,
+            DECONV_TOL if buckets is not None else deconvolution.deconv_tol(p, k),
+        )
     vcs = [noisy_value_counts(x) for x in many]
     start = bool(shrunk_start) and method == "deconvolution"
-    phis = deconvolved_batch(vcs, p, layers=k, max_iter=iters[0], tol=iters[1],
-                             shrunk_start=start, smooth_share=None if buckets is not None
-                             else DIRECT_START_SMOOTH_SHARE)
+    phis = deconvolved_batch(
+        vcs,
+        p,
+        layers=k,
+        max_iter=iters[0],
+        tol=iters[1],
+        shrunk_start=start,
+        smooth_share=None if buckets is not None else DIRECT_START_SMOOTH_SHARE,
+    )
     if buckets is not None:  # the bucket counters' estimates, then the inversion of each
         B = _check_buckets(buckets)
         out = []
@@ -67,9 +82,23 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
             rule = cap if cap is not None else default_cap("hashed", k)
             if rule not in HASHED_CAP_RULES:
                 raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {rule!r}")
-            out.append(checked_cumulative(_hashed_cumulative(
-                vc, p, B, n, k, method, DEFAULT_VARIANT, None, rule, phi=phi,
-                shrunk_start=shrunk_start)))
+            out.append(
+                checked_cumulative(
+                    _hashed_cumulative(
+                        vc,
+                        p,
+                        B,
+                        n,
+                        k,
+                        method,
+                        DEFAULT_VARIANT,
+                        None,
+                        rule,
+                        phi=phi,
+                        shrunk_start=shrunk_start,
+                    )
+                )
+            )
         return out
     out = []
     for vc, phi in zip(vcs, phis):
@@ -83,8 +112,17 @@ def anonymized_cumulative_many(many, p, *, layers=1, n=None, method=None, bucket
     return out
 
 
-def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buckets=None,
-                          cap=None, memo: ReleaseMemo | None = None) -> np.ndarray:
+def anonymized_cumulative(
+    noisy_counts,
+    p,
+    *,
+    layers=1,
+    n=None,
+    method=None,
+    buckets=None,
+    cap=None,
+    memo: ReleaseMemo | None = None,
+) -> np.ndarray:
     """The l1 release of :func:`anonymized_histogram` as its cumulative prevalence phi_{>=r},
     r = 1..(the largest count) (int64, no trailing zeros): ``counts_from_cumulative`` of it is
     exactly ``anonymized_histogram(..., loss="l1")``, and it is what the bootstrap and the
@@ -99,8 +137,9 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
         method = default_method(mode, k)
     cap = default_cap(mode, k) if cap is None else cap
     if buckets is not None:
-        y = hashed_cumulative(vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap,
-                              memo=memo)
+        y = hashed_cumulative(
+            vc, p, buckets=buckets, n=n, layers=layers, method=method, cap=cap, memo=memo
+        )
     else:
         if cap not in CAP_RULES:
             raise ValueError(f"cap must be one of {CAP_RULES}, got {cap!r}")
@@ -112,8 +151,18 @@ def anonymized_cumulative(noisy_counts, p, *, layers=1, n=None, method=None, buc
     return checked_cumulative(y)
 
 
-def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method=None,
-                         buckets=None, cap=None, memo: ReleaseMemo | None = None):
+def anonymized_histogram(
+    noisy_counts,
+    p,
+    *,
+    layers=1,
+    loss="l1",
+    n=None,
+    method=None,
+    buckets=None,
+    cap=None,
+    memo: ReleaseMemo | None = None,
+):
     """Estimate the anonymized histogram from counters noised with ``layers`` DLap(p) layers.
 
     Parameters
@@ -159,9 +208,18 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
     True
     """
     if loss == "l1":
-        return counts_from_cumulative(anonymized_cumulative(
-            noisy_counts, p, layers=layers, n=n, method=method, buckets=buckets, cap=cap,
-            memo=memo))
+        return counts_from_cumulative(
+            anonymized_cumulative(
+                noisy_counts,
+                p,
+                layers=layers,
+                n=n,
+                method=method,
+                buckets=buckets,
+                cap=cap,
+                memo=memo,
+            )
+        )
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
     if buckets is not None:
@@ -169,8 +227,9 @@ def anonymized_histogram(noisy_counts, p, *, layers=1, loss="l1", n=None, method
             method = default_method("hashed", k)
         if cap is None:
             cap = default_cap("hashed", k)
-        return hashed_histogram(vc, p, buckets=buckets, n=n, layers=layers, loss=loss,
-                                method=method, cap=cap, memo=memo)
+        return hashed_histogram(
+            vc, p, buckets=buckets, n=n, layers=layers, loss=loss, method=method, cap=cap, memo=memo
+        )
     if loss != "l2":
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     if method is None:

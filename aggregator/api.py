@@ -67,9 +67,12 @@ __all__ = ["Aggregation", "Figure", "Release", "ReleaseRefused", "settings"]
 DEFAULT_PARTITION = "api"
 
 
-def settings(path: str | os.PathLike | None = None,
-             settings: Mapping[str, Any] | None = None, *,
-             env: Mapping[str, str] | None = None) -> Any:
+def settings(
+    path: str | os.PathLike | None = None,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> Any:
     """The service's configuration (:class:`aggregator.service.settings.Config`): the defaults,
     then the TOML file ``path``, then ``PANAGG_<SECTION>_<KEY>`` variables of ``env`` (the
     process environment if None), then ``settings`` as ``{"section.key": value}`` (what
@@ -82,8 +85,9 @@ def settings(path: str | os.PathLike | None = None,
     """
 
     sets = [f"{key}={_text(value)}" for key, value in (settings or {}).items()]
-    return load_config(str(path) if path is not None else None, sets,
-                       env=dict(os.environ if env is None else env))
+    return load_config(
+        str(path) if path is not None else None, sets, env=dict(os.environ if env is None else env)
+    )
 
 
 def _text(value: Any) -> str:
@@ -108,8 +112,11 @@ class Figure:
     def from_block(cls, block: Mapping[str, Any] | None) -> Figure:
         block = block or {}
         iv = block.get("interval")
-        return cls(block.get("value"), (float(iv[0]), float(iv[1])) if iv else None,
-                   block.get("expected_relative_error"))
+        return cls(
+            block.get("value"),
+            (float(iv[0]), float(iv[1])) if iv else None,
+            block.get("expected_relative_error"),
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,8 +134,9 @@ class Release:
 
     # -- reading -------------------------------------------------------------------------------
     @classmethod
-    def from_document(cls, document: Mapping[str, Any] | str | bytes,
-                      ledger: Mapping[str, Any] | None = None) -> Release:
+    def from_document(
+        cls, document: Mapping[str, Any] | str | bytes, ledger: Mapping[str, Any] | None = None
+    ) -> Release:
         """A release from its document (a dict, or its JSON text)."""
         doc = json.loads(document) if isinstance(document, (str, bytes)) else dict(document)
         if doc.get("format") != "panagg.release":
@@ -226,24 +234,28 @@ class Release:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Release):
             return NotImplemented
-        return dict(self.document) == dict(other.document) and \
-            (dict(self.ledger) if self.ledger is not None else None) == \
-            (dict(other.ledger) if other.ledger is not None else None)
+        return dict(self.document) == dict(other.document) and (
+            dict(self.ledger) if self.ledger is not None else None
+        ) == (dict(other.ledger) if other.ledger is not None else None)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         d = self.distinct_items
-        return (f"Release(window={self.window!r}, n={self.n}, epsilon={self.epsilon:g}, "
-                f"distinct_items={d.value} {list(d.interval) if d.interval else ''}, "
-                f"signal_below_noise={self.signal_below_noise})")
+        return (
+            f"Release(window={self.window!r}, n={self.n}, epsilon={self.epsilon:g}, "
+            f"distinct_items={d.value} {list(d.interval) if d.interval else ''}, "
+            f"signal_below_noise={self.signal_below_noise})"
+        )
 
 
 def _not_yet(cfg: Any) -> str | None:
     """What the API does not drive (one phrase), or None."""
     if cfg.window.kind == "event_time":
-        return ("windows by record timestamps (window.kind = event_time, or time windows of "
-                "a Kafka source with window.clock = auto): set window.clock = process")
+        return (
+            "windows by record timestamps (window.kind = event_time, or time windows of "
+            "a Kafka source with window.clock = auto): set window.clock = process"
+        )
     if cfg.aggregations:
         return "several aggregations of one stream ([aggregations.NAME])"
     if cfg.scale.partitioned:
@@ -256,6 +268,7 @@ def _not_yet(cfg: Any) -> str | None:
 class ReleaseRefused(RuntimeError):
     """The ledger refused a window's release (the budget is spent); the refusal is in the
     ledger, the window's counters are gone and nothing about it is released."""
+
 
 class Aggregation:
     """One pan-private aggregation you feed: the service's aggregator in your process.
@@ -275,8 +288,7 @@ class Aggregation:
     as for the service). Close it (:meth:`close`, or ``with``) to release the lock.
     """
 
-    def __init__(self, config: Any, *, fresh_start: bool = False,
-                 accept_change: bool = False):
+    def __init__(self, config: Any, *, fresh_start: bool = False, accept_change: bool = False):
         cfg = Config.from_mapping(config).updated({"release": {"workers": 0}})
         why = _not_yet(cfg)
         if why:
@@ -310,8 +322,9 @@ class Aggregation:
         self._source = FedSource()
         #: records of held partitions not counted yet, fed once the hold ends
         self._backlog: dict[str, list] = {}
-        self._agg = Aggregator(cfg, self._source, fresh_start=fresh_start,
-                               accept_change=accept_change)
+        self._agg = Aggregator(
+            cfg, self._source, fresh_start=fresh_start, accept_change=accept_change
+        )
         self._open = False
         agg = self._agg
         agg._lock()
@@ -354,14 +367,22 @@ class Aggregation:
 
     def __repr__(self) -> str:
         state = f"window {self.window}" if self._open else "closed"
-        return (f"Aggregation(stream={self.stream!r}, epsilon={self._agg.epsilon:g}, "
-                f"checkpoint_dir={str(self._agg.dir)!r}, {state})")
+        return (
+            f"Aggregation(stream={self.stream!r}, epsilon={self._agg.epsilon:g}, "
+            f"checkpoint_dir={str(self._agg.dir)!r}, {state})"
+        )
 
     # -- feeding -------------------------------------------------------------------------------
-    def feed_records(self, values: Iterable[bytes], *, partition: str = DEFAULT_PARTITION,
-                     offsets: Sequence[int] | None = None, keys: Sequence | None = None,
-                     headers: Sequence | None = None,
-                     timestamps: Sequence | None = None) -> list[Release]:
+    def feed_records(
+        self,
+        values: Iterable[bytes],
+        *,
+        partition: str = DEFAULT_PARTITION,
+        offsets: Sequence[int] | None = None,
+        keys: Sequence | None = None,
+        headers: Sequence | None = None,
+        timestamps: Sequence | None = None,
+    ) -> list[Release]:
         """Count raw records (message values, decoded as the service decodes ``source.format``
         with ``[item]``; a bad record is a reject with a reason, and a dead letter with
         ``source.dead_letter_topic``, never an exception).
@@ -396,37 +417,50 @@ class Aggregation:
                 raise ValueError(f"{len(vals)} values but {len(seq)} keys/headers/timestamps")
             return seq[skip:]
 
-        seg = Segment(partition, offs[skip:], vals[skip:], keys=tail(keys),
-                      headers=tail(headers), timestamps=tail(timestamps))
+        seg = Segment(
+            partition,
+            offs[skip:],
+            vals[skip:],
+            keys=tail(keys),
+            headers=tail(headers),
+            timestamps=tail(timestamps),
+        )
         return self._turn([seg] if len(seg) else [])
 
-    def feed(self, items: Iterable[int | str | bytes], *,
-             partition: str = DEFAULT_PARTITION) -> list[Release]:
+    def feed(
+        self, items: Iterable[int | str | bytes], *, partition: str = DEFAULT_PARTITION
+    ) -> list[Release]:
         """Count items: each becomes one record ``{item.field: item}`` in ``source.format``
         (``item.source = "key"``: a record keyed by the item), decoded and counted as the
         service counts records (:meth:`feed_records`, offsets following on)."""
         cfg = self._agg.cfg
         it = cfg.item
         if it.filter_field or it.source == "header":
-            raise ValueError("feed() makes records of bare items; with item.filter_field or "
-                             "item.source = header, build the records and use feed_records()")
+            raise ValueError(
+                "feed() makes records of bare items; with item.filter_field or "
+                "item.source = header, build the records and use feed_records()"
+            )
         items = list(items)
         if it.source == "key":
             keys = [i if isinstance(i, bytes) else str(i).encode() for i in items]
             return self.feed_records([b""] * len(items), partition=partition, keys=keys)
         path = it.field.split(".")
         if any(seg.isdigit() for seg in path):
-            raise ValueError(f"feed() cannot build item.field = {it.field!r} (a list index); "
-                             "build the records and use feed_records()")
+            raise ValueError(
+                f"feed() cannot build item.field = {it.field!r} (a list index); "
+                "build the records and use feed_records()"
+            )
         if cfg.source.format == "json":
+
             def encode(doc: dict) -> bytes:
                 return json.dumps(doc).encode()
         else:
             encode = msgpack.Packer().pack
 
         def record(item: Any) -> bytes:
-            doc: Any = item.decode() if isinstance(item, bytes) and \
-                cfg.source.format == "json" else item
+            doc: Any = (
+                item.decode() if isinstance(item, bytes) and cfg.source.format == "json" else item
+            )
             for seg in reversed(path):
                 doc = {seg: doc}
             return encode(doc)
@@ -447,13 +481,18 @@ class Aggregation:
         wid = self.window
         seen = self._seen
         self._agg.close_window()
-        refused = [e for e in self._agg.ledger.entries[seen:]
-                   if e.get("kind") == "refused" and e.get("window") == wid]
+        refused = [
+            e
+            for e in self._agg.ledger.entries[seen:]
+            if e.get("kind") == "refused" and e.get("window") == wid
+        ]
         mine = [r for r in self._new_releases() if r.window == wid]
         if not mine:
             why = refused[-1].get("note") if refused else None
-            raise ReleaseRefused(f"the release of window {wid} was refused by the ledger"
-                                 + (f": {why}" if why else ""))
+            raise ReleaseRefused(
+                f"the release of window {wid} was refused by the ledger"
+                + (f": {why}" if why else "")
+            )
         return mine[0]
 
     close_window = release
@@ -492,19 +531,29 @@ class Aggregation:
         def cut(seq: Any) -> Any:
             return None if seq is None else list(seq)[i:]
 
-        return Segment(seg.partition, offs[i:], seg.values[i:], keys=cut(seg.keys),
-                       headers=cut(seg.headers), timestamps=cut(seg.timestamps))
+        return Segment(
+            seg.partition,
+            offs[i:],
+            seg.values[i:],
+            keys=cut(seg.keys),
+            headers=cut(seg.headers),
+            timestamps=cut(seg.timestamps),
+        )
 
     def _new_releases(self) -> list[Release]:
         entries = self._agg.ledger.entries
-        new, self._seen = entries[self._seen:], len(entries)
-        return [Release.from_document(e["document"], e) for e in new
-                if e.get("kind") == "release" and e.get("document")]
+        new, self._seen = entries[self._seen :], len(entries)
+        return [
+            Release.from_document(e["document"], e)
+            for e in new
+            if e.get("kind") == "release" and e.get("document")
+        ]
 
     def _check_open(self) -> None:
         if not self._open:
-            raise RuntimeError("this Aggregation is closed; open a new one on the same "
-                               "checkpoint.dir to go on")
+            raise RuntimeError(
+                "this Aggregation is closed; open a new one on the same checkpoint.dir to go on"
+            )
 
     def close(self) -> None:
         """Publish what is pending, stop, unlock the directory. The open window is not

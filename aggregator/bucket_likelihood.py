@@ -84,14 +84,21 @@ class BucketLikelihood:
     the counters with noisy values ``noisy`` under the histogram (``small``, the big items).
     """
 
-    def __init__(self, y, buckets: int, p: float, layers: int = 1, top: int = PATH_TOP,
-                 reach: int | None = None):
+    def __init__(
+        self,
+        y,
+        buckets: int,
+        p: float,
+        layers: int = 1,
+        top: int = PATH_TOP,
+        reach: int | None = None,
+    ):
         y = np.asarray(y, dtype=np.float64)
         self.buckets, self.top = int(buckets), int(top)
         self.K, self.q = noise_pmf(p, layers)
         phi = prevalences_from_cumulative(np.rint(y).astype(np.int64)).astype(np.float64)
         self.small = np.r_[phi[: self.top], np.zeros(max(0, self.top - len(phi)))]
-        big = self.big_phi = phi[self.top:]  # phi_v, v = top + 1, ...
+        big = self.big_phi = phi[self.top :]  # phi_v, v = top + 1, ...
         if big.sum() > 0:
             reach = 2 * (self.top + len(big)) if reach is None else max(int(reach), 0)
             self.big = _big_pmf(big.tobytes(), self.top, self.buckets, reach + 2)
@@ -160,6 +167,7 @@ def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if min(len(a), len(b)) < 64 or len(a) * len(b) < 4_000_000:
         return np.convolve(a, b)
     from scipy.signal import oaconvolve  # noqa: PLC0415 (imported on first use: the CLI starts without it)
+
     return np.maximum(oaconvolve(a, b), 0.0)
 
 
@@ -175,8 +183,16 @@ def _model(vc, y, buckets, p, layers) -> BucketLikelihood:
     return BucketLikelihood(y, buckets, p, layers, reach=max(vc.hi, 0) + K)
 
 
-def plausible_extremes(noisy, y, buckets: int, p: float, layers: int = 1, level: float = 0.9,
-                       ref: float | None = None, loglik: float | None = None) -> list[np.ndarray]:
+def plausible_extremes(
+    noisy,
+    y,
+    buckets: int,
+    p: float,
+    layers: int = 1,
+    level: float = 0.9,
+    ref: float | None = None,
+    loglik: float | None = None,
+) -> list[np.ndarray]:
     """The item histograms with the most and the fewest items whose LL is within
     chi2_1(level) / 2 of the best seen (``ref``, or the start's), along two walks from ``y``:
     their cumulative prevalences.
@@ -227,6 +243,7 @@ def plausible_extremes(noisy, y, buckets: int, p: float, layers: int = 1, level:
             out[v - 1] -= s
             out[0] += s * v
             return out
+
         return (lambda small: int(small[v - 1])), apply
 
     def merge(v):  # s pairs of items of count v -> one item of 2v each
@@ -235,6 +252,7 @@ def plausible_extremes(noisy, y, buckets: int, p: float, layers: int = 1, level:
             out[v - 1] -= 2 * s
             out[2 * v - 1] += s
             return out
+
         return (lambda small: int(small[v - 1] // 2)), apply
 
     more = walk([split(v) for v in range(2, top + 1)])

@@ -162,7 +162,7 @@ def _dp_anon_hist_known_n(counts_desc: np.ndarray, epsilon: float, n: int, rng) 
     high[:k] = counts_desc[:k]
     phi_low = cumulative_from_counts(counts_desc[m:], R=m)  # phi_{>=r}(p_{m+1}, ...), r=1..m
     noise = _dlap(epsilon, 2 * m, rng)
-    high_priv = project_l1(high + noise[:m])                # line 5 (over all partitions)
+    high_priv = project_l1(high + noise[:m])  # line 5 (over all partitions)
     low_priv = counts_from_cumulative(project_l1(phi_low + noise[m:]))  # line 6
     out = np.concatenate([high_priv[high_priv > 0], low_priv])  # line 7: union
     return np.sort(out)[::-1].astype(np.int64)
@@ -259,12 +259,14 @@ def dp_anon_hist(counts, epsilon, rng=None, *, n=None) -> np.ndarray:
     if eps < 1:
         raise ValueError(
             f"dp_anon_hist needs epsilon >= 1 (Manurangsi's low-privacy regime), got {eps}; "
-            "use privhist() for epsilon < 1")
+            "use privhist() for epsilon < 1"
+        )
     c = _as_counts(counts)
     if n is not None:
         if isinstance(n, bool) or int(n) != n or int(n) < 1:
             raise ValueError(
-                f"n must be a positive integer (a public bound on sum(counts)), got {n!r}")
+                f"n must be a positive integer (a public bound on sum(counts)), got {n!r}"
+            )
         return _dp_anon_hist_known_n(c, eps, int(n), rng)
     eps_n = 1.0 if eps >= 2 else eps / 2
     eps_h = eps - eps_n
@@ -345,8 +347,10 @@ def _low_privacy(phi_cs: np.ndarray, n_cl: np.ndarray, T: int, M: int):
     phi_ds = cum - np.concatenate([cum[1:], [0]])  # prevalences at r = 1..T
     r_ds = np.arange(1, T + 1, dtype=np.int64)
     r_dl, phi_dl = np.unique(np.maximum(n_cl, T), return_counts=True)
-    r, phi = _merge(np.concatenate([r_ds, r_dl.astype(np.int64)]),
-                    np.concatenate([phi_ds, phi_dl.astype(np.int64)]))
+    r, phi = _merge(
+        np.concatenate([r_ds, r_dl.astype(np.int64)]),
+        np.concatenate([phi_ds, phi_dl.astype(np.int64)]),
+    )
     r, phi = _remove_closest(r, phi, T + 1, M, prefer_above=True)
     r, phi = _remove_closest(r, phi, T, M, prefer_above=False)
     return r, phi
@@ -390,18 +394,19 @@ def _smoothed_scaled_cumulative(r: np.ndarray, phi: np.ndarray, s: np.ndarray):
               (count - s_{i-1}).
     """
     g = np.diff(np.concatenate([[0], s]))
-    idx = np.searchsorted(s, r, side="left")          # s[idx] >= r
+    idx = np.searchsorted(s, r, side="left")  # s[idx] >= r
     on_boundary = s[idx] == r
     ge = np.concatenate([np.cumsum(phi[::-1])[::-1], [0]])  # #{items with count >= r[k]}
-    first = np.searchsorted(r, s, side="left")        # items with count >= s_i start here
+    first = np.searchsorted(r, s, side="left")  # items with count >= s_i start here
     partial = np.zeros(len(s), dtype=np.int64)
     inner = ~on_boundary
     np.add.at(partial, idx[inner], (r[inner] - s[idx[inner] - 1]) * phi[inner])
     return g, g * ge[first] + partial
 
 
-def _high_privacy(r: np.ndarray, phi: np.ndarray, n_cl: np.ndarray, T: int, N: int,
-                  eps3: float, rng):
+def _high_privacy(
+    r: np.ndarray, phi: np.ndarray, n_cl: np.ndarray, T: int, N: int, eps3: float, rng
+):
     """PRIVHIST-HIGHPRIVACY(h, H^cl, T, N, eps3) of [Sur19] (eps <= 1). Returns prevalences.
 
     H1 counts >= 2N are moved to 2N (phi^u).
@@ -441,8 +446,9 @@ def _high_privacy(r: np.ndarray, phi: np.ndarray, n_cl: np.ndarray, T: int, N: i
     return s[keep], prev[keep]
 
 
-def _privhist(r: np.ndarray, phi: np.ndarray, epsilon: float, rng=None,
-              budget=None) -> _PrivHistOut:
+def _privhist(
+    r: np.ndarray, phi: np.ndarray, epsilon: float, rng=None, budget=None
+) -> _PrivHistOut:
     """PRIVHIST of [Sur19] on prevalences (r ascending, phi_r >= 1). See :func:`privhist`.
 
     Randomness is consumed in a fixed order (Z^a; Z^b; Z^cs if eps > 1; Z^cl; H4 noise if
@@ -473,8 +479,8 @@ def _privhist(r: np.ndarray, phi: np.ndarray, epsilon: float, rng=None,
     # (a) M fake items at T and at T+1; (b) move Z^b ~ G(e^-eps2) items from T to T+1
     z_b = int(_dlap(eps2, 1, rng)[0])
     below = r < T
-    phi_T = int(phi[r == T].sum()) + M - z_b           # phi^b_T (may be negative)
-    phi_T1 = int(phi[r == T + 1].sum()) + M + z_b      # phi^b_{T+1} (may be negative)
+    phi_T = int(phi[r == T].sum()) + M - z_b  # phi^b_T (may be negative)
+    phi_T1 = int(phi[r == T + 1].sum()) + M + z_b  # phi^b_{T+1} (may be negative)
     # (c) split: H^bs (counts <= T) via phi^bs_{r+} = max(0, sum_{s=r}^T phi^b_s), r = 1..T;
     # H^bl (counts >= T+1) via cumulative-from-below max(0, sum_{s=T+1}^r phi^b_s): a negative
     # phi^b_T / phi^b_{T+1} is absorbed by the nearest real counts on its own side.
@@ -482,13 +488,13 @@ def _privhist(r: np.ndarray, phi: np.ndarray, epsilon: float, rng=None,
         base = np.zeros(T + 2, dtype=np.int64)
         np.add.at(base, r[below], phi[below])
         base[T] = phi_T
-        phi_bs = np.maximum(np.cumsum(base[1:T + 1][::-1])[::-1], 0)  # r = 1..T
+        phi_bs = np.maximum(np.cumsum(base[1 : T + 1][::-1])[::-1], 0)  # r = 1..T
     above = r > T + 1
     r_l = np.concatenate([[T + 1], r[above]])
     phi_l = np.concatenate([[phi_T1], phi[above]]).astype(np.int64)
     cum_l = np.maximum(np.cumsum(phi_l), 0)
     phi_l = np.diff(np.concatenate([[0], cum_l]))
-    bl_counts = np.repeat(r_l, phi_l)                  # O(n / T) items: sub-linear
+    bl_counts = np.repeat(r_l, phi_l)  # O(n / T) items: sub-linear
     # 3. H^cs: phi^cs_{r+} = phi^bs_{r+} + Z^cs_r, r = 1..T (only the low path uses it)
     if regime == "low":
         phi_cs = phi_bs + _dlap(eps2, T, rng)

@@ -49,8 +49,7 @@ from typing import Any
 
 from scipy.special import stdtrit
 
-__all__ = ["STATISTICS", "LEVEL", "compare", "standard_error", "sampling_variance",
-           "describe"]
+__all__ = ["STATISTICS", "LEVEL", "compare", "standard_error", "sampling_variance", "describe"]
 
 STATISTICS = ("distinct_items", "entropy_nats")
 LEVEL = 0.9  # the default level of the test: at most 10% false alarms on a stationary stream
@@ -116,8 +115,15 @@ def compare(before: dict, after: dict, level: float = LEVEL) -> dict:
     for stat in STATISTICS:
         x0 = (before.get("properties") or {}).get(stat)
         x1 = (after.get("properties") or {}).get(stat)
-        row: dict[str, Any] = {"before": x0, "after": x1, "change": None, "relative": None,
-               "threshold": None, "significant": None, "direction": None}
+        row: dict[str, Any] = {
+            "before": x0,
+            "after": x1,
+            "change": None,
+            "relative": None,
+            "threshold": None,
+            "significant": None,
+            "direction": None,
+        }
         out[stat] = row
         if x0 is None or x1 is None:
             continue

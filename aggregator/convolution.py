@@ -40,6 +40,7 @@ _SPECTRA: dict = {}  # (id(q), FFT length) -> (q, its spectrum): the EM convolve
 
 def _kernel_spectrum(q: np.ndarray, size: int) -> np.ndarray:
     from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
+
     key = (id(q), size)
     hit = _SPECTRA.get(key)
     if hit is not None and hit[0] is q:  # the entry holds q, so its id cannot be reused
@@ -62,6 +63,7 @@ def convolve(a: np.ndarray, q: np.ndarray) -> np.ndarray:
     plan = _PLANS.get(key)
     if plan is None or plan[0] is not q:  # the entry holds q, so its id cannot be reused
         from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
+
         size = fft.next_fast_len(len(a) + len(q) - 1, real=True)
         if len(_PLANS) > 64:
             _PLANS.clear()
@@ -69,7 +71,7 @@ def convolve(a: np.ndarray, q: np.ndarray) -> np.ndarray:
     _, size, half, spec = plan
     buf = np.zeros(size)  # the zero padding scipy.fft.rfft(a, size) makes
     buf[: len(a)] = a
-    out = _irfft(_rfft(buf) * spec, size)[half: half + len(a)]
+    out = _irfft(_rfft(buf) * spec, size)[half : half + len(a)]
     # FFT rounding is ~1e-16 of the largest value: below that level a value is noise, and a zero
     # there would make the EM's ratio w / m explode
     return np.maximum(out, 1e-15 * max(float(out.max()), 0.0))
@@ -84,6 +86,7 @@ def _fft_pair():
     and scipy.fft's argument handling took most of their time: docs/core_figures.md), checked at
     first use to give bit for bit what scipy.fft.rfft / irfft give; scipy.fft itself otherwise."""
     from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
+
     try:
         from scipy.fft._pocketfft import pypocketfft as pfft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
 
@@ -128,9 +131,12 @@ def convolver(q: np.ndarray, length: int):
 _CORRELATE: Callable[..., np.ndarray] | None = None
 try:  # numpy's kernel behind np.convolve (np.convolve(a, v) = correlate(a, v[::-1]))
     from numpy._core.multiarray import correlate as _np_correlate
+
     _probe = np.random.default_rng().random((2, 40))  # any values: an equality probe
-    if np.array_equal(_np_correlate(_probe[0], _probe[1][:9][::-1], "same"),
-                      np.convolve(_probe[0], _probe[1][:9], mode="same")):
+    if np.array_equal(
+        _np_correlate(_probe[0], _probe[1][:9][::-1], "same"),
+        np.convolve(_probe[0], _probe[1][:9], mode="same"),
+    ):
         _CORRELATE = _np_correlate
 except Exception:  # another numpy: np.convolve itself
     pass

@@ -35,8 +35,15 @@ from .counters import NoisyValueCounts, noise_pmf, noisy_value_counts
 from .deconvolution import chi2_shift  # noqa: F401  (re-exported: information)
 from .histograms import prevalences_from_cumulative
 
-__all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "simulate_counts",
-           "simulate_from_cumulative", "simulate_grouped", "loglik"]
+__all__ = [
+    "chi2_shift",
+    "noise_floor",
+    "signal_to_noise",
+    "simulate_counts",
+    "simulate_from_cumulative",
+    "simulate_grouped",
+    "loglik",
+]
 
 
 def noise_floor(counters: int, p: float, layers: int = 1) -> float:
@@ -51,8 +58,9 @@ def signal_to_noise(n: int, counters: int, p: float, layers: int = 1) -> float:
     return float(n) / noise_floor(counters, p, layers)
 
 
-def simulate_counts(rng: np.random.Generator, values, counters: int, p: float,
-                    layers: int) -> NoisyValueCounts:
+def simulate_counts(
+    rng: np.random.Generator, values, counters: int, p: float, layers: int
+) -> NoisyValueCounts:
     """Noisy-value counts of ``values`` plus counters - len(values) zero counters.
 
     Each counter gets ``layers`` DLap(p) draws. Counters holding the same value are exchangeable,
@@ -69,8 +77,9 @@ def simulate_counts(rng: np.random.Generator, values, counters: int, p: float,
     return simulate_grouped(rng, vals, mult, counters - len(values), p, layers)
 
 
-def simulate_from_cumulative(rng: np.random.Generator, y, counters: int, p: float,
-                             layers: int) -> NoisyValueCounts:
+def simulate_from_cumulative(
+    rng: np.random.Generator, y, counters: int, p: float, layers: int
+) -> NoisyValueCounts:
     """:func:`simulate_counts` of the histogram with cumulative prevalence ``y`` (phi_{>=r},
     r = 1..len(y)), without listing its items: the multiplicity of count r is y_r - y_{r+1}.
     Same draws as ``simulate_counts(rng, counts_from_cumulative(y), ...)`` (values in the same
@@ -106,8 +115,7 @@ def simulate_grouped(rng, vals, mult, zeros: int, p: float, layers: int) -> Nois
     return out
 
 
-def _multinomial_part(rng, vals, mult, K: int, q: np.ndarray,
-                      rows: int = 2048) -> NoisyValueCounts:
+def _multinomial_part(rng, vals, mult, K: int, q: np.ndarray, rows: int = 2048) -> NoisyValueCounts:
     """Noisy-value counts of mult[i] counters at vals[i]: one multinomial draw per value (in
     blocks of ``rows`` values, so that the draws never hold more than rows x len(q) numbers)."""
     lo = int(vals.min()) - K
@@ -115,8 +123,8 @@ def _multinomial_part(rng, vals, mult, K: int, q: np.ndarray,
     c = np.zeros(size, dtype=np.int64)
     taps = np.arange(len(q))
     for i in range(0, len(vals), rows):
-        draws = rng.multinomial(mult[i: i + rows], q)  # one row per value
-        idx = (vals[i: i + rows] - K - lo)[:, None] + taps
+        draws = rng.multinomial(mult[i : i + rows], q)  # one row per value
+        idx = (vals[i : i + rows] - K - lo)[:, None] + taps
         c += np.bincount(idx.ravel(), weights=draws.ravel(), minlength=size).astype(np.int64)
     return NoisyValueCounts(lo, c)
 
@@ -131,7 +139,7 @@ def loglik(vc, y, counters: int, p: float, k: int) -> float:
     lo = min(0, vc.lo) - K
     w = np.zeros(hi - lo + 1)
     w[-lo] = counters - (int(y[0]) if len(y) else 0)  # the empty counters, at value 0
-    w[1 - lo: len(y) + 1 - lo] = mult
+    w[1 - lo : len(y) + 1 - lo] = mult
     w /= max(counters, 1)
     pred = _conv(w, q)  # pmf of a noisy value on [lo, hi]
     seen = vc.c > 0
@@ -145,6 +153,6 @@ def loglik(vc, y, counters: int, p: float, k: int) -> float:
         nz = np.flatnonzero(w)
         for i in small:
             v = at[i]
-            r = nz[np.searchsorted(nz, v - K): np.searchsorted(nz, v + K, side="right")]
+            r = nz[np.searchsorted(nz, v - K) : np.searchsorted(nz, v + K, side="right")]
             pa[i] = float((w[r] * q[v - r + K]).sum())
     return float((vc.c[seen] * np.log(np.maximum(pa, 1e-300))).sum())

@@ -42,8 +42,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["NoisyValueCounts", "noisy_value_counts", "noise_pmf", "check_p", "check_layers",
-           "counters_key", "data_seed"]
+__all__ = [
+    "NoisyValueCounts",
+    "noisy_value_counts",
+    "noise_pmf",
+    "check_p",
+    "check_layers",
+    "counters_key",
+    "data_seed",
+]
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,8 @@ class NoisyValueCounts:
         lo = min(self.lo, other.lo)
         hi = max(self.hi, other.hi)
         c = np.zeros(hi - lo + 1, dtype=np.int64)
-        c[self.lo - lo: self.lo - lo + len(self.c)] += self.c
-        c[other.lo - lo: other.lo - lo + len(other.c)] += other.c
+        c[self.lo - lo : self.lo - lo + len(self.c)] += self.c
+        c[other.lo - lo : other.lo - lo + len(other.c)] += other.c
         return NoisyValueCounts(lo, c)
 
 
@@ -81,8 +88,9 @@ def noisy_value_counts(noisy_counts) -> NoisyValueCounts:
         raise TypeError(f"noisy_counts must be integers, got {x.dtype}")
     lo, hi = int(x.min()), int(x.max())
     if hi - lo > 50_000_000:
-        raise ValueError("noisy counter values span more than 5e7; "
-                         "is this really a noisy histogram?")
+        raise ValueError(
+            "noisy counter values span more than 5e7; is this really a noisy histogram?"
+        )
     shifted = x - lo if lo != 0 else x
     return NoisyValueCounts(lo, np.bincount(shifted, minlength=hi - lo + 1).astype(np.int64))
 
@@ -112,7 +120,7 @@ def noise_pmf(p: float, layers: int = 1, tail: float = 1e-17) -> tuple[int, np.n
     K = (len(q) - 1) // 2
     keep = np.flatnonzero(q > tail * 1e-3)
     lo = min(keep[0], len(q) - 1 - keep[-1])
-    q = q[lo: len(q) - lo]
+    q = q[lo : len(q) - lo]
     return K - lo, q / q.sum()
 
 

@@ -81,8 +81,18 @@ def _bins(prob: EMProblem, bin_min: int) -> np.ndarray:
     return starts
 
 
-def crossfit_prevalence(noisy_counts, p, *, layers=1, n=None, max_iter=XFIT_MAX_ITER, R=None,
-                        seed=None, return_steps=False, bin_min=XFIT_BIN):
+def crossfit_prevalence(
+    noisy_counts,
+    p,
+    *,
+    layers=1,
+    n=None,
+    max_iter=XFIT_MAX_ITER,
+    R=None,
+    seed=None,
+    return_steps=False,
+    bin_min=XFIT_BIN,
+):
     """phi_{>=r}, r = 1..R, from the EM stopped where held-out likelihood peaks (cross-fitting).
 
     The NPMLE's l1 error first falls, then rises with the EM steps, and where it turns depends on
@@ -138,8 +148,18 @@ def crossfit_prevalence(noisy_counts, p, *, layers=1, n=None, max_iter=XFIT_MAX_
 
         pi0 = prob.start(w)
         if not read(0, pi0):
-            squarem(pi0, w, w > 0, q, prob.allowed, max_iter, XFIT_TOL, prob.zero_idx,
-                    callback=read, mean=mean)
+            squarem(
+                pi0,
+                w,
+                w > 0,
+                q,
+                prob.allowed,
+                max_iter,
+                XFIT_TOL,
+                prob.zero_idx,
+                callback=read,
+                mean=mean,
+            )
         scores.append(score)
     # the steps both halves reached (a half stops once it is well past its held-out maximum)
     steps = sorted(set.intersection(*(set(s) for s in scores))) if scores else []

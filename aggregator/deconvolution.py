@@ -45,9 +45,18 @@ import numpy as np
 from .counters import check_layers, noise_pmf, noisy_value_counts
 from .em import em_problem, squarem
 
-__all__ = ["DECONV_MAX_ITER", "DECONV_TOL", "MLE_MAX_ITER", "MLE_TOL", "chi2_shift",
-           "deconv_tol", "deconvolved_prevalence", "em_prevalences", "em_prevalences_many",
-           "deconvolved_batch"]
+__all__ = [
+    "DECONV_MAX_ITER",
+    "DECONV_TOL",
+    "MLE_MAX_ITER",
+    "MLE_TOL",
+    "chi2_shift",
+    "deconv_tol",
+    "deconvolved_prevalence",
+    "em_prevalences",
+    "em_prevalences_many",
+    "deconvolved_batch",
+]
 
 
 DECONV_MAX_ITER = 200  # the early-stopped EM ("deconvolution"): see deconvolved_prevalence
@@ -99,9 +108,19 @@ def deconv_tol(p: float, layers: int = 1, *, hashed: bool = False) -> float:
     return DECONV_TOL * chi2_shift(p, k) / chi2_shift(p, 1)
 
 
-def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                           tol=None, R=None, n=None, shrunk_start=False,
-                           smooth_share=None, hashed=False) -> np.ndarray:
+def deconvolved_prevalence(
+    noisy_counts,
+    p,
+    *,
+    layers=1,
+    max_iter=DECONV_MAX_ITER,
+    tol=None,
+    R=None,
+    n=None,
+    shrunk_start=False,
+    smooth_share=None,
+    hashed=False,
+) -> np.ndarray:
     """phi_{>=r}, r = 1..R, from the NPMLE of the prevalences (EM deconvolution).
 
     Model: each counter's noisy value is h + Z with Z the sum of ``layers`` DLap(p) draws
@@ -130,13 +149,23 @@ def deconvolved_prevalence(noisy_counts, p, *, layers=1, max_iter=DECONV_MAX_ITE
     if not prob.spans:
         return prob.cumulative(None, R)
     w = prob.w / prob.w.sum()
-    pi = squarem(prob.start(w, shrunk_start, smooth_share), w, w > 0, prob.q, prob.allowed,
-                 max_iter, tol, prob.zero_idx, mean=prob.mean_constraint(n))
+    pi = squarem(
+        prob.start(w, shrunk_start, smooth_share),
+        w,
+        w > 0,
+        prob.q,
+        prob.allowed,
+        max_iter,
+        tol,
+        prob.zero_idx,
+        mean=prob.mean_constraint(n),
+    )
     return prob.cumulative(pi, R)
 
 
-def em_prevalences(noisy_counts, p, *, layers=1, R=None,
-                   hashed=False) -> tuple[np.ndarray, np.ndarray]:
+def em_prevalences(
+    noisy_counts, p, *, layers=1, R=None, hashed=False
+) -> tuple[np.ndarray, np.ndarray]:
     """(``"deconvolution"``'s phi_{>=r}, ``"mle"``'s phi_{>=r}) from one EM run.
 
     Both estimators run the same deterministic SQUAREM path from the same start and differ only
@@ -150,9 +179,17 @@ def em_prevalences(noisy_counts, p, *, layers=1, R=None,
         est = prob.cumulative(None, R)
         return est, est.copy()
     w = prob.w / prob.w.sum()
-    early, pi = squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, MLE_MAX_ITER, MLE_TOL,
-                        prob.zero_idx, early=(DECONV_MAX_ITER, deconv_tol(p, layers,
-                                                                         hashed=hashed)))
+    early, pi = squarem(
+        prob.start(w),
+        w,
+        w > 0,
+        prob.q,
+        prob.allowed,
+        MLE_MAX_ITER,
+        MLE_TOL,
+        prob.zero_idx,
+        early=(DECONV_MAX_ITER, deconv_tol(p, layers, hashed=hashed)),
+    )
     return prob.cumulative(early, R), prob.cumulative(pi, R)
 
 
@@ -160,13 +197,28 @@ def em_prevalences_many(many, p, *, layers=1, hashed=False) -> list:
     """[:func:`em_prevalences` of each counter set], all sets on one batched path
     (:func:`deconvolved_batch`: equal to rounding, not bit for bit): for ``auto``'s simulated
     states, whose fits only rank its candidates."""
-    return deconvolved_batch(many, p, layers=layers, max_iter=MLE_MAX_ITER, tol=MLE_TOL,
-                             early=(DECONV_MAX_ITER, deconv_tol(p, layers, hashed=hashed)))
+    return deconvolved_batch(
+        many,
+        p,
+        layers=layers,
+        max_iter=MLE_MAX_ITER,
+        tol=MLE_TOL,
+        early=(DECONV_MAX_ITER, deconv_tol(p, layers, hashed=hashed)),
+    )
 
 
-def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
-                      tol=None, shrunk_start=False, smooth_share=None, early=None,
-                      hashed=False) -> list:
+def deconvolved_batch(
+    many,
+    p,
+    *,
+    layers=1,
+    max_iter=DECONV_MAX_ITER,
+    tol=None,
+    shrunk_start=False,
+    smooth_share=None,
+    early=None,
+    hashed=False,
+) -> list:
     """:func:`deconvolved_prevalence` (without n) of several counter sets at once: one SQUAREM
     loop over a matrix with one row per counter set (each row stops at its own step, by the
     same rule), so the ~25 numpy calls of an EM step are made once per step for all of them.
@@ -195,6 +247,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     if not todo:
         return out
     from scipy import fft  # noqa: PLC0415 (imported on first use: the CLI starts without it)
+
     q = probs[todo[0]].q
     L = max(len(probs[i].w) for i in todo)
     size = fft.next_fast_len(L + len(q) - 1, real=True)
@@ -204,7 +257,7 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
     def conv(X):
         buf = np.zeros((len(X), size))
         buf[:, :L] = X
-        Y = fft.irfft(fft.rfft(buf, axis=1) * spec, size, axis=1)[:, half: half + L]
+        Y = fft.irfft(fft.rfft(buf, axis=1) * spec, size, axis=1)[:, half : half + L]
         return np.maximum(Y, 1e-15 * np.maximum(Y.max(axis=1), 0.0)[:, None])
 
     B = len(todo)
@@ -265,8 +318,9 @@ def deconvolved_batch(many, p, *, layers=1, max_iter=DECONV_MAX_ITER,
         ll_new = np.where(use, ll_c, ll2)
         s = new.sum(axis=1)[:, None]
         new, M_new = new / s, M_new / s
-        denom = np.where(zr >= 0, np.maximum(1.0 - new[np.arange(len(rows)), np.maximum(zr, 0)],
-                                             1e-6), 1.0)
+        denom = np.where(
+            zr >= 0, np.maximum(1.0 - new[np.arange(len(rows)), np.maximum(zr, 0)], 1e-6), 1.0
+        )
         gain = (ll_new - ll) / denom
         P, ll, M = new, np.maximum(ll_new, ll), M_new
         if early is not None:

@@ -103,10 +103,21 @@ import numpy as np
 from .hashing import KEY_BYTES, bucket_of
 from .noise import WORD, bernoulli, discrete_laplace, p_from_epsilon
 
-__all__ = ["NEIGHBOR_RELATIONS", "CALIBRATIONS", "PanPrivateDensity", "DensityRelease",
-           "DensityPlan", "bit_thresholds", "best_state_share", "expected_occupied",
-           "occupied_variance", "invert_occupied", "distinct_variance",
-           "expected_relative_error", "plan_cells"]
+__all__ = [
+    "NEIGHBOR_RELATIONS",
+    "CALIBRATIONS",
+    "PanPrivateDensity",
+    "DensityRelease",
+    "DensityPlan",
+    "bit_thresholds",
+    "best_state_share",
+    "expected_occupied",
+    "occupied_variance",
+    "invert_occupied",
+    "distinct_variance",
+    "expected_relative_error",
+    "plan_cells",
+]
 
 #: user-level neighbour relation -> number of cells one neighbour step changes
 NEIGHBOR_RELATIONS = {"add-remove": 1, "replace-one": 2}
@@ -187,8 +198,9 @@ def _mechanism(epsilon, cells, neighbor, calibration, share):
     return A / WORD, B / WORD, p_from_epsilon(eps_r, sens), eps_s, eps_r
 
 
-def best_state_share(epsilon: float, cells: int, *, users: float | None = None,
-                     neighbor: str = "replace-one") -> float:
+def best_state_share(
+    epsilon: float, cells: int, *, users: float | None = None, neighbor: str = "replace-one"
+) -> float:
     """The share of epsilon for the state (the rest goes to the release) that minimises the
     variance of U_hat at ``users`` (default cells / 2), for ``calibration="full"``.
 
@@ -239,9 +251,15 @@ def _k_hat_variance(k: float, m: int, a: float, b: float, noise_var: float) -> f
     return ((m - k) * a * (1 - a) + k * b * (1 - b) + noise_var) / (b - a) ** 2
 
 
-def distinct_variance(users: float, cells: int, epsilon: float, *,
-                      neighbor: str = "replace-one", calibration: str = "full",
-                      state_share: float | None = None) -> float:
+def distinct_variance(
+    users: float,
+    cells: int,
+    epsilon: float,
+    *,
+    neighbor: str = "replace-one",
+    calibration: str = "full",
+    state_share: float | None = None,
+) -> float:
     """Var[U_hat] at U = ``users``: (Var[k_hat | k] + Var_hash[k]) * (dU/dk)^2 (delta method).
 
     dU/dk = -1 / ((m - k) ln(1 - 1/m)) ~ 1 / (1 - k/m): the inversion magnifies the error as
@@ -249,8 +267,11 @@ def distinct_variance(users: float, cells: int, epsilon: float, *,
     """
     m, eps = _check_cells(cells), _check_epsilon(epsilon)
     if state_share is None:
-        state_share = (best_state_share(eps, m, users=users, neighbor=neighbor)
-                       if calibration == "full" else 0.5)
+        state_share = (
+            best_state_share(eps, m, users=users, neighbor=neighbor)
+            if calibration == "full"
+            else 0.5
+        )
     a, b, p, _, _ = _mechanism(eps, m, neighbor, calibration, state_share)
     k = expected_occupied(users, m)
     var_k = _k_hat_variance(k, m, a, b, _dlap_variance(p)) + occupied_variance(users, m)
@@ -291,8 +312,9 @@ class DensityPlan:
     cells_range: tuple[int, int]
 
 
-def plan_cells(users: float, epsilon: float, target_relative_error: float, *,
-               neighbor: str = "replace-one") -> DensityPlan:
+def plan_cells(
+    users: float, epsilon: float, target_relative_error: float, *, neighbor: str = "replace-one"
+) -> DensityPlan:
     """The m for ``users`` expected distinct users at ``epsilon`` and a target relative error.
 
     The relative error at U = x m is ~ e^x / (2 (b - a) sqrt(x U)): minimal near m = 2U and
@@ -325,24 +347,32 @@ def plan_cells(users: float, epsilon: float, target_relative_error: float, *,
     floor = err(best)
     if floor > target_relative_error:
         need = users * (floor / target_relative_error) ** 2
-        raise ValueError(f"a relative error of {target_relative_error:g} is out of reach for "
-                         f"{users:g} users at epsilon {eps:g}: the best is {floor:.3g} (at "
-                         f"{best} cells); it needs about {need:.3g} users")
+        raise ValueError(
+            f"a relative error of {target_relative_error:g} is out of reach for "
+            f"{users:g} users at epsilon {eps:g}: the best is {floor:.3g} (at "
+            f"{best} cells); it needs about {need:.3g} users"
+        )
 
     def edge(inside: int, outside: int) -> int:
         """The last m meeting the target between ``inside`` (meets it) and ``outside``."""
         while abs(outside - inside) > max(1, min(inside, outside) // 1000):
             mid = (inside + outside) // 2
-            inside, outside = (mid, outside) if err(mid) <= target_relative_error \
-                else (inside, mid)
+            inside, outside = (mid, outside) if err(mid) <= target_relative_error else (inside, mid)
         return inside
 
     ok = np.flatnonzero(errs <= target_relative_error)
     top = edge(int(grid[ok[-1]]), int(grid[min(ok[-1] + 1, len(grid) - 1)]))
     bottom = edge(int(grid[ok[0]]), int(grid[max(ok[0] - 1, 0)])) if ok[0] > 0 else int(grid[0])
     share = best_state_share(eps, best, users=users, neighbor=neighbor)
-    return DensityPlan(float(users), eps, float(target_relative_error), best, floor, share,
-                       (min(bottom, best), max(top, best)))
+    return DensityPlan(
+        float(users),
+        eps,
+        float(target_relative_error),
+        best,
+        floor,
+        share,
+        (min(bottom, best), max(top, best)),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,9 +411,17 @@ class PanPrivateDensity:
         Test-only source with ``bytes(n)``; never stored.
     """
 
-    def __init__(self, epsilon: float, cells: int, *, neighbor: str = "replace-one",
-                 calibration: str = "full", state_share: float | None = None,
-                 key: bytes | None = None, rng=None):
+    def __init__(
+        self,
+        epsilon: float,
+        cells: int,
+        *,
+        neighbor: str = "replace-one",
+        calibration: str = "full",
+        state_share: float | None = None,
+        key: bytes | None = None,
+        rng=None,
+    ):
         self._epsilon = _check_epsilon(epsilon)
         self._cells = _check_cells(cells)
         self._sensitivity = _check_neighbor(neighbor)
@@ -395,8 +433,7 @@ class PanPrivateDensity:
         if state_share is None and calibration == "full":
             state_share = best_state_share(self._epsilon, self._cells, neighbor=neighbor)
         self._calibration = calibration
-        self._eps_state, self._eps_release = _split(self._epsilon, state_share or 0.5,
-                                                    calibration)
+        self._eps_state, self._eps_release = _split(self._epsilon, state_share or 0.5, calibration)
         self._A, self._B = bit_thresholds(self._eps_state / self._sensitivity, calibration)
         self._p = p_from_epsilon(self._eps_release, self._sensitivity)
         key = os.urandom(KEY_BYTES) if key is None else bytes(key)
@@ -497,17 +534,28 @@ class PanPrivateDensity:
     def release(self, rng=None) -> "DensityRelease":
         """The count of 1-bits plus DLap(p): the state's one release (a second is refused)."""
         if self._released:
-            raise RuntimeError("a density state is released once: a second release would be a "
-                               "second epsilon_release look at the same bits")
+            raise RuntimeError(
+                "a density state is released once: a second release would be a "
+                "second epsilon_release look at the same bits"
+            )
         self._released = True
         ones = int(np.count_nonzero(self._bits)) + int(discrete_laplace(self._p, 1, rng=rng)[0])
-        return DensityRelease(self._cells, ones, self.a, self.b,
-                              _dlap_variance(self._p), self._epsilon, self._neighbor)
+        return DensityRelease(
+            self._cells,
+            ones,
+            self.a,
+            self.b,
+            _dlap_variance(self._p),
+            self._epsilon,
+            self._neighbor,
+        )
 
     def __repr__(self) -> str:
-        return (f"PanPrivateDensity(epsilon={self._epsilon!r}, cells={self._cells}, "
-                f"neighbor={self._neighbor!r}, calibration={self._calibration!r}, "
-                f"state_share={self._eps_state / self._epsilon:.3f})")
+        return (
+            f"PanPrivateDensity(epsilon={self._epsilon!r}, cells={self._cells}, "
+            f"neighbor={self._neighbor!r}, calibration={self._calibration!r}, "
+            f"state_share={self._eps_state / self._epsilon:.3f})"
+        )
 
 
 @dataclass(frozen=True)
@@ -544,8 +592,9 @@ class DensityRelease:
     def _k_variance(self, k: float) -> float:
         m = self.cells
         k = min(max(k, 0.0), m - 0.5)
-        return (_k_hat_variance(k, m, self.a, self.b, self.noise_variance)
-                + occupied_variance(invert_occupied(k, m), m))
+        return _k_hat_variance(k, m, self.a, self.b, self.noise_variance) + occupied_variance(
+            invert_occupied(k, m), m
+        )
 
     @property
     def standard_error(self) -> float:

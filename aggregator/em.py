@@ -48,13 +48,24 @@ import numpy as np
 from .convolution import convolve, convolver
 from .counters import NoisyValueCounts, check_layers, noise_pmf, noisy_value_counts
 
-__all__ = ["EMProblem", "em_problem", "em_step", "mean_m_step", "squarem", "sparse_top",
-           "pass_through_bound", "START_SMOOTH_SHARE", "DIRECT_START_SMOOTH_SHARE", "EM_TAIL",
-           "SPARSE_DENSITY"]
+__all__ = [
+    "EMProblem",
+    "em_problem",
+    "em_step",
+    "mean_m_step",
+    "squarem",
+    "sparse_top",
+    "pass_through_bound",
+    "START_SMOOTH_SHARE",
+    "DIRECT_START_SMOOTH_SHARE",
+    "EM_TAIL",
+    "SPARSE_DENSITY",
+]
 
 
-def em_step(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray,
-             mean=None, m=None) -> np.ndarray:
+def em_step(
+    pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray, mean=None, m=None
+) -> np.ndarray:
     """One EM update of the mixing pmf (q symmetric, so convolution = correlation).
 
     ``mean`` = (h, mu): the M-step under the linear constraint sum_h h pi_h = mu (the public n
@@ -111,8 +122,9 @@ def _loglik(pi: np.ndarray, w: np.ndarray, nz: np.ndarray, q: np.ndarray):
     return float((w[nz] * np.log(np.maximum(m[nz], 1e-300))).sum()), m
 
 
-def squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None,
-             mean=None, early=None):
+def squarem(
+    pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None, mean=None, early=None
+):
     """EM accelerated by SQUAREM (Varadhan and Roland 2008, scheme S3), monotone in likelihood.
 
     Stops when the mean log-likelihood gain per step, divided by the estimated mass of non-zero
@@ -165,8 +177,7 @@ def squarem(pi, w, nz, q, allowed, max_iter, tol, zero_idx=None, callback=None,
         new, ll_new, m_new = (cand, ll_c, m_c) if ll_c >= ll2 else (p2, ll2, m2)
         s = new.sum()
         new, m_new = new / s, m_new / s  # the convolution is linear: rescale it with pi
-        gain = (ll_new - ll) / (1.0 if zero_idx is None else
-                                max(1.0 - float(new[zero_idx]), 1e-6))
+        gain = (ll_new - ll) / (1.0 if zero_idx is None else max(1.0 - float(new[zero_idx]), 1e-6))
         pi, ll, m = new, max(ll_new, ll), m_new
         if early is not None and early_pi is None and (gain < early[1] or step >= early[0]):
             early_pi = pi
@@ -200,7 +211,7 @@ class EMProblem:
         """The count h that each axis position stands for (0 on the separating gaps)."""
         h = np.zeros(len(self.w))
         for off, lo_v, hi_v in self.spans:
-            h[off: off + hi_v - lo_v + 1] = np.arange(lo_v, hi_v + 1)
+            h[off : off + hi_v - lo_v + 1] = np.arange(lo_v, hi_v + 1)
         return np.maximum(h, 0.0) * (self.allowed > 0)
 
     def mean_constraint(self, n):
@@ -223,7 +234,7 @@ class EMProblem:
         for off, lo_v, hi_v in self.spans:
             a, b = max(vc.lo, lo_v + self.K), min(vc.hi, hi_v - self.K)
             if a <= b:
-                out[off + a - lo_v: off + b - lo_v + 1] = vc.c[a - vc.lo: b - vc.lo + 1]
+                out[off + a - lo_v : off + b - lo_v + 1] = vc.c[a - vc.lo : b - vc.lo + 1]
         return out
 
     def start(self, w: np.ndarray, shrunk: bool = False, smooth_share=None) -> np.ndarray:
@@ -252,7 +263,7 @@ class EMProblem:
         likelihood prefers (``aggregator.largedomain._likelier_start``). The figures:
         docs/core_figures.md, "The EM's shrunk start"."""
         off, lo_v, hi_v = next(s for s in self.spans if s[1] <= 0 <= s[2])
-        seg = w[off: off + hi_v - lo_v + 1].astype(np.float64)
+        seg = w[off : off + hi_v - lo_v + 1].astype(np.float64)
         x = np.arange(lo_v, hi_v + 1, dtype=np.float64)
         total = seg.sum()
         mu = float((seg * x).sum()) / total
@@ -268,8 +279,9 @@ class EMProblem:
         np.add.at(moved, low - lo_v, seg * (1.0 - frac))
         np.add.at(moved, low + 1 - lo_v, seg * frac)
         out = pi.copy()
-        out[off: off + len(seg)] = (moved[: len(seg)] / moved[: len(seg)].sum()
-                                    * out[off: off + len(seg)].sum())
+        out[off : off + len(seg)] = (
+            moved[: len(seg)] / moved[: len(seg)].sum() * out[off : off + len(seg)].sum()
+        )
         out = (out + 1e-12) * self.allowed
         return out / out.sum()
 
@@ -280,8 +292,8 @@ class EMProblem:
             total = self.w.sum()
             for off, lo_v, hi_v in self.spans:
                 h0 = max(lo_v, 0)
-                seg = pi[off + h0 - lo_v: off + hi_v - lo_v + 1] * total
-                mass[h0: h0 + len(seg)] += seg
+                seg = pi[off + h0 - lo_v : off + hi_v - lo_v + 1] * total
+                mass[h0 : h0 + len(seg)] += seg
         est = np.cumsum(mass[::-1])[::-1][1:]  # r = 1..len(mass) - 1
         if R is not None:
             R = int(R)
@@ -316,8 +328,9 @@ def _sparse_counters(vals: np.ndarray, cnt: np.ndarray, K: int, density: float) 
     if density <= 0 or len(vals) == 0:
         return np.zeros(len(vals), dtype=bool)
     cs = np.concatenate([[0.0], np.cumsum(cnt)])
-    near = (cs[np.searchsorted(vals, vals + K, "right")]
-            - cs[np.searchsorted(vals, vals - K, "left")])
+    near = (
+        cs[np.searchsorted(vals, vals + K, "right")] - cs[np.searchsorted(vals, vals - K, "left")]
+    )
     return (vals > K) & (near < density * (2 * K + 1))
 
 
@@ -340,8 +353,9 @@ def pass_through_bound(p: float, layers: int = 1) -> float:
     return float((np.abs(np.arange(-K, K + 1)) * q).sum())
 
 
-def em_problem(vc: NoisyValueCounts, p: float, k: int, tail: float = EM_TAIL,
-                sparse: float | None = None) -> EMProblem:
+def em_problem(
+    vc: NoisyValueCounts, p: float, k: int, tail: float = EM_TAIL, sparse: float | None = None
+) -> EMProblem:
     K, q = noise_pmf(p, k, tail)
     sparse = SPARSE_DENSITY if sparse is None else sparse
     vals = np.flatnonzero(vc.c) + vc.lo
@@ -383,7 +397,7 @@ def em_problem(vc: NoisyValueCounts, p: float, k: int, tail: float = EM_TAIL,
         sl = slice(starts[j], ends[j])
         w[off + vals[sl] - lo_v] = cnt[sl]
         h0 = max(lo_v, 0)
-        allowed[off + h0 - lo_v: off + hi_v - lo_v + 1] = 1.0
+        allowed[off + h0 - lo_v : off + hi_v - lo_v + 1] = 1.0
     zero_idx = None
     for off, lo_v, hi_v in spans:
         if lo_v <= 0 <= hi_v:

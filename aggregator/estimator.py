@@ -38,8 +38,15 @@ import numpy as np
 from .deconvolution import DECONV_MAX_ITER, MLE_MAX_ITER, MLE_TOL, deconvolved_prevalence
 from .threshold import cumulative_prevalence, threshold_usable
 
-__all__ = ["Estimator", "THRESHOLD", "DECONVOLUTION", "MLE", "BASIC", "BASIC_METHODS",
-           "basic_prevalence"]
+__all__ = [
+    "Estimator",
+    "THRESHOLD",
+    "DECONVOLUTION",
+    "MLE",
+    "BASIC",
+    "BASIC_METHODS",
+    "basic_prevalence",
+]
 
 
 def _always(p: float, layers: int) -> bool:
@@ -66,15 +73,18 @@ class Estimator:
     usable: Callable[[float, int], bool] = field(default=_always, repr=False)
     uses_memo: bool = False
 
-    def estimate(self, noisy_counts, p: float, *, layers: int = 1, n=None,
-                 hashed: bool = False, memo=None) -> np.ndarray:
+    def estimate(
+        self, noisy_counts, p: float, *, layers: int = 1, n=None, hashed: bool = False, memo=None
+    ) -> np.ndarray:
         """phi_hat_{>=r} of these counters (``n``: the public number of events, or None;
         ``hashed``: they are hash buckets; ``memo``: the release's, for the estimators that
         keep what they derive, :attr:`uses_memo`)."""
         if not self.usable(p, layers):
-            raise ValueError(f"the {self.name} estimator cannot run on {layers} noise layers "
-                             "(its inverse filter amplifies the noise past 1e6); use "
-                             "release.estimator = default")
+            raise ValueError(
+                f"the {self.name} estimator cannot run on {layers} noise layers "
+                "(its inverse filter amplifies the noise past 1e6); use "
+                "release.estimator = default"
+            )
         if self.uses_memo:
             return self.fit(noisy_counts, p, layers=layers, n=n, hashed=hashed, memo=memo)
         return self.fit(noisy_counts, p, layers=layers, n=n, hashed=hashed)
@@ -82,20 +92,26 @@ class Estimator:
 
 THRESHOLD = Estimator(
     "threshold",
-    lambda noisy_counts, p, *, layers, n, hashed: cumulative_prevalence(noisy_counts, p,
-                                                                       layers=layers),
+    lambda noisy_counts, p, *, layers, n, hashed: cumulative_prevalence(
+        noisy_counts, p, layers=layers
+    ),
     "unbiased inverse-filter estimate (seed 001 Lemma 10); its variance grows ~100x per layer",
-    usable=threshold_usable)
+    usable=threshold_usable,
+)
 DECONVOLUTION = Estimator(
     "deconvolution",
     lambda noisy_counts, p, *, layers, n, hashed: deconvolved_prevalence(
-        noisy_counts, p, layers=layers, hashed=hashed),
-    f"EM NPMLE of the prevalences stopped early (deconv_tol, at most {DECONV_MAX_ITER} steps)")
+        noisy_counts, p, layers=layers, hashed=hashed
+    ),
+    f"EM NPMLE of the prevalences stopped early (deconv_tol, at most {DECONV_MAX_ITER} steps)",
+)
 MLE = Estimator(
     "mle",
     lambda noisy_counts, p, *, layers, n, hashed: deconvolved_prevalence(
-        noisy_counts, p, layers=layers, max_iter=MLE_MAX_ITER, tol=MLE_TOL),
-    "the same EM run to convergence: the NPMLE")
+        noisy_counts, p, layers=layers, max_iter=MLE_MAX_ITER, tol=MLE_TOL
+    ),
+    "the same EM run to convergence: the NPMLE",
+)
 
 #: the estimators that need nothing but the counters, in registry order
 BASIC = (THRESHOLD, DECONVOLUTION, MLE)
@@ -103,8 +119,9 @@ BASIC_METHODS = tuple(e.name for e in BASIC)
 _BY_NAME = {e.name: e for e in BASIC}
 
 
-def basic_prevalence(noisy_counts, p, *, layers=1, method="deconvolution",
-                     hashed=False) -> np.ndarray:
+def basic_prevalence(
+    noisy_counts, p, *, layers=1, method="deconvolution", hashed=False
+) -> np.ndarray:
     """phi_hat_{>=r} by one of the estimators that need nothing but the counters
     (:data:`BASIC`); :func:`aggregator.estimators.phi_estimate` names every estimator, these
     and the ones built on them."""

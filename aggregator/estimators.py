@@ -45,28 +45,42 @@ from .selection import selected_prevalence
 from .threshold import threshold_usable
 from .wupagh import wupagh_prevalence
 
-__all__ = ["ESTIMATORS", "METHODS", "estimator", "MODES", "DEFAULTS", "DEFAULT_METHODS",
-           "default_method", "default_cap", "phi_estimate"]
+__all__ = [
+    "ESTIMATORS",
+    "METHODS",
+    "estimator",
+    "MODES",
+    "DEFAULTS",
+    "DEFAULT_METHODS",
+    "default_method",
+    "default_cap",
+    "phi_estimate",
+]
 
 
 WUPAGH = Estimator(
     "wupagh",
-    lambda noisy_counts, p, *, layers, n, hashed: wupagh_prevalence(noisy_counts, p,
-                                                                   layers=layers),
+    lambda noisy_counts, p, *, layers, n, hashed: wupagh_prevalence(noisy_counts, p, layers=layers),
     "Wu and Pagh (ICML 2024): the noise's circulant inverse, projected onto the simplex",
-    usable=threshold_usable)  # the same inverse filter g^{*k} as the threshold estimate
+    usable=threshold_usable,
+)  # the same inverse filter g^{*k} as the threshold estimate
 XFIT = Estimator(
     "xfit",
-    lambda noisy_counts, p, *, layers, n, hashed: crossfit_prevalence(noisy_counts, p,
-                                                                      layers=layers, n=n),
+    lambda noisy_counts, p, *, layers, n, hashed: crossfit_prevalence(
+        noisy_counts, p, layers=layers, n=n
+    ),
     "the EM stopped where the held-out likelihood of half the counters peaks",
-    uses_n=True)
+    uses_n=True,
+)
 AUTO = Estimator(
     "auto",
     lambda noisy_counts, p, *, layers, n, hashed, memo: selected_prevalence(
-        noisy_counts, p, layers=layers, n=n, hashed=hashed, memo=memo),
+        noisy_counts, p, layers=layers, n=n, hashed=hashed, memo=memo
+    ),
     "a count-only estimator and cap rule chosen from the counters by minimax bootstrap regret",
-    uses_n=True, uses_memo=True)
+    uses_n=True,
+    uses_memo=True,
+)
 
 #: every estimator by name: the one place a name is written
 ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (*BASIC, WUPAGH, XFIT, AUTO)}
@@ -129,8 +143,9 @@ def default_cap(mode: str, layers: int) -> str:
     return _default(mode, layers)[1]
 
 
-def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=None,
-                 memo=None) -> np.ndarray:
+def phi_estimate(
+    noisy_counts, p, *, layers=1, method=None, mode="direct", n=None, memo=None
+) -> np.ndarray:
     """phi_hat_{>=r} by the named estimator (:data:`METHODS`; default :func:`default_method`).
 
     ``n``: the number of events when public; the estimators that use it (``"xfit"``) fit
@@ -144,5 +159,6 @@ def phi_estimate(noisy_counts, p, *, layers=1, method=None, mode="direct", n=Non
     """
     if method is None:
         method = default_method(mode, layers)
-    return estimator(method).estimate(noisy_counts, p, layers=layers, n=n,
-                                      hashed=mode == "hashed", memo=memo)
+    return estimator(method).estimate(
+        noisy_counts, p, layers=layers, n=n, hashed=mode == "hashed", memo=memo
+    )

@@ -33,8 +33,14 @@ from itertools import repeat
 
 import numpy as np
 
-__all__ = ["KEY_BYTES", "canonical_bytes", "encode_items", "siphash24", "siphash24_scalar",
-           "bucket_of"]
+__all__ = [
+    "KEY_BYTES",
+    "canonical_bytes",
+    "encode_items",
+    "siphash24",
+    "siphash24_scalar",
+    "bucket_of",
+]
 
 KEY_BYTES = 16
 _MASK = (1 << 64) - 1
@@ -155,8 +161,12 @@ def _compress(v0, v1, v2, v3, m, t):
 
 
 def _init(k0: int, k1: int, rows: int):
-    return (np.full(rows, k0 ^ _INIT[0], np.uint64), np.full(rows, k1 ^ _INIT[1], np.uint64),
-            np.full(rows, k0 ^ _INIT[2], np.uint64), np.full(rows, k1 ^ _INIT[3], np.uint64))
+    return (
+        np.full(rows, k0 ^ _INIT[0], np.uint64),
+        np.full(rows, k1 ^ _INIT[1], np.uint64),
+        np.full(rows, k0 ^ _INIT[2], np.uint64),
+        np.full(rows, k1 ^ _INIT[3], np.uint64),
+    )
 
 
 def _finish(v0, v1, v2, v3, t):
@@ -244,7 +254,7 @@ def siphash24_scalar(key: bytes, data: bytes) -> int:
     v = (k0 ^ _INIT[0], k1 ^ _INIT[1], k0 ^ _INIT[2], k1 ^ _INIT[3])
     full = len(data) // 8 * 8
     tail = data[full:] + bytes(8 - (len(data) - full))
-    blocks = [int.from_bytes(data[i:i + 8], "little") for i in range(0, full, 8)]
+    blocks = [int.from_bytes(data[i : i + 8], "little") for i in range(0, full, 8)]
     blocks.append(int.from_bytes(tail, "little") | ((len(data) & 0xFF) << 56))
     for m in blocks:
         v = _compress_py(*v, m)

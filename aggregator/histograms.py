@@ -25,8 +25,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["prevalences_from_cumulative", "cumulative_l1", "counts_from_cumulative",
-           "cumulative_from_counts", "aligned_histograms", "l1_distance", "checked_cumulative"]
+__all__ = [
+    "prevalences_from_cumulative",
+    "cumulative_l1",
+    "counts_from_cumulative",
+    "cumulative_from_counts",
+    "aligned_histograms",
+    "l1_distance",
+    "checked_cumulative",
+]
 
 
 def prevalences_from_cumulative(y) -> np.ndarray:
@@ -79,8 +86,10 @@ def aligned_histograms(counts_a, counts_b) -> tuple[np.ndarray, np.ndarray]:
     a = np.sort(np.asarray(counts_a, dtype=np.int64))[::-1]
     b = np.sort(np.asarray(counts_b, dtype=np.int64))[::-1]
     m = max(len(a), len(b))
-    return (np.concatenate([a, np.zeros(m - len(a), np.int64)]),
-            np.concatenate([b, np.zeros(m - len(b), np.int64)]))
+    return (
+        np.concatenate([a, np.zeros(m - len(a), np.int64)]),
+        np.concatenate([b, np.zeros(m - len(b), np.int64)]),
+    )
 
 
 def l1_distance(counts_a, counts_b) -> int:

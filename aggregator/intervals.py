@@ -97,12 +97,28 @@ from .largedomain import chosen_start
 from .memo import ReleaseMemo
 from .properties import entropy_prevalences, support_coverage, support_coverage_prevalences
 
-__all__ = ["chi2_shift", "noise_floor", "signal_to_noise", "SNR_MIN", "signal_below_noise",
-           "simulate_counts", "simulate_from_cumulative", "error_bars", "rank_band_sums",
-           "RANK_BANDS", "MODELS", "prediction_band", "prediction_bound", "information_floor",
-           "FLOOR_R", "plausible_extremes", "PATH_TOP", "expected_errors",
-           "EXPECTED_ERROR_FACTORS",
-           "standard_errors"]
+__all__ = [
+    "chi2_shift",
+    "noise_floor",
+    "signal_to_noise",
+    "SNR_MIN",
+    "signal_below_noise",
+    "simulate_counts",
+    "simulate_from_cumulative",
+    "error_bars",
+    "rank_band_sums",
+    "RANK_BANDS",
+    "MODELS",
+    "prediction_band",
+    "prediction_bound",
+    "information_floor",
+    "FLOOR_R",
+    "plausible_extremes",
+    "PATH_TOP",
+    "expected_errors",
+    "EXPECTED_ERROR_FACTORS",
+    "standard_errors",
+]
 
 SNR_MIN = 2.0  # relative error >= 1/2 for the best estimator only below SNR 1.6 (accuracy grid)
 
@@ -116,8 +132,10 @@ def signal_below_noise(n: int, counters: int, p: float, layers: int = 1) -> bool
 #: bench/accuracy/calibration.py (744 releases) so that 2 % of the releases' actual errors exceed
 #: twice the stated figure (docs/accuracy_changes.md, "Expected errors held out")
 EXPECTED_ERROR_FACTORS = {
-    ("direct", "distinct"): 1.07, ("direct", "entropy"): 0.96,
-    ("hashed", "distinct"): 1.03, ("hashed", "entropy"): 1.16,
+    ("direct", "distinct"): 1.07,
+    ("direct", "entropy"): 0.96,
+    ("hashed", "distinct"): 1.03,
+    ("hashed", "entropy"): 1.16,
 }
 
 
@@ -170,9 +188,10 @@ def standard_errors(bars: dict) -> dict:
     significant change at level 0.9 (bench/accuracy/changes.py).
     """
     sel = bool(bars.get("selected"))
-    return {k: math.hypot(float(bars["spread"][k]),
-                          float(bars["stand_in_gap"][k]) / 2 if sel else 0.0)
-            for k in ("distinct", "entropy")}
+    return {
+        k: math.hypot(float(bars["spread"][k]), float(bars["stand_in_gap"][k]) / 2 if sel else 0.0)
+        for k in ("distinct", "entropy")
+    }
 
 
 def prediction_band(samples, level: float) -> tuple[np.ndarray, np.ndarray]:
@@ -221,8 +240,9 @@ def prediction_bound(samples, level: float) -> float:
 FLOOR_R = 32  # phi_{>=r} and phi_r get an information floor for r = 1..FLOOR_R
 
 
-def information_floor(y, counters: int, p: float, layers: int = 1, level: float = 0.9,
-                      top: int = FLOOR_R) -> dict:
+def information_floor(
+    y, counters: int, p: float, layers: int = 1, level: float = 0.9, top: int = FLOOR_R
+) -> dict:
     """How far the truth can be from the histogram with cumulative prevalence ``y`` (phi_{>=r},
     r = 1..len(y)) without the counters telling them apart at ``level``: half-widths, in each
     statistic's units, for phi_{>=r} and phi_r (r = 1..``top``), the plug-in entropy (nats) and
@@ -277,14 +297,14 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
     span = A + 2 * K + 2  # counts whose noise reaches a move's values
     mult = np.zeros(span + 1)
     mult[0] = max(counters - items, 0)  # (hashed mode: items beyond the buckets)
-    ys = np.concatenate([y[:span + 1], np.zeros(max(0, span + 1 - len(y)), np.int64)])
+    ys = np.concatenate([y[: span + 1], np.zeros(max(0, span + 1 - len(y)), np.int64)])
     mult[1:] = (ys[:-1] - ys[1:])[:span]
     # f(x) C on x = -K .. A + K + 1, every x a move's U reaches
     fC = np.maximum(np.convolve(mult, q)[: A + 2 * K + 2], 1e-12)
     U = np.zeros((A, len(fC)))  # U_c(x) = q(x - c - 1) - q(x - c): c -> c + 1
     for c in range(A):
-        U[c, c + 1: c + 1 + len(q)] += q
-        U[c, c: c + len(q)] -= q
+        U[c, c + 1 : c + 1 + len(q)] += q
+        U[c, c : c + len(q)] -= q
     G = (U / fC) @ U.T
     d = np.diag(G)
     a_idx, b_idx = np.nonzero(~np.eye(A, dtype=bool))
@@ -332,24 +352,35 @@ def information_floor(y, counters: int, p: float, layers: int = 1, level: float 
             paths_l1.append(float(np.abs(net).sum()))
         return best
 
-    if not len(a_idx) or not mult[1: A + 1].any():
+    if not len(a_idx) or not mult[1 : A + 1].any():
         # nothing to move down: the empty counters becoming singletons (n is not what this
         # histogram holds anyway)
         one = z / math.sqrt(d[0]) * (mult[0] > 0)
-        return {"phi_ge": np.r_[one, np.zeros(top - 1)], "phi_r": np.r_[one, np.zeros(top - 1)],
-                "entropy": 0.0, "coverage_2n": 2.0 * one, "l1": one}
+        return {
+            "phi_ge": np.r_[one, np.zeros(top - 1)],
+            "phi_r": np.r_[one, np.zeros(top - 1)],
+            "entropy": 0.0,
+            "coverage_2n": 2.0 * one,
+            "l1": one,
+        }
     phi_ge, phi_r = np.zeros(top), np.zeros(top)
     for r in range(1, top + 1):
         phi_ge[r - 1] = reach((a_idx + 1 == r).astype(float) - (b_idx + 1 == r))
-        phi_r[r - 1] = reach((a_idx + 1 == r).astype(float) - (a_idx == r)
-                             + (b_idx == r) - (b_idx + 1 == r))
+        phi_r[r - 1] = reach(
+            (a_idx + 1 == r).astype(float) - (a_idx == r) + (b_idx == r) - (b_idx + 1 == r)
+        )
     g = np.zeros(A + 1)
     g[1:] = np.arange(1, A + 1) * np.log(np.arange(1, A + 1))
     entropy = reach((g[a_idx + 1] - g[a_idx] - g[b_idx + 1] + g[b_idx]) / n) if n else 0.0
     odd = (np.arange(A + 1) % 2 == 1).astype(float) * 2.0  # S_2n weight of an item at count v
     coverage = reach(odd[a_idx + 1] - odd[a_idx] - odd[b_idx + 1] + odd[b_idx])
-    return {"phi_ge": phi_ge, "phi_r": phi_r, "entropy": entropy, "coverage_2n": coverage,
-            "l1": max(paths_l1)}
+    return {
+        "phi_ge": phi_ge,
+        "phi_r": phi_r,
+        "entropy": entropy,
+        "coverage_2n": coverage,
+        "l1": max(paths_l1),
+    }
 
 
 PATH_TOP = 64  # the plausible-extreme paths move items of counts 1..PATH_TOP
@@ -359,9 +390,17 @@ PATH_TOP = 64  # the plausible-extreme paths move items of counts 1..PATH_TOP
 OTHER_START = "other start"
 
 
-def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: float = 0.9,
-                       ref: float | None = None, loglik: float | None = None,
-                       drop: float | None = None) -> list[np.ndarray]:
+def plausible_extremes(
+    vc,
+    y,
+    counters: int,
+    p: float,
+    layers: int = 1,
+    level: float = 0.9,
+    ref: float | None = None,
+    loglik: float | None = None,
+    drop: float | None = None,
+) -> list[np.ndarray]:
     """The histograms with the most and the fewest items that the counters ``vc`` do not tell
     from the best fit, along two paths from the histogram with cumulative prevalence ``y``:
     their cumulative prevalences (direct mode: one item per counter).
@@ -411,11 +450,11 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
     mult = np.zeros(M + 1 + 2 * pad, dtype=np.int64)  # index pad + v: count v
     mult[pad] = counters - items
     phi = prevalences_from_cumulative(y)
-    mult[pad + 1: pad + 1 + len(y)] = phi
+    mult[pad + 1 : pad + 1 + len(y)] = phi
     dense_c = np.zeros(M + 1 + 2 * pad)  # noisy-value counts at the same offsets
     x_lo, x_hi = max(vc.lo, -pad), min(vc.hi, M + pad)
     if x_lo <= x_hi:
-        dense_c[pad + x_lo: pad + x_hi + 1] = vc.c[x_lo - vc.lo: x_hi - vc.lo + 1]
+        dense_c[pad + x_lo : pad + x_hi + 1] = vc.c[x_lo - vc.lo : x_hi - vc.lo + 1]
 
     def ll_change(mm) -> float:
         """log-likelihood of the counters under ``mm`` minus under the start: only the noisy
@@ -428,18 +467,24 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
         ends = np.r_[changed[:-1][np.diff(changed) > 2 * K + 1], changed[-1]]
         total = 0.0
         for a, b in zip(starts - K, ends + K):
-            c = dense_c[a: b + 1]
+            c = dense_c[a : b + 1]
             seen = c > 0
             if not seen.any():
                 continue
-            old = np.convolve(mult[a - K: b + K + 1].astype(np.float64), q, mode="valid")
-            new = np.convolve(mm[a - K: b + K + 1].astype(np.float64), q, mode="valid")
-            total += float((c[seen] * (np.log(np.maximum(new[seen], 1e-300))
-                                       - np.log(np.maximum(old[seen], 1e-300)))).sum())
+            old = np.convolve(mult[a - K : b + K + 1].astype(np.float64), q, mode="valid")
+            new = np.convolve(mm[a - K : b + K + 1].astype(np.float64), q, mode="valid")
+            total += float(
+                (
+                    c[seen]
+                    * (
+                        np.log(np.maximum(new[seen], 1e-300))
+                        - np.log(np.maximum(old[seen], 1e-300))
+                    )
+                ).sum()
+            )
         return total
 
-    base_ll = (counter_model.loglik(vc, y, counters, p, layers) if loglik is None
-               else float(loglik))
+    base_ll = counter_model.loglik(vc, y, counters, p, layers) if loglik is None else float(loglik)
     best = max(base_ll, ref if ref is not None else -np.inf)
 
     def walk(*groups) -> np.ndarray:
@@ -471,7 +516,7 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
                     mm = apply(mm, lo)
                     best = max(best, base_ll + ll_change(mm))
                 break
-        body = mm[pad + 1: pad + M + 1]
+        body = mm[pad + 1 : pad + M + 1]
         return np.cumsum(body[::-1])[::-1].astype(np.int64)
 
     def split(v):  # s items of count v -> v singletons each (empty counters become items)
@@ -480,6 +525,7 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
             mm[pad + 1] += s * v
             mm[pad] -= s * (v - 1)
             return mm
+
         return (lambda mm: int(min(mm[pad + v], mm[pad] // (v - 1)))), apply
 
     def merge(v):  # s pairs of items of count v -> one item of 2v each
@@ -488,6 +534,7 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
             mm[pad + 2 * v] += s
             mm[pad] += s
             return mm
+
         return (lambda mm: int(mm[pad + v] // 2)), apply
 
     # the items above PATH_TOP, largest first: visible one by one, so a path takes from (or
@@ -503,24 +550,33 @@ def plausible_extremes(vc, y, counters: int, p: float, layers: int = 1, level: f
             mm[pad + 1] += -sign * s  # a singleton made (or taken back)
             mm[pad] += sign * s
             return mm
+
         ok = big > V + r + 1 if sign < 0 else big > 0
         n_ok = int(ok.sum())
-        room = (lambda mm: min(n_ok, int(mm[pad]))) if sign < 0 else \
-            (lambda mm: min(n_ok, int(mm[pad + 1])))
+        room = (
+            (lambda mm: min(n_ok, int(mm[pad])))
+            if sign < 0
+            else (lambda mm: min(n_ok, int(mm[pad + 1])))
+        )
         return room, apply
 
     rounds = PATH_TOP // 2 if len(big) else 0
     # where a path can change counts: the low counts and around the big items
-    where = np.unique(np.r_[np.arange(pad + 2 * V + 2),
-                            (pad + big[:, None] + np.arange(-rounds - 1, rounds + 2)).ravel()])
+    where = np.unique(
+        np.r_[
+            np.arange(pad + 2 * V + 2),
+            (pad + big[:, None] + np.arange(-rounds - 1, rounds + 2)).ravel(),
+        ]
+    )
     more = walk([split(v) for v in range(2, V + 1)], [peel(r, -1) for r in range(rounds)])
     fewer = walk([merge(v) for v in range(1, V + 1)], [peel(r, +1) for r in range(rounds)])
     trim = lambda c: c[: len(c) - int(np.argmax(c[::-1] > 0))] if c.any() else c[:0]  # noqa: E731
     return [trim(more), trim(fewer)]
 
 
-def likelihood_drop(sims: dict, truths: dict, refits: dict, p: float, layers: int,
-                    level: float) -> float:
+def likelihood_drop(
+    sims: dict, truths: dict, refits: dict, p: float, layers: int, level: float
+) -> float:
     """How far below the best fit's log-likelihood a truth lies, at ``level``: the drop that
     makes {histograms within it of the best fit} a ``level`` confidence region.
 
@@ -545,8 +601,10 @@ def likelihood_drop(sims: dict, truths: dict, refits: dict, p: float, layers: in
     for sm, states in sims.items():
         y_t = cumulative_from_counts(truths[sm])
         for sim, fits in zip(states, refits[sm]):
-            ref = max(counter_model.loglik(sim, cumulative_from_counts(f), sim.total, p, layers)
-                      for f in fits)
+            ref = max(
+                counter_model.loglik(sim, cumulative_from_counts(f), sim.total, p, layers)
+                for f in fits
+            )
             gaps.append(ref - counter_model.loglik(sim, y_t, sim.total, p, layers))
     wilks = float(chdtri(1, 1.0 - level)) / 2.0
     return max(wilks, float(np.quantile(gaps, level))) if gaps else wilks
@@ -557,8 +615,9 @@ def _simulated_state(rng, counts, counters, p, layers, hashed, buf=None):
     re-hashed uniformly into the buckets first. ``buf``: an int64 array of ``counters`` values
     to reuse for the bucket totals (a release simulates 20 states of 1e7 buckets)."""
     if hashed:  # a fresh uniform hash of the items into the buckets
-        red = np.bincount(rng.integers(0, counters, len(counts)), weights=counts,
-                          minlength=counters)
+        red = np.bincount(
+            rng.integers(0, counters, len(counts)), weights=counts, minlength=counters
+        )
         if buf is None or len(buf) != len(red):
             buf = np.empty(len(red), dtype=np.int64)
         np.copyto(buf, red, casting="unsafe")  # integer totals, exact in float64
@@ -602,8 +661,7 @@ def _band_sums_prevalences(vals, phis, bands=RANK_BANDS) -> np.ndarray:
         if t <= 0:
             return 0
         i = int(np.searchsorted(last, t))  # the count group that holds rank t
-        return (int(held[i - 1]) + (t - int(last[i - 1])) * int(v[i]) if i
-                else t * int(v[0]))
+        return int(held[i - 1]) + (t - int(last[i - 1])) * int(v[i]) if i else t * int(v[0])
 
     ends = [upto(b) for b in bands]
     return np.array([e - s for s, e in zip([0] + ends[:-1], ends)], dtype=np.float64)
@@ -653,9 +711,22 @@ class _Lazy(dict):
         return value
 
 
-def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, cap=None,
-               reps=30, level=0.9, rng=None, model="both", release=None,
-               memo: ReleaseMemo | None = None) -> dict:
+def error_bars(
+    noisy_counts,
+    p,
+    *,
+    layers=1,
+    n=None,
+    buckets=None,
+    method=None,
+    cap=None,
+    reps=30,
+    level=0.9,
+    rng=None,
+    model="both",
+    release=None,
+    memo: ReleaseMemo | None = None,
+) -> dict:
     """The release and parametric-bootstrap error bars for it.
 
     Arguments as for :func:`aggregator.anonymize.anonymized_histogram` (the estimate is exactly
@@ -750,8 +821,11 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     kw = dict(layers=layers, n=n, buckets=buckets, method=method, cap=cap)
     # the release, when the caller already has it (exactly anonymized_histogram(**kw) of these
     # counters): the default estimator can take seconds, so it is not run twice
-    est = (np.asarray(release, dtype=np.int64) if release is not None
-           else anonymized_histogram(vc, p, memo=memo, **kw))
+    est = (
+        np.asarray(release, dtype=np.int64)
+        if release is not None
+        else anonymized_histogram(vc, p, memo=memo, **kw)
+    )
     mode = "hashed" if buckets is not None else "direct"
     chosen = method if method is not None else default_method(mode, layers)
     start = None  # the early-stopped EM's start the release took (None: the smoothed one)
@@ -760,11 +834,12 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         if buckets is None:
             _, (m_sel, cap_sel) = selection.select(vc, p, layers=layers, n=n, memo=memo)
             kw_boot = kw | {"method": m_sel, "cap": cap_sel if cap_sel != "none" else cap}
-            start, other_start = (selection.chosen_start(vc, p, layers=layers, n=n, memo=memo)
-                                  or (None, None))
+            start, other_start = selection.chosen_start(vc, p, layers=layers, n=n, memo=memo) or (
+                None,
+                None,
+            )
         else:  # hashed: auto chooses on the bucket counters without n (hashed_phi_estimate)
-            _, (m_sel, _) = selection.select(vc, p, layers=layers, n=None, hashed=True,
-                                             memo=memo)
+            _, (m_sel, _) = selection.select(vc, p, layers=layers, n=None, hashed=True, memo=memo)
             kw_boot = kw | {"method": m_sel}
     else:
         kw_boot = kw
@@ -778,16 +853,19 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
     gaps: dict[str, float] = {}
     # the stand-ins as cumulative prevalences: the bootstrap works on phi_{>=r} (a few thousand
     # distinct counts), not on the millions of counts they list at D = 1e7
-    truth_y = {sm: y if sm is None else anonymized_cumulative(vc, p, memo=memo,
-                                                              **(kw | {"method": sm}))
-               for sm in stand_ins}
+    truth_y = {
+        sm: y if sm is None else anonymized_cumulative(vc, p, memo=memo, **(kw | {"method": sm}))
+        for sm in stand_ins
+    }
     truths = _Lazy(lambda sm: est if sm is None else counts_from_cumulative(truth_y[sm]))
     lls, bucket_lls = {}, {}
     if buckets is None:
         lls = {sm: counter_model.loglik(vc, t, counters, p, layers) for sm, t in truth_y.items()}
     else:  # hashed mode: the bucket counters' likelihood of an item histogram
-        bucket_lls = {sm: bucket_likelihood.bucket_loglik(vc, t, counters, p, layers)
-                      for sm, t in truth_y.items()}
+        bucket_lls = {
+            sm: bucket_likelihood.bucket_loglik(vc, t, counters, p, layers)
+            for sm, t in truth_y.items()
+        }
     below = bool(lls) and (n is None or signal_below_noise(int(n), counters, p, layers))
     if model == "both" and not below and other_start is not None and len(other_start):
         # the early-stopped EM's fit from the start the release left is a third stand-in when
@@ -822,9 +900,11 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # fit per state and estimator was 23 of the 43 s of `panagg plan` at D = 1e8.
         # (the release's estimator re-runs the start it took: not a stand-in's, then)
         def resolved(k):
-            return (k["method"] or chosen,
-                    k["cap"] or default_cap(mode, layers),
-                    start if k is kw_boot else None)
+            return (
+                k["method"] or chosen,
+                k["cap"] or default_cap(mode, layers),
+                start if k is kw_boot else None,
+            )
 
         states = [s for sm in stand_ins for s in sims[sm]]
         fit_kws = [kw | {"method": sm} if sm else kw_boot for sm in stand_ins]
@@ -832,34 +912,53 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         for f in (kw_boot, *fit_kws):
             if resolved(f) not in fitted:
                 fitted[resolved(f)] = anonymized_cumulative_many(
-                    states, p, shrunk_start=start if f is kw_boot else None, **f)
+                    states, p, shrunk_start=start if f is kw_boot else None, **f
+                )
         at = {sm: range(i * int(reps), (i + 1) * int(reps)) for i, sm in enumerate(stand_ins)}
         boot = {sm: [fitted[resolved(kw_boot)][j] for j in at[sm]] for sm in stand_ins}
-        refits = {sm: [[counts_from_cumulative(fitted[resolved(f)][j]) for f in fit_kws]
-                       for j in at[sm]] for sm in stand_ins}
-        drop = likelihood_drop(sims, {sm: truths[sm] for sm in stand_ins}, refits, p, layers,
-                               level)
+        refits = {
+            sm: [[counts_from_cumulative(fitted[resolved(f)][j]) for f in fit_kws] for j in at[sm]]
+            for sm in stand_ins
+        }
+        drop = likelihood_drop(sims, {sm: truths[sm] for sm in stand_ins}, refits, p, layers, level)
     if boot:
         boot_ys = boot
     else:  # all re-estimates at once (the EM estimators run as one batched loop)
         # hashed early-stopped EM: the start the release took, for every draw
         if buckets is not None and (kw_boot["method"] or chosen) == "deconvolution":
             start, other_start = chosen_start(vc, p, buckets, n, layers, cap=cap, memo=memo)
-        flat = anonymized_cumulative_many([s for sm in stand_ins for s in sims[sm]], p,
-                                          shrunk_start=start, **kw_boot)
-        boot_ys = {sm: flat[i * int(reps): (i + 1) * int(reps)] for i, sm in enumerate(stand_ins)}
+        flat = anonymized_cumulative_many(
+            [s for sm in stand_ins for s in sims[sm]], p, shrunk_start=start, **kw_boot
+        )
+        boot_ys = {sm: flat[i * int(reps) : (i + 1) * int(reps)] for i, sm in enumerate(stand_ins)}
     st_est = _hist_stats(y)
     for sm in stand_ins:
         y_t = truth_y[sm]
         st_t = _hist_stats(y_t)
         # the plausible truths farthest from the stand-in in items (likelihood-ratio region)
         if lls:
-            extremes = plausible_extremes(vc, y_t, counters, p, layers, level,
-                                          ref=max(lls.values()), loglik=lls[sm], drop=drop)
+            extremes = plausible_extremes(
+                vc,
+                y_t,
+                counters,
+                p,
+                layers,
+                level,
+                ref=max(lls.values()),
+                loglik=lls[sm],
+                drop=drop,
+            )
         else:
             extremes = bucket_likelihood.plausible_extremes(
-                vc, y_t, counters, p, layers, level, ref=max(bucket_lls.values()),
-                loglik=bucket_lls[sm])
+                vc,
+                y_t,
+                counters,
+                p,
+                layers,
+                level,
+                ref=max(bucket_lls.values()),
+                loglik=bucket_lls[sm],
+            )
         boot_y = boot_ys[sm]
         boot_l1 = [cumulative_l1(ys, y_t) for ys in boot_y]
         st_b = [_hist_stats(ys) for ys in boot_y]
@@ -868,14 +967,17 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         # truth) and root-mean-square deviation from the stand-in (spread and bias: the error
         # a release should expect), for distinct items and entropy
         boot_d = np.array([(b[0] if len(b) else 0) for b in boot_y], dtype=np.float64) - (
-            float(y_t[0]) if len(y_t) else 0.0)
+            float(y_t[0]) if len(y_t) else 0.0
+        )
         for key, devs in (("distinct", boot_d), ("entropy", np.asarray(boot_h, float))):
             spread[key] = max(spread.get(key, 0.0), float(np.std(devs, ddof=1)))
-            rms[key] = max(rms.get(key, 0.0), float(np.sqrt(np.mean(devs ** 2))))
+            rms[key] = max(rms.get(key, 0.0), float(np.sqrt(np.mean(devs**2))))
         # how far the release is from this stand-in (two fits of the same counters that
         # disagree: model uncertainty the bootstrap at either one does not see)
-        gaps["distinct"] = max(gaps.get("distinct", 0.0),
-                               abs(float(y[0] if len(y) else 0) - float(y_t[0] if len(y_t) else 0)))
+        gaps["distinct"] = max(
+            gaps.get("distinct", 0.0),
+            abs(float(y[0] if len(y) else 0) - float(y_t[0] if len(y_t) else 0)),
+        )
         gaps["entropy"] = max(gaps.get("entropy", 0.0), abs(st_est[0] - st_t[0]))
         boot_c = [s[1] - st_t[1] for s in st_b]
         boot_b = [s[2] - st_t[2] for s in st_b]
@@ -929,7 +1031,7 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         rl.append(np.zeros(R - 1))
         rh.append(np.zeros(R - 1))
         rl[-1][starts[1:] - 1], rh[-1][starts[1:] - 1] = rl_c, rh_c
-        f_ge, f_r = fl["phi_ge"][: R], fl["phi_r"][: R - 1]
+        f_ge, f_r = fl["phi_ge"][:R], fl["phi_r"][: R - 1]
         y_h = _at(y, np.arange(len(f_ge) + 1))
         lows[-1][: len(f_ge)] = np.minimum(lows[-1][: len(f_ge)], y_h[:-1] - f_ge)
         highs[-1][: len(f_ge)] = np.maximum(highs[-1][: len(f_ge)], y_h[:-1] + f_ge)
@@ -938,11 +1040,14 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         rl[-1][: len(f_r)] = np.minimum(rl[-1][: len(f_r)], r_h - f_r)
         rh[-1][: len(f_r)] = np.maximum(rh[-1][: len(f_r)], r_h + f_r)
     if other_start is not None and len(other_start):  # a gap like auto's between candidates
-        gaps["distinct"] = max(gaps.get("distinct", 0.0),
-                               abs(float(y[0] if len(y) else 0) - float(other_start[0])))
-        gaps["entropy"] = max(gaps.get("entropy", 0.0),
-                              abs(st_est[0] - _hist_stats(other_start)[0]))
+        gaps["distinct"] = max(
+            gaps.get("distinct", 0.0), abs(float(y[0] if len(y) else 0) - float(other_start[0]))
+        )
+        gaps["entropy"] = max(
+            gaps.get("entropy", 0.0), abs(st_est[0] - _hist_stats(other_start)[0])
+        )
     Rm = max(len(v) for v in lows)
+
     def pad(v, fill):
         return np.concatenate([v, np.full(Rm - len(v), fill)])
 
@@ -974,12 +1079,20 @@ def error_bars(noisy_counts, p, *, layers=1, n=None, buckets=None, method=None, 
         "stand_in_gap": gaps,
         "selected": chosen == "auto" or other_start is not None,
         # (no histogram of n events has more entropy than n singletons: log n)
-        "entropy_nats": (max(h_hat - h_hi, 0.0), min(h_hat - h_lo, math.log(top))
-                         if math.isfinite(top) and top >= 1 else h_hat - h_lo),
+        "entropy_nats": (
+            max(h_hat - h_hi, 0.0),
+            min(h_hat - h_lo, math.log(top)) if math.isfinite(top) and top >= 1 else h_hat - h_lo,
+        ),
         "support_coverage_2n": (max(c_hat - c_hi, 0.0), max(c_hat - c_lo, 0.0)),
-        "rank_bands": [(int(s), int(e), float(np.clip(b_hat[i] - b_hi[i], 0.0, top)),
-                        float(np.clip(b_hat[i] - b_lo[i], 0.0, top)))
-                       for i, (s, e) in enumerate(zip(band_starts, RANK_BANDS))],
+        "rank_bands": [
+            (
+                int(s),
+                int(e),
+                float(np.clip(b_hat[i] - b_hi[i], 0.0, top)),
+                float(np.clip(b_hat[i] - b_lo[i], 0.0, top)),
+            )
+            for i, (s, e) in enumerate(zip(band_starts, RANK_BANDS))
+        ],
     }
     if n is not None:
         out["relative_l1_bound"] = out["l1_bound"] / max(int(n), 1)

@@ -39,7 +39,11 @@ from .memo import ReleaseMemo, remembered_fit
 from .projection import project_l1, project_l2, rank_box
 from .estimators import ESTIMATORS, default_cap, default_method, phi_estimate
 from .occupancy import (  # noqa: F401  (re-exported: Gamma^B is part of this module's API)
-    INVERT_CAP, _check_buckets, _check_cumulative, gamma_b, gamma_b_alg6,
+    INVERT_CAP,
+    _check_buckets,
+    _check_cumulative,
+    gamma_b,
+    gamma_b_alg6,
     invert_gamma,
 )
 from .selection import select
@@ -111,8 +115,10 @@ def greedy_prefix(psi_ge, buckets: int, n: int, m: int) -> np.ndarray:
     gam: Callable[[int], float]  # Gamma_r(x) with phi_{>=1..r-1} fixed
     for r in range(1, m + 1):
         if r == 1:
+
             def gam_first(x):
                 return -B * math.expm1(x * lq)
+
             gam = gam_first
         else:
             if r >= 3:  # fold in phi_{r-2} (known since step r-1) before using S_r
@@ -125,7 +131,7 @@ def greedy_prefix(psi_ge, buckets: int, n: int, m: int) -> np.ndarray:
                         c *= (cnt - k + 1) / k * a
                         if c < 1e-300:
                             break
-                        new[v * k:] += c * E[: m + 1 - v * k]
+                        new[v * k :] += c * E[: m + 1 - v * k]
                         k += 1
                     E = new
             S = float(E[:r].sum())
@@ -134,6 +140,7 @@ def greedy_prefix(psi_ge, buckets: int, n: int, m: int) -> np.ndarray:
 
             def gam_later(x, S=S, lead=lead, head=head, up=prev):
                 return B * (head - lead * (S - 1.0 + (up - x) * a))
+
             gam = gam_later
         lb, ub = 0, prev
         while ub > lb + 1:
@@ -161,8 +168,9 @@ __all__ += ["MLE_MAX_ITER", "MLE_TOL"]  # re-exported: they define "mle"
 __all__ += ["hashed_cumulative"]
 
 
-def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None,
-                        memo: ReleaseMemo | None = None) -> np.ndarray:
+def hashed_phi_estimate(
+    noisy_counts, p, *, layers=1, method=None, n=None, memo: ReleaseMemo | None = None
+) -> np.ndarray:
     """phi_hat_{>=r} of the B bucket counters (not projected).
 
     ``n``: the number of events, public under replace-one; the bucket totals sum to it. ``"xfit"``
@@ -188,22 +196,40 @@ def hashed_phi_estimate(noisy_counts, p, *, layers=1, method=None, n=None,
         raise ValueError(f"method must be one of {HASHED_METHODS}, got {method!r}")
     if method is None:
         method = default_method("hashed", int(layers))
-    return phi_estimate(noisy_counts, p, layers=int(layers), method=method, mode="hashed",
-                        n=None if method == "auto" else n, memo=memo)
+    return phi_estimate(
+        noisy_counts,
+        p,
+        layers=int(layers),
+        method=method,
+        mode="hashed",
+        n=None if method == "auto" else n,
+        memo=memo,
+    )
 
 
-def reduced_cumulative(noisy_counts, p, *, layers=1, method=None, n=None,
-                       memo: ReleaseMemo | None = None) -> np.ndarray:
+def reduced_cumulative(
+    noisy_counts, p, *, layers=1, method=None, n=None, memo: ReleaseMemo | None = None
+) -> np.ndarray:
     """Projected estimate of the reduced (bucket) cumulative prevalence: Algorithm 1 on the buckets
     with the estimator of :func:`hashed_phi_estimate`."""
     vc = noisy_value_counts(noisy_counts)
-    return project_l1(hashed_phi_estimate(vc, p, layers=int(layers), method=method, n=n,
-                                          memo=memo))
+    return project_l1(hashed_phi_estimate(vc, p, layers=int(layers), method=method, n=n, memo=memo))
 
 
-def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", method=None,
-                     variant=DEFAULT_VARIANT, m=None, cap=None,
-                     memo: ReleaseMemo | None = None) -> np.ndarray:
+def hashed_histogram(
+    noisy_counts,
+    p,
+    *,
+    buckets,
+    n=None,
+    layers=1,
+    loss="l1",
+    method=None,
+    variant=DEFAULT_VARIANT,
+    m=None,
+    cap=None,
+    memo: ReleaseMemo | None = None,
+) -> np.ndarray:
     """Anonymized histogram of the items from B hashed counters (the ``buckets=`` path).
 
     Parameters
@@ -248,13 +274,25 @@ def hashed_histogram(noisy_counts, p, *, buckets, n=None, layers=1, loss="l1", m
     cap = default_cap("hashed", layers) if cap is None else cap
     if cap not in HASHED_CAP_RULES:
         raise ValueError(f"cap must be one of {HASHED_CAP_RULES}, got {cap!r}")
-    return counts_from_cumulative(_hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap,
-                                                     memo=memo))
+    return counts_from_cumulative(
+        _hashed_cumulative(vc, p, B, n, layers, method, variant, m, cap, memo=memo)
+    )
 
 
-def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
-                       phi=None, shrunk_start=None, memo: ReleaseMemo | None = None
-                       ) -> np.ndarray:
+def _hashed_cumulative(
+    vc,
+    p,
+    B: int,
+    n,
+    layers,
+    method,
+    variant,
+    m,
+    cap,
+    phi=None,
+    shrunk_start=None,
+    memo: ReleaseMemo | None = None,
+) -> np.ndarray:
     """The l1 release's cumulative prevalence (before listing its counts): what
     :func:`hashed_histogram` lists, for callers that work on phi_{>=r} (the bootstrap).
     ``phi``: :func:`hashed_phi_estimate` of these counters when the caller has it;
@@ -288,12 +326,20 @@ def _hashed_cumulative(vc, p, B: int, n, layers, method, variant, m, cap,
 
 
 def _start_key(vc, p, B, n, layers, variant=DEFAULT_VARIANT, m=None) -> tuple:
-    return (*counters_key(vc), float(p), int(B), None if n is None else int(n), int(layers),
-            variant, m)
+    return (
+        *counters_key(vc),
+        float(p),
+        int(B),
+        None if n is None else int(n),
+        int(layers),
+        variant,
+        m,
+    )
 
 
-def chosen_start(vc, p, B: int, n, layers: int, *, cap=None,
-                 memo: ReleaseMemo | None = None) -> tuple[bool, np.ndarray]:
+def chosen_start(
+    vc, p, B: int, n, layers: int, *, cap=None, memo: ReleaseMemo | None = None
+) -> tuple[bool, np.ndarray]:
     """(whether the release took the shrunk start, phi_{>=r} of the other start's fit capped
     as the release, by ``cap``) for the early-stopped EM's release on these counters (the
     default variant). The bootstrap re-runs that start (conditional on the choice, as it re-runs
@@ -308,8 +354,9 @@ def chosen_start(vc, p, B: int, n, layers: int, *, cap=None,
     if held is None or held[0] != key:
         memo = memo if memo is not None else ReleaseMemo()
         cap = default_cap("hashed", layers) if cap is None else cap
-        _hashed_cumulative(vc, p, B, n, int(layers), "deconvolution", DEFAULT_VARIANT, None, cap,
-                           memo=memo)
+        _hashed_cumulative(
+            vc, p, B, n, int(layers), "deconvolution", DEFAULT_VARIANT, None, cap, memo=memo
+        )
         held = memo.starts
     assert held is not None and held[0] == key  # (the early-stopped EM always decides)
     return held[1], held[3]
@@ -347,9 +394,19 @@ def _likelier_start(vc, p, B: int, n, layers: int, variant, m, sparse, y) -> tup
     return (y_shrunk, True, y) if shrunk else (y, False, y_shrunk)
 
 
-def hashed_cumulative(noisy_counts, p, *, buckets, n=None, layers=1, method=None,
-                      variant=DEFAULT_VARIANT, m=None, cap=None,
-                      memo: ReleaseMemo | None = None) -> np.ndarray:
+def hashed_cumulative(
+    noisy_counts,
+    p,
+    *,
+    buckets,
+    n=None,
+    layers=1,
+    method=None,
+    variant=DEFAULT_VARIANT,
+    m=None,
+    cap=None,
+    memo: ReleaseMemo | None = None,
+) -> np.ndarray:
     """phi_{>=r} of :func:`hashed_histogram` with ``loss="l1"`` (the same histogram, as a
     cumulative prevalence: ``counts_from_cumulative`` of it is exactly that histogram)."""
     vc = noisy_value_counts(noisy_counts)
@@ -400,8 +457,9 @@ def _snap(phi: np.ndarray, L: int) -> np.ndarray:
     return np.where(close, near, phi)
 
 
-def _invert(psi: np.ndarray, B: int, n, p: float, variant: str, m,
-            sparse_above: int | None = None) -> np.ndarray:
+def _invert(
+    psi: np.ndarray, B: int, n, p: float, variant: str, m, sparse_above: int | None = None
+) -> np.ndarray:
     """Valid cumulative prevalence of the items from the projected reduced one.
 
     ``sparse_above``: a count above which every bucket is a sparse counter (:func:`sparse_top`);
@@ -437,8 +495,19 @@ def _invert(psi: np.ndarray, B: int, n, p: float, variant: str, m,
     return project_l1(np.concatenate([low, psi[mm:]]))
 
 
-def two_histogram_estimate(noisy_direct, p_direct, noisy_hashed, p_hashed, *, buckets, n,
-                           layers_direct=1, layers_hashed=1, method=None, m=None) -> np.ndarray:
+def two_histogram_estimate(
+    noisy_direct,
+    p_direct,
+    noisy_hashed,
+    p_hashed,
+    *,
+    buckets,
+    n,
+    layers_direct=1,
+    layers_hashed=1,
+    method=None,
+    m=None,
+) -> np.ndarray:
     """Seed 001 Algorithm 7 with its two histograms.
 
     ``noisy_direct`` are D unhashed noisy counters (one per domain item, or a hash into >= n^2
@@ -461,8 +530,19 @@ def two_histogram_estimate(noisy_direct, p_direct, noisy_hashed, p_hashed, *, bu
     return counts_from_cumulative(project_l1(y))
 
 
-def l2_histogram(noisy_counts, p, *, buckets, n, layers=1, method=None, variant=DEFAULT_VARIANT,
-                 box_counts=None, box_p=None, box_layers=None) -> np.ndarray:
+def l2_histogram(
+    noisy_counts,
+    p,
+    *,
+    buckets,
+    n,
+    layers=1,
+    method=None,
+    variant=DEFAULT_VARIANT,
+    box_counts=None,
+    box_p=None,
+    box_layers=None,
+) -> np.ndarray:
     """Seed 001 Algorithm 4 (l2^2 loss, large domains).
 
     Runs the l1 estimator on the B hashed counters, then returns the anonymized histogram closest
@@ -533,8 +613,9 @@ def choose_buckets(n_expected, epsilon, *, rule=DEFAULT_BUCKET_RULE, min_ratio=1
     >>> choose_buckets(10**6, 1.0)
     2000000
     """
-    if isinstance(n_expected, bool) or not isinstance(n_expected, (int, float, np.integer,
-                                                                   np.floating)):
+    if isinstance(n_expected, bool) or not isinstance(
+        n_expected, (int, float, np.integer, np.floating)
+    ):
         raise TypeError(f"n_expected must be a number, got {type(n_expected).__name__}")
     n = float(n_expected)
     if not math.isfinite(n) or n < 1:
@@ -549,9 +630,13 @@ def choose_buckets(n_expected, epsilon, *, rule=DEFAULT_BUCKET_RULE, min_ratio=1
         raise ValueError("min_ratio must be > 0")
     logn = math.log(max(n, 2.0))
     cor13 = math.sqrt(logn)
-    fn7 = math.sqrt(eps ** 2.5 * logn)
-    ratio = {"flat": FLAT_RATIO, "corollary13": cor13, "footnote7": fn7,
-             "capped": min(cor13, max(1.5, fn7))}[rule]
+    fn7 = math.sqrt(eps**2.5 * logn)
+    ratio = {
+        "flat": FLAT_RATIO,
+        "corollary13": cor13,
+        "footnote7": fn7,
+        "capped": min(cor13, max(1.5, fn7)),
+    }[rule]
     return int(max(math.ceil(n * max(ratio, min_ratio)), 16))
 
 

@@ -72,8 +72,12 @@ class ReleaseMemo:
         counters (:mod:`aggregator.selection`), and the error bars' stand-ins are the same fits.
         Only fits that do not depend on n belong here (the key holds no n): the caller passes
         those (:attr:`aggregator.estimator.Estimator.uses_n`)."""
-        self.fits = (vc, float(p), int(layers),
-                     {m: np.array(y, dtype=np.int64) for m, y in fits.items()})
+        self.fits = (
+            vc,
+            float(p),
+            int(layers),
+            {m: np.array(y, dtype=np.int64) for m, y in fits.items()},
+        )
 
     def fit(self, vc: NoisyValueCounts, p: float, layers: int, method: str):
         """The kept fit of ``method`` on these counters (a copy), or None."""
@@ -82,13 +86,15 @@ class ReleaseMemo:
         old, p0, k0, fits = self.fits
         if method not in fits or p0 != float(p) or k0 != int(layers):
             return None
-        if old is not vc and (old.lo != vc.lo or len(old.c) != len(vc.c)
-                              or not np.array_equal(old.c, vc.c)):
+        if old is not vc and (
+            old.lo != vc.lo or len(old.c) != len(vc.c) or not np.array_equal(old.c, vc.c)
+        ):
             return None
         return fits[method].copy()
 
 
-def remembered_fit(memo: ReleaseMemo | None, vc: NoisyValueCounts, p: float, layers: int,
-                   method: str):
+def remembered_fit(
+    memo: ReleaseMemo | None, vc: NoisyValueCounts, p: float, layers: int, method: str
+):
     """``memo.fit(...)``, None without a memo (the caller fits afresh)."""
     return None if memo is None else memo.fit(vc, p, layers, method)

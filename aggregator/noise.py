@@ -50,8 +50,14 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["OSEntropy", "WORD", "bernoulli", "discrete_laplace", "discrete_laplace_pmf",
-           "p_from_epsilon"]
+__all__ = [
+    "OSEntropy",
+    "WORD",
+    "bernoulli",
+    "discrete_laplace",
+    "discrete_laplace_pmf",
+    "p_from_epsilon",
+]
 
 _U_BITS = 63  # bits of U taken from each word; the 64th bit is the sign
 
@@ -97,8 +103,10 @@ def p_from_epsilon(epsilon: float, sensitivity: int = 2) -> float:
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"epsilon must be a positive finite number, got {epsilon!r}")
     if eps < MIN_EPSILON:
-        raise ValueError(f"epsilon={epsilon!r} is below the supported minimum {MIN_EPSILON} "
-                         "(the noise would drown every count); use a larger epsilon")
+        raise ValueError(
+            f"epsilon={epsilon!r} is below the supported minimum {MIN_EPSILON} "
+            "(the noise would drown every count); use a larger epsilon"
+        )
     if isinstance(sensitivity, bool) or not isinstance(sensitivity, int) or sensitivity < 1:
         raise ValueError(f"sensitivity must be a positive integer, got {sensitivity!r}")
     with localcontext() as ctx:
@@ -140,7 +148,7 @@ def _tail_table(p: float) -> tuple[np.ndarray, int, int]:
     pk = 1 << _FIXED_BITS
     while True:
         pk = (pk * m) >> e
-        s = ((pk << (_U_BITS + 1 + e)) // scale)  # floor(2 P_k 2^63 2^e / ((2^e + m) 2^192))
+        s = (pk << (_U_BITS + 1 + e)) // scale  # floor(2 P_k 2^63 2^e / ((2^e + m) 2^192))
         table.append(s)
         if s == 0:
             break
@@ -240,8 +248,11 @@ def bernoulli(threshold: int, size, rng=None) -> np.ndarray:
     >>> bernoulli(0, 3).tolist(), bernoulli(WORD, 2).tolist()
     ([False, False, False], [True, True])
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, np.integer)) \
-            or not 0 <= threshold <= WORD:
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, (int, np.integer))
+        or not 0 <= threshold <= WORD
+    ):
         raise ValueError(f"threshold must be an integer in [0, 2**64], got {threshold!r}")
     source = _DEFAULT_SOURCE if rng is None else rng
     shape = (size,) if np.isscalar(size) else tuple(size)

@@ -69,8 +69,9 @@ def _check_cumulative(phi_ge, name="phi_ge", integer=False) -> np.ndarray:
         raise TypeError(f"{name} must hold {'integers' if integer else 'numbers'}, got {y.dtype}")
     y = y.astype(np.float64)
     if len(y) and (not np.all(np.isfinite(y)) or y[-1] < 0 or np.any(np.diff(y) > 0)):
-        raise ValueError(f"{name} must be a finite, non-increasing, non-negative cumulative "
-                         "prevalence")
+        raise ValueError(
+            f"{name} must be a finite, non-increasing, non-negative cumulative prevalence"
+        )
     return y
 
 
@@ -132,7 +133,7 @@ def _log_series(phi: np.ndarray, a: float, N: int, kmax: int) -> np.ndarray:
     s = np.zeros(N)
     v = np.arange(N)
     for k in range(1, kmax + 1):
-        coef = (-1.0) ** (k + 1) * a ** k / k
+        coef = (-1.0) ** (k + 1) * a**k / k
         if coef == 0.0:
             break
         top = (N - 1) // k + 1  # v*k < N
@@ -145,7 +146,7 @@ def _log_series(phi: np.ndarray, a: float, N: int, kmax: int) -> np.ndarray:
 def _kmax(a: float, mass: float) -> int:
     """Number of terms of log(1 + a z^v) to keep: mass * a^(k-1) / k below 1e-18 relative."""
     k = 1
-    while k < 64 and mass * a ** k / (k + 1) > 1e-18 * max(mass * a, 1e-300):
+    while k < 64 and mass * a**k / (k + 1) > 1e-18 * max(mass * a, 1e-300):
         k += 1
     return k
 
@@ -202,7 +203,7 @@ def _exp_direct(phi: np.ndarray, a: float, N: int) -> np.ndarray:
             c *= (x - k + 1) / k * a
             if c == 0.0 or abs(c) < 1e-300:
                 break
-            new[v * k:] += c * E[: N - v * k]
+            new[v * k :] += c * E[: N - v * k]
             k += 1
         E = new
     return E
@@ -306,8 +307,10 @@ def invert_gamma(psi_ge, buckets: int, *, cap: int = INVERT_CAP) -> np.ndarray:
     if L == 0:
         return np.zeros(0)
     if psi[0] >= B:
-        raise ValueError(f"psi_1 = {psi[0]:g} >= buckets = {B}: every bucket is occupied, the "
-                         "collisions cannot be undone (use more buckets)")
+        raise ValueError(
+            f"psi_1 = {psi[0]:g} >= buckets = {B}: every bucket is occupied, the "
+            "collisions cannot be undone (use more buckets)"
+        )
     cap = max(int(cap), 2)
     K = min(L, cap // 2)  # highest degree whose phi comes from the inverse
     N = 2 * K + 1  # degrees 0..2K of the bucket-total distribution
@@ -334,5 +337,5 @@ def invert_gamma(psi_ge, buckets: int, *, cap: int = INVERT_CAP) -> np.ndarray:
         return np.cumsum(phi[1:N][::-1])[::-1]
     out = psi.copy()
     # phi_{>=r} for r <= K: inverted prevalences at r..K plus the raw count above K
-    out[:K] = np.cumsum(phi[1:K + 1][::-1])[::-1] + psi[K]
+    out[:K] = np.cumsum(phi[1 : K + 1][::-1])[::-1] + psi[K]
     return out

@@ -135,30 +135,54 @@ def project_l2(phi_hat, n: int, lower, upper):
     for i in range(K):
         L = lens[i]
         # L c_i <= S_i <= L c_i + L - 1
-        A[row, iS + i] = 1; A[row, ic + i] = -L; lb[row] = 0; ub[row] = L - 1; row += 1  # noqa: E702
+        A[row, iS + i] = 1
+        A[row, ic + i] = -L
+        lb[row] = 0
+        ub[row] = L - 1
+        row += 1  # noqa: E702
         # monotone: S_{i+1} <= len_{i+1} c_i
         if i + 1 < K:
-            A[row, iS + i + 1] = 1; A[row, ic + i] = -lens[i + 1]; ub[row] = 0; row += 1  # noqa: E702
+            A[row, iS + i + 1] = 1
+            A[row, ic + i] = -lens[i + 1]
+            ub[row] = 0
+            row += 1  # noqa: E702
         # max value <= upper: S_i <= L u_i
-        A[row, iS + i] = 1; ub[row] = L * uv[i]; row += 1  # noqa: E702
+        A[row, iS + i] = 1
+        ub[row] = L * uv[i]
+        row += 1  # noqa: E702
         # t_i >= L a - S_i ; t_i >= S_i - L a ; t_i >= middle line
         fl = math.floor(av[i])
-        A[row, it + i] = 1; A[row, iS + i] = 1; lb[row] = L * av[i]; row += 1  # noqa: E702
-        A[row, it + i] = 1; A[row, iS + i] = -1; lb[row] = -L * av[i]; row += 1  # noqa: E702
+        A[row, it + i] = 1
+        A[row, iS + i] = 1
+        lb[row] = L * av[i]
+        row += 1  # noqa: E702
+        A[row, it + i] = 1
+        A[row, iS + i] = -1
+        lb[row] = -L * av[i]
+        row += 1  # noqa: E702
         f0, f1 = abs(fl - av[i]), abs(fl + 1 - av[i])
         # t >= L f0 + (S - L fl)(f1 - f0)
-        A[row, it + i] = 1; A[row, iS + i] = -(f1 - f0)  # noqa: E702
-        lb[row] = L * f0 - L * fl * (f1 - f0); row += 1  # noqa: E702
-    A[row, iS: iS + K] = 1
+        A[row, it + i] = 1
+        A[row, iS + i] = -(f1 - f0)  # noqa: E702
+        lb[row] = L * f0 - L * fl * (f1 - f0)
+        row += 1  # noqa: E702
+    A[row, iS : iS + K] = 1
     lb[row] = ub[row] = n
     row += 1
     A = A[:row].tocsr()
-    bounds = Bounds(np.concatenate([lv, np.full(K, -np.inf), np.zeros(K)]),
-                    np.concatenate([uv, np.full(K, np.inf), np.full(K, np.inf)]))
+    bounds = Bounds(
+        np.concatenate([lv, np.full(K, -np.inf), np.zeros(K)]),
+        np.concatenate([uv, np.full(K, np.inf), np.full(K, np.inf)]),
+    )
     integrality = np.concatenate([np.ones(2 * K), np.zeros(K)])
     constraints = LinearConstraint(A, lb[:row], ub[:row])
-    res = milp(cost, constraints=constraints, bounds=bounds, integrality=integrality,
-               options={"disp": False})
+    res = milp(
+        cost,
+        constraints=constraints,
+        bounds=bounds,
+        integrality=integrality,
+        options={"disp": False},
+    )
     if res.status != 0 or res.x is None:
         return None
     # Tie-break among the l1-optimal solutions: the sum constraint can force mass that costs the
@@ -170,19 +194,24 @@ def project_l2(phi_hat, n: int, lower, upper):
     cost2 = np.zeros(nv)
     cost2[it:] = mid_r / R
     keep_opt = LinearConstraint(cost[None, :], -np.inf, opt + 1e-7 * max(1.0, opt))
-    res2 = milp(cost2, constraints=[constraints, keep_opt], bounds=bounds,
-                integrality=integrality, options={"disp": False})
+    res2 = milp(
+        cost2,
+        constraints=[constraints, keep_opt],
+        bounds=bounds,
+        integrality=integrality,
+        options={"disp": False},
+    )
     if res2.status == 0 and res2.x is not None:
         res = res2
-    c = np.round(res.x[ic: ic + K]).astype(np.int64)
-    S = np.round(res.x[iS: iS + K]).astype(np.int64)
+    c = np.round(res.x[ic : ic + K]).astype(np.int64)
+    S = np.round(res.x[iS : iS + K]).astype(np.int64)
     out = np.empty(R, dtype=np.int64)
     for i in range(K):
         L = int(lens[i])
         k_up = int(S[i] - L * c[i])
         s = starts[i]
-        out[s: s + k_up] = c[i] + 1
-        out[s + k_up: s + L] = c[i]
+        out[s : s + k_up] = c[i] + 1
+        out[s + k_up : s + L] = c[i]
     return out
 
 

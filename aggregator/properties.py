@@ -37,8 +37,16 @@ import numpy as np
 from scipy import special
 from scipy.special import bdtrc, pdtrc
 
-__all__ = ["entropy", "entropy_prevalences", "support_coverage", "support_coverage_prevalences",
-           "support_size", "batched_item", "support_coverage_batched", "prevalences"]
+__all__ = [
+    "entropy",
+    "entropy_prevalences",
+    "support_coverage",
+    "support_coverage_prevalences",
+    "support_size",
+    "batched_item",
+    "support_coverage_batched",
+    "prevalences",
+]
 
 
 def _counts(hist) -> np.ndarray:
@@ -104,8 +112,9 @@ def support_coverage(hist, m: int, *, smoothing: str = "binomial", r: float | No
     return support_coverage_prevalences(vals, phis, m, smoothing=smoothing, r=r)
 
 
-def support_coverage_prevalences(vals, phis, m: int, *, smoothing: str = "binomial",
-                                 r: float | None = None) -> float:
+def support_coverage_prevalences(
+    vals, phis, m: int, *, smoothing: str = "binomial", r: float | None = None
+) -> float:
     """:func:`support_coverage` of the histogram with Phi_i = ``phis`` items at each count
     i in ``vals`` (increasing, as :func:`prevalences` gives them): the same number, without
     listing the counts."""
@@ -120,8 +129,12 @@ def support_coverage_prevalences(vals, phis, m: int, *, smoothing: str = "binomi
     if m <= n:
         # E[#distinct in a uniform subsample of size m] = sum_i Phi_i (1 - C(n-i, m) / C(n, m))
         with np.errstate(divide="ignore"):
-            log_ratio = (special.gammaln(n - vals + 1) - special.gammaln(n - vals - m + 1)
-                         - special.gammaln(n + 1) + special.gammaln(n - m + 1))
+            log_ratio = (
+                special.gammaln(n - vals + 1)
+                - special.gammaln(n - vals - m + 1)
+                - special.gammaln(n + 1)
+                + special.gammaln(n - m + 1)
+            )
         miss = np.where(n - vals >= m, np.exp(log_ratio), 0.0)
         return float(np.dot(phis, 1.0 - miss))
     t = m / n - 1.0
@@ -129,12 +142,10 @@ def support_coverage_prevalences(vals, phis, m: int, *, smoothing: str = "binomi
     if t <= 1.0:
         weights = np.ones(len(vals))
     elif smoothing == "binomial":
-
         k = max(1, math.ceil(0.5 * math.log(n * t * t / (t - 1.0), 3)))
         below = vals - 1  # P(L >= i) = P(L > i - 1), 0 past k (where bdtrc is undefined)
         weights = np.where(below >= k, 0.0, bdtrc(np.minimum(below, k), k, 2.0 / (t + 2.0)))
     elif smoothing == "poisson":
-
         rr = r if r is not None else math.log(n * (t + 1.0) ** 2 / (t - 1.0)) / (2.0 * t)
         weights = pdtrc(vals - 1, rr)
     else:

@@ -35,15 +35,31 @@ from .memo import ReleaseMemo
 from .noise import discrete_laplace
 from .state import PanPrivateHistogram
 
-__all__ = ["MODELS", "ReleaseExists", "make_release", "release_from_view", "estimate_with_accuracy",
-           "package_release", "write_release", "plot_release", "plot_rank_frequency",
-           "release_figure", "headline_lines",
-           "ERROR_BAR_REPS", "PHI_BANDS", "planned_accuracy", "PLAN_SHAPES", "headline",
-           "PRIVACY_UNIT", "PRIVACY_UNIT_CONSEQUENCE", "privacy_unit_clause"]
+__all__ = [
+    "MODELS",
+    "ReleaseExists",
+    "make_release",
+    "release_from_view",
+    "estimate_with_accuracy",
+    "package_release",
+    "write_release",
+    "plot_release",
+    "plot_rank_frequency",
+    "release_figure",
+    "headline_lines",
+    "ERROR_BAR_REPS",
+    "PHI_BANDS",
+    "planned_accuracy",
+    "PLAN_SHAPES",
+    "headline",
+    "PRIVACY_UNIT",
+    "PRIVACY_UNIT_CONSEQUENCE",
+    "privacy_unit_clause",
+]
 
 ERROR_BAR_REPS = 10  # bootstrap repetitions per release (release.error_bar_reps); 0: none
-PUBLIC_MODE = 0o644   # release files are published: readable by all, whatever the umask
-PHI_BANDS = 10       # phi_r and phi_{>=r} intervals are released for r = 1..PHI_BANDS
+PUBLIC_MODE = 0o644  # release files are published: readable by all, whatever the umask
+PHI_BANDS = 10  # phi_r and phi_{>=r} intervals are released for r = 1..PHI_BANDS
 
 MODELS = ("joint", "state-only")
 STATE_ONLY_CAVEAT = (
@@ -52,10 +68,17 @@ STATE_ONLY_CAVEAT = (
 )
 
 
-def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str = "l1",
-                 window: str | int | None = None, rng=None,
-                 error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None,
-                 view: list | None = None) -> dict:
+def make_release(
+    state: PanPrivateHistogram,
+    *,
+    model: str = "joint",
+    loss: str = "l1",
+    window: str | int | None = None,
+    rng=None,
+    error_bar_reps: int = ERROR_BAR_REPS,
+    method: str | None = None,
+    view: list | None = None,
+) -> dict:
     """Estimate the anonymized histogram of ``state`` and package it as a JSON-ready dict.
 
     The event count is public only for a replace-one state: it goes into the release (``"n"``)
@@ -76,8 +99,10 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
     n = state.n if state.neighbor == "replace-one" else None
     if n is None and loss == "l2":
-        raise ValueError("loss='l2' needs the public event count n, and an add-remove state has "
-                         "none (neighbors differ by one event); use loss='l1'")
+        raise ValueError(
+            "loss='l2' needs the public event count n, and an add-remove state has "
+            "none (neighbors differ by one event); use loss='l1'"
+        )
     started = time.perf_counter()
     counts, layers = state.counts, state.layers
     if model == "joint":
@@ -86,23 +111,51 @@ def make_release(state: PanPrivateHistogram, *, model: str = "joint", loss: str 
     if view is not None:
         view.append((counts, layers))
     hist, accuracy = estimate_with_accuracy(
-        counts, state.p, layers=layers, loss=loss, n=n,
-        buckets=state.size if state.mode == "hashed" else None, reps=error_bar_reps,
-        method=method)
+        counts,
+        state.p,
+        layers=layers,
+        loss=loss,
+        n=n,
+        buckets=state.size if state.mode == "hashed" else None,
+        reps=error_bar_reps,
+        method=method,
+    )
     release = package_release(
-        hist, window=window, n=n, epsilon=state.epsilon, neighbor=state.neighbor,
-        model=model, extra={"p": state.p, "layers": layers, "loss": loss,
-                            "domain": {"mode": state.mode, "size": state.size}},
-        accuracy=accuracy)
+        hist,
+        window=window,
+        n=n,
+        epsilon=state.epsilon,
+        neighbor=state.neighbor,
+        model=model,
+        extra={
+            "p": state.p,
+            "layers": layers,
+            "loss": loss,
+            "domain": {"mode": state.mode, "size": state.size},
+        },
+        accuracy=accuracy,
+    )
     release["release_seconds"] = time.perf_counter() - started
     if model == "state-only":
         release["caveat"] = STATE_ONLY_CAVEAT
     return release
 
 
-def release_from_view(counts, *, p: float, layers: int, n, epsilon: float, neighbor: str,
-                      mode: str, size: int, window, loss: str = "l1",
-                      error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None) -> dict:
+def release_from_view(
+    counts,
+    *,
+    p: float,
+    layers: int,
+    n,
+    epsilon: float,
+    neighbor: str,
+    mode: str,
+    size: int,
+    window,
+    loss: str = "l1",
+    error_bar_reps: int = ERROR_BAR_REPS,
+    method: str | None = None,
+) -> dict:
     """The release of counters that already are a released view (a rollup: the sum of base
     windows' release-layered counters, ``layers`` DLap(p) layers each): the estimate and its
     accuracy block as :func:`make_release` computes them, with no further noise (post-processing
@@ -112,13 +165,30 @@ def release_from_view(counts, *, p: float, layers: int, n, epsilon: float, neigh
         raise ValueError("loss='l2' needs the public event count n; use loss='l1'")
     started = time.perf_counter()
     hist, accuracy = estimate_with_accuracy(
-        np.asarray(counts), p, layers=int(layers), loss=loss, n=n,
-        buckets=size if mode == "hashed" else None, reps=error_bar_reps, method=method)
+        np.asarray(counts),
+        p,
+        layers=int(layers),
+        loss=loss,
+        n=n,
+        buckets=size if mode == "hashed" else None,
+        reps=error_bar_reps,
+        method=method,
+    )
     release = package_release(
-        hist, window=window, n=n, epsilon=epsilon, neighbor=neighbor, model="joint",
-        extra={"p": p, "layers": int(layers), "loss": loss,
-               "domain": {"mode": mode, "size": int(size)}},
-        accuracy=accuracy)
+        hist,
+        window=window,
+        n=n,
+        epsilon=epsilon,
+        neighbor=neighbor,
+        model="joint",
+        extra={
+            "p": p,
+            "layers": int(layers),
+            "loss": loss,
+            "domain": {"mode": mode, "size": int(size)},
+        },
+        accuracy=accuracy,
+    )
     release["release_seconds"] = time.perf_counter() - started
     return release
 
@@ -158,9 +228,20 @@ def internal_level(level: float, mode: str = "direct") -> float:
     return round(max(1.0 - ratio * (1.0 - float(level)), 0.5), 6)
 
 
-def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "l1", n=None,
-                           buckets=None, reps: int = ERROR_BAR_REPS, level: float = 0.9,
-                           method: str | None = None, rng=None, _estimator=None):
+def estimate_with_accuracy(
+    noisy_counts,
+    p: float,
+    *,
+    layers: int,
+    loss: str = "l1",
+    n=None,
+    buckets=None,
+    reps: int = ERROR_BAR_REPS,
+    level: float = 0.9,
+    method: str | None = None,
+    rng=None,
+    _estimator=None,
+):
     """The released histogram and its ``accuracy`` block, from the noisy counters only.
 
     Everything here is post-processing of the (already noised) counters and public quantities
@@ -189,15 +270,15 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         # the release itself: exactly what the estimator gives on these counters (the one call
         # the privacy audits watch: tests/test_privacy_service.py)
         estimator = anonymized_histogram if _estimator is None else _estimator
-        hist = np.asarray(estimator(noisy_counts, p, loss=loss, memo=memo, **kw),
-                          dtype=np.int64)
+        hist = np.asarray(estimator(noisy_counts, p, loss=loss, memo=memo, **kw), dtype=np.int64)
         vc = noisy_value_counts(noisy_counts)
         counters = int(vc.total)
         bars = None
         if reps and loss == "l1":  # (its stand-ins are the pilot fits auto kept: no refit)
             inner = internal_level(level, "hashed" if buckets is not None else "direct")
-            bars = intervals.error_bars(vc, p, reps=int(reps), level=inner, release=hist,
-                                        rng=rng, memo=memo, **kw)
+            bars = intervals.error_bars(
+                vc, p, reps=int(reps), level=inner, release=hist, rng=rng, memo=memo, **kw
+            )
     finally:
         # the big items' pmfs are kept across calls (keyed by their arguments): not past this
         # release either
@@ -212,12 +293,16 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         "signal_below_noise": bool(snr < intervals.SNR_MIN),
         "signal_basis": "n" if n is not None else "n_in_histogram",
         "noise_floor_items": round(intervals.noise_floor(counters, p, layers), 2)
-        if counters else None,
+        if counters
+        else None,
     }
     if bars is None:
         accuracy["intervals"] = None
-        accuracy["intervals_note"] = ("off (release.error_bar_reps = 0)" if not reps else
-                                      "bootstrap intervals are computed for loss l1 only")
+        accuracy["intervals_note"] = (
+            "off (release.error_bar_reps = 0)"
+            if not reps
+            else "bootstrap intervals are computed for loss l1 only"
+        )
         return hist, accuracy
     lo_c, hi_c = np.asarray(bars["phi_lower"]), np.asarray(bars["phi_upper"])
     r_max = min(PHI_BANDS, len(lo_c))
@@ -225,8 +310,8 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         lo_r = np.asarray(bars["phi_r_lower"])[:r_max]
         hi_r = np.asarray(bars["phi_r_upper"])[:r_max]
     else:  # phi_r = phi_{>=r} - phi_{>=r+1}: from the two cumulative bounds (conservative)
-        nxt_lo = np.append(lo_c[1:r_max + 1], 0.0)[:r_max]
-        nxt_hi = np.append(hi_c[1:r_max + 1], 0.0)[:r_max]
+        nxt_lo = np.append(lo_c[1 : r_max + 1], 0.0)[:r_max]
+        nxt_hi = np.append(hi_c[1 : r_max + 1], 0.0)[:r_max]
         lo_r = np.maximum(lo_c[:r_max] - nxt_hi, 0.0)
         hi_r = np.maximum(hi_c[:r_max] - nxt_lo, 0.0)
     iv = {
@@ -235,20 +320,25 @@ def estimate_with_accuracy(noisy_counts, p: float, *, layers: int, loss: str = "
         "method": "parametric bootstrap (aggregator.intervals.error_bars)",
         "reps": int(bars["reps"]),
         "l1_error_bound": round(float(bars["l1_bound"]), 2),
-        "relative_l1_error_bound": (round(float(bars["l1_bound"]) / max(int(n), 1), 6)
-                                    if n is not None else None),
+        "relative_l1_error_bound": (
+            round(float(bars["l1_bound"]) / max(int(n), 1), 6) if n is not None else None
+        ),
         "distinct_items": [round(float(x), 2) for x in bars["distinct"]],
         "entropy_nats": [round(float(x), 6) for x in bars["entropy_nats"]],
-        "phi_at_least": [[r + 1, round(float(lo_c[r]), 2), round(float(hi_c[r]), 2)]
-                         for r in range(r_max)],
-        "phi": [[r + 1, round(float(lo_r[r]), 2), round(float(hi_r[r]), 2)]
-                for r in range(len(lo_r))],
+        "phi_at_least": [
+            [r + 1, round(float(lo_c[r]), 2), round(float(hi_c[r]), 2)] for r in range(r_max)
+        ],
+        "phi": [
+            [r + 1, round(float(lo_r[r]), 2), round(float(hi_r[r]), 2)] for r in range(len(lo_r))
+        ],
     }
     if "support_coverage_2n" in bars:
         iv["support_coverage_2n"] = [round(float(x), 4) for x in bars["support_coverage_2n"]]
     if "rank_bands" in bars:  # events held by the items of ranks first..last
-        iv["rank_bands"] = [[int(a), int(b), round(float(lo), 2), round(float(hi), 2)]
-                            for a, b, lo, hi in bars["rank_bands"]]
+        iv["rank_bands"] = [
+            [int(a), int(b), round(float(lo), 2), round(float(hi), 2)]
+            for a, b, lo, hi in bars["rank_bands"]
+        ]
     accuracy["intervals"] = iv
     _add_expected_errors(accuracy, hist, bars, mode="hashed" if buckets is not None else "direct")
     return hist, accuracy
@@ -281,15 +371,21 @@ def _add_expected_errors(accuracy: dict, hist, bars: dict, mode: str = "direct")
     ent = properties.entropy(hist)
     exp_err = intervals.expected_errors(bars, mode, level=iv.get("level", 0.9))
     se = intervals.standard_errors(bars)
-    accuracy["standard_error"] = {"distinct_items": round(se["distinct"], 3),
-                                  "entropy_nats": round(se["entropy"], 6)}
-    accuracy["expected_error"] = {"distinct_items": round(exp_err["distinct"], 3),
-                                  "entropy_nats": round(exp_err["entropy"], 6)}
+    accuracy["standard_error"] = {
+        "distinct_items": round(se["distinct"], 3),
+        "entropy_nats": round(se["entropy"], 6),
+    }
+    accuracy["expected_error"] = {
+        "distinct_items": round(exp_err["distinct"], 3),
+        "entropy_nats": round(exp_err["entropy"], 6),
+    }
     accuracy["expected_relative_error"] = {
         "distinct_items": round(exp_err["distinct"] / distinct, 4) if distinct else None,
-        "entropy_nats": round(exp_err["entropy"] / ent, 4) if ent > 0 else None}
-    accuracy["signal_to_noise"] = (round(distinct / exp_err["distinct"], 4)
-                                   if exp_err["distinct"] > 0 else None)
+        "entropy_nats": round(exp_err["entropy"] / ent, 4) if ent > 0 else None,
+    }
+    accuracy["signal_to_noise"] = (
+        round(distinct / exp_err["distinct"], 4) if exp_err["distinct"] > 0 else None
+    )
     accuracy["signal_to_noise_basis"] = "bootstrap"
     lo, hi = iv["distinct_items"]
     off_2x = distinct == 0 and hi >= 1 or lo < distinct / 2 or hi > 2 * distinct
@@ -303,8 +399,18 @@ PLAN_SHAPES = {"zipf": "a Zipf(1.1) window", "distinct": "mostly distinct items"
 class PlanCancelled(Exception):
     """:func:`planned_accuracy` was asked to stop (its ``cancel`` returned True)."""
 
-def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bool,
-                     reps: int = ERROR_BAR_REPS, rng=None, cancel=None) -> dict:
+
+def planned_accuracy(
+    counters: int,
+    p: float,
+    layers: int,
+    n: int,
+    *,
+    hashed: bool,
+    reps: int = ERROR_BAR_REPS,
+    rng=None,
+    cancel=None,
+) -> dict:
     """The expected errors a release will state, before any data: the release's own code
     (:func:`estimate_with_accuracy`) on :data:`PLAN_WINDOWS` simulated windows of ``n`` events
     of each of two reference shapes (:data:`PLAN_SHAPES`): items Zipf(1.1) (direct mode: over
@@ -328,8 +434,16 @@ def planned_accuracy(counters: int, p: float, layers: int, n: int, *, hashed: bo
     key = (int(counters), float(p), int(layers), int(n), bool(hashed), int(reps))
     if rng is None and key in _PLANS:  # the same configuration again (a restart, a second
         return {k: dict(v) for k, v in _PLANS[key].items()}  # aggregation, `panagg plan`)
-    out = _planned(counters, p, layers, n, hashed=hashed, reps=reps,
-                   rng=_plan_seed(key) if rng is None else rng, cancel=cancel)
+    out = _planned(
+        counters,
+        p,
+        layers,
+        n,
+        hashed=hashed,
+        reps=reps,
+        rng=_plan_seed(key) if rng is None else rng,
+        cancel=cancel,
+    )
     if rng is None:
         _PLANS[key] = {k: dict(v) for k, v in out.items()}
     return out
@@ -372,8 +486,7 @@ def _planned(counters, p, layers, n, *, hashed, reps, rng, cancel=None) -> dict:
     out = {}
     for shape in PLAN_SHAPES:
         if n <= 0:
-            out[shape] = {"distinct_items": None, "entropy_nats": None,
-                          "signal_below_noise": True}
+            out[shape] = {"distinct_items": None, "entropy_nats": None, "signal_below_noise": True}
             continue
         figures = []
         for _ in range(PLAN_WINDOWS):
@@ -385,31 +498,52 @@ def _planned(counters, p, layers, n, *, hashed, reps, rng, cancel=None) -> dict:
                 ids = rng.integers(0, 20 * n if hashed else min(20 * n, counters), n)
             counts = np.unique(ids, return_counts=True)[1].astype(np.int64)
             if hashed:  # each id in a uniformly random bucket
-                counts = np.bincount(rng.integers(0, counters, len(counts)), weights=counts,
-                                     minlength=counters).astype(np.int64)
+                counts = np.bincount(
+                    rng.integers(0, counters, len(counts)), weights=counts, minlength=counters
+                ).astype(np.int64)
                 counts = counts[counts > 0]
             vc = simulate_counts(rng, np.sort(counts), counters, p, layers)
             # (synthetic counters, not a view of any state: not through this module's
             # anonymized_histogram, the one call the privacy audits watch)
-            _, acc = estimate_with_accuracy(vc, p, layers=layers, n=n,
-                                            buckets=counters if hashed else None, reps=reps,
-                                            rng=rng, _estimator=_anonymize.anonymized_histogram)
+            _, acc = estimate_with_accuracy(
+                vc,
+                p,
+                layers=layers,
+                n=n,
+                buckets=counters if hashed else None,
+                reps=reps,
+                rng=rng,
+                _estimator=_anonymize.anonymized_histogram,
+            )
             rel = acc.get("expected_relative_error") or {}
-            figures.append((rel.get("distinct_items"), rel.get("entropy_nats"),
-                            acc["signal_below_noise"]))
+            figures.append(
+                (rel.get("distinct_items"), rel.get("entropy_nats"), acc["signal_below_noise"])
+            )
 
         def median(i):
             v = [f[i] for f in figures if f[i] is not None]
             return float(np.median(v)) if v else None
 
-        out[shape] = {"distinct_items": median(0), "entropy_nats": median(1),
-                      # below the noise in most of the simulated windows
-                      "signal_below_noise": sum(f[2] for f in figures) * 2 > len(figures)}
+        out[shape] = {
+            "distinct_items": median(0),
+            "entropy_nats": median(1),
+            # below the noise in most of the simulated windows
+            "signal_below_noise": sum(f[2] for f in figures) * 2 > len(figures),
+        }
     return out
 
 
-def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: str,
-                    extra: dict | None = None, accuracy: dict | None = None) -> dict:
+def package_release(
+    hist,
+    *,
+    window,
+    n,
+    epsilon: float,
+    neighbor: str,
+    model: str,
+    extra: dict | None = None,
+    accuracy: dict | None = None,
+) -> dict:
     """The release document for an anonymized histogram (prevalence form plus properties).
 
     ``n`` is the public event count, or None where it is not public (add-remove states, the
@@ -437,8 +571,10 @@ def package_release(hist, *, window, n, epsilon: float, neighbor: str, model: st
         "model": model,
     }
     release.update(extra or {})
-    release["histogram"] = {"form": "prevalence",
-                            "pairs": [[int(r), int(c)] for r, c in zip(vals[::-1], phis[::-1])]}
+    release["histogram"] = {
+        "form": "prevalence",
+        "pairs": [[int(r), int(c)] for r, c in zip(vals[::-1], phis[::-1])],
+    }
     release["properties"] = props
     if accuracy is not None:
         # one field a consumer can test before trusting anything else in the document
@@ -515,8 +651,11 @@ def headline(release: dict) -> dict:
     rel_err = acc.get("expected_relative_error") or {}
 
     def stat(key: str) -> dict:
-        return {"value": props.get(key), "interval": iv.get(key),
-                "expected_relative_error": rel_err.get(key)}
+        return {
+            "value": props.get(key),
+            "interval": iv.get(key),
+            "expected_relative_error": rel_err.get(key),
+        }
 
     out = {
         "distinct_items": stat("distinct_items"),
@@ -572,16 +711,17 @@ def headline_lines(release: dict) -> list[str]:
             text += f", expect +-{100 * s['expected_relative_error']:.1f}%"
         return text
 
-    lines = [one("distinct items", "distinct_items", ",.0f"),
-             one("entropy", "entropy_nats", ".3f", " nats")]
+    lines = [
+        one("distinct items", "distinct_items", ",.0f"),
+        one("entropy", "entropy_nats", ".3f", " nats"),
+    ]
     if head.get("signal_below_noise"):
         lines.append("BELOW THE NOISE: distinct items could be off by 2x")
     n = release.get("n")
     n_text = f"n={n:,}" if n is not None else f"n_in_histogram={release.get('n_in_histogram'):,}"
     snr = head.get("signal_to_noise")
     eps = head.get("epsilon")
-    lines.append(f"{n_text}, eps={eps:g} per {head['privacy_unit']}" if eps is not None
-                 else n_text)
+    lines.append(f"{n_text}, eps={eps:g} per {head['privacy_unit']}" if eps is not None else n_text)
     if snr is not None:
         lines[-1] += f", signal-to-noise {snr:.1f}"
     return lines
@@ -611,33 +751,58 @@ def release_figure(release: dict):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     if len(counts):
-        ax.loglog(np.arange(1, len(counts) + 1), counts, drawstyle="steps-post",
-                  label="released histogram (rank-frequency)")
+        ax.loglog(
+            np.arange(1, len(counts) + 1),
+            counts,
+            drawstyle="steps-post",
+            label="released histogram (rank-frequency)",
+        )
     iv = (release.get("accuracy") or {}).get("intervals") or {}
     level = iv.get("level")
     band = f"{100 * level:g}% interval" if level else "interval"
     labels = iter([band, None])
     for first, last, lo, hi in iv.get("rank_bands") or []:
         # the events of ranks first..last lie in [lo, hi]: the curve there, scaled to both ends
-        seg = counts[first - 1:min(last, len(counts))].astype(float)
+        seg = counts[first - 1 : min(last, len(counts))].astype(float)
         if len(seg) and seg.sum() > 0:
             x = np.arange(first, first + len(seg) + 1)
             scale = np.array([lo, hi]) / seg.sum()
-            ax.fill_between(x, np.append(seg, seg[-1]) * scale[0],
-                            np.append(seg, seg[-1]) * scale[1], step="post", color="C0",
-                            alpha=0.25, lw=0, label=next(labels, None))
+            ax.fill_between(
+                x,
+                np.append(seg, seg[-1]) * scale[0],
+                np.append(seg, seg[-1]) * scale[1],
+                step="post",
+                color="C0",
+                alpha=0.25,
+                lw=0,
+                label=next(labels, None),
+            )
     tail = iv.get("phi_at_least") or []
     if tail:  # the rank at which the count falls to c lies in phi_{>=c}'s interval
-        ax.fill_betweenx([row[0] for row in tail], [max(row[1], 1.0) for row in tail],
-                         [max(row[2], 1.0) for row in tail], step="post", color="C0",
-                         alpha=0.25, lw=0, label=next(labels, None))
+        ax.fill_betweenx(
+            [row[0] for row in tail],
+            [max(row[1], 1.0) for row in tail],
+            [max(row[2], 1.0) for row in tail],
+            step="post",
+            color="C0",
+            alpha=0.25,
+            lw=0,
+            label=next(labels, None),
+        )
     ax.set_xlabel("rank")
     ax.set_ylabel("count")
     ax.set_title(f"window {release['window']}: {release['model']} release", fontsize="medium")
     ax.grid(True, which="both", alpha=0.3)
-    ax.text(0.02, 0.03, "\n".join(headline_lines(release)), transform=ax.transAxes,
-            ha="left", va="bottom", fontsize="small",
-            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9, "edgecolor": "0.6"})
+    ax.text(
+        0.02,
+        0.03,
+        "\n".join(headline_lines(release)),
+        transform=ax.transAxes,
+        ha="left",
+        va="bottom",
+        fontsize="small",
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9, "edgecolor": "0.6"},
+    )
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
@@ -646,6 +811,7 @@ def release_figure(release: dict):
 
 class ReleaseExists(FileExistsError):
     """A different release document already has this file name (another run wrote it)."""
+
 
 def write_release(release: dict, outdir: str | os.PathLike, *, plot: bool = True) -> Path:
     """Write ``release-<window>.json`` and, unless ``plot=False``, its PNG plot
@@ -660,9 +826,13 @@ def write_release(release: dict, outdir: str | os.PathLike, *, plot: bool = True
     data = json.dumps(release, indent=1, allow_nan=False).encode() + b"\n"
     if not _create_once(path, data):
         if path.read_bytes() != data:
-            raise ReleaseExists(errno.EEXIST, "a different release is already in this file "
-                                "(another run or state directory wrote it); publish to a new "
-                                "release directory or release name", str(path))
+            raise ReleaseExists(
+                errno.EEXIST,
+                "a different release is already in this file "
+                "(another run or state directory wrote it); publish to a new "
+                "release directory or release name",
+                str(path),
+            )
         if path.with_suffix(".png").exists():
             return path
     if plot:

@@ -83,7 +83,10 @@ from . import counter_model
 from .cap import cap_total
 from .counters import check_layers, counters_key, data_seed, noisy_value_counts
 from .deconvolution import (
-    deconvolved_batch, deconvolved_prevalence, em_prevalences, em_prevalences_many,
+    deconvolved_batch,
+    deconvolved_prevalence,
+    em_prevalences,
+    em_prevalences_many,
 )
 from .em import DIRECT_START_SMOOTH_SHARE
 from .estimator import BASIC, DECONVOLUTION, MLE, THRESHOLD, basic_prevalence
@@ -91,14 +94,21 @@ from .histograms import counts_from_cumulative, cumulative_l1
 from .memo import ReleaseMemo
 from .projection import project_l1
 
-__all__ = ["PILOTS", "CANDIDATES", "SIMS", "STANDIN_MARGIN", "START_MARGIN", "select",
-           "selected_prevalence", "chosen_start"]
+__all__ = [
+    "PILOTS",
+    "CANDIDATES",
+    "SIMS",
+    "STANDIN_MARGIN",
+    "START_MARGIN",
+    "select",
+    "selected_prevalence",
+    "chosen_start",
+]
 
 # the estimators that need only the counters (aggregator.estimator), the EMs first (the order
 # breaks ties between equal regrets)
 PILOTS = (DECONVOLUTION.name, MLE.name)
-CANDIDATES = tuple((e.name, c) for e in (DECONVOLUTION, MLE, THRESHOLD)
-                   for c in ("items", "scale"))
+CANDIDATES = tuple((e.name, c) for e in (DECONVOLUTION, MLE, THRESHOLD) for c in ("items", "scale"))
 SIMS = 4
 STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-capped
 # the shrunk start's fit is kept when likelier by more than this: Wilks' chi2_1(0.99) / 2 (why
@@ -106,9 +116,19 @@ STANDIN_MARGIN = 20.0  # log-likelihood gap that makes the stand-ins ``items``-c
 START_MARGIN = 3.3174
 
 
-def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDIDATES,
-           sims=SIMS, seed=None, hashed=False, memo: ReleaseMemo | None = None
-           ) -> tuple[np.ndarray, tuple]:
+def select(
+    noisy_counts,
+    p,
+    *,
+    layers=1,
+    n=None,
+    pilots=PILOTS,
+    candidates=CANDIDATES,
+    sims=SIMS,
+    seed=None,
+    hashed=False,
+    memo: ReleaseMemo | None = None,
+) -> tuple[np.ndarray, tuple]:
     """(cumulative prevalence phi_{>=r} of the release, chosen (method, cap)).
 
     Without ``n`` the cap rules are not applied (every candidate is taken as ``"none"``).
@@ -122,29 +142,58 @@ def select(noisy_counts, p, *, layers=1, n=None, pilots=PILOTS, candidates=CANDI
     same counters, and it is the costliest step of a release. Without a memo it is made afresh.
     """
     vc0 = noisy_value_counts(noisy_counts)
-    y, choice, _ = _select_held(vc0, p, layers=layers, n=n, pilots=pilots,
-                                candidates=candidates, sims=sims, seed=seed, hashed=hashed,
-                                memo=memo)
+    y, choice, _ = _select_held(
+        vc0,
+        p,
+        layers=layers,
+        n=n,
+        pilots=pilots,
+        candidates=candidates,
+        sims=sims,
+        seed=seed,
+        hashed=hashed,
+        memo=memo,
+    )
     return y, choice
 
 
 def _select_held(vc0, p, *, layers, n, pilots, candidates, sims, seed, hashed, memo) -> tuple:
     """:func:`_select`'s (y, choice, start) of these counters, from the memo when it holds them."""
-    key = (*counters_key(vc0), float(p), int(layers), None if n is None else int(n),
-           tuple(pilots), tuple(candidates), int(sims), seed, bool(hashed))
+    key = (
+        *counters_key(vc0),
+        float(p),
+        int(layers),
+        None if n is None else int(n),
+        tuple(pilots),
+        tuple(candidates),
+        int(sims),
+        seed,
+        bool(hashed),
+    )
     held = None if memo is None else memo.choice
     if held is not None and held[0] == key:
         y, choice, start = held[1]
         return y.copy(), choice, start
-    y, choice, start = _select(vc0, p, layers=layers, n=n, pilots=pilots, candidates=candidates,
-                               sims=sims, seed=seed, hashed=hashed, memo=memo)
+    y, choice, start = _select(
+        vc0,
+        p,
+        layers=layers,
+        n=n,
+        pilots=pilots,
+        candidates=candidates,
+        sims=sims,
+        seed=seed,
+        hashed=hashed,
+        memo=memo,
+    )
     if memo is not None:
         memo.choice = (key, (y.copy(), choice, start))
     return y, choice, start
 
 
-def chosen_start(noisy_counts, p, *, layers=1, n=None, memo: ReleaseMemo | None = None
-                 ) -> tuple[bool, np.ndarray] | None:
+def chosen_start(
+    noisy_counts, p, *, layers=1, n=None, memo: ReleaseMemo | None = None
+) -> tuple[bool, np.ndarray] | None:
     """(whether the release took the shrunk start, phi_{>=r} of the other start's fit capped as
     the release) when :func:`select`'s choice on these counters is the early-stopped EM and it
     chose between the two starts (direct mode, one layer, n <= D: see the module's docstring);
@@ -152,8 +201,18 @@ def chosen_start(noisy_counts, p, *, layers=1, n=None, memo: ReleaseMemo | None 
     re-runs the chosen candidate), and the gap to the other start's fit counts as the gap
     between two candidates does. With the release's ``memo`` this is the release's own decision;
     without one :func:`select` is run afresh (the same decision, at its cost)."""
-    return _select_held(noisy_value_counts(noisy_counts), p, layers=layers, n=n, pilots=PILOTS,
-                        candidates=CANDIDATES, sims=SIMS, seed=None, hashed=False, memo=memo)[2]
+    return _select_held(
+        noisy_value_counts(noisy_counts),
+        p,
+        layers=layers,
+        n=n,
+        pilots=PILOTS,
+        candidates=CANDIDATES,
+        sims=SIMS,
+        seed=None,
+        hashed=False,
+        memo=memo,
+    )[2]
 
 
 def _estimates(vc, p, k: int, methods, hashed=False) -> dict:
@@ -185,14 +244,21 @@ def _estimates_many(vcs, p, k: int, methods, n=None, hashed=False) -> list:
             fits = {"deconvolution": project_l1(early), "mle": project_l1(full)}
             for m in methods:
                 if m not in fits:
-                    fits[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m,
-                                                          hashed=hashed))
+                    fits[m] = project_l1(basic_prevalence(vc, p, layers=k, method=m, hashed=hashed))
             out.append({m: fits[m] for m in methods})
-    todo = [i for i, vc in enumerate(vcs) if "deconvolution" in methods
-            and _two_starts(vc, k, n, hashed=hashed)]
+    todo = [
+        i
+        for i, vc in enumerate(vcs)
+        if "deconvolution" in methods and _two_starts(vc, k, n, hashed=hashed)
+    ]
     if todo:
-        shrunk = deconvolved_batch([vcs[i] for i in todo], p, layers=k, shrunk_start=True,
-                                   smooth_share=DIRECT_START_SMOOTH_SHARE)
+        shrunk = deconvolved_batch(
+            [vcs[i] for i in todo],
+            p,
+            layers=k,
+            shrunk_start=True,
+            smooth_share=DIRECT_START_SMOOTH_SHARE,
+        )
         for i, phi in zip(todo, shrunk):
             _take_likelier_start(vcs[i], p, k, n, out[i], project_l1(phi))
     return out
@@ -208,12 +274,14 @@ def _two_starts(vc, k: int, n, hashed=False) -> bool:
 def _shrunk_fit(vc, p, k: int) -> np.ndarray:
     """The early-stopped EM's projected fit from the shrunk start (direct mode's share of the
     smoothed one, ``em.DIRECT_START_SMOOTH_SHARE``)."""
-    return project_l1(deconvolved_prevalence(vc, p, layers=k, shrunk_start=True,
-                                             smooth_share=DIRECT_START_SMOOTH_SHARE))
+    return project_l1(
+        deconvolved_prevalence(
+            vc, p, layers=k, shrunk_start=True, smooth_share=DIRECT_START_SMOOTH_SHARE
+        )
+    )
 
 
-def _take_likelier_start(vc, p, k: int, n, fits: dict, shrunk: np.ndarray,
-                         margin=None) -> tuple:
+def _take_likelier_start(vc, p, k: int, n, fits: dict, shrunk: np.ndarray, margin=None) -> tuple:
     """Put in ``fits["deconvolution"]`` (the early-stopped EM's fit from the smoothed start) the
     shrunk start's fit ``shrunk`` when the counters' likelihood prefers it by more than
     ``margin`` (default :data:`START_MARGIN`), both capped at n by ``"items"`` (as histograms of
@@ -224,6 +292,7 @@ def _take_likelier_start(vc, p, k: int, n, fits: dict, shrunk: np.ndarray,
 
     def ll(y):
         return counter_model.loglik(vc, cap_total(y, int(n), "items"), vc.total, p, k)
+
     if ll(shrunk) > ll(smooth) + margin:
         fits["deconvolution"] = shrunk
         return True, smooth
@@ -275,8 +344,9 @@ def _minimax(regret: dict):
     return min(regret, key=lambda c: (max(regret[c]), float(np.mean(regret[c]))))
 
 
-def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashed,
-            memo=None) -> tuple:
+def _select(
+    noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashed, memo=None
+) -> tuple:
     vc = noisy_value_counts(noisy_counts)
     k = check_layers(layers)
     D = vc.total
@@ -288,8 +358,13 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
     candidates = tuple(c for c in candidates if usable.get(c[0], True))
 
     methods = tuple(dict.fromkeys(m for m, _ in candidates))
-    fits = _estimates(vc, p, k, [m for m in dict.fromkeys(pilots + methods)
-                                 if m in pilots or m == "threshold"], hashed=hashed)
+    fits = _estimates(
+        vc,
+        p,
+        k,
+        [m for m in dict.fromkeys(pilots + methods) if m in pilots or m == "threshold"],
+        hashed=hashed,
+    )
     start = None  # (shrunk start taken?, the other start's fit) when the EM chose between them
     if "deconvolution" in fits and _two_starts(vc, k, n, hashed=hashed):
         start = _take_likelier_start(vc, p, k, n, fits, _shrunk_fit(vc, p, k))
@@ -307,8 +382,9 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
             truth = counts_from_cumulative(y_p)[:D]
             y_p = np.asarray(np.cumsum(np.bincount(truth)[::-1])[::-1][1:], dtype=np.int64)
         stand_ins.append(y_p)
-        states += [counter_model.simulate_from_cumulative(rng, y_p, D, p, k)
-                   for _ in range(int(sims))]
+        states += [
+            counter_model.simulate_from_cumulative(rng, y_p, D, p, k) for _ in range(int(sims))
+        ]
     fitted = iter(zip(states, _estimates_many(states, p, k, methods, n, hashed=hashed)))
     for y_p in stand_ins:
         total = int(y_p.sum()) if n is not None else None
@@ -324,8 +400,11 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
             regret[c].append(r)
     choice = _minimax(regret)
     m, rule = choice
-    y = fits[m] if m in fits else project_l1(basic_prevalence(vc, p, layers=k, method=m,
-                                                              hashed=hashed))
+    y = (
+        fits[m]
+        if m in fits
+        else project_l1(basic_prevalence(vc, p, layers=k, method=m, hashed=hashed))
+    )
     if m != "deconvolution" or start is None:
         start = None
     else:
@@ -333,8 +412,10 @@ def _select(noisy_counts, p, *, layers, n, pilots, candidates, sims, seed, hashe
     return _capped(y, n, rule, vc, p, k), choice, start
 
 
-def selected_prevalence(noisy_counts, p, *, layers=1, n=None, hashed=False,
-                        memo: ReleaseMemo | None = None) -> np.ndarray:
+def selected_prevalence(
+    noisy_counts, p, *, layers=1, n=None, hashed=False, memo: ReleaseMemo | None = None
+) -> np.ndarray:
     """phi_{>=r} of :func:`select` as floats (``estimators.phi_estimate(method="auto")``)."""
-    return select(noisy_counts, p, layers=layers, n=n, hashed=hashed,
-                  memo=memo)[0].astype(np.float64)
+    return select(noisy_counts, p, layers=layers, n=n, hashed=hashed, memo=memo)[0].astype(
+        np.float64
+    )

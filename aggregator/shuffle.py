@@ -78,20 +78,26 @@ from scipy.special import gammaln
 from .noise import OSEntropy, p_from_epsilon
 
 __all__ = [
-    "GKMPRandomizer", "gkmp_analyze", "gkmp_delta",
-    "BalcerCheuRandomizer", "balcer_cheu_analyze", "balcer_cheu_delta",
-    "SAMPLING_TV_PER_DRAW", "ShuffleConfigError",
+    "GKMPRandomizer",
+    "gkmp_analyze",
+    "gkmp_delta",
+    "BalcerCheuRandomizer",
+    "balcer_cheu_analyze",
+    "balcer_cheu_delta",
+    "SAMPLING_TV_PER_DRAW",
+    "ShuffleConfigError",
 ]
 
 _SOURCE = OSEntropy()
 _TABLE_BITS = 128
 # bound on the total variation of one table draw (see _NegBinomial)
-SAMPLING_TV_PER_DRAW = 2.0 ** -100
+SAMPLING_TV_PER_DRAW = 2.0**-100
 DEFAULT_MAX_MESSAGES = 10_000  # expected messages per event above which a configuration is refused
 
 
 class ShuffleConfigError(ValueError):
     """A protocol configuration that cannot be run as asked (the message names the fix)."""
+
 
 # --------------------------------------------------------------------------------------------
 # exact-ish samplers
@@ -124,12 +130,12 @@ class _NegBinomial:
         with localcontext() as ctx:
             ctx.prec = 80
             kd, qd = _dec(self.k), _dec(self.q)
-            self._ln_p0_dec = kd * (1 - qd).ln()                  # ln P[X = 0] < 0
+            self._ln_p0_dec = kd * (1 - qd).ln()  # ln P[X = 0] < 0
             p0 = self._ln_p0_dec.exp()
-            nz = 1 - p0                                           # P[X >= 1]
+            nz = 1 - p0  # P[X >= 1]
             # pmf(j) / P[X >= 1] for j >= 1, by the ratio pmf(j)/pmf(j-1) = (k + j - 1) q / j
             thresholds = []
-            term = p0 * kd * qd / nz                              # pmf(1) / P[X >= 1]
+            term = p0 * kd * qd / nz  # pmf(1) / P[X >= 1]
             cdf = Decimal(0)
             tiny = Decimal(2) ** -(_TABLE_BITS + 12)
             scale = Decimal(2) ** _TABLE_BITS
@@ -138,7 +144,7 @@ class _NegBinomial:
                 cdf += term
                 if 1 - cdf <= tiny:
                     break
-                if j >= 2 ** 20:  # keeps the table's TV <= 2**20 * 2**-127 < SAMPLING_TV_PER_DRAW
+                if j >= 2**20:  # keeps the table's TV <= 2**20 * 2**-127 < SAMPLING_TV_PER_DRAW
                     raise ShuffleConfigError(f"q={q!r} is too close to 1 for an exact table")
                 thresholds.append(int((cdf * scale).to_integral_value(rounding="ROUND_FLOOR")))
                 term = term * (kd + j) * qd / (j + 1)
@@ -146,7 +152,7 @@ class _NegBinomial:
         self.p0 = float(p0)
         self.nonzero = float(nz)
         self._ln_p0 = float(self._ln_p0_dec)
-        self._t = thresholds                                      # value = 1 + #{t <= U}
+        self._t = thresholds  # value = 1 + #{t <= U}
         self._t_hi = np.array([t >> 64 for t in thresholds], dtype=np.uint64)
         self.table_size = len(thresholds) + 1
 
@@ -156,12 +162,16 @@ class _NegBinomial:
             return np.zeros(0, dtype=np.int64)
         w = _words(source, 2 * count).reshape(count, 2)
         hi, lo = w[:, 0], w[:, 1]
-        below = np.searchsorted(self._t_hi, hi, side="left")     # thresholds with hi part < U's
+        below = np.searchsorted(self._t_hi, hi, side="left")  # thresholds with hi part < U's
         out = 1 + below.astype(np.int64)
-        ties = np.nonzero((below < len(self._t))
-                          & (self._t_hi[np.minimum(below, len(self._t) - 1)] == hi))[0] \
-            if len(self._t) else np.zeros(0, dtype=np.int64)
-        for i in ties:                                            # rare: exact 128-bit comparison
+        ties = (
+            np.nonzero(
+                (below < len(self._t)) & (self._t_hi[np.minimum(below, len(self._t) - 1)] == hi)
+            )[0]
+            if len(self._t)
+            else np.zeros(0, dtype=np.int64)
+        )
+        for i in ties:  # rare: exact 128-bit comparison
             u = (int(hi[i]) << 64) | int(lo[i])
             out[i] = 1 + sum(1 for t in self._t if t <= u)
         return out
@@ -186,10 +196,10 @@ class _NegBinomial:
 
     def _gaps(self, count: int, source) -> np.ndarray:
         a = _words(source, count)
-        u = (a.astype(np.float64) + 0.5) * 2.0 ** -64
-        x = np.log(u) / self._ln_p0                               # >= 0, decreasing in U
+        u = (a.astype(np.float64) + 0.5) * 2.0**-64
+        x = np.log(u) / self._ln_p0  # >= 0, decreasing in U
         # half-width of the interval U can be in, plus float error (a few ulps, relative)
-        width = (2.0 ** -64 / np.maximum(u, 2.0 ** -64)) / abs(self._ln_p0)
+        width = (2.0**-64 / np.maximum(u, 2.0**-64)) / abs(self._ln_p0)
         guard = width + 1e-9 * (1.0 + x)
         g = np.floor(x)
         sure = (np.floor(x - guard) == g) & (np.floor(x + guard) == g) & (a >= np.uint64(1 << 32))
@@ -251,19 +261,19 @@ def gkmp_delta(epsilon: float, p: float, r: float, q: float) -> float:
     log_pf = _nb_logpmf(f, r, q)
     log_t = log_pf - 2 * f * math.log(p)
     cum = np.logaddexp.accumulate(log_t)
-    log_r = np.full(m_max + 1, 800.0)                           # R(0) = inf: no f < 0
+    log_r = np.full(m_max + 1, 800.0)  # R(0) = inf: no f < 0
     log_r[1:] = np.minimum(log_t[1:] - cum[:-1], 800.0)
-    a = np.logaddexp(0.0, log_r)                                # ln(1 + R(m))
+    a = np.logaddexp(0.0, log_r)  # ln(1 + R(m))
     pf = np.exp(log_pf)
 
-    def geo(ratio, x):                                          # sum_g ratio**g x[m - g]
+    def geo(ratio, x):  # sum_g ratio**g x[m - g]
         return lfilter([1.0], [1.0, -ratio], x)
 
-    y_act = (1 - p) * geo(p * p, pf)                            # P[G1 + F = m, G2 >= G1]
+    y_act = (1 - p) * geo(p * p, pf)  # P[G1 + F = m, G2 >= G1]
     y_off = (1 - p) * geo(p, pf) - y_act
     x_act = np.zeros_like(pf)
     x_off = np.zeros_like(pf)
-    xa = (1 - p) * p * geo(p * p, pf)                           # P[G1 + F = m - 1, G2 >= G1 + 1]
+    xa = (1 - p) * p * geo(p * p, pf)  # P[G1 + F = m - 1, G2 >= G1 + 1]
     x_act[1:] = xa[:-1]
     x_off[1:] = ((1 - p) * geo(p, pf) - xa)[:-1]
     y_vals = np.append(a, 0.0)
@@ -289,7 +299,7 @@ def _delta_of_difference(eps, a_vals, a_prob, b_vals, b_prob) -> float:
     bv, bp = b_vals[order], b_prob[order]
     c_prob = np.concatenate([[0.0], np.cumsum(bp)])
     c_exp = np.concatenate([[0.0], np.cumsum(bp * np.exp(np.minimum(bv, cap) - cap))])
-    k = np.searchsorted(bv, a_vals - eps, side="left")          # B < A - eps
+    k = np.searchsorted(bv, a_vals - eps, side="left")  # B < A - eps
     d = a_prob * (c_prob[k] - np.exp(eps - a_vals + cap) * c_exp[k])
     return out + float(np.sum(np.clip(d, 0.0, None)))
 
@@ -324,8 +334,9 @@ def _calibrate_flooding(epsilon: float, delta: float, p: float) -> tuple[Fractio
         if best is None or cost < best[2]:
             best = (r, q, cost)
     if best is None:
-        raise ShuffleConfigError(f"no flooding meets delta={delta:g} at epsilon={epsilon:g}; "
-                                 "use a larger delta or gamma")
+        raise ShuffleConfigError(
+            f"no flooding meets delta={delta:g} at epsilon={epsilon:g}; use a larger delta or gamma"
+        )
     return best[0], best[1], gkmp_delta(epsilon, p, float(best[0]), best[1])
 
 
@@ -365,8 +376,16 @@ class GKMPRandomizer:
     expected_messages : expected messages per event.
     """
 
-    def __init__(self, epsilon: float, delta: float, n: int, buckets: int, gamma: float = 0.1,
-                 max_messages: float = DEFAULT_MAX_MESSAGES, rng=None):
+    def __init__(
+        self,
+        epsilon: float,
+        delta: float,
+        n: int,
+        buckets: int,
+        gamma: float = 0.1,
+        max_messages: float = DEFAULT_MAX_MESSAGES,
+        rng=None,
+    ):
         self.epsilon, self.delta, self.n, self.buckets = _check_common(epsilon, delta, n, buckets)
         if not (0.0 < float(gamma) < 1.0):
             raise ShuffleConfigError(f"gamma must be in (0, 1), got {gamma!r}")
@@ -385,8 +404,11 @@ class GKMPRandomizer:
         self.delta_spent = d + self.sampling_tv
         # variance of one event's message count: B independent buckets, each 2 NB(1/n, p)
         # shares and 2 copies of one NB(r/n, q) flooding count (NB(k, q) variance k q / (1-q)^2)
-        self.messages_variance = self.buckets * (
-            2 * self.p / (1 - self.p) ** 2 + 4 * float(r) * q / (1 - q) ** 2) / self.n
+        self.messages_variance = (
+            self.buckets
+            * (2 * self.p / (1 - self.p) ** 2 + 4 * float(r) * q / (1 - q) ** 2)
+            / self.n
+        )
         self.max_buckets = int((max_messages - 1) / per_bucket)
         if self.expected_messages > max_messages:
             raise ShuffleConfigError(
@@ -394,19 +416,28 @@ class GKMPRandomizer:
                 f"buckets={self.buckets:,}, "
                 f"n={self.n:,}, epsilon={self.epsilon:g}, delta={self.delta:g}: above max_messages="
                 f"{max_messages:,.0f}; use at most {self.max_buckets:,} buckets, a longer window "
-                "(larger n) or a larger gamma")
+                "(larger n) or a larger gamma"
+            )
         self._source = rng if rng is not None else _SOURCE
 
     @property
     def params(self) -> dict:
         """What the analyzer must share with this randomizer (the messages' fingerprint,
         aggregator/service/shuffle_wire.py): protocol, epsilon, delta, n, buckets, gamma."""
-        return {"protocol": "gkmp", "epsilon": self.epsilon, "delta": self.delta, "n": self.n,
-                "buckets": self.buckets, "gamma": self.gamma}
+        return {
+            "protocol": "gkmp",
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "n": self.n,
+            "buckets": self.buckets,
+            "gamma": self.gamma,
+        }
 
     def __repr__(self) -> str:
-        return (f"GKMPRandomizer(epsilon={self.epsilon:g}, delta={self.delta:g}, n={self.n}, "
-                f"buckets={self.buckets}, gamma={self.gamma:g})")
+        return (
+            f"GKMPRandomizer(epsilon={self.epsilon:g}, delta={self.delta:g}, n={self.n}, "
+            f"buckets={self.buckets}, gamma={self.gamma:g})"
+        )
 
     def _noise(self, events: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """Noise rows of ``events`` clients at once, and which client each row belongs to.
@@ -468,8 +499,9 @@ def _as_rows(messages, buckets: int) -> np.ndarray:
     if m.size == 0:
         return m.reshape(0, 2)
     if m.ndim != 2 or m.shape[1] != 2:
-        raise ValueError("messages must be an (m, 2) array of (bucket, sign) rows, "
-                         f"got shape {m.shape}")
+        raise ValueError(
+            f"messages must be an (m, 2) array of (bucket, sign) rows, got shape {m.shape}"
+        )
     if m[:, 0].min() < 0 or m[:, 0].max() >= buckets:
         raise ValueError(f"a message names a bucket outside [0, {buckets})")
     return m
@@ -506,8 +538,9 @@ def balcer_cheu_delta(epsilon: float, n: int, s: float) -> float:
     inf_mass = pm[~np.isfinite(up)].sum() + pm[~np.isfinite(down)].sum()
     fin_up, fin_dn = np.isfinite(up), np.isfinite(down)
     # L = up_y + down_x = up_y - (-down_x): A = up, B = -down
-    return (_delta_of_difference(epsilon, up[fin_up], pm[fin_up], -down[fin_dn], pm[fin_dn])
-            + inf_mass)
+    return (
+        _delta_of_difference(epsilon, up[fin_up], pm[fin_up], -down[fin_dn], pm[fin_dn]) + inf_mass
+    )
 
 
 class BalcerCheuRandomizer:
@@ -524,40 +557,61 @@ class BalcerCheuRandomizer:
     expected_messages : ``1 + B s`` per event.
     """
 
-    def __init__(self, epsilon: float, delta: float, n: int, buckets: int,
-                 max_messages: float = 10 * DEFAULT_MAX_MESSAGES, rng=None):
+    def __init__(
+        self,
+        epsilon: float,
+        delta: float,
+        n: int,
+        buckets: int,
+        max_messages: float = 10 * DEFAULT_MAX_MESSAGES,
+        rng=None,
+    ):
         self.epsilon, self.delta, self.n, self.buckets = _check_common(epsilon, delta, n, buckets)
         eps1, delta1 = self.epsilon / 2, self.delta / 2
         if eps1 > 1:
-            raise ShuffleConfigError("Balcer-Cheu covers epsilon <= 2 (eps' = eps/2 <= 1), "
-                                     f"got {epsilon:g}")
-        need = 100 * math.log(2 / delta1) / eps1 ** 2
+            raise ShuffleConfigError(
+                f"Balcer-Cheu covers epsilon <= 2 (eps' = eps/2 <= 1), got {epsilon:g}"
+            )
+        need = 100 * math.log(2 / delta1) / eps1**2
         if self.n < need:
-            raise ShuffleConfigError("Balcer-Cheu needs n >= 100 ln(2/delta') / eps'^2 = "
-                                     f"{math.ceil(need):,} events per window at "
-                                     f"epsilon={epsilon:g}, delta={delta:g}; got n={n:,}")
-        blanket = 1 - 50 * math.log(2 / delta1) / (eps1 ** 2 * self.n)
-        self._threshold = int(math.floor(blanket * 2 ** 64))     # Ber(s) with s = threshold / 2^64
-        self.s = self._threshold / 2 ** 64
+            raise ShuffleConfigError(
+                "Balcer-Cheu needs n >= 100 ln(2/delta') / eps'^2 = "
+                f"{math.ceil(need):,} events per window at "
+                f"epsilon={epsilon:g}, delta={delta:g}; got n={n:,}"
+            )
+        blanket = 1 - 50 * math.log(2 / delta1) / (eps1**2 * self.n)
+        self._threshold = int(math.floor(blanket * 2**64))  # Ber(s) with s = threshold / 2^64
+        self.s = self._threshold / 2**64
         self.expected_messages = 1 + self.buckets * self.s
         self.messages_variance = self.buckets * self.s * (1 - self.s)
         if self.expected_messages > max_messages:
-            raise ShuffleConfigError(f"{self.expected_messages:,.0f} messages per event expected "
-                                     "(about one per bucket): above "
-                                     f"max_messages={max_messages:,.0f}; use fewer buckets")
-        self.delta_spent = (balcer_cheu_delta(self.epsilon, self.n, self.s) if self.n <= 5_000_000
-                            else None)
+            raise ShuffleConfigError(
+                f"{self.expected_messages:,.0f} messages per event expected "
+                "(about one per bucket): above "
+                f"max_messages={max_messages:,.0f}; use fewer buckets"
+            )
+        self.delta_spent = (
+            balcer_cheu_delta(self.epsilon, self.n, self.s) if self.n <= 5_000_000 else None
+        )
         self._source = rng if rng is not None else _SOURCE
 
     @property
     def params(self) -> dict:
         """Protocol, epsilon, delta, n, buckets (no gamma): see GKMPRandomizer.params."""
-        return {"protocol": "balcer-cheu", "epsilon": self.epsilon, "delta": self.delta,
-                "n": self.n, "buckets": self.buckets, "gamma": None}
+        return {
+            "protocol": "balcer-cheu",
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "n": self.n,
+            "buckets": self.buckets,
+            "gamma": None,
+        }
 
     def __repr__(self) -> str:
-        return (f"BalcerCheuRandomizer(epsilon={self.epsilon:g}, delta={self.delta:g}, n={self.n}, "
-                f"buckets={self.buckets})")
+        return (
+            f"BalcerCheuRandomizer(epsilon={self.epsilon:g}, delta={self.delta:g}, n={self.n}, "
+            f"buckets={self.buckets})"
+        )
 
     def _blanket(self) -> np.ndarray:
         w = _words(self._source, self.buckets)
@@ -575,8 +629,9 @@ class BalcerCheuRandomizer:
         return _rows(self._blanket(), 1)
 
 
-def balcer_cheu_analyze(messages, buckets: int, randomizer=None, *, n: int | None = None,
-                        s: float | None = None) -> np.ndarray:
+def balcer_cheu_analyze(
+    messages, buckets: int, randomizer=None, *, n: int | None = None, s: float | None = None
+) -> np.ndarray:
     """Seed 002's analyzer: ``N_j - s n`` where ``N_j > n``, else 0 (float64, length B).
 
     ``n`` and ``s`` come from ``randomizer`` (a :class:`BalcerCheuRandomizer`) or are given.

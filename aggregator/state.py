@@ -64,8 +64,20 @@ _FORMAT = "panagg.state"
 _VERSION = 1
 # The only fields a snapshot may carry; tests assert this set so nothing RNG-related sneaks in.
 SNAPSHOT_FIELDS = frozenset(
-    {"format", "version", "mode", "size", "key", "epsilon", "neighbor", "p", "layers", "n",
-     "counts", "checksum"}
+    {
+        "format",
+        "version",
+        "mode",
+        "size",
+        "key",
+        "epsilon",
+        "neighbor",
+        "p",
+        "layers",
+        "n",
+        "counts",
+        "checksum",
+    }
 )
 
 
@@ -124,13 +136,22 @@ class PanPrivateHistogram:
         Test-only noise source with a ``bytes(n)`` method; never stored on the object.
     """
 
-    def __init__(self, epsilon: float, *, size: int | None = None, buckets: int | None = None,
-                 neighbor: str = "replace-one", key: bytes | None = None, rng=None):
+    def __init__(
+        self,
+        epsilon: float,
+        *,
+        size: int | None = None,
+        buckets: int | None = None,
+        neighbor: str = "replace-one",
+        key: bytes | None = None,
+        rng=None,
+    ):
         if (size is None) == (buckets is None):
             raise ValueError("give exactly one of size= (direct mode) or buckets= (hashed mode)")
         if neighbor not in NEIGHBOR_RELATIONS:
-            raise ValueError(f"neighbor must be one of {sorted(NEIGHBOR_RELATIONS)}, "
-                             f"got {neighbor!r}")
+            raise ValueError(
+                f"neighbor must be one of {sorted(NEIGHBOR_RELATIONS)}, got {neighbor!r}"
+            )
         length = size if size is not None else buckets
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
             raise ValueError(f"size/buckets must be a positive integer, got {length!r}")
@@ -262,8 +283,9 @@ class PanPrivateHistogram:
         mine = (self._mode, self.size, self._key, self._p, self._neighbor)
         theirs = (other._mode, other.size, other._key, other._p, other._neighbor)
         if mine != theirs:
-            raise ValueError("cannot merge states with different mode, size, key, epsilon "
-                             "or neighbor")
+            raise ValueError(
+                "cannot merge states with different mode, size, key, epsilon or neighbor"
+            )
         self._counts += other._counts
         self._layers += other._layers
         if self._n is not None:
@@ -298,9 +320,16 @@ class PanPrivateHistogram:
         The field set is always :data:`SNAPSHOT_FIELDS`; ``n`` is nil for an add-remove state.
         """
         header = {
-            "format": _FORMAT, "version": _VERSION, "mode": self._mode, "size": self.size,
-            "key": self._key, "epsilon": self._epsilon, "neighbor": self._neighbor, "p": self._p,
-            "layers": self._layers, "n": self._n,
+            "format": _FORMAT,
+            "version": _VERSION,
+            "mode": self._mode,
+            "size": self.size,
+            "key": self._key,
+            "epsilon": self._epsilon,
+            "neighbor": self._neighbor,
+            "p": self._p,
+            "layers": self._layers,
+            "n": self._n,
         }
         counts = np.ascontiguousarray(self._counts, dtype="<i8").data.cast("B")
         body = dict(header, counts=counts, checksum=_checksum(header, counts))
@@ -354,5 +383,7 @@ class PanPrivateHistogram:
     def __repr__(self) -> str:
         what = f"size={self.size}" if self._mode == "direct" else f"buckets={self.size}"
         count = f", n={self._n}" if self._n is not None else ""
-        return (f"PanPrivateHistogram(epsilon={self._epsilon}, {what}, "
-                f"neighbor={self._neighbor!r}, layers={self._layers}{count})")
+        return (
+            f"PanPrivateHistogram(epsilon={self._epsilon}, {what}, "
+            f"neighbor={self._neighbor!r}, layers={self._layers}{count})"
+        )

@@ -37,8 +37,13 @@ import numpy as np
 
 from .counters import check_layers, check_p, noisy_value_counts
 
-__all__ = ["threshold_kernel", "THRESHOLD_MAX_GAIN", "THRESHOLD_GRID_LAYERS", "threshold_usable",
-           "cumulative_prevalence"]
+__all__ = [
+    "threshold_kernel",
+    "THRESHOLD_MAX_GAIN",
+    "THRESHOLD_GRID_LAYERS",
+    "threshold_usable",
+    "cumulative_prevalence",
+]
 
 
 def threshold_kernel(p: float, layers: int = 1) -> tuple[int, np.ndarray]:
@@ -114,7 +119,7 @@ def cumulative_prevalence(noisy_counts, p, *, layers=1, R=None) -> np.ndarray:
     c = np.zeros(vhi - vlo + 1, dtype=np.float64)
     a, b = max(vc.lo, vlo), min(vc.hi, vhi)
     if a <= b:
-        c[a - vlo: b - vlo + 1] = vc.c[a - vc.lo: b - vc.lo + 1]
+        c[a - vlo : b - vlo + 1] = vc.c[a - vc.lo : b - vc.lo + 1]
     above = np.concatenate([np.cumsum(vc.c[::-1])[::-1], [0]])  # above[i] = #{v >= lo + i}
     # ge[r - 1] = #{h' >= r + k} = above[r + k - lo], r = 1..R: a slice of `above` (all counters
     # before its start, none past its end); slices, not index arrays: R is ~1e6 at D = 1e7
@@ -122,7 +127,7 @@ def cumulative_prevalence(noisy_counts, p, *, layers=1, R=None) -> np.ndarray:
     first = 1 + k - vc.lo  # index into `above` of r = 1
     a0, b0 = max(first, 0), min(first + R, len(above))
     if a0 < b0:
-        ge[a0 - first: b0 - first] = above[a0:b0]
+        ge[a0 - first : b0 - first] = above[a0:b0]
     ge[: max(0, min(-first, R))] = vc.total  # r + k <= lo
     # sum_{m=-k}^{k-1} F(m) c_{r+m}: a correlation of c with F
     corr = np.correlate(c, F, mode="valid")  # corr[i] = sum_m F[m-m0] c[i + m - m0]

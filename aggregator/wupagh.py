@@ -72,8 +72,13 @@ import numpy as np
 
 from .counters import noisy_value_counts
 
-__all__ = ["inverse_filter", "unbiased_profile", "project_simplex", "wupagh_profile",
-           "wupagh_prevalence"]
+__all__ = [
+    "inverse_filter",
+    "unbiased_profile",
+    "project_simplex",
+    "wupagh_profile",
+    "wupagh_prevalence",
+]
 
 
 def inverse_filter(p: float, layers: int = 1) -> np.ndarray:
@@ -115,7 +120,7 @@ def unbiased_profile(noisy_counts, p: float, layers: int = 1) -> np.ndarray:
     c = np.zeros(hi - lo + 1)
     a, b = max(vc.lo, lo), min(vc.hi, hi)
     if a <= b:
-        c[a - lo: b - lo + 1] = vc.c[a - vc.lo: b - vc.lo + 1]
+        c[a - lo : b - lo + 1] = vc.c[a - vc.lo : b - vc.lo + 1]
     # g is symmetric, so correlation = convolution; "valid" leaves t = 0..T
     return np.convolve(c, g, mode="valid")
 

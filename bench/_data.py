@@ -59,6 +59,7 @@ def real_profile(name: str) -> np.ndarray:
     src, lang = name.split("-", 1)
     if src == "wf":
         import wordfreq
+
         f = np.fromiter(wordfreq.get_frequency_dict(lang, wordlist="large").values(), np.float64)
         f = np.sort(f)[::-1][:REAL_TOP]
     elif src == "sc":
@@ -66,30 +67,39 @@ def real_profile(name: str) -> np.ndarray:
         import json
         import os
         import spellchecker
+
         path = os.path.join(os.path.dirname(spellchecker.__file__), "resources", f"{lang}.json.gz")
         with gzip.open(path) as fh:
             f = np.sort(np.fromiter(json.load(fh).values(), np.float64))[::-1]
     elif src == "ss":
         import os
         import symspellpy
+
         base = os.path.dirname(symspellpy.__file__)
-        fn = ("frequency_bigramdictionary_en_243_342.txt" if lang == "en2"
-              else "frequency_dictionary_en_82_765.txt")
+        fn = (
+            "frequency_bigramdictionary_en_243_342.txt"
+            if lang == "en2"
+            else "frequency_dictionary_en_82_765.txt"
+        )
         with open(os.path.join(base, fn), encoding="utf-8") as fh:
             f = np.sort(np.array([float(line.split()[-1]) for line in fh if line.strip()]))[::-1]
     elif src == "jb":  # jieba's dictionary: word, count, part of speech per line
         import os
         import jieba
-        with open(os.path.join(os.path.dirname(jieba.__file__), "dict.txt"),
-                  encoding="utf-8") as fh:
+
+        with open(
+            os.path.join(os.path.dirname(jieba.__file__), "dict.txt"), encoding="utf-8"
+        ) as fh:
             f = np.sort(np.array([float(line.split()[1]) for line in fh if line.strip()]))[::-1]
     elif src == "ac":  # autocorrect's English word counts (word_count.json in en.tar.gz)
         import json
         import os
         import tarfile
         import autocorrect
-        with tarfile.open(os.path.join(os.path.dirname(autocorrect.__file__), "data",
-                                       "en.tar.gz")) as tar:
+
+        with tarfile.open(
+            os.path.join(os.path.dirname(autocorrect.__file__), "data", "en.tar.gz")
+        ) as tar:
             member = next(m for m in tar.getmembers() if m.name.endswith("word_count.json"))
             counts = json.load(tar.extractfile(member))
         f = np.sort(np.fromiter(counts.values(), np.float64))[::-1]
@@ -98,14 +108,18 @@ def real_profile(name: str) -> np.ndarray:
         import keyword
         import sysconfig
         import tokenize
+
         c = collections.Counter()
         for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
             if {"site-packages", "test", "tests"} & set(path.parts):
                 continue
             try:
                 with open(path, "rb") as fh:
-                    c.update(t.string for t in tokenize.tokenize(fh.readline)
-                             if t.type == tokenize.NAME and not keyword.iskeyword(t.string))
+                    c.update(
+                        t.string
+                        for t in tokenize.tokenize(fh.readline)
+                        if t.type == tokenize.NAME and not keyword.iskeyword(t.string)
+                    )
             except (SyntaxError, tokenize.TokenError, UnicodeDecodeError):
                 continue  # (a few files are deliberately broken or in other encodings)
         f = np.sort(np.fromiter(c.values(), np.float64))[::-1]
@@ -127,7 +141,7 @@ def weights(dist: str, D: int) -> np.ndarray:
         return w
     i = np.arange(1, D + 1, dtype=np.float64)
     if dist == "zipf":
-        w = i ** -1.1
+        w = i**-1.1
     elif dist.startswith("zipf"):
         w = i ** -float(dist[4:])
     elif dist == "heavy":

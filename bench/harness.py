@@ -40,9 +40,26 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ROOT", "git_rev", "cpu_model", "versions", "provenance", "Timer", "timed", "mean_se",
-           "ratio_se", "fmt", "md_table", "write_doc_section", "pyplot", "parse_shard", "shard_arg",
-           "shard_of", "parser", "run_resumable"]
+__all__ = [
+    "ROOT",
+    "git_rev",
+    "cpu_model",
+    "versions",
+    "provenance",
+    "Timer",
+    "timed",
+    "mean_se",
+    "ratio_se",
+    "fmt",
+    "md_table",
+    "write_doc_section",
+    "pyplot",
+    "parse_shard",
+    "shard_arg",
+    "shard_of",
+    "parser",
+    "run_resumable",
+]
 
 #: the repository root: benches run from it (``python -m bench.<package>.<name>``)
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,12 +88,22 @@ def ratio_se(a, b) -> tuple[float, float]:
 def git_rev(modules) -> str:
     """Short HEAD, noting which of ``modules`` the working tree changes (benchmark provenance)."""
     import subprocess
+
     root = ROOT
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                             capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--name-only", "HEAD", "--", *modules],
-                               cwd=root, text=True, capture_output=True).stdout.split()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "diff", "--name-only", "HEAD", "--", *modules],
+            cwd=root,
+            text=True,
+            capture_output=True,
+        ).stdout.split()
         return rev + (f" (working tree differs from it in {', '.join(dirty)})" if dirty else "")
     except Exception:
         return "unknown"
@@ -84,6 +111,7 @@ def git_rev(modules) -> str:
 
 def cpu_model() -> str:
     import platform
+
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -94,9 +122,10 @@ def cpu_model() -> str:
 
 
 def versions(packages) -> str:
-    """"Python x.y.z, numpy a.b, ..." for the packages that are installed."""
+    """ "Python x.y.z, numpy a.b, ..." for the packages that are installed."""
     import platform
     from importlib.metadata import version
+
     out = [f"Python {platform.python_version()}"]
     for pkg in packages:
         try:
@@ -109,8 +138,7 @@ def versions(packages) -> str:
 def provenance(modules=("aggregator",), packages=("numpy",)) -> str:
     """One line for a result's header: the git revision (:func:`git_rev` of ``modules``), the CPU
     and its count, and the versions of ``packages``."""
-    return (f"git {git_rev(modules)}; {os.cpu_count()} CPUs, {cpu_model()}; "
-            f"{versions(packages)}")
+    return f"git {git_rev(modules)}; {os.cpu_count()} CPUs, {cpu_model()}; {versions(packages)}"
 
 
 def _num(v: float, digits: int) -> str:
@@ -146,13 +174,17 @@ class Timer:
 def write_doc_section(doc, marker: str, name: str, lines: list[str], title: str = "") -> None:
     """Replace (or append) the block between ``<!-- MARKER NAME begin/end -->`` in ``doc``."""
     import re
+
     doc = Path(doc)
     begin, end = f"<!-- {marker} {name} begin -->", f"<!-- {marker} {name} end -->"
     block = "\n".join([begin, *lines, end])
     text = doc.read_text() if doc.exists() else f"# {title}\n"
     pat = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = (pat.sub(lambda _: block, text) if pat.search(text)
-            else text.rstrip("\n") + "\n\n" + block + "\n")
+    text = (
+        pat.sub(lambda _: block, text)
+        if pat.search(text)
+        else text.rstrip("\n") + "\n\n" + block + "\n"
+    )
     doc.write_text(text)
 
 
@@ -174,8 +206,7 @@ def timed(fn, reps: int = 1) -> list[float]:
 
 def md_table(header, rows) -> list[str]:
     """A markdown table's lines: ``header`` (column names) then one line per row."""
-    out = ["| " + " | ".join(str(h) for h in header) + " |",
-           "|" + "---|" * len(header)]
+    out = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return out
 
@@ -183,8 +214,10 @@ def md_table(header, rows) -> list[str]:
 def pyplot():
     """matplotlib's pyplot on the Agg backend (files only: benchmarks run without a display)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -229,9 +262,12 @@ def parser(doc: str, smoke: str = "") -> argparse.ArgumentParser:
     True
     """
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
-    ap.add_argument("--smoke", action="store_true",
-                    help="a tiny run for the test suite, seconds long, writing no doc"
-                    + (f" ({smoke})" if smoke else ""))
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny run for the test suite, seconds long, writing no doc"
+        + (f" ({smoke})" if smoke else ""),
+    )
     return ap
 
 

@@ -22,9 +22,9 @@ class Segment:
     slicing, ``len``), not necessarily lists: the Kafka source gives a ``range`` for consecutive
     offsets and reads keys and headers from its records only where they are used."""
 
-    partition: str          # stable key, e.g. "logins:3", "file:events.jsonl", "generator"
+    partition: str  # stable key, e.g. "logins:3", "file:events.jsonl", "generator"
     offsets: Sequence[int]  # offset of each record, increasing
-    values: list[bytes]     # raw message values, same length as offsets
+    values: list[bytes]  # raw message values, same length as offsets
     keys: Sequence | None = None  # record keys where the source has them (Kafka), else None
     headers: Sequence | None = None  # record headers, [(name, bytes), ...] each (Kafka), else None
     #: record timestamps in ms since the epoch (Kafka; -1 or None: the record has none), else

@@ -100,11 +100,17 @@ class ItemSpec:
     @classmethod
     def from_config(cls, item: dict) -> "ItemSpec":
         fp = tuple(item["filter_field"].split(".")) if item["filter_field"] else None
-        return cls(source=item["source"], path=tuple(item["field"].split(".")),
-                   header=item["header"], coerce=bool(item["coerce"]),
-                   nfc=item["normalize"] == "nfc", casefold=bool(item["casefold"]),
-                   filter_path=fp, filter_value=str(item["filter_value"]),
-                   filter_exclude=(frozenset(map(str, item.get("filter_exclude") or ())) or None))
+        return cls(
+            source=item["source"],
+            path=tuple(item["field"].split(".")),
+            header=item["header"],
+            coerce=bool(item["coerce"]),
+            nfc=item["normalize"] == "nfc",
+            casefold=bool(item["casefold"]),
+            filter_path=fp,
+            filter_value=str(item["filter_value"]),
+            filter_exclude=(frozenset(map(str, item.get("filter_exclude") or ())) or None),
+        )
 
     def passes(self, value) -> bool:
         """Whether a record whose value at ``filter_path`` is ``value`` is an event."""
@@ -145,8 +151,10 @@ def _pluck(objs: list, path: tuple) -> list:
         return [o.get(a, M) if type(o) is dict else None for o in objs]
     if len(path) == 2 and not path[1].isdigit():
         a, b = path
-        return [(v.get(b, M) if type(v) is dict else M) if v is not None else None
-                for v in [o.get(a, M) if type(o) is dict else None for o in objs]]
+        return [
+            (v.get(b, M) if type(v) is dict else M) if v is not None else None
+            for v in [o.get(a, M) if type(o) is dict else None for o in objs]
+        ]
     return [_walk(o, path) if type(o) is dict else None for o in objs]
 
 
@@ -162,8 +170,11 @@ def _matches(values: list, want: str) -> list:
     for i, v in enumerate(values):
         if not out[i] and type(v) is not str and v is not _MISSING:
             t = type(v)
-            out[i] = ((t is int and v == as_int) or (t is bool and v is as_bool) or
-                      (t is bytes and _as_text(v) == want))
+            out[i] = (
+                (t is int and v == as_int)
+                or (t is bool and v is as_bool)
+                or (t is bytes and _as_text(v) == want)
+            )
     return out
 
 
@@ -227,9 +238,14 @@ class Decoder:
     ([3], [(1, 'undecodable'), (2, 'out_of_range')])
     """
 
-    def __init__(self, fmt: str = "msgpack", domain_size: int | None = None,
-                 max_message_bytes: int = 65536, max_item_bytes: int = 1024,
-                 spec: ItemSpec | None = None):
+    def __init__(
+        self,
+        fmt: str = "msgpack",
+        domain_size: int | None = None,
+        max_message_bytes: int = 65536,
+        max_item_bytes: int = 1024,
+        spec: ItemSpec | None = None,
+    ):
         if fmt not in ("msgpack", "json"):
             raise ValueError(f"format must be 'msgpack' or 'json', got {fmt!r}")
         self.fmt = fmt
@@ -321,8 +337,9 @@ class Decoder:
                 return None, "oversized"
             return item, None
         if len(item) > self.max_item_bytes or (
-                isinstance(item, str)
-                and len(item.encode("utf-8", "surrogatepass")) > self.max_item_bytes):
+            isinstance(item, str)
+            and len(item.encode("utf-8", "surrogatepass")) > self.max_item_bytes
+        ):
             return None, "oversized"
         if isinstance(item, str):
             try:
@@ -388,8 +405,11 @@ class Decoder:
             if set(map(type, objs)) != {dict}:
                 return None  # not_a_map: the per-message path names it
             values = _pluck(objs, spec.filter_path)
-            match = (_matches(values, spec.filter_value) if spec.filter_exclude is None
-                     else [spec.passes(v) for v in values])
+            match = (
+                _matches(values, spec.filter_value)
+                if spec.filter_exclude is None
+                else [spec.passes(v) for v in values]
+            )
             if not all(match):
                 mask = np.fromiter(match, bool, n)
                 keep = np.flatnonzero(mask).tolist()
@@ -468,8 +488,9 @@ class Decoder:
         inside = arr < self.domain_size
         if inside.all():
             return DecodedBatch(items=arr, rejected=[])
-        return DecodedBatch(items=arr[inside], rejected=[(int(i), "out_of_range")
-                                                         for i in np.flatnonzero(~inside)])
+        return DecodedBatch(
+            items=arr[inside], rejected=[(int(i), "out_of_range") for i in np.flatnonzero(~inside)]
+        )
 
     def decode(self, values, keys=None, headers=None) -> DecodedBatch:
         """Decode a batch; ``keys`` and ``headers`` (per record, Kafka) where the item comes
@@ -495,8 +516,11 @@ class Decoder:
                 if plain:
                     item, reason = self.decode_one(raw)
                 else:
-                    item, reason = self.decode_one(raw, None if keys is None else keys[i],
-                                                   None if headers is None else headers[i])
+                    item, reason = self.decode_one(
+                        raw,
+                        None if keys is None else keys[i],
+                        None if headers is None else headers[i],
+                    )
             except Exception:
                 item, reason = None, "undecodable"
             if reason is None:

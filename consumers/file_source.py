@@ -32,8 +32,9 @@ class FileSource(Source):
         Records per segment.
     """
 
-    def __init__(self, path: str, fmt: str = "json", batch: int = 65536,
-                 progress: bool | None = None):
+    def __init__(
+        self, path: str, fmt: str = "json", batch: int = 65536, progress: bool | None = None
+    ):
         if fmt not in ("json", "msgpack"):
             raise ValueError(f"format must be 'json' or 'msgpack', got {fmt!r}")
         self.path, self.fmt, self.batch = path, fmt, int(batch)

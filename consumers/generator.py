@@ -40,12 +40,22 @@ class ZipfLogins:
     1000
     """
 
-    def __init__(self, events: int, accounts: int, s: float = 1.1, batch: int = 65536,
-                 seed: int | None = None):
+    def __init__(
+        self,
+        events: int,
+        accounts: int,
+        s: float = 1.1,
+        batch: int = 65536,
+        seed: int | None = None,
+    ):
         if events < 0 or accounts < 1 or batch < 1 or s <= 0:
             raise ValueError("need events >= 0, accounts >= 1, batch >= 1, s > 0")
-        self.events, self.accounts, self.s, self.batch = (int(events), int(accounts), float(s),
-                                                          int(batch))
+        self.events, self.accounts, self.s, self.batch = (
+            int(events),
+            int(accounts),
+            float(s),
+            int(batch),
+        )
         self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
         w = 1.0 / np.arange(1, self.accounts + 1, dtype=np.float64) ** self.s
         self._cdf = np.cumsum(w / w.sum())

@@ -18,8 +18,17 @@ import threading
 from collections.abc import Mapping
 from contextlib import contextmanager
 
-__all__ = ["PROTOCOLS", "MECHANISMS", "KafkaConnectError", "SecurityError", "client_options",
-           "read_password", "diagnose_connect", "check_security", "redacted"]
+__all__ = [
+    "PROTOCOLS",
+    "MECHANISMS",
+    "KafkaConnectError",
+    "SecurityError",
+    "client_options",
+    "read_password",
+    "diagnose_connect",
+    "check_security",
+    "redacted",
+]
 
 log = logging.getLogger("panagg.kafka")
 
@@ -48,8 +57,11 @@ def _tls(sec: dict) -> bool:
 def redacted(cfg: Mapping) -> dict:
     """``cfg`` with every secret value blanked (for files written next to the checkpoints)."""
     # a typed config (aggregator/service/settings.py) gives its plain form: lists, not tuples
-    out = cfg.to_dict() if hasattr(cfg, "to_dict") else {
-        section: dict(values) for section, values in cfg.items()}
+    out = (
+        cfg.to_dict()
+        if hasattr(cfg, "to_dict")
+        else {section: dict(values) for section, values in cfg.items()}
+    )
     sec = out.get("security")
     if sec:
         for key in _SECRET_KEYS:
@@ -64,53 +76,71 @@ def check_security(sec: Mapping, env: dict | None = None) -> None:
     env = os.environ if env is None else env
     proto = sec["protocol"]
     if proto not in PROTOCOLS:
-        raise SecurityError(f"security.protocol must be one of {', '.join(PROTOCOLS)}, got "
-                            f"{proto!r}; set it in the config file [security] or "
-                            "PANAGG_SECURITY_PROTOCOL")
+        raise SecurityError(
+            f"security.protocol must be one of {', '.join(PROTOCOLS)}, got "
+            f"{proto!r}; set it in the config file [security] or "
+            "PANAGG_SECURITY_PROTOCOL"
+        )
     sources = [k for k in ("password_file", "password_env", "password") if sec.get(k)]
     if _sasl(sec):
         if sec["sasl_mechanism"] not in MECHANISMS:
-            raise SecurityError(f"security.protocol = {proto} needs security.sasl_mechanism, one "
-                                f"of {', '.join(MECHANISMS)} (got {sec['sasl_mechanism']!r}); "
-                                "ask the cluster's operator which one it enables")
+            raise SecurityError(
+                f"security.protocol = {proto} needs security.sasl_mechanism, one "
+                f"of {', '.join(MECHANISMS)} (got {sec['sasl_mechanism']!r}); "
+                "ask the cluster's operator which one it enables"
+            )
         if not sec["username"]:
-            raise SecurityError(f"security.protocol = {proto} needs security.username (the SASL "
-                                "user)")
+            raise SecurityError(
+                f"security.protocol = {proto} needs security.username (the SASL user)"
+            )
         if not sources:
-            raise SecurityError(f"security.protocol = {proto} needs the SASL password: set "
-                                "security.password_file (a file holding it) or "
-                                "security.password_env (the name of an environment variable "
-                                "holding it)")
+            raise SecurityError(
+                f"security.protocol = {proto} needs the SASL password: set "
+                "security.password_file (a file holding it) or "
+                "security.password_env (the name of an environment variable "
+                "holding it)"
+            )
         if len(sources) > 1:
-            raise SecurityError(f"the SASL password is given {len(sources)} ways "
-                                f"({', '.join('security.' + k for k in sources)}); keep one")
+            raise SecurityError(
+                f"the SASL password is given {len(sources)} ways "
+                f"({', '.join('security.' + k for k in sources)}); keep one"
+            )
         if sources == ["password"] and not sec["allow_inline_password"]:
-            raise SecurityError("security.password puts the secret in the configuration itself "
-                                "(config files and shell history get copied and shared); put it "
-                                "in a file (security.password_file) or an environment variable "
-                                "(security.password_env), or set security.allow_inline_password "
-                                "= true to insist")
+            raise SecurityError(
+                "security.password puts the secret in the configuration itself "
+                "(config files and shell history get copied and shared); put it "
+                "in a file (security.password_file) or an environment variable "
+                "(security.password_env), or set security.allow_inline_password "
+                "= true to insist"
+            )
         read_password(sec, env)  # readable now, not at the first reconnect
     else:
         used = [k for k in ("sasl_mechanism", "username", *sources) if sec.get(k)]
         if used:
-            raise SecurityError(f"security.{used[0]} is set but security.protocol = {proto} "
-                                "does not use SASL; set security.protocol = SASL_SSL (or "
-                                f"SASL_PLAINTEXT), or remove security.{used[0]}")
-    tls_files = [k for k in ("ca_file", "cert_file", "key_file", "key_password_file")
-                 if sec.get(k)]
+            raise SecurityError(
+                f"security.{used[0]} is set but security.protocol = {proto} "
+                "does not use SASL; set security.protocol = SASL_SSL (or "
+                f"SASL_PLAINTEXT), or remove security.{used[0]}"
+            )
+    tls_files = [k for k in ("ca_file", "cert_file", "key_file", "key_password_file") if sec.get(k)]
     if tls_files and not _tls(sec):
-        raise SecurityError(f"security.{tls_files[0]} is set but security.protocol = {proto} "
-                            "does not use TLS; set security.protocol = SSL or SASL_SSL, or "
-                            f"remove security.{tls_files[0]}")
+        raise SecurityError(
+            f"security.{tls_files[0]} is set but security.protocol = {proto} "
+            "does not use TLS; set security.protocol = SSL or SASL_SSL, or "
+            f"remove security.{tls_files[0]}"
+        )
     for key in tls_files:
         path = sec[key]
         if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            raise SecurityError(f"security.{key} = {path} is not a readable file; give the path "
-                                "of the PEM file (readable by the user panagg runs as)")
+            raise SecurityError(
+                f"security.{key} = {path} is not a readable file; give the path "
+                "of the PEM file (readable by the user panagg runs as)"
+            )
     if sec.get("key_file") and not sec.get("cert_file"):
-        raise SecurityError("security.key_file is set without security.cert_file; give the "
-                            "client certificate too (PEM)")
+        raise SecurityError(
+            "security.key_file is set without security.cert_file; give the "
+            "client certificate too (PEM)"
+        )
 
 
 def read_password(sec: Mapping, env: dict | None = None) -> str:
@@ -122,25 +152,32 @@ def read_password(sec: Mapping, env: dict | None = None) -> str:
             with open(path, encoding="utf-8") as f:
                 value = f.read()
         except OSError as exc:
-            raise SecurityError(f"security.password_file = {path} cannot be read "
-                                f"({exc.strerror}); give a file readable by the user panagg "
-                                "runs as") from None
+            raise SecurityError(
+                f"security.password_file = {path} cannot be read "
+                f"({exc.strerror}); give a file readable by the user panagg "
+                "runs as"
+            ) from None
         except UnicodeDecodeError:
-            raise SecurityError(f"security.password_file = {path} is not UTF-8 text; write the "
-                                "password into it as text") from None
+            raise SecurityError(
+                f"security.password_file = {path} is not UTF-8 text; write the "
+                "password into it as text"
+            ) from None
         value = value[:-1] if value.endswith("\n") else value
         value = value[:-1] if value.endswith("\r") else value
         if not value:
-            raise SecurityError(f"security.password_file = {path} is empty; write the SASL "
-                                "password into it")
+            raise SecurityError(
+                f"security.password_file = {path} is empty; write the SASL password into it"
+            )
         return value
     if sec.get("password_env"):
         name = sec["password_env"]
         value = env.get(name, "")
         if not value:
-            raise SecurityError(f"security.password_env names the environment variable {name}, "
-                                "which is not set (or empty); export it in the service's "
-                                "environment (e.g. systemd EnvironmentFile=)")
+            raise SecurityError(
+                f"security.password_env names the environment variable {name}, "
+                "which is not set (or empty); export it in the service's "
+                "environment (e.g. systemd EnvironmentFile=)"
+            )
         return value
     return sec.get("password", "")
 
@@ -153,18 +190,25 @@ def client_options(sec: Mapping | None, env: dict | None = None) -> dict:
     check_security(sec, env)
     out: dict = {"security_protocol": sec["protocol"]}
     if _sasl(sec):
-        out.update(sasl_mechanism=sec["sasl_mechanism"], sasl_plain_username=sec["username"],
-                   sasl_plain_password=read_password(sec, env))
+        out.update(
+            sasl_mechanism=sec["sasl_mechanism"],
+            sasl_plain_username=sec["username"],
+            sasl_plain_password=read_password(sec, env),
+        )
         if sec.get("password") and "inline" not in _warned:
             _warned.add("inline")
-            log.warning("the SASL password is inline in the configuration "
-                        "(security.allow_inline_password = true); prefer security.password_file "
-                        "or security.password_env")
+            log.warning(
+                "the SASL password is inline in the configuration "
+                "(security.allow_inline_password = true); prefer security.password_file "
+                "or security.password_env"
+            )
         if sec["protocol"] == "SASL_PLAINTEXT" and "cleartext" not in _warned:
             _warned.add("cleartext")
-            log.warning("security.protocol = SASL_PLAINTEXT: records%s cross the network "
-                        "unencrypted; use SASL_SSL outside a trusted network",
-                        " and the password" if sec["sasl_mechanism"] == "PLAIN" else "")
+            log.warning(
+                "security.protocol = SASL_PLAINTEXT: records%s cross the network "
+                "unencrypted; use SASL_SSL outside a trusted network",
+                " and the password" if sec["sasl_mechanism"] == "PLAIN" else "",
+            )
     if _tls(sec):
         out["ssl_check_hostname"] = bool(sec["check_hostname"])
         if sec["ca_file"]:
@@ -177,38 +221,67 @@ def client_options(sec: Mapping | None, env: dict | None = None) -> dict:
             out["ssl_password"] = read_password({"password_file": sec["key_password_file"]}, env)
         if not sec["check_hostname"] and "hostname" not in _warned:
             _warned.add("hostname")
-            log.warning("security.check_hostname = false: the broker's certificate is not "
-                        "checked against its name (any holder of a certificate from the CA can "
-                        "pose as the broker)")
+            log.warning(
+                "security.check_hostname = false: the broker's certificate is not "
+                "checked against its name (any holder of a certificate from the CA can "
+                "pose as the broker)"
+            )
     return out
 
 
 # -- why a secured connection failed: kafka-python logs the cause and raises a timeout ----------
 _CAUSES = (
     # (substring of the client's log line, the fix); first match wins
-    ("SaslAuthenticationFailed", "SASL authentication failed for user {user!r} "
-     "({mechanism}): the broker rejected the credentials; check security.username and the "
-     "password in {password_source} (and that the user exists for {mechanism} on the cluster)"),
-    ("UnsupportedSaslMechanism", "the broker does not enable SASL mechanism {mechanism}; set "
-     "security.sasl_mechanism to one the cluster enables (ask its operator)"),
-    ("Hostname mismatch", "the broker's TLS certificate is not valid for the name in "
-     "source.bootstrap ({bootstrap}); connect by a name or address the certificate lists, or "
-     "(only if you must) set security.check_hostname = false"),
-    ("CERTIFICATE_VERIFY_FAILED", "the broker's TLS certificate is not signed by a CA that "
-     "security.ca_file trusts ({ca}); set security.ca_file to the CA that signed the broker's "
-     "certificate"),
-    ("ALERT_BAD_CERTIFICATE", "the broker rejected the client certificate (mutual TLS); set "
-     "security.cert_file and security.key_file to a certificate the cluster's CA signed"),
-    ("ALERT_CERTIFICATE_REQUIRED", "the broker requires a client certificate (mutual TLS); set "
-     "security.cert_file and security.key_file"),
-    ("ALERT_UNKNOWN_CA", "the broker does not trust the client certificate's CA; use a client "
-     "certificate signed by the cluster's CA (security.cert_file, security.key_file)"),
-    ("WRONG_VERSION_NUMBER", "the listener at {bootstrap} does not speak TLS; set "
-     "security.protocol to the listener's protocol (PLAINTEXT or SASL_PLAINTEXT), or use the "
-     "TLS listener's port"),
-    ("Invalid frame length", "the listener at {bootstrap} speaks another protocol than "
-     "security.protocol = {protocol} (e.g. TLS, or SASL); set security.protocol to the "
-     "listener's protocol"),
+    (
+        "SaslAuthenticationFailed",
+        "SASL authentication failed for user {user!r} "
+        "({mechanism}): the broker rejected the credentials; check security.username and the "
+        "password in {password_source} (and that the user exists for {mechanism} on the cluster)",
+    ),
+    (
+        "UnsupportedSaslMechanism",
+        "the broker does not enable SASL mechanism {mechanism}; set "
+        "security.sasl_mechanism to one the cluster enables (ask its operator)",
+    ),
+    (
+        "Hostname mismatch",
+        "the broker's TLS certificate is not valid for the name in "
+        "source.bootstrap ({bootstrap}); connect by a name or address the certificate lists, or "
+        "(only if you must) set security.check_hostname = false",
+    ),
+    (
+        "CERTIFICATE_VERIFY_FAILED",
+        "the broker's TLS certificate is not signed by a CA that "
+        "security.ca_file trusts ({ca}); set security.ca_file to the CA that signed the broker's "
+        "certificate",
+    ),
+    (
+        "ALERT_BAD_CERTIFICATE",
+        "the broker rejected the client certificate (mutual TLS); set "
+        "security.cert_file and security.key_file to a certificate the cluster's CA signed",
+    ),
+    (
+        "ALERT_CERTIFICATE_REQUIRED",
+        "the broker requires a client certificate (mutual TLS); set "
+        "security.cert_file and security.key_file",
+    ),
+    (
+        "ALERT_UNKNOWN_CA",
+        "the broker does not trust the client certificate's CA; use a client "
+        "certificate signed by the cluster's CA (security.cert_file, security.key_file)",
+    ),
+    (
+        "WRONG_VERSION_NUMBER",
+        "the listener at {bootstrap} does not speak TLS; set "
+        "security.protocol to the listener's protocol (PLAINTEXT or SASL_PLAINTEXT), or use the "
+        "TLS listener's port",
+    ),
+    (
+        "Invalid frame length",
+        "the listener at {bootstrap} speaks another protocol than "
+        "security.protocol = {protocol} (e.g. TLS, or SASL); set security.protocol to the "
+        "listener's protocol",
+    ),
 )
 
 
@@ -238,10 +311,14 @@ def _explain(lines: list[str], sec: dict | None, bootstrap: str) -> str | None:
         where = f"the environment variable {sec['password_env']} (security.password_env)"
     else:
         where = "security.password"
-    fields = {"user": sec.get("username", ""), "mechanism": sec.get("sasl_mechanism", ""),
-              "password_source": where, "bootstrap": bootstrap,
-              "ca": sec.get("ca_file") or "the system's CA store",
-              "protocol": sec.get("protocol", "PLAINTEXT")}
+    fields = {
+        "user": sec.get("username", ""),
+        "mechanism": sec.get("sasl_mechanism", ""),
+        "password_source": where,
+        "bootstrap": bootstrap,
+        "ca": sec.get("ca_file") or "the system's CA store",
+        "protocol": sec.get("protocol", "PLAINTEXT"),
+    }
     joined = "\n".join(lines)
     for needle, text in _CAUSES:
         if needle in joined:
@@ -249,18 +326,27 @@ def _explain(lines: list[str], sec: dict | None, bootstrap: str) -> str | None:
     if _sasl({"protocol": sec.get("protocol", "PLAINTEXT")}) and "socket disconnected" in joined:
         # the broker answers a failed authentication and closes at once: the client often sees
         # only the close
-        return ("the broker closed every connection during authentication: most likely the "
-                "SASL credentials are wrong (check security.username and the password in "
-                f"{fields['password_source']}) or security.sasl_mechanism ({fields['mechanism']}) "
-                "is not enabled on this listener")
-    if sec.get("protocol") == "SSL" and not sec.get("cert_file") and \
-            "socket disconnected" in joined:
-        return ("the broker closed every TLS connection: if it requires a client certificate "
-                "(mutual TLS), set security.cert_file and security.key_file")
+        return (
+            "the broker closed every connection during authentication: most likely the "
+            "SASL credentials are wrong (check security.username and the password in "
+            f"{fields['password_source']}) or security.sasl_mechanism ({fields['mechanism']}) "
+            "is not enabled on this listener"
+        )
+    if (
+        sec.get("protocol") == "SSL"
+        and not sec.get("cert_file")
+        and "socket disconnected" in joined
+    ):
+        return (
+            "the broker closed every TLS connection: if it requires a client certificate "
+            "(mutual TLS), set security.cert_file and security.key_file"
+        )
     if sec.get("protocol", "PLAINTEXT") == "PLAINTEXT" and "socket disconnected" in joined:
-        return (f"the broker at {bootstrap} closed every connection: if its listener is "
-                "secured, set security.protocol (and the [security] settings it needs, "
-                "docs/configuration.md)")
+        return (
+            f"the broker at {bootstrap} closed every connection: if its listener is "
+            "secured, set security.protocol (and the [security] settings it needs, "
+            "docs/configuration.md)"
+        )
     return None
 
 

@@ -40,9 +40,12 @@ def partitions(consumer: KafkaConsumer, topic: str, wait_s: float = 30.0) -> lis
 
 def show(release: Release) -> None:
     d, h = release.distinct_items, release.entropy_nats
-    print(f"window {release.window}: n={release.n} distinct={d.value} {d.interval} "
-          f"entropy={h.value:.3f} {h.interval} eps={release.epsilon:g} per "
-          f"{release.privacy_unit} below_noise={release.signal_below_noise}", flush=True)
+    print(
+        f"window {release.window}: n={release.n} distinct={d.value} {d.interval} "
+        f"entropy={h.value:.3f} {h.interval} eps={release.epsilon:g} per "
+        f"{release.privacy_unit} below_noise={release.signal_below_noise}",
+        flush=True,
+    )
 
 
 #: set by SIGTERM (a container's stop, systemd's, kill): the loop ends after its turn and the
@@ -50,14 +53,33 @@ def show(release: Release) -> None:
 STOP = threading.Event()
 
 
-def run(bootstrap: str, topic: str, state_dir: str, release_dir: str, sets: dict[str, str],
-        config: str | None = None, exit_when_idle: float = 0.0) -> None:
-    cfg = settings(config, {"source.kind": "kafka", "source.topic": topic,
-                            "source.bootstrap": bootstrap, "checkpoint.dir": state_dir,
-                            "release.dir": release_dir, **sets})
+def run(
+    bootstrap: str,
+    topic: str,
+    state_dir: str,
+    release_dir: str,
+    sets: dict[str, str],
+    config: str | None = None,
+    exit_when_idle: float = 0.0,
+) -> None:
+    cfg = settings(
+        config,
+        {
+            "source.kind": "kafka",
+            "source.topic": topic,
+            "source.bootstrap": bootstrap,
+            "checkpoint.dir": state_dir,
+            "release.dir": release_dir,
+            **sets,
+        },
+    )
     with Aggregation(cfg) as agg:
-        consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                 group_id=None, auto_offset_reset="earliest")
+        consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            enable_auto_commit=False,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
         try:
             parts = partitions(consumer, topic)
             consumer.assign(parts)
@@ -73,10 +95,13 @@ def run(bootstrap: str, topic: str, state_dir: str, release_dir: str, sets: dict
                 made = []
                 for tp, msgs in batch.items():
                     made += agg.feed_records(
-                        [m.value for m in msgs], partition=f"{tp.topic}:{tp.partition}",
-                        offsets=[m.offset for m in msgs], keys=[m.key for m in msgs],
+                        [m.value for m in msgs],
+                        partition=f"{tp.topic}:{tp.partition}",
+                        offsets=[m.offset for m in msgs],
+                        keys=[m.key for m in msgs],
                         headers=[m.headers for m in msgs],
-                        timestamps=[m.timestamp for m in msgs])
+                        timestamps=[m.timestamp for m in msgs],
+                    )
                 if not batch:
                     made += agg.tick()  # time windows close without records too
                 for release in made:
@@ -101,8 +126,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     sets = dict(s.split("=", 1) for s in args.set)
     signal.signal(signal.SIGTERM, lambda *_: STOP.set())
-    run(args.bootstrap, args.topic, args.state_dir, args.release_dir, sets, args.config,
-        args.exit_when_idle)
+    run(
+        args.bootstrap,
+        args.topic,
+        args.state_dir,
+        args.release_dir,
+        sets,
+        args.config,
+        args.exit_when_idle,
+    )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str | Iterable[bytes], *,
-                 mode: int | None = PRIVATE_MODE, exclusive: bool = False,
-                 hook: Callable[[str], None] | None = None) -> bool:
+def atomic_write(
+    path: str | os.PathLike,
+    data: bytes | str | Iterable[bytes],
+    *,
+    mode: int | None = PRIVATE_MODE,
+    exclusive: bool = False,
+    hook: Callable[[str], None] | None = None,
+) -> bool:
     """Write ``data`` to ``path`` atomically and durably (the module's docstring says how and
     what a crash leaves). Returns True; with ``exclusive``, False (and nothing written) if
     ``path`` already exists.
@@ -69,8 +74,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Iterable[bytes], *
         data = data.encode("utf-8")
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                 0o666 if mode is None else PRIVATE_MODE)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else PRIVATE_MODE)
     try:
         if mode is not None:
             os.fchmod(fd, mode)  # exact bits: the umask may have taken some away

@@ -22,8 +22,14 @@ import msgpack
 
 from .atomic import atomic_write
 
-__all__ = ["AuditKeyError", "ExportError", "check_configured_key", "load_key",
-           "write_export", "read_export"]
+__all__ = [
+    "AuditKeyError",
+    "ExportError",
+    "check_configured_key",
+    "load_key",
+    "write_export",
+    "read_export",
+]
 
 _FORMAT = "panagg.audit-export"
 
@@ -47,16 +53,21 @@ def load_key(key_file: str | None = None) -> bytes:
             raise AuditKeyError(f"cannot read audit key file {key_file}: {exc.strerror}") from None
         where = key_file
     if not text:
-        raise AuditKeyError("no audit signing key: set PANAGG_AUDIT_KEY to 64 hex digits "
-                            "(e.g. from `openssl rand -hex 32`) or audit.key_file in the config")
+        raise AuditKeyError(
+            "no audit signing key: set PANAGG_AUDIT_KEY to 64 hex digits "
+            "(e.g. from `openssl rand -hex 32`) or audit.key_file in the config"
+        )
     try:
         key = bytes.fromhex(text.strip())
     except ValueError:
-        raise AuditKeyError(f"audit key in {where} is not hex: use 64 hex digits "
-                            "(e.g. from `openssl rand -hex 32`)") from None
+        raise AuditKeyError(
+            f"audit key in {where} is not hex: use 64 hex digits (e.g. from `openssl rand -hex 32`)"
+        ) from None
     if len(key) < 16:
-        raise AuditKeyError(f"audit key in {where} is too short ({2 * len(key)} hex digits): "
-                            "use at least 32 hex digits, e.g. 64 from `openssl rand -hex 32`")
+        raise AuditKeyError(
+            f"audit key in {where} is too short ({2 * len(key)} hex digits): "
+            "use at least 32 hex digits, e.g. 64 from `openssl rand -hex 32`"
+        )
     return key
 
 
@@ -69,16 +80,18 @@ def check_configured_key(key_file: str | None = None) -> None:
     meant here". Raises :class:`AuditKeyError` with one line naming the fix; never the key."""
     raw = os.environ.get("PANAGG_AUDIT_KEY")
     if raw is not None and not raw.strip():
-        raise AuditKeyError("PANAGG_AUDIT_KEY is set but empty: set it to 64 hex digits (e.g. "
-                            "from `openssl rand -hex 32`), or unset it to run with audit "
-                            "exports refused")
+        raise AuditKeyError(
+            "PANAGG_AUDIT_KEY is set but empty: set it to 64 hex digits (e.g. "
+            "from `openssl rand -hex 32`), or unset it to run with audit "
+            "exports refused"
+        )
     from_env = bool(raw)
     if not from_env and not key_file:
         return
     try:
         load_key(key_file)
     except AuditKeyError as exc:
-        instead = ("unset PANAGG_AUDIT_KEY" if from_env else "unset audit.key_file")
+        instead = "unset PANAGG_AUDIT_KEY" if from_env else "unset audit.key_file"
         raise AuditKeyError(f"{exc}; or {instead} to run with audit exports refused") from None
 
 
@@ -86,21 +99,41 @@ def key_id(key: bytes) -> str:
     return hashlib.sha256(b"panagg-audit-key-id" + key).hexdigest()[:16]
 
 
-def signed_export(*, state: bytes, window: dict, offsets: dict, export_id: str,
-                  key: bytes) -> bytes:
+def signed_export(
+    *, state: bytes, window: dict, offsets: dict, export_id: str, key: bytes
+) -> bytes:
     """The signed export document (what :func:`write_export` writes)."""
-    body = msgpack.packb({"format": _FORMAT, "version": 1, "export_id": export_id,
-                          "created_unix": time.time(), "window": window, "offsets": offsets,
-                          "state": state}, use_bin_type=True)
+    body = msgpack.packb(
+        {
+            "format": _FORMAT,
+            "version": 1,
+            "export_id": export_id,
+            "created_unix": time.time(),
+            "window": window,
+            "offsets": offsets,
+            "state": state,
+        },
+        use_bin_type=True,
+    )
     sig = hmac.new(key, body, hashlib.sha256).digest()
-    return msgpack.packb({"body": body, "hmac_sha256": sig, "key_id": key_id(key)},
-                         use_bin_type=True)
+    return msgpack.packb(
+        {"body": body, "hmac_sha256": sig, "key_id": key_id(key)}, use_bin_type=True
+    )
 
 
-def write_export(path: str | os.PathLike, *, state: bytes, window: dict, offsets: dict,
-                 export_id: str, key: bytes) -> Path:
-    return save_export(path, signed_export(state=state, window=window, offsets=offsets,
-                                           export_id=export_id, key=key))
+def write_export(
+    path: str | os.PathLike,
+    *,
+    state: bytes,
+    window: dict,
+    offsets: dict,
+    export_id: str,
+    key: bytes,
+) -> Path:
+    return save_export(
+        path,
+        signed_export(state=state, window=window, offsets=offsets, export_id=export_id, key=key),
+    )
 
 
 def save_export(path: str | os.PathLike, doc: bytes) -> Path:
@@ -128,7 +161,8 @@ def read_export(path: str | os.PathLike, key: bytes | None = None) -> dict:
     parsed["verified"] = False
     if key is not None:
         if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), sig):
-            raise ExportError(f"{path}: signature does not verify (altered, or signed with "
-                              "another key)")
+            raise ExportError(
+                f"{path}: signature does not verify (altered, or signed with another key)"
+            )
         parsed["verified"] = True
     return parsed

@@ -109,7 +109,8 @@ def failpoint(point: str) -> None:
             hook[2](point)
         return
     if not os.environ.get("PANAGG_TEST_FAULT") and not os.environ.get(
-            "PANAGG_TESTING_SHUFFLER_KILL"):
+        "PANAGG_TESTING_SHUFFLER_KILL"
+    ):
         return
     armed_here = _from_env(point) if under_tests() else None
     if armed_here is None:

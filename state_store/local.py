@@ -41,13 +41,13 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class Checkpoint:
-    state: bytes | None                       # a layered snapshot, or None: replay the window
-    window: dict                              # id, uid, kind, events, started_unix, ...
-    offsets: dict[str, int]                   # next offset per source partition
+    state: bytes | None  # a layered snapshot, or None: replay the window
+    window: dict  # id, uid, kind, events, started_unix, ...
+    offsets: dict[str, int]  # next offset per source partition
     pending: list[str] = field(default_factory=list)  # release JSON documents not yet published
     totals: dict = field(default_factory=dict)  # events and rejects by reason up to ``offsets``
     seq: int = 0
-    ledger_head: dict | None = None           # the privacy ledger's head when it was written
+    ledger_head: dict | None = None  # the privacy ledger's head when it was written
     #: closed windows whose release was not yet ledgered: each {"window", "end_offsets",
     #: "totals"}; ``offsets`` and ``totals`` are then where the first of them starts
     unreleased: list = field(default_factory=list)
@@ -86,9 +86,16 @@ class LocalStore:
         files = self._files()
         ckpt.seq = (files[-1][0] + 1) if files else 1
         state = ckpt.state or b""
-        header = {"format": _FORMAT, "version": _VERSION, "seq": ckpt.seq, "window": ckpt.window,
-                  "offsets": ckpt.offsets, "pending": ckpt.pending, "totals": ckpt.totals,
-                  "has_state": ckpt.state is not None}
+        header = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "seq": ckpt.seq,
+            "window": ckpt.window,
+            "offsets": ckpt.offsets,
+            "pending": ckpt.pending,
+            "totals": ckpt.totals,
+            "has_state": ckpt.state is not None,
+        }
         if ckpt.ledger_head is not None:
             header["ledger_head"] = dict(ckpt.ledger_head)
         if ckpt.unreleased:
@@ -96,8 +103,7 @@ class LocalStore:
         body = msgpack.packb(dict(header, checksum=_digest(header, state)), use_bin_type=True)
         path = self.dir / f"checkpoint-{ckpt.seq:012d}.ckpt"
         # frame: 8-byte header length, header, state bytes
-        atomic_write(path, [len(body).to_bytes(8, "little") + body, state],
-                     hook=_checkpoint_fault)
+        atomic_write(path, [len(body).to_bytes(8, "little") + body, state], hook=_checkpoint_fault)
         for _, old in files:  # only the latest is kept
             old.unlink(missing_ok=True)
         return path
@@ -110,23 +116,32 @@ class LocalStore:
         data = path.read_bytes()
         try:
             hlen = int.from_bytes(data[:8], "little")
-            header = msgpack.unpackb(data[8:8 + hlen], raw=False, strict_map_key=False)
-            state = data[8 + hlen:]
+            header = msgpack.unpackb(data[8 : 8 + hlen], raw=False, strict_map_key=False)
+            state = data[8 + hlen :]
             checksum = header.pop("checksum")
         except Exception:
-            raise CheckpointError(f"{path} is not a readable checkpoint; restore it from a backup "
-                                  "of the state directory, or move it away and start with "
-                                  "--fresh-start (its open window is then not released)") from None
+            raise CheckpointError(
+                f"{path} is not a readable checkpoint; restore it from a backup "
+                "of the state directory, or move it away and start with "
+                "--fresh-start (its open window is then not released)"
+            ) from None
         if header.get("format") != _FORMAT or header.get("version") not in (1, _VERSION):
             raise CheckpointError(f"{path} has an unknown checkpoint format")
         if _digest(header, state) != checksum:
-            raise CheckpointError(f"{path} failed its checksum (corrupt); restore it from a "
-                                  "backup of the state directory, or move it away and start with "
-                                  "--fresh-start (its open window is then not released)")
+            raise CheckpointError(
+                f"{path} failed its checksum (corrupt); restore it from a "
+                "backup of the state directory, or move it away and start with "
+                "--fresh-start (its open window is then not released)"
+            )
         if header["version"] == 1:  # always carried counters; restored as a snapshot
             header.update(totals={}, has_state=True)
-        return Checkpoint(state=state if header["has_state"] else None, window=header["window"],
-                          offsets=header["offsets"], pending=list(header["pending"]),
-                          totals=dict(header["totals"]), seq=seq,
-                          ledger_head=header.get("ledger_head"),
-                          unreleased=list(header.get("unreleased") or []))
+        return Checkpoint(
+            state=state if header["has_state"] else None,
+            window=header["window"],
+            offsets=header["offsets"],
+            pending=list(header["pending"]),
+            totals=dict(header["totals"]),
+            seq=seq,
+            ledger_head=header.get("ledger_head"),
+            unreleased=list(header.get("unreleased") or []),
+        )

@@ -50,8 +50,16 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["ledger_id", "charge_of", "MemoryRegistry", "KafkaBudgetRegistry", "RegistryError",
-           "deployment_name", "FileBudgetRegistry", "default_file_registry"]
+__all__ = [
+    "ledger_id",
+    "charge_of",
+    "MemoryRegistry",
+    "KafkaBudgetRegistry",
+    "RegistryError",
+    "deployment_name",
+    "FileBudgetRegistry",
+    "default_file_registry",
+]
 
 log = logging.getLogger("panagg.registry")
 
@@ -66,11 +74,23 @@ def _cluster_away(exc) -> bool:
     refused (fail at once)."""
     # the Kafka registry loads a client; a file registry does not
     from kafka.errors import (  # noqa: PLC0415
-        BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError,
-        RequestTimedOutError)
-    return isinstance(exc, (BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError,
-                            NodeNotReadyError, RequestTimedOutError)) or \
-        bool(getattr(exc, "retriable", False))
+        BrokerNotAvailableError,
+        KafkaConnectionError,
+        KafkaTimeoutError,
+        NodeNotReadyError,
+        RequestTimedOutError,
+    )
+
+    return isinstance(
+        exc,
+        (
+            BrokerNotAvailableError,
+            KafkaConnectionError,
+            KafkaTimeoutError,
+            NodeNotReadyError,
+            RequestTimedOutError,
+        ),
+    ) or bool(getattr(exc, "retriable", False))
 
 
 class RegistryError(RuntimeError):
@@ -100,17 +120,28 @@ _HOST = socket.gethostname()
 
 
 def _value(lid: str, entry: dict, deployment: dict) -> dict:
-    return {"format": "panagg.charge", "version": 1, "ledger": lid, "entry": entry["id"],
-            "kind": entry.get("kind"), "window": entry.get("window"),
-            "epsilon_spent": float(entry.get("epsilon_spent") or 0.0),
-            "ranges": entry.get("ranges") or {}, "lineage": entry.get("lineage"),
-            "window_kind": entry.get("window_kind"), "deployment": dict(deployment),
-            "time_unix": time.time(),
-            **({"parallel": entry["parallel"]} if entry.get("parallel") else {}),
-            # the user unit: what the release charged every user of the stream it names
-            # (aggregator/service/user_budget.py)
-            **({k: entry[k] for k in ("user_epsilon", "user_stream")}
-               if entry.get("user_epsilon") else {})}
+    return {
+        "format": "panagg.charge",
+        "version": 1,
+        "ledger": lid,
+        "entry": entry["id"],
+        "kind": entry.get("kind"),
+        "window": entry.get("window"),
+        "epsilon_spent": float(entry.get("epsilon_spent") or 0.0),
+        "ranges": entry.get("ranges") or {},
+        "lineage": entry.get("lineage"),
+        "window_kind": entry.get("window_kind"),
+        "deployment": dict(deployment),
+        "time_unix": time.time(),
+        **({"parallel": entry["parallel"]} if entry.get("parallel") else {}),
+        # the user unit: what the release charged every user of the stream it names
+        # (aggregator/service/user_budget.py)
+        **(
+            {k: entry[k] for k in ("user_epsilon", "user_stream")}
+            if entry.get("user_epsilon")
+            else {}
+        ),
+    }
 
 
 class MemoryRegistry:
@@ -141,18 +172,29 @@ class MemoryRegistry:
     def charges(self, known: set[tuple[str, str]]) -> list[dict]:
         """The registry's charges the ledgers in ``known`` ((ledger id, entry id) pairs) do not
         hold, as ledger-like entries (``kind = release``) for the charge book."""
-        return [{"kind": "release", "epsilon_spent": v["epsilon_spent"], "ranges": v["ranges"],
-                 "lineage": v.get("lineage"), "window_kind": v.get("window_kind"),
-                 "parallel": v.get("parallel"), "deployment": v.get("deployment") or {}}
-                for v in self.records.values() if (v["ledger"], v["entry"]) not in known]
+        return [
+            {
+                "kind": "release",
+                "epsilon_spent": v["epsilon_spent"],
+                "ranges": v["ranges"],
+                "lineage": v.get("lineage"),
+                "window_kind": v.get("window_kind"),
+                "parallel": v.get("parallel"),
+                "deployment": v.get("deployment") or {},
+            }
+            for v in self.records.values()
+            if (v["ledger"], v["entry"]) not in known
+        ]
 
     @staticmethod
     def who(ranges: dict, charges: list[dict]) -> str:
         """The deployments among ``charges`` whose ranges meet ``ranges`` (one line)."""
         names = []
         for c in charges:
-            meets = any(part in ranges and c_ab[0] < ranges[part][1] and c_ab[1] > ranges[part][0]
-                        for part, c_ab in c["ranges"].items())
+            meets = any(
+                part in ranges and c_ab[0] < ranges[part][1] and c_ab[1] > ranges[part][0]
+                for part, c_ab in c["ranges"].items()
+            )
             if meets:
                 name = deployment_name(c["deployment"])
                 if name not in names:
@@ -173,15 +215,23 @@ class KafkaBudgetRegistry(MemoryRegistry):
         What names this deployment in another's refusal (state dir or group, consumer group).
     """
 
-    def __init__(self, bootstrap: str, topic: str, deployment: dict, *,
-                 security: dict | None = None, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        deployment: dict,
+        *,
+        security: dict | None = None,
+        timeout_s: float = 30.0,
+    ):
         super().__init__(deployment)
         self.topic = topic
         # a broker that comes back is found within a second, as by the source's consumer
         # (kafka-python backs off up to 30 s between reconnects: after a clean broker restart
         # every check and charge write timed out for 50 s, each stalling the loop 3 s)
-        self._opts = dict(bootstrap_servers=bootstrap, reconnect_backoff_max_ms=1000,
-                          **(security or {}))
+        self._opts = dict(
+            bootstrap_servers=bootstrap, reconnect_backoff_max_ms=1000, **(security or {})
+        )
         self.timeout_s = float(timeout_s)
         self._consumer = None
         self._producer = None
@@ -210,49 +260,74 @@ class KafkaBudgetRegistry(MemoryRegistry):
                     raise RegistryError(self._unusable(exc)) from None
                 if not said:
                     said = True
-                    log.warning("the budget registry topic %s cannot be reached (%s); waiting "
-                                "up to %g s for the cluster (source.connect_timeout_s)",
-                                self.topic, type(exc).__name__, self.timeout_s)
+                    log.warning(
+                        "the budget registry topic %s cannot be reached (%s); waiting "
+                        "up to %g s for the cluster (source.connect_timeout_s)",
+                        self.topic,
+                        type(exc).__name__,
+                        self.timeout_s,
+                    )
                 time.sleep(1.0)
 
     def _unusable(self, exc) -> str:
         if _cluster_away(exc):
-            return (f"the budget registry topic {self.topic} could not be reached within "
-                    f"{self.timeout_s:g} s (source.connect_timeout_s; {type(exc).__name__}): is "
-                    "the cluster at source.bootstrap up? Or set ledger.registry_topic = \"\" to "
-                    "go without one (charges across deployments are then not checked)")
-        return (f"the budget registry topic {self.topic} cannot be used ({type(exc).__name__}); "
-                "create it (kafka-topics.sh --create --topic "
-                f"{self.topic} --partitions 1 --config cleanup.policy=compact) and grant this "
-                "client read and write on it, or set ledger.registry_topic = \"\" to go "
-                "without one (charges across deployments are then not checked)")
+            return (
+                f"the budget registry topic {self.topic} could not be reached within "
+                f"{self.timeout_s:g} s (source.connect_timeout_s; {type(exc).__name__}): is "
+                'the cluster at source.bootstrap up? Or set ledger.registry_topic = "" to '
+                "go without one (charges across deployments are then not checked)"
+            )
+        return (
+            f"the budget registry topic {self.topic} cannot be used ({type(exc).__name__}); "
+            "create it (kafka-topics.sh --create --topic "
+            f"{self.topic} --partitions 1 --config cleanup.policy=compact) and grant this "
+            'client read and write on it, or set ledger.registry_topic = "" to go '
+            "without one (charges across deployments are then not checked)"
+        )
 
     def _open_once(self) -> None:
         # the Kafka registry loads a client; a file registry does not
         from kafka import KafkaConsumer, TopicPartition  # noqa: PLC0415
+
         # the Kafka registry loads a client; a file registry does not
         from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
+
         # the Kafka registry loads a client; a file registry does not
         from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError  # noqa: PLC0415
 
         step_ms = int(min(self.timeout_s, 5.0) * 1000)
-        admin = KafkaAdminClient(**self._opts, request_timeout_ms=step_ms,
-                                 bootstrap_timeout_ms=step_ms)
+        admin = KafkaAdminClient(
+            **self._opts, request_timeout_ms=step_ms, bootstrap_timeout_ms=step_ms
+        )
         try:
             if self.topic not in set(admin.list_topics()):
                 try:
-                    admin.create_topics([NewTopic(self.topic, num_partitions=1,
-                                                  replication_factor=1, topic_configs={
-                                                      "cleanup.policy": "compact"})])
-                    log.info("created the budget registry topic %s (compacted): every "
-                             "deployment on this cluster records its charges there", self.topic)
+                    admin.create_topics(
+                        [
+                            NewTopic(
+                                self.topic,
+                                num_partitions=1,
+                                replication_factor=1,
+                                topic_configs={"cleanup.policy": "compact"},
+                            )
+                        ]
+                    )
+                    log.info(
+                        "created the budget registry topic %s (compacted): every "
+                        "deployment on this cluster records its charges there",
+                        self.topic,
+                    )
                 except TopicAlreadyExistsError:
                     pass
         finally:
             admin.close()
-        self._consumer = KafkaConsumer(**self._opts, group_id=None, enable_auto_commit=False,
-                                       isolation_level="read_committed",
-                                       bootstrap_timeout_ms=step_ms)
+        self._consumer = KafkaConsumer(
+            **self._opts,
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+            bootstrap_timeout_ms=step_ms,
+        )
         self._tp = TopicPartition(self.topic, 0)
         deadline = time.monotonic() + step_ms / 1000
         while not (self._consumer.partitions_for_topic(self.topic) or set()):
@@ -275,8 +350,10 @@ class KafkaBudgetRegistry(MemoryRegistry):
         deadline = time.monotonic() + timeout_s
         while self._consumer.position(self._tp) < end_at:
             if time.monotonic() > deadline:
-                raise RegistryError(f"the budget registry topic {self.topic} was not read to its "
-                                    f"end within {timeout_s:g} s")
+                raise RegistryError(
+                    f"the budget registry topic {self.topic} was not read to its "
+                    f"end within {timeout_s:g} s"
+                )
             for recs in self._consumer.poll(timeout_ms=200).values():
                 for r in recs:
                     key = r.key.decode() if r.key else ""
@@ -306,10 +383,11 @@ class KafkaBudgetRegistry(MemoryRegistry):
         if self._producer is None:
             # the Kafka registry loads a client; a file registry does not
             from kafka import KafkaProducer  # noqa: PLC0415
-            self._producer = KafkaProducer(**self._opts, acks="all", linger_ms=0,
-                                           max_block_ms=int(CHECK_S * 1000))
-        self._producer.send(self.topic, key=msg[0], value=msg[1], partition=0).get(
-            timeout=CHECK_S)
+
+            self._producer = KafkaProducer(
+                **self._opts, acks="all", linger_ms=0, max_block_ms=int(CHECK_S * 1000)
+            )
+        self._producer.send(self.topic, key=msg[0], value=msg[1], partition=0).get(timeout=CHECK_S)
         super().record(lid, entry)
 
     def close(self) -> None:
@@ -331,8 +409,9 @@ CONTENT_PREFIX = 1 << 20
 
 def default_file_registry() -> str:
     """Where ``ledger.file_registry = "auto"`` keeps the registry: one per user."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                             "state")
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
     return os.path.join(base, "panagg", "budget-registry.jsonl")
 
 
@@ -400,9 +479,10 @@ class FileBudgetRegistry(MemoryRegistry):
         except OSError as exc:
             raise RegistryError(
                 f"the budget registry file {self.path} cannot be used ({exc.strerror or exc}); "
-                "set ledger.file_registry to a file this user can write, or to \"\" to go "
+                'set ledger.file_registry to a file this user can write, or to "" to go '
                 "without one (a renamed input or a new checkpoint.dir is then not checked "
-                "against earlier runs)") from None
+                "against earlier runs)"
+            ) from None
 
     def read_to_end(self, timeout_s: float | None = None) -> None:
         try:
@@ -483,8 +563,9 @@ class FileBudgetRegistry(MemoryRegistry):
         if len(self._aliases) > 1:
             cid = self.sources and next(iter(self.sources.values()))
             for c in out:
-                c["ranges"] = {(cid if p in self._aliases else p): ab
-                               for p, ab in c["ranges"].items()}
+                c["ranges"] = {
+                    (cid if p in self._aliases else p): ab for p, ab in c["ranges"].items()
+                }
         return out
 
     def resume_offsets(self, epsilon: float, budget: float) -> dict[str, int]:
@@ -493,6 +574,7 @@ class FileBudgetRegistry(MemoryRegistry):
         read before starts there)."""
         # the service imports this module: a cycle at import
         from aggregator.service.charges import ChargeBook  # noqa: PLC0415
+
         book = ChargeBook(self.charges(set()))
         by_content = book.resume_offsets(epsilon, budget=budget)
         return {part: by_content[cid] for part, cid in self.sources.items() if cid in by_content}

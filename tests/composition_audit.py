@@ -66,8 +66,15 @@ def _trial_view(counts: np.ndarray, neighbor: str, trials: int) -> np.ndarray:
     return np.asarray(counts, dtype=np.int64).reshape(trials, NEIGHBOR_RELATIONS[neighbor])
 
 
-def release_views(neighbor: str, which: str, *, eps: float = 1.0, trials: int,
-                  releases: int = 1, same_state: bool = False) -> list[np.ndarray]:
+def release_views(
+    neighbor: str,
+    which: str,
+    *,
+    eps: float = 1.0,
+    trials: int,
+    releases: int = 1,
+    same_state: bool = False,
+) -> list[np.ndarray]:
     """``releases`` real release inputs of stream ``which``, one (trials, k) array each."""
     width = NEIGHBOR_RELATIONS[neighbor]
     events = _events(neighbor, trials, which)
@@ -86,14 +93,22 @@ def release_views(neighbor: str, which: str, *, eps: float = 1.0, trials: int,
     return views
 
 
-def scenario(neighbor: str = "replace-one", *, releases: int = 1, eps: float = 1.0,
-             trials: int = 1_000_000, same_state: bool = False):
+def scenario(
+    neighbor: str = "replace-one",
+    *,
+    releases: int = 1,
+    eps: float = 1.0,
+    trials: int = 1_000_000,
+    same_state: bool = False,
+):
     """(views under x, views under y, the looks' model, the claimed p) for ``releases`` real
     2-layer releases of the same events."""
-    vx = release_views(neighbor, "x", eps=eps, trials=trials, releases=releases,
-                       same_state=same_state)
-    vy = release_views(neighbor, "y", eps=eps, trials=trials, releases=releases,
-                       same_state=same_state)
+    vx = release_views(
+        neighbor, "x", eps=eps, trials=trials, releases=releases, same_state=same_state
+    )
+    vy = release_views(
+        neighbor, "y", eps=eps, trials=trials, releases=releases, same_state=same_state
+    )
     if neighbor == "replace-one":
         look = Look.of([1, 0], [0, 1], 2)
     else:
@@ -101,15 +116,28 @@ def scenario(neighbor: str = "replace-one", *, releases: int = 1, eps: float = 1
     return vx, vy, [look] * releases, p_from_epsilon(eps, NEIGHBOR_RELATIONS[neighbor])
 
 
-def audit(neighbor: str = "replace-one", *, releases: int = 1, eps: float = 1.0,
-          trials: int = 1_000_000, same_state: bool = False) -> Result:
-    vx, vy, looks, p = scenario(neighbor, releases=releases, eps=eps, trials=trials,
-                                same_state=same_state)
+def audit(
+    neighbor: str = "replace-one",
+    *,
+    releases: int = 1,
+    eps: float = 1.0,
+    trials: int = 1_000_000,
+    same_state: bool = False,
+) -> Result:
+    vx, vy, looks, p = scenario(
+        neighbor, releases=releases, eps=eps, trials=trials, same_state=same_state
+    )
     return lr_epsilon(vx, vy, looks, p)
 
 
-def expected_reading(neighbor: str, releases: int, trials: int, eps: float = 1.0,
-                     alpha: float = 1e-6, events: int = 200) -> float:
+def expected_reading(
+    neighbor: str,
+    releases: int,
+    trials: int,
+    eps: float = 1.0,
+    alpha: float = 1e-6,
+    events: int = 200,
+) -> float:
     """The Clopper-Pearson reading the best threshold event {sum L >= t} gives in expectation
     (counts at their means), from the exact privacy-loss distribution of ``releases`` 2-layer
     looks; the table of the module docstring. A model figure, not an audit."""
@@ -121,7 +149,7 @@ def expected_reading(neighbor: str, releases: int, trials: int, eps: float = 1.0
     k, lq = log_pmf(p, 2)
     q = np.exp(lq)
     loss = np.zeros(len(q))
-    loss[1:] = lq[:-1] - lq[1:]          # log P_x / P_y of one counter moved by +1
+    loss[1:] = lq[:-1] - lq[1:]  # log P_x / P_y of one counter moved by +1
     qy, qx = q, np.concatenate([[0.0], q[:-1]])
     h = 1e-3
     r = int(round(-math.log(p) / h)) + 2
@@ -148,28 +176,48 @@ def main(argv=None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trials", type=int, default=10_000_000,
-                    help="trials per neighbouring stream (add-remove rows)")
-    ap.add_argument("--replace-trials", type=int, default=5_000_000,
-                    help="trials per neighbouring stream (replace-one rows; 2 counters each)")
+    ap.add_argument(
+        "--trials",
+        type=int,
+        default=10_000_000,
+        help="trials per neighbouring stream (add-remove rows)",
+    )
+    ap.add_argument(
+        "--replace-trials",
+        type=int,
+        default=5_000_000,
+        help="trials per neighbouring stream (replace-one rows; 2 counters each)",
+    )
     args = ap.parse_args(argv)
-    rows = [("add-remove", 1, False, args.trials), ("add-remove", 2, False, args.trials),
-            ("add-remove", 2, True, args.trials),
-            ("replace-one", 1, False, args.replace_trials),
-            ("replace-one", 2, False, args.replace_trials),
-            ("replace-one", 2, True, args.replace_trials)]
-    print("| neighbours | releases | trials per stream | reading (eps = 1) | model expectation |"
-          " attained at | seconds |")
+    rows = [
+        ("add-remove", 1, False, args.trials),
+        ("add-remove", 2, False, args.trials),
+        ("add-remove", 2, True, args.trials),
+        ("replace-one", 1, False, args.replace_trials),
+        ("replace-one", 2, False, args.replace_trials),
+        ("replace-one", 2, True, args.replace_trials),
+    ]
+    print(
+        "| neighbours | releases | trials per stream | reading (eps = 1) | model expectation |"
+        " attained at | seconds |"
+    )
     print("|---|---|---|---|---|---|---|")
     for neighbor, releases, same, trials in rows:
         t0 = time.perf_counter()
         r = audit(neighbor, releases=releases, trials=trials, same_state=same)
         dt = time.perf_counter() - t0
-        what = f"{releases}" + (" (one state released twice)" if same else
-                                " (two states, same events)" if releases == 2 else "")
+        what = f"{releases}" + (
+            " (one state released twice)"
+            if same
+            else " (two states, same events)"
+            if releases == 2
+            else ""
+        )
         model = "" if same else f"{expected_reading(neighbor, releases, trials):.3f}"
-        print(f"| {neighbor} | {what} | {trials:,} | {r.eps:.3f} | {model} | {r.where} | "
-              f"{dt:.0f} |", flush=True)
+        print(
+            f"| {neighbor} | {what} | {trials:,} | {r.eps:.3f} | {model} | {r.where} | {dt:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ def kafka_broker(tmp_path_factory):
         return
     missing = [tool for tool in ("java", "mvn") if shutil.which(tool) is None]
     if missing:
-        pytest.fail(f"integration tests need {', '.join(missing)} on PATH "
-                    "(a real broker, no mocks)")
+        pytest.fail(
+            f"integration tests need {', '.join(missing)} on PATH (a real broker, no mocks)"
+        )
     state = tmp_path_factory.mktemp("kafka")
-    res = subprocess.run([str(KAFKA_SH), "start", str(state)], capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [str(KAFKA_SH), "start", str(state)], capture_output=True, text=True, timeout=300
+    )
     if res.returncode != 0:
         pytest.fail(f"could not start Kafka: {res.stderr.strip()[-2000:]}")
     bootstrap = res.stdout.strip().splitlines()[-1].split("=", 1)[1]
@@ -47,8 +49,9 @@ class RestartableBroker:
         self.bootstrap: str | None = None
 
     def _sh(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(KAFKA_SH), *args, str(self.state)], capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [str(KAFKA_SH), *args, str(self.state)], capture_output=True, text=True, timeout=300
+        )
 
     def running(self) -> bool:
         return self._sh("status").returncode == 0
@@ -76,8 +79,9 @@ class RestartableBroker:
 def _restartable_broker(tmp_path_factory):
     missing = [tool for tool in ("java", "mvn") if shutil.which(tool) is None]
     if missing:
-        pytest.fail(f"integration tests need {', '.join(missing)} on PATH "
-                    "(a real broker, no mocks)")
+        pytest.fail(
+            f"integration tests need {', '.join(missing)} on PATH (a real broker, no mocks)"
+        )
     broker = RestartableBroker(tmp_path_factory.mktemp("kafka-restartable"))
     try:
         yield broker
@@ -156,6 +160,7 @@ def _no_plan_simulation_in_process(request, monkeypatch):
     @pytest.mark.plan_thread."""
     if request.node.get_closest_marker("plan_thread") is None:
         import aggregator.service.accuracy_plan as accuracy_plan
+
         monkeypatch.setattr(accuracy_plan.StartPlan, "_simulate", lambda self: None)
 
 
@@ -177,16 +182,20 @@ def pytest_collection_modifyitems(config, items):
     on_broker = []
     for item in items:
         parts = set(Path(str(item.fspath)).parts)
-        if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) \
-                or parts & {"integration", "chaos"}:
+        if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) or parts & {
+            "integration",
+            "chaos",
+        }:
             on_broker.append(item)
-            item.add_marker(pytest.mark.broker)   # `make test-fast` leaves these out
+            item.add_marker(pytest.mark.broker)  # `make test-fast` leaves these out
         elif measured.get(item.nodeid, 0.0) > durations.SLOW_S:
-            item.add_marker(pytest.mark.slow)   # measured long (tests/durations.py)
+            item.add_marker(pytest.mark.slow)  # measured long (tests/durations.py)
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
     lanes = durations.broker_lanes(
-        [(str(item.fspath), item.nodeid) for item in on_broker], measured,
-        lanes=2 if workers >= 3 else 1)
+        [(str(item.fspath), item.nodeid) for item in on_broker],
+        measured,
+        lanes=2 if workers >= 3 else 1,
+    )
     for item in on_broker:
         item.add_marker(pytest.mark.xdist_group(lanes[str(item.fspath)]))
 
@@ -199,9 +208,13 @@ def pytest_collection_finish(session):
     config = session.config
     if not getattr(config, "workerinput", None) or not config.getvalue("loadgroup"):
         return
-    lost = [item.nodeid for item in session.items
-            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    lost = [
+        item.nodeid
+        for item in session.items
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
+    ]
     if lost:
         raise pytest.UsageError(
             f"pytest {pytest.__version__} does not let pytest-xdist group tests ({lost[0]} has no "
-            f"group suffix): install the tested pytest with `pip install 'pytest<9.2'`")
+            f"group suffix): install the tested pytest with `pip install 'pytest<9.2'`"
+        )

@@ -58,8 +58,9 @@ def load(path: Path = TSV) -> dict[str, float]:
     return out
 
 
-def broker_lanes(tests: Iterable[tuple[str, str]], measured: dict[str, float],
-                 lanes: int = 2) -> dict[str, str]:
+def broker_lanes(
+    tests: Iterable[tuple[str, str]], measured: dict[str, float], lanes: int = 2
+) -> dict[str, str]:
     """The xdist group of each file of broker tests (``tests``: (file, node id) pairs): whole
     files, the longest first, each to the lane with the least measured time so far; a test not
     measured counts :data:`SLOW_S`. Lane 0 is "broker", lane k "broker<k+1>". The same input
@@ -85,16 +86,22 @@ def broker_lanes(tests: Iterable[tuple[str, str]], measured: dict[str, float],
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python tests/durations.py PYTEST_LOG (a run with --durations=0)",
-              file=sys.stderr)
+        print(
+            "usage: python tests/durations.py PYTEST_LOG (a run with --durations=0)",
+            file=sys.stderr,
+        )
         return 2
     measured = parse(Path(argv[0]).read_text(errors="replace").splitlines())
     if not measured:
-        print(f"{argv[0]} has no --durations=0 lines: run pytest with --durations=0",
-              file=sys.stderr)
+        print(
+            f"{argv[0]} has no --durations=0 lines: run pytest with --durations=0", file=sys.stderr
+        )
         return 2
-    TSV.write_text("".join(f"{s:.2f}\t{n}\n" for n, s in
-                           sorted(measured.items(), key=lambda kv: (-kv[1], kv[0]))))
+    TSV.write_text(
+        "".join(
+            f"{s:.2f}\t{n}\n" for n, s in sorted(measured.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
+    )
     slow = sum(1 for s in measured.values() if s > SLOW_S)
     print(f"{TSV}: {len(measured)} tests, {slow} over {SLOW_S:g} s")
     return 0

@@ -61,17 +61,18 @@ def _means(kind: str, gap: int, r: int) -> dict[str, tuple]:
     a_end = add((2, 0, 0), hit) if kind == "own" else (2, 0, 0)
     b_end = (1, 0, 0) if kind == "own" else add((1, 0, 0), hit)
     memory = a_end if gap == 2 else (2, 0, 0)
-    return {"memory": memory, "view_a": a_end, "view_b": b_end,
-            "release": add(a_end, b_end)}
+    return {"memory": memory, "view_a": a_end, "view_b": b_end, "release": add(a_end, b_end)}
 
 
 def group_looks(kind: str, gap: int) -> list[Look]:
     """The designed looks of one trial: [A's memory, A's view, B's view, the release]."""
     mx, my = _means(kind, gap, 1), _means(kind, gap, 2)
-    return [Look.of(mx["memory"], my["memory"], 1, chain=0),
-            Look.of(mx["view_a"], my["view_a"], 2, chain=0),
-            Look.of(mx["view_b"], my["view_b"], 2, chain=1),
-            Look.of(mx["release"], my["release"], 4, derived=True)]
+    return [
+        Look.of(mx["memory"], my["memory"], 1, chain=0),
+        Look.of(mx["view_a"], my["view_a"], 2, chain=0),
+        Look.of(mx["view_b"], my["view_b"], 2, chain=1),
+        Look.of(mx["release"], my["release"], 4, derived=True),
+    ]
 
 
 @contextmanager
@@ -130,8 +131,12 @@ class _Summaries:
     def __init__(self, bootstrap: str, topic: str):
         from kafka import KafkaConsumer, TopicPartition
 
-        self.c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
-                               enable_auto_commit=False, isolation_level="read_committed")
+        self.c = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+        )
         self.tp = TopicPartition(topic, 0)
         self.c.assign([self.tp])
         self.c.seek_to_beginning(self.tp)
@@ -146,8 +151,10 @@ class _Summaries:
             if len(got) >= count:
                 return got
             if time.monotonic() > deadline:
-                raise AssertionError(f"{len(got)} views of window {window} in the summaries "
-                                     f"topic after {timeout_s:g} s, not {count}")
+                raise AssertionError(
+                    f"{len(got)} views of window {window} in the summaries "
+                    f"topic after {timeout_s:g} s, not {count}"
+                )
             for recs in self.c.poll(timeout_ms=500).values():
                 for rec in recs:
                     if rec.value is None:
@@ -159,39 +166,65 @@ class _Summaries:
                     head = json.loads(rec.value)
                     if head.get("format") != "panagg.view" or "refused" in head:
                         continue
-                    head["_chunks"] = [self.chunks.pop(f"{key}/c{k}")
-                                       for k in range(head.get("chunks") or 0)]
+                    head["_chunks"] = [
+                        self.chunks.pop(f"{key}/c{k}") for k in range(head.get("chunks") or 0)
+                    ]
                     self.heads.append(head)
 
     def close(self) -> None:
         self.c.close()
 
 
-def _member_config(bootstrap: str, topic: str, group: str, name: str, tmp: Path, trials: int,
-                   epsilon: float, workers: int):
+def _member_config(
+    bootstrap: str,
+    topic: str,
+    group: str,
+    name: str,
+    tmp: Path,
+    trials: int,
+    epsilon: float,
+    workers: int,
+):
     from aggregator.service.config import load_config
 
-    return load_config(None, [
-        "source.kind=kafka", f"source.bootstrap={bootstrap}", f"source.topic={topic}",
-        f"source.group={group}", f"source.instance_id={name}",
-        f"checkpoint.dir={tmp / name / 'state'}", f"release.dir={tmp / name / 'releases'}",
-        "metrics.port=-1", "scale.partitioned=true", "scale.store=kafka",
-        "scale.exchange=views", "window.kind=time", "window.clock=process",
-        # one window per forced release: the clock never closes one during a run
-        "window.size=100000000", f"state.domain_size={3 * trials}",
-        f"state.epsilon={epsilon}", "release.error_bar_reps=0",
-        # the estimate is post-processing of the views the audit captures: the fast one
-        "release.estimator=threshold", "release.plan_errors=false",
-        f"release.workers={workers}", "ledger.registry_topic=",
-        "source.session_timeout_s=20", "scale.close_grace_s=0.5"], env={})
+    return load_config(
+        None,
+        [
+            "source.kind=kafka",
+            f"source.bootstrap={bootstrap}",
+            f"source.topic={topic}",
+            f"source.group={group}",
+            f"source.instance_id={name}",
+            f"checkpoint.dir={tmp / name / 'state'}",
+            f"release.dir={tmp / name / 'releases'}",
+            "metrics.port=-1",
+            "scale.partitioned=true",
+            "scale.store=kafka",
+            "scale.exchange=views",
+            "window.kind=time",
+            "window.clock=process",
+            # one window per forced release: the clock never closes one during a run
+            "window.size=100000000",
+            f"state.domain_size={3 * trials}",
+            f"state.epsilon={epsilon}",
+            "release.error_bar_reps=0",
+            # the estimate is post-processing of the views the audit captures: the fast one
+            "release.estimator=threshold",
+            "release.plan_errors=false",
+            f"release.workers={workers}",
+            "ledger.registry_topic=",
+            "source.session_timeout_s=20",
+            "scale.close_grace_s=0.5",
+        ],
+        env={},
+    )
 
 
 def _events(trials: int, r: int) -> list[dict[int, np.ndarray]]:
     """Segments 0 and 1 of a window: {partition: items}."""
     base = 3 * np.arange(trials, dtype=np.int64)
     half = trials // 2
-    return [{0: np.repeat(base, 2), 1: base},
-            {0: base[:half] + r, 1: base[half:] + r}]
+    return [{0: np.repeat(base, 2), 1: base}, {0: base[:half] + r, 1: base[half:] + r}]
 
 
 def _produce(producer, topic: str, segment: dict[int, np.ndarray]) -> None:
@@ -205,8 +238,9 @@ def _produce(producer, topic: str, segment: dict[int, np.ndarray]) -> None:
 class Group:
     """Two members of a views group, in this process (one thread each)."""
 
-    def __init__(self, bootstrap: str, tmp: Path, trials: int, *, epsilon: float = 1.0,
-                 workers: int = 1):
+    def __init__(
+        self, bootstrap: str, tmp: Path, trials: int, *, epsilon: float = 1.0, workers: int = 1
+    ):
         from kafka.admin import KafkaAdminClient, NewTopic
 
         from aggregator.service.group.service import GroupService
@@ -224,12 +258,12 @@ class Group:
         self.threads = {}
         self.errors: list[BaseException] = []
         for name in ("m1", "m2"):
-            cfg = _member_config(bootstrap, self.topic, self.group, name, self.tmp, trials,
-                                 epsilon, workers)
+            cfg = _member_config(
+                bootstrap, self.topic, self.group, name, self.tmp, trials, epsilon, workers
+            )
             self.members[name] = GroupService(cfg, Metrics())
         for name, svc in self.members.items():
-            t = threading.Thread(target=self._run, args=(svc,), name=f"member-{name}",
-                                 daemon=True)
+            t = threading.Thread(target=self._run, args=(svc,), name=f"member-{name}", daemon=True)
             self.threads[name] = t
             t.start()
 
@@ -294,11 +328,20 @@ class Group:
 
 def counters_in_files(state_dir: Path) -> list[np.ndarray]:
     from tests.helpers.privacy import counters_in_files as found
+
     return found(state_dir) if state_dir.exists() else []
 
 
-def run_windows(bootstrap: str, tmp: Path, trials: int, plan, *, epsilon: float = 1.0,
-                workers: int = 1, unlayered: bool = False) -> list[dict]:
+def run_windows(
+    bootstrap: str,
+    tmp: Path,
+    trials: int,
+    plan,
+    *,
+    epsilon: float = 1.0,
+    workers: int = 1,
+    unlayered: bool = False,
+) -> list[dict]:
     """Run one group over the windows of ``plan`` (a list of (r, gap)); the intruder's looks of
     each window as (T, 3) arrays: {"r", "gap", "memory", "view_a", "view_b", "release"}.
     ``unlayered``: the members write their views without their layer (the negative control)."""
@@ -313,8 +356,7 @@ def run_windows(bootstrap: str, tmp: Path, trials: int, plan, *, epsilon: float 
     out = []
     with _capture_merges(merged, workers):
         group = Group(bootstrap, tmp, trials, epsilon=epsilon, workers=workers)
-        producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20,
-                                 batch_size=1 << 18)
+        producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 18)
         summaries = None
         try:
             a, b = group.wait_counting()
@@ -330,7 +372,7 @@ def run_windows(bootstrap: str, tmp: Path, trials: int, plan, *, epsilon: float 
                     counted[a] += len(segment[0])
                     counted[b] += len(segment[1])
                     group.wait_events(window, counted)
-                    if s + 1 == gap:   # an instant between two batches: both counted
+                    if s + 1 == gap:  # an instant between two batches: both counted
                         memory = group.counter(a).tasks[window].state.counts.copy()
                         files = counters_in_files(Path(state_a))
                         assert not files, f"counters in {state_a}'s files: {len(files)}"
@@ -340,8 +382,9 @@ def run_windows(bootstrap: str, tmp: Path, trials: int, plan, *, epsilon: float 
                     assert done["window"] == window, (done, window)
                     views = summaries.views_of(window, 2)
                 by = {h["member"]: h for h in views}
-                assert sorted(by) == sorted((a, b)) and len(views) == 2, \
-                    [(h["member"], h["covers"]) for h in views]
+                assert sorted(by) == sorted((a, b)) and len(views) == 2, [
+                    (h["member"], h["covers"]) for h in views
+                ]
                 assert by[a]["covers"] == [0] and by[b]["covers"] == [1]
                 assert by[a]["n"] == counted[a] and by[b]["n"] == counted[b]
                 looks["view_a"], looks["view_b"] = decode_view(by[a]), decode_view(by[b])
@@ -379,8 +422,9 @@ def scenario(windows: list[dict], kind: str, gap: int, epsilon: float = 1.0):
         runs = [w for w in windows if w["r"] == r and w["gap"] == gap]
         if not runs:
             raise ValueError(f"no window of stream {r} read at gap {gap}")
-        stacked[r] = [np.concatenate([w[nm].reshape(trials, 3)[cols] for w in runs])
-                      for nm in names]
+        stacked[r] = [
+            np.concatenate([w[nm].reshape(trials, 3)[cols] for w in runs]) for nm in names
+        ]
     return stacked[1], stacked[2], group_looks(kind, gap), p_from_epsilon(epsilon, 2)
 
 
@@ -389,8 +433,9 @@ def window_plan(cycles: int, gaps=(1, 2)) -> list[tuple[int, int]]:
     return [(r, gap) for _ in range(cycles) for gap in gaps for r in (1, 2)]
 
 
-def group_scenarios(bootstrap: str, tmp: Path, trials: int, cycles: int, gaps=(1, 2), *,
-                    claimed: float = 1.0, **kw) -> dict[tuple[str, int], tuple]:
+def group_scenarios(
+    bootstrap: str, tmp: Path, trials: int, cycles: int, gaps=(1, 2), *, claimed: float = 1.0, **kw
+) -> dict[tuple[str, int], tuple]:
     """One group run over ``window_plan(cycles, gaps)``; its scenarios by (kind, gap): the
     trials of each kind, ``cycles`` x T / 2 runs per neighbouring stream."""
     windows = run_windows(bootstrap, tmp, trials, window_plan(cycles, gaps), **kw)

@@ -68,9 +68,9 @@ from functools import lru_cache
 import numpy as np
 from scipy import stats
 
-ALPHA = 1e-6     # family-wise false-failure probability of one audit
-STEPS = 8        # thresholds per -log(p) (one unit of counter shift)
-_TOL = 1e-9      # log-ratios that are equal in exact arithmetic compare equal
+ALPHA = 1e-6  # family-wise false-failure probability of one audit
+STEPS = 8  # thresholds per -log(p) (one unit of counter shift)
+_TOL = 1e-9  # log-ratios that are equal in exact arithmetic compare equal
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,11 @@ class Look:
 
 @dataclass(frozen=True)
 class Result:
-    eps: float          # the certified lower bound on the privacy loss
-    where: str          # the event attaining it
-    events: int         # size of the family (Bonferroni over 4 intervals per event)
-    p_x: float          # point estimates of the attaining event under the numerator stream
-    p_y: float          # ... and under the denominator stream
+    eps: float  # the certified lower bound on the privacy loss
+    where: str  # the event attaining it
+    events: int  # size of the family (Bonferroni over 4 intervals per event)
+    p_x: float  # point estimates of the attaining event under the numerator stream
+    p_y: float  # ... and under the denominator stream
 
     def __iter__(self):  # ``eps, where = lr_epsilon(...)``, like empirical_epsilon
         return iter((self.eps, self.where))
@@ -127,7 +127,7 @@ def log_pmf(p: float, layers: int) -> tuple[int, np.ndarray]:
     with np.errstate(divide="ignore"):
         lq = np.log(q)
     keep = big - k1  # |z| <= k1 keeps every value finite and accurate
-    return k1, lq[keep: len(lq) - keep]
+    return k1, lq[keep : len(lq) - keep]
 
 
 def log_ratio(view: np.ndarray, mean_x, mean_y, p: float, layers: int) -> np.ndarray:
@@ -160,8 +160,9 @@ def statistics(views, looks, p: float) -> list[tuple[str, np.ndarray, float]]:
     for j, look in enumerate(looks):
         if not look.derived:
             chains.setdefault(look.chain, []).append(j)
-    nested = all(looks[b].layers > looks[a].layers
-                 for js in chains.values() for a, b in zip(js, js[1:]))
+    nested = all(
+        looks[b].layers > looks[a].layers for js in chains.values() for a, b in zip(js, js[1:])
+    )
     firsts = {js[0] for js in chains.values()}  # a chain's first block is its first look
     if nested and sum(map(len, chains.values())) > 1:
         for js in chains.values():
@@ -173,8 +174,9 @@ def statistics(views, looks, p: float) -> list[tuple[str, np.ndarray, float]]:
                 dy = np.subtract(look.mean_y, prev_y)
                 r = _bound(dx, dy, p)
                 if r > 0:
-                    blocks.append((f"B{j}", log_ratio(v - prev_v, dx, dy, p,
-                                                      look.layers - prev_k), r))
+                    blocks.append(
+                        (f"B{j}", log_ratio(v - prev_v, dx, dy, p, look.layers - prev_k), r)
+                    )
                 prev_v, prev_x, prev_y, prev_k = v, look.mean_x, look.mean_y, look.layers
     out += marg
     out += [b for b in blocks if int(b[0][1:]) not in firsts]  # B_first is L_first

@@ -21,10 +21,17 @@ def testing_env(monkeypatch):
 
 
 def cfg_for(tmp_path, **extra):
-    values = {"checkpoint.dir": tmp_path / "state", "release.dir": tmp_path / "releases",
-              "state.domain_size": D, "window.kind": "count", "window.size": 1000,
-              "metrics.port": -1, "testing.noise_seed": SEED, "release.plan_errors": False,
-              "source.topic": "logins"}
+    values = {
+        "checkpoint.dir": tmp_path / "state",
+        "release.dir": tmp_path / "releases",
+        "state.domain_size": D,
+        "window.kind": "count",
+        "window.size": 1000,
+        "metrics.port": -1,
+        "testing.noise_seed": SEED,
+        "release.plan_errors": False,
+        "source.topic": "logins",
+    }
     values.update(extra)
     return settings(settings=values, env={})
 
@@ -38,16 +45,19 @@ def expected_document(xs, window):
     tests/test_service.py)."""
     state = PanPrivateHistogram(1.0, size=D, rng=np.random.default_rng([SEED, 0, window]))
     state.add_indices(np.asarray(xs, dtype=np.int64))
-    return make_release(state, model="joint", window=window,
-                        rng=np.random.default_rng([SEED, 1, window]))
+    return make_release(
+        state, model="joint", window=window, rng=np.random.default_rng([SEED, 1, window])
+    )
 
 
 def same_figures(doc, expected):
     """(The intervals are bootstrap draws the service makes itself: not compared.)"""
     for key in ("histogram", "properties", "n", "epsilon", "p", "layers"):
         assert doc[key] == expected[key], key
-    assert doc["headline"]["distinct_items"]["value"] == \
-        expected["headline"]["distinct_items"]["value"]
+    assert (
+        doc["headline"]["distinct_items"]["value"]
+        == expected["headline"]["distinct_items"]["value"]
+    )
 
 
 def test_count_windows_release_what_the_service_would(tmp_path):
@@ -65,28 +75,36 @@ def test_count_windows_release_what_the_service_would(tmp_path):
     assert last.distinct_items.value == head["distinct_items"]["value"]
     assert list(last.distinct_items.interval) == head["distinct_items"]["interval"]
     assert last.privacy_unit == "event" and last.epsilon == 1.0
-    assert last.histogram and all(a > b for (a, _), (b, _) in zip(last.histogram,
-                                                                   last.histogram[1:]))
+    assert last.histogram and all(
+        a > b for (a, _), (b, _) in zip(last.histogram, last.histogram[1:])
+    )
     # every release is a file in release.dir, and reads back as the same release
     for r in [*made, last]:
-        assert Release.read(tmp_path / "releases" / f"release-{r.window}.json") == \
-            r.without_ledger()
+        assert (
+            Release.read(tmp_path / "releases" / f"release-{r.window}.json") == r.without_ledger()
+        )
     assert Release.from_ledger(tmp_path / "state" / "ledger.jsonl") == [*made, last]
 
 
 def test_feed_records_decodes_as_the_service_and_sorts_bad_records(tmp_path):
     good = items(300)
     values = [json.dumps({"user": {"id": i}}).encode() for i in good]
-    values[5:5] = [b"not json", json.dumps({"user": {}}).encode(), json.dumps(
-        {"user": {"id": D + 3}}).encode()]
+    values[5:5] = [
+        b"not json",
+        json.dumps({"user": {}}).encode(),
+        json.dumps({"user": {"id": D + 3}}).encode(),
+    ]
     cfg = cfg_for(tmp_path, **{"source.format": "json", "item.field": "user.id"})
     with Aggregation(cfg) as agg:
         assert agg.feed_records(values) == []
         assert agg.position() == len(values)
         rel = agg.release()
     same_figures(rel.document, expected_document(good, 0))
-    assert rel.ledger["totals"]["rejects"] == {"undecodable": 1, "missing_item": 1,
-                                               "out_of_range": 1}
+    assert rel.ledger["totals"]["rejects"] == {
+        "undecodable": 1,
+        "missing_item": 1,
+        "out_of_range": 1,
+    }
 
 
 def test_feed_builds_records_of_the_configured_format(tmp_path):
@@ -104,8 +122,10 @@ def test_a_restart_resumes_at_the_open_window_and_counts_each_record_once(tmp_pa
     xs = items(1600, seed=4)
     vals = [msgpack.packb({"item": i}) for i in xs]
     with Aggregation(cfg_for(tmp_path)) as agg:
-        assert [r.window for r in agg.feed_records(vals[:1300], partition="logins:0",
-                                                   offsets=range(100, 1400))] == [0]
+        assert [
+            r.window
+            for r in agg.feed_records(vals[:1300], partition="logins:0", offsets=range(100, 1400))
+        ] == [0]
         assert agg.position("logins:0") == 1400
     with Aggregation(cfg_for(tmp_path)) as agg:
         assert agg.resume_offsets == {"logins:0": 1100} and agg.window == 1
@@ -113,8 +133,10 @@ def test_a_restart_resumes_at_the_open_window_and_counts_each_record_once(tmp_pa
         rel = agg.release()
     assert rel.n == 600
     same_figures(rel.document, expected_document(xs[1000:], 1))
-    kinds = [json.loads(x)["kind"] for x in (tmp_path / "state" / "ledger.jsonl").read_text()
-             .splitlines()]
+    kinds = [
+        json.loads(x)["kind"]
+        for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()
+    ]
     assert kinds.count("release") == 2 and "restart" in kinds
 
 
@@ -135,10 +157,13 @@ def test_the_ledger_refuses_past_the_budget(tmp_path):
         agg.feed(items(10))
         with pytest.raises(ReleaseRefused, match="window 1 was refused by the ledger: .*budget"):
             agg.release()
-    entries = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text()
-               .splitlines()]
-    assert [e["kind"] for e in entries if e["kind"] in ("release", "refused")] == \
-        ["release", "refused"]
+    entries = [
+        json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()
+    ]
+    assert [e["kind"] for e in entries if e["kind"] in ("release", "refused")] == [
+        "release",
+        "refused",
+    ]
 
 
 def test_one_aggregation_per_directory_and_bad_settings_in_one_line(tmp_path):
@@ -154,9 +179,20 @@ def test_nothing_unnoised_is_shown(tmp_path):
     with Aggregation(cfg_for(tmp_path)) as agg:
         agg.feed([3] * 777)
         public = {n for n in dir(agg) if not n.startswith("_")}
-        assert public == {"config", "stream", "window", "resume_offsets", "position", "feed",
-                          "feed_records", "tick", "release", "close_window", "releases",
-                          "close"}
+        assert public == {
+            "config",
+            "stream",
+            "window",
+            "resume_offsets",
+            "position",
+            "feed",
+            "feed_records",
+            "tick",
+            "release",
+            "close_window",
+            "releases",
+            "close",
+        }
         assert all(k.startswith("_") for k in vars(agg))
         assert "777" not in repr(agg) and agg.position() == 777  # (a position, not a count)
         rel = agg.release()
@@ -200,7 +236,8 @@ def _crashed_after_window_0(tmp_path):
     agg.feed_records(a[:600], partition="A")
     agg.feed_records(b[:300], partition="B")
     crash_at_the_checkpoint_after_a_release(
-        agg, lambda: agg.feed_records(b[300:500], partition="B", offsets=range(300, 500)))
+        agg, lambda: agg.feed_records(b[300:500], partition="B", offsets=range(300, 500))
+    )
     return xs, a, b
 
 
@@ -229,9 +266,9 @@ def test_a_replay_held_in_one_partition_keeps_its_later_records(tmp_path, monkey
     monkeypatch.setattr(Resume, "skip_decided_window", lambda self, task: False)
     with Aggregation(cfg_for(tmp_path)) as agg:
         assert agg.window == 0 and agg.resume_offsets == {}
-        assert agg.feed_records(a, partition="A") == []        # held at 600: 100 kept back
+        assert agg.feed_records(a, partition="A") == []  # held at 600: 100 kept back
         assert agg.position("A") == 600
-        assert agg.feed_records(b, partition="B") == []         # window 0: from the ledger
+        assert agg.feed_records(b, partition="B") == []  # window 0: from the ledger
         assert agg.position("A") == 700 and agg.window == 1
         rel = agg.release()
     assert rel.window == 1 and rel.n == 400
@@ -241,11 +278,11 @@ def test_a_replay_held_in_one_partition_keeps_its_later_records(tmp_path, monkey
 def test_time_windows_by_this_process_clock_and_what_is_not_driven_yet(tmp_path):
     with pytest.raises(ConfigError, match="window.clock = process"):
         Aggregation(cfg_for(tmp_path, **{"window.kind": "time", "window.size": 60}))
-    cfg = cfg_for(tmp_path, **{"window.kind": "time", "window.size": 1,
-                               "window.clock": "process"})
+    cfg = cfg_for(tmp_path, **{"window.kind": "time", "window.size": 1, "window.clock": "process"})
     with Aggregation(cfg) as agg:
         assert agg.feed(items(300)) == []
         import time
+
         time.sleep(1.1)
         made = agg.tick()
     assert [r.window for r in made] == [0] and made[0].n == 300

@@ -111,8 +111,11 @@ def test_a_process_killed_at_the_rename_leaves_the_old_file_to_readers(tmp_path)
     the temp file stays (nothing ran to remove it) but under a dot name of its own."""
     target = tmp_path / "config.json"
     target.write_text("old")
-    res = subprocess.run([sys.executable, "-c", _KILLED_AT_THE_RENAME, str(target)],
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    res = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT_THE_RENAME, str(target)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert res.returncode == -9
     assert target.read_text() == "old"
     assert visible(tmp_path) == ["config.json"]
@@ -161,8 +164,10 @@ def test_the_config_json_writers_fsync_the_file_and_the_directory(tmp_path, fsyn
     agg.save_effective_config()
     saved = json.loads((agg.dir / "config.json").read_text())
     assert saved["checkpoint"]["dir"] == str(tmp_path / "state")
-    assert fsyncs == [("file", (agg.dir / "config.json").stat().st_ino),
-                      ("dir", agg.dir.stat().st_ino)]
+    assert fsyncs == [
+        ("file", (agg.dir / "config.json").stat().st_ino),
+        ("dir", agg.dir.stat().st_ino),
+    ]
     _note_metrics_url(cfg, "http://127.0.0.1:1/metrics")
     assert fsyncs[-1] == ("dir", agg.dir.stat().st_ino)
     assert visible(agg.dir) == ["config.json", "metrics.url"]
@@ -175,18 +180,18 @@ def test_the_config_json_writers_fsync_the_file_and_the_directory(tmp_path, fsyn
 NOT_DURABLE = {
     ("aggregator/service/ledger.py", "open"): "appends one fsynced line (the ledger's format)",
     ("aggregator/service/ledger.py", "link"): "keeps the v1 ledger as a backup before migrate "
-                                              "replaces it (its directory fsync covers both)",
+    "replaces it (its directory fsync covers both)",
     ("aggregator/service/event_time.py", "open"): "appends one fsynced line to the positions",
     ("state_store/registry.py", "open"): "appends one fsynced line under an flock (the file "
-                                         "budget registry, shared by every run of a user)",
+    "budget registry, shared by every run of a user)",
     ("aggregator/service/stages/state_dir.py", "open"): "service.lock: an flock with the pid "
-                                                       "inside",
+    "inside",
     ("aggregator/service/cli.py", "write_text"): "an empty control request (its name is all)",
     ("aggregator/service/cli.py", "save"): "np.save of the counters a user asked for (--counters)",
     ("aggregator/service/status.py", "savefig"): "the plot `panagg status --plot` draws",
     ("aggregator/release.py", "savefig"): "draws into the buffer plot_release writes",
     ("aggregator/service/settings_doc.py", "write_text"): "regenerates docs/configuration.md "
-                                                           "and the example config (in git)",
+    "and the example config (in git)",
 }
 
 
@@ -199,18 +204,32 @@ def _writes(path: Path):
         name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
         base = f.value if isinstance(f, ast.Attribute) else None
         base = base.id if isinstance(base, ast.Name) else ""
-        if name in ("write_text", "write_bytes", "rename", "link", "fdopen", "savefig") or \
-                (name == "save" and base == "np" and not (
-                    node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "buf")):
+        if name in ("write_text", "write_bytes", "rename", "link", "fdopen", "savefig") or (
+            name == "save"
+            and base == "np"
+            and not (node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "buf")
+        ):
             yield name, node.lineno
-        elif name == "replace" and len(node.args) + len(node.keywords) == 1 or \
-                name == "replace" and base == "os":
+        elif (
+            name == "replace"
+            and len(node.args) + len(node.keywords) == 1
+            or name == "replace"
+            and base == "os"
+        ):
             yield name, node.lineno
         elif name == "open" and base in ("", "os"):
             flags = ast.unparse(node)
-            if base == "os" and "O_WRONLY" in flags or base == "" and any(
-                    isinstance(a, ast.Constant) and isinstance(a.value, str)
-                    and set(a.value) & set("wax+") for a in node.args[1:]):
+            if (
+                base == "os"
+                and "O_WRONLY" in flags
+                or base == ""
+                and any(
+                    isinstance(a, ast.Constant)
+                    and isinstance(a.value, str)
+                    and set(a.value) & set("wax+")
+                    for a in node.args[1:]
+                )
+            ):
                 yield name, node.lineno
 
 
@@ -230,13 +249,15 @@ def test_every_durable_write_is_the_atomic_helper():
 def test_the_write_finder_sees_a_hand_written_atomic_write(tmp_path):
     """Negative control: the pattern the helper replaced is found."""
     src = tmp_path / "w.py"
-    src.write_text("import os\n"
-                   "def save(d, text):\n"
-                   "    tmp = d / '.config.json.tmp'\n"
-                   "    tmp.write_text(text)\n"
-                   "    os.replace(tmp, d / 'config.json')\n"
-                   "    with open(d / 'x', 'w') as f:\n"
-                   "        f.write(text)\n"
-                   "    name = text.replace('a', 'b')\n")
+    src.write_text(
+        "import os\n"
+        "def save(d, text):\n"
+        "    tmp = d / '.config.json.tmp'\n"
+        "    tmp.write_text(text)\n"
+        "    os.replace(tmp, d / 'config.json')\n"
+        "    with open(d / 'x', 'w') as f:\n"
+        "        f.write(text)\n"
+        "    name = text.replace('a', 'b')\n"
+    )
     assert [n for n, _ in _writes(src)] == ["write_text", "replace", "open"]
     assert atomic.__all__ == ["PRIVATE_MODE", "atomic_write", "fsync_dir"]

@@ -9,14 +9,18 @@ import pytest
 from bench.service.group import tree_cpu
 
 #: a child that burns 0.3 s of CPU, says so, and sleeps
-BURN = ("import time, sys\n"
-        "while time.process_time() < 0.3: pass\n"
-        "print('burnt', flush=True); time.sleep(60)\n")
+BURN = (
+    "import time, sys\n"
+    "while time.process_time() < 0.3: pass\n"
+    "print('burnt', flush=True); time.sleep(60)\n"
+)
 #: a parent that starts BURN as its child, waits for it, and sleeps without using CPU
-PARENT = ("import subprocess, sys, time\n"
-          f"c = subprocess.Popen([sys.executable, '-c', {BURN!r}], stdout=subprocess.PIPE, "
-          "text=True)\n"
-          "c.stdout.readline(); print('ready', flush=True); time.sleep(60)\n")
+PARENT = (
+    "import subprocess, sys, time\n"
+    f"c = subprocess.Popen([sys.executable, '-c', {BURN!r}], stdout=subprocess.PIPE, "
+    "text=True)\n"
+    "c.stdout.readline(); print('ready', flush=True); time.sleep(60)\n"
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -67,15 +67,21 @@ EXTRAS = {
     "service.speed": ("opendp",),  # the sampler section times OpenDP's
 }
 
-MODULES = sorted(f"{p.parent.name}.{p.stem}" for p in BENCH.glob("*/*.py")
-                 if p.stem not in LIBRARIES)
+MODULES = sorted(
+    f"{p.parent.name}.{p.stem}" for p in BENCH.glob("*/*.py") if p.stem not in LIBRARIES
+)
 
 
 def run_bench(module, args, cwd, env=None, timeout=300):
     """``python -m bench.<module> *args`` in ``cwd`` with this checkout first on the path."""
-    return subprocess.run([sys.executable, "-m", f"bench.{module}", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+    return subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
+    )
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if LANE.get(m) == "here"])
@@ -106,9 +112,14 @@ def test_every_bench_reference_names_a_module():
     """After the split into bench/accuracy and bench/service, a command or path that names a
     bench names one that exists (a stale `python -m bench.lofo` fails here, not in a reader's
     shell)."""
-    pages = [ROOT / "README.md", ROOT / "Makefile", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted(BENCH.rglob("*.py")), *sorted((ROOT / "aggregator").rglob("*.py")),
-             *sorted(p for p in (ROOT / "tests").rglob("*.py") if p != Path(__file__))]
+    pages = [
+        ROOT / "README.md",
+        ROOT / "Makefile",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted(BENCH.rglob("*.py")),
+        *sorted((ROOT / "aggregator").rglob("*.py")),
+        *sorted(p for p in (ROOT / "tests").rglob("*.py") if p != Path(__file__)),
+    ]
     known = {p.stem for p in BENCH.glob("*.py")} | {"accuracy", "service", "harness"}
     stale = []
     for page in pages:

@@ -14,8 +14,9 @@ from aggregator.noise import discrete_laplace, p_from_epsilon
 
 
 def _noisy_buckets(g, counts, B, p, layers):
-    totals = np.bincount(g.integers(0, B, len(counts)), weights=counts,
-                         minlength=B).astype(np.int64)
+    totals = np.bincount(g.integers(0, B, len(counts)), weights=counts, minlength=B).astype(
+        np.int64
+    )
     noise = sum(discrete_laplace(p, B, rng=g) for _ in range(layers))
     return noisy_value_counts(totals + noise)
 
@@ -29,8 +30,9 @@ def test_bucket_pmf_is_the_occupancy_of_uniformly_hashed_items():
     g = np.random.default_rng(3)
     counts = np.r_[np.ones(300, np.int64), np.full(40, 2), np.full(10, 5), [80, 120]]
     B = 200
-    model = bl.BucketLikelihood(cumulative_from_counts(np.sort(counts)[::-1]), B, 0.5, top=4,
-                                reach=600)  # every total: the small items sum to 430
+    model = bl.BucketLikelihood(
+        cumulative_from_counts(np.sort(counts)[::-1]), B, 0.5, top=4, reach=600
+    )  # every total: the small items sum to 430
     pmf = model.bucket_pmf(model.small)  # the big items (5, 80, 120) enter by the factor
     draws = 4000
     freq = np.zeros(len(pmf) + 1)
@@ -50,8 +52,8 @@ def _under_count(counts, share=0.07):
     users, issue 28): ``share`` of the items merged pairwise into items of twice the count."""
     c = np.sort(counts)
     pairs = int(share * len(c))
-    merged = c[: 2 * pairs: 2] + c[1: 2 * pairs: 2]
-    return cumulative_from_counts(np.sort(np.r_[merged, c[2 * pairs:]])[::-1])
+    merged = c[: 2 * pairs : 2] + c[1 : 2 * pairs : 2]
+    return cumulative_from_counts(np.sort(np.r_[merged, c[2 * pairs :]])[::-1])
 
 
 def test_the_truth_outlikes_an_under_count():
@@ -76,8 +78,9 @@ def test_the_early_stopped_bucket_em_counts_mostly_distinct_users():
     for _ in range(4):
         counts = _users(g, 100_000)
         vc = _noisy_buckets(g, counts, B, p, layers)
-        fit = anonymized_cumulative(vc, p, layers=layers, n=int(counts.sum()), buckets=B,
-                                    method="deconvolution")
+        fit = anonymized_cumulative(
+            vc, p, layers=layers, n=int(counts.sum()), buckets=B, method="deconvolution"
+        )
         ratios.append(fit[0] / len(counts))
     assert 0.97 < np.mean(ratios) < 1.03, ratios
 
@@ -113,14 +116,23 @@ def test_hashed_intervals_cover_the_new_users():
     # before: [85,795, 95,593] around a release of 90,694 for 97,504 users (the fits' bias),
     # and 19 of 40 such windows covered (docs/accuracy_changes.md)
     from aggregator.release import internal_level
+
     g = np.random.default_rng(7)
     p, layers, B = p_from_epsilon(1.0), 2, 200_000
     missed = 0
     for _ in range(3):
         counts = _users(g, 100_000)
         vc = _noisy_buckets(g, counts, B, p, layers)
-        eb = iv.error_bars(vc, p, layers=layers, n=int(counts.sum()), buckets=B, reps=10,
-                           level=internal_level(0.9, "hashed"), rng=1)
+        eb = iv.error_bars(
+            vc,
+            p,
+            layers=layers,
+            n=int(counts.sum()),
+            buckets=B,
+            reps=10,
+            level=internal_level(0.9, "hashed"),
+            rng=1,
+        )
         lo, hi = eb["distinct"]
         assert hi <= counts.sum()
         missed += not lo <= len(counts) <= hi
@@ -139,11 +151,13 @@ def test_the_release_picks_the_start_once_and_its_bootstrap_reruns_that_start(mo
     # where deciding again per draw cost 6x the release time at n = 1e7
     from aggregator import largedomain as ld
     from aggregator.release import estimate_with_accuracy
+
     g = np.random.default_rng(13)
     p, layers, B = p_from_epsilon(1.0), 2, 40_000
     counts = _users(g, 20_000)
     vc = _noisy_buckets(g, counts, B, p, layers)
     import aggregator.anonymize as est  # the bootstrap's batch fit goes through it
+
     calls, starts = [], []  # calls: the release's choice (shrunk?) each time one is made
     real, real_batch = ld._likelier_start, est.deconvolved_batch
 
@@ -153,11 +167,14 @@ def test_the_release_picks_the_start_once_and_its_bootstrap_reruns_that_start(mo
         return out
 
     monkeypatch.setattr(ld, "_likelier_start", likelier)
-    monkeypatch.setattr(est, "deconvolved_batch",
-                        lambda *a, **kw: starts.append(kw.get("shrunk_start")) or
-                        real_batch(*a, **kw))
-    hist, acc = estimate_with_accuracy(vc, p, layers=layers, n=int(counts.sum()), buckets=B,
-                                       method="deconvolution", reps=6)
+    monkeypatch.setattr(
+        est,
+        "deconvolved_batch",
+        lambda *a, **kw: starts.append(kw.get("shrunk_start")) or real_batch(*a, **kw),
+    )
+    hist, acc = estimate_with_accuracy(
+        vc, p, layers=layers, n=int(counts.sum()), buckets=B, method="deconvolution", reps=6
+    )
     assert len(calls) == 1 and starts and len(set(starts)) == 1
     assert starts[0] == calls[0]  # (the memo itself goes with the release)
     lo, hi = acc["intervals"]["distinct_items"]
@@ -170,13 +187,13 @@ def test_the_change_test_counts_the_gap_between_the_two_starts():
     # it 8 of 39 stationary window pairs read as a change at level 0.9 (bench.accuracy.changes,
     # cell 0)
     from aggregator import largedomain as ld
+
     g = np.random.default_rng(14)
     p, layers, B = p_from_epsilon(1.0), 2, 40_000
     counts = _users(g, 20_000)
     vc = _noisy_buckets(g, counts, B, p, layers)
     n = int(counts.sum())
-    eb = iv.error_bars(vc, p, layers=layers, n=n, buckets=B, reps=4, rng=0,
-                       method="deconvolution")
+    eb = iv.error_bars(vc, p, layers=layers, n=n, buckets=B, reps=4, rng=0, method="deconvolution")
     _, other = ld.chosen_start(vc, p, B, n, layers) or (None, None)
     assert other is not None and eb["selected"]
     gap = abs(len(eb["histogram"]) - int(other[0]))
@@ -189,11 +206,13 @@ def test_nothing_derived_from_the_counters_outlives_the_release():
     # auto's choice, the start chosen and the fits live in the release's memo, which goes with
     # the release; the big items' pmfs (a cache keyed by its arguments) are dropped with it
     from aggregator.release import estimate_with_accuracy
+
     g = np.random.default_rng(15)
     p, layers, B = p_from_epsilon(1.0), 2, 20_000
     counts = np.r_[_users(g, 9_000), [300, 200, 150]]  # big items too
     vc = _noisy_buckets(g, counts, B, p, layers)
     for method in (None, "deconvolution"):
-        estimate_with_accuracy(vc, p, layers=layers, n=int(counts.sum()), buckets=B,
-                               method=method, reps=4)
+        estimate_with_accuracy(
+            vc, p, layers=layers, n=int(counts.sum()), buckets=B, method=method, reps=4
+        )
         assert bl._big_pmf.cache_info().currsize == 0

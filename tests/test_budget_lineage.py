@@ -37,9 +37,17 @@ def _released(release_dir) -> int:
 
 
 def _args(tmp_path, path, state="state", releases="releases", **sets):
-    return cli_sets(tmp_path, path, **{"window.size": 100, "release.on_exhausted": "false",
-                                       "checkpoint.dir": tmp_path / state,
-                                       "release.dir": tmp_path / releases, **sets})
+    return cli_sets(
+        tmp_path,
+        path,
+        **{
+            "window.size": 100,
+            "release.on_exhausted": "false",
+            "checkpoint.dir": tmp_path / state,
+            "release.dir": tmp_path / releases,
+            **sets,
+        },
+    )
 
 
 def _one_error_line(res) -> str:
@@ -51,14 +59,23 @@ def _one_error_line(res) -> str:
 
 # -- files: identity by content -----------------------------------------------------------------
 
+
 def test_identity_by_content_survives_rename_and_appends_not_an_edit(tmp_path):
     reg = FileBudgetRegistry(tmp_path / "reg.jsonl", {"state_dir": "/s"})
     reg.open()
     a = tmp_path / "a.jsonl"
     _events(a, 300)
     cid = reg.identify("file:a.jsonl", a)
-    reg.record("L1", {"id": "release-1", "kind": "release", "epsilon_spent": 1.0,
-                      "ranges": {"file:a.jsonl": [0, 300]}, "sources": {"file:a.jsonl": cid}})
+    reg.record(
+        "L1",
+        {
+            "id": "release-1",
+            "kind": "release",
+            "epsilon_spent": 1.0,
+            "ranges": {"file:a.jsonl": [0, 300]},
+            "sources": {"file:a.jsonl": cid},
+        },
+    )
     b = tmp_path / "moved" / "b.jsonl"
     b.parent.mkdir()
     shutil.copy(a, b)
@@ -92,8 +109,9 @@ def test_renamed_file_in_a_new_state_dir_is_not_released_again(tmp_path, registr
         return
     assert second == 0  # 300 released / 300 produced
     said = [x for x in res.stderr.splitlines() if "was read and released before" in x]
-    assert len(said) == 1 and f"state dir {tmp_path / 'state'}" in said[0] and \
-        str(path) in said[0], res.stderr
+    assert (
+        len(said) == 1 and f"state dir {tmp_path / 'state'}" in said[0] and str(path) in said[0]
+    ), res.stderr
 
 
 def test_renamed_file_under_accept_change_resumes_where_it_was(tmp_path):
@@ -125,11 +143,15 @@ def test_a_new_state_dir_over_a_copy_with_budget_two_releases_once_more(tmp_path
         res = run_cli(_args(tmp_path, copy, state=f"state{k}", releases=f"releases{k}", **sets))
         assert res.returncode == 0, res.stderr
     # composition counted: 2 eps per event at most, so the third run releases nothing
-    assert [_released(tmp_path / r) for r in ("releases", "releases2", "releases3")] == \
-        [300, 300, 0]
+    assert [_released(tmp_path / r) for r in ("releases", "releases2", "releases3")] == [
+        300,
+        300,
+        0,
+    ]
 
 
 # -- anchors: by the ledger's id ----------------------------------------------------------------
+
 
 def test_state_dir_restored_to_another_path_is_recognised_by_its_anchor(tmp_path):
     path = tmp_path / "events.jsonl"
@@ -168,6 +190,7 @@ def test_a_deleted_anchor_does_not_let_a_restored_state_dir_release_twice(tmp_pa
 
 # -- Kafka topics: --same-records-as ------------------------------------------------------------
 
+
 class _Topic(Source):
     """A finite Kafka-like topic of one partition: ``<topic>:0``."""
 
@@ -183,19 +206,29 @@ class _Topic(Source):
         if self.pos >= len(self.values):
             time.sleep(min(timeout_s, 0.05))
             return []
-        seg = Segment(self.part, range(self.pos, len(self.values)), self.values[self.pos:])
+        seg = Segment(self.part, range(self.pos, len(self.values)), self.values[self.pos :])
         self.pos = len(self.values)
         return [seg]
 
 
 def _kafka_run(tmp_path, topic, items, **start):
-    cfg = load_config(None, ["source.kind=kafka", f"source.topic={topic}", "source.format=json",
-                             "window.kind=count",
-                             "window.size=100", f"state.domain_size={D}",
-                             f"checkpoint.dir={tmp_path / 'state'}",
-                             f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
-                             "release.error_bar_reps=0", "release.workers=0",
-                             "release.plan_errors=false"])
+    cfg = load_config(
+        None,
+        [
+            "source.kind=kafka",
+            f"source.topic={topic}",
+            "source.format=json",
+            "window.kind=count",
+            "window.size=100",
+            f"state.domain_size={D}",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "metrics.port=-1",
+            "release.error_bar_reps=0",
+            "release.workers=0",
+            "release.plan_errors=false",
+        ],
+    )
     Aggregator(cfg, _Topic(topic, items), **start).run(idle_exit_s=0.5)
 
 
@@ -206,8 +239,9 @@ def test_a_copied_topic_is_charged_as_the_old_one_only_when_said(tmp_path, caplo
     assert _released(tmp_path / "releases") == 400
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="panagg.service"):
-        _kafka_run(tmp_path, "t2", items, accept_change=True,
-                   **({"same_records_as": "t1"} if same else {}))
+        _kafka_run(
+            tmp_path, "t2", items, accept_change=True, **({"same_records_as": "t1"} if same else {})
+        )
     warned = [r.getMessage() for r in caplog.records if "source.topic changed" in r.message]
     assert len(warned) == 1
     if same:
@@ -225,5 +259,6 @@ def test_same_records_as_names_the_topic_the_state_dir_counted(tmp_path):
     items = np.random.default_rng(7).integers(0, D, 100)
     _kafka_run(tmp_path, "t1", items)
     from aggregator.service.errors import ServiceError
+
     with pytest.raises(ServiceError, match="counted topic t1, not t0"):
         _kafka_run(tmp_path, "t2", items, accept_change=True, same_records_as="t0")

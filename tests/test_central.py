@@ -22,8 +22,15 @@ from scipy import stats
 
 from aggregator import central
 from aggregator.central import (
-    _dp_anon_hist_known_n, _privhist, _regime, _remove_closest, _smoothed_scaled_cumulative,
-    _truncate_to_total, dp_anon_hist, privhist, privhist_prevalences,
+    _dp_anon_hist_known_n,
+    _privhist,
+    _regime,
+    _remove_closest,
+    _smoothed_scaled_cumulative,
+    _truncate_to_total,
+    dp_anon_hist,
+    privhist,
+    privhist_prevalences,
 )
 from aggregator.estimate import l1_distance
 
@@ -36,8 +43,12 @@ STAT_MAX = 15  # integer statistics are clipped to [0, STAT_MAX] before building
 # ---------------------------------------------------------------------------------------------
 def _valid(out) -> bool:
     out = np.asarray(out)
-    return (out.dtype == np.int64 and out.ndim == 1 and bool(np.all(out > 0))
-            and bool(np.all(np.diff(out) <= 0)))
+    return (
+        out.dtype == np.int64
+        and out.ndim == 1
+        and bool(np.all(out > 0))
+        and bool(np.all(np.diff(out) <= 0))
+    )
 
 
 def _zipf_counts(n: int, seed: int = 0, a: float = 1.1) -> np.ndarray:
@@ -55,9 +66,16 @@ def _mean_error(mech, counts, reps: int) -> float:
 
 def _stats(out: np.ndarray, x: tuple, y: tuple) -> tuple:
     k = len(out)
-    return (int(out.sum()), int(out[0]) if k else 0, int(out[1]) if k > 1 else 0, k,
-            int((out >= 3).sum()), int(out[-1]) if k else 0,
-            int(tuple(out) == x), int(tuple(out) == y))
+    return (
+        int(out.sum()),
+        int(out[0]) if k else 0,
+        int(out[1]) if k > 1 else 0,
+        k,
+        int((out >= 3).sum()),
+        int(out[-1]) if k else 0,
+        int(tuple(out) == x),
+        int(tuple(out) == y),
+    )
 
 
 STAT_NAMES = ("total", "top count", "second count", "#items", "#counts>=3", "smallest count")
@@ -106,8 +124,12 @@ def empirical_epsilon(mech, x, y, draws: int) -> tuple[float, str]:
 # output validity and bad inputs
 # ---------------------------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None)
-@given(counts=st.lists(st.integers(0, 60), max_size=30), seed=st.integers(0, 2**32 - 1),
-       eps=st.sampled_from([1.0, 1.5, 2.0, 4.0]), peps=st.sampled_from([0.05, 0.5, 1.0, 1.5, 5.0]))
+@given(
+    counts=st.lists(st.integers(0, 60), max_size=30),
+    seed=st.integers(0, 2**32 - 1),
+    eps=st.sampled_from([1.0, 1.5, 2.0, 4.0]),
+    peps=st.sampled_from([0.05, 0.5, 1.0, 1.5, 5.0]),
+)
 def test_outputs_are_anonymized_histograms(counts, seed, eps, peps):
     rng = np.random.default_rng(seed)
     assert _valid(dp_anon_hist(counts, eps, rng=rng))
@@ -127,27 +149,30 @@ def test_edge_inputs_default_sampler():
     assert _valid(privhist(prevalences={3: 2, 1: 5}, epsilon=2.0))
 
 
-@pytest.mark.parametrize("call", [
-    lambda: dp_anon_hist([3, -1], 2.0),
-    lambda: dp_anon_hist([3, 1], 0.0),
-    lambda: dp_anon_hist([3, 1], -1.0),
-    lambda: dp_anon_hist([3, 1], float("nan")),
-    lambda: dp_anon_hist([3, 1], float("inf")),
-    lambda: dp_anon_hist([3, 1.5], 2.0),
-    lambda: dp_anon_hist([[3, 1]], 2.0),
-    lambda: dp_anon_hist([3, 1], 2.0, n=0),
-    lambda: privhist([3, -1], 1.0),
-    lambda: privhist([3, 1], 0.0),
-    lambda: privhist([3, 1], -0.5),
-    lambda: privhist([3, 1]),
-    lambda: privhist(epsilon=1.0),
-    lambda: privhist([3, 1], 1.0, prevalences=[(3, 1)]),
-    lambda: privhist(prevalences=[(3, -1)], epsilon=1.0),
-    lambda: privhist(prevalences=[(-3, 1)], epsilon=1.0),
-    lambda: privhist(prevalences=[3, 1], epsilon=1.0),
-    lambda: privhist([3, 1], 2.0, budget=(1.5, 1.0, 0.0)),
-    lambda: privhist([3, 1], 0.5, budget=(0.25, 0.25, 0.0)),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: dp_anon_hist([3, -1], 2.0),
+        lambda: dp_anon_hist([3, 1], 0.0),
+        lambda: dp_anon_hist([3, 1], -1.0),
+        lambda: dp_anon_hist([3, 1], float("nan")),
+        lambda: dp_anon_hist([3, 1], float("inf")),
+        lambda: dp_anon_hist([3, 1.5], 2.0),
+        lambda: dp_anon_hist([[3, 1]], 2.0),
+        lambda: dp_anon_hist([3, 1], 2.0, n=0),
+        lambda: privhist([3, -1], 1.0),
+        lambda: privhist([3, 1], 0.0),
+        lambda: privhist([3, 1], -0.5),
+        lambda: privhist([3, 1]),
+        lambda: privhist(epsilon=1.0),
+        lambda: privhist([3, 1], 1.0, prevalences=[(3, 1)]),
+        lambda: privhist(prevalences=[(3, -1)], epsilon=1.0),
+        lambda: privhist(prevalences=[(-3, 1)], epsilon=1.0),
+        lambda: privhist(prevalences=[3, 1], epsilon=1.0),
+        lambda: privhist([3, 1], 2.0, budget=(1.5, 1.0, 0.0)),
+        lambda: privhist([3, 1], 0.5, budget=(0.25, 0.25, 0.0)),
+    ],
+)
 def test_bad_inputs_raise(call):
     with pytest.raises(ValueError):
         call()
@@ -229,10 +254,13 @@ def test_smoothed_query_has_sensitivity_one():
 # ---------------------------------------------------------------------------------------------
 # privacy audits (default OS CSPRNG sampler)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("eps,x,y", [
-    (1.0, [3, 1], [3, 2]),        # eps in [1, 2): our eps/2 split for the private n
-    (2.0, [2, 2], [2, 2, 1]),     # Algorithm 2 as printed; ceil(sqrt(n)) changes between 4 and 5
-])
+@pytest.mark.parametrize(
+    "eps,x,y",
+    [
+        (1.0, [3, 1], [3, 2]),  # eps in [1, 2): our eps/2 split for the private n
+        (2.0, [2, 2], [2, 2, 1]),  # Algorithm 2 as printed; ceil(sqrt(n)) changes between 4 and 5
+    ],
+)
 def test_audit_dp_anon_hist(eps, x, y):
     got, where = empirical_epsilon(lambda c: dp_anon_hist(c, eps), x, y, draws=12_000)
     assert got <= eps, f"empirical eps {got:.3f} > {eps} at {where}"
@@ -240,8 +268,9 @@ def test_audit_dp_anon_hist(eps, x, y):
 
 def test_audit_dp_anon_hist_public_n_is_tight():
     eps = 1.0
-    got, where = empirical_epsilon(lambda c: dp_anon_hist(c, eps, n=4), [3, 1], [3, 2],
-                                   draws=15_000)
+    got, where = empirical_epsilon(
+        lambda c: dp_anon_hist(c, eps, n=4), [3, 1], [3, 2], draws=15_000
+    )
     assert got <= eps, f"empirical eps {got:.3f} > {eps} at {where}"
     assert got >= 0.5 * eps, f"audit too weak: {got:.3f} ({where})"
 
@@ -255,10 +284,13 @@ def test_audit_flags_split_at_private_n():
     assert got > eps, f"audit missed the non-private split ({got:.3f} at {where})"
 
 
-@pytest.mark.parametrize("eps,x,y", [
-    (2.0, [3, 3, 2], [4, 3, 2]),  # low-privacy path; a count crosses T = ceil(sqrt(N)) ~ 3
-    (0.5, [2, 1], [2, 2]),        # high-privacy path
-])
+@pytest.mark.parametrize(
+    "eps,x,y",
+    [
+        (2.0, [3, 3, 2], [4, 3, 2]),  # low-privacy path; a count crosses T = ceil(sqrt(N)) ~ 3
+        (0.5, [2, 1], [2, 2]),  # high-privacy path
+    ],
+)
 def test_audit_privhist(eps, x, y):
     got, where = empirical_epsilon(lambda c: privhist(c, eps), x, y, draws=10_000)
     assert got <= eps, f"empirical eps {got:.3f} > {eps} at {where}"

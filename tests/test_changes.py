@@ -18,15 +18,21 @@ def _doc(window, distinct, entropy, se_d=None, se_h=None, interval=None, reps=10
         acc["standard_error"] = {"distinct_items": se_d, "entropy_nats": se_h}
     if interval is not None:
         acc["intervals"]["distinct_items"] = interval
-    return {"window": window, "n": 1000, "properties": {"distinct_items": distinct,
-                                                        "entropy_nats": entropy},
-            "accuracy": acc, "signal_below_noise": False}
+    return {
+        "window": window,
+        "n": 1000,
+        "properties": {"distinct_items": distinct, "entropy_nats": entropy},
+        "accuracy": acc,
+        "signal_below_noise": False,
+    }
 
 
 class _Ledger:
     def __init__(self, docs, t0=1_795_000_000.0):
-        self.entries = [{"kind": "release", "time_unix": t0 + 30 * i, "document": json.dumps(d)}
-                        for i, d in enumerate(docs)]
+        self.entries = [
+            {"kind": "release", "time_unix": t0 + 30 * i, "document": json.dumps(d)}
+            for i, d in enumerate(docs)
+        ]
 
 
 def test_no_change_within_the_noise_and_a_change_beyond_it():
@@ -66,18 +72,24 @@ def test_level_is_checked():
 
 
 def test_history_names_only_significant_changes(tmp_path):
-    docs = [_doc(59849607, 1000, 5.0, se_d=40.0, se_h=0.02),
-            _doc(59849608, 1030, 5.0, se_d=40.0, se_h=0.02),
-            _doc(59849609, 2000, 5.0, se_d=40.0, se_h=0.02)]
+    docs = [
+        _doc(59849607, 1000, 5.0, se_d=40.0, se_h=0.02),
+        _doc(59849608, 1030, 5.0, se_d=40.0, se_h=0.02),
+        _doc(59849609, 2000, 5.0, se_d=40.0, se_h=0.02),
+    ]
     rows = release_history(_Ledger(docs))
     assert rows[0]["change"] is None
     assert rows[1]["change"]["distinct_items"]["significant"] is False
     assert rows[2]["change"]["distinct_items"]["direction"] == 1
     lines = format_history(rows)
-    assert lines[1].endswith("; vs window 59849607 at level 0.9: distinct: no significant "
-                             "change, entropy: no significant change")
-    assert lines[2].endswith("; vs window 59849608 at level 0.9: distinct +94.2% (significant), "
-                             "entropy: no significant change")
+    assert lines[1].endswith(
+        "; vs window 59849607 at level 0.9: distinct: no significant "
+        "change, entropy: no significant change"
+    )
+    assert lines[2].endswith(
+        "; vs window 59849608 at level 0.9: distinct +94.2% (significant), "
+        "entropy: no significant change"
+    )
     plot_history(rows, tmp_path / "h.png")
     assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -109,8 +121,10 @@ def test_prometheus_change_gauge():
     m = Metrics()
 
     def gauge():
-        return {s: m.registry.get_sample_value("panagg_release_change", {"statistic": s})
-                for s in changes.STATISTICS}
+        return {
+            s: m.registry.get_sample_value("panagg_release_change", {"statistic": s})
+            for s in changes.STATISTICS
+        }
 
     assert all(math.isnan(v) for v in gauge().values())  # nothing to compare yet
     m.published(_doc(1, 1000, 5.0, se_d=40.0, se_h=0.02))

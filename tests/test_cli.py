@@ -9,15 +9,29 @@ import numpy as np
 
 
 def run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                          capture_output=True, text=True, timeout=300,
-                          env=None if env is None else {**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=None if env is None else {**os.environ, **env},
+    )
 
 
 def test_demo_writes_releases(tmp_path):
     out = tmp_path / "rel"
-    res = run("demo", "--events", "60000", "--accounts", "3000", "--windows", "2",
-              "--output", str(out), env={"PANAGG_RELEASE_PLOTS": "true"})  # (conftest: false)
+    res = run(
+        "demo",
+        "--events",
+        "60000",
+        "--accounts",
+        "3000",
+        "--windows",
+        "2",
+        "--output",
+        str(out),
+        env={"PANAGG_RELEASE_PLOTS": "true"},
+    )  # (conftest: false)
     assert res.returncode == 0, res.stderr
     files = sorted(p.name for p in out.iterdir() if not p.name.startswith(".panagg-ledger-head-"))
     assert files == ["release-0.json", "release-0.png", "release-1.json", "release-1.png"]
@@ -32,16 +46,29 @@ def test_demo_writes_releases(tmp_path):
 
 
 def test_state_only_release_carries_its_caveat(tmp_path):
-    res = run("demo", "--events", "5000", "--accounts", "500", "--model", "state-only",
-              "--output", str(tmp_path))
+    res = run(
+        "demo",
+        "--events",
+        "5000",
+        "--accounts",
+        "500",
+        "--model",
+        "state-only",
+        "--output",
+        str(tmp_path),
+    )
     assert res.returncode == 0, res.stderr
     rel = json.loads((tmp_path / "release-0.json").read_text())
     assert rel["layers"] == 1 and "caveat" in rel
 
 
 def test_bad_flags_are_one_clear_line():
-    for args in (["demo", "--events", "-3"], ["demo", "--epsilon", "zero"],
-                 ["demo", "--events", "2", "--windows", "5"], ["demo", "--model", "central"]):
+    for args in (
+        ["demo", "--events", "-3"],
+        ["demo", "--epsilon", "zero"],
+        ["demo", "--events", "2", "--windows", "5"],
+        ["demo", "--model", "central"],
+    ):
         res = run(*args)
         assert res.returncode == 2, args
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -52,16 +79,34 @@ def test_bad_flags_are_one_clear_line():
 def test_central_from_csv_counts_and_json_prevalences(tmp_path):
     counts = tmp_path / "counts.csv"
     counts.write_text("count\n" + "\n".join(str(c) for c in [400, 200, 120] + [3] * 50 + [1] * 300))
-    res = run("central", "--input", str(counts), "--epsilon", "2", "--output", str(tmp_path),
-              "--name", "a")
+    res = run(
+        "central",
+        "--input",
+        str(counts),
+        "--epsilon",
+        "2",
+        "--output",
+        str(tmp_path),
+        "--name",
+        "a",
+    )
     assert res.returncode == 0, res.stderr
     rel = json.loads((tmp_path / "release-a.json").read_text())
     assert rel["model"] == "central" and rel["algorithm"] == "dpanonhist" and rel["n"] is None
     assert (tmp_path / "release-a.png").exists()
     prev = tmp_path / "prev.json"
     prev.write_text(json.dumps({"prevalences": [[1, 3000], [2, 800], [50, 4]]}))
-    res = run("central", "--input", str(prev), "--epsilon", "0.5", "--output", str(tmp_path),
-              "--name", "b")
+    res = run(
+        "central",
+        "--input",
+        str(prev),
+        "--epsilon",
+        "0.5",
+        "--output",
+        str(tmp_path),
+        "--name",
+        "b",
+    )
     assert res.returncode == 0, res.stderr
     rel = json.loads((tmp_path / "release-b.json").read_text())
     assert rel["algorithm"] == "privhist"
@@ -74,10 +119,12 @@ def test_central_bad_inputs_are_one_line(tmp_path):
     bad.write_text("1,2,3\n4,5,6\n")
     neg = tmp_path / "neg.json"
     neg.write_text("[3, -1]")
-    for args in (["central", "--input", str(bad), "--epsilon", "1"],
-                 ["central", "--input", str(neg), "--epsilon", "1"],
-                 ["central", "--input", str(tmp_path / "missing.csv"), "--epsilon", "1"],
-                 ["central", "--input", str(neg), "--epsilon", "0.5", "--algorithm", "dpanonhist"]):
+    for args in (
+        ["central", "--input", str(bad), "--epsilon", "1"],
+        ["central", "--input", str(neg), "--epsilon", "1"],
+        ["central", "--input", str(tmp_path / "missing.csv"), "--epsilon", "1"],
+        ["central", "--input", str(neg), "--epsilon", "0.5", "--algorithm", "dpanonhist"],
+    ):
         res = run(*args)
         assert res.returncode == 2, (args, res.stderr)
         assert "Traceback" not in res.stderr and res.stderr.strip().startswith("panagg")
@@ -94,17 +141,42 @@ def test_central_two_column_csv_needs_its_form(tmp_path):
     assert res.stderr.strip() == (
         f"panagg: error: {per_item}: two columns and no header: say what they are with --form "
         "per-item (item, count: one line per item) or --form prevalences (r, phi_r: how many "
-        "items were seen r times)")
-    res = run("central", "--input", str(per_item), "--epsilon", "2", "--form", "per-item",
-              "--output", str(tmp_path), "--name", "p", "--public-n", str(sum(counts)))
+        "items were seen r times)"
+    )
+    res = run(
+        "central",
+        "--input",
+        str(per_item),
+        "--epsilon",
+        "2",
+        "--form",
+        "per-item",
+        "--output",
+        str(tmp_path),
+        "--name",
+        "p",
+        "--public-n",
+        str(sum(counts)),
+    )
     assert res.returncode == 0, res.stderr
     rel = json.loads((tmp_path / "release-p.json").read_text())
     assert rel["n_in_histogram"] < 3 * sum(counts)  # per item, not (r, phi_r) pairs
     # a header that names the columns decides; one that does not is refused
     headed = tmp_path / "headed.csv"
     headed.write_text("account,count\n" + per_item.read_text())
-    res = run("central", "--input", str(headed), "--epsilon", "2", "--output", str(tmp_path),
-              "--name", "h", "--public-n", str(sum(counts)))
+    res = run(
+        "central",
+        "--input",
+        str(headed),
+        "--epsilon",
+        "2",
+        "--output",
+        str(tmp_path),
+        "--name",
+        "h",
+        "--public-n",
+        str(sum(counts)),
+    )
     assert res.returncode == 0, res.stderr
     odd = tmp_path / "odd.csv"
     odd.write_text("a,b\n" + per_item.read_text())
@@ -113,15 +185,26 @@ def test_central_two_column_csv_needs_its_form(tmp_path):
     # prevalences with a repeated r are not prevalences
     repeated = tmp_path / "repeated.csv"
     repeated.write_text("1,5\n2,3\n1,4\n")
-    res = run("central", "--input", str(repeated), "--epsilon", "2", "--form", "prevalences",
-              "--output", str(tmp_path))
+    res = run(
+        "central",
+        "--input",
+        str(repeated),
+        "--epsilon",
+        "2",
+        "--form",
+        "prevalences",
+        "--output",
+        str(tmp_path),
+    )
     assert res.returncode == 2
-    assert res.stderr.strip().endswith("some r repeats: is it an (item, count) file? use --form "
-                                       "per-item")
+    assert res.stderr.strip().endswith(
+        "some r repeats: is it an (item, count) file? use --form per-item"
+    )
     prev = tmp_path / "prev.csv"
     prev.write_text("r,phi_r\n1,300\n2,40\n7,2\n")
-    res = run("central", "--input", str(prev), "--epsilon", "2", "--output", str(tmp_path),
-              "--name", "v")
+    res = run(
+        "central", "--input", str(prev), "--epsilon", "2", "--output", str(tmp_path), "--name", "v"
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -139,14 +222,16 @@ def test_kafka_client_tracebacks_are_one_line_and_ours_are_kept():
         "try:\n"
         "    raise ValueError('ours')\n"
         "except ValueError:\n"
-        "    logging.getLogger('aggregator.service').exception('window close failed')\n")
+        "    logging.getLogger('aggregator.service').exception('window close failed')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     kafka_line = [ln for ln in lines if "kafka.net.transport" in ln]
     assert len(kafka_line) == 1
-    assert kafka_line[0].endswith("conn-1: Error receiving (AttributeError: "
-                                  "'NoneType' object has no attribute 'recv')")
+    assert kafka_line[0].endswith(
+        "conn-1: Error receiving (AttributeError: 'NoneType' object has no attribute 'recv')"
+    )
     assert out.stderr.count("Traceback") == 1  # ours
     assert out.stderr.index("window close failed") < out.stderr.index("Traceback")
     assert "ValueError: ours" in out.stderr
@@ -171,14 +256,16 @@ def test_repeated_kafka_client_lines_are_condensed_and_ours_are_not():
         "    logging.getLogger('panagg.service').warning('ours %d', i)\n"
         "time.sleep(0.6)\n"
         "logging.getLogger('kafka.coordinator').error('Heartbeat failed: %s', "
-        "'UnknownMemberIdError')\n")
+        "'UnknownMemberIdError')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     kafka = [ln for ln in lines if "kafka.coordinator" in ln]
     assert len(kafka) == 2
-    assert kafka[1].endswith("Heartbeat failed: UnknownMemberIdError (and 49 like it in the last "
-                             "0 s)")
+    assert kafka[1].endswith(
+        "Heartbeat failed: UnknownMemberIdError (and 49 like it in the last 0 s)"
+    )
     assert sum("panagg.service: ours" in ln for ln in lines) == 50
 
 
@@ -195,8 +282,9 @@ def test_central_never_overwrites_another_release(tmp_path):
 
 def test_a_second_demo_run_writes_beside_the_first_not_over_it(tmp_path):
     out = tmp_path / "rel"
-    assert run("demo", "--events", "3000", "--accounts", "300",
-               "--output", str(out)).returncode == 0
+    assert (
+        run("demo", "--events", "3000", "--accounts", "300", "--output", str(out)).returncode == 0
+    )
     first = (out / "release-0.json").read_bytes()
     res = run("demo", "--events", "3000", "--accounts", "300", "--output", str(out))
     assert res.returncode == 0, res.stderr
@@ -211,20 +299,29 @@ def test_version_flag_and_build_info_metric():
     from prometheus_client import generate_latest
 
     from aggregator.service.metrics import Metrics
+
     res = run("--version")
     assert res.returncode == 0 and res.stdout.strip() == f"panagg {version('panagg')}"
     text = generate_latest(Metrics().registry).decode()
-    assert (f'panagg_build_info{{python="{sys.version.split()[0]}",'
-            f'version="{version("panagg")}"}} 1.0') in text
+    assert (
+        f'panagg_build_info{{python="{sys.version.split()[0]}",version="{version("panagg")}"}} 1.0'
+    ) in text
 
 
 def _run_with_path(extra_path, *args):
     import os
+
     env = dict(os.environ, PYTHONPATH=str(extra_path))
     elsewhere = extra_path / "cwd"  # not the source tree: as an installed panagg runs
     elsewhere.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=elsewhere)
+    return subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=elsewhere,
+    )
 
 
 def test_a_foreign_package_with_one_of_our_names_is_refused(tmp_path):
@@ -251,7 +348,8 @@ def test_another_distribution_declaring_our_names_is_refused(tmp_path):
     assert res.stderr.strip() == (
         "panagg: error: top-level package names of panagg are installed by other distributions "
         "too ('state_store' also by otherlib): one overwrote the other's files; install panagg "
-        "in its own virtual environment (python -m venv)")
+        "in its own virtual environment (python -m venv)"
+    )
 
 
 def test_plan_prints_the_accuracy_plan_and_fails_below_the_noise():
@@ -263,15 +361,20 @@ def test_plan_prints_the_accuracy_plan_and_fails_below_the_noise():
 
 def test_status_of_a_group_members_scratch_dir_points_to_the_group(tmp_path):
     # a member of a Kafka-only group keeps only scratch files: its state is in the group's topics
-    saved = {"source": {"kind": "kafka", "group": "logins", "bootstrap": "10.0.0.5:9092"},
-             "scale": {"partitioned": True}, "window": {"kind": "time", "size": 60}}
+    saved = {
+        "source": {"kind": "kafka", "group": "logins", "bootstrap": "10.0.0.5:9092"},
+        "scale": {"partitioned": True},
+        "window": {"kind": "time", "size": 60},
+    }
     (tmp_path / "config.json").write_text(json.dumps(saved))
     res = run("status", "--state-dir", str(tmp_path))
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
-    assert lines == [f"panagg: error: {tmp_path} is the scratch directory of a member of group "
-                     "'logins', whose state is in Kafka: run panagg status --group logins "
-                     "--bootstrap 10.0.0.5:9092"], lines
+    assert lines == [
+        f"panagg: error: {tmp_path} is the scratch directory of a member of group "
+        "'logins', whose state is in Kafka: run panagg status --group logins "
+        "--bootstrap 10.0.0.5:9092"
+    ], lines
 
 
 def test_group_status_of_a_starting_group_says_so():
@@ -284,8 +387,16 @@ def test_group_status_of_a_starting_group_says_so():
     lines = format_group_status(starting)
     assert lines[0].startswith("group panagg (Kafka-only store): starting")
     assert "None" not in "\n".join(lines) and lines[1] == "members (0, group Dead):"
-    ident = {"mode": "exact", "size": 1000, "partitions": 3, "epsilon": 1.0,
-             "window_kind": "time", "window_size": 3600}
+    ident = {
+        "mode": "exact",
+        "size": 1000,
+        "partitions": 3,
+        "epsilon": 1.0,
+        "window_kind": "time",
+        "window_size": 3600,
+    }
     started = format_group_status({**starting, "identity": ident})
-    assert started[0] == ("group panagg (Kafka-only store): exact mode, 1000 counters in 3 "
-                          "slices, eps 1.0, windows of 3600 s")
+    assert started[0] == (
+        "group panagg (Kafka-only store): exact mode, 1000 counters in 3 "
+        "slices, eps 1.0, windows of 3600 s"
+    )

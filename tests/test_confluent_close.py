@@ -36,7 +36,7 @@ def test_close_returns_within_its_bound_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(confluent, "_CLOSE_S", 0.5)
     src = object.__new__(confluent.ConfluentSource)
     src.consumer, src.group = StuckConsumer(), "g-stuck"
-    threading.Timer(10.0, src.consumer.release.set).start()   # (an unbounded close ends too)
+    threading.Timer(10.0, src.consumer.release.set).start()  # (an unbounded close ends too)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="panagg.kafka"):
         src.close()

@@ -39,8 +39,9 @@ def canonical(item) -> bytes:
 
 
 def decoder(fmt: str, mode: str) -> Decoder:
-    return Decoder(fmt, domain_size={"hashed": None, "direct64": D_SMALL,
-                                     "direct2**63": D_BIG}[mode])
+    return Decoder(
+        fmt, domain_size={"hashed": None, "direct64": D_SMALL, "direct2**63": D_BIG}[mode]
+    )
 
 
 def direct_reason(item, domain: int):
@@ -54,38 +55,72 @@ def direct_reason(item, domain: int):
 # rule (an int in [0, D), else out_of_range; not an int: wrong_type), see direct_reason.
 OK, BIG, TYPE, UNDEC = None, "oversized", "wrong_type", "undecodable"
 ITEMS = [
-    ("int 0", 0, OK), ("int -1", -1, OK), ("int 63", 63, OK), ("int 64", 64, OK),
-    ("int 2**31-1", 2**31 - 1, OK), ("int 2**31", 2**31, OK), ("int -2**31", -(2**31), OK),
-    ("int -2**31-1", -(2**31) - 1, OK), ("int 2**32-1", 2**32 - 1, OK), ("int 2**32", 2**32, OK),
-    ("int -2**32", -(2**32), OK), ("int 2**53+1", 2**53 + 1, OK), ("int 2**63-1", 2**63 - 1, OK),
-    ("int 2**63", 2**63, OK), ("int 2**64-1", 2**64 - 1, OK), ("int -2**63", -(2**63), OK),
-    ("int 2**64", 2**64, BIG), ("int -2**63-1", -(2**63) - 1, BIG), ("int 10**30", 10**30, BIG),
+    ("int 0", 0, OK),
+    ("int -1", -1, OK),
+    ("int 63", 63, OK),
+    ("int 64", 64, OK),
+    ("int 2**31-1", 2**31 - 1, OK),
+    ("int 2**31", 2**31, OK),
+    ("int -2**31", -(2**31), OK),
+    ("int -2**31-1", -(2**31) - 1, OK),
+    ("int 2**32-1", 2**32 - 1, OK),
+    ("int 2**32", 2**32, OK),
+    ("int -2**32", -(2**32), OK),
+    ("int 2**53+1", 2**53 + 1, OK),
+    ("int 2**63-1", 2**63 - 1, OK),
+    ("int 2**63", 2**63, OK),
+    ("int 2**64-1", 2**64 - 1, OK),
+    ("int -2**63", -(2**63), OK),
+    ("int 2**64", 2**64, BIG),
+    ("int -2**63-1", -(2**63) - 1, BIG),
+    ("int 10**30", 10**30, BIG),
     ("int -10**30", -(10**30), BIG),
-    ("float 1e308", 1e308, TYPE), ("float -0.0", -0.0, TYPE), ("float 0.5", 0.5, TYPE),
-    ("float 1.0", 1.0, TYPE), ("float nan", math.nan, TYPE), ("float inf", math.inf, TYPE),
+    ("float 1e308", 1e308, TYPE),
+    ("float -0.0", -0.0, TYPE),
+    ("float 0.5", 0.5, TYPE),
+    ("float 1.0", 1.0, TYPE),
+    ("float nan", math.nan, TYPE),
+    ("float inf", math.inf, TYPE),
     ("float -inf", -math.inf, TYPE),
-    ("bool true", True, TYPE), ("bool false", False, TYPE), ("null", None, TYPE),
-    ("map", {"a": 1}, TYPE), ("empty map", {}, TYPE), ("list", [1, "a"], TYPE),
+    ("bool true", True, TYPE),
+    ("bool false", False, TYPE),
+    ("null", None, TYPE),
+    ("map", {"a": 1}, TYPE),
+    ("empty map", {}, TYPE),
+    ("list", [1, "a"], TYPE),
     ("empty list", [], TYPE),
-    ("str empty", "", OK), ("str a", "a", OK), ("str é", "é", OK), ("str emoji", "\U0001F600", OK),
-    ("str NUL", "\x00", OK), ("str trailing NUL", "a\x00", OK), ("str inner NUL", "a\x00b", OK),
-    ("str leading NUL", "\x00a", OK), ("str 9 trailing NULs", "a" + "\x00" * 9, OK),
-    ("str MAX ascii", "a" * MAX, OK), ("str MAX+1 ascii", "a" * (MAX + 1), BIG),
+    ("str empty", "", OK),
+    ("str a", "a", OK),
+    ("str é", "é", OK),
+    ("str emoji", "\U0001f600", OK),
+    ("str NUL", "\x00", OK),
+    ("str trailing NUL", "a\x00", OK),
+    ("str inner NUL", "a\x00b", OK),
+    ("str leading NUL", "\x00a", OK),
+    ("str 9 trailing NULs", "a" + "\x00" * 9, OK),
+    ("str MAX ascii", "a" * MAX, OK),
+    ("str MAX+1 ascii", "a" * (MAX + 1), BIG),
     ("str MAX with 2-byte end", "a" * (MAX - 2) + "é", OK),
     ("str MAX+1 with 2-byte end", "a" * (MAX - 1) + "é", BIG),  # MAX characters, MAX+1 bytes
     ("str MAX with 3-byte end", "a" * (MAX - 3) + "€", OK),
     ("str MAX+1 with 3-byte end", "a" * (MAX - 2) + "€", BIG),
-    ("str MAX with 4-byte end", "a" * (MAX - 4) + "\U0001F600", OK),
-    ("str MAX+1 with 4-byte end", "a" * (MAX - 3) + "\U0001F600", BIG),
+    ("str MAX with 4-byte end", "a" * (MAX - 4) + "\U0001f600", OK),
+    ("str MAX+1 with 4-byte end", "a" * (MAX - 3) + "\U0001f600", BIG),
     ("str MAX all 2-byte", "é" * (MAX // 2), OK),
     ("str MAX+1 all 2-byte", "é" * (MAX // 2) + "a", BIG),
     ("str MAX/4 chars of 2 bytes", "é" * (MAX // 4), OK),  # short enough for the fast path
     ("str MAX ending in NUL", "a" * (MAX - 1) + "\x00", OK),
-    ("str lone high surrogate", "\ud800", UNDEC), ("str lone low surrogate", "a\udfff", UNDEC),
-    ("bytes empty", b"", OK), ("bytes NUL", b"\x00", OK), ("bytes trailing NUL", b"a\x00", OK),
-    ("bytes inner NUL", b"a\x00b", OK), ("bytes not UTF-8", b"\xff\xfe", OK),
-    ("bytes 0..255", bytes(range(256)), OK), ("bytes MAX", b"x" * MAX, OK),
-    ("bytes MAX NULs", b"\x00" * MAX, OK), ("bytes MAX+1", b"x" * (MAX + 1), BIG),
+    ("str lone high surrogate", "\ud800", UNDEC),
+    ("str lone low surrogate", "a\udfff", UNDEC),
+    ("bytes empty", b"", OK),
+    ("bytes NUL", b"\x00", OK),
+    ("bytes trailing NUL", b"a\x00", OK),
+    ("bytes inner NUL", b"a\x00b", OK),
+    ("bytes not UTF-8", b"\xff\xfe", OK),
+    ("bytes 0..255", bytes(range(256)), OK),
+    ("bytes MAX", b"x" * MAX, OK),
+    ("bytes MAX NULs", b"\x00" * MAX, OK),
+    ("bytes MAX+1", b"x" * (MAX + 1), BIG),
 ]
 
 
@@ -208,8 +243,12 @@ def outcome(item, reason):
     return ("ok", item) if reason is None else reason
 
 
-CASES = [pytest.param(fmt, mode, item, id=f"{fmt}-{mode}-{id_}")
-         for fmt in ("msgpack", "json") for mode in MODES for id_, item, _ in ITEMS]
+CASES = [
+    pytest.param(fmt, mode, item, id=f"{fmt}-{mode}-{id_}")
+    for fmt in ("msgpack", "json")
+    for mode in MODES
+    for id_, item, _ in ITEMS
+]
 
 
 @pytest.mark.parametrize("fmt,mode,item", CASES)
@@ -228,11 +267,13 @@ def test_boundary_item_in_batch(fmt, mode, item):
     for raw, undecodable in messages(fmt, item):
         want = outcome(item, expected(item, mode, undecodable))
         good = [filler(item, mode, i) for i in range(63)]
-        check_batch(dec, mode, [encode(x) for x in good] + [raw],
-                    [("ok", x) for x in good] + [want])
+        check_batch(
+            dec, mode, [encode(x) for x in good] + [raw], [("ok", x) for x in good] + [want]
+        )
         check_batch(dec, mode, [raw] * 64, [want] * 64)
-        check_batch(dec, mode, [raw] + [encode(x) for x in good],
-                    [want] + [("ok", x) for x in good])
+        check_batch(
+            dec, mode, [raw] + [encode(x) for x in good], [want] + [("ok", x) for x in good]
+        )
 
 
 def test_fast_path_serves_the_uint64_batch(monkeypatch):
@@ -245,8 +286,16 @@ def test_fast_path_serves_the_uint64_batch(monkeypatch):
         count_and_check(batch.items, "hashed")
 
 
-@pytest.mark.parametrize("long_item", ["a" * MAX, "é" * (MAX // 2), "a" * (MAX - 4) + "\U0001F600",
-                                       "\U0001F600" * (MAX // 4), b"x" * MAX])
+@pytest.mark.parametrize(
+    "long_item",
+    [
+        "a" * MAX,
+        "é" * (MAX // 2),
+        "a" * (MAX - 4) + "\U0001f600",
+        "\U0001f600" * (MAX // 4),
+        b"x" * MAX,
+    ],
+)
 def test_fast_path_keeps_a_batch_with_one_long_valid_item(monkeypatch, long_item):
     """One long but valid item must not send its whole batch down the per-message path (its
     time would tell the item's length, not just its own bytes)."""
@@ -258,12 +307,14 @@ def test_fast_path_keeps_a_batch_with_one_long_valid_item(monkeypatch, long_item
     count_and_check(batch.items, "hashed")
 
 
-@pytest.mark.parametrize("too_long", ["a" * (MAX + 1), "a" * (MAX - 1) + "é", "é" * (MAX // 2 + 1),
-                                      b"x" * (MAX + 1)])
+@pytest.mark.parametrize(
+    "too_long", ["a" * (MAX + 1), "a" * (MAX - 1) + "é", "é" * (MAX // 2 + 1), b"x" * (MAX + 1)]
+)
 def test_fast_path_hands_an_oversized_item_to_the_per_message_path(too_long):
     items = [f"s{i}" for i in range(63)] + [too_long]
-    batch = Decoder("msgpack").decode([msgpack.packb({"item": x}, use_bin_type=True)
-                                       for x in items])
+    batch = Decoder("msgpack").decode(
+        [msgpack.packb({"item": x}, use_bin_type=True) for x in items]
+    )
     assert batch.rejected == [(63, "oversized")] and batch.items == items[:63]
 
 
@@ -301,15 +352,25 @@ RAW = [  # (id, format, message value, hashed outcome, direct (D = 64) outcome)
     ("JSON 1.0", "json", b'{"item": 1.0}', TYPE, TYPE),
     ("JSON 5000-digit int", "json", b'{"item": ' + DIGITS + b"}", BIG, "out_of_range"),
     ("JSON -5000-digit int", "json", b'{"item": -' + DIGITS + b"}", BIG, "out_of_range"),
-    ("JSON 5000-digit int elsewhere", "json", b'{"item": 3, "n": ' + DIGITS + b"}",
-     ("ok", 3), ("ok", 3)),
-    ("JSON 5000-digit float", "json", b'{"item": ' + DIGITS + b'.5}', TYPE, TYPE),
+    (
+        "JSON 5000-digit int elsewhere",
+        "json",
+        b'{"item": 3, "n": ' + DIGITS + b"}",
+        ("ok", 3),
+        ("ok", 3),
+    ),
+    ("JSON 5000-digit float", "json", b'{"item": ' + DIGITS + b".5}", TYPE, TYPE),
     ("JSON duplicate keys", "json", b'{"item": 1, "item": "b"}', ("ok", "b"), TYPE),
     ("JSON duplicate keys, int last", "json", b'{"item": "b", "item": 5}', ("ok", 5), ("ok", 5)),
     ("JSON \\u0000 at the end", "json", b'{"item": "a\\u0000"}', ("ok", "a\x00"), TYPE),
     ("JSON raw NUL in string", "json", b'{"item": "a\x00"}', UNDEC, UNDEC),  # control char
-    ("JSON escaped surrogate pair", "json", b'{"item": "\\ud83d\\ude00"}', ("ok", "\U0001F600"),
-     TYPE),
+    (
+        "JSON escaped surrogate pair",
+        "json",
+        b'{"item": "\\ud83d\\ude00"}',
+        ("ok", "\U0001f600"),
+        TYPE,
+    ),
     ("JSON array", "json", b"[1]", "not_a_map", "not_a_map"),
     ("JSON number", "json", b"1", "not_a_map", "not_a_map"),
     ("JSON null", "json", b"null", "not_a_map", "not_a_map"),
@@ -325,21 +386,33 @@ RAW = [  # (id, format, message value, hashed outcome, direct (D = 64) outcome)
     ("msgpack bad timestamp", "msgpack", b"\x81\xa4item\xc7\x03\xffxyz", UNDEC, UNDEC),
     ("msgpack float32", "msgpack", b"\x81\xa4item\xca" + struct.pack(">f", 1.5), TYPE, TYPE),
     ("msgpack nil", "msgpack", msgpack.packb({"item": None}), TYPE, TYPE),
-    ("msgpack bin key", "msgpack", msgpack.packb({b"item": 1}, use_bin_type=True),
-     "missing_item", "missing_item"),
+    (
+        "msgpack bin key",
+        "msgpack",
+        msgpack.packb({b"item": 1}, use_bin_type=True),
+        "missing_item",
+        "missing_item",
+    ),
     ("msgpack int key", "msgpack", msgpack.packb({1: 1}), "missing_item", "missing_item"),
     ("msgpack list key", "msgpack", b"\x81\x91\x01\x01", UNDEC, UNDEC),
     ("msgpack duplicate keys", "msgpack", b"\x82\xa4item\x01\xa4item\xa1b", ("ok", "b"), TYPE),
     ("msgpack array", "msgpack", msgpack.packb([1]), "not_a_map", "not_a_map"),
     ("msgpack deep nesting", "msgpack", b"\x81\xa4item" + b"\x91" * 5000 + b"\x01", UNDEC, UNDEC),
-    ("msgpack uint64 max", "msgpack", b"\x81\xa4item\xcf" + b"\xff" * 8, ("ok", 2**64 - 1),
-     "out_of_range"),
+    (
+        "msgpack uint64 max",
+        "msgpack",
+        b"\x81\xa4item\xcf" + b"\xff" * 8,
+        ("ok", 2**64 - 1),
+        "out_of_range",
+    ),
 ]
-RAW_CASES = [pytest.param(fmt, mode, raw, (h if mode == "hashed" else d),
-                          id=f"{fmt}-{mode}-{id_}")
-             for id_, where, raw, h, d in RAW
-             for fmt in ("msgpack", "json") if where in ("both", fmt)
-             for mode in ("hashed", "direct64")]
+RAW_CASES = [
+    pytest.param(fmt, mode, raw, (h if mode == "hashed" else d), id=f"{fmt}-{mode}-{id_}")
+    for id_, where, raw, h, d in RAW
+    for fmt in ("msgpack", "json")
+    if where in ("both", fmt)
+    for mode in ("hashed", "direct64")
+]
 
 
 @pytest.mark.parametrize("fmt,mode,raw,want", RAW_CASES)
@@ -351,25 +424,40 @@ def test_raw_message(fmt, mode, raw, want):
     check_batch(dec, mode, [raw] * 64, [want] * 64)
     good = [f"s{i}" if mode == "hashed" else i for i in range(63)]
     enc = msgpack.packb if fmt == "msgpack" else (lambda x: json.dumps(x).encode())
-    check_batch(dec, mode, [enc({"item": x}) for x in good] + [raw],
-                [("ok", x) for x in good] + [want])
+    check_batch(
+        dec, mode, [enc({"item": x}) for x in good] + [raw], [("ok", x) for x in good] + [want]
+    )
 
 
 def test_error_reasons_are_the_documented_ones():
-    assert set(REASONS) == {"oversized", "undecodable", "not_a_map", "missing_item", "wrong_type",
-                            "out_of_range"}
+    assert set(REASONS) == {
+        "oversized",
+        "undecodable",
+        "not_a_map",
+        "missing_item",
+        "wrong_type",
+        "out_of_range",
+    }
 
 
 # -- arbitrary mixed batches ---------------------------------------------------------------------
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-(2**63), 2**64 - 1),
-                    st.integers(-(2**64), 2**65), st.floats(allow_nan=True, allow_infinity=True),
-                    st.text(st.characters(exclude_categories=()), max_size=20),
-                    st.text(max_size=600),
-                    st.sampled_from([x for _, x, _ in ITEMS if len(repr(x)) < 40]))
-MSGPACK_ONLY = st.one_of(st.binary(max_size=40), st.binary(min_size=1000, max_size=1100),
-                         st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=5)),
-                         st.builds(msgpack.Timestamp, st.integers(0, 2**34),
-                                   st.integers(0, 999_999_999)))
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.integers(-(2**64), 2**65),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(st.characters(exclude_categories=()), max_size=20),
+    st.text(max_size=600),
+    st.sampled_from([x for _, x, _ in ITEMS if len(repr(x)) < 40]),
+)
+MSGPACK_ONLY = st.one_of(
+    st.binary(max_size=40),
+    st.binary(min_size=1000, max_size=1100),
+    st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=5)),
+    st.builds(msgpack.Timestamp, st.integers(0, 2**34), st.integers(0, 999_999_999)),
+)
 
 
 def values(extra):
@@ -381,22 +469,30 @@ def values(extra):
 
 def records(extra):
     v = values(extra)
-    return st.one_of(st.fixed_dictionaries({"item": v}, optional={"x": v}), v,
-                     st.binary(max_size=30).map(lambda b: ("raw", b)), st.just(("raw", None)))
+    return st.one_of(
+        st.fixed_dictionaries({"item": v}, optional={"x": v}),
+        v,
+        st.binary(max_size=30).map(lambda b: ("raw", b)),
+        st.just(("raw", None)),
+    )
 
 
 BOUNDARY_INTS = st.sampled_from([x for _, x, _ in ITEMS if type(x) is int])
-ITEM_KINDS = [st.integers() | BOUNDARY_INTS | st.integers(-(2**63), 2**64 - 1),
-              st.text(st.characters(exclude_categories=()), max_size=30) | st.text(max_size=1100),
-              st.binary(max_size=1100)]
+ITEM_KINDS = [
+    st.integers() | BOUNDARY_INTS | st.integers(-(2**63), 2**64 - 1),
+    st.text(st.characters(exclude_categories=()), max_size=30) | st.text(max_size=1100),
+    st.binary(max_size=1100),
+]
 
 
 def same_kind_batches(extra):
     """Batches whose items are of one kind (the case the vectorized paths take), with a little
     garbage mixed in."""
-    return st.sampled_from(ITEM_KINDS).flatmap(lambda kind: st.lists(
-        st.one_of(st.fixed_dictionaries({"item": kind}), records(extra)), max_size=130)
-        .filter(lambda recs: sum(isinstance(r, dict) for r in recs) >= 0.8 * len(recs)))
+    return st.sampled_from(ITEM_KINDS).flatmap(
+        lambda kind: st.lists(
+            st.one_of(st.fixed_dictionaries({"item": kind}), records(extra)), max_size=130
+        ).filter(lambda recs: sum(isinstance(r, dict) for r in recs) >= 0.8 * len(recs))
+    )
 
 
 def accepts(item, mode: str) -> bool:
@@ -423,8 +519,11 @@ def mixed_batch_check(fmt: str, recs: list) -> None:
             docs.append(GARBAGE)  # any outcome, as long as nothing raises
             continue
         try:
-            raw = (msgpack.packb(rec, use_bin_type=True) if fmt == "msgpack"
-                   else json.dumps(rec).encode())
+            raw = (
+                msgpack.packb(rec, use_bin_type=True)
+                if fmt == "msgpack"
+                else json.dumps(rec).encode()
+            )
         except (OverflowError, UnicodeEncodeError, ValueError, TypeError):
             continue  # not representable in this format
         raws.append(raw)
@@ -466,8 +565,13 @@ def test_mixed_json_batches_never_raise(recs):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=200),
-                          st.binary(max_size=200)), min_size=64, max_size=130))
+@given(
+    st.lists(
+        st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=200), st.binary(max_size=200)),
+        min_size=64,
+        max_size=130,
+    )
+)
 def test_good_msgpack_batches_take_the_fast_path_and_count(items):
     dec = Decoder("msgpack")
     batch = dec.decode([msgpack.packb({"item": x}, use_bin_type=True) for x in items])
@@ -476,11 +580,19 @@ def test_good_msgpack_batches_take_the_fast_path_and_count(items):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 127) | st.integers(-40, 200)
-                | st.sampled_from([None, True, 1.5, "7", b"7", 2**63 - 1, 2**63]),
-                min_size=64, max_size=130),
-       st.sampled_from([D_SMALL, 100_000, D_BIG]), st.integers(-1, 129),
-       st.sampled_from([b"", b"\x00", b"\x81", b"\x01"]))
+@given(
+    st.lists(
+        st.integers(0, 2**64 - 1)
+        | st.integers(0, 127)
+        | st.integers(-40, 200)
+        | st.sampled_from([None, True, 1.5, "7", b"7", 2**63 - 1, 2**63]),
+        min_size=64,
+        max_size=130,
+    ),
+    st.sampled_from([D_SMALL, 100_000, D_BIG]),
+    st.integers(-1, 129),
+    st.sampled_from([b"", b"\x00", b"\x81", b"\x01"]),
+)
 def test_plain_direct_batches_agree_with_per_message_decoding(items, domain, at, extra):
     """Direct mode's numpy path for {"item": <uint>} batches: the same items and reasons as
     decoding each message, whatever the ints, their encodings, a broken or extended message."""

@@ -23,8 +23,14 @@ import numpy as np
 import pytest
 
 from aggregator.density import (
-    PanPrivateDensity, bit_thresholds, expected_occupied, expected_relative_error,
-    invert_occupied, occupied_variance, plan_cells)
+    PanPrivateDensity,
+    bit_thresholds,
+    expected_occupied,
+    expected_relative_error,
+    invert_occupied,
+    occupied_variance,
+    plan_cells,
+)
 from aggregator.noise import WORD, bernoulli
 from tests.user_audit import cell_joint, exact_user_loss, kernel
 
@@ -112,6 +118,7 @@ def test_bernoulli_is_exact_on_its_threshold():
 
 def test_thresholds_keep_the_ratio_under_e_eps_exactly():
     from fractions import Fraction
+
     for eps in (0.01, 0.5, 1.0, 3.0):
         A, B = bit_thresholds(eps)
         assert Fraction(B, A) <= Fraction(math.exp(eps)) * (1 + Fraction(1, 2**50))
@@ -171,22 +178,22 @@ PROFILES = {
 
 
 def _run_profile(blocks, neighbor, cells, runs, level=0.9):
-    events = [f"p{j}-u{i}" for j, (n, g) in enumerate(blocks) for i in range(n)
-              for _ in range(g)]
+    events = [f"p{j}-u{i}" for j, (n, g) in enumerate(blocks) for i in range(n) for _ in range(g)]
     U = sum(n for n, _ in blocks)
     est, cover = [], 0
     for _ in range(runs):
         s = PanPrivateDensity(EPS, cells, neighbor=neighbor)  # a fresh key: the hash is part
         # of the error
         for chunk in range(0, len(events), 20_000):
-            s.update(events[chunk:chunk + 20_000])
+            s.update(events[chunk : chunk + 20_000])
         r = s.release()
         lo, hi = r.interval(level)
         cover += lo <= U <= hi
         est.append(r.distinct)
     est = np.array(est)
-    stated = expected_relative_error(U, cells, EPS, state_share=s.epsilon_state / EPS,
-                                     neighbor=neighbor)
+    stated = expected_relative_error(
+        U, cells, EPS, state_share=s.epsilon_state / EPS, neighbor=neighbor
+    )
     return U, stated, float(np.sqrt(np.mean((est / U - 1) ** 2))), cover / runs
 
 
@@ -214,7 +221,8 @@ def test_plan_meets_its_target_and_refuses_the_unreachable():
         assert 1.5 * 10_000 < pl.cells < 3 * 10_000  # the floor is near m = 2U
         assert pl.relative_error < floor
         assert pl.relative_error == pytest.approx(
-            expected_relative_error(10_000, pl.cells, EPS, neighbor=neighbor))
+            expected_relative_error(10_000, pl.cells, EPS, neighbor=neighbor)
+        )
         for m in (pl.cells // 2, pl.cells * 2):
             assert expected_relative_error(10_000, m, EPS, neighbor=neighbor) > pl.relative_error
         lo, hi = pl.cells_range
@@ -231,19 +239,25 @@ def test_plan_meets_its_target_and_refuses_the_unreachable():
 def audit_table() -> None:
     print("| calibration | neighbor | events | eps_state | exact loss (eps = 1) |")
     print("|---|---|---|---|---|")
-    for calibration, neighbor in [("full", "add-remove"), ("full", "replace-one"),
-                                  ("dnpry", "add-remove")]:
+    for calibration, neighbor in [
+        ("full", "add-remove"),
+        ("full", "replace-one"),
+        ("dnpry", "add-remove"),
+    ]:
         s = PanPrivateDensity(EPS, 20_000, neighbor=neighbor, calibration=calibration)
         for g in EVENTS:
-            print(f"| {calibration} | {neighbor} | {g} | {s.epsilon_state:.3f} | "
-                  f"{audit(s, g):.4f} |")
+            print(
+                f"| {calibration} | {neighbor} | {g} | {s.epsilon_state:.3f} | {audit(s, g):.4f} |"
+            )
     for neighbor in ("add-remove", "replace-one"):
         s = PanPrivateDensity(EPS, 20_000, neighbor=neighbor)
         A, B = bit_thresholds(2 * s.epsilon_state / s.sensitivity)
         for g in EVENTS:
             loss = exact_user_loss(A / WORD, B / WORD, s.p, g, neighbor)
-            print(f"| control: bits at 2 x eps_state | {neighbor} | {g} | "
-                  f"{s.epsilon_state:.3f} | {loss:.4f} |")
+            print(
+                f"| control: bits at 2 x eps_state | {neighbor} | {g} | "
+                f"{s.epsilon_state:.3f} | {loss:.4f} |"
+            )
 
 
 if __name__ == "__main__":
@@ -252,5 +266,7 @@ if __name__ == "__main__":
         for name, (blocks, neighbor) in PROFILES.items():
             U = sum(n for n, _ in blocks)
             U, stated, actual, cov = _run_profile(blocks, neighbor, 2 * U, 400)
-            print(f"{name}: U={U} m={2 * U} stated={stated:.4f} actual={actual:.4f} "
-                  f"ratio={stated / actual:.3f} coverage90={cov:.3f}")
+            print(
+                f"{name}: U={U} m={2 * U} stated={stated:.4f} actual={actual:.4f} "
+                f"ratio={stated / actual:.3f} coverage90={cov:.3f}"
+            )

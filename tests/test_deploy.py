@@ -55,8 +55,9 @@ def _interpolate(value):
         return [_interpolate(v) for v in value]
     if not isinstance(value, str):
         return value
-    out = _VAR.sub(lambda m: REQUIRED if m.group(2) == "?" else m.group(3) or "",
-                   value.replace("$$", "\0"))
+    out = _VAR.sub(
+        lambda m: REQUIRED if m.group(2) == "?" else m.group(3) or "", value.replace("$$", "\0")
+    )
     assert "$" not in out, f"unsupported interpolation in {value!r}: use ${{VAR:-default}}"
     return out.replace("\0", "$")
 
@@ -76,8 +77,10 @@ def _env(service: dict) -> dict[str, str]:
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
     # compose passes every value as a string; YAML may have parsed numbers or booleans
-    return {k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
-            for k, v in env.items()}
+    return {
+        k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
+        for k, v in env.items()
+    }
 
 
 def _ports(service: dict) -> list[tuple[str | None, str, str]]:
@@ -85,8 +88,7 @@ def _ports(service: dict) -> list[tuple[str | None, str, str]]:
     out = []
     for port in service.get("ports") or []:
         if isinstance(port, dict):
-            out.append((port.get("host_ip"), str(port.get("published", "")),
-                        str(port["target"])))
+            out.append((port.get("host_ip"), str(port.get("published", "")), str(port["target"])))
             continue
         parts = str(port).split("/")[0].split(":")
         if len(parts) == 3:
@@ -152,8 +154,9 @@ def test_bind_mounts_and_build_context_exist(compose):
             if source.startswith((".", "/")):
                 assert (DEPLOY / source).exists(), f"{name}: bind mount source {source} missing"
             else:
-                assert source in (compose.get("volumes") or {}), \
+                assert source in (compose.get("volumes") or {}), (
                     f"{name}: volume {source} undeclared"
+                )
         build = svc.get("build")
         if build:
             context = (DEPLOY / build["context"]).resolve()
@@ -169,12 +172,13 @@ def test_compose_has_no_default_credentials(compose_raw, compose):
     password = grafana["GF_SECURITY_ADMIN_PASSWORD"]
     m = _VAR.fullmatch(password)
     assert m and m.group(1) == "GRAFANA_ADMIN_PASSWORD" and m.group(2) == "?", password
-    assert "docs/deploy.md" in m.group(3)   # the message says where to look
+    assert "docs/deploy.md" in m.group(3)  # the message says where to look
     assert _env(compose["services"]["grafana"])["GF_SECURITY_ADMIN_PASSWORD"] == REQUIRED
     for name, svc in compose["services"].items():
         for key, value in _env(svc).items():
-            if (re.search(r"PASSWORD|SECRET|TOKEN|(?<!PUBLIC)_KEY$", key)
-                    and not key.endswith(("_FILE", "_ENV"))):
+            if re.search(r"PASSWORD|SECRET|TOKEN|(?<!PUBLIC)_KEY$", key) and not key.endswith(
+                ("_FILE", "_ENV")
+            ):
                 assert value == REQUIRED, f"{name}: {key} has a default value"
     # the audit key too: an empty one was the default, and the aggregators refuse an empty key
     for name in AGGREGATORS:
@@ -184,7 +188,7 @@ def test_compose_has_no_default_credentials(compose_raw, compose):
         assert "openssl rand -hex 32" in m.group(3) and "docs/deploy.md" in m.group(3)
     header = COMPOSE.read_text().split("\nname:")[0]
     assert "GRAFANA_ADMIN_PASSWORD=" in header and "openssl rand" in header
-    assert 'PANAGG_AUDIT_KEY=$(openssl rand -hex 32)' in header
+    assert "PANAGG_AUDIT_KEY=$(openssl rand -hex 32)" in header
 
 
 def test_kafka_is_single_node_kraft_with_healthcheck(compose):
@@ -313,8 +317,9 @@ def test_image_installs_exactly_the_lock():
     lock_install = [i for i in installs if target in i]
     assert lock_install and "--no-deps" in lock_install[0].split(), installs
     wheel_install = [i for i in installs if "/wheels/" in i]
-    assert wheel_install and "--no-deps" in wheel_install[0].split(), \
+    assert wheel_install and "--no-deps" in wheel_install[0].split(), (
         "panagg's wheel must install without resolving its dependencies again"
+    )
     assert "pip check" in run, "pip check: a lock missing a dependency fails the build"
     assert "!deploy/requirements.lock" in (DEPLOY / "Dockerfile.dockerignore").read_text().split()
 
@@ -333,12 +338,15 @@ def test_lock_covers_the_runtime_dependencies():
         req = Requirement(spec)
         name = re.sub(r"[-_.]+", "-", req.name).lower()
         assert name in pins, f"deploy/requirements.lock lacks {name} (pyproject: {spec})"
-        assert req.specifier.contains(pins[name], prereleases=True), \
+        assert req.specifier.contains(pins[name], prereleases=True), (
             f"deploy/requirements.lock pins {name}=={pins[name]}, outside pyproject's {spec}"
-    extras = {re.sub(r"[-_.]+", "-", Requirement(s).name).lower()
-              for group in project["optional-dependencies"].values() for s in group}
-    runtime = {re.sub(r"[-_.]+", "-", Requirement(s).name).lower()
-               for s in project["dependencies"]}
+        )
+    extras = {
+        re.sub(r"[-_.]+", "-", Requirement(s).name).lower()
+        for group in project["optional-dependencies"].values()
+        for s in group
+    }
+    runtime = {re.sub(r"[-_.]+", "-", Requirement(s).name).lower() for s in project["dependencies"]}
     leaked = (extras - runtime) & set(pins)
     assert not leaked, f"test or bench packages in the lock: {sorted(leaked)}"
     for name, version in pins.items():
@@ -354,20 +362,25 @@ def test_lock_covers_the_runtime_dependencies():
                 continue
             dep = re.sub(r"[-_.]+", "-", req.name).lower()
             assert dep in pins, f"deploy/requirements.lock lacks {dep}, which {name} needs"
-            assert req.specifier.contains(pins[dep], prereleases=True), \
+            assert req.specifier.contains(pins[dep], prereleases=True), (
                 f"{name}=={version} needs {spec}; the lock pins {dep}=={pins[dep]}"
+            )
 
 
 def test_every_module_directory_is_packaged():
     """A wheel (the image's, `pip install /path/to/panagg`) carries only the packages pyproject
     lists: a directory of modules left out installs a service that fails at its first import
     of it (aggregator.service.group, the Kafka-only group, was left out once)."""
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
-                 ["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     tops = [ROOT / name for name in {p.split(".")[0] for p in listed}]
-    found = {str(d.relative_to(ROOT)).replace("/", ".")
-             for top in tops for d in [top, *top.rglob("*")]
-             if d.is_dir() and "__pycache__" not in d.parts and any(d.glob("*.py"))}
+    found = {
+        str(d.relative_to(ROOT)).replace("/", ".")
+        for top in tops
+        for d in [top, *top.rglob("*")]
+        if d.is_dir() and "__pycache__" not in d.parts and any(d.glob("*.py"))
+    }
     assert found == listed, f"pyproject packages lacks {sorted(found - listed)}"
 
 
@@ -376,18 +389,28 @@ def test_docker_compose_config_validates():
         pytest.skip("docker CLI not installed: compose file checked by parsing only")
     probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip("docker compose plugin not installed (`docker compose version` fails): "
-                    "compose file checked by parsing only")
-    res = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "-q"],
-                         capture_output=True, text=True, timeout=60)
+        pytest.skip(
+            "docker compose plugin not installed (`docker compose version` fails): "
+            "compose file checked by parsing only"
+        )
+    res = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
 
 
 # -- Prometheus ------------------------------------------------------------------------------------
 def test_prometheus_scrapes_the_aggregators(compose):
     prom = yaml.safe_load(PROMETHEUS_YML.read_text())
-    targets = {t for job in prom["scrape_configs"] for sc in job.get("static_configs", [])
-               for t in sc["targets"]}
+    targets = {
+        t
+        for job in prom["scrape_configs"]
+        for sc in job.get("static_configs", [])
+        for t in sc["targets"]
+    }
     expected = {f"{n}:{_agg_config(compose, n)['metrics']['port']}" for n in AGGREGATORS}
     assert targets == expected
     mounts = dict((t, s) for s, t in _mounts(compose["services"]["prometheus"]))
@@ -397,8 +420,12 @@ def test_prometheus_scrapes_the_aggregators(compose):
 def test_promtool_accepts_prometheus_yml():
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed (Debian package prometheus)")
-    res = subprocess.run(["promtool", "check", "config", "--syntax-only", str(PROMETHEUS_YML)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        ["promtool", "check", "config", "--syntax-only", str(PROMETHEUS_YML)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -461,21 +488,40 @@ def exposition():
     names: dict[str, set[str]] = {}
     text = generate_latest(m.registry).decode()
     for family in text_string_to_metric_families(text):
-        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"],
-                    "gauge": [""]}.get(family.type, [""])
+        suffixes = {
+            "counter": ["_total"],
+            "histogram": ["_bucket", "_sum", "_count"],
+            "gauge": [""],
+        }.get(family.type, [""])
         for suffix in suffixes:
             names.setdefault(family.name + suffix, set())
         for sample in family.samples:
             names.setdefault(sample.name, set()).update(sample.labels)
-    assert ("panagg_events_total" in names
-            and "le" in names["panagg_release_duration_seconds_bucket"])
+    assert (
+        "panagg_events_total" in names and "le" in names["panagg_release_duration_seconds_bucket"]
+    )
     return names
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
 _LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
-             "and", "or", "unless", "inf", "nan", "Inf", "NaN"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "and",
+    "or",
+    "unless",
+    "inf",
+    "nan",
+    "Inf",
+    "NaN",
+}
 _GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h"}
 
 
@@ -493,7 +539,7 @@ def _metric_names(expr: str) -> set[str]:
     e = _LABEL_LIST.sub("", e)
     names = set()
     for m in re.finditer(r"(?<![\w.])[A-Za-z_:][A-Za-z0-9_:]*", e):
-        if e[m.end():].lstrip().startswith("(") or m.group(0) in _KEYWORDS:
+        if e[m.end() :].lstrip().startswith("(") or m.group(0) in _KEYWORDS:
             continue  # a function or aggregation, or a keyword
         names.add(m.group(0))
     return names
@@ -513,41 +559,61 @@ def test_dashboard_metrics_exist_in_the_real_registry(dashboard, exposition):
         names = _metric_names(expr)
         assert names, f"{panel['title']}: no metric in {expr!r}"
         unknown = names - set(exposition)
-        assert not unknown, (f"{panel['title']}: {sorted(unknown)} not exported by "
-                             f"aggregator.service.metrics.Metrics (expression {expr!r})")
+        assert not unknown, (
+            f"{panel['title']}: {sorted(unknown)} not exported by "
+            f"aggregator.service.metrics.Metrics (expression {expr!r})"
+        )
         available = TARGET_LABELS.union(*(exposition[n] for n in names))
         assert _label_names(expr) <= available, f"{panel['title']}: unknown label in {expr!r}"
-        legend = set(re.findall(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}",
-                                target.get("legendFormat", "")))
+        legend = set(
+            re.findall(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", target.get("legendFormat", ""))
+        )
         assert legend <= available, f"{panel['title']}: legend {legend - available} not a label"
 
 
 def test_dashboard_covers_the_operational_metrics(dashboard):
     used = set().union(*(_metric_names(t["expr"]) for _, t in _targets(dashboard)))
-    wanted = {"panagg_events_total", "panagg_decode_errors_total", "panagg_releases_total",
-              "panagg_releases_refused_total", "panagg_last_release_timestamp_seconds",
-              "panagg_release_duration_seconds_bucket", "panagg_checkpoint_duration_seconds_bucket",
-              "panagg_checkpoint_age_seconds", "panagg_window_progress_ratio",
-              "panagg_consumer_lag_records", "panagg_budget_spent_epsilon"}
+    wanted = {
+        "panagg_events_total",
+        "panagg_decode_errors_total",
+        "panagg_releases_total",
+        "panagg_releases_refused_total",
+        "panagg_last_release_timestamp_seconds",
+        "panagg_release_duration_seconds_bucket",
+        "panagg_checkpoint_duration_seconds_bucket",
+        "panagg_checkpoint_age_seconds",
+        "panagg_window_progress_ratio",
+        "panagg_consumer_lag_records",
+        "panagg_budget_spent_epsilon",
+    }
     assert wanted <= used, f"dashboard lacks {sorted(wanted - used)}"
     exprs = [t["expr"] for _, t in _targets(dashboard)]
     assert "rate(panagg_events_total[1m])" in exprs
-    for hist in ("panagg_release_duration_seconds_bucket",
-                 "panagg_checkpoint_duration_seconds_bucket"):
-        quantiles = {q for e in exprs if hist in e
-                     for q in re.findall(r"histogram_quantile\(\s*([0-9.]+)", e)}
+    for hist in (
+        "panagg_release_duration_seconds_bucket",
+        "panagg_checkpoint_duration_seconds_bucket",
+    ):
+        quantiles = {
+            q
+            for e in exprs
+            if hist in e
+            for q in re.findall(r"histogram_quantile\(\s*([0-9.]+)", e)
+        }
         assert {"0.5", "0.99"} <= quantiles, f"{hist}: p50 and p99 wanted, got {quantiles}"
 
 
 def test_promtool_parses_every_dashboard_expression(dashboard, tmp_path):
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed (Debian package prometheus)")
-    rules = [{"record": f"dashboard:panel{panel['id']}:{t['refId']}", "expr": _promql(t["expr"])}
-             for panel, t in _targets(dashboard)]
+    rules = [
+        {"record": f"dashboard:panel{panel['id']}:{t['refId']}", "expr": _promql(t["expr"])}
+        for panel, t in _targets(dashboard)
+    ]
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    res = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -591,8 +657,14 @@ def test_systemd_analyze_verify(tmp_path):
     """systemd-analyze verify in a scratch root holding a stub panagg (the real path need not
     exist)."""
     tool = shutil.which("systemd-analyze")
-    units = next((p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
-                  if (p / "sysinit.target").exists()), None)
+    units = next(
+        (
+            p
+            for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
+            if (p / "sysinit.target").exists()
+        ),
+        None,
+    )
     if tool is None or units is None:
         pytest.skip("systemd-analyze or the system unit directory is not available")
     root = tmp_path / "root"
@@ -603,8 +675,12 @@ def test_systemd_analyze_verify(tmp_path):
     shutil.copytree(units, root / "usr/lib/systemd/system", symlinks=True)
     (root / "etc/systemd/system").mkdir(parents=True)
     shutil.copy(UNIT, root / "etc/systemd/system/panagg.service")
-    res = subprocess.run([tool, "verify", f"--root={root}", "panagg.service"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [tool, "verify", f"--root={root}", "panagg.service"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "panagg.service" not in out, out
 
@@ -615,8 +691,9 @@ def test_example_config_loads_and_is_complete():
     doc = tomllib.loads(EXAMPLE_TOML.read_text())
     documented = {(s, k) for s, keys in doc.items() for k in keys}
     expected = {(s, k) for s, keys in DEFAULTS.items() if s != "testing" for k in keys}
-    assert documented == expected, (f"deploy/panagg.example.toml lacks "
-                                    f"{sorted(expected - documented)}")
+    assert documented == expected, (
+        f"deploy/panagg.example.toml lacks {sorted(expected - documented)}"
+    )
     state_dir = "/var/lib/" + _unit()["Service"]["StateDirectory"][-1]
     assert cfg.checkpoint.dir.startswith(state_dir + "/")
     assert cfg.release.dir.startswith(state_dir + "/")
@@ -629,13 +706,15 @@ def test_example_config_loads_and_is_complete():
 # offline: the JSON schemas of the Kubernetes API (bundled with kubernetes-validate, strict: an
 # unknown field fails), then the same code checks as the compose file.
 K8S = DEPLOY / "kubernetes"
-K8S_PVC = DEPLOY / "kubernetes-release-pvc"   # the overlay: release files on a shared volume
+K8S_PVC = DEPLOY / "kubernetes-release-pvc"  # the overlay: release files on a shared volume
 KUSTOMIZATION = "kustomization.yaml"
 
 
 def _k8s_manifests() -> list[Path]:
     """The Kubernetes objects of deploy/kubernetes (kustomization.yaml is kustomize's, not one)."""
     return [p for p in sorted(K8S.glob("*.yaml")) if p.name != KUSTOMIZATION]
+
+
 # the oldest and the newest API version the manifests are checked against (both bundled with the
 # pinned kubernetes-validate)
 K8S_VERSIONS = ("1.29.0", "1.37.0")
@@ -670,6 +749,7 @@ def _container(docs) -> dict:
 
 def _secret_data(secret: dict) -> dict[str, str]:
     import base64
+
     out = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
     out.update(secret.get("stringData") or {})
     return out
@@ -745,12 +825,15 @@ def test_kubernetes_manifests_parse(k8s_docs):
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_kubernetes_manifests_validate_against_the_api_schemas(k8s_docs, version):
     import kubernetes_validate  # the test extra pins it: a missing install fails, never skips
+
     for name, doc in k8s_docs:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"deploy/kubernetes/{name}: {doc['kind']} is not valid Kubernetes "
-                        f"{version}: {str(exc).splitlines()[0]} at {list(exc.path)}")
+            pytest.fail(
+                f"deploy/kubernetes/{name}: {doc['kind']} is not valid Kubernetes "
+                f"{version}: {str(exc).splitlines()[0]} at {list(exc.path)}"
+            )
 
 
 def test_kubernetes_config_is_scale_out_on_kafka(k8s_docs, tmp_path):
@@ -766,12 +849,15 @@ def test_kubernetes_config_is_scale_out_on_kafka(k8s_docs, tmp_path):
     assert sec["protocol"] == "SASL_SSL" and sec["sasl_mechanism"].startswith("SCRAM-")
     assert sec["password_file"] and not sec["password"] and not sec["allow_inline_password"]
     assert sec["ca_file"] and sec["check_hostname"] is True
-    assert Path(sec["password_file"]).read_text() == _secret_data(
-        _k8s_one(k8s_docs, "Secret"))["sasl-password"]
+    assert (
+        Path(sec["password_file"]).read_text()
+        == _secret_data(_k8s_one(k8s_docs, "Secret"))["sasl-password"]
+    )
 
 
 def test_kubernetes_env_names_are_accepted_by_the_config_loader(k8s_docs):
     from aggregator.service.config import NON_SETTING_ENV
+
     known = {f"PANAGG_{s.upper()}_{k.upper()}" for s, keys in DEFAULTS.items() for k in keys}
     names = [v["name"] for v in _container(k8s_docs).get("env", [])]
     assert len(names) == len(set(names))
@@ -795,11 +881,14 @@ def test_kubernetes_deployment_is_replicated_and_stateless(k8s_docs, tmp_path):
     cfg, env = _k8s_config(k8s_docs, tmp_path)
     # the root filesystem is read-only: everything written is on an emptyDir
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    for what, path in (("checkpoint.dir", cfg.checkpoint.dir),
-                       ("release.dir", cfg.release.dir),
-                       ("MPLCONFIGDIR", env["MPLCONFIGDIR"])):
-        assert any((path.rstrip("/") + "/").startswith(w) for w in writable), \
+    for what, path in (
+        ("checkpoint.dir", cfg.checkpoint.dir),
+        ("release.dir", cfg.release.dir),
+        ("MPLCONFIGDIR", env["MPLCONFIGDIR"]),
+    ):
+        assert any((path.rstrip("/") + "/").startswith(w) for w in writable), (
             f"{what} = {path} is not on a writable emptyDir ({writable})"
+        )
     for mount in container["volumeMounts"]:
         if set(volumes[mount["name"]]) & {"configMap", "secret"}:
             assert mount.get("readOnly") is True, mount["name"]
@@ -811,8 +900,7 @@ def test_kubernetes_runs_as_the_images_user():
     text = DOCKERFILE.read_text()
     uid = int(re.search(r"useradd\b.*?--uid\s+(\d+)", text, flags=re.S).group(1))
     gid = int(re.search(r"groupadd\b.*?--gid\s+(\d+)", text, flags=re.S).group(1))
-    docs = [(p.name, d) for p in _k8s_manifests()
-            for d in yaml.safe_load_all(p.read_text()) if d]
+    docs = [(p.name, d) for p in _k8s_manifests() for d in yaml.safe_load_all(p.read_text()) if d]
     pod, container = _pod(docs), _container(docs)
     ctx = pod["securityContext"]
     assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == uid and ctx["runAsGroup"] == gid
@@ -824,6 +912,7 @@ def test_kubernetes_runs_as_the_images_user():
 def _get(url: str) -> tuple[int, str]:
     import urllib.error
     import urllib.request
+
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.status, r.read().decode()
@@ -848,8 +937,11 @@ def test_kubernetes_probes_hit_the_metrics_servers_health_endpoints(k8s_docs, tm
         assert get.get("scheme", "HTTP") == "HTTP"
         return get["path"]
 
-    paths = {probe: target(probe) for probe in ("livenessProbe", "readinessProbe", "startupProbe")
-             if probe in container}
+    paths = {
+        probe: target(probe)
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe")
+        if probe in container
+    }
     assert {"livenessProbe", "readinessProbe"} <= set(paths)
     m = Metrics()
     port = m.serve("127.0.0.1", 0)
@@ -857,8 +949,9 @@ def test_kubernetes_probes_hit_the_metrics_servers_health_endpoints(k8s_docs, tm
         base = f"http://127.0.0.1:{port}"
         for probe, path in paths.items():
             code, body = _get(base + path)
-            assert code == 503 and "start" in body, \
+            assert code == 503 and "start" in body, (
                 f"{probe} {path} before the first turn: {body!r}"
+            )
         m.heartbeat()
         m.set_ready(True)
         want = {"livenessProbe": "ok\n", "startupProbe": "ok\n", "readinessProbe": "ready\n"}
@@ -905,7 +998,7 @@ def test_kubernetes_replicas_are_spread_over_nodes(k8s_docs):
     spread = {c["topologyKey"]: c for c in pod["topologySpreadConstraints"]}
     node = spread["kubernetes.io/hostname"]
     assert node["maxSkew"] == 1 and node["whenUnsatisfiable"] == "DoNotSchedule"
-    assert node.get("nodeTaintsPolicy") == "Honor"   # a tainted empty node caps the others
+    assert node.get("nodeTaintsPolicy") == "Honor"  # a tainted empty node caps the others
     for c in spread.values():
         assert c["labelSelector"]["matchLabels"].items() <= labels.items()
 
@@ -918,19 +1011,20 @@ def _bootstrap_hosts(cfg) -> list[tuple[str, int]]:
     return out
 
 
-def test_kubernetes_network_policy_admits_prometheus_and_reaches_kafka_and_dns(k8s_docs,
-                                                                                tmp_path):
+def test_kubernetes_network_policy_admits_prometheus_and_reaches_kafka_and_dns(k8s_docs, tmp_path):
     policy = _k8s_one(k8s_docs, "NetworkPolicy")["spec"]
     labels = _k8s_one(k8s_docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert policy["podSelector"]["matchLabels"].items() <= labels.items()
     assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
     cfg, _ = _k8s_config(k8s_docs, tmp_path)
     # in: only the metrics port, only from Prometheus pods
-    metrics_port = {p["containerPort"] for p in _container(k8s_docs)["ports"]
-                    if p["name"] == "metrics"}
+    metrics_port = {
+        p["containerPort"] for p in _container(k8s_docs)["ports"] if p["name"] == "metrics"
+    }
     assert metrics_port == {cfg.metrics.port}
-    ingress_ports = {(p["protocol"], p["port"]) for rule in policy["ingress"]
-                     for p in rule["ports"]}
+    ingress_ports = {
+        (p["protocol"], p["port"]) for rule in policy["ingress"] for p in rule["ports"]
+    }
     assert ingress_ports == {("TCP", cfg.metrics.port)}
     for rule in policy["ingress"]:
         assert rule["from"], "an ingress rule without `from` admits every pod"
@@ -944,17 +1038,30 @@ def test_kubernetes_network_policy_admits_prometheus_and_reaches_kafka_and_dns(k
     assert {("UDP", 53), ("TCP", 53)} <= allowed
     for host, port in _bootstrap_hosts(cfg):
         labels_ = host.split(".")
-        namespace = labels_[labels_.index("svc") - 1]   # <pod>.<service>.<namespace>.svc
-        reach = [rule for rule in egress if ("TCP", port) in
-                 {(p["protocol"], p["port"]) for p in rule["ports"]}]
+        namespace = labels_[labels_.index("svc") - 1]  # <pod>.<service>.<namespace>.svc
+        reach = [
+            rule
+            for rule in egress
+            if ("TCP", port) in {(p["protocol"], p["port"]) for p in rule["ports"]}
+        ]
         peers = [peer for rule in reach for peer in rule["to"]]
-        assert any(peer.get("namespaceSelector", {}).get("matchLabels", {})
-                   .get("kubernetes.io/metadata.name") == namespace for peer in peers), \
-            f"no egress to {host}:{port} (namespace {namespace})"
-    dns = [rule for rule in egress if ("UDP", 53) in
-           {(p["protocol"], p["port"]) for p in rule["ports"]}]
-    assert all(peer["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
-               for rule in dns for peer in rule["to"])
+        assert any(
+            peer.get("namespaceSelector", {})
+            .get("matchLabels", {})
+            .get("kubernetes.io/metadata.name")
+            == namespace
+            for peer in peers
+        ), f"no egress to {host}:{port} (namespace {namespace})"
+    dns = [
+        rule
+        for rule in egress
+        if ("UDP", 53) in {(p["protocol"], p["port"]) for p in rule["ports"]}
+    ]
+    assert all(
+        peer["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+        for rule in dns
+        for peer in rule["to"]
+    )
 
 
 def test_kubernetes_kustomization_applies_every_manifest_but_the_example_secret():
@@ -964,14 +1071,16 @@ def test_kubernetes_kustomization_applies_every_manifest_but_the_example_secret(
     assert set(kust["resources"]) == objects
     images = {i["name"] for i in kust.get("images", [])}
     deployment = yaml.safe_load((K8S / "deployment.yaml").read_text())
-    used = {c["image"].rpartition(":")[0] for c in
-            deployment["spec"]["template"]["spec"]["containers"]}
+    used = {
+        c["image"].rpartition(":")[0] for c in deployment["spec"]["template"]["spec"]["containers"]
+    }
     assert images <= used, f"kustomization images {images} name no image of the Deployment"
 
 
 def _json_patch_add(doc: dict, ops: list[dict]) -> dict:
     """RFC 6902 `add` operations (all the overlay uses), on a copy of ``doc``."""
     import copy
+
     doc = copy.deepcopy(doc)
     for op in ops:
         assert op["op"] == "add", op
@@ -1001,21 +1110,29 @@ def _pvc_overlay() -> tuple[dict, dict]:
 
 def test_release_pvc_overlay_puts_release_dir_on_the_claim(k8s_docs, tmp_path):
     import kubernetes_validate
+
     deployment, claim = _pvc_overlay()
     for version in K8S_VERSIONS:
         for doc in (deployment, claim):
             kubernetes_validate.validate(doc, version, strict=True)
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]   # replicas on several nodes
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # replicas on several nodes
     pod = deployment["spec"]["template"]["spec"]
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
-              if "persistentVolumeClaim" in v}
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     assert set(claims.values()) == {claim["metadata"]["name"]}
     (container,) = pod["containers"]
     cfg, _ = _k8s_config(k8s_docs, tmp_path)
-    on_claim = [m["mountPath"].rstrip("/") + "/" for m in container["volumeMounts"]
-                if m["name"] in claims and not m.get("readOnly")]
-    assert any((cfg.release.dir.rstrip("/") + "/").startswith(m) for m in on_claim), \
+    on_claim = [
+        m["mountPath"].rstrip("/") + "/"
+        for m in container["volumeMounts"]
+        if m["name"] in claims and not m.get("readOnly")
+    ]
+    assert any((cfg.release.dir.rstrip("/") + "/").startswith(m) for m in on_claim), (
         f"release.dir {cfg.release.dir} is not on the claim ({on_claim})"
+    )
     # the state stays scratch: only release.dir moves
     assert not any((cfg.checkpoint.dir.rstrip("/") + "/").startswith(m) for m in on_claim)
 
@@ -1024,8 +1141,9 @@ def test_release_pvc_overlay_puts_release_dir_on_the_claim(k8s_docs, tmp_path):
 def test_kubectl_kustomize_renders(where):
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl not installed: kustomizations checked by parsing only")
-    res = subprocess.run(["kubectl", "kustomize", str(where)], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        ["kubectl", "kustomize", str(where)], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     rendered = [d for d in yaml.safe_load_all(res.stdout) if d]
     kinds = sorted(d["kind"] for d in rendered)
@@ -1036,5 +1154,7 @@ def test_kubectl_kustomize_renders(where):
         (theirs,) = [d for d in rendered if d["kind"] == "Deployment"]
         spec = theirs["spec"]["template"]["spec"]
         assert spec["volumes"] == mine["spec"]["template"]["spec"]["volumes"]
-        assert (spec["containers"][0]["volumeMounts"]
-                == mine["spec"]["template"]["spec"]["containers"][0]["volumeMounts"])
+        assert (
+            spec["containers"][0]["volumeMounts"]
+            == mine["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        )

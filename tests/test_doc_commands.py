@@ -25,12 +25,20 @@ from aggregator.service.cli import UsageError, _load, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FILL = [(re.compile(r"\$\(\(\s*9463\s*\+\s*k\s*\)\)"), "9464"), (re.compile(r"\$k\b"), "1"),
-        (re.compile(r"127\.0\.0\.1:PORT"), "127.0.0.1:9092"),
-        (re.compile(r"\$\(openssl rand -\w+ \d+\)"), "00ff")]
-RUN_FLAGS = (("bootstrap", "source.bootstrap"), ("topic", "source.topic"),
-             ("epsilon", "state.epsilon"), ("state_dir", "checkpoint.dir"),
-             ("release_dir", "release.dir"), ("metrics_port", "metrics.port"))
+FILL = [
+    (re.compile(r"\$\(\(\s*9463\s*\+\s*k\s*\)\)"), "9464"),
+    (re.compile(r"\$k\b"), "1"),
+    (re.compile(r"127\.0\.0\.1:PORT"), "127.0.0.1:9092"),
+    (re.compile(r"\$\(openssl rand -\w+ \d+\)"), "00ff"),
+]
+RUN_FLAGS = (
+    ("bootstrap", "source.bootstrap"),
+    ("topic", "source.topic"),
+    ("epsilon", "state.epsilon"),
+    ("state_dir", "checkpoint.dir"),
+    ("release_dir", "release.dir"),
+    ("metrics_port", "metrics.port"),
+)
 
 
 SH_FENCES = ("```sh", "```bash", "```shell")
@@ -90,8 +98,11 @@ def _block_commands(start: int, block: str):
                 piece.append(w)
 
 
-CASES = [pytest.param(page, no, words, id=f"{page.relative_to(ROOT)}:{no}:{words[0]}")
-         for page in PAGES for no, words in _commands(page)]
+CASES = [
+    pytest.param(page, no, words, id=f"{page.relative_to(ROOT)}:{no}:{words[0]}")
+    for page in PAGES
+    for no, words in _commands(page)
+]
 
 
 def _make_targets() -> set[str]:
@@ -101,7 +112,7 @@ def _make_targets() -> set[str]:
 def _panagg_args(words: list[str]) -> list[str] | None:
     """The CLI's arguments when ``words`` run panagg (directly, from a venv, in a container)."""
     if words[:2] == ["docker", "compose"] and "exec" in words:
-        words = words[words.index("exec") + 2:]   # exec SERVICE panagg ...
+        words = words[words.index("exec") + 2 :]  # exec SERVICE panagg ...
     if words and (words[0] == "panagg" or words[0].endswith("bin/panagg")):
         return words[1:]
     return None
@@ -117,8 +128,11 @@ def test_a_shell_command_of_the_docs_names_what_exists(page, line, words):
         except SystemExit:
             pytest.fail(f"the CLI refuses {where}")
         if parsed.command == "run" and not getattr(parsed, "config", None):
-            extra = [f"{key}={getattr(parsed, flag)}" for flag, key in RUN_FLAGS
-                     if getattr(parsed, flag, None) is not None]
+            extra = [
+                f"{key}={getattr(parsed, flag)}"
+                for flag, key in RUN_FLAGS
+                if getattr(parsed, flag, None) is not None
+            ]
             try:
                 _load(parsed, extra)
             except UsageError as exc:
@@ -129,8 +143,11 @@ def test_a_shell_command_of_the_docs_names_what_exists(page, line, words):
         if len(words) > 2 and words[1] == "-m":
             module = words[2]
             path = ROOT / Path(*module.split("."))
-            assert path.with_suffix(".py").exists() or (path / "__main__.py").exists() \
-                or importlib.util.find_spec(module) is not None, f"{where}: no module {module}"
+            assert (
+                path.with_suffix(".py").exists()
+                or (path / "__main__.py").exists()
+                or importlib.util.find_spec(module) is not None
+            ), f"{where}: no module {module}"
         elif len(words) > 1 and words[1].endswith(".py"):
             assert (ROOT / words[1]).exists(), f"{where}: no file {words[1]}"
     elif head == "make" and len(words) > 1:

@@ -22,8 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-CASES = [pytest.param(page, line, text, skip, id=f"{page.relative_to(ROOT)}:{line}")
-         for page in PAGES for lang, line, text, skip in blocks(page) if lang == "python"]
+CASES = [
+    pytest.param(page, line, text, skip, id=f"{page.relative_to(ROOT)}:{line}")
+    for page in PAGES
+    for lang, line, text, skip in blocks(page)
+    if lang == "python"
+]
 
 
 def test_readme_has_a_python_block():
@@ -37,8 +41,14 @@ def test_python_block_runs(page, line, text, skip, tmp_path):
     write_page_files(page, tmp_path, make_keys=True)
     script = tmp_path / "snippet.py"
     script.write_text(text)
-    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert res.returncode == 0, f"{page.name}:{line} failed:\n{res.stderr[-3000:]}"
 
 

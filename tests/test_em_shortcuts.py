@@ -42,10 +42,14 @@ def _l1(a, b):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 10**6), st.integers(50, 1500), st.integers(0, 40),
-       st.sampled_from([0.3, 0.5, 0.7]), st.integers(1, 2))
-def test_pass_through_is_the_em_of_the_rest_plus_the_noisy_values(seed, dense, sparse, p,
-                                                                  layers):
+@given(
+    st.integers(0, 10**6),
+    st.integers(50, 1500),
+    st.integers(0, 40),
+    st.sampled_from([0.3, 0.5, 0.7]),
+    st.integers(1, 2),
+)
+def test_pass_through_is_the_em_of_the_rest_plus_the_noisy_values(seed, dense, sparse, p, layers):
     rng = np.random.default_rng(seed)
     h = _dense_and_sparse(rng, dense, sparse, 4000)
     x, z = _noisy(rng, h, p, layers)
@@ -60,8 +64,11 @@ def test_pass_through_is_the_em_of_the_rest_plus_the_noisy_values(seed, dense, s
     rest = E.noisy_value_counts(x[~passed]) if (~passed).any() else None
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(em, "SPARSE_DENSITY", 0.0)  # read by em.em_problem
-        r_early, r_full = (E.em_prevalences(rest, p, layers=layers) if rest is not None
-                           else (np.zeros(0), np.zeros(0)))
+        r_early, r_full = (
+            E.em_prevalences(rest, p, layers=layers)
+            if rest is not None
+            else (np.zeros(0), np.zeros(0))
+        )
     points = E.cumulative_from_counts(x[passed]).astype(float)
     for got, part in ((early, r_early), (full, r_full)):
         m = max(len(got), len(part), len(points))
@@ -80,8 +87,9 @@ def test_nothing_is_passed_where_counters_are_dense_or_within_the_noise_reach():
     rng = np.random.default_rng(1)
     p, K = 0.5, E.noise_pmf(0.5, 1, E.EM_TAIL)[0]
     # 20 counters at each of 100..120: dense; one at 3 K: sparse but near them; one far above
-    h = np.concatenate([np.zeros(5000, np.int64), np.repeat(np.arange(100, 121), 20),
-                        [120 + K // 2, 5000]])
+    h = np.concatenate(
+        [np.zeros(5000, np.int64), np.repeat(np.arange(100, 121), 20), [120 + K // 2, 5000]]
+    )
     x, _ = _noisy(rng, h, p, 1)
     vc = E.noisy_value_counts(x)
     vals = np.flatnonzero(vc.c) + vc.lo
@@ -103,8 +111,9 @@ def test_one_em_run_gives_both_estimators_exactly(layers):
     h = _dense_and_sparse(rng, 3000, 30, 3000)
     x, _ = _noisy(rng, h, 0.6, layers)
     early, full = E.em_prevalences(x, 0.6, layers=layers)
-    np.testing.assert_array_equal(early, M.phi_estimate(x, 0.6, layers=layers,
-                                                        method="deconvolution"))
+    np.testing.assert_array_equal(
+        early, M.phi_estimate(x, 0.6, layers=layers, method="deconvolution")
+    )
     np.testing.assert_array_equal(full, M.phi_estimate(x, 0.6, layers=layers, method="mle"))
 
 
@@ -114,8 +123,9 @@ def test_fft_convolution_with_a_cached_spectrum_is_the_convolution(n, taps):
     a, q = rng.random(n), rng.random(taps)
     q = q + q[::-1]
     for _ in range(2):  # the second call reads the cached spectrum
-        np.testing.assert_allclose(E._conv(a, q), np.convolve(a, q, mode="same"),
-                                   rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(
+            E._conv(a, q), np.convolve(a, q, mode="same"), rtol=1e-9, atol=1e-12
+        )
 
 
 def _cap_items_by_passes(y, total):
@@ -156,6 +166,7 @@ def test_hashed_release_gives_n_to_xfit_and_runs_auto_uncapped(monkeypatch):
     selection runs without it on purpose (capping the reduced histogram inside the selection was
     measured worse on the grid: largedomain.hashed_phi_estimate)."""
     import aggregator.selection as sel
+
     seen = {}
     real_auto, real_xfit = sel.selected_prevalence, E.crossfit_prevalence
 
@@ -191,16 +202,20 @@ def test_hashed_buckets_above_the_dense_top_are_released_as_they_are():
     assert est[0] == x.max()  # the big item's bucket: its noisy value, no collision correction
 
 
-@given(st.lists(st.integers(1, 300), max_size=80), st.integers(0, 200), st.integers(1, 2),
-       st.integers(0, 2**32 - 1))
+@given(
+    st.lists(st.integers(1, 300), max_size=80),
+    st.integers(0, 200),
+    st.integers(1, 2),
+    st.integers(0, 2**32 - 1),
+)
 @settings(max_examples=40, deadline=None)
-def test_simulating_from_the_cumulative_prevalence_draws_the_same_state(counts, empty, layers,
-                                                                       seed):
+def test_simulating_from_the_cumulative_prevalence_draws_the_same_state(
+    counts, empty, layers, seed
+):
     y = E.cumulative_from_counts(counts)
     C = len([c for c in counts if c > 0]) + empty
     if C == 0:
         return
     a = iv.simulate_from_cumulative(np.random.default_rng(seed), y, C, 0.6, layers)
-    b = iv.simulate_counts(np.random.default_rng(seed), E.counts_from_cumulative(y), C, 0.6,
-                           layers)
+    b = iv.simulate_counts(np.random.default_rng(seed), E.counts_from_cumulative(y), C, 0.6, layers)
     assert a.lo == b.lo and np.array_equal(a.c, b.c)

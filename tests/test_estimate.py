@@ -9,8 +9,16 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 
 from aggregator.estimate import (
-    cap_total, counts_from_cumulative, cumulative_from_counts, cumulative_prevalence,
-    deconvolved_prevalence, l1_distance, noise_pmf, noisy_value_counts, project_l1, project_l2,
+    cap_total,
+    counts_from_cumulative,
+    cumulative_from_counts,
+    cumulative_prevalence,
+    deconvolved_prevalence,
+    l1_distance,
+    noise_pmf,
+    noisy_value_counts,
+    project_l1,
+    project_l2,
     threshold_kernel,
 )
 from aggregator.estimators import default_cap
@@ -46,8 +54,9 @@ def test_kernel_is_unbiased_exactly(layers):
         # F(m) = 0 below m0, F[m - m0] on [m0, layers - 1], 1 above
         z = np.arange(-K, K + 1)
         m = tau + z
-        vals = np.where(m < m0, 0.0,
-                        np.where(m > layers - 1, 1.0, F[np.clip(m - m0, 0, len(F) - 1)]))
+        vals = np.where(
+            m < m0, 0.0, np.where(m > layers - 1, 1.0, F[np.clip(m - m0, 0, len(F) - 1)])
+        )
         assert math.isclose(float(np.dot(q, vals)), float(tau >= 0), abs_tol=1e-9)
 
 
@@ -79,8 +88,9 @@ def test_literal_algorithm5_clip_is_biased():
     h = np.zeros(D, dtype=np.int64)
     h[:200] = 2
     truth = cumulative_from_counts(h, R=R)
-    clipped = np.mean([_phi_hat_clipped(h + discrete_laplace(p, D, rng=rng), p, R)
-                       for _ in range(20)], axis=0)
+    clipped = np.mean(
+        [_phi_hat_clipped(h + discrete_laplace(p, D, rng=rng), p, R) for _ in range(20)], axis=0
+    )
     x = p / (1 - p) ** 2
     # the bias of phi_hat_{>=1} is about -x * #{h' < 0}: thousands here
     assert clipped[0] - truth[0] < -0.5 * x * 0.2 * D
@@ -91,7 +101,7 @@ def test_default_R_covers_every_nonzero_term():
     est = cumulative_prevalence(noisy, 0.3)
     longer = cumulative_prevalence(noisy, 0.3, R=20)
     np.testing.assert_allclose(longer[: len(est)], est)
-    np.testing.assert_allclose(longer[len(est):], 0.0, atol=1e-12)
+    np.testing.assert_allclose(longer[len(est) :], 0.0, atol=1e-12)
 
 
 def _integer_lp(a, bounds, A_eq=None, b_eq=None):
@@ -100,13 +110,28 @@ def _integer_lp(a, bounds, A_eq=None, b_eq=None):
     R = len(a)
     A, b = [], []
     for r in range(R):
-        row = np.zeros(2 * R); row[r], row[R + r] = 1, -1; A.append(row); b.append(a[r])  # noqa: E702
-        row = np.zeros(2 * R); row[r], row[R + r] = -1, -1; A.append(row); b.append(-a[r])  # noqa: E702
+        row = np.zeros(2 * R)
+        row[r], row[R + r] = 1, -1
+        A.append(row)
+        b.append(a[r])  # noqa: E702
+        row = np.zeros(2 * R)
+        row[r], row[R + r] = -1, -1
+        A.append(row)
+        b.append(-a[r])  # noqa: E702
         if r + 1 < R:
-            row = np.zeros(2 * R); row[r + 1], row[r] = 1, -1; A.append(row); b.append(0)  # noqa: E702
-    res = linprog(np.r_[np.zeros(R), np.ones(R)], A_ub=np.array(A), b_ub=b, A_eq=A_eq, b_eq=b_eq,
-                  bounds=list(bounds) + [(None, None)] * R,
-                  integrality=np.r_[np.ones(R), np.zeros(R)])
+            row = np.zeros(2 * R)
+            row[r + 1], row[r] = 1, -1
+            A.append(row)
+            b.append(0)  # noqa: E702
+    res = linprog(
+        np.r_[np.zeros(R), np.ones(R)],
+        A_ub=np.array(A),
+        b_ub=b,
+        A_eq=A_eq,
+        b_eq=b_eq,
+        bounds=list(bounds) + [(None, None)] * R,
+        integrality=np.r_[np.ones(R), np.zeros(R)],
+    )
     return None if res.status != 0 else res.fun
 
 
@@ -211,8 +236,9 @@ def test_noisy_value_counts_are_additive():
     merged = noisy_value_counts(a).merge(noisy_value_counts(b))
     whole = noisy_value_counts(np.concatenate([a, b]))
     assert merged.lo == whole.lo and np.array_equal(merged.c, whole.c)
-    np.testing.assert_allclose(cumulative_prevalence(merged, 0.4),
-                               cumulative_prevalence(whole, 0.4))
+    np.testing.assert_allclose(
+        cumulative_prevalence(merged, 0.4), cumulative_prevalence(whole, 0.4)
+    )
 
 
 def test_deconvolution_conserves_counter_mass():
@@ -229,13 +255,19 @@ def test_deconvolution_conserves_counter_mass():
     assert full[4900 - 1] >= 2 - 1e-6 and full[-1] < 1e-6 and len(full) < 7200
 
 
-@pytest.mark.parametrize("bad", [dict(p=0.0), dict(p=1.0), dict(layers=0), dict(loss="l3"),
-                                 dict(method="magic")])
+@pytest.mark.parametrize(
+    "bad", [dict(p=0.0), dict(p=1.0), dict(layers=0), dict(loss="l3"), dict(method="magic")]
+)
 def test_bad_arguments_raise(bad):
     args = dict(p=0.5, layers=1, loss="l1", method=None) | bad
     with pytest.raises(ValueError):
-        anonymized_histogram(np.array([1, 2, 3]), args["p"], layers=args["layers"],
-                             loss=args["loss"], method=args["method"])
+        anonymized_histogram(
+            np.array([1, 2, 3]),
+            args["p"],
+            layers=args["layers"],
+            loss=args["loss"],
+            method=args["method"],
+        )
 
 
 def test_l2_needs_n():
@@ -254,8 +286,11 @@ def test_rejects_non_integer_counters():
 # the public n caps the total (n_in_histogram <= n)
 # --------------------------------------------------------------------------------------------
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 30), max_size=25), st.integers(0, 400),
-       st.sampled_from(["items", "scale"]))
+@given(
+    st.lists(st.integers(1, 30), max_size=25),
+    st.integers(0, 400),
+    st.sampled_from(["items", "scale"]),
+)
 def test_cap_total_is_a_valid_histogram_with_the_capped_total(counts, total, rule):
     y = cumulative_from_counts(counts)
     out = cap_total(y, total, rule)
@@ -269,7 +304,7 @@ def test_cap_total_is_a_valid_histogram_with_the_capped_total(counts, total, rul
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=25), st.integers(0, 400))
 def test_cap_items_keeps_the_largest_items(counts, total):
-    """"items": the largest counts survive unchanged; only the smallest kept one is trimmed."""
+    """ "items": the largest counts survive unchanged; only the smallest kept one is trimmed."""
     y = cumulative_from_counts(counts)
     kept = counts_from_cumulative(cap_total(y, total, "items"))
     ranked = np.sort(counts)[::-1]
@@ -308,11 +343,12 @@ def test_release_never_holds_more_events_than_n(method):
         est = anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap=cap)
         assert est.sum() <= n and np.all(np.diff(est) <= 0)
     np.testing.assert_array_equal(
-        anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap="none"), free)
+        anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap="none"), free
+    )
     np.testing.assert_array_equal(
         anonymized_histogram(noisy, p, layers=2, method=method, n=n),
-        anonymized_histogram(noisy, p, layers=2, method=method, n=n,
-                             cap=default_cap("direct", 2)))
+        anonymized_histogram(noisy, p, layers=2, method=method, n=n, cap=default_cap("direct", 2)),
+    )
 
 
 def test_clipping_the_l1_projection_is_the_projection_with_at_most_c_items():
@@ -346,6 +382,7 @@ def _zipf_noisy(D, n, p, layers, seed):
 @pytest.mark.parametrize("with_n", [False, True])
 def test_anonymized_cumulative_is_the_histogram(layers, buckets, with_n):
     from aggregator.anonymize import anonymized_cumulative
+
     p = 0.6
     h, noisy = _zipf_noisy(3000, 5000, p, layers, 7 + layers)
     kw = dict(layers=layers, n=5000 if with_n else None, buckets=3000 if buckets else None)
@@ -363,14 +400,16 @@ def test_remembered_pilot_fits_are_the_fits():
     from aggregator import anonymize as A
     from aggregator import estimate as E
     from aggregator.selection import select
+
     p = 0.6
     _, noisy = _zipf_noisy(4000, 8000, p, 2, 3)
     memo = E.ReleaseMemo()
     select(noisy, p, layers=2, n=8000, memo=memo)
     assert memo.fits is not None
     for method in ("deconvolution", "mle", "threshold"):
-        cached = A.anonymized_cumulative(noisy.copy(), p, layers=2, n=8000, method=method,
-                                         memo=memo)
+        cached = A.anonymized_cumulative(
+            noisy.copy(), p, layers=2, n=8000, method=method, memo=memo
+        )
         fresh = A.anonymized_cumulative(noisy, p, layers=2, n=8000, method=method)
         assert np.array_equal(cached, fresh)
     other = noisy.copy()
@@ -383,6 +422,7 @@ def test_remembered_pilot_fits_are_the_fits():
 def test_deconvolved_batch_equals_one_at_a_time_to_rounding(layers):
     from aggregator.estimate import deconvolved_batch, MLE_MAX_ITER, MLE_TOL
     from aggregator.anonymize import anonymized_cumulative, anonymized_cumulative_many
+
     p = 0.6
     sets = [_zipf_noisy(2000 * (i + 1), 3000 * (i + 1), p, layers, 11 + i)[1] for i in range(4)]
     sets.append(discrete_laplace(p, 500, rng=np.random.default_rng(1)))  # no events at all
@@ -406,6 +446,7 @@ def test_deconvolved_batch_gives_em_prevalences_pair_of_each_set(layers):
     # auto's simulated states are fitted in one batch: each pair is the early-stopped EM and the
     # converged NPMLE of one set, as em_prevalences gives them (to the batch's rounding)
     from aggregator.estimate import em_prevalences, em_prevalences_many
+
     p = 0.6
     sets = [_zipf_noisy(1500 * (i + 1), 4000, p, layers, 31 + i)[1] for i in range(3)]
     sets.append(discrete_laplace(p, 400, rng=np.random.default_rng(2)))  # no events at all
@@ -413,9 +454,11 @@ def test_deconvolved_batch_gives_em_prevalences_pair_of_each_set(layers):
     for x, (b_early, b_full) in zip(sets, pairs):
         a_early, a_full = em_prevalences(x, p, layers=layers)
         assert len(b_early) == len(a_early) and len(b_full) == len(a_full)
-        np.testing.assert_allclose(b_early, a_early, rtol=1e-6,
-                                   atol=1e-6 * max(1.0, float(a_early.max())))
-        np.testing.assert_allclose(b_full, a_full, rtol=2e-2,
-                                   atol=2e-2 * max(1.0, float(a_full.max())))
+        np.testing.assert_allclose(
+            b_early, a_early, rtol=1e-6, atol=1e-6 * max(1.0, float(a_early.max()))
+        )
+        np.testing.assert_allclose(
+            b_full, a_full, rtol=2e-2, atol=2e-2 * max(1.0, float(a_full.max()))
+        )
     # the early stop is a point on the path before the end, not the end itself
     assert any(not np.allclose(e, f) for e, f in pairs[:3])

@@ -22,6 +22,7 @@ def test_every_name_is_the_key_of_its_estimator():
 
 def test_the_config_hashed_mode_and_auto_read_the_registry():
     from aggregator.service.settings import SETTINGS
+
     assert SETTINGS["release.estimator"].choices == ("default", *METHODS)
     assert largedomain.HASHED_METHODS == tuple(n for n, e in ESTIMATORS.items() if e.hashed)
     # auto chooses among the estimators that need only the counters (none of them uses n)
@@ -32,6 +33,7 @@ def test_the_config_hashed_mode_and_auto_read_the_registry():
 
 def test_panagg_estimators_lists_the_registry(capsys):
     from aggregator.service.cli import cmd_estimators
+
     assert cmd_estimators(argparse.Namespace()) == 0
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert names == ["default", *METHODS]

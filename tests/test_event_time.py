@@ -19,8 +19,10 @@ NOW = time.time()
 
 # A: 1 2 | 12 13 | 47 ; B: 5 3 8 | 15 4 (late)  -- window 0 closes once both partitions
 # reached a record of a later window, whatever the interleaving; 47 opens window 4 (20-40 skipped)
-PARTS = {"t:0": [(1, 1), (2, 2), (12, 3), (13, 4), (47, 5)],
-         "t:1": [(5, 6), (3, 7), (8, 8), (15, 9), (4, 10)]}
+PARTS = {
+    "t:0": [(1, 1), (2, 2), (12, 3), (13, 4), (47, 5)],
+    "t:1": [(5, 6), (3, 7), (8, 8), (15, 9), (4, 10)],
+}
 
 
 @pytest.mark.parametrize("late", ["next", "dead_letter"])
@@ -70,13 +72,19 @@ def test_replay_after_a_crash_assigns_every_record_as_before(tmp_path):
     assert releases(run) == expected
 
 
-@pytest.mark.parametrize("sets, fragment", [
-    (["source.kind=file", "source.path=x"], "window.kind = event_time needs source.kind = kafka"),
-    (["checkpoint.snapshots_per_window=2"], "does not support checkpoint.snapshots_per_window"),
-    (["window.late=drop"], "window.late must be one of next, dead_letter"),
-    (["window.max_future_skew_s=-1"], "window.max_future_skew_s must be >= 0"),
-    (["window.size=1.5"], "window.size must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "sets, fragment",
+    [
+        (
+            ["source.kind=file", "source.path=x"],
+            "window.kind = event_time needs source.kind = kafka",
+        ),
+        (["checkpoint.snapshots_per_window=2"], "does not support checkpoint.snapshots_per_window"),
+        (["window.late=drop"], "window.late must be one of next, dead_letter"),
+        (["window.max_future_skew_s=-1"], "window.max_future_skew_s must be >= 0"),
+        (["window.size=1.5"], "window.size must be a whole number"),
+    ],
+)
 def test_config_errors_are_one_line(tmp_path, sets, fragment):
     with pytest.raises(ConfigError) as exc:
         cfg_for(tmp_path, *sets)
@@ -104,8 +112,7 @@ def _future_parts() -> dict:
 
 
 @pytest.mark.parametrize("keep_log", [True, False])
-def test_a_replay_rejects_a_future_record_again_whatever_the_clock(tmp_path, monkeypatch,
-                                                                   keep_log):
+def test_a_replay_rejects_a_future_record_again_whatever_the_clock(tmp_path, monkeypatch, keep_log):
     from aggregator.service import event_time as et
 
     skew = "window.max_future_skew_s=60"
@@ -144,17 +151,25 @@ def test_time_windows_on_kafka_follow_the_records_timestamps_unless_told_otherwi
     auto keeps the clock and record refuses in one line."""
     base = ["source.kind=kafka", "source.topic=t", "window.kind=time", "window.size=30"]
     w = load_config(None, base, env={})["window"]
-    assert (w["kind"], w["auto_event_time"], w["idle_partition_timeout_s"]) == \
-        ("event_time", True, 30.0)
+    assert (w["kind"], w["auto_event_time"], w["idle_partition_timeout_s"]) == (
+        "event_time",
+        True,
+        30.0,
+    )
     assert load_config(None, base + ["window.clock=process"], env={})["window"]["kind"] == "time"
-    assert load_config(None, base + ["scale.partitioned=true"], env={})["window"]["kind"] == \
-        "time"
+    assert load_config(None, base + ["scale.partitioned=true"], env={})["window"]["kind"] == "time"
     for sets, line in [
-        (["source.kind=file", "source.path=x", "window.clock=record"],
-         "window.clock = record needs source.kind = kafka (record timestamps are Kafka's; a file "
-         "source has none)"),
-        (["window.kind=count", "window.clock=process"],
-         "window.clock = process applies to window.kind = time only; remove it")]:
+        (
+            ["source.kind=file", "source.path=x", "window.clock=record"],
+            "window.clock = record needs source.kind = "
+            "kafka (record timestamps are Kafka's; a file "
+            "source has none)",
+        ),
+        (
+            ["window.kind=count", "window.clock=process"],
+            "window.clock = process applies to window.kind = time only; remove it",
+        ),
+    ]:
         with pytest.raises(ConfigError) as exc:
             load_config(None, base + sets, env={})
         assert str(exc.value) == line
@@ -174,6 +189,8 @@ def test_a_directory_started_with_clock_time_windows_keeps_them(tmp_path, caplog
     # the start keeps the directory's windows in its own config; the caller's is not edited
     assert again.cfg.window.kind == "time" and not again.cfg.window.auto_event_time
     assert cfg.window.kind == "event_time"
-    assert "counts time windows by this process's clock (it was started so): it keeps them" \
+    assert (
+        "counts time windows by this process's clock (it was started so): it keeps them"
         in caplog.text
+    )
     again.run()  # no identity refusal: the same settings

@@ -23,12 +23,36 @@ from tests.helpers.event_time import SIZE, ListSource, cfg_for, reference, relea
 # (6) that counts within its predecessor's lateness while every partition waits beyond it (62,
 # then 72 and 83) and gets a record after that (67), and a partition that ends early (t:2: idle
 # while the others go on).
-TIMES = {"t:0": [1, 4, 9, 12, 8, 11, 14, 23, 15, 19, 31, 13, 45, 52, 41, 58, 62, 72, 67, 81, 79,
-                 88, 105],
-         "t:1": [3, 2, 11, 7, 10, 19, 16, 9, 21, 18, 22, 29, 35, 27, 33, 47, 44, 83, 86, 117, 108],
-         "t:2": [5, 13, 6, 24, 12, 20]}
-PARTS = {p: [(t, 100 * k + i) for i, t in enumerate(ts)]
-         for k, (p, ts) in enumerate(TIMES.items())}
+TIMES = {
+    "t:0": [
+        1,
+        4,
+        9,
+        12,
+        8,
+        11,
+        14,
+        23,
+        15,
+        19,
+        31,
+        13,
+        45,
+        52,
+        41,
+        58,
+        62,
+        72,
+        67,
+        81,
+        79,
+        88,
+        105,
+    ],
+    "t:1": [3, 2, 11, 7, 10, 19, 16, 9, 21, 18, 22, 29, 35, 27, 33, 47, 44, 83, 86, 117, 108],
+    "t:2": [5, 13, 6, 24, 12, 20],
+}
+PARTS = {p: [(t, 100 * k + i) for i, t in enumerate(ts)] for k, (p, ts) in enumerate(TIMES.items())}
 LATENESS = [0, 2.5, 5, 9]
 INTERLEAVINGS = [(None, 1), (None, 3), (["t:2", "t:1", "t:0"], 2), (["t:1", "t:0", "t:2"], 100)]
 
@@ -72,19 +96,27 @@ class Recording(Aggregator):
 
 
 def expected_releases(windows: dict) -> list[dict]:
-    return [{"event_start_unix": k * SIZE, "event_end_unix": (k + 1) * SIZE, "events": ev,
-             "late": late} for k, (ev, late) in sorted(windows.items())]
+    return [
+        {"event_start_unix": k * SIZE, "event_end_unix": (k + 1) * SIZE, "events": ev, "late": late}
+        for k, (ev, late) in sorted(windows.items())
+    ]
 
 
 def settings(tmp_path, lateness, late, *sets):
-    return cfg_for(tmp_path, "state.domain_size=400", f"window.late={late}",
-                   f"window.allowed_lateness_s={lateness}", *sets)
+    return cfg_for(
+        tmp_path,
+        "state.domain_size=400",
+        f"window.late={late}",
+        f"window.allowed_lateness_s={lateness}",
+        *sets,
+    )
 
 
 @pytest.mark.parametrize("lateness", LATENESS)
 @pytest.mark.parametrize("late", ["next", "dead_letter"])
 def test_each_record_lands_in_the_window_the_definition_gives_whatever_the_interleaving(
-        tmp_path, lateness, late):
+    tmp_path, lateness, late
+):
     where, windows = reference(PARTS, lateness, late)
     for n, (order, chunk) in enumerate(INTERLEAVINGS):
         out = tmp_path / str(n)
@@ -93,8 +125,9 @@ def test_each_record_lands_in_the_window_the_definition_gives_whatever_the_inter
         assert agg.assignment() == where, (order, chunk)
         assert releases(out) == expected_releases(windows), (order, chunk)
         assert agg.task.totals["events"] == sum(ev for ev, _ in windows.values())
-        assert agg.task.totals["rejects"] == ({"late": sum(k == "dead" for k in where.values())}
-                                              if "dead" in where.values() else {})
+        assert agg.task.totals["rejects"] == (
+            {"late": sum(k == "dead" for k in where.values())} if "dead" in where.values() else {}
+        )
 
 
 def test_the_reference_exercises_lateness():
@@ -112,14 +145,12 @@ def two_windows_live(agg) -> bool:
     starts a window that was the second one (it replays part of its records among records
     released before)."""
     second = agg.event_time.second
-    return bool(second is not None and second.events
-                and agg.task.durable.window.get("skip_until"))
+    return bool(second is not None and second.events and agg.task.durable.window.get("skip_until"))
 
 
 @pytest.mark.parametrize("late", ["next", "dead_letter"])
 @pytest.mark.parametrize("lateness", [2.5, 9])
-def test_a_crash_while_two_windows_are_live_replays_every_release_exactly(tmp_path, lateness,
-                                                                            late):
+def test_a_crash_while_two_windows_are_live_replays_every_release_exactly(tmp_path, lateness, late):
     _, windows = reference(PARTS, lateness, late)
     crashed = 0
     for stop_at in range(1, 60, 4):  # crash points before, in and after two-window phases
@@ -139,8 +170,9 @@ def test_a_crash_while_two_windows_are_live_replays_every_release_exactly(tmp_pa
         assert durable.totals["events"] + live == agg.task.totals["events"]
         del agg  # SIGKILL: nothing after the checkpoint is durable
 
-        again = Aggregator(settings(run, lateness, late),
-                           ListSource(PARTS, ["t:2", "t:1", "t:0"], chunk=100))
+        again = Aggregator(
+            settings(run, lateness, late), ListSource(PARTS, ["t:2", "t:1", "t:0"], chunk=100)
+        )
         again.run()
         assert releases(run) == expected_releases(windows), stop_at
         assert again.task.totals["events"] == sum(ev for ev, _ in windows.values())
@@ -168,6 +200,7 @@ def test_a_release_request_while_two_windows_are_live_is_replayed_exactly(tmp_pa
     """A release request closes the open window where the partitions are (its close positions
     are then those, recorded in the ledger and the next checkpoint); a crash after it and a
     replay with another interleaving give the same releases, and every event is in one."""
+
     def until_two_windows(agg):
         agg.restore()
         while not (agg.event_time.second is not None and agg.event_time.second.events):
@@ -187,8 +220,9 @@ def test_a_release_request_while_two_windows_are_live_is_replayed_exactly(tmp_pa
         until_two_windows(agg)
         drive(agg, steps)
         del agg  # SIGKILL
-        Aggregator(settings(run, lateness, "next"),
-                   ListSource(PARTS, ["t:1", "t:2", "t:0"], chunk=100)).run()
+        Aggregator(
+            settings(run, lateness, "next"), ListSource(PARTS, ["t:1", "t:2", "t:0"], chunk=100)
+        ).run()
         assert releases(run) == expected, steps
 
 
@@ -204,12 +238,17 @@ def test_releases_say_the_allowed_lateness(tmp_path):
     assert docs and {d["window_info"]["allowed_lateness_s"] for d in docs} == {2.5}
 
 
-@pytest.mark.parametrize("sets, fragment", [
-    (["window.allowed_lateness_s=10"], "needs window.allowed_lateness_s < window.size"),
-    (["window.allowed_lateness_s=-1"], "window.allowed_lateness_s must be >= 0"),
-    (["window.kind=time", "window.clock=process", "window.allowed_lateness_s=1"],
-     "applies to window.kind = event_time only"),
-])
+@pytest.mark.parametrize(
+    "sets, fragment",
+    [
+        (["window.allowed_lateness_s=10"], "needs window.allowed_lateness_s < window.size"),
+        (["window.allowed_lateness_s=-1"], "window.allowed_lateness_s must be >= 0"),
+        (
+            ["window.kind=time", "window.clock=process", "window.allowed_lateness_s=1"],
+            "applies to window.kind = event_time only",
+        ),
+    ],
+)
 def test_lateness_config_errors_are_one_line(tmp_path, sets, fragment):
     with pytest.raises(ConfigError) as exc:
         cfg_for(tmp_path, *sets)
@@ -222,8 +261,7 @@ class _Killed(Exception):
 
 @pytest.mark.parametrize("workers", [0, 1], ids=["in-loop", "release-worker"])
 @pytest.mark.parametrize("lateness", LATENESS)
-def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, lateness,
-                                                                       workers):
+def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, lateness, workers):
     """The process stops after window k's release is in the ledger, before the checkpoint that
     opens the next window (issue 'One event, one charge', case 1): the restart publishes the
     ledgered release, does not count window k's records into memory again (only the records
@@ -231,8 +269,10 @@ def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, 
     _, windows = reference(PARTS, lateness, "next")
     for nth in (1, 2, 3):  # after the first, second and third release
         run = tmp_path / f"{nth}"
-        agg = Aggregator(settings(run, lateness, "next", f"release.workers={workers}"),
-                         ListSource(PARTS, chunk=1))
+        agg = Aggregator(
+            settings(run, lateness, "next", f"release.workers={workers}"),
+            ListSource(PARTS, chunk=1),
+        )
         save = agg.checkpoints.save
 
         def stop_after_release(task, record, nth=nth, agg=agg, save=save):
@@ -247,16 +287,18 @@ def test_a_stop_after_a_release_is_ledgered_never_replays_that_window(tmp_path, 
         decided = json.loads(ledgered["document"])["window_info"]["events"]
         del agg
 
-        again = Aggregator(settings(run, lateness, "next"),
-                           ListSource(PARTS, ["t:2", "t:1", "t:0"], chunk=100))
+        again = Aggregator(
+            settings(run, lateness, "next"), ListSource(PARTS, ["t:2", "t:1", "t:0"], chunk=100)
+        )
         counted = []
         count = again.intake.count
-        again.intake.count = lambda state, items: (counted.append(len(items)),
-                                                   count(state, items))
+        again.intake.count = lambda state, items: (counted.append(len(items)), count(state, items))
         again.run()
         assert releases(run) == expected_releases(windows), (nth, lateness)
-        before = sum(json.loads(e["document"])["window_info"]["events"]
-                     for e in again.ledger.releases()[:nth])
+        before = sum(
+            json.loads(e["document"])["window_info"]["events"]
+            for e in again.ledger.releases()[:nth]
+        )
         # what the restart counted into memory: every event but those of the released windows
         # (the second window's records read before the stop are counted again: a restart entry)
         assert sum(counted) == sum(ev for ev, _ in windows.values()) - before, (nth, decided)

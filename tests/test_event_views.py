@@ -17,8 +17,9 @@ from tests.helpers.event_time import SIZE, reference
 from tests.helpers.event_time import contiguous_stream
 
 
-def _member(parts: dict, lateness: float, chaos: random.Random, *, crashes: int,
-            meta=commit_meta) -> dict:
+def _member(
+    parts: dict, lateness: float, chaos: random.Random, *, crashes: int, meta=commit_meta
+) -> dict:
     """One member owning every partition of ``parts`` ({partition: [(ts s, item)]}), reading
     them in random chunks, closing each window once every partition passed it, committing as
     views.py does (ViewCounter._event_commits), and crashing ``crashes`` times at random: its
@@ -31,7 +32,7 @@ def _member(parts: dict, lateness: float, chaos: random.Random, *, crashes: int,
     def boot():
         return ({p: PartitionClock.from_commit(o, m) for p, (o, m) in commits.items()}, {})
 
-    clocks, tasks = boot()     # tasks: window -> {"items": [], "first": {p: (offset, passed)}}
+    clocks, tasks = boot()  # tasks: window -> {"items": [], "first": {p: (offset, passed)}}
 
     def close(w):
         task = tasks.pop(w, {"items": [], "first": {}})
@@ -40,8 +41,14 @@ def _member(parts: dict, lateness: float, chaos: random.Random, *, crashes: int,
         for p, clock in clocks.items():
             later = [t["first"][p] for k, t in tasks.items() if k > w and p in t["first"]]
             offset, passed = min(later) if later else (clock.position, clock.passed_ms)
-            m = meta(closed=w, position=clock.position, offset=offset, passed_ms=passed,
-                     skip_until=clock.skip_until, ledger_head="")
+            m = meta(
+                closed=w,
+                position=clock.position,
+                offset=offset,
+                passed_ms=passed,
+                skip_until=clock.skip_until,
+                ledger_head="",
+            )
             commits[p] = (offset, m)
             clock.closed, clock.skip_until = w, m.get("s")
 
@@ -55,8 +62,12 @@ def _member(parts: dict, lateness: float, chaos: random.Random, *, crashes: int,
         lo = clock.position
         hi = min(len(parts[p]), lo + chaos.randint(1, 7))
         recs = parts[p][lo:hi]
-        d = clock.assign(np.arange(lo, hi), np.array([int(round(t * 1000)) for t, _ in recs]),
-                         size_ms=size_ms, lateness_ms=late_ms)
+        d = clock.assign(
+            np.arange(lo, hi),
+            np.array([int(round(t * 1000)) for t, _ in recs]),
+            size_ms=size_ms,
+            lateness_ms=late_ms,
+        )
         for i, (_, item) in enumerate(recs):
             if d.skip[i]:
                 continue
@@ -73,7 +84,7 @@ def _member(parts: dict, lateness: float, chaos: random.Random, *, crashes: int,
         if crash_left and chaos.random() < 0.05:
             crash_left -= 1
             clocks, tasks = boot()
-    for w in sorted(tasks):      # the input's end releases the rest
+    for w in sorted(tasks):  # the input's end releases the rest
         close(w)
     return released
 
@@ -85,7 +96,7 @@ def test_a_views_member_windows_every_record_as_one_process_across_crashes(laten
     for seed in range(12):
         rng = np.random.default_rng(seed)
         stream = contiguous_stream(rng, lateness=lateness, size=SIZE)
-        item = iter(range(10 ** 6))
+        item = iter(range(10**6))
         parts = {p: [(t / 1000, next(item)) for t in ts] for p, ts in stream.items()}
         where, windows = reference(parts, lateness, "next")
         assert sum(late for _, late in windows.values()) > 0
@@ -97,6 +108,7 @@ def test_a_views_member_windows_every_record_as_one_process_across_crashes(laten
 def test_without_the_skip_point_a_replay_counts_released_records_again():
     """The negative control: a commit that forgets where the closed window's records end (its
     ``s``) makes a replay count some records of a released window a second time."""
+
     def forgetful(**kw):
         m = commit_meta(**kw)
         m.pop("s", None)
@@ -106,7 +118,7 @@ def test_without_the_skip_point_a_replay_counts_released_records_again():
     for seed in range(12):
         rng = np.random.default_rng(seed)
         stream = contiguous_stream(rng, lateness=4, size=SIZE)
-        item = iter(range(10 ** 6))
+        item = iter(range(10**6))
         parts = {p: [(t / 1000, next(item)) for t in ts] for p, ts in stream.items()}
         released = _member(parts, 4, random.Random(seed), crashes=3, meta=forgetful)
         twice += sum(1 for ws in released.values() if len(ws) != 1)
@@ -131,18 +143,17 @@ def test_a_commit_that_only_sends_dead_letters_keeps_moved_late_records_for_the_
     next window, which is still open; a commit that sends dead letters without closing a window
     must leave them to the replay (``d``, not ``s``). Committed as a close (the control), the
     replay would pass over them: lost."""
-    ts = np.array([30_000, 31_000])          # window 3, on a partition closed up to window 5
+    ts = np.array([30_000, 31_000])  # window 3, on a partition closed up to window 5
     first = PartitionClock(start=0, passed_ms=None, closed=5, skip_until=None)
     d = first.assign(np.arange(2), ts, size_ms=10_000, lateness_ms=0)
     assert d.window.tolist() == [6, 6] and d.late.all()
-    kw = dict(closed=5, position=2, offset=0, passed_ms=None, skip_until=None,
-              ledger_head="")
+    kw = dict(closed=5, position=2, offset=0, passed_ms=None, skip_until=None, ledger_head="")
     meta = commit_meta(**kw, closing=False)
     assert meta == {"lh": "", "k": 5, "d": 2}
     replay = PartitionClock.from_commit(0, meta)
     again = replay.assign(np.arange(2), ts, size_ms=10_000, lateness_ms=0)
     assert again.window.tolist() == [6, 6] and not again.skip.any()
-    assert replay.dead_until == 2            # their dead letters (if any) are not sent twice
+    assert replay.dead_until == 2  # their dead letters (if any) are not sent twice
     control = PartitionClock.from_commit(0, commit_meta(**kw, closing=True))
     assert control.assign(np.arange(2), ts, size_ms=10_000, lateness_ms=0).skip.all()
 
@@ -156,16 +167,15 @@ def test_a_partition_far_past_the_groups_watermark_is_paused_and_idle_ones_hold_
     from aggregator.service.group.repartition import EventClock
     from aggregator.service.group.watermark import MAX_AHEAD_WINDOWS, MarkRecord
 
-    clock = EventClock(size_s=10, lateness_s=2, max_future_skew_s=60, late="next",
-                       idle_timeout_s=3)
+    clock = EventClock(size_s=10, lateness_s=2, max_future_skew_s=60, late="next", idle_timeout_s=3)
     marks = GroupMarks("rp", "src", 3, clock)
     assert marks.take(marks.key(2), MarkRecord(45_000).encode())
     assert not marks.take(b"progress:src:2", b"{}")
     own = {0: MarkRecord(120_000), 1: MarkRecord(None)}
-    assert marks.closable(own, now_ms=0) is None          # partition 1 has no watermark yet
+    assert marks.closable(own, now_ms=0) is None  # partition 1 has no watermark yet
     own[1] = MarkRecord(None, idle_since_ms=0)
-    assert marks.closable(own, now_ms=1000) is None       # idle for 1 s of 3
-    assert marks.closable(own, now_ms=3000) == 3          # 45 s >= (3 + 1) * 10 + 2
+    assert marks.closable(own, now_ms=1000) is None  # idle for 1 s of 3
+    assert marks.closable(own, now_ms=3000) == 3  # 45 s >= (3 + 1) * 10 + 2
     far = (45_000 // 10_000 + MAX_AHEAD_WINDOWS + 1) * 10_000
     own[0] = MarkRecord(far)
     assert marks.ahead(own, now_ms=3000) == {0}
@@ -179,8 +189,15 @@ def test_a_deleted_span_rides_in_the_commits_until_its_last_window_closes():
     it withholds them too, and none after."""
     lost = (100, 500, 12)
     for closed, carried in ((None, True), (9, True), (11, True), (12, False), (13, False)):
-        meta = commit_meta(closed=closed, position=600, offset=550, passed_ms=1_000,
-                           skip_until=None, ledger_head="1:ab", lost=lost)
+        meta = commit_meta(
+            closed=closed,
+            position=600,
+            offset=550,
+            passed_ms=1_000,
+            skip_until=None,
+            ledger_head="1:ab",
+            lost=lost,
+        )
         assert ("l" in meta) is carried, (closed, meta)
         clock = PartitionClock.from_commit(550, meta)
         assert clock.lost == (lost if carried else None)

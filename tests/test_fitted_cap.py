@@ -16,8 +16,12 @@ from bench.accuracy.fitted_cap import auto_fitted, cap_fitted, capped
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 30), max_size=25), st.integers(0, 400),
-       st.sampled_from(["items", "scale", "fitted"]), st.integers(0, 35))
+@given(
+    st.lists(st.integers(1, 30), max_size=25),
+    st.integers(0, 400),
+    st.sampled_from(["items", "scale", "fitted"]),
+    st.integers(0, 35),
+)
 def test_every_measured_cap_is_a_valid_histogram_with_the_capped_total(counts, total, rule, top):
     y = cumulative_from_counts(counts)
     out = capped(y, total, rule, fitted_top=top)
@@ -29,10 +33,11 @@ def test_every_measured_cap_is_a_valid_histogram_with_the_capped_total(counts, t
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 30), min_size=1, max_size=25), st.integers(0, 400),
-       st.integers(0, 35))
+@given(
+    st.lists(st.integers(1, 30), min_size=1, max_size=25), st.integers(0, 400), st.integers(0, 35)
+)
 def test_cap_fitted_keeps_the_items_above_the_axis_and_thins_the_others(counts, total, top):
-    """"fitted": the items counted above ``fitted_top`` (passed through by the EM) stay whole
+    """ "fitted": the items counted above ``fitted_top`` (passed through by the EM) stay whole
     while the others can hold the rest; the items at or below it are thinned, never raised."""
     counts = np.asarray(counts)
     out = counts_from_cumulative(cap_fitted(cumulative_from_counts(counts), total, top))
@@ -42,7 +47,7 @@ def test_cap_fitted_keeps_the_items_above_the_axis_and_thins_the_others(counts, 
     elif above.sum() < total:  # else they alone are over: every level is thinned ("scale")
         np.testing.assert_array_equal(np.sort(out[out > top]), above)
         kept = np.sort(out[out <= top])[::-1]
-        assert len(kept) <= len(below) and np.all(kept <= np.sort(below)[::-1][:len(kept)])
+        assert len(kept) <= len(below) and np.all(kept <= np.sort(below)[::-1][: len(kept)])
     assert int(out.sum()) == min(int(counts.sum()), total)
 
 

@@ -15,7 +15,12 @@ import pytest
 from aggregator import largedomain as ld
 from aggregator.estimate import CAP_RULES
 from aggregator.estimators import (
-    default_cap, default_method, DEFAULTS, METHODS, MODES, phi_estimate,
+    default_cap,
+    default_method,
+    DEFAULTS,
+    METHODS,
+    MODES,
+    phi_estimate,
 )
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
@@ -25,8 +30,11 @@ GRID = Path(__file__).resolve().parent.parent / "bench" / "accuracy" / "grid_def
 
 def test_code_defaults_are_the_grids_choice():
     chosen = json.loads(GRID.read_text())["defaults"]
-    want = {(mode, int(k)): (v["method"], v["cap"]) for mode, per in chosen.items()
-            for k, v in per.items()}
+    want = {
+        (mode, int(k)): (v["method"], v["cap"])
+        for mode, per in chosen.items()
+        for k, v in per.items()
+    }
     assert want == DEFAULTS
 
 
@@ -74,23 +82,39 @@ def _hashed(layers, rng):
 @pytest.mark.parametrize("layers", [1, 2, 3, 4])
 def test_direct_release_uses_the_default_rule(layers):
     noisy, p, n = _direct(layers, np.random.default_rng(layers))
-    named = anonymized_histogram(noisy, p, layers=layers, n=n,
-                                 method=default_method("direct", layers),
-                                 cap=default_cap("direct", layers))
+    named = anonymized_histogram(
+        noisy,
+        p,
+        layers=layers,
+        n=n,
+        method=default_method("direct", layers),
+        cap=default_cap("direct", layers),
+    )
     np.testing.assert_array_equal(anonymized_histogram(noisy, p, layers=layers, n=n), named)
-    np.testing.assert_array_equal(phi_estimate(noisy, p, layers=layers),
-                                  phi_estimate(noisy, p, layers=layers,
-                                               method=default_method("direct", layers)))
+    np.testing.assert_array_equal(
+        phi_estimate(noisy, p, layers=layers),
+        phi_estimate(noisy, p, layers=layers, method=default_method("direct", layers)),
+    )
 
 
 @pytest.mark.parametrize("layers", [1, 2, 3])
 def test_hashed_release_uses_the_default_rule(layers):
     noisy, p, n, B = _hashed(layers, np.random.default_rng(10 + layers))
-    named = anonymized_histogram(noisy, p, layers=layers, n=n, buckets=B,
-                                 method=default_method("hashed", layers),
-                                 cap=default_cap("hashed", layers))
-    np.testing.assert_array_equal(anonymized_histogram(noisy, p, layers=layers, n=n, buckets=B),
-                                  named)
-    np.testing.assert_array_equal(ld.hashed_phi_estimate(noisy, p, layers=layers),
-                                  phi_estimate(noisy, p, layers=layers, mode="hashed",
-                                               method=default_method("hashed", layers)))
+    named = anonymized_histogram(
+        noisy,
+        p,
+        layers=layers,
+        n=n,
+        buckets=B,
+        method=default_method("hashed", layers),
+        cap=default_cap("hashed", layers),
+    )
+    np.testing.assert_array_equal(
+        anonymized_histogram(noisy, p, layers=layers, n=n, buckets=B), named
+    )
+    np.testing.assert_array_equal(
+        ld.hashed_phi_estimate(noisy, p, layers=layers),
+        phi_estimate(
+            noisy, p, layers=layers, mode="hashed", method=default_method("hashed", layers)
+        ),
+    )

@@ -35,8 +35,14 @@ def test_merged_slice_summaries_are_one_state_of_D_counters():
     info = {"kind": "time", "size": 2.0, "events": 0, "started_unix": 0.0, "ended_unix": 2.0}
     summaries = []
     for p, st in enumerate(states):
-        s = partition_summary(st, model="state-only", window=7, partition=p, partitions=P,
-                              window_info=dict(info, events=st.n))
+        s = partition_summary(
+            st,
+            model="state-only",
+            window=7,
+            partition=p,
+            partitions=P,
+            window_info=dict(info, events=st.n),
+        )
         summaries.append(s)
     # the value counts of the P slices are those of the one D-counter vector they form
     whole = np.concatenate([st.counts for st in states])
@@ -54,14 +60,19 @@ def test_merged_slice_summaries_are_one_state_of_D_counters():
 def test_internal_topic_names_follow_the_group():
     t = GroupTopics("logins")
     assert {t.repartition, t.summaries, t.ledger, t.releases} == {
-        "logins.panagg.repartition", "logins.panagg.summaries", "logins.panagg.ledger",
-        "logins.panagg.releases"}
+        "logins.panagg.repartition",
+        "logins.panagg.summaries",
+        "logins.panagg.ledger",
+        "logins.panagg.releases",
+    }
     wanted = t.wanted(6, 3600_000)
     assert wanted[t.ledger][0] == 1 and wanted[t.ledger][1]["cleanup.policy"] == "compact"
     # a quarter-retention segment: the broker deletes whole segments only, so without it a
     # quiet topic's plaintext indices would outlive retention.ms by the broker's week
-    assert wanted[t.repartition] == (6, {"cleanup.policy": "delete", "retention.ms": "3600000",
-                                         "segment.ms": "900000"})
+    assert wanted[t.repartition] == (
+        6,
+        {"cleanup.policy": "delete", "retention.ms": "3600000", "segment.ms": "900000"},
+    )
     assert t.repartition not in t.wanted(6, 3600_000, views=True)
     # a views group has a snapshots topic only when it takes in-window snapshots
     assert t.snapshots not in t.wanted(6, 3600_000, views=True)
@@ -69,17 +80,30 @@ def test_internal_topic_names_follow_the_group():
 
 
 def _cfg(*extra):
-    return load_config(None, overrides=["scale.partitioned=true", "scale.store=kafka",
-                                        "scale.exchange=items", "window.kind=time",
-                                        "window.size=60", *extra])
+    return load_config(
+        None,
+        overrides=[
+            "scale.partitioned=true",
+            "scale.store=kafka",
+            "scale.exchange=items",
+            "window.kind=time",
+            "window.size=60",
+            *extra,
+        ],
+    )
 
 
-@pytest.mark.parametrize("extra,said", [
-    (["window.kind=count", "checkpoint.snapshots_per_window=2"],
-     "set checkpoint.snapshots_per_window = 0"),
-    (["source.kind=file", "source.path=x"], "needs source.kind = kafka"),
-    (["state.model=shuffle"], "does not apply to state.model = shuffle"),
-])
+@pytest.mark.parametrize(
+    "extra,said",
+    [
+        (
+            ["window.kind=count", "checkpoint.snapshots_per_window=2"],
+            "set checkpoint.snapshots_per_window = 0",
+        ),
+        (["source.kind=file", "source.path=x"], "needs source.kind = kafka"),
+        (["state.model=shuffle"], "does not apply to state.model = shuffle"),
+    ],
+)
 def test_what_the_kafka_store_cannot_do_is_refused_in_one_line(extra, said):
     with pytest.raises(ConfigError) as err:
         _cfg(*extra)
@@ -98,10 +122,10 @@ def test_source_start_only_places_a_new_group():
     assert "only places a new group" in msg and "another source.group" in msg
     assert "\n" not in msg
     pipe.identity["start"] = "latest"
-    pipe._check_start()            # the group's own start: fine
+    pipe._check_start()  # the group's own start: fine
     earliest = GroupService(_cfg(), Metrics()).pipelines[0]
     earliest.identity = dict(earliest.identity_of_config(6), start="latest")
-    earliest._check_start()        # no source.start: resume wherever the group is
+    earliest._check_start()  # no source.start: resume wherever the group is
 
 
 def test_a_member_with_other_settings_than_its_group_is_refused():
@@ -116,12 +140,20 @@ def test_a_member_with_other_settings_than_its_group_is_refused():
 
 
 def test_several_aggregations_are_one_pipeline_each_with_their_own_topics():
-    svc = GroupService(_cfg("ledger.budget_per_event=2", "aggregations.user.item.field=user",
-                            "aggregations.ip.item.field=ip", "aggregations.ip.state.mode=hashed"),
-                       Metrics())
+    svc = GroupService(
+        _cfg(
+            "ledger.budget_per_event=2",
+            "aggregations.user.item.field=user",
+            "aggregations.ip.item.field=ip",
+            "aggregations.ip.state.mode=hashed",
+        ),
+        Metrics(),
+    )
     assert [p.name for p in svc.pipelines] == ["ip", "user"]
-    assert {p.topics.ledger for p in svc.pipelines} == {"panagg.panagg.ip.ledger",
-                                                        "panagg.panagg.user.ledger"}
+    assert {p.topics.ledger for p in svc.pipelines} == {
+        "panagg.panagg.ip.ledger",
+        "panagg.panagg.user.ledger",
+    }
     assert [p.direct for p in svc.pipelines] == [False, True]
 
 
@@ -132,12 +164,13 @@ def test_fresh_start_does_not_apply_to_a_group():
 
 def test_a_state_directory_with_a_ledger_is_never_taken_over_by_a_member(tmp_path):
     (tmp_path / "ledger.jsonl").write_text("")
-    svc = GroupService(_cfg(f"checkpoint.dir={tmp_path}", "source.bootstrap=127.0.0.1:1"),
-                       Metrics())
+    svc = GroupService(
+        _cfg(f"checkpoint.dir={tmp_path}", "source.bootstrap=127.0.0.1:1"), Metrics()
+    )
     with pytest.raises(ServiceError) as err:
         svc.start()
     assert "empty scratch checkpoint.dir" in str(err.value) and "\n" not in str(err.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.jsonl"]   # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.jsonl"]  # nothing written
 
 
 # -- the summary and the merge (aggregator.service.group.summary) ---------------------------------
@@ -145,18 +178,29 @@ INFO = {"kind": "time", "size": 10, "events": 10, "started_unix": 1.0, "ended_un
 
 
 def _summaries(states, model="state-only", window=0):
-    return [partition_summary(s, model=model, window=window, partition=i, partitions=len(states),
-                              window_info=INFO, rng=np.random.default_rng([7, i]))
-            for i, s in enumerate(states)]
+    return [
+        partition_summary(
+            s,
+            model=model,
+            window=window,
+            partition=i,
+            partitions=len(states),
+            window_info=INFO,
+            rng=np.random.default_rng([7, i]),
+        )
+        for i, s in enumerate(states)
+    ]
 
 
 def test_hashed_slices_merge_into_the_release_of_their_concatenation():
     from aggregator.anonymize import anonymized_histogram
+
     rng = np.random.default_rng(1)
     states = []
     for i in range(3):
-        s = PanPrivateHistogram(1.0, buckets=400, key=bytes([i + 1]) * 16,
-                                rng=np.random.default_rng([5, i]))
+        s = PanPrivateHistogram(
+            1.0, buckets=400, key=bytes([i + 1]) * 16, rng=np.random.default_rng([5, i])
+        )
         s.update([f"user-{k}" for k in rng.zipf(1.5, 500) if k < 10**6])
         states.append(s)
     rel = merge_summaries(_summaries(states))
@@ -165,14 +209,19 @@ def test_hashed_slices_merge_into_the_release_of_their_concatenation():
     expect = anonymized_histogram(whole, states[0].p, n=n, buckets=1200)
     got = np.repeat(*np.array(rel["histogram"]["pairs"]).T)
     assert np.array_equal(np.sort(got)[::-1], expect)
-    assert rel["n"] == n and rel["domain"] == {"mode": "hashed", "size": 1200, "counters": 1200,
-                                               "partitions": 3}
+    assert rel["n"] == n and rel["domain"] == {
+        "mode": "hashed",
+        "size": 1200,
+        "counters": 1200,
+        "partitions": 3,
+    }
 
 
 def test_a_merged_release_is_the_one_state_release_whatever_P():
     """Zipf items over D counters split into P = 6 slices, joint model: the merged release equals
     the release of the one D-counter state the slices form (with the same release layers)."""
     from aggregator.anonymize import anonymized_histogram
+
     Dz, P, eps = 20_000, 6, 1.0
     rng = np.random.default_rng(17)
     items = np.minimum(rng.zipf(1.1, 200_000) - 1, Dz - 1)
@@ -184,9 +233,13 @@ def test_a_merged_release_is_the_one_state_release_whatever_P():
         parts.append(s)
     merged = merge_summaries(_summaries(parts, model="joint"))
     from aggregator.noise import discrete_laplace
-    layered = np.concatenate([s.counts + discrete_laplace(s.p, s.size,
-                                                          rng=np.random.default_rng([7, i]))
-                              for i, s in enumerate(parts)])
+
+    layered = np.concatenate(
+        [
+            s.counts + discrete_laplace(s.p, s.size, rng=np.random.default_rng([7, i]))
+            for i, s in enumerate(parts)
+        ]
+    )
     expect = anonymized_histogram(noisy_value_counts(layered), parts[0].p, layers=2, n=200_000)
     got = np.repeat(*np.array(merged["histogram"]["pairs"]).T)
     assert np.array_equal(np.sort(got)[::-1], expect) and merged["n"] == 200_000
@@ -229,7 +282,7 @@ def test_an_export_slice_set_is_one_state_in_the_intakes_counter_order():
     from aggregator.state import PanPrivateHistogram
 
     D, P = 11, 3
-    truth = np.arange(D) * 100          # far above the noise: each counter recognisable
+    truth = np.arange(D) * 100  # far above the noise: each counter recognisable
     slices = []
     for p in range(P):
         st = PanPrivateHistogram(1.0, size=slice_size(D, P, p))
@@ -252,17 +305,26 @@ def test_a_window_merges_partitions_at_different_layer_counts_at_the_most():
     parts = [PanPrivateHistogram(1.0, size=500) for _ in range(2)]
     parts[0].add_indices(np.repeat(np.arange(50), 20))
     parts[1].rerandomize()
-    parts[1].rerandomize()                       # as an export leaves it
-    summaries = [partition_summary(s, model="joint", window=3, partition=p, partitions=2,
-                                   window_info=info) for p, s in enumerate(parts)]
+    parts[1].rerandomize()  # as an export leaves it
+    summaries = [
+        partition_summary(s, model="joint", window=3, partition=p, partitions=2, window_info=info)
+        for p, s in enumerate(parts)
+    ]
     assert [s["layers"] for s in summaries] == [2, 4]
     release = merge_summaries(summaries, error_bar_reps=0)
     assert release["layers"] == 4 and release["n"] == 1000
     assert release["domain"]["counters"] == 1000
+
+
 # -- event-time windows in a group (watermark.py, event_windows.py) ---------------------------
 from aggregator.service.group.event_windows import EventSlice  # noqa: E402
-from aggregator.service.group.watermark import (MarkRecord, closable_upto,  # noqa: E402
-                                                low_watermark, opening_window, stamp)
+from aggregator.service.group.watermark import (  # noqa: E402
+    MarkRecord,
+    closable_upto,
+    low_watermark,
+    opening_window,
+    stamp,
+)
 
 
 @pytest.mark.parametrize("lateness", [0, 4])
@@ -276,11 +338,12 @@ def test_the_intake_stamps_every_record_as_one_process_would(lateness):
 
     rng = np.random.default_rng()
     stream = contiguous_stream(rng, lateness=lateness, size=SIZE)
-    item = iter(range(10 ** 6))
+    item = iter(range(10**6))
     parts = {p: [(t / 1000, next(item)) for t in ts] for p, ts in stream.items()}
     where, windows = reference(parts, lateness, "next")
-    marks = {p: MarkRecord(None, first_ms=int(round(recs[0][0] * 1000)))
-             for p, recs in parts.items()}
+    marks = {
+        p: MarkRecord(None, first_ms=int(round(recs[0][0] * 1000))) for p, recs in parts.items()
+    }
     first = opening_window(marks, list(parts), now_ms=0, idle_timeout_ms=0, size_ms=SIZE * 1000)
     assert first == min(int(recs[0][0] // SIZE) for recs in parts.values())
     counting = EventSlice(closed=first - 1, summarized=first - 1, make_state=None)
@@ -375,8 +438,9 @@ def test_a_partition_replayed_from_its_commit_summarizes_each_window_once_with_i
         expected = sum(r[3] for r in log if r[1] != "close")
         assert sum(whole.values()) == expected and sorted(whole) == list(range(8))
         crash = int(rng.integers(1, len(log)))
-        first, committed = _run(log, EventSlice(closed=-1, summarized=-1, make_state=make), 0,
-                                -1, crash_at=crash)
+        first, committed = _run(
+            log, EventSlice(closed=-1, summarized=-1, make_state=make), 0, -1, crash_at=crash
+        )
         start, k, c = committed if committed else (0, -1, -1)
         rest, _ = _run(log, EventSlice(closed=k, summarized=c, make_state=make), start, c)
         assert not set(first) & set(rest), "a window summarized twice"
@@ -386,7 +450,7 @@ def test_a_partition_replayed_from_its_commit_summarizes_each_window_once_with_i
 def test_late_messages_after_a_marker_count_in_the_next_window_or_are_rejected():
     make = lambda: PanPrivateHistogram(1.0, size=4)  # noqa: E731
     sl = EventSlice(closed=4, summarized=4, make_state=make)
-    assert sl.add(10, 3, False, np.array([0, 1])) == (2, 0)     # window 3 closed: late -> 5
+    assert sl.add(10, 3, False, np.array([0, 1])) == (2, 0)  # window 3 closed: late -> 5
     assert sl.live[5].late == 2 and sl.live[5].events == 2
     dead = EventSlice(closed=4, summarized=4, make_state=make, late_policy="dead_letter")
     assert dead.add(10, 3, False, np.array([0, 1])) == (0, 2)
@@ -394,11 +458,15 @@ def test_late_messages_after_a_marker_count_in_the_next_window_or_are_rejected()
 
 
 def test_a_group_takes_event_time_windows_and_keeps_intake_time_unless_asked():
-    cfg = _cfg("window.kind=event_time", "window.allowed_lateness_s=20", "source.kind=kafka",
-               "source.topic=t")
+    cfg = _cfg(
+        "window.kind=event_time",
+        "window.allowed_lateness_s=20",
+        "source.kind=kafka",
+        "source.topic=t",
+    )
     assert cfg.window.kind == "event_time"
     auto = _cfg("source.kind=kafka", "source.topic=t")
-    assert auto["window"]["kind"] == "time"     # window.clock = auto: intake time in a group
+    assert auto["window"]["kind"] == "time"  # window.clock = auto: intake time in a group
     record = _cfg("source.kind=kafka", "source.topic=t", "window.clock=record")
     assert record["window"]["kind"] == "event_time"
 
@@ -454,22 +522,28 @@ def test_the_intake_pauses_a_partition_running_ahead_of_the_low_watermark():
 
     tps = [TopicPartition("t", p) for p in range(3)]
     consumer = _FakeIntakeConsumer(tps)
-    clock = EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
-                       late="next", idle_timeout_s=0)
-    rp = Repartitioner(consumer, None, [Route("g.panagg.repartition", 4, None, None, None,
-                                              clock=clock)],
-                       marks_topic="g.panagg.intake", marks_reader=_FakeIntakeConsumer([]))
+    clock = EventClock(
+        size_s=10, lateness_s=2, max_future_skew_s=300, late="next", idle_timeout_s=0
+    )
+    rp = Repartitioner(
+        consumer,
+        None,
+        [Route("g.panagg.repartition", 4, None, None, None, clock=clock)],
+        marks_topic="g.panagg.intake",
+        marks_reader=_FakeIntakeConsumer([]),
+    )
 
     def at(**windows):
         for name, w in windows.items():
-            rp.watermarks[MarkRecord.key("g.panagg.repartition", f"t:{name[1:]}")] = \
-                MarkRecord(w * 10_000 + 1)
+            rp.watermarks[MarkRecord.key("g.panagg.repartition", f"t:{name[1:]}")] = MarkRecord(
+                w * 10_000 + 1
+            )
         rp._pace()
         return sorted(tp.partition for tp in consumer.paused())
 
-    assert at(p0=10, p1=20, p2=12) == [1]          # low watermark in window 10: 1 is 10 ahead
-    assert at(p0=18) == [0, 1]                      # low now 12 (partition 2): 0 runs ahead too
-    assert at(p2=19) == []                          # low 18: everyone within 3 windows
+    assert at(p0=10, p1=20, p2=12) == [1]  # low watermark in window 10: 1 is 10 ahead
+    assert at(p0=18) == [0, 1]  # low now 12 (partition 2): 0 runs ahead too
+    assert at(p2=19) == []  # low 18: everyone within 3 windows
     assert rp.pauses == 2
 
 
@@ -498,13 +572,19 @@ def test_the_intake_writes_each_window_to_every_partition_and_handles_late_recor
     now_ms = int(_time.time() * 1000)
     base = (now_ms - 3_600_000) // 10_000 * 10_000
     # windows: 0, 2 (passes window 0 + 2 s lateness), then window 0 again: late; no stamp; future
-    stamps = [base + 1000, base + 21_000, base + 3000, -1, now_ms + 10 ** 7]
+    stamps = [base + 1000, base + 21_000, base + 3000, -1, now_ms + 10**7]
     recs = [Rec(i, msgpack.packb({"item": 7 + i}), None, [], ts) for i, ts in enumerate(stamps)]
     metrics = Metrics()
-    route = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100), lambda it:
-                  np.asarray(it, dtype=np.int64), metrics,
-                  clock=EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
-                                   late=late_policy, idle_timeout_s=0))
+    route = Route(
+        "g.panagg.repartition",
+        3,
+        Decoder("msgpack", domain_size=100),
+        lambda it: np.asarray(it, dtype=np.int64),
+        metrics,
+        clock=EventClock(
+            size_s=10, lateness_s=2, max_future_skew_s=300, late=late_policy, idle_timeout_s=0
+        ),
+    )
     out = _Sent()
     from kafka import TopicPartition
 
@@ -517,7 +597,7 @@ def test_the_intake_writes_each_window_to_every_partition_and_handles_late_recor
     w1 = str(base // 10_000 + 1).encode()
     want = {(w0, False): 3, (w2, False): 3}
     if late_policy == "next":
-        want[(w1, True)] = 3      # the first window its partition had not passed
+        want[(w1, True)] = 3  # the first window its partition had not passed
     assert dict(groups) == want
     events = sum(len(v) // 4 for _, _, v in out.messages)
     assert events == (3 if late_policy == "next" else 2)
@@ -546,36 +626,52 @@ def test_the_intake_writes_a_dead_letter_per_rejected_record_in_its_transaction(
     sent = []
 
     class Producer:
-        def send(self, topic, partition=None, timestamp_ms=None, headers=None, value=None,
-                 key=None):
+        def send(
+            self, topic, partition=None, timestamp_ms=None, headers=None, value=None, key=None
+        ):
             sent.append((topic, key, dict(headers or ())))
 
     Rec = collections.namedtuple("Rec", "offset value key headers timestamp")
     now_ms = int(_time.time() * 1000)
     base = (now_ms - 3_600_000) // 10_000 * 10_000
-    stamps = [base + 1000, base + 21_000, base + 3000, -1, now_ms + 10 ** 7, base + 4000]
+    stamps = [base + 1000, base + 21_000, base + 3000, -1, now_ms + 10**7, base + 4000]
     values = [msgpack.packb({"item": 7 + i}) for i in range(5)] + [b"\xc1 not msgpack"]
     recs = [Rec(100 + i, v, b"k", [], ts) for i, (v, ts) in enumerate(zip(values, stamps))]
     tp = TopicPartition("src", 0)
-    route = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100),
-                  lambda it: np.asarray(it, dtype=np.int64), Metrics(),
-                  clock=EventClock(size_s=10, lateness_s=2, max_future_skew_s=300,
-                                   late="dead_letter", idle_timeout_s=0),
-                  name="users", dead_topic="dl")
+    route = Route(
+        "g.panagg.repartition",
+        3,
+        Decoder("msgpack", domain_size=100),
+        lambda it: np.asarray(it, dtype=np.int64),
+        Metrics(),
+        clock=EventClock(
+            size_s=10, lateness_s=2, max_future_skew_s=300, late="dead_letter", idle_timeout_s=0
+        ),
+        name="users",
+        dead_topic="dl",
+    )
     Repartitioner._send_event_time(Producer(), route, tp, recs, now_ms, None)
     dead = {key: h["reason"] for topic, key, h in sent if topic == "dl"}
-    assert dead == {b"src:0@102#users": b"late", b"src:0@103#users": b"no_timestamp",
-                    b"src:0@104#users": b"future_timestamp",
-                    b"src:0@105#users": b"undecodable"}, dead
+    assert dead == {
+        b"src:0@102#users": b"late",
+        b"src:0@103#users": b"no_timestamp",
+        b"src:0@104#users": b"future_timestamp",
+        b"src:0@105#users": b"undecodable",
+    }, dead
     # counted as one process counts them (the PanaggDeadLetters alert reads it)
     assert route.metrics.registry.get_sample_value("panagg_dead_letters_total") == 4
     # by intake time, the same path (bad input only)
     sent.clear()
-    plain = Route("g.panagg.repartition", 3, Decoder("msgpack", domain_size=100),
-                  lambda it: np.asarray(it, dtype=np.int64), Metrics(), dead_topic="dl")
+    plain = Route(
+        "g.panagg.repartition",
+        3,
+        Decoder("msgpack", domain_size=100),
+        lambda it: np.asarray(it, dtype=np.int64),
+        Metrics(),
+        dead_topic="dl",
+    )
     Repartitioner._send(Producer(), plain, tp, recs, now_ms)
-    assert [(k, h["reason"]) for t, k, h in sent if t == "dl"] == [(b"src:0@105",
-                                                                    b"undecodable")]
+    assert [(k, h["reason"]) for t, k, h in sent if t == "dl"] == [(b"src:0@105", b"undecodable")]
 
 
 class _Admin:
@@ -604,16 +700,17 @@ def test_a_missing_release_topic_is_refused_before_anything_is_written(tmp_path,
     from aggregator.service.group import service as group_service
 
     writes: list[str] = []
-    monkeypatch.setattr(group_service, "KafkaAdminClient",
-                        lambda **kw: _Admin({"events"}, writes))
-    svc = GroupService(_cfg(f"checkpoint.dir={tmp_path / 'scratch'}",
-                            "release.topic=panagg-releases"), Metrics())
+    monkeypatch.setattr(group_service, "KafkaAdminClient", lambda **kw: _Admin({"events"}, writes))
+    svc = GroupService(
+        _cfg(f"checkpoint.dir={tmp_path / 'scratch'}", "release.topic=panagg-releases"), Metrics()
+    )
     with pytest.raises(ServiceError) as err:
         svc.start()
     assert str(err.value) == (
         "release.topic 'panagg-releases' does not exist on the cluster: create it once, "
         "compacted so that it keeps every release (kafka-topics.sh --create --topic "
-        "panagg-releases --partitions 1 --config cleanup.policy=compact), or unset release.topic")
+        "panagg-releases --partitions 1 --config cleanup.policy=compact), or unset release.topic"
+    )
     assert writes == [] and not (tmp_path / "scratch").exists()
 
 
@@ -624,8 +721,14 @@ def test_every_aggregations_ready_series_says_the_members_readiness():
     from prometheus_client.parser import text_string_to_metric_families
 
     metrics = Metrics()
-    svc = GroupService(_cfg("ledger.budget_per_event=2", "aggregations.user.item.field=user",
-                            "aggregations.ip.item.field=ip"), metrics)
+    svc = GroupService(
+        _cfg(
+            "ledger.budget_per_event=2",
+            "aggregations.user.item.field=user",
+            "aggregations.ip.item.field=ip",
+        ),
+        metrics,
+    )
 
     def ready() -> dict[str, float]:
         text = generate_latest(metrics.registry).decode()
@@ -648,25 +751,40 @@ def test_the_leader_shows_the_budget_and_keys_release_topic_as_one_process():
     from aggregator.service.group.leader import Leader
 
     sent = []
-    txn = SimpleNamespace(begin=lambda: None, commit=lambda: None,
-                          send=lambda topic, key=None, **kw: sent.append((topic, key)))
+    txn = SimpleNamespace(
+        begin=lambda: None,
+        commit=lambda: None,
+        send=lambda topic, key=None, **kw: sent.append((topic, key)),
+    )
     spent = [7.0]
-    ledger = SimpleNamespace(append=lambda **kw: spent.__setitem__(0, spent[0] + 1.0),
-                             committed=lambda: None, spent=lambda: spent[0],
-                             remaining=lambda: 10.0 - spent[0])
+    ledger = SimpleNamespace(
+        append=lambda **kw: spent.__setitem__(0, spent[0] + 1.0),
+        committed=lambda: None,
+        spent=lambda: spent[0],
+        remaining=lambda: 10.0 - spent[0],
+    )
     metrics = Metrics()
-    lead = SimpleNamespace(txn=txn, ledger=ledger, metrics=metrics, pending={3: {0: {}}},
-                           release_topic="panagg-releases", identity={"lineage": "L"},
-                           topics=SimpleNamespace(releases="g.panagg.releases",
-                                                  summaries="g.panagg.summaries"),
-                           aggregation="", registry=None)
+    lead = SimpleNamespace(
+        txn=txn,
+        ledger=ledger,
+        metrics=metrics,
+        pending={3: {0: {}}},
+        release_topic="panagg-releases",
+        identity={"lineage": "L"},
+        topics=SimpleNamespace(releases="g.panagg.releases", summaries="g.panagg.summaries"),
+        aggregation="",
+        registry=None,
+    )
     lead.release_key = lambda name: Leader.release_key(lead, name)
     assert Leader._transact(lead, 3, {0: {}}, entry={"kind": "release"}, document="{}")
     reg = metrics.registry
     assert reg.get_sample_value("panagg_budget_spent_epsilon") == 8.0
     assert reg.get_sample_value("panagg_budget_remaining_epsilon") == 2.0
-    assert sent == [("g.panagg.releases", b"3"), ("panagg-releases", b"3"),
-                    ("g.panagg.summaries", b"3/0")]
+    assert sent == [
+        ("g.panagg.releases", b"3"),
+        ("panagg-releases", b"3"),
+        ("g.panagg.summaries", b"3/0"),
+    ]
     # several aggregations share release.topic: keyed NAME/W as one process keys them, so a
     # compacted topic keeps every aggregation's release of window 3
     sent.clear()
@@ -684,23 +802,41 @@ def test_history_of_a_members_scratch_directory_points_at_the_group(tmp_path):
 
     from consumers.kafka_security import redacted
 
-    cfg = load_config(None, ["source.kind=kafka", "source.bootstrap=broker:9092",
-                             "source.topic=logins", "source.group=panagg",
-                             "scale.partitioned=true", "scale.store=kafka", "window.kind=time"])
+    cfg = load_config(
+        None,
+        [
+            "source.kind=kafka",
+            "source.bootstrap=broker:9092",
+            "source.topic=logins",
+            "source.group=panagg",
+            "scale.partitioned=true",
+            "scale.store=kafka",
+            "window.kind=time",
+        ],
+    )
     (tmp_path / "config.json").write_text(json.dumps(redacted(cfg)))
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "history",
-                          "--state-dir", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "history", "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1] == (
         f"panagg: error: {tmp_path} is the scratch directory of a member of group 'panagg', "
-        "whose ledger is in Kafka: run panagg history --group panagg --bootstrap broker:9092")
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "history"],
-                         capture_output=True, text=True, timeout=120)
+        "whose ledger is in Kafka: run panagg history --group panagg --bootstrap broker:9092"
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "history"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == (
         "panagg: error: give --state-dir (one process) or --group with --bootstrap (a group "
-        "with scale.store = kafka)")
+        "with scale.store = kafka)"
+    )
 
 
 def test_a_member_between_generations_neither_syncs_nor_commits():
@@ -736,9 +872,9 @@ def test_a_member_between_generations_neither_syncs_nor_commits():
     consumer.meta = fell_out
     assert not membership.holds([0, 1])
     assert "fell out" in membership.why_not([0, 1])
-    assert membership.sync() is None          # the assignment is not taken while out
+    assert membership.sync() is None  # the assignment is not taken while out
     consumer.meta = rejoining
-    assert membership.sync() is None          # nor while the generation is not settled
+    assert membership.sync() is None  # nor while the generation is not settled
     assert fencing(stable) and fencing(rejoining) and not fencing(fell_out)
 
     sent = []
@@ -752,7 +888,7 @@ def test_a_member_between_generations_neither_syncs_nor_commits():
         txn.send_offsets({TopicPartition("src", 0): None}, fell_out)
     assert sent == []
     txn.send_offsets({TopicPartition("src", 0): None}, stable)
-    txn.send_offsets({TopicPartition("src", 0): None}, "a-group-id")   # a seed: no generation
+    txn.send_offsets({TopicPartition("src", 0): None}, "a-group-id")  # a seed: no generation
     assert sent == [stable, "a-group-id"]
 
 
@@ -764,20 +900,35 @@ def test_a_views_group_takes_count_windows_and_refuses_what_it_cannot_do_in_one_
     base = ["scale.partitioned=true", "scale.store=kafka", "window.size=60"]
     cfg = load_config(None, overrides=[*base, "window.kind=count"])
     assert cfg.scale.exchange == "views" and cfg.window.kind == "count"
-    cfg = load_config(None, overrides=[*base, "window.kind=event_time", "source.kind=kafka",
-                                       "source.topic=t", "window.allowed_lateness_s=5"])
+    cfg = load_config(
+        None,
+        overrides=[
+            *base,
+            "window.kind=event_time",
+            "source.kind=kafka",
+            "source.topic=t",
+            "window.allowed_lateness_s=5",
+        ],
+    )
     assert cfg.scale.exchange == "views" and cfg.window.kind == "event_time"
-    cfg = load_config(None, overrides=[*base, "window.kind=time", 'window.rollups=["1h"]',
-                                       "window.rollup_design=sum"])
+    cfg = load_config(
+        None,
+        overrides=[*base, "window.kind=time", 'window.rollups=["1h"]', "window.rollup_design=sum"],
+    )
     assert list(cfg.window.rollups) == ["1h"]
     # in-window snapshots of time windows (views.py, snapshots.py); count and event-time
     # windows refuse them in one line, as the items exchange and one process do
-    cfg = load_config(None, overrides=[*base, "window.kind=time",
-                                       "checkpoint.snapshots_per_window=2"])
+    cfg = load_config(
+        None, overrides=[*base, "window.kind=time", "checkpoint.snapshots_per_window=2"]
+    )
     assert cfg.scale.exchange == "views" and cfg.checkpoint.snapshots_per_window == 2
-    for extra, said in ((["window.kind=count"], "set checkpoint.snapshots_per_window = 0"),
-                        (["window.kind=event_time", "source.kind=kafka", "source.topic=t"],
-                         "does not support checkpoint.snapshots_per_window")):
+    for extra, said in (
+        (["window.kind=count"], "set checkpoint.snapshots_per_window = 0"),
+        (
+            ["window.kind=event_time", "source.kind=kafka", "source.topic=t"],
+            "does not support checkpoint.snapshots_per_window",
+        ),
+    ):
         with pytest.raises(ConfigError) as err:
             load_config(None, overrides=[*base, *extra, "checkpoint.snapshots_per_window=2"])
         assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
@@ -793,6 +944,7 @@ def test_a_slices_source_positions_do_not_depend_on_where_the_items_fell():
     """What a partition's event-time summary names as its source positions (the budget
     registry's charge) is every message of the window it read, empty or not: a slice that got
     none of the items names the same positions as one that got them all."""
+
     def make():
         return PanPrivateHistogram(1.0, size=10)
 
@@ -814,14 +966,16 @@ def test_a_start_another_member_fenced_is_tried_again(tmp_path, monkeypatch, err
     transaction the fencing cut short; it starts again (it once exited, issue 46)."""
     import kafka.errors
 
-    svc = GroupService(_cfg(f"checkpoint.dir={tmp_path / 'scratch'}",
-                            "source.connect_timeout_s=30"), Metrics())
+    svc = GroupService(
+        _cfg(f"checkpoint.dir={tmp_path / 'scratch'}", "source.connect_timeout_s=30"), Metrics()
+    )
     tries = []
 
     def start():
         tries.append(1)
         if len(tries) == 1:
             raise getattr(kafka.errors, error)()
+
     monkeypatch.setattr(svc, "start", start)
     monkeypatch.setattr(svc, "close", lambda: None)
     svc._start_retrying()

@@ -45,7 +45,7 @@ def test_a_small_jump_right_after_a_look_is_looked_at_before_the_close():
     counter._low_checked[1] = time.monotonic()  # looked at a moment ago (a marker's jump)
     counter._check_deleted(task, tp, 7)  # records 104-110 deleted: a jump of 7
     assert counter.consumer.asked == 0 and task.deleted is None  # not looked at now
-    assert task.unchecked_from == 104                           # but remembered
+    assert task.unchecked_from == 104  # but remembered
     # what the close does first (Counter._close): the remembered jump is looked at
     counter._note_deleted(task, tp, task.unchecked_from)
     assert task.deleted == (104, 111)
@@ -53,7 +53,7 @@ def test_a_small_jump_right_after_a_look_is_looked_at_before_the_close():
 
 
 def test_a_jump_over_markers_only_withholds_nothing():
-    counter = _Counter(low=0)   # nothing deleted: the jump was transaction markers
+    counter = _Counter(low=0)  # nothing deleted: the jump was transaction markers
     tp = TopicPartition("g.panagg.repartition", 1)
     task = SliceTask(1, 7, 104, 10, lambda: None)
     counter._check_deleted(task, tp, 3)

@@ -16,9 +16,8 @@ from aggregator.service.ledger import Ledger
 from aggregator.service.rollup import RollupSum
 from aggregator.state import PanPrivateHistogram
 
-D, P, K, IDX = 60, 3, 3, 2          # windows 6, 7, 8 make rollup 3x-2
-IDENT = {"lineage": "L", "model": "joint", "window_size": 2.0, "partitions": P,
-         "first_window": 0}
+D, P, K, IDX = 60, 3, 3, 2  # windows 6, 7, 8 make rollup 3x-2
+IDENT = {"lineage": "L", "model": "joint", "window_size": 2.0, "partitions": P, "first_window": 0}
 TOPICS = GroupTopics("g")
 
 
@@ -39,13 +38,26 @@ def _close_windows(windows, rng, refused=()):
             st = PanPrivateHistogram(1.0, size=slice_size(D, P, p))
             st.add_indices(rng.integers(0, st.size, 100 + 10 * p))
             view = []
-            info = {"kind": "time", "size": 2.0, "events": st.n, "started_unix": 2.0 * w,
-                    "ended_unix": 2.0 * w + 2}
+            info = {
+                "kind": "time",
+                "size": 2.0,
+                "events": st.n,
+                "started_unix": 2.0 * w,
+                "ended_unix": 2.0 * w + 2,
+            }
             if (w, p) not in refused:
-                base[w, p] = partition_summary(st, model="joint", window=w, partition=p,
-                                               partitions=P, window_info=info, view=view)
-            msgs, apply = rolls.fold(p, w, view[0] if view else None, state=st,
-                                     events=st.n, member="m")
+                base[w, p] = partition_summary(
+                    st,
+                    model="joint",
+                    window=w,
+                    partition=p,
+                    partitions=P,
+                    window_info=info,
+                    view=view,
+                )
+            msgs, apply = rolls.fold(
+                p, w, view[0] if view else None, state=st, events=st.n, member="m"
+            )
             apply()
             msgs_of[w, p] = msgs
             for topic, _, key, value in msgs:
@@ -60,9 +72,11 @@ def test_each_partition_sums_exactly_the_views_its_summaries_were_taken_from():
         # the rollup's summary comes with the last window's close; its sum is tombstoned then
         assert [(t, k, v is None) for t, _, k, v in msgs_of[8, p]] == [
             (TOPICS.summaries, f"r/3x/{IDX}/{p}".encode(), False),
-            (TOPICS.rollups, f"3x/{IDX}".encode(), True)]
+            (TOPICS.rollups, f"3x/{IDX}".encode(), True),
+        ]
         assert [(t, part, k) for t, part, k, _ in msgs_of[6, p]] == [
-            (TOPICS.rollups, p, f"3x/{IDX}".encode())]
+            (TOPICS.rollups, p, f"3x/{IDX}".encode())
+        ]
         s = rolled[p]
         assert s["rollup"] == "3x" and s["index"] == IDX and s["layers"] == 2 * K
         assert sorted(v["window"] for v in s["parts"].values()) == [6, 7, 8]
@@ -78,7 +92,7 @@ def test_each_partition_sums_exactly_the_views_its_summaries_were_taken_from():
 def test_a_sum_restored_by_a_new_owner_adds_a_replayed_window_once():
     rng = np.random.default_rng(2)
     _, _, msgs_of, _ = _close_windows([6, 7], rng)
-    kept = msgs_of[7, 0][0][3]                      # what the topic holds after window 7
+    kept = msgs_of[7, 0][0][3]  # what the topic holds after window 7
     owner = SliceRollups({"3x": K}, TOPICS, IDENT)
     owner.sums[0] = {"3x": RollupSum.from_bytes(kept)}
     st = PanPrivateHistogram(1.0, size=slice_size(D, P, 0))
@@ -97,8 +111,14 @@ def _ledger(tmp_path, windows, withheld=()):
     ledger = Ledger(tmp_path / "ledger.jsonl", budget_per_window=1.0)
     for w in windows:
         extra = {"withheld": "positions were released before"} if w in withheld else {}
-        ledger.append(entry_id=f"L/{w}", kind="release", window=w, epsilon_spent=1.0,
-                      window_uid=f"L/{w}", **extra)
+        ledger.append(
+            entry_id=f"L/{w}",
+            kind="release",
+            window=w,
+            epsilon_spent=1.0,
+            window_uid=f"L/{w}",
+            **extra,
+        )
     return ledger
 
 
@@ -129,15 +149,15 @@ def test_a_withheld_base_window_withholds_the_rollup(tmp_path):
 
 
 def test_windows_no_partition_holds_are_named_missing_as_one_process_names_them(tmp_path):
-    refused = {(7, p) for p in range(P)}           # every partition refused window 7
+    refused = {(7, p) for p in range(P)}  # every partition refused window 7
     _, rolled, _, _ = _close_windows([7, 8], np.random.default_rng(5), refused=refused)
-    ident = dict(IDENT, first_window=7)           # window 6: before the group's first
-    reason, entries, missing = judge_rollup(rolled, _ledger(tmp_path, [7, 8], withheld={7}),
-                                            ident)
+    ident = dict(IDENT, first_window=7)  # window 6: before the group's first
+    reason, entries, missing = judge_rollup(rolled, _ledger(tmp_path, [7, 8], withheld={7}), ident)
     assert reason is None and [e["window"] for e in entries] == [8]
     assert missing == [
         {"window": 6, "why": "not counted by this group (before its first window)"},
-        {"window": 7, "why": "withheld by the ledger: it has no release"}]
+        {"window": 7, "why": "withheld by the ledger: it has no release"},
+    ]
 
 
 def test_the_rollups_topic_is_compacted_per_partition_and_takes_large_sums():

@@ -36,14 +36,26 @@ def test_vector_path_matches_scalar_for_all_lengths():
 # Hashes of these items as the rows-times-longest implementation computed them (git c70a57e):
 # the item -> bucket map of existing snapshots must not move.
 PINNED = [
-    ("", 0x726FDB47DD0E0E31), ("a", 0x2BA3E8E9A71148CA), ("user-12345", 0xFE2395F75FDCFE92),
-    ("é", 0x242AA8F118CA4BA5), ("日本語テキスト", 0xEC46111E43EE2178),
+    ("", 0x726FDB47DD0E0E31),
+    ("a", 0x2BA3E8E9A71148CA),
+    ("user-12345", 0xFE2395F75FDCFE92),
+    ("é", 0x242AA8F118CA4BA5),
+    ("日本語テキスト", 0xEC46111E43EE2178),
     ("x" * 7, 0x3428B366FEECE0CD),
-    ("y" * 8, 0x62766FFC90047C4A), ("z" * 9, 0x6A123F8DC8001A11), ("w" * 1024, 0x1E762543933B33D1),
-    ("a\x00b", 0x56D984989527C8D6), (b"", 0x726FDB47DD0E0E31), (b"\x01", 0x6E534DC3C9AB17A2),
-    (b"\xff" * 15, 0xC222E7ECE2309AF1), (b"a\x00", 0x2BA3E8E9A71148CA), (0, 0x4EC57F76EB9F068F),
-    (7, 0x18733D77B7F7E614), (-1, 0xA8AF2AA0D217952E), (2**63 - 1, 0xB7D6F42C6F58A11A),
-    (-(2**63), 0x8D0253062F70D479), ("\U0001F600" * 3, 0x30E6AE00A2AC99B0),
+    ("y" * 8, 0x62766FFC90047C4A),
+    ("z" * 9, 0x6A123F8DC8001A11),
+    ("w" * 1024, 0x1E762543933B33D1),
+    ("a\x00b", 0x56D984989527C8D6),
+    (b"", 0x726FDB47DD0E0E31),
+    (b"\x01", 0x6E534DC3C9AB17A2),
+    (b"\xff" * 15, 0xC222E7ECE2309AF1),
+    (b"a\x00", 0x2BA3E8E9A71148CA),
+    (0, 0x4EC57F76EB9F068F),
+    (7, 0x18733D77B7F7E614),
+    (-1, 0xA8AF2AA0D217952E),
+    (2**63 - 1, 0xB7D6F42C6F58A11A),
+    (-(2**63), 0x8D0253062F70D479),
+    ("\U0001f600" * 3, 0x30E6AE00A2AC99B0),
 ]
 
 
@@ -59,8 +71,11 @@ def test_hashes_identical_to_the_previous_implementation():
 def test_numpy_steps_and_python_tail_agree_with_scalar(monkeypatch, scalar_rows):
     # 0: every word through numpy steps; 10**9: every row word by word in Python
     monkeypatch.setattr(hashing, "_SCALAR_ROWS", scalar_rows)
-    items = ([bytes(j % 255 + 1 for j in range(i)) for i in range(300)]
-             + [b"\xff" * i for i in range(40)] + [x for x, _ in PINNED] * 3)
+    items = (
+        [bytes(j % 255 + 1 for j in range(i)) for i in range(300)]
+        + [b"\xff" * i for i in range(40)]
+        + [x for x, _ in PINNED] * 3
+    )
     want = scalar_hashes(items)
     assert vector_hashes(items) == want
     assert [int(h) for h in siphash24(KEY, *encode_items(items))] == want
@@ -75,8 +90,9 @@ def test_vector_path_matches_scalar_on_text(texts):
     assert vector_hashes(texts) == scalar_hashes(texts)
 
 
-ITEMS = st.one_of(st.text(max_size=300), st.binary(max_size=300), st.integers(),
-                  st.integers(-(2**63), 2**64 - 1))
+ITEMS = st.one_of(
+    st.text(max_size=300), st.binary(max_size=300), st.integers(), st.integers(-(2**63), 2**64 - 1)
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -108,23 +124,29 @@ def test_trailing_nuls_are_not_significant_everywhere():
     assert canonical_bytes(b"\x00\x00") == b"" and canonical_bytes(0) == b"0"
     assert bucket_of([b"\x00" * 20], KEY, 2**30)[0] == bucket_of([b""], KEY, 2**30)[0]
     assert bucket_of([b"a\x00b"], KEY, 2**30)[0] != bucket_of([b"ab"], KEY, 2**30)[0]
-    assert np.array_equal(bucket_of(np.array([b"a\x00", b"\x00b"]), KEY, 97),
-                          bucket_of([b"a", b"\x00b"], KEY, 97))
+    assert np.array_equal(
+        bucket_of(np.array([b"a\x00", b"\x00b"]), KEY, 97), bucket_of([b"a", b"\x00b"], KEY, 97)
+    )
     nul_items = ["a\x00", "\x00", "é\x00", b"\x00a\x00", "x" * 9 + "\x00" * 9]
     assert vector_hashes(nul_items) == scalar_hashes(nul_items)
     assert vector_hashes(nul_items) == [
-        siphash24_scalar(KEY, s.rstrip("\x00").encode() if isinstance(s, str)
-                         else s.rstrip(b"\x00")) for s in nul_items]
+        siphash24_scalar(
+            KEY, s.rstrip("\x00").encode() if isinstance(s, str) else s.rstrip(b"\x00")
+        )
+        for s in nul_items
+    ]
 
 
 def test_int_str_bytes_encode_alike_and_arrays_work():
     b = bucket_of([7, "7", b"7"], KEY, 10**9)
     assert b[0] == b[1] == b[2]
-    assert np.array_equal(bucket_of(np.array([1, 2, 3]), KEY, 97),
-                          bucket_of(["1", "2", "3"], KEY, 97))
+    assert np.array_equal(
+        bucket_of(np.array([1, 2, 3]), KEY, 97), bucket_of(["1", "2", "3"], KEY, 97)
+    )
     assert np.array_equal(bucket_of(np.array(["x", "y"]), KEY, 97), bucket_of(["x", "y"], KEY, 97))
-    assert np.array_equal(bucket_of(np.array([b"x", "é"], dtype=object), KEY, 97),
-                          bucket_of([b"x", "é"], KEY, 97))
+    assert np.array_equal(
+        bucket_of(np.array([b"x", "é"], dtype=object), KEY, 97), bucket_of([b"x", "é"], KEY, 97)
+    )
     assert len(bucket_of([], KEY, 5)) == 0
 
 

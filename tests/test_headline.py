@@ -30,6 +30,7 @@ def _zipf_state(D=2000, n=20000, seed=3):
 
 # -- 1. the release opens with its headline ----------------------------------------------------
 
+
 def test_release_file_opens_with_the_headline(tmp_path):
     rel = make_release(_zipf_state(), window=3, error_bar_reps=6)
     path = write_release(rel, tmp_path, plot=False)
@@ -38,20 +39,34 @@ def test_release_file_opens_with_the_headline(tmp_path):
     head = doc["headline"]
     acc, props = doc["accuracy"], doc["properties"]
     for key in ("distinct_items", "entropy_nats"):
-        assert head[key] == {"value": props[key], "interval": acc["intervals"][key],
-                             "expected_relative_error": acc["expected_relative_error"][key]}
+        assert head[key] == {
+            "value": props[key],
+            "interval": acc["intervals"][key],
+            "expected_relative_error": acc["expected_relative_error"][key],
+        }
         lo, hi = head[key]["interval"]
         assert lo <= hi and head[key]["expected_relative_error"] > 0
     assert head["interval_level"] == 0.9
     assert head["signal_below_noise"] is doc["signal_below_noise"] is False
     assert head["signal_to_noise"] == acc["signal_to_noise"]
     assert head["privacy_unit"] == "event"
-    assert head["privacy_unit_consequence"] == ("a source that contributes g events is "
-                                                "protected at g x eps")
+    assert head["privacy_unit_consequence"] == (
+        "a source that contributes g events is protected at g x eps"
+    )
     assert (head["epsilon"], head["window"], head["n"]) == (1.0, 3, 20000)
     # every field of the detail is still there
-    for key in ("format", "version", "window", "n", "epsilon", "histogram", "properties",
-                "accuracy", "signal_below_noise", "release_seconds"):
+    for key in (
+        "format",
+        "version",
+        "window",
+        "n",
+        "epsilon",
+        "histogram",
+        "properties",
+        "accuracy",
+        "signal_below_noise",
+        "release_seconds",
+    ):
         assert key in doc
 
 
@@ -64,6 +79,7 @@ def test_headline_without_intervals_says_null():
 
 
 # -- 2. one signal-to-noise figure; advice that fits the mode ----------------------------------
+
 
 def _error_lines(caplog, release):
     caplog.clear()
@@ -100,25 +116,46 @@ def test_below_noise_line_in_direct_mode_suggests_hashed_mode(caplog):
 
 # -- 3. `panagg demo` beside the truth ---------------------------------------------------------
 
+
 def test_demo_prints_the_truth_beside_each_release(tmp_path):
     out = tmp_path / "rel"
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "demo", "--events",
-                          "40000", "--accounts", "3000", "--windows", "2", "--seed", "11",
-                          "--output", str(out)], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "demo",
+            "--events",
+            "40000",
+            "--accounts",
+            "3000",
+            "--windows",
+            "2",
+            "--seed",
+            "11",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "data seed 11" in res.stdout
     # the truth, recomputed here from the seed and the generator's batch size
     batch = load_config(None, []).source.max_records
     ids = np.concatenate(list(ZipfLogins(40000, 3000, 1.1, batch=batch, seed=11).iter_batches()))
-    pattern = re.compile(r"window (\d) \(n=20,000, 90% intervals\): distinct items ([\d,]+) "
-                         r"\(([\d,]+)-([\d,]+)\); true ([\d,]+)\. entropy ([\d.]+) nats "
-                         r"\(([\d.]+)-([\d.]+)\); true ([\d.]+)")
+    pattern = re.compile(
+        r"window (\d) \(n=20,000, 90% intervals\): distinct items ([\d,]+) "
+        r"\(([\d,]+)-([\d,]+)\); true ([\d,]+)\. entropy ([\d.]+) nats "
+        r"\(([\d.]+)-([\d.]+)\); true ([\d.]+)"
+    )
     found = [pattern.search(line) for line in res.stdout.splitlines()]
     found = [m for m in found if m]
     assert [m.group(1) for m in found] == ["0", "1"], res.stdout
     for m in found:
         w = int(m.group(1))
-        counts = np.bincount(ids[w * 20000:(w + 1) * 20000])
+        counts = np.bincount(ids[w * 20000 : (w + 1) * 20000])
         counts = np.sort(counts[counts > 0])[::-1]
         assert int(m.group(5).replace(",", "")) == len(counts)
         assert float(m.group(9)) == round(entropy(counts), 3)
@@ -127,6 +164,7 @@ def test_demo_prints_the_truth_beside_each_release(tmp_path):
 
 
 # -- 4. the release PNG: headline, band, legend ------------------------------------------------
+
 
 def test_release_png_shows_headline_band_and_legend(tmp_path):
     from matplotlib.collections import PolyCollection
@@ -156,11 +194,20 @@ def test_release_png_shows_headline_band_and_legend(tmp_path):
 
 # -- 5. the plan and the start line: releases slower than the windows --------------------------
 
+
 def test_plan_warns_when_a_release_outlasts_a_time_window(caplog):
     from aggregator.service.accuracy_plan import expected_release_seconds, release_time_warning
 
-    short = load_config(None, ["window.kind=time", "window.size=2", "state.expected_n=5000",
-                               "state.domain_size=4000000", "release.plan_errors=false"])
+    short = load_config(
+        None,
+        [
+            "window.kind=time",
+            "window.size=2",
+            "state.expected_n=5000",
+            "state.domain_size=4000000",
+            "release.plan_errors=false",
+        ],
+    )
     seconds = expected_release_seconds(short)
     assert 2 < seconds < 10
     line, _ = accuracy_plan(short, simulate=False)
@@ -175,23 +222,42 @@ def test_plan_warns_when_a_release_outlasts_a_time_window(caplog):
     (rec,) = [r for r in caplog.records if "accuracy plan" in r.getMessage()]
     assert rec.levelno == logging.WARNING and "RELEASE SLOWER" in rec.getMessage()
     # a fast release is cheaper; only the setting not already chosen is named
-    fast = load_config(None, ["window.kind=time", "window.size=1", "state.expected_n=5000",
-                              "state.domain_size=10000000", "release.error_bar_reps=0",
-                              "release.estimator=deconvolution"])
+    fast = load_config(
+        None,
+        [
+            "window.kind=time",
+            "window.size=1",
+            "state.expected_n=5000",
+            "state.domain_size=10000000",
+            "release.error_bar_reps=0",
+            "release.estimator=deconvolution",
+        ],
+    )
     assert expected_release_seconds(fast) < seconds
     clause = release_time_warning(fast)
     assert clause and "release.estimator" not in clause and "error_bar_reps" not in clause
     # long enough time windows, and count windows (no length in seconds), say nothing
-    assert release_time_warning(load_config(None, ["window.kind=time", "window.size=60",
-                                                   "state.domain_size=4000000"])) is None
-    assert release_time_warning(load_config(None, ["window.size=10",
-                                                   "state.domain_size=4000000"])) is None
+    assert (
+        release_time_warning(
+            load_config(None, ["window.kind=time", "window.size=60", "state.domain_size=4000000"])
+        )
+        is None
+    )
+    assert (
+        release_time_warning(load_config(None, ["window.size=10", "state.domain_size=4000000"]))
+        is None
+    )
 
 
 def test_panagg_plan_prints_the_release_time_warning(tmp_path):
     conf = tmp_path / "p.toml"
-    conf.write_text('[state]\ndomain_size = 1000\nexpected_n = 5000\n'
-                    '[window]\nkind = "time"\nsize = 2\n')
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "plan", "--config",
-                          str(conf)], capture_output=True, text=True, timeout=300)
+    conf.write_text(
+        '[state]\ndomain_size = 1000\nexpected_n = 5000\n[window]\nkind = "time"\nsize = 2\n'
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "plan", "--config", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "RELEASE SLOWER THAN THE WINDOW" in res.stdout, res.stdout + res.stderr

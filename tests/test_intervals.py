@@ -37,7 +37,8 @@ def test_signal_below_noise_flags_small_n_only():
     assert iv.signal_below_noise(int(n_cut) - 1, C, p, 2)
     assert not iv.signal_below_noise(int(n_cut) + 1, C, p, 2)
     assert iv.signal_to_noise(2 * 10**4, C, p, 2) == pytest.approx(
-        2 * iv.signal_to_noise(10**4, C, p, 2))
+        2 * iv.signal_to_noise(10**4, C, p, 2)
+    )
 
 
 def test_simulate_counts_has_every_counter_and_the_noise_law():
@@ -98,6 +99,7 @@ def test_hashed_error_bars_rerun_the_candidate_auto_chose(monkeypatch):
     # the default (auto) chooses once, on the real counters; each bootstrap draw re-runs the
     # chosen estimator, as in direct mode, instead of choosing again (9 EM runs a draw)
     from aggregator import selection
+
     rng = np.random.default_rng(9)
     h = np.unique(rng.zipf(1.2, 5_000), return_counts=True)[1]
     n, B, p = int(h.sum()), 10_000, p_from_epsilon(1.0)
@@ -110,7 +112,8 @@ def test_hashed_error_bars_rerun_the_candidate_auto_chose(monkeypatch):
     assert len(calls) == 1
     _, (m, _) = selection.select(noisy, p, n=None)
     np.testing.assert_array_equal(  # the chosen candidate is the release
-        eb["histogram"], anonymized_histogram(noisy, p, n=n, buckets=B, method=m))
+        eb["histogram"], anonymized_histogram(noisy, p, n=n, buckets=B, method=m)
+    )
 
 
 @pytest.mark.parametrize("bad", [dict(level=1.0), dict(level=0.0), dict(reps=1)])
@@ -145,8 +148,9 @@ def test_two_stand_ins_give_the_union_of_their_intervals():
 
 
 def test_rank_band_sums():
-    np.testing.assert_array_equal(iv.rank_band_sums([5, 1, 9, 2], bands=(1, 3, 10)),
-                                  [9.0, 7.0, 1.0])
+    np.testing.assert_array_equal(
+        iv.rank_band_sums([5, 1, 9, 2], bands=(1, 3, 10)), [9.0, 7.0, 1.0]
+    )
     assert iv.rank_band_sums([]).sum() == 0
 
 
@@ -154,8 +158,9 @@ def test_error_bars_with_the_chosen_estimator():
     h, p, noisy = _direct_case(8)
     n = int(h.sum())
     eb = iv.error_bars(noisy, p, layers=2, n=n, reps=3, rng=2, method="auto")
-    np.testing.assert_array_equal(eb["histogram"],
-                                  anonymized_histogram(noisy, p, layers=2, n=n, method="auto"))
+    np.testing.assert_array_equal(
+        eb["histogram"], anonymized_histogram(noisy, p, layers=2, n=n, method="auto")
+    )
 
 
 @pytest.mark.parametrize("m", [10, 16, 19, 30])
@@ -200,6 +205,7 @@ def _floor_by_definition(hist_counts, C, p, k, level=0.9, top=8):
     counter's noisy value summed over the counters, each move pair's Fisher information from
     that pmf, the standard error capped by the pair's reach, the largest over the pairs."""
     from scipy.stats import norm
+
     z = norm.ppf(1 - (1 - level) / 2)
     K, q = noise_pmf(p, k)
     pmf = lambda x: q[x + K] if -K <= x <= K else 0.0  # noqa: E731
@@ -212,12 +218,12 @@ def _floor_by_definition(hist_counts, C, p, k, level=0.9, top=8):
     best = {"distinct": 0.0, "phi_2": 0.0}
     for a in range(top + 1):
         for b in range(top + 1):
-            reach = (mult.get(a, 0) // 2 if a == b + 1
-                     else min(mult.get(a, 0), mult.get(b + 1, 0)))
+            reach = mult.get(a, 0) // 2 if a == b + 1 else min(mult.get(a, 0), mult.get(b + 1, 0))
             if a == b or reach < 1:
                 continue
-            info = sum((pmf(x - a - 1) - pmf(x - a) - pmf(x - b - 1) + pmf(x - b)) ** 2 / fC[x]
-                       for x in xs)
+            info = sum(
+                (pmf(x - a - 1) - pmf(x - a) - pmf(x - b - 1) + pmf(x - b)) ** 2 / fC[x] for x in xs
+            )
             se = min(1 / math.sqrt(info), reach / z)
             s1 = (a + 1 == 1) - (b + 1 == 1)
             s2 = (a + 1 == 2) - (a == 2) + (b == 2) - (b + 1 == 2)
@@ -274,6 +280,7 @@ def test_information_floor_is_zero_where_nothing_can_move():
 def test_support_coverage_at_2n_is_twice_the_odd_prevalences():
     # the S_2n weights information_floor uses
     from aggregator.properties import support_coverage
+
     h = np.random.default_rng(0).integers(1, 40, 500)
     odd = np.bincount(h)[1::2].sum()
     assert support_coverage(h, 2 * int(h.sum())) == pytest.approx(2 * odd)
@@ -290,16 +297,32 @@ def test_error_bars_are_never_shorter_than_the_information_floor(monkeypatch):
     eb = iv.error_bars(noisy, p, layers=2, n=n, reps=6, rng=1)
     release = len(eb["histogram"])
     lo, hi = eb["distinct"]
-    floors = [iv.information_floor(
-        np.cumsum(np.bincount(anonymized_histogram(noisy, p, layers=2, n=n, method=m))[::-1])
-        [::-1][1:], len(h), p, 2)["phi_ge"][0] for m in ("deconvolution", "mle")]
+    floors = [
+        iv.information_floor(
+            np.cumsum(np.bincount(anonymized_histogram(noisy, p, layers=2, n=n, method=m))[::-1])[
+                ::-1
+            ][1:],
+            len(h),
+            p,
+            2,
+        )["phi_ge"][0]
+        for m in ("deconvolution", "mle")
+    ]
     assert max(floors) > 0
     assert lo <= max(release - max(floors), 0) + 1e-6
     assert hi >= min(release + max(floors), len(h)) - 1e-6
     # negative control: without the floor the same bootstrap gives a shorter interval
-    monkeypatch.setattr(iv, "information_floor", lambda *a, **kw: {
-        "phi_ge": np.zeros(iv.FLOOR_R), "phi_r": np.zeros(iv.FLOOR_R), "entropy": 0.0,
-        "coverage_2n": 0.0, "l1": 0.0})
+    monkeypatch.setattr(
+        iv,
+        "information_floor",
+        lambda *a, **kw: {
+            "phi_ge": np.zeros(iv.FLOOR_R),
+            "phi_r": np.zeros(iv.FLOOR_R),
+            "entropy": 0.0,
+            "coverage_2n": 0.0,
+            "l1": 0.0,
+        },
+    )
     monkeypatch.setattr(iv, "plausible_extremes", lambda *a, **kw: [])
     bare = iv.error_bars(noisy, p, layers=2, n=n, reps=6, rng=1)["distinct"]
     assert bare[1] - bare[0] < 0.8 * (hi - lo)
@@ -310,12 +333,14 @@ def test_plausible_extremes_stay_within_the_likelihood_region():
 
     from aggregator.estimate import cumulative_from_counts, noisy_value_counts
     from aggregator.counter_model import loglik as _loglik
+
     g = np.random.default_rng(4)
     p = p_from_epsilon(1.0)
     C = 50_000
     h = np.r_[[150, 90], np.ones(300, np.int64)]
-    vc = noisy_value_counts(np.r_[h, np.zeros(C - len(h), np.int64)]
-                            + discrete_laplace(p, C, rng=g))
+    vc = noisy_value_counts(
+        np.r_[h, np.zeros(C - len(h), np.int64)] + discrete_laplace(p, C, rng=g)
+    )
     stand_in = cumulative_from_counts(np.r_[[150, 90], np.full(50, 6)])
     ll0 = _loglik(vc, stand_in, C, p, 1)
     more, fewer = iv.plausible_extremes(vc, stand_in, C, p, 1, level=0.9)
@@ -338,9 +363,12 @@ def test_error_bars_reach_the_plausible_extremes():
     eb = iv.error_bars(noisy, p, n=n, reps=4, rng=0)
     from aggregator.estimate import cumulative_from_counts, noisy_value_counts
     from aggregator.counter_model import loglik as _loglik
+
     vc = noisy_value_counts(noisy)
-    ys = {m: cumulative_from_counts(anonymized_histogram(noisy, p, n=n, method=m))
-          for m in ("deconvolution", "mle")}
+    ys = {
+        m: cumulative_from_counts(anonymized_histogram(noisy, p, n=n, method=m))
+        for m in ("deconvolution", "mle")
+    }
     lls = {m: _loglik(vc, y, len(h), p, 1) for m, y in ys.items()}
     reached = []
     for m, y in ys.items():
@@ -359,6 +387,7 @@ def test_the_region_drop_is_calibrated_to_the_fits_gap_over_a_truth(monkeypatch)
 
     from aggregator.estimate import cumulative_from_counts, noisy_value_counts
     from aggregator.counter_model import loglik as _loglik
+
     g = np.random.default_rng(0)
     p = p_from_epsilon(1.0)
     C = 10**5
@@ -366,15 +395,18 @@ def test_the_region_drop_is_calibrated_to_the_fits_gap_over_a_truth(monkeypatch)
     noisy = np.r_[h, np.zeros(C - len(h), np.int64)] + discrete_laplace(p, C, rng=g)
     n = int(h.sum())
     vc = noisy_value_counts(noisy)
-    best = max(_loglik(vc, cumulative_from_counts(anonymized_histogram(vc, p, n=n, method=m)),
-                       C, p, 1) for m in ("deconvolution", "mle"))
+    best = max(
+        _loglik(vc, cumulative_from_counts(anonymized_histogram(vc, p, n=n, method=m)), C, p, 1)
+        for m in ("deconvolution", "mle")
+    )
     gap = best - _loglik(vc, cumulative_from_counts(h), C, p, 1)
     wilks = chi2.ppf(0.9, 1) / 2
     assert gap > 2 * wilks  # the truth is outside Wilks' region here
     drops = []
     real = iv.likelihood_drop
-    monkeypatch.setattr(iv, "likelihood_drop", lambda *a, **kw: drops.append(real(*a, **kw))
-                        or drops[-1])
+    monkeypatch.setattr(
+        iv, "likelihood_drop", lambda *a, **kw: drops.append(real(*a, **kw)) or drops[-1]
+    )
     lo, hi = iv.error_bars(noisy, p, n=n, reps=6, rng=0)["distinct"]
     assert drops[0] > gap
     assert lo <= len(h) <= hi
@@ -391,10 +423,10 @@ def test_the_region_drop_is_a_quantile_of_the_gaps_and_never_below_wilks():
     p = p_from_epsilon(1.0)
     truth = np.r_[np.full(20, 30), np.full(200, 3)]
     sims = {"mle": [iv.simulate_counts(g, truth, 20_000, p, 1) for _ in range(8)]}
-    refits = {"mle": [[anonymized_histogram(s, p, n=int(truth.sum()), method="mle")]
-                      for s in sims["mle"]]}
-    at = {lv: iv.likelihood_drop(sims, {"mle": truth}, refits, p, 1, lv)
-          for lv in (0.5, 0.9, 0.99)}
+    refits = {
+        "mle": [[anonymized_histogram(s, p, n=int(truth.sum()), method="mle")] for s in sims["mle"]]
+    }
+    at = {lv: iv.likelihood_drop(sims, {"mle": truth}, refits, p, 1, lv) for lv in (0.5, 0.9, 0.99)}
     assert at[0.5] <= at[0.9] <= at[0.99]
     assert min(at.values()) >= chi2.ppf(0.5, 1) / 2
     assert at[0.99] > chi2.ppf(0.99, 1) / 2  # the NPMLE out-likes the truth by more than 1 df
@@ -423,6 +455,7 @@ def test_the_calibrated_drop_only_below_the_noise(monkeypatch):
 def test_histogram_statistics_from_prevalences_equal_the_listed_counts():
     from aggregator.estimate import counts_from_cumulative, cumulative_from_counts
     from aggregator.properties import entropy
+
     g = np.random.default_rng(4)
     for counts in (np.array([5]), g.integers(1, 40, 300), g.zipf(1.3, 20_000), np.zeros(0)):
         counts = counts[counts < 10**6]

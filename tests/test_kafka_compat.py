@@ -12,8 +12,9 @@ from consumers.kafka import compat
 
 def _consumer():
     # api_version given: nothing is asked of a broker (there is none at this address)
-    return KafkaConsumer(bootstrap_servers="127.0.0.1:1", api_version=(2, 8),
-                         enable_auto_commit=False)
+    return KafkaConsumer(
+        bootstrap_servers="127.0.0.1:1", api_version=(2, 8), enable_auto_commit=False
+    )
 
 
 def test_the_installed_kafka_python_has_every_patched_part():
@@ -22,16 +23,21 @@ def test_the_installed_kafka_python_has_every_patched_part():
         compat.check_consumer(c)
     finally:
         c.close()
-    p = KafkaProducer(bootstrap_servers="127.0.0.1:1", api_version=(2, 8),
-                      transactional_id="compat-check", max_block_ms=100)
+    p = KafkaProducer(
+        bootstrap_servers="127.0.0.1:1",
+        api_version=(2, 8),
+        transactional_id="compat-check",
+        max_block_ms=100,
+    )
     try:
         compat.check_producer(p, transactional=True)
     finally:
         compat.force_close(p, 1.0)
 
 
-@pytest.mark.parametrize("chain", [("_fetcher", "_next_partition_records"),
-                                   ("_fetcher", "_paused_partition_records")])
+@pytest.mark.parametrize(
+    "chain", [("_fetcher", "_next_partition_records"), ("_fetcher", "_paused_partition_records")]
+)
 def test_a_renamed_part_stops_with_one_line(chain):
     c = _consumer()
     try:
@@ -51,14 +57,14 @@ def test_unpark_lets_parked_records_back_only_when_the_slot_is_drained():
     try:
         f = c._fetcher
         f._paused_partition_records = {"tp": object()}
-        f._next_partition_records = []          # drained: falsy but not None
+        f._next_partition_records = []  # drained: falsy but not None
         compat.unpark(c)
         assert f._next_partition_records is None
-        f._next_partition_records = [1]         # records still to give: left alone
+        f._next_partition_records = [1]  # records still to give: left alone
         compat.unpark(c)
         assert f._next_partition_records == [1]
         f._paused_partition_records = {}
-        f._next_partition_records = []          # nothing parked: left alone
+        f._next_partition_records = []  # nothing parked: left alone
         compat.unpark(c)
         assert f._next_partition_records == []
     finally:
@@ -80,11 +86,14 @@ class _Coordinator:
         self.needed = True
 
 
-@pytest.mark.parametrize("join_task,needed,asked", [
-    (object(), False, 1),   # a join in flight that no poll would await again: ask once more
-    (object(), True, 0),    # a join the next poll awaits anyway
-    (None, False, 0),       # no join under way
-])
+@pytest.mark.parametrize(
+    "join_task,needed,asked",
+    [
+        (object(), False, 1),  # a join in flight that no poll would await again: ask once more
+        (object(), True, 0),  # a join the next poll awaits anyway
+        (None, False, 0),  # no join under way
+    ],
+)
 def test_finish_join_asks_again_only_for_a_join_no_poll_would_finish(join_task, needed, asked):
     c = _consumer()
     real = c._coordinator

@@ -10,8 +10,10 @@ from consumers.kafka.kafka_python import _HEADERS, _KEY, RecordColumn, _offsets
 def records(offsets, keys=None, headers=None):
     keys = keys or [None] * len(offsets)
     headers = headers or [[] for _ in offsets]
-    return [ConsumerRecord("t", 0, 0, off, 0, 0, k, b"v%d" % off, h, None, -1, 2, -1)
-            for off, k, h in zip(offsets, keys, headers)]
+    return [
+        ConsumerRecord("t", 0, 0, off, 0, 0, k, b"v%d" % off, h, None, -1, 2, -1)
+        for off, k, h in zip(offsets, keys, headers)
+    ]
 
 
 def test_consecutive_offsets_are_a_range_and_gaps_a_list():
@@ -29,8 +31,9 @@ def test_offsets_array_is_the_same_for_a_range_and_a_list():
 
 
 def test_record_column_reads_like_the_list_it_replaces():
-    recs = records([1, 2, 3, 4], keys=[b"a", None, b"c", b"d"],
-                   headers=[[], [("h", b"x")], [], [("h", None)]])
+    recs = records(
+        [1, 2, 3, 4], keys=[b"a", None, b"c", b"d"], headers=[[], [("h", b"x")], [], [("h", None)]]
+    )
     keys, headers = RecordColumn(recs, _KEY), RecordColumn(recs, _HEADERS)
     assert len(keys) == 4 and keys[0] == b"a" and keys[1] is None and keys[-1] == b"d"
     assert list(keys) == [b"a", None, b"c", b"d"] and keys == [b"a", None, b"c", b"d"]
@@ -41,10 +44,16 @@ def test_record_column_reads_like_the_list_it_replaces():
 
 def test_a_segment_cut_like_the_partitioned_service_cuts_it():
     recs = records([10, 11, 12, 13], keys=[b"0", b"1", b"2", b"3"])
-    seg = Segment("t:0", _offsets(recs), [r.value for r in recs], RecordColumn(recs, _KEY),
-                  RecordColumn(recs, _HEADERS))
+    seg = Segment(
+        "t:0",
+        _offsets(recs),
+        [r.value for r in recs],
+        RecordColumn(recs, _KEY),
+        RecordColumn(recs, _HEADERS),
+    )
     cut = int(np.searchsorted(offsets_array(seg.offsets), 12))
-    tail = Segment(seg.partition, seg.offsets[cut:], seg.values[cut:], seg.keys[cut:],
-                   seg.headers[cut:])
+    tail = Segment(
+        seg.partition, seg.offsets[cut:], seg.values[cut:], seg.keys[cut:], seg.headers[cut:]
+    )
     assert list(tail.offsets) == [12, 13] and tail.values == [b"v12", b"v13"]
     assert list(tail.keys) == [b"2", b"3"] and len(tail) == 2

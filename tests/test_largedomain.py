@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 
 from aggregator import largedomain as ld
 from aggregator.estimate import (
-    counts_from_cumulative, cumulative_from_counts, l1_distance, project_l1,
+    counts_from_cumulative,
+    cumulative_from_counts,
+    l1_distance,
+    project_l1,
 )
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
@@ -30,8 +33,10 @@ def _zipf_counts(rng, D, top):
 # --------------------------------------------------------------------------------------------
 # Gamma^B: exactness
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("h,B", [([3, 1, 1, 2, 5], 3), ([1, 1, 1, 1], 2), ([4, 2, 2], 4),
-                                 ([7], 5), ([2, 2, 2, 2, 1, 1], 2)])
+@pytest.mark.parametrize(
+    "h,B",
+    [([3, 1, 1, 2, 5], 3), ([1, 1, 1, 1], 2), ([4, 2, 2], 4), ([7], 5), ([2, 2, 2, 2, 1, 1], 2)],
+)
 def test_gamma_equals_average_over_every_hash_function(h, B):
     """Tiny D, B: enumerate all B^D maps H : [D] -> [B] (the exact definition of Gamma^B)."""
     h = np.array(h)
@@ -44,8 +49,9 @@ def test_gamma_equals_average_over_every_hash_function(h, B):
     phi = cumulative_from_counts(h)
     for method in ("direct", "fft"):
         np.testing.assert_allclose(ld.gamma_b(phi, B, L, method=method), acc, atol=1e-12)
-    np.testing.assert_allclose([ld.gamma_b_alg6(phi, B, ell) for ell in range(1, L + 1)], acc,
-                               atol=1e-12)
+    np.testing.assert_allclose(
+        [ld.gamma_b_alg6(phi, B, ell) for ell in range(1, L + 1)], acc, atol=1e-12
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -139,7 +145,7 @@ def test_invert_gamma_round_trip(seed):
     back = ld.invert_gamma(ld.gamma_b(phi, B, L), B)
     assert len(back) == 2 * L
     np.testing.assert_allclose(back[: len(phi)], phi, atol=1e-6)
-    np.testing.assert_allclose(back[len(phi):], 0, atol=1e-6)
+    np.testing.assert_allclose(back[len(phi) :], 0, atol=1e-6)
 
 
 def test_invert_gamma_keeps_the_counterweight_of_expected_collisions():
@@ -179,8 +185,12 @@ def test_greedy_binary_search_is_closest_integer():
     for r in range(1, 7):
         prev = n if r == 1 else out[r - 2]
         cands = np.arange(0, prev + 1)
-        vals = [abs(ld.gamma_b(np.concatenate([out[: r - 1], [x]]).astype(float), B)[r - 1]
-                    - psi[r - 1]) for x in cands]
+        vals = [
+            abs(
+                ld.gamma_b(np.concatenate([out[: r - 1], [x]]).astype(float), B)[r - 1] - psi[r - 1]
+            )
+            for x in cands
+        ]
         assert abs(vals[out[r - 1]] - min(vals)) < 1e-9
 
 
@@ -214,13 +224,15 @@ def test_hashed_state_end_to_end_beats_the_raw_bucket_histogram():
     B = 30_000
     ratios = []
     for k in range(5):
-        state = PanPrivateHistogram(eps, buckets=B, key=bytes([k + 1]) * 16,
-                                    rng=np.random.default_rng(11 + k))
+        state = PanPrivateHistogram(
+            eps, buckets=B, key=bytes([k + 1]) * 16, rng=np.random.default_rng(11 + k)
+        )
         state.update(items)
         est = anonymized_histogram(state.counts, state.p, n=state.n, buckets=B)
         raw = ld.hashed_histogram(state.counts, state.p, buckets=B, n=state.n, variant="reduced")
-        alg7 = ld.hashed_histogram(state.counts, state.p, buckets=B, n=state.n,
-                                   variant="alg7-single")
+        alg7 = ld.hashed_histogram(
+            state.counts, state.p, buckets=B, n=state.n, variant="alg7-single"
+        )
         e_est, e_raw, e_alg7 = (l1_distance(h, x) for x in (est, raw, alg7))
         assert e_est < e_raw and e_alg7 < e_raw, (k, e_est, e_alg7, e_raw)
         assert np.all(np.diff(est) <= 0) and est.dtype == np.int64 and est.min() > 0
@@ -234,6 +246,7 @@ def test_hashed_one_layer_default_is_the_grid_choice_and_mle_beats_the_threshold
     estimator on the same noisy counters. Seeded hashing and noise, six data sets: valid
     histograms every time, lower total error."""
     from aggregator.estimators import default_method
+
     p = p_from_epsilon(1.0)
     tot = {"mle": 0, "threshold": 0}
     for seed in range(6):
@@ -244,8 +257,7 @@ def test_hashed_one_layer_default_is_the_grid_choice_and_mle_beats_the_threshold
         est = anonymized_histogram(noisy, p, buckets=B)
         assert est.dtype == np.int64 and np.all(np.diff(est) <= 0) and est.min() > 0
         default = default_method("hashed", 1)
-        np.testing.assert_array_equal(est, ld.hashed_histogram(noisy, p, buckets=B,
-                                                               method=default))
+        np.testing.assert_array_equal(est, ld.hashed_histogram(noisy, p, buckets=B, method=default))
         for m in tot:
             tot[m] += l1_distance(h, ld.hashed_histogram(noisy, p, buckets=B, method=m))
     assert tot["mle"] < 0.85 * tot["threshold"], tot
@@ -265,15 +277,25 @@ def test_hashed_two_layer_default_is_the_grid_choice_and_mle_beats_early_stoppin
         n = 100_000
         h = np.unique(np.minimum(rng.zipf(1.1, n), 10_000), return_counts=True)[1]
         B = 2 * n
-        noisy = (_reduced(h, B, rng) + discrete_laplace(p, B, rng=rng)
-                 + discrete_laplace(p, B, rng=rng))
+        noisy = (
+            _reduced(h, B, rng) + discrete_laplace(p, B, rng=rng) + discrete_laplace(p, B, rng=rng)
+        )
         from aggregator.estimators import default_cap, default_method
+
         est = anonymized_histogram(noisy, p, n=n, layers=2, buckets=B)
         assert est.dtype == np.int64 and np.all(np.diff(est) <= 0) and est.min() > 0
         np.testing.assert_array_equal(
-            est, ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2,
-                                     method=default_method("hashed", 2),
-                                     cap=default_cap("hashed", 2)))
+            est,
+            ld.hashed_histogram(
+                noisy,
+                p,
+                buckets=B,
+                n=n,
+                layers=2,
+                method=default_method("hashed", 2),
+                cap=default_cap("hashed", 2),
+            ),
+        )
         est = ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="mle")
         early = ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="deconvolution")
         errs.append((l1_distance(h, est), l1_distance(h, early)))
@@ -287,18 +309,25 @@ def test_hashed_phi_estimate_defaults_and_errors():
     p = 0.5
     noisy = noisy + discrete_laplace(p, len(noisy), rng=rng)
     from aggregator.estimators import default_method as dm
-    np.testing.assert_allclose(ld.hashed_phi_estimate(noisy, p),
-                               ld.hashed_phi_estimate(noisy, p, method=dm("hashed", 1)))
-    np.testing.assert_allclose(ld.hashed_phi_estimate(noisy, p, layers=2),
-                               ld.hashed_phi_estimate(noisy, p, layers=2, method=dm("hashed", 2)))
+
+    np.testing.assert_allclose(
+        ld.hashed_phi_estimate(noisy, p), ld.hashed_phi_estimate(noisy, p, method=dm("hashed", 1))
+    )
+    np.testing.assert_allclose(
+        ld.hashed_phi_estimate(noisy, p, layers=2),
+        ld.hashed_phi_estimate(noisy, p, layers=2, method=dm("hashed", 2)),
+    )
     with pytest.raises(ValueError):
         ld.hashed_phi_estimate(noisy, p, method="magic")
     # direct mode has its own default (without n, no cap)
     from aggregator.estimators import default_method, phi_estimate
+
     np.testing.assert_array_equal(
         anonymized_histogram(noisy, p),
-        counts_from_cumulative(project_l1(phi_estimate(noisy, p,
-                                                       method=default_method("direct", 1)))))
+        counts_from_cumulative(
+            project_l1(phi_estimate(noisy, p, method=default_method("direct", 1)))
+        ),
+    )
 
 
 def test_two_histogram_algorithm7():
@@ -356,23 +385,27 @@ def test_l2_two_hash_box():
 # --------------------------------------------------------------------------------------------
 def test_choose_buckets_values():
     n = 10**6
-    assert ld.choose_buckets(n, 1.0, rule="corollary13", min_ratio=1) == \
-        math.ceil(n * math.sqrt(math.log(n)))
-    assert ld.choose_buckets(n, 2.0, rule="footnote7", min_ratio=1) == \
-        math.ceil(n * math.sqrt(2.0 ** 2.5 * math.log(n)))
+    assert ld.choose_buckets(n, 1.0, rule="corollary13", min_ratio=1) == math.ceil(
+        n * math.sqrt(math.log(n))
+    )
+    assert ld.choose_buckets(n, 2.0, rule="footnote7", min_ratio=1) == math.ceil(
+        n * math.sqrt(2.0**2.5 * math.log(n))
+    )
     # footnote 7 uses fewer buckets than Corollary 13 below eps = 1 and more above
-    assert ld.choose_buckets(n, 0.5, rule="footnote7", min_ratio=1) < \
-        ld.choose_buckets(n, 0.5, rule="corollary13", min_ratio=1)
-    assert ld.choose_buckets(n, 2.0, rule="footnote7", min_ratio=1) > \
-        ld.choose_buckets(n, 2.0, rule="corollary13", min_ratio=1)
+    assert ld.choose_buckets(n, 0.5, rule="footnote7", min_ratio=1) < ld.choose_buckets(
+        n, 0.5, rule="corollary13", min_ratio=1
+    )
+    assert ld.choose_buckets(n, 2.0, rule="footnote7", min_ratio=1) > ld.choose_buckets(
+        n, 2.0, rule="corollary13", min_ratio=1
+    )
     # "capped" (the previous default): footnote 7 between 1.5 n and Corollary 13
     for eps in (0.1, 0.5, 1.0, 2.0, 8.0):
         B = ld.choose_buckets(n, eps, rule="capped")
         assert 1.5 * n <= B <= ld.choose_buckets(n, eps, rule="corollary13")
-        assert B == max(ld.choose_buckets(n, eps, rule="footnote7"), 1.5 * n) or \
-            B == ld.choose_buckets(n, eps, rule="corollary13")
-    assert ld.choose_buckets(n, 0.5, rule="capped") == \
-        ld.choose_buckets(n, 0.5, rule="footnote7")
+        assert B == max(
+            ld.choose_buckets(n, eps, rule="footnote7"), 1.5 * n
+        ) or B == ld.choose_buckets(n, eps, rule="corollary13")
+    assert ld.choose_buckets(n, 0.5, rule="capped") == ld.choose_buckets(n, 0.5, rule="footnote7")
     # the clamp to B >= min_ratio * n
     assert ld.choose_buckets(1000, 0.1, rule="footnote7", min_ratio=2) == 2000
     assert ld.choose_buckets(1, 1.0) >= 16
@@ -399,12 +432,17 @@ def test_choose_buckets_default_flat():
     assert ld.choose_buckets(1, 1.0) == 16
 
 
-@pytest.mark.parametrize("kwargs", [dict(n_expected=0, epsilon=1.0),
-                                    dict(n_expected=-5, epsilon=1.0),
-                                    dict(n_expected=float("nan"), epsilon=1.0),
-                                    dict(n_expected=100, epsilon=0.0),
-                                    dict(n_expected=100, epsilon=1.0, rule="magic"),
-                                    dict(n_expected=100, epsilon=1.0, min_ratio=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(n_expected=0, epsilon=1.0),
+        dict(n_expected=-5, epsilon=1.0),
+        dict(n_expected=float("nan"), epsilon=1.0),
+        dict(n_expected=100, epsilon=0.0),
+        dict(n_expected=100, epsilon=1.0, rule="magic"),
+        dict(n_expected=100, epsilon=1.0, min_ratio=0),
+    ],
+)
 def test_choose_buckets_rejects(kwargs):
     with pytest.raises(ValueError):
         ld.choose_buckets(**kwargs)
@@ -476,8 +514,9 @@ def test_snapping_before_the_projection_keeps_its_result():
     full = project_l1(inv)
     snapped = project_l1(ld._snap(inv, len(psi)))
     m = max(len(full), len(snapped))
-    np.testing.assert_array_equal(np.pad(full, (0, m - len(full))),
-                                  np.pad(snapped, (0, m - len(snapped))))
+    np.testing.assert_array_equal(
+        np.pad(full, (0, m - len(full))), np.pad(snapped, (0, m - len(snapped)))
+    )
 
 
 def test_hashed_release_never_holds_more_events_than_n():
@@ -491,9 +530,11 @@ def test_hashed_release_never_holds_more_events_than_n():
     free = ld.hashed_histogram(noisy, p, buckets=B, layers=2, method="deconvolution")
     assert free.sum() > n
     for cap in (None, "items", "scale"):
-        est = anonymized_histogram(noisy, p, layers=2, n=n, buckets=B, method="deconvolution",
-                                   cap=cap)
+        est = anonymized_histogram(
+            noisy, p, layers=2, n=n, buckets=B, method="deconvolution", cap=cap
+        )
         assert est.sum() <= n and np.all(np.diff(est) <= 0)
     np.testing.assert_array_equal(
-        ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="deconvolution",
-                            cap="none"), free)
+        ld.hashed_histogram(noisy, p, buckets=B, n=n, layers=2, method="deconvolution", cap="none"),
+        free,
+    )

@@ -27,7 +27,6 @@ layers now (each imports only those above it in this list):
 of the package imports it.
 """
 
-
 from __future__ import annotations
 
 import ast
@@ -38,8 +37,19 @@ import aggregator
 PKG = Path(aggregator.__file__).parent
 
 #: the estimator core (what estimate.py was): it imports nothing else of the package
-CORE = {"counters", "histograms", "convolution", "threshold", "em", "projection", "cap", "memo",
-        "deconvolution", "crossfit", "estimator"}
+CORE = {
+    "counters",
+    "histograms",
+    "convolution",
+    "threshold",
+    "em",
+    "projection",
+    "cap",
+    "memo",
+    "deconvolution",
+    "crossfit",
+    "estimator",
+}
 
 
 def _imports(path: Path) -> set[str]:
@@ -75,7 +85,7 @@ def cycle(g: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(g[m]):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state and (found := visit(n)):
                 return found
         path.pop()
@@ -118,19 +128,29 @@ def test_the_cycle_finder_sees_a_lazy_import_cycle():
 def test_the_public_api_is_the_top_layer():
     """aggregator/api.py sits on the service (aggregator.service imports the core): no module
     of the package or of the service imports it back, at any depth."""
-    users = [str(p.relative_to(PKG)) for p in sorted(PKG.rglob("*.py"))
-             if p.stem != "api" and "api" in _imports(p) | _service_imports(p)]
+    users = [
+        str(p.relative_to(PKG))
+        for p in sorted(PKG.rglob("*.py"))
+        if p.stem != "api" and "api" in _imports(p) | _service_imports(p)
+    ]
     assert not users, f"modules importing aggregator.api: {users}"
 
 
 def _service_imports(path: Path) -> set[str]:
     """``api`` if a module of aggregator.service imports it (``from ..api import``)."""
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level >= 2 and \
-                (node.module or "").split(".")[0] == "api":
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level >= 2
+            and (node.module or "").split(".")[0] == "api"
+        ):
             return {"api"}
-        if isinstance(node, ast.ImportFrom) and node.level >= 2 and not node.module and \
-                any(a.name == "api" for a in node.names):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level >= 2
+            and not node.module
+            and any(a.name == "api" for a in node.names)
+        ):
             return {"api"}
     return set()
 
@@ -138,16 +158,26 @@ def _service_imports(path: Path) -> set[str]:
 #: (importing test module, imported test module) pairs kept, each for its reason; every other
 #: shared helper lives in tests/helpers/ (issue 52)
 TEST_IMPORTS_KEPT = {
-    ("tests/test_doc_shell.py", "tests.test_doc_commands"):
-        "the shell-block test runs the blocks the doc-command test's page list finds",
-    ("tests/test_doc_shell.py", "tests.test_bench_smoke"):
-        "a bench block is listed by the smoke lane that runs it (one table)",
-    ("tests/integration/test_doc_shell.py", "tests.test_doc_shell"):
-        "the broker lane of the same table of blocks",
-    ("tests/test_prometheus_alerts.py", "tests.test_deploy"):
-        "the alert rules are checked against the deploy test's real exposition fixture",
-    ("tests/integration/test_group_kafka.py", "tests.test_group_rollups"):
-        "the broker test replays the unit test's closed rollup windows",
+    (
+        "tests/test_doc_shell.py",
+        "tests.test_doc_commands",
+    ): "the shell-block test runs the blocks the doc-command test's page list finds",
+    (
+        "tests/test_doc_shell.py",
+        "tests.test_bench_smoke",
+    ): "a bench block is listed by the smoke lane that runs it (one table)",
+    (
+        "tests/integration/test_doc_shell.py",
+        "tests.test_doc_shell",
+    ): "the broker lane of the same table of blocks",
+    (
+        "tests/test_prometheus_alerts.py",
+        "tests.test_deploy",
+    ): "the alert rules are checked against the deploy test's real exposition fixture",
+    (
+        "tests/integration/test_group_kafka.py",
+        "tests.test_group_rollups",
+    ): "the broker test replays the unit test's closed rollup windows",
 }
 
 
@@ -158,9 +188,12 @@ def test_tests_share_helpers_through_tests_helpers_not_each_other():
     found = set()
     for path in sorted((root / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module \
-                    and node.module.startswith("tests.") \
-                    and node.module.rsplit(".", 1)[-1].startswith("test_"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("tests.")
+                and node.module.rsplit(".", 1)[-1].startswith("test_")
+            ):
                 found.add((path.relative_to(root).as_posix(), node.module))
     assert found - set(TEST_IMPORTS_KEPT) == set(), "import these from tests/helpers/ instead"
     assert set(TEST_IMPORTS_KEPT) <= found, "a kept pair is gone: drop it from the list"

@@ -23,9 +23,19 @@ from aggregator.service.ledger import Ledger, LedgerError
 from consumers.base import Source
 from state_store.local import LocalStore
 
-from tests.helpers.service import (D, SEED, charge_by_position, cli_sets, durable,
-                                   expected_release, expected_state, ledger_entries,
-                                   live_counts_via_export, run_cli, write_events)
+from tests.helpers.service import (
+    D,
+    SEED,
+    charge_by_position,
+    cli_sets,
+    durable,
+    expected_release,
+    expected_state,
+    ledger_entries,
+    live_counts_via_export,
+    run_cli,
+    write_events,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,8 +47,9 @@ def _run(tmp_path, n=3500, size=1000, **sets):
     items = np.random.default_rng(25).integers(0, D, n)
     path = tmp_path / "events.jsonl"
     write_events(path, items)
-    args = cli_sets(tmp_path, path, **{"window.size": size, "release.on_exhausted": "false",
-                                       **sets})
+    args = cli_sets(
+        tmp_path, path, **{"window.size": size, "release.on_exhausted": "false", **sets}
+    )
     return items, path, args
 
 
@@ -48,11 +59,15 @@ def _releases_of(tmp_path):
 
 def _snapshot(root: Path) -> dict:
     """Every file under ``root`` with its bytes (what a refused start must leave as it was)."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "service.lock"}  # the lock holds the pid of the try
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "service.lock"
+    }  # the lock holds the pid of the try
 
 
 # -- the chain -------------------------------------------------------------------------------
+
 
 def test_entries_are_chained_and_an_edit_anywhere_is_found(tmp_path):
     path = tmp_path / "ledger.jsonl"
@@ -78,12 +93,32 @@ def test_entries_are_chained_and_an_edit_anywhere_is_found(tmp_path):
 
 def test_format_1_ledgers_are_refused_with_the_migration_and_migrate_keeps_the_charges(tmp_path):
     path = tmp_path / "ledger.jsonl"
-    old = [{"id": "identity-1", "kind": "identity", "window": None, "epsilon_spent": 0.0,
-            "time_unix": 1.0, "identity": {"stream": "file:e"}},
-           {"id": "release-a", "kind": "release", "window": 0, "epsilon_spent": 1.0,
-            "time_unix": 2.0, "end_offsets": {"file:e": 100}},
-           {"id": "release-b", "kind": "release", "window": 1, "epsilon_spent": 1.0,
-            "time_unix": 3.0, "end_offsets": {"file:e": 250}}]
+    old = [
+        {
+            "id": "identity-1",
+            "kind": "identity",
+            "window": None,
+            "epsilon_spent": 0.0,
+            "time_unix": 1.0,
+            "identity": {"stream": "file:e"},
+        },
+        {
+            "id": "release-a",
+            "kind": "release",
+            "window": 0,
+            "epsilon_spent": 1.0,
+            "time_unix": 2.0,
+            "end_offsets": {"file:e": 100},
+        },
+        {
+            "id": "release-b",
+            "kind": "release",
+            "window": 1,
+            "epsilon_spent": 1.0,
+            "time_unix": 3.0,
+            "end_offsets": {"file:e": 250},
+        },
+    ]
     path.write_text("".join(json.dumps(e) + "\n" for e in old))
     with pytest.raises(LedgerError, match=r"format 1 .*panagg ledger migrate --state-dir"):
         Ledger(path, budget_per_window=1.0)
@@ -99,8 +134,14 @@ def test_format_1_ledgers_are_refused_with_the_migration_and_migrate_keeps_the_c
 
 def test_charge_book_sums_across_lineages_and_takes_the_max_within_event_time_windows():
     def rel(lineage, kind, lo, hi, eps=1.0):
-        return {"kind": "release", "epsilon_spent": eps, "lineage": lineage,
-                "window_kind": kind, "ranges": {"p": [lo, hi]}}
+        return {
+            "kind": "release",
+            "epsilon_spent": eps,
+            "lineage": lineage,
+            "window_kind": kind,
+            "ranges": {"p": [lo, hi]},
+        }
+
     # two event-time windows of one lineage overlap in positions but split the records
     book = ChargeBook([rel("a", "event_time", 0, 120), rel("a", "event_time", 100, 200)])
     assert book.peak({"p": [150, 250]}, 1.0, lineage="a", window_kind="event_time") == 1.0
@@ -110,21 +151,27 @@ def test_charge_book_sums_across_lineages_and_takes_the_max_within_event_time_wi
     assert book.peak({"p": [50, 150]}, 1.0, lineage="a", window_kind="count") == 2.0
     assert book.peak({"p": [100, 150]}, 1.0, lineage="a", window_kind="count") == 1.0
     # an empty window charges nothing, a refusal neither
-    book = ChargeBook([rel("a", "count", 0, 100, eps=0.0),
-                       dict(rel("a", "count", 0, 100), kind="refused")])
+    book = ChargeBook(
+        [rel("a", "count", 0, 100, eps=0.0), dict(rel("a", "count", 0, 100), kind="refused")]
+    )
     assert book.peak({"p": [0, 100]}, 1.0) == 1.0 and book.resume_offsets(1.0, budget=1.0) == {}
 
 
 # -- a crash at every step of a window's close -----------------------------------------------
 
-@pytest.mark.parametrize("fault", [
-    "ledger-after-release:1",     # the release is ledgered, the next window's checkpoint is not
-    "checkpoint-mid-write:2",     # inside that checkpoint
-    "checkpoint-after-rename:2",  # the checkpoint is durable, nothing published
-    "published:1",                # published, the shorter pending list not yet durable
-])
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "ledger-after-release:1",  # the release is ledgered, the next window's checkpoint is not
+        "checkpoint-mid-write:2",  # inside that checkpoint
+        "checkpoint-after-rename:2",  # the checkpoint is durable, nothing published
+        "published:1",  # published, the shorter pending list not yet durable
+    ],
+)
 def test_a_crash_anywhere_in_the_close_publishes_once_and_never_replays_a_ledgered_window(
-        tmp_path, fault):
+    tmp_path, fault
+):
     items, path, args = _run(tmp_path, n=2500, size=2000)
     first = run_cli(args, {"PANAGG_TEST_FAULT": fault})
     assert first.returncode == -9, first.stderr
@@ -147,6 +194,7 @@ def test_a_crash_anywhere_in_the_close_publishes_once_and_never_replays_a_ledger
 
 # -- fresh starts and changed aggregation sets -----------------------------------------------
 
+
 def test_fresh_start_never_releases_an_event_twice(tmp_path):
     items, path, args = _run(tmp_path, n=3500)
     assert run_cli(args).returncode == 0  # windows 0-2 released, 500 events open
@@ -158,8 +206,13 @@ def test_fresh_start_never_releases_an_event_twice(tmp_path):
     assert res.returncode == 0, res.stderr
     releases = _releases_of(tmp_path)
     part = f"file:{path.name}"
-    assert [e["ranges"][part] for e in releases] == [[0, 1000], [1000, 2000], [2000, 3000],
-                                                     [3000, 4000], [4000, 5000]]
+    assert [e["ranges"][part] for e in releases] == [
+        [0, 1000],
+        [1000, 2000],
+        [2000, 3000],
+        [3000, 4000],
+        [4000, 5000],
+    ]
     assert [e["window"] for e in releases] == [0, 1, 2, 3, 4]
     covered = np.zeros(5000, dtype=int)
     for e in releases:
@@ -169,16 +222,27 @@ def test_fresh_start_never_releases_an_event_twice(tmp_path):
 
 
 def _multi_sets(tmp_path, path, names):
-    sets = ["source.kind=file", f"source.path={path}", "source.format=json",
-            "source.max_records=500", "window.kind=count", "window.size=1000",
-            f"checkpoint.dir={tmp_path / 'state'}", f"release.dir={tmp_path / 'releases'}",
-            "metrics.port=-1", f"testing.noise_seed={SEED}", "release.on_exhausted=false",
-            "ledger.budget_per_event=1.5"]
+    sets = [
+        "source.kind=file",
+        f"source.path={path}",
+        "source.format=json",
+        "source.max_records=500",
+        "window.kind=count",
+        "window.size=1000",
+        f"checkpoint.dir={tmp_path / 'state'}",
+        f"release.dir={tmp_path / 'releases'}",
+        "metrics.port=-1",
+        f"testing.noise_seed={SEED}",
+        "release.on_exhausted=false",
+        "ledger.budget_per_event=1.5",
+    ]
     eps = {"a": 1.0, "b": 0.5, "c": 1.0}
     for name in names:
-        sets += [f"aggregations.{name}.item.field=item",
-                 f"aggregations.{name}.state.domain_size={D}",
-                 f"aggregations.{name}.state.epsilon={eps[name]}"]
+        sets += [
+            f"aggregations.{name}.item.field=item",
+            f"aggregations.{name}.state.domain_size={D}",
+            f"aggregations.{name}.state.epsilon={eps[name]}",
+        ]
     out = ["run"]
     for s in sets:
         out += ["--set", s]
@@ -193,8 +257,9 @@ def test_renaming_an_aggregation_never_puts_an_event_over_budget_per_event(tmp_p
     assert res.returncode == 0, res.stderr
     charge = charge_by_position(tmp_path / "state", f"file:{path.name}", 2500)
     assert charge.max() <= 1.5
-    fresh = [json.loads(x) for x in (tmp_path / "state" / "c" / "ledger.jsonl").read_text()
-             .splitlines()]
+    fresh = [
+        json.loads(x) for x in (tmp_path / "state" / "c" / "ledger.jsonl").read_text().splitlines()
+    ]
     ckpt = LocalStore(tmp_path / "state" / "c" / "checkpoints").load_latest()
     # c starts after a's last release, at 2000 (its open window holds the 500 events after it)
     assert ckpt.offsets == ckpt.window["start_offsets"] == {f"file:{path.name}": 2000}
@@ -202,6 +267,7 @@ def test_renaming_an_aggregation_never_puts_an_event_over_budget_per_event(tmp_p
 
 
 # -- empty windows ---------------------------------------------------------------------------
+
 
 class _IdleStream(Source):
     """An endless source on which nothing arrives (a quiet topic)."""
@@ -212,12 +278,22 @@ class _IdleStream(Source):
 
 
 def test_an_idle_time_window_run_keeps_its_budget(tmp_path, caplog):
-    cfg = load_config(None, ["source.kind=kafka", "source.topic=quiet", "window.kind=time",
-                             "window.clock=process",
-                             "window.size=1", f"state.domain_size={D}",
-                             f"checkpoint.dir={tmp_path / 'state'}",
-                             f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
-                             "ledger.budget_total=2", "release.error_bar_reps=0"])
+    cfg = load_config(
+        None,
+        [
+            "source.kind=kafka",
+            "source.topic=quiet",
+            "window.kind=time",
+            "window.clock=process",
+            "window.size=1",
+            f"state.domain_size={D}",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "metrics.port=-1",
+            "ledger.budget_total=2",
+            "release.error_bar_reps=0",
+        ],
+    )
     agg = Aggregator(cfg, _IdleStream())
     published = tmp_path / "releases"
 
@@ -246,6 +322,7 @@ def test_an_idle_time_window_run_keeps_its_budget(tmp_path, caplog):
 
 # -- a ledger older than its anchors ---------------------------------------------------------
 
+
 def _ledger_path(tmp_path):
     return tmp_path / "state" / "ledger.jsonl"
 
@@ -255,8 +332,9 @@ def _drop_last_line(p):
     p.write_bytes(b"".join(lines[:-1]))
 
 
-@pytest.mark.parametrize("case", ["deleted", "older copy", "last line dropped", "last bytes cut",
-                                  "line edited"])
+@pytest.mark.parametrize(
+    "case", ["deleted", "older copy", "last line dropped", "last bytes cut", "line edited"]
+)
 def test_a_lost_rolled_back_or_edited_ledger_is_refused_and_nothing_is_written(tmp_path, case):
     items, path, args = _run(tmp_path, n=2500)
     assert run_cli(args).returncode == 0  # windows 0-1 released, window 2 open
@@ -286,10 +364,13 @@ def test_a_lost_rolled_back_or_edited_ledger_is_refused_and_nothing_is_written(t
     line = res.stderr.strip().splitlines()[-1]
     assert line.startswith("panagg: error: ")
     assert [x for x in res.stderr.splitlines() if " ERROR " in x or "error:" in x] == [line]
-    want = {"deleted": "is missing, but it had", "older copy": "truncated or rolled back",
-            "last line dropped": "truncated or rolled back",
-            "last bytes cut": "(its torn last line was complete)",
-            "line edited": "does not match its hash"}[case]
+    want = {
+        "deleted": "is missing, but it had",
+        "older copy": "truncated or rolled back",
+        "last line dropped": "truncated or rolled back",
+        "last bytes cut": "(its torn last line was complete)",
+        "line edited": "does not match its hash",
+    }[case]
     assert want in line, line
     assert _snapshot(tmp_path) == before  # a refused start writes nothing
 
@@ -310,5 +391,6 @@ def test_a_state_directory_restored_from_an_older_backup_is_refused(tmp_path):
     line = res.stderr.strip().splitlines()[-1]
     assert "truncated or rolled back" in line and ".panagg-ledger-head-" in line, line
     assert _snapshot(tmp_path) == before
-    assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == \
-        [f"release-{w}.json" for w in range(4)]
+    assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == [
+        f"release-{w}.json" for w in range(4)
+    ]

@@ -1,5 +1,6 @@
 """A release's memo (aggregator.memo.ReleaseMemo): passed explicitly, the same numbers without it,
 nothing shared between two memos, nothing global left by a release."""
+
 import sys
 import threading
 
@@ -41,8 +42,9 @@ def _same(a: dict, b: dict) -> None:
         if isinstance(a[k], dict):
             _same(a[k], b[k])
         else:
-            np.testing.assert_array_equal(np.asarray(a[k], dtype=object),
-                                          np.asarray(b[k], dtype=object))
+            np.testing.assert_array_equal(
+                np.asarray(a[k], dtype=object), np.asarray(b[k], dtype=object)
+            )
 
 
 @pytest.mark.parametrize("case", ["direct", "hashed"])

@@ -32,13 +32,15 @@ def test_config_states_the_composition_or_refuses(tmp_path):
     assert one.item.field == "ip" and one.state.epsilon == 0.5
     assert one.window.size == 900 and one.checkpoint.dir.endswith("state/ip")
     assert one["aggregation"]["epsilon_per_event"] == 2.0
-    bad = {("ledger.budget_per_event=1.5",): "over ledger.budget_per_event = 1.5",
-           ("ledger.budget_per_event=0",): "set ledger.budget_per_event",
-           ("aggregations.ip.source.topic=x",): "an aggregation sets only",
-           ("aggregations.Bad.item.field=x",): "aggregation name 'Bad'",
-           ("aggregations.ip.state.nope=1",): "unknown key aggregations.ip.state.nope",
-           ("aggregations.ip.state.model=shuffle",): "state.model = shuffle is not built",
-           ("aggregations.ip.state.epsilon=0",): "aggregations.ip: state.epsilon"}
+    bad = {
+        ("ledger.budget_per_event=1.5",): "over ledger.budget_per_event = 1.5",
+        ("ledger.budget_per_event=0",): "set ledger.budget_per_event",
+        ("aggregations.ip.source.topic=x",): "an aggregation sets only",
+        ("aggregations.Bad.item.field=x",): "aggregation name 'Bad'",
+        ("aggregations.ip.state.nope=1",): "unknown key aggregations.ip.state.nope",
+        ("aggregations.ip.state.model=shuffle",): "state.model = shuffle is not built",
+        ("aggregations.ip.state.epsilon=0",): "aggregations.ip: state.epsilon",
+    }
     for sets, words in bad.items():
         with pytest.raises(ConfigError) as exc:
             config(tmp_path, *sets)
@@ -50,8 +52,18 @@ def test_config_states_the_composition_or_refuses(tmp_path):
 
 def test_plan_gives_each_aggregation_its_plan_and_the_sum(tmp_path):
     config(tmp_path)  # writes multi.toml
-    out = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "plan", "--config",
-                          str(tmp_path / "multi.toml")], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "plan",
+            "--config",
+            str(tmp_path / "multi.toml"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     lines = out.stdout.splitlines()
     assert [line.split("]")[0] for line in lines[:3]] == ["[account", "[device", "[ip"]
     assert "200 counters (D), eps 1" in lines[0] and "eps 0.5" in lines[2]
@@ -82,21 +94,31 @@ def test_one_pass_counts_each_aggregation_as_its_own_run_would(tmp_path, monkeyp
         assert "aggregation" not in theirs[0]
     assert sum(d["n"] for d in releases(tmp_path / "releases" / "account")) == 4000
     assert sum(d["n"] for d in releases(tmp_path / "releases" / "ip")) == 4000 - 40  # i % 101
-    ledger = [json.loads(line) for line in
-              (tmp_path / "state" / "ip" / "ledger.jsonl").read_text().splitlines()]
+    ledger = [
+        json.loads(line)
+        for line in (tmp_path / "state" / "ip" / "ledger.jsonl").read_text().splitlines()
+    ]
     comp = [e for e in ledger if e["kind"] == "composition"]
-    assert comp[0]["composition"] == {"of": ["account", "device", "ip"], "budget_per_event": 2.0,
-                                      "epsilon_per_event": 2.0}
+    assert comp[0]["composition"] == {
+        "of": ["account", "device", "ip"],
+        "budget_per_event": 2.0,
+        "epsilon_per_event": 2.0,
+    }
     assert {e["epsilon_spent"] for e in ledger if e["kind"] == "release"} == {0.5}
 
     # a restart over a longer file counts only the new records, in every aggregation
     before = {n: sum(d["n"] for d in releases(tmp_path / "releases" / n)) for n in ("account",)}
     write_events(tmp_path / "events.jsonl", 2000, seed=2, start=4000)
     MultiAggregator(cfg, FileSource(cfg.source.path, fmt="json", batch=500)).run()
-    assert sum(d["n"] for d in releases(tmp_path / "releases" / "account")) == \
-        before["account"] + 2000 == 6000
-    ledger = [json.loads(line) for line in
-              (tmp_path / "state" / "ip" / "ledger.jsonl").read_text().splitlines()]
+    assert (
+        sum(d["n"] for d in releases(tmp_path / "releases" / "account"))
+        == before["account"] + 2000
+        == 6000
+    )
+    ledger = [
+        json.loads(line)
+        for line in (tmp_path / "state" / "ip" / "ledger.jsonl").read_text().splitlines()
+    ]
     assert len([e for e in ledger if e["kind"] == "composition"]) == 1  # same set: not again
 
 
@@ -104,8 +126,13 @@ def test_another_set_of_aggregations_is_refused_unless_accepted(tmp_path):
     write_events(tmp_path / "events.jsonl", 800, seed=3)
     cfg = config(tmp_path)
     MultiAggregator(cfg, FileSource(cfg.source.path, fmt="json")).run()
-    two = config(tmp_path, "ledger.budget_per_event=2.5", "aggregations.os.item.field=device",
-                 "aggregations.os.state.mode=hashed", "aggregations.os.state.epsilon=0.5")
+    two = config(
+        tmp_path,
+        "ledger.budget_per_event=2.5",
+        "aggregations.os.item.field=device",
+        "aggregations.os.state.mode=hashed",
+        "aggregations.os.state.epsilon=0.5",
+    )
     with pytest.raises(ServiceError, match="counts the aggregations account, device, ip"):
         MultiAggregator(two, FileSource(cfg.source.path, fmt="json")).run()
     MultiAggregator(two, FileSource(cfg.source.path, fmt="json"), accept_change=True).run()
@@ -113,16 +140,44 @@ def test_another_set_of_aggregations_is_refused_unless_accepted(tmp_path):
     # whole file once; the others count nothing twice
     assert sum(d["n"] for d in releases(tmp_path / "releases" / "os")) == 800
     assert sum(d["n"] for d in releases(tmp_path / "releases" / "account")) == 800
-    assert json.loads((tmp_path / "state" / "aggregations.json").read_text())["aggregations"] == \
-        ["account", "device", "ip", "os"]
+    assert json.loads((tmp_path / "state" / "aggregations.json").read_text())["aggregations"] == [
+        "account",
+        "device",
+        "ip",
+        "os",
+    ]
     # offline commands take one aggregation's directory, and say so for the top one
-    top = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status", "--state-dir",
-                          str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
-    assert top.returncode != 0 and "holds several aggregations (account, device, ip, os)" in \
-        top.stderr and "Traceback" not in top.stderr
-    one = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status", "--state-dir",
-                          str(tmp_path / "state" / "os")], capture_output=True, text=True,
-                         timeout=60)
+    top = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "status",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        top.returncode != 0
+        and "holds several aggregations (account, device, ip, os)" in top.stderr
+        and "Traceback" not in top.stderr
+    )
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "status",
+            "--state-dir",
+            str(tmp_path / "state" / "os"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert one.returncode == 0 and "last release" in one.stdout, one.stderr
 
 
@@ -177,8 +232,9 @@ def test_views_drop_what_they_had_and_a_hold_rereads_from_the_source():
     a.seek({"t:0": 5})  # a's checkpoint is later than b's: it drops 0..4
     got_a = a.deliver(src.poll(), {})
     assert list(got_a[0].offsets) == list(range(5, 10)) and got_a[0].values[0] == b"5"
-    assert list(b.deliver([Segment("t:0", range(0, 10), [b""] * 10)], {})[0].offsets) == \
-        list(range(10))
+    assert list(b.deliver([Segment("t:0", range(0, 10), [b""] * 10)], {})[0].offsets) == list(
+        range(10)
+    )
     # a holds at 7 (replay target): the source keeps reading for b; a gets nothing of t:0
     a.pause(["t:0"])
     a.seek_partition("t:0", 7)
@@ -229,8 +285,10 @@ def test_a_hold_let_go_within_one_poll_loses_no_record():
 
     src = FakeSource(3 * multi.PARSE_CHUNK, per_poll=3 * multi.PARSE_CHUNK)
     hub = Hub(src, ["base", "r1d"])
-    hub.aggs = {"base": HoldingAgg(hub.views["base"], hold=True),
-                "r1d": HoldingAgg(hub.views["r1d"], hold=False)}
+    hub.aggs = {
+        "base": HoldingAgg(hub.views["base"], hold=True),
+        "r1d": HoldingAgg(hub.views["r1d"], hold=False),
+    }
     hub._parsed = {}
     hub._each = MultiAggregator._each
     src.seek({"t:0": 0})
@@ -250,13 +308,15 @@ def test_one_exposition_labels_every_series_by_aggregation(tmp_path):
     events = {s.labels["aggregation"]: s.value for s in families["panagg_events"].samples}
     assert events["account"] == 1500 and events["ip"] == 1500 - 15
     assert 0 < events["device"] < 1500
-    filtered = {s.labels["aggregation"]: s.value
-                for s in families["panagg_filtered_records"].samples}
+    filtered = {
+        s.labels["aggregation"]: s.value for s in families["panagg_filtered_records"].samples
+    }
     assert filtered["device"] == 1500 - events["device"] and filtered["account"] == 0
     for fam in families.values():
         assert all("aggregation" in s.labels for s in fam.samples), fam.name
     if shutil.which("promtool") is None:
         pytest.fail("promtool (Debian package prometheus) is required for this test")
-    check = subprocess.run(["promtool", "check", "metrics"], input=text, text=True,
-                           capture_output=True, timeout=60)
+    check = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, text=True, capture_output=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr

@@ -22,8 +22,13 @@ import pytest
 from scipy import stats
 
 from aggregator import noise as noise_mod
-from aggregator.noise import (OSEntropy, _tail_table, discrete_laplace, discrete_laplace_pmf,
-                              p_from_epsilon)
+from aggregator.noise import (
+    OSEntropy,
+    _tail_table,
+    discrete_laplace,
+    discrete_laplace_pmf,
+    p_from_epsilon,
+)
 from aggregator.state import PanPrivateHistogram
 
 P_VALUES = (0.1, 0.5, math.exp(-0.5), 0.9, 0.99)
@@ -54,8 +59,12 @@ def chisquare_pvalue(x: np.ndarray, p: float, min_expected: float = 20.0) -> flo
     # largest K with n * P[X = K] >= min_expected
     kmax = max(0, int(math.floor(math.log(min_expected / (n * pmf0)) / math.log(p))))
     ks = np.arange(-kmax, kmax + 1)
-    expected = np.concatenate([[p ** (kmax + 1) / (1 + p)], discrete_laplace_pmf(p, ks),
-                               [p ** (kmax + 1) / (1 + p)]]) * n
+    expected = (
+        np.concatenate(
+            [[p ** (kmax + 1) / (1 + p)], discrete_laplace_pmf(p, ks), [p ** (kmax + 1) / (1 + p)]]
+        )
+        * n
+    )
     observed = np.bincount(np.clip(x, -kmax - 1, kmax + 1) + kmax + 1, minlength=2 * kmax + 3)
     assert abs(expected.sum() - n) < 1e-6 * n
     expected *= n / expected.sum()  # absorb float rounding so scipy's sum check passes
@@ -125,7 +134,7 @@ def symmetry_pvalues(x: np.ndarray) -> tuple[float, float]:
     p_sign = stats.binomtest(pos, pos + neg, 0.5).pvalue
     kmax = int(np.abs(x).max())
     counts = np.bincount(x + kmax, minlength=2 * kmax + 1)
-    n_pos, n_neg = counts[kmax + 1:], counts[:kmax][::-1]
+    n_pos, n_neg = counts[kmax + 1 :], counts[:kmax][::-1]
     keep = (n_pos + n_neg) >= 20
     chi = float((((n_pos - n_neg)[keep]) ** 2 / (n_pos + n_neg)[keep]).sum())
     p_pairs = float(stats.chi2.sf(chi, int(keep.sum())))
@@ -221,7 +230,7 @@ class Scripted:
     def bytes(self, n):  # noqa: A003
         if self.pos + n > len(self.buf):
             raise AssertionError("sampler asked for more random words than scripted")
-        out = self.buf[self.pos:self.pos + n]
+        out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -296,8 +305,11 @@ def test_tie_resolution_each_side(p):
     desc = exact_desc(p)
     pf = Fraction(p)
     # thresholds with distinct neighbours (t_{k-1} > t_k > t_{k+1}), shallow and deepest
-    distinct = [k for k in range(1, len(desc))
-                if (k == 1 or desc[k - 2] > desc[k - 1]) and desc[k - 1] > desc[k]]
+    distinct = [
+        k
+        for k in range(1, len(desc))
+        if (k == 1 or desc[k - 2] > desc[k - 1]) and desc[k - 1] > desc[k]
+    ]
     for k in sorted({distinct[0], distinct[1], distinct[len(distinct) // 2], distinct[-1]}):
         t = desc[k - 1]
         frac = _T(pf, k) * 2**63 - t  # T_k = (t + frac) / 2^63, 0 < frac < 1
@@ -321,7 +333,7 @@ def test_tie_with_equal_table_entries(p):
     repeated = sorted({v for v, nxt in zip(desc, desc[1:]) if v == nxt and v > 0})
     # p = 0.9: the three deepest runs; p = 0.99 (4346 thresholds, slow exact arithmetic): the
     # shallowest run only
-    for t in (repeated[:3] if p < 0.95 else repeated[-1:]):
+    for t in repeated[:3] if p < 0.95 else repeated[-1:]:
         run = [j for j in range(1, len(desc) + 1) if desc[j - 1] == t]
         assert len(run) >= 2
         for extra in (0, 2**63, 2**64 - 1):
@@ -364,11 +376,15 @@ def test_ties_inside_a_vector_batch():
     first[6] = _tie_word(0, True)
     # boundary neighbours of a threshold are decided on the vector path without extra words
     first[2] = _tie_word(desc[2] - 1, False)  # just below t_3: |X| = 3
-    first[3] = _tie_word(desc[2] + 1, True)   # just above t_3: |X| = 2
+    first[3] = _tie_word(desc[2] + 1, True)  # just above t_3: |X| = 2
     frac = _T(pf, 1) * 2**63 - desc[0]
-    extras = [math.floor(frac * 2**64), 2**64 - 1,  # draw 1: undecided, then above T_1
-              0,                                   # draw 4: just above t_4 / 2^63 < T_4
-              0, 99]                               # draw 6: U = 99 / 2^191
+    extras = [
+        math.floor(frac * 2**64),
+        2**64 - 1,  # draw 1: undecided, then above T_1
+        0,  # draw 4: just above t_4 / 2^63 < T_4
+        0,
+        99,
+    ]  # draw 6: U = 99 / 2^191
     got = _run(p, first + extras, 8)
     assert got[1] == 0 and got[2] == 3 and got[3] == -2 and got[4] == 4
 
@@ -391,7 +407,7 @@ def test_p_from_epsilon_rounds_up_to_the_next_double(sensitivity):
     for eps in EPS_VALUES:
         p = p_from_epsilon(eps, sensitivity)
         exact = _exact_exp(eps, sensitivity)
-        assert Decimal(p) >= exact, (eps, sensitivity)          # never less noise
+        assert Decimal(p) >= exact, (eps, sensitivity)  # never less noise
         assert Decimal(math.nextafter(p, 0.0)) < exact, (eps,)  # and the smallest such double
         assert 0 < p < 1
         # the guarantee it buys: p**-sensitivity <= e^eps, checked in exact arithmetic
@@ -405,8 +421,9 @@ def test_p_from_epsilon_default_is_replace_one():
     assert p_from_epsilon(1.0) >= math.exp(-0.5) and p_from_epsilon(1.0, 1) >= math.exp(-1)
 
 
-@pytest.mark.parametrize("eps", [0.0, -0.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-300,
-                                 1e-4])
+@pytest.mark.parametrize(
+    "eps", [0.0, -0.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-300, 1e-4]
+)
 def test_p_from_epsilon_rejects_bad_epsilon(eps):
     # 1e-300 and 1e-4 are positive but below MIN_EPSILON (noise std in the thousands)
     with pytest.raises(ValueError):

@@ -387,8 +387,14 @@ def test_export_with_before_layer_only_is_flagged():
 # ---------------------------------------------------------------------------------------------
 # snapshots hold no seed or RNG material
 # ---------------------------------------------------------------------------------------------
-_RNG_TYPES = (np.random.Generator, np.random.BitGenerator, np.random.SeedSequence,
-              np.random.RandomState, OSEntropy, random.Random)
+_RNG_TYPES = (
+    np.random.Generator,
+    np.random.BitGenerator,
+    np.random.SeedSequence,
+    np.random.RandomState,
+    OSEntropy,
+    random.Random,
+)
 
 
 def _walk(obj, seen=None, path="state"):
@@ -437,8 +443,10 @@ def test_snapshot_has_no_rng_material(mode):
     assert set(body) == set(SNAPSHOT_FIELDS)
 
     forbidden = {
-        "seed LE": struct.pack("<q", seed), "seed BE": struct.pack(">q", seed),
-        "seed decimal": str(seed).encode(), "seed msgpack": msgpack.packb(seed),
+        "seed LE": struct.pack("<q", seed),
+        "seed BE": struct.pack(">q", seed),
+        "seed decimal": str(seed).encode(),
+        "seed msgpack": msgpack.packb(seed),
         "seed-sequence pool": pool,
     }
     for label, st in (("start", state_start), ("end", state_end)):

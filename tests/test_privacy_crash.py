@@ -65,18 +65,18 @@ from tests.lr_audit import Look, lr_epsilon
 from tests.helpers.privacy import empirical_epsilon
 
 EPS = 1.0
-T = 40_000   # trials per service run (counters 3j .. 3j+2 are trial j's)
-RUNS = 16    # service runs per neighbouring stream and step: N = T * RUNS = 640,000 trials
+T = 40_000  # trials per service run (counters 3j .. 3j+2 are trial j's)
+RUNS = 16  # service runs per neighbouring stream and step: N = T * RUNS = 640,000 trials
 
 # the steps of window 0's close: fault point -> its occurrence in the first run (checkpoint 1
 # is the one the first start writes, 2 the one that starts window 1, 3 the shorter pending list)
 STEPS = {
-    "ledger-before-release": 1,    # the release drawn, not ledgered: nothing of it is public
-    "ledger-after-release": 1,     # ledgered, the checkpoint that starts window 1 not written
-    "checkpoint-mid-write": 2,     # inside that checkpoint (a torn temp file)
+    "ledger-before-release": 1,  # the release drawn, not ledgered: nothing of it is public
+    "ledger-after-release": 1,  # ledgered, the checkpoint that starts window 1 not written
+    "checkpoint-mid-write": 2,  # inside that checkpoint (a torn temp file)
     "checkpoint-before-rename": 2,  # written and synced, not renamed
     "checkpoint-after-rename": 2,  # durable, nothing published
-    "published": 1,                # published, the shorter pending list not yet durable
+    "published": 1,  # published, the shorter pending list not yet durable
 }
 WINDOW = 4 * T
 REPLACED_END = 3 * T  # the source position just past the replaced events
@@ -139,7 +139,7 @@ class _Stream(Source):
         if k >= len(self.segments):
             self.exhausted = True
             return []
-        values = self.segments[k][self.position - int(self.starts[k]):]
+        values = self.segments[k][self.position - int(self.starts[k]) :]
         offsets = range(self.position, self.position + len(values))
         self.position += len(values)
         return [Segment(PARTITION, offsets, values)]
@@ -152,10 +152,12 @@ def _segments(r: int) -> list[list[bytes]]:
     def seg(items):
         return [pack({"item": int(i)}) for i in items]
 
-    return [seg(np.repeat(base, 2)),  # events 0, 0 of every trial
-            seg(base + r),            # the replaced event (1 in x, 2 in y)
-            seg(base),                # one more 0: window 0 (4T events) is full, it closes
-            seg(base)]                # window 1: one 0 per trial
+    return [
+        seg(np.repeat(base, 2)),  # events 0, 0 of every trial
+        seg(base + r),  # the replaced event (1 in x, 2 in y)
+        seg(base),  # one more 0: window 0 (4T events) is full, it closes
+        seg(base),
+    ]  # window 1: one 0 per trial
 
 
 class _OldRestart(Aggregator):
@@ -169,10 +171,18 @@ class _OldRestart(Aggregator):
 
 
 def _config(base: Path):
-    sets = [f"checkpoint.dir={base / 'state'}", f"release.dir={base / 'releases'}",
-            "source.kind=generator", f"state.domain_size={3 * T}", "window.kind=count",
-            f"window.size={WINDOW}", f"state.epsilon={EPS}", "metrics.port=-1",
-            "release.on_exhausted=false", "release.error_bar_reps=0"]
+    sets = [
+        f"checkpoint.dir={base / 'state'}",
+        f"release.dir={base / 'releases'}",
+        "source.kind=generator",
+        f"state.domain_size={3 * T}",
+        "window.kind=count",
+        f"window.size={WINDOW}",
+        f"state.epsilon={EPS}",
+        "metrics.port=-1",
+        "release.on_exhausted=false",
+        "release.error_bar_reps=0",
+    ]
     if "workers" in DEFAULTS["release"]:
         sets.append("release.workers=0")  # the release in the loop, where the audit captures it
     return load_config(None, sets, env={})
@@ -208,13 +218,14 @@ def _crash_and_restart(tmp: Path, r: int, step: str, *, old=False):
         assert fault.seen == fault.nth and len(release_input) == 1
         ledgered = [e for e in _ledger(base) if e["kind"] == "release"]
         assert len(ledgered) == (step != "ledger-before-release"), step  # the crash is in
-        published = list((base / "releases").glob("release-*.json"))   # window 0's close
+        published = list((base / "releases").glob("release-*.json"))  # window 0's close
         assert len(published) == (step == "published"), step
 
         reads: list[tuple[int, np.ndarray]] = []
         restarted = (_OldRestart if old else Aggregator)(cfg, None)
-        restarted.source = _Stream(segments, lambda pos: reads.append(
-            (pos, restarted.task.state.counts.copy())))
+        restarted.source = _Stream(
+            segments, lambda pos: reads.append((pos, restarted.task.state.counts.copy()))
+        )
         restarted.run()
     # the restart draws a release only if the first run had not ledgered one
     assert len(release_input) == 1 + (step == "ledger-before-release")
@@ -231,8 +242,9 @@ def _crash_and_restart(tmp: Path, r: int, step: str, *, old=False):
     assert [e["window"] for e in releases] == [0]
     files = sorted(p.name for p in (base / "releases").glob("release-*.json"))
     assert files == ["release-0.json"]
-    assert json.loads((base / "releases" / "release-0.json").read_text()) == \
-        json.loads(releases[0]["document"])
+    assert json.loads((base / "releases" / "release-0.json").read_text()) == json.loads(
+        releases[0]["document"]
+    )
     assert restarted.task.window["id"] == 1 and restarted.task.window["events"] == T
     assert restarted.task.pending == []
     replayed = [e for e in entries if e["kind"] == "restart" and e["window"] == 0]
@@ -247,8 +259,10 @@ def _crash_and_restart(tmp: Path, r: int, step: str, *, old=False):
 # the model: the hypothesis that the restarted memory holds the crashed window's events under
 # fresh noise (one layer) beside the release of the old noise (initial layer + release layer)
 _RELEASE = Look.of((3, 1, 0), (3, 0, 1), 2)
-_MODELS = {"first": Look.of((2, 1, 0), (2, 0, 1), 1),      # through the replaced event
-           "caught up": Look.of((3, 1, 0), (3, 0, 1), 1)}  # the whole window
+_MODELS = {
+    "first": Look.of((2, 1, 0), (2, 0, 1), 1),  # through the replaced event
+    "caught up": Look.of((3, 1, 0), (3, 0, 1), 1),
+}  # the whole window
 READS = tuple(_MODELS)
 
 
@@ -269,8 +283,9 @@ _VIEWS: dict = {}
 
 def _crash_views(tmp: Path, step: str, runs: int, old: bool) -> dict:
     views = {r: [_crash_and_restart(tmp, r, step, old=old) for _ in range(runs)] for r in (1, 2)}
-    return {r: [np.concatenate([run[i] for run in rs]) for i in range(3)]
-            for r, rs in views.items()}
+    return {
+        r: [np.concatenate([run[i] for run in rs]) for i in range(3)] for r, rs in views.items()
+    }
 
 
 def emulated_old_replay(stacked: dict) -> dict:
@@ -284,7 +299,7 @@ def emulated_old_replay(stacked: dict) -> dict:
             s = PanPrivateHistogram(EPS, size=3 * T)
             base = 3 * np.arange(T)
             s.add_indices(np.concatenate([np.repeat(base, 2), base + r]))
-            rows[k:k + T] = s.counts.reshape(T, 3)
+            rows[k : k + T] = s.counts.reshape(T, 3)
         out[r] = [rows, caught_up, rel]
     return out
 
@@ -292,8 +307,12 @@ def emulated_old_replay(stacked: dict) -> dict:
 def scenario(stacked: dict, which: str):
     """(views under x, views under y, looks, p) of memory ``which`` + the release."""
     i = READS.index(which)
-    return ([stacked[1][i], stacked[1][2]], [stacked[2][i], stacked[2][2]],
-            [_MODELS[which], _RELEASE], p_from_epsilon(EPS, 2))
+    return (
+        [stacked[1][i], stacked[1][2]],
+        [stacked[2][i], stacked[2][2]],
+        [_MODELS[which], _RELEASE],
+        p_from_epsilon(EPS, 2),
+    )
 
 
 def audit(stacked: dict, which: str):
@@ -304,7 +323,8 @@ def audit(stacked: dict, which: str):
 
 @pytest.mark.parametrize("step", list(STEPS))
 def test_a_crash_in_the_close_then_memory_after_restart_and_the_release_stay_within_eps(
-        tmp_path, step):
+    tmp_path, step
+):
     stacked = crash_views(tmp_path, step)
     for which in READS:
         r, older = audit(stacked, which)

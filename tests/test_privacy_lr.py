@@ -22,9 +22,9 @@ from aggregator.state import PanPrivateHistogram
 from tests import test_privacy as tp
 from tests.lr_audit import Look, lr_epsilon, schedule_model
 
-N = 200_000          # runs per neighbouring stream (vectorized mechanisms)
-N_REAL = 20_000      # runs of real PanPrivateHistogram objects
-SERVICE_RUNS = 4     # service runs per neighbouring stream (x T = 40,000 trials each)
+N = 200_000  # runs per neighbouring stream (vectorized mechanisms)
+N_REAL = 20_000  # runs of real PanPrivateHistogram objects
+SERVICE_RUNS = 4  # service runs per neighbouring stream (x T = 40,000 trials each)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,8 +70,9 @@ def crash_replay(eps=1.0, n=N):
     and release layer). The model is the design without the crash (memory, then the release one
     fresh layer later)."""
     p = p_from_epsilon(eps, 2)
-    looks = schedule_model([[0, 0, 1], "view", [0], "layer", "view"],
-                           [[0, 0, 2], "view", [0], "layer", "view"], 3)
+    looks = schedule_model(
+        [[0, 0, 1], "view", [0], "layer", "view"], [[0, 0, 2], "view", [0], "layer", "view"], 3
+    )
     mem_x = tp.run_schedule([[0, 0, 1], "view"], 3, p, n)[0]
     mem_y = tp.run_schedule([[0, 0, 2], "view"], 3, p, n)[0]
     rel_x = tp.run_schedule([[0, 0, 1, 0], "layer", "view"], 3, p, n)[0]  # a new incarnation
@@ -102,7 +103,7 @@ def broken_exports(which, eps=1.0, n=100_000):
         sx = [[0, 1], "view", [1], "view", "layer", [2, 0], "layer", "view"]
         sy = [[0, 1], "view", [2], "view", "layer", [2, 0], "layer", "view"]
         designed = [1, 2, 4]
-    else:                      # intrusion just after an export without its 'after' layer
+    else:  # intrusion just after an export without its 'after' layer
         sx = [[0, 1], "layer", "view", [1], "view", [2, 0], "layer", "view"]
         sy = [[0, 1], "layer", "view", [2], "view", [2, 0], "layer", "view"]
         designed = [2, 3, 4]
@@ -131,8 +132,13 @@ def real_joint(eps=1.0, n=N_REAL // 2):
         s.rerandomize()
         return s.counts
 
-    return _nested(tp.JOINT_PAIRS["after"], eps, n, release,
-                   first=lambda s: PanPrivateHistogram.deserialize(s.serialize()).counts)
+    return _nested(
+        tp.JOINT_PAIRS["after"],
+        eps,
+        n,
+        release,
+        first=lambda s: PanPrivateHistogram.deserialize(s.serialize()).counts,
+    )
 
 
 def _nested(pair, eps: float, n: int, second, first=lambda s: s.counts):
@@ -185,8 +191,12 @@ def add_remove(eps=1.0, n=N_REAL, merged=False):
 
 
 # the real service (tests/test_privacy_service.py): T trials of [0, 0, r] then [0] per run
-_AFTER = {0: ((0, 0, 0), (0, 0, 0)), 1: ((2, 0, 0), (2, 0, 0)), 2: ((2, 1, 0), (2, 0, 1)),
-          3: ((3, 1, 0), (3, 0, 1))}  # true counters after segment k - 1 (x, y)
+_AFTER = {
+    0: ((0, 0, 0), (0, 0, 0)),
+    1: ((2, 0, 0), (2, 0, 0)),
+    2: ((2, 1, 0), (2, 0, 1)),
+    3: ((3, 1, 0), (3, 0, 1)),
+}  # true counters after segment k - 1 (x, y)
 NEXT_WINDOW = 4  # after the window closed, memory holds the next window (no events yet)
 
 
@@ -216,8 +226,10 @@ def service(tmp_path, gap, runs=SERVICE_RUNS, *, looks=None, **kw):
     from tests import test_privacy_service as ts
 
     views = {r: [ts._service_views(tmp_path, r, gap, **kw) for _ in range(runs)] for r in (1, 2)}
-    stacked = {r: [np.concatenate([run[i] for run in rs]) for i in range(len(rs[0]))]
-               for r, rs in views.items()}
+    stacked = {
+        r: [np.concatenate([run[i] for run in rs]) for i in range(len(rs[0]))]
+        for r, rs in views.items()
+    }
     snaps = int(kw.get("checkpoint.snapshots_per_window", 0))
     looks = looks or service_looks(gap, snaps, kw.get("backups", ()))
     assert len(stacked[1]) == len(stacked[2]) == len(looks), (len(stacked[1]), looks)
@@ -230,8 +242,14 @@ def service_old_checkpoints(tmp_path, runs=SERVICE_RUNS):
     from tests import test_privacy_service as ts
 
     looks = [_look(1, 2), _look(2, 3), _look(3, 4)]
-    return service(tmp_path, 2, runs, looks=looks, cls=ts._OldCheckpoints,
-                   **{"checkpoint.snapshots_per_window": 1})
+    return service(
+        tmp_path,
+        2,
+        runs,
+        looks=looks,
+        cls=ts._OldCheckpoints,
+        **{"checkpoint.snapshots_per_window": 1},
+    )
 
 
 def audit(scenario) -> tuple:
@@ -366,7 +384,7 @@ def test_the_group_model_reads_its_chains_apart():
 def test_group_model(kind, gap):
     r = audit(group_model(kind, gap))
     assert r.eps <= 1.0, r
-    if kind == "own":   # one layer protects the event in A's memory, or in A's last block
+    if kind == "own":  # one layer protects the event in A's memory, or in A's last block
         assert r.eps >= 0.8, r
 
 

@@ -40,16 +40,18 @@ from aggregator.service.release_worker import ReleaseWorker
 from tests.scripted_source import ScriptedSource
 from tests.helpers.privacy import counters_in_files, empirical_epsilon
 
-T = 40_000          # trials per service run
-RUNS = 4            # service runs per neighbouring stream (N = T * RUNS runs of the mechanism)
+T = 40_000  # trials per service run
+RUNS = 4  # service runs per neighbouring stream (N = T * RUNS runs of the mechanism)
 
 
 def _segments(r: int) -> list[list[bytes]]:
     base = 3 * np.arange(T)
     pack = msgpack.packb
-    return [[pack({"item": int(i)}) for i in np.repeat(base, 2)],   # events 0, 0 of every trial
-            [pack({"item": int(i)}) for i in base + r],              # the replaced event
-            [pack({"item": int(i)}) for i in base]]                  # one more: the window ends
+    return [
+        [pack({"item": int(i)}) for i in np.repeat(base, 2)],  # events 0, 0 of every trial
+        [pack({"item": int(i)}) for i in base + r],  # the replaced event
+        [pack({"item": int(i)}) for i in base],
+    ]  # one more: the window ends
 
 
 @contextmanager
@@ -86,8 +88,9 @@ def _capture_worker_views(into: list):
         ReleaseWorker.submit = original
 
 
-def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=1.0,
-                   backups=(), workers=0, **sets) -> list[np.ndarray]:
+def _service_views(
+    tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=1.0, backups=(), workers=0, **sets
+) -> list[np.ndarray]:
     """One run of the service on stream r: the intruder's views as (T, 3) arrays, in time
     order: the files' counters and the memory at ``gap`` (or the state directory's copies taken
     at ``backups``), then the release's input.
@@ -99,17 +102,24 @@ def _service_views(tmp_path: Path, r: int, gap: int, *, cls=Aggregator, epsilon=
     state_dir = tmp_path / f"state-{r}-{gap}-w{workers}"
     shutil.rmtree(state_dir, ignore_errors=True)
     shutil.rmtree(f"{state_dir}-releases", ignore_errors=True)  # one run's, never another's
-    overrides = [f"checkpoint.dir={state_dir}", f"release.dir={state_dir}-releases",
-                 "source.kind=generator", f"state.domain_size={3 * T}", "window.kind=count",
-                 f"window.size={4 * T}", f"state.epsilon={epsilon}", "metrics.port=-1",
-                 "release.on_exhausted=false",
-                 # the audit captures the release's input; the bootstrap intervals computed
-                 # after it are post-processing and only cost time here
-                 "release.error_bar_reps=0",
-                 # the release in the loop, where the audit captures its input in-process; the
-                 # release worker computes the same function of the same handed-over state in
-                 # another process (docs/privacy.md section 16, "Releases beside the loop")
-                 f"release.workers={workers}"] + [f"{k}={v}" for k, v in sets.items()]
+    overrides = [
+        f"checkpoint.dir={state_dir}",
+        f"release.dir={state_dir}-releases",
+        "source.kind=generator",
+        f"state.domain_size={3 * T}",
+        "window.kind=count",
+        f"window.size={4 * T}",
+        f"state.epsilon={epsilon}",
+        "metrics.port=-1",
+        "release.on_exhausted=false",
+        # the audit captures the release's input; the bootstrap intervals computed
+        # after it are post-processing and only cost time here
+        "release.error_bar_reps=0",
+        # the release in the loop, where the audit captures its input in-process; the
+        # release worker computes the same function of the same handed-over state in
+        # another process (docs/privacy.md section 16, "Releases beside the loop")
+        f"release.workers={workers}",
+    ] + [f"{k}={v}" for k, v in sets.items()]
     if workers:  # the worker runs the estimate (post-processing of the view): the fast one
         overrides.append("release.estimator=threshold")
     cfg = load_config(None, overrides, env={})
@@ -151,8 +161,10 @@ def _audit(tmp_path, gap, **kw):
     views = {r: [_service_views(tmp_path, r, gap, **kw) for _ in range(RUNS)] for r in (1, 2)}
     shapes = {r: {len(v) for v in runs} for r, runs in views.items()}
     assert shapes[1] == shapes[2] and len(shapes[1]) == 1, shapes
-    stacked = {r: [np.concatenate([run[i] for run in runs]) for i in range(len(runs[0]))]
-               for r, runs in views.items()}
+    stacked = {
+        r: [np.concatenate([run[i] for run in runs]) for i in range(len(runs[0]))]
+        for r, runs in views.items()
+    }
     return empirical_epsilon(stacked[1], stacked[2]), len(stacked[1])
 
 
@@ -178,8 +190,9 @@ def test_with_layered_snapshots_every_look_at_any_instant_is_private(tmp_path, g
 def test_backups_of_the_state_dir_at_two_instants_and_the_release(tmp_path):
     """Two copies of the state directory from one window (nightly volume snapshots), each
     holding a layered snapshot, plus the release."""
-    (eps_hat, event), n_views = _audit(tmp_path, 0, backups=(1, 2),
-                                       **{"checkpoint.snapshots_per_window": 2})
+    (eps_hat, event), n_views = _audit(
+        tmp_path, 0, backups=(1, 2), **{"checkpoint.snapshots_per_window": 2}
+    )
     assert n_views == 3  # one snapshot in each copy, then the release
     assert eps_hat <= 1.0, event
 
@@ -194,8 +207,9 @@ class _OldCheckpoints(Aggregator):
 
 
 def test_the_audit_flags_checkpoints_that_share_the_live_noise(tmp_path):
-    (eps_hat, event), _ = _audit(tmp_path, 2, cls=_OldCheckpoints,
-                                 **{"checkpoint.snapshots_per_window": 1})
+    (eps_hat, event), _ = _audit(
+        tmp_path, 2, cls=_OldCheckpoints, **{"checkpoint.snapshots_per_window": 1}
+    )
     assert eps_hat > 3.0, event  # memory minus checkpoint is the exact replaced event
 
 

@@ -23,8 +23,9 @@ def test_the_clause_is_the_headlines_words():
 
 
 def test_plan_and_start_line_say_the_unit(caplog):
-    cfg = load_config(None, ["state.domain_size=1000", "window.size=20000",
-                             "release.plan_errors=false"])
+    cfg = load_config(
+        None, ["state.domain_size=1000", "window.size=20000", "release.plan_errors=false"]
+    )
     line, _ = accuracy_plan(cfg, simulate=False)
     assert line.endswith(privacy_unit_clause())
     plan = StartPlan(cfg)
@@ -36,11 +37,21 @@ def test_plan_and_start_line_say_the_unit(caplog):
 
 
 def test_status_says_the_unit():
-    status = {"state_dir": "s", "service": "not running",
-              "identity": {"stream": "file:x", "group": None, "mode": "direct", "domain": 10,
-                           "epsilon": 1.0, "window": "count:10", "model": "joint"},
-              "privacy_unit": {"unit": "event", "consequence": PRIVACY_UNIT_CONSEQUENCE},
-              "budget": {"spent": 0.0, "total": None, "remaining": None, "per_window": 1.0}}
+    status = {
+        "state_dir": "s",
+        "service": "not running",
+        "identity": {
+            "stream": "file:x",
+            "group": None,
+            "mode": "direct",
+            "domain": 10,
+            "epsilon": 1.0,
+            "window": "count:10",
+            "model": "joint",
+        },
+        "privacy_unit": {"unit": "event", "consequence": PRIVACY_UNIT_CONSEQUENCE},
+        "budget": {"spent": 0.0, "total": None, "remaining": None, "per_window": 1.0},
+    }
     lines = format_status(status)
     assert lines[3] == privacy_unit_clause()
 
@@ -56,6 +67,7 @@ def test_user_level_needs_its_expected_users_in_one_line():
         load_config(None, ["state.privacy_unit=user"])
     msg = str(err.value)
     assert "\n" not in msg and "docs/privacy_unit.md" in msg and "state.expected_users" in msg
-    cfg = load_config(None, ["state.privacy_unit=user", "state.expected_users=5000",
-                             "ledger.budget_per_user=30"])
+    cfg = load_config(
+        None, ["state.privacy_unit=user", "state.expected_users=5000", "ledger.budget_per_user=30"]
+    )
     assert cfg.state.privacy_unit == "user"

@@ -40,41 +40,56 @@ def _documented_commands() -> list[str]:
     """The promtool commands of docs/operations.md's sh blocks, as written."""
     text = OPERATIONS.read_text()
     blocks = re.findall(r"^```sh\n(.*?)^```", text, flags=re.M | re.S)
-    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines()
-            if line.strip().startswith("promtool ")]
+    return [
+        line.split("#")[0].strip()
+        for block in blocks
+        for line in block.splitlines()
+        if line.strip().startswith("promtool ")
+    ]
 
 
 def _promtool() -> str:
     path = shutil.which("promtool")
-    assert path, ("promtool is not installed: apt-get install prometheus (.ci/run does), then "
-                  "run this test again")
+    assert path, (
+        "promtool is not installed: apt-get install prometheus (.ci/run does), then "
+        "run this test again"
+    )
     return path
 
 
 def test_the_docs_give_both_promtool_commands():
-    assert _documented_commands() == ["promtool check rules deploy/prometheus/alerts.yml",
-                                      "promtool test rules deploy/prometheus/alerts_test.yml"]
+    assert _documented_commands() == [
+        "promtool check rules deploy/prometheus/alerts.yml",
+        "promtool test rules deploy/prometheus/alerts_test.yml",
+    ]
 
 
 @pytest.mark.parametrize("command", _documented_commands())
 def test_documented_promtool_command_passes(command):
     argv = shlex.split(command)
-    res = subprocess.run([_promtool(), *argv[1:]], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [_promtool(), *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SUCCESS" in res.stdout + res.stderr
 
 
 def test_promtool_check_config_loads_the_rules():
-    res = subprocess.run([_promtool(), "check", "config", str(PROM / "prometheus.yml")],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [_promtool(), "check", "config", str(PROM / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 rule files found" in res.stdout + res.stderr
 
 
 def test_every_alert_has_for_severity_and_a_runbook_section(rules):
-    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
-               for h in re.findall(r"^#+ (.+)$", OPERATIONS.read_text(), flags=re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", OPERATIONS.read_text(), flags=re.M)
+    }
     names = [r["alert"] for r in rules]
     assert len(names) == len(set(names)), names
     for rule in rules:
@@ -84,8 +99,9 @@ def test_every_alert_has_for_severity_and_a_runbook_section(rules):
         ann = rule["annotations"]
         assert ann["summary"] and ann["description"], name
         page, _, anchor = ann["runbook"].partition("#")
-        assert page == "docs/operations.md" and anchor in anchors, \
+        assert page == "docs/operations.md" and anchor in anchors, (
             f"{name}: runbook {ann['runbook']} is not a section of docs/operations.md"
+        )
 
 
 def test_alerts_read_metrics_the_service_exports(rules, exposition):  # noqa: F811
@@ -106,11 +122,19 @@ def test_the_issue_asks_these_alerts(rules):
     """Issue 54: readiness, release lag (one process and the group leader's queue), budget near
     its cap, dead letters, significant changes; intake stalls too."""
     reads = {r["alert"]: _metric_names(r["expr"]) for r in rules}
-    for metric in ("up", "panagg_ready", "panagg_release_queue", "panagg_summaries_overdue",
-                   "panagg_budget_remaining_epsilon", "panagg_dead_letters_total",
-                   "panagg_release_change", "panagg_intake_stall_seconds",
-                   "panagg_write_failing", "panagg_last_release_timestamp_seconds",
-                   "panagg_user_budget_remaining_epsilon"):
+    for metric in (
+        "up",
+        "panagg_ready",
+        "panagg_release_queue",
+        "panagg_summaries_overdue",
+        "panagg_budget_remaining_epsilon",
+        "panagg_dead_letters_total",
+        "panagg_release_change",
+        "panagg_intake_stall_seconds",
+        "panagg_write_failing",
+        "panagg_last_release_timestamp_seconds",
+        "panagg_user_budget_remaining_epsilon",
+    ):
         assert any(metric in names for names in reads.values()), metric
 
 
@@ -131,7 +155,7 @@ def test_the_ready_gauge_follows_ready():
     from aggregator.service.metrics import Metrics
 
     m = Metrics()
-    assert m.registry.get_sample_value("panagg_ready") == 0.0   # starting
+    assert m.registry.get_sample_value("panagg_ready") == 0.0  # starting
     m.set_ready(True)
     assert m.registry.get_sample_value("panagg_ready") == 1.0
     m.set_ready(False, "Kafka broker unreachable")

@@ -45,9 +45,11 @@ def test_release_carries_signal_to_noise_and_intervals():
     assert acc["signal_basis"] == "n"  # the basis of events_over_noise_floor
     assert acc["signal_to_noise"] == pytest.approx(distinct / exp_d, rel=1e-3)
     assert acc["expected_relative_error"]["distinct_items"] == pytest.approx(
-        exp_d / distinct, abs=1e-4)
+        exp_d / distinct, abs=1e-4
+    )
     assert acc["expected_relative_error"]["entropy_nats"] == pytest.approx(
-        acc["expected_error"]["entropy_nats"] / rel["properties"]["entropy_nats"], abs=1e-4)
+        acc["expected_error"]["entropy_nats"] / rel["properties"]["entropy_nats"], abs=1e-4
+    )
     assert acc["standard_error"]["distinct_items"] > 0 and acc["standard_error"]["entropy_nats"] > 0
     assert acc["distinct_could_be_off_2x"] is False
     iv = acc["intervals"]
@@ -98,18 +100,27 @@ def test_flag_when_the_distinct_interval_reaches_2x():
     (or above twice) its estimate is still flagged: it could be off by 2x."""
     from aggregator.release import _add_expected_errors
 
-    bars = {"spread": {"distinct": 50.0, "entropy": 0.01}, "rms_error": {"distinct": 90.0,
-            "entropy": 0.02}, "stand_in_gap": {"distinct": 10.0, "entropy": 0.0},
-            "selected": False, "distinct": [850.0, 1150.0], "entropy_nats": [6.8, 7.0]}
+    bars = {
+        "spread": {"distinct": 50.0, "entropy": 0.01},
+        "rms_error": {"distinct": 90.0, "entropy": 0.02},
+        "stand_in_gap": {"distinct": 10.0, "entropy": 0.0},
+        "selected": False,
+        "distinct": [850.0, 1150.0],
+        "entropy_nats": [6.8, 7.0],
+    }
     hist = np.ones(1000, dtype=np.int64)
-    for interval, flagged in (([900.0, 1100.0], False), ([450.0, 1100.0], True),
-                              ([900.0, 2100.0], True)):
+    for interval, flagged in (
+        ([900.0, 1100.0], False),
+        ([450.0, 1100.0], True),
+        ([900.0, 2100.0], True),
+    ):
         acc = {"signal_to_noise": 50.0, "intervals": {"distinct_items": interval}}
         _add_expected_errors(acc, hist, bars)
         assert acc["signal_below_noise"] is flagged and acc["distinct_could_be_off_2x"] is flagged
         want = intervals.expected_errors(bars, "direct")
         assert acc["expected_relative_error"]["distinct_items"] == pytest.approx(
-            want["distinct"] / 1000, abs=1e-4)
+            want["distinct"] / 1000, abs=1e-4
+        )
         assert acc["signal_to_noise"] == pytest.approx(1000 / want["distinct"], rel=1e-3)
     # whatever the public floor says (it is not an argument any more), an interval that rules a
     # 2x error out is not flagged (issue 51: the flag is the interval's 2x condition, nothing
@@ -118,8 +129,11 @@ def test_flag_when_the_distinct_interval_reaches_2x():
     _add_expected_errors(acc, hist, bars)
     assert acc["signal_below_noise"] is False and acc["distinct_could_be_off_2x"] is False
     # the edges: exactly half and exactly twice do not admit more than 2x
-    for interval, flagged in (([500.0, 2000.0], False), ([499.9, 1000.0], True),
-                              ([1000.0, 2000.1], True)):
+    for interval, flagged in (
+        ([500.0, 2000.0], False),
+        ([499.9, 1000.0], True),
+        ([1000.0, 2000.1], True),
+    ):
         acc = {"intervals": {"distinct_items": interval}}
         _add_expected_errors(acc, hist, bars)
         assert acc["signal_below_noise"] is flagged
@@ -130,30 +144,39 @@ def test_expected_error_reads_the_release_s_own_interval_as_a_normal_s():
     its level, times the factor of the mode and statistic (issue 51: the rule and the factors
     chosen held out by family, bench/accuracy/calibration.py)."""
     z90 = 1.6448536269514722
-    bars = {"distinct": [800.0, 1200.0], "entropy_nats": [6.9, 7.1],
-            "rms_error": {"distinct": 1.0, "entropy": 1.0},  # (not what the figure reads)
-            "stand_in_gap": {"distinct": 1e6, "entropy": 1e6}}
+    bars = {
+        "distinct": [800.0, 1200.0],
+        "entropy_nats": [6.9, 7.1],
+        "rms_error": {"distinct": 1.0, "entropy": 1.0},  # (not what the figure reads)
+        "stand_in_gap": {"distinct": 1e6, "entropy": 1e6},
+    }
     for mode in ("direct", "hashed"):
         got = intervals.expected_errors(bars, mode)
         assert got["distinct"] == pytest.approx(
-            intervals.EXPECTED_ERROR_FACTORS[(mode, "distinct")] * 200.0 / z90)
+            intervals.EXPECTED_ERROR_FACTORS[(mode, "distinct")] * 200.0 / z90
+        )
         assert got["entropy"] == pytest.approx(
-            intervals.EXPECTED_ERROR_FACTORS[(mode, "entropy")] * 0.1 / z90)
+            intervals.EXPECTED_ERROR_FACTORS[(mode, "entropy")] * 0.1 / z90
+        )
         # a narrower interval at a lower level of the same normal states the same figure
         z80 = 1.2815515655446004
-        narrow = {"distinct": [1000.0 - 200.0 * z80 / z90, 1000.0 + 200.0 * z80 / z90],
-                  "entropy_nats": [7.0 - 0.1 * z80 / z90, 7.0 + 0.1 * z80 / z90]}
+        narrow = {
+            "distinct": [1000.0 - 200.0 * z80 / z90, 1000.0 + 200.0 * z80 / z90],
+            "entropy_nats": [7.0 - 0.1 * z80 / z90, 7.0 + 0.1 * z80 / z90],
+        }
         at80 = intervals.expected_errors(narrow, mode, level=0.8)
         assert at80["distinct"] == pytest.approx(got["distinct"])
         assert at80["entropy"] == pytest.approx(got["entropy"])
         # twice as wide, twice the figure; a point interval states no error
         wide = {"distinct": [600.0, 1400.0], "entropy_nats": [6.8, 7.2]}
         assert intervals.expected_errors(wide, mode)["distinct"] == pytest.approx(
-            2 * got["distinct"])
+            2 * got["distinct"]
+        )
         point = {"distinct": [1000.0, 1000.0], "entropy_nats": [7.0, 7.0]}
         assert intervals.expected_errors(point, mode) == {"distinct": 0.0, "entropy": 0.0}
     assert set(intervals.EXPECTED_ERROR_FACTORS) == {
-        (m, st) for m in ("direct", "hashed") for st in ("distinct", "entropy")}
+        (m, st) for m in ("direct", "hashed") for st in ("distinct", "entropy")
+    }
     assert all(f > 0 for f in intervals.EXPECTED_ERROR_FACTORS.values())
 
 
@@ -227,16 +250,21 @@ def test_accuracy_plan_line_is_verbatim():
     line, below = accuracy_plan(_cfg("state.domain_size=1000000", "window.size=40000"))
     assert not below
     head, _, planned = line.partition("; expected error of a release: ")
-    assert head == ("accuracy plan: 1,000,000 counters (D), eps 1, 2 noise layer(s) at release: "
-                    "error floor ~3,564 items; with 40,000 events per window (the window's size) "
-                    "events over the noise floor 11.2; windows need >= 7,129 events to be above "
-                    "the noise; privacy unit: the event (a source that contributes g events is "
-                    "protected at g x eps; docs/privacy_unit.md)")
+    assert head == (
+        "accuracy plan: 1,000,000 counters (D), eps 1, 2 noise layer(s) at release: "
+        "error floor ~3,564 items; with 40,000 events per window (the window's size) "
+        "events over the noise floor 11.2; windows need >= 7,129 events to be above "
+        "the noise; privacy unit: the event (a source that contributes g events is "
+        "protected at g x eps; docs/privacy_unit.md)"
+    )
     # the releases' own expected errors, from simulated windows of the two reference shapes
-    assert re.fullmatch(r"\+-[0-9.]+% distinct items, \+-[0-9.]+% entropy for a Zipf\(1\.1\) "
-                        r"window( \(BELOW THE NOISE: could be off by 2x\))?; \+-[0-9.]+% distinct "
-                        r"items, \+-[0-9.]+% entropy for mostly distinct items( \(BELOW THE NOISE: "
-                        r"could be off by 2x\))?", planned), planned
+    assert re.fullmatch(
+        r"\+-[0-9.]+% distinct items, \+-[0-9.]+% entropy for a Zipf\(1\.1\) "
+        r"window( \(BELOW THE NOISE: could be off by 2x\))?; \+-[0-9.]+% distinct "
+        r"items, \+-[0-9.]+% entropy for mostly distinct items( \(BELOW THE NOISE: "
+        r"could be off by 2x\))?",
+        planned,
+    ), planned
 
 
 def test_start_line_and_plan_state_the_same_expected_errors():
@@ -246,8 +274,9 @@ def test_start_line_and_plan_state_the_same_expected_errors():
 
     cfg = _cfg("state.domain_size=2000", "window.size=20000")
     line, _ = accuracy_plan(cfg)
-    assert planned_errors(cfg) == "accuracy plan: " + line.split(
-        "; expected error of a release: ")[1]
+    assert (
+        planned_errors(cfg) == "accuracy plan: " + line.split("; expected error of a release: ")[1]
+    )
     assert accuracy_plan(cfg, simulate=False)[0] == line.split("; expected error")[0]
 
 
@@ -271,14 +300,22 @@ def test_one_configuration_plans_the_same_figures_in_every_process(monkeypatch):
 def test_accuracy_plan_suggests_a_fix_below_the_noise():
     line, below = accuracy_plan(_cfg("state.domain_size=100000000", "window.size=40000"))
     assert below
-    assert line.endswith('BELOW THE NOISE at 40,000 events: use hashed mode (state.mode = '
-                         '"hashed", ~80,000 buckets for 40,000 events) or longer windows '
-                         '(window.size)')
+    assert line.endswith(
+        "BELOW THE NOISE at 40,000 events: use hashed mode (state.mode = "
+        '"hashed", ~80,000 buckets for 40,000 events) or longer windows '
+        "(window.size)"
+    )
 
 
 def test_accuracy_plan_counts_snapshot_layers_and_time_windows():
-    line, _ = accuracy_plan(_cfg("checkpoint.snapshots_per_window=2", "window.kind=time",
-                                 "window.size=60", "state.expected_n=5000"))
+    line, _ = accuracy_plan(
+        _cfg(
+            "checkpoint.snapshots_per_window=2",
+            "window.kind=time",
+            "window.size=60",
+            "state.expected_n=5000",
+        )
+    )
     assert "6 noise layer(s) at release" in line  # 1 + 2 x 2 snapshots + the release layer
     assert "with 5,000 events per window (state.expected_n)" in line
 
@@ -289,10 +326,21 @@ def test_service_release_says_what_it_counted(tmp_path):
 
     path = tmp_path / "e.jsonl"
     path.write_text("".join(json.dumps({"user": {"id": i % 50}}) + "\n" for i in range(600)))
-    cfg = load_config(None, ["source.kind=file", f"source.path={path}", "source.format=json",
-                             "state.domain_size=100", "window.size=500", "item.field=user.id",
-                             f"checkpoint.dir={tmp_path / 's'}", f"release.dir={tmp_path / 'r'}",
-                             "metrics.port=-1", "release.error_bar_reps=0"])
+    cfg = load_config(
+        None,
+        [
+            "source.kind=file",
+            f"source.path={path}",
+            "source.format=json",
+            "state.domain_size=100",
+            "window.size=500",
+            "item.field=user.id",
+            f"checkpoint.dir={tmp_path / 's'}",
+            f"release.dir={tmp_path / 'r'}",
+            "metrics.port=-1",
+            "release.error_bar_reps=0",
+        ],
+    )
     Aggregator(cfg, FileSource(str(path), "json", batch=100, progress=False)).run()
     rel = json.loads((tmp_path / "r" / "release-0.json").read_text())
     assert rel["counted"] == {"stream": "file:e.jsonl", "item": "value:user.id"}
@@ -306,6 +354,7 @@ def test_release_estimator_is_configurable_and_named():
     assert default["accuracy"]["estimator"].endswith(" (default)")
     cfg = _cfg("release.estimator=deconvolution")
     from aggregator.service.stages.release import release_method
+
     assert release_method(cfg) == "deconvolution" and release_method(_cfg()) is None
 
 
@@ -317,14 +366,35 @@ def test_a_service_logs_its_plans_expected_errors_unless_told_not_to(tmp_path, p
     simulated, and no thread runs."""
     log_path = tmp_path / "stderr.log"
     env = dict(os.environ, PANAGG_RELEASE_PLAN_ERRORS=plan_errors)
-    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=200000",
-            "--set", "source.generator_rate=1000", "--set", "source.max_records=500",
-            "--set", "state.domain_size=500",
-            "--set", "window.size=20000", "--state-dir", str(tmp_path / "state"),
-            "--release-dir", str(tmp_path / "releases"), "--metrics-port", "-1"]
+    args = [
+        "run",
+        "--set",
+        "source.kind=generator",
+        "--set",
+        "source.generator_events=200000",
+        "--set",
+        "source.generator_rate=1000",
+        "--set",
+        "source.max_records=500",
+        "--set",
+        "state.domain_size=500",
+        "--set",
+        "window.size=20000",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--release-dir",
+        str(tmp_path / "releases"),
+        "--metrics-port",
+        "-1",
+    ]
     with open(log_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aggregator.service.cli", *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
     try:
         plan = []
         deadline = time.time() + (120 if plan_errors == "true" else 5)
@@ -338,12 +408,13 @@ def test_a_service_logs_its_plans_expected_errors_unless_told_not_to(tmp_path, p
     assert proc.returncode == 0, text[-3000:]
     assert plan and "accuracy plan: 500 counters (D)" in plan[0], text[-3000:]
     if plan_errors == "true":
-        assert len(plan) == 2 and re.search(r"accuracy plan: (\+-[0-9.]+%|\?) distinct items",
-                                            plan[1]), text[-3000:]
+        assert len(plan) == 2 and re.search(
+            r"accuracy plan: (\+-[0-9.]+%|\?) distinct items", plan[1]
+        ), text[-3000:]
     else:
         assert len(plan) == 1 and plan[0].endswith(
-            "; expected errors not simulated (release.plan_errors = false; panagg plan gives "
-            "them)"), text[-3000:]
+            "; expected errors not simulated (release.plan_errors = false; panagg plan gives them)"
+        ), text[-3000:]
 
 
 @pytest.mark.plan_thread
@@ -356,15 +427,18 @@ def test_the_start_plan_waits_for_the_loop_to_catch_up(monkeypatch, caplog):
     from aggregator.service.config import load_config
 
     calls = []
-    monkeypatch.setattr(accuracy_plan, "planned_errors",
-                        lambda cfg, cancel=None: calls.append(time.monotonic()) or "plan done")
+    monkeypatch.setattr(
+        accuracy_plan,
+        "planned_errors",
+        lambda cfg, cancel=None: calls.append(time.monotonic()) or "plan done",
+    )
     monkeypatch.setattr(accuracy_plan, "PLAN_DEFER_S", 60.0)
     cfg = load_config(None, ["state.domain_size=500", "release.plan_errors=true"], env={})
     plan = accuracy_plan.StartPlan(cfg)
     with caplog.at_level(logging.INFO, logger="panagg.service"):
         plan.start()
         time.sleep(1.5)
-        assert calls == []            # the loop has not been idle: no simulation yet
+        assert calls == []  # the loop has not been idle: no simulation yet
         t_idle = time.monotonic()
         plan.idle()
         deadline = time.monotonic() + 10
@@ -372,7 +446,7 @@ def test_the_start_plan_waits_for_the_loop_to_catch_up(monkeypatch, caplog):
             time.sleep(0.05)
         plan.close()
     assert calls and calls[0] >= t_idle
-    monkeypatch.setattr(accuracy_plan, "PLAN_DEFER_S", 0.5)   # never idle: runs anyway
+    monkeypatch.setattr(accuracy_plan, "PLAN_DEFER_S", 0.5)  # never idle: runs anyway
     calls.clear()
     plan = accuracy_plan.StartPlan(cfg)
     plan.start()

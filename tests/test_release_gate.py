@@ -16,10 +16,18 @@ EPS = 1.0
 
 def gate_in(directory, name="", budget_per_event=EPS):
     directory.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(directory / "ledger.jsonl", budget_per_window=EPS,
-                    budget_per_event=budget_per_event)
-    return ReleaseGate(ledger, Metrics(), epsilon=EPS, model="joint", stream="kafka:logins",
-                       aggregation=name, directory=directory)
+    ledger = Ledger(
+        directory / "ledger.jsonl", budget_per_window=EPS, budget_per_event=budget_per_event
+    )
+    return ReleaseGate(
+        ledger,
+        Metrics(),
+        epsilon=EPS,
+        model="joint",
+        stream="kafka:logins",
+        aggregation=name,
+        directory=directory,
+    )
 
 
 def closing(events=10, lineage="L1", kind="count"):
@@ -29,11 +37,19 @@ def closing(events=10, lineage="L1", kind="count"):
 def release(gate, uid, wid, ranges, window=None):
     """What a close does once the gate allows: the release entry with its position fields."""
     window = window or closing()
-    fields = gate.position_fields(window, ranges, {p: r[1] for p, r in ranges.items()},
-                                  {"events": 0, "rejects": {}})
-    gate.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid, window_uid=uid,
-                       epsilon_spent=gate.charge_of(window), model="joint", document="{}",
-                       **fields)
+    fields = gate.position_fields(
+        window, ranges, {p: r[1] for p, r in ranges.items()}, {"events": 0, "rejects": {}}
+    )
+    gate.ledger.append(
+        entry_id=f"release-{uid}",
+        kind="release",
+        window=wid,
+        window_uid=uid,
+        epsilon_spent=gate.charge_of(window),
+        model="joint",
+        document="{}",
+        **fields,
+    )
 
 
 def test_covered_ranges_are_the_positions_counted_from_each_partitions_start():
@@ -47,36 +63,52 @@ def test_a_new_uid_over_released_positions_is_refused_and_the_refusal_is_ledgere
     release(gate, "u1", 0, {"p0": [0, 100]})
     # another lineage (a fresh start, a lost checkpoint) over half of those positions
     refused_fields = {"ranges": {"p0": [50, 150]}, "lineage": "L2"}
-    assert not gate.allows("u2", 0, ranges={"p0": [50, 150]}, charge=EPS,
-                           closing=closing(lineage="L2"), refusal_fields=lambda: refused_fields)
+    assert not gate.allows(
+        "u2",
+        0,
+        ranges={"p0": [50, 150]},
+        charge=EPS,
+        closing=closing(lineage="L2"),
+        refusal_fields=lambda: refused_fields,
+    )
     entry = gate.ledger.get("refused-u2")
     assert entry["kind"] == "refused" and entry["ranges"] == {"p0": [50, 150]}
     assert "released before" in entry["note"] and "p0" in entry["note"]
     assert gate.metrics.releases_refused._value.get() == 1
     # asked again (a restart), the answer is the same and nothing more is written
     n = len(gate.ledger.entries)
-    assert not gate.allows("u2", 0, ranges={"p0": [50, 150]}, charge=EPS,
-                           closing=closing(lineage="L2"))
+    assert not gate.allows(
+        "u2", 0, ranges={"p0": [50, 150]}, charge=EPS, closing=closing(lineage="L2")
+    )
     assert len(gate.ledger.entries) == n
     # positions never charged are allowed under the same new lineage
-    assert gate.allows("u3", 1, ranges={"p0": [100, 200]}, charge=EPS,
-                       closing=closing(lineage="L2"))
+    assert gate.allows(
+        "u3", 1, ranges={"p0": [100, 200]}, charge=EPS, closing=closing(lineage="L2")
+    )
 
 
 def test_windows_in_the_release_worker_count_as_charged(tmp_path):
     gate = gate_in(tmp_path / "a")
-    flying = [{"charge": EPS, "ranges": {"p0": [0, 100]},
-               "window": {"lineage": "L1", "kind": "count"}}]
-    assert not gate.allows("u2", 1, ranges={"p0": [90, 120]}, charge=EPS,
-                           closing=closing(lineage="L9"), in_flight=flying)
+    flying = [
+        {"charge": EPS, "ranges": {"p0": [0, 100]}, "window": {"lineage": "L1", "kind": "count"}}
+    ]
+    assert not gate.allows(
+        "u2",
+        1,
+        ranges={"p0": [90, 120]},
+        charge=EPS,
+        closing=closing(lineage="L9"),
+        in_flight=flying,
+    )
     # negative control: without the job in flight the same positions are free
-    assert gate.allows("u3", 1, ranges={"p0": [90, 120]}, charge=EPS,
-                       closing=closing(lineage="L9"))
+    assert gate.allows("u3", 1, ranges={"p0": [90, 120]}, charge=EPS, closing=closing(lineage="L9"))
 
 
 def test_other_aggregations_of_the_stream_charge_the_same_events(tmp_path):
-    users, ips = (gate_in(tmp_path / "set" / "users", "users"),
-                  gate_in(tmp_path / "set" / "ips", "ips"))
+    users, ips = (
+        gate_in(tmp_path / "set" / "users", "users"),
+        gate_in(tmp_path / "set" / "ips", "ips"),
+    )
     release(users, "u1", 0, {"p0": [0, 100]})
     assert [e["window_uid"] for e in ips.other_charges() if e["kind"] == "release"] == ["u1"]
     # at a per-event budget of one release, the other aggregation's window is refused
@@ -98,5 +130,6 @@ def test_a_damaged_sibling_ledger_stops_with_one_line(tmp_path):
     (tmp_path / "set" / "users").mkdir(parents=True)
     (tmp_path / "set" / "users" / "ledger.jsonl").write_text("not json\n")
     from aggregator.service.errors import ServiceError
+
     with pytest.raises(ServiceError, match="another aggregation's ledger"):
         ips.other_charges()

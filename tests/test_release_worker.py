@@ -11,8 +11,16 @@ import pytest
 
 from aggregator.service import Aggregator
 from consumers.file_source import FileSource
-from tests.helpers.service import (D, cfg_for, cli_sets, durable, expected_release,
-                                ledger_entries, run_cli, write_events)
+from tests.helpers.service import (
+    D,
+    cfg_for,
+    cli_sets,
+    durable,
+    expected_release,
+    ledger_entries,
+    run_cli,
+    write_events,
+)
 
 DELAY = "1.5"
 
@@ -23,8 +31,10 @@ def testing_env(monkeypatch):
 
 
 def _releases(tmp_path):
-    return {json.loads(p.read_text())["window"]: json.loads(p.read_text())
-            for p in (tmp_path / "releases").glob("release-*.json")}
+    return {
+        json.loads(p.read_text())["window"]: json.loads(p.read_text())
+        for p in (tmp_path / "releases").glob("release-*.json")
+    }
 
 
 def _three_windows(tmp_path, seed):
@@ -33,10 +43,10 @@ def _three_windows(tmp_path, seed):
     items = np.random.default_rng(seed).integers(0, D, 3000)
     path = tmp_path / "events.jsonl"
     write_events(path, items)
-    cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "release.workers": 1,
-                                     "source.max_records": 100})
-    return items, path, Aggregator(cfg, FileSource(str(path), "json", batch=100,
-                                                   progress=False))
+    cfg = cfg_for(
+        tmp_path, path, **{"window.size": 1000, "release.workers": 1, "source.max_records": 100}
+    )
+    return items, path, Aggregator(cfg, FileSource(str(path), "json", batch=100, progress=False))
 
 
 def test_intake_goes_on_while_a_release_runs_and_every_release_is_exact(tmp_path, monkeypatch):
@@ -57,12 +67,17 @@ def test_intake_goes_on_while_a_release_runs_and_every_release_is_exact(tmp_path
     assert sorted(docs) == [0, 1, 2]
     for w in range(3):  # the worker's release of exactly the window's events
         assert docs[w]["n"] == 1000
-        assert docs[w]["histogram"] == expected_release(items[w * 1000:(w + 1) * 1000],
-                                                        w)["histogram"]
+        assert (
+            docs[w]["histogram"]
+            == expected_release(items[w * 1000 : (w + 1) * 1000], w)["histogram"]
+        )
     releases = [e for e in ledger_entries(tmp_path) if e["kind"] == "release"]
     assert [e["window"] for e in releases] == [0, 1, 2]  # ledgered in window order
-    assert [e["ranges"][f"file:{path.name}"] for e in releases] == [[0, 1000], [1000, 2000],
-                                                                    [2000, 3000]]
+    assert [e["ranges"][f"file:{path.name}"] for e in releases] == [
+        [0, 1000],
+        [1000, 2000],
+        [2000, 3000],
+    ]
     ckpt = durable(tmp_path)
     assert ckpt.unreleased == [] and ckpt.pending == [] and ckpt.window["id"] == 3
 
@@ -76,28 +91,35 @@ def test_states_counted_in_their_shared_blocks_release_exactly(tmp_path, monkeyp
     monkeypatch.setattr(release_worker, "HOUSE_MIN_SIZE", 1)
     copied = []
     shelve = release_worker._shelve
-    monkeypatch.setattr(release_worker, "_shelve",
-                        lambda state: copied.append(1) or shelve(state))
+    monkeypatch.setattr(release_worker, "_shelve", lambda state: copied.append(1) or shelve(state))
     items, path, agg = _three_windows(tmp_path, seed=34)
     agg.run()
     docs = _releases(tmp_path)
     assert sorted(docs) == [0, 1, 2] and len(copied) == 1
     for w in range(3):
         assert docs[w]["n"] == 1000
-        assert docs[w]["histogram"] == expected_release(items[w * 1000:(w + 1) * 1000],
-                                                        w)["histogram"]
+        assert (
+            docs[w]["histogram"]
+            == expected_release(items[w * 1000 : (w + 1) * 1000], w)["histogram"]
+        )
 
 
-@pytest.mark.parametrize("fault, replayed", [
-    ("release-submitted:2", [0, 1]),   # windows 0 and 1 closed, neither released
-    ("release-ledgered:1", [1]),       # window 0 ledgered, its checkpoint not yet written
-])
+@pytest.mark.parametrize(
+    "fault, replayed",
+    [
+        ("release-submitted:2", [0, 1]),  # windows 0 and 1 closed, neither released
+        ("release-ledgered:1", [1]),  # window 0 ledgered, its checkpoint not yet written
+    ],
+)
 def test_kill_with_closed_unreleased_windows_releases_each_once(tmp_path, fault, replayed):
     items = np.random.default_rng(32).integers(0, D, 3500)
     path = tmp_path / "events.jsonl"
     write_events(path, items)
-    args = cli_sets(tmp_path, path, **{"window.size": 1000, "release.on_exhausted": "false",
-                                       "release.workers": 1})
+    args = cli_sets(
+        tmp_path,
+        path,
+        **{"window.size": 1000, "release.on_exhausted": "false", "release.workers": 1},
+    )
     first = run_cli(args, {"PANAGG_TEST_FAULT": fault, "PANAGG_TEST_RELEASE_DELAY_S": DELAY})
     assert first.returncode == -9, first.stderr[-2000:]
     ckpt = durable(tmp_path)
@@ -108,8 +130,10 @@ def test_kill_with_closed_unreleased_windows_releases_each_once(tmp_path, fault,
     assert sorted(docs) == [0, 1, 2]
     for w in range(3):  # exact n, the events of exactly its range, published once
         assert docs[w]["n"] == 1000
-        assert docs[w]["histogram"] == expected_release(items[w * 1000:(w + 1) * 1000],
-                                                        w)["histogram"]
+        assert (
+            docs[w]["histogram"]
+            == expected_release(items[w * 1000 : (w + 1) * 1000], w)["histogram"]
+        )
     entries = ledger_entries(tmp_path)
     assert [e["window"] for e in entries if e["kind"] == "release"] == [0, 1, 2]
     restarted = [e for e in entries if e["kind"] == "restart"]
@@ -131,16 +155,24 @@ def test_several_aggregations_release_in_parallel_and_exactly(tmp_path, monkeypa
     cfg = config(tmp_path, "release.workers=3")
     multi = MultiAggregator(cfg, FileSource(cfg.source.path, fmt="json", batch=700))
     multi.run()
-    runs = [(name, started, ended) for name, agg in multi.aggs.items()
-            for _, started, ended in agg.release_runs]
+    runs = [
+        (name, started, ended)
+        for name, agg in multi.aggs.items()
+        for _, started, ended in agg.release_runs
+    ]
     assert len(runs) == 3 + 3 + 3  # (the last windows are released at the file's end)
-    overlapping = [(a, b) for a in runs for b in runs
-                   if a[0] < b[0] and a[1] < b[2] and b[1] < a[2]]
+    overlapping = [
+        (a, b) for a in runs for b in runs if a[0] < b[0] and a[1] < b[2] and b[1] < a[2]
+    ]
     assert overlapping, runs
     for name, size in (("account", 700), ("device", 700), ("ip", 900)):
-        docs = sorted((json.loads(p.read_text()) for p in
-                       (tmp_path / "releases" / name).glob("release-*.json")),
-                      key=lambda d: d["window"])
+        docs = sorted(
+            (
+                json.loads(p.read_text())
+                for p in (tmp_path / "releases" / name).glob("release-*.json")
+            ),
+            key=lambda d: d["window"],
+        )
         assert len(docs) == 3 and [d["n"] for d in docs][:-1] == [size, size], name
     assert sum(d["n"] for d in _releases_of(tmp_path, "account")) == 2100
 
@@ -149,11 +181,14 @@ def _releases_of(tmp_path, name):
     return [json.loads(p.read_text()) for p in (tmp_path / "releases" / name).glob("*.json")]
 
 
-@pytest.mark.parametrize("fault, restart", [
-    ("release-submitted:2", "1 closed window(s)"),        # two closed windows in flight
-    ("checkpoint-after-rename:2", "a layered snapshot"),  # right after window 0's snapshot
-    ("checkpoint-after-rename:5", "2 closed window(s)"),
-])
+@pytest.mark.parametrize(
+    "fault, restart",
+    [
+        ("release-submitted:2", "1 closed window(s)"),  # two closed windows in flight
+        ("checkpoint-after-rename:2", "a layered snapshot"),  # right after window 0's snapshot
+        ("checkpoint-after-rename:5", "2 closed window(s)"),
+    ],
+)
 def test_snapshots_with_the_release_worker_stay_exact(tmp_path, fault, restart):
     """Layered snapshots inside windows (checkpoint.snapshots_per_window = 2) with releases
     beside the loop: a snapshot waits while a closed window is in flight, a kill with two
@@ -162,9 +197,16 @@ def test_snapshots_with_the_release_worker_stay_exact(tmp_path, fault, restart):
     items = np.random.default_rng(33).integers(0, D, 3500)
     path = tmp_path / "events.jsonl"
     write_events(path, items)
-    args = cli_sets(tmp_path, path, **{"window.size": 1000, "release.on_exhausted": "false",
-                                       "release.workers": 1,
-                                       "checkpoint.snapshots_per_window": 2})
+    args = cli_sets(
+        tmp_path,
+        path,
+        **{
+            "window.size": 1000,
+            "release.on_exhausted": "false",
+            "release.workers": 1,
+            "checkpoint.snapshots_per_window": 2,
+        },
+    )
     first = run_cli(args, {"PANAGG_TEST_FAULT": fault, "PANAGG_TEST_RELEASE_DELAY_S": DELAY})
     assert first.returncode == -9, first.stderr[-2000:]
     second = run_cli(args)
@@ -182,6 +224,7 @@ def test_snapshots_with_the_release_worker_stay_exact(tmp_path, fault, restart):
 
 def _blocks() -> set:
     from pathlib import Path
+
     return {p.name for p in Path("/dev/shm").glob("psm_*")}
 
 
@@ -197,9 +240,15 @@ def test_the_hand_off_goes_through_shared_memory_freed_once_collected():
     state.add_indices(np.random.default_rng(3).integers(0, 40, 5000))
     worker = ReleaseWorker(1)
     try:
-        future = worker.submit(state, model="joint", loss="l1", window=0,
-                               rng=np.random.default_rng(5), error_bar_reps=0,
-                               method="threshold")
+        future = worker.submit(
+            state,
+            model="joint",
+            loss="l1",
+            window=0,
+            rng=np.random.default_rng(5),
+            error_bar_reps=0,
+            method="threshold",
+        )
         during = {block.name.lstrip("/") for block in worker._blocks}
         assert len(during) == 1 and during <= _blocks()  # the block, while the release runs
         doc = future.result(timeout=300)[0]
@@ -209,8 +258,15 @@ def test_the_hand_off_goes_through_shared_memory_freed_once_collected():
     finally:
         worker.close()
     assert not (during & _blocks())
-    here = make_release(state, model="joint", loss="l1", window=0, rng=np.random.default_rng(5),
-                        error_bar_reps=0, method="threshold")
+    here = make_release(
+        state,
+        model="joint",
+        loss="l1",
+        window=0,
+        rng=np.random.default_rng(5),
+        error_bar_reps=0,
+        method="threshold",
+    )
     assert doc["histogram"] == here["histogram"] and doc["n"] == here["n"] == 5000
 
 
@@ -234,12 +290,24 @@ def test_a_housed_state_is_handed_over_without_a_copy_and_its_block_freed():
         housed = housed_names()
         assert len(housed) == 1 and housed <= _blocks()
         state.add_indices(np.random.default_rng(3).integers(0, 40, 5000))  # counted in place
-        expected = make_release(state, model="joint", loss="l1", window=0,
-                                rng=np.random.default_rng(5), error_bar_reps=0,
-                                method="threshold")
-        future = worker.submit(state, model="joint", loss="l1", window=0,
-                               rng=np.random.default_rng(5), error_bar_reps=0,
-                               method="threshold")
+        expected = make_release(
+            state,
+            model="joint",
+            loss="l1",
+            window=0,
+            rng=np.random.default_rng(5),
+            error_bar_reps=0,
+            method="threshold",
+        )
+        future = worker.submit(
+            state,
+            model="joint",
+            loss="l1",
+            window=0,
+            rng=np.random.default_rng(5),
+            error_bar_reps=0,
+            method="threshold",
+        )
         # the same block changed hands, no copy into a new one
         assert not worker._housed and {b.name.lstrip("/") for b in worker._blocks} == housed
         del state
@@ -293,9 +361,18 @@ def test_no_room_in_dev_shm_falls_back_to_the_pipe_with_one_warning(monkeypatch,
         with caplog.at_level(logging.WARNING, logger="panagg.service"):
             state = worker.house(PanPrivateHistogram(1.0, size=HOUSE_MIN_SIZE))
             state.add_indices(np.arange(100))
-            futures = [worker.submit(state, model="joint", loss="l1", window=w,
-                                     rng=np.random.default_rng(5), error_bar_reps=0,
-                                     method="threshold") for w in range(2)]
+            futures = [
+                worker.submit(
+                    state,
+                    model="joint",
+                    loss="l1",
+                    window=w,
+                    rng=np.random.default_rng(5),
+                    error_bar_reps=0,
+                    method="threshold",
+                )
+                for w in range(2)
+            ]
             docs = [f.result(timeout=300)[0] for f in futures]
     finally:
         worker.close()
@@ -303,8 +380,15 @@ def test_no_room_in_dev_shm_falls_back_to_the_pipe_with_one_warning(monkeypatch,
     assert not worker._housed and not worker._blocks
     warned = [r.getMessage() for r in caplog.records if "/dev/shm" in r.getMessage()]
     assert len(warned) == 1 and "larger /dev/shm" in warned[0]
-    expected = make_release(state, model="joint", loss="l1", window=0,
-                            rng=np.random.default_rng(5), error_bar_reps=0, method="threshold")
+    expected = make_release(
+        state,
+        model="joint",
+        loss="l1",
+        window=0,
+        rng=np.random.default_rng(5),
+        error_bar_reps=0,
+        method="threshold",
+    )
     assert docs[0]["histogram"] == expected["histogram"] and docs[0]["n"] == 100
 
 
@@ -325,10 +409,12 @@ def test_a_block_in_flight_is_unlinked_when_the_service_is_killed(tmp_path):
         "w.submit(PanPrivateHistogram(1.0, size=1000), model='joint', loss='l1', window=0,\n"
         "         rng=None, error_bar_reps=0, method=None)\n"
         "print(next(iter(w._blocks)).name, flush=True)\n"
-        "time.sleep(600)\n")
+        "time.sleep(600)\n"
+    )
     env = dict(os.environ, PANAGG_TESTING="1", PANAGG_TEST_RELEASE_DELAY_S="600")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
     name = proc.stdout.readline().strip().lstrip("/")
     assert name and name in _blocks()
     proc.send_signal(signal.SIGKILL)

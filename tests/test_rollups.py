@@ -35,12 +35,21 @@ def _args(tmp_path, n=6000, size=1000, rollups="3x,6x", **sets):
     items = np.random.default_rng().integers(0, D, n)
     path = tmp_path / "events.jsonl"
     write_events(path, items)
-    return cli_sets(tmp_path, path, **{"window.size": size, "release.on_exhausted": "false",
-                                       "window.rollups": rollups, "testing.noise_seed": -1,
-                                       "window.rollup_design": "sum",
-                                       "release.error_bar_reps": 0,
-                                       # a rollup's 2k layers: threshold cannot take them
-                                       "release.estimator": "default", **sets})
+    return cli_sets(
+        tmp_path,
+        path,
+        **{
+            "window.size": size,
+            "release.on_exhausted": "false",
+            "window.rollups": rollups,
+            "testing.noise_seed": -1,
+            "window.rollup_design": "sum",
+            "release.error_bar_reps": 0,
+            # a rollup's 2k layers: threshold cannot take them
+            "release.estimator": "default",
+            **sets,
+        },
+    )
 
 
 def _kind(tmp_path, kind):
@@ -57,20 +66,33 @@ def _histogram(doc):
 
 # -- config: one line naming the fix -----------------------------------------------------------
 
-@pytest.mark.parametrize("sets, fragment", [
-    (["window.kind=time", "window.size=3600", "window.clock=process", "window.rollups=90m"],
-     'not a multiple of window.size = 3600 s; use a multiple such as "2h"'),
-    (["window.size=1000", "window.rollups=2500"], "not a multiple of window.size = 1000"),
-    (["window.size=1000", "window.rollups=1x"], "a rollup covers at least 2"),
-    (["window.size=1000", "window.rollups=3x,3000"], "names 3 base windows twice"),
-    (["window.kind=time", "window.size=3600", "window.clock=process", "window.rollups=soon"],
-     "is not a duration"),
-    (["window.size=1000", "window.rollups=5x,24x"],  # hybrid (the default): sums of 5x
-     "window.rollups: '24x' is not a multiple of '5x' (hybrid: longer spans are sums of the 5x "
-     "windows); use multiples of '5x' or window.rollup_design = tree"),
-    (["window.size=1000", "window.rollups=3x", "state.model=state-only"],
-     "window.rollups needs state.model = joint"),
-])
+
+@pytest.mark.parametrize(
+    "sets, fragment",
+    [
+        (
+            ["window.kind=time", "window.size=3600", "window.clock=process", "window.rollups=90m"],
+            'not a multiple of window.size = 3600 s; use a multiple such as "2h"',
+        ),
+        (["window.size=1000", "window.rollups=2500"], "not a multiple of window.size = 1000"),
+        (["window.size=1000", "window.rollups=1x"], "a rollup covers at least 2"),
+        (["window.size=1000", "window.rollups=3x,3000"], "names 3 base windows twice"),
+        (
+            ["window.kind=time", "window.size=3600", "window.clock=process", "window.rollups=soon"],
+            "is not a duration",
+        ),
+        (
+            ["window.size=1000", "window.rollups=5x,24x"],  # hybrid (the default): sums of 5x
+            "window.rollups: '24x' is not a multiple of "
+            "'5x' (hybrid: longer spans are sums of the 5x "
+            "windows); use multiples of '5x' or window.rollup_design = tree",
+        ),
+        (
+            ["window.size=1000", "window.rollups=3x", "state.model=state-only"],
+            "window.rollups needs state.model = joint",
+        ),
+    ],
+)
 def test_bad_rollup_settings_are_refused_with_one_line(sets, fragment):
     with pytest.raises(ConfigError) as exc:
         load_config(None, ["source.kind=generator", *sets], env={})
@@ -81,35 +103,63 @@ def test_bad_rollup_settings_are_refused_with_one_line(sets, fragment):
 def test_sums_and_hybrid_spans_run_in_a_group(kind):
     """A group takes sum rollups (aggregator/service/group/rollups.py) of every window kind:
     plain sums, and a hybrid level's longer spans as sums of the level's windows."""
-    group = [f"window.kind={kind}", "window.size=60", "scale.partitioned=true",
-             "scale.exchange=items", "source.kind=kafka", "source.topic=t"]
-    cfg = load_config(None, ["source.kind=generator", *group, "window.rollups=3x",
-                             "window.rollup_design=sum"], env={})
+    group = [
+        f"window.kind={kind}",
+        "window.size=60",
+        "scale.partitioned=true",
+        "scale.exchange=items",
+        "source.kind=kafka",
+        "source.topic=t",
+    ]
+    cfg = load_config(
+        None,
+        ["source.kind=generator", *group, "window.rollups=3x", "window.rollup_design=sum"],
+        env={},
+    )
     assert rollup_spans(cfg) == {"3x": 3} and not cfg.aggregations
     if kind != "time":
         return
     cfg = load_config(None, ["source.kind=generator", *group, "window.rollups=3x,6x"], env={})
-    assert cfg.aggregations["r3x"]["window"] == {"rollup_design": "sum", "size": 180,
-                                                    "rollups": ["2x"]}
+    assert cfg.aggregations["r3x"]["window"] == {
+        "rollup_design": "sum",
+        "size": 180,
+        "rollups": ["2x"],
+    }
 
 
 def test_tree_and_one_span_hybrid_levels_run_in_a_group_and_name_themselves():
     """In a Kafka-only group every level is an aggregation of its own: tree and a one-span
     hybrid are allowed; each level's config says what it is (its releases' rollup_level)."""
-    base = ["source.kind=kafka", "source.topic=t", "scale.partitioned=true",
-            "scale.exchange=items", "window.kind=time", "window.size=60", "state.domain_size=100"]
-    for design, spans, levels in (("hybrid", "3x", {"r3x": 3}),
-                                  ("tree", "3x,6x", {"r3x": 3, "r6x": 6})):
-        cfg = load_config(None, base + [f"window.rollups={spans}",
-                                        f"window.rollup_design={design}"], env={})
+    base = [
+        "source.kind=kafka",
+        "source.topic=t",
+        "scale.partitioned=true",
+        "scale.exchange=items",
+        "window.kind=time",
+        "window.size=60",
+        "state.domain_size=100",
+    ]
+    for design, spans, levels in (
+        ("hybrid", "3x", {"r3x": 3}),
+        ("tree", "3x,6x", {"r3x": 3, "r6x": 6}),
+    ):
+        cfg = load_config(
+            None, base + [f"window.rollups={spans}", f"window.rollup_design={design}"], env={}
+        )
         got = {name: one for name, one in aggregation_configs(cfg)}
         assert set(got) == {"base", *levels}
         share = 1.0 / (1 + len(levels))
         for name, k in levels.items():
             level = got[name]["aggregation"]["rollup_level"]
-            assert level == {"span": name[1:], "design": design, "base": "base",
-                             "base_windows": k, "epsilon": pytest.approx(share),
-                             "epsilon_per_event": 1.0, "sums": []}
+            assert level == {
+                "span": name[1:],
+                "design": design,
+                "base": "base",
+                "base_windows": k,
+                "epsilon": pytest.approx(share),
+                "epsilon_per_event": 1.0,
+                "sums": [],
+            }
             assert got[name]["window"]["size"] == 60 * k
             assert got[name]["state"]["epsilon"] == pytest.approx(share)
         assert "rollup_level" not in got["base"]["aggregation"]
@@ -117,13 +167,18 @@ def test_tree_and_one_span_hybrid_levels_run_in_a_group_and_name_themselves():
 
 def test_rollup_spans_from_toml_env_and_flags(tmp_path):
     toml = tmp_path / "c.toml"
-    toml.write_text('[window]\nkind = "time"\nclock = "process"\nsize = 3600\n'
-                    'rollups = ["1d", "7d"]\n')
-    assert rollup_spans(load_config(str(toml), ["source.kind=generator"], env={})) == \
-        {"1d": 24, "7d": 168}
-    cfg = load_config(None, ["source.kind=generator", "window.size=1000"],
-                      env={"PANAGG_WINDOW_ROLLUPS": "24000, 5x",
-                           "PANAGG_WINDOW_ROLLUP_DESIGN": "sum"})
+    toml.write_text(
+        '[window]\nkind = "time"\nclock = "process"\nsize = 3600\nrollups = ["1d", "7d"]\n'
+    )
+    assert rollup_spans(load_config(str(toml), ["source.kind=generator"], env={})) == {
+        "1d": 24,
+        "7d": 168,
+    }
+    cfg = load_config(
+        None,
+        ["source.kind=generator", "window.size=1000"],
+        env={"PANAGG_WINDOW_ROLLUPS": "24000, 5x", "PANAGG_WINDOW_ROLLUP_DESIGN": "sum"},
+    )
     assert rollup_spans(cfg) == {"24000": 24, "5x": 5}
 
 
@@ -137,12 +192,13 @@ def test_the_cli_refusal_is_one_line_not_a_trace(tmp_path):
 
 # -- the view: the release's own counters, never a redraw ------------------------------------
 
+
 def test_make_release_hands_out_the_exact_counters_it_estimated_from():
     state = PanPrivateHistogram(1.0, size=D)
     state.add_indices(np.random.default_rng().integers(0, D, 3000))
     view = []
     rel = make_release(state, window=0, error_bar_reps=0, view=view)
-    (counts, layers), = view
+    ((counts, layers),) = view
     assert layers == state.layers + 1 == rel["layers"]
     assert not np.array_equal(counts, state.counts)  # the release layer is in it
     again = anonymized_histogram(counts, state.p, layers=layers, n=state.n)
@@ -155,6 +211,7 @@ def _pairs(hist):
 
 
 # -- the service ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_rollups_sum_their_base_windows_and_are_ledgered_at_zero_epsilon(tmp_path, workers):
@@ -170,12 +227,15 @@ def test_rollups_sum_their_base_windows_and_are_ledgered_at_zero_epsilon(tmp_pat
         assert [b["window"] for b in entry["base_windows"]] == list(range(first, first + k))
         for b in entry["base_windows"]:  # each names a ledgered release, by uid, seq and hash
             base = releases[b["uid"]]
-            assert (base["window"], base["seq"], base["hash"]) == (b["window"], b["seq"],
-                                                                   b["hash"])
+            assert (base["window"], base["seq"], base["hash"]) == (b["window"], b["seq"], b["hash"])
         doc = _published(tmp_path, name)
         assert doc == json.loads(entry["document"])
-        assert doc["n"] == entry["n"] == sum(releases[b["uid"]]["n"]
-                                             for b in entry["base_windows"]) == 1000 * k
+        assert (
+            doc["n"]
+            == entry["n"]
+            == sum(releases[b["uid"]]["n"] for b in entry["base_windows"])
+            == 1000 * k
+        )
         assert doc["layers"] == 2 * k and doc["epsilon"] == 1.0
         assert doc["rollup"]["complete"] and doc["rollup"]["missing"] == []
         assert doc["rollup"]["windows"] == list(range(first, first + k))
@@ -183,9 +243,19 @@ def test_rollups_sum_their_base_windows_and_are_ledgered_at_zero_epsilon(tmp_pat
     # the ledger's spend is the base windows' only
     assert sum(e["epsilon_spent"] for e in ledger_entries(tmp_path)) == 6.0
     assert not list((tmp_path / "state" / "rollups").rglob("*.sum"))  # released sums are gone
-    hist = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "history",
-                           "--state-dir", str(tmp_path / "state")], capture_output=True,
-                          text=True, env={"PANAGG_TESTING": "1", "PATH": ""})
+    hist = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "history",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        env={"PANAGG_TESTING": "1", "PATH": ""},
+    )
     assert hist.returncode == 0, hist.stderr
     assert "rollup 6x-0 (6 of 6 windows, 0 extra eps)" in hist.stdout
 
@@ -203,13 +273,16 @@ def test_a_rollup_sums_the_very_views_the_base_releases_used(tmp_path):
     assert _histogram(published) == [tuple(x) for x in _pairs(again)]
 
 
-@pytest.mark.parametrize("fault, workers", [
-    ("rollup-view-kept:1", 0),   # window 0's view kept, not folded yet
-    ("rollup-folded:1", 0),      # folded into 3x-0, the kept view not removed yet
-    ("rollup-folded:2", 1),      # folded into 3x-0 and 6x-0 (release worker path)
-    ("rollup-ledgered:1", 0),    # rollup 3x-0 ledgered, not published, its sum still on disk
-    ("rollup-ledgered:2", 1),
-])
+@pytest.mark.parametrize(
+    "fault, workers",
+    [
+        ("rollup-view-kept:1", 0),  # window 0's view kept, not folded yet
+        ("rollup-folded:1", 0),  # folded into 3x-0, the kept view not removed yet
+        ("rollup-folded:2", 1),  # folded into 3x-0 and 6x-0 (release worker path)
+        ("rollup-ledgered:1", 0),  # rollup 3x-0 ledgered, not published, its sum still on disk
+        ("rollup-ledgered:2", 1),
+    ],
+)
 def test_a_crash_in_the_rollup_path_counts_every_window_once(tmp_path, fault, workers):
     args = _args(tmp_path, **{"release.workers": workers})
     first = run_cli(args, {"PANAGG_TEST_FAULT": fault})
@@ -247,15 +320,29 @@ def test_a_window_lost_between_its_ledger_entry_and_the_rollup_is_named_missing(
 
 def test_the_ledger_refuses_a_rollup_over_anything_but_its_own_releases(tmp_path):
     led = Ledger(tmp_path / "ledger.jsonl", budget_per_window=1.0)
-    led.append(entry_id="release-a", kind="release", window=0, window_uid="a",
-               epsilon_spent=1.0, aggregation="")
+    led.append(
+        entry_id="release-a",
+        kind="release",
+        window=0,
+        window_uid="a",
+        epsilon_spent=1.0,
+        aggregation="",
+    )
     led.append(entry_id="refused-b", kind="refused", window=1, window_uid="b")
-    led.append(entry_id="release-c", kind="release", window=2, window_uid="c",
-               epsilon_spent=1.0, aggregation="other")
+    led.append(
+        entry_id="release-c",
+        kind="release",
+        window=2,
+        window_uid="c",
+        epsilon_spent=1.0,
+        aggregation="other",
+    )
     assert [e["window"] for e in led.check_rollup("3x-0", ["a"])] == [0]
-    for uids, fragment in ((["a", "b"], "base window b is not a ledgered release"),
-                           (["a", "zz"], "base window zz is not a ledgered release"),
-                           (["a", "c"], "was released by aggregation 'other'")):
+    for uids, fragment in (
+        (["a", "b"], "base window b is not a ledgered release"),
+        (["a", "zz"], "base window zz is not a ledgered release"),
+        (["a", "c"], "was released by aggregation 'other'"),
+    ):
         with pytest.raises(BudgetExceeded, match=fragment):
             led.check_rollup("3x-0", uids)
 
@@ -265,8 +352,12 @@ def test_several_aggregations_each_roll_up_their_own_windows(tmp_path):
     rng = np.random.default_rng()
     with open(path, "w") as f:
         for i in range(4000):
-            f.write(json.dumps({"user": int(rng.integers(0, 200)),
-                                "device": f"d{int(rng.integers(0, 50))}"}) + "\n")
+            f.write(
+                json.dumps(
+                    {"user": int(rng.integers(0, 200)), "device": f"d{int(rng.integers(0, 50))}"}
+                )
+                + "\n"
+            )
     toml = tmp_path / "multi.toml"
     toml.write_text(f"""
 [source]
@@ -295,39 +386,64 @@ state.epsilon = 0.5
 window.size = 2000
 window.rollups = ["2x"]
 """)
-    out = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", "--config",
-                          str(toml), "--set", f"checkpoint.dir={tmp_path / 'state'}", "--set",
-                          f"release.dir={tmp_path / 'releases'}", "--set", "metrics.port=-1"],
-                         capture_output=True, text=True, env={"PANAGG_TESTING": "1",
-                                                              "PATH": ""}, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            "--config",
+            str(toml),
+            "--set",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            "--set",
+            f"release.dir={tmp_path / 'releases'}",
+            "--set",
+            "metrics.port=-1",
+        ],
+        capture_output=True,
+        text=True,
+        env={"PANAGG_TESTING": "1", "PATH": ""},
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
-    for name, size, eps, rollups in (("user", 1000, 1.0, ["2x-0", "2x-1"]),
-                                     ("device", 2000, 0.5, ["2x-0"])):
-        entries = [json.loads(x) for x in
-                   (tmp_path / "state" / name / "ledger.jsonl").read_text().splitlines()]
+    for name, size, eps, rollups in (
+        ("user", 1000, 1.0, ["2x-0", "2x-1"]),
+        ("device", 2000, 0.5, ["2x-0"]),
+    ):
+        entries = [
+            json.loads(x)
+            for x in (tmp_path / "state" / name / "ledger.jsonl").read_text().splitlines()
+        ]
         got = [e for e in entries if e["kind"] == "rollup"]
         assert [e["window"] for e in got] == rollups
         base = {e["window_uid"]: e for e in entries if e["kind"] == "release"}
         for e in got:
             assert e["aggregation"] == name and e["epsilon_spent"] == 0.0
             assert all(base[b["uid"]]["aggregation"] == name for b in e["base_windows"])
-            doc = json.loads((tmp_path / "releases" / name /
-                              f"release-{e['window']}.json").read_text())
+            doc = json.loads(
+                (tmp_path / "releases" / name / f"release-{e['window']}.json").read_text()
+            )
             assert doc["n"] == 2 * size and doc["epsilon"] == eps
             assert doc["aggregation"]["name"] == name and doc["rollup"]["complete"]
 
 
 # -- the tree and hybrid designs: a live state per level, epsilon split ---------------------
 
+
 def _ledger_of(tmp_path, name):
-    return [json.loads(x) for x in
-            (tmp_path / "state" / name / "ledger.jsonl").read_text().splitlines()]
+    return [
+        json.loads(x) for x in (tmp_path / "state" / name / "ledger.jsonl").read_text().splitlines()
+    ]
 
 
-@pytest.mark.parametrize("design, levels", [
-    ("tree", {"base": (1000, 6, []), "r3x": (3000, 2, []), "r6x": (6000, 1, [])}),
-    ("hybrid", {"base": (1000, 6, []), "r3x": (3000, 2, ["2x-0"])}),
-])
+@pytest.mark.parametrize(
+    "design, levels",
+    [
+        ("tree", {"base": (1000, 6, []), "r3x": (3000, 2, []), "r6x": (6000, 1, [])}),
+        ("hybrid", {"base": (1000, 6, []), "r3x": (3000, 2, ["2x-0"])}),
+    ],
+)
 def test_tree_and_hybrid_designs_split_epsilon_between_level_states(tmp_path, design, levels):
     args = _args(tmp_path, **{"window.rollup_design": design, "release.workers": 1})
     out = run_cli(args)
@@ -346,10 +462,9 @@ def test_tree_and_hybrid_designs_split_epsilon_between_level_states(tmp_path, de
             assert doc["epsilon"] == pytest.approx(share) and doc["layers"] == 2
             if name == "base":
                 assert "rollup_level" not in doc
-            else:   # a level's release says which span of which design it is
+            else:  # a level's release says which span of which design it is
                 level = doc["rollup_level"]
-                assert (level["span"], level["design"], level["base"]) == (name[1:], design,
-                                                                           "base")
+                assert (level["span"], level["design"], level["base"]) == (name[1:], design, "base")
                 assert level["base_windows"] * 1000 == size
                 assert level["epsilon"] == pytest.approx(share)
     assert charged == pytest.approx(1.0)  # the per-event total is state.epsilon
@@ -377,10 +492,12 @@ def test_a_directory_never_switches_between_one_state_and_level_states(tmp_path)
 
 # -- estimators on the layer counts rollups bring ------------------------------------------
 
+
 @pytest.mark.parametrize("layers", [48, 336])
 def test_estimators_take_the_layers_of_a_day_and_a_week(layers):
     from aggregator.estimators import phi_estimate
     from aggregator.release import estimate_with_accuracy
+
     p = p_from_epsilon(1.0)
     h = np.random.default_rng().integers(0, 300, 3000)
     noisy = h + sum(discrete_laplace(p, len(h)) for _ in range(layers))
@@ -388,12 +505,14 @@ def test_estimators_take_the_layers_of_a_day_and_a_week(layers):
     assert 0 < len(hist) <= len(h) and int(hist.sum()) <= int(h.sum())
     assert acc["intervals"]["distinct_items"][0] <= acc["intervals"]["distinct_items"][1]
     for method in ("threshold", "wupagh"):  # inverse filters: noise x 1e50 at these layers
-        with pytest.raises(ValueError, match=f"the {method} estimator cannot run on {layers} "
-                                             "noise layers"):
+        with pytest.raises(
+            ValueError, match=f"the {method} estimator cannot run on {layers} noise layers"
+        ):
             phi_estimate(noisy, p, layers=layers, method=method)
 
 
 # -- the privacy argument, audited: the live window's read and the rollup that contains it ----
+
 
 def _views(stream_delta, runs, redraw):
     """``runs`` independent runs of: an intrusion into window 0 before the replaced event
@@ -411,14 +530,20 @@ def _views(stream_delta, runs, redraw):
     rollup = RollupSum("3x", 0, windows=3, p=p, mode="direct", size=3 * runs)
     rollup.update("w0", 0, base.ravel(), layers=2, n=None)
     for i, c in enumerate(others, 1):
-        rollup.update(f"w{i}", i, (c + discrete_laplace(p, (runs, 3)) +
-                                   discrete_laplace(p, (runs, 3))).ravel(), layers=2, n=None)
+        rollup.update(
+            f"w{i}",
+            i,
+            (c + discrete_laplace(p, (runs, 3)) + discrete_laplace(p, (runs, 3))).ravel(),
+            layers=2,
+            n=None,
+        )
     R = rollup.counts.reshape(runs, 3)
     return M, B, R
 
 
 def test_audit_a_memory_read_and_the_rollup_stay_within_epsilon_a_redraw_does_not():
     from tests.lr_audit import Look, lr_epsilon
+
     p = p_from_epsilon(1.0)
     runs = 200_000
     x, y = np.array([1, 0, 0]), np.array([0, 1, 0])  # the replaced event: item 0 or item 1
@@ -428,20 +553,26 @@ def test_audit_a_memory_read_and_the_rollup_stay_within_epsilon_a_redraw_does_no
     # the rollup as built: the read, the base release's view and the rollup are nested (1, 2,
     # 6 layers): their blocks' ratios sum to the exact joint log-ratio (tests/lr_audit.py)
     vx, vy = _views(x, runs, False), _views(y, runs, False)
-    looks = [Look.of(c_t, c_t, 1), Look.of(base + x, base + y, 2),
-             Look.of(base + x + rest, base + y + rest, 6)]
+    looks = [
+        Look.of(c_t, c_t, 1),
+        Look.of(base + x, base + y, 2),
+        Look.of(base + x + rest, base + y + rest, 6),
+    ]
     ok = lr_epsilon(list(vx), list(vy), looks, p)
     assert ok.eps <= 1.0, ok
     # negative control: a redrawn layer; the published base release's view B and the rollup
     # are two independent looks at the events after the read: (B - M, R' - M)
     rx, ry = _views(x, runs, True), _views(y, runs, True)
-    looks = [Look.of(base + x - c_t, base + y - c_t, 1),
-             Look.of(base + x - c_t + rest, base + y - c_t + rest, 5)]
+    looks = [
+        Look.of(base + x - c_t, base + y - c_t, 1),
+        Look.of(base + x - c_t + rest, base + y - c_t + rest, 5),
+    ]
     bad = lr_epsilon([rx[1] - rx[0], rx[2] - rx[0]], [ry[1] - ry[0], ry[2] - ry[0]], looks, p)
     assert bad.eps > 1.0, bad
 
 
 # -- panagg status on one level of a running rollup service ---------------------------------
+
 
 def test_status_of_a_level_reads_the_running_services_metrics(tmp_path):
     """The levels' process serves one exposition and leaves its URL in checkpoint.dir, above
@@ -455,12 +586,26 @@ def test_status_of_a_level_reads_the_running_services_metrics(tmp_path):
     env = dict(os.environ, PANAGG_TESTING="1")
     # generator_service takes no extra settings: the rollup ones go in by the environment
     env.update({"PANAGG_WINDOW_KIND": "time", "PANAGG_WINDOW_ROLLUPS": '["2x"]'})
-    with generator_service(tmp_path, env, events=10**6, rate=4000, metrics_port="0",
-                           ready="metrics.url") as proc:
-        outs = {name: subprocess.run(
-            [sys.executable, "-m", "aggregator.service.cli", "status", "--state-dir",
-             str(tmp_path / "state" / name)], env=env, capture_output=True, text=True,
-            timeout=60) for name in ("base", "r2x")}
+    with generator_service(
+        tmp_path, env, events=10**6, rate=4000, metrics_port="0", ready="metrics.url"
+    ) as proc:
+        outs = {
+            name: subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "aggregator.service.cli",
+                    "status",
+                    "--state-dir",
+                    str(tmp_path / "state" / name),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            for name in ("base", "r2x")
+        }
         proc.send_signal(signal.SIGTERM)  # asked while running; a stop is a clean exit
     assert proc.returncode == 0, proc.stderr.read()[-2000:]
     for name, res in outs.items():

@@ -32,8 +32,9 @@ def test_auto_is_deterministic_and_capped(layers):
     assert c1 == c2 and c1 in S.CANDIDATES
     assert y1.sum() <= n and np.all(np.diff(y1) <= 0)
     rel = A.anonymized_histogram(noisy, p, layers=layers, n=n, method="auto")
-    np.testing.assert_array_equal(E.cumulative_from_counts(rel),
-                                  y1[: len(E.cumulative_from_counts(rel))])
+    np.testing.assert_array_equal(
+        E.cumulative_from_counts(rel), y1[: len(E.cumulative_from_counts(rel))]
+    )
 
 
 def test_auto_release_is_the_chosen_candidates_release():
@@ -126,7 +127,7 @@ def _heavy_window(seed, layers=1, heavy=40, once=2_000):
     """``heavy`` items seen 60 times and ``once`` seen once among 20,000 counters (n <= D)."""
     g = np.random.default_rng(seed)
     h = np.zeros(20_000, np.int64)
-    h[:heavy], h[heavy: heavy + once] = 60, 1
+    h[:heavy], h[heavy : heavy + once] = 60, 1
     p = p_from_epsilon(0.5)
     noisy = h.copy()
     for _ in range(layers):
@@ -136,16 +137,21 @@ def _heavy_window(seed, layers=1, heavy=40, once=2_000):
 
 @pytest.mark.parametrize("margin", [-1e9, 1e9, None])
 def test_early_stopped_em_takes_the_shrunk_start_only_when_likelier_by_the_margin(
-        monkeypatch, margin):
+    monkeypatch, margin
+):
     noisy, p, n = _heavy_window(3)
     vc = E.noisy_value_counts(noisy)
     smooth = E.project_l1(E.em_prevalences(vc, p, layers=1)[0])
-    shrunk = E.project_l1(E.deconvolved_prevalence(vc, p, layers=1, shrunk_start=True,
-                                                   smooth_share=E.DIRECT_START_SMOOTH_SHARE))
+    shrunk = E.project_l1(
+        E.deconvolved_prevalence(
+            vc, p, layers=1, shrunk_start=True, smooth_share=E.DIRECT_START_SMOOTH_SHARE
+        )
+    )
     assert not np.array_equal(smooth, shrunk)
 
     def ll(y):
         return counter_model.loglik(vc, E.cap_total(y, n, "items"), vc.total, p, 1)
+
     if margin is not None:
         monkeypatch.setattr(S, "START_MARGIN", margin)
     memo = ReleaseMemo()
@@ -162,10 +168,12 @@ def test_early_stopped_em_takes_the_shrunk_start_only_when_likelier_by_the_margi
     # named estimator alone fits from the smoothed start)
     np.testing.assert_array_equal(
         A.anonymized_cumulative(noisy, p, layers=1, method="deconvolution", memo=memo),
-        np.trim_zeros(mine, "b"))
+        np.trim_zeros(mine, "b"),
+    )
     np.testing.assert_array_equal(
         A.anonymized_cumulative(noisy, p, layers=1, method="deconvolution"),
-        np.trim_zeros(smooth, "b"))
+        np.trim_zeros(smooth, "b"),
+    )
 
 
 def test_two_starts_only_at_one_layer_with_mostly_empty_counters(monkeypatch):
@@ -184,17 +192,24 @@ def test_two_starts_only_at_one_layer_with_mostly_empty_counters(monkeypatch):
 
 @pytest.mark.parametrize("margin", [-1e9, 1e9])
 @pytest.mark.parametrize("below_noise", [False, True])
-def test_error_bars_rerun_the_start_the_release_took_and_count_the_other(monkeypatch, margin,
-                                                                        below_noise):
+def test_error_bars_rerun_the_start_the_release_took_and_count_the_other(
+    monkeypatch, margin, below_noise
+):
     from aggregator import intervals as iv
+
     monkeypatch.setattr(S, "START_MARGIN", margin)
     # (windows whose choice is the early-stopped EM, whichever start)
-    noisy, p, n = (_heavy_window(0, heavy=5, once=200) if below_noise else _heavy_window(5))
+    noisy, p, n = _heavy_window(0, heavy=5, once=200) if below_noise else _heavy_window(5)
     assert iv.signal_below_noise(n, len(noisy), p, 1) == below_noise  # (the two bootstrap paths)
     calls = []  # (shrunk start?, smoothed share) of each batch of re-estimates
     real = A.deconvolved_batch
-    monkeypatch.setattr(A, "deconvolved_batch", lambda *a, **kw: calls.append(
-        (kw.get("shrunk_start"), kw.get("smooth_share"))) or real(*a, **kw))
+    monkeypatch.setattr(
+        A,
+        "deconvolved_batch",
+        lambda *a, **kw: (
+            calls.append((kw.get("shrunk_start"), kw.get("smooth_share"))) or real(*a, **kw)
+        ),
+    )
     eb = iv.error_bars(noisy, p, layers=1, n=n, reps=4, rng=0)
     took, other = S.chosen_start(noisy, p, layers=1, n=n)
     assert took == (margin < 0) and S.select(noisy, p, layers=1, n=n)[1][0] == "deconvolution"
@@ -208,20 +223,25 @@ def test_error_bars_rerun_the_start_the_release_took_and_count_the_other(monkeyp
 @pytest.mark.parametrize("margin", [-1e9, 1e9, None])
 @pytest.mark.parametrize("below_noise", [False, True])
 def test_error_bars_bootstrap_the_other_starts_fit_where_the_counters_allow_it(
-        monkeypatch, margin, below_noise):
+    monkeypatch, margin, below_noise
+):
     """Above the noise, the early-stopped EM's fit from the start the release left is a third
     stand-in exactly when its log-likelihood is within START_MARGIN of the release's: its
     states are drawn and the intervals reach it. Below the noise (the calibrated region) it
     is not."""
     from aggregator import intervals as iv
+
     if margin is not None:
         monkeypatch.setattr(S, "START_MARGIN", margin)
-    noisy, p, n = (_heavy_window(0, heavy=5, once=200) if below_noise else _heavy_window(5))
+    noisy, p, n = _heavy_window(0, heavy=5, once=200) if below_noise else _heavy_window(5)
     assert iv.signal_below_noise(n, len(noisy), p, 1) == below_noise
     drawn = []  # the truths the bootstrap's states were drawn from
     real = iv.simulate_from_cumulative
-    monkeypatch.setattr(iv, "simulate_from_cumulative", lambda rng, y, *a: drawn.append(
-        np.asarray(y).copy()) or real(rng, y, *a))
+    monkeypatch.setattr(
+        iv,
+        "simulate_from_cumulative",
+        lambda rng, y, *a: drawn.append(np.asarray(y).copy()) or real(rng, y, *a),
+    )
     eb = iv.error_bars(noisy, p, layers=1, n=n, reps=4, rng=0)
     took, other = S.chosen_start(noisy, p, layers=1, n=n)
     vc = E.noisy_value_counts(noisy)
@@ -229,6 +249,7 @@ def test_error_bars_bootstrap_the_other_starts_fit_where_the_counters_allow_it(
 
     def ll(y):
         return counter_model.loglik(vc, y, vc.total, p, 1)
+
     used = not below_noise and ll(other) >= ll(release) - S.START_MARGIN
     assert used == (margin != -1e9 and not below_noise) or margin is None
     from_other = sum(len(y) == len(other) and np.array_equal(y, other) for y in drawn)

@@ -24,19 +24,31 @@ from aggregator.state import PanPrivateHistogram
 from consumers.decode import REASONS, Decoder
 from consumers.file_source import FileSource
 from state_store.audit import ExportError, read_export
-from tests.helpers.service import (D, KEY_HEX, cfg_for, cli_sets, durable, expected_noise,
-                                   expected_release, expected_state, generator_service,
-                                   ledger_entries, live_counts_via_export, pause_line_said_once,
-                                   run_cli, write_events)
+from tests.helpers.service import (
+    D,
+    KEY_HEX,
+    cfg_for,
+    cli_sets,
+    durable,
+    expected_noise,
+    expected_release,
+    expected_state,
+    generator_service,
+    ledger_entries,
+    live_counts_via_export,
+    pause_line_said_once,
+    run_cli,
+    write_events,
+)
 
 
 BAD_LINES = [
-    (3, "not json at all"),                       # undecodable
-    (10, json.dumps([1, 2, 3])),                  # not_a_map
-    (20, json.dumps({"user": 5})),                # missing_item
-    (30, json.dumps({"item": 1.5})),              # wrong_type
-    (40, json.dumps({"item": "alice"})),          # wrong_type (direct mode)
-    (50, json.dumps({"item": 10**6})),            # out_of_range
+    (3, "not json at all"),  # undecodable
+    (10, json.dumps([1, 2, 3])),  # not_a_map
+    (20, json.dumps({"user": 5})),  # missing_item
+    (30, json.dumps({"item": 1.5})),  # wrong_type
+    (40, json.dumps({"item": "alice"})),  # wrong_type (direct mode)
+    (50, json.dumps({"item": 10**6})),  # out_of_range
     (60, json.dumps({"item": 1, "pad": "x" * 70000})),  # oversized
 ]
 
@@ -55,8 +67,12 @@ def good_items(path):
         except json.JSONDecodeError:
             continue
         item = doc.get("item") if isinstance(doc, dict) else None
-        if isinstance(item, int) and not isinstance(item, bool) and 0 <= item < D \
-                and len(line) < 65536:
+        if (
+            isinstance(item, int)
+            and not isinstance(item, bool)
+            and 0 <= item < D
+            and len(line) < 65536
+        ):
             out.append(item)
     return out
 
@@ -73,8 +89,14 @@ def test_file_replay_counts_exactly_and_sorts_bad_input(tmp_path):
     assert np.array_equal(task.state.counts, expected_noise() + np.bincount(items, minlength=D))
     assert task.offsets == {"file:events.jsonl": 9000 + len(BAD_LINES)}
     errors = {r: agg.metrics.decode_errors.labels(reason=r)._value.get() for r in REASONS}
-    assert errors == {"undecodable": 1, "not_a_map": 1, "missing_item": 1, "wrong_type": 2,
-                      "out_of_range": 1, "oversized": 1}
+    assert errors == {
+        "undecodable": 1,
+        "not_a_map": 1,
+        "missing_item": 1,
+        "wrong_type": 2,
+        "out_of_range": 1,
+        "oversized": 1,
+    }
     assert task.totals["rejects"] == {r: c for r, c in errors.items() if c}
     assert agg.metrics.events._value.get() == 9000 == task.totals["events"]
     # the open window's counters were never written: the only checkpoint is the window start
@@ -94,20 +116,29 @@ def test_count_windows_split_batches_exactly(tmp_path):
     assert [d["n"] for d in docs] == [1000, 1000, 500]
     assert all(d["window_info"]["events"] == d["n"] for d in docs)
     for w, d in enumerate(docs):  # each window holds exactly its events
-        want = expected_release(items[w * 1000:(w + 1) * 1000], w, model="state-only")
+        want = expected_release(items[w * 1000 : (w + 1) * 1000], w, model="state-only")
         assert d["histogram"] == want["histogram"]
     ledger = ledger_entries(tmp_path)
     assert [e["kind"] for e in ledger] == ["identity", "release", "release", "release"]
     assert [e["window"] for e in ledger[1:]] == [0, 1, 2]
     assert len({e["window_uid"] for e in ledger[1:]}) == 3
-    assert all(e["epsilon_spent"] == 1.0 and json.loads(e["document"])["window"] == e["window"]
-               for e in ledger[1:])
+    assert all(
+        e["epsilon_spent"] == 1.0 and json.loads(e["document"])["window"] == e["window"]
+        for e in ledger[1:]
+    )
     ckpt = durable(tmp_path)
     assert ckpt.window["id"] == 3 and ckpt.window["events"] == 0 and ckpt.state is None
 
 
-@pytest.mark.parametrize("fault", ["checkpoint-mid-write:2", "checkpoint-before-rename:3",
-                                   "checkpoint-after-rename:4", "checkpoint-mid-write:6"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "checkpoint-mid-write:2",
+        "checkpoint-before-rename:3",
+        "checkpoint-after-rename:4",
+        "checkpoint-mid-write:6",
+    ],
+)
 def test_kill_inside_checkpoint_write_loses_and_repeats_nothing(tmp_path, fault):
     items = np.random.default_rng(3).integers(0, D, 12000)
     path = tmp_path / "events.jsonl"
@@ -119,7 +150,7 @@ def test_kill_inside_checkpoint_write_loses_and_repeats_nothing(tmp_path, fault)
     assert second.returncode == 0, second.stderr
     for w in range(4):  # every window released once, from exactly its events
         doc = json.loads((tmp_path / "releases" / f"release-{w}.json").read_text())
-        want = expected_release(items[w * 3000:(w + 1) * 3000], w)
+        want = expected_release(items[w * 3000 : (w + 1) * 3000], w)
         assert doc["n"] == 3000 and doc["histogram"] == want["histogram"], w
     releases = [e for e in ledger_entries(tmp_path) if e["kind"] == "release"]
     assert [e["window"] for e in releases] == [0, 1, 2, 3]
@@ -145,8 +176,10 @@ def test_crash_between_window_close_and_publish_republishes_once(tmp_path):
     assert second.returncode == 0, second.stderr
     published = json.loads((tmp_path / "releases" / "release-0.json").read_text())
     assert published["histogram"] == pending["histogram"]  # the same document, not a new draw
-    assert [e["kind"] for e in ledger_entries(tmp_path) if e["kind"] != "restart"] == \
-        ["identity", "release"]
+    assert [e["kind"] for e in ledger_entries(tmp_path) if e["kind"] != "restart"] == [
+        "identity",
+        "release",
+    ]
     counts, _, _ = live_counts_via_export(tmp_path)
     assert np.array_equal(counts, expected_state(items[2000:], 1).counts)
     assert durable(tmp_path).pending == []
@@ -166,8 +199,10 @@ def test_crash_after_the_ledger_entry_republishes_the_ledgered_release(tmp_path)
     assert second.returncode == 0, second.stderr
     published = json.loads((tmp_path / "releases" / "release-0.json").read_text())
     assert published == json.loads(entry["document"])  # re-published, never recomputed
-    assert [e["kind"] for e in ledger_entries(tmp_path) if e["kind"] != "restart"] == \
-        ["identity", "release"]
+    assert [e["kind"] for e in ledger_entries(tmp_path) if e["kind"] != "restart"] == [
+        "identity",
+        "release",
+    ]
     counts, _, _ = live_counts_via_export(tmp_path)  # window 1 starts where window 0 ended
     assert np.array_equal(counts, expected_state(items[2000:], 1).counts)
 
@@ -179,8 +214,10 @@ def test_ledger_refuses_over_budget_release(tmp_path):
     cfg = cfg_for(tmp_path, path, **{"window.size": 1000, "ledger.budget_total": 2.0})
     agg = Aggregator(cfg, FileSource(str(path), "json", batch=1000, progress=False))
     agg.run()  # a finite run goes to its end: each window the budget cannot pay is refused
-    assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == \
-        ["release-0.json", "release-1.json"]
+    assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == [
+        "release-0.json",
+        "release-1.json",
+    ]
     assert agg.metrics.releases_refused._value.get() == 1
     assert agg.ledger.spent() == 2.0
     assert agg.metrics.budget_remaining._value.get() == 0.0
@@ -198,7 +235,8 @@ def test_spent_budget_pauses_an_endless_stream(tmp_path, caplog):
     agg, line = pause_line_said_once(cfg, path, caplog)
     assert line.startswith(
         "privacy budget spent: 1 of ledger.budget_total=1 leaves 0 < 1 for a window, so intake "
-        "is paused")
+        "is paused"
+    )
     assert "Fix: raise ledger.budget_total" in line
     assert agg.metrics.readiness()[0] == 503
     assert agg.metrics.intake_paused._value.get() == 1
@@ -245,16 +283,21 @@ def test_no_payload_in_logs_metrics_or_errors(tmp_path):
     secret = "SECRET-PAYLOAD-7f3a"
     path = tmp_path / "events.jsonl"
     lines = [json.dumps({"item": i % D}) for i in range(3000)]
-    lines += [json.dumps({"item": secret}), secret, json.dumps({"item": 10**9, "x": secret}),
-              json.dumps({"user": secret})]
+    lines += [
+        json.dumps({"item": secret}),
+        secret,
+        json.dumps({"item": 10**9, "x": secret}),
+        json.dumps({"user": secret}),
+    ]
     path.write_text("\n".join(lines) + "\n")
     args = cli_sets(tmp_path, path, **{"metrics.port": 0}) + ["--verbose"]
     res = run_cli(args)
     assert res.returncode == 0, res.stderr
     assert secret not in res.stdout and secret not in res.stderr
     # rejects are logged by position and reason (the file source's positions are line numbers)
-    rejected = [ln.split(": ", 1)[1] for ln in res.stderr.splitlines()
-                if "rejected record at " in ln]
+    rejected = [
+        ln.split(": ", 1)[1] for ln in res.stderr.splitlines() if "rejected record at " in ln
+    ]
     assert len(rejected) == 4 and all(ln.startswith("rejected record at file:") for ln in rejected)
     for f in (tmp_path / "state").rglob("*"):
         if f.is_file():
@@ -272,37 +315,53 @@ def test_reject_log_is_rate_limited(caplog):
             rl.record("t:0", 100 + off, "undecodable" if off % 2 else "missing_item")
         rl.flush(force=True)
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs[:3] == ["rejected record at t:0 offset 100: missing_item",
-                        "rejected record at t:0 offset 101: undecodable",
-                        "rejected record at t:0 offset 102: missing_item"]
+    assert msgs[:3] == [
+        "rejected record at t:0 offset 100: missing_item",
+        "rejected record at t:0 offset 101: undecodable",
+        "rejected record at t:0 offset 102: missing_item",
+    ]
     assert len(msgs) == 4 and msgs[3].startswith("47 more rejected records in the last ")
-    assert msgs[3].endswith("(missing_item: 23, undecodable: 24); counts by reason in "
-                            "panagg_decode_errors_total")
+    assert msgs[3].endswith(
+        "(missing_item: 23, undecodable: 24); counts by reason in panagg_decode_errors_total"
+    )
 
 
-@pytest.mark.parametrize("sets, fragment", [
-    (["window.size=0"], "window.size must be positive"),
-    (["state.model=central"], "state.model must be one of"),
-    (["state.epsilon=abc"], "state.epsilon must be a number"),
-    (["nosuch.key=1"], "expected section.key=value"),
-    (["testing.noise_seed=1"], "refused outside tests"),
-])
+@pytest.mark.parametrize(
+    "sets, fragment",
+    [
+        (["window.size=0"], "window.size must be positive"),
+        (["state.model=central"], "state.model must be one of"),
+        (["state.epsilon=abc"], "state.epsilon must be a number"),
+        (["nosuch.key=1"], "expected section.key=value"),
+        (["testing.noise_seed=1"], "refused outside tests"),
+    ],
+)
 def test_bad_config_is_one_line(sets, fragment, monkeypatch):
     monkeypatch.delenv("PANAGG_TESTING")
     with pytest.raises(ConfigError, match=fragment):
         load_config(None, sets, env={})
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run",
-                          *sum([["--set", s] for s in sets], [])],
-                         capture_output=True, text=True, timeout=60,
-                         env={k: v for k, v in os.environ.items() if k != "PANAGG_TESTING"})
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            *sum([["--set", s] for s in sets], []),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PANAGG_TESTING"},
+    )
     assert res.returncode == 2
     assert len(res.stderr.strip().splitlines()) == 1 and fragment in res.stderr
 
 
 def test_config_file_env_and_flags_layer(tmp_path):
     toml = tmp_path / "panagg.toml"
-    toml.write_text('[state]\nepsilon = 2.0\ndomain_size = 77\n'
-                    '[window]\nkind = "time"\nsize = 60\n')
+    toml.write_text(
+        '[state]\nepsilon = 2.0\ndomain_size = 77\n[window]\nkind = "time"\nsize = 60\n'
+    )
     cfg = load_config(str(toml), ["state.domain_size=88"], env={"PANAGG_STATE_EPSILON": "0.5"})
     assert cfg.state.epsilon == 0.5 and cfg.state.domain_size == 88
     # (time windows of the default Kafka source: by the records' timestamps, window.clock)
@@ -316,18 +375,34 @@ def test_config_file_env_and_flags_layer(tmp_path):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(
-    st.binary(max_size=200),
-    st.builds(lambda d: msgpack.packb(d), st.recursive(
-        st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True)
-        | st.text() | st.binary(),
-        lambda kids: (st.lists(kids, max_size=3)
-                      | st.dictionaries(st.text(max_size=5), kids, max_size=3)),
-        max_leaves=6)),
-    st.builds(lambda v: msgpack.packb({"item": v}),
-              st.integers(-2**63, 2**64 - 1) | st.text() | st.binary()),
-    st.builds(lambda v: json.dumps({"item": v}).encode(), st.integers() | st.text() | st.floats()),
-))
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        st.builds(
+            lambda d: msgpack.packb(d),
+            st.recursive(
+                st.none()
+                | st.booleans()
+                | st.integers(-(2**63), 2**64 - 1)
+                | st.floats(allow_nan=True)
+                | st.text()
+                | st.binary(),
+                lambda kids: (
+                    st.lists(kids, max_size=3)
+                    | st.dictionaries(st.text(max_size=5), kids, max_size=3)
+                ),
+                max_leaves=6,
+            ),
+        ),
+        st.builds(
+            lambda v: msgpack.packb({"item": v}),
+            st.integers(-(2**63), 2**64 - 1) | st.text() | st.binary(),
+        ),
+        st.builds(
+            lambda v: json.dumps({"item": v}).encode(), st.integers() | st.text() | st.floats()
+        ),
+    )
+)
 def test_decoder_never_raises_and_always_classifies(raw):
     for decoder in (Decoder("msgpack", domain_size=100), Decoder("msgpack"), Decoder("json")):
         item, reason = decoder.decode_one(raw)
@@ -343,13 +418,22 @@ def test_decoder_never_raises_and_always_classifies(raw):
 def test_time_windows_release_each_window_with_fresh_noise(tmp_path):
     from consumers.generator import GeneratorSource, ZipfLogins
 
-    cfg = load_config(None, [f"state.domain_size={D}", "window.kind=time", "window.size=1",
-                             "window.clock=process",
-                             f"checkpoint.dir={tmp_path / 'state'}",
-                             f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
-                             "state.model=state-only",
-                             # 1 s windows: keep each release short on a loaded machine
-                             "release.error_bar_reps=0"], env={})
+    cfg = load_config(
+        None,
+        [
+            f"state.domain_size={D}",
+            "window.kind=time",
+            "window.size=1",
+            "window.clock=process",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "metrics.port=-1",
+            "state.model=state-only",
+            # 1 s windows: keep each release short on a loaded machine
+            "release.error_bar_reps=0",
+        ],
+        env={},
+    )
     # ~4 s of events: at least two 1 s windows even when each release takes a second (the
     # rate-limited generator catches up after a release, so a slow release merges windows)
     gen = ZipfLogins(events=8000, accounts=D, batch=500, seed=3)
@@ -396,14 +480,37 @@ def test_release_and_export_requests_reach_a_running_service(tmp_path):
     # 25 s of events: the two requests must reach the service before its finite source ends (at
     # 5 s a loaded machine let it end first; the CLI now says so at once instead of waiting)
     with generator_service(tmp_path, env, events=40000, rate=1600) as proc:
-        rel = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
-                              "--state-dir", str(state_dir)], env=env, capture_output=True,
-                             text=True, timeout=120)
+        rel = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "release",
+                "--state-dir",
+                str(state_dir),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert rel.returncode == 0, rel.stderr
         assert rel.stdout.strip() == "released window 0 (by the running service)"
-        exp = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
-                              "--state-dir", str(state_dir)], env=env, capture_output=True,
-                             text=True, timeout=120)
+        exp = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "audit",
+                "export",
+                "--state-dir",
+                str(state_dir),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert exp.returncode == 0, exp.stderr
         doc = read_export(exp.stdout.strip(), bytes.fromhex(KEY_HEX))
         assert doc["window"]["id"] == 1 and doc["verified"]
@@ -428,18 +535,32 @@ def test_export_key_error_points_at_the_running_service(tmp_path):
     env["PANAGG_TESTING"] = "1"
     # a source that outlasts the request however slow the machine, then a stop (a clean exit)
     with generator_service(tmp_path, env, events=10**6, rate=6000, settle=1.0) as proc:
-        exp = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit", "export",
-                              "--state-dir", str(state_dir)],
-                             env=dict(env, PANAGG_AUDIT_KEY=KEY_HEX),
-                             capture_output=True, text=True, timeout=120)
+        exp = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "audit",
+                "export",
+                "--state-dir",
+                str(state_dir),
+            ],
+            env=dict(env, PANAGG_AUDIT_KEY=KEY_HEX),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         proc.send_signal(signal.SIGTERM)
     assert exp.returncode == 2
     lines = exp.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "panagg: error: the running service cannot sign the export: no audit signing key")
-    assert lines[0].endswith("The key is read by the service from its own environment or its "
-                             "audit.key_file, not from this shell: set it there and restart the "
-                             "service")
+        "panagg: error: the running service cannot sign the export: no audit signing key"
+    )
+    assert lines[0].endswith(
+        "The key is read by the service from its own environment or its "
+        "audit.key_file, not from this shell: set it there and restart the "
+        "service"
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -451,18 +572,27 @@ def test_status_and_history_of_a_state_dir(tmp_path):
     missing = run_cli(["status", "--state-dir", str(tmp_path / "typo")])
     assert missing.returncode == 2 and missing.stderr.strip() == (
         f"panagg: error: {tmp_path / 'typo'} holds no panagg state (no ledger.jsonl); pass the "
-        "--state-dir (checkpoint.dir) the service runs with")
+        "--state-dir (checkpoint.dir) the service runs with"
+    )
     assert not (tmp_path / "typo").exists()  # read-only: nothing created
-    assert run_cli(cli_sets(tmp_path, path, **{"window.size": 1000,
-                                               "release.on_exhausted": "false"})).returncode == 0
+    assert (
+        run_cli(
+            cli_sets(tmp_path, path, **{"window.size": 1000, "release.on_exhausted": "false"})
+        ).returncode
+        == 0
+    )
     res = run_cli(["status", "--state-dir", state])
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[1] == "service: not running"
-    assert lines[2].startswith("counts: file:events.jsonl (group -), direct mode over 500 "
-                               "counters, eps 1 per window, count:1000 windows")
-    assert lines[3] == ("privacy unit: the event (a source that contributes g events is "
-                        "protected at g x eps; docs/privacy_unit.md)")
+    assert lines[2].startswith(
+        "counts: file:events.jsonl (group -), direct mode over 500 "
+        "counters, eps 1 per window, count:1000 windows"
+    )
+    assert lines[3] == (
+        "privacy unit: the event (a source that contributes g events is "
+        "protected at g x eps; docs/privacy_unit.md)"
+    )
     assert lines[4].startswith("window: 2 open since ") and "none on disk by design" in lines[4]
     assert "budget: eps 2 spent (no total cap)" in lines
     last = [ln for ln in lines if ln.startswith("last release: window 1 at ")]
@@ -481,8 +611,12 @@ def test_status_and_history_of_a_state_dir(tmp_path):
     rows = json.loads(run_cli(["history", "--state-dir", state, "--json"]).stdout)
     assert [r["n"] for r in rows] == [1000, 1000]
     # (500 counters, 1,000 events: whether an interval reaches 2x off varies with the draw)
-    assert all(r["distinct_items_interval"] and r["signal_below_noise"] in (False, True)
-               and r["expected_relative_error"]["distinct_items"] > 0 for r in rows)
+    assert all(
+        r["distinct_items_interval"]
+        and r["signal_below_noise"] in (False, True)
+        and r["expected_relative_error"]["distinct_items"] > 0
+        for r in rows
+    )
 
 
 def test_status_asks_the_running_service(tmp_path):
@@ -490,11 +624,23 @@ def test_status_asks_the_running_service(tmp_path):
     state_dir = tmp_path / "state"
     env = dict(os.environ, PANAGG_TESTING="1")
     # a source that outlasts the request however slow the machine, then a stop (a clean exit)
-    with generator_service(tmp_path, env, events=10**6, rate=8000, metrics_port="0",
-                           ready="metrics.url") as proc:
-        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status",
-                              "--state-dir", str(state_dir)], env=env, capture_output=True,
-                             text=True, timeout=60)
+    with generator_service(
+        tmp_path, env, events=10**6, rate=8000, metrics_port="0", ready="metrics.url"
+    ) as proc:
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "status",
+                "--state-dir",
+                str(state_dir),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         proc.send_signal(signal.SIGTERM)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
@@ -515,13 +661,19 @@ def test_file_modes_do_not_follow_the_umask(tmp_path, monkeypatch):
         try:
             out = tmp_path / f"u{umask:o}"
             # the same file twice on purpose: outside the budget registry (test_budget_lineage)
-            cfg = cfg_for(out, path, **{"window.size": 1000, "ledger.file_registry": "",
-                                        "release.plots": "true"})
+            cfg = cfg_for(
+                out,
+                path,
+                **{"window.size": 1000, "ledger.file_registry": "", "release.plots": "true"},
+            )
             Aggregator(cfg, FileSource(str(path), "json", batch=500, progress=False)).run()
         finally:
             os.umask(old)
-        modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777
-                 for p in out.rglob("*") if p.is_file()}
+        modes = {
+            p.relative_to(out).as_posix(): p.stat().st_mode & 0o777
+            for p in out.rglob("*")
+            if p.is_file()
+        }
         releases = {k: m for k, m in modes.items() if k.startswith("releases/")}
         assert {k.split("/")[-1] for k in releases} >= {"release-0.json", "release-0.png"}
         assert set(releases.values()) == {0o644}, releases
@@ -542,9 +694,11 @@ def test_progress_and_stop_lines(tmp_path, caplog):
     progress = [ln for ln in lines if ln.startswith("progress: ")]
     assert progress and progress[-1].startswith("progress: 1,500 events counted (")
     assert progress[-1].endswith("window 1 at 500 events, lag 0 records")
-    assert lines[-1] == ("stopped (input ended or idle): window 1 open with 500 events; the last "
-                         "checkpoint holds its start (checkpoint 3, at offsets "
-                         "file:events.jsonl: 1000), so the next start replays it from the source")
+    assert lines[-1] == (
+        "stopped (input ended or idle): window 1 open with 500 events; the last "
+        "checkpoint holds its start (checkpoint 3, at offsets "
+        "file:events.jsonl: 1000), so the next start replays it from the source"
+    )
 
 
 def test_exit_when_idle_waits_for_an_assignment(tmp_path):
@@ -570,8 +724,9 @@ def test_exit_when_idle_waits_for_an_assignment(tmp_path):
     cfg = cfg_for(tmp_path, tmp_path / "unused.jsonl")
     agg = Aggregator(cfg, src)
     done = threading.Event()
-    t = threading.Thread(target=lambda: (agg.run(idle_exit_s=0.05, poll_timeout_s=0.01),
-                                         done.set()))
+    t = threading.Thread(
+        target=lambda: (agg.run(idle_exit_s=0.05, poll_timeout_s=0.01), done.set())
+    )
     t.start()
     assert not done.wait(1.0)  # no partitions yet: not idle, however long it takes
     assert src.polls > 10
@@ -599,18 +754,21 @@ def test_hashed_mode_counts_strings_and_releases(tmp_path):
     picks = rng.choice(len(users), size=20000, p=weights / weights.sum())
     path = tmp_path / "events.jsonl"
     path.write_text("\n".join(json.dumps({"item": users[i]}) for i in picks) + "\n")
-    cfg = cfg_for(tmp_path, path, **{"state.mode": "hashed", "state.expected_n": 20000,
-                                     "window.size": 20000})
+    cfg = cfg_for(
+        tmp_path, path, **{"state.mode": "hashed", "state.expected_n": 20000, "window.size": 20000}
+    )
     agg = Aggregator(cfg, FileSource(str(path), "json", batch=4000, progress=False))
     agg.run()
     assert agg.size >= 20000  # B chosen from expected_n before any data
     rel = json.loads((tmp_path / "releases" / "release-0.json").read_text())
     assert rel["n"] == 20000 and rel["domain"]["mode"] == "hashed"
-    released = np.repeat([r for r, _ in rel["histogram"]["pairs"]],
-                         [c for _, c in rel["histogram"]["pairs"]])
+    released = np.repeat(
+        [r for r, _ in rel["histogram"]["pairs"]], [c for _, c in rel["histogram"]["pairs"]]
+    )
     truth = np.bincount(picks)
     truth = truth[truth > 0]
     from aggregator.estimate import l1_distance
+
     err = l1_distance(released, truth)
     assert err < 0.5 * 20000, err  # a real estimate, not noise
     assert "user-" not in (tmp_path / "releases" / "release-0.json").read_text()
@@ -631,9 +789,14 @@ def test_msgpack_stream_and_stdin_replay(tmp_path):
     other = tmp_path / "second"
     args = cli_sets(other, "-", **{"release.on_exhausted": "true"})
     lines = "\n".join(json.dumps({"item": int(i)}) for i in items) + "\n"
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], input=lines,
-                         text=True, capture_output=True, timeout=120,
-                         env=dict(os.environ, PANAGG_TESTING="1"))
+    res = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        input=lines,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        env=dict(os.environ, PANAGG_TESTING="1"),
+    )
     assert res.returncode == 0, res.stderr
     rel = json.loads((other / "releases" / "release-0.json").read_text())
     assert rel["n"] == 3000 and rel["histogram"] == expected_release(items, 0)["histogram"]
@@ -653,36 +816,71 @@ def test_corrupt_checkpoint_stops_with_one_line(tmp_path):
     res = run_cli(args)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith("panagg: error:")
-    assert ("checksum" in res.stderr or "not a readable checkpoint" in res.stderr)
+    assert "checksum" in res.stderr or "not a readable checkpoint" in res.stderr
     assert "--fresh-start" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_unreachable_kafka_is_one_line(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap",
-                          "127.0.0.1:1", "--topic", "x", "--state-dir", str(tmp_path / "s"),
-                          "--metrics-port", "-1", "--set", "source.connect_timeout_s=2"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            "--bootstrap",
+            "127.0.0.1:1",
+            "--topic",
+            "x",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--metrics-port",
+            "-1",
+            "--set",
+            "source.connect_timeout_s=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in res.stderr
-    assert lines[-1] == ("panagg: error: cannot reach Kafka: connection refused at 127.0.0.1:1 "
-                         "(nothing listens on that port) for 2 s (source.connect_timeout_s). "
-                         "Check source.bootstrap and that the broker is running "
-                         "(deploy/kafka/kafka.sh start)")
+    assert lines[-1] == (
+        "panagg: error: cannot reach Kafka: connection refused at 127.0.0.1:1 "
+        "(nothing listens on that port) for 2 s (source.connect_timeout_s). "
+        "Check source.bootstrap and that the broker is running "
+        "(deploy/kafka/kafka.sh start)"
+    )
     assert "waiting up to 2 s for it (source.connect_timeout_s)" in res.stderr
     assert not any("ECONNREFUSED" in ln for ln in lines)  # no burst of client retries
 
 
 def test_unresolvable_kafka_host_is_its_own_line(tmp_path):
     """A DNS failure and a refused port once both read KafkaTimeoutError after 30 s."""
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap",
-                          "no-such-host.invalid:9092", "--topic", "x", "--state-dir",
-                          str(tmp_path / "s"), "--metrics-port", "-1"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            "--bootstrap",
+            "no-such-host.invalid:9092",
+            "--topic",
+            "x",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--metrics-port",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1] == (
         "panagg: error: cannot reach Kafka: cannot resolve host 'no-such-host.invalid' (DNS). "
-        "Check source.bootstrap and that the broker is running (deploy/kafka/kafka.sh start)")
+        "Check source.bootstrap and that the broker is running (deploy/kafka/kafka.sh start)"
+    )
     assert "connecting to Kafka at no-such-host.invalid:9092" in res.stderr  # not silent
 
 
@@ -706,7 +904,8 @@ def test_missing_checkpoint_with_a_ledger_is_refused_and_fresh_start_is_recorded
         f"panagg: error: no checkpoint in {tmp_path / 'state' / 'checkpoints'}, but the ledger in "
         f"{tmp_path / 'state'} records 2 release(s): the checkpoint was lost or moved away. "
         "Restore it from a backup, or start with --fresh-start (the window it held is then "
-        "never released)")
+        "never released)"
+    )
     before = (tmp_path / "releases" / "release-0.json").read_bytes()
     fresh = run_cli(args + ["--fresh-start"])
     assert fresh.returncode == 0, fresh.stderr
@@ -743,17 +942,30 @@ def test_a_rolled_back_checkpoint_is_refused(tmp_path):
     (ckpt_dir / "checkpoint-000000000001.ckpt").write_bytes(old)  # an older valid backup
     res = run_cli(args)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "is older than the ledger: it is at window 1, the ledger has window 2 released" \
+    assert (
+        "is older than the ledger: it is at window 1, the ledger has window 2 released"
         in res.stderr.strip().splitlines()[-1]
+    )
     assert len(list((tmp_path / "releases").glob("*.json"))) == 3
 
 
-@pytest.mark.parametrize("damage, fragment", [
-    (lambda lines: lines[:1] + ['{"id": "release-x", "kind": "release"'] + lines[1:],
-     "line 2 is not a JSON entry"),
-    (lambda lines: lines[:1] + ['{"id": "r", "kind": "release", "window": 0, "time_unix": 1}']
-     + lines[1:], "line 2 has no 'epsilon_spent'"),
-])
+@pytest.mark.parametrize(
+    "damage, fragment",
+    [
+        (
+            lambda lines: lines[:1] + ['{"id": "release-x", "kind": "release"'] + lines[1:],
+            "line 2 is not a JSON entry",
+        ),
+        (
+            lambda lines: (
+                lines[:1]
+                + ['{"id": "r", "kind": "release", "window": 0, "time_unix": 1}']
+                + lines[1:]
+            ),
+            "line 2 has no 'epsilon_spent'",
+        ),
+    ],
+)
 def test_a_damaged_ledger_stops_with_the_line_number(tmp_path, damage, fragment):
     items, path, args = _three_windows(tmp_path)
     assert run_cli(args).returncode == 0
@@ -768,6 +980,7 @@ def test_a_damaged_ledger_stops_with_the_line_number(tmp_path, damage, fragment)
 
 def test_a_torn_last_ledger_line_is_cut_off_and_redone(tmp_path):
     from aggregator.service.ledger import Ledger
+
     path = tmp_path / "ledger.jsonl"
     led = Ledger(path, budget_per_window=1.0)
     led.append(entry_id="a", kind="release", window=0, epsilon_spent=1.0)
@@ -787,7 +1000,8 @@ def test_other_settings_on_a_state_dir_are_refused_or_recorded(tmp_path):
     assert res.stderr.strip().splitlines()[-1] == (
         f"panagg: error: checkpoint.dir {tmp_path / 'state'} belongs to other settings "
         "(budget_total 0.0 -> 0.5); use the original settings, a new checkpoint.dir, or "
-        "--accept-change to record the change in the ledger")
+        "--accept-change to record the change in the ledger"
+    )
     ok = run_cli(args + ["--set", "ledger.budget_total=0.5", "--accept-change"])
     assert ok.returncode == 0, ok.stderr
     (change,) = [e for e in ledger_entries(tmp_path) if e["kind"] == "identity" and "previous" in e]
@@ -831,18 +1045,27 @@ def test_a_release_file_of_another_run_is_never_overwritten(tmp_path):
     kept = (tmp_path / "releases" / "release-0.json").read_bytes()
     # (outside the budget registry, which would rightly start it after the released records:
     # the clash of release files is the subject here)
-    other = cli_sets(tmp_path, path, **{"window.size": 1000, "ledger.file_registry": "",
-                                        "checkpoint.dir": tmp_path / "other-state"})
+    other = cli_sets(
+        tmp_path,
+        path,
+        **{
+            "window.size": 1000,
+            "ledger.file_registry": "",
+            "checkpoint.dir": tmp_path / "other-state",
+        },
+    )
     second = run_cli(other)  # another state directory, the same release directory
     assert second.returncode == 2 and "Traceback" not in second.stderr
     assert second.stderr.strip().splitlines()[-1] == (
         "panagg: error: 1 release(s) could not be published (window 0: a different release is "
         f"already in this file (another run or state directory wrote it); publish to a new "
         f"release directory or release name: {tmp_path / 'releases' / 'release-0.json'}); they "
-        "stay in the checkpoint and are published at the next start once the cause is fixed")
+        "stay in the checkpoint and are published at the next start once the cause is fixed"
+    )
     assert (tmp_path / "releases" / "release-0.json").read_bytes() == kept
     # the same document again (a re-publish after a crash) is not an overwrite
     from aggregator.release import write_release
+
     write_release(json.loads(kept), tmp_path / "releases", plot=False)
 
 
@@ -853,17 +1076,27 @@ def test_offline_commands_refuse_a_directory_without_state(tmp_path, command):
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == (
         f"panagg: error: {typo} holds no panagg state (no checkpoints/ directory); pass the "
-        "--state-dir the service runs with")
+        "--state-dir the service runs with"
+    )
     assert not typo.exists() and not (tmp_path / "releases").exists()
 
 
-@pytest.mark.parametrize("sets, content, fix", [
-    ({"source.format": "msgpack"}, [json.dumps({"item": i % D}) for i in range(300)],
-     "the records look like JSON: set source.format = json"),
-    ({}, [json.dumps({"item": f"user-{i}"}) for i in range(300)],
-     "direct mode counts ints in [0, state.domain_size); for string or bytes items set "
-     "state.mode = hashed"),
-])
+@pytest.mark.parametrize(
+    "sets, content, fix",
+    [
+        (
+            {"source.format": "msgpack"},
+            [json.dumps({"item": i % D}) for i in range(300)],
+            "the records look like JSON: set source.format = json",
+        ),
+        (
+            {},
+            [json.dumps({"item": f"user-{i}"}) for i in range(300)],
+            "direct mode counts ints in [0, state.domain_size); for string or bytes items set "
+            "state.mode = hashed",
+        ),
+    ],
+)
 def test_a_run_that_rejects_everything_says_why_and_fails(tmp_path, sets, content, fix):
     path = tmp_path / "events.jsonl"
     path.write_text("\n".join(content) + "\n")
@@ -881,14 +1114,35 @@ def test_healthz_and_ready_endpoints_of_a_running_service(tmp_path):
     import urllib.error
     import urllib.request
 
-    args = ["run", "--set", "source.kind=generator", "--set", "source.generator_events=100000",
-            "--set", "source.generator_rate=2000", "--set", "source.max_records=200",
-            "--set", f"state.domain_size={D}", "--set", "window.size=1000000",
-            "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "releases"),
-            "--metrics-port", "0", "--set", "release.on_exhausted=false"]
+    args = [
+        "run",
+        "--set",
+        "source.kind=generator",
+        "--set",
+        "source.generator_events=100000",
+        "--set",
+        "source.generator_rate=2000",
+        "--set",
+        "source.max_records=200",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "window.size=1000000",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--release-dir",
+        str(tmp_path / "releases"),
+        "--metrics-port",
+        "0",
+        "--set",
+        "release.on_exhausted=false",
+    ]
     log_path = tmp_path / "service.log"
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
-                            env=dict(os.environ, PANAGG_TESTING="1"), stderr=open(log_path, "w"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        env=dict(os.environ, PANAGG_TESTING="1"),
+        stderr=open(log_path, "w"),
+    )
     try:
         base = None
         deadline = _time.time() + 60
@@ -921,6 +1175,7 @@ def test_healthz_and_ready_endpoints_of_a_running_service(tmp_path):
 
 def test_health_says_stuck_and_not_ready_with_a_reason():
     from aggregator.service.metrics import Metrics
+
     m = Metrics()
     assert m.health()[0] == 503 and m.readiness() == (503, "not ready: starting\n")
     m.heartbeat()
@@ -937,15 +1192,18 @@ def test_ledger_show_lists_releases_refusals_and_what_is_spent(tmp_path):
     res = run_cli(["ledger", "show", "--state-dir", str(tmp_path / "state")])
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0] == (f"ledger {tmp_path / 'state' / 'ledger.jsonl'}: 4 entries; epsilon spent 2 "
-                        "of budget_total 2")
+    assert lines[0] == (
+        f"ledger {tmp_path / 'state' / 'ledger.jsonl'}: 4 entries; epsilon spent 2 "
+        "of budget_total 2"
+    )
     kinds = [ln.split()[2] for ln in lines[1:-1]]
     assert kinds == ["identity", "release", "release", "refused"]
     assert "n=1000 distinct=" in lines[2] and "budget_total=2" in lines[4]
     assert f"positions file:{path.name} [1000, 2000)" in lines[3]
     assert lines[-1].startswith("head: entry 4, sha256 ") and "chain verifies" in lines[-1]
-    as_json = json.loads(run_cli(["ledger", "show", "--state-dir", str(tmp_path / "state"),
-                                  "--json"]).stdout)
+    as_json = json.loads(
+        run_cli(["ledger", "show", "--state-dir", str(tmp_path / "state"), "--json"]).stdout
+    )
     assert [e["kind"] for e in as_json["entries"]] == kinds
     assert all("document" not in e for e in as_json["entries"])
     missing = run_cli(["ledger", "show", "--state-dir", str(tmp_path / "nope")])

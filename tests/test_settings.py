@@ -14,11 +14,18 @@ from consumers.kafka_security import redacted
 
 
 def test_load_config_returns_a_typed_config_read_by_attribute():
-    cfg = load_config(overrides=["state.epsilon=0.25", "window.rollups=2x,4x",
-                                 "window.rollup_design=sum", "source.kind=generator"], env={})
+    cfg = load_config(
+        overrides=[
+            "state.epsilon=0.25",
+            "window.rollups=2x,4x",
+            "window.rollup_design=sum",
+            "source.kind=generator",
+        ],
+        env={},
+    )
     assert isinstance(cfg, Config) and isinstance(cfg.state, SECTIONS["state"])
     assert cfg.state.epsilon == 0.25 and isinstance(cfg.state.epsilon, float)
-    assert cfg.window.rollups == ("2x", "4x")          # read-only: a tuple
+    assert cfg.window.rollups == ("2x", "4x")  # read-only: a tuple
     assert cfg.source.kind == "generator" and cfg.aggregations == {}
     # the mapping view is the same values (tools that iterate keys, client options)
     assert cfg["state"]["epsilon"] == cfg.state.epsilon
@@ -32,12 +39,12 @@ def test_a_config_cannot_be_changed_in_place_only_replaced():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.state = cfg.state
     with pytest.raises(TypeError):
-        cfg["state"]["epsilon"] = 2.0                  # the mapping view is read-only too
+        cfg["state"]["epsilon"] = 2.0  # the mapping view is read-only too
     other = cfg.updated({"state": {"epsilon": 0.5}, "window": {"size": 10}})
     assert (other.state.epsilon, other.window.size) == (0.5, 10)
-    assert (cfg.state.epsilon, cfg.window.size) == (1.0, 1000000)   # the original is untouched
+    assert (cfg.state.epsilon, cfg.window.size) == (1.0, 1000000)  # the original is untouched
     with pytest.raises(TypeError):
-        cfg.updated({"state": {"epsilom": 0.5}})        # no such key: no silent new field
+        cfg.updated({"state": {"epsilom": 0.5}})  # no such key: no silent new field
 
 
 def test_every_setting_is_a_typed_field_and_nothing_else_is_settable():
@@ -57,16 +64,20 @@ def test_every_setting_is_a_typed_field_and_nothing_else_is_settable():
 
 
 def test_the_saved_form_is_plain_json_and_loads_back_to_the_same_config(tmp_path):
-    secret = ["security.protocol=SASL_PLAINTEXT", "security.sasl_mechanism=PLAIN",
-              "security.username=u", "security.allow_inline_password=true",
-              "security.password=hunter2"]
+    secret = [
+        "security.protocol=SASL_PLAINTEXT",
+        "security.sasl_mechanism=PLAIN",
+        "security.username=u",
+        "security.allow_inline_password=true",
+        "security.password=hunter2",
+    ]
     cfg = load_config(env={}, overrides=["source.kind=generator", "window.rollups=2x", *secret])
     saved = json.loads(json.dumps(redacted(cfg)))
     # what a start compares with the saved file is that file's form exactly (a tuple against
     # the saved list would log a changed setting at every start)
     assert redacted(cfg) == saved
     assert saved["window"]["rollups"] == ["2x"] and "rollup_levels" in saved
-    assert saved["security"]["password"] == ""        # no secret is written
+    assert saved["security"]["password"] == ""  # no secret is written
     assert "hunter2" not in json.dumps(redacted(cfg))
     again = load_config(env={}, base=saved, overrides=["security.password=hunter2"])
     assert again.to_dict() == cfg.to_dict()
@@ -78,9 +89,15 @@ def test_the_saved_form_is_plain_json_and_loads_back_to_the_same_config(tmp_path
 
 
 def test_aggregations_are_configs_of_their_own_with_their_composition():
-    cfg = load_config(env={}, overrides=[
-        "source.kind=generator", "ledger.budget_per_event=1.5",
-        "aggregations.ip.state.epsilon=0.5", "aggregations.user.state.epsilon=1"])
+    cfg = load_config(
+        env={},
+        overrides=[
+            "source.kind=generator",
+            "ledger.budget_per_event=1.5",
+            "aggregations.ip.state.epsilon=0.5",
+            "aggregations.user.state.epsilon=1",
+        ],
+    )
     assert cfg.aggregation is None and sorted(cfg.aggregations) == ["ip", "user"]
     named = dict(aggregation_configs(cfg))
     ip = named["ip"]
@@ -106,12 +123,19 @@ def test_the_ledger_budgets_are_resolved_in_one_place():
     assert (one.budget_per_window, one.budget_per_event) == (0.25, 0.25)
     wider = one.updated({"ledger": {"budget_per_window": 0.5, "budget_per_event": 0}})
     assert (wider.budget_per_window, wider.budget_per_event) == (0.5, 0.5)
-    cfg = load_config(env={}, overrides=[
-        "source.kind=generator", "ledger.budget_per_event=1.5",
-        "aggregations.ip.state.epsilon=0.5", "aggregations.user.state.epsilon=1"])
+    cfg = load_config(
+        env={},
+        overrides=[
+            "source.kind=generator",
+            "ledger.budget_per_event=1.5",
+            "aggregations.ip.state.epsilon=0.5",
+            "aggregations.user.state.epsilon=1",
+        ],
+    )
     ip = dict(aggregation_configs(cfg))["ip"]
     assert (ip.budget_per_window, ip.budget_per_event) == (0.5, 1.5)
     # an aggregation's own cap comes before the service's
-    own = dataclasses.replace(ip, aggregation=dataclasses.replace(ip.aggregation,
-                                                                  budget_per_event=2.0))
+    own = dataclasses.replace(
+        ip, aggregation=dataclasses.replace(ip.aggregation, budget_per_event=2.0)
+    )
     assert own.budget_per_event == 2.0 and isinstance(own.budget_per_event, float)

@@ -34,11 +34,13 @@ def _chi2_pvalue(sample: np.ndarray, pmf, lo: int, hi: int) -> float:
     """Chi-square goodness of fit on the integers [lo, hi] plus the two tails."""
     k = np.arange(lo, hi + 1)
     probs = pmf(k)
-    expected = np.concatenate([[pmf_tail_low(pmf, lo)], probs,
-                               [1 - probs.sum() - pmf_tail_low(pmf, lo)]])
-    inside = sample[(sample >= lo) & (sample <= hi)] - lo   # each value in exactly one bin
-    observed = np.concatenate([[np.sum(sample < lo)], np.bincount(inside, minlength=hi - lo + 1),
-                               [np.sum(sample > hi)]])
+    expected = np.concatenate(
+        [[pmf_tail_low(pmf, lo)], probs, [1 - probs.sum() - pmf_tail_low(pmf, lo)]]
+    )
+    inside = sample[(sample >= lo) & (sample <= hi)] - lo  # each value in exactly one bin
+    observed = np.concatenate(
+        [[np.sum(sample < lo)], np.bincount(inside, minlength=hi - lo + 1), [np.sum(sample > hi)]]
+    )
     keep = expected * len(sample) >= 5
     e = expected[keep] * len(sample)
     o = observed[keep]
@@ -55,8 +57,9 @@ def pmf_tail_low(pmf, lo):
 # samplers and the analyzer's noise law
 
 
-@pytest.mark.parametrize("k,q", [(Fraction(3, 10), 0.75), (Fraction(1, 50), 0.625),
-                                 (Fraction(7, 3), 0.9375)])
+@pytest.mark.parametrize(
+    "k,q", [(Fraction(3, 10), 0.75), (Fraction(1, 50), 0.625), (Fraction(7, 3), 0.9375)]
+)
 def test_negative_binomial_sampler_law(k, q):
     nb = _NegBinomial(k, q)
     buckets = 400_000
@@ -68,8 +71,9 @@ def test_negative_binomial_sampler_law(k, q):
 
     def pmf(x):
         x = np.asarray(x, dtype=np.float64)
-        out = np.exp(gammaln(x + kf) - gammaln(kf) - gammaln(x + 1) + kf * np.log1p(-q)
-                     + x * np.log(q))
+        out = np.exp(
+            gammaln(x + kf) - gammaln(kf) - gammaln(x + 1) + kf * np.log1p(-q) + x * np.log(q)
+        )
         return np.where(x >= 0, out, 0.0)
 
     assert _chi2_pvalue(full, pmf, 0, 60) > 1e-6
@@ -77,6 +81,7 @@ def test_negative_binomial_sampler_law(k, q):
 
 def nb_source():
     from aggregator.noise import OSEntropy
+
     return OSEntropy()
 
 
@@ -84,7 +89,7 @@ def test_gap_sampler_exact_path_agrees_with_float_path():
     nb = _NegBinomial(Fraction(1, 1000), 0.5)
     src = nb_source()
     for a in [1 << 40, (1 << 63) + 12345, (1 << 64) - 1, 1 << 33, 987654321987654]:
-        u = (a + 0.5) * 2.0 ** -64
+        u = (a + 0.5) * 2.0**-64
         g_float = math.floor(math.log(u) / nb._ln_p0)
         assert nb._gap_exact(a, src) == g_float
 
@@ -127,7 +132,7 @@ def test_noise_only_adds_no_event():
     calls = 20_000
     quiet = np.array([gkmp_analyze(rz.noise_only(), 1)[0] for _ in range(calls)])
     loud = np.array([gkmp_analyze(rz.encode(0), 1)[0] for _ in range(calls)])
-    se = math.sqrt(2 * rz.p / (rz.n * (1 - rz.p) ** 2) / calls)   # sd of the mean of one share pair
+    se = math.sqrt(2 * rz.p / (rz.n * (1 - rz.p) ** 2) / calls)  # sd of the mean of one share pair
     assert abs(quiet.mean()) < 6 * se
     assert abs(loud.mean() - 1) < 6 * se
 
@@ -146,20 +151,20 @@ def _bucket_view_pmf(h: int, p: float, r: float, q: float, size: int) -> np.ndar
         if pf[ff] < 1e-300:
             continue
         a = np.zeros(size)
-        a[h + ff:] = g[:size - h - ff]
+        a[h + ff :] = g[: size - h - ff]
         b = np.zeros(size)
-        b[ff:] = g[:size - ff]
+        b[ff:] = g[: size - ff]
         out += pf[ff] * np.outer(a, b)
     return out
 
 
 def _bruteforce_delta(eps, p, r, q, size=220):
-    lo = _bucket_view_pmf(0, p, r, q, size)    # bucket y in D (count 0) / bucket x in D'
-    hi = _bucket_view_pmf(1, p, r, q, size)    # bucket y in D' / bucket x in D
+    lo = _bucket_view_pmf(0, p, r, q, size)  # bucket y in D (count 0) / bucket x in D'
+    hi = _bucket_view_pmf(1, p, r, q, size)  # bucket y in D' / bucket x in D
     lost = 2 - lo.sum() - hi.sum()
     with np.errstate(divide="ignore", invalid="ignore"):
-        ly = np.log(lo) - np.log(hi)           # loss of bucket y's view, weight lo
-        lx = np.log(hi) - np.log(lo)           # loss of bucket x's view, weight hi
+        ly = np.log(lo) - np.log(hi)  # loss of bucket y's view, weight lo
+        lx = np.log(hi) - np.log(lo)  # loss of bucket x's view, weight hi
     # exact E_D[(1 - exp(eps - Lx - Ly))_+] over the product of the two buckets' views
     ly, wy = ly.ravel(), lo.ravel()
     lx, wx = lx.ravel(), hi.ravel()
@@ -226,6 +231,7 @@ def _audit_epsilon(vx: np.ndarray, vy: np.ndarray, delta: float) -> float:
     two buckets' differences around where DLap's likelihood ratio peaks, and events on bucket 1's
     plus count alone (what the flooding must hide). Both directions; Clopper-Pearson intervals.
     """
+
     def events(v):
         d0, d1 = v[:, 0] - v[:, 1], v[:, 2] - v[:, 3]
         cols = []
@@ -258,7 +264,7 @@ def _audit_epsilon(vx: np.ndarray, vy: np.ndarray, delta: float) -> float:
     return best
 
 
-AUDIT_X, AUDIT_Y = [0, 0, 1], [0, 1, 1]        # one event moved from bucket 0 to bucket 1
+AUDIT_X, AUDIT_Y = [0, 0, 1], [0, 1, 1]  # one event moved from bucket 0 to bucket 1
 
 
 def test_audit_shuffled_view_within_eps_delta():
@@ -266,15 +272,16 @@ def test_audit_shuffled_view_within_eps_delta():
     rz = GKMPRandomizer(epsilon=eps, delta=delta, n=3, buckets=2)
     got = _audit_epsilon(_views(rz, AUDIT_X, N_AUDIT), _views(rz, AUDIT_Y, N_AUDIT), delta)
     assert got <= eps
-    assert got >= 0.8 * (1 - rz.gamma) * eps     # sensitive: the DLap part's loss shows
+    assert got >= 0.8 * (1 - rz.gamma) * eps  # sensitive: the DLap part's loss shows
 
 
 def test_audit_flags_noise_for_a_larger_epsilon():
     """Shares and flooding for 1.25 eps, claimed as eps (a 25% rise in privacy loss): flagged."""
     eps, delta = 1.0, 1e-3
     loud = GKMPRandomizer(epsilon=1.25 * eps, delta=delta, n=3, buckets=2)
-    assert _audit_epsilon(_views(loud, AUDIT_X, N_AUDIT), _views(loud, AUDIT_Y, N_AUDIT),
-                          delta) > eps
+    assert (
+        _audit_epsilon(_views(loud, AUDIT_X, N_AUDIT), _views(loud, AUDIT_Y, N_AUDIT), delta) > eps
+    )
 
 
 def test_audit_flags_missing_flooding():
@@ -303,8 +310,9 @@ def test_refuses_configurations_that_flood_clients():
     assert ok.expected_messages < 10_000
 
 
-@pytest.mark.parametrize("kwargs", [dict(epsilon=0), dict(delta=1.0), dict(n=0), dict(buckets=0),
-                                    dict(gamma=1.0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(epsilon=0), dict(delta=1.0), dict(n=0), dict(buckets=0), dict(gamma=1.0)]
+)
 def test_bad_parameters_one_line(kwargs):
     base = dict(epsilon=1.0, delta=1e-6, n=100, buckets=10)
     base.update(kwargs)
@@ -331,11 +339,11 @@ def test_balcer_cheu_analyzer_and_noise():
     assert 0.5 < bc.s < 1 and bc.delta_spent <= 1e-6
     rng = np.random.default_rng()
     items = rng.zipf(1.5, size=n) % buckets
-    items[items == buckets - 1] = 0             # one bucket stays empty
+    items[items == buckets - 1] = 0  # one bucket stays empty
     msgs = np.concatenate([bc.encode(int(x)) for x in items])
     est = balcer_cheu_analyze(msgs, buckets, bc)
     truth = np.bincount(items, minlength=buckets)
-    assert est[buckets - 1] == 0                # an empty bucket is released as exactly 0
+    assert est[buckets - 1] == 0  # an empty bucket is released as exactly 0
     sd = math.sqrt(n * bc.s * (1 - bc.s))
     # counts below (1 - s) n are zeroed by design (the blanket alone could reach n there)
     big = truth > n * (1 - bc.s) + 7 * sd

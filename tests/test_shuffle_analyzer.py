@@ -19,10 +19,21 @@ from aggregator.anonymize import anonymized_histogram
 from aggregator.service.analyzer import ShuffleAnalyzer, load_analyzer_key
 from aggregator.service.config import load_config
 from aggregator.service.process import ServiceError
-from aggregator.service.shuffle_wire import (ParamTag, chunk_record, end_record, new_keypair,
-                                             open_boxes, public_key_hex, seal_rows)
-from aggregator.shuffle import (BalcerCheuRandomizer, GKMPRandomizer, balcer_cheu_analyze,
-                                gkmp_analyze)
+from aggregator.service.shuffle_wire import (
+    ParamTag,
+    chunk_record,
+    end_record,
+    new_keypair,
+    open_boxes,
+    public_key_hex,
+    seal_rows,
+)
+from aggregator.shuffle import (
+    BalcerCheuRandomizer,
+    GKMPRandomizer,
+    balcer_cheu_analyze,
+    gkmp_analyze,
+)
 from consumers.base import Segment, Source
 
 PART = "analyzer:0"
@@ -44,7 +55,7 @@ class ListSource(Source):
         if self.pos >= self.end:
             return []
         hi = min(self.end, self.pos + self.batch)
-        seg = Segment(PART, range(self.pos, hi), self.values[self.pos:hi])
+        seg = Segment(PART, range(self.pos, hi), self.values[self.pos : hi])
         self.pos = hi
         return [seg]
 
@@ -54,29 +65,61 @@ class ListSource(Source):
 
 
 def config(tmp_path, *extra, eps=1.0, buckets=50, n=200):
-    return load_config(None, [f"state.epsilon={eps}", f"state.domain_size={buckets}",
-                              f"window.size={n}", "state.model=shuffle",
-                              f"checkpoint.dir={tmp_path / 'state'}",
-                              f"release.dir={tmp_path / 'releases'}", "release.error_bar_reps=0",
-                              "release.estimator=threshold", "metrics.port=-1", *extra])
+    return load_config(
+        None,
+        [
+            f"state.epsilon={eps}",
+            f"state.domain_size={buckets}",
+            f"window.size={n}",
+            "state.model=shuffle",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "release.error_bar_reps=0",
+            "release.estimator=threshold",
+            "metrics.port=-1",
+            *extra,
+        ],
+    )
 
 
 def tag(eps=1.0, n=200, buckets=50, delta=1e-6, gamma=0.1, protocol="gkmp"):
     """The parameter fingerprint of clients at these settings (config()'s defaults)."""
-    return ParamTag({"protocol": protocol, "epsilon": eps, "delta": delta, "n": n,
-                     "buckets": buckets, "gamma": gamma})
+    return ParamTag(
+        {
+            "protocol": protocol,
+            "epsilon": eps,
+            "delta": delta,
+            "n": n,
+            "buckets": buckets,
+            "gamma": gamma,
+        }
+    )
 
 
-def window_records(window, rows, key, *, chunk=300, events, topped_up=0, messages=None,
-                   params=None, rng=None, tag=None):
+def window_records(
+    window,
+    rows,
+    key,
+    *,
+    chunk=300,
+    events,
+    topped_up=0,
+    messages=None,
+    params=None,
+    rng=None,
+    tag=None,
+):
     """The shuffler's output for one window: permuted sealed rows in chunks, then the marker.
     ``tag``: the clients' parameters (default: config()'s defaults at ``events + topped_up``)."""
     rng = rng or np.random.default_rng(window)
     rows = rows[rng.permutation(len(rows))]
     boxes = seal_rows(rows, key.public_key, tag or globals()["tag"](n=events + topped_up))
-    out = [chunk_record(window, boxes[i:i + chunk]) for i in range(0, len(boxes), chunk)]
-    out.append(end_record(window, events, topped_up, len(boxes) if messages is None else messages,
-                          params=params))
+    out = [chunk_record(window, boxes[i : i + chunk]) for i in range(0, len(boxes), chunk)]
+    out.append(
+        end_record(
+            window, events, topped_up, len(boxes) if messages is None else messages, params=params
+        )
+    )
     return out
 
 
@@ -86,17 +129,24 @@ def gkmp_window(rz, items):
 
 
 def run(cfg, values, key, **kw):
-    an = ShuffleAnalyzer(cfg, ListSource(values, **{k: v for k, v in kw.items()
-                                                    if k in ("batch", "stop_after")}),
-                         private_key=key)
+    an = ShuffleAnalyzer(
+        cfg,
+        ListSource(values, **{k: v for k, v in kw.items() if k in ("batch", "stop_after")}),
+        private_key=key,
+    )
     an.run()
     return an
 
 
 def releases(tmp_path):
     d = tmp_path / "releases"
-    return sorted((json.loads(p.read_text()) for p in d.glob("release-*.json")),
-                  key=lambda r: r["window"]) if d.exists() else []
+    return (
+        sorted(
+            (json.loads(p.read_text()) for p in d.glob("release-*.json")), key=lambda r: r["window"]
+        )
+        if d.exists()
+        else []
+    )
 
 
 def ledger(tmp_path):
@@ -158,17 +208,19 @@ def test_restart_mid_window_resumes_from_the_checkpoint(tmp_path, key, monkeypat
     """A stop inside window 1 (partial sums checkpointed), then a new process: one release per
     window, and the same counts as an uninterrupted run."""
     import aggregator.service.analyzer as mod
+
     monkeypatch.setattr(mod, "PARTIAL_CHECKPOINT_S", 0.0)
     cfg = config(tmp_path, n=150)
     rz = GKMPRandomizer(1.0, 1e-6, 150, 50)
     rng = np.random.default_rng(3)
     rows = [gkmp_window(rz, rng.integers(0, 50, 150)) for _ in range(2)]
-    values = window_records(0, rows[0], key, events=150, chunk=100) + \
-        window_records(1, rows[1], key, events=150, chunk=100)
+    values = window_records(0, rows[0], key, events=150, chunk=100) + window_records(
+        1, rows[1], key, events=150, chunk=100
+    )
     cut = len(values) - 3
     first = run(cfg, values, key, stop_after=cut, batch=3)
     assert first.window is not None and first.window["id"] == 1 and first.window["received"] > 0
-    assert [r["window"] for r in releases(tmp_path)] == [0]   # never before its marker
+    assert [r["window"] for r in releases(tmp_path)] == [0]  # never before its marker
     second = run(cfg, values, key, batch=5)
     assert [r["window"] for r in releases(tmp_path)] == [0, 1]
     assert np.array_equal(second.last_counts, gkmp_analyze(rows[1], 50))
@@ -191,17 +243,29 @@ def test_refusals_one_error_line_each(tmp_path, key, caplog):
     rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
     rows = gkmp_window(rz, np.arange(100) % 50)
     mine = tag(n=100)
-    values = (window_records(0, rows, key, events=100, messages=len(rows) + 1)     # count off
-              + window_records(1, rows, key, events=90, tag=mine)                 # n off
-              + window_records(2, rows, key, events=100, tag=tag(n=100, buckets=64))  # clients
-              + window_records(3, rows, key, events=100)[:-1]                     # no marker
-              + window_records(4, rows, key, events=100,
-                               params={"protocol": "gkmp", "epsilon": 1, "delta": 1e-6,
-                                       "n": 100, "buckets": 50, "gamma": 0.1})
-              # the shuffler's marker names other parameters, every message carries the
-              # analyzer's: released, with a warning
-              + window_records(5, rows, key, events=100,
-                               params={"protocol": "gkmp", "buckets": 64}))
+    values = (
+        window_records(0, rows, key, events=100, messages=len(rows) + 1)  # count off
+        + window_records(1, rows, key, events=90, tag=mine)  # n off
+        + window_records(2, rows, key, events=100, tag=tag(n=100, buckets=64))  # clients
+        + window_records(3, rows, key, events=100)[:-1]  # no marker
+        + window_records(
+            4,
+            rows,
+            key,
+            events=100,
+            params={
+                "protocol": "gkmp",
+                "epsilon": 1,
+                "delta": 1e-6,
+                "n": 100,
+                "buckets": 50,
+                "gamma": 0.1,
+            },
+        )
+        # the shuffler's marker names other parameters, every message carries the
+        # analyzer's: released, with a warning
+        + window_records(5, rows, key, events=100, params={"protocol": "gkmp", "buckets": 64})
+    )
     with caplog.at_level(logging.WARNING, logger="panagg.analyzer"):
         run(cfg, values, key)
     assert [r["window"] for r in releases(tmp_path)] == [4, 5]
@@ -226,7 +290,7 @@ def test_wrong_key_rejects_every_chunk_and_refuses(tmp_path, key, caplog):
     assert releases(tmp_path) == []
     assert an.totals["rejects"]["undecryptable"] == len(values) - 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1 and "no message decrypts" in errors[0]   # one line: the key
+    assert len(errors) == 1 and "no message decrypts" in errors[0]  # one line: the key
     assert public_key_hex(key) in errors[0] and "another public key" in errors[0]
     assert [e["cause"] for e in ledger(tmp_path) if e["kind"] == "refused"] == ["key"]
 
@@ -236,9 +300,14 @@ def test_malformed_and_stale_records_never_crash(tmp_path, key):
     rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
     rows = gkmp_window(rz, np.arange(100) % 50)
     w0 = window_records(0, rows, key, events=100)
-    bad = [b"\xc1 not msgpack", None, b"", __import__("msgpack").packb({"v": 2, "window": 0}),
-           __import__("msgpack").packb({"v": 2, "window": 0, "boxes": [b"short"]})]
-    values = w0[:1] + bad[:4] + w0[1:] + w0 + [bad[4]]   # window 0 again after its marker: stale
+    bad = [
+        b"\xc1 not msgpack",
+        None,
+        b"",
+        __import__("msgpack").packb({"v": 2, "window": 0}),
+        __import__("msgpack").packb({"v": 2, "window": 0, "boxes": [b"short"]}),
+    ]
+    values = w0[:1] + bad[:4] + w0[1:] + w0 + [bad[4]]  # window 0 again after its marker: stale
     an = run(cfg, values, key)
     assert [r["window"] for r in releases(tmp_path)] == [0]
     assert an.totals["rejects"]["malformed_record"] == 4
@@ -249,8 +318,13 @@ def test_more_buckets_at_the_clients_is_named_as_buckets_not_key(tmp_path, key, 
     cfg = config(tmp_path, n=100, buckets=40)
     rz = GKMPRandomizer(1.0, 1e-6, 100, 50)
     with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
-        an = run(cfg, window_records(0, gkmp_window(rz, np.arange(100) % 50), key,
-                                     events=100, tag=ParamTag.of(rz)), key)
+        an = run(
+            cfg,
+            window_records(
+                0, gkmp_window(rz, np.arange(100) % 50), key, events=100, tag=ParamTag.of(rz)
+            ),
+            key,
+        )
     assert releases(tmp_path) == [] and an.totals["rejects"]["other_parameters"] >= 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "buckets 50 (analyzer: 40)" in errors[0]
@@ -259,10 +333,13 @@ def test_more_buckets_at_the_clients_is_named_as_buckets_not_key(tmp_path, key, 
 
 def test_corrupt_rows_under_the_right_fingerprint(tmp_path, key, caplog):
     cfg = config(tmp_path, n=100, buckets=40)
-    rows = np.array([[45, 1]] * 30 + [[3, 1]] * 100, np.int64)   # bucket 45 >= 40
+    rows = np.array([[45, 1]] * 30 + [[3, 1]] * 100, np.int64)  # bucket 45 >= 40
     with caplog.at_level(logging.ERROR, logger="panagg.analyzer"):
-        an = run(cfg, window_records(0, rows, key, events=100, tag=tag(n=100, buckets=40),
-                                     chunk=1000), key)
+        an = run(
+            cfg,
+            window_records(0, rows, key, events=100, tag=tag(n=100, buckets=40), chunk=1000),
+            key,
+        )
     assert releases(tmp_path) == [] and an.totals["rejects"]["bucket_out_of_range"] == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "outside [0, 40)" in errors[0]
@@ -291,17 +368,22 @@ def test_key_from_file_or_environment(tmp_path, key):
         load_analyzer_key(cfg, env={})
     with pytest.raises(ServiceError, match="64 hex digits"):
         load_analyzer_key(cfg, env={"PANAGG_SHUFFLE_PRIVATE_KEY": "zz"})
-    assert bytes(load_analyzer_key(cfg, env={"PANAGG_SHUFFLE_PRIVATE_KEY": bytes(key).hex()})) \
-        == bytes(key)
+    assert bytes(
+        load_analyzer_key(cfg, env={"PANAGG_SHUFFLE_PRIVATE_KEY": bytes(key).hex()})
+    ) == bytes(key)
     missing = config(tmp_path, f"shuffle.key_file={tmp_path / 'nope'}")
     with pytest.raises(ServiceError, match="shuffle-keygen"):
         load_analyzer_key(missing, env={})
 
 
 def cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def test_keygen_writes_0600_and_refuses_to_overwrite(tmp_path):
@@ -311,6 +393,7 @@ def test_keygen_writes_0600_and_refuses_to_overwrite(tmp_path):
     pub = res.stdout.strip()
     assert len(pub) == 64 and stat.S_IMODE(out.stat().st_mode) == 0o600
     from aggregator.service.shuffle_wire import load_private_key
+
     assert public_key_hex(load_private_key(str(out))) == pub
     again = cli("shuffle-keygen", "--out", str(out))
     assert again.returncode == 2 and "never overwritten" in again.stderr
@@ -320,13 +403,22 @@ def test_keygen_writes_0600_and_refuses_to_overwrite(tmp_path):
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr.strip() == (
         f"panagg: error: the directory {tmp_path / 'keys'} for --out does not exist: create it "
-        "first (readable by the analyzer's user only), then run shuffle-keygen again")
+        "first (readable by the analyzer's user only), then run shuffle-keygen again"
+    )
     assert not (tmp_path / "keys").exists()
 
 
 def test_run_without_key_is_one_line(tmp_path):
-    res = cli("run", "--set", "state.model=shuffle", "--set", "window.size=100", "--state-dir",
-              str(tmp_path / "s"), env={"PANAGG_SHUFFLE_PRIVATE_KEY": ""})
+    res = cli(
+        "run",
+        "--set",
+        "state.model=shuffle",
+        "--set",
+        "window.size=100",
+        "--state-dir",
+        str(tmp_path / "s"),
+        env={"PANAGG_SHUFFLE_PRIVATE_KEY": ""},
+    )
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [res.stderr.strip()]
     assert "shuffle-keygen" in res.stderr and "shuffle.key_file" in res.stderr
@@ -334,6 +426,7 @@ def test_run_without_key_is_one_line(tmp_path):
 
 def test_config_checks(tmp_path):
     from aggregator.service.config import ConfigError
+
     with pytest.raises(ConfigError, match="needs shuffle.n"):
         config(tmp_path, "window.kind=time", "window.size=60")
     with pytest.raises(ConfigError, match="differs from window.size"):
@@ -361,8 +454,10 @@ def test_other_epsilon_refused_then_recovered_once(tmp_path, key, caplog):
         run(config(tmp_path, n=100), values, key)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "epsilon 2 (analyzer: 1)" in errors[0]
-    assert "[clients: protocol gkmp, epsilon 2, delta 1e-06, n 100, buckets 50, gamma 0.1]" \
+    assert (
+        "[clients: protocol gkmp, epsilon 2, delta 1e-06, n 100, buckets 50, gamma 0.1]"
         in errors[0]
+    )
     assert releases(tmp_path) == []
 
     def records(partition, start, end):
@@ -393,8 +488,9 @@ def test_recovery_from_dead_letters_when_retention_took_the_window(tmp_path, key
     """The analyzer topic no longer holds the window: its chunks come from the dead letters
     (every chunk of a refused window was dead-lettered), its marker's counts from the ledger."""
     theirs = GKMPRandomizer(1.0, 1e-6, 100, 30)
-    values = window_records(0, gkmp_window(theirs, np.arange(100) % 30), key, events=100,
-                            tag=ParamTag.of(theirs))
+    values = window_records(
+        0, gkmp_window(theirs, np.arange(100) % 30), key, events=100, tag=ParamTag.of(theirs)
+    )
     run(config(tmp_path, n=100), values, key)
     (refused,) = [e for e in ledger(tmp_path) if e["kind"] == "refused"]
     assert refused["cause"] == "buckets" and refused["marker"]["events"] == 100
@@ -410,6 +506,7 @@ def test_recovery_from_dead_letters_when_retention_took_the_window(tmp_path, key
 
     def gone(partition, start, end, dead_letters=False):
         return []
+
     other = tmp_path / "again"
     run(config(other, n=100), values, key)
     lost = ShuffleAnalyzer(config(other, n=100, buckets=30), None, private_key=key)
@@ -447,7 +544,7 @@ def test_a_checkpoint_that_cannot_be_written_is_seen_and_waited_for(tmp_path, ke
     status, reason = metrics.readiness()
     assert failing._value.get() == 1, "the failing checkpoint was not reported"
     assert status == 503 and "checkpoint cannot be written (No space left on device" in reason
-    assert runner.is_alive() and not releases(tmp_path)   # waiting, not skipping the write
+    assert runner.is_alive() and not releases(tmp_path)  # waiting, not skipping the write
     full.clear()
     runner.join(60)
     assert not runner.is_alive()
@@ -458,8 +555,7 @@ def test_a_checkpoint_that_cannot_be_written_is_seen_and_waited_for(tmp_path, ke
     # a stop request while the write fails ends the wait: the run returns
     full.set()
     again = tmp_path / "again"
-    stopped = ShuffleAnalyzer(config(again), ListSource(values), private_key=key,
-                              metrics=Metrics())
+    stopped = ShuffleAnalyzer(config(again), ListSource(values), private_key=key, metrics=Metrics())
     runner = threading.Thread(target=stopped.run)
     runner.start()
     deadline = time.monotonic() + 30

@@ -30,7 +30,7 @@ def _imports(path: Path, source: str | None = None) -> list[tuple[str, list[str]
     for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
                 target = [*base, *(node.module.split(".") if node.module else [])]
             elif (node.module or "").startswith("aggregator.service."):
                 target = node.module.split(".")[2:]
@@ -54,8 +54,9 @@ def _mode(module: str) -> str | None:
 
 
 def test_stages_import_no_mode():
-    found = [(p.name, m) for p in (SERVICE / "stages").glob("*.py")
-             for m, _ in _imports(p) if _mode(m)]
+    found = [
+        (p.name, m) for p in (SERVICE / "stages").glob("*.py") for m, _ in _imports(p) if _mode(m)
+    ]
     assert found == []
 
 
@@ -69,8 +70,13 @@ def test_the_group_and_the_analyzer_import_no_other_mode():
 
 
 def test_multi_uses_only_public_names_of_the_one_process():
-    found = [(m, n) for m, names in _imports(SERVICE / "multi.py") if _mode(m) == "process"
-             for n in names if n.startswith("_")]
+    found = [
+        (m, n)
+        for m, names in _imports(SERVICE / "multi.py")
+        if _mode(m) == "process"
+        for n in names
+        if n.startswith("_")
+    ]
     assert found == []
     assert any(_mode(m) == "process" for m, _ in _imports(SERVICE / "multi.py"))
 

@@ -53,9 +53,18 @@ def test_out_of_range_batch_is_rejected_whole_and_names_no_item():
         s.update([1.5])
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(size=3, buckets=3), dict(size=0),
-                                    dict(size=3, neighbor="user-level"), dict(size=3, epsilon=-1),
-                                    dict(size=3, key=b"x" * 16), dict(buckets=3, key=b"short")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(size=3, buckets=3),
+        dict(size=0),
+        dict(size=3, neighbor="user-level"),
+        dict(size=3, epsilon=-1),
+        dict(size=3, key=b"x" * 16),
+        dict(buckets=3, key=b"short"),
+    ],
+)
 def test_bad_construction_raises(kwargs):
     kwargs = dict(epsilon=1.0) | kwargs
     with pytest.raises(ValueError):
@@ -105,7 +114,8 @@ def test_merge_adds_counts_layers_and_n():
         a.merge(PanPrivateHistogram(epsilon=1.0, size=21))
     with pytest.raises(ValueError):
         PanPrivateHistogram(epsilon=1.0, buckets=20).merge(
-            PanPrivateHistogram(epsilon=1.0, buckets=20))
+            PanPrivateHistogram(epsilon=1.0, buckets=20)
+        )
 
 
 def test_snapshot_round_trip_and_fields():
@@ -117,8 +127,14 @@ def test_snapshot_round_trip_and_fields():
     assert set(body) == SNAPSHOT_FIELDS and body["n"] == 100  # replace-one: n is public
     t = PanPrivateHistogram.deserialize(blob)
     assert np.array_equal(t.counts, s.counts)
-    assert (t.n, t.layers, t.p, t.epsilon, t.neighbor, t.mode) == \
-        (s.n, s.layers, s.p, s.epsilon, s.neighbor, s.mode)
+    assert (t.n, t.layers, t.p, t.epsilon, t.neighbor, t.mode) == (
+        s.n,
+        s.layers,
+        s.p,
+        s.epsilon,
+        s.neighbor,
+        s.mode,
+    )
     t.update([0])  # restored counters are writable and independent
     assert t.counts[0] == s.counts[0] + 1
 
@@ -157,8 +173,14 @@ def test_add_remove_snapshot_carries_nil_n_and_round_trips(kw):
     assert set(body) == SNAPSHOT_FIELDS and body["n"] is None
     t = PanPrivateHistogram.deserialize(blob)
     assert np.array_equal(t.counts, s.counts)
-    assert (t.layers, t.p, t.epsilon, t.neighbor, t.mode, t.key) == \
-        (s.layers, s.p, s.epsilon, s.neighbor, s.mode, s.key)
+    assert (t.layers, t.p, t.epsilon, t.neighbor, t.mode, t.key) == (
+        s.layers,
+        s.p,
+        s.epsilon,
+        s.neighbor,
+        s.mode,
+        s.key,
+    )
     assert getattr(t, "n", None) is None
     t.update([0])  # a restored add-remove state counts on without starting a count
     assert msgpack.unpackb(t.serialize(), raw=False)["n"] is None
@@ -184,8 +206,9 @@ def test_replace_one_snapshot_without_a_count_is_refused():
 def test_repr_shows_n_only_when_public():
     r = PanPrivateHistogram(epsilon=1.0, size=4)
     r.update([1, 2, 3])
-    assert repr(r) == ("PanPrivateHistogram(epsilon=1.0, size=4, neighbor='replace-one', "
-                       "layers=1, n=3)")
+    assert repr(r) == (
+        "PanPrivateHistogram(epsilon=1.0, size=4, neighbor='replace-one', layers=1, n=3)"
+    )
     a = PanPrivateHistogram(epsilon=1.0, buckets=4, neighbor="add-remove")
     a.update(["x", "y", "z"])
     assert repr(a) == "PanPrivateHistogram(epsilon=1.0, buckets=4, neighbor='add-remove', layers=1)"
@@ -201,8 +224,10 @@ def test_merge_add_remove_states():
     assert np.array_equal(a.counts, total) and a.layers == 2
     assert getattr(a, "n", None) is None
     assert msgpack.unpackb(a.serialize(), raw=False)["n"] is None
-    for x, y in ((a, PanPrivateHistogram(epsilon=1.0, size=20)),
-                 (PanPrivateHistogram(epsilon=1.0, size=20), b)):
+    for x, y in (
+        (a, PanPrivateHistogram(epsilon=1.0, size=20)),
+        (PanPrivateHistogram(epsilon=1.0, size=20), b),
+    ):
         with pytest.raises(ValueError, match="neighbor"):
             x.merge(y)
 
@@ -292,8 +317,12 @@ def test_plots_drawn_from_several_threads_at_once_all_succeed(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _PLOTS_FROM_THREADS, str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _PLOTS_FROM_THREADS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
     pngs = sorted(tmp_path.glob("release-*.png"))

@@ -53,8 +53,12 @@ def test_the_budget_reached_after_n_windows_refuses_the_next_in_one_line(tmp_pat
     # each document says what every user has spent with it and what is left
     docs = releases(tmp_path)
     assert [docs[w]["per_user_budget"]["windows_left"] for w in range(3)] == [2, 1, 0]
-    assert docs[2]["per_user_budget"] == {"budget_per_user": 3.0, "spent": 3.0,
-                                          "this_release": 1.0, "windows_left": 0}
+    assert docs[2]["per_user_budget"] == {
+        "budget_per_user": 3.0,
+        "spent": 3.0,
+        "this_release": 1.0,
+        "windows_left": 0,
+    }
     assert "per-user budget: 0 of ledger.budget_per_user=3 eps" in res.stderr  # the start line
 
     # raising it is a policy change: refused without --accept-change, recorded with it
@@ -69,8 +73,9 @@ def test_the_budget_reached_after_n_windows_refuses_the_next_in_one_line(tmp_pat
     # the control: one window more of budget, every window released
     control = tmp_path / "control"
     control.mkdir()
-    res = run_cli(user_args(control, path, **{"ledger.budget_per_user": 4,
-                                              "ledger.file_registry": ""}))
+    res = run_cli(
+        user_args(control, path, **{"ledger.budget_per_user": 4, "ledger.file_registry": ""})
+    )
     assert res.returncode == 0, res.stderr
     assert sorted(releases(control)) == [0, 1, 2, 3] and not refusal_lines(res.stderr)
 
@@ -106,7 +111,7 @@ def test_another_deployments_user_releases_on_the_same_content_count(tmp_path):
     write_logins(full, 4, seed=21)
     lines = full.read_text().splitlines(keepends=True)
     path = tmp_path / "logins.jsonl"
-    path.write_text("".join(lines[:2 * WINDOW]))
+    path.write_text("".join(lines[: 2 * WINDOW]))
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()
     second.mkdir()
@@ -124,13 +129,19 @@ def test_another_deployments_user_releases_on_the_same_content_count(tmp_path):
     assert "per-user budget: 2 of ledger.budget_per_user=3" in res.stderr  # the start line
 
 
-@pytest.mark.parametrize("sets, says", [
-    ({"ledger.budget_per_user": 0}, "needs ledger.budget_per_user"),
-    ({"ledger.budget_per_user": 0.5}, "ledger.budget_per_user 0.5 is below one window's"),
-    ({"ledger.budget_per_user": -1}, "ledger.budget_per_user must be >= 0"),
-    ({"state.privacy_unit": "event", "state.domain_size": 100}, "bounds users under "
-                                                               "state.privacy_unit = user only"),
-], ids=["missing", "below a window", "negative", "event unit"])
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        ({"ledger.budget_per_user": 0}, "needs ledger.budget_per_user"),
+        ({"ledger.budget_per_user": 0.5}, "ledger.budget_per_user 0.5 is below one window's"),
+        ({"ledger.budget_per_user": -1}, "ledger.budget_per_user must be >= 0"),
+        (
+            {"state.privacy_unit": "event", "state.domain_size": 100},
+            "bounds users under state.privacy_unit = user only",
+        ),
+    ],
+    ids=["missing", "below a window", "negative", "event unit"],
+)
 def test_a_missing_or_wrong_budget_is_one_line_and_writes_nothing(tmp_path, sets, says):
     path = tmp_path / "logins.jsonl"
     path.write_text(json.dumps({"user": "alice"}) + "\n")
@@ -155,7 +166,8 @@ def test_a_spent_budget_pauses_an_endless_source(tmp_path, caplog, monkeypatch):
     agg, line = pause_line_said_once(cfg, path, caplog)
     assert line.startswith(
         "per-user budget spent: 2 of ledger.budget_per_user=2 leaves 0 < 1 for a window, so "
-        "intake is paused"), line
+        "intake is paused"
+    ), line
     assert agg.metrics.readiness()[0] == 503
     # the gauges PanaggUserBudgetSpent reads (deploy/prometheus/alerts.yml)
     reg = agg.metrics.registry
@@ -183,23 +195,51 @@ def test_the_registry_counts_user_releases_of_the_same_stream_only(tmp_path):
             pass
 
     reg = Cluster({"state_dir": "/srv/other"})
-    for entry_id, topic in (("release-a", "logins"), ("release-b", "eu"),
-                            ("release-c", "logins-old")):
-        reg.record("L-other", {"id": entry_id, "kind": "release", "epsilon_spent": 1.0,
-                               "ranges": {f"{topic}:0": [0, 10]}, "lineage": "x",
-                               "user_epsilon": 1.0, "user_stream": f"kafka:{topic}"})
+    for entry_id, topic in (
+        ("release-a", "logins"),
+        ("release-b", "eu"),
+        ("release-c", "logins-old"),
+    ):
+        reg.record(
+            "L-other",
+            {
+                "id": entry_id,
+                "kind": "release",
+                "epsilon_spent": 1.0,
+                "ranges": {f"{topic}:0": [0, 10]},
+                "lineage": "x",
+                "user_epsilon": 1.0,
+                "user_stream": f"kafka:{topic}",
+            },
+        )
     ledger = Ledger(tmp_path / "ledger.jsonl", budget_per_window=1.0)
-    gate = ReleaseGate(ledger, Metrics(), epsilon=1.0, model="joint", stream="kafka:logins",
-                       aggregation="", directory=tmp_path)
+    gate = ReleaseGate(
+        ledger,
+        Metrics(),
+        epsilon=1.0,
+        model="joint",
+        stream="kafka:logins",
+        aggregation="",
+        directory=tmp_path,
+    )
     gate.user_budget = UserBudget(ledger, budget=2.0, epsilon=1.0)
     gate.attach_registry(reg)
     window = {"events": 10, "lineage": "L1", "kind": "count"}
 
     def release(uid, wid, ranges):
         assert gate.allows(uid, wid, ranges=ranges, charge=1.0, closing=window)
-        ledger.append(entry_id=f"release-{uid}", kind="release", window=wid, window_uid=uid,
-                      epsilon_spent=1.0, document="{}", ranges=ranges, lineage="L1",
-                      window_kind="count", **gate.user_charge_fields(uid, 1.0))
+        ledger.append(
+            entry_id=f"release-{uid}",
+            kind="release",
+            window=wid,
+            window_uid=uid,
+            epsilon_spent=1.0,
+            document="{}",
+            ranges=ranges,
+            lineage="L1",
+            window_kind="count",
+            **gate.user_charge_fields(uid, 1.0),
+        )
 
     release("u0", 0, {"logins:0": [100, 200]})  # the other's 1 on logins + 1 = 2
     mine = reg.records[f"{ledger_id(ledger.entries)}/release-u0"]  # (not counted twice)
@@ -209,10 +249,13 @@ def test_the_registry_counts_user_releases_of_the_same_stream_only(tmp_path):
     assert "charged 3 eps > ledger.budget_per_user = 2" in note
     assert "other deployments on this stream 1 (the budget registry)" in note
     # the operator says logins holds copies of logins-old: its users' releases count too
-    ledger.append(entry_id="identity-copy", kind="identity", identity={},
-                  same_records_as={"from": "logins-old", "to": "logins"})
-    assert sorted(c["entry"] for c in gate.user_charges_elsewhere()) == ["release-a",
-                                                                        "release-c"]
+    ledger.append(
+        entry_id="identity-copy",
+        kind="identity",
+        identity={},
+        same_records_as={"from": "logins-old", "to": "logins"},
+    )
+    assert sorted(c["entry"] for c in gate.user_charges_elsewhere()) == ["release-a", "release-c"]
 
 
 def test_the_per_user_gauges_are_set_at_the_start(tmp_path, monkeypatch):

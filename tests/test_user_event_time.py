@@ -22,12 +22,25 @@ USERS = 400  # distinct users per event-time window
 
 
 def cfg_for(tmp_path, *sets):
-    return load_config(None, [
-        "source.kind=kafka", "source.topic=t", "source.format=json", "window.kind=event_time",
-        "window.size=10", "state.privacy_unit=user", f"state.expected_users={USERS}",
-        "ledger.budget_per_user=100", f"checkpoint.dir={tmp_path / 'state'}",
-        f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
-        "window.idle_partition_timeout_s=0.05", *sets], env={})
+    return load_config(
+        None,
+        [
+            "source.kind=kafka",
+            "source.topic=t",
+            "source.format=json",
+            "window.kind=event_time",
+            "window.size=10",
+            "state.privacy_unit=user",
+            f"state.expected_users={USERS}",
+            "ledger.budget_per_user=100",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "metrics.port=-1",
+            "window.idle_partition_timeout_s=0.05",
+            *sets,
+        ],
+        env={},
+    )
 
 
 def login_parts(windows: int = 3, seed: int = 4) -> tuple[dict, list[int]]:
@@ -37,8 +50,11 @@ def login_parts(windows: int = 3, seed: int = 4) -> tuple[dict, list[int]]:
     rng = np.random.default_rng(seed)
     parts: dict[str, list] = {"t:0": [], "t:1": []}
     for w in range(windows):
-        recs = [(10 * w + float(rng.uniform(0, 10)), f"u{w}-{i}")
-                for i in range(USERS) for _ in range(3)]
+        recs = [
+            (10 * w + float(rng.uniform(0, 10)), f"u{w}-{i}")
+            for i in range(USERS)
+            for _ in range(3)
+        ]
         recs.sort()
         for j, rec in enumerate(recs):
             parts[f"t:{j % 2}"].append(rec)
@@ -55,16 +71,18 @@ def ledger(tmp_path) -> list[dict]:
 
 
 def windows_of(got: list[dict]) -> list[tuple]:
-    return [(d["window_info"]["event_start_unix"], d["window_info"]["events"], d["n"])
-            for d in got]
+    return [(d["window_info"]["event_start_unix"], d["window_info"]["events"], d["n"]) for d in got]
 
 
 def test_event_time_windows_release_each_windows_users(tmp_path):
     parts, truth = login_parts()
     Aggregator(cfg_for(tmp_path), ListSource(parts, chunk=50)).run()
     got = docs(tmp_path)
-    assert windows_of(got) == [(0, 3 * USERS, 3 * USERS), (10, 3 * USERS, 3 * USERS),
-                               (20, 3 * USERS, 3 * USERS)]
+    assert windows_of(got) == [
+        (0, 3 * USERS, 3 * USERS),
+        (10, 3 * USERS, 3 * USERS),
+        (20, 3 * USERS, 3 * USERS),
+    ]
     for d, users in zip(got, truth):
         assert d["privacy_unit"] == "user" and d["window_info"]["kind"] == "event_time"
         lo, hi = d["distinct_users"]["interval"]
@@ -120,7 +138,7 @@ def test_a_crash_while_two_windows_are_live_charges_both_replays(tmp_path):
     restarted = {e["window_uid"] for e in entries if e["kind"] == "restart"}
     by_id = {e["window"]: e for e in releases}
     first_id = live[0]
-    for wid in (first_id, first_id + 1):   # the restored window and the second: 2 eps each
+    for wid in (first_id, first_id + 1):  # the restored window and the second: 2 eps each
         assert by_id[wid]["window_uid"] in restarted
         assert by_id[wid]["user_epsilon"] == 2.0
     for e in releases:
@@ -137,13 +155,19 @@ def test_event_time_rollups_release_spans_of_event_time(tmp_path):
     MultiAggregator(cfg, ListSource(parts, chunk=50)).run()
     levels = {}
     for level in ("base", "r2x"):
-        got = [json.loads(p.read_text())
-               for p in (tmp_path / "releases" / level).glob("release-*.json")]
-        levels[level] = sorted((d["window_info"]["event_start_unix"],
-                                d["window_info"]["event_end_unix"], d["n"]) for d in got)
+        got = [
+            json.loads(p.read_text())
+            for p in (tmp_path / "releases" / level).glob("release-*.json")
+        ]
+        levels[level] = sorted(
+            (d["window_info"]["event_start_unix"], d["window_info"]["event_end_unix"], d["n"])
+            for d in got
+        )
     assert levels["base"] == [(10 * w, 10 * w + 10, 3 * USERS) for w in range(4)]
     assert levels["r2x"] == [(0, 20, 6 * USERS), (20, 40, 6 * USERS)]
-    charged = sum(float(json.loads(x).get("user_epsilon") or 0)
-                  for level in ("base", "r2x")
-                  for x in (tmp_path / "state" / level / "ledger.jsonl").read_text().splitlines())
+    charged = sum(
+        float(json.loads(x).get("user_epsilon") or 0)
+        for level in ("base", "r2x")
+        for x in (tmp_path / "state" / level / "ledger.jsonl").read_text().splitlines()
+    )
     assert charged == 6.0

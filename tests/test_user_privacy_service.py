@@ -40,16 +40,27 @@ def test_the_service_reads_at_most_eps_for_a_user_with_1_10_or_10000_events(tmp_
     for split in splits(events):
         for others in OTHERS:
             sc = Scenario(events, split, others)
-            losses[(split, others)] = user_level_loss(tmp_path / f"{split}-{'-'.join(others)}",
-                                                      sc)
+            losses[(split, others)] = user_level_loss(tmp_path / f"{split}-{'-'.join(others)}", sc)
     worst = max(losses.values())
     assert worst <= 1.05 * EPS, losses
     # the service adds nothing to the mechanism: its worst is the core audit's at its m
-    core = PanPrivateDensity(EPS, user_cells(load_config(None, [
-        "state.privacy_unit=user", f"state.expected_users={EXPECTED_USERS}",
-        "ledger.budget_per_user=100"], env={})))
-    assert worst == pytest.approx(exact_user_loss(core.a, core.b, core.p, events,
-                                                  core.neighbor), abs=1e-9)
+    core = PanPrivateDensity(
+        EPS,
+        user_cells(
+            load_config(
+                None,
+                [
+                    "state.privacy_unit=user",
+                    f"state.expected_users={EXPECTED_USERS}",
+                    "ledger.budget_per_user=100",
+                ],
+                env={},
+            )
+        ),
+    )
+    assert worst == pytest.approx(
+        exact_user_loss(core.a, core.b, core.p, events, core.neighbor), abs=1e-9
+    )
     # the audit sees the budget: a victim whose events straddle the intrusion (or come before
     # it, alone in its cell) shows most of eps
     assert worst >= 0.8 * EPS, losses
@@ -86,8 +97,9 @@ def test_control_two_looks_at_one_window_are_not_covered(tmp_path):
 
 
 @pytest.mark.parametrize("events", EVENTS)
-def test_a_user_in_a_base_window_and_its_rollup_span_reads_two_windows_charged_two(tmp_path,
-                                                                                   events):
+def test_a_user_in_a_base_window_and_its_rollup_span_reads_two_windows_charged_two(
+    tmp_path, events
+):
     """window.rollups under the user unit: the victim's events in base window 0 are in the
     span's state too; one look at both states the service holds, and both releases, read at
     most two windows' eps: what the per-user budget charges (one eps per level's window)."""

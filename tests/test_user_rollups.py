@@ -21,13 +21,17 @@ from bench.service.user_windows import WINDOW, write_logins
 from tests.helpers.service import run_cli
 from tests.helpers.user import user_args
 
-SPAN = 4 * WINDOW          # a rollup of 4 base windows (count windows: a number of events)
+SPAN = 4 * WINDOW  # a rollup of 4 base windows (count windows: a number of events)
 LEVELS = ("base", f"r{SPAN}")
 
 
 def rollup_args(tmp_path, path, **overrides):
-    sets = {"window.rollups": SPAN, "state.rollup_expected_users": 9000,
-            "source.max_records": 1500, "ledger.file_registry": tmp_path / "registry.jsonl"}
+    sets = {
+        "window.rollups": SPAN,
+        "state.rollup_expected_users": 9000,
+        "source.max_records": 1500,
+        "ledger.file_registry": tmp_path / "registry.jsonl",
+    }
     sets.update(overrides)
     return user_args(tmp_path, path, **sets)
 
@@ -64,8 +68,9 @@ def check_level(tmp_path, level, size, total) -> dict[int, dict]:
 
 
 def user_charges(tmp_path) -> float:
-    return sum(float(e.get("user_epsilon") or 0) for level in LEVELS
-               for e in level_ledger(tmp_path, level))
+    return sum(
+        float(e.get("user_epsilon") or 0) for level in LEVELS for e in level_ledger(tmp_path, level)
+    )
 
 
 def test_a_span_is_one_state_released_with_its_document_and_charged_per_user(tmp_path):
@@ -76,7 +81,7 @@ def test_a_span_is_one_state_released_with_its_document_and_charged_per_user(tmp
     check_level(tmp_path, "base", WINDOW, 8 * WINDOW)
     spans = check_level(tmp_path, LEVELS[1], SPAN, 8 * WINDOW)
     for w, doc in spans.items():
-        users = sum(truth[4 * w: 4 * w + 4])  # (no user in two base windows: their sum)
+        users = sum(truth[4 * w : 4 * w + 4])  # (no user in two base windows: their sum)
         d = doc["distinct_users"]
         assert doc["privacy_unit"] == "user" and doc["mechanism"] == "density"
         assert doc["n"] == SPAN and doc["epsilon"] == 1.0
@@ -87,17 +92,22 @@ def test_a_span_is_one_state_released_with_its_document_and_charged_per_user(tmp
         assert abs(d["value"] - users) / users < 4 * d["expected_relative_error"]
     # every release of either level charged every user eps 1: 8 + 2
     assert user_charges(tmp_path) == 10.0
-    last = max((doc for level in LEVELS for doc in level_docs(tmp_path, level).values()),
-               key=lambda doc: doc["per_user_budget"]["spent"])
+    last = max(
+        (doc for level in LEVELS for doc in level_docs(tmp_path, level).values()),
+        key=lambda doc: doc["per_user_budget"]["spent"],
+    )
     assert last["per_user_budget"]["spent"] == 10.0
     # panagg status of either level counts both ledgers
     status = run_cli(["status", "--state-dir", str(tmp_path / "state" / LEVELS[1])])
     assert status.returncode == 0, status.stderr
-    assert ("per-user budget: eps 10 of 100 charged to every user by this ledger and the other "
-            "rollup levels' (8) (90 more window(s)") in status.stdout
+    assert (
+        "per-user budget: eps 10 of 100 charged to every user by this ledger and the other "
+        "rollup levels' (8) (90 more window(s)"
+    ) in status.stdout
     # the start line says what one span costs a user
-    assert (f"a user active through one {SPAN} is charged 4 x 1 + 1 = 5 eps of "
-            "ledger.budget_per_user") in res.stderr
+    assert (
+        f"a user active through one {SPAN} is charged 4 x 1 + 1 = 5 eps of ledger.budget_per_user"
+    ) in res.stderr
 
 
 def test_a_day_of_users_is_not_the_sum_of_its_windows(tmp_path):
@@ -122,17 +132,24 @@ def test_the_per_user_budget_counts_both_levels_and_refuses_past_it(tmp_path):
     # base windows 0-3 and the first span: 5; base window 4: 6; then nothing more
     assert sorted(level_docs(tmp_path, "base")) == [0, 1, 2, 3, 4]
     assert sorted(level_docs(tmp_path, LEVELS[1])) == [0]
-    refused = [e["note"] for level in LEVELS for e in level_ledger(tmp_path, level)
-               if e["kind"] == "refused"]
+    refused = [
+        e["note"]
+        for level in LEVELS
+        for e in level_ledger(tmp_path, level)
+        if e["kind"] == "refused"
+    ]
     assert refused and "the other rollup levels" in refused[0], refused
 
 
-@pytest.mark.parametrize("fault", [
-    "checkpoint-mid-write:8",       # base window 3's close: the first span open (replayed)
-    "checkpoint-after-rename:9",    # base window 3 ledgered, the span about to close
-    "checkpoint-mid-write:11",      # the span's close: its release ledgered, not published
-    "checkpoint-mid-write:13",      # the second span open, base window 4 ledgered
-])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "checkpoint-mid-write:8",  # base window 3's close: the first span open (replayed)
+        "checkpoint-after-rename:9",  # base window 3 ledgered, the span about to close
+        "checkpoint-mid-write:11",  # the span's close: its release ledgered, not published
+        "checkpoint-mid-write:13",  # the second span open, base window 4 ledgered
+    ],
+)
 def test_kill_at_the_close_and_restart_releases_each_window_of_each_level_once(tmp_path, fault):
     """The levels checkpoint in turn (the failpoints count both): where the kill falls, each
     level replays its own open window into fresh bits under a fresh key."""
@@ -141,8 +158,14 @@ def test_kill_at_the_close_and_restart_releases_each_window_of_each_level_once(t
     args = rollup_args(tmp_path, path)
     first = run_cli(args, {"PANAGG_TEST_FAULT": fault})
     assert first.returncode == -9, first.stderr  # SIGKILLed at the fault point
-    ledgered = {level: {e["window"]: e["document"] for e in level_ledger(tmp_path, level)
-                        if e["kind"] == "release"} for level in LEVELS}
+    ledgered = {
+        level: {
+            e["window"]: e["document"]
+            for e in level_ledger(tmp_path, level)
+            if e["kind"] == "release"
+        }
+        for level in LEVELS
+    }
     second = run_cli(args)
     assert second.returncode == 0, second.stderr
     for level, size in zip(LEVELS, (WINDOW, SPAN)):
@@ -150,7 +173,11 @@ def test_kill_at_the_close_and_restart_releases_each_window_of_each_level_once(t
         for w, doc in ledgered[level].items():  # re-published from the ledger, never redrawn
             assert docs[w] == json.loads(doc)
     # a window replayed after the kill is charged twice (its bits were drawn twice)
-    restarts = {(level, e["window_uid"]) for level in LEVELS
-                for e in level_ledger(tmp_path, level) if e["kind"] == "restart"}
+    restarts = {
+        (level, e["window_uid"])
+        for level in LEVELS
+        for e in level_ledger(tmp_path, level)
+        if e["kind"] == "restart"
+    }
     assert restarts
     assert user_charges(tmp_path) == 10.0 + len(restarts)

@@ -78,17 +78,28 @@ def test_active_fraction_and_status_say_the_unit(tmp_path):
     status = run_cli(["status", "--state-dir", str(tmp_path / "state")])
     assert status.returncode == 0, status.stderr
     assert "privacy unit: the user" in status.stdout and "distinct users" in status.stdout
-    assert ("per-user budget: eps 2 of 100 charged to every user by this ledger (98 more "
-            "window(s)") in status.stdout
-    plan = run_cli(["plan", "--set", "state.privacy_unit=user", "--set",
-                    "state.expected_users=2000", "--set", "ledger.budget_per_user=30"])
+    assert (
+        "per-user budget: eps 2 of 100 charged to every user by this ledger (98 more window(s)"
+    ) in status.stdout
+    plan = run_cli(
+        [
+            "plan",
+            "--set",
+            "state.privacy_unit=user",
+            "--set",
+            "state.expected_users=2000",
+            "--set",
+            "ledger.budget_per_user=30",
+        ]
+    )
     assert plan.returncode == 0 and "privacy unit: the user" in plan.stdout
     assert "at 2,000 users" in plan.stdout
     assert "per-user budget 30 eps (ledger.budget_per_user): 30 released windows" in plan.stdout
 
 
-@pytest.mark.parametrize("fault", ["checkpoint-mid-write:3", "checkpoint-after-rename:2",
-                                   "checkpoint-before-rename:4"])
+@pytest.mark.parametrize(
+    "fault", ["checkpoint-mid-write:3", "checkpoint-after-rename:2", "checkpoint-before-rename:4"]
+)
 def test_kill_at_the_close_and_restart_releases_each_window_once(tmp_path, fault):
     path = tmp_path / "logins.jsonl"
     write_logins(path, 4, seed=5)
@@ -106,26 +117,49 @@ def test_kill_at_the_close_and_restart_releases_each_window_once(tmp_path, fault
 def test_time_windows_release_users_exactly_once(tmp_path):
     path = tmp_path / "logins.jsonl"
     write_logins(path, 2, seed=3)
-    res = run_cli(user_args(tmp_path, path, **{"window.kind": "time", "window.size": 3600,
-                                               "release.on_exhausted": "true"}))
+    res = run_cli(
+        user_args(
+            tmp_path,
+            path,
+            **{"window.kind": "time", "window.size": 3600, "release.on_exhausted": "true"},
+        )
+    )
     assert res.returncode == 0, res.stderr
     docs = check_exact(tmp_path, 2 * WINDOW)
-    assert all(d["privacy_unit"] == "user" and d["window_info"]["kind"] == "time"
-               for d in docs.values())
+    assert all(
+        d["privacy_unit"] == "user" and d["window_info"]["kind"] == "time" for d in docs.values()
+    )
 
 
-@pytest.mark.parametrize("sets", [
-    ["scale.partitioned=true", "source.kind=kafka", "source.topic=t"],
-    ["window.rollups=1d", "window.kind=time", "window.size=3600", "window.rollup_design=sum",
-     "state.rollup_expected_users=20000"],
-    ["window.rollups=1d", "window.kind=time", "window.size=3600"],
-    ["state.model=shuffle"],
-    ["state.mode=hashed"],
-    ["checkpoint.snapshots_per_window=1"],
-    ["breakdown.field=country"],
-    ["state.expected_users=0"],
-], ids=["scale-out", "summed rollups", "rollups without their users", "shuffle", "hashed",
-        "snapshots", "breakdown", "no expected users"])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["scale.partitioned=true", "source.kind=kafka", "source.topic=t"],
+        [
+            "window.rollups=1d",
+            "window.kind=time",
+            "window.size=3600",
+            "window.rollup_design=sum",
+            "state.rollup_expected_users=20000",
+        ],
+        ["window.rollups=1d", "window.kind=time", "window.size=3600"],
+        ["state.model=shuffle"],
+        ["state.mode=hashed"],
+        ["checkpoint.snapshots_per_window=1"],
+        ["breakdown.field=country"],
+        ["state.expected_users=0"],
+    ],
+    ids=[
+        "scale-out",
+        "summed rollups",
+        "rollups without their users",
+        "shuffle",
+        "hashed",
+        "snapshots",
+        "breakdown",
+        "no expected users",
+    ],
+)
 def test_unsupported_combinations_are_one_line_and_write_nothing(tmp_path, sets):
     path = tmp_path / "logins.jsonl"
     path.write_text(json.dumps({"user": "alice"}) + "\n")
@@ -149,8 +183,10 @@ def test_an_intruder_reads_no_user_and_no_exact_count_on_disk_or_in_the_log(tmp_
     res = run_cli(user_args(tmp_path, path))
     assert res.returncode == 0, res.stderr
     logs += res.stderr
-    seen = b"".join(p.read_bytes() for p in sorted((tmp_path / "state").rglob("*"))
-                    if p.is_file()) + logs.encode()
+    seen = (
+        b"".join(p.read_bytes() for p in sorted((tmp_path / "state").rglob("*")) if p.is_file())
+        + logs.encode()
+    )
     assert b"alice-" not in seen  # no user id anywhere
     # no window's exact distinct users (odd: never an offset or a size), as a number anywhere
     # but in the released noisy count of 1-bits (a release: it may equal anything)
@@ -165,8 +201,10 @@ def test_an_audit_export_is_refused_in_one_line_and_ledgers_nothing(tmp_path):
     write_logins(path, 1, seed=17)
     assert run_cli(user_args(tmp_path, path)).returncode == 0
     before = (tmp_path / "state" / "ledger.jsonl").read_bytes()
-    res = run_cli(["audit", "export", "--state-dir", str(tmp_path / "state")],
-                  {"PANAGG_AUDIT_KEY": "00ff" * 16})
+    res = run_cli(
+        ["audit", "export", "--state-dir", str(tmp_path / "state")],
+        {"PANAGG_AUDIT_KEY": "00ff" * 16},
+    )
     assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
     assert "audit export of a user-level density state is refused" in res.stderr
     assert (tmp_path / "state" / "ledger.jsonl").read_bytes() == before
@@ -177,11 +215,19 @@ def test_the_user_unit_inside_an_aggregation_table_is_refused(tmp_path):
     at the top level (not run by a service that does not wire it)."""
     from aggregator.service.config import ConfigError, load_config
 
-    sets = ["source.kind=file", f"source.path={tmp_path / 'x.jsonl'}",
-            "ledger.budget_per_event=2", "aggregations.a.item.field=user",
-            "aggregations.a.state.privacy_unit=user", "aggregations.a.state.expected_users=100",
-            "aggregations.b.item.field=ip"]
-    with pytest.raises(ConfigError, match=r"^aggregations\.a: state\.privacy_unit = user is not "
-                                          r"built with several aggregations"):
+    sets = [
+        "source.kind=file",
+        f"source.path={tmp_path / 'x.jsonl'}",
+        "ledger.budget_per_event=2",
+        "aggregations.a.item.field=user",
+        "aggregations.a.state.privacy_unit=user",
+        "aggregations.a.state.expected_users=100",
+        "aggregations.b.item.field=ip",
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"^aggregations\.a: state\.privacy_unit = user is not "
+        r"built with several aggregations",
+    ):
         load_config(None, sets, env={})
     load_config(None, [s for s in sets if "privacy_unit" not in s], env={})  # the rest is fine

@@ -12,7 +12,11 @@ from aggregator.estimators import METHODS, phi_estimate
 from aggregator.anonymize import anonymized_histogram
 from aggregator.noise import discrete_laplace, p_from_epsilon
 from aggregator.wupagh import (
-    inverse_filter, project_simplex, unbiased_profile, wupagh_prevalence, wupagh_profile,
+    inverse_filter,
+    project_simplex,
+    unbiased_profile,
+    wupagh_prevalence,
+    wupagh_profile,
 )
 
 
@@ -35,8 +39,9 @@ def test_unbiased_profile_is_exactly_unbiased(layers):
     lo, hi = -K, 7 + K
     expected_c = np.zeros(hi - lo + 1)
     for v in h:
-        expected_c[v - K - lo: v + K - lo + 1] += q
+        expected_c[v - K - lo : v + K - lo + 1] += q
     from aggregator.estimate import NoisyValueCounts
+
     # unbiased_profile is linear in c: feed the expected counts (reals) through it
     vc = NoisyValueCounts(lo, expected_c)
     est = unbiased_profile(vc, p, layers)
@@ -99,8 +104,10 @@ def test_wupagh_is_a_method_everywhere():
     noisy = red + discrete_laplace(p, B, rng=g) + discrete_laplace(p, B, rng=g)
     out = anonymized_histogram(noisy, p, layers=2, n=int(h.sum()), buckets=B, method="wupagh")
     assert out.sum() <= h.sum()
-    np.testing.assert_array_equal(ld.hashed_phi_estimate(noisy, p, layers=2, method="wupagh"),
-                                  phi_estimate(noisy, p, layers=2, method="wupagh"))
+    np.testing.assert_array_equal(
+        ld.hashed_phi_estimate(noisy, p, layers=2, method="wupagh"),
+        phi_estimate(noisy, p, layers=2, method="wupagh"),
+    )
 
 
 def test_empty_window():

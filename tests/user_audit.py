@@ -54,9 +54,9 @@ from tests.scripted_source import ScriptedSource
 
 EPS = 1.0
 EVENTS = (1, 10, 10_000)
-BACKGROUND = 1500        # other users' events in the audited window (one each, distinct users)
-EXPECTED_USERS = 2000    # state.expected_users: m = 5,019 cells at eps 1
-ROLLUP_USERS = 3000      # state.rollup_expected_users of a span (a different m)
+BACKGROUND = 1500  # other users' events in the audited window (one each, distinct users)
+EXPECTED_USERS = 2000  # state.expected_users: m = 5,019 cells at eps 1
+ROLLUP_USERS = 3000  # state.rollup_expected_users of a span (a different m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,9 +93,14 @@ class Trace:
         """Record the draws of every :class:`PanPrivateDensity`; ``thresholds`` (a negative
         control) replaces :func:`aggregator.density.bit_thresholds` meanwhile."""
         D = PanPrivateDensity
-        orig = {"init": D.__init__, "add": D.add_cells, "release": D.release,
-                "bern": density_mod.bernoulli, "dlap": density_mod.discrete_laplace,
-                "thr": density_mod.bit_thresholds}
+        orig = {
+            "init": D.__init__,
+            "add": D.add_cells,
+            "release": D.release,
+            "bern": density_mod.bernoulli,
+            "dlap": density_mod.discrete_laplace,
+            "thr": density_mod.bit_thresholds,
+        }
         local, trace = self._local, self
 
         def bernoulli(threshold, size, rng=None):
@@ -110,8 +115,9 @@ class Trace:
             local.draws = []
             orig["init"](self, *a, **kw)
             (thr,) = local.draws  # one D0 draw of every cell
-            st = StateTrace(self.cells, self.key,
-                            [("draw", thr, np.arange(self.cells, dtype=np.int64))])
+            st = StateTrace(
+                self.cells, self.key, [("draw", thr, np.arange(self.cells, dtype=np.int64))]
+            )
             with trace._lock:
                 trace.states.append(st)
                 trace._by_id[id(self)] = st
@@ -165,7 +171,7 @@ def _cell_law(ops) -> np.ndarray:
     look): a forward pass in which a draw replaces the bit and a look reads it."""
     looks = sum(1 for op in ops if op[0] == "look")
     law = np.zeros((2,) * looks + (2,))  # (the looks so far, the current bit)
-    law[(0,) * looks + (0,)] = 1.0       # (the first op is the fresh state's D0 draw)
+    law[(0,) * looks + (0,)] = 1.0  # (the first op is the fresh state's D0 draw)
     seen = 0
     for op in ops:
         if op[0] == "draw":
@@ -225,10 +231,11 @@ def state_loss(a: StateTrace, b: StateTrace) -> tuple[float, float]:
     looks_only = [op for op in a.ops if op[0] != "draw"]
     rel = [op for op in looks_only if op[0] == "release"]
     p = rel[0][1] if rel else None
+
     # each cell's ops, with its release turned into a look (its bit enters y)
     def per(st):
-        return [[("look",) if op[0] == "release" else op for op in cell_ops(st, c)]
-                for c in cells]
+        return [[("look",) if op[0] == "release" else op for op in cell_ops(st, c)] for c in cells]
+
     ys = np.arange(-12, 12 + len(cells) + 1)
     x, y = _view_law(per(a), p, ys), _view_law(per(b), p, ys)
     if x.shape != y.shape:  # (a look pattern a cell never reaches in one run: pad)
@@ -258,34 +265,47 @@ def run_loss(ta: Trace, tb: Trace) -> float:
 # the service runs
 # ---------------------------------------------------------------------------------------------
 def _files(state_dir: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(state_dir)): p.read_bytes()
-            for p in sorted(state_dir.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(state_dir)): p.read_bytes()
+        for p in sorted(state_dir.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _checkpoint_header(data: bytes) -> dict:
     hlen = int.from_bytes(data[:8], "little")
-    return msgpack.unpackb(data[8:8 + hlen], raw=False, strict_map_key=False)
+    return msgpack.unpackb(data[8 : 8 + hlen], raw=False, strict_map_key=False)
 
 
 def _public(doc: dict) -> dict:
     """A release document without its noisy count and what is computed from it (and its
     wall-clock times)."""
-    drop = {"created_unix", "headline", "distinct_users", "active_fraction",
-            "expected_relative_error", "window_start", "window_end"}
+    drop = {
+        "created_unix",
+        "headline",
+        "distinct_users",
+        "active_fraction",
+        "expected_relative_error",
+        "window_start",
+        "window_end",
+    }
     out = {k: v for k, v in doc.items() if k not in drop}
-    out["window_info"] = {k: v for k, v in doc["window_info"].items()
-                          if not k.endswith("_unix")}
-    out["density"] = {k: v for k, v in doc["density"].items()
-                      if k not in ("noisy_ones", "occupied_fraction")}
+    out["window_info"] = {k: v for k, v in doc["window_info"].items() if not k.endswith("_unix")}
+    out["density"] = {
+        k: v for k, v in doc["density"].items() if k not in ("noisy_ones", "occupied_fraction")
+    }
     return out
 
 
 def _counted(header: dict) -> dict:
     """What a checkpoint says of the counting (not its random ids and wall-clock times)."""
-    out = {k: header.get(k) for k in ("seq", "offsets", "start_offsets", "totals", "pending",
-                                       "has_state")}
-    out["window"] = {k: v for k, v in header["window"].items()
-                     if k not in ("uid", "started_unix", "lineage")}
+    out = {
+        k: header.get(k)
+        for k in ("seq", "offsets", "start_offsets", "totals", "pending", "has_state")
+    }
+    out["window"] = {
+        k: v for k, v in header["window"].items() if k not in ("uid", "started_unix", "lineage")
+    }
     return out
 
 
@@ -319,7 +339,7 @@ def _segments(sc: Scenario, who: str, key_cells: Callable | None) -> tuple[list,
     segment 2 closes the (last) window."""
     pack = msgpack.packb
     background = [f"bg-{i:05d}" for i in range(BACKGROUND)]
-    before, after = background[:BACKGROUND // 2], background[BACKGROUND // 2:]
+    before, after = background[: BACKGROUND // 2], background[BACKGROUND // 2 :]
     extra_before: list[str] = []
     extra_after: list[str] = []
     if key_cells is not None:  # other users that share the victim's / the stand-in's cell
@@ -345,10 +365,12 @@ def _segments(sc: Scenario, who: str, key_cells: Callable | None) -> tuple[list,
         second = [u for u in seg1 if u != who]
         h0, h1 = len(first) // 2, len(second) // 2
         size = max(len(seg0), len(seg1)) + 1
-        segments = [first[:h0] + [who] * sc.split,
-                    first[h0:] + ["filler"] * (size - len(seg0)),
-                    second[:h1] + [who] * (sc.events - sc.split),
-                    second[h1:] + ["filler"] * (size - len(seg1))]
+        segments = [
+            first[:h0] + [who] * sc.split,
+            first[h0:] + ["filler"] * (size - len(seg0)),
+            second[:h1] + [who] * (sc.events - sc.split),
+            second[h1:] + ["filler"] * (size - len(seg1)),
+        ]
     if sc.rollup:  # the span's other base windows: other users only
         segments += [[f"fill-{j}-{i:05d}" for i in range(size)] for j in range(sc.rollup - 1)]
     return [[pack({"item": u}) for u in s] for s in segments], size
@@ -361,9 +383,18 @@ class RunViews:
     releases: list[dict]
 
 
-def service_run(tmp: Path, sc: Scenario, who: str, *, workers: int = 1, seed: int = 5,
-                key_cells: Callable | None = None, intrusions: tuple[int, ...] | None = None,
-                thresholds: Callable | None = None, epsilon: float = EPS) -> RunViews:
+def service_run(
+    tmp: Path,
+    sc: Scenario,
+    who: str,
+    *,
+    workers: int = 1,
+    seed: int = 5,
+    key_cells: Callable | None = None,
+    intrusions: tuple[int, ...] | None = None,
+    thresholds: Callable | None = None,
+    epsilon: float = EPS,
+) -> RunViews:
     """One run of the service on the stream where ``who`` (the victim or the stand-in) holds
     the scenario's events; the intruder looks before each segment in ``intrusions``."""
     from aggregator.service import Aggregator
@@ -375,20 +406,35 @@ def service_run(tmp: Path, sc: Scenario, who: str, *, workers: int = 1, seed: in
     shutil.rmtree(state_dir, ignore_errors=True)
     shutil.rmtree(tmp / f"releases-{who}", ignore_errors=True)
     segments, size = _segments(sc, who, key_cells)
-    cfg = load_config(None, [
-        f"checkpoint.dir={state_dir}", f"release.dir={tmp / f'releases-{who}'}",
-        "source.kind=generator", "state.privacy_unit=user",
-        f"state.expected_users={EXPECTED_USERS}", f"state.epsilon={epsilon}",
-        "ledger.budget_per_user=100", "window.kind=count", f"window.size={size}",
-        "metrics.port=-1", "release.on_exhausted=false", f"release.workers={workers}",
-        f"testing.noise_seed={seed}", f"ledger.file_registry={tmp / f'registry-{who}.jsonl'}"]
-        + ([f"window.rollups={sc.rollup}x", f"state.rollup_expected_users={ROLLUP_USERS}"]
-           if sc.rollup else []),
-        env={})
+    cfg = load_config(
+        None,
+        [
+            f"checkpoint.dir={state_dir}",
+            f"release.dir={tmp / f'releases-{who}'}",
+            "source.kind=generator",
+            "state.privacy_unit=user",
+            f"state.expected_users={EXPECTED_USERS}",
+            f"state.epsilon={epsilon}",
+            "ledger.budget_per_user=100",
+            "window.kind=count",
+            f"window.size={size}",
+            "metrics.port=-1",
+            "release.on_exhausted=false",
+            f"release.workers={workers}",
+            f"testing.noise_seed={seed}",
+            f"ledger.file_registry={tmp / f'registry-{who}.jsonl'}",
+        ]
+        + (
+            [f"window.rollups={sc.rollup}x", f"state.rollup_expected_users={ROLLUP_USERS}"]
+            if sc.rollup
+            else []
+        ),
+        env={},
+    )
     trace, files = Trace(), []
 
     def intrude(k):  # every state the service holds in memory (each level's, with rollups)
-        for one in (agg.aggs.values() if sc.rollup else [agg]):
+        for one in agg.aggs.values() if sc.rollup else [agg]:
             trace.look(one.task.live_state(), f"memory@{k}")
         files.append(_files(state_dir))
 
@@ -403,6 +449,7 @@ def service_run(tmp: Path, sc: Scenario, who: str, *, workers: int = 1, seed: in
 
 def json_load(path: Path) -> dict:
     import json
+
     return json.loads(path.read_text())
 
 
@@ -435,6 +482,7 @@ def key_cells_of(tmp: Path, sc: Scenario, **kw) -> Callable:
         found = [u for u, x in zip(pool, cells) if x == c]
         assert len(found) >= 2
         return found[:2]
+
     return mates
 
 
@@ -496,8 +544,9 @@ def _joint_views(a, b, p, cells_before_after, ys):
     return out
 
 
-def exact_user_loss(a: float, b: float, p: float, events: int,
-                    neighbor: str = "add-remove") -> float:
+def exact_user_loss(
+    a: float, b: float, p: float, events: int, neighbor: str = "add-remove"
+) -> float:
     """Max over intrusion time (every split of the user's events), collision patterns and views
     of |ln P[view | with the user] / P[view | without]|: the exact user-level loss of one
     intrusion + the release. Beyond |y| ~ 4 the DLap tails make the ratio constant, so the

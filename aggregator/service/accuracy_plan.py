@@ -25,8 +25,15 @@ from .identity import choose_buckets_for
 from .settings import Config
 from .user_window import is_user, user_plan_line
 
-__all__ = ["accuracy_plan", "planned_errors", "warn_if_below_noise", "below_noise_fix",
-           "StartPlan", "expected_release_seconds", "release_time_warning"]
+__all__ = [
+    "accuracy_plan",
+    "planned_errors",
+    "warn_if_below_noise",
+    "below_noise_fix",
+    "StartPlan",
+    "expected_release_seconds",
+    "release_time_warning",
+]
 
 log = logging.getLogger("panagg.service")
 
@@ -45,17 +52,25 @@ def warn_if_below_noise(release: dict) -> None:
     snr = acc.get("signal_to_noise")
     # (events over the Cramer-Rao floor; older releases held it under signal_to_noise)
     over = acc.get("events_over_noise_floor", snr if snr is not None else 0.0) or 0.0
-    why = ("its distinct items could be off by 2x at the interval's level"
-           if acc.get("distinct_could_be_off_2x") else
-           f"events over the noise floor below {SNR_MIN:g}")
+    why = (
+        "its distinct items could be off by 2x at the interval's level"
+        if acc.get("distinct_could_be_off_2x")
+        else f"events over the noise floor below {SNR_MIN:g}"
+    )
     n = release.get("n") if release.get("n") is not None else release.get("n_in_histogram")
     floor = acc.get("noise_floor_items")
-    log.error("window %s: the release is below its noise floor (%s; signal-to-noise %s, events "
-              "over the noise floor %.2f: %s events against an error floor of ~%s items); its "
-              "statistics are mostly noise. Fix: %s",
-              release.get("window"), why, "?" if snr is None else f"{snr:.1f}", over,
-              "?" if n is None else f"{n:,}", f"{floor:,.0f}" if floor else "?",
-              below_noise_fix(release))
+    log.error(
+        "window %s: the release is below its noise floor (%s; signal-to-noise %s, events "
+        "over the noise floor %.2f: %s events against an error floor of ~%s items); its "
+        "statistics are mostly noise. Fix: %s",
+        release.get("window"),
+        why,
+        "?" if snr is None else f"{snr:.1f}",
+        over,
+        "?" if n is None else f"{n:,}",
+        f"{floor:,.0f}" if floor else "?",
+        below_noise_fix(release),
+    )
 
 
 def below_noise_fix(release: dict) -> str:
@@ -64,13 +79,20 @@ def below_noise_fix(release: dict) -> str:
     domain = release.get("domain") or {}
     if domain.get("mode") == "hashed":
         size = domain.get("size")
-        fewer = (f"fewer buckets (state.buckets, {size:,} now) when items repeat"
-                 if isinstance(size, int) else "fewer buckets (state.buckets) when items repeat")
-        return ("more events per window (window.size, and state.expected_n with it), "
-                f"a larger state.epsilon, or {fewer}")
-    return ("more events per window (window.size), fewer counters "
-            '(state.domain_size, or hashed mode: state.mode = "hashed"), or a larger '
-            "state.epsilon")
+        fewer = (
+            f"fewer buckets (state.buckets, {size:,} now) when items repeat"
+            if isinstance(size, int)
+            else "fewer buckets (state.buckets) when items repeat"
+        )
+        return (
+            "more events per window (window.size, and state.expected_n with it), "
+            f"a larger state.epsilon, or {fewer}"
+        )
+    return (
+        "more events per window (window.size), fewer counters "
+        '(state.domain_size, or hashed mode: state.mode = "hashed"), or a larger '
+        "state.epsilon"
+    )
 
 
 def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
@@ -91,10 +113,12 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     floor = noise_floor(counters, p, layers)
     basis = "the window's size" if cfg.window.kind == "count" else "state.expected_n"
     n_min = int(math.ceil(SNR_MIN * floor))
-    line = (f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st.epsilon:g}"
-            f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
-            f"{n:,} events per window ({basis}) events over the noise floor {n / floor:.1f}; "
-            f"windows need >= {n_min:,} events to be above the noise; {privacy_unit_clause()}")
+    line = (
+        f"accuracy plan: {counters:,} counters ({'B' if hashed else 'D'}), eps {st.epsilon:g}"
+        f", {layers} noise layer(s) at release: error floor ~{floor:,.0f} items; with "
+        f"{n:,} events per window ({basis}) events over the noise floor {n / floor:.1f}; "
+        f"windows need >= {n_min:,} events to be above the noise; {privacy_unit_clause()}"
+    )
     slow = release_time_warning(cfg)
     if slow:
         line += "; " + slow
@@ -103,9 +127,12 @@ def accuracy_plan(cfg: Config, simulate: bool = True) -> tuple[str, bool]:
     below = n / floor < SNR_MIN
     if below:
         b = choose_buckets(max(n, 2), float(st.epsilon))
-        line += (f". BELOW THE NOISE at {n:,} events: use hashed mode (state.mode = \"hashed\", "
-                 f"~{b:,} buckets for {n:,} events)" if not hashed else
-                 f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})")
+        line += (
+            f'. BELOW THE NOISE at {n:,} events: use hashed mode (state.mode = "hashed", '
+            f"~{b:,} buckets for {n:,} events)"
+            if not hashed
+            else f". BELOW THE NOISE at {n:,} events: set state.buckets (~{b:,})"
+        )
         line += " or longer windows (window.size)"
     return line, below
 
@@ -156,10 +183,12 @@ def release_time_warning(cfg: Config) -> str | None:
         fixes.append('a faster estimator (release.estimator = "deconvolution")')
     if not no_bootstrap:
         fixes.append("no bootstrap intervals (release.error_bar_reps = 0)")
-    return (f"RELEASE SLOWER THAN THE WINDOW: a release of {counters:,} counters "
-            f"({'B' if hashed else 'D'}) is expected to take ~{seconds:.1f} s (more under load)"
-            f" and a window lasts {cfg.window.size:,} s, so releases would fall behind the "
-            f"windows; fix: {' or '.join(fixes)}")
+    return (
+        f"RELEASE SLOWER THAN THE WINDOW: a release of {counters:,} counters "
+        f"({'B' if hashed else 'D'}) is expected to take ~{seconds:.1f} s (more under load)"
+        f" and a window lasts {cfg.window.size:,} s, so releases would fall behind the "
+        f"windows; fix: {' or '.join(fixes)}"
+    )
 
 
 def _plan_inputs(cfg: Config) -> tuple[int, float, int, int, bool]:
@@ -184,23 +213,27 @@ def planned_errors(cfg: Config, cancel=None) -> str:
     return "accuracy plan: " + clause.split("; expected error of a release: ", 1)[1]
 
 
-def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool,
-                    cancel=None) -> str:
+def _planned_errors(counters: int, p: float, layers: int, n: int, hashed: bool, cancel=None) -> str:
     """The expected relative errors the releases will state, from simulated windows of two
     reference shapes (aggregator.release.planned_accuracy), as a clause of the plan line."""
 
     plan = planned_accuracy(counters, p, layers, n, hashed=hashed, cancel=cancel)
-    capped = (f" (simulated with {PLAN_MAX_EVENTS:,} events per window, not the {n:,} the "
-              "window holds: the plan's cost is bounded, its figures are for that size)"
-              if n > PLAN_MAX_EVENTS else "")
+    capped = (
+        f" (simulated with {PLAN_MAX_EVENTS:,} events per window, not the {n:,} the "
+        "window holds: the plan's cost is bounded, its figures are for that size)"
+        if n > PLAN_MAX_EVENTS
+        else ""
+    )
 
     def pct(v):
         return "?" if v is None else f"+-{100 * v:.1f}%"
 
-    parts = [f"{pct(v['distinct_items'])} distinct items, {pct(v['entropy_nats'])} entropy for "
-             f"{PLAN_SHAPES[shape]}" + (" (BELOW THE NOISE: could be off by 2x)"
-                                         if v["signal_below_noise"] else "")
-             for shape, v in plan.items()]
+    parts = [
+        f"{pct(v['distinct_items'])} distinct items, {pct(v['entropy_nats'])} entropy for "
+        f"{PLAN_SHAPES[shape]}"
+        + (" (BELOW THE NOISE: could be off by 2x)" if v["signal_below_noise"] else "")
+        for shape, v in plan.items()
+    ]
     return "; expected error of a release: " + "; ".join(parts) + capped
 
 
@@ -238,8 +271,10 @@ class StartPlan:
             return
         simulate = self.cfg.release.plan_errors
         if not simulate:  # no simulated releases at this start
-            line += ("; expected errors not simulated (release.plan_errors = false; "
-                     "panagg plan gives them)")
+            line += (
+                "; expected errors not simulated (release.plan_errors = false; "
+                "panagg plan gives them)"
+            )
         (log.warning if below or release_time_warning(self.cfg) else log.info)("%s", line)
         if not simulate:
             return
@@ -258,8 +293,9 @@ class StartPlan:
         except PlanCancelled:
             pass  # stopped before the plan was done: no line
         except Exception as exc:  # a plan is advice: it never stops the service
-            log.warning("accuracy plan: expected errors not computed (%s: %s)",
-                        type(exc).__name__, exc)
+            log.warning(
+                "accuracy plan: expected errors not computed (%s: %s)", type(exc).__name__, exc
+            )
 
     def close(self) -> None:
         thread = self._thread

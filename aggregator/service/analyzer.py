@@ -87,8 +87,14 @@ KEY_ENV = "PANAGG_SHUFFLE_PRIVATE_KEY"
 PARTIAL_CHECKPOINT_S = 5.0  # at most this long of the open window is re-read after a crash
 
 #: dead-letter reasons of the analyzer
-REASONS = ("malformed_record", "undecryptable", "other_parameters", "bucket_out_of_range",
-           "bad_sign", "stale_window")
+REASONS = (
+    "malformed_record",
+    "undecryptable",
+    "other_parameters",
+    "bucket_out_of_range",
+    "bad_sign",
+    "stale_window",
+)
 
 
 def load_analyzer_key(cfg: Config, env=None):
@@ -103,18 +109,23 @@ def load_analyzer_key(cfg: Config, env=None):
         except WireError as exc:
             raise ServiceError(f"shuffle.key_file: {exc}") from None
         except OSError as exc:
-            raise ServiceError(f"shuffle.key_file {path}: {exc.strerror}; check the path and its "
-                               "permissions") from None
+            raise ServiceError(
+                f"shuffle.key_file {path}: {exc.strerror}; check the path and its permissions"
+            ) from None
     text = env.get(KEY_ENV, "").strip()
     if not text:
-        raise ServiceError("state.model = shuffle needs the analyzer's private key: create one "
-                           "with `panagg shuffle-keygen --out FILE` and set shuffle.key_file = "
-                           f"FILE (or {KEY_ENV} to its 64 hex digits)")
+        raise ServiceError(
+            "state.model = shuffle needs the analyzer's private key: create one "
+            "with `panagg shuffle-keygen --out FILE` and set shuffle.key_file = "
+            f"FILE (or {KEY_ENV} to its 64 hex digits)"
+        )
     try:
         return PrivateKey(bytes.fromhex(text))
     except (ValueError, TypeError):
-        raise ServiceError(f"{KEY_ENV} must be 64 hex digits (a 32-byte X25519 private key, as "
-                           "`panagg shuffle-keygen` writes it)") from None
+        raise ServiceError(
+            f"{KEY_ENV} must be 64 hex digits (a 32-byte X25519 private key, as "
+            "`panagg shuffle-keygen` writes it)"
+        ) from None
 
 
 class ShuffleAnalyzer:
@@ -125,8 +136,16 @@ class ShuffleAnalyzer:
     :func:`load_analyzer_key`.
     """
 
-    def __init__(self, cfg: Config, source: Source, metrics: Metrics | None = None, *,
-                 private_key=None, fresh_start: bool = False, accept_change: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        source: Source,
+        metrics: Metrics | None = None,
+        *,
+        private_key=None,
+        fresh_start: bool = False,
+        accept_change: bool = False,
+    ):
         self.cfg, self.source = cfg, source
         self.metrics = metrics or Metrics()
         st, sh = cfg.state, cfg.shuffle
@@ -137,12 +156,14 @@ class ShuffleAnalyzer:
         self.n = shuffle_n(cfg)
         try:
             if self.protocol == "gkmp":
-                self.randomizer = GKMPRandomizer(self.epsilon, self.delta, self.n, self.buckets,
-                                                 gamma=self.gamma)
+                self.randomizer = GKMPRandomizer(
+                    self.epsilon, self.delta, self.n, self.buckets, gamma=self.gamma
+                )
                 self.p = self.randomizer.p
             else:
-                self.randomizer = BalcerCheuRandomizer(self.epsilon, self.delta, self.n,
-                                                       self.buckets)
+                self.randomizer = BalcerCheuRandomizer(
+                    self.epsilon, self.delta, self.n, self.buckets
+                )
                 self.p = None
         except ShuffleConfigError as exc:
             raise ServiceError(f"shuffle protocol {self.protocol}: {exc}") from None
@@ -159,35 +180,42 @@ class ShuffleAnalyzer:
         #: (shuffle_wire.BoxOpener; $PANAGG_SHUFFLE_DECRYPT_WORKERS)
         try:
             self.opener = BoxOpener(self.key)
-        except WireError as exc:   # a malformed $PANAGG_SHUFFLE_DECRYPT_WORKERS
+        except WireError as exc:  # a malformed $PANAGG_SHUFFLE_DECRYPT_WORKERS
             raise ServiceError(str(exc)) from None
         self.dir = Path(cfg.checkpoint.dir)  # made by the start (_lock), not here
         self.fresh_start, self.accept_change = fresh_start, accept_change
-        self.ledger = Ledger(self.dir / "ledger.jsonl", budget_per_window=cfg.budget_per_window,
-                             budget_total=cfg.ledger.budget_total or None)
+        self.ledger = Ledger(
+            self.dir / "ledger.jsonl",
+            budget_per_window=cfg.budget_per_window,
+            budget_total=cfg.ledger.budget_total or None,
+        )
         self.store: LocalStore | None = None
         self._producer = None
         topic = cfg.source.dead_letter_topic
-        self.dead_letters = (DeadLetters(topic, self._kafka_producer, self.metrics) if topic
-                             else None)
+        self.dead_letters = (
+            DeadLetters(topic, self._kafka_producer, self.metrics) if topic else None
+        )
         self.stop_event = threading.Event()
         self._lock_file = None
         self.on_started = None  # called once the start succeeded (the CLI's metrics URL)
-        self.publisher = ReleasePublisher(cfg.release.dir, cfg.release.topic,
-                                          producer=self._kafka_producer,
-                                          on_published=self._published,
-                                          plot=cfg.release.plots)
+        self.publisher = ReleasePublisher(
+            cfg.release.dir,
+            cfg.release.topic,
+            producer=self._kafka_producer,
+            on_published=self._published,
+            plot=cfg.release.plots,
+        )
         # the live position
-        self.window: dict | None = None     # the open window (None between windows)
+        self.window: dict | None = None  # the open window (None between windows)
         self.plus = np.zeros(self.buckets, dtype=np.int64)
         self.minus = np.zeros(self.buckets, dtype=np.int64)
         self.offsets: dict[str, int] = {}
         self.pending: list[str] = []
         self.totals: dict = {"events": 0, "windows": 0, "refused": 0, "rejects": {}}
         self.last_closed: int | None = None
-        self._dirty = False                 # offsets moved since the last checkpoint
+        self._dirty = False  # offsets moved since the last checkpoint
         self._checkpoint_at = time.monotonic()
-        self._said: set = set()             # (kind, window) error lines already logged
+        self._said: set = set()  # (kind, window) error lines already logged
         #: the counts of the last window released (tests and the release audit; never written)
         self.last_counts: np.ndarray | None = None
         self.metrics.epsilon.set(self.epsilon)
@@ -200,28 +228,39 @@ class ShuffleAnalyzer:
     def identity(self) -> dict:
         mine = identity_of(self.cfg)
         mine["item"] = "shuffle-model client messages"
-        mine["shuffle"] = (f"{self.protocol} n={self.n} delta={self.delta:g}"
-                           + (f" gamma={self.gamma:g}" if self.protocol == "gkmp" else "")
-                           + f" key={self.public_hex}")
+        mine["shuffle"] = (
+            f"{self.protocol} n={self.n} delta={self.delta:g}"
+            + (f" gamma={self.gamma:g}" if self.protocol == "gkmp" else "")
+            + f" key={self.public_hex}"
+        )
         return mine
 
     def check_identity(self) -> None:
         mine, recorded = self.identity(), self.ledger.identity()
         if recorded is None:
-            self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
-                               identity=dict(mine, run=os.urandom(8).hex()))
+            self.ledger.append(
+                entry_id=f"identity-{os.urandom(6).hex()}",
+                kind="identity",
+                identity=dict(mine, run=os.urandom(8).hex()),
+            )
             return
         changed = [k for k in mine if recorded.get(k) != mine[k]]
         if not changed:
             return
         what = ", ".join(f"{k} {recorded.get(k)!r} -> {mine[k]!r}" for k in changed)
         if not self.accept_change:
-            raise ServiceError(f"checkpoint.dir {self.dir} belongs to other settings ({what}); "
-                               "use the original settings, a new checkpoint.dir, or "
-                               "--accept-change to record the change in the ledger")
-        self.ledger.append(entry_id=f"identity-{os.urandom(6).hex()}", kind="identity",
-                           identity=dict(recorded, **mine), previous=recorded,
-                           note=f"settings changed: {what}")
+            raise ServiceError(
+                f"checkpoint.dir {self.dir} belongs to other settings ({what}); "
+                "use the original settings, a new checkpoint.dir, or "
+                "--accept-change to record the change in the ledger"
+            )
+        self.ledger.append(
+            entry_id=f"identity-{os.urandom(6).hex()}",
+            kind="identity",
+            identity=dict(recorded, **mine),
+            previous=recorded,
+            note=f"settings changed: {what}",
+        )
         log.warning("settings of %s changed and recorded in the ledger: %s", self.dir, what)
 
     def restore(self) -> None:
@@ -235,16 +274,20 @@ class ShuffleAnalyzer:
                     f"no checkpoint in {self.store.dir}, but the ledger in {self.dir} records "
                     f"{len(released)} decided window(s): the checkpoint was lost or moved away. "
                     "Restore it from a backup, or start with --fresh-start (the topic is then "
-                    "read from its start and windows already decided are refused again)")
-            log.info("no checkpoint in %s: reading the analyzer topic from its start",
-                     self.store.dir)
+                    "read from its start and windows already decided are refused again)"
+                )
+            log.info(
+                "no checkpoint in %s: reading the analyzer topic from its start", self.store.dir
+            )
             self._commit()
         else:
             meta = dict(ckpt.window)
             if int(meta.get("buckets", -1)) != self.buckets:
-                raise ServiceError(f"the checkpoint in {self.store.dir} counts "
-                                   f"{meta.get('buckets')} buckets, the config {self.buckets}; "
-                                   "use the original settings or a new checkpoint.dir")
+                raise ServiceError(
+                    f"the checkpoint in {self.store.dir} counts "
+                    f"{meta.get('buckets')} buckets, the config {self.buckets}; "
+                    "use the original settings or a new checkpoint.dir"
+                )
             self.window = meta.get("open")
             self.last_closed = meta.get("last_closed")
             self.offsets = {k: int(v) for k, v in ckpt.offsets.items()}
@@ -253,10 +296,14 @@ class ShuffleAnalyzer:
             if ckpt.state:
                 sums = np.frombuffer(ckpt.state, dtype="<i8").reshape(2, self.buckets)
                 self.plus, self.minus = sums[0].copy(), sums[1].copy()
-            log.info("restored checkpoint %d: %s; reading on from offset(s) %s", ckpt.seq,
-                     f"window {self.window['id']} open with {self.window['received']:,} "
-                     "messages" if self.window else "no window open",
-                     ", ".join(f"{k}: {v}" for k, v in sorted(self.offsets.items())) or "start")
+            log.info(
+                "restored checkpoint %d: %s; reading on from offset(s) %s",
+                ckpt.seq,
+                f"window {self.window['id']} open with {self.window['received']:,} messages"
+                if self.window
+                else "no window open",
+                ", ".join(f"{k}: {v}" for k, v in sorted(self.offsets.items())) or "start",
+            )
         self.source.seek(self.offsets)
         self.metrics.events.inc(int(self.totals.get("events", 0)))
         for reason, count in self.totals["rejects"].items():
@@ -272,12 +319,22 @@ class ShuffleAnalyzer:
         try:
             self.restore()
             # after the checks: a refused start writes none
-            atomic_write(self.dir / "config.json",
-                         json.dumps(redacted(self.cfg), indent=1, sort_keys=True), mode=None)
+            atomic_write(
+                self.dir / "config.json",
+                json.dumps(redacted(self.cfg), indent=1, sort_keys=True),
+                mode=None,
+            )
             started = True
-            log.info("shuffle analyzer: %s, %d buckets, n=%d, epsilon %g, delta %g%s; public "
-                     "key %s", self.protocol, self.buckets, self.n, self.epsilon, self.delta,
-                     f", DLap p={self.p:.6g}" if self.p is not None else "", self.public_hex)
+            log.info(
+                "shuffle analyzer: %s, %d buckets, n=%d, epsilon %g, delta %g%s; public key %s",
+                self.protocol,
+                self.buckets,
+                self.n,
+                self.epsilon,
+                self.delta,
+                f", DLap p={self.p:.6g}" if self.p is not None else "",
+                self.public_hex,
+            )
             if self.on_started is not None:
                 self.on_started()
             self._publish_pending()
@@ -308,15 +365,21 @@ class ShuffleAnalyzer:
                 self.publisher.retry_now(wait_s=10.0)
                 self._publish_pending()
         except Stopping:
-            log.info("stopped while waiting for a write; the analyzer resumes from its last "
-                     "checkpoint at the next start")
+            log.info(
+                "stopped while waiting for a write; the analyzer resumes from its last "
+                "checkpoint at the next start"
+            )
         finally:
             self.close()
             if not started:
                 remove_created(self._created)
-            log.info("stopped: %s", f"window {self.window['id']} open with "
-                     f"{self.window['received']:,} messages (kept in the checkpoint)"
-                     if self.window else "no window open")
+            log.info(
+                "stopped: %s",
+                f"window {self.window['id']} open with "
+                f"{self.window['received']:,} messages (kept in the checkpoint)"
+                if self.window
+                else "no window open",
+            )
 
     def _caught_up(self) -> bool:
         assigned = getattr(self.source, "assigned", None)
@@ -357,8 +420,11 @@ class ShuffleAnalyzer:
             doc = parse_analyzer_record(bytes(value) if value is not None else b"")
             if doc.get("end") is True:
                 for field in ("events", "topped_up", "messages"):
-                    if not isinstance(doc.get(field), int) or isinstance(doc.get(field), bool) \
-                            or doc[field] < 0:
+                    if (
+                        not isinstance(doc.get(field), int)
+                        or isinstance(doc.get(field), bool)
+                        or doc[field] < 0
+                    ):
                         raise WireError(f"end marker has no non-negative integer {field!r}")
                 if doc.get("params") is not None and not isinstance(doc["params"], dict):
                     raise WireError("end marker's params is not a map")
@@ -368,22 +434,36 @@ class ShuffleAnalyzer:
         k = int(doc["window"])
         open_id = self.window["id"] if self.window is not None else None
         if (open_id is not None and k < open_id) or (
-                open_id != k and self.last_closed is not None and k <= self.last_closed):
+            open_id != k and self.last_closed is not None and k <= self.last_closed
+        ):
             self._reject(partition, offset, value, "stale_window", None)
             if ("stale", k) not in self._said:
                 self._said.add(("stale", k))
-                log.error("window %d appears again on the analyzer topic at %s offset %d, after "
-                          "it or a later window was decided or opened: ignored (dead letters, "
-                          "reason stale_window); the shuffler wrote a window twice or out of "
-                          "order", k, partition, offset)
+                log.error(
+                    "window %d appears again on the analyzer topic at %s offset %d, after "
+                    "it or a later window was decided or opened: ignored (dead letters, "
+                    "reason stale_window); the shuffler wrote a window twice or out of "
+                    "order",
+                    k,
+                    partition,
+                    offset,
+                )
             return
         if self.window is not None and self.window["id"] != k:
-            self._refuse(f"window {self.window['id']} ended without its end marker (window {k} "
-                         f"began at {partition} offset {offset}): not released (its messages "
-                         "are incomplete)")
+            self._refuse(
+                f"window {self.window['id']} ended without its end marker (window {k} "
+                f"began at {partition} offset {offset}): not released (its messages "
+                "are incomplete)"
+            )
         if self.window is None:
-            self.window = {"id": k, "uid": f"{partition}@{offset}", "received": 0, "lost": 0,
-                           "records": 0, "started_unix": time.time()}
+            self.window = {
+                "id": k,
+                "uid": f"{partition}@{offset}",
+                "received": 0,
+                "lost": 0,
+                "records": 0,
+                "started_unix": time.time(),
+            }
             self.metrics.window_id.set(k)
         self.window["records"] += 1
         if doc.get("end") is True:
@@ -391,8 +471,9 @@ class ShuffleAnalyzer:
             return
         self._chunk(doc["boxes"], partition, offset, value)
 
-    def _lose(self, boxes, partition: str, offset: int, value, reason: str,
-              detail: str | None = None) -> None:
+    def _lose(
+        self, boxes, partition: str, offset: int, value, reason: str, detail: str | None = None
+    ) -> None:
         """A chunk of the open window not counted: tallied by reason (the refusal names the
         cause from these tallies) and dead-lettered."""
         w = self.window
@@ -407,8 +488,14 @@ class ShuffleAnalyzer:
         w = self.window
         w["chunks"] = w.get("chunks", 0) + 1
         if not all(isinstance(b, bytes) and len(b) == SEALED_SIZE for b in boxes):
-            self._lose(boxes, partition, offset, value, "malformed_record",
-                       f"boxes must be {SEALED_SIZE} bytes each (wire v2)")
+            self._lose(
+                boxes,
+                partition,
+                offset,
+                value,
+                "malformed_record",
+                f"boxes must be {SEALED_SIZE} bytes each (wire v2)",
+            )
             return
         try:
             opened = self.opener.open(boxes)
@@ -449,43 +536,58 @@ class ShuffleAnalyzer:
         rejects[reason] = rejects.get(reason, 0) + 1
         self.metrics.decode_errors.labels(reason=reason).inc()
         if self.dead_letters is not None:
-            self.dead_letters.send(partition, offset, value if isinstance(value, bytes) else b"",
-                                   reason)
+            self.dead_letters.send(
+                partition, offset, value if isinstance(value, bytes) else b"", reason
+            )
         if reason in ("undecryptable", "other_parameters", "bucket_out_of_range", "bad_sign"):
             # the window's refusal names the cause in one line; per chunk, debug only
-            log.debug("window %s: chunk at %s offset %d not counted (%s)",
-                      self.window["id"] if self.window else None, partition, offset, reason)
+            log.debug(
+                "window %s: chunk at %s offset %d not counted (%s)",
+                self.window["id"] if self.window else None,
+                partition,
+                offset,
+                reason,
+            )
         elif reason == "malformed_record":
-            log.warning("rejected record at %s offset %d: %s (%s)", partition, offset, reason,
-                        detail)
+            log.warning(
+                "rejected record at %s offset %d: %s (%s)", partition, offset, reason, detail
+            )
 
     # -- window end ----------------------------------------------------------------------------
     def _foreign_line(self, k: int, foreign: dict, total: int) -> tuple[str, str]:
         """(cause, line) for a window holding messages of other parameters."""
         parts, causes = [], set()
         for fp_hex, seen in sorted(foreign.items(), key=lambda kv: -kv[1]["messages"])[:2]:
-            tag = ParamTag.from_parts(int(fp_hex, 16), {int(i): int(c, 16).to_bytes(8, "little")
-                                                        for i, c in seen["parts"].items()})
+            tag = ParamTag.from_parts(
+                int(fp_hex, 16),
+                {int(i): int(c, 16).to_bytes(8, "little") for i, c in seen["parts"].items()},
+            )
             share = f"{seen['messages']:,} of {total:,} messages"
             if tag is None:
                 causes.add("parameters")
-                parts.append(f"{share} carry parameter fingerprint {fp_hex} (not this analyzer's; "
-                             "the clients' parameters could not be rebuilt from them)")
+                parts.append(
+                    f"{share} carry parameter fingerprint {fp_hex} (not this analyzer's; "
+                    "the clients' parameters could not be rebuilt from them)"
+                )
                 continue
             diff = tag.differences(self.tag)
             causes.add("buckets" if [d[0] for d in diff] == ["buckets"] else "parameters")
-            parts.append(f"{share} were randomized with " + ", ".join(
-                f"{key} {theirs} (analyzer: {mine})" for key, theirs, mine in diff)
-                + f" [clients: {tag.describe()}]")
+            parts.append(
+                f"{share} were randomized with "
+                + ", ".join(f"{key} {theirs} (analyzer: {mine})" for key, theirs, mine in diff)
+                + f" [clients: {tag.describe()}]"
+            )
         more = f"; and {len(foreign) - 2} other fingerprint(s)" if len(foreign) > 2 else ""
         cause = "buckets" if causes == {"buckets"} else "parameters"
-        return cause, (f"window {k}: not released: its clients used other parameters than this "
-                       f"analyzer ({self.tag.describe()}): {'; '.join(parts)}{more}. A release "
-                       "would claim a privacy the clients did not give. Give clients, shuffler "
-                       "and analyzer the same settings (state.epsilon, the number of buckets, "
-                       "[shuffle]); this window can still be released under the clients' "
-                       f"parameters: `panagg shuffle-recover --window {k}` (docs/shuffle.md, "
-                       "\"Recovering a refused window\")")
+        return cause, (
+            f"window {k}: not released: its clients used other parameters than this "
+            f"analyzer ({self.tag.describe()}): {'; '.join(parts)}{more}. A release "
+            "would claim a privacy the clients did not give. Give clients, shuffler "
+            "and analyzer the same settings (state.epsilon, the number of buckets, "
+            "[shuffle]); this window can still be released under the clients' "
+            f"parameters: `panagg shuffle-recover --window {k}` (docs/shuffle.md, "
+            '"Recovering a refused window")'
+        )
 
     def _problem(self, doc: dict) -> tuple[str, str] | None:
         """``(cause, one line)``: why the window that ``doc`` ends cannot be released (None: it
@@ -496,57 +598,85 @@ class ShuffleAnalyzer:
         w, k = self.window, self.window["id"]
         causes = w.get("causes") or {}
         chunks = w.get("chunks", 0)
-        recover = (f" Once fixed, `panagg shuffle-recover --window {k}` releases it "
-                   "(docs/shuffle.md, \"Recovering a refused window\")")
+        recover = (
+            f" Once fixed, `panagg shuffle-recover --window {k}` releases it "
+            '(docs/shuffle.md, "Recovering a refused window")'
+        )
         if w.get("foreign"):
             return self._foreign_line(k, w["foreign"], int(doc["messages"]))
         if causes.get("undecryptable"):
             bad = causes["undecryptable"]
             if bad == chunks and not w["received"]:
-                why = (f"no message decrypts with this analyzer's key (public key "
-                       f"{self.public_hex}): the clients seal to another public key")
+                why = (
+                    f"no message decrypts with this analyzer's key (public key "
+                    f"{self.public_hex}): the clients seal to another public key"
+                )
             else:
-                why = (f"{bad:,} of {chunks:,} chunks do not decrypt with this analyzer's key "
-                       f"(public key {self.public_hex}): sealed to another key, or corrupted")
-            return "key", (f"window {k}: not released: {why} ({w['lost']:,} messages in dead "
-                           "letters, reason undecryptable). Give the clients this key's public "
-                           "key (`panagg shuffle-keygen` printed it) or set shuffle.key_file to "
-                           "the key they seal to." + recover)
+                why = (
+                    f"{bad:,} of {chunks:,} chunks do not decrypt with this analyzer's key "
+                    f"(public key {self.public_hex}): sealed to another key, or corrupted"
+                )
+            return "key", (
+                f"window {k}: not released: {why} ({w['lost']:,} messages in dead "
+                "letters, reason undecryptable). Give the clients this key's public "
+                "key (`panagg shuffle-keygen` printed it) or set shuffle.key_file to "
+                "the key they seal to." + recover
+            )
         corrupt = causes.get("bucket_out_of_range", 0) + causes.get("bad_sign", 0)
         if corrupt:
-            return "corrupt", (f"window {k}: not released: {corrupt:,} chunk(s) hold buckets "
-                               f"outside [0, {self.buckets:,}) or bad signs although their "
-                               "messages carry this analyzer's parameter fingerprint: "
-                               "non-conforming or corrupted clients (dead letters, reasons "
-                               "bucket_out_of_range / bad_sign)")
+            return "corrupt", (
+                f"window {k}: not released: {corrupt:,} chunk(s) hold buckets "
+                f"outside [0, {self.buckets:,}) or bad signs although their "
+                "messages carry this analyzer's parameter fingerprint: "
+                "non-conforming or corrupted clients (dead letters, reasons "
+                "bucket_out_of_range / bad_sign)"
+            )
         if causes.get("malformed_record"):
-            return "malformed", (f"window {k}: not released: {causes['malformed_record']:,} "
-                                 f"chunk(s) are malformed (boxes not {SEALED_SIZE} bytes: a "
-                                 "shuffler or clients of another wire version?), dead-lettered")
+            return "malformed", (
+                f"window {k}: not released: {causes['malformed_record']:,} "
+                f"chunk(s) are malformed (boxes not {SEALED_SIZE} bytes: a "
+                "shuffler or clients of another wire version?), dead-lettered"
+            )
         if w["received"] != doc["messages"]:
-            return "count", (f"window {k}: not released: the end marker counts "
-                             f"{doc['messages']:,} messages, {w['received']:,} were received and "
-                             "counted (a partial window's noise is not the calibrated law)")
+            return "count", (
+                f"window {k}: not released: the end marker counts "
+                f"{doc['messages']:,} messages, {w['received']:,} were received and "
+                "counted (a partial window's noise is not the calibrated law)"
+            )
         outputs = doc["events"] + doc["topped_up"]
         if outputs != self.n:
-            return "n", (f"window {k}: not released: it holds {doc['events']:,} events + "
-                         f"{doc['topped_up']:,} top-ups = {outputs:,} randomizer outputs, but this "
-                         f"analyzer is calibrated for shuffle.n = {self.n:,}; give clients, "
-                         "shuffler and analyzer the same n (shuffle.n, or window.size for count "
-                         "windows)")
+            return "n", (
+                f"window {k}: not released: it holds {doc['events']:,} events + "
+                f"{doc['topped_up']:,} top-ups = {outputs:,} randomizer outputs, but this "
+                f"analyzer is calibrated for shuffle.n = {self.n:,}; give clients, "
+                "shuffler and analyzer the same n (shuffle.n, or window.size for count "
+                "windows)"
+            )
         params = doc.get("params") or {}
         mine = dict(self.tag.params)
-        differ = [f"{key} {params[key]!r} (analyzer: {mine[key]!r})" for key in PARAM_KEYS
-                  if key in params and mine.get(key) is not None and params[key] != mine[key]
-                  and not (isinstance(mine[key], float) and isinstance(params[key], (int, float))
-                           and abs(float(params[key]) - mine[key]) <= 1e-12 * abs(mine[key]))]
+        differ = [
+            f"{key} {params[key]!r} (analyzer: {mine[key]!r})"
+            for key in PARAM_KEYS
+            if key in params
+            and mine.get(key) is not None
+            and params[key] != mine[key]
+            and not (
+                isinstance(mine[key], float)
+                and isinstance(params[key], (int, float))
+                and abs(float(params[key]) - mine[key]) <= 1e-12 * abs(mine[key])
+            )
+        ]
         if differ and ("params", k) not in self._said:
             # every message carries this analyzer's fingerprint, so the view is the calibrated
             # one; only the shuffler's configuration (its top-ups, none here) differs
             self._said.add(("params", k))
-            log.warning("window %d: the shuffler's end marker names other parameters (%s) but "
-                        "every message carries this analyzer's: released; fix the shuffler's "
-                        "settings before it tops up a short window", k, ", ".join(differ))
+            log.warning(
+                "window %d: the shuffler's end marker names other parameters (%s) but "
+                "every message carries this analyzer's: released; fix the shuffler's "
+                "settings before it tops up a short window",
+                k,
+                ", ".join(differ),
+            )
         return None
 
     def _problem_or_budget(self, doc: dict, uid: str, k: int) -> tuple[str, str] | None:
@@ -573,8 +703,12 @@ class ShuffleAnalyzer:
         else:
             problem = self._problem_or_budget(doc, uid, k)
             if problem is not None:
-                self._refuse(problem[1], end=f"{partition}:{offset + 1}", cause=problem[0],
-                             marker={f: doc[f] for f in ("events", "topped_up", "messages")})
+                self._refuse(
+                    problem[1],
+                    end=f"{partition}:{offset + 1}",
+                    cause=problem[0],
+                    marker={f: doc[f] for f in ("events", "topped_up", "messages")},
+                )
                 self._commit()
                 return
             release = self._release(doc, partition, offset)
@@ -584,8 +718,9 @@ class ShuffleAnalyzer:
         self._commit()
         self._publish_pending()
 
-    def _refuse(self, problem: str, end: str = "", cause: str = "incomplete",
-                marker: dict | None = None) -> None:
+    def _refuse(
+        self, problem: str, end: str = "", cause: str = "incomplete", marker: dict | None = None
+    ) -> None:
         """Decide the open window as refused: one error line, a ledger entry, sums dropped.
         ``marker``: the end marker's counts, kept so the window can be recovered from the
         dead-letter topic alone (its chunks are there; the marker is not)."""
@@ -593,9 +728,17 @@ class ShuffleAnalyzer:
         log.error("%s", problem)
         self.metrics.releases_refused.inc()
         self.totals["refused"] = self.totals.get("refused", 0) + 1
-        self.ledger.append(entry_id=f"refused-{w['uid']}", kind="refused", window=w["id"],
-                           window_uid=w["uid"], model="shuffle", note=problem, end=end,
-                           cause=cause, **({"marker": marker} if marker else {}))
+        self.ledger.append(
+            entry_id=f"refused-{w['uid']}",
+            kind="refused",
+            window=w["id"],
+            window_uid=w["uid"],
+            model="shuffle",
+            note=problem,
+            end=end,
+            cause=cause,
+            **({"marker": marker} if marker else {}),
+        )
         self._next_window(w["id"])
 
     def _next_window(self, k: int) -> None:
@@ -612,57 +755,92 @@ class ShuffleAnalyzer:
         events = int(doc["events"])
         hashed = None if self.direct else self.buckets
         if self.protocol == "gkmp":
-            counts = self.plus - self.minus   # = gkmp_analyze(messages): h + DLap(p)
+            counts = self.plus - self.minus  # = gkmp_analyze(messages): h + DLap(p)
             self.last_counts = counts.copy()
             hist, accuracy = estimate_with_accuracy(
-                counts, self.p, layers=1, loss=self.loss, n=events, buckets=hashed,
+                counts,
+                self.p,
+                layers=1,
+                loss=self.loss,
+                n=events,
+                buckets=hashed,
                 reps=int(self.cfg.release.error_bar_reps),
-                method=release_method(self.cfg))
+                method=release_method(self.cfg),
+            )
             extra = {"p": self.p, "layers": 1}
         else:
-            rz = self.randomizer               # = balcer_cheu_analyze(messages, B, rz)
+            rz = self.randomizer  # = balcer_cheu_analyze(messages, B, rz)
             est = np.where(self.plus > rz.n, self.plus - rz.s * rz.n, 0.0)
             self.last_counts = est.copy()
             rounded = np.rint(est).astype(np.int64)
             hist = np.sort(rounded[rounded > 0])[::-1]
-            accuracy = {"estimator": "balcer-cheu (seed 002 analyzer: N_j - s n where N_j > n, "
-                                     "rounded)",
-                        "intervals": None,
-                        "intervals_note": "no DLap noise model: the Balcer-Cheu analyzer's "
-                                          "estimates are released as they are"}
+            accuracy = {
+                "estimator": "balcer-cheu (seed 002 analyzer: N_j - s n where N_j > n, rounded)",
+                "intervals": None,
+                "intervals_note": "no DLap noise model: the Balcer-Cheu analyzer's "
+                "estimates are released as they are",
+            }
             extra = {"p": None, "layers": None}
-        extra.update({
-            "loss": self.loss if self.protocol == "gkmp" else None,
-            "domain": {"mode": "direct" if self.direct else "hashed", "size": self.buckets},
-            "protocol": self.protocol, "delta": self.delta,
-            "delta_spent": self.delta_spent,
-            "shuffle": {"n": self.n, "gamma": self.gamma if self.protocol == "gkmp" else None,
-                        "s": getattr(self.randomizer, "s", None),
-                        "analyzer_public_key": self.public_hex},
-        })
-        release = package_release(hist, window=k, n=events, epsilon=self.epsilon,
-                                  neighbor="replace-one", model="shuffle", extra=extra,
-                                  accuracy=accuracy if self.protocol == "gkmp" else None)
+        extra.update(
+            {
+                "loss": self.loss if self.protocol == "gkmp" else None,
+                "domain": {"mode": "direct" if self.direct else "hashed", "size": self.buckets},
+                "protocol": self.protocol,
+                "delta": self.delta,
+                "delta_spent": self.delta_spent,
+                "shuffle": {
+                    "n": self.n,
+                    "gamma": self.gamma if self.protocol == "gkmp" else None,
+                    "s": getattr(self.randomizer, "s", None),
+                    "analyzer_public_key": self.public_hex,
+                },
+            }
+        )
+        release = package_release(
+            hist,
+            window=k,
+            n=events,
+            epsilon=self.epsilon,
+            neighbor="replace-one",
+            model="shuffle",
+            extra=extra,
+            accuracy=accuracy if self.protocol == "gkmp" else None,
+        )
         if self.protocol != "gkmp":
             release["accuracy"] = accuracy
         release["release_seconds"] = time.perf_counter() - started
-        release["window_info"] = {"kind": self.cfg.window.kind,
-                                  "size": self.cfg.window.size, "events": events,
-                                  "topped_up": int(doc["topped_up"]),
-                                  "messages": int(doc["messages"]),
-                                  "started_unix": w["started_unix"], "ended_unix": time.time()}
+        release["window_info"] = {
+            "kind": self.cfg.window.kind,
+            "size": self.cfg.window.size,
+            "events": events,
+            "topped_up": int(doc["topped_up"]),
+            "messages": int(doc["messages"]),
+            "started_unix": w["started_unix"],
+            "ended_unix": time.time(),
+        }
         stamp_window(release)
-        release["counted"] = {"stream": f"kafka:{self.cfg.source.topic}",
-                              "item": f"shuffle:{self.protocol} messages"}
+        release["counted"] = {
+            "stream": f"kafka:{self.cfg.source.topic}",
+            "item": f"shuffle:{self.protocol} messages",
+        }
         if (release.get("accuracy") or {}).get("signal_below_noise"):
             warn_if_below_noise(release)
         extra = {"recovered_from": f"refused-{w['uid']}"} if self._recovering else {}
-        self.ledger.append(entry_id=f"release-{w['uid']}", kind="release", window=k,
-                           window_uid=w["uid"], epsilon_spent=self.epsilon,
-                           delta_spent=self.delta_spent, delta=self.delta, model="shuffle",
-                           protocol=self.protocol, params=self.tag.params,
-                           document=json.dumps(release, allow_nan=False),
-                           end_offsets={partition: offset + 1}, **extra)
+        self.ledger.append(
+            entry_id=f"release-{w['uid']}",
+            kind="release",
+            window=k,
+            window_uid=w["uid"],
+            epsilon_spent=self.epsilon,
+            delta_spent=self.delta_spent,
+            delta=self.delta,
+            model="shuffle",
+            protocol=self.protocol,
+            params=self.tag.params,
+            document=json.dumps(release, allow_nan=False),
+            end_offsets={partition: offset + 1},
+            **extra,
+        )
         self.totals["events"] = self.totals.get("events", 0) + events
         self.metrics.events.inc(events)
         return release
@@ -686,15 +864,22 @@ class ShuffleAnalyzer:
         """
         self._lock()
         self._recovering = True
-        self.dead_letters = None   # its records were dead-lettered when it was refused
+        self.dead_letters = None  # its records were dead-lettered when it was refused
         out = []
         try:
             want = None if windows is None else {int(x) for x in windows}
-            refused = [e for e in self.ledger.entries if e["kind"] == "refused"
-                       and (want is None or e["window"] in want)]
+            refused = [
+                e
+                for e in self.ledger.entries
+                if e["kind"] == "refused" and (want is None or e["window"] in want)
+            ]
             for k in sorted((want or set()) - {e["window"] for e in refused}):
-                log.error("window %d: the ledger in %s records no refused window with this "
-                          "number: nothing to recover", k, self.dir)
+                log.error(
+                    "window %d: the ledger in %s records no refused window with this "
+                    "number: nothing to recover",
+                    k,
+                    self.dir,
+                )
                 out.append((k, "", "not refused"))
             for entry in refused:
                 outcome = self._recover_one(entry, records)
@@ -703,8 +888,12 @@ class ShuffleAnalyzer:
                 self.publisher.retry_now(wait_s=10.0)
                 self._publish_pending()
                 for doc in self.pending:
-                    out = [(k, u, "ledgered, not yet published (run again)")
-                           if k == json.loads(doc)["window"] else (k, u, o) for k, u, o in out]
+                    out = [
+                        (k, u, "ledgered, not yet published (run again)")
+                        if k == json.loads(doc)["window"]
+                        else (k, u, o)
+                        for k, u, o in out
+                    ]
         finally:
             self._recovering = False
             self.close()
@@ -715,13 +904,17 @@ class ShuffleAnalyzer:
         committed, with no consumer group (nothing committed, no rebalance of the analyzer's)."""
         # a Kafka client is loaded by a Kafka run only
         from kafka import KafkaConsumer, TopicPartition  # noqa: PLC0415
+
         topic, _, p = partition.rpartition(":")
-        consumer = KafkaConsumer(bootstrap_servers=self.cfg.source.bootstrap, group_id=None,
-                                 enable_auto_commit=False, isolation_level="read_committed",
-                                 allow_auto_create_topics=False,
-                                 max_partition_fetch_bytes=int(
-                                     self.cfg.source.max_partition_fetch_bytes),
-                                 **client_options(self.cfg.security))
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.cfg.source.bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+            allow_auto_create_topics=False,
+            max_partition_fetch_bytes=int(self.cfg.source.max_partition_fetch_bytes),
+            **client_options(self.cfg.security),
+        )
         try:
             tp = TopicPartition(topic, int(p))
             consumer.assign([tp])
@@ -749,11 +942,16 @@ class ShuffleAnalyzer:
         the whole dead-letter topic is read once (no group, nothing committed)."""
         # a Kafka client is loaded by a Kafka run only
         from kafka import KafkaConsumer, TopicPartition  # noqa: PLC0415
+
         topic = self.cfg.source.dead_letter_topic
-        consumer = KafkaConsumer(bootstrap_servers=self.cfg.source.bootstrap, group_id=None,
-                                 enable_auto_commit=False, isolation_level="read_committed",
-                                 allow_auto_create_topics=False,
-                                 **client_options(self.cfg.security))
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.cfg.source.bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+            allow_auto_create_topics=False,
+            **client_options(self.cfg.security),
+        )
         found: dict[int, bytes] = {}
         try:
             parts = consumer.partitions_for_topic(topic) or set()
@@ -770,8 +968,12 @@ class ShuffleAnalyzer:
                 for recs in got.values():
                     for r in recs:
                         where, _, off = (r.key or b"").decode(errors="replace").rpartition("@")
-                        if where == partition and off.isdigit() and start <= int(off) < end \
-                                and not dict(r.headers or []).get("truncated"):
+                        if (
+                            where == partition
+                            and off.isdigit()
+                            and start <= int(off) < end
+                            and not dict(r.headers or []).get("truncated")
+                        ):
                             found[int(off)] = r.value
         finally:
             consumer.close()
@@ -785,19 +987,28 @@ class ShuffleAnalyzer:
             self.pending.append(done["document"])
             return "re-published"
         if not entry.get("end"):
-            log.error("window %d cannot be recovered: it ended without its end marker (its "
-                      "messages are incomplete)", k)
+            log.error(
+                "window %d cannot be recovered: it ended without its end marker (its "
+                "messages are incomplete)",
+                k,
+            )
             return "not recoverable"
         partition, _, start = uid.rpartition("@")
         end = int(entry["end"].rpartition(":")[2])
         recs = (records or self._read_range)(partition, int(start), end)
         source = "the analyzer topic"
-        if not recs and entry.get("marker") and (records is not None or
-                                                 self.cfg.source.dead_letter_topic):
+        if (
+            not recs
+            and entry.get("marker")
+            and (records is not None or self.cfg.source.dead_letter_topic)
+        ):
             # retention took the window off the analyzer topic: its chunks were dead-lettered
             # when it was refused (keyed by their positions), the ledger kept the marker's counts
-            dead = records(partition, int(start), end, dead_letters=True) if records else \
-                self._read_dead_letters(partition, int(start), end)
+            dead = (
+                records(partition, int(start), end, dead_letters=True)
+                if records
+                else self._read_dead_letters(partition, int(start), end)
+            )
             if dead:
                 recs = dead + [(end - 1, end_record(k, **entry["marker"]))]
                 source = "the dead-letter topic"
@@ -813,20 +1024,30 @@ class ShuffleAnalyzer:
             if self.window is None:
                 if offset != int(start) or doc is None or int(doc["window"]) != k:
                     break
-                self.window = {"id": k, "uid": uid, "received": 0, "lost": 0, "records": 0,
-                               "started_unix": time.time()}
+                self.window = {
+                    "id": k,
+                    "uid": uid,
+                    "received": 0,
+                    "lost": 0,
+                    "records": 0,
+                    "started_unix": time.time(),
+                }
             if doc is None or int(doc["window"]) != k:
-                continue    # not one of this window's records (a malformed or stale one)
+                continue  # not one of this window's records (a malformed or stale one)
             self.window["records"] += 1
             if doc.get("end") is True:
                 marker = (doc, offset)
                 break
             self._chunk(doc["boxes"], partition, offset, value)
         if self.window is None or marker is None or marker[1] != end - 1:
-            log.error("window %d cannot be recovered: neither the analyzer topic nor the "
-                      "dead-letter topic (%s) holds its records %s..%d whole", k,
-                      self.cfg.source.dead_letter_topic or "none set",
-                      f"{partition}@{start}", end - 1)
+            log.error(
+                "window %d cannot be recovered: neither the analyzer topic nor the "
+                "dead-letter topic (%s) holds its records %s..%d whole",
+                k,
+                self.cfg.source.dead_letter_topic or "none set",
+                f"{partition}@{start}",
+                end - 1,
+            )
             self.window = None
             return "records gone"
         doc, offset = marker
@@ -836,9 +1057,14 @@ class ShuffleAnalyzer:
             self.window = None
             return f"still refused ({problem[0]})"
         release = self._release(doc, partition, offset)
-        log.info("window %d recovered from %s (refused before: %s): released at epsilon %g, "
-                 "delta %.3g", k, source, entry.get("cause", "?"), self.epsilon,
-                 self.delta_spent)
+        log.info(
+            "window %d recovered from %s (refused before: %s): released at epsilon %g, delta %.3g",
+            k,
+            source,
+            entry.get("cause", "?"),
+            self.epsilon,
+            self.delta_spent,
+        )
         self.pending.append(json.dumps(release, allow_nan=False))
         self.window = None
         return "released"
@@ -848,14 +1074,23 @@ class ShuffleAnalyzer:
         """Dead letters acknowledged, then the checkpoint (atomic), then offsets for lag."""
         if self.dead_letters is not None:
             self._wait_for(lambda: self.dead_letters.flush(timeout_s=10.0), "dead letters")
-        state = (np.stack([self.plus, self.minus]).astype("<i8").tobytes()
-                 if self.window is not None else None)
-        record = Checkpoint(state=state, window={"open": self.window, "buckets": self.buckets,
-                                                 "last_closed": self.last_closed,
-                                                 "id": self.window["id"] if self.window else
-                                                 (self.last_closed or 0) + 1},
-                            offsets=dict(self.offsets), pending=list(self.pending),
-                            totals=json.loads(json.dumps(self.totals)))
+        state = (
+            np.stack([self.plus, self.minus]).astype("<i8").tobytes()
+            if self.window is not None
+            else None
+        )
+        record = Checkpoint(
+            state=state,
+            window={
+                "open": self.window,
+                "buckets": self.buckets,
+                "last_closed": self.last_closed,
+                "id": self.window["id"] if self.window else (self.last_closed or 0) + 1,
+            },
+            offsets=dict(self.offsets),
+            pending=list(self.pending),
+            totals=json.loads(json.dumps(self.totals)),
+        )
         t0 = time.perf_counter()
         self._wait_for(lambda: self.store.save(record), "checkpoint")
         self.metrics.checkpointed(time.perf_counter() - t0)
@@ -863,8 +1098,7 @@ class ShuffleAnalyzer:
         self.source.commit(record.offsets)
 
     def _wait_for(self, action, what: str) -> None:
-        wait_for_write(action, what, self.metrics, stop=self.stop_event.wait,
-                       directory=self.dir)
+        wait_for_write(action, what, self.metrics, stop=self.stop_event.wait, directory=self.dir)
 
     def _publish_pending(self) -> None:
         """Deliver the ledgered releases (:mod:`.publisher`): files at once, the release topic
@@ -874,15 +1108,20 @@ class ShuffleAnalyzer:
         done = self.publisher.publish(list(self.pending))
         for doc in done:
             self.pending.remove(doc)
-        if done and self.store is not None:   # (recovery keeps no checkpoint)
+        if done and self.store is not None:  # (recovery keeps no checkpoint)
             self._commit()
 
     def _published(self, release: dict, path) -> None:
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
         self.metrics.published(release)
-        log.info("published release of window %s (shuffle, %s): n=%s -> %s",
-                 release["window"], release.get("protocol"), release["n"], path)
+        log.info(
+            "published release of window %s (shuffle, %s): n=%s -> %s",
+            release["window"],
+            release.get("protocol"),
+            release["n"],
+            path,
+        )
 
     def _kafka_producer(self):
         if self._producer is None:

@@ -35,15 +35,20 @@ from pathlib import Path
 
 from state_store.atomic import atomic_write
 
-__all__ = ["release_dir_anchor", "write_release_dir_anchor", "kafka_metadata",
-           "parse_kafka_metadata"]
+__all__ = [
+    "release_dir_anchor",
+    "write_release_dir_anchor",
+    "kafka_metadata",
+    "parse_kafka_metadata",
+]
 
 _PREFIX = "panagg-ledger:"
 _HASH_CHARS = 24  # 96 bits of the head's hash: room for many aggregations in 4 kB of metadata
 
 
-def _anchor_path(release_dir: str | os.PathLike, ledger_path: str | os.PathLike,
-                 lineage: str | None = None) -> Path:
+def _anchor_path(
+    release_dir: str | os.PathLike, ledger_path: str | os.PathLike, lineage: str | None = None
+) -> Path:
     key = f"ledger-id:{lineage}" if lineage else str(Path(ledger_path).resolve())
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(release_dir) / f".panagg-ledger-head-{tag}"
@@ -63,33 +68,49 @@ def release_dir_anchor(release_dir, ledger_path, lineage: str | None = None) -> 
     """The head last recorded in ``release_dir`` for the ledger with id ``lineage`` (its first
     entry's hash), or by the older name for the ledger at ``ledger_path`` (None: none;
     ``unreadable``, which is said by the caller). Of both, the further one."""
-    found = [a for a in (_read(_anchor_path(release_dir, ledger_path, lineage)) if lineage
-                         else None, _read(_anchor_path(release_dir, ledger_path))) if a]
+    found = [
+        a
+        for a in (
+            _read(_anchor_path(release_dir, ledger_path, lineage)) if lineage else None,
+            _read(_anchor_path(release_dir, ledger_path)),
+        )
+        if a
+    ]
     bad = [a for a in found if a.get("unreadable")]
     if bad:
         return bad[0]
     return max(found, key=lambda a: a["seq"]) if found else None
 
 
-def write_release_dir_anchor(release_dir, ledger_path, head: dict,
-                             lineage: str | None = None) -> None:
+def write_release_dir_anchor(
+    release_dir, ledger_path, head: dict, lineage: str | None = None
+) -> None:
     """Record ``head`` in ``release_dir`` (atomically) under the ledger's id ``lineage`` and
     under the ledger's path: the id recognises a state directory restored or moved elsewhere,
     the path a state directory deleted and started again empty (a new ledger has a new id)."""
     Path(release_dir).mkdir(parents=True, exist_ok=True)
-    doc = {"ledger": str(Path(ledger_path).resolve()), "seq": int(head["seq"]),
-           "hash": str(head["hash"]), **({"ledger_id": lineage} if lineage else {})}
+    doc = {
+        "ledger": str(Path(ledger_path).resolve()),
+        "seq": int(head["seq"]),
+        "hash": str(head["hash"]),
+        **({"ledger_id": lineage} if lineage else {}),
+    }
     for key in (lineage, None) if lineage else (None,):
         # public like the releases beside it: a hash of a public record
-        atomic_write(_anchor_path(release_dir, ledger_path, key),
-                     json.dumps(doc, sort_keys=True) + "\n", mode=0o644)
+        atomic_write(
+            _anchor_path(release_dir, ledger_path, key),
+            json.dumps(doc, sort_keys=True) + "\n",
+            mode=0o644,
+        )
 
 
 def kafka_metadata(heads: dict[str, dict]) -> str:
     """Offset-commit metadata carrying ``heads`` (aggregation name -> head; ``""`` for the
     single aggregation)."""
-    items = [f"{name + '=' if name else ''}{h['seq']}:{h['hash'][:_HASH_CHARS]}"
-             for name, h in sorted(heads.items())]
+    items = [
+        f"{name + '=' if name else ''}{h['seq']}:{h['hash'][:_HASH_CHARS]}"
+        for name, h in sorted(heads.items())
+    ]
     return _PREFIX + ",".join(items)
 
 
@@ -98,7 +119,7 @@ def parse_kafka_metadata(metadata: str | None) -> dict[str, dict]:
     if not metadata or not metadata.startswith(_PREFIX):
         return {}
     out = {}
-    for item in metadata[len(_PREFIX):].split(","):
+    for item in metadata[len(_PREFIX) :].split(","):
         name, _, head = item.rpartition("=")
         seq, _, digest = head.partition(":")
         try:

@@ -82,8 +82,15 @@ class ChargeBook:
     def _group(lineage, window_kind, unique: str) -> str:
         return f"et:{lineage}" if window_kind == "event_time" and lineage else unique
 
-    def peak(self, ranges: dict, epsilon: float, *, lineage: str | None = None,
-             window_kind: str | None = None, parallel: dict | None = None) -> float:
+    def peak(
+        self,
+        ranges: dict,
+        epsilon: float,
+        *,
+        lineage: str | None = None,
+        window_kind: str | None = None,
+        parallel: dict | None = None,
+    ) -> float:
         """The largest charge any position of ``ranges`` would carry with a new release of
         ``epsilon`` over them (the check: ``peak <= budget_per_event``); ``parallel``: the new
         release's parallel group and member (a breakdown's key), None for none."""
@@ -114,8 +121,14 @@ class ChargeBook:
 
     def most(self, partitions) -> float:
         """The largest charge any position of ``partitions`` carries (0: none charged)."""
-        return max((total for part in partitions for _, _, total in
-                    _segments(self._by_partition.get(part, ()), None, None)), default=0.0)
+        return max(
+            (
+                total
+                for part in partitions
+                for _, _, total in _segments(self._by_partition.get(part, ()), None, None)
+            ),
+            default=0.0,
+        )
 
     def charged_partitions(self) -> list[str]:
         return sorted(self._by_partition)
@@ -130,8 +143,9 @@ def _parallel(value) -> tuple[str, str] | None:
 
 def _segments(spans, lo, hi):
     """(start, end, charge) of the pieces between consecutive boundaries of ``spans``."""
-    cuts = sorted({s[0] for s in spans} | {s[1] for s in spans}
-                  | ({lo, hi} if lo is not None else set()))
+    cuts = sorted(
+        {s[0] for s in spans} | {s[1] for s in spans} | ({lo, hi} if lo is not None else set())
+    )
     for a, b in zip(cuts, cuts[1:]):
         if lo is not None and (b <= lo or a >= hi):
             continue

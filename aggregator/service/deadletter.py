@@ -34,7 +34,7 @@ __all__ = ["DeadLetters", "DeadLetterError", "dead_letter_record", "service_prod
 
 log = logging.getLogger("panagg.deadletter")
 
-MAX_REQUEST_BYTES = 1 << 20      # kafka-python's default max_request_size, set explicitly
+MAX_REQUEST_BYTES = 1 << 20  # kafka-python's default max_request_size, set explicitly
 _VALUE_LIMIT = MAX_REQUEST_BYTES - (64 << 10)  # room for key, headers and batch overhead
 
 
@@ -45,18 +45,25 @@ def service_producer(cfg: Config):
     to :data:`MAX_REQUEST_BYTES`."""
     from kafka import KafkaProducer  # noqa: PLC0415 (a Kafka client is loaded by a Kafka run only)
 
-    return KafkaProducer(bootstrap_servers=cfg.source.bootstrap, acks="all", linger_ms=20,
-                         max_block_ms=5000, max_request_size=MAX_REQUEST_BYTES,
-                         request_timeout_ms=10000, reconnect_backoff_max_ms=1000,
-                         **client_options(cfg.security))
+    return KafkaProducer(
+        bootstrap_servers=cfg.source.bootstrap,
+        acks="all",
+        linger_ms=20,
+        max_block_ms=5000,
+        max_request_size=MAX_REQUEST_BYTES,
+        request_timeout_ms=10000,
+        reconnect_backoff_max_ms=1000,
+        **client_options(cfg.security),
+    )
 
 
 class DeadLetterError(RuntimeError):
     """Some dead letters are not acknowledged by the broker yet."""
 
 
-def dead_letter_record(partition, offset: int, value, reason: str, key=None,
-                       aggregation: str | None = None) -> tuple:
+def dead_letter_record(
+    partition, offset: int, value, reason: str, key=None, aggregation: str | None = None
+) -> tuple:
     """``(key, value, headers)`` of the dead letter of one rejected record (the format of the
     module docstring); the shuffler sends these inside its own Kafka transactions.
     ``aggregation``: the aggregation that rejected it (several aggregations of one stream): an
@@ -95,7 +102,7 @@ class DeadLetters:
         self._factory = producer_factory
         self._producer = None
         self.metrics = metrics
-        self._lock = threading.Lock()      # futures complete on the producer's IO thread
+        self._lock = threading.Lock()  # futures complete on the producer's IO thread
         self._unacked: dict[int, tuple] = {}
         self._failed: list[tuple] = []
         self._seq = 0
@@ -113,8 +120,9 @@ class DeadLetters:
         try:
             if self._producer is None:
                 self._producer = self._factory()
-            future = self._producer.send(self.topic, key=record[0], value=record[1],
-                                         headers=record[2])
+            future = self._producer.send(
+                self.topic, key=record[0], value=record[1], headers=record[2]
+            )
         except Exception as exc:  # buffer full, broker unknown, ...: retried at the flush
             self._fail(seq, exc)
             return
@@ -158,8 +166,9 @@ class DeadLetters:
         with self._lock:
             why = self._failed[0][1] if self._failed else "no acknowledgement in time"
             count = len(self._unacked) + len(self._failed)
-        raise DeadLetterError(f"{count} dead letter(s) to topic {self.topic!r} not acknowledged "
-                              f"({why})")
+        raise DeadLetterError(
+            f"{count} dead letter(s) to topic {self.topic!r} not acknowledged ({why})"
+        )
 
     def close(self, timeout_s: float = 5.0) -> None:
         if self._producer is not None:

@@ -104,13 +104,17 @@ class FutureRejects:
 
     def prune(self, offsets: dict[str, int]) -> None:
         """Forget the positions before ``offsets`` (a durable checkpoint's: never replayed)."""
-        kept = {p: {o for o in offs if o >= offsets.get(p, 0)}
-                for p, offs in self.positions.items()}
+        kept = {
+            p: {o for o in offs if o >= offsets.get(p, 0)} for p, offs in self.positions.items()
+        }
         kept = {p: offs for p, offs in kept.items() if offs}
         if kept == self.positions:
             return
-        atomic_write(self.path, "".join(f"{p} {o}\n" for p in sorted(kept)
-                                        for o in sorted(kept[p])), mode=None)
+        atomic_write(
+            self.path,
+            "".join(f"{p} {o}\n" for p in sorted(kept) for o in sorted(kept[p])),
+            mode=None,
+        )
         self.positions = kept
 
 
@@ -155,8 +159,11 @@ class EventTimeWindows:
         #: are counted again too, in the window the next close opens (:meth:`restored`)
         self._second_replayed = False
         #: positions rejected as future_timestamp, rejected again on a replay (event_time only)
-        self.future = (FutureRejects(host.dir / "future_rejects")
-                       if host.cfg.window.kind == "event_time" else None)
+        self.future = (
+            FutureRejects(host.dir / "future_rejects")
+            if host.cfg.window.kind == "event_time"
+            else None
+        )
 
     # -- window bounds -------------------------------------------------------------------------
     def open_window(self, task: WindowTask, w: dict) -> None:
@@ -214,10 +221,16 @@ class EventTimeWindows:
         if cfg.state.privacy_unit != "user" or float(cfg.window.allowed_lateness_s) <= 0:
             return
         self.host._ledger_append(
-            entry_id=f"restart-{os.urandom(6).hex()}", kind="restart", window=w["id"],
-            window_uid=w["uid"], model=self.host.model, replay_from=dict(task.offsets),
-            unit=task.name, note="the second live window at the stop: its records read before "
-                                 "it counted again under fresh noise after the restore")
+            entry_id=f"restart-{os.urandom(6).hex()}",
+            kind="restart",
+            window=w["id"],
+            window_uid=w["uid"],
+            model=self.host.model,
+            replay_from=dict(task.offsets),
+            unit=task.name,
+            note="the second live window at the stop: its records read before "
+            "it counted again under fresh noise after the restore",
+        )
 
     def second_window_fields(self) -> dict:
         """What a closing event-time window's ledger entry records of the second window (so a
@@ -225,8 +238,13 @@ class EventTimeWindows:
         second = self.second
         if second is None or not second.events:
             return {"second": None}
-        return {"second": {"index": int(second.index), "events": int(second.events),
-                           "first": dict(second.first)}}
+        return {
+            "second": {
+                "index": int(second.index),
+                "events": int(second.events),
+                "first": dict(second.first),
+            }
+        }
 
     def skip_decided_window(self, task: WindowTask, entry: dict) -> bool:
         """The restored event-time window is in the ledger already (a stop between its ledger
@@ -244,15 +262,21 @@ class EventTimeWindows:
         index = closed.get("event_index")
         w["late_before"] = index + 1 if index is not None else closed.get("late_before")
         w["late"] = 0
-        skip = {p: int(u) for p, u in (closed.get("skip_until") or {}).items()
-                if ends.get(p, -1) < int(u)}
+        skip = {
+            p: int(u)
+            for p, u in (closed.get("skip_until") or {}).items()
+            if ends.get(p, -1) < int(u)
+        }
         skip.update({p: e for p, e in ends.items() if int(task.offsets.get(p, -1)) < e})
         if skip:
             w["skip_until"] = dict(sorted(skip.items()))
         first = (second or {}).get("first") or {}
-        w.update(lineage=closed.get("lineage"),
-                 start_offsets=dict(ends, **{p: min(int(o), ends.get(p, int(o)))
-                                             for p, o in first.items()}))
+        w.update(
+            lineage=closed.get("lineage"),
+            start_offsets=dict(
+                ends, **{p: min(int(o), ends.get(p, int(o))) for p, o in first.items()}
+            ),
+        )
         self.set_event_index(w, second["index"] if second else None)
         totals = totals_from(entry["totals"])
         totals["events"] -= int((second or {}).get("events", 0))  # the replay counts them again
@@ -263,11 +287,17 @@ class EventTimeWindows:
         self._ahead.clear()
         if second:
             self.host._ledger_append(
-                entry_id=f"restart-{os.urandom(6).hex()}", kind="restart", window=w["id"],
-                window_uid=w["uid"], model=self.host.model, replay_from=dict(task.offsets),
-                unit=task.name, note="the second window's events (read before the stop) "
-                                     "counted again under fresh noise; 2 eps for them against "
-                                     "an intruder who read memory before the restart")
+                entry_id=f"restart-{os.urandom(6).hex()}",
+                kind="restart",
+                window=w["id"],
+                window_uid=w["uid"],
+                model=self.host.model,
+                replay_from=dict(task.offsets),
+                unit=task.name,
+                note="the second window's events (read before the stop) "
+                "counted again under fresh noise; 2 eps for them against "
+                "an intruder who read memory before the restart",
+            )
         return True
 
     @staticmethod
@@ -313,8 +343,12 @@ class EventTimeWindows:
             ts = _timestamps(seg, len(seg))[good_idx]
             limit_ms = int((time.time() + float(wcfg.max_future_skew_s)) * 1000)
             was_future = self.future.mask(seg.partition, offsets_array(seg.offsets)[good_idx])
-            mine = (ts >= 0) & (ts <= limit_ms) & ~was_future & \
-                (ts // (int(wcfg.size) * 1000) == task.window["event_index"])
+            mine = (
+                (ts >= 0)
+                & (ts <= limit_ms)
+                & ~was_future
+                & (ts // (int(wcfg.size) * 1000) == task.window["event_index"])
+            )
             self._count_events(task, take_items(decoded.items, np.flatnonzero(mine)))
         task.offsets[seg.partition] = int(seg.offsets[-1]) + 1
 
@@ -332,8 +366,9 @@ class EventTimeWindows:
         """Count ``items`` (the first at ``first_offset``) into the second window."""
         if self.second is None:
             wid = task.window["id"] + 1
-            self.second = SecondWindow(task.window["event_index"] + 1,
-                                        self.host._new_state(task, wid))
+            self.second = SecondWindow(
+                task.window["event_index"] + 1, self.host._new_state(task, wid)
+            )
         second = self.second
         self.host.intake.count(second.state, items)
         second.events += len(items)
@@ -341,8 +376,7 @@ class EventTimeWindows:
         task.totals["events"] += len(items)
         self.host.metrics.events.inc(len(items))
 
-    def count(self, task: WindowTask, seg: Segment, items, good, rejected,
-                          close) -> None:
+    def count(self, task: WindowTask, seg: Segment, items, good, rejected, close) -> None:
         """Count ``seg`` by its records' timestamps (the module docstring's definitions).
 
         A record of the open window, or late, goes to the open window (late ones: or a dead
@@ -361,15 +395,18 @@ class EventTimeWindows:
         reasons = {int(i): r for i, r in rejected}  # record index -> reason
         # future: by the clock now, or by the decision of an earlier read of the record (a
         # replay's later clock must not count what the first read dead-lettered)
-        future = (ts >= 0) & ((ts > limit_ms) | self.future.mask(seg.partition,
-                                                                   offsets[good_idx]))
+        future = (ts >= 0) & ((ts > limit_ms) | self.future.mask(seg.partition, offsets[good_idx]))
         bad = (ts < 0) | future
         if bad.any():
             for i in np.flatnonzero(bad):
                 if future[i]:  # durable before the dead letter
                     self.future.add(seg.partition, int(offsets[good_idx[i]]))
-                self.host.intake.reject(seg, int(good_idx[i]),
-                             "no_timestamp" if ts[i] < 0 else "future_timestamp", reasons)
+                self.host.intake.reject(
+                    seg,
+                    int(good_idx[i]),
+                    "no_timestamp" if ts[i] < 0 else "future_timestamp",
+                    reasons,
+                )
             keep = np.flatnonzero(~bad)
             items, good_idx, ts = take_items(items, keep), good_idx[keep], ts[keep]
         widx = ts // size_ms
@@ -383,9 +420,11 @@ class EventTimeWindows:
             open_ = w.get("event_index")
             # the close position: past the open window's end plus the allowed lateness (before
             # a window opens, every record not late is "ahead" of nothing yet)
-            ahead = np.flatnonzero(ts[j:jl] >= (open_ + 1) * size_ms + lateness_ms
-                                   if open_ is not None else
-                                   widx[j:jl] >= (w.get("late_before") or 0))
+            ahead = np.flatnonzero(
+                ts[j:jl] >= (open_ + 1) * size_ms + lateness_ms
+                if open_ is not None
+                else widx[j:jl] >= (w.get("late_before") or 0)
+            )
             ahead_at = j + int(ahead[0]) if ahead.size else jl
             late_before = open_ if open_ is not None else w.get("late_before")
             chunk = widx[j:ahead_at]
@@ -397,17 +436,21 @@ class EventTimeWindows:
                     self.host.intake.reject(seg, int(good_idx[j + i]), "late", reasons)
             if later.any():
                 at = j + np.flatnonzero(later)
-                self._count_second(task, seg.partition, int(offsets[good_idx[at[0]]]),
-                                   take_items(items, at))
+                self._count_second(
+                    task, seg.partition, int(offsets[good_idx[at[0]]]), take_items(items, at)
+                )
             mine = ~later & ~late if dead_letter_late else ~later
-            self._count_events(task, items[j:ahead_at] if mine.all() else
-                               take_items(items, j + np.flatnonzero(mine)))
+            self._count_events(
+                task,
+                items[j:ahead_at] if mine.all() else take_items(items, j + np.flatnonzero(mine)),
+            )
             w["late"] = w.get("late", 0) + n_late
             j = ahead_at
             upto = int(good_idx[j]) if ahead_at < jl else rec_limit
             rej_idx = np.asarray(sorted(reasons), dtype=np.int64)
-            self.host.intake.account(task, seg.partition, offsets, rej_idx,
-                          [reasons[int(i)] for i in rej_idx], rec, upto)
+            self.host.intake.account(
+                task, seg.partition, offsets, rej_idx, [reasons[int(i)] for i in rej_idx], rec, upto
+            )
             rec = max(rec, upto)
             if ahead_at < jl:  # this partition has passed the open window: it waits here
                 self._ahead[seg.partition] = int(widx[j])
@@ -455,10 +498,14 @@ class EventTimeWindows:
         now = time.monotonic()
         self._idle_since = self._idle_since or now
         if now - self._idle_since >= timeout:
-            log.info("event-time window %s: partition(s) %s idle for %.0f s "
-                     "(window.idle_partition_timeout_s) no longer hold the watermark; the "
-                     "window closes at the other partitions' positions",
-                     task.window["id"], ", ".join(idle), now - self._idle_since)
+            log.info(
+                "event-time window %s: partition(s) %s idle for %.0f s "
+                "(window.idle_partition_timeout_s) no longer hold the watermark; the "
+                "window closes at the other partitions' positions",
+                task.window["id"],
+                ", ".join(idle),
+                now - self._idle_since,
+            )
             self.advance(task, self.host.close_window, idle=idle)
 
 
@@ -475,8 +522,15 @@ def _timestamps(seg: Segment, m: int) -> np.ndarray:
 
 def _slice(seg: Segment, lo: int, hi: int) -> Segment:
     """Records ``[lo, hi)`` of ``seg``."""
+
     def part(col):
         return None if col is None else col[lo:hi]
 
-    return Segment(seg.partition, seg.offsets[lo:hi], seg.values[lo:hi], part(seg.keys),
-                   part(seg.headers), part(seg.timestamps))
+    return Segment(
+        seg.partition,
+        seg.offsets[lo:hi],
+        seg.values[lo:hi],
+        part(seg.keys),
+        part(seg.headers),
+        part(seg.timestamps),
+    )

@@ -11,8 +11,14 @@ from ..largedomain import choose_buckets
 from .settings import Config, Setting, settings_by
 from .user_window import user_cells
 
-__all__ = ["choose_buckets_for", "identity_of", "directory_identity", "item_identity",
-           "IDENTITY_DEFAULTS", "IDENTITY_KEYS"]
+__all__ = [
+    "choose_buckets_for",
+    "identity_of",
+    "directory_identity",
+    "item_identity",
+    "IDENTITY_DEFAULTS",
+    "IDENTITY_KEYS",
+]
 
 
 def choose_buckets_for(cfg: Config) -> int:
@@ -25,8 +31,11 @@ def choose_buckets_for(cfg: Config) -> int:
 
 def _stream(cfg: Config) -> str:
     src = cfg.source
-    return {"kafka": f"kafka:{src.topic}", "file": f"file:{os.path.basename(src.path)}",
-            "generator": "generator"}[src.kind]
+    return {
+        "kafka": f"kafka:{src.topic}",
+        "file": f"file:{os.path.basename(src.path)}",
+        "generator": "generator",
+    }[src.kind]
 
 
 #: identity keys whose value is not one setting's own: how each is made of the settings that
@@ -34,9 +43,13 @@ def _stream(cfg: Config) -> str:
 _DERIVED = {
     "stream": _stream,
     "group": lambda cfg: cfg.source.group if cfg.source.kind == "kafka" else "",
-    "domain": lambda cfg: (user_cells(cfg) if cfg.state.privacy_unit == "user" else
-                           int(cfg.state.domain_size) if cfg.state.mode == "direct"
-                           else choose_buckets_for(cfg)),
+    "domain": lambda cfg: (
+        user_cells(cfg)
+        if cfg.state.privacy_unit == "user"
+        else int(cfg.state.domain_size)
+        if cfg.state.mode == "direct"
+        else choose_buckets_for(cfg)
+    ),
     # window.clock enters through the kind it made of time windows (config._resolve_clock)
     "window": lambda cfg: f"{cfg.window.kind}:{cfg.window.size:g}",
     "budget_per_window": lambda cfg: cfg.budget_per_window,
@@ -49,11 +62,13 @@ _DIRECTORY = {
     "format": lambda cfg: (cfg.get("source") or {}).get("format"),
     # (a config saved before the setting: left out, so IDENTITY_DEFAULTS' "event")
     "unit": lambda cfg: (cfg.get("state") or {}).get("privacy_unit"),
-    "release_dir": lambda cfg: (os.path.abspath((cfg.get("release") or {})["dir"])
-                                if (cfg.get("release") or {}).get("dir") else None),
+    "release_dir": lambda cfg: (
+        os.path.abspath((cfg.get("release") or {})["dir"])
+        if (cfg.get("release") or {}).get("dir")
+        else None
+    ),
     # (a later key: a directory recorded without it adopts the current value)
-    "budget_per_user": lambda cfg: _float_or_none((cfg.get("ledger") or {})
-                                                  .get("budget_per_user")),
+    "budget_per_user": lambda cfg: _float_or_none((cfg.get("ledger") or {}).get("budget_per_user")),
 }
 
 
@@ -71,7 +86,7 @@ IDENTITY_WHY = {
     "stream": "which records are counted (`source.path`: its file name)",
     "group": "the group's committed offsets anchor the ledger",
     "format": "the open window is replayed from the source after a restart: its records must "
-              "decode the same way",
+    "decode the same way",
     "item": "what is counted of each record",
     "mode": "the counters and their noise",
     "domain": "the number of counters (the user unit: the density state's cells)",
@@ -79,13 +94,13 @@ IDENTITY_WHY = {
     "epsilon": "the counters' noise",
     "model": "what the noise protects against",
     "window": "window numbering and boundaries; `window.clock` through the kind it makes of "
-              "`time` windows: a directory started with clock-time windows keeps them whatever "
-              "`auto` would choose (logged)",
+    "`time` windows: a directory started with clock-time windows keeps them whatever "
+    "`auto` would choose (logged)",
     "snapshots_per_window": "noise layers per window",
     "release_dir": "a new directory leaves a gap in the old one (recorded as an absolute path); "
-                   "the refusal says where the releases so far are (`... the releases so far "
-                   "(3, up to window 2) are in /srv/releases: a new release.dir would leave a gap "
-                   "there`); with `--accept-change` later windows go to the new one",
+    "the refusal says where the releases so far are (`... the releases so far "
+    "(3, up to window 2) are in /srv/releases: a new release.dir would leave a gap "
+    "there`); with `--accept-change` later windows go to the new one",
     "budget_per_window": "the privacy budget",
     "budget_total": "the privacy budget",
     "budget_per_user": "the privacy budget (the user unit: what one user may be charged)",
@@ -99,14 +114,18 @@ def _check_rules() -> None:
     for key, fed in IDENTITY_KEYS.items():
         names = [one.name for one in fed]
         if len(fed) > 1 and key not in _DERIVED and key not in _DIRECTORY:
-            raise TypeError(f"identity key {key!r} is declared by {names}: say in "
-                            "identity._DERIVED how they make one value")
+            raise TypeError(
+                f"identity key {key!r} is declared by {names}: say in "
+                "identity._DERIVED how they make one value"
+            )
         if key not in IDENTITY_WHY:
             raise TypeError(f"identity key {key!r} ({names}) needs its reason in IDENTITY_WHY")
     orphans = (set(_DERIVED) | set(_DIRECTORY) | set(IDENTITY_WHY)) - set(IDENTITY_KEYS)
     if orphans:
-        raise TypeError(f"identity keys {sorted(orphans)} have a rule but no setting declares "
-                        "them (settings.py, identity=)")
+        raise TypeError(
+            f"identity keys {sorted(orphans)} have a rule but no setting declares "
+            "them (settings.py, identity=)"
+        )
 
 
 _check_rules()
@@ -120,8 +139,11 @@ def _plain(cfg: Config, one: Setting):
 def identity_of(cfg: Config) -> dict:
     """What a state directory counts and under which settings (the ledger's ``identity``): a
     key for each ``identity=`` of settings.py (but those of :func:`directory_identity`)."""
-    return {key: _DERIVED[key](cfg) if key in _DERIVED else _plain(cfg, fed[0])
-            for key, fed in IDENTITY_KEYS.items() if key not in _DIRECTORY}
+    return {
+        key: _DERIVED[key](cfg) if key in _DERIVED else _plain(cfg, fed[0])
+        for key, fed in IDENTITY_KEYS.items()
+        if key not in _DIRECTORY
+    }
 
 
 #: identity keys added after state directories existed: what a ledger without them recorded
@@ -145,8 +167,15 @@ def item_identity(cfg: Config) -> str:
     it = cfg.item
     where = {"value": it.field, "key": "", "header": it.header}[it.source]
     out = f"{it.source}:{where}" if where else it.source
-    extra = [name for name, on in (("coerce", it.coerce), ("nfc", it.normalize == "nfc"),
-                                   ("casefold", it.casefold)) if on]
+    extra = [
+        name
+        for name, on in (
+            ("coerce", it.coerce),
+            ("nfc", it.normalize == "nfc"),
+            ("casefold", it.casefold),
+        )
+        if on
+    ]
     if it.filter_field and it.filter_exclude:
         extra.append(f"filter {it.filter_field} not in {','.join(sorted(it.filter_exclude))}")
     elif it.filter_field:

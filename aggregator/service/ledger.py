@@ -60,8 +60,15 @@ from state_store.failpoints import failpoint
 
 from .charges import ChargeBook
 
-__all__ = ["Ledger", "BudgetExceeded", "LedgerError", "GENESIS", "entry_hash", "migrate",
-           "sibling_ledger_paths"]
+__all__ = [
+    "Ledger",
+    "BudgetExceeded",
+    "LedgerError",
+    "GENESIS",
+    "entry_hash",
+    "migrate",
+    "sibling_ledger_paths",
+]
 
 log = logging.getLogger("panagg.ledger")
 
@@ -101,8 +108,14 @@ class Ledger:
         ``budget_per_window``).
     """
 
-    def __init__(self, path: str | os.PathLike, *, budget_per_window: float,
-                 budget_total: float | None = None, budget_per_event: float | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        budget_per_window: float,
+        budget_total: float | None = None,
+        budget_per_event: float | None = None,
+    ):
         self.path = Path(path)
         self.budget_per_window = float(budget_per_window)
         self.budget_total = None if not budget_total else float(budget_total)
@@ -137,13 +150,18 @@ class Ledger:
                 problem = self._chain_problem(entry, len(self.entries) + 1, prev)
             if problem:
                 if last and torn_tail:  # a crash mid-append; the operation is redone
-                    log.warning("%s: ignoring the torn last line %d (an interrupted append)",
-                                self.path, number)
+                    log.warning(
+                        "%s: ignoring the torn last line %d (an interrupted append)",
+                        self.path,
+                        number,
+                    )
                     self.torn_tail = True
                     continue
-                raise LedgerError(f"ledger {self.path} line {number} {problem}; the ledger is the "
-                                  "record of privacy spent: restore the file from a backup "
-                                  "(never delete or edit its lines)")
+                raise LedgerError(
+                    f"ledger {self.path} line {number} {problem}; the ledger is the "
+                    "record of privacy spent: restore the file from a backup "
+                    "(never delete or edit its lines)"
+                )
             self.entries.append(entry)
             self._by_id[entry["id"]] = entry
             prev = entry["hash"]
@@ -164,7 +182,8 @@ class Ledger:
             raise LedgerError(
                 f"ledger {self.path} is in format 1 (no hash chain, no source positions); run "
                 f"`panagg ledger migrate --state-dir {self.path.parent}` once (it keeps the "
-                "original as ledger.jsonl.v1)")
+                "original as ledger.jsonl.v1)"
+            )
         for field, kind in _CHAINED.items():
             if not isinstance(entry.get(field), kind) or isinstance(entry.get(field), bool):
                 return f"has no valid {field!r} (the hash chain)"
@@ -192,13 +211,20 @@ class Ledger:
         if not self.path.exists():
             return f"the ledger {self.path} is missing, but it had {seq} entries"
         if seq > len(self.entries):
-            torn = " (its torn last line was complete)" if self.torn_tail and \
-                seq == len(self.entries) + 1 else ""
-            return (f"the ledger {self.path} ends at entry {len(self.entries)}, but it had at "
-                    f"least {seq}{torn}: it was truncated or rolled back")
+            torn = (
+                " (its torn last line was complete)"
+                if self.torn_tail and seq == len(self.entries) + 1
+                else ""
+            )
+            return (
+                f"the ledger {self.path} ends at entry {len(self.entries)}, but it had at "
+                f"least {seq}{torn}: it was truncated or rolled back"
+            )
         if not self.entries[seq - 1]["hash"].startswith(want):
-            return (f"the ledger {self.path} differs from it at entry {seq}: it was replaced or "
-                    "rewritten")
+            return (
+                f"the ledger {self.path} differs from it at entry {seq}: it was replaced or "
+                "rewritten"
+            )
         return None
 
     # -- queries -------------------------------------------------------------------------------
@@ -210,8 +236,11 @@ class Ledger:
 
     def spent(self, window_uid: str | None = None) -> float:
         """Epsilon spent in total, or by the window with uid ``window_uid``."""
-        return sum(e["epsilon_spent"] for e in self.entries
-                   if window_uid is None or e.get("window_uid") == window_uid)
+        return sum(
+            e["epsilon_spent"]
+            for e in self.entries
+            if window_uid is None or e.get("window_uid") == window_uid
+        )
 
     def releases(self) -> list[dict]:
         return [e for e in self.entries if e["kind"] == "release"]
@@ -226,10 +255,19 @@ class Ledger:
         aggregations of the stream)."""
         return ChargeBook([*self.entries, *others])
 
-    def check_release(self, window_uid: str, epsilon: float, *, window=None,
-                      ranges: dict | None = None, lineage: str | None = None,
-                      window_kind: str | None = None, others=(), pending: float = 0.0,
-                      parallel: dict | None = None) -> None:
+    def check_release(
+        self,
+        window_uid: str,
+        epsilon: float,
+        *,
+        window=None,
+        ranges: dict | None = None,
+        lineage: str | None = None,
+        window_kind: str | None = None,
+        others=(),
+        pending: float = 0.0,
+        parallel: dict | None = None,
+    ) -> None:
         """Raise BudgetExceeded if releasing the window ``window_uid`` (covering the source
         ``ranges``) at ``epsilon`` would go over budget. Call it before drawing any noise.
         ``pending``: epsilon of releases granted but not ledgered yet (in the release worker)."""
@@ -238,23 +276,29 @@ class Ledger:
             raise BudgetExceeded(
                 f"release of {name} refused: it would spend "
                 f"{self.spent(window_uid) + epsilon:g} > ledger.budget_per_window="
-                f"{self.budget_per_window:g} for that window")
+                f"{self.budget_per_window:g} for that window"
+            )
         if ranges and epsilon > 0:
-            peak = self.charges(others).peak(ranges, epsilon, lineage=lineage,
-                                             window_kind=window_kind, parallel=parallel)
+            peak = self.charges(others).peak(
+                ranges, epsilon, lineage=lineage, window_kind=window_kind, parallel=parallel
+            )
             if peak > self.budget_per_event * (1 + 1e-12):
                 raise BudgetExceeded(
                     f"release of {name} refused: some of its events were released before "
                     f"(source positions {_ranges_text(ranges)}), and this release would bring "
                     f"them to {peak:g} eps > the per-event budget {self.budget_per_event:g} "
-                    "(ledger.budget_per_event); nothing of it is published")
-        if self.budget_total is not None and \
-                self.spent() + pending + epsilon > self.budget_total * (1 + 1e-12):
+                    "(ledger.budget_per_event); nothing of it is published"
+                )
+        if (
+            self.budget_total is not None
+            and self.spent() + pending + epsilon > self.budget_total * (1 + 1e-12)
+        ):
             raise BudgetExceeded(
                 f"release of {name} refused: total spent would be "
                 f"{self.spent() + pending + epsilon:g} "
                 f"> ledger.budget_total={self.budget_total:g}; the budget is spent (a higher "
-                "budget must be accepted explicitly, docs/operations.md)")
+                "budget must be accepted explicitly, docs/operations.md)"
+            )
 
     def check_rollup(self, rollup: str, base_uids, *, aggregation: str = "") -> list[dict]:
         """The ledger's answer for a rollup over the base windows ``base_uids``: their
@@ -267,11 +311,13 @@ class Ledger:
             if entry is None or entry.get("kind") != "release":
                 raise BudgetExceeded(
                     f"rollup {rollup} refused: base window {uid} is not a ledgered release "
-                    "(a rollup only adds up released views); nothing of it is published")
+                    "(a rollup only adds up released views); nothing of it is published"
+                )
             if (entry.get("aggregation") or "") != (aggregation or ""):
                 raise BudgetExceeded(
                     f"rollup {rollup} refused: base window {entry.get('window')} was released "
-                    f"by aggregation {entry.get('aggregation')!r}, not {aggregation!r}")
+                    f"by aggregation {entry.get('aggregation')!r}, not {aggregation!r}"
+                )
             out.append(entry)
         return sorted(out, key=lambda e: e["seq"])
 
@@ -282,13 +328,27 @@ class Ledger:
         return max(0.0, self.budget_total - self.spent())
 
     # -- appending -----------------------------------------------------------------------------
-    def chained_entry(self, *, entry_id: str, kind: str, window=None, epsilon_spent: float = 0.0,
-                      model: str = "", note: str = "", **extra) -> dict:
+    def chained_entry(
+        self,
+        *,
+        entry_id: str,
+        kind: str,
+        window=None,
+        epsilon_spent: float = 0.0,
+        model: str = "",
+        note: str = "",
+        **extra,
+    ) -> dict:
         """The next entry of the chain (seq, prev and hash after the current head)."""
         head = self.head()
-        entry = {"id": entry_id, "kind": kind, "window": window,
-                 "epsilon_spent": float(epsilon_spent), "model": model,
-                 "time_unix": time.time()}
+        entry = {
+            "id": entry_id,
+            "kind": kind,
+            "window": window,
+            "epsilon_spent": float(epsilon_spent),
+            "model": model,
+            "time_unix": time.time(),
+        }
         if note:
             entry["note"] = note
         entry.update(extra)
@@ -296,20 +356,36 @@ class Ledger:
         entry["hash"] = entry_hash(entry)
         return entry
 
-    def append(self, *, entry_id: str, kind: str, window=None, epsilon_spent: float = 0.0,
-               model: str = "", note: str = "", **extra) -> bool:
+    def append(
+        self,
+        *,
+        entry_id: str,
+        kind: str,
+        window=None,
+        epsilon_spent: float = 0.0,
+        model: str = "",
+        note: str = "",
+        **extra,
+    ) -> bool:
         """Record an entry durably; returns False if an entry with that id is already there."""
         if entry_id in self._by_id:
             return False
-        entry = self.chained_entry(entry_id=entry_id, kind=kind, window=window,
-                                   epsilon_spent=epsilon_spent, model=model, note=note, **extra)
+        entry = self.chained_entry(
+            entry_id=entry_id,
+            kind=kind,
+            window=window,
+            epsilon_spent=epsilon_spent,
+            model=model,
+            note=note,
+            **extra,
+        )
         failpoint(f"ledger-before-{kind}")
         _write_line(self.path, json.dumps(entry, sort_keys=True, allow_nan=False) + "\n")
         failpoint(f"ledger-after-{kind}")
         self.entries.append(entry)
         self._by_id[entry_id] = entry
         self.torn_tail = False
-        for listener in self.listeners:   # the budget registry (release_gate.py)
+        for listener in self.listeners:  # the budget registry (release_gate.py)
             listener(entry)
         return True
 
@@ -319,9 +395,11 @@ def sibling_ledger_paths(directory: str | os.PathLike) -> list[Path]:
     a one-aggregation ledger at the top, which the set refuses to start over): their charges
     count against the same stream's per-event and per-user budgets."""
     here = Path(directory).resolve()
-    return [path for path in sorted([*here.parent.glob("*/ledger.jsonl"),
-                                     *here.parent.glob("ledger.jsonl")])
-            if path.parent.resolve() != here]
+    return [
+        path
+        for path in sorted([*here.parent.glob("*/ledger.jsonl"), *here.parent.glob("ledger.jsonl")])
+        if path.parent.resolve() != here
+    ]
 
 
 def _ranges_text(ranges: dict) -> str:
@@ -359,8 +437,10 @@ def migrate(path: str | os.PathLike) -> int:
         try:
             entry = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise LedgerError(f"ledger {path} line {number} is not a JSON entry; restore the "
-                              "file from a backup before migrating") from None
+            raise LedgerError(
+                f"ledger {path} line {number} is not a JSON entry; restore the "
+                "file from a backup before migrating"
+            ) from None
         if "hash" in entry:
             raise LedgerError(f"ledger {path} is already in format 2")
         entries.append(entry)
@@ -371,8 +451,10 @@ def migrate(path: str | os.PathLike) -> int:
         if entry.get("kind") == "fresh-start":  # format 1 started such runs at the beginning
             ends = {}
         if entry.get("kind") in ("release", "refused") and entry.get("end_offsets"):
-            entry.setdefault("ranges", {p: [int(ends.get(p, 0)), int(o)]
-                                        for p, o in entry["end_offsets"].items()})
+            entry.setdefault(
+                "ranges",
+                {p: [int(ends.get(p, 0)), int(o)] for p, o in entry["end_offsets"].items()},
+            )
             ends.update({p: int(o) for p, o in entry["end_offsets"].items()})
         entry.update(seq=seq, prev=prev, migrated_from=1)
         entry["hash"] = entry_hash(entry)

@@ -82,11 +82,18 @@ def _about(name: str):
 
 def _slice(seg: Segment, start: int, stop: int | None = None) -> Segment:
     """The records of ``seg`` from index ``start`` to ``stop``."""
+
     def cut(col):
         return None if col is None else col[start:stop]
 
-    return Segment(seg.partition, seg.offsets[start:stop], seg.values[start:stop], cut(seg.keys),
-                   cut(seg.headers), cut(seg.timestamps))
+    return Segment(
+        seg.partition,
+        seg.offsets[start:stop],
+        seg.values[start:stop],
+        cut(seg.keys),
+        cut(seg.headers),
+        cut(seg.timestamps),
+    )
 
 
 #: records handed to every aggregation before the next ones (the shared parses' lifetime)
@@ -142,9 +149,13 @@ class SourceView(Source):
                     if origin is not None:
                         continue  # wait for the re-read from the hub's seek
                     # nothing says where the consumer came from: take it, but say so
-                    log.error("partition %s: records %d-%d were skipped by the consumer "
-                              "(retention or an offset reset?); the window's range names them",
-                              p, want, int(offsets[0]) - 1)
+                    log.error(
+                        "partition %s: records %d-%d were skipped by the consumer "
+                        "(retention or an offset reset?); the window's range names them",
+                        p,
+                        want,
+                        int(offsets[0]) - 1,
+                    )
                 start = int(np.searchsorted(offsets, want))
                 if start >= len(offsets):
                     continue
@@ -223,31 +234,46 @@ class MultiAggregator:
     Parameters as for :class:`~aggregator.service.process.Aggregator`; ``metrics`` serves the
     exposition of all aggregations (each has its own registry, labelled by name)."""
 
-    def __init__(self, cfg: Config, source: Source, metrics: Metrics | None = None, *,
-                 fresh_start: bool = False, accept_change: bool = False,
-                 same_records_as: str | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        source: Source,
+        metrics: Metrics | None = None,
+        *,
+        fresh_start: bool = False,
+        accept_change: bool = False,
+        same_records_as: str | None = None,
+    ):
         self.cfg, self.source = cfg, source
         self.dir = Path(cfg.checkpoint.dir)
         self.accept_change = accept_change
         configs = aggregation_configs(cfg)
         if not configs:
-            raise ServiceError("no [aggregations] in the config; panagg run counts one "
-                               "aggregation without them")
+            raise ServiceError(
+                "no [aggregations] in the config; panagg run counts one aggregation without them"
+            )
         self.set_started = any((self.dir / name / "ledger.jsonl").exists() for name, _ in configs)
         self.stop_event = threading.Event()
         self.views: dict[str, SourceView] = {}
         self.aggs: dict[str, Aggregator] = {}
         for name, one in configs:
             self.views[name] = SourceView(self, name)
-            agg = Aggregator(one, self.views[name], Metrics(), fresh_start=fresh_start,
-                             accept_change=accept_change, same_records_as=same_records_as)
+            agg = Aggregator(
+                one,
+                self.views[name],
+                Metrics(),
+                fresh_start=fresh_start,
+                accept_change=accept_change,
+                same_records_as=same_records_as,
+            )
             agg.stop_event = self.stop_event  # one SIGTERM stops all
             self.aggs[name] = agg
         self.metrics = metrics or Metrics()
         # the exposition is the aggregations' series, labelled; not the hub's own (unused) ones
         self.metrics.registry = CollectorRegistry()
-        self.metrics.registry.register(ByAggregation(
-            {name: agg.metrics.registry for name, agg in self.aggs.items()}))
+        self.metrics.registry.register(
+            ByAggregation({name: agg.metrics.registry for name, agg in self.aggs.items()})
+        )
         # one parse of each record for all aggregations (their decoders read, never change it)
         self._parsed: dict = {}
         for agg in self.aggs.values():
@@ -275,8 +301,7 @@ class MultiAggregator:
         """Group offsets (lag monitoring only): the least any aggregation has checkpointed."""
         least = self._least(lambda v: v.committed)
         if least:  # with every aggregation's ledger head (aggregator.service.anchor)
-            heads = {name: v.anchor for name, v in self.views.items()
-                     if getattr(v, "anchor", None)}
+            heads = {name: v.anchor for name, v in self.views.items() if getattr(v, "anchor", None)}
             self.source.commit(least, kafka_metadata(heads) if heads else "")
 
     def held_changed(self, keys, resumed: bool = False) -> None:
@@ -332,10 +357,13 @@ class MultiAggregator:
                 f"checkpoint.dir {self.dir} holds one aggregation's state (ledger.jsonl at its "
                 "top); several aggregations (also window.rollup_design = tree or hybrid, which "
                 "runs one per level) need a new checkpoint.dir, or keep "
-                "window.rollup_design = sum")
+                "window.rollup_design = sum"
+            )
         path = self.dir / SET_FILE
-        mine = {"aggregations": sorted(self.aggs),
-                "budget_per_event": self.cfg.ledger.budget_per_event or None}
+        mine = {
+            "aggregations": sorted(self.aggs),
+            "budget_per_event": self.cfg.ledger.budget_per_event or None,
+        }
         if path.exists():
             recorded = json.loads(path.read_text())
             if recorded == mine:
@@ -348,12 +376,19 @@ class MultiAggregator:
                     f"{', '.join(mine['aggregations'])} ({mine['budget_per_event']}). Use the "
                     "original set, a new checkpoint.dir, or --accept-change (a new aggregation "
                     "starts at the group's committed offsets, or a file's start; removed ones "
-                    "keep their directories)")
-            log.warning("the set of aggregations of %s changed: %s -> %s", self.dir,
-                        ", ".join(recorded["aggregations"]), ", ".join(mine["aggregations"]))
+                    "keep their directories)"
+                )
+            log.warning(
+                "the set of aggregations of %s changed: %s -> %s",
+                self.dir,
+                ", ".join(recorded["aggregations"]),
+                ", ".join(mine["aggregations"]),
+            )
         elif self.set_started and not self.accept_change:
-            raise ServiceError(f"checkpoint.dir {self.dir} has aggregation directories but no "
-                               f"{SET_FILE}; use --accept-change to record this set")
+            raise ServiceError(
+                f"checkpoint.dir {self.dir} has aggregation directories but no "
+                f"{SET_FILE}; use --accept-change to record this set"
+            )
         self._set_to_record = mine  # written once every aggregation started
 
     def _record_set(self) -> None:
@@ -396,13 +431,18 @@ class MultiAggregator:
                 self.on_started()
             finite = self.cfg.source.kind != "kafka"
             # --exit-when-idle: the same rule as one aggregation's, over all of them
-            idle = IdleExit(idle_exit_s,
-                            lambda: all(a.idle_can_count() for a in self.aggs.values()))
+            idle = IdleExit(
+                idle_exit_s, lambda: all(a.idle_can_count() for a in self.aggs.values())
+            )
             share = poll_timeout_s / len(self.aggs)
             while not self.stop_event.is_set():
                 # one consumer: an aggregation whose total budget is spent pauses the intake
-                if any([self._each(name, agg.paused_for_budget, share, finite)
-                        for name, agg in self.aggs.items()]):
+                if any(
+                    [
+                        self._each(name, agg.paused_for_budget, share, finite)
+                        for name, agg in self.aggs.items()
+                    ]
+                ):
                     if idle.over(paused=True):
                         break
                     continue
@@ -440,8 +480,11 @@ class MultiAggregator:
                 self._lock_file.close()
                 self._lock_file = None
             for agg in started if running else ():
-                self._each(agg.aggregation["name"], agg._stop_line,
-                           "on the error below" if failed else None)
+                self._each(
+                    agg.aggregation["name"],
+                    agg._stop_line,
+                    "on the error below" if failed else None,
+                )
             if not running:  # a refused start writes nothing: remove what it created
                 for agg in started:
                     agg.claim.remove_created()

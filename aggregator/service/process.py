@@ -113,7 +113,7 @@ class Aggregator(Stages):
         """After a poll's records are counted (``polled``: whether there were any): time
         windows, snapshots, control requests, publishing, lag, health."""
         if not polled:
-            self.plan.idle()   # caught up: the start's simulated plan may take its CPU now
+            self.plan.idle()  # caught up: the start's simulated plan may take its CPU now
             if self.assigner.caught_up(self.task):
                 self.close_window()
         if self.assigner.time_window_due(self.task):
@@ -173,7 +173,8 @@ class Aggregator(Stages):
     def _ingest(self, seg: Segment) -> None:
         # (records deleted before they were read: :meth:`.RetentionWatch.parts`)
         for part in self.retention.parts(
-                seg, self.task.offsets, lambda gone: self.closer.withhold_deleted(self.task, gone)):
+            seg, self.task.offsets, lambda gone: self.closer.withhold_deleted(self.task, gone)
+        ):
             if self.cfg.window.kind == "event_time":
                 self.event_time.ingest(part)
                 continue
@@ -225,11 +226,18 @@ class Aggregator(Stages):
 
     def _stop_line(self, reason: str | None = None) -> None:
         """What a restart will find: the last checkpoint and what is replayed from it."""
-        log_stop(getattr(self, "task", None), reason or (
-            "stop requested" if self.stop_event.is_set() else "input ended or idle"))
+        log_stop(
+            getattr(self, "task", None),
+            reason or ("stop requested" if self.stop_event.is_set() else "input ended or idle"),
+        )
 
     def catch_up(self, timeout_s: float = 120.0) -> None:
         """Count what the source holds now, for offline commands (:func:`.stages.caught_up`)."""
-        catch_up(self.source, lambda: self.intake.held, ingest=self._ingest,
-                 snapshot=lambda: self._maybe_snapshot(self.task),
-                 bootstrap=self.cfg.source.bootstrap, timeout_s=timeout_s)
+        catch_up(
+            self.source,
+            lambda: self.intake.held,
+            ingest=self._ingest,
+            snapshot=lambda: self._maybe_snapshot(self.task),
+            bootstrap=self.cfg.source.bootstrap,
+            timeout_s=timeout_s,
+        )

@@ -155,9 +155,16 @@ class ReleasePublisher:
     now holds; call it again later with the rest (its backoffs say when a retry is due).
     """
 
-    def __init__(self, release_dir, topic: str = "", *, producer: Callable | None = None,
-                 key_of: Callable[[dict], str] | None = None,
-                 on_published: Callable[[dict, Path], None] | None = None, plot: bool = True):
+    def __init__(
+        self,
+        release_dir,
+        topic: str = "",
+        *,
+        producer: Callable | None = None,
+        key_of: Callable[[dict], str] | None = None,
+        on_published: Callable[[dict, Path], None] | None = None,
+        plot: bool = True,
+    ):
         self.release_dir, self.topic = release_dir, topic
         self._producer, self._key_of = producer, key_of or (lambda r: str(r["window"]))
         self._on_published = on_published
@@ -170,8 +177,10 @@ class ReleasePublisher:
     def last_reason(self) -> str:
         if self.files.failing or self._sender is None:
             return self.files.last_reason
-        return (self._sender.backoff.last_reason
-                or f"topic {self.topic!r} has not acknowledged them yet")
+        return (
+            self._sender.backoff.last_reason
+            or f"topic {self.topic!r} has not acknowledged them yet"
+        )
 
     def due(self) -> bool:
         return self.files.ready() or self._sender is not None
@@ -199,8 +208,7 @@ class ReleasePublisher:
                     self._on_published(release, path)
         done = []
         for doc in pending:
-            if doc not in self._filed or (self._sender is not None
-                                          and not self._sender.take(doc)):
+            if doc not in self._filed or (self._sender is not None and not self._sender.take(doc)):
                 break
             done.append(doc)
             del self._filed[doc]

@@ -43,10 +43,13 @@ class RejectLog:
         if not force and now - self.start < self.period_s:
             return
         if self.suppressed:
-            log.warning("%d more rejected records in the last %.0f s (%s); counts by reason in "
-                        "panagg_decode_errors_total", sum(self.suppressed.values()),
-                        now - self.start, ", ".join(f"{k}: {v}" for k, v in
-                                                    sorted(self.suppressed.items())))
+            log.warning(
+                "%d more rejected records in the last %.0f s (%s); counts by reason in "
+                "panagg_decode_errors_total",
+                sum(self.suppressed.values()),
+                now - self.start,
+                ", ".join(f"{k}: {v}" for k, v in sorted(self.suppressed.items())),
+            )
         self.start, self.logged, self.suppressed = now, 0, {}
 
 
@@ -82,8 +85,11 @@ class RejectWatch:
             if reason == "wrong_type" and sum(self.kinds.values()) < 100:
                 kind = self._item_kind(values[i])
                 self.kinds[kind] = self.kinds.get(kind, 0) + 1
-        if self.seen >= min(self.sample, 100) and not self.warned \
-                and self.rejected >= self.ratio * self.seen:
+        if (
+            self.seen >= min(self.sample, 100)
+            and not self.warned
+            and self.rejected >= self.ratio * self.seen
+        ):
             self.warned = True
             log.error("%s", self.message())
 
@@ -93,13 +99,21 @@ class RejectWatch:
         if self.cfg.item.source != "value" or not isinstance(raw, (bytes, bytearray)):
             return "?"
         try:
-            doc = (msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)
-                   if self.cfg.source.format == "msgpack" else json.loads(bytes(raw)))
+            doc = (
+                msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)
+                if self.cfg.source.format == "msgpack"
+                else json.loads(bytes(raw))
+            )
         except Exception:
             return "?"
         item = _walk(doc, tuple(self.cfg.item.field.split(".")))
-        return {dict: "map", list: "list", float: "a number with a fraction",
-                bool: "true or false", type(None): "null"}.get(type(item), "?")
+        return {
+            dict: "map",
+            list: "list",
+            float: "a number with a fraction",
+            bool: "true or false",
+            type(None): "null",
+        }.get(type(item), "?")
 
     def message(self) -> str:
         top = max(self.reasons, key=self.reasons.get) if self.reasons else "?"
@@ -107,31 +121,42 @@ class RejectWatch:
         kind = max(self.kinds, key=self.kinds.get) if self.kinds else "?"
         field = self.cfg.item.field
         if top == "wrong_type" and kind == "map":
-            fix = (f"item.field {field!r} is a map; name one of its keys with a dotted path, "
-                   f"e.g. item.field = {field}.id")
+            fix = (
+                f"item.field {field!r} is a map; name one of its keys with a dotted path, "
+                f"e.g. item.field = {field}.id"
+            )
         elif top == "wrong_type" and kind == "list":
-            fix = (f"item.field {field!r} is a list; name one of its elements by position, "
-                   f"e.g. item.field = {field}.0, or a key inside it ({field}.0.id)")
+            fix = (
+                f"item.field {field!r} is a list; name one of its elements by position, "
+                f"e.g. item.field = {field}.0, or a key inside it ({field}.0.id)"
+            )
         elif top == "wrong_type" and mode == "hashed" and kind != "?":
-            fix = (f"item.field {field!r} holds {kind}; items are strings, bytes or whole "
-                   "numbers: name a field that holds one")
+            fix = (
+                f"item.field {field!r} holds {kind}; items are strings, bytes or whole "
+                "numbers: name a field that holds one"
+            )
         elif top in ("undecodable", "not_a_map") and fmt == "msgpack" and self.looks_json:
             fix = "the records look like JSON: set source.format = json"
         elif top in ("undecodable", "not_a_map") and fmt == "json" and self.looks_msgpack:
             fix = "the records look like msgpack: set source.format = msgpack"
         elif top == "wrong_type" and mode == "direct":
-            fix = ("direct mode counts ints in [0, state.domain_size); for string or bytes "
-                   "items set state.mode = hashed")
+            fix = (
+                "direct mode counts ints in [0, state.domain_size); for string or bytes "
+                "items set state.mode = hashed"
+            )
         elif top == "out_of_range":
             fix = "items fall outside [0, state.domain_size): raise state.domain_size"
         elif top == "missing_item":
-            fix = ("records carry no item where item.source / item.field say (default: the "
-                   'field "item", {"item": <str|bytes|int>, ...}); set item.field (e.g. user.id) '
-                   "or item.source = key / header")
+            fix = (
+                "records carry no item where item.source / item.field say (default: the "
+                'field "item", {"item": <str|bytes|int>, ...}); set item.field (e.g. user.id) '
+                "or item.source = key / header"
+            )
         else:
             fix = "see docs/operations.md, Bad input"
-        return (f"{self.rejected} of the first {self.seen} records were rejected (mostly "
-                f"{top}): {fix}")
+        return (
+            f"{self.rejected} of the first {self.seen} records were rejected (mostly {top}): {fix}"
+        )
 
     def fatal(self) -> str | None:
         """The line to stop a finite run with: nothing counted, something rejected."""

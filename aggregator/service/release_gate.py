@@ -55,9 +55,21 @@ def covered_ranges(start_offsets: dict | None, end_offsets: dict) -> dict:
     return out
 
 
-def check_registry(registry, ledger: Ledger, known: set, uid: str, epsilon: float, *, window,
-                   ranges: dict, lineage, window_kind, others=(), pending: float = 0.0,
-                   parallel: dict | None = None) -> None:
+def check_registry(
+    registry,
+    ledger: Ledger,
+    known: set,
+    uid: str,
+    epsilon: float,
+    *,
+    window,
+    ranges: dict,
+    lineage,
+    window_kind,
+    others=(),
+    pending: float = 0.0,
+    parallel: dict | None = None,
+) -> None:
     """BudgetExceeded, in one line naming the other deployment, when the budget ``registry``'s
     charges beyond ``known`` (the (ledger id, entry id) pairs the checking ledgers hold) bring
     the window's events over ``ledger``'s per-event budget. The registry is read already."""
@@ -65,9 +77,17 @@ def check_registry(registry, ledger: Ledger, known: set, uid: str, epsilon: floa
     if not theirs:
         return
     try:
-        ledger.check_release(uid, epsilon, window=window, ranges=ranges, lineage=lineage,
-                             window_kind=window_kind, others=[*others, *theirs], pending=pending,
-                             parallel=parallel)
+        ledger.check_release(
+            uid,
+            epsilon,
+            window=window,
+            ranges=ranges,
+            lineage=lineage,
+            window_kind=window_kind,
+            others=[*others, *theirs],
+            pending=pending,
+            parallel=parallel,
+        )
     except BudgetExceeded:
         raise BudgetExceeded(
             f"release of window {window} refused: its events (source positions "
@@ -75,7 +95,8 @@ def check_registry(registry, ledger: Ledger, known: set, uid: str, epsilon: floa
             f"(the budget registry {registry.topic}), and this release would bring them "
             f"over the per-event budget {ledger.budget_per_event:g}; nothing of it is "
             "published (one deployment per stream, or one that starts after those "
-            "positions: docs/privacy.md section 22)") from None
+            "positions: docs/privacy.md section 22)"
+        ) from None
 
 
 class ReleaseGate:
@@ -95,13 +116,24 @@ class ReleaseGate:
         hold the stream's other charges.
     """
 
-    def __init__(self, ledger: Ledger, metrics: Metrics, *, epsilon: float, model: str,
-                 stream: str, aggregation: str, directory, parallel: dict | None = None):
+    def __init__(
+        self,
+        ledger: Ledger,
+        metrics: Metrics,
+        *,
+        epsilon: float,
+        model: str,
+        stream: str,
+        aggregation: str,
+        directory,
+        parallel: dict | None = None,
+    ):
         self.ledger, self.metrics = ledger, metrics
         #: a breakdown's key: {"group", "member"}, recorded with each release and refusal (the
         #: charge book takes the largest of a group's members at a position, not their sum)
-        self.parallel = ({"group": parallel["group"], "member": parallel["member"]}
-                         if parallel else None)
+        self.parallel = (
+            {"group": parallel["group"], "member": parallel["member"]} if parallel else None
+        )
         self.epsilon, self.model = float(epsilon), model
         self.stream, self.aggregation = stream, aggregation
         self.dir = Path(directory)
@@ -126,14 +158,21 @@ class ReleaseGate:
         try:
             self.registry.record(ledger_id(self.ledger.entries), entry)
         except Exception as exc:  # the release is ledgered; the charge follows at the next check
-            log.warning("the charge of %s is not in the budget registry yet (%s); it is "
-                        "written before the next release", entry.get("id"), type(exc).__name__)
+            log.warning(
+                "the charge of %s is not in the budget registry yet (%s); it is "
+                "written before the next release",
+                entry.get("id"),
+                type(exc).__name__,
+            )
 
     def _catch_up(self) -> None:
         n = self.registry.catch_up(ledger_id(self.ledger.entries), self.ledger.entries)
         if n:
-            log.info("%d charge(s) of this ledger written to the budget registry %s", n,
-                     self.registry.topic)
+            log.info(
+                "%d charge(s) of this ledger written to the budget registry %s",
+                n,
+                self.registry.topic,
+            )
 
     def _known(self, siblings: list[list[dict]]) -> set[tuple[str, str]]:
         """(ledger id, entry id) of every entry this ledger and its ``siblings`` hold: the
@@ -144,12 +183,23 @@ class ReleaseGate:
             known |= {(lid, e["id"]) for e in entries}
         return known
 
-    def _check_registry(self, uid: str, wid: int, *, ranges: dict, charge: float,
-                        closing: dict, siblings: list, others: list, pending: float) -> None:
+    def _check_registry(
+        self,
+        uid: str,
+        wid: int,
+        *,
+        ranges: dict,
+        charge: float,
+        closing: dict,
+        siblings: list,
+        others: list,
+        pending: float,
+    ) -> None:
         """BudgetExceeded naming the other deployment when the registry's charges bring the
         window's events over the per-event budget."""
         # a Kafka client is loaded by a Kafka run only
         from kafka.errors import KafkaError  # noqa: PLC0415
+
         started = time.perf_counter()
         try:
             self.registry.read_to_end()
@@ -157,16 +207,30 @@ class ReleaseGate:
         except (KafkaError, RegistryError, OSError) as exc:
             # the cluster is away (the source with it): the ledger's own check stands, and the
             # charges this misses are read at the next release
-            log.warning("the budget registry %s could not be read (%s): window %s is checked "
-                        "against this deployment's ledgers only", self.registry.topic,
-                        type(exc).__name__, wid)
+            log.warning(
+                "the budget registry %s could not be read (%s): window %s is checked "
+                "against this deployment's ledgers only",
+                self.registry.topic,
+                type(exc).__name__,
+                wid,
+            )
         translate = getattr(self.registry, "translate", None)  # a file source: by content
         try:
-            check_registry(self.registry, self.ledger, self._known(siblings), uid, charge,
-                           window=wid, ranges=translate(ranges) if translate else ranges,
-                           lineage=closing.get("lineage"), window_kind=closing.get("kind"),
-                           others=others, pending=pending, parallel=self.parallel)
-        finally:   # a refusal's check took its time too
+            check_registry(
+                self.registry,
+                self.ledger,
+                self._known(siblings),
+                uid,
+                charge,
+                window=wid,
+                ranges=translate(ranges) if translate else ranges,
+                lineage=closing.get("lineage"),
+                window_kind=closing.get("kind"),
+                others=others,
+                pending=pending,
+                parallel=self.parallel,
+            )
+        finally:  # a refusal's check took its time too
             self.metrics.registry_check.observe(time.perf_counter() - started)
 
     def charge_of(self, closing: dict) -> float:
@@ -174,21 +238,30 @@ class ReleaseGate:
         public under replace-one, and a state holding no event reveals none)."""
         return self.epsilon if int(closing.get("events", 0)) > 0 else 0.0
 
-    def position_fields(self, closing: dict, ranges: dict, end_offsets: dict,
-                        totals: dict) -> dict:
+    def position_fields(self, closing: dict, ranges: dict, end_offsets: dict, totals: dict) -> dict:
         """What a release or refusal records of the source: the ranges it covers, the end a
         restart resumes at, the totals there, and whose chain of checkpoints it is."""
-        return {"ranges": ranges, "end_offsets": dict(end_offsets),
-                "totals": {"events": int(totals["events"]),
-                           "rejects": dict(totals["rejects"]),
-                           "filtered": int(totals.get("filtered", 0))},
-                "stream": self.stream, "aggregation": self.aggregation,
-                "lineage": closing.get("lineage"), "window_kind": closing.get("kind"),
-                "n": int(closing.get("events", 0)),
-                **({"parallel": dict(self.parallel)} if self.parallel else {}),
-                # a file source: the content identity of each file partition (the registry's key)
-                **({"sources": {p: c for p, c in self.sources.items() if p in ranges}}
-                   if self.sources and set(self.sources) & set(ranges) else {})}
+        return {
+            "ranges": ranges,
+            "end_offsets": dict(end_offsets),
+            "totals": {
+                "events": int(totals["events"]),
+                "rejects": dict(totals["rejects"]),
+                "filtered": int(totals.get("filtered", 0)),
+            },
+            "stream": self.stream,
+            "aggregation": self.aggregation,
+            "lineage": closing.get("lineage"),
+            "window_kind": closing.get("kind"),
+            "n": int(closing.get("events", 0)),
+            **({"parallel": dict(self.parallel)} if self.parallel else {}),
+            # a file source: the content identity of each file partition (the registry's key)
+            **(
+                {"sources": {p: c for p, c in self.sources.items() if p in ranges}}
+                if self.sources and set(self.sources) & set(ranges)
+                else {}
+            ),
+        }
 
     def other_charges(self) -> list[dict]:
         """Ledger entries of the stream's other aggregations (their charges count against the
@@ -204,8 +277,10 @@ class ReleaseGate:
             try:
                 out.append(Ledger(path, budget_per_window=1.0).entries)
             except LedgerError as exc:
-                raise ServiceError(f"{exc} (another aggregation's ledger: its charges count "
-                                   "against this stream's per-event budget)") from None
+                raise ServiceError(
+                    f"{exc} (another aggregation's ledger: its charges count "
+                    "against this stream's per-event budget)"
+                ) from None
         return out
 
     def same_records(self) -> dict[str, set[str]]:
@@ -247,8 +322,15 @@ class ReleaseGate:
             parts = [p for p in book.charged_partitions() if p.rpartition(":")[0] in olds]
             most = book.most(parts)
             if most > 0:
-                out.append({"kind": "release", "epsilon_spent": most, "ranges": mine,
-                            "lineage": None, "window_kind": "count"})
+                out.append(
+                    {
+                        "kind": "release",
+                        "epsilon_spent": most,
+                        "ranges": mine,
+                        "lineage": None,
+                        "window_kind": "count",
+                    }
+                )
         return out
 
     # -- the user unit's per-user budget ---------------------------------------------------
@@ -271,8 +353,7 @@ class ReleaseGate:
         user (:meth:`.UserBudget.charge_of`): nothing under the event unit."""
         if self.user_budget is None:
             return {}
-        return self.user_budget.fields(self.user_budget.charge_of(uid, charge),
-                                       self.user_stream())
+        return self.user_budget.fields(self.user_budget.charge_of(uid, charge), self.user_stream())
 
     def user_charges_elsewhere(self, siblings=()) -> list[dict]:
         """The budget registry's user-level charges on this stream that this directory's ledgers
@@ -281,9 +362,13 @@ class ReleaseGate:
             return []
         streams = self.user_streams()
         known = self._known(list(siblings))
-        return [v for v in self.registry.records.values()
-                if float(v.get(USER_EPSILON) or 0.0) > 0 and v.get(USER_STREAM) in streams
-                and (v["ledger"], v["entry"]) not in known]
+        return [
+            v
+            for v in self.registry.records.values()
+            if float(v.get(USER_EPSILON) or 0.0) > 0
+            and v.get(USER_STREAM) in streams
+            and (v["ledger"], v["entry"]) not in known
+        ]
 
     def user_budget_line(self) -> str | None:
         """The start's line on the per-user budget (None under the event unit)."""
@@ -294,40 +379,81 @@ class ReleaseGate:
         self.user_budget.levels = user_spent(e for entries in levels for e in entries)
         return self.user_budget.line()
 
-    def allows(self, uid: str, wid: int, *, ranges: dict, charge: float, closing: dict,
-               in_flight=(), refusal_fields: Callable[[], dict] = dict) -> bool:
+    def allows(
+        self,
+        uid: str,
+        wid: int,
+        *,
+        ranges: dict,
+        charge: float,
+        closing: dict,
+        in_flight=(),
+        refusal_fields: Callable[[], dict] = dict,
+    ) -> bool:
         """The ledger's answer for window ``uid`` covering the source ``ranges`` at ``charge``;
         ``in_flight``: the jobs handed to the release worker and not yet ledgered. A refusal is
         ledgered with ``refusal_fields()`` (its position fields) and counted."""
         if self.ledger.has(f"refused-{uid}"):
             return False
         try:
-            flying = [{"kind": "release", "epsilon_spent": j["charge"], "ranges": j["ranges"],
-                       "lineage": j["window"].get("lineage"),
-                       "window_kind": j["window"].get("kind"),
-                       "parallel": self.parallel} for j in in_flight]
+            flying = [
+                {
+                    "kind": "release",
+                    "epsilon_spent": j["charge"],
+                    "ranges": j["ranges"],
+                    "lineage": j["window"].get("lineage"),
+                    "window_kind": j["window"].get("kind"),
+                    "parallel": self.parallel,
+                }
+                for j in in_flight
+            ]
             siblings = self._sibling_ledgers() if ranges else []
             others = [*(e for entries in siblings for e in entries), *flying] if ranges else []
             pending = sum(j["charge"] for j in in_flight)
             if ranges:
                 others += self.same_records_charges(ranges, others)
-            self.ledger.check_release(uid, charge, window=wid, ranges=ranges,
-                                      lineage=closing.get("lineage"),
-                                      window_kind=closing.get("kind"),
-                                      others=others, pending=pending, parallel=self.parallel)
+            self.ledger.check_release(
+                uid,
+                charge,
+                window=wid,
+                ranges=ranges,
+                lineage=closing.get("lineage"),
+                window_kind=closing.get("kind"),
+                others=others,
+                pending=pending,
+                parallel=self.parallel,
+            )
             if self.registry is not None and ranges and charge > 0:
-                self._check_registry(uid, wid, ranges=ranges, charge=charge, closing=closing,
-                                     siblings=siblings, others=others, pending=pending)
+                self._check_registry(
+                    uid,
+                    wid,
+                    ranges=ranges,
+                    charge=charge,
+                    closing=closing,
+                    siblings=siblings,
+                    others=others,
+                    pending=pending,
+                )
             if self.user_budget is not None and charge > 0:  # (the registry is read by now)
                 levels = siblings if ranges else self._sibling_ledgers()
-                self.user_budget.check(wid, self.user_budget.charge_of(uid, charge),
-                                       self.user_charges_elsewhere(levels), pending=pending,
-                                       levels=[e for entries in levels for e in entries])
+                self.user_budget.check(
+                    wid,
+                    self.user_budget.charge_of(uid, charge),
+                    self.user_charges_elsewhere(levels),
+                    pending=pending,
+                    levels=[e for entries in levels for e in entries],
+                )
         except BudgetExceeded as exc:
             log.error("%s", exc)
             self.metrics.releases_refused.inc()
-            self.ledger.append(entry_id=f"refused-{uid}", kind="refused", window=wid,
-                               window_uid=uid, model=self.model, note=str(exc),
-                               **refusal_fields())
+            self.ledger.append(
+                entry_id=f"refused-{uid}",
+                kind="refused",
+                window=wid,
+                window_uid=uid,
+                model=self.model,
+                note=str(exc),
+                **refusal_fields(),
+            )
             return False
         return True

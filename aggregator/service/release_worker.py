@@ -60,8 +60,17 @@ __all__ = ["ReleaseWorker", "compute_release"]
 log = logging.getLogger("panagg.service")
 
 
-def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar_reps: int,
-                    method: str | None, keep_view: bool = False):
+def compute_release(
+    state,
+    *,
+    model: str,
+    loss: str,
+    window: int,
+    rng,
+    error_bar_reps: int,
+    method: str | None,
+    keep_view: bool = False,
+):
     """The release of ``state`` (in a worker process): the document, and when it started and
     ended there (for the in-process overlap and latency figures; never in the document).
     With ``keep_view`` (window.rollups) a fourth item: ``(counts, layers)``, the release-layered
@@ -71,8 +80,16 @@ def compute_release(state, *, model: str, loss: str, window: int, rng, error_bar
     started = time.time()
     slow_point("release")
     view: list | None = [] if keep_view else None
-    doc = make_release(state, model=model, loss=loss, window=window, rng=rng,
-                       error_bar_reps=error_bar_reps, method=method, view=view)
+    doc = make_release(
+        state,
+        model=model,
+        loss=loss,
+        window=window,
+        rng=rng,
+        error_bar_reps=error_bar_reps,
+        method=method,
+        view=view,
+    )
     if keep_view:
         return doc, started, time.time(), view[0]
     return doc, started, time.time()
@@ -179,10 +196,12 @@ class ReleaseWorker:
     def __init__(self, workers: int):
         self.workers = int(workers)
         # spawn: a child that inherits nothing of the loop (no Kafka client threads, no state)
-        self._pool = ProcessPoolExecutor(max_workers=self.workers,
-                                         mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_die_with_parent,
-                                         initargs=(os.getpid(),))
+        self._pool = ProcessPoolExecutor(
+            max_workers=self.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_die_with_parent,
+            initargs=(os.getpid(),),
+        )
         self._pool.submit(_warm)
         self._blocks: set = set()  # shared blocks handed over and not yet unlinked
         self._housed: dict = {}  # (address, bytes) of a housed state's counters -> its block
@@ -224,10 +243,13 @@ class ReleaseWorker:
     def _no_room(self, exc: OSError) -> None:
         if not self._warned_room:
             self._warned_room = True
-            log.warning("%s: closed windows go to the release worker through its pipe (slower, "
-                        "it may stall intake at the close); give the process a larger /dev/shm "
-                        "(about 3 x 8 bytes x state.domain_size per aggregation; "
-                        "deploy/kubernetes/deployment.yaml mounts one)", exc.strerror or exc)
+            log.warning(
+                "%s: closed windows go to the release worker through its pipe (slower, "
+                "it may stall intake at the close); give the process a larger /dev/shm "
+                "(about 3 x 8 bytes x state.domain_size per aggregation; "
+                "deploy/kubernetes/deployment.yaml mounts one)",
+                exc.strerror or exc,
+            )
 
     def submit(self, state, **kwargs) -> Future:
         """The release of the closed ``state``, computed in the pool (module docstring: the

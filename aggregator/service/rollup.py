@@ -54,13 +54,22 @@ import numpy as np
 
 from state_store.atomic import atomic_write
 
-__all__ = ["RollupSum", "RollupStore", "parse_span", "RollupError", "ROLLUP_ARGUMENT",
-           "rollup_block", "missing_caveat"]
+__all__ = [
+    "RollupSum",
+    "RollupStore",
+    "parse_span",
+    "RollupError",
+    "ROLLUP_ARGUMENT",
+    "rollup_block",
+    "missing_caveat",
+]
 
 #: the ledger's and the release's argument for a rollup's 0 eps (one process and groups)
-ROLLUP_ARGUMENT = ("0 eps: the sum of its base windows' release views (the counters each "
-                   "base release was computed from, with its release layer): "
-                   "post-processing of released views (docs/privacy.md section 21)")
+ROLLUP_ARGUMENT = (
+    "0 eps: the sum of its base windows' release views (the counters each "
+    "base release was computed from, with its release layer): "
+    "post-processing of released views (docs/privacy.md section 21)"
+)
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -93,29 +102,39 @@ def parse_span(text, *, kind: str, size: float) -> int:
         k = int(m.group(1))
     elif kind == "count":
         if not raw.isdigit():
-            raise RollupError(f"window.rollups: {text!r} is not a number of events (count "
-                              f"windows of {size:g} events: use e.g. {int(size) * 24} or \"24x\")")
+            raise RollupError(
+                f"window.rollups: {text!r} is not a number of events (count "
+                f'windows of {size:g} events: use e.g. {int(size) * 24} or "24x")'
+            )
         events = int(raw)
         if events % int(size):
-            raise RollupError(f"window.rollups: {events} events is not a multiple of "
-                              f"window.size = {int(size)}; use e.g. {int(size) * 24}")
+            raise RollupError(
+                f"window.rollups: {events} events is not a multiple of "
+                f"window.size = {int(size)}; use e.g. {int(size) * 24}"
+            )
         k = events // int(size)
     else:
         m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw])", raw)
         if not m:
-            raise RollupError(f"window.rollups: {text!r} is not a duration; use e.g. \"1d\", "
-                              "\"7d\", \"6h\" or \"24x\" (24 base windows)")
+            raise RollupError(
+                f'window.rollups: {text!r} is not a duration; use e.g. "1d", '
+                '"7d", "6h" or "24x" (24 base windows)'
+            )
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
         ratio = seconds / float(size)
         if abs(ratio - round(ratio)) > 1e-9:
             hint = _duration(float(size) * max(2, int(ratio) or 2))
-            raise RollupError(f"window.rollups: \"{raw}\" is {seconds:g} s, not a multiple of "
-                              f"window.size = {float(size):g} s; use a multiple such as "
-                              f"\"{hint}\"")
+            raise RollupError(
+                f'window.rollups: "{raw}" is {seconds:g} s, not a multiple of '
+                f"window.size = {float(size):g} s; use a multiple such as "
+                f'"{hint}"'
+            )
         k = int(round(ratio))
     if k < 2:
-        raise RollupError(f"window.rollups: {text!r} is {k} base window(s); a rollup covers at "
-                          "least 2 (one window is its own release)")
+        raise RollupError(
+            f"window.rollups: {text!r} is {k} base window(s); a rollup covers at "
+            "least 2 (one window is its own release)"
+        )
     return k
 
 
@@ -169,29 +188,43 @@ class RollupSum:
         if uid in self.parts:
             return False
         if not self.holds(window):
-            raise RollupError(f"rollup {self.span} #{self.index} covers windows "
-                              f"{self.index * self.windows}..{(self.index + 1) * self.windows - 1}"
-                              f", not window {window}")
+            raise RollupError(
+                f"rollup {self.span} #{self.index} covers windows "
+                f"{self.index * self.windows}..{(self.index + 1) * self.windows - 1}"
+                f", not window {window}"
+            )
         counts = np.asarray(counts)
         if counts.shape != (self.size,):
-            raise RollupError(f"rollup {self.span}: a view of {counts.shape} counters cannot be "
-                              f"added to a sum of {self.size}")
+            raise RollupError(
+                f"rollup {self.span}: a view of {counts.shape} counters cannot be "
+                f"added to a sum of {self.size}"
+            )
         self.counts += counts.astype(np.int64, copy=False)
         self.layers += int(layers)
         self.n = None if (self.n is None or n is None) else self.n + int(n)
-        self.parts[str(uid)] = {"window": int(window), "layers": int(layers),
-                                "n": None if n is None else int(n)}
+        self.parts[str(uid)] = {
+            "window": int(window),
+            "layers": int(layers),
+            "n": None if n is None else int(n),
+        }
         return True
 
     def merge(self, other: "RollupSum") -> None:
         """Add another partial sum of the same rollup over other base windows."""
-        if (other.span, other.index, other.p, other.mode, other.size) != \
-                (self.span, self.index, self.p, self.mode, self.size):
+        if (other.span, other.index, other.p, other.mode, other.size) != (
+            self.span,
+            self.index,
+            self.p,
+            self.mode,
+            self.size,
+        ):
             raise RollupError("rollup sums of different rollups or domains cannot be merged")
         both = set(self.parts) & set(other.parts)
         if both:
-            raise RollupError(f"rollup {self.span} #{self.index}: base windows {sorted(both)} "
-                              "are in both sums (each window is added once)")
+            raise RollupError(
+                f"rollup {self.span} #{self.index}: base windows {sorted(both)} "
+                "are in both sums (each window is added once)"
+            )
         self.counts += other.counts
         self.layers += other.layers
         self.n = None if (self.n is None or other.n is None) else self.n + other.n
@@ -199,9 +232,19 @@ class RollupSum:
 
     # -- on disk -------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        head = {"format": self.FORMAT, "version": 1, "span": self.span, "index": self.index,
-                "windows": self.windows, "p": self.p, "mode": self.mode, "size": self.size,
-                "layers": self.layers, "n": self.n, "parts": self.parts}
+        head = {
+            "format": self.FORMAT,
+            "version": 1,
+            "span": self.span,
+            "index": self.index,
+            "windows": self.windows,
+            "p": self.p,
+            "mode": self.mode,
+            "size": self.size,
+            "layers": self.layers,
+            "n": self.n,
+            "parts": self.parts,
+        }
         buf = io.BytesIO()
         np.save(buf, self.counts, allow_pickle=False)
         meta = json.dumps(head, sort_keys=True).encode()
@@ -211,12 +254,18 @@ class RollupSum:
     def from_bytes(cls, data: bytes) -> "RollupSum":
         try:
             size = int.from_bytes(data[:8], "big")
-            head = json.loads(data[8:8 + size])
+            head = json.loads(data[8 : 8 + size])
             if head.get("format") != cls.FORMAT:
                 raise ValueError("not a rollup sum")
-            obj = cls(head["span"], head["index"], windows=head["windows"], p=head["p"],
-                      mode=head["mode"], size=head["size"])
-            obj.counts = np.load(io.BytesIO(data[8 + size:]), allow_pickle=False).astype(np.int64)
+            obj = cls(
+                head["span"],
+                head["index"],
+                windows=head["windows"],
+                p=head["p"],
+                mode=head["mode"],
+                size=head["size"],
+            )
+            obj.counts = np.load(io.BytesIO(data[8 + size :]), allow_pickle=False).astype(np.int64)
             obj.layers, obj.n, obj.parts = int(head["layers"]), head["n"], dict(head["parts"])
         except (ValueError, KeyError, TypeError, OSError) as exc:
             raise RollupError(f"a rollup sum file is damaged ({exc})") from None
@@ -228,18 +277,29 @@ class RollupSum:
 def rollup_block(r: RollupSum, missing: list[dict], layers: int) -> dict:
     """The ``rollup`` block of a rollup's release document (``missing``: ``{"window", "why"}``
     of each base window it lacks; ``layers``: the noise layers its release deconvolves)."""
-    return {"span": r.span, "index": r.index, "base_windows": r.windows,
-            "first_window": r.index * r.windows, "last_window": (r.index + 1) * r.windows - 1,
-            "windows": r.covered(), "complete": not missing, "missing": missing,
-            "layers": int(layers), "epsilon_spent": 0.0, "argument": ROLLUP_ARGUMENT}
+    return {
+        "span": r.span,
+        "index": r.index,
+        "base_windows": r.windows,
+        "first_window": r.index * r.windows,
+        "last_window": (r.index + 1) * r.windows - 1,
+        "windows": r.covered(),
+        "complete": not missing,
+        "missing": missing,
+        "layers": int(layers),
+        "epsilon_spent": 0.0,
+        "argument": ROLLUP_ARGUMENT,
+    }
 
 
 def missing_caveat(name: str, held: int, windows: int, missing: list[dict]) -> str:
     """The release's caveat for a rollup that lacks base windows."""
-    return (f"rollup {name} holds {held} of {windows} base windows "
-            f"(missing: {', '.join(str(m['window']) for m in missing[:5])}"
-            f"{' ...' if len(missing) > 5 else ''}); its n and histogram "
-            "cover only the windows it names")
+    return (
+        f"rollup {name} holds {held} of {windows} base windows "
+        f"(missing: {', '.join(str(m['window']) for m in missing[:5])}"
+        f"{' ...' if len(missing) > 5 else ''}); its n and histogram "
+        "cover only the windows it names"
+    )
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -288,8 +348,10 @@ class RollupStore:
     def put_inbox(self, uid: str, window: int, counts, *, layers: int, n, meta: dict) -> None:
         buf = io.BytesIO()
         np.save(buf, np.asarray(counts, dtype=np.int64), allow_pickle=False)
-        body = json.dumps({"uid": uid, "window": int(window), "layers": int(layers), "n": n,
-                           **meta}, sort_keys=True).encode()
+        body = json.dumps(
+            {"uid": uid, "window": int(window), "layers": int(layers), "n": n, **meta},
+            sort_keys=True,
+        ).encode()
         data = len(body).to_bytes(8, "big") + body + buf.getvalue()
         _write_atomic(self.dir / "inbox" / f"{uid}.view", data)
 
@@ -301,8 +363,8 @@ class RollupStore:
         for path in sorted(d.glob("*.view")):
             data = path.read_bytes()
             size = int.from_bytes(data[:8], "big")
-            meta = json.loads(data[8:8 + size])
-            out.append((meta, np.load(io.BytesIO(data[8 + size:]), allow_pickle=False)))
+            meta = json.loads(data[8 : 8 + size])
+            out.append((meta, np.load(io.BytesIO(data[8 + size :]), allow_pickle=False)))
         out.sort(key=lambda mv: mv[0]["window"])
         return out
 

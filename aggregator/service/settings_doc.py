@@ -28,8 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = Path("docs/configuration.md")
 EXAMPLE = Path("deploy/panagg.example.toml")
 COMMAND = "python -m aggregator.service.settings_doc --write"
-_MARKER = re.compile(r"(<!-- settings:(\w+) begin[^>]*-->\n)(.*?)(<!-- settings:\2 end -->)",
-                     re.S)
+_MARKER = re.compile(r"(<!-- settings:(\w+) begin[^>]*-->\n)(.*?)(<!-- settings:\2 end -->)", re.S)
 
 # -- docs/configuration.md -------------------------------------------------------------------
 
@@ -64,9 +63,11 @@ def _keys_table() -> list[str]:
     for one in SETTINGS.values():
         meaning = ("TEST ONLY: " if one.test_only else "") + one.doc
         rows.append(f"| {_code(one.name)} | {shown_default(one)} | {allowed(one)} | {meaning} |")
-    rows.append("| `aggregations.NAME.SECTION.KEY` | none | | one aggregation of the stream and "
-                "its overrides of `[item]`, `[state]`, `[window]`, `[release]`, "
-                "`ledger.budget_per_window` (section \"Several aggregations of one stream\") |")
+    rows.append(
+        "| `aggregations.NAME.SECTION.KEY` | none | | one aggregation of the stream and "
+        "its overrides of `[item]`, `[state]`, `[window]`, `[release]`, "
+        '`ledger.budget_per_window` (section "Several aggregations of one stream") |'
+    )
     return rows
 
 
@@ -79,9 +80,11 @@ def _identity_table() -> list[str]:
         if one.note:
             how, _, why = one.note.partition(": ")
             rows.append(f"| {_code(one.name)} | {how} | {why} |")
-    rows.append("| every other key | safe, logged | how records are fetched, how a release is "
-                "computed and where else it goes, access and reporting (`shuffle.*`: the "
-                "analyzer records its own identity) |")
+    rows.append(
+        "| every other key | safe, logged | how records are fetched, how a release is "
+        "computed and where else it goes, access and reporting (`shuffle.*`: the "
+        "analyzer records its own identity) |"
+    )
     return rows
 
 
@@ -95,13 +98,16 @@ def render_docs(text: str) -> str:
     tables = docs_tables()
     missing = set(tables) - {m.group(2) for m in _MARKER.finditer(text)}
     if missing:
-        raise ValueError(f"{DOCS} lacks the markers of {sorted(missing)}: put "
-                         f"<!-- settings:NAME begin --> / <!-- settings:NAME end --> around them")
+        raise ValueError(
+            f"{DOCS} lacks the markers of {sorted(missing)}: put "
+            f"<!-- settings:NAME begin --> / <!-- settings:NAME end --> around them"
+        )
 
     def one(m: re.Match) -> str:
         return m.group(1) + "\n".join(tables[m.group(2)]) + "\n" + m.group(4)
 
     return _MARKER.sub(one, text)
+
 
 # -- deploy/panagg.example.toml --------------------------------------------------------------
 
@@ -122,7 +128,7 @@ _AGGREGATIONS = """\
 # item.field = "ip"
 # state.epsilon = 0.5
 """
-_COMMENT_AT = 33   # the column the comments start at
+_COMMENT_AT = 33  # the column the comments start at
 
 
 def _toml_value(value) -> str:
@@ -138,8 +144,9 @@ def _commented(code: str, comment: str) -> list[str]:
     if not comment:
         return [code]
     at = max(_COMMENT_AT, len(code) + 1)
-    lines = textwrap.wrap(comment, width=100 - at - 2, break_long_words=False,
-                          break_on_hyphens=False) or [""]
+    lines = textwrap.wrap(
+        comment, width=100 - at - 2, break_long_words=False, break_on_hyphens=False
+    ) or [""]
     return [code.ljust(at) + "# " + lines[0]] + [" " * at + "# " + ln for ln in lines[1:]]
 
 
@@ -164,29 +171,39 @@ def example_toml() -> str:
     hooks = [one for one in SETTINGS.values() if one.test_only]
     if hooks:
         said = "; ".join(f"{one.name} {one.brief}" for one in hooks)
-        out.extend(textwrap.wrap(f"The test hooks are deliberately absent: {said}, and each "
-                                 "is refused outside tests.", width=98,
-                                 initial_indent="# ", subsequent_indent="# "))
+        out.extend(
+            textwrap.wrap(
+                f"The test hooks are deliberately absent: {said}, and each "
+                "is refused outside tests.",
+                width=98,
+                initial_indent="# ",
+                subsequent_indent="# ",
+            )
+        )
     return "\n".join(out).rstrip("\n") + "\n"
+
 
 # -- both ------------------------------------------------------------------------------------
 
 
 def render(root: Path = ROOT) -> dict[Path, str]:
     """Each generated file's path under ``root`` and the text it should have."""
-    return {root / DOCS: render_docs((root / DOCS).read_text()),
-            root / EXAMPLE: example_toml()}
+    return {root / DOCS: render_docs((root / DOCS).read_text()), root / EXAMPLE: example_toml()}
 
 
 def check(root: Path = ROOT) -> list[str]:
     """The generated files under ``root`` that differ from the declaration (empty: none)."""
-    return [str(path.relative_to(root)) for path, text in render(root).items()
-            if path.read_text() != text]
+    return [
+        str(path.relative_to(root))
+        for path, text in render(root).items()
+        if path.read_text() != text
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m aggregator.service.settings_doc",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m aggregator.service.settings_doc", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--write", action="store_true", help="write the files (default: check)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the repository's root")
     args = parser.parse_args(argv)
@@ -198,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stale = check(args.root)
     for name in stale:
-        print(f"{name} differs from aggregator/service/settings.py; run {COMMAND}",
-              file=sys.stderr)
+        print(f"{name} differs from aggregator/service/settings.py; run {COMMAND}", file=sys.stderr)
     return 1 if stale else 0
 
 

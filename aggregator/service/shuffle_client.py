@@ -45,6 +45,7 @@ __all__ = ["ShuffleClient", "bucket_map", "direct_buckets", "hashed_buckets"]
 
 def direct_buckets(buckets: int) -> Callable:
     """Direct mode: the item is the bucket (an integer id below ``buckets``)."""
+
     def to_bucket(items) -> np.ndarray:
         arr = np.asarray(items if isinstance(items, np.ndarray) else list(items))
         if arr.size == 0:
@@ -56,11 +57,13 @@ def direct_buckets(buckets: int) -> Callable:
         if bad.any():
             raise ValueError(f"item {arr[bad][0]!r} is not an id in [0, {buckets})")
         return arr.astype(np.int64)
+
     return to_bucket
 
 
-def hashed_buckets(key: bytes, buckets: int, *, nfc: bool = False,
-                   casefold: bool = False) -> Callable:
+def hashed_buckets(
+    key: bytes, buckets: int, *, nfc: bool = False, casefold: bool = False
+) -> Callable:
     """Hashed mode: SipHash-2-4 of the item's canonical bytes mod ``buckets`` (the service's
     map, :func:`aggregator.hashing.bucket_of`), after the decoder's text normalisation."""
     if len(key) != KEY_BYTES:
@@ -81,6 +84,7 @@ def hashed_buckets(key: bytes, buckets: int, *, nfc: bool = False,
         if nfc or casefold:
             items = [norm(x) for x in items]
         return bucket_of(items, key, buckets)
+
     return to_bucket
 
 
@@ -95,11 +99,14 @@ def bucket_map(cfg: Config) -> Callable:
     except ValueError:
         key = b""
     if len(key) != 16:
-        raise ValueError("hashed-mode shuffle clients need shuffle.hash_key: 32 hex digits shared "
-                         "by every client (e.g. `python -c \"import secrets; "
-                         "print(secrets.token_hex(16))\"`)")
-    return hashed_buckets(key, choose_buckets_for(cfg), nfc=cfg.item.normalize == "nfc",
-                          casefold=cfg.item.casefold)
+        raise ValueError(
+            "hashed-mode shuffle clients need shuffle.hash_key: 32 hex digits shared "
+            'by every client (e.g. `python -c "import secrets; '
+            'print(secrets.token_hex(16))"`)'
+        )
+    return hashed_buckets(
+        key, choose_buckets_for(cfg), nfc=cfg.item.normalize == "nfc", casefold=cfg.item.casefold
+    )
 
 
 class ShuffleClient:
@@ -126,8 +133,9 @@ class ShuffleClient:
     @classmethod
     def from_config(cls, cfg: Config) -> "ShuffleClient":
         if not cfg.shuffle.public_key:
-            raise ShufflerError("clients need shuffle.public_key "
-                                "(printed by `panagg shuffle-keygen`)")
+            raise ShufflerError(
+                "clients need shuffle.public_key (printed by `panagg shuffle-keygen`)"
+            )
         try:
             to_bucket = bucket_map(cfg)
             return cls(str(cfg.shuffle.public_key), make_randomizer(cfg), to_bucket)
@@ -137,8 +145,9 @@ class ShuffleClient:
     def bucket(self, item) -> int:
         b = int(self.to_bucket([item])[0])
         if not 0 <= b < self.randomizer.buckets:
-            raise ValueError(f"item {item!r} maps to bucket {b}, "
-                             f"outside [0, {self.randomizer.buckets})")
+            raise ValueError(
+                f"item {item!r} maps to bucket {b}, outside [0, {self.randomizer.buckets})"
+            )
         return b
 
     def messages(self, item) -> list[bytes]:
@@ -161,5 +170,7 @@ class ShuffleClient:
         order = np.argsort(owner, kind="stable")
         rows, owner = rows[order], owner[order]
         cuts = np.searchsorted(owner, np.arange(1, len(b)))
-        return [(new_event_id(), client_record(seal_rows(part, self.public_key, self.tag)))
-                for part in np.split(rows, cuts)]
+        return [
+            (new_event_id(), client_record(seal_rows(part, self.public_key, self.tag)))
+            for part in np.split(rows, cuts)
+        ]

@@ -73,11 +73,12 @@ SEALED_SIZE = PLAIN_SIZE + 48  # ephemeral X25519 public key (32) + Poly1305 tag
 EVENT_ID_SIZE = 16
 _PLAIN = struct.Struct("<qb8sB8s")
 #: the plaintext as a numpy record (no padding: 26 bytes)
-PLAIN_DTYPE = np.dtype([("bucket", "<i8"), ("sign", "i1"), ("fingerprint", "<u8"),
-                        ("part", "u1"), ("chunk", "<u8")])
+PLAIN_DTYPE = np.dtype(
+    [("bucket", "<i8"), ("sign", "i1"), ("fingerprint", "<u8"), ("part", "u1"), ("chunk", "<u8")]
+)
 assert PLAIN_DTYPE.itemsize == PLAIN_SIZE == _PLAIN.size
 _DESC = struct.Struct("<B7xQQddd")
-DESC_PARTS = _DESC.size // 8          # 6 parts of 8 bytes
+DESC_PARTS = _DESC.size // 8  # 6 parts of 8 bytes
 FINGERPRINT_DOMAIN = b"panagg shuffle randomizer parameters v1\0"
 PROTOCOL_CODES = {"gkmp": 1, "balcer-cheu": 2}
 
@@ -103,8 +104,10 @@ def load_private_key(path: str) -> PrivateKey:
         text = open(path).read().strip()
         return PrivateKey(bytes.fromhex(text))
     except FileNotFoundError:
-        raise WireError(f"analyzer private key file {path} does not exist; create one with "
-                        "`panagg shuffle-keygen`") from None
+        raise WireError(
+            f"analyzer private key file {path} does not exist; create one with "
+            "`panagg shuffle-keygen`"
+        ) from None
     except (ValueError, TypeError):
         raise WireError(f"{path} does not hold a 32-byte hex X25519 private key") from None
 
@@ -120,8 +123,9 @@ def load_public_key(text_or_path: str) -> PublicKey:
         try:
             text = open(text_or_path).read().strip()
         except OSError:
-            raise WireError(f"{text_or_path!r} is neither 64 hex digits "
-                            "nor a readable key file") from None
+            raise WireError(
+                f"{text_or_path!r} is neither 64 hex digits nor a readable key file"
+            ) from None
     try:
         return PublicKey(bytes.fromhex(text))
     except (ValueError, TypeError):
@@ -146,15 +150,21 @@ class ParamTag:
         if proto not in PROTOCOL_CODES:
             raise ValueError(f"unknown shuffle protocol {proto!r}")
         gamma = float(params.get("gamma") or 0.0) if proto == "gkmp" else None
-        self.params = {"protocol": proto, "epsilon": float(params["epsilon"]),
-                       "delta": float(params["delta"]), "n": int(params["n"]),
-                       "buckets": int(params["buckets"]), "gamma": gamma}
+        self.params = {
+            "protocol": proto,
+            "epsilon": float(params["epsilon"]),
+            "delta": float(params["delta"]),
+            "n": int(params["n"]),
+            "buckets": int(params["buckets"]),
+            "gamma": gamma,
+        }
         p = self.params
-        self.descriptor = _DESC.pack(PROTOCOL_CODES[proto], p["n"], p["buckets"], p["epsilon"],
-                                     p["delta"], gamma or 0.0)
+        self.descriptor = _DESC.pack(
+            PROTOCOL_CODES[proto], p["n"], p["buckets"], p["epsilon"], p["delta"], gamma or 0.0
+        )
         self.fingerprint = hashlib.sha256(FINGERPRINT_DOMAIN + self.descriptor).digest()[:8]
         self.fingerprint_u64 = int.from_bytes(self.fingerprint, "little")
-        self.parts = [self.descriptor[8 * i:8 * i + 8] for i in range(DESC_PARTS)]
+        self.parts = [self.descriptor[8 * i : 8 * i + 8] for i in range(DESC_PARTS)]
 
     @classmethod
     def of(cls, randomizer) -> "ParamTag":
@@ -170,21 +180,34 @@ class ParamTag:
         try:
             code, n, buckets, eps, delta, gamma = _DESC.unpack(desc)
             proto = {v: k for k, v in PROTOCOL_CODES.items()}[code]
-            tag = cls({"protocol": proto, "epsilon": eps, "delta": delta, "n": n,
-                       "buckets": buckets, "gamma": gamma})
+            tag = cls(
+                {
+                    "protocol": proto,
+                    "epsilon": eps,
+                    "delta": delta,
+                    "n": n,
+                    "buckets": buckets,
+                    "gamma": gamma,
+                }
+            )
         except (KeyError, ValueError, struct.error):
             return None
-        return (tag if tag.fingerprint_u64 == int(fingerprint_u64) and tag.descriptor == desc
-                else None)
+        return (
+            tag if tag.fingerprint_u64 == int(fingerprint_u64) and tag.descriptor == desc else None
+        )
 
     def differences(self, other: "ParamTag") -> list[tuple[str, str, str]]:
         """``[(key, this side, other side)]`` for every parameter that differs."""
-        return [(k, _fmt(self.params[k]), _fmt(other.params[k])) for k in self.KEYS
-                if self.params[k] != other.params[k]]
+        return [
+            (k, _fmt(self.params[k]), _fmt(other.params[k]))
+            for k in self.KEYS
+            if self.params[k] != other.params[k]
+        ]
 
     def describe(self) -> str:
-        return ", ".join(f"{k} {_fmt(self.params[k])}" for k in self.KEYS
-                         if self.params[k] is not None)
+        return ", ".join(
+            f"{k} {_fmt(self.params[k])}" for k in self.KEYS if self.params[k] is not None
+        )
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ParamTag) and other.descriptor == self.descriptor
@@ -200,14 +223,17 @@ def seal_rows(rows: np.ndarray, public_key: PublicKey, tag: ParamTag) -> list[by
     box = SealedBox(public_key)
     which = os.urandom(len(rows))
     fp, parts = tag.fingerprint, tag.parts
-    return [box.encrypt(_PLAIN.pack(int(b), int(s), fp, w % DESC_PARTS, parts[w % DESC_PARTS]))
-            for (b, s), w in zip(rows.tolist() if isinstance(rows, np.ndarray) else rows, which)]
+    return [
+        box.encrypt(_PLAIN.pack(int(b), int(s), fp, w % DESC_PARTS, parts[w % DESC_PARTS]))
+        for (b, s), w in zip(rows.tolist() if isinstance(rows, np.ndarray) else rows, which)
+    ]
 
 
 @dataclass
 class Opened:
     """Decrypted messages: ``rows`` (m, 2) int64 (bucket, sign); per message its
     ``fingerprints`` (uint64), descriptor ``part`` index and descriptor ``chunk`` (uint64)."""
+
     rows: np.ndarray
     fingerprints: np.ndarray
     part: np.ndarray
@@ -230,8 +256,10 @@ def open_messages(boxes, private_key: PrivateKey) -> Opened:
         try:
             plain = crypto_box_seal_open(bytes(c), pk, sk)
         except CryptoError:
-            raise WireError("a message does not decrypt with the analyzer's key "
-                            "(sealed to another key, or corrupted)") from None
+            raise WireError(
+                "a message does not decrypt with the analyzer's key "
+                "(sealed to another key, or corrupted)"
+            ) from None
         if len(plain) != PLAIN_SIZE:
             raise WireError(f"a decrypted message has {len(plain)} bytes, not {PLAIN_SIZE}")
         out += plain
@@ -284,8 +312,10 @@ def _worker_main() -> None:
             m = int.from_bytes(_read_exactly(inp, 4), "little")
             data = _read_exactly(inp, m * SEALED_SIZE)
             try:
-                plain = b"".join(crypto_box_seal_open(data[i:i + SEALED_SIZE], pk, sk)
-                                 for i in range(0, len(data), SEALED_SIZE))
+                plain = b"".join(
+                    crypto_box_seal_open(data[i : i + SEALED_SIZE], pk, sk)
+                    for i in range(0, len(data), SEALED_SIZE)
+                )
                 ok = len(plain) == m * PLAIN_SIZE
             except CryptoError:
                 ok = False
@@ -312,13 +342,24 @@ class BoxOpener:
     def _start(self) -> list:
         if not self._procs:
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [root] + [p for p in [os.environ.get("PYTHONPATH", "")] if p]))
+            env = dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join(
+                    [root] + [p for p in [os.environ.get("PYTHONPATH", "")] if p]
+                ),
+            )
             for _ in range(self.workers):
                 proc = subprocess.Popen(
-                    [sys.executable, "-c", "from aggregator.service.shuffle_wire import "
-                     "_worker_main; _worker_main()"], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, env=env, close_fds=True)
+                    [
+                        sys.executable,
+                        "-c",
+                        "from aggregator.service.shuffle_wire import _worker_main; _worker_main()",
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env=env,
+                    close_fds=True,
+                )
                 proc.stdin.write(bytes(self.key))
                 proc.stdin.flush()
                 self._procs.append(proc)
@@ -332,32 +373,43 @@ class BoxOpener:
         if any(len(b) != SEALED_SIZE for b in boxes):
             raise WireError(f"a box is not {SEALED_SIZE} bytes")
         procs = self._start()
-        w = len(procs) + 1                     # the last slice is opened here meanwhile
+        w = len(procs) + 1  # the last slice is opened here meanwhile
         cuts = [i * m // w for i in range(w + 1)]
         try:
-            for j, proc in enumerate(procs):   # the workers read whole requests: no deadlock
-                part = boxes[cuts[j]:cuts[j + 1]]
+            for j, proc in enumerate(procs):  # the workers read whole requests: no deadlock
+                part = boxes[cuts[j] : cuts[j + 1]]
                 proc.stdin.write((len(part)).to_bytes(4, "little") + b"".join(part))
                 proc.stdin.flush()
             try:
-                mine = open_messages(boxes[cuts[-2]:], self.key)
+                mine = open_messages(boxes[cuts[-2] :], self.key)
             except WireError:
                 mine = None
             replies = []
             for j, proc in enumerate(procs):
                 ok = _read_exactly(proc.stdout, 1)
-                replies.append(_read_exactly(proc.stdout, (cuts[j + 1] - cuts[j]) * PLAIN_SIZE)
-                               if ok == b"\x01" else None)
+                replies.append(
+                    _read_exactly(proc.stdout, (cuts[j + 1] - cuts[j]) * PLAIN_SIZE)
+                    if ok == b"\x01"
+                    else None
+                )
         except (EOFError, BrokenPipeError, OSError):
-            self.close()      # a worker died: start afresh next time, open this chunk here
+            self.close()  # a worker died: start afresh next time, open this chunk here
             return open_messages(boxes, self.key)
         if mine is None or any(r is None for r in replies):
-            raise WireError("a message does not decrypt with the analyzer's key "
-                            "(sealed to another key, or corrupted)")
+            raise WireError(
+                "a message does not decrypt with the analyzer's key "
+                "(sealed to another key, or corrupted)"
+            )
         theirs = _unpack(b"".join(replies), cuts[-2])
-        return Opened(*(np.concatenate([a, b]) for a, b in
-                        zip((theirs.rows, theirs.fingerprints, theirs.part, theirs.chunk),
-                            (mine.rows, mine.fingerprints, mine.part, mine.chunk))))
+        return Opened(
+            *(
+                np.concatenate([a, b])
+                for a, b in zip(
+                    (theirs.rows, theirs.fingerprints, theirs.part, theirs.chunk),
+                    (mine.rows, mine.fingerprints, mine.part, mine.chunk),
+                )
+            )
+        )
 
     def close(self) -> None:
         for proc in self._procs:
@@ -388,8 +440,11 @@ def parse_client_record(value: bytes) -> list[bytes]:
         doc = msgpack.unpackb(value, raw=False)
     except Exception:
         raise WireError("client record is not msgpack") from None
-    if (not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION
-            or not isinstance(doc.get("boxes"), list)):
+    if (
+        not isinstance(doc, dict)
+        or doc.get("v") != WIRE_VERSION
+        or not isinstance(doc.get("boxes"), list)
+    ):
         raise WireError(f"client record is not a v{WIRE_VERSION} {{'v', 'boxes'}} map")
     boxes = doc["boxes"]
     if not boxes or not all(isinstance(b, bytes) and len(b) == SEALED_SIZE for b in boxes):
@@ -398,14 +453,22 @@ def parse_client_record(value: bytes) -> list[bytes]:
 
 
 def chunk_record(window: int, boxes: list[bytes]) -> bytes:
-    return msgpack.packb({"v": WIRE_VERSION, "window": int(window), "boxes": boxes},
-                         use_bin_type=True)
+    return msgpack.packb(
+        {"v": WIRE_VERSION, "window": int(window), "boxes": boxes}, use_bin_type=True
+    )
 
 
-def end_record(window: int, events: int, topped_up: int, messages: int,
-               params: dict | None = None) -> bytes:
-    doc = {"v": WIRE_VERSION, "window": int(window), "end": True, "events": int(events),
-           "topped_up": int(topped_up), "messages": int(messages)}
+def end_record(
+    window: int, events: int, topped_up: int, messages: int, params: dict | None = None
+) -> bytes:
+    doc = {
+        "v": WIRE_VERSION,
+        "window": int(window),
+        "end": True,
+        "events": int(events),
+        "topped_up": int(topped_up),
+        "messages": int(messages),
+    }
     if params is not None:  # the shuffler's randomizer parameters (PARAM_KEYS), informational
         doc["params"] = {k: params[k] for k in PARAM_KEYS if k in params}
     return msgpack.packb(doc, use_bin_type=True)
@@ -421,8 +484,11 @@ def parse_analyzer_record(value: bytes) -> dict:
         doc = msgpack.unpackb(value, raw=False)
     except Exception:
         raise WireError("analyzer record is not msgpack") from None
-    if (not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION
-            or not isinstance(doc.get("window"), int)):
+    if (
+        not isinstance(doc, dict)
+        or doc.get("v") != WIRE_VERSION
+        or not isinstance(doc.get("window"), int)
+    ):
         raise WireError(f"analyzer record is not a v{WIRE_VERSION} chunk or end marker")
     if doc.get("end") is True:
         return doc

@@ -80,12 +80,12 @@ from .shuffle_wire import (
 
 log = logging.getLogger("panagg.shuffle")
 
-RECENT_WINDOWS = 4          # committed windows whose event ids still catch redeliveries
-CHUNK_BOXES = 5_000         # boxes per analyzer record (~300 KB)
+RECENT_WINDOWS = 4  # committed windows whose event ids still catch redeliveries
+CHUNK_BOXES = 5_000  # boxes per analyzer record (~300 KB)
 STATE_FILE = "shuffler.json"
 #: dead-letter reasons of the shuffler
 REASONS = ("no_event_id", "undecodable", "not_a_map", "bad_boxes")
-_META = "window "           # committed-offset metadata: "window <k>"
+_META = "window "  # committed-offset metadata: "window <k>"
 
 
 class ShufflerError(RuntimeError):
@@ -99,16 +99,20 @@ def make_randomizer(cfg: Config):
     buckets = int(st.domain_size) if st.mode == "direct" else choose_buckets_for(cfg)
     n = shuffle_n(cfg)
     if sh.protocol == "gkmp":
-        return GKMPRandomizer(float(st.epsilon), float(sh.delta), n, buckets,
-                              gamma=float(sh.gamma))
+        return GKMPRandomizer(float(st.epsilon), float(sh.delta), n, buckets, gamma=float(sh.gamma))
     return BalcerCheuRandomizer(float(st.epsilon), float(sh.delta), n, buckets)
 
 
 def params_of(cfg: Config, rz) -> dict:
     sh = cfg.shuffle
-    return {"protocol": sh.protocol, "epsilon": float(cfg.state.epsilon),
-            "delta": float(sh.delta), "n": int(rz.n), "buckets": int(rz.buckets),
-            "gamma": float(sh.gamma)}
+    return {
+        "protocol": sh.protocol,
+        "epsilon": float(cfg.state.epsilon),
+        "delta": float(sh.delta),
+        "n": int(rz.n),
+        "buckets": int(rz.buckets),
+        "gamma": float(sh.gamma),
+    }
 
 
 # -------------------------------------------------------------------------------------------
@@ -124,8 +128,13 @@ def check_record(key, value) -> tuple[str, list[bytes]]:
         boxes = parse_client_record(bytes(value) if value is not None else b"")
     except WireError as exc:
         text = str(exc)
-        raise ValueError("undecodable" if "not msgpack" in text else
-                         "not_a_map" if "map" in text else "bad_boxes") from None
+        raise ValueError(
+            "undecodable"
+            if "not msgpack" in text
+            else "not_a_map"
+            if "map" in text
+            else "bad_boxes"
+        ) from None
     return bytes(key).hex(), boxes
 
 
@@ -165,8 +174,9 @@ def rate_problem(randomizer, events: int, messages: int) -> str | None:
     off = abs(mean - want)
     if off <= RATE_Z * se or off <= RATE_REL * want:
         return None
-    return (f"clients sent {mean:,.1f} messages per event where {want:,.1f} (+- {se:,.2f}) are "
-            "expected")
+    return (
+        f"clients sent {mean:,.1f} messages per event where {want:,.1f} (+- {se:,.2f}) are expected"
+    )
 
 
 def top_up(randomizer, public_key, missing: int) -> list[bytes]:
@@ -191,7 +201,7 @@ class Window:
         self.recent = recent_ids
         self.events: list[tuple[str, list[bytes]]] = []
         self.ids: set[str] = set()
-        self.dead: list[tuple] = []          # (reason, partition, offset, key, value)
+        self.dead: list[tuple] = []  # (reason, partition, offset, key, value)
         self.ends: dict[int, int] = dict(ends or {})
         self.duplicates = 0
 
@@ -232,32 +242,57 @@ class ShufflerMetrics:
 
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.events = Counter("panagg_shuffler_events", "Client events shuffled into committed "
-                              "windows", registry=r)
-        self.messages = Counter("panagg_shuffler_messages", "Sealed messages written to the "
-                                "analyzer topic (events' and top-ups')", registry=r)
-        self.windows = Counter("panagg_shuffler_windows", "Windows committed to the analyzer "
-                               "topic", registry=r)
-        self.topped_up = Counter("panagg_shuffler_topped_up", "Absent events whose noise shares "
-                                 "the shuffler added to short windows", registry=r)
-        self.duplicates = Counter("panagg_shuffler_duplicates", "Redelivered client records "
-                                  "dropped by event id", registry=r)
-        self.dead_letters = Counter("panagg_shuffler_dead_letters", "Client records sent to the "
-                                    "dead-letter topic, by reason", ["reason"], registry=r)
+        self.events = Counter(
+            "panagg_shuffler_events", "Client events shuffled into committed windows", registry=r
+        )
+        self.messages = Counter(
+            "panagg_shuffler_messages",
+            "Sealed messages written to the analyzer topic (events' and top-ups')",
+            registry=r,
+        )
+        self.windows = Counter(
+            "panagg_shuffler_windows", "Windows committed to the analyzer topic", registry=r
+        )
+        self.topped_up = Counter(
+            "panagg_shuffler_topped_up",
+            "Absent events whose noise shares the shuffler added to short windows",
+            registry=r,
+        )
+        self.duplicates = Counter(
+            "panagg_shuffler_duplicates",
+            "Redelivered client records dropped by event id",
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "panagg_shuffler_dead_letters",
+            "Client records sent to the dead-letter topic, by reason",
+            ["reason"],
+            registry=r,
+        )
         for reason in REASONS:
             self.dead_letters.labels(reason=reason)
         self.window_id = Gauge("panagg_shuffler_window_id", "Index of the open window", registry=r)
-        self.window_events = Gauge("panagg_shuffler_window_events", "Events in the open window",
-                                   registry=r)
-        self.messages_per_event = Gauge("panagg_shuffler_messages_per_event", "Sealed messages "
-                                        "per client event in the last committed window",
-                                        registry=r)
-        self.rate_warnings = Counter("panagg_shuffler_rate_warnings", "Windows whose clients sent "
-                                     "a message rate far from the expected one (other "
-                                     "parameters?)", registry=r)
-        self.commit_duration = Histogram("panagg_shuffler_commit_seconds", "Time to top up, "
-                                         "permute and commit a window", registry=r,
-                                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.window_events = Gauge(
+            "panagg_shuffler_window_events", "Events in the open window", registry=r
+        )
+        self.messages_per_event = Gauge(
+            "panagg_shuffler_messages_per_event",
+            "Sealed messages per client event in the last committed window",
+            registry=r,
+        )
+        self.rate_warnings = Counter(
+            "panagg_shuffler_rate_warnings",
+            "Windows whose clients sent "
+            "a message rate far from the expected one (other "
+            "parameters?)",
+            registry=r,
+        )
+        self.commit_duration = Histogram(
+            "panagg_shuffler_commit_seconds",
+            "Time to top up, permute and commit a window",
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
 
     def serve(self, host: str, port: int) -> int:
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
@@ -271,26 +306,37 @@ class ShufflerMetrics:
 class Shuffler:
     """One shuffler process (one consumer of the client topic, one transactional producer)."""
 
-    def __init__(self, cfg: Config, *, state_dir: str | os.PathLike | None = None,
-                 metrics: ShufflerMetrics | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        state_dir: str | os.PathLike | None = None,
+        metrics: ShufflerMetrics | None = None,
+    ):
         sh = cfg.shuffle
         self.cfg = cfg
         self.client_topic = sh.client_topic or ""
         self.analyzer_topic = sh.analyzer_topic or cfg.source.topic
         if not self.client_topic:
-            raise ShufflerError("panagg shuffle needs shuffle.client_topic (the topic clients "
-                                "produce to)")
+            raise ShufflerError(
+                "panagg shuffle needs shuffle.client_topic (the topic clients produce to)"
+            )
         if not self.analyzer_topic:
-            raise ShufflerError("panagg shuffle needs shuffle.analyzer_topic (or source.topic): "
-                                "the topic the analyzer reads")
+            raise ShufflerError(
+                "panagg shuffle needs shuffle.analyzer_topic (or source.topic): "
+                "the topic the analyzer reads"
+            )
         if self.analyzer_topic == self.client_topic:
             raise ShufflerError("shuffle.analyzer_topic must differ from shuffle.client_topic")
         if cfg.source.kind != "kafka":
-            raise ShufflerError("panagg shuffle runs on Kafka: set source.kind = kafka and "
-                                "source.bootstrap")
+            raise ShufflerError(
+                "panagg shuffle runs on Kafka: set source.kind = kafka and source.bootstrap"
+            )
         if not sh.public_key:
-            raise ShufflerError("panagg shuffle needs shuffle.public_key: the analyzer's public "
-                                "key (hex, or a file), printed by `panagg shuffle-keygen`")
+            raise ShufflerError(
+                "panagg shuffle needs shuffle.public_key: the analyzer's public "
+                "key (hex, or a file), printed by `panagg shuffle-keygen`"
+            )
         try:
             self.public_key = load_public_key(str(sh.public_key))
         except WireError as exc:
@@ -305,14 +351,19 @@ class Shuffler:
         self.window_s = None if self.count_window else float(cfg.window.size)
         # made at the first save, so a start refused before it (Kafka unreachable, the metrics
         # port taken) writes nothing
-        self.dir = Path(state_dir or sh.shuffler_dir or
-                        Path(cfg.checkpoint.dir) / "shuffler")
+        self.dir = Path(state_dir or sh.shuffler_dir or Path(cfg.checkpoint.dir) / "shuffler")
         self.group = sh.group or "panagg-shuffler"
         self.txn_id = f"{self.group}-{self.analyzer_topic}"
         self.dead_topic = cfg.source.dead_letter_topic
         self.metrics = metrics or ShufflerMetrics()
-        self.stats = {"events": 0, "windows": 0, "messages": 0, "duplicates": 0,
-                      "dead_letters": 0, "topped_up": 0}
+        self.stats = {
+            "events": 0,
+            "windows": 0,
+            "messages": 0,
+            "duplicates": 0,
+            "dead_letters": 0,
+            "topped_up": 0,
+        }
         self._consumer = self._producer = None
         self._load_state()
 
@@ -327,8 +378,11 @@ class Shuffler:
         self.pending = doc.get("pending")
 
     def _save_state(self) -> None:
-        doc = {"next_window": self.next_window, "recent": self.recent[-RECENT_WINDOWS:],
-               "pending": self.pending}
+        doc = {
+            "next_window": self.next_window,
+            "recent": self.recent[-RECENT_WINDOWS:],
+            "pending": self.pending,
+        }
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         atomic_write(self.dir / STATE_FILE, json.dumps(doc))  # owner only, 0600
 
@@ -339,39 +393,53 @@ class Shuffler:
         for _off, meta in committed.values():
             if meta.startswith(_META):
                 try:
-                    windows.add(int(meta[len(_META):]))
+                    windows.add(int(meta[len(_META) :]))
                 except ValueError:
                     pass
         last = max(windows) if windows else None
         pend = self.pending
         if pend is not None:
             if last is not None and int(pend["window"]) == last:
-                log.info("window %d was committed to Kafka before a stop; its event ids are kept",
-                         last)
+                log.info(
+                    "window %d was committed to Kafka before a stop; its event ids are kept", last
+                )
                 self.recent.append({k: pend[k] for k in ("window", "ends", "ids")})
                 self.recent = self.recent[-RECENT_WINDOWS:]
                 self.next_window = last + 1
             else:
-                log.info("window %s was not committed before a stop: its records are read again",
-                         pend["window"])
+                log.info(
+                    "window %s was not committed before a stop: its records are read again",
+                    pend["window"],
+                )
             self.pending = None
             self._save_state()
         if last is not None and last >= self.next_window:
             # the state file is behind Kafka (lost or restored from an old copy)
-            log.warning("%s says next window %d but Kafka has window %d committed: continuing "
-                        "with window %d (redeliveries of earlier events are not caught)",
-                        self.dir / STATE_FILE, self.next_window, last, last + 1)
+            log.warning(
+                "%s says next window %d but Kafka has window %d committed: continuing "
+                "with window %d (redeliveries of earlier events are not caught)",
+                self.dir / STATE_FILE,
+                self.next_window,
+                last,
+                last + 1,
+            )
             self.next_window = last + 1
             self._save_state()
         start = {}
-        file_ends = ({int(p): int(o) for p, o in self.recent[-1]["ends"].items()} if self.recent
-                     else {})
+        file_ends = (
+            {int(p): int(o) for p, o in self.recent[-1]["ends"].items()} if self.recent else {}
+        )
         for p, (off, _meta) in committed.items():
             if off is None and p in file_ends:
                 # offsets expired (offsets.retention.minutes) while the shuffler was stopped: the
                 # state file still knows where the last committed window ended
-                log.warning("no committed offset for %s partition %d: resuming at %d from %s",
-                            self.client_topic, p, file_ends[p], STATE_FILE)
+                log.warning(
+                    "no committed offset for %s partition %d: resuming at %d from %s",
+                    self.client_topic,
+                    p,
+                    file_ends[p],
+                    STATE_FILE,
+                )
                 off = file_ends[p]
             start[p] = int(off or 0)
         return start
@@ -380,13 +448,16 @@ class Shuffler:
     def _clients(self):
         # a Kafka client is loaded by a Kafka run only
         from kafka.errors import KafkaError  # noqa: PLC0415
+
         try:
             self._connect()
         except KafkaError as exc:
             self.close()
             why = (str(exc).splitlines() or [""])[0] or type(exc).__name__
-            raise ShufflerError(f"Kafka at {self.cfg.source.bootstrap}: {why}; check "
-                                "source.bootstrap and the [security] settings") from None
+            raise ShufflerError(
+                f"Kafka at {self.cfg.source.bootstrap}: {why}; check "
+                "source.bootstrap and the [security] settings"
+            ) from None
 
     def _connect(self):
         # a Kafka client is loaded by a Kafka run only
@@ -396,21 +467,34 @@ class Shuffler:
         # the service's own clients (kafka-python's default waits up to 30 s)
         sec = dict(client_options(self.cfg.security), reconnect_backoff_max_ms=1000)
         boot = self.cfg.source.bootstrap
-        self._consumer = KafkaConsumer(bootstrap_servers=boot, group_id=self.group,
-                                       enable_auto_commit=False, auto_offset_reset="earliest",
-                                       isolation_level="read_committed",
-                                       allow_auto_create_topics=False, **sec)
+        self._consumer = KafkaConsumer(
+            bootstrap_servers=boot,
+            group_id=self.group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+            allow_auto_create_topics=False,
+            **sec,
+        )
         parts = self._consumer.partitions_for_topic(self.client_topic)
         if not parts:
-            raise ShufflerError(f"client topic {self.client_topic!r} does not exist on {boot}; "
-                                "create it (the shuffler never creates topics)")
+            raise ShufflerError(
+                f"client topic {self.client_topic!r} does not exist on {boot}; "
+                "create it (the shuffler never creates topics)"
+            )
         self._tps = [TopicPartition(self.client_topic, p) for p in sorted(parts)]
         self._consumer.assign(self._tps)
-        self._producer = KafkaProducer(bootstrap_servers=boot, transactional_id=self.txn_id,
-                                       acks="all", max_request_size=16 * 1024 * 1024,
-                                       linger_ms=5, **sec)
+        self._producer = KafkaProducer(
+            bootstrap_servers=boot,
+            transactional_id=self.txn_id,
+            acks="all",
+            max_request_size=16 * 1024 * 1024,
+            linger_ms=5,
+            **sec,
+        )
         # a Kafka client is loaded by a Kafka run only
         from consumers.kafka import compat  # noqa: PLC0415
+
         try:
             compat.check_producer(self._producer, transactional=True)
         except compat.KafkaPythonIncompatible as exc:
@@ -421,19 +505,28 @@ class Shuffler:
         committed = {}
         for tp in self._tps:
             om = self._consumer.committed(tp, metadata=True)
-            committed[tp.partition] = ((None, "") if om is None
-                                       else (int(om.offset), om.metadata or ""))
+            committed[tp.partition] = (
+                (None, "") if om is None else (int(om.offset), om.metadata or "")
+            )
         self._start = self._reconcile(committed)
         for tp in self._tps:
             self._consumer.seek(tp, self._start[tp.partition])
-        log.info("shuffling %s -> %s (%s, n = %d, %d buckets, %.1f messages/event expected); "
-                 "next window %d", self.client_topic, self.analyzer_topic,
-                 self.params["protocol"], self.n, self.params["buckets"],
-                 self.randomizer.expected_messages, self.next_window)
+        log.info(
+            "shuffling %s -> %s (%s, n = %d, %d buckets, %.1f messages/event expected); "
+            "next window %d",
+            self.client_topic,
+            self.analyzer_topic,
+            self.params["protocol"],
+            self.n,
+            self.params["buckets"],
+            self.randomizer.expected_messages,
+            self.next_window,
+        )
 
     # -- the loop -----------------------------------------------------------------------------
-    def run(self, *, idle_exit_s: float | None = None, max_windows: int | None = None,
-            stop=None) -> None:
+    def run(
+        self, *, idle_exit_s: float | None = None, max_windows: int | None = None, stop=None
+    ) -> None:
         """Shuffle until ``max_windows`` windows are committed, ``idle_exit_s`` seconds pass
         without client records, or ``stop()`` returns true (each checked between polls)."""
         self._clients()
@@ -449,7 +542,7 @@ class Shuffler:
         return Window(self.next_window, self.n, recent, ends)
 
     def _loop(self, idle_exit_s, max_windows, stop) -> None:
-        buffer: deque = deque()           # (partition, offset, key, value) read, not yet windowed
+        buffer: deque = deque()  # (partition, offset, key, value) read, not yet windowed
         win = self._new_window(self._start)
         started = last_data = time.monotonic()
         done = 0
@@ -475,10 +568,17 @@ class Shuffler:
                 started = time.monotonic()
                 done += 1
                 continue
-            if (idle_exit_s is not None and not buffer
-                    and time.monotonic() - last_data > idle_exit_s):
-                log.info("no client records for %.0f s: stopping with %d event(s) in the open "
-                         "window (read again at the next start)", idle_exit_s, len(win.events))
+            if (
+                idle_exit_s is not None
+                and not buffer
+                and time.monotonic() - last_data > idle_exit_s
+            ):
+                log.info(
+                    "no client records for %.0f s: stopping with %d event(s) in the open "
+                    "window (read again at the next start)",
+                    idle_exit_s,
+                    len(win.events),
+                )
                 break
 
     def _commit_window(self, win: Window) -> None:
@@ -493,36 +593,57 @@ class Shuffler:
         if rate is not None:
             # the shuffler cannot read the messages; the analyzer checks their fingerprints and
             # will refuse the window if the parameters differ: this is the early warning
-            log.warning("window %d: %s under the shuffler's parameters (%s): the clients likely "
-                        "use other parameters (state.epsilon, the number of buckets, [shuffle]) "
-                        "and the analyzer will refuse the window; give every party the same "
-                        "settings", wid, rate, ", ".join(f"{k} {v:g}" if isinstance(v, float)
-                                                         else f"{k} {v}" for k, v in
-                                                         self.params.items()))
+            log.warning(
+                "window %d: %s under the shuffler's parameters (%s): the clients likely "
+                "use other parameters (state.epsilon, the number of buckets, [shuffle]) "
+                "and the analyzer will refuse the window; give every party the same "
+                "settings",
+                wid,
+                rate,
+                ", ".join(
+                    f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in self.params.items()
+                ),
+            )
             self.metrics.rate_warnings.inc()
         boxes, missing = win.output(self.randomizer, self.public_key)
         stamp = int(time.time() * 1000)
         p = self._producer
-        drop_stale_offsets(p)   # kafka-python would resend an aborted window's offsets
+        drop_stale_offsets(p)  # kafka-python would resend an aborted window's offsets
         p.begin_transaction()
         # 1. the window's output and dead letters
         for i in range(0, len(boxes), CHUNK_BOXES):
-            p.send(self.analyzer_topic, value=chunk_record(wid, boxes[i:i + CHUNK_BOXES]),
-                   partition=0, timestamp_ms=stamp)
-        p.send(self.analyzer_topic, value=end_record(wid, len(win.events), missing, len(boxes),
-                                                     params=self.params),
-               partition=0, timestamp_ms=stamp)
+            p.send(
+                self.analyzer_topic,
+                value=chunk_record(wid, boxes[i : i + CHUNK_BOXES]),
+                partition=0,
+                timestamp_ms=stamp,
+            )
+        p.send(
+            self.analyzer_topic,
+            value=end_record(wid, len(win.events), missing, len(boxes), params=self.params),
+            partition=0,
+            timestamp_ms=stamp,
+        )
         for reason, part, off, key, value in win.dead:
             if self.dead_topic:
                 k, v, h = dead_letter_record(f"{self.client_topic}:{part}", off, value, reason, key)
                 p.send(self.dead_topic, key=k, value=v, headers=h)
-            log.warning("client record %s:%s@%s %s: %s", self.client_topic, part, off,
-                        "to dead letters" if self.dead_topic
-                        else "dropped (no source.dead_letter_topic)", reason)
+            log.warning(
+                "client record %s:%s@%s %s: %s",
+                self.client_topic,
+                part,
+                off,
+                "to dead letters" if self.dead_topic else "dropped (no source.dead_letter_topic)",
+                reason,
+            )
         # 2. the consumed offsets of every partition, named by the window, same transaction
-        offsets = {TopicPartition(self.client_topic, tp.partition):
-                   OffsetAndMetadata(win.ends.get(tp.partition, 0), f"{_META}{wid}", -1)
-                   for tp in self._tps}
+        offsets = {
+            TopicPartition(self.client_topic, tp.partition): OffsetAndMetadata(
+                win.ends.get(tp.partition, 0), f"{_META}{wid}", -1
+            )
+            for tp in self._tps
+        }
         p.send_offsets_to_transaction(offsets, self.group)
         # 3. pending in the state file, 4. commit, 5. committed in the state file
         ends = {str(k): v for k, v in win.ends.items()}
@@ -546,11 +667,22 @@ class Shuffler:
         for reason, *_ in win.dead:
             m.dead_letters.labels(reason=reason).inc()
         m.commit_duration.observe(time.monotonic() - t0)
-        for k, v in (("events", len(win.events)), ("windows", 1), ("messages", len(boxes)),
-                     ("dead_letters", len(win.dead)), ("topped_up", missing)):
+        for k, v in (
+            ("events", len(win.events)),
+            ("windows", 1),
+            ("messages", len(boxes)),
+            ("dead_letters", len(win.dead)),
+            ("topped_up", missing),
+        ):
             self.stats[k] += v
-        log.info("window %d: %d events%s, %d messages shuffled to %s", wid, len(win.events),
-                 f" + {missing} topped up" if missing else "", len(boxes), self.analyzer_topic)
+        log.info(
+            "window %d: %d events%s, %d messages shuffled to %s",
+            wid,
+            len(win.events),
+            f" + {missing} topped up" if missing else "",
+            len(boxes),
+            self.analyzer_topic,
+        )
 
     def _testing_kill(self, point: str) -> None:
         """The failpoint ``shuffler-<point>`` of a window's commit (state_store/failpoints.py:
@@ -569,5 +701,17 @@ class Shuffler:
         self._consumer = self._producer = None
 
 
-__all__ = ["Shuffler", "ShufflerError", "ShufflerMetrics", "Window", "check_record", "permute",
-           "top_up", "make_randomizer", "params_of", "rate_problem", "REASONS", "RECENT_WINDOWS"]
+__all__ = [
+    "Shuffler",
+    "ShufflerError",
+    "ShufflerMetrics",
+    "Window",
+    "check_record",
+    "permute",
+    "top_up",
+    "make_randomizer",
+    "params_of",
+    "rate_problem",
+    "REASONS",
+    "RECENT_WINDOWS",
+]

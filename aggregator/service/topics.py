@@ -36,8 +36,9 @@ def shuffle_topics(cfg: Config, client_partitions: int = 6) -> dict[str, int]:
     if not client:
         raise TopicError("shuffle.client_topic is not set (the topic clients produce to)")
     if not analyzer:
-        raise TopicError("set shuffle.analyzer_topic (or source.topic): the topic the analyzer "
-                         "reads")
+        raise TopicError(
+            "set shuffle.analyzer_topic (or source.topic): the topic the analyzer reads"
+        )
     if client == analyzer:
         raise TopicError("shuffle.analyzer_topic must differ from shuffle.client_topic")
     if client_partitions < 1:
@@ -46,14 +47,16 @@ def shuffle_topics(cfg: Config, client_partitions: int = 6) -> dict[str, int]:
     dead = src.get("dead_letter_topic") or ""
     if dead:
         if dead in out:
-            raise TopicError("source.dead_letter_topic must differ from the client and analyzer "
-                             "topics")
+            raise TopicError(
+                "source.dead_letter_topic must differ from the client and analyzer topics"
+            )
         out[dead] = 1
     return out
 
 
-def create_topics(cfg: Config, wanted: dict[str, int], replication_factor: int = 1,
-                  timeout_s: float = 30.0) -> list[tuple[str, int, str]]:
+def create_topics(
+    cfg: Config, wanted: dict[str, int], replication_factor: int = 1, timeout_s: float = 30.0
+) -> list[tuple[str, int, str]]:
     """Create each topic of ``wanted`` that does not exist; ``[(topic, partitions, "created" |
     "exists")]``. Raises TopicError (one line) if Kafka is unreachable, a creation fails, or the
     analyzer topic (the one wanted with one partition) exists with another partition count."""
@@ -63,35 +66,49 @@ def create_topics(cfg: Config, wanted: dict[str, int], replication_factor: int =
 
     boot = cfg.source.bootstrap
     try:
-        admin = KafkaAdminClient(bootstrap_servers=boot, request_timeout_ms=int(timeout_s * 1000),
-                                 **client_options(cfg.security))
+        admin = KafkaAdminClient(
+            bootstrap_servers=boot,
+            request_timeout_ms=int(timeout_s * 1000),
+            **client_options(cfg.security),
+        )
     except KafkaError as exc:
-        raise TopicError(f"cannot reach Kafka at {boot} ({type(exc).__name__}); check "
-                         "source.bootstrap and that the broker runs") from None
+        raise TopicError(
+            f"cannot reach Kafka at {boot} ({type(exc).__name__}); check "
+            "source.bootstrap and that the broker runs"
+        ) from None
     try:
         existing = set(admin.list_topics())
-        todo = [NewTopic(t, num_partitions=p, replication_factor=int(replication_factor))
-                for t, p in wanted.items() if t not in existing]
+        todo = [
+            NewTopic(t, num_partitions=p, replication_factor=int(replication_factor))
+            for t, p in wanted.items()
+            if t not in existing
+        ]
         created = set()
-        for topic in todo:   # one at a time: the error names the topic
+        for topic in todo:  # one at a time: the error names the topic
             try:
                 admin.create_topics([topic], timeout_ms=int(timeout_s * 1000))
                 created.add(topic.name)
             except TopicAlreadyExistsError:
                 pass
             except KafkaError as exc:
-                raise TopicError(f"creating topic {topic.name!r} on {boot} failed: "
-                                 f"{type(exc).__name__} {exc}".strip()) from None
+                raise TopicError(
+                    f"creating topic {topic.name!r} on {boot} failed: "
+                    f"{type(exc).__name__} {exc}".strip()
+                ) from None
         out = []
-        described = {d.get("name", d.get("topic")): len(d.get("partitions") or [])
-                     for d in admin.describe_topics(list(wanted))}
+        described = {
+            d.get("name", d.get("topic")): len(d.get("partitions") or [])
+            for d in admin.describe_topics(list(wanted))
+        }
         analyzer = cfg.shuffle.analyzer_topic or cfg.source.topic
         for t, p in wanted.items():
             have = described.get(t, 0)
             if t == analyzer and have not in (0, 1):
-                raise TopicError(f"the analyzer topic {t!r} exists with {have} partitions; it "
-                                 "needs exactly 1 (the shuffler writes each window in order): "
-                                 "choose another name (shuffle.analyzer_topic)")
+                raise TopicError(
+                    f"the analyzer topic {t!r} exists with {have} partitions; it "
+                    "needs exactly 1 (the shuffler writes each window in order): "
+                    "choose another name (shuffle.analyzer_topic)"
+                )
             out.append((t, have or p, "created" if t in created else "exists"))
         return out
     finally:

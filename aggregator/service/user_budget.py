@@ -87,7 +87,7 @@ def windows_left(budget: float, spent: float, epsilon: float) -> int:
 
 
 def _releases(entries) -> str:
-    """"3 user-level releases of this ledger hold": the entries the sum is over."""
+    """ "3 user-level releases of this ledger hold": the entries the sum is over."""
     n = sum(1 for e in entries if float(e.get(USER_EPSILON) or 0.0) > 0)
     one = n == 1
     return f"{n} user-level release{'' if one else 's'} of this ledger hold{'s' if one else ''}"
@@ -137,8 +137,11 @@ class UserBudget:
         plus one window's eps for each restart that replayed it (0 for an empty window)."""
         if charge <= 0:
             return 0.0
-        restarts = sum(1 for e in self.ledger.entries
-                       if e["kind"] == "restart" and e.get("window_uid") == window_uid)
+        restarts = sum(
+            1
+            for e in self.ledger.entries
+            if e["kind"] == "restart" and e.get("window_uid") == window_uid
+        )
         return float(charge) + restarts * self.epsilon
 
     def fields(self, user_charge: float, stream: str) -> dict:
@@ -146,8 +149,9 @@ class UserBudget:
         :data:`USER_STREAM`."""
         return {USER_EPSILON: float(user_charge), USER_STREAM: stream}
 
-    def check(self, window, user_charge: float, elsewhere=(), pending: float = 0.0,
-              levels=()) -> None:
+    def check(
+        self, window, user_charge: float, elsewhere=(), pending: float = 0.0, levels=()
+    ) -> None:
         """BudgetExceeded (one line naming the fix) when a release that charges every user
         ``user_charge`` (:meth:`charge_of`) would bring a user's worst-case charge over the
         budget. ``elsewhere``: the registry's user charges of other deployments on this stream;
@@ -158,9 +162,12 @@ class UserBudget:
         after = self.spent() + pending + user_charge
         if after <= self.budget * (1 + _SLACK):
             return
-        theirs = (f", the other rollup levels {self.levels:g}" if self.levels else "")
-        theirs += (f", other deployments on this stream {self.elsewhere:g} (the budget "
-                   "registry)" if self.elsewhere else "")
+        theirs = f", the other rollup levels {self.levels:g}" if self.levels else ""
+        theirs += (
+            f", other deployments on this stream {self.elsewhere:g} (the budget registry)"
+            if self.elsewhere
+            else ""
+        )
         raise BudgetExceeded(
             f"release of window {window} refused: the per-user budget is spent (a user present "
             f"in every window would be charged {after:g} eps > ledger.budget_per_user = "
@@ -168,7 +175,8 @@ class UserBudget:
             f"window {user_charge:g}); nothing of the window is published and no noise was "
             "drawn. Fix: raise ledger.budget_per_user (a policy change: restart with "
             "--accept-change, which records it in the ledger) or stop the service "
-            "(docs/privacy_unit.md)")
+            "(docs/privacy_unit.md)"
+        )
 
     def exhausted(self) -> str | None:
         """The line to pause an endless source's intake with, once the budget cannot pay for
@@ -177,27 +185,39 @@ class UserBudget:
         left = self.budget - self.spent()
         if left >= self.epsilon * (1 - _SLACK):
             return None
-        theirs = (f" ({self.elsewhere:g} of it by other deployments on this stream, the "
-                  "budget registry)" if self.elsewhere else "")
-        return (f"per-user budget spent: {self.spent():g}{theirs} of ledger.budget_per_user="
-                f"{self.budget:g} leaves {max(left, 0.0):g} < {self.epsilon:g} for a window, so "
-                "intake is paused (no window is counted only to be refused). Fix: raise "
-                "ledger.budget_per_user (a policy change, recorded in the ledger with "
-                "--accept-change) or stop the service")
+        theirs = (
+            f" ({self.elsewhere:g} of it by other deployments on this stream, the budget registry)"
+            if self.elsewhere
+            else ""
+        )
+        return (
+            f"per-user budget spent: {self.spent():g}{theirs} of ledger.budget_per_user="
+            f"{self.budget:g} leaves {max(left, 0.0):g} < {self.epsilon:g} for a window, so "
+            "intake is paused (no window is counted only to be refused). Fix: raise "
+            "ledger.budget_per_user (a policy change, recorded in the ledger with "
+            "--accept-change) or stop the service"
+        )
 
     def document(self, user_charge: float) -> dict:
         """What a user-level release says of the budget once it is ledgered: the budget, what
         every user has been charged with this release, the windows left."""
         spent = self.spent() + user_charge
-        return {"budget_per_user": self.budget, "spent": spent, "this_release": user_charge,
-                "windows_left": windows_left(self.budget, spent, self.epsilon)}
+        return {
+            "budget_per_user": self.budget,
+            "spent": spent,
+            "this_release": user_charge,
+            "windows_left": windows_left(self.budget, spent, self.epsilon),
+        }
 
     def line(self) -> str:
         """The start's line: spent, budget and the windows left."""
-        theirs = (f", {self.levels:g} by the other rollup levels" if self.levels else "")
-        theirs += (f", {self.elsewhere:g} by other deployments on this stream" if self.elsewhere
-                   else "")
-        return (f"per-user budget: {self.spent():g} of ledger.budget_per_user={self.budget:g} "
-                f"eps charged to every user ({_releases(self.ledger.entries)} "
-                f"{self.own():g}{theirs}): {self.windows_left()} more window(s), each restart "
-                "adding one to the window it replays")
+        theirs = f", {self.levels:g} by the other rollup levels" if self.levels else ""
+        theirs += (
+            f", {self.elsewhere:g} by other deployments on this stream" if self.elsewhere else ""
+        )
+        return (
+            f"per-user budget: {self.spent():g} of ledger.budget_per_user={self.budget:g} "
+            f"eps charged to every user ({_releases(self.ledger.entries)} "
+            f"{self.own():g}{theirs}): {self.windows_left()} more window(s), each restart "
+            "adding one to the window it replays"
+        )

@@ -45,19 +45,35 @@ from ..release import PRIVACY_UNIT_DOC, privacy_unit_clause
 from .rollup import parse_span
 from .user_budget import windows_left
 
-__all__ = ["USER", "USER_CONSEQUENCE", "INTERVAL_LEVEL", "NO_EXPORT", "is_user", "user_cells",
-           "user_unit_problem", "rollup_users", "user_rollup_line", "new_user_state",
-           "user_release", "user_plan_line", "unit_clause"]
+__all__ = [
+    "USER",
+    "USER_CONSEQUENCE",
+    "INTERVAL_LEVEL",
+    "NO_EXPORT",
+    "is_user",
+    "user_cells",
+    "user_unit_problem",
+    "rollup_users",
+    "user_rollup_line",
+    "new_user_state",
+    "user_release",
+    "user_plan_line",
+    "unit_clause",
+]
 
 USER = "user"
 #: what eps means for a person under the user unit (every user-level document and line says it)
-USER_CONSEQUENCE = ("all events of one user in a window, however many, are hidden at eps; a user "
-                    "active in k windows spends k x eps, at most ledger.budget_per_user")
+USER_CONSEQUENCE = (
+    "all events of one user in a window, however many, are hidden at eps; a user "
+    "active in k windows spends k x eps, at most ledger.budget_per_user"
+)
 #: the level of the released intervals
 INTERVAL_LEVEL = 0.9
 #: why an audit export (of a running or a stopped service) is refused under the user unit
-NO_EXPORT = ("an audit export of a user-level density state is refused: a second look at its "
-             "bits is not covered (docs/privacy_unit.md)")
+NO_EXPORT = (
+    "an audit export of a user-level density state is refused: a second look at its "
+    "bits is not covered (docs/privacy_unit.md)"
+)
 
 
 def is_user(cfg) -> bool:
@@ -84,45 +100,62 @@ def user_unit_problem(cfg: dict, aggregations: Mapping | None = None) -> str | N
     per_user = float(cfg["ledger"]["budget_per_user"])
     if not is_user(cfg):
         if list(cfg["state"]["rollup_expected_users"]):
-            return ("state.rollup_expected_users applies to state.privacy_unit = user only; "
-                    "remove it")
+            return (
+                "state.rollup_expected_users applies to state.privacy_unit = user only; remove it"
+            )
         if per_user > 0:  # (the operator may believe users are bounded: they are not)
-            return ("ledger.budget_per_user bounds users under state.privacy_unit = user only; "
-                    "under the event unit a user with g events is charged g x eps per window: "
-                    "remove it, or set state.privacy_unit = user (docs/privacy_unit.md)")
+            return (
+                "ledger.budget_per_user bounds users under state.privacy_unit = user only; "
+                "under the event unit a user with g events is charged g x eps per window: "
+                "remove it, or set state.privacy_unit = user (docs/privacy_unit.md)"
+            )
         return None
     st, w = cfg["state"], cfg["window"]
     head = "state.privacy_unit = user"
     if int(st["expected_users"]) <= 0:
-        return (f"{head} needs state.expected_users (the distinct users a window is expected to "
-                "hold: it sizes the hashed universe; docs/privacy_unit.md)")
+        return (
+            f"{head} needs state.expected_users (the distinct users a window is expected to "
+            "hold: it sizes the hashed universe; docs/privacy_unit.md)"
+        )
     eps = float(st["epsilon"])
     if per_user <= 0:
-        return (f"{head} needs ledger.budget_per_user (the eps one user may be charged over all "
-                f"windows, restarts included: e.g. {30 * eps:g} for 30 windows at "
-                f"state.epsilon {eps:g}; docs/privacy_unit.md)")
+        return (
+            f"{head} needs ledger.budget_per_user (the eps one user may be charged over all "
+            f"windows, restarts included: e.g. {30 * eps:g} for 30 windows at "
+            f"state.epsilon {eps:g}; docs/privacy_unit.md)"
+        )
     if per_user < eps * (1 - 1e-12):
-        return (f"{head}: ledger.budget_per_user {per_user:g} is below one window's "
-                f"state.epsilon {eps:g}, so no window could be released; set it to at least "
-                f"{eps:g} (docs/privacy_unit.md)")
+        return (
+            f"{head}: ledger.budget_per_user {per_user:g} is below one window's "
+            f"state.epsilon {eps:g}, so no window could be released; set it to at least "
+            f"{eps:g} (docs/privacy_unit.md)"
+        )
     unsupported = [
         (cfg["scale"]["partitioned"], "scale.partitioned (density states do not merge)"),
-        (bool(w["rollups"]) and w["rollup_design"] == "sum",
-         "window.rollup_design = sum (density states do not sum: every span is a state of its "
-         "own; leave rollup_design at its default)"),
-        (st["model"] != "joint", f"state.model = {st['model']} (the density release is the "
-                                 "joint model's)"),
-        (st["mode"] == "hashed", "state.mode = hashed (the users are hashed into "
-                                 "state.expected_users' cells; leave state.mode at direct)"),
-        (int(cfg["checkpoint"]["snapshots_per_window"]) > 0,
-         "checkpoint.snapshots_per_window (a second look at the bits is not covered)"),
+        (
+            bool(w["rollups"]) and w["rollup_design"] == "sum",
+            "window.rollup_design = sum (density states do not sum: every span is a state of its "
+            "own; leave rollup_design at its default)",
+        ),
+        (
+            st["model"] != "joint",
+            f"state.model = {st['model']} (the density release is the joint model's)",
+        ),
+        (
+            st["mode"] == "hashed",
+            "state.mode = hashed (the users are hashed into "
+            "state.expected_users' cells; leave state.mode at direct)",
+        ),
+        (
+            int(cfg["checkpoint"]["snapshots_per_window"]) > 0,
+            "checkpoint.snapshots_per_window (a second look at the bits is not covered)",
+        ),
         (bool(cfg["breakdown"]["field"]), "a breakdown (breakdown.field)"),
         (bool(aggregations), "[aggregations] tables"),
     ]
     for bad, what in unsupported:
         if bad:
-            return (f"{head} does not support {what} yet; remove one of them "
-                    "(docs/privacy_unit.md)")
+            return f"{head} does not support {what} yet; remove one of them (docs/privacy_unit.md)"
     return _rollup_users_problem(cfg)
 
 
@@ -130,23 +163,33 @@ def rollup_users(cfg) -> dict[str, int]:
     """``window.rollups`` -> the distinct users one window of the span is expected to hold
     (``state.rollup_expected_users``, in the same order); checked by :func:`user_unit_problem`."""
     st, w = (cfg["state"], cfg["window"]) if isinstance(cfg, Mapping) else (cfg.state, cfg.window)
-    return {str(span).strip().lower(): int(str(users).strip())
-            for span, users in zip(w["rollups"], st["rollup_expected_users"])}
+    return {
+        str(span).strip().lower(): int(str(users).strip())
+        for span, users in zip(w["rollups"], st["rollup_expected_users"])
+    }
 
 
 def _rollup_users_problem(cfg: dict) -> str | None:
     spans, users = list(cfg["window"]["rollups"]), list(cfg["state"]["rollup_expected_users"])
     if not spans:
-        return None if not users else (
-            "state.rollup_expected_users applies to window.rollups under state.privacy_unit = "
-            "user; remove it")
-    if len(users) != len(spans) or not all(str(u).strip().isdigit() and int(str(u)) > 0
-                                           for u in users):
+        return (
+            None
+            if not users
+            else (
+                "state.rollup_expected_users applies to window.rollups under state.privacy_unit = "
+                "user; remove it"
+            )
+        )
+    if len(users) != len(spans) or not all(
+        str(u).strip().isdigit() and int(str(u)) > 0 for u in users
+    ):
         example = ", ".join(str(int(cfg["state"]["expected_users"]) * 10) for _ in spans)
-        return ("state.privacy_unit = user with window.rollups needs "
-                "state.rollup_expected_users: the distinct users one window of each span is "
-                f"expected to hold, one per span of {spans} in that order (e.g. [{example}]: "
-                "a day's users, not the sum of its windows'; docs/privacy_unit.md)")
+        return (
+            "state.privacy_unit = user with window.rollups needs "
+            "state.rollup_expected_users: the distinct users one window of each span is "
+            f"expected to hold, one per span of {spans} in that order (e.g. [{example}]: "
+            "a day's users, not the sum of its windows'; docs/privacy_unit.md)"
+        )
     return None
 
 
@@ -162,8 +205,11 @@ def _finite(x: float) -> float | None:
 
 
 def _stat(value: float, interval: tuple[float, float], rel: float | None) -> dict:
-    return {"value": value, "interval": [_finite(interval[0]), _finite(interval[1])],
-            "expected_relative_error": rel}
+    return {
+        "value": value,
+        "interval": [_finite(interval[0]), _finite(interval[1])],
+        "expected_relative_error": rel,
+    }
 
 
 def user_release(state: PanPrivateDensity, cfg, *, window, n: int, rng=None) -> dict:
@@ -176,27 +222,46 @@ def user_release(state: PanPrivateDensity, cfg, *, window, n: int, rng=None) -> 
     rel = r.standard_error / distinct if distinct > 0 else None
     users = _stat(distinct, (lo, hi), rel)
     universe = int(cfg.state.user_universe)
-    fraction = (_stat(distinct / universe, (lo / universe, hi / universe), rel)
-                if universe else None)
+    fraction = _stat(distinct / universe, (lo / universe, hi / universe), rel) if universe else None
     doc = {
-        "format": "panagg.release", "version": 1, "window": window,
-        "created_unix": time.time(), "n": n, "epsilon": state.epsilon,
-        "neighbor": state.neighbor, "model": "joint",
-        "privacy_unit": USER, "privacy_unit_consequence": USER_CONSEQUENCE,
+        "format": "panagg.release",
+        "version": 1,
+        "window": window,
+        "created_unix": time.time(),
+        "n": n,
+        "epsilon": state.epsilon,
+        "neighbor": state.neighbor,
+        "model": "joint",
+        "privacy_unit": USER,
+        "privacy_unit_consequence": USER_CONSEQUENCE,
         "mechanism": "density",
-        "density": {"cells": r.cells, "noisy_ones": r.noisy_ones, "a": r.a, "b": r.b,
-                    "p": state.p, "epsilon_state": state.epsilon_state,
-                    "epsilon_release": state.epsilon_release,
-                    "calibration": state.calibration,
-                    "occupied_fraction": r.density},
-        "distinct_users": users, "active_fraction": fraction,
-        "user_universe": universe or None, "interval_level": INTERVAL_LEVEL,
+        "density": {
+            "cells": r.cells,
+            "noisy_ones": r.noisy_ones,
+            "a": r.a,
+            "b": r.b,
+            "p": state.p,
+            "epsilon_state": state.epsilon_state,
+            "epsilon_release": state.epsilon_release,
+            "calibration": state.calibration,
+            "occupied_fraction": r.density,
+        },
+        "distinct_users": users,
+        "active_fraction": fraction,
+        "user_universe": universe or None,
+        "interval_level": INTERVAL_LEVEL,
         "expected_relative_error": rel,
     }
-    head = {"distinct_users": users, "active_fraction": fraction,
-            "interval_level": INTERVAL_LEVEL, "privacy_unit": USER,
-            "privacy_unit_consequence": USER_CONSEQUENCE, "epsilon": state.epsilon,
-            "window": window, "n": n}
+    head = {
+        "distinct_users": users,
+        "active_fraction": fraction,
+        "interval_level": INTERVAL_LEVEL,
+        "privacy_unit": USER,
+        "privacy_unit_consequence": USER_CONSEQUENCE,
+        "epsilon": state.epsilon,
+        "window": window,
+        "n": n,
+    }
     return {"headline": head, **doc}
 
 
@@ -212,12 +277,14 @@ def user_plan_line(cfg) -> str:
     per_user = float(cfg.ledger.budget_per_user)
     windows = windows_left(per_user, 0.0, eps)
     rollups = user_rollup_line(cfg)
-    return (f"accuracy plan: distinct users per window in {m:,} cells (state.expected_users "
-            f"{users:,}), eps {eps:g} per user per window: expected error {at(users)} at "
-            f"{users:,} users ({at(users / 2)} at half, {at(2 * users)} at twice as many), "
-            f"{100 * INTERVAL_LEVEL:g}% intervals; per-user budget {per_user:g} eps "
-            f"(ledger.budget_per_user): {windows:,} released windows in all (one replayed after a "
-            f"restart counts twice); " + (f"{rollups}; " if rollups else "") + unit_clause(USER))
+    return (
+        f"accuracy plan: distinct users per window in {m:,} cells (state.expected_users "
+        f"{users:,}), eps {eps:g} per user per window: expected error {at(users)} at "
+        f"{users:,} users ({at(users / 2)} at half, {at(2 * users)} at twice as many), "
+        f"{100 * INTERVAL_LEVEL:g}% intervals; per-user budget {per_user:g} eps "
+        f"(ledger.budget_per_user): {windows:,} released windows in all (one replayed after a "
+        f"restart counts twice); " + (f"{rollups}; " if rollups else "") + unit_clause(USER)
+    )
 
 
 def user_rollup_line(cfg) -> str | None:
@@ -235,14 +302,15 @@ def user_rollup_line(cfg) -> str | None:
         k = parse_span(span, kind=w.kind, size=w.size)
         m = _cells(users, eps)
         cost = (k + 1) * eps
-        parts.append(f"{span} = {k} base windows in one density state of {m:,} cells "
-                     f"(state.rollup_expected_users {users:,}; expected error "
-                     f"+-{100 * expected_relative_error(users, m, eps):.1f}% there), released "
-                     f"at eps {eps:g}: a user active through one {span} is charged {k} x "
-                     f"{eps:g} + {eps:g} = {cost:g} eps of ledger.budget_per_user "
-                     f"({windows_left(per_user, 0.0, cost):,} such spans)")
-    return ("user-level rollups (not sums of windows: a user in many is one): "
-            + "; ".join(parts))
+        parts.append(
+            f"{span} = {k} base windows in one density state of {m:,} cells "
+            f"(state.rollup_expected_users {users:,}; expected error "
+            f"+-{100 * expected_relative_error(users, m, eps):.1f}% there), released "
+            f"at eps {eps:g}: a user active through one {span} is charged {k} x "
+            f"{eps:g} + {eps:g} = {cost:g} eps of ledger.budget_per_user "
+            f"({windows_left(per_user, 0.0, cost):,} such spans)"
+        )
+    return "user-level rollups (not sums of windows: a user in many is one): " + "; ".join(parts)
 
 
 def unit_clause(unit: str) -> str:

@@ -44,19 +44,28 @@ def window_uid() -> str:
     return os.urandom(8).hex()
 
 
-def new_window(window_id: int, kind: str, size, *, started_unix: float | None = None,
-               uid: str | None = None) -> dict:
-    return {"id": int(window_id), "uid": uid or window_uid(), "kind": kind, "size": size,
-            "events": 0, "snapshots": 0,
-            "started_unix": time.time() if started_unix is None else float(started_unix)}
+def new_window(
+    window_id: int, kind: str, size, *, started_unix: float | None = None, uid: str | None = None
+) -> dict:
+    return {
+        "id": int(window_id),
+        "uid": uid or window_uid(),
+        "kind": kind,
+        "size": size,
+        "events": 0,
+        "snapshots": 0,
+        "started_unix": time.time() if started_unix is None else float(started_unix),
+    }
 
 
 def totals_from(recorded: dict) -> dict:
     """Totals (events, rejects by reason, filtered) as the service keeps them, from a
     checkpoint's or a ledger entry's copy."""
-    return {"events": int(recorded.get("events", 0)),
-            "rejects": dict(recorded.get("rejects", {})),
-            "filtered": int(recorded.get("filtered", 0))}
+    return {
+        "events": int(recorded.get("events", 0)),
+        "rejects": dict(recorded.get("rejects", {})),
+        "filtered": int(recorded.get("filtered", 0)),
+    }
 
 
 class WindowTask:
@@ -140,16 +149,24 @@ class WindowTask:
     def record(self, snapshot: bytes | None) -> Checkpoint:
         """The checkpoint of the live position (with ``snapshot`` counters, or none; without
         counters, the window's start: see ``replay``)."""
-        window, offsets, totals = (copy.deepcopy(self.window), dict(self.offsets),
-                                   copy.deepcopy(self.totals))
+        window, offsets, totals = (
+            copy.deepcopy(self.window),
+            dict(self.offsets),
+            copy.deepcopy(self.totals),
+        )
         if snapshot is None and self.replay is not None:
             # the events counted before the window started are not in the checkpoint: a
             # restart counts them again from where their records start
             offsets = dict(self.replay["offsets"])
             window["events"] -= self.replay["events"]
             totals["events"] -= self.replay["events"]
-        return Checkpoint(state=snapshot, window=window, offsets=offsets,
-                          pending=list(self.pending), totals=totals)
+        return Checkpoint(
+            state=snapshot,
+            window=window,
+            offsets=offsets,
+            pending=list(self.pending),
+            totals=totals,
+        )
 
     def record_position(self) -> Checkpoint:
         """The checkpoint while closed windows wait for their release or the open window has
@@ -159,16 +176,32 @@ class WindowTask:
         start = self.inflight[0]["start"] if self.inflight else self.window_start
         window = copy.deepcopy(self.window)
         window["events"] = 0
-        unreleased = [{"window": j["window"], "end_offsets": dict(j["end_offsets"]),
-                       "totals": copy.deepcopy(j["totals"])} for j in self.inflight]
-        return Checkpoint(state=None, window=window, offsets=dict(start["offsets"]),
-                          pending=list(self.pending), totals=copy.deepcopy(start["totals"]),
-                          unreleased=unreleased)
+        unreleased = [
+            {
+                "window": j["window"],
+                "end_offsets": dict(j["end_offsets"]),
+                "totals": copy.deepcopy(j["totals"]),
+            }
+            for j in self.inflight
+        ]
+        return Checkpoint(
+            state=None,
+            window=window,
+            offsets=dict(start["offsets"]),
+            pending=list(self.pending),
+            totals=copy.deepcopy(start["totals"]),
+            unreleased=unreleased,
+        )
 
     def rewrite_pending(self) -> Checkpoint:
         """The last durable checkpoint with the current pending list: no new view of the state
         (same counters or none, same offsets), only the publishing progress changes."""
         d = self.durable
-        return Checkpoint(state=d.state, window=d.window, offsets=d.offsets,
-                          pending=list(self.pending), totals=d.totals,
-                          unreleased=list(d.unreleased))
+        return Checkpoint(
+            state=d.state,
+            window=d.window,
+            offsets=d.offsets,
+            pending=list(self.pending),
+            totals=d.totals,
+            unreleased=list(d.unreleased),
+        )

@@ -45,20 +45,25 @@ from ..harness import Timer, fmt, mean_se, parser, ratio_se
 
 METHODS = ("alg1", "l2", "joint", "naive")
 EXPENSIVE = {"l2", "joint"}
-LABEL = {"alg1": "Alg. 1 (l1, state-only)", "l2": "loss l2 (state-only)",
-         "joint": "joint (2 layers)", "naive": "naive", "thm9": "Thm 9 shape"}
+LABEL = {
+    "alg1": "Alg. 1 (l1, state-only)",
+    "l2": "loss l2 (state-only)",
+    "joint": "joint (2 layers)",
+    "naive": "naive",
+    "thm9": "Thm 9 shape",
+}
 BASE = dict(D=100_000, n=1_000_000, eps=1.0)
 HEADLINE = ("zipf", 100_000, 1_000_000, 1.0)
 
 
 def grids(quick: bool):
     if quick:
-        return {"n": [1_000, 100_000, 1_000_000], "eps": [0.5, 1.0, 4.0],
-                "D": [1_000, 100_000]}
-    return {"n": [1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000, 3_000_000,
-                  10_000_000],
-            "eps": [0.25, 0.5, 1.0, 2.0, 4.0, 8.0],
-            "D": [1_000, 10_000, 100_000, 1_000_000]}
+        return {"n": [1_000, 100_000, 1_000_000], "eps": [0.5, 1.0, 4.0], "D": [1_000, 100_000]}
+    return {
+        "n": [1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000, 3_000_000, 10_000_000],
+        "eps": [0.25, 0.5, 1.0, 2.0, 4.0, 8.0],
+        "D": [1_000, 10_000, 100_000, 1_000_000],
+    }
 
 
 def settings(quick: bool):
@@ -82,8 +87,9 @@ def run_cell(dist, D, n, eps, reps, budget, cap, seed):
     spent = {m: 0.0 for m in METHODS}
     stopped = set()
     for rep in range(reps):
-        rng = np.random.default_rng([seed, DISTRIBUTIONS.index(dist), D, n,
-                                     int(round(eps * 1000)), rep])
+        rng = np.random.default_rng(
+            [seed, DISTRIBUTIONS.index(dist), D, n, int(round(eps * 1000)), rep]
+        )
         h = true_counts(rng, dist, D, n)
         x1 = noisy(rng, h, p, 1)
         x2 = x1 + noisy(rng, np.zeros_like(h), p, 1)
@@ -137,8 +143,11 @@ def table(cells, key, values, dist, metric, fixed):
         if metric == "l1":
             row.append(f"{cell['thm9']:.3g}")
             row.append(fmt(*r_naive, digits=2))
-            row.append(fmt(*ratio_se(cell["joint"][metric], cell["alg1"][metric]), digits=2)
-                       if cell["joint"][metric] else "-")
+            row.append(
+                fmt(*ratio_se(cell["joint"][metric], cell["alg1"][metric]), digits=2)
+                if cell["joint"][metric]
+                else "-"
+            )
         else:
             row.append(fmt(*r_naive, digits=2))
         row.append("/".join(str(len(cell[c]["l1"])) for c in ("alg1", "l2", "joint")))
@@ -154,24 +163,33 @@ def timing_table(cells):
             tot[m].extend(cell[m]["time"])
             if cell[m]["time"] and max(cell[m]["time"]) > worst[m][0]:
                 worst[m] = (max(cell[m]["time"]), k)
-    lines = ["| method | runs | median s | max s | slowest cell (dist, D, n, eps) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| method | runs | median s | max s | slowest cell (dist, D, n, eps) |",
+        "|---|---|---|---|---|",
+    ]
     for m in METHODS:
         t = np.array(tot[m])
-        lines.append(f"| {LABEL[m]} | {len(t)} | {np.median(t):.3f} | {t.max():.2f} | "
-                     f"{worst[m][1]} |")
+        lines.append(
+            f"| {LABEL[m]} | {len(t)} | {np.median(t):.3f} | {t.max():.2f} | {worst[m][1]} |"
+        )
     return "\n".join(lines)
 
 
 def plot(stat, thm9, key, values, fixed, path):
     """stat(dist, v, method, metric) -> (mean, se); thm9(dist, v) -> shape value."""
     from ..harness import pyplot
+
     plt = pyplot()
     from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
-    style = {"alg1": ("C0", "o-"), "l2": ("C1", "s--"), "joint": ("C2", "^-"),
-             "naive": ("C3", "x-"), "thm9": ("k", ":")}
+    style = {
+        "alg1": ("C0", "o-"),
+        "l2": ("C1", "s--"),
+        "joint": ("C2", "^-"),
+        "naive": ("C3", "x-"),
+        "thm9": ("k", ":"),
+    }
     for j, dist in enumerate(DISTS[:3]):  # the figure has three columns
         for i, metric in enumerate(("l1", "l2sq")):
             ax = axes[i, j]
@@ -186,8 +204,13 @@ def plot(stat, thm9, key, values, fixed, path):
                 c, ls = style[m]
                 ax.errorbar(xs, ys, yerr=es, fmt=ls, color=c, label=LABEL[m], ms=4, capsize=2)
             if metric == "l1":
-                ax.plot(values, [thm9(dist, v) for v in values], style["thm9"][1], color="k",
-                        label=LABEL["thm9"])
+                ax.plot(
+                    values,
+                    [thm9(dist, v) for v in values],
+                    style["thm9"][1],
+                    color="k",
+                    label=LABEL["thm9"],
+                )
             ax.set_xscale("log")
             ax.set_yscale("log")
             if key == "eps":  # under two decades: label the grid points, not minor ticks
@@ -197,8 +220,9 @@ def plot(stat, thm9, key, values, fixed, path):
             ax.set_xlabel(key)
             ax.set_ylabel("l1 error" if metric == "l1" else "l2^2 error")
             fx = ", ".join(f"{k}={v:g}" for k, v in fixed.items() if k != key)
-            ax.set_title(f"{dist}: {'l1' if metric == 'l1' else 'l2^2'} vs {key} ({fx})",
-                         fontsize=9)
+            ax.set_title(
+                f"{dist}: {'l1' if metric == 'l1' else 'l2^2'} vs {key} ({fx})", fontsize=9
+            )
             ax.grid(True, which="both", alpha=0.3)
     axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
@@ -212,8 +236,14 @@ def plot_cells(cells, key, values, fixed, path):
         cfg[key] = v
         return cells[(dist, cfg["D"], cfg["n"], cfg["eps"])]
 
-    plot(lambda d, v, m, metric: summarize(cell(d, v), m, metric),
-         lambda d, v: cell(d, v)["thm9"], key, values, fixed, path)
+    plot(
+        lambda d, v, m, metric: summarize(cell(d, v), m, metric),
+        lambda d, v: cell(d, v)["thm9"],
+        key,
+        values,
+        fixed,
+        path,
+    )
 
 
 def _parse_pm(text):
@@ -257,11 +287,18 @@ def replot_from_md(md_path, outdir):
                 data[(key, dist, v, by_label[h], metric)] = _parse_pm(c)
     for key in ("n", "eps", "D"):
         values = sorted({k[2] for k in data if k[0] == key})
-        plot(lambda d, v, m, metric: data.get((key, d, v, m, metric), (float("nan"),) * 2),
-             lambda d, v: theorem9_shape(p_from_epsilon(dict(BASE, **{key: v})["eps"]),
-                                         int(dict(BASE, **{key: v})["n"]),
-                                         int(dict(BASE, **{key: v})["D"])), key, values, BASE,
-             os.path.join(outdir, "img", f"accuracy_vs_{key}.png"))
+        plot(
+            lambda d, v, m, metric: data.get((key, d, v, m, metric), (float("nan"),) * 2),
+            lambda d, v: theorem9_shape(
+                p_from_epsilon(dict(BASE, **{key: v})["eps"]),
+                int(dict(BASE, **{key: v})["n"]),
+                int(dict(BASE, **{key: v})["D"]),
+            ),
+            key,
+            values,
+            BASE,
+            os.path.join(outdir, "img", f"accuracy_vs_{key}.png"),
+        )
     print(f"redrew {outdir}/img/accuracy_vs_{{n,eps,D}}.png from {md_path}")
 
 
@@ -270,10 +307,14 @@ def main(argv=None):
     ap = parser(__doc__, "Zipf, D = n = 300, into out/")
     ap.add_argument("--quick", action="store_true", help="small grid, 2 repetitions")
     ap.add_argument("--seed", type=int, default=20240601)
-    ap.add_argument("--outdir", default=None,
-                    help="output directory (default docs/, or out/ with --quick)")
-    ap.add_argument("--replot", action="store_true",
-                    help="only redraw the PNGs from the tables of an existing accuracy_core.md")
+    ap.add_argument(
+        "--outdir", default=None, help="output directory (default docs/, or out/ with --quick)"
+    )
+    ap.add_argument(
+        "--replot",
+        action="store_true",
+        help="only redraw the PNGs from the tables of an existing accuracy_core.md",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.quick = True
@@ -309,10 +350,13 @@ def main(argv=None):
         with Timer() as t:
             cells[k] = run_cell(dist, D, n, eps, reps, st["budget"], st["cap"], args.seed)
         c = cells[k]
-        print(f"[{i + 1}/{len(todo)}] {dist:9s} D={D:.0e} n={n:.0e} eps={eps:<5g} "
-              f"alg1={mean_se(c['alg1']['l1'])[0]:.4g} naive={mean_se(c['naive']['l1'])[0]:.4g} "
-              f"joint={mean_se(c['joint']['l1'])[0]:.4g} l2={mean_se(c['l2']['l1'])[0]:.4g} "
-              f"({t.s:.1f}s, total {time.perf_counter() - t_start:.0f}s)", flush=True)
+        print(
+            f"[{i + 1}/{len(todo)}] {dist:9s} D={D:.0e} n={n:.0e} eps={eps:<5g} "
+            f"alg1={mean_se(c['alg1']['l1'])[0]:.4g} naive={mean_se(c['naive']['l1'])[0]:.4g} "
+            f"joint={mean_se(c['joint']['l1'])[0]:.4g} l2={mean_se(c['l2']['l1'])[0]:.4g} "
+            f"({t.s:.1f}s, total {time.perf_counter() - t_start:.0f}s)",
+            flush=True,
+        )
     total = time.perf_counter() - t_start
 
     os.makedirs(os.path.join(outdir, "img"), exist_ok=True)
@@ -322,53 +366,79 @@ def main(argv=None):
 
     hc = cells[HEADLINE]
     r, rse = ratio_se(hc["naive"]["l1"], hc["alg1"]["l1"])
-    md = [f"# Accuracy of the core estimators{' (QUICK run)' if args.quick else ''}", "",
-          "Produced by:", "", "```", cmd, "```", "",
-          f"(seed {args.seed}; {len(todo)} cells; {total / 60:.1f} min wall time on a shared "
-          "2-core machine. Source: `bench/accuracy/accuracy.py`, helpers `bench/_data.py`.)", "",
-          "## Headline", "",
-          f"Zipf(1.1), D = 1e5, n = 1e6, eps = 1 (p = {hc['p']:.6f}), "
-          f"{len(hc['alg1']['l1'])} repetitions:", "",
-          f"* Alg. 1 (state-only, l1) l1 error: **{fmt(*mean_se(hc['alg1']['l1']))}**",
-          f"* naive (sort noisy counts, drop <= 0) l1 error: {fmt(*mean_se(hc['naive']['l1']))}",
-          f"* **naive / Alg. 1 = {r:.2f} ± {rse:.2f}** (target >= 3x: "
-          f"{'met' if r >= 3 else 'NOT met'})",
-          f"* joint model (2 layers, deconvolution) l1 error: {fmt(*mean_se(hc['joint']['l1']))}"
-          f" ({len(hc['joint']['l1'])} reps)",
-          f"* loss l2 variant l1 error: {fmt(*mean_se(hc['l2']['l1']))}"
-          f" ({len(hc['l2']['l1'])} reps)",
-          f"* Theorem 9 shape sqrt(C_p (n+D) log n) = {hc['thm9']:.4g}", "",
-          "## Setup", "",
-          "* Items are sampled multinomially (n events) over a domain of size D with weights "
-          "Zipf 1/i^1.1, uniform, or geometric rho^i with rho = 1 - 10/D.",
-          "* Each repetition draws a fresh true histogram h and fresh noise; all methods in a "
-          "repetition see the same h and the same first noise layer (the joint model adds a "
-          "second, independent layer on top).",
-          "* p = exp(-eps/2) rounded up (replace-one neighbors, l1 sensitivity 2).",
-          "* l1 error = l1 distance between anonymized histograms (= between cumulative "
-          "prevalences); l2^2 error = both histograms sorted decreasing, zero-padded to equal "
-          "length, sum of squared differences.",
-          "* Entries are mean ± standard error over the repetitions (`reps` column; the expensive "
-          f"l2 and joint methods stop early once they used {st['budget']:.0f} s in a cell, or "
-          f"after one run longer than {st['cap']:.0f} s).",
-          "* **Thm 9 shape** is sqrt(C_p (n + D) log n) with C_p = p^2/(1-p)^5 + p/(1-p) and "
-          "constant 1: it shows how the bound scales, it is not a constant-exact bound.",
-          "* Noise is drawn from a seeded numpy Generator for reproducibility; the product "
-          "draws from the OS CSPRNG.", ""]
+    md = [
+        f"# Accuracy of the core estimators{' (QUICK run)' if args.quick else ''}",
+        "",
+        "Produced by:",
+        "",
+        "```",
+        cmd,
+        "```",
+        "",
+        f"(seed {args.seed}; {len(todo)} cells; {total / 60:.1f} min wall time on a shared "
+        "2-core machine. Source: `bench/accuracy/accuracy.py`, helpers `bench/_data.py`.)",
+        "",
+        "## Headline",
+        "",
+        f"Zipf(1.1), D = 1e5, n = 1e6, eps = 1 (p = {hc['p']:.6f}), "
+        f"{len(hc['alg1']['l1'])} repetitions:",
+        "",
+        f"* Alg. 1 (state-only, l1) l1 error: **{fmt(*mean_se(hc['alg1']['l1']))}**",
+        f"* naive (sort noisy counts, drop <= 0) l1 error: {fmt(*mean_se(hc['naive']['l1']))}",
+        f"* **naive / Alg. 1 = {r:.2f} ± {rse:.2f}** (target >= 3x: "
+        f"{'met' if r >= 3 else 'NOT met'})",
+        f"* joint model (2 layers, deconvolution) l1 error: {fmt(*mean_se(hc['joint']['l1']))}"
+        f" ({len(hc['joint']['l1'])} reps)",
+        f"* loss l2 variant l1 error: {fmt(*mean_se(hc['l2']['l1']))} ({len(hc['l2']['l1'])} reps)",
+        f"* Theorem 9 shape sqrt(C_p (n+D) log n) = {hc['thm9']:.4g}",
+        "",
+        "## Setup",
+        "",
+        "* Items are sampled multinomially (n events) over a domain of size D with weights "
+        "Zipf 1/i^1.1, uniform, or geometric rho^i with rho = 1 - 10/D.",
+        "* Each repetition draws a fresh true histogram h and fresh noise; all methods in a "
+        "repetition see the same h and the same first noise layer (the joint model adds a "
+        "second, independent layer on top).",
+        "* p = exp(-eps/2) rounded up (replace-one neighbors, l1 sensitivity 2).",
+        "* l1 error = l1 distance between anonymized histograms (= between cumulative "
+        "prevalences); l2^2 error = both histograms sorted decreasing, zero-padded to equal "
+        "length, sum of squared differences.",
+        "* Entries are mean ± standard error over the repetitions (`reps` column; the expensive "
+        f"l2 and joint methods stop early once they used {st['budget']:.0f} s in a cell, or "
+        f"after one run longer than {st['cap']:.0f} s).",
+        "* **Thm 9 shape** is sqrt(C_p (n + D) log n) with C_p = p^2/(1-p)^5 + p/(1-p) and "
+        "constant 1: it shows how the bound scales, it is not a constant-exact bound.",
+        "* Noise is drawn from a seeded numpy Generator for reproducibility; the product "
+        "draws from the OS CSPRNG.",
+        "",
+    ]
 
     fixed_desc = {"n": "D = 1e5, eps = 1", "eps": "D = 1e5, n = 1e6", "D": "n = 1e6, eps = 1"}
     for key, values in g.items():
-        md += [f"## Error vs {key} ({fixed_desc[key]})", "",
-               f"![error vs {key}](img/accuracy_vs_{key}.png)", ""]
+        md += [
+            f"## Error vs {key} ({fixed_desc[key]})",
+            "",
+            f"![error vs {key}](img/accuracy_vs_{key}.png)",
+            "",
+        ]
         for dist in DISTS:
             for metric in ("l1", "l2sq"):
-                md += [f"### {dist}: {'l1' if metric == 'l1' else 'l2^2'} error vs {key}", "",
-                       table(cells, key, values, dist, metric, BASE), ""]
+                md += [
+                    f"### {dist}: {'l1' if metric == 'l1' else 'l2^2'} error vs {key}",
+                    "",
+                    table(cells, key, values, dist, metric, BASE),
+                    "",
+                ]
 
-    md += ["## State-only vs joint model, per eps", "",
-           "Ratio of mean l1 errors joint (2 layers, deconvolution) / state-only (Alg. 1), "
-           "D = 1e5, n = 1e6. Above 1 means the joint model's extra layer costs accuracy.", "",
-           "| eps | " + " | ".join(DISTS) + " |", "|---|" + "---|" * len(DISTS)]
+    md += [
+        "## State-only vs joint model, per eps",
+        "",
+        "Ratio of mean l1 errors joint (2 layers, deconvolution) / state-only (Alg. 1), "
+        "D = 1e5, n = 1e6. Above 1 means the joint model's extra layer costs accuracy.",
+        "",
+        "| eps | " + " | ".join(DISTS) + " |",
+        "|---|" + "---|" * len(DISTS),
+    ]
     for eps in g["eps"]:
         row = [f"{eps:g}"]
         for dist in DISTS:
@@ -406,30 +476,42 @@ def observations(cells, g):
     def key_s(k):
         return f"{k[0]} D={k[1]:.0e} n={k[2]:.0e} eps={k[3]:g}"
 
-    out.append(f"* Cells where the naive baseline has lower mean l1 error than Alg. 1: "
-               f"{len(naive_wins)} of {len(cells)}" + (":" if naive_wins else "."))
+    out.append(
+        f"* Cells where the naive baseline has lower mean l1 error than Alg. 1: "
+        f"{len(naive_wins)} of {len(cells)}" + (":" if naive_wins else ".")
+    )
     for k, a, nv in naive_wins:
         out.append(f"  * {key_s(k)}: Alg. 1 {a:.4g}, naive {nv:.4g}")
-    out.append(f"* Cells where the joint model (2 layers, deconvolution) has lower mean l1 error "
-               f"than state-only Alg. 1 (1 layer, threshold): {len(joint_wins)} of {len(cells)}"
-               + (":" if joint_wins else "."))
+    out.append(
+        f"* Cells where the joint model (2 layers, deconvolution) has lower mean l1 error "
+        f"than state-only Alg. 1 (1 layer, threshold): {len(joint_wins)} of {len(cells)}"
+        + (":" if joint_wins else ".")
+    )
     for k, a, j in joint_wins:
         out.append(f"  * {key_s(k)}: Alg. 1 {a:.4g}, joint {j:.4g}")
-    out.append(f"* Cells where Alg. 1's mean l1 error exceeds the Thm 9 shape (constant 1): "
-               f"{len(thm_viol)} of {len(cells)}" + (":" if thm_viol else "."))
+    out.append(
+        f"* Cells where Alg. 1's mean l1 error exceeds the Thm 9 shape (constant 1): "
+        f"{len(thm_viol)} of {len(cells)}" + (":" if thm_viol else ".")
+    )
     for k, a, b in thm_viol:
         out.append(f"  * {key_s(k)}: Alg. 1 {a:.4g}, shape {b:.4g}")
     if l2_vs_l1:
         r = np.array(l2_vs_l1)
-        out.append(f"* l2^2 error of the loss-l2 variant / l2^2 error of Alg. 1, over "
-                   f"{len(r)} cells: median {np.median(r):.3f}, min {r.min():.3f}, "
-                   f"max {r.max():.3f}.")
-    short = [(k, len(c["alg1"]["l1"]), len(c["l2"]["l1"]), len(c["joint"]["l1"]))
-             for k, c in cells.items()
-             if min(len(c["l2"]["l1"]), len(c["joint"]["l1"])) < len(c["alg1"]["l1"])]
-    out.append("* No configuration was skipped for any method. Cells where the time budget cut "
-               f"the l2 or joint repetitions below Alg. 1's: {len(short)}"
-               + (" (reps alg1/l2/joint):" if short else "."))
+        out.append(
+            f"* l2^2 error of the loss-l2 variant / l2^2 error of Alg. 1, over "
+            f"{len(r)} cells: median {np.median(r):.3f}, min {r.min():.3f}, "
+            f"max {r.max():.3f}."
+        )
+    short = [
+        (k, len(c["alg1"]["l1"]), len(c["l2"]["l1"]), len(c["joint"]["l1"]))
+        for k, c in cells.items()
+        if min(len(c["l2"]["l1"]), len(c["joint"]["l1"])) < len(c["alg1"]["l1"])
+    ]
+    out.append(
+        "* No configuration was skipped for any method. Cells where the time budget cut "
+        f"the l2 or joint repetitions below Alg. 1's: {len(short)}"
+        + (" (reps alg1/l2/joint):" if short else ".")
+    )
     for k, a, b, j in short:
         out.append(f"  * {key_s(k)}: {a}/{b}/{j}")
     out.append("")

@@ -93,8 +93,9 @@ def run(quick: bool, path: Path, shard: str | None = None) -> dict:
             others |= set(load(sp)["results"])
         # cheapest first (wide noise, long value spans and many counters cost most), so that a
         # run cut short loses the most expensive cells, not a whole part of the design
-        cells = sorted((c for c in cells if c.key not in done and c.key not in others),
-                       key=cell_cost)[i::N]
+        cells = sorted(
+            (c for c in cells if c.key not in done and c.key not in others), key=cell_cost
+        )[i::N]
         path = path.with_name(f"{path.stem}_shard{i}of{N}b.pkl")
         state = load(path)
     todo = [c for c in cells if c.key not in state["results"] and c.key not in done]
@@ -106,16 +107,23 @@ def run(quick: bool, path: Path, shard: str | None = None) -> dict:
         t = time.perf_counter()
         state["results"][cell.key] = grid.run_cell(cell, layers=LAYERS)
         save(state, path)
-        log(f"{i + 1}/{len(todo)} {cell.mode} {cell.dist} n={cell.n:g} D={cell.D or '-'} "
-            f"eps={cell.eps} reps={cell.reps}: {time.perf_counter() - t:.1f} s")
+        log(
+            f"{i + 1}/{len(todo)} {cell.mode} {cell.dist} n={cell.n:g} D={cell.D or '-'} "
+            f"eps={cell.eps} reps={cell.reps}: {time.perf_counter() - t:.1f} s"
+        )
     if todo:
-        state["runs"].append(dict(started=started, seconds=time.perf_counter() - t_run,
-                                  cells=len(todo), load0=load0, load1=os.getloadavg(),
-                                  rev=git_rev(["aggregator", "bench"])))
+        state["runs"].append(
+            dict(
+                started=started,
+                seconds=time.perf_counter() - t_run,
+                cells=len(todo),
+                load0=load0,
+                load1=os.getloadavg(),
+                rev=git_rev(["aggregator", "bench"]),
+            )
+        )
         save(state, path)
     return state
-
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,36 +160,55 @@ def run_timing(quick: bool) -> dict:
     setups = {"direct": (true_counts(rng, "zipf", n, n), None)}
     _, h = items_counts(rng, n, "zipf")
     B = ld.choose_buckets(n, eps)
-    setups["hashed"] = (np.bincount(rng.integers(0, B, len(h)), weights=h,
-                                    minlength=B).astype(np.int64), B)
+    setups["hashed"] = (
+        np.bincount(rng.integers(0, B, len(h)), weights=h, minlength=B).astype(np.int64),
+        B,
+    )
     rows = []
     for mode, (true, buckets) in setups.items():
         for k in TIME_LAYERS:
             x = true + dlap(rng, p, len(true), k)
-            calls = {"bincount": lambda: np.bincount(x - x.min()),
-                     "default": lambda: anonymized_histogram(x, p, layers=k, n=n,
-                                                             buckets=buckets)}
-            for m in (METHODS + ("xfit",) if k <= 2 else ("threshold",)):
-                calls[m] = (lambda m=m: anonymized_histogram(x, p, layers=k, n=n,
-                                                             buckets=buckets, method=m))
+            calls = {
+                "bincount": lambda: np.bincount(x - x.min()),
+                "default": lambda: anonymized_histogram(x, p, layers=k, n=n, buckets=buckets),
+            }
+            for m in METHODS + ("xfit",) if k <= 2 else ("threshold",):
+                calls[m] = lambda m=m: anonymized_histogram(
+                    x, p, layers=k, n=n, buckets=buckets, method=m
+                )
             if k <= 2 and mode == "direct":
-                calls["error bars (10 reps)"] = (lambda: error_bars(
-                    x, p, layers=k, n=n, buckets=buckets, reps=10, rng=0))
+                calls["error bars (10 reps)"] = lambda: error_bars(
+                    x, p, layers=k, n=n, buckets=buckets, reps=10, rng=0
+                )
             times = {name: [] for name in calls}
             for i in range(TIME_REPS if not quick else 1):
                 for name, fn in calls.items():
                     if i and name not in ("bincount", "default", "threshold", "wupagh"):
                         continue  # one run of the slow calls (minutes in all otherwise)
                     times[name].append(_timed(fn))
-            rows.append(dict(mode=mode, layers=k, counters=len(x),
-                             method=default_method(mode, k), times=times,
-                             load=os.getloadavg()))
-            log(f"timing {mode} k={k}: " + ", ".join(
-                f"{a} {np.median(b):.2f}s" for a, b in times.items()))
+            rows.append(
+                dict(
+                    mode=mode,
+                    layers=k,
+                    counters=len(x),
+                    method=default_method(mode, k),
+                    times=times,
+                    load=os.getloadavg(),
+                )
+            )
+            log(
+                f"timing {mode} k={k}: "
+                + ", ".join(f"{a} {np.median(b):.2f}s" for a, b in times.items())
+            )
             x = None  # free the counters before the next layer count
-    return dict(n=n, eps=eps, B=B, rows=rows,
-                started=datetime.datetime.now().isoformat(timespec="seconds"),
-                rev=git_rev(["aggregator", "bench"]))
+    return dict(
+        n=n,
+        eps=eps,
+        B=B,
+        rows=rows,
+        started=datetime.datetime.now().isoformat(timespec="seconds"),
+        rev=git_rev(["aggregator", "bench"]),
+    )
 
 
 def refine(state: dict, path: Path, factor: float = 1.5, top: int = 3, min_reps: int = 8) -> None:
@@ -203,14 +230,23 @@ def refine(state: dict, path: Path, factor: float = 1.5, top: int = 3, min_reps:
         state["results"][r.cell.key] = grid.merge(r, extra)
         done.append((r.cell.key, have, want))
         save(state, path)
-        log(f"refined {cell_label(r.cell)} ({r.cell.mode}): {have} -> {want} reps, "
-            f"{time.perf_counter() - t:.0f} s")
+        log(
+            f"refined {cell_label(r.cell)} ({r.cell.mode}): {have} -> {want} reps, "
+            f"{time.perf_counter() - t:.0f} s"
+        )
     after = analyse(ordered(state))
-    state.setdefault("refined", []).append(dict(
-        cells=done, factor=factor, top=top, min_reps=min_reps, rev=git_rev(["aggregator", "bench"]),
-        started=datetime.datetime.now().isoformat(timespec="seconds"),
-        before={k: a["choice"] for k, a in an.items()},
-        after={k: a["choice"] for k, a in after.items()}))
+    state.setdefault("refined", []).append(
+        dict(
+            cells=done,
+            factor=factor,
+            top=top,
+            min_reps=min_reps,
+            rev=git_rev(["aggregator", "bench"]),
+            started=datetime.datetime.now().isoformat(timespec="seconds"),
+            before={k: a["choice"] for k, a in an.items()},
+            after={k: a["choice"] for k, a in after.items()},
+        )
+    )
     save(state, path)
 
 
@@ -233,15 +269,26 @@ def _run_again(todo: list, part: dict, out: Path, methods, layers, what: str) ->
     for i, r in enumerate(todo):
         t = time.perf_counter()
         have = tuple(k for k in layers if any(key[0] == k for key in r.l1))
-        part["results"][r.cell.key] = grid.run_cell(r.cell, layers=have, methods=methods,
-                                                    reps=range(len(r.items)))
+        part["results"][r.cell.key] = grid.run_cell(
+            r.cell, layers=have, methods=methods, reps=range(len(r.items))
+        )
         save(part, out)
-        log(f"{what} {i + 1}/{len(todo)} {r.cell.mode} {cell_label(r.cell)}: "
-            f"{time.perf_counter() - t:.1f} s")
+        log(
+            f"{what} {i + 1}/{len(todo)} {r.cell.mode} {cell_label(r.cell)}: "
+            f"{time.perf_counter() - t:.1f} s"
+        )
     if todo:
-        part["runs"].append(dict(started=started, seconds=time.perf_counter() - t_run,
-                                 cells=len(todo), rev=rev, methods=list(methods),
-                                 layers=list(layers), load=os.getloadavg()))
+        part["runs"].append(
+            dict(
+                started=started,
+                seconds=time.perf_counter() - t_run,
+                cells=len(todo),
+                rev=rev,
+                methods=list(methods),
+                layers=list(layers),
+                load=os.getloadavg(),
+            )
+        )
         save(part, out)
 
 
@@ -270,8 +317,14 @@ def run_replace(state: dict, path: Path, methods, layers, shard: str = "0/1") ->
     out = replace_path(path, shard)
     part = load(out)
     mine = sorted(ordered(state), key=lambda r: cell_cost(r.cell))[i::N]
-    _run_again([r for r in mine if r.cell.key not in part["results"]], part, out, methods,
-               layers, "replace")
+    _run_again(
+        [r for r in mine if r.cell.key not in part["results"]],
+        part,
+        out,
+        methods,
+        layers,
+        "replace",
+    )
 
 
 def merge_replace(path: Path) -> None:
@@ -287,23 +340,28 @@ def merge_replace(path: Path) -> None:
             for name in ("l1", "seconds", "total"):
                 getattr(old, name).update(getattr(new, name))
         state.setdefault("replaced", []).extend(
-            dict(r, cells=len(part["results"])) for r in part["runs"])
+            dict(r, cells=len(part["results"])) for r in part["runs"]
+        )
         save(state, path)
         rp.rename(rp.with_suffix(".merged"))
 
 
 def run_coverage(quick: bool, state: dict, path: Path, cells=None) -> dict:
     cov = state.setdefault("coverage", {})
-    for cell in (grid.coverage_cells(quick) if cells is None else cells):
+    for cell in grid.coverage_cells(quick) if cells is None else cells:
         if cell.key in cov:
             continue
         t = time.perf_counter()
-        cov[cell.key] = dict(cell=cell, out=grid.run_coverage(cell),
-                             rev=git_rev(["aggregator", "bench"]),
-                             defaults={k: default_method(cell.mode, k) for k in (1, 2)})
+        cov[cell.key] = dict(
+            cell=cell,
+            out=grid.run_coverage(cell),
+            rev=git_rev(["aggregator", "bench"]),
+            defaults={k: default_method(cell.mode, k) for k in (1, 2)},
+        )
         save(state, path)
         log(f"coverage {cell_label(cell)}: {time.perf_counter() - t:.0f} s")
     return cov
+
 
 # --------------------------------------------------------------------------------------------
 # analysis
@@ -348,13 +406,33 @@ def analyse(results: list) -> dict:
             geo = grid.geo_regret(reg, ADMISSIBLE)
             cells = sorted({c for (_, c) in reg})
             best_in = {m: sum(1 for c in cells if reg[(m, c)] == 1.0) for m in ADMISSIBLE}
-            secs = {m: float(np.mean([s for r in results if r.cell.mode == mode
-                                      for s in r.seconds.get((k, m), [])])) for m in METHODS}
+            secs = {
+                m: float(
+                    np.mean(
+                        [
+                            s
+                            for r in results
+                            if r.cell.mode == mode
+                            for s in r.seconds.get((k, m), [])
+                        ]
+                    )
+                )
+                for m in METHODS
+            }
             se = grid.regret_se(results, k, reg, ADMISSIBLE)
-            out[(mode, k)] = dict(err=err, reg=reg, worst=worst, geo=geo, cells=cells, se=se,
-                                  best_in=best_in, secs=secs, tied=grid.tied(reg, ADMISSIBLE, se),
-                                  choice=grid.choose(reg, ADMISSIBLE, se),
-                                  code=(default_method(mode, k), default_cap(mode, k)))
+            out[(mode, k)] = dict(
+                err=err,
+                reg=reg,
+                worst=worst,
+                geo=geo,
+                cells=cells,
+                se=se,
+                best_in=best_in,
+                secs=secs,
+                tied=grid.tied(reg, ADMISSIBLE, se),
+                choice=grid.choose(reg, ADMISSIBLE, se),
+                code=(default_method(mode, k), default_cap(mode, k)),
+            )
     add_rules(results, out)
     return out
 
@@ -364,6 +442,7 @@ def analyse(results: list) -> dict:
 # --------------------------------------------------------------------------------------------
 def log_snr(cell, k: int) -> float:
     from aggregator.intervals import signal_to_noise
+
     return math.log(max(signal_to_noise(cell.n, cell.counters, cell.p, k), 1e-6))
 
 
@@ -387,8 +466,13 @@ def fit_rule(reg: dict, cells: list, feat: dict, cands) -> tuple:
                 w = max(pre[j - 1] if j else 1.0, suf[j] if j < len(cs) else 1.0)
                 g = ((pre_l[j - 1] if j else 0.0) + (suf_l[j] if j < len(cs) else 0.0)) / len(cs)
                 if (w, g) < best[:2]:
-                    cut = (-math.inf if j == 0 else math.inf if j == len(cs)
-                           else 0.5 * (f[j - 1] + f[j]))
+                    cut = (
+                        -math.inf
+                        if j == 0
+                        else math.inf
+                        if j == len(cs)
+                        else 0.5 * (f[j - 1] + f[j])
+                    )
                     best = (w, g, lo, hi, cut)
     return best
 
@@ -420,10 +504,20 @@ def add_rules(results: list, an: dict) -> None:
         w, g, lo, hi, cut = fit_rule(a["reg"], cells, feat, ADMISSIBLE)
         held = lodo(a["reg"], cells, feat, ADMISSIBLE, group)
         held_fixed = a["worst"][a["choice"]][0]
-        a["rule"] = dict(worst=w, geo=g, low=lo, high=hi, cut=cut, lodo=held[0],
-                         lodo_cell=held[1], adopted=bool(held[0] < held_fixed and lo != hi))
-        a["effective"] = {c: ((lo if feat[c] < cut else hi) if a["rule"]["adopted"]
-                              else a["choice"]) for c in cells}
+        a["rule"] = dict(
+            worst=w,
+            geo=g,
+            low=lo,
+            high=hi,
+            cut=cut,
+            lodo=held[0],
+            lodo_cell=held[1],
+            adopted=bool(held[0] < held_fixed and lo != hi),
+        )
+        a["effective"] = {
+            c: ((lo if feat[c] < cut else hi) if a["rule"]["adopted"] else a["choice"])
+            for c in cells
+        }
         a["eff_reg"] = {c: a["reg"][(a["effective"][c], c)] for c in cells}
 
 
@@ -433,9 +527,13 @@ def defaults_json(an: dict) -> dict:
         m, cap = a["choice"]
         w, i = a["worst"][a["choice"]]
         out.setdefault(mode, {})[str(k)] = dict(
-            method=m, cap=cap, worst_regret=round(w, 4),
-            geo_regret=round(a["geo"][a["choice"]], 4), cells=len(a["cells"]),
-            tied=[f"{tm} / {tc}" for tm, tc in a["tied"] if (tm, tc) != (m, cap)])
+            method=m,
+            cap=cap,
+            worst_regret=round(w, 4),
+            geo_regret=round(a["geo"][a["choice"]], 4),
+            cells=len(a["cells"]),
+            tied=[f"{tm} / {tc}" for tm, tc in a["tied"] if (tm, tc) != (m, cap)],
+        )
     return out
 
 
@@ -445,15 +543,19 @@ def rules_json(an: dict) -> dict:
         r = a.get("rule")
         if r and r["adopted"]:
             out.setdefault(mode, {})[str(k)] = dict(
-                snr_cut=round(math.exp(r["cut"]), 4), low=list(r["low"]), high=list(r["high"]),
-                worst_regret=round(r["worst"], 4), lodo_worst_regret=round(r["lodo"], 4))
+                snr_cut=round(math.exp(r["cut"]), 4),
+                low=list(r["low"]),
+                high=list(r["high"]),
+                worst_regret=round(r["worst"], 4),
+                lodo_worst_regret=round(r["lodo"], 4),
+            )
     return out
-
 
 
 def snr_rows(results: list, an: dict) -> list:
     """(mode, layers, cell, SNR, relative l1 error of the chosen default, of the best candidate)."""
     from aggregator.intervals import signal_to_noise
+
     rows = []
     for (mode, k), a in an.items():
         for i in a["cells"]:
@@ -491,11 +593,21 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     _plot_snr(rows, outdir / "img" / "grid_snr.png")
     dj = defaults_json(an)
     if not quick:
-        DEFAULTS_JSON.write_text(json.dumps(dict(
-            rule="lowest worst-case regret over the grid's cells of the mode and layer count; "
-                 "candidates within two standard errors of it are tied, and a tie goes to the "
-                 "lowest geometric-mean regret", source="docs/accuracy_grid.md",
-            defaults=dj, rules=rules_json(an)), indent=1) + "\n")
+        DEFAULTS_JSON.write_text(
+            json.dumps(
+                dict(
+                    rule="lowest worst-case regret over the grid's cells of the mode and layer "
+                    "count; candidates within two standard errors "
+                    "of it are tied, and a tie goes to the "
+                    "lowest geometric-mean regret",
+                    source="docs/accuracy_grid.md",
+                    defaults=dj,
+                    rules=rules_json(an),
+                ),
+                indent=1,
+            )
+            + "\n"
+        )
     lines: list[str] = []
     w = lines.append
     runs = state["runs"]
@@ -504,8 +616,10 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     w("")
     w("Produced by:")
     w("")
-    run = ("OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 nice -n 15 "
-           ".venv/bin/python -m bench.accuracy.accuracy_grid")
+    run = (
+        "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 nice -n 15 "
+        ".venv/bin/python -m bench.accuracy.accuracy_grid"
+    )
     q = " --quick" if quick else ""
     w("```")
     w(f"{run}{q} --run-only             # the grid (resumable)")
@@ -522,61 +636,78 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     w("```")
     w("")
     for r in runs:
-        w(f"(run started {r['started']} at commit {r['rev']}; {r['cells']} cells in "
-          f"{r['seconds'] / 60:.1f} min; load average {r['load0'][0]:.2f} at start, "
-          f"{r['load1'][0]:.2f} at end.)")
+        w(
+            f"(run started {r['started']} at commit {r['rev']}; {r['cells']} cells in "
+            f"{r['seconds'] / 60:.1f} min; load average {r['load0'][0]:.2f} at start, "
+            f"{r['load1'][0]:.2f} at end.)"
+        )
     for r in state.get("replaced", []):
-        w(f"(then {', '.join(r['methods'])} at layers {', '.join(map(str, r['layers']))} re-run "
-          f"on the same counters with the code of commit {r['rev']} and put in place of the "
-          f"stored entries (`--replace`, started {r['started']}; {r['cells']} cells in "
-          f"{r['seconds'] / 60:.1f} min, load average {r['load'][0]:.2f} at end).)")
-    w(f"({cpu_model()}, {os.cpu_count()} cores; {versions(['numpy', 'scipy'])}; "
-      f"{wall / 60:.0f} min of grid in total. Source: `bench/accuracy/grid.py` (cells, pairing, "
-      "regret), `bench/accuracy/accuracy_grid.py` (this report). Raw results: "
-      "out/grid_results.pkl.)")
+        w(
+            f"(then {', '.join(r['methods'])} at layers {', '.join(map(str, r['layers']))} re-run "
+            f"on the same counters with the code of commit {r['rev']} and put in place of the "
+            f"stored entries (`--replace`, started {r['started']}; {r['cells']} cells in "
+            f"{r['seconds'] / 60:.1f} min, load average {r['load'][0]:.2f} at end).)"
+        )
+    w(
+        f"({cpu_model()}, {os.cpu_count()} cores; {versions(['numpy', 'scipy'])}; "
+        f"{wall / 60:.0f} min of grid in total. Source: `bench/accuracy/grid.py` (cells, pairing, "
+        "regret), `bench/accuracy/accuracy_grid.py` (this report). Raw results: "
+        "out/grid_results.pkl.)"
+    )
     w("")
     w("## Setup")
     w("")
     n_cells = {m: sum(1 for r in results if r.cell.mode == m) for m in ("direct", "hashed")}
-    w(f"* **Cells** (what a deployment does not choose; {n_cells['direct']} direct, "
-      f"{n_cells['hashed']} hashed; `grid.grid_cells`). Direct mode: D counters, items "
-      "multinomial over [D] (`bench/_data.py`): Zipf with exponents 0.7, 1.1, 1.5, 2, "
-      "geometric, uniform, and *heavy* (5 items holding half the events over a long tail of "
-      "singletons), at (D, n) with D/n from 0.01 to 33 and n from 1e3 to 1e7; empty and "
-      "near-empty windows (n = 0, 10, 100 over D = 1e5 and 1e6); ten real frequency profiles "
-      "shipped in PyPI packages (wordfreq 3.1 English, German, Japanese, Arabic; pyspellchecker "
-      "0.9 Spanish, Russian, Persian, Latvian; symspellpy 6.10 English unigrams and bigrams; D = "
-      "their vocabulary, n = D/10 and 10 D). Hashed mode: items over an unbounded domain "
-      "(Zipf(1.1), Zipf(1.01), Zipf(1.5), mostly distinct; `bench/accuracy/largedomain.py "
-      "items_counts`), B = choose_buckets(n) = 2 n counters, n = 1e3..1e7. eps from 0.25 to 4 "
-      "(rotating over the cells; p = exp(-eps/2) rounded up, replace-one); 1, 2, 3 and 6 DLap "
-      "layers (state-only release; joint model; joint model after one and after four audit "
-      "exports). Repetitions: 1-3 per cell (fewer where a cell is expensive).")
-    w("* **Candidates** (what the code chooses): the estimator of phi_{>=r} (`threshold`: Lemma "
-      "10's inverse filter = seed 001 Algorithm 1/5's estimate; `deconvolution`: EM NPMLE "
-      "stopped early, tol 1e-5; `mle`: the same EM run to convergence; `wupagh`: Wu and Pagh "
-      "(ICML 2024), the circulant inverse of the noise projected onto the simplex; `auto`: the "
-      "estimator and cap chosen from the counters by minimax bootstrap regret, "
-      "`aggregator.selection`) x the rule capping the total at the public n (`items`: keep the "
-      "largest items; `scale`: thin every level; `estimate.cap_total`). `none` (no cap) is "
-      "measured too but is not admissible: it can release more events than n. (`xfit`, the "
-      "cross-fitted EM, is selectable but not in the grid: see the notes.) The issue's oracle "
-      "also ranges over B in hashed mode; this grid keeps B = choose_buckets(n) "
-      "(docs/large_domains.md has the B sweep).")
-    w("* **Pairing**: per repetition one draw of the items and, per layer count, one draw of the "
-      "noisy counters, shared by every candidate. Error: l1 distance of the released and true "
-      "anonymized histograms (= of their cumulative prevalences). Empty counters' noise is one "
-      "multinomial over the exact pmf; hashing puts each distinct item in a uniformly random "
-      "bucket. Seeded numpy noise (benchmark only).")
-    w("* **Rule**: regret(m, c) = E(m, c) / min over admissible m' of E(m', c), E = mean l1 "
-      "error over the cell's repetitions. Default for (mode, layers) = lowest worst-case regret "
-      "over that mode's cells; within 1% of it, lowest geometric-mean regret. Worst case because "
-      "a deployment does not know in advance which cell it is in.")
+    w(
+        f"* **Cells** (what a deployment does not choose; {n_cells['direct']} direct, "
+        f"{n_cells['hashed']} hashed; `grid.grid_cells`). Direct mode: D counters, items "
+        "multinomial over [D] (`bench/_data.py`): Zipf with exponents 0.7, 1.1, 1.5, 2, "
+        "geometric, uniform, and *heavy* (5 items holding half the events over a long tail of "
+        "singletons), at (D, n) with D/n from 0.01 to 33 and n from 1e3 to 1e7; empty and "
+        "near-empty windows (n = 0, 10, 100 over D = 1e5 and 1e6); ten real frequency profiles "
+        "shipped in PyPI packages (wordfreq 3.1 English, German, Japanese, Arabic; pyspellchecker "
+        "0.9 Spanish, Russian, Persian, Latvian; symspellpy 6.10 English unigrams and bigrams; D = "
+        "their vocabulary, n = D/10 and 10 D). Hashed mode: items over an unbounded domain "
+        "(Zipf(1.1), Zipf(1.01), Zipf(1.5), mostly distinct; `bench/accuracy/largedomain.py "
+        "items_counts`), B = choose_buckets(n) = 2 n counters, n = 1e3..1e7. eps from 0.25 to 4 "
+        "(rotating over the cells; p = exp(-eps/2) rounded up, replace-one); 1, 2, 3 and 6 DLap "
+        "layers (state-only release; joint model; joint model after one and after four audit "
+        "exports). Repetitions: 1-3 per cell (fewer where a cell is expensive)."
+    )
+    w(
+        "* **Candidates** (what the code chooses): the estimator of phi_{>=r} (`threshold`: Lemma "
+        "10's inverse filter = seed 001 Algorithm 1/5's estimate; `deconvolution`: EM NPMLE "
+        "stopped early, tol 1e-5; `mle`: the same EM run to convergence; `wupagh`: Wu and Pagh "
+        "(ICML 2024), the circulant inverse of the noise projected onto the simplex; `auto`: the "
+        "estimator and cap chosen from the counters by minimax bootstrap regret, "
+        "`aggregator.selection`) x the rule capping the total at the public n (`items`: keep the "
+        "largest items; `scale`: thin every level; `estimate.cap_total`). `none` (no cap) is "
+        "measured too but is not admissible: it can release more events than n. (`xfit`, the "
+        "cross-fitted EM, is selectable but not in the grid: see the notes.) The issue's oracle "
+        "also ranges over B in hashed mode; this grid keeps B = choose_buckets(n) "
+        "(docs/large_domains.md has the B sweep)."
+    )
+    w(
+        "* **Pairing**: per repetition one draw of the items and, per layer count, one draw of the "
+        "noisy counters, shared by every candidate. Error: l1 distance of the released and true "
+        "anonymized histograms (= of their cumulative prevalences). Empty counters' noise is one "
+        "multinomial over the exact pmf; hashing puts each distinct item in a uniformly random "
+        "bucket. Seeded numpy noise (benchmark only)."
+    )
+    w(
+        "* **Rule**: regret(m, c) = E(m, c) / min over admissible m' of E(m', c), E = mean l1 "
+        "error over the cell's repetitions. Default for (mode, layers) = lowest worst-case regret "
+        "over that mode's cells; within 1% of it, lowest geometric-mean regret. Worst case because "
+        "a deployment does not know in advance which cell it is in."
+    )
     w("")
     w("## Defaults chosen")
     w("")
-    w("| mode | layers | cells | chosen (method / cap) | worst-case regret ± se (cell) | geo-mean "
-      "regret | tied with (within 2 se) | code default when reported | its worst-case regret |")
+    w(
+        "| mode | layers | cells | chosen (method / cap) "
+        "| worst-case regret ± se (cell) | geo-mean "
+        "regret | tied with (within 2 se) | code default when reported | its worst-case regret |"
+    )
     w("|---|---|---|---|---|---|---|---|---|")
     for (mode, k), a in an.items():
         ch = a["choice"]
@@ -586,14 +717,19 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
         others = [cand_label(m) for m in a["tied"] if m != ch]
         code = a["code"]
         cw = a["worst"].get(code, (float("nan"), None))
-        w(f"| {mode} | {k} | {len(a['cells'])} | **{cand_label(ch)}** | {wv:.2f} ± {fmt(se)} "
-          f"({cell_label(results[wi].cell)}; best there: {cand_label(best_c)}) | "
-          f"{a['geo'][ch]:.3f} | {', '.join(others) or '-'} | {cand_label(code)} | "
-          f"{fmt(cw[0])}" + (f" ({cell_label(results[cw[1]].cell)})" if cw[1] is not None
-                             else "") + " |")
+        w(
+            f"| {mode} | {k} | {len(a['cells'])} | **{cand_label(ch)}** | {wv:.2f} ± {fmt(se)} "
+            f"({cell_label(results[wi].cell)}; best there: {cand_label(best_c)}) | "
+            f"{a['geo'][ch]:.3f} | {', '.join(others) or '-'} | {cand_label(code)} | "
+            f"{fmt(cw[0])}"
+            + (f" ({cell_label(results[cw[1]].cell)})" if cw[1] is not None else "")
+            + " |"
+        )
     w("")
-    w("(± is the standard error of the worst cell's regret, a ratio of means over the same "
-      "repetitions: paired delta method, `grid.regret_se`.)")
+    w(
+        "(± is the standard error of the worst cell's regret, a ratio of means over the same "
+        "repetitions: paired delta method, `grid.regret_se`.)"
+    )
     w("")
     _write_refinement(w, state.get("refined", []))
     w("## All candidates")
@@ -601,15 +737,20 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
     for (mode, k), a in an.items():
         w(f"### {mode} mode, {k} layer{'s' if k > 1 else ''} ({len(a['cells'])} cells)")
         w("")
-        w("| candidate | worst-case regret ± se | worst cell | geo-mean regret | lowest error in | "
-          "mean s per estimate |")
+        w(
+            "| candidate | worst-case regret ± se | worst "
+            "cell | geo-mean regret | lowest error in | "
+            "mean s per estimate |"
+        )
         w("|---|---|---|---|---|---|")
         for m in sorted(ADMISSIBLE, key=lambda m: (a["worst"][m][0], a["geo"][m])):
             wv, wi = a["worst"][m]
             mark = "**" if m == a["choice"] else ""
-            w(f"| {mark}{cand_label(m)}{mark} | {wv:.2f} ± {fmt(a['se'][(m, wi)])} | "
-              f"{cell_label(results[wi].cell)} | "
-              f"{a['geo'][m]:.3f} | {a['best_in'][m]} | {a['secs'][m[0]]:.3f} |")
+            w(
+                f"| {mark}{cand_label(m)}{mark} | {wv:.2f} ± {fmt(a['se'][(m, wi)])} | "
+                f"{cell_label(results[wi].cell)} | "
+                f"{a['geo'][m]:.3f} | {a['best_in'][m]} | {a['secs'][m[0]]:.3f} |"
+            )
         w("")
     w("![regret per candidate](img/grid_regret.png)")
     w("")
@@ -635,26 +776,33 @@ def write_report(state: dict, outdir: Path, quick: bool = False) -> None:
 def _write_rules(w, results, an) -> None:
     w("## A rule on the public signal-to-noise ratio")
     w("")
-    w("No fixed candidate is good everywhere, so the grid also fits, per (mode, layers), the best "
-      "one-split rule on SNR = `intervals.signal_to_noise(n, counters, p, layers)` (public: "
-      "computable before any data arrives): one candidate below a cut, another above "
-      "(`fit_rule`: lowest worst-case regret over the cells, ties to the geometric mean). "
-      "In-sample the rule is fitted to these very cells, so it is judged out of sample: "
-      "*held out* = leave one distribution out (fit on the other distributions' cells, read the "
-      "regret on the held-out distribution's cells; the worst over all). The rule becomes the "
-      "default (the release would then apply it) only if its held-out worst case beats the fixed "
-      "choice's in-sample worst case.")
+    w(
+        "No fixed candidate is good everywhere, so the "
+        "grid also fits, per (mode, layers), the best "
+        "one-split rule on SNR = `intervals.signal_to_noise(n, counters, p, layers)` (public: "
+        "computable before any data arrives): one candidate below a cut, another above "
+        "(`fit_rule`: lowest worst-case regret over the cells, ties to the geometric mean). "
+        "In-sample the rule is fitted to these very cells, so it is judged out of sample: "
+        "*held out* = leave one distribution out (fit on the other distributions' cells, read the "
+        "regret on the held-out distribution's cells; the worst over all). The rule becomes the "
+        "default (the release would then apply it) only if its held-out worst case beats the fixed "
+        "choice's in-sample worst case."
+    )
     w("")
-    w("| mode | layers | fixed choice: worst | rule (below cut / above cut) | SNR cut "
-      "| rule: worst in-sample | rule: worst held out (cell) | adopted |")
+    w(
+        "| mode | layers | fixed choice: worst | rule (below cut / above cut) | SNR cut "
+        "| rule: worst in-sample | rule: worst held out (cell) | adopted |"
+    )
     w("|---|---|---|---|---|---|---|---|")
     for (mode, k), a in an.items():
         r = a["rule"]
         cut = "-" if not math.isfinite(r["cut"]) else f"{math.exp(r['cut']):.3g}"
         lc = cell_label(results[r["lodo_cell"]].cell) if r["lodo_cell"] is not None else "-"
-        w(f"| {mode} | {k} | {a['worst'][a['choice']][0]:.2f} ({cand_label(a['choice'])}) | "
-          f"{cand_label(r['low'])} / {cand_label(r['high'])} | {cut} | {r['worst']:.2f} | "
-          f"{r['lodo']:.2f} ({lc}) | {'yes' if r['adopted'] else 'no'} |")
+        w(
+            f"| {mode} | {k} | {a['worst'][a['choice']][0]:.2f} ({cand_label(a['choice'])}) | "
+            f"{cand_label(r['low'])} / {cand_label(r['high'])} | {cut} | {r['worst']:.2f} | "
+            f"{r['lodo']:.2f} ({lc}) | {'yes' if r['adopted'] else 'no'} |"
+        )
     w("")
 
 
@@ -669,12 +817,16 @@ def _paired_worse(a_errs, b_errs, z: float = 2.0) -> bool:
 def _write_targets(w, results, an, state) -> None:
     w("## The issue's targets, measured")
     w("")
-    w("The *default* below is the effective release default per cell: the SNR rule where "
-      "adopted, else the fixed choice.")
+    w(
+        "The *default* below is the effective release default per cell: the SNR rule where "
+        "adopted, else the fixed choice."
+    )
     w("")
-    w("| mode | layers | cells | worst regret of the default (cell) | cells > 1.10 | geo-mean "
-      "regret | worse than Algorithm 1 (threshold, no cap) by > 2 se | worse than Wu-Pagh "
-      "(no cap) by > 2 se |")
+    w(
+        "| mode | layers | cells | worst regret of the default (cell) | cells > 1.10 | geo-mean "
+        "regret | worse than Algorithm 1 (threshold, no cap) by > 2 se | worse than Wu-Pagh "
+        "(no cap) by > 2 se |"
+    )
     w("|---|---|---|---|---|---|---|---|")
     for (mode, k), a in an.items():
         er = a["eff_reg"]
@@ -688,11 +840,15 @@ def _write_targets(w, results, an, state) -> None:
             mine = r.l1[(k, m, cap)]
             worse_alg1 += _paired_worse(mine, r.l1[(k, "threshold", "none")])
             worse_wp += _paired_worse(mine, r.l1[(k, "wupagh", "none")])
-        w(f"| {mode} | {k} | {len(er)} | {er[wc]:.2f} ({cell_label(results[wc].cell)}) | {over} "
-          f"| {geo:.3f} | {worse_alg1} | {worse_wp} |")
+        w(
+            f"| {mode} | {k} | {len(er)} | {er[wc]:.2f} ({cell_label(results[wc].cell)}) | {over} "
+            f"| {geo:.3f} | {worse_alg1} | {worse_wp} |"
+        )
     w("")
-    w("Joint model (2 layers) against state-only (1 layer), same cells and items, each with its "
-      "own default: geometric mean over the cells of E(2 layers) / E(1 layer) (target <= 1.3):")
+    w(
+        "Joint model (2 layers) against state-only (1 layer), same cells and items, each with its "
+        "own default: geometric mean over the cells of E(2 layers) / E(1 layer) (target <= 1.3):"
+    )
     w("")
     for mode in ("direct", "hashed"):
         if (mode, 1) not in an or (mode, 2) not in an:
@@ -707,28 +863,39 @@ def _write_targets(w, results, an, state) -> None:
                     rs.append(e2 / e1)
                 # the same ratio for the best admissible candidate in hindsight at each layer
                 # count: what no choice among the candidates can beat
-                o1, o2 = (min(np.mean(results[c].l1[(k,) + m]) for m in ADMISSIBLE
-                              if (k,) + m in results[c].l1) for k in (1, 2))
+                o1, o2 = (
+                    min(
+                        np.mean(results[c].l1[(k,) + m])
+                        for m in ADMISSIBLE
+                        if (k,) + m in results[c].l1
+                    )
+                    for k in (1, 2)
+                )
                 if o1 > 0 and o2 > 0:
                     best.append(o2 / o1)
         if rs:
-            w(f"* {mode}: {math.exp(np.mean(np.log(rs))):.2f} (range {min(rs):.2f} .. "
-              f"{max(rs):.2f}, {len(rs)} cells); the per-cell best candidate in hindsight at "
-              f"each layer count: {math.exp(np.mean(np.log(best))):.2f} (range "
-              f"{min(best):.2f} .. {max(best):.2f})")
+            w(
+                f"* {mode}: {math.exp(np.mean(np.log(rs))):.2f} (range {min(rs):.2f} .. "
+                f"{max(rs):.2f}, {len(rs)} cells); the per-cell best candidate in hindsight at "
+                f"each layer count: {math.exp(np.mean(np.log(best))):.2f} (range "
+                f"{min(best):.2f} .. {max(best):.2f})"
+            )
     w("")
 
 
 def _write_misses(w, results, an, over: float = 2.0) -> None:
     w(f"## Where the chosen defaults lose more than {over:g}x")
     w("")
-    w(f"Cells where the chosen default's mean error is more than {over:g}x the best candidate's "
-      "(regret ± se; the best candidate in brackets):")
+    w(
+        f"Cells where the chosen default's mean error is more than {over:g}x the best candidate's "
+        "(regret ± se; the best candidate in brackets):"
+    )
     w("")
     for (mode, k), a in an.items():
         ch = a["choice"]
-        bad = sorted(((a["reg"][(ch, i)], i) for i in a["cells"] if a["reg"][(ch, i)] > over),
-                     reverse=True)
+        bad = sorted(
+            ((a["reg"][(ch, i)], i) for i in a["cells"] if a["reg"][(ch, i)] > over), reverse=True
+        )
         head = f"* {mode}, {k} layer{'s' if k > 1 else ''} ({cand_label(ch)}): "
         if not bad:
             w(head + "none")
@@ -736,8 +903,10 @@ def _write_misses(w, results, an, over: float = 2.0) -> None:
         parts = []
         for v, i in bad:
             best = min(ADMISSIBLE, key=lambda m: a["err"][(m, i)])
-            parts.append(f"{cell_label(results[i].cell)} {v:.2f} ± {fmt(a['se'][(ch, i)])} "
-                         f"[{cand_label(best)}]")
+            parts.append(
+                f"{cell_label(results[i].cell)} {v:.2f} ± {fmt(a['se'][(ch, i)])} "
+                f"[{cand_label(best)}]"
+            )
         w(head + f"{len(bad)} of {len(a['cells'])}: " + "; ".join(parts))
     w("")
 
@@ -745,17 +914,21 @@ def _write_misses(w, results, an, over: float = 2.0) -> None:
 def _write_refinement(w, rounds: list) -> None:
     if not rounds:
         return
-    w("Refinement: the maximum of noisy ratios is biased upwards and jumps between cells, so "
-      "after the first pass the cells that decide each choice (`grid.decisive_cells`: the three "
-      "highest-regret cells of every candidate within 1.5x of the lowest worst-case regret) got "
-      "more repetitions (max(2 reps, 8)), in rounds:")
+    w(
+        "Refinement: the maximum of noisy ratios is biased upwards and jumps between cells, so "
+        "after the first pass the cells that decide each choice (`grid.decisive_cells`: the three "
+        "highest-regret cells of every candidate within 1.5x of the lowest worst-case regret) got "
+        "more repetitions (max(2 reps, 8)), in rounds:"
+    )
     w("")
     for j, r in enumerate(rounds, 1):
         line = f"* round {j} ({r['started']}, {r['rev']}): {len(r['cells'])} cells"
         if "before" in r:
-            changed = [f"{m} {k}: {cand_label(r['before'][(m, k)])} -> "
-                       f"{cand_label(r['after'][(m, k)])}"
-                       for (m, k) in r["after"] if r["before"].get((m, k)) != r["after"][(m, k)]]
+            changed = [
+                f"{m} {k}: {cand_label(r['before'][(m, k)])} -> {cand_label(r['after'][(m, k)])}"
+                for (m, k) in r["after"]
+                if r["before"].get((m, k)) != r["after"][(m, k)]
+            ]
             line += "; choices changed: " + ("; ".join(changed) if changed else "none")
         w(line)
     w("")
@@ -764,21 +937,29 @@ def _write_refinement(w, rounds: list) -> None:
 def _write_caps(w, results, an) -> None:
     w("## Capping the total at n")
     w("")
-    w("Per method: how often the uncapped estimate held more than n events (cells where its mean "
-      "total exceeds n), and the error of each cap rule relative to no cap on the same "
-      "projections (geometric mean over the cells, and the range).")
+    w(
+        "Per method: how often the uncapped estimate held more than n events (cells where its mean "
+        "total exceeds n), and the error of each cap rule relative to no cap on the same "
+        "projections (geometric mean over the cells, and the range)."
+    )
     w("")
-    w("| mode | layers | method | cells with total > n | items / none (geo, range) | "
-      "scale / none (geo, range) |")
+    w(
+        "| mode | layers | method | cells with total > n | items / none (geo, range) | "
+        "scale / none (geo, range) |"
+    )
     w("|---|---|---|---|---|---|")
     for (mode, k), a in an.items():
         for m in METHODS:
-            over = sum(1 for i in a["cells"]
-                       if np.mean(results[i].total[(k, m)]) > results[i].cell.n)
+            over = sum(
+                1 for i in a["cells"] if np.mean(results[i].total[(k, m)]) > results[i].cell.n
+            )
             parts = []
             for cap in grid.ADMISSIBLE_CAPS:
-                rs = [a["err"][((m, cap), i)] / a["err"][((m, "none"), i)] for i in a["cells"]
-                      if a["err"][((m, "none"), i)] > 0]
+                rs = [
+                    a["err"][((m, cap), i)] / a["err"][((m, "none"), i)]
+                    for i in a["cells"]
+                    if a["err"][((m, "none"), i)] > 0
+                ]
                 g = float(np.exp(np.mean(np.log(rs))))
                 parts.append(f"{g:.3f} ({min(rs):.2f}..{max(rs):.2f})")
             w(f"| {mode} | {k} | {m} | {over} of {len(a['cells'])} | {parts[0]} | {parts[1]} |")
@@ -787,36 +968,47 @@ def _write_caps(w, results, an) -> None:
 
 def _write_snr(w, rows) -> None:
     from aggregator.intervals import SNR_MIN
+
     w("## Signal below noise")
     w("")
-    w("SNR = n / sqrt(C / chi2_k) (`aggregator.intervals.signal_to_noise`: C counters, chi2_k the "
-      "chi-square divergence between the k-layer noise pmf and its shift by one; sqrt(C / chi2_k) "
-      "is the Cramer-Rao standard error for the number of items when nearly every counter is "
-      "empty). Relative error = mean l1 error / n, per cell and layer count, of the chosen "
-      "default and of the best candidate in the cell.")
+    w(
+        "SNR = n / sqrt(C / chi2_k) "
+        "(`aggregator.intervals.signal_to_noise`: C counters, chi2_k the "
+        "chi-square divergence between the k-layer noise "
+        "pmf and its shift by one; sqrt(C / chi2_k) "
+        "is the Cramer-Rao standard error for the number of items when nearly every counter is "
+        "empty). Relative error = mean l1 error / n, per cell and layer count, of the chosen "
+        "default and of the best candidate in the cell."
+    )
     w("")
     edges = [0, 0.5, 1, 2, 4, 8, 16, 64, math.inf]
-    w("| SNR | cells | default: median relative error | default: max | best candidate: median "
-      "| best candidate: max |")
+    w(
+        "| SNR | cells | default: median relative error | default: max | best candidate: median "
+        "| best candidate: max |"
+    )
     w("|---|---|---|---|---|---|")
     for lo, hi in zip(edges[:-1], edges[1:]):
         sel = [r for r in rows if lo <= r[3] < hi]
         if not sel:
             continue
         rel, best = [r[4] for r in sel], [r[5] for r in sel]
-        w(f"| {lo:g} .. {hi:g} | {len(sel)} | {np.median(rel):.3f} | {max(rel):.3f} | "
-          f"{np.median(best):.3f} | {max(best):.3f} |")
+        w(
+            f"| {lo:g} .. {hi:g} | {len(sel)} | {np.median(rel):.3f} | {max(rel):.3f} | "
+            f"{np.median(best):.3f} | {max(best):.3f} |"
+        )
     w("")
     below = [r for r in rows if r[3] < SNR_MIN]
     above = [r for r in rows if r[3] >= SNR_MIN]
-    w(f"The best candidate's relative error reached 1/2 only at SNR <= {snr_cutoff(rows, 5):.2f} "
-      f"(the chosen default's: up to SNR {snr_cutoff(rows, 4):.2f}). With the flag at "
-      f"`SNR_MIN` = {SNR_MIN:g} (`intervals.signal_below_noise`): {len(below)} flagged cells, "
-      f"{sum(1 for r in below if r[5] >= 0.5)} of them with the best relative error >= 1/2 and "
-      f"{sum(1 for r in below if r[4] >= 0.5)} with the default's >= 1/2; {len(above)} cells "
-      f"not flagged, {sum(1 for r in above if r[5] >= 0.5)} with the best relative error >= 1/2 "
-      f"and {sum(1 for r in above if r[4] >= 0.5)} with the default's (estimator regret, not "
-      "noise: the best candidate stayed below 1/2 there).")
+    w(
+        f"The best candidate's relative error reached 1/2 only at SNR <= {snr_cutoff(rows, 5):.2f} "
+        f"(the chosen default's: up to SNR {snr_cutoff(rows, 4):.2f}). With the flag at "
+        f"`SNR_MIN` = {SNR_MIN:g} (`intervals.signal_below_noise`): {len(below)} flagged cells, "
+        f"{sum(1 for r in below if r[5] >= 0.5)} of them with the best relative error >= 1/2 and "
+        f"{sum(1 for r in below if r[4] >= 0.5)} with the default's >= 1/2; {len(above)} cells "
+        f"not flagged, {sum(1 for r in above if r[5] >= 0.5)} with the best relative error >= 1/2 "
+        f"and {sum(1 for r in above if r[4] >= 0.5)} with the default's (estimator regret, not "
+        "noise: the best candidate stayed below 1/2 there)."
+    )
     w("")
     w("![relative error vs SNR](img/grid_snr.png)")
     w("")
@@ -827,14 +1019,19 @@ COVERAGE_NAMES = ("l1", "distinct", "entropy", "coverage", "phi", "phi_r", "band
 
 def coverage_summary(rec: dict) -> dict:
     """Coverage fractions of one (cell, layers) record of grid.run_coverage."""
+
     def frac(ds):
         return float(np.mean([v for d in ds for v in d.values()])) if any(ds) else math.nan
 
-    return dict(l1=float(np.mean(np.array(rec["l1"]) <= np.array(rec["bound"]))),
-                distinct=float(np.mean(rec["distinct"])), entropy=float(np.mean(rec["entropy"])),
-                coverage=float(np.mean(rec.get("coverage", [math.nan]))),
-                phi=frac(rec["phi"]), phi_r=frac(rec.get("phi_r", [])),
-                bands=frac(rec.get("bands", [])))
+    return dict(
+        l1=float(np.mean(np.array(rec["l1"]) <= np.array(rec["bound"]))),
+        distinct=float(np.mean(rec["distinct"])),
+        entropy=float(np.mean(rec["entropy"])),
+        coverage=float(np.mean(rec.get("coverage", [math.nan]))),
+        phi=frac(rec["phi"]),
+        phi_r=frac(rec.get("phi_r", [])),
+        bands=frac(rec.get("bands", [])),
+    )
 
 
 def coverage_check(dists: list[str], quick: bool = False) -> None:
@@ -853,12 +1050,18 @@ def coverage_check(dists: list[str], quick: bool = False) -> None:
             v = coverage_summary(rec)
             rows.setdefault(k, []).append(v)
             width = float(np.mean(rec["width_distinct"]))  # (upper - lower) / true items
-            print(f"| {cell_label(cell)} | {k} | "
-                  + " | ".join(f"{v[name]:.3g}" for name in COVERAGE_NAMES)
-                  + f" | {width:.3g} |", flush=True)
+            print(
+                f"| {cell_label(cell)} | {k} | "
+                + " | ".join(f"{v[name]:.3g}" for name in COVERAGE_NAMES)
+                + f" | {width:.3g} |",
+                flush=True,
+            )
     for k, vs in sorted(rows.items()):
-        print(f"| average | {k} | " + " | ".join(
-            f"{np.nanmean([v[name] for v in vs]):.3f}" for name in COVERAGE_NAMES) + " | |")
+        print(
+            f"| average | {k} | "
+            + " | ".join(f"{np.nanmean([v[name] for v in vs]):.3f}" for name in COVERAGE_NAMES)
+            + " | |"
+        )
 
 
 def _write_coverage(w, cov: dict) -> None:
@@ -867,22 +1070,27 @@ def _write_coverage(w, cov: dict) -> None:
     level = 0.9
     w("## Error bars: measured coverage")
     w("")
-    w("`aggregator.intervals.error_bars(counters, p, layers=k, n=n, buckets=B, reps=16, "
-      "level=0.9)` (stand-in truths: the early-stopped EM's and the converged NPMLE's histograms, "
-      "union of the two intervals, `model=\"both\"`; no interval shorter than the counters' "
-      "information allows, `intervals.information_floor`, and every interval reaching the "
-      "likelihood region's extremes, `intervals.plausible_extremes`, from commit 0f255d0 on) on "
-      "fresh data and noise per repetition "
-      "(release defaults), against the truth: *l1 bound* = fraction of repetitions whose true l1 "
-      "error is at most the bound (nominal 0.90, one-sided); *distinct*, *entropy*, *S_2n* "
-      "(support coverage at m = 2n) = fraction inside the two-sided 90% interval; *phi_{>=r}* = "
-      f"pointwise coverage at r in {grid.COVERAGE_R} (where r exists), averaged; *phi_r* = the "
-      f"same for phi_r at r in {grid.COVERAGE_PHI_R}; *rank bands* = the events held by ranks "
-      "1, 2-10, 11-100, ... (`intervals.RANK_BANDS`), averaged over the bands that exist; "
-      "*width* = mean (upper - lower) / true number of items.")
+    w(
+        "`aggregator.intervals.error_bars(counters, p, layers=k, n=n, buckets=B, reps=16, "
+        "level=0.9)` (stand-in truths: the early-stopped "
+        "EM's and the converged NPMLE's histograms, "
+        'union of the two intervals, `model="both"`; no interval shorter than the counters\' '
+        "information allows, `intervals.information_floor`, and every interval reaching the "
+        "likelihood region's extremes, `intervals.plausible_extremes`, from commit 0f255d0 on) on "
+        "fresh data and noise per repetition "
+        "(release defaults), against the truth: *l1 bound* = fraction of repetitions whose true l1 "
+        "error is at most the bound (nominal 0.90, one-sided); *distinct*, *entropy*, *S_2n* "
+        "(support coverage at m = 2n) = fraction inside the two-sided 90% interval; *phi_{>=r}* = "
+        f"pointwise coverage at r in {grid.COVERAGE_R} (where r exists), averaged; *phi_r* = the "
+        f"same for phi_r at r in {grid.COVERAGE_PHI_R}; *rank bands* = the events held by ranks "
+        "1, 2-10, 11-100, ... (`intervals.RANK_BANDS`), averaged over the bands that exist; "
+        "*width* = mean (upper - lower) / true number of items."
+    )
     w("")
-    w("| cell | layers | default | reps | l1 bound | distinct | entropy | S_2n | phi_{>=r} | "
-      "phi_r | rank bands | width | s per call |")
+    w(
+        "| cell | layers | default | reps | l1 bound | distinct | entropy | S_2n | phi_{>=r} | "
+        "phi_r | rank bands | width | s per call |"
+    )
     w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     tot: dict = {}
     for key, c in cov.items():
@@ -891,17 +1099,23 @@ def _write_coverage(w, cov: dict) -> None:
             v = coverage_summary(rec)
             for name in COVERAGE_NAMES:
                 tot.setdefault((k, name), []).append(v[name])
-            w(f"| {cell_label(cell)} ({cell.mode}) | {k} | {c['defaults'][k]} | "
-              f"{len(rec['l1'])} | " + " | ".join(fmt(v[nm]) for nm in COVERAGE_NAMES)
-              + f" | {np.mean(rec['width_distinct']):.3f} | {np.mean(rec['seconds']):.2f} |")
+            w(
+                f"| {cell_label(cell)} ({cell.mode}) | {k} | {c['defaults'][k]} | "
+                f"{len(rec['l1'])} | "
+                + " | ".join(fmt(v[nm]) for nm in COVERAGE_NAMES)
+                + f" | {np.mean(rec['width_distinct']):.3f} | {np.mean(rec['seconds']):.2f} |"
+            )
     w("")
     w("Averages over the cells (nominal " + f"{level:.2f}" + "; target: within 0.02):")
     w("")
     w("| layers | " + " | ".join(COVERAGE_NAMES) + " |")
     w("|---|" + "---|" * len(COVERAGE_NAMES))
     for k in sorted({k for k, _ in tot}):
-        w(f"| {k} | " + " | ".join(fmt(float(np.nanmean(tot[(k, nm)]))) for nm in COVERAGE_NAMES)
-          + " |")
+        w(
+            f"| {k} | "
+            + " | ".join(fmt(float(np.nanmean(tot[(k, nm)]))) for nm in COVERAGE_NAMES)
+            + " |"
+        )
     w("")
 
 
@@ -910,37 +1124,47 @@ def _write_timing(w, tm: dict | None) -> None:
         return
     w("## Release time at D = 1e7")
     w("")
-    w(f"Full int64 counter arrays, eps = {tm['eps']:g}: direct mode D = {tm['n']:.0e} counters "
-      f"holding n = {tm['n']:.0e} Zipf(1.1) events; hashed mode n = {tm['n']:.0e} events of "
-      f"Zipf(1.1) items in B = {tm['B']:.0e} buckets. `anonymized_histogram(x, p, layers=k, "
-      "n=n, buckets=B or None, method=...)`; `default` = no method named (the table "
-      "`estimators.DEFAULTS`: method and cap rule per mode and layers); baseline `np.bincount(x - "
-      f"x.min())`. Medians of {TIME_REPS} interleaved repetitions of bincount, the default, "
-      f"threshold and wupagh; one run of the others (error bars: direct mode, 1-2 layers); "
-      "every call cold (what `auto` keeps for the error bars lives in the release's memo, "
-      f"none here); run {tm['started']} at {tm['rev']}.")
+    w(
+        f"Full int64 counter arrays, eps = {tm['eps']:g}: direct mode D = {tm['n']:.0e} counters "
+        f"holding n = {tm['n']:.0e} Zipf(1.1) events; hashed mode n = {tm['n']:.0e} events of "
+        f"Zipf(1.1) items in B = {tm['B']:.0e} buckets. `anonymized_histogram(x, p, layers=k, "
+        "n=n, buckets=B or None, method=...)`; `default` = no method named (the table "
+        "`estimators.DEFAULTS`: method and cap rule per "
+        "mode and layers); baseline `np.bincount(x - "
+        f"x.min())`. Medians of {TIME_REPS} interleaved repetitions of bincount, the default, "
+        f"threshold and wupagh; one run of the others (error bars: direct mode, 1-2 layers); "
+        "every call cold (what `auto` keeps for the error bars lives in the release's memo, "
+        f"none here); run {tm['started']} at {tm['rev']}."
+    )
     w("")
     names = list(dict.fromkeys(a for row in tm["rows"] for a in row["times"]))
     w("| mode | layers | default method | " + " | ".join(names) + " | default / bincount |")
     w("|---|---|---|" + "---|" * len(names) + "---|")
     for row in tm["rows"]:
         med = {a: float(np.median(b)) for a, b in row["times"].items()}
-        w(f"| {row['mode']} | {row['layers']} | {row['method']} | "
-          + " | ".join(f"{med[a]:.2f} s" if a in med else "-" for a in names)
-          + f" | {med['default'] / med['bincount']:.1f}x |")
+        w(
+            f"| {row['mode']} | {row['layers']} | {row['method']} | "
+            + " | ".join(f"{med[a]:.2f} s" if a in med else "-" for a in names)
+            + f" | {med['default'] / med['bincount']:.1f}x |"
+        )
     loads = [r["load"][0] for r in tm["rows"]]
     w("")
-    w(f"(1-minute load average during the timing: {min(loads):.2f} .. {max(loads):.2f} on 2 "
-      "cores; other jobs inflate the times.)")
+    w(
+        f"(1-minute load average during the timing: {min(loads):.2f} .. {max(loads):.2f} on 2 "
+        "cores; other jobs inflate the times.)"
+    )
     w("")
+
 
 def _union_best(old, new, k: int) -> float:
     """The per-cell oracle over both runs: the lowest mean error of any admissible candidate,
     stored or re-run (the same denominator for the old and the new default)."""
-    errs = [np.mean(v) for (kk, m, cap), v in old.l1.items()
-            if kk == k and cap in grid.ADMISSIBLE_CAPS]
-    errs += [np.mean(v) for (kk, m, cap), v in new.l1.items()
-             if kk == k and cap in grid.ADMISSIBLE_CAPS]
+    errs = [
+        np.mean(v) for (kk, m, cap), v in old.l1.items() if kk == k and cap in grid.ADMISSIBLE_CAPS
+    ]
+    errs += [
+        np.mean(v) for (kk, m, cap), v in new.l1.items() if kk == k and cap in grid.ADMISSIBLE_CAPS
+    ]
     return float(min(errs))
 
 
@@ -951,19 +1175,29 @@ def _write_rerun(w, results, rr: dict | None) -> None:
     w("## The EM change, re-measured on the grid")
     w("")
     runs = rr["runs"]
-    w(f"`{', '.join(RERUN_METHODS)}` re-run with the current code at layers "
-      f"{', '.join(map(str, RERUN_LAYERS))} on the stored cells' own noisy counters "
-      "(`--rerun`; " + "; ".join(f"run {r['started']} at {r['rev']}, {r['cells']} cells in "
-                                 f"{r['seconds'] / 60:.1f} min" for r in runs) + "). "
-      "Old = the stored run above, new = the re-run. Regret here is against the lowest error "
-      "of any admissible candidate of either run (one denominator for both). The sections "
-      "above still show the stored run.")
+    w(
+        f"`{', '.join(RERUN_METHODS)}` re-run with the current code at layers "
+        f"{', '.join(map(str, RERUN_LAYERS))} on the stored cells' own noisy counters "
+        "(`--rerun`; "
+        + "; ".join(
+            f"run {r['started']} at {r['rev']}, {r['cells']} cells in {r['seconds'] / 60:.1f} min"
+            for r in runs
+        )
+        + "). "
+        "Old = the stored run above, new = the re-run. Regret here is against the lowest error "
+        "of any admissible candidate of either run (one denominator for both). The sections "
+        "above still show the stored run."
+    )
     w("")
-    w("| mode | layers | candidate | cells | worst regret old -> new | geo-mean regret old -> new "
-      "| geo-mean error new / old (range) | new worse by > 2 se (paired) | new better by > 2 se "
-      "| s per estimate old -> new |")
+    w(
+        "| mode | layers | candidate | cells | worst "
+        "regret old -> new | geo-mean regret old -> new "
+        "| geo-mean error new / old (range) | new worse by > 2 se (paired) | new better by > 2 se "
+        "| s per estimate old -> new |"
+    )
     w("|---|---|---|---|---|---|---|---|---|---|")
     from aggregator.estimators import DEFAULTS
+
     by_key = {r.cell.key: r for r in results}
     for mode in ("direct", "hashed"):
         for k in RERUN_LAYERS:
@@ -989,23 +1223,27 @@ def _write_rerun(w, results, rr: dict | None) -> None:
                     continue
                 geo = lambda xs: math.exp(np.mean(np.log(xs)))  # noqa: E731
                 label = f"{m} / {cap}" + (" (default)" if DEFAULTS[(mode, k)][0] == m else "")
-                w(f"| {mode} | {k} | {label} | {len(reg_o)} | {max(reg_o):.2f} -> "
-                  f"{max(reg_n):.2f} | {geo(reg_o):.3f} -> {geo(reg_n):.3f} | {geo(ratio):.3f} "
-                  f"({min(ratio):.2f} .. {max(ratio):.2f}) | {worse} | {better} | "
-                  f"{np.mean(so):.3f} -> {np.mean(sn):.3f} |")
+                w(
+                    f"| {mode} | {k} | {label} | {len(reg_o)} | {max(reg_o):.2f} -> "
+                    f"{max(reg_n):.2f} | {geo(reg_o):.3f} -> {geo(reg_n):.3f} | {geo(ratio):.3f} "
+                    f"({min(ratio):.2f} .. {max(ratio):.2f}) | {worse} | {better} | "
+                    f"{np.mean(so):.3f} -> {np.mean(sn):.3f} |"
+                )
     w("")
 
 
 def _write_cells(w, results, an) -> None:
     w("## Every cell")
     w("")
-    w("Mean l1 error ± standard error over the repetitions, each method with the chosen default's "
-      "cap rule; regret of the chosen default; D_items = mean number of distinct items.")
+    w(
+        "Mean l1 error ± standard error over the "
+        "repetitions, each method with the chosen default's "
+        "cap rule; regret of the chosen default; D_items = mean number of distinct items."
+    )
     w("")
     for (mode, k), a in an.items():
         cap = a["choice"][1]
-        w(f"<details><summary>{mode} mode, {k} layer{'s' if k > 1 else ''} (cap: {cap})"
-          "</summary>")
+        w(f"<details><summary>{mode} mode, {k} layer{'s' if k > 1 else ''} (cap: {cap})</summary>")
         w("")
         w("| cell | reps | D_items | " + " | ".join(METHODS) + " | chosen / n | regret |")
         w("|---|---|---|" + "---|" * len(METHODS) + "---|---|")
@@ -1014,10 +1252,12 @@ def _write_cells(w, results, an) -> None:
             ms = [mean_se(r.l1[(k, m, cap)]) for m in METHODS]
             best = min(x for x, _ in ms)
             cells = [(f"**{fmt(x)}**" if x == best else fmt(x)) + f" ± {fmt(s)}" for x, s in ms]
-            w(f"| {cell_label(r.cell)} | {r.cell.reps} | {np.mean(r.items):.0f} | "
-              + " | ".join(cells)
-              + f" | {a['err'][(a['choice'], i)] / max(r.cell.n, 1):.3f} | "
-                f"{a['reg'][(a['choice'], i)]:.2f} |")
+            w(
+                f"| {cell_label(r.cell)} | {r.cell.reps} | {np.mean(r.items):.0f} | "
+                + " | ".join(cells)
+                + f" | {a['err'][(a['choice'], i)] / max(r.cell.n, 1):.3f} | "
+                f"{a['reg'][(a['choice'], i)]:.2f} |"
+            )
         w("")
         w("</details>")
         w("")
@@ -1025,18 +1265,19 @@ def _write_cells(w, results, an) -> None:
 
 def _plot_regret(an: dict, path: Path) -> None:
     from ..harness import pyplot
+
     plt = pyplot()
 
     keys = list(an)
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 4.2), dpi=100,
-                             sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(keys), figsize=(3.2 * len(keys), 4.2), dpi=100, sharey=True, squeeze=False
+    )
     for ax, key in zip(axes[0], keys):
         a = an[key]
         for j, m in enumerate(ADMISSIBLE):
             vals = [a["reg"][(m, c)] for c in a["cells"]]
             x = j + np.linspace(-0.25, 0.25, len(vals))
-            ax.scatter(x, vals, s=6, alpha=0.5,
-                       color="tab:red" if m == a["choice"] else "tab:blue")
+            ax.scatter(x, vals, s=6, alpha=0.5, color="tab:red" if m == a["choice"] else "tab:blue")
             ax.plot([j - 0.3, j + 0.3], [max(vals)] * 2, color="k", lw=1)
         ax.set_xticks(range(len(ADMISSIBLE)))
         ax.set_xticklabels([cand_label(m) for m in ADMISSIBLE], rotation=70, fontsize=7)
@@ -1051,6 +1292,7 @@ def _plot_regret(an: dict, path: Path) -> None:
 
 def _plot_snr(rows, path: Path) -> None:
     from ..harness import pyplot
+
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
@@ -1059,10 +1301,18 @@ def _plot_snr(rows, path: Path) -> None:
         for k in grid.LAYERS:
             sel = [r for r in rows if r[0] == mode and r[1] == k]
             if sel:
-                ax.scatter([r[3] for r in sel], [r[4] for r in sel], s=12, marker=marks[k],
-                           color=color, alpha=0.6, label=f"{mode}, {k} layer(s)")
+                ax.scatter(
+                    [r[3] for r in sel],
+                    [r[4] for r in sel],
+                    s=12,
+                    marker=marks[k],
+                    color=color,
+                    alpha=0.6,
+                    label=f"{mode}, {k} layer(s)",
+                )
     ax.axhline(0.5, color="k", lw=0.8, ls=":")
     from aggregator.intervals import SNR_MIN
+
     ax.axvline(SNR_MIN, color="tab:red", lw=0.8, ls="--", label="SNR_MIN (flag below)")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -1078,38 +1328,60 @@ def _plot_snr(rows, path: Path) -> None:
 def main(argv=None) -> int:
     ap = parser(__doc__, "two tiny cells, 1 and 2 layers, one repetition, into out/")
     ap.add_argument("--quick", action="store_true", help="a few small cells; writes under out/")
-    ap.add_argument("--shard", type=shard_arg,
-                    help="i/N: run every N-th remaining cell into its own file")
+    ap.add_argument(
+        "--shard", type=shard_arg, help="i/N: run every N-th remaining cell into its own file"
+    )
     ap.add_argument("--merge", action="store_true", help="fold the --shard files into the main one")
     ap.add_argument("--report", action="store_true", help="only re-render the saved results")
     ap.add_argument("--run-only", action="store_true", help="run (resume) the grid, no report")
-    ap.add_argument("--refine", action="store_true",
-                    help="one round of extra repetitions in the cells that decide the choices")
-    ap.add_argument("--coverage", action="store_true",
-                    help="run (resume) the error-bar coverage study into the results file")
-    ap.add_argument("--coverage-check", metavar="DISTS",
-                    help="comma-separated distributions (e.g. geometric,uniform,heavy,sc-ru): run "
-                         "only those coverage cells, afresh, and print their coverage table "
-                         "(a quick check of an interval change; nothing is saved in the results)")
-    ap.add_argument("--rerun", action="store_true",
-                    help="re-run the EM-based candidates (layers 1-2) on every stored cell with "
-                         "the current code into out/grid_rerun.pkl (resumable; the report "
-                         "compares them with the stored run)")
-    ap.add_argument("--replace", metavar="METHODS",
-                    help="comma-separated estimators to re-run with the current code on every "
-                         "stored cell (same counters) into a file of its own (with --shard i/N: "
-                         "that shard); --replace-merge puts them in place of the stored entries")
+    ap.add_argument(
+        "--refine",
+        action="store_true",
+        help="one round of extra repetitions in the cells that decide the choices",
+    )
+    ap.add_argument(
+        "--coverage",
+        action="store_true",
+        help="run (resume) the error-bar coverage study into the results file",
+    )
+    ap.add_argument(
+        "--coverage-check",
+        metavar="DISTS",
+        help="comma-separated distributions (e.g. geometric,uniform,heavy,sc-ru): run "
+        "only those coverage cells, afresh, and print their coverage table "
+        "(a quick check of an interval change; nothing is saved in the results)",
+    )
+    ap.add_argument(
+        "--rerun",
+        action="store_true",
+        help="re-run the EM-based candidates (layers 1-2) on every stored cell with "
+        "the current code into out/grid_rerun.pkl (resumable; the report "
+        "compares them with the stored run)",
+    )
+    ap.add_argument(
+        "--replace",
+        metavar="METHODS",
+        help="comma-separated estimators to re-run with the current code on every "
+        "stored cell (same counters) into a file of its own (with --shard i/N: "
+        "that shard); --replace-merge puts them in place of the stored entries",
+    )
     ap.add_argument("--replace-layers", default="1,2,3,6", help="layer counts for --replace")
     ap.add_argument("--replace-merge", action="store_true")
-    ap.add_argument("--timing", action="store_true",
-                    help="time the release at D = 1e7 (full arrays) into the results file")
+    ap.add_argument(
+        "--timing",
+        action="store_true",
+        help="time the release at D = 1e7 (full arrays) into the results file",
+    )
     args = ap.parse_args(argv)
     global ORDER, LAYERS
     if args.smoke:
         args.quick = ORDER = "smoke"  # grid.grid_cells: the smoke cells; the quick outputs
         LAYERS = (1, 2)
-    path = RESULTS.with_name(f"grid_results_{'smoke' if args.smoke else 'quick'}.pkl") \
-        if args.quick else RESULTS
+    path = (
+        RESULTS.with_name(f"grid_results_{'smoke' if args.smoke else 'quick'}.pkl")
+        if args.quick
+        else RESULTS
+    )
     if args.merge:
         merge_shards(path)
     if args.coverage_check:
@@ -1123,8 +1395,13 @@ def main(argv=None) -> int:
         run_coverage(args.quick, part, sp, cells=mine)
         return 0
     if args.replace:
-        run_replace(load(path), path, tuple(args.replace.split(",")),
-                    tuple(int(k) for k in args.replace_layers.split(",")), args.shard or "0/1")
+        run_replace(
+            load(path),
+            path,
+            tuple(args.replace.split(",")),
+            tuple(int(k) for k in args.replace_layers.split(",")),
+            args.shard or "0/1",
+        )
         return 0
     if args.replace_merge:
         merge_replace(path)

@@ -60,10 +60,10 @@ D_FIXED = 100_000
 # (appended methods keep the noise seeds of the earlier ones: the seed uses the index here)
 METHODS = ("pan1", "pan2", "naive", "dah_h", "dahp_h", "ph_h", "dah_n", "ph_n", "ph2_h", "dahx_h")
 SHOWN = ("pan1", "pan2", "naive", "dah_h", "dahp_h", "ph_h", "ph2_h", "dahx_h", "dah_n", "ph_n")
-CENTRAL_SAME = ("dah_h", "dahp_h", "ph_h")    # the yardstick of the price (issue 4's set)
+CENTRAL_SAME = ("dah_h", "dahp_h", "ph_h")  # the yardstick of the price (issue 4's set)
 CENTRAL_ALL = CENTRAL_SAME + ("ph2_h", "dahx_h")  # plus the two stronger variants found here
 PH2_HIGH = (1 / 20, 0.20, 0.75)  # PRIVHIST budget (eps1, eps2, eps3) / epsilon, epsilon <= 1
-PH2_LOW = (1 / 20, 0.95, 0.0)    # and for epsilon > 1 (eps3 unused on the low-privacy path)
+PH2_LOW = (1 / 20, 0.95, 0.0)  # and for epsilon > 1 (eps3 unused on the low-privacy path)
 LABEL = {
     "pan1": "pan-private state-only (1 layer)",
     "pan2": "pan-private joint (2 layers)",
@@ -78,15 +78,31 @@ LABEL = {
     "lb_h": "LB shape @eps/2",
     "lb_n": "LB shape @eps",
 }
-SHORT = {"pan1": "state-only", "pan2": "joint", "naive": "naive", "dah_h": "DAH@eps/2",
-         "dahp_h": "DAH-nPriv@eps/2", "ph_h": "PRIVHIST@eps/2", "dah_n": "DAH@eps",
-         "ph_n": "PRIVHIST@eps", "lb_h": "LB@eps/2", "lb_n": "LB@eps",
-         "ph2_h": "PRIVHIST-resplit@eps/2", "dahx_h": "DAH-Alg1-below-1@eps/2"}
+SHORT = {
+    "pan1": "state-only",
+    "pan2": "joint",
+    "naive": "naive",
+    "dah_h": "DAH@eps/2",
+    "dahp_h": "DAH-nPriv@eps/2",
+    "ph_h": "PRIVHIST@eps/2",
+    "dah_n": "DAH@eps",
+    "ph_n": "PRIVHIST@eps",
+    "lb_h": "LB@eps/2",
+    "lb_n": "LB@eps",
+    "ph2_h": "PRIVHIST-resplit@eps/2",
+    "dahx_h": "DAH-Alg1-below-1@eps/2",
+}
 STYLE = {  # color, fmt, alpha
-    "pan1": ("C0", "o-", 1.0), "pan2": ("C2", "^-", 1.0), "naive": ("C3", "x-", 0.8),
-    "dah_h": ("C1", "s-", 1.0), "dahp_h": ("C1", "s:", 0.6), "ph_h": ("C4", "d-", 1.0),
-    "dah_n": ("C1", "s--", 0.45), "ph_n": ("C4", "d--", 0.45),
-    "ph2_h": ("C5", "d:", 0.8), "dahx_h": ("C1", "s-.", 0.8),
+    "pan1": ("C0", "o-", 1.0),
+    "pan2": ("C2", "^-", 1.0),
+    "naive": ("C3", "x-", 0.8),
+    "dah_h": ("C1", "s-", 1.0),
+    "dahp_h": ("C1", "s:", 0.6),
+    "ph_h": ("C4", "d-", 1.0),
+    "dah_n": ("C1", "s--", 0.45),
+    "ph_n": ("C4", "d--", 0.45),
+    "ph2_h": ("C5", "d:", 0.8),
+    "dahx_h": ("C1", "s-.", 0.8),
 }
 PLOTTED = ("pan1", "pan2", "naive", "dah_h", "ph_h", "ph2_h", "dahx_h", "dah_n", "ph_n")
 
@@ -105,8 +121,10 @@ def _need_wordfreq():
     import importlib.util
 
     if importlib.util.find_spec("wordfreq") is None:
-        sys.exit("bench.accuracy.accuracy_report needs the wordfreq package for its real profiles: "
-                 "pip install -e '.[bench]'  (or: pip install wordfreq)")
+        sys.exit(
+            "bench.accuracy.accuracy_report needs the wordfreq package for its real profiles: "
+            "pip install -e '.[bench]'  (or: pip install wordfreq)"
+        )
 
 
 WORD_STATS = {}  # lang -> (words in the list, mass of the top K_WORDS before renormalizing)
@@ -172,8 +190,9 @@ def dah_upper(n: int, e: float) -> float:
 # one cell: dataset, n, eps; repetitions share the true histogram across eps
 # --------------------------------------------------------------------------------------------
 def _rng(seed, ds, n, rep, eps, method):
-    return np.random.default_rng([seed, _profile_code(ds), n, rep, int(round(eps * 1000)),
-                                  METHODS.index(method) + 1])
+    return np.random.default_rng(
+        [seed, _profile_code(ds), n, rep, int(round(eps * 1000)), METHODS.index(method) + 1]
+    )
 
 
 def run_methods(h: np.ndarray, ds: str, n: int, eps: float, rep: int, seed: int) -> dict:
@@ -212,16 +231,35 @@ def run_methods(h: np.ndarray, ds: str, n: int, eps: float, rep: int, seed: int)
 def plan(quick: bool, smoke: bool = False):
     """{(ds, n): [eps, ...]} and the grids."""
     if smoke:  # the quick grid's data sets, two points on each axis (slopes need two)
-        g = dict(n=[1_000, 3_000], eps=[1.0, 4.0], n_eps=[1.0, 4.0], eps_n=3_000,
-                 ds_n=["zipf", "zipf_scaled", "en"], ds_eps=["zipf", "en"], reps=2)
+        g = dict(
+            n=[1_000, 3_000],
+            eps=[1.0, 4.0],
+            n_eps=[1.0, 4.0],
+            eps_n=3_000,
+            ds_n=["zipf", "zipf_scaled", "en"],
+            ds_eps=["zipf", "en"],
+            reps=2,
+        )
     elif quick:
-        g = dict(n=[1_000, 10_000, 100_000], eps=[0.5, 2.0, 8.0], n_eps=[1.0, 4.0],
-                 eps_n=100_000, ds_n=["zipf", "zipf_scaled", "en"], ds_eps=["zipf", "en"],
-                 reps=3)
+        g = dict(
+            n=[1_000, 10_000, 100_000],
+            eps=[0.5, 2.0, 8.0],
+            n_eps=[1.0, 4.0],
+            eps_n=100_000,
+            ds_n=["zipf", "zipf_scaled", "en"],
+            ds_eps=["zipf", "en"],
+            reps=3,
+        )
     else:
-        g = dict(n=[1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000],
-                 eps=[0.25, 0.5, 1.0, 2.0, 4.0, 8.0], n_eps=[1.0, 4.0], eps_n=1_000_000,
-                 ds_n=["zipf", "zipf_scaled", "en", "de"], ds_eps=["zipf", "en", "de"], reps=30)
+        g = dict(
+            n=[1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000],
+            eps=[0.25, 0.5, 1.0, 2.0, 4.0, 8.0],
+            n_eps=[1.0, 4.0],
+            eps_n=1_000_000,
+            ds_n=["zipf", "zipf_scaled", "en", "de"],
+            ds_eps=["zipf", "en", "de"],
+            reps=30,
+        )
     todo = {}
     for ds in g["ds_n"]:
         for n in g["n"]:
@@ -252,9 +290,13 @@ def run_all(g, todo, seed, log):
         eta = el / done_units * (total_units - done_units)
         summary = "; ".join(
             f"eps={eps:g}: pan1 {mean_se(cells[(ds, n, eps)]['pan1']['l1'])[0]:.4g} "
-            f"best central {best_central(cells[(ds, n, eps)])[1]:.4g}" for eps in epss[:2])
-        log(f"[{i + 1}/{len(todo)}] {ds:11s} n={n:.0e} eps={','.join(f'{e:g}' for e in epss)} "
-            f"x{g['reps']} ({t.s:.1f}s; elapsed {el:.0f}s, eta {eta:.0f}s) {summary}")
+            f"best central {best_central(cells[(ds, n, eps)])[1]:.4g}"
+            for eps in epss[:2]
+        )
+        log(
+            f"[{i + 1}/{len(todo)}] {ds:11s} n={n:.0e} eps={','.join(f'{e:g}' for e in epss)} "
+            f"x{g['reps']} ({t.s:.1f}s; elapsed {el:.0f}s, eta {eta:.0f}s) {summary}"
+        )
     return cells
 
 
@@ -308,6 +350,7 @@ def loglog_slope(ns, ys):
 # --------------------------------------------------------------------------------------------
 def _plt():
     from ..harness import pyplot
+
     return pyplot()
 
 
@@ -327,10 +370,22 @@ def _series(ax, cells, keys, xs, m):
 
 
 def _bounds(ax, xs, ns, es):
-    ax.plot(xs, [lb_shape(n, e / 2) for n, e in zip(ns, es)], ":", color="k", lw=1.6,
-            label=LABEL["lb_h"] + " (constant 1)")
-    ax.plot(xs, [lb_shape(n, e) for n, e in zip(ns, es)], ":", color="0.6", lw=1.2,
-            label=LABEL["lb_n"] + " (constant 1)")
+    ax.plot(
+        xs,
+        [lb_shape(n, e / 2) for n, e in zip(ns, es)],
+        ":",
+        color="k",
+        lw=1.6,
+        label=LABEL["lb_h"] + " (constant 1)",
+    )
+    ax.plot(
+        xs,
+        [lb_shape(n, e) for n, e in zip(ns, es)],
+        ":",
+        color="0.6",
+        lw=1.2,
+        label=LABEL["lb_n"] + " (constant 1)",
+    )
 
 
 def _legend(fig, axes):
@@ -345,8 +400,9 @@ def _legend(fig, axes):
 def plot_vs_n(cells, g, path):
     plt = _plt()
     rows, cols = g["n_eps"], g["ds_n"]
-    fig, axes = plt.subplots(len(rows), len(cols),
-                             figsize=(max(4.3 * len(cols), 13), 3.9 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(rows), len(cols), figsize=(max(4.3 * len(cols), 13), 3.9 * len(rows)), squeeze=False
+    )
     for i, eps in enumerate(rows):
         for j, ds in enumerate(cols):
             ax = axes[i, j]
@@ -372,8 +428,7 @@ def plot_vs_eps(cells, g, path):
 
     cols = g["ds_eps"]
     n = g["eps_n"]
-    fig, axes = plt.subplots(1, len(cols), figsize=(max(4.6 * len(cols), 13), 4.6),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(cols), figsize=(max(4.6 * len(cols), 13), 4.6), squeeze=False)
     for j, ds in enumerate(cols):
         ax = axes[0, j]
         keys = [(ds, n, e) for e in g["eps"]]
@@ -421,8 +476,17 @@ def plot_price(cells, g, path):
                         X.append(x)
                         Y.append(r)
                         E.append(0.0 if math.isnan(se) else se)
-                ax.errorbar(X, Y, yerr=E, fmt=f, color=colors[ds], ms=4, capsize=2,
-                            alpha=0.6 if suffix else 1.0, label=f"{ds}: {SHORT[m]}{suffix}")
+                ax.errorbar(
+                    X,
+                    Y,
+                    yerr=E,
+                    fmt=f,
+                    color=colors[ds],
+                    ms=4,
+                    capsize=2,
+                    alpha=0.6 if suffix else 1.0,
+                    label=f"{ds}: {SHORT[m]}{suffix}",
+                )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -470,10 +534,19 @@ def _pfmt(pr):
 
 
 def price_table(cells, keys, xs, key):
-    head = [key, "best central @eps/2", "its l1", "state-only l1", "joint l1",
-            "**price: state-only / best central**", "**price: joint / best central**",
-            "naive / best central", "state-only / strongest central*",
-            "joint / strongest central*", "state-only / best central @eps (nominal)"]
+    head = [
+        key,
+        "best central @eps/2",
+        "its l1",
+        "state-only l1",
+        "joint l1",
+        "**price: state-only / best central**",
+        "**price: joint / best central**",
+        "naive / best central",
+        "state-only / strongest central*",
+        "joint / strongest central*",
+        "state-only / best central @eps (nominal)",
+    ]
     L = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for x, k in zip(xs, keys):
         c = cells[k]
@@ -484,10 +557,19 @@ def price_table(cells, keys, xs, key):
         pnom = price(c, "pan1", ("dah_n", "ph_n"))
         s1 = price(c, "pan1", CENTRAL_ALL)
         s2 = price(c, "pan2", CENTRAL_ALL)
-        row = [_ks(x, key), SHORT[bm], fmt(*ms(c, bm)), fmt(*ms(c, "pan1")), fmt(*ms(c, "pan2")),
-               "**" + _pfmt(p1) + "**", "**" + _pfmt(p2) + "**", _pfmt(pn),
-               f"{_pfmt(s1)} ({SHORT[s1[2]]})", f"{_pfmt(s2)} ({SHORT[s2[2]]})",
-               _pfmt(pnom) + f" ({SHORT[pnom[2]]})"]
+        row = [
+            _ks(x, key),
+            SHORT[bm],
+            fmt(*ms(c, bm)),
+            fmt(*ms(c, "pan1")),
+            fmt(*ms(c, "pan2")),
+            "**" + _pfmt(p1) + "**",
+            "**" + _pfmt(p2) + "**",
+            _pfmt(pn),
+            f"{_pfmt(s1)} ({SHORT[s1[2]]})",
+            f"{_pfmt(s2)} ({SHORT[s2[2]]})",
+            _pfmt(pnom) + f" ({SHORT[pnom[2]]})",
+        ]
         L.append("| " + " | ".join(row) + " |")
     return "\n".join(L)
 
@@ -517,19 +599,26 @@ def observations(cells, g):
                 rs.append((ms(c, m)[0] / dah_upper(n, e), ds, n, e))
     if rs:
         lo, hi = min(rs), max(rs)
-        out.append("* DPAnonHist (n public) mean l1 / its explicit upper bound "
-                   f"8 m e^-e/(1-e^-2e), m = ceil(sqrt n), over {len(rs)} (cell, epsilon) pairs: "
-                   f"{lo[0]:.3f} "
-                   f"({lo[1]} n={lo[2]:.0e} e={lo[3]:g}) to {hi[0]:.3f} ({hi[1]} n={hi[2]:.0e} "
-                   f"e={hi[3]:g}). Never above 1 means no cell contradicts Theorem 6.")
-    rs = [(ms(c, "dahp_h")[0] / ms(c, "dah_h")[0], k) for k, c in cells.items()
-          if c["dahp_h"]["l1"] and ms(c, "dah_h")[0] > 0]
+        out.append(
+            "* DPAnonHist (n public) mean l1 / its explicit upper bound "
+            f"8 m e^-e/(1-e^-2e), m = ceil(sqrt n), over {len(rs)} (cell, epsilon) pairs: "
+            f"{lo[0]:.3f} "
+            f"({lo[1]} n={lo[2]:.0e} e={lo[3]:g}) to {hi[0]:.3f} ({hi[1]} n={hi[2]:.0e} "
+            f"e={hi[3]:g}). Never above 1 means no cell contradicts Theorem 6."
+        )
+    rs = [
+        (ms(c, "dahp_h")[0] / ms(c, "dah_h")[0], k)
+        for k, c in cells.items()
+        if c["dahp_h"]["l1"] and ms(c, "dah_h")[0] > 0
+    ]
     if rs:
         v = np.array([r for r, _ in rs])
-        out.append(f"* Cost of a private n in DPAnonHist (n private / n public, same epsilon): "
-                   f"median {np.median(v):.2f}, range {v.min():.2f} to {v.max():.2f} over "
-                   f"{len(v)} cells (the private-n variant spends 1 (eps >= 2) or eps/2 of its "
-                   "budget on n).")
+        out.append(
+            f"* Cost of a private n in DPAnonHist (n private / n public, same epsilon): "
+            f"median {np.median(v):.2f}, range {v.min():.2f} to {v.max():.2f} over "
+            f"{len(v)} cells (the private-n variant spends 1 (eps >= 2) or eps/2 of its "
+            "budget on n)."
+        )
     # PRIVHIST vs DPAnonHist at the same epsilon >= 1
     rs = []
     for (ds, n, eps), c in cells.items():
@@ -541,19 +630,28 @@ def observations(cells, g):
         for e, r in rs:
             by_e.setdefault(e, []).append(r)
         parts = [f"e={e:g}: {np.median(v):.3g}" for e, v in sorted(by_e.items())]
-        out.append("* PRIVHIST / DPAnonHist (n public) at the same epsilon >= 1, median over "
-                   "cells: " + ", ".join(parts) + ".")
+        out.append(
+            "* PRIVHIST / DPAnonHist (n public) at the same epsilon >= 1, median over "
+            "cells: " + ", ".join(parts) + "."
+        )
     # the two stronger central variants against PRIVHIST as the paper prints it
-    for m, what in (("ph2_h", "PRIVHIST with the budget re-split / PRIVHIST default"),
-                    ("dahx_h", "DPAnonHist Alg. 1 below eps 1 / PRIVHIST default")):
+    for m, what in (
+        ("ph2_h", "PRIVHIST with the budget re-split / PRIVHIST default"),
+        ("dahx_h", "DPAnonHist Alg. 1 below eps 1 / PRIVHIST default"),
+    ):
         by_e = {}
         for (ds, n, eps), c in cells.items():
             if c[m]["l1"] and ms(c, "ph_h")[0] > 0:
                 by_e.setdefault(eps / 2, []).append(ms(c, m)[0] / ms(c, "ph_h")[0])
         if by_e:
-            out.append(f"* {what} at the same epsilon = eps/2, median (range) over cells: "
-                       + ", ".join(f"e={e:g}: {np.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
-                                   for e, v in sorted(by_e.items())) + ".")
+            out.append(
+                f"* {what} at the same epsilon = eps/2, median (range) over cells: "
+                + ", ".join(
+                    f"e={e:g}: {np.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+                    for e, v in sorted(by_e.items())
+                )
+                + "."
+            )
     # PRIVHIST vs the lower-bound shape at its own epsilon
     hi_r, lo_r = [], []
     for (ds, n, eps), c in cells.items():
@@ -563,9 +661,11 @@ def observations(cells, g):
     for name, v in (("eps <= 1 (high-privacy path)", hi_r), ("eps > 1 (low-privacy path)", lo_r)):
         if v:
             v = np.array(v)
-            out.append(f"* PRIVHIST mean l1 / LB shape at its own epsilon, {name}: median "
-                       f"{np.median(v):.3g}, range {v.min():.3g} to {v.max():.3g} "
-                       f"({len(v)} cells).")
+            out.append(
+                f"* PRIVHIST mean l1 / LB shape at its own epsilon, {name}: median "
+                f"{np.median(v):.3g}, range {v.min():.3g} to {v.max():.3g} "
+                f"({len(v)} cells)."
+            )
     # who falls below the LB shape
     below = {}
     for (ds, n, eps), c in cells.items():
@@ -573,24 +673,31 @@ def observations(cells, g):
             e = eps / 2 if m in ("pan1", "pan2", "naive") + CENTRAL_ALL else eps
             if c[m]["l1"] and ms(c, m)[0] < lb_shape(n, e):
                 below.setdefault(m, []).append(f"{ds} n={n:.0e} eps={eps:g}")
-    out.append("* Cells where a method's mean error is below the LB shape at its own protection "
-               "(eps/2 for the pan-private, naive and same-protection central runs; eps for the "
-               "nominal runs). The bounds are worst-case over all histograms of size <= n with "
-               "constant 1, so a particular instance may fall below them:")
+    out.append(
+        "* Cells where a method's mean error is below the LB shape at its own protection "
+        "(eps/2 for the pan-private, naive and same-protection central runs; eps for the "
+        "nominal runs). The bounds are worst-case over all histograms of size <= n with "
+        "constant 1, so a particular instance may fall below them:"
+    )
     for m in METHODS:
         v = below.get(m, [])
-        out.append(f"  * {LABEL[m]}: {len(v)}" + (f" ({'; '.join(v[:6])}"
-                                                    + ("; ..." if len(v) > 6 else "") + ")"
-                                                    if v else ""))
+        out.append(
+            f"  * {LABEL[m]}: {len(v)}"
+            + (f" ({'; '.join(v[:6])}" + ("; ..." if len(v) > 6 else "") + ")" if v else "")
+        )
     # log-log slopes
-    out.append("* Log-log slope of mean l1 error vs n (least squares over the n grid; sqrt(n) "
-               "scaling is 0.5):")
+    out.append(
+        "* Log-log slope of mean l1 error vs n (least squares over the n grid; sqrt(n) "
+        "scaling is 0.5):"
+    )
     for ds in g["ds_n"]:
         for eps in g["n_eps"]:
             parts = []
             for m in METHODS:
-                ys = [ms(cells[(ds, n, eps)], m)[0] if cells[(ds, n, eps)][m]["l1"]
-                      else float("nan") for n in g["n"]]
+                ys = [
+                    ms(cells[(ds, n, eps)], m)[0] if cells[(ds, n, eps)][m]["l1"] else float("nan")
+                    for n in g["n"]
+                ]
                 s = loglog_slope(g["n"], ys)
                 if math.isfinite(s):
                     parts.append(f"{SHORT[m]} {s:.2f}")
@@ -598,15 +705,23 @@ def observations(cells, g):
     # joint model vs state-only
     rs = sorted((ratio_paired(c["pan2"]["l1"], c["pan1"]["l1"])[0], k) for k, c in cells.items())
     v = np.array([r for r, _ in rs])
-    out.append(f"* Joint (2 layers) / state-only (1 layer) mean l1 over {len(v)} cells: median "
-               f"{np.median(v):.2f}, range {v.min():.2f} ({rs[0][1][0]} n={rs[0][1][1]:.0e} "
-               f"eps={rs[0][1][2]:g}) to {v.max():.2f} ({rs[-1][1][0]} n={rs[-1][1][1]:.0e} "
-               f"eps={rs[-1][1][2]:g}); joint lower in {int((v < 1).sum())} cells.")
+    out.append(
+        f"* Joint (2 layers) / state-only (1 layer) mean l1 over {len(v)} cells: median "
+        f"{np.median(v):.2f}, range {v.min():.2f} ({rs[0][1][0]} n={rs[0][1][1]:.0e} "
+        f"eps={rs[0][1][2]:g}) to {v.max():.2f} ({rs[-1][1][0]} n={rs[-1][1][1]:.0e} "
+        f"eps={rs[-1][1][2]:g}); joint lower in {int((v < 1).sum())} cells."
+    )
     # where pan-private beats the best central
-    wins = [(k, price(c, m)[0], m) for k, c in cells.items() for m in ("pan1", "pan2")
-            if price(c, m)[0] < 1]
-    out.append(f"* Cells where a pan-private release has lower mean error than the best central "
-               f"algorithm at the same protection: {len(wins)}" + (":" if wins else "."))
+    wins = [
+        (k, price(c, m)[0], m)
+        for k, c in cells.items()
+        for m in ("pan1", "pan2")
+        if price(c, m)[0] < 1
+    ]
+    out.append(
+        f"* Cells where a pan-private release has lower mean error than the best central "
+        f"algorithm at the same protection: {len(wins)}" + (":" if wins else ".")
+    )
     for (ds, n, eps), r, m in wins:
         out.append(f"  * {ds} n={n:.0e} eps={eps:g}: {SHORT[m]} / best central = {r:.2f}")
     return out
@@ -642,41 +757,64 @@ def carried_interpretation(path: str) -> str | None:
     i = text.find(INTERP_HEAD)
     if i < 0:
         return None
-    m = re.search(r"^## ", text[i + 3:], flags=re.M)
-    return text[i: i + 3 + m.start()].rstrip() if m else text[i:].rstrip()
+    m = re.search(r"^## ", text[i + 3 :], flags=re.M)
+    return text[i : i + 3 + m.start()].rstrip() if m else text[i:].rstrip()
 
 
 def write_md(path, cells, g, meta, quick):
     n_e = g["eps_n"]
-    md = [f"# Accuracy report: the price of pan-privacy{' (QUICK run)' if quick else ''}", "",
-          "Produced by:", "", "```", meta["cmd"], "```", "",
-          f"- Run: {meta['date']}, commit {meta['rev']}, {meta['elapsed'] / 60:.1f} min wall time",
-          f"- Machine: {meta['cpu']}, {os.cpu_count()} cores (shared with other work); "
-          f"{meta['versions']}",
-          f"- Seed {meta['seed']}; {g['reps']} repetitions per cell; {len(cells)} cells. "
-          "Source: `bench/accuracy/accuracy_report.py` (helpers in `bench/_data.py`).", "",
-          "Entries are **mean ± standard error** of the l1 error over the repetitions. Each "
-          "repetition draws a fresh true histogram (seeded) that every method and every eps share; "
-          "each method draws its noise from its own seeded numpy Generator (reproducible; a "
-          "benchmark shortcut, not private: the product draws from the OS CSPRNG).", "",
-          "## Headline: the price of pan-privacy", "",
-          f"Ratio of mean l1 errors, pan-private / **best central algorithm at the same "
-          f"protection** (central run at eps/2, see the convention below), n = {n_e:.0e}, "
-          "domain 1e5 items; ± is a paired delta-method standard error; in parentheses the "
-          "central algorithm that was best in that cell.", "",
-          headline_table(cells, g), "",
-          "![price of pan-privacy](img/report_price.png)", "",
-          "The same ratio against the **strongest central yardstick measured here**, which adds "
-          "the two starred variants (PRIVHIST with its budget re-split; DPAnonHist's Algorithm 1 "
-          "with n public below epsilon 1, outside the range the paper and `dp_anon_hist` state "
-          "its error for; see Methods).", "",
-          headline_table(cells, g, CENTRAL_ALL), ""]
+    md = [
+        f"# Accuracy report: the price of pan-privacy{' (QUICK run)' if quick else ''}",
+        "",
+        "Produced by:",
+        "",
+        "```",
+        meta["cmd"],
+        "```",
+        "",
+        f"- Run: {meta['date']}, commit {meta['rev']}, {meta['elapsed'] / 60:.1f} min wall time",
+        f"- Machine: {meta['cpu']}, {os.cpu_count()} cores (shared with other work); "
+        f"{meta['versions']}",
+        f"- Seed {meta['seed']}; {g['reps']} repetitions per cell; {len(cells)} cells. "
+        "Source: `bench/accuracy/accuracy_report.py` (helpers in `bench/_data.py`).",
+        "",
+        "Entries are **mean ± standard error** of the l1 error over the repetitions. Each "
+        "repetition draws a fresh true histogram (seeded) that every method and every eps share; "
+        "each method draws its noise from its own seeded numpy Generator (reproducible; a "
+        "benchmark shortcut, not private: the product draws from the OS CSPRNG).",
+        "",
+        "## Headline: the price of pan-privacy",
+        "",
+        f"Ratio of mean l1 errors, pan-private / **best central algorithm at the same "
+        f"protection** (central run at eps/2, see the convention below), n = {n_e:.0e}, "
+        "domain 1e5 items; ± is a paired delta-method standard error; in parentheses the "
+        "central algorithm that was best in that cell.",
+        "",
+        headline_table(cells, g),
+        "",
+        "![price of pan-privacy](img/report_price.png)",
+        "",
+        "The same ratio against the **strongest central yardstick measured here**, which adds "
+        "the two starred variants (PRIVHIST with its budget re-split; DPAnonHist's Algorithm 1 "
+        "with n public below epsilon 1, outside the range the paper and `dp_anon_hist` state "
+        "its error for; see Methods).",
+        "",
+        headline_table(cells, g, CENTRAL_ALL),
+        "",
+    ]
     interp = carried_interpretation(path)
-    md += [interp if interp else INTERP_HEAD + "; carried over verbatim when the report is "
-           "regenerated)\n\n(to be written after reading the numbers)", ""]
     md += [
-        "## Setup", "",
-        "### Methods", "",
+        interp
+        if interp
+        else INTERP_HEAD + "; carried over verbatim when the report is "
+        "regenerated)\n\n(to be written after reading the numbers)",
+        "",
+    ]
+    md += [
+        "## Setup",
+        "",
+        "### Methods",
+        "",
         "* **pan-private state-only (1 layer)**: counters h_j + DLap(p), p = exp(-eps/2) rounded "
         "up (`p_from_epsilon(eps)`); `anonymized_histogram(x, p)`: threshold estimator + l1 "
         "isotonic projection (seed 001 Alg. 1/5). What a release computed from one snapshot of "
@@ -684,7 +822,7 @@ def write_md(path, cells, g, meta, quick):
         "* **pan-private joint (2 layers)**: h_j + DLap(p) + DLap(p), same p; "
         "`anonymized_histogram(x, p, layers=2)` with the default method (EM deconvolution). The "
         "product's release: an intrusion and the release are jointly eps-DP (ALGORITHMS.md "
-        "\"Joint privacy\").",
+        '"Joint privacy").',
         "* **naive**: the one-layer noisy counts sorted, values <= 0 dropped.",
         "* **DPAnonHist** (Manurangsi, seed 004 Alg. 1; `dp_anon_hist`): only for epsilon >= 1. "
         "*n public* passes `n=n` (Algorithm 1, all of the budget on the histogram); *n private* "
@@ -708,8 +846,10 @@ def write_md(path, cells, g, meta, quick):
         "are shapes with constant 1, not exact bounds**; they are minimax (worst case over all "
         "histograms of size <= n), so a particular input can lie below them; Theorem 7 is proven "
         "for e < 1e-6 and its shape vanishes as e -> 1 (where Lemma 10's sqrt(n)/e^e, valid for "
-        "every e > 0, takes over).", "",
-        "### Neighbor relations: what \"the same protection\" means", "",
+        "every e > 0, takes over).",
+        "",
+        '### Neighbor relations: what "the same protection" means',
+        "",
         "* The pan-private product uses **replace-one** neighbors: one event replaced by another "
         "(n public). One replacement moves 1 from one counter to another: l1 distance 2 between "
         "the anonymized histograms. Noise p = exp(-eps/2) (sensitivity 2).",
@@ -729,53 +869,79 @@ def write_md(path, cells, g, meta, quick):
         "papers quote, which under replace-one is only a 2 eps guarantee: shown for reference, "
         "never used for the price.",
         "* DPAnonHist needs epsilon >= 1, so @eps/2 it exists only for eps >= 2; below that "
-        "PRIVHIST is the only central yardstick of the price at the same protection (\"-\" in "
+        'PRIVHIST is the only central yardstick of the price at the same protection ("-" in '
         "the tables; the starred Algorithm 1 column shows what DPAnonHist would do there).",
         "* Which lower bound applies: LB @eps/2 bounds every algorithm in the same-protection "
         "comparison (all are eps/2-DP under add/remove; seed 004's bounds hold even for "
         "algorithms that know n). LB @eps bounds the nominal central runs; it is also the "
         "known bound for a replace-one eps algorithm with n fixed (seed 004 Section 6: the "
-        "fixed-size variant loses a factor 2 in epsilon, which replace-one gives back).", "",
-        "### Data", "",
+        "fixed-size variant loses a factor 2 in epsilon, which replace-one gives back).",
+        "",
+        "### Data",
+        "",
         "* **Zipf(1.1)** weights 1/i^1.1 over a **fixed domain of D = 1e5 items** (the domain of "
         "a pan-private state is fixed before data arrives, and the state holds a counter for "
         "every item whether it occurs or not). The n sweeps also show D = max(n/10, 1000) "
         "(`zipf_scaled`), where the domain grows with n; at n = 1e6 both give D = 1e5 and the "
         "same data.",
         "* **Real profiles**: word frequencies from the `wordfreq` package: "
-        + meta["wordfreq"] + "; its 'large' lists ("
-        + "; ".join(f"{lang}: {t:,} words, the top 1e5 hold {100 * m:.1f}% of the listed mass"
-                    for lang, (t, m) in sorted(WORD_STATS.items()))
+        + meta["wordfreq"]
+        + "; its 'large' lists ("
+        + "; ".join(
+            f"{lang}: {t:,} words, the top 1e5 hold {100 * m:.1f}% of the listed mass"
+            for lang, (t, m) in sorted(WORD_STATS.items())
+        )
         + "), top 1e5 words kept and renormalized, then n events drawn multinomially from that "
         "probability vector. wordfreq stores "
         "frequencies binned to centibels, so many tail words tie; the profile is used as is. "
         "Citation: Robyn Speer, *rspeer/wordfreq: v3.0* (v3.0.2), Zenodo, 2022, "
         "doi:10.5281/zenodo.7199437. License: the code is Apache-2.0 (package metadata); the "
         "word-frequency data files are distributed under CC-BY-SA 4.0 (package README, "
-        "\"License\"), built from Wikipedia, OpenSubtitles 2018, SUBTLEX, Google Books Ngrams, "
+        '"License"), built from Wikipedia, OpenSubtitles 2018, SUBTLEX, Google Books Ngrams, '
         "ParaCrawl, the Leeds Internet Corpus and Twitter, credited there. We redistribute no "
         "data: the profile is read from the installed package at run time "
         "(`pip install -e '.[bench]'`).",
-        "* The domain of the real profiles is the 1e5 words (the state has 1e5 counters).", "",
-        f"## Error vs eps (n = {n_e:.0e})", "",
-        "![error vs eps](img/report_vs_eps.png)", "",
+        "* The domain of the real profiles is the 1e5 words (the state has 1e5 counters).",
+        "",
+        f"## Error vs eps (n = {n_e:.0e})",
+        "",
+        "![error vs eps](img/report_vs_eps.png)",
+        "",
         "Solid: same protection (central @eps/2); dashed and faded: central at the nominal eps. "
-        "Dotted: LB shapes (constant 1).", ""]
+        "Dotted: LB shapes (constant 1).",
+        "",
+    ]
     for ds in g["ds_eps"]:
         keys = [(ds, n_e, e) for e in g["eps"]]
-        md += [f"### {DATASETS[ds]}: l1 error vs eps", "",
-               error_table(cells, keys, g["eps"], "eps"),
-               "", f"Price of pan-privacy ({DATASETS[ds]}, n = {n_e:.0e}):", "",
-               price_table(cells, keys, g["eps"], "eps"), ""]
-    md += [f"## Error vs n (eps = {', '.join(f'{e:g}' for e in g['n_eps'])})", "",
-           "![error vs n](img/report_vs_n.png)", ""]
+        md += [
+            f"### {DATASETS[ds]}: l1 error vs eps",
+            "",
+            error_table(cells, keys, g["eps"], "eps"),
+            "",
+            f"Price of pan-privacy ({DATASETS[ds]}, n = {n_e:.0e}):",
+            "",
+            price_table(cells, keys, g["eps"], "eps"),
+            "",
+        ]
+    md += [
+        f"## Error vs n (eps = {', '.join(f'{e:g}' for e in g['n_eps'])})",
+        "",
+        "![error vs n](img/report_vs_n.png)",
+        "",
+    ]
     for eps in g["n_eps"]:
         for ds in g["ds_n"]:
             keys = [(ds, n, eps) for n in g["n"]]
-            md += [f"### {DATASETS[ds]}, eps = {eps:g}: l1 error vs n", "",
-                   error_table(cells, keys, g["n"], "n"), "",
-                   f"Price of pan-privacy ({DATASETS[ds]}, eps = {eps:g}):", "",
-                   price_table(cells, keys, g["n"], "n"), ""]
+            md += [
+                f"### {DATASETS[ds]}, eps = {eps:g}: l1 error vs n",
+                "",
+                error_table(cells, keys, g["n"], "n"),
+                "",
+                f"Price of pan-privacy ({DATASETS[ds]}, eps = {eps:g}):",
+                "",
+                price_table(cells, keys, g["n"], "n"),
+                "",
+            ]
     md += ["## Observations (computed from this run's numbers)", ""] + observations(cells, g)
     md += ["", "## Run time per estimate (this run)", "", timing_table(cells), ""]
     with open(path, "w", encoding="utf-8") as f:
@@ -786,8 +952,9 @@ def main(argv=None):
     ap = parser(__doc__, "n = 1e3, 3e3, eps = 1, 4, 2 repetitions, into out/; needs wordfreq")
     ap.add_argument("--quick", action="store_true", help="small grid, 3 repetitions, to out/")
     ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--outdir", default=None,
-                    help="output directory (default docs/, or out/ with --quick)")
+    ap.add_argument(
+        "--outdir", default=None, help="output directory (default docs/, or out/ with --quick)"
+    )
     args = ap.parse_args(argv)
     args.quick = args.quick or args.smoke
     _need_wordfreq()
@@ -796,12 +963,12 @@ def main(argv=None):
         cmd += f" --seed {args.seed}"
     outdir = args.outdir or ("out" if args.quick else "docs")
     # at the start: other commits may land while this runs
-    rev = git_rev(["aggregator/noise.py", "aggregator/estimate.py", "aggregator/central.py",
-                   "bench/_data.py"])
+    rev = git_rev(
+        ["aggregator/noise.py", "aggregator/estimate.py", "aggregator/central.py", "bench/_data.py"]
+    )
     g, todo = plan(args.quick, args.smoke)
     n_cells = sum(len(v) for v in todo.values())
-    print(f"{cmd}: {n_cells} cells, {g['reps']} repetitions each; writing to {outdir}/",
-          flush=True)
+    print(f"{cmd}: {n_cells} cells, {g['reps']} repetitions each; writing to {outdir}/", flush=True)
     t0 = time.perf_counter()
     cells = run_all(g, todo, args.seed, lambda s: print(s, flush=True))
     elapsed = time.perf_counter() - t0
@@ -809,14 +976,23 @@ def main(argv=None):
     plot_vs_n(cells, g, os.path.join(outdir, "img", "report_vs_n.png"))
     plot_vs_eps(cells, g, os.path.join(outdir, "img", "report_vs_eps.png"))
     plot_price(cells, g, os.path.join(outdir, "img", "report_price.png"))
-    meta = {"cmd": cmd, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "rev": rev, "elapsed": time.perf_counter() - t0, "cpu": cpu_model(),
-            "versions": versions(("numpy", "scipy", "wordfreq")), "seed": args.seed,
-            "wordfreq": _wordfreq_meta()}
+    meta = {
+        "cmd": cmd,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "rev": rev,
+        "elapsed": time.perf_counter() - t0,
+        "cpu": cpu_model(),
+        "versions": versions(("numpy", "scipy", "wordfreq")),
+        "seed": args.seed,
+        "wordfreq": _wordfreq_meta(),
+    }
     path = os.path.join(outdir, "accuracy.md")
     write_md(path, cells, g, meta, args.quick)
-    print(f"wrote {path} and {outdir}/img/report_*.png; measurements {elapsed / 60:.1f} min, "
-          f"total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    print(
+        f"wrote {path} and {outdir}/img/report_*.png; measurements {elapsed / 60:.1f} min, "
+        f"total {(time.perf_counter() - t0) / 60:.1f} min",
+        flush=True,
+    )
     return 0
 
 

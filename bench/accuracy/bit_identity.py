@@ -13,6 +13,7 @@ error bars with a seeded bootstrap: 59 results, every float compared by its hex 
 
 (Run as a script, so that PYTHONPATH picks the aggregator it measures. About 20 s.)
 """
+
 import pickle
 import sys
 
@@ -42,6 +43,7 @@ def run():
     from aggregator.largedomain import hashed_histogram
     from aggregator.noise import discrete_laplace
     from aggregator.release import estimate_with_accuracy
+
     out = {}
     g = np.random.default_rng(20261128)
     p = float(np.exp(-1.0))
@@ -55,33 +57,46 @@ def run():
         for method in ("threshold", "deconvolution", "mle", "wupagh", "xfit", "auto"):
             if layers > 2 and method in ("auto",):
                 continue
-            out[("phi", layers, method)] = walk(arr(phi_estimate(noisy, p, layers=layers,
-                                                                method=method, n=n)))
-            out[("hist", layers, method)] = walk(arr(anonymized_histogram(
-                noisy, p, layers=layers, n=n, method=method)))
+            out[("phi", layers, method)] = walk(
+                arr(phi_estimate(noisy, p, layers=layers, method=method, n=n))
+            )
+            out[("hist", layers, method)] = walk(
+                arr(anonymized_histogram(noisy, p, layers=layers, n=n, method=method))
+            )
         for cap in ("items", "scale", "fitted", "none"):
             try:
-                got = anonymized_histogram(noisy, p, layers=layers, n=n, method="deconvolution",
-                                           cap=cap)
+                got = anonymized_histogram(
+                    noisy, p, layers=layers, n=n, method="deconvolution", cap=cap
+                )
             except ValueError:  # "fitted" moved to bench (the branch): the same rule there
                 from aggregator.anonymize import anonymized_cumulative
                 from aggregator.em import sparse_top
                 from aggregator.histograms import checked_cumulative, counts_from_cumulative
                 from bench.accuracy.fitted_cap import cap_fitted
-                y = anonymized_cumulative(noisy, p, layers=layers, n=n, method="deconvolution",
-                                          cap="none")
-                got = counts_from_cumulative(checked_cumulative(
-                    cap_fitted(y, n, sparse_top(noisy, p, layers))))
+
+                y = anonymized_cumulative(
+                    noisy, p, layers=layers, n=n, method="deconvolution", cap="none"
+                )
+                got = counts_from_cumulative(
+                    checked_cumulative(cap_fitted(y, n, sparse_top(noisy, p, layers)))
+                )
             out[("cap", layers, cap)] = walk(arr(got))
         if layers <= 2:
-            hist, acc = estimate_with_accuracy(noisy, p, layers=layers, n=n, reps=4,
-                                               rng=np.random.default_rng(7))
+            hist, acc = estimate_with_accuracy(
+                noisy, p, layers=layers, n=n, reps=4, rng=np.random.default_rng(7)
+            )
             out[("ewa", layers)] = walk((hist, acc))
-            hist, acc = estimate_with_accuracy(noisy, p, layers=layers, n=n, reps=4,
-                                               method="mle", rng=np.random.default_rng(8))
+            hist, acc = estimate_with_accuracy(
+                noisy, p, layers=layers, n=n, reps=4, method="mle", rng=np.random.default_rng(8)
+            )
             out[("ewa-mle", layers)] = walk((hist, acc))
-    out[("l2", 1)] = walk(arr(anonymized_histogram(noisy[:800], p, layers=3, n=int(h[:800].sum()),
-                                                   loss="l2", method="deconvolution")))
+    out[("l2", 1)] = walk(
+        arr(
+            anonymized_histogram(
+                noisy[:800], p, layers=3, n=int(h[:800].sum()), loss="l2", method="deconvolution"
+            )
+        )
+    )
     # hashed
     items = np.minimum(g.zipf(1.2, 2_000), 300)
     nh = int(items.sum())
@@ -92,10 +107,12 @@ def run():
         for _ in range(layers):
             noisy = noisy + discrete_laplace(p, B, rng=g)
         for method in ("deconvolution", "mle", "auto"):
-            out[("hashed", layers, method)] = walk(arr(hashed_histogram(
-                noisy, p, buckets=B, n=nh, layers=layers, method=method)))
-        hist, acc = estimate_with_accuracy(noisy, p, layers=layers, n=nh, buckets=B, reps=4,
-                                           rng=np.random.default_rng(9))
+            out[("hashed", layers, method)] = walk(
+                arr(hashed_histogram(noisy, p, buckets=B, n=nh, layers=layers, method=method))
+            )
+        hist, acc = estimate_with_accuracy(
+            noisy, p, layers=layers, n=nh, buckets=B, reps=4, rng=np.random.default_rng(9)
+        )
         out[("hashed-ewa", layers)] = walk((hist, acc))
     return out
 

@@ -85,10 +85,12 @@ def _domain(name: str) -> int:
 
 def cells() -> list[Cell]:
     if SMOKE:
-        return [Cell("direct", "zipf", 300, 1_000, 1.0, 1),
-                Cell("direct", "uniform", 300, 1_000, 1.0, 1),
-                Cell("hashed", "zipf", 200, None, 1.0, 1),
-                Cell("hashed", "distinct", 200, None, 1.0, 1)]
+        return [
+            Cell("direct", "zipf", 300, 1_000, 1.0, 1),
+            Cell("direct", "uniform", 300, 1_000, 1.0, 1),
+            Cell("hashed", "zipf", 200, None, 1.0, 1),
+            Cell("hashed", "distinct", 200, None, 1.0, 1),
+        ]
     out, j = [], 0
     for name in DIRECT:
         D = _domain(name)
@@ -130,29 +132,43 @@ def run_cell(cell: Cell, layers: int) -> list[dict]:
         t_d, t_h = len(h), entropy(np.sort(h)[::-1])
         intervals.error_bars = capture
         try:
-            hist, acc = estimate_with_accuracy(vc, p, layers=layers, n=cell.n, buckets=B,
-                                               reps=BOOT, rng=[rep, layers, 51])
+            hist, acc = estimate_with_accuracy(
+                vc, p, layers=layers, n=cell.n, buckets=B, reps=BOOT, rng=[rep, layers, 51]
+            )
         finally:
             intervals.error_bars = real_bars
         bars = captured.pop("bars")
         iv = acc["intervals"]
         d_hat, h_hat = len(hist), entropy(hist)
-        rows.append({
-            "rep": rep, "truth": {"distinct": t_d, "entropy": t_h},
-            "release": {"distinct": d_hat, "entropy": h_hat},
-            "stated": dict(acc["expected_relative_error"]),  # the library's figure
-            "rms": dict(bars["rms_error"]), "spread": dict(bars["spread"]),
-            "gap": dict(bars["stand_in_gap"]),
-            "interval": {"distinct": tuple(iv["distinct_items"]),
-                         "entropy": tuple(iv["entropy_nats"])},
-            "flag": bool(acc["signal_below_noise"]),
-            "events_over_noise_floor": acc["events_over_noise_floor"],
-            # public / released quantities a stated figure may use (issue 51, s67): the
-            # released histogram's singletons and doubletons, its size, the public n, p, B
-            "public": {"n": cell.n, "p": p, "counters": C, "d_hat": d_hat,
-                       "f1": int(np.sum(hist == 1)), "f2": int(np.sum(hist == 2)),
-                       "n_hist": int(np.sum(hist)), "eps": cell.eps},
-        })
+        rows.append(
+            {
+                "rep": rep,
+                "truth": {"distinct": t_d, "entropy": t_h},
+                "release": {"distinct": d_hat, "entropy": h_hat},
+                "stated": dict(acc["expected_relative_error"]),  # the library's figure
+                "rms": dict(bars["rms_error"]),
+                "spread": dict(bars["spread"]),
+                "gap": dict(bars["stand_in_gap"]),
+                "interval": {
+                    "distinct": tuple(iv["distinct_items"]),
+                    "entropy": tuple(iv["entropy_nats"]),
+                },
+                "flag": bool(acc["signal_below_noise"]),
+                "events_over_noise_floor": acc["events_over_noise_floor"],
+                # public / released quantities a stated figure may use (issue 51, s67): the
+                # released histogram's singletons and doubletons, its size, the public n, p, B
+                "public": {
+                    "n": cell.n,
+                    "p": p,
+                    "counters": C,
+                    "d_hat": d_hat,
+                    "f1": int(np.sum(hist == 1)),
+                    "f2": int(np.sum(hist == 2)),
+                    "n_hist": int(np.sum(hist)),
+                    "eps": cell.eps,
+                },
+            }
+        )
     return rows
 
 
@@ -166,9 +182,16 @@ def run(shard) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     mine = OUT / (f"results.{i}.pkl" if not FIRST_REP else f"results.r{FIRST_REP}.{i}.pkl")
     jobs = [(c, L) for c in cells() for L in LAYERS]
-    run_resumable(mine, [((cell.key, layers), (cell, layers))
-                         for idx, (cell, layers) in enumerate(jobs) if idx % k == i],
-                  lambda job: run_cell(*job), _label)
+    run_resumable(
+        mine,
+        [
+            ((cell.key, layers), (cell, layers))
+            for idx, (cell, layers) in enumerate(jobs)
+            if idx % k == i
+        ],
+        lambda job: run_cell(*job),
+        _label,
+    )
 
 
 def load() -> dict:
@@ -210,8 +233,12 @@ def _base(rule: str, r: dict, s: str) -> float | None:
 
 RULES = ("rms", "rms+gap", "interval", "rms|interval")
 #: the library's factors on hypot(rms_error, stand_in_gap) before s67 (fba3940)
-PREVIOUS_FACTORS = {("direct", "distinct"): 0.89, ("direct", "entropy"): 0.79,
-                    ("hashed", "distinct"): 0.96, ("hashed", "entropy"): 0.71}
+PREVIOUS_FACTORS = {
+    ("direct", "distinct"): 0.89,
+    ("direct", "entropy"): 0.79,
+    ("hashed", "distinct"): 0.96,
+    ("hashed", "entropy"): 0.71,
+}
 
 
 def _actual(r: dict, s: str) -> float:
@@ -224,8 +251,16 @@ def _rows(res: dict) -> list[dict]:
     for (key, layers), rows in res.items():
         cell = Cell(*key, reps=0)
         for r in rows:
-            out.append(r | {"family": family(cell), "mode": cell.mode, "layers": layers,
-                            "regime": regime(cell), "eps": cell.eps})
+            out.append(
+                r
+                | {
+                    "family": family(cell),
+                    "mode": cell.mode,
+                    "layers": layers,
+                    "regime": regime(cell),
+                    "eps": cell.eps,
+                }
+            )
     return out
 
 
@@ -242,7 +277,7 @@ def _pairs(rows, s, rule, factor=1.0):
 def ratio(pairs) -> float:
     a = np.array([x for x, _ in pairs])
     b = np.array([y for _, y in pairs])
-    return float(np.sqrt(np.mean(a ** 2)) / np.sqrt(np.mean(b ** 2))) if len(a) else math.nan
+    return float(np.sqrt(np.mean(a**2)) / np.sqrt(np.mean(b**2))) if len(a) else math.nan
 
 
 def over2x(pairs) -> float:
@@ -276,8 +311,11 @@ def fit_factors(rows, base, binning="one", objective="rms") -> dict:
             z = np.array([x / y for x, y in pr])
             if len(z) < 3:
                 continue
-            out[ck + (st,)] = (float(np.sqrt(np.mean(z ** 2))) if objective == "rms"
-                               else float(np.quantile(z, 0.98) / 2))
+            out[ck + (st,)] = (
+                float(np.sqrt(np.mean(z**2)))
+                if objective == "rms"
+                else float(np.quantile(z, 0.98) / 2)
+            )
     return out
 
 
@@ -332,8 +370,12 @@ def _score_of(rows, pairs_of) -> tuple:
 
 def score(rows, rule, factors) -> tuple:
     """:func:`_score_of` for a rule of :data:`RULES` (or ``"library"``: the figure released)."""
-    return _score_of(rows, lambda rs, st: _pairs(rs, st, "library") if rule == "library"
-                     else _pairs_rule(rs, st, rule, factors))
+    return _score_of(
+        rows,
+        lambda rs, st: (
+            _pairs(rs, st, "library") if rule == "library" else _pairs_rule(rs, st, rule, factors)
+        ),
+    )
 
 
 def rule_name(rule) -> str:
@@ -348,42 +390,99 @@ def report() -> None:
     res = load()
     rows = _rows(res)
     fams = sorted({(r["mode"], r["family"]) for r in rows})
-    print(f"{len(res)} (cell, layers) runs, {len(rows)} releases, {BOOT} bootstrap repetitions "
-          "each\n")
+    print(
+        f"{len(res)} (cell, layers) runs, {len(rows)} releases, {BOOT} bootstrap repetitions each\n"
+    )
 
-    print("### Per family: the stated figure before issue 51 (rms_error), the intervals and the "
-          "flag as released (nothing fitted)\n")
-    print(_line(["mode", "family", "releases", "actual/stated distinct", "entropy",
-                 ">2x distinct", "entropy", "coverage distinct", "entropy", "flag raised",
-                 "truth off 2x", "of them unflagged"]))
+    print(
+        "### Per family: the stated figure before issue 51 (rms_error), the intervals and the "
+        "flag as released (nothing fitted)\n"
+    )
+    print(
+        _line(
+            [
+                "mode",
+                "family",
+                "releases",
+                "actual/stated distinct",
+                "entropy",
+                ">2x distinct",
+                "entropy",
+                "coverage distinct",
+                "entropy",
+                "flag raised",
+                "truth off 2x",
+                "of them unflagged",
+            ]
+        )
+    )
     print("|" + "---|" * 12)
     for mode, f in fams:
         rs = [r for r in rows if r["mode"] == mode and r["family"] == f]
         pd, pe = _pairs(rs, "distinct", "library"), _pairs(rs, "entropy", "library")
-        cov = {s: np.mean([r["interval"][s][0] <= r["truth"][s] <= r["interval"][s][1]
-                           for r in rs]) for s in STATS}
-        offs = [not (r["release"]["distinct"] / 2 <= r["truth"]["distinct"]
-                     <= 2 * r["release"]["distinct"]) for r in rs]
+        cov = {
+            s: np.mean([r["interval"][s][0] <= r["truth"][s] <= r["interval"][s][1] for r in rs])
+            for s in STATS
+        }
+        offs = [
+            not (
+                r["release"]["distinct"] / 2
+                <= r["truth"]["distinct"]
+                <= 2 * r["release"]["distinct"]
+            )
+            for r in rs
+        ]
         off = np.mean(offs)
         unflagged = sum(o and not r["flag"] for o, r in zip(offs, rs))
-        print(_line([mode, f, len(rs), f"{ratio(pd):.2f}", f"{ratio(pe):.2f}",
-                     f"{over2x(pd):.3f}", f"{over2x(pe):.3f}", f"{cov['distinct']:.2f}",
-                     f"{cov['entropy']:.2f}", f"{np.mean([r['flag'] for r in rs]):.2f}",
-                     f"{off:.2f}", unflagged]))
-    allc = {s: np.mean([r["interval"][s][0] <= r["truth"][s] <= r["interval"][s][1]
-                        for r in rows]) for s in STATS}
-    print(f"\npooled coverage: distinct {allc['distinct']:.3f}, entropy {allc['entropy']:.3f}; "
-          f"flag raised in {sum(r['flag'] for r in rows)} of {len(rows)}; flag equals the "
-          "interval's 2x condition in "
-          f"{sum(r['flag'] == _admits_2x(r) for r in rows)} of {len(rows)}\n")
+        print(
+            _line(
+                [
+                    mode,
+                    f,
+                    len(rs),
+                    f"{ratio(pd):.2f}",
+                    f"{ratio(pe):.2f}",
+                    f"{over2x(pd):.3f}",
+                    f"{over2x(pe):.3f}",
+                    f"{cov['distinct']:.2f}",
+                    f"{cov['entropy']:.2f}",
+                    f"{np.mean([r['flag'] for r in rs]):.2f}",
+                    f"{off:.2f}",
+                    unflagged,
+                ]
+            )
+        )
+    allc = {
+        s: np.mean([r["interval"][s][0] <= r["truth"][s] <= r["interval"][s][1] for r in rows])
+        for s in STATS
+    }
+    print(
+        f"\npooled coverage: distinct {allc['distinct']:.3f}, entropy {allc['entropy']:.3f}; "
+        f"flag raised in {sum(r['flag'] for r in rows)} of {len(rows)}; flag equals the "
+        "interval's 2x condition in "
+        f"{sum(r['flag'] == _admits_2x(r) for r in rows)} of {len(rows)}\n"
+    )
 
     for which in ("released", "previous"):
-        print("### The stated figure as released by the library the run used "
-              "(`expected_relative_error`)\n" if which == "released" else
-              "### The figure the library stated before s67 (hypot(rms_error, stand_in_gap) x "
-              "factor, fba3940), on the same releases\n")
-        print(_line(["mode", "family", "releases", "actual/stated d / e", ">2x d / e",
-                     "groups in 0.7-1.4"]))
+        print(
+            "### The stated figure as released by the library the run used "
+            "(`expected_relative_error`)\n"
+            if which == "released"
+            else "### The figure the library stated before s67 (hypot(rms_error, stand_in_gap) x "
+            "factor, fba3940), on the same releases\n"
+        )
+        print(
+            _line(
+                [
+                    "mode",
+                    "family",
+                    "releases",
+                    "actual/stated d / e",
+                    ">2x d / e",
+                    "groups in 0.7-1.4",
+                ]
+            )
+        )
         print("|" + "---|" * 6)
         every = {st: [] for st in STATS}
         ok_all = n_all = 0
@@ -400,17 +499,32 @@ def report() -> None:
             ok_all, n_all = ok_all + ok, n_all + n_g
             for st in STATS:
                 every[st].extend(prs[st])
-            print(_line([mode, f, len(rs), " / ".join(f"{ratio(prs[st]):.2f}" for st in STATS),
-                         " / ".join(f"{over2x(prs[st]):.3f}" for st in STATS), f"{ok}/{n_g}"]))
+            print(
+                _line(
+                    [
+                        mode,
+                        f,
+                        len(rs),
+                        " / ".join(f"{ratio(prs[st]):.2f}" for st in STATS),
+                        " / ".join(f"{over2x(prs[st]):.3f}" for st in STATS),
+                        f"{ok}/{n_g}",
+                    ]
+                )
+            )
         allp = every["distinct"] + every["entropy"]
-        print(f"\nall: {ok_all} of {n_all} (group, statistic) pairs in 0.7-1.4; "
-              f"{sum(x > 2 * y for x, y in allp)} of {len(allp)} stated figures "
-              f"({over2x(allp):.3f}) exceeded twice\n")
-    print("### Per group (family, mode, regime, layers): actual/stated and >2x, per rule, "
-          "in sample, factor 1\n")
+        print(
+            f"\nall: {ok_all} of {n_all} (group, statistic) pairs in 0.7-1.4; "
+            f"{sum(x > 2 * y for x, y in allp)} of {len(allp)} stated figures "
+            f"({over2x(allp):.3f}) exceeded twice\n"
+        )
+    print(
+        "### Per group (family, mode, regime, layers): actual/stated and >2x, per rule, "
+        "in sample, factor 1\n"
+    )
     rules = ("library",) + RULES
-    print(_line(["family", "mode", "regime", "layers", "releases"]
-                + [f"{ru} d / e" for ru in rules]))
+    print(
+        _line(["family", "mode", "regime", "layers", "releases"] + [f"{ru} d / e" for ru in rules])
+    )
     print("|" + "---|" * (5 + len(rules)))
     for (f, mode, reg, L), rs in sorted(groups(rows).items()):
         cols = []
@@ -419,13 +533,29 @@ def report() -> None:
         print(_line([f, mode, reg, L, len(rs)] + cols))
 
     print("\n### Leave one family out: the rule and its factors chosen on the other families\n")
-    print("Rules: the base figure (" + ", ".join(RULES) + ") times a factor per mode and "
-          "statistic (`one`) or also per bin of events over the noise floor (`snr`: "
-          f"{BINNINGS['snr']}), fit so that the RMS of actual/stated is 1 (`rms`) or 2 % exceed "
-          "twice (`q98`); chosen by the score on the other families.\n")
-    print(_line(["held-out", "mode", "releases", "rule chosen", "actual/stated d / e (before)",
-                 "after", "groups in 0.7-1.4 (before)", "after", ">2x (before)", "after",
-                 "coverage d / e"]))
+    print(
+        "Rules: the base figure (" + ", ".join(RULES) + ") times a factor per mode and "
+        "statistic (`one`) or also per bin of events over the noise floor (`snr`: "
+        f"{BINNINGS['snr']}), fit so that the RMS of actual/stated is 1 (`rms`) or 2 % exceed "
+        "twice (`q98`); chosen by the score on the other families.\n"
+    )
+    print(
+        _line(
+            [
+                "held-out",
+                "mode",
+                "releases",
+                "rule chosen",
+                "actual/stated d / e (before)",
+                "after",
+                "groups in 0.7-1.4 (before)",
+                "after",
+                ">2x (before)",
+                "after",
+                "coverage d / e",
+            ]
+        )
+    )
     print("|" + "---|" * 11)
     tot = {"before": [0, 0, 0, 0], "after": [0, 0, 0, 0]}  # groups ok, groups, over, releases
     for mode, f in fams:
@@ -436,38 +566,73 @@ def report() -> None:
         out = {}
         for tag, ru, fc in (("before", "library", {}), ("after", best, fits[best])):
             _, bad, n_g, over, n_r = score(test, ru, fc)
-            rat = [ratio(_pairs(test, st, "library") if ru == "library"
-                         else _pairs_rule(test, st, ru, fc)) for st in STATS]
+            rat = [
+                ratio(
+                    _pairs(test, st, "library")
+                    if ru == "library"
+                    else _pairs_rule(test, st, ru, fc)
+                )
+                for st in STATS
+            ]
             out[tag] = (rat, n_g - bad, n_g, over, n_r)
             for i, v in enumerate((n_g - bad, n_g, over, n_r)):
                 tot[tag][i] += v
         bb, aa = out["before"], out["after"]
-        cov = " / ".join(f"{np.mean([r['interval'][st][0] <= r['truth'][st] <= r['interval'][st][1] for r in test]):.2f}" for st in STATS)  # noqa: E501
-        print(_line([f, mode, len(test), rule_name(best),
-                     " / ".join(f"{x:.2f}" for x in bb[0]), " / ".join(f"{x:.2f}" for x in aa[0]),
-                     f"{bb[1]}/{bb[2]}", f"{aa[1]}/{aa[2]}", f"{bb[3] / max(bb[4], 1):.3f}",
-                     f"{aa[3] / max(aa[4], 1):.3f}", cov]))
+
+        def covered(st):
+            lo_hi = [(r["interval"][st], r["truth"][st]) for r in test]
+            return np.mean([iv[0] <= t <= iv[1] for iv, t in lo_hi])
+
+        cov = " / ".join(f"{covered(st):.2f}" for st in STATS)
+        print(
+            _line(
+                [
+                    f,
+                    mode,
+                    len(test),
+                    rule_name(best),
+                    " / ".join(f"{x:.2f}" for x in bb[0]),
+                    " / ".join(f"{x:.2f}" for x in aa[0]),
+                    f"{bb[1]}/{bb[2]}",
+                    f"{aa[1]}/{aa[2]}",
+                    f"{bb[3] / max(bb[4], 1):.3f}",
+                    f"{aa[3] / max(aa[4], 1):.3f}",
+                    cov,
+                ]
+            )
+        )
     for tag in ("before", "after"):
         ok, n_g, over, n_r = tot[tag]
-        print(f"\n**{tag}**: {ok} of {n_g} (group, statistic) pairs in 0.7-1.4; {over} of {n_r} "
-              f"stated figures ({over / max(n_r, 1):.3f}) exceeded twice", end="")
-    print("\n\nIn sample, every rule with its factors fit on all families (score, groups ok, "
-          "over 2x):\n")
+        print(
+            f"\n**{tag}**: {ok} of {n_g} (group, statistic) pairs in 0.7-1.4; {over} of {n_r} "
+            f"stated figures ({over / max(n_r, 1):.3f}) exceeded twice",
+            end="",
+        )
+    print(
+        "\n\nIn sample, every rule with its factors fit on all families (score, groups ok, "
+        "over 2x):\n"
+    )
     for ru in CANDIDATES:
         fc = fit_factors(rows, *ru)
         sc, bad, n_g, over, n_r = score(rows, ru, fc)
-        print(f"* {rule_name(ru)}: score {sc:.3f}, {n_g - bad}/{n_g} groups ok, {over}/{n_r} "
-              "over 2x; factors " + ", ".join(f"{k[0]}/bin{k[1]}/{k[2]} {v:.3f}"
-                                             for k, v in sorted(fc.items())))
+        print(
+            f"* {rule_name(ru)}: score {sc:.3f}, {n_g - bad}/{n_g} groups ok, {over}/{n_r} "
+            "over 2x; factors "
+            + ", ".join(f"{k[0]}/bin{k[1]}/{k[2]} {v:.3f}" for k, v in sorted(fc.items()))
+        )
     held_out_table(rows, fams, LIBRARY_RULE)
     feature_report(rows, fams)
     coverage_report(rows, fams)
     rng = np.random.default_rng(0)
     sizes = sorted({len(rs) for rs in groups(rows).values()})
-    print("\nChance that a group of m releases whose stated figure is exactly the sd of a normal "
-          "error reads 0.7-1.4: " + ", ".join(
-              f"m = {m}: {np.mean([0.7 <= np.sqrt(np.mean(rng.normal(size=m) ** 2)) <= 1.4 for _ in range(4000)]):.2f}"  # noqa: E501
-              for m in sizes))
+    print(
+        "\nChance that a group of m releases whose stated figure is exactly the sd of a normal "
+        "error reads 0.7-1.4: "
+        + ", ".join(
+            f"m = {m}: {np.mean([0.7 <= np.sqrt(np.mean(rng.normal(size=m) ** 2)) <= 1.4 for _ in range(4000)]):.2f}"  # noqa: E501
+            for m in sizes
+        )
+    )
 
 
 #: the rule the library takes (aggregator.intervals.expected_errors): the 90 % interval's
@@ -482,8 +647,21 @@ def held_out_table(rows, fams, rule) -> None:
     """``rule`` with its factors fit without each family in turn: per held-out family and per
     group, actual/stated and the share over 2x, before (``rms_error``) and after."""
     print(f"\n### {rule_name(rule)}, factors fit leaving each family out\n")
-    print(_line(["held-out", "mode", "regime", "layers", "releases",
-                 "actual/stated d / e (before)", "after", ">2x d / e (before)", "after"]))
+    print(
+        _line(
+            [
+                "held-out",
+                "mode",
+                "regime",
+                "layers",
+                "releases",
+                "actual/stated d / e (before)",
+                "after",
+                ">2x d / e (before)",
+                "after",
+            ]
+        )
+    )
     print("|" + "---|" * 9)
     pooled = {"before": [], "after": []}
     fam_lines = []
@@ -495,35 +673,68 @@ def held_out_table(rows, fams, rule) -> None:
         for (_, _, reg, L), rs in sorted(groups(test).items()):
             cols = []
             for tag in ("before", "after"):
-                prs = [_pairs(rs, st, "library") if tag == "before"
-                       else _pairs_rule(rs, st, rule, fc) for st in STATS]
-                cols.append((" / ".join(f"{ratio(pr):.2f}" for pr in prs),
-                             " / ".join(f"{over2x(pr):.2f}" for pr in prs)))
-            print(_line([f, mode, reg, L, len(rs), cols[0][0], cols[1][0], cols[0][1],
-                         cols[1][1]]))
+                prs = [
+                    _pairs(rs, st, "library") if tag == "before" else _pairs_rule(rs, st, rule, fc)
+                    for st in STATS
+                ]
+                cols.append(
+                    (
+                        " / ".join(f"{ratio(pr):.2f}" for pr in prs),
+                        " / ".join(f"{over2x(pr):.2f}" for pr in prs),
+                    )
+                )
+            print(_line([f, mode, reg, L, len(rs), cols[0][0], cols[1][0], cols[0][1], cols[1][1]]))
         for tag in ("before", "after"):
             for st in STATS:
-                pr = (_pairs(test, st, "library") if tag == "before"
-                      else _pairs_rule(test, st, rule, fc))
+                pr = (
+                    _pairs(test, st, "library")
+                    if tag == "before"
+                    else _pairs_rule(test, st, rule, fc)
+                )
                 per[tag][st] = pr
                 pooled[tag].extend(pr)
-        fam_lines.append(_line([f, mode, len(test)] + [
-            " / ".join(f"{ratio(per[t][st]):.2f}" for st in STATS) for t in ("before", "after")]
-            + [" / ".join(f"{over2x(per[t][st]):.3f}" for st in STATS)
-               for t in ("before", "after")]))
+        fam_lines.append(
+            _line(
+                [f, mode, len(test)]
+                + [
+                    " / ".join(f"{ratio(per[t][st]):.2f}" for st in STATS)
+                    for t in ("before", "after")
+                ]
+                + [
+                    " / ".join(f"{over2x(per[t][st]):.3f}" for st in STATS)
+                    for t in ("before", "after")
+                ]
+            )
+        )
     print("\nPer family (all its groups pooled):\n")
-    print(_line(["held-out", "mode", "releases", "actual/stated d / e (before)", "after",
-                 ">2x d / e (before)", "after"]))
+    print(
+        _line(
+            [
+                "held-out",
+                "mode",
+                "releases",
+                "actual/stated d / e (before)",
+                "after",
+                ">2x d / e (before)",
+                "after",
+            ]
+        )
+    )
     print("|" + "---|" * 7)
     for line in fam_lines:
         print(line)
     for tag in ("before", "after"):
         pr = pooled[tag]
-        print(f"\n**{tag}**: {sum(x > 2 * y for x, y in pr)} of {len(pr)} stated figures "
-              f"({over2x(pr):.3f}) exceeded twice", end="")
+        print(
+            f"\n**{tag}**: {sum(x > 2 * y for x, y in pr)} of {len(pr)} stated figures "
+            f"({over2x(pr):.3f}) exceeded twice",
+            end="",
+        )
     fc = fit_factors(rows, *rule)
-    print("\n\nFactors fit on every family (aggregator.intervals.EXPECTED_ERROR_FACTORS): "
-          + ", ".join(f"({k[0]!r}, {k[1]}, {k[2]!r}): {v:.2f}" for k, v in sorted(fc.items())))
+    print(
+        "\n\nFactors fit on every family (aggregator.intervals.EXPECTED_ERROR_FACTORS): "
+        + ", ".join(f"({k[0]!r}, {k[1]}, {k[2]!r}): {v:.2f}" for k, v in sorted(fc.items()))
+    )
 
 
 #: public / released features a stated figure may depend on (issue 51, s67): each a function of
@@ -540,10 +751,25 @@ FEATURES = {
     "gap": lambda r, s: r["gap"][s] / max(math.hypot(r["rms"][s], r["gap"][s]), 1e-12),
 }
 #: feature sets tried: a factor times exp(linear in the features) per (mode, statistic)
-FEATURE_SETS = ((), ("snr",), ("load",), ("f1",), ("dn",), ("base",), ("layers",), ("eps",),
-                ("f1", "dn"), ("snr", "f1", "dn"), ("load", "layers"), ("snr", "layers"),
-                ("base", "load"), ("gap",), ("gap", "load"), ("gap", "snr", "layers"),
-                tuple(FEATURES))
+FEATURE_SETS = (
+    (),
+    ("snr",),
+    ("load",),
+    ("f1",),
+    ("dn",),
+    ("base",),
+    ("layers",),
+    ("eps",),
+    ("f1", "dn"),
+    ("snr", "f1", "dn"),
+    ("load", "layers"),
+    ("snr", "layers"),
+    ("base", "load"),
+    ("gap",),
+    ("gap", "load"),
+    ("gap", "snr", "layers"),
+    tuple(FEATURES),
+)
 RIDGE = 1.0  # on standardized features: a fold's 12 families do not pin 7 slopes freely
 
 
@@ -599,8 +825,13 @@ def fit_scale(rows, feats, objective="rms", method="mle", base="rms+gap") -> dic
                     if np.max(np.abs(step)) < 1e-8:
                         break
             s_ = b * np.exp(Z @ th)
-            c = (float(np.quantile(a / s_, int(objective[1:]) / 100) / 2)
-                 if objective.startswith("q") else NORMAL_98 if objective == "n98" else 1.0)
+            c = (
+                float(np.quantile(a / s_, int(objective[1:]) / 100) / 2)
+                if objective.startswith("q")
+                else NORMAL_98
+                if objective == "n98"
+                else 1.0
+            )
             out[(mode, st)] = (mu, sd, th, c, base)
     return out
 
@@ -631,11 +862,12 @@ def score_scale(rows, feats, fit) -> tuple:
 #: the stated figure over the RMS error at which a normal error exceeds twice the figure with
 #: chance 2 %: z_0.99 / 2 (1.163)
 NORMAL_98 = 2.3263478740408408 / 2
-SCALE_RULES = (tuple((f, o, m, "rms+gap") for f in FEATURE_SETS
-                     for o in ("rms", "n98", "q96", "q98")
-                     for m in (("mle", "ols") if f else ("mle",)))
-               + tuple((f, o, "mle", "interval") for f in FEATURE_SETS
-                       for o in ("rms", "n98", "q96", "q98")))
+SCALE_RULES = tuple(
+    (f, o, m, "rms+gap")
+    for f in FEATURE_SETS
+    for o in ("rms", "n98", "q96", "q98")
+    for m in (("mle", "ols") if f else ("mle",))
+) + tuple((f, o, "mle", "interval") for f in FEATURE_SETS for o in ("rms", "n98", "q96", "q98"))
 
 
 def scale_name(rule) -> str:
@@ -668,9 +900,11 @@ def feature_report(rows, fams) -> None:
     rows = [r for r in rows if "public" in r]
     if not rows:
         return
-    print("\n### Feature rules held out (issue 51, s67): b = hypot(rms_error, stand_in_gap) / "
-          "value times exp(c + theta . features) per (mode, statistic), fit without the "
-          "held-out family\n")
+    print(
+        "\n### Feature rules held out (issue 51, s67): b = hypot(rms_error, stand_in_gap) / "
+        "value times exp(c + theta . features) per (mode, statistic), fit without the "
+        "held-out family\n"
+    )
     print("Features: " + ", ".join(FEATURES) + f"; ridge {RIDGE} on standardized features.\n")
     held = {ru: [0, 0, 0, 0] for ru in SCALE_RULES}  # groups ok, groups, over, figures
     chosen = [0, 0, 0, 0]
@@ -703,14 +937,29 @@ def feature_report(rows, fams) -> None:
         for i, v in enumerate((n_g - bad, n_g, over, tot)):
             today[i] += v
         for (_, _, reg, L), rs in sorted(groups(test).items()):
-            per_group_chosen.append(_line(
-                [f, mode, reg, L, len(rs)]
-                + [" / ".join(f"{ratio(pr):.2f}" for pr in
-                              (_pairs_rule(rs, st, LIBRARY_RULE, fc) for st in STATS))]
-                + [" / ".join(f"{ratio(_scale_pairs(rs, st, best[0], fits[best])):.2f}"
-                              for st in STATS)]
-                + [" / ".join(f"{over2x(_scale_pairs(rs, st, best[0], fits[best])):.2f}"
-                              for st in STATS)]))
+            per_group_chosen.append(
+                _line(
+                    [f, mode, reg, L, len(rs)]
+                    + [
+                        " / ".join(
+                            f"{ratio(pr):.2f}"
+                            for pr in (_pairs_rule(rs, st, LIBRARY_RULE, fc) for st in STATS)
+                        )
+                    ]
+                    + [
+                        " / ".join(
+                            f"{ratio(_scale_pairs(rs, st, best[0], fits[best])):.2f}"
+                            for st in STATS
+                        )
+                    ]
+                    + [
+                        " / ".join(
+                            f"{over2x(_scale_pairs(rs, st, best[0], fits[best])):.2f}"
+                            for st in STATS
+                        )
+                    ]
+                )
+            )
 
     def fmt_(t):
         return f"{t[0]}/{t[1]} | {t[2]}/{t[3]} ({t[2] / max(t[3], 1):.3f})"
@@ -722,16 +971,27 @@ def feature_report(rows, fams) -> None:
         print(_line([rule_name(ru), fmt_(held_old[ru])]))
     for ru in SCALE_RULES:
         print(_line([scale_name(ru), fmt_(held[ru])]))
-    print(_line(["**chosen per fold** (score in sample on the training families)",
-                 fmt_(chosen)]))
-    print(_line(["**chosen per fold, nested** (score held out family by family within the "
-                 "training families)", fmt_(chosen_n)]))
-    print("\nChosen per fold (in sample; nested): " + "; ".join(
-        f"{f} ({m}): {scale_name(b)}; {scale_name(nb)}" for m, f, b, nb in picks))
-    print("\nPer group, held out: actual/stated d / e under today's rule, under the rule chosen "
-          "in the fold, and its >2x d / e\n")
-    print(_line(["held-out", "mode", "regime", "layers", "releases", "today", "chosen",
-                 ">2x chosen"]))
+    print(_line(["**chosen per fold** (score in sample on the training families)", fmt_(chosen)]))
+    print(
+        _line(
+            [
+                "**chosen per fold, nested** (score held out family by family within the "
+                "training families)",
+                fmt_(chosen_n),
+            ]
+        )
+    )
+    print(
+        "\nChosen per fold (in sample; nested): "
+        + "; ".join(f"{f} ({m}): {scale_name(b)}; {scale_name(nb)}" for m, f, b, nb in picks)
+    )
+    print(
+        "\nPer group, held out: actual/stated d / e under today's rule, under the rule chosen "
+        "in the fold, and its >2x d / e\n"
+    )
+    print(
+        _line(["held-out", "mode", "regime", "layers", "releases", "today", "chosen", ">2x chosen"])
+    )
     print("|" + "---|" * 8)
     for line in per_group_chosen:
         print(line)
@@ -767,8 +1027,10 @@ def _pick_k(train, st, how, fit=None) -> float:
     fams_ = sorted({r["family"] for r in train})
     best = None
     for k in KS:
-        ok = sum(BAND[0] <= _covered([r for r in train if r["family"] == f], st, k, how, fit)
-                 <= BAND[1] for f in fams_)
+        ok = sum(
+            BAND[0] <= _covered([r for r in train if r["family"] == f], st, k, how, fit) <= BAND[1]
+            for f in fams_
+        )
         key = (-ok, abs(_covered(train, st, k, how, fit) - 0.905))
         if best is None or key < best[0]:
             best = (key, k)
@@ -778,14 +1040,30 @@ def _pick_k(train, st, how, fit=None) -> float:
 def coverage_report(rows, fams) -> None:
     """The 90 % intervals widened or narrowed, held out by family: a scale per (mode,
     statistic) chosen on the other families (:func:`_pick_k`), read on the held-out one."""
-    print("\n### Coverage held out (issue 51, s67): the 90 % intervals rescaled per (mode, "
-          "statistic), the scale chosen on the other families\n")
-    print("`interval`: each side's distance from the released value times k; `normal`: the "
-          "released value +- 1.645 k times today's stated figure (factors fit without the "
-          f"family); k in {KS[0]}-{KS[-1]}, the most training families in {BAND[0]}-{BAND[1]}, "
-          "then pooled closest to 0.905.\n")
-    print(_line(["held-out", "mode", "releases", "as released d / e", "interval: k d / e",
-                 "coverage", "normal: k d / e", "coverage"]))
+    print(
+        "\n### Coverage held out (issue 51, s67): the 90 % intervals rescaled per (mode, "
+        "statistic), the scale chosen on the other families\n"
+    )
+    print(
+        "`interval`: each side's distance from the released value times k; `normal`: the "
+        "released value +- 1.645 k times today's stated figure (factors fit without the "
+        f"family); k in {KS[0]}-{KS[-1]}, the most training families in {BAND[0]}-{BAND[1]}, "
+        "then pooled closest to 0.905.\n"
+    )
+    print(
+        _line(
+            [
+                "held-out",
+                "mode",
+                "releases",
+                "as released d / e",
+                "interval: k d / e",
+                "coverage",
+                "normal: k d / e",
+                "coverage",
+            ]
+        )
+    )
     print("|" + "---|" * 8)
     tally = {t: {st: [] for st in STATS} for t in ("released", "interval", "normal")}
     for mode, f in fams:
@@ -805,17 +1083,32 @@ def coverage_report(rows, fams) -> None:
             cols += [" / ".join(f"{k:.2f}" for k in ks), " / ".join(f"{c:.2f}" for c in cv)]
         print(_line(cols))
     for t, d in tally.items():
-        print(f"\n**{t}**: " + "; ".join(
-            f"{st} {min(v):.2f}-{max(v):.2f}, {sum(BAND[0] <= c <= BAND[1] for c in v)} of "
-            f"{len(v)} families in {BAND[0]}-{BAND[1]}" for st, v in d.items()), end="")
-    sizes = sorted({len([r for r in rows if r["family"] == f and r["mode"] == m])
-                    for m, f in fams})
-    print("\n\nChance that a family of m releases whose intervals cover exactly 0.90 reads "
-          f"{BAND[0]}-{BAND[1]}: " + ", ".join(
-              f"m = {m}: " + format(sum(math.comb(m, x) * 0.9 ** x * 0.1 ** (m - x)
-                                        for x in range(m + 1)
-                                        if BAND[0] <= x / m <= BAND[1]), ".2f")
-              for m in sizes))
+        print(
+            f"\n**{t}**: "
+            + "; ".join(
+                f"{st} {min(v):.2f}-{max(v):.2f}, {sum(BAND[0] <= c <= BAND[1] for c in v)} of "
+                f"{len(v)} families in {BAND[0]}-{BAND[1]}"
+                for st, v in d.items()
+            ),
+            end="",
+        )
+    sizes = sorted({len([r for r in rows if r["family"] == f and r["mode"] == m]) for m, f in fams})
+    print(
+        "\n\nChance that a family of m releases whose intervals cover exactly 0.90 reads "
+        f"{BAND[0]}-{BAND[1]}: "
+        + ", ".join(
+            f"m = {m}: "
+            + format(
+                sum(
+                    math.comb(m, x) * 0.9**x * 0.1 ** (m - x)
+                    for x in range(m + 1)
+                    if BAND[0] <= x / m <= BAND[1]
+                ),
+                ".2f",
+            )
+            for m in sizes
+        )
+    )
 
 
 def _admits_2x(r: dict) -> bool:
@@ -834,9 +1127,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="results directory (default out/calibration)")
     ap.add_argument("--layers", default="1,2", help="layer counts run (default 1,2)")
     ap.add_argument("--reps", type=int, default=REPS, help="repetitions per (cell, layers)")
-    ap.add_argument("--first-rep", type=int, default=0, metavar="R",
-                    help="run: draw repetitions R, R + 1, ... into results.rR.*.pkl beside "
-                         "the earlier ones (the report reads them all)")
+    ap.add_argument(
+        "--first-rep",
+        type=int,
+        default=0,
+        metavar="R",
+        help="run: draw repetitions R, R + 1, ... into results.rR.*.pkl beside "
+        "the earlier ones (the report reads them all)",
+    )
     args = ap.parse_args(argv)
     FIRST_REP = args.first_rep
     LAYERS = tuple(int(x) for x in args.layers.split(","))

@@ -59,8 +59,7 @@ def users_counts(rng, n: int, d: int) -> np.ndarray:
     c = 1 + rng.poisson(max(n / d - 1.0, 0.0), d)
     extra = int(c.sum()) - n
     while extra > 0:  # take events back from items above 1, at random
-        idx = rng.choice(np.flatnonzero(c > 1), size=min(extra, int((c > 1).sum())),
-                         replace=False)
+        idx = rng.choice(np.flatnonzero(c > 1), size=min(extra, int((c > 1).sum())), replace=False)
         c[idx] -= 1
         extra = int(c.sum()) - n
     if extra < 0:
@@ -111,13 +110,17 @@ intervals.error_bars = _keep_bars
 def release(vc, p, cell, n):
     _, mode, C, _, _, eps, layers = cell
     _LAST_BARS.clear()
-    hist, acc = estimate_with_accuracy(vc, p, layers=layers, n=n,
-                                       buckets=C if mode == "hashed" else None, reps=10)
-    rel = package_release(hist, window=None, n=n, epsilon=eps, neighbor="replace-one",
-                          model="joint", accuracy=acc)
+    hist, acc = estimate_with_accuracy(
+        vc, p, layers=layers, n=n, buckets=C if mode == "hashed" else None, reps=10
+    )
+    rel = package_release(
+        hist, window=None, n=n, epsilon=eps, neighbor="replace-one", model="joint", accuracy=acc
+    )
     b = _LAST_BARS[-1]
-    rel["_raw"] = {k: {"rms": b["rms_error"][k], "gap": b["stand_in_gap"][k],
-                       "spread": b["spread"][k]} for k in ("distinct", "entropy")}
+    rel["_raw"] = {
+        k: {"rms": b["rms_error"][k], "gap": b["stand_in_gap"][k], "spread": b["spread"][k]}
+        for k in ("distinct", "entropy")
+    }
     return rel
 
 
@@ -128,8 +131,16 @@ def run_cell(cell, windows: int, changed_pairs: int, seed: int) -> dict:
         items, vc, p = window(rng, cell)
         rel = release(vc, p, cell, int(items.sum()))
         rows.append((items, rel))
-    res = {"cell": cell[0], "mode": cell[1], "counters": cell[2], "n": cell[3],
-           "model": cell[4], "eps": cell[5], "layers": cell[6], "windows": windows}
+    res = {
+        "cell": cell[0],
+        "mode": cell[1],
+        "counters": cell[2],
+        "n": cell[3],
+        "model": cell[4],
+        "eps": cell[5],
+        "layers": cell[6],
+        "windows": windows,
+    }
     fa = {s: [] for s in changes.STATISTICS}
     for (_, a), (_, b) in zip(rows[:-1], rows[1:]):
         c = changes.compare(a, b)
@@ -137,8 +148,7 @@ def run_cell(cell, windows: int, changed_pairs: int, seed: int) -> dict:
             fa[s].append(bool(c[s]["significant"]))
     res["false_alarm"] = {s: float(np.mean(v)) for s, v in fa.items()}
     # errors against the truth
-    d_err, d_exp, h_err, h_exp, cov_d, cov_h, off2, off2_unflagged, flagged = ([] for _ in
-                                                                                range(9))
+    d_err, d_exp, h_err, h_exp, cov_d, cov_h, off2, off2_unflagged, flagged = ([] for _ in range(9))
     for items, rel in rows:
         acc = rel["accuracy"]
         td, th = len(items), entropy(np.sort(items)[::-1])
@@ -160,29 +170,39 @@ def run_cell(cell, windows: int, changed_pairs: int, seed: int) -> dict:
     res["true_distinct"] = float(np.mean([len(i) for i, _ in rows]))
     res["rms_rel_error_distinct"] = float(np.sqrt(np.mean((d_err / res["true_distinct"]) ** 2)))
     res["expected_calibration"] = {
-        "distinct": float(np.sqrt(np.mean(d_err ** 2)) / np.sqrt(np.mean(d_exp ** 2))),
-        "entropy": float(np.sqrt(np.mean(h_err ** 2)) / np.sqrt(np.mean(h_exp ** 2)))}
+        "distinct": float(np.sqrt(np.mean(d_err**2)) / np.sqrt(np.mean(d_exp**2))),
+        "entropy": float(np.sqrt(np.mean(h_err**2)) / np.sqrt(np.mean(h_exp**2))),
+    }
     for variant in ("rms", "gap", "spread"):
         for k, err in (("distinct", d_err), ("entropy", h_err)):
             v = np.asarray([r["_raw"][k][variant] for _, r in rows])
             res.setdefault("calibration_of", {})[f"{k}:{variant}"] = round(
-                float(np.sqrt(np.mean(err ** 2)) / max(np.sqrt(np.mean(v ** 2)), 1e-12)), 3)
-    res["beyond_2x_expected"] = {"distinct": float(np.mean(np.abs(d_err) > 2 * d_exp)),
-                                 "entropy": float(np.mean(np.abs(h_err) > 2 * h_exp))}
+                float(np.sqrt(np.mean(err**2)) / max(np.sqrt(np.mean(v**2)), 1e-12)), 3
+            )
+    res["beyond_2x_expected"] = {
+        "distinct": float(np.mean(np.abs(d_err) > 2 * d_exp)),
+        "entropy": float(np.mean(np.abs(h_err) > 2 * h_exp)),
+    }
     res["coverage"] = {"distinct": float(np.mean(cov_d)), "entropy": float(np.mean(cov_h))}
     res["off_2x"] = int(sum(off2))
     res["off_2x_unflagged"] = int(sum(off2_unflagged))
     res["flagged"] = int(sum(flagged))
-    res["stated_rel_error_distinct"] = float(np.median(
-        [r["accuracy"]["expected_relative_error"]["distinct_items"] or np.nan for _, r in rows]))
+    res["stated_rel_error_distinct"] = float(
+        np.median(
+            [r["accuracy"]["expected_relative_error"]["distinct_items"] or np.nan for _, r in rows]
+        )
+    )
     # what `panagg plan` / the start line said before any data, for the matching shape
     shape = {"zipf": "zipf", "distinct": "distinct"}.get(cell[4])
     if shape:
         from aggregator.release import planned_accuracy
-        res["planned_rel_error"] = planned_accuracy(cell[2], math.exp(-cell[5] / 2), cell[6],
-                                                    cell[3], hashed=cell[1] == "hashed")[shape]
-        res["stated_rel_error_entropy"] = float(np.median(
-            [r["accuracy"]["expected_relative_error"]["entropy_nats"] for _, r in rows]))
+
+        res["planned_rel_error"] = planned_accuracy(
+            cell[2], math.exp(-cell[5] / 2), cell[6], cell[3], hashed=cell[1] == "hashed"
+        )[shape]
+        res["stated_rel_error_entropy"] = float(
+            np.median([r["accuracy"]["expected_relative_error"]["entropy_nats"] for _, r in rows])
+        )
     # power: a window, then one with 20% more distinct items
     hits = {s: [] for s in changes.STATISTICS}
     true_rel = []
@@ -217,17 +237,28 @@ def plot_example(path: str) -> None:
         up = i >= 10
         d = 1000 * (1.3 if up else 1.0) + rng.normal(0, 30)
         h = 6 + rng.normal(0, 0.01) + (0.2 if up else 0)
-        docs.append({"window": 59849607 + i, "n": 5000,
-                     "properties": {"distinct_items": int(d), "entropy_nats": h},
-                     "accuracy": {"standard_error": {"distinct_items": 35.0, "entropy_nats": 0.012},
-                                  "intervals": {"reps": 10, "level": 0.9,
-                                                "distinct_items": [d - 80, d + 90],
-                                                "entropy_nats": [5.95 + 0.2 * up,
-                                                                 6.05 + 0.2 * up]}},
-                     "signal_below_noise": i == 3})
+        docs.append(
+            {
+                "window": 59849607 + i,
+                "n": 5000,
+                "properties": {"distinct_items": int(d), "entropy_nats": h},
+                "accuracy": {
+                    "standard_error": {"distinct_items": 35.0, "entropy_nats": 0.012},
+                    "intervals": {
+                        "reps": 10,
+                        "level": 0.9,
+                        "distinct_items": [d - 80, d + 90],
+                        "entropy_nats": [5.95 + 0.2 * up, 6.05 + 0.2 * up],
+                    },
+                },
+                "signal_below_noise": i == 3,
+            }
+        )
     led = _Ledger()
-    led.entries = [{"kind": "release", "time_unix": 1795000000 + 30 * i, "document": json.dumps(d)}
-                   for i, d in enumerate(docs)]
+    led.entries = [
+        {"kind": "release", "time_unix": 1795000000 + 30 * i, "document": json.dumps(d)}
+        for i, d in enumerate(docs)
+    ]
     plot_history(release_history(led), path)
 
 
@@ -241,8 +272,15 @@ def hashed_diagnostic(windows: int = 4) -> None:
     counters' unbiased estimate (sum x^2 - B Var Z) and the early-stopped EM's fit; and the
     number of SQUAREM steps that EM makes before its stop."""
     from aggregator.estimate import (
-        cap_total, cumulative_from_counts, DECONV_MAX_ITER, DECONV_TOL,
-        em_prevalences, _em_problem, noise_pmf, _squarem, ReleaseMemo,
+        cap_total,
+        cumulative_from_counts,
+        DECONV_MAX_ITER,
+        DECONV_TOL,
+        em_prevalences,
+        _em_problem,
+        noise_pmf,
+        _squarem,
+        ReleaseMemo,
     )
     from aggregator.anonymize import anonymized_cumulative, anonymized_histogram
     from aggregator.largedomain import _invert
@@ -258,30 +296,48 @@ def hashed_diagnostic(windows: int = 4) -> None:
         n, B = int(items.sum()), cell[2]
         memo = ReleaseMemo()  # the release's choices, handed to its error bars
         h = anonymized_histogram(vc, p, layers=cell[6], n=n, buckets=B, memo=memo)
-        eb = intervals.error_bars(vc, p, layers=cell[6], n=n, buckets=B, reps=10, level=inner,
-                                  release=h, memo=memo)
-        fits = {m: int(anonymized_cumulative(vc, p, layers=cell[6], n=n, buckets=B,
-                                             method=m, memo=memo)[0])
-                for m in ("deconvolution", "mle")}
+        eb = intervals.error_bars(
+            vc, p, layers=cell[6], n=n, buckets=B, reps=10, level=inner, release=h, memo=memo
+        )
+        fits = {
+            m: int(
+                anonymized_cumulative(vc, p, layers=cell[6], n=n, buckets=B, method=m, memo=memo)[0]
+            )
+            for m in ("deconvolution", "mle")
+        }
         red = window.last_reduced
-        inv = cap_total(_invert(cumulative_from_counts(red[red > 0]).astype(float), B, n, p,
-                                "exact", None), n, "items")
+        inv = cap_total(
+            _invert(cumulative_from_counts(red[red > 0]).astype(float), B, n, p, "exact", None),
+            n,
+            "items",
+        )
         steps = []
         early = em_prevalences(vc, p, layers=cell[6], hashed=True)[0]
         prob = _em_problem(vc, p, cell[6])
         w = prob.w / prob.w.sum()
-        _squarem(prob.start(w), w, w > 0, prob.q, prob.allowed, DECONV_MAX_ITER, DECONV_TOL,
-                 prob.zero_idx, callback=lambda step, pi: steps.append(step) and False)
+        _squarem(
+            prob.start(w),
+            w,
+            w > 0,
+            prob.q,
+            prob.allowed,
+            DECONV_MAX_ITER,
+            DECONV_TOL,
+            prob.zero_idx,
+            callback=lambda step, pi: steps.append(step) and False,
+        )
         v = np.arange(vc.lo, vc.hi + 1, dtype=float)
         m2_fit = float(((2 * np.arange(1, len(early) + 1) - 1) * early).sum())
         m2_mom = float((v * v * vc.c).sum()) - B * var_z
-        print(f"truth {len(items)}, release {len(h)}, interval "
-              f"[{eb['distinct'][0]:.0f}, {eb['distinct'][1]:.0f}], fits {fits}, spread "
-              f"{eb['spread']['distinct']:.0f}, rms {eb['rms_error']['distinct']:.0f}; "
-              f"inversion of the true bucket totals {int(inv[0])}; "
-              f"sum T^2: true {int((red.astype(float) ** 2).sum())}, "
-              f"unbiased {m2_mom:.0f}, early EM {m2_fit:.0f}; early EM steps {len(steps)}",
-              flush=True)
+        print(
+            f"truth {len(items)}, release {len(h)}, interval "
+            f"[{eb['distinct'][0]:.0f}, {eb['distinct'][1]:.0f}], fits {fits}, spread "
+            f"{eb['spread']['distinct']:.0f}, rms {eb['rms_error']['distinct']:.0f}; "
+            f"inversion of the true bucket totals {int(inv[0])}; "
+            f"sum T^2: true {int((red.astype(float) ** 2).sum())}, "
+            f"unbiased {m2_mom:.0f}, early EM {m2_fit:.0f}; early EM steps {len(steps)}",
+            flush=True,
+        )
 
 
 def plan_spread(draws: int = 8) -> None:
@@ -301,8 +357,11 @@ def plan_spread(draws: int = 8) -> None:
                 for shape in figs:
                     figs[shape].append(100 * plan[shape]["distinct_items"])
             for shape, v in figs.items():
-                print(f"{windows} windows, {shape}: +-{min(v):.1f}% to +-{max(v):.1f}% distinct "
-                      f"items (median {np.median(v):.1f}%) over {draws} draws", flush=True)
+                print(
+                    f"{windows} windows, {shape}: +-{min(v):.1f}% to +-{max(v):.1f}% distinct "
+                    f"items (median {np.median(v):.1f}%) over {draws} draws",
+                    flush=True,
+                )
     finally:
         release.PLAN_WINDOWS = default
 
@@ -315,13 +374,22 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="12 windows, 6 pairs")
     ap.add_argument("--out", default="out/changes.json")
     ap.add_argument("--plot-example", metavar="PNG", help="only write the history plot example")
-    ap.add_argument("--hashed-diagnostic", action="store_true",
-                    help="only the issue's hashed setting, window by window")
-    ap.add_argument("--planned-only", action="store_true",
-                    help="only print planned_accuracy for the cells with a reference shape")
-    ap.add_argument("--plan-spread", action="store_true",
-                    help="only the spread of the plan's figures over 8 draws of its synthetic "
-                         "windows (D = 1e6, n = 4e4, 2 layers, eps 1), with 3 and 5 windows")
+    ap.add_argument(
+        "--hashed-diagnostic",
+        action="store_true",
+        help="only the issue's hashed setting, window by window",
+    )
+    ap.add_argument(
+        "--planned-only",
+        action="store_true",
+        help="only print planned_accuracy for the cells with a reference shape",
+    )
+    ap.add_argument(
+        "--plan-spread",
+        action="store_true",
+        help="only the spread of the plan's figures over 8 draws of its synthetic "
+        "windows (D = 1e6, n = 4e4, 2 layers, eps 1), with 3 and 5 windows",
+    )
     args = ap.parse_args(argv)
     if args.plan_spread:
         plan_spread()
@@ -334,13 +402,26 @@ def main(argv=None) -> int:
         return 0
     if args.planned_only:  # what `panagg plan` says for the cells with a reference shape
         from aggregator.release import planned_accuracy
-        for i in ([int(c) for c in args.cells.split(",")] if args.cells else range(len(CELLS))):
+
+        for i in [int(c) for c in args.cells.split(",")] if args.cells else range(len(CELLS)):
             cell = CELLS[i]
             shape = {"zipf": "zipf", "distinct": "distinct"}.get(cell[4])
             if shape:
-                print(json.dumps({"cell": cell[0], "planned": planned_accuracy(
-                    cell[2], math.exp(-cell[5] / 2), cell[6], cell[3],
-                    hashed=cell[1] == "hashed")[shape]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "cell": cell[0],
+                            "planned": planned_accuracy(
+                                cell[2],
+                                math.exp(-cell[5] / 2),
+                                cell[6],
+                                cell[3],
+                                hashed=cell[1] == "hashed",
+                            )[shape],
+                        }
+                    ),
+                    flush=True,
+                )
         return 0
     if args.quick:
         args.windows, args.pairs = 12, 6
@@ -356,6 +437,7 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
         out.append(r)
     from pathlib import Path
+
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0

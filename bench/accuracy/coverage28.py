@@ -62,30 +62,53 @@ SMOKE: list = []  # --smoke: two tiny cells, one repetition, one layer count
 
 def cells() -> list[Cell]:
     if SMOKE:
-        return [Cell("direct", "zipf", 1_000, 1_000, 1.0, 1),
-                Cell("hashed", "zipf", 300, None, 1.0, 1)]
+        return [
+            Cell("direct", "zipf", 1_000, 1_000, 1.0, 1),
+            Cell("hashed", "zipf", 300, None, 1.0, 1),
+        ]
     if START_CELLS:  # 24 releases each: the shrunk start is taken in about half the heavy ones
-        return [Cell("direct", "heavy", 10**5, 10**6, 0.5, 24),
-                Cell("direct", "geometric", 10**5, 10**5, 0.5, 24),
-                Cell("direct", "uniform", 10**5, 10**5, 1.0, 24)]
+        return [
+            Cell("direct", "heavy", 10**5, 10**6, 0.5, 24),
+            Cell("direct", "geometric", 10**5, 10**5, 0.5, 24),
+            Cell("direct", "uniform", 10**5, 10**5, 1.0, 24),
+        ]
     if HASHED_REAL:  # coverage where no hashed level was chosen: n = D / 10 and D
         from .lofo import REAL_PICK
-        return [Cell("hashed", name, n, None, (1.0, 0.5)[(i + j) % 2], REPS)
-                for j, name in enumerate(REAL_PICK)
-                for i, n in enumerate((len(real_profile(name)) // 10, len(real_profile(name))))]
+
+        return [
+            Cell("hashed", name, n, None, (1.0, 0.5)[(i + j) % 2], REPS)
+            for j, name in enumerate(REAL_PICK)
+            for i, n in enumerate((len(real_profile(name)) // 10, len(real_profile(name))))
+        ]
     out = []
-    for dist, D, n, eps in (("zipf", 10**5, 10**4, 1.0), ("zipf0.7", 10**5, 10**5, 0.5),
-                            ("zipf1.5", 10**4, 10**4, 2.0), ("geometric", 10**4, 10**4, 1.0),
-                            ("uniform", 10**4, 10**5, 0.5), ("heavy", 10**5, 10**3, 1.0),
-                            ("zipf2", 10**4, 10**3, 1.0)):
+    for dist, D, n, eps in (
+        ("zipf", 10**5, 10**4, 1.0),
+        ("zipf0.7", 10**5, 10**5, 0.5),
+        ("zipf1.5", 10**4, 10**4, 2.0),
+        ("geometric", 10**4, 10**4, 1.0),
+        ("uniform", 10**4, 10**5, 0.5),
+        ("heavy", 10**5, 10**3, 1.0),
+        ("zipf2", 10**4, 10**3, 1.0),
+    ):
         out.append(Cell("direct", dist, n, D, eps, REPS))
-    for name, frac, eps in (("wf-en", 0.1, 1.0), ("sc-ru", 1.0, 0.5), ("ss-en", 0.1, 2.0),
-                            ("jb-zh", 0.1, 1.0), ("ac-en", 1.0, 1.0), ("py-ids", 0.1, 0.5)):
+    for name, frac, eps in (
+        ("wf-en", 0.1, 1.0),
+        ("sc-ru", 1.0, 0.5),
+        ("ss-en", 0.1, 2.0),
+        ("jb-zh", 0.1, 1.0),
+        ("ac-en", 1.0, 1.0),
+        ("py-ids", 0.1, 0.5),
+    ):
         D = len(real_profile(name))
         out.append(Cell("direct", name, int(frac * D), D, eps, REPS))
     # (the issue's new user: mostly distinct, n = 1e5 in B = 2e5 buckets, eps 1)
-    for dist, n, eps in (("zipf", 10**4, 1.0), ("distinct", 10**4, 0.5), ("zipf1.5", 10**4, 2.0),
-                         ("zipf1.01", 3 * 10**4, 1.0), ("distinct", 10**5, 1.0)):
+    for dist, n, eps in (
+        ("zipf", 10**4, 1.0),
+        ("distinct", 10**4, 0.5),
+        ("zipf1.5", 10**4, 2.0),
+        ("zipf1.01", 3 * 10**4, 1.0),
+        ("distinct", 10**5, 1.0),
+    ):
         out.append(Cell("hashed", dist, n, None, eps, REPS))
     return out
 
@@ -101,22 +124,38 @@ def run_cell(cell: Cell, layers: int) -> list[dict]:
         truth_y = cumulative_from_counts(h)
         t_d, t_h = len(h), entropy(np.sort(h)[::-1])
         memo = ReleaseMemo()  # the release's choices, handed to its error bars
-        hist = np.asarray(anonymized_histogram(vc, p, layers=layers, n=cell.n, buckets=B,
-                                               memo=memo))
+        hist = np.asarray(
+            anonymized_histogram(vc, p, layers=layers, n=cell.n, buckets=B, memo=memo)
+        )
         err = cumulative_l1(cumulative_from_counts(hist), truth_y)
         row = {"rep": rep, "true_distinct": t_d, "release_distinct": len(hist), "l1": err}
         if B is None:  # whether auto's early-stopped EM took the shrunk start (selection)
             from aggregator.selection import chosen_start
-            row["shrunk_start"] = bool((chosen_start(vc, p, layers=layers, n=cell.n, memo=memo)
-                                        or (False,))[0])
+
+            row["shrunk_start"] = bool(
+                (chosen_start(vc, p, layers=layers, n=cell.n, memo=memo) or (False,))[0]
+            )
         for lv in LEVELS:
-            eb = error_bars(vc, p, layers=layers, n=cell.n, buckets=B, reps=10, level=lv,
-                            rng=[rep, int(lv * 100)], release=hist, memo=memo)
+            eb = error_bars(
+                vc,
+                p,
+                layers=layers,
+                n=cell.n,
+                buckets=B,
+                reps=10,
+                level=lv,
+                rng=[rep, int(lv * 100)],
+                release=hist,
+                memo=memo,
+            )
             lo, hi = eb["distinct"]
             elo, ehi = eb["entropy_nats"]
-            row[lv] = {"distinct": lo <= t_d <= hi, "entropy": elo <= t_h <= ehi,
-                       "l1": err <= eb["l1_bound"],
-                       "width": (hi - lo) / max(t_d, 1)}
+            row[lv] = {
+                "distinct": lo <= t_d <= hi,
+                "entropy": elo <= t_h <= ehi,
+                "l1": err <= eb["l1_bound"],
+                "width": (hi - lo) / max(t_d, 1),
+            }
         rows.append(row)
     return rows
 
@@ -129,8 +168,12 @@ def _label(job) -> str:
 def run(shard) -> None:
     i, k = shard
     OUT.mkdir(parents=True, exist_ok=True)
-    jobs = [((cell.key, layers), (cell, layers)) for idx, cell in enumerate(cells())
-            for layers in LAYERS if (idx * 2 + layers) % k == i and cell.mode in MODES_RUN]
+    jobs = [
+        ((cell.key, layers), (cell, layers))
+        for idx, cell in enumerate(cells())
+        for layers in LAYERS
+        if (idx * 2 + layers) % k == i and cell.mode in MODES_RUN
+    ]
     run_resumable(OUT / f"results.{i}.pkl", jobs, lambda job: run_cell(*job), _label)
 
 
@@ -159,41 +202,67 @@ def report() -> None:
         allrows = [r for f in fams for r in by[(mode, f)]]
         if mode == "direct":
             taken = [r for r in allrows if r.get("shrunk_start", False)]
-            print(f"(auto's early-stopped EM took the shrunk start in {len(taken)} of "
-                  f"{len(allrows)} releases" + (": their coverage " + ", ".join(
-                      f"{s} {np.mean([r[lv][s] for r in taken]):.3f}" for lv in LEVELS[:1]
-                      for s in STATS) + f" at {LEVELS[0]:g}" if taken else "") + ")\n")
+            print(
+                f"(auto's early-stopped EM took the shrunk start in {len(taken)} of "
+                f"{len(allrows)} releases"
+                + (
+                    ": their coverage "
+                    + ", ".join(
+                        f"{s} {np.mean([r[lv][s] for r in taken]):.3f}"
+                        for lv in LEVELS[:1]
+                        for s in STATS
+                    )
+                    + f" at {LEVELS[0]:g}"
+                    if taken
+                    else ""
+                )
+                + ")\n"
+            )
         print("| internal level | " + " | ".join(STATS) + " | mean width (distinct / truth) |")
         print("|---|---|---|---|---|")
         for lv in LEVELS:
             cov = [np.mean([r[lv][s] for r in allrows]) for s in STATS]
             wid = np.mean([r[lv]["width"] for r in allrows])
             print(f"| {lv:g} | " + " | ".join(f"{c:.3f}" for c in cov) + f" | {wid:.3f} |")
-        for rule, text in (("closest", "the internal level whose mean coverage (over the three "
-                                       "statistics) is closest to 0.90"),
-                           ("floor", "the lowest internal level at which each statistic "
-                                     "covers >= 0.90")):
-          print(f"\nLeave one family out ({mode}): on the other families, {text}; the held-out "
-                "family's coverage at it\n")
-          print("| held-out family | releases | level chosen | distinct | entropy | l1 |")
-          print("|---|---|---|---|---|---|")
-          held = {s: [] for s in STATS}
-          for f in fams:
-            train = [r for g in fams if g != f for r in by[(mode, g)]]
-            cov_t = {lv: [np.mean([r[lv][s] for r in train]) for s in STATS] for lv in LEVELS}
-            if rule == "closest":
-                lv = min(LEVELS, key=lambda v: (abs(np.mean(cov_t[v]) - 0.9), -v))
-            else:
-                ok = [v for v in LEVELS if min(cov_t[v]) >= 0.9]
-                lv = min(ok) if ok else max(LEVELS)
-            test = by[(mode, f)]
-            cov = {s: float(np.mean([r[lv][s] for r in test])) for s in STATS}
-            for s in STATS:
-                held[s].extend(r[lv][s] for r in test)
-            print(f"| {f} | {len(test)} | {lv:g} | " + " | ".join(f"{cov[s]:.2f}" for s in STATS)
-                  + " |")
-          print("| **all held out** | " + str(len(held["l1"])) + " | - | "
-                + " | ".join(f"**{np.mean(held[s]):.3f}**" for s in STATS) + " |\n")
+        for rule, text in (
+            (
+                "closest",
+                "the internal level whose mean coverage (over the three "
+                "statistics) is closest to 0.90",
+            ),
+            ("floor", "the lowest internal level at which each statistic covers >= 0.90"),
+        ):
+            print(
+                f"\nLeave one family out ({mode}): on the other families, {text}; the held-out "
+                "family's coverage at it\n"
+            )
+            print("| held-out family | releases | level chosen | distinct | entropy | l1 |")
+            print("|---|---|---|---|---|---|")
+            held = {s: [] for s in STATS}
+            for f in fams:
+                train = [r for g in fams if g != f for r in by[(mode, g)]]
+                cov_t = {lv: [np.mean([r[lv][s] for r in train]) for s in STATS] for lv in LEVELS}
+                if rule == "closest":
+                    lv = min(LEVELS, key=lambda v: (abs(np.mean(cov_t[v]) - 0.9), -v))
+                else:
+                    ok = [v for v in LEVELS if min(cov_t[v]) >= 0.9]
+                    lv = min(ok) if ok else max(LEVELS)
+                test = by[(mode, f)]
+                cov = {s: float(np.mean([r[lv][s] for r in test])) for s in STATS}
+                for s in STATS:
+                    held[s].extend(r[lv][s] for r in test)
+                print(
+                    f"| {f} | {len(test)} | {lv:g} | "
+                    + " | ".join(f"{cov[s]:.2f}" for s in STATS)
+                    + " |"
+                )
+            print(
+                "| **all held out** | "
+                + str(len(held["l1"]))
+                + " | - | "
+                + " | ".join(f"**{np.mean(held[s]):.3f}**" for s in STATS)
+                + " |\n"
+            )
 
 
 def main(argv=None) -> int:
@@ -204,21 +273,38 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--mode", choices=("direct", "hashed"), help="run only this mode's cells")
     ap.add_argument("--out", help="results directory (default out/coverage28)")
-    ap.add_argument("--hashed-real", action="store_true",
-                    help="run: the real profiles' vocabularies as hashed items (n = D/10 and D) "
-                         "instead of the cells above, e.g. with --out out/cov28_hashed_real")
-    ap.add_argument("--start-cells", action="store_true",
-                    help="run: the three direct cells where auto's choice of the early-stopped "
-                         "EM's start changed releases in bench.accuracy.lofo (instead of the "
-                         "cells above)")
+    ap.add_argument(
+        "--hashed-real",
+        action="store_true",
+        help="run: the real profiles' vocabularies as hashed items (n = D/10 and D) "
+        "instead of the cells above, e.g. with --out out/cov28_hashed_real",
+    )
+    ap.add_argument(
+        "--start-cells",
+        action="store_true",
+        help="run: the three direct cells where auto's choice of the early-stopped "
+        "EM's start changed releases in bench.accuracy.lofo (instead of the "
+        "cells above)",
+    )
     ap.add_argument("--layers", default="1,2", help="layer counts run (default 1,2)")
-    ap.add_argument("--levels", default=",".join(f"{v:g}" for v in LEVELS),
-                    help="internal levels run and reported (default all of them)")
-    ap.add_argument("--start-margin", type=float,
-                    help="run: selection.START_MARGIN (inf: auto as before it chose the "
-                         "early-stopped EM's start by the likelihood)")
-    ap.add_argument("--first-rep", type=int, default=0, metavar="R",
-                    help="run: draw repetitions R, R + 1, ... (seeds no earlier run used)")
+    ap.add_argument(
+        "--levels",
+        default=",".join(f"{v:g}" for v in LEVELS),
+        help="internal levels run and reported (default all of them)",
+    )
+    ap.add_argument(
+        "--start-margin",
+        type=float,
+        help="run: selection.START_MARGIN (inf: auto as before it chose the "
+        "early-stopped EM's start by the likelihood)",
+    )
+    ap.add_argument(
+        "--first-rep",
+        type=int,
+        default=0,
+        metavar="R",
+        help="run: draw repetitions R, R + 1, ... (seeds no earlier run used)",
+    )
     ap.add_argument("--reps", type=int, help="run: repetitions per cell (default each cell's)")
     args = ap.parse_args(argv)
     FIRST_REP = args.first_rep
@@ -227,6 +313,7 @@ def main(argv=None) -> int:
     LEVELS = tuple(float(x) for x in args.levels.split(","))
     if args.start_margin is not None:
         from aggregator import selection
+
         selection.START_MARGIN = args.start_margin
     HASHED_REAL[:] = [True] if args.hashed_real else []
     START_CELLS[:] = [True] if args.start_cells else []

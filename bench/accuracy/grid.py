@@ -48,7 +48,11 @@ from aggregator import largedomain as ld
 import zlib
 
 from aggregator.estimate import (
-    CAP_RULES, cumulative_from_counts, cumulative_l1, project_l1, sparse_top,
+    CAP_RULES,
+    cumulative_from_counts,
+    cumulative_l1,
+    project_l1,
+    sparse_top,
 )
 from aggregator.estimators import phi_estimate
 from aggregator.noise import p_from_epsilon
@@ -102,8 +106,15 @@ class Cell:
 # (D, n, reps) of the synthetic direct cells: D/n = 0.1 .. 33, n = 1e3 .. 1e6; the dense
 # sizes D/n = 0.01 (n = 1e6, 1e7) only for DENSE_DISTS: their value spans (~2e4 values under
 # wide noise) make the converged NPMLE, and "auto" which runs it 5 times, cost ~20 s a layer
-DIRECT_SIZES = ((10**4, 10**5, 2), (10**4, 10**3, 3), (10**5, 10**5, 2), (10**5, 10**4, 2),
-                (10**6, 10**6, 2), (10**6, 10**5, 2), (10**6, 3 * 10**4, 2))
+DIRECT_SIZES = (
+    (10**4, 10**5, 2),
+    (10**4, 10**3, 3),
+    (10**5, 10**5, 2),
+    (10**5, 10**4, 2),
+    (10**6, 10**6, 2),
+    (10**6, 10**5, 2),
+    (10**6, 3 * 10**4, 2),
+)
 DENSE_SIZES = ((10**4, 10**6, 1), (10**5, 10**7, 1))
 DENSE_DISTS = ("zipf", "uniform", "geometric")
 
@@ -126,15 +137,19 @@ def grid_cells(quick: bool | str = False) -> list[Cell]:
     ``quick``: a few small cells; ``"smoke"``: two tiny ones, one repetition.
     """
     if quick == "smoke":  # tests/test_bench_smoke.py: one repetition of two tiny cells
-        return [Cell("direct", "zipf", 10**3, 300, 1.0, 1),
-                Cell("hashed", "zipf", 100, None, 1.0, 1)]
+        return [
+            Cell("direct", "zipf", 10**3, 300, 1.0, 1),
+            Cell("hashed", "zipf", 100, None, 1.0, 1),
+        ]
     if quick:
-        return [Cell("direct", "zipf", 10**3, 10**4, 1.0, 2),
-                Cell("direct", "heavy", 10**3, 10**5, 0.5, 2),
-                Cell("direct", "uniform", 10**5, 10**4, 2.0, 2),
-                Cell("direct", "zipf", 0, 10**4, 1.0, 2),
-                Cell("direct", "sc-ru", 2 * 10**3, 19_880, 1.0, 2),
-                Cell("hashed", "zipf", 10**4, None, 1.0, 2)]
+        return [
+            Cell("direct", "zipf", 10**3, 10**4, 1.0, 2),
+            Cell("direct", "heavy", 10**3, 10**5, 0.5, 2),
+            Cell("direct", "uniform", 10**5, 10**4, 2.0, 2),
+            Cell("direct", "zipf", 0, 10**4, 1.0, 2),
+            Cell("direct", "sc-ru", 2 * 10**3, 19_880, 1.0, 2),
+            Cell("hashed", "zipf", 10**4, None, 1.0, 2),
+        ]
     cells = []
     j = 0
     for dist in DIRECT_DISTS:
@@ -190,8 +205,17 @@ def estimate_y(mode: str, vc, p: float, layers: int, method: str, n: int, B: int
 
 def draw(cell: Cell, rep: int):
     """(true counts of the items, bucket totals or None, rng for the noise) of one repetition."""
-    rng = np.random.default_rng([SEED, zlib.crc32(cell.mode.encode()), cell.n, cell.D or 0,
-                                 int(cell.eps * 100), zlib.crc32(cell.dist.encode()), rep])
+    rng = np.random.default_rng(
+        [
+            SEED,
+            zlib.crc32(cell.mode.encode()),
+            cell.n,
+            cell.D or 0,
+            int(cell.eps * 100),
+            zlib.crc32(cell.dist.encode()),
+            rep,
+        ]
+    )
     if cell.mode == "direct":
         h = true_counts(rng, cell.dist, cell.D, cell.n)
         return h[h > 0], None, rng
@@ -211,19 +235,19 @@ def _noisy(rng, values, zeros, p, k):
     if len(values):
         return noisy_vc(rng, values, zeros, p, k)
     from aggregator.estimate import NoisyValueCounts, noise_pmf
+
     K, q = noise_pmf(p, k)
     return NoisyValueCounts(-K, rng.multinomial(zeros, q).astype(np.int64))
 
 
-def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None,
-             estimate=None) -> CellResult:
+def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None, estimate=None) -> CellResult:
     """Run repetitions ``reps`` (default: 0 .. cell.reps - 1) of a cell; ``estimate``: a
     stand-in for :func:`estimate_y` (same arguments) that knows more methods."""
     estimate = estimate_y if estimate is None else estimate
     out = CellResult(cell)
     p, C = cell.p, cell.counters
     B = C if cell.mode == "hashed" else None
-    for rep in (range(cell.reps) if reps is None else reps):
+    for rep in range(cell.reps) if reps is None else reps:
         h, occupied, rng = draw(cell, rep)
         out.items.append(len(h))
         truth = cumulative_from_counts(h)
@@ -240,8 +264,11 @@ def run_cell(cell: Cell, layers=LAYERS, methods=METHODS, reps=None,
                 for cap in MEASURED_CAPS:
                     if cap == "fitted" and top is None:
                         continue
-                    out.add(out.l1, (k, m, cap),
-                            cumulative_l1(capped(y, cell.n, cap, fitted_top=top), truth))
+                    out.add(
+                        out.l1,
+                        (k, m, cap),
+                        cumulative_l1(capped(y, cell.n, cap, fitted_top=top), truth),
+                    )
     return out
 
 
@@ -281,8 +308,9 @@ def regrets(errors: dict, candidates) -> dict:
             continue
         best = min(errors[(m, c)] for m in candidates)
         for m in candidates:
-            out[(m, c)] = errors[(m, c)] / best if best > 0 else (1.0 if errors[(m, c)] == 0
-                                                                  else math.inf)
+            out[(m, c)] = (
+                errors[(m, c)] / best if best > 0 else (1.0 if errors[(m, c)] == 0 else math.inf)
+            )
     return out
 
 
@@ -296,8 +324,10 @@ def worst_regret(reg: dict, candidates) -> dict:
 
 
 def geo_regret(reg: dict, candidates) -> dict:
-    return {m: float(np.exp(np.mean([math.log(v) for (mm, _), v in reg.items() if mm == m])))
-            for m in candidates}
+    return {
+        m: float(np.exp(np.mean([math.log(v) for (mm, _), v in reg.items() if mm == m])))
+        for m in candidates
+    }
 
 
 def decisive_cells(reg: dict, candidates, factor: float = 1.5, top: int = 3) -> set:
@@ -334,7 +364,7 @@ def regret_se(results: list[CellResult], layers: int, reg: dict, candidates) -> 
                 continue
             ratio = a.mean() / b.mean()
             cov = np.cov(a, b, ddof=1)
-            var = (cov[0, 0] - 2 * ratio * cov[0, 1] + ratio ** 2 * cov[1, 1]) / (R * b.mean() ** 2)
+            var = (cov[0, 0] - 2 * ratio * cov[0, 1] + ratio**2 * cov[1, 1]) / (R * b.mean() ** 2)
             out[(m, c)] = math.sqrt(max(var, 0.0))
     return out
 
@@ -369,21 +399,26 @@ def coverage_cells(quick: bool = False) -> list[Cell]:
     """A cross-section of the grid for the (expensive) coverage study: sparse, balanced and dense
     direct cells of several shapes (and one real profile), two hashed cells; eps 0.5 and 1."""
     if quick:
-        return [Cell("direct", "zipf", 10**3, 10**4, 1.0, 3), Cell("hashed", "zipf", 10**4, None,
-                                                                   1.0, 2)]
+        return [
+            Cell("direct", "zipf", 10**3, 10**4, 1.0, 3),
+            Cell("hashed", "zipf", 10**4, None, 1.0, 2),
+        ]
     reps = 10
-    return [Cell("direct", "zipf", 10**4, 10**5, 1.0, reps),
-            Cell("direct", "uniform", 10**5, 10**4, 0.5, reps),
-            Cell("direct", "geometric", 10**4, 10**4, 1.0, reps),
-            Cell("direct", "heavy", 10**3, 10**5, 1.0, reps),
-            Cell("direct", "zipf1.5", 10**5, 10**5, 0.5, reps),
-            Cell("direct", "sc-ru", 1_988, 19_880, 1.0, reps),
-            Cell("hashed", "zipf", 10**4, None, 1.0, reps),
-            Cell("hashed", "distinct", 10**4, None, 0.5, reps)]
+    return [
+        Cell("direct", "zipf", 10**4, 10**5, 1.0, reps),
+        Cell("direct", "uniform", 10**5, 10**4, 0.5, reps),
+        Cell("direct", "geometric", 10**4, 10**4, 1.0, reps),
+        Cell("direct", "heavy", 10**3, 10**5, 1.0, reps),
+        Cell("direct", "zipf1.5", 10**5, 10**5, 0.5, reps),
+        Cell("direct", "sc-ru", 1_988, 19_880, 1.0, reps),
+        Cell("hashed", "zipf", 10**4, None, 1.0, reps),
+        Cell("hashed", "distinct", 10**4, None, 0.5, reps),
+    ]
 
 
-def run_coverage(cell: Cell, layers=(1, 2), boot: int = 16, level: float = 0.9,
-                 model="both") -> dict:
+def run_coverage(
+    cell: Cell, layers=(1, 2), boot: int = 16, level: float = 0.9, model="both"
+) -> dict:
     """Per layer count: over the cell's repetitions, whether the truth fell inside each interval
     of ``intervals.error_bars`` (release defaults), and the interval sizes."""
     from aggregator.intervals import _coverage_2n, error_bars, rank_band_sums
@@ -398,8 +433,17 @@ def run_coverage(cell: Cell, layers=(1, 2), boot: int = 16, level: float = 0.9,
         for k in layers:
             vc = _noisy(rng, values, cell.counters - len(values), cell.p, k)
             t = time.perf_counter()
-            eb = error_bars(vc, cell.p, layers=k, n=cell.n, buckets=B, reps=boot, level=level,
-                            rng=[SEED, rep, k], model=model)
+            eb = error_bars(
+                vc,
+                cell.p,
+                layers=k,
+                n=cell.n,
+                buckets=B,
+                reps=boot,
+                level=level,
+                rng=[SEED, rep, k],
+                model=model,
+            )
             secs = time.perf_counter() - t
             y = cumulative_from_counts(eb["histogram"])
             R = max(len(truth), len(eb["phi_lower"])) + 1
@@ -413,18 +457,40 @@ def run_coverage(cell: Cell, layers=(1, 2), boot: int = 16, level: float = 0.9,
             bands_true = rank_band_sums(h)
             cov_true = _coverage_2n(h)
             h_true = entropy(h)
-            rec = out.setdefault(k, {"l1": [], "bound": [], "distinct": [], "entropy": [],
-                                     "phi": [], "phi_r": [], "bands": [], "coverage": [],
-                                     "width_distinct": [], "seconds": []})
+            rec = out.setdefault(
+                k,
+                {
+                    "l1": [],
+                    "bound": [],
+                    "distinct": [],
+                    "entropy": [],
+                    "phi": [],
+                    "phi_r": [],
+                    "bands": [],
+                    "coverage": [],
+                    "width_distinct": [],
+                    "seconds": [],
+                },
+            )
             rec["l1"].append(cumulative_l1(y, truth))
             rec["bound"].append(eb["l1_bound"])
             rec["distinct"].append(bool(lo[0] <= tr[0] <= hi[0]))
             rec["entropy"].append(bool(eb["entropy_nats"][0] <= h_true <= eb["entropy_nats"][1]))
             rec["phi"].append({r: bool(lo[r - 1] <= tr[r - 1] <= hi[r - 1]) for r in at})
-            rec["phi_r"].append({r: bool(rlo[r - 1] <= tr_r[r - 1] <= rhi[r - 1])
-                                 for r in COVERAGE_PHI_R if r <= len(truth)})
-            rec["bands"].append({i: bool(b[2] <= bands_true[i] <= b[3])
-                                 for i, b in enumerate(eb["rank_bands"]) if b[0] <= len(h)})
+            rec["phi_r"].append(
+                {
+                    r: bool(rlo[r - 1] <= tr_r[r - 1] <= rhi[r - 1])
+                    for r in COVERAGE_PHI_R
+                    if r <= len(truth)
+                }
+            )
+            rec["bands"].append(
+                {
+                    i: bool(b[2] <= bands_true[i] <= b[3])
+                    for i, b in enumerate(eb["rank_bands"])
+                    if b[0] <= len(h)
+                }
+            )
             lo_c, hi_c = eb["support_coverage_2n"]
             rec["coverage"].append(bool(lo_c - 1e-9 <= cov_true <= hi_c + 1e-9))
             rec["width_distinct"].append(float(hi[0] - lo[0]) / max(tr[0], 1.0))

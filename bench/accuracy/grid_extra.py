@@ -44,20 +44,23 @@ def run(variant: str, shard: str, layers: int = 1, smoke: bool = False) -> None:
     path = _path(variant, shard, layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = pickle.loads(path.read_bytes()) if path.exists() else {}
-    cells = sorted((c for c in grid.grid_cells("smoke" if smoke else False) if c.mode == "direct"),
-                   key=lambda c: (c.n > 10 * (c.D or 1), c.n))
+    cells = sorted(
+        (c for c in grid.grid_cells("smoke" if smoke else False) if c.mode == "direct"),
+        key=lambda c: (c.n > 10 * (c.D or 1), c.n),
+    )
     methods = lofo.METHODS + (variant,)
     for c in shard_of(cells, shard):
         if c.key in done:
             continue
         t = time.time()
-        done[c.key] = grid.run_cell(c, layers=(layers,), methods=methods,
-                                    estimate=lofo._estimate_y)
+        done[c.key] = grid.run_cell(c, layers=(layers,), methods=methods, estimate=lofo._estimate_y)
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(pickle.dumps(done))
         tmp.replace(path)
-        print(f"{c.dist} n={c.n} D={c.D} eps={c.eps} reps={c.reps}: {time.time() - t:.1f} s",
-              flush=True)
+        print(
+            f"{c.dist} n={c.n} D={c.D} eps={c.eps} reps={c.reps}: {time.time() - t:.1f} s",
+            flush=True,
+        )
 
 
 def load(variant: str, layers: int = 1) -> dict:
@@ -72,20 +75,27 @@ def load(variant: str, layers: int = 1) -> dict:
 def report(variant: str, layers: int = 1) -> None:
     rows = lofo.versus_rows(load(variant, layers).values(), variant, layers)
     if not rows:
-        print(f"no results for {variant} at {layers} layer(s) in {OUT}: run --run {variant} "
-              "first")
+        print(f"no results for {variant} at {layers} layer(s) in {OUT}: run --run {variant} first")
         return
     print(f"{len(rows)} direct grid cells, {layers} layer{'s' * (layers > 1)}\n")
     table = []
-    for j, name in ((2, "auto (default)"), (3, variant),
-                    (4, f"{variant}, fixed fitted caps in the best")):
+    for j, name in (
+        (2, "auto (default)"),
+        (3, variant),
+        (4, f"{variant}, fixed fitted caps in the best"),
+    ):
         v = np.array([r[j] for r in rows])
         c = max(rows, key=lambda r: r[j])[1]
-        table.append([name, f"{np.median(v):.3f}", f"{np.exp(np.mean(np.log(v))):.3f}",
-                      f"{v.max():.2f} ({c.dist} n={c.n} D={c.D} eps={c.eps})",
-                      int((v > 1.5).sum())])
-    print("\n".join(md_table(["", "median", "geo-mean", "worst (cell)", "cells above 1.5"],
-                             table)))
+        table.append(
+            [
+                name,
+                f"{np.median(v):.3f}",
+                f"{np.exp(np.mean(np.log(v))):.3f}",
+                f"{v.max():.2f} ({c.dist} n={c.n} D={c.D} eps={c.eps})",
+                int((v > 1.5).sum()),
+            ]
+        )
+    print("\n".join(md_table(["", "median", "geo-mean", "worst (cell)", "cells above 1.5"], table)))
     print("\nlargest changes (auto -> variant):")
     for r in sorted(rows, key=lambda r: abs(np.log(r[3] / r[2])), reverse=True)[:8]:
         c = r[1]
@@ -97,8 +107,12 @@ def main(argv=None) -> int:
     ap.add_argument("--run", metavar="VARIANT", choices=sorted(lofo.EXTRA))
     ap.add_argument("--shard", type=shard_arg, default="0/1")
     ap.add_argument("--report", metavar="VARIANT", choices=sorted(lofo.EXTRA))
-    ap.add_argument("--layers", type=int, default=1,
-                    help="noise layers of the counters (default 1; the grid's layer counts)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="noise layers of the counters (default 1; the grid's layer counts)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.run = args.report = "auto_fitted"

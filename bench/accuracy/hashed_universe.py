@@ -69,10 +69,13 @@ def run_cell(n: int, U: int, dist: str, eps: float, reps: int) -> dict:
         where = hash_items(rng, names, B)
         for layers in LAYERS:
             vh, _ = hashed_vc(rng, h, where, B, p, layers)
-            vu = noisy_vc(rng, h, U - len(h), p, layers)   # direct over the universe
-            vs = noisy_vc(rng, h, 0, p, layers)            # support oracle (reference only)
-            for key, vc, kw in (("hashed", vh, {"buckets": B}), ("universe", vu, {}),
-                                ("oracle", vs, {})):
+            vu = noisy_vc(rng, h, U - len(h), p, layers)  # direct over the universe
+            vs = noisy_vc(rng, h, 0, p, layers)  # support oracle (reference only)
+            for key, vc, kw in (
+                ("hashed", vh, {"buckets": B}),
+                ("universe", vu, {}),
+                ("oracle", vs, {}),
+            ):
                 est = anonymized_histogram(vc, p, layers=layers, n=n, **kw)
                 out.setdefault((key, layers), []).append(l1_distance(h, est))
     return out
@@ -106,13 +109,28 @@ def main(argv=None) -> int:
             universe = statistics.mean(res[("universe", layers)])
             oracle = statistics.mean(res[("oracle", layers)])
             ratios = [a / b for a, b in zip(res[("hashed", layers)], res[("universe", layers)])]
-            rows.append({"n": n, "U": U, "dist": dist, "eps": eps, "layers": layers,
-                         "distinct": statistics.mean(res["distinct"]), "B": res["B"],
-                         "hashed": hashed, "universe": universe, "oracle": oracle,
-                         "ratio": hashed / universe, "ratio_min": min(ratios),
-                         "ratio_max": max(ratios)})
-        print(f"n={n:.0e} U/n={U // n} {dist} eps={eps}: " + ", ".join(
-            f"{r['layers']}L {r['ratio']:.2f}" for r in rows[-len(LAYERS):]), flush=True)
+            rows.append(
+                {
+                    "n": n,
+                    "U": U,
+                    "dist": dist,
+                    "eps": eps,
+                    "layers": layers,
+                    "distinct": statistics.mean(res["distinct"]),
+                    "B": res["B"],
+                    "hashed": hashed,
+                    "universe": universe,
+                    "oracle": oracle,
+                    "ratio": hashed / universe,
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                }
+            )
+        print(
+            f"n={n:.0e} U/n={U // n} {dist} eps={eps}: "
+            + ", ".join(f"{r['layers']}L {r['ratio']:.2f}" for r in rows[-len(LAYERS) :]),
+            flush=True,
+        )
     write(rows, args, started)
     return 0
 
@@ -120,36 +138,48 @@ def main(argv=None) -> int:
 def write(rows, args, started) -> None:
     rev = git_rev(["aggregator", "bench/accuracy/hashed_universe.py"])
     load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
-    lines = ["# Hashed mode against direct mode over the real id universe", "",
-             f"Produced by `.venv/bin/python -m bench.accuracy.hashed_universe --reps {args.reps}"
-             f"{' --quick' if args.quick else ''}"
-             f"{''.join(f' --eps {e:g}' for e in (args.eps or []))}` at {rev} "
-             f"({time.strftime('%Y-%m-%d %H:%M', time.gmtime(started))}Z, "
-             f"{(time.time() - started) / 60:.1f} min, load average at the end {load}).", "",
-             "A user who knows the id universe U can run direct mode with U counters; hashed "
-             "mode keeps B = 2 n counters and needs no universe. Both as shipped (each mode's "
-             "default estimator, n public, capped at n), on the same items and paired noise. "
-             "ratio = mean l1 error of hashed / mean l1 error of direct over U (target <= 1.2; "
-             "below 1: hashed is better). The support oracle (direct mode over exactly the ids "
-             "seen, which no deployment can run) is a reference line only. Source: "
-             "`bench/accuracy/hashed_universe.py`.", ""]
+    lines = [
+        "# Hashed mode against direct mode over the real id universe",
+        "",
+        f"Produced by `.venv/bin/python -m bench.accuracy.hashed_universe --reps {args.reps}"
+        f"{' --quick' if args.quick else ''}"
+        f"{''.join(f' --eps {e:g}' for e in (args.eps or []))}` at {rev} "
+        f"({time.strftime('%Y-%m-%d %H:%M', time.gmtime(started))}Z, "
+        f"{(time.time() - started) / 60:.1f} min, load average at the end {load}).",
+        "",
+        "A user who knows the id universe U can run direct mode with U counters; hashed "
+        "mode keeps B = 2 n counters and needs no universe. Both as shipped (each mode's "
+        "default estimator, n public, capped at n), on the same items and paired noise. "
+        "ratio = mean l1 error of hashed / mean l1 error of direct over U (target <= 1.2; "
+        "below 1: hashed is better). The support oracle (direct mode over exactly the ids "
+        "seen, which no deployment can run) is a reference line only. Source: "
+        "`bench/accuracy/hashed_universe.py`.",
+        "",
+    ]
     for layers in LAYERS:
         sub = [r for r in rows if r["layers"] == layers]
         worst = max(sub, key=lambda r: r["ratio"])
         over = [r for r in sub if r["ratio"] > 1.2]
         geo = math.exp(statistics.mean(math.log(r["ratio"]) for r in sub))
-        lines += [f"## {layers} layer{'s' if layers > 1 else ''} "
-                  f"({'state-only' if layers == 1 else 'joint model'})", "",
-                  f"{len(sub)} cells; geometric mean ratio {geo:.2f}; worst {worst['ratio']:.2f} "
-                  f"(n={worst['n']:.0e}, U/n={worst['U'] // worst['n']}, {worst['dist']}, "
-                  f"eps={worst['eps']}); cells over 1.2: {len(over)}.", "",
-                  "| n | U/n | items | eps | distinct | hashed l1 | direct over U l1 | ratio "
-                  "(min..max) | oracle l1 (reference) |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {layers} layer{'s' if layers > 1 else ''} "
+            f"({'state-only' if layers == 1 else 'joint model'})",
+            "",
+            f"{len(sub)} cells; geometric mean ratio {geo:.2f}; worst {worst['ratio']:.2f} "
+            f"(n={worst['n']:.0e}, U/n={worst['U'] // worst['n']}, {worst['dist']}, "
+            f"eps={worst['eps']}); cells over 1.2: {len(over)}.",
+            "",
+            "| n | U/n | items | eps | distinct | hashed l1 | direct over U l1 | ratio "
+            "(min..max) | oracle l1 (reference) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in sub:
-            lines.append(f"| {r['n']:.0e} | {r['U'] // r['n']} | {r['dist']} | {r['eps']} | "
-                         f"{r['distinct']:,.0f} | {r['hashed']:,.0f} | {r['universe']:,.0f} | "
-                         f"**{r['ratio']:.2f}** ({r['ratio_min']:.2f}..{r['ratio_max']:.2f}) | "
-                         f"{r['oracle']:,.0f} |")
+            lines.append(
+                f"| {r['n']:.0e} | {r['U'] // r['n']} | {r['dist']} | {r['eps']} | "
+                f"{r['distinct']:,.0f} | {r['hashed']:,.0f} | {r['universe']:,.0f} | "
+                f"**{r['ratio']:.2f}** ({r['ratio_min']:.2f}..{r['ratio_max']:.2f}) | "
+                f"{r['oracle']:,.0f} |"
+            )
         lines.append("")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")

@@ -68,6 +68,7 @@ MODES_RUN = ["direct", "hashed"]  # --mode narrows it
 def _mean_fit(a, b):
     """The projected mean of two cumulative prevalences (zero-padded to one length)."""
     from aggregator.estimate import project_l1
+
     L = max(len(a), len(b))
     pad = lambda y: np.concatenate([np.asarray(y, np.float64), np.zeros(L - len(y))])  # noqa: E731
     return project_l1((pad(a) + pad(b)) / 2)
@@ -76,13 +77,16 @@ def _mean_fit(a, b):
 def _blend(mode, vc, p, k, n, B):
     """The mean of the early-stopped EM's and the converged NPMLE's fits: under l1, never worse
     than the mean of their two errors."""
-    return _mean_fit(grid.estimate_y(mode, vc, p, k, "deconvolution", n, B),
-                     grid.estimate_y(mode, vc, p, k, "mle", n, B))
+    return _mean_fit(
+        grid.estimate_y(mode, vc, p, k, "deconvolution", n, B),
+        grid.estimate_y(mode, vc, p, k, "mle", n, B),
+    )
 
 
 def _knowing_blend(plain):
     """``selection._estimates`` that also gives the blend (asked for, or whenever both of its
     parts are computed: ``_select`` takes its release from the pilots' fits)."""
+
     def estimates(vc, p, k, methods, **kw):
         base = [m for m in methods if m != "blend"]
         if "blend" in methods:
@@ -91,6 +95,7 @@ def _knowing_blend(plain):
         if "deconvolution" in out and "mle" in out:
             out["blend"] = _mean_fit(out["deconvolution"], out["mle"])
         return out
+
     return estimates
 
 
@@ -102,11 +107,13 @@ def _auto_estimates(estimates):
     the library's choice of the early-stopped EM's start (``selection.START_MARGIN``): these
     variants were measured against ``auto`` before it, and ``_auto_with_em`` brings its own."""
     from aggregator import selection
+
     plain, plain_many = selection._estimates, selection._estimates_many
     margin = selection.START_MARGIN
     selection._estimates = estimates
     selection._estimates_many = lambda vcs, p, k, methods, n=None, **kw: [
-        estimates(v, p, k, methods, **kw) for v in vcs]
+        estimates(v, p, k, methods, **kw) for v in vcs
+    ]
     selection.START_MARGIN = math.inf
     try:
         yield
@@ -119,6 +126,7 @@ def _auto_smoothed(mode, vc, p, k, n, B):
     """``auto`` as it was before the early-stopped EM chose its start by the likelihood
     (``selection.START_MARGIN``, direct mode at 1 layer): the smoothed start only."""
     from aggregator import selection
+
     margin, selection.START_MARGIN = selection.START_MARGIN, math.inf
     try:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
@@ -131,9 +139,15 @@ def _auto_blend(mode, vc, p, k, n, B):
     stand-ins favours a compromise, if any candidate is one."""
     from aggregator import selection
     from aggregator.estimate import project_l1
+
     with _auto_estimates(_knowing_blend(selection._estimates)):
-        y, _ = selection.select(vc, p, layers=k, n=n, candidates=selection.CANDIDATES + (
-            ("blend", "items"), ("blend", "scale")))
+        y, _ = selection.select(
+            vc,
+            p,
+            layers=k,
+            n=n,
+            candidates=selection.CANDIDATES + (("blend", "items"), ("blend", "scale")),
+        )
     return project_l1(y.astype(np.float64))
 
 
@@ -141,6 +155,7 @@ def _auto_pilot3(mode, vc, p, k, n, B):
     """``auto`` with the blend as a third stand-in truth (both modes): a stand-in between the
     smooth and the spiky one, nearer the truth where the two err in opposite directions."""
     from aggregator import selection
+
     kw = selection.select.__kwdefaults__
     old = kw["pilots"]
     kw["pilots"] = tuple(old) + ("blend",)
@@ -155,6 +170,7 @@ def _auto_sims8(mode, vc, p, k, n, B):
     """``auto`` with 8 bootstrap draws per stand-in instead of :data:`selection.SIMS` (4): is
     the worst case the choice's lottery?"""
     from aggregator import selection
+
     kw = selection.select.__kwdefaults__
     old, kw["sims"] = kw["sims"], 8
     try:
@@ -173,6 +189,7 @@ def _auto_fitted(mode, vc, p, k, n, B):
     from aggregator.estimate import project_l1
 
     from .fitted_cap import auto_fitted
+
     cands = tuple((m, "fitted" if c == "scale" else c) for m, c in selection.CANDIDATES)
     with auto_fitted():
         y, _ = selection.select(vc, p, layers=k, n=n, candidates=cands)
@@ -191,24 +208,29 @@ def _auto_item_space(mode, vc, p, k, n, B):
     from aggregator.estimate import _data_seed, cap_total, cumulative_l1
 
     def released(psi, counters):  # a bucket fit as the release makes it: inverted, capped at n
-        y = ld._invert(psi, B, n, p, ld.DEFAULT_VARIANT, None,
-                       sparse_above=ld.sparse_top(counters, p, k))
+        y = ld._invert(
+            psi, B, n, p, ld.DEFAULT_VARIANT, None, sparse_above=ld.sparse_top(counters, p, k)
+        )
         return cap_total(y, int(n), "items")
 
     from aggregator.estimate import threshold_usable
-    methods = tuple(m for m in dict.fromkeys(m for m, _ in selection.CANDIDATES)
-                    if m != "threshold" or threshold_usable(p, k))
+
+    methods = tuple(
+        m
+        for m in dict.fromkeys(m for m, _ in selection.CANDIDATES)
+        if m != "threshold" or threshold_usable(p, k)
+    )
     fits = selection._estimates(vc, p, k, list(methods), hashed=True)
     rng = np.random.default_rng(_data_seed(vc))
     regret = {m: [] for m in methods}
     for pm in selection.PILOTS:
         y_p = fits[pm]
         truth = released(y_p, vc)
-        states = [counter_model.simulate_from_cumulative(rng, y_p, B, p, k)
-                  for _ in range(selection.SIMS)]
+        states = [
+            counter_model.simulate_from_cumulative(rng, y_p, B, p, k) for _ in range(selection.SIMS)
+        ]
         err = {m: 0.0 for m in methods}
-        for sim, ests in zip(states, selection._estimates_many(states, p, k, methods,
-                                                               hashed=True)):
+        for sim, ests in zip(states, selection._estimates_many(states, p, k, methods, hashed=True)):
             for m in methods:
                 err[m] += cumulative_l1(released(ests[m], sim), truth)
         for m, r in selection._regrets(err).items():
@@ -226,6 +248,7 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
     a stand-in shaped like the truth should make that candidate's worst regret show it."""
     from aggregator import selection
     from aggregator.estimate import project_l1
+
     if n is None or int(n) > vc.total:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
     plain = selection._estimates
@@ -233,8 +256,9 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
     smooth = plain(vc, p, k, ["deconvolution", "mle"])["deconvolution"]
 
     # ruled out unless likelier than the smoothed start's fit by more than -START_MARGIN
-    plausible, _ = selection._take_likelier_start(vc, p, k, n, {"deconvolution": smooth}, shrunk,
-                                                  margin=-selection.START_MARGIN)
+    plausible, _ = selection._take_likelier_start(
+        vc, p, k, n, {"deconvolution": smooth}, shrunk, margin=-selection.START_MARGIN
+    )
     if not plausible:
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
 
@@ -244,10 +268,10 @@ def _auto_pilot_shrunk(mode, vc, p, k, n, B):
         if "shrunk" in methods:
             out["shrunk"] = shrunk
         return out
+
     selection._estimates = estimates
     try:
-        y, _ = selection.select(vc, p, layers=k, n=n,
-                                pilots=selection.PILOTS + ("shrunk",))
+        y, _ = selection.select(vc, p, layers=k, n=n, pilots=selection.PILOTS + ("shrunk",))
         return project_l1(y.astype(np.float64))
     finally:
         selection._estimates = plain
@@ -260,6 +284,7 @@ def _held_to_n(vc, p, k, n, early):
     the fit itself can avoid, where a cap can only remove items or thin levels afterwards; a
     deficit is left alone (held to n, a deficit moves mass into the heaviest counts)."""
     from aggregator.estimate import deconvolved_prevalence, project_l1
+
     if n is None or float(np.sum(early)) <= n:
         return early
     return project_l1(deconvolved_prevalence(vc, p, layers=k, n=n))
@@ -280,6 +305,7 @@ def _auto_with_em(mode, vc, p, k, n, B, em):
     """``auto`` whose early-stopped EM (candidate and stand-in, on the counters and on every
     simulated state) is ``em(vc, p, k, n, the library's early-stopped EM fit)``."""
     from aggregator import selection
+
     plain = selection._estimates
 
     def estimates(vc_, p_, k_, methods, **kw):
@@ -287,6 +313,7 @@ def _auto_with_em(mode, vc, p, k, n, B, em):
         if "deconvolution" in out:
             out["deconvolution"] = em(vc_, p_, k_, n, out["deconvolution"])
         return out
+
     with _auto_estimates(estimates):
         return grid.estimate_y(mode, vc, p, k, "auto", n, B)
 
@@ -300,6 +327,7 @@ def _shrunk_em(vc, p, k):
     very tail the heavy family's error sits in."""
     from aggregator import selection
     from aggregator.estimate import noisy_value_counts
+
     return selection._shrunk_fit(noisy_value_counts(vc), p, k)
 
 
@@ -314,6 +342,7 @@ def _likelier_em(vc, p, k, n, early, margin=0.0):
     the likelihood")."""
     from aggregator import selection
     from aggregator.estimate import noisy_value_counts
+
     vc = noisy_value_counts(vc)
     fits = {"deconvolution": early}
     selection._take_likelier_start(vc, p, k, n, fits, _shrunk_em(vc, p, k), margin=margin)
@@ -335,6 +364,7 @@ def _likelier_em_sparse(vc, p, k, n, early, margin=WILKS_90):
     linear map distorts the whole histogram and the likelihood still prefers it (by 4-21
     nats)."""
     from aggregator.estimate import noisy_value_counts
+
     vc = noisy_value_counts(vc)
     if n is None or n > vc.total:
         return early
@@ -350,8 +380,9 @@ def _auto_likelier_m99(mode, vc, p, k, n, B):
     """:func:`_auto_likelier_m` with the margin at Wilks' 99% drop, chi2_1(0.99) / 2 = 3.32
     nats: the 90% one let one Zipf(0.7) window in 16 take the shrunk start at +2.0 nats with 3x
     the error (docs/accuracy_grid.md)."""
-    return _auto_with_em(mode, vc, p, k, n, B,
-                         functools.partial(_likelier_em_sparse, margin=WILKS_99))
+    return _auto_with_em(
+        mode, vc, p, k, n, B, functools.partial(_likelier_em_sparse, margin=WILKS_99)
+    )
 
 
 def _em_likelier(mode, vc, p, k, n, B):
@@ -373,6 +404,7 @@ def _auto_simpler_start(mode, vc, p, k, n, B):
     Zipf(0.7) cell's smoothed fit is 4.8-8.9 nats likelier and stays. 1 layer: the library's
     rule (the shrunk start only when likelier by the margin)."""
     from aggregator import selection
+
     plain_two, margin = selection._two_starts, selection.START_MARGIN
     if k == 2:  # the library's condition as at 1 layer
         selection._two_starts = lambda vc_, k_, n_, **kw: plain_two(vc_, 1, n_, **kw)
@@ -400,12 +432,14 @@ def _with_xfit(n):
     runs without n, ``largedomain.hashed_phi_estimate``)."""
     from aggregator import selection
     from aggregator.crossfit import crossfit_prevalence
+
     plain = selection.basic_prevalence
 
     def basic(vc_, p_, *, layers=1, method="deconvolution", hashed=False):
         if method == "xfit":
             return crossfit_prevalence(vc_, p_, layers=layers, n=n)
         return plain(vc_, p_, layers=layers, method=method, hashed=hashed)
+
     kw = selection.select.__kwdefaults__
     old = kw["candidates"]
     kw["candidates"] = tuple(old) + (("xfit", "items"), ("xfit", "scale"))
@@ -432,8 +466,15 @@ def _flagged(mode, vc, p, k, n, B) -> bool:
     ``intervals.SNR_MIN`` or the distinct-items interval reaching 2x off), as
     ``release.estimate_with_accuracy`` computes it (its bootstrap seeded here: a benchmark)."""
     from aggregator.release import estimate_with_accuracy
-    _, acc = estimate_with_accuracy(vc, p, layers=k, n=n, buckets=B if mode == "hashed"
-                                    else None, rng=np.random.default_rng([20261129, k]))
+
+    _, acc = estimate_with_accuracy(
+        vc,
+        p,
+        layers=k,
+        n=n,
+        buckets=B if mode == "hashed" else None,
+        rng=np.random.default_rng([20261129, k]),
+    )
     return bool(acc["signal_below_noise"])
 
 
@@ -448,24 +489,26 @@ def _auto_flag(mode, vc, p, k, n, B):
 
 
 #: name: (modes, estimator); each returns the uncapped projected phi_{>=r} as grid.estimate_y
-EXTRA = {"em_held": (("direct",), _em_held),
-         "auto_em_held": (("direct",), _auto_em_held),
-         "blend": (("direct", "hashed"), _blend),
-         "auto_blend": (("direct",), _auto_blend),
-         "auto_sims8": (("direct", "hashed"), _auto_sims8),
-         "auto_pilot3": (("direct", "hashed"), _auto_pilot3),
-         "auto_fitted": (("direct",), _auto_fitted),
-         "em_likelier": (("direct",), _em_likelier),
-         "auto_likelier": (("direct",), _auto_likelier),
-         "auto_likelier_m": (("direct",), _auto_likelier_m),
-         "auto_likelier_m99": (("direct",), _auto_likelier_m99),
-         "auto_smoothed": (("direct",), _auto_smoothed),
-         "auto_item_space": (("hashed",), _auto_item_space),
-         "auto_pilot_shrunk": (("direct",), _auto_pilot_shrunk),
-         "auto_simpler_start": (("direct",), _auto_simpler_start),
-         "xfit": (("direct", "hashed"), _xfit),
-         "auto_xfit": (("direct", "hashed"), _auto_xfit),
-         "auto_flag": (("direct", "hashed"), _auto_flag)}
+EXTRA = {
+    "em_held": (("direct",), _em_held),
+    "auto_em_held": (("direct",), _auto_em_held),
+    "blend": (("direct", "hashed"), _blend),
+    "auto_blend": (("direct",), _auto_blend),
+    "auto_sims8": (("direct", "hashed"), _auto_sims8),
+    "auto_pilot3": (("direct", "hashed"), _auto_pilot3),
+    "auto_fitted": (("direct",), _auto_fitted),
+    "em_likelier": (("direct",), _em_likelier),
+    "auto_likelier": (("direct",), _auto_likelier),
+    "auto_likelier_m": (("direct",), _auto_likelier_m),
+    "auto_likelier_m99": (("direct",), _auto_likelier_m99),
+    "auto_smoothed": (("direct",), _auto_smoothed),
+    "auto_item_space": (("hashed",), _auto_item_space),
+    "auto_pilot_shrunk": (("direct",), _auto_pilot_shrunk),
+    "auto_simpler_start": (("direct",), _auto_simpler_start),
+    "xfit": (("direct", "hashed"), _xfit),
+    "auto_xfit": (("direct", "hashed"), _auto_xfit),
+    "auto_flag": (("direct", "hashed"), _auto_flag),
+}
 EXTRA_RUN: list = []  # --extra
 
 
@@ -490,10 +533,12 @@ CELL_SET: list = []  # --grid-hashed / --hashed-real: other cells than these
 
 def cells() -> list[Cell]:
     if CELL_SET == ["smoke"]:  # two families per mode, held out in turn
-        return [Cell("direct", "zipf", 1_000, 300, 1.0, REPS),
-                Cell("direct", "uniform", 1_000, 300, 1.0, REPS),
-                Cell("hashed", "zipf", 300, None, 1.0, REPS),
-                Cell("hashed", "distinct", 300, None, 1.0, REPS)]
+        return [
+            Cell("direct", "zipf", 1_000, 300, 1.0, REPS),
+            Cell("direct", "uniform", 1_000, 300, 1.0, REPS),
+            Cell("hashed", "zipf", 300, None, 1.0, REPS),
+            Cell("hashed", "distinct", 300, None, 1.0, REPS),
+        ]
     if CELL_SET == ["grid-hashed"]:  # an out-of-sample check of a hashed pick: n to 1e7
         return [c for c in grid.grid_cells() if c.mode == "hashed"]
     if CELL_SET == ["hashed-real"]:  # the real profiles' vocabularies as hashed items
@@ -556,21 +601,24 @@ def _kept(c: Cell) -> bool:
 
 def run(shard: tuple[int, int]) -> None:
     i, k = shard
-    todo = [c for idx, c in enumerate(cells()) if idx % k == i and c.mode in MODES_RUN
-            and _kept(c)]
+    todo = [c for idx, c in enumerate(cells()) if idx % k == i and c.mode in MODES_RUN and _kept(c)]
     for c in todo:
         if c.key in load():
             continue
         t = time.time()
         methods = METHODS + tuple(m for m in EXTRA_RUN if c.mode in EXTRA[m][0])
         FLAG_LOG.clear()
-        res = grid.run_cell(c, layers=LAYERS, methods=methods, estimate=_estimate_y,
-                            reps=range(FIRST_REP, FIRST_REP + c.reps))
+        res = grid.run_cell(
+            c,
+            layers=LAYERS,
+            methods=methods,
+            estimate=_estimate_y,
+            reps=range(FIRST_REP, FIRST_REP + c.reps),
+        )
         if FLAG_LOG:  # auto_flag ran: each (layers, repetition)'s signal_below_noise
             res.flags = {k: [f for kk, f in FLAG_LOG if kk == k] for k in LAYERS}
         _save(i, c.key, res)
-        print(f"{c.mode} {c.dist} n={c.n} D={c.D} eps={c.eps}: {time.time() - t:.1f} s",
-              flush=True)
+        print(f"{c.mode} {c.dist} n={c.n} D={c.D} eps={c.eps}: {time.time() - t:.1f} s", flush=True)
 
 
 def add_extras(base: Path, shard: tuple[int, int]) -> None:
@@ -585,13 +633,21 @@ def add_extras(base: Path, shard: tuple[int, int]) -> None:
         t = time.time()
         extras = tuple(m for m in EXTRA_RUN if res.cell.mode in EXTRA[m][0])
         layers = sorted({key_[0] for key_ in res.l1})
-        more = grid.run_cell(res.cell, layers=layers, methods=extras, estimate=_estimate_y,
-                             reps=range(len(res.items)))
+        more = grid.run_cell(
+            res.cell,
+            layers=layers,
+            methods=extras,
+            estimate=_estimate_y,
+            reps=range(len(res.items)),
+        )
         for name in ("l1", "seconds", "total"):
             getattr(res, name).update(getattr(more, name))
         _save(i, key, res)
-        print(f"{res.cell.mode} {res.cell.dist} n={res.cell.n} D={res.cell.D} eps={res.cell.eps}"
-              f" x {len(res.items)}: {time.time() - t:.1f} s", flush=True)
+        print(
+            f"{res.cell.mode} {res.cell.dist} n={res.cell.n} D={res.cell.D} eps={res.cell.eps}"
+            f" x {len(res.items)}: {time.time() - t:.1f} s",
+            flush=True,
+        )
 
 
 def regret_table(results: dict, mode: str, layers: int, at=None):
@@ -608,8 +664,9 @@ def regret_table(results: dict, mode: str, layers: int, at=None):
         idx = slice(None) if at is None else at(key) if callable(at) else at
         e = {cand: float(np.mean(np.asarray(res.l1[(layers, *cand)])[idx])) for cand in cands}
         best = min(e.values())
-        reg[key] = {cand: (v / best if best > 0 else (1.0 if v == 0 else math.inf))
-                    for cand, v in e.items()}
+        reg[key] = {
+            cand: (v / best if best > 0 else (1.0 if v == 0 else math.inf)) for cand, v in e.items()
+        }
         fam[key] = family(res.cell)
     return reg, fam
 
@@ -646,38 +703,52 @@ def report() -> None:
             reg, fam = regret_table(results, mode, layers)
             if not reg:
                 continue
-            print(f"### {mode} mode, {layers} layer{'s' if layers > 1 else ''} "
-                  f"({len(reg)} cells, {len(set(fam.values()))} families)\n")
-            print("| procedure | held-out median | held-out geo-mean | held-out worst (family) "
-                  "| cells > 1.10 | pick on all cells |")
+            print(
+                f"### {mode} mode, {layers} layer{'s' if layers > 1 else ''} "
+                f"({len(reg)} cells, {len(set(fam.values()))} families)\n"
+            )
+            print(
+                "| procedure | held-out median | held-out geo-mean | held-out worst (family) "
+                "| cells > 1.10 | pick on all cells |"
+            )
             print("|---|---|---|---|---|---|")
             for crit in CRITERIA:
                 lo = lofo(reg, fam, crit)
                 allr = [r for _, rs in lo.values() for r in rs]
                 worst_f = max(lo, key=lambda f: max(lo[f][1]))
-                print(f"| LOFO, lowest {crit} regret | {np.median(allr):.2f} | "
-                      f"{np.exp(np.mean(np.log(allr))):.2f} | {max(allr):.2f} ({worst_f}) | "
-                      f"{sum(r > 1.1 for r in allr)} of {len(allr)} | "
-                      f"{' / '.join(pick(reg, list(reg), crit))} |")
+                print(
+                    f"| LOFO, lowest {crit} regret | {np.median(allr):.2f} | "
+                    f"{np.exp(np.mean(np.log(allr))):.2f} | {max(allr):.2f} ({worst_f}) | "
+                    f"{sum(r > 1.1 for r in allr)} of {len(allr)} | "
+                    f"{' / '.join(pick(reg, list(reg), crit))} |"
+                )
             fixed = [("auto", "items"), ("mle", "items"), ("deconvolution", "items")]
             fixed += [(m, "items") for m in EXTRA if (m, "items") in next(iter(reg.values()))]
             for cand in fixed:
                 rs = [reg[k][cand] for k in reg]
                 worst_k = max(reg, key=lambda k: reg[k][cand])
-                print(f"| fixed {' / '.join(cand)} | {np.median(rs):.2f} | "
-                      f"{np.exp(np.mean(np.log(rs))):.2f} | {max(rs):.2f} ({fam[worst_k]}) | "
-                      f"{sum(r > 1.1 for r in rs)} of {len(rs)} | - |")
+                print(
+                    f"| fixed {' / '.join(cand)} | {np.median(rs):.2f} | "
+                    f"{np.exp(np.mean(np.log(rs))):.2f} | {max(rs):.2f} ({fam[worst_k]}) | "
+                    f"{sum(r > 1.1 for r in rs)} of {len(rs)} | - |"
+                )
             print()
             lo = lofo(reg, fam, "geo-mean")
-            print("Held-out regret per family (procedure: lowest geo-mean regret on the other "
-                  "families; the fixed current default auto / items alongside):\n")
-            print("| family | cells | pick without it | held-out median | held-out worst | "
-                  "auto / items median | auto / items worst |")
+            print(
+                "Held-out regret per family (procedure: lowest geo-mean regret on the other "
+                "families; the fixed current default auto / items alongside):\n"
+            )
+            print(
+                "| family | cells | pick without it | held-out median | held-out worst | "
+                "auto / items median | auto / items worst |"
+            )
             print("|---|---|---|---|---|---|---|")
             for f, (c, rs) in lo.items():
                 a = [reg[k][("auto", "items")] for k in reg if fam[k] == f]
-                print(f"| {f} | {len(rs)} | {' / '.join(c)} | {np.median(rs):.2f} | "
-                      f"{max(rs):.2f} | {np.median(a):.2f} | {max(a):.2f} |")
+                print(
+                    f"| {f} | {len(rs)} | {' / '.join(c)} | {np.median(rs):.2f} | "
+                    f"{max(rs):.2f} | {np.median(a):.2f} | {max(a):.2f} |"
+                )
             print()
 
 
@@ -703,8 +774,10 @@ def oracle_report(mode: str) -> None:
         print("|---|---|---|---|---|")
         a = {k: reg[k][("auto", "items")] for k in reg}
         worst_k = max(a, key=a.get)
-        print(f"| nothing (auto / items) | 1 | {np.median(list(a.values())):.2f} | "
-              f"{a[worst_k]:.2f} ({fam[worst_k]} {_cell_name(worst_k)}) | auto / items |")
+        print(
+            f"| nothing (auto / items) | 1 | {np.median(list(a.values())):.2f} | "
+            f"{a[worst_k]:.2f} ({fam[worst_k]} {_cell_name(worst_k)}) | auto / items |"
+        )
         for name, of in groups.items():
             members: dict = {}
             for k in reg:
@@ -714,9 +787,11 @@ def oracle_report(mode: str) -> None:
                 c = pick(reg, keys, "worst")
                 got.update({k: (reg[k][c], c) for k in keys})
             worst_k = max(got, key=lambda k: got[k][0])
-            print(f"| {name} | {len(members)} | {np.median([r for r, _ in got.values()]):.2f} | "
-                  f"{got[worst_k][0]:.2f} ({fam[worst_k]} {_cell_name(worst_k)}) | "
-                  f"{' / '.join(got[worst_k][1])} |")
+            print(
+                f"| {name} | {len(members)} | {np.median([r for r, _ in got.values()]):.2f} | "
+                f"{got[worst_k][0]:.2f} ({fam[worst_k]} {_cell_name(worst_k)}) | "
+                f"{' / '.join(got[worst_k][1])} |"
+            )
         print()
 
 
@@ -748,9 +823,11 @@ def reps_report(block: int = 4, boots: int = 400) -> None:
     results = load()
     reps = min(len(r.items) for r in results.values())
     print(f"{len(results)} cells in {OUT}, {reps} repetitions each\n")
-    print(f"| mode | layers | auto / items, all {reps} repetitions: median / geo-mean / worst "
-          f"(cell) | cells > 1.5 | worst from each block of {block} | worst, bootstrap 90% "
-          "| median, bootstrap 90% |")
+    print(
+        f"| mode | layers | auto / items, all {reps} repetitions: median / geo-mean / worst "
+        f"(cell) | cells > 1.5 | worst from each block of {block} | worst, bootstrap 90% "
+        "| median, bootstrap 90% |"
+    )
     print("|---|---|---|---|---|---|---|")
     g = np.random.default_rng(0)  # the benchmark's own resampling, not a release
     for mode in ("direct", "hashed"):
@@ -760,21 +837,32 @@ def reps_report(block: int = 4, boots: int = 400) -> None:
                 continue
             rs = np.array(list(allr.values()))
             wk = max(allr, key=allr.get)
-            blocks = [max(_regrets_on(results, mode, layers, slice(b, b + block)).values())
-                      for b in range(0, reps - block + 1, block)]
-            draws = [np.array(list(_regrets_on(results, mode, layers,
-                                               lambda _k: g.integers(0, reps, reps)).values()))
-                     for _ in range(boots)]
+            blocks = [
+                max(_regrets_on(results, mode, layers, slice(b, b + block)).values())
+                for b in range(0, reps - block + 1, block)
+            ]
+            draws = [
+                np.array(
+                    list(
+                        _regrets_on(
+                            results, mode, layers, lambda _k: g.integers(0, reps, reps)
+                        ).values()
+                    )
+                )
+                for _ in range(boots)
+            ]
             worst = [d.max() for d in draws]
             median = [np.median(d) for d in draws]
             over = sorted((k for k in allr if allr[k] > 1.5), key=allr.get, reverse=True)
             cells = "; ".join(f"{k[1]} n={k[2]} D={k[3]} eps={k[4]}: {allr[k]:.2f}" for k in over)
-            print(f"| {mode} | {layers} | {np.median(rs):.2f} / "
-                  f"{np.exp(np.mean(np.log(rs))):.2f} / {allr[wk]:.2f} ({wk[1]} n={wk[2]} "
-                  f"D={wk[3]} eps={wk[4]}) | {len(over)}{': ' + cells if cells else ''} | "
-                  f"{', '.join(f'{b:.2f}' for b in blocks)} | "
-                  f"{np.quantile(worst, 0.05):.2f}-{np.quantile(worst, 0.95):.2f} | "
-                  f"{np.quantile(median, 0.05):.3f}-{np.quantile(median, 0.95):.3f} |")
+            print(
+                f"| {mode} | {layers} | {np.median(rs):.2f} / "
+                f"{np.exp(np.mean(np.log(rs))):.2f} / {allr[wk]:.2f} ({wk[1]} n={wk[2]} "
+                f"D={wk[3]} eps={wk[4]}) | {len(over)}{': ' + cells if cells else ''} | "
+                f"{', '.join(f'{b:.2f}' for b in blocks)} | "
+                f"{np.quantile(worst, 0.05):.2f}-{np.quantile(worst, 0.95):.2f} | "
+                f"{np.quantile(median, 0.05):.3f}-{np.quantile(median, 0.95):.3f} |"
+            )
     print()
 
 
@@ -789,10 +877,16 @@ def totals_rules_report() -> None:
     geometric mean), scored on the held-out one; each window's error is that of the candidate
     the rule names there (every candidate ran on the same counters: no re-run)."""
     results = load()
-    rules = [(pm, cut, x) for pm in ("deconvolution", "mle") for cut in TOTAL_CUTS
-             for x in TOTAL_SWITCHES]
-    print("| mode | layers | auto / items: median / geo-mean / worst | rule held out: median / "
-          "geo-mean / worst | rules picked (folds) | best rule in-sample: worst |")
+    rules = [
+        (pm, cut, x)
+        for pm in ("deconvolution", "mle")
+        for cut in TOTAL_CUTS
+        for x in TOTAL_SWITCHES
+    ]
+    print(
+        "| mode | layers | auto / items: median / geo-mean / worst | rule held out: median / "
+        "geo-mean / worst | rules picked (folds) | best rule in-sample: worst |"
+    )
     print("|---|---|---|---|---|---|")
     for mode in ("direct", "hashed"):
         for layers in LAYERS:
@@ -802,14 +896,16 @@ def totals_rules_report() -> None:
 
             def regret(key, rule):
                 r = cells[key]
-                E = {c: np.asarray(r.l1[(layers, *c)], float) for c in CANDIDATES
-                     if (layers, *c) in r.l1}
+                E = {
+                    c: np.asarray(r.l1[(layers, *c)], float)
+                    for c in CANDIDATES
+                    if (layers, *c) in r.l1
+                }
                 best = min(e.mean() for e in E.values())
                 e = E[("auto", "items")]
                 if rule is not None:
                     pm, cut, x = rule
-                    e = np.where(np.asarray(r.total[(layers, pm)]) / max(key[2], 1) > cut,
-                                 E[x], e)
+                    e = np.where(np.asarray(r.total[(layers, pm)]) / max(key[2], 1) > cut, E[x], e)
                 return e.mean() / best if best > 0 else 1.0
 
             reg = {rule: {k: regret(k, rule) for k in cells} for rule in rules}
@@ -835,9 +931,12 @@ def totals_rules_report() -> None:
 
             def name(ru):
                 return f"{ru[0]} T/n > {ru[1]:g}: {' / '.join(ru[2])}"
-            print(f"| {mode} | {layers} | {fmt(base)} | {fmt(h)} | {name(top)} "
-                  f"({picks.count(top)} of {len(picks)}) | {name(ins)}: "
-                  f"{score(ins, list(cells))[0]:.2f} |")
+
+            print(
+                f"| {mode} | {layers} | {fmt(base)} | {fmt(h)} | {name(top)} "
+                f"({picks.count(top)} of {len(picks)}) | {name(ins)}: "
+                f"{score(ins, list(cells))[0]:.2f} |"
+            )
     print()
 
 
@@ -847,8 +946,10 @@ def _features(cell: Cell, layers: int) -> dict:
     the density n / counters."""
     from aggregator.intervals import signal_to_noise
 
-    return {"snr": math.log(signal_to_noise(cell.n, cell.counters, cell.p, layers)),
-            "density": math.log(cell.n / cell.counters)}
+    return {
+        "snr": math.log(signal_to_noise(cell.n, cell.counters, cell.p, layers)),
+        "density": math.log(cell.n / cell.counters),
+    }
 
 
 def _rule_pick(reg: dict, feats: dict, keys) -> tuple:
@@ -868,12 +969,19 @@ def _rule_pick(reg: dict, feats: dict, keys) -> tuple:
                 if not part:
                     side.append((CANDIDATES[0], 0.0, 0.0))
                     continue
-                sc = {c: (max(reg[k][c] for k in part),
-                          float(np.mean([math.log(reg[k][c]) for k in part]))) for c in CANDIDATES}
+                sc = {
+                    c: (
+                        max(reg[k][c] for k in part),
+                        float(np.mean([math.log(reg[k][c]) for k in part])),
+                    )
+                    for c in CANDIDATES
+                }
                 c = min(CANDIDATES, key=lambda c: (sc[c], CANDIDATES.index(c)))
                 side.append((c, *sc[c]))
-            score = (max(side[0][1], side[1][1]),
-                     (side[0][2] * len(low) + side[1][2] * len(high)) / len(keys))
+            score = (
+                max(side[0][1], side[1][1]),
+                (side[0][2] * len(low) + side[1][2] * len(high)) / len(keys),
+            )
             if best is None or score < best:
                 best, arg = score, (f, cut, side[0][0], side[1][0])
     return arg
@@ -897,20 +1005,29 @@ def rules_report() -> None:
             rs = [reg[k][low if feats[k][feat] < cut else high] for k in test]
             held.extend(rs)
             rows.append((f, feat, cut, low, high, float(np.median(rs)), max(rs)))
-        floor = {f: min(max(reg[k][c] for k in reg if fam[k] == f) for c in CANDIDATES)
-                 for f in set(fam.values())}
+        floor = {
+            f: min(max(reg[k][c] for k in reg if fam[k] == f) for c in CANDIDATES)
+            for f in set(fam.values())
+        }
         worst_f = max(floor, key=floor.get)
         print(f"### direct mode, {layers} layer{'s' if layers > 1 else ''}\n")
         print("| held-out family | rule chosen on the others | held-out median | worst |")
         print("|---|---|---|---|")
         for f, feat, cut, low, high, med, mx in rows:
-            print(f"| {f} | {feat} < {math.exp(cut):.3g}: {' / '.join(low)}, else "
-                  f"{' / '.join(high)} | {med:.2f} | {mx:.2f} |")
-        print(f"\nOne-cut rule held out: median {np.median(held):.2f}, geometric mean "
-              f"{np.exp(np.mean(np.log(held))):.2f}, worst {max(held):.2f}.")
-        print(f"Floor for one fixed candidate per held-out family (best in hindsight on the family"
-              f" itself): worst {floor[worst_f]:.2f} ({worst_f}); per family: "
-              + ", ".join(f"{f} {v:.2f}" for f, v in sorted(floor.items())) + "\n")
+            print(
+                f"| {f} | {feat} < {math.exp(cut):.3g}: {' / '.join(low)}, else "
+                f"{' / '.join(high)} | {med:.2f} | {mx:.2f} |"
+            )
+        print(
+            f"\nOne-cut rule held out: median {np.median(held):.2f}, geometric mean "
+            f"{np.exp(np.mean(np.log(held))):.2f}, worst {max(held):.2f}."
+        )
+        print(
+            f"Floor for one fixed candidate per held-out family (best in hindsight on the family"
+            f" itself): worst {floor[worst_f]:.2f} ({worst_f}); per family: "
+            + ", ".join(f"{f} {v:.2f}" for f, v in sorted(floor.items()))
+            + "\n"
+        )
 
 
 FIXED_SIX = tuple((m, c) for m in ("threshold", "deconvolution", "mle") for c in CAPS)
@@ -928,12 +1045,16 @@ def versus_rows(results, extra: str, layers: int) -> list[tuple]:
         b = min(float(np.mean(res.l1[(layers, *c)])) for c in FIXED_SIX)
         a = float(np.mean(res.l1[(layers, "auto", "items")]))
         x = float(np.mean(res.l1[(layers, extra, "items")]))
-        fit = [float(np.mean(res.l1[(layers, m, "fitted")])) for m in
-               ("threshold", "deconvolution", "mle") if (layers, m, "fitted") in res.l1]
+        fit = [
+            float(np.mean(res.l1[(layers, m, "fitted")]))
+            for m in ("threshold", "deconvolution", "mle")
+            if (layers, m, "fitted") in res.l1
+        ]
         if min(b, a) <= 0 or min(b, x) <= 0:
             continue
-        rows.append((family(res.cell), res.cell, a / min(b, a), x / min(b, x),
-                     x / min([b, x] + fit)))
+        rows.append(
+            (family(res.cell), res.cell, a / min(b, a), x / min(b, x), x / min([b, x] + fit))
+        )
     return rows
 
 
@@ -954,11 +1075,15 @@ def versus_report(extra: str, mode: str = "direct") -> None:
         for j, name in ((2, "auto"), (3, extra), (4, f"{extra}, fitted caps in the best")):
             v = np.array([r[j] for r in rows])
             c = rows[int(np.argmax(v))][1]
-            print(f"| {name} | {np.median(v):.2f} | {crits['geo-mean'](v):.2f} | {v.max():.2f} "
-                  f"({c.dist} n={c.n} D={c.D} eps={c.eps}) | {int((v > 1.5).sum())} |")
+            print(
+                f"| {name} | {np.median(v):.2f} | {crits['geo-mean'](v):.2f} | {v.max():.2f} "
+                f"({c.dist} n={c.n} D={c.D} eps={c.eps}) | {int((v > 1.5).sum())} |"
+            )
         print()
-        print(f"| LOFO between auto and {extra}, criterion | held-out median | geo-mean | worst "
-              f"| {extra} picked |")
+        print(
+            f"| LOFO between auto and {extra}, criterion | held-out median | geo-mean | worst "
+            f"| {extra} picked |"
+        )
         print("|---|---|---|---|---|")
         fams = sorted({r[0] for r in rows})
         for name, fn in crits.items():
@@ -969,8 +1094,10 @@ def versus_report(extra: str, mode: str = "direct") -> None:
                 picked += j == 3
                 held += [r[j] for r in rows if r[0] == f]
             v = np.asarray(held)
-            print(f"| {name} | {np.median(v):.2f} | {crits['geo-mean'](v):.2f} | {v.max():.2f} | "
-                  f"{picked} of {len(fams)} folds |")
+            print(
+                f"| {name} | {np.median(v):.2f} | {crits['geo-mean'](v):.2f} | {v.max():.2f} | "
+                f"{picked} of {len(fams)} folds |"
+            )
         print()
 
 
@@ -991,14 +1118,14 @@ def _choice_regrets(results: dict, mode: str, layers: int) -> dict:
         flags = np.asarray(getattr(res, "flags", {}).get(layers, []), bool)
         E = {c: np.asarray(res.l1[(layers, *c)], float) for c in cands}
         for w in WINDOWS:
-            idx = (np.ones(len(flags), bool) if w == "all" else flags if w == "flagged"
-                   else ~flags)
+            idx = np.ones(len(flags), bool) if w == "all" else flags if w == "flagged" else ~flags
             if not idx.any():
                 continue
             e = {c: float(v[idx].mean()) for c, v in E.items()}
             best = min(e.values())
-            out[w][key] = {c: (v / best if best > 0 else (1.0 if v == 0 else math.inf))
-                           for c, v in e.items()}
+            out[w][key] = {
+                c: (v / best if best > 0 else (1.0 if v == 0 else math.inf)) for c, v in e.items()
+            }
     return out
 
 
@@ -1023,39 +1150,56 @@ def choice_report() -> None:
                 continue
             fam = {k: family(results[k].cell) for k in reg["all"]}
             rules = [c for c in CHOICE_RULES if c in next(iter(reg["all"].values()))]
-            print(f"### {mode} mode, {layers} layer{'s' if layers > 1 else ''} "
-                  f"({len(reg['all'])} cells, {len(reg['flagged'])} with a flagged window)\n")
-            print("Regret median / worst per family (cells: all / with a flagged window / "
-                  "with an unflagged one):\n")
-            print("| family | cells | " + " | ".join(
-                f"{names[r[0]]}, {w}" for w in WINDOWS for r in rules) + " |")
+            print(
+                f"### {mode} mode, {layers} layer{'s' if layers > 1 else ''} "
+                f"({len(reg['all'])} cells, {len(reg['flagged'])} with a flagged window)\n"
+            )
+            print(
+                "Regret median / worst per family (cells: all / with a flagged window / "
+                "with an unflagged one):\n"
+            )
+            print(
+                "| family | cells | "
+                + " | ".join(f"{names[r[0]]}, {w}" for w in WINDOWS for r in rules)
+                + " |"
+            )
             print("|---|---|" + "---|" * (len(WINDOWS) * len(rules)))
 
             def cell(w, r, keys):
                 v = [reg[w][k][r] for k in keys if k in reg[w]]
                 return f"{np.median(v):.2f} / {max(v):.2f}" if v else "-"
+
             for f in sorted(set(fam.values())) + ["all families"]:
                 keys = [k for k in fam if f in (fam[k], "all families")]
                 counts = "/".join(str(sum(k in reg[w] for k in keys)) for w in WINDOWS)
                 label = f"**{f}**" if f == "all families" else f
-                print(f"| {label} | {counts} | " + " | ".join(
-                    cell(w, r, keys) for w in WINDOWS for r in rules) + " |")
+                print(
+                    f"| {label} | {counts} | "
+                    + " | ".join(cell(w, r, keys) for w in WINDOWS for r in rules)
+                    + " |"
+                )
             print()
             if len(set(fam.values())) < 2:  # nothing to choose on with one family held out
                 continue
             held, picks = [], []
             for f in sorted(set(fam.values())):
                 train = [k for k in fam if fam[k] != f]
-                pick_ = min(rules, key=lambda r: (max(reg["all"][k][r] for k in train),
-                                                  float(np.mean([math.log(reg["all"][k][r])
-                                                                 for k in train]))))
+                pick_ = min(
+                    rules,
+                    key=lambda r: (
+                        max(reg["all"][k][r] for k in train),
+                        float(np.mean([math.log(reg["all"][k][r]) for k in train])),
+                    ),
+                )
                 picks.append(pick_)
                 held += [reg["all"][k][pick_] for k in fam if fam[k] == f]
             h = np.asarray(held)
-            print("Rule chosen leaving each family out (lowest worst regret on the others): "
-                  + ", ".join(f"{names[r[0]]} {picks.count(r)}" for r in rules if r in picks)
-                  + f" of {len(picks)} folds; held out median {np.median(h):.2f}, geometric "
-                  f"mean {np.exp(np.mean(np.log(h))):.2f}, worst {h.max():.2f}.\n")
+            print(
+                "Rule chosen leaving each family out (lowest worst regret on the others): "
+                + ", ".join(f"{names[r[0]]} {picks.count(r)}" for r in rules if r in picks)
+                + f" of {len(picks)} folds; held out median {np.median(h):.2f}, geometric "
+                f"mean {np.exp(np.mean(np.log(h))):.2f}, worst {h.max():.2f}.\n"
+            )
 
 
 def compare(other: Path) -> None:
@@ -1084,79 +1228,136 @@ def compare(other: Path) -> None:
         print()
         for c in cands:
             r = np.asarray(ratios[c])
-            print(f"{' / '.join(c)}: here / {other}, geometric mean {np.exp(np.log(r).mean()):.2f}"
-                  f" (range {r.min():.2f} .. {r.max():.2f}) over {len(r)} cells")
+            print(
+                f"{' / '.join(c)}: here / {other}, geometric mean {np.exp(np.log(r).mean()):.2f}"
+                f" (range {r.min():.2f} .. {r.max():.2f}) over {len(r)} cells"
+            )
         print()
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, "--run and --report on four tiny cells, 1 repetition, 1 layer, "
-                         "into out/")
+    ap = parser(__doc__, "--run and --report on four tiny cells, 1 repetition, 1 layer, into out/")
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--shard", type=shard_arg, default="0/1")
     ap.add_argument("--report", action="store_true")
-    ap.add_argument("--mode", choices=("direct", "hashed"),
-                    help="run only this mode's cells")
+    ap.add_argument("--mode", choices=("direct", "hashed"), help="run only this mode's cells")
     ap.add_argument("--out", help="results directory (default out/)")
-    ap.add_argument("--rules", action="store_true",
-                    help="direct mode: held-out one-cut rules on public features, and the floor "
-                         "of any fixed pick per held-out family")
-    ap.add_argument("--compare", metavar="DIR",
-                    help="per-cell errors here against the results in DIR (another commit's)")
-    ap.add_argument("--fixed-tol", action="store_true",
-                    help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
-                         "before deconvolution.deconv_tol), results in out/lofo_fixed_tol/")
-    ap.add_argument("--extra", default="",
-                    help=f"comma-separated candidates tried and not adopted, run and reported "
-                         f"beside the library's: {', '.join(EXTRA)}")
-    ap.add_argument("--cap", choices=("items",),
-                    help="report: only the candidates with this cap rule (the release's cap is "
-                         "chosen apart: estimators.DEFAULTS caps by items)")
-    ap.add_argument("--grid-hashed", action="store_true",
-                    help="run: the accuracy grid's hashed cells "
-                         "(bench.accuracy.grid.grid_cells) instead "
-                         "of this bench's, e.g. with --out out/lofo_grid_hashed")
-    ap.add_argument("--reps", type=int, default=4,
-                    help="repetitions per cell (default 4); the first ones draw exactly "
-                         "what a run with fewer draws (the same seeds), so a cell's regret can "
-                         "be re-read with more of them, e.g. with --out out/lofo_reps16")
-    ap.add_argument("--first-rep", type=int, default=0, metavar="R",
-                    help="run: draw repetitions R .. R + reps - 1 (other seeds than a run from "
-                         "0: e.g. a rule's margin chosen on repetitions 0-15, checked on 16-23)")
-    ap.add_argument("--layers", default="1,2",
-                    help="layer counts run and reported (default 1,2)")
-    ap.add_argument("--blocks", type=int, metavar="B",
-                    help="report: the default's regret from all repetitions against runs of B "
-                         "repetitions each (how much of the worst case is the draws' lottery)")
-    ap.add_argument("--totals-rule", action="store_true",
-                    help="report: a per-window rule on a pilot's uncapped total against n, "
-                         "chosen held out (tried for the worst cells, not adopted)")
-    ap.add_argument("--oracles", action="store_true",
-                    help="report: the best fixed candidate per family, per regime (D / n or n, "
-                         "eps) "
-                         "and per both, chosen in sample: what knowing more than the counters "
-                         "would reach (--mode, default direct)")
-    ap.add_argument("--versus", metavar="EXTRA",
-                    help="report, direct mode (or --mode): auto against the --extra auto "
-                         "variant EXTRA (e.g. auto_fitted), each against the best fixed "
-                         "candidate, and leave one family out between the two")
-    ap.add_argument("--add-to", metavar="DIR",
-                    help="run only the --extra candidates on the cells and repetitions stored in "
-                         "DIR (e.g. out/lofo_reps16), writing DIR's results with them to --out")
-    ap.add_argument("--hashed-real", action="store_true",
-                    help="run: the real profiles of the direct cells as hashed items (n = D/10, "
-                         "D, 10 D) instead of this bench's cells, e.g. with --out "
-                         "out/lofo_hashed_real")
-    ap.add_argument("--max-counters", type=int, metavar="N",
-                    help="run: leave out the direct cells of more than N counters (a run that "
-                         "fits the time), except those of the --keep distributions")
-    ap.add_argument("--keep", action="append", default=[], metavar="DIST",
-                    help="with --max-counters: keep this distribution's cells whatever their "
-                         "size (e.g. heavy: issue 28's blocked cell)")
-    ap.add_argument("--choice", action="store_true",
-                    help="report: per family, auto against auto_xfit and auto_flag (run with "
-                         "--extra xfit,auto_xfit,auto_flag), in all, flagged and unflagged "
-                         "windows, and the rule picked leaving each family out")
+    ap.add_argument(
+        "--rules",
+        action="store_true",
+        help="direct mode: held-out one-cut rules on public features, and the floor "
+        "of any fixed pick per held-out family",
+    )
+    ap.add_argument(
+        "--compare",
+        metavar="DIR",
+        help="per-cell errors here against the results in DIR (another commit's)",
+    )
+    ap.add_argument(
+        "--fixed-tol",
+        action="store_true",
+        help="the early-stopped EM at tolerance 1e-5 for every layer count (the code "
+        "before deconvolution.deconv_tol), results in out/lofo_fixed_tol/",
+    )
+    ap.add_argument(
+        "--extra",
+        default="",
+        help=f"comma-separated candidates tried and not adopted, run and reported "
+        f"beside the library's: {', '.join(EXTRA)}",
+    )
+    ap.add_argument(
+        "--cap",
+        choices=("items",),
+        help="report: only the candidates with this cap rule (the release's cap is "
+        "chosen apart: estimators.DEFAULTS caps by items)",
+    )
+    ap.add_argument(
+        "--grid-hashed",
+        action="store_true",
+        help="run: the accuracy grid's hashed cells "
+        "(bench.accuracy.grid.grid_cells) instead "
+        "of this bench's, e.g. with --out out/lofo_grid_hashed",
+    )
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=4,
+        help="repetitions per cell (default 4); the first ones draw exactly "
+        "what a run with fewer draws (the same seeds), so a cell's regret can "
+        "be re-read with more of them, e.g. with --out out/lofo_reps16",
+    )
+    ap.add_argument(
+        "--first-rep",
+        type=int,
+        default=0,
+        metavar="R",
+        help="run: draw repetitions R .. R + reps - 1 (other seeds than a run from "
+        "0: e.g. a rule's margin chosen on repetitions 0-15, checked on 16-23)",
+    )
+    ap.add_argument("--layers", default="1,2", help="layer counts run and reported (default 1,2)")
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        metavar="B",
+        help="report: the default's regret from all repetitions against runs of B "
+        "repetitions each (how much of the worst case is the draws' lottery)",
+    )
+    ap.add_argument(
+        "--totals-rule",
+        action="store_true",
+        help="report: a per-window rule on a pilot's uncapped total against n, "
+        "chosen held out (tried for the worst cells, not adopted)",
+    )
+    ap.add_argument(
+        "--oracles",
+        action="store_true",
+        help="report: the best fixed candidate per family, per regime (D / n or n, "
+        "eps) "
+        "and per both, chosen in sample: what knowing more than the counters "
+        "would reach (--mode, default direct)",
+    )
+    ap.add_argument(
+        "--versus",
+        metavar="EXTRA",
+        help="report, direct mode (or --mode): auto against the --extra auto "
+        "variant EXTRA (e.g. auto_fitted), each against the best fixed "
+        "candidate, and leave one family out between the two",
+    )
+    ap.add_argument(
+        "--add-to",
+        metavar="DIR",
+        help="run only the --extra candidates on the cells and repetitions stored in "
+        "DIR (e.g. out/lofo_reps16), writing DIR's results with them to --out",
+    )
+    ap.add_argument(
+        "--hashed-real",
+        action="store_true",
+        help="run: the real profiles of the direct cells as hashed items (n = D/10, "
+        "D, 10 D) instead of this bench's cells, e.g. with --out "
+        "out/lofo_hashed_real",
+    )
+    ap.add_argument(
+        "--max-counters",
+        type=int,
+        metavar="N",
+        help="run: leave out the direct cells of more than N counters (a run that "
+        "fits the time), except those of the --keep distributions",
+    )
+    ap.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="DIST",
+        help="with --max-counters: keep this distribution's cells whatever their "
+        "size (e.g. heavy: issue 28's blocked cell)",
+    )
+    ap.add_argument(
+        "--choice",
+        action="store_true",
+        help="report: per family, auto against auto_xfit and auto_flag (run with "
+        "--extra xfit,auto_xfit,auto_flag), in all, flagged and unflagged "
+        "windows, and the rule picked leaving each family out",
+    )
     args = ap.parse_args(argv)
     global OUT, CANDIDATES, REPS, FIRST_REP, LAYERS
     if args.smoke:
@@ -1170,16 +1371,25 @@ def main(argv=None) -> int:
     LAYERS = tuple(int(x) for x in args.layers.split(","))
     if not LAYERS or any(x < 1 for x in LAYERS):
         ap.error(f"--layers takes layer counts >= 1, got {args.layers!r}")
-    CANDIDATES = tuple((m, c) for m in METHODS + tuple(extra) for c in CAPS
-                       if args.cap in (None, c))
+    CANDIDATES = tuple(
+        (m, c) for m in METHODS + tuple(extra) for c in CAPS if args.cap in (None, c)
+    )
     if args.grid_hashed and args.hashed_real:
         ap.error("--grid-hashed and --hashed-real are two cell sets: run them apart")
-    CELL_SET[:] = ["grid-hashed"] if args.grid_hashed else ["hashed-real"] if \
-        args.hashed_real else ["smoke"] if args.smoke else []
+    CELL_SET[:] = (
+        ["grid-hashed"]
+        if args.grid_hashed
+        else ["hashed-real"]
+        if args.hashed_real
+        else ["smoke"]
+        if args.smoke
+        else []
+    )
     if args.max_counters:
         MAX_COUNTERS[:] = [args.max_counters, set(args.keep)]
     if args.fixed_tol:
         from aggregator import deconvolution
+
         deconvolution.deconv_tol = lambda p, layers=1, hashed=False: deconvolution.DECONV_TOL
         OUT = Path("out/lofo_fixed_tol/lofo_results.pkl")
     if args.out:

@@ -71,8 +71,12 @@ def study_cell(cell, reps, layers) -> dict:
                 errs = []
                 for _ in range(SIMS):
                     ests = _estimates(simulate_from_cumulative(srng, y_p, D, p, k), p, k, METHODS)
-                    errs.append({c: cumulative_l1(cap_total(ests[c[0]], total, c[1]), y_p)
-                                 for c in CANDIDATES})
+                    errs.append(
+                        {
+                            c: cumulative_l1(cap_total(ests[c[0]], total, c[1]), y_p)
+                            for c in CANDIDATES
+                        }
+                    )
                 boot[(pm, sc)] = errs
             out[(rep, k)] = dict(true=true, boot=boot, loglik=ll)
     return out
@@ -85,8 +89,12 @@ def run(layers) -> None:
     todo = [r for r in stored.values() if r.cell.mode == "direct"]
     todo.sort(key=lambda r: np.mean(r.seconds.get((1, "auto"), [1.0])))  # cheap cells first
     for i, r in enumerate(todo):
-        want = [k for k in layers if any(key[0] == k for key in r.l1)
-                and any((rep, k) not in state.get(r.cell.key, {}) for rep in range(len(r.items)))]
+        want = [
+            k
+            for k in layers
+            if any(key[0] == k for key in r.l1)
+            and any((rep, k) not in state.get(r.cell.key, {}) for rep in range(len(r.items)))
+        ]
         if not want:
             continue
         t = time.perf_counter()
@@ -94,8 +102,11 @@ def run(layers) -> None:
         state.setdefault(r.cell.key, {}).update(got)
         pickle.dump(state, open(OUT.with_suffix(".tmp"), "wb"))
         OUT.with_suffix(".tmp").replace(OUT)
-        print(f"{i + 1}/{len(todo)} {r.cell.dist} n={r.cell.n} D={r.cell.D} eps={r.cell.eps} "
-              f"layers {want}: {time.perf_counter() - t:.1f} s", flush=True)
+        print(
+            f"{i + 1}/{len(todo)} {r.cell.dist} n={r.cell.n} D={r.cell.D} eps={r.cell.eps} "
+            f"layers {want}: {time.perf_counter() - t:.1f} s",
+            flush=True,
+        )
 
 
 def relik() -> None:
@@ -114,7 +125,8 @@ def relik() -> None:
                     fits = _estimates(vc, cell.p, k, PILOTS)
                     d[(rep, k)]["loglik"] = {
                         (pm, sc): _loglik(vc, cap_total(fits[pm], cell.n, sc), cell.D, cell.p, k)
-                        for pm, sc in itertools.product(PILOTS, STANDIN_CAPS)}
+                        for pm, sc in itertools.product(PILOTS, STANDIN_CAPS)
+                    }
     pickle.dump(state, open(OUT.with_suffix(".tmp"), "wb"))
     OUT.with_suffix(".tmp").replace(OUT)
 
@@ -126,8 +138,11 @@ def outside(reps: int = 6) -> None:
     rule and layer count."""
     from aggregator import selection as S
 
-    rules = {"now": (S._standin_cap, S.SIMS), "before": (lambda *a: "scale", 2),
-             "thinned, 4 draws": (lambda *a: "scale", 4)}
+    rules = {
+        "now": (S._standin_cap, S.SIMS),
+        "before": (lambda *a: "scale", 2),
+        "thinned, 4 draws": (lambda *a: "scale", 4),
+    }
     now = S._standin_cap
     try:
         for cell in [c for c in grid.coverage_cells(False) if c.mode == "direct"]:
@@ -141,8 +156,11 @@ def outside(reps: int = 6) -> None:
                         S._standin_cap = rule
                         y, _ = S.select(vc, cell.p, layers=k, n=cell.n, sims=sims)
                         err.setdefault((name, k), []).append(cumulative_l1(y, truth))
-            print(f"{cell.dist} n={cell.n:.0e} D={cell.D:.0e} eps={cell.eps:g}: " + ", ".join(
-                f"{name} {k}L {np.mean(v):.0f}" for (name, k), v in err.items()), flush=True)
+            print(
+                f"{cell.dist} n={cell.n:.0e} D={cell.D:.0e} eps={cell.eps:g}: "
+                + ", ".join(f"{name} {k}L {np.mean(v):.0f}" for (name, k), v in err.items()),
+                flush=True,
+            )
     finally:
         S._standin_cap = now
 
@@ -155,8 +173,9 @@ def _regrets(boot, standins, candidates, sims) -> dict:
     the best candidate's under that stand-in."""
     reg = {c: [] for c in candidates}
     for s in standins:
-        for c, r in _stand_in_regrets({c: sum(boot[s][i][c] for i in sims)
-                                       for c in candidates}).items():
+        for c, r in _stand_in_regrets(
+            {c: sum(boot[s][i][c] for i in sims) for c in candidates}
+        ).items():
             reg[c].append(r)
     return reg
 
@@ -176,8 +195,9 @@ def meanreg(boot, standins, candidates, sims):
 def per_pilot_cap(ll, T):
     """Per pilot, the stand-in capped by ``items`` if its log-likelihood beats the one capped by
     ``scale`` by more than T, else the ``scale`` one."""
-    return [(pm, "items" if ll[(pm, "items")] > ll[(pm, "scale")] + T else "scale")
-            for pm in PILOTS]
+    return [
+        (pm, "items" if ll[(pm, "items")] > ll[(pm, "scale")] + T else "scale") for pm in PILOTS
+    ]
 
 
 def both_or_none(ll, T):
@@ -227,23 +247,30 @@ def rules():
         "4 stand-ins, items cand.": lambda b, ll, s: minimax(b, ALL_S, ITEMS, s),
     }
     for slack in (2.0, 10.0, 50.0):
-        r[f"4 stand-ins within {slack:g} loglik, 6 cand."] = (
-            lambda b, ll, s, sl=slack: minimax(b, plausible(ll, ALL_S, sl), CANDIDATES, s))
+        r[f"4 stand-ins within {slack:g} loglik, 6 cand."] = lambda b, ll, s, sl=slack: minimax(
+            b, plausible(ll, ALL_S, sl), CANDIDATES, s
+        )
     r["mean regret, scale stand-ins, 6 cand."] = lambda b, ll, s: meanreg(b, SCALE_S, CANDIDATES, s)
     r["mean regret, 4 stand-ins, 6 cand."] = lambda b, ll, s: meanreg(b, ALL_S, CANDIDATES, s)
-    r["likeliest stand-in, 6 cand."] = lambda b, ll, s: minimax(b, plausible(ll, ALL_S, 0.0),
-                                                                CANDIDATES, s)
+    r["likeliest stand-in, 6 cand."] = lambda b, ll, s: minimax(
+        b, plausible(ll, ALL_S, 0.0), CANDIDATES, s
+    )
     r["likeliest pilot's cap + both pilots, 6 cand."] = lambda b, ll, s: minimax(
-        b, [(pm, max(ll, key=ll.get)[1]) for pm in PILOTS], CANDIDATES, s)
+        b, [(pm, max(ll, key=ll.get)[1]) for pm in PILOTS], CANDIDATES, s
+    )
     for T in (5.0, 20.0, 100.0, 300.0, 1000.0):
         r[f"per pilot: items stand-in if loglik > scale's + {T:g}, 6 cand."] = (
-            lambda b, ll, s, T=T: minimax(b, per_pilot_cap(ll, T), CANDIDATES, s))
+            lambda b, ll, s, T=T: minimax(b, per_pilot_cap(ll, T), CANDIDATES, s)
+        )
         r[f"scale stand-ins unless items' loglik > + {T:g} for both, 6 cand."] = (
-            lambda b, ll, s, T=T: minimax(b, both_or_none(ll, T), CANDIDATES, s))
+            lambda b, ll, s, T=T: minimax(b, both_or_none(ll, T), CANDIDATES, s)
+        )
         r[f"scale stand-ins unless items' loglik > + {T:g} for every binding pilot"] = (
-            lambda b, ll, s, T=T: minimax(b, binding_all(ll, T), CANDIDATES, s))
+            lambda b, ll, s, T=T: minimax(b, binding_all(ll, T), CANDIDATES, s)
+        )
         r[f"scale stand-ins unless items' loglik > + {T:g} for one, < - {T:g} for none"] = (
-            lambda b, ll, s, T=T: minimax(b, some_and_none_against(ll, T), CANDIDATES, s))
+            lambda b, ll, s, T=T: minimax(b, some_and_none_against(ll, T), CANDIDATES, s)
+        )
     for m in ("deconvolution", "mle"):
         r[f"fixed {m} / items"] = lambda b, ll, s, m=m: (m, "items")
     return r
@@ -263,37 +290,70 @@ def report(layers) -> None:
             for key in cells:
                 d = {rep: v for (rep, kk), v in state[key].items() if kk == k}
                 r = stored[key]
-                oracle = min(float(np.mean(v)) for (kk, m, cap), v in r.l1.items()
-                             if kk == k and cap != "none")
-                oracle = min(oracle, min(float(np.mean([d[rep]["true"][c] for rep in d]))
-                                         for c in CANDIDATES))
-                e_full = np.mean([d[rep]["true"][rule(d[rep]["boot"], d[rep]["loglik"],
-                                                      range(SIMS))] for rep in d])
-                e_half = np.mean([d[rep]["true"][rule(d[rep]["boot"], d[rep]["loglik"], half[0])]
-                                  for rep in d])
-                differ += sum(rule(d[rep]["boot"], d[rep]["loglik"], half[0])
-                              != rule(d[rep]["boot"], d[rep]["loglik"], half[1]) for rep in d)
-                regs.append((e_full / oracle if oracle > 0 else 1.0,
-                             e_half / oracle if oracle > 0 else 1.0, key))
+                oracle = min(
+                    float(np.mean(v))
+                    for (kk, m, cap), v in r.l1.items()
+                    if kk == k and cap != "none"
+                )
+                oracle = min(
+                    oracle,
+                    min(float(np.mean([d[rep]["true"][c] for rep in d])) for c in CANDIDATES),
+                )
+                e_full = np.mean(
+                    [
+                        d[rep]["true"][rule(d[rep]["boot"], d[rep]["loglik"], range(SIMS))]
+                        for rep in d
+                    ]
+                )
+                e_half = np.mean(
+                    [d[rep]["true"][rule(d[rep]["boot"], d[rep]["loglik"], half[0])] for rep in d]
+                )
+                differ += sum(
+                    rule(d[rep]["boot"], d[rep]["loglik"], half[0])
+                    != rule(d[rep]["boot"], d[rep]["loglik"], half[1])
+                    for rep in d
+                )
+                regs.append(
+                    (
+                        e_full / oracle if oracle > 0 else 1.0,
+                        e_half / oracle if oracle > 0 else 1.0,
+                        key,
+                    )
+                )
             a = np.array([x[0] for x in regs])
             b = np.array([x[1] for x in regs])
             worst = max(regs, key=lambda x: x[0])
-            rows[name] = (a.max(), np.exp(np.log(a).mean()), b.max(), np.exp(np.log(b).mean()),
-                          worst[2], int((a > 1.1).sum()), int((a > 2).sum()))
+            rows[name] = (
+                a.max(),
+                np.exp(np.log(a).mean()),
+                b.max(),
+                np.exp(np.log(b).mean()),
+                worst[2],
+                int((a > 1.1).sum()),
+                int((a > 2).sum()),
+            )
             lottery[name] = differ
         print(f"\n### direct, {k} layer{'s' if k > 1 else ''} ({len(cells)} cells)\n")
-        print(f"| rule | worst regret ({SIMS} draws) | geo-mean | worst ({SIMS // 2} draws) | "
-              f"geo-mean | worst cell | cells > 1.1 | cells > 2 | halves disagree |")
+        print(
+            f"| rule | worst regret ({SIMS} draws) | geo-mean | worst ({SIMS // 2} draws) | "
+            f"geo-mean | worst cell | cells > 1.1 | cells > 2 | halves disagree |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for name, v in sorted(rows.items(), key=lambda kv: kv[1][0]):
-            print(f"| {name} | {v[0]:.2f} | {v[1]:.3f} | {v[2]:.2f} | {v[3]:.3f} | "
-                  f"{v[4][1]} n={v[4][2]:.0e} D={v[4][3]:.0e} eps={v[4][4]:g} | {v[5]} | {v[6]} | "
-                  f"{lottery[name]} |")
+            print(
+                f"| {name} | {v[0]:.2f} | {v[1]:.3f} | {v[2]:.2f} | {v[3]:.3f} | "
+                f"{v[4][1]} n={v[4][2]:.0e} D={v[4][3]:.0e} eps={v[4][4]:g} | {v[5]} | {v[6]} | "
+                f"{lottery[name]} |"
+            )
+
 
 # the three worst cells of bench.accuracy.lofo (docs/accuracy_grid.md, "Sixteen repetitions"):
 # (dist, n, D, eps, layers); the early-stopped EM is best in the second, the NPMLE in the first
-LR_CELLS = (("heavy", 10**5, 10**6, 0.5, 2), ("zipf1.5", 10**5, 10**6, 2.0, 1),
-            ("zipf0.7", 10**5, 10**6, 0.5, 2))
+LR_CELLS = (
+    ("heavy", 10**5, 10**6, 0.5, 2),
+    ("zipf1.5", 10**5, 10**6, 2.0, 1),
+    ("zipf0.7", 10**5, 10**6, 0.5, 2),
+)
 
 
 def lr_check(reps: int = 4, sims: int = 4) -> None:
@@ -309,8 +369,10 @@ def lr_check(reps: int = 4, sims: int = 4) -> None:
 
     from .grid import Cell, _noisy, draw
 
-    print("| cell | window | G observed | EM stand-in: G simulated, z | NPMLE stand-in: G "
-          "simulated, z | l1 error EM / NPMLE (items cap) |")
+    print(
+        "| cell | window | G observed | EM stand-in: G simulated, z | NPMLE stand-in: G "
+        "simulated, z | l1 error EM / NPMLE (items cap) |"
+    )
     print("|---|---|---|---|---|---|")
     for dist, n, D, eps, k in LR_CELLS:
         cell = Cell("direct", dist, n, D, eps, reps)
@@ -333,14 +395,17 @@ def lr_check(reps: int = 4, sims: int = 4) -> None:
                 for _ in range(sims):
                     sim = simulate_from_cumulative(srng, y_p, D, p, k)
                     e = _estimates(sim, p, k, ("deconvolution", "mle"))
-                    g.append(loglik(sim, e["mle"], D, p, k) - loglik(sim, e["deconvolution"], D,
-                                                                        p, k))
+                    g.append(
+                        loglik(sim, e["mle"], D, p, k) - loglik(sim, e["deconvolution"], D, p, k)
+                    )
                 g = np.array(g)
                 z = (g_obs - g.mean()) / max(float(g.std(ddof=1)), 1e-9)
                 cols.append(f"{g.mean():.1f} +- {g.std(ddof=1):.1f}, z = {z:+.1f}")
             errs = [cumulative_l1(cap_total(fits[m], n, "items"), truth) for m in PILOTS]
-            print(f"| {dist} n={n:.0e} D={D:.0e} eps={eps:g}, {k} layer{'s' * (k > 1)} | {rep} | "
-                  f"{g_obs:.1f} | {cols[0]} | {cols[1]} | {errs[0]:,.0f} / {errs[1]:,.0f} |")
+            print(
+                f"| {dist} n={n:.0e} D={D:.0e} eps={eps:g}, {k} layer{'s' * (k > 1)} | {rep} | "
+                f"{g_obs:.1f} | {cols[0]} | {cols[1]} | {errs[0]:,.0f} / {errs[1]:,.0f} |"
+            )
 
 
 def em_tail(reps: int = 2) -> None:
@@ -377,9 +442,11 @@ def em_tail(reps: int = 2) -> None:
     truth = cumulative_from_counts(h)
     print("\n| r | " + " | ".join(str(r) for r in rs) + " |")
     print("|---" * (len(rs) + 1) + "|")
-    for name, y in [("truth", truth)] + [(f"{m}{', items cap' if c else ''}", yy)
-                                         for m, y, capped in shapes
-                                         for c, yy in ((False, y), (True, capped))]:
+    for name, y in [("truth", truth)] + [
+        (f"{m}{', items cap' if c else ''}", yy)
+        for m, y, capped in shapes
+        for c, yy in ((False, y), (True, capped))
+    ]:
         print(f"| {name} | " + " | ".join(f"{at(y, r):,.0f}" for r in rs) + " |")
 
 
@@ -390,14 +457,21 @@ def starts(reps: int = 2) -> None:
     ``em_likelier`` compares). The shrunk start with direct mode's 1e-4 of the smoothed one
     mixed in (``estimate.DIRECT_START_SMOOTH_SHARE``); hashed mode's 5% share beside it."""
     from aggregator.counter_model import loglik
-    from aggregator.estimate import (cap_total, cumulative_from_counts, cumulative_l1,
-                                     deconvolved_prevalence, project_l1)
+    from aggregator.estimate import (
+        cap_total,
+        cumulative_from_counts,
+        cumulative_l1,
+        deconvolved_prevalence,
+        project_l1,
+    )
 
     from . import lofo
     from .grid import Cell, _noisy, draw
 
-    print("| cell | repetition, layers | smoothed start: error, LL | shrunk, 5% smoothed: error "
-          "| shrunk, 1e-4 smoothed: error, LL | LL(shrunk) - LL(smoothed) |")
+    print(
+        "| cell | repetition, layers | smoothed start: error, LL | shrunk, 5% smoothed: error "
+        "| shrunk, 1e-4 smoothed: error, LL | LL(shrunk) - LL(smoothed) |"
+    )
     print("|---|---|---|---|---|---|")
     for dist, n, D, eps, _ in LR_CELLS:
         cell = Cell("direct", dist, n, D, eps, reps)
@@ -406,16 +480,22 @@ def starts(reps: int = 2) -> None:
             truth = cumulative_from_counts(h)
             for k in (1, 2):  # the grid's draws: the 1-layer counters first
                 vc = _noisy(rng, h, D - len(h), cell.p, k)
-                fits = [project_l1(deconvolved_prevalence(vc, cell.p, layers=k)),
-                        project_l1(deconvolved_prevalence(vc, cell.p, layers=k,
-                                                          shrunk_start=True)),
-                        lofo._shrunk_em(vc, cell.p, k)]
-                err = [min(cumulative_l1(cap_total(y, n, c), truth) for c in ("items", "scale"))
-                       for y in fits]
+                fits = [
+                    project_l1(deconvolved_prevalence(vc, cell.p, layers=k)),
+                    project_l1(deconvolved_prevalence(vc, cell.p, layers=k, shrunk_start=True)),
+                    lofo._shrunk_em(vc, cell.p, k),
+                ]
+                err = [
+                    min(cumulative_l1(cap_total(y, n, c), truth) for c in ("items", "scale"))
+                    for y in fits
+                ]
                 ll = [loglik(vc, cap_total(y, n, "items"), D, cell.p, k) for y in fits]
-                print(f"| {dist} n = {n:.0e}, D = {D:.0e}, eps {eps:g} | {rep + 1}, {k} | "
-                      f"{err[0]:,.0f}, {ll[0]:,.1f} | {err[1]:,.0f} | {err[2]:,.0f}, {ll[2]:,.1f} "
-                      f"| {ll[2] - ll[0]:+.1f} |", flush=True)
+                print(
+                    f"| {dist} n = {n:.0e}, D = {D:.0e}, eps {eps:g} | {rep + 1}, {k} | "
+                    f"{err[0]:,.0f}, {ll[0]:,.1f} | {err[1]:,.0f} | {err[2]:,.0f}, {ll[2]:,.1f} "
+                    f"| {ll[2] - ll[0]:+.1f} |",
+                    flush=True,
+                )
 
 
 def smoke() -> None:
@@ -427,8 +507,9 @@ def smoke() -> None:
     OUT.parent.mkdir(exist_ok=True)
     OUT.unlink(missing_ok=True)
     cells = [c for c in grid.grid_cells("smoke") if c.mode == "direct"]
-    RESULTS.write_bytes(pickle.dumps({"results": {c.key: grid.run_cell(c, layers=(1,))
-                                                  for c in cells}}))
+    RESULTS.write_bytes(
+        pickle.dumps({"results": {c.key: grid.run_cell(c, layers=(1,)) for c in cells}})
+    )
     run([1])
     report([1])
 
@@ -438,17 +519,29 @@ def main(argv=None) -> None:
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--relik", action="store_true", help="recompute the stored log-likelihoods")
-    ap.add_argument("--outside", action="store_true",
-                    help="auto now vs before on the coverage cells (not the study's cells)")
-    ap.add_argument("--lr-check", action="store_true",
-                    help="can a calibrated likelihood ratio tell the stand-ins apart? (the "
-                         "three worst cells of bench.accuracy.lofo)")
-    ap.add_argument("--em-tail", action="store_true",
-                    help="the heavy cell: where the early-stopped EM's error sits, and the EM "
-                         "held to n (tried, not adopted)")
-    ap.add_argument("--starts", action="store_true",
-                    help="the early-stopped EM from the smoothed and the shrunk start on the "
-                         "three worst cells of bench.accuracy.lofo: errors and likelihoods")
+    ap.add_argument(
+        "--outside",
+        action="store_true",
+        help="auto now vs before on the coverage cells (not the study's cells)",
+    )
+    ap.add_argument(
+        "--lr-check",
+        action="store_true",
+        help="can a calibrated likelihood ratio tell the stand-ins apart? (the "
+        "three worst cells of bench.accuracy.lofo)",
+    )
+    ap.add_argument(
+        "--em-tail",
+        action="store_true",
+        help="the heavy cell: where the early-stopped EM's error sits, and the EM "
+        "held to n (tried, not adopted)",
+    )
+    ap.add_argument(
+        "--starts",
+        action="store_true",
+        help="the early-stopped EM from the smoothed and the shrunk start on the "
+        "three worst cells of bench.accuracy.lofo: errors and likelihoods",
+    )
     ap.add_argument("--layers", default="1,2,3,6")
     a = ap.parse_args(argv)
     if a.smoke:

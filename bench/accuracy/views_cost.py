@@ -37,8 +37,12 @@ from .._data import NEW_REAL, REAL, noisy, real_profile, true_counts
 from ..harness import md_table, mean_se, parser, provenance, ratio_se, write_doc_section
 
 MEMBERS = (1, 2, 3, 6)
-SYNTH = (("zipf", 10**4, 10**5), ("uniform", 10**4, 10**5), ("heavy", 10**4, 10**4),
-         ("geometric", 10**4, 10**5))
+SYNTH = (
+    ("zipf", 10**4, 10**5),
+    ("uniform", 10**4, 10**5),
+    ("heavy", 10**4, 10**4),
+    ("geometric", 10**4, 10**5),
+)
 #: n over D of the real cells, and the regime each stands for
 REGIMES = ((0.1, "sparse"), (1.0, "n ~ D"), (10.0, "dense"))
 
@@ -48,7 +52,7 @@ def _real_cells(dcap: int, names=REAL + NEW_REAL) -> list[tuple[str, int, int]]:
     for name in names:
         try:
             D = min(len(real_profile(name)), dcap)
-        except ImportError:   # the profile's package is not installed: left out, and said
+        except ImportError:  # the profile's package is not installed: left out, and said
             print(f"views_cost: {name} left out (its package is not installed)", file=sys.stderr)
             continue
         out += [(name, D, max(1, int(round(f * D)))) for f, _ in REGIMES]
@@ -56,10 +60,11 @@ def _real_cells(dcap: int, names=REAL + NEW_REAL) -> list[tuple[str, int, int]]:
 
 
 def _cells(which: str, smoke: bool, dcap: int) -> list[tuple[str, int, int]]:
-    if smoke:   # the regimes' path on a small zipf "profile", sparse and dense
+    if smoke:  # the regimes' path on a small zipf "profile", sparse and dense
         return [("zipf", 500, max(1, int(f * 500))) for f, _ in REGIMES[::2]]
-    return ((list(SYNTH) if which in ("synth", "all") else [])
-            + (_real_cells(dcap) if which in ("real", "all") else []))
+    return (list(SYNTH) if which in ("synth", "all") else []) + (
+        _real_cells(dcap) if which in ("real", "all") else []
+    )
 
 
 def _counts(rng, dist: str, D: int, n: int) -> np.ndarray:
@@ -75,8 +80,9 @@ def _errors(h: np.ndarray, est: np.ndarray) -> tuple[float, float]:
     k = max(len(a), len(b))
     a = np.pad(a, (0, k - len(a)))
     b = np.pad(b, (0, k - len(b)))
-    return float(np.abs(a - b).sum()), float(abs(np.count_nonzero(h) - len(np.asarray(est)
-                                                                               .nonzero()[0])))
+    return float(np.abs(a - b).sum()), float(
+        abs(np.count_nonzero(h) - len(np.asarray(est).nonzero()[0]))
+    )
 
 
 def _regime(D: int, n: int) -> str:
@@ -99,8 +105,11 @@ def run(reps: int, cells, eps: float) -> list[dict]:
                 errs[m][0].append(hist)
                 errs[m][1].append(distinct)
         out.append({"dist": dist, "D": D, "n": n, "regime": _regime(D, n), "errs": errs})
-        print(f"{dist} D={D} n={n}: " + ", ".join(
-            f"m={m} {_ratio(errs[m][0], errs[1][0])}" for m in MEMBERS[1:]), file=sys.stderr)
+        print(
+            f"{dist} D={D} n={n}: "
+            + ", ".join(f"m={m} {_ratio(errs[m][0], errs[1][0])}" for m in MEMBERS[1:]),
+            file=sys.stderr,
+        )
     return out
 
 
@@ -113,8 +122,11 @@ def cell_rows(cells: list[dict]) -> list[list[str]]:
     rows = []
     for c in cells:
         held = " (held out)" if c["dist"] in NEW_REAL else ""
-        row = [f"{c['dist']}{held} D={c['D']} n={c['n']}", c["regime"],
-               f"{np.mean(c['errs'][1][0]):,.0f}"]
+        row = [
+            f"{c['dist']}{held} D={c['D']} n={c['n']}",
+            c["regime"],
+            f"{np.mean(c['errs'][1][0]):,.0f}",
+        ]
         for m in MEMBERS[1:]:
             for k in (0, 1):
                 row.append(_ratio(c["errs"][m][k], c["errs"][1][k]))
@@ -144,30 +156,48 @@ def main(argv=None) -> None:
     ap = parser(__doc__, "two small zipf cells (sparse, dense), 2 repetitions")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--cells", choices=("synth", "real", "all"), default="all")
-    ap.add_argument("--dcap", type=int, default=20_000,
-                    help="real profiles: their first DCAP items (D = min(size, DCAP))")
+    ap.add_argument(
+        "--dcap",
+        type=int,
+        default=20_000,
+        help="real profiles: their first DCAP items (D = min(size, DCAP))",
+    )
     ap.add_argument("--eps", type=float, default=1.0)
-    ap.add_argument("--doc", help="write the tables into this doc's views-cost block "
-                                  "(views-cost-real or views-cost-synth with --cells, "
-                                  "-eps<EPS> after it at an eps other than 1)")
+    ap.add_argument(
+        "--doc",
+        help="write the tables into this doc's views-cost block "
+        "(views-cost-real or views-cost-synth with --cells, "
+        "-eps<EPS> after it at an eps other than 1)",
+    )
     args = ap.parse_args(argv)
     reps = 2 if args.smoke else args.reps
     cells = run(reps, _cells(args.cells, args.smoke, args.dcap), args.eps)
     what = ["histogram l1", "distinct items"]
     head = [f"cell (eps {args.eps:g})", "regime", "l1 at m = 1"] + [
-        f"{w}, m = {m}" for m in MEMBERS[1:] for w in what]
-    cmd = " ".join(["python -m bench.accuracy.views_cost", *(sys.argv[1:] if argv is None
-                                                            else argv)])
-    lines = [f"Error of a group's release (m members' views: 2m layers) over one process's "
-             f"(2 layers), same counts, {reps} repetitions, ratio ± s.e. ({provenance()}):", "",
-             *md_table(head, cell_rows(cells))]
-    regimes = regime_rows([c for c in cells if c["dist"] not in [s[0] for s in SYNTH]]
-                          if not args.smoke else cells)
+        f"{w}, m = {m}" for m in MEMBERS[1:] for w in what
+    ]
+    cmd = " ".join(
+        ["python -m bench.accuracy.views_cost", *(sys.argv[1:] if argv is None else argv)]
+    )
+    lines = [
+        f"Error of a group's release (m members' views: 2m layers) over one process's "
+        f"(2 layers), same counts, {reps} repetitions, ratio ± s.e. ({provenance()}):",
+        "",
+        *md_table(head, cell_rows(cells)),
+    ]
+    regimes = regime_rows(
+        [c for c in cells if c["dist"] not in [s[0] for s in SYNTH]] if not args.smoke else cells
+    )
     if regimes:
-        lines += ["", "Per regime, over the real profiles: mean of the cells' ratios ± its s.e. "
-                      "over the profiles (the cells' range):", "",
-                  *md_table(["regime", "cells"] + [f"{w}, m = {m}" for m in MEMBERS[1:]
-                                                   for w in what], regimes)]
+        lines += [
+            "",
+            "Per regime, over the real profiles: mean of the cells' ratios ± its s.e. "
+            "over the profiles (the cells' range):",
+            "",
+            *md_table(
+                ["regime", "cells"] + [f"{w}, m = {m}" for m in MEMBERS[1:] for w in what], regimes
+            ),
+        ]
     lines += ["", f"Command: `{cmd}`."]
     print("\n".join(lines))
     if args.doc and not args.smoke:

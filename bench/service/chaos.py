@@ -35,8 +35,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="runs of each mode x fault")
     ap.add_argument("--first-seed", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=16.0, help="production time per run")
-    ap.add_argument("--faults-per-run", type=int, default=2,
-                    help="kills or broker outages at random moments of each run")
+    ap.add_argument(
+        "--faults-per-run",
+        type=int,
+        default=2,
+        help="kills or broker outages at random moments of each run",
+    )
     ap.add_argument("--doc", help="write the table to this markdown file")
     ap.add_argument("--json", help="append each run's result to this JSON-lines file")
     args = ap.parse_args(argv)
@@ -55,19 +59,29 @@ def main(argv=None) -> int:
                 for fault in faults:
                     for k in range(args.seeds):
                         seed = args.first_seed + k
-                        res = run_case(broker, mode, fault, seed,
-                                       Path(tmp) / f"{mode}-{fault}-{seed}",
-                                       seconds=args.seconds,
-                                       faults=args.faults_per_run)
+                        res = run_case(
+                            broker,
+                            mode,
+                            fault,
+                            seed,
+                            Path(tmp) / f"{mode}-{fault}-{seed}",
+                            seconds=args.seconds,
+                            faults=args.faults_per_run,
+                        )
                         if res.skipped:
-                            print(f"{mode:15s} {fault:18s} seed {seed}: skipped "
-                                  f"({res.skipped})", flush=True)
+                            print(
+                                f"{mode:15s} {fault:18s} seed {seed}: skipped ({res.skipped})",
+                                flush=True,
+                            )
                             continue
                         rows.append(res)
-                        print(f"{mode:15s} {fault:18s} seed {seed}: "
-                              f"{'ok' if res.ok else 'VIOLATED'} produced {res.produced} "
-                              f"released {sum(res.released.values())} faults {res.faults} "
-                              f"({res.seconds:.0f} s)", flush=True)
+                        print(
+                            f"{mode:15s} {fault:18s} seed {seed}: "
+                            f"{'ok' if res.ok else 'VIOLATED'} produced {res.produced} "
+                            f"released {sum(res.released.values())} faults {res.faults} "
+                            f"({res.seconds:.0f} s)",
+                            flush=True,
+                        )
                         for v in res.violations[:5]:
                             print(f"    {v[:300]}", flush=True)
                         for note in res.notes:
@@ -77,8 +91,11 @@ def main(argv=None) -> int:
                                 f.write(json.dumps(res.__dict__) + "\n")
         finally:
             broker.stop()
-    table = _table(rows, " ".join(["python -m bench.service.chaos", *(argv or sys.argv[1:])]),
-                   time.monotonic() - t0)
+    table = _table(
+        rows,
+        " ".join(["python -m bench.service.chaos", *(argv or sys.argv[1:])]),
+        time.monotonic() - t0,
+    )
     print(table)
     if args.doc:
         _write_doc(Path(args.doc), table)
@@ -86,38 +103,56 @@ def main(argv=None) -> int:
 
 
 def _table(rows, command: str, seconds: float) -> str:
-    lines = [f"Command: `{command}` ({seconds / 60:.0f} min, one run)", "",
-             "| mode | fault | runs | faults injected | events produced | released | left "
-             "open | runs violated |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{command}` ({seconds / 60:.0f} min, one run)",
+        "",
+        "| mode | fault | runs | faults injected | events produced | released | left "
+        "open | runs violated |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     groups: dict[tuple[str, str], list] = {}
     for r in rows:
         groups.setdefault((r.mode, r.fault), []).append(r)
     for (mode, fault), rs in groups.items():
-        lines.append(f"| {mode} | {fault} | {len(rs)} | {sum(r.faults for r in rs)} | "
-                     f"{sum(r.produced for r in rs):,} | "
-                     f"{sum(sum(r.released.values()) for r in rs):,} | "
-                     f"{sum(sum(r.unreleased.values()) for r in rs):,} | "
-                     f"{sum(not r.ok for r in rs)} |")
-    lines.append(f"| **all** | | {len(rows)} | {sum(r.faults for r in rows)} | "
-                 f"{sum(r.produced for r in rows):,} | | | {sum(not r.ok for r in rows)} |")
-    for label, pick in (("a group", lambda r: MODES[r.mode].members > 0),
-                        ("one process", lambda r: MODES[r.mode].members == 0)):
-        back = [(s, c) for r in rows if pick(r)
-                for s, c in zip(r.resume_s, r.resume_censored or [False] * len(r.resume_s))]
+        lines.append(
+            f"| {mode} | {fault} | {len(rs)} | {sum(r.faults for r in rs)} | "
+            f"{sum(r.produced for r in rs):,} | "
+            f"{sum(sum(r.released.values()) for r in rs):,} | "
+            f"{sum(sum(r.unreleased.values()) for r in rs):,} | "
+            f"{sum(not r.ok for r in rs)} |"
+        )
+    lines.append(
+        f"| **all** | | {len(rows)} | {sum(r.faults for r in rows)} | "
+        f"{sum(r.produced for r in rows):,} | | | {sum(not r.ok for r in rows)} |"
+    )
+    for label, pick in (
+        ("a group", lambda r: MODES[r.mode].members > 0),
+        ("one process", lambda r: MODES[r.mode].members == 0),
+    ):
+        back = [
+            (s, c)
+            for r in rows
+            if pick(r)
+            for s, c in zip(r.resume_s, r.resume_censored or [False] * len(r.resume_s))
+        ]
         seen = sorted(s for s, c in back if s is not None and not c)
         censored = sum(c for _, c in back)
         if back:
             lines.append("")
-            lines.append(f"Next release holding events after the broker's return, {label}: "
-                         f"median {statistics.median(seen):.1f} s over {len(seen)} returns"
-                         if seen else f"Next release holding events after the broker's return, "
-                         f"{label}: none")
+            lines.append(
+                f"Next release holding events after the broker's return, {label}: "
+                f"median {statistics.median(seen):.1f} s over {len(seen)} returns"
+                if seen
+                else f"Next release holding events after the broker's return, {label}: none"
+            )
             if censored:
-                lines[-1] += (f"; {censored} returns left out, the next outage began before "
-                              "their release")
+                lines[-1] += (
+                    f"; {censored} returns left out, the next outage began before their release"
+                )
             if len(seen) + censored < len(back):
-                lines[-1] += (f"; {len(back) - len(seen) - censored} returns with no release "
-                              "after them")
+                lines[-1] += (
+                    f"; {len(back) - len(seen) - censored} returns with no release after them"
+                )
     return "\n".join(lines)
 
 
@@ -126,7 +161,7 @@ def _write_doc(path: Path, table: str) -> None:
     text = path.read_text() if path.exists() else ""
     block = f"{begin}\n{table}\n{end}"
     if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
         text += ("\n" if text else "") + block + "\n"
     path.write_text(text)

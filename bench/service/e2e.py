@@ -72,30 +72,42 @@ def load1() -> float:
 def crc32c_active() -> bool:
     """Whether kafka-python checks record batches with the C crc32c (not its Python loop)."""
     from kafka.record import util
+
     return getattr(util, "crc32c_c", None) is not None and util._crc32c is util.crc32c_c
 
 
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "crc32c": crc32c_active(),
-            "versions": versions(["kafka-python", "crc32c", "msgpack", "numpy", "confluent-kafka"]),
-            "rev": git_rev(["aggregator", "consumers", "bench/service/e2e.py"]),
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
+        "crc32c": crc32c_active(),
+        "versions": versions(["kafka-python", "crc32c", "msgpack", "numpy", "confluent-kafka"]),
+        "rev": git_rev(["aggregator", "consumers", "bench/service/e2e.py"]),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def start_broker(tmp: Path) -> tuple[str, Path | None]:
     if os.environ.get("PANAGG_KAFKA_BOOTSTRAP"):
         return os.environ["PANAGG_KAFKA_BOOTSTRAP"], None
     state = tmp / "kafka"
-    out = subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start", str(state)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(ROOT / "deploy/kafka/kafka.sh"), "start", str(state)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1].split("=", 1)[1], state
 
 
 def stop_broker(state: Path | None) -> None:
     """Stop the broker :func:`start_broker` started (None: the environment's, left running)."""
     if state is not None:
-        subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)],
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)],
+            capture_output=True,
+            timeout=120,
+        )
 
 
 def produce(bootstrap: str, topic: str, events: int, partitions: int = 3) -> None:
@@ -108,8 +120,13 @@ def produce(bootstrap: str, topic: str, events: int, partitions: int = 3) -> Non
     rng = np.random.default_rng(0)
     w = 1 / np.arange(1, D + 1) ** 1.1
     ids = rng.choice(D, size=events, p=w / w.sum())
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=50, batch_size=512 * 1024,
-                             acks=1, compression_type=None)
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        linger_ms=50,
+        batch_size=512 * 1024,
+        acks=1,
+        compression_type=None,
+    )
     for i in ids.tolist():
         producer.send(topic, msgpack.packb({"item": i}))
     producer.flush()
@@ -119,22 +136,32 @@ def produce(bootstrap: str, topic: str, events: int, partitions: int = 3) -> Non
 def client_settings(cfg: dict) -> dict:
     """The kafka-python settings the service's source runs with (from the config, as the CLI)."""
     src = cfg.source
-    return {"max_poll_records": src.max_records, "fetch_max_bytes": src.fetch_max_bytes,
-            "max_partition_fetch_bytes": src.max_partition_fetch_bytes}
+    return {
+        "max_poll_records": src.max_records,
+        "fetch_max_bytes": src.fetch_max_bytes,
+        "max_partition_fetch_bytes": src.max_partition_fetch_bytes,
+    }
 
 
-def bare_consume_confluent(bootstrap: str, topic: str, events: int, settings: dict
-                           ) -> tuple[float, float]:
+def bare_consume_confluent(
+    bootstrap: str, topic: str, events: int, settings: dict
+) -> tuple[float, float]:
     """The same bare loop on confluent-kafka (librdkafka): ``consume(num_messages)`` batches,
     every value touched."""
     from confluent_kafka import Consumer
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bare-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                         "fetch.max.bytes": settings["fetch_max_bytes"],
-                         "max.partition.fetch.bytes": settings["max_partition_fetch_bytes"],
-                         "queued.max.messages.kbytes": settings["fetch_max_bytes"] // 1024,
-                         "queued.min.messages": settings["max_poll_records"]})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bare-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "fetch.max.bytes": settings["fetch_max_bytes"],
+            "max.partition.fetch.bytes": settings["max_partition_fetch_bytes"],
+            "queued.max.messages.kbytes": settings["fetch_max_bytes"] // 1024,
+            "queued.min.messages": settings["max_poll_records"],
+        }
+    )
     consumer.subscribe([topic])
     seen, nbytes = 0, 0
     t0 = None
@@ -156,9 +183,14 @@ def bare_consume(bootstrap: str, topic: str, events: int, settings: dict) -> tup
     fetch every record and touch its value."""
     from kafka import KafkaConsumer
 
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap,
-                             group_id=f"bare-{uuid.uuid4().hex}", enable_auto_commit=False,
-                             auto_offset_reset="earliest", **settings)
+    consumer = KafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=f"bare-{uuid.uuid4().hex}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **settings,
+    )
     seen, nbytes = 0, 0
     t0 = None
     while seen < events:
@@ -218,31 +250,46 @@ class TimedSource(Source):
 
 
 def service_config(events: int, state_dir: Path, extra=()) -> dict:
-    return load_config(None, [f"state.domain_size={D}", "window.kind=count",
-                              f"window.size={10 * events}", f"checkpoint.dir={state_dir}",
-                              f"release.dir={state_dir}/rel", "metrics.port=-1",
-                              "release.on_exhausted=false",
-                              # repetitions over one topic on purpose (no release is drawn, but
-                              # the registry's reads are not what this bench measures)
-                              "ledger.registry_topic=", *extra], env={})
+    return load_config(
+        None,
+        [
+            f"state.domain_size={D}",
+            "window.kind=count",
+            f"window.size={10 * events}",
+            f"checkpoint.dir={state_dir}",
+            f"release.dir={state_dir}/rel",
+            "metrics.port=-1",
+            "release.on_exhausted=false",
+            # repetitions over one topic on purpose (no release is drawn, but
+            # the registry's reads are not what this bench measures)
+            "ledger.registry_topic=",
+            *extra,
+        ],
+        env={},
+    )
 
 
 #: extra ``--set`` pairs of every service run (``--no-plan``: release.plan_errors=false)
 SERVICE_SETS: list[str] = []
 
 
-def service_run(make_source, events: int, tmp: Path, profile: str | None = None
-                ) -> tuple[float, float]:
+def service_run(
+    make_source, events: int, tmp: Path, profile: str | None = None
+) -> tuple[float, float]:
     """Seconds (wall, CPU of the process) for the service to count ``events`` records."""
     state_dir = tmp / f"svc-{uuid.uuid4().hex[:8]}"
     cfg = service_config(events, state_dir, SERVICE_SETS)
     ref: list = [None]
-    wrapped = TimedSource(make_source(cfg), lambda _: ref[0].task.window["events"] >= events,
-                          lambda: ref[0].stop_event.set())
+    wrapped = TimedSource(
+        make_source(cfg),
+        lambda _: ref[0].task.window["events"] >= events,
+        lambda: ref[0].stop_event.set(),
+    )
     agg = Aggregator(cfg, wrapped)
     ref[0] = agg
     if profile:
         import cProfile
+
         prof = cProfile.Profile()
         prof.runcall(agg.run, poll_timeout_s=1.0)
         prof.dump_stats(profile)
@@ -259,13 +306,26 @@ def kafka_source(bootstrap: str, topic: str, client: str = "kafka-python"):
         src = cfg.source
         if client == "confluent":
             from consumers.kafka.confluent import ConfluentSource
-            return ConfluentSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", src.max_records,
-                                   fetch_max_bytes=src.fetch_max_bytes,
-                                   max_partition_fetch_bytes=src.max_partition_fetch_bytes)
-        return KafkaSource(bootstrap, topic, f"svc-{uuid.uuid4().hex}", src.max_records,
-                           consumer_config={"fetch_max_bytes": src.fetch_max_bytes,
-                                            "max_partition_fetch_bytes":
-                                                src.max_partition_fetch_bytes})
+
+            return ConfluentSource(
+                bootstrap,
+                topic,
+                f"svc-{uuid.uuid4().hex}",
+                src.max_records,
+                fetch_max_bytes=src.fetch_max_bytes,
+                max_partition_fetch_bytes=src.max_partition_fetch_bytes,
+            )
+        return KafkaSource(
+            bootstrap,
+            topic,
+            f"svc-{uuid.uuid4().hex}",
+            src.max_records,
+            consumer_config={
+                "fetch_max_bytes": src.fetch_max_bytes,
+                "max_partition_fetch_bytes": src.max_partition_fetch_bytes,
+            },
+        )
+
     return make
 
 
@@ -273,12 +333,20 @@ def throughput_row(name: str, events: int, bare_t: list, svc_t: list, target: st
     """Report row from paired timings of the same events: median events/s of the service and of
     the bare loop, and the per-repetition ratio service / bare in events/s (= bare_t / svc_t)."""
     ratios = [b / s for b, s in zip(bare_t, svc_t)]
-    return (name, events / statistics.median(svc_t), events / statistics.median(bare_t),
-            statistics.median(ratios), min(ratios), max(ratios), target)
+    return (
+        name,
+        events / statistics.median(svc_t),
+        events / statistics.median(bare_t),
+        statistics.median(ratios),
+        min(ratios),
+        max(ratios),
+        target,
+    )
 
 
-def kafka_reps(bootstrap: str, topic: str, args, tmp: Path, client: str = "kafka-python"
-               ) -> list[dict]:
+def kafka_reps(
+    bootstrap: str, topic: str, args, tmp: Path, client: str = "kafka-python"
+) -> list[dict]:
     settings = client_settings(service_config(args.events, tmp / "probe"))
     bare = bare_consume_confluent if client == "confluent" else bare_consume
     reps = []
@@ -288,39 +356,52 @@ def kafka_reps(bootstrap: str, topic: str, args, tmp: Path, client: str = "kafka
         r["load_bare"].append(load1())
         r["load_svc"] = [load1()]
         last = rep == args.reps - 1
-        r["svc_s"], r["svc_cpu"] = service_run(kafka_source(bootstrap, topic, client),
-                                               args.events, tmp,
-                                               profile=args.cprofile if last else None)
+        r["svc_s"], r["svc_cpu"] = service_run(
+            kafka_source(bootstrap, topic, client),
+            args.events,
+            tmp,
+            profile=args.cprofile if last else None,
+        )
         r["load_svc"].append(load1())
         reps.append(r)
-        print(f"  {client} rep {rep}: bare {args.events / r['bare_s']:,.0f} ev/s (load "
-              f"{r['load_bare'][0]:.2f}->{r['load_bare'][1]:.2f}), service "
-              f"{args.events / r['svc_s']:,.0f} ev/s (load {r['load_svc'][0]:.2f}->"
-              f"{r['load_svc'][1]:.2f}), ratio {r['bare_s'] / r['svc_s']:.2f}, CPU ratio "
-              f"{r['bare_cpu'] / r['svc_cpu']:.2f}", flush=True)
+        print(
+            f"  {client} rep {rep}: bare {args.events / r['bare_s']:,.0f} ev/s (load "
+            f"{r['load_bare'][0]:.2f}->{r['load_bare'][1]:.2f}), service "
+            f"{args.events / r['svc_s']:,.0f} ev/s (load {r['load_svc'][0]:.2f}->"
+            f"{r['load_svc'][1]:.2f}), ratio {r['bare_s'] / r['svc_s']:.2f}, CPU ratio "
+            f"{r['bare_cpu'] / r['svc_cpu']:.2f}",
+            flush=True,
+        )
     return reps
 
 
-def kafka_lines(events: int, reps: list[dict], settings: dict, client: str = "kafka-python"
-                ) -> list[str]:
-    lines = [f"| rep | bare {client} ev/s | load before -> after | service ev/s | "
-             "load before -> after | ratio | CPU µs/event bare, service | CPU ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+def kafka_lines(
+    events: int, reps: list[dict], settings: dict, client: str = "kafka-python"
+) -> list[str]:
+    lines = [
+        f"| rep | bare {client} ev/s | load before -> after | service ev/s | "
+        "load before -> after | ratio | CPU µs/event bare, service | CPU ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(reps):
-        lines.append(f"| {i} | {events / r['bare_s']:,.0f} | {r['load_bare'][0]:.2f} -> "
-                     f"{r['load_bare'][1]:.2f} | {events / r['svc_s']:,.0f} | "
-                     f"{r['load_svc'][0]:.2f} -> {r['load_svc'][1]:.2f} | "
-                     f"{r['bare_s'] / r['svc_s']:.2f} | {1e6 * r['bare_cpu'] / events:.2f}, "
-                     f"{1e6 * r['svc_cpu'] / events:.2f} | {r['bare_cpu'] / r['svc_cpu']:.2f} |")
+        lines.append(
+            f"| {i} | {events / r['bare_s']:,.0f} | {r['load_bare'][0]:.2f} -> "
+            f"{r['load_bare'][1]:.2f} | {events / r['svc_s']:,.0f} | "
+            f"{r['load_svc'][0]:.2f} -> {r['load_svc'][1]:.2f} | "
+            f"{r['bare_s'] / r['svc_s']:.2f} | {1e6 * r['bare_cpu'] / events:.2f}, "
+            f"{1e6 * r['svc_cpu'] / events:.2f} | {r['bare_cpu'] / r['svc_cpu']:.2f} |"
+        )
     row = throughput_row("", events, [r["bare_s"] for r in reps], [r["svc_s"] for r in reps], "")
     cpu = [r["bare_cpu"] / r["svc_cpu"] for r in reps]
     loads = [x for r in reps for x in r["load_bare"] + r["load_svc"]]
-    lines += ["", f"Median: service **{row[1]:,.0f} ev/s**, bare loop **{row[2]:,.0f} ev/s**, "
-              f"ratio **{row[3]:.2f}** ({row[4]:.2f}..{row[5]:.2f}); 1-minute load average "
-              f"{min(loads):.2f}..{max(loads):.2f} during the runs; CPU ratio (bare CPU seconds "
-              f"over the service's, all threads of the process) {statistics.median(cpu):.2f}. "
-              "Client settings of both: "
-              + ", ".join(f"{k}={v}" for k, v in settings.items()) + "."]
+    lines += [
+        "",
+        f"Median: service **{row[1]:,.0f} ev/s**, bare loop **{row[2]:,.0f} ev/s**, "
+        f"ratio **{row[3]:.2f}** ({row[4]:.2f}..{row[5]:.2f}); 1-minute load average "
+        f"{min(loads):.2f}..{max(loads):.2f} during the runs; CPU ratio (bare CPU seconds "
+        f"over the service's, all threads of the process) {statistics.median(cpu):.2f}. "
+        "Client settings of both: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + ".",
+    ]
     return lines
 
 
@@ -330,10 +411,12 @@ def cross_line(events: int, by_client: dict) -> str:
     kp, cf = by_client["kafka-python"], by_client["confluent"]
     speed = [a["svc_s"] / b["svc_s"] for a, b in zip(kp, cf)]
     cpu = [b["svc_cpu"] / a["svc_cpu"] for a, b in zip(kp, cf)]
-    return (f"confluent service over kafka-python service (events/s, same backlog, per "
-            f"repetition): median **{statistics.median(speed):.2f}x** ({min(speed):.2f}.."
-            f"{max(speed):.2f}; target >= 2.5x); CPU per event, confluent over kafka-python: "
-            f"{statistics.median(cpu):.2f}.")
+    return (
+        f"confluent service over kafka-python service (events/s, same backlog, per "
+        f"repetition): median **{statistics.median(speed):.2f}x** ({min(speed):.2f}.."
+        f"{max(speed):.2f}; target >= 2.5x); CPU per event, confluent over kafka-python: "
+        f"{statistics.median(cpu):.2f}."
+    )
 
 
 def write_section(name: str, lines: list[str]) -> None:
@@ -345,13 +428,22 @@ def main(argv=None) -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kafka-only", action="store_true", help="skip the file and checkpoint rows")
-    ap.add_argument("--no-plan", action="store_true",
-                    help="release.plan_errors = false: leave out the start's simulated accuracy "
-                         "plan (a one-time CPU cost that overlaps the first seconds of intake)")
-    ap.add_argument("--clients", default="kafka-python,confluent",
-                    help="comma-separated Kafka clients to measure (kafka-python, confluent)")
-    ap.add_argument("--no-crc32c", action="store_true",
-                    help="hide the crc32c package from kafka-python (its pure-Python fallback)")
+    ap.add_argument(
+        "--no-plan",
+        action="store_true",
+        help="release.plan_errors = false: leave out the start's simulated accuracy "
+        "plan (a one-time CPU cost that overlaps the first seconds of intake)",
+    )
+    ap.add_argument(
+        "--clients",
+        default="kafka-python,confluent",
+        help="comma-separated Kafka clients to measure (kafka-python, confluent)",
+    )
+    ap.add_argument(
+        "--no-crc32c",
+        action="store_true",
+        help="hide the crc32c package from kafka-python (its pure-Python fallback)",
+    )
     ap.add_argument("--topic", help="reuse this topic (it holds >= --events records)")
     ap.add_argument("--section", default="latest", help="name of the block in docs/e2e.md")
     ap.add_argument("--no-write", action="store_true", help="print only")
@@ -363,10 +455,14 @@ def main(argv=None) -> None:
         SERVICE_SETS.append("release.plan_errors=false")
     m = machine()
     cmd = "python -m bench.service.e2e " + " ".join(sys.argv[1:])
-    lines = [f"Command: `{cmd}` ({m['when']}; {m['cpus']} CPUs, {m['cpu']}; {m['versions']}; "
-             f"kafka-python's CRC-32C: {'C (crc32c package)' if m['crc32c'] else 'pure Python'}"
-             f"; git {m['rev']}; broker on loopback). Load average at start: "
-             + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + ".", ""]
+    lines = [
+        f"Command: `{cmd}` ({m['when']}; {m['cpus']} CPUs, {m['cpu']}; {m['versions']}; "
+        f"kafka-python's CRC-32C: {'C (crc32c package)' if m['crc32c'] else 'pure Python'}"
+        f"; git {m['rev']}; broker on loopback). Load average at start: "
+        + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        + ".",
+        "",
+    ]
     print(lines[0], flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="panagg-e2e-") as t:
@@ -381,11 +477,18 @@ def main(argv=None) -> None:
             by_client = {}
             for client in args.clients.split(","):
                 by_client[client] = reps = kafka_reps(bootstrap, topic, args, tmp, client)
-                target = ("target >= 0.9x idle, >= 0.8x loaded" if client == "kafka-python"
-                          else "target >= 0.8x")
-                lines += [f"Kafka -> counters on {client} (`source.client = \"{client}\"`), "
-                          f"service vs a bare {client} loop ({target}):", "",
-                          *kafka_lines(args.events, reps, settings, client), ""]
+                target = (
+                    "target >= 0.9x idle, >= 0.8x loaded"
+                    if client == "kafka-python"
+                    else "target >= 0.8x"
+                )
+                lines += [
+                    f'Kafka -> counters on {client} (`source.client = "{client}"`), '
+                    f"service vs a bare {client} loop ({target}):",
+                    "",
+                    *kafka_lines(args.events, reps, settings, client),
+                    "",
+                ]
             if len(by_client) == 2:
                 lines += [cross_line(args.events, by_client), ""]
         finally:
@@ -398,10 +501,15 @@ def main(argv=None) -> None:
             unit = "ev/s" if "counters" in name and "checkpoint" not in name else "s"
             f = (lambda v: f"{v:,.0f} {unit}") if unit == "ev/s" else (lambda v: f"{v:.3f} {unit}")
             lines.append(f"| {name} | {f(ours)} | {f(basev)} | {med:.2f} ({lo:.2f}..{hi:.2f}) |")
-        lines += ["", "File row: service events/s over bare events/s (1.0 = as fast as the bare "
-                  "loop); checkpoint row: our time over the baseline's (smaller is better)."]
-    lines += ["", "Load average at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
-              + "."]
+        lines += [
+            "",
+            "File row: service events/s over bare events/s (1.0 = as fast as the bare "
+            "loop); checkpoint row: our time over the baseline's (smaller is better).",
+        ]
+    lines += [
+        "",
+        "Load average at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + ".",
+    ]
     if not args.no_write:
         write_section(args.section, lines)
     print("\n".join(lines))
@@ -422,14 +530,27 @@ def other_rows(args, tmp: Path) -> list[tuple]:
         count = sum(1 for _ in msgpack.Unpacker(open(path, "rb"), raw=False))
         b = time.perf_counter() - t0
         assert count == args.events
-        s, _ = service_run(lambda cfg: FileSource(str(path), "msgpack", batch=20000,
-                                                  progress=False), args.events, tmp)
+        s, _ = service_run(
+            lambda cfg: FileSource(str(path), "msgpack", batch=20000, progress=False),
+            args.events,
+            tmp,
+        )
         bare_t.append(b)
         svc_t.append(s)
-        print(f"  file rep {rep}: bare unpack {args.events / b:,.0f} ev/s, service "
-              f"{args.events / s:,.0f} ev/s", flush=True)
-    rows.append(throughput_row("msgpack file -> counters (service vs bare msgpack.Unpacker "
-                               "loop)", args.events, bare_t, svc_t, "(report)"))
+        print(
+            f"  file rep {rep}: bare unpack {args.events / b:,.0f} ev/s, service "
+            f"{args.events / s:,.0f} ev/s",
+            flush=True,
+        )
+    rows.append(
+        throughput_row(
+            "msgpack file -> counters (service vs bare msgpack.Unpacker loop)",
+            args.events,
+            bare_t,
+            svc_t,
+            "(report)",
+        )
+    )
     state = PanPrivateHistogram(1.0, size=10_000_000)
     store = LocalStore(tmp / "ckpt")
     ck, base = [], []
@@ -444,9 +565,17 @@ def other_rows(args, tmp: Path) -> list[tuple]:
             os.fsync(f.fileno())
         base.append(time.perf_counter() - t0)
     ratio = [a / b for a, b in zip(ck, base)]
-    rows.append(("checkpoint of 10^7 counters (LocalStore.save vs np.save + fsync)",
-                 statistics.median(ck), statistics.median(base), statistics.median(ratio),
-                 min(ratio), max(ratio), "(report)"))
+    rows.append(
+        (
+            "checkpoint of 10^7 counters (LocalStore.save vs np.save + fsync)",
+            statistics.median(ck),
+            statistics.median(base),
+            statistics.median(ratio),
+            min(ratio),
+            max(ratio),
+            "(report)",
+        )
+    )
     return rows
 
 

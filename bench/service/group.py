@@ -85,8 +85,14 @@ def merged_l1(counts: np.ndarray, P: int, eps: float, reps_err: int = 0) -> floa
         st = PanPrivateHistogram(eps, size=slice_size(D, P, p))
         mine = counts[idx % P == p]
         st.add_indices(np.repeat(np.arange(len(mine)), mine))
-        s = partition_summary(st, model="joint", window=0, partition=p, partitions=P,
-                              window_info=dict(info, events=int(mine.sum())))
+        s = partition_summary(
+            st,
+            model="joint",
+            window=0,
+            partition=p,
+            partitions=P,
+            window_info=dict(info, events=int(mine.sum())),
+        )
         summaries.append(s)
     release = merge_summaries(summaries, error_bar_reps=reps_err)
     pairs = release["histogram"]["pairs"]
@@ -106,7 +112,7 @@ def accuracy(profiles, D: int, n: int, eps: float, reps: int, Ps=(1, 3, 6, 12)) 
             rng = np.random.default_rng()
             counts = rng.multinomial(n, w)
             counts = np.concatenate([counts, np.zeros(D - len(counts), dtype=counts.dtype)])
-            rng.shuffle(counts)   # item ids carry no order
+            rng.shuffle(counts)  # item ids carry no order
             for P in Ps:
                 errs[P].append(merged_l1(counts, P, eps))
         base = float(np.mean(errs[1]))
@@ -114,8 +120,10 @@ def accuracy(profiles, D: int, n: int, eps: float, reps: int, Ps=(1, 3, 6, 12)) 
             m = float(np.mean(errs[P]))
             se = float(np.std(errs[P], ddof=1) / np.sqrt(reps)) if reps > 1 else 0.0
             rows.append({"profile": name, "P": P, "l1": m, "se": se, "ratio": m / base})
-            print(f"{name:8s} P={P:2d} l1={m:9.0f} +- {se:6.0f}  ratio to P=1 {m / base:5.2f}",
-                  file=sys.stderr)
+            print(
+                f"{name:8s} P={P:2d} l1={m:9.0f} +- {se:6.0f}  ratio to P=1 {m / base:5.2f}",
+                file=sys.stderr,
+            )
     return rows
 
 
@@ -124,13 +132,18 @@ def _broker(tmp: Path):
     boot = os.environ.get("PANAGG_KAFKA_BOOTSTRAP")
     if boot:
         return boot, None
-    out = subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start", str(tmp / "kafka")],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [str(ROOT / "deploy/kafka/kafka.sh"), "start", str(tmp / "kafka")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return out.strip().splitlines()[-1].split("=", 1)[1], tmp / "kafka"
 
 
 def _topic(boot, parts=6):
     from kafka.admin import KafkaAdminClient, NewTopic
+
     name = f"gb-{uuid.uuid4().hex[:8]}"
     a = KafkaAdminClient(bootstrap_servers=boot)
     a.create_topics([NewTopic(name, num_partitions=parts, replication_factor=1)])
@@ -143,6 +156,7 @@ def _produce(boot, topic, n, rate=None, D=100_000, event_span_s=None):
     within 2 s), then one record per partition far later, so every window of the span closes."""
     import msgpack
     from kafka import KafkaProducer
+
     p = KafkaProducer(bootstrap_servers=boot, linger_ms=20, batch_size=512 * 1024)
     rng = np.random.default_rng()
     items = np.minimum(rng.zipf(1.1, n), D - 1)
@@ -150,18 +164,25 @@ def _produce(boot, topic, n, rate=None, D=100_000, event_span_s=None):
     stamps = [None] * n
     if event_span_s:
         t0 = time.time() - 3600
-        stamps = (1000 * (t0 + np.linspace(0, event_span_s, n) + rng.uniform(0, 2, n))).astype(
-            np.int64).tolist()
+        stamps = (
+            (1000 * (t0 + np.linspace(0, event_span_s, n) + rng.uniform(0, 2, n)))
+            .astype(np.int64)
+            .tolist()
+        )
     step = max(1, int((rate or 1e9) / 20))
     for i in range(0, n, step):
-        for v, ts in zip(vals[i:i + step], stamps[i:i + step]):
+        for v, ts in zip(vals[i : i + step], stamps[i : i + step]):
             p.send(topic, value=v, timestamp_ms=ts)
         if rate:
             time.sleep(0.05)
     if event_span_s:
         for part in sorted(p.partitions_for(topic)):
-            p.send(topic, value=vals[0], partition=part,
-                   timestamp_ms=int(1000 * (t0 + event_span_s + 600)))
+            p.send(
+                topic,
+                value=vals[0],
+                partition=part,
+                timestamp_ms=int(1000 * (t0 + event_span_s + 600)),
+            )
     p.flush()
     p.close()
 
@@ -174,44 +195,106 @@ EXCHANGE = ["views"]
 CLIENT = ["kafka-python"]
 
 
-def _member(boot, topic, group, name, tmp, window=5, event_time=False, count=0, alone=False,
-            domain=100_000, extra=(), session_timeout_s: float | None = 6.0):
+def _member(
+    boot,
+    topic,
+    group,
+    name,
+    tmp,
+    window=5,
+    event_time=False,
+    count=0,
+    alone=False,
+    domain=100_000,
+    extra=(),
+    session_timeout_s: float | None = 6.0,
+):
     """A ``panagg run`` child: a member of ``group``, or with ``alone`` one process
     (``scale.partitioned = false``, its releases in its release directory)."""
     log = open(tmp / f"{group}-{name}.log", "w")
     # one process: windows by its clock, as the group's intake time (not the records' stamps)
     # and no accuracy plan at start (a one-time simulation members do not make)
-    scale = (["--set", "scale.partitioned=false", "--set", "window.clock=process",
-              "--set", "release.plan_errors=false"] if alone else
-             ["--set", "scale.partitioned=true", "--set", "scale.store=kafka"])
+    scale = (
+        [
+            "--set",
+            "scale.partitioned=false",
+            "--set",
+            "window.clock=process",
+            "--set",
+            "release.plan_errors=false",
+        ]
+        if alone
+        else ["--set", "scale.partitioned=true", "--set", "scale.store=kafka"]
+    )
     return subprocess.Popen(
-        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", boot, "--topic",
-         topic, "--state-dir", str(tmp / group / name), "--release-dir",
-         str(tmp / group / name / "rel"), "--metrics-port", "-1", *scale,
-         "--set", f"source.client={CLIENT[0]}",
-         "--set", "window.kind=time", "--set", f"window.size={int(window)}",
-         "--set", f"state.domain_size={int(domain)}", "--set", f"source.group={group}",
-         "--set", f"source.instance_id={name}",
-         # (None: the product's default, source.session_timeout_s)
-         *(["--set", f"source.session_timeout_s={session_timeout_s:g}"]
-           if session_timeout_s is not None else []),
-         "--set", "scale.close_grace_s=1",
-         *(["--set", "window.kind=event_time", "--set", "window.allowed_lateness_s=2"]
-           if event_time else []),
-         *(["--set", "window.kind=count", "--set", f"window.size={int(count)}"]
-           if count else []),
-         # count and event-time windows are the items exchange's (the views one: time windows)
-         *([] if alone else
-           ["--set", f"scale.exchange={'items' if event_time or count else EXCHANGE[0]}"]),
-         *extra],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            "--bootstrap",
+            boot,
+            "--topic",
+            topic,
+            "--state-dir",
+            str(tmp / group / name),
+            "--release-dir",
+            str(tmp / group / name / "rel"),
+            "--metrics-port",
+            "-1",
+            *scale,
+            "--set",
+            f"source.client={CLIENT[0]}",
+            "--set",
+            "window.kind=time",
+            "--set",
+            f"window.size={int(window)}",
+            "--set",
+            f"state.domain_size={int(domain)}",
+            "--set",
+            f"source.group={group}",
+            "--set",
+            f"source.instance_id={name}",
+            # (None: the product's default, source.session_timeout_s)
+            *(
+                ["--set", f"source.session_timeout_s={session_timeout_s:g}"]
+                if session_timeout_s is not None
+                else []
+            ),
+            "--set",
+            "scale.close_grace_s=1",
+            *(
+                ["--set", "window.kind=event_time", "--set", "window.allowed_lateness_s=2"]
+                if event_time
+                else []
+            ),
+            *(
+                ["--set", "window.kind=count", "--set", f"window.size={int(count)}"]
+                if count
+                else []
+            ),
+            # count and event-time windows are the items exchange's (the views one: time windows)
+            *(
+                []
+                if alone
+                else ["--set", f"scale.exchange={'items' if event_time or count else EXCHANGE[0]}"]
+            ),
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
 
 
 def _released(boot, group, withheld: bool = True):
     """[(window, n, time of the ledger entry)] from the group's ledger topic; ``withheld``
     False leaves out the windows withheld (charged, nothing published)."""
-    return [(e["window"], e.get("n", 0), e["time_unix"]) for e in _ledger(boot, group)
-            if e["kind"] == "release" and (withheld or not e.get("withheld"))]
+    return [
+        (e["window"], e.get("n", 0), e["time_unix"])
+        for e in _ledger(boot, group)
+        if e["kind"] == "release" and (withheld or not e.get("withheld"))
+    ]
 
 
 def _ledger(boot, group) -> list[dict]:
@@ -219,8 +302,13 @@ def _ledger(boot, group) -> list[dict]:
     from kafka import KafkaConsumer
 
     from aggregator.service.group.ledger_topic import TopicLedger
-    c = KafkaConsumer(bootstrap_servers=boot, isolation_level="read_committed", group_id=None,
-                      enable_auto_commit=False)
+
+    c = KafkaConsumer(
+        bootstrap_servers=boot,
+        isolation_level="read_committed",
+        group_id=None,
+        enable_auto_commit=False,
+    )
     try:
         led = TopicLedger(c, f"{group}.panagg.ledger", budget_per_window=1.0)
         led.read_to_end()
@@ -258,7 +346,7 @@ def tree_cpu(pid: int) -> float:
             raw = (d / "stat").read_text()
         except OSError:
             continue  # gone meanwhile
-        f = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid ...
+        f = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid ...
         stats[int(d.name)] = sum(int(x) for x in f[11:15])  # utime stime cutime cstime
         children.setdefault(int(f[1]), []).append(int(d.name))
     todo, total = [pid], 0
@@ -272,7 +360,7 @@ def tree_cpu(pid: int) -> float:
 def own_cpu(pid: int) -> float:
     """CPU seconds (user + system) of process ``pid`` alone, its children not included."""
     raw = Path(f"/proc/{pid}/stat").read_text()
-    return sum(int(x) for x in raw[raw.rindex(")") + 2:].split()[11:13]) / _TICK
+    return sum(int(x) for x in raw[raw.rindex(")") + 2 :].split()[11:13]) / _TICK
 
 
 def vm_hwm_mb(pid: int) -> float:
@@ -296,7 +384,7 @@ def descendants(pid: int) -> list[int]:
                 raw = (d / "stat").read_text()
             except OSError:
                 continue
-            children.setdefault(int(raw[raw.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+            children.setdefault(int(raw[raw.rindex(")") + 2 :].split()[1]), []).append(int(d.name))
     out, todo = [], list(children.get(pid, []))
     while todo:
         c = todo.pop()
@@ -337,10 +425,14 @@ def _exited(procs, tmp, group) -> str | None:
 
 def machine() -> dict:
     from bench.harness import cpu_model, git_rev
-    return {"cpus": os.cpu_count(), "cpu": cpu_model(),
-            "rev": git_rev(["aggregator", "consumers", "bench/service/group.py"]),
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_start": [round(x, 2) for x in os.getloadavg()]}
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
+        "rev": git_rev(["aggregator", "consumers", "bench/service/group.py"]),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def _stop(procs):
@@ -364,17 +456,21 @@ def _run(boot, tmp, n, k, event_time=False, domain=100_000) -> dict:
     _produce(boot, topic, n, event_span_s=200 if event_time else None, D=domain)
     group = f"gb-{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
-    procs = [_member(boot, topic, group, f"m{i}", tmp, event_time=event_time, alone=k == 0,
-                     domain=domain)
-             for i in range(max(k, 1))]
+    procs = [
+        _member(
+            boot, topic, group, f"m{i}", tmp, event_time=event_time, alone=k == 0, domain=domain
+        )
+        for i in range(max(k, 1))
+    ]
     rss = PeakRss(p.pid for p in procs)
     who = f"{k} member(s)" if k else "one process"
     # the log line at which a process starts to count: its CPU until then is its start-up
     mark = "assigned partitions" if k == 0 else "counting partition"
     started: dict[int, tuple[float, float]] = {}  # tree, own CPU at the line
     try:
-        while (_released_alone(tmp, group) if k == 0 else
-               sum(r[1] for r in _released(boot, group))) < n:
+        while (
+            _released_alone(tmp, group) if k == 0 else sum(r[1] for r in _released(boot, group))
+        ) < n:
             gone = _exited(procs, tmp, group)
             if gone is not None:
                 print(f"{who} on {CLIENT[0]}: exited: {gone}", file=sys.stderr)
@@ -392,40 +488,59 @@ def _run(boot, tmp, n, k, event_time=False, domain=100_000) -> dict:
         rss.sample()
         cpu = [tree_cpu(p.pid) for p in procs]
         loop = [own_cpu(p.pid) for p in procs]
-        releases = (len(list((tmp / group / "m0" / "rel").glob("release-*.json"))) if k == 0
-                    else len(_released(boot, group)))
+        releases = (
+            len(list((tmp / group / "m0" / "rel").glob("release-*.json")))
+            if k == 0
+            else len(_released(boot, group))
+        )
     finally:
         _stop(procs)
     # (0, 0): counted before it was seen
     start = [started.get(i, (0.0, 0.0))[0] for i in range(len(procs))]
     start_own = [started.get(i, (0.0, 0.0))[1] for i in range(len(procs))]
-    row = {"members": k, "client": CLIENT[0], "events": n, "seconds": secs,
-           "events_per_s": n / secs, "cpu_s": cpu, "cpu_us_per_event": 1e6 * sum(cpu) / n,
-           "startup_cpu_s": start, "releases": releases,
-           # the children: release workers (the leader's merges and releases, one process's)
-           "worker_cpu_s": [c - o for c, o in zip(cpu, loop)],
-           "net_cpu_us_per_event": 1e6 * (sum(cpu) - sum(start)) / n,
-           "windows": "event_time" if event_time else "time", "domain": domain,
-           "rss_mb": rss.own, "worker_rss_mb": rss.worker_peak()}
+    row = {
+        "members": k,
+        "client": CLIENT[0],
+        "events": n,
+        "seconds": secs,
+        "events_per_s": n / secs,
+        "cpu_s": cpu,
+        "cpu_us_per_event": 1e6 * sum(cpu) / n,
+        "startup_cpu_s": start,
+        "releases": releases,
+        # the children: release workers (the leader's merges and releases, one process's)
+        "worker_cpu_s": [c - o for c, o in zip(cpu, loop)],
+        "net_cpu_us_per_event": 1e6 * (sum(cpu) - sum(start)) / n,
+        "windows": "event_time" if event_time else "time",
+        "domain": domain,
+        "rss_mb": rss.own,
+        "worker_rss_mb": rss.worker_peak(),
+    }
     row["loop_cpu_us_per_event"] = 1e6 * (sum(loop) - sum(start_own)) / n
-    print(f"{who}: {releases} releases; CPU of the release workers "
-          f"{' + '.join(f'{c:.1f}' for c in row['worker_cpu_s'])} s; of the processes "
-          f"themselves net of start-up {row['loop_cpu_us_per_event']:.1f} us/event",
-          file=sys.stderr)
-    print(f"{who}, D = {domain:,}: peak RSS (VmHWM) {' + '.join(f'{r:.0f}' for r in rss.own)} "
-          f"MB, its largest release worker's "
-          f"{' + '.join(f'{r:.0f}' for r in row['worker_rss_mb'])} MB", file=sys.stderr)
-    print(f"{who}: {n} events in {secs:.1f} s = {n / secs:,.0f} events/s, CPU "
-          f"{sum(cpu):.1f} s ({' + '.join(f'{c:.1f}' for c in cpu)}) = "
-          f"{row['cpu_us_per_event']:.1f} us/event (start, group join and the last window's "
-          f"close included), {row['net_cpu_us_per_event']:.1f} us/event without the start-up "
-          f"(CPU until its '{mark}' line: {' + '.join(f'{c:.1f}' for c in start)} s)",
-          file=sys.stderr)
+    print(
+        f"{who}: {releases} releases; CPU of the release workers "
+        f"{' + '.join(f'{c:.1f}' for c in row['worker_cpu_s'])} s; of the processes "
+        f"themselves net of start-up {row['loop_cpu_us_per_event']:.1f} us/event",
+        file=sys.stderr,
+    )
+    print(
+        f"{who}, D = {domain:,}: peak RSS (VmHWM) {' + '.join(f'{r:.0f}' for r in rss.own)} "
+        f"MB, its largest release worker's "
+        f"{' + '.join(f'{r:.0f}' for r in row['worker_rss_mb'])} MB",
+        file=sys.stderr,
+    )
+    print(
+        f"{who}: {n} events in {secs:.1f} s = {n / secs:,.0f} events/s, CPU "
+        f"{sum(cpu):.1f} s ({' + '.join(f'{c:.1f}' for c in cpu)}) = "
+        f"{row['cpu_us_per_event']:.1f} us/event (start, group join and the last window's "
+        f"close included), {row['net_cpu_us_per_event']:.1f} us/event without the start-up "
+        f"(CPU until its '{mark}' line: {' + '.join(f'{c:.1f}' for c in start)} s)",
+        file=sys.stderr,
+    )
     return row
 
 
-def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False,
-               one=True) -> list[dict]:
+def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False, one=True) -> list[dict]:
     """``event_time``: windows by the records' timestamps (5 s windows, 2 s lateness, the
     backlog stamped over 200 s: 40 windows). ``one``: one process first (k = 0: ``panagg run``
     with ``scale.partitioned = false``, intake-time windows of the same size), and each group
@@ -439,23 +554,28 @@ def throughput(boot, tmp, n=300_000, members=(1, 2, 3), event_time=False,
         if base is not None and "refused" not in row and "refused" not in base:
             row["cpu_ratio"] = row["cpu_us_per_event"] / base["cpu_us_per_event"]
             row["net_cpu_ratio"] = row["net_cpu_us_per_event"] / base["net_cpu_us_per_event"]
-            row["loop_cpu_ratio"] = (row["loop_cpu_us_per_event"]
-                                     / base["loop_cpu_us_per_event"])
+            row["loop_cpu_ratio"] = row["loop_cpu_us_per_event"] / base["loop_cpu_us_per_event"]
             row["speed_ratio"] = row["events_per_s"] / (k * base["events_per_s"])
-            print(f"{k} member(s) / one process: CPU per event {row['cpu_ratio']:.2f}x, "
-                  f"events/s over {k} x one process's {row['speed_ratio']:.2f}", file=sys.stderr)
+            print(
+                f"{k} member(s) / one process: CPU per event {row['cpu_ratio']:.2f}x, "
+                f"events/s over {k} x one process's {row['speed_ratio']:.2f}",
+                file=sys.stderr,
+            )
         rows.append(row)
     return rows
 
 
 def throughput_lines(rows: list[dict], m: dict) -> list[str]:
     """The markdown table of :func:`throughput`'s rows."""
-    out = ["| run | events/s | events/s over k x one process's | CPU s (each process) | "
-           "CPU us/event | over one process's | start-up CPU s (until it counts) | "
-           "CPU us/event net of start-up | over one process's | "
-           "events/s per core net (1 / CPU per event) | releases | release workers' CPU s | "
-           "CPU us/event of the processes without their workers, net of start-up | over one "
-           "process's |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| run | events/s | events/s over k x one process's | CPU s (each process) | "
+        "CPU us/event | over one process's | start-up CPU s (until it counts) | "
+        "CPU us/event net of start-up | over one process's | "
+        "events/s per core net (1 / CPU per event) | releases | release workers' CPU s | "
+        "CPU us/event of the processes without their workers, net of start-up | over one "
+        "process's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     nan = float("nan")
     for r in rows:
         who = f"{r['members']} member(s)" if r["members"] else "one process"
@@ -469,17 +589,22 @@ def throughput_lines(rows: list[dict], m: dict) -> list[str]:
         def ratio(key, one=one, r=r):
             v = r.get(key, one)
             return "-" if v is None else f"{v:.2f}"
-        out.append(f"| {who}, {r['client']} | {r['events_per_s']:,.0f} | "
-                   f"{ratio('speed_ratio')} | "
-                   f"{' + '.join(f'{c:.1f}' for c in r['cpu_s'])} | "
-                   f"{r['cpu_us_per_event']:.1f} | {ratio('cpu_ratio')} | "
-                   f"{' + '.join(f'{c:.1f}' for c in r['startup_cpu_s'])} | {net:.1f} | "
-                   f"{ratio('net_cpu_ratio')} | "
-                   f"{(1e6 / net if net > 0 else nan):,.0f} | {r['releases']} | "
-                   f"{' + '.join(f'{c:.1f}' for c in r['worker_cpu_s'])} | "
-                   f"{r['loop_cpu_us_per_event']:.1f} | {ratio('loop_cpu_ratio')} |")
-    out.append(f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
-               f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}.")
+
+        out.append(
+            f"| {who}, {r['client']} | {r['events_per_s']:,.0f} | "
+            f"{ratio('speed_ratio')} | "
+            f"{' + '.join(f'{c:.1f}' for c in r['cpu_s'])} | "
+            f"{r['cpu_us_per_event']:.1f} | {ratio('cpu_ratio')} | "
+            f"{' + '.join(f'{c:.1f}' for c in r['startup_cpu_s'])} | {net:.1f} | "
+            f"{ratio('net_cpu_ratio')} | "
+            f"{(1e6 / net if net > 0 else nan):,.0f} | {r['releases']} | "
+            f"{' + '.join(f'{c:.1f}' for c in r['worker_cpu_s'])} | "
+            f"{r['loop_cpu_us_per_event']:.1f} | {ratio('loop_cpu_ratio')} |"
+        )
+    out.append(
+        f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
+        f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}."
+    )
     return out
 
 
@@ -496,25 +621,28 @@ def memory(boot, tmp, n=200_000, domains=(1_000, 1_000_000), members=(2,)) -> li
             row = _run(boot, tmp, n, k, domain=D)
             if "refused" not in row and "refused" not in base:
                 row["rss_ratio"] = [r / base["rss_mb"][0] for r in row["rss_mb"]]
-                row["worker_rss_ratio"] = [r / base["worker_rss_mb"][0]
-                                           if base["worker_rss_mb"][0] else float("nan")
-                                           for r in row["worker_rss_mb"]]
+                row["worker_rss_ratio"] = [
+                    r / base["worker_rss_mb"][0] if base["worker_rss_mb"][0] else float("nan")
+                    for r in row["worker_rss_mb"]
+                ]
                 row["cpu_ratio"] = row["cpu_us_per_event"] / base["cpu_us_per_event"]
-                row["net_cpu_ratio"] = (row["net_cpu_us_per_event"]
-                                        / base["net_cpu_us_per_event"])
+                row["net_cpu_ratio"] = row["net_cpu_us_per_event"] / base["net_cpu_us_per_event"]
             rows.append(row)
     return rows
 
 
 def memory_lines(rows: list[dict], m: dict) -> list[str]:
     """The markdown table of :func:`memory`'s rows."""
-    out = ["| D | run | peak RSS of each process, MB | over one process's | peak RSS of its "
-           "largest release worker, MB | over one process's | CPU us/event (tree) | over one "
-           "process's | net of start-up, us/event | over one process's | releases |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| D | run | peak RSS of each process, MB | over one process's | peak RSS of its "
+        "largest release worker, MB | over one process's | CPU us/event (tree) | over one "
+        "process's | net of start-up, us/event | over one process's | releases |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def each(xs, f="{:.0f}"):
         return " + ".join(f.format(x) for x in xs) if xs else "1"
+
     for r in rows:
         who = f"{r['members']} member(s)" if r["members"] else "one process"
         if "refused" in r:
@@ -528,9 +656,12 @@ def memory_lines(rows: list[dict], m: dict) -> list[str]:
             f"{'1' if one else each(r.get('worker_rss_ratio', []), '{:.2f}')} | "
             f"{r['cpu_us_per_event']:.1f} | {1.0 if one else r.get('cpu_ratio', 0):.2f} | "
             f"{r['net_cpu_us_per_event']:.1f} | {1.0 if one else r.get('net_cpu_ratio', 0):.2f} "
-            f"| {r['releases']} |")
-    out.append(f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
-               f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}.")
+            f"| {r['releases']} |"
+        )
+    out.append(
+        f"Machine: {m['cpus']} CPUs, {m['cpu']}; git {m['rev']}; {m['when']}; load "
+        f"average (1, 5, 15 min) at start {m['load_start']}, at end {m['load_end']}."
+    )
     return out
 
 
@@ -556,14 +687,23 @@ def count_windows(boot, tmp, n=200_000, size=20_000, rate=5_000, members=2) -> d
         _stop(procs)
     sizes = [k for _, k, _ in sorted(_released(boot, group))]
     over = np.array(sizes) / size - 1.0
-    row = {"size": size, "rate": rate, "members": members, "windows": sizes,
-           "overshoot_mean": float(over.mean()), "overshoot_max": float(over.max()),
-           "overshoot_min": float(over.min()),
-           "overshoot_max_s": float(over.max() * size / rate)}
-    print(f"count windows of {size:,} at {rate:,} events/s, {members} members: "
-          f"n/N - 1 mean {row['overshoot_mean']:+.3f}, min {row['overshoot_min']:+.3f}, "
-          f"max {row['overshoot_max']:+.3f} "
-          f"({row['overshoot_max_s']:.2f} s of the stream)", file=sys.stderr)
+    row = {
+        "size": size,
+        "rate": rate,
+        "members": members,
+        "windows": sizes,
+        "overshoot_mean": float(over.mean()),
+        "overshoot_max": float(over.max()),
+        "overshoot_min": float(over.min()),
+        "overshoot_max_s": float(over.max() * size / rate),
+    }
+    print(
+        f"count windows of {size:,} at {rate:,} events/s, {members} members: "
+        f"n/N - 1 mean {row['overshoot_mean']:+.3f}, min {row['overshoot_min']:+.3f}, "
+        f"max {row['overshoot_max']:+.3f} "
+        f"({row['overshoot_max_s']:.2f} s of the stream)",
+        file=sys.stderr,
+    )
     return row
 
 
@@ -579,11 +719,13 @@ def takeover(boot, tmp, window=5.0) -> dict:
         while not stop.is_set():
             _produce(boot, topic, 2000, rate=None)
             time.sleep(1)
+
     th = threading.Thread(target=steady, daemon=True)
     th.start()
     try:
-        time.sleep(20)   # the group settles, windows are being released
+        time.sleep(20)  # the group settles, windows are being released
         from aggregator.service.group.status import collect_group_status
+
         st = collect_group_status(boot, group)
         victim = next(m["member"] for m in st["members"] if not m["leads"])
         killed = time.time()
@@ -597,26 +739,36 @@ def takeover(boot, tmp, window=5.0) -> dict:
             if time.time() - killed > 180:
                 raise RuntimeError("window not released within 180 s of the kill")
             time.sleep(0.5)
-        row = {"kill_to_release_s": done[w_open] - killed,
-               "delay_past_planned_s": done[w_open] - planned, "window_s": window,
-               "session_timeout_s": 6.0}
-        print(f"kill -9 -> window {w_open} released after {row['kill_to_release_s']:.1f} s "
-              f"({row['delay_past_planned_s']:.1f} s past its planned time; session timeout 6 s)",
-              file=sys.stderr)
+        row = {
+            "kill_to_release_s": done[w_open] - killed,
+            "delay_past_planned_s": done[w_open] - planned,
+            "window_s": window,
+            "session_timeout_s": 6.0,
+        }
+        print(
+            f"kill -9 -> window {w_open} released after {row['kill_to_release_s']:.1f} s "
+            f"({row['delay_past_planned_s']:.1f} s past its planned time; session timeout 6 s)",
+            file=sys.stderr,
+        )
         return row
     finally:
         stop.set()
         _stop(procs.values())
 
 
-def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0,
-                    session_timeout_s: float | None = None) -> dict:
+def broker_restarts(
+    tmp, k: int, members: int = 3, window: float = 5.0, session_timeout_s: float | None = None
+) -> dict:
     """Issue 46's resume time after broker outages (the module docstring, 4.);
     ``session_timeout_s`` None: the members' default ``source.session_timeout_s``."""
     state = tmp / "kafka-restarts"
     sh = str(ROOT / "deploy/kafka/kafka.sh")
-    boot = subprocess.run([sh, "start", str(state)], capture_output=True, text=True,
-                          check=True).stdout.strip().splitlines()[-1].split("=", 1)[1]
+    boot = (
+        subprocess.run([sh, "start", str(state)], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+        .split("=", 1)[1]
+    )
     topic = _topic(boot)
     group = f"gb-{uuid.uuid4().hex[:6]}"
     names = [f"m{i}" for i in range(members)]
@@ -624,19 +776,45 @@ def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0,
     # leader that keeps up with the windows, so the figure is Kafka's recovery, not a backlog
     # of releases (a leader behind says so: /ready 503 and a WARNING, docs/operations.md)
     quick = ("--set", "release.error_bar_reps=0")
-    procs = {names[0]: _member(boot, topic, group, names[0], tmp, window, domain=1_000,
-                               extra=quick, session_timeout_s=session_timeout_s)}
-    time.sleep(4)   # the first member makes the group; the others join it
+    procs = {
+        names[0]: _member(
+            boot,
+            topic,
+            group,
+            names[0],
+            tmp,
+            window,
+            domain=1_000,
+            extra=quick,
+            session_timeout_s=session_timeout_s,
+        )
+    }
+    time.sleep(4)  # the first member makes the group; the others join it
     for name in names[1:]:
-        procs[name] = _member(boot, topic, group, name, tmp, window, domain=1_000, extra=quick,
-                              session_timeout_s=session_timeout_s)
+        procs[name] = _member(
+            boot,
+            topic,
+            group,
+            name,
+            tmp,
+            window,
+            domain=1_000,
+            extra=quick,
+            session_timeout_s=session_timeout_s,
+        )
     stop = threading.Event()
 
-    def steady():   # about 2,000 events/s from one producer; a batch the broker misses is dropped
+    def steady():  # about 2,000 events/s from one producer; a batch the broker misses is dropped
         import msgpack
         from kafka import KafkaProducer
-        p = KafkaProducer(bootstrap_servers=boot, linger_ms=20, max_block_ms=2000,
-                          request_timeout_ms=5000, reconnect_backoff_max_ms=1000)
+
+        p = KafkaProducer(
+            bootstrap_servers=boot,
+            linger_ms=20,
+            max_block_ms=2000,
+            request_timeout_ms=5000,
+            reconnect_backoff_max_ms=1000,
+        )
         rng = np.random.default_rng()
         while not stop.is_set():
             try:
@@ -649,6 +827,7 @@ def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0,
             p.flush(timeout=30)
         finally:
             p.close(timeout=5)
+
     producer = threading.Thread(target=steady, daemon=True)
     producer.start()
     rows = []
@@ -667,27 +846,36 @@ def broker_restarts(tmp, k: int, members: int = 3, window: float = 5.0,
             subprocess.run([sh, "start", str(state)], capture_output=True, check=True)
             back = time.time()
             load = os.getloadavg()[0]
-            _wait_released(boot, group, len(_released(boot, group, withheld=False)), procs,
-                           tmp, 300)
-            rows.append({"outage": how, "resumed_s": round(time.time() - back, 1),
-                         "load": round(load, 1)})
-            print(f"{how}: released again {rows[-1]['resumed_s']} s after the return "
-                  f"(load {load:.1f})", file=sys.stderr)
+            _wait_released(
+                boot, group, len(_released(boot, group, withheld=False)), procs, tmp, 300
+            )
+            rows.append(
+                {"outage": how, "resumed_s": round(time.time() - back, 1), "load": round(load, 1)}
+            )
+            print(
+                f"{how}: released again {rows[-1]['resumed_s']} s after the return "
+                f"(load {load:.1f})",
+                file=sys.stderr,
+            )
         measured = True
     finally:
         stop.set()
-        producer.join(timeout=60)   # its last batch flushed before the broker goes
+        producer.join(timeout=60)  # its last batch flushed before the broker goes
         _stop(procs.values())
-        if not measured:   # an error: the broker goes now, the error on its way
+        if not measured:  # an error: the broker goes now, the error on its way
             subprocess.run([sh, "stop", str(state)], capture_output=True)
     try:
         entries = [e for e in _ledger(boot, group) if e["kind"] == "release"]
     finally:
         subprocess.run([sh, "stop", str(state)], capture_output=True)
-    out: dict = {"session_timeout_s": session_timeout_s or "default", "rows": rows,
-                 "windows released": sum(not e.get("withheld") for e in entries),
-                 "windows withheld": sum(bool(e.get("withheld")) for e in entries)}
+    out: dict = {
+        "session_timeout_s": session_timeout_s or "default",
+        "rows": rows,
+        "windows released": sum(not e.get("withheld") for e in entries),
+        "windows withheld": sum(bool(e.get("withheld")) for e in entries),
+    }
     import statistics
+
     for how in ("clean stop", "kill -9", None):
         got = [r["resumed_s"] for r in rows if how in (None, r["outage"])]
         if got:
@@ -709,33 +897,68 @@ def _wait_released(boot, group, more_than: int, procs, tmp, timeout_s: float) ->
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, "--accuracy: Zipf over D = 1000, n = 1000, 1 repetition; with "
-                         "--throughput too: 2000 events, 1 member")
+    ap = parser(
+        __doc__,
+        "--accuracy: Zipf over D = 1000, n = 1000, 1 repetition; with "
+        "--throughput too: 2000 events, 1 member",
+    )
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--takeover", action="store_true")
-    ap.add_argument("--memory", action="store_true",
-                    help="peak RSS (VmHWM) of one process and of each member (--members), D "
-                         "counters each (--domains), --events records each run")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="peak RSS (VmHWM) of one process and of each member (--members), D "
+        "counters each (--domains), --events records each run",
+    )
     ap.add_argument("--domains", default="1000,1000000", help="--memory: state.domain_size D")
-    ap.add_argument("--event-time", action="store_true",
-                    help="--throughput with event-time windows (2 s allowed lateness)")
+    ap.add_argument(
+        "--event-time",
+        action="store_true",
+        help="--throughput with event-time windows (2 s allowed lateness)",
+    )
     ap.add_argument("--members", default="1,2,3", help="--throughput: member counts")
-    ap.add_argument("--count-windows", type=int, default=0, metavar="N",
-                    help="count windows of N events: what each window holds (the overshoot)")
+    ap.add_argument(
+        "--count-windows",
+        type=int,
+        default=0,
+        metavar="N",
+        help="count windows of N events: what each window holds (the overshoot)",
+    )
     ap.add_argument("--rate", type=int, default=5000, help="--count-windows: events/s")
-    ap.add_argument("--restarts", type=int, default=0, metavar="K",
-                    help="K broker outages (clean stop, kill -9, ...) under a 3-member group")
-    ap.add_argument("--session-timeout-s", type=float, default=None, metavar="S",
-                    help="--restarts: the members' source.session_timeout_s (default: the "
-                         "product's default; the other runs use 6 s)")
+    ap.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K broker outages (clean stop, kill -9, ...) under a 3-member group",
+    )
+    ap.add_argument(
+        "--session-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--restarts: the members' source.session_timeout_s (default: the "
+        "product's default; the other runs use 6 s)",
+    )
     ap.add_argument("--all", action="store_true")
-    ap.add_argument("--exchange", choices=("views", "items"), default="views",
-                    help="scale.exchange of the time-window runs")
-    ap.add_argument("--client", choices=("kafka-python", "confluent"), default="kafka-python",
-                    help="--throughput: source.client of every process")
-    ap.add_argument("--no-one", action="store_true",
-                    help="--throughput: skip the one-process run (and the ratios to it)")
+    ap.add_argument(
+        "--exchange",
+        choices=("views", "items"),
+        default="views",
+        help="scale.exchange of the time-window runs",
+    )
+    ap.add_argument(
+        "--client",
+        choices=("kafka-python", "confluent"),
+        default="kafka-python",
+        help="--throughput: source.client of every process",
+    )
+    ap.add_argument(
+        "--no-one",
+        action="store_true",
+        help="--throughput: skip the one-process run (and the ratios to it)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--events", type=int, default=300_000)
     ap.add_argument("--out", default="out/group_bench.json")
@@ -748,37 +971,56 @@ def main(argv=None) -> int:
         res["accuracy"] = accuracy(["zipf"], D=1_000, n=1_000, eps=1.0, reps=1)
         args.events, args.members, args.domains = 2_000, "1", "1000"
     elif args.accuracy or args.all:
-        res["accuracy"] = accuracy(["zipf", "wf-en", "sc-es"], D=100_000, n=1_000_000, eps=1.0,
-                                   reps=args.reps)
-    if (args.throughput or args.takeover or args.count_windows or args.restarts or args.memory
-            or args.all):
+        res["accuracy"] = accuracy(
+            ["zipf", "wf-en", "sc-es"], D=100_000, n=1_000_000, eps=1.0, reps=args.reps
+        )
+    if (
+        args.throughput
+        or args.takeover
+        or args.count_windows
+        or args.restarts
+        or args.memory
+        or args.all
+    ):
         import tempfile
+
         tmp = Path(tempfile.mkdtemp(prefix="group-bench-"))
         boot, state = _broker(tmp)
         try:
             if args.throughput or args.all:
                 res["throughput"] = throughput(
-                    boot, tmp, n=args.events, event_time=args.event_time, one=not args.no_one,
-                    members=tuple(int(k) for k in args.members.split(",")))
+                    boot,
+                    tmp,
+                    n=args.events,
+                    event_time=args.event_time,
+                    one=not args.no_one,
+                    members=tuple(int(k) for k in args.members.split(",")),
+                )
                 m["load_end"] = [round(x, 2) for x in os.getloadavg()]
                 res["machine"] = m
                 print("\n".join(throughput_lines(res["throughput"], m)), file=sys.stderr)
             if args.memory:
-                res["memory"] = memory(boot, tmp, n=args.events,
-                                       domains=tuple(int(d) for d in args.domains.split(",")),
-                                       members=tuple(int(k) for k in args.members.split(",")))
+                res["memory"] = memory(
+                    boot,
+                    tmp,
+                    n=args.events,
+                    domains=tuple(int(d) for d in args.domains.split(",")),
+                    members=tuple(int(k) for k in args.members.split(",")),
+                )
                 m["load_end"] = [round(x, 2) for x in os.getloadavg()]
                 res["machine"] = m
                 print("\n".join(memory_lines(res["memory"], m)), file=sys.stderr)
             if args.takeover or args.all:
                 res["takeover"] = takeover(boot, tmp)
             if args.count_windows:
-                res["count_windows"] = count_windows(boot, tmp, n=args.events,
-                                                     size=args.count_windows, rate=args.rate)
+                res["count_windows"] = count_windows(
+                    boot, tmp, n=args.events, size=args.count_windows, rate=args.rate
+                )
             if args.restarts:
                 members = int(args.members.split(",")[-1])
-                res["restarts"] = broker_restarts(tmp, args.restarts, members=members,
-                                                  session_timeout_s=args.session_timeout_s)
+                res["restarts"] = broker_restarts(
+                    tmp, args.restarts, members=members, session_timeout_s=args.session_timeout_s
+                )
         finally:
             if state is not None:
                 subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)])

@@ -23,20 +23,28 @@ from bench.harness import parser
 
 
 def run(D: int, P: int, k: int, reps: int) -> None:
-    ident = {"lineage": "L", "model": "joint", "window_size": 3600.0, "partitions": P,
-             "size": D}
+    ident = {"lineage": "L", "model": "joint", "window_size": 3600.0, "partitions": P, "size": D}
     rolls = SliceRollups({"x": k}, None, ident)
-    rng = np.random.default_rng()   # synthetic counts; the layers come from the CSPRNG
+    rng = np.random.default_rng()  # synthetic counts; the layers come from the CSPRNG
     summaries, folding = [], 0.0
     for p in range(P):
         rolls.sums[p] = {}
         proto = PanPrivateHistogram(1.0, size=slice_size(D, P, p))
         for w in range(k):
             items = rng.zipf(1.3, 20_000 // P) % proto.size
-            view = (np.bincount(items, minlength=proto.size)
-                    + discrete_laplace(proto.p, proto.size) + discrete_laplace(proto.p, proto.size))
-            state = SimpleNamespace(p=proto.p, mode=proto.mode, size=proto.size,
-                                    epsilon=proto.epsilon, neighbor=proto.neighbor, n=len(items))
+            view = (
+                np.bincount(items, minlength=proto.size)
+                + discrete_laplace(proto.p, proto.size)
+                + discrete_laplace(proto.p, proto.size)
+            )
+            state = SimpleNamespace(
+                p=proto.p,
+                mode=proto.mode,
+                size=proto.size,
+                epsilon=proto.epsilon,
+                neighbor=proto.neighbor,
+                n=len(items),
+            )
             t0 = time.perf_counter()
             msgs, apply = rolls.fold(p, w, (view, 2), state=state, events=len(items), member="m")
             apply()
@@ -44,9 +52,11 @@ def run(D: int, P: int, k: int, reps: int) -> None:
         summaries.append(json.loads(msgs[0][3]))
     t0 = time.perf_counter()
     rel = merge_summaries(summaries, error_bar_reps=reps)
-    print(f"D={D} P={P} k={k} reps={reps} layers={rel['layers']} n={rel['n']} "
-          f"fold per close={1000 * folding / (P * k):.1f} ms "
-          f"merge+estimate={time.perf_counter() - t0:.1f} s")
+    print(
+        f"D={D} P={P} k={k} reps={reps} layers={rel['layers']} n={rel['n']} "
+        f"fold per close={1000 * folding / (P * k):.1f} ms "
+        f"merge+estimate={time.perf_counter() - t0:.1f} s"
+    )
 
 
 def main(argv=None) -> None:

@@ -44,11 +44,15 @@ def one(worker: ReleaseWorker, counters: int, rep: int, rng, route: str) -> tupl
     time.sleep(1.0)
     before = counted[0] - c0
     c1, t0, cpu0, count0 = counted[0], time.perf_counter(), time.process_time(), counting_cpu[0]
-    hand = worker.submit if route != "pipe" else (lambda *a, **k: worker.call(compute_release,
-                                                                             *a, **k))
+    hand = (
+        worker.submit
+        if route != "pipe"
+        else (lambda *a, **k: worker.call(compute_release, *a, **k))
+    )
     tt0 = time.thread_time()
-    future = hand(closed, model="joint", loss="l1", window=rep, rng=None, error_bar_reps=0,
-                  method="threshold")
+    future = hand(
+        closed, model="joint", loss="l1", window=rep, rng=None, error_bar_reps=0, method="threshold"
+    )
     submit_cpu = time.thread_time() - tt0
     submit_s = time.perf_counter() - t0
     del closed  # the loop lets go of the closed state (the service's task.state = None)
@@ -71,18 +75,25 @@ def main(argv=None) -> None:
         args.counters, args.reps = 1e4, 1
     worker = ReleaseWorker(1)
     rng = np.random.default_rng()
-    print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}; "
-          f"D = {args.counters:.0e}")
-    print("| route | rep | submit() | its CPU | hand-off CPU in the second after | "
-          "counting in the second after / the second before |")
+    print(
+        f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}; D = {args.counters:.0e}"
+    )
+    print(
+        "| route | rep | submit() | its CPU | hand-off CPU in the second after | "
+        "counting in the second after / the second before |"
+    )
     print("|---|---|---|---|---|---|")
     try:
         for rep in range(args.reps):
             for route in ("housed", "shm", "pipe"):
-                submit_s, submit_cpu, handoff_cpu, ratio = one(worker, int(args.counters), rep,
-                                                               rng, route)
-                print(f"| {route} | {rep} | {submit_s * 1000:.1f} ms | {submit_cpu * 1000:.1f} ms"
-                      f" | {handoff_cpu * 1000:.0f} ms | {ratio:.2f}x |", flush=True)
+                submit_s, submit_cpu, handoff_cpu, ratio = one(
+                    worker, int(args.counters), rep, rng, route
+                )
+                print(
+                    f"| {route} | {rep} | {submit_s * 1000:.1f} ms | {submit_cpu * 1000:.1f} ms"
+                    f" | {handoff_cpu * 1000:.0f} ms | {ratio:.2f}x |",
+                    flush=True,
+                )
     finally:
         worker.close()
 

@@ -44,8 +44,9 @@ def load(name: str, rev: str | None) -> types.ModuleType:
     if rev is None:
         return importlib.import_module(name)
     path = name.replace(".", "/") + ".py"
-    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    src = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
     mod = types.ModuleType(f"{name}_at_{rev}")
     sys.modules[mod.__name__] = mod  # dataclasses look their module up there
     exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
@@ -64,12 +65,16 @@ def decode_batches(n: int, item_bytes: int) -> dict[str, list[bytes]]:
         b[k] = raw
         return b
 
-    return {"plain": base, "A/A (identical copy)": list(base),
-            "one item of 300 characters (valid)": one(msgpack.packb({"item": "u" * 300})),
-            f"one item of {item_bytes} B (valid)": one(msgpack.packb({"item": "u" * item_bytes})),
-            f"one item of {item_bytes + 1} B (oversized)":
-                one(msgpack.packb({"item": "u" * (item_bytes + 1)})),
-            "one undecodable record": one(b"\xc1")}
+    return {
+        "plain": base,
+        "A/A (identical copy)": list(base),
+        "one item of 300 characters (valid)": one(msgpack.packb({"item": "u" * 300})),
+        f"one item of {item_bytes} B (valid)": one(msgpack.packb({"item": "u" * item_bytes})),
+        f"one item of {item_bytes + 1} B (oversized)": one(
+            msgpack.packb({"item": "u" * (item_bytes + 1)})
+        ),
+        "one undecodable record": one(b"\xc1"),
+    }
 
 
 def batches(n: int, item_bytes: int) -> dict[str, list]:
@@ -103,8 +108,13 @@ def padded_bucket_of(mod, items, key: bytes, buckets: int, item_bytes: int) -> n
     enc = mod._canonical(items)
     per_row = item_bytes // 8 + 1
     rows = len(enc)
-    mat = np.frombuffer(b"".join(map(bytes.ljust, enc, repeat(per_row * 8), repeat(b"\x00"))),
-                        dtype="<u8").reshape(rows, per_row).astype(np.uint64, copy=False)
+    mat = (
+        np.frombuffer(
+            b"".join(map(bytes.ljust, enc, repeat(per_row * 8), repeat(b"\x00"))), dtype="<u8"
+        )
+        .reshape(rows, per_row)
+        .astype(np.uint64, copy=False)
+    )
     lengths = np.array(list(map(len, enc)), dtype=np.int64)
     nw = (lengths >> 3) + 1
     tail = (lengths.astype(np.uint64) & np.uint64(0xFF)) << np.uint64(56)
@@ -127,8 +137,10 @@ def crossover(mod, key: bytes, item_bytes: int, reps: int) -> list[str]:
     they cross is the right ``_SCALAR_ROWS`` (below it the long rows finish in Python)."""
     k0, k1 = mod._check_key(key)
     saved = mod._SCALAR_ROWS
-    lines = [f"| rows of {item_bytes} B | numpy steps | Python words | faster |",
-             "|---:|---:|---:|---|"]
+    lines = [
+        f"| rows of {item_bytes} B | numpy steps | Python words | faster |",
+        "|---:|---:|---:|---|",
+    ]
     try:
         for k in (1, 2, 4, 8, 10, 12, 16, 24, 32):
             flat = mod._flat(["u" * item_bytes] * k)
@@ -139,8 +151,9 @@ def crossover(mod, key: bytes, item_bytes: int, reps: int) -> list[str]:
 
             t = time_interleaved({"numpy": lambda: run(0), "python": lambda: run(10**9)}, reps)
             a, b = statistics.median(t["numpy"]), statistics.median(t["python"])
-            lines.append(f"| {k} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | "
-                         f"{'numpy' if a < b else 'Python'} |")
+            lines.append(
+                f"| {k} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {'numpy' if a < b else 'Python'} |"
+            )
     finally:
         mod._SCALAR_ROWS = saved
     return lines
@@ -181,8 +194,10 @@ def q(xs, p):
 
 def report(times: dict, n: int, ref: dict[str, str]) -> list[str]:
     """Markdown rows: each variant against its reference (paired by repetition)."""
-    lines = ["| batch | median | items/s | one-item effect: median paired diff (IQR) | ratio |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| batch | median | items/s | one-item effect: median paired diff (IQR) | ratio |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for k, ts in times.items():
         if isinstance(ts, str):
             lines.append(f"| {k} | raises {ts} | — | — | — |")
@@ -195,8 +210,10 @@ def report(times: dict, n: int, ref: dict[str, str]) -> list[str]:
             continue
         d = [(a - b) * 1e6 for a, b in zip(ts, base)]
         r = [a / b for a, b in zip(ts, base)]
-        lines.append(row + f" {statistics.median(d):+.0f} µs ({q(d, 25):+.0f} .. {q(d, 75):+.0f})"
-                     f" | {statistics.median(r):.3f}x |")
+        lines.append(
+            row + f" {statistics.median(d):+.0f} µs ({q(d, 25):+.0f} .. {q(d, 75):+.0f})"
+            f" | {statistics.median(r):.3f}x |"
+        )
     return lines
 
 
@@ -207,12 +224,19 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", type=int, default=2**20)
     ap.add_argument("--item-bytes", type=int, default=1024, help="the decoder's max_item_bytes")
     ap.add_argument("--rev", default=None, help="time aggregator/hashing.py at this git revision")
-    ap.add_argument("--options", action="store_true",
-                    help="also time the pad-every-item-to --item-bytes option")
-    ap.add_argument("--decode", action="store_true",
-                    help="also time Decoder.decode (msgpack) on message batches like these")
-    ap.add_argument("--crossover", action="store_true",
-                    help="also time k long rows in numpy steps vs Python words (_SCALAR_ROWS)")
+    ap.add_argument(
+        "--options", action="store_true", help="also time the pad-every-item-to --item-bytes option"
+    )
+    ap.add_argument(
+        "--decode",
+        action="store_true",
+        help="also time Decoder.decode (msgpack) on message batches like these",
+    )
+    ap.add_argument(
+        "--crossover",
+        action="store_true",
+        help="also time k long rows in numpy steps vs Python words (_SCALAR_ROWS)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.n, args.reps, args.decode, args.options, args.crossover = 1000, 3, True, True, True
@@ -231,17 +255,23 @@ def main(argv=None) -> int:
             got = padded_bucket_of(mod, data[k], key, args.buckets, args.item_bytes)
             assert np.array_equal(got, want), "padded option must give the same buckets"
             name = f"padded to {args.item_bytes} B: {k}"
-            calls[name] = (lambda b=data[k]: padded_bucket_of(mod, b, key, args.buckets,
-                                                              args.item_bytes))
+            calls[name] = lambda b=data[k]: padded_bucket_of(
+                mod, b, key, args.buckets, args.item_bytes
+            )
             ref[name] = f"padded to {args.item_bytes} B: plain" if k != "plain" else "plain"
     times = time_interleaved(calls, args.reps)
 
-    cmd = " ".join(["python -m bench.service.hash_timing"]
-                   + list(sys.argv[1:] if argv is None else argv))
-    print(f"# bench.service.hash_timing: bucket_of on {args.n} items, B = {args.buckets}, "
-          f"{args.reps} interleaved repetitions")
-    print(f"hashing.py: {source(args.rev)}; python {platform.python_version()}, numpy "
-          f"{np.__version__}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; command: {cmd}")
+    cmd = " ".join(
+        ["python -m bench.service.hash_timing"] + list(sys.argv[1:] if argv is None else argv)
+    )
+    print(
+        f"# bench.service.hash_timing: bucket_of on {args.n} items, B = {args.buckets}, "
+        f"{args.reps} interleaved repetitions"
+    )
+    print(
+        f"hashing.py: {source(args.rev)}; python {platform.python_version()}, numpy "
+        f"{np.__version__}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; command: {cmd}"
+    )
     print()
     print("\n".join(report(times, args.n, ref)))
     plain, aa = times["plain"], times["A/A (identical copy)"]
@@ -249,25 +279,32 @@ def main(argv=None) -> int:
         return 0
     d = [(a - b) * 1e6 for a, b in zip(aa, plain)]
     print()
-    print(f"jitter: plain batch {statistics.median(plain) * 1e3:.2f} ms, IQR "
-          f"{(q(plain, 75) - q(plain, 25)) * 1e6:.0f} µs, 5-95% {q(plain, 5) * 1e3:.2f} .. "
-          f"{q(plain, 95) * 1e3:.2f} ms; A/A paired diff IQR {q(d, 25):+.0f} .. "
-          f"{q(d, 75):+.0f} µs; "
-          f"per plain item {statistics.median(plain) / args.n * 1e9:.0f} ns")
+    print(
+        f"jitter: plain batch {statistics.median(plain) * 1e3:.2f} ms, IQR "
+        f"{(q(plain, 75) - q(plain, 25)) * 1e6:.0f} µs, 5-95% {q(plain, 5) * 1e3:.2f} .. "
+        f"{q(plain, 95) * 1e3:.2f} ms; A/A paired diff IQR {q(d, 25):+.0f} .. "
+        f"{q(d, 75):+.0f} µs; "
+        f"per plain item {statistics.median(plain) / args.n * 1e9:.0f} ns"
+    )
     short, long_ = times["one ASCII item of 64 B"], times[f"one ASCII item of {args.item_bytes} B"]
     if not isinstance(short, str) and not isinstance(long_, str):
-        slope = (statistics.median([(a - b) * 1e9 for a, b in zip(long_, short)])
-                 / (args.item_bytes - 64))
-        print(f"one item's own length: {slope:.0f} ns per byte (median paired difference of the "
-              f"{args.item_bytes} B and 64 B rows over {args.item_bytes - 64} bytes)")
+        slope = statistics.median([(a - b) * 1e9 for a, b in zip(long_, short)]) / (
+            args.item_bytes - 64
+        )
+        print(
+            f"one item's own length: {slope:.0f} ns per byte (median paired difference of the "
+            f"{args.item_bytes} B and 64 B rows over {args.item_bytes - 64} bytes)"
+        )
     if args.decode:
         dec_mod = load("consumers.decode", args.rev)
         dec = dec_mod.Decoder("msgpack", max_item_bytes=args.item_bytes)
         msgs = decode_batches(args.n, args.item_bytes)
         t = time_interleaved({k: (lambda b=b: dec.decode(b)) for k, b in msgs.items()}, args.reps)
         print()
-        print("Decoder('msgpack').decode, consumers/decode.py: "
-              f"{source(args.rev, 'consumers/decode.py')}")
+        print(
+            "Decoder('msgpack').decode, consumers/decode.py: "
+            f"{source(args.rev, 'consumers/decode.py')}"
+        )
         print()
         print("\n".join(report(t, args.n, {k: "plain" for k in msgs if k != "plain"})))
     if args.crossover:

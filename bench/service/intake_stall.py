@@ -42,10 +42,16 @@ def _metrics(url: str) -> dict[str, float]:
             continue
         name, value = line.rsplit(" ", 1)
         key = name.split("{", 1)[0]
-        if key in ("panagg_events_total", "panagg_consumer_lag_records",
-                   "panagg_intake_stall_seconds"):
-            out[key] = out.get(key, 0.0) + float(value) if key != "panagg_intake_stall_seconds" \
+        if key in (
+            "panagg_events_total",
+            "panagg_consumer_lag_records",
+            "panagg_intake_stall_seconds",
+        ):
+            out[key] = (
+                out.get(key, 0.0) + float(value)
+                if key != "panagg_intake_stall_seconds"
                 else max(out.get(key, 0.0), float(value))
+            )
     return out
 
 
@@ -56,8 +62,15 @@ def _toml(aggregations: int, counters: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(bootstrap: str, root: Path, counters: int, rate: float, window: int, windows: int,
-        aggregations: int) -> dict:
+def run(
+    bootstrap: str,
+    root: Path,
+    counters: int,
+    rate: float,
+    window: int,
+    windows: int,
+    aggregations: int,
+) -> dict:
     from kafka import KafkaProducer
     from kafka.admin import KafkaAdminClient, NewTopic
 
@@ -66,11 +79,30 @@ def run(bootstrap: str, root: Path, counters: int, rate: float, window: int, win
     admin.create_topics([NewTopic(topic, 3, 1)])
     admin.close()
     with tempfile.TemporaryDirectory(prefix="panagg-stall-") as tmp:
-        args = [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", bootstrap,
-                "--topic", topic, "--state-dir", f"{tmp}/state", "--release-dir",
-                f"{tmp}/releases", "--metrics-port", "0", "--set", "window.kind=count",
-                "--set", f"window.size={window}", "--set", f"state.domain_size={counters}",
-                "--set", f"source.group=g-{topic}"]
+        args = [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            "--bootstrap",
+            bootstrap,
+            "--topic",
+            topic,
+            "--state-dir",
+            f"{tmp}/state",
+            "--release-dir",
+            f"{tmp}/releases",
+            "--metrics-port",
+            "0",
+            "--set",
+            "window.kind=count",
+            "--set",
+            f"window.size={window}",
+            "--set",
+            f"state.domain_size={counters}",
+            "--set",
+            f"source.group=g-{topic}",
+        ]
         if aggregations > 1:
             Path(tmp, "multi.toml").write_text(_toml(aggregations, counters))
             args += ["--config", f"{tmp}/multi.toml"]
@@ -129,14 +161,20 @@ def run(bootstrap: str, root: Path, counters: int, rate: float, window: int, win
         else:
             since = None
     exported = max((m.get("panagg_intake_stall_seconds", 0.0) for _, m in samples), default=0.0)
-    return {"longest_stall_s": round(longest, 2), "exported_stall_s": round(exported, 2),
-            "releases": len(docs),
-            "release_seconds": sorted(round(d.get("release_seconds", 0), 2) for d in docs)}
+    return {
+        "longest_stall_s": round(longest, 2),
+        "exported_stall_s": round(exported, 2),
+        "releases": len(docs),
+        "release_seconds": sorted(round(d.get("release_seconds", 0), 2) for d in docs),
+    }
 
 
 def main(argv=None) -> None:
-    ap = parser(__doc__, "D = 1e4, 2 windows of 1000 events at 2000 events/s; the broker of "
-                         "$PANAGG_KAFKA_BOOTSTRAP if set")
+    ap = parser(
+        __doc__,
+        "D = 1e4, 2 windows of 1000 events at 2000 events/s; the broker of "
+        "$PANAGG_KAFKA_BOOTSTRAP if set",
+    )
     ap.add_argument("--counters", type=float, default=1e7)
     ap.add_argument("--rate", type=float, default=4000)
     ap.add_argument("--window", type=int, default=100_000, help="events per count window")
@@ -152,19 +190,33 @@ def main(argv=None) -> None:
     bootstrap = args.bootstrap
     if bootstrap is None:
         broker_dir = tempfile.mkdtemp(prefix="panagg-stall-kafka-")
-        out = subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start", broker_dir],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [str(ROOT / "deploy/kafka/kafka.sh"), "start", broker_dir],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         bootstrap = out.stdout.strip().splitlines()[-1].split("=", 1)[1]
     try:
-        res = run(bootstrap, args.root, int(args.counters), args.rate, args.window, args.windows,
-                  args.aggregations)
+        res = run(
+            bootstrap,
+            args.root,
+            int(args.counters),
+            args.rate,
+            args.window,
+            args.windows,
+            args.aggregations,
+        )
     finally:
         if broker_dir is not None:
-            subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", broker_dir],
-                           capture_output=True)
-    print(f"cores {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}; root {args.root}; "
-          f"D = {args.counters:.0e}, {args.aggregations} aggregation(s), {args.rate:.0f} "
-          f"events/s, windows of {args.window} events")
+            subprocess.run(
+                [str(ROOT / "deploy/kafka/kafka.sh"), "stop", broker_dir], capture_output=True
+            )
+    print(
+        f"cores {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}; root {args.root}; "
+        f"D = {args.counters:.0e}, {args.aggregations} aggregation(s), {args.rate:.0f} "
+        f"events/s, windows of {args.window} events"
+    )
     print(json.dumps(res))
 
 

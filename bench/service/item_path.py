@@ -41,11 +41,23 @@ def records(n: int, seed: int = 1):
     rng = np.random.default_rng(seed)
     ids = rng.zipf(1.1, n) % D
     events = rng.choice(["login", "logout", "view"], n, p=[0.6, 0.2, 0.2])
-    full = [msgpack.packb({"item": int(i), "user": {"id": int(i), "name": f"u{i}"},
-                           "event": str(e), "ts": 1700000000 + k})
-            for k, (i, e) in enumerate(zip(ids, events))]
-    login_only = [msgpack.packb({"user": {"id": int(i), "name": f"u{i}"}, "event": "login",
-                                 "ts": 1700000000 + k}) for k, i in enumerate(ids)]
+    full = [
+        msgpack.packb(
+            {
+                "item": int(i),
+                "user": {"id": int(i), "name": f"u{i}"},
+                "event": str(e),
+                "ts": 1700000000 + k,
+            }
+        )
+        for k, (i, e) in enumerate(zip(ids, events))
+    ]
+    login_only = [
+        msgpack.packb(
+            {"user": {"id": int(i), "name": f"u{i}"}, "event": "login", "ts": 1700000000 + k}
+        )
+        for k, i in enumerate(ids)
+    ]
     minimal = [msgpack.packb({"item": int(i)}) for i in ids]
     keys = [str(int(i)).encode() for i in ids]
     headers = [[("device", f"d{int(i)}".encode())] for i in ids]
@@ -55,13 +67,18 @@ def records(n: int, seed: int = 1):
 
 def pipeline(decoder: Decoder, values, batch: int, direct: bool, keys=None, headers=None):
     def run():
-        state = (PanPrivateHistogram(1.0, size=D, rng=np.random.default_rng(0)) if direct else
-                 PanPrivateHistogram(1.0, buckets=B, rng=np.random.default_rng(0)))
+        state = (
+            PanPrivateHistogram(1.0, size=D, rng=np.random.default_rng(0))
+            if direct
+            else PanPrivateHistogram(1.0, buckets=B, rng=np.random.default_rng(0))
+        )
         counted = 0
         for lo in range(0, len(values), batch):
-            out = decoder.decode(values[lo:lo + batch],
-                                 None if keys is None else keys[lo:lo + batch],
-                                 None if headers is None else headers[lo:lo + batch])
+            out = decoder.decode(
+                values[lo : lo + batch],
+                None if keys is None else keys[lo : lo + batch],
+                None if headers is None else headers[lo : lo + batch],
+            )
             bad = [r for r in out.rejected if r[1] != FILTERED]
             assert not bad, bad[:3]
             if direct:
@@ -70,6 +87,7 @@ def pipeline(decoder: Decoder, values, batch: int, direct: bool, keys=None, head
                 state.update(out.items)
             counted += len(out.items)
         return counted
+
     return run
 
 
@@ -78,7 +96,7 @@ def cpu_times(competitors: dict, reps: int) -> dict:
     names = list(competitors)
     times = {k: [] for k in names}
     for r in range(reps):
-        for k in names[r % len(names):] + names[:r % len(names)]:
+        for k in names[r % len(names) :] + names[: r % len(names)]:
             gc.collect()
             gc.disable()
             try:
@@ -105,42 +123,89 @@ def main(argv=None) -> int:
         direct = mode == "direct"
         dom = D if direct else None
         base_same = pipeline(Decoder(domain_size=dom), full, args.batch, direct)
-        cases.append((mode, "extraction: user.id vs item, same records", base_same,
-                      pipeline(Decoder(domain_size=dom, spec=path), full, args.batch, direct)))
+        cases.append(
+            (
+                mode,
+                "extraction: user.id vs item, same records",
+                base_same,
+                pipeline(Decoder(domain_size=dom, spec=path), full, args.batch, direct),
+            )
+        )
         filt = ItemSpec(path=("user", "id"), filter_path=("event",), filter_value="login")
-        cases.append((mode, "extraction + filter event=login (60 % pass) vs item, same records",
-                      base_same, pipeline(Decoder(domain_size=dom, spec=filt), full, args.batch,
-                                          direct)))
-        cases.append((mode, "schema: login records via user.id vs {\"item\": i}",
-                      pipeline(Decoder(domain_size=dom), minimal, args.batch, direct),
-                      pipeline(Decoder(domain_size=dom, spec=path), login_only, args.batch,
-                               direct)))
+        cases.append(
+            (
+                mode,
+                "extraction + filter event=login (60 % pass) vs item, same records",
+                base_same,
+                pipeline(Decoder(domain_size=dom, spec=filt), full, args.batch, direct),
+            )
+        )
+        cases.append(
+            (
+                mode,
+                'schema: login records via user.id vs {"item": i}',
+                pipeline(Decoder(domain_size=dom), minimal, args.batch, direct),
+                pipeline(Decoder(domain_size=dom, spec=path), login_only, args.batch, direct),
+            )
+        )
         if not direct:
             base_min = pipeline(Decoder(), minimal, args.batch, False)
-            cases.append((mode, "record key vs {\"item\": i} value",
-                          base_min, pipeline(Decoder(spec=ItemSpec(source="key")), minimal,
-                                             args.batch, False, keys=keys)))
-            cases.append((mode, "header vs {\"item\": i} value", base_min,
-                          pipeline(Decoder(spec=ItemSpec(source="header", header="device")),
-                                   minimal, args.batch, False, headers=headers)))
-            cases.append((mode, "user.id + NFC + casefold vs user.id, text ids (\"Usér-123\")",
-                          pipeline(Decoder(spec=path), texts, args.batch, False),
-                          pipeline(Decoder(spec=ItemSpec(path=("user", "id"), nfc=True,
-                                                         casefold=True)), texts, args.batch,
-                                   False)))
-    print(f"n = {args.n:,} records per run, batches of {args.batch:,}, {args.reps} interleaved "
-          f"repetitions; {versions(['numpy', 'msgpack'])}; {platform.machine()}\n")
-    print("| mode | case | baseline (M records per CPU-s) | case (M records per CPU-s) | "
-          "throughput vs baseline: median of paired ratios (min-max) | best vs best |")
+            cases.append(
+                (
+                    mode,
+                    'record key vs {"item": i} value',
+                    base_min,
+                    pipeline(
+                        Decoder(spec=ItemSpec(source="key")), minimal, args.batch, False, keys=keys
+                    ),
+                )
+            )
+            cases.append(
+                (
+                    mode,
+                    'header vs {"item": i} value',
+                    base_min,
+                    pipeline(
+                        Decoder(spec=ItemSpec(source="header", header="device")),
+                        minimal,
+                        args.batch,
+                        False,
+                        headers=headers,
+                    ),
+                )
+            )
+            cases.append(
+                (
+                    mode,
+                    'user.id + NFC + casefold vs user.id, text ids ("Usér-123")',
+                    pipeline(Decoder(spec=path), texts, args.batch, False),
+                    pipeline(
+                        Decoder(spec=ItemSpec(path=("user", "id"), nfc=True, casefold=True)),
+                        texts,
+                        args.batch,
+                        False,
+                    ),
+                )
+            )
+    print(
+        f"n = {args.n:,} records per run, batches of {args.batch:,}, {args.reps} interleaved "
+        f"repetitions; {versions(['numpy', 'msgpack'])}; {platform.machine()}\n"
+    )
+    print(
+        "| mode | case | baseline (M records per CPU-s) | case (M records per CPU-s) | "
+        "throughput vs baseline: median of paired ratios (min-max) | best vs best |"
+    )
     print("|---|---|---|---|---|---|")
     for mode, what, base, ours in cases:
         times = cpu_times({"base": base, "ours": ours}, args.reps)
         ratios = [b / o for b, o in zip(times["base"], times["ours"])]  # throughput ratio
         med, lo, hi = statistics.median(ratios), min(ratios), max(ratios)
         tb, to = statistics.median(times["base"]), statistics.median(times["ours"])
-        print(f"| {mode} | {what} | {args.n / tb / 1e6:.2f} | {args.n / to / 1e6:.2f} | "
-              f"{med:.2f}x ({lo:.2f}-{hi:.2f}) | {min(times['base']) / min(times['ours']):.2f}x |",
-              flush=True)
+        print(
+            f"| {mode} | {what} | {args.n / tb / 1e6:.2f} | {args.n / to / 1e6:.2f} | "
+            f"{med:.2f}x ({lo:.2f}-{hi:.2f}) | {min(times['base']) / min(times['ours']):.2f}x |",
+            flush=True,
+        )
     return 0
 
 

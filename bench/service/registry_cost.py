@@ -59,28 +59,39 @@ class _Probe:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.calls.append((what, threading.current_thread().name,
-                                   time.perf_counter() - t0))
+                self.calls.append((what, threading.current_thread().name, time.perf_counter() - t0))
+
         return timed
 
 
-def one_run(bootstrap: str, topic: str, events: int, window: int, tmp: Path,
-            registry: bool) -> dict:
+def one_run(
+    bootstrap: str, topic: str, events: int, window: int, tmp: Path, registry: bool
+) -> dict:
     state = tmp / f"run-{uuid.uuid4().hex[:8]}"
     topic_of_registry = f"panagg.budget.bench-{uuid.uuid4().hex[:8]}" if registry else ""
-    cfg = load_config(None, [
-        "source.kind=kafka", f"source.bootstrap={bootstrap}", f"source.topic={topic}",
-        f"state.domain_size={D}", "window.kind=count", f"window.size={window}",
-        f"checkpoint.dir={state}", f"release.dir={state}/rel", "metrics.port=-1",
-        f"ledger.registry_topic={topic_of_registry}"], env={})
+    cfg = load_config(
+        None,
+        [
+            "source.kind=kafka",
+            f"source.bootstrap={bootstrap}",
+            f"source.topic={topic}",
+            f"state.domain_size={D}",
+            "window.kind=count",
+            f"window.size={window}",
+            f"checkpoint.dir={state}",
+            f"release.dir={state}/rel",
+            "metrics.port=-1",
+            f"ledger.registry_topic={topic_of_registry}",
+        ],
+        env={},
+    )
     probe = _Probe()
     check, record = ReleaseGate._check_registry, ReleaseGate._record
     ReleaseGate._check_registry = probe.wrap("check", check)
     ReleaseGate._record = probe.wrap("record", record)
     try:
         agg = Aggregator(cfg, kafka_source(bootstrap, topic)(cfg))
-        stop = threading.Thread(target=_stop_when_counted, args=(agg, events, window),
-                                daemon=True)
+        stop = threading.Thread(target=_stop_when_counted, args=(agg, events, window), daemon=True)
         stop.start()
         t0 = time.monotonic()
         agg.run(poll_timeout_s=0.5)
@@ -88,10 +99,16 @@ def one_run(bootstrap: str, topic: str, events: int, window: int, tmp: Path,
     finally:
         ReleaseGate._check_registry, ReleaseGate._record = check, record
     releases = [e for e in agg.ledger.releases() if e.get("document")]
-    latency = [e["time_unix"] - json.loads(e["document"])["window_info"]["ended_unix"]
-               for e in releases]
-    return {"registry": registry, "releases": len(releases), "latency": latency,
-            "calls": probe.calls, "seconds": seconds}
+    latency = [
+        e["time_unix"] - json.loads(e["document"])["window_info"]["ended_unix"] for e in releases
+    ]
+    return {
+        "registry": registry,
+        "releases": len(releases),
+        "latency": latency,
+        "calls": probe.calls,
+        "seconds": seconds,
+    }
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -101,8 +118,12 @@ def _metrics(port: int) -> dict[str, float]:
             text = r.read().decode()
     except OSError:
         return {}
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if not s.labels or set(s.labels) == {"aggregation"}}
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if not s.labels or set(s.labels) == {"aggregation"}
+    }
 
 
 def _free_port() -> int:
@@ -117,15 +138,30 @@ def group_run(bootstrap: str, tmp: Path, exchange: str, seconds: float, registry
     topic, group = group_bench._topic(bootstrap), f"rc-{uuid.uuid4().hex[:8]}"
     reg = [f"panagg.budget.bench-{uuid.uuid4().hex[:8]}" if registry else ""]
     ports = [_free_port(), _free_port()]
-    procs = [group_bench._member(bootstrap, topic, group, f"m{k}", tmp, window=5,
-                                 extra=["--metrics-port", str(port), "--set",
-                                        f"scale.exchange={exchange}", "--set",
-                                        f"ledger.registry_topic={reg[0]}", "--set",
-                                        "release.error_bar_reps=0"])
-             for k, port in enumerate(ports)]
+    procs = [
+        group_bench._member(
+            bootstrap,
+            topic,
+            group,
+            f"m{k}",
+            tmp,
+            window=5,
+            extra=[
+                "--metrics-port",
+                str(port),
+                "--set",
+                f"scale.exchange={exchange}",
+                "--set",
+                f"ledger.registry_topic={reg[0]}",
+                "--set",
+                "release.error_bar_reps=0",
+            ],
+        )
+        for k, port in enumerate(ports)
+    ]
     try:
         group_bench._produce(bootstrap, topic, int(2_000 * seconds), rate=2_000)
-        time.sleep(15)   # the last windows close and are released
+        time.sleep(15)  # the last windows close and are released
         scraped = [_metrics(port) for port in ports]
     finally:
         group_bench._stop(procs)
@@ -135,11 +171,15 @@ def group_run(bootstrap: str, tmp: Path, exchange: str, seconds: float, registry
     lead = max(scraped, key=lambda m: m.get("panagg_release_latency_seconds_count", 0))
     releases = lead.get("panagg_release_latency_seconds_count", 0)
     checks = lead.get("panagg_registry_check_seconds_count", 0)
-    return {"registry": registry, "releases": int(releases), "checks": int(checks),
-            "latency": lead.get("panagg_release_latency_seconds_sum", 0) / max(releases, 1),
-            "median": statistics.median(ledgered) if ledgered else float("nan"),
-            "first": ledgered[0] if ledgered else float("nan"),
-            "check": lead.get("panagg_registry_check_seconds_sum", 0) / max(checks, 1)}
+    return {
+        "registry": registry,
+        "releases": int(releases),
+        "checks": int(checks),
+        "latency": lead.get("panagg_release_latency_seconds_sum", 0) / max(releases, 1),
+        "median": statistics.median(ledgered) if ledgered else float("nan"),
+        "first": ledgered[0] if ledgered else float("nan"),
+        "check": lead.get("panagg_registry_check_seconds_sum", 0) / max(checks, 1),
+    }
 
 
 def group_main(args) -> None:
@@ -151,10 +191,13 @@ def group_main(args) -> None:
             for rep, registry in _arms(args.reps):
                 r = group_run(bootstrap, tmp, args.group, args.seconds, registry)
                 runs.append(r)
-                print(f"  rep {rep} registry {'on ' if registry else 'off'}: "
-                      f"{r['releases']} releases, mean latency {r['latency']:.3f} s "
-                      f"(median {r['median']:.3f} s, first {r['first']:.3f} s), "
-                      f"{r['checks']} checks of {r['check'] * 1e3:.1f} ms", flush=True)
+                print(
+                    f"  rep {rep} registry {'on ' if registry else 'off'}: "
+                    f"{r['releases']} releases, mean latency {r['latency']:.3f} s "
+                    f"(median {r['median']:.3f} s, first {r['first']:.3f} s), "
+                    f"{r['checks']} checks of {r['check'] * 1e3:.1f} ms",
+                    flush=True,
+                )
         finally:
             stop_broker(broker_state)
     on = [r for r in runs if r["registry"]]
@@ -162,28 +205,32 @@ def group_main(args) -> None:
     lat_on = statistics.mean(r["latency"] for r in on)
     lat_off = statistics.mean(r["latency"] for r in off)
     check = statistics.mean(r["check"] for r in on)
-    print(f"\n{provenance(('aggregator', 'state_store'), ('numpy', 'kafka-python'))}; a group "
-          f"of 2 ({args.group} exchange), 5 s windows, 2,000 events/s for {args.seconds:g} s, "
-          f"{args.reps} repetitions\n")
+    print(
+        f"\n{provenance(('aggregator', 'state_store'), ('numpy', 'kafka-python'))}; a group "
+        f"of 2 ({args.group} exchange), 5 s windows, 2,000 events/s for {args.seconds:g} s, "
+        f"{args.reps} repetitions\n"
+    )
     print("| measured | registry on | registry off |")
     print("|---|---|---|")
-    print(f"| releases (leader) | {sum(r['releases'] for r in on)} | "
-          f"{sum(r['releases'] for r in off)} |")
-    print(f"| mean release latency (window end -> published) | {lat_on:.3f} s | "
-          f"{lat_off:.3f} s |")
+    print(
+        f"| releases (leader) | {sum(r['releases'] for r in on)} | "
+        f"{sum(r['releases'] for r in off)} |"
+    )
+    print(f"| mean release latency (window end -> published) | {lat_on:.3f} s | {lat_off:.3f} s |")
     med_on = statistics.median(r["median"] for r in on)
     med_off = statistics.median(r["median"] for r in off)
-    print(f"| median ledgered latency of a window with events | {med_on:.3f} s | "
-          f"{med_off:.3f} s |")
-    print(f"| mean registry check per release | {check * 1e3:.1f} ms "
-          f"({check / lat_on:.1%} of the latency) | - |")
+    print(f"| median ledgered latency of a window with events | {med_on:.3f} s | {med_off:.3f} s |")
+    print(
+        f"| mean registry check per release | {check * 1e3:.1f} ms "
+        f"({check / lat_on:.1%} of the latency) | - |"
+    )
 
 
 def _arms(reps: int):
     """(repetition, registry on?) in run order: each repetition runs both arms, and which goes
     first alternates, since the machine's load drifts over a run."""
     for rep in range(reps):
-        for registry in ((True, False) if rep % 2 == 0 else (False, True)):
+        for registry in (True, False) if rep % 2 == 0 else (False, True):
             yield rep, registry
 
 
@@ -207,10 +254,18 @@ def main(argv=None) -> None:
     ap.add_argument("--events", type=int, default=400_000)
     ap.add_argument("--window", type=int, default=20_000)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--group", choices=("views", "items"), default=None,
-                    help="a group of two members with this exchange instead of one process")
-    ap.add_argument("--seconds", type=float, default=90.0,
-                    help="--group: how long the steady stream of each run lasts")
+    ap.add_argument(
+        "--group",
+        choices=("views", "items"),
+        default=None,
+        help="a group of two members with this exchange instead of one process",
+    )
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=90.0,
+        help="--group: how long the steady stream of each run lasts",
+    )
     args = ap.parse_args(argv)
     if args.group:
         if args.smoke:
@@ -229,10 +284,13 @@ def main(argv=None) -> None:
             for rep, registry in _arms(args.reps):
                 r = one_run(bootstrap, topic, args.events, args.window, tmp, registry)
                 runs.append(r)
-                print(f"  rep {rep} registry {'on ' if registry else 'off'}: "
-                      f"{r['releases']} releases, latency p50 {_p(r['latency'], .5):.3f} s, "
-                      f"registry {sum(c[2] for c in r['calls']):.3f} s in "
-                      f"{len(r['calls'])} calls ({r['seconds']:.1f} s)", flush=True)
+                print(
+                    f"  rep {rep} registry {'on ' if registry else 'off'}: "
+                    f"{r['releases']} releases, latency p50 {_p(r['latency'], 0.5):.3f} s, "
+                    f"registry {sum(c[2] for c in r['calls']):.3f} s in "
+                    f"{len(r['calls'])} calls ({r['seconds']:.1f} s)",
+                    flush=True,
+                )
         finally:
             stop_broker(broker_state)
     on = [r for r in runs if r["registry"]]
@@ -241,26 +299,35 @@ def main(argv=None) -> None:
     lat_off = [x for r in off for x in r["latency"]]
     releases = sum(r["releases"] for r in on)
     per_release = [sum(c[2] for c in r["calls"]) / max(r["releases"], 1) for r in on]
-    by_what = {w: [c[2] for r in on for c in r["calls"] if c[0] == w]
-               for w in ("check", "record")}
+    by_what = {w: [c[2] for r in on for c in r["calls"] if c[0] == w] for w in ("check", "record")}
     threads = sorted({c[1] for r in on for c in r["calls"]})
-    print(f"\n{provenance(('aggregator', 'state_store'), ('numpy', 'kafka-python'))}; "
-          f"{args.events:,} events, count windows of {args.window:,}, "
-          f"{args.reps} repetitions\n")
+    print(
+        f"\n{provenance(('aggregator', 'state_store'), ('numpy', 'kafka-python'))}; "
+        f"{args.events:,} events, count windows of {args.window:,}, "
+        f"{args.reps} repetitions\n"
+    )
     print("| measured | registry on | registry off |")
     print("|---|---|---|")
     print(f"| releases | {releases} | {sum(r['releases'] for r in off)} |")
-    print(f"| release latency (window end -> ledgered) p50 / p90 | {_p(lat_on, .5):.3f} / "
-          f"{_p(lat_on, .9):.3f} s | {_p(lat_off, .5):.3f} / {_p(lat_off, .9):.3f} s |")
+    print(
+        f"| release latency (window end -> ledgered) p50 / p90 | {_p(lat_on, 0.5):.3f} / "
+        f"{_p(lat_on, 0.9):.3f} s | {_p(lat_off, 0.5):.3f} / {_p(lat_off, 0.9):.3f} s |"
+    )
     for what, xs in by_what.items():
-        print(f"| registry {what} per call: p50 / max ({len(xs)} calls) | "
-              f"{_p(xs, .5) * 1e3:.1f} / {max(xs, default=0) * 1e3:.1f} ms | - |")
-    share = statistics.median(per_release) / _p(lat_on, .5) if lat_on else float("nan")
-    print(f"| registry time per release, median over repetitions | "
-          f"{statistics.median(per_release) * 1e3:.1f} ms ({share:.1%} of the p50 latency) "
-          f"| - |")
-    print(f"\nthreads that called the registry: {', '.join(threads)}; "
-          f"p50 latency on / off: {_p(lat_on, .5) / _p(lat_off, .5):.2f}")
+        print(
+            f"| registry {what} per call: p50 / max ({len(xs)} calls) | "
+            f"{_p(xs, 0.5) * 1e3:.1f} / {max(xs, default=0) * 1e3:.1f} ms | - |"
+        )
+    share = statistics.median(per_release) / _p(lat_on, 0.5) if lat_on else float("nan")
+    print(
+        f"| registry time per release, median over repetitions | "
+        f"{statistics.median(per_release) * 1e3:.1f} ms ({share:.1%} of the p50 latency) "
+        f"| - |"
+    )
+    print(
+        f"\nthreads that called the registry: {', '.join(threads)}; "
+        f"p50 latency on / off: {_p(lat_on, 0.5) / _p(lat_off, 0.5):.2f}"
+    )
 
 
 if __name__ == "__main__":

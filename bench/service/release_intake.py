@@ -29,18 +29,31 @@ from consumers.generator import GeneratorSource, ZipfLogins
 
 #: --smoke's cheap release (the threshold estimator, no error bars, no plan), so that a window's
 #: release takes a fraction of a 1 s window
-SMOKE_RELEASE = ("release.estimator=threshold", "release.error_bar_reps=0",
-                 "release.plan_errors=false")
+SMOKE_RELEASE = (
+    "release.estimator=threshold",
+    "release.error_bar_reps=0",
+    "release.plan_errors=false",
+)
 
 
-def run(counters: int, window: float, rate: float, seconds: float, workers: int,
-        options=()) -> dict:
+def run(
+    counters: int, window: float, rate: float, seconds: float, workers: int, options=()
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, [
-            "source.kind=generator", f"state.domain_size={counters}", "window.kind=time",
-            f"window.size={int(window)}", f"checkpoint.dir={tmp}/state",
-            f"release.dir={tmp}/releases", "metrics.port=-1", f"release.workers={workers}",
-            *options])
+        cfg = load_config(
+            None,
+            [
+                "source.kind=generator",
+                f"state.domain_size={counters}",
+                "window.kind=time",
+                f"window.size={int(window)}",
+                f"checkpoint.dir={tmp}/state",
+                f"release.dir={tmp}/releases",
+                "metrics.port=-1",
+                f"release.workers={workers}",
+                *options,
+            ],
+        )
         gen = ZipfLogins(int(rate * seconds * 2), accounts=counters, batch=2000)
         agg = Aggregator(cfg, GeneratorSource(gen, rate=rate))
         marks: list[tuple[float, int, bool]] = []
@@ -76,27 +89,38 @@ def run(counters: int, window: float, rate: float, seconds: float, workers: int,
     rate_idle = n[warm & ~busy].sum() / max(dt[warm & ~busy].sum(), 1e-9)
     lat = [ended - started for _, started, ended in agg.release_runs]
     # window end -> ledgered, per release (the ledger entry's time minus the window's end)
-    ledgered = [e["time_unix"] - json.loads(e["document"])["window_info"]["ended_unix"]
-                for e in agg.ledger.releases() if e.get("document")]
-    return {"workers": workers, "counters": counters, "events": int(n.sum()),
-            "rate_during_release": rate_busy, "rate_without": rate_idle,
-            "ratio": rate_busy / rate_idle if rate_idle else float("nan"),
-            "releases": len(agg.ledger.releases()),
-            "latency": agg.metrics.release_latency, "compute_s": lat,
-            "ledgered_s": ledgered}
+    ledgered = [
+        e["time_unix"] - json.loads(e["document"])["window_info"]["ended_unix"]
+        for e in agg.ledger.releases()
+        if e.get("document")
+    ]
+    return {
+        "workers": workers,
+        "counters": counters,
+        "events": int(n.sum()),
+        "rate_during_release": rate_busy,
+        "rate_without": rate_idle,
+        "ratio": rate_busy / rate_idle if rate_idle else float("nan"),
+        "releases": len(agg.ledger.releases()),
+        "latency": agg.metrics.release_latency,
+        "compute_s": lat,
+        "ledgered_s": ledgered,
+    }
 
 
 def _quantiles(values) -> str:
     if not values:
         return "-"
     v = np.asarray(values)
-    return (f"p50 {np.percentile(v, 50):.2f} / p99 {np.percentile(v, 99):.2f} s over "
-            f"{len(v)}")
+    return f"p50 {np.percentile(v, 50):.2f} / p99 {np.percentile(v, 99):.2f} s over {len(v)}"
 
 
 def main(argv=None) -> None:
-    ap = parser(__doc__, "D = 1e4, 1 s windows, 5,000 events/s for 3 s, both routes, the "
-                         "threshold estimator without error bars")
+    ap = parser(
+        __doc__,
+        "D = 1e4, 1 s windows, 5,000 events/s for 3 s, both routes, the "
+        "threshold estimator without error bars",
+    )
     ap.add_argument("--counters", type=float, default=1e6)
     ap.add_argument("--window", type=float, default=10)
     ap.add_argument("--rate", type=float, default=40000)
@@ -105,19 +129,31 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.counters, args.window, args.rate, args.seconds = 1e4, 1.0, 5000.0, 3.0
-    print(f"cores: {os.cpu_count()}; D = {args.counters:.0e}, {args.window:g} s windows, offered "
-          f"{args.rate:,.0f} events/s, {args.seconds:g} s")
-    print("| release | events/s during a release | events/s without | ratio | releases | "
-          "release compute p50 / max | window end -> ledgered |")
+    print(
+        f"cores: {os.cpu_count()}; D = {args.counters:.0e}, {args.window:g} s windows, offered "
+        f"{args.rate:,.0f} events/s, {args.seconds:g} s"
+    )
+    print(
+        "| release | events/s during a release | events/s without | ratio | releases | "
+        "release compute p50 / max | window end -> ledgered |"
+    )
     print("|---|---|---|---|---|---|---|")
     for workers in (int(w) for w in args.workers.split(",")):
-        r = run(int(args.counters), args.window, args.rate, args.seconds, workers,
-                SMOKE_RELEASE if args.smoke else ())
+        r = run(
+            int(args.counters),
+            args.window,
+            args.rate,
+            args.seconds,
+            workers,
+            SMOKE_RELEASE if args.smoke else (),
+        )
         comp = sorted(r["compute_s"])
-        comp_txt = (f"{np.median(comp):.2f} / {max(comp):.2f} s" if comp else "in the loop")
-        print(f"| {'worker' if workers else 'in the loop'} | {r['rate_during_release']:,.0f} | "
-              f"{r['rate_without']:,.0f} | {r['ratio']:.2f} | {r['releases']} | {comp_txt} | "
-              f"{_quantiles(r['ledgered_s'])} |")
+        comp_txt = f"{np.median(comp):.2f} / {max(comp):.2f} s" if comp else "in the loop"
+        print(
+            f"| {'worker' if workers else 'in the loop'} | {r['rate_during_release']:,.0f} | "
+            f"{r['rate_without']:,.0f} | {r['ratio']:.2f} | {r['releases']} | {comp_txt} | "
+            f"{_quantiles(r['ledgered_s'])} |"
+        )
 
 
 if __name__ == "__main__":

@@ -42,13 +42,21 @@ from aggregator.state import PanPrivateHistogram
 from .speed import _time_once
 
 COMMAND = ".venv/bin/python -m bench.service.release_time"
-MODULES = ["aggregator/estimate.py", "aggregator/selection.py", "aggregator/intervals.py",
-           "aggregator/largedomain.py", "aggregator/release.py", "aggregator/wupagh.py",
-           "aggregator/properties.py", "aggregator/_leaf.py"]
+MODULES = [
+    "aggregator/estimate.py",
+    "aggregator/selection.py",
+    "aggregator/intervals.py",
+    "aggregator/largedomain.py",
+    "aggregator/release.py",
+    "aggregator/wupagh.py",
+    "aggregator/properties.py",
+    "aggregator/_leaf.py",
+]
 
 
-def build_state(D: int, n: int, layers: int, *, hashed: bool = False, seed: int = 2026,
-                profile: str = "zipf") -> tuple[PanPrivateHistogram, str]:
+def build_state(
+    D: int, n: int, layers: int, *, hashed: bool = False, seed: int = 2026, profile: str = "zipf"
+) -> tuple[PanPrivateHistogram, str]:
     """A state with n events over D items (hashed: the D items hashed into D buckets) and the
     model that gives ``layers`` layers in the release."""
     rng = np.random.default_rng(seed)
@@ -86,10 +94,15 @@ def time_release(state, model: str, reps: int, bars: int = ERROR_BAR_REPS) -> di
                 est = out["accuracy"]["estimator"]
             del out
     ratios = [a / b for a, b in zip(times["release"], times["bincount"])]
-    return {"release": statistics.median(times["release"]),
-            "bincount": statistics.median(times["bincount"]),
-            "ratio": statistics.median(ratios), "rmin": min(ratios), "rmax": max(ratios),
-            "estimator": est, "all": times["release"]}
+    return {
+        "release": statistics.median(times["release"]),
+        "bincount": statistics.median(times["bincount"]),
+        "ratio": statistics.median(ratios),
+        "rmin": min(ratios),
+        "rmax": max(ratios),
+        "estimator": est,
+        "all": times["release"],
+    }
 
 
 def profile_release(state, model: str, top: int = 30) -> str:
@@ -112,25 +125,38 @@ def main(argv=None) -> int:
     ap.add_argument("--hashed", default="1e7", help="hashed-mode B values ('' for none)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile one release per cell")
-    ap.add_argument("--error-bar-reps", type=int, default=ERROR_BAR_REPS,
-                    help="release.error_bar_reps (default: the service's default; 0: no bars)")
+    ap.add_argument(
+        "--error-bar-reps",
+        type=int,
+        default=ERROR_BAR_REPS,
+        help="release.error_bar_reps (default: the service's default; 0: no bars)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
-        args.sizes, args.layers, args.hashed, args.reps, args.error_bar_reps = \
-            "1e4", "1", "1e4", 1, 2
+        args.sizes, args.layers, args.hashed, args.reps, args.error_bar_reps = (
+            "1e4",
+            "1",
+            "1e4",
+            1,
+            2,
+        )
     log = lambda s: print(s, flush=True)  # noqa: E731
     sizes = [int(float(x)) for x in args.sizes.split(",") if x]
     hsizes = [int(float(x)) for x in args.hashed.split(",") if x]
     layers = [int(x) for x in args.layers.split(",") if x]
     cmd = COMMAND + (" " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else "")
     log(f"# {cmd}")
-    log(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
+    log(
+        f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
         f"commit {git_rev(MODULES)}, {cpu_model()}, {os.cpu_count()} cores, load "
         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         f"{versions(('numpy', 'scipy'))}; error_bar_reps = {args.error_bar_reps}, "
-        f"{args.reps} reps")
-    log("| mode | counters | n | layers | estimator | release (median) | np.bincount | "
-        "ratio (median, min..max) |")
+        f"{args.reps} reps"
+    )
+    log(
+        "| mode | counters | n | layers | estimator | release (median) | np.bincount | "
+        "ratio (median, min..max) |"
+    )
     log("|---|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
     cells = [("direct", D) for D in sizes] + [("hashed", B) for B in hsizes]
@@ -141,12 +167,16 @@ def main(argv=None) -> int:
             if args.profile:
                 log(profile_release(state, model))
             res = time_release(state, model, args.reps, args.error_bar_reps)
-            log(f"| {mode} | {D:.0e} | {n:.0e} | {k} | {res['estimator']} | "
+            log(
+                f"| {mode} | {D:.0e} | {n:.0e} | {k} | {res['estimator']} | "
                 f"{res['release']:.2f} s | {res['bincount'] * 1e3:.1f} ms | "
-                f"{res['ratio']:.0f}x ({res['rmin']:.0f}..{res['rmax']:.0f}) |")
+                f"{res['ratio']:.0f}x ({res['rmin']:.0f}..{res['rmax']:.0f}) |"
+            )
             del state
-    log(f"# {time.perf_counter() - t0:.0f} s; load at end "
-        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    log(
+        f"# {time.perf_counter() - t0:.0f} s; load at end "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     return 0
 
 

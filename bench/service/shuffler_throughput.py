@@ -68,13 +68,18 @@ def start_broker(tmp: Path) -> tuple[str, Path | None]:
     if os.environ.get("PANAGG_KAFKA_BOOTSTRAP"):
         return os.environ["PANAGG_KAFKA_BOOTSTRAP"], None
     state = tmp / "kafka"
-    out = subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start", str(state)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(ROOT / "deploy/kafka/kafka.sh"), "start", str(state)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1].split("=", 1)[1], state
 
 
 def create(bootstrap, name, partitions):
     from kafka.admin import KafkaAdminClient, NewTopic
+
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
     admin.close()
@@ -82,6 +87,7 @@ def create(bootstrap, name, partitions):
 
 def fill(bootstrap, topic, records):
     from kafka import KafkaProducer
+
     p = KafkaProducer(bootstrap_servers=bootstrap, **PRODUCER)
     for k, v in records:
         p.send(topic, key=k, value=v)
@@ -93,11 +99,16 @@ def bare_batched(bootstrap, topic, events, per_record: int) -> float:
     """The bare loop producing like the shuffler: one output record per ``per_record`` input
     values (their bytes concatenated), so the difference is the shuffler's own work."""
     from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
     out = f"bare-{uuid.uuid4().hex[:8]}"
     create(bootstrap, out, 1)
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=f"bare-{uuid.uuid4().hex[:8]}",
-                      enable_auto_commit=False, auto_offset_reset="earliest",
-                      isolation_level="read_committed")
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=f"bare-{uuid.uuid4().hex[:8]}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+    )
     tps = [TopicPartition(topic, q) for q in sorted(c.partitions_for_topic(topic))]
     c.assign(tps)
     c.seek_to_beginning(*tps)
@@ -125,11 +136,17 @@ def bare_batched(bootstrap, topic, events, per_record: int) -> float:
 def bare(bootstrap, topic, events, n, transactional: bool) -> float:
     from kafka import KafkaConsumer, KafkaProducer, TopicPartition
     from kafka.structs import OffsetAndMetadata
+
     out = f"bare-{uuid.uuid4().hex[:8]}"
     create(bootstrap, out, 1)
     group = f"bare-{uuid.uuid4().hex[:8]}"
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-                      auto_offset_reset="earliest", isolation_level="read_committed")
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+    )
     tps = [TopicPartition(topic, q) for q in sorted(c.partitions_for_topic(topic))]
     c.assign(tps)
     c.seek_to_beginning(*tps)
@@ -151,9 +168,12 @@ def bare(bootstrap, topic, events, n, transactional: bool) -> float:
                 in_txn += 1
                 if transactional and in_txn == n:
                     p.send_offsets_to_transaction(
-                        {TopicPartition(topic, q): OffsetAndMetadata(o, "", -1)
-                         for q, o in ends.items()},
-                        group)
+                        {
+                            TopicPartition(topic, q): OffsetAndMetadata(o, "", -1)
+                            for q, o in ends.items()
+                        },
+                        group,
+                    )
                     p.commit_transaction()
                     p.begin_transaction()
                     in_txn = 0
@@ -167,16 +187,28 @@ def bare(bootstrap, topic, events, n, transactional: bool) -> float:
     return dt
 
 
-def shuffler(bootstrap, topic, pub, events, n, epsilon, buckets, tmp,
-             out: str | None = None) -> tuple[float, dict]:
+def shuffler(
+    bootstrap, topic, pub, events, n, epsilon, buckets, tmp, out: str | None = None
+) -> tuple[float, dict]:
     out = out or f"analyzer-{uuid.uuid4().hex[:8]}"
     create(bootstrap, out, 1)
-    cfg = load_config(None, [
-        f"source.bootstrap={bootstrap}", f"source.topic={out}", "state.model=shuffle",
-        f"state.epsilon={epsilon}", f"state.domain_size={buckets}", f"window.size={n}",
-        f"shuffle.public_key={pub}", f"shuffle.client_topic={topic}",
-        f"shuffle.group=sh-{uuid.uuid4().hex[:8]}", f"checkpoint.dir={tmp / uuid.uuid4().hex[:8]}",
-        "metrics.port=-1"], env={})
+    cfg = load_config(
+        None,
+        [
+            f"source.bootstrap={bootstrap}",
+            f"source.topic={out}",
+            "state.model=shuffle",
+            f"state.epsilon={epsilon}",
+            f"state.domain_size={buckets}",
+            f"window.size={n}",
+            f"shuffle.public_key={pub}",
+            f"shuffle.client_topic={topic}",
+            f"shuffle.group=sh-{uuid.uuid4().hex[:8]}",
+            f"checkpoint.dir={tmp / uuid.uuid4().hex[:8]}",
+            "metrics.port=-1",
+        ],
+        env={},
+    )
     sh = Shuffler(cfg)
     sh._clients()
     t0 = time.perf_counter()
@@ -188,24 +220,38 @@ def shuffler(bootstrap, topic, pub, events, n, epsilon, buckets, tmp,
     return dt, sh.stats
 
 
-def analyzer(bootstrap, topic, key, windows, n, epsilon, buckets, tmp,
-             workers: int | None) -> tuple[float, dict]:
+def analyzer(
+    bootstrap, topic, key, windows, n, epsilon, buckets, tmp, workers: int | None
+) -> tuple[float, dict]:
     """The analyzer reading ``windows`` shuffled windows of ``topic``; (seconds from the first
     poll to the last window decided, totals)."""
     from aggregator.service.analyzer import ShuffleAnalyzer
     from aggregator.service.cli import _make_source
     from aggregator.service.shuffle_wire import WORKERS_ENV
+
     if workers is None:
         os.environ.pop(WORKERS_ENV, None)
     else:
         os.environ[WORKERS_ENV] = str(workers)
     d = tmp / uuid.uuid4().hex[:8]
-    cfg = load_config(None, [
-        f"source.bootstrap={bootstrap}", f"source.topic={topic}", "state.model=shuffle",
-        f"state.epsilon={epsilon}", f"state.domain_size={buckets}", f"window.size={n}",
-        f"checkpoint.dir={d / 'state'}", f"release.dir={d / 'releases'}", "metrics.port=-1",
-        f"source.group=an-{uuid.uuid4().hex[:8]}", "release.error_bar_reps=0",
-        "release.estimator=threshold"], env={})
+    cfg = load_config(
+        None,
+        [
+            f"source.bootstrap={bootstrap}",
+            f"source.topic={topic}",
+            "state.model=shuffle",
+            f"state.epsilon={epsilon}",
+            f"state.domain_size={buckets}",
+            f"window.size={n}",
+            f"checkpoint.dir={d / 'state'}",
+            f"release.dir={d / 'releases'}",
+            "metrics.port=-1",
+            f"source.group=an-{uuid.uuid4().hex[:8]}",
+            "release.error_bar_reps=0",
+            "release.estimator=threshold",
+        ],
+        env={},
+    )
     src = _make_source(cfg)
     an = ShuffleAnalyzer(cfg, src, private_key=key)
     clock: dict = {}
@@ -214,6 +260,7 @@ def analyzer(bootstrap, topic, key, windows, n, epsilon, buckets, tmp,
     def timed_poll(timeout):
         clock.setdefault("first", time.perf_counter())
         return poll(timeout)
+
     src.poll = timed_poll
     decided = an._next_window
 
@@ -222,11 +269,13 @@ def analyzer(bootstrap, topic, key, windows, n, epsilon, buckets, tmp,
         if an.totals["windows"] >= windows:
             clock["last"] = time.perf_counter()
             an.stop_event.set()
+
     an._next_window = timed_next
     an.run()
     released = len(list((d / "releases").glob("release-*.json")))
-    return clock["last"] - clock["first"], dict(an.totals, released=released,
-                                                 workers=an.opener.workers)
+    return clock["last"] - clock["first"], dict(
+        an.totals, released=released, workers=an.opener.workers
+    )
 
 
 def analyzer_main(args) -> int:
@@ -237,65 +286,94 @@ def analyzer_main(args) -> int:
         try:
             key = new_keypair()
             pub = public_key_hex(key)
-            cfg = load_config(None, ["state.model=shuffle", f"state.epsilon={args.epsilon}",
-                                     f"state.domain_size={args.buckets}", f"window.size={args.n}",
-                                     f"shuffle.public_key={pub}", "source.topic=x"], env={})
+            cfg = load_config(
+                None,
+                [
+                    "state.model=shuffle",
+                    f"state.epsilon={args.epsilon}",
+                    f"state.domain_size={args.buckets}",
+                    f"window.size={args.n}",
+                    f"shuffle.public_key={pub}",
+                    "source.topic=x",
+                ],
+                env={},
+            )
             client = ShuffleClient.from_config(cfg)
             rng = np.random.default_rng(1)
             records = []
             for i in range(0, events, 2000):
                 records += client.records(rng.integers(0, args.buckets, min(2000, events - i)))
             import msgpack
+
             boxes = sum(len(msgpack.unpackb(v)["boxes"]) for _, v in records)
             topic = f"clients-{uuid.uuid4().hex[:8]}"
             create(bootstrap, topic, 3)
             fill(bootstrap, topic, records)
             shuffled = f"analyzer-{uuid.uuid4().hex[:8]}"
-            ts, stats = shuffler(bootstrap, topic, pub, events, args.n, args.epsilon,
-                                 args.buckets, tmp, out=shuffled)
+            ts, stats = shuffler(
+                bootstrap, topic, pub, events, args.n, args.epsilon, args.buckets, tmp, out=shuffled
+            )
             assert stats["events"] == events and stats["messages"] == boxes, stats
             windows = events // args.n
-            print(f"{events} events, {boxes} messages ({boxes / events:.1f}/event); shuffler "
-                  f"{events / ts:,.0f} events/s", flush=True)
+            print(
+                f"{events} events, {boxes} messages ({boxes / events:.1f}/event); shuffler "
+                f"{events / ts:,.0f} events/s",
+                flush=True,
+            )
             rows = []
             for rep in range(args.reps):
                 la0 = loadavg()
-                t1, s1 = analyzer(bootstrap, shuffled, key, windows, args.n, args.epsilon,
-                                  args.buckets, tmp, 0)
-                tw, sw = analyzer(bootstrap, shuffled, key, windows, args.n, args.epsilon,
-                                  args.buckets, tmp, None)
+                t1, s1 = analyzer(
+                    bootstrap, shuffled, key, windows, args.n, args.epsilon, args.buckets, tmp, 0
+                )
+                tw, sw = analyzer(
+                    bootstrap, shuffled, key, windows, args.n, args.epsilon, args.buckets, tmp, None
+                )
                 for s_ in (s1, sw):
                     assert s_["released"] == windows and s_["events"] == events, s_
                 rows.append((t1, tw, sw["workers"], la0, loadavg()))
-                print(f"rep {rep + 1}: analyzer alone {events / t1:,.0f} ev/s, with "
-                      f"{sw['workers']} helper(s) {events / tw:,.0f} ev/s: {t1 / tw:.2f}x",
-                      flush=True)
+                print(
+                    f"rep {rep + 1}: analyzer alone {events / t1:,.0f} ev/s, with "
+                    f"{sw['workers']} helper(s) {events / tw:,.0f} ev/s: {t1 / tw:.2f}x",
+                    flush=True,
+                )
         finally:
             if state is not None:
-                subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)],
-                               capture_output=True)
+                subprocess.run(
+                    [str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)], capture_output=True
+                )
     speed = [t1 / tw for t1, tw, *_ in rows]
-    lines = [f"`python -m bench.service.shuffler_throughput --analyzer --events {args.events} "
-             f"--n {args.n} "
-             f"--buckets {args.buckets} --epsilon {args.epsilon:g} --reps {args.reps}` "
-             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"{git_rev(['aggregator', 'bench/service/shuffler_throughput.py'])}; "
-             f"{os.cpu_count()} CPUs, "
-             f"{cpu_model()}; {versions(['kafka-python', 'PyNaCl', 'msgpack', 'numpy'])}; "
-             "single-node broker on loopback, the same machine):", "",
-             f"GKMP, eps {args.epsilon:g}, delta 1e-6, n = {args.n:,} events per window, B = "
-             f"{args.buckets:,}: {events:,} events in {windows} windows, {boxes:,} sealed messages "
-             f"({boxes / events:.1f} per event). The shuffler moved them at **{events / ts:,.0f} "
-             f"events/s** ({boxes / ts:,.0f} messages/s) in this run.", "",
-             "| rep | analyzer, decryption in its process: events/s (messages/s, s per window) | "
-             "with helper processes: events/s (messages/s, s per window) | helpers | speed-up | "
-             "load avg before, after |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"`python -m bench.service.shuffler_throughput --analyzer --events {args.events} "
+        f"--n {args.n} "
+        f"--buckets {args.buckets} --epsilon {args.epsilon:g} --reps {args.reps}` "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{git_rev(['aggregator', 'bench/service/shuffler_throughput.py'])}; "
+        f"{os.cpu_count()} CPUs, "
+        f"{cpu_model()}; {versions(['kafka-python', 'PyNaCl', 'msgpack', 'numpy'])}; "
+        "single-node broker on loopback, the same machine):",
+        "",
+        f"GKMP, eps {args.epsilon:g}, delta 1e-6, n = {args.n:,} events per window, B = "
+        f"{args.buckets:,}: {events:,} events in {windows} windows, {boxes:,} sealed messages "
+        f"({boxes / events:.1f} per event). The shuffler moved them at **{events / ts:,.0f} "
+        f"events/s** ({boxes / ts:,.0f} messages/s) in this run.",
+        "",
+        "| rep | analyzer, decryption in its process: events/s (messages/s, s per window) | "
+        "with helper processes: events/s (messages/s, s per window) | helpers | speed-up | "
+        "load avg before, after |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, (t1, tw, w, la0, la1) in enumerate(rows):
-        lines.append(f"| {i + 1} | {events / t1:,.0f} ({boxes / t1:,.0f}, {t1 / windows:.2f}) | "
-                     f"{events / tw:,.0f} ({boxes / tw:,.0f}, {tw / windows:.2f}) | {w} | "
-                     f"{t1 / tw:.2f}x | {la0:.1f}, {la1:.1f} |")
-    lines += ["", f"Speed-up of the helper processes: median **{statistics.median(speed):.2f}x** "
-              f"({min(speed):.2f}-{max(speed):.2f})."]
+        lines.append(
+            f"| {i + 1} | {events / t1:,.0f} ({boxes / t1:,.0f}, {t1 / windows:.2f}) | "
+            f"{events / tw:,.0f} ({boxes / tw:,.0f}, {tw / windows:.2f}) | {w} | "
+            f"{t1 / tw:.2f}x | {la0:.1f}, {la1:.1f} |"
+        )
+    lines += [
+        "",
+        f"Speed-up of the helper processes: median **{statistics.median(speed):.2f}x** "
+        f"({min(speed):.2f}-{max(speed):.2f}).",
+    ]
     print("\n".join(lines))
     if not args.no_doc:
         write_doc_section(DOC, "bench.service.shuffler_throughput", args.section, lines)
@@ -328,9 +406,18 @@ def main(argv=None) -> int:
         try:
             key = new_keypair()
             pub = public_key_hex(key)
-            cfg = load_config(None, ["state.model=shuffle", f"state.epsilon={args.epsilon}",
-                                     f"state.domain_size={args.buckets}", f"window.size={args.n}",
-                                     f"shuffle.public_key={pub}", "source.topic=x"], env={})
+            cfg = load_config(
+                None,
+                [
+                    "state.model=shuffle",
+                    f"state.epsilon={args.epsilon}",
+                    f"state.domain_size={args.buckets}",
+                    f"window.size={args.n}",
+                    f"shuffle.public_key={pub}",
+                    "source.topic=x",
+                ],
+                env={},
+            )
             client = ShuffleClient.from_config(cfg)
             rng = np.random.default_rng(1)
             t0 = time.perf_counter()
@@ -339,31 +426,41 @@ def main(argv=None) -> int:
                 records += client.records(rng.integers(0, args.buckets, min(2000, events - i)))
             gen_s = time.perf_counter() - t0
             import msgpack
+
             boxes = sum(len(msgpack.unpackb(v)["boxes"]) for _, v in records)
             mb = sum(len(v) + len(k) for k, v in records) / 1e6
             topic = f"clients-{uuid.uuid4().hex[:8]}"
             create(bootstrap, topic, 3)
             fill(bootstrap, topic, records)
-            print(f"{events} events, {boxes} messages ({boxes / events:.1f}/event, {mb:.0f} MB), "
-                  f"generated by the clients in {gen_s:.1f} s", flush=True)
+            print(
+                f"{events} events, {boxes} messages ({boxes / events:.1f}/event, {mb:.0f} MB), "
+                f"generated by the clients in {gen_s:.1f} s",
+                flush=True,
+            )
             rows = []
             for rep in range(args.reps):
                 la0 = loadavg()
                 tb = bare(bootstrap, topic, events, args.n, False)
                 tt = bare(bootstrap, topic, events, args.n, True)
-                tc = bare_batched(bootstrap, topic, events,
-                                  max(1, round(CHUNK_BOXES * events / boxes)))
-                ts, stats = shuffler(bootstrap, topic, pub, events, args.n, args.epsilon,
-                                     args.buckets, tmp)
+                tc = bare_batched(
+                    bootstrap, topic, events, max(1, round(CHUNK_BOXES * events / boxes))
+                )
+                ts, stats = shuffler(
+                    bootstrap, topic, pub, events, args.n, args.epsilon, args.buckets, tmp
+                )
                 assert stats["events"] == events and stats["messages"] == boxes, stats
                 rows.append((tb, tt, tc, ts, la0, loadavg()))
-                print(f"rep {rep + 1}: bare {events / tb:,.0f} ev/s, bare txn {events / tt:,.0f} "
-                      f"ev/s, bare batched {events / tc:,.0f} ev/s, shuffler {events / ts:,.0f} "
-                      f"ev/s: ratio {tb / ts:.2f}", flush=True)
+                print(
+                    f"rep {rep + 1}: bare {events / tb:,.0f} ev/s, bare txn {events / tt:,.0f} "
+                    f"ev/s, bare batched {events / tc:,.0f} ev/s, shuffler {events / ts:,.0f} "
+                    f"ev/s: ratio {tb / ts:.2f}",
+                    flush=True,
+                )
         finally:
             if state is not None:
-                subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)],
-                               capture_output=True)
+                subprocess.run(
+                    [str(ROOT / "deploy/kafka/kafka.sh"), "stop", str(state)], capture_output=True
+                )
     lines = table(args, events, boxes, mb, rows)
     print("\n".join(lines))
     if not args.no_doc:
@@ -375,29 +472,38 @@ def table(args, events, boxes, mb, rows) -> list[str]:
     ratios = [tb / ts for tb, _tt, _tc, ts, *_ in rows]
     tratios = [tt / ts for _tb, tt, _tc, ts, *_ in rows]
     cratios = [tc / ts for _tb, _tt, tc, ts, *_ in rows]
-    out = [f"`python -m bench.service.shuffler_throughput --events {args.events} --n {args.n} "
-           f"--buckets {args.buckets} --epsilon {args.epsilon:g} --reps {args.reps}` "
-           f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-           f"{git_rev(['aggregator', 'bench/service/shuffler_throughput.py'])}; "
-           f"{os.cpu_count()} CPUs, {cpu_model()}; "
-           f"{versions(['kafka-python', 'PyNaCl', 'msgpack', 'numpy'])}; "
-           "single-node broker on loopback, the same machine):", "",
-           f"GKMP, eps {args.epsilon:g}, delta 1e-6, n = {args.n:,} events per window, B = "
-           f"{args.buckets:,}: {events:,} events in {events // args.n} windows, {boxes:,} sealed "
-           f"messages ({boxes / events:.1f} per event), {mb:.0f} MB of client records.", "",
-           "| rep | bare loop events/s (messages/s) | bare, in transactions | bare, batched like "
-           "the shuffler | shuffler events/s (messages/s) | shuffler / bare | / bare txn | "
-           "/ bare batched | load avg before, after |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"`python -m bench.service.shuffler_throughput --events {args.events} --n {args.n} "
+        f"--buckets {args.buckets} --epsilon {args.epsilon:g} --reps {args.reps}` "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{git_rev(['aggregator', 'bench/service/shuffler_throughput.py'])}; "
+        f"{os.cpu_count()} CPUs, {cpu_model()}; "
+        f"{versions(['kafka-python', 'PyNaCl', 'msgpack', 'numpy'])}; "
+        "single-node broker on loopback, the same machine):",
+        "",
+        f"GKMP, eps {args.epsilon:g}, delta 1e-6, n = {args.n:,} events per window, B = "
+        f"{args.buckets:,}: {events:,} events in {events // args.n} windows, {boxes:,} sealed "
+        f"messages ({boxes / events:.1f} per event), {mb:.0f} MB of client records.",
+        "",
+        "| rep | bare loop events/s (messages/s) | bare, in transactions | bare, batched like "
+        "the shuffler | shuffler events/s (messages/s) | shuffler / bare | / bare txn | "
+        "/ bare batched | load avg before, after |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, (tb, tt, tc, ts, la0, la1) in enumerate(rows):
-        out.append(f"| {i + 1} | {events / tb:,.0f} ({boxes / tb:,.0f}) | {events / tt:,.0f} | "
-                   f"{events / tc:,.0f} | {events / ts:,.0f} ({boxes / ts:,.0f}) | {tb / ts:.2f} | "
-                   f"{tt / ts:.2f} | {tc / ts:.2f} | {la0:.1f}, {la1:.1f} |")
-    out += ["", f"Shuffler / bare loop (events/s, the same records): median "
-            f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}); against "
-            f"the bare loop in transactions {statistics.median(tratios):.2f}x, against the bare "
-            f"loop batching its output like the shuffler {statistics.median(cratios):.2f}x "
-            f"({min(cratios):.2f}-{max(cratios):.2f})."]
+        out.append(
+            f"| {i + 1} | {events / tb:,.0f} ({boxes / tb:,.0f}) | {events / tt:,.0f} | "
+            f"{events / tc:,.0f} | {events / ts:,.0f} ({boxes / ts:,.0f}) | {tb / ts:.2f} | "
+            f"{tt / ts:.2f} | {tc / ts:.2f} | {la0:.1f}, {la1:.1f} |"
+        )
+    out += [
+        "",
+        f"Shuffler / bare loop (events/s, the same records): median "
+        f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}); against "
+        f"the bare loop in transactions {statistics.median(tratios):.2f}x, against the bare "
+        f"loop batching its output like the shuffler {statistics.median(cratios):.2f}x "
+        f"({min(cratios):.2f}-{max(cratios):.2f}).",
+    ]
     return out
 
 

@@ -41,8 +41,11 @@ def write_logins(path: Path, windows: int, seed: int = 7) -> list[int]:
         users = int(rng.integers(600, 1550)) * 2 + 1
         ids = [f"alice-{w}-{i:05d}" for i in range(users)]
         rest = WINDOW - users - 5 * 300
-        stream = ids + [u for u in ids[:5] for _ in range(300)] \
+        stream = (
+            ids
+            + [u for u in ids[:5] for _ in range(300)]
             + [ids[int(i)] for i in rng.integers(0, users, rest)]
+        )
         rng.shuffle(stream)
         lines += [json.dumps({"user": u, "event": "login"}) for u in stream]
         truth.append(users)
@@ -50,26 +53,45 @@ def write_logins(path: Path, windows: int, seed: int = 7) -> list[int]:
     return truth
 
 
-def run_once(directory: Path, windows: int, seed: int,
-             span: int = 0) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
+def run_once(
+    directory: Path, windows: int, seed: int, span: int = 0
+) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
     """(truth, the release's ``distinct_users``) of each window of one service run, and of
     each span with ``span`` (window.rollups = ["<span>x"])."""
     truth = write_logins(directory / "logins.jsonl", windows, seed)
-    sets = {"source.kind": "file", "source.path": directory / "logins.jsonl",
-            "source.format": "json", "item.field": "user", "state.privacy_unit": "user",
-            "state.expected_users": 2000, "window.kind": "count", "window.size": WINDOW,
-            "ledger.budget_per_user": windows,  # (every window released: eps 1 each)
-            "checkpoint.dir": directory / "state", "release.dir": directory / "releases",
-            "metrics.port": -1, "release.on_exhausted": "false",
-            # a registry of its own: not the user's, where a rerun's file would be refused
-            "ledger.file_registry": directory / "budget-registry.jsonl"}
+    sets = {
+        "source.kind": "file",
+        "source.path": directory / "logins.jsonl",
+        "source.format": "json",
+        "item.field": "user",
+        "state.privacy_unit": "user",
+        "state.expected_users": 2000,
+        "window.kind": "count",
+        "window.size": WINDOW,
+        "ledger.budget_per_user": windows,  # (every window released: eps 1 each)
+        "checkpoint.dir": directory / "state",
+        "release.dir": directory / "releases",
+        "metrics.port": -1,
+        "release.on_exhausted": "false",
+        # a registry of its own: not the user's, where a rerun's file would be refused
+        "ledger.file_registry": directory / "budget-registry.jsonl",
+    }
     if span:
-        sets.update({"window.rollups": f"{span}x", "state.rollup_expected_users": 2000 * span,
-                     "ledger.budget_per_user": windows + windows // span})
+        sets.update(
+            {
+                "window.rollups": f"{span}x",
+                "state.rollup_expected_users": 2000 * span,
+                "ledger.budget_per_user": windows + windows // span,
+            }
+        )
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", *args],
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    res = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     if res.returncode != 0:
         raise SystemExit(res.stderr)
     base = directory / "releases" / ("base" if span else "")
@@ -79,9 +101,8 @@ def run_once(directory: Path, windows: int, seed: int,
         out.append((users, doc["distinct_users"]))
     spans = []
     for s in range(windows // span if span else 0):
-        doc = json.loads((directory / "releases" / f"r{span}x" / f"release-{s}.json")
-                         .read_text())
-        spans.append((sum(truth[s * span:(s + 1) * span]), doc["distinct_users"]))
+        doc = json.loads((directory / "releases" / f"r{span}x" / f"release-{s}.json").read_text())
+        spans.append((sum(truth[s * span : (s + 1) * span]), doc["distinct_users"]))
     return out, spans
 
 
@@ -89,17 +110,19 @@ def summary(rows: list[tuple[int, dict]], what: str) -> str:
     inside = sum(d["interval"][0] <= u <= (d["interval"][1] or np.inf) for u, d in rows)
     errs = np.array([(d["value"] - u) / u for u, d in rows])
     stated = np.array([d["expected_relative_error"] for _, d in rows])
-    rms = float(np.sqrt(np.mean(errs ** 2)))
-    return (f"{len(rows)} {what}: 90% interval coverage {inside / len(rows):.3f}; "
-            f"RMS relative error {rms:.3f}, mean stated {stated.mean():.3f}, stated / actual "
-            f"{stated.mean() / rms:.2f}")
+    rms = float(np.sqrt(np.mean(errs**2)))
+    return (
+        f"{len(rows)} {what}: 90% interval coverage {inside / len(rows):.3f}; "
+        f"RMS relative error {rms:.3f}, mean stated {stated.mean():.3f}, stated / actual "
+        f"{stated.mean() / rms:.2f}"
+    )
 
 
 def main() -> None:
     ap = parser(__doc__, "one run of two windows and their span")
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--windows", type=int, default=24)
-    ap.add_argument("--span", type=int, default=0, help="window.rollups = [\"<span>x\"]")
+    ap.add_argument("--span", type=int, default=0, help='window.rollups = ["<span>x"]')
     args = ap.parse_args()
     runs, windows = (1, 2) if args.smoke else (args.runs, args.windows)
     span = 2 if args.smoke else (min(args.span, windows) if args.span else 0)  # (smoke: both)

@@ -49,8 +49,10 @@ SMOKE_CELLS = [("zipf", 1_000, 1_000)]  # --smoke accuracy
 
 def accuracy(reps: int, eps: float = 1.0, cells=CELLS) -> None:
     p = p_from_epsilon(eps)
-    print(f"l1 error of the default estimator (mean of {reps} runs; eps = {eps}); ratio to the "
-          "2-layer default in the same run")
+    print(
+        f"l1 error of the default estimator (mean of {reps} runs; eps = {eps}); ratio to the "
+        "2-layer default in the same run"
+    )
     print("| cell | " + " | ".join(f"{k} layers" for k in LAYERS) + " |")
     print("|---|" + "---|" * len(LAYERS))
     for dist, D, n in cells:
@@ -86,24 +88,33 @@ def recovery(bootstrap: str, events: int) -> None:
         producer.send(topic, msgpack.packb({"item": int(i)}))
     producer.flush()
     producer.close()
-    print(f"recovery after a kill at the end of a window of {events:,} events (3 partitions; "
-          "the restarted process restores and replays to the end of the topic)")
+    print(
+        f"recovery after a kill at the end of a window of {events:,} events (3 partitions; "
+        "the restarted process restores and replays to the end of the topic)"
+    )
     print("| snapshots_per_window | replayed events | restore + replay (s) | release layers |")
     print("|---|---|---|---|")
     for k in (0, 1, 3):
         with tempfile.TemporaryDirectory() as d:
-            sets = [f"checkpoint.dir={d}/state", f"release.dir={d}/rel", "metrics.port=-1",
-                    f"source.bootstrap={bootstrap}", f"source.topic={topic}",
-                    f"source.group=views-{k}-{os.urandom(3).hex()}", "state.domain_size=100000",
-                    f"window.size={events + 1}", f"checkpoint.snapshots_per_window={k}",
-                    # runs over one topic on purpose: the budget registry would refuse the second
-                    "ledger.registry_topic="]
+            sets = [
+                f"checkpoint.dir={d}/state",
+                f"release.dir={d}/rel",
+                "metrics.port=-1",
+                f"source.bootstrap={bootstrap}",
+                f"source.topic={topic}",
+                f"source.group=views-{k}-{os.urandom(3).hex()}",
+                "state.domain_size=100000",
+                f"window.size={events + 1}",
+                f"checkpoint.snapshots_per_window={k}",
+                # runs over one topic on purpose: the budget registry would refuse the second
+                "ledger.registry_topic=",
+            ]
             cfg = load_config(None, sets, env={})
             first = Aggregator(cfg, _make_source(cfg))
             first._lock()
             first.restore()
             first.catch_up()  # counts the window; snapshots at their public points
-            first.close()     # the worst point: the whole window (or snapshot interval) in memory
+            first.close()  # the worst point: the whole window (or snapshot interval) in memory
             second = Aggregator(cfg, _make_source(cfg))
             t0 = time.perf_counter()
             second._lock()
@@ -120,16 +131,24 @@ def audit() -> None:
     sys.path.insert(0, str(ROOT))
     from tests import test_privacy_service as t
 
-    rows = [("memory + files + release, replaced event after the intrusion", {"gap": 1}),
-            ("memory + files + release, replaced event before the intrusion", {"gap": 2}),
-            ("memory + files + release, after the window closed", {"gap": 3}),
-            ("snapshots_per_window = 2, intrusion after the replaced event",
-             {"gap": 2, "checkpoint.snapshots_per_window": 2}),
-            ("two backups of the state directory + release",
-             {"gap": 0, "backups": (1, 2), "checkpoint.snapshots_per_window": 2}),
-            ("NEGATIVE: checkpoint holding the live noise (old design)",
-             {"gap": 2, "cls": t._OldCheckpoints, "checkpoint.snapshots_per_window": 1}),
-            ("NEGATIVE: noise for eps 1.25 claimed as eps 1", {"gap": 2, "epsilon": 1.25})]
+    rows = [
+        ("memory + files + release, replaced event after the intrusion", {"gap": 1}),
+        ("memory + files + release, replaced event before the intrusion", {"gap": 2}),
+        ("memory + files + release, after the window closed", {"gap": 3}),
+        (
+            "snapshots_per_window = 2, intrusion after the replaced event",
+            {"gap": 2, "checkpoint.snapshots_per_window": 2},
+        ),
+        (
+            "two backups of the state directory + release",
+            {"gap": 0, "backups": (1, 2), "checkpoint.snapshots_per_window": 2},
+        ),
+        (
+            "NEGATIVE: checkpoint holding the live noise (old design)",
+            {"gap": 2, "cls": t._OldCheckpoints, "checkpoint.snapshots_per_window": 1},
+        ),
+        ("NEGATIVE: noise for eps 1.25 claimed as eps 1", {"gap": 2, "epsilon": 1.25}),
+    ]
     print("| view (eps = 1) | empirical eps |")
     print("|---|---|")
     with tempfile.TemporaryDirectory() as d:
@@ -141,8 +160,11 @@ def audit() -> None:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, "accuracy (the default without a subcommand): one cell, D = n = 1000, "
-                         "one run; recovery: 2,000 events")
+    ap = parser(
+        __doc__,
+        "accuracy (the default without a subcommand): one cell, D = n = 1000, "
+        "one run; recovery: 2,000 events",
+    )
     sub = ap.add_subparsers(dest="what")
     acc = sub.add_parser("accuracy")
     acc.add_argument("--reps", type=int, default=3)

@@ -7,8 +7,14 @@ import logging
 import time
 from collections.abc import Sequence
 
-__all__ = ["IntakeWatch", "PartialAssignment", "RecordColumn", "partial_assignment_error",
-           "partition_key", "replay_problem"]
+__all__ = [
+    "IntakeWatch",
+    "PartialAssignment",
+    "RecordColumn",
+    "partial_assignment_error",
+    "partition_key",
+    "replay_problem",
+]
 
 log = logging.getLogger("panagg.kafka")
 
@@ -27,38 +33,53 @@ def partial_assignment_error(group: str, topic: str, mine: list[int]) -> Partial
         f"consumer group {group!r} gave this process only partitions {mine} of {topic!r}: "
         "another aggregator runs in the same group. Set scale.partitioned = true on every "
         "member to run several aggregators in one group (docs/scale-out.md), or give each its "
-        "own source.group")
+        "own source.group"
+    )
 
 
-def replay_problem(topic: str, config: dict[str, str] | None, window_seconds: float | None,
-                   offsets: dict[str, int], begins: dict[str, int] | None) -> str | None:
+def replay_problem(
+    topic: str,
+    config: dict[str, str] | None,
+    window_seconds: float | None,
+    offsets: dict[str, int],
+    begins: dict[str, int] | None,
+) -> str | None:
     """Why ``topic`` could not replay an open window starting at ``offsets`` (None: it can),
     from its configuration and the first offset of each partition (None: unknown). A restart
     rebuilds the open window from the topic (docs/privacy.md), so the topic must keep at least
     a window's records and must not be compacted."""
     if config is None:
-        log.warning("could not read the configuration of topic %r: its retention is not "
-                    "checked against the window", topic)
+        log.warning(
+            "could not read the configuration of topic %r: its retention is not "
+            "checked against the window",
+            topic,
+        )
     else:
         if "compact" in config.get("cleanup.policy", ""):
-            return (f"topic {topic!r} is compacted (cleanup.policy="
-                    f"{config['cleanup.policy']}): a restart replays the open window from "
-                    "the topic, which compaction shortens; count a topic with "
-                    "cleanup.policy=delete")
+            return (
+                f"topic {topic!r} is compacted (cleanup.policy="
+                f"{config['cleanup.policy']}): a restart replays the open window from "
+                "the topic, which compaction shortens; count a topic with "
+                "cleanup.policy=delete"
+            )
         retention = int(config.get("retention.ms", "-1"))
         if window_seconds and 0 <= retention < 2000 * window_seconds:
-            return (f"topic {topic!r} keeps records for retention.ms={retention}, less "
-                    f"than two windows (window.size={window_seconds:g} s): a restart could "
-                    "not replay the open window; raise the topic's retention.ms or shorten "
-                    "window.size")
+            return (
+                f"topic {topic!r} keeps records for retention.ms={retention}, less "
+                f"than two windows (window.size={window_seconds:g} s): a restart could "
+                "not replay the open window; raise the topic's retention.ms or shorten "
+                "window.size"
+            )
     for key, begin in (begins or {}).items():
         start = offsets[key]
         if begin > start:
-            return (f"the open window starts at offset {start} of partition {key}, but the "
-                    f"topic now begins at {begin} (retention deleted part of the window), so "
-                    "it cannot be replayed; raise the topic's retention.ms, and to go on "
-                    "without that window move the checkpoints away and start with "
-                    "--fresh-start")
+            return (
+                f"the open window starts at offset {start} of partition {key}, but the "
+                f"topic now begins at {begin} (retention deleted part of the window), so "
+                "it cannot be replayed; raise the topic's retention.ms, and to go on "
+                "without that window move the checkpoints away and start with "
+                "--fresh-start"
+            )
     return None
 
 
@@ -157,7 +178,7 @@ class IntakeWatch:
         if not waiting:
             return False
         ends = self.end_offsets()
-        if not ends:   # unknown (the broker does not answer): an outage, reported as one
+        if not ends:  # unknown (the broker does not answer): an outage, reported as one
             return False
         # the client's own position where it is further: it steps over transaction markers,
         # which the end offset counts and the service's positions (records) never reach

@@ -30,29 +30,47 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-__all__ = ["TESTED", "KafkaPythonIncompatible", "check_consumer", "check_producer", "unpark",
-           "finish_join", "drop_stale_offsets", "wake_sender", "force_close"]
+__all__ = [
+    "TESTED",
+    "KafkaPythonIncompatible",
+    "check_consumer",
+    "check_producer",
+    "unpark",
+    "finish_join",
+    "drop_stale_offsets",
+    "wake_sender",
+    "force_close",
+]
 
 #: the kafka-python minor these patches were written and tested against
 TESTED = "3.0"
 
 #: object path (attribute chain from the client) -> what the service needs it for
-_CONSUMER = {("_fetcher", "_next_partition_records"): "resume parked records",
-             ("_fetcher", "_paused_partition_records"): "resume parked records",
-             ("_client", "cluster"): "broker connection state",
-             ("_coordinator", "_join_task"): "finishing a join a poll left half done",
-             ("_coordinator", "need_rejoin"): "finishing a join a poll left half done",
-             ("_coordinator", "request_rejoin"): "finishing a join a poll left half done"}
-_PRODUCER = {("_sender", "wakeup"): "bounded transactional waits",
-             ("_sender", "force_close"): "closing with the broker away",
-             ("_closed",): "closing with the broker away"}
-_TRANSACTIONAL = {("_transaction_manager", "_pending_txn_offset_commits"):
-                  "dropping a failed transaction's offsets",
-                  ("_transaction_manager", "_lock"): "dropping a failed transaction's offsets"}
+_CONSUMER = {
+    ("_fetcher", "_next_partition_records"): "resume parked records",
+    ("_fetcher", "_paused_partition_records"): "resume parked records",
+    ("_client", "cluster"): "broker connection state",
+    ("_coordinator", "_join_task"): "finishing a join a poll left half done",
+    ("_coordinator", "need_rejoin"): "finishing a join a poll left half done",
+    ("_coordinator", "request_rejoin"): "finishing a join a poll left half done",
+}
+_PRODUCER = {
+    ("_sender", "wakeup"): "bounded transactional waits",
+    ("_sender", "force_close"): "closing with the broker away",
+    ("_closed",): "closing with the broker away",
+}
+_TRANSACTIONAL = {
+    (
+        "_transaction_manager",
+        "_pending_txn_offset_commits",
+    ): "dropping a failed transaction's offsets",
+    ("_transaction_manager", "_lock"): "dropping a failed transaction's offsets",
+}
 
 
 class KafkaPythonIncompatible(RuntimeError):
     """The installed kafka-python lacks a private attribute the service relies on."""
+
 
 def _version() -> str:
     try:
@@ -79,7 +97,8 @@ def _check(obj, needs: dict) -> None:
         raise KafkaPythonIncompatible(
             f"kafka-python {_version()} lacks {', '.join(missing)}, which panagg needs (tested "
             f"with kafka-python {TESTED}.x); install that minor: pip install "
-            f"'kafka-python>={TESTED},<{TESTED.split('.')[0]}.{int(TESTED.split('.')[1]) + 1}'")
+            f"'kafka-python>={TESTED},<{TESTED.split('.')[0]}.{int(TESTED.split('.')[1]) + 1}'"
+        )
 
 
 def check_consumer(consumer) -> None:

@@ -49,10 +49,16 @@ _CLOSE_S = 15.0  # bound on leaving the group at a stop (close())
 _REBUILD_CLOSE_S = 5.0  # bound on closing a stalled client before its replacement starts
 
 #: kafka-python option (consumers.kafka_security.client_options) -> librdkafka property
-_SECURITY = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
-             "sasl_plain_username": "sasl.username", "sasl_plain_password": "sasl.password",
-             "ssl_cafile": "ssl.ca.location", "ssl_certfile": "ssl.certificate.location",
-             "ssl_keyfile": "ssl.key.location", "ssl_password": "ssl.key.password"}
+_SECURITY = {
+    "security_protocol": "security.protocol",
+    "sasl_mechanism": "sasl.mechanism",
+    "sasl_plain_username": "sasl.username",
+    "sasl_plain_password": "sasl.password",
+    "ssl_cafile": "ssl.ca.location",
+    "ssl_certfile": "ssl.certificate.location",
+    "ssl_keyfile": "ssl.key.location",
+    "ssl_password": "ssl.key.password",
+}
 
 
 def librdkafka_options(security: dict | None) -> dict:
@@ -80,7 +86,7 @@ class _Quieter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        kind = msg.split(" ", 1)[0]   # the facility, e.g. FAIL, REQTMOUT
+        kind = msg.split(" ", 1)[0]  # the facility, e.g. FAIL, REQTMOUT
         now = time.monotonic()
         if now - self._last.get(kind, -1e9) < self.every_s:
             return False
@@ -98,7 +104,8 @@ def _import():
     except ImportError:
         raise KafkaConnectError(
             'source.client = "confluent" needs confluent-kafka: pip install '
-            "'panagg[confluent]' (or set source.client = \"kafka-python\")") from None
+            "'panagg[confluent]' (or set source.client = \"kafka-python\")"
+        ) from None
     return confluent_kafka
 
 
@@ -112,7 +119,7 @@ def _headers(m):
 
 def _timestamp(m):
     kind, ts = m.timestamp()
-    return ts if kind else -1   # TIMESTAMP_NOT_AVAILABLE is 0
+    return ts if kind else -1  # TIMESTAMP_NOT_AVAILABLE is 0
 
 
 class ConfluentSource(Source, IntakeWatch):
@@ -125,10 +132,17 @@ class ConfluentSource(Source, IntakeWatch):
     #: a real Kafka source (the budget registry attaches to these)
     is_kafka = True
 
-    def __init__(self, bootstrap: str, topic: str, group: str, max_records: int = 20000,
-                 consumer_config: dict | None = None, security: dict | None = None,
-                 fetch_max_bytes: int = 16 * 1024 * 1024,
-                 max_partition_fetch_bytes: int = 4 * 1024 * 1024):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        group: str,
+        max_records: int = 20000,
+        consumer_config: dict | None = None,
+        security: dict | None = None,
+        fetch_max_bytes: int = 16 * 1024 * 1024,
+        max_partition_fetch_bytes: int = 4 * 1024 * 1024,
+    ):
         ck = _import()
         self._ck = ck
         self.topic, self.group, self.max_records = topic, group, int(max_records)
@@ -145,17 +159,25 @@ class ConfluentSource(Source, IntakeWatch):
         except SecurityError as exc:
             raise KafkaConnectError(str(exc)) from None
         config = {
-            "bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
-            "auto.offset.reset": "earliest", "client.id": f"panagg-{group}",
+            "bootstrap.servers": bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "client.id": f"panagg-{group}",
             "fetch.max.bytes": int(fetch_max_bytes),
             "max.partition.fetch.bytes": int(max_partition_fetch_bytes),
             # librdkafka's own pre-fetch queue is plaintext not yet counted: bounded the same
             "queued.max.messages.kbytes": max(1, int(fetch_max_bytes) // 1024),
             "queued.min.messages": self.max_records,
-            "reconnect.backoff.max.ms": 1000, "allow.auto.create.topics": False,
-            "enable.partition.eof": False, "statistics.interval.ms": 1000,
-            "stats_cb": self._stats, "error_cb": self._error,
-            "logger": _RDLOG, **self._security}
+            "reconnect.backoff.max.ms": 1000,
+            "allow.auto.create.topics": False,
+            "enable.partition.eof": False,
+            "statistics.interval.ms": 1000,
+            "stats_cb": self._stats,
+            "error_cb": self._error,
+            "logger": _RDLOG,
+            **self._security,
+        }
         config.update(consumer_config or {})
         self._config = config
         self._watch_init()
@@ -165,8 +187,12 @@ class ConfluentSource(Source, IntakeWatch):
 
     def _subscribed(self):
         consumer = self._ck.Consumer(self._config)
-        consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                           on_lost=self._on_revoke)
+        consumer.subscribe(
+            [self.topic],
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_revoke,
+        )
         return consumer
 
     def rebuild(self) -> None:
@@ -187,7 +213,7 @@ class ConfluentSource(Source, IntakeWatch):
 
     # -- group callbacks (run inside consume()) -------------------------------------------------
     def _on_assign(self, consumer, partitions) -> None:
-        if consumer is not self.consumer:   # a replaced client (rebuild) still closing
+        if consumer is not self.consumer:  # a replaced client (rebuild) still closing
             return
         for tp in partitions:
             key = partition_key(tp.topic, tp.partition)
@@ -197,8 +223,7 @@ class ConfluentSource(Source, IntakeWatch):
                 tp.offset = int(self.start_offsets[key])
         consumer.assign(partitions)
         # a partition the service holds stays held in a new assignment (or a new client)
-        held = [tp for tp in partitions
-                if partition_key(tp.topic, tp.partition) in self.paused]
+        held = [tp for tp in partitions if partition_key(tp.topic, tp.partition) in self.paused]
         if held:
             consumer.pause(held)
         self.assignment_changed = True
@@ -206,7 +231,7 @@ class ConfluentSource(Source, IntakeWatch):
         log.info("assigned partitions: %s", sorted(self.assigned))
 
     def _on_revoke(self, consumer, partitions) -> None:
-        if consumer is not self.consumer:   # a replaced client (rebuild) still closing
+        if consumer is not self.consumer:  # a replaced client (rebuild) still closing
             try:
                 consumer.unassign()
             except Exception:
@@ -308,11 +333,19 @@ class ConfluentSource(Source, IntakeWatch):
         segments = []
         for part, ms in by_part.items():
             first, last = ms[0].offset(), ms[-1].offset()
-            offsets: Sequence[int] = (range(first, last + 1) if last - first == len(ms) - 1
-                                      else [m.offset() for m in ms])
-            segments.append(Segment(partition_key(self.topic, part), offsets,
-                                    [m.value() for m in ms], RecordColumn(ms, _key),
-                                    RecordColumn(ms, _headers), RecordColumn(ms, _timestamp)))
+            offsets: Sequence[int] = (
+                range(first, last + 1) if last - first == len(ms) - 1 else [m.offset() for m in ms]
+            )
+            segments.append(
+                Segment(
+                    partition_key(self.topic, part),
+                    offsets,
+                    [m.value() for m in ms],
+                    RecordColumn(ms, _key),
+                    RecordColumn(ms, _headers),
+                    RecordColumn(ms, _timestamp),
+                )
+            )
         return segments
 
     def _message_error(self, err) -> None:
@@ -324,7 +357,7 @@ class ConfluentSource(Source, IntakeWatch):
         try:
             meta = self.consumer.list_topics(self.topic, timeout=_CALL_S)
         except self._ck.KafkaException:
-            return   # check again next poll
+            return  # check again next poll
         topic = meta.topics.get(self.topic)
         if topic is None or topic.error is not None or not topic.partitions:
             return
@@ -348,8 +381,10 @@ class ConfluentSource(Source, IntakeWatch):
         return [partition_key(self.topic, p) for p in self._partitions()]
 
     def _watermarks(self, keys, cached: bool = False) -> dict[str, tuple[int, int]]:
-        return {k: self.consumer.get_watermark_offsets(self._tp(k), timeout=_CALL_S,
-                                                       cached=cached) for k in keys}
+        return {
+            k: self.consumer.get_watermark_offsets(self._tp(k), timeout=_CALL_S, cached=cached)
+            for k in keys
+        }
 
     def initial_offsets(self, start) -> dict[str, int] | None:
         keys = self._keys()
@@ -361,8 +396,9 @@ class ConfluentSource(Source, IntakeWatch):
         ends = {k: hi for k, (_, hi) in marks.items()}
         if start == "latest":
             return ends
-        found = self.consumer.offsets_for_times([self._tp(k, int(start)) for k in keys],
-                                                timeout=_CALL_S)
+        found = self.consumer.offsets_for_times(
+            [self._tp(k, int(start)) for k in keys], timeout=_CALL_S
+        )
         out = {}
         for tp in found:
             key = partition_key(tp.topic, tp.partition)
@@ -397,34 +433,46 @@ class ConfluentSource(Source, IntakeWatch):
 
     def client_positions(self, keys) -> dict[str, int]:
         """librdkafka's application position in each of ``keys`` (where it has one)."""
-        return {partition_key(tp.topic, tp.partition): int(tp.offset)
-                for tp in self.consumer.position([self._tp(k) for k in keys]) if tp.offset >= 0}
+        return {
+            partition_key(tp.topic, tp.partition): int(tp.offset)
+            for tp in self.consumer.position([self._tp(k) for k in keys])
+            if tp.offset >= 0
+        }
 
     def _committed(self) -> list:
         return self.consumer.committed([self._tp(k) for k in self._keys()], timeout=_CALL_S)
 
     def committed_offsets(self) -> dict[str, int]:
         try:
-            return {partition_key(tp.topic, tp.partition): int(tp.offset)
-                    for tp in self._committed() if tp.offset >= 0}
+            return {
+                partition_key(tp.topic, tp.partition): int(tp.offset)
+                for tp in self._committed()
+                if tp.offset >= 0
+            }
         except Exception as exc:
-            log.warning("committed offsets of group %r unknown (%s)", self.group,
-                        type(exc).__name__)
+            log.warning(
+                "committed offsets of group %r unknown (%s)", self.group, type(exc).__name__
+            )
             return {}
 
     def committed_metadata(self) -> list[str]:
         try:
             return [tp.metadata for tp in self._committed() if tp.offset >= 0 and tp.metadata]
         except Exception as exc:
-            log.warning("committed offsets of group %r unknown (%s): the ledger is not checked "
-                        "against its Kafka anchor", self.group, type(exc).__name__)
+            log.warning(
+                "committed offsets of group %r unknown (%s): the ledger is not checked "
+                "against its Kafka anchor",
+                self.group,
+                type(exc).__name__,
+            )
             return []
 
     def replay_problem(self, offsets: dict[str, int], window_seconds: float | None) -> str | None:
         config = self._topic_config()
         try:
-            begins: dict[str, int] | None = {k: lo for k, (lo, _) in
-                                             self._watermarks(list(offsets)).items()}
+            begins: dict[str, int] | None = {
+                k: lo for k, (lo, _) in self._watermarks(list(offsets)).items()
+            }
         except Exception as exc:
             log.warning("beginning offsets of %r unknown (%s)", self.topic, type(exc).__name__)
             begins = None
@@ -435,8 +483,9 @@ class ConfluentSource(Source, IntakeWatch):
             return self._config_cache
         ck = self._ck
         try:
-            admin = ck.admin.AdminClient({"bootstrap.servers": self.bootstrap, **self._security,
-                                          "logger": _RDLOG})
+            admin = ck.admin.AdminClient(
+                {"bootstrap.servers": self.bootstrap, **self._security, "logger": _RDLOG}
+            )
             res = ck.admin.ConfigResource(ck.admin.ResourceType.TOPIC, self.topic)
             entries = admin.describe_configs([res], request_timeout=10)[res].result(timeout=10)
             self._config_cache = {k: str(v.value) for k, v in entries.items()}
@@ -474,12 +523,16 @@ class ConfluentSource(Source, IntakeWatch):
         per partition)."""
         try:
             keys = sorted(self.assigned)
-            ends = {k: self.consumer.get_watermark_offsets(self._tp(k), timeout=1.0)[1]
-                    for k in keys}
+            ends = {
+                k: self.consumer.get_watermark_offsets(self._tp(k), timeout=1.0)[1] for k in keys
+            }
         except Exception:
             return self.lag(positions)
-        return {k: max(0, int(end) - positions[k]) for k, end in ends.items()
-                if positions and k in positions}
+        return {
+            k: max(0, int(end) - positions[k])
+            for k, end in ends.items()
+            if positions and k in positions
+        }
 
     def connected(self) -> bool | None:
         """Whether librdkafka holds a connection to some broker that is up (None: not known
@@ -492,14 +545,19 @@ class ConfluentSource(Source, IntakeWatch):
         must not hang on it. Nothing durable depends on the close (the checkpoint holds the
         offsets); past the bound the broker expires the membership itself."""
         if not self._close_bounded(self.consumer, _CLOSE_S):
-            log.warning("the Kafka consumer did not leave group %r within %g s (its group "
-                        "coordinator did not answer); stopping without it: the broker drops the "
-                        "membership after its session timeout", self.group, _CLOSE_S)
+            log.warning(
+                "the Kafka consumer did not leave group %r within %g s (its group "
+                "coordinator did not answer); stopping without it: the broker drops the "
+                "membership after its session timeout",
+                self.group,
+                _CLOSE_S,
+            )
 
     @staticmethod
     def _close_bounded(consumer, bound_s: float) -> bool:
         """Close ``consumer`` on a thread of its own, waiting at most ``bound_s`` (False: it
         was still closing)."""
+
         def leave() -> None:
             try:
                 consumer.close()

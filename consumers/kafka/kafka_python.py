@@ -108,8 +108,15 @@ class KafkaSource(Source, IntakeWatch):
     #: a real Kafka source (the budget registry attaches to these)
     is_kafka = True
 
-    def __init__(self, bootstrap: str, topic: str, group: str, max_records: int = 20000,
-                 consumer_config: dict | None = None, security: dict | None = None):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        group: str,
+        max_records: int = 20000,
+        consumer_config: dict | None = None,
+        security: dict | None = None,
+    ):
         self.topic, self.group, self.max_records = topic, group, int(max_records)
         self.bootstrap = bootstrap
         self._config_cache: dict[str, str] | None = None
@@ -120,11 +127,15 @@ class KafkaSource(Source, IntakeWatch):
         self.partial_assignment: list[int] | None = None
         self.assignment_changed = False
         config = dict(
-            bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-            auto_offset_reset="earliest", max_poll_records=self.max_records,
+            bootstrap_servers=bootstrap,
+            group_id=group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=self.max_records,
             # records fetched but not yet counted are plaintext in memory: these bound them
             # (docs/privacy.md, "In flight"); the service sets them from its config
-            fetch_max_bytes=16 * 1024 * 1024, max_partition_fetch_bytes=4 * 1024 * 1024,
+            fetch_max_bytes=16 * 1024 * 1024,
+            max_partition_fetch_bytes=4 * 1024 * 1024,
             client_id=f"panagg-{group}",
             # a broker that comes back is found within a second (kafka-python's default backs
             # off up to 30 s between reconnects: counting resumed 24-35 s after an outage)
@@ -158,9 +169,12 @@ class KafkaSource(Source, IntakeWatch):
         fetched again: nothing is counted twice or skipped."""
         try:
             new = self._subscribed()
-        except Exception as exc:   # (the broker answered a moment ago; try again later)
-            log.warning("the stalled Kafka consumer could not be replaced (%s); trying again "
-                        "after source.stall_timeout_s", type(exc).__name__)
+        except Exception as exc:  # (the broker answered a moment ago; try again later)
+            log.warning(
+                "the stalled Kafka consumer could not be replaced (%s); trying again "
+                "after source.stall_timeout_s",
+                type(exc).__name__,
+            )
             self._quiet_from_now()
             return
         old, self.consumer = self.consumer, new
@@ -186,8 +200,9 @@ class KafkaSource(Source, IntakeWatch):
         compat.unpark(self.consumer)
         compat.finish_join(self.consumer)
         try:
-            polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000),
-                                        max_records=self.max_records)
+            polled = self.consumer.poll(
+                timeout_ms=int(timeout_s * 1000), max_records=self.max_records
+            )
         except KafkaError as exc:
             if not getattr(exc, "retriable", False):
                 raise
@@ -209,11 +224,16 @@ class KafkaSource(Source, IntakeWatch):
         segments = []
         for tp, records in polled.items():
             if records:
-                segments.append(Segment(partition_key(tp.topic, tp.partition),
-                                        _offsets(records), [r.value for r in records],
-                                        RecordColumn(records, _KEY),
-                                        RecordColumn(records, _HEADERS),
-                                        RecordColumn(records, _TIMESTAMP)))
+                segments.append(
+                    Segment(
+                        partition_key(tp.topic, tp.partition),
+                        _offsets(records),
+                        [r.value for r in records],
+                        RecordColumn(records, _KEY),
+                        RecordColumn(records, _HEADERS),
+                        RecordColumn(records, _TIMESTAMP),
+                    )
+                )
         if segments:
             self._delivered()
         return segments
@@ -231,8 +251,9 @@ class KafkaSource(Source, IntakeWatch):
         elif start == "latest":
             found = self.consumer.end_offsets(tps, timeout_ms=_CALL_MS)
         else:
-            at = self.consumer.offsets_for_times({tp: int(start) for tp in tps},
-                                                 timeout_ms=_CALL_MS)
+            at = self.consumer.offsets_for_times(
+                {tp: int(start) for tp in tps}, timeout_ms=_CALL_MS
+            )
             ends = self.consumer.end_offsets(tps, timeout_ms=_CALL_MS)
             found = {tp: (at[tp].offset if at.get(tp) is not None else ends[tp]) for tp in tps}
         return {partition_key(tp.topic, tp.partition): int(off) for tp, off in found.items()}
@@ -315,8 +336,9 @@ class KafkaSource(Source, IntakeWatch):
                 if committed is not None:
                     out[partition_key(tp.topic, tp.partition)] = int(committed)
         except Exception as exc:
-            log.warning("committed offsets of group %r unknown (%s)", self.group,
-                        type(exc).__name__)
+            log.warning(
+                "committed offsets of group %r unknown (%s)", self.group, type(exc).__name__
+            )
         return out
 
     def committed_metadata(self) -> list[str]:
@@ -329,8 +351,12 @@ class KafkaSource(Source, IntakeWatch):
                 if committed is not None and getattr(committed, "metadata", None):
                     out.append(committed.metadata)
         except Exception as exc:
-            log.warning("committed offsets of group %r unknown (%s): the ledger is not checked "
-                        "against its Kafka anchor", self.group, type(exc).__name__)
+            log.warning(
+                "committed offsets of group %r unknown (%s): the ledger is not checked "
+                "against its Kafka anchor",
+                self.group,
+                type(exc).__name__,
+            )
         return out
 
     def replay_problem(self, offsets: dict[str, int], window_seconds: float | None) -> str | None:
@@ -344,20 +370,30 @@ class KafkaSource(Source, IntakeWatch):
         except Exception as exc:
             log.warning("beginning offsets of %r unknown (%s)", self.topic, type(exc).__name__)
             begins = None
-        return replay_problem(self.topic, config, window_seconds, offsets, None if begins is None
-                              else {partition_key(tp.topic, tp.partition): int(b)
-                                    for tp, b in begins.items()})
+        return replay_problem(
+            self.topic,
+            config,
+            window_seconds,
+            offsets,
+            None
+            if begins is None
+            else {partition_key(tp.topic, tp.partition): int(b) for tp, b in begins.items()},
+        )
 
     def _topic_config(self) -> dict[str, str] | None:
         if self._config_cache is not None:
             return self._config_cache
         admin = None
         try:
-            admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000,
-                                     client_id=f"panagg-{self.group}-admin",
-                                     **self.security_options)
-            res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, self.topic)],
-                                         config_filter="all")
+            admin = KafkaAdminClient(
+                bootstrap_servers=self.bootstrap,
+                request_timeout_ms=10000,
+                client_id=f"panagg-{self.group}-admin",
+                **self.security_options,
+            )
+            res = admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, self.topic)], config_filter="all"
+            )
             entries = res["topic"][self.topic]
             self._config_cache = {k: str(v["value"]) for k, v in entries.items()}
         except Exception as exc:
@@ -371,8 +407,11 @@ class KafkaSource(Source, IntakeWatch):
     def commit(self, offsets: dict[str, int], metadata: str = "") -> None:
         """Offsets to the group for lag dashboards (with ``metadata``: the ledger's anchor,
         aggregator.service.anchor): asynchronous, never blocks counting."""
-        mine = {parse_partition_key(k): OffsetAndMetadata(v, metadata, -1)
-                for k, v in offsets.items() if k in self.assigned}
+        mine = {
+            parse_partition_key(k): OffsetAndMetadata(v, metadata, -1)
+            for k, v in offsets.items()
+            if k in self.assigned
+        }
         if mine:
             try:
                 self.consumer.commit_async(mine, callback=self._committed)
@@ -407,16 +446,22 @@ class KafkaSource(Source, IntakeWatch):
             ends = self.consumer.end_offsets(tps, timeout_ms=1000) if tps else {}
         except Exception:
             return self.lag(positions)
-        return {partition_key(tp.topic, tp.partition): max(0, int(end) - positions[
-            partition_key(tp.topic, tp.partition)]) for tp, end in ends.items()
-            if positions and partition_key(tp.topic, tp.partition) in positions}
+        return {
+            partition_key(tp.topic, tp.partition): max(
+                0, int(end) - positions[partition_key(tp.topic, tp.partition)]
+            )
+            for tp, end in ends.items()
+            if positions and partition_key(tp.topic, tp.partition) in positions
+        }
 
     def connected(self) -> bool | None:
         """Whether the client holds a ready connection to some broker (None: unknown)."""
         try:
             client = self.consumer._client
-            return any(client.connected(getattr(b, "node_id", getattr(b, "nodeId", None)))
-                       for b in client.cluster.brokers())
+            return any(
+                client.connected(getattr(b, "node_id", getattr(b, "nodeId", None)))
+                for b in client.cluster.brokers()
+            )
         except Exception:
             return None
 

@@ -31,14 +31,16 @@ def main(bootstrap: str, patched: bool) -> str:
     producer.flush()
     producer.close()
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                             auto_offset_reset="earliest")
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+    )
     tps = [TopicPartition(topic, 0), TopicPartition(topic, 1)]
     consumer.assign(tps)
 
     def poll(max_records):
         if patched:
             from consumers.kafka.compat import unpark
+
             unpark(consumer)
         return consumer.poll(timeout_ms=2000, max_records=max_records)
 
@@ -63,8 +65,10 @@ def main(bootstrap: str, patched: bool) -> str:
     consumer.close()
     if got_x == PER_PARTITION - 1:
         return "OK"
-    return (f"REPRODUCED: {got_x} of {PER_PARTITION - 1} records of resumed partition {x.partition}"
-            " came in 10 s (its parsed records stay parked behind a drained in-line slot)")
+    return (
+        f"REPRODUCED: {got_x} of {PER_PARTITION - 1} records of resumed partition {x.partition}"
+        " came in 10 s (its parsed records stay parked behind a drained in-line slot)"
+    )
 
 
 if __name__ == "__main__":

@@ -35,21 +35,28 @@ def main(bootstrap: str, patched: bool) -> str:
     for k in range(GROUPS):
         # a new group: its first join runs before the consumer knows the topic's partitions,
         # so the leader assigns nothing, then rejoins once the metadata shows them
-        consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=f"{topic}-{k}",
-                                 enable_auto_commit=False, auto_offset_reset="earliest")
+        consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=f"{topic}-{k}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
         consumer.subscribe([topic])
         deadline = time.monotonic() + WAIT_S
         while not consumer.assignment() and time.monotonic() < deadline:
             if patched:
                 from consumers.kafka.compat import finish_join
+
                 finish_join(consumer)
-            consumer.poll(timeout_ms=1)   # short polls: the join outlives many of them
+            consumer.poll(timeout_ms=1)  # short polls: the join outlives many of them
         stuck += not consumer.assignment()
         consumer.close(autocommit=False)
     if not stuck:
         return "OK"
-    return (f"REPRODUCED: {stuck} of {GROUPS} new groups had no partition after {WAIT_S:.0f} s "
-            "(the rejoin's SyncGroup answer was never applied)")
+    return (
+        f"REPRODUCED: {stuck} of {GROUPS} new groups had no partition after {WAIT_S:.0f} s "
+        "(the rejoin's SyncGroup answer was never applied)"
+    )
 
 
 if __name__ == "__main__":

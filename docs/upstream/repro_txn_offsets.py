@@ -28,8 +28,12 @@ def main(bootstrap: str, patched: bool) -> str:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     admin.create_topics([NewTopic(topic, 2, 1), NewTopic(out, 1, 1)])
     admin.close()
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group,
-                             enable_auto_commit=False, isolation_level="read_committed")
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+    )
     consumer.subscribe([topic])
     deadline = time.monotonic() + 60
     while not consumer.assignment() and time.monotonic() < deadline:
@@ -43,6 +47,7 @@ def main(bootstrap: str, patched: bool) -> str:
     def begin():
         if patched:
             from consumers.kafka.compat import drop_stale_offsets
+
             drop_stale_offsets(producer)
         producer.begin_transaction()
 
@@ -50,23 +55,26 @@ def main(bootstrap: str, patched: bool) -> str:
     producer.send(out, value=b"first")
     try:
         producer.send_offsets_to_transaction(
-            {TopicPartition(topic, 0): OffsetAndMetadata(5, "", -1)}, stale)
+            {TopicPartition(topic, 0): OffsetAndMetadata(5, "", -1)}, stale
+        )
     except CommitFailedError:
         pass
     producer.abort_transaction()
     begin()
     producer.send(out, value=b"second")
     producer.send_offsets_to_transaction(
-        {TopicPartition(topic, 1): OffsetAndMetadata(7, "", -1)}, meta)
+        {TopicPartition(topic, 1): OffsetAndMetadata(7, "", -1)}, meta
+    )
     producer.commit_transaction()
     producer.close(timeout=5)
-    committed = {p: consumer.committed(TopicPartition(topic, p), timeout_ms=10000)
-                 for p in (0, 1)}
+    committed = {p: consumer.committed(TopicPartition(topic, p), timeout_ms=10000) for p in (0, 1)}
     consumer.close()
     if committed == {0: None, 1: 7}:
         return "OK"
-    return (f"REPRODUCED: committed offsets {committed}; the aborted transaction's offset 5 of "
-            "partition 0 went out with the next transaction's TxnOffsetCommit")
+    return (
+        f"REPRODUCED: committed offsets {committed}; the aborted transaction's offset 5 of "
+        "partition 0 went out with the next transaction's TxnOffsetCommit"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import msgpack
 
-from .invariant import (DELETED, check_directory, check_rollups, check_source_spans,
-                        named_deleted)
+from .invariant import DELETED, check_directory, check_rollups, check_source_spans, named_deleted
 
 __all__ = ["Broker", "FAULTS", "MODES", "Result", "run_case"]
 
@@ -53,8 +52,13 @@ class Broker:
         # retention is checked every 5 s (the broker's default, 5 min, would keep a topic's
         # expired records through a whole case: the fault past_retention needs them deleted)
         env = dict(os.environ, KAFKA_PROPERTIES="log.retention.check.interval.ms=5000")
-        return subprocess.run([str(KAFKA_SH), *args, str(self.state)], capture_output=True,
-                              text=True, timeout=180, env=env)
+        return subprocess.run(
+            [str(KAFKA_SH), *args, str(self.state)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
 
     def start(self) -> str:
         done = self._sh("start")
@@ -100,10 +104,12 @@ RATE = 1500  # events per second of the harness's producer
 
 MODES: dict[str, Mode] = {
     "count": Mode(("window.kind=count", "window.size=4000"), window_events=4000),
-    "time": Mode(("window.kind=time", "window.clock=process", "window.size=3"),
-                 window_events=8 * RATE),
+    "time": Mode(
+        ("window.kind=time", "window.clock=process", "window.size=3"), window_events=8 * RATE
+    ),
     "event_time": Mode(("window.kind=event_time", "window.size=3"), window_events=8 * RATE),
-    "several": Mode(toml="""
+    "several": Mode(
+        toml="""
 [ledger]
 budget_per_event = 2.0
 [aggregations.small]
@@ -112,72 +118,130 @@ state.epsilon = 1.0
 [aggregations.large]
 window.size = 6000
 state.epsilon = 1.0
-""", window_events=6000),
-    "rollups_sum": Mode(("window.kind=count", "window.size=2000", 'window.rollups=["3x"]',
-                         "window.rollup_design=sum"), window_events=2000),
-    "rollups_hybrid": Mode(("window.kind=event_time", "window.size=2",
-                            'window.rollups=["6s"]', "window.rollup_design=hybrid"),
-                           window_events=16 * RATE),
-    "rollups_tree": Mode(("window.kind=count", "window.size=2000", 'window.rollups=["3x"]',
-                          "window.rollup_design=tree"), window_events=6000),
+""",
+        window_events=6000,
+    ),
+    "rollups_sum": Mode(
+        (
+            "window.kind=count",
+            "window.size=2000",
+            'window.rollups=["3x"]',
+            "window.rollup_design=sum",
+        ),
+        window_events=2000,
+    ),
+    "rollups_hybrid": Mode(
+        (
+            "window.kind=event_time",
+            "window.size=2",
+            'window.rollups=["6s"]',
+            "window.rollup_design=hybrid",
+        ),
+        window_events=16 * RATE,
+    ),
+    "rollups_tree": Mode(
+        (
+            "window.kind=count",
+            "window.size=2000",
+            'window.rollups=["3x"]',
+            "window.rollup_design=tree",
+        ),
+        window_events=6000,
+    ),
 }
 # the same one-process modes on the librdkafka client (source.client = confluent)
 for _name in ("count", "time", "event_time", "several"):
     _m = MODES[_name]
-    MODES[f"{_name}_confluent"] = Mode(_m.sets + ("source.client=confluent",), _m.toml,
-                                       _m.window_events)
-_GROUP = ("scale.partitioned=true", "scale.store=kafka", "window.kind=time", "window.size=5",
-          "source.session_timeout_s=6", "scale.close_grace_s=1")
+    MODES[f"{_name}_confluent"] = Mode(
+        _m.sets + ("source.client=confluent",), _m.toml, _m.window_events
+    )
+_GROUP = (
+    "scale.partitioned=true",
+    "scale.store=kafka",
+    "window.kind=time",
+    "window.size=5",
+    "source.session_timeout_s=6",
+    "scale.close_grace_s=1",
+)
 for _k in (1, 2, 3):
     # the default exchange (views: members count their own source partitions), and items
     MODES[f"group{_k}"] = Mode(_GROUP, window_events=12 * RATE, members=_k)
-    MODES[f"group_items{_k}"] = Mode(_GROUP + ("scale.exchange=items",),
-                                     window_events=12 * RATE, members=_k)
+    MODES[f"group_items{_k}"] = Mode(
+        _GROUP + ("scale.exchange=items",), window_events=12 * RATE, members=_k
+    )
     # in-window snapshots of the views exchange: a member killed -9 resumes its window from
     # its last snapshot (a rebalance that splits one withholds that window, named)
-    MODES[f"group_snapshots{_k}"] = Mode(_GROUP + ("checkpoint.snapshots_per_window=2",),
-                                         window_events=12 * RATE, members=_k)
+    MODES[f"group_snapshots{_k}"] = Mode(
+        _GROUP + ("checkpoint.snapshots_per_window=2",), window_events=12 * RATE, members=_k
+    )
     # sum rollups of the views exchange, added up by the leader
-    MODES[f"group_rollups{_k}"] = Mode(_GROUP + ('window.rollups=["3x"]',
-                                                 "window.rollup_design=sum"),
-                                       window_events=12 * RATE, members=_k)
+    MODES[f"group_rollups{_k}"] = Mode(
+        _GROUP + ('window.rollups=["3x"]', "window.rollup_design=sum"),
+        window_events=12 * RATE,
+        members=_k,
+    )
     # count windows of the views exchange: each member cuts at the group's reported total
     MODES[f"group_count{_k}"] = Mode(
-        tuple(s for s in _GROUP if not s.startswith("window.")) +
-        ("window.kind=count", "window.size=6000"), window_events=6000 + 6 * RATE, members=_k)
+        tuple(s for s in _GROUP if not s.startswith("window."))
+        + ("window.kind=count", "window.size=6000"),
+        window_events=6000 + 6 * RATE,
+        members=_k,
+    )
     # count and event-time windows of the items exchange (event time with views is tested in
     # tests/integration/test_group_views.py, not in this matrix yet: its ranges overlap).
     # Count windows are cut by the leader's markers at multiples of N (a window holds N plus or
     # minus about one intake poll); event-time windows by the records' timestamps, closed by the
     # leader's markers once the low watermark passes a window's end
     _items = tuple(s for s in _GROUP if not s.startswith("window.")) + ("scale.exchange=items",)
-    MODES[f"group_items_count{_k}"] = Mode(_items + ("window.kind=count", "window.size=5000"),
-                                           window_events=3 * 5000, members=_k)
-    MODES[f"group_items_event{_k}"] = Mode(_items + ("window.kind=event_time",
-                                                     "window.size=5"),
-                                           window_events=12 * RATE, members=_k)
+    MODES[f"group_items_count{_k}"] = Mode(
+        _items + ("window.kind=count", "window.size=5000"), window_events=3 * 5000, members=_k
+    )
+    MODES[f"group_items_event{_k}"] = Mode(
+        _items + ("window.kind=event_time", "window.size=5"), window_events=12 * RATE, members=_k
+    )
     # event-time windows of the views exchange: each member windows its own partitions by
     # the records' timestamps and closes at the group's low watermark (event_views.py)
     MODES[f"group_event{_k}"] = Mode(
-        tuple(s for s in _GROUP if not s.startswith("window.")) +
-        ("window.kind=event_time", "window.size=5", "window.allowed_lateness_s=1"),
-        window_events=12 * RATE, members=_k)
+        tuple(s for s in _GROUP if not s.startswith("window."))
+        + ("window.kind=event_time", "window.size=5", "window.allowed_lateness_s=1"),
+        window_events=12 * RATE,
+        members=_k,
+    )
 
 #: the shuffle model (docs/shuffle.md): GKMP at a large epsilon over few buckets, so that each
 #: event is a few sealed messages (the clients' sealing is the harness's cost), count windows
 #: of SHUFFLE_N events, SHUFFLE_RATE events a second
 SHUFFLE_N, SHUFFLE_RATE, SHUFFLE_B = 600, 300, 40
-MODES["shuffle"] = Mode(("state.model=shuffle", "state.epsilon=20",
-                         f"state.domain_size={SHUFFLE_B}", "window.kind=count",
-                         f"window.size={SHUFFLE_N}", "shuffle.protocol=gkmp",
-                         "release.estimator=threshold"),
-                        window_events=SHUFFLE_N, shuffle=True)
+MODES["shuffle"] = Mode(
+    (
+        "state.model=shuffle",
+        "state.epsilon=20",
+        f"state.domain_size={SHUFFLE_B}",
+        "window.kind=count",
+        f"window.size={SHUFFLE_N}",
+        "shuffle.protocol=gkmp",
+        "release.estimator=threshold",
+    ),
+    window_events=SHUFFLE_N,
+    shuffle=True,
+)
 
 #: faults: what happens while the producer runs
-FAULTS = ("none", "kill9", "broker_kill", "broker_restart", "slow_release",
-          "start_broker_away", "start_together", "disk_full", "past_retention",
-          "source_retention", "source_retention_early", "source_retention_frozen",
-          "offsets_reset")
+FAULTS = (
+    "none",
+    "kill9",
+    "broker_kill",
+    "broker_restart",
+    "slow_release",
+    "start_broker_away",
+    "start_together",
+    "disk_full",
+    "past_retention",
+    "source_retention",
+    "source_retention_early",
+    "source_retention_frozen",
+    "offsets_reset",
+)
 
 #: disk_full: the size of the service's own filesystem (state and release directories), and how
 #: long each fill lasts (s)
@@ -189,8 +253,10 @@ FULL_S = (3.0, 6.0)
 #: timeout keeps its partitions with it meanwhile (static membership), as a pod restart would
 RETENTION_S = 15
 DOWN_S = 100.0
-PAST_RETENTION_SETS = (f"scale.repartition_retention_s={RETENTION_S}",
-                       "source.session_timeout_s=150")
+PAST_RETENTION_SETS = (
+    f"scale.repartition_retention_s={RETENTION_S}",
+    "source.session_timeout_s=150",
+)
 #: source_retention: how long every member stays down while the producer goes on (s); then the
 #: source topic's records are deleted up to at most KEEP_S of production before its end (what
 #: retention does to records no one read while the group was down), and the members start
@@ -213,22 +279,37 @@ def applies(mode: str, fault: str) -> str:
     spec = MODES[mode]
     if fault == "disk_full" and spec.members:
         return "disk_full is for the one-process modes (a group's state is in Kafka)"
-    if spec.shuffle and fault in ("disk_full", "past_retention", "start_together",
-                                  "slow_release", "source_retention",
-                                  "source_retention_early", "source_retention_frozen",
-                                  "offsets_reset"):
+    if spec.shuffle and fault in (
+        "disk_full",
+        "past_retention",
+        "start_together",
+        "slow_release",
+        "source_retention",
+        "source_retention_early",
+        "source_retention_frozen",
+        "offsets_reset",
+    ):
         return f"{fault} is not built for the shuffle mode yet"
     if fault == "past_retention" and spec.members < 2:
-        return "past_retention is for groups of 2-3 (items: the repartition topic's retention; " \
+        return (
+            "past_retention is for groups of 2-3 (items: the repartition topic's retention; "
             "views: the source topic's)"
+        )
     if fault == "past_retention" and "window.kind=event_time" in spec.sets:
-        return ("past_retention: event-time windows of a group have no check of records "
-                "deleted before they were counted yet (docs/scale-out.md)")
-    if fault.startswith("source_retention") and spec.members and \
-            "window.kind=event_time" in spec.sets:
-        return (f"{fault}: the event-time checks (check_event_entries) do not read "
-                "spans named deleted yet; the intakes' naming is tested in "
-                "tests/integration (event_time_source_records_deleted)")
+        return (
+            "past_retention: event-time windows of a group have no check of records "
+            "deleted before they were counted yet (docs/scale-out.md)"
+        )
+    if (
+        fault.startswith("source_retention")
+        and spec.members
+        and "window.kind=event_time" in spec.sets
+    ):
+        return (
+            f"{fault}: the event-time checks (check_event_entries) do not read "
+            "spans named deleted yet; the intakes' naming is tested in "
+            "tests/integration (event_time_source_records_deleted)"
+        )
     return ""
 
 
@@ -281,9 +362,13 @@ class _Producer(threading.Thread):
         while not self.stop.is_set():
             try:
                 if producer is None:
-                    producer = KafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=5,
-                                             acks="all", retries=5,
-                                             reconnect_backoff_max_ms=500)
+                    producer = KafkaProducer(
+                        bootstrap_servers=self.bootstrap,
+                        linger_ms=5,
+                        acks="all",
+                        retries=5,
+                        reconnect_backoff_max_ms=500,
+                    )
                 for _ in range(self.rate // 20):
                     item = min(int(self.rng.paretovariate(1.2)), DOMAIN - 1)
                     producer.send(self.topic, msgpack.packb({"item": item}))
@@ -335,10 +420,13 @@ def _decided(bootstrap: str, group: str) -> bool:
 
     try:
         recs = _read_topic(bootstrap, GroupTopics(group).ledger)
-    except Exception:   # not made yet
+    except Exception:  # not made yet
         return False
-    return any(b'"kind": "release"' in (v or b"") or b'"kind":"release"' in (v or b"")
-               for part in recs.values() for _, v in part)
+    return any(
+        b'"kind": "release"' in (v or b"") or b'"kind":"release"' in (v or b"")
+        for part in recs.values()
+        for _, v in part
+    )
 
 
 def _delete_records(bootstrap: str, topic: str, keep: int) -> dict[int, int]:
@@ -346,8 +434,9 @@ def _delete_records(bootstrap: str, topic: str, keep: int) -> dict[int, int]:
     the topic's retention does to old records); returns partition -> its first offset after."""
     from kafka import TopicPartition
 
-    cut = {int(k.rsplit(":", 1)[1]): max(0, end - keep)
-           for k, end in _ends(bootstrap, topic).items()}
+    cut = {
+        int(k.rsplit(":", 1)[1]): max(0, end - keep) for k, end in _ends(bootstrap, topic).items()
+    }
     admin = _admin(bootstrap)
     try:
         admin.delete_records({TopicPartition(topic, p): o for p, o in cut.items()})
@@ -366,16 +455,22 @@ def _reset_offsets(bootstrap: str, topic: str, groups: list[str]) -> list[str]:
     done = []
     try:
         for group in groups:
-            deadline = time.monotonic() + 60   # offsets change only in an empty group
+            deadline = time.monotonic() + 60  # offsets change only in an empty group
             while admin.describe_groups([group])[group]["group_state"] not in ("Empty", "Dead"):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"consumer group {group} did not empty in 60 s")
                 time.sleep(0.5)
-            held = [tp for tp in admin.list_group_offsets(group).get(group, {})
-                    if tp.topic == topic]
+            held = [
+                tp for tp in admin.list_group_offsets(group).get(group, {}) if tp.topic == topic
+            ]
             if held:
-                admin.alter_group_offsets(group, {TopicPartition(topic, p): OffsetAndMetadata(
-                    0, "", -1) for p in range(PARTITIONS)})
+                admin.alter_group_offsets(
+                    group,
+                    {
+                        TopicPartition(topic, p): OffsetAndMetadata(0, "", -1)
+                        for p in range(PARTITIONS)
+                    },
+                )
                 done.append(group)
     finally:
         admin.close()
@@ -394,14 +489,21 @@ class _Service:
     def start(self) -> None:
         self.starts += 1
         err = open(self.workdir / f"stderr-{self.starts}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *self.args],
-                                     cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aggregator.service.cli", *self.args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             log = (self.workdir / f"stderr-{self.starts}.log").read_text()[-1500:]
-            self.problems.append(f"the service exited on its own (rc {self.proc.returncode}) "
-                                 f"in start {self.starts}: {log}")
+            self.problems.append(
+                f"the service exited on its own (rc {self.proc.returncode}) "
+                f"in start {self.starts}: {log}"
+            )
             self.start()  # what an operator's supervisor would do; the check goes on
 
     def kill9(self) -> None:
@@ -416,8 +518,11 @@ class _Service:
         # its imports, seconds on a loaded machine) the default action ends the process
         log = self.workdir / f"stderr-{self.starts}.log"
         deadline = time.monotonic() + 60
-        while "connecting to Kafka" not in log.read_text() and self.proc.poll() is None \
-                and time.monotonic() < deadline:
+        while (
+            "connecting to Kafka" not in log.read_text()
+            and self.proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -446,8 +551,17 @@ def fill_disk(path: Path) -> Path:
     return filler
 
 
-def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
-             seconds: float = 16.0, settle: float = 3.0, faults: int = 2) -> Result:
+def run_case(
+    broker: Broker,
+    mode: str,
+    fault: str,
+    seed: int,
+    workdir: Path,
+    *,
+    seconds: float = 16.0,
+    settle: float = 3.0,
+    faults: int = 2,
+) -> Result:
     """One run of ``mode`` under ``fault`` (module docstring); ``seed`` draws the fault's
     moments and the events; ``faults`` kills, broker outages or disk fills at random moments
     of the run. A fault that does not apply to the mode, or a full disk where no filesystem
@@ -457,21 +571,41 @@ def run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
         return Result(mode, fault, seed, skipped=why)
     if MODES[mode].shuffle:
         from .shuffle_case import run_shuffle_case
-        return run_shuffle_case(broker, mode, fault, seed, Path(workdir), seconds=seconds,
-                                settle=settle, faults=faults)
+
+        return run_shuffle_case(
+            broker, mode, fault, seed, Path(workdir), seconds=seconds, settle=settle, faults=faults
+        )
     if fault != "disk_full":
-        return _run_case(broker, mode, fault, seed, Path(workdir), seconds=seconds,
-                         settle=settle, faults=faults)
+        return _run_case(
+            broker, mode, fault, seed, Path(workdir), seconds=seconds, settle=settle, faults=faults
+        )
     disk = Path(workdir) / "disk"
     disk.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs",
-                              str(disk)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
-        return Result(mode, fault, seed, skipped="cannot mount a small tmpfs for the full disk "
-                      f"(root or CAP_SYS_ADMIN needed): {mounted.stderr.strip()}")
+        return Result(
+            mode,
+            fault,
+            seed,
+            skipped="cannot mount a small tmpfs for the full disk "
+            f"(root or CAP_SYS_ADMIN needed): {mounted.stderr.strip()}",
+        )
     try:
-        return _run_case(broker, mode, fault, seed, Path(workdir), seconds=seconds,
-                         settle=settle, faults=faults, disk=disk)
+        return _run_case(
+            broker,
+            mode,
+            fault,
+            seed,
+            Path(workdir),
+            seconds=seconds,
+            settle=settle,
+            faults=faults,
+            disk=disk,
+        )
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
@@ -486,8 +620,18 @@ def _supervise(services, seconds: float, every_s: float) -> None:
         time.sleep(every_s)
 
 
-def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *,
-              seconds: float, settle: float, faults: int, disk: Path | None = None) -> Result:
+def _run_case(
+    broker: Broker,
+    mode: str,
+    fault: str,
+    seed: int,
+    workdir: Path,
+    *,
+    seconds: float,
+    settle: float,
+    faults: int,
+    disk: Path | None = None,
+) -> Result:
     rng = random.Random(seed)
     spec = MODES[mode]
     res = Result(mode, fault, seed)
@@ -499,12 +643,30 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
     # past_retention of a views group: the source topic's own retention deletes what a member
     # down longer than it had not counted (segments roll every 5 s, so the retention is real)
     views_retention = fault == "past_retention" and "scale.exchange=items" not in spec.sets
-    topic = _make_topic(broker.bootstrap, {"retention.ms": str(RETENTION_S * 1000),
-                                           "segment.ms": "5000"} if views_retention else None)
+    topic = _make_topic(
+        broker.bootstrap,
+        {"retention.ms": str(RETENTION_S * 1000), "segment.ms": "5000"}
+        if views_retention
+        else None,
+    )
     group = f"g-{topic}"
-    common = ["run", "--bootstrap", broker.bootstrap, "--topic", topic, "--metrics-port", "-1",
-              "--set", f"source.group={group}", "--set", f"state.domain_size={DOMAIN}",
-              "--set", "release.error_bar_reps=0", "--set", "source.connect_timeout_s=60"]
+    common = [
+        "run",
+        "--bootstrap",
+        broker.bootstrap,
+        "--topic",
+        topic,
+        "--metrics-port",
+        "-1",
+        "--set",
+        f"source.group={group}",
+        "--set",
+        f"state.domain_size={DOMAIN}",
+        "--set",
+        "release.error_bar_reps=0",
+        "--set",
+        "source.connect_timeout_s=60",
+    ]
     if spec.toml:
         (workdir / "mode.toml").write_text(spec.toml)
         common += ["--config", str(workdir / "mode.toml")]
@@ -575,8 +737,12 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
         due = t0 + rng.uniform(3, 6)
         give_up = due + DECIDED_S
     # (one process decides its first window within seconds; a group's start takes longer)
-    wait_decided = fault in ("source_retention", "source_retention_frozen") and \
-        bool(spec.members) or fault == "offsets_reset" and bool(spec.members)
+    wait_decided = (
+        fault in ("source_retention", "source_retention_frozen")
+        and bool(spec.members)
+        or fault == "offsets_reset"
+        and bool(spec.members)
+    )
     while time.monotonic() < end:
         for svc in services.values():
             svc.check_alive()
@@ -591,29 +757,45 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             planned.pop(0)
             res.faults += 1
             # a member that does not lead (the leader's own stall is another fault)
-            others = [n for n in names[1:]
-                      if "leading" not in (workdir / n / f"stderr-{services[n].starts}.log")
-                      .read_text()] or names[1:]
+            others = [
+                n
+                for n in names[1:]
+                if "leading" not in (workdir / n / f"stderr-{services[n].starts}.log").read_text()
+            ] or names[1:]
             down = rng.choice(others)
             services[down].kill9()
             _supervise([svc for name, svc in services.items() if name != down], DOWN_S, 0.5)
             services[down].start()
             res.notes.append(f"{down} down {DOWN_S:g} s (retention {RETENTION_S} s)")
             end = max(end, time.monotonic() + 15)
-        if due is not None and time.monotonic() >= due and wait_decided \
-                and time.monotonic() < give_up and not _decided(broker.bootstrap, group):
+        if (
+            due is not None
+            and time.monotonic() >= due
+            and wait_decided
+            and time.monotonic() < give_up
+            and not _decided(broker.bootstrap, group)
+        ):
             due = time.monotonic() + 1.0
             end = max(end, due + 1.0)
         elif due is not None and time.monotonic() >= due:
             due = None
             res.faults += 1
-            res.notes.append(f"members down {time.monotonic() - t0:.0f} s in" +
-                             ("" if not wait_decided else
-                              ", once a window was decided" if time.monotonic() < give_up
-                              else f", no window decided within {DECIDED_S:g} s"))
+            res.notes.append(
+                f"members down {time.monotonic() - t0:.0f} s in"
+                + (
+                    ""
+                    if not wait_decided
+                    else ", once a window was decided"
+                    if time.monotonic() < give_up
+                    else f", no window decided within {DECIDED_S:g} s"
+                )
+            )
             # every member down (killed -9, stopped or frozen), so that no one reads meanwhile
-            how = "sigstop" if fault == "source_retention_frozen" else \
-                rng.choice(("kill9", "sigterm"))
+            how = (
+                "sigstop"
+                if fault == "source_retention_frozen"
+                else rng.choice(("kill9", "sigterm"))
+            )
             for svc in services.values():
                 if how == "kill9":
                     svc.kill9()
@@ -625,13 +807,18 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             time.sleep(away)
             if fault == "offsets_reset":
                 reset = _reset_offsets(broker.bootstrap, topic, [group, f"{group}.panagg.count"])
-                res.notes.append(f"every member {how}; consumer group(s) {', '.join(reset)} "
-                                 "reset to offset 0 without metadata")
+                res.notes.append(
+                    f"every member {how}; consumer group(s) {', '.join(reset)} "
+                    "reset to offset 0 without metadata"
+                )
             else:
-                cut = _delete_records(broker.bootstrap, topic,
-                                      keep=rng.randint(0, int(KEEP_S * RATE) // PARTITIONS))
-                res.notes.append(f"every member {how} and down {away:.1f} s; the source's "
-                                 f"records deleted below {cut}")
+                cut = _delete_records(
+                    broker.bootstrap, topic, keep=rng.randint(0, int(KEEP_S * RATE) // PARTITIONS)
+                )
+                res.notes.append(
+                    f"every member {how} and down {away:.1f} s; the source's "
+                    f"records deleted below {cut}"
+                )
             if how == "sigstop":
                 for svc in services.values():
                     if svc.proc is not None:
@@ -642,8 +829,11 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
                     time.sleep(1)
                     services[name].start()
             end = max(end, time.monotonic() + 15)
-        if planned and time.monotonic() >= t0 + planned[0] and fault in (
-                "kill9", "broker_kill", "broker_restart"):
+        if (
+            planned
+            and time.monotonic() >= t0 + planned[0]
+            and fault in ("kill9", "broker_kill", "broker_restart")
+        ):
             planned.pop(0)
             res.faults += 1
             if fault == "kill9":
@@ -669,14 +859,22 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
     time.sleep(settle if spec.members == 0 else settle + 25)
     if spec.members:
         try:
-            published = [ts for recs in _read_topic(broker.bootstrap, f"{group}.panagg.releases",
-                                                    stamps=True).values()
-                         for _, value, ts in recs if _holds_events(value)]
+            published = [
+                ts
+                for recs in _read_topic(
+                    broker.bootstrap, f"{group}.panagg.releases", stamps=True
+                ).values()
+                for _, value, ts in recs
+                if _holds_events(value)
+            ]
         except Exception:  # no release topic: the group never released (the check says so)
             published = []
     else:
-        published = [p.stat().st_mtime for p in (data / "releases").rglob("release-*.json")
-                     if _holds_events(p.read_bytes())]
+        published = [
+            p.stat().st_mtime
+            for p in (data / "releases").rglob("release-*.json")
+            if _holds_events(p.read_bytes())
+        ]
     for back in returns:
         later = [t - back for t in published if t > back]
         res.resume_s.append(round(min(later), 2) if later else None)
@@ -695,21 +893,37 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
     # machine about a minute each)
     drain_s = 1800 if fault == "slow_release" else 600
     try:
-        drain = subprocess.run([sys.executable, "-m", "aggregator.service.cli",
-                                *args_of(names[0]), "--exit-when-idle",
-                                "20" if spec.members else "4"], cwd=ROOT, env=_env(),
-                               capture_output=True, text=True, timeout=drain_s)
-    except subprocess.TimeoutExpired as exc:   # said as a violation; the matrix goes on
-        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else \
-            (exc.stderr or "")
-        drain = subprocess.CompletedProcess(exc.cmd, -1, "", err + f"\n[harness] the "
-                                            f"draining start ran past {drain_s} s")
+        drain = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                *args_of(names[0]),
+                "--exit-when-idle",
+                "20" if spec.members else "4",
+            ],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=drain_s,
+        )
+    except subprocess.TimeoutExpired as exc:  # said as a violation; the matrix goes on
+        err = (
+            exc.stderr.decode(errors="replace")
+            if isinstance(exc.stderr, bytes)
+            else (exc.stderr or "")
+        )
+        drain = subprocess.CompletedProcess(
+            exc.cmd, -1, "", err + f"\n[harness] the draining start ran past {drain_s} s"
+        )
     (workdir / "stderr-drain.log").write_text(drain.stderr)
     for name, svc in services.items():
         res.violations += [f"[{name or mode}] {p}" for p in svc.problems]
     if drain.returncode != 0:
-        res.violations.append(f"the draining start exited {drain.returncode}: "
-                              f"{drain.stderr[-1500:]}")
+        res.violations.append(
+            f"the draining start exited {drain.returncode}: {drain.stderr[-1500:]}"
+        )
     ends = _ends(broker.bootstrap, topic)
     res.produced = sum(ends.values())
     if spec.members:
@@ -718,9 +932,13 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             recorder.join(60)
         _check_group(res, broker.bootstrap, group, spec, topic, recorder)
     else:
-        report = check_directory(data / "state", data / "releases", ends=ends,
-                                 begins={p: 0 for p in ends},
-                                 lows=_ends(broker.bootstrap, topic, first=True))
+        report = check_directory(
+            data / "state",
+            data / "releases",
+            ends=ends,
+            begins={p: 0 for p in ends},
+            lows=_ends(broker.bootstrap, topic, first=True),
+        )
         if not report:
             res.violations.append("no aggregation has a ledger")
         for name, cov in report.items():
@@ -732,9 +950,11 @@ def _run_case(broker: Broker, mode: str, fault: str, seed: int, workdir: Path, *
             left = sum(ends[p] - cov.covered.get(p, 0) for p in ends)
             res.unreleased[label] = left
             if left > spec.window_events:
-                res.violations.append(f"[{label}] {left} records after the last decided "
-                                      f"window: more than the open window can hold "
-                                      f"({spec.window_events})")
+                res.violations.append(
+                    f"[{label}] {left} records after the last decided "
+                    f"window: more than the open window can hold "
+                    f"({spec.window_events})"
+                )
     res.seconds = time.monotonic() - t_start
     return res
 
@@ -749,14 +969,19 @@ def _holds_events(document: bytes | None) -> bool:
     return n is None or n > 0  # (null: add-remove states do not publish n)
 
 
-def _read_topic(bootstrap: str, topic: str, stamps: bool = False,
-                headers: bool = False) -> dict[int, list]:
+def _read_topic(
+    bootstrap: str, topic: str, stamps: bool = False, headers: bool = False
+) -> dict[int, list]:
     """Every committed record of ``topic``: ``{partition: [(offset, value)]}`` (``stamps``:
     ``(offset, value, timestamp in s)``; ``headers``: ``(offset, value, {header: bytes})``)."""
     from kafka import KafkaConsumer, TopicPartition
 
-    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                      enable_auto_commit=False, group_id=None)
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        group_id=None,
+    )
     parts = sorted(c.partitions_for_topic(topic) or ())
     tps = [TopicPartition(topic, p) for p in parts]
     out: dict[int, list] = {p: [] for p in parts}
@@ -767,9 +992,14 @@ def _read_topic(bootstrap: str, topic: str, stamps: bool = False,
         deadline = time.monotonic() + 60
         while any(c.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
             for tp, recs in c.poll(timeout_ms=500).items():
-                out[tp.partition].extend((r.offset, r.value, r.timestamp / 1000) if stamps
-                                         else (r.offset, r.value, dict(r.headers or ()))
-                                         if headers else (r.offset, r.value) for r in recs)
+                out[tp.partition].extend(
+                    (r.offset, r.value, r.timestamp / 1000)
+                    if stamps
+                    else (r.offset, r.value, dict(r.headers or ()))
+                    if headers
+                    else (r.offset, r.value)
+                    for r in recs
+                )
     c.close()
     return out
 
@@ -794,7 +1024,7 @@ class _Recorder(threading.Thread):
         from kafka import KafkaConsumer, TopicPartition
 
         while not self.stop.is_set():  # the first member makes the topic (never this reader:
-            try:                       # a consumer's metadata request could auto-create it)
+            try:  # a consumer's metadata request could auto-create it)
                 admin = _admin(self.bootstrap)
                 there = self.topic in admin.list_topics()
                 admin.close()
@@ -805,9 +1035,13 @@ class _Recorder(threading.Thread):
             time.sleep(1)
         if self.stop.is_set():
             return
-        c = KafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed",
-                          enable_auto_commit=False, group_id=None,
-                          auto_offset_reset="earliest")
+        c = KafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
         parts: list[int] = []
         deadline = time.monotonic() + 60
         while not parts and time.monotonic() < deadline:
@@ -833,10 +1067,14 @@ class _Recorder(threading.Thread):
         c.close()
 
 
-def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
-                        events_at: dict[str, dict[int, int]],
-                        readable_from: dict[str, int], skips_empty: bool = False,
-                        lows: dict[str, int] | None = None):
+def check_group_entries(
+    entries: list[dict],
+    docs: dict[int, list[dict]],
+    events_at: dict[str, dict[int, int]],
+    readable_from: dict[str, int],
+    skips_empty: bool = False,
+    lows: dict[str, int] | None = None,
+):
     """The invariant over a group's ledger ``entries`` and publications ``docs``:
     :func:`~tests.chaos.invariant.check_aggregation` with ``events_at`` (per position key, the
     events at each offset the harness read). A withheld window (a ``release`` entry with
@@ -909,8 +1147,10 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
         return sum(k for off, k in events_at.get(part, {}).items() if a <= off < b)
 
     # (a reason holds "; " itself: "...(scale.repartition_retention_s); window range [a, b)")
-    named = re.compile(r"records of partition (\d+) from offset (\d+) to (\d+)"
-                       r"(?:(?:(?!records of partition).)*?window range \[(\d+), (\d+)\))?")
+    named = re.compile(
+        r"records of partition (\d+) from offset (\d+) to (\d+)"
+        r"(?:(?:(?!records of partition).)*?window range \[(\d+), (\d+)\))?"
+    )
     keys = {k.rsplit(":", 1)[1]: k for k in list(events_at) + list(readable_from)}
     fixed = []
     deleted_end: dict[str, list[tuple[int, int]]] = {}  # key: (end of deleted records, window)
@@ -919,9 +1159,9 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
             ranges = dict(e.get("ranges") or {})
             for m in named.finditer(str(e["withheld"])):
                 reason = m.group(0)
-                said = DELETED.match(str(e["withheld"]), m.start())   # a source deletion
+                said = DELETED.match(str(e["withheld"]), m.start())  # a source deletion
                 if said and not any(k == f"{said.group(4)}:{m.group(1)}" for k in keys.values()):
-                    continue   # another topic's partition (items: the source's)
+                    continue  # another topic's partition (items: the source's)
                 if m.group(1) in keys:
                     # the deleted span is not the window's range (a window resumed there ends
                     # where the first record left is): only a named window range tiles
@@ -932,13 +1172,15 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
                     # next window cannot hold them)
                     if "retention" in reason and not said:
                         deleted_end.setdefault(keys[m.group(1)], []).append(
-                            (int(m.group(3)), int(e["window"])))
+                            (int(m.group(3)), int(e["window"]))
+                        )
             e = dict(e, kind="refused", ranges=ranges)
         fixed.append(e)
     # every partition is counted from its first offset (the topics are new): events before
     # the first window are in no window
-    cov = check_aggregation(fixed, docs, topic_docs=None, size_of=size_of,
-                            begins={k: 0 for k in events_at}, lows=lows)
+    cov = check_aggregation(
+        fixed, docs, topic_docs=None, size_of=size_of, begins={k: 0 for k in events_at}, lows=lows
+    )
     kept = []
     if skips_empty:
         kept += _excuse_empty(fixed, cov, size_of)
@@ -958,10 +1200,12 @@ def check_group_entries(entries: list[dict], docs: dict[int, list[dict]],
             r = (e.get("ranges") or {}).get(key)
             for x, u in ends_at:
                 if r is not None and r[0] == r[1] == x and e["window"] > u:
-                    kept.append(f"window {e['window']}: released with {key}'s range empty at "
-                                f"{x}, where records deleted by retention before they were "
-                                f"counted end (withheld window {u} names them): they may be "
-                                "this window's")
+                    kept.append(
+                        f"window {e['window']}: released with {key}'s range empty at "
+                        f"{x}, where records deleted by retention before they were "
+                        f"counted end (withheld window {u} names them): they may be "
+                        "this window's"
+                    )
     cov.violations = kept
     return cov
 
@@ -1036,8 +1280,9 @@ def event_windows_of(records: dict[str, list]) -> tuple[dict[str, list], int, in
     return out, late_intake, late_here
 
 
-def event_windows_by_stamp(records: dict[str, list], size_s: float,
-                           lateness_s: float) -> tuple[dict[str, list], int]:
+def event_windows_by_stamp(
+    records: dict[str, list], size_s: float, lateness_s: float
+) -> tuple[dict[str, list], int]:
     """Where each source record of a views group counts with event-time windows, by the rule
     docs/scale-out.md states: the window its timestamp names, unless its partition had already
     passed that window's end plus the lateness (a larger timestamp earlier in the partition):
@@ -1066,8 +1311,9 @@ def event_windows_by_stamp(records: dict[str, list], size_s: float,
     return out, late
 
 
-def check_event_entries(entries: list[dict], docs: dict[int, list[dict]],
-                        assigned: dict[str, list]):
+def check_event_entries(
+    entries: list[dict], docs: dict[int, list[dict]], assigned: dict[str, list]
+):
     """The invariant over an event-time group's ledger ``entries`` and publications ``docs``,
     with ``assigned`` (:func:`event_windows_of`: where each event of the repartition topic
     counts). A partition holds several live windows, so windows' ranges overlap (window K's
@@ -1134,8 +1380,10 @@ def check_event_entries(entries: list[dict], docs: dict[int, list[dict]],
         if w in ids or last is None or w > last:
             continue
         n = sum(k for recs in by_window[w].values() for _, k in recs)
-        where = "; ".join(f"{key} offsets {recs[0][0]}-{recs[-1][0]}"
-                          for key, recs in sorted(by_window[w].items()))
+        where = "; ".join(
+            f"{key} offsets {recs[0][0]}-{recs[-1][0]}"
+            for key, recs in sorted(by_window[w].items())
+        )
         bad(f"window {w}: {n} events count in it ({where}) but the ledger has no entry of it")
     for e in sorted(decided, key=lambda e: e["window"]):
         w = e["window"]
@@ -1146,8 +1394,10 @@ def check_event_entries(entries: list[dict], docs: dict[int, list[dict]],
             a, b = ranges.get(key, (0, 0))
             out = [off for off, _ in recs if not a <= off < b]
             if out:
-                bad(f"window {w}: {key} offsets [{min(out)}, {max(out)}] count in it but lie "
-                    f"outside its range [{a}, {b})")
+                bad(
+                    f"window {w}: {key} offsets [{min(out)}, {max(out)}] count in it but lie "
+                    f"outside its range [{a}, {b})"
+                )
         if e["kind"] == "refused":
             cov.refused.append(w)
             continue
@@ -1164,8 +1414,10 @@ def check_event_entries(entries: list[dict], docs: dict[int, list[dict]],
             if doc.get("n") != n:
                 bad(f"window {w}: a published document says n={doc.get('n')}, the ledger {n}")
         if len({_content(d) for d in published}) > 1:
-            bad(f"window {w}: published with {len({_content(d) for d in published})} "
-                "different contents")
+            bad(
+                f"window {w}: published with {len({_content(d) for d in published})} "
+                "different contents"
+            )
     for w in sorted(docs):
         if w not in cov.windows:
             bad(f"window {w}: a document is published but the ledger has no release of it")
@@ -1175,8 +1427,14 @@ def check_event_entries(entries: list[dict], docs: dict[int, list[dict]],
     return cov
 
 
-def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str,
-                 recorder: _Recorder | None = None) -> None:
+def _check_group(
+    res: Result,
+    bootstrap: str,
+    group: str,
+    spec: Mode,
+    topic: str,
+    recorder: _Recorder | None = None,
+) -> None:
     """The invariant over a group's topics: its ledger topic's windows and its release topic's
     publications. The ledger's ranges are source positions (scale.exchange = views: one event
     an offset), or positions of the repartition topic (items: each record there holds the
@@ -1198,16 +1456,15 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
     except Exception as exc:  # no topics: the group never started
         res.violations.append(f"the group's topics cannot be read: {type(exc).__name__}: {exc}")
         return
-    entries = [json.loads(v) for recs in ledger_records.values() for _, v in recs
-               if v is not None]
+    entries = [json.loads(v) for recs in ledger_records.values() for _, v in recs if v is not None]
     entries = [e for e in entries if isinstance(e, dict)]
     ident = next((e.get("identity") or {} for e in entries if e.get("kind") == "identity"), {})
     views = ident.get("exchange") == "views"
     kind = ident.get("window_kind") or next(
-        (x.split("=", 1)[1] for x in spec.sets if x.startswith("window.kind=")), "time")
+        (x.split("=", 1)[1] for x in spec.sets if x.startswith("window.kind=")), "time"
+    )
     try:
-        read = _read_topic(bootstrap, topic if views else topics.repartition,
-                           headers=not views)
+        read = _read_topic(bootstrap, topic if views else topics.repartition, headers=not views)
     except Exception as exc:
         res.violations.append(f"the group's input cannot be read: {type(exc).__name__}: {exc}")
         return
@@ -1230,33 +1487,46 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
         # deleted since: what a released window's range holds is its length
         events_at = {key: dict.fromkeys(range(end), 1) for key, end in ends.items()}
     else:
-        events_at = {f"{topics.repartition}:{p}": {off: len(v or b"") // 4
-                                                    for off, v, _ in recs}
-                     for p, recs in read.items()}
+        events_at = {
+            f"{topics.repartition}:{p}": {off: len(v or b"") // 4 for off, v, _ in recs}
+            for p, recs in read.items()
+        }
     if kind == "event_time" and not views:
-        _check_event_group(res, spec, entries, docs, {
-            f"{topics.repartition}:{p}": recs for p, recs in read.items()})
+        _check_event_group(
+            res,
+            spec,
+            entries,
+            docs,
+            {f"{topics.repartition}:{p}": recs for p, recs in read.items()},
+        )
         return
     if kind == "event_time":
         stamped = _read_topic(bootstrap, topic, stamps=True)
         size_s = float(ident.get("window_size", 5))
         lateness_s = float(ident.get("allowed_lateness_s", 0.0))
         assigned, late = event_windows_by_stamp(
-            {f"{topic}:{p}": recs for p, recs in stamped.items()}, size_s, lateness_s)
+            {f"{topic}:{p}": recs for p, recs in stamped.items()}, size_s, lateness_s
+        )
         cov = check_event_entries(entries, docs, assigned)
         res.violations += [f"[group] {v}" for v in cov.violations]
         res.released["group"] = cov.released_events
         left = sum(cov.covered.values())
         res.unreleased["group"] = left
-        res.notes.append(f"{len(cov.windows)} windows released, {len(cov.refused)} withheld; "
-                         f"{late} late events by their partitions' timestamps")
+        res.notes.append(
+            f"{len(cov.windows)} windows released, {len(cov.refused)} withheld; "
+            f"{late} late events by their partitions' timestamps"
+        )
         if left > spec.window_events:
-            res.violations.append(f"[group] {left} events after the last decided window: more "
-                                  f"than the open window can hold ({spec.window_events})")
+            res.violations.append(
+                f"[group] {left} events after the last decided window: more "
+                f"than the open window can hold ({spec.window_events})"
+            )
         return
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
-    lows = {f"{name}:{tp.partition}": int(o) for tp, o in c.beginning_offsets(
-        [TopicPartition(name, p) for p in read]).items()}
+    lows = {
+        f"{name}:{tp.partition}": int(o)
+        for tp, o in c.beginning_offsets([TopicPartition(name, p) for p in read]).items()
+    }
     c.close()
     readable_from = {} if views else dict(lows)
     if recorder is not None:
@@ -1266,19 +1536,24 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
                 events_at.setdefault(key, {}).setdefault(off, k)
             readable_from[key] = min(lows.get(key, 0), recorder.began.get(p, 0))
         for p, a, b in recorder.skipped:
-            res.violations.append(f"[harness] offsets [{a}, {b}) of {name}:{p} were deleted "
-                                  "before the harness read them")
+            res.violations.append(
+                f"[harness] offsets [{a}, {b}) of {name}:{p} were deleted "
+                "before the harness read them"
+            )
         deleted = {k: v for k, v in lows.items() if v > 0}
-        res.notes.append(f"retention deleted the repartition topic's offsets below {deleted}"
-                         if deleted else "retention deleted nothing")
+        res.notes.append(
+            f"retention deleted the repartition topic's offsets below {deleted}"
+            if deleted
+            else "retention deleted nothing"
+        )
         held = [e["window"] for e in entries if e.get("withheld")]
         res.notes.append(f"windows withheld: {held}")
     # time windows of a group: only released windows are published; offsets between ranges
     # may hold transaction markers (no event), which size_of counts as nothing
-    cov = check_group_entries(entries, docs, events_at, readable_from,
-                              skips_empty=kind == "count", lows=source_lows)
-    named = named_deleted([dict(e, kind="refused") if e.get("withheld") else e
-                           for e in entries])
+    cov = check_group_entries(
+        entries, docs, events_at, readable_from, skips_empty=kind == "count", lows=source_lows
+    )
+    named = named_deleted([dict(e, kind="refused") if e.get("withheld") else e for e in entries])
     deleted = cov.deleted
     if not views:
         # the ledger's ranges are repartition positions: the source's are in the messages
@@ -1288,16 +1563,21 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
                 if "src" in headers:
                     src_topic, p, a, b = headers["src"].decode().rsplit(":", 3)
                     counted.setdefault(f"{src_topic}:{p}", []).append((int(a), int(b)))
-        res.violations += [f"[group] {v}"
-                           for v in check_source_spans(counted, named, ends, source_lows)]
+        res.violations += [
+            f"[group] {v}" for v in check_source_spans(counted, named, ends, source_lows)
+        ]
     if named or any(source_lows.values()):
-        res.notes.append(f"source records deleted below {source_lows}; withheld windows name "
-                         f"{deleted} of them deleted before they were counted")
+        res.notes.append(
+            f"source records deleted below {source_lows}; withheld windows name "
+            f"{deleted} of them deleted before they were counted"
+        )
     if kind == "count":
         ids = sorted(cov.windows + cov.refused)
         skipped = sorted(set(range(ids[0], ids[-1] + 1)) - set(ids)) if ids else []
-        res.notes.append(f"{len(cov.windows)} windows released, {len(cov.refused)} withheld, "
-                         f"skipped with no event: {skipped}")
+        res.notes.append(
+            f"{len(cov.windows)} windows released, {len(cov.refused)} withheld, "
+            f"skipped with no event: {skipped}"
+        )
     res.violations += [f"[group] {v}" for v in cov.violations]
     res.violations += [f"[group] {v}" for v in check_rollups(entries, docs, rollup_docs)]
     if rollup_docs:
@@ -1308,18 +1588,27 @@ def _check_group(res: Result, bootstrap: str, group: str, spec: Mode, topic: str
 
     total = sum(sum(m.values()) for m in events_at.values())
     if not views and total + deleted != res.produced:
-        res.violations.append(f"[group] the repartition topic holds {total} events and "
-                              f"{deleted} are named deleted, of {res.produced} source records")
+        res.violations.append(
+            f"[group] the repartition topic holds {total} events and "
+            f"{deleted} are named deleted, of {res.produced} source records"
+        )
     res.released["group"] = cov.released_events
     left = sum(size_of(part, cov.covered.get(part, 0), 1 << 62) for part in events_at)
     res.unreleased["group"] = left
     if left > spec.window_events:
-        res.violations.append(f"[group] {left} events after the last decided window: more "
-                              f"than the open window can hold ({spec.window_events})")
+        res.violations.append(
+            f"[group] {left} events after the last decided window: more "
+            f"than the open window can hold ({spec.window_events})"
+        )
 
 
-def _check_event_group(res: Result, spec: Mode, entries: list[dict],
-                       docs: dict[int, list[dict]], records: dict[str, list]) -> None:
+def _check_event_group(
+    res: Result,
+    spec: Mode,
+    entries: list[dict],
+    docs: dict[int, list[dict]],
+    records: dict[str, list],
+) -> None:
     """:func:`check_event_entries` over an event-time group's topics (``records``: its
     repartition topic with headers), and every produced event in the repartition topic once."""
     assigned, late_intake, late_here = event_windows_of(records)
@@ -1327,16 +1616,21 @@ def _check_event_group(res: Result, spec: Mode, entries: list[dict],
     res.violations += [f"[group] {v}" for v in cov.violations]
     total = sum(k for recs in assigned.values() for _, _, k in recs)
     if total != res.produced:
-        res.violations.append(f"[group] the repartition topic holds {total} events of "
-                              f"{res.produced} source records")
+        res.violations.append(
+            f"[group] the repartition topic holds {total} events of {res.produced} source records"
+        )
     res.released["group"] = cov.released_events
     left = sum(cov.covered.values())
     res.unreleased["group"] = left
     ids = sorted(cov.windows + cov.refused)
     skipped = sorted(set(range(ids[0], ids[-1] + 1)) - set(ids)) if ids else []
-    res.notes.append(f"{len(cov.windows)} windows released, {len(cov.refused)} withheld, "
-                     f"{len(skipped)} skipped with no event; late events: {late_intake} by "
-                     f"the intake, {late_here} at a counting partition (window.late = next)")
+    res.notes.append(
+        f"{len(cov.windows)} windows released, {len(cov.refused)} withheld, "
+        f"{len(skipped)} skipped with no event; late events: {late_intake} by "
+        f"the intake, {late_here} at a counting partition (window.late = next)"
+    )
     if left > spec.window_events:
-        res.violations.append(f"[group] {left} events after the last decided window: more "
-                              f"than the open window can hold ({spec.window_events})")
+        res.violations.append(
+            f"[group] {left} events after the last decided window: more "
+            f"than the open window can hold ({spec.window_events})"
+        )

@@ -52,16 +52,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["Coverage", "check_aggregation", "check_directory", "check_rollups",
-           "check_source_spans", "named_deleted", "read_ledger", "read_releases",
-           "read_rollups"]
+__all__ = [
+    "Coverage",
+    "check_aggregation",
+    "check_directory",
+    "check_rollups",
+    "check_source_spans",
+    "named_deleted",
+    "read_ledger",
+    "read_releases",
+    "read_rollups",
+]
 
 WINDOW_KINDS = ("release", "refused")
 
 #: how a ledger entry names source records deleted before they were counted (the words of
 #: aggregator.service.group.deleted.deleted_text; the topic is the source topic)
-DELETED = re.compile(r"records of partition (\d+) from offset (\d+) to (\d+) were deleted by "
-                     r"the retention of (\S+) before they were counted")
+DELETED = re.compile(
+    r"records of partition (\d+) from offset (\d+) to (\d+) were deleted by "
+    r"the retention of (\S+) before they were counted"
+)
 
 
 @dataclass
@@ -110,12 +120,15 @@ def _content(doc: dict) -> str:
     return json.dumps(keep, sort_keys=True)
 
 
-def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
-                      ends: dict[str, int] | None = None,
-                      topic_docs: dict[int, list[dict]] | None = None,
-                      begins: dict[str, int] | None = None,
-                      size_of: Callable[[str, int, int], int] | None = None,
-                      lows: dict[str, int] | None = None) -> Coverage:
+def check_aggregation(
+    entries: list[dict],
+    docs: dict[int, list[dict]],
+    ends: dict[str, int] | None = None,
+    topic_docs: dict[int, list[dict]] | None = None,
+    begins: dict[str, int] | None = None,
+    size_of: Callable[[str, int, int], int] | None = None,
+    lows: dict[str, int] | None = None,
+) -> Coverage:
     """The invariant of the module docstring over one aggregation's ledger ``entries``, its
     release documents ``docs`` (``{window: [document, ...]}``, one per publication) and, if
     known, the source's end offsets ``ends``, the release topic's publications and where each
@@ -169,8 +182,10 @@ def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
             spans.setdefault(part, []).append((a, b, w))
             for x, y, u in named.get(part, []) if e["kind"] == "release" else ():
                 if max(a, x) < min(b, y):
-                    bad(f"window {w}: released over {part} offsets [{max(a, x)}, {min(b, y)}), "
-                        f"which window {u} names deleted before they were counted")
+                    bad(
+                        f"window {w}: released over {part} offsets [{max(a, x)}, {min(b, y)}), "
+                        f"which window {u} names deleted before they were counted"
+                    )
         if e["kind"] == "refused":
             cov.refused.append(w)
             continue
@@ -180,8 +195,7 @@ def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
         cov.released_events += n
         other = _window_others(decided, e)
         if n + other != size:
-            bad(f"window {w}: n {n} + {other} rejected/filtered but its ranges hold {size} "
-                "records")
+            bad(f"window {w}: n {n} + {other} rejected/filtered but its ranges hold {size} records")
         published = docs.get(w, [])
         if not published:
             bad(f"window {w}: released in the ledger but no release document")
@@ -199,22 +213,25 @@ def check_aggregation(entries: list[dict], docs: dict[int, list[dict]],
         cov.first[part] = ss[0][0]
         begin = None if begins is None else begins.get(part, 0)
         if begin is not None and ss[0][0] < begin:
-            bad(f"{part}: window {ss[0][2]} starts at {ss[0][0]}, before the source's "
-                f"{begin}")
-        for x, y in _uncovered(begin or 0, ss[0][0], named.get(part, [])) \
-                if begin is not None else ():
+            bad(f"{part}: window {ss[0][2]} starts at {ss[0][0]}, before the source's {begin}")
+        for x, y in (
+            _uncovered(begin or 0, ss[0][0], named.get(part, [])) if begin is not None else ()
+        ):
             bad(f"{part}: offsets [{x}, {y}) before window {ss[0][2]} are in no window")
         for (a0, b0, w0), (a1, b1, w1) in zip(ss, ss[1:]):
-            if b0 < a1:   # a gap: accounted for only where an entry names it deleted
+            if b0 < a1:  # a gap: accounted for only where an entry names it deleted
                 for x, y in _uncovered(b0, a1, named.get(part, [])):
-                    bad(f"{part}: offsets [{x}, {y}) between windows {w0} and {w1} are in no "
-                        "window")
+                    bad(
+                        f"{part}: offsets [{x}, {y}) between windows {w0} and {w1} are in no window"
+                    )
             elif b0 > a1:
                 bad(f"{part}: offsets [{a1}, {b0}) are in windows {w0} and {w1}")
         cov.covered[part] = max(b for _, b, _ in ss)
         if ends is not None and cov.covered[part] > ends.get(part, 0):
-            bad(f"{part}: windows cover up to {cov.covered[part]}, past the source's end "
-                f"{ends.get(part, 0)}")
+            bad(
+                f"{part}: windows cover up to {cov.covered[part]}, past the source's end "
+                f"{ends.get(part, 0)}"
+            )
     if lows is not None:
         cov.violations += _named_still_there(named, lows)
     return cov
@@ -233,10 +250,11 @@ def named_deleted(entries: list[dict]) -> dict[str, list[tuple[int, int, int]]]:
     {'src:2': [(5, 9, 3)]}
     """
     out: dict[str, list[tuple[int, int, int]]] = {}
-    for e in sorted((e for e in entries if e.get("kind") in WINDOW_KINDS),
-                    key=lambda e: e["window"]):
+    for e in sorted(
+        (e for e in entries if e.get("kind") in WINDOW_KINDS), key=lambda e: e["window"]
+    ):
         if e["kind"] == "release" and not e.get("withheld"):
-            continue   # a released window names nothing deleted
+            continue  # a released window names nothing deleted
         for m in DELETED.finditer(str(e.get("withheld") or e.get("note") or "")):
             mine = out.setdefault(f"{m.group(4)}:{m.group(1)}", [])
             span = (int(m.group(2)), int(m.group(3)))
@@ -245,9 +263,12 @@ def named_deleted(entries: list[dict]) -> dict[str, list[tuple[int, int, int]]]:
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def check_source_spans(counted: dict[str, list[tuple[int, int]]],
-                       named: dict[str, list[tuple[int, int, int]]], ends: dict[str, int],
-                       lows: dict[str, int]) -> list[str]:
+def check_source_spans(
+    counted: dict[str, list[tuple[int, int]]],
+    named: dict[str, list[tuple[int, int, int]]],
+    ends: dict[str, int],
+    lows: dict[str, int],
+) -> list[str]:
     """Rule 6 where the ledger's ranges are not source positions (the items exchange): per
     source partition, the spans of source positions the counted messages came from
     (``counted``; one span repeated, a poll's on every repartition partition, is one) and the
@@ -264,16 +285,21 @@ def check_source_spans(counted: dict[str, list[tuple[int, int]]],
     """
     out = []
     for key in sorted(set(ends) | set(counted) | set(named)):
-        spans = sorted([(a, b, "") for a, b in set(counted.get(key, ()))] +
-                       [(a, b, f"window {w}") for a, b, w in _union(named.get(key, []))])
+        spans = sorted(
+            [(a, b, "") for a, b in set(counted.get(key, ()))]
+            + [(a, b, f"window {w}") for a, b, w in _union(named.get(key, []))]
+        )
         at = 0
         for a, b, who in spans:
             if a > at:
                 out.append(f"{key}: offsets [{at}, {a}) were neither counted nor named deleted")
             elif a < at:
                 twice = f"[{a}, {min(at, b)})"
-                out.append(f"{key}: offsets {twice} were counted and named deleted ({who})"
-                           if who else f"{key}: offsets {twice} were counted twice")
+                out.append(
+                    f"{key}: offsets {twice} were counted and named deleted ({who})"
+                    if who
+                    else f"{key}: offsets {twice} were counted twice"
+                )
             at = max(at, b)
         end = ends.get(key, 0)
         if at < end:
@@ -283,19 +309,24 @@ def check_source_spans(counted: dict[str, list[tuple[int, int]]],
     return out + _named_still_there(named, lows)
 
 
-def _named_still_there(named: dict[str, list[tuple[int, int, int]]],
-                       lows: dict[str, int]) -> list[str]:
+def _named_still_there(
+    named: dict[str, list[tuple[int, int, int]]], lows: dict[str, int]
+) -> list[str]:
     """A span named deleted must be gone: below the partition's first offset now."""
     out = []
     for key, spans in sorted(named.items()):
         for a, b, w in spans:
             low = lows.get(key)
             if low is None:
-                out.append(f"window {w} names records of {key} deleted, a partition the source "
-                           "does not have")
+                out.append(
+                    f"window {w} names records of {key} deleted, a partition the source "
+                    "does not have"
+                )
             elif b > low:
-                out.append(f"window {w} names {key} offsets [{a}, {b}) deleted, but the source "
-                           f"still holds [{max(a, low)}, {b}) (it begins at {low})")
+                out.append(
+                    f"window {w} names {key} offsets [{a}, {b}) deleted, but the source "
+                    f"still holds [{max(a, low)}, {b}) (it begins at {low})"
+                )
     return out
 
 
@@ -326,13 +357,18 @@ def _uncovered(a: int, b: int, spans: list[tuple[int, int, int]]) -> list[tuple[
 
 def read_rollups(release_dir: Path) -> list[dict]:
     """The sum rollups' release documents in ``release_dir`` (one per file)."""
-    return [doc for doc in (json.loads(p.read_text())
-                            for p in sorted(Path(release_dir).glob("release-*.json")))
-            if "rollup" in doc]
+    return [
+        doc
+        for doc in (
+            json.loads(p.read_text()) for p in sorted(Path(release_dir).glob("release-*.json"))
+        )
+        if "rollup" in doc
+    ]
 
 
-def check_rollups(entries: list[dict], docs: dict[int, list[dict]],
-                  rollup_docs: list[dict]) -> list[str]:
+def check_rollups(
+    entries: list[dict], docs: dict[int, list[dict]], rollup_docs: list[dict]
+) -> list[str]:
     """Sum rollups (``rollup_design = sum``) over the released windows ``docs``: each rollup is
     ledgered once (kind ``rollup``, 0 eps) and published with one content, its n is the sum of
     the n of the base windows it names, which are released windows of its span, each in one
@@ -374,8 +410,11 @@ def check_rollups(entries: list[dict], docs: dict[int, list[dict]],
         entry = next((e for e in led if e["window"] == name), None)
         if entry is None:
             bad(f"rollup {name}: published but not in the ledger")
-        elif entry.get("epsilon_spent") != 0.0 or entry.get("n") != d["n"] or \
-                [b["window"] for b in entry.get("base_windows", [])] != r["windows"]:
+        elif (
+            entry.get("epsilon_spent") != 0.0
+            or entry.get("n") != d["n"]
+            or [b["window"] for b in entry.get("base_windows", [])] != r["windows"]
+        ):
             bad(f"rollup {name}: its ledger entry disagrees with its document")
         k, idx = int(r["base_windows"]), int(r["index"])
         held = sum(int(docs[w][0]["n"]) for w in r["windows"] if w in docs)
@@ -400,18 +439,24 @@ def check_rollups(entries: list[dict], docs: dict[int, list[dict]],
 def _window_others(decided: list[dict], entry: dict) -> int:
     """The rejected and filtered records of ``entry``'s window: its totals minus those of the
     window before it (the totals are running sums of the lineage)."""
+
     def others(e):
         t = e.get("totals") or {}
         return sum((t.get("rejects") or {}).values()) + int(t.get("filtered", 0))
+
     before = [e for e in decided if e["window"] == entry["window"] - 1 and e.get("totals")]
     mine = others(entry)
     return mine - others(before[0]) if before else mine
 
 
-def check_directory(state_dir: Path, release_dir: Path, ends: dict[str, int] | None = None,
-                    topic_docs: dict[str, dict[int, list[dict]]] | None = None,
-                    begins: dict[str, int] | None = None,
-                    lows: dict[str, int] | None = None) -> dict[str, Coverage]:
+def check_directory(
+    state_dir: Path,
+    release_dir: Path,
+    ends: dict[str, int] | None = None,
+    topic_docs: dict[str, dict[int, list[dict]]] | None = None,
+    begins: dict[str, int] | None = None,
+    lows: dict[str, int] | None = None,
+) -> dict[str, Coverage]:
     """:func:`check_aggregation` for every aggregation of a service's directories: one (a
     ``ledger.jsonl`` at the top) or several (one directory each, with a release directory of
     the same name). ``topic_docs``: ``{aggregation: {window: [document]}}`` read from a release
@@ -421,14 +466,18 @@ def check_directory(state_dir: Path, release_dir: Path, ends: dict[str, int] | N
     if (state_dir / "ledger.jsonl").exists():
         units = {"": (state_dir, release_dir)}
     else:
-        units = {p.name: (p, release_dir / p.name) for p in sorted(state_dir.iterdir())
-                 if (p / "ledger.jsonl").exists()}
+        units = {
+            p.name: (p, release_dir / p.name)
+            for p in sorted(state_dir.iterdir())
+            if (p / "ledger.jsonl").exists()
+        }
     out = {}
     for name, (sdir, rdir) in units.items():
         entries = read_ledger(sdir / "ledger.jsonl")
         docs = read_releases(rdir) if rdir.exists() else {}
-        out[name] = check_aggregation(entries, docs, ends, (topic_docs or {}).get(name), begins,
-                                      lows=lows)
+        out[name] = check_aggregation(
+            entries, docs, ends, (topic_docs or {}).get(name), begins, lows=lows
+        )
         rolls = read_rollups(rdir) if rdir.exists() else []
         out[name].violations += check_rollups(entries, docs, rolls)
         out[name].rollups = len(rolls)

@@ -32,9 +32,14 @@ from pathlib import Path
 __all__ = ["check_shuffle", "run_shuffle_case"]
 
 
-def check_shuffle(entries: list[dict], docs: dict[int, list[dict]],
-                  analyzer: list[tuple[int, dict]], client_events: int, open_events: int,
-                  n: int):
+def check_shuffle(
+    entries: list[dict],
+    docs: dict[int, list[dict]],
+    analyzer: list[tuple[int, dict]],
+    client_events: int,
+    open_events: int,
+    n: int,
+):
     """The invariant the shuffle analyzer's outputs allow (module docstring) over its ledger
     ``entries``, its release documents ``docs``, the analyzer topic's committed records
     ``analyzer`` (``(offset, parsed record)``), the distinct event ids on the client topic and
@@ -77,8 +82,10 @@ def check_shuffle(entries: list[dict], docs: dict[int, list[dict]],
     for w, ms in sorted(markers.items()):
         mk = ms[0][1]
         if mk["messages"] != boxes.get(w, 0):
-            bad(f"window {w}: its end marker counts {mk['messages']} messages, its chunks hold "
-                f"{boxes.get(w, 0)}")
+            bad(
+                f"window {w}: its end marker counts {mk['messages']} messages, its chunks hold "
+                f"{boxes.get(w, 0)}"
+            )
         if mk["events"] + mk["topped_up"] != n:
             bad(f"window {w}: {mk['events']} events + {mk['topped_up']} top-ups, not n = {n}")
     decided = [e for e in entries if e.get("kind") in ("release", "refused")]
@@ -114,15 +121,19 @@ def check_shuffle(entries: list[dict], docs: dict[int, list[dict]],
         if len({_content(d) for d in published}) > 1:
             bad(f"window {w}: published with {len({_content(d) for d in published})} contents")
     for w in sorted(set(markers) - set(ids)):
-        bad(f"window {w}: its end marker (offset {markers[w][0][0]}) is on the analyzer topic "
-            "but the ledger has no entry of it")
+        bad(
+            f"window {w}: its end marker (offset {markers[w][0][0]}) is on the analyzer topic "
+            "but the ledger has no entry of it"
+        )
     for w in sorted(docs):
         if w not in cov.windows:
             bad(f"window {w}: a document is published but the ledger has no release of it")
     held = sum(ms[0][1]["events"] for ms in markers.values())
     if held + open_events != client_events:
-        bad(f"events: the markers hold {held} and the open window {open_events}, the client "
-            f"topic {client_events} distinct events")
+        bad(
+            f"events: the markers hold {held} and the open window {open_events}, the client "
+            f"topic {client_events} distinct events"
+        )
     return cov
 
 
@@ -130,8 +141,9 @@ class _ClientProducer(threading.Thread):
     """Clients at a steady rate: each event randomized and sealed, one record keyed by its
     event id (a retried send may write a record twice: the shuffler drops the redelivery)."""
 
-    def __init__(self, bootstrap: str, topic: str, rate: int, seed: int, sets: list[str],
-                 domain: int):
+    def __init__(
+        self, bootstrap: str, topic: str, rate: int, seed: int, sets: list[str], domain: int
+    ):
         super().__init__(daemon=True)
         self.bootstrap, self.topic, self.rate, self.domain = bootstrap, topic, rate, domain
         self.rng = random.Random(seed)
@@ -154,9 +166,13 @@ class _ClientProducer(threading.Thread):
             while not self.stop.is_set():
                 try:
                     if producer is None:
-                        producer = KafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=5,
-                                                 acks="all", retries=5,
-                                                 reconnect_backoff_max_ms=500)
+                        producer = KafkaProducer(
+                            bootstrap_servers=self.bootstrap,
+                            linger_ms=5,
+                            acks="all",
+                            retries=5,
+                            reconnect_backoff_max_ms=500,
+                        )
                     for key, value in records:
                         producer.send(self.topic, key=key, value=value)
                     break
@@ -172,17 +188,39 @@ class _ClientProducer(threading.Thread):
                 pass
 
 
-def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
-                     seconds: float, settle: float, faults: int):
+def run_shuffle_case(
+    broker,
+    mode: str,
+    fault: str,
+    seed: int,
+    workdir: Path,
+    *,
+    seconds: float,
+    settle: float,
+    faults: int,
+):
     """One run of the shuffle mode under ``fault`` (kill9: the shuffler or the analyzer,
     drawn; broker_kill, broker_restart, start_broker_away as for the other modes)."""
     from kafka.admin import NewTopic
 
-    from aggregator.service.shuffle_wire import (new_keypair, parse_analyzer_record,
-                                                 public_key_hex, save_private_key)
+    from aggregator.service.shuffle_wire import (
+        new_keypair,
+        parse_analyzer_record,
+        public_key_hex,
+        save_private_key,
+    )
 
-    from .harness import (MODES, SHUFFLE_B, SHUFFLE_N, SHUFFLE_RATE, Result, _admin, _make_topic,
-                          _read_topic, _Service)
+    from .harness import (
+        MODES,
+        SHUFFLE_B,
+        SHUFFLE_N,
+        SHUFFLE_RATE,
+        Result,
+        _admin,
+        _make_topic,
+        _read_topic,
+        _Service,
+    )
     from .invariant import read_ledger, read_releases
 
     rng = random.Random(seed)
@@ -200,22 +238,39 @@ def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
     admin.close()
     key = new_keypair()
     save_private_key(key, str(workdir / "analyzer.key"))
-    sets = [*spec.sets, f"source.bootstrap={bootstrap}", f"source.topic={analyzer}",
-            f"shuffle.public_key={public_key_hex(key)}", f"shuffle.client_topic={clients}",
-            f"shuffle.group=sh-{clients}", f"shuffle.shuffler_dir={workdir / 'shuffler-state'}",
-            f"shuffle.key_file={workdir / 'analyzer.key'}", f"source.dead_letter_topic={dlq}",
-            f"source.group=an-{clients}", f"checkpoint.dir={workdir / 'state'}",
-            f"release.dir={workdir / 'releases'}", "release.error_bar_reps=0",
-            "source.connect_timeout_s=60", "metrics.port=-1"]
+    sets = [
+        *spec.sets,
+        f"source.bootstrap={bootstrap}",
+        f"source.topic={analyzer}",
+        f"shuffle.public_key={public_key_hex(key)}",
+        f"shuffle.client_topic={clients}",
+        f"shuffle.group=sh-{clients}",
+        f"shuffle.shuffler_dir={workdir / 'shuffler-state'}",
+        f"shuffle.key_file={workdir / 'analyzer.key'}",
+        f"source.dead_letter_topic={dlq}",
+        f"source.group=an-{clients}",
+        f"checkpoint.dir={workdir / 'state'}",
+        f"release.dir={workdir / 'releases'}",
+        "release.error_bar_reps=0",
+        "source.connect_timeout_s=60",
+        "metrics.port=-1",
+    ]
     setargs = [x for s in sets for x in ("--set", s)]
-    roles = {"shuffler": ["shuffle", "--config", os.devnull, *setargs],
-             "analyzer": ["run", "--config", os.devnull, *setargs]}
+    roles = {
+        "shuffler": ["shuffle", "--config", os.devnull, *setargs],
+        "analyzer": ["run", "--config", os.devnull, *setargs],
+    }
     for name in roles:
         (workdir / name).mkdir(exist_ok=True)
     services = {name: _Service(args, workdir / name) for name, args in roles.items()}
-    producer = _ClientProducer(bootstrap, clients, SHUFFLE_RATE, seed,
-                               [s for s in sets if not s.startswith("shuffle.key_file")],
-                               SHUFFLE_B)
+    producer = _ClientProducer(
+        bootstrap,
+        clients,
+        SHUFFLE_RATE,
+        seed,
+        [s for s in sets if not s.startswith("shuffle.key_file")],
+        SHUFFLE_B,
+    )
     producer.start()
     returns: list[float] = []
     if fault == "start_broker_away":
@@ -236,8 +291,11 @@ def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
     while time.monotonic() < t0 + seconds:
         for svc in services.values():
             svc.check_alive()
-        if planned and time.monotonic() >= t0 + planned[0] and fault in (
-                "kill9", "broker_kill", "broker_restart"):
+        if (
+            planned
+            and time.monotonic() >= t0 + planned[0]
+            and fault in ("kill9", "broker_kill", "broker_restart")
+        ):
             planned.pop(0)
             res.faults += 1
             if fault == "kill9":
@@ -262,18 +320,30 @@ def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
         svc.stop()
     # drain: the shuffler reads the client topic to its end (the open window stays open), then
     # the analyzer reads the analyzer topic to its end
-    env = dict(os.environ, PANAGG_TESTING="1", PYTHONPATH=str(Path(__file__).resolve()
-                                                             .parents[2]))
+    env = dict(os.environ, PANAGG_TESTING="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     drains = {}
     for name, idle in (("shuffler", "6"), ("analyzer", "4")):
-        done = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *roles[name],
-                               "--exit-when-idle", idle], cwd=Path(__file__).resolve().parents[2],
-                              env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                *roles[name],
+                "--exit-when-idle",
+                idle,
+            ],
+            cwd=Path(__file__).resolve().parents[2],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         (workdir / f"{name}-drain.log").write_text(done.stderr + done.stdout)
         drains[name] = done
         if done.returncode != 0:
-            res.violations.append(f"the {name}'s draining start exited {done.returncode}: "
-                                  f"{done.stderr[-1500:]}")
+            res.violations.append(
+                f"the {name}'s draining start exited {done.returncode}: {done.stderr[-1500:]}"
+            )
     for name, svc in services.items():
         res.violations += [f"[{name}] {p}" for p in svc.problems]
     m = re.search(r"stopping with (\d+) event\(s\) in the open window", drains["shuffler"].stderr)
@@ -284,8 +354,12 @@ def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
         open_events = int(m.group(1))
     from kafka import KafkaConsumer, TopicPartition
 
-    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                      enable_auto_commit=False, group_id=None)
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        group_id=None,
+    )
     tps = [TopicPartition(clients, p) for p in sorted(c.partitions_for_topic(clients) or ())]
     c.assign(tps)
     c.seek_to_beginning(*tps)
@@ -300,8 +374,11 @@ def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
     res.produced = len(ids)
     if records != len(ids):
         res.notes.append(f"{records - len(ids)} client records written twice (retried sends)")
-    topic = [(off, parse_analyzer_record(v)) for recs in _read_topic(bootstrap, analyzer).values()
-             for off, v in recs]
+    topic = [
+        (off, parse_analyzer_record(v))
+        for recs in _read_topic(bootstrap, analyzer).values()
+        for off, v in recs
+    ]
     state = workdir / "state"
     entries = read_ledger(state / "ledger.jsonl") if (state / "ledger.jsonl").exists() else []
     if not entries:
@@ -314,8 +391,10 @@ def run_shuffle_case(broker, mode: str, fault: str, seed: int, workdir: Path, *,
     if cov.refused:
         res.notes.append(f"windows refused: {cov.refused}")
     if open_events > spec.window_events:
-        res.violations.append(f"[shuffle] {open_events} events in the open window: more than "
-                              f"a window holds ({spec.window_events})")
+        res.violations.append(
+            f"[shuffle] {open_events} events in the open window: more than "
+            f"a window holds ({spec.window_events})"
+        )
     published = [p.stat().st_mtime for p in (workdir / "releases").rglob("release-*.json")]
     for back in returns:
         later = [t - back for t in published if t > back]

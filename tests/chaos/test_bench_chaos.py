@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.chaos
 def test_bench_chaos_smoke(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "bench.service.chaos", "--smoke"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.service.chaos", "--smoke"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
     assert "VIOLATED" not in res.stdout, res.stdout[-3000:]

@@ -27,13 +27,18 @@ def blocks(page: Path):
             i += 1
         above = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
         skip = SKIP.search(above)
-        yield m.group(1), start + 1, "\n".join(lines[start + 1:i]) + "\n", \
-            skip.group(1) if skip else None
+        yield (
+            m.group(1),
+            start + 1,
+            "\n".join(lines[start + 1 : i]) + "\n",
+            skip.group(1) if skip else None,
+        )
         i += 1
 
 
-def write_page_files(page: Path, cwd: Path, broker: str | None = None,
-                     make_keys: bool = False) -> None:
+def write_page_files(
+    page: Path, cwd: Path, broker: str | None = None, make_keys: bool = False
+) -> None:
     """Write the files ``page`` shows into ``cwd``: the example broker address replaced by
     ``broker``; a ``<... printed by shuffle-keygen>`` placeholder by a fresh public key; with
     ``make_keys``, the relative key files a file names (``public_key``, ``key_file``) made from
@@ -47,10 +52,12 @@ def write_page_files(page: Path, cwd: Path, broker: str | None = None,
             text = text.replace("127.0.0.1:9092", broker)
         if KEY_PLACEHOLDER.search(text) or make_keys and _KEY_FILES.search(text):
             from aggregator.service.shuffle_wire import new_keypair, public_key_hex
+
             pair = new_keypair()
             text = KEY_PLACEHOLDER.sub(public_key_hex(pair), text)
             for name, rel in _KEY_FILES.findall(text) if make_keys else ():
                 (cwd / rel).parent.mkdir(parents=True, exist_ok=True)
-                (cwd / rel).write_text((public_key_hex(pair) if name == "public_key"
-                                        else bytes(pair).hex()) + "\n")
+                (cwd / rel).write_text(
+                    (public_key_hex(pair) if name == "public_key" else bytes(pair).hex()) + "\n"
+                )
         (cwd / m.group(1)).write_text(text)

@@ -12,6 +12,7 @@ import numpy as np
 from aggregator.service.config import load_config
 from consumers.base import Segment, Source
 
+
 class ListSource(Source):
     """Partitions of (timestamp s or None, item) records, read ``chunk`` records a poll from the
     partitions in ``order`` (round robin), with Kafka's pause / resume / seek."""
@@ -44,30 +45,57 @@ class ListSource(Source):
         for k in range(len(self.order)):
             p = self.order[(self.turn + k) % len(self.order)]
             lo = self.pos[p]
-            recs = self.parts[p][lo:lo + self.chunk]
+            recs = self.parts[p][lo : lo + self.chunk]
             if p in self.paused or not recs:
                 continue
             self.turn = (self.turn + k + 1) % len(self.order)
             self.pos[p] = lo + len(recs)
-            return [Segment(p, range(lo, lo + len(recs)),
-                            [json.dumps({"item": item}).encode() for _, item in recs],
-                            timestamps=[-1 if t is None else int(t * 1000) for t, _ in recs])]
+            return [
+                Segment(
+                    p,
+                    range(lo, lo + len(recs)),
+                    [json.dumps({"item": item}).encode() for _, item in recs],
+                    timestamps=[-1 if t is None else int(t * 1000) for t, _ in recs],
+                )
+            ]
         self.exhausted = not self.paused and self.caught_up(self.parts)
         return []
 
+
 def cfg_for(tmp_path, *sets):
-    return load_config(None, ["source.kind=kafka", "source.topic=t", "source.format=json",
-                              "state.domain_size=100", "window.kind=event_time",
-                              "window.size=10", f"checkpoint.dir={tmp_path / 'state'}",
-                              f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
-                              "release.error_bar_reps=0", "release.estimator=threshold",
-                              "window.idle_partition_timeout_s=0.05", *sets], env={})
+    return load_config(
+        None,
+        [
+            "source.kind=kafka",
+            "source.topic=t",
+            "source.format=json",
+            "state.domain_size=100",
+            "window.kind=event_time",
+            "window.size=10",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "metrics.port=-1",
+            "release.error_bar_reps=0",
+            "release.estimator=threshold",
+            "window.idle_partition_timeout_s=0.05",
+            *sets,
+        ],
+        env={},
+    )
+
 
 def releases(tmp_path):
     docs = [json.loads(p.read_text()) for p in sorted((tmp_path / "releases").glob("*.json"))]
-    return sorted(({k: d["window_info"][k] for k in ("event_start_unix", "event_end_unix",
-                                                        "events", "late")}
-                   for d in docs), key=lambda w: w["event_start_unix"])
+    return sorted(
+        (
+            {
+                k: d["window_info"][k]
+                for k in ("event_start_unix", "event_end_unix", "events", "late")
+            }
+            for d in docs
+        ),
+        key=lambda w: w["event_start_unix"],
+    )
 
 
 SIZE = 10

@@ -12,9 +12,9 @@ import numpy as np
 from aggregator.state import PanPrivateHistogram
 from tests import lr_audit
 
-ALPHA = 1e-6   # family-wise false-failure probability of one audit
+ALPHA = 1e-6  # family-wise false-failure probability of one audit
 L_SINGLE = 30  # one-dimensional events use values in [-L-1, L+1] (the ends are tail events)
-L_PAIR = 12    # two-dimensional (quadrant) events use thresholds in [-Q-1, Q+1]
+L_PAIR = 12  # two-dimensional (quadrant) events use thresholds in [-Q-1, Q+1]
 
 _cp_lower, _cp_upper = lr_audit._cp_lower, lr_audit._cp_upper
 
@@ -91,12 +91,13 @@ def _best_log_ratio(c_num, n_num, c_den, n_den, a) -> tuple[float, int]:
     order = np.argsort(-point, kind="stable")
     best, best_i, done = -np.inf, -1, 0
     while done < len(order):
-        chunk = order[done:done + 2000]
+        chunk = order[done : done + 2000]
         if point[chunk[0]] <= best:
             break
         with np.errstate(divide="ignore"):
-            r = (np.log(_cp_lower(c_num[chunk], n_num, a))
-                 - np.log(_cp_upper(c_den[chunk], n_den, a)))
+            r = np.log(_cp_lower(c_num[chunk], n_num, a)) - np.log(
+                _cp_upper(c_den[chunk], n_den, a)
+            )
         j = int(np.argmax(r))
         if r[j] > best:
             best, best_i = float(r[j]), int(chunk[j])
@@ -135,7 +136,7 @@ def counters_in_files(state_dir: Path) -> list[np.ndarray]:
             assert b"panagg.state" not in data, path  # no serialized state anywhere else
             continue
         hlen = int.from_bytes(data[:8], "little")
-        header = msgpack.unpackb(data[8:8 + hlen], raw=False, strict_map_key=False)
+        header = msgpack.unpackb(data[8 : 8 + hlen], raw=False, strict_map_key=False)
         if header.get("has_state", True) and len(data) > 8 + hlen:
-            found.append((header["seq"], PanPrivateHistogram.deserialize(data[8 + hlen:]).counts))
+            found.append((header["seq"], PanPrivateHistogram.deserialize(data[8 + hlen :]).counts))
     return [c for _, c in sorted(found, key=lambda t: t[0])]

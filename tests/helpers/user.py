@@ -11,12 +11,23 @@ SEED = 20260
 
 
 def user_args(tmp_path, path, **overrides):
-    cfg = {"source.kind": "file", "source.path": str(path), "source.format": "json",
-           "source.max_records": 700, "item.field": "user", "state.privacy_unit": "user",
-           "state.expected_users": 2000, "ledger.budget_per_user": 100,
-           "window.kind": "count", "window.size": WINDOW,
-           "checkpoint.dir": tmp_path / "state", "release.dir": tmp_path / "releases",
-           "metrics.port": -1, "testing.noise_seed": SEED, "release.on_exhausted": "false"}
+    cfg = {
+        "source.kind": "file",
+        "source.path": str(path),
+        "source.format": "json",
+        "source.max_records": 700,
+        "item.field": "user",
+        "state.privacy_unit": "user",
+        "state.expected_users": 2000,
+        "ledger.budget_per_user": 100,
+        "window.kind": "count",
+        "window.size": WINDOW,
+        "checkpoint.dir": tmp_path / "state",
+        "release.dir": tmp_path / "releases",
+        "metrics.port": -1,
+        "testing.noise_seed": SEED,
+        "release.on_exhausted": "false",
+    }
     cfg.update(overrides)
     out = ["run"]
     for k, v in cfg.items():

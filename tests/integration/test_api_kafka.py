@@ -29,13 +29,35 @@ def produce(bootstrap, topic, items):
 
 
 def run_example(bootstrap, topic, tmp_path):
-    args = [sys.executable, str(ROOT / "examples" / "kafka_consumer.py"), "--bootstrap",
-            bootstrap, "--topic", topic, "--state-dir", str(tmp_path / "state"),
-            "--release-dir", str(tmp_path / "releases"), "--exit-when-idle", "3",
-            "--set", f"state.domain_size={D}", "--set", "window.kind=count",
-            "--set", "window.size=1000", "--set", "release.plan_errors=false"]
-    res = subprocess.run(args, capture_output=True, text=True, timeout=240,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    args = [
+        sys.executable,
+        str(ROOT / "examples" / "kafka_consumer.py"),
+        "--bootstrap",
+        bootstrap,
+        "--topic",
+        topic,
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--release-dir",
+        str(tmp_path / "releases"),
+        "--exit-when-idle",
+        "3",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "window.kind=count",
+        "--set",
+        "window.size=1000",
+        "--set",
+        "release.plan_errors=false",
+    ]
+    res = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return [line for line in res.stdout.splitlines() if line.startswith("window ")]
 
@@ -57,14 +79,19 @@ def test_the_kafka_consumer_example_releases_each_window_once(kafka_broker, tmp_
     assert [ln.split(":")[0] for ln in lines] == ["window 2"] and "n=1000 " in lines[0]
 
     ledgered = Release.from_ledger(tmp_path / "state" / "ledger.jsonl")
-    assert [(r.window, r.n, r.epsilon_spent) for r in ledgered] == [(0, 1000, 1.0),
-                                                                    (1, 1000, 1.0),
-                                                                    (2, 1000, 1.0)]
+    assert [(r.window, r.n, r.epsilon_spent) for r in ledgered] == [
+        (0, 1000, 1.0),
+        (1, 1000, 1.0),
+        (2, 1000, 1.0),
+    ]
     assert ledgered[-1].ledger["totals"]["events"] == 3000  # each record once
     for r in ledgered:
-        assert Release.read(tmp_path / "releases" / f"release-{r.window}.json") == \
-            r.without_ledger()
+        assert (
+            Release.read(tmp_path / "releases" / f"release-{r.window}.json") == r.without_ledger()
+        )
         assert r.document["counted"]["stream"] == f"kafka:{topic}"
-    kinds = [json.loads(x)["kind"] for x in
-             (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()]
+    kinds = [
+        json.loads(x)["kind"]
+        for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()
+    ]
     assert "restart" in kinds

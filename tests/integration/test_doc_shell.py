@@ -34,17 +34,19 @@ from kafka.errors import TopicAlreadyExistsError
 from tests.helpers.docs import write_page_files
 from tests.test_doc_shell import ROOT, cases, clone, script
 
-TOPIC = "logins"        # the topic every block names
-GROUP = "panagg"        # source.group's default: the group loops' group
+TOPIC = "logins"  # the topic every block names
+GROUP = "panagg"  # source.group's default: the group loops' group
 RECORDS = 600
 #: blocks whose service has no /ready (the API example, no metrics): the records to produce
 #: and the line of its output that shows it answered (its first release)
 ANSWERS = {"docs/api.md": (100_000, re.compile(r"^window 0: n=100000 ", re.M))}
 #: appended to a block that leaves background jobs: marks the block's own lines done, then
 #: waits for the jobs, whose exit statuses become the script's
-EPILOGUE = ('\n# -- tests/integration/test_doc_shell.py: wait for the block\'s background jobs\n'
-            'touch "{done}"\n'
-            'rc=0; for p in $(jobs -p); do wait "$p" || rc=$?; done; exit $rc\n')
+EPILOGUE = (
+    "\n# -- tests/integration/test_doc_shell.py: wait for the block's background jobs\n"
+    'touch "{done}"\n'
+    'rc=0; for p in $(jobs -p); do wait "$p" || rc=$?; done; exit $rc\n'
+)
 
 
 def _fresh_topic(bootstrap: str, records: int) -> None:
@@ -91,8 +93,9 @@ def _service_count(text: str) -> int:
 
 def _metrics_ports(output: str) -> list[int]:
     """The ports the services serve /ready on, from their ``metrics on URL`` start lines."""
-    return [int(p) for p in re.findall(r"^metrics on http://127\.0\.0\.1:(\d+)/metrics$",
-                                       output, re.M)]
+    return [
+        int(p) for p in re.findall(r"^metrics on http://127\.0\.0\.1:(\d+)/metrics$", output, re.M)
+    ]
 
 
 def _ready(port: int) -> bool:
@@ -140,9 +143,14 @@ def test_shell_block_runs_against_kafka(page, line, text, kafka_broker, tmp_path
     log = tmp_path / "block.log"
     t0 = time.monotonic()
     with open(log, "w") as out:
-        shell = subprocess.Popen(["bash", "-e", "-o", "pipefail", str(tmp_path / "block.sh")],
-                                 cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        shell = subprocess.Popen(
+            ["bash", "-e", "-o", "pipefail", str(tmp_path / "block.sh")],
+            cwd=work,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         count, ports = _service_count(text), []
 
@@ -155,11 +163,13 @@ def test_shell_block_runs_against_kafka(page, line, text, kafka_broker, tmp_path
 
         deadline = time.monotonic() + 120
         while not (done.exists() and answered()):
-            assert shell.poll() is None, \
-                f"{page}:{line} ended (exit {shell.returncode}) before /ready:\n" \
+            assert shell.poll() is None, (
+                f"{page}:{line} ended (exit {shell.returncode}) before /ready:\n"
                 + log.read_text()[-4000:]
-            assert time.monotonic() < deadline, \
+            )
+            assert time.monotonic() < deadline, (
                 f"{page}:{line}: no answer ({ports or answer}) in 120 s:\n{log.read_text()[-4000:]}"
+            )
             time.sleep(0.5)
         ready_s = time.monotonic() - t0
         services = _children(shell.pid)
@@ -169,12 +179,19 @@ def test_shell_block_runs_against_kafka(page, line, text, kafka_broker, tmp_path
         for cmd in re.findall(r"^(?:\.venv/bin/)?panagg status .*$", body, re.M):
             deadline = time.monotonic() + 60
             while True:
-                res = subprocess.run(["bash", "-c", cmd], cwd=work, env=env,
-                                     capture_output=True, text=True, timeout=120)
+                res = subprocess.run(
+                    ["bash", "-c", cmd],
+                    cwd=work,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 assert res.returncode == 0, f"{cmd}:\n{res.stdout}{res.stderr}"
                 if "--group" not in cmd or (
-                        f"members ({count}, group Stable)" in res.stdout
-                        and res.stdout.count("; ready, reported") == count):
+                    f"members ({count}, group Stable)" in res.stdout
+                    and res.stdout.count("; ready, reported") == count
+                ):
                     break
                 assert time.monotonic() < deadline, f"{cmd}:\n{res.stdout}"
                 time.sleep(2)

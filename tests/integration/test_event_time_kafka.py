@@ -21,29 +21,54 @@ def produce_at(bootstrap, topic, records):
     """records: (partition, timestamp s, item)."""
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
     for part, ts, item in records:
-        producer.send(topic, value=msgpack.packb({"item": item}), partition=part,
-                      timestamp_ms=int(ts * 1000))
+        producer.send(
+            topic, value=msgpack.packb({"item": item}), partition=part, timestamp_ms=int(ts * 1000)
+        )
     producer.flush()
     producer.close()
 
 
 def releases(tmp_path):
     docs = [json.loads(p.read_text()) for p in (tmp_path / "releases").glob("*.json")]
-    return sorted(({k: d["window_info"][k] for k in
-                    ("event_start_unix", "event_end_unix", "events", "late")}
-                   | {"n": d["n"]} for d in docs), key=lambda w: w["event_start_unix"])
+    return sorted(
+        (
+            {
+                k: d["window_info"][k]
+                for k in ("event_start_unix", "event_end_unix", "events", "late")
+            }
+            | {"n": d["n"]}
+            for d in docs
+        ),
+        key=lambda w: w["event_start_unix"],
+    )
 
 
 def test_event_time_windows_exact_counts_with_late_records_and_a_kill(kafka_broker, tmp_path):
     topic = make_topic(kafka_broker, partitions=3)
     t0 = (int(time.time()) - 3600) // SIZE * SIZE  # window 0 = [t0, t0 + 10)
-    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "3",
-                        "--set", "window.kind=event_time", "--set", f"window.size={SIZE}",
-                        "--set", "window.late=next", "--set", "release.error_bar_reps=0",
-                        "--set", "release.estimator=threshold")
+    args = service_args(
+        kafka_broker,
+        topic,
+        tmp_path,
+        "--exit-when-idle",
+        "3",
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={SIZE}",
+        "--set",
+        "window.late=next",
+        "--set",
+        "release.error_bar_reps=0",
+        "--set",
+        "release.estimator=threshold",
+    )
     # 1. window 0, out of order within and across partitions
-    produce_at(kafka_broker, topic, [(p, t0 + (7 * i + 3 * p) % SIZE, i) for p in range(3)
-                                     for i in range(40)])
+    produce_at(
+        kafka_broker,
+        topic,
+        [(p, t0 + (7 * i + 3 * p) % SIZE, i) for p in range(3) for i in range(40)],
+    )
     assert run_service(args).returncode == 0
     # 2. a record of window 1 on partition 0 only: partitions 1 and 2 hold window 0 open (the
     #    watermark is the least of the partitions' latest timestamps; no idle timeout)
@@ -52,23 +77,37 @@ def test_event_time_windows_exact_counts_with_late_records_and_a_kill(kafka_brok
     assert not list((tmp_path / "releases").glob("*.json"))
     # 3. window 1 out of order across partitions (p2 earlier than p0 and p1), plus 7 late
     #    records (window 0's timestamps) on partitions 1 and 2; a SIGKILL while counting
-    produce_at(kafka_broker, topic,
-               [(p, t0 + SIZE + (9 - 4 * p + i) % SIZE, i) for p in range(3) for i in range(30)]
-               + [(1 + i % 2, t0 + i, 99) for i in range(7)])
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    produce_at(
+        kafka_broker,
+        topic,
+        [(p, t0 + SIZE + (9 - 4 * p + i) % SIZE, i) for p in range(3) for i in range(30)]
+        + [(1 + i % 2, t0 + i, 99) for i in range(7)],
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(2.5)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = run_service(args)
     assert done.returncode == 0, done.stderr[-2000:]
     # 4. window 3 on every partition (window 2 has no record): closes window 1
-    produce_at(kafka_broker, topic, [(2, t0 + 3 * SIZE + 1, 5), (1, t0 + 3 * SIZE + 2, 6),
-                                     (0, t0 + 3 * SIZE + 3, 7)])
+    produce_at(
+        kafka_broker,
+        topic,
+        [(2, t0 + 3 * SIZE + 1, 5), (1, t0 + 3 * SIZE + 2, 6), (0, t0 + 3 * SIZE + 3, 7)],
+    )
     assert run_service(args).returncode == 0
     assert releases(tmp_path) == [
-        {"event_start_unix": t0, "event_end_unix": t0 + SIZE, "events": 120, "late": 0,
-         "n": 120},
-        {"event_start_unix": t0 + SIZE, "event_end_unix": t0 + 2 * SIZE, "events": 1 + 90 + 7,
-         "late": 7, "n": 98},
+        {"event_start_unix": t0, "event_end_unix": t0 + SIZE, "events": 120, "late": 0, "n": 120},
+        {
+            "event_start_unix": t0 + SIZE,
+            "event_end_unix": t0 + 2 * SIZE,
+            "events": 1 + 90 + 7,
+            "late": 7,
+            "n": 98,
+        },
     ]

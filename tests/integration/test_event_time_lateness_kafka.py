@@ -14,8 +14,7 @@ import time
 from tests.helpers.event_time import reference
 
 from .test_event_time_kafka import produce_at, releases
-from .test_service_kafka import (durable, env, ledger_entries, make_topic, run_service,
-                                 service_args)
+from .test_service_kafka import durable, env, ledger_entries, make_topic, run_service, service_args
 
 SIZE, LATENESS = 10, 4
 
@@ -25,32 +24,51 @@ STAGES = [
     #    partition passes 14 (16, 14, 15), so window 0 closes and window 1, which counts
     #    already, stays live; then window 1 with late records (2, 6) and window 2 records within
     #    window 1's lateness ([20, 24)). Partition 2 ends here: it holds window 1 open.
-    {0: [3, 7, 12, 5, 16, 2, 18, 21, 11, 23],
-     1: [8, 0, 13, 4, 10, 14, 6, 19, 22, 17],
-     2: [9, 1, 11, 15, 12, 20, 13]},
+    {
+        0: [3, 7, 12, 5, 16, 2, 18, 21, 11, 23],
+        1: [8, 0, 13, 4, 10, 14, 6, 19, 22, 17],
+        2: [9, 1, 11, 15, 12, 20, 13],
+    },
     # B. more of windows 1 and 2 while partition 2 holds window 1 (the service is killed here);
     #    partitions 0 and 1 pass 24 (27, 33) with records behind them (24, 29; 25, 31)
-    {0: [19, 1, 22, 27, 24, 29],
-     1: [15, 7, 20, 33, 25, 31]},
+    {0: [19, 1, 22, 27, 24, 29], 1: [15, 7, 20, 33, 25, 31]},
     # C. partitions 0 and 1 pass window 2 and 3 (window 5 stays open)
     {0: [52], 1: [55]},
 ]
 
 
-def test_allowed_lateness_exact_releases_across_a_kill_with_two_live_windows(kafka_broker,
-                                                                              tmp_path):
+def test_allowed_lateness_exact_releases_across_a_kill_with_two_live_windows(
+    kafka_broker, tmp_path
+):
     topic = make_topic(kafka_broker, partitions=3)
     t0 = (int(time.time()) - 3600) // SIZE * SIZE
-    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "3",
-                        "--set", "window.kind=event_time", "--set", f"window.size={SIZE}",
-                        "--set", f"window.allowed_lateness_s={LATENESS}",
-                        "--set", "window.late=next", "--set", "release.error_bar_reps=0",
-                        "--set", "release.estimator=threshold")
+    args = service_args(
+        kafka_broker,
+        topic,
+        tmp_path,
+        "--exit-when-idle",
+        "3",
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={LATENESS}",
+        "--set",
+        "window.late=next",
+        "--set",
+        "release.error_bar_reps=0",
+        "--set",
+        "release.estimator=threshold",
+    )
     item = iter(range(10_000))
 
     def produce(stage):
-        produce_at(kafka_broker, topic, [(p, t0 + t, next(item) % 50) for p, ts in stage.items()
-                                         for t in ts])
+        produce_at(
+            kafka_broker,
+            topic,
+            [(p, t0 + t, next(item) % 50) for p, ts in stage.items() for t in ts],
+        )
 
     # A: window 0 is released; window 1 (restored from here on with a replay that skips
     #    window 0's records among its own) and window 2 are live
@@ -66,8 +84,12 @@ def test_allowed_lateness_exact_releases_across_a_kill_with_two_live_windows(kaf
     #    after the restore (its ledger entry) and some reading
     produce(STAGES[1])
     restarts = sum(e["kind"] == "restart" for e in ledger_entries(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while sum(e["kind"] == "restart" for e in ledger_entries(tmp_path)) == restarts:
         assert time.monotonic() < deadline and proc.poll() is None
@@ -84,11 +106,20 @@ def test_allowed_lateness_exact_releases_across_a_kill_with_two_live_windows(kaf
     done = run_service(args + ["--set", "window.idle_partition_timeout_s=1"])
     assert done.returncode == 0, done.stderr[-2000:]
 
-    parts = {f"{topic}:{p}": [(t, None) for stage in STAGES for t in stage.get(p, [])]
-             for p in range(3)}
+    parts = {
+        f"{topic}:{p}": [(t, None) for stage in STAGES for t in stage.get(p, [])] for p in range(3)
+    }
     _, windows = reference(parts, LATENESS, "next")
-    expected = [{"event_start_unix": t0 + k * SIZE, "event_end_unix": t0 + (k + 1) * SIZE,
-                 "events": ev, "late": late, "n": ev}
-                for k, (ev, late) in sorted(windows.items()) if k < 5]  # 5 stays open
+    expected = [
+        {
+            "event_start_unix": t0 + k * SIZE,
+            "event_end_unix": t0 + (k + 1) * SIZE,
+            "events": ev,
+            "late": late,
+            "n": ev,
+        }
+        for k, (ev, late) in sorted(windows.items())
+        if k < 5
+    ]  # 5 stays open
     assert [(w["events"], w["late"]) for w in expected] == [(8, 0), (19, 4), (10, 0), (2, 0)]
     assert releases(tmp_path) == expected

@@ -19,17 +19,27 @@ import numpy as np
 import pytest
 
 from tests.chaos.harness import fill_disk
-from tests.helpers.kafka import (D, env, make_topic, produce, produce_items, run_service,
-                                 service_args, wait_for)
+from tests.helpers.kafka import (
+    D,
+    env,
+    make_topic,
+    produce,
+    produce_items,
+    run_service,
+    service_args,
+    wait_for,
+)
 
 
 def _mount_small_disk(path: Path, size: str = "4m") -> None:
     path.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode != 0:  # a full disk needs a filesystem of its own (root, CAP_SYS_ADMIN)
         pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
-
 
 
 def _ready(url):
@@ -54,22 +64,34 @@ def _releases(state):
 
 @pytest.mark.parametrize("workers", [1, 0], ids=["release-worker", "in-loop"])
 def test_a_full_disk_after_a_release_is_seen_and_every_partition_is_read_after(
-        kafka_broker, tmp_path, workers):
+    kafka_broker, tmp_path, workers
+):
     disk = tmp_path / "disk"
     _mount_small_disk(disk)
     try:
         topic = make_topic(kafka_broker, partitions=2)
         produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(3500)])
-        args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "4",
-                            "--set", f"release.workers={workers}",
-                            "--set", "release.error_bar_reps=0")
+        args = service_args(
+            kafka_broker,
+            topic,
+            tmp_path,
+            "--exit-when-idle",
+            "4",
+            "--set",
+            f"release.workers={workers}",
+            "--set",
+            "release.error_bar_reps=0",
+        )
         args[args.index("--state-dir") + 1] = str(disk / "state")
         args[args.index("window.size=100000000")] = "window.size=1000"
         args[args.index("--metrics-port") + 1] = "0"
         # the service stops itself right after window 0's release is ledgered
-        proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
-                                env=dict(env(), PANAGG_TEST_FAULT="ledger-after-release:1:stop"),
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aggregator.service.cli", *args],
+            env=dict(env(), PANAGG_TEST_FAULT="ledger-after-release:1:stop"),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         log = []
         threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
         filler = None
@@ -100,15 +122,22 @@ def test_a_full_disk_after_a_release_is_seen_and_every_partition_is_read_after(
                 proc.kill()
                 proc.wait()
         filler.unlink()  # space freed: the restart must read everything
-        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                             env=env(), capture_output=True, text=True, timeout=240)
+        res = subprocess.run(
+            [sys.executable, "-m", "aggregator.service.cli", *args],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         releases = _releases(disk / "state")
         assert [e["window"] for e in releases] == [0, 1, 2]
         ends = {f"{topic}:0": 0, f"{topic}:1": 0}
         for e in releases:  # contiguous ranges over both partitions, n equal to their width
-            assert {p: r[0] for p, r in e["ranges"].items()} == \
-                {p: ends[p] for p in e["ranges"]}, (e["ranges"], ends)
+            assert {p: r[0] for p, r in e["ranges"].items()} == {p: ends[p] for p in e["ranges"]}, (
+                e["ranges"],
+                ends,
+            )
             assert e["n"] == sum(hi - lo for lo, hi in e["ranges"].values()) == 1000
             ends.update({p: r[1] for p, r in e["ranges"].items()})
         # the open window holds the last 500 records: every partition was read to its end
@@ -138,8 +167,12 @@ def test_counting_resumes_soon_after_the_broker_returns(tmp_path, how, restartab
     produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(500)])
     args = service_args(bootstrap, topic, tmp_path)
     args[args.index("--metrics-port") + 1] = "0"
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        env=env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = []
     threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
     try:
@@ -189,15 +222,37 @@ def test_a_service_started_while_the_broker_is_away_waits_for_it(tmp_path, resta
     bootstrap = broker.bootstrap
     topic = make_topic(bootstrap, partitions=2)
     produce(bootstrap, topic, [msgpack.packb({"item": i % D}) for i in range(700)])
-    args = service_args(bootstrap, topic, tmp_path, "--set", "window.size=300", "--set",
-                        "source.connect_timeout_s=90", "--exit-when-idle", "3")
+    args = service_args(
+        bootstrap,
+        topic,
+        tmp_path,
+        "--set",
+        "window.size=300",
+        "--set",
+        "source.connect_timeout_s=90",
+        "--exit-when-idle",
+        "3",
+    )
     broker.stop()
-    stopped = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli",
-                                *service_args(bootstrap, topic, tmp_path / "other"),
-                                "--set", "source.connect_timeout_s=90"],
-                               env=env(), stderr=subprocess.PIPE, text=True)
-    waiting = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                               stderr=subprocess.PIPE, text=True)
+    stopped = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            *service_args(bootstrap, topic, tmp_path / "other"),
+            "--set",
+            "source.connect_timeout_s=90",
+        ],
+        env=env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        env=env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(8)
         assert waiting.poll() is None and stopped.poll() is None  # both still waiting
@@ -239,13 +294,11 @@ def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
             deadline = time.time() + 120
             while not source.assigned and time.time() < deadline:
                 for seg in source.poll(0.2):
-                    read[seg.partition] = max(read.get(seg.partition, 0),
-                                              int(seg.offsets[-1]) + 1)
+                    read[seg.partition] = max(read.get(seg.partition, 0), int(seg.offsets[-1]) + 1)
             assert source.assigned, f"trial {trial}: no partition assigned in 120 s"
             for turn in range(60):
                 for seg in source.poll(0.2):
-                    read[seg.partition] = max(read.get(seg.partition, 0),
-                                              int(seg.offsets[-1]) + 1)
+                    read[seg.partition] = max(read.get(seg.partition, 0), int(seg.offsets[-1]) + 1)
                 if turn < 3 or not source.assigned:
                     continue
                 key = partition_key(topic, rng.randrange(3))
@@ -258,11 +311,11 @@ def test_a_held_and_resumed_partition_is_always_read_again(kafka_broker):
                     source.resume([key])
             source.resume(sorted(source.assigned))
             deadline = time.time() + 120
-            while (not source.assigned or not source.caught_up(sorted(source.assigned))) \
-                    and time.time() < deadline:
+            while (
+                not source.assigned or not source.caught_up(sorted(source.assigned))
+            ) and time.time() < deadline:
                 for seg in source.poll(0.2):
-                    read[seg.partition] = max(read.get(seg.partition, 0),
-                                              int(seg.offsets[-1]) + 1)
+                    read[seg.partition] = max(read.get(seg.partition, 0), int(seg.offsets[-1]) + 1)
             assert read == source.end_offsets() and sum(read.values()) == 9000, (trial, read)
         finally:
             source.close()
@@ -301,20 +354,38 @@ def test_a_backlog_lands_in_the_windows_of_its_timestamps(kafka_broker, tmp_path
     sizes = [300, 500, 400]
     for k, n in enumerate(sizes):
         for i in range(n):
-            producer.send(topic, value=msgpack.packb({"item": i % D}),
-                          timestamp_ms=(base + 30 * k + 5) * 1000 + i)
+            producer.send(
+                topic,
+                value=msgpack.packb({"item": i % D}),
+                timestamp_ms=(base + 30 * k + 5) * 1000 + i,
+            )
     for i in range(50):  # the stream goes on now: the windows before are complete
         producer.send(topic, value=msgpack.packb({"item": i}), timestamp_ms=int(time.time() * 1000))
     producer.flush()
     producer.close()
-    args = service_args(kafka_broker, topic, tmp_path, "--exit-when-idle", "4",
-                        "--set", "window.kind=time", "--set", "release.error_bar_reps=0")
+    args = service_args(
+        kafka_broker,
+        topic,
+        tmp_path,
+        "--exit-when-idle",
+        "4",
+        "--set",
+        "window.kind=time",
+        "--set",
+        "release.error_bar_reps=0",
+    )
     args[args.index("window.size=100000000")] = "window.size=30"
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                         capture_output=True, text=True, timeout=240)
+    res = subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "time windows of 30 s by the records' Kafka timestamps (window.clock = auto)" \
-        in res.stderr
+    assert (
+        "time windows of 30 s by the records' Kafka timestamps (window.clock = auto)" in res.stderr
+    )
     releases = _releases(tmp_path / "state")
     assert [e["n"] for e in releases] == sizes, res.stderr[-3000:]
     starts = [json.loads(e["document"])["window_info"]["event_start_unix"] for e in releases]
@@ -326,8 +397,12 @@ def _logged_service(args, tmp_path):
     """``panagg run args`` in a subprocess, its stderr in ``tmp_path / "stderr.log"``; killed
     at the end if it is still running."""
     err = open(tmp_path / "stderr.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args], env=env(),
-                            stdout=subprocess.DEVNULL, stderr=err)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+    )
     try:
         yield proc
     finally:
@@ -338,7 +413,8 @@ def _logged_service(args, tmp_path):
 
 
 def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_deleted(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """A new state directory starts at the earliest retained records (the default), and is
     stopped before its first window closes; the topic's retention then deletes records it had
     not counted. Its checkpoint used to hold no start offsets for ``earliest``, so the restart
@@ -351,28 +427,38 @@ def test_a_first_start_from_earliest_knows_where_it_began_when_records_are_delet
 
     topic = make_topic(kafka_broker, partitions=1)
     produce_items(kafka_broker, topic, 500, seed=1)
-    args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
-                        "--set", "window.size=1000")
+    args = service_args(
+        kafka_broker, topic, tmp_path, "--set", "window.kind=count", "--set", "window.size=1000"
+    )
     with _logged_service(args, tmp_path) as proc:
-        wait_for(lambda: "starting window 0 at" in (tmp_path / "stderr.log").read_text()
-                 or proc.poll() is not None, 120, "the service's start")
+        wait_for(
+            lambda: (
+                "starting window 0 at" in (tmp_path / "stderr.log").read_text()
+                or proc.poll() is not None
+            ),
+            120,
+            "the service's start",
+        )
         time.sleep(3)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     started = (tmp_path / "stderr.log").read_text()
     assert f"the earliest retained records: {topic}:0 at 0" in started, started[-2000:]
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-    admin.delete_records({TopicPartition(topic, 0): 300})   # counted, never released
+    admin.delete_records({TopicPartition(topic, 0): 300})  # counted, never released
     admin.close()
-    produce_items(kafka_broker, topic, 1500, seed=2)          # offsets 500-1999
+    produce_items(kafka_broker, topic, 1500, seed=2)  # offsets 500-1999
     again = run_service([*args, "--exit-when-idle", "3"])
     assert again.returncode == 0, again.stderr[-2000:]
-    decided = [e for e in _ledger_entries(tmp_path / "state")
-               if e["kind"] in ("release", "refused")]
+    decided = [
+        e for e in _ledger_entries(tmp_path / "state") if e["kind"] in ("release", "refused")
+    ]
     assert [(e["kind"], e["window"]) for e in decided] == [("refused", 0), ("release", 1)]
-    assert decided[0]["note"].startswith(f"records of partition 0 from offset 0 to 300 were "
-                                         f"deleted by the retention of {topic} before they "
-                                         "were counted"), decided[0]["note"]
+    assert decided[0]["note"].startswith(
+        f"records of partition 0 from offset 0 to 300 were "
+        f"deleted by the retention of {topic} before they "
+        "were counted"
+    ), decided[0]["note"]
     assert decided[1]["n"] == 1000 and decided[1]["ranges"] == {f"{topic}:0": [300, 1300]}
     assert "window 0 of all is withheld" in again.stderr
 
@@ -403,7 +489,8 @@ def _stop_cleanly(proc, tmp_path) -> None:
 
 
 def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """A service stalled (SIGSTOP, as a long pause would) while the topic's retention deletes
     records it had not read: the consumer goes on from the first record left without a word.
     Before the first fix the open count window took the records after the deletion and was
@@ -418,30 +505,50 @@ def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on
 
     topic = make_topic(kafka_broker, partitions=1)
     produce_items(kafka_broker, topic, 3000, seed=1)
-    args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
-                        "--set", "window.size=2000")
+    args = service_args(
+        kafka_broker, topic, tmp_path, "--set", "window.kind=count", "--set", "window.size=2000"
+    )
     with _logged_service(args, tmp_path) as proc:
         # window 0 released, window 1 open with records 2000-2999
-        wait_for(lambda: (tmp_path / "releases" / "release-0.json").exists(), 120,
-                 "window 0's release")
-        _freeze_delete_thaw(kafka_broker, proc,   # offsets 3000-5999 written, 3000-4999 gone
-                            lambda: produce_items(kafka_broker, topic, 3000, seed=2),
-                            {TopicPartition(topic, 0): 5000})
-        wait_for(lambda: proc.poll() is not None or "window 1 of all is withheld" in
-                 (tmp_path / "stderr.log").read_text(), 120, "window 1 withheld")
-        produce_items(kafka_broker, topic, 1000, seed=3)   # offsets 6000-6999: window 2 fills
-        wait_for(lambda: proc.poll() is not None or
-                 (tmp_path / "releases" / "release-2.json").exists(), 120, "window 2's release")
+        wait_for(
+            lambda: (tmp_path / "releases" / "release-0.json").exists(), 120, "window 0's release"
+        )
+        _freeze_delete_thaw(
+            kafka_broker,
+            proc,  # offsets 3000-5999 written, 3000-4999 gone
+            lambda: produce_items(kafka_broker, topic, 3000, seed=2),
+            {TopicPartition(topic, 0): 5000},
+        )
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or "window 1 of all is withheld" in (tmp_path / "stderr.log").read_text()
+            ),
+            120,
+            "window 1 withheld",
+        )
+        produce_items(kafka_broker, topic, 1000, seed=3)  # offsets 6000-6999: window 2 fills
+        wait_for(
+            lambda: proc.poll() is not None or (tmp_path / "releases" / "release-2.json").exists(),
+            120,
+            "window 2's release",
+        )
         _stop_cleanly(proc, tmp_path)
     log = (tmp_path / "stderr.log").read_text()
-    named = (f"records of partition 0 from offset 3000 to 5000 were deleted by the retention "
-             f"of {topic} before they were counted")
+    named = (
+        f"records of partition 0 from offset 3000 to 5000 were deleted by the retention "
+        f"of {topic} before they were counted"
+    )
     warned = [line for line in log.splitlines() if "is withheld" in line]
     assert len(warned) == 1 and "WARNING" in warned[0] and named in warned[0], warned
-    decided = [e for e in _ledger_entries(tmp_path / "state")
-               if e["kind"] in ("release", "refused")]
+    decided = [
+        e for e in _ledger_entries(tmp_path / "state") if e["kind"] in ("release", "refused")
+    ]
     assert [(e["kind"], e["window"]) for e in decided] == [
-        ("release", 0), ("refused", 1), ("release", 2)], decided
+        ("release", 0),
+        ("refused", 1),
+        ("release", 2),
+    ], decided
     part = f"{topic}:0"
     withheld, after = decided[1], decided[2]
     assert withheld["note"].startswith(named), withheld["note"]
@@ -453,9 +560,13 @@ def test_records_deleted_before_they_were_read_are_withheld_and_counting_goes_on
     # a restart replays neither window: the ledger decided them
     again = run_service([*args, "--exit-when-idle", "3"])
     assert again.returncode == 0, again.stderr[-2000:]
-    assert [(e["kind"], e["window"]) for e in _ledger_entries(tmp_path / "state")
-            if e["kind"] in ("release", "refused")] == [(e["kind"], e["window"]) for e in decided]
+    assert [
+        (e["kind"], e["window"])
+        for e in _ledger_entries(tmp_path / "state")
+        if e["kind"] in ("release", "refused")
+    ] == [(e["kind"], e["window"]) for e in decided]
     assert "is withheld" not in again.stderr
+
 
 def _produce_to(bootstrap, topic, partitions, n, seed):
     """``n`` msgpack events to each of ``partitions`` (explicitly, not by key)."""
@@ -471,7 +582,8 @@ def _produce_to(bootstrap, topic, partitions, n, seed):
 
 
 def test_several_aggregations_withhold_one_window_each_over_every_deleted_partition(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """Several aggregations over two partitions, stalled (SIGSTOP) while the retention deletes
     unread records of both: each aggregation withholds its open window once, its entry naming
     the deleted records of both partitions (one look at the source for all of them, as a
@@ -481,45 +593,86 @@ def test_several_aggregations_withhold_one_window_each_over_every_deleted_partit
     from kafka import TopicPartition
 
     topic = make_topic(kafka_broker, partitions=2)
-    _produce_to(kafka_broker, topic, [0, 1], 1000, seed=1)   # offsets 0-999 of each
-    args = service_args(kafka_broker, topic, tmp_path, "--set", "window.kind=count",
-                        "--set", "ledger.budget_per_event=2",
-                        "--set", "aggregations.a.window.size=1500",
-                        "--set", "aggregations.b.window.size=1200")
+    _produce_to(kafka_broker, topic, [0, 1], 1000, seed=1)  # offsets 0-999 of each
+    args = service_args(
+        kafka_broker,
+        topic,
+        tmp_path,
+        "--set",
+        "window.kind=count",
+        "--set",
+        "ledger.budget_per_event=2",
+        "--set",
+        "aggregations.a.window.size=1500",
+        "--set",
+        "aggregations.b.window.size=1200",
+    )
     rel = tmp_path / "releases"
     with _logged_service(args, tmp_path) as proc:
-        wait_for(lambda: proc.poll() is not None or ((rel / "a" / "release-0.json").exists()
-                 and (rel / "b" / "release-0.json").exists()), 120, "both windows 0")
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or (
+                    (rel / "a" / "release-0.json").exists()
+                    and (rel / "b" / "release-0.json").exists()
+                )
+            ),
+            120,
+            "both windows 0",
+        )
         assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
-        time.sleep(2)   # the rest of the 2,000 records into the open windows
-        _freeze_delete_thaw(kafka_broker, proc,   # 1000-1999 written, 1000-1499 gone
-                            lambda: _produce_to(kafka_broker, topic, [0, 1], 1000, seed=2),
-                            {TopicPartition(topic, 0): 1500, TopicPartition(topic, 1): 1500})
-        wait_for(lambda: proc.poll() is not None or (tmp_path / "stderr.log").read_text()
-                 .count("is withheld") >= 2, 120, "both open windows withheld")
-        _produce_to(kafka_broker, topic, [0, 1], 1000, seed=3)   # 2000-2999
-        wait_for(lambda: proc.poll() is not None or ((rel / "a" / "release-2.json").exists()
-                 and (rel / "b" / "release-3.json").exists()), 120, "the windows after")
+        time.sleep(2)  # the rest of the 2,000 records into the open windows
+        _freeze_delete_thaw(
+            kafka_broker,
+            proc,  # 1000-1999 written, 1000-1499 gone
+            lambda: _produce_to(kafka_broker, topic, [0, 1], 1000, seed=2),
+            {TopicPartition(topic, 0): 1500, TopicPartition(topic, 1): 1500},
+        )
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or (tmp_path / "stderr.log").read_text().count("is withheld") >= 2
+            ),
+            120,
+            "both open windows withheld",
+        )
+        _produce_to(kafka_broker, topic, [0, 1], 1000, seed=3)  # 2000-2999
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or (
+                    (rel / "a" / "release-2.json").exists()
+                    and (rel / "b" / "release-3.json").exists()
+                )
+            ),
+            120,
+            "the windows after",
+        )
         _stop_cleanly(proc, tmp_path)
     log = (tmp_path / "stderr.log").read_text()
     assert log.count("is withheld") == 2, log[-3000:]
     keys = [f"{topic}:0", f"{topic}:1"]
     for name in ("a", "b"):
-        decided = [e for e in _ledger_entries(tmp_path / "state" / name)
-                   if e["kind"] in ("release", "refused")]
+        decided = [
+            e
+            for e in _ledger_entries(tmp_path / "state" / name)
+            if e["kind"] in ("release", "refused")
+        ]
         kinds = [(e["kind"], e["window"]) for e in decided]
         assert kinds[:3] == [("release", 0), ("refused", 1), ("release", 2)], (name, kinds)
         first, withheld, after = decided[:3]
         assert withheld["end_offsets"] == dict.fromkeys(keys, 1500), withheld
         for k, key in enumerate(keys):
             due = withheld["ranges"].get(key, [None, first["end_offsets"][key]])[1]
-            assert (f"records of partition {k} from offset {due} to 1500 were deleted by the "
-                    f"retention of {topic} before they were counted") in withheld["note"], \
-                withheld["note"]
+            assert (
+                f"records of partition {k} from offset {due} to 1500 were deleted by the "
+                f"retention of {topic} before they were counted"
+            ) in withheld["note"], withheld["note"]
             assert after["ranges"][key][0] == 1500, after
         held = sum(b - a for a, b in withheld["ranges"].values())
         assert withheld["n"] == held and after["n"] == sum(
-            b - a for a, b in after["ranges"].values()), (withheld, after)
+            b - a for a, b in after["ranges"].values()
+        ), (withheld, after)
         assert not (rel / name / "release-1.json").exists()
 
 

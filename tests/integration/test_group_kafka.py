@@ -53,17 +53,47 @@ def make_topic(bootstrap, partitions=PARTS):
 
 
 def member_cmd(bootstrap, topic, group, name, tmp, *extra):
-    return [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", bootstrap,
-            "--topic", topic, "--state-dir", str(tmp / name / "state"),
-            "--release-dir", str(tmp / name / "releases"), "--metrics-port", "-1",
-            "--set", "scale.partitioned=true", "--set", "scale.store=kafka",
-            # these tests are the domain-split exchange's (the views exchange's:
-            # test_group_views.py and the chaos matrix)
-            "--set", "scale.exchange=items",
-            "--set", "window.kind=time", "--set", f"window.size={WINDOW_S}",
-            "--set", f"state.domain_size={D}", "--set", f"source.group={group}",
-            "--set", f"source.instance_id={name}", "--set", "source.session_timeout_s=6",
-            "--set", "scale.close_grace_s=1", "--set", "release.error_bar_reps=0", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "aggregator.service.cli",
+        "run",
+        "--bootstrap",
+        bootstrap,
+        "--topic",
+        topic,
+        "--state-dir",
+        str(tmp / name / "state"),
+        "--release-dir",
+        str(tmp / name / "releases"),
+        "--metrics-port",
+        "-1",
+        "--set",
+        "scale.partitioned=true",
+        "--set",
+        "scale.store=kafka",
+        # these tests are the domain-split exchange's (the views exchange's:
+        # test_group_views.py and the chaos matrix)
+        "--set",
+        "scale.exchange=items",
+        "--set",
+        "window.kind=time",
+        "--set",
+        f"window.size={WINDOW_S}",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        f"source.group={group}",
+        "--set",
+        f"source.instance_id={name}",
+        "--set",
+        "source.session_timeout_s=6",
+        "--set",
+        "scale.close_grace_s=1",
+        "--set",
+        "release.error_bar_reps=0",
+        *extra,
+    ]
 
 
 def last_saying(tmp_path, pattern: str, *texts: str) -> str:
@@ -108,7 +138,7 @@ def crash_traces(logs: str) -> list[str]:
     for i, line in enumerate(lines):
         if not line.startswith("Traceback (most recent call last)"):
             continue
-        block = "\n".join(lines[max(0, i - 1):i + 20])
+        block = "\n".join(lines[max(0, i - 1) : i + 20])
         if "multiprocessing/spawn.py" in block and "EOFError: Ran out of input" in block:
             continue
         out.append(block)
@@ -128,8 +158,11 @@ class Members:
         self.runs += 1
         log = open(self.tmp / f"{name}-{self.runs}.log", "w")
         self.procs[name] = subprocess.Popen(
-            member_cmd(*self.args, name, self.tmp, *self.extra), stdout=log,
-            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            member_cmd(*self.args, name, self.tmp, *self.extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
 
     def kill(self, name):
         p = self.procs[name]
@@ -159,7 +192,7 @@ class Members:
         for f in sorted(self.tmp.glob("*.log")):
             text = f.read_text()
             if len(text) > first + last:
-                text = f"{text[:first]}\n[...]\n{text[-last:]}"   # how it began, how it ends
+                text = f"{text[:first]}\n[...]\n{text[-last:]}"  # how it began, how it ends
             out.append(f"--- {f.name}\n{text}")
         return "\n".join(out)
 
@@ -168,8 +201,8 @@ def produce(bootstrap, topic, items, rate):
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
     step = max(1, int(rate / 20))
     for i in range(0, len(items), step):
-        for it in items[i:i + step]:
-            p.send(topic, value=msgpack.packb({"item": int(it)}))   # no key: any partition
+        for it in items[i : i + step]:
+            p.send(topic, value=msgpack.packb({"item": int(it)}))  # no key: any partition
         time.sleep(0.05)
     p.flush()
     p.close()
@@ -177,8 +210,12 @@ def produce(bootstrap, topic, items, rate):
 
 def read_all(bootstrap, topic, partitions=None, timeout_s=20.0):
     """Every committed record of ``topic``: {partition: [(offset, key, value)]}."""
-    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                      enable_auto_commit=False, group_id=None)
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        group_id=None,
+    )
     parts = partitions if partitions is not None else sorted(c.partitions_for_topic(topic))
     tps = [TopicPartition(topic, p) for p in parts]
     c.assign(tps)
@@ -195,8 +232,9 @@ def read_all(bootstrap, topic, partitions=None, timeout_s=20.0):
 
 def releases(bootstrap, topics, *, rollups=False):
     """The window release documents of ``topics`` (``rollups``: the sum rollups' instead)."""
-    docs = [json.loads(v) for _, _, v in read_all(bootstrap, topics.releases, [0])[0]
-            if v is not None]
+    docs = [
+        json.loads(v) for _, _, v in read_all(bootstrap, topics.releases, [0])[0] if v is not None
+    ]
     return [d for d in docs if ("rollup" in d) == rollups]
 
 
@@ -215,8 +253,12 @@ def wait_for_total(bootstrap, topics, total, timeout_s, members):
 
 def read_ledger(bootstrap, topics) -> TopicLedger:
     """The group's ledger, read to its end (its hash chain checked)."""
-    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                      enable_auto_commit=False, group_id=None)
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        group_id=None,
+    )
     ledger = TopicLedger(c, topics.ledger, budget_per_window=1.0)
     ledger.read_to_end()
     c.close()
@@ -235,8 +277,9 @@ def check_exact(bootstrap, topics, total, eps=1.0, empty_skipped=False):
     if empty_skipped:
         assert windows == sorted(windows), "windows out of order"
     else:
-        assert windows == list(range(windows[0], windows[0] + len(windows))), \
+        assert windows == list(range(windows[0], windows[0] + len(windows))), (
             "windows not consecutive"
+        )
     assert sum(d["n"] for d in docs) == total
     # the repartition topic: each source record once; events per message
     rp = read_all(bootstrap, topics.repartition)
@@ -264,9 +307,11 @@ def check_exact(bootstrap, topics, total, eps=1.0, empty_skipped=False):
             # a skipped window's span may hold offsets with no event: transaction markers,
             # aborted writes, and the skipped window's own close marker (a record holding no
             # event: the suite at 29843ff saw [66, 81) then [82, 87), offset 81 such a marker)
-            assert b0 == a1 or (empty_skipped and b0 < a1 and not any(
-                k for off, k in events_at[p].items() if b0 <= off < a1)), \
-                f"{part}: windows {ss} leave a gap holding events, or overlap"
+            assert b0 == a1 or (
+                empty_skipped
+                and b0 < a1
+                and not any(k for off, k in events_at[p].items() if b0 <= off < a1)
+            ), f"{part}: windows {ss} leave a gap holding events, or overlap"
     book = ChargeBook(ledger.entries)
     for part, ss in spans.items():
         for a, b in ss:
@@ -276,7 +321,8 @@ def check_exact(bootstrap, topics, total, eps=1.0, empty_skipped=False):
 
 
 def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     topics = GroupTopics(group)
@@ -286,7 +332,7 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
     names = ["m1", "m2", "m3"]
     try:
         members.start("m1")
-        time.sleep(4)          # m1 makes the group (internal topics, identity)
+        time.sleep(4)  # m1 makes the group (internal topics, identity)
         for name in names[1:]:
             members.start(name)
         producer = threading.Thread(target=produce, args=(kafka_broker, topic, items, 2500))
@@ -298,9 +344,9 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
             time.sleep(chaos.uniform(0.5, 2.5))
             if not zombie_done and kills == 10:
                 z = members.procs["m3"]
-                z.send_signal(signal.SIGSTOP)      # its partitions move after the session
+                z.send_signal(signal.SIGSTOP)  # its partitions move after the session
                 time.sleep(10)
-                z.send_signal(signal.SIGCONT)      # wakes as a zombie: fenced
+                z.send_signal(signal.SIGCONT)  # wakes as a zombie: fenced
                 zombie_done = True
                 continue
             members.kill_and_restart_one(chaos, names)
@@ -314,9 +360,11 @@ def test_three_members_killed_twenty_times_and_a_zombie_release_every_event_once
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
-    print(f"\n{len(docs)} windows, {members.runs} member runs, "
-          f"{logs.count('not written')} summaries and {logs.count('intake transaction aborted')} "
-          f"intake transactions fenced or failed, {logs.count('leading group')} leader starts")
+    print(
+        f"\n{len(docs)} windows, {members.runs} member runs, "
+        f"{logs.count('not written')} summaries and {logs.count('intake transaction aborted')} "
+        f"intake transactions fenced or failed, {logs.count('leading group')} leader starts"
+    )
     # no member crashed, and none printed a trace at its stop (the release worker's pool once
     # did: ReleaseWorker.close now joins it)
     assert not crash_traces(logs), members.logs()
@@ -339,15 +387,20 @@ class SteadyProducer:
         self.thread.start()
 
     def _run(self):
-        p = KafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=20, max_block_ms=2000,
-                          request_timeout_ms=5000, reconnect_backoff_max_ms=1000)
+        p = KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            linger_ms=20,
+            max_block_ms=2000,
+            request_timeout_ms=5000,
+            reconnect_backoff_max_ms=1000,
+        )
         step = max(1, self.rate // 20)
         while not self._stop.is_set():
             for it in np.minimum(self.rng.zipf(1.3, step), D - 1):
                 try:
                     p.send(self.topic, value=msgpack.packb({"item": int(it)}))
                 except Exception:
-                    break        # the broker is away: this batch is not sent
+                    break  # the broker is away: this batch is not sent
             time.sleep(0.05)
         try:
             p.flush(timeout=30)
@@ -365,7 +418,8 @@ def source_records(bootstrap, topic) -> int:
 
 
 def test_three_members_survive_a_broker_kill_and_a_clean_restart_and_lose_nothing(
-        restartable_broker, tmp_path):
+    restartable_broker, tmp_path
+):
     """Issue 46: three members, a steady producer, the broker killed -9 mid-window and back
     after 8 s, then stopped cleanly and started again: every member stays up (none prints a
     trace), the group releases again after each return, and every event the source topic holds
@@ -383,7 +437,7 @@ def test_three_members_survive_a_broker_kill_and_a_clean_restart_and_lose_nothin
         members.start("m2")
         members.start("m3")
         producer = SteadyProducer(bootstrap, topic)
-        wait_for_total(bootstrap, topics, 1, 180, members)    # the group is up and releasing
+        wait_for_total(bootstrap, topics, 1, 180, members)  # the group is up and releasing
         resumed = []
         for outage in (broker.kill, broker.stop):
             time.sleep(10)
@@ -403,8 +457,10 @@ def test_three_members_survive_a_broker_kill_and_a_clean_restart_and_lose_nothin
         producer.stop()
         total = source_records(bootstrap, topic)
         wait_for_total(bootstrap, topics, total, 420, members)
-        print(f"\nreleases resumed {resumed[0]:.1f} s after the kill -9, {resumed[1]:.1f} s "
-              f"after the clean restart; {total} events")
+        print(
+            f"\nreleases resumed {resumed[0]:.1f} s after the kill -9, {resumed[1]:.1f} s "
+            f"after the clean restart; {total} events"
+        )
         assert all(p.poll() is None for p in members.procs.values()), "a member exited"
         members.stop_all()
         check_exact(bootstrap, topics, total)
@@ -434,8 +490,10 @@ def _feed_across_a_kill(members, bootstrap, topic, items, rate):
 def _user_ip_records(n):
     """``n`` records of a user (Zipf over the domain) and an IP (one of 5,000)."""
     rng = np.random.default_rng()
-    return [msgpack.packb({"user": int(u), "ip": f"10.0.{i // 256}.{i % 256}"})
-            for u, i in zip(np.minimum(rng.zipf(1.3, n), D - 1), rng.integers(0, 5000, n))]
+    return [
+        msgpack.packb({"user": int(u), "ip": f"10.0.{i // 256}.{i % 256}"})
+        for u, i in zip(np.minimum(rng.zipf(1.3, n), D - 1), rng.integers(0, 5000, n))
+    ]
 
 
 def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_path):
@@ -444,10 +502,20 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
     topics and ledger, and each releases every event once."""
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
-    extra = ("--metrics-port", "0",
-             "--set", "ledger.budget_per_event=2", "--set", "aggregations.user.item.field=user",
-             "--set", "aggregations.ip.item.field=ip", "--set", "aggregations.ip.state.mode=hashed",
-             "--set", "aggregations.ip.state.expected_n=5000")
+    extra = (
+        "--metrics-port",
+        "0",
+        "--set",
+        "ledger.budget_per_event=2",
+        "--set",
+        "aggregations.user.item.field=user",
+        "--set",
+        "aggregations.ip.item.field=ip",
+        "--set",
+        "aggregations.ip.state.mode=hashed",
+        "--set",
+        "aggregations.ip.state.expected_n=5000",
+    )
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
     n = 30_000
     records = _user_ip_records(n)
@@ -468,10 +536,24 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
             wait_for_total(kafka_broker, GroupTopics(group, name), n, 180, members)
         # operators see the group: both members, their partitions, who leads, readiness, and
         # each member's metrics endpoint answers /healthz and /ready
-        time.sleep(6)   # one report interval
-        res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status", "--group",
-                              group, "--bootstrap", kafka_broker, "--topic", topic],
-                             capture_output=True, text=True, timeout=60)
+        time.sleep(6)  # one report interval
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "status",
+                "--group",
+                group,
+                "--bootstrap",
+                kafka_broker,
+                "--topic",
+                topic,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 0, res.stderr
         out = res.stdout
         assert "aggregation ip of group" in out and "aggregation user of group" in out, out
@@ -484,16 +566,26 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
         urls = sorted(set(re.findall(r"http://\S+/metrics", out)))
         assert len(urls) == 2, out
         # a forced release on a member's directory asks each aggregation's leader
-        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
-                                 "--state-dir", str(tmp_path / "m1" / "state")],
-                                capture_output=True, text=True, timeout=200)
+        forced = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "release",
+                "--state-dir",
+                str(tmp_path / "m1" / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
         assert forced.returncode == 0, forced.stderr
         # each aggregation's leader answers: released, or (a leader behind its windows on a
         # loaded machine, as above) its markers written and the release to follow
         for name in ("ip", "user"):
             assert re.search(rf"released {name} window \d+", forced.stdout) or re.search(
-                rf"{name} window \d+ closed in every partition; its release follows",
-                forced.stdout), forced.stdout
+                rf"{name} window \d+ closed in every partition; its release follows", forced.stdout
+            ), forced.stdout
         events = {"user": 0.0, "ip": 0.0}
         for url in urls:
             with urllib.request.urlopen(url.replace("/metrics", "/healthz"), timeout=5) as r:
@@ -509,8 +601,10 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
             for s in fams["panagg_events"].samples:
                 if s.name == "panagg_events_total":
                     events[s.labels["aggregation"]] += s.value
-            assert {s.labels["aggregation"] for s in fams["panagg_epsilon"].samples} == \
-                {"user", "ip"}
+            assert {s.labels["aggregation"] for s in fams["panagg_epsilon"].samples} == {
+                "user",
+                "ip",
+            }
         # both aggregations' events are counted under their own names (a killed run's counts
         # are gone with it, so the totals are not n)
         assert events["user"] > 0 and events["ip"] > 0, events
@@ -523,8 +617,7 @@ def test_several_aggregations_each_release_every_event_once(kafka_broker, tmp_pa
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     assert (tmp_path / "m1" / "releases" / "user").is_dir(), "each aggregation has its own dir"
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tmp_path):
@@ -549,12 +642,17 @@ def test_rollup_levels_in_a_group_each_release_every_event_once(kafka_broker, tm
     assert all("rollup_level" not in d and d["epsilon"] == pytest.approx(0.5) for d in base)
     for d in day:
         assert d["epsilon"] == pytest.approx(0.5) and d["window_info"]["size"] == 6
-        assert d["rollup_level"] == {"span": "6s", "design": "hybrid", "base": "base",
-                                     "base_windows": 3, "epsilon": 0.5,
-                                     "epsilon_per_event": 1.0, "sums": []}
-        assert d["window_info"]["started_unix"] % 6 == 0    # level windows align with base ones
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+        assert d["rollup_level"] == {
+            "span": "6s",
+            "design": "hybrid",
+            "base": "base",
+            "base_windows": 3,
+            "epsilon": 0.5,
+            "epsilon_per_event": 1.0,
+            "sums": [],
+        }
+        assert d["window_info"]["started_unix"] % 6 == 0  # level windows align with base ones
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def _sum_of_counters(summary) -> int:
@@ -568,8 +666,9 @@ def wait_for_rollups(bootstrap, topics, k, timeout_s=60):
     last = max(d["window"] for d in base if d["n"])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(d["rollup"]["index"] == last // k
-               for d in releases(bootstrap, topics, rollups=True)):
+        if any(
+            d["rollup"]["index"] == last // k for d in releases(bootstrap, topics, rollups=True)
+        ):
             return
         time.sleep(1)
 
@@ -592,8 +691,9 @@ def check_rollups(bootstrap, topics, total, k, span):
         idx = r["index"]
         assert d["window"] == f"{span}-{idx}" and r["span"] == span and r["base_windows"] == k
         assert r["windows"] == [w for w in range(k * idx, k * idx + k) if w in base]
-        assert [m["window"] for m in r["missing"]] == [w for w in range(k * idx, k * idx + k)
-                                                      if w < first]
+        assert [m["window"] for m in r["missing"]] == [
+            w for w in range(k * idx, k * idx + k) if w < first
+        ]
         assert d["n"] == sum(base[w]["n"] for w in r["windows"])
         assert d["window_info"]["events"] == d["n"]
         # (a window no event fell in, never released, is in the sums as layers only)
@@ -628,8 +728,9 @@ def check_rollups(bootstrap, topics, total, k, span):
     assert summed
     for s in summed:
         parts = [f"{v['window']}/{s['partition']}" for v in s["parts"].values()]
-        assert _sum_of_counters(s) == sum(views[k] for k in parts), \
+        assert _sum_of_counters(s) == sum(views[k] for k in parts), (
             f"rollup {s['window']} of partition {s['partition']} is not the sum of its views"
+        )
     return rolls
 
 
@@ -639,8 +740,16 @@ def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broke
     check_rollups says."""
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.rollups=3x",
-                      "--set", "window.rollup_design=sum")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.rollups=3x",
+        "--set",
+        "window.rollup_design=sum",
+    )
     topics = GroupTopics(group)
     items = np.minimum(np.random.default_rng().zipf(1.3, 20_000), D - 1)
     try:
@@ -654,8 +763,7 @@ def test_sum_rollups_in_a_group_across_a_kill_sum_the_released_views(kafka_broke
         check_rollups(kafka_broker, topics, len(items), 3, "3x")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def test_sum_rollups_of_count_windows_in_a_group(kafka_broker, tmp_path):
@@ -665,9 +773,20 @@ def test_sum_rollups_of_count_windows_in_a_group(kafka_broker, tmp_path):
     N, total = 1000, 6000
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=count",
-                      "--set", f"window.size={N}", "--set", "window.rollups=3x",
-                      "--set", "window.rollup_design=sum")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=count",
+        "--set",
+        f"window.size={N}",
+        "--set",
+        "window.rollups=3x",
+        "--set",
+        "window.rollup_design=sum",
+    )
     topics = GroupTopics(group)
     items = np.minimum(np.random.default_rng().zipf(1.3, total), D - 1)
     try:
@@ -677,8 +796,14 @@ def test_sum_rollups_of_count_windows_in_a_group(kafka_broker, tmp_path):
         produce(kafka_broker, topic, items, 2000)
         _intake_caught_up(kafka_broker, topic, group)
         wait_for_total(kafka_broker, topics, total - N, 60, members)
-        release = [sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
-                   str(tmp_path / "m1" / "state")]
+        release = [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "release",
+            "--state-dir",
+            str(tmp_path / "m1" / "state"),
+        ]
         forced = subprocess.run(release, capture_output=True, text=True, timeout=120)
         assert forced.returncode == 0 or "holds no events" in forced.stderr, forced.stderr
         wait_for_total(kafka_broker, topics, total, 60, members)
@@ -701,8 +826,7 @@ def test_sum_rollups_of_count_windows_in_a_group(kafka_broker, tmp_path):
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     assert len(rolls) == (max(d["window"] for d in releases(kafka_broker, topics)) + 1) // 3
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def test_sum_rollups_of_two_aggregations_are_independent(kafka_broker, tmp_path):
@@ -712,14 +836,29 @@ def test_sum_rollups_of_two_aggregations_are_independent(kafka_broker, tmp_path)
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     members = Members(
-        kafka_broker, topic, group, tmp_path, "--set", "ledger.budget_per_event=2",
-        "--set", "aggregations.user.item.field=user", "--set", "aggregations.ip.item.field=ip",
-        "--set", "aggregations.ip.state.mode=hashed",
-        "--set", "aggregations.ip.state.expected_n=5000",
-        "--set", "aggregations.user.window.rollups=3x",
-        "--set", "aggregations.user.window.rollup_design=sum",
-        "--set", "aggregations.ip.window.rollups=2x",
-        "--set", "aggregations.ip.window.rollup_design=sum")
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "ledger.budget_per_event=2",
+        "--set",
+        "aggregations.user.item.field=user",
+        "--set",
+        "aggregations.ip.item.field=ip",
+        "--set",
+        "aggregations.ip.state.mode=hashed",
+        "--set",
+        "aggregations.ip.state.expected_n=5000",
+        "--set",
+        "aggregations.user.window.rollups=3x",
+        "--set",
+        "aggregations.user.window.rollup_design=sum",
+        "--set",
+        "aggregations.ip.window.rollups=2x",
+        "--set",
+        "aggregations.ip.window.rollup_design=sum",
+    )
     n = 20_000
     records = _user_ip_records(n)
     try:
@@ -730,7 +869,7 @@ def test_sum_rollups_of_two_aggregations_are_independent(kafka_broker, tmp_path)
         for i, rec in enumerate(records):
             p.send(topic, value=rec)
             if i % 1000 == 999:
-                time.sleep(0.25)     # about 4,000 a second: several windows
+                time.sleep(0.25)  # about 4,000 a second: several windows
             if i == n // 2:
                 p.flush()
                 members.kill("m2")
@@ -749,8 +888,7 @@ def test_sum_rollups_of_two_aggregations_are_independent(kafka_broker, tmp_path)
             assert all(d["aggregation"] == {"name": name} for d in rolls)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def test_hybrid_spans_after_the_first_are_sums_of_the_level_in_a_group(kafka_broker, tmp_path):
@@ -781,13 +919,13 @@ def test_hybrid_spans_after_the_first_are_sums_of_the_level_in_a_group(kafka_bro
     for d in rolls:
         assert d["window_info"]["size"] == 12 and d["window_info"]["base_kind"] == "time"
         assert d["rollup_level"]["sums"] == ["12s"] and d["aggregation"] == {"name": "r4s"}
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 @pytest.mark.parametrize("withheld", [False, True])
 def test_the_leader_releases_a_sum_rollup_or_withholds_it_with_a_withheld_base_window(
-        kafka_broker, tmp_path, withheld):
+    kafka_broker, tmp_path, withheld
+):
     """The leader's part on real topics (a real Leader, ledger topic and transactions; the
     rollup summaries of real slices, tests/test_group_rollups.py). ``withheld``: partition 1
     refused window 7 (its positions were charged) and the leader withheld 7, whose slices on
@@ -813,12 +951,20 @@ def test_the_leader_releases_a_sum_rollup_or_withholds_it_with_a_withheld_base_w
     _, rolled, _, _ = _close_windows([6, 7, 8], np.random.default_rng(), refused=refused)
 
     def client(**kw):
-        return KafkaConsumer(bootstrap_servers=kafka_broker, isolation_level="read_committed",
-                             enable_auto_commit=False, group_id=None, **kw)
+        return KafkaConsumer(
+            bootstrap_servers=kafka_broker,
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            group_id=None,
+            **kw,
+        )
 
     def producer():
-        p = KafkaProducer(bootstrap_servers=kafka_broker, transactional_id=f"{group}.leader",
-                          max_request_size=16 << 20)
+        p = KafkaProducer(
+            bootstrap_servers=kafka_broker,
+            transactional_id=f"{group}.leader",
+            max_request_size=16 << 20,
+        )
         p.init_transactions()
         return p
 
@@ -828,31 +974,50 @@ def test_the_leader_releases_a_sum_rollup_or_withholds_it_with_a_withheld_base_w
     txn.begin()
     for w in (6, 7, 8):
         extra = {"withheld": "positions were released before"} if w == 7 and withheld else {}
-        ledger.append(entry_id=f"L/{w}", kind="release", window=w, epsilon_spent=1.0,
-                      window_uid=f"L/{w}", producer=txn, **extra)
-    for p, s in rolled.items():   # as the partitions wrote them
-        txn.send(topics.summaries, partition=0, key=f"r/3x/2/{p}".encode(),
-                 value=json.dumps(s).encode())
+        ledger.append(
+            entry_id=f"L/{w}",
+            kind="release",
+            window=w,
+            epsilon_spent=1.0,
+            window_uid=f"L/{w}",
+            producer=txn,
+            **extra,
+        )
+    for p, s in rolled.items():  # as the partitions wrote them
+        txn.send(
+            topics.summaries, partition=0, key=f"r/3x/2/{p}".encode(), value=json.dumps(s).encode()
+        )
     txn.commit()
     ledger.committed()
-    leader = Leader(txn, ledger, client(), topics, dict(IDENT, window_kind="time"), Metrics(),
-                    release_dir=str(tmp_path / "releases"), error_bar_reps=0)
+    leader = Leader(
+        txn,
+        ledger,
+        client(),
+        topics,
+        dict(IDENT, window_kind="time"),
+        Metrics(),
+        release_dir=str(tmp_path / "releases"),
+        error_bar_reps=0,
+    )
     leader.rollups = RollupReleases(leader, {"3x": 3})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not ledger.has("L/rollup-3x-2"):
-        ledger.tail(0)     # as the member's counting stage does every turn
+        ledger.tail(0)  # as the member's counting stage does every turn
         leader.step()
         time.sleep(0.2)
     txn.close()
     entry = ledger.get("L/rollup-3x-2")
-    assert entry is not None, (f"undecided; the leader holds "
-                               f"{ {k: sorted(v) for k, v in leader.rollups.pending.items()} }, "
-                               f"decided {sorted(leader.decided())}, {ledger.entries}")
+    assert entry is not None, (
+        f"undecided; the leader holds "
+        f"{ {k: sorted(v) for k, v in leader.rollups.pending.items()} }, "
+        f"decided {sorted(leader.decided())}, {ledger.entries}"
+    )
     assert entry["epsilon_spent"] == 0.0
     docs = releases(kafka_broker, topics, rollups=True)
-    left = [v for _, k, v in read_all(kafka_broker, topics.summaries, [0])[0]
-            if k.startswith(b"r/")]
-    assert left[-3:] == [None, None, None]              # tombstoned in the decision
+    left = [
+        v for _, k, v in read_all(kafka_broker, topics.summaries, [0])[0] if k.startswith(b"r/")
+    ]
+    assert left[-3:] == [None, None, None]  # tombstoned in the decision
     if withheld:
         assert entry["kind"] == "refused-rollup" and "base window 7" in entry["note"]
         assert docs == [] and not (tmp_path / "releases" / "release-3x-2.json").exists()
@@ -907,13 +1072,14 @@ def _start_two_and_feed(members, bootstrap, topic, group, items):
 
 
 #: windows that do not end within a test: hour-long, or count windows of 100,000 events
-LONG_WINDOWS = {"time": ("--set", "window.size=3600"),
-                "count": ("--set", "window.kind=count", "--set", "window.size=100000")}
+LONG_WINDOWS = {
+    "time": ("--set", "window.size=3600"),
+    "count": ("--set", "window.kind=count", "--set", "window.size=100000"),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(LONG_WINDOWS))
-def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker, tmp_path,
-                                                                    kind):
+def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker, tmp_path, kind):
     """panagg release on a member's directory: the leader writes close markers into every
     repartition partition; the window open now (hour-long, or of 100,000 events, here) is
     released with exactly the events taken before the request; a second request closes the
@@ -923,8 +1089,14 @@ def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker
     members = Members(kafka_broker, topic, group, tmp_path, *LONG_WINDOWS[kind])
     rng = np.random.default_rng()
     first, second = (np.minimum(rng.zipf(1.3, k), D - 1) for k in (3000, 2000))
-    release = [sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
-               str(tmp_path / "m1" / "state")]
+    release = [
+        sys.executable,
+        "-m",
+        "aggregator.service.cli",
+        "release",
+        "--state-dir",
+        str(tmp_path / "m1" / "state"),
+    ]
     try:
         _start_two_and_feed(members, kafka_broker, topic, group, first)
         out1 = subprocess.run(release, capture_output=True, text=True, timeout=120)
@@ -949,12 +1121,12 @@ def test_a_forced_release_closes_the_open_window_in_every_partition(kafka_broker
     # the forced window held exactly what was taken before the request, the next one the rest
     assert sum(n for w, n in n_by.items() if w <= k1) == 3000, n_by
     assert sum(n for w, n in n_by.items() if k1 < w <= k2) == 2000, n_by
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_once(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """window.kind = count in a group: the leader cuts window K once the intakes' committed
     totals grew by N since the last cut (markers in every repartition partition). Two members,
     one killed -9 and restarted mid-stream; the rest is closed by a forced release. Every event
@@ -963,17 +1135,31 @@ def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_onc
     N, total = 2500, 12_000
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=count",
-                      "--set", f"window.size={N}")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=count",
+        "--set",
+        f"window.size={N}",
+    )
     items = np.minimum(np.random.default_rng().zipf(1.3, total), D - 1)
-    release = [sys.executable, "-m", "aggregator.service.cli", "release", "--state-dir",
-               str(tmp_path / "m1" / "state")]
+    release = [
+        sys.executable,
+        "-m",
+        "aggregator.service.cli",
+        "release",
+        "--state-dir",
+        str(tmp_path / "m1" / "state"),
+    ]
     try:
         members.start("m1")
         time.sleep(4)
         members.start("m2")
         produce(kafka_broker, topic, items[:6000], 2000)
-        members.kill("m1")        # the leader or not: either way the group goes on
+        members.kill("m1")  # the leader or not: either way the group goes on
         members.start("m1")
         produce(kafka_broker, topic, items[6000:], 2000)
         _intake_caught_up(kafka_broker, topic, group)
@@ -981,8 +1167,9 @@ def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_onc
         wait_for_total(kafka_broker, topics, N * (total // N), 120, members)
         forced = subprocess.run(release, capture_output=True, text=True, timeout=120)
         # (the last cut may hold the rest already: then there is nothing to force)
-        assert forced.returncode == 0 or "holds no events" in forced.stderr, \
+        assert forced.returncode == 0 or "holds no events" in forced.stderr, (
             forced.stderr + members.logs()
+        )
         wait_for_total(kafka_broker, topics, total, 60, members)
     finally:
         members.stop_all()
@@ -992,40 +1179,66 @@ def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_onc
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     n_by = {d["window"]: d["n"] for d in docs}
     assert min(n_by) == 0 and all(d["window_info"]["kind"] == "count" for d in docs)
-    last = max(n_by) if forced.returncode else max(n_by) - 1   # the forced window: the rest
+    last = max(n_by) if forced.returncode else max(n_by) - 1  # the forced window: the rest
     released = np.cumsum([n_by[w] for w in sorted(n_by)])
     for k in range(last + 1):
         assert released[k] >= (k + 1) * N, n_by
     print(f"\ncount windows of {N}: n = {[n_by[w] for w in sorted(n_by)]}")
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def _group_status(bootstrap, group, topic) -> str:
-    res = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "status", "--group",
-                          group, "--bootstrap", bootstrap, "--topic", topic],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "status",
+            "--group",
+            group,
+            "--bootstrap",
+            bootstrap,
+            "--topic",
+            topic,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout
 
 
-def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_broker,
-                                                                         tmp_path):
+def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_broker, tmp_path):
     """Two aggregations with count windows of different sizes (window.size per aggregation):
     each leader sums its own aggregation's totals; both release every event once."""
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     sizes = {"user": 2000, "ip": 3000}
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=count",
-                      "--set", "ledger.budget_per_event=2",
-                      "--set", "aggregations.user.item.field=user",
-                      "--set", f"aggregations.user.window.size={sizes['user']}",
-                      "--set", "aggregations.ip.item.field=ip",
-                      "--set", f"aggregations.ip.window.size={sizes['ip']}")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=count",
+        "--set",
+        "ledger.budget_per_event=2",
+        "--set",
+        "aggregations.user.item.field=user",
+        "--set",
+        f"aggregations.user.window.size={sizes['user']}",
+        "--set",
+        "aggregations.ip.item.field=ip",
+        "--set",
+        f"aggregations.ip.window.size={sizes['ip']}",
+    )
     n = 9000
     rng = np.random.default_rng()
-    records = [msgpack.packb({"user": int(u), "ip": int(i)}) for u, i in
-               zip(np.minimum(rng.zipf(1.3, n), D - 1), rng.integers(0, D, n))]
+    records = [
+        msgpack.packb({"user": int(u), "ip": int(i)})
+        for u, i in zip(np.minimum(rng.zipf(1.3, n), D - 1), rng.integers(0, D, n))
+    ]
     try:
         members.start("m1")
         time.sleep(4)
@@ -1037,23 +1250,38 @@ def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_b
         p.close()
         _intake_caught_up(kafka_broker, topic, group)
         for name, size in sizes.items():
-            wait_for_total(kafka_broker, GroupTopics(group, name), (n // size - 1) * size, 90,
-                           members)
+            wait_for_total(
+                kafka_broker, GroupTopics(group, name), (n // size - 1) * size, 90, members
+            )
         status = _group_status(kafka_broker, group, topic)
         # each aggregation's open count window and how far it is (the taken events are public:
         # every release states its n)
         for name, size in sizes.items():
-            assert re.search(rf"count window \d+ open: [\d,]+ events taken .*cut after [\d,]+ "
-                             rf"more \(windows of {size:,}\)", status), status
-        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
-                                 "--state-dir", str(tmp_path / "m1" / "state")],
-                                capture_output=True, text=True, timeout=200)
+            assert re.search(
+                rf"count window \d+ open: [\d,]+ events taken .*cut after [\d,]+ "
+                rf"more \(windows of {size:,}\)",
+                status,
+            ), status
+        forced = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "release",
+                "--state-dir",
+                str(tmp_path / "m1" / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
         for name in sizes:
             wait_for_total(kafka_broker, GroupTopics(group, name), n, 90, members)
     finally:
         members.stop_all()
     # a request no leader answers (the members are stopped) is shown as pending
     from aggregator.service.group.forced import REQUEST, _ask
+
     _ask(kafka_broker, {}, GroupTopics(group, "ip"), REQUEST, uuid.uuid4().hex)
     status = _group_status(kafka_broker, group, topic)
     assert status.count("a forced release is asked and not yet answered") == 1, status
@@ -1061,25 +1289,27 @@ def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_b
         try:
             docs = check_exact(kafka_broker, GroupTopics(group, name), n, empty_skipped=True)
         except AssertionError as exc:
-            raise AssertionError(f"{name}: {exc}\n{forced.stdout}{forced.stderr}"
-                                 f"{members.logs()}") from None
-        assert all(d["aggregation"] == {"name": name} and d["window_info"]["size"] == size
-                   for d in docs)
+            raise AssertionError(
+                f"{name}: {exc}\n{forced.stdout}{forced.stderr}{members.logs()}"
+            ) from None
+        assert all(
+            d["aggregation"] == {"name": name} and d["window_info"]["size"] == size for d in docs
+        )
         released = np.cumsum([d["n"] for d in sorted(docs, key=lambda d: d["window"])])
         assert all(released[k] >= (k + 1) * size for k in range(len(docs) - 1)), released
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 @pytest.mark.parametrize("kind", sorted(LONG_WINDOWS))
 def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
-        kafka_broker, tmp_path, monkeypatch, kind):
+    kafka_broker, tmp_path, monkeypatch, kind
+):
     """panagg audit export on a member's directory: every partition exports its open window's
     slice with fresh layers around it and closes that window in the same transaction; the
     leader signs the whole state (D counters, n of the events taken) and ledgers it at eps 0;
     the window is then released once, every partition's summary at the same layer count."""
     key = os.urandom(32).hex()
-    monkeypatch.setenv("PANAGG_AUDIT_KEY", key)   # the members sign with it (the leader)
+    monkeypatch.setenv("PANAGG_AUDIT_KEY", key)  # the members sign with it (the leader)
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     members = Members(kafka_broker, topic, group, tmp_path, *LONG_WINDOWS[kind])
@@ -1088,35 +1318,43 @@ def test_an_audit_export_of_a_group_is_one_signed_state_and_closes_its_window(
     try:
         _start_two_and_feed(members, kafka_broker, topic, group, items)
         # (m1's directory: m2 may still be starting, its directory not yet a member's)
-        out = subprocess.run(cli + ["audit", "export", "--state-dir",
-                                    str(tmp_path / "m1" / "state")],
-                             capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, PANAGG_AUDIT_KEY=""))
+        out = subprocess.run(
+            cli + ["audit", "export", "--state-dir", str(tmp_path / "m1" / "state")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PANAGG_AUDIT_KEY=""),
+        )
         assert out.returncode == 0, out.stderr + members.logs()
         wait_for_total(kafka_broker, GroupTopics(group), 3000, 60, members)
     finally:
         members.stop_all()
     path = out.stdout.strip().splitlines()[-1]
-    ok = subprocess.run(cli + ["audit", "verify", path], capture_output=True, text=True,
-                        env=dict(os.environ, PANAGG_AUDIT_KEY=key))
+    ok = subprocess.run(
+        cli + ["audit", "verify", path],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PANAGG_AUDIT_KEY=key),
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
     from state_store.audit import read_export
     from aggregator.state import PanPrivateHistogram
+
     doc = read_export(path, bytes.fromhex(key))
     state = PanPrivateHistogram.deserialize(doc["state"])
     # (the member logs with it: once, under load, a state of n = 0 was exported)
     assert state.size == D and state.n == 3000 and state.layers == 2, (
         f"n={state.n} layers={state.layers} window={doc['window']}\n"
-        f"{out.stdout}{out.stderr}\n{members.logs()}")
+        f"{out.stdout}{out.stderr}\n{members.logs()}"
+    )
     assert doc["window"]["partitions"] == PARTS and len(doc["offsets"]) == PARTS
     docs = check_exact(kafka_broker, GroupTopics(group), 3000)
     exported = [d for d in docs if d["window"] in doc["window"]["windows"]]
-    assert exported and all(d["layers"] == 4 for d in exported)   # 1 + 2 export + release
+    assert exported and all(d["layers"] == 4 for d in exported)  # 1 + 2 export + release
     ledger = read_ledger(kafka_broker, GroupTopics(group))
     exports = [e for e in ledger.entries if e["kind"] == "export"]
     assert len(exports) == 1 and exports[0]["epsilon_spent"] == 0.0
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def test_source_start_latest_places_a_new_group_at_the_end(kafka_broker, tmp_path):
@@ -1125,7 +1363,7 @@ def test_source_start_latest_places_a_new_group_at_the_end(kafka_broker, tmp_pat
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     rng = np.random.default_rng()
-    produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 2000), D - 1), 5000)   # before
+    produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 2000), D - 1), 5000)  # before
     members = Members(kafka_broker, topic, group, tmp_path, "--set", "source.start=latest")
     try:
         members.start("m1")
@@ -1136,13 +1374,12 @@ def test_source_start_latest_places_a_new_group_at_the_end(kafka_broker, tmp_pat
         members.start("m2")
         produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 1500), D - 1), 3000)  # after
         wait_for_total(kafka_broker, GroupTopics(group), 1500, 90, members)
-        time.sleep(3 * WINDOW_S)     # nothing more comes (the 2,000 before are not read)
+        time.sleep(3 * WINDOW_S)  # nothing more comes (the 2,000 before are not read)
     finally:
         members.stop_all()
     docs = releases(kafka_broker, GroupTopics(group))
     assert sum(d["n"] for d in docs) == 1500
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, tmp_path):
@@ -1152,16 +1389,28 @@ def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, 
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     topics = GroupTopics(group)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=6",
-                      "--set", "checkpoint.snapshots_per_window=2")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.size=6",
+        "--set",
+        "checkpoint.snapshots_per_window=2",
+    )
     items = np.minimum(np.random.default_rng().zipf(1.3, 30_000), D - 1)
 
     def snapshots_written() -> int:
         try:
-            return sum(v is not None for recs in read_all(kafka_broker, topics.snapshots).values()
-                       for _, _, v in recs)
-        except (TypeError, ValueError):   # the topic is not there yet
+            return sum(
+                v is not None
+                for recs in read_all(kafka_broker, topics.snapshots).values()
+                for _, _, v in recs
+            )
+        except (TypeError, ValueError):  # the topic is not there yet
             return 0
+
     try:
         members.start("m1")
         time.sleep(4)
@@ -1187,8 +1436,7 @@ def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, 
             members.start("m2")
             m2_log = tmp_path / f"m2-{members.runs}.log"
             deadline = time.monotonic() + 20
-            while "from its snapshot" not in "".join(f.read_text()
-                                                     for f in tmp_path.glob("*.log")):
+            while "from its snapshot" not in "".join(f.read_text() for f in tmp_path.glob("*.log")):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
@@ -1208,7 +1456,8 @@ def test_snapshots_bound_the_replay_and_a_member_resumes_from_one(kafka_broker, 
 
 
 def test_a_lost_snapshot_of_an_items_group_is_withheld_with_its_positions_charged(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """The items exchange end to end: a member killed -9 with snapshots in the topic, which
     are then gone (tombstones): restarted, it withholds those windows, each ledger entry
     naming the missing snapshot and charging every partition's range, the lost ones' too (its
@@ -1217,21 +1466,34 @@ def test_a_lost_snapshot_of_an_items_group_is_withheld_with_its_positions_charge
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     topics = GroupTopics(group)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.size=6",
-                      "--set", "checkpoint.snapshots_per_window=2")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.size=6",
+        "--set",
+        "checkpoint.snapshots_per_window=2",
+    )
     try:
         members.start("m1")
-        producer = threading.Thread(target=produce, args=(
-            kafka_broker, topic, np.arange(12_000) % D, 1000))
+        producer = threading.Thread(
+            target=produce, args=(kafka_broker, topic, np.arange(12_000) % D, 1000)
+        )
         producer.start()
         deadline = time.monotonic() + 90
 
         def snapshotted() -> bool:
             try:
-                return any(v is not None for recs in
-                           read_all(kafka_broker, topics.snapshots).values() for _, _, v in recs)
-            except (TypeError, ValueError):   # the topic is not there yet
+                return any(
+                    v is not None
+                    for recs in read_all(kafka_broker, topics.snapshots).values()
+                    for _, _, v in recs
+                )
+            except (TypeError, ValueError):  # the topic is not there yet
                 return False
+
         while not snapshotted():
             assert time.monotonic() < deadline, members.logs()
             time.sleep(0.3)
@@ -1241,11 +1503,13 @@ def test_a_lost_snapshot_of_an_items_group_is_withheld_with_its_positions_charge
         producer.join()
         deadline = time.monotonic() + 120
         while True:
-            entries = [e for e in read_ledger(kafka_broker, topics).entries
-                       if e["kind"] == "release"]
+            entries = [
+                e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "release"
+            ]
             held = [e for e in entries if e.get("withheld")]
-            if held and any(e["window"] > held[-1]["window"] and not e.get("withheld")
-                            for e in entries):
+            if held and any(
+                e["window"] > held[-1]["window"] and not e.get("withheld") for e in entries
+            ):
                 break
             assert members.procs["m1"].poll() is None, members.logs()
             assert time.monotonic() < deadline, members.logs()
@@ -1272,10 +1536,15 @@ def _snapshot_reader(bootstrap, topic):
     """What a counter reads its snapshots with: a consumer with no group, and the topic."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(consumer=KafkaConsumer(bootstrap_servers=bootstrap,
-                                                  isolation_level="read_committed",
-                                                  enable_auto_commit=False, group_id=None),
-                           topic=topic)
+    return SimpleNamespace(
+        consumer=KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            group_id=None,
+        ),
+        topic=topic,
+    )
 
 
 def test_a_lost_snapshot_withholds_its_window_never_replays_it(kafka_broker):
@@ -1312,17 +1581,36 @@ def test_a_restored_snapshot_gets_a_fresh_layer_before_counting_on(kafka_broker)
     snap = PanPrivateHistogram(1.0, size=200)
     snap.rerandomize()
     p = KafkaProducer(bootstrap_servers=kafka_broker)
-    p.send(topic, partition=0, key=b"0", value=msgpack.packb(
-        {"window": 7, "seq": 1, "start": 100, "position": 120, "events": 0,
-         "state": snap.serialize()}, use_bin_type=True))
+    p.send(
+        topic,
+        partition=0,
+        key=b"0",
+        value=msgpack.packb(
+            {
+                "window": 7,
+                "seq": 1,
+                "start": 100,
+                "position": 120,
+                "events": 0,
+                "state": snap.serialize(),
+            },
+            use_bin_type=True,
+        ),
+    )
     p.flush()
     reader = _snapshot_reader(kafka_broker, topic)
     task = SliceTask(0, 7, 120, 10, lambda: PanPrivateHistogram(1.0, size=200))
     try:
         restore(task, {"w": 7, "s": 1, "st": 100}, reader, 0)
-        p.send(topic, partition=0, key=b"0", value=msgpack.packb(
-            {"window": 7, "seq": 1, "ranges": {"0": [100, 120]}, "state": snap.serialize()},
-            use_bin_type=True))
+        p.send(
+            topic,
+            partition=0,
+            key=b"0",
+            value=msgpack.packb(
+                {"window": 7, "seq": 1, "ranges": {"0": [100, 120]}, "state": snap.serialize()},
+                use_bin_type=True,
+            ),
+        )
         p.flush()
         got = view_resume(reader, 0, (7, 1), {0: 120})
     finally:
@@ -1339,24 +1627,49 @@ def _one_process(bootstrap, topic, tmp_path, group, extra):
     """One process over the same records (its own consumer group), to exit once idle: the
     reference a group's releases are compared with (its releases in tmp_path/one/releases)."""
     one = subprocess.run(
-        [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", bootstrap,
-         "--topic", topic, "--state-dir", str(tmp_path / "one" / "state"), "--release-dir",
-         str(tmp_path / "one" / "releases"), "--metrics-port", "-1", "--exit-when-idle", "5",
-         "--set", f"state.domain_size={D}", "--set", f"source.group=one-{group}",
-         "--set", "release.error_bar_reps=0", *extra],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            "--bootstrap",
+            bootstrap,
+            "--topic",
+            topic,
+            "--state-dir",
+            str(tmp_path / "one" / "state"),
+            "--release-dir",
+            str(tmp_path / "one" / "releases"),
+            "--metrics-port",
+            "-1",
+            "--exit-when-idle",
+            "5",
+            "--set",
+            f"state.domain_size={D}",
+            "--set",
+            f"source.group=one-{group}",
+            "--set",
+            "release.error_bar_reps=0",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
 
 
 def test_dead_letters_of_a_group_are_written_once_with_the_intakes_transaction(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """source.dead_letter_topic in a group: every bad record gets exactly one dead letter (read
     committed), a member killed -9 between; the good records are released once."""
     topic = make_topic(kafka_broker)
     dead = make_topic(kafka_broker, partitions=1)
     group = f"g-{uuid.uuid4().hex[:8]}"
-    members = Members(kafka_broker, topic, group, tmp_path,
-                      "--set", f"source.dead_letter_topic={dead}")
+    members = Members(
+        kafka_broker, topic, group, tmp_path, "--set", f"source.dead_letter_topic={dead}"
+    )
     items = np.minimum(np.random.default_rng().zipf(1.3, 3000), D - 1)
     p = KafkaProducer(bootstrap_servers=kafka_broker, linger_ms=20)
     try:
@@ -1366,7 +1679,7 @@ def test_dead_letters_of_a_group_are_written_once_with_the_intakes_transaction(
         for i, it in enumerate(items):
             p.send(topic, value=msgpack.packb({"item": int(it)}))
             if i % 10 == 0:
-                p.send(topic, value=b"\xc1 not msgpack")        # 300 bad records
+                p.send(topic, value=b"\xc1 not msgpack")  # 300 bad records
             if i == 1500:
                 p.flush()
                 members.kill("m2")
@@ -1381,20 +1694,29 @@ def test_dead_letters_of_a_group_are_written_once_with_the_intakes_transaction(
     letters = read_all(kafka_broker, dead, [0])[0]
     keys = [k for _, k, _ in letters]
     assert len(keys) == 300 and len(set(keys)) == 300, (len(keys), len(set(keys)))
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def test_a_forced_release_of_an_event_time_group_releases_every_window_so_far(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """panagg release on an event-time group: windows no watermark has closed yet (no record
     passes them) are closed at once up to the newest one seen, and every record read so far is
     released, once; an audit export is answered with one line."""
     parts = 4
     topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, 4)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
-                      "--set", f"window.size={ET_SIZE}",
-                      "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={ET_SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+    )
     cli = [sys.executable, "-m", "aggregator.service.cli"]
     try:
         members.start("m1")
@@ -1402,14 +1724,21 @@ def test_a_forced_release_of_an_event_time_group_releases_every_window_so_far(
         members.start("m2")
         _produce_stamped(kafka_broker, topic, stream)
         _intake_caught_up(kafka_broker, topic, group, parts=parts)
-        time.sleep(3)        # the leader's first marker opens the windows
-        out = subprocess.run(cli + ["release", "--state-dir", str(tmp_path / "m1" / "state")],
-                             capture_output=True, text=True, timeout=120)
+        time.sleep(3)  # the leader's first marker opens the windows
+        out = subprocess.run(
+            cli + ["release", "--state-dir", str(tmp_path / "m1" / "state")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr + members.logs()
         wait_for_total(kafka_broker, topics, len(stream), 90, members)
-        exp = subprocess.run(cli + ["audit", "export", "--state-dir",
-                                    str(tmp_path / "m1" / "state")],
-                             capture_output=True, text=True, timeout=120)
+        exp = subprocess.run(
+            cli + ["audit", "export", "--state-dir", str(tmp_path / "m1" / "state")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         members.stop_all()
     docs = releases(kafka_broker, topics)
@@ -1417,8 +1746,7 @@ def test_a_forced_release_of_an_event_time_group_releases_every_window_so_far(
     assert sum(d["n"] for d in docs) == len(stream)
     assert exp.returncode != 0 and "event-time windows are not built yet" in exp.stderr
     assert len(exp.stderr.strip().splitlines()) == 1, exp.stderr
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
 def _released_total(bootstrap, topics):
@@ -1429,18 +1757,18 @@ def _reset_source_offsets(admin, group, topic):
     """An operator's --reset-offsets --to-earliest on the stopped group (metadata dropped)."""
     from kafka.structs import OffsetAndMetadata
 
-    deadline = time.monotonic() + 30   # offsets of a group change only while it is empty
+    deadline = time.monotonic() + 30  # offsets of a group change only while it is empty
     while admin.describe_groups([group])[group]["group_state"] != "Empty":
         assert time.monotonic() < deadline, "the source group never emptied"
         time.sleep(0.5)
-    admin.alter_group_offsets(group, {TopicPartition(topic, p): OffsetAndMetadata(0, "", -1)
-                                      for p in range(PARTS)})
+    admin.alter_group_offsets(
+        group, {TopicPartition(topic, p): OffsetAndMetadata(0, "", -1) for p in range(PARTS)}
+    )
     reset = admin.list_group_offsets(group)[group]
     assert {om.offset for om in reset.values()} == {0}
 
 
-def test_count_windows_go_on_counting_after_the_source_offsets_were_reset(kafka_broker,
-                                                                          tmp_path):
+def test_count_windows_go_on_counting_after_the_source_offsets_were_reset(kafka_broker, tmp_path):
     """The intake's running totals live in the committed offsets' metadata; an offset reset
     drops it. The totals then go on from the ones published in the intake topic, so the leader
     still cuts the next window after N more events (with the totals restarted at 0 it would
@@ -1449,8 +1777,16 @@ def test_count_windows_go_on_counting_after_the_source_offsets_were_reset(kafka_
     topic = make_topic(kafka_broker)
     group = f"g-{uuid.uuid4().hex[:8]}"
     topics = GroupTopics(group)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=count",
-                      "--set", f"window.size={N}")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=count",
+        "--set",
+        f"window.size={N}",
+    )
     rng = np.random.default_rng()
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
     try:
@@ -1463,9 +1799,19 @@ def test_count_windows_go_on_counting_after_the_source_offsets_were_reset(kafka_
         produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 2000), D - 1), 5000)
         _intake_caught_up(kafka_broker, topic, group)
         wait_for_total(kafka_broker, topics, 2 * N, 60, members)
-        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
-                                 "--state-dir", str(tmp_path / "m1" / "state")],
-                                capture_output=True, text=True, timeout=120)
+        forced = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "release",
+                "--state-dir",
+                str(tmp_path / "m1" / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert forced.returncode == 0 or "holds no events" in forced.stderr, forced.stderr
         wait_for_total(kafka_broker, topics, 5000, 60, members)
     finally:
@@ -1475,7 +1821,8 @@ def test_count_windows_go_on_counting_after_the_source_offsets_were_reset(kafka_
 
 
 def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """The group edition of "one event, one charge": the source group's offsets reset to the
     earliest record (what an operator's --reset-offsets does) re-reads the topic, but the
     intake's high-water marks keep every record from being repartitioned again; a ledger topic
@@ -1496,7 +1843,7 @@ def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
         members.start("m1")
         produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 1000), D - 1), 5000)
         wait_for_total(kafka_broker, topics, 6000, 120, members)
-        time.sleep(3 * WINDOW_S + 2)       # windows after the last events: nothing more comes
+        time.sleep(3 * WINDOW_S + 2)  # windows after the last events: nothing more comes
         assert _released_total(kafka_broker, topics) == 6000, members.logs()
         members.stop_all()
         logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
@@ -1505,8 +1852,12 @@ def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
         # the ledger topic deleted while the group is stopped: the next start refuses
         admin.delete_topics([topics.ledger])
         time.sleep(2)
-        res = subprocess.run(member_cmd(kafka_broker, topic, group, "m1", tmp_path),
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            member_cmd(kafka_broker, topic, group, "m1", tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode != 0
         last = res.stderr.strip().splitlines()[-1]
         assert "ledger topic" in last and "deleted" in last and "Traceback" not in res.stderr
@@ -1518,7 +1869,8 @@ def test_reset_source_offsets_and_a_deleted_ledger_never_release_an_event_twice(
 
 @pytest.mark.parametrize("exchange", ["items", "views"])
 def test_a_deleted_intake_topic_and_reset_offsets_never_release_an_event_twice(
-        kafka_broker, tmp_path, exchange):
+    kafka_broker, tmp_path, exchange
+):
     """Issue 48's group case (measured 2,200 released of 1,200 produced): the group stopped, its
     ``<group>.panagg.intake`` topic deleted and its source offsets reset to the earliest
     record, then started again. The items exchange's intake marks are gone, so its start is
@@ -1546,12 +1898,17 @@ def test_a_deleted_intake_topic_and_reset_offsets_never_release_an_event_twice(
         time.sleep(2)
         assert topics.intake not in set(admin.list_topics())
         # (the views exchange's members read the source as <group>.panagg.count)
-        _reset_source_offsets(admin, group if exchange == "items" else f"{group}.panagg.count",
-                              topic)
+        _reset_source_offsets(
+            admin, group if exchange == "items" else f"{group}.panagg.count", topic
+        )
         produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 300), D - 1), 5000)
         if exchange == "items":
-            res = subprocess.run(member_cmd(kafka_broker, topic, group, "m1", tmp_path, *extra),
-                                 capture_output=True, text=True, timeout=120)
+            res = subprocess.run(
+                member_cmd(kafka_broker, topic, group, "m1", tmp_path, *extra),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert res.returncode != 0
             last = res.stderr.strip().splitlines()[-1]
             assert "intake topic" in last and "deleted" in last, res.stderr[-3000:]
@@ -1560,35 +1917,41 @@ def test_a_deleted_intake_topic_and_reset_offsets_never_release_an_event_twice(
         else:
             members.start("m1")
             wait_for_total(kafka_broker, topics, 1500, 120, members)
-            time.sleep(3 * WINDOW_S + 4)       # windows over the re-read records: none comes
+            time.sleep(3 * WINDOW_S + 4)  # windows over the re-read records: none comes
         released = _released_total(kafka_broker, topics)
     finally:
         members.stop_all()
         admin.close()
     logs = members.logs(last=100000)
-    print(f"issue 48, {exchange} group, intake topic deleted and source offsets reset: "
-          f"{released} released / 1500 produced (1,200 of them before)")
+    print(
+        f"issue 48, {exchange} group, intake topic deleted and source offsets reset: "
+        f"{released} released / 1500 produced (1,200 of them before)"
+    )
     assert not crash_traces(logs), crash_traces(logs)[0]
     assert released <= 1500, f"{released} events released of 1,500 produced"
     if exchange == "items":
         assert released == 1200
     else:
         assert released == 1500 and "are not counted again" in logs, logs[-3000:]
-        entries = [e for e in read_ledger(kafka_broker, topics).entries
-                   if e["kind"] == "release"]
+        entries = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "release"]
         assert not [e for e in entries if e.get("withheld")]
-        for part in range(PARTS):     # the released ranges tile each partition from 0
-            spans = sorted(tuple(e["ranges"][f"{topic}:{part}"]) for e in entries
-                           if f"{topic}:{part}" in e["ranges"])
-            assert spans[0][0] == 0 and all(b == a for (_, b), (a, _) in
-                                            zip(spans, spans[1:])), spans
+        for part in range(PARTS):  # the released ranges tile each partition from 0
+            spans = sorted(
+                tuple(e["ranges"][f"{topic}:{part}"])
+                for e in entries
+                if f"{topic}:{part}" in e["ranges"]
+            )
+            assert spans[0][0] == 0 and all(b == a for (_, b), (a, _) in zip(spans, spans[1:])), (
+                spans
+            )
 
 
 def _undecided_views(bootstrap, topics) -> dict[str, dict]:
     """The view headers the summaries topic holds now (the leader tombstones a window's views
     once it decided the window), by key."""
-    c = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                      enable_auto_commit=False)
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+    )
     tp = TopicPartition(topics.summaries, 0)
     try:
         c.assign([tp])
@@ -1598,15 +1961,14 @@ def _undecided_views(bootstrap, topics) -> dict[str, dict]:
         while c.position(tp) < end:
             for recs in c.poll(timeout_ms=500).values():
                 for r in recs:
-                    if "/c" not in r.key.decode():    # not a view's chunk
+                    if "/c" not in r.key.decode():  # not a view's chunk
                         latest[r.key.decode()] = r.value
     finally:
         c.close()
     return {k: json.loads(v) for k, v in latest.items() if v is not None}
 
 
-def test_offsets_reset_between_a_view_and_its_release_count_no_record_twice(kafka_broker,
-                                                                            tmp_path):
+def test_offsets_reset_between_a_view_and_its_release_count_no_record_twice(kafka_broker, tmp_path):
     """A views group killed while its leader still had windows to release (their views in the
     summaries topic, the ledger not charged yet), then its source offsets reset without
     panagg's metadata. The member going on after the ledger's charges alone counted those
@@ -1627,11 +1989,16 @@ def test_offsets_reset_between_a_view_and_its_release_count_no_record_twice(kafk
         produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 2400), D - 1), 400)
         deadline = time.monotonic() + 120
         while True:
-            charged = {int(e["window"]) for e in read_ledger(kafka_broker, topics).entries
-                       if e["kind"] == "release"}
-            waiting = [h for h in _undecided_views(kafka_broker, topics).values()
-                       if h.get("format") and int(h["window"]) not in charged
-                       and h.get("n")]
+            charged = {
+                int(e["window"])
+                for e in read_ledger(kafka_broker, topics).entries
+                if e["kind"] == "release"
+            }
+            waiting = [
+                h
+                for h in _undecided_views(kafka_broker, topics).values()
+                if h.get("format") and int(h["window"]) not in charged and h.get("n")
+            ]
             if waiting:
                 members.procs["m1"].send_signal(signal.SIGKILL)
                 members.procs["m1"].wait(30)
@@ -1639,35 +2006,47 @@ def test_offsets_reset_between_a_view_and_its_release_count_no_record_twice(kafk
             assert members.procs["m1"].poll() is None, members.logs()
             assert time.monotonic() < deadline, "no view ever waited for its release"
             time.sleep(0.1)
-        charged = {int(e["window"]) for e in read_ledger(kafka_broker, topics).entries
-                   if e["kind"] == "release"}
-        pending = sorted({int(h["window"]) for h in _undecided_views(kafka_broker, topics)
-                          .values() if h.get("format") and int(h["window"]) not in charged})
+        charged = {
+            int(e["window"])
+            for e in read_ledger(kafka_broker, topics).entries
+            if e["kind"] == "release"
+        }
+        pending = sorted(
+            {
+                int(h["window"])
+                for h in _undecided_views(kafka_broker, topics).values()
+                if h.get("format") and int(h["window"]) not in charged
+            }
+        )
         assert pending, "the views were released before the kill: the case did not happen"
         _reset_source_offsets(admin, f"{group}.panagg.count", topic)
         produce(kafka_broker, topic, np.minimum(rng.zipf(1.3, 300), D - 1), 5000)
-        members.extra = extra       # releases at their usual speed again
+        members.extra = extra  # releases at their usual speed again
         members.start("m1")
         wait_for_total(kafka_broker, topics, 2700, 180, members)
-        time.sleep(3 * WINDOW_S + 4)       # windows over the re-read records: none comes
+        time.sleep(3 * WINDOW_S + 4)  # windows over the re-read records: none comes
         released = _released_total(kafka_broker, topics)
-        entries = [e for e in read_ledger(kafka_broker, topics).entries
-                   if e["kind"] == "release"]
+        entries = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "release"]
     finally:
         members.stop_all()
         admin.close()
     logs = members.logs(last=100000)
-    print(f"views group killed with window(s) {pending} between view and release, offsets "
-          f"reset: {released} released / 2700 produced")
+    print(
+        f"views group killed with window(s) {pending} between view and release, offsets "
+        f"reset: {released} released / 2700 produced"
+    )
     assert not crash_traces(logs), crash_traces(logs)[0]
-    assert not [e.get("withheld") for e in entries if e.get("withheld")], \
-        [e.get("withheld") for e in entries if e.get("withheld")]
+    assert not [e.get("withheld") for e in entries if e.get("withheld")], [
+        e.get("withheld") for e in entries if e.get("withheld")
+    ]
     assert released == 2700
-    for part in range(PARTS):     # the released ranges tile each partition from 0
-        spans = sorted(tuple(e["ranges"][f"{topic}:{part}"]) for e in entries
-                       if f"{topic}:{part}" in e["ranges"])
-        assert spans[0][0] == 0 and all(b == a for (_, b), (a, _) in
-                                        zip(spans, spans[1:])), spans
+    for part in range(PARTS):  # the released ranges tile each partition from 0
+        spans = sorted(
+            tuple(e["ranges"][f"{topic}:{part}"])
+            for e in entries
+            if f"{topic}:{part}" in e["ranges"]
+        )
+        assert spans[0][0] == 0 and all(b == a for (_, b), (a, _) in zip(spans, spans[1:])), spans
 
 
 def second_group_on_released(bootstrap, tmp_path, partitions, *extra, key="ranges"):
@@ -1694,8 +2073,9 @@ def second_group_on_released(bootstrap, tmp_path, partitions, *extra, key="range
         deadline = time.monotonic() + 120
         while True:
             try:
-                entries = [e for e in read_ledger(bootstrap, topics).entries
-                           if e["kind"] == "release"]
+                entries = [
+                    e for e in read_ledger(bootstrap, topics).entries if e["kind"] == "release"
+                ]
             except Exception:
                 entries = []
             covered = sum(b - a for e in entries for a, b in e.get(key, {}).values())
@@ -1710,14 +2090,14 @@ def second_group_on_released(bootstrap, tmp_path, partitions, *extra, key="range
 
 
 def test_a_second_items_group_on_released_records_withholds_them_naming_the_first(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """Issue 48 for the items exchange: its ledger counts repartition positions, so its charges
     were not in the budget registry and a second group with a new name over the same records
     released them again. Now each window's source positions ride from the intake to the
     leader, which checks and writes them in the registry: the second group's leader finds the
     first group's charges and withholds every window over them, naming the first group."""
-    entries, again, logs, topic = second_group_on_released(kafka_broker, tmp_path, 2,
-                                                           key="sources")
+    entries, again, logs, topic = second_group_on_released(kafka_broker, tmp_path, 2, key="sources")
     assert again == 0, f"the second group released {again} events of 3,000 again"
     over = [e for e in entries if e.get("sources")]
     assert over and all(e.get("withheld") for e in over), entries
@@ -1747,21 +2127,30 @@ def _withheld_then_released(bootstrap, topics, members, name, committed, low, de
     """The windows withheld naming source partition 1's offsets ``committed`` to ``low`` as
     deleted, once a window after them is released (None before that)."""
     entries = read_ledger(bootstrap, topics).entries
-    named = sorted(e["window"] for e in entries if e["kind"] == "release"
-                   and f"partition 1 from offset {committed} to {low} were deleted"
-                   in (e.get("withheld") or ""))
-    if named and any(e["kind"] == "release" and not e.get("withheld")
-                     and e["window"] > named[-1] for e in entries):
+    named = sorted(
+        e["window"]
+        for e in entries
+        if e["kind"] == "release"
+        and f"partition 1 from offset {committed} to {low} were deleted"
+        in (e.get("withheld") or "")
+    )
+    if named and any(
+        e["kind"] == "release" and not e.get("withheld") and e["window"] > named[-1]
+        for e in entries
+    ):
         return named, entries
     assert members.procs[name].poll() is None, members.logs()
     assert time.monotonic() < deadline, (
-        [e.get("withheld") for e in entries if e.get("withheld")], members.logs())
+        [e.get("withheld") for e in entries if e.get("withheld")],
+        members.logs(),
+    )
     return None, entries
 
 
 @pytest.mark.parametrize("kind", ["time", "count"])
 def test_source_records_deleted_before_the_intake_read_them_withhold_their_window(
-        kafka_broker, tmp_path, kind):
+    kafka_broker, tmp_path, kind
+):
     """Issue 46, the items exchange: the intake down while records of a source partition are
     deleted (the topic's retention, DeleteRecords here) before it read them. The window that
     would have counted them is withheld with a ledger entry naming the deleted source offsets,
@@ -1771,8 +2160,7 @@ def test_source_records_deleted_before_the_intake_read_them_withhold_their_windo
     topic = make_topic(kafka_broker, 2)
     group = f"g-{topic}"
     topics = GroupTopics(group)
-    extra = ("--set", "window.kind=count", "--set", "window.size=500") if kind == "count" \
-        else ()
+    extra = ("--set", "window.kind=count", "--set", "window.size=500") if kind == "count" else ()
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
     try:
@@ -1783,21 +2171,23 @@ def test_source_records_deleted_before_the_intake_read_them_withhold_their_windo
         members.start("i1")
         deadline = time.monotonic() + 180
         named = None
-        while named is None:    # a window released after the one the deleted records fell in
+        while named is None:  # a window released after the one the deleted records fell in
             produce(kafka_broker, topic, np.arange(1000) % D, 2000)
-            named, _ = _withheld_then_released(kafka_broker, topics, members, "i1", committed,
-                                               low, deadline)
+            named, _ = _withheld_then_released(
+                kafka_broker, topics, members, "i1", committed, low, deadline
+            )
     finally:
         members.stop_all()
         admin.close()
-    assert len(named) == 1, named     # named once, not again at each restart or poll
+    assert len(named) == 1, named  # named once, not again at each restart or poll
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
     assert f"from offset {committed} to {low} were deleted" in logs
     assert not crash_traces(logs), crash_traces(logs)[0]
 
 
 def test_event_time_source_records_deleted_before_the_intake_read_them_withhold_their_windows(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """The event-time edition of the test above: the deleted records' timestamps went with
     them, so every window not passed on their partition, up to the window of now +
     window.max_future_skew_s (later stamps are rejected), may have held one. Each of those is
@@ -1806,16 +2196,28 @@ def test_event_time_source_records_deleted_before_the_intake_read_them_withhold_
     group = f"g-{topic}"
     topics = GroupTopics(group)
     size_s, skew_s = 2, 4
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
-                      "--set", f"window.size={size_s}", "--set", "window.allowed_lateness_s=1",
-                      "--set", f"window.max_future_skew_s={skew_s}",
-                      "--set", "window.idle_partition_timeout_s=3")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={size_s}",
+        "--set",
+        "window.allowed_lateness_s=1",
+        "--set",
+        f"window.max_future_skew_s={skew_s}",
+        "--set",
+        "window.idle_partition_timeout_s=3",
+    )
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
     try:
         members.start("i1")
         deadline = time.monotonic() + 120
-        while _released_total(kafka_broker, topics) < 1000:    # windows close as event time
-            produce(kafka_broker, topic, np.arange(500) % D, 500)    # moves on
+        while _released_total(kafka_broker, topics) < 1000:  # windows close as event time
+            produce(kafka_broker, topic, np.arange(500) % D, 500)  # moves on
             assert time.monotonic() < deadline, members.logs()
         killed_ms = int(time.time() * 1000)
         committed, low = _deleted_while_down(kafka_broker, topic, group, members, "i1", admin)
@@ -1825,8 +2227,9 @@ def test_event_time_source_records_deleted_before_the_intake_read_them_withhold_
         tainted = None
         while tainted is None:  # a window released after the ones the deleted records may hold
             produce(kafka_broker, topic, np.arange(200) % D, 400)
-            tainted, entries = _withheld_then_released(kafka_broker, topics, members, "i1",
-                                                       committed, low, deadline)
+            tainted, entries = _withheld_then_released(
+                kafka_broker, topics, members, "i1", committed, low, deadline
+            )
     finally:
         members.stop_all()
         admin.close()
@@ -1841,7 +2244,7 @@ def test_event_time_source_records_deleted_before_the_intake_read_them_withhold_
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
 
 
-ET_SIZE, ET_LATENESS = 10, 4   # the reference of tests/test_event_time_lateness.py uses 10 s
+ET_SIZE, ET_LATENESS = 10, 4  # the reference of tests/test_event_time_lateness.py uses 10 s
 
 
 def _event_stream(rng, windows, per_window, t0):
@@ -1857,20 +2260,20 @@ def _event_stream(rng, windows, per_window, t0):
         ts.sort()
         back = (rng.random(per_window) < 0.02) & (k > 0)
         ts[back] -= 1.5 * ET_SIZE
-        out += [(int(t * 1000), int(i)) for t, i in
-                zip(ts, np.minimum(rng.zipf(1.3, per_window), D - 1))]
+        out += [
+            (int(t * 1000), int(i))
+            for t, i in zip(ts, np.minimum(rng.zipf(1.3, per_window), D - 1))
+        ]
     return out
 
 
 def _produce_stamped(bootstrap, topic, records, partition=None, pack=None):
     pack = pack or (lambda item: {"item": item})
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
-    for ts, item in records:       # no key: the client picks the partitions
+    for ts, item in records:  # no key: the client picks the partitions
         p.send(topic, value=msgpack.packb(pack(item)), timestamp_ms=ts, partition=partition)
     p.flush()
     p.close()
-
-
 
 
 def released_once(bootstrap, topics, docs) -> list[dict]:
@@ -1887,8 +2290,8 @@ def released_once(bootstrap, topics, docs) -> list[dict]:
                 assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
     return entries
 
-def feed_across_a_kill(bootstrap, topic, topics, members, stream, names, parts,
-                       flush_at) -> str:
+
+def feed_across_a_kill(bootstrap, topic, topics, members, stream, names, parts, flush_at) -> str:
     """An event-time group's stream fed across a kill: the first half of ``stream``
     ((timestamp ms, item) pairs) until the group releases, then the rest at about 1,000
     records/s while one of ``names`` (at random) is killed -9 and started again 0-2 s later,
@@ -1901,9 +2304,12 @@ def feed_across_a_kill(bootstrap, topic, topics, members, stream, names, parts,
         assert time.monotonic() < deadline, f"no release\n{members.logs()}"
         time.sleep(1)
     rest = stream[half:]
-    feeder = threading.Thread(target=lambda: [
-        (_produce_stamped(bootstrap, topic, rest[i:i + 100]), time.sleep(0.1))
-        for i in range(0, len(rest), 100)])
+    feeder = threading.Thread(
+        target=lambda: [
+            (_produce_stamped(bootstrap, topic, rest[i : i + 100]), time.sleep(0.1))
+            for i in range(0, len(rest), 100)
+        ]
+    )
     feeder.start()
     chaos = random.Random()
     victim = chaos.choice(list(names))
@@ -1912,9 +2318,10 @@ def feed_across_a_kill(bootstrap, topic, topics, members, stream, names, parts,
     time.sleep(chaos.uniform(0.0, 2.0))
     members.start(victim)
     feeder.join()
-    for p in range(parts):           # every partition passes the last window
+    for p in range(parts):  # every partition passes the last window
         _produce_stamped(bootstrap, topic, [(flush_at, 0)], partition=p)
     return victim
+
 
 def _reference_windows(bootstrap, topic, parts, flush_at, positions=None):
     """{event_start_unix: (n, late)} the definitions give (tests/test_event_time_lateness.py's
@@ -1953,8 +2360,7 @@ def _event_setup(bootstrap, parts, windows):
 
 
 def _by_event_window(docs):
-    return {d["window_info"]["event_start_unix"]: (d["n"], d["window_info"]["late"])
-            for d in docs}
+    return {d["window_info"]["event_start_unix"]: (d["n"], d["window_info"]["late"]) for d in docs}
 
 
 def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_path):
@@ -1968,8 +2374,14 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
     assert SIZE == ET_SIZE
     parts = 4
     topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
-    extra = ("--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
-             "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    extra = (
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={ET_SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+    )
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
     flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
     try:
@@ -1978,8 +2390,9 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
         members.start("m1")
         time.sleep(4)
         members.start("m2")
-        victim = feed_across_a_kill(kafka_broker, topic, topics, members, stream, ("m1", "m2"),
-                                    parts, flush_at)
+        victim = feed_across_a_kill(
+            kafka_broker, topic, topics, members, stream, ("m1", "m2"), parts, flush_at
+        )
         expected = _reference_windows(kafka_broker, topic, parts, flush_at)
         total = sum(ev for ev, _ in expected.values())
         assert total == len(stream)
@@ -1996,15 +2409,16 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
         assert sum(late for _, late in got.values()) > 0, "the stream had no late record"
         # each repartitioned event once: the events in the repartition topic are the releases'
         rp = read_all(kafka_broker, topics.repartition)
-        assert sum(len(v) // 4 for recs in rp.values() for _, _, v in recs
-                   if v) == total + parts
+        assert sum(len(v) // 4 for recs in rp.values() for _, _, v in recs if v) == total + parts
         released_once(kafka_broker, topics, docs)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
     assert not crash_traces(logs), members.logs()
-    print(f"\n{len(docs)} event-time windows, {sum(l for _, l in got.values())} late records, "
-          f"killed {victim}")
+    print(
+        f"\n{len(docs)} event-time windows, {sum(l for _, l in got.values())} late records, "
+        f"killed {victim}"
+    )
 
 
 def test_sum_rollups_of_event_time_windows_in_a_group(kafka_broker, tmp_path):
@@ -2016,10 +2430,22 @@ def test_sum_rollups_of_event_time_windows_in_a_group(kafka_broker, tmp_path):
 
     parts = 4
     topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 9)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
-                      "--set", f"window.size={ET_SIZE}",
-                      "--set", f"window.allowed_lateness_s={ET_LATENESS}",
-                      "--set", "window.rollups=3x", "--set", "window.rollup_design=sum")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={ET_SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+        "--set",
+        "window.rollups=3x",
+        "--set",
+        "window.rollup_design=sum",
+    )
     flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
     try:
         members.start("m1")
@@ -2030,13 +2456,14 @@ def test_sum_rollups_of_event_time_windows_in_a_group(kafka_broker, tmp_path):
         members.kill("m2")
         members.start("m2")
         _produce_stamped(kafka_broker, topic, stream[half:])
-        for p in range(parts):           # every partition passes the last window
+        for p in range(parts):  # every partition passes the last window
             _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
         wait_for_total(kafka_broker, topics, len(stream), 240, members)
         last = max(d["window"] for d in releases(kafka_broker, topics))
         deadline = time.monotonic() + 90
-        while not any(d["rollup"]["index"] == last // 3
-                      for d in releases(kafka_broker, topics, rollups=True)):
+        while not any(
+            d["rollup"]["index"] == last // 3 for d in releases(kafka_broker, topics, rollups=True)
+        ):
             assert time.monotonic() < deadline, f"no last rollup\n{members.logs()}"
             time.sleep(1)
     finally:
@@ -2049,7 +2476,7 @@ def test_sum_rollups_of_event_time_windows_in_a_group(kafka_broker, tmp_path):
         covered = []
         for d in rolls:
             r = d["rollup"]
-            assert set(r["windows"]) <= set(base), r      # only released windows are bases
+            assert set(r["windows"]) <= set(base), r  # only released windows are bases
             quiet = r.get("noise_only_windows", [])
             assert not set(quiet) & set(base)
             assert d["n"] == sum(base[w]["n"] for w in r["windows"])
@@ -2064,14 +2491,16 @@ def test_sum_rollups_of_event_time_windows_in_a_group(kafka_broker, tmp_path):
         assert all(e["kind"] == "rollup" and e["epsilon_spent"] == 0.0 for e in entries)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
-    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), \
-        members.logs()
-    print(f"\n{len(base)} event-time windows, {len(rolls)} rollups, noise-only windows "
-          f"{sorted(w for d in rolls for w in d['rollup'].get('noise_only_windows', []))}")
+    assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
+    print(
+        f"\n{len(base)} event-time windows, {len(rolls)} rollups, noise-only windows "
+        f"{sorted(w for d in rolls for w in d['rollup'].get('noise_only_windows', []))}"
+    )
 
 
 def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_record_counts(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """window.idle_partition_timeout_s in a group: a source partition that got a few records and
     then nothing stops holding the watermark once idle, so the windows close; a record it gets
     afterwards, stamped in a window already closed, arrives after that window's close marker:
@@ -2084,24 +2513,39 @@ def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_r
     topics = GroupTopics(group)
     t0 = (int(time.time()) - 7200) // SIZE * SIZE
     rng = np.random.default_rng()
-    busy = [(int((t0 + t) * 1000), int(i)) for t, i in
-            zip(np.sort(rng.uniform(0, 6 * SIZE, 600)), rng.integers(0, D, 600))]
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
-                      "--set", f"window.size={SIZE}", "--set", "window.allowed_lateness_s=2",
-                      "--set", "window.idle_partition_timeout_s=2")
+    busy = [
+        (int((t0 + t) * 1000), int(i))
+        for t, i in zip(np.sort(rng.uniform(0, 6 * SIZE, 600)), rng.integers(0, D, 600))
+    ]
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={SIZE}",
+        "--set",
+        "window.allowed_lateness_s=2",
+        "--set",
+        "window.idle_partition_timeout_s=2",
+    )
     try:
         _produce_stamped(kafka_broker, topic, [(t0 * 1000 + 500, 1)], partition=2)
         for p in (0, 1):
             _produce_stamped(kafka_broker, topic, busy[p::2], partition=p)
         members.start("m1")
         deadline = time.monotonic() + 120
-        while not any(d["window_info"]["event_start_unix"] >= t0 + 3 * SIZE
-                      for d in releases(kafka_broker, topics)):
+        while not any(
+            d["window_info"]["event_start_unix"] >= t0 + 3 * SIZE
+            for d in releases(kafka_broker, topics)
+        ):
             assert time.monotonic() < deadline, f"windows never closed\n{members.logs()}"
             time.sleep(1)
         # partition 2 wakes with a record of window 1, closed by now: late
         _produce_stamped(kafka_broker, topic, [((t0 + SIZE + 1) * 1000, 2)], partition=2)
-        for p in (0, 1):   # the busy partitions move on, so the late record's window closes
+        for p in (0, 1):  # the busy partitions move on, so the late record's window closes
             _produce_stamped(kafka_broker, topic, [((t0 + 20 * SIZE) * 1000, 3)], partition=p)
         wait_for_total(kafka_broker, topics, 602, 120, members)
         time.sleep(2)
@@ -2112,8 +2556,10 @@ def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_r
     assert sum(n for n, _ in got.values()) == 602
     assert sum(late for _, late in got.values()) == 1
     # the busy partitions' records in their windows, as the definitions say
-    parts = {f"{topic}:{p}": [(ts / 1000, (p, k)) for k, (ts, _) in enumerate(busy[p::2])]
-             for p in (0, 1)}
+    parts = {
+        f"{topic}:{p}": [(ts / 1000, (p, k)) for k, (ts, _) in enumerate(busy[p::2])]
+        for p in (0, 1)
+    }
     parts[f"{topic}:2"] = [(t0 + 0.5, (2, 0))]
     _, ref = reference(parts, 2, "next")
     expected = {k * SIZE: ev for k, (ev, _) in ref.items()}
@@ -2135,11 +2581,24 @@ def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker,
     t0 = (int(time.time()) - 7200) // SIZE * SIZE
     stream = _event_stream(rng, 6, 400, t0)
     pack = lambda i: {"user": i, "ip": f"10.0.{i // 256}.{i % 256}"}  # noqa: E731
-    extra = ("--set", "window.kind=event_time", "--set", f"window.size={SIZE}",
-             "--set", f"window.allowed_lateness_s={ET_LATENESS}",
-             "--set", "ledger.budget_per_event=2", "--set", "aggregations.user.item.field=user",
-             "--set", "aggregations.ip.item.field=ip", "--set", "aggregations.ip.state.mode=hashed",
-             "--set", "aggregations.ip.state.expected_n=5000")
+    extra = (
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+        "--set",
+        "ledger.budget_per_event=2",
+        "--set",
+        "aggregations.user.item.field=user",
+        "--set",
+        "aggregations.ip.item.field=ip",
+        "--set",
+        "aggregations.ip.state.mode=hashed",
+        "--set",
+        "aggregations.ip.state.expected_n=5000",
+    )
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
     flush_at = (t0 + 20 * SIZE) * 1000
     try:
@@ -2157,8 +2616,9 @@ def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker,
     _one_process(kafka_broker, topic, tmp_path, group, extra)
     for name in ("user", "ip"):
         docs = releases(kafka_broker, GroupTopics(group, name))
-        one_docs = [json.loads(f.read_text())
-                    for f in (tmp_path / "one" / "releases" / name).glob("*.json")]
+        one_docs = [
+            json.loads(f.read_text()) for f in (tmp_path / "one" / "releases" / name).glob("*.json")
+        ]
         got = _by_event_window(docs)
         assert got == _by_event_window(one_docs), f"{name}\n{members.logs()}"
         assert sum(n for n, _ in got.values()) == len(stream)
@@ -2166,15 +2626,25 @@ def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker,
 
 
 def test_event_time_group_of_three_killed_again_and_again_releases_the_reference(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """3 members, event-time windows with lateness, 10,000 records over 20 windows fed for about
     20 s while a random member is killed -9 and restarted every 0.5-4.5 s: every window released
     once with the n and late count the definitions give over the topic."""
     parts = 4
     topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 20)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "window.kind=event_time",
-                      "--set", f"window.size={ET_SIZE}",
-                      "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={ET_SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+    )
     flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
     names = ["m1", "m2", "m3"]
     kills = 0
@@ -2185,9 +2655,12 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
         members.start("m2")
         members.start("m3")
         rest = stream[200:]
-        feeder = threading.Thread(target=lambda: [
-            (_produce_stamped(kafka_broker, topic, rest[i:i + 100]), time.sleep(0.2))
-            for i in range(0, len(rest), 100)])
+        feeder = threading.Thread(
+            target=lambda: [
+                (_produce_stamped(kafka_broker, topic, rest[i : i + 100]), time.sleep(0.2))
+                for i in range(0, len(rest), 100)
+            ]
+        )
         feeder.start()
         chaos = random.Random()
         while feeder.is_alive():
@@ -2199,7 +2672,7 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
             _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
         expected = _reference_windows(kafka_broker, topic, parts, flush_at)
         wait_for_total(kafka_broker, topics, len(stream), 300, members)
-        time.sleep(3)     # nothing more may come
+        time.sleep(3)  # nothing more may come
     finally:
         members.stop_all()
     docs = releases(kafka_broker, topics)
@@ -2231,10 +2704,16 @@ def test_a_member_stopped_by_sigterm_says_what_a_restart_finds(kafka_broker, tmp
     finally:
         members.stop_all()
     assert members.procs["m1"].returncode == 0, members.logs()
-    stops = [ln.split("panagg.group: ", 1)[1] for ln in log.read_text().splitlines()
-             if "panagg.group: stopped (" in ln]
+    stops = [
+        ln.split("panagg.group: ", 1)[1]
+        for ln in log.read_text().splitlines()
+        if "panagg.group: stopped (" in ln
+    ]
     assert len(stops) == 1, members.logs()
-    assert re.fullmatch(r"stopped \(stop requested\): member m1, partition 0 window \d+ with "
-                        r"[\d,]+ events from offset 0; partition 1 window \d+ with [\d,]+ events "
-                        r"from offset 0; an open window is replayed from its start by the member "
-                        r"counting its partition next", stops[0]), stops[0]
+    assert re.fullmatch(
+        r"stopped \(stop requested\): member m1, partition 0 window \d+ with "
+        r"[\d,]+ events from offset 0; partition 1 window \d+ with [\d,]+ events "
+        r"from offset 0; an open window is replayed from its start by the member "
+        r"counting its partition next",
+        stops[0],
+    ), stops[0]

@@ -23,12 +23,22 @@ from consumers.decode import Decoder
 
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import (D, Members, crash_traces, counting_owner, make_topic, member_cmd,
-                               produce, read_ledger, wait_for_total)
+from .test_group_kafka import (
+    D,
+    Members,
+    crash_traces,
+    counting_owner,
+    make_topic,
+    member_cmd,
+    produce,
+    read_ledger,
+    wait_for_total,
+)
 
 
 def test_an_intake_transaction_failing_while_the_broker_is_away_keeps_the_member(
-        restartable_broker, monkeypatch):
+    restartable_broker, monkeypatch
+):
     """The intake has polled records, the broker stops before the transaction commits (the
     test stops it from inside the transaction, the one way to hit that instant every run): the
     transaction fails, the committed offsets cannot be read, so the intake leaves the source
@@ -45,13 +55,20 @@ def test_an_intake_transaction_failing_while_the_broker_is_away_keeps_the_member
     p.flush()
     p.close()
     common = dict(bootstrap_servers=bootstrap, reconnect_backoff_max_ms=500)
-    consumer = KafkaConsumer(**common, group_id=group, enable_auto_commit=False,
-                             isolation_level="read_committed", auto_offset_reset="earliest",
-                             session_timeout_ms=6000, heartbeat_interval_ms=2000)
+    consumer = KafkaConsumer(
+        **common,
+        group_id=group,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=2000,
+    )
 
     def make():
-        prod = KafkaProducer(**common, transactional_id=f"{group}.intake",
-                             transaction_timeout_ms=15000)
+        prod = KafkaProducer(
+            **common, transactional_id=f"{group}.intake", transaction_timeout_ms=15000
+        )
         prod.init_transactions()
         return prod
 
@@ -79,18 +96,24 @@ def test_an_intake_transaction_failing_while_the_broker_is_away_keeps_the_member
     consumer.subscribe([topic], listener=Listener())
     out = f"{group}.out"
     from kafka.admin import KafkaAdminClient, NewTopic
+
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     admin.create_topics([NewTopic(out, num_partitions=1, replication_factor=1)])
     admin.close()
-    route = Route(out, 1, Decoder("msgpack", domain_size=10),
-                  lambda it: np.asarray(it, dtype=np.int64), Metrics())
+    route = Route(
+        out,
+        1,
+        Decoder("msgpack", domain_size=10),
+        lambda it: np.asarray(it, dtype=np.int64),
+        Metrics(),
+    )
     rp = Repartitioner(consumer, txn, [route], max_records=20)
     try:
         deadline = time.monotonic() + 60
-        while rp.step(0.5) == 0:        # the first 20; the rest stay fetched in the consumer
+        while rp.step(0.5) == 0:  # the first 20; the rest stay fetched in the consumer
             assert time.monotonic() < deadline, "no record taken"
         txn.armed = True
-        taken = rp.step(0.5)           # the broker stops inside the transaction: it fails
+        taken = rp.step(0.5)  # the broker stops inside the transaction: it fails
         assert taken == 0 and not restartable_broker.running()
         assert consumer.subscription() == {topic}
         assert consumer._subscription.rebalance_listener is not None
@@ -110,7 +133,8 @@ def _started(log_path, name) -> bool:
 
 
 def test_members_started_at_the_same_instant_on_a_new_group_all_keep_running(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """The README's start loop (``for k in 1 2 3; do panagg run ... &``) on a new group, three
     times: the members race for the leader's transactional id while writing the identity; the
     fenced ones read the identity the winner wrote (one identity) and every member keeps
@@ -120,25 +144,30 @@ def test_members_started_at_the_same_instant_on_a_new_group_all_keep_running(
         topic = make_topic(kafka_broker)
         group = f"g-{uuid.uuid4().hex[:8]}"
         # the README's loop sets no exchange: the default, views
-        members = Members(kafka_broker, topic, group, tmp_path / f"round{r}",
-                          "--set", "scale.exchange=views")
+        members = Members(
+            kafka_broker, topic, group, tmp_path / f"round{r}", "--set", "scale.exchange=views"
+        )
         (tmp_path / f"round{r}").mkdir()
         names = ["m1", "m2", "m3"]
         try:
-            for name in names:            # no pause: the same instant, as `&` does
+            for name in names:  # no pause: the same instant, as `&` does
                 members.start(name)
             produce(kafka_broker, topic, np.arange(3000) % D, 5000)
             wait_for_total(kafka_broker, GroupTopics(group), 3000, 180, members)
             logs = {n: members.tmp / f"{n}-{i + 1}.log" for i, n in enumerate(names)}
             deadline = time.monotonic() + 60
-            while not all(_started(f, n) for n, f in logs.items()) and \
-                    all(p.poll() is None for p in members.procs.values()):
+            while not all(_started(f, n) for n, f in logs.items()) and all(
+                p.poll() is None for p in members.procs.values()
+            ):
                 assert time.monotonic() < deadline, members.logs()
                 time.sleep(0.5)
             alive += sum(p.poll() is None for p in members.procs.values())
             started += sum(_started(f, n) for n, f in logs.items())
-            identities = [e for e in read_ledger(kafka_broker, GroupTopics(group)).entries
-                          if e["kind"] == "identity"]
+            identities = [
+                e
+                for e in read_ledger(kafka_broker, GroupTopics(group)).entries
+                if e["kind"] == "identity"
+            ]
             assert len(identities) == 1
         finally:
             members.stop_all()
@@ -161,7 +190,7 @@ def test_a_member_started_while_the_broker_is_away_waits_for_it(restartable_brok
         broker.stop()
         members.start("m1")
         time.sleep(8)
-        assert members.procs["m1"].poll() is None, members.logs()   # still waiting
+        assert members.procs["m1"].poll() is None, members.logs()  # still waiting
         broker.start()
         produce(bootstrap, topic, np.arange(2000) % D, 5000)
         wait_for_total(bootstrap, GroupTopics(group), 2000, 180, members)
@@ -171,9 +200,12 @@ def test_a_member_started_while_the_broker_is_away_waits_for_it(restartable_brok
     assert not crash_traces(members.logs(last=100_000)), members.logs()
     # away past the wait: one line naming the setting, no trace
     broker.stop()
-    late = subprocess.run(member_cmd(bootstrap, topic, group, "m2", tmp_path, "--set",
-                                     "source.connect_timeout_s=3"),
-                          capture_output=True, text=True, timeout=120)
+    late = subprocess.run(
+        member_cmd(bootstrap, topic, group, "m2", tmp_path, "--set", "source.connect_timeout_s=3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert late.returncode != 0
     said = [line for line in late.stderr.splitlines() if line.startswith("panagg: error")]
     assert len(said) == 1 and "source.connect_timeout_s" in said[0], late.stderr
@@ -193,8 +225,12 @@ def _scrape(url):
     except urllib.error.HTTPError as exc:
         ready = exc.code
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    samples = {s.name: s.value for fam in text_string_to_metric_families(text)
-               for s in fam.samples if not s.labels}
+    samples = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if not s.labels
+    }
     return ready, samples
 
 
@@ -212,11 +248,26 @@ def test_a_leader_behind_its_windows_is_not_ready_and_says_so_once(kafka_broker,
     delay.write_text("6")
     log = open(tmp_path / "m1.log", "w")
     proc = subprocess.Popen(
-        member_cmd(kafka_broker, topic, group, "m1", tmp_path, "--metrics-port", "0",
-                   "--set", f"ledger.registry_topic=reg-{group}"),
-        stdout=log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", PANAGG_TESTING="1",
-                 PANAGG_TEST_RELEASE_DELAY_S=f"@{delay}"))
+        member_cmd(
+            kafka_broker,
+            topic,
+            group,
+            "m1",
+            tmp_path,
+            "--metrics-port",
+            "0",
+            "--set",
+            f"ledger.registry_topic=reg-{group}",
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            PANAGG_TESTING="1",
+            PANAGG_TEST_RELEASE_DELAY_S=f"@{delay}",
+        ),
+    )
     text = (tmp_path / "m1.log").read_text
     try:
         deadline = time.monotonic() + 90
@@ -232,9 +283,9 @@ def test_a_leader_behind_its_windows_is_not_ready_and_says_so_once(kafka_broker,
             if ready == 503 and samples.get("panagg_release_queue", 0) > 2:
                 behind = samples["panagg_release_queue"]
             time.sleep(1)
-        time.sleep(6)                  # more turns behind: still one WARNING
+        time.sleep(6)  # more turns behind: still one WARNING
         assert _scrape(url)[0] == 503
-        delay.unlink()                 # merges fast again: the queue drains
+        delay.unlink()  # merges fast again: the queue drains
         deadline = time.monotonic() + 240
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, text()
@@ -272,7 +323,8 @@ SESSION_S = 40
 
 
 def test_records_deleted_before_they_were_counted_withhold_every_window_they_fall_in(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """A member killed -9 while its repartition partition fills; the partition's records are
     deleted (DeleteRecords: what retention does, sooner) before the next owner counts them.
     Every window whose range may hold deleted positions is withheld with a ledger entry naming
@@ -289,8 +341,9 @@ def test_records_deleted_before_they_were_counted_withhold_every_window_they_fal
     # (the victim's partitions move after 40 s: the records are deleted before that. With
     # 15 s a loaded run once let the survivor count them first, and its release of what it
     # had counted read as one "short" of the later deletion)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set",
-                      f"source.session_timeout_s={SESSION_S}")
+    members = Members(
+        kafka_broker, topic, group, tmp_path, "--set", f"source.session_timeout_s={SESSION_S}"
+    )
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
     try:
         members.start("m1")
@@ -301,7 +354,7 @@ def test_records_deleted_before_they_were_counted_withhold_every_window_they_fal
         members.procs[victim].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         members.procs[victim].wait(30)
-        produce(kafka_broker, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
+        produce(kafka_broker, topic, np.arange(3000) % D, 1000)  # 3 s: several windows
         tp = TopicPartition(topics.repartition, 1)
         c = KafkaConsumer(bootstrap_servers=kafka_broker)
         low = c.end_offsets([tp])[tp]
@@ -317,10 +370,15 @@ def test_records_deleted_before_they_were_counted_withhold_every_window_they_fal
         produce(kafka_broker, topic, np.arange(1000) % D, 1000)
         survivor = "m2" if victim == "m1" else "m1"
         deadline = time.monotonic() + 180
-        while True:                      # the survivor counts partition 1 past the deletion
+        while True:  # the survivor counts partition 1 past the deletion
             entries = read_ledger(kafka_broker, topics).entries
-            after = [e for e in entries if e["kind"] == "release" and not e.get("withheld")
-                     and e["ranges"].get(f"{topics.repartition}:1", [0, 0])[0] >= low]
+            after = [
+                e
+                for e in entries
+                if e["kind"] == "release"
+                and not e.get("withheld")
+                and e["ranges"].get(f"{topics.repartition}:1", [0, 0])[0] >= low
+            ]
             if after:
                 break
             assert members.procs[survivor].poll() is None, members.logs()
@@ -333,13 +391,15 @@ def test_records_deleted_before_they_were_counted_withhold_every_window_they_fal
     released = [e for e in entries if e["kind"] == "release" and not e.get("withheld")]
     withheld = [e for e in entries if e["kind"] == "release" and e.get("withheld")]
 
-    def touches(a, b):   # holds deleted positions, or is an empty range among them
+    def touches(a, b):  # holds deleted positions, or is an empty range among them
         return (a < low and b > committed) or (a == b and committed <= a < low)
 
-    short = [(e["window"], e["ranges"][key]) for e in released
-             if e["window"] >= first_open and key in e["ranges"] and touches(*e["ranges"][key])]
+    short = [
+        (e["window"], e["ranges"][key])
+        for e in released
+        if e["window"] >= first_open and key in e["ranges"] and touches(*e["ranges"][key])
+    ]
     assert not short, f"released short of deleted records {committed}-{low}: {short}"
-    named = [e for e in withheld if "deleted by the repartition topic's retention" in
-             e["withheld"]]
+    named = [e for e in withheld if "deleted by the repartition topic's retention" in e["withheld"]]
     assert named, [e.get("withheld") for e in withheld]
     print(f"\n{len(named)} window(s) withheld naming offsets {committed}-{low} of partition 1")

@@ -16,20 +16,22 @@ import pytest
 from tests.group_audit import group_scenarios
 from tests.lr_audit import lr_epsilon
 
-TRIALS = 40_000   # trials per window: half on each member's partition
-CYCLES = 2        # windows per (stream, gap): 2 x 20,000 = 40,000 runs per stream per audit
+TRIALS = 40_000  # trials per window: half on each member's partition
+CYCLES = 2  # windows per (stream, gap): 2 x 20,000 = 40,000 runs per stream per audit
 
 
-@pytest.mark.parametrize("workers", [1, 0])   # the leader's merge in the release worker / loop
-def test_an_intruder_reading_a_member_and_every_view_gets_an_eps_dp_view(kafka_broker,
-                                                                         tmp_path, workers):
+@pytest.mark.parametrize("workers", [1, 0])  # the leader's merge in the release worker / loop
+def test_an_intruder_reading_a_member_and_every_view_gets_an_eps_dp_view(
+    kafka_broker, tmp_path, workers
+):
     """``workers`` 1 is release.workers' default: the leader's merge runs in a spawned worker
     process (the input captured as the leader hands it over); 0 runs it in the loop (a smaller
     run: one window per stream and gap)."""
     cycles = CYCLES if workers else 1
     readings = {}
-    for (kind, gap), sc in group_scenarios(kafka_broker, tmp_path, TRIALS, cycles,
-                                           workers=workers).items():
+    for (kind, gap), sc in group_scenarios(
+        kafka_broker, tmp_path, TRIALS, cycles, workers=workers
+    ).items():
         r = lr_epsilon(*sc)
         readings[kind, gap] = r
         assert r.eps <= 1.05, (kind, gap, r)
@@ -44,7 +46,7 @@ def test_views_written_without_their_layer_are_flagged(kafka_broker, tmp_path):
     sc = group_scenarios(kafka_broker, tmp_path, 20_000, 1, gaps=(1,), unlayered=True)
     r = lr_epsilon(*sc["own", 1])
     print(f"\nunlayered views: {r.eps:.3f} at {r.where}")
-    assert r.eps > 5.0, r   # (10,000 runs per stream show at most about 6.2)
+    assert r.eps > 5.0, r  # (10,000 runs per stream show at most about 6.2)
 
 
 def test_noise_25_percent_weaker_than_claimed_is_flagged(kafka_broker, tmp_path):

@@ -22,8 +22,12 @@ from aggregator.service.group.txn import Transactions
 
 
 def _joined_consumer(bootstrap, topic, group):
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-                      isolation_level="read_committed")
+    c = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+    )
     c.subscribe([topic])
     deadline = time.monotonic() + 60
     while not c.assignment() and time.monotonic() < deadline:
@@ -45,12 +49,14 @@ def _two_transactions(bootstrap, begin, txn_producer, consumer, topic, out):
     txn_producer.send(out, value=b"first")
     with pytest.raises(CommitFailedError):
         txn_producer.send_offsets_to_transaction(
-            {TopicPartition(topic, 0): OffsetAndMetadata(5, "stale", -1)}, _stale(meta))
+            {TopicPartition(topic, 0): OffsetAndMetadata(5, "stale", -1)}, _stale(meta)
+        )
     txn_producer.abort_transaction()
     begin()
     txn_producer.send(out, value=b"second")
     txn_producer.send_offsets_to_transaction(
-        {TopicPartition(topic, 1): OffsetAndMetadata(7, "fresh", -1)}, meta)
+        {TopicPartition(topic, 1): OffsetAndMetadata(7, "fresh", -1)}, meta
+    )
     txn_producer.commit_transaction()
 
 
@@ -77,8 +83,10 @@ def test_the_raw_client_commits_an_aborted_transactions_offsets(kafka_broker):
         committed = _committed(consumer, topic)
         assert committed[1] == 7
         if committed[0] is None:
-            pytest.skip("this kafka-python no longer commits an aborted transaction's offsets "
-                        "(drop_stale_offsets is then a no-op)")
+            pytest.skip(
+                "this kafka-python no longer commits an aborted transaction's offsets "
+                "(drop_stale_offsets is then a no-op)"
+            )
         assert committed[0] == 5
     finally:
         p.close(timeout=5)
@@ -125,14 +133,15 @@ def test_a_producer_fenced_mid_transaction_says_it_was_fenced(kafka_broker):
     first = Transactions(make, remake=False)
     first.begin()
     first.send(topic, value=b"identity").get(timeout=30)
-    second = Transactions(make, remake=False)   # fences the first
+    second = Transactions(make, remake=False)  # fences the first
     errors: list[Exception] = []
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(type(e) is KafkaError for e in errors):
-            try:   # the fencing reaches the first's next calls
-                first.send_offsets({TopicPartition(topic, 0): OffsetAndMetadata(0, "", -1)},
-                                   f"g-{tid}")
+            try:  # the fencing reaches the first's next calls
+                first.send_offsets(
+                    {TopicPartition(topic, 0): OffsetAndMetadata(0, "", -1)}, f"g-{tid}"
+                )
                 first.send(topic, value=b"more").get(timeout=30)
             except KafkaError as exc:
                 errors.append(exc)
@@ -159,7 +168,7 @@ def test_a_send_during_the_epoch_bump_after_a_fencing_says_the_epoch_moved(kafka
     admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
     admin.close()
     seen: list[tuple[str, str]] = []
-    for _ in range(5):       # the bump is short: a send must fall into it
+    for _ in range(5):  # the bump is short: a send must fall into it
         tid = f"bump-{uuid.uuid4().hex[:8]}"
 
         def make(tid=tid):
@@ -170,7 +179,7 @@ def test_a_send_during_the_epoch_bump_after_a_fencing_says_the_epoch_moved(kafka
         first = Transactions(make, remake=False)
         first.begin()
         first.send(topic, value=b"identity").get(timeout=30)
-        second = Transactions(make, remake=False)   # fences the first
+        second = Transactions(make, remake=False)  # fences the first
         try:
             for _ in range(3):
                 try:

@@ -22,17 +22,49 @@ import pytest
 from aggregator.noise import p_from_epsilon
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import Members, _group_status, counting_owner, last_saying, make_topic, produce, \
-    read_all, read_ledger, releases, second_group_on_released, tombstone_snapshots, \
-    wait_for_total
+from .test_group_kafka import (
+    Members,
+    _group_status,
+    counting_owner,
+    last_saying,
+    make_topic,
+    produce,
+    read_all,
+    read_ledger,
+    releases,
+    second_group_on_released,
+    tombstone_snapshots,
+    wait_for_total,
+)
 
 D = 1000
 PARTS = 4
 
 #: what a view's header may carry: no counter, no item, no per-slice count
-HEADER_KEYS = {"format", "version", "window", "partition", "covers", "partitions", "mode",
-               "size", "epsilon", "neighbor", "p", "model", "window_info", "uid", "layers",
-               "n", "chunks", "dtype", "ranges", "member", "refused", "charge"}
+HEADER_KEYS = {
+    "format",
+    "version",
+    "window",
+    "partition",
+    "covers",
+    "partitions",
+    "mode",
+    "size",
+    "epsilon",
+    "neighbor",
+    "p",
+    "model",
+    "window_info",
+    "uid",
+    "layers",
+    "n",
+    "chunks",
+    "dtype",
+    "ranges",
+    "member",
+    "refused",
+    "charge",
+}
 
 
 def _wait_counting(members, tmp_path, timeout_s=90):
@@ -40,8 +72,11 @@ def _wait_counting(members, tmp_path, timeout_s=90):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         logs = {f.name.split("-")[0]: f.read_text() for f in tmp_path.glob("v*.log")}
-        if len(logs) == 2 and all("counting partition" in t for t in logs.values()) and \
-                any("leading" in t for t in logs.values()):
+        if (
+            len(logs) == 2
+            and all("counting partition" in t for t in logs.values())
+            and any("leading" in t for t in logs.values())
+        ):
             return
         time.sleep(0.5)
     pytest.fail(f"the members did not start counting\n{members.logs()}")
@@ -67,12 +102,19 @@ def _dlap_variance(p: float) -> float:
     return 2 * p / (1 - p) ** 2
 
 
-def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka_broker,
-                                                                            tmp_path):
+def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka_broker, tmp_path):
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        f"state.domain_size={D}",
+    )
     rng = np.random.default_rng(7)
     # a skewed stream: a few heavy items, many light ones
     items = np.concatenate([rng.integers(0, 20, 3000), rng.integers(0, D, 5000)])
@@ -100,6 +142,7 @@ def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka
 
     # what an intruder reads in the internal topics
     from kafka.admin import KafkaAdminClient
+
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
     internal = sorted(t for t in admin.list_topics() if t.startswith(f"{group}.panagg"))
     admin.close()
@@ -113,7 +156,7 @@ def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka
                 if t == topics.summaries and b"/c" in key:
                     chunks[key.decode()] = value
                     continue
-                doc = json.loads(value)   # every other record is a JSON document
+                doc = json.loads(value)  # every other record is a JSON document
                 if t == topics.summaries:
                     assert set(doc) <= HEADER_KEYS, set(doc) - HEADER_KEYS
                     headers.append((key.decode(), doc))
@@ -121,8 +164,10 @@ def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka
     assert views and all(h["layers"] == 2 for _, h in views)
     total = np.zeros(D, dtype=np.int64)
     for key, h in views:
-        parts = [np.frombuffer(zlib.decompress(chunks.pop(f"{key}/c{k}")), dtype=h["dtype"])
-                 for k in range(h["chunks"])]
+        parts = [
+            np.frombuffer(zlib.decompress(chunks.pop(f"{key}/c{k}")), dtype=h["dtype"])
+            for k in range(h["chunks"])
+        ]
         total += np.concatenate(parts).astype(np.int64)
     assert not chunks, "a chunk no header names"
     exact = np.bincount(items, minlength=D)
@@ -137,21 +182,23 @@ def test_a_views_group_writes_no_event_to_any_topic_and_releases_each_once(kafka
     assert np.mean(residual == 0) < 0.3
 
 
-def test_a_second_group_on_released_records_withholds_them_naming_the_first(kafka_broker,
-                                                                            tmp_path):
+def test_a_second_group_on_released_records_withholds_them_naming_the_first(kafka_broker, tmp_path):
     """Two views groups with different names over one topic (the audit's 3,400 of 1,200): the
     second group's leader finds the first group's charges in the budget registry and withholds
     every window over them, in one line naming the first group."""
-    entries, again, logs, topic = second_group_on_released(kafka_broker, tmp_path, PARTS,
-                                                           "--set", "scale.exchange=views")
-    assert all(e.get("withheld") for e in entries if sum(
-        b - a for a, b in e["ranges"].values())), entries
+    entries, again, logs, topic = second_group_on_released(
+        kafka_broker, tmp_path, PARTS, "--set", "scale.exchange=views"
+    )
+    assert all(e.get("withheld") for e in entries if sum(b - a for a, b in e["ranges"].values())), (
+        entries
+    )
     assert again == 0
     assert f"released by group a-{topic}" in logs, logs[-3000:]
 
 
 def test_a_forced_release_of_a_views_group_closes_the_open_window_at_every_member(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """panagg release on a member's directory: the leader writes one close record to the
     intake topic, both members close the open window at once (an hour-long one), and the
     release holds every event produced."""
@@ -160,17 +207,35 @@ def test_a_forced_release_of_a_views_group_closes_the_open_window_at_every_membe
 
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", "window.size=3600")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        "window.size=3600",
+    )
     try:
         for name in ("v1", "v2"):
             members.start(name)
         _wait_counting(members, tmp_path)
         produce(kafka_broker, topic, np.arange(900) % D, rate=3000)
-        time.sleep(3)      # both members have counted them (no window ends for an hour)
-        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
-                                 "--state-dir", str(tmp_path / "v1" / "state")],
-                                capture_output=True, text=True, timeout=200)
+        time.sleep(3)  # both members have counted them (no window ends for an hour)
+        forced = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "release",
+                "--state-dir",
+                str(tmp_path / "v1" / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
         assert forced.returncode == 0, forced.stderr + members.logs()
         wait_for_total(kafka_broker, GroupTopics(group), 900, 60, members)
     finally:
@@ -181,7 +246,8 @@ def test_a_forced_release_of_a_views_group_closes_the_open_window_at_every_membe
 
 
 def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_once(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """window.kind = count with the views exchange: each member cuts its own partitions' window
     once the group's reported total reaches the window's goal (count_views.py). Every event is
     released once (the ledger's source ranges tile every partition, each window's n is the
@@ -194,9 +260,20 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
     N = 2000
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}", "--set", "window.kind=count",
-                      "--set", f"window.size={N}")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "window.kind=count",
+        "--set",
+        f"window.size={N}",
+    )
     items = np.random.default_rng(11).integers(0, D, 9 * N + 700)
     topics = GroupTopics(group)
     try:
@@ -214,16 +291,27 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
                 break
             assert time.monotonic() < deadline, status
             time.sleep(1)
-        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
-                                 "--state-dir", str(tmp_path / "v1" / "state")],
-                                capture_output=True, text=True, timeout=200)
+        forced = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "release",
+                "--state-dir",
+                str(tmp_path / "v1" / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
         assert forced.returncode == 0, forced.stderr + members.logs()
         wait_for_total(kafka_broker, topics, len(items), 120, members)
     finally:
         members.stop_all()
     logs = members.logs(last=100000)
-    assert "count windows of 2,000 events of the group" in logs and "Traceback" not in logs, \
-        logs[-3000:]
+    assert "count windows of 2,000 events of the group" in logs and "Traceback" not in logs, logs[
+        -3000:
+    ]
     docs = sorted(releases(kafka_broker, topics), key=lambda d: d["window"])
     sizes = [d["n"] for d in docs]
     print(f"\nwindow sizes (N = {N}): {sizes}")
@@ -243,7 +331,8 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
 
 
 def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_kill(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """window.rollups = 3x (rollup_design = sum) with the views exchange: the leader adds each
     released window's summed views to its rollups' running sums in the window's transaction
     (view_rollups.py). The leader is killed -9 mid-stream and restarted: each rollup is
@@ -256,10 +345,24 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
 
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
-                      "--set", "window.size=2", "--set", "window.rollups=3x",
-                      "--set", "window.rollup_design=sum")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "window.kind=time",
+        "--set",
+        "window.size=2",
+        "--set",
+        "window.rollups=3x",
+        "--set",
+        "window.rollup_design=sum",
+    )
     topics = GroupTopics(group)
     items = np.random.default_rng(5).integers(0, D, 24_000)
     try:
@@ -280,11 +383,13 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
         feed.join()
         wait_for_total(kafka_broker, topics, len(items), 180, members)
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:     # the rollup of the last window with events
+        while time.monotonic() < deadline:  # the rollup of the last window with events
             base = releases(kafka_broker, topics)
             last = max(d["window"] for d in base if d["n"])
-            if any(d["rollup"]["index"] == last // 3
-                   for d in releases(kafka_broker, topics, rollups=True)):
+            if any(
+                d["rollup"]["index"] == last // 3
+                for d in releases(kafka_broker, topics, rollups=True)
+            ):
                 break
             time.sleep(1)
     finally:
@@ -298,8 +403,9 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
     assert rolls and len(names) == len(set(names)), names
     for d in rolls:
         r = d["rollup"]
-        assert r["windows"] == [w for w in range(3 * r["index"], 3 * r["index"] + 3)
-                                if w in base], (r, sorted(base))
+        assert r["windows"] == [
+            w for w in range(3 * r["index"], 3 * r["index"] + 3) if w in base
+        ], (r, sorted(base))
         assert d["n"] == sum(base[w]["n"] for w in r["windows"])
         # (a window no member counted an event in adds no layer; a rollup of such windows
         # only is released from two layers of its own, as such a window is)
@@ -334,6 +440,7 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
         if value is not None:
             last_sum[key.decode()] = value
     from aggregator.service.rollup import RollupSum
+
     checked = 0
     for key, value in last_sum.items():
         r = RollupSum.from_bytes(zlib.decompress(value))
@@ -346,7 +453,8 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
 
 
 def test_an_audit_export_of_a_views_group_is_its_windows_summed_views_signed(
-        kafka_broker, tmp_path, monkeypatch):
+    kafka_broker, tmp_path, monkeypatch
+):
     """panagg audit export on a member's directory of a views group: the leader closes the
     open window at every member (as a forced release) and signs the sum of that window's views,
     the very counters its release is computed from (no layer drawn: 0 eps in the ledger); the
@@ -359,12 +467,23 @@ def test_an_audit_export_of_a_views_group_is_its_windows_summed_views_signed(
     from state_store.audit import read_export
 
     key = os.urandom(32).hex()
-    monkeypatch.setenv("PANAGG_AUDIT_KEY", key)   # the members' (the leader signs)
+    monkeypatch.setenv("PANAGG_AUDIT_KEY", key)  # the members' (the leader signs)
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
-                      "--set", "window.size=3600")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "window.kind=time",
+        "--set",
+        "window.size=3600",
+    )
     topics = GroupTopics(group)
     cli = [sys.executable, "-m", "aggregator.service.cli"]
     try:
@@ -372,26 +491,36 @@ def test_an_audit_export_of_a_views_group_is_its_windows_summed_views_signed(
             members.start(name)
         _wait_counting(members, tmp_path)
         produce(kafka_broker, topic, np.arange(900) % D, rate=3000)
-        time.sleep(3)      # both members have counted them (no window ends for an hour)
-        out = subprocess.run(cli + ["audit", "export", "--state-dir",
-                                    str(tmp_path / "v1" / "state")],
-                             capture_output=True, text=True, timeout=200,
-                             env=dict(os.environ, PANAGG_AUDIT_KEY=""))
+        time.sleep(3)  # both members have counted them (no window ends for an hour)
+        out = subprocess.run(
+            cli + ["audit", "export", "--state-dir", str(tmp_path / "v1" / "state")],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            env=dict(os.environ, PANAGG_AUDIT_KEY=""),
+        )
         assert out.returncode == 0, out.stderr + members.logs()
         wait_for_total(kafka_broker, topics, 900, 60, members)
     finally:
         members.stop_all()
     path = out.stdout.strip().splitlines()[-1]
-    ok = subprocess.run(cli + ["audit", "verify", path], capture_output=True, text=True,
-                        env=dict(os.environ, PANAGG_AUDIT_KEY=key))
+    ok = subprocess.run(
+        cli + ["audit", "verify", path],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PANAGG_AUDIT_KEY=key),
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
     doc = read_export(path, bytes.fromhex(key))
     state = PanPrivateHistogram.deserialize(doc["state"])
     docs = releases(kafka_broker, topics)
     assert [d["n"] for d in docs] == [900], docs
     # the export holds what the release was computed from: the same n and layers (2 per view)
-    assert state.size == D and state.n == 900 and state.layers == docs[0]["layers"] >= 2, \
-        (state.n, state.layers, docs[0]["layers"])
+    assert state.size == D and state.n == 900 and state.layers == docs[0]["layers"] >= 2, (
+        state.n,
+        state.layers,
+        docs[0]["layers"],
+    )
     assert doc["window"]["windows"] == [docs[0]["window"]]
     assert doc["window"]["exchange"] == "views" and len(doc["offsets"]) == PARTS
     exports = [e for e in read_ledger(kafka_broker, topics).entries if e["kind"] == "export"]
@@ -411,7 +540,7 @@ def _kill_the_owner_and_delete(bootstrap, topic, topics, members, tmp_path, admi
     victim = counting_owner(bootstrap, topics, topic, 1)
     members.procs[victim].send_signal(signal.SIGKILL)
     members.procs[victim].wait(30)
-    produce(bootstrap, topic, np.arange(3000) % D, 1000)   # 3 s: several windows
+    produce(bootstrap, topic, np.arange(3000) % D, 1000)  # 3 s: several windows
     c = KafkaConsumer(bootstrap_servers=bootstrap)
     low = c.end_offsets([tp])[tp]
     c.close()
@@ -423,7 +552,8 @@ def _kill_the_owner_and_delete(bootstrap, topic, topics, members, tmp_path, admi
 
 
 def test_source_records_deleted_before_they_were_counted_withhold_their_window(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """A views member killed -9; records of its source partition are deleted (DeleteRecords:
     what the topic's retention does, sooner) before the next owner counts them. The window
     that would hold them is withheld with a ledger entry naming the deleted offsets and its
@@ -435,9 +565,22 @@ def test_source_records_deleted_before_they_were_counted_withhold_their_window(
     topic = make_topic(kafka_broker, 2)
     group = f"g-{topic}"
     topics = GroupTopics(group)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}", "--set", "window.kind=time",
-                      "--set", "window.size=2", "--set", "source.session_timeout_s=15")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "window.kind=time",
+        "--set",
+        "window.size=2",
+        "--set",
+        "source.session_timeout_s=15",
+    )
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
     try:
         for name in ("v1", "v2"):
@@ -445,15 +588,21 @@ def test_source_records_deleted_before_they_were_counted_withhold_their_window(
         _wait_counting(members, tmp_path)
         produce(kafka_broker, topic, np.arange(2000) % D, 2000)
         wait_for_total(kafka_broker, topics, 2000, 120, members)
-        committed, low, victim = _kill_the_owner_and_delete(kafka_broker, topic, topics, members,
-                                                            tmp_path, admin)
+        committed, low, victim = _kill_the_owner_and_delete(
+            kafka_broker, topic, topics, members, tmp_path, admin
+        )
         produce(kafka_broker, topic, np.arange(1000) % D, 1000)
         survivor = "v2" if victim == "v1" else "v1"
         deadline = time.monotonic() + 180
-        while True:                      # the survivor counts partition 1 past the deletion
+        while True:  # the survivor counts partition 1 past the deletion
             entries = read_ledger(kafka_broker, topics).entries
-            after = [e for e in entries if e["kind"] == "release" and not e.get("withheld")
-                     and e["ranges"].get(f"{topic}:1", [0, 0])[0] >= low]
+            after = [
+                e
+                for e in entries
+                if e["kind"] == "release"
+                and not e.get("withheld")
+                and e["ranges"].get(f"{topic}:1", [0, 0])[0] >= low
+            ]
             if after:
                 break
             assert members.procs[survivor].poll() is None, members.logs()
@@ -464,19 +613,28 @@ def test_source_records_deleted_before_they_were_counted_withhold_their_window(
         admin.close()
     key = f"{topic}:1"
     released = [e for e in entries if e["kind"] == "release" and not e.get("withheld")]
-    short = [(e["window"], e["ranges"][key]) for e in released
-             if key in e["ranges"] and e["ranges"][key][0] < low and
-             e["ranges"][key][1] > committed]
+    short = [
+        (e["window"], e["ranges"][key])
+        for e in released
+        if key in e["ranges"] and e["ranges"][key][0] < low and e["ranges"][key][1] > committed
+    ]
     assert not short, f"released over deleted records {committed}-{low}: {short}"
-    named = [e["withheld"] for e in entries if e["kind"] == "release" and e.get("withheld")
-             and f"from offset {committed} to {low} were deleted" in e["withheld"]]
-    assert named and "window range [" in named[0], \
-        [e.get("withheld") for e in entries if e.get("withheld")]
+    named = [
+        e["withheld"]
+        for e in entries
+        if e["kind"] == "release"
+        and e.get("withheld")
+        and f"from offset {committed} to {low} were deleted" in e["withheld"]
+    ]
+    assert named and "window range [" in named[0], [
+        e.get("withheld") for e in entries if e.get("withheld")
+    ]
     assert "Traceback" not in members.logs(last=100000)
 
 
 def test_event_time_records_deleted_before_they_were_counted_withhold_every_window_they_may_hold(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """The event-time edition of the test above. The deleted records' timestamps are gone with
     them, so any window not closed on their partition, up to the window of now +
     window.max_future_skew_s (later stamps are rejected), may have held one: each of those is
@@ -489,12 +647,28 @@ def test_event_time_records_deleted_before_they_were_counted_withhold_every_wind
     topic = make_topic(kafka_broker, 2)
     group = f"g-{topic}"
     topics = GroupTopics(group)
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", f"state.domain_size={D}", "--set", "window.kind=event_time",
-                      "--set", "window.size=2", "--set", "window.allowed_lateness_s=1",
-                      "--set", "window.max_future_skew_s=4",
-                      "--set", "window.idle_partition_timeout_s=3",
-                      "--set", "source.session_timeout_s=15")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        "window.size=2",
+        "--set",
+        "window.allowed_lateness_s=1",
+        "--set",
+        "window.max_future_skew_s=4",
+        "--set",
+        "window.idle_partition_timeout_s=3",
+        "--set",
+        "source.session_timeout_s=15",
+    )
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
     key = f"{topic}:1"
     try:
@@ -503,23 +677,32 @@ def test_event_time_records_deleted_before_they_were_counted_withhold_every_wind
         _wait_counting(members, tmp_path)
         deadline = time.monotonic() + 120
         while sum(d["n"] for d in releases(kafka_broker, topics)) < 1000:  # windows close as
-            produce(kafka_broker, topic, np.arange(500) % D, 500)       # event time moves on
+            produce(kafka_broker, topic, np.arange(500) % D, 500)  # event time moves on
             assert time.monotonic() < deadline, members.logs()[-4000:]
-        committed, low, victim = _kill_the_owner_and_delete(kafka_broker, topic, topics, members,
-                                                            tmp_path, admin)
-        produce(kafka_broker, topic, np.arange(1000) % D, 250)    # 4 s
+        committed, low, victim = _kill_the_owner_and_delete(
+            kafka_broker, topic, topics, members, tmp_path, admin
+        )
+        produce(kafka_broker, topic, np.arange(1000) % D, 250)  # 4 s
         survivor = "v2" if victim == "v1" else "v1"
         said = None
         deadline = time.monotonic() + 180
-        while True:          # the survivor releases partition 1's windows past the taint
+        while True:  # the survivor releases partition 1's windows past the taint
             logs = members.logs(last=100000)
-            said = said or re.search(r"partition 1 of \S+ from offset (\d+) to (\d+) were "
-                                     r"deleted .* up to window (\d+) is withheld", logs)
+            said = said or re.search(
+                r"partition 1 of \S+ from offset (\d+) to (\d+) were "
+                r"deleted .* up to window (\d+) is withheld",
+                logs,
+            )
             entries = read_ledger(kafka_broker, topics).entries
             if said:
-                after = [e for e in entries if e["kind"] == "release"
-                         and not e.get("withheld") and e["window"] > int(said.group(3))
-                         and e["ranges"].get(key, [0, 0])[1] > e["ranges"].get(key, [0, 0])[0]]
+                after = [
+                    e
+                    for e in entries
+                    if e["kind"] == "release"
+                    and not e.get("withheld")
+                    and e["window"] > int(said.group(3))
+                    and e["ranges"].get(key, [0, 0])[1] > e["ranges"].get(key, [0, 0])[0]
+                ]
                 if after:
                     break
             produce(kafka_broker, topic, np.arange(100) % D, 100)  # time moves on
@@ -530,17 +713,23 @@ def test_event_time_records_deleted_before_they_were_counted_withhold_every_wind
         admin.close()
     first, end, through = (int(x) for x in said.groups())
     assert (first, end) == (committed, low), said.group(0)
-    withheld = {e["window"]: e["withheld"] for e in entries
-                if e["kind"] == "release" and e.get("withheld")}
-    released = {e["window"]: e for e in entries if e["kind"] == "release"
-                and not e.get("withheld")}
-    tainted = [w for w, text in withheld.items()
-               if f"from offset {committed} to {low} were deleted" in text]
+    withheld = {
+        e["window"]: e["withheld"] for e in entries if e["kind"] == "release" and e.get("withheld")
+    }
+    released = {e["window"]: e for e in entries if e["kind"] == "release" and not e.get("withheld")}
+    tainted = [
+        w
+        for w, text in withheld.items()
+        if f"from offset {committed} to {low} were deleted" in text
+    ]
     assert tainted and max(tainted) <= through, (tainted, through)
     # no window that may hold a deleted record is released: those after the last one closed on
     # partition 1 (the survivor's commit says which) up to the taint's end
-    acquired = re.search(rf"counting partition 1 of \S+ from offset {committed} by event time "
-                         r"\(last window closed there: (\w+)\)", logs)
+    acquired = re.search(
+        rf"counting partition 1 of \S+ from offset {committed} by event time "
+        r"\(last window closed there: (\w+)\)",
+        logs,
+    )
     assert acquired, logs[-3000:]
     closed_before = -1 if acquired.group(1) == "none" else int(acquired.group(1))
     short = sorted(w for w in released if closed_before < w <= through)
@@ -549,7 +738,8 @@ def test_event_time_records_deleted_before_they_were_counted_withhold_every_wind
 
 
 def test_a_member_exits_when_idle_only_after_its_leader_released_the_complete_windows(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """``--exit-when-idle`` on a member that leads: its intake goes idle once the backlog is
     counted, but releases slower than the windows (400 bootstrap repetitions each) still queue
     complete windows at its leader. The member exits only once they are released: every window
@@ -562,14 +752,40 @@ def test_a_member_exits_when_idle_only_after_its_leader_released_the_complete_wi
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
     items = np.random.default_rng(5).integers(0, D, 5 * N + 300)
-    cmd = [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", kafka_broker,
-           "--topic", topic, "--state-dir", str(tmp_path / "state"), "--release-dir",
-           str(tmp_path / "releases"), "--metrics-port", "-1",
-           "--set", "scale.partitioned=true", "--set", "scale.store=kafka",
-           "--set", f"source.group={group}", "--set", "source.instance_id=v1",
-           "--set", f"state.domain_size={D}", "--set", "window.kind=count",
-           "--set", f"window.size={N}", "--set", "release.error_bar_reps=400",
-           "--exit-when-idle", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aggregator.service.cli",
+        "run",
+        "--bootstrap",
+        kafka_broker,
+        "--topic",
+        topic,
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--release-dir",
+        str(tmp_path / "releases"),
+        "--metrics-port",
+        "-1",
+        "--set",
+        "scale.partitioned=true",
+        "--set",
+        "scale.store=kafka",
+        "--set",
+        f"source.group={group}",
+        "--set",
+        "source.instance_id=v1",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "window.kind=count",
+        "--set",
+        f"window.size={N}",
+        "--set",
+        "release.error_bar_reps=400",
+        "--exit-when-idle",
+        "3",
+    ]
     log = tmp_path / "v1.log"
     with open(log, "w") as out:
         member = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -591,34 +807,54 @@ def test_a_member_exits_when_idle_only_after_its_leader_released_the_complete_wi
     released = sum(d["n"] for d in docs)
     print(f"\n{len(docs)} windows released, {released} of {len(items)} events")
     # the open window holds less than N plus what was in flight at the last cut
-    assert len(docs) >= 4 and len(items) - released < 2 * N, (len(docs), released,
-                                                                run.stderr[-3000:])
+    assert len(docs) >= 4 and len(items) - released < 2 * N, (
+        len(docs),
+        released,
+        run.stderr[-3000:],
+    )
 
 
-def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kafka_broker,
-                                                                             tmp_path):
+def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(
+    kafka_broker, tmp_path
+):
     """window.kind = event_time with the views exchange (event_views.py): two members on a
     4-partition topic, timestamps out of order within the lateness and some late records, a
     member killed -9 while records flow and restarted. Every window is released once, its n
     and late count those of a one-process run over the same records and of the definitions'
     reference, n is the events of its ledgered positions' good records, no position is charged
     more than eps, and every view is a member's state plus its layer (nothing per event)."""
-    from .test_group_kafka import ET_LATENESS, ET_SIZE, _by_event_window, _event_setup, \
-        _one_process, _reference_windows, feed_across_a_kill, released_once
+    from .test_group_kafka import (
+        ET_LATENESS,
+        ET_SIZE,
+        _by_event_window,
+        _event_setup,
+        _one_process,
+        _reference_windows,
+        feed_across_a_kill,
+        released_once,
+    )
 
     parts = 4
     topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
-    extra = ("--set", "scale.exchange=views", "--set", "window.kind=event_time",
-             "--set", f"window.size={ET_SIZE}",
-             "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    extra = (
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={ET_SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+    )
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
     flush_at = (t0 + (windows + 10) * ET_SIZE) * 1000
     try:
         for name in ("v1", "v2"):
             members.start(name)
         _wait_counting(members, tmp_path)
-        victim = feed_across_a_kill(kafka_broker, topic, topics, members, stream, ("v1", "v2"),
-                                    parts, flush_at)
+        victim = feed_across_a_kill(
+            kafka_broker, topic, topics, members, stream, ("v1", "v2"), parts, flush_at
+        )
         where: dict = {}
         expected = _reference_windows(kafka_broker, topic, parts, flush_at, where)
         total = sum(ev for ev, _ in expected.values())
@@ -645,13 +881,18 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
         flush_w = flush_at // 1000 // ET_SIZE
         placed = {pos: w for pos, w in where.items() if w < flush_w}
         assert len(placed) == len(stream) and set(placed.values()) <= set(ranges)
-        outside = [(p, off, w) for (p, off), w in placed.items()
-                   if not ranges[w].get(f"{topic}:{p}", [0, 0])[0] <= off
-                   < ranges[w].get(f"{topic}:{p}", [0, 0])[1]]
+        outside = [
+            (p, off, w)
+            for (p, off), w in placed.items()
+            if not ranges[w].get(f"{topic}:{p}", [0, 0])[0]
+            <= off
+            < ranges[w].get(f"{topic}:{p}", [0, 0])[1]
+        ]
         assert not outside, outside[:5]
         # what an intruder reads in the internal topics: no repartition topic, views' headers
         # with their counters' metadata and the windows closed before them, watermarks
         from kafka.admin import KafkaAdminClient
+
         admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
         internal = sorted(t for t in admin.list_topics() if t.startswith(f"{group}.panagg"))
         admin.close()
@@ -671,8 +912,10 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(kaf
         assert marks > 0
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{logs[-6000:]}") from None
-    print(f"\n{len(docs)} event-time windows, {sum(x for _, x in got.values())} late records, "
-          f"killed {victim}")
+    print(
+        f"\n{len(docs)} event-time windows, {sum(x for _, x in got.values())} late records, "
+        f"killed {victim}"
+    )
 
 
 def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_broker, tmp_path):
@@ -696,20 +939,36 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
     stream = _event_stream(np.random.default_rng(), 6, 300, t0)
     busy = {p: stream[p::3] for p in range(3)}
     flush_at = (t0 + 20 * ET_SIZE) * 1000
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
-                      "--set", f"window.allowed_lateness_s={ET_LATENESS}",
-                      "--set", "window.late=dead_letter",
-                      "--set", "window.idle_partition_timeout_s=3",
-                      "--set", f"source.dead_letter_topic={dead}")
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={ET_SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+        "--set",
+        "window.late=dead_letter",
+        "--set",
+        "window.idle_partition_timeout_s=3",
+        "--set",
+        f"source.dead_letter_topic={dead}",
+    )
     try:
         for name in ("v1", "v2"):
             members.start(name)
         _wait_counting(members, tmp_path)
         for p, recs in busy.items():
             _produce_stamped(kafka_broker, topic, recs + [(flush_at, 0)], partition=p)
-        parts = {f"{topic}:{p}": [(ts / 1000, (p, off)) for off, (ts, _) in enumerate(recs)]
-                 for p, recs in busy.items()}
+        parts = {
+            f"{topic}:{p}": [(ts / 1000, (p, off)) for off, (ts, _) in enumerate(recs)]
+            for p, recs in busy.items()
+        }
         where, windows = reference(parts, ET_LATENESS, "dead_letter")
         expected = {k: ev for k, (ev, _) in windows.items() if ev}
         dead_at = {f"{topic}:{p}@{off}" for (p, off), w in where.items() if w == "dead"}
@@ -728,9 +987,21 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
         # an audit export is not built for event-time views: one line, nothing closes
         import subprocess
         import sys
-        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "audit",
-                                 "export", "--state-dir", str(tmp_path / "v1" / "state")],
-                                capture_output=True, text=True, timeout=120)
+
+        forced = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "audit",
+                "export",
+                "--state-dir",
+                str(tmp_path / "v1" / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         time.sleep(3)
     finally:
         members.stop_all()
@@ -746,8 +1017,7 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
     assert len(keys) == len(set(keys)) and set(keys) == dead_at, (sorted(keys), sorted(dead_at))
 
 
-def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_broker,
-                                                                          tmp_path):
+def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_broker, tmp_path):
     """Event-time windows with views, no idle timeout: partition 0 holds 10 windows of records,
     the other three only the first window's. Partition 0's member pauses it once it is more than
     MAX_AHEAD_WINDOWS windows past the group's low watermark (its open windows each hold a
@@ -763,15 +1033,34 @@ def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_
     topics = GroupTopics(group)
     t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
     rng = np.random.default_rng()
-    per = {p: sorted(int((t0 + rng.uniform(0, 10 * ET_SIZE if p == 0 else ET_SIZE)) * 1000)
-                     for _ in range(400 if p == 0 else 40)) for p in range(PARTS)}
-    rest = {p: sorted(int((t0 + rng.uniform(ET_SIZE, 10 * ET_SIZE)) * 1000) for _ in range(120))
-            for p in range(1, PARTS)}
+    per = {
+        p: sorted(
+            int((t0 + rng.uniform(0, 10 * ET_SIZE if p == 0 else ET_SIZE)) * 1000)
+            for _ in range(400 if p == 0 else 40)
+        )
+        for p in range(PARTS)
+    }
+    rest = {
+        p: sorted(int((t0 + rng.uniform(ET_SIZE, 10 * ET_SIZE)) * 1000) for _ in range(120))
+        for p in range(1, PARTS)
+    }
     flush_at = (t0 + 20 * ET_SIZE) * 1000
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
-                      "--set", f"window.allowed_lateness_s={ET_LATENESS}",
-                      "--set", "source.max_records=50")   # polls that a pause can stop
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={ET_SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+        "--set",
+        "source.max_records=50",
+    )  # polls that a pause can stop
     try:
         for name in ("v1", "v2"):
             members.start(name)
@@ -785,11 +1074,14 @@ def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_
         time.sleep(2)
         early = releases(kafka_broker, topics)
         for p, ts in rest.items():
-            _produce_stamped(kafka_broker, topic, [(t, 1) for t in ts] + [(flush_at, 0)],
-                             partition=p)
+            _produce_stamped(
+                kafka_broker, topic, [(t, 1) for t in ts] + [(flush_at, 0)], partition=p
+            )
         _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=0)
-        parts = {f"{topic}:{p}": [(t / 1000, (p, i)) for i, t in
-                                  enumerate(per[p] + rest.get(p, []))] for p in range(PARTS)}
+        parts = {
+            f"{topic}:{p}": [(t / 1000, (p, i)) for i, t in enumerate(per[p] + rest.get(p, []))]
+            for p in range(PARTS)
+        }
         _, windows = reference(parts, ET_LATENESS, "next")
         expected = {k: ev for k, (ev, _) in windows.items() if ev and k < flush_at // 10_000}
         wait_for_total(kafka_broker, topics, sum(expected.values()), 120, members)
@@ -805,7 +1097,8 @@ def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_
 
 
 def test_a_forced_release_of_an_event_time_views_group_releases_every_record_read(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """panagg release on an event-time views group: the leader answers with the window of the
     newest timestamp the members reported, every member closes its windows up to it at once
     (no record passes the last one, so the watermark alone would never close it), and every
@@ -820,11 +1113,24 @@ def test_a_forced_release_of_an_event_time_views_group_releases_every_record_rea
     topics = GroupTopics(group)
     t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
     rng = np.random.default_rng()
-    per = {p: sorted(int((t0 + rng.uniform(0, 3 * ET_SIZE)) * 1000) for _ in range(150))
-           for p in range(PARTS)}
-    members = Members(kafka_broker, topic, group, tmp_path, "--set", "scale.exchange=views",
-                      "--set", "window.kind=event_time", "--set", f"window.size={ET_SIZE}",
-                      "--set", f"window.allowed_lateness_s={ET_LATENESS}")
+    per = {
+        p: sorted(int((t0 + rng.uniform(0, 3 * ET_SIZE)) * 1000) for _ in range(150))
+        for p in range(PARTS)
+    }
+    members = Members(
+        kafka_broker,
+        topic,
+        group,
+        tmp_path,
+        "--set",
+        "scale.exchange=views",
+        "--set",
+        "window.kind=event_time",
+        "--set",
+        f"window.size={ET_SIZE}",
+        "--set",
+        f"window.allowed_lateness_s={ET_LATENESS}",
+    )
     total = sum(len(ts) for ts in per.values())
     try:
         for name in ("v1", "v2"):
@@ -832,15 +1138,25 @@ def test_a_forced_release_of_an_event_time_views_group_releases_every_record_rea
         _wait_counting(members, tmp_path)
         for p, ts in per.items():
             _produce_stamped(kafka_broker, topic, [(t, 1) for t in ts], partition=p)
-        deadline = time.monotonic() + 60    # the first window closes by the watermark
+        deadline = time.monotonic() + 60  # the first window closes by the watermark
         while not releases(kafka_broker, topics):
             assert time.monotonic() < deadline, f"no release\n{members.logs()}"
             time.sleep(1)
         time.sleep(2)
         assert sum(d["n"] for d in releases(kafka_broker, topics)) < total
-        forced = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "release",
-                                 "--state-dir", str(tmp_path / "v1" / "state")],
-                                capture_output=True, text=True, timeout=200)
+        forced = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aggregator.service.cli",
+                "release",
+                "--state-dir",
+                str(tmp_path / "v1" / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
         assert forced.returncode == 0, forced.stderr + members.logs()
         wait_for_total(kafka_broker, topics, total, 60, members)
     finally:
@@ -859,16 +1175,35 @@ def _snapshotting_group(bootstrap, tmp_path, window_s: int):
     ``window_s``, two in-window snapshots each: (topic, its GroupTopics, Members)."""
     topic = make_topic(bootstrap, PARTS)
     group = f"g-{topic}"
-    return topic, GroupTopics(group), Members(
-        bootstrap, topic, group, tmp_path, "--set", "scale.exchange=views", "--set",
-        f"state.domain_size={D}", "--set", "window.kind=time", "--set",
-        f"window.size={window_s}", "--set", "checkpoint.snapshots_per_window=2")
+    return (
+        topic,
+        GroupTopics(group),
+        Members(
+            bootstrap,
+            topic,
+            group,
+            tmp_path,
+            "--set",
+            "scale.exchange=views",
+            "--set",
+            f"state.domain_size={D}",
+            "--set",
+            "window.kind=time",
+            "--set",
+            f"window.size={window_s}",
+            "--set",
+            "checkpoint.snapshots_per_window=2",
+        ),
+    )
 
 
 def _snapshot_records(bootstrap, topics) -> list[tuple[int, bytes | None]]:
     """(key, value) of every committed record of the group's snapshots topic, in order."""
-    return [(int(key), value) for recs in read_all(bootstrap, topics.snapshots).values()
-            for _, key, value in recs]
+    return [
+        (int(key), value)
+        for recs in read_all(bootstrap, topics.snapshots).values()
+        for _, key, value in recs
+    ]
 
 
 def _check_snapshot_topic(records) -> None:
@@ -889,7 +1224,8 @@ def _check_snapshot_topic(records) -> None:
 
 
 def test_snapshots_of_a_views_group_bound_the_replay_and_a_member_resumes_from_one(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """checkpoint.snapshots_per_window = 2 on the views exchange (6 s windows): each member
     snapshots its window's state at 1/3 and 2/3 of it with its partitions' offsets; a member
     killed -9 three times and restarted resumes its windows from their snapshots (never from
@@ -914,7 +1250,7 @@ def test_snapshots_of_a_views_group_bound_the_replay_and_a_member_resumes_from_o
             members.start("v2")
         producer.join()
         wait_for_total(kafka_broker, topics, len(items), 180, members)
-        time.sleep(2)   # the last closes' tombstones are in the transactions of their views
+        time.sleep(2)  # the last closes' tombstones are in the transactions of their views
     finally:
         members.stop_all()
     logs = members.logs(last=100000)
@@ -947,8 +1283,11 @@ def _check_withheld_once(entries, docs, total, said: str) -> None:
     every position in one entry (the ranges tile each partition) and released n plus the
     withheld ranges = ``total``: nothing replayed, nothing lost."""
     withheld = [e for e in entries if e.get("withheld")]
-    assert len(withheld) == 1 and said in withheld[0]["withheld"] and \
-        "never replayed" in withheld[0]["withheld"], [e.get("withheld") for e in entries]
+    assert (
+        len(withheld) == 1
+        and said in withheld[0]["withheld"]
+        and "never replayed" in withheld[0]["withheld"]
+    ), [e.get("withheld") for e in entries]
     w = withheld[0]["window"]
     assert withheld[0]["epsilon_spent"] > 0 and withheld[0]["ranges"]
     assert w not in {d["window"] for d in docs} and any(d["window"] > w for d in docs)
@@ -960,8 +1299,9 @@ def _check_withheld_once(entries, docs, total, said: str) -> None:
     for part, ss in spans.items():
         ss.sort()
         assert ss[0][0] == 0 and all(b0 == a1 for (_, b0), (a1, _) in zip(ss, ss[1:])), part
-    assert sum(d["n"] for d in docs) + sum(
-        b - a for a, b in withheld[0]["ranges"].values()) == total
+    assert (
+        sum(d["n"] for d in docs) + sum(b - a for a, b in withheld[0]["ranges"].values()) == total
+    )
 
 
 def _wait_for(members, text: str, timeout_s: float = 90) -> None:
@@ -972,7 +1312,8 @@ def _wait_for(members, text: str, timeout_s: float = 90) -> None:
 
 
 def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
-        kafka_broker, tmp_path):
+    kafka_broker, tmp_path
+):
     """A member killed -9 after a snapshot, whose snapshot is then gone from the topic (here a
     tombstone, as a deletion or truncation leaves it): restarted, it withholds that window with
     a ledger entry naming the missing snapshot (its positions charged, nothing released), never
@@ -982,8 +1323,9 @@ def test_a_lost_snapshot_of_a_views_group_withholds_its_window_never_replays_it(
     try:
         members.start("v1")
         _wait_for(members, "counting partition")
-        producer = threading.Thread(target=produce,
-                                    args=(kafka_broker, topic, np.arange(12_000) % D, 1000))
+        producer = threading.Thread(
+            target=produce, args=(kafka_broker, topic, np.arange(12_000) % D, 1000)
+        )
         producer.start()
         _wait_for(members, "layered snapshot")
         members.kill("v1")
@@ -1007,10 +1349,11 @@ def test_a_rebalance_that_splits_a_views_snapshot_withholds_its_window(kafka_bro
     try:
         members.start("v1")
         _wait_for(members, "counting partition")
-        producer = threading.Thread(target=produce,
-                                    args=(kafka_broker, topic, np.arange(total) % D, 1000))
+        producer = threading.Thread(
+            target=produce, args=(kafka_broker, topic, np.arange(total) % D, 1000)
+        )
         producer.start()
-        _wait_for(members, "layered snapshot 1 ")   # 4 s into a 12 s window: v2 joins within it
+        _wait_for(members, "layered snapshot 1 ")  # 4 s into a 12 s window: v2 joins within it
         members.start("v2")
         producer.join()
         entries = _until_every_position_is_ledgered(kafka_broker, topics, members, total)

@@ -52,26 +52,42 @@ def _stop_fetching(client, source) -> None:
     assert parts
     if client == "confluent":
         from confluent_kafka import TopicPartition
+
         source.consumer.pause([TopicPartition(t, p) for t, p in parts])
     else:
         from kafka.structs import TopicPartition as KafkaTopicPartition
+
         source.consumer.pause(*[KafkaTopicPartition(t, p) for t, p in parts])
 
 
 @pytest.mark.parametrize("client", CLIENTS)
 def test_a_consumer_that_delivers_nothing_is_said_rebuilt_and_loses_nothing(
-        kafka_broker, tmp_path, caplog, client):
+    kafka_broker, tmp_path, caplog, client
+):
     if client == "confluent":
         pytest.importorskip("confluent_kafka")
     topic = make_topic(kafka_broker)
     produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(3000)])
-    cfg = load_config(None, [
-        "source.kind=kafka", f"source.bootstrap={kafka_broker}", f"source.topic={topic}",
-        f"source.group=g-{topic}", f"source.client={client}", f"state.domain_size={D}",
-        "window.kind=count", "window.size=100000000",   # one open window: every event in it
-        f"checkpoint.dir={tmp_path / 'state'}", f"release.dir={tmp_path / 'releases'}",
-        "metrics.port=-1", "release.error_bar_reps=0", "release.workers=0",
-        "release.plan_errors=false", "source.stall_timeout_s=3"])
+    cfg = load_config(
+        None,
+        [
+            "source.kind=kafka",
+            f"source.bootstrap={kafka_broker}",
+            f"source.topic={topic}",
+            f"source.group=g-{topic}",
+            f"source.client={client}",
+            f"state.domain_size={D}",
+            "window.kind=count",
+            "window.size=100000000",  # one open window: every event in it
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "metrics.port=-1",
+            "release.error_bar_reps=0",
+            "release.workers=0",
+            "release.plan_errors=false",
+            "source.stall_timeout_s=3",
+        ],
+    )
     metrics = _ReadyLog()
     agg = _make_aggregator(cfg, metrics)
     events = metrics.events._value.get
@@ -95,8 +111,11 @@ def test_a_consumer_that_delivers_nothing_is_said_rebuilt_and_loses_nothing(
     assert agg.task.totals["events"] == 5000
     assert sum(agg.task.offsets.values()) == 5000  # every record once: none skipped, none twice
     assert metrics.consumer_rebuilds._value.get() >= 1
-    stalled = [(r.levelno, r.getMessage()) for r in caplog.records
-               if "Kafka intake stalled" in r.getMessage()]
+    stalled = [
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if "Kafka intake stalled" in r.getMessage()
+    ]
     assert len(stalled) == 1 and stalled[0][0] == logging.WARNING, stalled  # once per stall
     # public-safe: no count or offset of the data in the line (3 is source.stall_timeout_s)
     assert not any(ch.isdigit() for ch in stalled[0][1].replace("3 s", "")), stalled
@@ -123,13 +142,26 @@ def test_an_idle_transactional_topic_is_not_a_stall(kafka_broker, tmp_path, capl
             producer.send(topic, msgpack.packb({"item": (batch * 500 + i) % D}))
         producer.commit_transaction()
     producer.close()
-    cfg = load_config(None, [
-        "source.kind=kafka", f"source.bootstrap={kafka_broker}", f"source.topic={topic}",
-        f"source.group=g-{topic}", f"source.client={client}", f"state.domain_size={D}",
-        "window.kind=count", "window.size=100000000",
-        f"checkpoint.dir={tmp_path / 'state'}", f"release.dir={tmp_path / 'releases'}",
-        "metrics.port=-1", "release.error_bar_reps=0", "release.workers=0",
-        "release.plan_errors=false", "source.stall_timeout_s=1"])
+    cfg = load_config(
+        None,
+        [
+            "source.kind=kafka",
+            f"source.bootstrap={kafka_broker}",
+            f"source.topic={topic}",
+            f"source.group=g-{topic}",
+            f"source.client={client}",
+            f"state.domain_size={D}",
+            "window.kind=count",
+            "window.size=100000000",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "metrics.port=-1",
+            "release.error_bar_reps=0",
+            "release.workers=0",
+            "release.plan_errors=false",
+            "source.stall_timeout_s=1",
+        ],
+    )
     metrics = _ReadyLog()
     agg = _make_aggregator(cfg, metrics)
     runner = threading.Thread(target=agg.run, name="service", daemon=True)
@@ -149,23 +181,39 @@ def test_an_idle_transactional_topic_is_not_a_stall(kafka_broker, tmp_path, capl
     assert all(ready for ready, _ in metrics.ready_log), metrics.ready_log
 
 
-def test_several_aggregations_rebuild_their_one_consumer_and_lose_nothing(kafka_broker, tmp_path,
-                                                                           caplog):
+def test_several_aggregations_rebuild_their_one_consumer_and_lose_nothing(
+    kafka_broker, tmp_path, caplog
+):
     """Two aggregations fed by one consumer (aggregator/service/multi.py): the stall is seen by
     an aggregation's watch, the shared consumer is rebuilt once per look and its positions
     reset, and each aggregation still counts every event exactly once."""
     topic = make_topic(kafka_broker)
     produce(kafka_broker, topic, [msgpack.packb({"item": i % D}) for i in range(3000)])
     toml = tmp_path / "two.toml"
-    toml.write_text("[ledger]\nbudget_per_event = 2.0\n"
-                    "[aggregations.a]\nwindow.size = 100000000\nstate.epsilon = 1.0\n"
-                    "[aggregations.b]\nwindow.size = 100000000\nstate.epsilon = 1.0\n")
-    cfg = load_config(str(toml), [
-        "source.kind=kafka", f"source.bootstrap={kafka_broker}", f"source.topic={topic}",
-        f"source.group=g-{topic}", "source.client=kafka-python", f"state.domain_size={D}",
-        "window.kind=count", f"checkpoint.dir={tmp_path / 'state'}",
-        f"release.dir={tmp_path / 'releases'}", "metrics.port=-1", "release.error_bar_reps=0",
-        "release.workers=0", "release.plan_errors=false", "source.stall_timeout_s=3"])
+    toml.write_text(
+        "[ledger]\nbudget_per_event = 2.0\n"
+        "[aggregations.a]\nwindow.size = 100000000\nstate.epsilon = 1.0\n"
+        "[aggregations.b]\nwindow.size = 100000000\nstate.epsilon = 1.0\n"
+    )
+    cfg = load_config(
+        str(toml),
+        [
+            "source.kind=kafka",
+            f"source.bootstrap={kafka_broker}",
+            f"source.topic={topic}",
+            f"source.group=g-{topic}",
+            "source.client=kafka-python",
+            f"state.domain_size={D}",
+            "window.kind=count",
+            f"checkpoint.dir={tmp_path / 'state'}",
+            f"release.dir={tmp_path / 'releases'}",
+            "metrics.port=-1",
+            "release.error_bar_reps=0",
+            "release.workers=0",
+            "release.plan_errors=false",
+            "source.stall_timeout_s=3",
+        ],
+    )
     metrics = _ReadyLog()
     hub = _make_aggregator(cfg, metrics)
     aggs = hub.aggs.values()
@@ -195,5 +243,6 @@ def test_several_aggregations_rebuild_their_one_consumer_and_lose_nothing(kafka_
     assert sum(a.metrics.consumer_rebuilds._value.get() for a in aggs) >= 1
     stalled = [r for r in caplog.records if "Kafka intake stalled" in r.getMessage()]
     assert 1 <= len(stalled) <= len(aggs), [r.getMessage() for r in stalled]
-    assert any("Kafka intake stalled" in reason for ready, reason in metrics.ready_log
-               if not ready), metrics.ready_log
+    assert any(
+        "Kafka intake stalled" in reason for ready, reason in metrics.ready_log if not ready
+    ), metrics.ready_log

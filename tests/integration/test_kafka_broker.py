@@ -13,9 +13,15 @@ def test_round_trip_through_a_real_broker(kafka_broker):
         producer.send(topic, {"item": i % 7})
     producer.flush()
     producer.close()
-    consumer = KafkaConsumer(topic, bootstrap_servers=kafka_broker, group_id="smoke",
-                             auto_offset_reset="earliest", enable_auto_commit=False,
-                             consumer_timeout_ms=30_000, value_deserializer=msgpack.unpackb)
+    consumer = KafkaConsumer(
+        topic,
+        bootstrap_servers=kafka_broker,
+        group_id="smoke",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        consumer_timeout_ms=30_000,
+        value_deserializer=msgpack.unpackb,
+    )
     items = []
     for m in consumer:  # the 500, then a short look for any record more
         items.append(m.value["item"])

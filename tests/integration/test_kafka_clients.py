@@ -22,8 +22,10 @@ def _source(client, bootstrap, topic, group=None, max_records=500):
     if client == "confluent":
         pytest.importorskip("confluent_kafka")
         from consumers.kafka.confluent import ConfluentSource
+
         return ConfluentSource(bootstrap, topic, group, max_records)
     from consumers.kafka.kafka_python import KafkaSource
+
     return KafkaSource(bootstrap, topic, group, max_records)
 
 
@@ -35,9 +37,19 @@ def _produce(bootstrap, topic, n, partitions=3, t0=None):
     placed = {}
     futures = []
     for i in range(n):
-        futures.append((i, producer.send(topic, value=msgpack.packb({"item": i % D}),
-                                         key=f"k{i}".encode(), headers=[("h", str(i).encode())],
-                                         partition=i % partitions, timestamp_ms=t0 + i)))
+        futures.append(
+            (
+                i,
+                producer.send(
+                    topic,
+                    value=msgpack.packb({"item": i % D}),
+                    key=f"k{i}".encode(),
+                    headers=[("h", str(i).encode())],
+                    partition=i % partitions,
+                    timestamp_ms=t0 + i,
+                ),
+            )
+        )
     producer.flush()
     for i, fut in futures:
         md = fut.get(timeout=30)
@@ -53,10 +65,23 @@ def _drain(source, want, timeout_s=60.0):
     deadline = time.monotonic() + timeout_s
     while len(got) < want and time.monotonic() < deadline:
         for seg in source.poll(0.5):
-            assert len(seg.offsets) == len(seg.values) == len(seg.keys) == len(seg.headers) \
+            assert (
+                len(seg.offsets)
+                == len(seg.values)
+                == len(seg.keys)
+                == len(seg.headers)
                 == len(seg.timestamps)
-            got += list(zip([seg.partition] * len(seg), seg.offsets, seg.values, seg.keys,
-                            seg.headers, seg.timestamps))
+            )
+            got += list(
+                zip(
+                    [seg.partition] * len(seg),
+                    seg.offsets,
+                    seg.values,
+                    seg.keys,
+                    seg.headers,
+                    seg.timestamps,
+                )
+            )
     return got
 
 
@@ -80,8 +105,10 @@ def test_every_record_once_with_its_offset_key_headers_and_timestamp(kafka_broke
         assert src.initial_offsets("latest") == {f"{topic}:{p}": 400 for p in range(3)}
         # by time: partition p's record i = 3j + p has timestamp t0 + i
         at = src.initial_offsets(t0 + 600)
-        want = {f"{topic}:{p}": min(o for (q, o), i in placed.items() if q == p and i >= 600)
-                for p in range(3)}
+        want = {
+            f"{topic}:{p}": min(o for (q, o), i in placed.items() if q == p and i >= 600)
+            for p in range(3)
+        }
         assert at == want
         assert src.caught_up(src.assigned)
         assert src.lag({k: 400 for k in src.assigned}) in ({k: 0 for k in src.assigned}, {})
@@ -99,14 +126,16 @@ def test_the_checkpoint_offsets_are_where_reading_starts(kafka_broker, client):
     src = _source(client, kafka_broker, topic)
     try:
         start = {f"{topic}:0": 150, f"{topic}:1": 0, f"{topic}:2": 199}
-        src.seek(start)           # before the first poll, as the service does on a restart
+        src.seek(start)  # before the first poll, as the service does on a restart
         got = _drain(src, 200 - 150 + 200 + 1)
         by_part = {}
         for part, off, *_ in got:
             by_part.setdefault(part, []).append(off)
         assert {p: (min(o), max(o), len(o)) for p, o in by_part.items()} == {
-            f"{topic}:0": (150, 199, 50), f"{topic}:1": (0, 199, 200),
-            f"{topic}:2": (199, 199, 1)}
+            f"{topic}:0": (150, 199, 50),
+            f"{topic}:1": (0, 199, 200),
+            f"{topic}:2": (199, 199, 1),
+        }
     finally:
         src.close()
 
@@ -124,7 +153,7 @@ def test_pause_seek_and_resume_replay_exactly(kafka_broker, client):
         key = f"{topic}:1"
         src.pause([key])
         src.seek_partition(key, 120)
-        _produce(kafka_broker, topic, 20, partitions=2)   # 10 more in each partition
+        _produce(kafka_broker, topic, 20, partitions=2)  # 10 more in each partition
         while_paused = _drain(src, 10, timeout_s=8)
         assert {p for p, *_ in while_paused} == {f"{topic}:0"}
         assert [o for _, o, *_ in while_paused] == list(range(200, 210))
@@ -148,8 +177,10 @@ def test_commits_carry_the_ledger_anchor(kafka_broker, client):
         src.commit({f"{topic}:0": 30, f"{topic}:1": 50}, anchor)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and src.committed_offsets() != {
-                f"{topic}:0": 30, f"{topic}:1": 50}:
-            src.poll(0.2)     # asynchronous commits complete inside poll
+            f"{topic}:0": 30,
+            f"{topic}:1": 50,
+        }:
+            src.poll(0.2)  # asynchronous commits complete inside poll
         assert src.committed_offsets() == {f"{topic}:0": 30, f"{topic}:1": 50}
         assert src.committed_metadata() == [anchor, anchor]
     finally:
@@ -165,6 +196,7 @@ def test_commits_carry_the_ledger_anchor(kafka_broker, client):
 @pytest.mark.parametrize("client", CLIENTS)
 def test_replay_problem_names_retention(kafka_broker, client):
     from kafka.admin import KafkaAdminClient, NewTopic
+
     name = f"t-{uuid.uuid4().hex[:10]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
     admin.create_topics([NewTopic(name, 1, 1, topic_configs={"retention.ms": "60000"})])
@@ -187,10 +219,21 @@ def test_the_service_counts_the_same_on_both_clients(kafka_broker, tmp_path):
     out = {}
     for client in CLIENTS:
         d = tmp_path / client
-        args = service_args(kafka_broker, topic, d, "--exit-when-idle", "4",
-                            "--set", f"source.group=g-{client}-{topic}",
-                            "--set", f"source.client={client}", "--set", "window.size=3000",
-                            "--set", "release.error_bar_reps=0")
+        args = service_args(
+            kafka_broker,
+            topic,
+            d,
+            "--exit-when-idle",
+            "4",
+            "--set",
+            f"source.group=g-{client}-{topic}",
+            "--set",
+            f"source.client={client}",
+            "--set",
+            "window.size=3000",
+            "--set",
+            "release.error_bar_reps=0",
+        )
         res = run_service(args)
         assert res.returncode == 0, res.stderr[-3000:]
         assert ("reading with confluent-kafka" in res.stderr) == (client == "confluent")

@@ -20,14 +20,40 @@ D = 100
 
 
 def run(bootstrap, topic, state, group, *extra, timeout=180):
-    args = [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", bootstrap,
-            "--topic", topic, "--state-dir", str(state / "state"),
-            "--release-dir", str(state / "releases"), "--metrics-port", "-1",
-            "--exit-when-idle", "2", "--set", f"source.group={group}",
-            "--set", f"state.domain_size={D}", "--set", "release.error_bar_reps=0",
-            "--set", "window.size=350", *extra]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PANAGG_TESTING="1"))
+    args = [
+        sys.executable,
+        "-m",
+        "aggregator.service.cli",
+        "run",
+        "--bootstrap",
+        bootstrap,
+        "--topic",
+        topic,
+        "--state-dir",
+        str(state / "state"),
+        "--release-dir",
+        str(state / "releases"),
+        "--metrics-port",
+        "-1",
+        "--exit-when-idle",
+        "2",
+        "--set",
+        f"source.group={group}",
+        "--set",
+        f"state.domain_size={D}",
+        "--set",
+        "release.error_bar_reps=0",
+        "--set",
+        "window.size=350",
+        *extra,
+    ]
+    return subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PANAGG_TESTING="1"),
+    )
 
 
 def new_topic(bootstrap, partitions=2) -> str:
@@ -68,8 +94,13 @@ def test_following_the_committed_offsets_refusal_works(kafka_broker, tmp_path):
     topic = new_topic(kafka_broker)
     produce(kafka_broker, topic, 700)
     group = f"g-{topic}"
-    other = KafkaConsumer(topic, bootstrap_servers=kafka_broker, group_id=group,
-                          auto_offset_reset="earliest", enable_auto_commit=False)
+    other = KafkaConsumer(
+        topic,
+        bootstrap_servers=kafka_broker,
+        group_id=group,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
     got = 0
     while got < 700:
         got += sum(len(v) for v in other.poll(timeout_ms=1000).values())
@@ -81,7 +112,8 @@ def test_following_the_committed_offsets_refusal_works(kafka_broker, tmp_path):
         f"panagg: error: no checkpoint in {b / 'state' / 'checkpoints'}, but consumer group "
         f"'{group}' has committed offsets: another state directory (or a lost one) counted this "
         "topic. Use that state directory, another source.group, or --fresh-start to count from "
-        "the committed offsets")
+        "the committed offsets"
+    )
     # following the advice literally works, on the same directory: another source.group ...
     res = run(kafka_broker, topic, b, f"{group}-2")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -109,7 +141,8 @@ def test_a_new_directory_on_a_group_another_one_used(kafka_broker, tmp_path):
         f"panagg: error: checkpoint.dir {b / 'state'} is new, but consumer group '{group}' has "
         "committed offsets of a state directory whose ledger had 3 entries: another state "
         "directory (or a lost one) counted this topic. Use that state directory (restore it from "
-        "a backup if it was lost), or another source.group to count the topic anew")
+        "a backup if it was lost), or another source.group to count the topic anew"
+    )
     res = run(kafka_broker, topic, b, f"{group}-2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert released_n(b) == 700
@@ -126,17 +159,46 @@ def test_broker_restarts_show_only_panaggs_lines(tmp_path, restartable_broker):
         topic = new_topic(bootstrap, partitions=2)
         produce(bootstrap, topic, 20000)
         log_path = tmp_path / "service.log"
-        args = [sys.executable, "-m", "aggregator.service.cli", "run", "--bootstrap", bootstrap,
-                "--topic", topic, "--state-dir", str(tmp_path / "state"), "--release-dir",
-                str(tmp_path / "releases"), "--metrics-port", "0", "--set",
-                f"state.domain_size={D}", "--set", "window.size=10000", "--set",
-                "release.error_bar_reps=0", "--set", "source.max_records=2000"]
-        proc = subprocess.Popen(args, env=dict(os.environ, PANAGG_TESTING="1"),
-                                stderr=open(log_path, "w"), text=True)
+        args = [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            "--bootstrap",
+            bootstrap,
+            "--topic",
+            topic,
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--release-dir",
+            str(tmp_path / "releases"),
+            "--metrics-port",
+            "0",
+            "--set",
+            f"state.domain_size={D}",
+            "--set",
+            "window.size=10000",
+            "--set",
+            "release.error_bar_reps=0",
+            "--set",
+            "source.max_records=2000",
+        ]
+        proc = subprocess.Popen(
+            args, env=dict(os.environ, PANAGG_TESTING="1"), stderr=open(log_path, "w"), text=True
+        )
         url = []
-        wait_for(lambda: url or [url.append(x.split()[-1])
-                                 for x in log_path.read_text().splitlines()
-                                 if x.startswith("metrics on ")], 60, "the metrics URL")
+        wait_for(
+            lambda: (
+                url
+                or [
+                    url.append(x.split()[-1])
+                    for x in log_path.read_text().splitlines()
+                    if x.startswith("metrics on ")
+                ]
+            ),
+            60,
+            "the metrics URL",
+        )
         wait_for(lambda: scrape(url[0])["panagg_events"] == 20000, 90, "the first events")
         # (a kill -9 of the broker is left out here: the service can stop on a
         # KafkaConnectionError from the consumer's poll then, a fault of issue 27's first part)
@@ -145,8 +207,9 @@ def test_broker_restarts_show_only_panaggs_lines(tmp_path, restartable_broker):
         time.sleep(3)  # the client retries its connections meanwhile
         assert broker.start() == bootstrap  # the same port
         produce(bootstrap, topic, 10000)
-        wait_for(lambda: scrape(url[0])["panagg_events"] == 30000, 120,
-                 "counting after the restart")
+        wait_for(
+            lambda: scrape(url[0])["panagg_events"] == 30000, 120, "counting after the restart"
+        )
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
         assert proc.returncode == 0, log_path.read_text()[-3000:]

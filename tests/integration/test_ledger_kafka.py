@@ -7,12 +7,19 @@ import shutil
 
 
 from tests.helpers.service import charge_by_position
-from tests.helpers.kafka import (D, count_window_args, make_topic, produce_items, release_entries,
-                                 run_service)
+from tests.helpers.kafka import (
+    D,
+    count_window_args,
+    make_topic,
+    produce_items,
+    release_entries,
+    run_service,
+)
 
 
-def test_a_restored_state_and_release_directory_is_refused_by_the_kafka_anchor(kafka_broker,
-                                                                               tmp_path):
+def test_a_restored_state_and_release_directory_is_refused_by_the_kafka_anchor(
+    kafka_broker, tmp_path
+):
     topic = make_topic(kafka_broker, partitions=1)
     produce_items(kafka_broker, topic, 2500, 1)
     args = count_window_args(kafka_broker, topic, tmp_path)
@@ -36,8 +43,10 @@ def test_a_restored_state_and_release_directory_is_refused_by_the_kafka_anchor(k
     line = res.stderr.strip().splitlines()[-1]
     assert "truncated or rolled back" in line and "committed offsets of group" in line, line
     assert len(release_entries(tmp_path)) == 2  # nothing ledgered twice
-    assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == \
-        ["release-0.json", "release-1.json"]
+    assert sorted(p.name for p in (tmp_path / "releases").glob("*.json")) == [
+        "release-0.json",
+        "release-1.json",
+    ]
     # the ledger deleted (the directory otherwise as it was): refused the same way
     (tmp_path / "state" / "ledger.jsonl").unlink()
     res = run_service(args)
@@ -59,8 +68,11 @@ def test_fresh_start_on_kafka_never_releases_an_event_twice(kafka_broker, tmp_pa
     part = f"{topic}:0"
     ranges = [e["ranges"][part] for e in release_entries(tmp_path)]
     assert ranges == [[0, 1000], [1000, 2000], [2000, 3000], [3000, 4000]]
-    fresh = [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text()
-             .splitlines() if json.loads(x)["kind"] == "fresh-start"]
+    fresh = [
+        json.loads(x)
+        for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()
+        if json.loads(x)["kind"] == "fresh-start"
+    ]
     assert len(fresh) == 1 and fresh[0]["resume_offsets"][part] >= 2000
 
 
@@ -69,16 +81,34 @@ def test_a_renamed_aggregation_on_kafka_never_puts_an_event_over_budget(kafka_br
     produce_items(kafka_broker, topic, 2500, 5)
 
     def args(names):
-        out = ["run", "--bootstrap", kafka_broker, "--topic", topic,
-               "--state-dir", str(tmp_path / "state"), "--release-dir", str(tmp_path / "releases"),
-               "--metrics-port", "-1", "--exit-when-idle", "3"]
-        sets = ["window.size=1000", "release.on_exhausted=false", f"source.group=g-{topic}",
-                "ledger.budget_per_event=1.5"]
+        out = [
+            "run",
+            "--bootstrap",
+            kafka_broker,
+            "--topic",
+            topic,
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--release-dir",
+            str(tmp_path / "releases"),
+            "--metrics-port",
+            "-1",
+            "--exit-when-idle",
+            "3",
+        ]
+        sets = [
+            "window.size=1000",
+            "release.on_exhausted=false",
+            f"source.group=g-{topic}",
+            "ledger.budget_per_event=1.5",
+        ]
         eps = {"a": 1.0, "b": 0.5, "c": 1.0}
         for name in names:
-            sets += [f"aggregations.{name}.item.field=item",
-                     f"aggregations.{name}.state.domain_size={D}",
-                     f"aggregations.{name}.state.epsilon={eps[name]}"]
+            sets += [
+                f"aggregations.{name}.item.field=item",
+                f"aggregations.{name}.state.domain_size={D}",
+                f"aggregations.{name}.state.epsilon={eps[name]}",
+            ]
         for s in sets:
             out += ["--set", s]
         return out

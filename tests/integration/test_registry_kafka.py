@@ -49,8 +49,9 @@ def _commit_without_metadata(bootstrap, group, topic):
         admin.close()
 
 
-def test_a_second_deployment_on_the_same_records_is_refused_naming_the_first(kafka_broker,
-                                                                             tmp_path):
+def test_a_second_deployment_on_the_same_records_is_refused_naming_the_first(
+    kafka_broker, tmp_path
+):
     """A new state directory with a new source.group over a topic another deployment released
     (the audit's 800 of 400): its windows are refused in one line naming the first deployment's
     state directory; every position is charged once over both ledgers. Without the registry
@@ -63,8 +64,13 @@ def test_a_second_deployment_on_the_same_records_is_refused_naming_the_first(kaf
     assert first.returncode == 0, first.stderr[-2000:]
     part = f"{topic}:0"
     assert _charges(a / "state", part, 2500)[:2000].min() == 1.0
-    second = run_service(_with(_args(kafka_broker, topic, b), source__group=f"other-{topic}",
-                               ledger__registry_topic=registry))
+    second = run_service(
+        _with(
+            _args(kafka_broker, topic, b),
+            source__group=f"other-{topic}",
+            ledger__registry_topic=registry,
+        )
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     said = [ln for ln in second.stderr.splitlines() if "budget registry" in ln and "refused" in ln]
     assert said and all(str(a / "state") in ln for ln in said), second.stderr[-3000:]
@@ -72,14 +78,18 @@ def test_a_second_deployment_on_the_same_records_is_refused_naming_the_first(kaf
     assert both.max() == 1.0 and both[:2000].min() == 1.0
     # the control: the same second deployment without a registry releases the events again
     shutil.rmtree(b)
-    control = run_service(_with(_args(kafka_broker, topic, c), source__group=f"third-{topic}",
-                                ledger__registry_topic=""))
+    control = run_service(
+        _with(
+            _args(kafka_broker, topic, c), source__group=f"third-{topic}", ledger__registry_topic=""
+        )
+    )
     assert control.returncode == 0, control.stderr[-2000:]
     assert (_charges(a / "state", part, 2500) + _charges(c / "state", part, 2500)).max() == 2.0
 
 
-def test_a_directory_restored_without_its_anchor_cannot_release_its_events_again(kafka_broker,
-                                                                               tmp_path):
+def test_a_directory_restored_without_its_anchor_cannot_release_its_events_again(
+    kafka_broker, tmp_path
+):
     """The state and release directories restored from a backup, and the group's offsets
     committed again without metadata (what `kafka-consumer-groups --reset-offsets --execute`
     writes: the ledger's anchor is gone): the restored ledger lacks the later releases, which the
@@ -122,8 +132,7 @@ def test_the_registry_waits_for_a_cluster_that_comes_back(restartable_broker, ca
     restartable_broker.stop()
     back = threading.Timer(6.0, restartable_broker.start)
     back.start()
-    reg = KafkaBudgetRegistry(bootstrap, "panagg.budget.wait", {"state_dir": "/x"},
-                              timeout_s=120)
+    reg = KafkaBudgetRegistry(bootstrap, "panagg.budget.wait", {"state_dir": "/x"}, timeout_s=120)
     t0 = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING, logger="panagg.registry"):
@@ -159,9 +168,13 @@ def test_the_registry_is_on_by_default(kafka_broker, tmp_path):
 
     def run(args):
         env = {k: v for k, v in os.environ.items() if k != "PANAGG_LEDGER_REGISTRY_TOPIC"}
-        return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                              capture_output=True, text=True, timeout=240,
-                              env=dict(env, PANAGG_TESTING="1"))
+        return subprocess.run(
+            [sys.executable, "-m", "aggregator.service.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=dict(env, PANAGG_TESTING="1"),
+        )
 
     topic = make_topic(kafka_broker, partitions=1)
     _produce(kafka_broker, topic, 2000, 3)
@@ -181,12 +194,12 @@ def _produce_logins(bootstrap, topic, n, seed):
     from tests.helpers.kafka import produce
 
     users = np.random.default_rng(seed).integers(0, 1500, n)
-    produce(bootstrap, topic, [msgpack.packb({"user": f"u{u}"}) for u in users],
-            key_of=lambda i: b"k")
+    produce(
+        bootstrap, topic, [msgpack.packb({"user": f"u{u}"}) for u in users], key_of=lambda i: b"k"
+    )
 
 
-def test_another_deployments_user_charges_count_against_the_per_user_budget(kafka_broker,
-                                                                            tmp_path):
+def test_another_deployments_user_charges_count_against_the_per_user_budget(kafka_broker, tmp_path):
     """Issue 50 on a real broker: deployment A (user unit) releases two windows of a topic, so
     every user is charged 2 eps in the cluster's registry. Deployment B (new state directory, new
     group) over the same topic may charge an event twice (ledger.budget_per_event = 2), but its
@@ -196,12 +209,20 @@ def test_another_deployments_user_charges_count_against_the_per_user_budget(kafk
     topic = make_topic(kafka_broker, partitions=1)
     registry = f"reg-{topic}"
     _produce_logins(kafka_broker, topic, 2500, 21)
-    user = {"item__field": "user", "state__privacy_unit": "user",
-            "state__expected_users": 2000, "ledger__budget_per_user": 3}
+    user = {
+        "item__field": "user",
+        "state__privacy_unit": "user",
+        "state__expected_users": 2000,
+        "ledger__budget_per_user": 3,
+    }
 
     def deployment(name, **sets):
-        return _with(_args(kafka_broker, topic, tmp_path / name),
-                     source__group=f"{name}-{topic}", **user, **sets)
+        return _with(
+            _args(kafka_broker, topic, tmp_path / name),
+            source__group=f"{name}-{topic}",
+            **user,
+            **sets,
+        )
 
     a = run_service(deployment("a", ledger__registry_topic=registry))
     assert a.returncode == 0, a.stderr[-2000:]
@@ -219,7 +240,8 @@ def test_another_deployments_user_charges_count_against_the_per_user_budget(kafk
 
 
 def test_an_open_registry_reads_and_writes_again_soon_after_a_clean_broker_restart(
-        restartable_broker):
+    restartable_broker,
+):
     """The chaos matrix's count / broker_restart cell: after a clean broker restart every check
     and charge write of the registry timed out (3 s each, on the consume loop) for 50 s, because
     its clients backed off up to kafka-python's 30 s between reconnects while the broker was
@@ -231,10 +253,16 @@ def test_an_open_registry_reads_and_writes_again_soon_after_a_clean_broker_resta
 
     from state_store.registry import KafkaBudgetRegistry, RegistryError
 
-    reg = KafkaBudgetRegistry(restartable_broker.bootstrap, "panagg.budget.restart",
-                              {"state_dir": "/x"}, timeout_s=30)
-    entry = {"id": "release-1", "kind": "release", "epsilon_spent": 1.0,
-             "ranges": {"t:0": [0, 10]}, "hash": "ab" * 16}
+    reg = KafkaBudgetRegistry(
+        restartable_broker.bootstrap, "panagg.budget.restart", {"state_dir": "/x"}, timeout_s=30
+    )
+    entry = {
+        "id": "release-1",
+        "kind": "release",
+        "epsilon_spent": 1.0,
+        "ranges": {"t:0": [0, 10]},
+        "hash": "ab" * 16,
+    }
     try:
         reg.open()
         reg.record("lid", entry)
@@ -261,8 +289,9 @@ def test_an_open_registry_reads_and_writes_again_soon_after_a_clean_broker_resta
             except (KafkaError, RegistryError) as exc:
                 last = exc
         else:
-            raise AssertionError(f"the registry was not usable 10 s after the broker's return: "
-                                 f"{last!r}")
+            raise AssertionError(
+                f"the registry was not usable 10 s after the broker's return: {last!r}"
+            )
         assert reg.has("lid", "release-back")
     finally:
         reg.close()

@@ -44,9 +44,12 @@ def _run_while_producing(bootstrap, topic, args, seconds):
     ``seconds``; scrape /metrics every 0.3 s. Returns (samples, log lines)."""
     stop = threading.Event()
     producing = threading.Thread(target=_producer, args=(bootstrap, topic, 1500, seconds, stop))
-    proc = subprocess.Popen([sys.executable, "-m", "aggregator.service.cli", *args],
-                            env=dict(env(), PANAGG_TEST_RELEASE_DELAY_S="3"),
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        env=dict(env(), PANAGG_TEST_RELEASE_DELAY_S="3"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log, samples = [], []
     try:
         url = None
@@ -76,9 +79,16 @@ def _run_while_producing(bootstrap, topic, args, seconds):
 
 def _args(bootstrap, topic, tmp_path, *sets):
     """2 s windows, no error bars, metrics on a free port, exit 6 s after the stream idles."""
-    args = service_args(bootstrap, topic, tmp_path, "--exit-when-idle", "6",
-                        "--set", "release.error_bar_reps=0",
-                        *(x for kv in sets for x in ("--set", kv)))
+    args = service_args(
+        bootstrap,
+        topic,
+        tmp_path,
+        "--exit-when-idle",
+        "6",
+        "--set",
+        "release.error_bar_reps=0",
+        *(x for kv in sets for x in ("--set", kv)),
+    )
     args[args.index("window.size=100000000")] = "window.size=2"
     args[args.index("--metrics-port") + 1] = "0"
     return args
@@ -86,19 +96,33 @@ def _args(bootstrap, topic, tmp_path, *sets):
 
 def _counted_while_waiting(samples):
     """Events counted between two scrapes while a window waited for its release."""
-    return sum(b["panagg_events_total"] - a["panagg_events_total"] for a, b in
-               zip(samples, samples[1:]) if a.get("panagg_release_queue", 0) > 0)
+    return sum(
+        b["panagg_events_total"] - a["panagg_events_total"]
+        for a, b in zip(samples, samples[1:])
+        if a.get("panagg_release_queue", 0) > 0
+    )
 
 
 def _ledger_releases(tmp_path):
-    return [e for e in (json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl")
-                        .read_text().splitlines()) if e["kind"] == "release"]
+    return [
+        e
+        for e in (
+            json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()
+        )
+        if e["kind"] == "release"
+    ]
 
 
 def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_path):
     topic = make_topic(kafka_broker, partitions=1)
-    args = _args(kafka_broker, topic, tmp_path, "window.kind=time", "window.clock=process",
-                 "release.max_in_flight=1")
+    args = _args(
+        kafka_broker,
+        topic,
+        tmp_path,
+        "window.kind=time",
+        "window.clock=process",
+        "release.max_in_flight=1",
+    )
     samples, log = _run_while_producing(kafka_broker, topic, args, 14)
     # intake went on while a release ran
     assert _counted_while_waiting(samples) > 0
@@ -113,8 +137,11 @@ def test_a_slow_release_never_stops_intake_and_lag_recovers(kafka_broker, tmp_pa
         assert e["n"] == hi - lo
     # windows close on the clock, not when the previous (3 s) release is done: a window that
     # waited for a release would be at least 3 s long
-    lengths = [json.loads(e["document"])["window_info"]["ended_unix"]
-               - json.loads(e["document"])["window_info"]["started_unix"] for e in releases[:-1]]
+    lengths = [
+        json.loads(e["document"])["window_info"]["ended_unix"]
+        - json.loads(e["document"])["window_info"]["started_unix"]
+        for e in releases[:-1]
+    ]
     assert min(lengths) < 3.0, lengths
 
 
@@ -123,8 +150,14 @@ def test_event_time_windows_count_on_while_their_release_runs(kafka_broker, tmp_
     producer runs: intake goes on while a window waits for its release, and every window's n is
     exactly its source range (one partition, timestamps in order)."""
     topic = make_topic(kafka_broker, partitions=1)
-    args = _args(kafka_broker, topic, tmp_path, "window.kind=event_time",
-                 "release.max_in_flight=3", "window.idle_partition_timeout_s=2")
+    args = _args(
+        kafka_broker,
+        topic,
+        tmp_path,
+        "window.kind=event_time",
+        "release.max_in_flight=3",
+        "window.idle_partition_timeout_s=2",
+    )
     samples, log = _run_while_producing(kafka_broker, topic, args, 12)
     assert _counted_while_waiting(samples) > 0, "".join(log)[-3000:]
     releases = _ledger_releases(tmp_path)

@@ -28,9 +28,13 @@ B, N, EPS, DELTA = 8, 40, 1.0, 1e-6
 
 
 def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "aggregator.service.cli", *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PANAGG_TESTING="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "aggregator.service.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PANAGG_TESTING="1"),
+    )
 
 
 def panagg_lines(stderr, level="ERROR"):
@@ -44,15 +48,27 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
     key_file, other_file = tmp_path / "analyzer.key", tmp_path / "other.key"
     save_private_key(key, str(key_file))
     save_private_key(other, str(other_file))
-    base = [f"source.bootstrap={kafka_broker}", f"source.topic={names['analyzer']}",
-            f"source.dead_letter_topic={names['dlq']}", "state.model=shuffle",
-            f"state.epsilon={EPS}", f"state.domain_size={B}", f"window.size={N}",
-            f"shuffle.delta={DELTA}", f"shuffle.public_key={public_key_hex(key)}",
-            f"shuffle.client_topic={names['clients']}", f"shuffle.group=sh-{tag}",
-            f"shuffle.shuffler_dir={tmp_path / 'shuffler'}", f"shuffle.key_file={key_file}",
-            f"checkpoint.dir={tmp_path / 'state'}", f"release.dir={tmp_path / 'releases'}",
-            f"source.group=an-{tag}", "metrics.port=-1", "release.error_bar_reps=0",
-            "release.estimator=threshold"]
+    base = [
+        f"source.bootstrap={kafka_broker}",
+        f"source.topic={names['analyzer']}",
+        f"source.dead_letter_topic={names['dlq']}",
+        "state.model=shuffle",
+        f"state.epsilon={EPS}",
+        f"state.domain_size={B}",
+        f"window.size={N}",
+        f"shuffle.delta={DELTA}",
+        f"shuffle.public_key={public_key_hex(key)}",
+        f"shuffle.client_topic={names['clients']}",
+        f"shuffle.group=sh-{tag}",
+        f"shuffle.shuffler_dir={tmp_path / 'shuffler'}",
+        f"shuffle.key_file={key_file}",
+        f"checkpoint.dir={tmp_path / 'state'}",
+        f"release.dir={tmp_path / 'releases'}",
+        f"source.group=an-{tag}",
+        "metrics.port=-1",
+        "release.error_bar_reps=0",
+        "release.estimator=threshold",
+    ]
 
     def sets(*extra):
         return [x for s in [*base, *extra] for x in ("--set", s)]
@@ -61,9 +77,13 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
     # one order: a window per kind
     made = cli("shuffle-topics", "--config", os.devnull, *sets(), "--client-partitions", "1")
     assert made.returncode == 0, made.stderr[-2000:]
-    assert sorted(made.stdout.split("\n")[:3]) == sorted([
-        f"{names['clients']}: 1 partition(s), created", f"{names['analyzer']}: 1 partition(s), "
-        "created", f"{names['dlq']}: 1 partition(s), created"])
+    assert sorted(made.stdout.split("\n")[:3]) == sorted(
+        [
+            f"{names['clients']}: 1 partition(s), created",
+            f"{names['analyzer']}: 1 partition(s), created",
+            f"{names['dlq']}: 1 partition(s), created",
+        ]
+    )
     again = cli("shuffle-topics", "--config", os.devnull, *sets())
     assert again.returncode == 0 and again.stdout.count("exists") == 3
     admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
@@ -73,18 +93,24 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
 
     # 2. one window per kind of client: right, eps 2, delta 1e-4, 5 buckets, 12 buckets, the
     #    right parameters sealed to another key; the shuffler forwards all six windows
-    kinds = [("right", []), ("epsilon", ["state.epsilon=2.0"]), ("delta", ["shuffle.delta=1e-4"]),
-             ("fewer", ["state.domain_size=5"]), ("more", ["state.domain_size=12"]),
-             ("key", [f"shuffle.public_key={public_key_hex(other)}"])]
-    producer = KafkaProducer(bootstrap_servers=kafka_broker, acks="all",
-                             max_request_size=16 * 1024 * 1024)
+    kinds = [
+        ("right", []),
+        ("epsilon", ["state.epsilon=2.0"]),
+        ("delta", ["shuffle.delta=1e-4"]),
+        ("fewer", ["state.domain_size=5"]),
+        ("more", ["state.domain_size=12"]),
+        ("key", [f"shuffle.public_key={public_key_hex(other)}"]),
+    ]
+    producer = KafkaProducer(
+        bootstrap_servers=kafka_broker, acks="all", max_request_size=16 * 1024 * 1024
+    )
     rng = np.random.default_rng(31)
     for _kind, extra in kinds:
         client = ShuffleClient.from_config(load_config(None, [*base, *extra], env={}))
         items = rng.integers(0, client.randomizer.buckets, N)
         for k, v in client.records(items):
             producer.send(names["clients"], key=k, value=v)
-        producer.flush()    # one kind after the other: each window holds one kind
+        producer.flush()  # one kind after the other: each window holds one kind
     producer.close()
     shuffler = Shuffler(load_config(None, base, env={}))
     shuffler.run(max_windows=len(kinds), idle_exit_s=20)
@@ -96,13 +122,17 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
     errors = panagg_lines(run.stderr)
     assert len(errors) == 5, run.stderr[-5000:]
     assert all("not released" in e for e in errors)
-    want = {1: "epsilon 2 (analyzer: 1)", 2: "delta 0.0001 (analyzer: 1e-06)",
-            3: "buckets 5 (analyzer: 8)", 4: "buckets 12 (analyzer: 8)",
-            5: "no message decrypts with this analyzer's key"}
+    want = {
+        1: "epsilon 2 (analyzer: 1)",
+        2: "delta 0.0001 (analyzer: 1e-06)",
+        3: "buckets 5 (analyzer: 8)",
+        4: "buckets 12 (analyzer: 8)",
+        5: "no message decrypts with this analyzer's key",
+    }
     for w, text in want.items():
         (line,) = [e for e in errors if f"window {w}:" in e]
         assert text in line, line
-    for w in (1, 2, 3, 4):          # parameter lines name both sides in full, never the key
+    for w in (1, 2, 3, 4):  # parameter lines name both sides in full, never the key
         (line,) = [e for e in errors if f"window {w}:" in e]
         assert "[clients: protocol gkmp" in line and "(protocol gkmp, epsilon 1," in line
         assert "public key" not in line
@@ -115,10 +145,17 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
 
     refused = {e["window"]: e for e in ledger() if e["kind"] == "refused"}
     assert {w: e["cause"] for w, e in refused.items()} == {
-        1: "parameters", 2: "parameters", 3: "buckets", 4: "buckets", 5: "key"}
+        1: "parameters",
+        2: "parameters",
+        3: "buckets",
+        4: "buckets",
+        5: "key",
+    }
     assert all(e["epsilon_spent"] == 0 for e in refused.values())
-    assert all(e["marker"] == {"events": N, "topped_up": 0, "messages": e["marker"]["messages"]}
-               for e in refused.values())
+    assert all(
+        e["marker"] == {"events": N, "topped_up": 0, "messages": e["marker"]["messages"]}
+        for e in refused.values()
+    )
 
     # 4. recovery under the unfixed settings: still refused, one line, nothing published
     same = cli("shuffle-recover", "--config", os.devnull, *sets(), "--window", "1")
@@ -128,11 +165,17 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
 
     # 5. recovery under each fix: released once (window 5 after retention took every window
     #    off the analyzer topic: from the dead-letter topic, where its chunks went)
-    fixes = {1: ["state.epsilon=2.0"], 2: ["shuffle.delta=1e-4"], 3: ["state.domain_size=5"],
-             4: ["state.domain_size=12"], 5: [f"shuffle.key_file={other_file}"]}
+    fixes = {
+        1: ["state.epsilon=2.0"],
+        2: ["shuffle.delta=1e-4"],
+        3: ["state.domain_size=5"],
+        4: ["state.domain_size=12"],
+        5: [f"shuffle.key_file={other_file}"],
+    }
     for w, fix in fixes.items():
         if w == 5:
             from kafka import TopicPartition
+
             admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
             end = int(refused[5]["end"].rpartition(":")[2])
             admin.delete_records({TopicPartition(names["analyzer"], 0): end})
@@ -146,15 +189,28 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
     twice = cli("shuffle-recover", "--config", os.devnull, *sets(*fixes[1]), "--window", "1")
     assert twice.returncode == 0 and twice.stdout.strip().endswith("re-published")
 
-    assert sorted(int(p.stem.split("-")[1]) for p in releases.glob("release-*.json")) == \
-        [0, 1, 2, 3, 4, 5]
+    assert sorted(int(p.stem.split("-")[1]) for p in releases.glob("release-*.json")) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     entries = ledger()
     rel = {e["window"]: e for e in entries if e["kind"] == "release"}
-    assert sorted(rel) == [0, 1, 2, 3, 4, 5] and len(
-        [e for e in entries if e["kind"] == "release"]) == 6
-    exact = {0: GKMPRandomizer(EPS, DELTA, N, B), 1: GKMPRandomizer(2.0, DELTA, N, B),
-             2: GKMPRandomizer(EPS, 1e-4, N, B), 3: GKMPRandomizer(EPS, DELTA, N, 5),
-             4: GKMPRandomizer(EPS, DELTA, N, 12), 5: GKMPRandomizer(EPS, DELTA, N, B)}
+    assert (
+        sorted(rel) == [0, 1, 2, 3, 4, 5]
+        and len([e for e in entries if e["kind"] == "release"]) == 6
+    )
+    exact = {
+        0: GKMPRandomizer(EPS, DELTA, N, B),
+        1: GKMPRandomizer(2.0, DELTA, N, B),
+        2: GKMPRandomizer(EPS, 1e-4, N, B),
+        3: GKMPRandomizer(EPS, DELTA, N, 5),
+        4: GKMPRandomizer(EPS, DELTA, N, 12),
+        5: GKMPRandomizer(EPS, DELTA, N, B),
+    }
     for w, rz in exact.items():
         e = rel[w]
         doc = json.loads((releases / f"release-{w}.json").read_text())
@@ -163,6 +219,7 @@ def test_other_parameters_refused_in_one_line_then_recovered_once(kafka_broker, 
         assert e["epsilon_spent"] == rz.epsilon == doc["epsilon"]
         assert e["delta_spent"] == rz.delta_spent == doc["delta_spent"] and e["delta"] == rz.delta
         assert doc["domain"]["size"] == rz.buckets and doc["n"] == N
-        assert e.get("recovered_from") == (None if w == 0
-                                           else f"refused-{refused[w]['window_uid']}")
+        assert e.get("recovered_from") == (
+            None if w == 0 else f"refused-{refused[w]['window_uid']}"
+        )
         assert e["window_uid"] == (refused[w]["window_uid"] if w else e["window_uid"])

@@ -25,8 +25,14 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from aggregator.service.config import load_config
 from tests.helpers.kafka import read_to_end
 from aggregator.service.shuffle_client import ShuffleClient
-from aggregator.service.shuffle_wire import (new_keypair, open_boxes, parse_analyzer_record,
-                                             parse_client_record, public_key_hex, save_private_key)
+from aggregator.service.shuffle_wire import (
+    new_keypair,
+    open_boxes,
+    parse_analyzer_record,
+    parse_client_record,
+    public_key_hex,
+    save_private_key,
+)
 
 B, N, EPS = 40, 60, 20.0
 
@@ -34,29 +40,50 @@ B, N, EPS = 40, 60, 20.0
 def topics(bootstrap, **parts):
     names = {k: f"{k}-{uuid.uuid4().hex[:8]}" for k in parts}
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(names[k], num_partitions=p, replication_factor=1)
-                         for k, p in parts.items()])
+    admin.create_topics(
+        [NewTopic(names[k], num_partitions=p, replication_factor=1) for k, p in parts.items()]
+    )
     admin.close()
     return names
 
 
 def sets(bootstrap, t, tmp_path, pub, key_file=None, *extra):
-    out = [f"source.bootstrap={bootstrap}", f"source.topic={t['analyzer']}",
-           "state.model=shuffle", f"state.epsilon={EPS}", f"state.domain_size={B}",
-           f"window.size={N}", f"shuffle.public_key={pub}", f"shuffle.client_topic={t['clients']}",
-           f"shuffle.group=sh-{t['clients']}", f"shuffle.shuffler_dir={tmp_path / 'shuffler'}",
-           f"source.dead_letter_topic={t['dlq']}", f"checkpoint.dir={tmp_path / 'state'}",
-           f"release.dir={tmp_path / 'releases'}", "metrics.port=-1",
-           f"source.group=an-{t['clients']}",
-           "release.error_bar_reps=0", "release.estimator=threshold", *extra]
+    out = [
+        f"source.bootstrap={bootstrap}",
+        f"source.topic={t['analyzer']}",
+        "state.model=shuffle",
+        f"state.epsilon={EPS}",
+        f"state.domain_size={B}",
+        f"window.size={N}",
+        f"shuffle.public_key={pub}",
+        f"shuffle.client_topic={t['clients']}",
+        f"shuffle.group=sh-{t['clients']}",
+        f"shuffle.shuffler_dir={tmp_path / 'shuffler'}",
+        f"source.dead_letter_topic={t['dlq']}",
+        f"checkpoint.dir={tmp_path / 'state'}",
+        f"release.dir={tmp_path / 'releases'}",
+        "metrics.port=-1",
+        f"source.group=an-{t['clients']}",
+        "release.error_bar_reps=0",
+        "release.estimator=threshold",
+        *extra,
+    ]
     if key_file:
         out.append(f"shuffle.key_file={key_file}")
     return [x for s in out for x in ("--set", s)]
 
 
 def shuffler_cmd(setargs, *extra):
-    return [sys.executable, "-m", "aggregator.service.cli", "shuffle", "--config", os.devnull,
-            *setargs, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "aggregator.service.cli",
+        "shuffle",
+        "--config",
+        os.devnull,
+        *setargs,
+        *extra,
+    ]
 
 
 def read_all(bootstrap, topic, isolation="read_committed"):
@@ -69,10 +96,10 @@ def windows_of(recs):
     for r in recs:
         d = parse_analyzer_record(r.value)
         if d.get("end"):
-            assert d["window"] not in markers                        # each window once
+            assert d["window"] not in markers  # each window once
             markers[d["window"]] = d
         else:
-            assert d["window"] not in markers                        # chunks before the marker
+            assert d["window"] not in markers  # chunks before the marker
             by_window.setdefault(d["window"], []).extend(d["boxes"])
     return by_window, markers
 
@@ -82,9 +109,9 @@ def no_client_metadata(recs, records):
     stamps = {}
     for r in recs:
         stamps.setdefault(parse_analyzer_record(r.value)["window"], set()).add(r.timestamp)
-    assert all(len(s) == 1 for s in stamps.values())                 # one timestamp a window
+    assert all(len(s) == 1 for s in stamps.values())  # one timestamp a window
     blob = b"".join(r.value for r in recs)
-    assert not any(k in blob for k, _ in records[:200])              # no event id anywhere
+    assert not any(k in blob for k, _ in records[:200])  # no event id anywhere
 
 
 def test_kill_minus_nine_mid_window_every_window_exact(kafka_broker, tmp_path):
@@ -98,7 +125,7 @@ def test_kill_minus_nine_mid_window_every_window_exact(kafka_broker, tmp_path):
     events = windows * N
     items = rng.integers(0, B, events)
     records = client.records(items)
-    owner = {}                                                       # box -> event index
+    owner = {}  # box -> event index
     for i, (_, v) in enumerate(records):
         for b in parse_client_record(v):
             owner[b] = i
@@ -113,14 +140,24 @@ def test_kill_minus_nine_mid_window_every_window_exact(kafka_broker, tmp_path):
     # 1. 1.5 windows; killed inside the first commit after the transaction's sends and the
     #    pending state, before commit_transaction: the window is aborted, read again
     send(0, 3 * N // 2)
-    first = subprocess.run(shuffler_cmd(setargs), capture_output=True, text=True, timeout=120,
-                           env=dict(env, PANAGG_TESTING_SHUFFLER_KILL="before_commit"))
+    first = subprocess.run(
+        shuffler_cmd(setargs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(env, PANAGG_TESTING_SHUFFLER_KILL="before_commit"),
+    )
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     aborted = len(read_all(kafka_broker, t["analyzer"], "read_uncommitted"))
     assert aborted > 0 and read_all(kafka_broker, t["analyzer"]) == []
     # 2. killed just after commit_transaction, before the state file marks window 0 committed
-    second = subprocess.run(shuffler_cmd(setargs), capture_output=True, text=True, timeout=120,
-                            env=dict(env, PANAGG_TESTING_SHUFFLER_KILL="after_commit"))
+    second = subprocess.run(
+        shuffler_cmd(setargs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(env, PANAGG_TESTING_SHUFFLER_KILL="after_commit"),
+    )
     assert second.returncode == -signal.SIGKILL, second.stderr[-2000:]
     # a redelivery of an event of window 0, which the state file holds only as pending: the
     # restart finds window 0 committed in Kafka, keeps its event ids and drops the copy
@@ -132,15 +169,16 @@ def test_kill_minus_nine_mid_window_every_window_exact(kafka_broker, tmp_path):
     sent, kills = 3 * N // 2, 0
     bad_sent = False
     while sent < events or kills < 4:
-        proc = subprocess.Popen(shuffler_cmd(setargs), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            shuffler_cmd(setargs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        )
         deadline = time.monotonic() + float(rng.uniform(2.5, 6.0))
         while time.monotonic() < deadline:
             if sent < events:
                 step = int(rng.integers(N // 4, N))
                 send(sent, min(events, sent + step))
                 sent = min(events, sent + step)
-            if sent > 4 * N and not bad_sent:                        # redelivery + malformed
+            if sent > 4 * N and not bad_sent:  # redelivery + malformed
                 producer.send(t["clients"], key=records[4 * N - 1][0], value=records[4 * N - 1][1])
                 producer.send(t["clients"], key=os.urandom(16), value=b"\xc1not msgpack")
                 producer.send(t["clients"], key=b"short", value=records[6][1])
@@ -152,8 +190,9 @@ def test_kill_minus_nine_mid_window_every_window_exact(kafka_broker, tmp_path):
         proc.wait()
         kills += 1
     producer.close()
-    done = subprocess.run(shuffler_cmd(setargs, "--exit-when-idle", "4"), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        shuffler_cmd(setargs, "--exit-when-idle", "4"), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     recs = read_all(kafka_broker, t["analyzer"])
@@ -163,13 +202,13 @@ def test_kill_minus_nine_mid_window_every_window_exact(kafka_broker, tmp_path):
     seen_events: dict = {}
     for w in range(windows):
         boxes = by_window[w]
-        assert len(boxes) == len(set(boxes))                         # no box twice
-        evs = {owner[b] for b in boxes}                              # no unknown box
+        assert len(boxes) == len(set(boxes))  # no box twice
+        evs = {owner[b] for b in boxes}  # no unknown box
         for e in evs:
             assert e not in seen_events, f"event {e} in windows {seen_events[e]} and {w}"
             seen_events[e] = w
         mine = [b for e in evs for b in parse_client_record(records[e][1])]
-        assert sorted(mine) == sorted(boxes)                         # whole events only
+        assert sorted(mine) == sorted(boxes)  # whole events only
         m = markers[w]
         assert m["events"] == len(evs) == N and m["topped_up"] == 0
         assert m["messages"] == len(boxes)
@@ -179,8 +218,8 @@ def test_kill_minus_nine_mid_window_every_window_exact(kafka_broker, tmp_path):
         assert len(rows) == sum(len(parse_client_record(records[e][1])) for e in evs)
         truth = np.bincount(items[sorted(evs)], minlength=B)
         plus = np.bincount(rows[rows[:, 1] > 0, 0], minlength=B)
-        assert (plus >= truth).all()                                 # each event's own (x, +1)
-    assert len(seen_events) == events                                # none lost
+        assert (plus >= truth).all()  # each event's own (x, +1)
+    assert len(seen_events) == events  # none lost
     # the aborted transaction (step 1) is there uncommitted, invisible to read_committed
     assert len(read_all(kafka_broker, t["analyzer"], "read_uncommitted")) >= len(recs) + aborted
     letters = read_all(kafka_broker, t["dlq"])
@@ -197,8 +236,16 @@ def test_kill_minus_nine_mid_window_every_window_exact(kafka_broker, tmp_path):
 def test_time_windows_top_up_and_close_at_n(kafka_broker, tmp_path):
     t = topics(kafka_broker, clients=2, analyzer=1, dlq=1)
     key = new_keypair()
-    setargs = sets(kafka_broker, t, tmp_path, public_key_hex(key), None,
-                   "window.kind=time", "window.size=4", f"shuffle.n={N}")
+    setargs = sets(
+        kafka_broker,
+        t,
+        tmp_path,
+        public_key_hex(key),
+        None,
+        "window.kind=time",
+        "window.size=4",
+        f"shuffle.n={N}",
+    )
     cfg = load_config(None, [a for a in setargs if a != "--set"])
     client = ShuffleClient.from_config(cfg)
     records = client.records(np.random.default_rng().integers(0, B, 3 * N // 2 + N // 3))
@@ -206,15 +253,16 @@ def test_time_windows_top_up_and_close_at_n(kafka_broker, tmp_path):
     for k, v in records:
         producer.send(t["clients"], key=k, value=v)
     producer.close()
-    sh = subprocess.run(shuffler_cmd(setargs, "--exit-when-idle", "9"), capture_output=True,
-                        text=True, timeout=120)
+    sh = subprocess.run(
+        shuffler_cmd(setargs, "--exit-when-idle", "9"), capture_output=True, text=True, timeout=120
+    )
     assert sh.returncode == 0, sh.stderr[-3000:]
     recs = read_all(kafka_broker, t["analyzer"])
     no_client_metadata(recs, records)
     by_window, markers = windows_of(recs)
     assert len(markers) >= 2
     first, second = markers[0], markers[1]
-    assert first["events"] == N and first["topped_up"] == 0          # closed at n, not at 4 s
+    assert first["events"] == N and first["topped_up"] == 0  # closed at n, not at 4 s
     assert second["events"] == len(records) - N and second["topped_up"] == 2 * N - len(records)
     for w, m in markers.items():
         assert m["events"] + m["topped_up"] == N and m["messages"] == len(by_window.get(w, []))
@@ -234,17 +282,45 @@ def test_clients_shuffler_analyzer_end_to_end(kafka_broker, tmp_path):
     key_file = tmp_path / "analyzer.key"
     save_private_key(key, str(key_file))
     setargs = sets(kafka_broker, t, tmp_path, public_key_hex(key), key_file)
-    gen = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "shuffle-clients",
-                          "--config", os.devnull, *setargs, "--events", str(3 * N)],
-                         capture_output=True, text=True, timeout=300)
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "shuffle-clients",
+            "--config",
+            os.devnull,
+            *setargs,
+            "--events",
+            str(3 * N),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert gen.returncode == 0, gen.stderr[-3000:]
-    sh = subprocess.run(shuffler_cmd(setargs, "--exit-when-idle", "3"), capture_output=True,
-                        text=True, timeout=300)
+    sh = subprocess.run(
+        shuffler_cmd(setargs, "--exit-when-idle", "3"), capture_output=True, text=True, timeout=300
+    )
     assert sh.returncode == 0, sh.stderr[-3000:]
     assert sh.stdout.startswith("3 window(s), 180 events"), sh.stdout
-    an = subprocess.run([sys.executable, "-m", "aggregator.service.cli", "run", "--config",
-                         os.devnull, *setargs, "--exit-when-idle", "4"],
-                        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    an = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aggregator.service.cli",
+            "run",
+            "--config",
+            os.devnull,
+            *setargs,
+            "--exit-when-idle",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
     assert an.returncode == 0, an.stderr[-3000:]
     rel = sorted((tmp_path / "releases").glob("release-*.json"))
     assert len(rel) == 3
@@ -262,8 +338,11 @@ def test_sigterm_stops_the_shuffler_with_status_0(kafka_broker, tmp_path):
     err = open(tmp_path / "shuffler.log", "w")
     proc = subprocess.Popen(shuffler_cmd(setargs), stdout=subprocess.PIPE, stderr=err, text=True)
     deadline = time.monotonic() + 120
-    while "shuffling" not in (tmp_path / "shuffler.log").read_text() and proc.poll() is None \
-            and time.monotonic() < deadline:
+    while (
+        "shuffling" not in (tmp_path / "shuffler.log").read_text()
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
     assert proc.poll() is None, (tmp_path / "shuffler.log").read_text()[-2000:]
     proc.send_signal(signal.SIGTERM)

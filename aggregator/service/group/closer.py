@@ -61,15 +61,17 @@ class Closer:
         if r.value is None:
             return
         if key == self._close_key:
-            self.closed = max(self.closed if self.closed is not None else int(r.value),
-                              int(r.value))
+            self.closed = max(
+                self.closed if self.closed is not None else int(r.value), int(r.value)
+            )
         elif key.startswith(self._prefix):
-            self.marks[key[len(self._prefix):]] = MarkRecord.decode(r.value)
+            self.marks[key[len(self._prefix) :]] = MarkRecord.decode(r.value)
 
     def watermark(self, now_ms: int | None = None) -> int | None:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        return low_watermark(self.marks, self.sources, now_ms=now_ms,
-                             idle_timeout_ms=self.clock.idle_timeout_ms)
+        return low_watermark(
+            self.marks, self.sources, now_ms=now_ms, idle_timeout_ms=self.clock.idle_timeout_ms
+        )
 
     def force(self, also) -> int | None:
         """A forced release (forced.py): close every window up to the newest one a source
@@ -87,17 +89,28 @@ class Closer:
             txn.begin()
             if upto > self.closed:
                 for p in range(self.P):
-                    txn.send(self.topics.repartition, partition=p, value=b"",
-                             headers=[("close", str(upto).encode())])
-                txn.send(self.topics.intake, partition=0, key=self._close_key.encode(),
-                         value=str(upto).encode())
+                    txn.send(
+                        self.topics.repartition,
+                        partition=p,
+                        value=b"",
+                        headers=[("close", str(upto).encode())],
+                    )
+                txn.send(
+                    self.topics.intake,
+                    partition=0,
+                    key=self._close_key.encode(),
+                    value=str(upto).encode(),
+                )
             also(txn, upto)
             txn.commit()
         except KafkaError as exc:
             txn.failed(exc)
             raise
-        log.info("forced release: event-time windows up to %d of %s closed now", upto,
-                 self.topics.repartition)
+        log.info(
+            "forced release: event-time windows up to %d of %s closed now",
+            upto,
+            self.topics.repartition,
+        )
         self.closed = upto
         return upto
 
@@ -105,13 +118,18 @@ class Closer:
         """Read the new watermarks; write the markers if windows can close (the new K)."""
         self._read()
         if self.closed is None:
-            first = opening_window(self.marks, self.sources, now_ms=int(time.time() * 1000),
-                                   idle_timeout_ms=self.clock.idle_timeout_ms,
-                                   size_ms=self.clock.size_ms)
+            first = opening_window(
+                self.marks,
+                self.sources,
+                now_ms=int(time.time() * 1000),
+                idle_timeout_ms=self.clock.idle_timeout_ms,
+                size_ms=self.clock.size_ms,
+            )
             upto = None if first is None else first - 1
         else:
-            upto = closable_upto(self.watermark(), size_ms=self.clock.size_ms,
-                                 lateness_ms=self.clock.lateness_ms)
+            upto = closable_upto(
+                self.watermark(), size_ms=self.clock.size_ms, lateness_ms=self.clock.lateness_ms
+            )
             if upto is not None and upto <= self.closed:
                 upto = None
         if upto is None:
@@ -121,19 +139,35 @@ class Closer:
         try:
             txn.begin()
             for p in range(self.P):
-                txn.send(self.topics.repartition, partition=p, value=b"",
-                         headers=[("close", str(upto).encode())])
-            txn.send(self.topics.intake, partition=0, key=self._close_key.encode(),
-                     value=str(upto).encode())
+                txn.send(
+                    self.topics.repartition,
+                    partition=p,
+                    value=b"",
+                    headers=[("close", str(upto).encode())],
+                )
+            txn.send(
+                self.topics.intake,
+                partition=0,
+                key=self._close_key.encode(),
+                value=str(upto).encode(),
+            )
             txn.commit()
         except KafkaError as exc:
             txn.failed(exc)
             raise
         if self.closed is None:
-            log.info("event-time windows of %s open at window %d (the earliest first record of "
-                     "the source partitions)", self.topics.repartition, upto + 1)
+            log.info(
+                "event-time windows of %s open at window %d (the earliest first record of "
+                "the source partitions)",
+                self.topics.repartition,
+                upto + 1,
+            )
         else:
-            log.info("event-time windows up to %d of %s closed: the low watermark passed their "
-                     "end plus the allowed lateness", upto, self.topics.repartition)
+            log.info(
+                "event-time windows up to %d of %s closed: the low watermark passed their "
+                "end plus the allowed lateness",
+                upto,
+                self.topics.repartition,
+            )
         self.closed = upto
         return upto

@@ -71,7 +71,7 @@ class GroupTotals:
         """Note a record of the intake topic; True if it was a progress report."""
         if not key or not key.startswith(self.prefix):
             return False
-        p = int(key[len(self.prefix):])
+        p = int(key[len(self.prefix) :])
         if value is None:
             self.reported.pop(p, None)
         else:

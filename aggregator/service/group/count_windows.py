@@ -88,7 +88,7 @@ class CountCloser:
                 self.closed, self.cut_at = int(cut["closed"]), int(cut["total"])
                 self.next_at = int(cut["next"])
         elif key.startswith(self._prefix):
-            src = key[len(self._prefix):]
+            src = key[len(self._prefix) :]
             self.totals[src] = max(self.totals.get(src, 0), int(r.value))
 
     @property
@@ -101,7 +101,7 @@ class CountCloser:
 
         k, total = self.closed + 1, self.total
         nxt = self.next_at + self.size
-        if forced or total >= nxt:   # a forced cut, or the leader was a window behind
+        if forced or total >= nxt:  # a forced cut, or the leader was a window behind
             nxt = total + self.size
         headers = [("close", str(k).encode()), *extra_headers]
         txn = self.txn
@@ -109,8 +109,12 @@ class CountCloser:
             txn.begin()
             for p in range(self.P):
                 txn.send(self.topics.repartition, partition=p, value=b"", headers=headers)
-            txn.send(self.topics.intake, partition=0, key=self._cut_key.encode(),
-                     value=json.dumps({"closed": k, "total": total, "next": nxt}).encode())
+            txn.send(
+                self.topics.intake,
+                partition=0,
+                key=self._cut_key.encode(),
+                value=json.dumps({"closed": k, "total": total, "next": nxt}).encode(),
+            )
             if also is not None:
                 also(txn, k)
             txn.commit()
@@ -127,8 +131,13 @@ class CountCloser:
         if self.total < self.next_at:
             return None
         k = self._cut()
-        log.info("count window %d of %s closed: the group's intake reached the window's end "
-                 "(windows of %d events)", k, self.topics.repartition, self.size)
+        log.info(
+            "count window %d of %s closed: the group's intake reached the window's end "
+            "(windows of %d events)",
+            k,
+            self.topics.repartition,
+            self.size,
+        )
         return k
 
     def force(self, also, export_id: str | None = None) -> int:
@@ -138,6 +147,10 @@ class CountCloser:
         self.read()
         extra = [("export", export_id.encode())] if export_id else []
         k = self._cut(extra, also, forced=True)
-        log.info("%s: count window %d of %s closed now",
-                 "audit export" if export_id else "forced release", k, self.topics.repartition)
+        log.info(
+            "%s: count window %d of %s closed now",
+            "audit export" if export_id else "forced release",
+            k,
+            self.topics.repartition,
+        )
         return k

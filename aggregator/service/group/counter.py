@@ -62,11 +62,12 @@ def charged_before(ledger, identity: dict, ranges: dict, window_kind: str) -> st
     group's lineage overlap in positions and split the records between them: charges.py takes
     their largest charge, not the sum."""
     eps = float(identity["epsilon"])
-    peak = ledger.charges().peak(ranges, eps, lineage=identity["lineage"],
-                                 window_kind=window_kind)
+    peak = ledger.charges().peak(ranges, eps, lineage=identity["lineage"], window_kind=window_kind)
     if peak > ledger.budget_per_event * (1 + 1e-12):
-        return (f"positions {ranges} were released before (they would reach {peak:g} eps "
-                f"> {ledger.budget_per_event:g})")
+        return (
+            f"positions {ranges} were released before (they would reach {peak:g} eps "
+            f"> {ledger.budget_per_event:g})"
+        )
     return None
 
 
@@ -76,8 +77,8 @@ class SliceTask:
     def __init__(self, partition: int, window: int, start: int, size: int, make_state):
         self.partition = int(partition)
         self.window = int(window)
-        self.start = int(start)        # first offset of the open window
-        self.position = int(start)     # next offset to read
+        self.start = int(start)  # first offset of the open window
+        self.position = int(start)  # next offset to read
         self.size = int(size)
         self._make_state = make_state
         self.state = make_state()
@@ -128,9 +129,22 @@ class Counter:
         A :class:`~aggregator.service.group.ledger_topic.TopicLedger` reader (tailed here).
     """
 
-    def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *,
-                 member: str, grace_s: float = 2.0, first_window: int | None = None,
-                 snapshots_per_window: int = 0, snapshot_reader=None, rollups=None):
+    def __init__(
+        self,
+        consumer,
+        txn,
+        topics,
+        identity: dict,
+        ledger,
+        metrics,
+        *,
+        member: str,
+        grace_s: float = 2.0,
+        first_window: int | None = None,
+        snapshots_per_window: int = 0,
+        snapshot_reader=None,
+        rollups=None,
+    ):
         self.consumer, self.txn, self.topics = consumer, txn, topics
         #: partition -> when its first offset was last looked at (_check_deleted)
         self._low_checked: dict[int, float] = {}
@@ -167,15 +181,19 @@ class Counter:
             self.rollups.drop(partition)
         if task is not None:
             # the counters are only in memory: dropping them is all a handover needs
-            log.info("partition %d of %s moved away; its open window %d is replayed by its "
-                     "next owner", partition, self.topics.repartition, task.window)
+            log.info(
+                "partition %d of %s moved away; its open window %d is replayed by its next owner",
+                partition,
+                self.topics.repartition,
+                task.window,
+            )
             self.metrics.handovers.labels(event="released").inc()
         self.metrics.partitions_owned.set(len(self.tasks))
 
     def _sync(self) -> None:
         self._needs_sync = False
         owned = self.membership.sync()
-        if owned is None:   # between generations: nothing is counted or closed until synced
+        if owned is None:  # between generations: nothing is counted or closed until synced
             self._needs_sync = True
             return
         self.is_leader = self.membership.is_leader
@@ -197,38 +215,57 @@ class Counter:
                 meta = json.loads(committed.metadata or "{}")
                 window, start = int(meta.get("w", self.first_window)), int(committed.offset)
                 self.consumer.seek(tp, start)
-            task = SliceTask(p, window, start, slice_size(self.identity["size"], self.P, p),
-                             lambda p=p: self._new_state(p))
+            task = SliceTask(
+                p,
+                window,
+                start,
+                slice_size(self.identity["size"], self.P, p),
+                lambda p=p: self._new_state(p),
+            )
             if committed is not None and committed.offset is not None and committed.offset >= 0:
                 low = deleted_since(self.consumer, {tp: start}).get(tp)
                 if low is not None:
                     # retention deleted records of the open window before it closed: replayed
                     # without them it would release fewer events than its positions say
-                    task.lost = (f"records of partition {p} from offset {start} to {low} were "
-                                 "deleted by the repartition topic's retention before the window "
-                                 "closed (scale.repartition_retention_s)")
+                    task.lost = (
+                        f"records of partition {p} from offset {start} to {low} were "
+                        "deleted by the repartition topic's retention before the window "
+                        "closed (scale.repartition_retention_s)"
+                    )
                     task.deleted = (start, low)
             if committed is not None and "s" in meta:
                 # the window resumes from its layered snapshot, never from its start (a replay
                 # under fresh noise would be a second view of what the snapshot holds)
                 restore(task, meta, self.snapshot_reader, p)
             if self.rollups is not None:
-                self.rollups.restore(p)   # the sums as of the committed offset
+                self.rollups.restore(p)  # the sums as of the committed offset
             if self.event_time:
                 # where windows ended at the resume offset, and what is summarized already
                 # (none yet: the leader's first marker will say where they begin)
-                task.slice = EventSlice(closed=meta.get("k"), summarized=meta.get("c"),
-                                        make_state=task._make_state, late_policy=self.late_policy)
+                task.slice = EventSlice(
+                    closed=meta.get("k"),
+                    summarized=meta.get("c"),
+                    make_state=task._make_state,
+                    late_policy=self.late_policy,
+                )
             self.tasks[p] = task
             self.metrics.handovers.labels(event="acquired").inc()
-            log.info("counting partition %d of %s from offset %d (window %d)", p,
-                     self.topics.repartition, start, window)
+            log.info(
+                "counting partition %d of %s from offset %d (window %d)",
+                p,
+                self.topics.repartition,
+                start,
+                window,
+            )
         self.metrics.partitions_owned.set(len(self.tasks))
 
     def _new_state(self, partition: int) -> PanPrivateHistogram:
         ident = self.identity
-        return PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"],
-                                   size=slice_size(ident["size"], self.P, partition))
+        return PanPrivateHistogram(
+            ident["epsilon"],
+            neighbor=ident["neighbor"],
+            size=slice_size(ident["size"], self.P, partition),
+        )
 
     # -- counting ----------------------------------------------------------------------------
     def step(self, timeout_s: float = 0.2) -> int:
@@ -271,8 +308,11 @@ class Counter:
                         break  # the close failed: the partition is read again
                     task.position = rec.offset + 1
                     continue
-                wid = task.window if self.count else \
-                    int(math.floor(rec.timestamp / 1000.0 / self.size))
+                wid = (
+                    task.window
+                    if self.count
+                    else int(math.floor(rec.timestamp / 1000.0 / self.size))
+                )
                 while wid > task.window and self._close(task):
                     pass
                 if self.tasks.get(tp.partition) is not task:
@@ -294,9 +334,12 @@ class Counter:
             self.metrics.events.inc(counted)
         now = time.time()
         for task in list(self.tasks.values()):
-            while (task.slice is None and not self.count
-                   and now >= (task.window + 1) * self.size + self.grace_s
-                   and self._close(task)):
+            while (
+                task.slice is None
+                and not self.count
+                and now >= (task.window + 1) * self.size + self.grace_s
+                and self._close(task)
+            ):
                 pass
         return counted
 
@@ -313,28 +356,30 @@ class Counter:
                 # on to it, then start again from the partition's first offset
                 if "close" in head:
                     task.slice.open_at(int(head["close"]))
-                    self.consumer.seek(TopicPartition(self.topics.repartition, partition),
-                                       task.position)
+                    self.consumer.seek(
+                        TopicPartition(self.topics.repartition, partition), task.position
+                    )
                     break
                 continue
             if "close" in head:
                 upto = int(head["close"])
-                if task.slice.marker(upto) and \
-                        not self._close_event_time(task, rec.offset, upto):
-                    break     # the close failed: the partition is read again from its offsets
+                if task.slice.marker(upto) and not self._close_event_time(task, rec.offset, upto):
+                    break  # the close failed: the partition is read again from its offsets
                 task.position = rec.offset + 1
                 continue
-            if "lost" in head:   # source records deleted before the intake read them (intake)
-                task.slice.lose(rec.offset, int(head["from"]), int(head["through"]),
-                                head["lost"].decode())
+            if "lost" in head:  # source records deleted before the intake read them (intake)
+                task.slice.lose(
+                    rec.offset, int(head["from"]), int(head["through"]), head["lost"].decode()
+                )
                 task.position = rec.offset + 1
                 continue
             if "w" not in head:
                 task.position = rec.offset + 1
                 continue
             idx = np.frombuffer(rec.value, dtype="<i4").astype(np.int64)
-            n, late = task.slice.add(rec.offset, int(head["w"]), "late" in head, idx,
-                                     source=head.get("src"))
+            n, late = task.slice.add(
+                rec.offset, int(head["w"]), "late" in head, idx, source=head.get("src")
+            )
             counted += n
             rejected += late
             task.position = rec.offset + 1
@@ -357,24 +402,43 @@ class Counter:
             state = live.state if live is not None else task._make_state()
             start = live.first if live is not None else marker + 1
             ranges = {key: [start, marker + 1]}
-            info = {"kind": "event_time", "size": self.size,
-                    "events": int(live.events) if live else 0,
-                    "started_unix": w * self.size, "ended_unix": (w + 1) * self.size,
-                    "event_start_unix": w * self.size, "event_end_unix": (w + 1) * self.size,
-                    "late": int(live.late) if live else 0,
-                    "late_policy": self.late_policy,
-                    "allowed_lateness_s": float(self.identity.get("allowed_lateness_s", 0.0)),
-                    "start_offset": start, "end_offset": marker + 1}
+            info = {
+                "kind": "event_time",
+                "size": self.size,
+                "events": int(live.events) if live else 0,
+                "started_unix": w * self.size,
+                "ended_unix": (w + 1) * self.size,
+                "event_start_unix": w * self.size,
+                "event_end_unix": (w + 1) * self.size,
+                "late": int(live.late) if live else 0,
+                "late_policy": self.late_policy,
+                "allowed_lateness_s": float(self.identity.get("allowed_lateness_s", 0.0)),
+                "start_offset": start,
+                "end_offset": marker + 1,
+            }
             refused = (live.lost or self._refusal(w, ranges)) if live is not None else None
             view = [] if self.rollups is not None else None
             if refused:
-                summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
-                           "partitions": self.P, "refused": refused, "ranges": ranges,
-                           "member": self.member}
+                summary = {
+                    "format": "panagg.summary",
+                    "version": 1,
+                    "window": w,
+                    "partition": p,
+                    "partitions": self.P,
+                    "refused": refused,
+                    "ranges": ranges,
+                    "member": self.member,
+                }
             else:
-                summary = partition_summary(state, model=self.identity["model"], window=w,
-                                            partition=p, partitions=self.P, window_info=info,
-                                            view=view)
+                summary = partition_summary(
+                    state,
+                    model=self.identity["model"],
+                    window=w,
+                    partition=p,
+                    partitions=self.P,
+                    window_info=info,
+                    view=view,
+                )
                 summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
             summary["sources"] = sl.sources.get(w, {})
             out.append((w, summary))
@@ -382,25 +446,41 @@ class Counter:
                 # the same view into the rollup sums; applied at once so the next window of
                 # this close adds to it (an aborted close re-reads the sums: _abort, _sync)
                 msgs, apply = self.rollups.fold(
-                    p, w, view[0] if view else None, state=state, events=info["events"],
-                    member=self.member, times=(info["started_unix"], info["ended_unix"]))
+                    p,
+                    w,
+                    view[0] if view else None,
+                    state=state,
+                    events=info["events"],
+                    member=self.member,
+                    times=(info["started_unix"], info["ended_unix"]),
+                )
                 rolled += msgs
                 apply()
         resume, closed_there = sl.resume_point(upto, marker + 1)
         head = self.ledger.head()
-        meta = json.dumps({"w": upto + 1, "k": closed_there, "c": upto,
-                           "lh": f"{head['seq']}:{head['hash'][:16]}"}, separators=(",", ":"))
+        meta = json.dumps(
+            {
+                "w": upto + 1,
+                "k": closed_there,
+                "c": upto,
+                "lh": f"{head['seq']}:{head['hash'][:16]}",
+            },
+            separators=(",", ":"),
+        )
         txn = self.txn
         try:
             txn.begin()
             for w, summary in out:
-                txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
-                         value=json.dumps(summary, allow_nan=False).encode())
+                txn.send(
+                    self.topics.summaries,
+                    partition=0,
+                    key=f"{w}/{p}".encode(),
+                    value=json.dumps(summary, allow_nan=False).encode(),
+                )
             for topic, part, rkey, value in rolled:
                 txn.send(topic, partition=part, key=rkey, value=value)
             tp = TopicPartition(self.topics.repartition, p)
-            txn.send_offsets({tp: OffsetAndMetadata(resume, meta, -1)},
-                             self.membership.generation)
+            txn.send_offsets({tp: OffsetAndMetadata(resume, meta, -1)}, self.membership.generation)
             txn.commit()
         except Exception as exc:
             self._abort(task, exc)
@@ -423,16 +503,32 @@ class Counter:
         t0 = time.perf_counter()
         message = take_snapshot(task)
         head = self.ledger.head()
-        meta = json.dumps({"w": task.window, "s": task.snapshots, "st": task.start,
-                           "lh": f"{head['seq']}:{head['hash'][:16]}"}, separators=(",", ":"))
+        meta = json.dumps(
+            {
+                "w": task.window,
+                "s": task.snapshots,
+                "st": task.start,
+                "lh": f"{head['seq']}:{head['hash'][:16]}",
+            },
+            separators=(",", ":"),
+        )
         txn = self.txn
         try:
             txn.begin()
-            txn.send(self.topics.snapshots, partition=task.partition,
-                     key=str(task.partition).encode(), value=message)
-            txn.send_offsets({TopicPartition(self.topics.repartition, task.partition):
-                              OffsetAndMetadata(task.position, meta, -1)},
-                             self.membership.generation)
+            txn.send(
+                self.topics.snapshots,
+                partition=task.partition,
+                key=str(task.partition).encode(),
+                value=message,
+            )
+            txn.send_offsets(
+                {
+                    TopicPartition(self.topics.repartition, task.partition): OffsetAndMetadata(
+                        task.position, meta, -1
+                    )
+                },
+                self.membership.generation,
+            )
             txn.commit()
         except Exception as exc:
             self._abort(task, exc)
@@ -446,10 +542,18 @@ class Counter:
         window's close."""
 
         snapshot = layered_look(task.state)
-        value = msgpack.packb({"id": export_id, "partition": task.partition,
-                               "partitions": self.P, "window": task.window,
-                               "range": [task.start, task.position], "member": self.member,
-                               "state": snapshot}, use_bin_type=True)
+        value = msgpack.packb(
+            {
+                "id": export_id,
+                "partition": task.partition,
+                "partitions": self.P,
+                "window": task.window,
+                "range": [task.start, task.position],
+                "member": self.member,
+                "state": snapshot,
+            },
+            use_bin_type=True,
+        )
         return [(self.topics.exports, f"slice/{export_id}/{task.partition}".encode(), value)]
 
     def _check_deleted(self, task: SliceTask, tp, jump: int) -> None:
@@ -480,10 +584,15 @@ class Counter:
         low = deleted_since(self.consumer, {tp: since}).get(tp)
         if low is not None and (task.deleted is None or task.deleted[1] <= since):
             task.deleted = (since, int(low))
-            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
-                        "its retention before they were counted (scale."
-                        "repartition_retention_s); the windows they fall in are withheld",
-                        task.partition, self.topics.repartition, since, low)
+            log.warning(
+                "records of partition %d of %s from offset %d to %d were deleted by "
+                "its retention before they were counted (scale."
+                "repartition_retention_s); the windows they fall in are withheld",
+                task.partition,
+                self.topics.repartition,
+                since,
+                low,
+            )
 
     def _deleted_reason(self, task: SliceTask, end: int) -> str | None:
         """Why the window of ``task`` (its range ending at ``end``) is withheld if it may
@@ -491,10 +600,12 @@ class Counter:
         if task.deleted is None or task.start >= task.deleted[1]:
             return None
         first, last = max(task.start, task.deleted[0]), task.deleted[1]
-        return (f"records of partition {task.partition} from offset {first} to {last} were "
-                "deleted by the repartition topic's retention before they were counted "
-                f"(scale.repartition_retention_s); window range [{task.start}, {end}) "
-                "cannot be released whole")
+        return (
+            f"records of partition {task.partition} from offset {first} to {last} were "
+            "deleted by the repartition topic's retention before they were counted "
+            f"(scale.repartition_retention_s); window range [{task.start}, {end}) "
+            "cannot be released whole"
+        )
 
     def _close(self, task: SliceTask, extra: list | None = None) -> bool:
         """Write task's window summary and its partition's next start in one transaction
@@ -511,44 +622,74 @@ class Counter:
             self._note_deleted(task, TopicPartition(self.topics.repartition, p), since)
         ranges = {key: [task.start, end]}
         refused = task.lost or self._deleted_reason(task, end) or self._refusal(w, ranges)
-        if self.count:   # a count window's times are when this partition opened and closed it
+        if self.count:  # a count window's times are when this partition opened and closed it
             times = task.opened_unix, time.time()
         else:
             times = w * self.size, (w + 1) * self.size
-        info = {"kind": self.window_kind, "size": self.size, "events": int(task.events),
-                "started_unix": times[0], "ended_unix": times[1],
-                "start_offset": task.start, "end_offset": end}
+        info = {
+            "kind": self.window_kind,
+            "size": self.size,
+            "events": int(task.events),
+            "started_unix": times[0],
+            "ended_unix": times[1],
+            "start_offset": task.start,
+            "end_offset": end,
+        }
         view = [] if self.rollups is not None else None
         if refused:
-            extra = None   # a replay of charged positions: no export of it either
-            summary = {"format": "panagg.summary", "version": 1, "window": w, "partition": p,
-                       "partitions": self.P, "refused": refused, "ranges": ranges,
-                       "member": self.member}
+            extra = None  # a replay of charged positions: no export of it either
+            summary = {
+                "format": "panagg.summary",
+                "version": 1,
+                "window": w,
+                "partition": p,
+                "partitions": self.P,
+                "refused": refused,
+                "ranges": ranges,
+                "member": self.member,
+            }
             if refused == task.lost and task.deleted is None:
                 # a lost snapshot was a view of the window's events: its positions are charged
                 # (the leader's _withhold), never released, never counted again
                 summary["charge"] = True
         else:
-            summary = partition_summary(task.state, model=self.identity["model"], window=w,
-                                        partition=p, partitions=self.P, window_info=info,
-                                        view=view)
+            summary = partition_summary(
+                task.state,
+                model=self.identity["model"],
+                window=w,
+                partition=p,
+                partitions=self.P,
+                window_info=info,
+                view=view,
+            )
             summary.update(ranges=ranges, member=self.member, uid=uuid.uuid4().hex)
         summary["sources"] = task.sources
         rolled, rolled_in = [], None
-        if self.rollups is not None:   # the same view into the rollup sums (rollups.py)
-            rolled, rolled_in = self.rollups.fold(p, w, view[0] if view else None,
-                                                  state=task.state, events=task.events,
-                                                  member=self.member, times=times)
+        if self.rollups is not None:  # the same view into the rollup sums (rollups.py)
+            rolled, rolled_in = self.rollups.fold(
+                p,
+                w,
+                view[0] if view else None,
+                state=task.state,
+                events=task.events,
+                member=self.member,
+                times=times,
+            )
         head = self.ledger.head()
         # the ledger's head rides with the offsets: a start that finds the ledger topic deleted
         # or rolled back behind it refuses (the charges it held would be forgotten)
-        meta = json.dumps({"w": w + 1, "lh": f"{head['seq']}:{head['hash'][:16]}"},
-                          separators=(",", ":"))
+        meta = json.dumps(
+            {"w": w + 1, "lh": f"{head['seq']}:{head['hash'][:16]}"}, separators=(",", ":")
+        )
         txn = self.txn
         try:
             txn.begin()
-            txn.send(self.topics.summaries, partition=0, key=f"{w}/{p}".encode(),
-                     value=json.dumps(summary, allow_nan=False).encode())
+            txn.send(
+                self.topics.summaries,
+                partition=0,
+                key=f"{w}/{p}".encode(),
+                value=json.dumps(summary, allow_nan=False).encode(),
+            )
             for topic, key, value in extra or ():
                 txn.send(topic, partition=0, key=key, value=value)
             for topic, part, key, value in rolled:
@@ -587,8 +728,13 @@ class Counter:
     def _abort(self, task: SliceTask, exc: Exception) -> None:
         """The group moved the partition (we are fenced) or the broker is gone: the summary is
         not written; drop the window, the partition's owner replays it from its offsets."""
-        log.warning("summary of window %d, partition %d not written (%s); the window is "
-                    "replayed from its start", task.window, task.partition, type(exc).__name__)
+        log.warning(
+            "summary of window %d, partition %d not written (%s); the window is "
+            "replayed from its start",
+            task.window,
+            task.partition,
+            type(exc).__name__,
+        )
         self.txn.failed(exc)
         self.tasks.pop(task.partition, None)
         self._needs_sync = True

@@ -23,8 +23,11 @@ def deleted_since(consumer, since: dict) -> dict:
     if not since:
         return {}
     lows = consumer.beginning_offsets(list(since))
-    return {tp: int(lows[tp]) for tp in sorted(since)
-            if lows.get(tp) is not None and int(lows[tp]) > since[tp]}
+    return {
+        tp: int(lows[tp])
+        for tp in sorted(since)
+        if lows.get(tp) is not None and int(lows[tp]) > since[tp]
+    }
 
 
 def lost_through(now_ms: int, *, size_ms: int, skew_ms: int) -> int:

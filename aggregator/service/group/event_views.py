@@ -65,8 +65,15 @@ import numpy as np
 from .deleted import lost_through
 from .watermark import MarkRecord, closable_upto, low_watermark, stamp, too_far_ahead
 
-__all__ = ["PartitionClock", "Decisions", "GroupMarks", "skipped_parts", "commit_meta",
-           "lost_through", "window_info"]
+__all__ = [
+    "PartitionClock",
+    "Decisions",
+    "GroupMarks",
+    "skipped_parts",
+    "commit_meta",
+    "lost_through",
+    "window_info",
+]
 
 
 @dataclass
@@ -86,8 +93,9 @@ class PartitionClock:
     (``closed``), below which offset a replay passes over decided records (``skip_until``),
     the next offset to read (``position``) and since when it is read to its end."""
 
-    def __init__(self, *, start: int, passed_ms: int | None, closed: int | None,
-                 skip_until: int | None):
+    def __init__(
+        self, *, start: int, passed_ms: int | None, closed: int | None, skip_until: int | None
+    ):
         self.position = int(start)
         self.passed_ms = None if passed_ms is None else int(passed_ms)
         self.closed = None if closed is None else int(closed)
@@ -101,23 +109,28 @@ class PartitionClock:
 
     @classmethod
     def from_commit(cls, offset: int, meta: dict) -> "PartitionClock":
-        clock = cls(start=offset, passed_ms=meta.get("pm"), closed=meta.get("k"),
-                    skip_until=meta.get("s"))
+        clock = cls(
+            start=offset, passed_ms=meta.get("pm"), closed=meta.get("k"), skip_until=meta.get("s")
+        )
         clock.dead_until = max(int(meta.get("d", 0)), clock.skip_until or 0) or None
         if meta.get("l"):
             first, end, through = (int(x) for x in meta["l"])
             clock.lost = (first, end, through)
         return clock
 
-    def assign(self, offsets: np.ndarray, ts: np.ndarray, *, size_ms: int,
-               lateness_ms: int) -> Decisions:
+    def assign(
+        self, offsets: np.ndarray, ts: np.ndarray, *, size_ms: int, lateness_ms: int
+    ) -> Decisions:
         """The decisions for the good records at ``offsets`` stamped ``ts`` (in order); moves
         ``passed`` on."""
         offsets = np.asarray(offsets, dtype=np.int64)
         ts = np.asarray(ts, dtype=np.int64)
         prior = -1 if self.passed_ms is None else self.passed_ms
-        before = np.maximum.accumulate(np.concatenate(([prior], ts[:-1]))) if len(ts) \
+        before = (
+            np.maximum.accumulate(np.concatenate(([prior], ts[:-1])))
+            if len(ts)
             else np.zeros(0, np.int64)
+        )
         window, late, passed = stamp(ts, self.passed_ms, size_ms=size_ms, lateness_ms=lateness_ms)
         self.passed_ms = passed
         skip = np.zeros(len(ts), dtype=bool)
@@ -135,10 +148,18 @@ class PartitionClock:
         return MarkRecord(self.passed_ms, self.idle_since_ms)
 
 
-def commit_meta(*, closed: int | None, position: int, offset: int, passed_ms: int | None,
-                skip_until: int | None, ledger_head: str, closing: bool = True,
-                dead_until: int | None = None,
-                lost: tuple[int, int, int] | None = None) -> dict:
+def commit_meta(
+    *,
+    closed: int | None,
+    position: int,
+    offset: int,
+    passed_ms: int | None,
+    skip_until: int | None,
+    ledger_head: str,
+    closing: bool = True,
+    dead_until: int | None = None,
+    lost: tuple[int, int, int] | None = None,
+) -> dict:
     """The offset metadata of a partition committed at ``offset``, read to ``position``, the
     last window closed on it ``closed`` (None: none yet). ``closing``: window ``closed`` closes
     in this commit, so every record read so far of a window up to it is decided (``s``); else
@@ -179,31 +200,35 @@ class GroupMarks:
         if not key or not key.startswith(self.prefix):
             return False
         if value is not None:
-            self.reported[key[len(self.prefix):].decode()] = MarkRecord.decode(value)
+            self.reported[key[len(self.prefix) :].decode()] = MarkRecord.decode(value)
         return True
 
     def low(self, own: dict[int, MarkRecord], now_ms: int) -> int | None:
         """The group's low watermark (ms; None while a partition that counts has none)."""
         marks = dict(self.reported)
         marks.update({f"{self.source_topic}:{p}": m for p, m in own.items()})
-        return low_watermark(marks, self.sources, now_ms=now_ms,
-                             idle_timeout_ms=self.clock.idle_timeout_ms)
+        return low_watermark(
+            marks, self.sources, now_ms=now_ms, idle_timeout_ms=self.clock.idle_timeout_ms
+        )
 
     def closable(self, own: dict[int, MarkRecord], now_ms: int) -> int | None:
         """The last window every source partition has passed (idle ones left out)."""
-        return closable_upto(self.low(own, now_ms), size_ms=self.clock.size_ms,
-                             lateness_ms=self.clock.lateness_ms)
+        return closable_upto(
+            self.low(own, now_ms), size_ms=self.clock.size_ms, lateness_ms=self.clock.lateness_ms
+        )
 
     def ahead(self, own: dict[int, MarkRecord], now_ms: int) -> set[int]:
         """This member's partitions more than MAX_AHEAD_WINDOWS windows past the group's low
         watermark: paused until it follows (each open window holds a state of D counters)."""
         low = self.low(own, now_ms)
-        return {p for p, m in own.items()
-                if too_far_ahead(m.passed_ms, low, size_ms=self.clock.size_ms)}
+        return {
+            p for p, m in own.items() if too_far_ahead(m.passed_ms, low, size_ms=self.clock.size_ms)
+        }
 
 
-def skipped_parts(w: int, pending: dict[int, dict[int, dict]], partitions: int,
-                  empty) -> dict[int, dict]:
+def skipped_parts(
+    w: int, pending: dict[int, dict[int, dict]], partitions: int, empty
+) -> dict[int, dict]:
     """Window ``w``'s parts from ``pending`` (window -> partition -> view), with an empty part
     (``empty(w, p)``) for each partition whose next view is of a later window and says the
     windows up to it were empty there (its ``after`` is before ``w``).
@@ -230,11 +255,18 @@ def skipped_parts(w: int, pending: dict[int, dict[int, dict]], partitions: int,
 def window_info(w: int, identity: dict, *, events: int = 0, late: int = 0) -> dict:
     """The ``window_info`` of a member's part of event-time window ``w``."""
     size = float(identity["window_size"])
-    return {"kind": "event_time", "size": size, "events": int(events),
-            "started_unix": w * size, "ended_unix": (w + 1) * size,
-            "event_start_unix": w * size, "event_end_unix": (w + 1) * size, "late": int(late),
-            "late_policy": identity.get("late", "next"),
-            "allowed_lateness_s": float(identity.get("allowed_lateness_s", 0.0))}
+    return {
+        "kind": "event_time",
+        "size": size,
+        "events": int(events),
+        "started_unix": w * size,
+        "ended_unix": (w + 1) * size,
+        "event_start_unix": w * size,
+        "event_end_unix": (w + 1) * size,
+        "late": int(late),
+        "late_policy": identity.get("late", "next"),
+        "allowed_lateness_s": float(identity.get("allowed_lateness_s", 0.0)),
+    }
 
 
 def encode_meta(meta: dict) -> str:

@@ -48,8 +48,9 @@ class EventSlice:
     the last window whose summary is committed; ``make_state()`` a fresh noisy state.
     """
 
-    def __init__(self, *, closed: int | None, summarized: int | None, make_state,
-                 late_policy: str = "next"):
+    def __init__(
+        self, *, closed: int | None, summarized: int | None, make_state, late_policy: str = "next"
+    ):
         #: None until the leader's first marker says where the windows begin
         self.closed = None if closed is None else int(closed)
         self.summarized = None if summarized is None else int(summarized)
@@ -67,8 +68,9 @@ class EventSlice:
             return self.closed + 1, True
         return int(window), bool(late)
 
-    def add(self, offset: int, window: int, late: bool, indices,
-            source: bytes | None = None) -> tuple[int, int]:
+    def add(
+        self, offset: int, window: int, late: bool, indices, source: bytes | None = None
+    ) -> tuple[int, int]:
         """Count the message at ``offset``. Returns ``(counted, rejected_late)``: the events
         counted now (0 for windows already summarized: a replay passes over them) and the late
         events rejected (``dead_letter``)."""

@@ -78,10 +78,14 @@ class ExportCollector:
                     eid, _, p = rest.rpartition("/")
                     if eid not in self.done:
                         self.slices.setdefault(eid, {})[int(p)] = msgpack.unpackb(
-                            rec.value, raw=False)
+                            rec.value, raw=False
+                        )
 
     def complete(self) -> list[tuple[str, list[dict]]]:
         """Exports whose P slices are all in, each with its slices in partition order."""
         self.poll()
-        return [(eid, [have[p] for p in range(self.P)]) for eid, have in self.slices.items()
-                if len(have) == self.P]
+        return [
+            (eid, [have[p] for p in range(self.P)])
+            for eid, have in self.slices.items()
+            if len(have) == self.P
+        ]

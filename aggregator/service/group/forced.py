@@ -36,8 +36,17 @@ import uuid
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-__all__ = ["ReleaseRequests", "request_release", "request_export", "ForcedReleaseError",
-           "REQUEST", "DONE", "EXPORT", "EXPORTED", "close_key"]
+__all__ = [
+    "ReleaseRequests",
+    "request_release",
+    "request_export",
+    "ForcedReleaseError",
+    "REQUEST",
+    "DONE",
+    "EXPORT",
+    "EXPORTED",
+    "close_key",
+]
 
 log = logging.getLogger("panagg.group")
 
@@ -70,12 +79,18 @@ class ReleaseRequests:
         consumer.assign([self._tp])
         consumer.seek_to_beginning(self._tp)
         rp = topics.repartition
-        self._keys = {f"{REQUEST}{rp}".encode(): ("release", "asked"),
-                      f"{DONE}{rp}".encode(): ("release", "answered"),
-                      f"{EXPORT}{rp}".encode(): ("export", "asked"),
-                      f"{EXPORTED}{rp}".encode(): ("export", "answered")}
-        self.ids = {("release", "asked"): None, ("release", "answered"): None,
-                    ("export", "asked"): None, ("export", "answered"): None}
+        self._keys = {
+            f"{REQUEST}{rp}".encode(): ("release", "asked"),
+            f"{DONE}{rp}".encode(): ("release", "answered"),
+            f"{EXPORT}{rp}".encode(): ("export", "asked"),
+            f"{EXPORTED}{rp}".encode(): ("export", "answered"),
+        }
+        self.ids = {
+            ("release", "asked"): None,
+            ("release", "answered"): None,
+            ("export", "asked"): None,
+            ("export", "answered"): None,
+        }
         #: the latest export answered: (its id, the window it closed) (a views group's leader
         #: signs it from that window's views: leader.py)
         self.exported: tuple[str, int] | None = None
@@ -97,8 +112,11 @@ class ReleaseRequests:
                     body = json.loads(rec.value)
                     self.ids[what] = str(body["id"])
                     if what == ("export", "answered"):
-                        self.exported = (str(body["id"]), int(body["window"])) \
-                            if body.get("window") is not None else None
+                        self.exported = (
+                            (str(body["id"]), int(body["window"]))
+                            if body.get("window") is not None
+                            else None
+                        )
 
     def export_of(self, window: int) -> str | None:
         """The id of the export answered with ``window`` (None: none)."""
@@ -116,8 +134,9 @@ class ReleaseRequests:
                 return kind, asked
         return None
 
-    def answer(self, txn, kind: str, request_id: str, window: int | None, partitions: int,
-               error: str = "") -> None:
+    def answer(
+        self, txn, kind: str, request_id: str, window: int | None, partitions: int, error: str = ""
+    ) -> None:
         """Markers closing windows up to ``window`` into every repartition partition (with the
         export's id for an export), and the answer, in one transaction (begun and committed
         here). With ``error`` only the answer (nothing closes)."""
@@ -138,21 +157,33 @@ class ReleaseRequests:
         the intake topic, which every member follows; with the answer, in one transaction. An
         export is then signed by the leader from window K's views (leader.py)."""
         txn.begin()
-        txn.send(self.topics.intake, partition=0, key=close_key(self.topics),
-                 value=json.dumps({"upto": int(window), "id": request_id}).encode())
+        txn.send(
+            self.topics.intake,
+            partition=0,
+            key=close_key(self.topics),
+            value=json.dumps({"upto": int(window), "id": request_id}).encode(),
+        )
         self.send_answer(txn, kind, request_id, window)
         txn.commit()
         self.answered(kind, request_id)
 
-    def send_answer(self, txn, kind: str, request_id: str, window: int | None,
-                    error: str = "") -> None:
+    def send_answer(
+        self, txn, kind: str, request_id: str, window: int | None, error: str = ""
+    ) -> None:
         """The answer alone, in ``txn``'s open transaction (an event-time group's closer writes
         the markers: closer.py)."""
         done = DONE if kind == "release" else EXPORTED
-        body = {"id": request_id, "window": window} if not error else \
-            {"id": request_id, "error": error}
-        txn.send(self.topics.intake, partition=0, key=f"{done}{self.topics.repartition}".encode(),
-                 value=json.dumps(body).encode())
+        body = (
+            {"id": request_id, "window": window}
+            if not error
+            else {"id": request_id, "error": error}
+        )
+        txn.send(
+            self.topics.intake,
+            partition=0,
+            key=f"{done}{self.topics.repartition}".encode(),
+            value=json.dumps(body).encode(),
+        )
 
     def answered(self, kind: str, request_id: str) -> None:
         self.ids[(kind, "answered")] = request_id
@@ -167,35 +198,63 @@ def forced_window(size: float, next_undecided: int, now: float | None = None) ->
 def _ask(bootstrap: str, security: dict, topics, key: str, rid: str) -> None:
     producer = KafkaProducer(bootstrap_servers=bootstrap, **security)
     try:
-        producer.send(topics.intake, partition=0, key=f"{key}{topics.repartition}".encode(),
-                      value=json.dumps({"id": rid, "requested_unix": time.time()}).encode())
+        producer.send(
+            topics.intake,
+            partition=0,
+            key=f"{key}{topics.repartition}".encode(),
+            value=json.dumps({"id": rid, "requested_unix": time.time()}).encode(),
+        )
         producer.flush(timeout=30)
     finally:
         producer.close(timeout=5)
 
 
-def _answer(consumer, topics, key: str, rid: str, deadline: float, bootstrap: str,
-            timeout_s: float) -> dict:
-    got = _scan(consumer, TopicPartition(topics.intake, 0), deadline,
-                lambda rec: rec.key == f"{key}{topics.repartition}".encode()
-                and rec.value is not None and json.loads(rec.value).get("id") == rid,
-                lambda rec: json.loads(rec.value))
+def _answer(
+    consumer, topics, key: str, rid: str, deadline: float, bootstrap: str, timeout_s: float
+) -> dict:
+    got = _scan(
+        consumer,
+        TopicPartition(topics.intake, 0),
+        deadline,
+        lambda rec: (
+            rec.key == f"{key}{topics.repartition}".encode()
+            and rec.value is not None
+            and json.loads(rec.value).get("id") == rid
+        ),
+        lambda rec: json.loads(rec.value),
+    )
     if got is None:
         raise ForcedReleaseError(
             f"no leader of {topics.prefix} answered within {timeout_s:g} s: is the group "
-            f"running? (panagg status --group {topics.group} --bootstrap {bootstrap})")
+            f"running? (panagg status --group {topics.group} --bootstrap {bootstrap})"
+        )
     if got.get("error"):
         raise ForcedReleaseError(got["error"])
     return got
 
 
 def _consumer(bootstrap: str, security: dict):
-    return KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                         isolation_level="read_committed", **security)
+    return KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        **security,
+    )
 
 
-def _request(bootstrap: str, security: dict, topics, ask: str, answer: str, *, timeout_s: float,
-             topic: str, match, value) -> tuple[int, str, object]:
+def _request(
+    bootstrap: str,
+    security: dict,
+    topics,
+    ask: str,
+    answer: str,
+    *,
+    timeout_s: float,
+    topic: str,
+    match,
+    value,
+) -> tuple[int, str, object]:
     """Ask with key ``ask``, wait for the leader's ``answer`` (its window), then for the record
     of ``topic`` that ``match``es it (its ``value``, or None when the wait ended first)."""
 
@@ -204,10 +263,16 @@ def _request(bootstrap: str, security: dict, topics, ask: str, answer: str, *, t
     consumer = _consumer(bootstrap, security)
     try:
         deadline = time.monotonic() + timeout_s
-        window = int(_answer(consumer, topics, answer, rid, deadline, bootstrap,
-                             timeout_s)["window"])
-        found = _scan(consumer, TopicPartition(topic, 0), deadline,
-                      lambda rec: rec.value is not None and match(rec, rid, window), value)
+        window = int(
+            _answer(consumer, topics, answer, rid, deadline, bootstrap, timeout_s)["window"]
+        )
+        found = _scan(
+            consumer,
+            TopicPartition(topic, 0),
+            deadline,
+            lambda rec: rec.value is not None and match(rec, rid, window),
+            value,
+        )
         return window, rid, found
     finally:
         consumer.close()
@@ -217,25 +282,40 @@ def request_release(bootstrap: str, security: dict, topics, *, timeout_s: float 
     """Ask the leader of ``topics``' aggregation to close its window now; wait for the release.
     Returns ``{"window": K, "release": document or None}`` (None: K closed, its release not in
     yet when the wait ended)."""
-    window, _, doc = _request(bootstrap, security, topics, REQUEST, DONE, timeout_s=timeout_s,
-                              topic=topics.releases,
-                              match=lambda rec, rid, w: rec.key == str(w).encode(),
-                              value=lambda rec: json.loads(rec.value))
+    window, _, doc = _request(
+        bootstrap,
+        security,
+        topics,
+        REQUEST,
+        DONE,
+        timeout_s=timeout_s,
+        topic=topics.releases,
+        match=lambda rec, rid, w: rec.key == str(w).encode(),
+        value=lambda rec: json.loads(rec.value),
+    )
     return {"window": window, "release": doc}
 
 
 def request_export(bootstrap: str, security: dict, topics, *, timeout_s: float = 60.0) -> dict:
     """Ask the leader for an audit export of the live state (export.py); wait for the signed
     document. Returns ``{"id", "window", "document": bytes}``."""
-    window, rid, doc = _request(bootstrap, security, topics, EXPORT, EXPORTED,
-                                timeout_s=timeout_s, topic=topics.exports,
-                                match=lambda rec, rid, w: rec.key == f"doc/{rid}".encode(),
-                                value=lambda rec: rec.value)
+    window, rid, doc = _request(
+        bootstrap,
+        security,
+        topics,
+        EXPORT,
+        EXPORTED,
+        timeout_s=timeout_s,
+        topic=topics.exports,
+        match=lambda rec, rid, w: rec.key == f"doc/{rid}".encode(),
+        value=lambda rec: rec.value,
+    )
     if doc is None:
         raise ForcedReleaseError(
             f"the export's window {window} closed, but its document was not in "
             f"{topics.exports} within {timeout_s:g} s (the leader waits for every partition: "
-            f"panagg status --group {topics.group} --bootstrap {bootstrap})")
+            f"panagg status --group {topics.group} --bootstrap {bootstrap})"
+        )
     return {"id": rid, "window": window, "document": doc}
 
 

@@ -88,18 +88,37 @@ class Leader:
         to merge in the loop.
     """
 
-    def __init__(self, txn, ledger, summaries, topics, identity: dict, metrics, *,
-                 release_dir: str, release_topic: str = "", loss: str = "l1",
-                 error_bar_reps: int = 10, method: str | None = None, merge=None,
-                 grace_s: float = 2.0, aggregation: str = "", rollup_level: dict | None = None,
-                 requests=None, exports=None, audit_key_file: str = "", audit_dir: str = "",
-                 closer=None, max_in_flight: int = 2, merge_fn=merge_summaries,
-                 source_topic: str = ""):
+    def __init__(
+        self,
+        txn,
+        ledger,
+        summaries,
+        topics,
+        identity: dict,
+        metrics,
+        *,
+        release_dir: str,
+        release_topic: str = "",
+        loss: str = "l1",
+        error_bar_reps: int = 10,
+        method: str | None = None,
+        merge=None,
+        grace_s: float = 2.0,
+        aggregation: str = "",
+        rollup_level: dict | None = None,
+        requests=None,
+        exports=None,
+        audit_key_file: str = "",
+        audit_dir: str = "",
+        closer=None,
+        max_in_flight: int = 2,
+        merge_fn=merge_summaries,
+        source_topic: str = "",
+    ):
         self.txn, self.ledger, self.topics = txn, ledger, topics
         self.identity, self.metrics = identity, metrics
         self.release_dir, self.release_topic = release_dir, release_topic
-        self.merge_kwargs = {"loss": loss, "error_bar_reps": int(error_bar_reps),
-                             "method": method}
+        self.merge_kwargs = {"loss": loss, "error_bar_reps": int(error_bar_reps), "method": method}
         self.merge = merge
         #: the merge in the loop (no release worker): merge_summaries, or view_format.merge_views
         self.merge_fn = merge_fn
@@ -107,8 +126,7 @@ class Leader:
         #: sent as chunk messages before its header (views.py)
         self.views = identity.get("exchange") == "views"
         #: the topic whose partitions the summaries cover (views: the source's)
-        self.counted_topic = source_topic if self.views and source_topic else \
-            topics.repartition
+        self.counted_topic = source_topic if self.views and source_topic else topics.repartition
         self._chunks: dict[str, dict[int, bytes]] = {}
         #: the cluster's budget registry (views: the ledger's ranges are source positions;
         #: items: the entries' ``sources``; state_store/registry.py), set by the pipeline
@@ -143,7 +161,7 @@ class Leader:
         summaries.assign([self._tp])
         summaries.seek_to_beginning(self._tp)
         self.pending: dict[int, dict[int, dict]] = {}
-        self._in_flight = None     # (window, future)
+        self._in_flight = None  # (window, future)
         self._noticed: set[int] = set()
         #: partition -> the member whose summary of it was read last (named when one is late)
         self.last_member: dict[int, str] = {}
@@ -162,8 +180,11 @@ class Leader:
 
     # -- which windows are decided -----------------------------------------------------------
     def decided(self) -> set[int]:
-        return {int(e["window"]) for e in self.ledger.entries
-                if e["kind"] in ("release", "refused") and e.get("window") is not None}
+        return {
+            int(e["window"])
+            for e in self.ledger.entries
+            if e["kind"] in ("release", "refused") and e.get("window") is not None
+        }
 
     def next_window(self) -> int:
         done = self.decided() | self._skipped
@@ -219,8 +240,7 @@ class Leader:
             except ValueError as exc:
                 # summaries that do not make one window (they disagree, or a partition is
                 # missing or twice): charged, never published, and the member keeps running
-                self._withhold(w, self.pending.get(w, {}), f"its summaries cannot be merged: "
-                               f"{exc}")
+                self._withhold(w, self.pending.get(w, {}), f"its summaries cannot be merged: {exc}")
                 return
             self._publish(w, release)
         w = self.next_window()
@@ -239,8 +259,11 @@ class Leader:
         self.metrics.summaries_overdue.set(0)
         if self.views and self.requests is not None:
             eid = self.requests.export_of(w)
-            if eid is not None and eid not in self.exports.done and \
-                    not self.ledger.has(f"export-{eid}"):
+            if (
+                eid is not None
+                and eid not in self.exports.done
+                and not self.ledger.has(f"export-{eid}")
+            ):
                 self._export_views(eid, w, have)
         if self.by_marker and not any(s.get("refused") or s.get("n") for s in have.values()):
             self._skip_empty(w, have)
@@ -267,10 +290,16 @@ class Leader:
         """Partition ``p``'s part of event-time window ``w`` where its member's next view says
         it had no event of it (no counters, no layer: event_views.py)."""
 
-        head = view_header(None, window=w, covers=[p], partitions=self.P,
-                           window_info=window_info(w, self.identity),
-                           mode=self.identity["mode"], size=int(self.identity["size"]),
-                           params=state_params(self.identity))
+        head = view_header(
+            None,
+            window=w,
+            covers=[p],
+            partitions=self.P,
+            window_info=window_info(w, self.identity),
+            mode=self.identity["mode"],
+            size=int(self.identity["size"]),
+            params=state_params(self.identity),
+        )
         head.update(ranges={}, member="", skipped=True)
         return head
 
@@ -285,15 +314,20 @@ class Leader:
         s["_chunks"] = [got[k] for k in sorted(got)]
         w = int(s["window"])
         held = self.pending.get(w, {})
-        twice = sorted(int(p) for p in s["covers"]
-                       if int(p) in held and held[int(p)].get("uid") != s.get("uid"))
+        twice = sorted(
+            int(p)
+            for p in s["covers"]
+            if int(p) in held and held[int(p)].get("uid") != s.get("uid")
+        )
         if twice:
             # two committed views of one partition's window: never expected (each commit names
             # the generation its partitions were assigned in); both were written, so the window
             # is charged and withheld, never merged from one of them
-            self._twice[w] = (f"partition(s) {', '.join(map(str, twice))} of window {w} were "
-                              f"viewed twice (by {held[twice[0]].get('member', '?')} and "
-                              f"{s.get('member', '?')})")
+            self._twice[w] = (
+                f"partition(s) {', '.join(map(str, twice))} of window {w} were "
+                f"viewed twice (by {held[twice[0]].get('member', '?')} and "
+                f"{s.get('member', '?')})"
+            )
         for p in s["covers"]:
             self.last_member[int(p)] = str(s.get("member", "?"))
             self.pending.setdefault(w, {})[int(p)] = s
@@ -310,8 +344,7 @@ class Leader:
         paused (the queue lives in Kafka, not in memory)."""
         now = time.time()
         nxt = self.next_window()
-        complete = sorted(k for k, have in self.pending.items()
-                          if k >= nxt and len(have) >= self.P)
+        complete = sorted(k for k, have in self.pending.items() if k >= nxt and len(have) >= self.P)
         for k in complete:
             self._complete_at.setdefault(k, now)
         for k in [k for k in self._complete_at if k < nxt]:
@@ -321,11 +354,15 @@ class Leader:
         waited = now - self._complete_at[complete[0]] if complete else 0.0
         bound = None if self.count else (self.max_in_flight + 1) * self.size
         if len(complete) > self.max_in_flight:
-            reason = (f"the leader is behind: {len(complete)} complete windows wait for their "
-                      f"release (release.max_in_flight = {self.max_in_flight})")
+            reason = (
+                f"the leader is behind: {len(complete)} complete windows wait for their "
+                f"release (release.max_in_flight = {self.max_in_flight})"
+            )
         elif bound is not None and waited > bound:
-            reason = (f"the leader is behind: window {complete[0]} has waited {waited:.0f} s "
-                      f"for its release (more than release.max_in_flight + 1 windows)")
+            reason = (
+                f"the leader is behind: window {complete[0]} has waited {waited:.0f} s "
+                f"for its release (more than release.max_in_flight + 1 windows)"
+            )
         elif self.behind and len(complete) > max(1, self.max_in_flight // 2):
             # back to ready only well within the bound: at the edge it would flap with each
             # window that closes (seen: behind, caught up, behind again within a second)
@@ -333,12 +370,15 @@ class Leader:
         else:
             reason = ""
         if reason and not self.behind:
-            log.warning("%s; the release path is slower than the windows (a faster "
-                        "release.estimator, release.error_bar_reps = 0 or longer windows help)",
-                        reason)
+            log.warning(
+                "%s; the release path is slower than the windows (a faster "
+                "release.estimator, release.error_bar_reps = 0 or longer windows help)",
+                reason,
+            )
         elif self.behind and not reason:
-            log.info("the leader caught up: %d complete window(s) wait for their release",
-                     len(complete))
+            log.info(
+                "the leader caught up: %d complete window(s) wait for their release", len(complete)
+            )
         self.behind = reason
 
     @property
@@ -348,8 +388,7 @@ class Leader:
         which its own intake does not show (a slow release path drains after the last event
         was counted). Empty windows do not count: time windows keep closing without events,
         and a release path slower than they are would never let the member go."""
-        if self._in_flight is not None and _holds_events(self.pending.get(self._in_flight[0],
-                                                                          {})):
+        if self._in_flight is not None and _holds_events(self.pending.get(self._in_flight[0], {})):
             return True
         return self.queued > 0
 
@@ -366,21 +405,31 @@ class Leader:
             self._force_event_time(rid)
             return
         if self.views and self.event_time and kind == "export":
-            self._refuse_request(kind, rid, "audit exports of a group with event-time windows "
-                                 "and scale.exchange = views are not built yet: a member holds "
-                                 "several open windows; docs/scale-out.md")
+            self._refuse_request(
+                kind,
+                rid,
+                "audit exports of a group with event-time windows "
+                "and scale.exchange = views are not built yet: a member holds "
+                "several open windows; docs/scale-out.md",
+            )
             return
         if self.views and self.event_time and self.requests.newest_ms is None:
-            self._refuse_request(kind, rid, "the group's event-time windows have not opened "
-                                 "yet (no records read): nothing to release")
+            self._refuse_request(
+                kind,
+                rid,
+                "the group's event-time windows have not opened "
+                "yet (no records read): nothing to release",
+            )
             return
         if kind == "export" and (self.views or not self.event_time):
             try:
                 load_key(self.audit_key_file or None)
-            except AuditKeyError as exc:   # said to the asker; nothing closes
-                error = (f"the group's leader cannot sign the export: {exc}. The key is read "
-                         "by the members (their environment or audit.key_file), not by this "
-                         "shell: set it there and restart them")
+            except AuditKeyError as exc:  # said to the asker; nothing closes
+                error = (
+                    f"the group's leader cannot sign the export: {exc}. The key is read "
+                    "by the members (their environment or audit.key_file), not by this "
+                    "shell: set it there and restart them"
+                )
         if self.views and not error:
             if self.count:
                 # every member's open window is at most one past the views written: the
@@ -397,15 +446,20 @@ class Leader:
             except KafkaError as exc:
                 self.txn.failed(exc)
                 raise
-            log.info("%s: window %d%s closes now at every member (close record written)",
-                     "forced release" if kind == "release" else f"audit export {rid[:8]}", k,
-                     f" of {self.aggregation}" if self.aggregation else "")
+            log.info(
+                "%s: window %d%s closes now at every member (close record written)",
+                "forced release" if kind == "release" else f"audit export {rid[:8]}",
+                k,
+                f" of {self.aggregation}" if self.aggregation else "",
+            )
             return
         if self.event_time and not error:
             # an export closes its partition's open window, and a partition here holds several
-            error = ("audit exports of a group with event-time windows are not built yet: a "
-                     "partition holds several live windows (one process refuses that too); "
-                     "docs/scale-out.md")
+            error = (
+                "audit exports of a group with event-time windows are not built yet: a "
+                "partition holds several live windows (one process refuses that too); "
+                "docs/scale-out.md"
+            )
         if self.count and not error:
             self._force_count(kind, rid)
             return
@@ -418,20 +472,28 @@ class Leader:
         if error:
             log.error("audit export %s refused: %s", rid[:8], error)
             return
-        log.info("%s: window %d%s closes now in every partition (markers written)",
-                 "audit export" if kind == "export" else "forced release", k,
-                 f" of {self.aggregation}" if self.aggregation else "")
+        log.info(
+            "%s: window %d%s closes now in every partition (markers written)",
+            "audit export" if kind == "export" else "forced release",
+            k,
+            f" of {self.aggregation}" if self.aggregation else "",
+        )
 
     def _force_event_time(self, rid: str) -> None:
         """A forced release of an event-time group: the closer closes every window up to the
         newest one seen, the answer in its transaction."""
-        k = self.closer.force(lambda txn, upto: self.requests.send_answer(
-            txn, "release", rid, upto))
+        k = self.closer.force(
+            lambda txn, upto: self.requests.send_answer(txn, "release", rid, upto)
+        )
         if k is not None:
             self.requests.answered("release", rid)
             return
-        self._refuse_request("release", rid, "the group's event-time windows have not opened "
-                             "yet (no records read): nothing to release")
+        self._refuse_request(
+            "release",
+            rid,
+            "the group's event-time windows have not opened "
+            "yet (no records read): nothing to release",
+        )
 
     def _refuse_request(self, kind: str, rid: str, error: str) -> None:
         """Answer a forced release or export with ``error`` alone (nothing closes)."""
@@ -449,11 +511,14 @@ class Leader:
         closer.read()
         if kind == "release" and closer.total == closer.cut_at:
             # an empty window is not released (as one process has nothing to release)
-            self._refuse_request("release", rid, "the open count window holds no events yet: "
-                                 "nothing to release")
+            self._refuse_request(
+                "release", rid, "the open count window holds no events yet: nothing to release"
+            )
             return
-        closer.force(lambda txn, k: self.requests.send_answer(txn, kind, rid, k),
-                     export_id=rid if kind == "export" else None)
+        closer.force(
+            lambda txn, k: self.requests.send_answer(txn, kind, rid, k),
+            export_id=rid if kind == "export" else None,
+        )
         self.requests.answered(kind, rid)
 
     def _export_views(self, eid: str, w: int, have: dict) -> None:
@@ -462,16 +527,27 @@ class Leader:
         ledger entry (0 eps) and the document in one transaction, then the local file."""
 
         ident = self.identity
-        state = PanPrivateHistogram(ident["epsilon"], neighbor=ident["neighbor"],
-                                    size=int(ident["size"]))
-        state._counts, state._layers, state._n = sum_views(distinct_views(have),
-                                                           int(ident["size"]))
-        window = {"id": w, "windows": [w], "partitions": self.P, "group": self.topics.group,
-                  "aggregation": self.aggregation or None, "exchange": "views"}
-        self._ledger_export(eid, state, window, self._ranges(have),
-                            note="announced export of a views group's window: the sum of its "
-                            "members' views, the counters its release is computed from "
-                            "(post-processing, no layer drawn)")
+        state = PanPrivateHistogram(
+            ident["epsilon"], neighbor=ident["neighbor"], size=int(ident["size"])
+        )
+        state._counts, state._layers, state._n = sum_views(distinct_views(have), int(ident["size"]))
+        window = {
+            "id": w,
+            "windows": [w],
+            "partitions": self.P,
+            "group": self.topics.group,
+            "aggregation": self.aggregation or None,
+            "exchange": "views",
+        }
+        self._ledger_export(
+            eid,
+            state,
+            window,
+            self._ranges(have),
+            note="announced export of a views group's window: the sum of its "
+            "members' views, the counters its release is computed from "
+            "(post-processing, no layer drawn)",
+        )
 
     def _sign_exports(self) -> None:
         """Exports whose P slices are in: one state, signed; ledger entry, document and slice
@@ -481,29 +557,51 @@ class Leader:
             state = assemble(slices)
             windows = sorted({int(s["window"]) for s in slices})
             ranges = {f"{self.topics.repartition}:{s['partition']}": s["range"] for s in slices}
-            window = {"id": windows[0], "windows": windows, "partitions": self.P,
-                      "group": self.topics.group, "aggregation": self.aggregation or None}
+            window = {
+                "id": windows[0],
+                "windows": windows,
+                "partitions": self.P,
+                "group": self.topics.group,
+                "aggregation": self.aggregation or None,
+            }
             self._ledger_export(
-                eid, state, window, ranges,
+                eid,
+                state,
+                window,
+                ranges,
                 note="announced export of every partition's open window; fresh DLap layers "
                 "before and after; each window closed with its slice",
-                tombstones=[f"slice/{eid}/{s['partition']}".encode() for s in slices])
+                tombstones=[f"slice/{eid}/{s['partition']}".encode() for s in slices],
+            )
             self.exports.slices.pop(eid, None)
 
-    def _ledger_export(self, eid: str, state, window: dict, ranges: dict, *, note: str,
-                       tombstones=()) -> None:
+    def _ledger_export(
+        self, eid: str, state, window: dict, ranges: dict, *, note: str, tombstones=()
+    ) -> None:
         """Sign ``state`` as export ``eid``; its ledger entry (0 eps), the document and the
         exports topic's ``tombstones`` in one transaction; then the local file (only once the
         export is ledgered, like one process's)."""
 
-        doc = signed_export(state=state.serialize(), window=window, offsets=ranges,
-                            export_id=eid, key=load_key(self.audit_key_file or None))
+        doc = signed_export(
+            state=state.serialize(),
+            window=window,
+            offsets=ranges,
+            export_id=eid,
+            key=load_key(self.audit_key_file or None),
+        )
         txn = self.txn
         try:
             txn.begin()
-            self.ledger.append(entry_id=f"export-{eid}", kind="export", window=window["id"],
-                               epsilon_spent=0.0, model=self.identity["model"], note=note,
-                               producer=txn, ranges=ranges)
+            self.ledger.append(
+                entry_id=f"export-{eid}",
+                kind="export",
+                window=window["id"],
+                epsilon_spent=0.0,
+                model=self.identity["model"],
+                note=note,
+                producer=txn,
+                ranges=ranges,
+            )
             txn.send(self.topics.exports, partition=0, key=f"doc/{eid}".encode(), value=doc)
             for key in tombstones:
                 txn.send(self.topics.exports, partition=0, key=key, value=None)
@@ -516,8 +614,14 @@ class Leader:
         path = save_export(Path(self.audit_dir) / f"export-{eid}.panagg", doc)
         self.exports.done.add(eid)
         self.metrics.exports.inc()
-        log.info("audit export %s of window(s) %s signed (%d layers): %s and %s", eid[:8],
-                 ", ".join(map(str, window["windows"])), state.layers, path, self.topics.exports)
+        log.info(
+            "audit export %s of window(s) %s signed (%d layers): %s and %s",
+            eid[:8],
+            ", ".join(map(str, window["windows"])),
+            state.layers,
+            path,
+            self.topics.exports,
+        )
 
     def _skip_empty(self, w: int, have: dict) -> None:
         """An event-time or count window no event fell in (noise-only summaries): not released,
@@ -536,8 +640,11 @@ class Leader:
 
     def _notice_waiting(self, w: int, have: dict) -> None:
         # an event-time window's end is in the records' time: count from its first summary
-        due = (self._first_seen.get(w, time.time()) if self.by_marker
-               else (w + 1) * self.size + self.grace_s)
+        due = (
+            self._first_seen.get(w, time.time())
+            if self.by_marker
+            else (w + 1) * self.size + self.grace_s
+        )
         late = time.time() - due
         if late < WAIT_NOTICE_S:
             self.metrics.summaries_overdue.set(0)
@@ -547,13 +654,20 @@ class Leader:
         if w in self._noticed:
             return
         self._noticed.add(w)
-        named = ", ".join(f"{p} (last summarized by {self.last_member[p]})"
-                          if p in self.last_member else str(p) for p in missing)
-        log.warning("window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
-                    "%s: that member is stopped, stuck or gone (the group moves its "
-                    "partitions after source.session_timeout_s)", w, named,
-                    self.counted_topic, late + (0 if self.by_marker else self.grace_s),
-                    "its first summary" if self.by_marker else "its end")
+        named = ", ".join(
+            f"{p} (last summarized by {self.last_member[p]})" if p in self.last_member else str(p)
+            for p in missing
+        )
+        log.warning(
+            "window %d waits for the summaries of partition(s) %s of %s, %.0f s after "
+            "%s: that member is stopped, stuck or gone (the group moves its "
+            "partitions after source.session_timeout_s)",
+            w,
+            named,
+            self.counted_topic,
+            late + (0 if self.by_marker else self.grace_s),
+            "its first summary" if self.by_marker else "its end",
+        )
 
     @staticmethod
     def _ranges(have: dict) -> dict:
@@ -564,9 +678,13 @@ class Leader:
 
     # -- deciding a window -------------------------------------------------------------------
     def _entry_fields(self, w: int, have: dict) -> dict:
-        fields = {"window_uid": f"{self.identity['lineage']}/{w}", "ranges": self._ranges(have),
-                  "lineage": self.identity["lineage"], "window_kind": self.window_kind,
-                  "partitions": self.P}
+        fields = {
+            "window_uid": f"{self.identity['lineage']}/{w}",
+            "ranges": self._ranges(have),
+            "lineage": self.identity["lineage"],
+            "window_kind": self.window_kind,
+            "partitions": self.P,
+        }
         if not self.views:
             # the items exchange ledgers repartition positions; the budget registry is keyed
             # by source positions, which the summaries carry (intake -> counter)
@@ -584,10 +702,18 @@ class Leader:
         seen = {p: s for p, s in have.items() if not s.get("refused") or s.get("charge")}
         fields = self._entry_fields(w, seen)
         log.warning("window %d is withheld: %s; nothing of it is published", w, reason)
-        self._transact(w, have, entry=dict(kind="release", window=w,
-                                          epsilon_spent=float(self.identity["epsilon"])
-                                          if seen else 0.0, withheld=reason, **fields),
-                       document=None)
+        self._transact(
+            w,
+            have,
+            entry=dict(
+                kind="release",
+                window=w,
+                epsilon_spent=float(self.identity["epsilon"]) if seen else 0.0,
+                withheld=reason,
+                **fields,
+            ),
+            document=None,
+        )
         self.metrics.releases_refused.inc()
 
     def _publish(self, w: int, release: dict) -> None:
@@ -595,9 +721,14 @@ class Leader:
         fields = self._entry_fields(w, have)
         eps = float(self.identity["epsilon"])
         try:
-            self.ledger.check_release(fields["window_uid"], eps, window=w,
-                                      ranges=fields["ranges"], lineage=fields["lineage"],
-                                      window_kind=self.window_kind)
+            self.ledger.check_release(
+                fields["window_uid"],
+                eps,
+                window=w,
+                ranges=fields["ranges"],
+                lineage=fields["lineage"],
+                window_kind=self.window_kind,
+            )
             if self.registry is not None:
                 self._check_registry(w, fields, eps)
         except BudgetExceeded as exc:
@@ -610,16 +741,28 @@ class Leader:
             release["rollup_level"] = dict(self.rollup_level)
         release["window_uid"] = fields["window_uid"]
         release["ranges"] = fields["ranges"]
-        release["scale_out"] = {"store": "kafka", "partitions": self.P,
-                                "exchange": "views" if self.views else "items",
-                                "members": sorted({s.get("member", "") for s in have.values()})}
+        release["scale_out"] = {
+            "store": "kafka",
+            "partitions": self.P,
+            "exchange": "views" if self.views else "items",
+            "members": sorted({s.get("member", "") for s in have.values()}),
+        }
         stamp_window(release)
         doc = json.dumps(release, allow_nan=False, sort_keys=True)
-        entry = dict(kind="release", window=w, epsilon_spent=eps,
-                     model=self.identity["model"], n=int(release["n"]),
-                     document_sha256=hashlib.sha256(doc.encode()).hexdigest(), **fields)
-        folded, apply = ([], None) if self.view_rollups is None else \
-            self.view_rollups.fold(w, fields["window_uid"], have)
+        entry = dict(
+            kind="release",
+            window=w,
+            epsilon_spent=eps,
+            model=self.identity["model"],
+            n=int(release["n"]),
+            document_sha256=hashlib.sha256(doc.encode()).hexdigest(),
+            **fields,
+        )
+        folded, apply = (
+            ([], None)
+            if self.view_rollups is None
+            else self.view_rollups.fold(w, fields["window_uid"], have)
+        )
         if not self._transact(w, have, entry=entry, document=doc, extra=folded):
             return
         if apply is not None:
@@ -629,12 +772,17 @@ class Leader:
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
         ended = (release.get("window_info") or {}).get("ended_unix")
-        if ended is not None:   # window end -> merged release published, as docs/operations.md
+        if ended is not None:  # window end -> merged release published, as docs/operations.md
             self.metrics.release_latency.observe(max(0.0, time.time() - float(ended)))
         self.metrics.published(release)
-        log.info("published release of %swindow %d: n=%d over %d partitions -> %s",
-                 f"{self.aggregation} " if self.aggregation else "", w, release["n"], self.P,
-                 path or self.topics.releases)
+        log.info(
+            "published release of %swindow %d: n=%d over %d partitions -> %s",
+            f"{self.aggregation} " if self.aggregation else "",
+            w,
+            release["n"],
+            self.P,
+            path or self.topics.releases,
+        )
 
     def _known(self) -> set[tuple[str, str]]:
         lid = ledger_id(self.ledger.entries)
@@ -650,10 +798,18 @@ class Leader:
             # (a Kafka error goes up: the leader's turn is lost and tried again)
             log.warning("%s; window %d is checked against the group's ledger only", exc, w)
         try:
-            check_registry(self.registry, self.ledger, self._known(), fields["window_uid"], eps,
-                           window=w, ranges=self._registry_ranges(fields),
-                           lineage=fields["lineage"], window_kind=self.window_kind)
-        finally:   # a refusal's check took its time too
+            check_registry(
+                self.registry,
+                self.ledger,
+                self._known(),
+                fields["window_uid"],
+                eps,
+                window=w,
+                ranges=self._registry_ranges(fields),
+                lineage=fields["lineage"],
+                window_kind=self.window_kind,
+            )
+        finally:  # a refusal's check took its time too
             self.metrics.registry_check.observe(time.perf_counter() - started)
 
     def local_file(self, release: dict, what: str) -> str | None:
@@ -662,8 +818,12 @@ class Leader:
         try:
             return write_release(release, self.release_dir, plot=False)
         except OSError as exc:
-            log.warning("%s is in %s but its local file failed (%s)", what,
-                        self.topics.releases, exc.strerror)
+            log.warning(
+                "%s is in %s but its local file failed (%s)",
+                what,
+                self.topics.releases,
+                exc.strerror,
+            )
             return None
 
     def release_key(self, name: str) -> str:
@@ -672,28 +832,36 @@ class Leader:
         so on a compacted one a bare window number would keep one aggregation's release."""
         return f"{self.aggregation}/{name}" if self.aggregation else name
 
-    def _transact(self, w: int, have: dict, *, entry: dict, document: str | None,
-                  extra=()) -> bool:
+    def _transact(self, w: int, have: dict, *, entry: dict, document: str | None, extra=()) -> bool:
         txn = self.txn
         try:
             txn.begin()
             self.ledger.append(entry_id=f"{self.identity['lineage']}/{w}", producer=txn, **entry)
             if self.registry is not None:
                 # the charge, in the transaction of its ledger entry
-                msg = self.registry.message(ledger_id(self.ledger.entries), dict(
-                    entry, id=f"{self.identity['lineage']}/{w}",
-                    ranges=self._registry_ranges(entry)))
+                msg = self.registry.message(
+                    ledger_id(self.ledger.entries),
+                    dict(
+                        entry,
+                        id=f"{self.identity['lineage']}/{w}",
+                        ranges=self._registry_ranges(entry),
+                    ),
+                )
                 if msg is not None:
                     txn.send(self.registry.topic, partition=0, key=msg[0], value=msg[1])
             if document is not None:
-                txn.send(self.topics.releases, partition=0, key=str(w).encode(),
-                         value=document.encode())
+                txn.send(
+                    self.topics.releases, partition=0, key=str(w).encode(), value=document.encode()
+                )
                 if self.release_topic:
-                    txn.send(self.release_topic, key=self.release_key(str(w)).encode(),
-                             value=document.encode())
+                    txn.send(
+                        self.release_topic,
+                        key=self.release_key(str(w)).encode(),
+                        value=document.encode(),
+                    )
             for key in _summary_keys(w, have):
                 txn.send(self.topics.summaries, partition=0, key=key, value=None)
-            for topic, key, value in extra:    # rollup sums (view_rollups.py)
+            for topic, key, value in extra:  # rollup sums (view_rollups.py)
                 txn.send(topic, partition=0, key=key, value=value)
             txn.commit()
         except KafkaError as exc:

@@ -36,7 +36,7 @@ class LedgerUnreachable(LedgerError, KafkaTimeoutError):
     A Kafka error too: a member's loop treats it as an outage and retries the stage, where a
     damaged ledger (a plain :class:`LedgerError`) stops the member."""
 
-    def __str__(self) -> str:   # the message alone, without KafkaError's class-name prefix
+    def __str__(self) -> str:  # the message alone, without KafkaError's class-name prefix
         return RuntimeError.__str__(self)
 
 
@@ -45,8 +45,15 @@ class TopicLedger(Ledger):
     ``KafkaConsumer`` with ``isolation_level="read_committed"`` and no group; this object assigns
     it). Budgets as for :class:`~aggregator.service.ledger.Ledger`."""
 
-    def __init__(self, consumer, topic: str, *, budget_per_window: float,
-                 budget_total: float | None = None, budget_per_event: float | None = None):
+    def __init__(
+        self,
+        consumer,
+        topic: str,
+        *,
+        budget_per_window: float,
+        budget_total: float | None = None,
+        budget_per_event: float | None = None,
+    ):
         self.topic = topic
         self._tp = TopicPartition(topic, 0)
         self._consumer = consumer
@@ -73,12 +80,16 @@ class TopicLedger(Ledger):
             return None
         seq, want = int(anchor["seq"]), str(anchor.get("hash", ""))
         if seq > len(self.entries):
-            return (f"the ledger topic {self.topic} ends at entry {len(self.entries)}, but the "
-                    f"group's committed offsets record entry {seq}: it was deleted, truncated "
-                    "or replaced")
+            return (
+                f"the ledger topic {self.topic} ends at entry {len(self.entries)}, but the "
+                f"group's committed offsets record entry {seq}: it was deleted, truncated "
+                "or replaced"
+            )
         if not self.entries[seq - 1]["hash"].startswith(want):
-            return (f"the ledger topic {self.topic} differs at entry {seq} from the one the "
-                    "group's committed offsets record: it was replaced")
+            return (
+                f"the ledger topic {self.topic} differs at entry {seq} from the one the "
+                "group's committed offsets record: it was replaced"
+            )
         return None
 
     # -- reading ---------------------------------------------------------------------------------
@@ -93,26 +104,33 @@ class TopicLedger(Ledger):
 
     def read_to_end(self, timeout_s: float = 30.0) -> None:
         """Read every committed entry there is now (a new leader does this before it writes)."""
-        if not read_partition(self._consumer, self._tp, lambda r: self._take(r.value, r.offset),
-                              timeout_s):
-            raise LedgerUnreachable(f"ledger topic {self.topic}: could not read to its end "
-                                    f"within {timeout_s:g} s; check the broker")
+        if not read_partition(
+            self._consumer, self._tp, lambda r: self._take(r.value, r.offset), timeout_s
+        ):
+            raise LedgerUnreachable(
+                f"ledger topic {self.topic}: could not read to its end "
+                f"within {timeout_s:g} s; check the broker"
+            )
 
     def _take(self, raw: bytes, offset: int) -> dict:
         where = f"ledger topic {self.topic} offset {offset}"
         try:
             entry = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
-            raise LedgerError(f"{where} is not a JSON entry; the ledger is the record of "
-                              "privacy spent: it cannot be read past this point") from None
+            raise LedgerError(
+                f"{where} is not a JSON entry; the ledger is the record of "
+                "privacy spent: it cannot be read past this point"
+            ) from None
         problem = self._problem(entry)
         if problem is None:
             head = self.head()
             problem = self._chain_problem(entry, head["seq"] + 1, head["hash"])
         if problem:
-            raise LedgerError(f"{where} {problem}; the ledger is the record of privacy spent "
-                              "(a second writer, or the topic was edited): stop every member "
-                              "and restore the topic")
+            raise LedgerError(
+                f"{where} {problem}; the ledger is the record of privacy spent "
+                "(a second writer, or the topic was edited): stop every member "
+                "and restore the topic"
+            )
         self.entries.append(entry)
         self._by_id[entry["id"]] = entry
         return entry
@@ -124,18 +142,39 @@ class TopicLedger(Ledger):
             return {"seq": 0, "hash": GENESIS}
         return {"seq": chain[-1]["seq"], "hash": chain[-1]["hash"]}
 
-    def append(self, *, entry_id: str, kind: str, window=None, epsilon_spent: float = 0.0,
-               model: str = "", note: str = "", producer=None, **extra) -> bool:
+    def append(
+        self,
+        *,
+        entry_id: str,
+        kind: str,
+        window=None,
+        epsilon_spent: float = 0.0,
+        model: str = "",
+        note: str = "",
+        producer=None,
+        **extra,
+    ) -> bool:
         """Send the entry with ``producer`` (in its open transaction). It counts as written
         only after :meth:`committed`; :meth:`aborted` forgets it."""
         if entry_id in self._by_id or any(e["id"] == entry_id for e in self._pending):
             return False
         if producer is None:
             raise LedgerError("the group ledger is written by the leader's transaction only")
-        entry = self.chained_entry(entry_id=entry_id, kind=kind, window=window,
-                                   epsilon_spent=epsilon_spent, model=model, note=note, **extra)
-        producer.send(self.topic, partition=0, key=f"{entry['seq']:012d}".encode(),
-                      value=json.dumps(entry, sort_keys=True, allow_nan=False).encode())
+        entry = self.chained_entry(
+            entry_id=entry_id,
+            kind=kind,
+            window=window,
+            epsilon_spent=epsilon_spent,
+            model=model,
+            note=note,
+            **extra,
+        )
+        producer.send(
+            self.topic,
+            partition=0,
+            key=f"{entry['seq']:012d}".encode(),
+            value=json.dumps(entry, sort_keys=True, allow_nan=False).encode(),
+        )
         self._pending.append(entry)
         return True
 
@@ -151,9 +190,11 @@ class TopicLedger(Ledger):
         self.read_to_end(timeout_s)
         while want is not None and self.head()["seq"] < want:
             if time.monotonic() > deadline:
-                raise LedgerUnreachable(f"ledger topic {self.topic}: entry {want} was committed "
-                                        f"but could not be read back within {timeout_s:g} s; "
-                                        "check the broker")
+                raise LedgerUnreachable(
+                    f"ledger topic {self.topic}: entry {want} was committed "
+                    f"but could not be read back within {timeout_s:g} s; "
+                    "check the broker"
+                )
             time.sleep(0.02)
             self.read_to_end(timeout_s)
 

@@ -91,8 +91,10 @@ class Membership:
         if not fencing(now):
             return f"this member fell out of the group ({getattr(now, 'state', '?')})"
         if now.generation_id != self.generation.generation_id:
-            return (f"the group moved from generation {self.generation.generation_id} to "
-                    f"{now.generation_id} ({getattr(now, 'state', '?')})")
+            return (
+                f"the group moved from generation {self.generation.generation_id} to "
+                f"{now.generation_id} ({getattr(now, 'state', '?')})"
+            )
         owned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.counted}
         lost = sorted(set(partitions) - owned)
         if lost:

@@ -59,11 +59,17 @@ _NOT_SETTINGS = {"neighbor": "the neighbour relation"}
 #: (settings.py, ``agree=``; the keys are the group ledger's, older than the settings' names)
 _AGREED = settings_by("agree")
 MUST_AGREE = (*_AGREED, *_NOT_SETTINGS)
-_NAMES = {**{key: " / ".join(one.name for one in fed) for key, fed in _AGREED.items()},
-          **_NOT_SETTINGS}
+_NAMES = {
+    **{key: " / ".join(one.name for one in fed) for key, fed in _AGREED.items()},
+    **_NOT_SETTINGS,
+}
 #: what an identity written before event-time windows existed in groups means
-_IDENTITY_DEFAULTS = {"window_kind": "time", "allowed_lateness_s": 0.0, "late": "next",
-                      "exchange": "items"}
+_IDENTITY_DEFAULTS = {
+    "window_kind": "time",
+    "allowed_lateness_s": 0.0,
+    "late": "next",
+    "exchange": "items",
+}
 
 
 class Pipeline:
@@ -78,34 +84,44 @@ class Pipeline:
         self.views = cfg.scale.exchange == "views"
         self.size = int(st.domain_size) if self.direct else choose_buckets_for(cfg)
         self.topics = GroupTopics(src.group, name)
-        self.decoder = Decoder(src.format, domain_size=self.size if self.direct else None,
-                               max_message_bytes=src.max_message_bytes,
-                               max_item_bytes=src.max_item_bytes,
-                               spec=ItemSpec.from_config(cfg.item))
+        self.decoder = Decoder(
+            src.format,
+            domain_size=self.size if self.direct else None,
+            max_message_bytes=src.max_message_bytes,
+            max_item_bytes=src.max_item_bytes,
+            spec=ItemSpec.from_config(cfg.item),
+        )
         self.identity: dict | None = None
         self.ledger: TopicLedger | None = None
         self.counter: Counter | None = None
         self.leader: Leader | None = None
-        self.about = f"aggregation {name} of group {src.group}" if name else \
-            f"group {src.group}"
+        self.about = f"aggregation {name} of group {src.group}" if name else f"group {src.group}"
 
     # -- start -------------------------------------------------------------------------------
     def identity_of_config(self, partitions: int) -> dict:
         st, w = self.cfg.state, self.cfg.window
         neighbor = PanPrivateHistogram(st.epsilon, size=1).neighbor
         event_time = w.kind == "event_time"
-        return {"mode": st.mode, "size": self.size, "epsilon": float(st.epsilon),
-                "neighbor": neighbor, "model": st.model, "window_size": float(w.size),
-                "partitions": int(partitions), "window_kind": w.kind if w.kind in
-                ("event_time", "count") else "time",
-                "allowed_lateness_s": float(w.allowed_lateness_s),
-                "late": w.late if event_time else "next",
-                "exchange": self.cfg.scale.exchange}
+        return {
+            "mode": st.mode,
+            "size": self.size,
+            "epsilon": float(st.epsilon),
+            "neighbor": neighbor,
+            "model": st.model,
+            "window_size": float(w.size),
+            "partitions": int(partitions),
+            "window_kind": w.kind if w.kind in ("event_time", "count") else "time",
+            "allowed_lateness_s": float(w.allowed_lateness_s),
+            "late": w.late if event_time else "next",
+            "exchange": self.cfg.scale.exchange,
+        }
 
     def anchor(self, admin) -> dict | None:
         """The newest ledger head the counting group's committed offsets carry (None: none)."""
-        got = admin.list_group_offsets(self.topics.counting_group).get(
-            self.topics.counting_group, {}) or {}
+        got = (
+            admin.list_group_offsets(self.topics.counting_group).get(self.topics.counting_group, {})
+            or {}
+        )
         best = None
         for om in got.values():
             try:
@@ -121,20 +137,25 @@ class Pipeline:
         new (with ``seed(txn)``'s messages in the same transaction: where a new group starts
         reading, ``source.start``), else check this member's settings against it."""
         cfg = self.cfg
-        self.ledger = TopicLedger(self.clients.consumer(None), self.topics.ledger,
-                                  budget_per_window=cfg.budget_per_window,
-                                  budget_total=cfg.ledger.budget_total or None,
-                                  budget_per_event=cfg.budget_per_event)
+        self.ledger = TopicLedger(
+            self.clients.consumer(None),
+            self.topics.ledger,
+            budget_per_window=cfg.budget_per_window,
+            budget_total=cfg.ledger.budget_total or None,
+            budget_per_event=cfg.budget_per_event,
+        )
         try:
             self.ledger.read_to_end()
             problem = self.ledger.anchor_problem(anchor)
             if problem:
-                raise LedgerError(f"{problem}; the ledger is the record of privacy spent: "
-                                  "restore the topic, or start a new group (another "
-                                  "source.group) knowing the old charges are not carried over")
+                raise LedgerError(
+                    f"{problem}; the ledger is the record of privacy spent: "
+                    "restore the topic, or start a new group (another "
+                    "source.group) knowing the old charges are not carried over"
+                )
             self.identity = self.ledger.identity() or self._write_identity(partitions, seed)
         except LedgerUnreachable:
-            raise       # the broker is away: the start is tried again (service.py)
+            raise  # the broker is away: the start is tried again (service.py)
         except LedgerError as exc:
             raise ServiceError(str(exc)) from None
         self.check_identity(self.identity_of_config(partitions))
@@ -147,36 +168,39 @@ class Pipeline:
         wanted = self.cfg.source.start
         had = self.identity.get("start", "earliest")
         if parse_start(wanted) != "earliest" and parse_start(had) != parse_start(wanted):
-            raise ServiceError(f"source.start = {wanted} only places a new group, but "
-                               f"{self.about} exists (it started at {had}) and resumes from its "
-                               f"committed offsets; for a new start at {wanted} use another "
-                               "source.group, or remove source.start")
+            raise ServiceError(
+                f"source.start = {wanted} only places a new group, but "
+                f"{self.about} exists (it started at {had}) and resumes from its "
+                f"committed offsets; for a new start at {wanted} use another "
+                "source.group, or remove source.start"
+            )
 
     def _write_identity(self, partitions: int, seed=None) -> dict:
         """The group is new: write its identity as the ledger's first entry (with the leader's
         transactional id, so two members starting at once write one identity)."""
-        txn = Transactions(lambda: self.clients.producer(f"{self.topics.prefix}.leader",
-                                                          keep=False), remake=False)
+        txn = Transactions(
+            lambda: self.clients.producer(f"{self.topics.prefix}.leader", keep=False), remake=False
+        )
         try:
             self.ledger.read_to_end()
-            if self.ledger.identity():      # another member was first
+            if self.ledger.identity():  # another member was first
                 return self.ledger.identity()
             ident = self.identity_of_config(partitions)
             # (event-time windows: informational; the leader opens them at the source
             # partitions' earliest first record, closer.py)
             count = ident["window_kind"] == "count"
             # (count windows are numbered from 0: the leader cuts them, count_windows.py)
-            ident.update(first_window=0 if count else
-                         int(math.floor(time.time() / ident["window_size"])),
-                         lineage=f"{self.topics.prefix}:{uuid.uuid4().hex[:12]}")
+            ident.update(
+                first_window=0 if count else int(math.floor(time.time() / ident["window_size"])),
+                lineage=f"{self.topics.prefix}:{uuid.uuid4().hex[:12]}",
+            )
             if self.name:
                 ident["aggregation"] = self.name
             if not self.direct:
                 ident["hash_key"] = os.urandom(16).hex()
             ident["start"] = str(self.cfg.source.start)
             txn.begin()
-            self.ledger.append(entry_id="identity", kind="identity", identity=ident,
-                               producer=txn)
+            self.ledger.append(entry_id="identity", kind="identity", identity=ident, producer=txn)
             if seed is not None:
                 seed(txn)
             txn.commit()
@@ -207,7 +231,8 @@ class Pipeline:
             raise ServiceError(
                 f"{self.about} was started with {_NAMES[k]} = {theirs(k)!r}, this member "
                 f"has {mine[k]!r}: start every member with the group's settings, or use another "
-                "source.group for a new group")
+                "source.group for a new group"
+            )
 
     def index_of(self):
         """The counter index of each decoded item: the item (direct), or its hash bucket under
@@ -218,21 +243,30 @@ class Pipeline:
         return lambda items: bucket_of(items, key, size)
 
     def route(self, partitions: int) -> Route:
-        return Route(self.topics.repartition, partitions, self.decoder, self.index_of(),
-                     self.metrics,
-                     clock=self.clock(), name=self.name,
-                     dead_topic=self.cfg.source.dead_letter_topic,
-                     counted=self.identity.get("window_kind") == "count")
+        return Route(
+            self.topics.repartition,
+            partitions,
+            self.decoder,
+            self.index_of(),
+            self.metrics,
+            clock=self.clock(),
+            name=self.name,
+            dead_topic=self.cfg.source.dead_letter_topic,
+            counted=self.identity.get("window_kind") == "count",
+        )
 
     def clock(self) -> EventClock | None:
         """The event-time windows of this aggregation (None: by intake time)."""
         if self.identity.get("window_kind", "time") != "event_time":
             return None
         w = self.cfg.window
-        return EventClock(size_s=self.identity["window_size"],
-                          lateness_s=self.identity["allowed_lateness_s"],
-                          max_future_skew_s=w.max_future_skew_s, late=self.identity["late"],
-                          idle_timeout_s=w.idle_partition_timeout_s)
+        return EventClock(
+            size_s=self.identity["window_size"],
+            lateness_s=self.identity["allowed_lateness_s"],
+            max_future_skew_s=w.max_future_skew_s,
+            late=self.identity["late"],
+            idle_timeout_s=w.idle_partition_timeout_s,
+        )
 
     def rollup_spans(self) -> dict[str, int]:
         """window.rollups as sums (rollup_design = sum, or a hybrid level's longer spans)."""
@@ -242,30 +276,47 @@ class Pipeline:
         if self.views:
             cfg = self.cfg
             self.counter = ViewCounter(
-                self.clients.consumer(self.topics.counting_group, **group_opts,
-                                      max_poll_records=cfg.source.max_records),
+                self.clients.consumer(
+                    self.topics.counting_group,
+                    **group_opts,
+                    max_poll_records=cfg.source.max_records,
+                ),
                 self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
-                self.topics, self.identity, self.ledger, self.metrics, member=instance,
-                source_topic=cfg.source.topic, route=self.route(int(self.identity["partitions"])),
+                self.topics,
+                self.identity,
+                self.ledger,
+                self.metrics,
+                member=instance,
+                source_topic=cfg.source.topic,
+                route=self.route(int(self.identity["partitions"])),
                 closes=self.clients.consumer(None),
                 snapshots_per_window=cfg.checkpoint.snapshots_per_window,
-                snapshot_reader=SimpleNamespace(consumer=self.clients.consumer(None),
-                                                topic=self.topics.snapshots)
-                if cfg.checkpoint.snapshots_per_window else None,
-                views_reader=self._views_written)
+                snapshot_reader=SimpleNamespace(
+                    consumer=self.clients.consumer(None), topic=self.topics.snapshots
+                )
+                if cfg.checkpoint.snapshots_per_window
+                else None,
+                views_reader=self._views_written,
+            )
             return
         spans = self.rollup_spans()
-        self.counter = Counter(self.clients.consumer(self.topics.counting_group, **group_opts),
-                               self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
-                               self.topics, self.identity, self.ledger, self.metrics,
-                               member=instance, grace_s=self.cfg.scale.close_grace_s,
-                               snapshots_per_window=self.cfg.checkpoint.snapshots_per_window,
-                               snapshot_reader=SimpleNamespace(
-                                   consumer=self.clients.consumer(None),
-                                   topic=self.topics.snapshots),
-                               rollups=SliceRollups(spans, self.topics, self.identity,
-                                                    self.clients.consumer(None))
-                               if spans else None)
+        self.counter = Counter(
+            self.clients.consumer(self.topics.counting_group, **group_opts),
+            self.clients.transactions(f"{self.topics.prefix}.count.{instance}"),
+            self.topics,
+            self.identity,
+            self.ledger,
+            self.metrics,
+            member=instance,
+            grace_s=self.cfg.scale.close_grace_s,
+            snapshots_per_window=self.cfg.checkpoint.snapshots_per_window,
+            snapshot_reader=SimpleNamespace(
+                consumer=self.clients.consumer(None), topic=self.topics.snapshots
+            ),
+            rollups=SliceRollups(spans, self.topics, self.identity, self.clients.consumer(None))
+            if spans
+            else None,
+        )
 
     def _views_written(self) -> dict[str, bytes] | None:
         """The summaries topic's latest values (views.ViewCounter._views_written), read by a
@@ -281,8 +332,10 @@ class Pipeline:
         if self.counter.is_leader and self.leader is None:
             self.leader = self._make_leader()
         elif not self.counter.is_leader and self.leader is not None:
-            log.info("the ledger's partition of %s moved to another member: no longer its "
-                     "leader", self.about)
+            log.info(
+                "the ledger's partition of %s moved to another member: no longer its leader",
+                self.about,
+            )
             self.drop_leader()
         if self.leader is not None:
             self.leader.step()
@@ -290,23 +343,33 @@ class Pipeline:
     def _make_leader(self) -> Leader:
         cfg = self.cfg
         # a new producer with the group's fixed leader id fences the last leader
-        txn = Transactions(lambda: self.clients.producer(f"{self.topics.prefix}.leader",
-                                                          keep=False), remake=False)
+        txn = Transactions(
+            lambda: self.clients.producer(f"{self.topics.prefix}.leader", keep=False), remake=False
+        )
         self.ledger.read_to_end()
-        log.info("leading %s: this member charges the ledger and merges the windows",
-                 self.about)
+        log.info("leading %s: this member charges the ledger and merges the windows", self.about)
         closer = None
         clock = self.clock()
         if clock is not None and not self.views:
             # (a views group's members close their own event-time windows: event_views.py)
-            closer = Closer(txn, self.clients.consumer(None), self.topics,
-                            self.identity["partitions"], self.clients.source_partitions, clock)
+            closer = Closer(
+                txn,
+                self.clients.consumer(None),
+                self.topics,
+                self.identity["partitions"],
+                self.clients.source_partitions,
+                clock,
+            )
         elif self.identity.get("window_kind") == "count" and not self.views:
             # (a views group's members cut their own windows: count_views.py)
             # (a short fetch wait: the totals' age is what a cut overshoots N by)
-            closer = CountCloser(txn, self.clients.consumer(None, fetch_max_wait_ms=50),
-                                 self.topics,
-                                 self.identity["partitions"], int(self.identity["window_size"]))
+            closer = CountCloser(
+                txn,
+                self.clients.consumer(None, fetch_max_wait_ms=50),
+                self.topics,
+                self.identity["partitions"],
+                int(self.identity["window_size"]),
+            )
         merge = None
         worker = self.clients.worker
         # view_format.merge_views read here, not bound at import: the group audit captures
@@ -314,32 +377,46 @@ class Pipeline:
         merge_fn = view_format.merge_views if self.views else merge_summaries
         if worker is not None:
             merge = lambda summaries, **kw: worker.call(merge_fn, summaries, **kw)  # noqa: E731
-        leader = Leader(txn, self.ledger, self.clients.consumer(None), self.topics,
-                      self.identity, self.metrics, release_dir=cfg.release.dir,
-                      release_topic=cfg.release.topic, loss=cfg.state.loss,
-                      error_bar_reps=cfg.release.error_bar_reps,
-                      method=release_method(cfg), merge=merge,
-                      grace_s=cfg.scale.close_grace_s, aggregation=self.name,
-                      rollup_level=cfg.aggregation.rollup_level if cfg.aggregation else None,
-                      requests=ReleaseRequests(self.clients.consumer(None), self.topics),
-                      exports=ExportCollector(self.clients.consumer(None), self.topics,
-                                              int(self.identity["partitions"])),
-                      audit_key_file=cfg.audit.key_file,
-                      audit_dir=cfg.audit.dir or os.path.join(cfg.checkpoint.dir,
-                                                                    "exports"),
-                      closer=closer, max_in_flight=cfg.release.max_in_flight,
-                      merge_fn=merge_fn, source_topic=cfg.source.topic)
+        leader = Leader(
+            txn,
+            self.ledger,
+            self.clients.consumer(None),
+            self.topics,
+            self.identity,
+            self.metrics,
+            release_dir=cfg.release.dir,
+            release_topic=cfg.release.topic,
+            loss=cfg.state.loss,
+            error_bar_reps=cfg.release.error_bar_reps,
+            method=release_method(cfg),
+            merge=merge,
+            grace_s=cfg.scale.close_grace_s,
+            aggregation=self.name,
+            rollup_level=cfg.aggregation.rollup_level if cfg.aggregation else None,
+            requests=ReleaseRequests(self.clients.consumer(None), self.topics),
+            exports=ExportCollector(
+                self.clients.consumer(None), self.topics, int(self.identity["partitions"])
+            ),
+            audit_key_file=cfg.audit.key_file,
+            audit_dir=cfg.audit.dir or os.path.join(cfg.checkpoint.dir, "exports"),
+            closer=closer,
+            max_in_flight=cfg.release.max_in_flight,
+            merge_fn=merge_fn,
+            source_topic=cfg.source.topic,
+        )
         spans = self.rollup_spans()
         if spans and self.views:
             leader.view_rollups = ViewRollups(leader, spans, self.clients.consumer(None))
         elif spans:
             leader.rollups = RollupReleases(leader, spans)
         if cfg.ledger.registry_topic:
-            reg = KafkaBudgetRegistry(cfg.source.bootstrap, cfg.ledger.registry_topic,
-                                      {"group": cfg.source.group,
-                                       "aggregation": self.name or None},
-                                      security=client_options(cfg.security),
-                                      timeout_s=float(cfg.source.connect_timeout_s))
+            reg = KafkaBudgetRegistry(
+                cfg.source.bootstrap,
+                cfg.ledger.registry_topic,
+                {"group": cfg.source.group, "aggregation": self.name or None},
+                security=client_options(cfg.security),
+                timeout_s=float(cfg.source.connect_timeout_s),
+            )
             try:
                 reg.open()
             except RegistryError as exc:
@@ -349,7 +426,7 @@ class Pipeline:
 
     def drop_leader(self) -> None:
         leader, self.leader = self.leader, None
-        self.metrics.release_queue.set(0)    # the queue is the next leader's to show
+        self.metrics.release_queue.set(0)  # the queue is the next leader's to show
         if leader is not None:
             if leader.registry is not None:
                 leader.registry.close()

@@ -55,8 +55,7 @@ from .deleted import deleted_since, deleted_text, lost_through
 from .topics import read_partition
 from .watermark import MarkRecord, low_watermark, stamp, stamped, too_far_ahead
 
-__all__ = ["Repartitioner", "Route", "EventClock", "slice_size", "total_key",
-           "dead_letter_records"]
+__all__ = ["Repartitioner", "Route", "EventClock", "slice_size", "total_key", "dead_letter_records"]
 
 log = logging.getLogger("panagg.group")
 
@@ -87,17 +86,33 @@ def dead_letter_records(route, tp, recs, rejected) -> list:
     """``(key, value, headers)`` of each rejected record's dead letter (not of the records the
     item filter leaves out), as one process writes them."""
 
-    return [dead_letter_record(f"{tp.topic}:{tp.partition}", recs[i].offset, recs[i].value,
-                               reason, recs[i].key, aggregation=route.name or None)
-            for i, reason in rejected if reason != FILTERED]
+    return [
+        dead_letter_record(
+            f"{tp.topic}:{tp.partition}",
+            recs[i].offset,
+            recs[i].value,
+            reason,
+            recs[i].key,
+            aggregation=route.name or None,
+        )
+        for i, reason in rejected
+        if reason != FILTERED
+    ]
 
 
 class EventClock:
     """Event-time windows of one aggregation (watermark.py): window size, allowed lateness, the
     future skew, the late policy and the idle timeout."""
 
-    def __init__(self, *, size_s: float, lateness_s: float, max_future_skew_s: float, late: str,
-                 idle_timeout_s: float):
+    def __init__(
+        self,
+        *,
+        size_s: float,
+        lateness_s: float,
+        max_future_skew_s: float,
+        late: str,
+        idle_timeout_s: float,
+    ):
         self.size_ms = int(round(float(size_s) * 1000))
         self.lateness_ms = int(round(float(lateness_s) * 1000))
         self.skew_ms = int(round(float(max_future_skew_s) * 1000))
@@ -108,9 +123,19 @@ class EventClock:
 class Route:
     """Where intake sends one aggregation's counter indices (``clock``: by event time)."""
 
-    def __init__(self, topic: str, partitions: int, decoder, index_of, metrics,
-                 clock: EventClock | None = None, *, name: str = "", dead_topic: str = "",
-                 counted: bool = False):
+    def __init__(
+        self,
+        topic: str,
+        partitions: int,
+        decoder,
+        index_of,
+        metrics,
+        clock: EventClock | None = None,
+        *,
+        name: str = "",
+        dead_topic: str = "",
+        counted: bool = False,
+    ):
         self.topic, self.partitions = topic, int(partitions)
         self.decoder, self.index_of, self.metrics = decoder, index_of, metrics
         self.clock = clock
@@ -140,8 +165,16 @@ class Repartitioner:
         decoded item, int64 in [0, D)) and its metrics (decode errors, filtered records).
     """
 
-    def __init__(self, consumer, txn, routes: list[Route], max_records: int = 20000, *,
-                 marks_topic: str = "", marks_reader=None):
+    def __init__(
+        self,
+        consumer,
+        txn,
+        routes: list[Route],
+        max_records: int = 20000,
+        *,
+        marks_topic: str = "",
+        marks_reader=None,
+    ):
         self.consumer, self.txn = consumer, txn
         self.routes = list(routes)
         self.max_records = int(max_records)
@@ -194,13 +227,13 @@ class Repartitioner:
             self.published_totals[key] = max(self.published_totals.get(key, 0), int(r.value))
             return
         if r.value is None or key.startswith(("close:", "count:")):
-            return   # the leader's keys (closer.py, count_windows.py)
+            return  # the leader's keys (closer.py, count_windows.py)
         if key.startswith("wm:"):
             self.watermarks[key] = MarkRecord.decode(r.value)
             return
         topic, _, part = key.rpartition(":")
         if not part.isdigit():
-            return   # another key of the topic: a forced release's request or answer (forced.py)
+            return  # another key of the topic: a forced release's request or answer (forced.py)
         pair = (topic, int(part))
         self.marks[pair] = max(self.marks.get(pair, 0), int(r.value))
 
@@ -215,7 +248,7 @@ class Repartitioner:
         their committed offsets' metadata before their records are stamped."""
         self._need_passed |= set(tps)
         for tp in tps:
-            self._next.pop(tp, None)   # looked at from its committed offset
+            self._next.pop(tp, None)  # looked at from its committed offset
 
     def _load_passed(self, tps) -> None:
         for tp in tps:
@@ -226,12 +259,16 @@ class Repartitioner:
                 meta = {}
             for route in self._clocked:
                 key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
-                self.passed[key], self.first[key] = \
-                    ((meta.get("wm") or {}).get(route.topic) or (None, None))
+                self.passed[key], self.first[key] = (meta.get("wm") or {}).get(route.topic) or (
+                    None,
+                    None,
+                )
             for route in self._counted:
                 key = total_key(route.topic, tp)
-                self.totals[key] = max(int((meta.get("n") or {}).get(route.topic, 0)),
-                                       self.published_totals.get(key, 0))
+                self.totals[key] = max(
+                    int((meta.get("n") or {}).get(route.topic, 0)),
+                    self.published_totals.get(key, 0),
+                )
         self._need_passed -= set(tps)
 
     def _offset_meta(self, tp, marks: dict, totals: dict | None = None) -> str:
@@ -247,8 +284,11 @@ class Repartitioner:
             for route in self._clocked:
                 key = MarkRecord.key(route.topic, src)
                 m = marks.get(key)
-                wm[route.topic] = [m.passed_ms, m.first_ms] if m is not None else \
-                    [self.passed.get(key), self.first.get(key)]
+                wm[route.topic] = (
+                    [m.passed_ms, m.first_ms]
+                    if m is not None
+                    else [self.passed.get(key), self.first.get(key)]
+                )
         if self._counted:
             totals = totals or {}
             meta["n"] = {}
@@ -304,10 +344,16 @@ class Repartitioner:
             return recs
         if (tp.topic, tp.partition) not in self._skip_noted:
             self._skip_noted.add((tp.topic, tp.partition))
-            log.warning("source partition %s:%d was read from offset %d, but the group "
-                        "repartitioned it up to %d already (its committed offsets were reset or "
-                        "lost): records below %d are not counted again", tp.topic, tp.partition,
-                        recs[0].offset, mark, mark)
+            log.warning(
+                "source partition %s:%d was read from offset %d, but the group "
+                "repartitioned it up to %d already (its committed offsets were reset or "
+                "lost): records below %d are not counted again",
+                tp.topic,
+                tp.partition,
+                recs[0].offset,
+                mark,
+                mark,
+            )
         return [r for r in recs if r.offset >= mark]
 
     def step(self, timeout_s: float = 0.2) -> int:
@@ -325,7 +371,7 @@ class Repartitioner:
             self._note_idle(polled)
         try:
             lost = self._deleted(polled)
-        except KafkaError:   # looked at again at the next step (nothing is skipped)
+        except KafkaError:  # looked at again at the next step (nothing is skipped)
             for tp, recs in polled.items():
                 if recs:
                     self.consumer.seek(tp, recs[0].offset)
@@ -334,15 +380,16 @@ class Repartitioner:
             return 0
         if self._need_passed and (self._clocked or self._counted):
             try:
-                self._load_passed([tp for tp in self._need_passed
-                                   if tp in self.consumer.assignment()])
+                self._load_passed(
+                    [tp for tp in self._need_passed if tp in self.consumer.assignment()]
+                )
             except KafkaError:
                 # the records are read again once the watermarks can be (nothing is skipped)
                 for tp, recs in polled.items():
                     if recs:
                         self.consumer.seek(tp, recs[0].offset)
                 for tp in lost:
-                    self._next.pop(tp, None)   # its deleted records are looked at again
+                    self._next.pop(tp, None)  # its deleted records are looked at again
                 raise
         now_ms = int(time.time() * 1000)
         taken = 0
@@ -354,7 +401,7 @@ class Repartitioner:
             totals = {}
             for tp, (first, low) in lost.items():
                 self._send_lost(txn, tp, first, low, now_ms)
-                if not polled.get(tp):   # read from the first record left, named once
+                if not polled.get(tp):  # read from the first record left, named once
                     offsets[tp] = OffsetAndMetadata(low, self._offset_meta(tp, {}), -1)
             for tp, recs in polled.items():
                 if not recs:
@@ -368,22 +415,32 @@ class Repartitioner:
                             key = total_key(route.topic, tp)
                             totals[key] = self.totals.get(key, 0) + sent
                             # the leader sums these to cut the count windows
-                            txn.send(self.marks_topic, partition=0, key=key.encode(),
-                                     value=str(totals[key]).encode())
+                            txn.send(
+                                self.marks_topic,
+                                partition=0,
+                                key=key.encode(),
+                                value=str(totals[key]).encode(),
+                            )
                     else:
                         key = MarkRecord.key(route.topic, f"{tp.topic}:{tp.partition}")
-                        new = self._send_event_time(txn, route, tp, recs, now_ms,
-                                                    self.passed.get(key), self.first.get(key))
+                        new = self._send_event_time(
+                            txn, route, tp, recs, now_ms, self.passed.get(key), self.first.get(key)
+                        )
                         if new.passed_ms is not None:
                             passed[key] = new
                             # published for the leader's watermark and the intakes' pacing
-                            txn.send(self.marks_topic, partition=0, key=key.encode(),
-                                     value=new.encode())
+                            txn.send(
+                                self.marks_topic, partition=0, key=key.encode(), value=new.encode()
+                            )
                 # the watermark rides with the offset it holds at: one commit, one decision
                 offsets[tp] = OffsetAndMetadata(nxt, self._offset_meta(tp, passed, totals), -1)
                 if self.marks_topic:
-                    txn.send(self.marks_topic, partition=0,
-                             key=f"{tp.topic}:{tp.partition}".encode(), value=str(nxt).encode())
+                    txn.send(
+                        self.marks_topic,
+                        partition=0,
+                        key=f"{tp.topic}:{tp.partition}".encode(),
+                        value=str(nxt).encode(),
+                    )
                 taken += len(recs)
             txn.send_offsets(offsets, self.consumer.group_metadata())
             txn.commit()
@@ -413,20 +470,27 @@ class Repartitioner:
         for tp in self.consumer.assignment():
             if tp not in self._next:
                 at = self.consumer.committed(tp, timeout_ms=5000)
-                self._next[tp] = (self.marks.get((tp.topic, tp.partition))
-                                  if at is None or at < 0 else int(at))
+                self._next[tp] = (
+                    self.marks.get((tp.topic, tp.partition)) if at is None or at < 0 else int(at)
+                )
                 self._unchecked.add(tp)
             at, recs = self._next[tp], polled.get(tp)
-            if at is not None and ((recs and recs[0].offset > at)
-                                   or (not recs and tp in self._unchecked)):
+            if at is not None and (
+                (recs and recs[0].offset > at) or (not recs and tp in self._unchecked)
+            ):
                 since[tp] = at
         lows = deleted_since(self.consumer, since)
         self._unchecked.clear()
         for tp, low in lows.items():
-            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
-                        "the topic's retention before they were read; the windows they may "
-                        "have been counted in are withheld naming them", tp.partition,
-                        tp.topic, since[tp], low)
+            log.warning(
+                "records of partition %d of %s from offset %d to %d were deleted by "
+                "the topic's retention before they were read; the windows they may "
+                "have been counted in are withheld naming them",
+                tp.partition,
+                tp.topic,
+                since[tp],
+                low,
+            )
         return {tp: (since[tp], low) for tp, low in lows.items()}
 
     def _send_lost(self, producer, tp, first: int, end: int, now_ms: int) -> None:
@@ -435,8 +499,10 @@ class Repartitioner:
         them is refused on every partition (counter.py), so the leader withholds it. Event
         time: every window they may have held (``from``, ``through`` headers), from the first
         one their partition had not passed (-1: it had no record yet, every open one)."""
-        text = (f"{deleted_text(tp.topic, tp.partition, first, end)}; a window that may have "
-                "counted them cannot be released whole").encode()
+        text = (
+            f"{deleted_text(tp.topic, tp.partition, first, end)}; a window that may have "
+            "counted them cannot be released whole"
+        ).encode()
         for route in self.routes:
             headers = [("lost", text)]
             c = route.clock
@@ -446,8 +512,9 @@ class Repartitioner:
                 through = lost_through(now_ms, size_ms=c.size_ms, skew_ms=c.skew_ms)
                 headers += [("from", str(lo).encode()), ("through", str(through).encode())]
             for p in range(route.partitions):
-                producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
-                              value=b"")
+                producer.send(
+                    route.topic, partition=p, timestamp_ms=now_ms, headers=headers, value=b""
+                )
 
     def _note_idle(self, polled) -> None:
         """``window.idle_partition_timeout_s``: a source partition read to its end says since
@@ -461,8 +528,12 @@ class Repartitioner:
         writes, offsets = {}, {}
         for tp in self.consumer.assignment():
             high = self.consumer.highwater(tp)
-            if polled.get(tp) or tp in self._need_passed or high is None \
-                    or self.consumer.position(tp) < high:
+            if (
+                polled.get(tp)
+                or tp in self._need_passed
+                or high is None
+                or self.consumer.position(tp) < high
+            ):
                 continue
             since = self._taken_at.setdefault(tp, now_ms)
             for route in routes:
@@ -470,8 +541,9 @@ class Repartitioner:
                 if self._idle_written.get(key) == since:
                     continue
                 writes[key] = MarkRecord(self.passed.get(key), since, self.first.get(key))
-                offsets[tp] = OffsetAndMetadata(self.consumer.position(tp),
-                                                self._offset_meta(tp, {}), -1)
+                offsets[tp] = OffsetAndMetadata(
+                    self.consumer.position(tp), self._offset_meta(tp, {}), -1
+                )
         if not writes:
             return
         try:
@@ -498,22 +570,31 @@ class Repartitioner:
         c = route.clock
         decoded, good, ts, rejects, keep = stamped(route.decoder, recs, now_ms, c.skew_ms)
         items = decoded.items
-        items = (np.asarray(items)[keep] if isinstance(items, np.ndarray)
-                 else [it for it, k in zip(items, keep) if k])
+        items = (
+            np.asarray(items)[keep]
+            if isinstance(items, np.ndarray)
+            else [it for it, k in zip(items, keep) if k]
+        )
         ts = ts[keep]
         if first_ms is None and len(ts):
             first_ms = int(ts[0])
         window, late, passed = stamp(ts, passed_ms, size_ms=c.size_ms, lateness_ms=c.lateness_ms)
         if c.late == "dead_letter" and late.any():
             rejects += [(int(i), "late") for i in good[keep][late]]
-            items = (np.asarray(items)[~late] if isinstance(items, np.ndarray)
-                     else [it for it, k in zip(items, ~late) if k])
+            items = (
+                np.asarray(items)[~late]
+                if isinstance(items, np.ndarray)
+                else [it for it, k in zip(items, ~late) if k]
+            )
             window, late = window[~late], late[~late]
         if rejects:
             Repartitioner._count_rejects(route.metrics, rejects)
             Repartitioner._dead_letters(producer, route, tp, recs, rejects)
-        idx = (np.asarray(route.index_of(items), dtype=np.int64) if len(items)
-               else np.zeros(0, dtype=np.int64))
+        idx = (
+            np.asarray(route.index_of(items), dtype=np.int64)
+            if len(items)
+            else np.zeros(0, dtype=np.int64)
+        )
         part = idx % route.partitions
         local = (idx // route.partitions).astype("<i4")
         groups = sorted({(int(w), bool(x)) for w, x in zip(window, late)})
@@ -524,8 +605,13 @@ class Repartitioner:
             sel = (window == w) & (late == is_late)
             headers = [("w", str(w).encode()), src] + ([("late", b"1")] if is_late else [])
             for p in range(route.partitions):
-                producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=headers,
-                              value=local[sel & (part == p)].tobytes())
+                producer.send(
+                    route.topic,
+                    partition=p,
+                    timestamp_ms=now_ms,
+                    headers=headers,
+                    value=local[sel & (part == p)].tobytes(),
+                )
         return MarkRecord(passed, None, first_ms)
 
     @staticmethod
@@ -533,15 +619,22 @@ class Repartitioner:
         """Send ``recs``' counter indices to ``route``; returns how many (events counted)."""
         if not recs:
             return 0
-        seg = Segment(partition=f"{tp.topic}:{tp.partition}", offsets=[r.offset for r in recs],
-                      values=[r.value for r in recs], keys=[r.key for r in recs],
-                      headers=[r.headers for r in recs])
+        seg = Segment(
+            partition=f"{tp.topic}:{tp.partition}",
+            offsets=[r.offset for r in recs],
+            values=[r.value for r in recs],
+            keys=[r.key for r in recs],
+            headers=[r.headers for r in recs],
+        )
         decoded = route.decoder.decode(seg.values, seg.keys, seg.headers)
         if decoded.rejected:
             Repartitioner._count_rejects(route.metrics, decoded.rejected)
             Repartitioner._dead_letters(producer, route, tp, recs, decoded.rejected)
-        idx = (np.asarray(route.index_of(decoded.items), dtype=np.int64) if len(decoded.items)
-               else np.zeros(0, dtype=np.int64))
+        idx = (
+            np.asarray(route.index_of(decoded.items), dtype=np.int64)
+            if len(decoded.items)
+            else np.zeros(0, dtype=np.int64)
+        )
         part = idx % route.partitions
         local = (idx // route.partitions).astype("<i4")
         # one message to every partition, empty ones included: how many messages a partition
@@ -549,8 +642,13 @@ class Repartitioner:
         # slices the items fell in
         src = [source_header(tp, recs)]
         for p in range(route.partitions):
-            producer.send(route.topic, partition=p, timestamp_ms=now_ms, headers=src,
-                          value=local[part == p].tobytes())
+            producer.send(
+                route.topic,
+                partition=p,
+                timestamp_ms=now_ms,
+                headers=src,
+                value=local[part == p].tobytes(),
+            )
         return len(local)
 
     @staticmethod
@@ -586,10 +684,12 @@ class Repartitioner:
     def _abort(self, polled, exc) -> None:
         """The transaction failed (fenced after a rebalance, a broker gone): nothing of it is
         visible; read the records again from the group's committed offsets."""
-        log.warning("intake transaction aborted (%s); re-reading from the committed offsets",
-                    type(exc).__name__)
+        log.warning(
+            "intake transaction aborted (%s); re-reading from the committed offsets",
+            type(exc).__name__,
+        )
         self.txn.failed(exc)
-        self._need_passed |= set(polled)   # back to what the committed offsets say
+        self._need_passed |= set(polled)  # back to what the committed offsets say
         for tp in polled:
             self._next.pop(tp, None)
         try:
@@ -610,10 +710,11 @@ class Repartitioner:
         taken before ``unsubscribe``, which empties the subscription (subscribing to nothing
         raised ValueError and killed the member during a broker outage, issue 46)."""
         topics = self._topics
-        listener = getattr(getattr(self.consumer, "_subscription", None), "rebalance_listener",
-                           None)
+        listener = getattr(
+            getattr(self.consumer, "_subscription", None), "rebalance_listener", None
+        )
         try:
             self.consumer.unsubscribe()
-        except KafkaError:   # its LeaveGroup cannot reach the broker: the session expires it
+        except KafkaError:  # its LeaveGroup cannot reach the broker: the session expires it
             pass
         self.consumer.subscribe(topics, listener=listener)

@@ -62,8 +62,14 @@ from ..rollup import ROLLUP_ARGUMENT, RollupError, RollupSum, missing_caveat, ro
 from .summary import merge_summaries, view_summary
 from .topics import read_partition
 
-__all__ = ["SliceRollups", "RollupReleases", "judge_rollup", "rollup_window_size",
-           "publish_rollup", "transact_rollup"]
+__all__ = [
+    "SliceRollups",
+    "RollupReleases",
+    "judge_rollup",
+    "rollup_window_size",
+    "publish_rollup",
+    "transact_rollup",
+]
 
 log = logging.getLogger("panagg.group")
 
@@ -90,11 +96,13 @@ class SliceRollups:
         P = int(identity["partitions"])
         if "size" in identity and -(-int(identity["size"]) // P) > self.MAX_SLICE:
             need = -(-int(identity["size"]) // self.MAX_SLICE)
-            raise ServiceError(f"window.rollups as sums keep each partition's slice of "
-                               f"{-(-int(identity['size']) // P)} counters in one Kafka message, "
-                               f"more than the {self.MAX_SLICE} that fit 16 MB; use at least "
-                               f"{need} partitions (scale.partitions) for a new group, or "
-                               "window.rollup_design = tree")
+            raise ServiceError(
+                f"window.rollups as sums keep each partition's slice of "
+                f"{-(-int(identity['size']) // P)} counters in one Kafka message, "
+                f"more than the {self.MAX_SLICE} that fit 16 MB; use at least "
+                f"{need} partitions (scale.partitions) for a new group, or "
+                "window.rollup_design = tree"
+            )
         self.reader = reader
         #: partition -> {span: the open RollupSum}
         self.sums: dict[int, dict[str, RollupSum]] = {}
@@ -110,8 +118,7 @@ class SliceRollups:
         self.reader.assign([tp])
         self.reader.seek_to_beginning(tp)
         latest: dict[bytes, bytes | None] = {}
-        if not read_partition(self.reader, tp, lambda rec: latest.__setitem__(rec.key,
-                                                                               rec.value)):
+        if not read_partition(self.reader, tp, lambda rec: latest.__setitem__(rec.key, rec.value)):
             raise KafkaTimeoutError(f"{self._rollups} partition {partition} not read to its end")
         sums = {}
         for key, value in latest.items():
@@ -120,22 +127,36 @@ class SliceRollups:
             try:
                 r = RollupSum.from_bytes(value)
             except RollupError as exc:
-                raise ServiceError(f"{self._rollups} partition {partition}, key {key!r}: {exc}; "
-                                   "write a tombstone for that key (the rollup is then not "
-                                   "released) or restore the topic") from None
+                raise ServiceError(
+                    f"{self._rollups} partition {partition}, key {key!r}: {exc}; "
+                    "write a tombstone for that key (the rollup is then not "
+                    "released) or restore the topic"
+                ) from None
             if r.span in self.spans:
                 sums[r.span] = r
         self.sums[partition] = sums
         if sums:
-            log.info("partition %d resumes rollup sum(s) %s from %s", partition,
-                     ", ".join(f"{r.span}-{r.index} ({len(r.parts)} windows)"
-                               for r in sums.values()), self._rollups)
+            log.info(
+                "partition %d resumes rollup sum(s) %s from %s",
+                partition,
+                ", ".join(f"{r.span}-{r.index} ({len(r.parts)} windows)" for r in sums.values()),
+                self._rollups,
+            )
 
     def drop(self, partition: int) -> None:
         self.sums.pop(partition, None)
 
-    def fold(self, partition: int, window: int, view, *, state, events: int, member: str,
-              times: tuple[float, float] | None = None):
+    def fold(
+        self,
+        partition: int,
+        window: int,
+        view,
+        *,
+        state,
+        events: int,
+        member: str,
+        times: tuple[float, float] | None = None,
+    ):
         """Closing ``window`` of ``partition``: its release view ``view`` = (counters, layers)
         (None: refused, no view) added to each span's sum. Returns the messages for the close's
         transaction, (topic, partition, key, value), and ``apply()`` to call once it committed."""
@@ -149,14 +170,20 @@ class SliceRollups:
             if r is not None and r.index != idx:
                 # (every window of a partition closes in order, so the last base window of
                 # r closed it; a sum left behind is a bug's: said, not summed on)
-                log.error("partition %d: rollup sum %s-%d outlived its last window; dropped",
-                          partition, span, r.index)
+                log.error(
+                    "partition %d: rollup sum %s-%d outlived its last window; dropped",
+                    partition,
+                    span,
+                    r.index,
+                )
                 msgs.append((self._rollups, partition, f"{span}/{r.index}".encode(), None))
                 r = None
-            r = copy.deepcopy(r) if r is not None else RollupSum(
-                span, idx, windows=k, p=state.p, mode=state.mode, size=state.size)
-            if view is not None and r.update(uid, window, view[0], layers=view[1],
-                                             n=int(state.n)):
+            r = (
+                copy.deepcopy(r)
+                if r is not None
+                else RollupSum(span, idx, windows=k, p=state.p, mode=state.mode, size=state.size)
+            )
+            if view is not None and r.update(uid, window, view[0], layers=view[1], n=int(state.n)):
                 # (``times``: the window's own, where its number does not give them: count windows)
                 size = float(self.identity["window_size"])
                 start, end = times or (window * size, (window + 1) * size)
@@ -164,8 +191,14 @@ class SliceRollups:
             key = f"{span}/{idx}".encode()
             if window == (idx + 1) * k - 1:
                 summary = self._summary(r, partition, state, member)
-                msgs.append((self._summaries, 0, f"r/{span}/{idx}/{partition}".encode(),
-                             json.dumps(summary, allow_nan=False).encode()))
+                msgs.append(
+                    (
+                        self._summaries,
+                        0,
+                        f"r/{span}/{idx}/{partition}".encode(),
+                        json.dumps(summary, allow_nan=False).encode(),
+                    )
+                )
                 msgs.append((self._rollups, partition, key, None))
             else:
                 msgs.append((self._rollups, partition, key, r.to_bytes()))
@@ -180,18 +213,32 @@ class SliceRollups:
         parts = list(r.parts.values())
         size = float(self.identity["window_size"])
         first, last = r.index * r.windows, (r.index + 1) * r.windows
-        info = {"kind": "rollup", "size": rollup_window_size(self.identity, r.windows),
-                "events": int(sum(v.get("events", 0) for v in parts)),
-                "started_unix": min((v["started_unix"] for v in parts), default=first * size),
-                "ended_unix": max((v["ended_unix"] for v in parts), default=last * size)}
-        params = SimpleNamespace(mode=state.mode, size=state.size, epsilon=state.epsilon,
-                                 neighbor=state.neighbor, p=state.p)
-        out = view_summary(r.counts, layers=r.layers, model=self.identity["model"],
-                           window=f"{r.span}-{r.index}", partition=partition,
-                           partitions=int(self.identity["partitions"]), window_info=info,
-                           n=r.n or 0, params=params)
-        out.update(rollup=r.span, index=r.index, windows=r.windows, parts=r.parts,
-                   member=member)
+        info = {
+            "kind": "rollup",
+            "size": rollup_window_size(self.identity, r.windows),
+            "events": int(sum(v.get("events", 0) for v in parts)),
+            "started_unix": min((v["started_unix"] for v in parts), default=first * size),
+            "ended_unix": max((v["ended_unix"] for v in parts), default=last * size),
+        }
+        params = SimpleNamespace(
+            mode=state.mode,
+            size=state.size,
+            epsilon=state.epsilon,
+            neighbor=state.neighbor,
+            p=state.p,
+        )
+        out = view_summary(
+            r.counts,
+            layers=r.layers,
+            model=self.identity["model"],
+            window=f"{r.span}-{r.index}",
+            partition=partition,
+            partitions=int(self.identity["partitions"]),
+            window_info=info,
+            n=r.n or 0,
+            params=params,
+        )
+        out.update(rollup=r.span, index=r.index, windows=r.windows, parts=r.parts, member=member)
         return out
 
 
@@ -203,8 +250,11 @@ def noise_only_windows(have: dict[int, dict], ledger, P: int) -> set[str]:
     out = set()
     for uid in {u for s in have.values() for u in s["parts"]}:
         parts = [s["parts"].get(uid) for s in have.values()]
-        if len(parts) == P and all(x is not None and not x.get("events") for x in parts) \
-                and ledger.get(uid) is None:
+        if (
+            len(parts) == P
+            and all(x is not None and not x.get("events") for x in parts)
+            and ledger.get(uid) is None
+        ):
             out.add(uid)
     return out
 
@@ -232,16 +282,27 @@ def judge_rollup(have: dict[int, dict], ledger, identity: dict) -> tuple[str | N
             # layers and are not a base window of the release
             continue
         if e is None or e.get("kind") != "release":
-            return (f"rollup {name} refused: base window {w} is not a ledgered release (a "
-                    "rollup only adds up released views); nothing of it is published",
-                    [], [])
+            return (
+                f"rollup {name} refused: base window {w} is not a ledgered release (a "
+                "rollup only adds up released views); nothing of it is published",
+                [],
+                [],
+            )
         if e.get("withheld"):
-            return (f"rollup {name} withheld: base window {w} was withheld ({e['withheld']}) "
-                    "and its other partitions' slices are in the sums; nothing of it is "
-                    "published", [], [])
+            return (
+                f"rollup {name} withheld: base window {w} was withheld ({e['withheld']}) "
+                "and its other partitions' slices are in the sums; nothing of it is "
+                "published",
+                [],
+                [],
+            )
         if len(held[uid]) != P:
-            return (f"rollup {name} withheld: base window {w} is held by partitions "
-                    f"{sorted(held[uid])} of {P} only; nothing of it is published", [], [])
+            return (
+                f"rollup {name} withheld: base window {w} is held by partitions "
+                f"{sorted(held[uid])} of {P} only; nothing of it is published",
+                [],
+                [],
+            )
         entries.append(e)
     have_windows = {int(u.rsplit("/", 1)[1]) for u in held}
     missing = []
@@ -263,7 +324,7 @@ class RollupReleases:
     def __init__(self, leader, spans: dict[str, int]):
         self.leader, self.spans = leader, dict(spans)
         self.pending: dict[tuple[str, int], dict[int, dict]] = {}
-        self._in_flight = None   # ((span, idx), entries, missing, future)
+        self._in_flight = None  # ((span, idx), entries, missing, future)
         #: decided by this leader: the ledger's copy in memory may lag its topic by a turn
         #: (the commit markers land after the commit returns), so never decide one twice
         self.done: set[tuple[str, int]] = set()
@@ -303,34 +364,49 @@ class RollupReleases:
             if not self._ready(have, decided):
                 continue
             rid = f"{lead.identity['lineage']}/rollup-{key[0]}-{key[1]}"
-            if lead.ledger.has(rid):   # decided by an earlier leader
+            if lead.ledger.has(rid):  # decided by an earlier leader
                 self._transact(key, have, entry=None, document=None)
                 continue
             if not any(s["parts"] for s in have.values()):
-                log.info("rollup %s-%d holds no released base window: nothing to release",
-                         *key)
+                log.info("rollup %s-%d holds no released base window: nothing to release", *key)
                 self._transact(key, have, entry=None, document=None)
                 continue
             reason, entries, missing = judge_rollup(have, lead.ledger, lead.identity)
             if not reason and not entries:
-                log.info("rollup %s-%d holds only windows no event fell in: nothing to "
-                         "release", *key)
+                log.info(
+                    "rollup %s-%d holds only windows no event fell in: nothing to release", *key
+                )
                 self._transact(key, have, entry=None, document=None)
                 continue
             if reason:
                 log.warning("%s", reason)
-                self._transact(key, have, document=None, entry=dict(
-                    entry_id=rid, kind="refused-rollup", window=f"{key[0]}-{key[1]}",
-                    epsilon_spent=0.0, note=reason, rollup=key[0],
-                    lineage=lead.identity["lineage"]))
+                self._transact(
+                    key,
+                    have,
+                    document=None,
+                    entry=dict(
+                        entry_id=rid,
+                        kind="refused-rollup",
+                        window=f"{key[0]}-{key[1]}",
+                        epsilon_spent=0.0,
+                        note=reason,
+                        rollup=key[0],
+                        lineage=lead.identity["lineage"],
+                    ),
+                )
                 continue
             summaries = [have[p] for p in range(lead.P)]
             if lead.merge is None:
-                self._publish(key, entries, missing,
-                              merge_summaries(summaries, **lead.merge_kwargs))
-            else:   # beside the loop: a week of 1e6 counters takes a while
-                self._in_flight = (key, entries, missing,
-                                   lead.merge(summaries, **lead.merge_kwargs))
+                self._publish(
+                    key, entries, missing, merge_summaries(summaries, **lead.merge_kwargs)
+                )
+            else:  # beside the loop: a week of 1e6 counters takes a while
+                self._in_flight = (
+                    key,
+                    entries,
+                    missing,
+                    lead.merge(summaries, **lead.merge_kwargs),
+                )
                 return
 
     def _publish(self, key, entries: list, missing: list, release: dict) -> None:
@@ -343,13 +419,23 @@ class RollupReleases:
             for uid, part in s["parts"].items():
                 if uid not in quiet:
                     r.parts.setdefault(uid, part)
-        extra = {"noise_only_windows": sorted(int(u.rsplit("/", 1)[1]) for u in quiet)} \
-            if quiet else {}   # in the sum as noise layers only (event-time windows, no event)
-        publish_rollup(lead, r, entries, missing, release, scale_out={
-            "store": "kafka", "partitions": lead.P,
-            "members": sorted({s.get("member", "") for s in have.values()})},
+        extra = (
+            {"noise_only_windows": sorted(int(u.rsplit("/", 1)[1]) for u in quiet)} if quiet else {}
+        )  # in the sum as noise layers only (event-time windows, no event)
+        publish_rollup(
+            lead,
+            r,
+            entries,
+            missing,
+            release,
+            scale_out={
+                "store": "kafka",
+                "partitions": lead.P,
+                "members": sorted({s.get("member", "") for s in have.values()}),
+            },
             tombstones=[(lead.topics.summaries, f"r/{span}/{idx}/{p}".encode()) for p in have],
-            extra=extra)
+            extra=extra,
+        )
         self.done.add(key)
         self.pending.pop(key, None)
 
@@ -357,30 +443,51 @@ class RollupReleases:
         """The ledger entry (if any), the document (if any) and the rollup summaries'
         tombstones in one transaction."""
         span, idx = key
-        transact_rollup(self.leader, f"{span}-{idx}", entry=entry, document=document,
-                        tombstones=[(self.leader.topics.summaries, f"r/{span}/{idx}/{p}".encode())
-                                    for p in have])
+        transact_rollup(
+            self.leader,
+            f"{span}-{idx}",
+            entry=entry,
+            document=document,
+            tombstones=[
+                (self.leader.topics.summaries, f"r/{span}/{idx}/{p}".encode()) for p in have
+            ],
+        )
         self.done.add(key)
         self.pending.pop(key, None)
 
 
-def publish_rollup(lead, r: RollupSum, entries: list, missing: list, release: dict, *,
-                   scale_out: dict, tombstones: list, extra: dict | None = None) -> None:
+def publish_rollup(
+    lead,
+    r: RollupSum,
+    entries: list,
+    missing: list,
+    release: dict,
+    *,
+    scale_out: dict,
+    tombstones: list,
+    extra: dict | None = None,
+) -> None:
     """Publish rollup ``r``'s ``release`` (computed from its sum) over the base windows' ledger
     ``entries``, naming the ``missing`` ones: the document, its ledger entry (0 eps) and the
     ``tombstones`` (topic, key) of what the sum was kept in, in one transaction; then the local
     file, metrics and one line. ``lead`` is the group's leader (items and views alike)."""
     name = f"{r.span}-{r.index}"
     info = release["window_info"]
-    release["window_info"] = {k: info[k] for k in ("kind", "size", "events",
-                                                   "started_unix", "ended_unix")}
+    release["window_info"] = {
+        k: info[k] for k in ("kind", "size", "events", "started_unix", "ended_unix")
+    }
     release["window_info"]["base_kind"] = lead.window_kind
     release["rollup"] = rollup_block(r, missing, release["layers"])
     release["rollup"].update(extra or {})
     if missing:
         release["caveat"] = missing_caveat(name, len(r.parts), r.windows, missing)
-        log.warning("rollup %s holds %d of %d base windows (%d missing; the release says "
-                    "which and why)", name, len(r.parts), r.windows, len(missing))
+        log.warning(
+            "rollup %s holds %d of %d base windows (%d missing; the release says which and why)",
+            name,
+            len(r.parts),
+            r.windows,
+            len(missing),
+        )
     if lead.aggregation:
         release["aggregation"] = {"name": lead.aggregation}
     if lead.rollup_level:
@@ -390,24 +497,41 @@ def publish_rollup(lead, r: RollupSum, entries: list, missing: list, release: di
     release["scale_out"] = scale_out
     stamp_window(release)
     doc = json.dumps(release, allow_nan=False, sort_keys=True)
-    entry = dict(entry_id=rid, kind="rollup", window=name, epsilon_spent=0.0,
-                 note=ROLLUP_ARGUMENT, rollup=r.span, n=int(release["n"]),
-                 base_windows=[{"window": e["window"], "uid": e["window_uid"],
-                                "seq": e["seq"], "hash": e["hash"]} for e in entries],
-                 missing=[m["window"] for m in missing], lineage=lead.identity["lineage"],
-                 document_sha256=hashlib.sha256(doc.encode()).hexdigest())
+    entry = dict(
+        entry_id=rid,
+        kind="rollup",
+        window=name,
+        epsilon_spent=0.0,
+        note=ROLLUP_ARGUMENT,
+        rollup=r.span,
+        n=int(release["n"]),
+        base_windows=[
+            {"window": e["window"], "uid": e["window_uid"], "seq": e["seq"], "hash": e["hash"]}
+            for e in entries
+        ],
+        missing=[m["window"] for m in missing],
+        lineage=lead.identity["lineage"],
+        document_sha256=hashlib.sha256(doc.encode()).hexdigest(),
+    )
     transact_rollup(lead, name, entry=entry, document=doc, tombstones=tombstones)
     path = lead.local_file(release, f"rollup {name}")
     lead.metrics.rollup_released(r.span, release)
     lead.metrics.published(release)
-    log.info("rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
-             "(estimated in %.1f s) -> %s", name, len(r.parts), release["layers"],
-             release["n"], release.get("release_seconds", float("nan")),
-             path or lead.topics.releases)
+    log.info(
+        "rollup %s: %d base windows, %d noise layers, n=%s, released at 0 extra eps "
+        "(estimated in %.1f s) -> %s",
+        name,
+        len(r.parts),
+        release["layers"],
+        release["n"],
+        release.get("release_seconds", float("nan")),
+        path or lead.topics.releases,
+    )
 
 
-def transact_rollup(lead, name: str, *, entry: dict | None, document: str | None,
-                    tombstones: list) -> None:
+def transact_rollup(
+    lead, name: str, *, entry: dict | None, document: str | None, tombstones: list
+) -> None:
     """The rollup ``name``'s ledger entry (if any), its document (if any) and the
     ``tombstones`` (topic, key) in one transaction of the leader's."""
 
@@ -417,11 +541,11 @@ def transact_rollup(lead, name: str, *, entry: dict | None, document: str | None
         if entry is not None:
             lead.ledger.append(model=lead.identity["model"], producer=txn, **entry)
         if document is not None:
-            txn.send(lead.topics.releases, partition=0, key=name.encode(),
-                     value=document.encode())
+            txn.send(lead.topics.releases, partition=0, key=name.encode(), value=document.encode())
             if lead.release_topic:
-                txn.send(lead.release_topic, key=lead.release_key(name).encode(),
-                         value=document.encode())
+                txn.send(
+                    lead.release_topic, key=lead.release_key(name).encode(), value=document.encode()
+                )
         for topic, key in tombstones:
             txn.send(topic, partition=0, key=key, value=None)
         txn.commit()

@@ -29,8 +29,12 @@ from pathlib import Path
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
-from kafka.errors import (InvalidProducerEpochError, InvalidTxnStateError, KafkaError,
-                          ProducerFencedError)
+from kafka.errors import (
+    InvalidProducerEpochError,
+    InvalidTxnStateError,
+    KafkaError,
+    ProducerFencedError,
+)
 from kafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry
 
@@ -57,16 +61,20 @@ log = logging.getLogger("panagg.group")
 class GroupService:
     """One member of the group ``source.group`` (see the module docstring)."""
 
-    def __init__(self, cfg: Config, metrics, *, fresh_start: bool = False,
-                 accept_change: bool = False):
+    def __init__(
+        self, cfg: Config, metrics, *, fresh_start: bool = False, accept_change: bool = False
+    ):
         if fresh_start or accept_change:
-            raise ServiceError("--fresh-start and --accept-change do not apply to scale.store = "
-                               "kafka: the group's state is its Kafka topics (use another "
-                               "source.group for a new group)")
+            raise ServiceError(
+                "--fresh-start and --accept-change do not apply to scale.store = "
+                "kafka: the group's state is its Kafka topics (use another "
+                "source.group for a new group)"
+            )
         self.cfg, self.metrics = cfg, metrics
         src = cfg.source
-        self.instance = src.instance_id or \
-            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.instance = (
+            src.instance_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
         self.security = client_options(cfg.security)
         named = aggregation_configs(cfg)
         if named:
@@ -76,8 +84,9 @@ class GroupService:
 
             self.pipelines = [Pipeline(name, one, self, Metrics()) for name, one in named]
             metrics.registry = CollectorRegistry()
-            metrics.registry.register(ByAggregation(
-                {p.name: p.metrics.registry for p in self.pipelines}))
+            metrics.registry.register(
+                ByAggregation({p.name: p.metrics.registry for p in self.pipelines})
+            )
         else:
             self.pipelines = [Pipeline("", cfg, self, metrics)]
         self.stop_event = threading.Event()
@@ -99,8 +108,11 @@ class GroupService:
 
     # -- Kafka clients -----------------------------------------------------------------------
     def _common(self) -> dict:
-        return dict(bootstrap_servers=self.cfg.source.bootstrap,
-                    reconnect_backoff_max_ms=1000, **self.security)
+        return dict(
+            bootstrap_servers=self.cfg.source.bootstrap,
+            reconnect_backoff_max_ms=1000,
+            **self.security,
+        )
 
     def _holds_entries(self, topic: str) -> bool:
         """Whether the one-partition ``topic`` holds a committed record: a ledger topic that
@@ -116,14 +128,21 @@ class GroupService:
 
     def consumer(self, group: str | None, **extra):
         src = self.cfg.source
-        conf = dict(self._common(), group_id=group, enable_auto_commit=False,
-                    isolation_level="read_committed", auto_offset_reset="earliest",
-                    client_id=f"panagg-{self.instance}",
-                    fetch_max_bytes=src.fetch_max_bytes,
-                    max_partition_fetch_bytes=src.max_partition_fetch_bytes)
+        conf = dict(
+            self._common(),
+            group_id=group,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+            auto_offset_reset="earliest",
+            client_id=f"panagg-{self.instance}",
+            fetch_max_bytes=src.fetch_max_bytes,
+            max_partition_fetch_bytes=src.max_partition_fetch_bytes,
+        )
         if group is not None:
-            conf.update(session_timeout_ms=int(src.session_timeout_s * 1000),
-                        heartbeat_interval_ms=int(min(3.0, src.session_timeout_s / 3) * 1000))
+            conf.update(
+                session_timeout_ms=int(src.session_timeout_s * 1000),
+                heartbeat_interval_ms=int(min(3.0, src.session_timeout_s / 3) * 1000),
+            )
         conf.update(extra)
         c = KafkaConsumer(**conf)
         self._clients.append(c)
@@ -131,9 +150,13 @@ class GroupService:
         return c
 
     def producer(self, transactional_id: str, keep: bool = True):
-        p = KafkaProducer(**self._common(), transactional_id=transactional_id,
-                          transaction_timeout_ms=15000, linger_ms=5,
-                          max_request_size=16 * 1024 * 1024)
+        p = KafkaProducer(
+            **self._common(),
+            transactional_id=transactional_id,
+            transaction_timeout_ms=15000,
+            linger_ms=5,
+            max_request_size=16 * 1024 * 1024,
+        )
         try:
             _checked(compat.check_producer, p, transactional=True)
             p.init_transactions()
@@ -153,20 +176,27 @@ class GroupService:
     def _partitions(self, admin) -> int:
         src = self.cfg.source
         want = int(self.cfg.scale.partitions)
-        found = [d for d in admin.describe_topics([src.topic])
-                 if d.get("topic", d.get("name")) == src.topic]
+        found = [
+            d
+            for d in admin.describe_topics([src.topic])
+            if d.get("topic", d.get("name")) == src.topic
+        ]
         have = len(found[0].get("partitions") or []) if found else 0
         if not have:
-            raise ServiceError(f"topic {src.topic!r} does not exist on the cluster: create it "
-                               "(panagg reads it, never creates it) or fix source.topic")
+            raise ServiceError(
+                f"topic {src.topic!r} does not exist on the cluster: create it "
+                "(panagg reads it, never creates it) or fix source.topic"
+            )
         self.source_partitions = [f"{src.topic}:{p}" for p in range(have)]
         if self.views:
             # each member counts whole source partitions: the group's partitions are the
             # source's (a views group checks that the source keeps them: its identity)
             if want and want != have:
-                raise ServiceError(f"scale.partitions = {want} applies to scale.exchange = items; "
-                                   f"with views the group counts the {have} partitions of "
-                                   f"{src.topic}: remove scale.partitions")
+                raise ServiceError(
+                    f"scale.partitions = {want} applies to scale.exchange = items; "
+                    f"with views the group counts the {have} partitions of "
+                    f"{src.topic}: remove scale.partitions"
+                )
             return have
         return want or have
 
@@ -181,9 +211,11 @@ class GroupService:
                 return call()
             except KafkaError as exc:
                 if not getattr(exc, "retriable", False) or time.monotonic() > deadline:
-                    raise ServiceError(f"{what} failed ({type(exc).__name__}); check that the "
-                                       "Kafka cluster is up and this client may describe the "
-                                       "group") from None
+                    raise ServiceError(
+                        f"{what} failed ({type(exc).__name__}); check that the "
+                        "Kafka cluster is up and this client may describe the "
+                        "group"
+                    ) from None
                 time.sleep(0.5)
 
     def _check_directory(self) -> None:
@@ -196,7 +228,8 @@ class GroupService:
                 "shared-directory scale-out (its ledger.jsonl records the privacy spent): keep it "
                 "as it is and give each member an empty scratch checkpoint.dir; with the same "
                 "source.group the group starts at its committed offsets, so nothing is counted "
-                "twice")
+                "twice"
+            )
 
     def _check_release_topics(self, existing: set[str]) -> None:
         """release.topic must exist: the leader sends each release there inside the transaction
@@ -209,32 +242,42 @@ class GroupService:
                     f"release.topic {topic!r} does not exist on the cluster: create it once, "
                     f"compacted so that it keeps every release (kafka-topics.sh --create --topic "
                     f"{topic} --partitions 1 --config cleanup.policy=compact), or unset "
-                    "release.topic")
+                    "release.topic"
+                )
 
     def start(self) -> None:
         cfg = self.cfg
         self._check_directory()
-        admin = KafkaAdminClient(**self._common(), request_timeout_ms=int(
-            cfg.source.connect_timeout_s * 1000))
+        admin = KafkaAdminClient(
+            **self._common(), request_timeout_ms=int(cfg.source.connect_timeout_s * 1000)
+        )
         try:
             P = self._partitions(admin)
             anchors = {}
             existing = set(admin.list_topics())
             self._check_release_topics(existing)
             for pipe in self.pipelines:
-                anchors[pipe.name] = self._retrying(lambda: pipe.anchor(admin),
-                                                    "reading the group's committed offsets")
+                anchors[pipe.name] = self._retrying(
+                    lambda: pipe.anchor(admin), "reading the group's committed offsets"
+                )
                 if anchors[pipe.name] and pipe.topics.ledger not in existing:
                     raise ServiceError(
                         f"the ledger topic {pipe.topics.ledger} is missing, but the group's "
                         f"committed offsets record {anchors[pipe.name]['seq']} ledger entries: "
                         "it was deleted; restore it (the ledger is the record of privacy "
                         "spent), or start a new group (another source.group) knowing the old "
-                        "charges are not carried over")
+                        "charges are not carried over"
+                    )
             intake = self.pipelines[0].topics.intake
-            if not self.views and intake not in existing and any(
-                    self._holds_entries(pipe.topics.ledger) for pipe in self.pipelines
-                    if pipe.topics.ledger in existing):
+            if (
+                not self.views
+                and intake not in existing
+                and any(
+                    self._holds_entries(pipe.topics.ledger)
+                    for pipe in self.pipelines
+                    if pipe.topics.ledger in existing
+                )
+            ):
                 # its marks are what keeps a record from being repartitioned twice: rebuilt
                 # from nothing, a reset's re-read would be counted and released again
                 raise ServiceError(
@@ -242,22 +285,33 @@ class GroupService:
                     "exists: it was deleted, and with it the marks that keep a record from "
                     "being counted twice; restore it, or start a new group (another "
                     "source.group): the budget registry then withholds the records this group "
-                    "released")
+                    "released"
+                )
             src_topic = cfg.source.topic
-            listed = self._retrying(lambda: admin.list_group_offsets(cfg.source.group),
-                                    "reading the source group's committed offsets")
-            committed = {tp.partition: om.offset for tp, om in
-                         (listed.get(cfg.source.group) or {}).items()
-                         if tp.topic == src_topic and om.offset is not None and om.offset > 0}
+            listed = self._retrying(
+                lambda: admin.list_group_offsets(cfg.source.group),
+                "reading the source group's committed offsets",
+            )
+            committed = {
+                tp.partition: om.offset
+                for tp, om in (listed.get(cfg.source.group) or {}).items()
+                if tp.topic == src_topic and om.offset is not None and om.offset > 0
+            }
             for pipe in self.pipelines:
                 # (a count window's duration is not known: a week, and a replay that finds its
                 # window's first records deleted withholds the window, counter.py)
                 retention = cfg.scale.repartition_retention_s or (
-                    7 * 86400.0 if pipe.cfg.window.kind == "count"
-                    else max(3 * float(pipe.cfg.window.size), 3600.0))
+                    7 * 86400.0
+                    if pipe.cfg.window.kind == "count"
+                    else max(3 * float(pipe.cfg.window.size), 3600.0)
+                )
                 for line in pipe.topics.ensure(
-                        admin, P, int(retention * 1000), views=self.views,
-                        snapshots=bool(pipe.cfg.checkpoint.snapshots_per_window)):
+                    admin,
+                    P,
+                    int(retention * 1000),
+                    views=self.views,
+                    snapshots=bool(pipe.cfg.checkpoint.snapshots_per_window),
+                ):
                     log.info(line)
         except GroupTopicError as exc:
             raise ServiceError(str(exc)) from None
@@ -267,9 +321,11 @@ class GroupService:
         for i, pipe in enumerate(self.pipelines):
             # one group, one start: the first aggregation's identity carries it (a views group:
             # each aggregation's counting group is placed by its own identity's transaction)
-            pipe.open_ledger(P, anchors[pipe.name],
-                             seed=seed(pipe) if seed is not None and (i == 0 or self.views)
-                             else None)
+            pipe.open_ledger(
+                P,
+                anchors[pipe.name],
+                seed=seed(pipe) if seed is not None and (i == 0 or self.views) else None,
+            )
         if cfg.release.workers:
             self.worker = ReleaseWorker(cfg.release.workers)
         group_opts = {"group_instance_id": self.instance} if cfg.source.instance_id else {}
@@ -278,13 +334,18 @@ class GroupService:
         self._started_lines()
         if self.views:
             return
-        intake = self.consumer(cfg.source.group, **group_opts,
-                               max_poll_records=cfg.source.max_records)
+        intake = self.consumer(
+            cfg.source.group, **group_opts, max_poll_records=cfg.source.max_records
+        )
         marks = self.pipelines[0].topics.intake
         self.intake = Repartitioner(
-            intake, self.transactions(f"{cfg.source.group}.panagg.intake.{self.instance}"),
-            [pipe.route(P) for pipe in self.pipelines], max_records=cfg.source.max_records,
-            marks_topic=marks, marks_reader=self.consumer(None))
+            intake,
+            self.transactions(f"{cfg.source.group}.panagg.intake.{self.instance}"),
+            [pipe.route(P) for pipe in self.pipelines],
+            max_records=cfg.source.max_records,
+            marks_topic=marks,
+            marks_reader=self.consumer(None),
+        )
         rp = self.intake
 
         class _Marks(ConsumerRebalanceListener):
@@ -292,49 +353,74 @@ class GroupService:
                 pass
 
             def on_partitions_assigned(self, assigned):
-                rp.read_marks()   # a partition may come with marks another member wrote
+                rp.read_marks()  # a partition may come with marks another member wrote
                 rp.assigned(assigned)
 
         intake.subscribe([cfg.source.topic], listener=_Marks())
         self._seed_marks(committed)
 
     def _started_lines(self) -> None:
-        for pipe in self.pipelines:   # a rollup level's is its share
+        for pipe in self.pipelines:  # a rollup level's is its share
             pipe.metrics.epsilon.set(float(pipe.cfg.state.epsilon))
         self._save_config()
         for pipe in self.pipelines:
             if self.views:
                 size = pipe.identity["window_size"]
-                windows = (f"count windows of {int(size):,} events of the group, cut by each "
-                           "member at the group's reported total"
-                           if pipe.identity.get("window_kind") == "count"
-                           else f"windows of {size:g} s by event time (allowed lateness "
-                           f"{pipe.identity['allowed_lateness_s']:g} s), closed at the group's "
-                           "low watermark" if pipe.identity.get("window_kind") == "event_time"
-                           else f"windows of {size:g} s by this member's clock")
-                log.info("member %s of %s: scale.exchange = views: counts its own partitions of "
-                         "%s into its own pan-private state (%s mode, %d counters, %s); it "
-                         "writes only eps-DP views to %s.*",
-                         self.instance, pipe.about, self.cfg.source.topic,
-                         pipe.identity["mode"], pipe.size, windows, pipe.topics.prefix)
+                windows = (
+                    f"count windows of {int(size):,} events of the group, cut by each "
+                    "member at the group's reported total"
+                    if pipe.identity.get("window_kind") == "count"
+                    else f"windows of {size:g} s by event time (allowed lateness "
+                    f"{pipe.identity['allowed_lateness_s']:g} s), closed at the group's "
+                    "low watermark"
+                    if pipe.identity.get("window_kind") == "event_time"
+                    else f"windows of {size:g} s by this member's clock"
+                )
+                log.info(
+                    "member %s of %s: scale.exchange = views: counts its own partitions of "
+                    "%s into its own pan-private state (%s mode, %d counters, %s); it "
+                    "writes only eps-DP views to %s.*",
+                    self.instance,
+                    pipe.about,
+                    self.cfg.source.topic,
+                    pipe.identity["mode"],
+                    pipe.size,
+                    windows,
+                    pipe.topics.prefix,
+                )
                 continue
             kind, size = pipe.identity.get("window_kind"), pipe.identity["window_size"]
-            windows = (f"count windows of {int(size):,} events, cut by the leader" if kind == "count"
-                       else f"windows of {size:g} s by event time (allowed lateness "
-                       f"{pipe.identity['allowed_lateness_s']:g} s)" if kind == "event_time"
-                       else f"windows of {size:g} s by intake time")
+            windows = (
+                f"count windows of {int(size):,} events, cut by the leader"
+                if kind == "count"
+                else f"windows of {size:g} s by event time (allowed lateness "
+                f"{pipe.identity['allowed_lateness_s']:g} s)"
+                if kind == "event_time"
+                else f"windows of {size:g} s by intake time"
+            )
             P = int(pipe.identity["partitions"])
-            log.info("member %s of %s: %d partition(s), %s mode with %d counters split into %d "
-                     "slices, %s; shared state only in %s.*", self.instance, pipe.about, P,
-                     pipe.identity["mode"], pipe.size, P, windows, pipe.topics.prefix)
-            log.warning("scale.exchange = items: %s holds every event's counter index in "
-                        "plaintext (kept %s) and anyone who can read it learns them; the "
-                        "default scale.exchange = views keeps every internal topic eps-DP "
-                        "(docs/privacy.md section 20)",
-                        pipe.topics.repartition,
-                        f"{self.cfg.scale.repartition_retention_s:g} s"
-                        if self.cfg.scale.repartition_retention_s else "three windows, at "
-                        "least one hour")
+            log.info(
+                "member %s of %s: %d partition(s), %s mode with %d counters split into %d "
+                "slices, %s; shared state only in %s.*",
+                self.instance,
+                pipe.about,
+                P,
+                pipe.identity["mode"],
+                pipe.size,
+                P,
+                windows,
+                pipe.topics.prefix,
+            )
+            log.warning(
+                "scale.exchange = items: %s holds every event's counter index in "
+                "plaintext (kept %s) and anyone who can read it learns them; the "
+                "default scale.exchange = views keeps every internal topic eps-DP "
+                "(docs/privacy.md section 20)",
+                pipe.topics.repartition,
+                f"{self.cfg.scale.repartition_retention_s:g} s"
+                if self.cfg.scale.repartition_retention_s
+                else "three windows, at least one hour",
+            )
 
     def _start_seed(self):
         """``source.start`` (earliest, latest, or a time) for a new group: the source offsets it
@@ -359,8 +445,9 @@ class GroupService:
                 at = ends
             else:
                 found = probe.offsets_for_times({tp: int(start) for tp in tps})
-                at = {tp: (found[tp].offset if found.get(tp) is not None else ends[tp])
-                      for tp in tps}
+                at = {
+                    tp: (found[tp].offset if found.get(tp) is not None else ends[tp]) for tp in tps
+                }
         finally:
             self.discard(probe)
         marks = self.pipelines[0].topics.intake
@@ -370,23 +457,39 @@ class GroupService:
             def seed(txn):
                 if views:
                     # the member's counting group reads the source: it starts there
-                    txn.send_offsets({tp: OffsetAndMetadata(int(off), "", -1)
-                                      for tp, off in at.items()}, pipe.topics.counting_group)
+                    txn.send_offsets(
+                        {tp: OffsetAndMetadata(int(off), "", -1) for tp, off in at.items()},
+                        pipe.topics.counting_group,
+                    )
                 else:
                     for tp, off in at.items():
-                        txn.send(marks, partition=0, key=f"{tp.topic}:{tp.partition}".encode(),
-                                 value=str(int(off)).encode())
-                    txn.send_offsets({tp: OffsetAndMetadata(int(off), "", -1)
-                                      for tp, off in at.items()}, src.group)
+                        txn.send(
+                            marks,
+                            partition=0,
+                            key=f"{tp.topic}:{tp.partition}".encode(),
+                            value=str(int(off)).encode(),
+                        )
+                    txn.send_offsets(
+                        {tp: OffsetAndMetadata(int(off), "", -1) for tp, off in at.items()},
+                        src.group,
+                    )
                 log_start()
+
             return seed
 
         def log_start():
-            log.info("new group %s starts at %s (source.start = %s): %s", src.group,
-                     "the earliest retained records" if start == "earliest" else
-                     "the latest offsets" if start == "latest" else "the first records at or "
-                     "after it", src.start, ", ".join(f"{tp.partition} at {off}"
-                                                         for tp, off in sorted(at.items())))
+            log.info(
+                "new group %s starts at %s (source.start = %s): %s",
+                src.group,
+                "the earliest retained records"
+                if start == "earliest"
+                else "the latest offsets"
+                if start == "latest"
+                else "the first records at or after it",
+                src.start,
+                ", ".join(f"{tp.partition} at {off}" for tp, off in sorted(at.items())),
+            )
+
         return seed_of
 
     def _seed_marks(self, committed: dict[int, int]) -> None:
@@ -401,22 +504,29 @@ class GroupService:
         txn = self.intake.txn
         txn.begin()
         for p, o in sorted(seeds.items()):
-            txn.send(self.intake.marks_topic, partition=0, key=f"{topic}:{p}".encode(),
-                     value=str(o).encode())
+            txn.send(
+                self.intake.marks_topic,
+                partition=0,
+                key=f"{topic}:{p}".encode(),
+                value=str(o).encode(),
+            )
         txn.commit()
         for p, o in seeds.items():
             self.intake.marks[(topic, p)] = o
-        log.info("source partitions %s: the group's committed offsets are their first marks "
-                 "(records below them are never repartitioned)",
-                 ", ".join(str(p) for p in sorted(seeds)))
+        log.info(
+            "source partitions %s: the group's committed offsets are their first marks "
+            "(records below them are never repartitioned)",
+            ", ".join(str(p) for p in sorted(seeds)),
+        )
 
     def _save_config(self) -> None:
         """The member's config (no secrets) in its scratch directory: commands run on that
         directory then know it is a member of a Kafka-only group and say what applies."""
         d = Path(self.cfg.checkpoint.dir)
         d.mkdir(parents=True, exist_ok=True)
-        atomic_write(d / "config.json", json.dumps(redacted(self.cfg), indent=1, sort_keys=True),
-                     mode=None)
+        atomic_write(
+            d / "config.json", json.dumps(redacted(self.cfg), indent=1, sort_keys=True), mode=None
+        )
 
     # -- the loop ----------------------------------------------------------------------------
     def _start_retrying(self) -> None:
@@ -446,11 +556,15 @@ class GroupService:
                     raise ServiceError(
                         f"the group could not start: Kafka answered {type(exc).__name__}"
                         + (f" for {wait_s:g} s (source.connect_timeout_s)" if again else "")
-                        + "; check the cluster and try again") from None
+                        + "; check the cluster and try again"
+                    ) from None
                 if tries == 1:
-                    log.info("the group's start met %s (a broker restarting, or another member "
-                             "starting at the same time); trying again for up to %g s",
-                             type(exc).__name__, wait_s)
+                    log.info(
+                        "the group's start met %s (a broker restarting, or another member "
+                        "starting at the same time); trying again for up to %g s",
+                        type(exc).__name__,
+                        wait_s,
+                    )
             except Exception:
                 self.close()
                 raise
@@ -466,8 +580,11 @@ class GroupService:
         failed = False
         try:
             while not self.stop_event.is_set():
-                took = self._stage("intake", None, self.intake.step, poll_timeout_s) \
-                    if self.intake is not None else 0
+                took = (
+                    self._stage("intake", None, self.intake.step, poll_timeout_s)
+                    if self.intake is not None
+                    else 0
+                )
                 counted = 0
                 wait = poll_timeout_s / len(self.pipelines)
                 for pipe in self.pipelines:
@@ -476,8 +593,11 @@ class GroupService:
                 self.metrics.heartbeat()
                 self._update_ready()
                 self._report()
-                if took or counted or any(p.leader is not None and p.leader.busy
-                                          for p in self.pipelines):
+                if (
+                    took
+                    or counted
+                    or any(p.leader is not None and p.leader.busy for p in self.pipelines)
+                ):
                     idle_since = time.monotonic()
                 elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                     break
@@ -497,17 +617,24 @@ class GroupService:
                 out += [name + line for line in pipe.counter.held()]
                 continue
             tasks = sorted(pipe.counter.tasks.items()) if pipe.counter else []
-            out += [f"{name}partition {p} window {t.window} "
-                    f"with {t.events:,} events from offset {t.start}" for p, t in tasks]
+            out += [
+                f"{name}partition {p} window {t.window} "
+                f"with {t.events:,} events from offset {t.start}"
+                for p, t in tasks
+            ]
         return out
 
     def _stop_line(self, reason: str | None, held: list[str]) -> None:
         """What a restart finds, as the one-process service says it: the open windows of the
         repartition partitions this member counted, replayed from their starts."""
         reason = reason or ("stop requested" if self.stop_event.is_set() else "input ended or idle")
-        log.info("stopped (%s): member %s, %s; an open window is replayed from its start by the "
-                 "member counting its partition next", reason, self.instance,
-                 "; ".join(held) if held else "no partitions held")
+        log.info(
+            "stopped (%s): member %s, %s; an open window is replayed from its start by the "
+            "member counting its partition next",
+            reason,
+            self.instance,
+            "; ".join(held) if held else "no partitions held",
+        )
 
     def _report(self, every_s: float = 5.0) -> None:
         """Every few seconds: readiness, the intake's lag, and this member's line in
@@ -520,15 +647,28 @@ class GroupService:
         ready, reason = self._update_ready()
         lag = self._intake_lag()
         pipe = self.pipelines[0]
-        line = {"member": self.instance, "host": socket.gethostname(), "pid": os.getpid(),
-                "time_unix": time.time(), "ready": ready, "reason": reason,
-                "metrics_url": self.metrics_url, "intake_lag_records": lag,
-                "aggregations": {p.name or "-": {
-                    "partitions": self._owned(p), "windows": self._windows(p),
-                    "leads": p.leader is not None} for p in self.pipelines}}
+        line = {
+            "member": self.instance,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "time_unix": time.time(),
+            "ready": ready,
+            "reason": reason,
+            "metrics_url": self.metrics_url,
+            "intake_lag_records": lag,
+            "aggregations": {
+                p.name or "-": {
+                    "partitions": self._owned(p),
+                    "windows": self._windows(p),
+                    "leads": p.leader is not None,
+                }
+                for p in self.pipelines
+            },
+        }
         try:
-            self._members_producer().send(pipe.topics.members, key=self.instance.encode(),
-                                          value=json.dumps(line).encode())
+            self._members_producer().send(
+                pipe.topics.members, key=self.instance.encode(), value=json.dumps(line).encode()
+            )
         except Exception as exc:  # a report is a convenience; the next one retries
             log.debug("member report not sent (%s)", type(exc).__name__)
 
@@ -550,8 +690,9 @@ class GroupService:
         now = time.monotonic()
         failing = [name for name, at in self._outage_logged.items() if now - at < 2 * every_s]
         reasons = [f"Kafka errors in {', '.join(sorted(failing))}"] if failing else []
-        reasons += [p.leader.behind for p in self.pipelines
-                    if p.leader is not None and p.leader.behind]
+        reasons += [
+            p.leader.behind for p in self.pipelines if p.leader is not None and p.leader.behind
+        ]
         reason = "; ".join(reasons)
         self._set_ready(not reasons, reason)
         return not reasons, reason
@@ -574,19 +715,23 @@ class GroupService:
     def _intake_lag(self) -> int | None:
         """Source records not yet taken by this member's intake (over its partitions)."""
         try:
-            consumer = self.intake.consumer if self.intake is not None else \
-                self.pipelines[0].counter.consumer
+            consumer = (
+                self.intake.consumer
+                if self.intake is not None
+                else self.pipelines[0].counter.consumer
+            )
             tps = [tp for tp in consumer.assignment() if tp.topic == self.cfg.source.topic]
             if not tps:
                 return 0
-            ends = consumer.end_offsets(tps, timeout_ms=1000)   # never stall the loop
-            behind = {f"{tp.topic}:{tp.partition}": max(0, ends[tp] - consumer.position(tp))
-                      for tp in tps}
+            ends = consumer.end_offsets(tps, timeout_ms=1000)  # never stall the loop
+            behind = {
+                f"{tp.topic}:{tp.partition}": max(0, ends[tp] - consumer.position(tp)) for tp in tps
+            }
         except Exception:
             return None
         for m in {id(p.metrics): p.metrics for p in self.pipelines}.values():
             # the intake feeds every aggregation: each shows the same lag
-            for key in self._lag_labels - set(behind):   # partitions that moved away
+            for key in self._lag_labels - set(behind):  # partitions that moved away
                 m.lag.remove(key)
             for key, n in behind.items():
                 m.lag.labels(partition=key).set(n)
@@ -603,8 +748,11 @@ class GroupService:
             now = time.monotonic()
             if now - self._outage_logged.get(name, -1e9) > 10:
                 self._outage_logged[name] = now
-                log.warning("%s: %s; retrying (each stage resumes from what Kafka committed)",
-                            name, type(exc).__name__)
+                log.warning(
+                    "%s: %s; retrying (each stage resumes from what Kafka committed)",
+                    name,
+                    type(exc).__name__,
+                )
             if name == "counting":
                 pipe.counter._needs_sync = True
             elif name == "leading":

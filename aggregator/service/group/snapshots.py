@@ -33,8 +33,14 @@ from kafka import TopicPartition
 from ...state import PanPrivateHistogram
 from .topics import read_partition
 
-__all__ = ["layered_look", "take_snapshot", "restore", "read_snapshot", "view_snapshot",
-           "view_resume"]
+__all__ = [
+    "layered_look",
+    "take_snapshot",
+    "restore",
+    "read_snapshot",
+    "view_snapshot",
+    "view_resume",
+]
 
 log = logging.getLogger("panagg.group")
 
@@ -52,9 +58,17 @@ def take_snapshot(task) -> bytes:
     """The open window's layered snapshot message (the task's state gets its two layers)."""
     blob = layered_look(task.state)
     task.snapshots += 1
-    return msgpack.packb({"window": task.window, "seq": task.snapshots, "start": task.start,
-                          "position": task.position, "events": task.events, "state": blob},
-                         use_bin_type=True)
+    return msgpack.packb(
+        {
+            "window": task.window,
+            "seq": task.snapshots,
+            "start": task.start,
+            "position": task.position,
+            "events": task.events,
+            "state": blob,
+        },
+        use_bin_type=True,
+    )
 
 
 def read_snapshot(reader, partition: int) -> dict | None:
@@ -84,11 +98,16 @@ def restore(task, meta: dict, reader, partition: int) -> None:
     want = (int(meta["w"]), int(meta["s"]))
     task.start = int(meta.get("st", task.start))
     found = read_snapshot(reader, partition)
-    if (found is None or (int(found["window"]), int(found["seq"])) != want
-            or int(found["position"]) != task.position):
-        task.lost = (f"its layered snapshot {want[1]} of window {want[0]} is missing from "
-                     f"{getattr(reader, 'topic', 'the snapshots topic')} (deleted or "
-                     "truncated): the window is withheld, never replayed under fresh noise")
+    if (
+        found is None
+        or (int(found["window"]), int(found["seq"])) != want
+        or int(found["position"]) != task.position
+    ):
+        task.lost = (
+            f"its layered snapshot {want[1]} of window {want[0]} is missing from "
+            f"{getattr(reader, 'topic', 'the snapshots topic')} (deleted or "
+            "truncated): the window is withheld, never replayed under fresh noise"
+        )
         log.error("partition %d: %s", partition, task.lost)
         return
     task.state = PanPrivateHistogram.deserialize(found["state"])
@@ -97,8 +116,13 @@ def restore(task, meta: dict, reader, partition: int) -> None:
     task.state.rerandomize()
     task.snapshots = int(found["seq"])
     task.events = int(found["events"])
-    log.info("partition %d resumes window %d from its snapshot %d at offset %d", partition,
-             want[0], want[1], task.position)
+    log.info(
+        "partition %d resumes window %d from its snapshot %d at offset %d",
+        partition,
+        want[0],
+        want[1],
+        task.position,
+    )
 
 
 # -- the views exchange: one snapshot of a member's window over its source partitions ----------
@@ -108,9 +132,15 @@ def view_snapshot(task) -> bytes:
     else; the task's state gets its two layers."""
     blob = layered_look(task.state)
     task.snapshots += 1
-    return msgpack.packb({"window": task.window, "seq": task.snapshots,
-                          "ranges": {str(p): list(r) for p, r in sorted(task.ranges.items())},
-                          "state": blob}, use_bin_type=True)
+    return msgpack.packb(
+        {
+            "window": task.window,
+            "seq": task.snapshots,
+            "ranges": {str(p): list(r) for p, r in sorted(task.ranges.items())},
+            "state": blob,
+        },
+        use_bin_type=True,
+    )
 
 
 def view_resume(reader, anchor: int, want: tuple[int, int], at: dict[int, int]):
@@ -120,10 +150,15 @@ def view_resume(reader, anchor: int, want: tuple[int, int], at: dict[int, int]):
     one process's restore adds (window.py): the memory after the resume is never the snapshot
     plus exact increments."""
     found = read_snapshot(reader, anchor)
-    if found is None or (int(found["window"]), int(found["seq"])) != want or \
-            {int(p): int(r[1]) for p, r in found["ranges"].items()} != at:
-        return (f"its layered snapshot {want[1]} of window {want[0]} is missing from "
-                f"{getattr(reader, 'topic', 'the snapshots topic')} (deleted or truncated)")
+    if (
+        found is None
+        or (int(found["window"]), int(found["seq"])) != want
+        or {int(p): int(r[1]) for p, r in found["ranges"].items()} != at
+    ):
+        return (
+            f"its layered snapshot {want[1]} of window {want[0]} is missing from "
+            f"{getattr(reader, 'topic', 'the snapshots topic')} (deleted or truncated)"
+        )
     state = PanPrivateHistogram.deserialize(found["state"])
     state.rerandomize()
     return state, {int(p): int(r[0]) for p, r in found["ranges"].items()}

@@ -26,8 +26,12 @@ from .forced import DONE, EXPORT, EXPORTED, REQUEST
 from .ledger_topic import TopicLedger
 from .topics import GroupTopics, read_partition
 
-__all__ = ["collect_group_status", "format_group_status", "group_aggregations",
-           "group_release_history"]
+__all__ = [
+    "collect_group_status",
+    "format_group_status",
+    "group_aggregations",
+    "group_release_history",
+]
 
 
 def group_aggregations(topic_names, group: str) -> list[str]:
@@ -42,25 +46,33 @@ def group_aggregations(topic_names, group: str) -> list[str]:
     for t in topic_names:
         if t == f"{group}.panagg.ledger":
             out.append("")
-        elif t.startswith(head) and t.endswith(tail) and "." not in t[len(head):-len(tail)]:
-            out.append(t[len(head):-len(tail)])
+        elif t.startswith(head) and t.endswith(tail) and "." not in t[len(head) : -len(tail)]:
+            out.append(t[len(head) : -len(tail)])
     return sorted(out)
 
 
-def collect_group_status(bootstrap: str, group: str, security: dict | None = None,
-                         source_topic: str = "", aggregation: str = "") -> dict:
+def collect_group_status(
+    bootstrap: str,
+    group: str,
+    security: dict | None = None,
+    source_topic: str = "",
+    aggregation: str = "",
+) -> dict:
     topics = GroupTopics(group, aggregation)
     opts = dict(bootstrap_servers=bootstrap, **client_options(security))
     admin = KafkaAdminClient(**opts)
     out: dict = {"group": group, "aggregation": aggregation}
     try:
         if topics.ledger not in set(admin.list_topics()):
-            raise LookupError(f"no Kafka-only group {group!r} on {bootstrap} (its topic "
-                              f"{topics.ledger} does not exist); check --group (source.group)")
+            raise LookupError(
+                f"no Kafka-only group {group!r} on {bootstrap} (its topic "
+                f"{topics.ledger} does not exist); check --group (source.group)"
+            )
         described = admin.describe_groups([topics.counting_group]).get(topics.counting_group, {})
         committed = admin.list_group_offsets(topics.counting_group).get(topics.counting_group, {})
-        consumer = KafkaConsumer(**opts, group_id=None, isolation_level="read_committed",
-                                 enable_auto_commit=False)
+        consumer = KafkaConsumer(
+            **opts, group_id=None, isolation_level="read_committed", enable_auto_commit=False
+        )
         try:
             ledger = TopicLedger(consumer, topics.ledger, budget_per_window=1.0)
             ledger.read_to_end()
@@ -69,15 +81,21 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
             # views) the source topic's, which the counting group then commits
             counted = topics.repartition
             if ident.get("exchange") == "views":
-                counted = next((tp.topic for tp in committed if tp.topic != topics.ledger),
-                               source_topic or counted)
+                counted = next(
+                    (tp.topic for tp in committed if tp.topic != topics.ledger),
+                    source_topic or counted,
+                )
             members = []
             for m in described.get("members") or []:
                 parts = _assigned(m)
-                members.append({"member": m.get("group_instance_id") or m.get("client_id"),
-                                "host": str(m.get("client_host", "")).lstrip("/"),
-                                "partitions": sorted(p for t, p in parts if t == counted),
-                                "leads": any(t == topics.ledger for t, _ in parts)})
+                members.append(
+                    {
+                        "member": m.get("group_instance_id") or m.get("client_id"),
+                        "host": str(m.get("client_host", "")).lstrip("/"),
+                        "partitions": sorted(p for t, p in parts if t == counted),
+                        "leads": any(t == topics.ledger for t, _ in parts),
+                    }
+                )
             out["members"] = sorted(members, key=lambda m: m["member"])
             out["state"] = described.get("group_state", "")
             out["exchange"] = ident.get("exchange", "items")
@@ -88,31 +106,50 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
             for tp in tps:
                 c = committed.get(tp)
                 meta = json.loads(c.metadata) if c is not None and c.metadata else {}
-                rows.append({"partition": tp.partition,
-                             # (event-time views: the window after the last one closed there)
-                             "next_window": meta.get("w", meta["k"] + 1 if "k" in meta
-                                                     else None),
-                             "committed": None if c is None else c.offset,
-                             "backlog_messages": ends[tp] - (c.offset if c is not None else 0)})
+                rows.append(
+                    {
+                        "partition": tp.partition,
+                        # (event-time views: the window after the last one closed there)
+                        "next_window": meta.get("w", meta["k"] + 1 if "k" in meta else None),
+                        "committed": None if c is None else c.offset,
+                        "backlog_messages": ends[tp] - (c.offset if c is not None else 0),
+                    }
+                )
             out["partitions"] = rows
             if source_topic and out["exchange"] != "views":
                 intake = admin.list_group_offsets(group).get(group, {})
-                src = [TopicPartition(source_topic, p)
-                       for p in sorted(consumer.partitions_for_topic(source_topic) or [])]
+                src = [
+                    TopicPartition(source_topic, p)
+                    for p in sorted(consumer.partitions_for_topic(source_topic) or [])
+                ]
                 src_end = consumer.end_offsets(src)
                 out["intake_backlog_records"] = sum(
-                    src_end[tp] - (intake[tp].offset if tp in intake else 0) for tp in src)
+                    src_end[tp] - (intake[tp].offset if tp in intake else 0) for tp in src
+                )
             rel = [e for e in ledger.entries if e["kind"] == "release"]
-            out["identity"] = {k: ident.get(k) for k in ("mode", "size", "epsilon", "partitions",
-                                                         "window_size", "first_window",
-                                                         "window_kind", "allowed_lateness_s")}
+            out["identity"] = {
+                k: ident.get(k)
+                for k in (
+                    "mode",
+                    "size",
+                    "epsilon",
+                    "partitions",
+                    "window_size",
+                    "first_window",
+                    "window_kind",
+                    "allowed_lateness_s",
+                )
+            }
             out["releases"] = len([e for e in rel if not e.get("withheld")])
             out["withheld"] = len([e for e in rel if e.get("withheld")])
             out["epsilon_spent"] = ledger.spent()
             if rel:
                 last = rel[-1]
-                out["last_release"] = {"window": last["window"], "n": last.get("n"),
-                                       "time_unix": last["time_unix"]}
+                out["last_release"] = {
+                    "window": last["window"],
+                    "n": last.get("n"),
+                    "time_unix": last["time_unix"],
+                }
             decided = {e["window"] for e in rel}
             out["windows_waiting"] = _waiting(consumer, topics, decided)
             out.update(_intake_state(consumer, topics))
@@ -121,11 +158,17 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
             for m in out["members"]:
                 r = reports.pop(m["member"], None)
                 if r is not None:
-                    m.update(seen_s_ago=round(now - r["time_unix"], 1), ready=r.get("ready"),
-                             reason=r.get("reason", ""), metrics_url=r.get("metrics_url", ""),
-                             intake_lag_records=r.get("intake_lag_records"))
-            out["gone"] = [{"member": k, "seen_s_ago": round(now - r["time_unix"], 1)}
-                           for k, r in sorted(reports.items())]
+                    m.update(
+                        seen_s_ago=round(now - r["time_unix"], 1),
+                        ready=r.get("ready"),
+                        reason=r.get("reason", ""),
+                        metrics_url=r.get("metrics_url", ""),
+                        intake_lag_records=r.get("intake_lag_records"),
+                    )
+            out["gone"] = [
+                {"member": k, "seen_s_ago": round(now - r["time_unix"], 1)}
+                for k, r in sorted(reports.items())
+            ]
         finally:
             consumer.close()
     finally:
@@ -133,15 +176,18 @@ def collect_group_status(bootstrap: str, group: str, security: dict | None = Non
     return out
 
 
-def group_release_history(bootstrap: str, group: str, security: dict | None = None,
-                          aggregation: str = "", level: float | None = None) -> list[dict]:
+def group_release_history(
+    bootstrap: str,
+    group: str,
+    security: dict | None = None,
+    aggregation: str = "",
+    level: float | None = None,
+) -> list[dict]:
     """``panagg history`` of a Kafka-only group: the rows of
     :func:`aggregator.service.status.release_history` from the group's ledger topic, each
     release's document read from the group's releases topic (the leader writes both in one
     transaction; the ledger entry holds the document's sha256, which is checked here).
     LookupError (one line) when the group has no ledger topic on ``bootstrap``."""
-
-
 
     topics = GroupTopics(group, aggregation)
     opts = dict(bootstrap_servers=bootstrap, **client_options(security))
@@ -151,10 +197,13 @@ def group_release_history(bootstrap: str, group: str, security: dict | None = No
     finally:
         admin.close()
     if topics.ledger not in names:
-        raise LookupError(f"no Kafka-only group {group!r} on {bootstrap} (its topic "
-                          f"{topics.ledger} does not exist); check --group (source.group)")
-    consumer = KafkaConsumer(**opts, group_id=None, isolation_level="read_committed",
-                             enable_auto_commit=False)
+        raise LookupError(
+            f"no Kafka-only group {group!r} on {bootstrap} (its topic "
+            f"{topics.ledger} does not exist); check --group (source.group)"
+        )
+    consumer = KafkaConsumer(
+        **opts, group_id=None, isolation_level="read_committed", enable_auto_commit=False
+    )
     docs: dict[str, bytes] = {}
     try:
         ledger = TopicLedger(consumer, topics.ledger, budget_per_window=1.0)
@@ -169,8 +218,10 @@ def group_release_history(bootstrap: str, group: str, security: dict | None = No
                     docs[record.key.decode()] = record.value
 
             if not read_partition(consumer, tp, keep):
-                raise LookupError(f"releases topic {topics.releases}: could not read to its end "
-                                  "within 30 s; check the broker")
+                raise LookupError(
+                    f"releases topic {topics.releases}: could not read to its end "
+                    "within 30 s; check the broker"
+                )
     finally:
         consumer.close()
     entries = []
@@ -178,9 +229,10 @@ def group_release_history(bootstrap: str, group: str, security: dict | None = No
         if e["kind"] not in ("release", "rollup") or e.get("withheld"):
             continue
         raw = docs.get(str(e["window"]))
-        if raw is None or (e.get("document_sha256")
-                           and hashlib.sha256(raw).hexdigest() != e["document_sha256"]):
-            continue   # (compacted away, or not this entry's document: never shown as it)
+        if raw is None or (
+            e.get("document_sha256") and hashlib.sha256(raw).hexdigest() != e["document_sha256"]
+        ):
+            continue  # (compacted away, or not this entry's document: never shown as it)
         entries.append(dict(e, document=raw.decode()))
     kw = {} if level is None else {"level": level}
     return release_history(SimpleNamespace(entries=entries), **kw)  # type: ignore[arg-type]
@@ -217,8 +269,11 @@ def _waiting(consumer, topics, decided) -> dict[int, list[int]]:
             have.setdefault(w, {})[key] = [int(c) for c in covers]
 
     read_partition(consumer, tp, take, timeout_s=10)
-    return {w: sorted({p for ps in keys.values() for p in ps})
-            for w, keys in sorted(have.items()) if keys and w not in decided}
+    return {
+        w: sorted({p for ps in keys.values() for p in ps})
+        for w, keys in sorted(have.items())
+        if keys and w not in decided
+    }
 
 
 def _intake_state(consumer, topics) -> dict:
@@ -252,23 +307,34 @@ def _intake_state(consumer, topics) -> dict:
             progress[key] = json.loads(r.value)
 
     read_partition(consumer, tp, take, timeout_s=10)
-    out: dict = {"requests_pending": [
-        kind for kind, ask, done in (("forced release", REQUEST, DONE),
-                                     ("audit export", EXPORT, EXPORTED))
-        if ids[f"{ask}{rp}"] and ids[f"{ask}{rp}"] != ids[f"{done}{rp}"]]}
-    if progress:   # count windows of a views group (count_views.py)
+    out: dict = {
+        "requests_pending": [
+            kind
+            for kind, ask, done in (
+                ("forced release", REQUEST, DONE),
+                ("audit export", EXPORT, EXPORTED),
+            )
+            if ids[f"{ask}{rp}"] and ids[f"{ask}{rp}"] != ids[f"{done}{rp}"]
+        ]
+    }
+    if progress:  # count windows of a views group (count_views.py)
         reports = list(progress.values())
         total = sum(int(r["t"]) for r in reports)
         goals = [int(r["g"]) for r in reports if r.get("g") is not None]
-        out["count_open"] = {"window": min(int(r["w"]) for r in reports),
-                             "taken": total, "of_group": True,
-                             "to_cut": max(min(goals) - total, 0) if goals else None}
+        out["count_open"] = {
+            "window": min(int(r["w"]) for r in reports),
+            "taken": total,
+            "of_group": True,
+            "to_cut": max(min(goals) - total, 0) if goals else None,
+        }
     elif totals:
         cut = cut or {}
         total = sum(totals.values())
-        out["count_open"] = {"window": cut.get("closed", -1) + 1,
-                             "taken": total - cut.get("total", 0),
-                             "to_cut": max(cut["next"] - total, 0) if "next" in cut else None}
+        out["count_open"] = {
+            "window": cut.get("closed", -1) + 1,
+            "taken": total - cut.get("total", 0),
+            "to_cut": max(cut["next"] - total, 0) if "next" in cut else None,
+        }
     return out
 
 
@@ -296,23 +362,29 @@ def format_group_status(s: dict) -> list[str]:
     if ident.get("mode") is None:
         # the group's topics exist but no member has written the identity yet: the members
         # are starting (status run just after them, as the README's group loop does)
-        lines = [f"{name}group {s['group']} (Kafka-only store): starting, no member has "
-                 "written the group's identity yet (mode, counters, eps, windows)"]
+        lines = [
+            f"{name}group {s['group']} (Kafka-only store): starting, no member has "
+            "written the group's identity yet (mode, counters, eps, windows)"
+        ]
     else:
-        lines = [_identity_line(name, s['group'], ident)]
+        lines = [_identity_line(name, s["group"], ident)]
     return lines + _member_lines(s, ident)
 
 
 def _identity_line(name: str, group: str, ident: dict) -> str:
-    return (f"{name}group {group} (Kafka-only store): {ident.get('mode')} mode, "
-            f"{ident.get('size')} counters in {ident.get('partitions')} slices, eps "
-            f"{ident.get('epsilon')}, "
-            + (f"event-time windows of {ident.get('window_size')} s (allowed lateness "
-               f"{ident.get('allowed_lateness_s')} s)"
-               if ident.get("window_kind") == "event_time"
-               else f"count windows of {int(ident.get('window_size') or 0):,} events"
-               if ident.get("window_kind") == "count"
-               else f"windows of {ident.get('window_size')} s"))
+    return (
+        f"{name}group {group} (Kafka-only store): {ident.get('mode')} mode, "
+        f"{ident.get('size')} counters in {ident.get('partitions')} slices, eps "
+        f"{ident.get('epsilon')}, "
+        + (
+            f"event-time windows of {ident.get('window_size')} s (allowed lateness "
+            f"{ident.get('allowed_lateness_s')} s)"
+            if ident.get("window_kind") == "event_time"
+            else f"count windows of {int(ident.get('window_size') or 0):,} events"
+            if ident.get("window_kind") == "count"
+            else f"windows of {ident.get('window_size')} s"
+        )
+    )
 
 
 def _member_lines(s: dict, ident: dict) -> list[str]:
@@ -321,23 +393,30 @@ def _member_lines(s: dict, ident: dict) -> list[str]:
         lead = ", leads (ledger, merges)" if m["leads"] else ""
         health = ""
         if "seen_s_ago" in m:
-            health = (f"; {'ready' if m['ready'] else 'NOT READY: ' + m['reason']}, reported "
-                      f"{m['seen_s_ago']:.0f} s ago")
+            health = (
+                f"; {'ready' if m['ready'] else 'NOT READY: ' + m['reason']}, reported "
+                f"{m['seen_s_ago']:.0f} s ago"
+            )
             if m.get("intake_lag_records") is not None:
                 health += f", intake lag {m['intake_lag_records']} record(s)"
             if m.get("metrics_url"):
                 health += f", {m['metrics_url']}"
-        lines.append(f"  {m['member']} on {m['host']}: partitions "
-                     f"{', '.join(map(str, m['partitions'])) or 'none'}{lead}{health}")
+        lines.append(
+            f"  {m['member']} on {m['host']}: partitions "
+            f"{', '.join(map(str, m['partitions'])) or 'none'}{lead}{health}"
+        )
     for g in s.get("gone") or []:
         if g["seen_s_ago"] < 24 * 3600:
-            lines.append(f"  {g['member']}: not in the group, last report {g['seen_s_ago']:.0f} s "
-                         "ago")
+            lines.append(
+                f"  {g['member']}: not in the group, last report {g['seen_s_ago']:.0f} s ago"
+            )
     held = {p for m in s["members"] for p in m["partitions"]}
     for row in s.get("partitions", []):
         owner = "" if row["partition"] in held else "  NOT HELD by any member"
-        lines.append(f"  partition {row['partition']}: next window {row['next_window']}, "
-                     f"{row['backlog_messages']} message(s) behind (commit markers included){owner}")
+        lines.append(
+            f"  partition {row['partition']}: next window {row['next_window']}, "
+            f"{row['backlog_messages']} message(s) behind (commit markers included){owner}"
+        )
     if "intake_backlog_records" in s:
         lines.append(f"intake: {s['intake_backlog_records']} source record(s) not yet taken")
     waiting = s.get("windows_waiting") or {}
@@ -345,8 +424,10 @@ def _member_lines(s: dict, ident: dict) -> list[str]:
         P = ident.get("partitions") or 0
         complete = [w for w, have in waiting.items() if len(have) == P]
         if complete:
-            lines.append(f"{len(complete)} window(s) complete, being merged by the leader "
-                         f"({complete[0]}..{complete[-1]})")
+            lines.append(
+                f"{len(complete)} window(s) complete, being merged by the leader "
+                f"({complete[0]}..{complete[-1]})"
+            )
         short = [(w, have) for w, have in waiting.items() if len(have) < P]
         for w, have in short[:5]:
             missing = sorted(set(range(P)) - set(have))
@@ -358,19 +439,28 @@ def _member_lines(s: dict, ident: dict) -> list[str]:
         size = int(ident.get("window_size") or 0)
         to_cut = c["to_cut"] if c["to_cut"] is not None else max(size - c["taken"], 0)
         if c.get("of_group"):
-            lines.append(f"count window {c['window']} open: the group has counted "
-                         f"{c['taken']:,} events (members' reports), cut after {to_cut:,} "
-                         f"more (windows of {size:,})")
+            lines.append(
+                f"count window {c['window']} open: the group has counted "
+                f"{c['taken']:,} events (members' reports), cut after {to_cut:,} "
+                f"more (windows of {size:,})"
+            )
         else:
-            lines.append(f"count window {c['window']} open: {c['taken']:,} events taken "
-                         f"(committed by the intake), cut after {to_cut:,} more (windows of "
-                         f"{size:,})")
+            lines.append(
+                f"count window {c['window']} open: {c['taken']:,} events taken "
+                f"(committed by the intake), cut after {to_cut:,} more (windows of "
+                f"{size:,})"
+            )
     for kind in s.get("requests_pending") or []:
         lines.append(f"a {kind} is asked and not yet answered by the leader")
     last = s.get("last_release")
-    lines.append(f"releases: {s.get('releases', 0)} ({s.get('withheld', 0)} withheld), "
-                 f"eps spent {s.get('epsilon_spent', 0):g}"
-                 + (f"; last: window {last['window']}, n={last['n']}, "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(last['time_unix']))} UTC"
-                    if last else ""))
+    lines.append(
+        f"releases: {s.get('releases', 0)} ({s.get('withheld', 0)} withheld), "
+        f"eps spent {s.get('epsilon_spent', 0):g}"
+        + (
+            f"; last: window {last['window']}, n={last['n']}, "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(last['time_unix']))} UTC"
+            if last
+            else ""
+        )
+    )
     return lines

@@ -33,8 +33,17 @@ from ...noise import discrete_laplace
 from ...release import ERROR_BAR_REPS, STATE_ONLY_CAVEAT, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 
-__all__ = ["add_source", "source_ranges", "partition_summary", "view_summary", "merge_summaries",
-           "agreeing", "event_time_info", "merged_window_info", "SUMMARY_FORMAT"]
+__all__ = [
+    "add_source",
+    "source_ranges",
+    "partition_summary",
+    "view_summary",
+    "merge_summaries",
+    "agreeing",
+    "event_time_info",
+    "merged_window_info",
+    "SUMMARY_FORMAT",
+]
 
 SUMMARY_FORMAT = "panagg.summary"
 
@@ -71,9 +80,17 @@ def source_ranges(summaries) -> dict:
     return out
 
 
-def partition_summary(state: PanPrivateHistogram, *, model: str, window: int, partition: int,
-                      partitions: int, window_info: dict, rng=None,
-                      view: list | None = None) -> dict:
+def partition_summary(
+    state: PanPrivateHistogram,
+    *,
+    model: str,
+    window: int,
+    partition: int,
+    partitions: int,
+    window_info: dict,
+    rng=None,
+    view: list | None = None,
+) -> dict:
     """The summary of one partition's window: noisy-value counts of its counters.
 
     Model ``"joint"`` adds the release layer W first (a fresh DLap(p) draw per counter; ``rng`` is
@@ -88,23 +105,50 @@ def partition_summary(state: PanPrivateHistogram, *, model: str, window: int, pa
         layers += 1
     if view is not None:
         view.append((counts, int(layers)))
-    return view_summary(counts, layers=layers, model=model, window=int(window),
-                        partition=partition, partitions=partitions, window_info=window_info,
-                        n=state.n, params=state)
+    return view_summary(
+        counts,
+        layers=layers,
+        model=model,
+        window=int(window),
+        partition=partition,
+        partitions=partitions,
+        window_info=window_info,
+        n=state.n,
+        params=state,
+    )
 
 
-def view_summary(counts, *, layers: int, model: str, window, partition: int, partitions: int,
-                 window_info: dict, n: int, params) -> dict:
+def view_summary(
+    counts,
+    *,
+    layers: int,
+    model: str,
+    window,
+    partition: int,
+    partitions: int,
+    window_info: dict,
+    n: int,
+    params,
+) -> dict:
     """The summary of released counters ``counts`` (``layers`` DLap layers) of a partition's
     slice; ``params`` has the state's mode, size, epsilon, neighbor and p."""
     vc = noisy_value_counts(counts)
     nz = np.flatnonzero(vc.c)
     return {
-        "format": SUMMARY_FORMAT, "version": 1, "window": window,
-        "partition": int(partition), "partitions": int(partitions),
-        "mode": params.mode, "size": int(params.size), "epsilon": params.epsilon,
-        "neighbor": params.neighbor, "p": params.p, "layers": int(layers), "model": model,
-        "n": int(n), "window_info": dict(window_info),
+        "format": SUMMARY_FORMAT,
+        "version": 1,
+        "window": window,
+        "partition": int(partition),
+        "partitions": int(partitions),
+        "mode": params.mode,
+        "size": int(params.size),
+        "epsilon": params.epsilon,
+        "neighbor": params.neighbor,
+        "p": params.p,
+        "layers": int(layers),
+        "model": model,
+        "n": int(n),
+        "window_info": dict(window_info),
         "values": [[int(vc.lo + i), int(vc.c[i])] for i in nz],
     }
 
@@ -136,20 +180,27 @@ def agreeing(docs: list[dict], fmt: str, keys, what: str) -> dict:
 def merged_window_info(infos: list[dict], per_partition: str) -> dict:
     """A window's ``window_info`` from its parts': the events added up, the earliest start and
     the latest end."""
-    return {"kind": infos[0]["kind"], "size": infos[0]["size"],
-            "events": int(sum(i["events"] for i in infos)),
-            "started_unix": min(i["started_unix"] for i in infos),
-            "ended_unix": max(i["ended_unix"] for i in infos), "per_partition": per_partition}
+    return {
+        "kind": infos[0]["kind"],
+        "size": infos[0]["size"],
+        "events": int(sum(i["events"] for i in infos)),
+        "started_unix": min(i["started_unix"] for i in infos),
+        "ended_unix": max(i["ended_unix"] for i in infos),
+        "per_partition": per_partition,
+    }
 
 
 def event_time_info(infos: list[dict], per_partition: str) -> dict:
     """The event-time fields of a window's ``window_info`` from its parts', as one process's
     event-time release states them (by the records' timestamps)."""
-    return {"event_start_unix": infos[0]["event_start_unix"],
-            "event_end_unix": infos[0]["event_end_unix"],
-            "late": int(sum(i.get("late", 0) for i in infos)),
-            "late_policy": infos[0]["late_policy"],
-            "allowed_lateness_s": infos[0]["allowed_lateness_s"], "per_partition": per_partition}
+    return {
+        "event_start_unix": infos[0]["event_start_unix"],
+        "event_end_unix": infos[0]["event_end_unix"],
+        "late": int(sum(i.get("late", 0) for i in infos)),
+        "late_policy": infos[0]["late_policy"],
+        "allowed_lateness_s": infos[0]["allowed_lateness_s"],
+        "per_partition": per_partition,
+    }
 
 
 def _add_layers(vc: NoisyValueCounts, p: float, extra: int, rng=None) -> NoisyValueCounts:
@@ -162,21 +213,28 @@ def _add_layers(vc: NoisyValueCounts, p: float, extra: int, rng=None) -> NoisyVa
     return noisy_value_counts(values)
 
 
-def merge_summaries(summaries: list[dict], *, loss: str = "l1",
-                    error_bar_reps: int = ERROR_BAR_REPS, method: str | None = None) -> dict:
+def merge_summaries(
+    summaries: list[dict],
+    *,
+    loss: str = "l1",
+    error_bar_reps: int = ERROR_BAR_REPS,
+    method: str | None = None,
+) -> dict:
     """The window's release from the summaries of all its partitions (deterministic).
 
     Noisy-value counts add up over partitions; the estimators then run once on the sum, with
     ``buckets`` = the total number of hash buckets in hashed mode.
     """
-    slow_point("release")    # a test hook: a slow merge on a small domain (failpoints.py)
+    slow_point("release")  # a test hook: a slow merge on a small domain (failpoints.py)
     if not summaries:
         raise ValueError("no summaries to merge")
     first = agreeing(summaries, SUMMARY_FORMAT, _MUST_AGREE, "summaries")
     have = sorted(s["partition"] for s in summaries)
     if have != list(range(first["partitions"])):
-        raise ValueError(f"window {first['window']} needs summaries of partitions "
-                         f"0..{first['partitions'] - 1}, got {have}")
+        raise ValueError(
+            f"window {first['window']} needs summaries of partitions "
+            f"0..{first['partitions'] - 1}, got {have}"
+        )
     started = time.perf_counter()
     # a partition that exported its window (an audit export: two fresh layers around it) holds
     # more layers than the others; the others get fresh layers up to the same count, so the
@@ -195,25 +253,47 @@ def merge_summaries(summaries: list[dict], *, loss: str = "l1",
     hashed = first["mode"] == "hashed"
     # each partition counted only its slice of the domain, so the slices together are one
     # state of ``counters`` counters, exactly as one process has it
-    hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=layers, loss=loss,
-                                            n=n, buckets=counters if hashed else None,
-                                            reps=error_bar_reps, method=method)
+    hist, accuracy = estimate_with_accuracy(
+        vc,
+        first["p"],
+        layers=layers,
+        loss=loss,
+        n=n,
+        buckets=counters if hashed else None,
+        reps=error_bar_reps,
+        method=method,
+    )
     infos = [s["window_info"] for s in summaries]
     release = package_release(
-        hist, window=first["window"], n=n, epsilon=first["epsilon"], neighbor=first["neighbor"],
+        hist,
+        window=first["window"],
+        n=n,
+        epsilon=first["epsilon"],
+        neighbor=first["neighbor"],
         model=first["model"],
-        extra={"p": first["p"], "layers": layers, "loss": loss,
-               "domain": {"mode": first["mode"], "size": counters, "counters": counters,
-                          "partitions": first["partitions"]}},
-        accuracy=accuracy)
+        extra={
+            "p": first["p"],
+            "layers": layers,
+            "loss": loss,
+            "domain": {
+                "mode": first["mode"],
+                "size": counters,
+                "counters": counters,
+                "partitions": first["partitions"],
+            },
+        },
+        accuracy=accuracy,
+    )
     release["window_info"] = merged_window_info(infos, "time windows aligned to the epoch")
     if infos[0]["kind"] == "count":
         release["window_info"]["per_partition"] = (
             "count windows, closed by the leader's markers once the group's intake took "
-            "window.size events (docs/scale-out.md)")
+            "window.size events (docs/scale-out.md)"
+        )
     if infos[0]["kind"] == "event_time":
-        release["window_info"].update(event_time_info(
-            infos, "event-time windows, closed by the leader's markers"))
+        release["window_info"].update(
+            event_time_info(infos, "event-time windows, closed by the leader's markers")
+        )
     release["release_seconds"] = time.perf_counter() - started
     if first["model"] == "state-only":
         release["caveat"] = STATE_ONLY_CAVEAT

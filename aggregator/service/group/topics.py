@@ -60,8 +60,9 @@ def latest_values(consumer, topic: str, timeout_s: float = 30.0) -> dict[str, by
     consumer.assign([tp])
     consumer.seek_to_beginning(tp)
     latest: dict[str, bytes | None] = {}
-    if not read_partition(consumer, tp, lambda r: latest.__setitem__(r.key.decode(), r.value),
-                          timeout_s):
+    if not read_partition(
+        consumer, tp, lambda r: latest.__setitem__(r.key.decode(), r.value), timeout_s
+    ):
         return None
     return {k: v for k, v in latest.items() if v is not None}
 
@@ -80,6 +81,7 @@ def follow_intake(reader, topics, on_record):
         for records in reader.poll(timeout_ms=0).values():
             for r in records:
                 on_record(r)
+
     return read
 
 
@@ -150,8 +152,9 @@ class GroupTopics:
         """The consumer group of the counting stage (over the repartition topic)."""
         return f"{self.prefix}.count"
 
-    def wanted(self, partitions: int, retention_ms: int, views: bool = False,
-               snapshots: bool = False) -> dict[str, tuple[int, dict]]:
+    def wanted(
+        self, partitions: int, retention_ms: int, views: bool = False, snapshots: bool = False
+    ) -> dict[str, tuple[int, dict]]:
         """``{topic: (partitions, configs)}``; ``views`` (scale.exchange = views): no
         repartition topic, the snapshots topic only when it takes ``snapshots``
         (checkpoint.snapshots_per_window), one partition for the rollup sums its leader
@@ -160,10 +163,20 @@ class GroupTopics:
         # retention deletes whole segments only: a segment rolls at a quarter of the retention,
         # so no plaintext index outlives it by more than that (the broker's default keeps a
         # quiet topic's records for a week, whatever retention.ms says)
-        repartition = {} if views else {
-            self.repartition: (int(partitions), {
-                "cleanup.policy": "delete", "retention.ms": str(int(retention_ms)),
-                "segment.ms": str(max(60_000, int(retention_ms) // 4))})}
+        repartition = (
+            {}
+            if views
+            else {
+                self.repartition: (
+                    int(partitions),
+                    {
+                        "cleanup.policy": "delete",
+                        "retention.ms": str(int(retention_ms)),
+                        "segment.ms": str(max(60_000, int(retention_ms) // 4)),
+                    },
+                )
+            }
+        )
         return {
             **repartition,
             self.summaries: (1, compact),
@@ -171,13 +184,22 @@ class GroupTopics:
             self.releases: (1, compact),
             # a signed export holds every counter (8 bytes each): 64 MB fits 8e6 of them
             self.exports: (1, dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
-            **({} if views and not snapshots else {
-                self.snapshots: (int(partitions),
-                                 dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)}))}),
+            **(
+                {}
+                if views and not snapshots
+                else {
+                    self.snapshots: (
+                        int(partitions),
+                        dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)}),
+                    )
+                }
+            ),
             # a sum holds its slice's counters (8 bytes each): the producer sends up to 16 MB;
             # a views group's leader keeps the sums of all D counters, zlib'd, in partition 0
-            self.rollups: (1 if views else int(partitions),
-                           dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)})),
+            self.rollups: (
+                1 if views else int(partitions),
+                dict(compact, **{"max.message.bytes": str(64 * 1024 * 1024)}),
+            ),
             self.intake: (1, compact),
             self.members: (1, compact),
         }
@@ -193,9 +215,15 @@ class GroupTopics:
                 return counts
             time.sleep(0.2)
 
-    def ensure(self, admin, partitions: int, retention_ms: int,
-               replication_factor: int = 1, views: bool = False,
-               snapshots: bool = False) -> list[str]:
+    def ensure(
+        self,
+        admin,
+        partitions: int,
+        retention_ms: int,
+        replication_factor: int = 1,
+        views: bool = False,
+        snapshots: bool = False,
+    ) -> list[str]:
         """Create what is missing, check what exists; returns one log line per created topic.
 
         ``admin`` is a kafka-python ``KafkaAdminClient``.
@@ -208,11 +236,20 @@ class GroupTopics:
             if name in existing:
                 continue
             try:
-                admin.create_topics([NewTopic(name, num_partitions=parts,
-                                              replication_factor=int(replication_factor),
-                                              topic_configs=configs)])
-                created.append(f"created internal topic {name} ({parts} partition(s), "
-                               f"{configs['cleanup.policy']})")
+                admin.create_topics(
+                    [
+                        NewTopic(
+                            name,
+                            num_partitions=parts,
+                            replication_factor=int(replication_factor),
+                            topic_configs=configs,
+                        )
+                    ]
+                )
+                created.append(
+                    f"created internal topic {name} ({parts} partition(s), "
+                    f"{configs['cleanup.policy']})"
+                )
             except TopicAlreadyExistsError:  # another member made it a moment ago
                 pass
         described = self._described(admin, list(wanted))
@@ -221,11 +258,15 @@ class GroupTopics:
             if have != parts:
                 raise GroupTopicError(
                     f"internal topic {name} has {have} partition(s) but needs {parts}"
-                    + (" (the ledger is one ordered log)" if name == self.ledger else
-                       " (scale.partitions: the domain is split by it; it cannot change while "
-                       "the group has state)")
+                    + (
+                        " (the ledger is one ordered log)"
+                        if name == self.ledger
+                        else " (scale.partitions: the domain is split by it; it cannot change while "
+                        "the group has state)"
+                    )
                     + f": delete it only together with the group's other {self.group}.panagg.* "
-                    "topics, or use another source.group")
+                    "topics, or use another source.group"
+                )
         resources = [ConfigResource(ConfigResourceType.TOPIC, name) for name in wanted]
         described_configs = admin.describe_configs(resources)
         for name, (_, configs) in wanted.items():
@@ -234,17 +275,22 @@ class GroupTopics:
             if policy is not None and policy != want:
                 raise GroupTopicError(
                     f"internal topic {name} has cleanup.policy={policy} but needs {want}"
-                    + (" (compaction keeps every ledger entry: their keys are unique)"
-                       if want == "compact" else " (a compacted repartition topic keeps "
-                       "plaintext items forever)") +
-                    f"; fix it with kafka-configs.sh --alter --entity-type topics "
-                    f"--entity-name {name} --add-config cleanup.policy={want}")
+                    + (
+                        " (compaction keeps every ledger entry: their keys are unique)"
+                        if want == "compact"
+                        else " (a compacted repartition topic keeps plaintext items forever)"
+                    )
+                    + f"; fix it with kafka-configs.sh --alter --entity-type topics "
+                    f"--entity-name {name} --add-config cleanup.policy={want}"
+                )
         return created
 
 
 def _partition_counts(admin, names) -> dict[str, int]:
-    return {d.get("topic", d.get("name")): len(d.get("partitions") or [])
-            for d in admin.describe_topics(names)}
+    return {
+        d.get("topic", d.get("name")): len(d.get("partitions") or [])
+        for d in admin.describe_topics(names)
+    }
 
 
 def _policy(response, topic: str) -> str | None:

@@ -27,8 +27,13 @@ from __future__ import annotations
 
 import logging
 
-from kafka.errors import (CommitFailedError, IllegalStateError, InvalidProducerEpochError,
-                          KafkaError, KafkaTimeoutError)
+from kafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    InvalidProducerEpochError,
+    KafkaError,
+    KafkaTimeoutError,
+)
 
 from consumers.kafka import compat
 
@@ -77,7 +82,7 @@ class Transactions:
     def __init__(self, make, remake: bool = True):
         self._make, self._remake = make, remake
         self.producer = make()
-        self._epoch = None   # the producer's id and epoch when the open transaction began
+        self._epoch = None  # the producer's id and epoch when the open transaction began
 
     def _id_and_epoch(self):
         tm = getattr(self.producer, "_transaction_manager", None)
@@ -98,13 +103,14 @@ class Transactions:
             # the broker would take these offsets from a member that fell out of its group
             # (membership.fencing): refuse here; the caller aborts and syncs again
             raise CommitFailedError("the consumer is between generations of its group")
-        self._bounded(lambda tm: tm.send_offsets_to_transaction(offsets, group_metadata),
-                      lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata),
-                      "the offsets of the transaction")
+        self._bounded(
+            lambda tm: tm.send_offsets_to_transaction(offsets, group_metadata),
+            lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata),
+            "the offsets of the transaction",
+        )
 
     def commit(self) -> None:
-        self._bounded(lambda tm: tm.begin_commit(), self.producer.commit_transaction,
-                      "the commit")
+        self._bounded(lambda tm: tm.begin_commit(), self.producer.commit_transaction, "the commit")
 
     def _abort(self) -> None:
         self._bounded(lambda tm: tm.begin_abort(), self.producer.abort_transaction, "the abort")
@@ -141,7 +147,8 @@ class Transactions:
         bumping = getattr(tm, "is_bumping_epoch", lambda: False)()
         if bumping or (self._epoch is not None and self._id_and_epoch() != self._epoch):
             return InvalidProducerEpochError(
-                f"the producer's epoch moved during the transaction ({exc})")
+                f"the producer's epoch moved during the transaction ({exc})"
+            )
         return exc
 
     def failed(self, exc: Exception) -> None:
@@ -157,15 +164,16 @@ class Transactions:
                 fatal = True
         if not self._remake:
             return
-        log.info("transactional producer %s starts over after %s",
-                 getattr(self.producer, "config", {}).get("transactional_id", ""),
-                 type(exc).__name__)
+        log.info(
+            "transactional producer %s starts over after %s",
+            getattr(self.producer, "config", {}).get("transactional_id", ""),
+            type(exc).__name__,
+        )
         close_producer(self.producer)
         try:
             self.producer = self._make()
         except Exception as again:  # the broker is still away: try again at the next failure
-            log.warning("cannot start a new transactional producer yet (%s)",
-                        type(again).__name__)
+            log.warning("cannot start a new transactional producer yet (%s)", type(again).__name__)
 
     def close(self) -> None:
         close_producer(self.producer)

@@ -42,8 +42,17 @@ from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 from .summary import agreeing, event_time_info, merged_window_info
 
-__all__ = ["VIEW_FORMAT", "CHUNK_COUNTERS", "view_header", "merge_views", "decode_view",
-           "encode_counts", "distinct_views", "sum_views", "state_params"]
+__all__ = [
+    "VIEW_FORMAT",
+    "CHUNK_COUNTERS",
+    "view_header",
+    "merge_views",
+    "decode_view",
+    "encode_counts",
+    "distinct_views",
+    "sum_views",
+    "state_params",
+]
 
 #: counters per chunk message: int32 chunks stay under 512 KB before compression, so a view fits
 #: a broker's default message size (1 MB) whatever D is
@@ -54,12 +63,13 @@ VIEW_FORMAT = "panagg.view"
 # -- pure parts: a view and the sum of a window's views -------------------------------------
 def encode_counts(counts: np.ndarray) -> tuple[str, list[bytes]]:
     """(dtype, zlib chunks of CHUNK_COUNTERS counters): int32 when every counter fits."""
-    small = counts.size == 0 or (int(counts.min()) >= -(2 ** 31) and
-                                 int(counts.max()) < 2 ** 31)
+    small = counts.size == 0 or (int(counts.min()) >= -(2**31) and int(counts.max()) < 2**31)
     dtype = "<i4" if small else "<i8"
     arr = counts.astype(dtype)
-    return dtype, [zlib.compress(arr[i:i + CHUNK_COUNTERS].tobytes(), 1)
-                   for i in range(0, max(1, arr.size), CHUNK_COUNTERS)]
+    return dtype, [
+        zlib.compress(arr[i : i + CHUNK_COUNTERS].tobytes(), 1)
+        for i in range(0, max(1, arr.size), CHUNK_COUNTERS)
+    ]
 
 
 def decode_view(header: dict) -> np.ndarray:
@@ -67,33 +77,58 @@ def decode_view(header: dict) -> np.ndarray:
     parts = [np.frombuffer(zlib.decompress(c), dtype=header["dtype"]) for c in header["_chunks"]]
     out = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
     if out.size != int(header["size"]):
-        raise ValueError(f"view of window {header['window']} holds {out.size} counters, "
-                         f"not {header['size']}")
+        raise ValueError(
+            f"view of window {header['window']} holds {out.size} counters, not {header['size']}"
+        )
     return out
 
 
-def view_header(state: PanPrivateHistogram | None, *, window: int, covers: list[int],
-                partitions: int, window_info: dict, mode: str = "direct",
-                size: int | None = None, params=None, rng=None) -> dict:
+def view_header(
+    state: PanPrivateHistogram | None,
+    *,
+    window: int,
+    covers: list[int],
+    partitions: int,
+    window_info: dict,
+    mode: str = "direct",
+    size: int | None = None,
+    params=None,
+    rng=None,
+) -> dict:
     """The view of a member's window: ``state`` plus one fresh DLap layer, as chunks (kept in
     ``_chunks``, sent as their own messages) and a JSON-able header. ``state`` None: the member
     counted no event in the window; the header carries no counters (``size`` and ``params``,
     anything with epsilon, neighbor and p, describe the domain). ``mode``: the group's (a
     hashed group's counters are hash buckets)."""
     params = state if state is not None else params
-    head = {"format": VIEW_FORMAT, "version": 1, "window": int(window),
-            "partition": int(min(covers)), "covers": sorted(int(p) for p in covers),
-            "partitions": int(partitions), "mode": str(mode),
-            "size": int(state.size if state is not None else size),
-            "epsilon": params.epsilon, "neighbor": params.neighbor, "p": params.p,
-            "model": "joint", "window_info": dict(window_info), "uid": uuid.uuid4().hex}
+    head = {
+        "format": VIEW_FORMAT,
+        "version": 1,
+        "window": int(window),
+        "partition": int(min(covers)),
+        "covers": sorted(int(p) for p in covers),
+        "partitions": int(partitions),
+        "mode": str(mode),
+        "size": int(state.size if state is not None else size),
+        "epsilon": params.epsilon,
+        "neighbor": params.neighbor,
+        "p": params.p,
+        "model": "joint",
+        "window_info": dict(window_info),
+        "uid": uuid.uuid4().hex,
+    }
     if state is None:
         head.update(layers=0, n=0, chunks=0, dtype="<i4", _chunks=[])
         return head
     counts = state.counts + discrete_laplace(state.p, state.size, rng=rng)
     dtype, chunks = encode_counts(counts)
-    head.update(layers=int(state.layers) + 1, n=int(state.n), chunks=len(chunks), dtype=dtype,
-                _chunks=chunks)
+    head.update(
+        layers=int(state.layers) + 1,
+        n=int(state.n),
+        chunks=len(chunks),
+        dtype=dtype,
+        _chunks=chunks,
+    )
     return head
 
 
@@ -125,8 +160,14 @@ def state_params(identity: dict):
 _MUST_AGREE = ("window", "partitions", "mode", "size", "epsilon", "neighbor", "p")
 
 
-def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ERROR_BAR_REPS,
-                method: str | None = None, rng=None) -> dict:
+def merge_views(
+    views: list[dict],
+    *,
+    loss: str = "l1",
+    error_bar_reps: int = ERROR_BAR_REPS,
+    method: str | None = None,
+    rng=None,
+) -> dict:
     """The window's release from the views of every member that counted part of it: the sum of
     the views' counters (each with its state layer and its view layer), then the estimators,
     told how many layers the sum holds. Deterministic but for a window no member counted an
@@ -136,8 +177,10 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
     first = agreeing(views, VIEW_FORMAT, _MUST_AGREE, "views")
     covered = sorted(p for v in views for p in v["covers"])
     if covered != list(range(first["partitions"])):
-        raise ValueError(f"window {first['window']} needs views of partitions "
-                         f"0..{first['partitions'] - 1} once each, got {covered}")
+        raise ValueError(
+            f"window {first['window']} needs views of partitions "
+            f"0..{first['partitions'] - 1} once each, got {covered}"
+        )
     started = time.perf_counter()
     size = int(first["size"])
     total, layers, n = sum_views(views, size)
@@ -147,29 +190,58 @@ def merge_views(views: list[dict], *, loss: str = "l1", error_bar_reps: int = ER
         layers = 2
     vc = noisy_value_counts(total)
     hashed = first["mode"] == "hashed"
-    hist, accuracy = estimate_with_accuracy(vc, first["p"], layers=layers, loss=loss, n=n,
-                                            buckets=size if hashed else None,
-                                            reps=error_bar_reps, method=method)
+    hist, accuracy = estimate_with_accuracy(
+        vc,
+        first["p"],
+        layers=layers,
+        loss=loss,
+        n=n,
+        buckets=size if hashed else None,
+        reps=error_bar_reps,
+        method=method,
+    )
     members = sum(1 for v in views if v["chunks"])
     release = package_release(
-        hist, window=first["window"], n=n, epsilon=first["epsilon"],
-        neighbor=first["neighbor"], model="joint",
-        extra={"p": first["p"], "layers": layers, "loss": loss,
-               "domain": {"mode": first["mode"], "size": size, "counters": size,
-                          "partitions": first["partitions"]},
-               "exchange": {"kind": "views", "views": members,
-                            "why_layers": "each member's view carries its state's layer, "
-                                          "two per in-window snapshot and its view's layer; "
-                                          "the leader sums them"}},
-        accuracy=accuracy)
+        hist,
+        window=first["window"],
+        n=n,
+        epsilon=first["epsilon"],
+        neighbor=first["neighbor"],
+        model="joint",
+        extra={
+            "p": first["p"],
+            "layers": layers,
+            "loss": loss,
+            "domain": {
+                "mode": first["mode"],
+                "size": size,
+                "counters": size,
+                "partitions": first["partitions"],
+            },
+            "exchange": {
+                "kind": "views",
+                "views": members,
+                "why_layers": "each member's view carries its state's layer, "
+                "two per in-window snapshot and its view's layer; "
+                "the leader sums them",
+            },
+        },
+        accuracy=accuracy,
+    )
     infos = [v["window_info"] for v in views]
     release["window_info"] = merged_window_info(
-        infos, "count windows cut by each member at the group's reported total"
-        if infos[0]["kind"] == "count" else
-        "time windows by each member's clock, aligned to the epoch")
+        infos,
+        "count windows cut by each member at the group's reported total"
+        if infos[0]["kind"] == "count"
+        else "time windows by each member's clock, aligned to the epoch",
+    )
     if infos[0]["kind"] == "event_time":
-        release["window_info"].update(event_time_info(
-            infos, "event-time windows, closed by each member once the group's low watermark "
-                   "passed them (event_views.py)"))
+        release["window_info"].update(
+            event_time_info(
+                infos,
+                "event-time windows, closed by each member once the group's low watermark "
+                "passed them (event_views.py)",
+            )
+        )
     release["release_seconds"] = time.perf_counter() - started
     return release

@@ -51,17 +51,31 @@ __all__ = ["ViewRollups", "rollup_view"]
 log = logging.getLogger("panagg.group")
 
 
-def rollup_view(r: RollupSum, *, partitions: int, params, window_info: dict,
-                mode: str = "direct") -> dict:
+def rollup_view(
+    r: RollupSum, *, partitions: int, params, window_info: dict, mode: str = "direct"
+) -> dict:
     """The rollup's sum as one view covering every partition, for ``merge_views``."""
     dtype, chunks = encode_counts(r.counts)
-    return {"format": VIEW_FORMAT, "version": 1, "window": f"{r.span}-{r.index}", "partition": 0,
-            "covers": list(range(int(partitions))), "partitions": int(partitions),
-            "mode": str(mode), "size": int(r.size), "epsilon": params.epsilon,
-            "neighbor": params.neighbor, "p": params.p, "model": "joint",
-            "window_info": dict(window_info), "layers": int(r.layers), "n": int(r.n or 0),
-            "chunks": len(chunks) if r.layers else 0, "dtype": dtype,
-            "_chunks": chunks if r.layers else []}
+    return {
+        "format": VIEW_FORMAT,
+        "version": 1,
+        "window": f"{r.span}-{r.index}",
+        "partition": 0,
+        "covers": list(range(int(partitions))),
+        "partitions": int(partitions),
+        "mode": str(mode),
+        "size": int(r.size),
+        "epsilon": params.epsilon,
+        "neighbor": params.neighbor,
+        "p": params.p,
+        "model": "joint",
+        "window_info": dict(window_info),
+        "layers": int(r.layers),
+        "n": int(r.n or 0),
+        "chunks": len(chunks) if r.layers else 0,
+        "dtype": dtype,
+        "_chunks": chunks if r.layers else [],
+    }
 
 
 class ViewRollups:
@@ -73,7 +87,7 @@ class ViewRollups:
     def __init__(self, leader, spans: dict[str, int], reader):
         self.leader, self.spans = leader, dict(spans)
         self.sums: dict[tuple[str, int], RollupSum] = {}
-        self._in_flight = None   # ((span, idx), future)
+        self._in_flight = None  # ((span, idx), future)
         tp = TopicPartition(leader.topics.rollups, 0)
         reader.assign([tp])
         reader.seek_to_beginning(tp)
@@ -86,12 +100,18 @@ class ViewRollups:
                 self.sums[(span, int(idx))] = RollupSum.from_bytes(zlib.decompress(rec.value))
 
         if not read_partition(reader, tp, take):
-            raise RollupError(f"the rollup sums in {leader.topics.rollups} could not be read "
-                              "to their end; the leader tries again")
+            raise RollupError(
+                f"the rollup sums in {leader.topics.rollups} could not be read "
+                "to their end; the leader tries again"
+            )
         self.reader = reader
         if self.sums:
-            log.info("%d open rollup sum(s) read back from %s (%s)", len(self.sums),
-                     leader.topics.rollups, ", ".join(f"{s}-{i}" for s, i in sorted(self.sums)))
+            log.info(
+                "%d open rollup sum(s) read back from %s (%s)",
+                len(self.sums),
+                leader.topics.rollups,
+                ", ".join(f"{s}-{i}" for s, i in sorted(self.sums)),
+            )
 
     # -- in the window's transaction -----------------------------------------------------------
     def fold(self, w: int, uid: str, have: dict) -> tuple[list[tuple], object]:
@@ -103,15 +123,26 @@ class ViewRollups:
         for span, k in self.spans.items():
             idx = w // k
             r = self.sums.get((span, idx))
-            r = copy.deepcopy(r) if r is not None else RollupSum(
-                span, idx, windows=k, p=state_params(ident).p, mode=ident["mode"],
-                size=int(ident["size"]))
+            r = (
+                copy.deepcopy(r)
+                if r is not None
+                else RollupSum(
+                    span,
+                    idx,
+                    windows=k,
+                    p=state_params(ident).p,
+                    mode=ident["mode"],
+                    size=int(ident["size"]),
+                )
+            )
             # (a window no member counted an event in adds no counter and no layer: its release
             # drew two layers of its own, noise alone)
             r.update(uid, w, counts, layers=layers, n=n)
             new[(span, idx)] = r
-        msgs = [(self.leader.topics.rollups, f"{span}/{idx}".encode(),
-                 zlib.compress(r.to_bytes(), 1)) for (span, idx), r in new.items()]
+        msgs = [
+            (self.leader.topics.rollups, f"{span}/{idx}".encode(), zlib.compress(r.to_bytes(), 1))
+            for (span, idx), r in new.items()
+        ]
         return msgs, lambda: self.sums.update(new)
 
     # -- releasing the rollups whose windows are all decided ----------------------------------
@@ -132,20 +163,28 @@ class ViewRollups:
                 continue
             r = self.sums[key]
             rid = f"{lead.identity['lineage']}/rollup-{span}-{idx}"
-            if lead.ledger.has(rid) or not r.parts:   # decided before, or nothing released
+            if lead.ledger.has(rid) or not r.parts:  # decided before, or nothing released
                 self._transact(key, entry=None, document=None)
                 continue
             first = min(int(v["window"]) for v in r.parts.values())
             size = float(lead.identity["window_size"])
-            info = {"kind": "rollup", "size": rollup_window_size(lead.identity, r.windows),
-                    "events": int(r.n or 0), "started_unix": first * size,
-                    "ended_unix": (last + 1) * size}
-            view = rollup_view(r, partitions=lead.P, params=state_params(lead.identity),
-                               window_info=info,
-                               mode=lead.identity["mode"])
+            info = {
+                "kind": "rollup",
+                "size": rollup_window_size(lead.identity, r.windows),
+                "events": int(r.n or 0),
+                "started_unix": first * size,
+                "ended_unix": (last + 1) * size,
+            }
+            view = rollup_view(
+                r,
+                partitions=lead.P,
+                params=state_params(lead.identity),
+                window_info=info,
+                mode=lead.identity["mode"],
+            )
             if lead.merge is None:
                 self._publish(key, lead.merge_fn([view], **lead.merge_kwargs))
-            else:   # beside the loop: a week of 1e6 counters takes a while
+            else:  # beside the loop: a week of 1e6 counters takes a while
                 self._in_flight = (key, lead.merge([view], **lead.merge_kwargs))
                 return
 
@@ -169,16 +208,33 @@ class ViewRollups:
         lead = self.leader
         span, idx = key
         r = self.sums[key]
-        entries = [e for e in (lead.ledger.get(uid) for uid in sorted(
-            r.parts, key=lambda u: int(r.parts[u]["window"]))) if e is not None]
-        publish_rollup(lead, r, entries, self._missing(r), release,
-                       scale_out={"store": "kafka", "partitions": lead.P, "exchange": "views"},
-                       tombstones=[(lead.topics.rollups, f"{span}/{idx}".encode())])
+        entries = [
+            e
+            for e in (
+                lead.ledger.get(uid)
+                for uid in sorted(r.parts, key=lambda u: int(r.parts[u]["window"]))
+            )
+            if e is not None
+        ]
+        publish_rollup(
+            lead,
+            r,
+            entries,
+            self._missing(r),
+            release,
+            scale_out={"store": "kafka", "partitions": lead.P, "exchange": "views"},
+            tombstones=[(lead.topics.rollups, f"{span}/{idx}".encode())],
+        )
         self.sums.pop(key, None)
 
     def _transact(self, key, *, entry: dict | None, document: str | None) -> None:
         """Decide a rollup with nothing to publish: its sum's tombstone (and ``entry``)."""
         span, idx = key
-        transact_rollup(self.leader, f"{span}-{idx}", entry=entry, document=document,
-                        tombstones=[(self.leader.topics.rollups, f"{span}/{idx}".encode())])
+        transact_rollup(
+            self.leader,
+            f"{span}-{idx}",
+            entry=entry,
+            document=document,
+            tombstones=[(self.leader.topics.rollups, f"{span}/{idx}".encode())],
+        )
         self.sums.pop(key, None)

@@ -61,13 +61,14 @@ __all__ = ["ViewCounter"]
 
 log = logging.getLogger("panagg.group")
 
+
 # -- the member's counting stage --------------------------------------------------------------
 class MemberWindow:
     """One open window of this member: the partitions counted into it and their ranges."""
 
     def __init__(self, window: int):
         self.window = int(window)
-        self.state: PanPrivateHistogram | None = None   # drawn at the first event
+        self.state: PanPrivateHistogram | None = None  # drawn at the first event
         #: source partition -> [first offset of the window, next offset to read]
         self.ranges: dict[int, list[int]] = {}
         self.events = 0
@@ -110,9 +111,23 @@ class ViewCounter:
     releases' close records.
     """
 
-    def __init__(self, consumer, txn, topics, identity: dict, ledger, metrics, *, member: str,
-                 source_topic: str, route, closes=None, snapshots_per_window: int = 0,
-                 snapshot_reader=None, views_reader=None):
+    def __init__(
+        self,
+        consumer,
+        txn,
+        topics,
+        identity: dict,
+        ledger,
+        metrics,
+        *,
+        member: str,
+        source_topic: str,
+        route,
+        closes=None,
+        snapshots_per_window: int = 0,
+        snapshot_reader=None,
+        views_reader=None,
+    ):
         self.consumer, self.txn, self.topics = consumer, txn, topics
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
         self.member, self.source_topic, self.route = member, source_topic, route
@@ -150,8 +165,11 @@ class ViewCounter:
         #: watermarks, the offsets this member last committed, the dead letters not sent yet
         self.event = identity.get("window_kind") == "event_time"
         self.clocks: dict[int, PartitionClock] = {}
-        self.marks = GroupMarks(topics.repartition, source_topic, self.P, route.clock) \
-            if self.event else None
+        self.marks = (
+            GroupMarks(topics.repartition, source_topic, self.P, route.clock)
+            if self.event
+            else None
+        )
         self._committed: dict[int, int] = {}
         self._dead_pending: list[tuple[int, tuple]] = []
         self._marked: dict[int, tuple] = {}
@@ -169,9 +187,11 @@ class ViewCounter:
 
     # -- what the member holds (status, stop line) -----------------------------------------
     def held(self) -> list[str]:
-        return [f"window {w} with {t.events:,} events of partition(s) "
-                f"{', '.join(f'{p} from offset {r[0]}' for p, r in sorted(t.ranges.items()))}"
-                for w, t in sorted(self.tasks.items())]
+        return [
+            f"window {w} with {t.events:,} events of partition(s) "
+            f"{', '.join(f'{p} from offset {r[0]}' for p, r in sorted(t.ranges.items()))}"
+            for w, t in sorted(self.tasks.items())
+        ]
 
     def owned(self) -> list[int]:
         return sorted(self.where)
@@ -192,16 +212,20 @@ class ViewCounter:
         for p in task.ranges:
             self.where.pop(p, None)
         if task.ranges:
-            log.info("window %d of partition(s) %s is dropped here and %s", w,
-                     ", ".join(map(str, sorted(task.ranges))),
-                     "resumed from its committed snapshot" if task.snap_keys
-                     else "replayed from its start under fresh noise")
+            log.info(
+                "window %d of partition(s) %s is dropped here and %s",
+                w,
+                ", ".join(map(str, sorted(task.ranges))),
+                "resumed from its committed snapshot"
+                if task.snap_keys
+                else "replayed from its start under fresh noise",
+            )
             self.metrics.handovers.labels(event="released").inc()
 
     def _sync(self) -> None:
         self._needs_sync = False
         owned = self.membership.sync()
-        if owned is None:   # between generations: nothing is acquired or closed until synced
+        if owned is None:  # between generations: nothing is acquired or closed until synced
             self._needs_sync = True
             return
         self.is_leader = self.membership.is_leader
@@ -219,11 +243,11 @@ class ViewCounter:
             for p, (_, position) in task.ranges.items():
                 # a poll that brought the assignment may have read past what was counted
                 self.consumer.seek(TopicPartition(self.source_topic, p), position)
-        snapped: dict[tuple[int, int, int], dict[int, int]] = {}   # (w, s, key) -> p: offset
+        snapped: dict[tuple[int, int, int], dict[int, int]] = {}  # (w, s, key) -> p: offset
         for p in sorted(owned - set(self.where)):
             tp = TopicPartition(self.source_topic, p)
             offset, meta = self._commit_of(p)
-            if offset is None:    # no commit: counted from the beginning
+            if offset is None:  # no commit: counted from the beginning
                 meta = None
                 window = self.first_window
                 self.consumer.seek_to_beginning(tp)
@@ -238,11 +262,11 @@ class ViewCounter:
             task = self.tasks.setdefault(window, MemberWindow(window))
             task.ranges[p] = [start, start]
             task.committed[p] = start
-            if meta and "s" in meta:   # committed at an in-window snapshot: resumed below
+            if meta and "s" in meta:  # committed at an in-window snapshot: resumed below
                 task.ranges[p][0] = int(meta["f"])
                 held = snapped.setdefault((window, int(meta["s"]), int(meta["a"])), {})
                 held[p] = start
-                for q in meta["c"]:    # (-1: a partition of the snapshot not acquired here)
+                for q in meta["c"]:  # (-1: a partition of the snapshot not acquired here)
                     held.setdefault(int(q), -1)
             if meta is not None:
                 # the window's first records may be gone (the source topic's retention, a
@@ -253,13 +277,19 @@ class ViewCounter:
                 at = meta or {}
                 # (after a reset: the records released there stand for the events counted)
                 task.base[p], task.counted[p] = int(at.get("t", released or 0)), 0
-                self._reported.pop(p, None)    # its next report is sent whatever it says
+                self._reported.pop(p, None)  # its next report is sent whatever it says
                 goal = int(at.get("g", (window - self.first_window + 1) * self.size))
                 task.goal = max(task.goal or 0, goal)
             self.where[p] = window
             self.metrics.handovers.labels(event="acquired").inc()
-            log.info("counting partition %d of %s from offset %d (window %d) into this "
-                     "member's own state", p, self.source_topic, start, window)
+            log.info(
+                "counting partition %d of %s from offset %d (window %d) into this "
+                "member's own state",
+                p,
+                self.source_topic,
+                start,
+                window,
+            )
         for (w, seq, key), at in snapped.items():
             self._resume(self.tasks[w], seq, key, at)
         self.metrics.partitions_owned.set(len(self.where))
@@ -277,22 +307,35 @@ class ViewCounter:
         are not in offset order: :meth:`_sync_event_time`)."""
         self.ledger.read_to_end()
         key = f"{self.source_topic}:{tp.partition}"
-        spans = [(int(e["window"]), *map(int, e["ranges"][key])) for e in self.ledger.entries
-                 if e.get("kind") == "release" and e.get("epsilon_spent")
-                 and key in (e.get("ranges") or {})]
-        spans += [(int(h["window"]), *map(int, h["ranges"][key])) for h in self._views_written()
-                  if key in (h.get("ranges") or {})]
+        spans = [
+            (int(e["window"]), *map(int, e["ranges"][key]))
+            for e in self.ledger.entries
+            if e.get("kind") == "release"
+            and e.get("epsilon_spent")
+            and key in (e.get("ranges") or {})
+        ]
+        spans += [
+            (int(h["window"]), *map(int, h["ranges"][key]))
+            for h in self._views_written()
+            if key in (h.get("ranges") or {})
+        ]
         if not spans:
             return window, start, None
         last = max(w for w, _, _ in spans)
         end = max(b for _, _, b in spans)
         if end > start:
-            log.warning("partition %d of %s was to be read from offset %d, but the group "
-                        "released or viewed it up to %d already (its committed offsets were "
-                        "reset or lost): records below %d are not counted again", tp.partition,
-                        self.source_topic, start, end, end)
+            log.warning(
+                "partition %d of %s was to be read from offset %d, but the group "
+                "released or viewed it up to %d already (its committed offsets were "
+                "reset or lost): records below %d are not counted again",
+                tp.partition,
+                self.source_topic,
+                start,
+                end,
+                end,
+            )
             self.consumer.seek(tp, end)
-        covered, reach = 0, None    # the union of the ranges (withheld ones overlap)
+        covered, reach = 0, None  # the union of the ranges (withheld ones overlap)
         for _, a, b in sorted(spans, key=lambda s: s[1]):
             lo = a if reach is None else max(a, reach)
             covered += max(0, b - lo)
@@ -307,8 +350,9 @@ class ViewCounter:
         if self._pending_views is None:
             got = self.views_reader() if self.views_reader is not None else None
             heads = [json.loads(v) for k, v in (got or {}).items() if "/c" not in k]
-            self._pending_views = [h for h in heads if h.get("format") == VIEW_FORMAT
-                                   and not h.get("skipped")]
+            self._pending_views = [
+                h for h in heads if h.get("format") == VIEW_FORMAT and not h.get("skipped")
+            ]
         return self._pending_views
 
     def _resume(self, task: MemberWindow, seq: int, key: int, at: dict[int, int]) -> None:
@@ -316,14 +360,19 @@ class ViewCounter:
         partition it covers -> the offset acquired here, -1 for one held elsewhere), adding it to
         the window's state; or withhold the window, never replaying it under fresh noise (a
         replay would be a second view of the events the snapshot holds)."""
-        got = ("its partition(s) " + ", ".join(str(p) for p, o in sorted(at.items()) if o < 0)
-               + " went to other members (a rebalance split the snapshot's partitions)"
-               if min(at.values()) < 0 else
-               view_resume(self.snapshot_reader, key, (task.window, seq), at))
+        got = (
+            "its partition(s) "
+            + ", ".join(str(p) for p, o in sorted(at.items()) if o < 0)
+            + " went to other members (a rebalance split the snapshot's partitions)"
+            if min(at.values()) < 0
+            else view_resume(self.snapshot_reader, key, (task.window, seq), at)
+        )
         if isinstance(got, str):
-            why = (f"window {task.window} of partition(s) {', '.join(map(str, sorted(at)))} "
-                   f"cannot resume from its layered snapshot {seq}: {got}; the window is "
-                   "withheld, never replayed under fresh noise")
+            why = (
+                f"window {task.window} of partition(s) {', '.join(map(str, sorted(at)))} "
+                f"cannot resume from its layered snapshot {seq}: {got}; the window is "
+                "withheld, never replayed under fresh noise"
+            )
             task.withheld = "; ".join(filter(None, (task.withheld, why)))
             log.error("%s", why)
             return
@@ -334,19 +383,27 @@ class ViewCounter:
         task.snap_keys.add(key)
         for p, first in firsts.items():
             task.ranges[p][0] = first
-        log.info("partition(s) %s resume window %d from its snapshot %d at offset(s) %s",
-                 ", ".join(map(str, sorted(at))), task.window, seq,
-                 ", ".join(str(at[p]) for p in sorted(at)))
+        log.info(
+            "partition(s) %s resume window %d from its snapshot %d at offset(s) %s",
+            ", ".join(map(str, sorted(at))),
+            task.window,
+            seq,
+            ", ".join(str(at[p]) for p in sorted(at)),
+        )
 
     def _moved_on(self, task: MemberWindow) -> bool:
         """Whether a partition of ``task`` has a committed offset other than the window's start
         (a view of this window, or a later one, was written by another member)."""
 
         for p, (start, _) in task.ranges.items():
-            committed = self.consumer.committed(TopicPartition(self.source_topic, p),
-                                                timeout_ms=5000)
-            if committed is not None and committed >= 0 and \
-                    committed != task.committed.get(p, start):
+            committed = self.consumer.committed(
+                TopicPartition(self.source_topic, p), timeout_ms=5000
+            )
+            if (
+                committed is not None
+                and committed >= 0
+                and committed != task.committed.get(p, start)
+            ):
                 return True
         return False
 
@@ -363,7 +420,7 @@ class ViewCounter:
         polled = self.consumer.poll(timeout_ms=int(timeout_s * 1000))
         if self._needs_sync:
             self._sync()
-            polled = {}    # read again from what the sync sought
+            polled = {}  # read again from what the sync sought
         self.ledger.tail(0)
         if self.event:
             return self._step_event_time(polled)
@@ -399,8 +456,12 @@ class ViewCounter:
 
     # -- count windows (count_views.py) ------------------------------------------------------
     def _own_totals(self) -> dict[int, int]:
-        return {p: task.base[p] + task.counted[p] for task in self.tasks.values()
-                for p in task.ranges if p in task.base}
+        return {
+            p: task.base[p] + task.counted[p]
+            for task in self.tasks.values()
+            for p in task.ranges
+            if p in task.base
+        }
 
     def _close_counted(self, forced: int) -> None:
         """Close the open windows the group's total has reached (or a forced release asked),
@@ -414,8 +475,11 @@ class ViewCounter:
                 task.goal = total + int(self.size)
             if not (total >= task.goal or w <= forced):
                 continue
-            nxt_goal = (total + int(self.size) if w <= forced
-                        else next_goal(task.goal, total, int(self.size)))
+            nxt_goal = (
+                total + int(self.size)
+                if w <= forced
+                else next_goal(task.goal, total, int(self.size))
+            )
             if not self._close(task, goal_after=nxt_goal):
                 break
         self._report()
@@ -436,10 +500,15 @@ class ViewCounter:
                         news[p] = (now_at, task.window, task.goal)
         if not news or not all(self._still_owned(t) for t in self.tasks.values() if t.ranges):
             return
-        records = [(progress_key(self.source_topic, p),
-                    json.dumps({"t": t, "o": o, "w": w, "g": g, "m": self.member},
-                               separators=(",", ":")).encode())
-                   for p, ((t, o), w, g) in sorted(news.items())]
+        records = [
+            (
+                progress_key(self.source_topic, p),
+                json.dumps(
+                    {"t": t, "o": o, "w": w, "g": g, "m": self.member}, separators=(",", ":")
+                ).encode(),
+            )
+            for p, ((t, o), w, g) in sorted(news.items())
+        ]
         if not self._send_reports(records, news, "progress"):
             return
         for p, (at, _, _) in news.items():
@@ -462,8 +531,9 @@ class ViewCounter:
 
     def _count(self, task: MemberWindow, tp, recs) -> int:
         route = self.route
-        decoded = route.decoder.decode([r.value for r in recs], [r.key for r in recs],
-                                       [r.headers for r in recs])
+        decoded = route.decoder.decode(
+            [r.value for r in recs], [r.key for r in recs], [r.headers for r in recs]
+        )
         if decoded.rejected:
             Repartitioner._count_rejects(route.metrics, decoded.rejected)
             if route.dead_topic:
@@ -490,14 +560,21 @@ class ViewCounter:
         # the latest point passed (several after a restart or a slow turn: only that one is
         # taken, each snapshot costs two layers)
         passed = min(k, int((now / self.size - w) * (k + 1)))
-        if passed <= task.snapshots or now >= (w + 1) * self.size or task.withheld \
-                or not task.ranges:
+        if (
+            passed <= task.snapshots
+            or now >= (w + 1) * self.size
+            or task.withheld
+            or not task.ranges
+        ):
             return True
-        if task.gaps:     # records deleted before they were counted: the window is withheld
+        if task.gaps:  # records deleted before they were counted: the window is withheld
             self._note_deleted(task, dict(task.gaps))
             task.gaps.clear()
-        if task.lost or task.state is None or all(
-                r[1] == task.committed.get(p) for p, r in task.ranges.items()):
+        if (
+            task.lost
+            or task.state is None
+            or all(r[1] == task.committed.get(p) for p, r in task.ranges.items())
+        ):
             # nothing to release, no event yet, or nothing read since the last commit
             task.snapshots = passed
             return True
@@ -511,25 +588,46 @@ class ViewCounter:
         covers = sorted(task.ranges)
 
         def meta(p: int) -> str:
-            return json.dumps({"w": w, "s": task.snapshots, "a": key, "c": covers,
-                               "f": task.ranges[p][0],
-                               "lh": f"{head['seq']}:{head['hash'][:16]}"},
-                              separators=(",", ":"))
-        if not self._transact(task, [(self.topics.snapshots, key, str(key).encode(), message)],
-                              {p: (r[1], meta(p)) for p, r in task.ranges.items()},
-                              f"snapshot {task.snapshots} of window {w}",
-                              "resumed from its last commit"):
+            return json.dumps(
+                {
+                    "w": w,
+                    "s": task.snapshots,
+                    "a": key,
+                    "c": covers,
+                    "f": task.ranges[p][0],
+                    "lh": f"{head['seq']}:{head['hash'][:16]}",
+                },
+                separators=(",", ":"),
+            )
+
+        if not self._transact(
+            task,
+            [(self.topics.snapshots, key, str(key).encode(), message)],
+            {p: (r[1], meta(p)) for p, r in task.ranges.items()},
+            f"snapshot {task.snapshots} of window {w}",
+            "resumed from its last commit",
+        ):
             return False
         task.snap_keys.add(key)
         for p, r in task.ranges.items():
             task.committed[p] = r[1]
-        log.info("window %d: layered snapshot %d of partition(s) %s at offset(s) %s", w,
-                 task.snapshots, ", ".join(map(str, covers)),
-                 ", ".join(str(task.ranges[p][1]) for p in covers))
+        log.info(
+            "window %d: layered snapshot %d of partition(s) %s at offset(s) %s",
+            w,
+            task.snapshots,
+            ", ".join(map(str, covers)),
+            ", ".join(str(task.ranges[p][1]) for p in covers),
+        )
         return True
 
-    def _transact(self, task: MemberWindow, records: list, commits: dict[int, tuple[int, str]],
-                  what: str, then: str) -> bool:
+    def _transact(
+        self,
+        task: MemberWindow,
+        records: list,
+        commits: dict[int, tuple[int, str]],
+        what: str,
+        then: str,
+    ) -> bool:
         """One transaction: ``records`` (topic, partition, key, value), the window's dead
         letters so far and its partitions' ``commits`` (partition -> (offset, metadata)) with
         the group's metadata. False: not written; the window is dropped (``then`` says how it
@@ -542,8 +640,13 @@ class ViewCounter:
                 txn.send(topic, partition=partition, key=key, value=value)
             for dkey, value, headers in task.dead:
                 txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
-            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
-                              for p, (o, m) in commits.items()}, self.membership.generation)
+            txn.send_offsets(
+                {
+                    TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
+                    for p, (o, m) in commits.items()
+                },
+                self.membership.generation,
+            )
             txn.commit()
         except Exception as exc:
             log.warning("%s not written (%s); the window is %s", what, type(exc).__name__, then)
@@ -572,7 +675,7 @@ class ViewCounter:
             self._needs_sync = True
             return False
         self._last_wait = None
-        if task.gaps:     # one look at the first offsets of the partitions that jumped
+        if task.gaps:  # one look at the first offsets of the partitions that jumped
             self._note_deleted(task, dict(task.gaps))
             task.gaps.clear()
         for p, (_, first_left) in task.lost.items():
@@ -582,31 +685,60 @@ class ViewCounter:
         ranges = {f"{self.source_topic}:{p}": list(r) for p, r in sorted(task.ranges.items())}
         if self.event:
             info = event_window_info(w, self.identity, events=task.events, late=task.late)
-        elif self.count:   # a count window's times are when this member opened and closed it
-            info = {"kind": "count", "size": self.size, "events": int(task.events),
-                    "started_unix": task.opened_unix, "ended_unix": time.time()}
+        elif self.count:  # a count window's times are when this member opened and closed it
+            info = {
+                "kind": "count",
+                "size": self.size,
+                "events": int(task.events),
+                "started_unix": task.opened_unix,
+                "ended_unix": time.time(),
+            }
         else:
-            info = {"kind": "time", "size": self.size, "events": int(task.events),
-                    "started_unix": w * self.size, "ended_unix": (w + 1) * self.size}
-        refused = "; ".join(
-            f"{deleted_text(self.source_topic, p, a, b)}; window range "
-            f"[{task.ranges[p][0]}, {task.ranges[p][1]}) cannot be released whole"
-            for p, (a, b) in sorted(task.lost.items())) or task.withheld or (
-            self._refusal(w, ranges) if task.events else None)
+            info = {
+                "kind": "time",
+                "size": self.size,
+                "events": int(task.events),
+                "started_unix": w * self.size,
+                "ended_unix": (w + 1) * self.size,
+            }
+        refused = (
+            "; ".join(
+                f"{deleted_text(self.source_topic, p, a, b)}; window range "
+                f"[{task.ranges[p][0]}, {task.ranges[p][1]}) cannot be released whole"
+                for p, (a, b) in sorted(task.lost.items())
+            )
+            or task.withheld
+            or (self._refusal(w, ranges) if task.events else None)
+        )
         if refused:
-            head = {"format": VIEW_FORMAT, "version": 1, "window": w,
-                    "partition": min(task.ranges), "covers": sorted(task.ranges),
-                    "partitions": self.P, "refused": refused, "chunks": 0, "_chunks": []}
+            head = {
+                "format": VIEW_FORMAT,
+                "version": 1,
+                "window": w,
+                "partition": min(task.ranges),
+                "covers": sorted(task.ranges),
+                "partitions": self.P,
+                "refused": refused,
+                "chunks": 0,
+                "_chunks": [],
+            }
             if refused == task.withheld:
                 # its snapshots were views of its events: its positions are charged, as a
                 # released window's are (never released, never counted again)
                 head["charge"] = True
         else:
-            head = view_header(task.state, window=w, covers=list(task.ranges),
-                               partitions=self.P, window_info=info, mode=self.identity["mode"],
-                               size=self.D, params=state_params(self.identity))
+            head = view_header(
+                task.state,
+                window=w,
+                covers=list(task.ranges),
+                partitions=self.P,
+                window_info=info,
+                mode=self.identity["mode"],
+                size=self.D,
+                params=state_params(self.identity),
+            )
         head.update(ranges=ranges, member=self.member)
-        if self.event:   # the windows before w since the last closed one were empty here
+        if self.event:  # the windows before w since the last closed one were empty here
             head["after"] = {str(p): self.clocks[p].closed for p in sorted(task.ranges)}
         chunks = head.pop("_chunks")
         key = f"{w}/{head['partition']}"
@@ -615,22 +747,35 @@ class ViewCounter:
 
         def meta(p: int) -> str:
             at = {"w": w + 1, "lh": lh}
-            if self.count:   # where the partition's next count window starts (count_views.py)
+            if self.count:  # where the partition's next count window starts (count_views.py)
                 at.update(t=task.base[p] + task.counted[p], g=goal_after)
             return json.dumps(at, separators=(",", ":"))
-        commits = self._event_commits(list(task.ranges), w, lh) if self.event else {
-            p: (r[1], meta(p)) for p, r in task.ranges.items()}
+
+        commits = (
+            self._event_commits(list(task.ranges), w, lh)
+            if self.event
+            else {p: (r[1], meta(p)) for p, r in task.ranges.items()}
+        )
         # the chunks first: the leader reads them before the header that names them; the
         # window's snapshots are done with (tombstones): no noisy state left at rest for it
-        records = [(self.topics.summaries, 0, f"{key}/c{k}".encode(), chunk)
-                   for k, chunk in enumerate(chunks)]
-        records.append((self.topics.summaries, 0, key.encode(),
-                        json.dumps(head, allow_nan=False).encode()))
-        records += [(self.topics.snapshots, snap, str(snap).encode(), None)
-                    for snap in sorted(task.snap_keys)]
-        if not self._transact(task, records, commits, f"view of window {w}",
-                              "replayed from its start" if not task.snap_keys
-                              else "resumed from its last commit"):
+        records = [
+            (self.topics.summaries, 0, f"{key}/c{k}".encode(), chunk)
+            for k, chunk in enumerate(chunks)
+        ]
+        records.append(
+            (self.topics.summaries, 0, key.encode(), json.dumps(head, allow_nan=False).encode())
+        )
+        records += [
+            (self.topics.snapshots, snap, str(snap).encode(), None)
+            for snap in sorted(task.snap_keys)
+        ]
+        if not self._transact(
+            task,
+            records,
+            commits,
+            f"view of window {w}",
+            "replayed from its start" if not task.snap_keys else "resumed from its last commit",
+        ):
             return False
         self.summaries_written += 1
         self.metrics.summaries.inc()
@@ -651,10 +796,12 @@ class ViewCounter:
     # -- event-time windows (event_views.py) ------------------------------------------------
     def _drop_event_time(self) -> None:
         if any(t.events for t in self.tasks.values()):
-            log.info("event-time window(s) %s of partition(s) %s are dropped here and replayed "
-                     "from the committed offsets under fresh noise",
-                     ", ".join(map(str, sorted(self.tasks))),
-                     ", ".join(map(str, sorted(self.clocks))))
+            log.info(
+                "event-time window(s) %s of partition(s) %s are dropped here and replayed "
+                "from the committed offsets under fresh noise",
+                ", ".join(map(str, sorted(self.tasks))),
+                ", ".join(map(str, sorted(self.clocks))),
+            )
             self.metrics.handovers.labels(event="released").inc()
         self.tasks.clear()
         self.clocks.clear()
@@ -669,21 +816,21 @@ class ViewCounter:
         partition it counted and nobody committed one of them since; else drop them all and
         read every owned partition again from its commit (R3: fresh noise)."""
 
-        moved = any(self._commit_of(p)[0] != self._committed.get(p) for p in self.clocks
-                    if p in owned)
+        moved = any(
+            self._commit_of(p)[0] != self._committed.get(p) for p in self.clocks if p in owned
+        )
         if set(self.clocks) - owned or moved:
             self._drop_event_time()
         for p, clock in self.clocks.items():
             self.consumer.seek(TopicPartition(self.source_topic, p), clock.position)
-        resumed: dict[int, int] = {}   # partitions counted on from a commit
+        resumed: dict[int, int] = {}  # partitions counted on from a commit
         for p in sorted(owned - set(self.clocks)):
             offset, meta = self._commit_of(p)
             tp = TopicPartition(self.source_topic, p)
             if offset is None:
                 self.consumer.seek_to_beginning(tp)
                 offset = self.consumer.position(tp)
-                clock = PartitionClock(start=offset, passed_ms=None, closed=None,
-                                       skip_until=None)
+                clock = PartitionClock(start=offset, passed_ms=None, closed=None, skip_until=None)
             else:
                 self.consumer.seek(tp, offset)
                 clock = PartitionClock.from_commit(offset, meta)
@@ -692,9 +839,14 @@ class ViewCounter:
                 resumed[p] = offset
             self.where[p] = -1 if clock.closed is None else clock.closed + 1
             self.metrics.handovers.labels(event="acquired").inc()
-            log.info("counting partition %d of %s from offset %d by event time (last window "
-                     "closed there: %s) into this member's own state", p, self.source_topic,
-                     offset, "none" if clock.closed is None else clock.closed)
+            log.info(
+                "counting partition %d of %s from offset %d by event time (last window "
+                "closed there: %s) into this member's own state",
+                p,
+                self.source_topic,
+                offset,
+                "none" if clock.closed is None else clock.closed,
+            )
         # records after a commit may be gone (retention; a member down longer than it)
         self._note_deleted_event_time(resumed)
         self.metrics.partitions_owned.set(len(self.clocks))
@@ -702,8 +854,9 @@ class ViewCounter:
     def _commit_of(self, p: int) -> tuple[int | None, dict]:
         """The counting group's committed offset of source partition ``p`` and its metadata."""
 
-        got = self.consumer.committed(TopicPartition(self.source_topic, p), metadata=True,
-                                      timeout_ms=5000)
+        got = self.consumer.committed(
+            TopicPartition(self.source_topic, p), metadata=True, timeout_ms=5000
+        )
         if got is None or got.offset is None or got.offset < 0:
             return None, {}
         return int(got.offset), json.loads(got.metadata or "{}")
@@ -726,7 +879,7 @@ class ViewCounter:
         if counted:
             self.metrics.events.inc(counted)
         self._note_idle(polled, now_ms)
-        self._forced()     # (reads the group's watermark reports)
+        self._forced()  # (reads the group's watermark reports)
         self._close_event_time(now_ms)
         self._send_dead_letters()
         self._report_marks()
@@ -736,8 +889,12 @@ class ViewCounter:
         """Dead letters waiting for a close that does not come (the watermark stands still):
         sent at most every PROGRESS_S with their partitions' offsets (commits that close no
         window), so each is written once."""
-        if not self._dead_pending or time.monotonic() - self._reported_at < PROGRESS_S \
-                or self._needs_sync or not self.membership.holds(list(self.clocks)):
+        if (
+            not self._dead_pending
+            or time.monotonic() - self._reported_at < PROGRESS_S
+            or self._needs_sync
+            or not self.membership.holds(list(self.clocks))
+        ):
             return
 
         parts = sorted({p for p, _ in self._dead_pending})
@@ -749,13 +906,21 @@ class ViewCounter:
             txn.begin()
             for dkey, value, headers in letters:
                 txn.send(self.route.dead_topic, key=dkey, value=value, headers=headers)
-            txn.send_offsets({TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
-                              for p, (o, m) in commits.items()}, self.membership.generation)
+            txn.send_offsets(
+                {
+                    TopicPartition(self.source_topic, p): OffsetAndMetadata(o, m, -1)
+                    for p, (o, m) in commits.items()
+                },
+                self.membership.generation,
+            )
             txn.commit()
         except Exception as exc:
-            log.warning("dead letters of partition(s) %s not written (%s); they are read again "
-                        "from the committed offsets", ", ".join(map(str, parts)),
-                        type(exc).__name__)
+            log.warning(
+                "dead letters of partition(s) %s not written (%s); they are read again "
+                "from the committed offsets",
+                ", ".join(map(str, parts)),
+                type(exc).__name__,
+            )
             self.txn.failed(exc)
             self._drop_event_time()
             self._needs_sync = True
@@ -770,14 +935,21 @@ class ViewCounter:
         """Pause the owned partitions too far ahead of the group's low watermark; resume the
         others (event_views.GroupMarks.ahead)."""
 
-        ahead = {TopicPartition(self.source_topic, p) for p in self.marks.ahead(
-            {p: c.watermark() for p, c in self.clocks.items()}, int(time.time() * 1000))}
+        ahead = {
+            TopicPartition(self.source_topic, p)
+            for p in self.marks.ahead(
+                {p: c.watermark() for p, c in self.clocks.items()}, int(time.time() * 1000)
+            )
+        }
         paused = {tp for tp in self.consumer.paused() if tp.topic == self.source_topic}
         if ahead - paused:
             self.consumer.pause(*(ahead - paused))
-            log.info("partition(s) %s of %s paused: more than %d windows past the group's low "
-                     "watermark", ", ".join(str(tp.partition) for tp in sorted(ahead - paused)),
-                     self.source_topic, MAX_AHEAD_WINDOWS)
+            log.info(
+                "partition(s) %s of %s paused: more than %d windows past the group's low watermark",
+                ", ".join(str(tp.partition) for tp in sorted(ahead - paused)),
+                self.source_topic,
+                MAX_AHEAD_WINDOWS,
+            )
         if paused - ahead:
             self.consumer.resume(*(paused - ahead))
         # kafka-python keeps a resumed partition's parked records out of later fetches without
@@ -806,20 +978,20 @@ class ViewCounter:
         items = take_items(decoded.items, keep)
         good = good[keep]
         offsets = np.asarray([recs[i].offset for i in good], dtype=np.int64)
-        d = self.clocks[p].assign(offsets, ts[keep], size_ms=c.size_ms,
-                                  lateness_ms=c.lateness_ms)
+        d = self.clocks[p].assign(offsets, ts[keep], size_ms=c.size_ms, lateness_ms=c.lateness_ms)
         count = ~d.skip
         if c.late == "dead_letter":
             rejects += [(int(i), "late") for i in good[d.late & ~d.skip]]
             count &= ~d.late
         sent = self.clocks[p].dead_until
-        if sent is not None:   # a replay: those were dead letters before
+        if sent is not None:  # a replay: those were dead letters before
             rejects = [(i, r) for i, r in rejects if recs[i].offset >= sent]
         if rejects:
             Repartitioner._count_rejects(route.metrics, rejects)
             if route.dead_topic:
-                self._dead_pending += [(p, dl) for dl in
-                                       dead_letter_records(route, tp, recs, sorted(rejects))]
+                self._dead_pending += [
+                    (p, dl) for dl in dead_letter_records(route, tp, recs, sorted(rejects))
+                ]
         sel = np.flatnonzero(count)
         if not len(sel):
             return 0
@@ -849,7 +1021,7 @@ class ViewCounter:
         if not self.clocks:
             return
         upto = self.marks.closable({p: c.watermark() for p, c in self.clocks.items()}, now_ms)
-        if self._forced_upto >= 0:     # a forced release closes every window up to it now
+        if self._forced_upto >= 0:  # a forced release closes every window up to it now
             upto = max(upto if upto is not None else -1, self._forced_upto)
         if upto is None:
             return
@@ -857,8 +1029,9 @@ class ViewCounter:
             if clock.lost is not None:
                 # each window that may hold a deleted record gets a view of its own (withheld):
                 # skipped, it would count as empty there (the views' "after")
-                first = clock.closed + 1 if clock.closed is not None else min(self.tasks,
-                                                                                default=upto)
+                first = (
+                    clock.closed + 1 if clock.closed is not None else min(self.tasks, default=upto)
+                )
                 for w in range(first, min(upto, clock.lost[2]) + 1):
                     self.tasks.setdefault(w, MemberWindow(w))
         for w in sorted(self.tasks):
@@ -873,7 +1046,7 @@ class ViewCounter:
         """Close window ``w`` on every owned partition where it is still open: its view
         covers them (empty ranges where they had no events of it)."""
         task = self.tasks.setdefault(w, MemberWindow(w))
-        if self._event_gaps:   # one look at the first offsets of the partitions that jumped
+        if self._event_gaps:  # one look at the first offsets of the partitions that jumped
             self._note_deleted_event_time(self._event_gaps)
             self._event_gaps.clear()
         for p, clock in self.clocks.items():
@@ -889,18 +1062,27 @@ class ViewCounter:
         before they were counted (its first offset is past it), every window not closed on it
         up to :func:`.deleted.lost_through` is withheld there, naming them."""
         c = self.route.clock
-        look = {p: at for p, at in since.items()
-                if self.clocks[p].lost is None or self.clocks[p].lost[1] <= at}
+        look = {
+            p: at
+            for p, at in since.items()
+            if self.clocks[p].lost is None or self.clocks[p].lost[1] <= at
+        }
         through = lost_through(int(time.time() * 1000), size_ms=c.size_ms, skew_ms=c.skew_ms)
         for p, low in self._deleted_since(look).items():
             clock = self.clocks[p]
             first = since[p] if clock.lost is None else min(clock.lost[0], since[p])
             clock.lost = (int(first), low, max(through, clock.lost[2] if clock.lost else 0))
-            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
-                        "the topic's retention before they were counted; their timestamps are "
-                        "gone with them, so every window not closed there up to window %d is "
-                        "withheld naming them (window.max_future_skew_s bounds how far)", p,
-                        self.source_topic, clock.lost[0], clock.lost[1], clock.lost[2])
+            log.warning(
+                "records of partition %d of %s from offset %d to %d were deleted by "
+                "the topic's retention before they were counted; their timestamps are "
+                "gone with them, so every window not closed there up to window %d is "
+                "withheld naming them (window.max_future_skew_s bounds how far)",
+                p,
+                self.source_topic,
+                clock.lost[0],
+                clock.lost[1],
+                clock.lost[2],
+            )
 
     def _event_commits(self, parts, closing: int | None, lh: str) -> dict[int, tuple[int, str]]:
         """The offset and metadata of each of ``parts`` once window ``closing`` closes (None:
@@ -910,17 +1092,30 @@ class ViewCounter:
         for p in parts:
             clock = self.clocks[p]
             closed = clock.closed if closing is None else closing
-            later = [t for k, t in self.tasks.items()
-                     if (closed is None or k > closed) and p in t.ranges]
+            later = [
+                t for k, t in self.tasks.items() if (closed is None or k > closed) and p in t.ranges
+            ]
             if later:
                 first = min(later, key=lambda t: t.ranges[p][0])
                 offset, passed = first.ranges[p][0], first.passed_at[p]
             else:
                 offset, passed = clock.position, clock.passed_ms
-            out[p] = (int(offset), encode_meta(commit_meta(
-                closed=closed, position=clock.position, offset=offset, passed_ms=passed,
-                skip_until=clock.skip_until, ledger_head=lh, closing=closing is not None,
-                dead_until=clock.dead_until, lost=clock.lost)))
+            out[p] = (
+                int(offset),
+                encode_meta(
+                    commit_meta(
+                        closed=closed,
+                        position=clock.position,
+                        offset=offset,
+                        passed_ms=passed,
+                        skip_until=clock.skip_until,
+                        ledger_head=lh,
+                        closing=closing is not None,
+                        dead_until=clock.dead_until,
+                        lost=clock.lost,
+                    )
+                ),
+            )
         return out
 
     def _event_closed(self, task: MemberWindow, commits: dict) -> None:
@@ -930,7 +1125,7 @@ class ViewCounter:
             clock.skip_until = json.loads(meta).get("s")
             clock.dead_until = max(clock.position, clock.skip_until or 0)
             if clock.lost is not None and task.window >= clock.lost[2]:
-                clock.lost = None     # every window that may have held them is closed
+                clock.lost = None  # every window that may have held them is closed
             self._committed[p] = offset
             self.where[p] = task.window + 1
         self._dead_pending = [(p, dl) for p, dl in self._dead_pending if p not in task.ranges]
@@ -946,8 +1141,12 @@ class ViewCounter:
                 txn.send(self.topics.intake, partition=0, key=key, value=value)
             txn.commit()
         except Exception as exc:
-            log.info("%s of partition(s) %s not reported (%s)", what,
-                     ", ".join(map(str, sorted(parts))), type(exc).__name__)
+            log.info(
+                "%s of partition(s) %s not reported (%s)",
+                what,
+                ", ".join(map(str, sorted(parts))),
+                type(exc).__name__,
+            )
             self.txn.failed(exc)
             self._needs_sync = True
             return False
@@ -960,8 +1159,11 @@ class ViewCounter:
         if now - self._reported_at < PROGRESS_S or not self.clocks:
             return
         self._reported_at = now
-        news = {p: c.watermark() for p, c in self.clocks.items()
-                if self._marked.get(p) != (c.passed_ms, c.idle_since_ms)}
+        news = {
+            p: c.watermark()
+            for p, c in self.clocks.items()
+            if self._marked.get(p) != (c.passed_ms, c.idle_since_ms)
+        }
         if not news or self._needs_sync or not self.membership.holds(list(self.clocks)):
             return
         records = [(self.marks.key(p), mark.encode()) for p, mark in sorted(news.items())]
@@ -975,18 +1177,27 @@ class ViewCounter:
         the partition's first offset, if the topic's retention deleted them before they were
         counted (a jump in a partition's offsets is most often a transaction marker)."""
         for p, low in self._deleted_since(
-                {p: at for p, at in since.items() if p not in task.lost}).items():
+            {p: at for p, at in since.items() if p not in task.lost}
+        ).items():
             task.lost[p] = (int(since[p]), low)
-            log.warning("records of partition %d of %s from offset %d to %d were deleted by "
-                        "the topic's retention before they were counted; window %d is withheld "
-                        "naming them", p, self.source_topic, since[p], low, task.window)
+            log.warning(
+                "records of partition %d of %s from offset %d to %d were deleted by "
+                "the topic's retention before they were counted; window %d is withheld "
+                "naming them",
+                p,
+                self.source_topic,
+                since[p],
+                low,
+                task.window,
+            )
 
     def _deleted_since(self, since: dict[int, int]) -> dict[int, int]:
         """Partition -> its first offset, for each partition p of ``since`` whose records from
         ``since[p]`` were deleted before they were counted (:func:`.deleted.deleted_since`)."""
 
-        lows = deleted_since(self.consumer, {TopicPartition(self.source_topic, p): at
-                                             for p, at in since.items()})
+        lows = deleted_since(
+            self.consumer, {TopicPartition(self.source_topic, p): at for p, at in since.items()}
+        )
         return {tp.partition: low for tp, low in lows.items()}
 
     def _still_owned(self, task: MemberWindow) -> bool:
@@ -1001,5 +1212,6 @@ class ViewCounter:
         return self.membership.why_not(task.ranges) or "?"
 
     def _refusal(self, window: int, ranges: dict) -> str | None:
-        return charged_before(self.ledger, self.identity, ranges,
-                              self.identity.get("window_kind", "time"))
+        return charged_before(
+            self.ledger, self.identity, ranges, self.identity.get("window_kind", "time")
+        )

@@ -25,16 +25,29 @@ import json
 
 import numpy as np
 
-__all__ = ["stamp", "low_watermark", "closable_upto", "opening_window", "too_far_ahead",
-           "MarkRecord", "MAX_AHEAD_WINDOWS"]
+__all__ = [
+    "stamp",
+    "low_watermark",
+    "closable_upto",
+    "opening_window",
+    "too_far_ahead",
+    "MarkRecord",
+    "MAX_AHEAD_WINDOWS",
+]
 
 #: the intake pauses a source partition whose ``passed`` is more than this many windows ahead of
 #: the low watermark: it bounds the windows a counting partition keeps live
 MAX_AHEAD_WINDOWS = 3
 
 
-def stamp(ts_ms: np.ndarray, passed_ms: int | None, *, size_ms: int, lateness_ms: int,
-          first_window: int | None = None) -> tuple[np.ndarray, np.ndarray, int | None]:
+def stamp(
+    ts_ms: np.ndarray,
+    passed_ms: int | None,
+    *,
+    size_ms: int,
+    lateness_ms: int,
+    first_window: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, int | None]:
     """Windows of the good records ``ts_ms`` (in partition order) of one source partition whose
     largest earlier timestamp is ``passed_ms`` (None: none yet).
 
@@ -51,10 +64,11 @@ def stamp(ts_ms: np.ndarray, passed_ms: int | None, *, size_ms: int, lateness_ms
     ts = np.asarray(ts_ms, dtype=np.int64)
     if not len(ts):
         return np.zeros(0, np.int64), np.zeros(0, bool), passed_ms
-    before = np.maximum.accumulate(np.concatenate(([-1 if passed_ms is None else passed_ms],
-                                                   ts[:-1])))
+    before = np.maximum.accumulate(
+        np.concatenate(([-1 if passed_ms is None else passed_ms], ts[:-1]))
+    )
     # the first window not passed: the least j with (j + 1) * S + L > passed
-    open_ = (before - lateness_ms) // size_ms     # no record yet (-1): window -1, nothing late
+    open_ = (before - lateness_ms) // size_ms  # no record yet (-1): window -1, nothing late
     if first_window is not None:
         open_ = np.maximum(open_, first_window)
     window = ts // size_ms
@@ -71,8 +85,12 @@ def low_watermark(marks: dict, partitions, *, now_ms: int, idle_timeout_ms: int)
     values, idle = [], []
     for key in partitions:
         m = marks.get(key)
-        if m is not None and idle_timeout_ms and m.idle_since_ms is not None \
-                and now_ms - m.idle_since_ms >= idle_timeout_ms:
+        if (
+            m is not None
+            and idle_timeout_ms
+            and m.idle_since_ms is not None
+            and now_ms - m.idle_since_ms >= idle_timeout_ms
+        ):
             idle.append(m.passed_ms)
             continue
         if m is None or m.passed_ms is None:
@@ -84,8 +102,9 @@ def low_watermark(marks: dict, partitions, *, now_ms: int, idle_timeout_ms: int)
     return max(known) if known else None
 
 
-def opening_window(marks: dict, partitions, *, now_ms: int, idle_timeout_ms: int,
-                   size_ms: int) -> int | None:
+def opening_window(
+    marks: dict, partitions, *, now_ms: int, idle_timeout_ms: int, size_ms: int
+) -> int | None:
     """The group's first window, as one process opens it: the earliest window of the source
     partitions' first records, once every partition has one (those idle for
     ``idle_timeout_ms`` aside); None until then.
@@ -99,8 +118,12 @@ def opening_window(marks: dict, partitions, *, now_ms: int, idle_timeout_ms: int
     firsts = []
     for key in partitions:
         m = marks.get(key)
-        idle = m is not None and idle_timeout_ms and m.idle_since_ms is not None \
+        idle = (
+            m is not None
+            and idle_timeout_ms
+            and m.idle_since_ms is not None
             and now_ms - m.idle_since_ms >= idle_timeout_ms
+        )
         if m is None or m.first_ms is None:
             if idle:
                 continue
@@ -144,13 +167,16 @@ class MarkRecord:
 
     __slots__ = ("passed_ms", "idle_since_ms", "first_ms")
 
-    def __init__(self, passed_ms: int | None, idle_since_ms: int | None = None,
-                 first_ms: int | None = None):
+    def __init__(
+        self, passed_ms: int | None, idle_since_ms: int | None = None, first_ms: int | None = None
+    ):
         self.passed_ms, self.idle_since_ms, self.first_ms = passed_ms, idle_since_ms, first_ms
 
     def encode(self) -> bytes:
-        return json.dumps({"ts": self.passed_ms, "idle": self.idle_since_ms,
-                           "first": self.first_ms}, separators=(",", ":")).encode()
+        return json.dumps(
+            {"ts": self.passed_ms, "idle": self.idle_since_ms, "first": self.first_ms},
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
     def decode(cls, value: bytes) -> "MarkRecord":
@@ -173,12 +199,14 @@ def stamped(decoder, recs, now_ms: int, skew_ms: int):
     decoder accepted; ``ts``: their timestamps in ms (-1: none); ``rejects``: (index, reason) of
     the records that do not count (undecodable, no timestamp, stamped past ``now_ms`` plus the
     allowed skew); ``keep``: the mask over ``good`` of those that do."""
-    decoded = decoder.decode([r.value for r in recs], [r.key for r in recs],
-                             [r.headers for r in recs])
+    decoded = decoder.decode(
+        [r.value for r in recs], [r.key for r in recs], [r.headers for r in recs]
+    )
     bad = {i for i, _ in decoded.rejected}
     good = np.asarray([i for i in range(len(recs)) if i not in bad], dtype=np.int64)
-    ts = np.asarray([-1 if recs[i].timestamp is None else recs[i].timestamp for i in good],
-                    dtype=np.int64)
+    ts = np.asarray(
+        [-1 if recs[i].timestamp is None else recs[i].timestamp for i in good], dtype=np.int64
+    )
     no_ts, future = ts < 0, ts > now_ms + skew_ms
     rejects = list(decoded.rejected)
     rejects += [(int(i), "no_timestamp") for i in good[no_ts]]

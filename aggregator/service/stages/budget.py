@@ -28,22 +28,31 @@ from ..user_budget import UserBudget
 __all__ = ["open_budget"]
 
 
-def open_budget(cfg: Config, directory: Path, metrics: Metrics, *,
-                user: bool) -> tuple[Ledger, ReleaseGate]:
+def open_budget(
+    cfg: Config, directory: Path, metrics: Metrics, *, user: bool
+) -> tuple[Ledger, ReleaseGate]:
     """The ledger in ``directory`` with ``cfg``'s budgets, and the release gate over it (with
     the per-user budget when ``user``)."""
     try:
-        ledger = Ledger(directory / "ledger.jsonl", budget_per_window=cfg.budget_per_window,
-                        budget_total=cfg.ledger.budget_total or None,
-                        budget_per_event=cfg.budget_per_event)
+        ledger = Ledger(
+            directory / "ledger.jsonl",
+            budget_per_window=cfg.budget_per_window,
+            budget_total=cfg.ledger.budget_total or None,
+            budget_per_event=cfg.budget_per_event,
+        )
     except LedgerError as exc:
         raise ServiceError(str(exc)) from None
     epsilon, aggregation = float(cfg.state.epsilon), cfg.aggregation
-    gate = ReleaseGate(ledger, metrics, epsilon=epsilon, model=cfg.state.model,
-                       stream=identity_of(cfg)["stream"],
-                       aggregation=aggregation.name if aggregation else "", directory=directory,
-                       parallel=dict(aggregation.parallel) if aggregation and aggregation.parallel
-                       else None)
+    gate = ReleaseGate(
+        ledger,
+        metrics,
+        epsilon=epsilon,
+        model=cfg.state.model,
+        stream=identity_of(cfg)["stream"],
+        aggregation=aggregation.name if aggregation else "",
+        directory=directory,
+        parallel=dict(aggregation.parallel) if aggregation and aggregation.parallel else None,
+    )
     if user:  # any user may be in every window: the ledger bounds their sum
         gate.user_budget = UserBudget(ledger, budget=cfg.ledger.budget_per_user, epsilon=epsilon)
     return ledger, gate

@@ -38,8 +38,11 @@ def idle_can_count(source, held: set[str]) -> bool:
         return False
     probe = getattr(source, "caught_up", None)
     # partitions waiting at a later event-time window are held there, not behind
-    return probe is None or bool(probe(sorted(set(assigned) - set(held)))) \
-        if set(assigned) - set(held) else True
+    return (
+        probe is None or bool(probe(sorted(set(assigned) - set(held))))
+        if set(assigned) - set(held)
+        else True
+    )
 
 
 class IdleExit:
@@ -65,8 +68,15 @@ class IdleExit:
         return time.monotonic() - self.since >= self.after_s
 
 
-def catch_up(source, held: Callable[[], set[str]], *, ingest: Callable[[Segment], None],
-             snapshot: Callable[[], None], bootstrap: str, timeout_s: float = 120.0) -> None:
+def catch_up(
+    source,
+    held: Callable[[], set[str]],
+    *,
+    ingest: Callable[[Segment], None],
+    snapshot: Callable[[], None],
+    bootstrap: str,
+    timeout_s: float = 120.0,
+) -> None:
     """Count what ``source`` holds now (the open window's replay, then anything newer) with
     ``ingest``, taking the live loop's snapshots (``snapshot``) on the way; ``held()``: the
     partitions intake holds. Raises :class:`..errors.ServiceError` after ``timeout_s``."""
@@ -86,6 +96,8 @@ def catch_up(source, held: Callable[[], set[str]], *, ingest: Callable[[Segment]
         if probe is None or (assigned and probe(assigned)) or (now_held and not assigned):
             return  # (partitions held at a later event-time window are not behind)
         if time.monotonic() > deadline:
-            raise ServiceError(f"could not replay the open window from the source within "
-                               f"{timeout_s:.0f} s; is the broker at "
-                               f"{bootstrap} reachable?")
+            raise ServiceError(
+                f"could not replay the open window from the source within "
+                f"{timeout_s:.0f} s; is the broker at "
+                f"{bootstrap} reachable?"
+            )

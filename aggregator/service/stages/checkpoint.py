@@ -50,11 +50,18 @@ def log_stop(task: WindowTask | None, reason: str) -> None:
         return
     where = ""
     if durable is not None:
-        where = (f" (checkpoint {durable.seq}, at offsets "
-                 f"{', '.join(f'{k}: {v}' for k, v in sorted(durable.offsets.items()))})")
-    log.info("stopped (%s): window %s open with %s events; the last checkpoint holds its "
-             "start%s, so the next start replays it from the source", reason, win.get("id"),
-             f"{int(win.get('events', 0)):,}", where)
+        where = (
+            f" (checkpoint {durable.seq}, at offsets "
+            f"{', '.join(f'{k}: {v}' for k, v in sorted(durable.offsets.items()))})"
+        )
+    log.info(
+        "stopped (%s): window %s open with %s events; the last checkpoint holds its "
+        "start%s, so the next start replays it from the source",
+        reason,
+        win.get("id"),
+        f"{int(win.get('events', 0)):,}",
+        where,
+    )
 
 
 class Checkpoints:
@@ -80,14 +87,23 @@ class Checkpoints:
         ``wait(seconds)``: True when a stop was requested meanwhile.
     """
 
-    def __init__(self, ledger: Ledger, metrics: Metrics, source, directory: Path, *,
-                 dead_letters=None, anchor_name: str = "", rng: Callable, wait: Callable):
+    def __init__(
+        self,
+        ledger: Ledger,
+        metrics: Metrics,
+        source,
+        directory: Path,
+        *,
+        dead_letters=None,
+        anchor_name: str = "",
+        rng: Callable,
+        wait: Callable,
+    ):
         self.ledger, self.metrics, self.source, self.dir = ledger, metrics, source, directory
         self.dead_letters, self.anchor_name = dead_letters, anchor_name
         self.rng, self.wait = rng, wait
 
-    def commit(self, task: WindowTask, *, snapshot: bool = False,
-               tag: tuple = ()) -> bytes | None:
+    def commit(self, task: WindowTask, *, snapshot: bool = False, tag: tuple = ()) -> bytes | None:
         """Make ``task``'s position durable (the numbered sequence of the module docstring).
         With ``snapshot``, the checkpoint carries a layered snapshot of the counters, which is
         returned (an audit export reuses it)."""

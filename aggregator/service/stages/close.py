@@ -78,12 +78,25 @@ class Closer:
         The rollup closer, or None.
     """
 
-    def __init__(self, releases: ReleaseStep, gate: ReleaseGate, ledger: Ledger,
-                 windows: WindowAssigner, checkpoints: Checkpoints, metrics: Metrics,
-                 health: LoopHealth, *, event_time, max_in_flight: int,
-                 new_state: Callable, commit: Callable[[WindowTask], object],
-                 publish: Callable[[WindowTask], None], worker: Callable,
-                 stopping: Callable[[], bool], rollups=None):
+    def __init__(
+        self,
+        releases: ReleaseStep,
+        gate: ReleaseGate,
+        ledger: Ledger,
+        windows: WindowAssigner,
+        checkpoints: Checkpoints,
+        metrics: Metrics,
+        health: LoopHealth,
+        *,
+        event_time,
+        max_in_flight: int,
+        new_state: Callable,
+        commit: Callable[[WindowTask], object],
+        publish: Callable[[WindowTask], None],
+        worker: Callable,
+        stopping: Callable[[], bool],
+        rollups=None,
+    ):
         self.releases, self.gate, self.ledger, self.windows = releases, gate, ledger, windows
         self.checkpoints, self.metrics, self.health = checkpoints, metrics, health
         self.event_time, self.max_in_flight = event_time, max_in_flight
@@ -101,7 +114,8 @@ class Closer:
         closing = dict(task.window, ended_unix=time.time())
         wid, uid = closing["id"], closing["uid"]
         release = self.releases.ledgered_release(
-            task, closing, lambda ranges: self.position_fields(task, closing, ranges))
+            task, closing, lambda ranges: self.position_fields(task, closing, ranges)
+        )
         if release is not None:
             task.pending.append(json.dumps(release, allow_nan=False))
             if self.rollups is not None:
@@ -116,8 +130,10 @@ class Closer:
         task.window = self.windows.new_window(task, wid + 1)
         # where the next window's records start (an event-time second window: where its
         # replay starts), and the chain of checkpoints it belongs to
-        task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
-            (task.replay or {}).get("offsets") or task.offsets))
+        task.window.update(
+            lineage=closing.get("lineage"),
+            start_offsets=dict((task.replay or {}).get("offsets") or task.offsets),
+        )
         task.mark_start()
         carried = self.event_time.carried_state()  # the second window, counting already
         task.state = carried if carried is not None else self.new_state(task, wid + 1)
@@ -142,9 +158,15 @@ class Closer:
         Where the window cannot be withheld here (an event-time window, a restart's replay, a
         restored snapshot's window: where its records start is not known) the service stops
         with one line and the next start withholds it (:meth:`.resume.Resume.withhold_deleted`)."""
-        why = ("an event-time window" if task.window.get("kind") == "event_time"
-               else "replayed after a restart" if task.queue
-               else "restored from a snapshot" if task.window_start is None else None)
+        why = (
+            "an event-time window"
+            if task.window.get("kind") == "event_time"
+            else "replayed after a restart"
+            if task.queue
+            else "restored from a snapshot"
+            if task.window_start is None
+            else None
+        )
         if why is not None:
             raise stop_for_deleted(gone, task.window["id"], why)
         if task.inflight:
@@ -152,11 +174,19 @@ class Closer:
         closing = task.window
         wid = closing["id"]
         ends = dict(task.offsets, **{p: int(b) for p, (_, b) in gone.items()})
-        withhold_window(task, gone, gate=self.gate, append=self.ledger.append,
-                        model=self.releases.model, ranges=self.window_ranges(task), ends=ends,
-                        totals=task.totals, events=closing["events"],
-                        seen="seen while running: the window cannot be released whole; "
-                             "counting goes on from the first record left")
+        withhold_window(
+            task,
+            gone,
+            gate=self.gate,
+            append=self.ledger.append,
+            model=self.releases.model,
+            ranges=self.window_ranges(task),
+            ends=ends,
+            totals=task.totals,
+            events=closing["events"],
+            seen="seen while running: the window cannot be released whole; "
+            "counting goes on from the first record left",
+        )
         task.offsets.update(ends)  # (in place: a Kafka source seeks a reassignment to it)
         task.close_at = None
         task.window = self.windows.new_window(task, wid + 1)
@@ -184,12 +214,19 @@ class Closer:
         if entry is not None:  # decided before a restart (never replayed: kept for safety)
             if entry["document"] not in task.pending:
                 task.pending.append(entry["document"])
-        elif self.gate.allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
-                              in_flight=task.inflight,
-                              refusal_fields=lambda: self.position_fields(task, closing, ranges)):
+        elif self.gate.allows(
+            uid,
+            wid,
+            ranges=ranges,
+            charge=charge,
+            closing=closing,
+            in_flight=task.inflight,
+            refusal_fields=lambda: self.position_fields(task, closing, ranges),
+        ):
             self.wait_for_room(task)
-            job = self.releases.submit(worker, task, closing, start=start, ranges=ranges,
-                                       charge=charge, extra=extra)
+            job = self.releases.submit(
+                worker, task, closing, start=start, ranges=ranges, charge=charge, extra=extra
+            )
             task.inflight.append(job)
             failpoint("release-submitted")
         elif event_time and task.inflight:
@@ -225,8 +262,10 @@ class Closer:
         else:
             task.window = self.windows.new_window(task, wid + 1)
             # (event time: the second window's records start before this window's close)
-            task.window.update(lineage=closing.get("lineage"), start_offsets=dict(
-                (task.replay or {}).get("offsets") or task.offsets))
+            task.window.update(
+                lineage=closing.get("lineage"),
+                start_offsets=dict((task.replay or {}).get("offsets") or task.offsets),
+            )
         task.mark_start()
         carried = self.event_time.carried_state()  # the second window, counting already
         task.state = carried if carried is not None else self.new_state(task, task.window["id"])
@@ -242,9 +281,13 @@ class Closer:
         limit = int(self.max_in_flight)
         if len(task.inflight) < limit:
             return
-        log.warning("the release path is behind (%d closed windows waiting, "
-                    "release.max_in_flight = %d): intake pauses until window %s is released",
-                    len(task.inflight), limit, task.inflight[0]["window"]["id"])
+        log.warning(
+            "the release path is behind (%d closed windows waiting, "
+            "release.max_in_flight = %d): intake pauses until window %s is released",
+            len(task.inflight),
+            limit,
+            task.inflight[0]["window"]["id"],
+        )
         self.metrics.intake_paused.set(1)
         while len(task.inflight) >= limit:
             try:
@@ -258,12 +301,12 @@ class Closer:
             self.collect(task, commit=False)
         self.metrics.intake_paused.set(0)
 
-    def collect(self, task: WindowTask, *, wait: bool = False,
-                          commit: bool = True) -> int:
+    def collect(self, task: WindowTask, *, wait: bool = False, commit: bool = True) -> int:
         """Ledger, checkpoint and publish the worker's finished releases in window order (with
         ``wait``: every one in flight). Returns how many were collected."""
-        done, committed = self.releases.ledger_finished(task, wait=wait,
-                                                        on_checkpoint=self.commit_start)
+        done, committed = self.releases.ledger_finished(
+            task, wait=wait, on_checkpoint=self.commit_start
+        )
         if done:
             if committed:
                 self.publish(task)

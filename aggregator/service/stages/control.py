@@ -27,9 +27,11 @@ __all__ = ["ControlRequests", "service_key_error"]
 def service_key_error(exc: Exception) -> str:
     """An audit-key problem of the running service, said so that the fix lands in the right
     place: the key is read by the service, not by the shell that asked for the export."""
-    return (f"the running service cannot sign the export: {exc}. The key is read by the "
-            "service from its own environment or its audit.key_file, not from this shell: set "
-            "it there and restart the service")
+    return (
+        f"the running service cannot sign the export: {exc}. The key is read by the "
+        "service from its own environment or its audit.key_file, not from this shell: set "
+        "it there and restart the service"
+    )
 
 
 class ControlRequests:
@@ -46,8 +48,9 @@ class ControlRequests:
         ledger refused it.
     """
 
-    def __init__(self, directory: Path, *, export: Callable[[str], Path],
-                 release: Callable[[], dict | None]):
+    def __init__(
+        self, directory: Path, *, export: Callable[[str], Path], release: Callable[[], dict | None]
+    ):
         self.dir, self.export, self.release = Path(directory), export, release
 
     def serve(self) -> None:
@@ -60,9 +63,15 @@ class ControlRequests:
                     result = {"ok": True, "path": str(self.export(rid))}
                 elif kind == "release":
                     rel = self.release()
-                    result = ({"ok": True, "window": rel["window"]} if rel is not None else
-                              {"ok": False, "error": "the privacy ledger refused the release "
-                               "(budget spent); see the service log"})
+                    result = (
+                        {"ok": True, "window": rel["window"]}
+                        if rel is not None
+                        else {
+                            "ok": False,
+                            "error": "the privacy ledger refused the release "
+                            "(budget spent); see the service log",
+                        }
+                    )
                 else:
                     result = {"ok": False, "error": f"unknown request {kind}"}
             except Stopping:

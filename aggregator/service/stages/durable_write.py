@@ -28,8 +28,14 @@ from ..publisher import Backoff
 __all__ = ["wait_for_write"]
 
 
-def wait_for_write(action: Callable[[], object], what: str, metrics: Metrics, *,
-                   stop: Callable[[float], bool], directory: Path | None = None) -> None:
+def wait_for_write(
+    action: Callable[[], object],
+    what: str,
+    metrics: Metrics,
+    *,
+    stop: Callable[[float], bool],
+    directory: Path | None = None,
+) -> None:
     """Run ``action`` until it succeeds.
 
     Parameters

@@ -59,9 +59,19 @@ class AuditExports:
         ``append(**entry)``: a ledger entry.
     """
 
-    def __init__(self, key_file: str | None, out_dir: Path, metrics: Metrics, *, model: str,
-                 user: bool, event_time, commit: Callable[..., bytes],
-                 collect: Callable[[WindowTask], object], append: Callable[..., None]):
+    def __init__(
+        self,
+        key_file: str | None,
+        out_dir: Path,
+        metrics: Metrics,
+        *,
+        model: str,
+        user: bool,
+        event_time,
+        commit: Callable[..., bytes],
+        collect: Callable[[WindowTask], object],
+        append: Callable[..., None],
+    ):
         self.key_file, self.out_dir, self.metrics = key_file, Path(out_dir), metrics
         self.model, self.user, self.event_time = model, user, event_time
         self.commit, self.collect, self.append = commit, collect, append
@@ -76,7 +86,8 @@ class AuditExports:
             raise ServiceError(
                 f"an audit export while two event-time windows are live is not built (window "
                 f"{task.window['id']} is open within window.allowed_lateness_s while the "
-                "next one counts already); request it again once that window has closed")
+                "next one counts already); request it again once that window has closed"
+            )
         if task.inflight:  # the export's checkpoint holds no list of unreleased windows
             self.collect(task)
         self.seq += 1
@@ -87,12 +98,23 @@ class AuditExports:
         """Export ``task``'s state: the layered snapshot of a checkpoint (so a restart resumes
         from it instead of drawing noise the export did not see), ledgered, then signed."""
         snapshot = self.commit(task, snapshot=True, tag=(1000 + self.seq,))
-        self.append(entry_id=f"export-{export_id}", kind="export",
-                    window=task.window["id"], window_uid=task.window["uid"],
-                    epsilon_spent=0.0, model=self.model,
-                    note="announced export; fresh DLap layers before and after")
-        path = write_export(self.out_dir / f"export-{export_id}.panagg", state=snapshot,
-                            window=task.window, offsets=task.offsets, export_id=export_id, key=key)
+        self.append(
+            entry_id=f"export-{export_id}",
+            kind="export",
+            window=task.window["id"],
+            window_uid=task.window["uid"],
+            epsilon_spent=0.0,
+            model=self.model,
+            note="announced export; fresh DLap layers before and after",
+        )
+        path = write_export(
+            self.out_dir / f"export-{export_id}.panagg",
+            state=snapshot,
+            window=task.window,
+            offsets=task.offsets,
+            export_id=export_id,
+            key=key,
+        )
         self.metrics.exports.inc()
         log.info("audit export %s written to %s", export_id, path)
         return path

@@ -57,8 +57,13 @@ class FreshStates:
         self.cfg, self.epsilon, self.worker = cfg, float(st.epsilon), worker
         self.user = is_user(cfg)
         self.direct = st.mode == "direct" and not self.user
-        self.size = (user_cells(cfg) if self.user else int(st.domain_size) if self.direct
-                     else choose_buckets_for(cfg))
+        self.size = (
+            user_cells(cfg)
+            if self.user
+            else int(st.domain_size)
+            if self.direct
+            else choose_buckets_for(cfg)
+        )
         seed = cfg.testing.noise_seed
         self.seed = seed if seed >= 0 and under_tests() else None  # (test-only: settings.py)
         self.ahead = NextState(self.draw, size=self.size)

@@ -55,9 +55,19 @@ class LoopHealth:
     #: seconds between progress lines (a test may set 0: every turn)
     PROGRESS_EVERY_S = 60.0
 
-    def __init__(self, metrics: Metrics, source, ledger: Ledger, epsilon: float, *,
-                 positions: Callable[[], dict[str, int]], reject_log: RejectLog,
-                 dead_letters=None, user_budget=None, stall_timeout_s: float = 0.0):
+    def __init__(
+        self,
+        metrics: Metrics,
+        source,
+        ledger: Ledger,
+        epsilon: float,
+        *,
+        positions: Callable[[], dict[str, int]],
+        reject_log: RejectLog,
+        dead_letters=None,
+        user_budget=None,
+        stall_timeout_s: float = 0.0,
+    ):
         self.metrics, self.source, self.ledger, self.epsilon = metrics, source, ledger, epsilon
         self.positions, self.reject_log, self.dead_letters = positions, reject_log, dead_letters
         self.progress_every_s = self.PROGRESS_EVERY_S
@@ -91,8 +101,12 @@ class LoopHealth:
         state = probe() if probe else None
         if state is not None:
             if self.connected is not None and state != self.connected:
-                log.warning("Kafka broker %s", "reachable again" if state else
-                            "unreachable: counting waits; time windows still close by the clock")
+                log.warning(
+                    "Kafka broker %s",
+                    "reachable again"
+                    if state
+                    else "unreachable: counting waits; time windows still close by the clock",
+                )
             self.connected = state
             self.metrics.broker_connected.set(int(state))
         lag = self.source.lag(self.positions())
@@ -111,8 +125,10 @@ class LoopHealth:
         if not self.stall_timeout_s or stalled is None or rebuild is None:
             return
         if self.stalled_since is not None and source.delivered_at > self.stalled_since:
-            log.info("Kafka intake resumed: records arrive again (stalled %.0f s)",
-                     time.monotonic() - self.stalled_since)
+            log.info(
+                "Kafka intake resumed: records arrive again (stalled %.0f s)",
+                time.monotonic() - self.stalled_since,
+            )
             self.stalled_since = None
         if self.connected is False or self._pause_logged is not None:
             return
@@ -121,10 +137,13 @@ class LoopHealth:
         now = time.monotonic()
         if self.stalled_since is None:
             self.stalled_since = now
-            log.warning("Kafka intake stalled: the consumer holds partitions with records "
-                        "waiting but delivered none for %g s (source.stall_timeout_s); "
-                        "rebuilding it; the new one resumes at the counted offsets (nothing "
-                        "is lost or counted twice)", self.stall_timeout_s)
+            log.warning(
+                "Kafka intake stalled: the consumer holds partitions with records "
+                "waiting but delivered none for %g s (source.stall_timeout_s); "
+                "rebuilding it; the new one resumes at the counted offsets (nothing "
+                "is lost or counted twice)",
+                self.stall_timeout_s,
+            )
         self.metrics.consumer_rebuilds.inc()
         self.metrics.set_ready(False, "Kafka intake stalled: rebuilding the consumer")
         rebuild()
@@ -141,11 +160,13 @@ class LoopHealth:
         remaining = self.ledger.remaining()
         if remaining is None or remaining >= self.epsilon * (1 - 1e-12):
             return None
-        return (f"privacy budget spent: {self.ledger.spent():g} of ledger.budget_total="
-                f"{self.ledger.budget_total:g} leaves {remaining:g} < {self.epsilon:g} for a "
-                "window, so intake is paused (nothing is consumed, no window is counted only to "
-                "be discarded). Fix: raise ledger.budget_total (a policy change, recorded in the "
-                "ledger with --accept-change) or stop the service")
+        return (
+            f"privacy budget spent: {self.ledger.spent():g} of ledger.budget_total="
+            f"{self.ledger.budget_total:g} leaves {remaining:g} < {self.epsilon:g} for a "
+            "window, so intake is paused (nothing is consumed, no window is counted only to "
+            "be discarded). Fix: raise ledger.budget_total (a policy change, recorded in the "
+            "ledger with --accept-change) or stop the service"
+        )
 
     def intake_paused(self, finite: bool) -> bool:
         """True while intake is paused for the budget (said once, then every 10 minutes; not
@@ -180,10 +201,16 @@ class LoopHealth:
         rate = (events - self._progress_events) / (now - last)
         self._progress_at, self._progress_events = now, events
         lag = sum(s.value for m in self.metrics.lag.collect() for s in m.samples)
-        log.info("progress: %s events counted (%.0f/s over the last %.0f s), window %s at %s "
-                 "events, lag %s records", f"{int(events):,}", rate, now - last,
-                 int(self.metrics.window_id._value.get()),
-                 f"{int(self.metrics.window_events._value.get()):,}", f"{int(lag):,}")
+        log.info(
+            "progress: %s events counted (%.0f/s over the last %.0f s), window %s at %s "
+            "events, lag %s records",
+            f"{int(events):,}",
+            rate,
+            now - last,
+            int(self.metrics.window_id._value.get()),
+            f"{int(self.metrics.window_events._value.get()):,}",
+            f"{int(lag):,}",
+        )
 
     def turned(self) -> None:
         """One turn of the consume loop is done: /healthz and /ready (docs/operations.md)."""
@@ -193,8 +220,11 @@ class LoopHealth:
         if self.connected is False:
             self.metrics.set_ready(False, "Kafka broker unreachable")
         elif self.stalled_since is not None:
-            self.metrics.set_ready(False, "Kafka intake stalled: records wait in assigned "
-                                   "partitions and none arrive; the consumer is being rebuilt")
+            self.metrics.set_ready(
+                False,
+                "Kafka intake stalled: records wait in assigned "
+                "partitions and none arrive; the consumer is being rebuilt",
+            )
         elif self.dead_letters is not None and self.dead_letters.outstanding > 10_000:
             self.metrics.set_ready(False, "dead letters are not being acknowledged")
         else:

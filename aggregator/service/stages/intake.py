@@ -38,8 +38,13 @@ def decoder_for(cfg, domain_size: int | None) -> Decoder:
     """The decoder of ``cfg``'s source and item settings; ``domain_size``: a direct domain's
     size (its indices are checked against it), None for hashed items."""
     src = cfg.source
-    return Decoder(src.format, domain_size=domain_size, max_message_bytes=src.max_message_bytes,
-                   max_item_bytes=src.max_item_bytes, spec=ItemSpec.from_config(cfg.item))
+    return Decoder(
+        src.format,
+        domain_size=domain_size,
+        max_message_bytes=src.max_message_bytes,
+        max_item_bytes=src.max_item_bytes,
+        spec=ItemSpec.from_config(cfg.item),
+    )
 
 
 class Intake:
@@ -61,8 +66,17 @@ class Intake:
         The dead-letter producer, or None.
     """
 
-    def __init__(self, decoder: Decoder, source, metrics: Metrics, *, direct: bool,
-                 reject_watch: RejectWatch, reject_log: RejectLog, dead_letters=None):
+    def __init__(
+        self,
+        decoder: Decoder,
+        source,
+        metrics: Metrics,
+        *,
+        direct: bool,
+        reject_watch: RejectWatch,
+        reject_log: RejectLog,
+        dead_letters=None,
+    ):
         self.decoder, self.source, self.metrics, self.direct = decoder, source, metrics, direct
         self.reject_watch, self.reject_log = reject_watch, reject_log
         self.dead_letters = dead_letters
@@ -83,8 +97,13 @@ class Intake:
         for i, reason in bad:
             self.reject_log.record(seg.partition, seg.offsets[i], reason)
             if self.dead_letters is not None:
-                self.dead_letters.send(seg.partition, seg.offsets[i], seg.values[i], reason,
-                                       key=seg.keys[i] if seg.keys is not None else None)
+                self.dead_letters.send(
+                    seg.partition,
+                    seg.offsets[i],
+                    seg.values[i],
+                    reason,
+                    key=seg.keys[i] if seg.keys is not None else None,
+                )
         keep = np.ones(len(seg), dtype=bool)
         keep[[i for i, _ in decoded.rejected]] = False
         return decoded.items, np.flatnonzero(keep), decoded.rejected
@@ -94,12 +113,16 @@ class Intake:
         try:
             return self.decoder.decode(seg.values, seg.keys, seg.headers)
         except Exception as exc:  # a decoder bug on odd input: classify records one by one
-            log.error("batch decoder failed (%s) on partition %s at offset %d; decoding its "
-                      "records one by one", type(exc).__name__, seg.partition, seg.offsets[0])
+            log.error(
+                "batch decoder failed (%s) on partition %s at offset %d; decoding its "
+                "records one by one",
+                type(exc).__name__,
+                seg.partition,
+                seg.offsets[0],
+            )
             return self.decoder.decode_each(seg.values, seg.keys, seg.headers)
 
-    def count_segment(self, task: WindowTask, seg: Segment, items, good, rejected,
-                       close) -> None:
+    def count_segment(self, task: WindowTask, seg: Segment, items, good, rejected, close) -> None:
         """Count ``seg`` into ``task``: its good ``items`` (from records ``good``; None: every
         record) and its ``rejected`` records, closing the window (``close()``) when a count
         window fills or a replay reaches its target, so that each window holds exactly its
@@ -122,7 +145,7 @@ class Intake:
             if room is not None:
                 take = min(take, room)
             if take:
-                self.count(task.live_state(), items[j:j + take])
+                self.count(task.live_state(), items[j : j + take])
                 j += take
                 task.window["events"] += take
                 task.totals["events"] += take
@@ -137,8 +160,9 @@ class Intake:
                 continue
             return
 
-    def closed_or_held(self, task: WindowTask, partition: str, offsets, rec: int, close,
-                        full: bool = False) -> bool:
+    def closed_or_held(
+        self, task: WindowTask, partition: str, offsets, rec: int, close, full: bool = False
+    ) -> bool:
         """After a segment's records before ``rec`` are in: close the window if it is ``full``
         or a replay reached its target (True: the segment's rest goes on in the next window);
         else hold the partition at ``rec`` if it reached its replay target before the others."""
@@ -155,11 +179,17 @@ class Intake:
         reasons[i] = reason
         self.reject_log.record(seg.partition, seg.offsets[i], reason)
         if self.dead_letters is not None:
-            self.dead_letters.send(seg.partition, seg.offsets[i], seg.values[i], reason,
-                                   key=seg.keys[i] if seg.keys is not None else None)
+            self.dead_letters.send(
+                seg.partition,
+                seg.offsets[i],
+                seg.values[i],
+                reason,
+                key=seg.keys[i] if seg.keys is not None else None,
+            )
 
-    def account(self, task: WindowTask, partition: str, offsets, rej_idx, rej_reason,
-                 lo: int, hi: int) -> None:
+    def account(
+        self, task: WindowTask, partition: str, offsets, rej_idx, rej_reason, lo: int, hi: int
+    ) -> None:
         """Records [lo, hi) of the segment are now in the task: move its offset past them and
         add their rejects to the totals (exactly once, like the events)."""
         if hi <= lo:
@@ -206,4 +236,3 @@ class Intake:
             state.add_indices(np.asarray(items, dtype=np.int64))  # ranges checked by the decoder
         else:
             state.update(items)
-

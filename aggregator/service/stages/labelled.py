@@ -24,9 +24,11 @@ class ByAggregation:
             for fam in registry.collect():
                 out = families.get(fam.name)
                 if out is None:
-                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type,
-                                                      fam.unit)
+                    out = families[fam.name] = Metric(
+                        fam.name, fam.documentation, fam.type, fam.unit
+                    )
                 for s in fam.samples:
-                    out.add_sample(s.name, dict(s.labels, aggregation=name), s.value,
-                                   s.timestamp, s.exemplar)
+                    out.add_sample(
+                        s.name, dict(s.labels, aggregation=name), s.value, s.timestamp, s.exemplar
+                    )
         return list(families.values())

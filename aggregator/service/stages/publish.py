@@ -61,14 +61,27 @@ class PublishStep:
         ``save_pending(task)``: checkpoints the task's shorter pending list.
     """
 
-    def __init__(self, release_dir, topic: str, ledger: Ledger, metrics: Metrics, *,
-                 producer: Callable, save_pending: Callable[[WindowTask], None],
-                 plot: bool = True):
+    def __init__(
+        self,
+        release_dir,
+        topic: str,
+        ledger: Ledger,
+        metrics: Metrics,
+        *,
+        producer: Callable,
+        save_pending: Callable[[WindowTask], None],
+        plot: bool = True,
+    ):
         self.release_dir, self.ledger, self.metrics = release_dir, ledger, metrics
         self.save_pending = save_pending
-        self.publisher = ReleasePublisher(release_dir, topic, producer=producer,
-                                          key_of=release_key, on_published=self.published,
-                                          plot=plot)
+        self.publisher = ReleasePublisher(
+            release_dir,
+            topic,
+            producer=producer,
+            key_of=release_key,
+            on_published=self.published,
+            plot=plot,
+        )
 
     def publish_pending(self, task: WindowTask) -> None:
         """Deliver the ledgered releases of ``task.pending`` (:mod:`..publisher`): files at
@@ -94,22 +107,31 @@ class PublishStep:
             raise ServiceError(
                 f"{len(task.pending)} release(s) could not be published "
                 f"({self.publisher.last_reason}); they stay in the checkpoint and are "
-                "published at the next start once the cause is fixed")
+                "published at the next start once the cause is fixed"
+            )
 
     def published(self, release: dict, path: Path) -> None:
         """A release's file is written: metrics and the log line."""
         self.metrics.releases.inc()
         self.metrics.last_release.set(time.time())
         self.metrics.published(release)
-        log.info("published release of window %s: n=%s -> %s", release["window"], release["n"],
-                 path)
+        log.info(
+            "published release of window %s: n=%s -> %s", release["window"], release["n"], path
+        )
 
     def anchor_in_release_dir(self) -> None:
         """The ledger's head beside the published releases (:mod:`..anchor`); best effort: a
         failure is said once and retried at the next publication."""
         try:
-            write_release_dir_anchor(self.release_dir, self.ledger.path,
-                                     self.ledger.head(), ledger_id(self.ledger.entries))
+            write_release_dir_anchor(
+                self.release_dir,
+                self.ledger.path,
+                self.ledger.head(),
+                ledger_id(self.ledger.entries),
+            )
         except OSError as exc:
-            log.warning("could not record the ledger's head in %s (%s); retried at the next "
-                        "publication", self.release_dir, exc.strerror or exc)
+            log.warning(
+                "could not record the ledger's head in %s (%s); retried at the next publication",
+                self.release_dir,
+                exc.strerror or exc,
+            )

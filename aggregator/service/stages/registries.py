@@ -58,7 +58,12 @@ class BudgetRegistries:
 
     def __init__(self, cfg: Config, directory: Path, source, gate: ReleaseGate, ledger):
         self.cfg, self.dir, self.source, self.gate, self.ledger = (
-            cfg, Path(directory), source, gate, ledger)
+            cfg,
+            Path(directory),
+            source,
+            gate,
+            ledger,
+        )
         #: a file source's budget registry, read at the start's checks (None: none)
         self.file: FileBudgetRegistry | None = None
 
@@ -80,8 +85,9 @@ class BudgetRegistries:
             return  # (records fed by the caller, aggregator.api: no file to know)
         path, part = source.path, source.partition
         where = default_file_registry() if where == "auto" else where
-        reg = FileBudgetRegistry(where, {"state_dir": str(self.dir.resolve()),
-                                         "file": str(Path(path).resolve())})
+        reg = FileBudgetRegistry(
+            where, {"state_dir": str(self.dir.resolve()), "file": str(Path(path).resolve())}
+        )
         try:
             reg.open()
             cid = reg.identify(part, path)
@@ -102,19 +108,28 @@ class BudgetRegistries:
         cids = dict(self.gate.sources)
         if not cids or self.file is None:
             return
-        (part, cid), = cids.items()
+        ((part, cid),) = cids.items()
         same = self.file.content_ids() | {cid}
-        old = {p for e in self.ledger.entries for p, c in (e.get("sources") or {}).items()
-               if c in same and p != part}
+        old = {
+            p
+            for e in self.ledger.entries
+            for p, c in (e.get("sources") or {}).items()
+            if c in same and p != part
+        }
         for name in sorted(old):
             if name in task.offsets and part not in task.offsets:
                 task.offsets[part] = task.offsets[name]
                 starts = task.window.get("start_offsets")
                 if isinstance(starts, dict) and name in starts:
                     starts[part] = starts[name]
-                log.warning("%s has the content %s read as %s (ledger.file_registry): counting "
-                            "resumes at its position %d", part[5:], self.dir, name[5:],
-                            task.offsets[part])
+                log.warning(
+                    "%s has the content %s read as %s (ledger.file_registry): counting "
+                    "resumes at its position %d",
+                    part[5:],
+                    self.dir,
+                    name[5:],
+                    task.offsets[part],
+                )
 
     def resume_after_file(self, resume: dict[str, int], epsilon: float, budget: float) -> None:
         """Move ``resume`` (per partition, where a release of ``epsilon`` fits ``budget``) past
@@ -129,9 +144,12 @@ class BudgetRegistries:
                 resume[part] = pos
                 log.warning(
                     "%s was read and released before (by %s, the budget registry %s): "
-                    "counting starts after its last released position %d", part[5:],
-                    registry.who(registry.translate({part: [0, pos]}),
-                                 registry.charges(set())), registry.topic, pos)
+                    "counting starts after its last released position %d",
+                    part[5:],
+                    registry.who(registry.translate({part: [0, pos]}), registry.charges(set())),
+                    registry.topic,
+                    pos,
+                )
 
     def close(self) -> None:
         """At the stop: close the registry attached to the gate (if any)."""
@@ -153,11 +171,13 @@ class BudgetRegistries:
         if not getattr(source, "is_kafka", False) or not cfg.ledger.registry_topic:
             return
 
-        reg = KafkaBudgetRegistry(cfg.source.bootstrap, cfg.ledger.registry_topic,
-                                  {"state_dir": str(self.dir.resolve()),
-                                   "consumer_group": cfg.source.group},
-                                  security=client_options(cfg.security),
-                                  timeout_s=float(cfg.source.connect_timeout_s))
+        reg = KafkaBudgetRegistry(
+            cfg.source.bootstrap,
+            cfg.ledger.registry_topic,
+            {"state_dir": str(self.dir.resolve()), "consumer_group": cfg.source.group},
+            security=client_options(cfg.security),
+            timeout_s=float(cfg.source.connect_timeout_s),
+        )
         try:
             reg.open()
             self.gate.attach_registry(reg)

@@ -55,9 +55,15 @@ def release_method(cfg: Config) -> str | None:
     return None if name == "default" else name
 
 
-def rollups_for(cfg: Config, directory: Path, gate: ReleaseGate, metrics: Metrics, *,
-                annotate: Callable[[dict, dict], None],
-                worker: Callable[[], object]) -> RollupCloser | None:
+def rollups_for(
+    cfg: Config,
+    directory: Path,
+    gate: ReleaseGate,
+    metrics: Metrics,
+    *,
+    annotate: Callable[[dict, dict], None],
+    worker: Callable[[], object],
+) -> RollupCloser | None:
     """``window.rollups``' closer (its sums under ``directory/rollups``; the gate's ledger,
     stream and aggregation), None without rollups; ``annotate`` completes a release document
     (:meth:`ReleaseStep.annotate`), ``worker()`` is the release worker now."""
@@ -65,25 +71,36 @@ def rollups_for(cfg: Config, directory: Path, gate: ReleaseGate, metrics: Metric
     if not spans:
         return None
     return RollupCloser(
-        Path(directory) / "rollups", spans, ledger=gate.ledger, metrics=metrics,
-        model=cfg.state.model, loss=cfg.state.loss, method=release_method(cfg),
-        error_bar_reps=int(cfg.release.error_bar_reps), stream=gate.stream,
-        aggregation=gate.aggregation, base_kind=cfg.window.kind, window_size=cfg.window.size,
-        annotate=annotate, worker=worker)
+        Path(directory) / "rollups",
+        spans,
+        ledger=gate.ledger,
+        metrics=metrics,
+        model=cfg.state.model,
+        loss=cfg.state.loss,
+        method=release_method(cfg),
+        error_bar_reps=int(cfg.release.error_bar_reps),
+        stream=gate.stream,
+        aggregation=gate.aggregation,
+        base_kind=cfg.window.kind,
+        window_size=cfg.window.size,
+        annotate=annotate,
+        worker=worker,
+    )
 
 
 def annotate(release: dict, closing: dict, cfg: Config, epsilon: float) -> None:
     """What the service adds to a release document: the window, what was counted, which
     aggregation."""
-    release["window_info"] = {k: closing[k] for k in
-                              ("kind", "size", "events", "started_unix", "ended_unix")}
+    release["window_info"] = {
+        k: closing[k] for k in ("kind", "size", "events", "started_unix", "ended_unix")
+    }
     if closing["kind"] == "event_time":
         release["window_info"].update(
             {k: closing.get(k) for k in ("event_start_unix", "event_end_unix", "late")},
             late_policy=cfg.window.late,
-            allowed_lateness_s=cfg.window.allowed_lateness_s)
-    release["counted"] = {"stream": identity_of(cfg)["stream"],
-                          "item": item_identity(cfg)}
+            allowed_lateness_s=cfg.window.allowed_lateness_s,
+        )
+    release["counted"] = {"stream": identity_of(cfg)["stream"], "item": item_identity(cfg)}
     if cfg.aggregation:
         release["aggregation"] = dict(cfg.aggregation.to_dict(), epsilon=epsilon)
         level = release["aggregation"].pop("rollup_level", None)
@@ -113,8 +130,19 @@ class ReleaseStep:
         The rollup closer, or None (set after construction: it annotates through this step).
     """
 
-    def __init__(self, cfg: Config, ledger: Ledger, gate: ReleaseGate, metrics: Metrics, *,
-                 epsilon: float, model: str, loss: str, rng: Callable, rollups=None):
+    def __init__(
+        self,
+        cfg: Config,
+        ledger: Ledger,
+        gate: ReleaseGate,
+        metrics: Metrics,
+        *,
+        epsilon: float,
+        model: str,
+        loss: str,
+        rng: Callable,
+        rollups=None,
+    ):
         self.cfg, self.ledger, self.gate, self.metrics = cfg, ledger, gate, metrics
         self.epsilon, self.model, self.loss, self.rng = epsilon, model, loss, rng
         self.rollups = rollups
@@ -133,8 +161,9 @@ class ReleaseStep:
         """:func:`annotate` with this aggregation's settings."""
         annotate(release, closing, self.cfg, self.epsilon)
 
-    def ledgered_release(self, task: WindowTask, closing: dict,
-                         position_fields: Callable[[dict], dict]) -> dict | None:
+    def ledgered_release(
+        self, task: WindowTask, closing: dict, position_fields: Callable[[dict], dict]
+    ) -> dict | None:
         """The window's release in the loop: from the ledger if it is there, else computed once
         (after the budget check over its source ranges, before anything is durable) and
         ledgered with its document, its ranges and ``position_fields(ranges)`` (the totals at
@@ -142,23 +171,41 @@ class ReleaseStep:
         wid, uid = closing["id"], closing["uid"]
         entry = self.ledger.get(f"release-{uid}")
         if entry is not None:
-            log.info("window %s is already in the ledger: re-publishing its ledgered release",
-                     wid)
+            log.info("window %s is already in the ledger: re-publishing its ledgered release", wid)
             return json.loads(entry["document"])
         ranges = covered_ranges(closing.get("start_offsets"), task.offsets)
         charge = self.gate.charge_of(closing)
-        if not self.gate.allows(uid, wid, ranges=ranges, charge=charge, closing=closing,
-                                refusal_fields=lambda: position_fields(ranges)):
+        if not self.gate.allows(
+            uid,
+            wid,
+            ranges=ranges,
+            charge=charge,
+            closing=closing,
+            refusal_fields=lambda: position_fields(ranges),
+        ):
             return None
         view: list | None = [] if self.rollups is not None else None
         state = task.live_state()
-        release = (user_release(cast(PanPrivateDensity, state), self.cfg, window=wid,
-                                n=int(closing["events"]), rng=self.rng(1, wid))
-                   if is_user(self.cfg) else
-                   make_release(state, model=self.model, loss=self.loss, window=wid,
-                                rng=self.rng(1, wid),
-                                error_bar_reps=int(self.cfg.release.error_bar_reps),
-                                method=release_method(self.cfg), view=view))
+        release = (
+            user_release(
+                cast(PanPrivateDensity, state),
+                self.cfg,
+                window=wid,
+                n=int(closing["events"]),
+                rng=self.rng(1, wid),
+            )
+            if is_user(self.cfg)
+            else make_release(
+                state,
+                model=self.model,
+                loss=self.loss,
+                window=wid,
+                rng=self.rng(1, wid),
+                error_bar_reps=int(self.cfg.release.error_bar_reps),
+                method=release_method(self.cfg),
+                view=view,
+            )
+        )
         if charge > 0:
             warn_if_below_noise(release)
         else:
@@ -166,31 +213,66 @@ class ReleaseStep:
         self.annotate(release, closing)
         if self.gate.user_budget is not None:  # what every user has spent, this one included
             release["per_user_budget"] = self.gate.user_budget.document(
-                self.gate.user_budget.charge_of(uid, charge))
+                self.gate.user_budget.charge_of(uid, charge)
+            )
         doc = json.dumps(release, allow_nan=False)
-        self.ledger.append(entry_id=f"release-{uid}", kind="release", window=wid,
-                           window_uid=uid, epsilon_spent=charge, model=self.model,
-                           document=doc, **position_fields(ranges),
-                           **self.gate.user_charge_fields(uid, charge))
+        self.ledger.append(
+            entry_id=f"release-{uid}",
+            kind="release",
+            window=wid,
+            window_uid=uid,
+            epsilon_spent=charge,
+            model=self.model,
+            document=doc,
+            **position_fields(ranges),
+            **self.gate.user_charge_fields(uid, charge),
+        )
         if view:
             self.rollups.keep_view(closing, release, *view[0])
         return release
 
-    def submit(self, worker, task: WindowTask, closing: dict, *, start, ranges: dict,
-               charge: float, extra: dict) -> dict:
+    def submit(
+        self,
+        worker,
+        task: WindowTask,
+        closing: dict,
+        *,
+        start,
+        ranges: dict,
+        charge: float,
+        extra: dict,
+    ) -> dict:
         """Hand ``task``'s closed counters to ``worker`` (the gate allowed the release); the
         job, to go in ``task.inflight`` (collected in window order: :meth:`ledger_finished`)."""
         wid = closing["id"]
         future = worker.submit(
-            task.state, model=self.model, loss=self.loss, window=wid, rng=self.rng(1, wid),
+            task.state,
+            model=self.model,
+            loss=self.loss,
+            window=wid,
+            rng=self.rng(1, wid),
             error_bar_reps=int(self.cfg.release.error_bar_reps),
-            method=release_method(self.cfg), keep_view=self.rollups is not None)
-        return {"window": closing, "start": start, "ranges": ranges, "charge": charge,
-                "end_offsets": dict(task.offsets), "totals": copy.deepcopy(task.totals),
-                "future": future, "extra": extra}
+            method=release_method(self.cfg),
+            keep_view=self.rollups is not None,
+        )
+        return {
+            "window": closing,
+            "start": start,
+            "ranges": ranges,
+            "charge": charge,
+            "end_offsets": dict(task.offsets),
+            "totals": copy.deepcopy(task.totals),
+            "future": future,
+            "extra": extra,
+        }
 
-    def ledger_finished(self, task: WindowTask, *, wait: bool = False,
-                        on_checkpoint: Callable[[WindowTask, object], None]) -> tuple[int, bool]:
+    def ledger_finished(
+        self,
+        task: WindowTask,
+        *,
+        wait: bool = False,
+        on_checkpoint: Callable[[WindowTask, object], None],
+    ) -> tuple[int, bool]:
         """Ledger the worker's finished releases of ``task.inflight`` in window order (with
         ``wait``: every one in flight), each into ``task.pending``. A job that carries the
         checkpoint starting its next window (event time) has it written at once
@@ -202,24 +284,35 @@ class ReleaseStep:
             try:
                 release, started, ended, *view = job["future"].result()
             except Exception as exc:
-                raise ServiceError(f"the release of window {job['window']['id']} failed in the "
-                                   f"release worker ({type(exc).__name__}: {exc}); it is "
-                                   "replayed and released at the next start") from None
+                raise ServiceError(
+                    f"the release of window {job['window']['id']} failed in the "
+                    f"release worker ({type(exc).__name__}: {exc}); it is "
+                    "replayed and released at the next start"
+                ) from None
             closing = job["window"]
             self.annotate(release, closing)
             if job["charge"] > 0:
                 warn_if_below_noise(release)
             else:
-                log.info("window %s had no events: released at epsilon 0 (it holds only noise)",
-                         closing["id"])
+                log.info(
+                    "window %s had no events: released at epsilon 0 (it holds only noise)",
+                    closing["id"],
+                )
             doc = json.dumps(release, allow_nan=False)
-            self.ledger.append(entry_id=f"release-{closing['uid']}", kind="release",
-                               window=closing["id"], window_uid=closing["uid"],
-                               epsilon_spent=job["charge"], model=self.model, document=doc,
-                               **self.gate.position_fields(closing, job["ranges"],
-                                                           job["end_offsets"], job["totals"]),
-                               **self.gate.user_charge_fields(closing["uid"], job["charge"]),
-                               **job.get("extra", {}))
+            self.ledger.append(
+                entry_id=f"release-{closing['uid']}",
+                kind="release",
+                window=closing["id"],
+                window_uid=closing["uid"],
+                epsilon_spent=job["charge"],
+                model=self.model,
+                document=doc,
+                **self.gate.position_fields(
+                    closing, job["ranges"], job["end_offsets"], job["totals"]
+                ),
+                **self.gate.user_charge_fields(closing["uid"], job["charge"]),
+                **job.get("extra", {}),
+            )
             failpoint("release-ledgered")
             task.pending.append(doc)
             task.inflight.pop(0)
@@ -238,6 +331,5 @@ class ReleaseStep:
             done += 1
         if done:
             self.metrics.release_queue.set(len(task.inflight))
-            self.metrics.budget(self.ledger.spent(), self.ledger.remaining(),
-                                self.gate.user_budget)
+            self.metrics.budget(self.ledger.spent(), self.ledger.remaining(), self.gate.user_budget)
         return done, committed

@@ -76,10 +76,23 @@ class Resume:
         ``checkpoint.dir`` and ``source.group`` (named in refusals).
     """
 
-    def __init__(self, ledger: Ledger, checks: StartChecks, registries: BudgetRegistries,
-                 gate: ReleaseGate, windows: WindowAssigner, source, *, event_time,
-                 states: FreshStates, append: Callable[..., None], model: str,
-                 fresh_start: bool, directory: Path, group: str):
+    def __init__(
+        self,
+        ledger: Ledger,
+        checks: StartChecks,
+        registries: BudgetRegistries,
+        gate: ReleaseGate,
+        windows: WindowAssigner,
+        source,
+        *,
+        event_time,
+        states: FreshStates,
+        append: Callable[..., None],
+        model: str,
+        fresh_start: bool,
+        directory: Path,
+        group: str,
+    ):
         self.ledger, self.checks, self.registries, self.gate = ledger, checks, registries, gate
         self.windows, self.source, self.event_time = windows, source, event_time
         self.new_state, self.rng = states.take, states.rng
@@ -123,8 +136,12 @@ class Resume:
         else:
             task.state = PanPrivateHistogram.deserialize(ckpt.state)
             self.checks.check_state_matches_config(
-                task.state, f"the checkpoint in {where}", direct=self.direct, size=self.size,
-                epsilon=self.epsilon)
+                task.state,
+                f"the checkpoint in {where}",
+                direct=self.direct,
+                size=self.size,
+                epsilon=self.epsilon,
+            )
             # the restored memory must not equal the file plus exact increments
             task.state.rerandomize(rng=self.rng(3, task.window["id"], ckpt.seq))
             # where this window's records start is behind the snapshot (and the totals there
@@ -134,18 +151,29 @@ class Resume:
             self.windows.replay_target(task)
         # what the restart costs (docs/privacy.md, R3): the events counted after this checkpoint
         # before the stop are counted again under fresh noise
-        self.append(entry_id=f"restart-{os.urandom(6).hex()}", kind="restart",
-                    window=task.window["id"], window_uid=task.window["uid"],
-                    model=self.model, replay_from=dict(task.offsets), unit=task.name,
-                    note="events after replay_from counted again under fresh noise; "
-                         "2 eps for them against an intruder who read memory before "
-                         "the restart")
+        self.append(
+            entry_id=f"restart-{os.urandom(6).hex()}",
+            kind="restart",
+            window=task.window["id"],
+            window_uid=task.window["uid"],
+            model=self.model,
+            replay_from=dict(task.offsets),
+            unit=task.name,
+            note="events after replay_from counted again under fresh noise; "
+            "2 eps for them against an intruder who read memory before "
+            "the restart",
+        )
         if task.window["kind"] == "event_time":
             self.event_time.restored()
-        log.info("restored checkpoint %d of %s: window %s from %d partition offset(s)%s; the "
-                 "window's later events are replayed from the source under fresh noise",
-                 ckpt.seq, task.name, task.window["id"], len(task.offsets),
-                 " and a layered snapshot" if ckpt.state is not None else "")
+        log.info(
+            "restored checkpoint %d of %s: window %s from %d partition offset(s)%s; the "
+            "window's later events are replayed from the source under fresh noise",
+            ckpt.seq,
+            task.name,
+            task.window["id"],
+            len(task.offsets),
+            " and a layered snapshot" if ckpt.state is not None else "",
+        )
         return False
 
     def withhold_deleted(self, task: WindowTask) -> bool:
@@ -161,8 +189,9 @@ class Resume:
         writes when it finds its unread records deleted (:func:`.withhold.withhold_window`). A
         snapshot's replay and event-time windows keep the refusal (the start's replay check).
         True if any was withheld."""
-        if (task.window.get("kind") == "event_time"
-                or (task.durable is not None and task.durable.state is not None)):
+        if task.window.get("kind") == "event_time" or (
+            task.durable is not None and task.durable.state is not None
+        ):
             return False
         withheld = False
         while self.ledger.get(f"release-{task.window['uid']}") is None:
@@ -172,25 +201,39 @@ class Resume:
             withheld = True
             wid = task.window["id"]
             closed = dict(task.close_at) if task.queue and task.close_at else None
-            if closed is not None:   # a closed window: its extent is recorded
+            if closed is not None:  # a closed window: its extent is recorded
                 gone = {p: (a, min(b, closed.get(p, b))) for p, (a, b) in gone.items()}
                 ends = dict(task.offsets, **closed)
-                ranges = {p: [int(task.offsets.get(p, e)), int(e)] for p, e in closed.items()
-                          if int(e) > int(task.offsets.get(p, e))}
+                ranges = {
+                    p: [int(task.offsets.get(p, e)), int(e)]
+                    for p, e in closed.items()
+                    if int(e) > int(task.offsets.get(p, e))
+                }
                 totals = totals_from(self.closing_totals) if self.closing_totals else task.totals
             else:
                 ends = dict(task.offsets, **{p: b for p, (_, b) in gone.items()})
                 ranges, totals = {}, task.totals
-            withhold_window(task, gone, gate=self.gate, append=self.append, model=self.model,
-                            ranges=ranges, ends=ends, totals=totals, events=0,
-                            seen="seen at a restart: the window cannot be replayed; counting "
-                                 "goes on after it")
+            withhold_window(
+                task,
+                gone,
+                gate=self.gate,
+                append=self.append,
+                model=self.model,
+                ranges=ranges,
+                ends=ends,
+                totals=totals,
+                events=0,
+                seen="seen at a restart: the window cannot be replayed; counting goes on after it",
+            )
             task.offsets, task.totals = ends, totals
-            if task.queue:   # the next window the checkpoint listed (the last: the open one)
+            if task.queue:  # the next window the checkpoint listed (the last: the open one)
                 nxt = task.queue.pop(0)
                 task.window = dict(nxt["window"], events=0)
-                task.close_at = ({p: int(o) for p, o in nxt["end_offsets"].items()}
-                                 if nxt.get("end_offsets") is not None else None)
+                task.close_at = (
+                    {p: int(o) for p, o in nxt["end_offsets"].items()}
+                    if nxt.get("end_offsets") is not None
+                    else None
+                )
                 self.closing_totals = nxt.get("totals")
                 task.window["start_offsets"] = dict(task.offsets)
             else:
@@ -209,8 +252,9 @@ class Resume:
         written (releases beside the loop): replay each from its start to its recorded end and
         close it, then the open window. Those the ledger holds by now are not replayed: the
         replay starts at the end of the last of them."""
-        queue = [dict(u) for u in ckpt.unreleased] + [{"window": dict(ckpt.window),
-                                                       "end_offsets": None}]
+        queue = [dict(u) for u in ckpt.unreleased] + [
+            {"window": dict(ckpt.window), "end_offsets": None}
+        ]
         while len(queue) > 1:
             uid = queue[0]["window"]["uid"]
             entry = self.ledger.get(f"release-{uid}") or self.ledger.get(f"refused-{uid}")
@@ -219,19 +263,24 @@ class Resume:
             if entry["kind"] == "release" and entry["document"] not in task.pending:
                 task.pending.append(entry["document"])
             head = queue.pop(0)
-            task.offsets = dict(task.offsets, **{p: int(o) for p, o in
-                                                  head["end_offsets"].items()})
+            task.offsets = dict(task.offsets, **{p: int(o) for p, o in head["end_offsets"].items()})
             task.totals = totals_from(head["totals"])
         first = queue.pop(0)
-        self.closing_totals = first.get("totals")   # at its end (withhold_deleted reads it)
+        self.closing_totals = first.get("totals")  # at its end (withhold_deleted reads it)
         task.window = dict(first["window"], events=0)
-        task.close_at = ({p: int(o) for p, o in first["end_offsets"].items()}
-                         if first.get("end_offsets") is not None else None)
+        task.close_at = (
+            {p: int(o) for p, o in first["end_offsets"].items()}
+            if first.get("end_offsets") is not None
+            else None
+        )
         task.queue = queue
-        closed = (task.close_at is not None) + sum(q.get("end_offsets") is not None
-                                                    for q in queue)
-        log.info("%d closed window(s) of %s were not released when the service stopped: each "
-                 "is replayed from the source and released once", closed, task.name)
+        closed = (task.close_at is not None) + sum(q.get("end_offsets") is not None for q in queue)
+        log.info(
+            "%d closed window(s) of %s were not released when the service stopped: each "
+            "is replayed from the source and released once",
+            closed,
+            task.name,
+        )
 
     def skip_decided_window(self, task: WindowTask) -> bool:
         """If the ledger already holds the restored window's release (or refusal) with its end
@@ -249,8 +298,14 @@ class Resume:
                 return False
             if entry["kind"] == "release" and entry["document"] not in task.pending:
                 task.pending.append(entry["document"])
-            log.info("window %s of %s is in the ledger already (%s): it is not replayed; window "
-                     "%s starts after it", wid, task.name, entry["kind"], wid + 1)
+            log.info(
+                "window %s of %s is in the ledger already (%s): it is not replayed; window "
+                "%s starts after it",
+                wid,
+                task.name,
+                entry["kind"],
+                wid + 1,
+            )
             return True
         if entry["kind"] == "release" and entry["document"] not in task.pending:
             task.pending.append(entry["document"])
@@ -263,8 +318,14 @@ class Resume:
         task.mark_start()
         task.state = self.new_state(task, wid + 1)
         task.close_at = None
-        log.info("window %s of %s is in the ledger already (%s): it is not replayed; window %s "
-                 "starts at its end", wid, task.name, entry["kind"], wid + 1)
+        log.info(
+            "window %s of %s is in the ledger already (%s): it is not replayed; window %s "
+            "starts at its end",
+            wid,
+            task.name,
+            entry["kind"],
+            wid + 1,
+        )
         return True
 
     def first_start(self, task: WindowTask, where: str) -> None:
@@ -279,16 +340,17 @@ class Resume:
                 f"no checkpoint in {where}, but consumer group {self.group!r} "
                 "has committed offsets: another state directory (or a lost one) counted this "
                 "topic. Use that state directory, another source.group, or --fresh-start to "
-                "count from the committed offsets")
+                "count from the committed offsets"
+            )
         if released:
             if not self.fresh_start:
                 raise ServiceError(
                     f"no checkpoint in {where}, but the ledger in {self.dir} records "
                     f"{len(released)} release(s): the checkpoint was lost or moved away. Restore "
                     "it from a backup, or start with --fresh-start (the window it held is then "
-                    "never released)")
-            first = max(int(e["window"]) for e in released
-                        if isinstance(e.get("window"), int)) + 1
+                    "never released)"
+                )
+            first = max(int(e["window"]) for e in released if isinstance(e.get("window"), int)) + 1
         task.window = self.windows.new_window(task, first)
         task.state = self.new_state(task, first)
         task.offsets, task.pending = {}, []
@@ -298,7 +360,8 @@ class Resume:
         # never over positions whose events this release would charge past the budget (a
         # fresh start, an aggregation renamed or added under --accept-change)
         resume = self.ledger.charges(self.gate.other_charges()).resume_offsets(
-            self.epsilon, budget=self.ledger.budget_per_event)
+            self.epsilon, budget=self.ledger.budget_per_event
+        )
         # the same content read before (renamed, another state dir)
         self.registries.resume_after_file(resume, self.epsilon, self.ledger.budget_per_event)
         floor = dict(committed) if committed and self.fresh_start else {}
@@ -306,15 +369,24 @@ class Resume:
         later = {p: o for p, o in resume.items() if o > floor.get(p, 0)}
         if later:
             task.offsets.update(later)
-            at = ("after the last released position (" + ", ".join(
-                f"{k} at {v}" for k, v in sorted(later.items())) + f"), not at {at}")
+            at = (
+                "after the last released position ("
+                + ", ".join(f"{k} at {v}" for k, v in sorted(later.items()))
+                + f"), not at {at}"
+            )
         task.window.update(lineage=os.urandom(8).hex(), start_offsets=dict(task.offsets))
         task.mark_start()
         if released:
-            self.start_append(entry_id=f"fresh-start-{os.urandom(6).hex()}", kind="fresh-start",
-                              window=first, resume_offsets=dict(floor, **task.offsets),
-                              note=f"started without a checkpoint in {where}; counting "
-                                   f"resumes {at}")
-            log.warning("fresh start without a checkpoint in %s: numbering continues at window "
-                        "%d", where, first)
+            self.start_append(
+                entry_id=f"fresh-start-{os.urandom(6).hex()}",
+                kind="fresh-start",
+                window=first,
+                resume_offsets=dict(floor, **task.offsets),
+                note=f"started without a checkpoint in {where}; counting resumes {at}",
+            )
+            log.warning(
+                "fresh start without a checkpoint in %s: numbering continues at window %d",
+                where,
+                first,
+            )
         log.info("no checkpoint in %s: starting window %d at %s", where, first, at)

@@ -46,8 +46,10 @@ SMALL_JUMP = 4
 def deleted_text(topic: str, partition: int, first: int, end: int) -> str:
     """The words a withheld window's ledger entry names deleted records with (every mode: the
     fault harness's checker reads them, tests/chaos/invariant.py)."""
-    return (f"records of partition {partition} from offset {first} to {end} were deleted by "
-            f"the retention of {topic} before they were counted")
+    return (
+        f"records of partition {partition} from offset {first} to {end} were deleted by "
+        f"the retention of {topic} before they were counted"
+    )
 
 
 def deleted_spans(source, offsets: dict[str, int]) -> dict[str, tuple[int, int]]:
@@ -56,8 +58,11 @@ def deleted_spans(source, offsets: dict[str, int]) -> dict[str, tuple[int, int]]
     partitions begin (``initial_offsets("earliest")``, Kafka); empty otherwise."""
     probe = getattr(source, "initial_offsets", None)
     firsts = probe("earliest") if probe is not None and offsets else None
-    return {p: (int(a), int(firsts[p])) for p, a in sorted(offsets.items())
-            if firsts and p in firsts and int(firsts[p]) > int(a)}
+    return {
+        p: (int(a), int(firsts[p]))
+        for p, a in sorted(offsets.items())
+        if firsts and p in firsts and int(firsts[p]) > int(a)
+    }
 
 
 class RetentionWatch:
@@ -111,8 +116,12 @@ class RetentionWatch:
             del self._floor[seg.partition]
         if not start:
             return seg
-        log.info("partition %s: %d record(s) fetched before the deletion are dropped (named "
-                 "deleted in the withheld window's entry)", seg.partition, start)
+        log.info(
+            "partition %s: %d record(s) fetched before the deletion are dropped (named "
+            "deleted in the withheld window's entry)",
+            seg.partition,
+            start,
+        )
         return _slice(seg, start, len(seg))
 
     def split(self, seg: Segment) -> list[Segment]:
@@ -129,7 +138,6 @@ class RetentionWatch:
             return [seg]
         bounds = [0, *cuts, len(seg)]
         return [_slice(seg, a, b) for a, b in zip(bounds, bounds[1:])]
-
 
     def parts(self, seg: Segment, due: dict[str, int], withhold) -> Iterator[Segment]:
         """The parts of ``seg`` to count, in order: cut at its jumps (:meth:`split`), without
@@ -149,19 +157,28 @@ class RetentionWatch:
 
 def _slice(seg: Segment, start: int, stop: int) -> Segment:
     """The records of ``seg`` from index ``start`` to ``stop``."""
+
     def cut(col):
         return None if col is None else col[start:stop]
-    return Segment(seg.partition, seg.offsets[start:stop], seg.values[start:stop],
-                   cut(seg.keys), cut(seg.headers), cut(seg.timestamps))
+
+    return Segment(
+        seg.partition,
+        seg.offsets[start:stop],
+        seg.values[start:stop],
+        cut(seg.keys),
+        cut(seg.headers),
+        cut(seg.timestamps),
+    )
 
 
 def stop_for_deleted(gone: dict[str, tuple[int, int]], window, why: str) -> ServiceError:
     """The one line a running service stops with when it cannot withhold the open window
     ``window`` over the deleted records ``gone`` (``why``): the next start withholds it."""
-    (partition, (want, begin)), = list(gone.items())[:1]
+    ((partition, (want, begin)),) = list(gone.items())[:1]
     return ServiceError(
         f"records of {partition} from offset {want} were deleted before they were read (the "
         f"service fell behind the topic's retention; it begins at {begin} now); window "
         f"{window} ({why}) is not released: the next start withholds it, naming them, and "
         "counts on from the first record left; raise the topic's retention.ms above the "
-        "longest stall")
+        "longest stall"
+    )

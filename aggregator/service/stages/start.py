@@ -57,10 +57,20 @@ class Start:
         ``checkpoint.dir`` and ``release.dir``.
     """
 
-    def __init__(self, ledger: Ledger, checks: StartChecks, registries: BudgetRegistries,
-                 resume: Resume, metrics: Metrics, source, *,
-                 commit: Callable[[WindowTask], object], rollups: RollupCloser | None,
-                 directory: Path, release_dir):
+    def __init__(
+        self,
+        ledger: Ledger,
+        checks: StartChecks,
+        registries: BudgetRegistries,
+        resume: Resume,
+        metrics: Metrics,
+        source,
+        *,
+        commit: Callable[[WindowTask], object],
+        rollups: RollupCloser | None,
+        directory: Path,
+        release_dir,
+    ):
         self.ledger, self.checks, self.registries, self.resume = ledger, checks, registries, resume
         self.metrics, self.source, self.commit, self.rollups = metrics, source, commit, rollups
         self.dir, self.release_dir = Path(directory), release_dir

@@ -15,8 +15,13 @@ from pathlib import Path
 
 from ..errors import ServiceError
 
-__all__ = ["DirectoryClaim", "claim_directory", "lock_directory", "remove_created",
-           "service_running"]
+__all__ = [
+    "DirectoryClaim",
+    "claim_directory",
+    "lock_directory",
+    "remove_created",
+    "service_running",
+]
 
 
 def remove_created(paths) -> None:
@@ -77,8 +82,10 @@ def lock_directory(directory: Path):
         f.seek(0)
         other = f.read().strip() or "?"
         f.close()
-        raise ServiceError(f"another panagg (pid {other}) is running on checkpoint.dir "
-                           f"{directory}; stop it or use another directory") from None
+        raise ServiceError(
+            f"another panagg (pid {other}) is running on checkpoint.dir "
+            f"{directory}; stop it or use another directory"
+        ) from None
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))

@@ -46,8 +46,7 @@ class WindowAssigner:
         The event-time windows (``open_window``), or None until wired (set before the start).
     """
 
-    def __init__(self, cfg: Config, ledger: Ledger, source, metrics: Metrics, *,
-                 event_time=None):
+    def __init__(self, cfg: Config, ledger: Ledger, source, metrics: Metrics, *, event_time=None):
         self.kind, self.size = cfg.window.kind, cfg.window.size
         self.auto_event_time = bool(cfg.window.auto_event_time)
         self.snapshots_per_window = int(cfg.checkpoint.snapshots_per_window)
@@ -58,10 +57,12 @@ class WindowAssigner:
         """At a start, with ``window.clock = auto`` on Kafka: the line saying which clock cuts
         the windows (the records' timestamps, not this process's)."""
         if self.auto_event_time:
-            log.info("time windows of %g s by the records' Kafka timestamps (window.clock = "
-                     "auto): an event lands in the window of its timestamp, after a broker "
-                     "outage too; window.clock = process windows by this process's clock",
-                     self.size)
+            log.info(
+                "time windows of %g s by the records' Kafka timestamps (window.clock = "
+                "auto): an event lands in the window of its timestamp, after a broker "
+                "outage too; window.clock = process windows by this process's clock",
+                self.size,
+            )
 
     def new_window(self, task: WindowTask, window_id: int) -> dict:
         """Window ``window_id``'s record (its uid fresh); an event-time window is opened on

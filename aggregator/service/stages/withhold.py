@@ -29,13 +29,26 @@ log = logging.getLogger("panagg.service")
 
 def deleted_note(gone: dict[str, tuple[int, int]]) -> str:
     """The deleted records ``{"topic:p": (from, to)}`` in the words of every mode."""
-    return "; ".join(deleted_text(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]), a, b)
-                     for p, (a, b) in sorted(gone.items()) if b > a)
+    return "; ".join(
+        deleted_text(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]), a, b)
+        for p, (a, b) in sorted(gone.items())
+        if b > a
+    )
 
 
-def withhold_window(task: WindowTask, gone: dict[str, tuple[int, int]], *, gate: ReleaseGate,
-                    append: Callable[..., object], model: str, ranges: dict, ends: dict,
-                    totals: dict, events: int, seen: str) -> str:
+def withhold_window(
+    task: WindowTask,
+    gone: dict[str, tuple[int, int]],
+    *,
+    gate: ReleaseGate,
+    append: Callable[..., object],
+    model: str,
+    ranges: dict,
+    ends: dict,
+    totals: dict,
+    events: int,
+    seen: str,
+) -> str:
     """Ledger ``task``'s open window as withheld: a ``refused`` entry naming the deleted
     records ``gone``, covering ``ranges`` (what the window counted: ``events``) and ending at
     ``ends`` with ``totals`` there; ``seen`` says where the deletion was seen and what follows
@@ -43,8 +56,14 @@ def withhold_window(task: WindowTask, gone: dict[str, tuple[int, int]], *, gate:
     wid, uid = task.window["id"], task.window["uid"]
     note = deleted_note(gone)
     fields = gate.position_fields(dict(task.window, events=int(events)), ranges, ends, totals)
-    append(entry_id=f"refused-{uid}", kind="refused", window=wid, window_uid=uid, model=model,
-           note=f"{note} ({seen})", **fields)
-    log.warning("window %s of %s is withheld: %s; nothing of it is published",
-                wid, task.name, note)
+    append(
+        entry_id=f"refused-{uid}",
+        kind="refused",
+        window=wid,
+        window_uid=uid,
+        model=model,
+        note=f"{note} ({seen})",
+        **fields,
+    )
+    log.warning("window %s of %s is withheld: %s; nothing of it is published", wid, task.name, note)
     return note
