@@ -23,6 +23,7 @@ demo: $(STAMP)
 # then mypy on the DP core (aggregator/*.py, [tool.mypy]: ~15 s cold, as on CI's fresh machine)
 lint: $(STAMP)
 	$(BIN)/ruff check aggregator consumers state_store tests bench examples docs/upstream
+	$(BIN)/ruff format --check aggregator consumers state_store tests bench examples docs/upstream
 	$(BIN)/mypy
 
 # pytest exits 5 when it collects nothing: that is a failure here, said out loud.

@@ -27,9 +27,9 @@ group run gives many runs; windows alternate x and y. The intruder's looks, per 
   segment ``gap`` - 1 was counted by both members (gap 1: before the replaced event; gap 2: after
   it), while the window is open;
 * every view of the window, read back from the summaries topic and decoded as the leader decodes
-  them (:func:`aggregator.service.group.views.decode_view`);
+  them (:func:`aggregator.service.group.view_format.decode_view`);
 * the release's input: the views the leader handed to its merge, summed by the leader's own
-  function (:func:`~aggregator.service.group.views.sum_views`).
+  function (:func:`~aggregator.service.group.view_format.sum_views`).
 
 The model (tests/lr_audit.py, chains): A's memory 1 layer and A's view 2 layers nest (chain 0),
 B's view 2 layers (chain 1, independent), the release their sum (derived, 4 layers).
@@ -80,15 +80,15 @@ def _capture_merges(into: dict, workers: int):
     """While active, the views each window's merge is handed (the leader's summaries, with
     their chunks) are kept in ``into[window]``; the merge itself runs unchanged. ``workers``
     1: the merge runs in the release worker (``ReleaseWorker.call``); 0: in the loop
-    (``views.merge_views``, looked up by the pipeline when the leader starts)."""
+    (``view_format.merge_views``, looked up by the pipeline when the leader starts)."""
     from aggregator.service import release_worker
-    from aggregator.service.group import views
+    from aggregator.service.group import view_format
 
     if workers:
         original = release_worker.ReleaseWorker.call
 
         def call(self, fn, *args, **kwargs):
-            if fn is views.merge_views:
+            if fn is view_format.merge_views:
                 into[int(args[0][0]["window"])] = list(args[0])
             return original(self, fn, *args, **kwargs)
 
@@ -98,31 +98,31 @@ def _capture_merges(into: dict, workers: int):
         finally:
             release_worker.ReleaseWorker.call = original
         return
-    merge = views.merge_views
+    merge = view_format.merge_views
 
     def capture(summaries, **kwargs):
         into[int(summaries[0]["window"])] = list(summaries)
         return merge(summaries, **kwargs)
 
-    views.merge_views = capture
+    view_format.merge_views = capture
     try:
         yield
     finally:
-        views.merge_views = merge
+        view_format.merge_views = merge
 
 
 @contextmanager
 def _views_without_layer():
     """The negative control: the members write their views without the view's own layer (the
     design section 16 forbids: memory and view then differ by the exact increments)."""
-    from aggregator.service.group import views
+    from aggregator.service.group import view_format
 
-    original = views.discrete_laplace
-    views.discrete_laplace = lambda p, size, rng=None: np.zeros(size, dtype=np.int64)
+    original = view_format.discrete_laplace
+    view_format.discrete_laplace = lambda p, size, rng=None: np.zeros(size, dtype=np.int64)
     try:
         yield
     finally:
-        views.discrete_laplace = original
+        view_format.discrete_laplace = original
 
 
 class _Summaries:
@@ -348,7 +348,7 @@ def run_windows(
     from kafka import KafkaProducer
 
     from aggregator.service.group.forced import request_release
-    from aggregator.service.group.views import decode_view, sum_views
+    from aggregator.service.group.view_format import decode_view, sum_views
 
     if trials % 2:
         raise ValueError("an even number of trials: half own, half other")

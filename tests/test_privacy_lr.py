@@ -168,7 +168,7 @@ def member_view(where, eps=1.0, n=N_REAL // 2, view_layer=True):
     the joint one: memory, then the view one fresh layer later. ``view_layer`` False: the
     member's counters written as they are (the design section 16 forbids: the negative
     control)."""
-    from aggregator.service.group.views import decode_view, view_header
+    from aggregator.service.group.view_format import decode_view, view_header
 
     info = {"kind": "time", "size": 1.0, "events": 0, "started_unix": 0.0, "ended_unix": 1.0}
 

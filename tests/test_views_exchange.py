@@ -6,7 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.service.group.views import CHUNK_COUNTERS, decode_view, merge_views, view_header
+from aggregator.service.group.view_format import (
+    CHUNK_COUNTERS,
+    decode_view,
+    merge_views,
+    view_header,
+)
 from aggregator.state import PanPrivateHistogram
 
 INFO = {"kind": "time", "size": 60.0, "events": 0, "started_unix": 0.0, "ended_unix": 60.0}

@@ -98,6 +98,22 @@ def releases(tmp_path):
     )
 
 
+def released_windows(tmp_path):
+    """:func:`releases` with each window's ``n``."""
+    docs = [json.loads(p.read_text()) for p in (tmp_path / "releases").glob("*.json")]
+    return sorted(
+        (
+            {
+                k: d["window_info"][k]
+                for k in ("event_start_unix", "event_end_unix", "events", "late")
+            }
+            | {"n": d["n"]}
+            for d in docs
+        ),
+        key=lambda w: w["event_start_unix"],
+    )
+
+
 SIZE = 10
 
 

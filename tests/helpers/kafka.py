@@ -156,3 +156,15 @@ def wait_for(cond, timeout_s, what):
             pass
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def produce_at(bootstrap, topic, records):
+    """``records``: (partition, timestamp in s, item), each sent to that partition with that
+    Kafka timestamp (event-time windows read it)."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    for part, ts, item in records:
+        producer.send(
+            topic, value=msgpack.packb({"item": item}), partition=part, timestamp_ms=int(ts * 1000)
+        )
+    producer.flush()
+    producer.close()

@@ -3,44 +3,16 @@ across partitions and some late, and a SIGKILL in the middle; each release's exa
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import time
 
-import msgpack
-from kafka import KafkaProducer
 
-from .test_service_kafka import env, make_topic, run_service, service_args
+from tests.helpers.event_time import released_windows
+from tests.helpers.kafka import env, make_topic, produce_at, run_service, service_args
 
 SIZE = 10
-
-
-def produce_at(bootstrap, topic, records):
-    """records: (partition, timestamp s, item)."""
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    for part, ts, item in records:
-        producer.send(
-            topic, value=msgpack.packb({"item": item}), partition=part, timestamp_ms=int(ts * 1000)
-        )
-    producer.flush()
-    producer.close()
-
-
-def releases(tmp_path):
-    docs = [json.loads(p.read_text()) for p in (tmp_path / "releases").glob("*.json")]
-    return sorted(
-        (
-            {
-                k: d["window_info"][k]
-                for k in ("event_start_unix", "event_end_unix", "events", "late")
-            }
-            | {"n": d["n"]}
-            for d in docs
-        ),
-        key=lambda w: w["event_start_unix"],
-    )
 
 
 def test_event_time_windows_exact_counts_with_late_records_and_a_kill(kafka_broker, tmp_path):
@@ -101,7 +73,7 @@ def test_event_time_windows_exact_counts_with_late_records_and_a_kill(kafka_brok
         [(2, t0 + 3 * SIZE + 1, 5), (1, t0 + 3 * SIZE + 2, 6), (0, t0 + 3 * SIZE + 3, 7)],
     )
     assert run_service(args).returncode == 0
-    assert releases(tmp_path) == [
+    assert released_windows(tmp_path) == [
         {"event_start_unix": t0, "event_end_unix": t0 + SIZE, "events": 120, "late": 0, "n": 120},
         {
             "event_start_unix": t0 + SIZE,

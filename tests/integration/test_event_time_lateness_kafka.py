@@ -11,10 +11,10 @@ import subprocess
 import sys
 import time
 
-from tests.helpers.event_time import reference
+from tests.helpers.event_time import reference, released_windows
+from tests.helpers.kafka import env, make_topic, produce_at, run_service, service_args
+from tests.helpers.service import durable, ledger_entries
 
-from .test_event_time_kafka import produce_at, releases
-from .test_service_kafka import durable, env, ledger_entries, make_topic, run_service, service_args
 
 SIZE, LATENESS = 10, 4
 
@@ -75,7 +75,7 @@ def test_allowed_lateness_exact_releases_across_a_kill_with_two_live_windows(
     produce(STAGES[0])
     done = run_service(args)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert [w["event_start_unix"] for w in releases(tmp_path)] == [t0]
+    assert [w["event_start_unix"] for w in released_windows(tmp_path)] == [t0]
     ck = durable(tmp_path)  # window 1 starts with 4 events, replayed among window 0's records
     assert ck.window["event_start_unix"] == t0 + SIZE and ck.window["events"] == 0
     assert ck.totals["events"] == 8 and len(ck.window["skip_until"]) == 3
@@ -99,7 +99,7 @@ def test_allowed_lateness_exact_releases_across_a_kill_with_two_live_windows(
     proc.wait()
     done = run_service(args)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert len(releases(tmp_path)) == 1  # window 1 is still held open by partition 2
+    assert len(released_windows(tmp_path)) == 1  # window 1 is still held open by partition 2
 
     # C: partition 2 stops holding the watermark once idle; windows 1, 2 and 3 close
     produce(STAGES[2])
@@ -122,4 +122,4 @@ def test_allowed_lateness_exact_releases_across_a_kill_with_two_live_windows(
         if k < 5
     ]  # 5 stays open
     assert [(w["events"], w["late"]) for w in expected] == [(8, 0), (19, 4), (10, 0), (2, 0)]
-    assert releases(tmp_path) == expected
+    assert released_windows(tmp_path) == expected

@@ -27,7 +27,7 @@ from .test_group_kafka import (
     D,
     Members,
     crash_traces,
-    last_saying,
+    counting_owner,
     make_topic,
     member_cmd,
     produce,
@@ -350,7 +350,7 @@ def test_records_deleted_before_they_were_counted_withhold_every_window_they_fal
         members.start("m2")
         produce(kafka_broker, topic, np.arange(2000) % D, 2000)
         wait_for_total(kafka_broker, topics, 2000, 180, members)
-        victim = last_saying(tmp_path, "m*-*.log", "counting partition 1 of")
+        victim = counting_owner(kafka_broker, topics, topics.repartition, 1)
         members.procs[victim].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         members.procs[victim].wait(30)

@@ -152,3 +152,47 @@ def test_a_producer_fenced_mid_transaction_says_it_was_fenced(kafka_broker):
     finally:
         first.close()
         second.close()
+
+
+def test_a_send_during_the_epoch_bump_after_a_fencing_says_the_epoch_moved(kafka_broker):
+    """The second member's init makes the first one's next send fail with
+    ``InvalidProducerEpochError``; kafka-python then bumps the epoch on its own, and a send in
+    that moment raises ``IllegalStateError`` ("Cannot call send in state
+    BUMPING_PRODUCER_EPOCH") with no error recorded. A member of two started together exited
+    with it ("the group could not start: Kafka answered IllegalStateError", issue 46);
+    ``Transactions.cause`` names the epoch's move, which the start tries again after."""
+    from kafka.errors import IllegalStateError, InvalidProducerEpochError, ProducerFencedError
+
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    admin.close()
+    seen: list[tuple[str, str]] = []
+    for _ in range(5):  # the bump is short: a send must fall into it
+        tid = f"bump-{uuid.uuid4().hex[:8]}"
+
+        def make(tid=tid):
+            p = KafkaProducer(bootstrap_servers=kafka_broker, transactional_id=tid)
+            p.init_transactions()
+            return p
+
+        first = Transactions(make, remake=False)
+        first.begin()
+        first.send(topic, value=b"identity").get(timeout=30)
+        second = Transactions(make, remake=False)  # fences the first
+        try:
+            for _ in range(3):
+                try:
+                    first.send(topic, value=b"more").get(timeout=30)
+                except Exception as exc:
+                    seen.append((type(exc).__name__, type(first.cause(exc)).__name__))
+        finally:
+            first.close()
+            second.close()
+        if any(kind == "IllegalStateError" for kind, _ in seen):
+            break
+    illegal = [cause for kind, cause in seen if kind == "IllegalStateError"]
+    assert illegal, seen
+    passing = (InvalidProducerEpochError.__name__, ProducerFencedError.__name__)
+    assert all(cause in passing for cause in illegal), seen
+    assert IllegalStateError.__name__ not in illegal

@@ -25,6 +25,7 @@ from aggregator.service.group.topics import GroupTopics
 from .test_group_kafka import (
     Members,
     _group_status,
+    counting_owner,
     last_saying,
     make_topic,
     produce,
@@ -340,7 +341,7 @@ def test_sum_rollups_of_a_views_group_add_up_the_released_views_across_a_leader_
     the views of its base windows (a window added twice, or a re-drawn layer, would not add
     up)."""
     from aggregator.service.rollup import ROLLUP_ARGUMENT
-    from aggregator.service.group.views import decode_view
+    from aggregator.service.group.view_format import decode_view
 
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
@@ -536,7 +537,7 @@ def _kill_the_owner_and_delete(bootstrap, topic, topics, members, tmp_path, admi
     from kafka import KafkaConsumer, TopicPartition
 
     tp = TopicPartition(topic, 1)
-    victim = last_saying(tmp_path, "v*.log", "counting partition 1 of")
+    victim = counting_owner(bootstrap, topics, topic, 1)
     members.procs[victim].send_signal(signal.SIGKILL)
     members.procs[victim].wait(30)
     produce(bootstrap, topic, np.arange(3000) % D, 1000)  # 3 s: several windows

@@ -16,7 +16,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
 from tests.helpers.multi import login_aggregations
 
-from .test_service_kafka import env, make_topic, run_service
+from tests.helpers.kafka import env, make_topic, run_service
 
 SIZES = {"account": 1000, "ip": 1300, "device": 700}
 

@@ -23,6 +23,7 @@ from aggregator.release import make_release
 from aggregator.state import PanPrivateHistogram
 from state_store.audit import read_export
 from state_store.local import LocalStore
+from tests.helpers.service import durable, ledger_entries
 from tests.helpers.kafka import (
     D,
     SEED,
@@ -43,14 +44,6 @@ def expected_counts(items, window=0):
 
 
 KEY_HEX = "7e" * 32
-
-
-def durable(tmp_path):
-    return LocalStore(tmp_path / "state" / "checkpoints").load_latest()
-
-
-def ledger_entries(tmp_path):
-    return [json.loads(x) for x in (tmp_path / "state" / "ledger.jsonl").read_text().splitlines()]
 
 
 def live_counts_via_export(tmp_path):

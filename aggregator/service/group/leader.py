@@ -43,7 +43,7 @@ from .event_views import skipped_parts, window_info
 from .export import assemble
 from .forced import forced_window
 from .summary import merge_summaries, source_ranges
-from .views import distinct_views, state_params, sum_views, view_header
+from .view_format import distinct_views, state_params, sum_views, view_header
 
 __all__ = ["Leader"]
 
@@ -120,7 +120,7 @@ class Leader:
         self.release_dir, self.release_topic = release_dir, release_topic
         self.merge_kwargs = {"loss": loss, "error_bar_reps": int(error_bar_reps), "method": method}
         self.merge = merge
-        #: the merge in the loop (no release worker): merge_summaries, or views.merge_views
+        #: the merge in the loop (no release worker): merge_summaries, or view_format.merge_views
         self.merge_fn = merge_fn
         #: scale.exchange = views: each summary is a member's view covering its partitions,
         #: sent as chunk messages before its header (views.py)

@@ -43,10 +43,10 @@ from .ledger_topic import LedgerUnreachable, TopicLedger
 from .repartition import EventClock, Route
 from .rollups import RollupReleases, SliceRollups
 from .summary import merge_summaries
-from .topics import GroupTopics
+from .topics import GroupTopics, latest_values
 from .txn import Transactions
 from .view_rollups import ViewRollups
-from . import views
+from . import view_format
 from .views import ViewCounter
 
 __all__ = ["Pipeline", "MUST_AGREE"]
@@ -296,6 +296,7 @@ class Pipeline:
                 )
                 if cfg.checkpoint.snapshots_per_window
                 else None,
+                views_reader=self._views_written,
             )
             return
         spans = self.rollup_spans()
@@ -316,6 +317,15 @@ class Pipeline:
             if spans
             else None,
         )
+
+    def _views_written(self) -> dict[str, bytes] | None:
+        """The summaries topic's latest values (views.ViewCounter._views_written), read by a
+        consumer made for it and closed after."""
+        consumer = self.clients.consumer(None)
+        try:
+            return latest_values(consumer, self.topics.summaries)
+        finally:
+            self.clients.discard(consumer)
 
     # -- leading -----------------------------------------------------------------------------
     def lead(self) -> None:
@@ -362,9 +372,9 @@ class Pipeline:
             )
         merge = None
         worker = self.clients.worker
-        # views.merge_views read here, not bound at import: the group audit captures the
-        # merges by standing in for it (tests/group_audit.py)
-        merge_fn = views.merge_views if self.views else merge_summaries
+        # view_format.merge_views read here, not bound at import: the group audit captures
+        # the merges by standing in for it (tests/group_audit.py)
+        merge_fn = view_format.merge_views if self.views else merge_summaries
         if worker is not None:
             merge = lambda summaries, **kw: worker.call(merge_fn, summaries, **kw)  # noqa: E731
         leader = Leader(

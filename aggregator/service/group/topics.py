@@ -34,7 +34,7 @@ from kafka import TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
-__all__ = ["GroupTopics", "GroupTopicError", "read_partition", "follow_intake"]
+__all__ = ["GroupTopics", "GroupTopicError", "read_partition", "latest_values", "follow_intake"]
 
 
 def read_partition(consumer, tp, on_record, timeout_s: float = 30.0) -> bool:
@@ -50,6 +50,21 @@ def read_partition(consumer, tp, on_record, timeout_s: float = 30.0) -> bool:
             for record in records:
                 on_record(record)
     return True
+
+
+def latest_values(consumer, topic: str, timeout_s: float = 30.0) -> dict[str, bytes] | None:
+    """The latest value of each key of ``topic``'s one partition committed now, as a compacted
+    topic's reader sees it (a tombstone removes its key); ``consumer`` has no group and is
+    assigned the partition here. None if its end was not reached within ``timeout_s``."""
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    latest: dict[str, bytes | None] = {}
+    if not read_partition(
+        consumer, tp, lambda r: latest.__setitem__(r.key.decode(), r.value), timeout_s
+    ):
+        return None
+    return {k: v for k, v in latest.items() if v is not None}
 
 
 def follow_intake(reader, topics, on_record):

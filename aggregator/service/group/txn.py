@@ -27,7 +27,13 @@ from __future__ import annotations
 
 import logging
 
-from kafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
+from kafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    InvalidProducerEpochError,
+    KafkaError,
+    KafkaTimeoutError,
+)
 
 from consumers.kafka import compat
 
@@ -76,11 +82,18 @@ class Transactions:
     def __init__(self, make, remake: bool = True):
         self._make, self._remake = make, remake
         self.producer = make()
+        self._epoch = None  # the producer's id and epoch when the open transaction began
+
+    def _id_and_epoch(self):
+        tm = getattr(self.producer, "_transaction_manager", None)
+        pe = getattr(tm, "producer_id_and_epoch", None)
+        return None if pe is None else (pe.producer_id, pe.epoch)
 
     # -- one transaction's steps, each bounded ---------------------------------------------------
     def begin(self) -> None:
         drop_stale_offsets(self.producer)
         self.producer.begin_transaction()
+        self._epoch = self._id_and_epoch()
 
     def send(self, *args, **kwargs):
         return self.producer.send(*args, **kwargs)
@@ -115,11 +128,27 @@ class Transactions:
         """The error behind ``exc``: a producer fenced in the middle of a transaction answers
         every later transactional call with a generic ``KafkaError`` ("... in an error state:
         ProducerFencedError"); the error that put it there says what happened (another member
-        took the transactional id), so the caller can tell a race from a broken cluster."""
+        took the transactional id), so the caller can tell a race from a broken cluster.
+
+        A producer that met ``InvalidProducerEpochError`` bumps its epoch on its own, which
+        ends the open transaction; the next send or commit then raises ``IllegalStateError``
+        ("Cannot call send in state ...") or a generic ``KafkaError`` (an invalid transition)
+        with no error recorded. If the producer's epoch moved or is moving since :meth:`begin`,
+        that is the cause (a member of two started together exited with ``IllegalStateError``
+        in the suite, issue 46)."""
+        if type(exc) not in (KafkaError, IllegalStateError):
+            return exc
         tm = getattr(self.producer, "_transaction_manager", None)
-        last = getattr(tm, "last_error", None) if tm is not None else None
-        if type(exc) is KafkaError and isinstance(last, KafkaError):
+        if tm is None:
+            return exc
+        last = getattr(tm, "last_error", None)
+        if isinstance(last, KafkaError):
             return last
+        bumping = getattr(tm, "is_bumping_epoch", lambda: False)()
+        if bumping or (self._epoch is not None and self._id_and_epoch() != self._epoch):
+            return InvalidProducerEpochError(
+                f"the producer's epoch moved during the transaction ({exc})"
+            )
         return exc
 
     def failed(self, exc: Exception) -> None:

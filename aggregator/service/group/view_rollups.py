@@ -16,7 +16,7 @@ privacy.md section 21), the document goes to the releases topics and the sum is 
 
 >>> import numpy as np
 >>> from aggregator.state import PanPrivateHistogram
->>> from .views import decode_view, distinct_views, sum_views, view_header
+>>> from .view_format import decode_view, distinct_views, sum_views, view_header
 >>> s = PanPrivateHistogram(1.0, size=4)
 >>> s.add_indices(np.array([0, 0, 3]))
 >>> info = {"kind": "time", "size": 5.0, "events": 3, "started_unix": 0.0, "ended_unix": 5.0}
@@ -44,7 +44,7 @@ from kafka import TopicPartition
 from ..rollup import RollupError, RollupSum
 from .rollups import publish_rollup, rollup_window_size, transact_rollup
 from .topics import read_partition
-from .views import VIEW_FORMAT, distinct_views, encode_counts, state_params, sum_views
+from .view_format import VIEW_FORMAT, distinct_views, encode_counts, state_params, sum_views
 
 __all__ = ["ViewRollups", "rollup_view"]
 

@@ -18,7 +18,7 @@ Closing window w, in one Kafka transaction (docs/privacy.md section 20):
    dropped is fenced: nothing of it is seen).
 
 The leader sums the views of a window once they cover every source partition
-(:func:`merge_views`). A member-window that counted no event sends no view (its ranges are empty:
+(:func:`.view_format.merge_views`). A member-window that counted no event sends no view (its ranges are empty:
 public); the sum then has fewer layers, and the release says how many.
 
 A rebalance is a handover like a restart: a window whose partitions changed owner is dropped and
@@ -28,21 +28,7 @@ layered snapshots (snapshots.py): a new owner of all the partitions a snapshot c
 the window from it; one that cannot (the snapshot is gone, or a rebalance split its partitions)
 withholds the window, never replays it under fresh noise.
 
->>> import numpy as np
->>> from aggregator.state import PanPrivateHistogram
->>> s = PanPrivateHistogram(1.0, size=6)
->>> s.add_indices(np.array([1, 1, 4]))
->>> head = view_header(s, window=3, covers=[0], partitions=2,
-...                    window_info={"kind": "time", "size": 60.0, "events": 3,
-...                                 "started_unix": 180.0, "ended_unix": 240.0})
->>> head["layers"], head["n"], head["covers"], len(head["_chunks"]) == head["chunks"]
-(2, 3, [0], True)
->>> empty = view_header(None, window=3, covers=[1], partitions=2, size=6, params=s,
-...                     window_info={"kind": "time", "size": 60.0, "events": 0,
-...                                  "started_unix": 180.0, "ended_unix": 240.0})
->>> release = merge_views([head, empty], error_bar_reps=0)
->>> release["n"], release["layers"], release["domain"]["counters"]
-(3, 2, 6)
+The view itself, its sum and the release from it: :mod:`.view_format`.
 """
 
 from __future__ import annotations
@@ -50,9 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
-import zlib
-from types import SimpleNamespace
 
 import numpy as np
 from kafka import TopicPartition
@@ -61,9 +44,6 @@ from kafka.structs import OffsetAndMetadata
 from consumers.base import take_items
 from consumers.kafka.compat import finish_join, unpark
 
-from ...counters import noisy_value_counts
-from ...noise import discrete_laplace
-from ...release import ERROR_BAR_REPS, estimate_with_accuracy, package_release
 from ...state import PanPrivateHistogram
 from .count_views import PROGRESS_S, GroupTotals, next_goal, progress_key
 from .counter import charged_before
@@ -74,214 +54,12 @@ from .forced import close_key
 from .membership import Membership
 from .repartition import Repartitioner, dead_letter_records
 from .snapshots import view_resume, view_snapshot
-from .summary import agreeing, event_time_info, merged_window_info
+from .view_format import VIEW_FORMAT, state_params, view_header
 from .watermark import MAX_AHEAD_WINDOWS, stamped
 
-__all__ = [
-    "ViewCounter",
-    "view_header",
-    "merge_views",
-    "decode_view",
-    "encode_counts",
-    "distinct_views",
-    "sum_views",
-    "state_params",
-    "CHUNK_COUNTERS",
-]
+__all__ = ["ViewCounter"]
 
 log = logging.getLogger("panagg.group")
-
-#: counters per chunk message: int32 chunks stay under 512 KB before compression, so a view fits
-#: a broker's default message size (1 MB) whatever D is
-CHUNK_COUNTERS = 1 << 17
-VIEW_FORMAT = "panagg.view"
-
-
-# -- pure parts: a view and the sum of a window's views -------------------------------------
-def encode_counts(counts: np.ndarray) -> tuple[str, list[bytes]]:
-    """(dtype, zlib chunks of CHUNK_COUNTERS counters): int32 when every counter fits."""
-    small = counts.size == 0 or (int(counts.min()) >= -(2**31) and int(counts.max()) < 2**31)
-    dtype = "<i4" if small else "<i8"
-    arr = counts.astype(dtype)
-    return dtype, [
-        zlib.compress(arr[i : i + CHUNK_COUNTERS].tobytes(), 1)
-        for i in range(0, max(1, arr.size), CHUNK_COUNTERS)
-    ]
-
-
-def decode_view(header: dict) -> np.ndarray:
-    """The counters of a view from its header's ``_chunks`` (int64)."""
-    parts = [np.frombuffer(zlib.decompress(c), dtype=header["dtype"]) for c in header["_chunks"]]
-    out = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-    if out.size != int(header["size"]):
-        raise ValueError(
-            f"view of window {header['window']} holds {out.size} counters, not {header['size']}"
-        )
-    return out
-
-
-def view_header(
-    state: PanPrivateHistogram | None,
-    *,
-    window: int,
-    covers: list[int],
-    partitions: int,
-    window_info: dict,
-    mode: str = "direct",
-    size: int | None = None,
-    params=None,
-    rng=None,
-) -> dict:
-    """The view of a member's window: ``state`` plus one fresh DLap layer, as chunks (kept in
-    ``_chunks``, sent as their own messages) and a JSON-able header. ``state`` None: the member
-    counted no event in the window; the header carries no counters (``size`` and ``params``,
-    anything with epsilon, neighbor and p, describe the domain). ``mode``: the group's (a
-    hashed group's counters are hash buckets)."""
-    params = state if state is not None else params
-    head = {
-        "format": VIEW_FORMAT,
-        "version": 1,
-        "window": int(window),
-        "partition": int(min(covers)),
-        "covers": sorted(int(p) for p in covers),
-        "partitions": int(partitions),
-        "mode": str(mode),
-        "size": int(state.size if state is not None else size),
-        "epsilon": params.epsilon,
-        "neighbor": params.neighbor,
-        "p": params.p,
-        "model": "joint",
-        "window_info": dict(window_info),
-        "uid": uuid.uuid4().hex,
-    }
-    if state is None:
-        head.update(layers=0, n=0, chunks=0, dtype="<i4", _chunks=[])
-        return head
-    counts = state.counts + discrete_laplace(state.p, state.size, rng=rng)
-    dtype, chunks = encode_counts(counts)
-    head.update(
-        layers=int(state.layers) + 1,
-        n=int(state.n),
-        chunks=len(chunks),
-        dtype=dtype,
-        _chunks=chunks,
-    )
-    return head
-
-
-def distinct_views(have: dict) -> list[dict]:
-    """The views of a window once each (``have`` files a view under every partition it
-    covers)."""
-    return list({id(v): v for v in have.values()}.values())
-
-
-def sum_views(views: list[dict], size: int) -> tuple[np.ndarray, int, int]:
-    """``(counters, layers, n)`` of ``views`` added up: what a window's release is computed
-    from (a view without counters, or a refused one, adds none)."""
-    total = np.zeros(int(size), dtype=np.int64)
-    layers = 0
-    for v in views:
-        if v.get("chunks"):
-            total += decode_view(v)
-            layers += int(v["layers"])
-    return total, layers, int(sum(int(v.get("n") or 0) for v in views))
-
-
-def state_params(identity: dict):
-    """epsilon, neighbor and p of the group's states (anything ``view_header`` takes)."""
-
-    probe = PanPrivateHistogram(identity["epsilon"], neighbor=identity["neighbor"], size=1)
-    return SimpleNamespace(epsilon=probe.epsilon, neighbor=probe.neighbor, p=probe.p)
-
-
-_MUST_AGREE = ("window", "partitions", "mode", "size", "epsilon", "neighbor", "p")
-
-
-def merge_views(
-    views: list[dict],
-    *,
-    loss: str = "l1",
-    error_bar_reps: int = ERROR_BAR_REPS,
-    method: str | None = None,
-    rng=None,
-) -> dict:
-    """The window's release from the views of every member that counted part of it: the sum of
-    the views' counters (each with its state layer and its view layer), then the estimators,
-    told how many layers the sum holds. Deterministic but for a window no member counted an
-    event in: that one gets the two layers one process's empty window has, drawn here."""
-    if not views:
-        raise ValueError("no views to merge")
-    first = agreeing(views, VIEW_FORMAT, _MUST_AGREE, "views")
-    covered = sorted(p for v in views for p in v["covers"])
-    if covered != list(range(first["partitions"])):
-        raise ValueError(
-            f"window {first['window']} needs views of partitions "
-            f"0..{first['partitions'] - 1} once each, got {covered}"
-        )
-    started = time.perf_counter()
-    size = int(first["size"])
-    total, layers, n = sum_views(views, size)
-    if layers == 0:
-        for _ in range(2):
-            total += discrete_laplace(first["p"], size, rng=rng)
-        layers = 2
-    vc = noisy_value_counts(total)
-    hashed = first["mode"] == "hashed"
-    hist, accuracy = estimate_with_accuracy(
-        vc,
-        first["p"],
-        layers=layers,
-        loss=loss,
-        n=n,
-        buckets=size if hashed else None,
-        reps=error_bar_reps,
-        method=method,
-    )
-    members = sum(1 for v in views if v["chunks"])
-    release = package_release(
-        hist,
-        window=first["window"],
-        n=n,
-        epsilon=first["epsilon"],
-        neighbor=first["neighbor"],
-        model="joint",
-        extra={
-            "p": first["p"],
-            "layers": layers,
-            "loss": loss,
-            "domain": {
-                "mode": first["mode"],
-                "size": size,
-                "counters": size,
-                "partitions": first["partitions"],
-            },
-            "exchange": {
-                "kind": "views",
-                "views": members,
-                "why_layers": "each member's view carries its state's layer, "
-                "two per in-window snapshot and its view's layer; "
-                "the leader sums them",
-            },
-        },
-        accuracy=accuracy,
-    )
-    infos = [v["window_info"] for v in views]
-    release["window_info"] = merged_window_info(
-        infos,
-        "count windows cut by each member at the group's reported total"
-        if infos[0]["kind"] == "count"
-        else "time windows by each member's clock, aligned to the epoch",
-    )
-    if infos[0]["kind"] == "event_time":
-        release["window_info"].update(
-            event_time_info(
-                infos,
-                "event-time windows, closed by each member once the group's low watermark "
-                "passed them (event_views.py)",
-            )
-        )
-    release["release_seconds"] = time.perf_counter() - started
-    return release
 
 
 # -- the member's counting stage --------------------------------------------------------------
@@ -348,6 +126,7 @@ class ViewCounter:
         closes=None,
         snapshots_per_window: int = 0,
         snapshot_reader=None,
+        views_reader=None,
     ):
         self.consumer, self.txn, self.topics = consumer, txn, topics
         self.identity, self.ledger, self.metrics = identity, ledger, metrics
@@ -365,6 +144,9 @@ class ViewCounter:
         #: ``snapshot_reader`` (a consumer with no group and the topic) reads one back
         self.snapshots_per_window = int(snapshots_per_window)
         self.snapshot_reader = snapshot_reader
+        #: ``views_reader()``: the summaries topic's latest values by key (views written and
+        #: not yet decided), read when a partition comes without commit metadata
+        self.views_reader, self._pending_views = views_reader, None
         #: forced releases (forced.py): a consumer following the intake topic's close records
         #: from its end now (a record missed before the start is a window closed by the clock)
         self.closes = closes
@@ -514,13 +296,15 @@ class ViewCounter:
 
     def _past_released(self, tp, window: int, start: int) -> tuple[int, int, int | None]:
         """A partition acquired without the group's commit metadata (its offsets reset by an
-        operator, or deleted): the window after the last one the ledger charged over it,
-        from the end of the positions charged, as the one process and the items intake do,
-        and the number of records charged there (None, and ``window`` and ``start``
-        unchanged, when the ledger charged none there). Counted from ``start`` instead, the
-        records would be withheld as released before, and the new records read in the same
-        window with them (found by the fault harness, ``offsets_reset``). Time and count
-        windows (event-time windows are not in offset order: :meth:`_sync_event_time`)."""
+        operator, or deleted): the window after the last one the ledger charged over it or a
+        member already wrote a view of (the leader releases it from that view), from the end
+        of those positions, as the one process and the items intake do, and the number of
+        records there (None, and ``window`` and ``start`` unchanged, when there are none).
+        Counted from ``start`` instead, the records would be withheld as released before, and
+        the new records read in the same window with them (found by the fault harness,
+        ``offsets_reset``); counted from the ledger's end alone, a window between its view and
+        its release was viewed twice and withheld. Time and count windows (event-time windows
+        are not in offset order: :meth:`_sync_event_time`)."""
         self.ledger.read_to_end()
         key = f"{self.source_topic}:{tp.partition}"
         spans = [
@@ -530,6 +314,11 @@ class ViewCounter:
             and e.get("epsilon_spent")
             and key in (e.get("ranges") or {})
         ]
+        spans += [
+            (int(h["window"]), *map(int, h["ranges"][key]))
+            for h in self._views_written()
+            if key in (h.get("ranges") or {})
+        ]
         if not spans:
             return window, start, None
         last = max(w for w, _, _ in spans)
@@ -537,8 +326,8 @@ class ViewCounter:
         if end > start:
             log.warning(
                 "partition %d of %s was to be read from offset %d, but the group "
-                "released it up to %d already (its committed offsets were reset or "
-                "lost): records below %d are not counted again",
+                "released or viewed it up to %d already (its committed offsets were "
+                "reset or lost): records below %d are not counted again",
                 tp.partition,
                 self.source_topic,
                 start,
@@ -546,12 +335,25 @@ class ViewCounter:
                 end,
             )
             self.consumer.seek(tp, end)
-        covered, reach = 0, None  # the union of the charged ranges (withheld ones overlap)
+        covered, reach = 0, None  # the union of the ranges (withheld ones overlap)
         for _, a, b in sorted(spans, key=lambda s: s[1]):
             lo = a if reach is None else max(a, reach)
             covered += max(0, b - lo)
             reach = b if reach is None else max(reach, b)
         return max(window, last + 1), max(start, end), covered
+
+    def _views_written(self) -> list[dict]:
+        """The views in the summaries topic now: windows the leader has not decided yet (it
+        tombstones a window's views once it has). Read once a start; none if it cannot be
+        read (a window between its view and its release is then withheld as viewed twice:
+        named, never released twice)."""
+        if self._pending_views is None:
+            got = self.views_reader() if self.views_reader is not None else None
+            heads = [json.loads(v) for k, v in (got or {}).items() if "/c" not in k]
+            self._pending_views = [
+                h for h in heads if h.get("format") == VIEW_FORMAT and not h.get("skipped")
+            ]
+        return self._pending_views
 
     def _resume(self, task: MemberWindow, seq: int, key: int, at: dict[int, int]) -> None:
         """Resume ``task`` from the snapshot ``seq`` its partitions' commits name (``at``: each
