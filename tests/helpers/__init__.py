@@ -5,7 +5,9 @@
 - :mod:`tests.helpers.service`: the one-process service on files, its expected noise under
   ``testing.noise_seed`` and its ledger;
 - :mod:`tests.helpers.event_time`: a scripted list source and the event-time reference windows;
-- :mod:`tests.helpers.privacy`: the empirical epsilon of two neighbouring samples.
+- :mod:`tests.helpers.privacy`: the empirical epsilon of two neighbouring samples;
+- :mod:`tests.helpers.group`: a scale-out group's member processes on the real broker, its
+  topics read back, and the event-time reference windows of its tests.
 
 tests/test_layering.py's ``test_no_test_module_imports_another`` keeps it so.
 """

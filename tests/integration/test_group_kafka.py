@@ -31,238 +31,40 @@ import msgpack
 import numpy as np
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.admin import KafkaAdminClient
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from aggregator.service.charges import ChargeBook
 from aggregator.service.group.ledger_topic import TopicLedger
 from aggregator.service.group.topics import GroupTopics
-
-D = 1000
-PARTS = 6
-WINDOW_S = 2
-
-
-def make_topic(bootstrap, partitions=PARTS):
-    name = f"grp-{uuid.uuid4().hex[:10]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
-    admin.close()
-    return name
-
-
-def member_cmd(bootstrap, topic, group, name, tmp, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "aggregator.service.cli",
-        "run",
-        "--bootstrap",
-        bootstrap,
-        "--topic",
-        topic,
-        "--state-dir",
-        str(tmp / name / "state"),
-        "--release-dir",
-        str(tmp / name / "releases"),
-        "--metrics-port",
-        "-1",
-        "--set",
-        "scale.partitioned=true",
-        "--set",
-        "scale.store=kafka",
-        # these tests are the domain-split exchange's (the views exchange's:
-        # test_group_views.py and the chaos matrix)
-        "--set",
-        "scale.exchange=items",
-        "--set",
-        "window.kind=time",
-        "--set",
-        f"window.size={WINDOW_S}",
-        "--set",
-        f"state.domain_size={D}",
-        "--set",
-        f"source.group={group}",
-        "--set",
-        f"source.instance_id={name}",
-        "--set",
-        "source.session_timeout_s=6",
-        "--set",
-        "scale.close_grace_s=1",
-        "--set",
-        "release.error_bar_reps=0",
-        *extra,
-    ]
-
-
-def last_saying(tmp_path, pattern: str, *texts: str) -> str:
-    """The member whose log (files ``pattern`` in ``tmp_path``, named ``<member>-<start>.log``)
-    says last one of ``texts``: which member counts a partition, or leads, now."""
-    last = {}
-    for f in tmp_path.glob(pattern):
-        for line in f.read_text().splitlines():
-            if any(t in line for t in texts):
-                last[f.name.split("-")[0]] = line[:23]
-    return max(last, key=last.get)
-
-
-def counting_owner(bootstrap, topics, topic: str, partition: int, timeout_s: float = 60) -> str:
-    """The member (its ``source.instance_id``) the group's counting consumers assigned
-    ``partition`` of ``topic`` to, read from Kafka once the counting group is stable: members
-    started together rebalance a few times, and a log line saying who counts a partition may
-    be older than the last move (a test once killed the wrong member that way)."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            g = admin.describe_groups([topics.counting_group]).get(topics.counting_group, {})
-            if g.get("group_state") == "Stable":
-                for m in g.get("members") or []:
-                    for a in (m.get("member_assignment") or {}).get("assigned_partitions") or []:
-                        if a["topic"] == topic and partition in a["partitions"]:
-                            return str(m.get("client_id", "")).removeprefix("panagg-")
-            assert time.monotonic() < deadline, f"no stable owner of {topic}:{partition}: {g}"
-            time.sleep(0.5)
-    finally:
-        admin.close()
-
-
-def crash_traces(logs: str) -> list[str]:
-    """The tracebacks in member logs (CPython's "Exception ignored in ..." reports at exit
-    included: an operator sees them all the same). Not counted: a release-worker process that
-    was being spawned when its member was killed -9 (it reads its start from the dead parent's
-    pipe: ``EOFError`` in multiprocessing's spawn), which is the kill's, not a member's crash."""
-    lines = logs.splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        if not line.startswith("Traceback (most recent call last)"):
-            continue
-        block = "\n".join(lines[max(0, i - 1) : i + 20])
-        if "multiprocessing/spawn.py" in block and "EOFError: Ran out of input" in block:
-            continue
-        out.append(block)
-    return out
-
-
-class Members:
-    """Member processes by name; each run's log kept for the failure message."""
-
-    def __init__(self, bootstrap, topic, group, tmp, *extra):
-        self.args = (bootstrap, topic, group)
-        self.tmp, self.extra = tmp, extra
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.runs = 0
-
-    def start(self, name):
-        self.runs += 1
-        log = open(self.tmp / f"{name}-{self.runs}.log", "w")
-        self.procs[name] = subprocess.Popen(
-            member_cmd(*self.args, name, self.tmp, *self.extra),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-
-    def kill(self, name):
-        p = self.procs[name]
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-
-    def kill_and_restart_one(self, chaos: random.Random, names) -> None:
-        """kill -9 a member picked by ``chaos``, then start it again 0-2 s later."""
-        victim = chaos.choice(names)
-        self.kill(victim)
-        time.sleep(chaos.uniform(0.0, 2.0))
-        self.start(victim)
-
-    def stop_all(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-    def logs(self, last=3000, first=1500):
-        out = []
-        for f in sorted(self.tmp.glob("*.log")):
-            text = f.read_text()
-            if len(text) > first + last:
-                text = f"{text[:first]}\n[...]\n{text[-last:]}"  # how it began, how it ends
-            out.append(f"--- {f.name}\n{text}")
-        return "\n".join(out)
-
-
-def produce(bootstrap, topic, items, rate):
-    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
-    step = max(1, int(rate / 20))
-    for i in range(0, len(items), step):
-        for it in items[i : i + step]:
-            p.send(topic, value=msgpack.packb({"item": int(it)}))  # no key: any partition
-        time.sleep(0.05)
-    p.flush()
-    p.close()
-
-
-def read_all(bootstrap, topic, partitions=None, timeout_s=20.0):
-    """Every committed record of ``topic``: {partition: [(offset, key, value)]}."""
-    c = KafkaConsumer(
-        bootstrap_servers=bootstrap,
-        isolation_level="read_committed",
-        enable_auto_commit=False,
-        group_id=None,
-    )
-    parts = partitions if partitions is not None else sorted(c.partitions_for_topic(topic))
-    tps = [TopicPartition(topic, p) for p in parts]
-    c.assign(tps)
-    c.seek_to_beginning(*tps)
-    end = c.end_offsets(tps)
-    out = {tp.partition: [] for tp in tps}
-    deadline = time.monotonic() + timeout_s
-    while any(c.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
-        for tp, recs in c.poll(timeout_ms=500).items():
-            out[tp.partition].extend((r.offset, r.key, r.value) for r in recs)
-    c.close()
-    return out
-
-
-def releases(bootstrap, topics, *, rollups=False):
-    """The window release documents of ``topics`` (``rollups``: the sum rollups' instead)."""
-    docs = [
-        json.loads(v) for _, _, v in read_all(bootstrap, topics.releases, [0])[0] if v is not None
-    ]
-    return [d for d in docs if ("rollup" in d) == rollups]
-
-
-def wait_for_total(bootstrap, topics, total, timeout_s, members):
-    deadline = time.monotonic() + timeout_s
-    got = 0
-    while time.monotonic() < deadline:
-        got = sum(d["n"] for d in releases(bootstrap, topics))
-        if got >= total:
-            return got
-        if members.procs and all(p.poll() is not None for p in members.procs.values()):
-            pytest.fail(f"every member exited; releases hold {got} of {total}\n{members.logs()}")
-        time.sleep(2)
-    pytest.fail(f"releases hold {got} of {total} events after {timeout_s} s\n{members.logs()}")
-
-
-def read_ledger(bootstrap, topics) -> TopicLedger:
-    """The group's ledger, read to its end (its hash chain checked)."""
-    c = KafkaConsumer(
-        bootstrap_servers=bootstrap,
-        isolation_level="read_committed",
-        enable_auto_commit=False,
-        group_id=None,
-    )
-    ledger = TopicLedger(c, topics.ledger, budget_per_window=1.0)
-    ledger.read_to_end()
-    c.close()
-    return ledger
+from tests.helpers.group import (
+    D,
+    ET_LATENESS,
+    ET_SIZE,
+    Members,
+    PARTS,
+    WINDOW_S,
+    by_event_window,
+    event_setup,
+    event_stream,
+    group_status,
+    one_process,
+    produce_stamped,
+    reference_windows,
+    crash_traces,
+    feed_across_a_kill,
+    make_topic,
+    member_cmd,
+    produce,
+    read_all,
+    read_ledger,
+    released_once,
+    releases,
+    second_group_on_released,
+    tombstone_snapshots,
+    wait_for_total,
+)
 
 
 def check_exact(bootstrap, topics, total, eps=1.0, empty_skipped=False):
@@ -1187,28 +989,6 @@ def test_count_windows_of_a_group_are_cut_by_the_leader_and_hold_every_event_onc
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log"))), members.logs()
 
 
-def _group_status(bootstrap, group, topic) -> str:
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aggregator.service.cli",
-            "status",
-            "--group",
-            group,
-            "--bootstrap",
-            bootstrap,
-            "--topic",
-            topic,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert res.returncode == 0, res.stderr
-    return res.stdout
-
-
 def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_broker, tmp_path):
     """Two aggregations with count windows of different sizes (window.size per aggregation):
     each leader sums its own aggregation's totals; both release every event once."""
@@ -1253,7 +1033,7 @@ def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_b
             wait_for_total(
                 kafka_broker, GroupTopics(group, name), (n // size - 1) * size, 90, members
             )
-        status = _group_status(kafka_broker, group, topic)
+        status = group_status(kafka_broker, group, topic)
         # each aggregation's open count window and how far it is (the taken events are public:
         # every release states its n)
         for name, size in sizes.items():
@@ -1283,7 +1063,7 @@ def test_count_windows_of_two_aggregations_are_cut_each_by_its_own_total(kafka_b
     from aggregator.service.group.forced import REQUEST, _ask
 
     _ask(kafka_broker, {}, GroupTopics(group, "ip"), REQUEST, uuid.uuid4().hex)
-    status = _group_status(kafka_broker, group, topic)
+    status = group_status(kafka_broker, group, topic)
     assert status.count("a forced release is asked and not yet answered") == 1, status
     for name, size in sizes.items():
         try:
@@ -1522,16 +1302,6 @@ def test_a_lost_snapshot_of_an_items_group_is_withheld_with_its_positions_charge
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
 
 
-def tombstone_snapshots(bootstrap, topics, partitions: int) -> None:
-    """Every snapshot key of the group's snapshots topic tombstoned (the snapshots gone, as a
-    deletion or truncation leaves them)."""
-    tomb = KafkaProducer(bootstrap_servers=bootstrap)
-    for p in range(partitions):
-        tomb.send(topics.snapshots, partition=p, key=str(p).encode(), value=None)
-    tomb.flush()
-    tomb.close()
-
-
 def _snapshot_reader(bootstrap, topic):
     """What a counter reads its snapshots with: a consumer with no group, and the topic."""
     from types import SimpleNamespace
@@ -1623,42 +1393,6 @@ def test_a_restored_snapshot_gets_a_fresh_layer_before_counting_on(kafka_broker)
     assert got[1] == {0: 100}
 
 
-def _one_process(bootstrap, topic, tmp_path, group, extra):
-    """One process over the same records (its own consumer group), to exit once idle: the
-    reference a group's releases are compared with (its releases in tmp_path/one/releases)."""
-    one = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aggregator.service.cli",
-            "run",
-            "--bootstrap",
-            bootstrap,
-            "--topic",
-            topic,
-            "--state-dir",
-            str(tmp_path / "one" / "state"),
-            "--release-dir",
-            str(tmp_path / "one" / "releases"),
-            "--metrics-port",
-            "-1",
-            "--exit-when-idle",
-            "5",
-            "--set",
-            f"state.domain_size={D}",
-            "--set",
-            f"source.group=one-{group}",
-            "--set",
-            "release.error_bar_reps=0",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
-
-
 def test_dead_letters_of_a_group_are_written_once_with_the_intakes_transaction(
     kafka_broker, tmp_path
 ):
@@ -1704,7 +1438,7 @@ def test_a_forced_release_of_an_event_time_group_releases_every_window_so_far(
     passes them) are closed at once up to the newest one seen, and every record read so far is
     released, once; an audit export is answered with one line."""
     parts = 4
-    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, 4)
+    topic, group, topics, t0, stream = event_setup(kafka_broker, parts, 4)
     members = Members(
         kafka_broker,
         topic,
@@ -1722,7 +1456,7 @@ def test_a_forced_release_of_an_event_time_group_releases_every_window_so_far(
         members.start("m1")
         time.sleep(4)
         members.start("m2")
-        _produce_stamped(kafka_broker, topic, stream)
+        produce_stamped(kafka_broker, topic, stream)
         _intake_caught_up(kafka_broker, topic, group, parts=parts)
         time.sleep(3)  # the leader's first marker opens the windows
         out = subprocess.run(
@@ -2049,46 +1783,6 @@ def test_offsets_reset_between_a_view_and_its_release_count_no_record_twice(kafk
         assert spans[0][0] == 0 and all(b == a for (_, b), (a, _) in zip(spans, spans[1:])), spans
 
 
-def second_group_on_released(bootstrap, tmp_path, partitions, *extra, key="ranges"):
-    """Two groups with different names over one topic and one budget registry: the first
-    releases 3,000 records and stops, then the second starts. Returns the second group's
-    release ledger entries once their source positions (``key``) cover the records or it
-    released them, the events it released, its logs, and the topic's name."""
-    topic = make_topic(bootstrap, partitions)
-    reg = ("--set", f"ledger.registry_topic=reg-{topic}", *extra)
-    items = np.arange(3000) % D
-    first = Members(bootstrap, topic, f"a-{topic}", tmp_path / "a", *reg)
-    (tmp_path / "a").mkdir()
-    try:
-        first.start("g1")
-        produce(bootstrap, topic, items, 3000)
-        wait_for_total(bootstrap, GroupTopics(f"a-{topic}"), len(items), 120, first)
-    finally:
-        first.stop_all()
-    second = Members(bootstrap, topic, f"b-{topic}", tmp_path / "b", *reg)
-    (tmp_path / "b").mkdir()
-    topics = GroupTopics(f"b-{topic}")
-    try:
-        second.start("h1")
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                entries = [
-                    e for e in read_ledger(bootstrap, topics).entries if e["kind"] == "release"
-                ]
-            except Exception:
-                entries = []
-            covered = sum(b - a for e in entries for a, b in e.get(key, {}).values())
-            again = sum(d["n"] for d in releases(bootstrap, topics))
-            if covered >= len(items) or again >= len(items):
-                break
-            assert time.monotonic() < deadline, second.logs()
-            time.sleep(2)
-    finally:
-        second.stop_all()
-    return entries, again, second.logs(last=100000), topic
-
-
 def test_a_second_items_group_on_released_records_withholds_them_naming_the_first(
     kafka_broker, tmp_path
 ):
@@ -2251,125 +1945,6 @@ def test_event_time_source_records_deleted_before_the_intake_read_them_withhold_
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))
 
 
-ET_SIZE, ET_LATENESS = 10, 4  # the reference of tests/test_event_time_lateness.py uses 10 s
-
-
-def _event_stream(rng, windows, per_window, t0):
-    """(timestamp ms, item) in production order: windows one after another, each record up to
-    the lateness late within its window's span, and about 2 % pushed back 15 s (most of them late
-    on their partition: counted in the window after). None in the first window: pushed back from
-    there, one could open a window two before it with none between, and after such an empty
-    window a group counts late records in it while one process counts them in the next window
-    that has records (docs/scale-out.md, "Event-time windows")."""
-    out = []
-    for k in range(windows):
-        ts = t0 + k * ET_SIZE + rng.uniform(0, ET_SIZE + 0.9 * ET_LATENESS, per_window)
-        ts.sort()
-        back = (rng.random(per_window) < 0.02) & (k > 0)
-        ts[back] -= 1.5 * ET_SIZE
-        out += [
-            (int(t * 1000), int(i))
-            for t, i in zip(ts, np.minimum(rng.zipf(1.3, per_window), D - 1))
-        ]
-    return out
-
-
-def _produce_stamped(bootstrap, topic, records, partition=None, pack=None):
-    pack = pack or (lambda item: {"item": item})
-    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
-    for ts, item in records:  # no key: the client picks the partitions
-        p.send(topic, value=msgpack.packb(pack(item)), timestamp_ms=ts, partition=partition)
-    p.flush()
-    p.close()
-
-
-def released_once(bootstrap, topics, docs) -> list[dict]:
-    """The ledger's release entries: one per published window of ``docs``, none withheld, and
-    no ledgered position charged past one window's eps (1.0)."""
-    ledger = read_ledger(bootstrap, topics)
-    entries = [e for e in ledger.entries if e["kind"] == "release"]
-    assert sorted(e["window"] for e in entries) == sorted(d["window"] for d in docs)
-    assert not any(e.get("withheld") for e in entries)
-    book = ChargeBook(ledger.entries)
-    for e in entries:
-        for part, (a, b) in e["ranges"].items():
-            if b > a:
-                assert book.peak({part: [a, b]}, 0.0) == pytest.approx(1.0)
-    return entries
-
-
-def feed_across_a_kill(bootstrap, topic, topics, members, stream, names, parts, flush_at) -> str:
-    """An event-time group's stream fed across a kill: the first half of ``stream``
-    ((timestamp ms, item) pairs) until the group releases, then the rest at about 1,000
-    records/s while one of ``names`` (at random) is killed -9 and started again 0-2 s later,
-    then a record stamped ``flush_at`` on each of the ``parts`` partitions, so every window
-    passes. Returns the member killed."""
-    half = len(stream) // 2
-    _produce_stamped(bootstrap, topic, stream[:half])
-    deadline = time.monotonic() + 120
-    while not releases(bootstrap, topics):
-        assert time.monotonic() < deadline, f"no release\n{members.logs()}"
-        time.sleep(1)
-    rest = stream[half:]
-    feeder = threading.Thread(
-        target=lambda: [
-            (_produce_stamped(bootstrap, topic, rest[i : i + 100]), time.sleep(0.1))
-            for i in range(0, len(rest), 100)
-        ]
-    )
-    feeder.start()
-    chaos = random.Random()
-    victim = chaos.choice(list(names))
-    time.sleep(chaos.uniform(0.5, 2.5))
-    members.kill(victim)
-    time.sleep(chaos.uniform(0.0, 2.0))
-    members.start(victim)
-    feeder.join()
-    for p in range(parts):  # every partition passes the last window
-        _produce_stamped(bootstrap, topic, [(flush_at, 0)], partition=p)
-    return victim
-
-
-def _reference_windows(bootstrap, topic, parts, flush_at, positions=None):
-    """{event_start_unix: (n, late)} the definitions give (tests/test_event_time_lateness.py's
-    reference) over what the topic holds, partition by partition, before the flush window.
-    ``positions`` (a dict): filled with each record's window, by (partition, offset)."""
-    from tests.helpers.event_time import reference
-
-    src = read_all(bootstrap, topic)
-    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    by_part = {}
-    for p in range(parts):
-        tp = TopicPartition(topic, p)
-        c.assign([tp])
-        c.seek_to_beginning(tp)
-        recs = []
-        while len(recs) < len(src[p]):
-            for rs in c.poll(timeout_ms=500).values():
-                recs += [(r.timestamp / 1000, (p, r.offset)) for r in rs]
-        by_part[f"{topic}:{p}"] = recs
-    c.close()
-    where, ref = reference(by_part, ET_LATENESS, "next")
-    if positions is not None:
-        positions.update(where)
-    flush_w = flush_at // 1000 // ET_SIZE
-    return {k * ET_SIZE: (ev, late) for k, (ev, late) in ref.items() if k < flush_w}
-
-
-def _event_setup(bootstrap, parts, windows):
-    """A topic, a group and its topics, and a stream of records stamped two hours back over
-    ``windows`` event-time windows (500 a window)."""
-    topic = make_topic(bootstrap, parts)
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
-    stream = _event_stream(np.random.default_rng(), windows, 500, t0)
-    return topic, group, GroupTopics(group), t0, stream
-
-
-def _by_event_window(docs):
-    return {d["window_info"]["event_start_unix"]: (d["n"], d["window_info"]["late"]) for d in docs}
-
-
 def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_path):
     """Event-time windows with allowed lateness in a group of 2 members on an unkeyed
     4-partition topic, timestamps out of order within the lateness and some late records, a
@@ -2380,7 +1955,7 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
 
     assert SIZE == ET_SIZE
     parts = 4
-    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
+    topic, group, topics, t0, stream = event_setup(kafka_broker, parts, windows := 12)
     extra = (
         "--set",
         "window.kind=event_time",
@@ -2400,19 +1975,19 @@ def test_event_time_group_equals_one_process_across_a_kill(kafka_broker, tmp_pat
         victim = feed_across_a_kill(
             kafka_broker, topic, topics, members, stream, ("m1", "m2"), parts, flush_at
         )
-        expected = _reference_windows(kafka_broker, topic, parts, flush_at)
+        expected = reference_windows(kafka_broker, topic, parts, flush_at)
         total = sum(ev for ev, _ in expected.values())
         assert total == len(stream)
         wait_for_total(kafka_broker, topics, total, 240, members)
     finally:
         members.stop_all()
-    _one_process(kafka_broker, topic, tmp_path, group, extra)
+    one_process(kafka_broker, topic, tmp_path, group, extra)
     one_docs = [json.loads(f.read_text()) for f in (tmp_path / "one" / "releases").glob("*.json")]
     try:
         docs = releases(kafka_broker, topics)
         assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
-        got = _by_event_window(docs)
-        assert got == _by_event_window(one_docs) == expected
+        got = by_event_window(docs)
+        assert got == by_event_window(one_docs) == expected
         assert sum(late for _, late in got.values()) > 0, "the stream had no late record"
         # each repartitioned event once: the events in the repartition topic are the releases'
         rp = read_all(kafka_broker, topics.repartition)
@@ -2436,7 +2011,7 @@ def test_sum_rollups_of_event_time_windows_in_a_group(kafka_broker, tmp_path):
     from aggregator.service.rollup import ROLLUP_ARGUMENT
 
     parts = 4
-    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 9)
+    topic, group, topics, t0, stream = event_setup(kafka_broker, parts, windows := 9)
     members = Members(
         kafka_broker,
         topic,
@@ -2459,12 +2034,12 @@ def test_sum_rollups_of_event_time_windows_in_a_group(kafka_broker, tmp_path):
         time.sleep(4)
         members.start("m2")
         half = len(stream) // 2
-        _produce_stamped(kafka_broker, topic, stream[:half])
+        produce_stamped(kafka_broker, topic, stream[:half])
         members.kill("m2")
         members.start("m2")
-        _produce_stamped(kafka_broker, topic, stream[half:])
+        produce_stamped(kafka_broker, topic, stream[half:])
         for p in range(parts):  # every partition passes the last window
-            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+            produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
         wait_for_total(kafka_broker, topics, len(stream), 240, members)
         last = max(d["window"] for d in releases(kafka_broker, topics))
         deadline = time.monotonic() + 90
@@ -2539,9 +2114,9 @@ def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_r
         "window.idle_partition_timeout_s=2",
     )
     try:
-        _produce_stamped(kafka_broker, topic, [(t0 * 1000 + 500, 1)], partition=2)
+        produce_stamped(kafka_broker, topic, [(t0 * 1000 + 500, 1)], partition=2)
         for p in (0, 1):
-            _produce_stamped(kafka_broker, topic, busy[p::2], partition=p)
+            produce_stamped(kafka_broker, topic, busy[p::2], partition=p)
         members.start("m1")
         deadline = time.monotonic() + 120
         while not any(
@@ -2551,15 +2126,15 @@ def test_event_time_group_an_idle_partition_stops_holding_windows_and_its_late_r
             assert time.monotonic() < deadline, f"windows never closed\n{members.logs()}"
             time.sleep(1)
         # partition 2 wakes with a record of window 1, closed by now: late
-        _produce_stamped(kafka_broker, topic, [((t0 + SIZE + 1) * 1000, 2)], partition=2)
+        produce_stamped(kafka_broker, topic, [((t0 + SIZE + 1) * 1000, 2)], partition=2)
         for p in (0, 1):  # the busy partitions move on, so the late record's window closes
-            _produce_stamped(kafka_broker, topic, [((t0 + 20 * SIZE) * 1000, 3)], partition=p)
+            produce_stamped(kafka_broker, topic, [((t0 + 20 * SIZE) * 1000, 3)], partition=p)
         wait_for_total(kafka_broker, topics, 602, 120, members)
         time.sleep(2)
     finally:
         members.stop_all()
     docs = releases(kafka_broker, topics)
-    got = _by_event_window(docs)
+    got = by_event_window(docs)
     assert sum(n for n, _ in got.values()) == 602
     assert sum(late for _, late in got.values()) == 1
     # the busy partitions' records in their windows, as the definitions say
@@ -2586,7 +2161,7 @@ def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker,
     group = f"g-{uuid.uuid4().hex[:8]}"
     rng = np.random.default_rng()
     t0 = (int(time.time()) - 7200) // SIZE * SIZE
-    stream = _event_stream(rng, 6, 400, t0)
+    stream = event_stream(rng, 6, 400, t0)
     pack = lambda i: {"user": i, "ip": f"10.0.{i // 256}.{i % 256}"}  # noqa: E731
     extra = (
         "--set",
@@ -2609,25 +2184,25 @@ def test_event_time_group_with_two_aggregations_equals_one_process(kafka_broker,
     members = Members(kafka_broker, topic, group, tmp_path, *extra)
     flush_at = (t0 + 20 * SIZE) * 1000
     try:
-        _produce_stamped(kafka_broker, topic, stream[:100], pack=pack)
+        produce_stamped(kafka_broker, topic, stream[:100], pack=pack)
         members.start("m1")
         time.sleep(4)
         members.start("m2")
-        _produce_stamped(kafka_broker, topic, stream[100:], pack=pack)
+        produce_stamped(kafka_broker, topic, stream[100:], pack=pack)
         for p in range(3):
-            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p, pack=pack)
+            produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p, pack=pack)
         for name in ("user", "ip"):
             wait_for_total(kafka_broker, GroupTopics(group, name), len(stream), 180, members)
     finally:
         members.stop_all()
-    _one_process(kafka_broker, topic, tmp_path, group, extra)
+    one_process(kafka_broker, topic, tmp_path, group, extra)
     for name in ("user", "ip"):
         docs = releases(kafka_broker, GroupTopics(group, name))
         one_docs = [
             json.loads(f.read_text()) for f in (tmp_path / "one" / "releases" / name).glob("*.json")
         ]
-        got = _by_event_window(docs)
-        assert got == _by_event_window(one_docs), f"{name}\n{members.logs()}"
+        got = by_event_window(docs)
+        assert got == by_event_window(one_docs), f"{name}\n{members.logs()}"
         assert sum(n for n, _ in got.values()) == len(stream)
         assert all(d["aggregation"]["name"] == name for d in docs)
 
@@ -2639,7 +2214,7 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
     20 s while a random member is killed -9 and restarted every 0.5-4.5 s: every window released
     once with the n and late count the definitions give over the topic."""
     parts = 4
-    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 20)
+    topic, group, topics, t0, stream = event_setup(kafka_broker, parts, windows := 20)
     members = Members(
         kafka_broker,
         topic,
@@ -2656,7 +2231,7 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
     names = ["m1", "m2", "m3"]
     kills = 0
     try:
-        _produce_stamped(kafka_broker, topic, stream[:200])
+        produce_stamped(kafka_broker, topic, stream[:200])
         members.start("m1")
         time.sleep(4)
         members.start("m2")
@@ -2664,7 +2239,7 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
         rest = stream[200:]
         feeder = threading.Thread(
             target=lambda: [
-                (_produce_stamped(kafka_broker, topic, rest[i : i + 100]), time.sleep(0.2))
+                (produce_stamped(kafka_broker, topic, rest[i : i + 100]), time.sleep(0.2))
                 for i in range(0, len(rest), 100)
             ]
         )
@@ -2676,8 +2251,8 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
             kills += 1
         feeder.join()
         for p in range(parts):
-            _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
-        expected = _reference_windows(kafka_broker, topic, parts, flush_at)
+            produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=p)
+        expected = reference_windows(kafka_broker, topic, parts, flush_at)
         wait_for_total(kafka_broker, topics, len(stream), 300, members)
         time.sleep(3)  # nothing more may come
     finally:
@@ -2685,7 +2260,7 @@ def test_event_time_group_of_three_killed_again_and_again_releases_the_reference
     docs = releases(kafka_broker, topics)
     try:
         assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
-        assert _by_event_window(docs) == expected
+        assert by_event_window(docs) == expected
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{members.logs()}") from None
     assert not crash_traces("".join(f.read_text() for f in tmp_path.glob("*.log")))

@@ -23,7 +23,7 @@ from consumers.decode import Decoder
 
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import (
+from tests.helpers.group import (
     D,
     Members,
     crash_traces,

@@ -22,9 +22,9 @@ import pytest
 from aggregator.noise import p_from_epsilon
 from aggregator.service.group.topics import GroupTopics
 
-from .test_group_kafka import (
+from tests.helpers.group import (
     Members,
-    _group_status,
+    group_status,
     counting_owner,
     last_saying,
     make_topic,
@@ -286,7 +286,7 @@ def test_a_views_group_cuts_count_windows_at_the_groups_total_and_releases_each_
         # reports, once they have counted every event
         deadline = time.monotonic() + 60
         while True:
-            status = _group_status(kafka_broker, group, topic)
+            status = group_status(kafka_broker, group, topic)
             if f"the group has counted {len(items):,} events" in status:
                 break
             assert time.monotonic() < deadline, status
@@ -823,19 +823,19 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(
     and late count those of a one-process run over the same records and of the definitions'
     reference, n is the events of its ledgered positions' good records, no position is charged
     more than eps, and every view is a member's state plus its layer (nothing per event)."""
-    from .test_group_kafka import (
+    from tests.helpers.group import (
         ET_LATENESS,
         ET_SIZE,
-        _by_event_window,
-        _event_setup,
-        _one_process,
-        _reference_windows,
+        by_event_window,
+        event_setup,
+        one_process,
+        reference_windows,
         feed_across_a_kill,
         released_once,
     )
 
     parts = 4
-    topic, group, topics, t0, stream = _event_setup(kafka_broker, parts, windows := 12)
+    topic, group, topics, t0, stream = event_setup(kafka_broker, parts, windows := 12)
     extra = (
         "--set",
         "scale.exchange=views",
@@ -856,13 +856,13 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(
             kafka_broker, topic, topics, members, stream, ("v1", "v2"), parts, flush_at
         )
         where: dict = {}
-        expected = _reference_windows(kafka_broker, topic, parts, flush_at, where)
+        expected = reference_windows(kafka_broker, topic, parts, flush_at, where)
         total = sum(ev for ev, _ in expected.values())
         assert total == len(stream)
         wait_for_total(kafka_broker, topics, total, 240, members)
     finally:
         members.stop_all()
-    _one_process(kafka_broker, topic, tmp_path, group, extra[2:])
+    one_process(kafka_broker, topic, tmp_path, group, extra[2:])
     one_docs = [json.loads(f.read_text()) for f in (tmp_path / "one" / "releases").glob("*.json")]
     logs = members.logs(last=100000)
     try:
@@ -871,8 +871,8 @@ def test_event_time_windows_of_a_views_group_equal_one_process_across_a_kill(
         docs = releases(kafka_broker, topics)
         assert len({d["window"] for d in docs}) == len(docs), "a window was released twice"
         assert all(d["scale_out"]["exchange"] == "views" for d in docs)
-        got = _by_event_window(docs)
-        assert got == _by_event_window(one_docs) == expected
+        got = by_event_window(docs)
+        assert got == by_event_window(one_docs) == expected
         assert sum(late for _, late in got.values()) > 0, "the stream had no late record"
         entries = released_once(kafka_broker, topics, docs)
         # each record's position is in the ledgered ranges of the window it was released in
@@ -927,7 +927,7 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
     there: a dead letter too, never counted (it waited for a close that never comes before the
     dead letters got a commit of their own: this test failed then). An audit export is answered
     with one line (not built for event-time views)."""
-    from .test_group_kafka import ET_LATENESS, ET_SIZE, _event_stream, _produce_stamped
+    from tests.helpers.group import ET_LATENESS, ET_SIZE, event_stream, produce_stamped
 
     from tests.helpers.event_time import reference
 
@@ -936,7 +936,7 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
     group = f"g-{topic}"
     topics = GroupTopics(group)
     t0 = (int(time.time()) - 7200) // ET_SIZE * ET_SIZE
-    stream = _event_stream(np.random.default_rng(), 6, 300, t0)
+    stream = event_stream(np.random.default_rng(), 6, 300, t0)
     busy = {p: stream[p::3] for p in range(3)}
     flush_at = (t0 + 20 * ET_SIZE) * 1000
     members = Members(
@@ -964,7 +964,7 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
             members.start(name)
         _wait_counting(members, tmp_path)
         for p, recs in busy.items():
-            _produce_stamped(kafka_broker, topic, recs + [(flush_at, 0)], partition=p)
+            produce_stamped(kafka_broker, topic, recs + [(flush_at, 0)], partition=p)
         parts = {
             f"{topic}:{p}": [(ts / 1000, (p, off)) for off, (ts, _) in enumerate(recs)]
             for p, recs in busy.items()
@@ -975,7 +975,7 @@ def test_an_idle_partition_holds_no_event_time_window_of_a_views_group(kafka_bro
         assert dead_at, "the stream had no late record"
         wait_for_total(kafka_broker, topics, sum(expected.values()), 120, members)
         # a record on the idle partition, stamped in the first (released) window
-        _produce_stamped(kafka_broker, topic, [(t0 * 1000 + 1000, 1)], partition=3)
+        produce_stamped(kafka_broker, topic, [(t0 * 1000 + 1000, 1)], partition=3)
         dead_at.add(f"{topic}:3@0")
         deadline = time.monotonic() + 60
         while True:
@@ -1024,7 +1024,7 @@ def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_
     state), so no window closes past the others' records. Then the others get the rest: the
     watermark moves, partition 0 resumes, and every window is released once with the n the
     definitions give."""
-    from .test_group_kafka import ET_LATENESS, ET_SIZE, _produce_stamped
+    from tests.helpers.group import ET_LATENESS, ET_SIZE, produce_stamped
 
     from tests.helpers.event_time import reference
 
@@ -1066,7 +1066,7 @@ def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_
             members.start(name)
         _wait_counting(members, tmp_path)
         for p, ts in per.items():
-            _produce_stamped(kafka_broker, topic, [(t, 1) for t in ts], partition=p)
+            produce_stamped(kafka_broker, topic, [(t, 1) for t in ts], partition=p)
         deadline = time.monotonic() + 60
         while "paused: more than 3 windows past" not in members.logs(last=100000):
             assert time.monotonic() < deadline, f"partition 0 was not paused\n{members.logs()}"
@@ -1074,10 +1074,10 @@ def test_an_event_time_partition_far_ahead_waits_for_the_groups_watermark(kafka_
         time.sleep(2)
         early = releases(kafka_broker, topics)
         for p, ts in rest.items():
-            _produce_stamped(
+            produce_stamped(
                 kafka_broker, topic, [(t, 1) for t in ts] + [(flush_at, 0)], partition=p
             )
-        _produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=0)
+        produce_stamped(kafka_broker, topic, [(flush_at, 0)], partition=0)
         parts = {
             f"{topic}:{p}": [(t / 1000, (p, i)) for i, t in enumerate(per[p] + rest.get(p, []))]
             for p in range(PARTS)
@@ -1106,7 +1106,7 @@ def test_a_forced_release_of_an_event_time_views_group_releases_every_record_rea
     import subprocess
     import sys
 
-    from .test_group_kafka import ET_LATENESS, ET_SIZE, _produce_stamped
+    from tests.helpers.group import ET_LATENESS, ET_SIZE, produce_stamped
 
     topic = make_topic(kafka_broker, PARTS)
     group = f"g-{topic}"
@@ -1137,7 +1137,7 @@ def test_a_forced_release_of_an_event_time_views_group_releases_every_record_rea
             members.start(name)
         _wait_counting(members, tmp_path)
         for p, ts in per.items():
-            _produce_stamped(kafka_broker, topic, [(t, 1) for t in ts], partition=p)
+            produce_stamped(kafka_broker, topic, [(t, 1) for t in ts], partition=p)
         deadline = time.monotonic() + 60  # the first window closes by the watermark
         while not releases(kafka_broker, topics):
             assert time.monotonic() < deadline, f"no release\n{members.logs()}"
