@@ -12,22 +12,20 @@ import sys
 import threading
 import time
 import uuid
+
 import msgpack
 import numpy as np
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
+
 from aggregator.service.charges import ChargeBook
 from aggregator.service.group.ledger_topic import TopicLedger
 from aggregator.service.group.topics import GroupTopics
 
 
 D = 1000
-
-
 PARTS = 6
-
-
 WINDOW_S = 2
 
 
