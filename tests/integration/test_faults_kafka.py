@@ -770,6 +770,31 @@ def _check_event_time_withheld(tmp_path, topic, named, first_after):
     }
 
 
+def _past_the_deleted_windows(bootstrap, topic, proc, tmp_path):
+    """Once the running event-time service said it saw the deletion: 500 records (3000-3499)
+    in the window of now, past the last window a deleted record can be in (now + 1 s), and 10
+    more that close it; then its release, and a clean stop."""
+    wait_for(
+        lambda: (
+            proc.poll() is not None
+            or "every later event-time window" in (tmp_path / "stderr.log").read_text()
+        ),
+        120,
+        "the deletion seen",
+    )
+    assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+    time.sleep(3)
+    _produce_stamped(bootstrap, topic, 500, time.time() // 2 * 2000, seed=4)
+    time.sleep(3)
+    _produce_stamped(bootstrap, topic, 10, time.time() * 1000, seed=5)  # closes that window
+    wait_for(
+        lambda: proc.poll() is not None or (tmp_path / "releases" / "release-2.json").exists(),
+        120,
+        "window 2's release",
+    )
+    _stop_cleanly(proc, tmp_path)
+
+
 def test_event_time_records_deleted_unread_withhold_every_window_they_may_be_in(
     kafka_broker, tmp_path
 ):
@@ -802,31 +827,7 @@ def test_event_time_records_deleted_unread_withhold_every_window_they_may_be_in(
             lambda: _produce_stamped(kafka_broker, topic, 1000, base + 2000, seed=3),
             {TopicPartition(topic, 0): 2500},
         )
-        wait_for(
-            lambda: (
-                proc.poll() is not None
-                or "every later event-time window" in (tmp_path / "stderr.log").read_text()
-            ),
-            120,
-            "the deletion seen",
-        )
-        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
-        time.sleep(3)  # past the last window a deleted record can be in (now + 1 s)
-        _produce_stamped(
-            kafka_broker,
-            topic,
-            500,
-            time.time() // 2 * 2000,  # 3000-3499
-            seed=4,
-        )  # (all in the window of now)
-        time.sleep(3)
-        _produce_stamped(kafka_broker, topic, 10, time.time() * 1000, seed=5)  # closes it
-        wait_for(
-            lambda: proc.poll() is not None or (tmp_path / "releases" / "release-2.json").exists(),
-            120,
-            "window 2's release",
-        )
-        _stop_cleanly(proc, tmp_path)
+        _past_the_deleted_windows(kafka_broker, topic, proc, tmp_path)
     log = (tmp_path / "stderr.log").read_text()
     named = (
         f"records of partition 0 from offset 2000 to 2500 were deleted by the retention "
@@ -872,31 +873,7 @@ def test_event_time_restart_over_deleted_records_withholds_and_counts_on(kafka_b
     admin.close()
     (tmp_path / "stderr.log").rename(tmp_path / "stderr-1.log")
     with _logged_service(args, tmp_path) as proc:
-        wait_for(
-            lambda: (
-                proc.poll() is not None
-                or "every later event-time window" in (tmp_path / "stderr.log").read_text()
-            ),
-            120,
-            "the deletion seen",
-        )
-        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
-        time.sleep(3)
-        _produce_stamped(
-            kafka_broker,
-            topic,
-            500,
-            time.time() // 2 * 2000,  # 3000-3499
-            seed=4,
-        )  # (all in the window of now)
-        time.sleep(3)
-        _produce_stamped(kafka_broker, topic, 10, time.time() * 1000, seed=5)
-        wait_for(
-            lambda: proc.poll() is not None or (tmp_path / "releases" / "release-2.json").exists(),
-            120,
-            "window 2's release",
-        )
-        _stop_cleanly(proc, tmp_path)
+        _past_the_deleted_windows(kafka_broker, topic, proc, tmp_path)
     log = (tmp_path / "stderr.log").read_text()
     # the window's replay started at its first record (1000): all of 1000-2499 is gone now
     named = (

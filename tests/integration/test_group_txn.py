@@ -111,6 +111,29 @@ def test_transactions_never_commit_an_aborted_transactions_offsets(kafka_broker)
         consumer.close()
 
 
+def _one_partition_topic(bootstrap) -> str:
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    admin.close()
+    return topic
+
+
+def _fenced_mid_transaction(bootstrap, topic: str, tid: str):
+    """Two ``Transactions`` with the transactional id ``tid``, as two members starting at once:
+    the first sent a record in its open transaction, then the second's init fenced it."""
+
+    def make():
+        p = KafkaProducer(bootstrap_servers=bootstrap, transactional_id=tid)
+        p.init_transactions()
+        return p
+
+    first = Transactions(make, remake=False)
+    first.begin()
+    first.send(topic, value=b"identity").get(timeout=30)
+    return first, Transactions(make, remake=False)
+
+
 def test_a_producer_fenced_mid_transaction_says_it_was_fenced(kafka_broker):
     """Two members write a new group's identity at once with the same transactional id: the
     second one's init fences the first in the middle of its transaction, and the first's next
@@ -119,21 +142,9 @@ def test_a_producer_fenced_mid_transaction_says_it_was_fenced(kafka_broker):
     the suite); ``Transactions.cause`` names the fencing, which the start tries again after."""
     from kafka.errors import KafkaError, ProducerFencedError
 
-    topic = f"t-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
-    admin.close()
+    topic = _one_partition_topic(kafka_broker)
     tid = f"fence-{uuid.uuid4().hex[:8]}"
-
-    def make():
-        p = KafkaProducer(bootstrap_servers=kafka_broker, transactional_id=tid)
-        p.init_transactions()
-        return p
-
-    first = Transactions(make, remake=False)
-    first.begin()
-    first.send(topic, value=b"identity").get(timeout=30)
-    second = Transactions(make, remake=False)  # fences the first
+    first, second = _fenced_mid_transaction(kafka_broker, topic, tid)
     errors: list[Exception] = []
     try:
         deadline = time.monotonic() + 30
@@ -163,23 +174,10 @@ def test_a_send_during_the_epoch_bump_after_a_fencing_says_the_epoch_moved(kafka
     ``Transactions.cause`` names the epoch's move, which the start tries again after."""
     from kafka.errors import IllegalStateError, InvalidProducerEpochError, ProducerFencedError
 
-    topic = f"t-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
-    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
-    admin.close()
+    topic = _one_partition_topic(kafka_broker)
     seen: list[tuple[str, str]] = []
     for _ in range(5):  # the bump is short: a send must fall into it
-        tid = f"bump-{uuid.uuid4().hex[:8]}"
-
-        def make(tid=tid):
-            p = KafkaProducer(bootstrap_servers=kafka_broker, transactional_id=tid)
-            p.init_transactions()
-            return p
-
-        first = Transactions(make, remake=False)
-        first.begin()
-        first.send(topic, value=b"identity").get(timeout=30)
-        second = Transactions(make, remake=False)  # fences the first
+        first, second = _fenced_mid_transaction(kafka_broker, topic, f"bump-{uuid.uuid4().hex[:8]}")
         try:
             for _ in range(3):
                 try:
