@@ -88,8 +88,11 @@ def test_a_span_is_one_state_released_with_its_document_and_charged_per_user(tmp
         assert doc["rollup_level"]["design"] == "user"
         assert doc["rollup_level"]["base_windows"] == 4
         assert doc["density"]["cells"] > 2 * 9000  # sized for the span's users, not a window's
-        assert d["interval"][0] <= users <= d["interval"][1], (users, d)
-        assert abs(d["value"] - users) / users < 4 * d["expected_relative_error"]
+        # (the 90 % interval's coverage is a rate, measured in docs/privacy_unit.md; asserted
+        # per span here it failed a full suite once: 9,254 users, interval [7,540, 9,230]. The
+        # estimate's distance in stated errors is what a test can hold)
+        assert d["interval"][0] <= d["value"] <= d["interval"][1], d
+        assert abs(d["value"] - users) / users < 4 * d["expected_relative_error"], (users, d)
     # every release of either level charged every user eps 1: 8 + 2
     assert user_charges(tmp_path) == 10.0
     last = max(
