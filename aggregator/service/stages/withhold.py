@@ -28,6 +28,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeGuard
 
 from ..release_gate import ReleaseGate
 from ..window import WindowTask
@@ -99,22 +100,29 @@ def note_lost(task: WindowTask, gone: dict[str, tuple[int, int]], wcfg, seen: st
     )
 
 
+def _may_hold(lost: dict | None, window: dict) -> TypeGuard[dict]:
+    """Whether ``window`` may hold a record of the note ``lost`` (:func:`mark_lost`): there is
+    a note and the window's event index (None: not known yet) is not past its last window."""
+    if not lost:
+        return False
+    index = window.get("event_index")
+    return index is None or int(index) <= int(lost["through"])
+
+
 def lost_spans(window: dict) -> list[tuple[str, int, int]]:
     """The deleted records ``window`` may have held (:func:`mark_lost`): it is withheld naming
     them; empty if it cannot have held one (its event index is past the note's last window)."""
     lost = window.get("lost")
-    index = window.get("event_index")
-    if not lost or (index is not None and int(index) > int(lost["through"])):
-        return []
-    return [(str(p), int(a), int(b)) for p, a, b in lost["spans"]]
+    if _may_hold(lost, window):
+        return [(str(p), int(a), int(b)) for p, a, b in lost["spans"]]
+    return []
 
 
 def carry_lost(closed: dict, window: dict) -> None:
     """Hand the note of deleted records (:func:`mark_lost`) from the ``closed`` window on to
     the next ``window`` while that may still hold one of them."""
     lost = closed.get("lost")
-    index = window.get("event_index")
-    if lost and (index is None or int(index) <= int(lost["through"])):
+    if _may_hold(lost, window):
         window["lost"] = copy.deepcopy(lost)
     else:
         window.pop("lost", None)
